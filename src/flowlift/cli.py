@@ -1,0 +1,57 @@
+"""The ``flowlift`` command line: a thin shell over the pipelines.
+
+Subcommands live in :mod:`flowlift.commands` (one module each) and are discovered at start-up.
+User errors (:class:`flowlift.errors.FlowliftError`) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Sequence
+
+from flowlift import __version__
+from flowlift.errors import FlowliftError
+
+
+def _command_modules() -> list:
+    import flowlift.commands as package
+
+    names = sorted(m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_"))
+    return [importlib.import_module(f"flowlift.commands.{name}") for name in names]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flowlift",
+        description="FLUX.2 latent-space image work: upscale, refine, measure.",
+    )
+    parser.add_argument("--version", action="version", version=f"flowlift {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in _command_modules():
+        sub = subparsers.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        module.add_arguments(sub)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args._run(args) or 0)
+    except FlowliftError as error:
+        print(f"flowlift {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"flowlift {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Finding and reading weight files: local paths, directories, or hub repositories.
+
+A *source* is one of
+
+* a file path (``.safetensors``, or ``.pth``/``.pt``/``.bin`` read with ``weights_only=True``);
+* a directory, searched for the expected file names;
+* a hub repository id (``owner/name``), resolved through huggingface_hub's cache. Offline mode
+  (``HF_HUB_OFFLINE=1``) is honoured by huggingface_hub itself: a file that is not cached then gives
+  a :class:`~flowlift.errors.FlowliftError` saying where it was expected.
+
+Every load is strict: :func:`load_strict` names the missing, unexpected and mis-shaped tensors in
+one line instead of silently loading part of a model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from flowlift.errors import FlowliftError
+
+WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
+
+
+def looks_like_repo_id(source: str) -> bool:
+    """True for ``owner/name`` strings that are not existing local paths."""
+    if os.path.exists(source):
+        return False
+    parts = source.split("/")
+    return len(parts) == 2 and all(parts) and not source.startswith((".", "~"))
+
+
+def resolve_file(
+    source: str | os.PathLike,
+    filenames: Sequence[str],
+    *,
+    what: str,
+    subfolder: str | None = None,
+    revision: str | None = None,
+) -> Path:
+    """Return a local path to one of ``filenames`` found in ``source``.
+
+    ``source`` may be a file (returned as is), a directory (searched for ``filenames`` in order, also
+    under ``subfolder``) or a hub repo id (each name tried in the hub cache / download). ``what``
+    names the thing for error messages, e.g. ``"Flow Upscaler weights"``.
+    """
+    source_str = os.fspath(source)
+    path = Path(source_str).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        for folder in ([path / subfolder] if subfolder else []) + [path]:
+            for name in filenames:
+                if (folder / name).is_file():
+                    return folder / name
+        raise FlowliftError(
+            f"{what}: none of {', '.join(filenames)} found in directory {path}"
+        )
+    if looks_like_repo_id(source_str):
+        return _hub_download(source_str, filenames, what=what, subfolder=subfolder, revision=revision)
+    raise FlowliftError(f"{what}: {source_str} is neither a file, a directory nor a hub repo id (owner/name)")
+
+
+def _hub_download(
+    repo_id: str, filenames: Sequence[str], *, what: str, subfolder: str | None, revision: str | None
+) -> Path:
+    # Imported here: huggingface_hub is cheap, but nothing at import time should touch the network.
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    last_error: Exception | None = None
+    for name in filenames:
+        try:
+            return Path(hf_hub_download(repo_id, name, subfolder=subfolder, revision=revision))
+        except (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError, OSError) as error:
+            last_error = error
+            continue
+    where = f"{repo_id}/{subfolder + '/' if subfolder else ''}{{{','.join(filenames)}}}"
+    if offline:
+        raise FlowliftError(
+            f"{what}: {where} is not in the Hugging Face cache and HF_HUB_OFFLINE=1; "
+            f"download it first (huggingface-cli download {repo_id}) or pass a local path"
+        )
+    raise FlowliftError(
+        f"{what}: could not get {where} from the hub ({type(last_error).__name__}); pass a local path instead"
+    )
+
+
+def read_state_dict(path: str | os.PathLike, *, what: str = "weights") -> dict[str, torch.Tensor]:
+    """Read a checkpoint into a flat ``{name: tensor}`` dict on the CPU.
+
+    Safetensors files are read with :mod:`safetensors`; pickle-based files only with
+    ``torch.load(weights_only=True)``. A corrupt or unreadable file raises one FlowliftError line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FlowliftError(f"{what}: file not found: {path}")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(path), device="cpu")
+        else:
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any reader failure is a bad file to the user
+        raise FlowliftError(f"{what}: cannot read {path}: {str(error).splitlines()[0][:200]}") from None
+    if isinstance(state, Mapping) and "state_dict" in state and isinstance(state["state_dict"], Mapping):
+        state = state["state_dict"]
+    if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise FlowliftError(f"{what}: {path} does not hold a flat dict of tensors")
+    return dict(state)
+
+
+def _short_list(names: Sequence[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def state_dict_mismatch(module: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> str | None:
+    """Describe how ``state`` differs from ``module``'s parameters and buffers, or None if it fits."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshaped = sorted(
+        f"{k} {tuple(state[k].shape)} != {expected[k]}"
+        for k in set(expected) & set(state)
+        if tuple(state[k].shape) != expected[k]
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)}: {_short_list(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)}: {_short_list(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped {len(misshaped)}: {_short_list(misshaped)}")
+    return "; ".join(problems) or None
+
+
+def load_strict(module: torch.nn.Module, state: Mapping[str, torch.Tensor], *, what: str, origin: str = "") -> None:
+    """Load ``state`` into ``module`` exactly (all keys, all shapes) or raise one FlowliftError line.
+
+    Tensors are cast to each parameter's dtype, so fp32, fp16 and bf16 files all load.
+    """
+    problem = state_dict_mismatch(module, state)
+    if problem:
+        source = f" from {origin}" if origin else ""
+        raise FlowliftError(f"{what}{source} does not match the architecture: {problem}")
+    module.load_state_dict(dict(state), strict=True)

@@ -1,0 +1,33 @@
+"""Shared test set-up: offline hub, the ../shared assets, small helpers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Tests never download: set before anything imports huggingface_hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def shared_dir() -> Path:
+    """The shared assets folder: $FLOWLIFT_SHARED, by default ``<repo>/../shared``."""
+    return Path(os.environ.get("FLOWLIFT_SHARED", REPO_ROOT.parent / "shared")).resolve()
+
+
+@pytest.fixture(scope="session")
+def shared() -> Path:
+    """Path to ../shared; fails (never skips) with a clear message when it is missing."""
+    path = shared_dir()
+    needed = [path / "models" / "taef2", path / "golden", path / "images"]
+    missing = [str(p) for p in needed if not p.exists()]
+    if missing:
+        pytest.fail(
+            f"test assets missing: {', '.join(missing)}. Set FLOWLIFT_SHARED to the shared/ folder "
+            "(models/taef2, golden, images) or place it next to the repository root.",
+            pytrace=False,
+        )
+    return path
