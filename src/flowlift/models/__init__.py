@@ -1,0 +1,1 @@
+"""Network architectures, one file each."""
