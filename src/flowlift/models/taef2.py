@@ -41,11 +41,11 @@ SPATIAL_FACTOR = 8
 
 #: Default decode tiling, in latent pixels: bands through the 2x and 4x stages, tiles through the
 #: 8x stage. A 64x64 tile is 512x512 output pixels (64 channels: ~70 MB per fp32 activation).
-DEFAULT_DECODE_BAND = 64
+DEFAULT_DECODE_BAND = 128
 DEFAULT_DECODE_TILE = 64
 #: Default encode tiling, in latent pixels: bands through the 1/2..1/8 stages, tiles through the
 #: full-resolution stem (conv, Block, stride-2 conv).
-DEFAULT_ENCODE_BAND = 64
+DEFAULT_ENCODE_BAND = 256
 DEFAULT_ENCODE_TILE = 64
 
 
