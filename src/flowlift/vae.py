@@ -98,7 +98,8 @@ class TAEF2VAE:
 
         if not isinstance(model, TAEF2):
             raise FlowliftError(f"TAEF2VAE needs a flowlift TAEF2 module, got {type(model).__name__}")
-        self.model = model.eval().requires_grad_(False)
+        # Channels-last: ~25% less CPU time for these 64-channel 3x3 convolutions (oneDNN), same results.
+        self.model = model.eval().requires_grad_(False).to(memory_format=torch.channels_last)
         self.auto_tile_pixels = auto_tile_pixels
 
     @property
@@ -116,23 +117,23 @@ class TAEF2VAE:
     def encode(self, images: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
         """Images [0, 1] (B, 3, H, W) -> normalized latents (B, 32, H/8, W/8)."""
         _check_images(images, self.spatial_factor)
-        x = images.to(self.device, self.dtype)
+        x = images.to(self.device, self.dtype).contiguous(memory_format=torch.channels_last)
         if self._use_tiles(tiled, images.shape[-2] * images.shape[-1]):
             z = self.model.encode_tiled(x)
         else:
             z = self.model.encode_full(x)
-        return z.to(_out_dtype(images))
+        return z.to(_out_dtype(images)).contiguous()
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
         """Normalized latents (B, 32, h, w) -> images (B, 3, 8h, 8w), approximately [0, 1], unclamped."""
         _check_latents(latents, 1)
-        z = latents.to(self.device, self.dtype)
+        z = latents.to(self.device, self.dtype).contiguous(memory_format=torch.channels_last)
         if self._use_tiles(tiled, latents.shape[-2] * latents.shape[-1] * self.spatial_factor**2):
             x = self.model.decode_tiled(z)
         else:
             x = self.model.decode_full(z)
-        return x.to(_out_dtype(latents))
+        return x.to(_out_dtype(latents)).contiguous()
 
     def __repr__(self) -> str:
         parts = [p for p in ("encoder", "decoder") if getattr(self.model, p) is not None]
