@@ -237,3 +237,46 @@ def test_load_vae_specs(shared, tmp_path):
     (bad_config / "config.json").write_text("{not json")
     with pytest.raises(FlowliftError, match="cannot read"):
         load_vae(bad_config)
+
+
+def _fake_hub_cache(cache, repo_id: str, files: dict[str, bytes]) -> None:
+    """Lay out ``files`` as huggingface_hub's cache holds a downloaded snapshot."""
+    commit = "0" * 40
+    repo_dir = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    for name, data in files.items():
+        target = repo_dir / "snapshots" / commit / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
+def test_hub_specs_resolve_through_the_offline_cache(shared, tmp_path, monkeypatch, model):
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    folder = shared / "models" / "taef2"
+    _fake_hub_cache(
+        cache,
+        "madebyollin/taef2",
+        {n: (folder / n).read_bytes() for n in ("taef2_encoder.pth", "taef2_decoder.pth")},
+    )
+    model.save_pretrained(tmp_path / "klein" / "vae")
+    klein = {f"vae/{p.name}": p.read_bytes() for p in (tmp_path / "klein" / "vae").iterdir()}
+    _fake_hub_cache(cache, "black-forest-labs/FLUX.2-klein-4B", klein)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    taef2 = load_vae("taef2")
+    assert isinstance(taef2, TAEF2VAE) and taef2.model.encoder is not None
+    flux2 = load_vae("flux2")
+    assert isinstance(flux2, Flux2VAE)
+    torch.testing.assert_close(flux2.bn_mean, model.bn.running_mean)
+    assert isinstance(load_vae("black-forest-labs/FLUX.2-klein-4B"), Flux2VAE)
+
+
+def test_flux2_spec_without_cache_is_one_clear_line(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(FlowliftError, match="FLUX.2-klein-4B") as info:
+        load_vae("flux2")
+    assert "\n" not in str(info.value)
