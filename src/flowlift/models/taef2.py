@@ -47,6 +47,8 @@ DEFAULT_DECODE_TILE = 64
 #: full-resolution stem (conv, Block, stride-2 conv).
 DEFAULT_ENCODE_BAND = 256
 DEFAULT_ENCODE_TILE = 64
+#: Surplus (fraction of the needed size) a tile may carry between resampling ops before it is cropped.
+CROP_SLACK = 0.125
 
 
 def _conv(n_in: int, n_out: int, *, stride: int = 1, bias: bool = True) -> nn.Conv2d:
@@ -211,24 +213,42 @@ def run_region(
     provider: Provider,
     in_size: tuple[int, int],
     out_box: tuple[int, int, int, int],
+    *,
+    slack: float = CROP_SLACK,
 ) -> torch.Tensor:
     """Exact output of ``layers`` on the box ``(y0, y1, x0, x1)`` of its output frame.
 
     ``provider(y0, y1, x0, x1)`` returns the chain's *input* on a box of the input frame (of size
-    ``in_size``). Needed regions are computed per axis by :func:`chain_intervals` and every layer's
-    output is cropped to what the rest of the chain needs.
+    ``in_size``). Needed regions are computed per axis by :func:`chain_intervals`. A layer's output
+    is cropped to what the rest of the chain needs before every resampling op, at the end, and
+    whenever the surplus exceeds ``slack`` of the needed size; in between, a few surplus rows cost
+    less than copying the activation. Surplus rows never reach the needed ones: each layer's needed
+    output depends only on its needed input.
     """
     y0, y1, x0, x1 = out_box
     rows = chain_intervals(ops, y0, y1, in_size[0])
     cols = chain_intervals(ops, x0, x1, in_size[1])
-    x = provider(rows[0][0], rows[0][1], cols[0][0], cols[0][1])
+    have_r, have_c = rows[0], cols[0]
+    x = provider(have_r[0], have_r[1], have_c[0], have_c[1])
+    last = len(ops) - 1
     for i, (layer, op) in enumerate(zip(layers, ops, strict=True)):
         x = layer(x)
-        pr = produced_interval(op, *rows[i])
-        pc = produced_interval(op, *cols[i])
-        (r0, r1), (c0, c1) = rows[i + 1], cols[i + 1]
-        if (pr, pc) != ((r0, r1), (c0, c1)):
-            x = x[:, :, r0 - pr[0] : r1 - pr[0], c0 - pc[0] : c1 - pc[0]]
+        have_r, have_c = produced_interval(op, *have_r), produced_interval(op, *have_c)
+        need_r, need_c = rows[i + 1], cols[i + 1]
+        if (have_r, have_c) == (need_r, need_c):
+            continue
+        surplus = max(
+            (have_r[1] - have_r[0]) / (need_r[1] - need_r[0]),
+            (have_c[1] - have_c[0]) / (need_c[1] - need_c[0]),
+        )
+        if i == last or ops[i + 1].kind != "same" or surplus > 1 + slack:
+            x = x[
+                :,
+                :,
+                need_r[0] - have_r[0] : need_r[1] - have_r[0],
+                need_c[0] - have_c[0] : need_c[1] - have_c[0],
+            ]
+            have_r, have_c = need_r, need_c
     return x
 
 
