@@ -392,7 +392,11 @@ class FlowUpscalerPipeline:
     # -- provenance ---------------------------------------------------------------------------------
 
     def model_files(self) -> dict[str, list[Path]]:
-        """Weight files behind this pipeline, for provenance: ``{"upscaler": [...], "vae": [...]}``."""
+        """Weight files behind this pipeline, for provenance: ``{"upscaler": [...], "vae": [...]}``.
+
+        The VAE's files come from its ``weight_files`` attribute when it has one, else from a local
+        spec (file or folder), else from the Hugging Face cache for ``taef2`` / ``flux2`` / repo ids.
+        """
         files: dict[str, list[Path]] = {"upscaler": [], "vae": []}
         if self.upscaler_path is not None:
             files["upscaler"].append(self.upscaler_path)
@@ -400,13 +404,43 @@ class FlowUpscalerPipeline:
         if vae_files:
             files["vae"].extend(Path(p) for p in vae_files)
         elif self.vae_spec is not None:
-            spec = Path(self.vae_spec).expanduser()
-            if spec.is_file():
-                files["vae"].append(spec)
-            elif spec.is_dir():
-                suffixes = (".safetensors", ".pth", ".pt", ".bin")
-                files["vae"].extend(sorted(p for p in spec.rglob("*") if p.suffix in suffixes and p.is_file()))
+            files["vae"].extend(_vae_spec_files(self.vae_spec))
         return files
+
+
+_WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
+
+
+def _vae_spec_files(spec: str) -> list[Path]:
+    """Weight files a VAE spec names: a file, a folder's weight files, or hub-cache files."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+    from flowlift import vae as vae_module
+
+    if spec == "taef2":
+        repos = [vae_module.TAEF2_REPO]
+    elif spec == "flux2":
+        repos = list(vae_module.FLUX2_REPOS)
+    else:
+        repos = [spec]
+    names = [*vae_module.TAEF2_FILES, "diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"]
+    from huggingface_hub import try_to_load_from_cache
+
+    for repo in repos:
+        found = []
+        for name in names:
+            try:
+                cached = try_to_load_from_cache(repo, name)
+            except Exception:  # noqa: BLE001 - provenance is best effort; an odd id just has no files
+                cached = None
+            if isinstance(cached, str):
+                found.append(Path(cached))
+        if found:
+            return found
+    return []
 
 
 def resolve_upscaler_file(source: str | os.PathLike) -> Path:
