@@ -179,6 +179,10 @@ def test_stage2_strips_do_not_change_the_result(synthetic_drift):
     whole = lab_lowband_transplant(crop, crop_ref, 1.0)
     strips = lab_lowband_transplant(crop, crop_ref, 1.0, strip_pixels=160 * 12)
     torch.testing.assert_close(strips, whole, atol=1e-5, rtol=0)
+    target = crop.clone()
+    inplace = lab_lowband_transplant(target, crop_ref, 1.0, strip_pixels=160 * 12, inplace=True)
+    assert inplace is target
+    torch.testing.assert_close(inplace, whole, atol=1e-5, rtol=0)
 
 
 def test_stage2_rejects_non_integer_scale():

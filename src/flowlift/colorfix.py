@@ -197,6 +197,7 @@ def lab_lowband_transplant(
     strength: float = 1.0,
     iterations: int = 2,
     strip_pixels: int = _STRIP_PIXELS,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """Stage 2: pin the output's colour and tone below the reference's Nyquist, in CIE L*a*b*.
 
@@ -214,7 +215,8 @@ def lab_lowband_transplant(
     ``Lab(D result)`` equals ``Lab(reference)``; strength ``t`` leaves ``1 - t`` of the difference.
     Above the reference's Nyquist the output's detail is untouched (``U c`` is smooth on the fine
     grid). Work is done in float32 row strips of about ``strip_pixels`` pixels, so the extra memory is
-    a few strips plus coarse maps; returns a new float32 tensor (B, 3, H, W) in [0, 1].
+    a few strips plus coarse maps; returns a new float32 tensor (B, 3, H, W) in [0, 1], or with
+    ``inplace=True`` writes the result into ``output`` (which must then be float32) and returns it.
     """
     if output.ndim != 4 or reference.ndim != 4 or output.shape[1] != 3 or reference.shape[1] != 3:
         raise ValueError(
@@ -230,8 +232,10 @@ def lab_lowband_transplant(
         )
     s_h, s_w = height // h, width // w
     device = output.device
+    if inplace and output.dtype != torch.float32:
+        raise ValueError("lab_lowband_transplant: inplace needs a float32 output tensor")
     if strength == 0:
-        return output.to(torch.float32).clamp(0.0, 1.0)
+        return output.clamp_(0.0, 1.0) if inplace else output.to(torch.float32).clamp(0.0, 1.0)
 
     solve = _solve_dtype(device)
     bands_h = integer_area_tridiagonal(h, s_h)
@@ -265,7 +269,8 @@ def lab_lowband_transplant(
         step = solve_tridiagonal(bands_w, solve_tridiagonal(bands_h, residual, dim=-2), dim=-1)
         coarse = coarse + step.to(torch.float32)
 
-    result = torch.empty(batch, 3, height, width, dtype=torch.float32, device=device)
+    # Each strip of the result depends only on the same strip of the output, so inplace is safe.
+    result = output if inplace else torch.empty(batch, 3, height, width, dtype=torch.float32, device=device)
     for r0 in range(0, height, rows_per_strip):
         r1 = min(height, r0 + rows_per_strip)
         result[:, :, r0:r1] = strip(r0, r1, coarse)

@@ -376,7 +376,7 @@ class FlowUpscalerPipeline:
             )
         decoded = decoded[..., :height, :width]
         if color_fix and color_fix_strength > 0:
-            result = lab_lowband_transplant(decoded, reference, color_fix_strength)
+            result = lab_lowband_transplant(decoded, reference, color_fix_strength, inplace=True)
         else:
             result = decoded.clamp(0.0, 1.0)
         if callback is not None:
