@@ -49,6 +49,9 @@ def test_batch_with_bad_inputs_then_resume(tmp_path, shared, weights, photo, cap
     exif = Image.Exif()
     exif[0x0112] = 6
     photo.save(src / "rotated.jpg", exif=exif.tobytes(), quality=95)
+    photo.convert("CMYK").save(src / "cmyk.jpg", quality=95)
+    grey16 = (np.asarray(photo.convert("L"), dtype=np.uint16) * 257).astype(np.uint16)
+    Image.frombytes("I;16", photo.size, grey16.astype("<u2").tobytes()).save(src / "grey16.png")
     (src / "corrupt.png").write_bytes((src / "good.png").read_bytes()[:200])
     (src / "notes.png").write_text("not an image")
     out = tmp_path / "out"
@@ -60,7 +63,8 @@ def test_batch_with_bad_inputs_then_resume(tmp_path, shared, weights, photo, cap
     errors = _error_lines(err)
     assert sum("corrupt.png" in line for line in errors) == 1
     assert sum("notes.png" in line for line in errors) == 1
-    assert sorted(p.name for p in out.iterdir()) == ["alpha_x2.png", "good_x2.png", "rotated_x2.png"]
+    expected = ["alpha_x2.png", "cmyk_x2.png", "good_x2.png", "grey16_x2.png", "rotated_x2.png"]
+    assert sorted(p.name for p in out.iterdir()) == expected
 
     with Image.open(out / "good_x2.png") as good:
         assert good.size == (96, 64) and good.mode == "RGB"
@@ -71,6 +75,11 @@ def test_batch_with_bad_inputs_then_resume(tmp_path, shared, weights, photo, cap
         assert a[:, :2].mean() < 10 and a[:, -2:].mean() > 245
     with Image.open(out / "rotated_x2.png") as rotated:
         assert rotated.size == (64, 96)
+    for name in ("cmyk_x2.png", "grey16_x2.png"):
+        with Image.open(out / name) as converted:
+            assert converted.mode == "RGB" and converted.size == (96, 64)
+            # colour pinned to the input's at input scale: not black, not clipped
+            assert 40 < np.asarray(converted).mean() < 215
 
     params = json.loads(text["flowlift.parameters"])
     assert params["scale"] == 2 and params["seed"] == 0 and params["color_fix"] is True
@@ -84,7 +93,7 @@ def test_batch_with_bad_inputs_then_resume(tmp_path, shared, weights, photo, cap
     rc = main(["upscale", str(src), "-o", str(out), "--scale", "2", *_common(shared, weights)])
     err = capsys.readouterr().err
     assert rc == 1
-    assert sum("skipped" in line for line in _error_lines(err)) == 3
+    assert sum("skipped" in line for line in _error_lines(err)) == 5
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
 
 
