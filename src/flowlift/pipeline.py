@@ -17,7 +17,6 @@ weights file, a folder or a hub id; ``vae`` is any object with flowlift's VAE in
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import warnings
@@ -31,8 +30,6 @@ import torch.nn.functional as F
 
 from flowlift.colorfix import LOWFREQ_FACTOR, lab_lowband_transplant, latent_lowband_transplant
 from flowlift.errors import FlowliftError
-
-logger = logging.getLogger(__name__)
 
 MAX_OUTPUT_SIDE = 16384
 SIZE_MULTIPLE = 16
@@ -241,7 +238,6 @@ class FlowUpscalerPipeline:
                 f"({num_passes - passes} dropped, output {image_width * 2**passes}x{image_height * 2**passes})"
             )
             warnings.warn(message, UserWarning, stacklevel=3)
-            logger.warning(message)
         return passes
 
     # -- the three steps ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 NAME = "upscale"
@@ -202,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             image, alpha = load_image(path)
             steps = tqdm(total=passes + 3, desc=path.name, unit="step", leave=False, disable=None, file=sys.stderr)
-            with steps:
+            with steps, warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", UserWarning)
                 result = pipeline.upscale_image(
                     image,
                     num_passes=passes,
@@ -213,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
                     resize_mode=args.resize_mode,
                     callback=lambda _stage, bar=steps: bar.update(1),
                 )
+            for warning in caught:  # e.g. passes dropped at MAX_OUTPUT_SIDE: one line, not a stack
+                tqdm.write(f"flowlift upscale: {path}: warning: {warning.message}", file=sys.stderr)
             if alpha is not None:
                 from flowlift.images import attach_alpha
 
