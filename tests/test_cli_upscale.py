@@ -113,16 +113,23 @@ def test_overwrite_single_file_output_and_determinism(tmp_path, shared, weights,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "result.png"]  # no temporary files left
 
 
-def test_never_overwrites_inputs(tmp_path, shared, weights, photo, capsys):
+def test_never_overwrites_inputs_and_never_upscales_own_outputs(tmp_path, shared, weights, photo, capsys):
     photo.save(tmp_path / "a.png")
-    photo.save(tmp_path / "a_x2.png")
-    before = (tmp_path / "a_x2.png").read_bytes()
-    rc = main(["upscale", str(tmp_path / "*.png"), "--passes", "1", *_common(shared, weights)])
-    err = capsys.readouterr().err
-    assert rc == 1
-    assert any("a.png" in line and "overwrite an input" in line for line in _error_lines(err))
-    assert (tmp_path / "a_x2.png").read_bytes() == before
-    assert (tmp_path / "a_x2_x2.png").is_file()
+    common = _common(shared, weights)
+    # the output file named as the input: refused, input untouched
+    before = (tmp_path / "a.png").read_bytes()
+    assert main(["upscale", str(tmp_path / "a.png"), "-o", str(tmp_path / "a.png"), *common]) == 1
+    assert any("would overwrite the input" in line for line in _error_lines(capsys.readouterr().err))
+    assert (tmp_path / "a.png").read_bytes() == before
+    # a folder run without -o writes next to the inputs; rerunning it leaves a_x2.png alone (it is
+    # a.png's output, not a new source) and skips a.png (finished): nothing new, exit 0
+    assert main(["upscale", str(tmp_path), "--passes", "1", *common]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "a_x2.png"]
+    capsys.readouterr()
+    assert main(["upscale", str(tmp_path / "*.png"), "--passes", "1", *common]) == 0
+    lines = _error_lines(capsys.readouterr().err)
+    assert any("a_x2.png: skipped, it is the output of" in line for line in lines)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "a_x2.png"]
 
 
 def test_missing_weights_message(tmp_path, shared, photo, capsys):

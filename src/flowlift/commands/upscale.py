@@ -101,7 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _plan_outputs(args: argparse.Namespace, inputs: list[Path], scale: int) -> list[tuple[Path, Path | None, str]]:
-    """(input, output or None, message) per input; message says why there is no output."""
+    """(input, output or None, note) per input; without an output the note says why.
+
+    An input that is the planned output of another input (``a_x2.png`` next to ``a.png`` when the
+    output folder is the input folder) is a previous result, not a source: it is left alone with a
+    note, so rerunning a command over a folder resumes instead of upscaling its own outputs.
+    """
+    from flowlift.errors import FlowliftError
     from flowlift.images import IMAGE_SUFFIXES
 
     single_file = None
@@ -110,24 +116,28 @@ def _plan_outputs(args: argparse.Namespace, inputs: list[Path], scale: int) -> l
         target = Path(args.output).expanduser()
         if target.suffix.lower() in IMAGE_SUFFIXES and not target.is_dir():
             if len(inputs) != 1:
-                from flowlift.errors import FlowliftError
-
                 raise FlowliftError(f"-o {target} names one file but {len(inputs)} inputs were given; pass a folder")
             single_file = target
         else:
             out_dir = target
-    input_keys = {p.resolve() for p in inputs}
+
+    def output_of(path: Path) -> Path:
+        if single_file is not None:
+            return single_file
+        folder = out_dir if out_dir is not None else path.parent
+        return folder / f"{path.stem}_x{scale}.{args.format}"
+
+    outputs = {path: output_of(path) for path in inputs}
+    producers = {outputs[p].resolve(): p for p in inputs if outputs[p].resolve() != p.resolve()}
     taken: dict[Path, Path] = {}
     plan: list[tuple[Path, Path | None, str]] = []
     for path in inputs:
-        if single_file is not None:
-            out = single_file
-        else:
-            folder = out_dir if out_dir is not None else path.parent
-            out = folder / f"{path.stem}_x{scale}.{args.format}"
+        out = outputs[path]
         key = out.resolve()
-        if key in input_keys:
-            plan.append((path, None, f"output {out} would overwrite an input; choose another -o"))
+        if path.resolve() in producers:
+            plan.append((path, None, f"skipped, it is the output of {producers[path.resolve()]}"))
+        elif key == path.resolve():
+            plan.append((path, None, f"output {out} would overwrite the input; choose another -o"))
         elif key in taken:
             plan.append((path, None, f"output {out} is also the output of {taken[key]}; use separate folders"))
         else:
@@ -178,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     for path, out, message in plan:
         if out is None:
             print(f"flowlift upscale: {path}: {message}", file=sys.stderr)
-            failed += 1
+            failed += not message.startswith("skipped")
         elif out.exists() and not args.overwrite:
             print(f"flowlift upscale: {path}: skipped, {out} exists (--overwrite to replace)", file=sys.stderr)
         else:
