@@ -211,3 +211,12 @@ def test_loads_saved_weights_and_records_their_file(unet, vae, tmp_path):
     latents = torch.randn(1, 32, 8, 8)
     reference = FlowUpscalerPipeline(unet, vae, device="cpu").upscale_latents(latents, 1)
     torch.testing.assert_close(loaded.upscale_latents(latents, 1), reference, atol=1e-5, rtol=0)
+
+
+def test_bare_vae_module_is_wrapped(unet, vae):
+    from flowlift.vae import TAEF2VAE
+
+    wrapped = FlowUpscalerPipeline(unet, vae.model, device="cpu")
+    assert isinstance(wrapped.vae, TAEF2VAE) and wrapped.vae.model is vae.model
+    with pytest.raises(FlowliftError):
+        FlowUpscalerPipeline(unet, object(), device="cpu")

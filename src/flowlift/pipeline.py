@@ -121,7 +121,8 @@ class FlowUpscalerPipeline:
         :func:`flowlift.models.upscaler_unet.load_upscaler` (file, folder, hub id; default
         ``flow_upscaler.safetensors`` in ``TensorForger/FlowUpscaler``).
     vae:
-        A VAE object (``encode``/``decode``) or a spec for :func:`flowlift.vae.load_vae`.
+        A VAE object with flowlift's interface (``encode``/``decode``), a bare TAEF2 or diffusers
+        ``AutoencoderKLFlux2`` module (wrapped), or a spec for :func:`flowlift.vae.load_vae`.
     dtype, device:
         Where and in what precision the UNet and a loaded VAE run. Defaults: a given module's own
         device/dtype; otherwise CUDA in bfloat16 if available, else CPU float32.
@@ -178,6 +179,14 @@ class FlowUpscalerPipeline:
             from flowlift.vae import load_vae
 
             vae = load_vae(self.vae_spec, device=self.device, dtype=self.dtype)
+        elif isinstance(vae, torch.nn.Module):
+            # A bare TAEF2 or diffusers AutoencoderKLFlux2 (as in the model card's example): wrap it
+            # in the package's VAE interface, keeping its own dtype.
+            from flowlift.vae import load_vae
+
+            vae_param = _module_param(vae)
+            vae_dtype = vae_param.dtype if vae_param is not None else self.dtype
+            vae = load_vae(vae, device=self.device, dtype=vae_dtype)
         if not (callable(getattr(vae, "encode", None)) and callable(getattr(vae, "decode", None))):
             raise FlowliftError(f"vae must have encode() and decode(), got {type(vae).__name__}")
         self.vae = vae
