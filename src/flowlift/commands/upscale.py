@@ -10,6 +10,7 @@ the batch goes on; the exit status is 1 when any image failed.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -231,7 +232,9 @@ def run(args: argparse.Namespace) -> int:
                 from flowlift.images import attach_alpha
 
                 result = attach_alpha(result, alpha)
-            save_image_atomic(result, out, _metadata(args, passes, path, hashes))
+            # passes actually run (fewer when MAX_OUTPUT_SIDE dropped some)
+            done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
+            save_image_atomic(result, out, _metadata(args, done, path, hashes))
         except (FlowliftError, OSError, RuntimeError, MemoryError, ValueError) as error:
             failed += 1
             text = str(error).splitlines()[0] if str(error) else type(error).__name__
