@@ -150,3 +150,16 @@ def test_bad_arguments(tmp_path, capsys):
         main(["upscale", "x.png", "--transplant-strength", "1.5"])
     assert main(["upscale", str(tmp_path / "missing-*.png")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_cap_warning_is_one_line(tmp_path, shared, weights, capsys):
+    # 8200 px wide: one pass would give 16400 > MAX_OUTPUT_SIDE, so it is dropped (the UNet never runs)
+    Image.new("RGB", (8200, 8), (120, 80, 40)).save(tmp_path / "wide.png")
+    rc = main(["upscale", str(tmp_path / "wide.png"), "-o", str(tmp_path / "out"), *_common(shared, weights)])
+    err = capsys.readouterr().err
+    assert rc == 0 and "Traceback" not in err
+    warned = [line for line in _error_lines(err) if "MAX_OUTPUT_SIDE=16384" in line]
+    assert len(warned) == 1 and "running 0 pass" in warned[0]
+    with Image.open(tmp_path / "out" / "wide_x2.png") as result:
+        assert result.size == (8200, 8)
+        assert json.loads(result.text["flowlift.parameters"])["passes"] == 0
