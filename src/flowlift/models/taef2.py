@@ -324,7 +324,7 @@ def run_two_level(
                 )
             del mid
             if out is None:
-                out = piece.new_empty((x.shape[0], piece.shape[1], out_h, out_w))
+                out = _empty_like_layout(piece, (x.shape[0], piece.shape[1], out_h, out_w))
             out[:, :, box[0] : box[1], box[2] : box[3]] = piece
             del piece
     assert out is not None
@@ -347,7 +347,7 @@ def _assemble(
         for tx0, tx1 in _split_px(x1 - x0, tile, unit):
             piece = run_region(layers, ops, provider, in_size, (y0 + ty0, y0 + ty1, x0 + tx0, x0 + tx1))
             if out is None:
-                out = piece.new_empty((piece.shape[0], piece.shape[1], y1 - y0, x1 - x0))
+                out = _empty_like_layout(piece, (piece.shape[0], piece.shape[1], y1 - y0, x1 - x0))
             out[:, :, ty0:ty1, tx0:tx1] = piece
     assert out is not None
     return out
@@ -517,3 +517,11 @@ def to_flowlift_layout(state: Mapping[str, torch.Tensor], layout: str) -> dict[s
             out[f"{part}.{i}.{rest}"] = value
         return out
     raise ValueError(f"unknown TAEF2 layout {layout!r}")
+
+
+def _empty_like_layout(piece: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """An empty buffer of ``shape`` in ``piece``'s memory format (channels-last stays channels-last,
+    so assembling tiles does not transpose them and the next convolution needs no reorder)."""
+    channels_last = piece.shape[1] > 1 and piece.stride(1) == 1  # also true for cropped views
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.empty(shape, dtype=piece.dtype, device=piece.device, memory_format=fmt)
