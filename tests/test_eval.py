@@ -208,3 +208,25 @@ def test_vae_roundtrip_with_real_taef2_is_clean(shared, photos):
     drift = M.drift_at_input_scale(out, gt)
     # the model card's round-trip figures: chroma ~ -0.02, RGB means <= 0.9/255 (any decent VAE)
     assert drift["cast_max"] < 2.0 and abs(drift["c_mean_change_pct"]) < 5.0 and drift["psnr_input"] > 25
+
+
+def test_cli_run_with_vae_methods_and_cache(monkeypatch, photos, tmp_path, capsys):
+    import sys
+    import types
+
+    module = types.ModuleType("flowlift.vae")
+    module.load_vae = lambda spec, device="cpu", dtype=torch.float32: BlockVAE()
+    monkeypatch.setitem(sys.modules, "flowlift.vae", module)
+    weights = tmp_path / "vae.safetensors"
+    weights.write_bytes(b"one")
+    out = tmp_path / "run"
+    argv = ["eval", "--run", "bicubic,latent-bicubic", "--run", "vae-roundtrip", "--dataset", str(photos),
+            "--scale", "4", "--vae", str(weights), "--out", str(out), "--quiet", "--limit", "2"]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| latent-bicubic | worst |" in printed and "cache: 0 reused, 6 computed" in printed
+    data = json.loads((out / "results.json").read_text())
+    assert data["config"]["vae"].startswith("sha256:") and data["config"]["images"] == ["kodim03", "kodim07"]
+    assert main(argv) == 0 and "cache: 6 reused, 0 computed" in capsys.readouterr().out
+    weights.write_bytes(b"two")  # new weights: only the VAE methods recompute
+    assert main(argv) == 0 and "cache: 2 reused, 4 computed" in capsys.readouterr().out
