@@ -681,8 +681,13 @@ def metrics_figure(report: EvalReport, path: Path) -> None:
 
     labels = [k for k in report.results if k != "(ground truth)"]
     keys = [(k, t) for k, t in FIGURE_METRICS if any(k in m for r in report.results.values() for m in r.values())]
-    fig, axes = plt.subplots(1, len(keys), figsize=(2.6 * len(keys) + 1, 3.6), dpi=110, squeeze=False)
-    for ax, (key, title) in zip(axes[0], keys, strict=True):
+    ncols = min(4, len(keys))
+    nrows = math.ceil(len(keys) / ncols)
+    width = max(2.0, 0.45 * len(labels) + 1.2)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, 3.4 * nrows), dpi=110, squeeze=False)
+    for ax in axes.flat[len(keys) :]:
+        ax.axis("off")
+    for ax, (key, title) in zip(axes.flat, keys, strict=False):
         for j, label in enumerate(labels):
             values = np.array([m[key] for m in report.results[label].values() if key in m], dtype=float)
             values = values[np.isfinite(values)]
