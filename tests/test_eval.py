@@ -230,3 +230,24 @@ def test_cli_run_with_vae_methods_and_cache(monkeypatch, photos, tmp_path, capsy
     assert main(argv) == 0 and "cache: 6 reused, 0 computed" in capsys.readouterr().out
     weights.write_bytes(b"two")  # new weights: only the VAE methods recompute
     assert main(argv) == 0 and "cache: 2 reused, 4 computed" in capsys.readouterr().out
+
+
+def test_flow_method_passes_its_knobs_to_the_pipeline():
+    calls = []
+
+    class RecordingPipeline:
+        def upscale_image(self, image, **kwargs):
+            calls.append(kwargs)
+            return image.resize((image.width * 4, image.height * 4), Image.Resampling.BICUBIC)
+
+    spec = E.parse_methods("flow:transplant=0.25:color_fix=0.5:seed=7")[0]
+    fn = E.make_method_fn(spec, 4, vae=object(), pipeline=RecordingPipeline())
+    low = np.zeros((16, 32, 3), dtype=np.uint8)
+    out = fn(low, np.zeros((64, 128, 3), dtype=np.uint8))
+    assert out.shape == (64, 128, 3)
+    assert calls == [{"num_passes": 2, "seed": 7, "color_fix": True, "transplant_strength": 0.25,
+                      "color_fix_strength": 0.5}]  # fmt: skip
+    with pytest.raises(FlowliftError, match="not 4x"):
+        fn(low, np.zeros((60, 128, 3), dtype=np.uint8))
+    with pytest.raises(FlowliftError, match="--upscaler"):
+        E.make_method_fn(spec, 4, vae=object(), pipeline=None)
