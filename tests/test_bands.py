@@ -161,7 +161,7 @@ def test_bands_cli_writes_table_json_heatmap(monkeypatch, shared, tmp_path, caps
     assert not bad.exists()
 
 
-def test_taef2_band_response_is_mostly_diagonal(shared):
+def test_taef2_band_response_on_a_real_crop(shared):
     vae_module = pytest.importorskip("flowlift.vae", reason="flowlift.vae has not landed yet")
     from PIL import Image
 
@@ -169,9 +169,12 @@ def test_taef2_band_response_is_mostly_diagonal(shared):
 
     vae = vae_module.load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
     with Image.open(shared / "images" / "kodak" / "kodim23.png") as im:
-        image = to_tensor(im.convert("RGB").crop((256, 128, 512, 384)))
+        image = to_tensor(im.convert("RGB").crop((128, 128, 512, 384)))  # 48x32 latent
     mean, _ = B.run_bands(vae, [image])
     np.testing.assert_allclose(mean.sum(axis=1), 100.0, atol=1e-6)
-    # a real decoder keeps a low-band perturbation mostly in the low pixel bands and leaks more
-    # energy above the latent Nyquist from the top latent band than from the lowest one
-    assert mean[0, :2].sum() > 60.0 and mean[4, -1] > mean[0, -1]
+    inside = mean[:, :5]
+    # every latent band lands mostly in its own pixel band among the bands the latent grid can hold
+    # (measured 89/81/65/42/23 % on this crop, every other in-grid band < 4 %) ...
+    assert np.all(np.argmax(inside, axis=1) == np.arange(5)) and mean[0, 0] > 70.0
+    # ... and leaks more detail above the latent Nyquist the higher the band (6.5 -> 76 %)
+    assert np.all(np.diff(mean[:, -1]) > 0)

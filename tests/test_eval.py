@@ -206,7 +206,7 @@ def test_vae_roundtrip_with_real_taef2_is_clean(shared, photos):
         gt, _ = E.prepare_pair(np.asarray(im), 1)
     out = E.vae_roundtrip(vae, gt, "cpu", torch.float32)
     drift = M.drift_at_input_scale(out, gt)
-    # the model card's round-trip figures: chroma ~ -0.02, RGB means <= 0.9/255 (any decent VAE)
+    # TAEF2 is an approximate decoder: Kodak round trips cast ~1-5/255 (the card's VAE: <= 0.9/255)
     assert drift["cast_max"] < 2.0 and abs(drift["c_mean_change_pct"]) < 5.0 and drift["psnr_input"] > 25
 
 

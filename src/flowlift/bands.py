@@ -201,10 +201,12 @@ def heatmap_figure(matrix: np.ndarray, path: str, title: str, edges: Sequence[fl
 
     Written to a temporary file next to ``path`` and renamed (atomic).
     """
-    import os
-    import tempfile
+    import io
+    from pathlib import Path
 
     import matplotlib
+
+    from flowlift.evaluate import atomic_write_bytes
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
@@ -223,18 +225,10 @@ def heatmap_figure(matrix: np.ndarray, path: str, title: str, edges: Sequence[fl
     fig.colorbar(im, ax=ax, label="% of response power")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=".bands.", suffix=".partial.png", dir=directory)
-    os.close(descriptor)
-    try:
-        fig.savefig(temporary, format="png")
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-    finally:
-        plt.close(fig)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    atomic_write_bytes(Path(path), buffer.getvalue())
 
 
 def crop_to_multiple(images: torch.Tensor, multiple: int) -> torch.Tensor:

@@ -245,6 +245,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(descriptor, "wb") as handle:
             handle.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)  # mkstemp creates 0600; give the usual file mode
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
