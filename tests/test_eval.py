@@ -251,3 +251,27 @@ def test_flow_method_passes_its_knobs_to_the_pipeline():
         fn(low, np.zeros((60, 128, 3), dtype=np.uint8))
     with pytest.raises(FlowliftError, match="--upscaler"):
         E.make_method_fn(spec, 4, vae=object(), pipeline=None)
+
+
+def test_latent_bicubic_interpolates_raw_latents_when_the_vae_has_statistics():
+    from flowlift.latents import denormalize, normalize
+
+    mean = torch.linspace(-1, 1, 128)
+    std = torch.linspace(0.5, 2, 128)
+
+    class StatVAE:
+        """Raw latent = the image's mean grey, constant; decode = raw channel 0 as grey."""
+
+        bn_mean, bn_std, spatial_factor = mean, std, 8
+
+        def encode(self, images):
+            raw = torch.full((1, 32, images.shape[-2] // 8, images.shape[-1] // 8), 0.4)
+            return normalize(raw, mean, std)
+
+        def decode(self, latents):
+            raw = denormalize(latents, mean, std)[:, :1]
+            return raw.repeat_interleave(8, 2).repeat_interleave(8, 3).repeat(1, 3, 1, 1)
+
+    out = E.latent_bicubic(StatVAE(), np.zeros((32, 32, 3), dtype=np.uint8), 2, "cpu", torch.float32)
+    # the normalized latent has a 2x2 sub-position pattern; interpolating it would break the constant
+    assert out.shape == (64, 64, 3) and np.all(out == round(0.4 * 255))

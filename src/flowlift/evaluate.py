@@ -10,7 +10,8 @@ Two entry points, both returning an :class:`EvalReport` that :func:`write_report
   measures A against the low-res input, B on the output and C against the photo.
 
 Methods (:func:`parse_methods`): ``lanczos`` / ``bicubic`` (Pillow, pixel space), ``latent-bicubic``
-(VAE encode, bicubic ``scale``x in latent space, decode), ``vae-roundtrip`` (decode(encode(photo)):
+(VAE encode, bicubic ``scale``x in latent space -- raw latents where the VAE has normalization
+statistics -- decode), ``vae-roundtrip`` (decode(encode(photo)):
 the VAE's ceiling for any latent upscaler) and ``flow`` (the Flow Upscaler pipeline; options
 ``transplant``, ``color_fix`` (strengths), ``color`` (on/off) and ``seed``, e.g.
 ``flow:transplant=0.5:seed=1``).
@@ -128,14 +129,26 @@ def pixel_upscale(lowres: np.ndarray, scale: int, method: str) -> np.ndarray:
 
 def latent_bicubic(vae, lowres: np.ndarray, scale: int, device, dtype) -> np.ndarray:
     """Encode, ``torch.nn.functional.interpolate(mode="bicubic", align_corners=False)`` by
-    ``scale`` in latent space, decode; uint8 HWC out."""
+    ``scale`` in latent space, decode; uint8 HWC out.
+
+    When the VAE has normalization statistics (``bn_mean`` / ``bn_std``, the FLUX.2 VAE) the
+    interpolation runs on the raw latents (``denormalize``, interpolate, ``normalize``): the
+    normalization differs per 2x2 sub-position, so interpolating normalized latents would mix those
+    statistics. TAEF2 has none and is interpolated in its own latent space.
+    """
     import torch
 
     from flowlift.images import tensor_to_uint8, to_tensor
+    from flowlift.latents import denormalize, normalize
 
+    mean, std = getattr(vae, "bn_mean", None), getattr(vae, "bn_std", None)
     with torch.no_grad():
         z = vae.encode(to_tensor(lowres, device=device, dtype=dtype))
+        if mean is not None and std is not None:
+            z = denormalize(z, mean, std)
         z = torch.nn.functional.interpolate(z, scale_factor=scale, mode="bicubic", align_corners=False)
+        if mean is not None and std is not None:
+            z = normalize(z, mean, std)
         return tensor_to_uint8(vae.decode(z).float())[0]
 
 
