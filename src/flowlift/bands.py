@@ -32,7 +32,7 @@ from flowlift.errors import FlowliftError
 #: Latent bands as fractions of the latent Nyquist (model card): 0-1/16 ... 1/2-1.
 BAND_EDGES: tuple[float, ...] = (0.0, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
 
-#: Decoded luma differences, (B, 3, H, W) images in [0, 1] -> callable signature of a decoder.
+#: A decoder: latents (1, C, h, w) -> images (1, 3, f*h, f*w), float, nominally [0, 1].
 Decoder = Callable[[torch.Tensor], torch.Tensor]
 
 #: The model card's figures for the Mage decoder: (% in the same pixel band, % finer than latent Nyquist).
