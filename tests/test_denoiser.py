@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_flux2 import prompt_embeds, tiny_transformer
 
 from flowlift.denoiser import (
     Flux2Denoiser,
@@ -20,6 +19,7 @@ from flowlift.denoiser import (
     text_position_ids,
 )
 from flowlift.errors import FlowliftError
+from tiny_flux2 import prompt_embeds, tiny_transformer
 
 
 @pytest.fixture(scope="module")
@@ -43,20 +43,25 @@ class P:
     def _prepare_text_ids(x):
         B, L, _ = x.shape
         return torch.stack(
-            [torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(L)) for _ in range(B)]
+            [
+                torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(L))
+                for _ in range(B)
+            ]
         )
 
     @staticmethod
     def _prepare_latent_ids(latents):
         batch_size, _, height, width = latents.shape
-        ids = torch.cartesian_prod(torch.arange(1), torch.arange(height), torch.arange(width), torch.arange(1))
+        ids = torch.cartesian_prod(
+            torch.arange(1), torch.arange(height), torch.arange(width), torch.arange(1)
+        )
         return ids.unsqueeze(0).expand(batch_size, -1, -1)
 
     @staticmethod
     def _prepare_image_ids(image_latents, scale=10):
         t_coords = [(scale + scale * t).view(-1) for t in torch.arange(0, len(image_latents))]
         out = []
-        for x, t in zip(image_latents, t_coords):
+        for x, t in zip(image_latents, t_coords, strict=True):
             _, height, width = x.squeeze(0).shape
             out.append(torch.cartesian_prod(t, torch.arange(height), torch.arange(width), torch.arange(1)))
         return torch.cat(out, dim=0).unsqueeze(0)
@@ -194,7 +199,11 @@ def test_reference_images_are_clean_tokens_with_t_offsets(klein):
     assert got.shape == x.shape
     torch.testing.assert_close(got, _diffusers_call(klein, x, 0.7, emb, refs=refs), rtol=0, atol=1e-6)
     ids = spy.seen[0]["img_ids"]
-    assert ids[:4, 0].tolist() == [0] * 4 and ids[4:10, 0].tolist() == [10] * 6 and ids[10:, 0].tolist() == [20] * 8
+    assert (
+        ids[:4, 0].tolist() == [0] * 4
+        and ids[4:10, 0].tolist() == [10] * 6
+        and ids[10:, 0].tolist() == [20] * 8
+    )
     # the reference tokens are the clean latents themselves (no noise mixed in)
     from flowlift.latents import pack, patchify
 
