@@ -19,7 +19,8 @@ from flowlift.denoiser import (
     text_position_ids,
 )
 from flowlift.errors import FlowliftError
-from tiny_flux2 import prompt_embeds, tiny_transformer
+from tiny_flux2 import DiffusersHelpers as P
+from tiny_flux2 import Spy, prompt_embeds, tiny_transformer
 
 
 @pytest.fixture(scope="module")
@@ -34,54 +35,6 @@ def dev():
 
 def _latents(seed: int = 0, batch: int = 1, h: int = 8, w: int = 12) -> torch.Tensor:
     return torch.randn(batch, 32, h, w, generator=torch.Generator().manual_seed(seed))
-
-
-class P:
-    """diffusers 0.42.1 ``Flux2Pipeline`` static helpers, transcribed line for line."""
-
-    @staticmethod
-    def _prepare_text_ids(x):
-        B, L, _ = x.shape
-        return torch.stack(
-            [
-                torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(L))
-                for _ in range(B)
-            ]
-        )
-
-    @staticmethod
-    def _prepare_latent_ids(latents):
-        batch_size, _, height, width = latents.shape
-        ids = torch.cartesian_prod(
-            torch.arange(1), torch.arange(height), torch.arange(width), torch.arange(1)
-        )
-        return ids.unsqueeze(0).expand(batch_size, -1, -1)
-
-    @staticmethod
-    def _prepare_image_ids(image_latents, scale=10):
-        t_coords = [(scale + scale * t).view(-1) for t in torch.arange(0, len(image_latents))]
-        out = []
-        for x, t in zip(image_latents, t_coords, strict=True):
-            _, height, width = x.squeeze(0).shape
-            out.append(torch.cartesian_prod(t, torch.arange(height), torch.arange(width), torch.arange(1)))
-        return torch.cat(out, dim=0).unsqueeze(0)
-
-    @staticmethod
-    def _patchify_latents(latents):
-        b, c, h, w = latents.shape
-        latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4)
-        return latents.reshape(b, c * 4, h // 2, w // 2)
-
-    @staticmethod
-    def _unpatchify_latents(latents):
-        b, c, h, w = latents.shape
-        latents = latents.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3)
-        return latents.reshape(b, c // 4, h * 2, w * 2)
-
-    @staticmethod
-    def _pack_latents(latents):
-        b, c, h, w = latents.shape
-        return latents.reshape(b, c, h * w).permute(0, 2, 1)
 
 
 def _diffusers_call(transformer, x, sigma, embeds, guidance=None, refs=()):
@@ -143,21 +96,9 @@ def test_dev_velocity_passes_guidance(dev):
     )
 
 
-class _Spy(torch.nn.Module):
-    """Records the keyword arguments of each transformer call, then runs the real model."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner, self.config, self.seen = inner, inner.config, []
-
-    def forward(self, **kwargs):
-        self.seen.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()})
-        return self.inner(**kwargs)
-
-
 def test_timestep_is_sigma_not_thousands(klein, dev):
     for model, expect_guidance in ((klein, None), (dev, 4.0)):
-        spy = _Spy(model)
+        spy = Spy(model)
         Flux2Denoiser(spy, prompt_embeds())(_latents(batch=2), 0.4375)
         (call,) = spy.seen
         assert call["timestep"].tolist() == [0.4375, 0.4375]  # sigma in [0, 1]; the model multiplies by 1000
@@ -194,16 +135,12 @@ def test_true_cfg(klein):
 def test_reference_images_are_clean_tokens_with_t_offsets(klein):
     x, emb = _latents(h=4, w=4), prompt_embeds()
     refs = [_latents(seed=5, h=4, w=6), _latents(seed=6, h=8, w=4)]
-    spy = _Spy(klein)
+    spy = Spy(klein)
     got = Flux2Denoiser(spy, emb, reference_latents=refs)(x, 0.7)
     assert got.shape == x.shape
     torch.testing.assert_close(got, _diffusers_call(klein, x, 0.7, emb, refs=refs), rtol=0, atol=1e-6)
     ids = spy.seen[0]["img_ids"]
-    assert (
-        ids[:4, 0].tolist() == [0] * 4
-        and ids[4:10, 0].tolist() == [10] * 6
-        and ids[10:, 0].tolist() == [20] * 8
-    )
+    assert ids[:4, 0].tolist() == [0] * 4 and ids[4:10, 0].tolist() == [10] * 6 and ids[10:, 0].tolist() == [20] * 8
     # the reference tokens are the clean latents themselves (no noise mixed in)
     from flowlift.latents import pack, patchify
 

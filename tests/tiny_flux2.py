@@ -51,3 +51,58 @@ def tiny_vae(*, seed: int = 0, bn_var: float = 3.13, bn_mean_scale: float = 0.3)
 
 def prompt_embeds(tokens: int = 5, *, seed: int = 1, batch: int = 1) -> torch.Tensor:
     return torch.randn(batch, tokens, TEXT_DIM, generator=torch.Generator().manual_seed(seed))
+
+
+class DiffusersHelpers:
+    """diffusers 0.42.1 ``Flux2Pipeline`` static helpers, transcribed line for line."""
+
+    @staticmethod
+    def _prepare_text_ids(x):
+        B, L, _ = x.shape
+        return torch.stack(
+            [torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(L)) for _ in range(B)]
+        )
+
+    @staticmethod
+    def _prepare_latent_ids(latents):
+        batch_size, _, height, width = latents.shape
+        ids = torch.cartesian_prod(torch.arange(1), torch.arange(height), torch.arange(width), torch.arange(1))
+        return ids.unsqueeze(0).expand(batch_size, -1, -1)
+
+    @staticmethod
+    def _prepare_image_ids(image_latents, scale=10):
+        t_coords = [(scale + scale * t).view(-1) for t in torch.arange(0, len(image_latents))]
+        out = []
+        for x, t in zip(image_latents, t_coords, strict=True):
+            _, height, width = x.squeeze(0).shape
+            out.append(torch.cartesian_prod(t, torch.arange(height), torch.arange(width), torch.arange(1)))
+        return torch.cat(out, dim=0).unsqueeze(0)
+
+    @staticmethod
+    def _patchify_latents(latents):
+        b, c, h, w = latents.shape
+        latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4)
+        return latents.reshape(b, c * 4, h // 2, w // 2)
+
+    @staticmethod
+    def _unpatchify_latents(latents):
+        b, c, h, w = latents.shape
+        latents = latents.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3)
+        return latents.reshape(b, c // 4, h * 2, w * 2)
+
+    @staticmethod
+    def _pack_latents(latents):
+        b, c, h, w = latents.shape
+        return latents.reshape(b, c, h * w).permute(0, 2, 1)
+
+
+class Spy(torch.nn.Module):
+    """Wraps a transformer: records the keyword arguments of each call, then runs the real model."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config, self.seen = inner, inner.config, []
+
+    def forward(self, **kwargs):
+        self.seen.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()})
+        return self.inner(**kwargs)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from flowlift.errors import FlowliftError
+from flowlift.sampling import SAMPLERS
 from flowlift.latents import (
     LATENT_CHANNELS,
     PATCHIFIED_CHANNELS,
@@ -41,7 +42,6 @@ from flowlift.latents import (
     unpatchify,
 )
 
-SAMPLERS = ("euler", "heun")
 STRENGTH_MAPS = ("linear", "canvas")
 #: Images are processed on a 16-pixel grid (8x VAE, then 2x2 patches); other sizes are edge-padded.
 PIXEL_MULTIPLE = VAE_SCALE_FACTOR * 2
@@ -128,7 +128,7 @@ def refine_latents(
     * ``mask`` (1 or B, 1, H, W), 1 = regenerate: after each step the kept region is set to
       ``sigma_next * noise + (1 - sigma_next) * init`` with the *same* ``noise`` as the start.
     * ``sampler``: ``euler`` or ``heun`` on those sigmas, in every mode.
-    * ``denoising_start >= 1`` (strength 0) runs no step and returns the normalized init latents.
+    * ``denoising_start >= denoising_end`` (strength 0) runs no step and returns the normalized init.
     """
     from flowlift.img2img import InpaintMerger, denoise, prepare_start_latents
     from flowlift.schedule import flux2_sigmas
@@ -157,8 +157,8 @@ def refine_latents(
     init_norm = None
     if init_latents is not None:
         init_norm = normalize(init_latents, bn_mean, bn_std) if bn_mean is not None else init_latents
-    if denoising_start >= 1.0:  # strength 0: nothing to denoise
-        return RefineResult(latents=init_norm, sigmas=[], t0=0.0)
+    if denoising_start >= denoising_end:  # strength 0 (or an empty window): nothing to denoise
+        return RefineResult(latents=init_norm, sigmas=[], t0=1.0 - denoising_start)
 
     noise = latent_noise(shape, seed, device=device)
     sigmas = flux2_sigmas(steps, image_seq_len(shape[2], shape[3]), denoising_start, denoising_end)
@@ -421,7 +421,9 @@ class Flux2Refiner:
             raise FlowliftError("give a prompt or prompt embeddings")
         neg = None
         if cfg_scale != 1.0:
-            neg = self._embeds("" if negative_prompt is None else negative_prompt, negative_prompt_embeds, "negative prompt")
+            neg = self._embeds(
+                "" if negative_prompt is None else negative_prompt, negative_prompt_embeds, "negative prompt"
+            )
         refs = [self.encode(img) for img in reference_images]  # clean normalized latents, no noise
         return Flux2Denoiser(
             self.transformer,
@@ -507,10 +509,19 @@ class Flux2Refiner:
             raise FlowliftError(f"txt2img size must be positive multiples of {PIXEL_MULTIPLE}, got {width}x{height}")
         den = self.denoiser(**conditioning)
         shape = (batch, LATENT_CHANNELS, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
-        result = self._run("txt2img", den, init=None, shape=shape, denoising_start=0.0, steps=steps, seed=seed,
-                           sampler=sampler)
-        params = self._parameters("txt2img", result, height=height, width=width, steps=steps, seed=seed,
-                                  sampler=sampler, **_conditioning_params(conditioning, den))
+        result = self._run(
+            "txt2img", den, init=None, shape=shape, denoising_start=0.0, steps=steps, seed=seed, sampler=sampler
+        )
+        params = self._parameters(
+            "txt2img",
+            result,
+            height=height,
+            width=width,
+            steps=steps,
+            seed=seed,
+            sampler=sampler,
+            **_conditioning_params(conditioning, den),
+        )
         return RefineOutput(self.decode(result.latents), result.latents, params)
 
     def img2img(
@@ -541,17 +552,36 @@ class Flux2Refiner:
             lmask = latent_mask(pad_to_multiple(mask.to(self.device, torch.float32))[0])
         den = self.denoiser(**conditioning) if start < 1.0 else None
         mode = "inpaint" if mask is not None else "img2img"
-        result = self._run(mode, den, init=self._encode_init(padded), shape=None, denoising_start=start,
-                           steps=steps, seed=seed, sampler=sampler, mask=lmask)
+        result = self._run(
+            mode,
+            den,
+            init=self._encode_init(padded),
+            shape=None,
+            denoising_start=start,
+            steps=steps,
+            seed=seed,
+            sampler=sampler,
+            mask=lmask,
+        )
         out = self.decode(result.latents)[..., :h, :w]
         params = self._parameters(
-            mode, result, strength=strength, strength_map=strength_map, denoising_start=round(start, 6),
-            steps=steps, seed=seed, sampler=sampler, width=w, height=h,
+            mode,
+            result,
+            strength=strength,
+            strength_map=strength_map,
+            denoising_start=round(start, 6),
+            steps=steps,
+            seed=seed,
+            sampler=sampler,
+            width=w,
+            height=h,
             **(_conditioning_params(conditioning, den) if den is not None else {}),
         )
         return RefineOutput(out, result.latents, params)
 
-    def inpaint(self, images: torch.Tensor, mask: torch.Tensor, *, strength: float = 1.0, **kwargs: Any) -> RefineOutput:
+    def inpaint(
+        self, images: torch.Tensor, mask: torch.Tensor, *, strength: float = 1.0, **kwargs: Any
+    ) -> RefineOutput:
         """Regenerate where ``mask`` is 1 (soft masks blend); the rest is kept (re-noised with the same noise)."""
         return self.img2img(images, strength=strength, mask=mask, **kwargs)
 
@@ -586,11 +616,30 @@ class Flux2Refiner:
         init = init.clone()
         init[:, :, t8 : t8 + original.shape[2], l8 : l8 + original.shape[3]] = original
         den = self.denoiser(**conditioning) if start < 1.0 else None
-        result = self._run("outpaint", den, init=(init, bn_mean, bn_std), shape=None, denoising_start=start,
-                           steps=steps, seed=seed, sampler=sampler, mask=lmask)
+        result = self._run(
+            "outpaint",
+            den,
+            init=(init, bn_mean, bn_std),
+            shape=None,
+            denoising_start=start,
+            steps=steps,
+            seed=seed,
+            sampler=sampler,
+            mask=lmask,
+        )
         params = self._parameters(
-            "outpaint", result, left=pads[0], top=pads[1], right=pads[2], bottom=pads[3], strength=strength,
-            strength_map=strength_map, denoising_start=round(start, 6), steps=steps, seed=seed, sampler=sampler,
+            "outpaint",
+            result,
+            left=pads[0],
+            top=pads[1],
+            right=pads[2],
+            bottom=pads[3],
+            strength=strength,
+            strength_map=strength_map,
+            denoising_start=round(start, 6),
+            steps=steps,
+            seed=seed,
+            sampler=sampler,
             **(_conditioning_params(conditioning, den) if den is not None else {}),
         )
         return RefineOutput(self.decode(result.latents), result.latents, params)
@@ -630,20 +679,38 @@ class Flux2Refiner:
         else:
             if height is None or width is None:
                 raise FlowliftError("hires needs an input image or a txt2img size")
-            base = self.txt2img(height=height, width=width, steps=base_steps, seed=seed, sampler=sampler,
-                                **conditioning).latents
+            base = self.txt2img(
+                height=height, width=width, steps=base_steps, seed=seed, sampler=sampler, **conditioning
+            ).latents
             params.update(base="txt2img", base_steps=base_steps, height=height, width=width)
         up = upscale(base).float().to(self.device)
         expect = (base.shape[2] * scale, base.shape[3] * scale)
         if tuple(up.shape[2:]) != expect:
             raise FlowliftError(f"the upscaler returned {tuple(up.shape[2:])} latents, expected {expect}")
-        result = self._run("hires refine", den, init=(up, None, None), shape=None, denoising_start=start,
-                           steps=steps, seed=seed, sampler=sampler)
-        params.update(self._parameters(
-            "hires", result, scale=scale, refine_strength=refine_strength, strength_map=strength_map,
-            denoising_start=round(start, 6), steps=steps, seed=seed, sampler=sampler,
-            **_conditioning_params(conditioning, den),
-        ))
+        result = self._run(
+            "hires refine",
+            den,
+            init=(up, None, None),
+            shape=None,
+            denoising_start=start,
+            steps=steps,
+            seed=seed,
+            sampler=sampler,
+        )
+        params.update(
+            self._parameters(
+                "hires",
+                result,
+                scale=scale,
+                refine_strength=refine_strength,
+                strength_map=strength_map,
+                denoising_start=round(start, 6),
+                steps=steps,
+                seed=seed,
+                sampler=sampler,
+                **_conditioning_params(conditioning, den),
+            )
+        )
         return RefineOutput(self.decode(result.latents), result.latents, params)
 
 
@@ -679,7 +746,9 @@ def load_transformer(model: str, *, dtype: torch.dtype) -> torch.nn.Module:
         if path.is_dir() or "/" in model:
             return Flux2Transformer2DModel.from_pretrained(model, subfolder="transformer", torch_dtype=dtype)
     except (OSError, ValueError) as error:
-        raise FlowliftError(f"cannot load a FLUX.2 transformer from {model}: {str(error).splitlines()[0][:200]}") from None
+        raise FlowliftError(
+            f"cannot load a FLUX.2 transformer from {model}: {str(error).splitlines()[0][:200]}"
+        ) from None
     raise FlowliftError(f"--model {model}: not a file, a folder or a hub repo id")
 
 
@@ -718,6 +787,11 @@ def load_refiner(
     vae_adapter = load_flux2_vae(vae or model, device=device, dtype=torch.float32 if dtype == torch.float16 else dtype)
     encoder = PromptEncoder(model, device=device, dtype=dtype) if text_encoder else None
     return Flux2Refiner(
-        transformer, vae_adapter, device=device, dtype=dtype, prompt_encoder=encoder, progress=progress,
+        transformer,
+        vae_adapter,
+        device=device,
+        dtype=dtype,
+        prompt_encoder=encoder,
+        progress=progress,
         model_name=str(model),
     )
