@@ -12,8 +12,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from tiny_flux2 import DiffusersHelpers as P
-from tiny_flux2 import Spy, prompt_embeds, tiny_transformer, tiny_vae
 
 from flowlift.errors import FlowliftError
 from flowlift.img2img import gaussian_flow_velocity
@@ -26,6 +24,8 @@ from flowlift.refine import (
     latent_noise,
     refine_latents,
 )
+from tiny_flux2 import DiffusersHelpers as P
+from tiny_flux2 import Spy, prompt_embeds, tiny_transformer, tiny_vae
 
 H, W = 64, 96  # 8x12 latents, 4x6 = 24 tokens
 

@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 
 from flowlift.errors import FlowliftError
-from flowlift.sampling import SAMPLERS
 from flowlift.latents import (
     LATENT_CHANNELS,
     PATCHIFIED_CHANNELS,
@@ -41,6 +40,7 @@ from flowlift.latents import (
     seeded_noise,
     unpatchify,
 )
+from flowlift.sampling import SAMPLERS
 
 STRENGTH_MAPS = ("linear", "canvas")
 #: Images are processed on a 16-pixel grid (8x VAE, then 2x2 patches); other sizes are edge-padded.
