@@ -149,9 +149,8 @@ class Flux2Denoiser:
                 f"prompt embeddings batch {embeds.shape[0]} does not match latents batch {batch}"
             )
         embeds = embeds.to(device=device, dtype=dtype).expand(batch, -1, -1)
-        timestep = torch.full(
-            (batch,), float(sigma), device=device, dtype=dtype
-        )  # sigma; the model scales x1000
+        # the timestep is sigma in [0, 1]: Flux2Transformer2DModel multiplies it by 1000 itself
+        timestep = torch.full((batch,), float(sigma), device=device, dtype=dtype)
         guidance = (
             torch.full((batch,), self.guidance, device=device, dtype=torch.float32)
             if self.guidance_embeds
