@@ -34,7 +34,6 @@ from flowlift.latents import (
     LATENT_CHANNELS,
     PATCHIFIED_CHANNELS,
     VAE_SCALE_FACTOR,
-    denormalize,
     image_seq_len,
     normalize,
     seeded_noise,
@@ -254,34 +253,6 @@ class RefineVAE(Protocol):
     def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
 
 
-class DiffusersFlux2VAE:
-    """A diffusers ``AutoencoderKLFlux2`` with flowlift's conventions (images [0, 1], normalized latents).
-
-    ``encode_raw`` takes the posterior mode (as the diffusers FLUX.2 pipelines do); ``bn_mean`` and
-    ``bn_std = sqrt(bn.running_var + batch_norm_eps)`` are the [128] normalization statistics.
-    """
-
-    def __init__(self, vae: torch.nn.Module, *, device: torch.device | str, dtype: torch.dtype) -> None:
-        self.vae = vae.to(device=device, dtype=dtype).eval()
-        self.device, self.dtype = torch.device(device), dtype
-        self.bn_mean = vae.bn.running_mean.detach().float().clone()
-        self.bn_std = torch.sqrt(vae.bn.running_var.detach().float() + vae.config.batch_norm_eps)
-
-    @torch.inference_mode()
-    def encode_raw(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.to(device=self.device, dtype=self.dtype) * 2.0 - 1.0
-        return self.vae.encode(x).latent_dist.mode().float()
-
-    def encode(self, images: torch.Tensor) -> torch.Tensor:
-        return normalize(self.encode_raw(images), self.bn_mean, self.bn_std)
-
-    @torch.inference_mode()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        raw = denormalize(latents.float(), self.bn_mean, self.bn_std)
-        out = self.vae.decode(raw.to(device=self.device, dtype=self.dtype)).sample
-        return ((out.float() + 1.0) / 2.0).clamp(0.0, 1.0)
-
-
 # -------------------------------------------------------------------------------------- conditioning
 
 
@@ -448,7 +419,8 @@ class Flux2Refiner:
         return self.encode(images), None, None
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return self.vae.decode(latents).float()
+        """Normalized latents -> images clamped to [0, 1]."""
+        return self.vae.decode(latents).float().clamp(0.0, 1.0)
 
     # -- modes
 
@@ -752,23 +724,6 @@ def load_transformer(model: str, *, dtype: torch.dtype) -> torch.nn.Module:
     raise FlowliftError(f"--model {model}: not a file, a folder or a hub repo id")
 
 
-def load_flux2_vae(source: str, *, device: torch.device | str, dtype: torch.dtype) -> DiffusersFlux2VAE:
-    """The FLUX.2 VAE of a diffusers folder / hub id (``vae/`` subfolder) or a VAE folder."""
-    from diffusers import AutoencoderKLFlux2
-
-    path = Path(source).expanduser()
-    try:
-        if path.is_dir() and (path / "config.json").is_file() and not _is_diffusers_folder(path):
-            vae = AutoencoderKLFlux2.from_pretrained(str(path), torch_dtype=dtype)
-        elif path.is_file():
-            vae = AutoencoderKLFlux2.from_single_file(str(path), torch_dtype=dtype)
-        else:
-            vae = AutoencoderKLFlux2.from_pretrained(source, subfolder="vae", torch_dtype=dtype)
-    except (OSError, ValueError) as error:
-        raise FlowliftError(f"cannot load the FLUX.2 VAE from {source}: {str(error).splitlines()[0][:200]}") from None
-    return DiffusersFlux2VAE(vae, device=device, dtype=dtype)
-
-
 def load_refiner(
     model: str,
     *,
@@ -780,11 +735,15 @@ def load_refiner(
 ) -> Flux2Refiner:
     """A :class:`Flux2Refiner` from FLUX.2 Klein / dev weights (local diffusers folder or hub id).
 
-    ``vae`` defaults to the model's own ``vae/`` subfolder. ``text_encoder=True`` also loads the
-    pipeline's text encoder (``flowlift[text]``) so prompts can be given as strings.
+    ``vae`` (any :func:`flowlift.vae.load_vae` spec) defaults to the model's own ``vae/`` subfolder.
+    ``text_encoder=True`` also loads the pipeline's text encoder (``flowlift[text]``) so prompts can be
+    given as strings.
     """
+    from flowlift.vae import load_vae
+
     transformer = load_transformer(model, dtype=dtype)
-    vae_adapter = load_flux2_vae(vae or model, device=device, dtype=torch.float32 if dtype == torch.float16 else dtype)
+    # the FLUX.2 VAE overflows in float16; bfloat16 and float32 are fine
+    vae_adapter = load_vae(vae or model, device=device, dtype=torch.float32 if dtype == torch.float16 else dtype)
     encoder = PromptEncoder(model, device=device, dtype=dtype) if text_encoder else None
     return Flux2Refiner(
         transformer,
