@@ -371,3 +371,20 @@ def test_bad_inputs(refiner, image):
     with pytest.raises(FlowliftError, match="steps"):
         refiner.img2img(image, strength=0.5, steps=0, prompt_embeds=EMB)
     assert math.isclose(denoising_start_for(0.5, "canvas"), 1 - 0.5**0.2)
+
+
+def test_bfloat16_transformer_with_float32_sampling(transformer, vae, image):
+    """The transformer runs in its own dtype; latents, noise, merge and schedule stay float32."""
+    import copy
+
+    spy = Spy(copy.deepcopy(transformer))
+    refiner = Flux2Refiner(spy, vae, device="cpu", dtype=torch.bfloat16)
+    mask = torch.zeros(1, 1, H, W)
+    mask[..., :32, :] = 1
+    out = refiner.img2img(image, strength=0.5, steps=4, seed=0, mask=mask, prompt_embeds=EMB)
+    assert spy.seen[0]["hidden_states"].dtype == torch.bfloat16
+    assert spy.seen[0]["timestep"].dtype == torch.bfloat16
+    assert out.latents.dtype == torch.float32 and out.images.dtype == torch.float32
+    assert torch.isfinite(out.images).all()
+    keep = (latent_mask(mask) == 0).expand_as(out.latents)
+    assert torch.equal(out.latents[keep], vae.encode(image)[keep])

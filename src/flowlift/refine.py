@@ -40,6 +40,7 @@ from flowlift.latents import (
     unpatchify,
 )
 from flowlift.sampling import SAMPLERS
+from flowlift.weights import looks_like_repo_id
 
 STRENGTH_MAPS = ("linear", "canvas")
 #: Images are processed on a 16-pixel grid (8x VAE, then 2x2 patches); other sizes are edge-padded.
@@ -275,8 +276,8 @@ class PromptEncoder:
 
         try:
             self.pipe = DiffusionPipeline.from_pretrained(model, transformer=None, vae=None, torch_dtype=dtype)
-        except (OSError, ValueError) as error:
-            raise FlowliftError(f"cannot load the text encoder of {model}: {str(error).splitlines()[0]}") from None
+        except Exception as error:  # noqa: BLE001 - any loader failure is a bad --model to the user
+            raise FlowliftError(f"cannot load the text encoder of {model}: {_first_line(error)}") from None
         self.pipe.text_encoder.to(device)
         self.device = torch.device(device)
 
@@ -700,6 +701,11 @@ def _conditioning_params(conditioning: dict[str, Any], den: Any) -> dict[str, An
 # ------------------------------------------------------------------------------------------- loading
 
 
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return (lines[0][:200] if lines else "") or type(error).__name__
+
+
 def _is_diffusers_folder(path: Path) -> bool:
     return (path / "model_index.json").is_file() or (path / "transformer" / "config.json").is_file()
 
@@ -715,12 +721,10 @@ def load_transformer(model: str, *, dtype: torch.dtype) -> torch.nn.Module:
             return Flux2Transformer2DModel.from_single_file(str(path), torch_dtype=dtype)
         if path.is_dir() and (path / "config.json").is_file() and not _is_diffusers_folder(path):
             return Flux2Transformer2DModel.from_pretrained(str(path), torch_dtype=dtype)
-        if path.is_dir() or "/" in model:
+        if path.is_dir() or looks_like_repo_id(model):
             return Flux2Transformer2DModel.from_pretrained(model, subfolder="transformer", torch_dtype=dtype)
-    except (OSError, ValueError) as error:
-        raise FlowliftError(
-            f"cannot load a FLUX.2 transformer from {model}: {str(error).splitlines()[0][:200]}"
-        ) from None
+    except Exception as error:  # noqa: BLE001 - any loader failure is a bad --model to the user
+        raise FlowliftError(f"cannot load a FLUX.2 transformer from {model}: {_first_line(error)}") from None
     raise FlowliftError(f"--model {model}: not a file, a folder or a hub repo id")
 
 
