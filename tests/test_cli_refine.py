@@ -243,7 +243,6 @@ def test_argument_choices_mirror_the_api():
 
 
 def test_hires_from_image_and_from_txt2img(capsys, tmp_path, model_dir, embeds_file, photo):
-    pytest.importorskip("flowlift.pipeline", reason="the Flow Upscaler pipeline lands with the upscale branch")
     from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
 
     torch.manual_seed(0)
