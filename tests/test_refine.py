@@ -388,3 +388,22 @@ def test_bfloat16_transformer_with_float32_sampling(transformer, vae, image):
     assert torch.isfinite(out.images).all()
     keep = (latent_mask(mask) == 0).expand_as(out.latents)
     assert torch.equal(out.latents[keep], vae.encode(image)[keep])
+
+
+def test_prompt_text_goes_through_the_prompt_encoder(transformer, vae, image):
+    seen = []
+
+    def encoder(text):
+        seen.append(text)
+        return prompt_embeds(seed=len(seen))
+
+    refiner = Flux2Refiner(Spy(transformer), vae, prompt_encoder=encoder)
+    out = refiner.img2img(image, strength=0.5, steps=3, prompt="a cat", cfg_scale=2.0)
+    assert seen == ["a cat", ""]  # the negative prompt defaults to the empty prompt under CFG
+    assert out.parameters["prompt"] == "a cat" and out.parameters["negative_prompt"] == ""
+    seen.clear()
+    refiner.img2img(image, strength=0.5, steps=3, prompt="a cat", negative_prompt="blur", cfg_scale=2.0)
+    assert seen == ["a cat", "blur"]
+    seen.clear()
+    refiner.img2img(image, strength=0.5, steps=3, prompt="ignored", prompt_embeds=EMB)
+    assert seen == []  # given embeddings win; no encoder call

@@ -688,14 +688,18 @@ class Flux2Refiner:
 
 
 def _conditioning_params(conditioning: dict[str, Any], den: Any) -> dict[str, Any]:
-    params: dict[str, Any] = {
+    negative = None
+    if den.cfg_scale != 1.0:
+        negative = conditioning.get("negative_prompt")
+        if negative is None and conditioning.get("negative_prompt_embeds") is None:
+            negative = ""  # the default negative prompt under true CFG
+    return {
         "prompt": conditioning.get("prompt"),
-        "negative_prompt": conditioning.get("negative_prompt") if den.cfg_scale != 1.0 else None,
+        "negative_prompt": negative,
         "cfg_scale": den.cfg_scale,
         "guidance": den.guidance,
         "reference_images": len(den.reference_latents) or None,
     }
-    return params
 
 
 # ------------------------------------------------------------------------------------------- loading
