@@ -305,3 +305,28 @@ def test_hires_from_image_and_from_txt2img(capsys, tmp_path, model_dir, embeds_f
     with Image.open(out) as img:
         assert img.size == (256, 256)
     assert _metadata(out)["base"] == "txt2img"
+
+
+def test_alpha_channel_is_kept(capsys, tmp_path, model_dir, embeds_file, photo):
+    rgba = tmp_path / "rgba.png"
+    img = Image.open(photo).convert("RGBA")
+    img.putalpha(Image.new("L", img.size, 128))
+    img.save(rgba)
+    out = tmp_path / "rgba_out.png"
+    code, _, err = _run(
+        capsys,
+        "img2img",
+        rgba,
+        "--model",
+        model_dir,
+        "--prompt-embeds",
+        embeds_file,
+        "--steps",
+        "2",
+        "--quiet",
+        "-o",
+        out,
+    )
+    assert code == 0, err
+    with Image.open(out) as result:
+        assert result.mode == "RGBA" and result.getchannel("A").getextrema() == (128, 128)
