@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -99,7 +99,6 @@ class RefineResult:
     sigmas: list[float]
     t0: float
     model_calls: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def refine_latents(
@@ -338,9 +337,10 @@ class RefineOutput:
 class Flux2Refiner:
     """txt2img / img2img / inpaint / outpaint / hires on a FLUX.2 transformer and VAE.
 
-    ``transformer`` is a diffusers ``Flux2Transformer2DModel`` (or any ``velocity_fn`` factory via
-    :meth:`denoiser`); ``vae`` follows :class:`RefineVAE`. ``prompt_encoder`` (optional) turns prompt
-    strings into embeddings; without it, pass ``prompt_embeds`` tensors.
+    ``transformer`` is a diffusers ``Flux2Transformer2DModel`` (or a module with its forward signature);
+    ``vae`` follows :class:`RefineVAE` (e.g. a :func:`flowlift.vae.load_vae` adapter).
+    ``prompt_encoder`` (optional) turns prompt strings into embeddings; without it, pass
+    ``prompt_embeds`` tensors.
     """
 
     def __init__(
