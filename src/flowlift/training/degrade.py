@@ -90,7 +90,7 @@ def pil_lanczos_resize(images: torch.Tensor, size: tuple[int, int]) -> torch.Ten
         for c in range(array.shape[1]):
             plane = Image.fromarray(np.ascontiguousarray(array[b, c]), mode="F")
             resized = plane.resize((size[1], size[0]), Image.Resampling.LANCZOS)
-            out[b, c] = torch.from_numpy(np.asarray(resized, dtype=np.float32))
+            out[b, c] = torch.from_numpy(np.array(resized, dtype=np.float32))
     return out.to(images.device, images.dtype)
 
 
