@@ -24,7 +24,7 @@ from flowlift.training.shards import (
     write_shard,
 )
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
