@@ -1,0 +1,401 @@
+"""The Flow Upscaler UNet: a one-step rectified-flow 2x latent upscaler for FLUX.2 latents.
+
+Released as ``flow_upscaler.safetensors`` (166 tensors, 59,267,104 parameters) in the hub repository
+``TensorForger/FlowUpscaler``. The module names below reproduce that file's tensor names exactly, so
+the released file loads with ``strict=True`` and computes what its authors' code computes.
+
+Architecture (SDXL-style ResNet blocks, FiLM conditioning, no attention):
+
+* ``sample`` (B, 32, H, W): the noisy latent at output size (H, W multiples of 4);
+  ``timestep`` (B,): sigma * 1000; ``latents_small`` (B, 32, H/2, W/2): the conditioning latent.
+  Output: the velocity (B, 32, H, W). All latents are normalized, unpatchified FLUX.2 latents.
+* ``c = time_proj(sinusoidal(timestep))`` conditions every residual block (scale/shift after norm2).
+* A low-resolution encoder turns ``latents_small`` into features at 1, 1/2 and 1/4 of its size; they
+  are bilinearly resized to H, H/2, H/4 and injected by FiLM before each encoder level of the UNet.
+* UNet: ``in_conv`` -> FiLM 1 -> down stage (3 blocks, skip s1, stride-2 conv) -> FiLM 2 -> down stage
+  (2 blocks, skip s2, stride-2 conv) -> FiLM 3 -> mid block -> up stage (x2 bilinear, concat s2,
+  2 blocks) -> up stage (x2 bilinear, concat s1, 3 blocks) -> ``out_conv``.
+
+One-step sampling (diffusers' ``FlowMatchEulerDiscreteScheduler().set_timesteps(1)`` gives sigmas
+[1, 0]): ``x0 = noise - v(noise, 1000, latents_small)`` — :func:`one_step_upscale`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flowlift.errors import FlowliftError
+
+HUB_REPO_ID = "TensorForger/FlowUpscaler"
+WEIGHTS_NAME = "flow_upscaler.safetensors"
+WHAT = "Flow Upscaler weights"
+GROUP_NORM_EPS = 1e-6
+ONE_STEP_TIMESTEP = 1000.0
+CONFIG_KEYS = ("sample_channels", "base_channels", "time_dim", "cond_dim")
+DEFAULT_CONFIG = {"sample_channels": 32, "base_channels": 384, "time_dim": 512, "cond_dim": 1024}
+
+
+# --------------------------------------------------------------------------------------------------
+# small pure functions
+
+
+def group_count(channels: int, max_groups: int = 32) -> int:
+    """GroupNorm group count: ``g = min(32, C)``, decremented until it divides ``C``."""
+    groups = min(max_groups, channels)
+    while channels % groups:
+        groups -= 1
+    return groups
+
+
+def timestep_embedding(timestep: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal embedding, computed in ``timestep``'s dtype.
+
+    ``half = dim // 2``, ``freqs_k = exp(-ln(10000) * k / half)``, ``args = t[:, None] * freqs``,
+    ``emb = cat(sin(args), cos(args))`` -> (B, dim).
+    """
+    half = dim // 2
+    k = torch.arange(half, device=timestep.device, dtype=timestep.dtype)
+    freqs = torch.exp(-math.log(10000.0) * k / half)
+    args = timestep[:, None] * freqs[None, :]
+    return torch.cat([torch.sin(args), torch.cos(args)], dim=-1)
+
+
+def film(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """Feature-wise linear modulation: ``x * (1 + scale) + shift``."""
+    return x * (1 + scale) + shift
+
+
+def resize_bilinear(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Bilinear resize to ``size`` with ``align_corners=False`` (no antialiasing); identity if equal."""
+    if tuple(x.shape[-2:]) == tuple(size):
+        return x
+    return F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+
+
+def upsample2x_to(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """The up stage's resize: bilinear x2 (``align_corners=False``), then resized to ``size`` if it differs."""
+    x = F.interpolate(x, scale_factor=2.0, mode="bilinear", align_corners=False)
+    return resize_bilinear(x, size)
+
+
+# --------------------------------------------------------------------------------------------------
+# modules
+
+
+def _group_norm(channels: int) -> nn.GroupNorm:
+    return nn.GroupNorm(group_count(channels), channels, eps=GROUP_NORM_EPS, affine=True)
+
+
+class ResBlock(nn.Module):
+    """SDXL-style residual block with time (FiLM-after-norm2) conditioning.
+
+    ``h = conv1(silu(norm1(x)))``; ``scale, shift = chunk(cond_proj(c), 2)``;
+    ``h = norm2(h) * (1 + scale) + shift``; ``h = conv2(dropout(silu(h)))``; ``return h + skip(x)``.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, cond_dim: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.norm1 = _group_norm(in_channels)
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+        self.cond_proj = nn.Sequential(nn.SiLU(), nn.Linear(cond_dim, 2 * out_channels))
+        self.norm2 = _group_norm(out_channels)
+        self.dropout = nn.Dropout(dropout)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1)
+        self.skip: nn.Module = (
+            nn.Conv2d(in_channels, out_channels, 1, bias=False) if in_channels != out_channels else nn.Identity()
+        )
+
+    def scale_shift(self, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's FiLM parameters from the conditioning vector: two (B, out, 1, 1) tensors."""
+        scale, shift = self.cond_proj(cond).chunk(2, dim=1)
+        return scale[:, :, None, None], shift[:, :, None, None]
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        scale, shift = self.scale_shift(cond)
+        h = film(self.norm2(h), scale, shift)
+        h = self.conv2(self.dropout(F.silu(h)))
+        return h + self.skip(x)
+
+
+class DownStage(nn.Module):
+    """``n`` residual blocks and a 3x3 stride-2 ``downsample``.
+
+    Normally ``blocks -> skip = x -> downsample``; with ``downsample_first``: ``downsample -> blocks``
+    and the skip is the output. ``forward`` returns ``(x, skip)``.
+    """
+
+    def __init__(
+        self, channels: int, num_blocks: int, cond_dim: int, dropout: float, downsample_first: bool = False
+    ) -> None:
+        super().__init__()
+        self.downsample_first = downsample_first
+        self.blocks = nn.ModuleList(ResBlock(channels, channels, cond_dim, dropout) for _ in range(num_blocks))
+        self.downsample = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.downsample_first:
+            x = self.downsample(x)
+            for block in self.blocks:
+                x = block(x, cond)
+            return x, x
+        for block in self.blocks:
+            x = block(x, cond)
+        return self.downsample(x), x
+
+
+class UpStage(nn.Module):
+    """Bilinear x2 upsample (resized to the skip's size if needed), concat ``[x, skip]``, ``n`` blocks."""
+
+    def __init__(self, channels: int, skip_channels: int, num_blocks: int, cond_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            ResBlock(channels + skip_channels if i == 0 else channels, channels, cond_dim, dropout)
+            for i in range(num_blocks)
+        )
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([upsample2x_to(x, tuple(skip.shape[-2:])), skip], dim=1)
+        for block in self.blocks:
+            x = block(x, cond)
+        return x
+
+
+class LowResEncoder(nn.Module):
+    """Encodes the small latent into features at its size, 1/2 and 1/4 (stride-2 convs, ceil sizes)."""
+
+    def __init__(self, sample_channels: int, channels: int, cond_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.in_conv = nn.Conv2d(sample_channels, channels, 1)
+        self.block_1 = ResBlock(channels, channels, cond_dim, dropout)
+        self.block_2 = DownStage(channels, 1, cond_dim, dropout, downsample_first=True)
+        self.block_3 = DownStage(channels, 1, cond_dim, dropout, downsample_first=True)
+
+    def forward(self, small: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        l1 = self.block_1(self.in_conv(small), cond)
+        l2, _ = self.block_2(l1, cond)
+        l3, _ = self.block_3(l2, cond)
+        return l1, l2, l3
+
+
+class FiLMCond(nn.Module):
+    """FiLM from a feature map: ``scale, shift = chunk(conv1x1(silu(feature)), 2)``; ``x * (1 + scale) + shift``."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.cond_proj = nn.Sequential(nn.SiLU(), nn.Conv2d(channels, 2 * channels, 1))
+
+    def forward(self, x: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.cond_proj(feature).chunk(2, dim=1)
+        return film(x, scale, shift)
+
+
+class TimeConditioning(nn.Module):
+    """``c = Linear(cond, cond)(silu(Linear(time_dim, cond)(sinusoidal(t))))``."""
+
+    def __init__(self, time_dim: int, cond_dim: int) -> None:
+        super().__init__()
+        self.time_dim = time_dim
+        self.time_proj = nn.Sequential(nn.Linear(time_dim, cond_dim), nn.SiLU(), nn.Linear(cond_dim, cond_dim))
+
+    def forward(self, timestep: torch.Tensor) -> torch.Tensor:
+        emb = timestep_embedding(timestep, self.time_dim)
+        return self.time_proj(emb.to(self.time_proj[0].weight.dtype))
+
+
+class FlowUpscalerUNet(nn.Module):
+    """The Flow Upscaler UNet; ``forward(sample, timestep, latents_small) -> velocity``."""
+
+    def __init__(
+        self,
+        sample_channels: int = 32,
+        base_channels: int = 384,
+        time_dim: int = 512,
+        cond_dim: int = 1024,
+        dropout: float = 0.01,
+    ) -> None:
+        super().__init__()
+        self.config = {
+            "sample_channels": sample_channels,
+            "base_channels": base_channels,
+            "time_dim": time_dim,
+            "cond_dim": cond_dim,
+        }
+        base = base_channels
+        self.conditioning = TimeConditioning(time_dim, cond_dim)
+        self.in_conv = nn.Conv2d(sample_channels, base, 1)
+        self.low_res_encoder = LowResEncoder(sample_channels, base, cond_dim, dropout)
+        self.film_cond_1 = FiLMCond(base)
+        self.film_cond_2 = FiLMCond(base)
+        self.film_cond_3 = FiLMCond(base)
+        self.down_stages = nn.ModuleList(
+            [DownStage(base, 3, cond_dim, dropout), DownStage(base, 2, cond_dim, dropout)]
+        )
+        self.mid_stages = nn.ModuleList([ResBlock(base, base, cond_dim, dropout)])
+        self.up_stages = nn.ModuleList(
+            [UpStage(base, base, 2, cond_dim, dropout), UpStage(base, base, 3, cond_dim, dropout)]
+        )
+        self.out_conv = nn.Conv2d(base, sample_channels, 1)
+
+    def time_conditioning(self, timestep: torch.Tensor | float, batch: int) -> torch.Tensor:
+        """The conditioning vector ``c`` (B, cond_dim) for a scalar, (1,) or (B,) timestep."""
+        param = self.in_conv.weight
+        t = torch.as_tensor(timestep, device=param.device)
+        if not t.is_floating_point():
+            t = t.float()
+        t = t.reshape(-1)
+        if t.numel() == 1:
+            t = t.expand(batch)
+        return self.conditioning(t)
+
+    def forward(
+        self, sample: torch.Tensor, timestep: torch.Tensor | float, latents_small: torch.Tensor
+    ) -> torch.Tensor:
+        check_inputs(sample, timestep, latents_small, self.config["sample_channels"])
+        height, width = sample.shape[-2:]
+        cond = self.time_conditioning(timestep, sample.shape[0])
+        l1, l2, l3 = self.low_res_encoder(latents_small, cond)
+        x = self.film_cond_1(self.in_conv(sample), resize_bilinear(l1, (height, width)))
+        x, s1 = self.down_stages[0](x, cond)
+        x = self.film_cond_2(x, resize_bilinear(l2, (height // 2, width // 2)))
+        x, s2 = self.down_stages[1](x, cond)
+        x = self.film_cond_3(x, resize_bilinear(l3, (height // 4, width // 4)))
+        x = self.mid_stages[0](x, cond)
+        x = self.up_stages[0](x, s2, cond)
+        x = self.up_stages[1](x, s1, cond)
+        return self.out_conv(x)
+
+
+def check_inputs(
+    sample: torch.Tensor, timestep: torch.Tensor | float, latents_small: torch.Tensor, channels: int
+) -> None:
+    """Raise one FlowliftError line unless the shapes fit (B,C,H,W), (B,C,H/2,W/2), H and W multiples of 4."""
+    if sample.ndim != 4 or latents_small.ndim != 4:
+        raise FlowliftError(
+            f"Flow Upscaler: sample and latents_small must be 4-D (B, C, H, W), got "
+            f"{tuple(sample.shape)} and {tuple(latents_small.shape)}"
+        )
+    b, c, h, w = sample.shape
+    if c != channels or h % 4 or w % 4 or h == 0 or w == 0:
+        raise FlowliftError(
+            f"Flow Upscaler: sample must be (B, {channels}, H, W) with H and W positive multiples of 4, "
+            f"got {tuple(sample.shape)}"
+        )
+    if tuple(latents_small.shape) != (b, channels, h // 2, w // 2):
+        raise FlowliftError(
+            f"Flow Upscaler: latents_small must be {(b, channels, h // 2, w // 2)} for sample "
+            f"{tuple(sample.shape)}, got {tuple(latents_small.shape)}"
+        )
+    n = torch.as_tensor(timestep).numel()
+    if n not in (1, b):
+        raise FlowliftError(f"Flow Upscaler: timestep must be a scalar or have {b} entries, got {n}")
+
+
+# --------------------------------------------------------------------------------------------------
+# sampling
+
+
+VelocityFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def one_step_upscale(model: VelocityFn, noise: torch.Tensor, latents_small: torch.Tensor) -> torch.Tensor:
+    """One Euler step of the rectified flow from sigma 1 to 0: ``x0 = noise - v(noise, 1000, small)``.
+
+    ``model`` is a :class:`FlowUpscalerUNet` or anything called the same way (e.g. a
+    :class:`flowlift.executor.ChunkedExecutor`). The timestep is ``sigma * 1000 = 1000.0`` per sample,
+    in float32 on ``noise``'s device.
+    """
+    timestep = torch.full((noise.shape[0],), ONE_STEP_TIMESTEP, dtype=torch.float32, device=noise.device)
+    velocity = model(noise, timestep, latents_small)
+    return noise - velocity.to(noise.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# loading and saving
+
+
+def infer_config(state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> dict[str, int]:
+    """Constructor arguments from tensor shapes (falling back to safetensors metadata, then defaults).
+
+    ``in_conv.weight`` is (base, sample_channels, 1, 1); ``conditioning.time_proj.0.weight`` is
+    (cond_dim, time_dim).
+    """
+    config = dict(DEFAULT_CONFIG)
+    for key in CONFIG_KEYS:
+        value = (metadata or {}).get(key)
+        if value is not None and str(value).isdigit():
+            config[key] = int(value)
+    in_conv = state.get("in_conv.weight")
+    if in_conv is not None and in_conv.ndim == 4:
+        config["base_channels"], config["sample_channels"] = int(in_conv.shape[0]), int(in_conv.shape[1])
+    time_proj = state.get("conditioning.time_proj.0.weight")
+    if time_proj is not None and time_proj.ndim == 2:
+        config["cond_dim"], config["time_dim"] = int(time_proj.shape[0]), int(time_proj.shape[1])
+    return config
+
+
+def _safetensors_metadata(path: Path) -> dict[str, str]:
+    if path.suffix != ".safetensors":
+        return {}
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            return dict(handle.metadata() or {})
+    except Exception:  # noqa: BLE001 - read_state_dict reports unreadable files with a clear line
+        return {}
+
+
+def load_upscaler(
+    source: str | os.PathLike = HUB_REPO_ID,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> FlowUpscalerUNet:
+    """Load the Flow Upscaler from a file, a directory or a hub repo id, strictly, in eval mode.
+
+    The constructor arguments are inferred from the tensor shapes (and the file's metadata), so
+    smaller checkpoints written by :func:`save_upscaler` load too. fp32/fp16/bf16 files all load; the
+    model is returned in ``dtype`` on ``device``. A file that does not fit raises one FlowliftError
+    line naming the missing, unexpected and mis-shaped tensors.
+    """
+    from flowlift.weights import load_strict, read_state_dict, resolve_file
+
+    path = resolve_file(source, [WEIGHTS_NAME], what=WHAT)
+    state = read_state_dict(path, what=WHAT)
+    config = infer_config(state, _safetensors_metadata(path))
+    with torch.device("meta"):
+        model = FlowUpscalerUNet(**config)
+    model = model.to_empty(device="cpu")
+    load_strict(model, state, what=WHAT, origin=str(path))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def save_upscaler(model: FlowUpscalerUNet, path: str | os.PathLike) -> Path:
+    """Write ``model`` as safetensors in the released tensor layout, constructor args in the metadata.
+
+    The file is written next to ``path`` and renamed into place, so a failure leaves no partial file.
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        raise FlowliftError(f"save_upscaler: {path} must end in .safetensors")
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    metadata = {k: str(v) for k, v in model.config.items()} | {"format": "pt"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    try:
+        save_file(state, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
