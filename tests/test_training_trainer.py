@@ -224,7 +224,7 @@ def test_finetune_from_a_checkpoint_and_validation_csv_plot(dataset, tmp_path, s
     tuned = tmp_path / "tuned"
     config = _config(dataset, tuned, steps=2, lr=1e-4, init=str(base / "flow_upscaler.safetensors"),
                      val_every=2, val_images=[str(shared / "images" / "kodak" / "kodim15.png")], val_count=1,
-                     val_size=64, vae=taef2_spec, base_channels=384)  # size comes from the checkpoint
+                     val_size=128, vae=taef2_spec, base_channels=384)  # size comes from the checkpoint
     scratch = Trainer(_config(dataset, tmp_path / "scratch", steps=1, resume="none")).run()
     summary = Trainer(config).run()
     assert summary["losses"][0][1] < scratch["losses"][0][1]

@@ -99,8 +99,8 @@ class TrainConfig:
             raise FlowliftError("val_every must be >= 0")
         if self.val_every and (not self.val_images or not self.vae):
             raise FlowliftError("validation (val_every > 0) needs val_images and vae")
-        if self.val_size % 16 or self.val_size <= 0:
-            raise FlowliftError(f"val_size must be a positive multiple of 16 pixels, got {self.val_size}")
+        if self.val_size % 16 or self.val_size < 128:
+            raise FlowliftError(f"val_size must be a multiple of 16 pixels and at least 128, got {self.val_size}")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

@@ -88,16 +88,15 @@ def baseline_outputs(vae: LatentCodec, lr: torch.Tensor, size: tuple[int, int]) 
 def make_model_upscaler(
     model: torch.nn.Module, vae: LatentCodec, device: torch.device, *, seed: int = 0, color_fix: bool = True
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``lr image -> 2x image`` through :class:`flowlift.pipeline.FlowUpscalerPipeline` (one pass)."""
+    """``lr image -> 2x image`` through :meth:`flowlift.pipeline.FlowUpscalerPipeline.upscale_image`
+    (one pass, the user's path: encode, one step, both colour-fix stages when ``color_fix``, decode)."""
     from flowlift.pipeline import FlowUpscalerPipeline
 
     pipeline = FlowUpscalerPipeline(model, vae, device=device, dtype=torch.float32)
 
-    @torch.no_grad()
     def upscale(lr: torch.Tensor) -> torch.Tensor:
-        latents = vae.encode(lr.to(device))
-        up = pipeline.upscale_latents(latents, num_passes=1, seed=seed, color_fix=color_fix)
-        return vae.decode(up).clamp(0, 1)
+        out = pipeline.upscale_image(lr.to(device), num_passes=1, seed=seed, color_fix=color_fix, output_type="pt")
+        return out.clamp(0, 1)
 
     return upscale
 
