@@ -279,3 +279,31 @@ def test_stream_ranks_partition_the_global_batch_and_are_reproducible(tmp_path):
     with pytest.raises(FlowliftError):
         ShardStream(reader, micro_batch=2, crop=6)
     reader.close()
+
+
+def test_pipeline_teacher_passes_patchified_noise_and_normalizes_raw_output():
+    """A stand-in with the diffusers FLUX.2 pipeline interface: it returns the raw (denormalized,
+    unpatchified) version of the latents it was given, so the teacher must give back the noise."""
+    from types import SimpleNamespace
+
+    from flowlift.latents import denormalize, unpatchify
+    from flowlift.training.datasets import PipelineTeacher
+
+    mean, var = torch.randn(128) * 0.1, torch.rand(128) + 0.5
+    calls = []
+
+    class FakeFlux2Pipeline:
+        device = torch.device("cpu")
+        transformer = SimpleNamespace(dtype=torch.float32)
+        vae = SimpleNamespace(bn=SimpleNamespace(running_mean=mean, running_var=var),
+                              config=SimpleNamespace(batch_norm_eps=1e-4))
+
+        def __call__(self, *, prompt, height, width, num_inference_steps, latents, output_type, return_dict):
+            calls.append((prompt, height, width, num_inference_steps, tuple(latents.shape), output_type))
+            return (denormalize(unpatchify(latents), mean, torch.sqrt(var + 1e-4)),)
+
+    teacher = PipelineTeacher(FakeFlux2Pipeline(), ["a", "b", "c"], num_steps=3)
+    teacher.next_item = 2
+    noise = torch.randn(2, 32, 8, 12)
+    assert torch.allclose(teacher(noise), noise, atol=1e-5)
+    assert calls == [(["c", "a"], 64, 96, 3, (2, 128, 4, 6), "latent")]
