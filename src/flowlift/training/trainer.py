@@ -109,6 +109,26 @@ def step_seed(seed: int, step: int, micro: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 7919 + micro * 104_729 + rank * 15_485_863) % (2**62)
 
 
+def prefetched_batches(stream: ShardStream, start_step: int, end_step: int, micro_batches: int, depth: int = 2):
+    """Yield ``(step, micro, batch)`` in order, reading up to ``depth`` batches ahead on one
+    background thread (the stream is a pure function of its arguments, so order and content are
+    exactly those of reading in the loop)."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    keys = ((step, micro) for step in range(start_step, end_step) for micro in range(micro_batches))
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowlift-data") as pool:
+        pending: deque = deque()
+        for key in keys:
+            pending.append((key, pool.submit(stream.batch, *key)))
+            if len(pending) > depth:
+                (step, micro), future = pending.popleft()
+                yield step, micro, future.result()
+        while pending:
+            (step, micro), future = pending.popleft()
+            yield step, micro, future.result()
+
+
 # ----------------------------------------------------------------------------------------------
 # Distributed context
 
@@ -382,12 +402,14 @@ class Trainer:
 
         bar = tqdm(total=c.steps, initial=start_step, desc="train", disable=not (c.progress and dist.is_main),
                    dynamic_ncols=True)
-        step = start_step
+        batches = prefetched_batches(stream, start_step, end_step, c.grad_accum)
         for step in range(start_step, end_step):
             optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
             for micro in range(c.grad_accum):
-                batch = {k: v.to(device, non_blocking=True) for k, v in stream.batch(step, micro).items()}
+                fetched_step, fetched_micro, cpu_batch = next(batches)
+                assert (fetched_step, fetched_micro) == (step, micro)
+                batch = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items()}
                 if channels_last:
                     batch = {k: (v.contiguous(memory_format=torch.channels_last) if v.ndim == 4 else v)
                              for k, v in batch.items()}
@@ -434,6 +456,7 @@ class Trainer:
                     validator.evaluate(done, ema.module)
                 dist.barrier()
         bar.close()
+        batches.close()
         final_step = max(start_step, end_step)
         summary: dict[str, Any] = {
             "start_step": start_step,
