@@ -39,7 +39,7 @@ def main() -> int:
     parser.add_argument("--shared", default=os.environ.get("FLOWLIFT_SHARED", str(REPO.parent / "shared")))
     parser.add_argument("--out", default="/tmp/flowlift_train_mini")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy 2-core box)")
     parser.add_argument("--crop-px", type=int, default=128, help="dataset crop side in pixels")
     parser.add_argument("--crops-per-image", type=int, default=6)
     parser.add_argument("--crop", type=int, default=16, help="training crop side in target-latent pixels")
@@ -53,6 +53,7 @@ def main() -> int:
     parser.add_argument("--full", action="store_true", help="the released architecture (384/512/1024)")
     parser.add_argument("--eval-size", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-train", action="store_true", help="evaluate the existing run in --out")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.full:
@@ -90,8 +91,9 @@ def main() -> int:
         dropout=0.0, t_sampling="fixed", checkpoint_every=max(1, args.steps), log_every=25, seed=args.seed,
         device=args.device, resume="none", progress=True,
     ))
-    trainer = Trainer(config)
-    if args.train_seconds > 0:
+    if args.skip_train:
+        pass
+    elif args.train_seconds > 0:
         # time budget: train in chunks of 25 steps, resuming, until the wall time or the steps run out
         config.resume = "auto"
         config.checkpoint_every = 25
@@ -99,11 +101,10 @@ def main() -> int:
         step = 0
         while step < args.steps and time.perf_counter() - start < args.train_seconds:
             config.stop_after = min(args.steps, step + 25)
-            summary = Trainer(config).run()
-            step = summary["step"]
+            step = Trainer(config).run()["step"]
         config.stop_after = None
     else:
-        summary = trainer.run()
+        Trainer(config).run()
     t_train = time.perf_counter() - t0 - t_data
     import csv
 
@@ -111,8 +112,9 @@ def main() -> int:
         log = list(csv.DictReader(f))
     last_step = int(log[-1]["step"])
     samples = last_step * args.batch_size
-    print(f"trained {last_step} steps x {args.batch_size} samples ({samples / t_train:.1f} samples/s incl. "
-          f"start-up) in {t_train:.0f}s; loss {float(log[0]['loss']):.4f} -> {float(log[-1]['loss']):.4f}")
+    speed = "existing run" if args.skip_train else f"{samples / t_train:.1f} samples/s incl. start-up, {t_train:.0f}s"
+    print(f"trained {last_step} steps x {args.batch_size} samples ({speed}); "
+          f"loss {float(log[0]['loss']):.4f} -> {float(log[-1]['loss']):.4f}")
 
     from flowlift.models.upscaler_unet import load_upscaler
 
@@ -121,20 +123,14 @@ def main() -> int:
     images = load_validation_images([str(p) for p in held], len(held), args.eval_size)
 
     @torch.no_grad()
-    def roundtrip(lr: torch.Tensor) -> torch.Tensor:
-        hr_size = (lr.shape[-2] * 2, lr.shape[-1] * 2)
-        return roundtrip.cache[hr_size]
+    def roundtrip(hr: torch.Tensor) -> torch.Tensor:
+        return vae.decode(vae.encode(hr.to(device))).clamp(0, 1)
 
-    roundtrip.cache = {}
-    for hr in images:
-        with torch.no_grad():
-            roundtrip.cache[tuple(hr.shape[-2:])] = vae.decode(vae.encode(hr.to(device))).clamp(0, 1)
     methods = {
         "model (color fix)": make_model_upscaler(model, vae, device, seed=args.seed, color_fix=True),
         "model (raw)": make_model_upscaler(model, vae, device, seed=args.seed, color_fix=False),
-        "vae-roundtrip": roundtrip,
     }
-    results = evaluate_methods(images, vae, methods, include_baselines=True)
+    results = evaluate_methods(images, vae, methods, include_baselines=True, references={"vae-roundtrip": roundtrip})
     t_total = time.perf_counter() - t0
     header = f"| method | PSNR dB | SSIM | sharpness (gt {results['lanczos']['sharpness_gt']:.2f}) | " \
              "drift cast_max /255 | drift dC |"

@@ -106,12 +106,18 @@ def evaluate_methods(
     vae: LatentCodec,
     upscalers: dict[str, Callable[[torch.Tensor], torch.Tensor]],
     include_baselines: bool = True,
+    references: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """Mean metrics per method over ``images`` (each (1, 3, H, W) ground truth)."""
+    """Mean metrics per method over ``images`` (each (1, 3, H, W) ground truth).
+
+    ``upscalers`` map the 2x-downscaled image to an output of ``hr``'s size; ``references`` (e.g. a
+    VAE round trip, the ceiling of latent methods) are given ``hr`` itself.
+    """
     per_method: dict[str, list[dict[str, float]]] = {}
     for hr in images:
         lr = downscale(hr, 2, "area")
         outputs = {name: fn(lr) for name, fn in upscalers.items()}
+        outputs.update({name: fn(hr) for name, fn in (references or {}).items()})
         if include_baselines:
             outputs.update(baseline_outputs(vae, lr, tuple(hr.shape[-2:])))
         for name, out in outputs.items():
