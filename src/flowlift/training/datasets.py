@@ -269,7 +269,12 @@ def build_distill_dataset(
                 noises.append(noise.cpu())
                 targets.append(target.cpu())
                 conds.append(cond.cpu())
-                items.extend({"index": i, "seed": item_seed(seed, i)} for i in indices)
+                prompts = getattr(teacher, "prompts", None)
+                for i in indices:
+                    record: dict[str, Any] = {"index": i, "seed": item_seed(seed, i)}
+                    if prompts:
+                        record["prompt"] = prompts[i % len(prompts)]
+                    items.append(record)
                 bar.update(len(indices))
             tensors = {"target": torch.cat(targets), "cond": torch.cat(conds), "noise": torch.cat(noises)}
             write_shard(root, shard, first, tensors, items, storage_dtype)
