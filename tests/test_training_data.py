@@ -307,3 +307,35 @@ def test_pipeline_teacher_passes_patchified_noise_and_normalizes_raw_output():
     noise = torch.randn(2, 32, 8, 12)
     assert torch.allclose(teacher(noise), noise, atol=1e-5)
     assert calls == [(["c", "a"], 64, 96, 3, (2, 128, 4, 6), "latent")]
+
+
+def test_transformer_teacher_matches_a_diffusers_scheduler_loop():
+    """The bare-transformer teacher = diffusers' FLUX.2 loop (FlowMatchEulerDiscreteScheduler with
+    exponential dynamic shifting, the pipeline's packing and position ids)."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from flowlift.latents import pack, patchify, unpack, unpatchify
+    from flowlift.schedule import compute_empirical_mu
+    from flowlift.training.datasets import TransformerTeacher
+
+    transformer = _tiny_transformer().eval()
+    embeds = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))
+    noise = torch.randn(1, 32, 8, 12, generator=torch.Generator().manual_seed(5))
+    steps = 3
+    ours = TransformerTeacher(transformer, embeds, num_steps=steps)(noise)
+
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="exponential")
+    seq = 4 * 6
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=compute_empirical_mu(seq, steps))
+    latents = pack(patchify(noise))
+    # the pipeline's position ids: (T=0, H=i, W=j, L=0) per token, (0, 0, 0, l) per text token
+    img_ids = torch.tensor([[0, i, j, 0] for i in range(4) for j in range(6)])[None]
+    txt_ids = torch.tensor([[0, 0, 0, l] for l in range(5)])[None]
+    with torch.no_grad():
+        for t in scheduler.timesteps:
+            v = transformer(hidden_states=latents, encoder_hidden_states=embeds[None], timestep=t.expand(1) / 1000,
+                            img_ids=img_ids, txt_ids=txt_ids, guidance=None, return_dict=False)[0]
+            latents = scheduler.step(v, t, latents, return_dict=False)[0]
+    reference = unpatchify(unpack(latents, 4, 6))
+    assert torch.allclose(ours, reference, atol=1e-4), (ours - reference).abs().max()
