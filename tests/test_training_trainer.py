@@ -205,7 +205,7 @@ def test_ddp_two_gloo_processes_match_one_process_with_doubled_batch(dataset, tm
     single = Trainer(_config(dataset, tmp_path / "one", steps=3, lr=2e-3, warmup_steps=1, resume="none",
                              t_sampling="uniform")).run()
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "flowlift.cli", "train", *common, "--batch-size", "2", "--output", str(tmp_path / "two")]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
