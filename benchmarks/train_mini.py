@@ -94,15 +94,8 @@ def main() -> int:
     if args.skip_train:
         pass
     elif args.train_seconds > 0:
-        # time budget: train in chunks of 25 steps, resuming, until the wall time or the steps run out
-        config.resume = "auto"
-        config.checkpoint_every = 25
-        start = time.perf_counter()
-        step = 0
-        while step < args.steps and time.perf_counter() - start < args.train_seconds:
-            config.stop_after = min(args.steps, step + 25)
-            step = Trainer(config).run()["step"]
-        config.stop_after = None
+        config.time_limit_s = args.train_seconds  # stops (with a checkpoint) once the budget is spent
+        Trainer(config).run()
     else:
         Trainer(config).run()
     t_train = time.perf_counter() - t0 - t_data

@@ -184,6 +184,10 @@ def test_resume_reproduces_the_uninterrupted_run(dataset, tmp_path):
     assert _max_diff(split_w, whole_w) < 1e-5
     with open(tmp_path / "split" / "train_log.csv", newline="") as f:
         assert [int(r["step"]) for r in csv.DictReader(f)] == list(range(1, 7))
+    # a time limit ends an invocation after the step that runs out of time, with a checkpoint
+    timed = Trainer(_config(dataset, tmp_path / "timed", t_sampling="logit_normal", time_limit_s=1e-9)).run()
+    assert timed["step"] == 1 and (tmp_path / "timed" / "checkpoints" / "step-00000001").is_dir()
+    assert timed["losses"][0][1] == pytest.approx(whole["losses"][0][1], rel=1e-5)
     # a different global batch cannot continue the run
     with pytest.raises(FlowliftError, match="global batch"):
         Trainer(_config(dataset, tmp_path / "split", batch_size=2, steps=8)).run()

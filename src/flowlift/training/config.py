@@ -62,6 +62,7 @@ class TrainConfig:
     keep_checkpoints: int = 3
     resume: str | None = "auto"  # auto (latest in output, if any) | a checkpoint folder | none
     stop_after: int | None = None  # end this invocation after this global step (for time-boxed jobs)
+    time_limit_s: float = 0.0  # end this invocation (with a checkpoint) after this many seconds; 0 = none
     # validation
     val_every: int = 0  # 0 disables
     val_images: list[str] = field(default_factory=list)

@@ -403,6 +403,7 @@ class Trainer:
         bar = tqdm(total=c.steps, initial=start_step, desc="train", disable=not (c.progress and dist.is_main),
                    dynamic_ncols=True)
         batches = prefetched_batches(stream, start_step, end_step, c.grad_accum)
+        final_step = start_step
         for step in range(start_step, end_step):
             optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
@@ -433,11 +434,16 @@ class Trainer:
             scheduler.step()
             ema.update_parameters(model)
             global_loss = dist.mean(step_loss, device)
-            done = step + 1
+            done = final_step = step + 1
+            last = done == end_step
+            if c.time_limit_s > 0 and not last:
+                # every rank must stop at the same step: stop when any rank is out of time
+                out_of_time = float(time.perf_counter() - started > c.time_limit_s)
+                last = dist.mean(out_of_time, device) > 0
             losses.append((done, global_loss))
             window_samples += stream.global_batch
             bar.update(1)
-            if dist.is_main and (done % c.log_every == 0 or done == end_step):
+            if dist.is_main and (done % c.log_every == 0 or last):
                 now = time.perf_counter()
                 self._append_log({
                     "step": done, "loss": f"{global_loss:.6g}", "lr": f"{lr:.6g}", "grad_norm": f"{grad_norm:.6g}",
@@ -446,18 +452,19 @@ class Trainer:
                 })
                 bar.set_postfix(loss=f"{global_loss:.4f}")
                 window_start, window_samples = now, 0
-            if done % c.checkpoint_every == 0 or done == end_step:
+            if done % c.checkpoint_every == 0 or last:
                 if dist.is_main:
                     self._save_checkpoint(done, model, ema, optimizer, scheduler, stream.global_batch,
                                           dist.world_size)
                 dist.barrier()
-            if c.val_every and (done % c.val_every == 0 or done == c.steps):
+            if c.val_every and (done % c.val_every == 0 or done == c.steps or last):
                 if validator is not None:
                     validator.evaluate(done, ema.module)
                 dist.barrier()
+            if last:
+                break
         bar.close()
         batches.close()
-        final_step = max(start_step, end_step)
         summary: dict[str, Any] = {
             "start_step": start_step,
             "step": final_step,
