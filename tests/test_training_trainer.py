@@ -244,3 +244,4 @@ def test_finetune_from_a_checkpoint_and_validation_csv_plot(dataset, tmp_path, s
     assert (tuned / "curves.png").stat().st_size > 0
     with pytest.raises(FlowliftError):
         Trainer(_config(dataset, tmp_path / "bad", init=str(tmp_path / "missing.safetensors"))).run()
+    assert not (tmp_path / "bad").exists()

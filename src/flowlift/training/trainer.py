@@ -346,11 +346,10 @@ class Trainer:
             time_sampling=TimeSampling(c.t_sampling, c.t_value, c.t_low, c.t_high, c.t_mean, c.t_std),
             use_stored_noise=c.use_stored_noise,
         )
+        model = self._build_model().to(device)  # a bad --init fails here, before anything is written
         if dist.is_main:
             self.output.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-
-        model = self._build_model().to(device)
         channels_last = c.channels_last == "yes" or (c.channels_last == "auto" and device.type == "cuda")
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
