@@ -252,3 +252,16 @@ def test_finetune_from_a_checkpoint_and_validation_csv_plot(dataset, tmp_path, s
     with pytest.raises(FlowliftError):
         Trainer(_config(dataset, tmp_path / "bad", init=str(tmp_path / "missing.safetensors"))).run()
     assert not (tmp_path / "bad").exists()
+
+
+def test_bf16_autocast_and_channels_last_paths(dataset, tmp_path):
+    """The GPU settings (bf16 autocast, channels-last) also run on the CPU and track fp32 closely."""
+    fp32 = Trainer(_config(dataset, tmp_path / "fp32", steps=2, resume="none")).run()
+    bf16 = Trainer(_config(dataset, tmp_path / "bf16", steps=2, resume="none", mixed_precision="bf16",
+                           channels_last="yes")).run()
+    for (_, a), (_, b) in zip(fp32["losses"], bf16["losses"], strict=True):
+        assert b == pytest.approx(a, rel=0.05)
+    from safetensors.torch import load_file
+
+    weights = load_file(str(tmp_path / "bf16" / "flow_upscaler.safetensors"))
+    assert all(v.dtype == torch.float32 for v in weights.values())  # master weights stay fp32
