@@ -24,7 +24,14 @@ from flowlift.training.shards import (
     write_shard,
 )
 
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tiny models run fastest single-threaded (and on a busy CI box, much faster); restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,14 @@ from flowlift.training.trainer import (
     warmup_cosine,
 )
 
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These tiny models run fastest single-threaded (and on a busy CI box, much faster); restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 TINY = {"base_channels": 32, "time_dim": 64, "cond_dim": 64, "dropout": 0.0}
 REPO = Path(__file__).resolve().parents[1]
 
