@@ -210,6 +210,18 @@ def test_dataset_images_builder_encodes_recorded_crops(tmp_path, taef2, shared):
     assert "noise" not in reader.item(0)
     reader.close()
 
+    # split across two workers (--part 1/2, then 0/2): the same dataset as one build
+    split = tmp_path / "split"
+    argv_split = [a if a != str(out) else str(split) for a in argv]
+    assert cli_main(argv_split + ["--part", "1/2"]) == 0
+    assert sorted(p.name for p in split.glob("shard-*")) == ["shard-00001.safetensors"]
+    assert cli_main(argv_split + ["--part", "0/2"]) == 0
+    whole, parts = _read_shards(out), _read_shards(split)
+    assert whole.keys() == parts.keys()
+    for name in whole:
+        assert all(torch.equal(whole[name][0][k], parts[name][0][k]) for k in whole[name][0])
+    assert cli_main(argv_split + ["--part", "2/2"]) == 2
+
 
 def test_dataset_cli_errors_are_one_line_and_leave_no_output(tmp_path, shared, capsys):
     out = tmp_path / "never"

@@ -31,6 +31,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="antialiased 2x pixel-space downscale for the conditioning (default area)")
     parser.add_argument("--jpeg-quality", type=int, help="also JPEG-compress the downscaled image (1-100)")
     parser.add_argument("--noise-std", type=float, default=0.0, help="also add Gaussian pixel noise (0..1 units)")
+    parser.add_argument("--part", default="0/1", metavar="I/N",
+                        help="build only shards k with k %% N == I (run N processes or machines on one --out)")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -135,6 +137,15 @@ def run(args: argparse.Namespace) -> int:
     from flowlift.vae import load_vae
 
     device = _device(args.device)
+    try:
+        part = tuple(int(x) for x in args.part.split("/"))
+    except ValueError:
+        part = ()
+    if len(part) != 2:
+        raise FlowliftError(f"--part must look like I/N (e.g. 0/4), got {args.part!r}")
+    from flowlift.training.datasets import check_part
+
+    check_part(part)
     degradation = Degradation(filter=args.filter, jpeg_quality=args.jpeg_quality, noise_std=args.noise_std)
     storage = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[args.storage_dtype]
     out = Path(args.out)
@@ -151,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         manifest = build_distill_dataset(
             out, teacher, vae, num_items=args.num, latent_size=(args.height // 8, args.width // 8),
             seed=args.seed, shard_size=args.shard_size, batch_size=args.batch_size, degradation=degradation,
-            storage_dtype=storage, device=device, source=source, progress=not args.no_progress,
+            storage_dtype=storage, device=device, source=source, progress=not args.no_progress, part=part,
         )
     else:
         from flowlift.images import list_images
@@ -163,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
             out, paths, vae, crop=args.crop, crops_per_image=args.crops_per_image, seed=args.seed,
             shard_size=args.shard_size, batch_size=args.batch_size, flip=not args.no_flip,
             degradation=degradation, storage_dtype=storage, device=device, vae_name=args.vae,
-            progress=not args.no_progress,
+            progress=not args.no_progress, part=part,
         )
     print(f"{args.dataset_kind} dataset: {manifest['num_items']} items of {manifest['target_shape']} in "
           f"{os.fspath(out)}")

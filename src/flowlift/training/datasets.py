@@ -41,6 +41,29 @@ def item_seed(seed: int, index: int) -> int:
     return int(item_generator(seed, index).initial_seed())
 
 
+def check_part(part: tuple[int, int]) -> tuple[int, int]:
+    """Validate a ``(index, count)`` work split: this process builds shards ``k`` with ``k % count == index``."""
+    index, count = part
+    if count < 1 or not 0 <= index < count:
+        raise FlowliftError(f"part must be I/N with 0 <= I < N, got {index}/{count}")
+    return index, count
+
+
+def _shard_plan(
+    root: Path, num_items: int, shard_size: int, part: tuple[int, int]
+) -> tuple[list[int], int, int]:
+    """(pending shards of this part, items of this part, items of this part already done)."""
+    index_of_part, parts = check_part(part)
+    mine = [k for k in range((num_items + shard_size - 1) // shard_size) if k % parts == index_of_part]
+    pending = [k for k in _pending_shards(root, num_items, shard_size) if k in set(mine)]
+
+    def count(k: int) -> int:
+        return min(shard_size, num_items - k * shard_size)
+
+    total = sum(count(k) for k in mine)
+    return pending, total, total - sum(count(k) for k in pending)
+
+
 def _pending_shards(root: Path, num_items: int, shard_size: int) -> list[int]:
     done = set(completed_shards(root))
     total = (num_items + shard_size - 1) // shard_size
@@ -215,11 +238,13 @@ def build_distill_dataset(
     device: torch.device | str = "cpu",
     source: dict[str, Any] | None = None,
     progress: bool = True,
+    part: tuple[int, int] = (0, 1),
 ) -> dict[str, Any]:
     """Build (or resume) a distillation dataset of ``num_items`` items at ``latent_size`` (target).
 
     Item ``i``: ``noise = seeded_noise((32, H, W), item_seed(seed, i))``, ``target = teacher(noise)``,
     ``cond = encode(degrade(decode(target)))``. ``source`` describes the teacher in the manifest.
+    ``part = (i, n)`` builds only shards ``k % n == i`` (run n processes/machines on one folder).
     Returns the manifest.
     """
     from flowlift.latents import seeded_noise
@@ -245,9 +270,8 @@ def build_distill_dataset(
         "source": source or {"teacher": type(teacher).__name__},
     }
     prepare_dataset_dir(root, manifest)
-    pending = _pending_shards(root, num_items, shard_size)
-    done_items = num_items - sum(min(shard_size, num_items - k * shard_size) for k in pending)
-    with _progress(num_items, done_items, "distill", progress) as bar:
+    pending, part_items, done_items = _shard_plan(root, num_items, shard_size, part)
+    with _progress(part_items, done_items, "distill", progress) as bar:
         for shard in pending:
             first = shard * shard_size
             count = min(shard_size, num_items - first)
@@ -336,11 +360,12 @@ def build_images_dataset(
     device: torch.device | str = "cpu",
     vae_name: str = "",
     progress: bool = True,
+    part: tuple[int, int] = (0, 1),
 ) -> dict[str, Any]:
     """Build (or resume) an images dataset: ``target = encode(crop)``, ``cond = encode(degrade(decode(target)))``.
 
     ``crop`` (pixels) must be a multiple of ``8 * 4`` so the target latent side is a multiple of 4.
-    Returns the manifest.
+    ``part = (i, n)`` builds only shards ``k % n == i``. Returns the manifest.
     """
     from flowlift.images import load_image, to_tensor
 
@@ -375,10 +400,9 @@ def build_images_dataset(
                    "flip": flip, "vae": vae_name, "skipped": skipped},
     }
     prepare_dataset_dir(root, manifest)
-    pending = _pending_shards(root, len(items), shard_size)
-    done_items = len(items) - sum(min(shard_size, len(items) - k * shard_size) for k in pending)
+    pending, part_items, done_items = _shard_plan(root, len(items), shard_size, part)
     cache: dict[str, torch.Tensor] = {}
-    with _progress(len(items), done_items, "images", progress) as bar:
+    with _progress(part_items, done_items, "images", progress) as bar:
         for shard in pending:
             first = shard * shard_size
             shard_items = items[first : first + shard_size]

@@ -66,7 +66,7 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
 
 def write_manifest(root: str | os.PathLike, manifest: dict[str, Any]) -> None:
     path = Path(root) / "dataset.json"
-    tmp = path.with_suffix(".json.tmp")
+    tmp = path.with_name(f"dataset.json.{os.getpid()}.tmp")  # parallel builders each use their own
     tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
     os.replace(tmp, path)
 
