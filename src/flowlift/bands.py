@@ -32,7 +32,7 @@ from flowlift.errors import FlowliftError
 #: Latent bands as fractions of the latent Nyquist (model card): 0-1/16 ... 1/2-1.
 BAND_EDGES: tuple[float, ...] = (0.0, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
 
-#: Decoded luma differences, (B, 3, H, W) images in [0, 1] -> callable signature of a decoder.
+#: A decoder: latents (1, C, h, w) -> images (1, 3, f*h, f*w), float, nominally [0, 1].
 Decoder = Callable[[torch.Tensor], torch.Tensor]
 
 #: The model card's figures for the Mage decoder: (% in the same pixel band, % finer than latent Nyquist).
@@ -201,10 +201,12 @@ def heatmap_figure(matrix: np.ndarray, path: str, title: str, edges: Sequence[fl
 
     Written to a temporary file next to ``path`` and renamed (atomic).
     """
-    import os
-    import tempfile
+    import io
+    from pathlib import Path
 
     import matplotlib
+
+    from flowlift.evaluate import atomic_write_bytes
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
@@ -223,18 +225,10 @@ def heatmap_figure(matrix: np.ndarray, path: str, title: str, edges: Sequence[fl
     fig.colorbar(im, ax=ax, label="% of response power")
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=".bands.", suffix=".partial.png", dir=directory)
-    os.close(descriptor)
-    try:
-        fig.savefig(temporary, format="png")
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
-    finally:
-        plt.close(fig)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    atomic_write_bytes(Path(path), buffer.getvalue())
 
 
 def crop_to_multiple(images: torch.Tensor, multiple: int) -> torch.Tensor:
