@@ -202,24 +202,17 @@ def conv_rows(
 ) -> torch.Tensor:
     """Output rows ``[a, b)`` of ``conv2d(x, weight, bias, stride, padding)`` for a frame of ``height`` rows.
 
-    Reads input rows ``[a*s - p, (b-1)*s - p + k)`` clipped to the frame. Rows outside the frame are
-    the convolution's zero padding: for stride 1 the strip is convolved with padding ``p`` on both
-    sides and the output rows that do not belong to ``[a, b)`` are dropped (at most ``p`` extra rows,
-    only for the first and last strip; no copy of the input); for other strides the missing rows
-    are added as zeros with ``F.pad``.
+    Reads input rows ``[a*s - p, (b-1)*s - p + k)`` clipped to the frame; the rows outside the frame
+    (first and last strip only) are the convolution's zero padding, added with ``F.pad``. Every
+    output row is computed exactly once over all strips.
     """
     k = weight.shape[2]
     p, pw = padding
     lo, hi = a * stride - p, (b - 1) * stride - p + k
     lo_c, hi_c = max(lo, 0), min(hi, height)
     x = read(lo_c, hi_c)
-    if lo_c == lo and hi_c == hi:
-        return F.conv2d(x, weight, bias, stride=stride, padding=(0, pw))
-    if stride == 1:
-        # padded output row j is frame row lo_c + j
-        out = F.conv2d(x, weight, bias, stride=1, padding=(p, pw))
-        return out[:, :, a - lo_c : b - lo_c]
-    x = F.pad(x, (0, 0, lo_c - lo, hi - hi_c))
+    if lo_c != lo or hi_c != hi:
+        x = F.pad(x, (0, 0, lo_c - lo, hi - hi_c))
     return F.conv2d(x, weight, bias, stride=stride, padding=(0, pw))
 
 
