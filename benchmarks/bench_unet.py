@@ -137,11 +137,12 @@ def cpu_report(args: argparse.Namespace) -> None:
     for pixels in (1024, 2048):
         peaks = {mode: measure_peak(mode, pixels, args.chunk) for mode in ("plain", "executor")}
         p, e = peaks["plain"], peaks["executor"]
+        p_act, e_act = p["peak_mib"] - p["before_mib"], e["peak_mib"] - e["before_mib"]
         print(
-            f"peak RSS at {pixels} px: plain {p['peak_mib']:.0f} MiB (+{p['peak_mib'] - p['before_mib']:.0f} over "
-            f"{p['before_mib']:.0f} before the pass), executor {e['peak_mib']:.0f} MiB "
-            f"(+{e['peak_mib'] - e['before_mib']:.0f}); executor / plain {e['peak_mib'] / p['peak_mib']:.3f}x total, "
-            f"{(e['peak_mib'] - e['before_mib']) / max(1e-9, p['peak_mib'] - p['before_mib']):.3f}x activations"
+            f"peak RSS at {pixels} px: plain {p['peak_mib']:.0f} MiB (+{p_act:.0f} over "
+            f"{p['before_mib']:.0f} before the pass), executor {e['peak_mib']:.0f} MiB (+{e_act:.0f}); "
+            f"executor / plain "
+            f"{e['peak_mib'] / p['peak_mib']:.3f}x total, {e_act / max(1e-9, p_act):.3f}x over pre-pass"
         )
 
 
@@ -149,7 +150,9 @@ def gpu_report(args: argparse.Namespace) -> None:
     torch.set_grad_enabled(False)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     device = args.device
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}, {args.dtype}, chunk={args.chunk}")
+    print(
+        f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}, {args.dtype}, chunk={args.chunk}"
+    )
     model = build(device, dtype)
     sample, timestep, small = inputs(1024, device, dtype)
     for _ in range(10):

@@ -92,13 +92,17 @@ def test_conv_rows_equals_full_convolution(stride, height):
     out_h = full.shape[2]
     for step in (1, 2, 3):
         strips = [
-            E.conv_rows(lambda a, b: x[:, :, a:b], height, weight, bias, stride, (1, 1), a, min(a + step, out_h))
+            E.conv_rows(
+                lambda a, b: x[:, :, a:b], height, weight, bias, stride, (1, 1), a, min(a + step, out_h)
+            )
             for a in range(0, out_h, step)
         ]
         assert torch.allclose(torch.cat(strips, 2), full, atol=1e-5)
 
 
-@pytest.mark.parametrize(("in_size", "out_size"), [((5, 7), (10, 14)), ((4, 6), (7, 9)), ((6, 4), (3, 5)), ((2, 3), (3, 3))])
+@pytest.mark.parametrize(
+    ("in_size", "out_size"), [((5, 7), (10, 14)), ((4, 6), (7, 9)), ((6, 4), (3, 5)), ((2, 3), (3, 3))]
+)
 def test_resize_rows_equals_interpolate(in_size, out_size):
     x = torch.randn(2, 3, *in_size)
     full = F.interpolate(x, size=out_size, mode="bilinear", align_corners=False)

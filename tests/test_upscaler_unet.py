@@ -35,7 +35,7 @@ def small_model(seed: int = 0) -> U.FlowUpscalerUNet:
     torch.manual_seed(seed)
     model = U.FlowUpscalerUNet(**SMALL).eval()
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.ndim == 1:  # non-trivial norm affines and biases
                 param.normal_(0.1, 0.5)
     return model
@@ -104,7 +104,11 @@ def test_half_precision_files_load(tmp_path, file_dtype):
     assert torch.equal(loaded.in_conv.weight, state["in_conv.weight"].float())
     as_bf16 = U.load_upscaler(tmp_path / "w.safetensors", dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in as_bf16.parameters())
-    out = as_bf16(torch.randn(1, 32, 16, 16, dtype=torch.bfloat16), 1000.0, torch.randn(1, 32, 8, 8, dtype=torch.bfloat16))
+    out = as_bf16(
+        torch.randn(1, 32, 16, 16, dtype=torch.bfloat16),
+        1000.0,
+        torch.randn(1, 32, 8, 8, dtype=torch.bfloat16),
+    )
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
 
 
@@ -132,7 +136,12 @@ def test_wrong_file_names_missing_unexpected_and_misshaped(tmp_path):
 
 def test_bad_sources_give_one_line_errors(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
-    for source in (tmp_path / "missing.safetensors", tmp_path, tmp_path / "junk.safetensors", "nobody/not-cached"):
+    for source in (
+        tmp_path / "missing.safetensors",
+        tmp_path,
+        tmp_path / "junk.safetensors",
+        "nobody/not-cached",
+    ):
         with pytest.raises(FlowliftError) as info:
             U.load_upscaler(source)
         assert "\n" not in str(info.value) and "Flow Upscaler" in str(info.value)
@@ -170,7 +179,9 @@ def test_one_step_upscale_is_noise_minus_velocity_at_t1000():
     assert torch.allclose(x0, noise - (noise * 0.25 + small.mean()))
     model = small_model()
     with torch.no_grad():
-        assert torch.equal(U.one_step_upscale(model, noise, small), noise - model(noise, torch.full((2,), 1000.0), small))
+        assert torch.equal(
+            U.one_step_upscale(model, noise, small), noise - model(noise, torch.full((2,), 1000.0), small)
+        )
 
 
 @pytest.mark.parametrize(

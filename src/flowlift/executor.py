@@ -39,7 +39,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from flowlift.models.upscaler_unet import (
-    GROUP_NORM_EPS,
     FlowUpscalerUNet,
     ResBlock,
     check_inputs,
@@ -48,7 +47,7 @@ from flowlift.models.upscaler_unet import (
 DEFAULT_CHUNK = 32
 # Measured peak of the plain forward's activations, in units of one (B, base_channels, H, W) frame
 # (fp32, CPU, 2048 px output; see docs/unet.md and benchmarks/bench_unet.py).
-PLAIN_PEAK_FRAMES = 8.0
+PLAIN_PEAK_FRAMES = 10.0
 DEFAULT_CPU_BUDGET_BYTES = 1 << 30
 CUDA_BUDGET_FRACTION = 0.5
 
@@ -86,7 +85,7 @@ def should_chunk(
 
     ``force=True``/``False`` forces or forbids chunking. Otherwise chunk when :func:`plain_peak_bytes`
     exceeds ``budget_bytes``; by default that is ``CUDA_BUDGET_FRACTION`` of the free memory of a CUDA
-    device, and ``DEFAULT_CPU_BUDGET_BYTES`` (1 GiB, about 2300 px output in fp32) elsewhere.
+    device, and ``DEFAULT_CPU_BUDGET_BYTES`` (1 GiB: above about 2100 px output in fp32) elsewhere.
     """
     if force is not None:
         return bool(force)
@@ -105,7 +104,9 @@ def should_chunk(
 # small pure functions
 
 
-def bilinear_taps(in_size: int, out_size: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def bilinear_taps(
+    in_size: int, out_size: int, start: int, stop: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Source taps of output positions ``[start, stop)`` of a bilinear resize (``align_corners=False``).
 
     ``src = max(0, (dst + 0.5) * in/out - 0.5)``, ``i0 = floor(src)``, ``i1 = min(i0 + 1, in - 1)``,
@@ -144,7 +145,8 @@ class ChannelStats:
         return ChannelStats(count, mean.to(acc_dtype).view(b, c), (var * count).view(b, c))
 
     def merge(self, other: ChannelStats) -> ChannelStats:
-        """Chan et al.: ``n = na + nb``, ``d = mb - ma``, ``mean = ma + d nb / n``, ``m2 = m2a + m2b + d^2 na nb / n``."""
+        """Chan et al.: ``n = na + nb``, ``d = mb - ma``, ``mean = ma + d nb / n``,
+        ``m2 = m2a + m2b + d^2 na nb / n``."""
         n = self.count + other.count
         delta = other.mean - self.mean
         mean = self.mean + delta * (other.count / n)
@@ -154,7 +156,9 @@ class ChannelStats:
     def cat(self, other: ChannelStats) -> ChannelStats:
         """Statistics of the channel concatenation of two frames of the same size."""
         assert self.count == other.count
-        return ChannelStats(self.count, torch.cat([self.mean, other.mean], 1), torch.cat([self.m2, other.m2], 1))
+        return ChannelStats(
+            self.count, torch.cat([self.mean, other.mean], 1), torch.cat([self.m2, other.m2], 1)
+        )
 
 
 def group_norm_affine(stats: ChannelStats, norm: nn.GroupNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +185,8 @@ def group_norm_affine(stats: ChannelStats, norm: nn.GroupNorm) -> tuple[torch.Te
 
 
 def affine_silu(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``silu(x * scale + shift)`` with (B, C) ``scale``/``shift``, computed in their precision, returned in x's dtype."""
+    """``silu(x * scale + shift)`` with (B, C) ``scale``/``shift``;
+    computed in their precision, returned in x's dtype."""
     y = torch.addcmul(shift[:, :, None, None], x, scale[:, :, None, None])
     return F.silu(y, inplace=True).to(x.dtype)
 
@@ -228,7 +233,9 @@ def upsample2x_rows(read: RowFn, height: int, a: int, b: int) -> torch.Tensor:
     return out[:, :, a - 2 * w0 : b - 2 * w0]
 
 
-def resize_rows(read: RowFn, in_size: tuple[int, int], out_size: tuple[int, int], a: int, b: int) -> torch.Tensor:
+def resize_rows(
+    read: RowFn, in_size: tuple[int, int], out_size: tuple[int, int], a: int, b: int
+) -> torch.Tensor:
     """Rows ``[a, b)`` of ``F.interpolate(x, out_size, mode="bilinear", align_corners=False)``.
 
     Identity for equal sizes; :func:`upsample2x_rows` for an exact x2; otherwise the row taps of
@@ -257,7 +264,7 @@ def resize_rows(read: RowFn, in_size: tuple[int, int], out_size: tuple[int, int]
 
 @dataclass
 class Frame:
-    """A (B, C, H, W) feature map read in row strips: ``read(a, b)`` gives rows ``[a, b)`` on the compute device.
+    """A (B, C, H, W) feature map read in row strips: ``read(a, b)`` = rows ``[a, b)`` on the compute device.
 
     ``buffer`` is the stored tensor (None for a derived frame such as an upsample); ``stats`` the
     full-frame channel statistics when they were collected.
@@ -296,7 +303,10 @@ class ChunkedExecutor:
     """
 
     def __init__(
-        self, model: FlowUpscalerUNet, chunk: int = DEFAULT_CHUNK, offload_device: str | torch.device | None = None
+        self,
+        model: FlowUpscalerUNet,
+        chunk: int = DEFAULT_CHUNK,
+        offload_device: str | torch.device | None = None,
     ) -> None:
         if int(chunk) < 1:
             raise ValueError(f"chunk must be a positive number of rows, got {chunk}")
@@ -317,7 +327,9 @@ class ChunkedExecutor:
         with torch.no_grad():
             return self._forward(sample, timestep, latents_small)
 
-    def _forward(self, sample: torch.Tensor, timestep: torch.Tensor | float, small: torch.Tensor) -> torch.Tensor:
+    def _forward(
+        self, sample: torch.Tensor, timestep: torch.Tensor | float, small: torch.Tensor
+    ) -> torch.Tensor:
         m = self.model
         batch, _, height, width = sample.shape
         base = m.config["base_channels"]
@@ -332,8 +344,13 @@ class ChunkedExecutor:
         l3 = self._down_first(enc.block_3, l2, cond)
 
         # UNet encoder: FiLM from the resized low-res features before each level.
-        x = self._film(m.film_cond_1, self._pointwise_conv(m.in_conv, self._input(sample)), l1,
-                       (batch, base, height, width), into=None)
+        x = self._film(
+            m.film_cond_1,
+            self._pointwise_conv(m.in_conv, self._input(sample)),
+            l1,
+            (batch, base, height, width),
+            into=None,
+        )
         del l1
         for block in m.down_stages[0].blocks:
             x = self._block(block, [x], cond, into=x.buffer)
@@ -358,13 +375,15 @@ class ChunkedExecutor:
         del s1, s2
 
         out_shape = (batch, m.out_conv.out_channels, height, width)
-        out = self._materialize(self._pointwise_conv(m.out_conv, x), out_shape, stats=False, device=self.device)
+        out = self._materialize(
+            self._pointwise_conv(m.out_conv, x), out_shape, stats=False, device=self.device
+        )
         return out.buffer
 
     # -- storage ---------------------------------------------------------------------------------
 
     def _rows(self, width: int) -> int:
-        """Rows per strip for a frame ``width`` pixels wide: ``chunk`` at output width, proportionally more below."""
+        """Rows per strip for a frame ``width`` wide: ``chunk`` at output width, proportionally more below."""
         return max(1, (self.chunk * self.ref_width) // max(1, width))
 
     def _input(self, tensor: torch.Tensor) -> Frame:
@@ -411,9 +430,15 @@ class ChunkedExecutor:
         return lambda a, b: F.conv2d(x.read(a, b), conv.weight, conv.bias)
 
     def _block(
-        self, block: ResBlock, parts: list[Frame], cond: torch.Tensor, *, into: torch.Tensor | None, stats: bool = True
+        self,
+        block: ResBlock,
+        parts: list[Frame],
+        cond: torch.Tensor,
+        *,
+        into: torch.Tensor | None,
+        stats: bool = True,
     ) -> Frame:
-        """One residual block in two strip passes over ``x = cat(parts)``, written to ``into`` (may be a part's buffer).
+        """One residual block in two strip passes over ``x = cat(parts)``, into ``into`` (may be a part).
 
         Pass 1 stores ``h = conv1(silu(norm1(x)))`` with its statistics; pass 2 computes
         ``conv2(silu(norm2(h) * (1 + scale) + shift)) + skip(x)``. A concatenated input is never
@@ -430,12 +455,21 @@ class ChunkedExecutor:
 
         def conv1(a: int, b: int) -> torch.Tensor:
             out = None
-            for part, (c0, c1) in zip(parts, spans):
+            for part, (c0, c1) in zip(parts, spans, strict=True):
+
                 def normed(i: int, j: int, part: Frame = part, c0: int = c0, c1: int = c1) -> torch.Tensor:
                     return affine_silu(part.read(i, j), scale1[:, c0:c1], shift1[:, c0:c1])
 
-                y = conv_rows(normed, height, block.conv1.weight[:, c0:c1], block.conv1.bias if out is None else None,
-                              1, (1, 1), a, b)
+                y = conv_rows(
+                    normed,
+                    height,
+                    block.conv1.weight[:, c0:c1],
+                    block.conv1.bias if out is None else None,
+                    1,
+                    (1, 1),
+                    a,
+                    b,
+                )
                 out = y if out is None else out.add_(y)
             return out
 
@@ -453,7 +487,7 @@ class ChunkedExecutor:
         def conv2_and_skip(a: int, b: int) -> torch.Tensor:
             out = conv_rows(normed2, height, block.conv2.weight, block.conv2.bias, 1, (1, 1), a, b)
             if isinstance(block.skip, nn.Conv2d):
-                for part, (c0, c1) in zip(parts, spans):
+                for part, (c0, c1) in zip(parts, spans, strict=True):
                     out.add_(F.conv2d(part.read(a, b), block.skip.weight[:, c0:c1], block.skip.bias))
             else:
                 out.add_(parts[0].read(a, b))
@@ -479,9 +513,15 @@ class ChunkedExecutor:
         return y
 
     def _film(
-        self, film: nn.Module, x: RowFn, feature: Frame, shape: tuple[int, int, int, int], *, into: torch.Tensor | None
+        self,
+        film: nn.Module,
+        x: RowFn,
+        feature: Frame,
+        shape: tuple[int, int, int, int],
+        *,
+        into: torch.Tensor | None,
     ) -> Frame:
-        """``x * (1 + scale) + shift``, ``scale, shift = chunk(conv1x1(silu(resize(feature))), 2)``, pointwise.
+        """Pointwise ``x * (1 + scale) + shift``, ``scale, shift = chunk(conv1x1(silu(resize(feature))), 2)``.
 
         With ``into=None``, ``x`` yields fresh tensors and is modified in place; otherwise ``x`` reads
         ``into`` itself and the result is a new tensor.
@@ -497,10 +537,12 @@ class ChunkedExecutor:
         return self._materialize(rows, shape, into=into)
 
     def _upsample(self, x: Frame, shape: tuple[int, int, int, int]) -> Frame:
-        """The up stage's x2 bilinear upsample to the skip's size: a derived frame (one stats pass, never stored)."""
+        """The up stage's x2 bilinear upsample to the skip's size: derived frame, stats pass, not stored."""
         height, width = shape[2], shape[3]
         if (height, width) != (2 * x.height, 2 * x.width):
-            raise RuntimeError(f"up stage expects an exact x2 upsample, got {x.shape[2:]} -> {(height, width)}")
+            raise RuntimeError(
+                f"up stage expects an exact x2 upsample, got {x.shape[2:]} -> {(height, width)}"
+            )
 
         def rows(a: int, b: int) -> torch.Tensor:
             return upsample2x_rows(x.read, x.height, a, b)

@@ -80,7 +80,7 @@ def resize_bilinear(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 
 
 def upsample2x_to(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """The up stage's resize: bilinear x2 (``align_corners=False``), then resized to ``size`` if it differs."""
+    """The up stage's resize: bilinear x2 (``align_corners=False``), then to ``size`` if it differs."""
     x = F.interpolate(x, scale_factor=2.0, mode="bilinear", align_corners=False)
     return resize_bilinear(x, size)
 
@@ -111,7 +111,9 @@ class ResBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1)
         self.skip: nn.Module = (
-            nn.Conv2d(in_channels, out_channels, 1, bias=False) if in_channels != out_channels else nn.Identity()
+            nn.Conv2d(in_channels, out_channels, 1, bias=False)
+            if in_channels != out_channels
+            else nn.Identity()
         )
 
     def scale_shift(self, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +141,9 @@ class DownStage(nn.Module):
     ) -> None:
         super().__init__()
         self.downsample_first = downsample_first
-        self.blocks = nn.ModuleList(ResBlock(channels, channels, cond_dim, dropout) for _ in range(num_blocks))
+        self.blocks = nn.ModuleList(
+            ResBlock(channels, channels, cond_dim, dropout) for _ in range(num_blocks)
+        )
         self.downsample = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,7 +160,9 @@ class DownStage(nn.Module):
 class UpStage(nn.Module):
     """Bilinear x2 upsample (resized to the skip's size if needed), concat ``[x, skip]``, ``n`` blocks."""
 
-    def __init__(self, channels: int, skip_channels: int, num_blocks: int, cond_dim: int, dropout: float) -> None:
+    def __init__(
+        self, channels: int, skip_channels: int, num_blocks: int, cond_dim: int, dropout: float
+    ) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
             ResBlock(channels + skip_channels if i == 0 else channels, channels, cond_dim, dropout)
@@ -180,7 +186,9 @@ class LowResEncoder(nn.Module):
         self.block_2 = DownStage(channels, 1, cond_dim, dropout, downsample_first=True)
         self.block_3 = DownStage(channels, 1, cond_dim, dropout, downsample_first=True)
 
-    def forward(self, small: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, small: torch.Tensor, cond: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         l1 = self.block_1(self.in_conv(small), cond)
         l2, _ = self.block_2(l1, cond)
         l3, _ = self.block_3(l2, cond)
@@ -188,7 +196,7 @@ class LowResEncoder(nn.Module):
 
 
 class FiLMCond(nn.Module):
-    """FiLM from a feature map: ``scale, shift = chunk(conv1x1(silu(feature)), 2)``; ``x * (1 + scale) + shift``."""
+    """FiLM from a feature map: ``scale, shift = chunk(conv1x1(silu(f)), 2)``; ``x * (1 + scale) + shift``."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
@@ -205,7 +213,9 @@ class TimeConditioning(nn.Module):
     def __init__(self, time_dim: int, cond_dim: int) -> None:
         super().__init__()
         self.time_dim = time_dim
-        self.time_proj = nn.Sequential(nn.Linear(time_dim, cond_dim), nn.SiLU(), nn.Linear(cond_dim, cond_dim))
+        self.time_proj = nn.Sequential(
+            nn.Linear(time_dim, cond_dim), nn.SiLU(), nn.Linear(cond_dim, cond_dim)
+        )
 
     def forward(self, timestep: torch.Tensor) -> torch.Tensor:
         emb = timestep_embedding(timestep, self.time_dim)
@@ -323,7 +333,9 @@ def one_step_upscale(model: VelocityFn, noise: torch.Tensor, latents_small: torc
 # loading and saving
 
 
-def infer_config(state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> dict[str, int]:
+def infer_config(
+    state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> dict[str, int]:
     """Constructor arguments from tensor shapes (falling back to safetensors metadata, then defaults).
 
     ``in_conv.weight`` is (base, sample_channels, 1, 1); ``conditioning.time_proj.0.weight`` is
