@@ -44,7 +44,7 @@ from flowlift.models.upscaler_unet import (
     check_inputs,
 )
 
-DEFAULT_CHUNK = 32
+DEFAULT_CHUNK = 16
 # Measured peak of the plain forward's activations, in units of one (B, base_channels, H, W) frame
 # (fp32, CPU, 2048 px output; see docs/unet.md and benchmarks/bench_unet.py).
 PLAIN_PEAK_FRAMES = 10.0
@@ -417,11 +417,17 @@ class ChunkedExecutor:
         for a in range(0, shape[2], step):
             b = min(a + step, shape[2])
             strip = rows(a, b)
-            if stats:
-                part = ChannelStats.of(strip, self.acc_dtype)
-                collected = part if collected is None else collected.merge(part)
-            into[:, :, a:b].copy_(strip)
+            if into.device != strip.device:  # offloaded: statistics from the strip, on the compute device
+                written = strip
+                into[:, :, a:b].copy_(strip)
+            else:  # same device: free the strip first and take the statistics from the stored rows
+                into[:, :, a:b].copy_(strip)
+                written = into[:, :, a:b]
             del strip
+            if stats:
+                part = ChannelStats.of(written, self.acc_dtype)
+                collected = part if collected is None else collected.merge(part)
+            del written
         return self._stored(into, collected)
 
     # -- layers ----------------------------------------------------------------------------------
