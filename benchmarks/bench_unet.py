@@ -4,8 +4,8 @@ CPU (default), in one run, side by side:
 
 * time of one pass at 1024 px output (latent 64x64 -> 128x128), plain vs executor, interleaved
   ``--repeats`` times (min and median of wall and CPU seconds);
-* peak RSS of one pass at 1024 and 2048 px output, each measured in a fresh subprocess
-  (``resource.getrusage(RUSAGE_SELF).ru_maxrss``), with the RSS before the pass (weights, inputs);
+* peak RSS of one pass at 1024 and 2048 px output, each measured in a fresh subprocess (``VmHWM``,
+  the kernel's peak-RSS counter), with the RSS before the pass (interpreter, torch, weights, inputs);
 * FLOPs per pass (``torch.utils.flop_counter.FlopCounterMode`` on meta tensors: convolutions and
   matmuls), plain and executor — they must be equal (no recomputation).
 
@@ -59,7 +59,18 @@ def runner(model: FlowUpscalerUNet, mode: str, chunk: int, offload: str | None =
 
 
 def rss_mib() -> float:
-    """Peak resident set size of this process so far, MiB (Linux reports KiB)."""
+    """Peak resident set size of this process so far, MiB.
+
+    ``VmHWM`` from ``/proc/self/status`` (reset by exec); ``ru_maxrss`` is only a fallback because Linux
+    carries it over from the parent across fork + exec, so a large parent would hide the child's peak.
+    """
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -110,6 +121,17 @@ def cpu_report(args: argparse.Namespace) -> None:
         plain, chunked = flops("plain", pixels, args.chunk), flops("executor", pixels, args.chunk)
         print(f"FLOPs per pass at {pixels} px: plain {plain / 1e9:.1f} G, executor {chunked / 1e9:.1f} G")
 
+    for pixels in (1024, 2048):
+        peaks = {mode: measure_peak(mode, pixels, args.chunk) for mode in ("plain", "executor")}
+        p, e = peaks["plain"], peaks["executor"]
+        p_act, e_act = p["peak_mib"] - p["before_mib"], e["peak_mib"] - e["before_mib"]
+        print(
+            f"peak RSS at {pixels} px: plain {p['peak_mib']:.0f} MiB (+{p_act:.0f} over "
+            f"{p['before_mib']:.0f} before the pass), executor {e['peak_mib']:.0f} MiB (+{e_act:.0f}); "
+            f"executor / plain "
+            f"{e['peak_mib'] / p['peak_mib']:.3f}x total, {e_act / max(1e-9, p_act):.3f}x over pre-pass"
+        )
+
     model = build("cpu", torch.float32)
     sample, timestep, small = inputs(1024, "cpu", torch.float32)
     executor = ChunkedExecutor(model, chunk=args.chunk)
@@ -132,18 +154,6 @@ def cpu_report(args: argparse.Namespace) -> None:
         f"executor / plain: wall min {row['executor'][0] / row['plain'][0]:.3f}x, "
         f"median {row['executor'][1] / row['plain'][1]:.3f}x, CPU {row['executor'][2] / row['plain'][2]:.3f}x"
     )
-    del model, executor
-
-    for pixels in (1024, 2048):
-        peaks = {mode: measure_peak(mode, pixels, args.chunk) for mode in ("plain", "executor")}
-        p, e = peaks["plain"], peaks["executor"]
-        p_act, e_act = p["peak_mib"] - p["before_mib"], e["peak_mib"] - e["before_mib"]
-        print(
-            f"peak RSS at {pixels} px: plain {p['peak_mib']:.0f} MiB (+{p_act:.0f} over "
-            f"{p['before_mib']:.0f} before the pass), executor {e['peak_mib']:.0f} MiB (+{e_act:.0f}); "
-            f"executor / plain "
-            f"{e['peak_mib'] / p['peak_mib']:.3f}x total, {e_act / max(1e-9, p_act):.3f}x over pre-pass"
-        )
 
 
 def gpu_report(args: argparse.Namespace) -> None:
@@ -174,7 +184,7 @@ def gpu_report(args: argparse.Namespace) -> None:
         base = torch.cuda.memory_allocated(device)
         wall = time.perf_counter()
         executor = ChunkedExecutor(model, chunk=args.chunk, offload_device="cpu")
-        executor(sample.to(device), timestep, small.to(device))
+        executor(sample, timestep, small)  # inputs stay in host memory; the output lands on the GPU
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(device)
         print(
@@ -189,8 +199,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", help="GPU dtype: bf16, fp16 or fp32 (CPU runs fp32)")
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "PIXELS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.worker:
         worker(args.worker[0], int(args.worker[1]), args.chunk)
     elif args.device == "cpu":
