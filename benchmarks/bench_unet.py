@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from flowlift.executor import DEFAULT_CHUNK, ChunkedExecutor
+from flowlift.executor import ChunkedExecutor
 from flowlift.models.upscaler_unet import FlowUpscalerUNet
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -55,7 +55,7 @@ def inputs(pixels: int, device: str, dtype: torch.dtype) -> tuple[torch.Tensor, 
 def runner(model: FlowUpscalerUNet, mode: str, chunk: int, offload: str | None = None):
     if mode == "plain":
         return model
-    return ChunkedExecutor(model, chunk=chunk, offload_device=offload)
+    return ChunkedExecutor(model, chunk=chunk or None, offload_device=offload)
 
 
 def rss_mib() -> float:
@@ -116,7 +116,9 @@ def flops(mode: str, pixels: int, chunk: int) -> int:
 
 def cpu_report(args: argparse.Namespace) -> None:
     torch.set_grad_enabled(False)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, chunk={args.chunk}, fp32, CPU")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, chunk={args.chunk or 'default'}, fp32, CPU"
+    )
     for pixels in (1024, 2048):
         plain, chunked = flops("plain", pixels, args.chunk), flops("executor", pixels, args.chunk)
         print(f"FLOPs per pass at {pixels} px: plain {plain / 1e9:.1f} G, executor {chunked / 1e9:.1f} G")
@@ -134,7 +136,7 @@ def cpu_report(args: argparse.Namespace) -> None:
 
     model = build("cpu", torch.float32)
     sample, timestep, small = inputs(1024, "cpu", torch.float32)
-    executor = ChunkedExecutor(model, chunk=args.chunk)
+    executor = runner(model, "executor", args.chunk)
     model(sample, timestep, small)  # warm-up
     times: dict[str, list[tuple[float, float]]] = {"plain": [], "executor": []}
     for _ in range(args.repeats):
@@ -183,7 +185,7 @@ def gpu_report(args: argparse.Namespace) -> None:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         wall = time.perf_counter()
-        executor = ChunkedExecutor(model, chunk=args.chunk, offload_device="cpu")
+        executor = runner(model, "executor", args.chunk, offload="cpu")
         executor(sample, timestep, small)  # inputs stay in host memory; the output lands on the GPU
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(device)
@@ -197,7 +199,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bf16", help="GPU dtype: bf16, fp16 or fp32 (CPU runs fp32)")
-    parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK)
+    parser.add_argument("--chunk", type=int, default=0, help="rows per strip (0: the executor default)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "PIXELS"), help=argparse.SUPPRESS)

@@ -44,7 +44,9 @@ from flowlift.models.upscaler_unet import (
     check_inputs,
 )
 
-DEFAULT_CHUNK = 16
+# Default strip size: this many latent pixels per strip at the output resolution (64 rows at 1024 px
+# output, 32 at 2048 px, 4 at 16K): ~12 MiB per 384-channel fp32 strip temporary.
+DEFAULT_STRIP_PIXELS = 8192
 # Measured peak of the plain forward's activations, in units of one (B, base_channels, H, W) frame
 # (fp32, CPU, 2048 px output; see docs/unet.md and benchmarks/bench_unet.py).
 PLAIN_PEAK_FRAMES = 10.0
@@ -98,6 +100,11 @@ def should_chunk(
             budget_bytes = DEFAULT_CPU_BUDGET_BYTES
     need = plain_peak_bytes(height, width, batch=batch, base_channels=base_channels, dtype=dtype)
     return need > budget_bytes
+
+
+def default_chunk(width: int) -> int:
+    """Rows per strip at the output resolution by default: ``max(1, DEFAULT_STRIP_PIXELS // width)``."""
+    return max(1, DEFAULT_STRIP_PIXELS // max(1, width))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -297,7 +304,9 @@ class ChunkedExecutor:
 
     Callable like the model: ``executor(sample, timestep, latents_small) -> velocity``. ``chunk`` is
     the number of rows per strip at the output resolution (lower-resolution levels use proportionally
-    more rows, so every strip has about the same number of pixels). Full-frame activations are kept
+    more rows, so every strip has about the same number of pixels); by default it is
+    :func:`default_chunk` of the output width (``DEFAULT_STRIP_PIXELS`` latent pixels per strip; on
+    a GPU larger strips, e.g. ``chunk=256``, use the device better). Full-frame activations are kept
     on ``offload_device`` (default: the model's device); strips are computed on the model's device.
     Inference only: dropout is never applied, whatever ``model.training`` says.
     """
@@ -305,13 +314,13 @@ class ChunkedExecutor:
     def __init__(
         self,
         model: FlowUpscalerUNet,
-        chunk: int = DEFAULT_CHUNK,
+        chunk: int | None = None,
         offload_device: str | torch.device | None = None,
     ) -> None:
-        if int(chunk) < 1:
+        if chunk is not None and int(chunk) < 1:
             raise ValueError(f"chunk must be a positive number of rows, got {chunk}")
         self.model = model
-        self.chunk = int(chunk)
+        self.chunk = None if chunk is None else int(chunk)
         self.offload_device = torch.device(offload_device) if offload_device is not None else None
 
     def __call__(
@@ -384,7 +393,8 @@ class ChunkedExecutor:
 
     def _rows(self, width: int) -> int:
         """Rows per strip for a frame ``width`` wide: ``chunk`` at output width, proportionally more below."""
-        return max(1, (self.chunk * self.ref_width) // max(1, width))
+        chunk = self.chunk or default_chunk(self.ref_width)
+        return max(1, (chunk * self.ref_width) // max(1, width))
 
     def _input(self, tensor: torch.Tensor) -> Frame:
         stored = tensor if self.offload_device is None else tensor.to(self.store_device)
