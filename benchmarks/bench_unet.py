@@ -116,9 +116,8 @@ def flops(mode: str, pixels: int, chunk: int) -> int:
 
 def cpu_report(args: argparse.Namespace) -> None:
     torch.set_grad_enabled(False)
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, chunk={args.chunk or 'default'}, fp32, CPU"
-    )
+    chunk = args.chunk or "default"
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, chunk={chunk}, fp32, CPU")
     for pixels in (1024, 2048):
         plain, chunked = flops("plain", pixels, args.chunk), flops("executor", pixels, args.chunk)
         print(f"FLOPs per pass at {pixels} px: plain {plain / 1e9:.1f} G, executor {chunked / 1e9:.1f} G")
