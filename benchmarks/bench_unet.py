@@ -118,11 +118,12 @@ def cpu_report(args: argparse.Namespace) -> None:
     torch.set_grad_enabled(False)
     chunk = args.chunk or "default"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, chunk={chunk}, fp32, CPU")
-    for pixels in (1024, 2048):
+    parts = set(args.parts.split(","))
+    for pixels in (1024, 2048) if "flops" in parts else ():
         plain, chunked = flops("plain", pixels, args.chunk), flops("executor", pixels, args.chunk)
         print(f"FLOPs per pass at {pixels} px: plain {plain / 1e9:.1f} G, executor {chunked / 1e9:.1f} G")
 
-    for pixels in (1024, 2048):
+    for pixels in (1024, 2048) if "memory" in parts else ():
         peaks = {mode: measure_peak(mode, pixels, args.chunk) for mode in ("plain", "executor")}
         p, e = peaks["plain"], peaks["executor"]
         p_act, e_act = p["peak_mib"] - p["before_mib"], e["peak_mib"] - e["before_mib"]
@@ -133,6 +134,8 @@ def cpu_report(args: argparse.Namespace) -> None:
             f"{e['peak_mib'] / p['peak_mib']:.3f}x total, {e_act / max(1e-9, p_act):.3f}x over pre-pass"
         )
 
+    if "time" not in parts:
+        return
     model = build("cpu", torch.float32)
     sample, timestep, small = inputs(1024, "cpu", torch.float32)
     executor = runner(model, "executor", args.chunk)
@@ -200,6 +203,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16", help="GPU dtype: bf16, fp16 or fp32 (CPU runs fp32)")
     parser.add_argument("--chunk", type=int, default=0, help="rows per strip (0: the executor default)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--parts", default="flops,memory,time", help="CPU report parts to run")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "PIXELS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
