@@ -49,3 +49,12 @@ def test_seeded_noise_is_cpu_generated_and_reproducible():
     assert not torch.equal(a, c)
     g = torch.Generator().manual_seed(7)
     assert torch.equal(L.seeded_noise((1, 32, 4, 4), g), a)
+
+
+def test_comfyui_latent_roundtrip():
+    x = torch.randn(1, 32, 8, 12)
+    latent = L.to_comfyui_latent(x)
+    assert latent["samples"].shape == (1, 128, 4, 6)
+    assert torch.equal(L.from_comfyui_latent(latent), x)
+    with pytest.raises(ValueError):
+        L.from_comfyui_latent({"samples": x})

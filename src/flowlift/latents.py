@@ -129,3 +129,16 @@ def latent_size(image_height: int, image_width: int) -> tuple[int, int]:
 def image_seq_len(latent_height: int, latent_width: int) -> int:
     """Transformer sequence length of a 32-channel latent grid: (h/2) * (w/2) packed tokens."""
     return (latent_height // 2) * (latent_width // 2)
+
+
+def to_comfyui_latent(latents: torch.Tensor) -> dict[str, torch.Tensor]:
+    """flowlift latents -> ComfyUI's FLUX.2 ``LATENT`` dict (normalized, patchified 4-D ``samples``)."""
+    return {"samples": patchify(latents)}
+
+
+def from_comfyui_latent(latent: dict[str, torch.Tensor]) -> torch.Tensor:
+    """ComfyUI's FLUX.2 ``LATENT`` dict -> flowlift latents (normalized, unpatchified 32 channels)."""
+    samples = latent["samples"]
+    if samples.ndim != 4 or samples.shape[1] != PATCHIFIED_CHANNELS:
+        raise ValueError(f"expected a FLUX.2 LATENT of shape (B, 128, h, w), got {tuple(samples.shape)}")
+    return unpatchify(samples)

@@ -1,0 +1,112 @@
+"""Time (and on CUDA, peak extra memory) of the two colour-drift stages at several output sizes.
+
+    python benchmarks/bench_colorfix.py --device cpu --sides 1024 2048 --repeats 3
+    python benchmarks/bench_colorfix.py --drift ../shared/images/photos/Wine_by_Jakkub_Mede.png
+
+``--drift PHOTO`` instead prints protocol A (flowlift.metrics.drift_at_input_scale) for the synthetic
+drift of tests/test_colorfix.py: the photo at 192 px wide, Lanczos-upscaled 4x, given a cast
+(+1.5 a*, -2 b*), +15 % chroma and a tone stretch (L* x1.1 around 50, +2), then stage 2 at
+strengths 0 / 0.5 / 1 against the 192 px photo.
+
+Stage 1 runs on a (1, 32, S/8, S/8) output latent with its (S/16) conditioning; stage 2 on a
+(1, 3, S, S) decoded image against a 4x smaller reference (a 2-pass chain), with the default two
+iterations. Inputs are random (cost does not depend on content). Prints one table row per size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from flowlift.colorfix import lab_lowband_transplant, latent_lowband_transplant
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measure(fn, device: torch.device, repeats: int) -> tuple[float, float | None]:
+    """Median seconds over ``repeats`` runs (after one warm-up) and CUDA peak extra MiB (else None)."""
+    fn()
+    _sync(device)
+    times = []
+    peak = None
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        start = time.perf_counter()
+        result = fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        if device.type == "cuda":
+            peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+        del result
+    return statistics.median(times), peak
+
+
+def drift_table(photo_path: str) -> None:
+    from kornia.color import lab_to_rgb, rgb_to_lab
+    from PIL import Image
+
+    from flowlift.images import tensor_to_uint8, to_tensor
+    from flowlift.metrics import drift_at_input_scale
+
+    photo = Image.open(photo_path).convert("RGB")
+    small = photo.resize((192, round(192 * photo.height / photo.width)), Image.Resampling.BOX)
+    big = to_tensor(small.resize((small.width * 4, small.height * 4), Image.Resampling.LANCZOS))
+    lab = rgb_to_lab(big)
+    light = (lab[:, :1] - 50.0) * 1.1 + 52.0
+    colour = lab[:, 1:] * 1.15 + torch.tensor([1.5, -2.0]).view(1, 2, 1, 1)
+    drifted = lab_to_rgb(torch.cat([light, colour], 1))
+    reference = tensor_to_uint8(to_tensor(small))[0]
+    keys = ["cast_r", "cast_g", "cast_b", "c_mean_change_pct", "c_p99_change", "l_std_change", "l_p5_change"]
+    keys.append("l_p95_change")
+    print("| stage 2 strength | " + " | ".join(keys) + " |")
+    print("|---" * (len(keys) + 1) + "|")
+    for strength in (0.0, 0.5, 1.0):
+        fixed = lab_lowband_transplant(drifted, to_tensor(small), strength)
+        metrics = drift_at_input_scale(tensor_to_uint8(fixed)[0], reference)
+        print(f"| {strength} | " + " | ".join(f"{metrics[k]:+.3f}" for k in keys) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sides", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--drift", metavar="PHOTO", help="print the synthetic-drift table for PHOTO instead")
+    args = parser.parse_args()
+    if args.drift:
+        drift_table(args.drift)
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    gen = torch.Generator().manual_seed(0)
+    print(f"device={device} threads={torch.get_num_threads()} repeats={args.repeats}")
+    print("| output side | stage 1 (latent) ms | stage 2 (pixel, 2 iterations) ms | stage 2 peak extra MiB |")
+    print("|---|---|---|---|")
+    for side in args.sides:
+        out_latent = torch.randn(1, 32, side // 8, side // 8, generator=gen).to(device)
+        cond = torch.randn(1, 32, side // 16, side // 16, generator=gen).to(device)
+        s1, _ = _measure(lambda o=out_latent, c=cond: latent_lowband_transplant(o, c, 1.0), device, args.repeats)
+        del out_latent, cond
+        image = torch.rand(1, 3, side, side, generator=gen).to(device)
+        reference = torch.rand(1, 3, side // 4, side // 4, generator=gen).to(device)
+        # in place, as the pipeline runs it: the result overwrites the decoded image
+        s2, peak = _measure(
+            lambda i=image, r=reference: lab_lowband_transplant(i, r, 1.0, inplace=True), device, args.repeats
+        )
+        del image, reference
+        peak_text = f"{peak:.0f}" if peak is not None else "n/a (CPU)"
+        print(f"| {side} | {s1 * 1e3:.1f} | {s2 * 1e3:.0f} | {peak_text} |")
+
+
+if __name__ == "__main__":
+    main()

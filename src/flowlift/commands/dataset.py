@@ -1,0 +1,181 @@
+"""``flowlift dataset``: build sharded training data for the Flow Upscaler.
+
+* ``flowlift dataset distill``: a FLUX.2 teacher turns stored noise into target latents (flow
+  distillation pairs: noise, target, conditioning).
+* ``flowlift dataset images``: targets are VAE encodings of random crops of real photos.
+
+Both are resumable (run the same command again) and show progress bars.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+NAME = "dataset"
+HELP = "build training shards: teacher distillation pairs or encoded photo crops"
+
+STORAGE = ("float16", "bfloat16", "float32")
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="dataset folder (created; an existing one is resumed)")
+    parser.add_argument("--vae", required=True, help="VAE spec for decode/encode (e.g. madebyollin/taef2, a folder)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shard-size", type=int, default=256, help="items per shard file (default 256)")
+    parser.add_argument("--batch-size", type=int, default=4, help="items processed together (default 4)")
+    parser.add_argument("--storage-dtype", choices=STORAGE, default="float16", help="tensor dtype in shards")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    parser.add_argument("--filter", default="area", choices=("area", "bicubic", "bilinear", "lanczos"),
+                        help="antialiased 2x pixel-space downscale for the conditioning (default area)")
+    parser.add_argument("--jpeg-quality", type=int, help="also JPEG-compress the downscaled image (1-100)")
+    parser.add_argument("--noise-std", type=float, default=0.0, help="also add Gaussian pixel noise (0..1 units)")
+    parser.add_argument("--part", default="0/1", metavar="I/N",
+                        help="build only shards k with k %% N == I (run N processes or machines on one --out)")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="dataset_kind", metavar="KIND", required=True)
+    distill = sub.add_parser("distill", help="teacher-generated distillation pairs",
+                             description="Generate target latents with a FLUX.2 teacher from stored noise.")
+    _common(distill)
+    distill.add_argument("--teacher", required=True,
+                         help="a FLUX.2 diffusers pipeline (folder or hub id) or a Flux2Transformer2DModel folder")
+    distill.add_argument("--prompts", help="text file, one prompt per line (pipeline teachers); item i uses line i")
+    distill.add_argument("--prompt-embeds", help="safetensors file with 'prompt_embeds' (L, D) (transformer teachers)")
+    distill.add_argument("--num", type=int, required=True, help="number of items")
+    distill.add_argument("--width", type=int, default=1024, help="target image width in pixels (multiple of 32)")
+    distill.add_argument("--height", type=int, default=1024, help="target image height in pixels (multiple of 32)")
+    distill.add_argument("--steps", type=int, default=4, help="teacher sampling steps (default 4)")
+    distill.add_argument("--guidance", type=float, help="teacher guidance scale")
+    distill.add_argument("--teacher-dtype", choices=STORAGE, default=None,
+                         help="teacher weights dtype (default bfloat16 on CUDA, float32 on CPU)")
+    images = sub.add_parser("images", help="encoded crops of real photos",
+                            description="Encode random crops (and flips) of photos; noise is drawn at train time.")
+    _common(images)
+    images.add_argument("inputs", nargs="+", help="image files, folders or glob patterns")
+    images.add_argument("--crop", type=int, default=512, help="crop side in pixels (multiple of 32; default 512)")
+    images.add_argument("--crops-per-image", type=int, default=4)
+    images.add_argument("--no-flip", action="store_true", help="no random horizontal flips")
+
+
+def _device(setting: str):
+    import torch
+
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def _dtype(name: str | None, device):
+    import torch
+
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def load_teacher(args: argparse.Namespace, device):
+    """A teacher callable from ``--teacher``: a diffusers pipeline or a bare FLUX.2 transformer."""
+    from flowlift.errors import FlowliftError
+    from flowlift.training.datasets import PipelineTeacher, TransformerTeacher
+    from flowlift.weights import looks_like_repo_id
+
+    dtype = _dtype(args.teacher_dtype, device)
+    path = Path(args.teacher)
+    is_pipeline = (path.is_dir() and (path / "model_index.json").is_file()) or looks_like_repo_id(args.teacher)
+    is_transformer = path.is_dir() and (path / "config.json").is_file() and not is_pipeline
+    if is_transformer:
+        if not args.prompt_embeds:
+            raise FlowliftError("a transformer teacher needs --prompt-embeds (a safetensors file with 'prompt_embeds')")
+        from diffusers import Flux2Transformer2DModel
+
+        from flowlift.weights import read_state_dict
+
+        embeds = read_state_dict(args.prompt_embeds, what="prompt embeddings")
+        if "prompt_embeds" not in embeds:
+            raise FlowliftError(f"{args.prompt_embeds} has no tensor named 'prompt_embeds'")
+        try:
+            transformer = Flux2Transformer2DModel.from_pretrained(str(path), torch_dtype=dtype)
+        except Exception as error:  # noqa: BLE001 - diffusers raises many types for a bad folder
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise FlowliftError(f"cannot load the teacher transformer from {path}: {first}") from None
+        return TransformerTeacher(transformer, embeds["prompt_embeds"], num_steps=args.steps,
+                                  guidance=args.guidance, device=device, dtype=dtype), {
+            "teacher": str(path), "type": "transformer", "steps": args.steps, "guidance": args.guidance}
+    if is_pipeline:
+        if not args.prompts:
+            raise FlowliftError("a pipeline teacher needs --prompts (a text file, one prompt per line)")
+        prompts_path = Path(args.prompts)
+        if not prompts_path.is_file():
+            raise FlowliftError(f"prompts file not found: {prompts_path}")
+        prompts = [line.strip() for line in prompts_path.read_text().splitlines() if line.strip()]
+        from diffusers import DiffusionPipeline
+
+        try:
+            pipe = DiffusionPipeline.from_pretrained(args.teacher, torch_dtype=dtype).to(device)
+        except Exception as error:  # noqa: BLE001
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise FlowliftError(f"cannot load the teacher pipeline {args.teacher}: {first}") from None
+        pipe.set_progress_bar_config(disable=True)
+        return PipelineTeacher(pipe, prompts, num_steps=args.steps, guidance_scale=args.guidance), {
+            "teacher": args.teacher, "type": type(pipe).__name__, "steps": args.steps, "guidance": args.guidance,
+            "prompts": str(prompts_path)}
+    raise FlowliftError(
+        f"--teacher {args.teacher}: not a diffusers pipeline (model_index.json), a transformer folder "
+        "(config.json) or a hub repo id"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from flowlift.errors import FlowliftError
+    from flowlift.training.degrade import Degradation
+    from flowlift.vae import load_vae
+
+    device = _device(args.device)
+    try:
+        part = tuple(int(x) for x in args.part.split("/"))
+    except ValueError:
+        part = ()
+    if len(part) != 2:
+        raise FlowliftError(f"--part must look like I/N (e.g. 0/4), got {args.part!r}")
+    from flowlift.training.datasets import check_part
+
+    check_part(part)
+    degradation = Degradation(filter=args.filter, jpeg_quality=args.jpeg_quality, noise_std=args.noise_std)
+    storage = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[args.storage_dtype]
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise FlowliftError(f"--out {out} exists and is not a folder")
+    if args.dataset_kind == "distill":
+        if args.width % 32 or args.height % 32 or args.width <= 0 or args.height <= 0:
+            raise FlowliftError(f"--width/--height must be positive multiples of 32, got {args.width}x{args.height}")
+        teacher, source = load_teacher(args, device)
+        vae = load_vae(args.vae, device=device, dtype=torch.float32)
+        source["vae"] = args.vae
+        from flowlift.training.datasets import build_distill_dataset
+
+        manifest = build_distill_dataset(
+            out, teacher, vae, num_items=args.num, latent_size=(args.height // 8, args.width // 8),
+            seed=args.seed, shard_size=args.shard_size, batch_size=args.batch_size, degradation=degradation,
+            storage_dtype=storage, device=device, source=source, progress=not args.no_progress, part=part,
+        )
+    else:
+        from flowlift.images import list_images
+        from flowlift.training.datasets import build_images_dataset
+
+        paths = list_images(args.inputs)
+        vae = load_vae(args.vae, device=device, dtype=torch.float32)
+        manifest = build_images_dataset(
+            out, paths, vae, crop=args.crop, crops_per_image=args.crops_per_image, seed=args.seed,
+            shard_size=args.shard_size, batch_size=args.batch_size, flip=not args.no_flip,
+            degradation=degradation, storage_dtype=storage, device=device, vae_name=args.vae,
+            progress=not args.no_progress, part=part,
+        )
+    print(f"{args.dataset_kind} dataset: {manifest['num_items']} items of {manifest['target_shape']} in "
+          f"{os.fspath(out)}")
+    return 0

@@ -1,0 +1,138 @@
+"""``flowlift eval``: drift / detail / fidelity tables, JSON and figures for outputs or methods.
+
+Two modes::
+
+    flowlift eval OUTPUTS... --reference INPUTS [--ground-truth GT] [--box x,y,w,h] --out DIR
+    flowlift eval --run lanczos,bicubic,latent-bicubic,vae-roundtrip --dataset PHOTOS --scale 4 \
+        --vae PATH [--upscaler PATH] --out DIR
+
+Both print a Markdown table (mean and worst rows) and write ``results.json``, ``table.md``,
+``metrics.png`` and ``crops.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+NAME = "eval"
+HELP = "Measure colour drift, detail and fidelity of outputs or of upscaling methods; write tables and plots."
+
+
+def _box(text: str) -> tuple[int, int, int, int]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"box must be x,y,w,h integers, got {text!r}") from None
+    if len(values) != 4 or values[2] <= 0 or values[3] <= 0 or min(values[:2]) < 0:
+        raise argparse.ArgumentTypeError(f"box must be x,y,w,h with w,h > 0, got {text!r}")
+    return values  # type: ignore[return-value]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("outputs", nargs="*", help="output images or folders (paired with --reference by name)")
+    parser.add_argument("--reference", help="folder of the inputs the outputs were made from")
+    parser.add_argument("--ground-truth", help="folder of same-named ground-truth images (adds PSNR/SSIM)")
+    parser.add_argument("--run", action="append", metavar="METHODS",
+                        help="methods to run, comma-separated: lanczos, bicubic, latent-bicubic, "
+                        "vae-roundtrip, flow[:transplant=F][:color_fix=F][:color=on|off][:seed=N]")  # fmt: skip
+    parser.add_argument("--dataset", action="append", help="photos (files/folders) to build low-res inputs from")
+    parser.add_argument("--scale", type=int, default=4, help="upscale factor for --run (default 4)")
+    parser.add_argument("--limit", type=int, help="use only the first N dataset images")
+    parser.add_argument("--box", type=_box, help="x,y,w,h in output pixels: grey levels are counted here, "
+                        "and the figure crops it")  # fmt: skip
+    parser.add_argument("--vae", default=None, help="VAE for latent methods: local file/folder or hub id")
+    parser.add_argument("--upscaler", default=None, help="Flow Upscaler weights (for the flow method)")
+    parser.add_argument("--device", default="cpu", help="torch device for VAE/upscaler methods (default cpu)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--out", required=True, help="folder for results.json, table.md, metrics.png, crops.png")
+    parser.add_argument("--cache", default=None, help="result cache folder (default OUT/cache)")
+    parser.add_argument("--no-cache", action="store_true", help="recompute everything, store nothing")
+    parser.add_argument("--figure-images", type=int, default=3, help="images in the crop grid (default 3)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from flowlift import evaluate as E
+    from flowlift.errors import FlowliftError
+
+    out_dir = Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FlowliftError(f"--out {out_dir} exists and is not a folder")
+    if args.run:
+        if args.outputs or args.reference:
+            raise FlowliftError("give either OUTPUTS --reference, or --run with --dataset, not both")
+        if not args.dataset:
+            raise FlowliftError("--run needs --dataset (a folder of photos)")
+        if args.limit is not None and args.limit < 1:
+            raise FlowliftError("--limit must be >= 1")
+        report = _run_methods(args, E)
+    else:
+        if not args.outputs or not args.reference:
+            raise FlowliftError("give OUTPUTS and --reference INPUTS (or --run METHODS --dataset DIR)")
+        report = E.evaluate_pairs(
+            args.outputs,
+            args.reference,
+            args.ground_truth,
+            box=args.box,
+            figure_images=args.figure_images,
+            progress=not args.quiet,
+        )
+    paths = E.write_report(report, out_dir)
+    print(E.markdown_table(report))
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    if report.config.get("mode") == "run":
+        print(f"cache: {report.cached} reused, {report.computed} computed")
+    return 0
+
+
+def _run_methods(args: argparse.Namespace, E):
+    import torch
+
+    from flowlift.errors import FlowliftError
+
+    specs = E.parse_methods(args.run)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    device = torch.device(args.device)
+    needs_vae = any(s.needs_vae for s in specs)
+    needs_flow = any(s.name == "flow" for s in specs)
+    if needs_vae and args.vae is None:
+        raise FlowliftError("methods " + ", ".join(s.label for s in specs if s.needs_vae) + " need --vae")
+    if needs_flow and args.upscaler is None:
+        raise FlowliftError("method flow needs --upscaler (the Flow Upscaler weights)")
+    for s in specs:
+        if s.name == "flow":
+            E.flow_kwargs(s, args.scale)  # validates the scale before any work
+    vae = pipeline = None
+    identities: dict = {}
+    if needs_vae:
+        from flowlift.vae import load_vae
+
+        vae = load_vae(args.vae, device=device, dtype=dtype)
+        identities.update(
+            vae=E.model_identity(args.vae), device=str(device), dtype=args.dtype, vae_spec=str(args.vae)
+        )
+        if getattr(vae, "approximate_decode", False):
+            identities["vae_note"] = "approximate decoder"
+    if needs_flow:
+        from flowlift.pipeline import FlowUpscalerPipeline
+
+        pipeline = FlowUpscalerPipeline(args.upscaler, vae, device=device, dtype=dtype)
+        identities.update(upscaler=E.model_identity(args.upscaler), upscaler_spec=str(args.upscaler))
+    fns = {
+        s.label: E.make_method_fn(s, args.scale, vae=vae, pipeline=pipeline, device=device, dtype=dtype)
+        for s in specs
+    }
+    cache_dir = None if args.no_cache else Path(args.cache) if args.cache else Path(args.out) / "cache"
+    return E.evaluate_methods(
+        specs,
+        args.dataset,
+        args.scale,
+        method_fns=fns,
+        identities=identities,
+        cache_dir=cache_dir,
+        box=args.box,
+        limit=args.limit,
+        figure_images=args.figure_images,
+        progress=not args.quiet,
+    )

@@ -1,0 +1,291 @@
+"""``flowlift img2img``: refine an image with a FLUX.2 transformer (img2img, inpaint, outpaint)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from flowlift.errors import FlowliftError
+
+#: Mirrors flowlift.refine.SAMPLERS / STRENGTH_MAPS (kept literal so --help does not import torch).
+SAMPLERS = ("euler", "heun")
+STRENGTH_MAPS = ("linear", "canvas")
+
+NAME = "img2img"
+HELP = (
+    "Refine an image with a FLUX.2 Klein/dev transformer: img2img, inpaint (--mask) or outpaint (--outpaint); "
+    "normalized-space start latents on the shifted schedule"
+)
+
+
+# ------------------------------------------------------------------------------------ shared options
+
+
+def unit_interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def seed_value(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer seed: {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"seed must be in [0, 2^63), got {value}")
+    return value
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model, prompt, sampling and device options shared by ``img2img`` and ``hires``."""
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        required=True,
+        metavar="PATH|REPO",
+        help="FLUX.2 Klein or dev weights: a diffusers folder or hub id (transformer/ and vae/ subfolders, "
+        "e.g. black-forest-labs/FLUX.2-klein-4B), a transformer folder, or a single .safetensors file",
+    )
+    model.add_argument(
+        "--vae", metavar="SPEC", help="VAE (flowlift.vae.load_vae spec); default: the model's own vae/ folder"
+    )
+    model.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    model.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        default="auto",
+        help="transformer precision (default: bfloat16 on CUDA, float32 on CPU)",
+    )
+    prompt = parser.add_argument_group("prompt")
+    prompt.add_argument("--prompt", help="the prompt (embedded with the model's own text encoder, flowlift[text])")
+    prompt.add_argument(
+        "--prompt-embeds",
+        metavar="FILE",
+        help="precomputed embeddings: a .safetensors with 'prompt_embeds' (B|1, L, D) and optionally "
+        "'negative_prompt_embeds'; no text encoder is loaded",
+    )
+    prompt.add_argument("--negative-prompt", help="negative prompt for true CFG (default '' when --cfg-scale > 1)")
+    prompt.add_argument(
+        "--cfg-scale",
+        type=float,
+        default=1.0,
+        help="true classifier-free guidance scale (two model calls per step); 1 = off. "
+        "FLUX.2 Klein base models use ~4, the distilled Klein and dev models 1",
+    )
+    prompt.add_argument(
+        "--guidance",
+        type=float,
+        help="embedded guidance of FLUX.2 dev (default 4.0); not accepted by Klein (no guidance embedding)",
+    )
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument(
+        "--steps",
+        type=positive_int,
+        default=28,
+        help="steps of the FULL shifted schedule (default 28; distilled Klein: 4). img2img runs the part "
+        "of it below sigma = 1 - denoising_start",
+    )
+    sampling.add_argument("--sampler", choices=SAMPLERS, default="euler", help="euler (default) or heun")
+    sampling.add_argument("--seed", type=seed_value, default=0, help="noise seed (default 0)")
+    sampling.add_argument(
+        "--strength-map",
+        choices=STRENGTH_MAPS,
+        default="linear",
+        help="strength -> denoising_start: linear = 1 - s (default); canvas = 1 - s**0.2",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("-o", "--output", metavar="PATH", help="output image (PNG keeps all parameters as metadata)")
+    out.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("image", help="input image")
+    parser.add_argument(
+        "--strength",
+        type=unit_interval,
+        help="how much to change: 0 = the VAE round trip, 1 = ignore the input (default 0.5; outpaint 1.0)",
+    )
+    parser.add_argument("--mask", metavar="IMAGE", help="inpaint mask, same size: white = regenerate, black = keep")
+    parser.add_argument(
+        "--outpaint",
+        metavar="L,T,R,B",
+        help="outpaint: extend the canvas by these pixel borders (rounded up to 16) and paint them in",
+    )
+    parser.add_argument(
+        "--reference",
+        action="append",
+        default=[],
+        metavar="IMAGE",
+        help="reference image (repeatable): clean latents the model attends to (t = 10, 20, ...)",
+    )
+    add_model_arguments(parser)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def resolve_device_dtype(device: str, dtype: str):
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise FlowliftError(f"unknown device {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise FlowliftError("--device cuda asked for, but CUDA is not available")
+    if dtype == "auto":
+        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    else:
+        dt = getattr(torch, dtype)
+    return dev, dt
+
+
+def check_prompt_args(args: argparse.Namespace) -> None:
+    if args.prompt is None and args.prompt_embeds is None:
+        raise FlowliftError("give --prompt TEXT or --prompt-embeds FILE")
+    if args.prompt_embeds is not None and not Path(args.prompt_embeds).is_file():
+        raise FlowliftError(f"--prompt-embeds: file not found: {args.prompt_embeds}")
+    if args.cfg_scale <= 0:
+        raise FlowliftError(f"--cfg-scale must be > 0, got {args.cfg_scale}")
+
+
+def load_refiner_from_args(args: argparse.Namespace):
+    """Build the refiner (text encoder only when a prompt must be embedded) and the conditioning kwargs."""
+    from flowlift.refine import load_prompt_embeds, load_refiner
+
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    embeds = negative = None
+    if args.prompt_embeds is not None:
+        embeds, negative = load_prompt_embeds(args.prompt_embeds)
+    need_negative = args.cfg_scale != 1.0 and negative is None
+    need_encoder = embeds is None or need_negative
+    refiner = load_refiner(
+        args.model, vae=args.vae, device=device, dtype=dtype, text_encoder=need_encoder, progress=not args.quiet
+    )
+    conditioning: dict[str, Any] = {
+        "prompt": args.prompt,
+        "prompt_embeds": embeds,
+        "negative_prompt": args.negative_prompt,
+        "negative_prompt_embeds": negative,
+        "cfg_scale": args.cfg_scale,
+        "guidance": args.guidance,
+    }
+    return refiner, conditioning
+
+
+def input_hashes(paths: dict[str, str | None]) -> dict[str, str]:
+    from flowlift.images import file_sha256
+
+    return {f"{key}_sha256": file_sha256(path) for key, path in paths.items() if path}
+
+
+def default_output(image: str | None, suffix: str) -> Path:
+    if image:
+        source = Path(image)
+        return source.with_name(f"{source.stem}_{suffix}.png")
+    return Path(f"flowlift_{suffix}.png")
+
+
+def check_output(path: Path) -> None:
+    from flowlift.images import IMAGE_SUFFIXES
+
+    if path.suffix.lower() not in IMAGE_SUFFIXES:
+        raise FlowliftError(f"--output {path}: unsupported image format {path.suffix or '(none)'}")
+    if path.is_dir():
+        raise FlowliftError(f"--output {path} is a directory")
+
+
+def parse_outpaint(text: str) -> tuple[int, int, int, int]:
+    parts = text.split(",")
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError:
+        values = ()
+    if len(values) != 4 or any(v < 0 for v in values):
+        raise FlowliftError(f"--outpaint takes four non-negative pixel borders L,T,R,B, got {text!r}")
+    return values  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+def run(args: argparse.Namespace) -> int:
+    from flowlift.images import attach_alpha, load_image, save_image_atomic, tensor_to_pil, to_tensor
+
+    # validate everything before loading weights
+    check_prompt_args(args)
+    if args.mask and args.outpaint:
+        raise FlowliftError("--mask and --outpaint are exclusive")
+    pads = parse_outpaint(args.outpaint) if args.outpaint else None
+    output = Path(args.output) if args.output else default_output(args.image, "outpaint" if pads else "img2img")
+    check_output(output)
+    rgb, alpha = load_image(args.image)
+    images = to_tensor(rgb)
+    mask = None
+    if args.mask:
+        mask_rgb, _ = load_image(args.mask)
+        if mask_rgb.size != rgb.size:
+            raise FlowliftError(
+                f"--mask is {mask_rgb.size[0]}x{mask_rgb.size[1]}, the image {rgb.size[0]}x{rgb.size[1]}"
+            )
+        mask = to_tensor(mask_rgb.convert("L").convert("RGB"))[:, :1]
+    references = [to_tensor(load_image(path)[0]) for path in args.reference]
+    for path, ref in zip(args.reference, references, strict=True):
+        if ref.shape[-1] % 16 or ref.shape[-2] % 16:
+            raise FlowliftError(
+                f"--reference {path}: sides must be multiples of 16 px, got {ref.shape[-1]}x{ref.shape[-2]}"
+            )
+    strength = args.strength if args.strength is not None else (1.0 if pads else 0.5)
+
+    refiner, conditioning = load_refiner_from_args(args)
+    common = dict(
+        strength=strength,
+        strength_map=args.strength_map,
+        steps=args.steps,
+        seed=args.seed,
+        sampler=args.sampler,
+        reference_images=references,
+        **conditioning,
+    )
+    if pads is not None:
+        left, top, right, bottom = pads
+        result = refiner.outpaint(images, left=left, top=top, right=right, bottom=bottom, **common)
+        alpha = None
+    else:
+        result = refiner.img2img(images, mask=mask, **common)
+
+    metadata = dict(result.parameters)
+    metadata.update(
+        command="img2img",
+        input=os.fspath(args.image),
+        mask=args.mask,
+        references=args.reference or None,
+        prompt_embeds=args.prompt_embeds,
+        vae=args.vae or args.model,
+        **input_hashes({"input": args.image, "mask": args.mask, "prompt_embeds": args.prompt_embeds}),
+    )
+    metadata = {k: v for k, v in metadata.items() if v is not None}
+    image = attach_alpha(tensor_to_pil(result.images[0]), alpha)
+    save_image_atomic(image, output, {"flowlift": metadata})
+    if not args.quiet:
+        print(f"wrote {output}")
+    return 0

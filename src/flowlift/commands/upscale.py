@@ -1,0 +1,245 @@
+"""``flowlift upscale``: images in, 2x/4x/8x images out (Flow Upscaler + two-stage colour fix).
+
+Inputs are files, folders (their images, not recursive) or glob patterns. Each output is written
+atomically (temporary file + rename) as ``OUT/<stem>_x<scale>.<format>`` (next to the input without
+``-o``); existing outputs are skipped unless ``--overwrite``, so an interrupted batch resumes where
+it stopped, and an output path that is one of the inputs is refused. A bad input prints one line and
+the batch goes on; the exit status is 1 when any image failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import warnings
+from pathlib import Path
+
+NAME = "upscale"
+HELP = "upscale images 2x/4x/8x with the Flow Upscaler, colour drift corrected"
+
+OUTPUT_FORMATS = ("png", "jpg", "webp")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _unit_interval(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or glob patterns")
+    parser.add_argument(
+        "-o",
+        "--output",
+        metavar="OUT",
+        help="output folder (default: next to each input); for a single input, a file name with an image suffix",
+    )
+    scale = parser.add_mutually_exclusive_group()
+    scale.add_argument("--scale", type=int, choices=(2, 4, 8), help="upscale factor (default 2)")
+    scale.add_argument("--passes", type=_positive_int, metavar="N", help="number of 2x passes (scale 2**N)")
+    parser.add_argument("--seed", type=_seed, default=0, help="noise seed (default 0)")
+    parser.add_argument("--no-color-fix", action="store_true", help="switch both colour-drift stages off")
+    parser.add_argument(
+        "--transplant-strength",
+        type=_unit_interval,
+        default=1.0,
+        metavar="X",
+        help="stage 1 latent low-band transplant, 0..1 (lower: truer to the input; 1: crisper; default 1)",
+    )
+    parser.add_argument(
+        "--color-fix-strength",
+        type=_unit_interval,
+        default=1.0,
+        metavar="X",
+        help="stage 2 pixel L*a*b* low-band transplant, 0..1 (default 1)",
+    )
+    parser.add_argument("--vae", default="flux2", metavar="taef2|flux2|PATH", help="VAE (default flux2)")
+    parser.add_argument(
+        "--upscaler",
+        default=None,
+        metavar="PATH|REPO",
+        help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
+    )
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="default: bfloat16 on CUDA, else float32")
+    parser.add_argument("--format", choices=OUTPUT_FORMATS, default="png", help="output format (default png)")
+    parser.add_argument(
+        "--resize-mode",
+        choices=("pad", "resample"),
+        default="pad",
+        help="how inputs reach multiples of 16: pad (default; exact 2^n x the input size back) or resample",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace existing outputs instead of skipping")
+    parser.add_argument(
+        "--chunked",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="force (or with --no-chunked forbid) the UNet's bounded-memory strip execution (default: by size)",
+    )
+    parser.add_argument(
+        "--vae-tiling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="force or forbid VAE tiling (default: by size)",
+    )
+
+
+def _plan_outputs(args: argparse.Namespace, inputs: list[Path], scale: int) -> list[tuple[Path, Path | None, str]]:
+    """(input, output or None, note) per input; without an output the note says why.
+
+    An input that is the planned output of another input (``a_x2.png`` next to ``a.png`` when the
+    output folder is the input folder) is a previous result, not a source: it is left alone with a
+    note, so rerunning a command over a folder resumes instead of upscaling its own outputs.
+    """
+    from flowlift.errors import FlowliftError
+    from flowlift.images import IMAGE_SUFFIXES
+
+    single_file = None
+    out_dir = None
+    if args.output:
+        target = Path(args.output).expanduser()
+        if target.suffix.lower() in IMAGE_SUFFIXES and not target.is_dir():
+            if len(inputs) != 1:
+                raise FlowliftError(f"-o {target} names one file but {len(inputs)} inputs were given; pass a folder")
+            single_file = target
+        else:
+            out_dir = target
+
+    def output_of(path: Path) -> Path:
+        if single_file is not None:
+            return single_file
+        folder = out_dir if out_dir is not None else path.parent
+        return folder / f"{path.stem}_x{scale}.{args.format}"
+
+    outputs = {path: output_of(path) for path in inputs}
+    producers = {outputs[p].resolve(): p for p in inputs if outputs[p].resolve() != p.resolve()}
+    taken: dict[Path, Path] = {}
+    plan: list[tuple[Path, Path | None, str]] = []
+    for path in inputs:
+        out = outputs[path]
+        key = out.resolve()
+        if path.resolve() in producers:
+            plan.append((path, None, f"skipped, it is the output of {producers[path.resolve()]}"))
+        elif key == path.resolve():
+            plan.append((path, None, f"output {out} would overwrite the input; choose another -o"))
+        elif key in taken:
+            plan.append((path, None, f"output {out} is also the output of {taken[key]}; use separate folders"))
+        else:
+            taken[key] = path
+            plan.append((path, out, ""))
+    return plan
+
+
+def _metadata(args: argparse.Namespace, passes: int, source: Path, hashes: dict[str, str]) -> dict[str, object]:
+    from flowlift import __version__
+    from flowlift.images import file_sha256
+
+    return {
+        "Software": f"flowlift {__version__} upscale",
+        "flowlift.parameters": {
+            "scale": 2**passes,
+            "passes": passes,
+            "seed": args.seed,
+            "color_fix": not args.no_color_fix,
+            "transplant_strength": args.transplant_strength,
+            "color_fix_strength": args.color_fix_strength,
+            "resize_mode": args.resize_mode,
+            "vae": args.vae,
+            "upscaler": args.upscaler or "TensorForger/FlowUpscaler",
+            "dtype": args.dtype,
+        },
+        "flowlift.models": hashes,
+        "flowlift.source": {"name": source.name, "sha256": file_sha256(source)},
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from flowlift.errors import FlowliftError
+    from flowlift.images import file_sha256, list_images, load_image, save_image_atomic
+    from flowlift.pipeline import DEFAULT_UPSCALER, FlowUpscalerPipeline, passes_for_scale
+
+    passes = args.passes if args.passes is not None else passes_for_scale(args.scale or 2)
+    scale = 2**passes
+    inputs = list_images(args.inputs)
+    if not inputs:
+        raise FlowliftError("no input images found")
+    plan = _plan_outputs(args, inputs, scale)
+    failed = 0
+    todo: list[tuple[Path, Path]] = []
+    for path, out, message in plan:
+        if out is None:
+            print(f"flowlift upscale: {path}: {message}", file=sys.stderr)
+            failed += not message.startswith("skipped")
+        elif out.exists() and not args.overwrite:
+            print(f"flowlift upscale: {path}: skipped, {out} exists (--overwrite to replace)", file=sys.stderr)
+        else:
+            todo.append((path, out))
+    if not todo:
+        return 1 if failed else 0
+
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    pipeline = FlowUpscalerPipeline(
+        args.upscaler or DEFAULT_UPSCALER,
+        args.vae,
+        dtype=dtype,
+        device=args.device,
+        chunked=args.chunked,
+        vae_tiled=args.vae_tiling,
+    )
+    hashes = {role: {p.name: file_sha256(p) for p in paths} for role, paths in pipeline.model_files().items() if paths}
+
+    batch = tqdm(todo, desc="images", unit="img", disable=None, file=sys.stderr)
+    for path, out in batch:
+        batch.set_postfix_str(path.name)
+        try:
+            image, alpha = load_image(path)
+            steps = tqdm(total=passes + 3, desc=path.name, unit="step", leave=False, disable=None, file=sys.stderr)
+            with steps, warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", UserWarning)
+                result = pipeline.upscale_image(
+                    image,
+                    num_passes=passes,
+                    seed=args.seed,
+                    color_fix=not args.no_color_fix,
+                    transplant_strength=args.transplant_strength,
+                    color_fix_strength=args.color_fix_strength,
+                    resize_mode=args.resize_mode,
+                    callback=lambda _stage, bar=steps: bar.update(1),
+                )
+            for warning in caught:  # e.g. passes dropped at MAX_OUTPUT_SIDE: one line, not a stack
+                tqdm.write(f"flowlift upscale: {path}: warning: {warning.message}", file=sys.stderr)
+            if alpha is not None:
+                from flowlift.images import attach_alpha
+
+                result = attach_alpha(result, alpha)
+            # passes actually run (fewer when MAX_OUTPUT_SIDE dropped some)
+            done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
+            save_image_atomic(result, out, _metadata(args, done, path, hashes))
+        except (FlowliftError, OSError, RuntimeError, MemoryError, ValueError) as error:
+            failed += 1
+            text = str(error).splitlines()[0] if str(error) else type(error).__name__
+            prefix = "" if str(path) in text else f"{path}: "
+            tqdm.write(f"flowlift upscale: {prefix}{text}", file=sys.stderr)
+    if failed:
+        print(f"flowlift upscale: {failed} of {len(plan)} image(s) failed", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,192 @@
+"""FLUX.2 VAE single-file checkpoints (original BFL / ComfyUI key names) -> diffusers layout.
+
+diffusers 0.42's ``AutoencoderKLFlux2.from_single_file`` does not handle this class, yet ComfyUI users
+hold ``flux2-vae.safetensors`` with the original (LDM-style) names. The renaming, as documented by
+diffusers' ``scripts/convert_flux2_to_diffusers.py``:
+
+==========================================  =======================================================
+original                                    diffusers
+==========================================  =======================================================
+``{enc,dec}oder.conv_in / conv_out``        same
+``{enc,dec}oder.norm_out``                  ``{enc,dec}oder.conv_norm_out``
+``encoder.quant_conv``                      ``quant_conv``
+``decoder.post_quant_conv``                 ``post_quant_conv``
+``encoder.down.{i}.block.{j}``              ``encoder.down_blocks.{i}.resnets.{j}``
+``encoder.down.{i}.downsample.conv``        ``encoder.down_blocks.{i}.downsamplers.0.conv``
+``decoder.up.{k}.block.{j}``                ``decoder.up_blocks.{n-1-k}.resnets.{j}`` (reversed)
+``decoder.up.{k}.upsample.conv``            ``decoder.up_blocks.{n-1-k}.upsamplers.0.conv``
+``*.nin_shortcut``                          ``*.conv_shortcut``
+``*.mid.block_{1,2}``                       ``*.mid_block.resnets.{0,1}``
+``*.mid.attn_1.{norm,q,k,v,proj_out}``      ``*.mid_block.attentions.0.{group_norm,to_q,to_k,to_v,to_out.0}``
+                                            (1x1-conv weights (C, C, 1, 1) become linear (C, C))
+``bn.running_mean / running_var``           same
+==========================================  =======================================================
+
+Everything is checked: a key that fits no rule, or a converted state that does not match the model
+built from the inferred config, is one :class:`~flowlift.errors.FlowliftError` line.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from flowlift.errors import FlowliftError
+
+#: Prefixes some single-file checkpoints put in front of the VAE keys.
+KNOWN_PREFIXES = ("first_stage_model.", "vae.", "model.")
+
+_FIXED = {
+    "encoder.norm_out.": "encoder.conv_norm_out.",
+    "decoder.norm_out.": "decoder.conv_norm_out.",
+    "encoder.quant_conv.": "quant_conv.",
+    "decoder.post_quant_conv.": "post_quant_conv.",
+    "encoder.conv_in.": "encoder.conv_in.",
+    "encoder.conv_out.": "encoder.conv_out.",
+    "decoder.conv_in.": "decoder.conv_in.",
+    "decoder.conv_out.": "decoder.conv_out.",
+}
+_ATTN = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
+_RESNET_PARTS = {"norm1", "conv1", "norm2", "conv2", "nin_shortcut"}
+_BN_KEYS = {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+
+
+def is_original_flux2_vae(state: Mapping[str, torch.Tensor]) -> bool:
+    """True when the keys look like an original (BFL / ComfyUI) FLUX.2 VAE checkpoint."""
+    keys = strip_prefix(state).keys()
+    return "encoder.down.0.block.0.conv1.weight" in keys or "decoder.up.0.block.0.conv1.weight" in keys
+
+
+def is_diffusers_flux2_vae(state: Mapping[str, torch.Tensor]) -> bool:
+    """True when the keys look like diffusers' ``AutoencoderKLFlux2`` (with its ``bn`` stats)."""
+    return "encoder.down_blocks.0.resnets.0.conv1.weight" in state and "bn.running_mean" in state
+
+
+def strip_prefix(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop a prefix from :data:`KNOWN_PREFIXES` that every key carries."""
+    for prefix in KNOWN_PREFIXES:
+        if state and all(k.startswith(prefix) for k in state):
+            return {k[len(prefix) :]: v for k, v in state.items()}
+    return dict(state)
+
+
+def _num_up_blocks(keys: list[str]) -> int:
+    found = {int(m.group(1)) for k in keys if (m := re.match(r"decoder\.up\.(\d+)\.", k))}
+    return max(found) + 1 if found else 0
+
+
+def original_key_to_diffusers(key: str, num_up_blocks: int) -> str | None:
+    """The diffusers name of one original key (see the module table), or None if no rule fits."""
+    if key in _BN_KEYS:
+        return key
+    for old, new in _FIXED.items():
+        if key.startswith(old) and key.count(".") == old.count("."):
+            return new + key[len(old) :]
+    m = re.fullmatch(r"encoder\.down\.(\d+)\.block\.(\d+)\.(\w+)\.(weight|bias)", key)
+    if m and m.group(3) in _RESNET_PARTS:
+        part = "conv_shortcut" if m.group(3) == "nin_shortcut" else m.group(3)
+        return f"encoder.down_blocks.{m.group(1)}.resnets.{m.group(2)}.{part}.{m.group(4)}"
+    m = re.fullmatch(r"encoder\.down\.(\d+)\.downsample\.conv\.(weight|bias)", key)
+    if m:
+        return f"encoder.down_blocks.{m.group(1)}.downsamplers.0.conv.{m.group(2)}"
+    m = re.fullmatch(r"decoder\.up\.(\d+)\.block\.(\d+)\.(\w+)\.(weight|bias)", key)
+    if m and m.group(3) in _RESNET_PARTS and int(m.group(1)) < num_up_blocks:
+        part = "conv_shortcut" if m.group(3) == "nin_shortcut" else m.group(3)
+        block = num_up_blocks - 1 - int(m.group(1))
+        return f"decoder.up_blocks.{block}.resnets.{m.group(2)}.{part}.{m.group(4)}"
+    m = re.fullmatch(r"decoder\.up\.(\d+)\.upsample\.conv\.(weight|bias)", key)
+    if m and int(m.group(1)) < num_up_blocks:
+        return f"decoder.up_blocks.{num_up_blocks - 1 - int(m.group(1))}.upsamplers.0.conv.{m.group(2)}"
+    m = re.fullmatch(r"(encoder|decoder)\.mid\.block_([12])\.(\w+)\.(weight|bias)", key)
+    if m and m.group(3) in _RESNET_PARTS:
+        part = "conv_shortcut" if m.group(3) == "nin_shortcut" else m.group(3)
+        return f"{m.group(1)}.mid_block.resnets.{int(m.group(2)) - 1}.{part}.{m.group(4)}"
+    m = re.fullmatch(r"(encoder|decoder)\.mid\.attn_1\.(\w+)\.(weight|bias)", key)
+    if m and m.group(2) in _ATTN:
+        return f"{m.group(1)}.mid_block.attentions.0.{_ATTN[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def convert_original_flux2_vae(
+    state: Mapping[str, torch.Tensor], *, origin: str = ""
+) -> dict[str, torch.Tensor]:
+    """Rename an original FLUX.2 VAE state dict to diffusers' ``AutoencoderKLFlux2`` layout.
+
+    Attention projections stored as 1x1 convolutions ``(C, C, 1, 1)`` become linear ``(C, C)``.
+    Raises FlowliftError naming the keys no rule maps.
+    """
+    state = strip_prefix(state)
+    keys = list(state)
+    n_up = _num_up_blocks(keys)
+    out: dict[str, torch.Tensor] = {}
+    unmapped = []
+    for key in keys:
+        new = original_key_to_diffusers(key, n_up)
+        if new is None:
+            unmapped.append(key)
+            continue
+        value = state[key]
+        if ".mid_block.attentions.0.to_" in new and new.endswith(".weight") and value.ndim == 4:
+            value = value[:, :, 0, 0]
+        out[new] = value
+    if unmapped:
+        shown = ", ".join(sorted(unmapped)[:5]) + (
+            f" (+{len(unmapped) - 5} more)" if len(unmapped) > 5 else ""
+        )
+        where = f" {origin}" if origin else ""
+        raise FlowliftError(f"FLUX.2 VAE single file{where}: {len(unmapped)} keys fit no known name: {shown}")
+    return out
+
+
+def infer_flux2_config(
+    state: Mapping[str, torch.Tensor], *, norm_num_groups: int = 32, batch_norm_eps: float = 1e-4
+) -> dict[str, Any]:
+    """``AutoencoderKLFlux2`` config from a diffusers-layout state dict's shapes.
+
+    ``norm_num_groups`` and ``batch_norm_eps`` leave no trace in the weights; the defaults are the
+    released FLUX.2 VAE's.
+    """
+    try:
+        n_down = 1 + max(
+            int(m.group(1)) for k in state if (m := re.match(r"encoder\.down_blocks\.(\d+)\.", k))
+        )
+        n_up = 1 + max(int(m.group(1)) for k in state if (m := re.match(r"decoder\.up_blocks\.(\d+)\.", k)))
+        block_out = tuple(
+            int(state[f"encoder.down_blocks.{i}.resnets.0.conv1.weight"].shape[0]) for i in range(n_down)
+        )
+        dec_out = tuple(
+            int(state[f"decoder.up_blocks.{n_up - 1 - i}.resnets.0.conv1.weight"].shape[0])
+            for i in range(n_up)
+        )
+        layers = 1 + max(
+            int(m.group(1)) for k in state if (m := re.match(r"encoder\.down_blocks\.0\.resnets\.(\d+)\.", k))
+        )
+        latent = int(state["decoder.conv_in.weight"].shape[1])
+        patch_channels = int(state["bn.running_mean"].shape[0])
+        config = {
+            "in_channels": int(state["encoder.conv_in.weight"].shape[1]),
+            "out_channels": int(state["decoder.conv_out.weight"].shape[0]),
+            "down_block_types": ("DownEncoderBlock2D",) * n_down,
+            "up_block_types": ("UpDecoderBlock2D",) * n_up,
+            "block_out_channels": block_out,
+            "decoder_block_out_channels": None if dec_out == block_out else dec_out,
+            "layers_per_block": layers,
+            "latent_channels": latent,
+            "norm_num_groups": norm_num_groups,
+            "use_quant_conv": "quant_conv.weight" in state,
+            "use_post_quant_conv": "post_quant_conv.weight" in state,
+            "mid_block_add_attention": any(".mid_block.attentions." in k for k in state),
+            "batch_norm_eps": batch_norm_eps,
+        }
+    except (KeyError, ValueError, IndexError) as error:
+        raise FlowliftError(
+            f"FLUX.2 VAE: cannot infer the architecture from the weights (no {error})"
+        ) from None
+    side = round((patch_channels // latent) ** 0.5)
+    if side * side * latent != patch_channels:
+        raise FlowliftError(f"FLUX.2 VAE: bn has {patch_channels} channels, not a square patch of {latent}")
+    config["patch_size"] = (side, side)
+    return config

@@ -1,0 +1,225 @@
+"""Image files in and out, the package's one place for Pillow details.
+
+* :func:`load_image` opens a file as an 8-bit RGB image plus its alpha channel (if any): EXIF
+  orientation applied, palette/grayscale/CMYK/16-bit modes converted, and every failure (missing,
+  not an image, truncated, decompression bomb) raised as one :class:`FlowliftError` line.
+* :func:`save_image_atomic` writes through a temporary file and a rename, so a crash never leaves a
+  truncated image under the final name; PNGs carry ``metadata`` as text chunks.
+* :func:`to_tensor` / :func:`tensor_to_pil` convert between Pillow/NumPy and the package's tensor
+  convention (float [0, 1], NCHW, RGB).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, PngImagePlugin, UnidentifiedImageError
+
+from flowlift.errors import FlowliftError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+#: Pillow's own limit (~89 Mpx) would be raised to a warning only; flowlift refuses anything larger.
+MAX_INPUT_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
+
+
+def _to_rgb_and_alpha(image: Image.Image) -> tuple[Image.Image, Image.Image | None]:
+    """Convert any Pillow mode to 8-bit RGB, splitting off alpha (palette transparency included)."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        # 16/32-bit grey: Pillow's convert("RGB") clips instead of scaling, so scale by hand.
+        array = np.asarray(image, dtype=np.float64)
+        top = 65535.0 if image.mode.startswith("I;16") or array.max() > 255 else 255.0
+        grey = np.clip(np.round(array / top * 255.0), 0, 255).astype(np.uint8)
+        return Image.fromarray(grey, "L").convert("RGB"), None
+    if image.mode == "F":
+        grey = np.clip(np.round(np.asarray(image, dtype=np.float64) * 255.0), 0, 255).astype(np.uint8)
+        return Image.fromarray(grey, "L").convert("RGB"), None
+    has_alpha = image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (
+        image.mode == "P" and "transparency" in image.info
+    )
+    if has_alpha:
+        rgba = image.convert("RGBA")
+        return rgba.convert("RGB"), rgba.getchannel("A")
+    return image.convert("RGB"), None
+
+
+def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None]:
+    """Open ``path`` as (8-bit RGB image, alpha ``"L"`` image or None), EXIF orientation applied."""
+    path = Path(path)
+    if not path.is_file():
+        raise FlowliftError(f"{path}: no such file")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as opened:
+                width, height = opened.size
+                if width * height > MAX_INPUT_PIXELS:
+                    raise FlowliftError(
+                        f"{path}: {width}x{height} exceeds the {MAX_INPUT_PIXELS} pixel limit "
+                        "(decompression-bomb guard)"
+                    )
+                opened.load()
+                image = ImageOps.exif_transpose(opened)
+                rgb, alpha = _to_rgb_and_alpha(image)
+    except FlowliftError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        raise FlowliftError(f"{path}: refused as a decompression bomb ({error})") from None
+    except UnidentifiedImageError:
+        raise FlowliftError(f"{path}: not an image file Pillow can read") from None
+    except (OSError, SyntaxError, ValueError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise FlowliftError(f"{path}: unreadable or truncated image ({message})") from None
+    return rgb, alpha
+
+
+def to_tensor(
+    image: Image.Image | np.ndarray | torch.Tensor,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Any image-like input -> float (B, 3, H, W) in [0, 1].
+
+    Accepts a Pillow image (converted to RGB), a uint8/uint16 or float HWC / NHWC array, or a tensor
+    that is already CHW / NCHW float in [0, 1].
+    """
+    if isinstance(image, Image.Image):
+        image = _to_rgb_and_alpha(image)[0]
+        array = np.asarray(image)
+        tensor = torch.from_numpy(array.copy()).permute(2, 0, 1)[None].float() / 255.0
+    elif isinstance(image, np.ndarray):
+        array = image
+        if array.ndim == 2:
+            array = np.repeat(array[..., None], 3, axis=-1)
+        if array.ndim == 3:
+            array = array[None]
+        if array.shape[-1] == 4:
+            array = array[..., :3]
+        if array.ndim != 4 or array.shape[-1] != 3:
+            raise FlowliftError(f"expected an HWC RGB array, got shape {image.shape}")
+        if array.dtype == np.uint8:
+            scaled = array.astype(np.float32) / 255.0
+        elif array.dtype == np.uint16:
+            scaled = array.astype(np.float32) / 65535.0
+        else:
+            scaled = array.astype(np.float32)
+        tensor = torch.from_numpy(np.ascontiguousarray(scaled)).permute(0, 3, 1, 2)
+    elif isinstance(image, torch.Tensor):
+        tensor = image if image.ndim == 4 else image[None]
+        if tensor.shape[1] != 3:
+            raise FlowliftError(f"expected an NCHW RGB tensor, got shape {tuple(image.shape)}")
+        if not tensor.is_floating_point():
+            tensor = tensor.float() / 255.0
+    else:
+        raise FlowliftError(f"unsupported image type {type(image).__name__}")
+    return tensor.to(device=device, dtype=dtype)
+
+
+def tensor_to_uint8(images: torch.Tensor) -> np.ndarray:
+    """(B, 3, H, W) or (3, H, W) float in [0, 1] -> uint8 (B, H, W, 3), clamped and rounded."""
+    if images.ndim == 3:
+        images = images[None]
+    array = images.detach().float().clamp(0, 1).mul(255.0).round().to(torch.uint8)
+    return array.permute(0, 2, 3, 1).cpu().numpy()
+
+
+def tensor_to_pil(image: torch.Tensor) -> Image.Image:
+    """One image tensor (3, H, W) or (1, 3, H, W) in [0, 1] -> Pillow RGB (clamped, rounded)."""
+    if image.ndim == 4 and image.shape[0] != 1:
+        raise ValueError(f"tensor_to_pil takes one image, got a batch of {image.shape[0]}")
+    return Image.fromarray(tensor_to_uint8(image)[0], "RGB")
+
+
+def attach_alpha(rgb: Image.Image, alpha: Image.Image | None) -> Image.Image:
+    """Put ``alpha`` (resized with Lanczos to the RGB size if needed) back onto ``rgb``."""
+    if alpha is None:
+        return rgb
+    if alpha.size != rgb.size:
+        alpha = alpha.resize(rgb.size, Image.Resampling.LANCZOS)
+    out = rgb.copy()
+    out.putalpha(alpha)
+    return out
+
+
+def _png_info(metadata: Mapping[str, object]) -> PngImagePlugin.PngInfo:
+    info = PngImagePlugin.PngInfo()
+    for key, value in metadata.items():
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+        info.add_text(str(key), text)
+    return info
+
+
+def save_image_atomic(
+    image: Image.Image, path: str | os.PathLike, metadata: Mapping[str, object] | None = None
+) -> Path:
+    """Save ``image`` to ``path`` via a temporary file in the same folder and an atomic rename.
+
+    The format follows the suffix. PNG files get ``metadata`` as text chunks (non-strings as JSON).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    suffix = path.suffix.lower()
+    if suffix not in IMAGE_SUFFIXES:
+        raise FlowliftError(f"{path}: unsupported output format {suffix or '(none)'}")
+    kwargs: dict = {}
+    if suffix == ".png" and metadata:
+        kwargs["pnginfo"] = _png_info(metadata)
+    elif suffix in (".jpg", ".jpeg"):
+        kwargs["quality"] = 95
+        if image.mode == "RGBA":
+            image = image.convert("RGB")
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".partial{suffix}", dir=path.parent)
+    os.close(descriptor)
+    try:
+        image.save(temporary, format=Image.registered_extensions()[suffix], **kwargs)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def file_sha256(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk_bytes):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def list_images(inputs: list[str]) -> list[Path]:
+    """Expand files, folders (non-recursive, image suffixes) and glob patterns, sorted, unique.
+
+    A pattern or path that matches nothing raises FlowliftError.
+    """
+    import glob
+
+    found: list[Path] = []
+    for item in inputs:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            found.extend(sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()))
+        elif path.is_file():
+            found.append(path)
+        else:
+            matches = sorted(Path(m) for m in glob.glob(str(path)) if Path(m).is_file())
+            if not matches:
+                raise FlowliftError(f"{item}: no such file, folder or matching pattern")
+            found.extend(matches)
+    unique: list[Path] = []
+    seen: set[Path] = set()
+    for p in found:
+        key = p.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(p)
+    return unique

@@ -1,0 +1,13 @@
+"""Training the Flow Upscaler: datasets, the flow-matching trainer, validation.
+
+Modules (nothing heavy is imported here):
+
+* :mod:`~flowlift.training.degrade` — pixel-space degradation and conditioning latents
+  (decode -> antialiased 2x downscale -> encode; never latent interpolation).
+* :mod:`~flowlift.training.shards` — the sharded safetensors dataset format and its streaming loader.
+* :mod:`~flowlift.training.datasets` — the ``distill`` (teacher) and ``images`` (real photos) builders.
+* :mod:`~flowlift.training.config` — :class:`TrainConfig`, loaded from a file plus overrides.
+* :mod:`~flowlift.training.trainer` — the rectified-flow trainer (AdamW, warm-up + cosine, EMA,
+  accumulation, checkpoint/resume, DDP under ``torchrun``).
+* :mod:`~flowlift.training.validation` — held-out metrics against lanczos / latent-bicubic, CSV, plot.
+"""

@@ -1,0 +1,430 @@
+"""The two dataset builders and the teachers for flow distillation.
+
+* :func:`build_distill_dataset` — a *teacher* (any callable ``noise -> latent``; wrappers below for
+  a FLUX.2 diffusers pipeline or a bare ``Flux2Transformer2DModel``) turns stored seeded noise into
+  target latents; each item stores (noise, target, cond). These are the distillation pairs of the
+  released model (FLUX.2-klein-4B as teacher).
+* :func:`build_images_dataset` — targets are VAE encodings of random crops (and flips) of real
+  photos; noise is drawn fresh at train time.
+
+Both write :mod:`flowlift.training.shards` files, resume by skipping complete shards, and make the
+conditioning with :func:`flowlift.training.degrade.conditioning_latents` (decode -> pixel-space
+antialiased downscale -> encode). Every item's randomness is seeded by ``(seed, item index)``, so
+a resumed build writes the same bytes as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowlift.errors import FlowliftError
+from flowlift.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR, normalize, pack, patchify, unpack, unpatchify
+from flowlift.training.degrade import Degradation, LatentCodec, conditioning_latents
+from flowlift.training.shards import (
+    completed_shards,
+    item_generator,
+    prepare_dataset_dir,
+    write_shard,
+)
+
+Teacher = Callable[[torch.Tensor], torch.Tensor]
+
+
+def item_seed(seed: int, index: int) -> int:
+    """The seed of item ``index`` of a build seeded with ``seed`` (noise, crops, flips)."""
+    return int(item_generator(seed, index).initial_seed())
+
+
+def check_part(part: tuple[int, int]) -> tuple[int, int]:
+    """Validate a ``(index, count)`` work split: this process builds shards ``k`` with ``k % count == index``."""
+    index, count = part
+    if count < 1 or not 0 <= index < count:
+        raise FlowliftError(f"part must be I/N with 0 <= I < N, got {index}/{count}")
+    return index, count
+
+
+def _shard_plan(
+    root: Path, num_items: int, shard_size: int, part: tuple[int, int]
+) -> tuple[list[int], int, int]:
+    """(pending shards of this part, items of this part, items of this part already done)."""
+    index_of_part, parts = check_part(part)
+    mine = [k for k in range((num_items + shard_size - 1) // shard_size) if k % parts == index_of_part]
+    pending = [k for k in _pending_shards(root, num_items, shard_size) if k in set(mine)]
+
+    def count(k: int) -> int:
+        return min(shard_size, num_items - k * shard_size)
+
+    total = sum(count(k) for k in mine)
+    return pending, total, total - sum(count(k) for k in pending)
+
+
+def _pending_shards(root: Path, num_items: int, shard_size: int) -> list[int]:
+    done = set(completed_shards(root))
+    total = (num_items + shard_size - 1) // shard_size
+    pending = []
+    for index in range(total):
+        count = min(shard_size, num_items - index * shard_size)
+        if index in done:
+            from safetensors import safe_open
+
+            with safe_open(str(root / f"shard-{index:05d}.safetensors"), framework="pt") as f:
+                if int((f.metadata() or {}).get("count", -1)) == count:
+                    continue
+            # A short last shard from a smaller earlier build: rebuild it with the new count.
+        pending.append(index)
+    return pending
+
+
+def _progress(total: int, initial: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="item", disable=not enabled, dynamic_ncols=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Teachers
+
+
+class TransformerTeacher:
+    """A bare FLUX.2 transformer as teacher: Euler steps of its velocity on the shifted schedule.
+
+    ``noise`` (B, 32, H, W, normalized) is patchified and packed to (B, H/2*W/2, 128) tokens; the
+    transformer is evaluated at each sigma of :func:`flowlift.schedule.flux2_sigmas` with fixed
+    prompt embeddings ``prompt_embeds`` (L, D) and ``x <- x + (sigma' - sigma) * v``; the result is
+    unpacked back to a normalized 32-channel latent. ``guidance`` is passed for guidance-distilled
+    transformers (``guidance_embeds=True``), else None.
+    """
+
+    def __init__(
+        self,
+        transformer: torch.nn.Module,
+        prompt_embeds: torch.Tensor,
+        *,
+        num_steps: int = 4,
+        guidance: float | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if prompt_embeds.ndim == 3:
+            prompt_embeds = prompt_embeds[0]
+        if prompt_embeds.ndim != 2:
+            raise FlowliftError(f"prompt embeddings must be (L, D), got shape {tuple(prompt_embeds.shape)}")
+        if next(transformer.parameters()).dtype != dtype:
+            transformer = transformer.to(dtype=dtype)
+        self.transformer = transformer.to(device=device).eval()
+        self.prompt_embeds = prompt_embeds.to(device=device, dtype=dtype)
+        self.num_steps = num_steps
+        self.guidance = guidance
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+    @staticmethod
+    def image_ids(height: int, width: int, batch: int) -> torch.Tensor:
+        """(B, h*w, 4) position ids (T=0, H=i, W=j, L=0) of an h x w token grid, row-major."""
+        h, w = torch.arange(height), torch.arange(width)
+        ids = torch.cartesian_prod(torch.zeros(1, dtype=torch.long), h, w, torch.zeros(1, dtype=torch.long))
+        return ids.unsqueeze(0).expand(batch, -1, -1)
+
+    @staticmethod
+    def text_ids(length: int, batch: int) -> torch.Tensor:
+        """(B, L, 4) text position ids (0, 0, 0, l)."""
+        zeros = torch.zeros(1, dtype=torch.long)
+        ids = torch.cartesian_prod(zeros, zeros, zeros, torch.arange(length))
+        return ids.unsqueeze(0).expand(batch, -1, -1)
+
+    @torch.no_grad()
+    def __call__(self, noise: torch.Tensor) -> torch.Tensor:
+        from flowlift.schedule import flux2_sigmas
+
+        batch, _, height, width = noise.shape
+        tokens_h, tokens_w = height // 2, width // 2
+        x = pack(patchify(noise.to(self.device, torch.float32)))
+        img_ids = self.image_ids(tokens_h, tokens_w, batch).to(self.device)
+        txt_ids = self.text_ids(self.prompt_embeds.shape[0], batch).to(self.device)
+        text = self.prompt_embeds.unsqueeze(0).expand(batch, -1, -1)
+        guidance = None
+        if self.guidance is not None:
+            guidance = torch.full((batch,), float(self.guidance), device=self.device, dtype=self.dtype)
+
+        def velocity(x_t: torch.Tensor, sigma: float) -> torch.Tensor:
+            timestep = torch.full((batch,), sigma, device=self.device, dtype=self.dtype)
+            out = self.transformer(
+                hidden_states=x_t.to(self.dtype),
+                encoder_hidden_states=text,
+                timestep=timestep,
+                img_ids=img_ids,
+                txt_ids=txt_ids,
+                guidance=guidance,
+                return_dict=False,
+            )[0]
+            return out.to(torch.float32)
+
+        sigmas = flux2_sigmas(self.num_steps, tokens_h * tokens_w).tolist()
+        for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:], strict=True):
+            x = x + (sigma_next - sigma) * velocity(x, sigma)
+        return unpatchify(unpack(x, tokens_h, tokens_w))
+
+
+class PipelineTeacher:
+    """A FLUX.2 diffusers pipeline (``Flux2Pipeline`` / ``Flux2KleinPipeline``) as teacher.
+
+    The pipeline gets the patchified noise as ``latents`` and returns raw latents
+    (``output_type="latent"``), which are normalized with the pipeline VAE's BatchNorm statistics.
+    Item ``i`` of a batch uses ``prompts[i % len(prompts)]`` offset by the batch's first item index.
+    """
+
+    def __init__(
+        self,
+        pipeline: Any,
+        prompts: Sequence[str],
+        *,
+        num_steps: int = 4,
+        guidance_scale: float | None = None,
+    ) -> None:
+        if not prompts:
+            raise FlowliftError("a pipeline teacher needs at least one prompt")
+        self.pipeline = pipeline
+        self.prompts = list(prompts)
+        self.num_steps = num_steps
+        self.guidance_scale = guidance_scale
+        self.next_item = 0
+
+    @torch.no_grad()
+    def __call__(self, noise: torch.Tensor) -> torch.Tensor:
+        batch, _, height, width = noise.shape
+        prompts = [self.prompts[(self.next_item + i) % len(self.prompts)] for i in range(batch)]
+        self.next_item += batch
+        pipe = self.pipeline
+        kwargs: dict[str, Any] = {}
+        if self.guidance_scale is not None:
+            kwargs["guidance_scale"] = self.guidance_scale
+        raw = pipe(
+            prompt=prompts,
+            height=height * VAE_SCALE_FACTOR,
+            width=width * VAE_SCALE_FACTOR,
+            num_inference_steps=self.num_steps,
+            latents=patchify(noise).to(pipe.device, pipe.transformer.dtype),
+            output_type="latent",
+            return_dict=False,
+            **kwargs,
+        )[0]
+        bn = pipe.vae.bn
+        std = torch.sqrt(bn.running_var + pipe.vae.config.batch_norm_eps)
+        return normalize(raw.float(), bn.running_mean.float(), std.float())
+
+
+# ----------------------------------------------------------------------------------------------
+# Builders
+
+
+def build_distill_dataset(
+    root: str | os.PathLike,
+    teacher: Teacher,
+    vae: LatentCodec,
+    *,
+    num_items: int,
+    latent_size: tuple[int, int],
+    seed: int = 0,
+    shard_size: int = 256,
+    batch_size: int = 4,
+    degradation: Degradation | None = None,
+    storage_dtype: torch.dtype = torch.float16,
+    device: torch.device | str = "cpu",
+    source: dict[str, Any] | None = None,
+    progress: bool = True,
+    part: tuple[int, int] = (0, 1),
+) -> dict[str, Any]:
+    """Build (or resume) a distillation dataset of ``num_items`` items at ``latent_size`` (target).
+
+    Item ``i``: ``noise = seeded_noise((32, H, W), item_seed(seed, i))``, ``target = teacher(noise)``,
+    ``cond = encode(degrade(decode(target)))``. ``source`` describes the teacher in the manifest.
+    ``part = (i, n)`` builds only shards ``k % n == i`` (run n processes/machines on one folder).
+    Returns the manifest.
+    """
+    from flowlift.latents import seeded_noise
+
+    degradation = degradation or Degradation()
+    height, width = latent_size
+    if height % 4 or width % 4 or height <= 0 or width <= 0:
+        raise FlowliftError(f"latent size must be positive multiples of 4, got {height}x{width}")
+    if num_items < 1 or shard_size < 1 or batch_size < 1:
+        raise FlowliftError("number of items, shard size and batch size must be >= 1")
+    factor = degradation.factor
+    root = Path(root)
+    manifest = {
+        "kind": "distill",
+        "target_shape": [LATENT_CHANNELS, height, width],
+        "cond_shape": [LATENT_CHANNELS, height // factor, width // factor],
+        "shard_size": shard_size,
+        "num_items": num_items,
+        "has_noise": True,
+        "degradation": degradation.to_dict(),
+        "seed": seed,
+        "storage_dtype": str(storage_dtype).removeprefix("torch."),
+        "source": source or {"teacher": type(teacher).__name__},
+    }
+    prepare_dataset_dir(root, manifest)
+    pending, part_items, done_items = _shard_plan(root, num_items, shard_size, part)
+    with _progress(part_items, done_items, "distill", progress) as bar:
+        for shard in pending:
+            first = shard * shard_size
+            count = min(shard_size, num_items - first)
+            noises, targets, conds, items = [], [], [], []
+            for start in range(first, first + count, batch_size):
+                indices = list(range(start, min(start + batch_size, first + count)))
+                if hasattr(teacher, "next_item"):
+                    teacher.next_item = indices[0]
+                noise = torch.stack(
+                    [seeded_noise((LATENT_CHANNELS, height, width), item_seed(seed, i)) for i in indices]
+                )
+                target = teacher(noise.to(device)).float()
+                if target.shape != noise.shape:
+                    raise FlowliftError(
+                        f"teacher returned a latent of shape {tuple(target.shape)} for noise {tuple(noise.shape)}"
+                    )
+                generator = item_generator(seed + 1, indices[0])
+                cond = conditioning_latents(vae, target, degradation, generator).float()
+                noises.append(noise.cpu())
+                targets.append(target.cpu())
+                conds.append(cond.cpu())
+                prompts = getattr(teacher, "prompts", None)
+                for i in indices:
+                    record: dict[str, Any] = {"index": i, "seed": item_seed(seed, i)}
+                    if prompts:
+                        record["prompt"] = prompts[i % len(prompts)]
+                    items.append(record)
+                bar.update(len(indices))
+            tensors = {"target": torch.cat(targets), "cond": torch.cat(conds), "noise": torch.cat(noises)}
+            write_shard(root, shard, first, tensors, items, storage_dtype)
+    return manifest
+
+
+def _image_sizes(paths: Sequence[Path]) -> list[tuple[int, int]]:
+    from PIL import Image, ImageOps
+
+    sizes = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                width, height = ImageOps.exif_transpose(image).size if image.getexif() else image.size
+        except OSError as error:
+            raise FlowliftError(f"{path}: not an image file Pillow can read ({error})") from None
+        sizes.append((height, width))
+    return sizes
+
+
+def plan_image_crops(
+    paths: Sequence[Path], crop: int, crops_per_image: int, seed: int, flip: bool = True
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The items of an images dataset: for image ``j`` and crop ``c`` (item ``j*crops_per_image + c``),
+    a uniformly random ``crop x crop`` window and, if ``flip``, a fair-coin horizontal flip, drawn
+    from ``item_seed(seed, item)``. Images smaller than the crop are skipped (returned second)."""
+    items: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    usable = []
+    for path, (height, width) in zip(paths, _image_sizes(paths), strict=True):
+        if min(height, width) < crop:
+            skipped.append(str(path))
+        else:
+            usable.append((path, height, width))
+    for path, height, width in usable:
+        for _ in range(crops_per_image):
+            index = len(items)
+            generator = item_generator(seed, index)
+            top = int(torch.randint(0, height - crop + 1, (), generator=generator))
+            left = int(torch.randint(0, width - crop + 1, (), generator=generator))
+            flipped = bool(torch.rand((), generator=generator) < 0.5) if flip else False
+            items.append({"index": index, "source": str(path), "top": top, "left": left, "flip": flipped})
+    return items, skipped
+
+
+def build_images_dataset(
+    root: str | os.PathLike,
+    image_paths: Sequence[str | os.PathLike],
+    vae: LatentCodec,
+    *,
+    crop: int = 512,
+    crops_per_image: int = 4,
+    seed: int = 0,
+    shard_size: int = 256,
+    batch_size: int = 8,
+    flip: bool = True,
+    degradation: Degradation | None = None,
+    storage_dtype: torch.dtype = torch.float16,
+    device: torch.device | str = "cpu",
+    vae_name: str = "",
+    progress: bool = True,
+    part: tuple[int, int] = (0, 1),
+) -> dict[str, Any]:
+    """Build (or resume) an images dataset: ``target = encode(crop)``, ``cond = encode(degrade(decode(target)))``.
+
+    ``crop`` (pixels) must be a multiple of ``8 * 4`` so the target latent side is a multiple of 4.
+    ``part = (i, n)`` builds only shards ``k % n == i``. Returns the manifest.
+    """
+    from flowlift.images import load_image, to_tensor
+
+    degradation = degradation or Degradation()
+    align = VAE_SCALE_FACTOR * 4
+    if crop <= 0 or crop % align:
+        raise FlowliftError(f"crop must be a positive multiple of {align} pixels, got {crop}")
+    if crops_per_image < 1 or shard_size < 1 or batch_size < 1:
+        raise FlowliftError("crops per image, shard size and batch size must be >= 1")
+    paths = [Path(p) for p in image_paths]
+    if not paths:
+        raise FlowliftError("no input images")
+    items, skipped = plan_image_crops(paths, crop, crops_per_image, seed, flip)
+    if skipped:
+        warnings.warn(f"{len(skipped)} image(s) smaller than the {crop}px crop were skipped", stacklevel=2)
+    if not items:
+        raise FlowliftError(f"no image is at least {crop}x{crop} pixels")
+    side = crop // VAE_SCALE_FACTOR
+    factor = degradation.factor
+    root = Path(root)
+    manifest = {
+        "kind": "images",
+        "target_shape": [LATENT_CHANNELS, side, side],
+        "cond_shape": [LATENT_CHANNELS, side // factor, side // factor],
+        "shard_size": shard_size,
+        "num_items": len(items),
+        "has_noise": False,
+        "degradation": degradation.to_dict(),
+        "seed": seed,
+        "storage_dtype": str(storage_dtype).removeprefix("torch."),
+        "source": {"images": [str(p) for p in paths], "crop": crop, "crops_per_image": crops_per_image,
+                   "flip": flip, "vae": vae_name, "skipped": skipped},
+    }
+    prepare_dataset_dir(root, manifest)
+    pending, part_items, done_items = _shard_plan(root, len(items), shard_size, part)
+    cache: dict[str, torch.Tensor] = {}
+    with _progress(part_items, done_items, "images", progress) as bar:
+        for shard in pending:
+            first = shard * shard_size
+            shard_items = items[first : first + shard_size]
+            targets, conds = [], []
+            for start in range(0, len(shard_items), batch_size):
+                chunk = shard_items[start : start + batch_size]
+                crops = []
+                for item in chunk:
+                    if item["source"] not in cache:
+                        cache.clear()  # items are grouped by image: keep one decoded image
+                        cache[item["source"]] = to_tensor(load_image(item["source"])[0])[0]
+                    image = cache[item["source"]]
+                    window = image[:, item["top"] : item["top"] + crop, item["left"] : item["left"] + crop]
+                    crops.append(window.flip(-1) if item["flip"] else window)
+                pixels = torch.stack(crops).to(device)
+                with torch.no_grad():
+                    target = vae.encode(pixels).float()
+                generator = item_generator(seed + 1, chunk[0]["index"])
+                cond = conditioning_latents(vae, target, degradation, generator).float()
+                targets.append(target.cpu())
+                conds.append(cond.cpu())
+                bar.update(len(chunk))
+            tensors = {"target": torch.cat(targets), "cond": torch.cat(conds)}
+            write_shard(root, shard, first, tensors, shard_items, storage_dtype)
+    return manifest

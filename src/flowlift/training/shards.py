@@ -1,0 +1,344 @@
+"""The training data format: sharded safetensors files, and a streaming loader over them.
+
+A dataset is a directory::
+
+    dataset.json              {"format": "flowlift-latent-dataset", "version": 1, "kind": ...,
+                               "target_shape": [32, H, W], "cond_shape": [32, H/2, W/2],
+                               "shard_size": S, "num_items": N, "has_noise": bool,
+                               "degradation": {...}, "vae": ..., "seed": ..., "source": {...}}
+    shard-00000.safetensors   tensors  target [n, 32, H, W]   (normalized target latents)
+                                       cond   [n, 32, H/2, W/2] (conditioning latents)
+                                       noise  [n, 32, H, W]   (distill shards only: the teacher's noise)
+                              metadata {"format": "flowlift-shard", "version": "1", "count": "n",
+                                        "first_item": "k", "items": JSON list of per-item records}
+
+Shard ``k`` holds items ``k*S .. k*S+n-1`` (every shard is full but the last), written to a
+temporary name and renamed, so a file that exists is complete: builders resume by skipping them.
+
+The loader (:class:`ShardStream`) reads single items through safetensors' memory-mapped slices
+(bounded memory), draws a global per-epoch permutation, and gives each (step, micro-batch, rank) a
+slice of it. Every random choice of an item (crop offset, fresh noise, flow time t) is a pure
+function of ``(seed, global position)``, so one process with batch 2B and two processes with
+batch B see exactly the same samples, and a resumed run sees the same samples as an uninterrupted one.
+Crops are aligned to the latent grid: offsets and sizes are multiples of 4 target-latent pixels,
+so the half-size conditioning crop starts on its 2x2 patchify grid (normalization is per
+patchified channel, i.e. per 2x2 phase).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowlift.errors import FlowliftError
+
+FORMAT = "flowlift-latent-dataset"
+SHARD_FORMAT = "flowlift-shard"
+VERSION = 1
+CROP_ALIGN = 4
+STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
+    path = Path(root) / "dataset.json"
+    if not path.is_file():
+        raise FlowliftError(f"{root} is not a flowlift dataset (no dataset.json); build one with `flowlift dataset`")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise FlowliftError(f"cannot read {path}: {error}") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise FlowliftError(f"{path}: not a {FORMAT} v{VERSION} manifest")
+    return manifest
+
+
+def write_manifest(root: str | os.PathLike, manifest: dict[str, Any]) -> None:
+    path = Path(root) / "dataset.json"
+    tmp = path.with_name(f"dataset.json.{os.getpid()}.tmp")  # parallel builders each use their own
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any]) -> None:
+    """Create ``root`` with ``manifest``, or check that an existing dataset has the same settings.
+
+    Only ``num_items`` may differ (a resumed build may ask for more items). A different setting
+    raises one FlowliftError line instead of mixing two datasets.
+    """
+    root = Path(root)
+    manifest = {"format": FORMAT, "version": VERSION, **manifest}
+    if (root / "dataset.json").is_file():
+        existing = read_manifest(root)
+        differing = sorted(
+            k for k in set(existing) | set(manifest) if k != "num_items" and existing.get(k) != manifest.get(k)
+        )
+        if differing:
+            raise FlowliftError(
+                f"{root} already holds a dataset built with different settings ({', '.join(differing)}); "
+                "use a new output folder"
+            )
+    root.mkdir(parents=True, exist_ok=True)
+    write_manifest(root, manifest)
+
+
+def completed_shards(root: str | os.PathLike) -> list[int]:
+    """Indices of the shard files present in ``root`` (each is complete: written atomically)."""
+    out = []
+    for path in Path(root).glob("shard-*.safetensors"):
+        try:
+            out.append(int(path.stem.split("-")[1]))
+        except (IndexError, ValueError):
+            continue
+    return sorted(out)
+
+
+def write_shard(
+    root: str | os.PathLike,
+    index: int,
+    first_item: int,
+    tensors: dict[str, torch.Tensor],
+    items: Sequence[dict[str, Any]],
+    dtype: torch.dtype = torch.float16,
+) -> Path:
+    """Write one shard atomically (temporary file + rename). ``tensors``: target, cond[, noise]."""
+    from safetensors.torch import save_file
+
+    count = len(items)
+    for name, tensor in tensors.items():
+        if tensor.shape[0] != count:
+            raise ValueError(f"shard tensor {name} has {tensor.shape[0]} items, metadata has {count}")
+    path = Path(root) / shard_name(index)
+    tmp = path.with_name(path.name + ".tmp")
+    metadata = {
+        "format": SHARD_FORMAT,
+        "version": str(VERSION),
+        "count": str(count),
+        "first_item": str(first_item),
+        "items": json.dumps(list(items)),
+    }
+    data = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
+    save_file(data, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+    return path
+
+
+class ShardReader:
+    """Random access to the items of a dataset directory through memory-mapped safetensors slices.
+
+    At most ``max_open`` shard files are open at once (least recently used are closed).
+    """
+
+    def __init__(self, root: str | os.PathLike, max_open: int = 16) -> None:
+        from safetensors import safe_open
+
+        self._safe_open = safe_open
+        self.root = Path(root)
+        self.manifest = read_manifest(self.root)
+        self.shard_size = int(self.manifest["shard_size"])
+        self.max_open = max_open
+        self._open: OrderedDict[int, Any] = OrderedDict()
+        shards = completed_shards(self.root)
+        if not shards:
+            raise FlowliftError(f"{self.root}: dataset has no shards yet")
+        self.counts: dict[int, int] = {}
+        for index in shards:
+            with safe_open(str(self.root / shard_name(index)), framework="pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("format") != SHARD_FORMAT:
+                    raise FlowliftError(f"{self.root / shard_name(index)} is not a flowlift shard")
+                self.counts[index] = int(meta["count"])
+        # Items are addressed contiguously; a missing middle shard (interrupted build) ends the range.
+        total = 0
+        for expected, index in enumerate(shards):
+            if index != expected:
+                break
+            total += self.counts[index]
+            if self.counts[index] < self.shard_size:
+                break
+        self.num_items = total
+        self.has_noise = bool(self.manifest.get("has_noise", False))
+        self.target_shape = tuple(self.manifest["target_shape"])
+        self.cond_shape = tuple(self.manifest["cond_shape"])
+
+    def __len__(self) -> int:
+        return self.num_items
+
+    def _handle(self, shard: int):
+        handle = self._open.get(shard)
+        if handle is None:
+            handle = self._safe_open(str(self.root / shard_name(shard)), framework="pt")
+            handle.__enter__()
+            self._open[shard] = handle
+            while len(self._open) > self.max_open:
+                _, old = self._open.popitem(last=False)
+                old.__exit__(None, None, None)
+        else:
+            self._open.move_to_end(shard)
+        return handle
+
+    def item(self, index: int, window: tuple[int, int, int, int] | None = None) -> dict[str, torch.Tensor]:
+        """Item ``index`` as float32 tensors. ``window = (top, left, height, width)`` in target-latent
+        pixels crops target/noise there and cond at half of it (all values multiples of 2)."""
+        if not 0 <= index < self.num_items:
+            raise IndexError(f"item {index} out of range 0..{self.num_items - 1}")
+        shard, offset = divmod(index, self.shard_size)
+        handle = self._handle(shard)
+        names = ["target", "cond"] + (["noise"] if self.has_noise else [])
+        out = {}
+        for name in names:
+            sl = handle.get_slice(name)
+            if window is None:
+                tensor = sl[offset : offset + 1]
+            else:
+                top, left, height, width = window
+                scale = 1 if name != "cond" else 2
+                t0, l0, hh, ww = top // scale, left // scale, height // scale, width // scale
+                tensor = sl[offset : offset + 1, :, t0 : t0 + hh, l0 : l0 + ww]
+            out[name] = tensor[0].to(torch.float32)
+        return out
+
+    def close(self) -> None:
+        while self._open:
+            _, handle = self._open.popitem()
+            handle.__exit__(None, None, None)
+
+
+@dataclass(frozen=True)
+class TimeSampling:
+    """How the flow time t in [0, 1] is drawn per sample.
+
+    ``fixed``: t = ``value`` (1.0 = pure one-step distillation from noise);
+    ``uniform``: t ~ U(``low``, ``high``);
+    ``logit_normal``: t = sigmoid(m + s * n), n ~ N(0, 1) (SD3's logit-normal).
+    """
+
+    mode: str = "fixed"
+    value: float = 1.0
+    low: float = 0.0
+    high: float = 1.0
+    mean: float = 0.0
+    std: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("fixed", "uniform", "logit_normal"):
+            raise FlowliftError(f"t sampling must be fixed, uniform or logit_normal, got {self.mode!r}")
+        if not 0.0 <= self.value <= 1.0 or not 0.0 <= self.low <= self.high <= 1.0:
+            raise FlowliftError("t sampling values must lie in [0, 1] with low <= high")
+
+    def sample(self, generator: torch.Generator) -> float:
+        if self.mode == "fixed":
+            return float(self.value)
+        if self.mode == "uniform":
+            u = torch.rand((), generator=generator).item()
+            return float(self.low + (self.high - self.low) * u)
+        n = torch.randn((), generator=generator).item()
+        return float(1.0 / (1.0 + math.exp(-(self.mean + self.std * n))))
+
+
+def item_generator(seed: int, position: int) -> torch.Generator:
+    """CPU generator for the sample at global stream ``position``: seeded by ``(seed, position)``."""
+    mixed = (int(seed) * 0x9E3779B97F4A7C15 + int(position) * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
+    return torch.Generator(device="cpu").manual_seed(mixed)
+
+
+class ShardStream:
+    """Deterministic streaming batches over a :class:`ShardReader`.
+
+    The stream is the concatenation of per-epoch permutations of all items (``randperm`` seeded by
+    ``seed + epoch``). Optimizer step ``s`` consumes ``global_batch = world_size * micro_batch *
+    grad_accum`` consecutive positions; micro-batch ``m`` on rank ``r`` takes the ``micro_batch``
+    positions starting at ``s*global_batch + (m*world_size + r)*micro_batch`` — the DistributedSampler
+    interleaving, made a pure function of (step, micro, rank) so that resume needs no loader state.
+    """
+
+    def __init__(
+        self,
+        reader: ShardReader,
+        *,
+        micro_batch: int,
+        crop: int | None = None,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        grad_accum: int = 1,
+        time_sampling: TimeSampling | None = None,
+        use_stored_noise: bool = True,
+        shuffle: bool = True,
+    ) -> None:
+        if micro_batch < 1 or grad_accum < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise FlowliftError("batch size, accumulation and world size must be >= 1, rank < world size")
+        _, height, width = reader.target_shape
+        if crop is not None and crop > 0:
+            if crop % CROP_ALIGN:
+                raise FlowliftError(f"crop must be a multiple of {CROP_ALIGN} latent pixels, got {crop}")
+            if crop > min(height, width):
+                raise FlowliftError(f"crop {crop} is larger than the dataset's latents ({height}x{width})")
+        self.reader = reader
+        self.micro_batch = micro_batch
+        self.crop = crop if crop else None
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.grad_accum = grad_accum
+        self.time_sampling = time_sampling or TimeSampling()
+        self.use_stored_noise = use_stored_noise and reader.has_noise
+        self.shuffle = shuffle
+        self._perm_cache: dict[int, torch.Tensor] = {}
+
+    @property
+    def global_batch(self) -> int:
+        return self.world_size * self.micro_batch * self.grad_accum
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        perm = self._perm_cache.get(epoch)
+        if perm is None:
+            n = len(self.reader)
+            if self.shuffle:
+                perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1009 + epoch))
+            else:
+                perm = torch.arange(n)
+            self._perm_cache = {epoch: perm}
+        return perm
+
+    def item_at(self, position: int) -> int:
+        epoch, offset = divmod(position, len(self.reader))
+        return int(self._permutation(epoch)[offset])
+
+    def sample(self, position: int) -> dict[str, torch.Tensor]:
+        """The training sample at global stream ``position`` (crop, noise and t from its own seed)."""
+        generator = item_generator(self.seed, position)
+        index = self.item_at(position)
+        _, height, width = self.reader.target_shape
+        window = None
+        if self.crop is not None:
+            top = int(torch.randint(0, (height - self.crop) // CROP_ALIGN + 1, (), generator=generator)) * CROP_ALIGN
+            left = int(torch.randint(0, (width - self.crop) // CROP_ALIGN + 1, (), generator=generator)) * CROP_ALIGN
+            window = (top, left, self.crop, self.crop)
+        item = self.reader.item(index, window)
+        t = self.time_sampling.sample(generator)
+        if self.use_stored_noise:
+            noise = item["noise"]
+        else:
+            noise = torch.randn(item["target"].shape, generator=generator, dtype=torch.float32)
+        return {"target": item["target"], "cond": item["cond"], "noise": noise, "t": torch.tensor(t)}
+
+    def positions(self, step: int, micro: int) -> range:
+        start = step * self.global_batch + (micro * self.world_size + self.rank) * self.micro_batch
+        return range(start, start + self.micro_batch)
+
+    def batch(self, step: int, micro: int = 0) -> dict[str, torch.Tensor]:
+        """This rank's micro-batch ``micro`` of optimizer step ``step`` (0-based), stacked."""
+        samples = [self.sample(p) for p in self.positions(step, micro)]
+        return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}

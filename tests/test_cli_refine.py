@@ -1,0 +1,332 @@
+"""``flowlift img2img`` and ``flowlift hires`` end to end on a tiny diffusers-layout FLUX.2 folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from flowlift.cli import main
+from tiny_flux2 import prompt_embeds, tiny_transformer, tiny_vae
+
+W, H = 64, 48
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A diffusers-layout model folder: transformer/ and vae/ subfolders with tiny random weights."""
+    root = tmp_path_factory.mktemp("flux2-tiny")
+    tiny_transformer().save_pretrained(root / "transformer")
+    tiny_vae().save_pretrained(root / "vae")
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def embeds_file(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("emb") / "prompt.safetensors"
+    save_file({"prompt_embeds": prompt_embeds(), "negative_prompt_embeds": prompt_embeds(3, seed=9)}, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def photo(tmp_path_factory):
+    path = tmp_path_factory.mktemp("img") / "photo.png"
+    g = torch.Generator().manual_seed(0)
+    array = (torch.rand(H, W, 3, generator=g) * 255).to(torch.uint8).numpy()
+    Image.fromarray(array, "RGB").save(path)
+    return path
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _metadata(path):
+    with Image.open(path) as img:
+        return json.loads(img.text["flowlift"])
+
+
+def test_img2img_writes_png_with_all_parameters(capsys, tmp_path, model_dir, embeds_file, photo):
+    out = tmp_path / "out.png"
+    code, stdout, stderr = _run(
+        capsys,
+        "img2img",
+        photo,
+        "--model",
+        model_dir,
+        "--prompt-embeds",
+        embeds_file,
+        "--prompt",
+        "a cat",
+        "--strength",
+        "0.6",
+        "--steps",
+        "6",
+        "--seed",
+        "7",
+        "--sampler",
+        "heun",
+        "-o",
+        out,
+    )
+    assert code == 0, stderr
+    assert "img2img" in stderr and "step" in stderr  # the per-step progress bar
+    with Image.open(out) as img:
+        assert img.size == (W, H)
+    meta = _metadata(out)
+    for key, value in {
+        "command": "img2img",
+        "mode": "img2img",
+        "strength": 0.6,
+        "strength_map": "linear",
+        "steps": 6,
+        "seed": 7,
+        "sampler": "heun",
+        "prompt": "a cat",
+        "cfg_scale": 1.0,
+        "model": str(model_dir),
+    }.items():
+        assert meta[key] == value, key
+    assert meta["denoising_start"] == pytest.approx(0.4) and meta["t0"] == pytest.approx(0.6)
+    assert meta["sigmas"][0] == pytest.approx(0.6) and meta["sigmas"][-1] == 0.0
+    assert len(meta["input_sha256"]) == 64 and len(meta["prompt_embeds_sha256"]) == 64
+
+
+def test_same_seed_same_output_and_cfg(capsys, tmp_path, model_dir, embeds_file, photo):
+    outs = []
+    for i, extra in enumerate(([], [], ["--cfg-scale", "3"])):
+        out = tmp_path / f"o{i}.png"
+        code, _, err = _run(
+            capsys,
+            "img2img",
+            photo,
+            "--model",
+            model_dir,
+            "--prompt-embeds",
+            embeds_file,
+            "--steps",
+            "4",
+            "--quiet",
+            "-o",
+            out,
+            *extra,
+        )
+        assert code == 0, err
+        outs.append(Image.open(out).tobytes())
+    assert outs[0] == outs[1] and outs[0] != outs[2]
+    assert _metadata(tmp_path / "o2.png")["cfg_scale"] == 3.0
+
+
+def test_inpaint_and_outpaint(capsys, tmp_path, model_dir, embeds_file, photo):
+    mask = tmp_path / "mask.png"
+    m = Image.new("L", (W, H), 0)
+    m.paste(255, (16, 16, 48, 32))
+    m.save(mask)
+    out = tmp_path / "inpaint.png"
+    code, _, err = _run(
+        capsys,
+        "img2img",
+        photo,
+        "--mask",
+        mask,
+        "--strength",
+        "1",
+        "--model",
+        model_dir,
+        "--prompt-embeds",
+        embeds_file,
+        "--steps",
+        "3",
+        "--quiet",
+        "-o",
+        out,
+    )
+    assert code == 0, err
+    meta = _metadata(out)
+    assert meta["mode"] == "inpaint" and meta["mask"] == str(mask)
+    out = tmp_path / "outpaint.png"
+    code, _, err = _run(
+        capsys,
+        "img2img",
+        photo,
+        "--outpaint",
+        "16,0,10,0",
+        "--model",
+        model_dir,
+        "--prompt-embeds",
+        embeds_file,
+        "--steps",
+        "3",
+        "--quiet",
+        "-o",
+        out,
+    )
+    assert code == 0, err
+    with Image.open(out) as img:
+        assert img.size == (W + 32, H)
+    meta = _metadata(out)
+    assert meta["mode"] == "outpaint" and meta["strength"] == 1.0 and (meta["left"], meta["right"]) == (16, 16)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["missing.png"], "missing.png"),
+        (["{photo}", "--outpaint", "1,2"], "--outpaint"),
+        (["{photo}", "--mask", "{photo}", "--outpaint", "0,0,16,0"], "exclusive"),
+        (["{photo}", "--guidance", "3.5"], "no guidance embedding"),
+        (["{photo}", "--prompt-embeds", "nowhere.safetensors"], "file not found"),
+        (["{photo}", "-o", "{tmp}/out.xyz"], "unsupported image format"),
+    ],
+)
+def test_bad_inputs_one_line_no_output(capsys, tmp_path, model_dir, embeds_file, photo, argv, message):
+    argv = [a.format(photo=photo, tmp=tmp_path) for a in argv]
+    if "--prompt-embeds" not in argv:
+        argv += ["--prompt-embeds", str(embeds_file)]
+    before = set(tmp_path.iterdir())
+    code, _, err = _run(
+        capsys,
+        "img2img",
+        *argv,
+        "--model",
+        model_dir,
+        "--steps",
+        "2",
+        "--quiet",
+        *([] if "-o" in argv else ["-o", tmp_path / "never.png"]),
+    )
+    assert code == 2
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert set(tmp_path.iterdir()) == before
+
+
+def test_prompt_text_needs_text_encoder_or_embeds(capsys, tmp_path, model_dir, photo):
+    code, _, err = _run(capsys, "img2img", photo, "--model", model_dir, "--quiet", "-o", tmp_path / "x.png")
+    assert code == 2 and "--prompt" in err
+    # a text prompt without embeddings needs the pipeline's text encoder, which this folder lacks
+    code, _, err = _run(
+        capsys, "img2img", photo, "--model", model_dir, "--prompt", "a cat", "--quiet", "-o", tmp_path / "x.png"
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "flowlift[text]" in err or "text encoder" in err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_bad_model_is_one_line(capsys, tmp_path, embeds_file, photo):
+    code, _, err = _run(
+        capsys,
+        "img2img",
+        photo,
+        "--model",
+        tmp_path,
+        "--prompt-embeds",
+        embeds_file,
+        "--quiet",
+        "-o",
+        tmp_path / "x.png",
+    )
+    assert code == 2 and "FLUX.2 transformer" in err and len(err.strip().splitlines()) == 1
+
+
+def test_argument_choices_mirror_the_api():
+    from flowlift.commands import img2img
+    from flowlift.refine import SAMPLERS, STRENGTH_MAPS
+
+    assert img2img.SAMPLERS == SAMPLERS and img2img.STRENGTH_MAPS == STRENGTH_MAPS
+
+
+def test_hires_from_image_and_from_txt2img(capsys, tmp_path, model_dir, embeds_file, photo):
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+
+    torch.manual_seed(0)
+    upscaler = tmp_path / "flow_upscaler.safetensors"
+    save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32), upscaler)
+    crop = tmp_path / "square.png"
+    Image.open(photo).resize((64, 64)).save(crop)
+    out = tmp_path / "hires.png"
+    code, _, err = _run(
+        capsys,
+        "hires",
+        "--image",
+        crop,
+        "--scale",
+        "2",
+        "--upscaler",
+        upscaler,
+        "--refine-strength",
+        "0.4",
+        "--model",
+        model_dir,
+        "--prompt-embeds",
+        embeds_file,
+        "--steps",
+        "8",
+        "-o",
+        out,
+    )
+    assert code == 0, err
+    with Image.open(out) as img:
+        assert img.size == (128, 128)
+    meta = _metadata(out)
+    assert meta["command"] == "hires" and meta["scale"] == 2 and meta["refine_strength"] == 0.4
+    assert meta["sigmas"][0] == pytest.approx(0.4) and meta["base"] == "image"
+    out = tmp_path / "gen.png"
+    code, _, err = _run(
+        capsys,
+        "hires",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--base-steps",
+        "2",
+        "--scale",
+        "4",
+        "--upscaler",
+        upscaler,
+        "--model",
+        model_dir,
+        "--prompt-embeds",
+        embeds_file,
+        "--steps",
+        "4",
+        "--quiet",
+        "-o",
+        out,
+    )
+    assert code == 0, err
+    with Image.open(out) as img:
+        assert img.size == (256, 256)
+    assert _metadata(out)["base"] == "txt2img"
+
+
+def test_alpha_channel_is_kept(capsys, tmp_path, model_dir, embeds_file, photo):
+    rgba = tmp_path / "rgba.png"
+    img = Image.open(photo).convert("RGBA")
+    img.putalpha(Image.new("L", img.size, 128))
+    img.save(rgba)
+    out = tmp_path / "rgba_out.png"
+    code, _, err = _run(
+        capsys,
+        "img2img",
+        rgba,
+        "--model",
+        model_dir,
+        "--prompt-embeds",
+        embeds_file,
+        "--steps",
+        "2",
+        "--quiet",
+        "-o",
+        out,
+    )
+    assert code == 0, err
+    with Image.open(out) as result:
+        assert result.mode == "RGBA" and result.getchannel("A").getextrema() == (128, 128)

@@ -1,0 +1,165 @@
+"""``flowlift upscale``: batches, bad inputs, resume, metadata (real TAEF2, small random UNet)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flowlift.cli import main
+from flowlift.images import file_sha256
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+
+    torch.manual_seed(0)
+    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
+    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+
+
+@pytest.fixture(scope="module")
+def photo(shared):
+    image = Image.open(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png").convert("RGB")
+    return image.resize((48, 32), Image.Resampling.BOX)
+
+
+def _common(shared, weights) -> list[str]:
+    return ["--upscaler", str(weights), "--vae", str(shared / "models" / "taef2"), "--device", "cpu"]
+
+
+def _error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("flowlift upscale:")]
+
+
+def test_batch_with_bad_inputs_then_resume(tmp_path, shared, weights, photo, capsys):
+    src = tmp_path / "in"
+    src.mkdir()
+    photo.save(src / "good.png")
+    rgba = photo.copy()
+    rgba.putalpha(Image.fromarray(np.tile(np.linspace(0, 255, 48, dtype=np.uint8), (32, 1)), "L"))
+    rgba.save(src / "alpha.png")
+    # stored 48x32, EXIF orientation 6 (rotate 90 CW to display): displayed 32x48
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    photo.save(src / "rotated.jpg", exif=exif.tobytes(), quality=95)
+    photo.convert("CMYK").save(src / "cmyk.jpg", quality=95)
+    grey16 = (np.asarray(photo.convert("L"), dtype=np.uint16) * 257).astype(np.uint16)
+    Image.frombytes("I;16", photo.size, grey16.astype("<u2").tobytes()).save(src / "grey16.png")
+    (src / "corrupt.png").write_bytes((src / "good.png").read_bytes()[:200])
+    (src / "notes.png").write_text("not an image")
+    out = tmp_path / "out"
+
+    rc = main(["upscale", str(src), "-o", str(out), "--scale", "2", *_common(shared, weights)])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "Traceback" not in err
+    errors = _error_lines(err)
+    assert sum("corrupt.png" in line for line in errors) == 1
+    assert sum("notes.png" in line for line in errors) == 1
+    expected = ["alpha_x2.png", "cmyk_x2.png", "good_x2.png", "grey16_x2.png", "rotated_x2.png"]
+    assert sorted(p.name for p in out.iterdir()) == expected
+
+    with Image.open(out / "good_x2.png") as good:
+        assert good.size == (96, 64) and good.mode == "RGB"
+        text = good.text
+    with Image.open(out / "alpha_x2.png") as alpha:
+        assert alpha.mode == "RGBA" and alpha.size == (96, 64)
+        a = np.asarray(alpha.getchannel("A"), dtype=np.float64)
+        assert a[:, :2].mean() < 10 and a[:, -2:].mean() > 245
+    with Image.open(out / "rotated_x2.png") as rotated:
+        assert rotated.size == (64, 96)
+    for name in ("cmyk_x2.png", "grey16_x2.png"):
+        with Image.open(out / name) as converted:
+            assert converted.mode == "RGB" and converted.size == (96, 64)
+            # colour pinned to the input's at input scale: not black, not clipped
+            assert 40 < np.asarray(converted).mean() < 215
+
+    params = json.loads(text["flowlift.parameters"])
+    assert params["scale"] == 2 and params["seed"] == 0 and params["color_fix"] is True
+    models = json.loads(text["flowlift.models"])
+    assert models["upscaler"] == {"flow_upscaler.safetensors": file_sha256(weights)}
+    assert set(models["vae"]) == {"taef2_encoder.pth", "taef2_decoder.pth"}
+    assert json.loads(text["flowlift.source"])["sha256"] == file_sha256(src / "good.png")
+
+    # rerun: finished outputs are skipped (not rewritten), the bad inputs fail again
+    stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    rc = main(["upscale", str(src), "-o", str(out), "--scale", "2", *_common(shared, weights)])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert sum("skipped" in line for line in _error_lines(err)) == 5
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
+
+
+def test_overwrite_single_file_output_and_determinism(tmp_path, shared, weights, photo, capsys):
+    photo.save(tmp_path / "a.png")
+    target = tmp_path / "result.png"
+    args = ["upscale", str(tmp_path / "a.png"), "-o", str(target), "--seed", "4", *_common(shared, weights)]
+    assert main(args) == 0
+    first = target.read_bytes()
+    assert main(args) == 0 and "skipped" in capsys.readouterr().err
+    os.utime(target, ns=(0, 0))
+    assert main([*args, "--overwrite"]) == 0
+    assert target.stat().st_mtime_ns != 0
+    with Image.open(target) as result, Image.open(io.BytesIO(first)) as earlier:
+        assert result.size == (96, 64)
+        assert result.tobytes() == earlier.tobytes()  # same seed, same pixels
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "result.png"]  # no temporary files left
+
+
+def test_never_overwrites_inputs_and_never_upscales_own_outputs(tmp_path, shared, weights, photo, capsys):
+    photo.save(tmp_path / "a.png")
+    common = _common(shared, weights)
+    # the output file named as the input: refused, input untouched
+    before = (tmp_path / "a.png").read_bytes()
+    assert main(["upscale", str(tmp_path / "a.png"), "-o", str(tmp_path / "a.png"), *common]) == 1
+    assert any("would overwrite the input" in line for line in _error_lines(capsys.readouterr().err))
+    assert (tmp_path / "a.png").read_bytes() == before
+    # a folder run without -o writes next to the inputs; rerunning it leaves a_x2.png alone (it is
+    # a.png's output, not a new source) and skips a.png (finished): nothing new, exit 0
+    assert main(["upscale", str(tmp_path), "--passes", "1", *common]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "a_x2.png"]
+    capsys.readouterr()
+    assert main(["upscale", str(tmp_path / "*.png"), "--passes", "1", *common]) == 0
+    lines = _error_lines(capsys.readouterr().err)
+    assert any("a_x2.png: skipped, it is the output of" in line for line in lines)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "a_x2.png"]
+
+
+def test_missing_weights_message(tmp_path, shared, photo, capsys):
+    photo.save(tmp_path / "a.png")
+    rc = main(["upscale", str(tmp_path / "a.png"), "--upscaler", str(tmp_path / "none"), "--vae", "taef2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "flow_upscaler.safetensors" in err[0] and "--upscaler PATH" in err[0]
+    assert not (tmp_path / "a_x2.png").exists()
+
+
+def test_bad_arguments(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["upscale", "x.png", "--scale", "3"])
+    with pytest.raises(SystemExit):
+        main(["upscale", "x.png", "--scale", "2", "--passes", "2"])
+    with pytest.raises(SystemExit):
+        main(["upscale", "x.png", "--transplant-strength", "1.5"])
+    assert main(["upscale", str(tmp_path / "missing-*.png")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_cap_warning_is_one_line(tmp_path, shared, weights, capsys):
+    # 8200 px wide: one pass would give 16400 > MAX_OUTPUT_SIDE, so it is dropped (the UNet never runs)
+    Image.new("RGB", (8200, 8), (120, 80, 40)).save(tmp_path / "wide.png")
+    rc = main(["upscale", str(tmp_path / "wide.png"), "-o", str(tmp_path / "out"), *_common(shared, weights)])
+    err = capsys.readouterr().err
+    assert rc == 0 and "Traceback" not in err
+    warned = [line for line in _error_lines(err) if "MAX_OUTPUT_SIDE=16384" in line]
+    assert len(warned) == 1 and "running 0 pass" in warned[0]
+    with Image.open(tmp_path / "out" / "wide_x2.png") as result:
+        assert result.size == (8200, 8)
+        assert json.loads(result.text["flowlift.parameters"])["passes"] == 0

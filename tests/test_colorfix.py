@@ -1,0 +1,190 @@
+"""Both colour-drift stages: exact low-band transplants (flowlift.colorfix)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from flowlift.colorfix import (
+    area_downsample,
+    area_matrix,
+    integer_area_tridiagonal,
+    lab_lowband_transplant,
+    latent_lowband_transplant,
+    linear_matrix,
+    linear_taps,
+    lowband_grid,
+    solve_tridiagonal,
+)
+from flowlift.images import to_tensor
+from flowlift.metrics import drift_at_input_scale
+
+
+@pytest.mark.parametrize("sizes", [(64, 48, 8, 6), (60, 44, 7, 5), (1024, 40, 256, 10), (5, 3, 5, 3)])
+def test_linear_matrix_is_pytorch_bilinear(sizes):
+    big_h, big_w, h, w = sizes
+    coarse = torch.randn(2, 3, h, w, dtype=torch.float64)
+    expected = F.interpolate(coarse, size=(big_h, big_w), mode="bilinear", align_corners=False)
+    ours = linear_matrix(big_h, h) @ coarse @ linear_matrix(big_w, w).T
+    torch.testing.assert_close(ours, expected, atol=1e-12, rtol=0)
+
+
+def test_area_matrix_is_adaptive_average():
+    x = torch.randn(1, 4, 44, 60, dtype=torch.float64)
+    torch.testing.assert_close(area_downsample(x, (5, 7)), F.adaptive_avg_pool2d(x, (5, 7)), atol=1e-12, rtol=0)
+    # integer factors are block means
+    block = area_matrix(4, 16)
+    assert torch.equal(block[1, 4:8], torch.full((4,), 0.25, dtype=torch.float64))
+    assert block[1].sum() == 1 and block[1, :4].abs().sum() == 0
+
+
+@pytest.mark.parametrize("n, factor", [(1, 2), (2, 4), (7, 2), (9, 8), (6, 3)])
+def test_tridiagonal_bands_equal_dense_product(n, factor):
+    dense = area_matrix(n, n * factor) @ linear_matrix(n * factor, n)
+    bands = integer_area_tridiagonal(n, factor)
+    rebuilt = torch.diag(bands[:, 1]) + torch.diag(bands[1:, 0], -1) + torch.diag(bands[:-1, 2], 1)
+    torch.testing.assert_close(rebuilt, dense, atol=1e-15, rtol=0)
+    rhs = torch.randn(n, 3, 2, dtype=torch.float64)
+    expected = torch.linalg.solve(dense, rhs.reshape(n, -1)).reshape(rhs.shape)
+    torch.testing.assert_close(solve_tridiagonal(bands, rhs, dim=0), expected)
+    # along another axis too
+    rhs_t = rhs.movedim(0, -1).contiguous()
+    torch.testing.assert_close(solve_tridiagonal(bands, rhs_t, dim=-1), expected.movedim(0, -1))
+
+
+def test_linear_taps_clamp_at_edges():
+    i0, i1, w1 = linear_taps(8, 2)
+    assert i0.tolist() == [0, 0, 0, 0, 0, 0, 1, 1] and i1.tolist() == [1] * 8
+    matrix = linear_matrix(8, 2)
+    # the first two rows clamp onto sample 0, the last two onto sample 1; rows sum to 1
+    assert matrix[:2].tolist() == [[1.0, 0.0]] * 2 and matrix[-2:].tolist() == [[0.0, 1.0]] * 2
+    torch.testing.assert_close(matrix.sum(1), torch.ones(8, dtype=torch.float64))
+
+
+# -- stage 1 -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(2, 32, 48, 64), (1, 32, 44, 60), (1, 32, 12, 4)])
+def test_stage1_full_strength_pins_low_band(shape):
+    gen = torch.Generator().manual_seed(0)
+    output = torch.randn(shape, generator=gen)
+    cond = torch.randn(shape[0], shape[1], shape[2] // 2, shape[3] // 2, generator=gen) + 0.5
+    grid = lowband_grid(shape[2], shape[3])
+    before = (area_downsample(output, grid) - area_downsample(cond, grid)).abs().max()
+    fixed = latent_lowband_transplant(output, cond, 1.0, strip_rows=7)
+    after = (area_downsample(fixed, grid) - area_downsample(cond, grid)).abs().max()
+    assert before > 0.3
+    assert after < 1e-5
+    # the correction lives in the low band: the high band (output minus its projection) is unchanged
+    half = latent_lowband_transplant(output, cond, 0.5)
+    mean_low = 0.5 * (area_downsample(output, grid) + area_downsample(cond, grid))
+    torch.testing.assert_close(area_downsample(half, grid), mean_low, atol=1e-5, rtol=0)
+    torch.testing.assert_close(half - output, 0.5 * (fixed - output), atol=1e-5, rtol=0)
+
+
+def _inside_cell_rows(n_fine: int, factor: int) -> torch.Tensor:
+    """Fine rows whose neighbours lie between the same two coarse sample centres (bilinear is linear there)."""
+    centre = (factor - 1) / 2
+    rows = torch.arange(1, n_fine - 1)
+    return rows[torch.floor((rows - 1 - centre) / factor) == torch.floor((rows + 1 - centre) / factor)]
+
+
+def _second_difference(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return x[..., rows + 1, :] - 2 * x[..., rows, :] + x[..., rows - 1, :]
+
+
+def test_stage1_zero_strength_is_identity_and_correction_is_smooth():
+    output = torch.randn(1, 32, 64, 64)
+    cond = torch.randn(1, 32, 32, 32)
+    assert torch.equal(latent_lowband_transplant(output, cond, 0.0), output)
+    delta = latent_lowband_transplant(output, cond, 1.0) - output
+    # the correction is bilinear from the 8x8 grid: no second differences between coarse centres
+    rows = _inside_cell_rows(64, 8)
+    assert len(rows) > 30
+    assert _second_difference(delta, rows).abs().max() < 1e-5
+    assert _second_difference(output, rows).abs().mean() > 1
+
+
+def test_stage1_rejects_mismatched_batches():
+    with pytest.raises(ValueError):
+        latent_lowband_transplant(torch.zeros(2, 32, 8, 8), torch.zeros(1, 32, 4, 4))
+
+
+# -- stage 2 -----------------------------------------------------------------------------------------
+
+
+def _lab_drift(rgb: torch.Tensor) -> torch.Tensor:
+    """A colour cast, +15% chroma and a tone stretch (x1.1 around L=50, +2), applied in L*a*b*."""
+    from kornia.color import lab_to_rgb, rgb_to_lab
+
+    lab = rgb_to_lab(rgb)
+    light = (lab[:, :1] - 50.0) * 1.1 + 52.0
+    colour = lab[:, 1:] * 1.15 + torch.tensor([1.5, -2.0]).view(1, 2, 1, 1)
+    return lab_to_rgb(torch.cat([light, colour], 1))
+
+
+@pytest.fixture(scope="module")
+def synthetic_drift(shared):
+    photo = Image.open(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png").convert("RGB")
+    small = photo.resize((192, round(192 * photo.height / photo.width)), Image.Resampling.BOX)
+    big = small.resize((small.width * 4, small.height * 4), Image.Resampling.LANCZOS)
+    reference = to_tensor(small)
+    return reference, _lab_drift(to_tensor(big))
+
+
+def _to_uint8(t: torch.Tensor) -> np.ndarray:
+    return (t[0].permute(1, 2, 0).clamp(0, 1).numpy() * 255).round().astype(np.uint8)
+
+
+def test_stage2_meets_model_card_figures(synthetic_drift):
+    reference, drifted = synthetic_drift
+    ref8 = _to_uint8(reference)
+    before = drift_at_input_scale(_to_uint8(drifted), ref8)
+    assert before["cast_max"] > 3 and before["c_mean_change_pct"] > 5 and before["l_std_change"] > 1
+    fixed = lab_lowband_transplant(drifted, reference, 1.0)
+    assert fixed.shape == drifted.shape and fixed.min() >= 0 and fixed.max() <= 1
+    after = drift_at_input_scale(_to_uint8(fixed), ref8)
+    assert after["cast_max"] <= 0.05, after
+    assert abs(after["c_mean_change_pct"]) <= 0.5, after
+    assert abs(after["c_p99_change"]) <= 0.6, after
+    assert abs(after["l_std_change"]) <= 0.05, after
+    assert abs(after["l_p5_change"]) <= 0.05 and abs(after["l_p95_change"]) <= 0.05, after
+    # detail above the reference's Nyquist is the output's: the L*a*b* change is bilinear from the
+    # reference grid, so it has no second differences between coarse centres (except where clipped)
+    from kornia.color import rgb_to_lab
+
+    change = rgb_to_lab(fixed) - rgb_to_lab(drifted)
+    rows = _inside_cell_rows(change.shape[-2], 4)
+    assert torch.quantile(_second_difference(change, rows).abs().flatten(), 0.99) < 1e-3
+    assert _second_difference(rgb_to_lab(drifted), rows).abs().mean() > 0.1
+
+    half = lab_lowband_transplant(drifted, reference, 0.5)
+    mid = drift_at_input_scale(_to_uint8(half), ref8)
+    for key in ("cast_r", "cast_g", "c_mean_change_pct", "l_std_change", "l_p95_change"):
+        assert mid[key] == pytest.approx(before[key] / 2, rel=0.15, abs=0.05), (key, mid[key], before[key])
+
+
+def test_stage2_zero_strength_is_clamp_only(synthetic_drift):
+    reference, drifted = synthetic_drift
+    out = drifted * 1.2 - 0.1
+    assert torch.equal(lab_lowband_transplant(out, reference, 0.0), out.clamp(0, 1))
+
+
+def test_stage2_strips_do_not_change_the_result(synthetic_drift):
+    reference, drifted = synthetic_drift
+    crop_ref, crop = reference[..., :24, :40], drifted[..., :96, :160]
+    whole = lab_lowband_transplant(crop, crop_ref, 1.0)
+    strips = lab_lowband_transplant(crop, crop_ref, 1.0, strip_pixels=160 * 12)
+    torch.testing.assert_close(strips, whole, atol=1e-5, rtol=0)
+    target = crop.clone()
+    inplace = lab_lowband_transplant(target, crop_ref, 1.0, strip_pixels=160 * 12, inplace=True)
+    assert inplace is target
+    torch.testing.assert_close(inplace, whole, atol=1e-5, rtol=0)
+
+
+def test_stage2_rejects_non_integer_scale():
+    with pytest.raises(ValueError):
+        lab_lowband_transplant(torch.rand(1, 3, 30, 40), torch.rand(1, 3, 8, 10))

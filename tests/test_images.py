@@ -1,0 +1,111 @@
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flowlift.errors import FlowliftError
+from flowlift.images import (
+    file_sha256,
+    list_images,
+    load_image,
+    save_image_atomic,
+    tensor_to_pil,
+    to_tensor,
+)
+
+
+def _gradient(w=20, h=12):
+    x = np.linspace(0, 255, w, dtype=np.float64)
+    y = np.linspace(0, 255, h, dtype=np.float64)
+    return np.stack([np.add.outer(y, x) / 2, np.tile(x, (h, 1)), np.tile(y[:, None], (1, w))], -1).astype(np.uint8)
+
+
+def test_roundtrip_tensor_pil():
+    arr = _gradient()
+    t = to_tensor(Image.fromarray(arr))
+    assert t.shape == (1, 3, 12, 20) and t.dtype == torch.float32
+    assert np.array_equal(np.asarray(tensor_to_pil(t)), arr)
+    assert torch.equal(to_tensor(arr), t)
+
+
+def test_modes_and_alpha(tmp_path):
+    arr = _gradient()
+    rgba = np.dstack([arr, np.full(arr.shape[:2], 128, np.uint8)])
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "a.png")
+    rgb, alpha = load_image(tmp_path / "a.png")
+    assert rgb.mode == "RGB" and alpha is not None and np.asarray(alpha).max() == 128
+    assert np.array_equal(np.asarray(rgb), arr)
+
+    grey16 = (np.linspace(0, 65535, 20 * 12).reshape(12, 20)).astype(np.uint16)
+    Image.fromarray(grey16).save(tmp_path / "g16.png")
+    rgb16, _ = load_image(tmp_path / "g16.png")
+    got = np.asarray(rgb16)[..., 0].astype(int)
+    assert abs(got.max() - 255) <= 1 and got.min() == 0  # scaled, not clipped
+
+    Image.fromarray(arr).convert("CMYK").save(tmp_path / "c.jpg")
+    assert load_image(tmp_path / "c.jpg")[0].mode == "RGB"
+    Image.fromarray(arr).convert("P").save(tmp_path / "p.png")
+    assert load_image(tmp_path / "p.png")[0].mode == "RGB"
+
+
+def test_exif_orientation_is_respected(tmp_path):
+    arr = _gradient(20, 12)
+    image = Image.fromarray(arr)
+    exif = image.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise on display
+    image.save(tmp_path / "r.jpg", exif=exif.tobytes())
+    rgb, _ = load_image(tmp_path / "r.jpg")
+    assert rgb.size == (12, 20)
+
+
+def test_bad_files_raise_one_line_errors(tmp_path):
+    (tmp_path / "not.png").write_bytes(b"hello")
+    with pytest.raises(FlowliftError, match="not an image"):
+        load_image(tmp_path / "not.png")
+    buf = io.BytesIO()
+    Image.fromarray(_gradient(64, 64)).save(buf, format="PNG")
+    (tmp_path / "cut.png").write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    with pytest.raises(FlowliftError, match="truncated"):
+        load_image(tmp_path / "cut.png")
+    with pytest.raises(FlowliftError, match="no such file"):
+        load_image(tmp_path / "missing.png")
+
+
+def test_decompression_bomb_refused(tmp_path, monkeypatch):
+    import flowlift.images as images
+
+    Image.fromarray(_gradient(64, 64)).save(tmp_path / "big.png")
+    monkeypatch.setattr(images, "MAX_INPUT_PIXELS", 1000)
+    with pytest.raises(FlowliftError, match="decompression-bomb"):
+        load_image(tmp_path / "big.png")
+
+
+def test_atomic_save_with_metadata(tmp_path):
+    out = save_image_atomic(Image.fromarray(_gradient()), tmp_path / "o" / "x.png", {"seed": 3, "note": "hi"})
+    assert out.exists() and [p.name for p in out.parent.iterdir()] == ["x.png"]
+    with Image.open(out) as im:
+        assert im.text["seed"] == "3" and im.text["note"] == "hi"
+    assert len(file_sha256(out)) == 64
+
+
+def test_atomic_save_leaves_nothing_on_failure(tmp_path, monkeypatch):
+    def broken_save(self, fp, format=None, **params):
+        with open(fp, "wb") as handle:
+            handle.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(Image.Image, "save", broken_save)
+    with pytest.raises(OSError):
+        save_image_atomic(Image.fromarray(_gradient()), tmp_path / "y.png")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_list_images(tmp_path):
+    for name in ("b.png", "a.jpg", "c.txt"):
+        (tmp_path / name).write_bytes(b"x")
+    assert [p.name for p in list_images([str(tmp_path)])] == ["a.jpg", "b.png"]
+    assert [p.name for p in list_images([str(tmp_path / "*.png")])] == ["b.png"]
+    with pytest.raises(FlowliftError):
+        list_images([str(tmp_path / "nothing*.png")])

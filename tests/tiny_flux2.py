@@ -1,0 +1,108 @@
+"""Tiny random FLUX.2 components for the refine tests (diffusers classes, seconds on a CPU)."""
+
+from __future__ import annotations
+
+import torch
+
+TEXT_DIM = 32
+
+
+def tiny_transformer(*, guidance_embeds: bool = False, seed: int = 0):
+    """A 1+1-layer ``Flux2Transformer2DModel`` (2 heads of 16, rope axes 4x4) with random weights."""
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(seed)
+    model = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=128,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=TEXT_DIM,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance_embeds,
+    )
+    return model.eval().requires_grad_(False)
+
+
+def tiny_vae(*, seed: int = 0, bn_var: float = 3.13, bn_mean_scale: float = 0.3):
+    """A small random ``AutoencoderKLFlux2`` (8x down, 32 latent channels) with FLUX.2-like BN stats.
+
+    ``bn.running_var`` is set near the real VAE's ~3.1 (bn_std ~1.77) so that dividing the noise by
+    bn_std is a large, visible error.
+    """
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        norm_num_groups=4,
+        latent_channels=32,
+        mid_block_add_attention=False,
+    )
+    with torch.no_grad():
+        vae.bn.running_var.copy_(bn_var + 0.3 * torch.rand(128))
+        vae.bn.running_mean.copy_(bn_mean_scale * torch.randn(128))
+    return vae.eval().requires_grad_(False)
+
+
+def prompt_embeds(tokens: int = 5, *, seed: int = 1, batch: int = 1) -> torch.Tensor:
+    return torch.randn(batch, tokens, TEXT_DIM, generator=torch.Generator().manual_seed(seed))
+
+
+class DiffusersHelpers:
+    """diffusers 0.42.1 ``Flux2Pipeline`` static helpers, transcribed line for line."""
+
+    @staticmethod
+    def _prepare_text_ids(x):
+        B, L, _ = x.shape
+        return torch.stack(
+            [torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(L)) for _ in range(B)]
+        )
+
+    @staticmethod
+    def _prepare_latent_ids(latents):
+        batch_size, _, height, width = latents.shape
+        ids = torch.cartesian_prod(torch.arange(1), torch.arange(height), torch.arange(width), torch.arange(1))
+        return ids.unsqueeze(0).expand(batch_size, -1, -1)
+
+    @staticmethod
+    def _prepare_image_ids(image_latents, scale=10):
+        t_coords = [(scale + scale * t).view(-1) for t in torch.arange(0, len(image_latents))]
+        out = []
+        for x, t in zip(image_latents, t_coords, strict=True):
+            _, height, width = x.squeeze(0).shape
+            out.append(torch.cartesian_prod(t, torch.arange(height), torch.arange(width), torch.arange(1)))
+        return torch.cat(out, dim=0).unsqueeze(0)
+
+    @staticmethod
+    def _patchify_latents(latents):
+        b, c, h, w = latents.shape
+        latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4)
+        return latents.reshape(b, c * 4, h // 2, w // 2)
+
+    @staticmethod
+    def _unpatchify_latents(latents):
+        b, c, h, w = latents.shape
+        latents = latents.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3)
+        return latents.reshape(b, c // 4, h * 2, w * 2)
+
+    @staticmethod
+    def _pack_latents(latents):
+        b, c, h, w = latents.shape
+        return latents.reshape(b, c, h * w).permute(0, 2, 1)
+
+
+class Spy(torch.nn.Module):
+    """Wraps a transformer: records the keyword arguments of each call, then runs the real model."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config, self.seen = inner, inner.config, []
+
+    def forward(self, **kwargs):
+        self.seen.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()})
+        return self.inner(**kwargs)
