@@ -164,9 +164,7 @@ def gpu_report(args: argparse.Namespace) -> None:
     torch.set_grad_enabled(False)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     device = args.device
-    print(
-        f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}, {args.dtype}, chunk={args.chunk}"
-    )
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(device)}, {args.dtype}, chunk={args.chunk}")
     model = build(device, dtype)
     sample, timestep, small = inputs(1024, device, dtype)
     for _ in range(10):

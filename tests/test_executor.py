@@ -92,9 +92,7 @@ def test_conv_rows_equals_full_convolution(stride, height):
     out_h = full.shape[2]
     for step in (1, 2, 3):
         strips = [
-            E.conv_rows(
-                lambda a, b: x[:, :, a:b], height, weight, bias, stride, (1, 1), a, min(a + step, out_h)
-            )
+            E.conv_rows(lambda a, b: x[:, :, a:b], height, weight, bias, stride, (1, 1), a, min(a + step, out_h))
             for a in range(0, out_h, step)
         ]
         assert torch.allclose(torch.cat(strips, 2), full, atol=1e-5)

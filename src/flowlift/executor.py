@@ -163,9 +163,7 @@ class ChannelStats:
     def cat(self, other: ChannelStats) -> ChannelStats:
         """Statistics of the channel concatenation of two frames of the same size."""
         assert self.count == other.count
-        return ChannelStats(
-            self.count, torch.cat([self.mean, other.mean], 1), torch.cat([self.m2, other.m2], 1)
-        )
+        return ChannelStats(self.count, torch.cat([self.mean, other.mean], 1), torch.cat([self.m2, other.m2], 1))
 
 
 def group_norm_affine(stats: ChannelStats, norm: nn.GroupNorm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,9 +238,7 @@ def upsample2x_rows(read: RowFn, height: int, a: int, b: int) -> torch.Tensor:
     return out[:, :, a - 2 * w0 : b - 2 * w0]
 
 
-def resize_rows(
-    read: RowFn, in_size: tuple[int, int], out_size: tuple[int, int], a: int, b: int
-) -> torch.Tensor:
+def resize_rows(read: RowFn, in_size: tuple[int, int], out_size: tuple[int, int], a: int, b: int) -> torch.Tensor:
     """Rows ``[a, b)`` of ``F.interpolate(x, out_size, mode="bilinear", align_corners=False)``.
 
     Identity for equal sizes; :func:`upsample2x_rows` for an exact x2; otherwise the row taps of
@@ -336,9 +332,7 @@ class ChunkedExecutor:
         with torch.no_grad():
             return self._forward(sample, timestep, latents_small)
 
-    def _forward(
-        self, sample: torch.Tensor, timestep: torch.Tensor | float, small: torch.Tensor
-    ) -> torch.Tensor:
+    def _forward(self, sample: torch.Tensor, timestep: torch.Tensor | float, small: torch.Tensor) -> torch.Tensor:
         m = self.model
         batch, _, height, width = sample.shape
         base = m.config["base_channels"]
@@ -384,9 +378,7 @@ class ChunkedExecutor:
         del s1, s2
 
         out_shape = (batch, m.out_conv.out_channels, height, width)
-        out = self._materialize(
-            self._pointwise_conv(m.out_conv, x), out_shape, stats=False, device=self.device
-        )
+        out = self._materialize(self._pointwise_conv(m.out_conv, x), out_shape, stats=False, device=self.device)
         return out.buffer
 
     # -- storage ---------------------------------------------------------------------------------
@@ -421,7 +413,10 @@ class ChunkedExecutor:
         at rows ``[a, b)``: later strips then read rows not yet written.
         """
         if into is None:
-            into = torch.empty(shape, dtype=self.dtype, device=device or self.store_device)
+            where = device or self.store_device
+            # page-locked host stores make the per-strip copies to and from a CUDA device faster
+            pin = where.type == "cpu" and self.device.type == "cuda"
+            into = torch.empty(shape, dtype=self.dtype, device=where, pin_memory=pin)
         step = self._rows(shape[3])
         collected: ChannelStats | None = None
         for a in range(0, shape[2], step):
@@ -556,9 +551,7 @@ class ChunkedExecutor:
         """The up stage's x2 bilinear upsample to the skip's size: derived frame, stats pass, not stored."""
         height, width = shape[2], shape[3]
         if (height, width) != (2 * x.height, 2 * x.width):
-            raise RuntimeError(
-                f"up stage expects an exact x2 upsample, got {x.shape[2:]} -> {(height, width)}"
-            )
+            raise RuntimeError(f"up stage expects an exact x2 upsample, got {x.shape[2:]} -> {(height, width)}")
 
         def rows(a: int, b: int) -> torch.Tensor:
             return upsample2x_rows(x.read, x.height, a, b)

@@ -111,9 +111,7 @@ class ResBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1)
         self.skip: nn.Module = (
-            nn.Conv2d(in_channels, out_channels, 1, bias=False)
-            if in_channels != out_channels
-            else nn.Identity()
+            nn.Conv2d(in_channels, out_channels, 1, bias=False) if in_channels != out_channels else nn.Identity()
         )
 
     def scale_shift(self, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,9 +139,7 @@ class DownStage(nn.Module):
     ) -> None:
         super().__init__()
         self.downsample_first = downsample_first
-        self.blocks = nn.ModuleList(
-            ResBlock(channels, channels, cond_dim, dropout) for _ in range(num_blocks)
-        )
+        self.blocks = nn.ModuleList(ResBlock(channels, channels, cond_dim, dropout) for _ in range(num_blocks))
         self.downsample = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,9 +156,7 @@ class DownStage(nn.Module):
 class UpStage(nn.Module):
     """Bilinear x2 upsample (resized to the skip's size if needed), concat ``[x, skip]``, ``n`` blocks."""
 
-    def __init__(
-        self, channels: int, skip_channels: int, num_blocks: int, cond_dim: int, dropout: float
-    ) -> None:
+    def __init__(self, channels: int, skip_channels: int, num_blocks: int, cond_dim: int, dropout: float) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
             ResBlock(channels + skip_channels if i == 0 else channels, channels, cond_dim, dropout)
@@ -186,9 +180,7 @@ class LowResEncoder(nn.Module):
         self.block_2 = DownStage(channels, 1, cond_dim, dropout, downsample_first=True)
         self.block_3 = DownStage(channels, 1, cond_dim, dropout, downsample_first=True)
 
-    def forward(
-        self, small: torch.Tensor, cond: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, small: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         l1 = self.block_1(self.in_conv(small), cond)
         l2, _ = self.block_2(l1, cond)
         l3, _ = self.block_3(l2, cond)
@@ -213,9 +205,7 @@ class TimeConditioning(nn.Module):
     def __init__(self, time_dim: int, cond_dim: int) -> None:
         super().__init__()
         self.time_dim = time_dim
-        self.time_proj = nn.Sequential(
-            nn.Linear(time_dim, cond_dim), nn.SiLU(), nn.Linear(cond_dim, cond_dim)
-        )
+        self.time_proj = nn.Sequential(nn.Linear(time_dim, cond_dim), nn.SiLU(), nn.Linear(cond_dim, cond_dim))
 
     def forward(self, timestep: torch.Tensor) -> torch.Tensor:
         emb = timestep_embedding(timestep, self.time_dim)
@@ -247,9 +237,7 @@ class FlowUpscalerUNet(nn.Module):
         self.film_cond_1 = FiLMCond(base)
         self.film_cond_2 = FiLMCond(base)
         self.film_cond_3 = FiLMCond(base)
-        self.down_stages = nn.ModuleList(
-            [DownStage(base, 3, cond_dim, dropout), DownStage(base, 2, cond_dim, dropout)]
-        )
+        self.down_stages = nn.ModuleList([DownStage(base, 3, cond_dim, dropout), DownStage(base, 2, cond_dim, dropout)])
         self.mid_stages = nn.ModuleList([ResBlock(base, base, cond_dim, dropout)])
         self.up_stages = nn.ModuleList(
             [UpStage(base, base, 2, cond_dim, dropout), UpStage(base, base, 3, cond_dim, dropout)]
@@ -333,9 +321,7 @@ def one_step_upscale(model: VelocityFn, noise: torch.Tensor, latents_small: torc
 # loading and saving
 
 
-def infer_config(
-    state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
-) -> dict[str, int]:
+def infer_config(state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> dict[str, int]:
     """Constructor arguments from tensor shapes (falling back to safetensors metadata, then defaults).
 
     ``in_conv.weight`` is (base, sample_channels, 1, 1); ``conditioning.time_proj.0.weight`` is
