@@ -80,7 +80,7 @@ def resize_bilinear(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 
 
 def upsample2x_to(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """The up stage's resize: bilinear x2 (``align_corners=False``), then resized to ``size`` if it differs."""
+    """The up stage's resize: bilinear x2 (``align_corners=False``), then to ``size`` if it differs."""
     x = F.interpolate(x, scale_factor=2.0, mode="bilinear", align_corners=False)
     return resize_bilinear(x, size)
 
@@ -188,7 +188,7 @@ class LowResEncoder(nn.Module):
 
 
 class FiLMCond(nn.Module):
-    """FiLM from a feature map: ``scale, shift = chunk(conv1x1(silu(feature)), 2)``; ``x * (1 + scale) + shift``."""
+    """FiLM from a feature map: ``scale, shift = chunk(conv1x1(silu(f)), 2)``; ``x * (1 + scale) + shift``."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
@@ -237,9 +237,7 @@ class FlowUpscalerUNet(nn.Module):
         self.film_cond_1 = FiLMCond(base)
         self.film_cond_2 = FiLMCond(base)
         self.film_cond_3 = FiLMCond(base)
-        self.down_stages = nn.ModuleList(
-            [DownStage(base, 3, cond_dim, dropout), DownStage(base, 2, cond_dim, dropout)]
-        )
+        self.down_stages = nn.ModuleList([DownStage(base, 3, cond_dim, dropout), DownStage(base, 2, cond_dim, dropout)])
         self.mid_stages = nn.ModuleList([ResBlock(base, base, cond_dim, dropout)])
         self.up_stages = nn.ModuleList(
             [UpStage(base, base, 2, cond_dim, dropout), UpStage(base, base, 3, cond_dim, dropout)]

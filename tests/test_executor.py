@@ -1,0 +1,155 @@
+"""The exact chunked executor: equal to the plain forward for any strips, and its strip kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch.utils.flop_counter import FlopCounterMode
+
+from flowlift import executor as E
+from flowlift.errors import FlowliftError
+from flowlift.models import upscaler_unet as U
+
+
+def small_model(seed: int = 0, base: int = 16) -> U.FlowUpscalerUNet:
+    torch.manual_seed(seed)
+    model = U.FlowUpscalerUNet(base_channels=base, time_dim=32, cond_dim=64).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:  # non-trivial norm affines and biases
+                param.normal_(0.1, 0.5)
+    return model
+
+
+def inputs(batch: int, height: int, width: int, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    sample = torch.randn(batch, 32, height, width, generator=gen)
+    small = torch.randn(batch, 32, height // 2, width // 2, generator=gen) * 2 + 0.5
+    timestep = torch.tensor([1000.0, 437.5, 12.0][:batch])
+    return sample, timestep, small
+
+
+@pytest.mark.parametrize(
+    ("batch", "height", "width", "chunks"), [(2, 20, 28, (3, 7)), (1, 12, 16, (1, 5, 1000)), (1, 36, 8, (4,))]
+)
+def test_executor_equals_plain_forward_for_any_chunk(batch, height, width, chunks):
+    model = small_model()
+    sample, timestep, small = inputs(batch, height, width)
+    with torch.no_grad():
+        reference = model(sample, timestep, small)
+    for chunk in chunks:
+        out = E.ChunkedExecutor(model, chunk=chunk)(sample, timestep, small)
+        assert out.shape == reference.shape
+        assert (out - reference).abs().max().item() <= 1e-4, chunk
+
+
+def test_executor_reproduces_golden_vectors(shared):
+    path = shared / "golden" / "flow_upscaler_base64.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+    model = U.FlowUpscalerUNet(base_channels=64).eval()
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")}, strict=True)
+    for case, chunk in (("case0", 5), ("case1", 3)):
+        out = E.ChunkedExecutor(model, chunk=chunk, offload_device="cpu")(
+            tensors[f"{case}.sample"], tensors[f"{case}.timestep"], tensors[f"{case}.latents_small"]
+        )
+        assert (out - tensors[f"{case}.velocity"]).abs().max().item() <= 1e-4
+
+
+def test_executor_does_not_recompute_convolutions():
+    model = small_model()
+    sample, timestep, small = inputs(1, 24, 16)
+    counts = []
+    for fn in (model, E.ChunkedExecutor(model, chunk=5)):
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad():
+            fn(sample, timestep, small)
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] > 0
+
+
+def test_executor_works_with_one_step_upscale_and_rejects_bad_input():
+    model = small_model()
+    sample, _, small = inputs(1, 16, 16)
+    executor = E.ChunkedExecutor(model, chunk=4)
+    with torch.no_grad():
+        expected = U.one_step_upscale(model, sample, small)
+    assert (U.one_step_upscale(executor, sample, small) - expected).abs().max().item() <= 1e-4
+    with pytest.raises(FlowliftError):
+        executor(sample, 1000.0, small[:, :, :4])
+    with pytest.raises(ValueError):
+        E.ChunkedExecutor(model, chunk=0)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("height", [1, 2, 7, 10])
+def test_conv_rows_equals_full_convolution(stride, height):
+    x = torch.randn(2, 3, height, 5)
+    weight, bias = torch.randn(4, 3, 3, 3), torch.randn(4)
+    full = F.conv2d(x, weight, bias, stride=stride, padding=1)
+    out_h = full.shape[2]
+    for step in (1, 2, 3):
+        strips = [
+            E.conv_rows(lambda a, b: x[:, :, a:b], height, weight, bias, stride, (1, 1), a, min(a + step, out_h))
+            for a in range(0, out_h, step)
+        ]
+        assert torch.allclose(torch.cat(strips, 2), full, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("in_size", "out_size"), [((5, 7), (10, 14)), ((4, 6), (7, 9)), ((6, 4), (3, 5)), ((2, 3), (3, 3))]
+)
+def test_resize_rows_equals_interpolate(in_size, out_size):
+    x = torch.randn(2, 3, *in_size)
+    full = F.interpolate(x, size=out_size, mode="bilinear", align_corners=False)
+    for step in (1, 2, 5):
+        strips = [
+            E.resize_rows(lambda a, b: x[:, :, a:b], in_size, out_size, a, min(a + step, out_size[0]))
+            for a in range(0, out_size[0], step)
+        ]
+        assert torch.allclose(torch.cat(strips, 2), full, atol=1e-6)
+
+
+def test_bilinear_taps_formula():
+    i0, i1, lam = E.bilinear_taps(4, 8, 0, 8)
+    assert i0.tolist() == [0, 0, 0, 1, 1, 2, 2, 3]
+    assert i1.tolist() == [1, 1, 1, 2, 2, 3, 3, 3]
+    assert lam.tolist() == [0.0, 0.25, 0.75, 0.25, 0.75, 0.25, 0.75, 0.25]
+
+
+def test_channel_stats_merge_is_exact_and_stable():
+    x = torch.randn(2, 8, 13, 6) * 0.5 + 1000.0  # large mean: naive sum-of-squares would cancel
+    stats = None
+    for a in range(0, 13, 4):
+        part = E.ChannelStats.of(x[:, :, a : a + 4], torch.float64)
+        stats = part if stats is None else stats.merge(part)
+    var, mean = torch.var_mean(x.double(), dim=(2, 3), correction=0)
+    assert stats.count == 13 * 6
+    assert torch.allclose(stats.mean, mean, rtol=1e-7)
+    assert torch.allclose(stats.m2 / stats.count, var, rtol=1e-4)
+
+
+def test_group_norm_affine_equals_group_norm():
+    norm = torch.nn.GroupNorm(4, 12, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    x = torch.randn(3, 12, 5, 7) * 3 + 2
+    scale, shift = E.group_norm_affine(E.ChannelStats.of(x, torch.float64), norm)
+    with torch.no_grad():
+        expected = norm(x)
+    assert torch.allclose(x * scale[:, :, None, None] + shift[:, :, None, None], expected, atol=1e-5)
+
+
+def test_should_chunk_by_size_with_force_and_forbid():
+    assert E.plain_peak_bytes(256, 256) == int(E.PLAIN_PEAK_FRAMES * 384 * 256 * 256 * 4)
+    assert E.plain_peak_bytes(256, 256, dtype=torch.bfloat16) * 2 == E.plain_peak_bytes(256, 256)
+    assert not E.should_chunk(128, 128, "cpu")
+    assert E.should_chunk(1024, 1024, "cpu")
+    assert E.should_chunk(16, 16, "cpu", force=True)
+    assert not E.should_chunk(4096, 4096, "cpu", force=False)
+    need = E.plain_peak_bytes(64, 64)
+    assert E.should_chunk(64, 64, "cpu", budget_bytes=need - 1)
+    assert not E.should_chunk(64, 64, "cpu", budget_bytes=need)

@@ -1,0 +1,201 @@
+"""Flow Upscaler UNet: released layout, golden vectors, loading/saving, one-step sampling."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from flowlift.errors import FlowliftError
+from flowlift.models import upscaler_unet as U
+
+SMALL = {"sample_channels": 32, "base_channels": 16, "time_dim": 32, "cond_dim": 64}
+
+
+@pytest.fixture(scope="module")
+def golden(shared):
+    path = shared / "golden" / "flow_upscaler_base64.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+        metadata = handle.metadata()
+    weights = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    cases = [
+        {name: tensors[f"case{i}.{name}"] for name in ("sample", "latents_small", "timestep", "velocity")}
+        for i in range(int(metadata["cases"]))
+    ]
+    return weights, cases, metadata
+
+
+def small_model(seed: int = 0) -> U.FlowUpscalerUNet:
+    torch.manual_seed(seed)
+    model = U.FlowUpscalerUNet(**SMALL).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:  # non-trivial norm affines and biases
+                param.normal_(0.1, 0.5)
+    return model
+
+
+def test_default_model_matches_released_manifest(shared):
+    manifest = json.loads((shared / "golden" / "flow_upscaler_state_dict_manifest.json").read_text())
+    with torch.device("meta"):
+        model = U.FlowUpscalerUNet()
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    assert len(shapes) == 166
+    assert shapes == manifest["tensors"]
+    assert sum(p.numel() for p in model.parameters()) == manifest["total_parameters"] == 59_267_104
+
+
+def test_golden_vectors_reproduced(golden):
+    weights, cases, metadata = golden
+    config = {k: int(metadata[k]) for k in U.CONFIG_KEYS}
+    assert config["base_channels"] == 64
+    model = U.FlowUpscalerUNet(**config).eval()
+    model.load_state_dict(weights, strict=True)
+    with torch.no_grad():
+        for case in cases:
+            velocity = model(case["sample"], case["timestep"], case["latents_small"])
+            assert velocity.shape == case["velocity"].shape
+            assert (velocity - case["velocity"]).abs().max().item() <= 1e-4
+
+
+def test_load_upscaler_infers_config_from_shapes(golden, tmp_path):
+    weights, cases, _ = golden
+    path = tmp_path / "bare.safetensors"
+    save_file(weights, str(path))  # no metadata: the config must come from the tensor shapes
+    model = U.load_upscaler(path)
+    assert not model.training
+    assert model.config == {"sample_channels": 32, "base_channels": 64, "time_dim": 512, "cond_dim": 1024}
+    case = cases[1]
+    with torch.no_grad():
+        velocity = model(case["sample"], case["timestep"], case["latents_small"])
+    assert (velocity - case["velocity"]).abs().max().item() <= 1e-4
+
+
+def test_save_load_roundtrip_directory_and_metadata(tmp_path):
+    model = small_model()
+    path = U.save_upscaler(model, tmp_path / U.WEIGHTS_NAME)
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata()
+        keys = set(handle.keys())
+    assert {k: int(metadata[k]) for k in U.CONFIG_KEYS} == SMALL
+    assert keys == set(model.state_dict())
+    assert not list(tmp_path.glob("*.partial"))
+    loaded = U.load_upscaler(tmp_path)  # a directory holding flow_upscaler.safetensors
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value)
+    sample, small = torch.randn(1, 32, 8, 12), torch.randn(1, 32, 4, 6)
+    with torch.no_grad():
+        assert torch.equal(loaded(sample, 500.0, small), model(sample, 500.0, small))
+
+
+@pytest.mark.parametrize("file_dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_files_load(tmp_path, file_dtype):
+    model = small_model()
+    state = {k: v.to(file_dtype) for k, v in model.state_dict().items()}
+    save_file(state, str(tmp_path / "w.safetensors"))
+    loaded = U.load_upscaler(tmp_path / "w.safetensors", dtype=torch.float32)
+    assert loaded.in_conv.weight.dtype == torch.float32
+    assert torch.equal(loaded.in_conv.weight, state["in_conv.weight"].float())
+    as_bf16 = U.load_upscaler(tmp_path / "w.safetensors", dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in as_bf16.parameters())
+    out = as_bf16(
+        torch.randn(1, 32, 16, 16, dtype=torch.bfloat16),
+        1000.0,
+        torch.randn(1, 32, 8, 8, dtype=torch.bfloat16),
+    )
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+def test_pth_file_loads_with_weights_only(tmp_path):
+    model = small_model()
+    torch.save(model.state_dict(), tmp_path / "w.pth")
+    loaded = U.load_upscaler(tmp_path / "w.pth")
+    assert torch.equal(loaded.out_conv.weight, model.out_conv.weight)
+
+
+def test_wrong_file_names_missing_unexpected_and_misshaped(tmp_path):
+    state = small_model().state_dict()
+    del state["out_conv.bias"]
+    state["extra.weight"] = torch.zeros(3)
+    state["mid_stages.0.conv1.weight"] = torch.zeros(16, 16, 1, 1)
+    save_file(state, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(FlowliftError) as info:
+        U.load_upscaler(tmp_path / "bad.safetensors")
+    message = str(info.value)
+    assert "\n" not in message
+    assert "missing 1: out_conv.bias" in message
+    assert "unexpected 1: extra.weight" in message
+    assert "mis-shaped 1: mid_stages.0.conv1.weight (16, 16, 1, 1) != (16, 16, 3, 3)" in message
+
+
+def test_bad_sources_give_one_line_errors(tmp_path):
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    for source in (
+        tmp_path / "missing.safetensors",
+        tmp_path,
+        tmp_path / "junk.safetensors",
+        "nobody/not-cached",
+    ):
+        with pytest.raises(FlowliftError) as info:
+            U.load_upscaler(source)
+        assert "\n" not in str(info.value) and "Flow Upscaler" in str(info.value)
+
+
+def test_group_count_and_timestep_embedding():
+    assert [U.group_count(c) for c in (384, 768, 64, 16, 48, 7)] == [32, 32, 32, 16, 24, 7]
+    t = torch.tensor([1000.0, 3.0])
+    emb = U.timestep_embedding(t, 8)
+    freqs = [math.exp(-math.log(10000.0) * k / 4) for k in range(4)]
+    expected = [[math.sin(v * f) for f in freqs] + [math.cos(v * f) for f in freqs] for v in (1000.0, 3.0)]
+    assert torch.allclose(emb, torch.tensor(expected), atol=1e-4)
+    assert U.timestep_embedding(t.double(), 8).dtype == torch.float64
+
+
+def test_up_stage_resize_and_film_formulas():
+    x = torch.randn(1, 3, 3, 5)
+    assert torch.equal(U.upsample2x_to(x, (6, 10)), F.interpolate(x, scale_factor=2, mode="bilinear"))
+    resized = U.upsample2x_to(x, (7, 9))
+    assert resized.shape[-2:] == (7, 9)
+    scale, shift = torch.randn(1, 3, 1, 1), torch.randn(1, 3, 1, 1)
+    assert torch.allclose(U.film(x, scale, shift), x + x * scale + shift, atol=1e-6)
+
+
+def test_one_step_upscale_is_noise_minus_velocity_at_t1000():
+    seen = {}
+
+    def fake(sample, timestep, small):
+        seen["timestep"] = timestep
+        return sample * 0.25 + small.mean()
+
+    noise, small = torch.randn(2, 32, 8, 8), torch.randn(2, 32, 4, 4)
+    x0 = U.one_step_upscale(fake, noise, small)
+    assert torch.equal(seen["timestep"], torch.full((2,), 1000.0))
+    assert torch.allclose(x0, noise - (noise * 0.25 + small.mean()))
+    model = small_model()
+    with torch.no_grad():
+        assert torch.equal(
+            U.one_step_upscale(model, noise, small), noise - model(noise, torch.full((2,), 1000.0), small)
+        )
+
+
+@pytest.mark.parametrize(
+    ("sample", "small", "timestep"),
+    [
+        ((1, 32, 8, 10), (1, 32, 4, 5), 1000.0),  # W not a multiple of 4
+        ((1, 32, 8, 8), (1, 32, 8, 8), 1000.0),  # small latent not half size
+        ((1, 16, 8, 8), (1, 16, 4, 4), 1000.0),  # wrong channels
+        ((2, 32, 8, 8), (2, 32, 4, 4), torch.ones(3)),  # timestep count
+        ((32, 8, 8), (32, 4, 4), 1000.0),  # not 4-D
+    ],
+)
+def test_bad_inputs_raise_one_line(sample, small, timestep):
+    model = small_model()
+    with pytest.raises(FlowliftError) as info:
+        model(torch.randn(sample), timestep, torch.randn(small))
+    assert "\n" not in str(info.value)
