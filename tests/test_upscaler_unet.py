@@ -199,3 +199,14 @@ def test_bad_inputs_raise_one_line(sample, small, timestep):
     with pytest.raises(FlowliftError) as info:
         model(torch.randn(sample), timestep, torch.randn(small))
     assert "\n" not in str(info.value)
+
+
+def test_too_small_input_for_a_narrow_model_is_one_clear_error():
+    # 32 channels in 32 groups: at a 1x1 deepest level GroupNorm would see one value per group.
+    model = U.FlowUpscalerUNet(base_channels=32, time_dim=64, cond_dim=64).eval()
+    with pytest.raises(FlowliftError, match="too small"):
+        model(torch.randn(1, 32, 4, 4), torch.tensor([1000.0]), torch.randn(1, 32, 2, 2))
+    # The released width (12 channels per group) runs at the same size.
+    wide = U.FlowUpscalerUNet(base_channels=384).eval()
+    with torch.no_grad():
+        assert wide(torch.randn(1, 32, 4, 4), torch.tensor([1000.0]), torch.randn(1, 32, 2, 2)).shape == (1, 32, 4, 4)

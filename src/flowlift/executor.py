@@ -323,7 +323,7 @@ class ChunkedExecutor:
         self, sample: torch.Tensor, timestep: torch.Tensor | float, latents_small: torch.Tensor
     ) -> torch.Tensor:
         model = self.model
-        check_inputs(sample, timestep, latents_small, model.config["sample_channels"])
+        check_inputs(sample, timestep, latents_small, model.config["sample_channels"], model.config["base_channels"])
         param = model.in_conv.weight
         self.device, self.dtype = param.device, param.dtype
         self.store_device = self.offload_device or self.device

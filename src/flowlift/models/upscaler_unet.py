@@ -258,7 +258,7 @@ class FlowUpscalerUNet(nn.Module):
     def forward(
         self, sample: torch.Tensor, timestep: torch.Tensor | float, latents_small: torch.Tensor
     ) -> torch.Tensor:
-        check_inputs(sample, timestep, latents_small, self.config["sample_channels"])
+        check_inputs(sample, timestep, latents_small, self.config["sample_channels"], self.config["base_channels"])
         height, width = sample.shape[-2:]
         cond = self.time_conditioning(timestep, sample.shape[0])
         l1, l2, l3 = self.low_res_encoder(latents_small, cond)
@@ -274,9 +274,18 @@ class FlowUpscalerUNet(nn.Module):
 
 
 def check_inputs(
-    sample: torch.Tensor, timestep: torch.Tensor | float, latents_small: torch.Tensor, channels: int
+    sample: torch.Tensor,
+    timestep: torch.Tensor | float,
+    latents_small: torch.Tensor,
+    channels: int,
+    base_channels: int | None = None,
 ) -> None:
-    """Raise one FlowliftError line unless the shapes fit (B,C,H,W), (B,C,H/2,W/2), H and W multiples of 4."""
+    """Raise one FlowliftError line unless the shapes fit (B,C,H,W), (B,C,H/2,W/2), H and W multiples of 4.
+
+    With ``base_channels``, also refuse inputs so small that torch's GroupNorm refuses them: a batch of
+    one whose groups at the low-res encoder's deepest level (1/4 of ``latents_small``) hold a single
+    value (only possible for narrow models, e.g. 32 channels in 32 groups, at 1x1).
+    """
     if sample.ndim != 4 or latents_small.ndim != 4:
         raise FlowliftError(
             f"Flow Upscaler: sample and latents_small must be 4-D (B, C, H, W), got "
@@ -296,6 +305,13 @@ def check_inputs(
     n = torch.as_tensor(timestep).numel()
     if n not in (1, b):
         raise FlowliftError(f"Flow Upscaler: timestep must be a scalar or have {b} entries, got {n}")
+    if base_channels is not None:
+        deepest = math.ceil(math.ceil(h / 2 / 2) / 2) * math.ceil(math.ceil(w / 2 / 2) / 2)
+        if b * (base_channels // group_count(base_channels)) * deepest < 2:  # torch's own GroupNorm condition
+            raise FlowliftError(
+                f"Flow Upscaler: latents_small {tuple(latents_small.shape)} is too small for a "
+                f"{base_channels}-channel model (its deepest GroupNorm would see one value per group)"
+            )
 
 
 # --------------------------------------------------------------------------------------------------
