@@ -1,4 +1,5 @@
 import io
+import os
 
 import numpy as np
 import pytest
@@ -85,6 +86,9 @@ def test_decompression_bomb_refused(tmp_path, monkeypatch):
 def test_atomic_save_with_metadata(tmp_path):
     out = save_image_atomic(Image.fromarray(_gradient()), tmp_path / "o" / "x.png", {"seed": 3, "note": "hi"})
     assert out.exists() and [p.name for p in out.parent.iterdir()] == ["x.png"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # the usual mode, not mkstemp's 0600
     with Image.open(out) as im:
         assert im.text["seed"] == "3" and im.text["note"] == "hi"
     assert len(file_sha256(out)) == 64

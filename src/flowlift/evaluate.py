@@ -28,7 +28,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from flowlift import metrics as M
+from flowlift.atomic import atomic_write_bytes
 from flowlift.errors import FlowliftError
 
 CACHE_VERSION = 1
@@ -249,22 +249,6 @@ def model_identity(spec: str | os.PathLike | None) -> str | None:
 def cache_key(fields: dict[str, Any]) -> str:
     """SHA-256 of the canonical JSON of ``fields`` (sorted keys)."""
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)  # mkstemp creates 0600; give the usual file mode
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 class ResultCache:

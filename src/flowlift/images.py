@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, PngImagePlugin, UnidentifiedImageError
 
+from flowlift.atomic import atomic_output
 from flowlift.errors import FlowliftError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -176,14 +176,8 @@ def save_image_atomic(
         kwargs["quality"] = 95
         if image.mode == "RGBA":
             image = image.convert("RGB")
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=f".partial{suffix}", dir=path.parent)
-    os.close(descriptor)
-    try:
+    with atomic_output(path) as temporary:
         image.save(temporary, format=Image.registered_extensions()[suffix], **kwargs)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
     return path
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flowlift.atomic import atomic_output
 from flowlift.errors import FlowliftError
 
 HUB_REPO_ID = "TensorForger/FlowUpscaler"
@@ -405,11 +406,6 @@ def save_upscaler(model: FlowUpscalerUNet, path: str | os.PathLike) -> Path:
         raise FlowliftError(f"save_upscaler: {path} must end in .safetensors")
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     metadata = {k: str(v) for k, v in model.config.items()} | {"format": "pt"}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    try:
+    with atomic_output(path) as tmp:
         save_file(state, str(tmp), metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path

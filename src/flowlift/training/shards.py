@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from flowlift.atomic import atomic_output, atomic_write_text
 from flowlift.errors import FlowliftError
 
 FORMAT = "flowlift-latent-dataset"
@@ -66,9 +67,7 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
 
 def write_manifest(root: str | os.PathLike, manifest: dict[str, Any]) -> None:
     path = Path(root) / "dataset.json"
-    tmp = path.with_name(f"dataset.json.{os.getpid()}.tmp")  # parallel builders each use their own
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True))  # unique temp per writer
 
 
 def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any]) -> None:
@@ -120,7 +119,6 @@ def write_shard(
         if tensor.shape[0] != count:
             raise ValueError(f"shard tensor {name} has {tensor.shape[0]} items, metadata has {count}")
     path = Path(root) / shard_name(index)
-    tmp = path.with_name(path.name + ".tmp")
     metadata = {
         "format": SHARD_FORMAT,
         "version": str(VERSION),
@@ -129,8 +127,8 @@ def write_shard(
         "items": json.dumps(list(items)),
     }
     data = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
-    save_file(data, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    with atomic_output(path) as tmp:
+        save_file(data, str(tmp), metadata=metadata)
     return path
 
 

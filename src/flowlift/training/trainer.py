@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flowlift.atomic import atomic_write_text
 from flowlift.errors import FlowliftError
 from flowlift.training.config import TrainConfig
 from flowlift.training.shards import ShardReader, ShardStream, TimeSampling
@@ -292,9 +293,7 @@ class Trainer:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         pointer = self.output / "checkpoints" / "latest"
-        pointer_tmp = pointer.with_name("latest.tmp")
-        pointer_tmp.write_text(final.name)
-        os.replace(pointer_tmp, pointer)
+        atomic_write_text(pointer, final.name)
         kept = sorted(p for p in (self.output / "checkpoints").glob("step-*") if not p.name.endswith(".partial"))
         for old in kept[: -self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flowlift.atomic import atomic_output
 from flowlift.errors import FlowliftError
 from flowlift.training.degrade import LatentCodec, downscale, pil_lanczos_resize
 
@@ -220,8 +221,7 @@ def plot_curves(train_csv: Path, val_csv: Path | None, path: Path) -> Path:
             ax.set_title(title)
             ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = Path(path).with_name(Path(path).stem + ".partial.png")
-    fig.savefig(tmp, dpi=100)
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=100)
     plt.close(fig)
-    os.replace(tmp, path)
     return Path(path)
