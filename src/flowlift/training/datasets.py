@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR, normalize, pack, patchify, unpack, unpatchify
+from flowlift.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR, image_seq_len, normalize, patchify
 from flowlift.training.degrade import Degradation, LatentCodec, conditioning_latents
 from flowlift.training.shards import (
     completed_shards,
@@ -94,11 +94,12 @@ def _progress(total: int, initial: int, desc: str, enabled: bool):
 class TransformerTeacher:
     """A bare FLUX.2 transformer as teacher: Euler steps of its velocity on the shifted schedule.
 
-    ``noise`` (B, 32, H, W, normalized) is patchified and packed to (B, H/2*W/2, 128) tokens; the
-    transformer is evaluated at each sigma of :func:`flowlift.schedule.flux2_sigmas` with fixed
-    prompt embeddings ``prompt_embeds`` (L, D) and ``x <- x + (sigma' - sigma) * v``; the result is
-    unpacked back to a normalized 32-channel latent. ``guidance`` is passed for guidance-distilled
-    transformers (``guidance_embeds=True``), else None.
+    ``noise`` (B, 32, H, W, normalized) is integrated with ``x <- x + (sigma' - sigma) * v`` over
+    :func:`flowlift.schedule.flux2_sigmas`, the velocity being the transformer behind
+    :class:`flowlift.denoiser.Flux2Denoiser` (the same token layout, ids and sigma timestep as the
+    refine pipelines) with fixed prompt embeddings ``prompt_embeds`` (L, D). ``guidance`` is the
+    embedded guidance of guidance-distilled (dev) transformers (None: the denoiser's default);
+    Klein transformers take none.
     """
 
     def __init__(
@@ -124,51 +125,16 @@ class TransformerTeacher:
         self.device = torch.device(device)
         self.dtype = dtype
 
-    @staticmethod
-    def image_ids(height: int, width: int, batch: int) -> torch.Tensor:
-        """(B, h*w, 4) position ids (T=0, H=i, W=j, L=0) of an h x w token grid, row-major."""
-        h, w = torch.arange(height), torch.arange(width)
-        ids = torch.cartesian_prod(torch.zeros(1, dtype=torch.long), h, w, torch.zeros(1, dtype=torch.long))
-        return ids.unsqueeze(0).expand(batch, -1, -1)
-
-    @staticmethod
-    def text_ids(length: int, batch: int) -> torch.Tensor:
-        """(B, L, 4) text position ids (0, 0, 0, l)."""
-        zeros = torch.zeros(1, dtype=torch.long)
-        ids = torch.cartesian_prod(zeros, zeros, zeros, torch.arange(length))
-        return ids.unsqueeze(0).expand(batch, -1, -1)
-
     @torch.no_grad()
     def __call__(self, noise: torch.Tensor) -> torch.Tensor:
+        from flowlift.denoiser import Flux2Denoiser
+        from flowlift.sampling import denoise
         from flowlift.schedule import flux2_sigmas
 
-        batch, _, height, width = noise.shape
-        tokens_h, tokens_w = height // 2, width // 2
-        x = pack(patchify(noise.to(self.device, torch.float32)))
-        img_ids = self.image_ids(tokens_h, tokens_w, batch).to(self.device)
-        txt_ids = self.text_ids(self.prompt_embeds.shape[0], batch).to(self.device)
-        text = self.prompt_embeds.unsqueeze(0).expand(batch, -1, -1)
-        guidance = None
-        if self.guidance is not None:
-            guidance = torch.full((batch,), float(self.guidance), device=self.device, dtype=self.dtype)
-
-        def velocity(x_t: torch.Tensor, sigma: float) -> torch.Tensor:
-            timestep = torch.full((batch,), sigma, device=self.device, dtype=self.dtype)
-            out = self.transformer(
-                hidden_states=x_t.to(self.dtype),
-                encoder_hidden_states=text,
-                timestep=timestep,
-                img_ids=img_ids,
-                txt_ids=txt_ids,
-                guidance=guidance,
-                return_dict=False,
-            )[0]
-            return out.to(torch.float32)
-
-        sigmas = flux2_sigmas(self.num_steps, tokens_h * tokens_w).tolist()
-        for sigma, sigma_next in zip(sigmas[:-1], sigmas[1:], strict=True):
-            x = x + (sigma_next - sigma) * velocity(x, sigma)
-        return unpatchify(unpack(x, tokens_h, tokens_w))
+        _, _, height, width = noise.shape
+        velocity = Flux2Denoiser(self.transformer, self.prompt_embeds.unsqueeze(0), guidance=self.guidance)
+        sigmas = flux2_sigmas(self.num_steps, image_seq_len(height, width))
+        return denoise(velocity, noise.to(self.device, torch.float32), sigmas)
 
 
 class PipelineTeacher:
