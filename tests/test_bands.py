@@ -162,12 +162,12 @@ def test_bands_cli_writes_table_json_heatmap(monkeypatch, shared, tmp_path, caps
 
 
 def test_taef2_band_response_on_a_real_crop(shared):
-    vae_module = pytest.importorskip("flowlift.vae", reason="flowlift.vae has not landed yet")
     from PIL import Image
 
     from flowlift.images import to_tensor
+    from flowlift.vae import load_vae
 
-    vae = vae_module.load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
+    vae = load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
     with Image.open(shared / "images" / "kodak" / "kodim23.png") as im:
         image = to_tensor(im.convert("RGB").crop((128, 128, 512, 384)))  # 48x32 latent
     mean, _ = B.run_bands(vae, [image])

@@ -200,8 +200,9 @@ def test_cli_pairs_and_errors(photos, tmp_path, capsys):
 
 
 def test_vae_roundtrip_with_real_taef2_is_clean(shared, photos):
-    vae_module = pytest.importorskip("flowlift.vae", reason="flowlift.vae has not landed yet")
-    vae = vae_module.load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
+    from flowlift.vae import load_vae
+
+    vae = load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
     with Image.open(photos / "kodim23.png") as im:
         gt, _ = E.prepare_pair(np.asarray(im), 1)
     out = E.vae_roundtrip(vae, gt, "cpu", torch.float32)
@@ -279,7 +280,6 @@ def test_latent_bicubic_interpolates_raw_latents_when_the_vae_has_statistics():
 
 def test_cli_flow_end_to_end_with_random_weights(shared, tmp_path, capsys):
     """The flow method through the real pipeline and TAEF2 (random tiny UNet: only the plumbing)."""
-    pytest.importorskip("flowlift.pipeline", reason="flowlift.pipeline has not landed yet")
     from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
 
     torch.manual_seed(0)
