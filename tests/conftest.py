@@ -31,3 +31,14 @@ def shared() -> Path:
             pytrace=False,
         )
     return path
+
+
+@pytest.fixture(scope="module")
+def single_thread_torch():
+    """Run a module's tiny models single-threaded (fastest for them, much faster on a busy box); restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

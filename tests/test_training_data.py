@@ -24,14 +24,8 @@ from flowlift.training.shards import (
     write_shard,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tiny models run fastest single-threaded (and on a busy CI box, much faster); restored after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny models: single-threaded torch for this module (conftest.single_thread_torch).
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
 @pytest.fixture(scope="module")
