@@ -11,18 +11,17 @@ temporary path. :mod:`flowlift.app` is the Gradio page over this.
 from __future__ import annotations
 
 import argparse
-import math
 import shutil
 import tempfile
 import threading
 import time
-import warnings
 import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flowlift.batch import ITEM_ERRORS
 from flowlift.errors import FlowliftError
 
 #: Progress reporter: ``progress(fraction_done, description)``.
@@ -176,7 +175,7 @@ class AppService:
         with self._lock:
             if vae in self._pipelines:
                 return self._pipelines[vae]
-            from flowlift.images import file_sha256
+            from flowlift.commands.upscale import model_hashes
             from flowlift.pipeline import FlowUpscalerPipeline
 
             first = next(iter(self._pipelines.values()), None)
@@ -188,9 +187,7 @@ class AppService:
             else:  # share the UNet already in memory
                 pipe = FlowUpscalerPipeline(first.upscaler, vae, dtype=first.dtype, device=first.device)
                 pipe.upscaler_path = first.upscaler_path
-            self._hashes[vae] = {
-                role: {p.name: file_sha256(p) for p in paths} for role, paths in pipe.model_files().items() if paths
-            }
+            self._hashes[vae] = model_hashes(pipe)
             self._pipelines[vae] = pipe
             return pipe
 
@@ -226,6 +223,15 @@ class AppService:
         if self.config.device:
             argv += ["--device", self.config.device]
         return parser.parse_args(argv)
+
+    @staticmethod
+    def plan(args: argparse.Namespace, sources: Sequence[Path], scale: int) -> list[Any]:
+        """``flowlift upscale``'s plan (:func:`flowlift.batch.plan_jobs` with its output names) for ``args``."""
+        from flowlift.batch import plan_jobs
+        from flowlift.commands.upscale import output_name
+        from flowlift.images import IMAGE_SUFFIXES
+
+        return plan_jobs(sources, args.output, lambda path: output_name(path, scale, args.format), IMAGE_SUFFIXES)
 
     def _new_result_dir(self) -> Path:
         now = time.time()
@@ -269,16 +275,11 @@ class AppService:
         base: float = 0.0,
         span: float = 1.0,
     ) -> UpscaleResult:
-        """Load ``source``, upscale it with the CLI's parameters and write ``out`` with the CLI's metadata."""
-        from flowlift.commands.upscale import _metadata
-        from flowlift.images import attach_alpha, load_image, save_image_atomic
+        """``flowlift upscale``'s per-image step (:func:`~flowlift.commands.upscale.upscale_file`) on one upload."""
+        from flowlift.commands.upscale import upscale_file
 
         started = time.perf_counter()
         check_upload(source, self.config.max_upload_mb)
-        try:
-            image, alpha = load_image(source)
-        except FlowliftError as error:
-            raise FlowliftError(_public_message(error, source)) from None
         stages = ["encode", *(f"pass {i + 1}/{passes}" for i in range(passes)), "decode", "color fix"]
         done = iter(range(1, len(stages) + 1))
 
@@ -288,26 +289,10 @@ class AppService:
             progress(base + span * step / (len(stages) + 1), f"{source.name}: {stage} done, {following}")
 
         progress(base, f"{source.name}: encode")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", UserWarning)
-            try:
-                result = pipeline.upscale_image(
-                    image,
-                    num_passes=passes,
-                    seed=args.seed,
-                    color_fix=not args.no_color_fix,
-                    transplant_strength=args.transplant_strength,
-                    color_fix_strength=args.color_fix_strength,
-                    resize_mode=args.resize_mode,
-                    callback=on_stage,
-                )
-            except (FlowliftError, RuntimeError, MemoryError, ValueError) as error:
-                raise FlowliftError(_public_message(error, source)) from None
-        notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-        if alpha is not None:
-            result = attach_alpha(result, alpha)
-        ran = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))  # fewer at MAX_OUTPUT_SIDE
-        save_image_atomic(result, out, _metadata(args, ran, source, self._hashes[vae]))
+        try:
+            image, result, notes = upscale_file(pipeline, args, passes, source, out, self._hashes[vae], on_stage)
+        except ITEM_ERRORS as error:
+            raise FlowliftError(_public_message(error, source)) from None
         before, after = preview_pair(image, result)
         return UpscaleResult(out, before, after, image.size, result.size, time.perf_counter() - started, notes)
 
@@ -329,14 +314,14 @@ class AppService:
             scale, seed, transplant_strength, color_fix_strength, vae
         )
         check_upload(source, self.config.max_upload_mb)
-        from flowlift.commands.upscale import _plan_outputs
         from flowlift.pipeline import passes_for_scale
 
         folder = self._new_result_dir()
         args = self.cli_args([source], scale, seed, transplant, color_fix, vae, folder)
-        ((_, out, note),) = _plan_outputs(args, [source], scale)
+        (job,) = self.plan(args, [source], scale)
+        out = job.output
         if out is None:
-            raise FlowliftError(f"{source.name}: {_strip_folders(note, [source.parent, folder])}")
+            raise FlowliftError(f"{source.name}: {_strip_folders(job.note, [source.parent, folder])}")
         pipeline = self.pipeline(vae, progress)
         return self._upscale_into(source, out, args, passes_for_scale(scale), pipeline, vae, progress)
 
@@ -359,17 +344,16 @@ class AppService:
             scale, seed, transplant_strength, color_fix_strength, vae
         )
         from flowlift.atomic import atomic_output
-        from flowlift.commands.upscale import _plan_outputs
         from flowlift.pipeline import passes_for_scale
 
         folder = self._new_result_dir()
         out_dir = folder / f"x{scale}"
         args = self.cli_args(sources, scale, seed, transplant, color_fix, vae, out_dir)
-        plan = _plan_outputs(args, sources, scale)
+        plan = self.plan(args, sources, scale)
         pipeline = self.pipeline(vae, progress)
         written: list[Path] = []
         errors: list[str] = []
-        for index, (source, out, note) in enumerate(plan):
+        for index, (source, out, note) in enumerate((job.source, job.output, job.note) for job in plan):
             if out is None:
                 errors.append(f"{source.name}: {_strip_folders(note, [*(s.parent for s in sources), out_dir])}")
                 continue
@@ -377,7 +361,7 @@ class AppService:
                 share = (index / len(plan), 1 / len(plan))
                 self._upscale_into(source, out, args, passes_for_scale(scale), pipeline, vae, progress, *share)
                 written.append(out)
-            except (FlowliftError, OSError) as error:
+            except ITEM_ERRORS as error:
                 errors.append(_public_message(error, source))
         zip_path = None
         if written:
