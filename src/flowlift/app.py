@@ -72,7 +72,9 @@ def build_app(service: AppService) -> Any:
     device = config.device or "the default device"
     queue = {"concurrency_limit": 1, "concurrency_id": f"models-{device}"}
 
-    def upscale(image, scale, seed, transplant_strength, color_fix_strength, vae=None, progress=gr.Progress()):  # noqa: B008
+    stage_progress = gr.Progress()
+
+    def upscale(image, scale, seed, transplant_strength, color_fix_strength, vae=None, progress=stage_progress):
         try:
             result = service.upscale(
                 upload_path(image),
@@ -89,7 +91,7 @@ def build_app(service: AppService) -> Any:
             gr.Warning(html.escape(warning), duration=None)
         return (result.before, result.after), str(result.output), result.summary()
 
-    def batch(files, scale, seed, transplant_strength, color_fix_strength, vae=None, progress=gr.Progress()):  # noqa: B008
+    def batch(files, scale, seed, transplant_strength, color_fix_strength, vae=None, progress=stage_progress):
         try:
             paths = [upload_path(f) for f in (files or [])]
             result = service.batch(
@@ -158,7 +160,7 @@ def build_app(service: AppService) -> Any:
         if config.model:
             from flowlift.app_refine import refine_tab
 
-            refine_tab(gr, service, queue)
+            refine_tab(gr, service, queue, _as_user_error, upload_path)
     return demo
 
 

@@ -151,6 +151,7 @@ class AppService:
         self._pipelines: dict[str, Any] = {}
         self._hashes: dict[str, dict[str, dict[str, str]]] = {}
         self._refiner: Any = None
+        self._hires_pipeline: Any = None
         self._own_work_dir = config.work_dir is None
         self.work_dir = Path(config.work_dir or tempfile.mkdtemp(prefix="flowlift-app-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -191,18 +192,24 @@ class AppService:
             self._pipelines[vae] = pipe
             return pipe
 
-    def refiner(self, progress: ProgressFn = _no_progress) -> Any:
-        """The FLUX.2 refiner of ``--model`` (loaded on first use)."""
+    def refiner(self, progress: ProgressFn = _no_progress, text_encoder: bool = False) -> Any:
+        """The FLUX.2 refiner of ``--model`` (loaded on first use; the text encoder only once a prompt needs it)."""
         if not self.config.model:
             raise FlowliftError("no FLUX.2 model configured; start the app with --model to refine")
         with self._lock:
+            from flowlift.commands.img2img import resolve_device_dtype
+
+            device, dtype = resolve_device_dtype(self.config.device or "auto", self.config.dtype)
             if self._refiner is None:
-                from flowlift.commands.img2img import resolve_device_dtype
                 from flowlift.refine import load_refiner
 
                 progress(0.0, "loading the FLUX.2 model (once per server)")
-                device, dtype = resolve_device_dtype(self.config.device or "auto", self.config.dtype)
                 self._refiner = load_refiner(self.config.model, vae=self.config.model_vae, device=device, dtype=dtype)
+            if text_encoder and self._refiner.prompt_encoder is None:
+                from flowlift.refine import PromptEncoder
+
+                progress(0.0, "loading the FLUX.2 text encoder (once per server)")
+                self._refiner.prompt_encoder = PromptEncoder(self.config.model, device=device, dtype=dtype)
             return self._refiner
 
     # -- CLI-equivalent arguments, names and metadata ------------------------------------------------
