@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and the figure crops it")  # fmt: skip
     parser.add_argument("--vae", default=None, help="VAE for latent methods: local file/folder or hub id")
     parser.add_argument("--upscaler", default=None, help="Flow Upscaler weights (for the flow method)")
-    parser.add_argument("--device", default="cpu", help="torch device for VAE, upscaler and spandrel methods (default cpu)")
+    parser.add_argument("--device", default="cpu", help="torch device for VAE, upscaler, spandrel models (default cpu)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--tile", default="auto", help="spandrel models: tile side in input pixels, 'auto' (by "
                         "memory, the default) or 'none'")  # fmt: skip
