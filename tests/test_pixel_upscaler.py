@@ -68,6 +68,17 @@ def test_read_model_state_refuses_pickles_that_need_more(tmp_path):
         read_model_state(tmp_path / "missing.safetensors")
 
 
+def test_eval_refuses_a_whole_pickled_model_with_one_line(tmp_path, shared, capsys):
+    from flowlift.cli import main
+
+    torch.save({"model": torch.nn.Linear(2, 2)}, tmp_path / "whole.pth")  # a pickled module, not a state dict
+    code = main(["eval", "--run", f"spandrel:{tmp_path / 'whole.pth'}", "--dataset", str(shared / "images" / "kodak"),
+                 "--out", str(tmp_path / "report"), "--quiet"])  # fmt: skip
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "refused: this pickle needs more" in lines[0], lines
+    assert not (tmp_path / "report" / "results.json").exists()
+
+
 def test_load_without_spandrel_is_one_line_naming_the_extra(tmp_path, monkeypatch):
     save_file({"w": torch.zeros(1)}, tmp_path / "m.safetensors")
     monkeypatch.setitem(sys.modules, "spandrel", None)  # as if not installed

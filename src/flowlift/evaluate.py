@@ -437,6 +437,7 @@ class EvalReport:
             "summary": self.summary(),
             "images": self.results,
             "cache": {"reused": self.cached, "computed": self.computed},
+            "figure": {"crop_columns": {c: sorted(self.crops.get(c, {})) for c in self.crop_columns}},
         }
 
 
