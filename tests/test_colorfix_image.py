@@ -24,13 +24,17 @@ def _lab_drift(rgb: torch.Tensor) -> torch.Tensor:
     return lab_to_rgb(torch.cat([light, colour], 1))
 
 
-@pytest.fixture(scope="module")
-def drifted_pair(shared):
+def make_drifted_pair(shared) -> tuple[np.ndarray, np.ndarray]:
     """(reference 64 px wide, its Lanczos 4x upscale given the synthetic drift), uint8 HWC."""
     photo = Image.open(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png").convert("RGB")
     small = photo.resize((64, round(64 * photo.height / photo.width)), Image.Resampling.BOX)
     big = small.resize((small.width * 4, small.height * 4), Image.Resampling.LANCZOS)
     return np.asarray(small), tensor_to_uint8(_lab_drift(to_tensor(big)))[0]
+
+
+@pytest.fixture(scope="module")
+def drifted_pair(shared):
+    return make_drifted_pair(shared)
 
 
 def test_color_fix_image_removes_drift_exactly_as_stage2(drifted_pair):
