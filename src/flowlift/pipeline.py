@@ -131,6 +131,14 @@ class FlowUpscalerPipeline:
         ``None`` switches it on by size (:func:`flowlift.executor.should_chunk`), True/False force it.
     vae_tiled:
         Passed to the VAE's ``encode``/``decode`` as ``tiled`` (``None``: the VAE decides by size).
+    chunk_budget_bytes:
+        Memory the plain UNet forward may use before chunking switches on (``chunked=None``); by
+        default :func:`flowlift.executor.should_chunk`'s (half the free CUDA memory, 1 GiB on the CPU).
+    on_strip:
+        ``on_strip(done, total)``, called after every strip of a chunked pass (progress; an exception
+        it raises, e.g. a user's cancel, stops the pass). See :class:`flowlift.executor.ChunkedExecutor`.
+
+    ``vae=None`` makes a latent-only pipeline: :meth:`upscale_latents` works, the image methods raise.
     """
 
     MAX_OUTPUT_SIDE = MAX_OUTPUT_SIDE
@@ -147,6 +155,8 @@ class FlowUpscalerPipeline:
         vae_tiled: bool | None = None,
         chunk_rows: int | None = None,
         offload_device: torch.device | str | None = None,
+        chunk_budget_bytes: int | None = None,
+        on_strip: Callable[[int, int], None] | None = None,
     ) -> None:
         param = _module_param(upscaler) if not isinstance(upscaler, (str, os.PathLike)) else None
         if device is None:
@@ -162,6 +172,8 @@ class FlowUpscalerPipeline:
         self.vae_tiled = vae_tiled
         self.chunk_rows = chunk_rows
         self.offload_device = offload_device
+        self.chunk_budget_bytes = chunk_budget_bytes
+        self.on_strip = on_strip
         self.upscaler_path: Path | None = None
         if isinstance(upscaler, (str, os.PathLike)):
             self.upscaler_path = resolve_upscaler_file(upscaler)
@@ -187,7 +199,7 @@ class FlowUpscalerPipeline:
             vae_param = _module_param(vae)
             vae_dtype = vae_param.dtype if vae_param is not None else self.dtype
             vae = load_vae(vae, device=self.device, dtype=vae_dtype)
-        if not (callable(getattr(vae, "encode", None)) and callable(getattr(vae, "decode", None))):
+        if vae is not None and not (callable(getattr(vae, "encode", None)) and callable(getattr(vae, "decode", None))):
             raise FlowliftError(f"vae must have encode() and decode(), got {type(vae).__name__}")
         self.vae = vae
 
@@ -206,6 +218,8 @@ class FlowUpscalerPipeline:
         return dtype if isinstance(dtype, torch.dtype) else self.dtype
 
     def _vae_call(self, method: str, x: torch.Tensor) -> torch.Tensor:
+        if self.vae is None:
+            raise FlowliftError("this pipeline was made without a VAE (vae=None): it upscales latents only")
         fn = getattr(self.vae, method)
         if self.vae_tiled is None:
             return fn(x)
@@ -227,10 +241,17 @@ class FlowUpscalerPipeline:
         batch, _, height, width = sample_shape
         base = int(self.upscaler.config.get("base_channels", 384))
         if not should_chunk(
-            height, width, self.device, batch=batch, base_channels=base, dtype=self.dtype, force=self.chunked
+            height,
+            width,
+            self.device,
+            batch=batch,
+            base_channels=base,
+            dtype=self.dtype,
+            force=self.chunked,
+            budget_bytes=self.chunk_budget_bytes,
         ):
             return self.upscaler
-        kwargs: dict[str, Any] = {"offload_device": self.offload_device}
+        kwargs: dict[str, Any] = {"offload_device": self.offload_device, "on_strip": self.on_strip}
         if self.chunk_rows is not None:
             kwargs["chunk"] = self.chunk_rows
         return ChunkedExecutor(self.upscaler, **kwargs)
