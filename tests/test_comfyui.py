@@ -87,7 +87,7 @@ def write_random_flux2_vae(path: Path) -> None:
         model.bn.running_mean.copy_(torch.randn(128) * 0.3)
         model.bn.running_var.copy_(torch.rand(128) + 0.5)
     state = to_original_keys(model.state_dict(), num_up_blocks=len(model.config.block_out_channels))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    save_file({k: v.to(torch.float16).contiguous() for k, v in state.items()}, str(path))
 
 
 def free_port() -> int:
@@ -158,17 +158,9 @@ def png_tensor(path: Path) -> torch.Tensor:
     return torch.from_numpy(array).permute(2, 0, 1)[None]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, shared):
-    """ComfyUI v0.8.0 with this pack in custom_nodes/, serving on 127.0.0.1; stopped after the module."""
-    python = comfy_python()  # builds the venv if CI did not (minutes, once)
-    root = tmp_path_factory.mktemp("comfy") / "ComfyUI"
-    shutil.copytree(comfyui_dir(), root, ignore=shutil.ignore_patterns("tests", "tests-unit", "__pycache__"))
+def write_models_and_inputs(root: Path, shared: Path) -> None:
+    """Random models in ComfyUI's model folders, the real TAEF2, and the test images and latents."""
     models, inputs = root / "models", root / "input"
-    model_folders = [models / name for name in ("vae", "latent_upscale_models", "vae_approx")]
-    for folder in (root / "custom_nodes", inputs, *model_folders):
-        folder.mkdir(parents=True, exist_ok=True)
-    os.symlink(REPO_ROOT, root / "custom_nodes" / "flowlift", target_is_directory=True)
     write_random_flux2_vae(models / "vae" / "flux2-vae.safetensors")
     save_upscaler(random_upscaler(16, seed=1), models / "latent_upscale_models" / "flow_upscaler.safetensors")
     save_upscaler(random_upscaler(64, seed=2), models / "latent_upscale_models" / "flow_upscaler_b64.safetensors")
@@ -188,6 +180,19 @@ def server(tmp_path_factory, shared):
         latent = {"latent_tensor": torch.randn(shape, generator=gen), "latent_format_version_0": torch.tensor([])}
         save_file(latent, str(inputs / name))
 
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, shared):
+    """ComfyUI v0.8.0 with this pack in custom_nodes/, serving on 127.0.0.1; stopped after the module."""
+    python = comfy_python()  # builds the venv if CI did not (minutes, once)
+    root = tmp_path_factory.mktemp("comfy") / "ComfyUI"
+    shutil.copytree(comfyui_dir(), root, ignore=shutil.ignore_patterns("tests", "tests-unit", "__pycache__"))
+    models, inputs = root / "models", root / "input"
+    model_folders = [models / name for name in ("vae", "latent_upscale_models", "vae_approx")]
+    for folder in (root / "custom_nodes", inputs, *model_folders):
+        folder.mkdir(parents=True, exist_ok=True)
+    os.symlink(REPO_ROOT, root / "custom_nodes" / "flowlift", target_is_directory=True)
+
     port = free_port()
     log = root / "server.log"
     command = [str(python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch"]
@@ -195,6 +200,12 @@ def server(tmp_path_factory, shared):
         process = subprocess.Popen(
             command, cwd=root, env=comfy_env(), stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
         )
+    try:
+        # Models and inputs are written while ComfyUI starts (it lists folders when asked, not at start).
+        write_models_and_inputs(root, shared)
+    except BaseException:
+        stop(process)
+        raise
     comfy = ComfyServer(root, port, process, log)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
