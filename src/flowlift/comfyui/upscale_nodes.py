@@ -34,20 +34,26 @@ class Progress:
     """ComfyUI's progress bar over a run's stages (encode, each pass, decode, colour fix) and the strips
     of chunked passes. Every report is also a cancel point (ComfyUI's interrupt raises from here)."""
 
-    UNITS = 1000  # bar units per stage, so strips can move it smoothly
+    UNITS = 100  # bar units per stage: strips move it by whole percents (at most 100 UI messages a stage)
 
     def __init__(self, stages: int) -> None:
         self.bar = comfy.utils.ProgressBar(max(1, stages) * self.UNITS)
         self.stages_done = 0
+        self.shown = -1
+
+    def _show(self, value: int) -> None:
+        if value != self.shown:
+            self.shown = value
+            self.bar.update_absolute(value)
 
     def strip(self, done: int, total: int) -> None:
         mm.throw_exception_if_processing_interrupted()
-        self.bar.update_absolute(self.stages_done * self.UNITS + (self.UNITS * done) // max(1, total))
+        self._show(self.stages_done * self.UNITS + (self.UNITS * done) // max(1, total))
 
     def stage(self, _what: str = "") -> None:
         mm.throw_exception_if_processing_interrupted()
         self.stages_done += 1
-        self.bar.update_absolute(self.stages_done * self.UNITS)
+        self._show(self.stages_done * self.UNITS)
 
 
 def loaded_upscaler(model: comfy.model_patcher.ModelPatcher) -> torch.nn.Module:
