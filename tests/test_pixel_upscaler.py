@@ -1,4 +1,4 @@
-"""flowlift.pixel_upscaler without spandrel: safe file reading, tiling, memory probe, eval method parsing.
+"""pixel_upscaler and tiled_inference without spandrel: safe reading, tiling, memory probe, eval parsing.
 
 The spandrel models themselves run in the ComfyUI venv (tests/test_spandrel_eval.py): spandrel needs
 torchvision, which cannot live in this environment.
@@ -18,15 +18,8 @@ from safetensors.torch import save_file
 
 from flowlift import evaluate as E
 from flowlift.errors import FlowliftError
-from flowlift.pixel_upscaler import (
-    PixelUpscaler,
-    load_pixel_upscaler,
-    peak_bytes_per_pixel,
-    read_model_state,
-    run_tiled,
-    tile_side_for,
-    tile_spans,
-)
+from flowlift.pixel_upscaler import PixelUpscaler, load_pixel_upscaler, read_model_state
+from flowlift.tiled_inference import peak_bytes_per_pixel, run_tiled, tile_side_for, tile_spans
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
