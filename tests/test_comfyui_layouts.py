@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -66,3 +67,16 @@ def test_requirements_txt_is_pyproject_minus_torch():
     lines = [ln.strip() for ln in (REPO_ROOT / "requirements.txt").read_text().splitlines()]
     assert [ln for ln in lines if ln and not ln.startswith("#")] == expected
     assert project["tool"]["comfy"]["PublisherId"] and project["tool"]["comfy"]["DisplayName"]
+
+
+def test_ui_copies_of_the_example_workflows_hold_the_same_nodes():
+    folder = REPO_ROOT / "example_workflows"
+    api_files = sorted(folder.glob("*.json"))
+    assert len(api_files) == 3
+    for path in api_files:
+        api = json.loads(path.read_text())
+        ui = json.loads((folder / "ui" / path.name).read_text())
+        assert sorted(n["type"] for n in ui["nodes"]) == sorted(n["class_type"] for n in api.values()), path.name
+        for node in ui["nodes"]:
+            if node["type"] == "FlowliftUpscaleLatent":  # widget values in the saved order
+                assert node["widgets_values"][0] == "4x" and node["widgets_values"][-1] == "auto"
