@@ -53,12 +53,16 @@ def test_image_layouts_and_reference_matching():
     nchw = L.image_to_nchw(image)
     assert nchw.shape == (2, 3, 16, 24) and torch.equal(nchw[:, 1], image[..., 1])
     assert torch.equal(L.nchw_to_image(nchw, "cpu"), image[..., :3])
-    one = torch.rand(1, 3, 8, 6)
-    assert L.matched_reference(nchw, one).shape == (2, 3, 8, 6)
+    one = torch.rand(1, 3, 8, 12)
+    assert L.matched_reference(nchw, one).shape == (2, 3, 8, 12)
     with pytest.raises(FlowliftError, match="integer multiple of the reference"):
         L.matched_reference(nchw, torch.rand(1, 3, 7, 6))
+    with pytest.raises(FlowliftError, match="same integer scale on both axes"):  # 2x by 3x
+        L.matched_reference(nchw, torch.rand(1, 3, 8, 8))
+    with pytest.raises(FlowliftError, match="reference's own size"):
+        L.matched_reference(nchw, nchw[:1])
     with pytest.raises(FlowliftError, match="3 reference images for 2 images"):
-        L.matched_reference(nchw, torch.rand(3, 3, 8, 6))
+        L.matched_reference(nchw, torch.rand(3, 3, 8, 12))
 
 
 def test_requirements_txt_is_pyproject_minus_torch():
