@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vae",
         action="append",
         metavar="taef2|flux2|PATH",
-        help="VAE to offer (repeatable; the first is the default; default taef2)",
+        help="VAE to offer (repeatable; the first is the default; default flux2, as for flowlift upscale)",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="default: bfloat16 on CUDA, else float32")
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = AppConfig(
         upscaler=args.upscaler,
-        vaes=args.vae or ["taef2"],
+        vaes=args.vae or ["flux2"],
         device=args.device,
         dtype=args.dtype,
         max_upload_mb=args.max_upload_mb,
