@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import zipfile
 
 import pytest
 from gradio_client import Client, handle_file
@@ -67,6 +68,14 @@ def test_upscale_endpoint_and_queue_with_gradio_client(server, shared, tmp_path)
     _, again, _ = client.predict(handle_file(str(source)), 2, 5, 1.0, 0.5, api_name="/upscale")
     with Image.open(again) as png, Image.open(download) as first:
         assert png.tobytes() == first.tobytes()  # same seed, same pixels
+
+    # the batch endpoint: a zip with the CLI's names, the bad file listed
+    archive, report = client.predict(
+        [handle_file(str(source)), handle_file(str(bad))], 2, 0, 1.0, 1.0, api_name="/batch"
+    )
+    with zipfile.ZipFile(archive) as members:
+        assert members.namelist() == ["kodim03_x2.png"]
+    assert "1 of 2 file(s)" in report and "bad.png: not an image file" in report
 
     # one request at a time per device: while one runs, the other waits IN_QUEUE (the page shows its place).
     # Each request is held for at least a second, so the overlap (or the wait) is long enough to see anywhere.
