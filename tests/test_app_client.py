@@ -100,3 +100,24 @@ def test_upscale_endpoint_and_queue_with_gradio_client(server, shared, tmp_path)
     assert all(job.result()[2] for job in jobs)
     # with two slots both would run at once; with one, one of them waits for the whole other request
     assert waited > 0.5, f"the waiting request was seen in the queue for {waited:.2f} s"
+
+
+def test_a_taken_port_is_one_error_line(capsys, tmp_path, monkeypatch):
+    import socket
+    import threading
+
+    from flowlift.cli import main
+
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "gradio"))
+    outcome = []
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = ["app", "--port", str(port), "--vae", "taef2"]
+        runner = threading.Thread(target=lambda: outcome.append(main(argv)), daemon=True)
+        runner.start()
+        runner.join(120)
+    assert outcome == [2], "flowlift app did not stop with an error on a taken port"
+    err = capsys.readouterr().err
+    assert f"flowlift app: error: cannot serve on 127.0.0.1:{port}: " in err and "Traceback" not in err

@@ -63,6 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from flowlift.app import build_app, launch
     from flowlift.app_service import AppConfig, AppService
+    from flowlift.errors import FlowliftError
 
     config = AppConfig(
         upscaler=args.upscaler,
@@ -76,7 +77,11 @@ def run(args: argparse.Namespace) -> int:
     service = AppService(config)
     try:
         demo = build_app(service)
-        launch(demo, service, host=args.host, port=args.port, share=args.share)
+        try:
+            launch(demo, service, host=args.host, port=args.port, share=args.share)
+        except OSError as error:  # port taken, address not available
+            where = f"{args.host}:{args.port}" if args.port else args.host
+            raise FlowliftError(f"cannot serve on {where}: {str(error).splitlines()[0]}") from None
     finally:
         service.close()
     return 0
