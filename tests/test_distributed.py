@@ -19,20 +19,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from flowlift.distributed import (
-    MANIFEST_NAME,
-    DistEnv,
-    Manifest,
-    format_status,
-    image_pixels,
-    image_record,
-    job_status,
-    latest_by_output,
-    probe_and_gather,
-    rank_device,
-    shard_by_pixels,
-)
+from flowlift.distributed import DistEnv, image_pixels, probe_and_gather, rank_device, shard_by_pixels
 from flowlift.errors import FlowliftError
+from flowlift.manifest import MANIFEST_NAME, Manifest, format_status, image_record, job_status, latest_by_output
 
 REPO = Path(__file__).resolve().parents[1]
 
