@@ -44,7 +44,7 @@ def _seed(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or glob patterns")
+    parser.add_argument("inputs", nargs="*", metavar="INPUT", help="image files, folders or glob patterns")
     parser.add_argument(
         "-o",
         "--output",
@@ -99,6 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="force or forbid VAE tiling (default: by size)",
     )
+    from flowlift.distributed import add_barrier_timeout_argument
+
+    parser.add_argument("--status", metavar="OUT", help="print the state of the job in output folder OUT, then exit")
+    add_barrier_timeout_argument(parser)
 
 
 def _metadata(args: argparse.Namespace, passes: int, source: Path, hashes: dict[str, str]) -> dict[str, object]:
@@ -124,38 +128,55 @@ def _metadata(args: argparse.Namespace, passes: int, source: Path, hashes: dict[
     }
 
 
-def _nothing_to_do(source: Path, output: Path) -> None:
-    raise AssertionError(f"no job was pending, yet {source} -> {output} was run")
+def _print_status(args: argparse.Namespace) -> int:
+    """``--status OUT``: the manifest's account of the job; exit 0 when it is complete, else 1."""
+    from flowlift.errors import FlowliftError
+    from flowlift.manifest import format_status, job_status
+
+    if args.inputs:
+        raise FlowliftError("--status OUT reads a job's manifest; give no INPUT images with it")
+    status = job_status(args.status)
+    print(format_status(status))
+    return 0 if status.complete else 1
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from flowlift.batch import pending, plan_jobs, report, run_jobs
+    from flowlift.batch import plan_jobs, report
+    from flowlift.distributed import DistEnv, rank_device
     from flowlift.errors import FlowliftError
     from flowlift.images import IMAGE_SUFFIXES, attach_alpha, file_sha256, list_images, load_image, save_image_atomic
     from flowlift.pipeline import DEFAULT_UPSCALER, FlowUpscalerPipeline, passes_for_scale
+    from flowlift.scaleout import run_batch
 
+    if args.status is not None:
+        return _print_status(args)
+    if not args.inputs:
+        raise FlowliftError("give INPUT images (or --status OUT)")
     passes = args.passes if args.passes is not None else passes_for_scale(args.scale or 2)
     scale = 2**passes
     inputs = list_images(args.inputs)
     if not inputs:
         raise FlowliftError("no input images found")
     jobs = plan_jobs(inputs, args.output, lambda path: f"{path.stem}_x{scale}.{args.format}", IMAGE_SUFFIXES)
-    if not pending(jobs, args.overwrite):  # nothing to compute: report the plan without loading a model
-        return run_jobs(jobs, _nothing_to_do, command=NAME, overwrite=args.overwrite).exit_code
+    env = DistEnv.from_environ()
+    pipeline = hashes = None
 
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    pipeline = FlowUpscalerPipeline(
-        args.upscaler or DEFAULT_UPSCALER,
-        args.vae,
-        dtype=dtype,
-        device=args.device,
-        chunked=args.chunked,
-        vae_tiled=args.vae_tiling,
-    )
-    hashes = {role: {p.name: file_sha256(p) for p in paths} for role, paths in pipeline.model_files().items() if paths}
+    def make_process():  # called only when there is work (on this rank): nothing to compute loads no model
+        nonlocal pipeline, hashes
+        dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+        pipeline = FlowUpscalerPipeline(
+            args.upscaler or DEFAULT_UPSCALER,
+            args.vae,
+            dtype=dtype,
+            device=rank_device(args.device, env) if env.distributed else args.device,  # cuda:LOCAL_RANK
+            chunked=args.chunked,
+            vae_tiled=args.vae_tiling,
+        )
+        hashes = {r: {p.name: file_sha256(p) for p in paths} for r, paths in pipeline.model_files().items() if paths}
+        return upscale_one
 
     def upscale_one(path: Path, out: Path) -> None:
         image, alpha = load_image(path)
@@ -180,4 +201,5 @@ def run(args: argparse.Namespace) -> int:
         done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
         save_image_atomic(result, out, _metadata(args, done, path, hashes))
 
-    return run_jobs(jobs, upscale_one, command=NAME, overwrite=args.overwrite).exit_code
+    return run_batch(jobs, make_process, command=NAME, output=args.output, overwrite=args.overwrite,
+                     barrier_timeout=args.barrier_timeout, env=env)  # fmt: skip
