@@ -202,3 +202,150 @@ def test_eval_run_sharded_equals_single_process(tmp_path, shared, photos, single
     entries = sorted(p.relative_to(tmp_path / "two" / "cache") for p in (tmp_path / "two" / "cache").rglob("*.json"))
     assert len(entries) == 12
     assert not list((tmp_path / "two").rglob("*.partial*"))
+
+
+# --------------------------------------------------------------------------------------------------
+# upscale under torchrun
+
+SIZES = [(48, 32), (64, 48), (48, 48), (80, 48), (48, 64), (96, 64), (64, 40), (72, 72)]
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    import torch
+
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+
+    torch.manual_seed(0)
+    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
+    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, shared):
+    """Eight small images of mixed sizes and one corrupt file."""
+    folder = tmp_path_factory.mktemp("inputs")
+    sources = sorted((shared / "images" / "photos").glob("*.png"))
+    for i, size in enumerate(SIZES):
+        with Image.open(sources[i % len(sources)]) as im:
+            im.convert("RGB").resize(size, Image.Resampling.BOX).save(folder / f"img{i}.png")
+    (folder / "corrupt.png").write_bytes((folder / "img0.png").read_bytes()[:150])
+    return folder
+
+
+def upscale_args(inputs: Path, out: Path, shared: Path, weights: Path, *extra: str) -> list[str]:
+    return ["upscale", str(inputs), "-o", str(out), "--seed", "7", "--upscaler", str(weights),
+            "--vae", str(shared / "models" / "taef2"), "--device", "cpu", *extra]  # fmt: skip
+
+
+def image_records(out: Path) -> list[dict]:
+    return [r for r in Manifest(out).records() if r["event"] == "image"]
+
+
+def outputs_of(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("img*_x2.png"))}
+
+
+def test_sharded_upscale_equals_one_process_and_reports_the_corrupt_image(
+    tmp_path, shared, weights, inputs, single_thread_torch, capsys
+):
+    from flowlift.cli import main
+
+    assert main(upscale_args(inputs, tmp_path / "one", shared, weights)) == 1  # the corrupt input fails
+    assert not (tmp_path / "one" / MANIFEST_NAME).exists()  # one process, no job: nothing new written
+    capsys.readouterr()
+
+    result = run_torchrun(2, *upscale_args(inputs, tmp_path / "two", shared, weights), cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f'File "{REPO}' not in result.stderr  # no flowlift traceback (torchrun prints its own failure report)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("flowlift upscale:")]
+    assert sum("corrupt.png" in line for line in errors) == 1  # one rank reports it, once
+    assert "flowlift upscale: 2 ranks: 8 done, 0 skipped, 1 failed of 9 image(s)" in errors
+
+    one, two = outputs_of(tmp_path / "one"), outputs_of(tmp_path / "two")
+    assert len(one) == 8 and two == one  # every image, byte-identical (pixels and PNG metadata)
+
+    records = image_records(tmp_path / "two")
+    done = [r for r in records if r["status"] == "done"]
+    assert sorted(Path(r["output"]).name for r in done) == sorted(one)  # each exactly once
+    assert {r["rank"] for r in done} == {0, 1}
+    (failed,) = [r for r in records if r["status"] == "failed"]
+    assert failed["input"].endswith("corrupt.png") and failed["error"] and failed["output"].endswith("corrupt_x2.png")
+    assert all(len(r["input_sha256"]) == 64 and r["seconds"] > 0 for r in done)
+    # balanced by pixels: each rank's share is within one image of half the work
+    per_rank = [sum(w * h for (w, h), i in zip(SIZES, range(8), strict=True)
+                    if any(r["rank"] == rank and r["input"].endswith(f"img{i}.png") for r in done))
+                for rank in (0, 1)]  # fmt: skip
+    assert abs(per_rank[0] - per_rank[1]) <= max(w * h for w, h in SIZES)
+
+    assert main(["upscale", "--status", str(tmp_path / "two")]) == 1  # not complete: one failed
+    status = capsys.readouterr().out
+    assert "8 done, 0 skipped, 1 failed" in status and "corrupt.png" in status
+
+
+def test_killed_rank_loses_only_its_image_in_flight_and_reruns_finish_the_job(
+    tmp_path, shared, weights, inputs, single_thread_torch, capsys
+):
+    import shutil
+    import signal
+    import time
+
+    from flowlift.cli import main
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    for path in sorted(inputs.glob("img*.png")):
+        shutil.copy(path, src / path.name)
+    args = upscale_args(src, out, shared, weights)
+
+    # world size 2; SIGKILL rank 1 right after it recorded its first image (torchrun then stops rank 0)
+    with open(tmp_path / "run1.log", "w") as log:
+        proc = subprocess.Popen(torchrun_command(2, *args), env=worker_env(), stdout=log, stderr=log, cwd=tmp_path)
+        victim, deadline = None, time.monotonic() + 150
+        while victim is None and proc.poll() is None and time.monotonic() < deadline:
+            mine = [r for r in image_records(out) if r["rank"] == 1 and r["status"] == "done"] if out.exists() else []
+            if mine:
+                victim = mine[0]["pid"]
+                os.kill(victim, signal.SIGKILL)
+            time.sleep(0.02)
+        proc.wait(timeout=120)
+    assert victim is not None, (tmp_path / "run1.log").read_text()[-3000:]
+    assert proc.returncode != 0
+    first = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.glob("img*_x2.png")}
+    assert 1 <= len(first) < 8
+    recorded = {Path(r["output"]).name for r in image_records(out) if r["status"] == "done"}
+    assert recorded <= set(first)  # a record only once its output exists
+    assert len(set(first) - recorded) <= 1  # at most rank 0's image between its rename and its record
+
+    # rerun with world size 3: exactly the missing images are done, the finished ones are left alone
+    result = run_torchrun(3, *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    missing = 8 - len(first)
+    assert f"flowlift upscale: 3 ranks: {missing} done, {len(first)} skipped, 0 failed of 8 image(s)" in result.stderr
+    second = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.glob("img*_x2.png")}
+    assert len(second) == 8
+    assert all(second[name] == first[name] for name in first)  # nothing valid redone (same bytes, same mtime)
+
+    def done_counts() -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in image_records(out):
+            if r["status"] == "done":
+                counts[Path(r["output"]).name] = counts.get(Path(r["output"]).name, 0) + 1
+        return counts
+
+    assert done_counts() == {name: 1 for name in second}  # every image done exactly once over both runs
+    latest = latest_by_output(Manifest(out).records())
+    assert sorted(Path(k).name for k, r in latest.items() if r["status"] in ("done", "skipped")) == sorted(second)
+
+    # world size 1 (no torchrun) continues the job: two outputs lost are redone, the same bytes, nothing else
+    lost = sorted(second)[:2]
+    for name in lost:
+        (out / name).unlink()
+    assert main(args) == 0
+    capsys.readouterr()
+    third = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.glob("img*_x2.png")}
+    assert all(third[name][0] == second[name][0] for name in second)
+    assert all(third[name] == second[name] for name in second if name not in lost)
+    assert done_counts() == {name: 2 if name in lost else 1 for name in second}
+    assert main(["upscale", "--status", str(out)]) == 0
+    assert capsys.readouterr().out.strip().endswith("complete")

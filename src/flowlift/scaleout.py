@@ -15,7 +15,8 @@
      its error line); rank 0 also records the plan (a ``job`` record), the inputs it refuses and the
      finished outputs the manifest did not know yet;
   4. a monitored barrier with a timeout, the ranks' counts gathered, and rank 0's summary line (and
-     ``summary`` record). Every rank exits 1 when any image failed on any rank, else 0.
+     ``summary`` record). Rank 0 exits 1 when any image failed on any rank (so does ``torchrun``),
+     the other ranks 0 once they passed the barrier.
 
 A rank killed mid-run loses only its image in flight (outputs are written atomically and recorded
 after they exist); rerunning the same command with any world size redoes exactly the images whose
@@ -124,18 +125,21 @@ def _run_share(
     per_rank, reason = finish(env, counts, barrier_timeout)
     if per_rank is None:
         report(command, None, f"no summary: not every rank finished within {barrier_timeout:.0f} s ({reason})")
-        return 1
+        return 1  # on every rank: the job's state is unknown
     totals = total_counts(per_rank)
-    if env.is_main:
-        if env.distributed:
-            report(
-                command,
-                None,
-                f"{env.world_size} ranks: {totals['done']} done, {totals['skipped']} skipped, "
-                f"{totals['failed']} failed of {totals['total']} image(s)",
-            )
-        manifest.append({"event": "summary", "run": run, "time": now_iso(), "world_size": env.world_size,
-                         **{k: int(totals[k]) for k in ("total", "done", "skipped", "failed")}})  # fmt: skip
+    if not env.is_main:
+        # the job's status is rank 0's: torchrun stops the other ranks as soon as one exits non-zero,
+        # which must not cut rank 0's summary short (this rank's failures are in it)
+        return 0
+    if env.distributed:
+        report(
+            command,
+            None,
+            f"{env.world_size} ranks: {totals['done']} done, {totals['skipped']} skipped, "
+            f"{totals['failed']} failed of {totals['total']} image(s)",
+        )
+    manifest.append({"event": "summary", "run": run, "time": now_iso(), "world_size": env.world_size,
+                     **{k: int(totals[k]) for k in ("total", "done", "skipped", "failed")}})  # fmt: skip
     return 1 if totals["failed"] else 0
 
 
