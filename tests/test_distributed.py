@@ -32,13 +32,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(nproc: int, *cli_args: str) -> list[str]:
-    """``torchrun`` on one host, rendezvous on a free 127.0.0.1 port (the multi-host form of the command)."""
+def torchrun_command(nproc: int, *cli_args: str, program: tuple[str, ...] = ("-m", "flowlift.cli", "--")) -> list[str]:
+    """``torchrun`` on one host, rendezvous on a free 127.0.0.1 port (the multi-host form of the command).
+
+    ``--`` ends torchrun's options: it would take eval's ``--run`` as an abbreviation of its ``--run-path``.
+    """
     return [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", uuid.uuid4().hex,
-        "-m", "flowlift.cli", "--", *cli_args,
-    ]  # fmt: skip  ("--": torchrun would take eval's --run as an abbreviation of its --run-path)
+        *program, *cli_args,
+    ]  # fmt: skip
 
 
 def worker_env() -> dict[str, str]:
@@ -167,6 +170,33 @@ def test_job_status_counts_latest_records(tmp_path):
     assert status.finished and status.complete
     assert status.latest["done"] == 4 and status.latest["failed"] == 0 and not status.missing_outputs
     assert format_status(status).endswith("complete")
+
+
+BARRIER_SCRIPT = """
+import time
+from flowlift.distributed import DistEnv, finish, process_group
+env = DistEnv.from_environ()
+with process_group(env, 60):
+    per_rank, reason = finish(env, {"done": env.rank + 1}, timeout_s=60)
+    print(f"on time, rank {env.rank}: {per_rank} | {reason}", flush=True)
+    if env.rank == 1:
+        time.sleep(6)
+    per_rank, reason = finish(env, {"done": env.rank + 1}, timeout_s=1)
+    print(f"late, rank {env.rank}: {per_rank} | {reason}", flush=True)
+"""
+
+
+def test_end_barrier_gathers_counts_or_times_out_naming_the_late_rank(tmp_path):
+    script = tmp_path / "barrier.py"
+    script.write_text(BARRIER_SCRIPT)
+    command = torchrun_command(2, program=(str(script),))
+    done = subprocess.run(command, env=worker_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = (done.stdout + done.stderr).splitlines()
+    assert "on time, rank 0: [{'done': 1}, {'done': 2}] | " in lines, lines[-20:]
+    assert "on time, rank 1: [{'done': 1}, {'done': 2}] | " in lines
+    late = next(x for x in lines if x.startswith("late, rank 0:"))
+    assert late.startswith("late, rank 0: None | ") and "Ranks 1 failed to pass" in late  # rank 0 names rank 1
+    assert any(x.startswith("late, rank 1: None | ") for x in lines)  # and rank 1 does not hang either
 
 
 # --------------------------------------------------------------------------------------------------

@@ -31,12 +31,6 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
-def error_line(error: BaseException | str) -> str:
-    """The first line of an error's text (its type name when empty)."""
-    text = str(error)
-    return text.splitlines()[0] if text.strip() else type(error).__name__
-
-
 class Manifest:
     """The job manifest: JSON Lines, one object per line, in the output folder.
 

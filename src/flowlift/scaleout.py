@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from flowlift.batch import Job, pending, report, run_jobs
+from flowlift.batch import Job, error_line, pending, report, run_jobs
 from flowlift.distributed import (
     DEFAULT_BARRIER_TIMEOUT_S,
     DistEnv,
@@ -44,7 +44,7 @@ from flowlift.distributed import (
     total_counts,
 )
 from flowlift.errors import FlowliftError
-from flowlift.manifest import Manifest, error_line, image_record, latest_by_output, now_iso
+from flowlift.manifest import Manifest, image_record, latest_by_output, now_iso
 
 Process = Callable[[Path, Path], None]
 
