@@ -91,8 +91,8 @@ def test_dist_env_and_rank_device():
         DistEnv.from_environ({"WORLD_SIZE": "two"})
     single, ranked = DistEnv(), DistEnv(5, 16, 1)
     assert rank_device(None, single, cuda_available=False) == "cpu"
-    assert rank_device(None, ranked, cuda_available=True) == "cuda:1"
-    assert rank_device("cuda:0", ranked, cuda_available=True) == "cuda:1"  # one GPU per local rank
+    assert rank_device(None, ranked, cuda_available=True, bind=False) == "cuda:1"
+    assert rank_device("cuda:0", ranked, cuda_available=True, bind=False) == "cuda:1"  # one GPU per local rank
     assert rank_device("cuda:3", single, cuda_available=True) == "cuda:3"  # one process: as given
     assert rank_device("cpu", ranked, cuda_available=True) == "cpu"
     with pytest.raises(FlowliftError):
@@ -170,6 +170,23 @@ def test_job_status_counts_latest_records(tmp_path):
     assert status.finished and status.complete
     assert status.latest["done"] == 4 and status.latest["failed"] == 0 and not status.missing_outputs
     assert format_status(status).endswith("complete")
+
+
+def test_scaleout_refusals_are_one_line_errors(tmp_path, capsys):
+    from flowlift.batch import Job
+    from flowlift.cli import main
+    from flowlift.scaleout import run_batch
+
+    jobs = [Job(tmp_path / "a.png", tmp_path / "a_x2.png")]
+    for output in (None, str(tmp_path / "one.png")):  # no folder for the manifest
+        with pytest.raises(FlowliftError, match="-o must name an output folder"):
+            run_batch(jobs, lambda: None, command="upscale", output=output, env=DistEnv(0, 2, 0))
+    assert main(["upscale", "a.png", "--status", str(tmp_path)]) == 2
+    assert main(["upscale", "--status", str(tmp_path)]) == 2  # no manifest there
+    assert main(["upscale"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and all(line.startswith("flowlift upscale: error: ") for line in err)
+    assert "no job manifest" in err[1]
 
 
 BARRIER_SCRIPT = """

@@ -71,12 +71,13 @@ class DistEnv:
         return self.rank == 0
 
 
-def rank_device(setting: str | None, env: DistEnv, cuda_available: bool | None = None) -> str:
+def rank_device(setting: str | None, env: DistEnv, cuda_available: bool | None = None, bind: bool = True) -> str:
     """The torch device string of this rank.
 
     ``None`` / ``"auto"``: ``cuda`` when available, else ``cpu``. Under ``torchrun`` a CUDA setting
-    becomes ``cuda:LOCAL_RANK`` (one GPU per local rank, whatever index was given); a single process
-    keeps the setting as given. Other devices (``cpu``, ``mps``) are returned unchanged.
+    becomes ``cuda:LOCAL_RANK`` (one GPU per local rank, whatever index was given) and, with ``bind``,
+    the current CUDA device, so that nothing that uses "the current device" lands every rank on GPU 0.
+    A single process keeps the setting as given. Other devices (``cpu``, ``mps``) are returned unchanged.
     """
     if cuda_available is None:
         import torch
@@ -88,9 +89,18 @@ def rank_device(setting: str | None, env: DistEnv, cuda_available: bool | None =
         return setting
     if not cuda_available:
         raise FlowliftError(f"device {setting} requested but no CUDA device is available")
-    if env.distributed:
-        return f"cuda:{env.local_rank}"
-    return setting
+    if not env.distributed:
+        return setting
+    if bind:
+        import torch
+
+        if env.local_rank >= torch.cuda.device_count():
+            raise FlowliftError(
+                f"local rank {env.local_rank} has no GPU: this host has {torch.cuda.device_count()}; "
+                "give torchrun --nproc_per_node <= the number of GPUs"
+            )
+        torch.cuda.set_device(env.local_rank)
+    return f"cuda:{env.local_rank}"
 
 
 # --------------------------------------------------------------------------------------------------
