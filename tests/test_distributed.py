@@ -380,7 +380,9 @@ def test_killed_rank_loses_only_its_image_in_flight_and_reruns_finish_the_job(
                 counts[Path(r["output"]).name] = counts.get(Path(r["output"]).name, 0) + 1
         return counts
 
-    assert done_counts() == {name: 1 for name in second}  # every image done exactly once over both runs
+    before = done_counts()
+    assert set(before.values()) == {1}  # no image done twice over both runs
+    assert len(before) >= 7  # (an output renamed just before rank 0 was stopped is recorded as skipped)
     latest = latest_by_output(Manifest(out).records())
     assert sorted(Path(k).name for k, r in latest.items() if r["status"] in ("done", "skipped")) == sorted(second)
 
@@ -393,6 +395,6 @@ def test_killed_rank_loses_only_its_image_in_flight_and_reruns_finish_the_job(
     third = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.glob("img*_x2.png")}
     assert all(third[name][0] == second[name][0] for name in second)
     assert all(third[name] == second[name] for name in second if name not in lost)
-    assert done_counts() == {name: 2 if name in lost else 1 for name in second}
+    assert done_counts() == {**before, **{name: before.get(name, 0) + 1 for name in lost}}
     assert main(["upscale", "--status", str(out)]) == 0
     assert capsys.readouterr().out.strip().endswith("complete")
