@@ -213,6 +213,8 @@ def _run_sharded(args: argparse.Namespace, E, env, evaluate, cache_dir):
 
 def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identities: dict, E) -> dict:
     """Load every spandrel model once (by path); record what identifies it in ``identities["spandrel"]``."""
+    import torch
+
     from flowlift.errors import FlowliftError
     from flowlift.pixel_upscaler import DEFAULT_OVERLAP, load_pixel_upscaler
 
@@ -245,7 +247,7 @@ def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identitie
             "native_scale": model.native_scale,
             "tile": model.tile,
             "overlap": model.overlap,
-            "device": str(type(device)(args.device)),  # as given, not the rank's cuda:N: one cache key for all ranks
+            "device": str(torch.device(args.device)),  # as given, not the rank's cuda:N: one cache key for all ranks
             "dtype": args.dtype,
             "note": model.describe(args.scale),
         }
