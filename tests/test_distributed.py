@@ -197,7 +197,7 @@ with process_group(env, 60):
     per_rank, reason = finish(env, {"done": env.rank + 1}, timeout_s=60)
     print(f"on time, rank {env.rank}: {per_rank} | {reason}", flush=True)
     if env.rank == 1:
-        time.sleep(6)
+        time.sleep(4)
     per_rank, reason = finish(env, {"done": env.rank + 1}, timeout_s=1)
     print(f"late, rank {env.rank}: {per_rank} | {reason}", flush=True)
 """
