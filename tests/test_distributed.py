@@ -152,8 +152,13 @@ def test_job_status_counts_latest_records(tmp_path):
     image("a", "done", "r1")
     image("c", "failed", "r1", "c.png: truncated")
     image("d", "done", "r1")  # d's output is gone since
+    (tmp_path / "e_x2.png").write_bytes(b"x")  # finished before any record: rank 0 records it while planning
+    planned = image_record(input_path="e.png", input_sha256=None, output=tmp_path / "e_x2.png", status="skipped",
+                           seconds=0, error=None, env=env, run="r1")  # fmt: skip
+    manifest.append({**planned, "plan": True})
     status = job_status(tmp_path)
     assert status.run == "r1" and status.run_counts["done"] == 2 and status.run_counts["failed"] == 1
+    assert status.run_counts["skipped"] == 0 and status.latest["skipped"] == 1  # plan records are not progress
     assert not status.complete and not status.finished
     text = format_status(status)
     assert "1 not recorded yet" in text and "failed: c.png: c.png: truncated" in text
@@ -168,7 +173,7 @@ def test_job_status_counts_latest_records(tmp_path):
     manifest.append({"event": "summary", "run": "r2", "done": 3, "skipped": 1, "failed": 0})
     status = job_status(tmp_path)
     assert status.finished and status.complete
-    assert status.latest["done"] == 4 and status.latest["failed"] == 0 and not status.missing_outputs
+    assert status.latest["done"] == 4 and status.latest["skipped"] == 1 and not status.missing_outputs
     assert format_status(status).endswith("complete")
 
 

@@ -38,7 +38,8 @@ class Manifest:
 
     * ``image`` — ``input``, ``input_sha256``, ``output``, ``status`` (``done`` / ``skipped`` /
       ``failed``), ``seconds``, ``error`` (one line or null), ``rank``, ``world_size``, ``host``,
-      ``pid``, ``run``, ``time``;
+      ``pid``, ``run``, ``time``; ``plan: true`` on the records rank 0 writes while planning (refused
+      inputs, finished outputs the manifest did not know), which the per-image loop did not produce;
     * ``job`` — written by rank 0 when a run starts: ``run``, ``inputs`` (planned outputs),
       ``todo``, ``skipped``, ``world_size``, ``time``;
     * ``summary`` — written by rank 0 after the end-of-job barrier: ``run`` and the counts.
@@ -142,7 +143,7 @@ class JobStatus:
     started: str | None = None
     planned: int | None = None
     todo: int | None = None
-    run_counts: Counter = field(default_factory=Counter)  # this run's image records by status
+    run_counts: Counter = field(default_factory=Counter)  # this run's loop records (not plan records) by status
     finished: bool = False
     latest: Counter = field(default_factory=Counter)  # latest record per output, by status
     missing_outputs: list[str] = field(default_factory=list)  # latest says done/skipped, file absent
@@ -152,7 +153,7 @@ class JobStatus:
     @property
     def complete(self) -> bool:
         """Every planned image of the latest run is recorded, none failed, every output present."""
-        recorded = self.run_counts["done"] + self.run_counts["failed"] + self.run_counts["skipped"]
+        recorded = self.run_counts["done"] + self.run_counts["failed"]
         return (
             self.todo is not None
             and recorded >= self.todo
@@ -176,7 +177,7 @@ def job_status(folder: str | os.PathLike) -> JobStatus:
         for record in records:
             if record.get("run") != status.run:
                 continue
-            if record.get("event") == "image":
+            if record.get("event") == "image" and not record.get("plan"):
                 status.run_counts[record.get("status")] += 1
                 status.seconds += float(record.get("seconds") or 0.0)
             elif record.get("event") == "summary":
@@ -196,7 +197,7 @@ def format_status(status: JobStatus) -> str:
     lines = [f"manifest: {status.manifest}"]
     if status.run is not None:
         c = status.run_counts
-        recorded = c["done"] + c["skipped"] + c["failed"]
+        recorded = c["done"] + c["failed"]
         state = "finished" if status.finished else "running or interrupted"
         lines.append(
             f"latest run {status.run} ({state}), started {status.started}, world size {status.world_size}: "

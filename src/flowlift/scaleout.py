@@ -147,21 +147,26 @@ def _run_share(
 
 def _record_plan(manifest: Manifest, jobs: list[Job], todo: list[int], run: str, env: DistEnv) -> None:
     """The ``job`` record, a failed record per refused input, and a ``skipped`` record for each
-    finished output the manifest does not record as done (e.g. written just before a kill)."""
+    finished output the manifest does not record as done (e.g. written just before a kill); the
+    image records carry ``plan: true`` (the loop did not produce them)."""
     waiting = set(todo)
-    manifest.append({"event": "job", "run": run, "time": now_iso(), "world_size": env.world_size,
-                     "inputs": len(jobs), "todo": len(todo), "skipped": len(jobs) - len(todo)})  # fmt: skip
+    refused = sum(job.refused for job in jobs)
+    manifest.append({"event": "job", "run": run, "time": now_iso(), "world_size": env.world_size, "inputs": len(jobs),
+                     "todo": len(todo), "refused": refused, "skipped": len(jobs) - len(todo) - refused})  # fmt: skip
     latest = latest_by_output(manifest.records())
     for i, job in enumerate(jobs):
         if i in waiting or (job.output is None and not job.refused):
             continue
         if job.output is None:
-            manifest.append(image_record(input_path=_absolute(job.source), input_sha256=None, output=None,
-                                         status="failed", seconds=0.0, error=job.note, env=env, run=run))  # fmt: skip
+            record = image_record(input_path=_absolute(job.source), input_sha256=None, output=None,
+                                  status="failed", seconds=0.0, error=job.note, env=env, run=run)  # fmt: skip
         elif latest.get(_absolute(job.output), {}).get("status") not in ("done", "skipped"):
-            manifest.append(image_record(input_path=_absolute(job.source), input_sha256=_sha256(job.source),
-                                         output=_absolute(job.output), status="skipped", seconds=0.0, error=None,
-                                         env=env, run=run))  # fmt: skip
+            record = image_record(input_path=_absolute(job.source), input_sha256=_sha256(job.source),
+                                  output=_absolute(job.output), status="skipped", seconds=0.0, error=None,
+                                  env=env, run=run)  # fmt: skip
+        else:
+            continue
+        manifest.append({**record, "plan": True})
 
 
 def _recording(process: Process, manifest: Manifest, run: str, env: DistEnv) -> Process:
