@@ -13,7 +13,9 @@ import argparse
 import math
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 NAME = "upscale"
 HELP = "upscale images 2x/4x/8x with the Flow Upscaler, colour drift corrected"
@@ -128,6 +130,55 @@ def _metadata(args: argparse.Namespace, passes: int, source: Path, hashes: dict[
     }
 
 
+def model_hashes(pipeline: Any) -> dict[str, dict[str, str]]:
+    """SHA-256 of every weight file behind ``pipeline`` by role: the PNG's ``flowlift.models``."""
+    from flowlift.images import file_sha256
+
+    return {role: {p.name: file_sha256(p) for p in paths} for role, paths in pipeline.model_files().items() if paths}
+
+
+def output_name(source: Path, scale: int, output_format: str = "png") -> str:
+    """The file name of ``source``'s result: ``<stem>_x<scale>.<format>`` (also the web app's names)."""
+    return f"{source.stem}_x{scale}.{output_format}"
+
+
+def upscale_file(
+    pipeline: Any,
+    args: argparse.Namespace,
+    passes: int,
+    source: Path,
+    out: Path,
+    hashes: dict[str, dict[str, str]],
+    on_stage: Callable[[str], None] | None = None,
+) -> tuple[Any, Any, list[str]]:
+    """Load ``source``, upscale it with ``args``' parameters, write ``out`` atomically with the metadata.
+
+    Returns (input image, result image, warnings such as passes dropped at MAX_OUTPUT_SIDE). The one
+    per-image step of ``flowlift upscale``; the web app calls it too.
+    """
+    from flowlift.images import attach_alpha, load_image, save_image_atomic
+
+    image, alpha = load_image(source)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        result = pipeline.upscale_image(
+            image,
+            num_passes=passes,
+            seed=args.seed,
+            color_fix=not args.no_color_fix,
+            transplant_strength=args.transplant_strength,
+            color_fix_strength=args.color_fix_strength,
+            resize_mode=args.resize_mode,
+            callback=on_stage,
+        )
+    if alpha is not None:
+        result = attach_alpha(result, alpha)
+    # passes actually run (fewer when MAX_OUTPUT_SIDE dropped some)
+    done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
+    save_image_atomic(result, out, _metadata(args, done, source, hashes))
+    return image, result, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
 def _print_status(args: argparse.Namespace) -> int:
     """``--status OUT``: the manifest's account of the job; exit 0 when it is complete, else 1."""
     from flowlift.errors import FlowliftError
@@ -147,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     from flowlift.batch import plan_jobs, report
     from flowlift.distributed import DistEnv, rank_device
     from flowlift.errors import FlowliftError
-    from flowlift.images import IMAGE_SUFFIXES, attach_alpha, file_sha256, list_images, load_image, save_image_atomic
+    from flowlift.images import IMAGE_SUFFIXES, list_images
     from flowlift.pipeline import DEFAULT_UPSCALER, FlowUpscalerPipeline, passes_for_scale
     from flowlift.scaleout import run_batch
 
@@ -160,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = list_images(args.inputs)
     if not inputs:
         raise FlowliftError("no input images found")
-    jobs = plan_jobs(inputs, args.output, lambda path: f"{path.stem}_x{scale}.{args.format}", IMAGE_SUFFIXES)
+    jobs = plan_jobs(inputs, args.output, lambda path: output_name(path, scale, args.format), IMAGE_SUFFIXES)
     env = DistEnv.from_environ()
     pipeline = hashes = None
 
@@ -175,31 +226,17 @@ def run(args: argparse.Namespace) -> int:
             chunked=args.chunked,
             vae_tiled=args.vae_tiling,
         )
-        hashes = {r: {p.name: file_sha256(p) for p in paths} for r, paths in pipeline.model_files().items() if paths}
+        hashes = model_hashes(pipeline)
         return upscale_one
 
     def upscale_one(path: Path, out: Path) -> None:
-        image, alpha = load_image(path)
         steps = tqdm(total=passes + 3, desc=path.name, unit="step", leave=False, disable=None, file=sys.stderr)
-        with steps, warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", UserWarning)
-            result = pipeline.upscale_image(
-                image,
-                num_passes=passes,
-                seed=args.seed,
-                color_fix=not args.no_color_fix,
-                transplant_strength=args.transplant_strength,
-                color_fix_strength=args.color_fix_strength,
-                resize_mode=args.resize_mode,
-                callback=lambda _stage, bar=steps: bar.update(1),
+        with steps:
+            _, _, notes = upscale_file(
+                pipeline, args, passes, path, out, hashes, on_stage=lambda _stage, bar=steps: bar.update(1)
             )
-        for warning in caught:  # e.g. passes dropped at MAX_OUTPUT_SIDE: one line, not a stack
-            report(NAME, path, f"warning: {warning.message}", write=lambda line: tqdm.write(line, file=sys.stderr))
-        if alpha is not None:
-            result = attach_alpha(result, alpha)
-        # passes actually run (fewer when MAX_OUTPUT_SIDE dropped some)
-        done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
-        save_image_atomic(result, out, _metadata(args, done, path, hashes))
+        for note in notes:  # e.g. passes dropped at MAX_OUTPUT_SIDE: one line, not a stack
+            report(NAME, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
 
     return run_batch(jobs, make_process, command=NAME, output=args.output, overwrite=args.overwrite,
                      barrier_timeout=args.barrier_timeout, env=env)  # fmt: skip
