@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from flowlift import __version__
+from flowlift.console import add_console_options, quiet_libraries
 from flowlift.errors import FlowliftError
 
 
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     for module in _command_modules():
         sub = subparsers.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         module.add_arguments(sub)
+        if not getattr(module, "NESTED_COMMANDS", False):  # nested ones add them to each of their own
+            add_console_options(sub)
         sub.set_defaults(_run=module.run)
     return parser
 
@@ -43,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 0
+    quiet_libraries(bool(getattr(args, "verbose", False)))
     try:
         return int(args._run(args) or 0)
     except FlowliftError as error:

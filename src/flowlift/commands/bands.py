@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowlift.console import show_progress
+
 NAME = "bands"
 HELP = "Measure a VAE decoder's latent->pixel band response (the model card's band table)."
 
@@ -69,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         images.append(to_tensor(a))
     vae = load_vae(args.vae, device=device, dtype=dtype)
     mean, per_image = B.run_bands(
-        vae, images, device=device, dtype=dtype, amplitude=args.amplitude, seed=args.seed, progress=not args.quiet
+        vae, images, device=device, dtype=dtype, amplitude=args.amplitude, seed=args.seed,
+        progress=show_progress(args),
     )
     title = f"{Path(str(args.vae)).name}: latent->pixel band response, {len(images)} image(s)"
     table = B.format_table(mean, full=args.full, reference=B.MAGE_REFERENCE)

@@ -13,7 +13,10 @@ import argparse
 import os
 from pathlib import Path
 
+from flowlift.console import add_console_options, show_progress
+
 NAME = "dataset"
+NESTED_COMMANDS = True
 HELP = "build training shards: teacher distillation pairs or encoded photo crops"
 
 STORAGE = ("float16", "bfloat16", "float32")
@@ -33,7 +36,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--noise-std", type=float, default=0.0, help="also add Gaussian pixel noise (0..1 units)")
     parser.add_argument("--part", default="0/1", metavar="I/N",
                         help="build only shards k with k %% N == I (run N processes or machines on one --out)")
-    parser.add_argument("--no-progress", action="store_true")
+    add_console_options(parser)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -162,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         manifest = build_distill_dataset(
             out, teacher, vae, num_items=args.num, latent_size=(args.height // 8, args.width // 8),
             seed=args.seed, shard_size=args.shard_size, batch_size=args.batch_size, degradation=degradation,
-            storage_dtype=storage, device=device, source=source, progress=not args.no_progress, part=part,
+            storage_dtype=storage, device=device, source=source, progress=show_progress(args), part=part,
         )
     else:
         from flowlift.images import list_images
@@ -174,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
             out, paths, vae, crop=args.crop, crops_per_image=args.crops_per_image, seed=args.seed,
             shard_size=args.shard_size, batch_size=args.batch_size, flip=not args.no_flip,
             degradation=degradation, storage_dtype=storage, device=device, vae_name=args.vae,
-            progress=not args.no_progress, part=part,
+            progress=show_progress(args), part=part,
         )
     print(f"{args.dataset_kind} dataset: {manifest['num_items']} items of {manifest['target_shape']} in "
           f"{os.fspath(out)}")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowlift.console import show_progress
+
 NAME = "eval"
 HELP = "Measure colour drift, detail and fidelity of outputs or of upscaling methods; write tables and plots."
 
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             args.ground_truth,
             box=args.box,
             figure_images=args.figure_images,
-            progress=not args.quiet,
+            progress=show_progress(args),
         )
     paths = E.write_report(report, out_dir)
     print(E.markdown_table(report))
@@ -134,5 +136,5 @@ def _run_methods(args: argparse.Namespace, E):
         box=args.box,
         limit=args.limit,
         figure_images=args.figure_images,
-        progress=not args.quiet,
+        progress=show_progress(args),
     )

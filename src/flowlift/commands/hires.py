@@ -7,6 +7,7 @@ from pathlib import Path
 
 from flowlift.commands.img2img import (
     add_model_arguments,
+    check_model_sources,
     check_output,
     check_prompt_args,
     default_output,
@@ -76,10 +77,12 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise FlowliftError("this flowlift build has no Flow Upscaler pipeline (flowlift.pipeline)") from None
 
+    from flowlift.pipeline import DEFAULT_UPSCALER, resolve_upscaler_file
+
+    check_model_sources(args)
+    upscaler_file = resolve_upscaler_file(args.upscaler or DEFAULT_UPSCALER)  # before the transformer loads
     refiner, conditioning = load_refiner_from_args(args)
-    upscaler = FlowUpscalerPipeline(
-        args.upscaler or "TensorForger/FlowUpscaler", refiner.vae, device=refiner.device, dtype=refiner.dtype
-    )
+    upscaler = FlowUpscalerPipeline(upscaler_file, refiner.vae, device=refiner.device, dtype=refiner.dtype)
     passes = {2: 1, 4: 2}[args.scale]
 
     def upscale(latents):

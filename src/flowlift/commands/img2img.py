@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
 
 #: Mirrors flowlift.refine.SAMPLERS / STRENGTH_MAPS (kept literal so --help does not import torch).
@@ -166,6 +167,25 @@ def check_prompt_args(args: argparse.Namespace) -> None:
         raise FlowliftError(f"--prompt-embeds: file not found: {args.prompt_embeds}")
     if args.cfg_scale <= 0:
         raise FlowliftError(f"--cfg-scale must be > 0, got {args.cfg_scale}")
+    if args.prompt_embeds is None or (args.cfg_scale != 1.0 and args.negative_prompt is not None):
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:
+            raise FlowliftError(
+                "--prompt needs the FLUX.2 text encoder, in the text extra (pip install 'flowlift[text]', "
+                "from a checkout pip install -e '.[text]'); or pass precomputed --prompt-embeds"
+            )
+
+
+def check_model_sources(args: argparse.Namespace) -> None:
+    """Local --model / --vae paths exist (and hub ids are cached when offline) before any weights load."""
+    from flowlift.hub import looks_like_path
+    from flowlift.vae import check_vae_spec
+
+    if not Path(args.model).expanduser().exists() and looks_like_path(args.model):
+        raise FlowliftError(f"--model {args.model}: no such file or folder")
+    if args.vae is not None:
+        check_vae_spec(args.vae)
 
 
 def load_refiner_from_args(args: argparse.Namespace):
@@ -179,7 +199,12 @@ def load_refiner_from_args(args: argparse.Namespace):
     need_negative = args.cfg_scale != 1.0 and negative is None
     need_encoder = embeds is None or need_negative
     refiner = load_refiner(
-        args.model, vae=args.vae, device=device, dtype=dtype, text_encoder=need_encoder, progress=not args.quiet
+        args.model,
+        vae=args.vae,
+        device=device,
+        dtype=dtype,
+        text_encoder=need_encoder,
+        progress=show_progress(args),
     )
     conditioning: dict[str, Any] = {
         "prompt": args.prompt,
@@ -222,6 +247,8 @@ def parse_outpaint(text: str) -> tuple[int, int, int, int]:
         values = ()
     if len(values) != 4 or any(v < 0 for v in values):
         raise FlowliftError(f"--outpaint takes four non-negative pixel borders L,T,R,B, got {text!r}")
+    if not any(values):
+        raise FlowliftError(f"--outpaint {text}: every border is 0, nothing to paint (use img2img without it)")
     return values  # type: ignore[return-value]
 
 
@@ -255,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
                 f"--reference {path}: sides must be multiples of 16 px, got {ref.shape[-1]}x{ref.shape[-2]}"
             )
     strength = args.strength if args.strength is not None else (1.0 if pads else 0.5)
+    check_model_sources(args)
 
     refiner, conditioning = load_refiner_from_args(args)
     common = dict(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from flowlift.console import show_progress
+
 NAME = "train"
 HELP = "train or fine-tune the Flow Upscaler (rectified-flow distillation; single process or torchrun DDP)"
 
@@ -64,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     if args.val_images:
         overrides["val_images"] = list(args.val_images)
     overrides.update(parse_assignments(args.set))
+    if args.progress is not None or not show_progress(args):  # bars only on a terminal unless forced
+        overrides.setdefault("progress", show_progress(args))
     if args.print_config:
         from flowlift.training.config import TrainConfig, apply_overrides, load_config_file
 
