@@ -75,6 +75,21 @@ def quiet_libraries(verbose: bool) -> None:
                 pass
 
 
+def format_warnings(command: str) -> None:
+    """Show Python warnings that reach the user as one ``flowlift COMMAND: warning: MESSAGE`` line each
+    (no file name, line number or source line); repeated identical messages are shown once."""
+    seen: set[str] = set()
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
+        text = str(message).splitlines()[0] if str(message) else category.__name__
+        if text in seen:
+            return
+        seen.add(text)
+        print(f"flowlift {command}: warning: {text}", file=file or sys.stderr)
+
+    warnings.showwarning = show
+
+
 def warn_once(command: str, key: str, message: str) -> None:
     """Print ``flowlift COMMAND: warning: MESSAGE`` on stderr the first time ``key`` is seen."""
     if key in _warned:

@@ -139,7 +139,7 @@ class FlowUpscalerPipeline:
     def __init__(
         self,
         upscaler: Any = DEFAULT_UPSCALER,
-        vae: Any = "taef2",
+        vae: Any = "flux2",
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowlift.commands._options import examples
 from flowlift.commands.img2img import (
     add_model_arguments,
     check_model_sources,
@@ -20,8 +21,13 @@ from flowlift.errors import FlowliftError
 
 NAME = "hires"
 HELP = (
-    "Hires fix: txt2img (--prompt) or an --image, upscaled 2x/4x in latent space by the Flow Upscaler, "
-    "then refined by FLUX.2 at low strength on the shifted schedule"
+    "hires fix: txt2img (--prompt) or an --image, upscaled 2x/4x in latent space by the Flow Upscaler, "
+    "then refined by FLUX.2 at low strength"
+)
+EXAMPLES = examples(
+    'flowlift hires --prompt "a lighthouse at dusk" --model black-forest-labs/FLUX.2-klein-4B --steps 4 -o out.png',
+    'flowlift hires --image photo.png --prompt "..." --model black-forest-labs/FLUX.2-klein-4B --scale 2 '
+    "--refine-strength 0.3",
 )
 
 

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from flowlift.commands._options import add_device_options, examples, resolve_device_dtype
 from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
 
@@ -16,8 +17,15 @@ STRENGTH_MAPS = ("linear", "canvas")
 
 NAME = "img2img"
 HELP = (
-    "Refine an image with a FLUX.2 Klein/dev transformer: img2img, inpaint (--mask) or outpaint (--outpaint); "
-    "normalized-space start latents on the shifted schedule"
+    "refine an image with a FLUX.2 Klein/dev transformer: img2img, inpaint (--mask) or outpaint (--outpaint) "
+    "on the shifted schedule"
+)
+EXAMPLES = examples(
+    'flowlift img2img photo.png --model black-forest-labs/FLUX.2-klein-4B --prompt "a watercolour harbour" '
+    "--strength 0.6 --steps 4 -o harbour.png",
+    'flowlift img2img photo.png --mask mask.png --strength 1 --model /models/FLUX.2-klein-4B --prompt "a red door" '
+    "--steps 4 --sampler heun",
+    "flowlift img2img photo.png --outpaint 0,0,256,0 --model /models/FLUX.2-klein-4B --prompt-embeds emb.safetensors",
 )
 
 
@@ -67,13 +75,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--vae", metavar="SPEC", help="VAE (flowlift.vae.load_vae spec); default: the model's own vae/ folder"
     )
-    model.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    model.add_argument(
-        "--dtype",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        default="auto",
-        help="transformer precision (default: bfloat16 on CUDA, float32 on CPU)",
-    )
+    add_device_options(model, "transformer and VAE")
     prompt = parser.add_argument_group("prompt")
     prompt.add_argument("--prompt", help="the prompt (embedded with the model's own text encoder, flowlift[text])")
     prompt.add_argument(
@@ -140,24 +142,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-
-def resolve_device_dtype(device: str, dtype: str):
-    import torch
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise FlowliftError(f"unknown device {device!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise FlowliftError("--device cuda asked for, but CUDA is not available")
-    if dtype == "auto":
-        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    else:
-        dt = getattr(torch, dtype)
-    return dev, dt
 
 
 def check_prompt_args(args: argparse.Namespace) -> None:
