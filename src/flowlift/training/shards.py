@@ -70,6 +70,11 @@ def write_manifest(root: str | os.PathLike, manifest: dict[str, Any]) -> None:
     atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True))  # unique temp per writer
 
 
+def _short(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value, sort_keys=True, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any]) -> None:
     """Create ``root`` with ``manifest``, or check that an existing dataset has the same settings.
 
@@ -84,9 +89,13 @@ def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any]) -> No
             k for k in set(existing) | set(manifest) if k != "num_items" and existing.get(k) != manifest.get(k)
         )
         if differing:
+            shown = "; ".join(
+                f"{key}: {_short(manifest.get(key))} now, {_short(existing.get(key))} there" for key in differing[:3]
+            )
+            more = f"; and {len(differing) - 3} more" if len(differing) > 3 else ""
             raise FlowliftError(
-                f"{root} already holds a dataset built with different settings ({', '.join(differing)}); "
-                "use a new output folder"
+                f"{root} already holds a dataset built with other settings ({shown}{more}); "
+                "use a new output folder or the same settings"
             )
     root.mkdir(parents=True, exist_ok=True)
     write_manifest(root, manifest)
