@@ -93,6 +93,8 @@ def test_img2img_writes_png_with_all_parameters(capsys, tmp_path, model_dir, emb
         "prompt": "a cat",
         "cfg_scale": 1.0,
         "model": str(model_dir),
+        "dtype": "float32",  # what ran, not "auto"
+        "device": "cpu",
     }.items():
         assert meta[key] == value, key
     assert meta["denoising_start"] == pytest.approx(0.4) and meta["t0"] == pytest.approx(0.6)

@@ -460,6 +460,8 @@ class Flux2Refiner:
         from flowlift import __version__
 
         params = {"flowlift": __version__, "mode": mode, "model": self.model_name}
+        # what ran, not what was asked for ("auto")
+        params.update(dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
         params.update({k: v for k, v in kwargs.items() if v is not None})
         params["sigmas"] = [round(s, 6) for s in result.sigmas]
         params["t0"] = round(result.t0, 6)

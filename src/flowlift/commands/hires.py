@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.image:
         metadata.pop("input", None)
     image = attach_alpha(tensor_to_pil(result.images[0]), alpha)
-    save_image_atomic(image, output, {"flowlift": metadata})
+    save_image_atomic(image, output, {"flowlift": metadata}, source=args.image)  # ICC profile and EXIF kept
     if not args.quiet:
         print(f"wrote {output}")
     return 0

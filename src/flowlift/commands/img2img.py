@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     )
     metadata = {k: v for k, v in metadata.items() if v is not None}
     image = attach_alpha(tensor_to_pil(result.images[0]), alpha)
-    save_image_atomic(image, output, {"flowlift": metadata})
+    save_image_atomic(image, output, {"flowlift": metadata}, source=args.image)  # ICC profile and EXIF kept
     if not args.quiet:
         print(f"wrote {output}")
     return 0
