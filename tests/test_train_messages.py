@@ -78,7 +78,7 @@ def test_dataset_names_each_skipped_image_and_the_differing_setting(tmp_path):
     assert [str(w.message) for w in caught] == [f"{p}: smaller than the 128x128 crop, skipped" for p in small]
 
     root = tmp_path / "ds"
-    prepare_dataset_dir(root, {"kind": "images", "crop": 512, "vae": "taef2", "num_items": 4})
-    with pytest.raises(FlowliftError, match="crop: 256 now, 512 there") as error:
-        prepare_dataset_dir(root, {"kind": "images", "crop": 256, "vae": "taef2", "num_items": 8})
+    prepare_dataset_dir(root, {"kind": "images", "source": {"crop": 512, "vae": "taef2"}, "num_items": 4})
+    with pytest.raises(FlowliftError, match=r"other settings \(source.crop: 256 now, 512 there\)") as error:
+        prepare_dataset_dir(root, {"kind": "images", "source": {"crop": 256, "vae": "taef2"}, "num_items": 8})
     assert "vae" not in str(error.value)
