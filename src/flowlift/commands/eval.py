@@ -56,7 +56,6 @@ def _box(text: str) -> tuple[int, int, int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EPILOG.rstrip() + "\n\n" + EXAMPLES
     parser.add_argument("outputs", nargs="*", help="output images or folders (paired with --reference by name)")
     parser.add_argument("--reference", help="folder of the inputs the outputs were made from")
