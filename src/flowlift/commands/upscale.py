@@ -13,7 +13,9 @@ import argparse
 import math
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from flowlift.commands._options import (
     DEFAULT_SCALE,
@@ -181,6 +183,64 @@ def _metadata(
     }
 
 
+def model_hashes(pipeline: Any) -> dict[str, dict[str, str]]:
+    """SHA-256 of every weight file behind ``pipeline`` by role: the PNG's ``flowlift.models``."""
+    from flowlift.images import file_sha256
+
+    return {role: {p.name: file_sha256(p) for p in paths} for role, paths in pipeline.model_files().items() if paths}
+
+
+def output_name(source: Path, scale: int, output_format: str | None = "png") -> str:
+    """The file name of ``source``'s result: ``<stem>_x<scale>.<format>`` (also the web app's names;
+    no format: png)."""
+    from flowlift.naming import upscaled_name
+
+    return upscaled_name(source.stem, scale, output_format or "png")
+
+
+def upscale_file(
+    pipeline: Any,
+    args: argparse.Namespace,
+    passes: int,
+    source: Path,
+    out: Path,
+    hashes: dict[str, dict[str, str]],
+    on_stage: Callable[[str], None] | None = None,
+) -> tuple[Any, Any, list[str]]:
+    """Load ``source``, upscale it with ``args``' parameters, write ``out`` atomically with the metadata.
+
+    Returns (input image, result image, warnings such as passes dropped at MAX_OUTPUT_SIDE). The one
+    per-image step of ``flowlift upscale``; the web app calls it too.
+    """
+    from flowlift.images import attach_alpha, load_image, save_image_atomic
+
+    image, alpha = load_image(source)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        result = pipeline.upscale_image(
+            image,
+            num_passes=passes,
+            seed=args.seed,
+            color_fix=not args.no_color_fix,
+            transplant_strength=args.transplant_strength,
+            color_fix_strength=args.color_fix_strength,
+            resize_mode=args.resize_mode,
+            callback=on_stage,
+        )
+    if alpha is not None:
+        result = attach_alpha(result, alpha)
+    # passes actually run (fewer when MAX_OUTPUT_SIDE dropped some)
+    done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
+    save_image_atomic(
+        result,
+        out,
+        _metadata(args, done, source, hashes, pipeline),
+        source=source,  # the input's ICC profile and EXIF
+        quality=getattr(args, "quality", None),
+    )
+    return image, result, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
 def _nothing_to_do(source: Path, output: Path) -> None:
     raise AssertionError(f"no job was pending, yet {source} -> {output} was run")
 
@@ -190,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
 
     from flowlift.batch import pending, plan_jobs, report, run_jobs
     from flowlift.errors import FlowliftError
-    from flowlift.images import IMAGE_SUFFIXES, attach_alpha, file_sha256, list_images, load_image, save_image_atomic
+    from flowlift.images import IMAGE_SUFFIXES, list_images
     from flowlift.pipeline import DEFAULT_UPSCALER, FlowUpscalerPipeline, passes_for_scale
 
     passes = args.passes if args.passes is not None else passes_for_scale(args.scale or DEFAULT_SCALE)
@@ -200,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         raise FlowliftError("no input images found")
     fmt = output_format(args.output, args.format)
     bars = show_progress(args)
-    jobs = plan_jobs(inputs, args.output, lambda path: f"{path.stem}_x{scale}.{fmt}", IMAGE_SUFFIXES)
+    jobs = plan_jobs(inputs, args.output, lambda path: output_name(path, scale, fmt), IMAGE_SUFFIXES)
     if not pending(jobs, args.overwrite):  # nothing to compute: report the plan without loading a model
         return run_jobs(jobs, _nothing_to_do, command=NAME, overwrite=args.overwrite).exit_code
 
@@ -213,29 +273,15 @@ def run(args: argparse.Namespace) -> int:
         chunked=args.chunked,
         vae_tiled=args.vae_tiling,
     )
-    hashes = {role: {p.name: file_sha256(p) for p in paths} for role, paths in pipeline.model_files().items() if paths}
+    hashes = model_hashes(pipeline)
 
     def upscale_one(path: Path, out: Path) -> None:
-        image, alpha = load_image(path)
         steps = tqdm(total=passes + 3, desc=path.name, unit="step", leave=False, disable=not bars, file=sys.stderr)
-        with steps, warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", UserWarning)
-            result = pipeline.upscale_image(
-                image,
-                num_passes=passes,
-                seed=args.seed,
-                color_fix=not args.no_color_fix,
-                transplant_strength=args.transplant_strength,
-                color_fix_strength=args.color_fix_strength,
-                resize_mode=args.resize_mode,
-                callback=lambda _stage, bar=steps: bar.update(1),
+        with steps:
+            _, _, notes = upscale_file(
+                pipeline, args, passes, path, out, hashes, on_stage=lambda _stage, bar=steps: bar.update(1)
             )
-        for warning in caught:  # e.g. passes dropped at MAX_OUTPUT_SIDE: one line, not a stack
-            report(NAME, path, f"warning: {warning.message}", write=lambda line: tqdm.write(line, file=sys.stderr))
-        if alpha is not None:
-            result = attach_alpha(result, alpha)
-        # passes actually run (fewer when MAX_OUTPUT_SIDE dropped some)
-        done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
-        save_image_atomic(result, out, _metadata(args, done, path, hashes, pipeline), source=path, quality=args.quality)
+        for note in notes:  # e.g. passes dropped at MAX_OUTPUT_SIDE: one line, not a stack
+            report(NAME, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
 
     return run_jobs(jobs, upscale_one, command=NAME, overwrite=args.overwrite, progress=bars).exit_code
