@@ -120,7 +120,7 @@ def _run_share(
     else:
         mine = [jobs[i] for i in sorted(share)]
     process = _recording(make_process(), manifest, run, env) if share else _nothing_to_do
-    if progress is None and not env.is_main:
+    if not env.is_main:
         progress = False  # one batch bar on a shared terminal: rank 0's (its share)
     result = run_jobs(mine, process, command=command, overwrite=overwrite, progress=progress)
     counts = {"total": result.total, "done": result.done, "skipped": result.skipped, "failed": result.failed}
