@@ -38,6 +38,7 @@ __all__ = [
     "decode_peak_bytes",
     "format_bytes",
     "frame_bytes",
+    "model_bytes",
     "parse_memory",
     "pass_io_bytes",
     "plain_peak_bytes",
@@ -45,16 +46,21 @@ __all__ = [
     "plan_upscale",
     "strip_bytes_per_row",
     "strip_rows_for_budget",
+    "to_host_float32",
+    "vae_kind",
 ]
 
 #: Plain forward's activation peak in (B, base_channels, H, W) frames (fp32, CPU, 2048 px output; docs/unet.md).
 PLAIN_PEAK_FRAMES = 10.0
 #: ChunkedExecutor's full-frame stores in the same unit (two frames at the full-resolution level plus the
-#: long skip, the half-resolution level's frames and the conditioning features), with margin.
-CHUNKED_STORE_FRAMES = 3.5
+#: long skip, the lower levels' frames and the conditioning features). Measured on the CPU (peak RSS, fp32,
+#: base 64, 256x256 latent, benchmarks/calibrate_memory.py): about 2.3 frames; the H200 run of issue 13
+#: (16384^2, bf16) measured 7.3 GiB = 2.4 frames including the strips.
+CHUNKED_STORE_FRAMES = 2.5
 #: ChunkedExecutor's strip temporaries per output row, in (B, base_channels, 1, W) rows: the up stage's
 #: first block reads two parts with a halo, normalizes each and convolves them (inputs, normalized
-#: copies, partial sums), and the strip being written back.
+#: copies, partial sums), and the strip being written back (plus, offloaded, the predicted next strip).
+#: Measured 4-8.5 per row on the CPU (same run); 12 keeps a margin.
 STRIP_ROW_FRAMES = 12.0
 #: Below this many rows per strip at the output resolution a device-resident chunked run is all kernel
 #: launches; offloading the stores buys taller strips from the same budget.
@@ -347,3 +353,35 @@ def plan_upscale(
         peak_bytes=max(peaks.values()),
         stage_peaks=peaks,
     )
+
+
+def model_bytes(model: object) -> int:
+    """Bytes of a module's parameters and buffers (0 for anything without them)."""
+    total = 0
+    for attr in ("parameters", "buffers"):
+        tensors = getattr(model, attr, None)
+        if callable(tensors):
+            total += sum(t.numel() * t.element_size() for t in tensors())
+    inner = getattr(model, "model", None)  # flowlift's VAE adapters hold the module as .model
+    if total == 0 and inner is not None and inner is not model:
+        return model_bytes(inner)
+    return total
+
+
+def vae_kind(vae: object) -> str:
+    """``"taef2"`` for flowlift's TAEF2 adapter, else ``"flux2"`` (the larger decoder, costed conservatively)."""
+    return "taef2" if type(vae).__name__.upper().startswith("TAEF2") else "flux2"
+
+
+def to_host_float32(images: torch.Tensor, strip_rows: int = 256) -> torch.Tensor:
+    """``images`` (B, C, H, W) as float32 on the host, converted strip by strip.
+
+    The device never holds a float32 copy of the frame, only one strip of it; the values are exactly
+    ``images.to("cpu", torch.float32)``.
+    """
+    if images.device.type == "cpu":
+        return images.to(torch.float32)
+    out = torch.empty(images.shape, dtype=torch.float32, device="cpu")
+    for r0 in range(0, images.shape[-2], strip_rows):
+        out[..., r0 : r0 + strip_rows].copy_(images[..., r0 : r0 + strip_rows].to(torch.float32))
+    return out
