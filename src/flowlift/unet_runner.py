@@ -93,7 +93,11 @@ class CompiledUNet:
         except Exception as error:  # noqa: BLE001 - any compile failure means: run eager, say so once
             if not first:
                 raise
-            self.fallback_reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            root: BaseException = error
+            while root.__cause__ is not None:  # dynamo wraps the backend's own error
+                root = root.__cause__
+            text = str(root).strip().splitlines()
+            self.fallback_reason = f"{type(root).__name__}: {text[0] if text else ''}"
             warnings.warn(
                 f"torch.compile is unavailable or failed ({self.fallback_reason}); running the UNet eagerly",
                 RuntimeWarning,
