@@ -31,6 +31,7 @@ forbid it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,7 @@ __all__ = [
     "ChannelStats",
     "ChunkedExecutor",
     "Frame",
+    "StripCallback",
     "affine_silu",
     "bilinear_taps",
     "budget_chunk",
@@ -89,6 +91,9 @@ __all__ = [
 DEFAULT_STRIP_PIXELS = 8192
 DEFAULT_CPU_BUDGET_BYTES = 1 << 30
 CUDA_BUDGET_FRACTION = 0.5
+
+#: ``on_strip(done, total)``: called after every strip of a forward; may raise to cancel the run.
+StripCallback = Callable[[int, int], None]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -199,6 +204,10 @@ class ChunkedExecutor:
     stream with the next strip's reads started ahead (:class:`flowlift.strip_io.OffloadedStores`;
     ``prefetch=False`` makes every copy synchronous). Inference only: dropout is never applied,
     whatever ``model.training`` says.
+
+    ``on_strip(done, total)`` (optional) is called after every strip, ``total`` being the forward's
+    number of strips (counted beforehand by a dry run of the same layer walk that computes nothing);
+    front-ends use it for progress, and an exception it raises (a user's cancel) stops the forward.
     """
 
     def __init__(
@@ -206,6 +215,7 @@ class ChunkedExecutor:
         model: FlowUpscalerUNet,
         chunk: int | None = None,
         offload_device: str | torch.device | None = None,
+        on_strip: StripCallback | None = None,
         *,
         budget_bytes: int | None = None,
         prefetch: bool = True,
@@ -222,6 +232,10 @@ class ChunkedExecutor:
         self.stage_on_same_device = False  # tests: run the offload path with a CPU "host" and CPU compute
         self.stores: OffloadedStores | None = None
         self.last_chunk: int | None = None
+        self.on_strip = on_strip
+        self._counting = False
+        self._strips_done = 0
+        self._strips_total = 0
 
     def strip_rows(self, batch: int, height: int, width: int) -> int:
         """Rows per strip at the output resolution for a (batch, 32, height, width) sample (see the class)."""
@@ -247,12 +261,10 @@ class ChunkedExecutor:
     ) -> torch.Tensor:
         model = self.model
         check_inputs(sample, timestep, latents_small, model.config["sample_channels"], model.config["base_channels"])
-        param = model.in_conv.weight
-        self.device, self.dtype = param.device, param.dtype
-        self.store_device = self.offload_device or self.device
-        self.acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        self.ref_width = sample.shape[3]
-        self.last_chunk = self.strip_rows(sample.shape[0], sample.shape[2], sample.shape[3])
+        self._setup(sample)
+        if self.on_strip is not None:
+            self._strips_total = self.count_strips(sample, timestep, latents_small)
+            self._strips_done = 0
         staged = self.store_device != self.device or self.stage_on_same_device
         self.stores = (
             OffloadedStores(self.device, self.dtype, self.store_device, prefetch=self.prefetch) if staged else None
@@ -265,6 +277,48 @@ class ChunkedExecutor:
             return out
         finally:
             self.stores_used, self.stores = self.stores, None
+
+    def _setup(self, sample: torch.Tensor) -> None:
+        param = self.model.in_conv.weight
+        self.device, self.dtype = param.device, param.dtype
+        self.store_device = self.offload_device or self.device
+        self.acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        self.ref_width = sample.shape[3]
+        self.last_chunk = self.strip_rows(sample.shape[0], sample.shape[2], sample.shape[3])
+
+    def count_strips(
+        self, sample: torch.Tensor, timestep: torch.Tensor | float, latents_small: torch.Tensor
+    ) -> int:
+        """Strips one forward on these inputs computes: the same layer walk with every strip skipped."""
+        self._setup(sample)
+        stores, self.stores = self.stores, None
+        self._counting, self._strips_total = True, 0
+        try:
+            with torch.no_grad():
+                self._forward(sample, timestep, latents_small)
+        finally:
+            self._counting = False
+            self.stores = stores
+        return self._strips_total
+
+    def _strip_finished(self) -> None:
+        if self.on_strip is not None:
+            self._strips_done += 1
+            self.on_strip(self._strips_done, self._strips_total)
+
+    def _dry_frame(self, shape: tuple[int, int, int, int]) -> Frame:
+        """A placeholder frame of the counting walk: no buffer, neutral statistics (the norms need some)."""
+        batch, channels = shape[0], shape[1]
+        stats = ChannelStats(
+            1,
+            torch.zeros(batch, channels, dtype=self.acc_dtype, device=self.device),
+            torch.ones(batch, channels, dtype=self.acc_dtype, device=self.device),
+        )
+        return Frame(self._no_read, tuple(shape), None, stats)
+
+    @staticmethod
+    def _no_read(a: int, b: int) -> torch.Tensor:
+        raise RuntimeError("the strip-counting walk must not read rows")
 
     def _forward(self, sample: torch.Tensor, timestep: torch.Tensor | float, small: torch.Tensor) -> torch.Tensor:
         m = self.model
@@ -322,6 +376,8 @@ class ChunkedExecutor:
         return max(1, (self.last_chunk * self.ref_width) // max(1, width))
 
     def _input(self, tensor: torch.Tensor) -> Frame:
+        if self._counting:
+            return self._dry_frame(tuple(tensor.shape))
         if self.stores is not None:
             return self._stored(self.stores.from_tensor(tensor), None, offloaded=True)
         return self._stored(tensor, None)
@@ -357,6 +413,9 @@ class ChunkedExecutor:
         frame that ``rows`` reads is safe when strip ``[a, b)`` reads that frame only at rows
         ``[a, b)``: later strips then read rows not yet written.
         """
+        if self._counting:
+            self._strips_total += len(range(0, shape[2], self._rows(shape[3])))
+            return self._dry_frame(shape)
         stores = self.stores
         if into is None:
             if stores is not None and device is None:
@@ -380,6 +439,7 @@ class ChunkedExecutor:
                 part = ChannelStats.of(written, self.acc_dtype)
                 collected = part if collected is None else collected.merge(part)
             del written
+            self._strip_finished()
         return self._stored(into, collected, offloaded=offloaded)
 
     # -- layers ----------------------------------------------------------------------------------
@@ -504,8 +564,12 @@ class ChunkedExecutor:
             return upsample2x_rows(x.read, x.height, a, b)
 
         step = self._rows(width)
+        if self._counting:
+            self._strips_total += len(range(0, height, step))
+            return Frame(rows, (x.shape[0], x.shape[1], height, width), None, self._dry_frame(x.shape).stats)
         collected: ChannelStats | None = None
         for a in range(0, height, step):
             part = ChannelStats.of(rows(a, min(a + step, height)), self.acc_dtype)
             collected = part if collected is None else collected.merge(part)
+            self._strip_finished()
         return Frame(rows, (x.shape[0], x.shape[1], height, width), None, collected)

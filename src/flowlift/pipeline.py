@@ -124,6 +124,15 @@ class FlowUpscalerPipeline:
         replay on CUDA, eager fallback with one warning when compilation fails.
     channels_last:
         Channels-last weights and inputs for the UNet (``None``: on CUDA only).
+    chunk_budget_bytes:
+        Memory the plain UNet forward may use before chunking switches on (``chunked=None``, no
+        ``max_memory``); by default :func:`flowlift.executor.should_chunk`'s (half the free CUDA memory,
+        1 GiB on the CPU).
+    on_strip:
+        ``on_strip(done, total)``, called after every strip of a chunked pass (progress; an exception
+        it raises, e.g. a user's cancel, stops the pass). See :class:`flowlift.executor.ChunkedExecutor`.
+
+    ``vae=None`` makes a latent-only pipeline: :meth:`upscale_latents` works, the image methods raise.
     """
 
     MAX_OUTPUT_SIDE = MAX_OUTPUT_SIDE
@@ -143,6 +152,8 @@ class FlowUpscalerPipeline:
         max_memory: int | str | None = None,
         compile: bool | str = False,
         channels_last: bool | None = None,
+        chunk_budget_bytes: int | None = None,
+        on_strip: Callable[[int, int], None] | None = None,
     ) -> None:
         param = first_parameter(upscaler) if not isinstance(upscaler, (str, os.PathLike)) else None
         if device is None:
@@ -158,8 +169,10 @@ class FlowUpscalerPipeline:
         self.vae_tiled = vae_tiled
         self.chunk_rows = chunk_rows
         self.offload_device = offload_device
+        self.chunk_budget_bytes = chunk_budget_bytes
+        self.on_strip = on_strip
         self.upscaler, self.upscaler_path = load_pipeline_upscaler(upscaler, self.device, self.dtype)
-        self.vae, self.vae_spec = load_pipeline_vae(vae, self.device, self.dtype)
+        self.vae, self.vae_spec = (None, None) if vae is None else load_pipeline_vae(vae, self.device, self.dtype)
         self.max_memory = None if max_memory is None else parse_memory(max_memory)
         self.channels_last = self.device.type == "cuda" if channels_last is None else bool(channels_last)
         if self.channels_last and isinstance(self.upscaler, torch.nn.Module):
@@ -187,6 +200,8 @@ class FlowUpscalerPipeline:
         return dtype if isinstance(dtype, torch.dtype) else self.dtype
 
     def _vae_call(self, method: str, x: torch.Tensor, tiled: bool | None = None) -> torch.Tensor:
+        if self.vae is None:
+            raise FlowliftError("this pipeline was made without a VAE (vae=None): it upscales latents only")
         fn = getattr(self.vae, method)
         tiled = self.vae_tiled if tiled is None else tiled
         if tiled is None:
@@ -205,6 +220,8 @@ class FlowUpscalerPipeline:
             offload_device=self.offload_device,
             pass_plan=pass_plan,
             plain=self.compiled_upscaler,
+            budget_bytes=self.chunk_budget_bytes,
+            on_strip=self.on_strip,
         )
 
     def plan_memory(self, height: int, width: int, num_passes: int, batch: int = 1) -> UpscalePlan | None:

@@ -126,14 +126,17 @@ def velocity_model(
     offload_device: torch.device | str | None = None,
     pass_plan: Any = None,
     plain: Callable | None = None,
+    budget_bytes: int | None = None,
+    on_strip: Callable[[int, int], None] | None = None,
 ) -> Callable:
     """The UNet (``plain``: its compiled wrapper, if any), or a ChunkedExecutor around it for this sample.
 
     ``chunked``: ``False`` never chunks, ``True`` always (a custom model that is not a
     ``FlowUpscalerUNet`` then raises), ``None`` follows ``pass_plan`` (a
     :class:`flowlift.memory_plan.UNetPassPlan`: plain / chunked / offload with its strip rows) when
-    given, else the size (:func:`flowlift.executor.should_chunk`). Explicit ``chunk_rows`` and
-    ``offload_device`` win over the plan's.
+    given, else the size (above ``budget_bytes`` of estimated plain-forward memory; default:
+    :func:`flowlift.executor.should_chunk`'s). Explicit ``chunk_rows`` and ``offload_device`` win over
+    the plan's. ``on_strip`` goes to the executor (progress and cancel per strip).
     """
     plain = plain if plain is not None else upscaler
     if chunked is False:
@@ -153,12 +156,14 @@ def velocity_model(
         if offload_device is None and pass_plan.mode == "offload":
             offload_device = "cpu"
         rows = chunk_rows if chunk_rows is not None else pass_plan.strip_rows
-        return ChunkedExecutor(upscaler, chunk=rows, offload_device=offload_device)
+        return ChunkedExecutor(upscaler, chunk=rows, offload_device=offload_device, on_strip=on_strip)
     batch, _, height, width = sample_shape
     base = int(upscaler.config.get("base_channels", 384))
-    if not should_chunk(height, width, device, batch=batch, base_channels=base, dtype=dtype, force=chunked):
+    if not should_chunk(
+        height, width, device, batch=batch, base_channels=base, dtype=dtype, force=chunked, budget_bytes=budget_bytes
+    ):
         return plain
-    kwargs: dict[str, Any] = {"offload_device": offload_device}
+    kwargs: dict[str, Any] = {"offload_device": offload_device, "on_strip": on_strip}
     if chunk_rows is not None:
         kwargs["chunk"] = chunk_rows
     return ChunkedExecutor(upscaler, **kwargs)
