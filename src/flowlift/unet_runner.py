@@ -94,8 +94,11 @@ class CompiledUNet:
             if not first:
                 raise
             root: BaseException = error
-            while root.__cause__ is not None:  # dynamo wraps the backend's own error
-                root = root.__cause__
+            while True:  # dynamo wraps the backend's own error (inner_exception, or the cause)
+                inner = getattr(root, "inner_exception", None) or root.__cause__
+                if inner is None or inner is root:
+                    break
+                root = inner
             text = str(root).strip().splitlines()
             self.fallback_reason = f"{type(root).__name__}: {text[0] if text else ''}"
             warnings.warn(
