@@ -256,7 +256,7 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(unet, vae, photos)
         warnings.simplefilter("always")
         first = pipe.upscale_image(photos[0], num_passes=1, seed=1, output_type="pt")
         second = pipe.upscale_image(photos[0], num_passes=1, seed=1, output_type="pt")
-    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    messages = [str(w.message) for w in caught if "torch.compile" in str(w.message)]
     assert len(messages) == 1 and "running the UNet eagerly" in messages[0], messages
     assert torch.equal(first, reference) and torch.equal(second, reference)
     assert "no compiler here" in pipe.compiled_upscaler.fallback_reason

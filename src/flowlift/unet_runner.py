@@ -3,7 +3,8 @@
 * :class:`CompiledUNet` wraps the UNet in ``torch.compile`` (static shapes: one graph per input shape,
   so a batch of same-size images compiles once; on CUDA ``mode="reduce-overhead"``, i.e. the compiled
   graph replayed as a CUDA graph). Each new shape's compile time is reported once on stderr; when
-  compilation is unavailable or fails, one warning and the eager model from then on.
+  compilation is unavailable or fails, one warning (a UserWarning, so the CLI's per-image warning line
+  shows it) and the eager model from then on.
 * :func:`velocity_model` returns the callable a pass evaluates ``v(noise, 1000, cond)`` with: the UNet
   (compiled or not), or a :class:`flowlift.executor.ChunkedExecutor` around it as the pass's memory
   plan (:mod:`flowlift.memory_plan`) or, without a budget, the size (:func:`flowlift.executor.should_chunk`)
@@ -103,7 +104,7 @@ class CompiledUNet:
             self.fallback_reason = f"{type(root).__name__}: {text[0] if text else ''}"
             warnings.warn(
                 f"torch.compile is unavailable or failed ({self.fallback_reason}); running the UNet eagerly",
-                RuntimeWarning,
+                UserWarning,
                 stacklevel=2,
             )
             return self.model(sample, timestep, latents_small)
