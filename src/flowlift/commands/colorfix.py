@@ -1,0 +1,87 @@
+"""``flowlift colorfix``: stage 2 of the colour fix for images made by any upscaler.
+
+    flowlift colorfix UPSCALED... --reference SOURCES [-o OUT] [--strength S]
+
+Each upscaled image is paired with the source image it was made from by name (the same stem, or
+``<stem>_x<N>`` for ``<stem>``, as ``flowlift eval`` pairs them); the scale is inferred from the two
+sizes and must be one integer on both axes. The output, ``<stem>_colorfix.<format>`` (in ``-o`` or
+next to the upscaled image), has the source's colour and tone below the source's resolution and the
+upscaled image's detail above it (:func:`flowlift.colorfix_image.color_fix_image`). Batches behave as
+in ``flowlift upscale`` (:mod:`flowlift.batch`): atomic writes, existing outputs skipped unless
+``--overwrite``, one line per failed image and exit status 1, PNG metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+NAME = "colorfix"
+HELP = "fix the colour drift of images from any upscaler against their sources (flowlift's stage 2)"
+
+OUTPUT_FORMATS = ("png", "jpg", "webp")
+
+
+def _unit_interval(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="+", metavar="UPSCALED", help="upscaled image files, folders or glob patterns")
+    parser.add_argument("--reference", required=True, action="append", metavar="SOURCES",
+                        help="the images they were upscaled from (files or folders), paired by name: "
+                        "<stem> or <stem>_x<N> with <stem>")  # fmt: skip
+    parser.add_argument("-o", "--output", metavar="OUT",
+                        help="output folder (default: next to each upscaled image); for one input, a file name")
+    parser.add_argument("--strength", type=_unit_interval, default=1.0, metavar="S",
+                        help="0..1: share of the colour/tone difference removed (default 1: all of it)")
+    parser.add_argument("--format", choices=OUTPUT_FORMATS, default="png", help="output format (default png)")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing outputs instead of skipping")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")  # fmt: skip
+
+
+def _metadata(args: argparse.Namespace, source: Path, reference: Path, scale: int) -> dict[str, object]:
+    from flowlift import __version__
+    from flowlift.images import file_sha256
+
+    return {
+        "Software": f"flowlift {__version__} colorfix",
+        "flowlift.parameters": {"color_fix_strength": args.strength, "scale": scale},
+        "flowlift.source": {"name": source.name, "sha256": file_sha256(source)},
+        "flowlift.reference": {"name": reference.name, "sha256": file_sha256(reference)},
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from flowlift.batch import Job, plan_jobs, run_jobs
+    from flowlift.colorfix_image import color_fix_image, integer_scale
+    from flowlift.errors import FlowliftError
+    from flowlift.images import IMAGE_SUFFIXES, list_images, load_image, save_image_atomic
+    from flowlift.naming import index_by_stem, reference_stem
+
+    inputs = list_images(args.inputs)
+    if not inputs:
+        raise FlowliftError("no input images found")
+    references = index_by_stem(list_images(args.reference), "reference")
+    jobs = plan_jobs(inputs, args.output, lambda path: f"{path.stem}_colorfix.{args.format}", IMAGE_SUFFIXES)
+    # sources kept beside their upscales (a.png next to a_x4.png, both given) are references, not inputs
+    reference_files = {p.resolve() for p in references.values()}
+    jobs = [Job(j.source, None, "skipped, it is a reference") if j.source.resolve() in reference_files else j
+            for j in jobs]  # fmt: skip
+
+    def fix_one(path: Path, out: Path) -> None:
+        stem = reference_stem(path.stem, references)
+        if stem is None:
+            raise FlowliftError(f"no reference named {path.stem} or (for <stem>_x<N>) <stem> among --reference")
+        image, alpha = load_image(path)
+        source, _ = load_image(references[stem])
+        scale = integer_scale(image.size, source.size)
+        if alpha is not None:
+            image.putalpha(alpha)
+        result = color_fix_image(image, source, args.strength, device=args.device)
+        save_image_atomic(result, out, _metadata(args, path, references[stem], scale))
+
+    return run_jobs(jobs, fix_one, command=NAME, overwrite=args.overwrite).exit_code
