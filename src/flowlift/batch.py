@@ -9,6 +9,8 @@ list of input files into one output file each, and promise the same things:
   inputs would share, is refused for that input alone.
 * **Resume** (:func:`run_jobs`): an existing output is skipped unless ``overwrite``, so rerunning an
   interrupted command continues where it stopped.
+* **One line per written file** (``wrote PATH`` on stdout) and a summary line at the end, also when
+  stderr is not a terminal (progress bars are drawn only on one, unless forced).
 * **One line per failure**: a user-facing error while processing one input (:data:`ITEM_ERRORS`)
   costs that input one line on stderr; the batch goes on and the exit status is 1 at the end.
 * **Atomic outputs**: the ``process`` callback writes through :mod:`flowlift.atomic`, so an output
@@ -37,6 +39,7 @@ __all__ = [
     "plan_jobs",
     "report",
     "run_jobs",
+    "summary_line",
 ]
 
 #: Exceptions that fail one input of a batch (reported in one line) instead of the whole run.
@@ -96,9 +99,10 @@ def plan_jobs(
     """One :class:`Job` per input; ``output_name(source)`` gives the output's file name.
 
     Outputs go to ``-o``'s folder, or next to each input without ``-o``; ``-o FILE`` names the single
-    output. An input that is another input's planned output (``a_x2.png`` beside ``a.png``) is
-    skipped with a note, so rerunning a command over a folder resumes instead of processing its own
-    results; an output that would replace its input, or that two inputs would share, is refused.
+    output. An input that is another input's planned output, or that is named ``<stem>_x<N>`` beside
+    an input ``<stem>`` (:func:`flowlift.naming.source_of`, for any output folder), is skipped with a
+    note, so rerunning a command over a folder resumes instead of processing its own results; an output
+    that would replace its input, or that two inputs would share, is refused.
     """
     single_file, out_dir = output_target(output, len(inputs), image_suffixes)
 
@@ -108,6 +112,8 @@ def plan_jobs(
         folder = out_dir if out_dir is not None else path.parent
         return folder / output_name(path)
 
+    from flowlift.naming import source_of
+
     outputs = {path: output_of(path) for path in inputs}
     producers = {outputs[p].resolve(): p for p in inputs if outputs[p].resolve() != p.resolve()}
     taken: dict[Path, Path] = {}
@@ -115,8 +121,11 @@ def plan_jobs(
     for path in inputs:
         out = outputs[path]
         key = out.resolve()
-        if path.resolve() in producers:
-            jobs.append(Job(path, None, f"skipped, it is the output of {producers[path.resolve()]}"))
+        # an earlier result: planned from another input here, or named <stem>_x<N> beside its <stem> input
+        # (whatever the output folder is, so `upscale "dir/*.png" -o out/` never upscales dir's old outputs)
+        producer = producers.get(path.resolve()) or source_of(path, inputs)
+        if producer is not None:
+            jobs.append(Job(path, None, f"skipped, it is the output of {producer}"))
         elif key == path.resolve():
             jobs.append(Job(path, None, f"output {out} would overwrite the input; choose another -o"))
         elif key in taken:
@@ -191,6 +200,16 @@ def run_jobs(
             report(command, job.source, error_line(error), write=lambda line: tqdm.write(line, file=sys.stderr))
         else:
             result.done += 1
+            tqdm.write(f"wrote {job.output}", file=sys.stdout)
     if result.failed:
         report(command, None, f"{result.failed} of {result.total} image(s) failed")
+    print(summary_line(command, result), file=sys.stdout)
     return result
+
+
+def summary_line(command: str, result: BatchResult) -> str:
+    """``flowlift upscale: 3 written, 1 skipped, 0 failed (4 inputs)``: the last line of every batch."""
+    return (
+        f"flowlift {command}: {result.done} written, {result.skipped} skipped, {result.failed} failed "
+        f"({result.total} input{'s' if result.total != 1 else ''})"
+    )

@@ -10,6 +10,10 @@ import argparse
 
 NAME = "app"
 HELP = "serve a local web page (Gradio) for upscaling, batches and, with --model, refining"
+EXAMPLES = """examples:
+  flowlift app                                   # http://127.0.0.1:7860, upscaling with the released weights
+  flowlift app --vae taef2 --vae flux2 --upscaler flow_upscaler.safetensors
+  flowlift app --model black-forest-labs/FLUX.2-klein-4B   # adds the Refine tab"""
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 

@@ -13,8 +13,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowlift.commands._options import add_device_options, examples, resolve_device_dtype
+from flowlift.console import show_progress
+
 NAME = "bands"
-HELP = "Measure a VAE decoder's latent->pixel band response (the model card's band table)."
+HELP = "measure a VAE decoder's latent->pixel band response (the model card's band table)"
+EXAMPLES = examples(
+    "flowlift bands ../shared/images/kodak --vae ../shared/models/taef2 --max-side 512 --out bands-taef2",
+    "flowlift bands photos/ --vae flux2 --full --out bands-flux2",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,8 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="downscale images (INTER_AREA) so the long side is at most this")  # fmt: skip
     parser.add_argument("--limit", type=int, default=None, help="use only the first N images")
     parser.add_argument("--full", action="store_true", help="print every pixel band, not only the two summaries")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_device_options(parser, "VAE")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -36,7 +42,6 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     import numpy as np
-    import torch
 
     from flowlift import bands as B
     from flowlift import metrics as M
@@ -57,8 +62,7 @@ def run(args: argparse.Namespace) -> int:
     paths = list_images(args.images)[: args.limit]
     if not paths:
         raise FlowliftError("no images given")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    device = torch.device(args.device)
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
     images = []
     for p in paths:
         a = np.asarray(load_image(p)[0])
@@ -69,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         images.append(to_tensor(a))
     vae = load_vae(args.vae, device=device, dtype=dtype)
     mean, per_image = B.run_bands(
-        vae, images, device=device, dtype=dtype, amplitude=args.amplitude, seed=args.seed, progress=not args.quiet
+        vae, images, device=device, dtype=dtype, amplitude=args.amplitude, seed=args.seed,
+        progress=show_progress(args),
     )
     title = f"{Path(str(args.vae)).name}: latent->pixel band response, {len(images)} image(s)"
     table = B.format_table(mean, full=args.full, reference=B.MAGE_REFERENCE)

@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowlift.commands._options import DEFAULT_SCALE, add_device_options, examples, resolve_device_dtype
+from flowlift.console import show_progress
+
 EPILOG = """\
 methods for --run:
   lanczos, bicubic                      Pillow resize (pixel space)
@@ -29,13 +32,17 @@ methods for --run:
                                         memory, Lanczos-resized to --scale if that differs; +colorfix
                                         adds flowlift's stage-2 colour fix against the input
 
-example (a model, the same model with the colour fix, and Lanczos, on your photos at 4x):
-  flowlift eval --dataset photos/ --scale 4 --out report/ --run lanczos \\
-      --run spandrel:models/4x-UltraSharp.pth:ultrasharp --run spandrel:models/4x-UltraSharp.pth:ultrasharp+colorfix
 """
 
 NAME = "eval"
-HELP = "Measure colour drift, detail and fidelity of outputs or of upscaling methods; write tables and plots."
+HELP = "measure colour drift, detail and fidelity of outputs or of upscaling methods; write tables and plots"
+EXAMPLES = examples(
+    "flowlift eval out/ --reference photos/ --out report/          # kodim01_x2.png pairs with kodim01.png",
+    "flowlift eval --run lanczos,latent-bicubic,vae-roundtrip --dataset ../shared/images/kodak --scale 4 "
+    "--vae taef2 --out eval-kodak4",
+    "flowlift eval --run lanczos --run spandrel:models/4x-UltraSharp.pth:ultrasharp+colorfix --dataset photos/ "
+    "--scale 4 --save-outputs --out report/",
+)
 
 
 def _box(text: str) -> tuple[int, int, int, int]:
@@ -49,24 +56,23 @@ def _box(text: str) -> tuple[int, int, int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = EPILOG
+    parser.epilog = EPILOG.rstrip() + "\n\n" + EXAMPLES
     parser.add_argument("outputs", nargs="*", help="output images or folders (paired with --reference by name)")
     parser.add_argument("--reference", help="folder of the inputs the outputs were made from")
     parser.add_argument("--ground-truth", help="folder of same-named ground-truth images (adds PSNR/SSIM)")
     parser.add_argument("--run", action="append", metavar="METHODS",
-                        help="methods to run, comma-separated: lanczos, bicubic, latent-bicubic, "
-                        "vae-roundtrip, flow[:transplant=F][:color_fix=F][:color=on|off][:seed=N], "
-                        "spandrel:PATH[:label][+colorfix] (see below)")  # fmt: skip
+                        help="methods to run, comma-separated: lanczos, bicubic, latent-bicubic, vae-roundtrip, "
+                        "flow, spandrel:PATH; flow takes options as flow:transplant=F, flow:color_fix=F, "
+                        "flow:color=on|off, flow:seed=N (chained: flow:color=off:seed=1); spandrel models as "
+                        "spandrel:PATH:label or spandrel:PATH+colorfix (see below)")  # fmt: skip
     parser.add_argument("--dataset", action="append", help="photos (files/folders) to build low-res inputs from")
-    parser.add_argument("--scale", type=int, default=4, help="upscale factor for --run (default 4)")
+    parser.add_argument("--scale", type=int, default=DEFAULT_SCALE, help="upscale factor for --run")
     parser.add_argument("--limit", type=int, help="use only the first N dataset images")
     parser.add_argument("--box", type=_box, help="x,y,w,h in output pixels: grey levels are counted here, "
                         "and the figure crops it")  # fmt: skip
     parser.add_argument("--vae", default=None, help="VAE for latent methods: local file/folder or hub id")
     parser.add_argument("--upscaler", default=None, help="Flow Upscaler weights (for the flow method)")
-    parser.add_argument("--device", default="cpu", help="torch device for VAE, upscaler, spandrel models (default cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_device_options(parser, "VAE, upscaler and spandrel models")
     parser.add_argument("--tile", default="auto", help="spandrel models: tile side in input pixels, 'auto' (by "
                         "memory, the default) or 'none'")  # fmt: skip
     parser.add_argument("--tile-overlap", type=int, default=None, metavar="PX",
@@ -74,8 +80,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="folder for results.json, table.md, metrics.png, crops.png")
     parser.add_argument("--cache", default=None, help="result cache folder (default OUT/cache)")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything, store nothing")
+    parser.add_argument(
+        "--save-outputs",
+        action="store_true",
+        help="with --run: also write every full output to OUT/outputs/<method>/<stem>_x<scale>.png, with the "
+        "low-res inputs and ground truth beside them, so the numbers can be recomputed from files",
+    )
     parser.add_argument("--figure-images", type=int, default=3, help="images in the crop grid (default 3)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    from flowlift.distributed import add_barrier_timeout_argument
+
+    add_barrier_timeout_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,8 +107,16 @@ def run(args: argparse.Namespace) -> int:
             raise FlowliftError("--run needs --dataset (a folder of photos)")
         if args.limit is not None and args.limit < 1:
             raise FlowliftError("--limit must be >= 1")
-        report = _run_methods(args, E)
+        from flowlift.distributed import DistEnv, process_group
+
+        env = DistEnv.from_environ()
+        with process_group(env, args.barrier_timeout):
+            report = _run_methods(args, E, env)
+        if report is None:  # a rank other than 0 of a sharded run: its share is in the cache
+            return 0
     else:
+        if args.save_outputs:
+            raise FlowliftError("--save-outputs goes with --run (OUTPUTS --reference are files already)")
         if not args.outputs or not args.reference:
             raise FlowliftError("give OUTPUTS and --reference INPUTS (or --run METHODS --dataset DIR)")
         report = E.evaluate_pairs(
@@ -102,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             args.ground_truth,
             box=args.box,
             figure_images=args.figure_images,
-            progress=not args.quiet,
+            progress=show_progress(args),
         )
     paths = E.write_report(report, out_dir)
     print(E.markdown_table(report))
@@ -112,14 +135,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_methods(args: argparse.Namespace, E):
+def _run_methods(args: argparse.Namespace, E, env):
     import torch
 
+    from flowlift.distributed import rank_device
     from flowlift.errors import FlowliftError
 
     specs = E.parse_methods(args.run)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    device = torch.device(args.device)
+    given, dtype = resolve_device_dtype(args.device, args.dtype)
+    # under torchrun each rank computes on its own cuda:LOCAL_RANK; cache keys and reports name the device given
+    device = torch.device(rank_device(str(given), env)) if env.distributed else given
     needs_vae = any(s.needs_vae for s in specs)
     needs_flow = any(s.name == "flow" for s in specs)
     if needs_vae and args.vae is None:
@@ -136,7 +161,8 @@ def _run_methods(args: argparse.Namespace, E):
 
         vae = load_vae(args.vae, device=device, dtype=dtype)
         identities.update(
-            vae=E.model_identity(args.vae), device=str(device), dtype=args.dtype, vae_spec=str(args.vae)
+            vae=E.model_identity(args.vae), device=str(given), dtype=str(dtype).removeprefix("torch."),
+            vae_spec=str(args.vae),
         )
         if getattr(vae, "approximate_decode", False):
             identities["vae_note"] = "approximate decoder"
@@ -145,7 +171,7 @@ def _run_methods(args: argparse.Namespace, E):
 
         pipeline = FlowUpscalerPipeline(args.upscaler, vae, device=device, dtype=dtype)
         identities.update(upscaler=E.model_identity(args.upscaler), upscaler_spec=str(args.upscaler))
-    pixel_models = _load_pixel_models(args, specs, device, dtype, identities, E)
+    pixel_models = _load_pixel_models(args, specs, device, dtype, identities, E, given)
     fns = {
         s.label: E.make_method_fn(
             s, args.scale, vae=vae, pipeline=pipeline, device=device, dtype=dtype, pixel_models=pixel_models
@@ -153,22 +179,56 @@ def _run_methods(args: argparse.Namespace, E):
         for s in specs
     }
     cache_dir = None if args.no_cache else Path(args.cache) if args.cache else Path(args.out) / "cache"
-    return E.evaluate_methods(
-        specs,
-        args.dataset,
-        args.scale,
-        method_fns=fns,
-        identities=identities,
-        cache_dir=cache_dir,
-        box=args.box,
-        limit=args.limit,
-        figure_images=args.figure_images,
-        progress=not args.quiet,
-    )
+
+    def evaluate(indices=None):
+        return E.evaluate_methods(
+            specs,
+            args.dataset,
+            args.scale,
+            method_fns=fns,
+            identities=identities,
+            cache_dir=cache_dir,
+            box=args.box,
+            limit=args.limit,
+            figure_images=args.figure_images,
+            progress=show_progress(args),
+            save_outputs=Path(args.out) / "outputs" if args.save_outputs else None,
+            indices=indices,
+        )
+
+    if not env.distributed:
+        return evaluate()
+    return _run_sharded(args, E, env, evaluate, cache_dir)
+
+def _run_sharded(args: argparse.Namespace, E, env, evaluate, cache_dir):
+    """Each rank measures its pixel-balanced share into the shared cache; after the barrier rank 0
+    builds the report from the cache, exactly as a single process would on a second run (anything a
+    rank could not leave in the cache, e.g. a cache folder not shared between hosts, it computes)."""
+    from flowlift.distributed import finish, image_pixels, probe_and_gather, shard_by_pixels, total_counts
+    from flowlift.errors import FlowliftError
+
+    if cache_dir is None:
+        raise FlowliftError("a sharded eval --run merges the ranks' results through the cache; drop --no-cache")
+    paths = E.dataset_paths(args.dataset, args.limit)
+    pixels = probe_and_gather(env, paths, image_pixels)
+    share = evaluate(shard_by_pixels(pixels, env.world_size)[env.rank])
+    per_rank, reason = finish(env, {"computed": share.computed, "cached": share.cached}, args.barrier_timeout)
+    if not env.is_main:
+        return None
+    if per_rank is None:
+        raise FlowliftError(f"not every rank finished its share, no report written: {reason}")
+    report = evaluate()
+    totals = total_counts(per_rank)
+    report.computed += totals["computed"]
+    report.cached = totals["cached"]
+    report.config["world_size"] = env.world_size
+    return report
 
 
-def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identities: dict, E) -> dict:
-    """Load every spandrel model once (by path); record what identifies it in ``identities["spandrel"]``."""
+def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identities: dict, E, given=None) -> dict:
+    """Load every spandrel model once (by path); record what identifies it in ``identities["spandrel"]``
+    (with the device ``given``, default ``device``: under torchrun the setting, not the rank's cuda:N)."""
+    given = device if given is None else given
     from flowlift.errors import FlowliftError
     from flowlift.pixel_upscaler import DEFAULT_OVERLAP, load_pixel_upscaler
 
@@ -201,8 +261,8 @@ def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identitie
             "native_scale": model.native_scale,
             "tile": model.tile,
             "overlap": model.overlap,
-            "device": str(device),
-            "dtype": args.dtype,
+            "device": str(given),  # as given, not the rank's cuda:N: one cache key for all ranks
+            "dtype": str(dtype).removeprefix("torch."),
             "note": model.describe(args.scale),
         }
     return models
