@@ -78,3 +78,18 @@ def test_colorfix_command_leaves_references_given_as_inputs_alone(tmp_path, caps
     code, lines = _colorfix([str(tmp_path), "--reference", str(tmp_path / "a.png")], capsys)
     assert code == 0 and len(lines) == 1 and "a.png: skipped, it is a reference" in lines[0], lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", "a_x2.png", "a_x2_colorfix.png"]
+
+
+def test_colorfix_command_keeps_the_icc_profile(tmp_path, capsys):
+    from PIL import ImageCms
+
+    rng = np.random.default_rng(2)
+    icc = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB")).tobytes()
+    Image.fromarray(rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(tmp_path / "a_x2.png", icc_profile=icc)
+    out = tmp_path / "fixed.jpg"
+    code, lines = _colorfix([str(tmp_path / "a_x2.png"), "--reference", str(tmp_path / "a.png"), "-o", str(out)],
+                            capsys)  # fmt: skip
+    assert code == 0 and lines == [], lines
+    with Image.open(out) as written:
+        assert written.format == "JPEG" and written.info.get("icc_profile") == icc

@@ -8,7 +8,8 @@ sizes and must be one integer on both axes. The output, ``<stem>_colorfix.<forma
 next to the upscaled image), has the source's colour and tone below the source's resolution and the
 upscaled image's detail above it (:func:`flowlift.colorfix_image.color_fix_image`). Batches behave as
 in ``flowlift upscale`` (:mod:`flowlift.batch`): atomic writes, existing outputs skipped unless
-``--overwrite``, one line per failed image and exit status 1, PNG metadata.
+``--overwrite``, one line per failed image and exit status 1, metadata (PNG text, JPEG/WebP EXIF),
+the upscaled image's ICC profile and EXIF kept.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ def _unit_interval(text: str) -> float:
     return value
 
 
+def _quality(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be in 1..100, got {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="UPSCALED", help="upscaled image files, folders or glob patterns")
     parser.add_argument("--reference", required=True, action="append", metavar="SOURCES",
@@ -38,7 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output folder (default: next to each upscaled image); for one input, a file name")
     parser.add_argument("--strength", type=_unit_interval, default=1.0, metavar="S",
                         help="0..1: share of the colour/tone difference removed (default 1: all of it)")
-    parser.add_argument("--format", choices=OUTPUT_FORMATS, default="png", help="output format (default png)")
+    parser.add_argument("--format", choices=OUTPUT_FORMATS, default=None,
+                        help="output format (default: the suffix of -o FILE, else png); ICC profile and EXIF kept")
+    parser.add_argument("--quality", type=_quality, default=None, metavar="Q",
+                        help="JPEG/WebP quality 1-100 (default 95; WebP at 100 is lossless)")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs instead of skipping")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")  # fmt: skip
 
@@ -58,6 +69,7 @@ def _metadata(args: argparse.Namespace, source: Path, reference: Path, scale: in
 def run(args: argparse.Namespace) -> int:
     from flowlift.batch import Job, plan_jobs, run_jobs
     from flowlift.colorfix_image import color_fix_image, integer_scale
+    from flowlift.commands.upscale import output_format
     from flowlift.errors import FlowliftError
     from flowlift.images import IMAGE_SUFFIXES, list_images, load_image, save_image_atomic
     from flowlift.naming import index_by_stem, reference_stem
@@ -66,11 +78,13 @@ def run(args: argparse.Namespace) -> int:
     if not inputs:
         raise FlowliftError("no input images found")
     references = index_by_stem(list_images(args.reference), "reference")
-    jobs = plan_jobs(inputs, args.output, lambda path: f"{path.stem}_colorfix.{args.format}", IMAGE_SUFFIXES)
-    # sources kept beside their upscales (a.png next to a_x4.png, both given) are references, not inputs
+    fmt = output_format(args.output, args.format)
+    # sources kept beside their upscales (a.png next to a_x4.png, both given) are references, not inputs;
+    # planning without them also keeps batch's "<stem>_x<N> beside <stem> is an old output" guard off a_x4.png
     reference_files = {p.resolve() for p in references.values()}
-    jobs = [Job(j.source, None, "skipped, it is a reference") if j.source.resolve() in reference_files else j
-            for j in jobs]  # fmt: skip
+    jobs = [Job(p, None, "skipped, it is a reference") for p in inputs if p.resolve() in reference_files]
+    upscaled = [p for p in inputs if p.resolve() not in reference_files]
+    jobs += plan_jobs(upscaled, args.output, lambda path: f"{path.stem}_colorfix.{fmt}", IMAGE_SUFFIXES)
 
     def fix_one(path: Path, out: Path) -> None:
         stem = reference_stem(path.stem, references)
@@ -82,6 +96,12 @@ def run(args: argparse.Namespace) -> int:
         if alpha is not None:
             image.putalpha(alpha)
         result = color_fix_image(image, source, args.strength, device=args.device)
-        save_image_atomic(result, out, _metadata(args, path, references[stem], scale))
+        save_image_atomic(
+            result,
+            out,
+            _metadata(args, path, references[stem], scale),
+            source=path,  # the upscaled image's ICC profile and EXIF
+            quality=args.quality,
+        )
 
     return run_jobs(jobs, fix_one, command=NAME, overwrite=args.overwrite).exit_code
