@@ -20,6 +20,12 @@ from pathlib import Path
 NAME = "colorfix"
 HELP = "fix the colour drift of images from any upscaler against their sources (flowlift's stage 2)"
 
+EXAMPLES = (
+    "examples:\n"
+    "  flowlift colorfix esrgan-out/ --reference photos/ -o fixed/    # photo_x4.png pairs with photos/photo.png\n"
+    "  flowlift colorfix photo_x4.png --reference photo.png --strength 0.5  # half the colour/tone difference"
+)
+
 OUTPUT_FORMATS = ("png", "jpg", "webp")
 
 
