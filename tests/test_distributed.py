@@ -195,16 +195,24 @@ def test_scaleout_refusals_are_one_line_errors(tmp_path, capsys):
 
 
 BARRIER_SCRIPT = """
+import os
 import time
 from flowlift.distributed import DistEnv, finish, process_group
+
+
+def say(line):
+    # one write(2) per line: both ranks share the pipe, and print's separate writes of text and newline interleave
+    os.write(1, (line + "\\n").encode())
+
+
 env = DistEnv.from_environ()
 with process_group(env, 60):
     per_rank, reason = finish(env, {"done": env.rank + 1}, timeout_s=60)
-    print(f"on time, rank {env.rank}: {per_rank} | {reason}", flush=True)
+    say(f"on time, rank {env.rank}: {per_rank} | {reason}")
     if env.rank == 1:
         time.sleep(4)
     per_rank, reason = finish(env, {"done": env.rank + 1}, timeout_s=1)
-    print(f"late, rank {env.rank}: {per_rank} | {reason}", flush=True)
+    say(f"late, rank {env.rank}: {per_rank} | {reason}")
 """
 
 
