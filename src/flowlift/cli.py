@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
+import warnings
 from collections.abc import Sequence
 
 from flowlift import __version__
@@ -37,6 +39,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warnings(command: str):
+    """A ``warnings.showwarning`` that prints flowlift's own warnings as one line and drops third-party ones.
+
+    Third-party warnings (numpy casts, torch's pickle notes, library deprecations) tell the user
+    nothing actionable; the ones flowlift raises (or re-raises as ``FlowliftWarning``) are about their
+    data or settings and get ``flowlift CMD: warning: ...`` without a source line.
+    """
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        from flowlift.images import FlowliftWarning
+
+        ours = issubclass(category, FlowliftWarning) or os.path.abspath(filename).startswith(package_dir)
+        if not ours:
+            return
+        text = str(message).splitlines()[0] if str(message) else category.__name__
+        print(f"flowlift {command}: warning: {text}", file=file or sys.stderr)
+
+    return show
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -44,7 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args._run(args) or 0)
+        with warnings.catch_warnings():  # restores the default hook when an in-process caller returns
+            warnings.showwarning = _one_line_warnings(args.command)
+            return int(args._run(args) or 0)
     except FlowliftError as error:
         print(f"flowlift {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -89,11 +89,12 @@ def run(args: argparse.Namespace) -> int:
 def _run_methods(args: argparse.Namespace, E):
     import torch
 
+    from flowlift.devices import resolve_device
     from flowlift.errors import FlowliftError
 
     specs = E.parse_methods(args.run)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
     needs_vae = any(s.needs_vae for s in specs)
     needs_flow = any(s.name == "flow" for s in specs)
     if needs_vae and args.vae is None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from flowlift.commands._options import finite_float
+
 NAME = "train"
 HELP = "train or fine-tune the Flow Upscaler (rectified-flow distillation; single process or torchrun DDP)"
 
@@ -29,6 +31,7 @@ _FLAGS = {
     "vae": "vae",
     "val_every": "val_every",
     "seed": "seed",
+    "overwrite": "overwrite",
 }
 
 
@@ -40,10 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="total optimizer steps")
     parser.add_argument("--batch-size", type=int, help="samples per process per micro-batch")
     parser.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
-    parser.add_argument("--lr", type=float, help="peak learning rate")
+    parser.add_argument("--lr", type=finite_float, help="peak learning rate")
     parser.add_argument("--crop", type=int, help="target-latent crop side (multiple of 4; 0 = whole items)")
     parser.add_argument("--resume", help="auto (default: latest checkpoint in --output), a checkpoint folder, or none")
     parser.add_argument("--device", help="auto, cpu, cuda")
+    parser.add_argument("--overwrite", action="store_true", default=None,
+                        help="with --resume none: start a new run over the checkpoints already in --output")
     parser.add_argument("--vae", help="VAE for validation (e.g. madebyollin/taef2 or a local folder)")
     parser.add_argument("--val-images", nargs="+", help="held-out images (files, folders, globs) for validation")
     parser.add_argument("--val-every", type=int, help="validate every K steps (0 = never)")

@@ -178,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
     from flowlift.images import file_sha256, list_images, load_image, save_image_atomic
     from flowlift.pipeline import DEFAULT_UPSCALER, FlowUpscalerPipeline, passes_for_scale
 
+    from flowlift.devices import resolve_device
+
+    device = resolve_device(args.device)  # once, before any input is read
     passes = args.passes if args.passes is not None else passes_for_scale(args.scale or 2)
     scale = 2**passes
     inputs = list_images(args.inputs)
@@ -202,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         args.upscaler or DEFAULT_UPSCALER,
         args.vae,
         dtype=dtype,
-        device=args.device,
+        device=device,
         chunked=args.chunked,
         vae_tiled=args.vae_tiling,
     )
