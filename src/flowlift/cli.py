@@ -10,9 +10,12 @@ import argparse
 import importlib
 import os
 import pkgutil
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 from flowlift import __version__
 from flowlift.errors import FlowliftError
@@ -37,6 +40,27 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(sub)
         sub.set_defaults(_run=module.run)
     return parser
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (``kill``, a job scheduler's stop) raises KeyboardInterrupt like Ctrl-C does.
+
+    So every ``except BaseException`` / ``finally`` clean-up runs (temporary files removed, training
+    checkpoint saved) and the exit status is 130 instead of an abrupt death leaving debris.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _one_line_warnings(command: str):
@@ -67,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        with warnings.catch_warnings():  # restores the default hook when an in-process caller returns
+        with warnings.catch_warnings(), _sigterm_as_interrupt():  # both restored when an in-process caller returns
             warnings.showwarning = _one_line_warnings(args.command)
             return int(args._run(args) or 0)
     except FlowliftError as error:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, PngImagePlugin, UnidentifiedImageError
 
-from flowlift.atomic import atomic_output
+from flowlift.atomic import atomic_output, is_temporary
 from flowlift.errors import FlowliftError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -304,11 +304,13 @@ def list_images(inputs: list[str]) -> list[Path]:
     for item in inputs:
         path = Path(item).expanduser()
         if path.is_dir():
-            found.extend(sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()))
+            # temporary files of a killed run (.name.XXXX.partial.png in older releases) are never inputs
+            found.extend(sorted(p for p in path.iterdir()
+                                if p.suffix.lower() in IMAGE_SUFFIXES and not is_temporary(p) and p.is_file()))
         elif path.is_file():
             found.append(path)
         else:
-            matches = sorted(Path(m) for m in glob.glob(str(path)) if Path(m).is_file())
+            matches = sorted(Path(m) for m in glob.glob(str(path)) if Path(m).is_file() and not is_temporary(m))
             if not matches:
                 raise FlowliftError(f"{item}: no such file, folder or matching pattern")
             found.extend(matches)

@@ -174,11 +174,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
+    from flowlift.devices import resolve_device
     from flowlift.errors import FlowliftError
     from flowlift.images import file_sha256, list_images, load_image, save_image_atomic
     from flowlift.pipeline import DEFAULT_UPSCALER, FlowUpscalerPipeline, passes_for_scale
-
-    from flowlift.devices import resolve_device
 
     device = resolve_device(args.device)  # once, before any input is read
     passes = args.passes if args.passes is not None else passes_for_scale(args.scale or 2)
