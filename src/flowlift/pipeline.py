@@ -17,87 +17,57 @@ weights file, a folder or a hub id; ``vae`` is any object with flowlift's VAE in
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 from flowlift.colorfix import LOWFREQ_FACTOR, lab_lowband_transplant, latent_lowband_transplant
 from flowlift.errors import FlowliftError
+from flowlift.pipeline_models import (
+    DEFAULT_UPSCALER,
+    UPSCALER_WEIGHTS_NAME,
+    first_parameter,
+    load_pipeline_upscaler,
+    load_pipeline_vae,
+    pipeline_model_files,
+    resolve_upscaler_file,
+)
+from flowlift.unet_runner import velocity_model
+from flowlift.upscale_sizes import (
+    MAX_OUTPUT_SIDE,
+    RESIZE_MODES,
+    SIZE_MULTIPLE,
+    allowed_passes,
+    output_scale,
+    pad_to_multiple,
+    padded_size,
+    pass_generator,
+    passes_for_scale,
+    resample_to_multiple,
+)
 
-MAX_OUTPUT_SIDE = 16384
-SIZE_MULTIPLE = 16
 ONE_STEP_TIMESTEP = 1000.0
-DEFAULT_UPSCALER = "TensorForger/FlowUpscaler"
-UPSCALER_WEIGHTS_NAME = "flow_upscaler.safetensors"
-RESIZE_MODES = ("pad", "resample")
 
 __all__ = [
     "DEFAULT_UPSCALER",
     "LOWFREQ_FACTOR",
     "MAX_OUTPUT_SIDE",
+    "RESIZE_MODES",
+    "SIZE_MULTIPLE",
+    "UPSCALER_WEIGHTS_NAME",
     "FlowUpscalerPipeline",
     "allowed_passes",
+    "output_scale",
     "pad_to_multiple",
     "pass_generator",
+    "passes_for_scale",
     "padded_size",
+    "resolve_upscaler_file",
 ]
-
-
-def padded_size(height: int, width: int, multiple: int = SIZE_MULTIPLE) -> tuple[int, int]:
-    """Smallest multiple of ``multiple`` at or above each side: ``ceil(side / m) * m``."""
-    return -(-height // multiple) * multiple, -(-width // multiple) * multiple
-
-
-def pad_to_multiple(images: torch.Tensor, multiple: int = SIZE_MULTIPLE) -> torch.Tensor:
-    """Pad (B, C, H, W) on the bottom and right to multiples of ``multiple``.
-
-    Reflection padding (the image mirrored at its edge, no repeated edge row) where the image is
-    larger than the pad, edge replication otherwise. The original pixels keep their positions, so
-    cropping ``[:H, :W]`` (times the scale) gives back exactly the original area.
-    """
-    height, width = images.shape[-2:]
-    target_h, target_w = padded_size(height, width, multiple)
-    pad_h, pad_w = target_h - height, target_w - width
-    if pad_h == 0 and pad_w == 0:
-        return images
-    mode = "reflect" if pad_h < height and pad_w < width else "replicate"
-    return F.pad(images, (0, pad_w, 0, pad_h), mode=mode)
-
-
-def allowed_passes(height: int, width: int, num_passes: int, max_side: int = MAX_OUTPUT_SIDE) -> int:
-    """The largest ``n <= num_passes`` with ``max(height, width) * 2**n <= max_side`` (0 if none)."""
-    passes = 0
-    side = max(height, width)
-    while passes < num_passes and side * 2 ** (passes + 1) <= max_side:
-        passes += 1
-    return passes
-
-
-def pass_generator(seed: int, pass_index: int) -> torch.Generator:
-    """CPU generator of pass ``pass_index``'s noise: seeded from ``SeedSequence([seed, pass_index])``.
-
-    Every (seed, pass) pair gets its own well-separated stream (unlike ``seed + pass``, which makes
-    seed 0's second pass equal seed 1's first); the same pair always gives the same noise.
-    """
-    if seed < 0 or pass_index < 0:
-        raise FlowliftError(f"seed must be a non-negative integer, got {seed}")
-    state = np.random.SeedSequence([int(seed), int(pass_index)]).generate_state(1, dtype=np.uint64)[0]
-    return torch.Generator(device="cpu").manual_seed(int(state) & ((1 << 63) - 1))
-
-
-def _module_param(obj: Any) -> torch.Tensor | None:
-    parameters = getattr(obj, "parameters", None)
-    if callable(parameters):
-        for param in parameters():
-            return param
-    return None
 
 
 def _image_alpha(image: Any) -> Any:
@@ -148,7 +118,7 @@ class FlowUpscalerPipeline:
         chunk_rows: int | None = None,
         offload_device: torch.device | str | None = None,
     ) -> None:
-        param = _module_param(upscaler) if not isinstance(upscaler, (str, os.PathLike)) else None
+        param = first_parameter(upscaler) if not isinstance(upscaler, (str, os.PathLike)) else None
         if device is None:
             device = param.device if param is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device(device)
@@ -162,34 +132,8 @@ class FlowUpscalerPipeline:
         self.vae_tiled = vae_tiled
         self.chunk_rows = chunk_rows
         self.offload_device = offload_device
-        self.upscaler_path: Path | None = None
-        if isinstance(upscaler, (str, os.PathLike)):
-            self.upscaler_path = resolve_upscaler_file(upscaler)
-            from flowlift.models.upscaler_unet import load_upscaler
-
-            upscaler = load_upscaler(self.upscaler_path, device=self.device, dtype=self.dtype)
-        elif param is not None:
-            upscaler = upscaler.to(device=self.device, dtype=self.dtype)
-        if not callable(upscaler):
-            raise FlowliftError(f"upscaler must be callable like the Flow Upscaler UNet, got {type(upscaler).__name__}")
-        self.upscaler = upscaler
-        self.vae_spec: str | None = None
-        if isinstance(vae, (str, os.PathLike)):
-            self.vae_spec = os.fspath(vae)
-            from flowlift.vae import load_vae
-
-            vae = load_vae(self.vae_spec, device=self.device, dtype=self.dtype)
-        elif isinstance(vae, torch.nn.Module):
-            # A bare TAEF2 or diffusers AutoencoderKLFlux2 (as in the model card's example): wrap it
-            # in the package's VAE interface, keeping its own dtype.
-            from flowlift.vae import load_vae
-
-            vae_param = _module_param(vae)
-            vae_dtype = vae_param.dtype if vae_param is not None else self.dtype
-            vae = load_vae(vae, device=self.device, dtype=vae_dtype)
-        if not (callable(getattr(vae, "encode", None)) and callable(getattr(vae, "decode", None))):
-            raise FlowliftError(f"vae must have encode() and decode(), got {type(vae).__name__}")
-        self.vae = vae
+        self.upscaler, self.upscaler_path = load_pipeline_upscaler(upscaler, self.device, self.dtype)
+        self.vae, self.vae_spec = load_pipeline_vae(vae, self.device, self.dtype)
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -199,7 +143,7 @@ class FlowUpscalerPipeline:
         return int(getattr(self.vae, "spatial_factor", 8))
 
     def _vae_dtype(self) -> torch.dtype:
-        param = _module_param(self.vae)
+        param = first_parameter(self.vae)
         if param is not None and param.is_floating_point():
             return param.dtype
         dtype = getattr(self.vae, "dtype", None)
@@ -213,27 +157,15 @@ class FlowUpscalerPipeline:
 
     def _velocity_model(self, sample_shape: tuple[int, ...]) -> Callable:
         """The UNet, or a ChunkedExecutor around it when chunking is on for this size."""
-        if self.chunked is False:
-            return self.upscaler
-        try:
-            from flowlift.executor import ChunkedExecutor, should_chunk
-            from flowlift.models.upscaler_unet import FlowUpscalerUNet
-        except ImportError:  # the executor is optional for custom models
-            return self.upscaler
-        if not isinstance(self.upscaler, FlowUpscalerUNet):
-            if self.chunked:
-                raise FlowliftError("chunked execution needs a FlowUpscalerUNet, not a custom model")
-            return self.upscaler
-        batch, _, height, width = sample_shape
-        base = int(self.upscaler.config.get("base_channels", 384))
-        if not should_chunk(
-            height, width, self.device, batch=batch, base_channels=base, dtype=self.dtype, force=self.chunked
-        ):
-            return self.upscaler
-        kwargs: dict[str, Any] = {"offload_device": self.offload_device}
-        if self.chunk_rows is not None:
-            kwargs["chunk"] = self.chunk_rows
-        return ChunkedExecutor(self.upscaler, **kwargs)
+        return velocity_model(
+            self.upscaler,
+            sample_shape,
+            device=self.device,
+            dtype=self.dtype,
+            chunked=self.chunked,
+            chunk_rows=self.chunk_rows,
+            offload_device=self.offload_device,
+        )
 
     def plan_passes(self, image_height: int, image_width: int, num_passes: int) -> int:
         """Passes that fit under ``MAX_OUTPUT_SIDE`` for an image of this size; warns when dropping."""
@@ -263,17 +195,9 @@ class FlowUpscalerPipeline:
         if resize_mode not in RESIZE_MODES:
             raise FlowliftError(f"resize_mode must be one of {', '.join(RESIZE_MODES)}, got {resize_mode!r}")
         original = to_tensor(image, device=self.device, dtype=torch.float32)
-        height, width = original.shape[-2:]
         if resize_mode == "pad":
-            return original, pad_to_multiple(original)
-        size = (
-            max(SIZE_MULTIPLE, round(height / SIZE_MULTIPLE) * SIZE_MULTIPLE),
-            max(SIZE_MULTIPLE, round(width / SIZE_MULTIPLE) * SIZE_MULTIPLE),
-        )
-        if size == (height, width):
-            return original, original
-        resized = F.interpolate(original, size=size, mode="bicubic", align_corners=False, antialias=True)
-        return original, resized.clamp(0.0, 1.0)
+            return original, pad_to_multiple(original, SIZE_MULTIPLE)
+        return original, resample_to_multiple(original, SIZE_MULTIPLE)
 
     @torch.inference_mode()
     def encode_image(self, image: Any, resize_mode: str = "pad", return_size: bool = False) -> Any:
@@ -372,7 +296,7 @@ class FlowUpscalerPipeline:
         del latents
         if callback is not None:
             callback("decode")
-        scale = 2**passes
+        scale = output_scale(passes)
         reference = original if resize_mode == "pad" else prepared
         height, width = reference.shape[-2] * scale, reference.shape[-1] * scale
         if decoded.shape[-2] < height or decoded.shape[-1] < width:
@@ -402,74 +326,4 @@ class FlowUpscalerPipeline:
         The VAE's files come from its ``weight_files`` attribute when it has one, else from a local
         spec (file or folder), else from the Hugging Face cache for ``taef2`` / ``flux2`` / repo ids.
         """
-        files: dict[str, list[Path]] = {"upscaler": [], "vae": []}
-        if self.upscaler_path is not None:
-            files["upscaler"].append(self.upscaler_path)
-        vae_files = getattr(self.vae, "weight_files", None)
-        if vae_files:
-            files["vae"].extend(Path(p) for p in vae_files)
-        elif self.vae_spec is not None:
-            files["vae"].extend(_vae_spec_files(self.vae_spec))
-        return files
-
-
-_WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
-
-
-def _vae_spec_files(spec: str) -> list[Path]:
-    """Weight files a VAE spec names: a file, a folder's weight files, or hub-cache files."""
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
-    from flowlift import vae as vae_module
-
-    if spec == "taef2":
-        repos = [vae_module.TAEF2_REPO]
-    elif spec == "flux2":
-        repos = list(vae_module.FLUX2_REPOS)
-    else:
-        repos = [spec]
-    names = [*vae_module.TAEF2_FILES, "diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"]
-    from huggingface_hub import try_to_load_from_cache
-
-    for repo in repos:
-        found = []
-        for name in names:
-            try:
-                cached = try_to_load_from_cache(repo, name)
-            except Exception:  # noqa: BLE001 - provenance is best effort; an odd id just has no files
-                cached = None
-            if isinstance(cached, str):
-                found.append(Path(cached))
-        if found:
-            return found
-    return []
-
-
-def resolve_upscaler_file(source: str | os.PathLike) -> Path:
-    """Resolve the UNet weights (file, folder, hub id) or raise one line saying how to provide them."""
-    from flowlift.weights import resolve_file
-
-    try:
-        return resolve_file(source, [UPSCALER_WEIGHTS_NAME], what="Flow Upscaler weights")
-    except FlowliftError as error:
-        raise FlowliftError(
-            f"{error}. The Flow Upscaler expects {UPSCALER_WEIGHTS_NAME} from the hub repo {DEFAULT_UPSCALER} "
-            f"(huggingface-cli download {DEFAULT_UPSCALER} {UPSCALER_WEIGHTS_NAME}) or a local file/folder "
-            f"(CLI: --upscaler PATH)"
-        ) from None
-
-
-def output_scale(num_passes: int) -> int:
-    """Scale factor of ``num_passes`` 2x passes."""
-    return 2**num_passes
-
-
-def passes_for_scale(scale: int) -> int:
-    """Passes for a power-of-two scale (2 -> 1, 4 -> 2, 8 -> 3); anything else raises."""
-    passes = int(round(math.log2(scale))) if scale > 0 else -1
-    if passes < 1 or 2**passes != scale:
-        raise FlowliftError(f"scale must be a power of two >= 2 (2, 4, 8), got {scale}")
-    return passes
+        return pipeline_model_files(self.upscaler_path, self.vae, self.vae_spec)

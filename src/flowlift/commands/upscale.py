@@ -101,52 +101,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _plan_outputs(args: argparse.Namespace, inputs: list[Path], scale: int) -> list[tuple[Path, Path | None, str]]:
-    """(input, output or None, note) per input; without an output the note says why.
-
-    An input that is the planned output of another input (``a_x2.png`` next to ``a.png`` when the
-    output folder is the input folder) is a previous result, not a source: it is left alone with a
-    note, so rerunning a command over a folder resumes instead of upscaling its own outputs.
-    """
-    from flowlift.errors import FlowliftError
-    from flowlift.images import IMAGE_SUFFIXES
-
-    single_file = None
-    out_dir = None
-    if args.output:
-        target = Path(args.output).expanduser()
-        if target.suffix.lower() in IMAGE_SUFFIXES and not target.is_dir():
-            if len(inputs) != 1:
-                raise FlowliftError(f"-o {target} names one file but {len(inputs)} inputs were given; pass a folder")
-            single_file = target
-        else:
-            out_dir = target
-
-    def output_of(path: Path) -> Path:
-        if single_file is not None:
-            return single_file
-        folder = out_dir if out_dir is not None else path.parent
-        return folder / f"{path.stem}_x{scale}.{args.format}"
-
-    outputs = {path: output_of(path) for path in inputs}
-    producers = {outputs[p].resolve(): p for p in inputs if outputs[p].resolve() != p.resolve()}
-    taken: dict[Path, Path] = {}
-    plan: list[tuple[Path, Path | None, str]] = []
-    for path in inputs:
-        out = outputs[path]
-        key = out.resolve()
-        if path.resolve() in producers:
-            plan.append((path, None, f"skipped, it is the output of {producers[path.resolve()]}"))
-        elif key == path.resolve():
-            plan.append((path, None, f"output {out} would overwrite the input; choose another -o"))
-        elif key in taken:
-            plan.append((path, None, f"output {out} is also the output of {taken[key]}; use separate folders"))
-        else:
-            taken[key] = path
-            plan.append((path, out, ""))
-    return plan
-
-
 def _metadata(args: argparse.Namespace, passes: int, source: Path, hashes: dict[str, str]) -> dict[str, object]:
     from flowlift import __version__
     from flowlift.images import file_sha256
@@ -170,13 +124,18 @@ def _metadata(args: argparse.Namespace, passes: int, source: Path, hashes: dict[
     }
 
 
+def _nothing_to_do(source: Path, output: Path) -> None:
+    raise AssertionError(f"no job was pending, yet {source} -> {output} was run")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
+    from flowlift.batch import pending, plan_jobs, report, run_jobs
     from flowlift.devices import resolve_device
     from flowlift.errors import FlowliftError
-    from flowlift.images import file_sha256, list_images, load_image, save_image_atomic
+    from flowlift.images import IMAGE_SUFFIXES, attach_alpha, file_sha256, list_images, load_image, save_image_atomic
     from flowlift.pipeline import DEFAULT_UPSCALER, FlowUpscalerPipeline, passes_for_scale
 
     device = resolve_device(args.device)  # once, before any input is read
@@ -185,19 +144,9 @@ def run(args: argparse.Namespace) -> int:
     inputs = list_images(args.inputs)
     if not inputs:
         raise FlowliftError("no input images found")
-    plan = _plan_outputs(args, inputs, scale)
-    failed = 0
-    todo: list[tuple[Path, Path]] = []
-    for path, out, message in plan:
-        if out is None:
-            print(f"flowlift upscale: {path}: {message}", file=sys.stderr)
-            failed += not message.startswith("skipped")
-        elif out.exists() and not args.overwrite:
-            print(f"flowlift upscale: {path}: skipped, {out} exists (--overwrite to replace)", file=sys.stderr)
-        else:
-            todo.append((path, out))
-    if not todo:
-        return 1 if failed else 0
+    jobs = plan_jobs(inputs, args.output, lambda path: f"{path.stem}_x{scale}.{args.format}", IMAGE_SUFFIXES)
+    if not pending(jobs, args.overwrite):  # nothing to compute: report the plan without loading a model
+        return run_jobs(jobs, _nothing_to_do, command=NAME, overwrite=args.overwrite).exit_code
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     pipeline = FlowUpscalerPipeline(
@@ -210,38 +159,27 @@ def run(args: argparse.Namespace) -> int:
     )
     hashes = {role: {p.name: file_sha256(p) for p in paths} for role, paths in pipeline.model_files().items() if paths}
 
-    batch = tqdm(todo, desc="images", unit="img", disable=None, file=sys.stderr)
-    for path, out in batch:
-        batch.set_postfix_str(path.name)
-        try:
-            image, alpha = load_image(path)
-            steps = tqdm(total=passes + 3, desc=path.name, unit="step", leave=False, disable=None, file=sys.stderr)
-            with steps, warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", UserWarning)
-                result = pipeline.upscale_image(
-                    image,
-                    num_passes=passes,
-                    seed=args.seed,
-                    color_fix=not args.no_color_fix,
-                    transplant_strength=args.transplant_strength,
-                    color_fix_strength=args.color_fix_strength,
-                    resize_mode=args.resize_mode,
-                    callback=lambda _stage, bar=steps: bar.update(1),
-                )
-            for warning in caught:  # e.g. passes dropped at MAX_OUTPUT_SIDE: one line, not a stack
-                tqdm.write(f"flowlift upscale: {path}: warning: {warning.message}", file=sys.stderr)
-            if alpha is not None:
-                from flowlift.images import attach_alpha
+    def upscale_one(path: Path, out: Path) -> None:
+        image, alpha = load_image(path)
+        steps = tqdm(total=passes + 3, desc=path.name, unit="step", leave=False, disable=None, file=sys.stderr)
+        with steps, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            result = pipeline.upscale_image(
+                image,
+                num_passes=passes,
+                seed=args.seed,
+                color_fix=not args.no_color_fix,
+                transplant_strength=args.transplant_strength,
+                color_fix_strength=args.color_fix_strength,
+                resize_mode=args.resize_mode,
+                callback=lambda _stage, bar=steps: bar.update(1),
+            )
+        for warning in caught:  # e.g. passes dropped at MAX_OUTPUT_SIDE: one line, not a stack
+            report(NAME, path, f"warning: {warning.message}", write=lambda line: tqdm.write(line, file=sys.stderr))
+        if alpha is not None:
+            result = attach_alpha(result, alpha)
+        # passes actually run (fewer when MAX_OUTPUT_SIDE dropped some)
+        done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
+        save_image_atomic(result, out, _metadata(args, done, path, hashes))
 
-                result = attach_alpha(result, alpha)
-            # passes actually run (fewer when MAX_OUTPUT_SIDE dropped some)
-            done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
-            save_image_atomic(result, out, _metadata(args, done, path, hashes))
-        except (FlowliftError, OSError, RuntimeError, MemoryError, ValueError) as error:
-            failed += 1
-            text = str(error).splitlines()[0] if str(error) else type(error).__name__
-            prefix = "" if str(path) in text else f"{path}: "
-            tqdm.write(f"flowlift upscale: {prefix}{text}", file=sys.stderr)
-    if failed:
-        print(f"flowlift upscale: {failed} of {len(plan)} image(s) failed", file=sys.stderr)
-    return 1 if failed else 0
+    return run_jobs(jobs, upscale_one, command=NAME, overwrite=args.overwrite).exit_code

@@ -1,0 +1,103 @@
+"""Sizes, pass counts and per-pass noise streams of the Flow Upscaler (pure helpers, no models).
+
+Every 2x pass doubles both sides; inputs are brought to multiples of :data:`SIZE_MULTIPLE` (the VAE's
+8x downsampling times the UNet's one 2x level) and passes stop at :data:`MAX_OUTPUT_SIDE`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from flowlift.errors import FlowliftError
+
+MAX_OUTPUT_SIDE = 16384
+SIZE_MULTIPLE = 16
+RESIZE_MODES = ("pad", "resample")
+
+__all__ = [
+    "MAX_OUTPUT_SIDE",
+    "RESIZE_MODES",
+    "SIZE_MULTIPLE",
+    "allowed_passes",
+    "output_scale",
+    "pad_to_multiple",
+    "padded_size",
+    "pass_generator",
+    "passes_for_scale",
+    "resample_to_multiple",
+]
+
+
+def padded_size(height: int, width: int, multiple: int = SIZE_MULTIPLE) -> tuple[int, int]:
+    """Smallest multiple of ``multiple`` at or above each side: ``ceil(side / m) * m``."""
+    return -(-height // multiple) * multiple, -(-width // multiple) * multiple
+
+
+def pad_to_multiple(images: torch.Tensor, multiple: int = SIZE_MULTIPLE) -> torch.Tensor:
+    """Pad (B, C, H, W) on the bottom and right to multiples of ``multiple``.
+
+    Reflection padding (the image mirrored at its edge, no repeated edge row) where the image is
+    larger than the pad, edge replication otherwise. The original pixels keep their positions, so
+    cropping ``[:H, :W]`` (times the scale) gives back exactly the original area.
+    """
+    height, width = images.shape[-2:]
+    target_h, target_w = padded_size(height, width, multiple)
+    pad_h, pad_w = target_h - height, target_w - width
+    if pad_h == 0 and pad_w == 0:
+        return images
+    mode = "reflect" if pad_h < height and pad_w < width else "replicate"
+    return F.pad(images, (0, pad_w, 0, pad_h), mode=mode)
+
+
+def resample_to_multiple(images: torch.Tensor, multiple: int = SIZE_MULTIPLE) -> torch.Tensor:
+    """Resize (B, C, H, W) in [0, 1] to the nearest multiples of ``multiple`` (at least one multiple).
+
+    Bicubic with antialiasing, clamped back to [0, 1]; returned unchanged when already a multiple.
+    """
+    height, width = images.shape[-2:]
+    size = (
+        max(multiple, round(height / multiple) * multiple),
+        max(multiple, round(width / multiple) * multiple),
+    )
+    if size == (height, width):
+        return images
+    resized = F.interpolate(images, size=size, mode="bicubic", align_corners=False, antialias=True)
+    return resized.clamp(0.0, 1.0)
+
+
+def allowed_passes(height: int, width: int, num_passes: int, max_side: int = MAX_OUTPUT_SIDE) -> int:
+    """The largest ``n <= num_passes`` with ``max(height, width) * 2**n <= max_side`` (0 if none)."""
+    passes = 0
+    side = max(height, width)
+    while passes < num_passes and side * 2 ** (passes + 1) <= max_side:
+        passes += 1
+    return passes
+
+
+def pass_generator(seed: int, pass_index: int) -> torch.Generator:
+    """CPU generator of pass ``pass_index``'s noise: seeded from ``SeedSequence([seed, pass_index])``.
+
+    Every (seed, pass) pair gets its own well-separated stream (unlike ``seed + pass``, which makes
+    seed 0's second pass equal seed 1's first); the same pair always gives the same noise.
+    """
+    if seed < 0 or pass_index < 0:
+        raise FlowliftError(f"seed must be a non-negative integer, got {seed}")
+    state = np.random.SeedSequence([int(seed), int(pass_index)]).generate_state(1, dtype=np.uint64)[0]
+    return torch.Generator(device="cpu").manual_seed(int(state) & ((1 << 63) - 1))
+
+
+def output_scale(num_passes: int) -> int:
+    """Scale factor of ``num_passes`` 2x passes."""
+    return 2**num_passes
+
+
+def passes_for_scale(scale: int) -> int:
+    """Passes for a power-of-two scale (2 -> 1, 4 -> 2, 8 -> 3); anything else raises."""
+    passes = int(round(math.log2(scale))) if scale > 0 else -1
+    if passes < 1 or 2**passes != scale:
+        raise FlowliftError(f"scale must be a power of two >= 2 (2, 4, 8), got {scale}")
+    return passes

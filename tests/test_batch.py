@@ -1,0 +1,63 @@
+"""flowlift.batch: planning, resume and one-line failures, without any model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flowlift.batch import Job, pending, plan_jobs, run_jobs
+from flowlift.errors import FlowliftError
+
+SUFFIXES = (".png", ".jpg")
+
+
+def _touch(path: Path) -> Path:
+    path.write_bytes(b"x")
+    return path
+
+
+def test_plan_next_to_inputs_skips_previous_results_and_refuses_collisions(tmp_path):
+    a, a_out = _touch(tmp_path / "a.png"), _touch(tmp_path / "a_x2.png")
+    jobs = plan_jobs([a, a_out], None, lambda p: f"{p.stem}_x2.png", SUFFIXES)
+    assert jobs[0] == Job(a, tmp_path / "a_x2.png")
+    assert jobs[1].output is None and jobs[1].note.startswith("skipped, it is the output of")
+    assert not jobs[1].refused
+
+    other = tmp_path / "sub"
+    other.mkdir()
+    b1, b2 = _touch(tmp_path / "b.png"), _touch(other / "b.png")
+    jobs = plan_jobs([b1, b2], str(tmp_path / "out"), lambda p: f"{p.stem}_x2.png", SUFFIXES)
+    assert jobs[0].output == tmp_path / "out" / "b_x2.png"
+    assert jobs[1].refused and "also the output of" in jobs[1].note
+
+    jobs = plan_jobs([a], str(a), lambda p: "unused.png", SUFFIXES)
+    assert jobs[0].refused and "would overwrite the input" in jobs[0].note
+    with pytest.raises(FlowliftError, match="names one file but 2 inputs"):
+        plan_jobs([a, b1], str(tmp_path / "one.png"), lambda p: "x.png", SUFFIXES)
+
+
+def test_run_jobs_counts_resume_and_keeps_going(tmp_path, capsys):
+    sources = [_touch(tmp_path / f"{name}.png") for name in ("ok", "bad", "done")]
+    out = tmp_path / "out"
+    jobs = plan_jobs(sources, str(out), lambda p: f"{p.stem}_x2.png", SUFFIXES)
+    out.mkdir()
+    _touch(out / "done_x2.png")
+    assert [job.source.name for job in pending(jobs)] == ["ok.png", "bad.png"]
+
+    def process(source: Path, output: Path) -> None:
+        if source.stem == "bad":
+            raise FlowliftError(f"{source}: not an image\nsecond line never shown")
+        output.write_bytes(b"result")
+
+    result = run_jobs(jobs, process, command="test", progress=False)
+    err = capsys.readouterr().err.splitlines()
+    assert (result.total, result.done, result.skipped, result.failed, result.exit_code) == (3, 1, 1, 1, 1)
+    assert f"flowlift test: {sources[1]}: not an image" in err
+    assert not any("second line" in line for line in err)
+    assert any("done_x2.png exists" in line for line in err)
+    assert err[-1] == "flowlift test: 1 of 3 image(s) failed"
+
+    # a programming error is not a per-image failure: it propagates
+    with pytest.raises(ZeroDivisionError):
+        run_jobs(jobs[:1], lambda s, o: 1 / 0, command="test", overwrite=True, progress=False)
