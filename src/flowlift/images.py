@@ -293,12 +293,20 @@ def file_sha256(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def list_images(inputs: list[str]) -> list[Path]:
+def list_images(inputs: list[str], problems: list[tuple[str, str]] | None = None) -> list[Path]:
     """Expand files, folders (non-recursive, image suffixes) and glob patterns, sorted, unique.
 
-    A pattern or path that matches nothing raises FlowliftError.
+    An item that matches nothing, or names something that is not a regular file or folder (a FIFO,
+    a socket, a device), raises FlowliftError — or, when a ``problems`` list is given, is appended to
+    it as ``(item, message)`` so that a batch can report it in one line and go on with the rest.
+    Temporary files of interrupted writes are never listed.
     """
     import glob
+
+    def problem(item: str, message: str) -> None:
+        if problems is None:
+            raise FlowliftError(f"{item}: {message}")
+        problems.append((item, message))
 
     found: list[Path] = []
     for item in inputs:
@@ -309,11 +317,17 @@ def list_images(inputs: list[str]) -> list[Path]:
                                 if p.suffix.lower() in IMAGE_SUFFIXES and not is_temporary(p) and p.is_file()))
         elif path.is_file():
             found.append(path)
+        elif path.exists():
+            problem(item, "not a regular file or folder (a FIFO, socket or device cannot be read as an image)")
         else:
-            matches = sorted(Path(m) for m in glob.glob(str(path)) if Path(m).is_file() and not is_temporary(m))
+            matches = sorted(Path(m) for m in glob.glob(str(path)) if not is_temporary(m))
+            files = [m for m in matches if m.is_file()]
+            for odd in matches:
+                if not odd.is_file() and odd.suffix.lower() in IMAGE_SUFFIXES:
+                    problem(str(odd), "not a regular file")
             if not matches:
-                raise FlowliftError(f"{item}: no such file, folder or matching pattern")
-            found.extend(matches)
+                problem(item, "no such file, folder or matching pattern")
+            found.extend(files)
     unique: list[Path] = []
     seen: set[Path] = set()
     for p in found:

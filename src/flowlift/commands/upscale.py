@@ -124,6 +124,72 @@ def _metadata(args: argparse.Namespace, passes: int, source: Path, hashes: dict[
     }
 
 
+#: Largest side each output format can store (WebP's 14-bit dimensions; JPEG's 16-bit).
+FORMAT_MAX_SIDE = {".webp": 16383, ".jpg": 65535, ".jpeg": 65535}
+
+
+class _OutputSizes:
+    """Per input, from its header only: the passes that will run (the cap may drop some), the scale
+    the output is named by, and the (width, height) a complete output has."""
+
+    def __init__(self, passes: int, resize_mode: str) -> None:
+        self.passes = passes
+        self.resize_mode = resize_mode
+        self._cache: dict[Path, tuple[int, tuple[int, int]]] = {}
+
+    def _plan(self, path: Path) -> tuple[int, tuple[int, int]]:
+        from flowlift.errors import FlowliftError
+        from flowlift.images import image_size
+        from flowlift.pipeline import MAX_OUTPUT_SIDE
+        from flowlift.upscale_sizes import planned_passes, upscaled_size
+
+        if path not in self._cache:
+            width, height = image_size(path)
+            run = planned_passes(height, width, self.passes, self.resize_mode, MAX_OUTPUT_SIDE)
+            if run == 0:
+                raise FlowliftError(
+                    f"{path}: a {width}x{height} image cannot be upscaled: one 2x pass would exceed "
+                    f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px"
+                )
+            out_h, out_w = upscaled_size(height, width, run, self.resize_mode)
+            self._cache[path] = run, (out_w, out_h)
+        return self._cache[path]
+
+    def scale(self, path: Path) -> int:
+        return 2 ** self._plan(path)[0]
+
+    def output_size(self, path: Path) -> tuple[int, int]:
+        return self._plan(path)[1]
+
+
+def _check_output_option(output: str | None) -> None:
+    """``-o x.gif``: a file name in a format flowlift does not write is a user error, before any work."""
+    if not output:
+        return
+    from PIL import Image
+
+    from flowlift.errors import FlowliftError
+    from flowlift.images import IMAGE_SUFFIXES
+
+    target = Path(output).expanduser()
+    suffix = target.suffix.lower()
+    if suffix and suffix not in IMAGE_SUFFIXES and suffix in Image.registered_extensions() and not target.is_dir():
+        raise FlowliftError(
+            f"-o {target}: unsupported output format {suffix}; use {', '.join('.' + f for f in OUTPUT_FORMATS)} "
+            "or a folder"
+        )
+
+
+def _check_format_limit(out: Path, size: tuple[int, int]) -> None:
+    from flowlift.errors import FlowliftError
+
+    limit = FORMAT_MAX_SIDE.get(out.suffix.lower())
+    if limit is not None and max(size) > limit:
+        raise FlowliftError(
+            f"output {out} would be {size[0]}x{size[1]}, over {out.suffix} format's {limit} px limit; use --format png"
+        )
+
+
 def _nothing_to_do(source: Path, output: Path) -> None:
     raise AssertionError(f"no job was pending, yet {source} -> {output} was run")
 
@@ -132,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from flowlift.batch import pending, plan_jobs, report, run_jobs
+    from flowlift.batch import Job, pending, plan_jobs, report, run_jobs
     from flowlift.devices import resolve_device
     from flowlift.errors import FlowliftError
     from flowlift.images import IMAGE_SUFFIXES, attach_alpha, file_sha256, list_images, load_image, save_image_atomic
@@ -140,11 +206,20 @@ def run(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)  # once, before any input is read
     passes = args.passes if args.passes is not None else passes_for_scale(args.scale or 2)
-    scale = 2**passes
-    inputs = list_images(args.inputs)
-    if not inputs:
+    _check_output_option(args.output)
+    problems: list[tuple[str, str]] = []
+    inputs = list_images(args.inputs, problems)
+    if not inputs and not problems:
         raise FlowliftError("no input images found")
-    jobs = plan_jobs(inputs, args.output, lambda path: f"{path.stem}_x{scale}.{args.format}", IMAGE_SUFFIXES)
+    sizes = _OutputSizes(passes, args.resize_mode)
+    jobs = [Job(Path(item), None, message) for item, message in problems] + plan_jobs(
+        inputs,
+        args.output,
+        lambda path: f"{path.stem}_x{sizes.scale(path)}.{args.format}",
+        IMAGE_SUFFIXES,
+        expected_size=sizes.output_size,
+        check_output=lambda path, out: _check_format_limit(out, sizes.output_size(path)),
+    )
     if not pending(jobs, args.overwrite):  # nothing to compute: report the plan without loading a model
         return run_jobs(jobs, _nothing_to_do, command=NAME, overwrite=args.overwrite).exit_code
 
@@ -178,8 +253,10 @@ def run(args: argparse.Namespace) -> int:
             report(NAME, path, f"warning: {warning.message}", write=lambda line: tqdm.write(line, file=sys.stderr))
         if alpha is not None:
             result = attach_alpha(result, alpha)
-        # passes actually run (fewer when MAX_OUTPUT_SIDE dropped some)
+        # passes actually run (fewer when MAX_OUTPUT_SIDE dropped some); the output is named by them
         done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
+        if tuple(result.size) != sizes.output_size(path):
+            raise FlowliftError(f"produced {result.size[0]}x{result.size[1]}, planned {sizes.output_size(path)}")
         save_image_atomic(result, out, _metadata(args, done, path, hashes))
 
     return run_jobs(jobs, upscale_one, command=NAME, overwrite=args.overwrite).exit_code
