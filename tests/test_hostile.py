@@ -738,3 +738,195 @@ def test_killed_mid_write_then_resume(shared, tiny_weights, tmp_path, capsys, la
             with Image.open(out / name) as result:
                 assert result.size == (96, 64)
     assert all(not p.exists() or p.name.startswith(".") for p in debris)
+
+
+# ------------------------------------------------------------------------------------------------
+# the pipeline: non-finite latents/pixels per stage, API types, the cap
+
+
+class _AverageVAE:
+    """A weightless VAE: encode = 8x8 average pool to 32 channels, decode = nearest upsample of 3."""
+
+    spatial_factor = 8
+
+    def __init__(self, poison: str = "") -> None:
+        self.poison = poison
+
+    def encode(self, images, tiled=None):
+        z = torch.nn.functional.avg_pool2d(images, 8).repeat(1, 11, 1, 1)[:, :32]
+        if self.poison == "encode":
+            z[0, 0, 0, 0] = float("nan")
+        return z
+
+    def decode(self, latents, tiled=None):
+        x = torch.nn.functional.interpolate(latents[:, :3], scale_factor=8, mode="nearest").clamp(0, 1)
+        if self.poison == "decode":
+            x[0, 1, 5, 5] = float("inf")
+        return x
+
+
+class _VelocityFrom:
+    """v = 0 except on pass ``bad_pass`` (1-based), where one value is ``value``."""
+
+    def __init__(self, bad_pass: int = 0, value: float = float("nan")) -> None:
+        self.calls, self.bad_pass, self.value = 0, bad_pass, value
+
+    def __call__(self, sample, timestep, latents_small):
+        self.calls += 1
+        velocity = torch.zeros_like(sample)
+        if self.calls == self.bad_pass:
+            velocity[0, 3, 1, 2] = self.value
+        return velocity
+
+
+@pytest.mark.parametrize("kind", sorted(NON_FINITE))
+@pytest.mark.parametrize("bad_pass", [1, 2, 3])
+def test_a_non_finite_pass_is_named_and_nothing_is_returned(kind, bad_pass):
+    from flowlift.pipeline import FlowUpscalerPipeline
+
+    pipe = FlowUpscalerPipeline(_VelocityFrom(bad_pass, NON_FINITE[kind]), _AverageVAE(), device="cpu",
+                                dtype=torch.float32)
+    with pytest.raises(FlowliftError, match=rf"pass {bad_pass} produced non-finite latents"):
+        pipe.upscale_image(Image.new("RGB", (32, 16), (90, 120, 30)), num_passes=3)
+
+
+@pytest.mark.parametrize("stage", ["encode", "decode"])
+def test_non_finite_vae_output_is_named(stage):
+    from flowlift.pipeline import FlowUpscalerPipeline
+
+    pipe = FlowUpscalerPipeline(_VelocityFrom(), _AverageVAE(stage), device="cpu", dtype=torch.float32)
+    with pytest.raises(FlowliftError, match=f"VAE {stage}r produced non-finite"):
+        pipe.upscale_image(Image.new("RGB", (32, 16)), num_passes=1)
+    latents = torch.zeros(1, 32, 2, 4)
+    latents[0, 5, 1, 1] = float("nan")
+    with pytest.raises(FlowliftError, match="input latents contain non-finite"):
+        pipe.upscale_latents(latents, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_passes": 1.5}, "num_passes must be a non-negative integer"),
+        ({"num_passes": True}, "num_passes must be a non-negative integer"),
+        ({"num_passes": -1}, "num_passes must be a non-negative integer"),
+        ({"seed": 1.7}, "seed must be a non-negative integer"),
+        ({"seed": -3}, "seed must be a non-negative integer"),
+        ({"transplant_strength": float("nan")}, "transplant_strength"),
+        ({"color_fix_strength": float("inf")}, "color_fix_strength"),
+    ],
+)
+def test_upscale_image_validates_its_arguments(kwargs, message):
+    from flowlift.pipeline import FlowUpscalerPipeline
+
+    pipe = FlowUpscalerPipeline(_VelocityFrom(), _AverageVAE(), device="cpu", dtype=torch.float32)
+    with pytest.raises(FlowliftError, match=message):
+        pipe.upscale_image(Image.new("RGB", (32, 16)), **{"num_passes": 1, **kwargs})
+    with pytest.raises(FlowliftError, match="must lie in"):
+        pipe.upscale_image(np.full((16, 32, 3), 200.0), num_passes=1)
+    out = pipe.upscale_image(Image.new("RGB", (32, 16)), num_passes=np.int64(1), seed=np.int32(2))
+    assert out.size == (64, 32)
+
+
+def test_the_cap_is_on_the_computed_canvas_and_the_warning_names_the_real_size():
+    from flowlift.pipeline import FlowUpscalerPipeline
+    from flowlift.upscale_sizes import planned_passes, upscaled_size
+
+    assert planned_passes(1, 1, 20) == 10  # a 16x16 canvas: 10 passes reach 16384, not the 14 of 1 px
+    assert planned_passes(1, 1, 20, "resample") == 10
+    assert planned_passes(16, 16, 20) == 10 and planned_passes(17, 16, 20) == 9  # 32 px canvas
+    assert planned_passes(4100, 30, 3) == 1 and upscaled_size(30, 4100, 1) == (60, 8200)
+    assert upscaled_size(30, 4100, 1, "resample") == (64, 8192)
+    pipe = FlowUpscalerPipeline(_VelocityFrom(), _AverageVAE(), device="cpu", dtype=torch.float32)
+    with pytest.warns(UserWarning, match=r"on a 2100x9 image .* running 2 pass\(es\) .* output 8400x36, scale 4"):
+        out = pipe.upscale_image(Image.new("RGB", (2100, 9)), num_passes=4)
+    assert out.size == (8400, 36)
+
+
+# ------------------------------------------------------------------------------------------------
+# the upscale batch: names by the scale produced, broken outputs redone, bad paths and targets
+
+
+def _upscale(shared, weights, *argv) -> list[str]:
+    return ["upscale", *argv, "--upscaler", str(weights), "--vae", str(shared / "models" / "taef2"),
+            "--device", "cpu"]
+
+
+def test_cap_dropped_passes_name_the_output_by_the_scale_produced_and_resume(shared, tiny_weights, tmp_path,
+                                                                             capsys):
+    Image.new("RGB", (2100, 16), (100, 150, 200)).save(tmp_path / "wide.png")
+    out = tmp_path / "out"
+    argv = _upscale(shared, tiny_weights, str(tmp_path / "wide.png"), "-o", str(out), "--passes", "4")
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["wide_x4.png"]  # 2 of 4 passes fit: named x4, not x16
+    assert "2100x16 image" in err and "scale 4" in err
+    with Image.open(out / "wide_x4.png") as result:
+        assert result.size == (8400, 64)
+        assert json.loads(result.text["flowlift.parameters"])["scale"] == 4
+    assert main(argv) == 0  # the rerun finds it: planned from the header, not after the compute
+    assert "skipped" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["empty", "garbage", "truncated", "wrong size", "not an image"])
+def test_broken_existing_outputs_are_redone_not_skipped(shared, tiny_weights, tmp_path, capsys, damage):
+    Image.new("RGB", (48, 32), (10, 200, 90)).save(tmp_path / "a.png")
+    out = tmp_path / "out"
+    argv = _upscale(shared, tiny_weights, str(tmp_path / "a.png"), "-o", str(out))
+    assert main(argv) == 0
+    good = (out / "a_x2.png").read_bytes()
+    target = out / "a_x2.png"
+    if damage == "empty":
+        target.write_bytes(b"")
+    elif damage == "garbage":
+        target.write_bytes(os.urandom(500))
+    elif damage == "truncated":
+        target.write_bytes(good[:20])
+    elif damage == "wrong size":
+        Image.new("RGB", (48, 32)).save(target)
+    else:
+        target.write_text("hello")
+    capsys.readouterr()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "redoing" in err and "96x64" in err
+    with Image.open(target) as result:
+        assert result.size == (96, 64)
+    assert main(argv) == 0 and "skipped" in capsys.readouterr().err
+
+
+def test_bad_paths_cost_one_line_each_and_the_batch_goes_on(shared, tiny_weights, tmp_path, capsys):
+    Image.new("RGB", (48, 32), (200, 100, 0)).save(tmp_path / "good.png")
+    os.mkfifo(tmp_path / "pipe.png")
+    (tmp_path / "folder.jpg").mkdir()
+    argv = _upscale(shared, tiny_weights, str(tmp_path / "good.png"), str(tmp_path / "missing.png"),
+                    str(tmp_path / "pipe.png"), str(tmp_path / "*.jpg"), "-o", str(tmp_path / "out"))
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err
+    for name in ("missing.png", "pipe.png", "folder.jpg"):
+        assert sum(name in line for line in err.splitlines() if line.startswith("flowlift upscale:")) == 1, err
+    assert "3 of 4 image(s) failed" in err
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["good_x2.png"]
+
+
+def test_output_targets_are_checked_before_any_compute(shared, tiny_weights, tmp_path, capsys, monkeypatch):
+    import flowlift.pipeline as pipeline
+
+    Image.new("RGB", (48, 32)).save(tmp_path / "a.png")
+    Image.new("RGB", (8192, 16)).save(tmp_path / "wide.png")  # 2x: 16384 px, one over WebP's limit
+    (tmp_path / "blocker").write_text("a file where the output folder should be")
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded although every target was refused")
+
+    monkeypatch.setattr(pipeline.FlowUpscalerPipeline, "__init__", no_model)
+    rc = main(_upscale(shared, tiny_weights, str(tmp_path / "a.png"), "-o", str(tmp_path / "x.gif")))
+    assert rc == 2 and "unsupported output format .gif" in _one_error_line(capsys.readouterr().err, "upscale")
+    rc = main(_upscale(shared, tiny_weights, str(tmp_path / "a.png"), "-o", str(tmp_path / "blocker" / "out")))
+    err = capsys.readouterr().err
+    assert rc == 1 and "cannot write outputs into" in err
+    rc = main(_upscale(shared, tiny_weights, str(tmp_path / "wide.png"), "-o", str(tmp_path / "w"),
+                       "--format", "webp"))
+    err = capsys.readouterr().err
+    assert rc == 1 and "16383 px limit" in err and "16384x32" in err
+    assert not (tmp_path / "x.gif").exists()
