@@ -166,16 +166,21 @@ def plan_jobs(
 
 
 def folder_problem(folder: Path) -> str | None:
-    """Why outputs cannot be written into ``folder`` (created if missing), or None when they can.
+    """Why outputs cannot be written into ``folder``, or None when they can (nothing is created).
 
-    Probed by creating and removing a temporary file, which is what the atomic writer will do; a
-    permission check alone would pass for root on a read-only mount.
+    Probed by creating and removing a temporary file in ``folder`` or, when it does not exist yet, in
+    its nearest existing ancestor (which the writer's ``mkdir`` will create it in): a permission
+    check alone would pass for root on a read-only mount.
     """
     import tempfile
 
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot write outputs into {folder}: {existing} is not a folder"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        descriptor, name = tempfile.mkstemp(prefix=".flowlift-probe.", dir=folder)
+        descriptor, name = tempfile.mkstemp(prefix=".flowlift-probe.", dir=existing)
         os.close(descriptor)
         os.unlink(name)
     except OSError as error:

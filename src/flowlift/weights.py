@@ -111,7 +111,10 @@ def read_state_dict(path: str | os.PathLike, *, what: str = "weights") -> dict[s
                 # torch's notes on pickle protocols / storage formats say nothing the user can act on
                 warnings.simplefilter("ignore")
                 state = torch.load(str(path), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as error:
+        if "global" not in str(error).lower():  # no code object refused: a corrupt or non-pickle file
+            detail = [line for line in str(error).splitlines() if line.strip()][-2:-1] or ["unpickling failed"]
+            raise FlowliftError(f"{what}: cannot read {path}: not a tensor checkpoint ({detail[0][:120]})") from None
         # torch's own message advises weights_only=False, i.e. running the file's code: never.
         raise FlowliftError(
             f"{what}: {path} is a pickle that holds more than tensors; flowlift reads only safetensors or plain "
