@@ -153,3 +153,25 @@ def test_should_chunk_by_size_with_force_and_forbid():
     need = E.plain_peak_bytes(64, 64)
     assert E.should_chunk(64, 64, "cpu", budget_bytes=need - 1)
     assert not E.should_chunk(64, 64, "cpu", budget_bytes=need)
+
+
+def test_on_strip_reports_every_strip_and_can_cancel():
+    model = small_model(seed=3)
+    sample, small = torch.randn(1, 32, 24, 20), torch.randn(1, 32, 12, 10)
+    expected = E.ChunkedExecutor(model, chunk=5)(sample, 1000.0, small)
+    seen = []
+    executor = E.ChunkedExecutor(model, chunk=5, on_strip=lambda done, total: seen.append((done, total)))
+    out = executor(sample, 1000.0, small)
+    assert torch.equal(out, expected)  # the hook changes nothing
+    total = executor.count_strips(sample, 1000.0, small)
+    assert total > 20 and seen == [(i, total) for i in range(1, total + 1)]
+
+    class Cancelled(Exception):
+        pass
+
+    def cancel_at_third(done: int, total: int) -> None:
+        if done == 3:
+            raise Cancelled
+
+    with pytest.raises(Cancelled):
+        E.ChunkedExecutor(model, chunk=5, on_strip=cancel_at_third)(sample, 1000.0, small)

@@ -219,3 +219,17 @@ def test_bare_vae_module_is_wrapped(unet, vae):
     assert isinstance(wrapped.vae, TAEF2VAE) and wrapped.vae.model is vae.model
     with pytest.raises(FlowliftError):
         FlowUpscalerPipeline(unet, object(), device="cpu")
+
+
+def test_latent_only_pipeline_with_strip_progress_and_memory_budget(unet):
+    """vae=None upscales latents; on_strip sees every strip of chunked passes; a tiny budget chunks."""
+    latents = torch.randn(1, 32, 8, 6, generator=torch.Generator().manual_seed(4))
+    plain = FlowUpscalerPipeline(unet, vae=None, chunked=False).upscale_latents(latents, 2, seed=9)
+    seen: list[tuple[int, int]] = []
+    pipe = FlowUpscalerPipeline(unet, vae=None, chunk_budget_bytes=1, chunk_rows=3, on_strip=lambda *a: seen.append(a))
+    chunked = pipe.upscale_latents(latents, 2, seed=9)
+    torch.testing.assert_close(chunked, plain, rtol=0, atol=1e-4)
+    totals = sorted({total for _, total in seen})
+    assert len(totals) == 2 and len(seen) == sum(totals)  # two passes, every strip reported once
+    with pytest.raises(FlowliftError, match="without a VAE"):
+        pipe.upscale_image(torch.rand(1, 3, 16, 16), 1)

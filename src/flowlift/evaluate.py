@@ -16,6 +16,11 @@ the VAE's ceiling for any latent upscaler) and ``flow`` (the Flow Upscaler pipel
 ``transplant``, ``color_fix`` (strengths), ``color`` (on/off) and ``seed``, e.g.
 ``flow:transplant=0.5:seed=1``).
 
+``spandrel:PATH[:label][+colorfix]`` runs any single-image super-resolution model spandrel loads from
+a local file (:mod:`flowlift.pixel_upscaler`: native scale, tiled by memory, Lanczos to ``scale`` when
+the native scale differs); ``+colorfix`` then applies stage 2 against the low-res input
+(:func:`flowlift.colorfix_image.color_fix_array`).
+
 Results are cached per (method, image) under the cache folder: the key hashes the method and its
 options, the scale, the box, the input and ground-truth pixels, and -- for methods that use them --
 the VAE / upscaler identity (SHA-256 of their local weight files, or the hub id) and device/dtype.
@@ -43,6 +48,9 @@ CACHE_VERSION = 1
 PIXEL_METHODS = ("lanczos", "bicubic")
 VAE_METHODS = ("latent-bicubic", "vae-roundtrip", "flow")
 METHODS = PIXEL_METHODS + VAE_METHODS
+#: ``spandrel:PATH[:label][+colorfix]``: a pixel super-resolution model file (see parse_spandrel_method).
+SPANDREL = "spandrel"
+COLORFIX_SUFFIX = "+colorfix"
 FLOW_OPTIONS = {"transplant": float, "color_fix": float, "color": str, "seed": int}
 #: Size multiple of the low-res inputs (FLUX.2 latents are patchified 2x2 at 1/8 scale).
 INPUT_MULTIPLE = 16
@@ -63,7 +71,11 @@ class MethodSpec:
 
     @property
     def label(self) -> str:
-        """``name[:key=value...]`` as written on the command line (options sorted)."""
+        """``name[:key=value...]`` as written on the command line (options sorted); for spandrel
+        models ``spandrel:<label>[+colorfix]``."""
+        if self.name == SPANDREL:
+            opts = dict(self.options)
+            return f"{SPANDREL}:{opts['label']}" + (COLORFIX_SUFFIX if opts["colorfix"] else "")
         return ":".join([self.name] + [f"{k}={v}" for k, v in self.options])
 
     @property
@@ -82,6 +94,12 @@ def parse_methods(text: str | Sequence[str]) -> list[MethodSpec]:
     for item in items:
         for part in (p.strip() for p in item.split(",")):
             if not part:
+                continue
+            if part.lower().startswith(SPANDREL + ":"):
+                spec = parse_spandrel_method(part)
+                if spec.label in (s.label for s in specs):
+                    raise FlowliftError(f"method {spec.label} given twice (give models distinct labels)")
+                specs.append(spec)
                 continue
             name, *opts = part.split(":")
             name = name.strip().lower()
@@ -102,6 +120,52 @@ def parse_methods(text: str | Sequence[str]) -> list[MethodSpec]:
     if not specs:
         raise FlowliftError("no methods given")
     return specs
+
+
+def parse_spandrel_method(text: str) -> MethodSpec:
+    """``spandrel:PATH[:label][+colorfix]`` -> a spec with options ``colorfix``, ``label``, ``path``.
+
+    ``PATH`` must end in a model suffix (``.safetensors``, ``.pth``, ...); a ``:label`` after it
+    names the row (default: the file's stem), so paths may themselves contain colons. ``+colorfix``
+    (at the end, or right after the path) adds stage 2 against the low-res input.
+    """
+    from flowlift.weights import WEIGHT_SUFFIXES
+
+    body = text.strip()[len(SPANDREL) + 1 :].strip()
+    colorfix = body.lower().endswith(COLORFIX_SUFFIX)
+    if colorfix:
+        body = body[: -len(COLORFIX_SUFFIX)]
+    path, label = body, ""
+    head, sep, tail = body.rpartition(":")
+    if sep and head.lower().removesuffix(COLORFIX_SUFFIX).endswith(WEIGHT_SUFFIXES):
+        path, label = head, tail.strip()
+    if path.lower().endswith(COLORFIX_SUFFIX):
+        path, colorfix = path[: -len(COLORFIX_SUFFIX)], True
+    if not path.lower().endswith(WEIGHT_SUFFIXES):
+        raise FlowliftError(
+            f"method {text!r}: spandrel: takes a model file ({', '.join(WEIGHT_SUFFIXES)}), "
+            "e.g. spandrel:4x-UltraSharp.safetensors:ultrasharp"
+        )
+    label = label or Path(path).stem
+    if not re.fullmatch(r"[A-Za-z0-9_.=-]+", label):
+        raise FlowliftError(f"method {text!r}: label {label!r} may hold only letters, digits and _ . = -")
+    return MethodSpec(SPANDREL, (("colorfix", colorfix), ("label", label), ("path", path)))
+
+
+def spandrel_method_fn(model: Any, scale: int, colorfix: bool) -> MethodFn:
+    """``fn(lowres, ground_truth)`` of a loaded :class:`flowlift.pixel_upscaler.PixelUpscaler`: the
+    model at ``scale`` (Lanczos from its native scale if they differ), then stage 2 against the
+    low-res input when ``colorfix``."""
+
+    def run(low: np.ndarray, gt: np.ndarray) -> np.ndarray:
+        out = model.upscale(low, scale)
+        if colorfix:
+            from flowlift.colorfix_image import color_fix_array
+
+            out = color_fix_array(out, low, 1.0, device=model.device)
+        return out
+
+    return run
 
 
 def _parse_flow_option(key: str, value: str) -> Any:
@@ -392,6 +456,7 @@ class EvalReport:
             "summary": self.summary(),
             "images": self.results,
             "cache": {"reused": self.cached, "computed": self.computed},
+            "figure": {"crop_columns": {c: sorted(self.crops.get(c, {})) for c in self.crop_columns}},
         }
 
 
@@ -497,8 +562,16 @@ def make_method_fn(
     pipeline=None,
     device: Any = "cpu",
     dtype: Any = None,
+    pixel_models: dict[str, Any] | None = None,
 ) -> MethodFn:
-    """``fn(lowres, ground_truth) -> output`` (uint8 HWC) for one method."""
+    """``fn(lowres, ground_truth) -> output`` (uint8 HWC) for one method. ``pixel_models`` maps a
+    spandrel method's path to its loaded :class:`flowlift.pixel_upscaler.PixelUpscaler`."""
+    if spec.name == SPANDREL:
+        opts = dict(spec.options)
+        model = (pixel_models or {}).get(opts["path"])
+        if model is None:
+            raise FlowliftError(f"method {spec.label} needs its model loaded (flowlift.pixel_upscaler)")
+        return spandrel_method_fn(model, scale, opts["colorfix"])
     if spec.name in PIXEL_METHODS:
         return lambda low, gt: pixel_upscale(low, scale, spec.name)
     if vae is None:
@@ -596,6 +669,8 @@ def evaluate_methods(
                     fields.update({k: identities.get(k) for k in ("vae", "device", "dtype")})
                 if spec.name == "flow":
                     fields["upscaler"] = identities.get("upscaler")
+                if spec.name == SPANDREL:
+                    fields.update(_spandrel_key_fields(identities, dict(spec.options)["path"], low.shape))
                 key = cache_key(fields)
                 hit = cache.load(spec.label, name, key)
                 if hit is not None:
@@ -620,6 +695,20 @@ def evaluate_methods(
     finally:
         bar.close()
     return report
+
+
+def _spandrel_key_fields(identities: dict[str, Any], path: str, low_shape: tuple[int, ...]) -> dict[str, Any]:
+    """What a spandrel result depends on: the model file's digest, device, dtype, and the tiling
+    actually used for this input (none when it fits in one tile)."""
+    info = (identities.get("spandrel") or {}).get(path, {})
+    tile = info.get("tile")
+    tiled = tile is not None and max(low_shape[:2]) > tile
+    return {
+        "model": info.get("model"),
+        "device": info.get("device"),
+        "dtype": info.get("dtype"),
+        "tiling": [tile, info.get("overlap")] if tiled else None,
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -669,7 +758,12 @@ def markdown_table(report: EvalReport) -> str:
             cells = [label, row_name] + [_cell(values, k, f) for k, _, f in columns]
             lines.append("| " + " | ".join(cells) + " |")
     n = len(next(iter(report.results.values()), {}))
-    return "\n".join(lines) + f"\n\n{n} image(s); drift and PSNR in at input scale (INTER_AREA), Lab units.\n"
+    notes = [f"{info['labels']}: {info['note']}" for info in (report.config.get("spandrel") or {}).values()]
+    return (
+        "\n".join(lines)
+        + f"\n\n{n} image(s); drift and PSNR in at input scale (INTER_AREA), Lab units.\n"
+        + "".join(f"{note}\n" for note in notes)
+    )
 
 
 FIGURE_METRICS = (

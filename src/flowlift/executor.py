@@ -54,6 +54,8 @@ DEFAULT_CPU_BUDGET_BYTES = 1 << 30
 CUDA_BUDGET_FRACTION = 0.5
 
 RowFn = Callable[[int, int], torch.Tensor]
+#: ``on_strip(done, total)``: called after every strip of a forward; may raise to cancel the run.
+StripCallback = Callable[[int, int], None]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -305,6 +307,10 @@ class ChunkedExecutor:
     a GPU larger strips, e.g. ``chunk=256``, use the device better). Full-frame activations are kept
     on ``offload_device`` (default: the model's device); strips are computed on the model's device.
     Inference only: dropout is never applied, whatever ``model.training`` says.
+
+    ``on_strip(done, total)`` (optional) is called after every strip, ``total`` being the forward's
+    number of strips (counted beforehand by a dry run of the same layer walk that computes nothing);
+    front-ends use it for progress, and an exception it raises (a user's cancel) stops the forward.
     """
 
     def __init__(
@@ -312,12 +318,17 @@ class ChunkedExecutor:
         model: FlowUpscalerUNet,
         chunk: int | None = None,
         offload_device: str | torch.device | None = None,
+        on_strip: StripCallback | None = None,
     ) -> None:
         if chunk is not None and int(chunk) < 1:
             raise ValueError(f"chunk must be a positive number of rows, got {chunk}")
         self.model = model
         self.chunk = None if chunk is None else int(chunk)
         self.offload_device = torch.device(offload_device) if offload_device is not None else None
+        self.on_strip = on_strip
+        self._counting = False
+        self._strips_done = 0
+        self._strips_total = 0
 
     def __call__(
         self, sample: torch.Tensor, timestep: torch.Tensor | float, latents_small: torch.Tensor
@@ -330,7 +341,46 @@ class ChunkedExecutor:
         self.acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self.ref_width = sample.shape[3]
         with torch.no_grad():
+            if self.on_strip is not None:
+                self._strips_total = self.count_strips(sample, timestep, latents_small)
+                self._strips_done = 0
             return self._forward(sample, timestep, latents_small)
+
+    def count_strips(
+        self, sample: torch.Tensor, timestep: torch.Tensor | float, latents_small: torch.Tensor
+    ) -> int:
+        """Strips one forward on these inputs computes: the same layer walk with every strip skipped."""
+        param = self.model.in_conv.weight
+        self.device, self.dtype = param.device, param.dtype
+        self.store_device = self.offload_device or self.device
+        self.acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        self.ref_width = sample.shape[3]
+        self._counting, self._strips_total = True, 0
+        try:
+            with torch.no_grad():
+                self._forward(sample, timestep, latents_small)
+        finally:
+            self._counting = False
+        return self._strips_total
+
+    def _strip_finished(self) -> None:
+        if self.on_strip is not None:
+            self._strips_done += 1
+            self.on_strip(self._strips_done, self._strips_total)
+
+    def _dry_frame(self, shape: tuple[int, int, int, int]) -> Frame:
+        """A placeholder frame of the counting walk: no buffer, neutral statistics (the norms need some)."""
+        batch, channels = shape[0], shape[1]
+        stats = ChannelStats(
+            1,
+            torch.zeros(batch, channels, dtype=self.acc_dtype, device=self.device),
+            torch.ones(batch, channels, dtype=self.acc_dtype, device=self.device),
+        )
+        return Frame(self._no_read, tuple(shape), None, stats)
+
+    @staticmethod
+    def _no_read(a: int, b: int) -> torch.Tensor:
+        raise RuntimeError("the strip-counting walk must not read rows")
 
     def _forward(self, sample: torch.Tensor, timestep: torch.Tensor | float, small: torch.Tensor) -> torch.Tensor:
         m = self.model
@@ -389,6 +439,8 @@ class ChunkedExecutor:
         return max(1, (chunk * self.ref_width) // max(1, width))
 
     def _input(self, tensor: torch.Tensor) -> Frame:
+        if self._counting:
+            return self._dry_frame(tuple(tensor.shape))
         stored = tensor if self.offload_device is None else tensor.to(self.store_device)
         return self._stored(stored, None)
 
@@ -412,6 +464,9 @@ class ChunkedExecutor:
         Writing over a frame that ``rows`` reads is safe when strip ``[a, b)`` reads that frame only
         at rows ``[a, b)``: later strips then read rows not yet written.
         """
+        if self._counting:
+            self._strips_total += len(range(0, shape[2], self._rows(shape[3])))
+            return self._dry_frame(shape)
         if into is None:
             where = device or self.store_device
             # page-locked host stores make the per-strip copies to and from a CUDA device faster
@@ -433,6 +488,7 @@ class ChunkedExecutor:
                 part = ChannelStats.of(written, self.acc_dtype)
                 collected = part if collected is None else collected.merge(part)
             del written
+            self._strip_finished()
         return self._stored(into, collected)
 
     # -- layers ----------------------------------------------------------------------------------
@@ -557,8 +613,12 @@ class ChunkedExecutor:
             return upsample2x_rows(x.read, x.height, a, b)
 
         step = self._rows(width)
+        if self._counting:
+            self._strips_total += len(range(0, height, step))
+            return Frame(rows, (x.shape[0], x.shape[1], height, width), None, self._dry_frame(x.shape).stats)
         collected: ChannelStats | None = None
         for a in range(0, height, step):
             part = ChannelStats.of(rows(a, min(a + step, height)), self.acc_dtype)
             collected = part if collected is None else collected.merge(part)
+            self._strip_finished()
         return Frame(rows, (x.shape[0], x.shape[1], height, width), None, collected)

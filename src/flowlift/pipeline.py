@@ -118,6 +118,14 @@ class FlowUpscalerPipeline:
         ``None`` switches it on by size (:func:`flowlift.executor.should_chunk`), True/False force it.
     vae_tiled:
         Passed to the VAE's ``encode``/``decode`` as ``tiled`` (``None``: the VAE decides by size).
+    chunk_budget_bytes:
+        Memory the plain UNet forward may use before chunking switches on (``chunked=None``); by
+        default :func:`flowlift.executor.should_chunk`'s (half the free CUDA memory, 1 GiB on the CPU).
+    on_strip:
+        ``on_strip(done, total)``, called after every strip of a chunked pass (progress; an exception
+        it raises, e.g. a user's cancel, stops the pass). See :class:`flowlift.executor.ChunkedExecutor`.
+
+    ``vae=None`` makes a latent-only pipeline: :meth:`upscale_latents` works, the image methods raise.
     """
 
     MAX_OUTPUT_SIDE = MAX_OUTPUT_SIDE
@@ -134,6 +142,8 @@ class FlowUpscalerPipeline:
         vae_tiled: bool | None = None,
         chunk_rows: int | None = None,
         offload_device: torch.device | str | None = None,
+        chunk_budget_bytes: int | None = None,
+        on_strip: Callable[[int, int], None] | None = None,
     ) -> None:
         param = first_parameter(upscaler) if not isinstance(upscaler, (str, os.PathLike)) else None
         if device is None:
@@ -149,8 +159,10 @@ class FlowUpscalerPipeline:
         self.vae_tiled = vae_tiled
         self.chunk_rows = chunk_rows
         self.offload_device = offload_device
+        self.chunk_budget_bytes = chunk_budget_bytes
+        self.on_strip = on_strip
         self.upscaler, self.upscaler_path = load_pipeline_upscaler(upscaler, self.device, self.dtype)
-        self.vae, self.vae_spec = load_pipeline_vae(vae, self.device, self.dtype)
+        self.vae, self.vae_spec = (None, None) if vae is None else load_pipeline_vae(vae, self.device, self.dtype)
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -167,6 +179,8 @@ class FlowUpscalerPipeline:
         return dtype if isinstance(dtype, torch.dtype) else self.dtype
 
     def _vae_call(self, method: str, x: torch.Tensor) -> torch.Tensor:
+        if self.vae is None:
+            raise FlowliftError("this pipeline was made without a VAE (vae=None): it upscales latents only")
         fn = getattr(self.vae, method)
         if self.vae_tiled is None:
             return fn(x)
@@ -182,6 +196,8 @@ class FlowUpscalerPipeline:
             chunked=self.chunked,
             chunk_rows=self.chunk_rows,
             offload_device=self.offload_device,
+            budget_bytes=self.chunk_budget_bytes,
+            on_strip=self.on_strip,
         )
 
     def plan_passes(self, image_height: int, image_width: int, num_passes: int, resize_mode: str = "pad") -> int:

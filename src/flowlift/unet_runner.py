@@ -26,11 +26,15 @@ def velocity_model(
     chunked: bool | None = None,
     chunk_rows: int | None = None,
     offload_device: torch.device | str | None = None,
+    budget_bytes: int | None = None,
+    on_strip: Callable[[int, int], None] | None = None,
 ) -> Callable:
     """The UNet, or a ChunkedExecutor around it when chunking is on for this (B, C, H, W) sample.
 
     ``chunked``: ``False`` never chunks, ``True`` always (a custom model that is not a
-    ``FlowUpscalerUNet`` then raises), ``None`` chunks by size.
+    ``FlowUpscalerUNet`` then raises), ``None`` chunks by size (above ``budget_bytes`` of estimated
+    plain-forward memory; default: :func:`flowlift.executor.should_chunk`'s). ``on_strip`` goes to the
+    executor (progress and cancel per strip).
     """
     if chunked is False:
         return upscaler
@@ -45,9 +49,11 @@ def velocity_model(
         return upscaler
     batch, _, height, width = sample_shape
     base = int(upscaler.config.get("base_channels", 384))
-    if not should_chunk(height, width, device, batch=batch, base_channels=base, dtype=dtype, force=chunked):
+    if not should_chunk(
+        height, width, device, batch=batch, base_channels=base, dtype=dtype, force=chunked, budget_bytes=budget_bytes
+    ):
         return upscaler
-    kwargs: dict[str, Any] = {"offload_device": offload_device}
+    kwargs: dict[str, Any] = {"offload_device": offload_device, "on_strip": on_strip}
     if chunk_rows is not None:
         kwargs["chunk"] = chunk_rows
     return ChunkedExecutor(upscaler, **kwargs)

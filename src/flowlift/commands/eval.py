@@ -5,6 +5,8 @@ Two modes::
     flowlift eval OUTPUTS... --reference INPUTS [--ground-truth GT] [--box x,y,w,h] --out DIR
     flowlift eval --run lanczos,bicubic,latent-bicubic,vae-roundtrip --dataset PHOTOS --scale 4 \
         --vae PATH [--upscaler PATH] --out DIR
+    flowlift eval --run lanczos,spandrel:4x-UltraSharp.pth:ultrasharp,spandrel:4x-UltraSharp.pth+colorfix \
+        --dataset PHOTOS --scale 4 --out DIR
 
 Both print a Markdown table (mean and worst rows) and write ``results.json``, ``table.md``,
 ``metrics.png`` and ``crops.png`` into ``--out``.
@@ -14,6 +16,23 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+EPILOG = """\
+methods for --run:
+  lanczos, bicubic                      Pillow resize (pixel space)
+  latent-bicubic, vae-roundtrip         need --vae
+  flow[:transplant=F][:color_fix=F][:color=on|off][:seed=N]
+                                        the Flow Upscaler (needs --vae and --upscaler)
+  spandrel:PATH[:label][+colorfix]      any single-image super-resolution model spandrel loads from a
+                                        local .safetensors/.pth file (Real-ESRGAN, HAT, SwinIR, ...;
+                                        pip install -e ".[pixel]"); run at its native scale, tiled by
+                                        memory, Lanczos-resized to --scale if that differs; +colorfix
+                                        adds flowlift's stage-2 colour fix against the input
+
+example (a model, the same model with the colour fix, and Lanczos, on your photos at 4x):
+  flowlift eval --dataset photos/ --scale 4 --out report/ --run lanczos \\
+      --run spandrel:models/4x-UltraSharp.pth:ultrasharp --run spandrel:models/4x-UltraSharp.pth:ultrasharp+colorfix
+"""
 
 NAME = "eval"
 HELP = "Measure colour drift, detail and fidelity of outputs or of upscaling methods; write tables and plots."
@@ -30,12 +49,15 @@ def _box(text: str) -> tuple[int, int, int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
     parser.add_argument("outputs", nargs="*", help="output images or folders (paired with --reference by name)")
     parser.add_argument("--reference", help="folder of the inputs the outputs were made from")
     parser.add_argument("--ground-truth", help="folder of same-named ground-truth images (adds PSNR/SSIM)")
     parser.add_argument("--run", action="append", metavar="METHODS",
                         help="methods to run, comma-separated: lanczos, bicubic, latent-bicubic, "
-                        "vae-roundtrip, flow[:transplant=F][:color_fix=F][:color=on|off][:seed=N]")  # fmt: skip
+                        "vae-roundtrip, flow[:transplant=F][:color_fix=F][:color=on|off][:seed=N], "
+                        "spandrel:PATH[:label][+colorfix] (see below)")  # fmt: skip
     parser.add_argument("--dataset", action="append", help="photos (files/folders) to build low-res inputs from")
     parser.add_argument("--scale", type=int, default=4, help="upscale factor for --run (default 4)")
     parser.add_argument("--limit", type=int, help="use only the first N dataset images")
@@ -43,8 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and the figure crops it")  # fmt: skip
     parser.add_argument("--vae", default=None, help="VAE for latent methods: local file/folder or hub id")
     parser.add_argument("--upscaler", default=None, help="Flow Upscaler weights (for the flow method)")
-    parser.add_argument("--device", default="cpu", help="torch device for VAE/upscaler methods (default cpu)")
+    parser.add_argument("--device", default="cpu", help="torch device for VAE, upscaler, spandrel models (default cpu)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--tile", default="auto", help="spandrel models: tile side in input pixels, 'auto' (by "
+                        "memory, the default) or 'none'")  # fmt: skip
+    parser.add_argument("--tile-overlap", type=int, default=None, metavar="PX",
+                        help="spandrel models: input pixels of context around each tile (default 32)")  # fmt: skip
     parser.add_argument("--out", required=True, help="folder for results.json, table.md, metrics.png, crops.png")
     parser.add_argument("--cache", default=None, help="result cache folder (default OUT/cache)")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything, store nothing")
@@ -120,8 +146,11 @@ def _run_methods(args: argparse.Namespace, E):
 
         pipeline = FlowUpscalerPipeline(args.upscaler, vae, device=device, dtype=dtype)
         identities.update(upscaler=E.model_identity(args.upscaler), upscaler_spec=str(args.upscaler))
+    pixel_models = _load_pixel_models(args, specs, device, dtype, identities, E)
     fns = {
-        s.label: E.make_method_fn(s, args.scale, vae=vae, pipeline=pipeline, device=device, dtype=dtype)
+        s.label: E.make_method_fn(
+            s, args.scale, vae=vae, pipeline=pipeline, device=device, dtype=dtype, pixel_models=pixel_models
+        )
         for s in specs
     }
     cache_dir = None if args.no_cache else Path(args.cache) if args.cache else Path(args.out) / "cache"
@@ -137,3 +166,44 @@ def _run_methods(args: argparse.Namespace, E):
         figure_images=args.figure_images,
         progress=not args.quiet,
     )
+
+
+def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identities: dict, E) -> dict:
+    """Load every spandrel model once (by path); record what identifies it in ``identities["spandrel"]``."""
+    from flowlift.errors import FlowliftError
+    from flowlift.pixel_upscaler import DEFAULT_OVERLAP, load_pixel_upscaler
+
+    paths: dict[str, list[str]] = {}
+    for s in specs:
+        if s.name == E.SPANDREL:
+            paths.setdefault(dict(s.options)["path"], []).append(s.label)
+    if not paths:
+        return {}
+    tile_text = str(args.tile).strip().lower()
+    if tile_text in ("auto", "none"):
+        tile = None if tile_text == "none" else "auto"
+    else:
+        try:
+            tile = int(tile_text)
+        except ValueError:
+            raise FlowliftError(f"--tile must be a number of pixels, auto or none, got {args.tile!r}") from None
+    overlap = DEFAULT_OVERLAP if args.tile_overlap is None else args.tile_overlap
+    if overlap < 0:
+        raise FlowliftError(f"--tile-overlap must be >= 0, got {overlap}")
+    models = {}
+    info = identities.setdefault("spandrel", {})
+    for path, labels in paths.items():
+        model = load_pixel_upscaler(path, device, dtype, tile=tile, overlap=overlap)
+        models[path] = model
+        info[path] = {
+            "labels": ", ".join(labels),
+            "model": E.model_identity(path),
+            "architecture": model.architecture,
+            "native_scale": model.native_scale,
+            "tile": model.tile,
+            "overlap": model.overlap,
+            "device": str(device),
+            "dtype": args.dtype,
+            "note": model.describe(args.scale),
+        }
+    return models

@@ -1,0 +1,91 @@
+"""ComfyUI's tensor layouts <-> flowlift's, and the checks the nodes make on their inputs.
+
+ComfyUI ``IMAGE``: float (B, H, W, C) in [0, 1]. ComfyUI FLUX.2 ``LATENT``: ``{"samples": (B, 128, h, w)}``,
+normalized and patchified (:func:`flowlift.latents.to_comfyui_latent`), optionally with ``noise_mask``
+and ``batch_index``. No ComfyUI import here: these are plain tensor functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from flowlift.errors import FlowliftError
+from flowlift.latents import PATCHIFIED_CHANNELS, from_comfyui_latent, patchify
+
+SCALES = ("2x", "4x", "8x")
+CHUNKING = ("auto", "always", "never")
+
+
+def passes_for(scale: str) -> int:
+    """'2x' -> 1, '4x' -> 2, '8x' -> 3 passes."""
+    if scale not in SCALES:
+        raise FlowliftError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
+    return SCALES.index(scale) + 1
+
+
+def chunked_flag(chunked: str) -> bool | None:
+    """The pipeline's ``chunked`` argument: 'auto' -> None (by free memory), 'always' -> True, 'never' -> False."""
+    if chunked not in CHUNKING:
+        raise FlowliftError(f"chunked must be one of {', '.join(CHUNKING)}, got {chunked!r}")
+    return {"auto": None, "always": True, "never": False}[chunked]
+
+
+def image_to_nchw(image: torch.Tensor, what: str = "image") -> torch.Tensor:
+    """ComfyUI IMAGE (B, H, W, C>=3) -> float32 (B, 3, H, W); an alpha channel is dropped."""
+    if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[-1] < 3:
+        shape = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
+        raise FlowliftError(f"{what}: expected a ComfyUI IMAGE of shape (batch, height, width, 3), got {shape}")
+    return image[..., :3].movedim(-1, 1).to(torch.float32)
+
+
+def nchw_to_image(images: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """float (B, 3, H, W) -> ComfyUI IMAGE (B, H, W, 3) float32 on ``device``, clamped to [0, 1]."""
+    return images.clamp(0.0, 1.0).movedim(1, -1).to(device=device, dtype=torch.float32).contiguous()
+
+
+def flux2_latents(latent: Any, what: str) -> torch.Tensor:
+    """A ComfyUI FLUX.2 LATENT dict -> flowlift latents (B, 32, 2h, 2w); anything else is one clear error."""
+    samples = latent.get("samples") if isinstance(latent, dict) else None
+    if not isinstance(samples, torch.Tensor) or samples.ndim != 4 or samples.shape[1] != PATCHIFIED_CHANNELS:
+        shape = tuple(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
+        raise FlowliftError(
+            f"{what} needs a FLUX.2 LATENT (batch, {PATCHIFIED_CHANNELS}, h, w) from the FLUX.2 VAE or TAEF2, "
+            f"got samples of shape {shape}"
+        )
+    return from_comfyui_latent({"samples": samples.to(torch.float32)})
+
+
+def upscaled_latent_dict(latent: dict, latents: torch.Tensor, device: torch.device | str) -> dict:
+    """The output LATENT: ``latent``'s other entries kept (``batch_index`` ...), ``samples`` replaced by
+    ``latents`` patchified, and a ``noise_mask`` resized by the same factor as the latent (bilinear)."""
+    out = dict(latent)
+    old = latent["samples"]
+    samples = patchify(latents).to(device=device, dtype=torch.float32)
+    out["samples"] = samples
+    mask = latent.get("noise_mask")
+    if isinstance(mask, torch.Tensor):
+        factor = samples.shape[-1] // old.shape[-1]
+        shaped = mask.reshape(-1, 1, *mask.shape[-2:]).to(torch.float32)
+        size = (shaped.shape[-2] * factor, shaped.shape[-1] * factor)
+        out["noise_mask"] = F.interpolate(shaped, size=size, mode="bilinear", align_corners=False).to(
+            device=device, dtype=mask.dtype if mask.is_floating_point() else torch.float32
+        )
+    return out
+
+
+def matched_reference(images: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """The colour reference for a batch: a single reference image serves the whole batch; sizes must be
+    an integer multiple (stage 2's exact low-band transplant is defined on integer area blocks)."""
+    batch, _, height, width = images.shape
+    ref_batch, _, h, w = reference.shape
+    if ref_batch not in (1, batch):
+        raise FlowliftError(f"colour fix: {ref_batch} reference images for {batch} images (give 1 or {batch})")
+    if height % h or width % w:
+        raise FlowliftError(
+            f"colour fix: the image ({width}x{height}) must be an integer multiple of the reference ({w}x{h}) in "
+            "each direction; resize one of them first (e.g. ImageScale to an exact multiple)"
+        )
+    return reference.expand(batch, -1, -1, -1) if ref_batch != batch else reference

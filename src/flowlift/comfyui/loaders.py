@@ -1,0 +1,85 @@
+"""The two loader nodes: the Flow Upscaler from models/latent_upscale_models, TAEF2 from models/vae_approx.
+
+Both read through ComfyUI's folder helpers (so ``extra_model_paths.yaml`` folders count) and load with
+flowlift's strict loaders (one-line errors).
+"""
+
+from __future__ import annotations
+
+import os
+
+import comfy.model_management as mm
+import comfy.model_patcher
+import folder_paths
+import torch
+
+from flowlift.comfyui.vae_adapters import TAEF2ComfyVAE
+from flowlift.errors import FlowliftError
+from flowlift.models.upscaler_unet import load_upscaler
+from flowlift.vae import TAEF2VAE, load_vae
+
+UPSCALER_FOLDER = "latent_upscale_models"
+TAEF2_FOLDER = "vae_approx"
+UPSCALER_TYPE = "FLOWLIFT_UPSCALER"
+CATEGORY = "flowlift"
+
+
+def ensure_model_folders() -> None:
+    """Register our model folders only where this ComfyUI lacks them; core entries are never replaced
+    (replacing them would drop the folders users add in extra_model_paths.yaml)."""
+    for name in (UPSCALER_FOLDER, TAEF2_FOLDER):
+        if name not in folder_paths.folder_names_and_paths:
+            folder_paths.add_model_folder_path(name, os.path.join(folder_paths.models_dir, name))
+
+
+class FlowliftUpscalerLoader:
+    """A Flow Upscaler checkpoint from models/latent_upscale_models (released file or `flowlift train` output)."""
+
+    DESCRIPTION = "Loads a Flow Upscaler checkpoint (strictly) from models/latent_upscale_models."
+    CATEGORY = CATEGORY
+    RETURN_TYPES = (UPSCALER_TYPE,)
+    RETURN_NAMES = ("upscaler",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict:  # noqa: N802 - ComfyUI's name
+        return {"required": {"upscaler_name": (folder_paths.get_filename_list(UPSCALER_FOLDER),)}}
+
+    def load(self, upscaler_name: str) -> tuple:
+        path = folder_paths.get_full_path_or_raise(UPSCALER_FOLDER, upscaler_name)
+        load_device = mm.get_torch_device()
+        dtype = torch.bfloat16 if load_device.type == "cuda" and mm.should_use_bf16(load_device) else torch.float32
+        unet = load_upscaler(path, device="cpu", dtype=dtype)
+        offload_device = mm.unet_offload_device()
+        return (comfy.model_patcher.ModelPatcher(unet, load_device=load_device, offload_device=offload_device),)
+
+
+class FlowliftTAEF2Loader:
+    """TAEF2 (tiny FLUX.2 autoencoder) from models/vae_approx as a ComfyUI VAE in the FLUX.2 LATENT layout."""
+
+    DESCRIPTION = (
+        "Loads TAEF2 from models/vae_approx (taef2_encoder + taef2_decoder, either released key layout): a fast, "
+        "approximate FLUX.2 VAE for VAEEncode/VAEDecode/VAEDecodeTiled and FlowliftUpscaleImage."
+    )
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("VAE",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict:  # noqa: N802
+        names = [n for n in folder_paths.get_filename_list(TAEF2_FOLDER) if "taef2" in os.path.basename(n).lower()]
+        return {
+            "required": {
+                "taef2_name": (
+                    names,
+                    {"tooltip": "a TAEF2 file; its encoder/decoder partner next to it is loaded with it"},
+                )
+            }
+        }
+
+    def load(self, taef2_name: str) -> tuple:
+        path = folder_paths.get_full_path_or_raise(TAEF2_FOLDER, taef2_name)
+        vae = load_vae(path, device="cpu", dtype=torch.float32)
+        if not isinstance(vae, TAEF2VAE):
+            raise FlowliftError(f"FlowliftTAEF2Loader: {taef2_name} is not a TAEF2 checkpoint")
+        return (TAEF2ComfyVAE(vae),)

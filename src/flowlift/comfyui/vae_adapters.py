@@ -1,0 +1,135 @@
+"""VAEs between ComfyUI and flowlift.
+
+* :class:`ComfyFlux2VAE` gives a ComfyUI FLUX.2 ``VAE`` object flowlift's VAE interface
+  (``encode``/``decode`` on NCHW images and normalized 32-channel latents), so that
+  :class:`flowlift.pipeline.FlowUpscalerPipeline` runs on it. ComfyUI keeps doing the work: memory
+  management, batching, and its own tiled decode (used for large outputs).
+* :class:`TAEF2ComfyVAE` is the other direction: flowlift's TAEF2 as a ComfyUI ``VAE`` (a subclass of
+  ``comfy.sd.VAE``), so that VAEEncode / VAEDecode / VAEDecodeTiled accept it, in ComfyUI's FLUX.2
+  LATENT layout (128 channels, patchified, normalized — TAEF2's encoder already outputs normalized
+  latents).
+
+Needs ComfyUI (``comfy``) on the import path.
+"""
+
+from __future__ import annotations
+
+import comfy.model_management as mm
+import comfy.model_patcher
+import comfy.sd
+import torch
+
+from flowlift.errors import FlowliftError
+from flowlift.latents import PATCHIFIED_CHANNELS, patchify, unpatchify
+from flowlift.vae import TAEF2VAE
+
+#: ComfyUI FLUX.2 decodes above this many output pixels go through ComfyUI's tiled decode.
+TILED_DECODE_PIXELS = 2048 * 2048
+#: Tiles of that decode, in 128-channel latent pixels (16 image pixels each): 1024 px tiles, 256 px overlap.
+TILE_LATENT, TILE_OVERLAP_LATENT = 64, 16
+#: Activation bytes per image pixel and per byte of dtype, TAEF2 (64-channel full-resolution convolutions,
+#: a few live at once): ComfyUI uses the estimate to decide what to unload before a run.
+TAEF2_BYTES_PER_PIXEL = 64 * 6
+
+
+class ComfyFlux2VAE:
+    """flowlift's VAE interface over a ComfyUI FLUX.2 ``VAE`` (any VAE whose LATENT is (B, 128, H/16, W/16)).
+
+    ``encode``: NCHW [0, 1] -> ComfyUI's VAE.encode (NHWC) -> unpatchify -> normalized (B, 32, H/8, W/8).
+    ``decode``: the inverse; ComfyUI's VAE clamps its output to [0, 1]. Results are moved to ``device``.
+    """
+
+    spatial_factor = 8
+    approximate_decode = False
+    dtype = torch.float32
+
+    def __init__(self, vae: comfy.sd.VAE, device: torch.device, tile_above_pixels: int = TILED_DECODE_PIXELS):
+        channels = getattr(vae, "latent_channels", None)
+        ratio = vae.spacial_compression_encode() if hasattr(vae, "spacial_compression_encode") else None
+        if channels != PATCHIFIED_CHANNELS or ratio != 2 * self.spatial_factor:
+            raise FlowliftError(
+                f"the Flow Upscaler needs a FLUX.2 VAE (128-channel latents at 1/16 size) or TAEF2, got a VAE with "
+                f"{channels} latent channels at 1/{ratio} size"
+            )
+        self.vae = vae
+        self.device = torch.device(device)
+        self.tile_above_pixels = tile_above_pixels
+
+    def encode(self, images: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
+        samples = self.vae.encode(images.movedim(1, -1))
+        return unpatchify(samples.to(torch.float32)).to(self.device)
+
+    def decode(self, latents: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
+        samples = patchify(latents.to(torch.float32))
+        pixels = samples.shape[-2] * samples.shape[-1] * (2 * self.spatial_factor) ** 2
+        if tiled if tiled is not None else pixels > self.tile_above_pixels:
+            images = self.vae.decode_tiled(
+                samples, tile_x=TILE_LATENT, tile_y=TILE_LATENT, overlap=TILE_OVERLAP_LATENT
+            )
+        else:
+            images = self.vae.decode(samples)
+        return images.movedim(-1, 1).to(device=self.device, dtype=torch.float32)
+
+
+class TAEF2LatentModel(torch.nn.Module):
+    """TAEF2 speaking ComfyUI's FLUX.2 LATENT: ``encode`` [0, 1] NCHW -> (B, 128, H/16, W/16), ``decode`` back.
+
+    Full frame or flowlift's exact tiling, chosen by size (:class:`flowlift.vae.TAEF2VAE`).
+    """
+
+    def __init__(self, taef2: TAEF2VAE) -> None:
+        super().__init__()
+        self.taef2 = taef2.model  # registered, so ComfyUI's ModelPatcher moves and measures it
+        self.adapter = taef2
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        return patchify(self.adapter.encode(images))
+
+    def decode(self, samples: torch.Tensor) -> torch.Tensor:
+        return self.adapter.decode(unpatchify(samples))
+
+
+class TAEF2ComfyVAE(comfy.sd.VAE):
+    """flowlift's TAEF2 as a ComfyUI ``VAE``: ComfyUI's own encode/decode/tiled code drives it.
+
+    ``comfy.sd.VAE.__init__`` builds a model from a state dict by key sniffing (no TAEF2 there), so
+    this sets the same attributes itself and leaves every method to ComfyUI.
+    """
+
+    def __init__(self, taef2: TAEF2VAE) -> None:  # deliberately not calling super().__init__
+        def bytes_for(pixels: int, dtype: torch.dtype) -> int:
+            return int(TAEF2_BYTES_PER_PIXEL * pixels * mm.dtype_size(dtype))
+
+        self.memory_used_encode = lambda shape, dtype: bytes_for(shape[0] * shape[-2] * shape[-1], dtype)
+        self.memory_used_decode = lambda shape, dtype: bytes_for(shape[0] * shape[-2] * shape[-1] * 256, dtype)
+        self.downscale_ratio = self.upscale_ratio = 16
+        self.latent_channels = PATCHIFIED_CHANNELS
+        self.latent_dim = 2
+        self.output_channels = 3
+        self.pad_channel_value = None
+        self.process_input = lambda image: image  # TAEF2 takes [0, 1] images
+        self.process_output = lambda image: torch.clamp(image, min=0.0, max=1.0)
+        self.working_dtypes = [torch.float16, torch.bfloat16, torch.float32]
+        self.disable_offload = False
+        self.not_video = False
+        self.size = None
+        self.downscale_index_formula = None
+        self.upscale_index_formula = None
+        self.extra_1d_channel = None
+        self.crop_input = True
+
+        self.first_stage_model = TAEF2LatentModel(taef2).eval()
+        self.device = mm.vae_device()
+        offload_device = mm.vae_offload_device()
+        self.vae_dtype = mm.vae_dtype(self.device, self.working_dtypes)
+        self.first_stage_model.to(self.vae_dtype)
+        self.output_device = mm.intermediate_device()
+        self.patcher = comfy.model_patcher.ModelPatcher(
+            self.first_stage_model, load_device=self.device, offload_device=offload_device
+        )
+        self.model_size()
+
+    @property
+    def taef2(self) -> TAEF2VAE:
+        """flowlift's adapter (exact tiling); load ``self.patcher`` first to have it on the device."""
+        return self.first_stage_model.adapter

@@ -1,0 +1,130 @@
+"""The ComfyUI test venv: ComfyUI v0.8.0's requirements next to flowlift's runtime dependencies, built once.
+
+ComfyUI needs torchvision (and spandrel), which must never enter the main environment (see
+``../shared/README.md``), so tests that run a real ComfyUI server or spandrel use this separate venv.
+
+- ``comfy_python()`` builds it if needed and returns its interpreter. A file lock keeps parallel test
+  processes from building it twice; a marker file written last means a half-built venv (interrupted
+  build, full disk) is rebuilt from scratch instead of being used.
+- ``comfy_env(**extra)`` is the environment for a process run with that interpreter: the CPU shim and
+  this checkout's ``src`` first on ``PYTHONPATH`` (flowlift itself is not installed into the venv, so
+  the checkout under test is what gets imported), ``HF_HUB_OFFLINE=1``.
+- ``python tests/comfy_venv.py`` builds it from the command line (CI does so before pytest, so the
+  build shows as its own step).
+
+Location: ``$FLOWLIFT_COMFY_VENV`` if set, else ``~/.cache/flowlift/comfy-venv-<hash>``, the hash taken
+over ComfyUI's ``requirements.txt`` and this repository's runtime dependencies, so a change of either
+builds a fresh venv.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TORCH_PIN = "torch==2.13.0"
+MARKER_NAME = ".flowlift-comfy-venv-complete"
+
+
+def shared_dir() -> Path:
+    """The shared assets folder: $FLOWLIFT_SHARED, by default ``<repo>/../shared`` (same rule as conftest)."""
+    return Path(os.environ.get("FLOWLIFT_SHARED", REPO_ROOT.parent / "shared")).resolve()
+
+
+def comfyui_dir() -> Path:
+    """The read-only ComfyUI v0.8.0 snapshot in the shared folder."""
+    return shared_dir() / "comfyui"
+
+
+def flowlift_runtime_dependencies() -> list[str]:
+    """``[project].dependencies`` of this checkout's pyproject.toml."""
+    with open(REPO_ROOT / "pyproject.toml", "rb") as handle:
+        return list(tomllib.load(handle)["project"]["dependencies"])
+
+
+def venv_dir() -> Path:
+    """Where the venv lives: ``$FLOWLIFT_COMFY_VENV``, else a cache folder keyed by what goes into it."""
+    override = os.environ.get("FLOWLIFT_COMFY_VENV")
+    if override:
+        return Path(override).expanduser().resolve()
+    requirements = (comfyui_dir() / "requirements.txt").read_bytes()
+    key = hashlib.sha256(requirements + json.dumps(flowlift_runtime_dependencies()).encode()).hexdigest()[:12]
+    return Path.home() / ".cache" / "flowlift" / f"comfy-venv-{key}"
+
+
+def _venv_python(venv: Path) -> Path:
+    return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def _run(command: list[str], what: str) -> None:
+    started = time.monotonic()
+    print(f"comfy venv: {what} ...", file=sys.stderr, flush=True)
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if result.returncode != 0:
+        tail = "\n".join(result.stdout.splitlines()[-40:])
+        raise RuntimeError(f"comfy venv: {what} failed (exit {result.returncode}):\n{tail}")
+    print(f"comfy venv: {what} done in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+
+
+def _build(venv: Path) -> None:
+    requirements = comfyui_dir() / "requirements.txt"
+    if not requirements.is_file():
+        raise FileNotFoundError(f"ComfyUI requirements not found: {requirements} (set FLOWLIFT_SHARED)")
+    if venv.exists():
+        shutil.rmtree(venv)  # no marker: a half-built venv from an interrupted build
+    _run([sys.executable, "-m", "venv", str(venv)], f"create {venv}")
+    python = str(_venv_python(venv))
+    pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    # The torch pin keeps the CPU build (a bare "torch" requirement would pull a CUDA one on CPU machines).
+    _run([*pip, TORCH_PIN, "-r", str(requirements), "requests"], "install ComfyUI's requirements")
+    # torchaudio's wheel is a CUDA build; through transformers it breaks `import diffusers`. ComfyUI starts without it.
+    _run([python, "-m", "pip", "uninstall", "--quiet", "-y", "torchaudio"], "uninstall torchaudio")
+    _run([*pip, TORCH_PIN, *flowlift_runtime_dependencies()], "install flowlift's runtime dependencies")
+    (venv / MARKER_NAME).write_text(json.dumps({"built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+
+
+def comfy_python() -> Path:
+    """The ComfyUI test venv's python, building the venv first if it is missing or half-built."""
+    venv = venv_dir()
+    if (venv / MARKER_NAME).is_file():
+        return _venv_python(venv)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f"{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait, then re-check
+        try:
+            if not (venv / MARKER_NAME).is_file():
+                _build(venv)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return _venv_python(venv)
+
+
+def comfy_env(**extra: str) -> dict[str, str]:
+    """os.environ with the CPU shim and this checkout's src first on PYTHONPATH, HF_HUB_OFFLINE=1, plus ``extra``."""
+    env = dict(os.environ)
+    paths = [str(shared_dir() / "comfyui-cpu-shim"), str(REPO_ROOT / "src")]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["HF_HUB_OFFLINE"] = "1"
+    env.update(extra)
+    return env
+
+
+if __name__ == "__main__":
+    started = time.monotonic()
+    python = comfy_python()
+    print(f"{python} (ready after {time.monotonic() - started:.0f} s)")
