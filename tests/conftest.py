@@ -7,6 +7,8 @@ from pathlib import Path
 
 # Tests never download: set before anything imports huggingface_hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# Gradio (flowlift app's tests) never phones home.
+os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 
 import pytest  # noqa: E402
 

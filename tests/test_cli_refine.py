@@ -73,11 +73,12 @@ def test_img2img_writes_png_with_all_parameters(capsys, tmp_path, model_dir, emb
         "7",
         "--sampler",
         "heun",
+        "--progress",
         "-o",
         out,
     )
     assert code == 0, stderr
-    assert "img2img" in stderr and "step" in stderr  # the per-step progress bar
+    assert "img2img" in stderr and "step" in stderr  # the per-step progress bar, forced with --progress
     with Image.open(out) as img:
         assert img.size == (W, H)
     meta = _metadata(out)
@@ -92,6 +93,8 @@ def test_img2img_writes_png_with_all_parameters(capsys, tmp_path, model_dir, emb
         "prompt": "a cat",
         "cfg_scale": 1.0,
         "model": str(model_dir),
+        "dtype": "float32",  # what ran, not "auto"
+        "device": "cpu",
     }.items():
         assert meta[key] == value, key
     assert meta["denoising_start"] == pytest.approx(0.4) and meta["t0"] == pytest.approx(0.6)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -52,12 +53,16 @@ def test_image_layouts_and_reference_matching():
     nchw = L.image_to_nchw(image)
     assert nchw.shape == (2, 3, 16, 24) and torch.equal(nchw[:, 1], image[..., 1])
     assert torch.equal(L.nchw_to_image(nchw, "cpu"), image[..., :3])
-    one = torch.rand(1, 3, 8, 6)
-    assert L.matched_reference(nchw, one).shape == (2, 3, 8, 6)
+    one = torch.rand(1, 3, 8, 12)
+    assert L.matched_reference(nchw, one).shape == (2, 3, 8, 12)
     with pytest.raises(FlowliftError, match="integer multiple of the reference"):
         L.matched_reference(nchw, torch.rand(1, 3, 7, 6))
+    with pytest.raises(FlowliftError, match="same integer scale on both axes"):  # 2x by 3x
+        L.matched_reference(nchw, torch.rand(1, 3, 8, 8))
+    with pytest.raises(FlowliftError, match="reference's own size"):
+        L.matched_reference(nchw, nchw[:1])
     with pytest.raises(FlowliftError, match="3 reference images for 2 images"):
-        L.matched_reference(nchw, torch.rand(3, 3, 8, 6))
+        L.matched_reference(nchw, torch.rand(3, 3, 8, 12))
 
 
 def test_requirements_txt_is_pyproject_minus_torch():
@@ -66,3 +71,16 @@ def test_requirements_txt_is_pyproject_minus_torch():
     lines = [ln.strip() for ln in (REPO_ROOT / "requirements.txt").read_text().splitlines()]
     assert [ln for ln in lines if ln and not ln.startswith("#")] == expected
     assert project["tool"]["comfy"]["PublisherId"] and project["tool"]["comfy"]["DisplayName"]
+
+
+def test_ui_copies_of_the_example_workflows_hold_the_same_nodes():
+    folder = REPO_ROOT / "example_workflows"
+    api_files = sorted(folder.glob("*.json"))
+    assert len(api_files) == 3
+    for path in api_files:
+        api = json.loads(path.read_text())
+        ui = json.loads((folder / "ui" / path.name).read_text())
+        assert sorted(n["type"] for n in ui["nodes"]) == sorted(n["class_type"] for n in api.values()), path.name
+        for node in ui["nodes"]:
+            if node["type"] == "FlowliftUpscaleLatent":  # widget values in the saved order
+                assert node["widgets_values"][0] == "4x" and node["widgets_values"][-1] == "auto"

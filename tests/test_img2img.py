@@ -129,6 +129,34 @@ def test_inpaint_merge_keeps_known_region_on_the_trajectory_and_exact_at_the_end
     assert torch.equal(out[outside], init[outside])
 
 
+@pytest.mark.parametrize("sampler", ["euler", "heun"])
+def test_heun_corrector_input_is_merged(sampler):
+    """Every model call -- Euler's, Heun's predictor and corrector -- sees the kept region at
+    ``sigma * noise + (1 - sigma) * init`` (Heun's corrector input used to be the unmerged Euler guess)."""
+    shape = (1, 32, 8, 8)
+    init = seeded_noise(shape, 31)
+    noise = seeded_noise(shape, 32)
+    mask = torch.zeros(1, 1, 8, 8)
+    mask[..., 2:6, 2:6] = 1
+    merger = InpaintMerger(init, mask, noise)
+    sigmas = flux2_sigmas(20, 16, denoising_start=0.3)
+    steps = len(sigmas) - 1
+    assert steps >= 3
+    calls = []
+
+    def velocity(z, s):
+        calls.append((z.clone(), s))
+        return gaussian_flow_velocity(z, s, 0.5, 2.0)  # far from the init's statistics: off-trajectory shows
+
+    start = float(sigmas[0])
+    denoise(velocity, start * noise + (1 - start) * init, sigmas, merger, sampler=sampler)
+    kept = mask.expand(shape) == 0
+    assert len(calls) == (steps if sampler == "euler" else 2 * steps - 1)
+    for z, s in calls:
+        expected = s * noise + (1 - s) * init
+        torch.testing.assert_close(z[kept], expected[kept], atol=1e-6, rtol=0)
+
+
 def test_heun_differs_from_euler_and_is_more_accurate():
     shape = (1, 32, 32, 32)
     noise = seeded_noise(shape, 21)

@@ -14,6 +14,8 @@ list of input files into one output file each, and promise the same things:
 * **Bad inputs and targets cost one line, up front**: an input that cannot be planned (missing,
   not a regular file, unreadable header, too large) or whose output cannot be written (folder not
   writable, format limit) is refused before any model is loaded; the batch goes on.
+* **One line per written file** (``wrote PATH`` on stdout) and a summary line at the end, also when
+  stderr is not a terminal (progress bars are drawn only on one, unless forced).
 * **One line per failure**: a user-facing error while processing one input (:data:`ITEM_ERRORS`)
   costs that input one line on stderr; the batch goes on and the exit status is 1 at the end.
 * **Atomic outputs**: the ``process`` callback writes through :mod:`flowlift.atomic`, so an output
@@ -45,6 +47,7 @@ __all__ = [
     "plan_jobs",
     "report",
     "run_jobs",
+    "summary_line",
     "valid_output",
 ]
 
@@ -109,14 +112,16 @@ def plan_jobs(
     """One :class:`Job` per input; ``output_name(source)`` gives the output's file name.
 
     Outputs go to ``-o``'s folder, or next to each input without ``-o``; ``-o FILE`` names the single
-    output. An input that is another input's planned output (``a_x2.png`` beside ``a.png``) is
-    skipped with a note, so rerunning a command over a folder resumes instead of processing its own
-    results; an output that would replace its input, or that two inputs would share, is refused.
+    output. An input that is another input's planned output, or that is named ``<stem>_x<N>`` beside
+    an input ``<stem>`` (:func:`flowlift.naming.source_of`, for any output folder), is skipped with a
+    note, so rerunning a command over a folder resumes instead of processing its own results; an output
+    that would replace its input, or that two inputs would share, is refused.
     ``expected_size(source)`` is the (width, height) of a complete output (for :func:`valid_output`);
     ``check_output(source, output)`` may refuse a target up front. An :data:`ITEM_ERRORS` exception
     from any callback refuses that input alone, with its message as the note.
     """
     single_file, out_dir = output_target(output, len(inputs), image_suffixes)
+
     refused: dict[Path, str] = {}
     writable: dict[Path, str | None] = {}
 
@@ -130,6 +135,8 @@ def plan_jobs(
             refused[path] = error_line(error)
             return None
 
+    from flowlift.naming import source_of
+
     outputs = {path: output_of(path) for path in inputs}
     producers = {o.resolve(): p for p, o in outputs.items() if o is not None and o.resolve() != p.resolve()}
     taken: dict[Path, Path] = {}
@@ -140,8 +147,11 @@ def plan_jobs(
             jobs.append(Job(path, None, refused[path]))
             continue
         key = out.resolve()
-        if path.resolve() in producers:
-            jobs.append(Job(path, None, f"skipped, it is the output of {producers[path.resolve()]}"))
+        # an earlier result: planned from another input here, or named <stem>_x<N> beside its <stem> input
+        # (whatever the output folder is, so `upscale "dir/*.png" -o out/` never upscales dir's old outputs)
+        producer = producers.get(path.resolve()) or source_of(path, inputs)
+        if producer is not None:
+            jobs.append(Job(path, None, f"skipped, it is the output of {producer}"))
         elif key == path.resolve():
             jobs.append(Job(path, None, f"output {out} would overwrite the input; choose another -o"))
         elif key in taken:
@@ -273,6 +283,16 @@ def run_jobs(
             report(command, job.source, error_line(error), write=lambda line: tqdm.write(line, file=sys.stderr))
         else:
             result.done += 1
+            tqdm.write(f"wrote {job.output}", file=sys.stdout)
     if result.failed:
         report(command, None, f"{result.failed} of {result.total} image(s) failed")
+    print(summary_line(command, result), file=sys.stdout)
     return result
+
+
+def summary_line(command: str, result: BatchResult) -> str:
+    """``flowlift upscale: 3 written, 1 skipped, 0 failed (4 inputs)``: the last line of every batch."""
+    return (
+        f"flowlift {command}: {result.done} written, {result.skipped} skipped, {result.failed} failed "
+        f"({result.total} input{'s' if result.total != 1 else ''})"
+    )

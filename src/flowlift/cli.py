@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 
 from flowlift import __version__
+from flowlift.commands._options import HelpFormatter
+from flowlift.console import add_console_options, format_warnings, quiet_libraries
 from flowlift.errors import FlowliftError
 
 
@@ -31,13 +33,22 @@ def _command_modules() -> list:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flowlift",
-        description="FLUX.2 latent-space image work: upscale, refine, measure.",
+        description="FLUX.2 latent-space image work: upscale, refine, measure, train.",
+        epilog="run `flowlift COMMAND --help` for a command's options and examples",
     )
     parser.add_argument("--version", action="version", version=f"flowlift {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in _command_modules():
-        sub = subparsers.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        sub = subparsers.add_parser(
+            module.NAME,
+            help=module.HELP,
+            description=module.HELP,
+            epilog=getattr(module, "EXAMPLES", None),
+            formatter_class=HelpFormatter,
+        )
         module.add_arguments(sub)
+        if not getattr(module, "NESTED_COMMANDS", False):  # nested ones add them to each of their own
+            add_console_options(sub)
         sub.set_defaults(_run=module.run)
     return parser
 
@@ -90,6 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 0
+    quiet_libraries(bool(getattr(args, "verbose", False)))
+    format_warnings(args.command)
     try:
         with warnings.catch_warnings(), _sigterm_as_interrupt():  # both restored when an in-process caller returns
             warnings.showwarning = _one_line_warnings(args.command)

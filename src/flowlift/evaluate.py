@@ -509,18 +509,28 @@ def evaluate_pairs(
     figure_images: int = 3,
     progress: bool = False,
 ) -> EvalReport:
-    """Measure existing ``outputs`` (files/folders) against same-stem files in ``reference`` (and
-    ``ground_truth``). Images without a counterpart are skipped; none paired is an error."""
+    """Measure existing ``outputs`` (files/folders) against their files in ``reference`` (and
+    ``ground_truth``): the same stem, or ``<stem>_x<N>`` (``flowlift upscale``'s names) with ``<stem>``
+    (:func:`flowlift.naming.pair_by_stem`). Images without a counterpart are skipped; none paired is an
+    error."""
     from tqdm import tqdm
 
     from flowlift.images import list_images
+    from flowlift.naming import pair_by_stem
 
-    outs = _by_stem(list_images([str(o) for o in outputs]), "outputs")
-    refs = _by_stem(list_images([str(reference)]), "reference")
+    out_paths = list_images([str(o) for o in outputs])
+    _by_stem(out_paths, "outputs")
+    pairs, unpaired = pair_by_stem(out_paths, list_images([str(reference)]))
     gts = _by_stem(list_images([str(ground_truth)]), "ground truth") if ground_truth is not None else None
-    names = sorted(n for n in outs if n in refs and (gts is None or n in gts))
+    # keyed by the reference's stem: kodim01_x2.png (an upscale output) is the image "kodim01"
+    outs = {ref.stem: out for out, ref in pairs if gts is None or ref.stem in gts}
+    refs = {ref.stem: ref for _, ref in pairs}
+    names = sorted(outs)
     if not names:
-        raise FlowliftError("no output file has a same-named reference (and ground truth) file")
+        raise FlowliftError(
+            "no output file pairs with a reference (same stem, or <stem>_x<N> for <stem>)"
+            + (" that has a ground truth file" if gts is not None else "")
+        )
     report = EvalReport(
         config={
             "mode": "pairs",
@@ -529,7 +539,9 @@ def evaluate_pairs(
             "ground_truth": None if ground_truth is None else str(ground_truth),
             "box": box,
             "images": names,
-            "unpaired_outputs": sorted(set(outs) - set(names)),
+            "unpaired_outputs": sorted(
+                [p.stem for p in unpaired] + [out.stem for out, ref in pairs if ref.stem not in outs]
+            ),
         }
     )
     report.crop_columns = ["input", label] + (["ground truth"] if gts is not None else [])
@@ -598,6 +610,11 @@ def make_method_fn(
     return run_flow
 
 
+def method_folder(label: str) -> str:
+    """A method label as a folder name (``flow:color=off`` -> ``flow_color=off``)."""
+    return "".join(ch if ch.isalnum() or ch in "-_=.," else "_" for ch in label)
+
+
 def evaluate_methods(
     methods: Sequence[MethodSpec],
     dataset: Sequence[str | Path],
@@ -610,17 +627,25 @@ def evaluate_methods(
     limit: int | None = None,
     figure_images: int = 3,
     progress: bool = False,
+    save_outputs: Path | None = None,
 ) -> EvalReport:
     """Run ``methods`` on low-res versions of the ``dataset`` photos and measure them.
+
+    ``save_outputs``: a folder that receives every full output as ``<method>/<stem>_x<scale>.png``, the
+    low-resolution inputs as ``inputs/<stem>.png`` and the cropped photos as ``ground-truth/<stem>.png``,
+    so ``flowlift eval DIR/<method> --reference DIR/inputs --ground-truth DIR/ground-truth`` recomputes
+    the same numbers from files (an output missing there is recomputed instead of read from the cache).
 
     ``method_fns`` maps a method label to ``fn(lowres, ground_truth) -> output`` (see
     :func:`make_method_fn`; pixel methods are built here when missing). ``identities`` holds what
     enters the cache key of VAE methods (``vae``, ``upscaler``, ``device``, ``dtype``). Rows also
     include ``(ground truth)`` with the photos' own detail metrics.
     """
+    from PIL import Image
     from tqdm import tqdm
 
-    from flowlift.images import list_images
+    from flowlift.images import list_images, save_image_atomic
+    from flowlift.naming import upscaled_name
 
     if scale < 2:
         raise FlowliftError(f"--scale must be an integer >= 2, got {scale}")
@@ -663,6 +688,11 @@ def evaluate_methods(
                 report.crops["input"][name] = _input_crop(low, size, crop)
                 report.crops["ground truth"][name] = M.crop_box(gt, crop)
             base = {"v": CACHE_VERSION, "scale": scale, "box": box, "crop": crop, "input": array_digest(low, gt)}
+            if save_outputs is not None:
+                for folder, array in (("inputs", low), ("ground-truth", gt)):
+                    target = Path(save_outputs) / folder / f"{name}.png"
+                    if not target.is_file():
+                        save_image_atomic(Image.fromarray(array), target)
             for spec in methods:
                 fields = {**base, "method": spec.name, "options": dict(spec.options)}
                 if spec.needs_vae:
@@ -672,7 +702,10 @@ def evaluate_methods(
                 if spec.name == SPANDREL:
                     fields.update(_spandrel_key_fields(identities, dict(spec.options)["path"], low.shape))
                 key = cache_key(fields)
-                hit = cache.load(spec.label, name, key)
+                saved = None
+                if save_outputs is not None:
+                    saved = Path(save_outputs) / method_folder(spec.label) / upscaled_name(name, scale, "png")
+                hit = cache.load(spec.label, name, key) if saved is None or saved.is_file() else None
                 if hit is not None:
                     metrics, crop_img = hit
                     report.cached += 1
@@ -685,6 +718,8 @@ def evaluate_methods(
                             f"expected {gt.shape} uint8"
                         )
                     metrics = measure(output, low, gt, box)
+                    if saved is not None:
+                        save_image_atomic(Image.fromarray(output), saved, {"flowlift": {**fields, "image": name}})
                     crop_img = np.ascontiguousarray(M.crop_box(output, crop))
                     cache.store(spec.label, name, key, metrics, crop_img)
                     report.computed += 1

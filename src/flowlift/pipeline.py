@@ -134,7 +134,7 @@ class FlowUpscalerPipeline:
     def __init__(
         self,
         upscaler: Any = DEFAULT_UPSCALER,
-        vae: Any = "taef2",
+        vae: Any = "flux2",
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -161,6 +161,11 @@ class FlowUpscalerPipeline:
         self.offload_device = offload_device
         self.chunk_budget_bytes = chunk_budget_bytes
         self.on_strip = on_strip
+        if isinstance(upscaler, (str, os.PathLike)):
+            from flowlift.vae import check_vae_spec
+
+            resolve_upscaler_file(upscaler)  # both sources found before either model loads
+            check_vae_spec(vae)
         self.upscaler, self.upscaler_path = load_pipeline_upscaler(upscaler, self.device, self.dtype)
         self.vae, self.vae_spec = (None, None) if vae is None else load_pipeline_vae(vae, self.device, self.dtype)
 

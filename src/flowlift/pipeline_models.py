@@ -48,10 +48,11 @@ def resolve_upscaler_file(source: str | os.PathLike) -> Path:
     try:
         return resolve_file(source, [UPSCALER_WEIGHTS_NAME], what="Flow Upscaler weights")
     except FlowliftError as error:
+        if UPSCALER_WEIGHTS_NAME in str(error):
+            raise FlowliftError(f"{error} (CLI: --upscaler PATH)") from None
         raise FlowliftError(
-            f"{error}. The Flow Upscaler expects {UPSCALER_WEIGHTS_NAME} from the hub repo {DEFAULT_UPSCALER} "
-            f"(huggingface-cli download {DEFAULT_UPSCALER} {UPSCALER_WEIGHTS_NAME}) or a local file/folder "
-            f"(CLI: --upscaler PATH)"
+            f"{error} (the Flow Upscaler is {UPSCALER_WEIGHTS_NAME} of the hub repo {DEFAULT_UPSCALER}, "
+            "or a local file/folder: CLI --upscaler PATH)"
         ) from None
 
 

@@ -495,6 +495,8 @@ class Flux2Refiner:
         from flowlift import __version__
 
         params = {"flowlift": __version__, "mode": mode, "model": self.model_name}
+        # what ran, not what was asked for ("auto")
+        params.update(dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
         params.update({k: v for k, v in kwargs.items() if v is not None})
         params["sigmas"] = [round(s, 6) for s in result.sigmas]
         params["t0"] = round(result.t0, 6)
@@ -749,22 +751,76 @@ def _is_diffusers_folder(path: Path) -> bool:
     return (path / "model_index.json").is_file() or (path / "transformer" / "config.json").is_file()
 
 
+#: Tensor-name fragments of a FLUX transformer checkpoint (BFL / ComfyUI layout and diffusers layout).
+_TRANSFORMER_KEY_MARKERS = ("double_blocks.", "single_blocks.", "transformer_blocks.")
+
+
+def _check_transformer_file(path: Path) -> None:
+    """Refuse a single file that is not a FLUX transformer checkpoint before diffusers guesses a model for it."""
+    if path.suffix != ".safetensors":
+        raise FlowliftError(f"--model {path}: a single-file transformer must be a .safetensors file")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            keys = list(handle.keys())
+    except Exception as error:  # noqa: BLE001 - any reader failure is a bad file to the user
+        raise FlowliftError(f"--model {path}: cannot read it as safetensors ({_first_line(error)})") from None
+    if not any(marker in key for key in keys for marker in _TRANSFORMER_KEY_MARKERS):
+        raise FlowliftError(
+            f"--model {path}: not a FLUX.2 transformer checkpoint (no double/single transformer blocks among its "
+            f"{len(keys)} tensors); give the transformer .safetensors, a diffusers folder or a hub id"
+        )
+
+
+def _hub_model_error(model: str, error: BaseException) -> FlowliftError:
+    """One actionable line for a hub id that could not be loaded (offline cache miss, gated, missing)."""
+    from flowlift.hub import download_hint
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    if offline:
+        return FlowliftError(
+            f"--model {model}: its transformer/ folder is not in the Hugging Face cache and HF_HUB_OFFLINE=1; "
+            f"{download_hint(model)} or pass a local folder"
+        )
+    return FlowliftError(
+        f"--model {model}: cannot get it from the hub ({_first_line(error)}); {download_hint(model)} "
+        "or pass a local folder"
+    )
+
+
 def load_transformer(model: str, *, dtype: torch.dtype) -> torch.nn.Module:
     """A ``Flux2Transformer2DModel`` from a diffusers folder / hub id (``transformer/`` subfolder), a
     transformer folder (``config.json``), or a single BFL/ComfyUI ``.safetensors`` file."""
     from diffusers import Flux2Transformer2DModel
 
+    from flowlift.hub import looks_like_path
+
     path = Path(model).expanduser()
+    if not path.exists() and looks_like_path(model):
+        raise FlowliftError(f"--model {model}: no such file or folder")
+    if path.is_file():
+        _check_transformer_file(path)
+    from_hub = not path.exists() and looks_like_repo_id(model)
     try:
         if path.is_file():
             return Flux2Transformer2DModel.from_single_file(str(path), torch_dtype=dtype)
         if path.is_dir() and (path / "config.json").is_file() and not _is_diffusers_folder(path):
             return Flux2Transformer2DModel.from_pretrained(str(path), torch_dtype=dtype)
-        if path.is_dir() or looks_like_repo_id(model):
+        if path.is_dir() and not (path / "transformer" / "config.json").is_file():
+            raise FlowliftError(
+                f"--model {model}: not a FLUX.2 transformer folder (it needs transformer/config.json, the diffusers "
+                "layout, or config.json, a bare transformer folder)"
+            )
+        if path.is_dir() or from_hub:
             return Flux2Transformer2DModel.from_pretrained(model, subfolder="transformer", torch_dtype=dtype)
+    except FlowliftError:
+        raise
     except Exception as error:  # noqa: BLE001 - any loader failure is a bad --model to the user
+        if from_hub:
+            raise _hub_model_error(model, error) from None
         raise FlowliftError(f"cannot load a FLUX.2 transformer from {model}: {_first_line(error)}") from None
-    raise FlowliftError(f"--model {model}: not a file, a folder or a hub repo id")
+    raise FlowliftError(f"--model {model}: no such file or folder, and not a hub repo id (owner/name)")
 
 
 def load_refiner(

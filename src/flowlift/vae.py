@@ -316,9 +316,7 @@ def load_vae(
         return _from_dir(path, device, dtype)
     if looks_like_repo_id(text):
         return _from_hub(text, device, dtype)
-    raise FlowliftError(
-        f"VAE: {text!r} is not 'taef2', 'flux2', an existing file or directory, or a hub repo id (owner/name)"
-    )
+    raise FlowliftError(f"VAE: {text}: no such file or folder (nor 'taef2', 'flux2' or a hub repo id owner/name)")
 
 
 def _from_module(
@@ -417,36 +415,67 @@ def _from_dir(path: Path, device: torch.device | str, dtype: torch.dtype) -> TAE
 def _snapshot(repo_id: str, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
 
+    from flowlift.hub import download_hint
+
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as error:  # noqa: BLE001 - any hub failure is "not available" to the user
         offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
         hint = "it is not in the Hugging Face cache and HF_HUB_OFFLINE=1" if offline else type(error).__name__
         raise FlowliftError(
-            f"VAE: cannot get {repo_id} ({hint}); download it first (huggingface-cli download {repo_id}) "
-            "or pass a local path"
+            f"VAE: cannot get {repo_id} ({hint}); {download_hint(repo_id)} or pass a local path"
         ) from None
 
 
+#: Only what a VAE can be: never a repository's (large) transformer or text-encoder files.
+_VAE_PATTERNS = ["config.json", "taef2*", "diffusion_pytorch_model*", "*vae*.safetensors", "vae/*"]
+
+
+def check_vae_spec(spec: Any) -> None:
+    """Fail fast, before any model loads, when a VAE spec cannot be found.
+
+    Local paths must exist; ``taef2``, ``flux2`` and hub ids are resolved to their cached (or, online,
+    downloaded) files, which :func:`load_vae` then reads without fetching again. Objects pass unchecked.
+    """
+    if not isinstance(spec, (str, os.PathLike)):
+        return
+    text = os.fspath(spec)
+    if text == "flux2":
+        _flux2_folder()
+        return
+    if text == "taef2":
+        text = TAEF2_REPO
+    if Path(text).expanduser().exists():
+        return
+    if looks_like_repo_id(text):
+        _snapshot(text, _VAE_PATTERNS)
+        return
+    raise FlowliftError(f"VAE: {text}: no such file or folder (nor 'taef2', 'flux2' or a hub repo id owner/name)")
+
+
 def _from_hub(repo_id: str, device: torch.device | str, dtype: torch.dtype) -> TAEF2VAE | Flux2VAE:
-    # Only what a VAE can be: never a repository's (large) transformer or text-encoder files.
-    patterns = ["config.json", "taef2*", "diffusion_pytorch_model*", "*vae*.safetensors", "vae/*"]
-    folder = _snapshot(repo_id, patterns)
+    folder = _snapshot(repo_id, _VAE_PATTERNS)
     return _from_dir(folder, device, dtype)
 
 
-def _flux2_from_hub(device: torch.device | str, dtype: torch.dtype) -> Flux2VAE:
+def _flux2_folder() -> Path:
+    """The cached (or downloaded) snapshot of the first FLUX.2 repository whose ``vae/`` folder is available."""
+    from flowlift.hub import download_hint
+
     for repo in FLUX2_REPOS:
         try:
             folder = _snapshot(repo, ["vae/*"])
         except FlowliftError:
             continue
         if (folder / "vae" / "config.json").is_file():
-            vae = _from_dir(folder, device, dtype)
-            assert isinstance(vae, Flux2VAE)
-            return vae
+            return folder
     raise FlowliftError(
         f"VAE 'flux2': none of {', '.join(FLUX2_REPOS)} has its vae/ folder in the Hugging Face cache; "
-        "download one (huggingface-cli download black-forest-labs/FLUX.2-klein-4B --include 'vae/*') "
-        "or pass a local path"
+        f"{download_hint(FLUX2_REPOS[0], include='vae/*')} or pass a local path (or use --vae taef2)"
     )
+
+
+def _flux2_from_hub(device: torch.device | str, dtype: torch.dtype) -> Flux2VAE:
+    vae = _from_dir(_flux2_folder(), device, dtype)
+    assert isinstance(vae, Flux2VAE)
+    return vae

@@ -28,11 +28,13 @@ WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
 
 
 def looks_like_repo_id(source: str) -> bool:
-    """True for ``owner/name`` strings that are not existing local paths."""
-    if os.path.exists(source):
+    """True for ``owner/name`` strings that are neither existing nor path-looking (``a/b.safetensors``)."""
+    from flowlift.hub import looks_like_path
+
+    if os.path.exists(source) or looks_like_path(source):
         return False
     parts = source.split("/")
-    return len(parts) == 2 and all(parts) and not source.startswith((".", "~"))
+    return len(parts) == 2 and all(parts)
 
 
 def resolve_file(
@@ -61,6 +63,10 @@ def resolve_file(
         raise FlowliftError(
             f"{what}: none of {', '.join(filenames)} found in directory {path}"
         )
+    from flowlift.hub import looks_like_path
+
+    if looks_like_path(source_str):
+        raise FlowliftError(f"{what}: {source_str}: no such file or folder")
     if looks_like_repo_id(source_str):
         return _hub_download(source_str, filenames, what=what, subfolder=subfolder, revision=revision)
     raise FlowliftError(f"{what}: {source_str} is neither a file, a directory nor a hub repo id (owner/name)")
@@ -81,11 +87,14 @@ def _hub_download(
         except (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError, OSError) as error:
             last_error = error
             continue
-    where = f"{repo_id}/{subfolder + '/' if subfolder else ''}{{{','.join(filenames)}}}"
+    from flowlift.hub import download_hint
+
+    prefix = f"{subfolder}/" if subfolder else ""
+    where = f"{prefix}{filenames[0]} of {repo_id}" if len(filenames) == 1 else f"{repo_id} ({', '.join(filenames)})"
     if offline:
         raise FlowliftError(
             f"{what}: {where} is not in the Hugging Face cache and HF_HUB_OFFLINE=1; "
-            f"download it first (huggingface-cli download {repo_id}) or pass a local path"
+            f"{download_hint(repo_id, [prefix + filenames[0]])} or pass a local path"
         )
     raise FlowliftError(
         f"{what}: could not get {where} from the hub ({type(last_error).__name__}); pass a local path instead"

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flowlift.colorfix_image import integer_scale
 from flowlift.errors import FlowliftError
 from flowlift.latents import PATCHIFIED_CHANNELS, from_comfyui_latent, patchify
 
@@ -77,15 +78,15 @@ def upscaled_latent_dict(latent: dict, latents: torch.Tensor, device: torch.devi
 
 
 def matched_reference(images: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """The colour reference for a batch: a single reference image serves the whole batch; sizes must be
-    an integer multiple (stage 2's exact low-band transplant is defined on integer area blocks)."""
+    """The colour reference for a batch: a single reference image serves the whole batch; the sizes follow
+    the Python API's rule (:func:`flowlift.colorfix_image.integer_scale`: the same integer >= 2 on both axes,
+    as stage 2's exact low-band transplant works on whole area blocks), else one error line."""
     batch, _, height, width = images.shape
     ref_batch, _, h, w = reference.shape
     if ref_batch not in (1, batch):
         raise FlowliftError(f"colour fix: {ref_batch} reference images for {batch} images (give 1 or {batch})")
-    if height % h or width % w:
-        raise FlowliftError(
-            f"colour fix: the image ({width}x{height}) must be an integer multiple of the reference ({w}x{h}) in "
-            "each direction; resize one of them first (e.g. ImageScale to an exact multiple)"
-        )
+    try:
+        integer_scale((width, height), (w, h))
+    except FlowliftError as error:
+        raise FlowliftError(f"colour fix: {error}; resize one of them first (e.g. ImageScale)") from None
     return reference.expand(batch, -1, -1, -1) if ref_batch != batch else reference

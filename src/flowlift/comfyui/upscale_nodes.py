@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import comfy.model_management as mm
@@ -56,19 +56,26 @@ class Progress:
         self._show(self.stages_done * self.UNITS)
 
 
-def loaded_upscaler(model: comfy.model_patcher.ModelPatcher) -> torch.nn.Module:
-    """Let ComfyUI's memory manager put the upscaler on its device (unloading other models as needed)."""
+def loaded_upscaler(
+    model: comfy.model_patcher.ModelPatcher, also: Sequence[comfy.model_patcher.ModelPatcher] = ()
+) -> torch.nn.Module:
+    """Let ComfyUI's memory manager put the upscaler (and ``also``, in the same call, so that loading
+    one cannot evict the other) on its device, unloading other models as needed."""
     if not isinstance(model, comfy.model_patcher.ModelPatcher):
         raise FlowliftError(f"expected a Flow Upscaler from FlowliftUpscalerLoader, got {type(model).__name__}")
-    mm.load_models_gpu([model], force_full_load=True)
+    mm.load_models_gpu([model, *also], force_full_load=True)
     return model.model
 
 
 def make_pipeline(
-    model: comfy.model_patcher.ModelPatcher, vae: Any, chunked: str, progress: Progress
+    model: comfy.model_patcher.ModelPatcher,
+    vae: Any,
+    chunked: str,
+    progress: Progress,
+    also: Sequence[comfy.model_patcher.ModelPatcher] = (),
 ) -> FlowUpscalerPipeline:
     """The flowlift pipeline over the loaded upscaler; chunking decided by ComfyUI's free memory."""
-    unet = loaded_upscaler(model)
+    unet = loaded_upscaler(model, also)
     param = next(unet.parameters())
     device = param.device
     budget = int(mm.get_free_memory(device) * CUDA_BUDGET_FRACTION)
@@ -209,11 +216,10 @@ class FlowliftUpscaleImage:
         passes = layouts.passes_for(scale)
         progress = Progress(passes + 3)  # encode, passes, decode, colour fix
         if isinstance(vae, TAEF2ComfyVAE):
-            mm.load_models_gpu([vae.patcher])
-            flowlift_vae = vae.taef2  # flowlift's own TAEF2 adapter: exact tiling by size
-        else:
-            flowlift_vae = ComfyFlux2VAE(vae, mm.get_torch_device())
-        pipeline = make_pipeline(upscaler, flowlift_vae, chunked, progress)
+            flowlift_vae, also = vae.taef2, [vae.patcher]  # flowlift's own TAEF2 adapter: exact tiling by size
+        else:  # ComfyUI's VAE loads itself when it encodes and decodes
+            flowlift_vae, also = ComfyFlux2VAE(vae, mm.get_torch_device()), []
+        pipeline = make_pipeline(upscaler, flowlift_vae, chunked, progress, also)
         if isinstance(flowlift_vae, ComfyFlux2VAE):
             flowlift_vae.device = pipeline.device  # decoded images meet the reference on the upscaler's device
         result = run_logging_warnings(

@@ -1,9 +1,90 @@
-"""argparse value types shared by the subcommands (not a subcommand: the leading underscore hides it)."""
+"""Options and defaults every subcommand shares, written once so they cannot drift apart.
+
+One set of defaults for the whole command line and the Python API (the README's "Defaults" section
+says why): ``--device auto`` (CUDA when available, else CPU), ``--dtype auto`` (bfloat16 on CUDA,
+float32 on the CPU), ``--vae flux2`` (:data:`DEFAULT_VAE`), ``--scale 2`` (:data:`DEFAULT_SCALE`).
+Not a subcommand (the leading underscore keeps :mod:`flowlift.cli` from listing it).
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
+import warnings
+
+from flowlift.errors import FlowliftError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: The VAE of the command line and of :class:`flowlift.pipeline.FlowUpscalerPipeline`: the full FLUX.2
+#: VAE the upscaler's latents belong to (``taef2`` is the fast, approximate alternative).
+DEFAULT_VAE = "flux2"
+#: One 2x pass: the upscaler's native step (``upscale``, ``eval --run``, ``hires``).
+DEFAULT_SCALE = 2
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the examples epilog's line breaks and appends ``(default: X)`` to every option whose help
+    does not already state its default (``none`` when it is unset; flags that are off unless given and
+    required options need none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.required or not action.option_strings or action.help is None:
+            return text
+        if isinstance(action, argparse._StoreConstAction) or action.default is argparse.SUPPRESS:
+            return text
+        if action.default is None:
+            return f"{text} (default: none)"
+        return f"{text} (default: %(default)s)"
+
+
+def examples(*lines: str) -> str:
+    """An epilog of example command lines: ``examples:`` and one indented line each."""
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def add_device_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, what: str = "models") -> None:
+    """``--device`` and ``--dtype`` with the one set of defaults."""
+    parser.add_argument(
+        "--device", default="auto", help=f"torch device for the {what}: auto (default: CUDA if available, else cpu), "
+        "cpu, cuda, cuda:1, ..."
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="precision (default auto: bfloat16 on CUDA, float32 on the CPU; float16 on the CPU is very slow)",
+    )
+
+
+def resolve_device_dtype(device: str | None, dtype: str | None):
+    """``(torch.device, torch.dtype)`` from the option values; one FlowliftError line for a bad device.
+
+    float16 on the CPU is allowed but warned about: the CPU has no fast float16 kernels, so it runs many
+    times slower than float32 and gains nothing.
+    """
+    import torch
+
+    from flowlift.devices import resolve_device
+
+    try:
+        dev = resolve_device(device)  # unknown names, missing backends, indices past the device count
+    except FlowliftError as error:
+        raise FlowliftError(f"--device {device}: {error}") from None
+    if dtype in (None, "auto"):
+        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    elif dtype in DTYPES:
+        dt = getattr(torch, dtype)
+    else:
+        raise FlowliftError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    if dev.type == "cpu" and dt == torch.float16:
+        warnings.warn(
+            "--dtype float16 on the CPU runs many times slower than float32 (no fast CPU float16 kernels) "
+            "and is no more accurate; use float32 (the default) or bfloat16",
+            UserWarning,
+            stacklevel=2,
+        )
+    return dev, dt
 
 
 def finite_float(text: str) -> float:

@@ -14,10 +14,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from flowlift.commands._options import finite_float
+from flowlift.commands._options import add_device_options, examples, finite_float, resolve_device_dtype
+from flowlift.console import show_progress
 
 NAME = "bands"
-HELP = "Measure a VAE decoder's latent->pixel band response (the model card's band table)."
+HELP = "measure a VAE decoder's latent->pixel band response (the model card's band table)"
+EXAMPLES = examples(
+    "flowlift bands ../shared/images/kodak --vae ../shared/models/taef2 --max-side 512 --out bands-taef2",
+    "flowlift bands photos/ --vae flux2 --full --out bands-flux2",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,8 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="downscale images (INTER_AREA) so the long side is at most this")  # fmt: skip
     parser.add_argument("--limit", type=int, default=None, help="use only the first N images")
     parser.add_argument("--full", action="store_true", help="print every pixel band, not only the two summaries")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_device_options(parser, "VAE")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -39,11 +43,9 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     import numpy as np
-    import torch
 
     from flowlift import bands as B
     from flowlift import metrics as M
-    from flowlift.devices import resolve_device
     from flowlift.errors import FlowliftError
     from flowlift.evaluate import atomic_write_bytes, model_identity
     from flowlift.images import list_images, load_image, to_tensor
@@ -55,14 +57,13 @@ def run(args: argparse.Namespace) -> int:
         raise FlowliftError(f"--max-side must be >= 64, got {args.max_side}")
     if args.limit is not None and args.limit < 1:
         raise FlowliftError("--limit must be >= 1")
-    device = resolve_device(args.device)
+    device, dtype = resolve_device_dtype(args.device, args.dtype)  # before anything is read
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise FlowliftError(f"--out {out_dir} exists and is not a folder")
     paths = list_images(args.images)[: args.limit]
     if not paths:
         raise FlowliftError("no images given")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     images = []
     for p in paths:
         a = np.asarray(load_image(p)[0])
@@ -73,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
         images.append(to_tensor(a))
     vae = load_vae(args.vae, device=device, dtype=dtype)
     mean, per_image = B.run_bands(
-        vae, images, device=device, dtype=dtype, amplitude=args.amplitude, seed=args.seed, progress=not args.quiet
+        vae, images, device=device, dtype=dtype, amplitude=args.amplitude, seed=args.seed,
+        progress=show_progress(args),
     )
     factor = int(vae.spatial_factor)
     bins = {p.stem: B.latent_bin_counts(*B.latent_size(*im.shape[-2:], factor)) for p, im in zip(paths, images,
@@ -101,9 +103,9 @@ def run(args: argparse.Namespace) -> int:
         "labels": B.band_labels(),
         "columns": B.band_labels() + ["finer than latent Nyquist"],
         "mean_percent": mean.tolist(),
-        "images": {p.stem: m.tolist() for p, m in zip(paths, per_image, strict=True)},
         "min_bins_per_band": B.MIN_BINS_PER_BAND,
         "latent_bins_per_band": bins,
+        "images": {p.stem: m.tolist() for p, m in zip(paths, per_image, strict=True)},
         "reference_mage_same_finer": [list(r) for r in B.MAGE_REFERENCE],
     }
     out_dir.mkdir(parents=True, exist_ok=True)

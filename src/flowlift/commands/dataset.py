@@ -13,22 +13,29 @@ import argparse
 import os
 from pathlib import Path
 
-from flowlift.commands._options import finite_float
+from flowlift.commands._options import HelpFormatter, examples, finite_float, resolve_device_dtype
+from flowlift.console import add_console_options, show_progress
 
 NAME = "dataset"
+NESTED_COMMANDS = True
 HELP = "build training shards: teacher distillation pairs or encoded photo crops"
+EXAMPLES = examples(
+    "flowlift dataset images photos/ --crop 512 --crops-per-image 8 --vae taef2 --out data/photos",
+    "flowlift dataset distill --teacher black-forest-labs/FLUX.2-klein-4B --prompts prompts.txt --num 20000 "
+    "--vae flux2 --out data/distill",
+)
 
 STORAGE = ("float16", "bfloat16", "float32")
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="dataset folder (created; an existing one is resumed)")
-    parser.add_argument("--vae", required=True, help="VAE spec for decode/encode (e.g. madebyollin/taef2, a folder)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vae", required=True, help="VAE for decode/encode: flux2, taef2, a file/folder or hub id")
+    parser.add_argument("--seed", type=int, default=0, help="seed of crops, flips and stored noise")
     parser.add_argument("--shard-size", type=int, default=256, help="items per shard file (default 256)")
     parser.add_argument("--batch-size", type=int, default=4, help="items processed together (default 4)")
     parser.add_argument("--storage-dtype", choices=STORAGE, default="float16", help="tensor dtype in shards")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    parser.add_argument("--device", default="auto", help="auto (default: CUDA if available, else cpu), cpu, cuda, ...")
     parser.add_argument("--filter", default="area", choices=("area", "bicubic", "bilinear", "lanczos"),
                         help="antialiased 2x pixel-space downscale for the conditioning (default area)")
     parser.add_argument("--jpeg-quality", type=int, help="also JPEG-compress the downscaled image (1-100)")
@@ -36,13 +43,16 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="also add Gaussian pixel noise (0..1 units)")
     parser.add_argument("--part", default="0/1", metavar="I/N",
                         help="build only shards k with k %% N == I (run N processes or machines on one --out)")
-    parser.add_argument("--no-progress", action="store_true")
+    add_console_options(parser)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="dataset_kind", metavar="KIND", required=True)
     distill = sub.add_parser("distill", help="teacher-generated distillation pairs",
-                             description="Generate target latents with a FLUX.2 teacher from stored noise.")
+                             description="generate target latents with a FLUX.2 teacher from stored noise",
+                             formatter_class=HelpFormatter, epilog=examples(
+                                 "flowlift dataset distill --teacher black-forest-labs/FLUX.2-klein-4B "
+                                 "--prompts prompts.txt --num 20000 --vae flux2 --out data/distill"))
     _common(distill)
     distill.add_argument("--teacher", required=True,
                          help="a FLUX.2 diffusers pipeline (folder or hub id) or a Flux2Transformer2DModel folder")
@@ -56,18 +66,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     distill.add_argument("--teacher-dtype", choices=STORAGE, default=None,
                          help="teacher weights dtype (default bfloat16 on CUDA, float32 on CPU)")
     images = sub.add_parser("images", help="encoded crops of real photos",
-                            description="Encode random crops (and flips) of photos; noise is drawn at train time.")
+                            description="encode random crops (and flips) of photos; noise is drawn at train time",
+                            formatter_class=HelpFormatter, epilog=examples(
+                                "flowlift dataset images photos/ --crop 512 --crops-per-image 8 --vae taef2 "
+                                "--out data/photos"))
     _common(images)
     images.add_argument("inputs", nargs="+", help="image files, folders or glob patterns")
     images.add_argument("--crop", type=int, default=512, help="crop side in pixels (multiple of 32; default 512)")
-    images.add_argument("--crops-per-image", type=int, default=4)
+    images.add_argument("--crops-per-image", type=int, default=4, help="random crops taken from each photo")
     images.add_argument("--no-flip", action="store_true", help="no random horizontal flips")
 
 
 def _device(setting: str):
-    from flowlift.devices import resolve_device
-
-    return resolve_device(setting)
+    return resolve_device_dtype(setting, "auto")[0]
 
 
 def _dtype(name: str | None, device):
@@ -166,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         manifest = build_distill_dataset(
             out, teacher, vae, num_items=args.num, latent_size=(args.height // 8, args.width // 8),
             seed=args.seed, shard_size=args.shard_size, batch_size=args.batch_size, degradation=degradation,
-            storage_dtype=storage, device=device, source=source, progress=not args.no_progress, part=part,
+            storage_dtype=storage, device=device, source=source, progress=show_progress(args), part=part,
         )
     else:
         from flowlift.images import list_images
@@ -178,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
             out, paths, vae, crop=args.crop, crops_per_image=args.crops_per_image, seed=args.seed,
             shard_size=args.shard_size, batch_size=args.batch_size, flip=not args.no_flip,
             degradation=degradation, storage_dtype=storage, device=device, vae_name=args.vae,
-            progress=not args.no_progress, part=part,
+            progress=show_progress(args), part=part,
         )
     print(f"{args.dataset_kind} dataset: {manifest['num_items']} items of {manifest['target_shape']} in "
           f"{os.fspath(out)}")

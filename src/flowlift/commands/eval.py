@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowlift.commands._options import DEFAULT_SCALE, add_device_options, examples, resolve_device_dtype
+from flowlift.console import show_progress
+
 EPILOG = """\
 methods for --run:
   lanczos, bicubic                      Pillow resize (pixel space)
@@ -29,13 +32,17 @@ methods for --run:
                                         memory, Lanczos-resized to --scale if that differs; +colorfix
                                         adds flowlift's stage-2 colour fix against the input
 
-example (a model, the same model with the colour fix, and Lanczos, on your photos at 4x):
-  flowlift eval --dataset photos/ --scale 4 --out report/ --run lanczos \\
-      --run spandrel:models/4x-UltraSharp.pth:ultrasharp --run spandrel:models/4x-UltraSharp.pth:ultrasharp+colorfix
 """
 
 NAME = "eval"
-HELP = "Measure colour drift, detail and fidelity of outputs or of upscaling methods; write tables and plots."
+HELP = "measure colour drift, detail and fidelity of outputs or of upscaling methods; write tables and plots"
+EXAMPLES = examples(
+    "flowlift eval out/ --reference photos/ --out report/          # kodim01_x2.png pairs with kodim01.png",
+    "flowlift eval --run lanczos,latent-bicubic,vae-roundtrip --dataset ../shared/images/kodak --scale 4 "
+    "--vae taef2 --out eval-kodak4",
+    "flowlift eval --run lanczos --run spandrel:models/4x-UltraSharp.pth:ultrasharp+colorfix --dataset photos/ "
+    "--scale 4 --save-outputs --out report/",
+)
 
 
 def _box(text: str) -> tuple[int, int, int, int]:
@@ -49,24 +56,23 @@ def _box(text: str) -> tuple[int, int, int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = EPILOG
+    parser.epilog = EPILOG.rstrip() + "\n\n" + EXAMPLES
     parser.add_argument("outputs", nargs="*", help="output images or folders (paired with --reference by name)")
     parser.add_argument("--reference", help="folder of the inputs the outputs were made from")
     parser.add_argument("--ground-truth", help="folder of same-named ground-truth images (adds PSNR/SSIM)")
     parser.add_argument("--run", action="append", metavar="METHODS",
-                        help="methods to run, comma-separated: lanczos, bicubic, latent-bicubic, "
-                        "vae-roundtrip, flow[:transplant=F][:color_fix=F][:color=on|off][:seed=N], "
-                        "spandrel:PATH[:label][+colorfix] (see below)")  # fmt: skip
+                        help="methods to run, comma-separated: lanczos, bicubic, latent-bicubic, vae-roundtrip, "
+                        "flow, spandrel:PATH; flow takes options as flow:transplant=F, flow:color_fix=F, "
+                        "flow:color=on|off, flow:seed=N (chained: flow:color=off:seed=1); spandrel models as "
+                        "spandrel:PATH:label or spandrel:PATH+colorfix (see below)")  # fmt: skip
     parser.add_argument("--dataset", action="append", help="photos (files/folders) to build low-res inputs from")
-    parser.add_argument("--scale", type=int, default=4, help="upscale factor for --run (default 4)")
+    parser.add_argument("--scale", type=int, default=DEFAULT_SCALE, help="upscale factor for --run")
     parser.add_argument("--limit", type=int, help="use only the first N dataset images")
     parser.add_argument("--box", type=_box, help="x,y,w,h in output pixels: grey levels are counted here, "
                         "and the figure crops it")  # fmt: skip
     parser.add_argument("--vae", default=None, help="VAE for latent methods: local file/folder or hub id")
     parser.add_argument("--upscaler", default=None, help="Flow Upscaler weights (for the flow method)")
-    parser.add_argument("--device", default="cpu", help="torch device for VAE, upscaler, spandrel models (default cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_device_options(parser, "VAE, upscaler and spandrel models")
     parser.add_argument("--tile", default="auto", help="spandrel models: tile side in input pixels, 'auto' (by "
                         "memory, the default) or 'none'")  # fmt: skip
     parser.add_argument("--tile-overlap", type=int, default=None, metavar="PX",
@@ -74,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="folder for results.json, table.md, metrics.png, crops.png")
     parser.add_argument("--cache", default=None, help="result cache folder (default OUT/cache)")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything, store nothing")
+    parser.add_argument(
+        "--save-outputs",
+        action="store_true",
+        help="with --run: also write every full output to OUT/outputs/<method>/<stem>_x<scale>.png, with the "
+        "low-res inputs and ground truth beside them, so the numbers can be recomputed from files",
+    )
     parser.add_argument("--figure-images", type=int, default=3, help="images in the crop grid (default 3)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -94,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
             raise FlowliftError("--limit must be >= 1")
         report = _run_methods(args, E)
     else:
+        if args.save_outputs:
+            raise FlowliftError("--save-outputs goes with --run (OUTPUTS --reference are files already)")
         if not args.outputs or not args.reference:
             raise FlowliftError("give OUTPUTS and --reference INPUTS (or --run METHODS --dataset DIR)")
         report = E.evaluate_pairs(
@@ -102,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             args.ground_truth,
             box=args.box,
             figure_images=args.figure_images,
-            progress=not args.quiet,
+            progress=show_progress(args),
         )
     paths = E.write_report(report, out_dir)
     print(E.markdown_table(report))
@@ -113,14 +127,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_methods(args: argparse.Namespace, E):
-    import torch
 
-    from flowlift.devices import resolve_device
     from flowlift.errors import FlowliftError
 
     specs = E.parse_methods(args.run)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    device = resolve_device(args.device)
+    device, dtype = resolve_device_dtype(args.device, args.dtype)
     needs_vae = any(s.needs_vae for s in specs)
     needs_flow = any(s.name == "flow" for s in specs)
     if needs_vae and args.vae is None:
@@ -137,7 +148,8 @@ def _run_methods(args: argparse.Namespace, E):
 
         vae = load_vae(args.vae, device=device, dtype=dtype)
         identities.update(
-            vae=E.model_identity(args.vae), device=str(device), dtype=args.dtype, vae_spec=str(args.vae)
+            vae=E.model_identity(args.vae), device=str(device), dtype=str(dtype).removeprefix("torch."),
+            vae_spec=str(args.vae),
         )
         if getattr(vae, "approximate_decode", False):
             identities["vae_note"] = "approximate decoder"
@@ -164,7 +176,8 @@ def _run_methods(args: argparse.Namespace, E):
         box=args.box,
         limit=args.limit,
         figure_images=args.figure_images,
-        progress=not args.quiet,
+        progress=show_progress(args),
+        save_outputs=Path(args.out) / "outputs" if args.save_outputs else None,
     )
 
 
@@ -203,7 +216,7 @@ def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identitie
             "tile": model.tile,
             "overlap": model.overlap,
             "device": str(device),
-            "dtype": args.dtype,
+            "dtype": str(dtype).removeprefix("torch."),
             "note": model.describe(args.scale),
         }
     return models

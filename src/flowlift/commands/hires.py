@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowlift.commands._options import examples
 from flowlift.commands.img2img import (
     add_model_arguments,
+    check_model_sources,
     check_output,
     check_prompt_args,
     default_output,
@@ -19,8 +21,13 @@ from flowlift.errors import FlowliftError
 
 NAME = "hires"
 HELP = (
-    "Hires fix: txt2img (--prompt) or an --image, upscaled 2x/4x in latent space by the Flow Upscaler, "
-    "then refined by FLUX.2 at low strength on the shifted schedule"
+    "hires fix: txt2img (--prompt) or an --image, upscaled 2x/4x in latent space by the Flow Upscaler, "
+    "then refined by FLUX.2 at low strength"
+)
+EXAMPLES = examples(
+    'flowlift hires --prompt "a lighthouse at dusk" --model black-forest-labs/FLUX.2-klein-4B --steps 4 -o out.png',
+    'flowlift hires --image photo.png --prompt "..." --model black-forest-labs/FLUX.2-klein-4B --scale 2 '
+    "--refine-strength 0.3",
 )
 
 
@@ -76,10 +83,12 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise FlowliftError("this flowlift build has no Flow Upscaler pipeline (flowlift.pipeline)") from None
 
+    from flowlift.pipeline import DEFAULT_UPSCALER, resolve_upscaler_file
+
+    check_model_sources(args)
+    upscaler_file = resolve_upscaler_file(args.upscaler or DEFAULT_UPSCALER)  # before the transformer loads
     refiner, conditioning = load_refiner_from_args(args)
-    upscaler = FlowUpscalerPipeline(
-        args.upscaler or "TensorForger/FlowUpscaler", refiner.vae, device=refiner.device, dtype=refiner.dtype
-    )
+    upscaler = FlowUpscalerPipeline(upscaler_file, refiner.vae, device=refiner.device, dtype=refiner.dtype)
     passes = {2: 1, 4: 2}[args.scale]
 
     def upscale(latents):
@@ -120,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.image:
         metadata.pop("input", None)
     image = attach_alpha(tensor_to_pil(result.images[0]), alpha)
-    save_image_atomic(image, output, {"flowlift": metadata})
+    save_image_atomic(image, output, {"flowlift": metadata}, source=args.image)  # ICC profile and EXIF kept
     if not args.quiet:
         print(f"wrote {output}")
     return 0

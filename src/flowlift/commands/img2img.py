@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from flowlift.commands._options import finite_float
+from flowlift.commands._options import add_device_options, examples, finite_float, resolve_device_dtype
+from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
 
 #: Mirrors flowlift.refine.SAMPLERS / STRENGTH_MAPS (kept literal so --help does not import torch).
@@ -16,8 +17,15 @@ STRENGTH_MAPS = ("linear", "canvas")
 
 NAME = "img2img"
 HELP = (
-    "Refine an image with a FLUX.2 Klein/dev transformer: img2img, inpaint (--mask) or outpaint (--outpaint); "
-    "normalized-space start latents on the shifted schedule"
+    "refine an image with a FLUX.2 Klein/dev transformer: img2img, inpaint (--mask) or outpaint (--outpaint) "
+    "on the shifted schedule"
+)
+EXAMPLES = examples(
+    'flowlift img2img photo.png --model black-forest-labs/FLUX.2-klein-4B --prompt "a watercolour harbour" '
+    "--strength 0.6 --steps 4 -o harbour.png",
+    'flowlift img2img photo.png --mask mask.png --strength 1 --model /models/FLUX.2-klein-4B --prompt "a red door" '
+    "--steps 4 --sampler heun",
+    "flowlift img2img photo.png --outpaint 0,0,256,0 --model /models/FLUX.2-klein-4B --prompt-embeds emb.safetensors",
 )
 
 
@@ -67,13 +75,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--vae", metavar="SPEC", help="VAE (flowlift.vae.load_vae spec); default: the model's own vae/ folder"
     )
-    model.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (default: cuda if available)")
-    model.add_argument(
-        "--dtype",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        default="auto",
-        help="transformer precision (default: bfloat16 on CUDA, float32 on CPU)",
-    )
+    add_device_options(model, "transformer and VAE")
     prompt = parser.add_argument_group("prompt")
     prompt.add_argument("--prompt", help="the prompt (embedded with the model's own text encoder, flowlift[text])")
     prompt.add_argument(
@@ -142,19 +144,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def resolve_device_dtype(device: str, dtype: str):
-    import torch
-
-    from flowlift.devices import resolve_device
-
-    dev = resolve_device(device)
-    if dtype == "auto":
-        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    else:
-        dt = getattr(torch, dtype)
-    return dev, dt
-
-
 def check_prompt_args(args: argparse.Namespace) -> None:
     if args.prompt is None and args.prompt_embeds is None:
         raise FlowliftError("give --prompt TEXT or --prompt-embeds FILE")
@@ -162,6 +151,25 @@ def check_prompt_args(args: argparse.Namespace) -> None:
         raise FlowliftError(f"--prompt-embeds: file not found: {args.prompt_embeds}")
     if args.cfg_scale <= 0:
         raise FlowliftError(f"--cfg-scale must be > 0, got {args.cfg_scale}")
+    if args.prompt_embeds is None or (args.cfg_scale != 1.0 and args.negative_prompt is not None):
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:
+            raise FlowliftError(
+                "--prompt needs the FLUX.2 text encoder, in the text extra (pip install 'flowlift[text]', "
+                "from a checkout pip install -e '.[text]'); or pass precomputed --prompt-embeds"
+            )
+
+
+def check_model_sources(args: argparse.Namespace) -> None:
+    """Local --model / --vae paths exist (and hub ids are cached when offline) before any weights load."""
+    from flowlift.hub import looks_like_path
+    from flowlift.vae import check_vae_spec
+
+    if not Path(args.model).expanduser().exists() and looks_like_path(args.model):
+        raise FlowliftError(f"--model {args.model}: no such file or folder")
+    if args.vae is not None:
+        check_vae_spec(args.vae)
 
 
 def load_refiner_from_args(args: argparse.Namespace):
@@ -175,7 +183,12 @@ def load_refiner_from_args(args: argparse.Namespace):
     need_negative = args.cfg_scale != 1.0 and negative is None
     need_encoder = embeds is None or need_negative
     refiner = load_refiner(
-        args.model, vae=args.vae, device=device, dtype=dtype, text_encoder=need_encoder, progress=not args.quiet
+        args.model,
+        vae=args.vae,
+        device=device,
+        dtype=dtype,
+        text_encoder=need_encoder,
+        progress=show_progress(args),
     )
     conditioning: dict[str, Any] = {
         "prompt": args.prompt,
@@ -218,6 +231,8 @@ def parse_outpaint(text: str) -> tuple[int, int, int, int]:
         values = ()
     if len(values) != 4 or any(v < 0 for v in values):
         raise FlowliftError(f"--outpaint takes four non-negative pixel borders L,T,R,B, got {text!r}")
+    if not any(values):
+        raise FlowliftError(f"--outpaint {text}: every border is 0, nothing to paint (use img2img without it)")
     return values  # type: ignore[return-value]
 
 
@@ -255,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
                 f"--reference {path}: sides must be multiples of 16 px, got {ref.shape[-1]}x{ref.shape[-2]}"
             )
     strength = args.strength if args.strength is not None else (1.0 if pads else 0.5)
+    check_model_sources(args)
 
     refiner, conditioning = load_refiner_from_args(args)
     common = dict(
@@ -285,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
     )
     metadata = {k: v for k, v in metadata.items() if v is not None}
     image = attach_alpha(tensor_to_pil(result.images[0]), alpha)
-    save_image_atomic(image, output, {"flowlift": metadata})
+    save_image_atomic(image, output, {"flowlift": metadata}, source=args.image)  # ICC profile and EXIF kept
     if not args.quiet:
         print(f"wrote {output}")
     return 0

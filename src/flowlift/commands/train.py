@@ -11,10 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from flowlift.commands._options import finite_float
+from flowlift.commands._options import examples, finite_float
+from flowlift.console import show_progress
 
 NAME = "train"
 HELP = "train or fine-tune the Flow Upscaler (rectified-flow distillation; single process or torchrun DDP)"
+EXAMPLES = examples(
+    "flowlift train --data data/photos --output runs/a --steps 2000 --batch-size 8 --vae taef2",
+    "flowlift train --config run.toml --set ema_decay=0.9999 --print-config",
+    "python -m torch.distributed.run --standalone --nproc_per_node 8 -m flowlift train --config run.toml",
+)
 
 # flag -> config field
 _FLAGS = {
@@ -35,26 +41,46 @@ _FLAGS = {
 }
 
 
+def _config_default(field: str) -> str:
+    """`` (default: X; a --config file overrides it)`` from :class:`TrainConfig`'s own default."""
+    from dataclasses import fields
+
+    from flowlift.training.config import TrainConfig
+
+    for item in fields(TrainConfig):
+        if item.name == field:
+            value = getattr(TrainConfig(), field)
+            shown = "none" if value in (None, "", []) else value
+            return f" (default: {shown}, unless --config sets it)"
+    return " (default: none)"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="JSON or TOML file of training settings")
-    parser.add_argument("--data", help="dataset folder (from `flowlift dataset`)")
-    parser.add_argument("--output", help="run folder: logs, checkpoints, final flow_upscaler.safetensors")
-    parser.add_argument("--init", help="fine-tune from this Flow Upscaler checkpoint (file, folder or hub id)")
-    parser.add_argument("--steps", type=int, help="total optimizer steps")
-    parser.add_argument("--batch-size", type=int, help="samples per process per micro-batch")
-    parser.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
-    parser.add_argument("--lr", type=finite_float, help="peak learning rate")
-    parser.add_argument("--crop", type=int, help="target-latent crop side (multiple of 4; 0 = whole items)")
-    parser.add_argument("--resume", help="auto (default: latest checkpoint in --output), a checkpoint folder, or none")
-    parser.add_argument("--device", help="auto, cpu, cuda")
+    d = _config_default
+    parser.add_argument("--config", help="JSON or TOML file of training settings (default: none, built-in defaults)")
+    parser.add_argument("--data", help="dataset folder (from `flowlift dataset`)" + d("data"))
+    parser.add_argument("--output", help="run folder: logs, checkpoints, final flow_upscaler.safetensors" + d("output"))
+    parser.add_argument("--init", help="fine-tune from this Flow Upscaler checkpoint (file, folder or hub id)"
+                        + d("init"))  # fmt: skip
+    parser.add_argument("--steps", type=int, help="total optimizer steps" + d("steps"))
+    parser.add_argument("--batch-size", type=int, help="samples per process per micro-batch"
+                        + d("batch_size"))  # fmt: skip
+    parser.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step" + d("grad_accum"))
+    parser.add_argument("--lr", type=finite_float, help="peak learning rate" + d("lr"))
+    parser.add_argument("--crop", type=int, help="target-latent crop side (multiple of 4; 0 = whole items)" + d("crop"))
+    parser.add_argument("--resume", help="auto (latest checkpoint in --output), a checkpoint folder, or none"
+                        + d("resume"))  # fmt: skip
+    parser.add_argument("--device", help="auto (CUDA if available, else cpu), cpu, cuda, cuda:N" + d("device"))
     parser.add_argument("--overwrite", action="store_true", default=None,
                         help="with --resume none: start a new run over the checkpoints already in --output")
-    parser.add_argument("--vae", help="VAE for validation (e.g. madebyollin/taef2 or a local folder)")
-    parser.add_argument("--val-images", nargs="+", help="held-out images (files, folders, globs) for validation")
-    parser.add_argument("--val-every", type=int, help="validate every K steps (0 = never)")
-    parser.add_argument("--seed", type=int)
+    parser.add_argument("--vae", help="VAE for validation (taef2, flux2 or a local folder)" + d("vae"))
+    parser.add_argument("--val-images", nargs="+", help="held-out images (files, folders, globs) for validation"
+                        + d("val_images"))  # fmt: skip
+    parser.add_argument("--val-every", type=int, help="validate every K steps (0 = never)" + d("val_every"))
+    parser.add_argument("--seed", type=int, help="seed of data order, noise and initialisation" + d("seed"))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="any other TrainConfig setting, e.g. --set ema_decay=0.9999 (repeatable)")
+                        help="any other TrainConfig setting, e.g. --set ema_decay=0.9999 (repeatable; "
+                        "--print-config lists them all with their values)")  # fmt: skip
     parser.add_argument("--print-config", action="store_true", help="print the resolved settings and exit")
 
 
@@ -69,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     if args.val_images:
         overrides["val_images"] = list(args.val_images)
     overrides.update(parse_assignments(args.set))
+    if args.progress is not None or not show_progress(args):  # bars only on a terminal unless forced
+        overrides.setdefault("progress", show_progress(args))
     if args.print_config:
         from flowlift.training.config import TrainConfig, apply_overrides, load_config_file
 

@@ -13,13 +13,28 @@ import argparse
 import math
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+from flowlift.commands._options import (
+    DEFAULT_SCALE,
+    DEFAULT_VAE,
+    add_device_options,
+    examples,
+    resolve_device_dtype,
+)
+from flowlift.console import show_progress
 
 NAME = "upscale"
 HELP = "upscale images 2x/4x/8x with the Flow Upscaler, colour drift corrected"
+EXAMPLES = examples(
+    "flowlift upscale photo.png --scale 4                       # -> photo_x4.png next to it",
+    'flowlift upscale photos/ "more/*.jpg" -o out/ --vae taef2   # a batch; rerun to resume',
+    "flowlift upscale photo.png -o big.jpg --quality 90         # format from -o, ICC profile and EXIF kept",
+)
 
 OUTPUT_FORMATS = ("png", "jpg", "webp")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _unit_interval(text: str) -> float:
@@ -43,6 +58,30 @@ def _seed(text: str) -> int:
     return value
 
 
+def _quality(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"must be in 1..100, got {text}")
+    return value
+
+
+def output_format(output: str | None, requested: str | None) -> str:
+    """The output format: ``--format``, or the suffix of ``-o FILE``; both given and different is an error."""
+    from flowlift.errors import FlowliftError
+    from flowlift.images import IMAGE_SUFFIXES, check_output_format
+
+    suffix = Path(output).suffix.lower() if output else ""
+    if output and suffix in IMAGE_SUFFIXES and not Path(output).expanduser().is_dir():
+        named = check_output_format(output)
+        if requested is not None and requested != named:
+            raise FlowliftError(
+                f"-o {output} is a .{suffix.lstrip('.')} file name but --format {requested} was given; "
+                "drop one, or give -o a folder"
+            )
+        return named
+    return requested or "png"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or glob patterns")
     parser.add_argument(
@@ -52,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output folder (default: next to each input); for a single input, a file name with an image suffix",
     )
     scale = parser.add_mutually_exclusive_group()
-    scale.add_argument("--scale", type=int, choices=(2, 4, 8), help="upscale factor (default 2)")
+    scale.add_argument("--scale", type=int, choices=(2, 4, 8), help=f"upscale factor (default {DEFAULT_SCALE})")
     scale.add_argument("--passes", type=_positive_int, metavar="N", help="number of 2x passes (scale 2**N)")
     parser.add_argument("--seed", type=_seed, default=0, help="noise seed (default 0)")
     parser.add_argument("--no-color-fix", action="store_true", help="switch both colour-drift stages off")
@@ -70,16 +109,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="X",
         help="stage 2 pixel L*a*b* low-band transplant, 0..1 (default 1)",
     )
-    parser.add_argument("--vae", default="flux2", metavar="taef2|flux2|PATH", help="VAE (default flux2)")
+    parser.add_argument(
+        "--vae",
+        default=DEFAULT_VAE,
+        metavar="flux2|taef2|PATH|REPO",
+        help=f"VAE: flux2 (the full FLUX.2 VAE), taef2 (fast, approximate), a file/folder or hub id "
+        f"(default {DEFAULT_VAE})",
+    )
     parser.add_argument(
         "--upscaler",
         default=None,
         metavar="PATH|REPO",
         help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
     )
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="default: bfloat16 on CUDA, else float32")
-    parser.add_argument("--format", choices=OUTPUT_FORMATS, default="png", help="output format (default png)")
+    add_device_options(parser)
+    parser.add_argument(
+        "--format",
+        choices=OUTPUT_FORMATS,
+        default=None,
+        help="output format (default: the suffix of -o FILE, else png); ICC profile and EXIF are kept in all three",
+    )
+    parser.add_argument(
+        "--quality",
+        type=_quality,
+        default=None,
+        metavar="Q",
+        help="JPEG/WebP quality 1-100 (default 95; WebP at 100 is lossless)",
+    )
     parser.add_argument(
         "--resize-mode",
         choices=("pad", "resample"),
@@ -101,7 +157,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _metadata(args: argparse.Namespace, passes: int, source: Path, hashes: dict[str, str]) -> dict[str, object]:
+def _metadata(
+    args: argparse.Namespace, passes: int, source: Path, hashes: dict[str, str], pipeline
+) -> dict[str, object]:
     from flowlift import __version__
     from flowlift.images import file_sha256
 
@@ -117,11 +175,70 @@ def _metadata(args: argparse.Namespace, passes: int, source: Path, hashes: dict[
             "resize_mode": args.resize_mode,
             "vae": args.vae,
             "upscaler": args.upscaler or "TensorForger/FlowUpscaler",
-            "dtype": args.dtype,
+            "dtype": str(pipeline.dtype).removeprefix("torch."),  # what ran, not "auto"
+            "device": str(pipeline.device),
         },
         "flowlift.models": hashes,
         "flowlift.source": {"name": source.name, "sha256": file_sha256(source)},
     }
+
+
+def model_hashes(pipeline: Any) -> dict[str, dict[str, str]]:
+    """SHA-256 of every weight file behind ``pipeline`` by role: the PNG's ``flowlift.models``."""
+    from flowlift.images import file_sha256
+
+    return {role: {p.name: file_sha256(p) for p in paths} for role, paths in pipeline.model_files().items() if paths}
+
+
+def output_name(source: Path, scale: int, output_format: str | None = "png") -> str:
+    """The file name of ``source``'s result: ``<stem>_x<scale>.<format>`` (also the web app's names;
+    no format: png)."""
+    from flowlift.naming import upscaled_name
+
+    return upscaled_name(source.stem, scale, output_format or "png")
+
+
+def upscale_file(
+    pipeline: Any,
+    args: argparse.Namespace,
+    passes: int,
+    source: Path,
+    out: Path,
+    hashes: dict[str, dict[str, str]],
+    on_stage: Callable[[str], None] | None = None,
+) -> tuple[Any, Any, list[str]]:
+    """Load ``source``, upscale it with ``args``' parameters, write ``out`` atomically with the metadata.
+
+    Returns (input image, result image, warnings such as passes dropped at MAX_OUTPUT_SIDE). The one
+    per-image step of ``flowlift upscale``; the web app calls it too.
+    """
+    from flowlift.images import attach_alpha, load_image, save_image_atomic
+
+    image, alpha = load_image(source)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        result = pipeline.upscale_image(
+            image,
+            num_passes=passes,
+            seed=args.seed,
+            color_fix=not args.no_color_fix,
+            transplant_strength=args.transplant_strength,
+            color_fix_strength=args.color_fix_strength,
+            resize_mode=args.resize_mode,
+            callback=on_stage,
+        )
+    if alpha is not None:
+        result = attach_alpha(result, alpha)
+    # passes actually run (fewer when MAX_OUTPUT_SIDE dropped some)
+    done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
+    save_image_atomic(
+        result,
+        out,
+        _metadata(args, done, source, hashes, pipeline),
+        source=source,  # the input's ICC profile and EXIF
+        quality=getattr(args, "quality", None),
+    )
+    return image, result, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
 
 
 #: Largest side each output format can store (WebP's 14-bit dimensions; JPEG's 16-bit).
@@ -195,27 +312,27 @@ def _nothing_to_do(source: Path, output: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
     from tqdm import tqdm
 
     from flowlift.batch import Job, pending, plan_jobs, report, run_jobs
-    from flowlift.devices import resolve_device
     from flowlift.errors import FlowliftError
-    from flowlift.images import IMAGE_SUFFIXES, attach_alpha, file_sha256, list_images, load_image, save_image_atomic
+    from flowlift.images import IMAGE_SUFFIXES, list_images
     from flowlift.pipeline import DEFAULT_UPSCALER, FlowUpscalerPipeline, passes_for_scale
 
-    device = resolve_device(args.device)  # once, before any input is read
-    passes = args.passes if args.passes is not None else passes_for_scale(args.scale or 2)
+    device, dtype = resolve_device_dtype(args.device, args.dtype)  # once, before any input is read
+    passes = args.passes if args.passes is not None else passes_for_scale(args.scale or DEFAULT_SCALE)
     _check_output_option(args.output)
+    fmt = output_format(args.output, args.format)
     problems: list[tuple[str, str]] = []
     inputs = list_images(args.inputs, problems)
     if not inputs and not problems:
         raise FlowliftError("no input images found")
-    sizes = _OutputSizes(passes, args.resize_mode)
+    bars = show_progress(args)
+    sizes = _OutputSizes(passes, args.resize_mode)  # named by the scale the cap lets run, from the header
     jobs = [Job(Path(item), None, message) for item, message in problems] + plan_jobs(
         inputs,
         args.output,
-        lambda path: f"{path.stem}_x{sizes.scale(path)}.{args.format}",
+        lambda path: output_name(path, sizes.scale(path), fmt),
         IMAGE_SUFFIXES,
         expected_size=sizes.output_size,
         check_output=lambda path, out: _check_format_limit(out, sizes.output_size(path)),
@@ -223,7 +340,6 @@ def run(args: argparse.Namespace) -> int:
     if not pending(jobs, args.overwrite):  # nothing to compute: report the plan without loading a model
         return run_jobs(jobs, _nothing_to_do, command=NAME, overwrite=args.overwrite).exit_code
 
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     pipeline = FlowUpscalerPipeline(
         args.upscaler or DEFAULT_UPSCALER,
         args.vae,
@@ -232,31 +348,15 @@ def run(args: argparse.Namespace) -> int:
         chunked=args.chunked,
         vae_tiled=args.vae_tiling,
     )
-    hashes = {role: {p.name: file_sha256(p) for p in paths} for role, paths in pipeline.model_files().items() if paths}
+    hashes = model_hashes(pipeline)
 
     def upscale_one(path: Path, out: Path) -> None:
-        image, alpha = load_image(path)
-        steps = tqdm(total=passes + 3, desc=path.name, unit="step", leave=False, disable=None, file=sys.stderr)
-        with steps, warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", UserWarning)
-            result = pipeline.upscale_image(
-                image,
-                num_passes=passes,
-                seed=args.seed,
-                color_fix=not args.no_color_fix,
-                transplant_strength=args.transplant_strength,
-                color_fix_strength=args.color_fix_strength,
-                resize_mode=args.resize_mode,
-                callback=lambda _stage, bar=steps: bar.update(1),
+        steps = tqdm(total=passes + 3, desc=path.name, unit="step", leave=False, disable=not bars, file=sys.stderr)
+        with steps:
+            _, _, notes = upscale_file(
+                pipeline, args, passes, path, out, hashes, on_stage=lambda _stage, bar=steps: bar.update(1)
             )
-        for warning in caught:  # e.g. passes dropped at MAX_OUTPUT_SIDE: one line, not a stack
-            report(NAME, path, f"warning: {warning.message}", write=lambda line: tqdm.write(line, file=sys.stderr))
-        if alpha is not None:
-            result = attach_alpha(result, alpha)
-        # passes actually run (fewer when MAX_OUTPUT_SIDE dropped some); the output is named by them
-        done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
-        if tuple(result.size) != sizes.output_size(path):
-            raise FlowliftError(f"produced {result.size[0]}x{result.size[1]}, planned {sizes.output_size(path)}")
-        save_image_atomic(result, out, _metadata(args, done, path, hashes))
+        for note in notes:  # e.g. passes dropped at MAX_OUTPUT_SIDE: one line, not a stack
+            report(NAME, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
 
-    return run_jobs(jobs, upscale_one, command=NAME, overwrite=args.overwrite).exit_code
+    return run_jobs(jobs, upscale_one, command=NAME, overwrite=args.overwrite, progress=bars).exit_code

@@ -338,8 +338,8 @@ def build_images_dataset(
     if not paths:
         raise FlowliftError("no input images")
     items, skipped = plan_image_crops(paths, crop, crops_per_image, seed, flip)
-    if skipped:
-        warnings.warn(f"{len(skipped)} image(s) smaller than the {crop}px crop were skipped", stacklevel=2)
+    for name in skipped:  # one line per image, naming it (the CLI shows each as a flowlift warning line)
+        warnings.warn(f"{name}: smaller than the {crop}x{crop} crop, skipped", UserWarning, stacklevel=2)
     if not items:
         raise FlowliftError(f"no image is at least {crop}x{crop} pixels")
     side = crop // VAE_SCALE_FACTOR

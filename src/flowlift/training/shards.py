@@ -91,6 +91,22 @@ def write_manifest(root: str | os.PathLike, manifest: dict[str, Any]) -> None:
     atomic_write_text(path, json.dumps(manifest, indent=2, sort_keys=True))  # unique temp per writer
 
 
+def _flatten(manifest: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"source": {"crop": 512}}`` -> ``{"source.crop": 512}``, so a message can name the one setting that differs."""
+    flat: dict[str, Any] = {}
+    for key, value in manifest.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value, sort_keys=True, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any]) -> None:
     """Create ``root`` with ``manifest``, or check that an existing dataset has the same settings.
 
@@ -101,13 +117,19 @@ def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any]) -> No
     manifest = {"format": FORMAT, "version": VERSION, **manifest}
     if (root / "dataset.json").is_file():
         existing = read_manifest(root)
+        now, there = _flatten(manifest), _flatten(existing)
         differing = sorted(
-            k for k in set(existing) | set(manifest) if k != "num_items" and existing.get(k) != manifest.get(k)
+            (k for k in set(now) | set(there) if k != "num_items" and now.get(k) != there.get(k)),
+            key=lambda k: ("." not in k, k),  # the build settings (source.crop, ...) before derived shapes
         )
         if differing:
+            shown = "; ".join(
+                f"{key}: {_short(now.get(key))} now, {_short(there.get(key))} there" for key in differing[:3]
+            )
+            more = f"; and {len(differing) - 3} more" if len(differing) > 3 else ""
             raise FlowliftError(
-                f"{root} already holds a dataset built with different settings ({', '.join(differing)}); "
-                "use a new output folder"
+                f"{root} already holds a dataset built with other settings ({shown}{more}); "
+                "use a new output folder or the same settings"
             )
     root.mkdir(parents=True, exist_ok=True)
     write_manifest(root, manifest)

@@ -36,6 +36,7 @@ import os
 import shutil
 import time
 import uuid
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +204,22 @@ def pick_device(setting: str, dist: DistContext) -> torch.device:
 # Checkpoints
 
 
+#: Architecture settings an ``--init`` checkpoint fixes (its own config wins; a contradiction is an error).
+ARCHITECTURE_FIELDS = ("base_channels", "time_dim", "cond_dim")
+
+
+def init_contradictions(config: TrainConfig, init_config: dict[str, Any]) -> str:
+    """``"base_channels 384 (not 64), ..."`` for architecture settings changed from their defaults that the
+    ``--init`` checkpoint contradicts; empty when none. Settings left at their defaults follow the checkpoint."""
+    defaults = TrainConfig()
+    clashes = []
+    for name in ARCHITECTURE_FIELDS:
+        wanted, actual = getattr(config, name), init_config.get(name)
+        if wanted != getattr(defaults, name) and actual is not None and int(actual) != int(wanted):
+            clashes.append(f"{name} {actual} (not {wanted})")
+    return ", ".join(clashes)
+
+
 def checkpoint_dir(output: Path, step: int) -> Path:
     return output / "checkpoints" / f"step-{step:08d}"
 
@@ -296,6 +313,14 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, model: torch.nn.Module | None = None) -> None:
         config.validate()
+        if config.steps < config.warmup_steps:
+            warnings.warn(
+                f"steps {config.steps} < warmup_steps {config.warmup_steps}: the run ends inside the warm-up and "
+                f"never reaches lr {config.lr:g} (it peaks at {config.lr * config.steps / config.warmup_steps:.3g}); "
+                "lower warmup_steps (--set warmup_steps=N)",
+                UserWarning,
+                stacklevel=2,
+            )
         self.config = config
         self.output = Path(config.output)
         self._custom_model = model
@@ -311,6 +336,11 @@ class Trainer:
         torch.manual_seed(c.seed)
         if c.init:
             loaded = load_upscaler(c.init, device="cpu", dtype=torch.float32)
+            contradicted = init_contradictions(c, loaded.config)
+            if contradicted:
+                raise FlowliftError(
+                    f"--init {c.init} is a model with {contradicted}; drop those settings or train from scratch"
+                )
             model = FlowUpscalerUNet(**loaded.config, dropout=c.dropout)
             model.load_state_dict(loaded.state_dict(), strict=True)
             return model

@@ -187,6 +187,11 @@ class Validator:
         return plot_curves(self.output / "train_log.csv", self.csv_path, path)
 
 
+def point_style(points: int) -> dict[str, Any]:
+    """Line keywords for a curve of ``points`` points: a lone point gets a marker (a line of one point is invisible)."""
+    return {"marker": "o", "ms": 4} if points == 1 else {}
+
+
 def plot_curves(train_csv: Path, val_csv: Path | None, path: Path) -> Path:
     """Loss (log scale) and, if ``val_csv`` exists, validation PSNR and sharpness per method vs step."""
     import matplotlib
@@ -203,7 +208,7 @@ def plot_curves(train_csv: Path, val_csv: Path | None, path: Path) -> Path:
     panels = 3 if val else 1
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.6), squeeze=False)
     ax = axes[0][0]
-    ax.plot([int(r["step"]) for r in train], [float(r["loss"]) for r in train], lw=1)
+    ax.plot([int(r["step"]) for r in train], [float(r["loss"]) for r in train], lw=1, **point_style(len(train)))
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_title("training loss")
@@ -214,7 +219,7 @@ def plot_curves(train_csv: Path, val_csv: Path | None, path: Path) -> Path:
                 rows = [r for r in val if r["method"] == method]
                 if rows:
                     ax.plot([int(r["step"]) for r in rows], [float(r[key]) for r in rows], marker="o", ms=3,
-                            label=method)
+                            label=method)  # always marked: validation points are sparse
             if key == "sharpness":
                 ax.axhline(float(val[0]["sharpness_gt"]), color="k", ls=":", lw=1, label="ground truth")
             ax.set_xlabel("step")

@@ -1,0 +1,86 @@
+"""``flowlift app``: a local web page for upscaling (and refining with ``--model``), Gradio 6.
+
+Bound to 127.0.0.1 unless ``--host`` says otherwise; a public Gradio share link only with ``--share``.
+Models load on the first request and stay loaded for the life of the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "app"
+HELP = "serve a local web page (Gradio) for upscaling, batches and, with --model, refining"
+EXAMPLES = """examples:
+  flowlift app                                   # http://127.0.0.1:7860, upscaling with the released weights
+  flowlift app --vae taef2 --vae flux2 --upscaler flow_upscaler.safetensors
+  flowlift app --model black-forest-labs/FLUX.2-klein-4B   # adds the Refine tab"""
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"must be in 1..65535, got {text}")
+    return value
+
+
+def _megabytes(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=_port, default=None, help="port (default: Gradio's, 7860 or the next free)")
+    parser.add_argument(
+        "--share", action="store_true", help="also open a public *.gradio.live link (off unless given explicitly)"
+    )
+    parser.add_argument(
+        "--upscaler",
+        default=None,
+        metavar="PATH|REPO",
+        help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
+    )
+    parser.add_argument(
+        "--vae",
+        action="append",
+        metavar="taef2|flux2|PATH",
+        help="VAE to offer (repeatable; the first is the default; default taef2)",
+    )
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="default: bfloat16 on CUDA, else float32")
+    parser.add_argument(
+        "--max-upload-mb", type=_megabytes, default=50.0, metavar="MB", help="largest accepted upload (default 50)"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH|REPO",
+        help="FLUX.2 Klein/dev weights for the Refine tab (as for flowlift img2img); no Refine tab without it",
+    )
+    parser.add_argument("--model-vae", default=None, metavar="SPEC", help="VAE of --model (default: its vae/ folder)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from flowlift.app import build_app, launch
+    from flowlift.app_service import AppConfig, AppService
+
+    config = AppConfig(
+        upscaler=args.upscaler,
+        vaes=args.vae or ["taef2"],
+        device=args.device,
+        dtype=args.dtype,
+        max_upload_mb=args.max_upload_mb,
+        model=args.model,
+        model_vae=args.model_vae,
+    )
+    service = AppService(config)
+    try:
+        demo = build_app(service)
+        launch(demo, service, host=args.host, port=args.port, share=args.share)
+    finally:
+        service.close()
+    return 0

@@ -1,0 +1,96 @@
+"""``flowlift app``'s Refine tab handler on a tiny diffusers-layout FLUX.2 folder (img2img and hires fix)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from app_helpers import tiny_upscaler
+from flowlift.app_refine import refine
+from flowlift.app_service import AppConfig, AppService
+from flowlift.cli import main
+from flowlift.errors import FlowliftError
+from tiny_flux2 import prompt_embeds, tiny_transformer, tiny_vae
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flux2-tiny")
+    tiny_transformer().save_pretrained(root / "transformer")
+    tiny_vae().save_pretrained(root / "vae")
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    folder = tmp_path_factory.mktemp("refine-in")
+    save_file({"prompt_embeds": prompt_embeds()}, str(folder / "prompt.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    array = (torch.rand(48, 64, 3, generator=g) * 255).to(torch.uint8).numpy()
+    Image.fromarray(array, "RGB").save(folder / "photo.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def service(model_dir, tmp_path_factory, single_thread_torch):
+    weights = tiny_upscaler(tmp_path_factory.mktemp("w") / "flow_upscaler.safetensors")
+    service = AppService(AppConfig(upscaler=str(weights), vaes=["taef2"], device="cpu", model=str(model_dir)))
+    yield service
+    service.close()
+
+
+def _flowlift_text(path):
+    with Image.open(path) as image:
+        return image.size, json.loads(image.text["flowlift"])
+
+
+def test_img2img_matches_the_cli(service, model_dir, inputs, monkeypatch, tmp_path):
+    result = refine(service, inputs / "photo.png", None, inputs / "prompt.safetensors", "img2img", 0.6, "linear", 6, 3)
+    assert result.output.name == "photo_img2img.png" and result.output_size == (64, 48)
+    size, app_meta = _flowlift_text(result.output)
+    monkeypatch.chdir(inputs)  # the CLI records the paths as given: give bare names, as the app does
+    out = tmp_path / "cli.png"
+    argv = ["img2img", "photo.png", "--model", str(model_dir), "--prompt-embeds", "prompt.safetensors"]
+    assert main([*argv, "--strength", "0.6", "--steps", "6", "--seed", "3", "-o", str(out), "--quiet"]) == 0
+    cli_size, cli_meta = _flowlift_text(out)
+    assert size == cli_size and app_meta == cli_meta
+    with Image.open(out) as cli_png, Image.open(result.output) as app_png:
+        assert cli_png.tobytes() == app_png.tobytes()
+
+
+def test_hires_fix_and_errors(service, inputs, tmp_path):
+    square = tmp_path / "square.png"
+    Image.open(inputs / "photo.png").resize((64, 64)).save(square)
+    result = refine(service, square, "", inputs / "prompt.safetensors", "hires fix 2x", 0.4, "linear", 4, 0)
+    assert result.output.name == "square_hires2x.png" and result.output_size == (128, 128)
+    _, meta = _flowlift_text(result.output)
+    assert meta["command"] == "hires" and meta["scale"] == 2 and meta["refine_strength"] == 0.4
+    assert service.refiner() is service.refiner()  # loaded once
+    Image.open(inputs / "photo.png").resize((40, 24)).save(tmp_path / "odd.png")
+    with pytest.raises(FlowliftError, match="multiples of 16"):
+        refine(service, tmp_path / "odd.png", None, inputs / "prompt.safetensors", "hires fix 4x")
+    with pytest.raises(FlowliftError, match="give a prompt or a prompt-embeds file"):
+        refine(service, square, "  ", None)
+    with pytest.raises(FlowliftError, match=r"strength must be a number in \[0, 1\]"):
+        refine(service, square, None, inputs / "prompt.safetensors", "img2img", 2)
+    (tmp_path / "junk.png").write_bytes(b"junk")
+    with pytest.raises(FlowliftError, match="^junk.png: not an image file"):
+        refine(service, tmp_path / "junk.png", None, inputs / "prompt.safetensors")
+    no_model = AppService(AppConfig(vaes=["taef2"], work_dir=tmp_path / "w"))
+    with pytest.raises(FlowliftError, match="start the app with --model"):
+        refine(no_model, square, None, inputs / "prompt.safetensors")
+
+
+def test_refine_tab_only_with_a_model(service, tmp_path):
+    from flowlift.app import build_app
+
+    with_model = {fn.api_name for fn in build_app(service).fns.values()}
+    without = {fn.api_name for fn in build_app(AppService(AppConfig(work_dir=tmp_path))).fns.values()}
+    assert {"upscale", "batch", "refine"} <= with_model
+    assert "refine" not in without and {"upscale", "batch"} <= without

@@ -1,0 +1,164 @@
+"""``flowlift app``'s handlers without a browser: sizes, the CLI's names and metadata, errors, the batch zip."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import pytest
+from PIL import Image
+
+from app_helpers import bomb_png, tiny_upscaler
+from flowlift.app_service import AppConfig, AppService, check_upload
+from flowlift.cli import main
+from flowlift.errors import FlowliftError
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    return tiny_upscaler(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+
+
+@pytest.fixture(scope="module")
+def service(shared, weights, tmp_path_factory, single_thread_torch):
+    config = AppConfig(
+        upscaler=str(weights),
+        vaes=[str(shared / "models" / "taef2")],
+        device="cpu",
+        work_dir=tmp_path_factory.mktemp("app-work"),
+    )
+    service = AppService(config)
+    yield service
+    service.close()
+
+
+@pytest.fixture(scope="module")
+def photo(shared, tmp_path_factory):
+    path = tmp_path_factory.mktemp("in") / "parrots.png"
+    with Image.open(shared / "images" / "kodak" / "kodim23.png") as image:
+        image.convert("RGB").resize((48, 32), Image.Resampling.BOX).save(path)
+    return path
+
+
+def test_upscale_writes_the_cli_file_name_size_and_metadata(service, photo, shared, weights, tmp_path):
+    progress = []
+    result = service.upscale(photo, 2, 7, 0.5, 0.75, progress=lambda f, d: progress.append((f, d)))
+    assert result.output.name == "parrots_x2.png"
+    assert result.input_size == (48, 32) and result.output_size == (96, 64)
+    assert result.before.size == result.after.size == (96, 64)
+    assert "96x64" in result.summary() and not result.warnings
+    fractions = [f for f, _ in progress]
+    assert fractions == sorted(fractions) and 0 <= fractions[0] and fractions[-1] < 1
+    stages = " ".join(d for _, d in progress)
+    for stage in ("encode", "pass 1/1", "decode", "color fix"):
+        assert stage in stages
+
+    # the same request through the CLI gives the same pixels and the same metadata
+    cli_out = tmp_path / "cli"
+    argv = ["upscale", str(photo), "-o", str(cli_out), "--scale", "2", "--seed", "7"]
+    argv += ["--transplant-strength", "0.5", "--color-fix-strength", "0.75", "--vae", str(shared / "models" / "taef2")]
+    assert main([*argv, "--upscaler", str(weights), "--device", "cpu"]) == 0
+    with Image.open(result.output) as app_png, Image.open(cli_out / "parrots_x2.png") as cli_png:
+        assert app_png.size == (96, 64)
+        assert app_png.tobytes() == cli_png.tobytes()
+        assert app_png.text == cli_png.text
+        params = json.loads(app_png.text["flowlift.parameters"])
+    assert params["seed"] == 7 and params["transplant_strength"] == 0.5 and params["color_fix_strength"] == 0.75
+
+
+def test_models_load_once_and_are_reused(service, photo):
+    first = service.pipeline(service.config.vaes[0])
+    service.upscale(photo, 2, 0)
+    assert service.pipeline(service.config.vaes[0]) is first
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("corrupt.png", b"\x89PNG\r\n\x1a\n" + b"\x00" * 40, "corrupt.png: "),
+        ("notes.txt", b"not an image at all", "notes.txt: not an image file"),
+        ("bomb.png", None, "decompression bomb"),
+    ],
+)
+def test_bad_uploads_are_one_line_naming_the_file_only(service, tmp_path, name, content, message):
+    path = tmp_path / "server" / "side" / name
+    path.parent.mkdir(parents=True)
+    if content is None:
+        bomb_png(path)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(FlowliftError) as caught:
+        service.upscale(path, 2, 0)
+    text = str(caught.value)
+    assert message in text and "\n" not in text
+    assert str(tmp_path) not in text  # the server's folders are not shown to users
+
+
+def test_upload_limit_and_parameter_errors(service, photo, tmp_path):
+    big = tmp_path / "big.png"
+    big.write_bytes(b"\0" * (2 * 2**20))
+    with pytest.raises(FlowliftError, match=r"big.png: 2.0 MB is over the 1 MB upload limit"):
+        check_upload(big, 1)
+    small = AppService(AppConfig(upscaler="unused", vaes=["taef2"], max_upload_mb=1, work_dir=tmp_path / "w"))
+    with pytest.raises(FlowliftError, match="upload limit"):
+        small.upscale(big, 2, 0)  # refused before any model is loaded
+    with pytest.raises(FlowliftError, match="scale must be one of 2, 4, 8"):
+        service.upscale(photo, 3, 0)
+    with pytest.raises(FlowliftError, match="seed must be a non-negative integer"):
+        service.upscale(photo, 2, -1)
+    with pytest.raises(FlowliftError, match=r"transplant strength must be in \[0, 1\]"):
+        service.upscale(photo, 2, 0, 1.5)
+    with pytest.raises(FlowliftError, match="VAE 'flux2' is not configured"):
+        service.upscale(photo, 2, 0, 1.0, 1.0, "flux2")
+    with pytest.raises(FlowliftError, match="no image uploaded"):
+        service.upscale(None)
+
+
+def test_missing_weights_are_one_clear_line(tmp_path, photo):
+    lazy = AppService(AppConfig(upscaler=str(tmp_path / "nowhere.safetensors"), vaes=["taef2"], work_dir=tmp_path))
+    with pytest.raises(FlowliftError, match="Flow Upscaler weights"):
+        lazy.upscale(photo, 2, 0)
+
+
+def test_output_cap_warning_is_returned(service, photo):
+    pipeline = service.pipeline(service.config.vaes[0])
+    pipeline.MAX_OUTPUT_SIDE = 96  # 48 px wide: 2x fits, 4x does not
+    try:
+        result = service.upscale(photo, 4, 0)
+    finally:
+        del pipeline.MAX_OUTPUT_SIDE
+    assert result.output_size == (96, 64)
+    assert result.output.name == "parrots_x4.png"  # the CLI's name for the request, as the CLI writes it
+    assert len(result.warnings) == 1 and "MAX_OUTPUT_SIDE=96" in result.warnings[0]
+    assert "⚠️" in result.summary()
+
+
+def test_batch_zip_has_cli_names_and_lists_failures(service, photo, tmp_path):
+    folder = tmp_path / "uploads"
+    folder.mkdir()
+    good = folder / "a.png"
+    good.write_bytes(photo.read_bytes())
+    with Image.open(photo) as image:
+        image.save(folder / "b.jpg", quality=95)
+    (folder / "broken.png").write_bytes(b"garbage")
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "a.png").write_bytes(photo.read_bytes())  # same name, another upload: same CLI output name
+    result = service.batch([good, folder / "broken.png", folder / "b.jpg", other / "a.png"], 2, 0)
+    assert result.written == ["a_x2.png", "b_x2.png"]
+    assert len(result.errors) == 2
+    assert result.errors[0].startswith("broken.png: ")
+    assert result.errors[1].startswith("a.png: output a_x2.png is also the output of a.png")
+    assert all(str(tmp_path) not in line for line in result.errors)
+    with zipfile.ZipFile(result.zip_path) as archive:
+        assert sorted(archive.namelist()) == ["a_x2.png", "b_x2.png"]
+        with archive.open("b_x2.png") as member, Image.open(member) as png:
+            assert png.size == (96, 64) and "flowlift.parameters" in png.text
+    summary = result.summary()
+    assert "2 of 4 file(s)" in summary and "❌ broken.png" in summary
+
+
+def test_batch_with_only_failures_has_no_zip(service, tmp_path):
+    (tmp_path / "x.png").write_bytes(b"nope")
+    result = service.batch([tmp_path / "x.png"], 2, 0)
+    assert result.zip_path is None and result.written == [] and len(result.errors) == 1

@@ -1,0 +1,228 @@
+"""Outputs (issue 15, items 8-13): colour profile and EXIF carried through, metadata in every format,
+--format/--quality, every readable format listed, the output-of guard in any folder, one line per
+written file, ``<stem>_x<N>`` pairing and ``eval --save-outputs``."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageCms
+
+from flowlift.cli import main
+from flowlift.errors import FlowliftError
+from flowlift.images import (
+    IMAGE_SUFFIXES,
+    list_images,
+    load_image,
+    read_metadata,
+    read_source_profile,
+    save_image_atomic,
+)
+
+_ORIENTATION, _MAKE, _EXIF_IFD, _EXIF_WIDTH, _DATETIME_ORIGINAL = 0x0112, 0x010F, 0x8769, 0xA002, 0x9003
+
+
+def _profile_bytes() -> bytes:
+    """A real, non-sRGB ICC profile (CIE L*a*b*-based) - any profile other than the default will do."""
+    return ImageCms.ImageCmsProfile(ImageCms.createProfile("LAB")).tobytes()
+
+
+def _photo(size=(48, 32)) -> Image.Image:
+    rng = np.random.default_rng(0)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+def _tagged_source(path, icc: bytes) -> None:
+    exif = Image.Exif()
+    exif[_ORIENTATION] = 6
+    exif[_MAKE] = "TestCam"
+    exif.get_ifd(_EXIF_IFD)[_EXIF_WIDTH] = 48
+    exif.get_ifd(_EXIF_IFD)[_DATETIME_ORIGINAL] = "2024:01:02 03:04:05"
+    _photo().save(path, quality=95, icc_profile=icc, exif=exif.tobytes())
+
+
+@pytest.mark.parametrize("suffix", [".png", ".jpg", ".webp"])
+def test_icc_profile_exif_and_metadata_reach_every_format(tmp_path, suffix):
+    icc = _profile_bytes()
+    source = tmp_path / "src.jpg"
+    _tagged_source(source, icc)
+    rgb, _ = load_image(source)
+    metadata = {"Software": "flowlift test", "flowlift.parameters": {"dtype": "float32", "seed": 3}}
+    out = save_image_atomic(rgb, tmp_path / f"out{suffix}", metadata, source=source)
+    with Image.open(out) as written:
+        assert written.info.get("icc_profile") == icc
+        exif = written.getexif()
+        assert exif.get(_MAKE) == "TestCam" and _ORIENTATION not in exif
+        sub = exif.get_ifd(_EXIF_IFD)
+        assert sub.get(_DATETIME_ORIGINAL) == "2024:01:02 03:04:05" and _EXIF_WIDTH not in sub
+    assert read_metadata(out)["flowlift.parameters"] == {"dtype": "float32", "seed": 3}
+
+
+def test_source_without_profile_writes_none(tmp_path):
+    source = tmp_path / "plain.png"
+    _photo().save(source)
+    profile = read_source_profile(source)
+    assert profile.icc_profile is None and profile.exif is None
+    out = save_image_atomic(_photo(), tmp_path / "o.jpg", source=profile)
+    with Image.open(out) as written:
+        assert "icc_profile" not in written.info
+    assert read_metadata(out) == {}
+
+
+def test_quality_and_lossless_webp(tmp_path):
+    image = _photo((64, 64))
+    small = save_image_atomic(image, tmp_path / "q40.jpg", quality=40).stat().st_size
+    large = save_image_atomic(image, tmp_path / "q95.jpg").stat().st_size
+    assert small < large
+    lossless = save_image_atomic(image, tmp_path / "l.webp", quality=100)
+    with Image.open(lossless) as written:
+        assert np.array_equal(np.asarray(written.convert("RGB")), np.asarray(image))
+    with Image.open(save_image_atomic(image, tmp_path / "d.webp")) as written:
+        assert not np.array_equal(np.asarray(written.convert("RGB")), np.asarray(image))  # lossy by default
+    with pytest.raises(FlowliftError, match="quality"):
+        save_image_atomic(image, tmp_path / "bad.jpg", quality=0)
+    with pytest.raises(FlowliftError, match="unsupported output format .gif"):
+        save_image_atomic(image, tmp_path / "x.gif")
+
+
+def test_folders_list_every_readable_format_and_multi_frame_files_warn(tmp_path):
+    for suffix in (".gif", ".avif", ".tga", ".qoi", ".png", ".apng"):
+        assert suffix in IMAGE_SUFFIXES
+    frames = [Image.new("RGB", (16, 16), colour) for colour in ((255, 0, 0), (0, 255, 0), (0, 0, 255))]
+    frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:])
+    _photo().save(tmp_path / "still.avif")
+    _photo().save(tmp_path / "still.tga")
+    (tmp_path / "notes.txt").write_text("not listed")
+    assert [p.name for p in list_images([str(tmp_path)])] == ["anim.gif", "still.avif", "still.tga"]
+    with pytest.warns(UserWarning, match="anim.gif: has 3 frames, only the first is used"):
+        rgb, _ = load_image(tmp_path / "anim.gif")
+    assert rgb.getpixel((0, 0)) == (255, 0, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_image(tmp_path / "still.tga")
+
+
+def test_output_of_guard_holds_for_any_output_folder(tmp_path):
+    from flowlift.batch import plan_jobs
+
+    src = tmp_path / "in"
+    src.mkdir()
+    for name in ("a.png", "a_x2.png", "a_x4.jpg", "b_x2.png"):
+        (src / name).write_bytes(b"")
+    inputs = sorted(src.iterdir())
+    jobs = plan_jobs(inputs, str(tmp_path / "out"), lambda p: f"{p.stem}_x2.png", IMAGE_SUFFIXES)
+    by_name = {job.source.name: job for job in jobs}
+    assert by_name["a.png"].output == tmp_path / "out" / "a_x2.png"
+    for name in ("a_x2.png", "a_x4.jpg"):
+        assert by_name[name].output is None and by_name[name].note == f"skipped, it is the output of {src / 'a.png'}"
+    assert by_name["b_x2.png"].output is not None  # no b.png beside it: a source of its own
+
+
+def test_pairing_of_upscale_outputs_with_references(tmp_path):
+    from flowlift.naming import pair_by_stem, parse_upscaled_stem, upscaled_name
+
+    assert upscaled_name("kodim01", 2, "png") == "kodim01_x2.png"
+    assert parse_upscaled_stem("kodim01_x2") == ("kodim01", 2) and parse_upscaled_stem("kodim01_x") is None
+    outs = [tmp_path / n for n in ("kodim01_x2.png", "kodim02.png", "kodim03_x4.png", "other_x2.png")]
+    refs = [tmp_path / "ref" / n for n in ("kodim01.png", "kodim02.png", "kodim03.png")]
+    pairs, unpaired = pair_by_stem(outs, refs)
+    assert [(o.name, r.name) for o, r in pairs] == [
+        ("kodim01_x2.png", "kodim01.png"),
+        ("kodim02.png", "kodim02.png"),
+        ("kodim03_x4.png", "kodim03.png"),
+    ]
+    assert [p.name for p in unpaired] == ["other_x2.png"]
+    with pytest.raises(FlowliftError, match="both pair with the reference kodim01.png"):
+        pair_by_stem([tmp_path / "kodim01_x2.png", tmp_path / "kodim01_x4.png"], refs)
+
+
+# ---------------------------------------------------------------------------- the upscale command
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+
+    torch.manual_seed(0)
+    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
+    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+
+
+def _common(shared, weights) -> list[str]:
+    return ["--upscaler", str(weights), "--vae", str(shared / "models" / "taef2"), "--device", "cpu"]
+
+
+def test_upscale_writes_one_line_per_file_keeps_the_profile_and_records_the_dtype(
+    tmp_path, shared, weights, capsys, single_thread_torch
+):
+    icc = _profile_bytes()
+    src = tmp_path / "in"
+    src.mkdir()
+    _tagged_source(src / "tagged.jpg", icc)
+    _photo().save(src / "plain.png")
+    out = tmp_path / "out"
+    argv = ["upscale", str(src), "-o", str(out), "--format", "webp", "--quality", "90", *_common(shared, weights)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [
+        f"wrote {out / 'plain_x2.webp'}",
+        f"wrote {out / 'tagged_x2.webp'}",
+        "flowlift upscale: 2 written, 0 skipped, 0 failed (2 inputs)",
+    ]
+    assert "\r" not in captured.err  # stderr is not a terminal: no progress bars
+    with Image.open(out / "tagged_x2.webp") as written:
+        assert written.info.get("icc_profile") == icc and written.getexif().get(_MAKE) == "TestCam"
+        assert written.size == (64, 96)  # EXIF orientation 6 applied: 32x48 displayed, x2
+    meta = read_metadata(out / "tagged_x2.webp")
+    assert meta["flowlift.parameters"]["dtype"] == "float32" and meta["flowlift.parameters"]["device"] == "cpu"
+    assert len(meta["flowlift.models"]["upscaler"]["flow_upscaler.safetensors"]) == 64
+
+    # --progress forces the bars into a pipe; the rerun resumes and says so in its summary
+    assert main([*argv, "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip().endswith("0 written, 2 skipped, 0 failed (2 inputs)")
+
+
+def test_format_and_output_name_must_agree(tmp_path, shared, weights, capsys):
+    source = tmp_path / "a.png"
+    _photo().save(source)
+    rc = main(["upscale", str(source), "-o", str(tmp_path / "two.jpg"), "--format", "png", *_common(shared, weights)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "drop one" in err and not (tmp_path / "two.jpg").exists()
+    rc = main(["upscale", str(source), "-o", str(tmp_path / "x.gif"), *_common(shared, weights)])
+    assert rc == 2 and "unsupported output format .gif" in capsys.readouterr().err
+
+
+def test_eval_reads_upscale_outputs_and_save_outputs_recomputes_the_same_numbers(tmp_path, shared, capsys):
+    import json
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for name in ("kodim03", "kodim23"):
+        with Image.open(shared / "images" / "kodak" / f"{name}.png") as im:
+            im.convert("RGB").crop((300, 200, 428, 296)).save(photos / f"{name}.png")
+    out = tmp_path / "run"
+    assert main(["eval", "--run", "lanczos,bicubic", "--dataset", str(photos), "--scale", "2", "--save-outputs",
+                 "--out", str(out)]) == 0  # fmt: skip
+    saved = out / "outputs"
+    assert sorted(p.name for p in (saved / "lanczos").iterdir()) == ["kodim03_x2.png", "kodim23_x2.png"]
+    run_results = json.loads((out / "results.json").read_text())
+    capsys.readouterr()
+    again = tmp_path / "again"
+    assert main(["eval", str(saved / "lanczos"), "--reference", str(saved / "inputs"), "--ground-truth",
+                 str(saved / "ground-truth"), "--out", str(again)]) == 0  # fmt: skip
+    pair_results = json.loads((again / "results.json").read_text())
+
+    run_rows = run_results["images"]["lanczos"]
+    pair_rows = pair_results["images"]["outputs"]
+    assert set(run_rows) == set(pair_rows) == {"kodim03", "kodim23"}
+    for name, row in run_rows.items():
+        assert "psnr_gt" in row and set(row) == set(pair_rows[name])
+        for key, value in row.items():
+            assert pair_rows[name][key] == pytest.approx(value, abs=1e-9), (name, key)
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    assert "--save-outputs" in capsys.readouterr().out
