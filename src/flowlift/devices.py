@@ -18,7 +18,7 @@ def resolve_device(setting: str | torch.device | None) -> torch.device:
     try:
         device = torch.device(setting.strip() if isinstance(setting, str) else setting)
     except (RuntimeError, TypeError, ValueError):
-        raise FlowliftError(f"unknown device {str(setting)!r}; use auto, cpu, cuda, cuda:N or mps") from None
+        raise FlowliftError(f"{str(setting)!r} is not a torch device (use auto, cpu, cuda, cuda:N or mps)") from None
     if device.type == "meta":
         raise FlowliftError("device 'meta' holds no data; use auto, cpu, cuda, cuda:N or mps")
     if device.type == "cpu":
@@ -26,7 +26,9 @@ def resolve_device(setting: str | torch.device | None) -> torch.device:
     backend = getattr(torch, device.type, None)
     available = getattr(backend, "is_available", None)
     if not callable(available) or not available():
-        raise FlowliftError(f"device {str(device)!r} requested, but {device.type} is not available on this machine")
+        raise FlowliftError(
+            f"device {str(device)!r} requested, but {device.type.upper()} is not available on this machine"
+        )
     count = getattr(backend, "device_count", None)
     if device.index is not None and callable(count) and device.index >= count():
         raise FlowliftError(f"device {str(device)!r} requested, but this machine has {count()} {device.type} device(s)")
