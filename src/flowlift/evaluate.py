@@ -566,6 +566,20 @@ def evaluate_pairs(
 MethodFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
+def dataset_paths(dataset: Sequence[str | Path], limit: int | None = None) -> list[Path]:
+    """The photos of ``dataset`` (files/folders/globs, as listed by ``list_images``), the first
+    ``limit`` of them when given; distinct stems are required (results are keyed by stem)."""
+    from flowlift.images import list_images
+
+    paths = list_images([str(d) for d in dataset])
+    if limit is not None:
+        paths = paths[:limit]
+    if not paths:
+        raise FlowliftError("the dataset holds no images")
+    _by_stem(paths, "dataset")
+    return paths
+
+
 def make_method_fn(
     spec: MethodSpec,
     scale: int,
@@ -628,6 +642,7 @@ def evaluate_methods(
     figure_images: int = 3,
     progress: bool = False,
     save_outputs: Path | None = None,
+    indices: Sequence[int] | None = None,
 ) -> EvalReport:
     """Run ``methods`` on low-res versions of the ``dataset`` photos and measure them.
 
@@ -639,22 +654,21 @@ def evaluate_methods(
     ``method_fns`` maps a method label to ``fn(lowres, ground_truth) -> output`` (see
     :func:`make_method_fn`; pixel methods are built here when missing). ``identities`` holds what
     enters the cache key of VAE methods (``vae``, ``upscaler``, ``device``, ``dtype``). Rows also
-    include ``(ground truth)`` with the photos' own detail metrics.
+    include ``(ground truth)`` with the photos' own detail metrics. ``indices`` (positions in
+    :func:`dataset_paths`) restricts the work to those images: one rank's share of a sharded run,
+    whose results reach the merged report through the cache.
     """
     from PIL import Image
     from tqdm import tqdm
 
-    from flowlift.images import list_images, save_image_atomic
+    from flowlift.images import save_image_atomic
     from flowlift.naming import upscaled_name
 
     if scale < 2:
         raise FlowliftError(f"--scale must be an integer >= 2, got {scale}")
-    paths = list_images([str(d) for d in dataset])
-    if limit is not None:
-        paths = paths[:limit]
-    if not paths:
-        raise FlowliftError("the dataset holds no images")
-    _by_stem(paths, "dataset")
+    paths = dataset_paths(dataset, limit)
+    if indices is not None:
+        paths = [paths[i] for i in sorted(set(indices))]
     method_fns = dict(method_fns or {})
     identities = identities or {}
     cache = ResultCache(cache_dir)

@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--figure-images", type=int, default=3, help="images in the crop grid (default 3)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    from flowlift.distributed import add_barrier_timeout_argument
+
+    add_barrier_timeout_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,7 +107,13 @@ def run(args: argparse.Namespace) -> int:
             raise FlowliftError("--run needs --dataset (a folder of photos)")
         if args.limit is not None and args.limit < 1:
             raise FlowliftError("--limit must be >= 1")
-        report = _run_methods(args, E)
+        from flowlift.distributed import DistEnv, process_group
+
+        env = DistEnv.from_environ()
+        with process_group(env, args.barrier_timeout):
+            report = _run_methods(args, E, env)
+        if report is None:  # a rank other than 0 of a sharded run: its share is in the cache
+            return 0
     else:
         if args.save_outputs:
             raise FlowliftError("--save-outputs goes with --run (OUTPUTS --reference are files already)")
@@ -126,12 +135,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_methods(args: argparse.Namespace, E):
+def _run_methods(args: argparse.Namespace, E, env):
+    import torch
 
+    from flowlift.distributed import rank_device
     from flowlift.errors import FlowliftError
 
     specs = E.parse_methods(args.run)
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    given, dtype = resolve_device_dtype(args.device, args.dtype)
+    # under torchrun each rank computes on its own cuda:LOCAL_RANK; cache keys and reports name the device given
+    device = torch.device(rank_device(str(given), env)) if env.distributed else given
     needs_vae = any(s.needs_vae for s in specs)
     needs_flow = any(s.name == "flow" for s in specs)
     if needs_vae and args.vae is None:
@@ -148,7 +161,7 @@ def _run_methods(args: argparse.Namespace, E):
 
         vae = load_vae(args.vae, device=device, dtype=dtype)
         identities.update(
-            vae=E.model_identity(args.vae), device=str(device), dtype=str(dtype).removeprefix("torch."),
+            vae=E.model_identity(args.vae), device=str(given), dtype=str(dtype).removeprefix("torch."),
             vae_spec=str(args.vae),
         )
         if getattr(vae, "approximate_decode", False):
@@ -158,7 +171,7 @@ def _run_methods(args: argparse.Namespace, E):
 
         pipeline = FlowUpscalerPipeline(args.upscaler, vae, device=device, dtype=dtype)
         identities.update(upscaler=E.model_identity(args.upscaler), upscaler_spec=str(args.upscaler))
-    pixel_models = _load_pixel_models(args, specs, device, dtype, identities, E)
+    pixel_models = _load_pixel_models(args, specs, device, dtype, identities, E, given)
     fns = {
         s.label: E.make_method_fn(
             s, args.scale, vae=vae, pipeline=pipeline, device=device, dtype=dtype, pixel_models=pixel_models
@@ -166,23 +179,56 @@ def _run_methods(args: argparse.Namespace, E):
         for s in specs
     }
     cache_dir = None if args.no_cache else Path(args.cache) if args.cache else Path(args.out) / "cache"
-    return E.evaluate_methods(
-        specs,
-        args.dataset,
-        args.scale,
-        method_fns=fns,
-        identities=identities,
-        cache_dir=cache_dir,
-        box=args.box,
-        limit=args.limit,
-        figure_images=args.figure_images,
-        progress=show_progress(args),
-        save_outputs=Path(args.out) / "outputs" if args.save_outputs else None,
-    )
+
+    def evaluate(indices=None):
+        return E.evaluate_methods(
+            specs,
+            args.dataset,
+            args.scale,
+            method_fns=fns,
+            identities=identities,
+            cache_dir=cache_dir,
+            box=args.box,
+            limit=args.limit,
+            figure_images=args.figure_images,
+            progress=show_progress(args),
+            save_outputs=Path(args.out) / "outputs" if args.save_outputs else None,
+            indices=indices,
+        )
+
+    if not env.distributed:
+        return evaluate()
+    return _run_sharded(args, E, env, evaluate, cache_dir)
+
+def _run_sharded(args: argparse.Namespace, E, env, evaluate, cache_dir):
+    """Each rank measures its pixel-balanced share into the shared cache; after the barrier rank 0
+    builds the report from the cache, exactly as a single process would on a second run (anything a
+    rank could not leave in the cache, e.g. a cache folder not shared between hosts, it computes)."""
+    from flowlift.distributed import finish, image_pixels, probe_and_gather, shard_by_pixels, total_counts
+    from flowlift.errors import FlowliftError
+
+    if cache_dir is None:
+        raise FlowliftError("a sharded eval --run merges the ranks' results through the cache; drop --no-cache")
+    paths = E.dataset_paths(args.dataset, args.limit)
+    pixels = probe_and_gather(env, paths, image_pixels)
+    share = evaluate(shard_by_pixels(pixels, env.world_size)[env.rank])
+    per_rank, reason = finish(env, {"computed": share.computed, "cached": share.cached}, args.barrier_timeout)
+    if not env.is_main:
+        return None
+    if per_rank is None:
+        raise FlowliftError(f"not every rank finished its share, no report written: {reason}")
+    report = evaluate()
+    totals = total_counts(per_rank)
+    report.computed += totals["computed"]
+    report.cached = totals["cached"]
+    report.config["world_size"] = env.world_size
+    return report
 
 
-def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identities: dict, E) -> dict:
-    """Load every spandrel model once (by path); record what identifies it in ``identities["spandrel"]``."""
+def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identities: dict, E, given=None) -> dict:
+    """Load every spandrel model once (by path); record what identifies it in ``identities["spandrel"]``
+    (with the device ``given``, default ``device``: under torchrun the setting, not the rank's cuda:N)."""
+    given = device if given is None else given
     from flowlift.errors import FlowliftError
     from flowlift.pixel_upscaler import DEFAULT_OVERLAP, load_pixel_upscaler
 
@@ -215,7 +261,7 @@ def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identitie
             "native_scale": model.native_scale,
             "tile": model.tile,
             "overlap": model.overlap,
-            "device": str(device),
+            "device": str(given),  # as given, not the rank's cuda:N: one cache key for all ranks
             "dtype": str(dtype).removeprefix("torch."),
             "note": model.describe(args.scale),
         }

@@ -83,7 +83,7 @@ def output_format(output: str | None, requested: str | None) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or glob patterns")
+    parser.add_argument("inputs", nargs="*", metavar="INPUT", help="image files, folders or glob patterns")
     parser.add_argument(
         "-o",
         "--output",
@@ -155,6 +155,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="force or forbid VAE tiling (default: by size)",
     )
+    from flowlift.distributed import add_barrier_timeout_argument
+
+    parser.add_argument("--status", metavar="OUT", help="print the state of the job in output folder OUT, then exit")
+    add_barrier_timeout_argument(parser)
 
 
 def _metadata(
@@ -307,19 +311,33 @@ def _check_format_limit(out: Path, size: tuple[int, int]) -> None:
         )
 
 
-def _nothing_to_do(source: Path, output: Path) -> None:
-    raise AssertionError(f"no job was pending, yet {source} -> {output} was run")
+def _print_status(args: argparse.Namespace) -> int:
+    """``--status OUT``: the manifest's account of the job; exit 0 when it is complete, else 1."""
+    from flowlift.errors import FlowliftError
+    from flowlift.manifest import format_status, job_status
+
+    if args.inputs:
+        raise FlowliftError("--status OUT reads a job's manifest; give no INPUT images with it")
+    status = job_status(args.status)
+    print(format_status(status))
+    return 0 if status.complete else 1
 
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from flowlift.batch import Job, pending, plan_jobs, report, run_jobs
+    from flowlift.batch import Job, plan_jobs, report
+    from flowlift.distributed import DistEnv, rank_device
     from flowlift.errors import FlowliftError
     from flowlift.images import IMAGE_SUFFIXES, list_images
     from flowlift.pipeline import DEFAULT_UPSCALER, FlowUpscalerPipeline, passes_for_scale
+    from flowlift.scaleout import run_batch
 
-    device, dtype = resolve_device_dtype(args.device, args.dtype)  # once, before any input is read
+    if args.status is not None:
+        return _print_status(args)
+    if not args.inputs:
+        raise FlowliftError("give INPUT images (or --status OUT)")
+    resolve_device_dtype(args.device, args.dtype)  # a bad --device is one line, before any input is read
     passes = args.passes if args.passes is not None else passes_for_scale(args.scale or DEFAULT_SCALE)
     _check_output_option(args.output)
     fmt = output_format(args.output, args.format)
@@ -337,18 +355,22 @@ def run(args: argparse.Namespace) -> int:
         expected_size=sizes.output_size,
         check_output=lambda path, out: _check_format_limit(out, sizes.output_size(path)),
     )
-    if not pending(jobs, args.overwrite):  # nothing to compute: report the plan without loading a model
-        return run_jobs(jobs, _nothing_to_do, command=NAME, overwrite=args.overwrite).exit_code
+    env = DistEnv.from_environ()
+    pipeline = hashes = None
 
-    pipeline = FlowUpscalerPipeline(
-        args.upscaler or DEFAULT_UPSCALER,
-        args.vae,
-        dtype=dtype,
-        device=device,
-        chunked=args.chunked,
-        vae_tiled=args.vae_tiling,
-    )
-    hashes = model_hashes(pipeline)
+    def make_process():  # called only when there is work (on this rank): nothing to compute loads no model
+        nonlocal pipeline, hashes
+        device, dtype = resolve_device_dtype(args.device, args.dtype)
+        pipeline = FlowUpscalerPipeline(
+            args.upscaler or DEFAULT_UPSCALER,
+            args.vae,
+            dtype=dtype,
+            device=rank_device(str(device), env) if env.distributed else device,  # cuda:LOCAL_RANK
+            chunked=args.chunked,
+            vae_tiled=args.vae_tiling,
+        )
+        hashes = model_hashes(pipeline)
+        return upscale_one
 
     def upscale_one(path: Path, out: Path) -> None:
         steps = tqdm(total=passes + 3, desc=path.name, unit="step", leave=False, disable=not bars, file=sys.stderr)
@@ -359,4 +381,5 @@ def run(args: argparse.Namespace) -> int:
         for note in notes:  # e.g. passes dropped at MAX_OUTPUT_SIDE: one line, not a stack
             report(NAME, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
 
-    return run_jobs(jobs, upscale_one, command=NAME, overwrite=args.overwrite, progress=bars).exit_code
+    return run_batch(jobs, make_process, command=NAME, output=args.output, overwrite=args.overwrite,
+                     barrier_timeout=args.barrier_timeout, env=env, progress=bars)  # fmt: skip

@@ -1,0 +1,405 @@
+"""Scale-out under torchrun: sharding, the manifest, the status, and a sharded ``eval --run`` (gloo, loopback).
+
+The torchrun runs start ``python -m torch.distributed.run`` with this checkout's ``src`` first on
+``PYTHONPATH``, a fresh rendezvous port on 127.0.0.1 and single-threaded workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from flowlift.distributed import DistEnv, image_pixels, probe_and_gather, rank_device, shard_by_pixels
+from flowlift.errors import FlowliftError
+from flowlift.manifest import MANIFEST_NAME, Manifest, format_status, image_record, job_status, latest_by_output
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(nproc: int, *cli_args: str, program: tuple[str, ...] = ("-m", "flowlift.cli", "--")) -> list[str]:
+    """``torchrun`` on one host, rendezvous on a free 127.0.0.1 port (the multi-host form of the command).
+
+    ``--`` ends torchrun's options: it would take eval's ``--run`` as an abbreviation of its ``--run-path``.
+    """
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", uuid.uuid4().hex,
+        *program, *cli_args,
+    ]  # fmt: skip
+
+
+def worker_env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+
+def run_torchrun(nproc: int, *cli_args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        torchrun_command(nproc, *cli_args), env=worker_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# pure parts
+
+
+def test_shard_by_pixels_balances_and_covers_everything_once():
+    rng = random.Random(0)
+    for world in (1, 2, 3, 5, 8):
+        for n in (0, 1, 7, 40):
+            pixels = [rng.choice([0, 64 * 64, 512 * 384, 4096 * 3072]) for _ in range(n)]
+            shards = shard_by_pixels(pixels, world)
+            assert len(shards) == world
+            flat = sorted(i for s in shards for i in s)
+            assert flat == list(range(n))  # each item exactly once
+            assert all(s == sorted(s) for s in shards)
+            loads = [sum(pixels[i] for i in s) for s in shards]
+            if n:
+                assert max(loads) <= sum(pixels) / world + max(pixels)  # Graham's LPT bound
+            assert shards == shard_by_pixels(list(pixels), world)  # deterministic
+    # by pixels, not by file count: one huge image against many small ones
+    shards = shard_by_pixels([100, 1, 1, 1, 1, 1], 2)
+    assert shards == [[0], [1, 2, 3, 4, 5]]
+    # equal costs go round-robin in input order
+    assert shard_by_pixels([5, 5, 5, 5], 2) == [[0, 2], [1, 3]]
+    with pytest.raises(ValueError):
+        shard_by_pixels([1], 0)
+
+
+def test_dist_env_and_rank_device():
+    assert DistEnv.from_environ({}) == DistEnv(0, 1, 0)
+    env = DistEnv.from_environ({"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "1"})
+    assert (env.rank, env.world_size, env.local_rank, env.distributed, env.is_main) == (5, 16, 1, True, False)
+    with pytest.raises(FlowliftError):
+        DistEnv.from_environ({"RANK": "2", "WORLD_SIZE": "2"})
+    with pytest.raises(FlowliftError):
+        DistEnv.from_environ({"WORLD_SIZE": "two"})
+    single, ranked = DistEnv(), DistEnv(5, 16, 1)
+    assert rank_device(None, single, cuda_available=False) == "cpu"
+    assert rank_device(None, ranked, cuda_available=True, bind=False) == "cuda:1"
+    assert rank_device("cuda:0", ranked, cuda_available=True, bind=False) == "cuda:1"  # one GPU per local rank
+    assert rank_device("cuda:3", single, cuda_available=True) == "cuda:3"  # one process: as given
+    assert rank_device("cpu", ranked, cuda_available=True) == "cpu"
+    with pytest.raises(FlowliftError):
+        rank_device("cuda", ranked, cuda_available=False)
+
+
+def test_image_pixels_reads_headers_and_zero_for_unreadable(tmp_path):
+    Image.new("RGB", (30, 20)).save(tmp_path / "a.png")
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    assert image_pixels(tmp_path / "a.png") == 600
+    assert image_pixels(tmp_path / "bad.png") == 0
+    assert image_pixels(tmp_path / "missing.png") == 0
+    assert probe_and_gather(DistEnv(), ["x", "yy"], len) == [1, 2]
+
+
+def test_manifest_concurrent_appends_stay_whole_lines(tmp_path):
+    manifest = Manifest(tmp_path)
+    env = DistEnv(1, 2, 1)
+
+    def writer(k: int) -> None:
+        for i in range(100):
+            manifest.append(
+                image_record(input_path=f"in/{k}-{i}.png", input_sha256="0" * 64, output=f"out/{k}-{i}.png",
+                             status="done", seconds=0.5, error=None, env=env, run="r")  # fmt: skip
+            )
+
+    threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    with open(tmp_path / MANIFEST_NAME, "ab") as f:
+        f.write(b'{"event": "image", "output": "torn')  # a writer killed mid-line
+    records = manifest.records()
+    assert len(records) == 400
+    assert len(latest_by_output(records)) == 400
+    assert {r["rank"] for r in records} == {1}
+    with pytest.raises(ValueError):
+        image_record(input_path="a", input_sha256=None, output=None, status="ok", seconds=0, error=None,
+                     env=env, run="r")  # fmt: skip
+
+
+def test_job_status_counts_latest_records(tmp_path):
+    with pytest.raises(FlowliftError, match="no job manifest"):
+        job_status(tmp_path)
+    manifest = Manifest(tmp_path)
+    (tmp_path / "a_x2.png").write_bytes(b"x")
+    (tmp_path / "b_x2.png").write_bytes(b"x")
+    env = DistEnv()
+
+    def image(name, status, run, error=None):
+        out = tmp_path / f"{name}_x2.png"
+        manifest.append(image_record(input_path=f"{name}.png", input_sha256=None, output=out, status=status,
+                                     seconds=1.0, error=error, env=env, run=run))  # fmt: skip
+
+    manifest.append({"event": "job", "run": "r1", "inputs": 4, "todo": 4, "skipped": 0, "world_size": 2})
+    image("a", "done", "r1")
+    image("c", "failed", "r1", "c.png: truncated")
+    image("d", "done", "r1")  # d's output is gone since
+    (tmp_path / "e_x2.png").write_bytes(b"x")  # finished before any record: rank 0 records it while planning
+    planned = image_record(input_path="e.png", input_sha256=None, output=tmp_path / "e_x2.png", status="skipped",
+                           seconds=0, error=None, env=env, run="r1")  # fmt: skip
+    manifest.append({**planned, "plan": True})
+    status = job_status(tmp_path)
+    assert status.run == "r1" and status.run_counts["done"] == 2 and status.run_counts["failed"] == 1
+    assert status.run_counts["skipped"] == 0 and status.latest["skipped"] == 1  # plan records are not progress
+    assert not status.complete and not status.finished
+    text = format_status(status)
+    assert "1 not recorded yet" in text and "failed: c.png: c.png: truncated" in text
+    assert "missing: " in text and "d_x2.png" in text
+
+    manifest.append({"event": "job", "run": "r2", "inputs": 4, "todo": 3, "skipped": 1, "world_size": 1})
+    image("b", "done", "r2")
+    image("c", "done", "r2")
+    (tmp_path / "c_x2.png").write_bytes(b"x")
+    image("d", "done", "r2")
+    (tmp_path / "d_x2.png").write_bytes(b"x")
+    manifest.append({"event": "summary", "run": "r2", "done": 3, "skipped": 1, "failed": 0})
+    status = job_status(tmp_path)
+    assert status.finished and status.complete
+    assert status.latest["done"] == 4 and status.latest["skipped"] == 1 and not status.missing_outputs
+    assert format_status(status).endswith("complete")
+
+
+def test_scaleout_refusals_are_one_line_errors(tmp_path, capsys):
+    from flowlift.batch import Job
+    from flowlift.cli import main
+    from flowlift.scaleout import run_batch
+
+    jobs = [Job(tmp_path / "a.png", tmp_path / "a_x2.png")]
+    for output in (None, str(tmp_path / "one.png")):  # no folder for the manifest
+        with pytest.raises(FlowliftError, match="-o must name an output folder"):
+            run_batch(jobs, lambda: None, command="upscale", output=output, env=DistEnv(0, 2, 0))
+    assert main(["upscale", "a.png", "--status", str(tmp_path)]) == 2
+    assert main(["upscale", "--status", str(tmp_path)]) == 2  # no manifest there
+    assert main(["upscale"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and all(line.startswith("flowlift upscale: error: ") for line in err)
+    assert "no job manifest" in err[1]
+
+
+BARRIER_SCRIPT = """
+import time
+from flowlift.distributed import DistEnv, finish, process_group
+env = DistEnv.from_environ()
+with process_group(env, 60):
+    per_rank, reason = finish(env, {"done": env.rank + 1}, timeout_s=60)
+    print(f"on time, rank {env.rank}: {per_rank} | {reason}", flush=True)
+    if env.rank == 1:
+        time.sleep(4)
+    per_rank, reason = finish(env, {"done": env.rank + 1}, timeout_s=1)
+    print(f"late, rank {env.rank}: {per_rank} | {reason}", flush=True)
+"""
+
+
+def test_end_barrier_gathers_counts_or_times_out_naming_the_late_rank(tmp_path):
+    script = tmp_path / "barrier.py"
+    script.write_text(BARRIER_SCRIPT)
+    command = torchrun_command(2, program=(str(script),))
+    done = subprocess.run(command, env=worker_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = (done.stdout + done.stderr).splitlines()
+    assert "on time, rank 0: [{'done': 1}, {'done': 2}] | " in lines, lines[-20:]
+    assert "on time, rank 1: [{'done': 1}, {'done': 2}] | " in lines
+    late = next(x for x in lines if x.startswith("late, rank 0:"))
+    assert late.startswith("late, rank 0: None | ") and "Ranks 1 failed to pass" in late  # rank 0 names rank 1
+    assert any(x.startswith("late, rank 1: None | ") for x in lines)  # and rank 1 does not hang either
+
+
+# --------------------------------------------------------------------------------------------------
+# eval --run, sharded
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory, shared):
+    """Six small photos of mixed sizes (multiples of 32 and not)."""
+    folder = tmp_path_factory.mktemp("photos")
+    sizes = [(96, 64), (64, 64), (128, 96), (70, 50), (64, 96), (160, 64)]
+    sources = sorted((shared / "images" / "kodak").glob("*.png"))
+    for i, size in enumerate(sizes):
+        with Image.open(sources[i % len(sources)]) as im:
+            im.convert("RGB").resize(size, Image.Resampling.BOX).save(folder / f"p{i}.png")
+    return folder
+
+
+def test_eval_run_sharded_equals_single_process(tmp_path, shared, photos, single_thread_torch):
+    from flowlift.cli import main
+
+    common = ["--run", "lanczos,vae-roundtrip", "--dataset", str(photos), "--scale", "2",
+              "--vae", str(shared / "models" / "taef2"), "--quiet"]  # fmt: skip
+    assert main(["eval", *common, "--out", str(tmp_path / "one")]) == 0
+    result = run_torchrun(2, "eval", *common, "--out", str(tmp_path / "two"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    one = json.loads((tmp_path / "one" / "results.json").read_text())
+    two = json.loads((tmp_path / "two" / "results.json").read_text())
+    assert two["images"] == one["images"]  # merged == single process, exactly
+    assert two["summary"] == one["summary"]
+    assert "cache: 0 reused, 12 computed" in result.stdout  # each (method, image) computed once over the ranks
+    assert result.stdout.count("wrote ") == 1  # rank 0 alone writes the report
+    entries = sorted(p.relative_to(tmp_path / "two" / "cache") for p in (tmp_path / "two" / "cache").rglob("*.json"))
+    assert len(entries) == 12
+    assert not list((tmp_path / "two").rglob("*.partial*"))
+
+
+# --------------------------------------------------------------------------------------------------
+# upscale under torchrun
+
+SIZES = [(48, 32), (64, 48), (48, 48), (80, 48), (48, 64), (96, 64), (64, 40), (72, 72)]
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    import torch
+
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+
+    torch.manual_seed(0)
+    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
+    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, shared):
+    """Eight small images of mixed sizes and one corrupt file."""
+    folder = tmp_path_factory.mktemp("inputs")
+    sources = sorted((shared / "images" / "photos").glob("*.png"))
+    for i, size in enumerate(SIZES):
+        with Image.open(sources[i % len(sources)]) as im:
+            im.convert("RGB").resize(size, Image.Resampling.BOX).save(folder / f"img{i}.png")
+    (folder / "corrupt.png").write_bytes((folder / "img0.png").read_bytes()[:150])
+    return folder
+
+
+def upscale_args(inputs: Path, out: Path, shared: Path, weights: Path, *extra: str) -> list[str]:
+    return ["upscale", str(inputs), "-o", str(out), "--seed", "7", "--upscaler", str(weights),
+            "--vae", str(shared / "models" / "taef2"), "--device", "cpu", *extra]  # fmt: skip
+
+
+def image_records(out: Path) -> list[dict]:
+    return [r for r in Manifest(out).records() if r["event"] == "image"]
+
+
+def outputs_of(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("img*_x2.png"))}
+
+
+def test_sharded_upscale_equals_one_process_and_reports_the_corrupt_image(
+    tmp_path, shared, weights, inputs, single_thread_torch, capsys
+):
+    from flowlift.cli import main
+
+    assert main(upscale_args(inputs, tmp_path / "one", shared, weights)) == 1  # the corrupt input fails
+    assert not (tmp_path / "one" / MANIFEST_NAME).exists()  # one process, no job: nothing new written
+    capsys.readouterr()
+
+    result = run_torchrun(2, *upscale_args(inputs, tmp_path / "two", shared, weights), cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert f'File "{REPO}' not in result.stderr  # no flowlift traceback (torchrun prints its own failure report)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("flowlift upscale:")]
+    assert sum("corrupt.png" in line for line in errors) == 1  # one rank reports it, once
+    assert "flowlift upscale: 2 ranks: 8 done, 0 skipped, 1 failed of 9 image(s)" in errors
+
+    one, two = outputs_of(tmp_path / "one"), outputs_of(tmp_path / "two")
+    assert len(one) == 8 and two == one  # every image, byte-identical (pixels and PNG metadata)
+
+    records = image_records(tmp_path / "two")
+    done = [r for r in records if r["status"] == "done"]
+    assert sorted(Path(r["output"]).name for r in done) == sorted(one)  # each exactly once
+    assert {r["rank"] for r in done} == {0, 1}
+    (failed,) = [r for r in records if r["status"] == "failed"]
+    assert failed["input"].endswith("corrupt.png") and failed["error"] and failed["output"].endswith("corrupt_x2.png")
+    assert all(len(r["input_sha256"]) == 64 and r["seconds"] > 0 for r in done)
+    # balanced by pixels: each rank's share is within one image of half the work
+    per_rank = [sum(w * h for (w, h), i in zip(SIZES, range(8), strict=True)
+                    if any(r["rank"] == rank and r["input"].endswith(f"img{i}.png") for r in done))
+                for rank in (0, 1)]  # fmt: skip
+    assert abs(per_rank[0] - per_rank[1]) <= max(w * h for w, h in SIZES)
+
+    assert main(["upscale", "--status", str(tmp_path / "two")]) == 1  # not complete: one failed
+    status = capsys.readouterr().out
+    assert "8 done, 0 skipped, 1 failed" in status and "corrupt.png" in status
+
+
+def test_killed_rank_loses_only_its_image_in_flight_and_reruns_finish_the_job(
+    tmp_path, shared, weights, inputs, single_thread_torch, capsys
+):
+    import shutil
+    import signal
+    import time
+
+    from flowlift.cli import main
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    for path in sorted(inputs.glob("img*.png")):
+        shutil.copy(path, src / path.name)
+    args = upscale_args(src, out, shared, weights)
+
+    # world size 2; SIGKILL rank 1 right after it recorded its first image (torchrun then stops rank 0)
+    with open(tmp_path / "run1.log", "w") as log:
+        proc = subprocess.Popen(torchrun_command(2, *args), env=worker_env(), stdout=log, stderr=log, cwd=tmp_path)
+        victim, deadline = None, time.monotonic() + 150
+        while victim is None and proc.poll() is None and time.monotonic() < deadline:
+            mine = [r for r in image_records(out) if r["rank"] == 1 and r["status"] == "done"] if out.exists() else []
+            if mine:
+                victim = mine[0]["pid"]
+                os.kill(victim, signal.SIGKILL)
+            time.sleep(0.02)
+        proc.wait(timeout=120)
+    assert victim is not None, (tmp_path / "run1.log").read_text()[-3000:]
+    assert proc.returncode != 0
+    first = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.glob("img*_x2.png")}
+    assert 1 <= len(first) < 8
+    recorded = {Path(r["output"]).name for r in image_records(out) if r["status"] == "done"}
+    assert recorded <= set(first)  # a record only once its output exists
+    assert len(set(first) - recorded) <= 1  # at most rank 0's image between its rename and its record
+
+    # rerun with world size 3: exactly the missing images are done, the finished ones are left alone
+    result = run_torchrun(3, *args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    missing = 8 - len(first)
+    assert f"flowlift upscale: 3 ranks: {missing} done, {len(first)} skipped, 0 failed of 8 image(s)" in result.stderr
+    second = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.glob("img*_x2.png")}
+    assert len(second) == 8
+    assert all(second[name] == first[name] for name in first)  # nothing valid redone (same bytes, same mtime)
+
+    def done_counts() -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in image_records(out):
+            if r["status"] == "done":
+                counts[Path(r["output"]).name] = counts.get(Path(r["output"]).name, 0) + 1
+        return counts
+
+    before = done_counts()
+    assert set(before.values()) == {1}  # no image done twice over both runs
+    assert len(before) >= 7  # (an output renamed just before rank 0 was stopped is recorded as skipped)
+    latest = latest_by_output(Manifest(out).records())
+    assert sorted(Path(k).name for k, r in latest.items() if r["status"] in ("done", "skipped")) == sorted(second)
+
+    # world size 1 (no torchrun) continues the job: two outputs lost are redone, the same bytes, nothing else
+    lost = sorted(second)[:2]
+    for name in lost:
+        (out / name).unlink()
+    assert main(args) == 0
+    capsys.readouterr()
+    third = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.glob("img*_x2.png")}
+    assert all(third[name][0] == second[name][0] for name in second)
+    assert all(third[name] == second[name] for name in second if name not in lost)
+    assert done_counts() == {**before, **{name: before.get(name, 0) + 1 for name in lost}}
+    assert main(["upscale", "--status", str(out)]) == 0
+    assert capsys.readouterr().out.strip().endswith("complete")
