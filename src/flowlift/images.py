@@ -146,6 +146,9 @@ def _report_reader_warnings(path: Path, caught: list[warnings.WarningMessage]) -
     """
     notes = []
     for warning in caught:
+        if str(warning.message).startswith(str(path)):
+            warnings.warn(warning.message, warning.category, stacklevel=3)  # flowlift's own (multi-frame files)
+            continue
         text = str(warning.message).splitlines()[0] if str(warning.message) else warning.category.__name__
         if issubclass(warning.category, UserWarning) and any(k in text.lower() for k in ("exif", "metadata", "tag")):
             if text not in notes:

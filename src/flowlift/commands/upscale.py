@@ -256,16 +256,20 @@ class _OutputSizes:
     def __init__(self, passes: int, resize_mode: str) -> None:
         self.passes = passes
         self.resize_mode = resize_mode
-        self._cache: dict[Path, tuple[int, tuple[int, int]]] = {}
+        self._cache: dict[Path, tuple[int, tuple[int, int] | None]] = {}
 
-    def _plan(self, path: Path) -> tuple[int, tuple[int, int]]:
+    def _plan(self, path: Path) -> tuple[int, tuple[int, int] | None]:
         from flowlift.errors import FlowliftError
         from flowlift.images import image_size
         from flowlift.pipeline import MAX_OUTPUT_SIDE
         from flowlift.upscale_sizes import planned_passes, upscaled_size
 
         if path not in self._cache:
-            width, height = image_size(path)
+            try:
+                width, height = image_size(path)
+            except FlowliftError:  # unreadable: named by the request, it fails in its own step (one line)
+                self._cache[path] = self.passes, None
+                return self._cache[path]
             run = planned_passes(height, width, self.passes, self.resize_mode, MAX_OUTPUT_SIDE)
             if run == 0:
                 raise FlowliftError(
@@ -279,7 +283,7 @@ class _OutputSizes:
     def scale(self, path: Path) -> int:
         return 2 ** self._plan(path)[0]
 
-    def output_size(self, path: Path) -> tuple[int, int]:
+    def output_size(self, path: Path) -> tuple[int, int] | None:
         return self._plan(path)[1]
 
 
@@ -301,11 +305,11 @@ def _check_output_option(output: str | None) -> None:
         )
 
 
-def _check_format_limit(out: Path, size: tuple[int, int]) -> None:
+def _check_format_limit(out: Path, size: tuple[int, int] | None) -> None:
     from flowlift.errors import FlowliftError
 
     limit = FORMAT_MAX_SIDE.get(out.suffix.lower())
-    if limit is not None and max(size) > limit:
+    if limit is not None and size is not None and max(size) > limit:
         raise FlowliftError(
             f"output {out} would be {size[0]}x{size[1]}, over {out.suffix} format's {limit} px limit; use --format png"
         )
