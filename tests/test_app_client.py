@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import time
+import zipfile
 
 import pytest
 from gradio_client import Client, handle_file
+from gradio_client.utils import Status
 from PIL import Image
 
 from app_helpers import free_port, is_loopback, listening_addresses, tiny_upscaler
@@ -27,15 +30,15 @@ def server(shared, tmp_path, monkeypatch, single_thread_torch):
     port = free_port()
     launch(demo, service, port=port, block=False)
     try:
-        yield demo, f"http://127.0.0.1:{port}/"
+        yield demo, f"http://127.0.0.1:{port}/", service
     finally:
         demo.close()
         service.close()
     assert not [a for a in listening_addresses({os.getpid()}) if a[1] == port], "server still listening"
 
 
-def test_upscale_endpoint_with_gradio_client(server, shared, tmp_path):
-    demo, url = server
+def test_upscale_endpoint_and_queue_with_gradio_client(server, shared, tmp_path):
+    demo, url, service = server
     # every model-running event shares one queue slot per device: requests run one at a time
     model_fns = [fn for fn in demo.fns.values() if fn.api_name in ("upscale", "batch")]
     assert len(model_fns) == 2
@@ -65,3 +68,56 @@ def test_upscale_endpoint_with_gradio_client(server, shared, tmp_path):
     _, again, _ = client.predict(handle_file(str(source)), 2, 5, 1.0, 0.5, api_name="/upscale")
     with Image.open(again) as png, Image.open(download) as first:
         assert png.tobytes() == first.tobytes()  # same seed, same pixels
+
+    # the batch endpoint: a zip with the CLI's names, the bad file listed
+    archive, report = client.predict(
+        [handle_file(str(source)), handle_file(str(bad))], 2, 0, 1.0, 1.0, api_name="/batch"
+    )
+    with zipfile.ZipFile(archive) as members:
+        assert members.namelist() == ["kodim03_x2.png"]
+    assert "1 of 2 file(s)" in report and "bad.png: not an image file" in report
+
+    # one request at a time per device: while one runs, the other waits IN_QUEUE (the page shows its place).
+    # Each request is held for at least a second, so the overlap (or the wait) is long enough to see anywhere.
+    pipeline = service.pipeline(service.config.vaes[0])
+    upscale_image = pipeline.upscale_image
+
+    def slow_upscale_image(*args, **kwargs):
+        time.sleep(1.0)
+        return upscale_image(*args, **kwargs)
+
+    pipeline.upscale_image = slow_upscale_image
+    jobs = [client.submit(handle_file(str(source)), 2, seed, 1.0, 1.0, api_name="/upscale") for seed in (0, 1)]
+    running_states = {Status.PROCESSING, Status.PROGRESS}
+    waited_since = None
+    waited = 0.0
+    while not all(job.done() for job in jobs):
+        codes = sorted((job.status().code for job in jobs), key=lambda code: code in running_states)
+        if codes[0] == Status.IN_QUEUE and codes[1] in running_states:  # one runs, the other waits
+            waited_since = waited_since or time.monotonic()
+            waited = time.monotonic() - waited_since
+        time.sleep(0.05)
+    assert all(job.result()[2] for job in jobs)
+    # with two slots both would run at once; with one, one of them waits for the whole other request
+    assert waited > 0.5, f"the waiting request was seen in the queue for {waited:.2f} s"
+
+
+def test_a_taken_port_is_one_error_line(capsys, tmp_path, monkeypatch):
+    import socket
+    import threading
+
+    from flowlift.cli import main
+
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "gradio"))
+    outcome = []
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = ["app", "--port", str(port), "--vae", "taef2"]
+        runner = threading.Thread(target=lambda: outcome.append(main(argv)), daemon=True)
+        runner.start()
+        runner.join(120)
+    assert outcome == [2], "flowlift app did not stop with an error on a taken port"
+    err = capsys.readouterr().err
+    assert f"flowlift app: error: cannot serve on 127.0.0.1:{port}: " in err and "Traceback" not in err

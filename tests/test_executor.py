@@ -155,6 +155,86 @@ def test_should_chunk_by_size_with_force_and_forbid():
     assert not E.should_chunk(64, 64, "cpu", budget_bytes=need)
 
 
+# -- issue 13: budget-sized strips, offloaded stores with predicted (double-buffered) reads ----------
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize(("batch", "height", "width", "chunk"), [(2, 20, 28, 3), (1, 36, 8, 4), (1, 12, 16, 5)])
+def test_offloaded_stores_equal_plain_forward(batch, height, width, chunk, prefetch):
+    """The offload path (row-major stores, predicted reads, write-back invalidation) on the CPU: real
+    copies, so a stale prediction (a read served from rows written after it was taken) shows as an error."""
+    model = small_model()
+    sample, timestep, small = inputs(batch, height, width)
+    with torch.no_grad():
+        reference = model(sample, timestep, small)
+    executor = E.ChunkedExecutor(model, chunk=chunk, prefetch=prefetch)
+    executor.stage_on_same_device = True
+    out = executor(sample, timestep, small)
+    assert (out - reference).abs().max().item() <= 1e-4
+    stores = executor.stores_used
+    assert stores is not None
+    if not prefetch:
+        assert stores.hits == 0
+
+
+def test_offloaded_reads_are_mostly_predicted_with_many_strips():
+    model = small_model()
+    sample, timestep, small = inputs(1, 64, 16)
+    with torch.no_grad():
+        reference = model(sample, timestep, small)
+    executor = E.ChunkedExecutor(model, chunk=2)
+    executor.stage_on_same_device = True
+    out = executor(sample, timestep, small)
+    assert (out - reference).abs().max().item() <= 1e-4
+    assert executor.stores_used.hits > 2 * executor.stores_used.misses
+
+
+def test_offloaded_stores_drop_predictions_overwritten_before_use():
+    from flowlift.strip_io import OffloadedStores
+
+    stores = OffloadedStores(torch.device("cpu"), torch.float32, torch.device("cpu"))
+    frame = torch.arange(2 * 3 * 12 * 4, dtype=torch.float32).view(2, 3, 12, 4)
+    store = stores.from_tensor(frame)
+    assert torch.equal(stores.read(store, 0, 3), frame[:, :, 0:3])
+    assert torch.equal(stores.read(store, 3, 6), frame[:, :, 3:6])  # stride 3 seen: rows 6..9 predicted
+    stores.write(store, 7, 8, torch.full((2, 3, 1, 4), -1.0))  # overwrites a predicted row
+    expected = frame.clone()
+    expected[:, :, 7] = -1.0
+    assert torch.equal(stores.read(store, 6, 9), expected[:, :, 6:9])
+    assert torch.equal(stores.read(store, 9, 12), expected[:, :, 9:12])  # predicted, untouched: a hit
+    assert stores.hits == 1
+
+
+def test_strip_rows_come_from_the_budget():
+    model = small_model(base=16)
+    sizes = {"batch": 1, "base_channels": 16, "dtype": torch.float32}
+    per_row = E.strip_bytes_per_row(64, **sizes)
+    stores = E.chunked_store_bytes(48, 64, **sizes)
+    # offloaded: the whole budget is strips
+    executor = E.ChunkedExecutor(model, offload_device="meta", budget_bytes=12 * per_row)
+    assert executor.strip_rows(1, 48, 64) == 10
+    # on the device the stores come off first
+    executor = E.ChunkedExecutor(model, budget_bytes=stores + 12 * per_row)
+    assert executor.strip_rows(1, 48, 64) == 10
+    assert E.ChunkedExecutor(model, budget_bytes=stores + 1000 * per_row).strip_rows(1, 48, 64) == 48
+    assert E.ChunkedExecutor(model, budget_bytes=1).strip_rows(1, 48, 64) == 1
+    # an explicit chunk wins; on the CPU without a budget the cache-sized default stays
+    assert E.ChunkedExecutor(model, chunk=7, budget_bytes=1).strip_rows(1, 48, 64) == 7
+    assert E.ChunkedExecutor(model).strip_rows(1, 48, 64) == E.default_chunk(64)
+
+
+def test_budget_sized_executor_equals_plain_forward():
+    model = small_model()
+    sample, timestep, small = inputs(1, 24, 20)
+    with torch.no_grad():
+        reference = model(sample, timestep, small)
+    budget = E.chunked_store_bytes(24, 20, base_channels=16) + 7 * E.strip_bytes_per_row(20, base_channels=16)
+    executor = E.ChunkedExecutor(model, budget_bytes=budget)
+    out = executor(sample, timestep, small)
+    assert executor.last_chunk == 5
+    assert (out - reference).abs().max().item() <= 1e-4
+
+
 def test_on_strip_reports_every_strip_and_can_cancel():
     model = small_model(seed=3)
     sample, small = torch.randn(1, 32, 24, 20), torch.randn(1, 32, 12, 10)

@@ -44,7 +44,7 @@ class AppConfig:
     """The models and limits of one app process (the ``flowlift app`` options)."""
 
     upscaler: str | None = None
-    vaes: Sequence[str] = ("taef2",)
+    vaes: Sequence[str] = ("flux2",)
     device: str | None = None
     dtype: str = "auto"
     max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB
@@ -53,7 +53,7 @@ class AppConfig:
     work_dir: Path | None = None
 
     def __post_init__(self) -> None:
-        self.vaes = list(dict.fromkeys(self.vaes)) or ["taef2"]
+        self.vaes = list(dict.fromkeys(self.vaes)) or ["flux2"]
         if self.max_upload_mb <= 0:
             raise FlowliftError(f"--max-upload-mb must be > 0, got {self.max_upload_mb}")
 

@@ -38,40 +38,66 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flowlift.memory_plan import (
+    PLAIN_PEAK_FRAMES,
+    chunked_store_bytes,
+    plain_peak_bytes,
+    strip_bytes_per_row,
+    strip_rows_for_budget,
+)
 from flowlift.models.upscaler_unet import (
     FlowUpscalerUNet,
     ResBlock,
     check_inputs,
 )
+from flowlift.strip_io import OffloadedStores
+from flowlift.strip_kernels import (
+    ChannelStats,
+    RowFn,
+    affine_silu,
+    bilinear_taps,
+    conv_rows,
+    group_norm_affine,
+    resize_rows,
+    upsample2x_rows,
+)
 
-# Default strip size: this many latent pixels per strip at the output resolution (64 rows at 1024 px
-# output, 32 at 2048 px, 4 at 16K): ~12 MiB per 384-channel fp32 strip temporary.
+__all__ = [
+    "CUDA_BUDGET_FRACTION",
+    "DEFAULT_CPU_BUDGET_BYTES",
+    "DEFAULT_STRIP_PIXELS",
+    "PLAIN_PEAK_FRAMES",
+    "ChannelStats",
+    "ChunkedExecutor",
+    "Frame",
+    "StripCallback",
+    "affine_silu",
+    "bilinear_taps",
+    "budget_chunk",
+    "chunked_store_bytes",
+    "conv_rows",
+    "default_chunk",
+    "group_norm_affine",
+    "plain_peak_bytes",
+    "resize_rows",
+    "should_chunk",
+    "strip_bytes_per_row",
+    "upsample2x_rows",
+]
+
+# Default strip size on the CPU: this many latent pixels per strip at the output resolution (64 rows
+# at 1024 px output, 32 at 2048 px, 4 at 16K): ~12 MiB per 384-channel fp32 strip temporary, sized
+# for CPU caches. On a GPU strips are sized from the memory budget instead (:func:`budget_chunk`).
 DEFAULT_STRIP_PIXELS = 8192
-# Measured peak of the plain forward's activations, in units of one (B, base_channels, H, W) frame
-# (fp32, CPU, 2048 px output; see docs/unet.md and benchmarks/bench_unet.py).
-PLAIN_PEAK_FRAMES = 10.0
 DEFAULT_CPU_BUDGET_BYTES = 1 << 30
 CUDA_BUDGET_FRACTION = 0.5
 
-RowFn = Callable[[int, int], torch.Tensor]
 #: ``on_strip(done, total)``: called after every strip of a forward; may raise to cancel the run.
 StripCallback = Callable[[int, int], None]
 
 
 # --------------------------------------------------------------------------------------------------
 # when to chunk
-
-
-def plain_peak_bytes(
-    height: int, width: int, *, batch: int = 1, base_channels: int = 384, dtype: torch.dtype = torch.float32
-) -> int:
-    """Estimated activation peak of the plain forward for a (batch, 32, height, width) sample.
-
-    ``PLAIN_PEAK_FRAMES * batch * base_channels * height * width * itemsize`` (height/width in latent
-    pixels of the *output*, i.e. the sample's size).
-    """
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return int(PLAIN_PEAK_FRAMES * batch * base_channels * height * width * itemsize)
 
 
 def should_chunk(
@@ -105,162 +131,28 @@ def should_chunk(
 
 
 def default_chunk(width: int) -> int:
-    """Rows per strip at the output resolution by default: ``max(1, DEFAULT_STRIP_PIXELS // width)``."""
+    """Rows per strip at the output resolution on the CPU: ``max(1, DEFAULT_STRIP_PIXELS // width)``."""
     return max(1, DEFAULT_STRIP_PIXELS // max(1, width))
 
 
-# --------------------------------------------------------------------------------------------------
-# small pure functions
-
-
-def bilinear_taps(
-    in_size: int, out_size: int, start: int, stop: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Source taps of output positions ``[start, stop)`` of a bilinear resize (``align_corners=False``).
-
-    ``src = max(0, (dst + 0.5) * in/out - 0.5)``, ``i0 = floor(src)``, ``i1 = min(i0 + 1, in - 1)``,
-    ``lam = src - i0``; the output is ``(1 - lam) * x[i0] + lam * x[i1]`` (computed in float32, as
-    PyTorch does). Returns ``(i0, i1, lam)``.
-    """
-    scale = torch.tensor(in_size / out_size, dtype=torch.float32)
-    dst = torch.arange(start, stop, dtype=torch.float32)
-    src = ((dst + 0.5) * scale - 0.5).clamp_min(0.0)
-    i0 = src.floor().long().clamp_max(in_size - 1)
-    i1 = (i0 + 1).clamp_max(in_size - 1)
-    lam = (src - i0.float()).clamp(0.0, 1.0)
-    return i0, i1, lam
-
-
-@dataclass
-class ChannelStats:
-    """Per-(sample, channel) count, mean and sum of squared deviations ``m2``, merged strip by strip."""
-
-    count: int
-    mean: torch.Tensor  # (B, C), float64
-    m2: torch.Tensor  # (B, C), float64
-
-    @staticmethod
-    def of(x: torch.Tensor, acc_dtype: torch.dtype) -> ChannelStats:
-        """Statistics of a strip (B, C, h, w), computed in float32 then widened to ``acc_dtype``.
-
-        The per-channel moments come from PyTorch's GroupNorm kernel with one group per channel
-        (numerically stable row-wise moments, ~15x faster than ``torch.var_mean`` over two dims on
-        CPU); with ``eps = 0`` it returns ``rstd = 1 / sqrt(var)``, so ``var = rstd ** -2``.
-        """
-        b, c, h, w = x.shape
-        _, mean, rstd = torch.native_group_norm(x.float().contiguous(), None, None, b, c, h * w, c, 0.0)
-        var = rstd.to(acc_dtype).pow(-2)
-        count = h * w
-        return ChannelStats(count, mean.to(acc_dtype).view(b, c), (var * count).view(b, c))
-
-    def merge(self, other: ChannelStats) -> ChannelStats:
-        """Chan et al.: ``n = na + nb``, ``d = mb - ma``, ``mean = ma + d nb / n``,
-        ``m2 = m2a + m2b + d^2 na nb / n``."""
-        n = self.count + other.count
-        delta = other.mean - self.mean
-        mean = self.mean + delta * (other.count / n)
-        m2 = self.m2 + other.m2 + delta.square() * (self.count * other.count / n)
-        return ChannelStats(n, mean, m2)
-
-    def cat(self, other: ChannelStats) -> ChannelStats:
-        """Statistics of the channel concatenation of two frames of the same size."""
-        assert self.count == other.count
-        return ChannelStats(self.count, torch.cat([self.mean, other.mean], 1), torch.cat([self.m2, other.m2], 1))
-
-
-def group_norm_affine(stats: ChannelStats, norm: nn.GroupNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """GroupNorm as a per-(sample, channel) affine map ``y = x * A + B`` from full-frame channel stats.
-
-    Over the ``k`` channels of a group (equal counts): ``mean_g = avg(mean_c)``,
-    ``var_g = avg(var_c) + avg((mean_c - mean_g)^2)``; ``A = gamma / sqrt(var_g + eps)``,
-    ``B = beta - mean_g * A``. Returns float32 (B, C) tensors (float64 stays float64).
-    """
-    b, c = stats.mean.shape
-    g = norm.num_groups
-    mean_c = stats.mean.view(b, g, c // g)
-    var_c = (stats.m2 / stats.count).view(b, g, c // g)
-    mean_g = mean_c.mean(-1, keepdim=True)
-    var_g = var_c.mean(-1, keepdim=True) + (mean_c - mean_g).square().mean(-1, keepdim=True)
-    rstd = torch.rsqrt(var_g + norm.eps).expand(b, g, c // g).reshape(b, c)
-    mean = mean_g.expand(b, g, c // g).reshape(b, c)
-    gamma = norm.weight.to(rstd.dtype) if norm.weight is not None else torch.ones_like(rstd[0])
-    beta = norm.bias.to(rstd.dtype) if norm.bias is not None else torch.zeros_like(rstd[0])
-    scale = gamma * rstd
-    shift = beta - mean * scale
-    out_dtype = torch.promote_types(torch.float32, norm.weight.dtype)
-    return scale.to(out_dtype), shift.to(out_dtype)
-
-
-def affine_silu(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``silu(x * scale + shift)`` with (B, C) ``scale``/``shift``;
-    computed in their precision, returned in x's dtype."""
-    y = torch.addcmul(shift[:, :, None, None], x, scale[:, :, None, None])
-    return F.silu(y, inplace=True).to(x.dtype)
-
-
-# --------------------------------------------------------------------------------------------------
-# strip kernels: rows [a, b) of a layer's output from the rows of its input
-
-
-def conv_rows(
-    read: RowFn,
+def budget_chunk(
+    budget_bytes: int,
     height: int,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: int,
-    padding: tuple[int, int],
-    a: int,
-    b: int,
-) -> torch.Tensor:
-    """Output rows ``[a, b)`` of ``conv2d(x, weight, bias, stride, padding)`` for a frame of ``height`` rows.
+    width: int,
+    *,
+    batch: int = 1,
+    base_channels: int = 384,
+    dtype: torch.dtype = torch.float32,
+    offloaded: bool = False,
+) -> int:
+    """Rows per strip for a (batch, 32, height, width) sample when the executor may use ``budget_bytes``.
 
-    Reads input rows ``[a*s - p, (b-1)*s - p + k)`` clipped to the frame; the rows outside the frame
-    (first and last strip only) are the convolution's zero padding, added with ``F.pad``. Every
-    output row is computed exactly once over all strips.
+    The stores (:func:`flowlift.memory_plan.chunked_store_bytes`, none when ``offloaded``) come off
+    the budget first; the rest is strip temporaries (:func:`flowlift.memory_plan.strip_rows_for_budget`).
     """
-    k = weight.shape[2]
-    p, pw = padding
-    lo, hi = a * stride - p, (b - 1) * stride - p + k
-    lo_c, hi_c = max(lo, 0), min(hi, height)
-    x = read(lo_c, hi_c)
-    if lo_c != lo or hi_c != hi:
-        x = F.pad(x, (0, 0, lo_c - lo, hi - hi_c))
-    return F.conv2d(x, weight, bias, stride=stride, padding=(0, pw))
-
-
-def upsample2x_rows(read: RowFn, height: int, a: int, b: int) -> torch.Tensor:
-    """Rows ``[a, b)`` of the exact x2 bilinear upsample (``align_corners=False``) of a ``height``-row frame.
-
-    Output row ``r`` blends source rows ``floor(r/2 - 1/4)`` and the next one, so rows ``[a, b)`` need
-    source rows ``[a//2 - 1, (b-1)//2 + 2)`` (clipped). Upsampling that window with the same scale
-    gives identical taps and weights for every row that does not touch the window's edge.
-    """
-    w0, w1 = max(0, a // 2 - 1), min(height, (b - 1) // 2 + 2)
-    out = F.interpolate(read(w0, w1), scale_factor=2.0, mode="bilinear", align_corners=False)
-    return out[:, :, a - 2 * w0 : b - 2 * w0]
-
-
-def resize_rows(read: RowFn, in_size: tuple[int, int], out_size: tuple[int, int], a: int, b: int) -> torch.Tensor:
-    """Rows ``[a, b)`` of ``F.interpolate(x, out_size, mode="bilinear", align_corners=False)``.
-
-    Identity for equal sizes; :func:`upsample2x_rows` for an exact x2; otherwise the row taps of
-    :func:`bilinear_taps` (``(1 - lam) x[i0] + lam x[i1]``) followed by a column-only resize (row
-    scale 1 keeps rows unchanged).
-    """
-    (in_h, in_w), (out_h, out_w) = in_size, out_size
-    if (in_h, in_w) == (out_h, out_w):
-        return read(a, b)
-    if (out_h, out_w) == (2 * in_h, 2 * in_w):
-        return upsample2x_rows(read, in_h, a, b)
-    i0, i1, lam = bilinear_taps(in_h, out_h, a, b)
-    lo, hi = int(i0.min()), int(i1.max()) + 1
-    src = read(lo, hi)
-    top = src.index_select(2, (i0 - lo).to(src.device))
-    bottom = src.index_select(2, (i1 - lo).to(src.device))
-    out = torch.lerp(top, bottom, lam.to(device=src.device, dtype=src.dtype)[None, None, :, None])
-    if in_w != out_w:
-        out = F.interpolate(out, size=(b - a, out_w), mode="bilinear", align_corners=False)
-    return out
+    sizes = {"batch": batch, "base_channels": base_channels, "dtype": dtype}
+    stores = 0 if offloaded else chunked_store_bytes(height, width, **sizes)
+    return strip_rows_for_budget(budget_bytes - stores, height, width, **sizes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -302,11 +194,16 @@ class ChunkedExecutor:
 
     Callable like the model: ``executor(sample, timestep, latents_small) -> velocity``. ``chunk`` is
     the number of rows per strip at the output resolution (lower-resolution levels use proportionally
-    more rows, so every strip has about the same number of pixels); by default it is
-    :func:`default_chunk` of the output width (``DEFAULT_STRIP_PIXELS`` latent pixels per strip; on
-    a GPU larger strips, e.g. ``chunk=256``, use the device better). Full-frame activations are kept
-    on ``offload_device`` (default: the model's device); strips are computed on the model's device.
-    Inference only: dropout is never applied, whatever ``model.training`` says.
+    more rows, so every strip has about the same number of pixels). Without ``chunk`` the strips are
+    sized from ``budget_bytes`` (the device memory the executor may use: stores plus strips,
+    :func:`budget_chunk`); without either, from ``CUDA_BUDGET_FRACTION`` of the free memory on a CUDA
+    device, and :func:`default_chunk` (cache-sized) on the CPU.
+
+    Full-frame activations are kept on ``offload_device`` (default: the model's device); strips are
+    computed on the model's device. Offloaded stores are row-major, pinned and copied on a side
+    stream with the next strip's reads started ahead (:class:`flowlift.strip_io.OffloadedStores`;
+    ``prefetch=False`` makes every copy synchronous). Inference only: dropout is never applied,
+    whatever ``model.training`` says.
 
     ``on_strip(done, total)`` (optional) is called after every strip, ``total`` being the forward's
     number of strips (counted beforehand by a dry run of the same layer walk that computes nothing);
@@ -319,48 +216,89 @@ class ChunkedExecutor:
         chunk: int | None = None,
         offload_device: str | torch.device | None = None,
         on_strip: StripCallback | None = None,
+        *,
+        budget_bytes: int | None = None,
+        prefetch: bool = True,
     ) -> None:
         if chunk is not None and int(chunk) < 1:
             raise ValueError(f"chunk must be a positive number of rows, got {chunk}")
+        if budget_bytes is not None and int(budget_bytes) < 1:
+            raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         self.model = model
         self.chunk = None if chunk is None else int(chunk)
+        self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
         self.offload_device = torch.device(offload_device) if offload_device is not None else None
+        self.prefetch = prefetch
+        self.stage_on_same_device = False  # tests: run the offload path with a CPU "host" and CPU compute
+        self.stores: OffloadedStores | None = None
+        self.last_chunk: int | None = None
         self.on_strip = on_strip
         self._counting = False
         self._strips_done = 0
         self._strips_total = 0
+
+    def strip_rows(self, batch: int, height: int, width: int) -> int:
+        """Rows per strip at the output resolution for a (batch, 32, height, width) sample (see the class)."""
+        if self.chunk is not None:
+            return self.chunk
+        param = self.model.in_conv.weight
+        sizes = {
+            "batch": batch,
+            "base_channels": self.model.config["base_channels"],
+            "dtype": param.dtype,
+            "offloaded": self.offload_device is not None and self.offload_device != param.device,
+        }
+        budget = self.budget_bytes
+        if budget is None and param.device.type == "cuda" and torch.cuda.is_available():
+            free, _ = torch.cuda.mem_get_info(param.device)
+            budget = int(free * CUDA_BUDGET_FRACTION)
+        if budget is None:
+            return default_chunk(width)
+        return budget_chunk(budget, height, width, **sizes)
 
     def __call__(
         self, sample: torch.Tensor, timestep: torch.Tensor | float, latents_small: torch.Tensor
     ) -> torch.Tensor:
         model = self.model
         check_inputs(sample, timestep, latents_small, model.config["sample_channels"], model.config["base_channels"])
-        param = model.in_conv.weight
-        self.device, self.dtype = param.device, param.dtype
-        self.store_device = self.offload_device or self.device
-        self.acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        self.ref_width = sample.shape[3]
-        with torch.no_grad():
-            if self.on_strip is not None:
-                self._strips_total = self.count_strips(sample, timestep, latents_small)
-                self._strips_done = 0
-            return self._forward(sample, timestep, latents_small)
+        self._setup(sample)
+        if self.on_strip is not None:
+            self._strips_total = self.count_strips(sample, timestep, latents_small)
+            self._strips_done = 0
+        staged = self.store_device != self.device or self.stage_on_same_device
+        self.stores = (
+            OffloadedStores(self.device, self.dtype, self.store_device, prefetch=self.prefetch) if staged else None
+        )
+        try:
+            with torch.no_grad():
+                out = self._forward(sample, timestep, latents_small)
+            if self.stores is not None:
+                self.stores.finish()
+            return out
+        finally:
+            self.stores_used, self.stores = self.stores, None
 
-    def count_strips(
-        self, sample: torch.Tensor, timestep: torch.Tensor | float, latents_small: torch.Tensor
-    ) -> int:
-        """Strips one forward on these inputs computes: the same layer walk with every strip skipped."""
+    def _setup(self, sample: torch.Tensor) -> None:
         param = self.model.in_conv.weight
         self.device, self.dtype = param.device, param.dtype
         self.store_device = self.offload_device or self.device
         self.acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self.ref_width = sample.shape[3]
+        self.last_chunk = self.strip_rows(sample.shape[0], sample.shape[2], sample.shape[3])
+
+    def count_strips(
+        self, sample: torch.Tensor, timestep: torch.Tensor | float, latents_small: torch.Tensor
+    ) -> int:
+        """Strips one forward on these inputs computes: the same layer walk with every strip skipped."""
+        self._setup(sample)
+        stores, self.stores = self.stores, None
         self._counting, self._strips_total = True, 0
         try:
             with torch.no_grad():
                 self._forward(sample, timestep, latents_small)
         finally:
             self._counting = False
+            self.stores = stores
         return self._strips_total
 
     def _strip_finished(self) -> None:
@@ -435,16 +373,25 @@ class ChunkedExecutor:
 
     def _rows(self, width: int) -> int:
         """Rows per strip for a frame ``width`` wide: ``chunk`` at output width, proportionally more below."""
-        chunk = self.chunk or default_chunk(self.ref_width)
-        return max(1, (chunk * self.ref_width) // max(1, width))
+        return max(1, (self.last_chunk * self.ref_width) // max(1, width))
 
     def _input(self, tensor: torch.Tensor) -> Frame:
         if self._counting:
             return self._dry_frame(tuple(tensor.shape))
-        stored = tensor if self.offload_device is None else tensor.to(self.store_device)
-        return self._stored(stored, None)
+        if self.stores is not None:
+            return self._stored(self.stores.from_tensor(tensor), None, offloaded=True)
+        return self._stored(tensor, None)
 
-    def _stored(self, buffer: torch.Tensor, stats: ChannelStats | None) -> Frame:
+    def _stored(self, buffer: torch.Tensor, stats: ChannelStats | None, *, offloaded: bool = False) -> Frame:
+        """A frame over ``buffer``: a (B, C, H, W) tensor, or with ``offloaded`` a row-major store."""
+        stores = self.stores
+        if offloaded and stores is not None:
+
+            def read_store(a: int, b: int) -> torch.Tensor:
+                return stores.read(buffer, a, b)
+
+            return Frame(read_store, stores.logical_shape(buffer), buffer, stats)
+
         def read(a: int, b: int) -> torch.Tensor:
             return buffer[:, :, a:b].to(device=self.device, dtype=self.dtype)
 
@@ -461,25 +408,29 @@ class ChunkedExecutor:
     ) -> Frame:
         """Evaluate ``rows`` strip by strip into a buffer (``into``, or a new one), collecting channel stats.
 
-        Writing over a frame that ``rows`` reads is safe when strip ``[a, b)`` reads that frame only
-        at rows ``[a, b)``: later strips then read rows not yet written.
+        Without ``device`` the buffer is a store (with offloading a row-major host store; ``into``
+        must then be one too); with ``device`` a plain tensor there (the output). Writing over a
+        frame that ``rows`` reads is safe when strip ``[a, b)`` reads that frame only at rows
+        ``[a, b)``: later strips then read rows not yet written.
         """
         if self._counting:
             self._strips_total += len(range(0, shape[2], self._rows(shape[3])))
             return self._dry_frame(shape)
+        stores = self.stores
         if into is None:
-            where = device or self.store_device
-            # page-locked host stores make the per-strip copies to and from a CUDA device faster
-            pin = where.type == "cpu" and self.device.type == "cuda"
-            into = torch.empty(shape, dtype=self.dtype, device=where, pin_memory=pin)
+            if stores is not None and device is None:
+                into = stores.empty(shape)
+            else:
+                into = torch.empty(shape, dtype=self.dtype, device=device or self.device)
+        offloaded = stores is not None and device is None
         step = self._rows(shape[3])
         collected: ChannelStats | None = None
         for a in range(0, shape[2], step):
             b = min(a + step, shape[2])
             strip = rows(a, b)
-            if into.device != strip.device:  # offloaded: statistics from the strip, on the compute device
+            if offloaded:  # statistics from the strip, on the compute device
                 written = strip
-                into[:, :, a:b].copy_(strip)
+                stores.write(into, a, b, strip)
             else:  # same device: free the strip first and take the statistics from the stored rows
                 into[:, :, a:b].copy_(strip)
                 written = into[:, :, a:b]
@@ -489,7 +440,7 @@ class ChunkedExecutor:
                 collected = part if collected is None else collected.merge(part)
             del written
             self._strip_finished()
-        return self._stored(into, collected)
+        return self._stored(into, collected, offloaded=offloaded)
 
     # -- layers ----------------------------------------------------------------------------------
 

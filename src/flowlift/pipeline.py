@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,15 @@ import torch
 
 from flowlift.colorfix import LOWFREQ_FACTOR, lab_lowband_transplant, latent_lowband_transplant
 from flowlift.errors import FlowliftError
+from flowlift.memory_plan import (
+    UNetPassPlan,
+    UpscalePlan,
+    model_bytes,
+    parse_memory,
+    plan_upscale,
+    to_host_float32,
+    vae_kind,
+)
 from flowlift.pipeline_models import (
     DEFAULT_UPSCALER,
     UPSCALER_WEIGHTS_NAME,
@@ -36,16 +45,18 @@ from flowlift.pipeline_models import (
     pipeline_model_files,
     resolve_upscaler_file,
 )
-from flowlift.unet_runner import velocity_model
+from flowlift.unet_runner import CompiledUNet, velocity_model
 from flowlift.upscale_sizes import (
     MAX_OUTPUT_SIDE,
     RESIZE_MODES,
     SIZE_MULTIPLE,
     allowed_passes,
+    image_seeds,
     output_scale,
     pad_to_multiple,
     padded_size,
     pass_generator,
+    pass_noise,
     passes_for_scale,
     planned_passes,
     resample_to_multiple,
@@ -117,10 +128,23 @@ class FlowUpscalerPipeline:
         Run the UNet through :class:`flowlift.executor.ChunkedExecutor` (exact, bounded memory):
         ``None`` switches it on by size (:func:`flowlift.executor.should_chunk`), True/False force it.
     vae_tiled:
-        Passed to the VAE's ``encode``/``decode`` as ``tiled`` (``None``: the VAE decides by size).
+        Passed to the VAE's ``encode``/``decode`` as ``tiled`` (``None``: the VAE decides by size, or
+        the memory plan when ``max_memory`` is set).
+    max_memory:
+        A device-memory budget (bytes or ``"6GB"``, :func:`flowlift.memory_plan.parse_memory`) for the
+        whole upscale: UNet passes, VAE decode and both colour stages run plain / chunked / tiled /
+        offloaded as :func:`flowlift.memory_plan.plan_upscale` says (explicit ``chunked``,
+        ``vae_tiled``, ``chunk_rows``, ``offload_device`` still win). ``None``: size-based defaults.
+    compile:
+        ``True`` (or a ``torch.compile`` mode string) runs the whole-frame UNet through
+        :class:`flowlift.unet_runner.CompiledUNet`: one compiled graph per input shape, CUDA-graph
+        replay on CUDA, eager fallback with one warning when compilation fails.
+    channels_last:
+        Channels-last weights and inputs for the UNet (``None``: on CUDA only).
     chunk_budget_bytes:
-        Memory the plain UNet forward may use before chunking switches on (``chunked=None``); by
-        default :func:`flowlift.executor.should_chunk`'s (half the free CUDA memory, 1 GiB on the CPU).
+        Memory the plain UNet forward may use before chunking switches on (``chunked=None``, no
+        ``max_memory``); by default :func:`flowlift.executor.should_chunk`'s (half the free CUDA memory,
+        1 GiB on the CPU).
     on_strip:
         ``on_strip(done, total)``, called after every strip of a chunked pass (progress; an exception
         it raises, e.g. a user's cancel, stops the pass). See :class:`flowlift.executor.ChunkedExecutor`.
@@ -142,6 +166,9 @@ class FlowUpscalerPipeline:
         vae_tiled: bool | None = None,
         chunk_rows: int | None = None,
         offload_device: torch.device | str | None = None,
+        max_memory: int | str | None = None,
+        compile: bool | str = False,
+        channels_last: bool | None = None,
         chunk_budget_bytes: int | None = None,
         on_strip: Callable[[int, int], None] | None = None,
     ) -> None:
@@ -168,6 +195,17 @@ class FlowUpscalerPipeline:
             check_vae_spec(vae)
         self.upscaler, self.upscaler_path = load_pipeline_upscaler(upscaler, self.device, self.dtype)
         self.vae, self.vae_spec = (None, None) if vae is None else load_pipeline_vae(vae, self.device, self.dtype)
+        self.max_memory = None if max_memory is None else parse_memory(max_memory)
+        self.channels_last = self.device.type == "cuda" if channels_last is None else bool(channels_last)
+        if self.channels_last and isinstance(self.upscaler, torch.nn.Module):
+            self.upscaler.to(memory_format=torch.channels_last)
+        self.compiled_upscaler: CompiledUNet | None = None
+        if compile:
+            if not isinstance(self.upscaler, torch.nn.Module):
+                raise FlowliftError(f"compile needs the UNet as a torch module, got {type(self.upscaler).__name__}")
+            mode = compile if isinstance(compile, str) else None
+            self.compiled_upscaler = CompiledUNet(self.upscaler, mode=mode, channels_last=self.channels_last)
+        self.last_plan: UpscalePlan | None = None
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -183,16 +221,17 @@ class FlowUpscalerPipeline:
         dtype = getattr(self.vae, "dtype", None)
         return dtype if isinstance(dtype, torch.dtype) else self.dtype
 
-    def _vae_call(self, method: str, x: torch.Tensor) -> torch.Tensor:
+    def _vae_call(self, method: str, x: torch.Tensor, tiled: bool | None = None) -> torch.Tensor:
         if self.vae is None:
             raise FlowliftError("this pipeline was made without a VAE (vae=None): it upscales latents only")
         fn = getattr(self.vae, method)
-        if self.vae_tiled is None:
+        tiled = self.vae_tiled if tiled is None else tiled
+        if tiled is None:
             return fn(x)
-        return fn(x, tiled=self.vae_tiled)
+        return fn(x, tiled=tiled)
 
-    def _velocity_model(self, sample_shape: tuple[int, ...]) -> Callable:
-        """The UNet, or a ChunkedExecutor around it when chunking is on for this size."""
+    def _velocity_model(self, sample_shape: tuple[int, ...], pass_plan: UNetPassPlan | None = None) -> Callable:
+        """The UNet (compiled when asked), or a ChunkedExecutor around it, for this pass."""
         return velocity_model(
             self.upscaler,
             sample_shape,
@@ -201,8 +240,30 @@ class FlowUpscalerPipeline:
             chunked=self.chunked,
             chunk_rows=self.chunk_rows,
             offload_device=self.offload_device,
+            pass_plan=pass_plan,
+            plain=self.compiled_upscaler,
             budget_bytes=self.chunk_budget_bytes,
             on_strip=self.on_strip,
+        )
+
+    def plan_memory(self, height: int, width: int, num_passes: int, batch: int = 1) -> UpscalePlan | None:
+        """The :func:`flowlift.memory_plan.plan_upscale` plan for a (batch, 3, height, width) model input
+        under ``max_memory`` (None without a budget); a budget too small is a FlowliftError."""
+        if self.max_memory is None:
+            return None
+        return plan_upscale(
+            height,
+            width,
+            num_passes,
+            self.max_memory,
+            batch=batch,
+            base_channels=int(getattr(self.upscaler, "config", {}).get("base_channels", 384)),
+            unet_dtype=self.dtype,
+            unet_weight_bytes=model_bytes(self.upscaler),
+            vae_kind=vae_kind(self.vae),
+            vae_dtype=self._vae_dtype(),
+            vae_weight_bytes=model_bytes(self.vae),
+            spatial_factor=self.spatial_factor,
         )
 
     def plan_passes(self, image_height: int, image_width: int, num_passes: int, resize_mode: str = "pad") -> int:
@@ -267,15 +328,16 @@ class FlowUpscalerPipeline:
         self,
         latents: torch.Tensor,
         num_passes: int = 1,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         transplant_strength: float = 1.0,
         color_fix: bool = True,
         callback: Callable[[str], None] | None = None,
     ) -> torch.Tensor:
         """Chain ``num_passes`` 2x passes on normalized latents; returns float32 latents.
 
-        Pass ``p``: ``noise ~ N(0, I)`` at twice the size from :func:`pass_generator` (seed, p) drawn on
-        the CPU in float32, ``x0 = noise - v(noise, 1000, cond)``; with ``color_fix`` stage 1
+        Pass ``p``: ``noise ~ N(0, I)`` at twice the size, drawn per image from :func:`pass_generator`
+        (seed, p) on the CPU in float32 (``seed``: one for every image, or one per image), so an image
+        gets the same noise in a batch as alone; ``x0 = noise - v(noise, 1000, cond)``; with ``color_fix`` stage 1
         (:func:`flowlift.colorfix.latent_lowband_transplant` at ``transplant_strength``) pins x0's low
         band to ``cond``'s; x0 is the next pass's ``cond``. Passes beyond ``MAX_OUTPUT_SIDE`` are
         dropped with a warning.
@@ -285,16 +347,19 @@ class FlowUpscalerPipeline:
         seed = _check_count("seed", seed)
         factor = self.spatial_factor
         passes = self.plan_passes(latents.shape[-2] * factor, latents.shape[-1] * factor, num_passes)
+        seeds = image_seeds(seed, latents.shape[0])
+        plan = self.plan_memory(latents.shape[-2] * factor, latents.shape[-1] * factor, passes, latents.shape[0])
+        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
         cond = latents.to(device=self.device, dtype=torch.float32)
         _check_finite(cond, "the input latents contain")
         for index in range(passes):
             batch, channels, height, width = cond.shape
             shape = (batch, channels, 2 * height, 2 * width)
-            noise = torch.randn(shape, generator=pass_generator(seed, index), dtype=torch.float32)
-            noise = noise.to(device=self.device, dtype=self.dtype)
+            noise = pass_noise(seeds, index, shape[1:])
+            noise = noise.to(device=self.device, dtype=self.dtype, memory_format=memory_format)
             timestep = torch.full((batch,), ONE_STEP_TIMESTEP, dtype=torch.float32, device=self.device)
-            model = self._velocity_model(shape)
-            velocity = model(noise, timestep, cond.to(self.dtype))
+            model = self._velocity_model(shape, None if plan is None else plan.passes[index])
+            velocity = model(noise, timestep, cond.to(self.dtype, memory_format=memory_format))
             x0 = noise.to(torch.float32) - velocity.to(torch.float32)
             if color_fix and transplant_strength > 0:
                 x0 = latent_lowband_transplant(x0, cond, transplant_strength, self.LOWFREQ_FACTOR)
@@ -309,7 +374,7 @@ class FlowUpscalerPipeline:
         self,
         image: Any,
         num_passes: int = 1,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         color_fix: bool = True,
         transplant_strength: float = 1.0,
         color_fix_strength: float = 1.0,
@@ -345,8 +410,15 @@ class FlowUpscalerPipeline:
             color_fix=color_fix,
             callback=callback,
         )
-        decoded = self._vae_call("decode", latents.to(self._vae_dtype())).to(torch.float32)
+        plan = self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0])
+        self.last_plan = plan
+        tiled = self.vae_tiled if self.vae_tiled is not None or plan is None else plan.vae_tiled
+        decoded = self._vae_call("decode", latents.to(self._vae_dtype()), tiled=tiled)
         del latents
+        if plan is not None and plan.colour_on_host:  # stage 2 on the host: the device keeps no float32 frame
+            decoded = to_host_float32(decoded)
+        else:
+            decoded = decoded.to(torch.float32)
         _check_finite(decoded, "the VAE decoder produced", what="pixels")
         if callback is not None:
             callback("decode")

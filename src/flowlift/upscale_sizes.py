@@ -7,6 +7,7 @@ Every 2x pass doubles both sides; inputs are brought to multiples of :data:`SIZE
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -23,10 +24,12 @@ __all__ = [
     "RESIZE_MODES",
     "SIZE_MULTIPLE",
     "allowed_passes",
+    "image_seeds",
     "output_scale",
     "pad_to_multiple",
     "padded_size",
     "pass_generator",
+    "pass_noise",
     "passes_for_scale",
     "planned_passes",
     "prepared_size",
@@ -120,6 +123,26 @@ def pass_generator(seed: int, pass_index: int) -> torch.Generator:
         raise FlowliftError(f"seed must be a non-negative integer, got {seed}")
     state = np.random.SeedSequence([int(seed), int(pass_index)]).generate_state(1, dtype=np.uint64)[0]
     return torch.Generator(device="cpu").manual_seed(int(state) & ((1 << 63) - 1))
+
+
+def image_seeds(seed: int | Sequence[int], batch: int) -> list[int]:
+    """One seed per image: ``seed`` repeated ``batch`` times, or the ``batch`` seeds given."""
+    seeds = [int(seed)] * batch if isinstance(seed, (int, np.integer)) else [int(s) for s in seed]
+    if len(seeds) != batch:
+        raise FlowliftError(f"got {len(seeds)} seeds for a batch of {batch} images")
+    return seeds
+
+
+def pass_noise(seeds: Sequence[int], pass_index: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Pass ``pass_index``'s noise for a batch: image ``i`` gets ``randn(shape)`` from
+    ``pass_generator(seeds[i], pass_index)`` (CPU, float32), stacked to (len(seeds), *shape).
+
+    Image ``i``'s noise depends only on its own seed, so an image gets the same noise in any batch
+    as alone (and a batch of one draws exactly what a single-image call always drew).
+    """
+    return torch.stack(
+        [torch.randn(shape, generator=pass_generator(seed, pass_index), dtype=torch.float32) for seed in seeds]
+    )
 
 
 def output_scale(num_passes: int) -> int:

@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vae",
         action="append",
         metavar="taef2|flux2|PATH",
-        help="VAE to offer (repeatable; the first is the default; default taef2)",
+        help="VAE to offer (repeatable; the first is the default; default flux2, as for flowlift upscale)",
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="default: bfloat16 on CUDA, else float32")
@@ -67,10 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from flowlift.app import build_app, launch
     from flowlift.app_service import AppConfig, AppService
+    from flowlift.errors import FlowliftError
 
     config = AppConfig(
         upscaler=args.upscaler,
-        vaes=args.vae or ["taef2"],
+        vaes=args.vae or ["flux2"],
         device=args.device,
         dtype=args.dtype,
         max_upload_mb=args.max_upload_mb,
@@ -80,7 +81,11 @@ def run(args: argparse.Namespace) -> int:
     service = AppService(config)
     try:
         demo = build_app(service)
-        launch(demo, service, host=args.host, port=args.port, share=args.share)
+        try:
+            launch(demo, service, host=args.host, port=args.port, share=args.share)
+        except OSError as error:  # port taken, address not available
+            where = f"{args.host}:{args.port}" if args.port else args.host
+            raise FlowliftError(f"cannot serve on {where}: {str(error).splitlines()[0]}") from None
     finally:
         service.close()
     return 0

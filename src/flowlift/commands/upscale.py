@@ -155,6 +155,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="force or forbid VAE tiling (default: by size)",
     )
+    parser.add_argument(
+        "--max-memory",
+        metavar="SIZE",
+        help="device memory budget for the whole upscale, e.g. 6GB or 5.5GiB: UNet, VAE decode and colour fix "
+        "run plain, chunked, tiled or offloaded to fit (default: by size and free memory)",
+    )
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the UNet (one compile per image size; CUDA graphs)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="upscale up to N same-size inputs at once (each gets the noise it gets alone; default 1)",
+    )
     from flowlift.distributed import add_barrier_timeout_argument
 
     parser.add_argument("--status", metavar="OUT", help="print the state of the job in output folder OUT, then exit")
@@ -372,8 +388,15 @@ def run(args: argparse.Namespace) -> int:
             device=rank_device(str(device), env) if env.distributed else device,  # cuda:LOCAL_RANK
             chunked=args.chunked,
             vae_tiled=args.vae_tiling,
+            max_memory=args.max_memory,
+            compile=args.compile,
         )
         hashes = model_hashes(pipeline)
+        if args.batch_size > 1 and env.distributed:
+            note = "flowlift upscale: --batch-size is not applied under torchrun; images run one by one"
+            print(note, file=sys.stderr)
+        elif args.batch_size > 1:
+            return _batched(args, pipeline, jobs, passes, hashes)
         return upscale_one
 
     def upscale_one(path: Path, out: Path) -> None:
@@ -387,3 +410,50 @@ def run(args: argparse.Namespace) -> int:
 
     return run_batch(jobs, make_process, command=NAME, output=args.output, overwrite=args.overwrite,
                      barrier_timeout=args.barrier_timeout, env=env, progress=bars)  # fmt: skip
+
+
+def _batched(args: argparse.Namespace, pipeline: Any, jobs: list, passes: int, hashes: dict) -> Any:
+    """``--batch-size N``: same-size inputs through the pipeline together (:mod:`flowlift.upscale_batches`)."""
+    import torch
+    from tqdm import tqdm
+
+    from flowlift.batch import report
+    from flowlift.images import attach_alpha, load_image, save_image_atomic, tensor_to_pil, to_tensor
+    from flowlift.upscale_batches import SameSizeBatches
+
+    def compute(paths: list[Path]) -> list[tuple[Any, Any, list[str]]]:
+        loaded = [load_image(path) for path in paths]
+        images = torch.cat([to_tensor(image) for image, _alpha in loaded])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            result = pipeline.upscale_image(
+                images,
+                num_passes=passes,
+                seed=args.seed,
+                color_fix=not args.no_color_fix,
+                transplant_strength=args.transplant_strength,
+                color_fix_strength=args.color_fix_strength,
+                resize_mode=args.resize_mode,
+                output_type="pt",
+            )
+        notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        return [
+            (attach_alpha(tensor_to_pil(result[i : i + 1]), alpha), image, notes)
+            for i, (image, alpha) in enumerate(loaded)
+        ]
+
+    def save(path: Path, out: Path, item: tuple[Any, Any, list[str]]) -> None:
+        result, image, notes = item
+        for note in notes:
+            report(NAME, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
+        done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
+        save_image_atomic(
+            result,
+            out,
+            _metadata(args, done, path, hashes, pipeline),
+            source=path,  # the input's ICC profile and EXIF
+            quality=getattr(args, "quality", None),
+        )
+
+    todo = [job.source for job in jobs if job.output is not None and (args.overwrite or not job.output.exists())]
+    return SameSizeBatches(todo, args.batch_size, compute, save)
