@@ -178,3 +178,25 @@ def test_taef2_band_response_on_a_real_crop(shared):
     assert np.all(np.argmax(inside, axis=1) == np.arange(5)) and mean[0, 0] > 70.0
     # ... and leaks more detail above the latent Nyquist the higher the band (6.5 -> 76 %)
     assert np.all(np.diff(mean[:, -1]) > 0)
+
+
+def test_bands_records_bin_counts_and_warns_when_small(monkeypatch, shared, tmp_path, capsys):
+    import json
+
+    from flowlift.cli import main
+
+    assert B.latent_bin_counts(32, 20) == [1, 8, 22, 88, 372]  # a 256x160 image: only DC below 1/16
+    assert min(B.latent_bin_counts(64, 64)) >= B.MIN_BINS_PER_BAND
+    assert B.latent_size(170, 256, 8) == (20, 32)
+    _fake_vae_module(monkeypatch, IdealVAE)
+    kodak = shared / "images" / "kodak"
+    for side, warned in ((256, True), (512, False)):
+        out = tmp_path / f"bands{side}"
+        argv = ["bands", str(kodak / "kodim01.png"), "--vae", "fake", "--out", str(out), "--max-side", str(side),
+                "--quiet"]
+        assert main(argv) == 0
+        err = capsys.readouterr().err
+        assert ("warning:" in err and "latent FFT bins" in err) == warned, err
+        data = json.loads((out / "bands.json").read_text())
+        counts = data["latent_bins_per_band"]["kodim01"]
+        assert len(counts) == 5 and (min(counts) < data["min_bins_per_band"]) == warned

@@ -42,7 +42,9 @@ def test_run_jobs_counts_resume_and_keeps_going(tmp_path, capsys):
     out = tmp_path / "out"
     jobs = plan_jobs(sources, str(out), lambda p: f"{p.stem}_x2.png", SUFFIXES)
     out.mkdir()
-    _touch(out / "done_x2.png")
+    from PIL import Image
+
+    Image.new("RGB", (2, 2)).save(out / "done_x2.png")  # a finished output must open as an image
     assert [job.source.name for job in pending(jobs)] == ["ok.png", "bad.png"]
 
     def process(source: Path, output: Path) -> None:

@@ -148,18 +148,18 @@ def test_bad_arguments(tmp_path, capsys):
         main(["upscale", "x.png", "--scale", "2", "--passes", "2"])
     with pytest.raises(SystemExit):
         main(["upscale", "x.png", "--transplant-strength", "1.5"])
-    assert main(["upscale", str(tmp_path / "missing-*.png")]) == 2
+    # a missing input is one line and a failed image (exit 1), not a user error that stops the batch
+    assert main(["upscale", str(tmp_path / "missing-*.png")]) == 1
     assert "no such file" in capsys.readouterr().err
 
 
-def test_cap_warning_is_one_line(tmp_path, shared, weights, capsys):
-    # 8200 px wide: one pass would give 16400 > MAX_OUTPUT_SIDE, so it is dropped (the UNet never runs)
+def test_image_too_wide_for_any_pass_is_refused_in_one_line(tmp_path, shared, weights, capsys):
+    # 8200 px wide: one pass would give 16400 > MAX_OUTPUT_SIDE; no pass can run, so nothing is
+    # written (an unscaled image named _x2 would be a lie that resume then skips forever)
     Image.new("RGB", (8200, 8), (120, 80, 40)).save(tmp_path / "wide.png")
     rc = main(["upscale", str(tmp_path / "wide.png"), "-o", str(tmp_path / "out"), *_common(shared, weights)])
     err = capsys.readouterr().err
-    assert rc == 0 and "Traceback" not in err
-    warned = [line for line in _error_lines(err) if "MAX_OUTPUT_SIDE=16384" in line]
-    assert len(warned) == 1 and "running 0 pass" in warned[0]
-    with Image.open(tmp_path / "out" / "wide_x2.png") as result:
-        assert result.size == (8200, 8)
-        assert json.loads(result.text["flowlift.parameters"])["passes"] == 0
+    assert rc == 1 and "Traceback" not in err
+    refused = [line for line in _error_lines(err) if "MAX_OUTPUT_SIDE=16384" in line]
+    assert len(refused) == 1 and "8200x8 image cannot be upscaled" in refused[0]
+    assert not (tmp_path / "out" / "wide_x2.png").exists()

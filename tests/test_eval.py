@@ -77,6 +77,30 @@ def test_prepare_pair_crops_and_area_downsamples():
         E.prepare_pair(photo[:50], 4)
 
 
+def test_area_downscale_rounds_exact_halves_to_even_without_bias():
+    """Every 2x2 block whose mean is exactly k + 0.5 (a quarter of them in photos), all k: half to even."""
+    levels = np.arange(255)
+    blocks = np.zeros((255, 2, 2, 3), np.uint8)
+    blocks[:, 0, 0] = blocks[:, 0, 1] = levels[:, None]  # sum = 4k + 2: mean k + 0.5
+    blocks[:, 1, 0] = levels[:, None] + 1
+    blocks[:, 1, 1] = levels[:, None] + 1
+    photo = blocks.transpose(1, 0, 2, 3).reshape(2, 255 * 2, 3)[:, :, :]
+    photo = np.concatenate([photo] * 16, axis=0)[:32, : 16 * 2 * 15]  # 32 x 480: multiples of 16 x 2
+    gt, low = E.prepare_pair(photo, 2)
+    exact = gt.astype(np.float64).reshape(16, 2, 240, 2, 3).mean(axis=(1, 3))
+    assert np.all(exact % 1 == 0.5)
+    expected = np.floor(exact) + (np.floor(exact) % 2 == 1)  # ties to the even neighbour
+    np.testing.assert_array_equal(low, expected.astype(np.uint8))
+    assert abs((low - exact).mean()) < 0.01  # unbiased: float32 rounding made inputs ~+0.5/255 here
+    # integer factors of any size, against float64 means rounded half to even
+    rng = np.random.default_rng(1)
+    image = rng.integers(0, 256, size=(48, 64, 3), dtype=np.uint8)
+    for factor in (2, 3, 4, 8, 16):
+        h, w = 48 - 48 % factor, 64 - 64 % factor
+        means = image[:h, :w].astype(np.float64).reshape(h // factor, factor, w // factor, factor, 3).mean((1, 3))
+        np.testing.assert_array_equal(E.box_downscale_uint8(image[:h, :w], factor), np.rint(means).astype(np.uint8))
+
+
 def test_summarize_worst_rules():
     per_image = {
         "a": {"cast_r": 1.0, "psnr_input": 40.0, "sharpness": 3.0, "l1": 0.1},

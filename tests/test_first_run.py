@@ -269,8 +269,10 @@ def test_python_m_flowlift_is_the_flowlift_command():
     run = subprocess.run([sys.executable, "-m", "flowlift", "--version"], capture_output=True, text=True, env=env)
     assert run.returncode == 0 and run.stdout.startswith("flowlift ")
     run = subprocess.run(
-        [sys.executable, "-m", "flowlift", "upscale", str(SRC / "missing.png")], capture_output=True, text=True, env=env
-    )
+        # a user error of the whole run (a missing input alone is one failed image, exit 1: issue 14, item 8)
+        [sys.executable, "-m", "flowlift", "upscale", str(SRC / "missing.png"), "--device", "bogus"],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
     assert run.returncode == 2 and run.stderr.startswith("flowlift upscale: error:") and "Traceback" not in run.stderr
 
 

@@ -179,9 +179,8 @@ def test_max_output_side_drops_passes_with_a_warning():
     with pytest.warns(UserWarning, match="MAX_OUTPUT_SIDE=16384.*running 1 pass"):
         out = pipe.upscale_latents(latents, num_passes=3)
     assert tuple(out.shape) == (1, 32, 8, 2048)
-    with pytest.warns(UserWarning, match="running 0 pass"):
-        same = pipe.upscale_latents(torch.zeros(1, 32, 4, 2048), num_passes=1)
-    assert tuple(same.shape) == (1, 32, 4, 2048)
+    with pytest.raises(FlowliftError, match="16384x32 image cannot be upscaled"):  # no pass fits: refused
+        pipe.upscale_latents(torch.zeros(1, 32, 4, 2048), num_passes=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pipe.upscale_latents(torch.zeros(1, 32, 4, 1024), num_passes=1)  # exactly at the cap: no warning

@@ -231,6 +231,26 @@ def heatmap_figure(matrix: np.ndarray, path: str, title: str, edges: Sequence[fl
     atomic_write_bytes(Path(path), buffer.getvalue())
 
 
+#: Fewest latent FFT bins a band should hold for its row to mean something. A 256 px image (a 32x32
+#: latent) has only the DC bin in 0-1/16; from 512 px (64x64 latent) every band has at least 9.
+MIN_BINS_PER_BAND = 8
+
+
+def latent_bin_counts(height: int, width: int, edges: Sequence[float] = BAND_EDGES) -> list[int]:
+    """Number of FFT bins of an ``height x width`` latent in each band ``[lo, hi)`` (the last closed)."""
+    last = len(edges) - 2
+    return [
+        int(band_mask(height, width, lo, hi, closed=i == last).sum())
+        for i, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True))
+    ]
+
+
+def latent_size(image_height: int, image_width: int, factor: int) -> tuple[int, int]:
+    """Latent (h, w) that :func:`run_bands` measures for an image: cropped to ``2 * factor``, divided by ``factor``."""
+    multiple = 2 * factor
+    return (image_height - image_height % multiple) // factor, (image_width - image_width % multiple) // factor
+
+
 def crop_to_multiple(images: torch.Tensor, multiple: int) -> torch.Tensor:
     """Centre-crop (B, C, H, W) so that H and W are multiples of ``multiple``."""
     h, w = images.shape[-2:]

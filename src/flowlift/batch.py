@@ -8,7 +8,12 @@ list of input files into one output file each, and promise the same things:
   input is a previous result, not a source; an output that would overwrite an input, or that two
   inputs would share, is refused for that input alone.
 * **Resume** (:func:`run_jobs`): an existing output is skipped unless ``overwrite``, so rerunning an
-  interrupted command continues where it stopped.
+  interrupted command continues where it stopped — but only when it opens as an image of the
+  expected size (:func:`valid_output`, a header check); a 0-byte, garbage or wrong-size file is
+  redone with a note.
+* **Bad inputs and targets cost one line, up front**: an input that cannot be planned (missing,
+  not a regular file, unreadable header, too large) or whose output cannot be written (folder not
+  writable, format limit) is refused before any model is loaded; the batch goes on.
 * **One line per written file** (``wrote PATH`` on stdout) and a summary line at the end, also when
   stderr is not a terminal (progress bars are drawn only on one, unless forced).
 * **One line per failure**: a user-facing error while processing one input (:data:`ITEM_ERRORS`)
@@ -22,11 +27,13 @@ models.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from flowlift.atomic import remove_stale_temporaries
 from flowlift.errors import FlowliftError
 
 __all__ = [
@@ -34,12 +41,14 @@ __all__ = [
     "BatchResult",
     "Job",
     "error_line",
+    "folder_problem",
     "output_target",
     "pending",
     "plan_jobs",
     "report",
     "run_jobs",
     "summary_line",
+    "valid_output",
 ]
 
 #: Exceptions that fail one input of a batch (reported in one line) instead of the whole run.
@@ -53,6 +62,7 @@ class Job:
     source: Path
     output: Path | None
     note: str = ""
+    expected_size: tuple[int, int] | None = None  # (width, height) of a complete output, when known
 
     @property
     def refused(self) -> bool:
@@ -95,6 +105,9 @@ def plan_jobs(
     output: str | None,
     output_name: Callable[[Path], str],
     image_suffixes: Sequence[str],
+    *,
+    expected_size: Callable[[Path], tuple[int, int]] | None = None,
+    check_output: Callable[[Path, Path], None] | None = None,
 ) -> list[Job]:
     """One :class:`Job` per input; ``output_name(source)`` gives the output's file name.
 
@@ -103,23 +116,36 @@ def plan_jobs(
     an input ``<stem>`` (:func:`flowlift.naming.source_of`, for any output folder), is skipped with a
     note, so rerunning a command over a folder resumes instead of processing its own results; an output
     that would replace its input, or that two inputs would share, is refused.
+    ``expected_size(source)`` is the (width, height) of a complete output (for :func:`valid_output`);
+    ``check_output(source, output)`` may refuse a target up front. An :data:`ITEM_ERRORS` exception
+    from any callback refuses that input alone, with its message as the note.
     """
     single_file, out_dir = output_target(output, len(inputs), image_suffixes)
 
-    def output_of(path: Path) -> Path:
-        if single_file is not None:
-            return single_file
-        folder = out_dir if out_dir is not None else path.parent
-        return folder / output_name(path)
+    refused: dict[Path, str] = {}
+    writable: dict[Path, str | None] = {}
+
+    def output_of(path: Path) -> Path | None:
+        try:
+            if single_file is not None:
+                return single_file
+            folder = out_dir if out_dir is not None else path.parent
+            return folder / output_name(path)
+        except ITEM_ERRORS as error:
+            refused[path] = error_line(error)
+            return None
 
     from flowlift.naming import source_of
 
     outputs = {path: output_of(path) for path in inputs}
-    producers = {outputs[p].resolve(): p for p in inputs if outputs[p].resolve() != p.resolve()}
+    producers = {o.resolve(): p for p, o in outputs.items() if o is not None and o.resolve() != p.resolve()}
     taken: dict[Path, Path] = {}
     jobs: list[Job] = []
     for path in inputs:
         out = outputs[path]
+        if out is None:
+            jobs.append(Job(path, None, refused[path]))
+            continue
         key = out.resolve()
         # an earlier result: planned from another input here, or named <stem>_x<N> beside its <stem> input
         # (whatever the output folder is, so `upscale "dir/*.png" -o out/` never upscales dir's old outputs)
@@ -131,14 +157,66 @@ def plan_jobs(
         elif key in taken:
             jobs.append(Job(path, None, f"output {out} is also the output of {taken[key]}; use separate folders"))
         else:
+            if out.parent not in writable:
+                writable[out.parent] = folder_problem(out.parent)
+                if writable[out.parent] is None:
+                    remove_stale_temporaries(out.parent)  # debris of runs killed over an hour ago
+            try:
+                if writable[out.parent]:
+                    raise FlowliftError(writable[out.parent])
+                if check_output is not None:
+                    check_output(path, out)
+                size = expected_size(path) if expected_size is not None else None
+            except ITEM_ERRORS as error:
+                jobs.append(Job(path, None, error_line(error)))
+                continue
             taken[key] = path
-            jobs.append(Job(path, out))
+            jobs.append(Job(path, out, expected_size=size))
     return jobs
 
 
+def folder_problem(folder: Path) -> str | None:
+    """Why outputs cannot be written into ``folder``, or None when they can (nothing is created).
+
+    Probed by creating and removing a temporary file in ``folder`` or, when it does not exist yet, in
+    its nearest existing ancestor (which the writer's ``mkdir`` will create it in): a permission
+    check alone would pass for root on a read-only mount.
+    """
+    import tempfile
+
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot write outputs into {folder}: {existing} is not a folder"
+    try:
+        descriptor, name = tempfile.mkstemp(prefix=".flowlift-probe.", dir=existing)
+        os.close(descriptor)
+        os.unlink(name)
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        return f"cannot write outputs into {folder}: {reason}"
+    return None
+
+
+def valid_output(path: Path, expected_size: tuple[int, int] | None) -> bool:
+    """True when ``path`` opens as an image (header only) of ``expected_size`` (width, height), if given."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return expected_size is None or tuple(image.size) == tuple(expected_size)
+    except Exception:  # noqa: BLE001 - anything Pillow cannot open is not a finished output
+        return False
+
+
+def _done(job: Job) -> bool:
+    return job.output is not None and job.output.exists() and valid_output(job.output, job.expected_size)
+
+
 def pending(jobs: Iterable[Job], overwrite: bool = False) -> list[Job]:
-    """The jobs :func:`run_jobs` would process: those with an output that is missing (or ``overwrite``)."""
-    return [job for job in jobs if job.output is not None and (overwrite or not job.output.exists())]
+    """The jobs :func:`run_jobs` would process: those without a valid existing output (or all, ``overwrite``)."""
+    return [job for job in jobs if job.output is not None and (overwrite or not _done(job))]
 
 
 def error_line(error: BaseException) -> str:
@@ -185,8 +263,13 @@ def run_jobs(
             else:
                 result.skipped += 1
         elif job.output.exists() and not overwrite:
-            report(command, job.source, f"skipped, {job.output} exists (--overwrite to replace)")
-            result.skipped += 1
+            if _done(job):
+                report(command, job.source, f"skipped, {job.output} exists (--overwrite to replace)")
+                result.skipped += 1
+            else:
+                size = "x".join(map(str, job.expected_size)) if job.expected_size else "readable"
+                report(command, job.source, f"redoing {job.output}: the existing file is not a {size} image")
+                todo.append(job)
         else:
             todo.append(job)
     disable = None if progress is None else not progress

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
+import signal
 import sys
+import threading
+import warnings
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 from flowlift import __version__
 from flowlift.commands._options import HelpFormatter
@@ -48,6 +53,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (``kill``, a job scheduler's stop) raises KeyboardInterrupt like Ctrl-C does.
+
+    So every ``except BaseException`` / ``finally`` clean-up runs (temporary files removed, training
+    checkpoint saved) and the exit status is 130 instead of an abrupt death leaving debris.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _one_line_warnings(command: str):
+    """A ``warnings.showwarning`` that prints flowlift's own warnings as one line and drops third-party ones.
+
+    Third-party warnings (numpy casts, torch's pickle notes, library deprecations) tell the user
+    nothing actionable; the ones flowlift raises (or re-raises as ``FlowliftWarning``) are about their
+    data or settings and get ``flowlift CMD: warning: ...`` without a source line.
+    """
+    package_dir = os.path.dirname(os.path.abspath(__file__))
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        from flowlift.images import FlowliftWarning
+
+        ours = issubclass(category, FlowliftWarning) or os.path.abspath(filename).startswith(package_dir)
+        if not ours:
+            return
+        text = str(message).splitlines()[0] if str(message) else category.__name__
+        print(f"flowlift {command}: warning: {text}", file=file or sys.stderr)
+
+    return show
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -57,7 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_libraries(bool(getattr(args, "verbose", False)))
     format_warnings(args.command)
     try:
-        return int(args._run(args) or 0)
+        with warnings.catch_warnings(), _sigterm_as_interrupt():  # both restored when an in-process caller returns
+            warnings.showwarning = _one_line_warnings(args.command)
+            return int(args._run(args) or 0)
     except FlowliftError as error:
         print(f"flowlift {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -249,7 +249,8 @@ def prepare_pair(photo: np.ndarray, scale: int, multiple: int = INPUT_MULTIPLE) 
     """``(ground_truth, lowres)`` from a uint8 photo.
 
     The photo is centre-cropped to a multiple of ``multiple * scale`` (so the low-res input is a
-    multiple of ``multiple``), then area-downsampled: ``lowres = round(INTER_AREA(gt / 255) * 255)``.
+    multiple of ``multiple``), then area-downsampled by :func:`box_downscale_uint8` (the exact box
+    mean, rounded half to even in integer arithmetic).
     """
     h, w = photo.shape[:2]
     step = multiple * scale
@@ -258,8 +259,26 @@ def prepare_pair(photo: np.ndarray, scale: int, multiple: int = INPUT_MULTIPLE) 
         raise FlowliftError(f"photo {w}x{h} is smaller than {step}x{step} (16 x scale)")
     top, left = (h - nh) // 2, (w - nw) // 2
     gt = np.ascontiguousarray(photo[top : top + nh, left : left + nw])
-    low = M.area_resize(gt, (nw // scale, nh // scale))
-    return gt, np.rint(np.clip(low, 0, 1) * 255).astype(np.uint8)
+    return gt, box_downscale_uint8(gt, scale)
+
+
+def box_downscale_uint8(image: np.ndarray, factor: int) -> np.ndarray:
+    """Exact area downscale of a uint8 HWC image by an integer ``factor`` (sides divisible by it).
+
+    ``out = round_half_even(S / n)`` with ``S`` the integer sum of each ``factor x factor`` block and
+    ``n = factor**2``: ``q, r = divmod(S, n)``, ``out = q + (2r > n) + (2r == n and q odd)``. For 2x2
+    blocks a quarter of the means land exactly on .5; rounding them after float32 arithmetic (where
+    ``x.5`` comes out as ``x.5 +- ulp``) biased inputs by up to +0.09/255.
+    """
+    height, width, channels = image.shape
+    if height % factor or width % factor:
+        raise FlowliftError(f"box_downscale_uint8: {width}x{height} is not divisible by {factor}")
+    blocks = image.astype(np.int64).reshape(height // factor, factor, width // factor, factor, channels)
+    sums = blocks.sum(axis=(1, 3))
+    n = factor * factor
+    quotient, remainder = np.divmod(sums, n)
+    rounded = quotient + (2 * remainder > n) + ((2 * remainder == n) & (quotient % 2 == 1))
+    return rounded.astype(np.uint8)
 
 
 def default_crop(size: tuple[int, int], box: Box | None) -> Box:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, PngImagePlugin, UnidentifiedImageError
 
-from flowlift.atomic import atomic_output
+from flowlift.atomic import atomic_output, is_temporary
 from flowlift.errors import FlowliftError
 
 #: Formats the loader reads, by suffix: everything common that Pillow opens as a still or first frame
@@ -83,7 +83,11 @@ def _to_rgb_and_alpha(image: Image.Image) -> tuple[Image.Image, Image.Image | No
         grey = np.clip(np.round(array / top * 255.0), 0, 255).astype(np.uint8)
         return Image.fromarray(grey, "L").convert("RGB"), None
     if image.mode == "F":
-        grey = np.clip(np.round(np.asarray(image, dtype=np.float64) * 255.0), 0, 255).astype(np.uint8)
+        values = np.asarray(image, dtype=np.float64)
+        if not np.isfinite(values).all():
+            # NaN would become 0 (black) through the uint8 cast, with numpy's RuntimeWarning on stderr
+            raise FlowliftError("floating-point image holds NaN or Inf pixel values")
+        grey = np.clip(np.round(values * 255.0), 0, 255).astype(np.uint8)
         return Image.fromarray(grey, "L").convert("RGB"), None
     has_alpha = image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (
         image.mode == "P" and "transparency" in image.info
@@ -100,7 +104,8 @@ def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None
     if not path.is_file():
         raise FlowliftError(f"{path}: no such file")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path) as opened:
                 frames = getattr(opened, "n_frames", 1)
@@ -115,8 +120,9 @@ def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None
                 opened.load()
                 image = ImageOps.exif_transpose(opened)
                 rgb, alpha = _to_rgb_and_alpha(image)
-    except FlowliftError:
-        raise
+    except FlowliftError as error:
+        text = str(error)
+        raise FlowliftError(text if text.startswith(str(path)) else f"{path}: {text}") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
         raise FlowliftError(f"{path}: refused as a decompression bomb ({error})") from None
     except UnidentifiedImageError:
@@ -124,7 +130,93 @@ def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None
     except (OSError, SyntaxError, ValueError) as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise FlowliftError(f"{path}: unreadable or truncated image ({message})") from None
+    _report_reader_warnings(path, caught)
     return rgb, alpha
+
+
+class FlowliftWarning(UserWarning):
+    """A one-line warning about the user's data; the CLI prints it as ``flowlift CMD: warning: ...``."""
+
+
+def _report_reader_warnings(path: Path, caught: list[warnings.WarningMessage]) -> None:
+    """Turn what Pillow/numpy said while reading ``path`` into at most one :class:`FlowliftWarning`.
+
+    Pillow's EXIF/metadata complaints are worth one line (the orientation or colour tags may be
+    wrong); everything else (numpy casts, deprecations) is noise the user cannot act on.
+    """
+    notes = []
+    for warning in caught:
+        if str(warning.message).startswith(str(path)):
+            warnings.warn(warning.message, warning.category, stacklevel=3)  # flowlift's own (multi-frame files)
+            continue
+        text = str(warning.message).splitlines()[0] if str(warning.message) else warning.category.__name__
+        if issubclass(warning.category, UserWarning) and any(k in text.lower() for k in ("exif", "metadata", "tag")):
+            if text not in notes:
+                notes.append(text)
+    if notes:
+        warnings.warn(FlowliftWarning(f"{path}: {'; '.join(notes)} (image read, metadata may be ignored)"),
+                      stacklevel=3)
+
+
+def image_size(path: str | os.PathLike) -> tuple[int, int]:
+    """(width, height) of an image file as :func:`load_image` would return it, from its header only.
+
+    EXIF orientations 5-8 (rotations by 90 degrees) swap the sides. Unreadable files and images over
+    :data:`MAX_INPUT_PIXELS` (decompression bombs) raise one FlowliftError line, like ``load_image``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FlowliftError(f"{path}: no such file")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as opened:
+                width, height = opened.size
+                orientation = opened.getexif().get(0x0112, 1)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        raise FlowliftError(f"{path}: refused as a decompression bomb ({error})") from None
+    except UnidentifiedImageError:
+        raise FlowliftError(f"{path}: not an image file Pillow can read") from None
+    except (OSError, SyntaxError, ValueError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise FlowliftError(f"{path}: unreadable or truncated image ({message})") from None
+    if width * height > MAX_INPUT_PIXELS:
+        raise FlowliftError(
+            f"{path}: {width}x{height} exceeds the {MAX_INPUT_PIXELS} pixel limit (decompression-bomb guard)"
+        )
+    return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
+
+
+#: How far a float image may stray outside [0, 1] and still be taken (clamped): half an 8-bit level,
+#: i.e. rounding noise that cannot change the image once quantized. Anything further is not an image
+#: in the package's convention (a 0..255 float image would otherwise saturate to white).
+FLOAT_RANGE_TOLERANCE = 0.5 / 255.0
+
+
+def _integer_scale(dtype_name: str) -> float | None:
+    """The full-scale value of an unsigned integer image dtype (uint8 -> 255, uint16 -> 65535), else None."""
+    return {"uint8": 255.0, "uint16": 65535.0}.get(dtype_name)
+
+
+def _check_float_range(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """Refuse NaN/Inf and values outside [0, 1] beyond :data:`FLOAT_RANGE_TOLERANCE`; clamp the rest.
+
+    One min/max reduction per image: the pixels are checked once, where they enter.
+    """
+    if tensor.numel() == 0:
+        raise FlowliftError(f"{what} is empty (shape {tuple(tensor.shape)})")
+    values = tensor.detach().float()
+    if not bool(torch.isfinite(values).all()):
+        kind = "NaN" if bool(torch.isnan(values).any()) else "Inf"
+        raise FlowliftError(f"{what} contains {kind} pixel values")
+    low, high = float(values.min()), float(values.max())
+    if low < -FLOAT_RANGE_TOLERANCE or high > 1.0 + FLOAT_RANGE_TOLERANCE:
+        raise FlowliftError(
+            f"{what} has values in [{low:.4g}, {high:.4g}]; float images must lie in [0, 1] "
+            "(pass uint8/uint16 data as integers, or divide by 255)"
+        )
+    return tensor.clamp(0.0, 1.0)
 
 
 def to_tensor(
@@ -135,8 +227,10 @@ def to_tensor(
 ) -> torch.Tensor:
     """Any image-like input -> float (B, 3, H, W) in [0, 1].
 
-    Accepts a Pillow image (converted to RGB), a uint8/uint16 or float HWC / NHWC array, or a tensor
-    that is already CHW / NCHW float in [0, 1].
+    Accepts a Pillow image (converted to RGB), an HW / HWC / NHWC array, or a CHW / NCHW tensor.
+    uint8 and uint16 data are scaled by their full range (255, 65535); float data must already lie in
+    [0, 1] (within half an 8-bit level, then clamped) and be finite. Any other dtype (signed or wider
+    integers, bool, complex) raises :class:`FlowliftError`.
     """
     if isinstance(image, Image.Image):
         image = _to_rgb_and_alpha(image)[0]
@@ -148,23 +242,30 @@ def to_tensor(
             array = np.repeat(array[..., None], 3, axis=-1)
         if array.ndim == 3:
             array = array[None]
-        if array.shape[-1] == 4:
+        if array.ndim == 4 and array.shape[-1] == 4:
             array = array[..., :3]
         if array.ndim != 4 or array.shape[-1] != 3:
             raise FlowliftError(f"expected an HWC RGB array, got shape {image.shape}")
-        if array.dtype == np.uint8:
-            scaled = array.astype(np.float32) / 255.0
-        elif array.dtype == np.uint16:
-            scaled = array.astype(np.float32) / 65535.0
+        full_scale = _integer_scale(array.dtype.name)
+        if full_scale is not None:
+            scaled = array.astype(np.float32) / full_scale
+            tensor = torch.from_numpy(np.ascontiguousarray(scaled)).permute(0, 3, 1, 2)
+        elif array.dtype.kind == "f":
+            tensor = torch.from_numpy(np.ascontiguousarray(array.astype(np.float32))).permute(0, 3, 1, 2)
+            tensor = _check_float_range(tensor, "image array")
         else:
-            scaled = array.astype(np.float32)
-        tensor = torch.from_numpy(np.ascontiguousarray(scaled)).permute(0, 3, 1, 2)
+            raise FlowliftError(f"image arrays must be uint8, uint16 or float in [0, 1], got {array.dtype}")
     elif isinstance(image, torch.Tensor):
         tensor = image if image.ndim == 4 else image[None]
-        if tensor.shape[1] != 3:
+        if tensor.ndim != 4 or tensor.shape[1] != 3:
             raise FlowliftError(f"expected an NCHW RGB tensor, got shape {tuple(image.shape)}")
-        if not tensor.is_floating_point():
-            tensor = tensor.float() / 255.0
+        full_scale = _integer_scale(str(tensor.dtype).removeprefix("torch."))
+        if full_scale is not None:
+            tensor = tensor.float() / full_scale
+        elif tensor.is_floating_point():
+            tensor = _check_float_range(tensor, "image tensor")
+        else:
+            raise FlowliftError(f"image tensors must be uint8, uint16 or float in [0, 1], got {tensor.dtype}")
     else:
         raise FlowliftError(f"unsupported image type {type(image).__name__}")
     return tensor.to(device=device, dtype=dtype)
@@ -174,7 +275,12 @@ def tensor_to_uint8(images: torch.Tensor) -> np.ndarray:
     """(B, 3, H, W) or (3, H, W) float in [0, 1] -> uint8 (B, H, W, 3), clamped and rounded."""
     if images.ndim == 3:
         images = images[None]
-    array = images.detach().float().clamp(0, 1).mul(255.0).round().to(torch.uint8)
+    values = images.detach().float()
+    if not bool(torch.isfinite(values).all()):
+        # clamp keeps NaN and the uint8 cast turns it into 0: a black image that looks like a result
+        kind = "NaN" if bool(torch.isnan(values).any()) else "Inf"
+        raise FlowliftError(f"the image to write contains {kind} pixel values; nothing was written")
+    array = values.clamp(0, 1).mul(255.0).round().to(torch.uint8)
     return array.permute(0, 2, 3, 1).cpu().numpy()
 
 
@@ -353,25 +459,41 @@ def file_sha256(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def list_images(inputs: list[str]) -> list[Path]:
+def list_images(inputs: list[str], problems: list[tuple[str, str]] | None = None) -> list[Path]:
     """Expand files, folders (non-recursive, image suffixes) and glob patterns, sorted, unique.
 
-    A pattern or path that matches nothing raises FlowliftError.
+    An item that matches nothing, or names something that is not a regular file or folder (a FIFO,
+    a socket, a device), raises FlowliftError — or, when a ``problems`` list is given, is appended to
+    it as ``(item, message)`` so that a batch can report it in one line and go on with the rest.
+    Temporary files of interrupted writes are never listed.
     """
     import glob
+
+    def problem(item: str, message: str) -> None:
+        if problems is None:
+            raise FlowliftError(f"{item}: {message}")
+        problems.append((item, message))
 
     found: list[Path] = []
     for item in inputs:
         path = Path(item).expanduser()
         if path.is_dir():
-            found.extend(sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()))
+            # temporary files of a killed run (.name.XXXX.partial.png in older releases) are never inputs
+            found.extend(sorted(p for p in path.iterdir()
+                                if p.suffix.lower() in IMAGE_SUFFIXES and not is_temporary(p) and p.is_file()))
         elif path.is_file():
             found.append(path)
+        elif path.exists():
+            problem(item, "not a regular file or folder (a FIFO, socket or device cannot be read as an image)")
         else:
-            matches = sorted(Path(m) for m in glob.glob(str(path)) if Path(m).is_file())
+            matches = sorted(Path(m) for m in glob.glob(str(path)) if not is_temporary(m))
+            files = [m for m in matches if m.is_file()]
+            for odd in matches:
+                if not odd.is_file() and odd.suffix.lower() in IMAGE_SUFFIXES:
+                    problem(str(odd), "not a regular file")
             if not matches:
-                raise FlowliftError(f"{item}: no such file, folder or matching pattern")
-            found.extend(matches)
+                problem(item, "no such file, folder or matching pattern")
+            found.extend(files)
     unique: list[Path] = []
     seen: set[Path] = set()
     for p in found:

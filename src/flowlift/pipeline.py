@@ -58,7 +58,9 @@ from flowlift.upscale_sizes import (
     pass_generator,
     pass_noise,
     passes_for_scale,
+    planned_passes,
     resample_to_multiple,
+    upscaled_size,
 )
 
 ONE_STEP_TIMESTEP = 1000.0
@@ -79,6 +81,21 @@ __all__ = [
     "padded_size",
     "resolve_upscaler_file",
 ]
+
+
+def _check_count(name: str, value: Any) -> int:
+    """``value`` as an int if it is a non-negative integer (numpy ints too; not bool, not 1.5), else one line."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise FlowliftError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _check_finite(tensor: torch.Tensor, stage: str, what: str = "latents") -> None:
+    """Raise ``"<stage> non-finite <what> (NaN/Inf)"`` unless every value is finite (one reduction)."""
+    if not bool(torch.isfinite(tensor).all()):
+        raise FlowliftError(f"Flow Upscaler: {stage} non-finite {what} (NaN/Inf); nothing was written")
 
 
 def _image_alpha(image: Any) -> Any:
@@ -249,16 +266,26 @@ class FlowUpscalerPipeline:
             spatial_factor=self.spatial_factor,
         )
 
-    def plan_passes(self, image_height: int, image_width: int, num_passes: int) -> int:
-        """Passes that fit under ``MAX_OUTPUT_SIDE`` for an image of this size; warns when dropping."""
-        if num_passes < 0:
-            raise FlowliftError(f"num_passes must be >= 0, got {num_passes}")
-        passes = allowed_passes(image_height, image_width, num_passes, self.MAX_OUTPUT_SIDE)
+    def plan_passes(self, image_height: int, image_width: int, num_passes: int, resize_mode: str = "pad") -> int:
+        """Passes that run for an input of this (real, unpadded) size; warns when the cap drops some.
+
+        The cap is on the computed canvas (:func:`flowlift.upscale_sizes.planned_passes`); the warning
+        names the input's own size and the output actually produced. When no pass fits at all although
+        some were asked for, the image is refused with one FlowliftError line.
+        """
+        num_passes = _check_count("num_passes", num_passes)
+        passes = planned_passes(image_height, image_width, num_passes, resize_mode, self.MAX_OUTPUT_SIDE)
         if passes < num_passes:
+            out_h, out_w = upscaled_size(image_height, image_width, passes, resize_mode)
+            if passes == 0:
+                raise FlowliftError(
+                    f"Flow Upscaler: a {image_width}x{image_height} image cannot be upscaled: one 2x pass would "
+                    f"exceed MAX_OUTPUT_SIDE={self.MAX_OUTPUT_SIDE} px"
+                )
             message = (
                 f"Flow Upscaler: {num_passes} pass(es) on a {image_width}x{image_height} image would exceed "
                 f"MAX_OUTPUT_SIDE={self.MAX_OUTPUT_SIDE} px; running {passes} pass(es) "
-                f"({num_passes - passes} dropped, output {image_width * 2**passes}x{image_height * 2**passes})"
+                f"({num_passes - passes} dropped, output {out_w}x{out_h}, scale {2**passes})"
             )
             warnings.warn(message, UserWarning, stacklevel=3)
         return passes
@@ -317,12 +344,14 @@ class FlowUpscalerPipeline:
         """
         if not 0.0 <= transplant_strength <= 1.0:
             raise FlowliftError(f"transplant_strength must be in [0, 1], got {transplant_strength}")
+        seed = _check_count("seed", seed)
         factor = self.spatial_factor
         passes = self.plan_passes(latents.shape[-2] * factor, latents.shape[-1] * factor, num_passes)
         seeds = image_seeds(seed, latents.shape[0])
         plan = self.plan_memory(latents.shape[-2] * factor, latents.shape[-1] * factor, passes, latents.shape[0])
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
         cond = latents.to(device=self.device, dtype=torch.float32)
+        _check_finite(cond, "the input latents contain")
         for index in range(passes):
             batch, channels, height, width = cond.shape
             shape = (batch, channels, 2 * height, 2 * width)
@@ -334,6 +363,7 @@ class FlowUpscalerPipeline:
             x0 = noise.to(torch.float32) - velocity.to(torch.float32)
             if color_fix and transplant_strength > 0:
                 x0 = latent_lowband_transplant(x0, cond, transplant_strength, self.LOWFREQ_FACTOR)
+            _check_finite(x0, f"pass {index + 1} produced")  # one reduction per pass, never per strip
             cond = x0
             if callback is not None:
                 callback(f"pass {index + 1}/{passes}")
@@ -365,9 +395,11 @@ class FlowUpscalerPipeline:
             raise FlowliftError(f"output_type must be 'pil' or 'pt', got {output_type!r}")
         if not 0.0 <= color_fix_strength <= 1.0:
             raise FlowliftError(f"color_fix_strength must be in [0, 1], got {color_fix_strength}")
+        seed = _check_count("seed", seed)
         original, prepared = self.prepare_image(image, resize_mode)
-        passes = self.plan_passes(prepared.shape[-2], prepared.shape[-1], num_passes)
+        passes = self.plan_passes(original.shape[-2], original.shape[-1], num_passes, resize_mode)
         latents = self._vae_call("encode", prepared.to(self._vae_dtype())).to(torch.float32)
+        _check_finite(latents, "the VAE encoder produced")
         if callback is not None:
             callback("encode")
         latents = self.upscale_latents(
@@ -387,6 +419,7 @@ class FlowUpscalerPipeline:
             decoded = to_host_float32(decoded)
         else:
             decoded = decoded.to(torch.float32)
+        _check_finite(decoded, "the VAE decoder produced", what="pixels")
         if callback is not None:
             callback("decode")
         scale = output_scale(passes)

@@ -215,6 +215,27 @@ def latent_mask(mask: torch.Tensor) -> torch.Tensor:
     return F.avg_pool2d(mask.float(), VAE_SCALE_FACTOR)
 
 
+def outpaint_pads(height: int, width: int, left: int, top: int, right: int, bottom: int) -> tuple[int, int, int, int]:
+    """The borders rounded up to multiples of 16 px, checked before anything is allocated.
+
+    The canvas ``(height + top + bottom) x (width + left + right)`` must stay within
+    :data:`flowlift.pipeline.MAX_OUTPUT_SIDE` per side (the package's output cap), else one
+    FlowliftError line: ``--outpaint 0,0,1000000,0`` would otherwise try to allocate the canvas.
+    """
+    from flowlift.pipeline import MAX_OUTPUT_SIDE
+
+    pads = tuple(-(-max(0, int(p)) // PIXEL_MULTIPLE) * PIXEL_MULTIPLE for p in (left, top, right, bottom))
+    if not any(pads):
+        raise FlowliftError("outpaint needs a border: give at least one of left/top/right/bottom > 0")
+    canvas_h, canvas_w = height + pads[1] + pads[3], width + pads[0] + pads[2]
+    if max(canvas_h, canvas_w) > MAX_OUTPUT_SIDE:
+        raise FlowliftError(
+            f"outpaint canvas {canvas_w}x{canvas_h} exceeds MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px per side; "
+            "use smaller borders"
+        )
+    return pads  # type: ignore[return-value]
+
+
 def outpaint_canvas(
     images: torch.Tensor, left: int, top: int, right: int, bottom: int
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int]]:
@@ -228,9 +249,7 @@ def outpaint_canvas(
         raise FlowliftError(
             f"outpaint needs image sides that are multiples of {PIXEL_MULTIPLE} px, got {w}x{h}; crop or resize first"
         )
-    pads = tuple(-(-max(0, int(p)) // PIXEL_MULTIPLE) * PIXEL_MULTIPLE for p in (left, top, right, bottom))
-    if not any(pads):
-        raise FlowliftError("outpaint needs a border: give at least one of left/top/right/bottom > 0")
+    pads = outpaint_pads(h, w, left, top, right, bottom)
     left, top, right, bottom = pads
     canvas = F.pad(images, (left, right, top, bottom), mode="replicate")
     mask = torch.ones(images.shape[0], 1, canvas.shape[-2], canvas.shape[-1], device=images.device)
@@ -286,6 +305,21 @@ class PromptEncoder:
         return embeds.float()
 
 
+def check_prompt_embeds(state: dict[str, torch.Tensor], *, origin: str) -> None:
+    """Refuse prompt embeddings that are not floating point or hold NaN/Inf (checked once, at load).
+
+    Non-finite embeddings propagate through every attention layer and decode to a black image.
+    """
+    from flowlift.weights import check_finite_state
+
+    for name in ("prompt_embeds", "negative_prompt_embeds"):
+        tensor = state.get(name)
+        if tensor is not None and not tensor.is_floating_point():
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            raise FlowliftError(f"prompt embeddings ({origin}): `{name}` has dtype {dtype}, expected floating point")
+    check_finite_state(state, what="prompt embeddings", origin=origin)
+
+
 def load_prompt_embeds(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Read ``prompt_embeds`` (and optional ``negative_prompt_embeds``) from a safetensors/.pt file."""
     from flowlift.weights import read_state_dict
@@ -293,6 +327,7 @@ def load_prompt_embeds(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Ten
     state = read_state_dict(path, what="prompt embeddings")
     if "prompt_embeds" not in state:
         raise FlowliftError(f"prompt embeddings: {path} has no 'prompt_embeds' tensor (keys: {', '.join(state)})")
+    check_prompt_embeds(state, origin=str(path))
     embeds = state["prompt_embeds"].float()
     if embeds.ndim == 2:
         embeds = embeds[None]

@@ -31,7 +31,10 @@ __all__ = [
     "pass_generator",
     "pass_noise",
     "passes_for_scale",
+    "planned_passes",
+    "prepared_size",
     "resample_to_multiple",
+    "upscaled_size",
 ]
 
 
@@ -79,6 +82,35 @@ def allowed_passes(height: int, width: int, num_passes: int, max_side: int = MAX
     while passes < num_passes and side * 2 ** (passes + 1) <= max_side:
         passes += 1
     return passes
+
+
+def prepared_size(height: int, width: int, resize_mode: str = "pad", multiple: int = SIZE_MULTIPLE) -> tuple[int, int]:
+    """The canvas the model computes on: padded up (``"pad"``) or resampled to the nearest multiple."""
+    if resize_mode == "pad":
+        return padded_size(height, width, multiple)
+    if resize_mode == "resample":
+        return max(multiple, round(height / multiple) * multiple), max(multiple, round(width / multiple) * multiple)
+    raise FlowliftError(f"resize_mode must be one of {', '.join(RESIZE_MODES)}, got {resize_mode!r}")
+
+
+def planned_passes(
+    height: int, width: int, num_passes: int, resize_mode: str = "pad", max_side: int = MAX_OUTPUT_SIDE
+) -> int:
+    """Passes that run for a ``height x width`` input: the most ``n <= num_passes`` whose *computed canvas*
+    (:func:`prepared_size` times ``2**n``) stays within ``max_side``.
+
+    The canvas, not the cropped output, is what is allocated: a 1x1 input is computed on a 16x16
+    canvas, so it gets at most 10 passes (a 16384 px canvas), not the 14 its output size would allow.
+    """
+    canvas_h, canvas_w = prepared_size(height, width, resize_mode)
+    return allowed_passes(canvas_h, canvas_w, num_passes, max_side)
+
+
+def upscaled_size(height: int, width: int, passes: int, resize_mode: str = "pad") -> tuple[int, int]:
+    """(height, width) of the image ``passes`` passes produce: the input's (``"pad"``) or the resampled
+    canvas's (``"resample"``) size times ``2**passes``."""
+    base = (height, width) if resize_mode == "pad" else prepared_size(height, width, resize_mode)
+    return base[0] * 2**passes, base[1] * 2**passes
 
 
 def pass_generator(seed: int, pass_index: int) -> torch.Generator:

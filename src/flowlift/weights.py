@@ -15,6 +15,8 @@ one line instead of silently loading part of a model.
 from __future__ import annotations
 
 import os
+import pickle
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -114,7 +116,20 @@ def read_state_dict(path: str | os.PathLike, *, what: str = "weights") -> dict[s
 
             state = load_file(str(path), device="cpu")
         else:
-            state = torch.load(str(path), map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():
+                # torch's notes on pickle protocols / storage formats say nothing the user can act on
+                warnings.simplefilter("ignore")
+                state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "global" not in str(error).lower():  # no code object refused: a corrupt or non-pickle file
+            detail = [line for line in str(error).splitlines() if line.strip()][-2:-1] or ["unpickling failed"]
+            raise FlowliftError(f"{what}: cannot read {path}: not a tensor checkpoint ({detail[0][:120]})") from None
+        # torch's own message advises weights_only=False, i.e. running the file's code: never.
+        raise FlowliftError(
+            f"{what}: {path} is a pickle that holds more than tensors; flowlift reads only safetensors or plain "
+            "tensor state dicts (torch.load(weights_only=True)), because unpickling anything else can run "
+            "arbitrary code. Convert it to safetensors from a trusted source."
+        ) from None
     except Exception as error:  # noqa: BLE001 - any reader failure is a bad file to the user
         raise FlowliftError(f"{what}: cannot read {path}: {str(error).splitlines()[0][:200]}") from None
     if isinstance(state, Mapping) and "state_dict" in state and isinstance(state["state_dict"], Mapping):
@@ -149,13 +164,51 @@ def state_dict_mismatch(module: torch.nn.Module, state: Mapping[str, torch.Tenso
     return "; ".join(problems) or None
 
 
-def load_strict(module: torch.nn.Module, state: Mapping[str, torch.Tensor], *, what: str, origin: str = "") -> None:
-    """Load ``state`` into ``module`` exactly (all keys, all shapes) or raise one FlowliftError line.
+def dtype_mismatch(module: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> str | None:
+    """The first tensor of ``state`` that is not floating point where ``module`` expects floats, described.
 
-    Tensors are cast to each parameter's dtype, so fp32, fp16 and bf16 files all load.
+    ``load_state_dict`` would cast an int8 or bool tensor into a float parameter without a word
+    (quantized or corrupt files then load as garbage), so such a file is refused instead.
     """
-    problem = state_dict_mismatch(module, state)
+    expected = module.state_dict()
+    for name in sorted(state):
+        tensor, target = state[name], expected.get(name)
+        if target is not None and target.is_floating_point() and not tensor.is_floating_point():
+            return f"`{name}` has dtype {str(tensor.dtype).removeprefix('torch.')}, expected floating point"
+    return None
+
+
+def first_non_finite(state: Mapping[str, torch.Tensor]) -> str | None:
+    """``"NaN in `name`"`` / ``"Inf in `name`"`` for the first floating tensor holding one, else None.
+
+    One reduction per tensor at load time (a few ms for the 59M-parameter upscaler), so that a
+    poisoned file fails here instead of producing black images later.
+    """
+    for name in sorted(state):
+        tensor = state[name]
+        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            kind = "NaN" if bool(torch.isnan(tensor).any()) else "Inf"
+            return f"{kind} in `{name}`"
+    return None
+
+
+def check_finite_state(state: Mapping[str, torch.Tensor], *, what: str, origin: str = "") -> None:
+    """Raise one FlowliftError line when any floating tensor of ``state`` holds NaN or Inf."""
+    bad = first_non_finite(state)
+    if bad:
+        source = f" ({origin})" if origin else ""
+        raise FlowliftError(f"{what}{source} contain {bad}")
+
+
+def load_strict(module: torch.nn.Module, state: Mapping[str, torch.Tensor], *, what: str, origin: str = "") -> None:
+    """Load ``state`` into ``module`` exactly (all keys, shapes, float dtypes, finite values) or raise one line.
+
+    Floating tensors are cast to each parameter's dtype, so fp32, fp16 and bf16 files all load;
+    integer or bool tensors for floating parameters, and NaN/Inf anywhere, are refused.
+    """
+    source = f" from {origin}" if origin else ""
+    problem = state_dict_mismatch(module, state) or dtype_mismatch(module, state)
     if problem:
-        source = f" from {origin}" if origin else ""
         raise FlowliftError(f"{what}{source} does not match the architecture: {problem}")
+    check_finite_state(state, what=what, origin=origin)
     module.load_state_dict(dict(state), strict=True)

@@ -9,6 +9,7 @@ Not a subcommand (the leading underscore keeps :mod:`flowlift.cli` from listing 
 from __future__ import annotations
 
 import argparse
+import math
 import warnings
 
 from flowlift.errors import FlowliftError
@@ -64,15 +65,12 @@ def resolve_device_dtype(device: str | None, dtype: str | None):
     """
     import torch
 
-    device = device or "auto"
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    from flowlift.devices import resolve_device
+
     try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise FlowliftError(f"--device {device}: not a torch device (cpu, cuda, cuda:1, mps, ...)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise FlowliftError(f"--device {device}: CUDA is not available in this torch build or machine")
+        dev = resolve_device(device)  # unknown names, missing backends, indices past the device count
+    except FlowliftError as error:
+        raise FlowliftError(f"--device {device}: {error}") from None
     if dtype in (None, "auto"):
         dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     elif dtype in DTYPES:
@@ -87,3 +85,14 @@ def resolve_device_dtype(device: str | None, dtype: str | None):
             stacklevel=2,
         )
     return dev, dt
+
+
+def finite_float(text: str) -> float:
+    """A float option that refuses ``nan``, ``inf`` and ``-inf`` (``float()`` accepts all three)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value

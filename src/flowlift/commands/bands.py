@@ -11,9 +11,10 @@ integrates the luma response spectrum per pixel band (:mod:`flowlift.bands`). Pr
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from flowlift.commands._options import add_device_options, examples, resolve_device_dtype
+from flowlift.commands._options import add_device_options, examples, finite_float, resolve_device_dtype
 from flowlift.console import show_progress
 
 NAME = "bands"
@@ -28,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("images", nargs="+", help="image files or folders (non-recursive)")
     parser.add_argument("--vae", required=True, help="VAE weights: local file/folder or hub id")
     parser.add_argument("--out", required=True, help="folder for bands.json, bands.md, bands.png")
-    parser.add_argument("--amplitude", type=float, default=0.1, help="perturbation RMS in latent sigma (0.1)")
+    parser.add_argument("--amplitude", type=finite_float, default=0.1, help="perturbation RMS in latent sigma (0.1)")
     parser.add_argument("--seed", type=int, default=0, help="noise seed (band k uses seed + k)")
     parser.add_argument("--max-side", type=int, default=None,
                         help="downscale images (INTER_AREA) so the long side is at most this")  # fmt: skip
@@ -56,13 +57,13 @@ def run(args: argparse.Namespace) -> int:
         raise FlowliftError(f"--max-side must be >= 64, got {args.max_side}")
     if args.limit is not None and args.limit < 1:
         raise FlowliftError("--limit must be >= 1")
+    device, dtype = resolve_device_dtype(args.device, args.dtype)  # before anything is read
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise FlowliftError(f"--out {out_dir} exists and is not a folder")
     paths = list_images(args.images)[: args.limit]
     if not paths:
         raise FlowliftError("no images given")
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
     images = []
     for p in paths:
         a = np.asarray(load_image(p)[0])
@@ -76,6 +77,18 @@ def run(args: argparse.Namespace) -> int:
         vae, images, device=device, dtype=dtype, amplitude=args.amplitude, seed=args.seed,
         progress=show_progress(args),
     )
+    factor = int(vae.spatial_factor)
+    bins = {p.stem: B.latent_bin_counts(*B.latent_size(*im.shape[-2:], factor)) for p, im in zip(paths, images,
+                                                                                                   strict=True)}
+    sparse = {stem: counts for stem, counts in bins.items() if min(counts) < B.MIN_BINS_PER_BAND}
+    if sparse:
+        stem, counts = min(sparse.items(), key=lambda item: min(item[1]))
+        print(
+            f"flowlift bands: warning: {len(sparse)} image(s) too small for every band to hold "
+            f">= {B.MIN_BINS_PER_BAND} latent FFT bins (e.g. {stem}: {counts} per band, lowest first); "
+            f"their low-band rows are noise — use images of at least {64 * factor} px (--max-side)",
+            file=sys.stderr,
+        )
     title = f"{Path(str(args.vae)).name}: latent->pixel band response, {len(images)} image(s)"
     table = B.format_table(mean, full=args.full, reference=B.MAGE_REFERENCE)
     full_table = B.format_table(mean, full=True)
@@ -90,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         "labels": B.band_labels(),
         "columns": B.band_labels() + ["finer than latent Nyquist"],
         "mean_percent": mean.tolist(),
+        "min_bins_per_band": B.MIN_BINS_PER_BAND,
+        "latent_bins_per_band": bins,
         "images": {p.stem: m.tolist() for p, m in zip(paths, per_image, strict=True)},
         "reference_mage_same_finer": [list(r) for r in B.MAGE_REFERENCE],
     }

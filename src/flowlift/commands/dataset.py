@@ -13,7 +13,7 @@ import argparse
 import os
 from pathlib import Path
 
-from flowlift.commands._options import HelpFormatter, examples, resolve_device_dtype
+from flowlift.commands._options import HelpFormatter, examples, finite_float, resolve_device_dtype
 from flowlift.console import add_console_options, show_progress
 
 NAME = "dataset"
@@ -39,7 +39,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--filter", default="area", choices=("area", "bicubic", "bilinear", "lanczos"),
                         help="antialiased 2x pixel-space downscale for the conditioning (default area)")
     parser.add_argument("--jpeg-quality", type=int, help="also JPEG-compress the downscaled image (1-100)")
-    parser.add_argument("--noise-std", type=float, default=0.0, help="also add Gaussian pixel noise (0..1 units)")
+    parser.add_argument("--noise-std", type=finite_float, default=0.0,
+                        help="also add Gaussian pixel noise (0..1 units)")
     parser.add_argument("--part", default="0/1", metavar="I/N",
                         help="build only shards k with k %% N == I (run N processes or machines on one --out)")
     add_console_options(parser)
@@ -61,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     distill.add_argument("--width", type=int, default=1024, help="target image width in pixels (multiple of 32)")
     distill.add_argument("--height", type=int, default=1024, help="target image height in pixels (multiple of 32)")
     distill.add_argument("--steps", type=int, default=4, help="teacher sampling steps (default 4)")
-    distill.add_argument("--guidance", type=float, help="teacher guidance scale")
+    distill.add_argument("--guidance", type=finite_float, help="teacher guidance scale")
     distill.add_argument("--teacher-dtype", choices=STORAGE, default=None,
                          help="teacher weights dtype (default bfloat16 on CUDA, float32 on CPU)")
     images = sub.add_parser("images", help="encoded crops of real photos",
@@ -108,6 +109,9 @@ def load_teacher(args: argparse.Namespace, device):
         embeds = read_state_dict(args.prompt_embeds, what="prompt embeddings")
         if "prompt_embeds" not in embeds:
             raise FlowliftError(f"{args.prompt_embeds} has no tensor named 'prompt_embeds'")
+        from flowlift.refine import check_prompt_embeds
+
+        check_prompt_embeds(embeds, origin=str(args.prompt_embeds))
         try:
             transformer = Flux2Transformer2DModel.from_pretrained(str(path), torch_dtype=dtype)
         except Exception as error:  # noqa: BLE001 - diffusers raises many types for a bad folder

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from flowlift.commands._options import add_device_options, examples, resolve_device_dtype
+from flowlift.commands._options import add_device_options, examples, finite_float, resolve_device_dtype
 from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
 
@@ -87,14 +87,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument("--negative-prompt", help="negative prompt for true CFG (default '' when --cfg-scale > 1)")
     prompt.add_argument(
         "--cfg-scale",
-        type=float,
+        type=finite_float,
         default=1.0,
         help="true classifier-free guidance scale (two model calls per step); 1 = off. "
         "FLUX.2 Klein base models use ~4, the distilled Klein and dev models 1",
     )
     prompt.add_argument(
         "--guidance",
-        type=float,
+        type=finite_float,
         help="embedded guidance of FLUX.2 dev (default 4.0); not accepted by Klein (no guidance embedding)",
     )
     sampling = parser.add_argument_group("sampling")
@@ -250,6 +250,10 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else default_output(args.image, "outpaint" if pads else "img2img")
     check_output(output)
     rgb, alpha = load_image(args.image)
+    if pads:
+        from flowlift.refine import outpaint_pads
+
+        outpaint_pads(rgb.height, rgb.width, *pads)  # the size cap, before any weights are loaded
     images = to_tensor(rgb)
     mask = None
     if args.mask:

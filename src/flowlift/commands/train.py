@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from flowlift.commands._options import examples
+from flowlift.commands._options import examples, finite_float
 from flowlift.console import show_progress
 
 NAME = "train"
@@ -37,6 +37,7 @@ _FLAGS = {
     "vae": "vae",
     "val_every": "val_every",
     "seed": "seed",
+    "overwrite": "overwrite",
 }
 
 
@@ -65,11 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, help="samples per process per micro-batch"
                         + d("batch_size"))  # fmt: skip
     parser.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step" + d("grad_accum"))
-    parser.add_argument("--lr", type=float, help="peak learning rate" + d("lr"))
+    parser.add_argument("--lr", type=finite_float, help="peak learning rate" + d("lr"))
     parser.add_argument("--crop", type=int, help="target-latent crop side (multiple of 4; 0 = whole items)" + d("crop"))
     parser.add_argument("--resume", help="auto (latest checkpoint in --output), a checkpoint folder, or none"
                         + d("resume"))  # fmt: skip
     parser.add_argument("--device", help="auto (CUDA if available, else cpu), cpu, cuda, cuda:N" + d("device"))
+    parser.add_argument("--overwrite", action="store_true", default=None,
+                        help="with --resume none: start a new run over the checkpoints already in --output")
     parser.add_argument("--vae", help="VAE for validation (taef2, flux2 or a local folder)" + d("vae"))
     parser.add_argument("--val-images", nargs="+", help="held-out images (files, folders, globs) for validation"
                         + d("val_images"))  # fmt: skip

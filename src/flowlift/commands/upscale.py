@@ -261,6 +261,76 @@ def upscale_file(
     return image, result, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
 
 
+#: Largest side each output format can store (WebP's 14-bit dimensions; JPEG's 16-bit).
+FORMAT_MAX_SIDE = {".webp": 16383, ".jpg": 65535, ".jpeg": 65535}
+
+
+class _OutputSizes:
+    """Per input, from its header only: the passes that will run (the cap may drop some), the scale
+    the output is named by, and the (width, height) a complete output has."""
+
+    def __init__(self, passes: int, resize_mode: str) -> None:
+        self.passes = passes
+        self.resize_mode = resize_mode
+        self._cache: dict[Path, tuple[int, tuple[int, int] | None]] = {}
+
+    def _plan(self, path: Path) -> tuple[int, tuple[int, int] | None]:
+        from flowlift.errors import FlowliftError
+        from flowlift.images import image_size
+        from flowlift.pipeline import MAX_OUTPUT_SIDE
+        from flowlift.upscale_sizes import planned_passes, upscaled_size
+
+        if path not in self._cache:
+            try:
+                width, height = image_size(path)
+            except FlowliftError:  # unreadable: named by the request, it fails in its own step (one line)
+                self._cache[path] = self.passes, None
+                return self._cache[path]
+            run = planned_passes(height, width, self.passes, self.resize_mode, MAX_OUTPUT_SIDE)
+            if run == 0:
+                raise FlowliftError(
+                    f"{path}: a {width}x{height} image cannot be upscaled: one 2x pass would exceed "
+                    f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px"
+                )
+            out_h, out_w = upscaled_size(height, width, run, self.resize_mode)
+            self._cache[path] = run, (out_w, out_h)
+        return self._cache[path]
+
+    def scale(self, path: Path) -> int:
+        return 2 ** self._plan(path)[0]
+
+    def output_size(self, path: Path) -> tuple[int, int] | None:
+        return self._plan(path)[1]
+
+
+def _check_output_option(output: str | None) -> None:
+    """``-o x.gif``: a file name in a format flowlift does not write is a user error, before any work."""
+    if not output:
+        return
+    from PIL import Image
+
+    from flowlift.errors import FlowliftError
+    from flowlift.images import IMAGE_SUFFIXES
+
+    target = Path(output).expanduser()
+    suffix = target.suffix.lower()
+    if suffix and suffix not in IMAGE_SUFFIXES and suffix in Image.registered_extensions() and not target.is_dir():
+        raise FlowliftError(
+            f"-o {target}: unsupported output format {suffix}; use {', '.join('.' + f for f in OUTPUT_FORMATS)} "
+            "or a folder"
+        )
+
+
+def _check_format_limit(out: Path, size: tuple[int, int] | None) -> None:
+    from flowlift.errors import FlowliftError
+
+    limit = FORMAT_MAX_SIDE.get(out.suffix.lower())
+    if limit is not None and size is not None and max(size) > limit:
+        raise FlowliftError(
+            f"output {out} would be {size[0]}x{size[1]}, over {out.suffix} format's {limit} px limit; use --format png"
+        )
+
+
 def _print_status(args: argparse.Namespace) -> int:
     """``--status OUT``: the manifest's account of the job; exit 0 when it is complete, else 1."""
     from flowlift.errors import FlowliftError
@@ -276,7 +346,7 @@ def _print_status(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from flowlift.batch import plan_jobs, report
+    from flowlift.batch import Job, plan_jobs, report
     from flowlift.distributed import DistEnv, rank_device
     from flowlift.errors import FlowliftError
     from flowlift.images import IMAGE_SUFFIXES, list_images
@@ -287,14 +357,24 @@ def run(args: argparse.Namespace) -> int:
         return _print_status(args)
     if not args.inputs:
         raise FlowliftError("give INPUT images (or --status OUT)")
+    resolve_device_dtype(args.device, args.dtype)  # a bad --device is one line, before any input is read
     passes = args.passes if args.passes is not None else passes_for_scale(args.scale or DEFAULT_SCALE)
-    scale = 2**passes
-    inputs = list_images(args.inputs)
-    if not inputs:
-        raise FlowliftError("no input images found")
+    _check_output_option(args.output)
     fmt = output_format(args.output, args.format)
+    problems: list[tuple[str, str]] = []
+    inputs = list_images(args.inputs, problems)
+    if not inputs and not problems:
+        raise FlowliftError("no input images found")
     bars = show_progress(args)
-    jobs = plan_jobs(inputs, args.output, lambda path: output_name(path, scale, fmt), IMAGE_SUFFIXES)
+    sizes = _OutputSizes(passes, args.resize_mode)  # named by the scale the cap lets run, from the header
+    jobs = [Job(Path(item), None, message) for item, message in problems] + plan_jobs(
+        inputs,
+        args.output,
+        lambda path: output_name(path, sizes.scale(path), fmt),
+        IMAGE_SUFFIXES,
+        expected_size=sizes.output_size,
+        check_output=lambda path, out: _check_format_limit(out, sizes.output_size(path)),
+    )
     env = DistEnv.from_environ()
     pipeline = hashes = None
 

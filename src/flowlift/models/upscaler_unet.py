@@ -94,6 +94,44 @@ def _group_norm(channels: int) -> nn.GroupNorm:
     return nn.GroupNorm(group_count(channels), channels, eps=GROUP_NORM_EPS, affine=True)
 
 
+class SampleDropout(nn.Dropout):
+    """Dropout whose mask for each sample depends only on that sample's seed, not on the batch layout.
+
+    ``torch.nn.Dropout`` draws one mask for the whole batch from the global generator, so a batch of
+    2B on one process and two batches of B on two DDP ranks (or two accumulated micro-batches) drop
+    different units. With :attr:`sample_seeds` set (one int per sample; the trainer derives them from
+    the samples' global stream positions), sample ``i``'s mask in this layer is
+    ``rand(C, H, W; generator seeded by (sample_seeds[i], layer_index)) < 1 - p`` on the input's device,
+    scaled by ``1 / (1 - p)`` — the same whichever rank or micro-batch the sample lands in. Without seeds
+    (``None``) it is plain ``nn.Dropout``. Inactive in eval mode either way.
+    """
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__(p)
+        self.layer_index = 0
+        self.sample_seeds: list[int] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0 or self.sample_seeds is None:
+            return super().forward(x)
+        if len(self.sample_seeds) != x.shape[0]:
+            raise ValueError(f"SampleDropout: {len(self.sample_seeds)} sample seeds for a batch of {x.shape[0]}")
+        keep = 1.0 - self.p
+        masks = []
+        for seed in self.sample_seeds:
+            generator = torch.Generator(device=x.device)
+            generator.manual_seed((int(seed) * 1_000_003 + self.layer_index * 7919) % (2**63 - 1))
+            masks.append(torch.rand(x.shape[1:], generator=generator, device=x.device) < keep)
+        return x * torch.stack(masks).to(x.dtype) / keep
+
+
+def set_dropout_seeds(model: nn.Module, seeds: list[int] | None) -> None:
+    """Give every :class:`SampleDropout` in ``model`` the per-sample seeds of the next forward (None: plain)."""
+    for module in model.modules():
+        if isinstance(module, SampleDropout):
+            module.sample_seeds = None if seeds is None else list(seeds)
+
+
 class ResBlock(nn.Module):
     """SDXL-style residual block with time (FiLM-after-norm2) conditioning.
 
@@ -109,7 +147,7 @@ class ResBlock(nn.Module):
         self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1)
         self.cond_proj = nn.Sequential(nn.SiLU(), nn.Linear(cond_dim, 2 * out_channels))
         self.norm2 = _group_norm(out_channels)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = SampleDropout(dropout)
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1)
         self.skip: nn.Module = (
             nn.Conv2d(in_channels, out_channels, 1, bias=False) if in_channels != out_channels else nn.Identity()
@@ -244,6 +282,8 @@ class FlowUpscalerUNet(nn.Module):
             [UpStage(base, base, 2, cond_dim, dropout), UpStage(base, base, 3, cond_dim, dropout)]
         )
         self.out_conv = nn.Conv2d(base, sample_channels, 1)
+        for index, module in enumerate(m for m in self.modules() if isinstance(m, SampleDropout)):
+            module.layer_index = index
 
     def time_conditioning(self, timestep: torch.Tensor | float, batch: int) -> torch.Tensor:
         """The conditioning vector ``c`` (B, cond_dim) for a scalar, (1,) or (B,) timestep."""
@@ -358,6 +398,26 @@ def infer_config(state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] 
     return config
 
 
+#: Largest accepted value per constructor argument (the released model: 32 / 384 / 512 / 1024).
+CONFIG_LIMITS = {"sample_channels": 1024, "base_channels": 8192, "time_dim": 8192, "cond_dim": 16384}
+
+
+def check_config(config: Mapping[str, int], *, origin: str = "") -> None:
+    """Refuse constructor arguments that cannot describe a real checkpoint (0, negative, absurdly large).
+
+    They come from file metadata and tensor shapes, i.e. from the user's file: ``base_channels=0``
+    would divide by zero and a huge value would allocate gigabytes before the strict key check.
+    ``time_dim`` must be even (sinusoidal embedding).
+    """
+    source = f"{origin}: " if origin else ""
+    for key, limit in CONFIG_LIMITS.items():
+        value = config.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+            raise FlowliftError(f"{WHAT}: {source}{key}={value!r} is not a valid size (1..{limit})")
+    if config["time_dim"] % 2:
+        raise FlowliftError(f"{WHAT}: {source}time_dim={config['time_dim']} must be even")
+
+
 def _safetensors_metadata(path: Path) -> dict[str, str]:
     if path.suffix != ".safetensors":
         return {}
@@ -382,13 +442,18 @@ def load_upscaler(
     model is returned in ``dtype`` on ``device``. A file that does not fit raises one FlowliftError
     line naming the missing, unexpected and mis-shaped tensors.
     """
-    from flowlift.weights import load_strict, read_state_dict, resolve_file
+    from flowlift.weights import dtype_mismatch, load_strict, read_state_dict, resolve_file, state_dict_mismatch
 
     path = resolve_file(source, [WEIGHTS_NAME], what=WHAT)
     state = read_state_dict(path, what=WHAT)
     config = infer_config(state, _safetensors_metadata(path))
+    check_config(config, origin=str(path))
     with torch.device("meta"):
         model = FlowUpscalerUNet(**config)
+    # Shapes, dtypes and values are checked on the meta model, before any memory is allocated.
+    problem = state_dict_mismatch(model, state) or dtype_mismatch(model, state)
+    if problem:
+        raise FlowliftError(f"{WHAT} from {path} does not match the architecture: {problem}")
     model = model.to_empty(device="cpu")
     load_strict(model, state, what=WHAT, origin=str(path))
     return model.to(device=device, dtype=dtype).eval()

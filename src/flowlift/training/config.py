@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,7 @@ class TrainConfig:
     checkpoint_every: int = 1000
     keep_checkpoints: int = 3
     resume: str | None = "auto"  # auto (latest in output, if any) | a checkpoint folder | none
+    overwrite: bool = False  # with resume none: replace the output folder's checkpoints (else refused)
     stop_after: int | None = None  # end this invocation after this global step (for time-boxed jobs)
     time_limit_s: float = 0.0  # end this invocation (with a checkpoint) after this many seconds; 0 = none
     # validation
@@ -82,6 +84,12 @@ class TrainConfig:
             raise FlowliftError("no training data: set data (a folder built by `flowlift dataset`)")
         if not self.output:
             raise FlowliftError("no output folder: set output")
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise FlowliftError(f"{spec.name} must be a finite number, got {value}")
+        if not 0 <= self.dropout < 1:
+            raise FlowliftError(f"dropout must be in [0, 1), got {self.dropout}")
         positive = ("steps", "batch_size", "grad_accum", "log_every", "checkpoint_every", "keep_checkpoints")
         for name in positive:
             if getattr(self, name) < 1:

@@ -272,17 +272,10 @@ def build_distill_dataset(
 
 
 def _image_sizes(paths: Sequence[Path]) -> list[tuple[int, int]]:
-    from PIL import Image, ImageOps
+    """(height, width) per image, EXIF-oriented, from the headers (bombs and unreadable files: one line)."""
+    from flowlift.images import image_size
 
-    sizes = []
-    for path in paths:
-        try:
-            with Image.open(path) as image:
-                width, height = ImageOps.exif_transpose(image).size if image.getexif() else image.size
-        except OSError as error:
-            raise FlowliftError(f"{path}: not an image file Pillow can read ({error})") from None
-        sizes.append((height, width))
-    return sizes
+    return [image_size(path)[::-1] for path in paths]
 
 
 def plan_image_crops(

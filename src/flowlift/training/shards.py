@@ -58,11 +58,32 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
         raise FlowliftError(f"{root} is not a flowlift dataset (no dataset.json); build one with `flowlift dataset`")
     try:
         manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise FlowliftError(f"cannot read {path}: {error}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise FlowliftError(f"cannot read {path}: {str(error).splitlines()[0]}") from None
+    if not isinstance(manifest, dict):
+        raise FlowliftError(f"{path}: the manifest must be a JSON object, got a {type(manifest).__name__}")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise FlowliftError(f"{path}: not a {FORMAT} v{VERSION} manifest")
     return manifest
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Refuse a manifest whose fields the reader relies on are missing or impossible (one line)."""
+    if not _positive_int(manifest.get("shard_size")):
+        raise FlowliftError(f"{path}: shard_size must be a positive integer, got {manifest.get('shard_size')!r}")
+    shapes = {}
+    for key in ("target_shape", "cond_shape"):
+        shape = manifest.get(key)
+        if not (isinstance(shape, list) and len(shape) == 3 and all(_positive_int(v) for v in shape)):
+            raise FlowliftError(f"{path}: {key} must be [channels, height, width] of positive integers, got {shape!r}")
+        shapes[key] = shape
+    target, cond = shapes["target_shape"], shapes["cond_shape"]
+    if target[0] != cond[0] or target[1] != 2 * cond[1] or target[2] != 2 * cond[2]:
+        raise FlowliftError(f"{path}: cond_shape {cond} must be target_shape {target} at half the size")
 
 
 def write_manifest(root: str | os.PathLike, manifest: dict[str, Any]) -> None:
@@ -166,6 +187,7 @@ class ShardReader:
         self._safe_open = safe_open
         self.root = Path(root)
         self.manifest = read_manifest(self.root)
+        check_manifest(self.root / "dataset.json", self.manifest)
         self.shard_size = int(self.manifest["shard_size"])
         self.max_open = max_open
         self._open: OrderedDict[int, Any] = OrderedDict()
@@ -173,12 +195,11 @@ class ShardReader:
         if not shards:
             raise FlowliftError(f"{self.root}: dataset has no shards yet")
         self.counts: dict[int, int] = {}
+        self.has_noise = bool(self.manifest.get("has_noise", False))
+        self.target_shape = tuple(self.manifest["target_shape"])
+        self.cond_shape = tuple(self.manifest["cond_shape"])
         for index in shards:
-            with safe_open(str(self.root / shard_name(index)), framework="pt") as f:
-                meta = f.metadata() or {}
-                if meta.get("format") != SHARD_FORMAT:
-                    raise FlowliftError(f"{self.root / shard_name(index)} is not a flowlift shard")
-                self.counts[index] = int(meta["count"])
+            self.counts[index] = self._check_shard(self.root / shard_name(index))
         # Items are addressed contiguously; a missing middle shard (interrupted build) ends the range.
         total = 0
         for expected, index in enumerate(shards):
@@ -188,9 +209,41 @@ class ShardReader:
             if self.counts[index] < self.shard_size:
                 break
         self.num_items = total
-        self.has_noise = bool(self.manifest.get("has_noise", False))
-        self.target_shape = tuple(self.manifest["target_shape"])
-        self.cond_shape = tuple(self.manifest["cond_shape"])
+
+    def _check_shard(self, path: Path) -> int:
+        """Open ``path`` once and check its header against the manifest; returns its item count.
+
+        Truncated, empty or garbage files, a missing or absurd ``count``, missing tensors, wrong shapes
+        and non-float dtypes each raise one FlowliftError line naming the file.
+        """
+        try:
+            with self._safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                names = set(f.keys())
+                shapes = {name: list(f.get_slice(name).get_shape()) for name in names}
+                dtypes = {name: str(f.get_slice(name).get_dtype()) for name in names}
+        except Exception as error:  # noqa: BLE001 - safetensors raises its own types for any bad file
+            text = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise FlowliftError(f"{path}: unreadable shard, truncated or not safetensors ({text})") from None
+        if meta.get("format") != SHARD_FORMAT:
+            raise FlowliftError(f"{path} is not a flowlift shard (metadata format {meta.get('format')!r})")
+        count_text = meta.get("count")
+        if count_text is None or not str(count_text).isdigit():
+            raise FlowliftError(f"{path}: shard metadata 'count' is missing or not a number ({count_text!r})")
+        count = int(count_text)
+        if not 1 <= count <= self.shard_size:
+            raise FlowliftError(f"{path}: shard count {count} is not in 1..shard_size ({self.shard_size})")
+        expected = {"target": [count, *self.target_shape], "cond": [count, *self.cond_shape]}
+        if self.has_noise:
+            expected["noise"] = [count, *self.target_shape]
+        for name, shape in expected.items():
+            if name not in shapes:
+                raise FlowliftError(f"{path}: shard has no '{name}' tensor")
+            if shapes[name] != shape:
+                raise FlowliftError(f"{path}: tensor '{name}' has shape {shapes[name]}, the manifest says {shape}")
+            if dtypes[name] not in ("F16", "BF16", "F32", "F64"):
+                raise FlowliftError(f"{path}: tensor '{name}' has dtype {dtypes[name]}, expected floating point")
+        return count
 
     def __len__(self) -> int:
         return self.num_items

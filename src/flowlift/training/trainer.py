@@ -19,9 +19,12 @@ environment (NCCL on CUDA, gloo on CPU), the model is wrapped in DDP, and each r
 slice of every global batch (:class:`~flowlift.training.shards.ShardStream`). Rank 0 writes logs,
 checkpoints and validation.
 
-Reproducibility: all randomness is a function of (seed, step, micro-batch, rank) — data through
-the stream, dropout by reseeding the global generator before each micro-batch — so a resumed run
-retraces the uninterrupted one and DDP with batch B matches one process with batch 2B.
+Reproducibility: all randomness is a function of the seed and each sample's global stream position —
+data through the stream, the Flow Upscaler's dropout masks through per-sample seeds
+(:class:`~flowlift.models.upscaler_unet.SampleDropout`) — so a resumed run retraces the uninterrupted
+one, and DDP with batch B on 2 ranks, or 2 accumulated micro-batches of B, match one process with
+batch 2B, dropout included. (A custom ``model`` with its own ``nn.Dropout`` gets the global generator
+reseeded per (step, micro-batch, rank) instead: reproducible on resume, but not layout-independent.)
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import math
 import os
 import shutil
 import time
+import uuid
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -43,12 +47,14 @@ import torch.nn.functional as F
 
 from flowlift.atomic import atomic_write_text
 from flowlift.errors import FlowliftError
+from flowlift.models.upscaler_unet import set_dropout_seeds
 from flowlift.training.config import TrainConfig
-from flowlift.training.shards import ShardReader, ShardStream, TimeSampling
+from flowlift.training.shards import ShardReader, ShardStream, TimeSampling, shard_name
 
 STATE_NAME = "train_state.pt"
 EMA_NAME = "flow_upscaler.safetensors"
 RAW_NAME = "model.safetensors"
+RUN_ID_NAME = "run_id"
 LOG_FIELDS = ["step", "loss", "lr", "grad_norm", "samples_per_s", "elapsed_s"]
 
 
@@ -109,6 +115,11 @@ def make_ema(model: torch.nn.Module, decay: float, warmup: bool) -> torch.optim.
 def step_seed(seed: int, step: int, micro: int, rank: int) -> int:
     """Seed of the global torch generator (dropout) for one micro-batch on one rank."""
     return (seed * 1_000_003 + step * 7919 + micro * 104_729 + rank * 15_485_863) % (2**62)
+
+
+def sample_seed(seed: int, position: int) -> int:
+    """Dropout seed of the sample at global stream ``position`` (the same on any rank or micro-batch)."""
+    return (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 7) % (2**62)
 
 
 def prefetched_batches(stream: ShardStream, start_step: int, end_step: int, micro_batches: int, depth: int = 2):
@@ -179,12 +190,10 @@ def init_distributed(device_kind: str) -> DistContext:
 
 
 def pick_device(setting: str, dist: DistContext) -> torch.device:
-    if setting == "auto":
-        setting = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(setting)
+    from flowlift.devices import resolve_device
+
+    device = resolve_device(setting)
     if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise FlowliftError("device cuda requested but no CUDA device is available")
         if dist.world_size > 1 or device.index is None:
             device = torch.device("cuda", dist.local_rank if dist.world_size > 1 else (device.index or 0))
         torch.cuda.set_device(device)
@@ -215,13 +224,76 @@ def checkpoint_dir(output: Path, step: int) -> Path:
     return output / "checkpoints" / f"step-{step:08d}"
 
 
+def checkpoint_folders(output: Path) -> list[Path]:
+    """Complete-looking checkpoint folders ``output/checkpoints/step-*`` (not ``.partial``), by step."""
+    root = output / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".partial"))
+
+
 def latest_checkpoint(output: Path) -> Path | None:
-    """The newest complete checkpoint folder under ``output/checkpoints`` (by its ``latest`` file)."""
-    pointer = output / "checkpoints" / "latest"
+    """The checkpoint ``output/checkpoints/latest`` names, or None when the folder holds no checkpoints.
+
+    A pointer to a missing or incomplete checkpoint, or checkpoints without a pointer, raise one
+    FlowliftError line: silently starting from step 0 would then overwrite and prune that run's files.
+    """
+    root = output / "checkpoints"
+    pointer = root / "latest"
     if not pointer.is_file():
+        existing = checkpoint_folders(output)
+        if existing:
+            raise FlowliftError(
+                f"{root} holds {len(existing)} checkpoint(s) but no 'latest' pointer; pass --resume "
+                f"{existing[-1]} (or another checkpoint folder), or --resume none --overwrite to start over"
+            )
         return None
-    path = output / "checkpoints" / pointer.read_text().strip()
-    return path if (path / STATE_NAME).is_file() else None
+    name = pointer.read_text().strip()
+    path = root / name
+    if not name or not (path / STATE_NAME).is_file():
+        raise FlowliftError(
+            f"{pointer} names {name or '(nothing)'}, which is missing or incomplete; pass --resume with a complete "
+            "checkpoint folder, or --resume none --overwrite to start over"
+        )
+    return path
+
+
+def checkpoint_run_id(path: Path) -> str | None:
+    """The id of the run that wrote checkpoint folder ``path`` (its ``run_id`` file), or None."""
+    try:
+        return (path / RUN_ID_NAME).read_text().strip() or None
+    except OSError:
+        return None
+
+
+class StopRequest:
+    """SIGINT/SIGTERM during training: the first one asks the loop to stop after the current step
+    (with a checkpoint); a second one interrupts at once. Handlers are restored on exit."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> StopRequest:
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -252,6 +324,7 @@ class Trainer:
         self.config = config
         self.output = Path(config.output)
         self._custom_model = model
+        self.run_id = uuid.uuid4().hex  # replaced by the checkpoint's own when resuming
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
@@ -318,14 +391,18 @@ class Trainer:
             "world_size": world,
             "config": self.config.to_dict(),
             "rng": {"torch": torch.get_rng_state()},
+            "run_id": self.run_id,
         }
         torch.save(state, tmp / STATE_NAME)
+        (tmp / RUN_ID_NAME).write_text(self.run_id)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         pointer = self.output / "checkpoints" / "latest"
         atomic_write_text(pointer, final.name)
-        kept = sorted(p for p in (self.output / "checkpoints").glob("step-*") if not p.name.endswith(".partial"))
-        for old in kept[: -self.config.keep_checkpoints]:
+        # Only this run's checkpoints are pruned: another run in the same folder (higher steps, or an
+        # older layout without run ids) is never touched.
+        mine = [p for p in checkpoint_folders(self.output) if checkpoint_run_id(p) == self.run_id]
+        for old in mine[: -self.config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
@@ -345,7 +422,39 @@ class Trainer:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["torch"])
+        self.run_id = str(state.get("run_id") or checkpoint_run_id(path) or self.run_id)
         return int(state["step"])
+
+    def _resume_point(self) -> Path | None:
+        """The checkpoint to continue from, or None for a fresh run; refuses to start over another run."""
+        c = self.config
+        mode = (c.resume or "none").strip()
+        if mode.lower() == "none":
+            existing = checkpoint_folders(self.output)
+            if existing and not c.overwrite:
+                raise FlowliftError(
+                    f"{self.output} already holds {len(existing)} training checkpoint(s) (last {existing[-1].name}); "
+                    "--resume none would start a new run over them: pass --overwrite to replace them, "
+                    "or --resume auto to continue"
+                )
+            return None
+        resume_from = latest_checkpoint(self.output) if mode == "auto" else Path(mode)
+        if resume_from is not None and not (resume_from / STATE_NAME).is_file():
+            raise FlowliftError(f"{resume_from} is not a flowlift training checkpoint (no {STATE_NAME})")
+        return resume_from
+
+    def _non_finite_message(self, stream: ShardStream, step: int) -> str:
+        """Why step ``step``'s gradient is non-finite: corrupt data (named) or, if the data is fine, training."""
+        reader = stream.reader
+        for micro in range(self.config.grad_accum):
+            for position in stream.positions(step, micro):
+                index = stream.item_at(position)
+                for name, tensor in reader.item(index).items():
+                    if not bool(torch.isfinite(tensor).all()):
+                        shard = reader.root / shard_name(index // reader.shard_size)
+                        return (f"non-finite gradient at step {step + 1}: the training data is non-finite "
+                                f"({shard}, item {index}, tensor '{name}' holds NaN/Inf); rebuild that shard")
+        return f"non-finite gradient at step {step + 1} (the data of this step is finite); lower the learning rate"
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -361,6 +470,10 @@ class Trainer:
     def _run(self, dist: DistContext) -> dict[str, Any]:
         c = self.config
         device = pick_device(c.device, dist)
+        resume_from = self._resume_point()
+        if resume_from is None and c.overwrite and dist.is_main:
+            # --overwrite: the previous run's checkpoints go, so that nothing can resume into a mix of both
+            shutil.rmtree(self.output / "checkpoints", ignore_errors=True)
         reader = ShardReader(c.data)
         if len(reader) == 0:
             raise FlowliftError(f"{c.data}: dataset has no complete items")
@@ -398,11 +511,6 @@ class Trainer:
         )
 
         start_step = 0
-        resume_from = None
-        if c.resume and c.resume.lower() != "none":
-            resume_from = latest_checkpoint(self.output) if c.resume == "auto" else Path(c.resume)
-            if resume_from is not None and not (resume_from / STATE_NAME).is_file():
-                raise FlowliftError(f"{resume_from} is not a flowlift training checkpoint (no {STATE_NAME})")
         if resume_from is not None:
             start_step = self._load_checkpoint(resume_from, model, ema, optimizer, scheduler, stream.global_batch)
 
@@ -432,67 +540,77 @@ class Trainer:
                    dynamic_ncols=True)
         batches = prefetched_batches(stream, start_step, end_step, c.grad_accum)
         final_step = start_step
-        for step in range(start_step, end_step):
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            for micro in range(c.grad_accum):
-                fetched_step, fetched_micro, cpu_batch = next(batches)
-                assert (fetched_step, fetched_micro) == (step, micro)
-                batch = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items()}
-                if channels_last:
-                    batch = {k: (v.contiguous(memory_format=torch.channels_last) if v.ndim == 4 else v)
-                             for k, v in batch.items()}
-                torch.manual_seed(step_seed(c.seed, step, micro, dist.rank))
-                sync = micro == c.grad_accum - 1 or dist.world_size == 1
-                context = nullcontext() if sync else ddp.no_sync()
-                with context:
-                    with self._autocast(device):
-                        loss = flow_matching_loss(ddp, batch)
-                    (loss / c.grad_accum).backward()
-                step_loss += float(loss.detach()) / c.grad_accum
-            if c.grad_clip > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip))
-            else:
-                grad_norm = float(torch.linalg.vector_norm(
-                    torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
-            if not math.isfinite(grad_norm):
-                raise FlowliftError(f"non-finite gradient at step {step + 1}; lower the learning rate")
-            lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            scheduler.step()
-            ema.update_parameters(model)
-            global_loss = dist.mean(step_loss, device)
-            done = final_step = step + 1
-            last = done == end_step
-            if c.time_limit_s > 0 and not last:
-                # every rank must stop at the same step: stop when any rank is out of time
-                out_of_time = float(time.perf_counter() - started > c.time_limit_s)
-                last = dist.mean(out_of_time, device) > 0
-            losses.append((done, global_loss))
-            window_samples += stream.global_batch
-            bar.update(1)
-            if dist.is_main and (done % c.log_every == 0 or last):
-                now = time.perf_counter()
-                self._append_log({
-                    "step": done, "loss": f"{global_loss:.6g}", "lr": f"{lr:.6g}", "grad_norm": f"{grad_norm:.6g}",
-                    "samples_per_s": f"{window_samples / max(now - window_start, 1e-9):.4g}",
-                    "elapsed_s": f"{now - started:.2f}",
-                })
-                bar.set_postfix(loss=f"{global_loss:.4f}")
-                window_start, window_samples = now, 0
-            if done % c.checkpoint_every == 0 or last:
-                if dist.is_main:
-                    self._save_checkpoint(done, model, ema, optimizer, scheduler, stream.global_batch,
-                                          dist.world_size)
-                dist.barrier()
-            if c.val_every and (done % c.val_every == 0 or done == c.steps or last):
-                if validator is not None:
-                    validator.evaluate(done, ema.module)
-                dist.barrier()
-            if last:
-                break
+        stop = StopRequest()
+        with stop:
+            for step in range(start_step, end_step):
+                optimizer.zero_grad(set_to_none=True)
+                step_loss = 0.0
+                for micro in range(c.grad_accum):
+                    fetched_step, fetched_micro, cpu_batch = next(batches)
+                    assert (fetched_step, fetched_micro) == (step, micro)
+                    batch = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items()}
+                    if channels_last:
+                        batch = {k: (v.contiguous(memory_format=torch.channels_last) if v.ndim == 4 else v)
+                                 for k, v in batch.items()}
+                    torch.manual_seed(step_seed(c.seed, step, micro, dist.rank))  # custom models' own dropout
+                    set_dropout_seeds(model, [sample_seed(c.seed, p) for p in stream.positions(step, micro)])
+                    sync = micro == c.grad_accum - 1 or dist.world_size == 1
+                    context = nullcontext() if sync else ddp.no_sync()
+                    with context:
+                        with self._autocast(device):
+                            loss = flow_matching_loss(ddp, batch)
+                        (loss / c.grad_accum).backward()
+                    step_loss += float(loss.detach()) / c.grad_accum
+                if c.grad_clip > 0:
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip))
+                else:
+                    grad_norm = float(torch.linalg.vector_norm(
+                        torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
+                if not math.isfinite(grad_norm):
+                    raise FlowliftError(self._non_finite_message(stream, step))
+                lr = optimizer.param_groups[0]["lr"]
+                optimizer.step()
+                scheduler.step()
+                ema.update_parameters(model)
+                global_loss = dist.mean(step_loss, device)
+                done = final_step = step + 1
+                last = done == end_step
+                if c.time_limit_s > 0 and not last:
+                    # every rank must stop at the same step: stop when any rank is out of time
+                    out_of_time = float(time.perf_counter() - started > c.time_limit_s)
+                    last = dist.mean(out_of_time, device) > 0
+                if not last and (stop.requested or dist.world_size > 1):
+                    # Ctrl-C / SIGTERM: finish this step, save it, stop (all ranks at the same step)
+                    last = dist.mean(float(stop.requested), device) > 0
+                    stop.requested = stop.requested or last
+                losses.append((done, global_loss))
+                window_samples += stream.global_batch
+                bar.update(1)
+                if dist.is_main and (done % c.log_every == 0 or last):
+                    now = time.perf_counter()
+                    self._append_log({
+                        "step": done, "loss": f"{global_loss:.6g}", "lr": f"{lr:.6g}", "grad_norm": f"{grad_norm:.6g}",
+                        "samples_per_s": f"{window_samples / max(now - window_start, 1e-9):.4g}",
+                        "elapsed_s": f"{now - started:.2f}",
+                    })
+                    bar.set_postfix(loss=f"{global_loss:.4f}")
+                    window_start, window_samples = now, 0
+                if done % c.checkpoint_every == 0 or last:
+                    if dist.is_main:
+                        self._save_checkpoint(done, model, ema, optimizer, scheduler, stream.global_batch,
+                                              dist.world_size)
+                    dist.barrier()
+                if c.val_every and (done % c.val_every == 0 or done == c.steps or last) and not stop.requested:
+                    if validator is not None:
+                        validator.evaluate(done, ema.module)
+                    dist.barrier()
+                if last:
+                    break
         bar.close()
         batches.close()
+        if stop.requested:
+            reader.close()
+            raise KeyboardInterrupt(f"training stopped after step {final_step}; checkpoint saved")
         summary: dict[str, Any] = {
             "start_step": start_step,
             "step": final_step,

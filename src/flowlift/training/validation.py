@@ -227,6 +227,6 @@ def plot_curves(train_csv: Path, val_csv: Path | None, path: Path) -> Path:
             ax.legend(fontsize=8)
     fig.tight_layout()
     with atomic_output(path) as tmp:
-        fig.savefig(tmp, dpi=100)
+        fig.savefig(tmp, dpi=100, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)
     return Path(path)

@@ -1,0 +1,932 @@
+"""Hostile inputs, generated: every class must fail loudly (one line, right exit code), never silently.
+
+Each test builds its hostile files from a small valid one (a tiny random upscaler, the real TAEF2, a
+tiny dataset, tiny images) and breaks it in every way of its class: NaN/Inf anywhere, non-float
+dtypes, absurd configs, corrupt shards and manifests, bad devices, non-finite options, interrupted
+runs. Exit codes: 0 ok, 1 some images failed, 2 user error, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from flowlift.cli import main
+from flowlift.errors import FlowliftError
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")  # tiny models: fastest single-threaded
+TINY_UNET = {"base_channels": 32, "time_dim": 32, "cond_dim": 64}
+NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def _one_error_line(err: str, command: str) -> str:
+    """The stderr of a failed command: no traceback, exactly one ``flowlift CMD: error:`` line."""
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith(f"flowlift {command}: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# weights: generated poisoned files
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory) -> Path:
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+
+    torch.manual_seed(0)
+    model = FlowUpscalerUNet(**TINY_UNET, dropout=0.0)
+    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+
+
+def _poisoned_names(path: Path) -> list[str]:
+    names = sorted(load_file(str(path)))
+    return [names[0], names[len(names) // 2], names[-1]]
+
+
+def _rewrite(source: Path, target: Path, change) -> Path:
+    from safetensors import safe_open
+
+    with safe_open(str(source), framework="pt") as handle:
+        metadata = handle.metadata()
+    state = load_file(str(source))
+    change(state)
+    save_file(state, str(target), metadata=metadata)
+    return target
+
+
+@pytest.mark.parametrize("kind", sorted(NON_FINITE))
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_non_finite_upscaler_weights_are_refused_naming_the_tensor(tiny_weights, tmp_path, kind, which):
+    from flowlift.models.upscaler_unet import load_upscaler
+
+    name = _poisoned_names(tiny_weights)[which]
+
+    def poison(state):
+        state[name].view(-1)[state[name].numel() // 2] = NON_FINITE[kind]
+
+    bad = _rewrite(tiny_weights, tmp_path / "flow_upscaler.safetensors", poison)
+    expected = "NaN" if kind == "nan" else "Inf"
+    with pytest.raises(FlowliftError, match=rf"contain {expected} in `{name}`"):
+        load_upscaler(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.int32, torch.uint8])
+def test_non_float_weights_are_refused(tiny_weights, tmp_path, dtype):
+    from flowlift.models.upscaler_unet import load_upscaler
+
+    name = _poisoned_names(tiny_weights)[1]
+
+    def cast(state):
+        state[name] = state[name].to(dtype)
+
+    bad = _rewrite(tiny_weights, tmp_path / "flow_upscaler.safetensors", cast)
+    short = str(dtype).removeprefix("torch.")
+    with pytest.raises(FlowliftError, match=rf"`{name}` has dtype {short}, expected floating point"):
+        load_upscaler(bad)
+
+
+def test_load_strict_refuses_non_float_and_non_finite_for_any_module():
+    from flowlift.weights import load_strict
+
+    module = torch.nn.Linear(3, 2)
+    good = {k: v.clone() for k, v in module.state_dict().items()}
+    load_strict(module, good, what="test weights")
+    with pytest.raises(FlowliftError, match="`weight` has dtype int64, expected floating point"):
+        load_strict(module, {**good, "weight": torch.ones(2, 3, dtype=torch.long)}, what="test weights")
+    with pytest.raises(FlowliftError, match="test weights contain Inf in `bias`"):
+        load_strict(module, {**good, "bias": torch.tensor([0.0, float("inf")])}, what="test weights")
+
+
+@pytest.mark.parametrize(
+    "metadata, drop",
+    [
+        ({"base_channels": "0"}, ["in_conv.weight"]),
+        ({"base_channels": "1000000000"}, ["in_conv.weight"]),
+        ({"cond_dim": "0", "time_dim": "0"}, ["conditioning.time_proj.0.weight"]),
+        ({"time_dim": "999999999"}, ["conditioning.time_proj.0.weight"]),
+        ({}, []),  # shapes say base_channels=0 (a zero-size in_conv)
+    ],
+)
+def test_absurd_upscaler_config_is_refused_before_building(tiny_weights, tmp_path, metadata, drop):
+    from flowlift.models.upscaler_unet import load_upscaler
+
+    state = load_file(str(tiny_weights))
+    for name in drop:
+        state.pop(name)
+    if not metadata and not drop:
+        state["in_conv.weight"] = torch.zeros(0, 32, 1, 1)
+    meta = {"format": "pt", **TINY_UNET_STR, **metadata}
+    bad = tmp_path / "flow_upscaler.safetensors"
+    save_file(state, str(bad), metadata=meta)
+    with pytest.raises(FlowliftError, match="Flow Upscaler weights"):
+        load_upscaler(bad)
+
+
+TINY_UNET_STR = {k: str(v) for k, v in TINY_UNET.items()}
+
+
+@pytest.mark.parametrize("kind", sorted(NON_FINITE))
+def test_non_finite_vae_weights_are_refused(shared, tmp_path, kind):
+    from flowlift.vae import load_vae
+
+    for part in ("encoder", "decoder"):
+        state = torch.load(shared / "models" / "taef2" / f"taef2_{part}.pth", map_location="cpu", weights_only=True)
+        if part == "decoder":
+            name = sorted(k for k, v in state.items() if v.is_floating_point())[3]
+            state[name] = state[name].clone()
+            state[name].view(-1)[0] = NON_FINITE[kind]
+        torch.save(state, tmp_path / f"taef2_{part}.pth")
+    with pytest.raises(FlowliftError, match=r"TAEF2 weights .* contain (NaN|Inf) in `decoder\."):
+        load_vae(str(tmp_path))
+
+
+def test_pickled_code_is_refused_without_advising_weights_only_false(tmp_path):
+    from flowlift.weights import read_state_dict
+
+    class Payload:
+        def __reduce__(self):
+            return (os.getcwd, ())
+
+    path = tmp_path / "evil.pt"
+    with open(path, "wb") as handle:
+        pickle.dump({"weight": Payload()}, handle)
+    torch.save({"weight": Payload()}, tmp_path / "evil2.pt")
+    for file in (path, tmp_path / "evil2.pt"):
+        with pytest.raises(FlowliftError) as caught:
+            read_state_dict(file, what="Flow Upscaler weights")
+        text = str(caught.value)
+        assert "weights_only=False" not in text and "\n" not in text
+        if file.name == "evil2.pt":
+            assert "only safetensors or plain tensor state dicts" in text and "arbitrary code" in text
+
+
+@pytest.mark.parametrize("kind", sorted(NON_FINITE))
+def test_non_finite_prompt_embeddings_are_refused_at_load(tmp_path, kind):
+    from flowlift.refine import load_prompt_embeds
+
+    embeds = torch.zeros(1, 4, 8)
+    embeds[0, 2, 3] = NON_FINITE[kind]
+    save_file({"prompt_embeds": embeds}, str(tmp_path / "p.safetensors"))
+    with pytest.raises(FlowliftError, match=r"prompt embeddings .* contain (NaN|Inf) in `prompt_embeds`"):
+        load_prompt_embeds(tmp_path / "p.safetensors")
+    save_file({"prompt_embeds": torch.zeros(1, 4, 8), "negative_prompt_embeds": embeds},
+              str(tmp_path / "n.safetensors"))
+    with pytest.raises(FlowliftError, match="negative_prompt_embeds"):
+        load_prompt_embeds(tmp_path / "n.safetensors")
+    save_file({"prompt_embeds": torch.zeros(1, 4, 8, dtype=torch.int32)}, str(tmp_path / "i.safetensors"))
+    with pytest.raises(FlowliftError, match="dtype int32, expected floating point"):
+        load_prompt_embeds(tmp_path / "i.safetensors")
+
+
+def test_cli_upscale_with_poisoned_weights_writes_nothing(shared, tiny_weights, tmp_path, capsys):
+    def poison(state):
+        name = sorted(state)[5]
+        state[name].view(-1)[0] = float("nan")
+
+    bad = _rewrite(tiny_weights, tmp_path / "flow_upscaler.safetensors", poison)
+    Image.new("RGB", (32, 32), (120, 80, 40)).save(tmp_path / "a.png")
+    out = tmp_path / "out"
+    rc = main(["upscale", str(tmp_path / "a.png"), "-o", str(out), "--upscaler", str(bad),
+               "--vae", str(shared / "models" / "taef2"), "--device", "cpu"])
+    assert rc == 2
+    assert "contain NaN in `" in _one_error_line(capsys.readouterr().err, "upscale")
+    assert not out.exists() or not any(out.iterdir())
+
+
+# ------------------------------------------------------------------------------------------------
+# pixels: generated hostile arrays and tensors
+
+
+def _hostile_images():
+    base = np.random.default_rng(0).random((8, 8, 3))
+    yield "float 0..255", base * 255.0, "must lie in"
+    yield "float negative", base - 0.5, "must lie in"
+    for kind, value in NON_FINITE.items():
+        poisoned = base.copy()
+        poisoned[3, 4, 1] = value
+        yield f"float with {kind}", poisoned, "NaN" if kind == "nan" else "Inf"
+        yield f"float32 tensor with {kind}", torch.from_numpy(poisoned).permute(2, 0, 1).float(), \
+            "NaN" if kind == "nan" else "Inf"
+    for dtype in (np.int32, np.int64, np.int8, np.bool_):
+        yield f"array {np.dtype(dtype).name}", (base * 200).astype(dtype), "must be uint8, uint16 or float"
+    for dtype in (torch.int32, torch.int64, torch.bool):
+        yield f"tensor {dtype}", torch.ones(3, 8, 8, dtype=dtype), "must be uint8, uint16 or float"
+    yield "float tensor 0..255", torch.full((1, 3, 8, 8), 200.0), "must lie in"
+
+
+@pytest.mark.parametrize("label, image, message", list(_hostile_images()), ids=lambda x: x if isinstance(x, str)
+                         else None)
+def test_to_tensor_refuses_images_outside_the_convention(label, image, message):
+    from flowlift.images import to_tensor
+
+    with pytest.raises(FlowliftError, match=message):
+        to_tensor(image)
+
+
+def test_to_tensor_scales_integers_by_their_range_and_keeps_rounding_noise():
+    from flowlift.images import to_tensor
+
+    u8 = np.full((4, 4, 3), 255, np.uint8)
+    u16 = np.full((4, 4, 3), 65535, np.uint16)
+    assert to_tensor(u8).max() == 1.0 and to_tensor(u16).max() == 1.0
+    assert to_tensor(torch.full((3, 4, 4), 255, dtype=torch.uint8)).max() == 1.0
+    noisy = np.full((4, 4, 3), 1.0 + 1e-4) - np.eye(4)[..., None] * (1.0 + 2e-4)
+    out = to_tensor(noisy)
+    assert out.min() == 0.0 and out.max() == 1.0
+
+
+@pytest.mark.parametrize("kind", sorted(NON_FINITE))
+def test_tensor_to_uint8_refuses_non_finite_pixels(kind):
+    from flowlift.images import tensor_to_pil, tensor_to_uint8
+
+    image = torch.rand(1, 3, 8, 8)
+    image[0, 1, 2, 3] = NON_FINITE[kind]
+    with pytest.raises(FlowliftError, match="nothing was written"):
+        tensor_to_uint8(image)
+    with pytest.raises(FlowliftError):
+        tensor_to_pil(image)
+
+
+def test_float_tiff_with_nan_is_one_line_without_numpy_warning(tmp_path):
+    from flowlift.images import load_image
+
+    values = np.full((8, 8), 0.5, np.float32)
+    values[2, 2] = np.nan
+    Image.fromarray(values, "F").save(tmp_path / "nan.tif")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(FlowliftError, match=r"nan\.tif: .*NaN or Inf"):
+            load_image(tmp_path / "nan.tif")
+
+
+def test_decompression_bomb_in_dataset_folder_is_one_line(tmp_path, shared, monkeypatch, capsys):
+    import flowlift.images as images
+
+    for size in ((40, 40), (64, 64)):
+        Image.new("RGB", size, (10, 20, 30)).save(tmp_path / f"img{size[0]}.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 64x64 > 2x the limit: Pillow's error
+    monkeypatch.setattr(images, "MAX_INPUT_PIXELS", 1000)
+    rc = main(["dataset", "images", str(tmp_path), "--crop", "32", "--vae", str(shared / "models" / "taef2"),
+               "--device", "cpu", "--out", str(tmp_path / "data")])
+    assert rc == 2
+    line = _one_error_line(capsys.readouterr().err, "dataset")
+    assert "img40.png" in line or "img64.png" in line
+    assert "decompression" in line
+
+
+# ------------------------------------------------------------------------------------------------
+# options: bad devices, non-finite numbers
+
+
+BAD_DEVICES = ["bogus", "cuda:99", "meta"] + ([] if torch.cuda.is_available() else ["cuda"]) + (
+    [] if torch.backends.mps.is_available() else ["mps"])
+
+
+@pytest.mark.parametrize("device", BAD_DEVICES)
+def test_resolve_device_refuses_in_one_line(device):
+    from flowlift.devices import resolve_device
+
+    with pytest.raises(FlowliftError) as caught:
+        resolve_device(device)
+    assert "\n" not in str(caught.value) and device.split(":")[0] in str(caught.value)
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(None).type in ("cpu", "cuda")
+
+
+def _device_commands(tmp_path: Path, shared: Path, device: str) -> dict[str, list[str]]:
+    image = tmp_path / "a.png"
+    Image.new("RGB", (32, 32), (100, 110, 120)).save(image)
+    taef2 = str(shared / "models" / "taef2")
+    return {
+        "upscale": ["upscale", str(image), "-o", str(tmp_path / "up"), "--vae", taef2, "--device", device],
+        "eval": ["eval", "--run", "lanczos", "--dataset", str(tmp_path), "--scale", "2", "--device", device,
+                 "--out", str(tmp_path / "ev")],
+        "bands": ["bands", str(image), "--vae", taef2, "--device", device, "--out", str(tmp_path / "bd")],
+        "dataset": ["dataset", "images", str(tmp_path), "--crop", "16", "--vae", taef2, "--device", device,
+                    "--out", str(tmp_path / "ds")],
+        "train": ["train", "--data", str(tmp_path / "nodata"), "--output", str(tmp_path / "run"),
+                  "--device", device],
+    }
+
+
+@pytest.mark.parametrize("device", ["bogus", "cuda:99"] + ([] if torch.cuda.is_available() else ["cuda"]))
+def test_bad_device_is_one_line_in_every_command(tmp_path, shared, capsys, device):
+    for command, argv in _device_commands(tmp_path, shared, device).items():
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2, (command, err)
+        assert "device" in _one_error_line(err, command), (command, err)
+    assert not (tmp_path / "up").exists()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN", "Infinity"])
+def test_non_finite_numeric_options_are_refused(tmp_path, capsys, value):
+    image = tmp_path / "a.png"
+    Image.new("RGB", (32, 32)).save(image)
+    cases = [
+        (["bands", str(image), "--vae", "taef2", f"--amplitude={value}", "--out", str(tmp_path / "b")], "--amplitude"),
+        (["img2img", str(image), "--model", "x/y", "--prompt", "p", f"--cfg-scale={value}"], "--cfg-scale"),
+        (["train", "--data", "d", "--output", "o", f"--lr={value}"], "--lr"),
+        (["dataset", "images", str(tmp_path), f"--noise-std={value}", "--out", str(tmp_path / "d")], "--noise-std"),
+    ]
+    for argv, option in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert "finite" in capsys.readouterr().err, option
+    rc = main(["train", "--data", "d", "--output", "o", "--set", f"t_mean={value}"])
+    assert rc == 2 and "finite" in _one_error_line(capsys.readouterr().err, "train")
+
+
+def test_outpaint_canvas_is_capped_before_loading_anything(tmp_path, capsys):
+    from flowlift.refine import outpaint_pads
+
+    with pytest.raises(FlowliftError, match="MAX_OUTPUT_SIDE"):
+        outpaint_pads(64, 64, 0, 0, 10**9, 0)
+    assert outpaint_pads(64, 64, 1, 0, 0, 17) == (16, 0, 0, 32)
+    image = tmp_path / "a.png"
+    Image.new("RGB", (64, 64)).save(image)
+    save_file({"prompt_embeds": torch.zeros(1, 4, 8)}, str(tmp_path / "p.safetensors"))
+    rc = main(["img2img", str(image), "--model", str(tmp_path / "no-model"), "--prompt-embeds",
+               str(tmp_path / "p.safetensors"), "--outpaint", "0,0,20000,0", "-o", str(tmp_path / "o.png")])
+    assert rc == 2
+    assert "MAX_OUTPUT_SIDE" in _one_error_line(capsys.readouterr().err, "img2img")
+
+
+def test_cli_turns_warnings_into_one_flowlift_line_and_drops_third_party_ones(capsys):
+    from flowlift.cli import _one_line_warnings
+    from flowlift.images import FlowliftWarning
+
+    show = _one_line_warnings("upscale")
+    show(RuntimeWarning("invalid value encountered in cast"), RuntimeWarning, np.__file__, 1)
+    show(UserWarning("Possibly corrupt EXIF data"), UserWarning, Image.__file__, 1)
+    assert capsys.readouterr().err == ""
+    show(FlowliftWarning("x.png: corrupt EXIF\nsecond line"), FlowliftWarning, Image.__file__, 1)
+    assert capsys.readouterr().err == "flowlift upscale: warning: x.png: corrupt EXIF\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# datasets: generated corrupt shards and manifests
+
+
+def _tiny_dataset(root: Path, items: int = 5, shard_size: int = 2, noise: bool = True) -> Path:
+    from flowlift.training.shards import prepare_dataset_dir, write_shard
+
+    generator = torch.Generator().manual_seed(0)
+    prepare_dataset_dir(root, {"kind": "test", "target_shape": [32, 8, 8], "cond_shape": [32, 4, 4],
+                               "shard_size": shard_size, "num_items": items, "has_noise": noise})
+    for shard, first in enumerate(range(0, items, shard_size)):
+        count = min(shard_size, items - first)
+        tensors = {"target": torch.randn(count, 32, 8, 8, generator=generator),
+                   "cond": torch.randn(count, 32, 4, 4, generator=generator)}
+        if noise:
+            tensors["noise"] = torch.randn(count, 32, 8, 8, generator=generator)
+        write_shard(root, shard, first, tensors, [{"i": first + i} for i in range(count)], torch.float32)
+    return root
+
+
+def _corrupt_shard(root: Path, how: str) -> None:
+    shard = root / "shard-00001.safetensors"
+    data = shard.read_bytes()
+    manifest = json.loads((root / "dataset.json").read_text())
+    if how == "truncated":
+        shard.write_bytes(data[: len(data) // 2])
+    elif how == "empty":
+        shard.write_bytes(b"")
+    elif how == "garbage":
+        shard.write_bytes(os.urandom(len(data)))
+    elif how == "header only":
+        shard.write_bytes(data[:8])
+    elif how in ("mis-shaped", "count missing", "count absurd", "count zero", "non-float", "no cond"):
+        from safetensors import safe_open
+
+        with safe_open(str(shard), framework="pt") as handle:
+            meta = dict(handle.metadata())
+            tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+        if how == "mis-shaped":
+            tensors["cond"] = torch.zeros(2, 32, 8, 8)
+        elif how == "count missing":
+            meta.pop("count")
+        elif how == "count absurd":
+            meta["count"] = "99999999999"
+        elif how == "count zero":
+            meta["count"] = "0"
+        elif how == "non-float":
+            tensors["target"] = tensors["target"].to(torch.int16)
+        elif how == "no cond":
+            tensors.pop("cond")
+        save_file(tensors, str(shard), metadata=meta)
+    elif how == "manifest is a list":
+        (root / "dataset.json").write_text(json.dumps([manifest]))
+    elif how == "manifest garbage":
+        (root / "dataset.json").write_bytes(b"\xff\xfe{{{")
+    elif how in ("shard_size 0", "shard_size string", "target_shape odd", "target_shape missing"):
+        if how == "shard_size 0":
+            manifest["shard_size"] = 0
+        elif how == "shard_size string":
+            manifest["shard_size"] = "two"
+        elif how == "target_shape odd":
+            manifest["target_shape"] = [32, 9, 8]
+        else:
+            manifest.pop("target_shape")
+        (root / "dataset.json").write_text(json.dumps(manifest))
+    else:
+        raise AssertionError(how)
+
+
+CORRUPTIONS = ["truncated", "empty", "garbage", "header only", "mis-shaped", "count missing", "count absurd",
+               "count zero", "non-float", "no cond", "manifest is a list", "manifest garbage", "shard_size 0",
+               "shard_size string", "target_shape odd", "target_shape missing"]
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+def test_corrupt_dataset_is_one_line_naming_the_file(tmp_path, capsys, how):
+    from flowlift.training.shards import ShardReader
+
+    root = _tiny_dataset(tmp_path / "data")
+    _corrupt_shard(root, how)
+    with pytest.raises(FlowliftError) as caught:
+        ShardReader(root)
+    text = str(caught.value)
+    assert "\n" not in text
+    assert ("shard-00001" in text) if "manifest" not in how and "_" not in how else ("dataset.json" in text)
+    rc = main(["train", "--data", str(root), "--output", str(tmp_path / "run"), "--steps", "1", "--crop", "0",
+               "--device", "cpu", "--set", "progress=false"])
+    assert rc == 2
+    _one_error_line(capsys.readouterr().err, "train")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("kind", sorted(NON_FINITE))
+def test_non_finite_training_data_is_named_not_blamed_on_the_learning_rate(tmp_path, kind):
+    from flowlift.training.config import build_config
+    from flowlift.training.trainer import Trainer
+
+    root = _tiny_dataset(tmp_path / "data", items=4, shard_size=2)
+    shard = root / "shard-00001.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(shard), framework="pt") as handle:
+        meta = dict(handle.metadata())
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+    tensors["cond"][1, 3, 2, 2] = NON_FINITE[kind]
+    save_file(tensors, str(shard), metadata=meta)
+    config = build_config(None, dict(data=str(root), output=str(tmp_path / "run"), crop=0, steps=2, batch_size=4,
+                                     progress=False, **TINY_UNET, dropout=0.0))
+    with pytest.raises(FlowliftError) as caught:
+        Trainer(config).run()
+    text = str(caught.value)
+    assert "shard-00001" in text and "item 3" in text and "'cond'" in text
+    assert "learning rate" not in text
+
+
+# ------------------------------------------------------------------------------------------------
+# training runs: resume traps, interrupted runs, dropout layout
+
+
+def _train_config(data: Path, output: Path, **overrides):
+    from flowlift.training.config import build_config
+
+    values = dict(data=str(data), output=str(output), crop=0, steps=4, batch_size=2, lr=1e-3, warmup_steps=1,
+                  checkpoint_every=1, keep_checkpoints=2, log_every=1, progress=False, **TINY_UNET, dropout=0.0)
+    values.update(overrides)
+    return build_config(None, values)
+
+
+@pytest.fixture(scope="module")
+def train_data(tmp_path_factory) -> Path:
+    return _tiny_dataset(tmp_path_factory.mktemp("train") / "data", items=6, shard_size=3)
+
+
+def _steps(output: Path) -> list[str]:
+    return sorted(p.name for p in (output / "checkpoints").glob("step-*"))
+
+
+def test_resume_none_into_a_run_folder_is_refused_unless_overwrite(train_data, tmp_path, capsys):
+    from flowlift.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    Trainer(_train_config(train_data, run, steps=3)).run()
+    assert _steps(run) == ["step-00000002", "step-00000003"]
+    with pytest.raises(FlowliftError, match="--overwrite"):
+        Trainer(_train_config(train_data, run, steps=2, resume="none")).run()
+    assert _steps(run) == ["step-00000002", "step-00000003"]
+    rc = main(["train", "--data", str(train_data), "--output", str(run), "--resume", "none", "--steps", "2",
+               "--set", "progress=false", "--set", "crop=0"] + [x for k, v in TINY_UNET.items()
+                                                               for x in ("--set", f"{k}={v}")])
+    assert rc == 2 and "--overwrite" in _one_error_line(capsys.readouterr().err, "train")
+    summary = Trainer(_train_config(train_data, run, steps=2, resume="none", overwrite=True)).run()
+    assert summary["start_step"] == 0 and _steps(run) == ["step-00000001", "step-00000002"]
+
+
+@pytest.mark.parametrize("damage", ["pointer to missing", "pointer to partial", "empty pointer", "no pointer"])
+def test_dangling_latest_is_an_error_not_a_silent_restart(train_data, tmp_path, damage):
+    import shutil
+
+    from flowlift.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    Trainer(_train_config(train_data, run, steps=2)).run()
+    latest = run / "checkpoints" / "latest"
+    if damage == "pointer to missing":
+        shutil.rmtree(run / "checkpoints" / "step-00000002")
+    elif damage == "pointer to partial":
+        (run / "checkpoints" / "step-00000002" / "train_state.pt").unlink()
+    elif damage == "empty pointer":
+        latest.write_text("")
+    else:
+        latest.unlink()
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    with pytest.raises(FlowliftError, match="--resume"):
+        Trainer(_train_config(train_data, run, steps=4)).run()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_pruning_touches_only_this_runs_checkpoints(train_data, tmp_path):
+    import shutil
+
+    from flowlift.training.trainer import Trainer
+
+    first = tmp_path / "first"
+    Trainer(_train_config(train_data, first, steps=4, stop_after=2)).run()
+    other = tmp_path / "other"
+    Trainer(_train_config(train_data, other, steps=1)).run()
+    # another run's checkpoints with higher steps, one of them from before run ids existed
+    shutil.copytree(other / "checkpoints" / "step-00000001", other / "checkpoints" / "step-00000100")
+    shutil.copytree(other / "checkpoints" / "step-00000001", other / "checkpoints" / "step-00000200")
+    (other / "checkpoints" / "step-00000200" / "run_id").unlink()
+    summary = Trainer(_train_config(train_data, other, steps=4,
+                                    resume=str(first / "checkpoints" / "step-00000002"))).run()
+    assert summary["start_step"] == 2 and summary["step"] == 4
+    assert _steps(other) == ["step-00000001", "step-00000003", "step-00000004", "step-00000100",
+                             "step-00000200"]
+    assert (other / "checkpoints" / "latest").read_text() == "step-00000004"
+
+
+class _InterruptingUNet:
+    """A FlowUpscalerUNet that sends itself SIGINT during its ``at``-th forward (a user's Ctrl-C)."""
+
+    @staticmethod
+    def build(at: int, signum: int = signal.SIGINT):
+        from flowlift.models.upscaler_unet import FlowUpscalerUNet
+
+        class Interrupting(FlowUpscalerUNet):
+            calls = 0
+
+            def forward(self, *args):
+                type(self).calls += 1
+                if type(self).calls == at:
+                    os.kill(os.getpid(), signum)
+                return super().forward(*args)
+
+        torch.manual_seed(0)
+        return Interrupting(**TINY_UNET, dropout=0.0)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_during_training_saves_a_checkpoint_then_resumes(train_data, tmp_path, signum):
+    from flowlift.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    config = _train_config(train_data, run, steps=6, checkpoint_every=100, keep_checkpoints=5)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(config, model=_InterruptingUNet.build(at=3, signum=signum)).run()
+    assert _steps(run) == ["step-00000003"]
+    assert (run / "checkpoints" / "latest").read_text() == "step-00000003"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    summary = Trainer(config).run()
+    assert summary["start_step"] == 3 and summary["step"] == 6
+
+
+def test_sample_dropout_masks_do_not_depend_on_the_batch_layout():
+    from flowlift.models.upscaler_unet import SampleDropout
+
+    layer = SampleDropout(0.5).train()
+    x = torch.ones(4, 3, 5, 5)
+    layer.sample_seeds = [11, 12, 13, 14]
+    whole = layer(x)
+    layer.sample_seeds = [13, 14]
+    half = layer(x[:2])
+    assert torch.equal(whole[2:], half)
+    assert not torch.equal(whole[0], whole[1])
+    assert set(whole.unique().tolist()) == {0.0, 2.0}
+    layer.eval()
+    assert torch.equal(layer(x[:2]), x[:2])
+
+
+def test_dropout_does_not_break_accumulation_equivalence(train_data, tmp_path):
+    """Batch 4 == 2 accumulated micro-batches of 2 with dropout on (the DDP test checks 2 ranks the same way)."""
+    from flowlift.training.trainer import Trainer
+
+    full = Trainer(_train_config(train_data, tmp_path / "full", steps=2, batch_size=4, dropout=0.3)).run()
+    accum = Trainer(_train_config(train_data, tmp_path / "accum", steps=2, batch_size=2, grad_accum=2,
+                                  dropout=0.3)).run()
+    for (_, a), (_, b) in zip(full["losses"], accum["losses"], strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# interrupted writes: temporary files never look like inputs, SIGTERM cleans up like Ctrl-C
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[2])
+from flowlift.atomic import atomic_output
+with atomic_output(sys.argv[1]) as tmp:
+    tmp.write_bytes(open(sys.argv[3], "rb").read()[:100])
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _killed_mid_write(target: Path, source_image: Path) -> list[Path]:
+    """Run a writer of ``target`` in a subprocess and SIGKILL it mid-write; returns the debris it left."""
+    import subprocess
+    import sys
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    before = set(target.parent.iterdir()) if target.parent.is_dir() else set()
+    result = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(target), str(src), str(source_image)],
+                            capture_output=True, timeout=60)
+    assert result.returncode == -signal.SIGKILL
+    debris = sorted(set(target.parent.iterdir()) - before)
+    assert debris and not target.exists()
+    return debris
+
+
+def test_temporary_names_are_not_image_names_and_fit_the_name_limit(tmp_path):
+    from flowlift.atomic import TEMP_SUFFIX, atomic_output, is_temporary
+    from flowlift.images import IMAGE_SUFFIXES
+
+    longest = "x" * 251 + ".png"  # a legal 255-byte name
+    with atomic_output(tmp_path / longest) as tmp:
+        assert len(tmp.name.encode()) <= 255 and tmp.name.endswith(TEMP_SUFFIX)
+        assert tmp.suffix.lower() not in IMAGE_SUFFIXES and is_temporary(tmp)
+        tmp.write_bytes(b"data")
+    assert (tmp_path / longest).read_bytes() == b"data"
+    assert [p.name for p in tmp_path.iterdir()] == [longest]
+    multibyte = "é" * 125 + ".png"  # 254 bytes
+    with atomic_output(tmp_path / multibyte) as tmp:
+        assert len(tmp.name.encode()) <= 255
+        tmp.write_bytes(b"x")
+    assert is_temporary(tmp_path / ".photo_x2.ab12cd_9.partial.png")  # the older naming
+    assert not is_temporary(tmp_path / "photo_x2.png") and not is_temporary(tmp_path / ".hidden.png")
+
+
+def test_atomic_output_fsyncs_file_then_folder(tmp_path, monkeypatch):
+    from flowlift import atomic
+
+    synced = []
+    real_fsync = os.fsync
+
+    def record(fd):
+        synced.append(os.path.isdir(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else fd)
+        return real_fsync(fd)
+
+    monkeypatch.setattr(atomic.os, "fsync", record)
+    atomic.atomic_write_bytes(tmp_path / "a.json", b"{}")
+    assert len(synced) == 2
+    if os.path.exists("/proc/self/fd"):
+        assert synced == [False, True]  # the file, then its folder
+
+
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
+    from flowlift.atomic import atomic_output
+    from flowlift.cli import _sigterm_as_interrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        with _sigterm_as_interrupt():
+            with atomic_output(tmp_path / "out.png") as tmp:
+                tmp.write_bytes(b"partial")
+                signal.raise_signal(signal.SIGTERM)
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.parametrize("layout", ["next to inputs", "separate folder"])
+def test_killed_mid_write_then_resume(shared, tiny_weights, tmp_path, capsys, layout):
+    src = tmp_path / "in"
+    src.mkdir()
+    for name, colour in (("a", (200, 30, 30)), ("b", (30, 200, 30))):
+        Image.new("RGB", (48, 32), colour).save(src / f"{name}.png")
+    out = src if layout == "next to inputs" else tmp_path / "out"
+    debris = _killed_mid_write(out / "a_x2.png", src / "a.png")
+    # and the older naming (.name.XXXX.partial.png), which image listings used to pick up
+    (out / ".b_x2.k3j4h5l6.partial.png").write_bytes((src / "b.png").read_bytes()[:50])
+    argv = ["upscale", str(src), "--scale", "2", "--upscaler", str(tiny_weights),
+            "--vae", str(shared / "models" / "taef2"), "--device", "cpu"]
+    if layout == "separate folder":
+        argv += ["-o", str(out)]
+    for _ in range(2):  # the run after the kill, and the resume after that
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 0, err
+        assert "Traceback" not in err and "partial" not in err
+        for name in ("a_x2.png", "b_x2.png"):
+            with Image.open(out / name) as result:
+                assert result.size == (96, 64)
+    assert all(not p.exists() or p.name.startswith(".") for p in debris)
+
+
+# ------------------------------------------------------------------------------------------------
+# the pipeline: non-finite latents/pixels per stage, API types, the cap
+
+
+class _AverageVAE:
+    """A weightless VAE: encode = 8x8 average pool to 32 channels, decode = nearest upsample of 3."""
+
+    spatial_factor = 8
+
+    def __init__(self, poison: str = "") -> None:
+        self.poison = poison
+
+    def encode(self, images, tiled=None):
+        z = torch.nn.functional.avg_pool2d(images, 8).repeat(1, 11, 1, 1)[:, :32]
+        if self.poison == "encode":
+            z[0, 0, 0, 0] = float("nan")
+        return z
+
+    def decode(self, latents, tiled=None):
+        x = torch.nn.functional.interpolate(latents[:, :3], scale_factor=8, mode="nearest").clamp(0, 1)
+        if self.poison == "decode":
+            x[0, 1, 5, 5] = float("inf")
+        return x
+
+
+class _VelocityFrom:
+    """v = 0 except on pass ``bad_pass`` (1-based), where one value is ``value``."""
+
+    def __init__(self, bad_pass: int = 0, value: float = float("nan")) -> None:
+        self.calls, self.bad_pass, self.value = 0, bad_pass, value
+
+    def __call__(self, sample, timestep, latents_small):
+        self.calls += 1
+        velocity = torch.zeros_like(sample)
+        if self.calls == self.bad_pass:
+            velocity[0, 3, 1, 2] = self.value
+        return velocity
+
+
+@pytest.mark.parametrize("kind", sorted(NON_FINITE))
+@pytest.mark.parametrize("bad_pass", [1, 2, 3])
+def test_a_non_finite_pass_is_named_and_nothing_is_returned(kind, bad_pass):
+    from flowlift.pipeline import FlowUpscalerPipeline
+
+    pipe = FlowUpscalerPipeline(_VelocityFrom(bad_pass, NON_FINITE[kind]), _AverageVAE(), device="cpu",
+                                dtype=torch.float32)
+    with pytest.raises(FlowliftError, match=rf"pass {bad_pass} produced non-finite latents"):
+        pipe.upscale_image(Image.new("RGB", (32, 16), (90, 120, 30)), num_passes=3)
+
+
+@pytest.mark.parametrize("stage", ["encode", "decode"])
+def test_non_finite_vae_output_is_named(stage):
+    from flowlift.pipeline import FlowUpscalerPipeline
+
+    pipe = FlowUpscalerPipeline(_VelocityFrom(), _AverageVAE(stage), device="cpu", dtype=torch.float32)
+    with pytest.raises(FlowliftError, match=f"VAE {stage}r produced non-finite"):
+        pipe.upscale_image(Image.new("RGB", (32, 16)), num_passes=1)
+    latents = torch.zeros(1, 32, 2, 4)
+    latents[0, 5, 1, 1] = float("nan")
+    with pytest.raises(FlowliftError, match="input latents contain non-finite"):
+        pipe.upscale_latents(latents, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_passes": 1.5}, "num_passes must be a non-negative integer"),
+        ({"num_passes": True}, "num_passes must be a non-negative integer"),
+        ({"num_passes": -1}, "num_passes must be a non-negative integer"),
+        ({"seed": 1.7}, "seed must be a non-negative integer"),
+        ({"seed": -3}, "seed must be a non-negative integer"),
+        ({"transplant_strength": float("nan")}, "transplant_strength"),
+        ({"color_fix_strength": float("inf")}, "color_fix_strength"),
+    ],
+)
+def test_upscale_image_validates_its_arguments(kwargs, message):
+    from flowlift.pipeline import FlowUpscalerPipeline
+
+    pipe = FlowUpscalerPipeline(_VelocityFrom(), _AverageVAE(), device="cpu", dtype=torch.float32)
+    with pytest.raises(FlowliftError, match=message):
+        pipe.upscale_image(Image.new("RGB", (32, 16)), **{"num_passes": 1, **kwargs})
+    with pytest.raises(FlowliftError, match="must lie in"):
+        pipe.upscale_image(np.full((16, 32, 3), 200.0), num_passes=1)
+    out = pipe.upscale_image(Image.new("RGB", (32, 16)), num_passes=np.int64(1), seed=np.int32(2))
+    assert out.size == (64, 32)
+
+
+def test_the_cap_is_on_the_computed_canvas_and_the_warning_names_the_real_size():
+    from flowlift.pipeline import FlowUpscalerPipeline
+    from flowlift.upscale_sizes import planned_passes, upscaled_size
+
+    assert planned_passes(1, 1, 20) == 10  # a 16x16 canvas: 10 passes reach 16384, not the 14 of 1 px
+    assert planned_passes(1, 1, 20, "resample") == 10
+    assert planned_passes(16, 16, 20) == 10 and planned_passes(17, 16, 20) == 9  # 32 px canvas
+    assert planned_passes(4100, 30, 3) == 1 and upscaled_size(30, 4100, 1) == (60, 8200)
+    assert upscaled_size(30, 4100, 1, "resample") == (64, 8192)
+    pipe = FlowUpscalerPipeline(_VelocityFrom(), _AverageVAE(), device="cpu", dtype=torch.float32)
+    with pytest.warns(UserWarning, match=r"on a 2100x9 image .* running 2 pass\(es\) .* output 8400x36, scale 4"):
+        out = pipe.upscale_image(Image.new("RGB", (2100, 9)), num_passes=4)
+    assert out.size == (8400, 36)
+
+
+# ------------------------------------------------------------------------------------------------
+# the upscale batch: names by the scale produced, broken outputs redone, bad paths and targets
+
+
+def _upscale(shared, weights, *argv) -> list[str]:
+    return ["upscale", *argv, "--upscaler", str(weights), "--vae", str(shared / "models" / "taef2"),
+            "--device", "cpu"]
+
+
+def test_cap_dropped_passes_name_the_output_by_the_scale_produced_and_resume(shared, tiny_weights, tmp_path,
+                                                                             capsys):
+    Image.new("RGB", (2100, 16), (100, 150, 200)).save(tmp_path / "wide.png")
+    out = tmp_path / "out"
+    argv = _upscale(shared, tiny_weights, str(tmp_path / "wide.png"), "-o", str(out), "--passes", "4")
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["wide_x4.png"]  # 2 of 4 passes fit: named x4, not x16
+    assert "2100x16 image" in err and "scale 4" in err
+    with Image.open(out / "wide_x4.png") as result:
+        assert result.size == (8400, 64)
+        assert json.loads(result.text["flowlift.parameters"])["scale"] == 4
+    assert main(argv) == 0  # the rerun finds it: planned from the header, not after the compute
+    assert "skipped" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["empty", "garbage", "truncated", "wrong size", "not an image"])
+def test_broken_existing_outputs_are_redone_not_skipped(shared, tiny_weights, tmp_path, capsys, damage):
+    Image.new("RGB", (48, 32), (10, 200, 90)).save(tmp_path / "a.png")
+    out = tmp_path / "out"
+    argv = _upscale(shared, tiny_weights, str(tmp_path / "a.png"), "-o", str(out))
+    assert main(argv) == 0
+    good = (out / "a_x2.png").read_bytes()
+    target = out / "a_x2.png"
+    if damage == "empty":
+        target.write_bytes(b"")
+    elif damage == "garbage":
+        target.write_bytes(os.urandom(500))
+    elif damage == "truncated":
+        target.write_bytes(good[:20])
+    elif damage == "wrong size":
+        Image.new("RGB", (48, 32)).save(target)
+    else:
+        target.write_text("hello")
+    capsys.readouterr()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "redoing" in err and "96x64" in err
+    with Image.open(target) as result:
+        assert result.size == (96, 64)
+    assert main(argv) == 0 and "skipped" in capsys.readouterr().err
+
+
+def test_bad_paths_cost_one_line_each_and_the_batch_goes_on(shared, tiny_weights, tmp_path, capsys):
+    Image.new("RGB", (48, 32), (200, 100, 0)).save(tmp_path / "good.png")
+    os.mkfifo(tmp_path / "pipe.png")
+    (tmp_path / "folder.jpg").mkdir()
+    argv = _upscale(shared, tiny_weights, str(tmp_path / "good.png"), str(tmp_path / "missing.png"),
+                    str(tmp_path / "pipe.png"), str(tmp_path / "*.jpg"), "-o", str(tmp_path / "out"))
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err
+    for name in ("missing.png", "pipe.png", "folder.jpg"):
+        assert sum(name in line for line in err.splitlines() if line.startswith("flowlift upscale:")) == 1, err
+    assert "3 of 4 image(s) failed" in err
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["good_x2.png"]
+
+
+def test_output_targets_are_checked_before_any_compute(shared, tiny_weights, tmp_path, capsys, monkeypatch):
+    import flowlift.pipeline as pipeline
+
+    Image.new("RGB", (48, 32)).save(tmp_path / "a.png")
+    Image.new("RGB", (8192, 16)).save(tmp_path / "wide.png")  # 2x: 16384 px, one over WebP's limit
+    (tmp_path / "blocker").write_text("a file where the output folder should be")
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded although every target was refused")
+
+    monkeypatch.setattr(pipeline.FlowUpscalerPipeline, "__init__", no_model)
+    rc = main(_upscale(shared, tiny_weights, str(tmp_path / "a.png"), "-o", str(tmp_path / "x.gif")))
+    assert rc == 2 and "unsupported output format .gif" in _one_error_line(capsys.readouterr().err, "upscale")
+    rc = main(_upscale(shared, tiny_weights, str(tmp_path / "a.png"), "-o", str(tmp_path / "blocker" / "out")))
+    err = capsys.readouterr().err
+    assert rc == 1 and "cannot write outputs into" in err
+    rc = main(_upscale(shared, tiny_weights, str(tmp_path / "wide.png"), "-o", str(tmp_path / "w"),
+                       "--format", "webp"))
+    err = capsys.readouterr().err
+    assert rc == 1 and "16383 px limit" in err and "16384x32" in err
+    assert not (tmp_path / "x.gif").exists()
