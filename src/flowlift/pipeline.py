@@ -92,6 +92,13 @@ def _check_count(name: str, value: Any) -> int:
     return int(value)
 
 
+def _check_seed(seed: Any) -> int | list[int]:
+    """A non-negative integer seed, or a sequence of them (one per image of a batch), else one line."""
+    if isinstance(seed, (list, tuple)):
+        return [_check_count("seed", value) for value in seed]
+    return _check_count("seed", seed)
+
+
 def _check_finite(tensor: torch.Tensor, stage: str, what: str = "latents") -> None:
     """Raise ``"<stage> non-finite <what> (NaN/Inf)"`` unless every value is finite (one reduction)."""
     if not bool(torch.isfinite(tensor).all()):
@@ -344,7 +351,7 @@ class FlowUpscalerPipeline:
         """
         if not 0.0 <= transplant_strength <= 1.0:
             raise FlowliftError(f"transplant_strength must be in [0, 1], got {transplant_strength}")
-        seed = _check_count("seed", seed)
+        seed = _check_seed(seed)
         factor = self.spatial_factor
         passes = self.plan_passes(latents.shape[-2] * factor, latents.shape[-1] * factor, num_passes)
         seeds = image_seeds(seed, latents.shape[0])
@@ -395,7 +402,7 @@ class FlowUpscalerPipeline:
             raise FlowliftError(f"output_type must be 'pil' or 'pt', got {output_type!r}")
         if not 0.0 <= color_fix_strength <= 1.0:
             raise FlowliftError(f"color_fix_strength must be in [0, 1], got {color_fix_strength}")
-        seed = _check_count("seed", seed)
+        seed = _check_seed(seed)
         original, prepared = self.prepare_image(image, resize_mode)
         passes = self.plan_passes(original.shape[-2], original.shape[-1], num_passes, resize_mode)
         latents = self._vae_call("encode", prepared.to(self._vae_dtype())).to(torch.float32)
