@@ -176,8 +176,8 @@ class AppService:
         with self._lock:
             if vae in self._pipelines:
                 return self._pipelines[vae]
-            from flowlift.commands.upscale import model_hashes
             from flowlift.pipeline import FlowUpscalerPipeline
+            from flowlift.upscale_files import model_hashes
 
             first = next(iter(self._pipelines.values()), None)
             progress(0.0, f"loading the Flow Upscaler and VAE {vae} (once per server)")
@@ -235,8 +235,8 @@ class AppService:
     def plan(args: argparse.Namespace, sources: Sequence[Path], scale: int) -> list[Any]:
         """``flowlift upscale``'s plan (:func:`flowlift.batch.plan_jobs` with its output names) for ``args``."""
         from flowlift.batch import plan_jobs
-        from flowlift.commands.upscale import output_name
         from flowlift.images import IMAGE_SUFFIXES
+        from flowlift.upscale_files import output_name
 
         return plan_jobs(sources, args.output, lambda path: output_name(path, scale, args.format), IMAGE_SUFFIXES)
 
@@ -282,8 +282,8 @@ class AppService:
         base: float = 0.0,
         span: float = 1.0,
     ) -> UpscaleResult:
-        """``flowlift upscale``'s per-image step (:func:`~flowlift.commands.upscale.upscale_file`) on one upload."""
-        from flowlift.commands.upscale import upscale_file
+        """``flowlift upscale``'s per-image step (:func:`~flowlift.upscale_files.upscale_file`) on one upload."""
+        from flowlift.upscale_files import upscale_file
 
         started = time.perf_counter()
         check_upload(source, self.config.max_upload_mb)

@@ -10,12 +10,8 @@ the batch goes on; the exit status is 1 when any image failed.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
-import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from flowlift.commands._options import (
     DEFAULT_SCALE,
@@ -177,132 +173,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_barrier_timeout_argument(parser)
 
 
-def _metadata(
-    args: argparse.Namespace, passes: int, source: Path, hashes: dict[str, str], pipeline
-) -> dict[str, object]:
-    from flowlift import __version__
-    from flowlift.images import file_sha256
-
-    return {
-        "Software": f"flowlift {__version__} upscale",
-        "flowlift.parameters": {
-            "scale": 2**passes,
-            "passes": passes,
-            "seed": args.seed,
-            "color_fix": not args.no_color_fix,
-            "transplant_strength": args.transplant_strength,
-            "color_fix_strength": args.color_fix_strength,
-            "resize_mode": args.resize_mode,
-            "vae": args.vae,
-            "upscaler": args.upscaler or "TensorForger/FlowUpscaler",
-            "dtype": str(pipeline.dtype).removeprefix("torch."),  # what ran, not "auto"
-            "device": str(pipeline.device),
-        },
-        "flowlift.models": hashes,
-        "flowlift.source": {"name": source.name, "sha256": file_sha256(source)},
-    }
-
-
-def model_hashes(pipeline: Any) -> dict[str, dict[str, str]]:
-    """SHA-256 of every weight file behind ``pipeline`` by role: the PNG's ``flowlift.models``."""
-    from flowlift.images import file_sha256
-
-    return {role: {p.name: file_sha256(p) for p in paths} for role, paths in pipeline.model_files().items() if paths}
-
-
-def output_name(source: Path, scale: int, output_format: str | None = "png") -> str:
-    """The file name of ``source``'s result: ``<stem>_x<scale>.<format>`` (also the web app's names;
-    no format: png)."""
-    from flowlift.naming import upscaled_name
-
-    return upscaled_name(source.stem, scale, output_format or "png")
-
-
-def upscale_file(
-    pipeline: Any,
-    args: argparse.Namespace,
-    passes: int,
-    source: Path,
-    out: Path,
-    hashes: dict[str, dict[str, str]],
-    on_stage: Callable[[str], None] | None = None,
-) -> tuple[Any, Any, list[str]]:
-    """Load ``source``, upscale it with ``args``' parameters, write ``out`` atomically with the metadata.
-
-    Returns (input image, result image, warnings such as passes dropped at MAX_OUTPUT_SIDE). The one
-    per-image step of ``flowlift upscale``; the web app calls it too.
-    """
-    from flowlift.images import attach_alpha, load_image, save_image_atomic
-
-    image, alpha = load_image(source)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", UserWarning)
-        result = pipeline.upscale_image(
-            image,
-            num_passes=passes,
-            seed=args.seed,
-            color_fix=not args.no_color_fix,
-            transplant_strength=args.transplant_strength,
-            color_fix_strength=args.color_fix_strength,
-            resize_mode=args.resize_mode,
-            callback=on_stage,
-        )
-    if alpha is not None:
-        result = attach_alpha(result, alpha)
-    # passes actually run (fewer when MAX_OUTPUT_SIDE dropped some)
-    done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
-    save_image_atomic(
-        result,
-        out,
-        _metadata(args, done, source, hashes, pipeline),
-        source=source,  # the input's ICC profile and EXIF
-        quality=getattr(args, "quality", None),
-    )
-    return image, result, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-
-
-#: Largest side each output format can store (WebP's 14-bit dimensions; JPEG's 16-bit).
-FORMAT_MAX_SIDE = {".webp": 16383, ".jpg": 65535, ".jpeg": 65535}
-
-
-class _OutputSizes:
-    """Per input, from its header only: the passes that will run (the cap may drop some), the scale
-    the output is named by, and the (width, height) a complete output has."""
-
-    def __init__(self, passes: int, resize_mode: str) -> None:
-        self.passes = passes
-        self.resize_mode = resize_mode
-        self._cache: dict[Path, tuple[int, tuple[int, int] | None]] = {}
-
-    def _plan(self, path: Path) -> tuple[int, tuple[int, int] | None]:
-        from flowlift.errors import FlowliftError
-        from flowlift.images import image_size
-        from flowlift.pipeline import MAX_OUTPUT_SIDE
-        from flowlift.upscale_sizes import planned_passes, upscaled_size
-
-        if path not in self._cache:
-            try:
-                width, height = image_size(path)
-            except FlowliftError:  # unreadable: named by the request, it fails in its own step (one line)
-                self._cache[path] = self.passes, None
-                return self._cache[path]
-            run = planned_passes(height, width, self.passes, self.resize_mode, MAX_OUTPUT_SIDE)
-            if run == 0:
-                raise FlowliftError(
-                    f"{path}: a {width}x{height} image cannot be upscaled: one 2x pass would exceed "
-                    f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px"
-                )
-            out_h, out_w = upscaled_size(height, width, run, self.resize_mode)
-            self._cache[path] = run, (out_w, out_h)
-        return self._cache[path]
-
-    def scale(self, path: Path) -> int:
-        return 2 ** self._plan(path)[0]
-
-    def output_size(self, path: Path) -> tuple[int, int] | None:
-        return self._plan(path)[1]
-
-
 def _check_output_option(output: str | None) -> None:
     """``-o x.gif``: a file name in a format flowlift does not write is a user error, before any work."""
     if not output:
@@ -318,16 +188,6 @@ def _check_output_option(output: str | None) -> None:
         raise FlowliftError(
             f"-o {target}: unsupported output format {suffix}; use {', '.join('.' + f for f in OUTPUT_FORMATS)} "
             "or a folder"
-        )
-
-
-def _check_format_limit(out: Path, size: tuple[int, int] | None) -> None:
-    from flowlift.errors import FlowliftError
-
-    limit = FORMAT_MAX_SIDE.get(out.suffix.lower())
-    if limit is not None and size is not None and max(size) > limit:
-        raise FlowliftError(
-            f"output {out} would be {size[0]}x{size[1]}, over {out.suffix} format's {limit} px limit; use --format png"
         )
 
 
@@ -352,6 +212,14 @@ def run(args: argparse.Namespace) -> int:
     from flowlift.images import IMAGE_SUFFIXES, list_images
     from flowlift.pipeline import DEFAULT_UPSCALER, FlowUpscalerPipeline, passes_for_scale
     from flowlift.scaleout import run_batch
+    from flowlift.upscale_files import (
+        OutputSizes,
+        batched_process,
+        check_format_limit,
+        model_hashes,
+        output_name,
+        upscale_file,
+    )
 
     if args.status is not None:
         return _print_status(args)
@@ -366,14 +234,14 @@ def run(args: argparse.Namespace) -> int:
     if not inputs and not problems:
         raise FlowliftError("no input images found")
     bars = show_progress(args)
-    sizes = _OutputSizes(passes, args.resize_mode)  # named by the scale the cap lets run, from the header
+    sizes = OutputSizes(passes, args.resize_mode)  # named by the scale the cap lets run, from the header
     jobs = [Job(Path(item), None, message) for item, message in problems] + plan_jobs(
         inputs,
         args.output,
         lambda path: output_name(path, sizes.scale(path), fmt),
         IMAGE_SUFFIXES,
         expected_size=sizes.output_size,
-        check_output=lambda path, out: _check_format_limit(out, sizes.output_size(path)),
+        check_output=lambda path, out: check_format_limit(out, sizes.output_size(path)),
     )
     env = DistEnv.from_environ()
     pipeline = hashes = None
@@ -396,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
             note = "flowlift upscale: --batch-size is not applied under torchrun; images run one by one"
             print(note, file=sys.stderr)
         elif args.batch_size > 1:
-            return _batched(args, pipeline, jobs, passes, hashes)
+            return batched_process(args, pipeline, jobs, passes, hashes)
         return upscale_one
 
     def upscale_one(path: Path, out: Path) -> None:
@@ -410,50 +278,3 @@ def run(args: argparse.Namespace) -> int:
 
     return run_batch(jobs, make_process, command=NAME, output=args.output, overwrite=args.overwrite,
                      barrier_timeout=args.barrier_timeout, env=env, progress=bars)  # fmt: skip
-
-
-def _batched(args: argparse.Namespace, pipeline: Any, jobs: list, passes: int, hashes: dict) -> Any:
-    """``--batch-size N``: same-size inputs through the pipeline together (:mod:`flowlift.upscale_batches`)."""
-    import torch
-    from tqdm import tqdm
-
-    from flowlift.batch import report
-    from flowlift.images import attach_alpha, load_image, save_image_atomic, tensor_to_pil, to_tensor
-    from flowlift.upscale_batches import SameSizeBatches
-
-    def compute(paths: list[Path]) -> list[tuple[Any, Any, list[str]]]:
-        loaded = [load_image(path) for path in paths]
-        images = torch.cat([to_tensor(image) for image, _alpha in loaded])
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", UserWarning)
-            result = pipeline.upscale_image(
-                images,
-                num_passes=passes,
-                seed=args.seed,
-                color_fix=not args.no_color_fix,
-                transplant_strength=args.transplant_strength,
-                color_fix_strength=args.color_fix_strength,
-                resize_mode=args.resize_mode,
-                output_type="pt",
-            )
-        notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-        return [
-            (attach_alpha(tensor_to_pil(result[i : i + 1]), alpha), image, notes)
-            for i, (image, alpha) in enumerate(loaded)
-        ]
-
-    def save(path: Path, out: Path, item: tuple[Any, Any, list[str]]) -> None:
-        result, image, notes = item
-        for note in notes:
-            report(NAME, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
-        done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
-        save_image_atomic(
-            result,
-            out,
-            _metadata(args, done, path, hashes, pipeline),
-            source=path,  # the input's ICC profile and EXIF
-            quality=getattr(args, "quality", None),
-        )
-
-    todo = [job.source for job in jobs if job.output is not None and (args.overwrite or not job.output.exists())]
-    return SameSizeBatches(todo, args.batch_size, compute, save)
