@@ -164,8 +164,8 @@ def test_colour_stage_on_the_host_equals_device(unet, vae, photos, monkeypatch):
 
 def test_batch_equals_one_by_one(unet, vae, photos):
     """Noise per image is bit-identical; the outputs equal one-by-one runs to float rounding (<= 1e-4;
-    measured ~3e-6 in the velocity): a batch's time-conditioning matmuls run as GEMM, a single image's as
-    GEMV, which sum in a different order."""
+    measured ~3e-6 in the velocity): a batch's matrix products and convolutions sum in another order
+    than a single image's (the kernels are not batch-invariant)."""
     from flowlift.images import to_tensor
 
     pipe = FlowUpscalerPipeline(unet, vae, device="cpu", dtype=torch.float32)
