@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import argparse
 
+from flowlift.commands._options import add_device_options
+
 NAME = "app"
 HELP = "serve a local web page (Gradio) for upscaling, batches and, with --model, refining"
 EXAMPLES = """examples:
   flowlift app                                   # http://127.0.0.1:7860, upscaling with the released weights
   flowlift app --vae taef2 --vae flux2 --upscaler flow_upscaler.safetensors
   flowlift app --model black-forest-labs/FLUX.2-klein-4B   # adds the Refine tab"""
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def _port(text: str) -> int:
@@ -50,8 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="taef2|flux2|PATH",
         help="VAE to offer (repeatable; the first is the default; default flux2, as for flowlift upscale)",
     )
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto", help="default: bfloat16 on CUDA, else float32")
+    add_device_options(parser)
     parser.add_argument(
         "--max-upload-mb", type=_megabytes, default=50.0, metavar="MB", help="largest accepted upload (default 50)"
     )
@@ -72,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     config = AppConfig(
         upscaler=args.upscaler,
         vaes=args.vae or ["flux2"],
-        device=args.device,
+        device=None if args.device == "auto" else args.device,  # AppConfig: None picks CUDA if available
         dtype=args.dtype,
         max_upload_mb=args.max_upload_mb,
         model=args.model,
