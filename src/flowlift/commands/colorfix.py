@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from flowlift.commands._options import OUTPUT_FORMATS, quality, unit_interval
+
 NAME = "colorfix"
 HELP = "fix the colour drift of images from any upscaler against their sources (flowlift's stage 2)"
 
@@ -26,21 +28,10 @@ EXAMPLES = (
     "  flowlift colorfix photo_x4.png --reference photo.png --strength 0.5  # half the colour/tone difference"
 )
 
-OUTPUT_FORMATS = ("png", "jpg", "webp")
 
 
-def _unit_interval(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
 
 
-def _quality(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"must be in 1..100, got {text}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,11 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "<stem> or <stem>_x<N> with <stem>")  # fmt: skip
     parser.add_argument("-o", "--output", metavar="OUT",
                         help="output folder (default: next to each upscaled image); for one input, a file name")
-    parser.add_argument("--strength", type=_unit_interval, default=1.0, metavar="S",
+    parser.add_argument("--strength", type=unit_interval, default=1.0, metavar="S",
                         help="0..1: share of the colour/tone difference removed (default 1: all of it)")
     parser.add_argument("--format", choices=OUTPUT_FORMATS, default=None,
                         help="output format (default: the suffix of -o FILE, else png); ICC profile and EXIF kept")
-    parser.add_argument("--quality", type=_quality, default=None, metavar="Q",
+    parser.add_argument("--quality", type=quality, default=None, metavar="Q",
                         help="JPEG/WebP quality 1-100 (default 95; WebP at 100 is lossless)")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs instead of skipping")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")  # fmt: skip

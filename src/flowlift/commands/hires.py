@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from flowlift.commands._options import examples
+from flowlift.commands._options import examples, positive_int, unit_interval
 from flowlift.commands.img2img import (
     add_model_arguments,
     check_model_sources,
@@ -14,8 +14,6 @@ from flowlift.commands.img2img import (
     default_output,
     input_hashes,
     load_refiner_from_args,
-    positive_int,
-    unit_interval,
 )
 from flowlift.errors import FlowliftError
 

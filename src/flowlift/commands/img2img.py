@@ -7,7 +7,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from flowlift.commands._options import add_device_options, examples, finite_float, resolve_device_dtype
+from flowlift.commands._options import (
+    add_device_options,
+    examples,
+    finite_float,
+    positive_int,
+    resolve_device_dtype,
+    seed_value,
+    unit_interval,
+)
 from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
 
@@ -30,36 +38,6 @@ EXAMPLES = examples(
 
 
 # ------------------------------------------------------------------------------------ shared options
-
-
-def unit_interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def seed_value(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer seed: {text!r}") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"seed must be in [0, 2^63), got {value}")
-    return value
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

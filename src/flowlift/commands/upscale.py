@@ -16,9 +16,14 @@ from pathlib import Path
 from flowlift.commands._options import (
     DEFAULT_SCALE,
     DEFAULT_VAE,
+    OUTPUT_FORMATS,
     add_device_options,
     examples,
+    positive_int,
+    quality,
     resolve_device_dtype,
+    seed_value,
+    unit_interval,
 )
 from flowlift.console import show_progress
 
@@ -30,35 +35,14 @@ EXAMPLES = examples(
     "flowlift upscale photo.png -o big.jpg --quality 90         # format from -o, ICC profile and EXIF kept",
 )
 
-OUTPUT_FORMATS = ("png", "jpg", "webp")
 
 
-def _unit_interval(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return value
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
 
 
-def _seed(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
-def _quality(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"must be in 1..100, got {text}")
-    return value
 
 
 def output_format(output: str | None, requested: str | None) -> str:
@@ -88,19 +72,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     scale = parser.add_mutually_exclusive_group()
     scale.add_argument("--scale", type=int, choices=(2, 4, 8), help=f"upscale factor (default {DEFAULT_SCALE})")
-    scale.add_argument("--passes", type=_positive_int, metavar="N", help="number of 2x passes (scale 2**N)")
-    parser.add_argument("--seed", type=_seed, default=0, help="noise seed (default 0)")
+    scale.add_argument("--passes", type=positive_int, metavar="N", help="number of 2x passes (scale 2**N)")
+    parser.add_argument("--seed", type=seed_value, default=0, help="noise seed (default 0)")
     parser.add_argument("--no-color-fix", action="store_true", help="switch both colour-drift stages off")
     parser.add_argument(
         "--transplant-strength",
-        type=_unit_interval,
+        type=unit_interval,
         default=1.0,
         metavar="X",
         help="stage 1 latent low-band transplant, 0..1 (lower: truer to the input; 1: crisper; default 1)",
     )
     parser.add_argument(
         "--color-fix-strength",
-        type=_unit_interval,
+        type=unit_interval,
         default=1.0,
         metavar="X",
         help="stage 2 pixel L*a*b* low-band transplant, 0..1 (default 1)",
@@ -127,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quality",
-        type=_quality,
+        type=quality,
         default=None,
         metavar="Q",
         help="JPEG/WebP quality 1-100 (default 95; WebP at 100 is lossless)",
@@ -162,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="upscale up to N same-size inputs at once (each gets the noise it gets alone; default 1)",
