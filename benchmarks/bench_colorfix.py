@@ -3,7 +3,7 @@
     python benchmarks/bench_colorfix.py --device cpu --sides 1024 2048 --repeats 3
     python benchmarks/bench_colorfix.py --drift ../shared/images/photos/Wine_by_Jakkub_Mede.png
 
-``--drift PHOTO`` instead prints protocol A (flowlift.metrics.drift_at_input_scale) for the synthetic
+``--drift PHOTO`` instead prints protocol A (flowlift.measure.metrics.drift_at_input_scale) for the synthetic
 drift of tests/test_colorfix.py: the photo at 192 px wide, Lanczos-upscaled 4x, given a cast
 (+1.5 a*, -2 b*), +15 % chroma and a tone stretch (L* x1.1 around 50, +2), then stage 2 at
 strengths 0 / 0.5 / 1 against the 192 px photo.
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from flowlift.colorfix import lab_lowband_transplant, latent_lowband_transplant
+from flowlift.upscale.colorfix import lab_lowband_transplant, latent_lowband_transplant
 
 
 def _sync(device: torch.device) -> None:
@@ -53,8 +53,8 @@ def drift_table(photo_path: str) -> None:
     from kornia.color import lab_to_rgb, rgb_to_lab
     from PIL import Image
 
-    from flowlift.images import tensor_to_uint8, to_tensor
-    from flowlift.metrics import drift_at_input_scale
+    from flowlift.files.images import tensor_to_uint8, to_tensor
+    from flowlift.measure.metrics import drift_at_input_scale
 
     photo = Image.open(photo_path).convert("RGB")
     small = photo.resize((192, round(192 * photo.height / photo.width)), Image.Resampling.BOX)

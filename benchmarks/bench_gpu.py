@@ -4,9 +4,9 @@ Rows (random weights, fixed seed: time and memory do not depend on their values)
 
 * one UNet pass at 1024 and 2048 px output (latent 64 -> 128, 128 -> 256): eager per dtype (fp32,
   bf16, fp16, bf16 channels-last), eager under a CUDA graph, and ``torch.compile`` (the pipeline's
-  :class:`flowlift.unet_runner.CompiledUNet`, ``reduce-overhead`` on CUDA) in bf16 channels-last;
+  :class:`flowlift.upscale.unet_runner.CompiledUNet`, ``reduce-overhead`` on CUDA) in bf16 channels-last;
 * batch 1 vs 8 at 1024 px (per image);
-* plain forward vs the budget-sized :class:`flowlift.executor.ChunkedExecutor` vs offloaded stores
+* plain forward vs the budget-sized :class:`flowlift.upscale.chunked.executor.ChunkedExecutor` vs offloaded stores
   at 4K / 8K / 16K output, with peak device memory (``torch.cuda.max_memory_allocated``);
 * the end-to-end pipeline (TAEF2 from ``../shared/models/taef2``) 2048x1366 -> x8 without a budget
   and with ``max_memory`` 6GB and 3GB, with peak memory.
@@ -36,10 +36,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from flowlift.executor import ChunkedExecutor  # noqa: E402
-from flowlift.memory_plan import format_bytes, parse_memory  # noqa: E402
 from flowlift.models.upscaler_unet import FlowUpscalerUNet  # noqa: E402
-from flowlift.unet_runner import CompiledUNet  # noqa: E402
+from flowlift.upscale.chunked.executor import ChunkedExecutor  # noqa: E402
+from flowlift.upscale.memory_plan import format_bytes, parse_memory  # noqa: E402
+from flowlift.upscale.unet_runner import CompiledUNet  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -214,7 +214,7 @@ def executor_rows(table: Table, args: argparse.Namespace, device: torch.device, 
 def pipeline_rows(
     table: Table, args: argparse.Namespace, device: torch.device, base: int, size: tuple[int, int]
 ) -> None:
-    from flowlift.pipeline import FlowUpscalerPipeline
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
     shared = Path(os.environ.get("FLOWLIFT_SHARED", ROOT.parent / "shared"))
     taef2 = shared / "models" / "taef2"

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from flowlift.executor import ChunkedExecutor
 from flowlift.models.upscaler_unet import FlowUpscalerUNet
+from flowlift.upscale.chunked.executor import ChunkedExecutor
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

@@ -1,6 +1,6 @@
 """CPU peak RSS of the plain UNet forward and the ChunkedExecutor, in (1, base, H, W) fp32 frames.
 
-Calibrates ``flowlift.memory_plan``'s frame counts (PLAIN_PEAK_FRAMES, CHUNKED_STORE_FRAMES,
+Calibrates ``flowlift.upscale.memory_plan``'s frame counts (PLAIN_PEAK_FRAMES, CHUNKED_STORE_FRAMES,
 STRIP_ROW_FRAMES). Each measurement runs in its own process (Linux: VmHWM reset through
 /proc/self/clear_refs after a warm-up), so allocator reuse between runs cannot hide a peak::
 
@@ -26,8 +26,8 @@ def measure(mode: str, base: int, height: int, width: int, chunk: int) -> float:
     """Peak RSS growth of one forward, in frames of (1, base, height, width) float32."""
     import torch
 
-    from flowlift.executor import ChunkedExecutor
     from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.upscale.chunked.executor import ChunkedExecutor
 
     torch.manual_seed(0)
     model = FlowUpscalerUNet(base_channels=base, time_dim=32, cond_dim=64).eval()

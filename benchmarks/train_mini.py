@@ -59,12 +59,12 @@ def main() -> int:
     if args.full:
         args.base_channels, args.time_dim, args.cond_dim = 384, 512, 1024
 
-    from flowlift.images import list_images
+    from flowlift.files.images import list_images
+    from flowlift.models.vae import load_vae
     from flowlift.training.config import build_config
     from flowlift.training.datasets import build_images_dataset
     from flowlift.training.trainer import Trainer
     from flowlift.training.validation import evaluate_methods, load_validation_images, make_model_upscaler
-    from flowlift.vae import load_vae
 
     shared = Path(args.shared)
     device = torch.device(args.device)

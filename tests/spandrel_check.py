@@ -35,10 +35,10 @@ def make(out_dir: Path) -> dict:
 def direct(model_path: str, photos: list[str]) -> dict:
     import spandrel
 
-    from flowlift.evaluate import _load_rgb, prepare_pair
-    from flowlift.images import tensor_to_uint8, to_tensor
-    from flowlift.metrics import drift_at_input_scale
-    from flowlift.pixel_upscaler import read_model_state
+    from flowlift.files.images import tensor_to_uint8, to_tensor
+    from flowlift.measure.evaluate import _load_rgb, prepare_pair
+    from flowlift.measure.metrics import drift_at_input_scale
+    from flowlift.measure.pixel_upscaler import read_model_state
 
     state = spandrel.canonicalize_state_dict(read_model_state(model_path))
     descriptor = spandrel.ModelLoader().load_from_state_dict(state).eval()
@@ -52,7 +52,7 @@ def direct(model_path: str, photos: list[str]) -> dict:
 
 
 def tiling(model_path: str, height: int, width: int, tile: int, overlaps: list[int]) -> dict:
-    from flowlift.pixel_upscaler import load_pixel_upscaler
+    from flowlift.measure.pixel_upscaler import load_pixel_upscaler
 
     torch.manual_seed(1)
     image = torch.rand(1, 3, height, width)

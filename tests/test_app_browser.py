@@ -53,7 +53,7 @@ def app_server(shared, tmp_path):
     port = free_port()
     env = subprocess_env(tmp_path)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # a tiny model: threads only contend
-    command = [sys.executable, "-m", "flowlift.cli", "app", "--upscaler", str(weights)]
+    command = [sys.executable, "-m", "flowlift", "app", "--upscaler", str(weights)]
     command += ["--vae", str(shared / "models" / "taef2"), "--device", "cpu", "--port", str(port)]
     log = open(tmp_path / "server.log", "w+")  # noqa: SIM115 - closed below
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)

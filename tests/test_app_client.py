@@ -13,8 +13,8 @@ from gradio_client.utils import Status
 from PIL import Image
 
 from app_helpers import free_port, is_loopback, listening_addresses, tiny_upscaler
-from flowlift.app import build_app, launch
-from flowlift.app_service import AppConfig, AppService
+from flowlift.app.page import build_app, launch
+from flowlift.app.service import AppConfig, AppService
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ def test_a_taken_port_is_one_error_line(capsys, tmp_path, monkeypatch):
     import socket
     import threading
 
-    from flowlift.cli import main
+    from flowlift.commands.cli import main
 
     monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "gradio"))
     outcome = []

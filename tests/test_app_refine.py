@@ -9,9 +9,9 @@ import torch
 from PIL import Image
 
 from app_helpers import tiny_upscaler
-from flowlift.app_refine import refine
-from flowlift.app_service import AppConfig, AppService
-from flowlift.cli import main
+from flowlift.app.refine_tab import refine
+from flowlift.app.service import AppConfig, AppService
+from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 from tiny_flux2 import prompt_embeds, tiny_transformer, tiny_vae
 
@@ -88,7 +88,7 @@ def test_hires_fix_and_errors(service, inputs, tmp_path):
 
 
 def test_refine_tab_only_with_a_model(service, tmp_path):
-    from flowlift.app import build_app
+    from flowlift.app.page import build_app
 
     with_model = {fn.api_name for fn in build_app(service).fns.values()}
     without = {fn.api_name for fn in build_app(AppService(AppConfig(work_dir=tmp_path))).fns.values()}

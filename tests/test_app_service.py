@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 from app_helpers import bomb_png, tiny_upscaler
-from flowlift.app_service import AppConfig, AppService, check_upload
-from flowlift.cli import main
+from flowlift.app.service import AppConfig, AppService, check_upload
+from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 
 

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from flowlift import bands as B
 from flowlift.errors import FlowliftError
+from flowlift.measure import bands as B
 
 FACTOR = 8
 MIX = torch.tensor(np.random.default_rng(0).standard_normal((3, 4)) * 0.1, dtype=torch.float32)
@@ -116,9 +116,9 @@ def _fake_vae_module(monkeypatch, vae_cls):
     import sys
     import types
 
-    module = types.ModuleType("flowlift.vae")
+    module = types.ModuleType("flowlift.models.vae")
     module.load_vae = lambda spec, device="cpu", dtype=torch.float32: vae_cls()
-    monkeypatch.setitem(sys.modules, "flowlift.vae", module)
+    monkeypatch.setitem(sys.modules, "flowlift.models.vae", module)
 
 
 class IdealVAE:
@@ -135,7 +135,7 @@ class IdealVAE:
 def test_bands_cli_writes_table_json_heatmap(monkeypatch, shared, tmp_path, capsys):
     import json
 
-    from flowlift.cli import main
+    from flowlift.commands.cli import main
 
     _fake_vae_module(monkeypatch, IdealVAE)
     out = tmp_path / "bands"
@@ -164,8 +164,8 @@ def test_bands_cli_writes_table_json_heatmap(monkeypatch, shared, tmp_path, caps
 def test_taef2_band_response_on_a_real_crop(shared):
     from PIL import Image
 
-    from flowlift.images import to_tensor
-    from flowlift.vae import load_vae
+    from flowlift.files.images import to_tensor
+    from flowlift.models.vae import load_vae
 
     vae = load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
     with Image.open(shared / "images" / "kodak" / "kodim23.png") as im:
@@ -183,7 +183,7 @@ def test_taef2_band_response_on_a_real_crop(shared):
 def test_bands_records_bin_counts_and_warns_when_small(monkeypatch, shared, tmp_path, capsys):
     import json
 
-    from flowlift.cli import main
+    from flowlift.commands.cli import main
 
     assert B.latent_bin_counts(32, 20) == [1, 8, 22, 88, 372]  # a 256x160 image: only DC below 1/16
     assert min(B.latent_bin_counts(64, 64)) >= B.MIN_BINS_PER_BAND

@@ -1,4 +1,4 @@
-"""flowlift.batch: planning, resume and one-line failures, without any model."""
+"""flowlift.jobs.batch: planning, resume and one-line failures, without any model."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from flowlift.batch import Job, pending, plan_jobs, run_jobs
 from flowlift.errors import FlowliftError
+from flowlift.jobs.batch import Job, pending, plan_jobs, run_jobs
 
 SUFFIXES = (".png", ".jpg")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from flowlift.cli import main
+from flowlift.commands.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_batch_size_groups_same_size_inputs_and_matches_one_by_one(tmp_path, sha
     single, batched = tmp_path / "one", tmp_path / "batched"
     assert main(["upscale", str(src), "-o", str(single), *_common(shared, weights)]) == 1
     capsys.readouterr()
-    from flowlift.upscale_batches import SameSizeBatches
+    from flowlift.upscale.batches import SameSizeBatches
 
     runs: list[int] = []
     original = SameSizeBatches.__call__

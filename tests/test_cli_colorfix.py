@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flowlift.colorfix import lab_lowband_transplant
-from flowlift.images import tensor_to_uint8, to_tensor
-from flowlift.metrics import drift_at_input_scale
+from flowlift.files.images import tensor_to_uint8, to_tensor
+from flowlift.measure.metrics import drift_at_input_scale
+from flowlift.upscale.colorfix import lab_lowband_transplant
 from test_colorfix_image import make_drifted_pair
 
 
@@ -21,7 +21,7 @@ def drifted_pair(shared):
 
 
 def _colorfix(argv: list[str], capsys) -> tuple[int, list[str]]:
-    from flowlift.cli import main
+    from flowlift.commands.cli import main
 
     code = main(["colorfix", *argv])
     return code, [line for line in capsys.readouterr().err.splitlines() if line.startswith("flowlift")]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from flowlift.cli import main
+from flowlift.commands.cli import main
 from tiny_flux2 import prompt_embeds, tiny_transformer, tiny_vae
 
 W, H = 64, 48
@@ -240,7 +240,7 @@ def test_bad_model_is_one_line(capsys, tmp_path, embeds_file, photo):
 
 def test_argument_choices_mirror_the_api():
     from flowlift.commands import img2img
-    from flowlift.refine import SAMPLERS, STRENGTH_MAPS
+    from flowlift.refine.refiner import SAMPLERS, STRENGTH_MAPS
 
     assert img2img.SAMPLERS == SAMPLERS and img2img.STRENGTH_MAPS == STRENGTH_MAPS
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from flowlift.cli import main
-from flowlift.images import file_sha256
+from flowlift.commands.cli import main
+from flowlift.files.images import file_sha256
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Both colour-drift stages: exact low-band transplants (flowlift.colorfix)."""
+"""Both colour-drift stages: exact low-band transplants (flowlift.upscale.colorfix)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from flowlift.colorfix import (
+from flowlift.files.images import to_tensor
+from flowlift.measure.metrics import drift_at_input_scale
+from flowlift.upscale.colorfix import (
     area_downsample,
     area_matrix,
     integer_area_tridiagonal,
@@ -19,8 +21,6 @@ from flowlift.colorfix import (
     lowband_grid,
     solve_tridiagonal,
 )
-from flowlift.images import to_tensor
-from flowlift.metrics import drift_at_input_scale
 
 
 @pytest.mark.parametrize("sizes", [(64, 48, 8, 6), (60, 44, 7, 5), (1024, 40, 256, 10), (5, 3, 5, 3)])

@@ -1,4 +1,4 @@
-"""Stage 2 on any upscaled image (flowlift.colorfix_image) and the `flowlift colorfix` command."""
+"""Stage 2 on any upscaled image (flowlift.upscale.colorfix_image) and the `flowlift colorfix` command."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import pytest
 import torch
 from PIL import Image
 
-from flowlift.colorfix import lab_lowband_transplant
-from flowlift.colorfix_image import color_fix_array, color_fix_image, integer_scale
 from flowlift.errors import FlowliftError
-from flowlift.images import tensor_to_uint8, to_tensor
-from flowlift.metrics import drift_at_input_scale
+from flowlift.files.images import tensor_to_uint8, to_tensor
+from flowlift.measure.metrics import drift_at_input_scale
+from flowlift.upscale.colorfix import lab_lowband_transplant
+from flowlift.upscale.colorfix_image import color_fix_array, color_fix_image, integer_scale
 
 
 def _lab_drift(rgb: torch.Tensor) -> torch.Tensor:

@@ -27,11 +27,11 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from comfy_venv import comfy_env, comfy_python, comfyui_dir
-from flowlift.colorfix import lab_lowband_transplant
-from flowlift.latents import from_comfyui_latent, patchify
+from flowlift.flux2.latents import from_comfyui_latent, patchify
 from flowlift.models.upscaler_unet import FlowUpscalerUNet, load_upscaler, save_upscaler
-from flowlift.pipeline import FlowUpscalerPipeline
-from flowlift.vae import load_vae
+from flowlift.models.vae import load_vae
+from flowlift.upscale.colorfix import lab_lowband_transplant
+from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = REPO_ROOT / "example_workflows"

@@ -12,7 +12,7 @@ import torch
 
 from flowlift.comfyui import layouts as L
 from flowlift.errors import FlowliftError
-from flowlift.latents import patchify
+from flowlift.flux2.latents import patchify
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

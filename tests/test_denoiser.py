@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowlift.denoiser import (
+from flowlift.errors import FlowliftError
+from flowlift.flux2.denoiser import (
     Flux2Denoiser,
     cfg_combine,
     latent_position_ids,
     reference_position_ids,
     text_position_ids,
 )
-from flowlift.errors import FlowliftError
 from tiny_flux2 import DiffusersHelpers as P
 from tiny_flux2 import Spy, prompt_embeds, tiny_transformer
 
@@ -142,7 +142,7 @@ def test_reference_images_are_clean_tokens_with_t_offsets(klein):
     ids = spy.seen[0]["img_ids"]
     assert ids[:4, 0].tolist() == [0] * 4 and ids[4:10, 0].tolist() == [10] * 6 and ids[10:, 0].tolist() == [20] * 8
     # the reference tokens are the clean latents themselves (no noise mixed in)
-    from flowlift.latents import pack, patchify
+    from flowlift.flux2.latents import pack, patchify
 
     torch.testing.assert_close(spy.seen[0]["hidden_states"][:, 4:10], pack(patchify(refs[0])))
     assert not torch.allclose(got, Flux2Denoiser(klein, emb)(x, 0.7), atol=1e-4)

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from flowlift.distributed import DistEnv, image_pixels, probe_and_gather, rank_device, shard_by_pixels
 from flowlift.errors import FlowliftError
-from flowlift.manifest import MANIFEST_NAME, Manifest, format_status, image_record, job_status, latest_by_output
+from flowlift.jobs.distributed import DistEnv, image_pixels, probe_and_gather, rank_device, shard_by_pixels
+from flowlift.jobs.manifest import MANIFEST_NAME, Manifest, format_status, image_record, job_status, latest_by_output
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(nproc: int, *cli_args: str, program: tuple[str, ...] = ("-m", "flowlift.cli", "--")) -> list[str]:
+def torchrun_command(nproc: int, *cli_args: str, program: tuple[str, ...] = ("-m", "flowlift", "--")) -> list[str]:
     """``torchrun`` on one host, rendezvous on a free 127.0.0.1 port (the multi-host form of the command).
 
     ``--`` ends torchrun's options: it would take eval's ``--run`` as an abbreviation of its ``--run-path``.
@@ -178,9 +178,9 @@ def test_job_status_counts_latest_records(tmp_path):
 
 
 def test_scaleout_refusals_are_one_line_errors(tmp_path, capsys):
-    from flowlift.batch import Job
-    from flowlift.cli import main
-    from flowlift.scaleout import run_batch
+    from flowlift.commands.cli import main
+    from flowlift.jobs.batch import Job
+    from flowlift.jobs.scaleout import run_batch
 
     jobs = [Job(tmp_path / "a.png", tmp_path / "a_x2.png")]
     for output in (None, str(tmp_path / "one.png")):  # no folder for the manifest
@@ -197,7 +197,7 @@ def test_scaleout_refusals_are_one_line_errors(tmp_path, capsys):
 BARRIER_SCRIPT = """
 import os
 import time
-from flowlift.distributed import DistEnv, finish, process_group
+from flowlift.jobs.distributed import DistEnv, finish, process_group
 
 
 def say(line):
@@ -246,7 +246,7 @@ def photos(tmp_path_factory, shared):
 
 
 def test_eval_run_sharded_equals_single_process(tmp_path, shared, photos, single_thread_torch):
-    from flowlift.cli import main
+    from flowlift.commands.cli import main
 
     common = ["--run", "lanczos,vae-roundtrip", "--dataset", str(photos), "--scale", "2",
               "--vae", str(shared / "models" / "taef2"), "--quiet"]  # fmt: skip
@@ -309,7 +309,7 @@ def outputs_of(out: Path) -> dict[str, bytes]:
 def test_sharded_upscale_equals_one_process_and_reports_the_corrupt_image(
     tmp_path, shared, weights, inputs, single_thread_torch, capsys
 ):
-    from flowlift.cli import main
+    from flowlift.commands.cli import main
 
     assert main(upscale_args(inputs, tmp_path / "one", shared, weights)) == 1  # the corrupt input fails
     assert not (tmp_path / "one" / MANIFEST_NAME).exists()  # one process, no job: nothing new written
@@ -350,7 +350,7 @@ def test_killed_rank_loses_only_its_image_in_flight_and_reruns_finish_the_job(
     import signal
     import time
 
-    from flowlift.cli import main
+    from flowlift.commands.cli import main
 
     src, out = tmp_path / "in", tmp_path / "out"
     src.mkdir()

@@ -7,10 +7,10 @@ import pytest
 import torch
 from PIL import Image
 
-from flowlift import evaluate as E
-from flowlift import metrics as M
-from flowlift.cli import main
+from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
+from flowlift.measure import evaluate as E
+from flowlift.measure import metrics as M
 
 
 class BlockVAE:
@@ -224,7 +224,7 @@ def test_cli_pairs_and_errors(photos, tmp_path, capsys):
 
 
 def test_vae_roundtrip_with_real_taef2_is_clean(shared, photos):
-    from flowlift.vae import load_vae
+    from flowlift.models.vae import load_vae
 
     vae = load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
     with Image.open(photos / "kodim23.png") as im:
@@ -239,9 +239,9 @@ def test_cli_run_with_vae_methods_and_cache(monkeypatch, photos, tmp_path, capsy
     import sys
     import types
 
-    module = types.ModuleType("flowlift.vae")
+    module = types.ModuleType("flowlift.models.vae")
     module.load_vae = lambda spec, device="cpu", dtype=torch.float32: BlockVAE()
-    monkeypatch.setitem(sys.modules, "flowlift.vae", module)
+    monkeypatch.setitem(sys.modules, "flowlift.models.vae", module)
     weights = tmp_path / "vae.safetensors"
     weights.write_bytes(b"one")
     out = tmp_path / "run"
@@ -279,7 +279,7 @@ def test_flow_method_passes_its_knobs_to_the_pipeline():
 
 
 def test_latent_bicubic_interpolates_raw_latents_when_the_vae_has_statistics():
-    from flowlift.latents import denormalize, normalize
+    from flowlift.flux2.latents import denormalize, normalize
 
     mean = torch.linspace(-1, 1, 128)
     std = torch.linspace(0.5, 2, 128)

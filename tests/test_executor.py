@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch.utils.flop_counter import FlopCounterMode
 
-from flowlift import executor as E
 from flowlift.errors import FlowliftError
 from flowlift.models import upscaler_unet as U
+from flowlift.upscale.chunked import executor as E
 
 
 def small_model(seed: int = 0, base: int = 16) -> U.FlowUpscalerUNet:
@@ -190,7 +190,7 @@ def test_offloaded_reads_are_mostly_predicted_with_many_strips():
 
 
 def test_offloaded_stores_drop_predictions_overwritten_before_use():
-    from flowlift.strip_io import OffloadedStores
+    from flowlift.upscale.chunked.strip_io import OffloadedStores
 
     stores = OffloadedStores(torch.device("cpu"), torch.float32, torch.device("cpu"))
     frame = torch.arange(2 * 3 * 12 * 4, dtype=torch.float32).view(2, 3, 12, 4)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from flowlift.cli import build_parser, main
+from flowlift.commands.cli import build_parser, main
 from flowlift.errors import FlowliftError
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -35,7 +35,7 @@ def photo(tmp_path):
 def test_download_command_is_the_one_the_installed_hub_ships(monkeypatch):
     import huggingface_hub
 
-    from flowlift import hub
+    from flowlift.models import hub
 
     monkeypatch.setattr(huggingface_hub, "__version__", "1.2.0")
     assert hub.download_command("o/r", ["f.safetensors"]) == "hf download o/r f.safetensors"
@@ -46,8 +46,8 @@ def test_download_command_is_the_one_the_installed_hub_ships(monkeypatch):
 
 
 def test_missing_upscaler_says_once_how_to_download_and_where_it_goes():
-    from flowlift.hub import cache_folder
-    from flowlift.pipeline import resolve_upscaler_file
+    from flowlift.models.hub import cache_folder
+    from flowlift.upscale.pipeline import resolve_upscaler_file
 
     with pytest.raises(FlowliftError) as caught:
         resolve_upscaler_file("TensorForger/NoSuchRepoCached")
@@ -81,17 +81,17 @@ def test_no_huggingface_cli_advice_left_in_code_or_docs():
     ],
 )
 def test_looks_like_path(source, is_path):
-    from flowlift.hub import looks_like_path
-    from flowlift.weights import looks_like_repo_id
+    from flowlift.models.hub import looks_like_path
+    from flowlift.models.weights import looks_like_repo_id
 
     assert looks_like_path(source) is is_path
     assert looks_like_repo_id(source) is (not is_path)
 
 
 def test_mistyped_local_paths_say_no_such_file(tmp_path):
-    from flowlift.pipeline import resolve_upscaler_file
-    from flowlift.refine import load_transformer
-    from flowlift.vae import load_vae
+    from flowlift.models.vae import load_vae
+    from flowlift.refine.refiner import load_transformer
+    from flowlift.upscale.pipeline import resolve_upscaler_file
 
     for call in (
         lambda: resolve_upscaler_file("models/fu.safetensors"),
@@ -108,7 +108,7 @@ def test_mistyped_local_paths_say_no_such_file(tmp_path):
 
 def test_missing_vae_fails_before_the_unet_loads(tmp_path, monkeypatch):
     import flowlift.models.upscaler_unet as unet_module
-    from flowlift.pipeline import FlowUpscalerPipeline
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("the UNet was loaded before the VAE was checked")
@@ -124,7 +124,7 @@ def test_missing_vae_fails_before_the_unet_loads(tmp_path, monkeypatch):
 
 @pytest.fixture
 def no_model_loads(monkeypatch):
-    import flowlift.refine as refine
+    import flowlift.refine.refiner as refine
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the inputs were checked")
@@ -172,7 +172,7 @@ def test_hires_checks_the_upscaler_before_loading(tmp_path, capsys, no_model_loa
 
 
 def test_offline_hub_model_error_says_cache_and_command():
-    from flowlift.refine import load_transformer
+    from flowlift.refine.refiner import load_transformer
 
     with pytest.raises(FlowliftError) as caught:
         load_transformer("someone/flux2-not-cached", dtype=torch.float32)
@@ -184,7 +184,7 @@ def test_offline_hub_model_error_says_cache_and_command():
 def test_wrong_single_file_is_named_as_not_a_flux2_transformer(tmp_path):
     from safetensors.torch import save_file
 
-    from flowlift.refine import load_transformer
+    from flowlift.refine.refiner import load_transformer
 
     path = tmp_path / "unet.safetensors"
     save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(2, 2)}, str(path))
@@ -216,7 +216,7 @@ def test_library_noise_is_silenced_unless_verbose(monkeypatch, capsys):
             quiet_libraries(verbose=False)
             warnings.warn_explicit("local_dir_use_symlinks is deprecated", FutureWarning, "x.py", 2,
                                    module="huggingface_hub.utils._validators")  # fmt: skip
-            warnings.warn_explicit("flowlift's own", UserWarning, "y.py", 3, module="flowlift.images")
+            warnings.warn_explicit("flowlift's own", UserWarning, "y.py", 3, module="flowlift.files.images")
         assert [str(w.message) for w in caught] == ["local_dir_use_symlinks is deprecated", "flowlift's own"]
         capsys.readouterr()
         logger.warning("Cannot initialize model with low cpu memory usage because `accelerate` was not found")

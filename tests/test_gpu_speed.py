@@ -11,9 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from flowlift import memory_plan as M
 from flowlift.errors import FlowliftError
-from flowlift.pipeline import FlowUpscalerPipeline, pass_generator
+from flowlift.upscale import memory_plan as M
+from flowlift.upscale.pipeline import FlowUpscalerPipeline, pass_generator
 
 GIB = 2**30
 
@@ -28,7 +28,7 @@ def unet():
 
 @pytest.fixture(scope="module")
 def vae(shared):
-    from flowlift.vae import load_vae
+    from flowlift.models.vae import load_vae
 
     return load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
 
@@ -166,7 +166,7 @@ def test_batch_equals_one_by_one(unet, vae, photos):
     """Noise per image is bit-identical; the outputs equal one-by-one runs to float rounding (<= 1e-4;
     measured ~3e-6 in the velocity): a batch's matrix products and convolutions sum in another order
     than a single image's (the kernels are not batch-invariant)."""
-    from flowlift.images import to_tensor
+    from flowlift.files.images import to_tensor
 
     pipe = FlowUpscalerPipeline(unet, vae, device="cpu", dtype=torch.float32)
     batch = torch.cat([to_tensor(p) for p in photos])
@@ -201,7 +201,7 @@ class _NoVAE:
 def test_compiled_unet_compiles_once_per_shape(unet):
     from torch._dynamo.testing import CompileCounter
 
-    from flowlift.unet_runner import CompiledUNet
+    from flowlift.upscale.unet_runner import CompiledUNet
 
     counter = CompileCounter()
     lines: list[str] = []
@@ -221,7 +221,7 @@ def test_compiled_unet_compiles_once_per_shape(unet):
 def test_compiled_unet_equals_eager(unet):
     """Through dynamo and AOT autograd (``aot_eager``: fast on 2 CPU cores); inductor itself in
     ``test_inductor_compiled_unet_equals_eager`` (opt-in: minutes of C++ compilation on a small CPU)."""
-    from flowlift.unet_runner import CompiledUNet
+    from flowlift.upscale.unet_runner import CompiledUNet
 
     compiled = CompiledUNet(unet, backend="aot_eager", report=lambda _line: None)
     sample, small, t = torch.randn(1, 32, 16, 16), torch.randn(1, 32, 8, 8), torch.tensor([1000.0])
@@ -234,7 +234,7 @@ def test_compiled_unet_equals_eager(unet):
     not __import__("os").environ.get("FLOWLIFT_SLOW_TESTS"), reason="set FLOWLIFT_SLOW_TESTS=1 (inductor compile)"
 )
 def test_inductor_compiled_unet_equals_eager(unet):
-    from flowlift.unet_runner import CompiledUNet
+    from flowlift.upscale.unet_runner import CompiledUNet
 
     compiled = CompiledUNet(unet, report=lambda _line: None)
     sample, small, t = torch.randn(1, 32, 16, 16), torch.randn(1, 32, 8, 8), torch.tensor([1000.0])
@@ -244,7 +244,7 @@ def test_inductor_compiled_unet_equals_eager(unet):
 
 
 def test_compile_failure_falls_back_to_eager_with_one_warning(unet, vae, photos):
-    from flowlift.unet_runner import CompiledUNet
+    from flowlift.upscale.unet_runner import CompiledUNet
 
     def broken_backend(graph, example_inputs):
         raise RuntimeError("no compiler here")

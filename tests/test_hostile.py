@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from flowlift.cli import main
+from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")  # tiny models: fastest single-threaded
@@ -98,7 +98,7 @@ def test_non_float_weights_are_refused(tiny_weights, tmp_path, dtype):
 
 
 def test_load_strict_refuses_non_float_and_non_finite_for_any_module():
-    from flowlift.weights import load_strict
+    from flowlift.models.weights import load_strict
 
     module = torch.nn.Linear(3, 2)
     good = {k: v.clone() for k, v in module.state_dict().items()}
@@ -139,7 +139,7 @@ TINY_UNET_STR = {k: str(v) for k, v in TINY_UNET.items()}
 
 @pytest.mark.parametrize("kind", sorted(NON_FINITE))
 def test_non_finite_vae_weights_are_refused(shared, tmp_path, kind):
-    from flowlift.vae import load_vae
+    from flowlift.models.vae import load_vae
 
     for part in ("encoder", "decoder"):
         state = torch.load(shared / "models" / "taef2" / f"taef2_{part}.pth", map_location="cpu", weights_only=True)
@@ -153,7 +153,7 @@ def test_non_finite_vae_weights_are_refused(shared, tmp_path, kind):
 
 
 def test_pickled_code_is_refused_without_advising_weights_only_false(tmp_path):
-    from flowlift.weights import read_state_dict
+    from flowlift.models.weights import read_state_dict
 
     class Payload:
         def __reduce__(self):
@@ -174,7 +174,7 @@ def test_pickled_code_is_refused_without_advising_weights_only_false(tmp_path):
 
 @pytest.mark.parametrize("kind", sorted(NON_FINITE))
 def test_non_finite_prompt_embeddings_are_refused_at_load(tmp_path, kind):
-    from flowlift.refine import load_prompt_embeds
+    from flowlift.refine.refiner import load_prompt_embeds
 
     embeds = torch.zeros(1, 4, 8)
     embeds[0, 2, 3] = NON_FINITE[kind]
@@ -229,14 +229,14 @@ def _hostile_images():
 @pytest.mark.parametrize("label, image, message", list(_hostile_images()), ids=lambda x: x if isinstance(x, str)
                          else None)
 def test_to_tensor_refuses_images_outside_the_convention(label, image, message):
-    from flowlift.images import to_tensor
+    from flowlift.files.images import to_tensor
 
     with pytest.raises(FlowliftError, match=message):
         to_tensor(image)
 
 
 def test_to_tensor_scales_integers_by_their_range_and_keeps_rounding_noise():
-    from flowlift.images import to_tensor
+    from flowlift.files.images import to_tensor
 
     u8 = np.full((4, 4, 3), 255, np.uint8)
     u16 = np.full((4, 4, 3), 65535, np.uint16)
@@ -249,7 +249,7 @@ def test_to_tensor_scales_integers_by_their_range_and_keeps_rounding_noise():
 
 @pytest.mark.parametrize("kind", sorted(NON_FINITE))
 def test_tensor_to_uint8_refuses_non_finite_pixels(kind):
-    from flowlift.images import tensor_to_pil, tensor_to_uint8
+    from flowlift.files.images import tensor_to_pil, tensor_to_uint8
 
     image = torch.rand(1, 3, 8, 8)
     image[0, 1, 2, 3] = NON_FINITE[kind]
@@ -260,7 +260,7 @@ def test_tensor_to_uint8_refuses_non_finite_pixels(kind):
 
 
 def test_float_tiff_with_nan_is_one_line_without_numpy_warning(tmp_path):
-    from flowlift.images import load_image
+    from flowlift.files.images import load_image
 
     values = np.full((8, 8), 0.5, np.float32)
     values[2, 2] = np.nan
@@ -272,7 +272,7 @@ def test_float_tiff_with_nan_is_one_line_without_numpy_warning(tmp_path):
 
 
 def test_decompression_bomb_in_dataset_folder_is_one_line(tmp_path, shared, monkeypatch, capsys):
-    import flowlift.images as images
+    import flowlift.files.images as images
 
     for size in ((40, 40), (64, 64)):
         Image.new("RGB", size, (10, 20, 30)).save(tmp_path / f"img{size[0]}.png")
@@ -351,7 +351,7 @@ def test_non_finite_numeric_options_are_refused(tmp_path, capsys, value):
 
 
 def test_outpaint_canvas_is_capped_before_loading_anything(tmp_path, capsys):
-    from flowlift.refine import outpaint_pads
+    from flowlift.refine.refiner import outpaint_pads
 
     with pytest.raises(FlowliftError, match="MAX_OUTPUT_SIDE"):
         outpaint_pads(64, 64, 0, 0, 10**9, 0)
@@ -366,8 +366,8 @@ def test_outpaint_canvas_is_capped_before_loading_anything(tmp_path, capsys):
 
 
 def test_cli_turns_warnings_into_one_flowlift_line_and_drops_third_party_ones(capsys):
-    from flowlift.cli import _one_line_warnings
-    from flowlift.images import FlowliftWarning
+    from flowlift.commands.cli import _one_line_warnings
+    from flowlift.files.images import FlowliftWarning
 
     show = _one_line_warnings("upscale")
     show(RuntimeWarning("invalid value encountered in cast"), RuntimeWarning, np.__file__, 1)
@@ -644,7 +644,7 @@ def test_dropout_does_not_break_accumulation_equivalence(train_data, tmp_path):
 _KILLED_WRITER = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[2])
-from flowlift.atomic import atomic_output
+from flowlift.files.atomic import atomic_output
 with atomic_output(sys.argv[1]) as tmp:
     tmp.write_bytes(open(sys.argv[3], "rb").read()[:100])
     os.kill(os.getpid(), signal.SIGKILL)
@@ -667,8 +667,8 @@ def _killed_mid_write(target: Path, source_image: Path) -> list[Path]:
 
 
 def test_temporary_names_are_not_image_names_and_fit_the_name_limit(tmp_path):
-    from flowlift.atomic import TEMP_SUFFIX, atomic_output, is_temporary
-    from flowlift.images import IMAGE_SUFFIXES
+    from flowlift.files.atomic import TEMP_SUFFIX, atomic_output, is_temporary
+    from flowlift.files.images import IMAGE_SUFFIXES
 
     longest = "x" * 251 + ".png"  # a legal 255-byte name
     with atomic_output(tmp_path / longest) as tmp:
@@ -686,7 +686,7 @@ def test_temporary_names_are_not_image_names_and_fit_the_name_limit(tmp_path):
 
 
 def test_atomic_output_fsyncs_file_then_folder(tmp_path, monkeypatch):
-    from flowlift import atomic
+    from flowlift.files import atomic
 
     synced = []
     real_fsync = os.fsync
@@ -703,8 +703,8 @@ def test_atomic_output_fsyncs_file_then_folder(tmp_path, monkeypatch):
 
 
 def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
-    from flowlift.atomic import atomic_output
-    from flowlift.cli import _sigterm_as_interrupt
+    from flowlift.commands.cli import _sigterm_as_interrupt
+    from flowlift.files.atomic import atomic_output
 
     with pytest.raises(KeyboardInterrupt):
         with _sigterm_as_interrupt():
@@ -782,7 +782,7 @@ class _VelocityFrom:
 @pytest.mark.parametrize("kind", sorted(NON_FINITE))
 @pytest.mark.parametrize("bad_pass", [1, 2, 3])
 def test_a_non_finite_pass_is_named_and_nothing_is_returned(kind, bad_pass):
-    from flowlift.pipeline import FlowUpscalerPipeline
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
     pipe = FlowUpscalerPipeline(_VelocityFrom(bad_pass, NON_FINITE[kind]), _AverageVAE(), device="cpu",
                                 dtype=torch.float32)
@@ -792,7 +792,7 @@ def test_a_non_finite_pass_is_named_and_nothing_is_returned(kind, bad_pass):
 
 @pytest.mark.parametrize("stage", ["encode", "decode"])
 def test_non_finite_vae_output_is_named(stage):
-    from flowlift.pipeline import FlowUpscalerPipeline
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
     pipe = FlowUpscalerPipeline(_VelocityFrom(), _AverageVAE(stage), device="cpu", dtype=torch.float32)
     with pytest.raises(FlowliftError, match=f"VAE {stage}r produced non-finite"):
@@ -816,7 +816,7 @@ def test_non_finite_vae_output_is_named(stage):
     ],
 )
 def test_upscale_image_validates_its_arguments(kwargs, message):
-    from flowlift.pipeline import FlowUpscalerPipeline
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
     pipe = FlowUpscalerPipeline(_VelocityFrom(), _AverageVAE(), device="cpu", dtype=torch.float32)
     with pytest.raises(FlowliftError, match=message):
@@ -828,8 +828,8 @@ def test_upscale_image_validates_its_arguments(kwargs, message):
 
 
 def test_the_cap_is_on_the_computed_canvas_and_the_warning_names_the_real_size():
-    from flowlift.pipeline import FlowUpscalerPipeline
-    from flowlift.upscale_sizes import planned_passes, upscaled_size
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+    from flowlift.upscale.sizes import planned_passes, upscaled_size
 
     assert planned_passes(1, 1, 20) == 10  # a 16x16 canvas: 10 passes reach 16384, not the 14 of 1 px
     assert planned_passes(1, 1, 20, "resample") == 10
@@ -910,7 +910,7 @@ def test_bad_paths_cost_one_line_each_and_the_batch_goes_on(shared, tiny_weights
 
 
 def test_output_targets_are_checked_before_any_compute(shared, tiny_weights, tmp_path, capsys, monkeypatch):
-    import flowlift.pipeline as pipeline
+    import flowlift.upscale.pipeline as pipeline
 
     Image.new("RGB", (48, 32)).save(tmp_path / "a.png")
     Image.new("RGB", (8192, 16)).save(tmp_path / "wide.png")  # 2x: 16384 px, one over WebP's limit

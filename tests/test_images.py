@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from flowlift.errors import FlowliftError
-from flowlift.images import (
+from flowlift.files.images import (
     file_sha256,
     list_images,
     load_image,
@@ -75,7 +75,7 @@ def test_bad_files_raise_one_line_errors(tmp_path):
 
 
 def test_decompression_bomb_refused(tmp_path, monkeypatch):
-    import flowlift.images as images
+    import flowlift.files.images as images
 
     Image.fromarray(_gradient(64, 64)).save(tmp_path / "big.png")
     monkeypatch.setattr(images, "MAX_INPUT_PIXELS", 1000)

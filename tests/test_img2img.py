@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from flowlift.img2img import InpaintMerger, denoise, gaussian_flow_velocity, prepare_start_latents
-from flowlift.latents import bn_std as make_bn_std
-from flowlift.latents import denormalize, normalize, seeded_noise
-from flowlift.schedule import flux2_sigmas
+from flowlift.flux2.img2img import InpaintMerger, denoise, gaussian_flow_velocity, prepare_start_latents
+from flowlift.flux2.latents import bn_std as make_bn_std
+from flowlift.flux2.latents import denormalize, normalize, seeded_noise
+from flowlift.flux2.schedule import flux2_sigmas
 
 # BN statistics shaped like the real FLUX.2 VAE's: running_var 2.91...3.47 -> bn_std ~1.77.
 BN_MEAN = torch.linspace(-0.4, 0.3, 128)
@@ -48,7 +48,7 @@ def test_add_noise_false_and_no_bn_fallback():
 
 
 def test_128_channel_patchified_init_latents():
-    from flowlift.latents import patchify
+    from flowlift.flux2.latents import patchify
 
     init = _raw_init()
     noise = seeded_noise(init.shape, 5)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from flowlift import latents as L
+from flowlift.flux2 import latents as L
 
 
 def test_patchify_channel_order_matches_flux2_convention():

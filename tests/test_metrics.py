@@ -5,8 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from flowlift import metrics as M
 from flowlift.errors import FlowliftError
+from flowlift.measure import metrics as M
 
 
 def _photo_like(h: int = 48, w: int = 64, seed: int = 0) -> np.ndarray:

@@ -11,9 +11,9 @@ import pytest
 import torch
 from PIL import Image, ImageCms
 
-from flowlift.cli import main
+from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
-from flowlift.images import (
+from flowlift.files.images import (
     IMAGE_SUFFIXES,
     list_images,
     load_image,
@@ -106,7 +106,7 @@ def test_folders_list_every_readable_format_and_multi_frame_files_warn(tmp_path)
 
 
 def test_output_of_guard_holds_for_any_output_folder(tmp_path):
-    from flowlift.batch import plan_jobs
+    from flowlift.jobs.batch import plan_jobs
 
     src = tmp_path / "in"
     src.mkdir()
@@ -122,7 +122,7 @@ def test_output_of_guard_holds_for_any_output_folder(tmp_path):
 
 
 def test_pairing_of_upscale_outputs_with_references(tmp_path):
-    from flowlift.naming import pair_by_stem, parse_upscaled_stem, upscaled_name
+    from flowlift.files.naming import pair_by_stem, parse_upscaled_stem, upscaled_name
 
     assert upscaled_name("kodim01", 2, "png") == "kodim01_x2.png"
     assert parse_upscaled_stem("kodim01_x2") == ("kodim01", 2) and parse_upscaled_stem("kodim01_x") is None

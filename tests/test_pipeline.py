@@ -9,10 +9,10 @@ import pytest
 import torch
 from PIL import Image
 
-from flowlift.colorfix import area_downsample, lowband_grid
 from flowlift.errors import FlowliftError
-from flowlift.metrics import drift_at_input_scale
-from flowlift.pipeline import (
+from flowlift.measure.metrics import drift_at_input_scale
+from flowlift.upscale.colorfix import area_downsample, lowband_grid
+from flowlift.upscale.pipeline import (
     LOWFREQ_FACTOR,
     MAX_OUTPUT_SIDE,
     FlowUpscalerPipeline,
@@ -33,7 +33,7 @@ def unet():
 
 @pytest.fixture(scope="module")
 def vae(shared):
-    from flowlift.vae import load_vae
+    from flowlift.models.vae import load_vae
 
     return load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
 
@@ -213,7 +213,7 @@ def test_loads_saved_weights_and_records_their_file(unet, vae, tmp_path):
 
 
 def test_bare_vae_module_is_wrapped(unet, vae):
-    from flowlift.vae import TAEF2VAE
+    from flowlift.models.vae import TAEF2VAE
 
     wrapped = FlowUpscalerPipeline(unet, vae.model, device="cpu")
     assert isinstance(wrapped.vae, TAEF2VAE) and wrapped.vae.model is vae.model

@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from flowlift import evaluate as E
 from flowlift.errors import FlowliftError
-from flowlift.pixel_upscaler import PixelUpscaler, load_pixel_upscaler, read_model_state
-from flowlift.tiled_inference import peak_bytes_per_pixel, run_tiled, tile_side_for, tile_spans
+from flowlift.measure import evaluate as E
+from flowlift.measure.pixel_upscaler import PixelUpscaler, load_pixel_upscaler, read_model_state
+from flowlift.measure.tiled_inference import peak_bytes_per_pixel, run_tiled, tile_side_for, tile_spans
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
@@ -62,7 +62,7 @@ def test_read_model_state_refuses_pickles_that_need_more(tmp_path):
 
 
 def test_eval_refuses_a_whole_pickled_model_with_one_line(tmp_path, shared, capsys):
-    from flowlift.cli import main
+    from flowlift.commands.cli import main
 
     torch.save({"model": torch.nn.Linear(2, 2)}, tmp_path / "whole.pth")  # a pickled module, not a state dict
     code = main(["eval", "--run", f"spandrel:{tmp_path / 'whole.pth'}", "--dataset", str(shared / "images" / "kodak"),
@@ -191,7 +191,7 @@ def test_parse_spandrel_methods():
 
 def test_eval_help_lists_the_spandrel_method_with_an_example():
     result = subprocess.run(
-        [sys.executable, "-m", "flowlift.cli", "eval", "--help"],
+        [sys.executable, "-m", "flowlift", "eval", "--help"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.img2img import gaussian_flow_velocity
-from flowlift.latents import denormalize, normalize, pack, patchify, unpack, unpatchify
-from flowlift.refine import (
+from flowlift.flux2.img2img import gaussian_flow_velocity
+from flowlift.flux2.latents import denormalize, normalize, pack, patchify, unpack, unpatchify
+from flowlift.refine.refiner import (
     Flux2Refiner,
     denoising_start_for,
     latent_mask,
@@ -31,7 +31,7 @@ H, W = 64, 96  # 8x12 latents, 4x6 = 24 tokens
 
 @pytest.fixture(scope="module")
 def vae():
-    from flowlift.vae import load_vae
+    from flowlift.models.vae import load_vae
 
     return load_vae(tiny_vae(), device="cpu", dtype=torch.float32)
 
@@ -254,7 +254,7 @@ def test_gaussian_oracle_keeps_data_variance_at_every_strength():
     the VAE emits them. The pipeline's img2img keeps mean and std at every strength; the buggy
     raw-space blend (noise / bn_std) collapses the variance, more with strength.
     """
-    import flowlift.img2img as img2img_module
+    import flowlift.flux2.img2img as img2img_module
 
     mean, std = 0.3, 0.8
     g = torch.Generator().manual_seed(0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from flowlift.schedule import (
+from flowlift.flux2.schedule import (
     canvas_denoising_start,
     compute_empirical_mu,
     flux2_sigmas,

@@ -60,7 +60,7 @@ def model_checks(venv_run, photos) -> dict:
 def eval_report(venv_run, photos, model_checks) -> dict:
     model = venv_run.cwd / "models" / "esrgan.safetensors"
     result = venv_run(
-        "-m", "flowlift.cli", "eval",
+        "-m", "flowlift", "eval",
         "--run", f"lanczos,spandrel:{model}:tiny,spandrel:{model}:tiny+colorfix",
         "--dataset", str(photos), "--scale", "4", "--out", "report", "--quiet",
     )  # fmt: skip

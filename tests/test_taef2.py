@@ -17,7 +17,7 @@ from flowlift.models.taef2 import (
     local_op,
     split_axis,
 )
-from flowlift.vae import TAEF2VAE, load_vae
+from flowlift.models.vae import TAEF2VAE, load_vae
 
 GOLDEN_TOL = 1e-4
 TILE_TOL = 1e-4

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flowlift.cli import main as cli_main
+from flowlift.commands.cli import main as cli_main
 from flowlift.errors import FlowliftError
 from flowlift.training.degrade import Degradation, conditioning_latents, degrade_images, downscale
 from flowlift.training.shards import (
@@ -30,14 +30,14 @@ pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 @pytest.fixture(scope="module")
 def taef2(shared):
-    from flowlift.vae import load_vae
+    from flowlift.models.vae import load_vae
 
     return load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
 def kodak_crops(shared):
-    from flowlift.images import load_image, to_tensor
+    from flowlift.files.images import load_image, to_tensor
 
     crops = []
     for name, (top, left) in (("kodim03.png", (200, 300)), ("kodim23.png", (150, 350))):
@@ -120,7 +120,7 @@ def test_conditioning_is_made_in_pixel_space_not_by_latent_interpolation(taef2, 
 def test_dataset_distill_cli_with_tiny_flux2_transformer_teacher(tmp_path, taef2, shared):
     from safetensors.torch import save_file
 
-    from flowlift.latents import seeded_noise
+    from flowlift.flux2.latents import seeded_noise
     from flowlift.training.datasets import TransformerTeacher, item_seed
 
     transformer = _tiny_transformer()
@@ -171,7 +171,7 @@ def test_dataset_distill_cli_with_tiny_flux2_transformer_teacher(tmp_path, taef2
 def test_dataset_images_builder_encodes_recorded_crops(tmp_path, taef2, shared):
     from safetensors import safe_open
 
-    from flowlift.images import load_image, to_tensor
+    from flowlift.files.images import load_image, to_tensor
 
     out = tmp_path / "images"
     kodak = shared / "images" / "kodak"
@@ -299,7 +299,7 @@ def test_pipeline_teacher_passes_patchified_noise_and_normalizes_raw_output():
     unpatchified) version of the latents it was given, so the teacher must give back the noise."""
     from types import SimpleNamespace
 
-    from flowlift.latents import denormalize, unpatchify
+    from flowlift.flux2.latents import denormalize, unpatchify
     from flowlift.training.datasets import PipelineTeacher
 
     mean, var = torch.randn(128) * 0.1, torch.rand(128) + 0.5
@@ -328,8 +328,8 @@ def test_transformer_teacher_matches_a_diffusers_scheduler_loop():
     import numpy as np
     from diffusers import FlowMatchEulerDiscreteScheduler
 
-    from flowlift.latents import pack, patchify, unpack, unpatchify
-    from flowlift.schedule import compute_empirical_mu
+    from flowlift.flux2.latents import pack, patchify, unpack, unpatchify
+    from flowlift.flux2.schedule import compute_empirical_mu
     from flowlift.training.datasets import TransformerTeacher
 
     transformer = _tiny_transformer().eval()

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowlift.cli import main as cli_main
+from flowlift.commands.cli import main as cli_main
 from flowlift.errors import FlowliftError
 from flowlift.training.config import TrainConfig, build_config, parse_assignments
 from flowlift.training.trainer import (
@@ -43,8 +43,8 @@ def taef2_spec(shared):
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory, shared, taef2_spec):
     """8 items: 4 random 128px crops (16x16 target latents) from each of two Kodak images."""
+    from flowlift.models.vae import load_vae
     from flowlift.training.datasets import build_images_dataset
-    from flowlift.vae import load_vae
 
     root = tmp_path_factory.mktemp("train-data")
     vae = load_vae(taef2_spec, device="cpu", dtype=torch.float32)
@@ -134,8 +134,8 @@ def test_train_cli_errors_are_one_line(tmp_path, capsys):
 
 def test_loss_falls_and_checkpoint_loads_strictly_into_pipeline(dataset, tmp_path, taef2_spec):
     from flowlift.models.upscaler_unet import FlowUpscalerUNet, load_upscaler
-    from flowlift.pipeline import FlowUpscalerPipeline
-    from flowlift.vae import load_vae
+    from flowlift.models.vae import load_vae
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
     output = tmp_path / "run"
     summary = Trainer(_config(dataset, output, steps=24, lr=3e-3, checkpoint_every=12)).run()
@@ -164,7 +164,7 @@ def test_loss_falls_and_checkpoint_loads_strictly_into_pipeline(dataset, tmp_pat
     up = pipeline.upscale_latents(small, num_passes=1, seed=0, color_fix=False)
     assert up.shape == (1, 32, 16, 16) and torch.isfinite(up).all()
     # ... and runs this very model: one Euler step x0 = noise - v(noise, 1000, small)
-    from flowlift.pipeline import pass_generator
+    from flowlift.upscale.pipeline import pass_generator
 
     noise = torch.randn(1, 32, 16, 16, generator=pass_generator(0, 0))
     with torch.no_grad():
@@ -221,7 +221,7 @@ def test_ddp_two_gloo_processes_match_one_process_with_doubled_batch(dataset, tm
                              t_sampling="uniform", dropout=0.1)).run()
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "flowlift.cli", "train", *common, "--batch-size", "2", "--output", str(tmp_path / "two")]
+               "-m", "flowlift", "train", *common, "--batch-size", "2", "--output", str(tmp_path / "two")]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 2, global batch 4" in result.stdout

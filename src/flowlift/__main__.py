@@ -2,7 +2,7 @@
 
 import sys
 
-from flowlift.cli import main
+from flowlift.commands.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

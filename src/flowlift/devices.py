@@ -1,10 +1,17 @@
-"""Checking a user's ``--device`` once, up front, instead of failing deep inside torch with a traceback."""
+"""Checking a user's ``--device`` and ``--dtype`` once, up front, instead of failing deep inside torch."""
 
 from __future__ import annotations
 
-import torch
+import warnings
+from typing import TYPE_CHECKING
 
 from flowlift.errors import FlowliftError
+
+if TYPE_CHECKING:
+    import torch
+
+#: The ``--dtype`` choices of every command and the web app.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def resolve_device(setting: str | torch.device | None) -> torch.device:
@@ -13,6 +20,8 @@ def resolve_device(setting: str | torch.device | None) -> torch.device:
     Raises :class:`FlowliftError` for a name torch does not know (``bogus``), for CUDA/MPS/XPU when that
     backend is not available, and for a device index past the number of devices.
     """
+    import torch  # here, not at import: the command line's start-up stays fast
+
     if setting is None or (isinstance(setting, str) and setting.strip().lower() == "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -33,3 +42,31 @@ def resolve_device(setting: str | torch.device | None) -> torch.device:
     if device.index is not None and callable(count) and device.index >= count():
         raise FlowliftError(f"device {str(device)!r} requested, but this machine has {count()} {device.type} device(s)")
     return device
+
+
+def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+    """``(torch.device, torch.dtype)`` from the option values; one FlowliftError line for a bad device.
+
+    float16 on the CPU is allowed but warned about: the CPU has no fast float16 kernels, so it runs many
+    times slower than float32 and gains nothing.
+    """
+    import torch
+
+    try:
+        dev = resolve_device(device)  # unknown names, missing backends, indices past the device count
+    except FlowliftError as error:
+        raise FlowliftError(f"--device {device}: {error}") from None
+    if dtype in (None, "auto"):
+        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    elif dtype in DTYPES:
+        dt = getattr(torch, dtype)
+    else:
+        raise FlowliftError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    if dev.type == "cpu" and dt == torch.float16:
+        warnings.warn(
+            "--dtype float16 on the CPU runs many times slower than float32 (no fast CPU float16 kernels) "
+            "and is no more accurate; use float32 (the default) or bfloat16",
+            UserWarning,
+            stacklevel=2,
+        )
+    return dev, dt

@@ -1,7 +1,7 @@
 """ComfyUI's tensor layouts <-> flowlift's, and the checks the nodes make on their inputs.
 
 ComfyUI ``IMAGE``: float (B, H, W, C) in [0, 1]. ComfyUI FLUX.2 ``LATENT``: ``{"samples": (B, 128, h, w)}``,
-normalized and patchified (:func:`flowlift.latents.to_comfyui_latent`), optionally with ``noise_mask``
+normalized and patchified (:func:`flowlift.flux2.latents.to_comfyui_latent`), optionally with ``noise_mask``
 and ``batch_index``. No ComfyUI import here: these are plain tensor functions.
 """
 
@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flowlift.colorfix_image import integer_scale
 from flowlift.errors import FlowliftError
-from flowlift.latents import PATCHIFIED_CHANNELS, from_comfyui_latent, patchify
+from flowlift.flux2.latents import PATCHIFIED_CHANNELS, from_comfyui_latent, patchify
+from flowlift.upscale.colorfix_image import integer_scale
 
 SCALES = ("2x", "4x", "8x")
 CHUNKING = ("auto", "always", "never")
@@ -79,7 +79,7 @@ def upscaled_latent_dict(latent: dict, latents: torch.Tensor, device: torch.devi
 
 def matched_reference(images: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """The colour reference for a batch: a single reference image serves the whole batch; the sizes follow
-    the Python API's rule (:func:`flowlift.colorfix_image.integer_scale`: the same integer >= 2 on both axes,
+    the Python API's rule (:func:`flowlift.upscale.colorfix_image.integer_scale`: the same integer >= 2 on both axes,
     as stage 2's exact low-band transplant works on whole area blocks), else one error line."""
     batch, _, height, width = images.shape
     ref_batch, _, h, w = reference.shape

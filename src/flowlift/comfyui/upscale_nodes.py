@@ -1,8 +1,8 @@
 """The three image/latent nodes: FlowliftUpscaleLatent, FlowliftUpscaleImage, FlowliftColorFix.
 
 ComfyUI's part (memory management, progress bar, cancel, output device) is done here; the work is
-flowlift's :class:`~flowlift.pipeline.FlowUpscalerPipeline` and
-:func:`~flowlift.colorfix.lab_lowband_transplant`.
+flowlift's :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline` and
+:func:`~flowlift.upscale.colorfix.lab_lowband_transplant`.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import comfy.model_patcher
 import comfy.utils
 import torch
 
-from flowlift.colorfix import lab_lowband_transplant
 from flowlift.comfyui import layouts
 from flowlift.comfyui.loaders import CATEGORY, UPSCALER_TYPE
 from flowlift.comfyui.vae_adapters import ComfyFlux2VAE, TAEF2ComfyVAE
 from flowlift.errors import FlowliftError
-from flowlift.executor import CUDA_BUDGET_FRACTION
-from flowlift.pipeline import MAX_OUTPUT_SIDE, FlowUpscalerPipeline
+from flowlift.upscale.chunked.executor import CUDA_BUDGET_FRACTION
+from flowlift.upscale.colorfix import lab_lowband_transplant
+from flowlift.upscale.pipeline import MAX_OUTPUT_SIDE, FlowUpscalerPipeline
 
 SEED_MAX = 0xFFFFFFFFFFFFFFFF
 

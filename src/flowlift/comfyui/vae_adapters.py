@@ -2,7 +2,7 @@
 
 * :class:`ComfyFlux2VAE` gives a ComfyUI FLUX.2 ``VAE`` object flowlift's VAE interface
   (``encode``/``decode`` on NCHW images and normalized 32-channel latents), so that
-  :class:`flowlift.pipeline.FlowUpscalerPipeline` runs on it. ComfyUI keeps doing the work: memory
+  :class:`flowlift.upscale.pipeline.FlowUpscalerPipeline` runs on it. ComfyUI keeps doing the work: memory
   management, batching, and its own tiled decode (used for large outputs).
 * :class:`TAEF2ComfyVAE` is the other direction: flowlift's TAEF2 as a ComfyUI ``VAE`` (a subclass of
   ``comfy.sd.VAE``), so that VAEEncode / VAEDecode / VAEDecodeTiled accept it, in ComfyUI's FLUX.2
@@ -20,8 +20,8 @@ import comfy.sd
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.latents import PATCHIFIED_CHANNELS, patchify, unpatchify
-from flowlift.vae import TAEF2VAE
+from flowlift.flux2.latents import PATCHIFIED_CHANNELS, patchify, unpatchify
+from flowlift.models.vae import TAEF2VAE
 
 #: ComfyUI FLUX.2 decodes above this many output pixels go through ComfyUI's tiled decode.
 TILED_DECODE_PIXELS = 2048 * 2048
@@ -74,7 +74,7 @@ class ComfyFlux2VAE:
 class TAEF2LatentModel(torch.nn.Module):
     """TAEF2 speaking ComfyUI's FLUX.2 LATENT: ``encode`` [0, 1] NCHW -> (B, 128, H/16, W/16), ``decode`` back.
 
-    Full frame or flowlift's exact tiling, chosen by size (:class:`flowlift.vae.TAEF2VAE`).
+    Full frame or flowlift's exact tiling, chosen by size (:class:`flowlift.models.vae.TAEF2VAE`).
     """
 
     def __init__(self, taef2: TAEF2VAE) -> None:

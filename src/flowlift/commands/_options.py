@@ -3,21 +3,17 @@
 One set of defaults for the whole command line and the Python API (the README's "Defaults" section
 says why): ``--device auto`` (CUDA when available, else CPU), ``--dtype auto`` (bfloat16 on CUDA,
 float32 on the CPU), ``--vae flux2`` (:data:`DEFAULT_VAE`), ``--scale 2`` (:data:`DEFAULT_SCALE`).
-Not a subcommand (the leading underscore keeps :mod:`flowlift.cli` from listing it).
+Not a subcommand (the leading underscore keeps :mod:`flowlift.commands.cli` from listing it).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import warnings
 
-from flowlift.errors import FlowliftError
+from flowlift.devices import DTYPES, resolve_device_dtype  # noqa: F401  (imported by the commands from here)
+from flowlift.upscale.loading import DEFAULT_VAE  # noqa: F401  (the one default, shared with the Python API)
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-#: The VAE of the command line and of :class:`flowlift.pipeline.FlowUpscalerPipeline`: the full FLUX.2
-#: VAE the upscaler's latents belong to (``taef2`` is the fast, approximate alternative).
-DEFAULT_VAE = "flux2"
 #: One 2x pass: the upscaler's native step (``upscale``, ``eval --run``, ``hires``).
 DEFAULT_SCALE = 2
 
@@ -55,36 +51,6 @@ def add_device_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         default="auto",
         help="precision (default auto: bfloat16 on CUDA, float32 on the CPU; float16 on the CPU is very slow)",
     )
-
-
-def resolve_device_dtype(device: str | None, dtype: str | None):
-    """``(torch.device, torch.dtype)`` from the option values; one FlowliftError line for a bad device.
-
-    float16 on the CPU is allowed but warned about: the CPU has no fast float16 kernels, so it runs many
-    times slower than float32 and gains nothing.
-    """
-    import torch
-
-    from flowlift.devices import resolve_device
-
-    try:
-        dev = resolve_device(device)  # unknown names, missing backends, indices past the device count
-    except FlowliftError as error:
-        raise FlowliftError(f"--device {device}: {error}") from None
-    if dtype in (None, "auto"):
-        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    elif dtype in DTYPES:
-        dt = getattr(torch, dtype)
-    else:
-        raise FlowliftError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-    if dev.type == "cpu" and dt == torch.float16:
-        warnings.warn(
-            "--dtype float16 on the CPU runs many times slower than float32 (no fast CPU float16 kernels) "
-            "and is no more accurate; use float32 (the default) or bfloat16",
-            UserWarning,
-            stacklevel=2,
-        )
-    return dev, dt
 
 
 def finite_float(text: str) -> float:

@@ -64,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowlift.app import build_app, launch
-    from flowlift.app_service import AppConfig, AppService
+    from flowlift.app.page import build_app, launch
+    from flowlift.app.service import AppConfig, AppService
     from flowlift.errors import FlowliftError
 
     config = AppConfig(

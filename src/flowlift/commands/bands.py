@@ -3,7 +3,7 @@
     flowlift bands IMAGES... --vae PATH [--out DIR] [--full]
 
 Encodes each image, perturbs one latent band at a time (0.1 sigma, FFT mask), decodes and
-integrates the luma response spectrum per pixel band (:mod:`flowlift.bands`). Prints the table
+integrates the luma response spectrum per pixel band (:mod:`flowlift.measure.bands`). Prints the table
 (with the model card's Mage decoder figures alongside), and writes ``bands.json``, ``bands.md`` and
 ``bands.png`` (heat map) into ``--out``.
 """
@@ -44,12 +44,12 @@ def run(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from flowlift import bands as B
-    from flowlift import metrics as M
     from flowlift.errors import FlowliftError
-    from flowlift.evaluate import atomic_write_bytes, model_identity
-    from flowlift.images import list_images, load_image, to_tensor
-    from flowlift.vae import load_vae
+    from flowlift.files.images import list_images, load_image, to_tensor
+    from flowlift.measure import bands as B
+    from flowlift.measure import metrics as M
+    from flowlift.measure.evaluate import atomic_write_bytes, model_identity
+    from flowlift.models.vae import load_vae
 
     if not args.amplitude > 0:
         raise FlowliftError(f"--amplitude must be > 0, got {args.amplitude}")

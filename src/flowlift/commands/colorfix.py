@@ -6,8 +6,8 @@ Each upscaled image is paired with the source image it was made from by name (th
 ``<stem>_x<N>`` for ``<stem>``, as ``flowlift eval`` pairs them); the scale is inferred from the two
 sizes and must be one integer on both axes. The output, ``<stem>_colorfix.<format>`` (in ``-o`` or
 next to the upscaled image), has the source's colour and tone below the source's resolution and the
-upscaled image's detail above it (:func:`flowlift.colorfix_image.color_fix_image`). Batches behave as
-in ``flowlift upscale`` (:mod:`flowlift.batch`): atomic writes, existing outputs skipped unless
+upscaled image's detail above it (:func:`flowlift.upscale.colorfix_image.color_fix_image`). Batches behave as
+in ``flowlift upscale`` (:mod:`flowlift.jobs.batch`): atomic writes, existing outputs skipped unless
 ``--overwrite``, one line per failed image and exit status 1, metadata (PNG text, JPEG/WebP EXIF),
 the upscaled image's ICC profile and EXIF kept.
 """
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _metadata(args: argparse.Namespace, source: Path, reference: Path, scale: int) -> dict[str, object]:
     from flowlift import __version__
-    from flowlift.images import file_sha256
+    from flowlift.files.images import file_sha256
 
     return {
         "Software": f"flowlift {__version__} colorfix",
@@ -64,12 +64,12 @@ def _metadata(args: argparse.Namespace, source: Path, reference: Path, scale: in
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowlift.batch import Job, plan_jobs, run_jobs
-    from flowlift.colorfix_image import color_fix_image, integer_scale
     from flowlift.commands.upscale import output_format
     from flowlift.errors import FlowliftError
-    from flowlift.images import IMAGE_SUFFIXES, list_images, load_image, save_image_atomic
-    from flowlift.naming import index_by_stem, reference_stem
+    from flowlift.files.images import IMAGE_SUFFIXES, list_images, load_image, save_image_atomic
+    from flowlift.files.naming import index_by_stem, reference_stem
+    from flowlift.jobs.batch import Job, plan_jobs, run_jobs
+    from flowlift.upscale.colorfix_image import color_fix_image, integer_scale
 
     inputs = list_images(args.inputs)
     if not inputs:

@@ -92,8 +92,8 @@ def _dtype(name: str | None, device):
 def load_teacher(args: argparse.Namespace, device):
     """A teacher callable from ``--teacher``: a diffusers pipeline or a bare FLUX.2 transformer."""
     from flowlift.errors import FlowliftError
+    from flowlift.models.weights import looks_like_repo_id
     from flowlift.training.datasets import PipelineTeacher, TransformerTeacher
-    from flowlift.weights import looks_like_repo_id
 
     dtype = _dtype(args.teacher_dtype, device)
     path = Path(args.teacher)
@@ -104,12 +104,12 @@ def load_teacher(args: argparse.Namespace, device):
             raise FlowliftError("a transformer teacher needs --prompt-embeds (a safetensors file with 'prompt_embeds')")
         from diffusers import Flux2Transformer2DModel
 
-        from flowlift.weights import read_state_dict
+        from flowlift.models.weights import read_state_dict
 
         embeds = read_state_dict(args.prompt_embeds, what="prompt embeddings")
         if "prompt_embeds" not in embeds:
             raise FlowliftError(f"{args.prompt_embeds} has no tensor named 'prompt_embeds'")
-        from flowlift.refine import check_prompt_embeds
+        from flowlift.refine.refiner import check_prompt_embeds
 
         check_prompt_embeds(embeds, origin=str(args.prompt_embeds))
         try:
@@ -148,8 +148,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from flowlift.errors import FlowliftError
+    from flowlift.models.vae import load_vae
     from flowlift.training.degrade import Degradation
-    from flowlift.vae import load_vae
 
     device = _device(args.device)
     try:
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             storage_dtype=storage, device=device, source=source, progress=show_progress(args), part=part,
         )
     else:
-        from flowlift.images import list_images
+        from flowlift.files.images import list_images
         from flowlift.training.datasets import build_images_dataset
 
         paths = list_images(args.inputs)

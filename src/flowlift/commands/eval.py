@@ -88,14 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--figure-images", type=int, default=3, help="images in the crop grid (default 3)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    from flowlift.distributed import add_barrier_timeout_argument
+    from flowlift.jobs.distributed import add_barrier_timeout_argument
 
     add_barrier_timeout_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowlift import evaluate as E
     from flowlift.errors import FlowliftError
+    from flowlift.measure import evaluate as E
 
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             raise FlowliftError("--run needs --dataset (a folder of photos)")
         if args.limit is not None and args.limit < 1:
             raise FlowliftError("--limit must be >= 1")
-        from flowlift.distributed import DistEnv, process_group
+        from flowlift.jobs.distributed import DistEnv, process_group
 
         env = DistEnv.from_environ()
         with process_group(env, args.barrier_timeout):
@@ -138,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
 def _run_methods(args: argparse.Namespace, E, env):
     import torch
 
-    from flowlift.distributed import rank_device
     from flowlift.errors import FlowliftError
+    from flowlift.jobs.distributed import rank_device
 
     specs = E.parse_methods(args.run)
     given, dtype = resolve_device_dtype(args.device, args.dtype)
@@ -157,7 +157,7 @@ def _run_methods(args: argparse.Namespace, E, env):
     vae = pipeline = None
     identities: dict = {}
     if needs_vae:
-        from flowlift.vae import load_vae
+        from flowlift.models.vae import load_vae
 
         vae = load_vae(args.vae, device=device, dtype=dtype)
         identities.update(
@@ -167,7 +167,7 @@ def _run_methods(args: argparse.Namespace, E, env):
         if getattr(vae, "approximate_decode", False):
             identities["vae_note"] = "approximate decoder"
     if needs_flow:
-        from flowlift.pipeline import FlowUpscalerPipeline
+        from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
         pipeline = FlowUpscalerPipeline(args.upscaler, vae, device=device, dtype=dtype)
         identities.update(upscaler=E.model_identity(args.upscaler), upscaler_spec=str(args.upscaler))
@@ -204,8 +204,8 @@ def _run_sharded(args: argparse.Namespace, E, env, evaluate, cache_dir):
     """Each rank measures its pixel-balanced share into the shared cache; after the barrier rank 0
     builds the report from the cache, exactly as a single process would on a second run (anything a
     rank could not leave in the cache, e.g. a cache folder not shared between hosts, it computes)."""
-    from flowlift.distributed import finish, image_pixels, probe_and_gather, shard_by_pixels, total_counts
     from flowlift.errors import FlowliftError
+    from flowlift.jobs.distributed import finish, image_pixels, probe_and_gather, shard_by_pixels, total_counts
 
     if cache_dir is None:
         raise FlowliftError("a sharded eval --run merges the ranks' results through the cache; drop --no-cache")
@@ -230,7 +230,7 @@ def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identitie
     (with the device ``given``, default ``device``: under torchrun the setting, not the rank's cuda:N)."""
     given = device if given is None else given
     from flowlift.errors import FlowliftError
-    from flowlift.pixel_upscaler import DEFAULT_OVERLAP, load_pixel_upscaler
+    from flowlift.measure.pixel_upscaler import DEFAULT_OVERLAP, load_pixel_upscaler
 
     paths: dict[str, list[str]] = {}
     for s in specs:

@@ -11,8 +11,6 @@ from flowlift.commands.img2img import (
     check_model_sources,
     check_output,
     check_prompt_args,
-    default_output,
-    input_hashes,
     load_refiner_from_args,
 )
 from flowlift.errors import FlowliftError
@@ -61,10 +59,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowlift.images import attach_alpha, load_image, save_image_atomic, tensor_to_pil, to_tensor
+    from flowlift.files.images import (
+        attach_alpha,
+        input_hashes,
+        load_image,
+        save_image_atomic,
+        tensor_to_pil,
+        to_tensor,
+    )
+    from flowlift.files.naming import refined_output
 
     check_prompt_args(args)
-    output = Path(args.output) if args.output else default_output(args.image, f"hires{args.scale}x")
+    output = Path(args.output) if args.output else refined_output(args.image, f"hires{args.scale}x")
     check_output(output)
     images = alpha = None
     if args.image:
@@ -77,11 +83,11 @@ def run(args: argparse.Namespace) -> int:
     elif args.width % 16 or args.height % 16:
         raise FlowliftError(f"--width/--height must be multiples of 16, got {args.width}x{args.height}")
     try:
-        from flowlift.pipeline import FlowUpscalerPipeline
+        from flowlift.upscale.pipeline import FlowUpscalerPipeline
     except ImportError:
-        raise FlowliftError("this flowlift build has no Flow Upscaler pipeline (flowlift.pipeline)") from None
+        raise FlowliftError("this flowlift build has no Flow Upscaler pipeline (flowlift.upscale.pipeline)") from None
 
-    from flowlift.pipeline import DEFAULT_UPSCALER, resolve_upscaler_file
+    from flowlift.upscale.pipeline import DEFAULT_UPSCALER, resolve_upscaler_file
 
     check_model_sources(args)
     upscaler_file = resolve_upscaler_file(args.upscaler or DEFAULT_UPSCALER)  # before the transformer loads

@@ -19,7 +19,7 @@ from flowlift.commands._options import (
 from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
 
-#: Mirrors flowlift.refine.SAMPLERS / STRENGTH_MAPS (kept literal so --help does not import torch).
+#: Mirrors flowlift.refine.refiner.SAMPLERS / STRENGTH_MAPS (kept literal so --help does not import torch).
 SAMPLERS = ("euler", "heun")
 STRENGTH_MAPS = ("linear", "canvas")
 
@@ -51,7 +51,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "e.g. black-forest-labs/FLUX.2-klein-4B), a transformer folder, or a single .safetensors file",
     )
     model.add_argument(
-        "--vae", metavar="SPEC", help="VAE (flowlift.vae.load_vae spec); default: the model's own vae/ folder"
+        "--vae", metavar="SPEC", help="VAE (flowlift.models.vae.load_vae spec); default: the model's own vae/ folder"
     )
     add_device_options(model, "transformer and VAE")
     prompt = parser.add_argument_group("prompt")
@@ -141,8 +141,8 @@ def check_prompt_args(args: argparse.Namespace) -> None:
 
 def check_model_sources(args: argparse.Namespace) -> None:
     """Local --model / --vae paths exist (and hub ids are cached when offline) before any weights load."""
-    from flowlift.hub import looks_like_path
-    from flowlift.vae import check_vae_spec
+    from flowlift.models.hub import looks_like_path
+    from flowlift.models.vae import check_vae_spec
 
     if not Path(args.model).expanduser().exists() and looks_like_path(args.model):
         raise FlowliftError(f"--model {args.model}: no such file or folder")
@@ -152,7 +152,7 @@ def check_model_sources(args: argparse.Namespace) -> None:
 
 def load_refiner_from_args(args: argparse.Namespace):
     """Build the refiner (text encoder only when a prompt must be embedded) and the conditioning kwargs."""
-    from flowlift.refine import load_prompt_embeds, load_refiner
+    from flowlift.refine.refiner import load_prompt_embeds, load_refiner
 
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     embeds = negative = None
@@ -179,21 +179,8 @@ def load_refiner_from_args(args: argparse.Namespace):
     return refiner, conditioning
 
 
-def input_hashes(paths: dict[str, str | None]) -> dict[str, str]:
-    from flowlift.images import file_sha256
-
-    return {f"{key}_sha256": file_sha256(path) for key, path in paths.items() if path}
-
-
-def default_output(image: str | None, suffix: str) -> Path:
-    if image:
-        source = Path(image)
-        return source.with_name(f"{source.stem}_{suffix}.png")
-    return Path(f"flowlift_{suffix}.png")
-
-
 def check_output(path: Path) -> None:
-    from flowlift.images import IMAGE_SUFFIXES
+    from flowlift.files.images import IMAGE_SUFFIXES
 
     if path.suffix.lower() not in IMAGE_SUFFIXES:
         raise FlowliftError(f"--output {path}: unsupported image format {path.suffix or '(none)'}")
@@ -218,18 +205,26 @@ def parse_outpaint(text: str) -> tuple[int, int, int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowlift.images import attach_alpha, load_image, save_image_atomic, tensor_to_pil, to_tensor
+    from flowlift.files.images import (
+        attach_alpha,
+        input_hashes,
+        load_image,
+        save_image_atomic,
+        tensor_to_pil,
+        to_tensor,
+    )
+    from flowlift.files.naming import refined_output
 
     # validate everything before loading weights
     check_prompt_args(args)
     if args.mask and args.outpaint:
         raise FlowliftError("--mask and --outpaint are exclusive")
     pads = parse_outpaint(args.outpaint) if args.outpaint else None
-    output = Path(args.output) if args.output else default_output(args.image, "outpaint" if pads else "img2img")
+    output = Path(args.output) if args.output else refined_output(args.image, "outpaint" if pads else "img2img")
     check_output(output)
     rgb, alpha = load_image(args.image)
     if pads:
-        from flowlift.refine import outpaint_pads
+        from flowlift.refine.refiner import outpaint_pads
 
         outpaint_pads(rgb.height, rgb.width, *pads)  # the size cap, before any weights are loaded
     images = to_tensor(rgb)

@@ -3,7 +3,7 @@
 Settings come from ``--config`` (JSON or TOML, keys of :class:`flowlift.training.config.TrainConfig`),
 then the dedicated flags, then ``--set key=value``. Run it under ``torchrun`` for data parallelism::
 
-    python -m torch.distributed.run --standalone --nproc_per_node 8 -m flowlift.cli train --config run.toml
+    python -m torch.distributed.run --standalone --nproc_per_node 8 -m flowlift train --config run.toml
 """
 
 from __future__ import annotations

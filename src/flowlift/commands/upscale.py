@@ -36,19 +36,26 @@ EXAMPLES = examples(
 )
 
 
+def settings_from_args(args: argparse.Namespace):
+    """The :class:`~flowlift.upscale.outputs.UpscaleSettings` that this command's options ask for."""
+    from flowlift.upscale.outputs import UpscaleSettings
 
-
-
-
-
-
-
+    return UpscaleSettings(
+        seed=args.seed,
+        color_fix=not args.no_color_fix,
+        transplant_strength=args.transplant_strength,
+        color_fix_strength=args.color_fix_strength,
+        resize_mode=args.resize_mode,
+        vae=args.vae,
+        upscaler=args.upscaler,
+        quality=args.quality,
+    )
 
 
 def output_format(output: str | None, requested: str | None) -> str:
     """The output format: ``--format``, or the suffix of ``-o FILE``; both given and different is an error."""
     from flowlift.errors import FlowliftError
-    from flowlift.images import IMAGE_SUFFIXES, check_output_format
+    from flowlift.files.images import IMAGE_SUFFIXES, check_output_format
 
     suffix = Path(output).suffix.lower() if output else ""
     if output and suffix in IMAGE_SUFFIXES and not Path(output).expanduser().is_dir():
@@ -151,7 +158,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="upscale up to N same-size inputs at once (each gets the noise it gets alone; default 1)",
     )
-    from flowlift.distributed import add_barrier_timeout_argument
+    from flowlift.jobs.distributed import add_barrier_timeout_argument
 
     parser.add_argument("--status", metavar="OUT", help="print the state of the job in output folder OUT, then exit")
     add_barrier_timeout_argument(parser)
@@ -164,7 +171,7 @@ def _check_output_option(output: str | None) -> None:
     from PIL import Image
 
     from flowlift.errors import FlowliftError
-    from flowlift.images import IMAGE_SUFFIXES
+    from flowlift.files.images import IMAGE_SUFFIXES
 
     target = Path(output).expanduser()
     suffix = target.suffix.lower()
@@ -178,7 +185,7 @@ def _check_output_option(output: str | None) -> None:
 def _print_status(args: argparse.Namespace) -> int:
     """``--status OUT``: the manifest's account of the job; exit 0 when it is complete, else 1."""
     from flowlift.errors import FlowliftError
-    from flowlift.manifest import format_status, job_status
+    from flowlift.jobs.manifest import format_status, job_status
 
     if args.inputs:
         raise FlowliftError("--status OUT reads a job's manifest; give no INPUT images with it")
@@ -190,13 +197,12 @@ def _print_status(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from flowlift.batch import Job, plan_jobs, report
-    from flowlift.distributed import DistEnv, rank_device
     from flowlift.errors import FlowliftError
-    from flowlift.images import IMAGE_SUFFIXES, list_images
-    from flowlift.pipeline import DEFAULT_UPSCALER, FlowUpscalerPipeline, passes_for_scale
-    from flowlift.scaleout import run_batch
-    from flowlift.upscale_files import (
+    from flowlift.files.images import IMAGE_SUFFIXES, list_images
+    from flowlift.jobs.batch import Job, plan_jobs, report
+    from flowlift.jobs.distributed import DistEnv, rank_device
+    from flowlift.jobs.scaleout import run_batch
+    from flowlift.upscale.outputs import (
         OutputSizes,
         batched_process,
         check_format_limit,
@@ -204,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         output_name,
         upscale_file,
     )
+    from flowlift.upscale.pipeline import DEFAULT_UPSCALER, FlowUpscalerPipeline, passes_for_scale
 
     if args.status is not None:
         return _print_status(args)
@@ -228,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
         check_output=lambda path, out: check_format_limit(out, sizes.output_size(path)),
     )
     env = DistEnv.from_environ()
+    settings = settings_from_args(args)
     pipeline = hashes = None
 
     def make_process():  # called only when there is work (on this rank): nothing to compute loads no model
@@ -248,14 +256,16 @@ def run(args: argparse.Namespace) -> int:
             note = "flowlift upscale: --batch-size is not applied under torchrun; images run one by one"
             print(note, file=sys.stderr)
         elif args.batch_size > 1:
-            return batched_process(args, pipeline, jobs, passes, hashes)
+            return batched_process(
+                settings, pipeline, jobs, passes, hashes, batch_size=args.batch_size, overwrite=args.overwrite
+            )
         return upscale_one
 
     def upscale_one(path: Path, out: Path) -> None:
         steps = tqdm(total=passes + 3, desc=path.name, unit="step", leave=False, disable=not bars, file=sys.stderr)
         with steps:
             _, _, notes = upscale_file(
-                pipeline, args, passes, path, out, hashes, on_stage=lambda _stage, bar=steps: bar.update(1)
+                pipeline, settings, passes, path, out, hashes, on_stage=lambda _stage, bar=steps: bar.update(1)
             )
         for note in notes:  # e.g. passes dropped at MAX_OUTPUT_SIDE: one line, not a stack
             report(NAME, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))

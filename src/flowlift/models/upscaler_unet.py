@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowlift.atomic import atomic_output
 from flowlift.errors import FlowliftError
+from flowlift.files.atomic import atomic_output
 
 HUB_REPO_ID = "TensorForger/FlowUpscaler"
 WEIGHTS_NAME = "flow_upscaler.safetensors"
@@ -366,7 +366,7 @@ def one_step_upscale(model: VelocityFn, noise: torch.Tensor, latents_small: torc
     """One Euler step of the rectified flow from sigma 1 to 0: ``x0 = noise - v(noise, 1000, small)``.
 
     ``model`` is a :class:`FlowUpscalerUNet` or anything called the same way (e.g. a
-    :class:`flowlift.executor.ChunkedExecutor`). The timestep is ``sigma * 1000 = 1000.0`` per sample,
+    :class:`flowlift.upscale.chunked.executor.ChunkedExecutor`). The timestep is ``sigma * 1000 = 1000.0`` per sample,
     in float32 on ``noise``'s device.
     """
     timestep = torch.full((noise.shape[0],), ONE_STEP_TIMESTEP, dtype=torch.float32, device=noise.device)
@@ -442,7 +442,7 @@ def load_upscaler(
     model is returned in ``dtype`` on ``device``. A file that does not fit raises one FlowliftError
     line naming the missing, unexpected and mis-shaped tensors.
     """
-    from flowlift.weights import dtype_mismatch, load_strict, read_state_dict, resolve_file, state_dict_mismatch
+    from flowlift.models.weights import dtype_mismatch, load_strict, read_state_dict, resolve_file, state_dict_mismatch
 
     path = resolve_file(source, [WEIGHTS_NAME], what=WHAT)
     state = read_state_dict(path, what=WHAT)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR, image_seq_len, normalize, patchify
+from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR, image_seq_len, normalize, patchify
 from flowlift.training.degrade import Degradation, LatentCodec, conditioning_latents
 from flowlift.training.shards import (
     completed_shards,
@@ -95,8 +95,8 @@ class TransformerTeacher:
     """A bare FLUX.2 transformer as teacher: Euler steps of its velocity on the shifted schedule.
 
     ``noise`` (B, 32, H, W, normalized) is integrated with ``x <- x + (sigma' - sigma) * v`` over
-    :func:`flowlift.schedule.flux2_sigmas`, the velocity being the transformer behind
-    :class:`flowlift.denoiser.Flux2Denoiser` (the same token layout, ids and sigma timestep as the
+    :func:`flowlift.flux2.schedule.flux2_sigmas`, the velocity being the transformer behind
+    :class:`flowlift.flux2.denoiser.Flux2Denoiser` (the same token layout, ids and sigma timestep as the
     refine pipelines) with fixed prompt embeddings ``prompt_embeds`` (L, D). ``guidance`` is the
     embedded guidance of guidance-distilled (dev) transformers (None: the denoiser's default);
     Klein transformers take none.
@@ -127,9 +127,9 @@ class TransformerTeacher:
 
     @torch.no_grad()
     def __call__(self, noise: torch.Tensor) -> torch.Tensor:
-        from flowlift.denoiser import Flux2Denoiser
-        from flowlift.sampling import denoise
-        from flowlift.schedule import flux2_sigmas
+        from flowlift.flux2.denoiser import Flux2Denoiser
+        from flowlift.flux2.sampling import denoise
+        from flowlift.flux2.schedule import flux2_sigmas
 
         _, _, height, width = noise.shape
         velocity = Flux2Denoiser(self.transformer, self.prompt_embeds.unsqueeze(0), guidance=self.guidance)
@@ -213,7 +213,7 @@ def build_distill_dataset(
     ``part = (i, n)`` builds only shards ``k % n == i`` (run n processes/machines on one folder).
     Returns the manifest.
     """
-    from flowlift.latents import seeded_noise
+    from flowlift.flux2.latents import seeded_noise
 
     degradation = degradation or Degradation()
     height, width = latent_size
@@ -273,7 +273,7 @@ def build_distill_dataset(
 
 def _image_sizes(paths: Sequence[Path]) -> list[tuple[int, int]]:
     """(height, width) per image, EXIF-oriented, from the headers (bombs and unreadable files: one line)."""
-    from flowlift.images import image_size
+    from flowlift.files.images import image_size
 
     return [image_size(path)[::-1] for path in paths]
 
@@ -326,7 +326,7 @@ def build_images_dataset(
     ``crop`` (pixels) must be a multiple of ``8 * 4`` so the target latent side is a multiple of 4.
     ``part = (i, n)`` builds only shards ``k % n == i``. Returns the manifest.
     """
-    from flowlift.images import load_image, to_tensor
+    from flowlift.files.images import load_image, to_tensor
 
     degradation = degradation or Degradation()
     align = VAE_SCALE_FACTOR * 4

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from flowlift.atomic import atomic_output, atomic_write_text
 from flowlift.errors import FlowliftError
+from flowlift.files.atomic import atomic_output, atomic_write_text
 
 FORMAT = "flowlift-latent-dataset"
 SHARD_FORMAT = "flowlift-shard"

@@ -45,8 +45,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flowlift.atomic import atomic_write_text
 from flowlift.errors import FlowliftError
+from flowlift.files.atomic import atomic_write_text
 from flowlift.models.upscaler_unet import set_dropout_seeds
 from flowlift.training.config import TrainConfig
 from flowlift.training.shards import ShardReader, ShardStream, TimeSampling, shard_name
@@ -407,7 +407,7 @@ class Trainer:
         return final
 
     def _load_checkpoint(self, path: Path, model, ema, optimizer, scheduler, global_batch: int) -> int:
-        from flowlift.weights import load_strict, read_state_dict
+        from flowlift.models.weights import load_strict, read_state_dict
 
         state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
         if state["global_batch"] != global_batch:

@@ -7,7 +7,7 @@ Protocol (per held-out image ``hr``, a centre crop whose sides are multiples of 
 * ``latent-bicubic``: ``decode(bicubic_2x(encode(lr)))`` (the naive latent upscale);
 * ``model``: ``decode(FlowUpscalerPipeline.upscale_latents(encode(lr)))`` with the EMA weights.
 
-Metrics (:mod:`flowlift.metrics`): fidelity to ``hr`` (PSNR, SSIM), sharpness (mean absolute
+Metrics (:mod:`flowlift.measure.metrics`): fidelity to ``hr`` (PSNR, SSIM), sharpness (mean absolute
 Laplacian of the output; ``sharpness_gt`` is the ground truth's), and protocol-A drift against ``lr``
 (``cast_max``, ``dC``, ``psnr_input``). Rows go to ``val.csv`` (one per step and method, means over
 images) and :func:`plot_curves` draws loss and metrics to a PNG.
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flowlift.atomic import atomic_output
 from flowlift.errors import FlowliftError
+from flowlift.files.atomic import atomic_output
 from flowlift.training.degrade import LatentCodec, downscale, pil_lanczos_resize
 
 VAL_FIELDS = ["step", "method", "psnr", "ssim", "sharpness", "sharpness_gt", "cast_max", "dC", "psnr_input"]
@@ -45,7 +45,7 @@ def centre_crop(image: torch.Tensor, size: int, multiple: int = 16) -> torch.Ten
 
 def load_validation_images(paths: Sequence[str | os.PathLike], count: int, size: int) -> list[torch.Tensor]:
     """The first ``count`` images of ``paths`` (files, folders, globs), centre-cropped to ``size``."""
-    from flowlift.images import list_images, load_image, to_tensor
+    from flowlift.files.images import list_images, load_image, to_tensor
 
     files = list_images([str(p) for p in paths])[:count]
     if not files:
@@ -55,7 +55,7 @@ def load_validation_images(paths: Sequence[str | os.PathLike], count: int, size:
 
 def image_metrics(output: torch.Tensor, hr: torch.Tensor, lr: torch.Tensor) -> dict[str, float]:
     """Fidelity, sharpness and drift of one output (1, 3, H, W) in [0, 1]."""
-    from flowlift import metrics
+    from flowlift.measure import metrics
 
     out = output[0].detach().float().cpu().clamp(0, 1)
     gt = hr[0].detach().float().cpu()
@@ -89,9 +89,9 @@ def baseline_outputs(vae: LatentCodec, lr: torch.Tensor, size: tuple[int, int]) 
 def make_model_upscaler(
     model: torch.nn.Module, vae: LatentCodec, device: torch.device, *, seed: int = 0, color_fix: bool = True
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``lr image -> 2x image`` through :meth:`flowlift.pipeline.FlowUpscalerPipeline.upscale_image`
+    """``lr image -> 2x image`` through :meth:`flowlift.upscale.pipeline.FlowUpscalerPipeline.upscale_image`
     (one pass, the user's path: encode, one step, both colour-fix stages when ``color_fix``, decode)."""
-    from flowlift.pipeline import FlowUpscalerPipeline
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
     pipeline = FlowUpscalerPipeline(model, vae, device=device, dtype=torch.float32)
 
@@ -159,7 +159,7 @@ class Validator:
 
     @classmethod
     def from_config(cls, config: Any, *, device: torch.device, output: Path, start_step: int = 0) -> Validator:
-        from flowlift.vae import load_vae
+        from flowlift.models.vae import load_vae
 
         vae = load_vae(config.vae, device=device, dtype=torch.float32)
         images = load_validation_images(config.val_images, config.val_count, config.val_size)

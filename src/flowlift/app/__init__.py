@@ -1,0 +1,1 @@
+"""``flowlift app``: the local Gradio page and its handlers."""

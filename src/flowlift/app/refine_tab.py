@@ -1,0 +1,210 @@
+"""``flowlift app``'s Refine tab (only with ``--model``): FLUX.2 img2img or the hires fix of one upload.
+
+A thin layer over :class:`flowlift.refine.refiner.Flux2Refiner` (``img2img`` and ``hires``), with the output
+names and PNG metadata of ``flowlift img2img`` / ``flowlift hires``. The per-step progress is the
+refiner's own tqdm bar, which the page follows (``gr.Progress(track_tqdm=True)``).
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from pathlib import Path
+from typing import Any
+
+from flowlift.app.service import AppService, ProgressFn, UpscaleResult, _public_message, check_upload, preview_pair
+from flowlift.errors import FlowliftError
+from flowlift.jobs.batch import ITEM_ERRORS
+
+#: Refine modes: img2img at the input size, or the hires fix (Flow Upscaler 2x/4x, then refine).
+MODES = {"img2img": 0, "hires fix 2x": 2, "hires fix 4x": 4}
+MAX_STEPS = 200
+
+
+def _no_progress(_fraction: float, _description: str) -> None:
+    return None
+
+
+def _check_number(name: str, value: Any, low: float, high: float, integer: bool = False) -> Any:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise FlowliftError(f"{name} must be a number, got {value!r}") from None
+    if not low <= number <= high or (integer and not number.is_integer()):
+        kind = "an integer" if integer else "a number"
+        raise FlowliftError(f"{name} must be {kind} in [{low:g}, {high:g}], got {value}")
+    return int(number) if integer else number
+
+
+def _hires_upscaler(service: AppService, refiner: Any) -> Any:
+    """A Flow Upscaler pipeline on the refiner's VAE, reusing a UNet the service already loaded."""
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+
+    with service._lock:
+        cached = service._hires_pipeline
+        if cached is None:
+            loaded = next(iter(service._pipelines.values()), None)
+            if loaded is not None:
+                cached = FlowUpscalerPipeline(loaded.upscaler, refiner.vae, device=refiner.device, dtype=refiner.dtype)
+            else:
+                cached = FlowUpscalerPipeline(
+                    service.upscaler_source, refiner.vae, device=refiner.device, dtype=refiner.dtype
+                )
+            service._hires_pipeline = cached
+        return cached
+
+
+def refine(
+    service: AppService,
+    path: str | Path | None,
+    prompt: str | None = None,
+    prompt_embeds: str | Path | None = None,
+    mode: str = "img2img",
+    strength: Any = 0.5,
+    strength_map: str = "linear",
+    steps: Any = 28,
+    seed: Any = 0,
+    sampler: str = "euler",
+    progress: ProgressFn = _no_progress,
+) -> UpscaleResult:
+    """Refine one upload; written as ``<stem>_img2img.png`` / ``<stem>_hires<N>x.png`` with the CLI's metadata."""
+    from flowlift.files.images import (
+        attach_alpha,
+        input_hashes,
+        load_image,
+        save_image_atomic,
+        tensor_to_pil,
+        to_tensor,
+    )
+    from flowlift.files.naming import refined_output
+    from flowlift.refine.refiner import SAMPLERS, STRENGTH_MAPS, load_prompt_embeds
+
+    if not path:
+        raise FlowliftError("no image uploaded")
+    if mode not in MODES:
+        raise FlowliftError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    strength = _check_number("strength", strength, 0.0, 1.0)
+    steps = _check_number("steps", steps, 1, MAX_STEPS, integer=True)
+    seed = _check_number("seed", seed, 0, 2**63 - 1, integer=True)
+    if strength_map not in STRENGTH_MAPS:
+        raise FlowliftError(f"strength map must be one of {', '.join(STRENGTH_MAPS)}, got {strength_map!r}")
+    if sampler not in SAMPLERS:
+        raise FlowliftError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    source = check_upload(path, service.config.max_upload_mb)
+    embeds = negative = None
+    embeds_path = Path(prompt_embeds) if prompt_embeds else None
+    if embeds_path is not None:
+        check_upload(embeds_path, service.config.max_upload_mb)
+        try:
+            embeds, negative = load_prompt_embeds(embeds_path)
+        except ITEM_ERRORS as error:
+            raise FlowliftError(_public_message(error, embeds_path)) from None
+    elif not (prompt or "").strip():
+        raise FlowliftError("give a prompt or a prompt-embeds file (.safetensors with 'prompt_embeds')")
+    try:
+        rgb, alpha = load_image(source)
+    except FlowliftError as error:
+        raise FlowliftError(_public_message(error, source)) from None
+    scale = MODES[mode]
+    if scale and (rgb.size[0] % 16 or rgb.size[1] % 16):
+        raise FlowliftError(f"{source.name}: the hires fix needs sides that are multiples of 16 px, got {rgb.size}")
+
+    started = time.perf_counter()
+    refiner = service.refiner(progress, text_encoder=embeds is None)
+    refiner.progress = True  # its tqdm bar is what the page's progress follows
+    conditioning = {"prompt": None if embeds is not None else prompt, "prompt_embeds": embeds}
+    conditioning["negative_prompt_embeds"] = negative
+    common = dict(strength_map=strength_map, steps=steps, seed=seed, sampler=sampler, **conditioning)
+    folder = service._new_result_dir()
+    try:
+        if scale:
+            upscaler = _hires_upscaler(service, refiner)
+            passes = {2: 1, 4: 2}[scale]
+
+            def upscale(latents: Any) -> Any:
+                return upscaler.upscale_latents(latents, num_passes=passes, seed=seed)
+
+            result = refiner.hires(upscale, images=to_tensor(rgb), refine_strength=strength, scale=scale, **common)
+            name = refined_output(source.name, f"hires{scale}x").name
+            extra = {"command": "hires", "upscaler": service.upscaler_source, "transplant_strength": 1.0}
+            extra["color_fix"] = True
+        else:
+            result = refiner.img2img(to_tensor(rgb), strength=strength, **common)
+            name = refined_output(source.name, "img2img").name
+            extra = {"command": "img2img"}
+    except ITEM_ERRORS as error:
+        raise FlowliftError(_public_message(error, source)) from None
+    metadata = dict(result.parameters)
+    metadata.update(
+        input=source.name,
+        prompt_embeds=embeds_path.name if embeds_path else None,
+        vae=service.config.model_vae or service.config.model,
+        **extra,
+        **input_hashes({"input": str(source), "prompt_embeds": str(embeds_path) if embeds_path else None}),
+    )
+    metadata = {key: value for key, value in metadata.items() if value is not None}
+    image = attach_alpha(tensor_to_pil(result.images[0]), alpha if not scale else None)
+    out = save_image_atomic(image, folder / name, {"flowlift": metadata})
+    before, after = preview_pair(rgb, image)
+    return UpscaleResult(out, before, after, rgb.size, image.size, time.perf_counter() - started)
+
+
+def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_error: Any, upload_path: Any) -> None:
+    """The Refine tab and its ``refine`` endpoint (built inside the page's ``gr.Blocks``)."""
+    from flowlift.refine.refiner import SAMPLERS, STRENGTH_MAPS
+
+    follow_tqdm = gr.Progress(track_tqdm=True)
+
+    def run(image, prompt, embeds, mode, strength, strength_map, steps, seed, sampler, progress=follow_tqdm):
+        try:
+            result = refine(
+                service,
+                upload_path(image),
+                prompt,
+                upload_path(embeds),
+                mode,
+                strength,
+                strength_map,
+                steps,
+                seed,
+                sampler,
+                progress=lambda fraction, text: progress(fraction, desc=text),
+            )
+        except Exception as error:  # noqa: BLE001 - every failure becomes a visible message
+            raise as_user_error(gr, error) from None
+        return (result.before, result.after), str(result.output), result.summary()
+
+    with gr.Tab("Refine", id="refine"):
+        gr.Markdown(f"FLUX.2 model: `{html.escape(str(service.config.model))}`")
+        with gr.Row():
+            with gr.Column():
+                image = gr.Image(
+                    label="Image",
+                    type="filepath",
+                    image_mode=None,
+                    sources=["upload", "clipboard"],
+                    elem_id="refine-input",
+                )
+                prompt = gr.Textbox(label="Prompt (needs flowlift[text]; or give prompt embeddings below)", lines=2)
+                embeds = gr.File(label="Prompt embeddings (.safetensors with 'prompt_embeds')", elem_id="refine-embeds")
+                mode = gr.Radio(list(MODES), value="img2img", label="Mode")
+                strength = gr.Slider(0.0, 1.0, value=0.5, step=0.01, label="Strength (hires fix: refine strength)")
+                strength_map = gr.Radio(list(STRENGTH_MAPS), value="linear", label="Strength map (canvas: 1 - s**0.2)")
+                steps = gr.Number(
+                    value=28, precision=0, minimum=1, maximum=MAX_STEPS, label="Steps of the full schedule"
+                )
+                seed = gr.Number(value=0, precision=0, minimum=0, label="Seed")
+                sampler = gr.Radio(list(SAMPLERS), value="euler", label="Sampler")
+                button = gr.Button("Refine", variant="primary", elem_id="refine-button")
+            with gr.Column():
+                slider = gr.ImageSlider(label="Before / after", type="pil", format="png", elem_id="refine-slider")
+                download = gr.File(label="Full-resolution PNG", elem_id="refine-download")
+                info = gr.Markdown(elem_id="refine-info")
+        button.click(
+            run,
+            inputs=[image, prompt, embeds, mode, strength, strength_map, steps, seed, sampler],
+            outputs=[slider, download, info],
+            api_name="refine",
+            preprocess=False,
+            **queue,
+        )

@@ -1,0 +1,122 @@
+"""The ``flowlift`` command line: a thin shell over the pipelines.
+
+Subcommands live beside this module in :mod:`flowlift.commands` (one module each) and are discovered
+at start-up.
+User errors (:class:`flowlift.errors.FlowliftError`) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pkgutil
+import signal
+import sys
+import threading
+import warnings
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+from flowlift import __version__
+from flowlift.commands._options import HelpFormatter
+from flowlift.console import add_console_options, format_warnings, quiet_libraries
+from flowlift.errors import FlowliftError
+
+
+def _command_modules() -> list:
+    import flowlift.commands as package
+
+    names = sorted(
+        m.name for m in pkgutil.iter_modules(package.__path__) if not m.name.startswith("_") and m.name != "cli"
+    )
+    return [importlib.import_module(f"flowlift.commands.{name}") for name in names]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flowlift",
+        description="FLUX.2 latent-space image work: upscale, refine, measure, train.",
+        epilog="run `flowlift COMMAND --help` for a command's options and examples",
+    )
+    parser.add_argument("--version", action="version", version=f"flowlift {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module in _command_modules():
+        sub = subparsers.add_parser(
+            module.NAME,
+            help=module.HELP,
+            description=module.HELP,
+            epilog=getattr(module, "EXAMPLES", None),
+            formatter_class=HelpFormatter,
+        )
+        module.add_arguments(sub)
+        if not getattr(module, "NESTED_COMMANDS", False):  # nested ones add them to each of their own
+            add_console_options(sub)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (``kill``, a job scheduler's stop) raises KeyboardInterrupt like Ctrl-C does.
+
+    So every ``except BaseException`` / ``finally`` clean-up runs (temporary files removed, training
+    checkpoint saved) and the exit status is 130 instead of an abrupt death leaving debris.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _one_line_warnings(command: str):
+    """A ``warnings.showwarning`` that prints flowlift's own warnings as one line and drops third-party ones.
+
+    Third-party warnings (numpy casts, torch's pickle notes, library deprecations) tell the user
+    nothing actionable; the ones flowlift raises (or re-raises as ``FlowliftWarning``) are about their
+    data or settings and get ``flowlift CMD: warning: ...`` without a source line.
+    """
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/flowlift, not commands/
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        from flowlift.files.images import FlowliftWarning
+
+        ours = issubclass(category, FlowliftWarning) or os.path.abspath(filename).startswith(package_dir)
+        if not ours:
+            return
+        text = str(message).splitlines()[0] if str(message) else category.__name__
+        print(f"flowlift {command}: warning: {text}", file=file or sys.stderr)
+
+    return show
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 0
+    quiet_libraries(bool(getattr(args, "verbose", False)))
+    format_warnings(args.command)
+    try:
+        with warnings.catch_warnings(), _sigterm_as_interrupt():  # both restored when an in-process caller returns
+            warnings.showwarning = _one_line_warnings(args.command)
+            return int(args._run(args) or 0)
+    except FlowliftError as error:
+        print(f"flowlift {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"flowlift {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

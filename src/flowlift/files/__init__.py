@@ -1,0 +1,1 @@
+"""Image files in and out: robust reading, atomic writes, output names."""

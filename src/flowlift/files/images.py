@@ -1,0 +1,509 @@
+"""Image files in and out, the package's one place for Pillow details.
+
+* :func:`load_image` opens a file as an 8-bit RGB image plus its alpha channel (if any): EXIF
+  orientation applied, palette/grayscale/CMYK/16-bit modes converted, and every failure (missing,
+  not an image, truncated, decompression bomb) raised as one :class:`FlowliftError` line.
+* :func:`save_image_atomic` writes through a temporary file and a rename, so a crash never leaves a
+  truncated image under the final name. Outputs keep the input's ICC profile and EXIF
+  (:func:`read_source_profile`: orientation and sizes dropped) and carry ``metadata``: PNG text chunks,
+  or one JSON object in the EXIF UserComment of JPEG/WebP files (:func:`read_metadata` reads both).
+* :data:`IMAGE_SUFFIXES` lists every format the loader reads; multi-frame files (GIF, APNG, TIFF pages)
+  use their first frame, with one warning.
+* :func:`to_tensor` / :func:`tensor_to_pil` convert between Pillow/NumPy and the package's tensor
+  convention (float [0, 1], NCHW, RGB).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, PngImagePlugin, UnidentifiedImageError
+
+from flowlift.errors import FlowliftError
+from flowlift.files.atomic import atomic_output, is_temporary
+
+#: Formats the loader reads, by suffix: everything common that Pillow opens as a still or first frame
+#: (AVIF and JPEG 2000 only where this Pillow was built with them). Folders are listed by these.
+_READ_CANDIDATES = {
+    "PNG": (".png", ".apng"),
+    "JPEG": (".jpg", ".jpeg", ".jpe", ".jfif"),
+    "WEBP": (".webp",),
+    "BMP": (".bmp", ".dib"),
+    "TIFF": (".tif", ".tiff"),
+    "GIF": (".gif",),
+    "AVIF": (".avif", ".avifs"),
+    "JPEG2000": (".jp2", ".j2k", ".jpx", ".jpf"),
+    "TGA": (".tga",),
+    "PPM": (".ppm", ".pgm", ".pbm", ".pnm"),
+    "QOI": (".qoi",),
+    "PSD": (".psd",),
+    "SGI": (".sgi", ".rgb", ".bw"),
+    "PCX": (".pcx",),
+}
+_FEATURES = {"WEBP": "webp", "AVIF": "avif", "JPEG2000": "jpg_2000"}
+
+
+def _readable_suffixes() -> tuple[str, ...]:
+    from PIL import features
+
+    suffixes: list[str] = []
+    for format_name, names in _READ_CANDIDATES.items():
+        feature = _FEATURES.get(format_name)
+        if feature is None or features.check(feature):
+            suffixes.extend(names)
+    return tuple(suffixes)
+
+
+IMAGE_SUFFIXES = _readable_suffixes()
+#: Formats outputs are written in (by the output name's suffix).
+OUTPUT_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+#: Suffix -> the format name ``--format`` uses.
+OUTPUT_FORMAT_OF_SUFFIX = {".png": "png", ".jpg": "jpg", ".jpeg": "jpg", ".webp": "webp", ".bmp": "bmp",
+                           ".tif": "tif", ".tiff": "tif"}  # fmt: skip
+#: JPEG/WebP quality when none is given (WebP at 100 is written lossless).
+DEFAULT_QUALITY = 95
+#: Pillow's own limit (~89 Mpx) would be raised to a warning only; flowlift refuses anything larger.
+MAX_INPUT_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
+
+
+def _to_rgb_and_alpha(image: Image.Image) -> tuple[Image.Image, Image.Image | None]:
+    """Convert any Pillow mode to 8-bit RGB, splitting off alpha (palette transparency included)."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        # 16/32-bit grey: Pillow's convert("RGB") clips instead of scaling, so scale by hand.
+        array = np.asarray(image, dtype=np.float64)
+        top = 65535.0 if image.mode.startswith("I;16") or array.max() > 255 else 255.0
+        grey = np.clip(np.round(array / top * 255.0), 0, 255).astype(np.uint8)
+        return Image.fromarray(grey, "L").convert("RGB"), None
+    if image.mode == "F":
+        values = np.asarray(image, dtype=np.float64)
+        if not np.isfinite(values).all():
+            # NaN would become 0 (black) through the uint8 cast, with numpy's RuntimeWarning on stderr
+            raise FlowliftError("floating-point image holds NaN or Inf pixel values")
+        grey = np.clip(np.round(values * 255.0), 0, 255).astype(np.uint8)
+        return Image.fromarray(grey, "L").convert("RGB"), None
+    has_alpha = image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (
+        image.mode == "P" and "transparency" in image.info
+    )
+    if has_alpha:
+        rgba = image.convert("RGBA")
+        return rgba.convert("RGB"), rgba.getchannel("A")
+    return image.convert("RGB"), None
+
+
+def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None]:
+    """Open ``path`` as (8-bit RGB image, alpha ``"L"`` image or None), EXIF orientation applied."""
+    path = Path(path)
+    if not path.is_file():
+        raise FlowliftError(f"{path}: no such file")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as opened:
+                frames = getattr(opened, "n_frames", 1)
+                if frames > 1 and opened.format != "MPO":  # MPO: a JPEG with a preview/depth frame attached
+                    warnings.warn(f"{path}: has {frames} frames, only the first is used", UserWarning, stacklevel=2)
+                width, height = opened.size
+                if width * height > MAX_INPUT_PIXELS:
+                    raise FlowliftError(
+                        f"{path}: {width}x{height} exceeds the {MAX_INPUT_PIXELS} pixel limit "
+                        "(decompression-bomb guard)"
+                    )
+                opened.load()
+                image = ImageOps.exif_transpose(opened)
+                rgb, alpha = _to_rgb_and_alpha(image)
+    except FlowliftError as error:
+        text = str(error)
+        raise FlowliftError(text if text.startswith(str(path)) else f"{path}: {text}") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        raise FlowliftError(f"{path}: refused as a decompression bomb ({error})") from None
+    except UnidentifiedImageError:
+        raise FlowliftError(f"{path}: not an image file Pillow can read") from None
+    except (OSError, SyntaxError, ValueError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise FlowliftError(f"{path}: unreadable or truncated image ({message})") from None
+    _report_reader_warnings(path, caught)
+    return rgb, alpha
+
+
+class FlowliftWarning(UserWarning):
+    """A one-line warning about the user's data; the CLI prints it as ``flowlift CMD: warning: ...``."""
+
+
+def _report_reader_warnings(path: Path, caught: list[warnings.WarningMessage]) -> None:
+    """Turn what Pillow/numpy said while reading ``path`` into at most one :class:`FlowliftWarning`.
+
+    Pillow's EXIF/metadata complaints are worth one line (the orientation or colour tags may be
+    wrong); everything else (numpy casts, deprecations) is noise the user cannot act on.
+    """
+    notes = []
+    for warning in caught:
+        if str(warning.message).startswith(str(path)):
+            warnings.warn(warning.message, warning.category, stacklevel=3)  # flowlift's own (multi-frame files)
+            continue
+        text = str(warning.message).splitlines()[0] if str(warning.message) else warning.category.__name__
+        if issubclass(warning.category, UserWarning) and any(k in text.lower() for k in ("exif", "metadata", "tag")):
+            if text not in notes:
+                notes.append(text)
+    if notes:
+        warnings.warn(FlowliftWarning(f"{path}: {'; '.join(notes)} (image read, metadata may be ignored)"),
+                      stacklevel=3)
+
+
+def image_size(path: str | os.PathLike) -> tuple[int, int]:
+    """(width, height) of an image file as :func:`load_image` would return it, from its header only.
+
+    EXIF orientations 5-8 (rotations by 90 degrees) swap the sides. Unreadable files and images over
+    :data:`MAX_INPUT_PIXELS` (decompression bombs) raise one FlowliftError line, like ``load_image``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FlowliftError(f"{path}: no such file")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as opened:
+                width, height = opened.size
+                orientation = opened.getexif().get(0x0112, 1)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        raise FlowliftError(f"{path}: refused as a decompression bomb ({error})") from None
+    except UnidentifiedImageError:
+        raise FlowliftError(f"{path}: not an image file Pillow can read") from None
+    except (OSError, SyntaxError, ValueError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise FlowliftError(f"{path}: unreadable or truncated image ({message})") from None
+    if width * height > MAX_INPUT_PIXELS:
+        raise FlowliftError(
+            f"{path}: {width}x{height} exceeds the {MAX_INPUT_PIXELS} pixel limit (decompression-bomb guard)"
+        )
+    return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
+
+
+#: How far a float image may stray outside [0, 1] and still be taken (clamped): half an 8-bit level,
+#: i.e. rounding noise that cannot change the image once quantized. Anything further is not an image
+#: in the package's convention (a 0..255 float image would otherwise saturate to white).
+FLOAT_RANGE_TOLERANCE = 0.5 / 255.0
+
+
+def _integer_scale(dtype_name: str) -> float | None:
+    """The full-scale value of an unsigned integer image dtype (uint8 -> 255, uint16 -> 65535), else None."""
+    return {"uint8": 255.0, "uint16": 65535.0}.get(dtype_name)
+
+
+def _check_float_range(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """Refuse NaN/Inf and values outside [0, 1] beyond :data:`FLOAT_RANGE_TOLERANCE`; clamp the rest.
+
+    One min/max reduction per image: the pixels are checked once, where they enter.
+    """
+    if tensor.numel() == 0:
+        raise FlowliftError(f"{what} is empty (shape {tuple(tensor.shape)})")
+    values = tensor.detach().float()
+    if not bool(torch.isfinite(values).all()):
+        kind = "NaN" if bool(torch.isnan(values).any()) else "Inf"
+        raise FlowliftError(f"{what} contains {kind} pixel values")
+    low, high = float(values.min()), float(values.max())
+    if low < -FLOAT_RANGE_TOLERANCE or high > 1.0 + FLOAT_RANGE_TOLERANCE:
+        raise FlowliftError(
+            f"{what} has values in [{low:.4g}, {high:.4g}]; float images must lie in [0, 1] "
+            "(pass uint8/uint16 data as integers, or divide by 255)"
+        )
+    return tensor.clamp(0.0, 1.0)
+
+
+def to_tensor(
+    image: Image.Image | np.ndarray | torch.Tensor,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Any image-like input -> float (B, 3, H, W) in [0, 1].
+
+    Accepts a Pillow image (converted to RGB), an HW / HWC / NHWC array, or a CHW / NCHW tensor.
+    uint8 and uint16 data are scaled by their full range (255, 65535); float data must already lie in
+    [0, 1] (within half an 8-bit level, then clamped) and be finite. Any other dtype (signed or wider
+    integers, bool, complex) raises :class:`FlowliftError`.
+    """
+    if isinstance(image, Image.Image):
+        image = _to_rgb_and_alpha(image)[0]
+        array = np.asarray(image)
+        tensor = torch.from_numpy(array.copy()).permute(2, 0, 1)[None].float() / 255.0
+    elif isinstance(image, np.ndarray):
+        array = image
+        if array.ndim == 2:
+            array = np.repeat(array[..., None], 3, axis=-1)
+        if array.ndim == 3:
+            array = array[None]
+        if array.ndim == 4 and array.shape[-1] == 4:
+            array = array[..., :3]
+        if array.ndim != 4 or array.shape[-1] != 3:
+            raise FlowliftError(f"expected an HWC RGB array, got shape {image.shape}")
+        full_scale = _integer_scale(array.dtype.name)
+        if full_scale is not None:
+            scaled = array.astype(np.float32) / full_scale
+            tensor = torch.from_numpy(np.ascontiguousarray(scaled)).permute(0, 3, 1, 2)
+        elif array.dtype.kind == "f":
+            tensor = torch.from_numpy(np.ascontiguousarray(array.astype(np.float32))).permute(0, 3, 1, 2)
+            tensor = _check_float_range(tensor, "image array")
+        else:
+            raise FlowliftError(f"image arrays must be uint8, uint16 or float in [0, 1], got {array.dtype}")
+    elif isinstance(image, torch.Tensor):
+        tensor = image if image.ndim == 4 else image[None]
+        if tensor.ndim != 4 or tensor.shape[1] != 3:
+            raise FlowliftError(f"expected an NCHW RGB tensor, got shape {tuple(image.shape)}")
+        full_scale = _integer_scale(str(tensor.dtype).removeprefix("torch."))
+        if full_scale is not None:
+            tensor = tensor.float() / full_scale
+        elif tensor.is_floating_point():
+            tensor = _check_float_range(tensor, "image tensor")
+        else:
+            raise FlowliftError(f"image tensors must be uint8, uint16 or float in [0, 1], got {tensor.dtype}")
+    else:
+        raise FlowliftError(f"unsupported image type {type(image).__name__}")
+    return tensor.to(device=device, dtype=dtype)
+
+
+def tensor_to_uint8(images: torch.Tensor) -> np.ndarray:
+    """(B, 3, H, W) or (3, H, W) float in [0, 1] -> uint8 (B, H, W, 3), clamped and rounded."""
+    if images.ndim == 3:
+        images = images[None]
+    values = images.detach().float()
+    if not bool(torch.isfinite(values).all()):
+        # clamp keeps NaN and the uint8 cast turns it into 0: a black image that looks like a result
+        kind = "NaN" if bool(torch.isnan(values).any()) else "Inf"
+        raise FlowliftError(f"the image to write contains {kind} pixel values; nothing was written")
+    array = values.clamp(0, 1).mul(255.0).round().to(torch.uint8)
+    return array.permute(0, 2, 3, 1).cpu().numpy()
+
+
+def tensor_to_pil(image: torch.Tensor) -> Image.Image:
+    """One image tensor (3, H, W) or (1, 3, H, W) in [0, 1] -> Pillow RGB (clamped, rounded)."""
+    if image.ndim == 4 and image.shape[0] != 1:
+        raise ValueError(f"tensor_to_pil takes one image, got a batch of {image.shape[0]}")
+    return Image.fromarray(tensor_to_uint8(image)[0], "RGB")
+
+
+def attach_alpha(rgb: Image.Image, alpha: Image.Image | None) -> Image.Image:
+    """Put ``alpha`` (resized with Lanczos to the RGB size if needed) back onto ``rgb``."""
+    if alpha is None:
+        return rgb
+    if alpha.size != rgb.size:
+        alpha = alpha.resize(rgb.size, Image.Resampling.LANCZOS)
+    out = rgb.copy()
+    out.putalpha(alpha)
+    return out
+
+
+#: EXIF tags that stop being true once flowlift has written a new image: the orientation (already
+#: applied to the pixels) and the pixel sizes (the output has its own).
+_STALE_EXIF_TAGS = (0x0112, 0x0100, 0x0101)  # Orientation, ImageWidth, ImageLength
+_STALE_EXIF_IFD_TAGS = (0xA002, 0xA003)  # ExifImageWidth, ExifImageHeight (Exif sub-IFD)
+_EXIF_IFD = 0x8769
+_USER_COMMENT = 0x9286
+_ASCII_PREFIX = b"ASCII\x00\x00\x00"
+
+
+@dataclass(frozen=True)
+class SourceProfile:
+    """What an output inherits from the image it was made from: the ICC profile and the EXIF block.
+
+    The pipelines work in the input's own encoded RGB, so its ICC profile stays the right description
+    of the output's numbers. EXIF keeps everything except orientation (applied on load) and sizes.
+    """
+
+    icc_profile: bytes | None = None
+    exif: Image.Exif | None = None
+
+
+def read_source_profile(path: str | os.PathLike | None) -> SourceProfile:
+    """The ICC profile and the EXIF (orientation and size tags dropped) of an input file.
+
+    A file that cannot be read gives an empty profile: the loader reports unreadable inputs itself.
+    """
+    if path is None:
+        return SourceProfile()
+    try:
+        with Image.open(path) as opened:
+            icc = opened.info.get("icc_profile") or None
+            exif = opened.getexif()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return SourceProfile()
+    for tag in _STALE_EXIF_TAGS:
+        exif.pop(tag, None)
+    if _EXIF_IFD in exif:
+        sub = exif.get_ifd(_EXIF_IFD)
+        for tag in _STALE_EXIF_IFD_TAGS:
+            sub.pop(tag, None)
+    return SourceProfile(icc_profile=icc, exif=exif if len(exif) or exif.get_ifd(_EXIF_IFD) else None)
+
+
+def _metadata_text(value: object) -> str:
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+
+
+def _png_info(metadata: Mapping[str, object]) -> PngImagePlugin.PngInfo:
+    info = PngImagePlugin.PngInfo()
+    for key, value in metadata.items():
+        info.add_text(str(key), _metadata_text(value))
+    return info
+
+
+def _exif_with_metadata(exif: Image.Exif | None, metadata: Mapping[str, object] | None) -> Image.Exif | None:
+    """``exif`` (or a new block) with ``metadata`` as JSON in the EXIF UserComment (ASCII, JSON-escaped)."""
+    if not metadata:
+        return exif
+    out = Image.Exif()
+    if exif is not None:
+        out.load(exif.tobytes())
+    payload = json.dumps({str(k): v for k, v in metadata.items()}, sort_keys=True, default=str, ensure_ascii=True)
+    out.get_ifd(_EXIF_IFD)[_USER_COMMENT] = _ASCII_PREFIX + payload.encode("ascii")
+    software = metadata.get("Software")
+    if isinstance(software, str):
+        out[0x0131] = software
+    return out
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, object]:
+    """flowlift's metadata of an output: PNG text chunks, or the JSON in a JPEG/WebP EXIF UserComment.
+
+    JSON values are decoded; an image without flowlift metadata gives ``{}``.
+    """
+    with Image.open(path) as opened:
+        if opened.format == "PNG":
+            raw = dict(getattr(opened, "text", {}) or {})
+        else:
+            comment = opened.getexif().get_ifd(_EXIF_IFD).get(_USER_COMMENT)
+            if not isinstance(comment, bytes) or not comment.startswith(_ASCII_PREFIX):
+                return {}
+            try:
+                return json.loads(comment[len(_ASCII_PREFIX) :].decode("ascii"))
+            except ValueError:
+                return {}
+    decoded: dict[str, object] = {}
+    for key, text in raw.items():
+        try:
+            decoded[key] = json.loads(text)
+        except ValueError:
+            decoded[key] = text
+    return decoded
+
+
+def check_output_format(path: str | os.PathLike) -> str:
+    """The format name of an output path's suffix (``png``, ``jpg``, ...) or one FlowliftError line."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in OUTPUT_SUFFIXES:
+        raise FlowliftError(
+            f"{path}: unsupported output format {suffix or '(none)'} (writes {', '.join(OUTPUT_SUFFIXES)})"
+        )
+    return OUTPUT_FORMAT_OF_SUFFIX[suffix]
+
+
+def save_image_atomic(
+    image: Image.Image,
+    path: str | os.PathLike,
+    metadata: Mapping[str, object] | None = None,
+    *,
+    source: SourceProfile | str | os.PathLike | None = None,
+    quality: int | None = None,
+) -> Path:
+    """Save ``image`` to ``path`` via a temporary file in the same folder and an atomic rename.
+
+    The format follows the suffix. ``metadata`` goes into PNG text chunks (non-strings as JSON), and into
+    the EXIF UserComment (one JSON object) of JPEG and WebP files. ``source`` (an input path or its
+    :class:`SourceProfile`) gives the ICC profile and EXIF to carry over (PNG, JPEG, WebP, TIFF).
+    ``quality`` (1-100, default :data:`DEFAULT_QUALITY`) applies to JPEG and WebP; WebP at 100 is lossless.
+    """
+    path = Path(path)
+    check_output_format(path)
+    if quality is not None and not 1 <= int(quality) <= 100:
+        raise FlowliftError(f"quality must be in 1..100, got {quality}")
+    profile = source if isinstance(source, SourceProfile) else read_source_profile(source)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    suffix = path.suffix.lower()
+    kwargs: dict = {}
+    exif = profile.exif
+    if suffix == ".png":
+        if metadata:
+            kwargs["pnginfo"] = _png_info(metadata)
+    elif suffix in (".jpg", ".jpeg", ".webp"):
+        exif = _exif_with_metadata(exif, metadata)
+        kwargs["quality"] = int(quality if quality is not None else DEFAULT_QUALITY)
+        if suffix == ".webp" and kwargs["quality"] == 100:
+            kwargs["lossless"] = True
+        if suffix != ".webp" and image.mode == "RGBA":
+            image = image.convert("RGB")
+    if suffix in (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff"):
+        if profile.icc_profile:
+            kwargs["icc_profile"] = profile.icc_profile
+        if exif is not None:
+            kwargs["exif"] = exif.tobytes()
+    with atomic_output(path) as temporary:
+        image.save(temporary, format=Image.registered_extensions()[suffix], **kwargs)
+    return path
+
+
+def file_sha256(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk_bytes):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def input_hashes(paths: dict[str, str | None]) -> dict[str, str]:
+    """``{"<role>_sha256": hex}`` for every given input file (the metadata of refine outputs)."""
+    return {f"{key}_sha256": file_sha256(path) for key, path in paths.items() if path}
+
+
+def list_images(inputs: list[str], problems: list[tuple[str, str]] | None = None) -> list[Path]:
+    """Expand files, folders (non-recursive, image suffixes) and glob patterns, sorted, unique.
+
+    An item that matches nothing, or names something that is not a regular file or folder (a FIFO,
+    a socket, a device), raises FlowliftError — or, when a ``problems`` list is given, is appended to
+    it as ``(item, message)`` so that a batch can report it in one line and go on with the rest.
+    Temporary files of interrupted writes are never listed.
+    """
+    import glob
+
+    def problem(item: str, message: str) -> None:
+        if problems is None:
+            raise FlowliftError(f"{item}: {message}")
+        problems.append((item, message))
+
+    found: list[Path] = []
+    for item in inputs:
+        path = Path(item).expanduser()
+        if path.is_dir():
+            # temporary files of a killed run (.name.XXXX.partial.png in older releases) are never inputs
+            found.extend(sorted(p for p in path.iterdir()
+                                if p.suffix.lower() in IMAGE_SUFFIXES and not is_temporary(p) and p.is_file()))
+        elif path.is_file():
+            found.append(path)
+        elif path.exists():
+            problem(item, "not a regular file or folder (a FIFO, socket or device cannot be read as an image)")
+        else:
+            matches = sorted(Path(m) for m in glob.glob(str(path)) if not is_temporary(m))
+            files = [m for m in matches if m.is_file()]
+            for odd in matches:
+                if not odd.is_file() and odd.suffix.lower() in IMAGE_SUFFIXES:
+                    problem(str(odd), "not a regular file")
+            if not matches:
+                problem(item, "no such file, folder or matching pattern")
+            found.extend(files)
+    unique: list[Path] = []
+    seen: set[Path] = set()
+    for p in found:
+        key = p.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(p)
+    return unique

@@ -1,0 +1,1 @@
+"""Many images: batch planning and resume, the job manifest, torchrun shards."""

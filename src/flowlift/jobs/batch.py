@@ -1,0 +1,298 @@
+"""Images in, images out, many at a time: the batch semantics every such front-end shares.
+
+``flowlift upscale``, ``flowlift colorfix``, the web app's batch tab and a torchrun shard all turn a
+list of input files into one output file each, and promise the same things:
+
+* **Planning** (:func:`plan_jobs`): every input gets one output path, in ``-o``'s folder or next to
+  the input (or ``-o`` names the single output file). An input that is the planned output of another
+  input is a previous result, not a source; an output that would overwrite an input, or that two
+  inputs would share, is refused for that input alone.
+* **Resume** (:func:`run_jobs`): an existing output is skipped unless ``overwrite``, so rerunning an
+  interrupted command continues where it stopped — but only when it opens as an image of the
+  expected size (:func:`valid_output`, a header check); a 0-byte, garbage or wrong-size file is
+  redone with a note.
+* **Bad inputs and targets cost one line, up front**: an input that cannot be planned (missing,
+  not a regular file, unreadable header, too large) or whose output cannot be written (folder not
+  writable, format limit) is refused before any model is loaded; the batch goes on.
+* **One line per written file** (``wrote PATH`` on stdout) and a summary line at the end, also when
+  stderr is not a terminal (progress bars are drawn only on one, unless forced).
+* **One line per failure**: a user-facing error while processing one input (:data:`ITEM_ERRORS`)
+  costs that input one line on stderr; the batch goes on and the exit status is 1 at the end.
+* **Atomic outputs**: the ``process`` callback writes through :mod:`flowlift.files.atomic`, so an output
+  name never holds a partial file.
+
+The callbacks do the actual work, so the front-ends stay thin and this module knows nothing about
+models.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from flowlift.errors import FlowliftError
+from flowlift.files.atomic import remove_stale_temporaries
+
+__all__ = [
+    "ITEM_ERRORS",
+    "BatchResult",
+    "Job",
+    "error_line",
+    "folder_problem",
+    "output_target",
+    "pending",
+    "plan_jobs",
+    "report",
+    "run_jobs",
+    "summary_line",
+    "valid_output",
+]
+
+#: Exceptions that fail one input of a batch (reported in one line) instead of the whole run.
+ITEM_ERRORS: tuple[type[BaseException], ...] = (FlowliftError, OSError, RuntimeError, MemoryError, ValueError)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One input of a batch: its output path, or ``None`` and a note saying why it has none."""
+
+    source: Path
+    output: Path | None
+    note: str = ""
+    expected_size: tuple[int, int] | None = None  # (width, height) of a complete output, when known
+
+    @property
+    def refused(self) -> bool:
+        """True when the input has no output for a reason that counts as a failure (not a skip)."""
+        return self.output is None and not self.note.startswith("skipped")
+
+
+@dataclass
+class BatchResult:
+    """Counts of a finished batch; ``exit_code`` is 1 when anything failed, else 0."""
+
+    total: int = 0
+    done: int = 0
+    skipped: int = 0
+    failed: int = 0
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed else 0
+
+
+def output_target(output: str | None, count: int, image_suffixes: Sequence[str]) -> tuple[Path | None, Path | None]:
+    """Interpret ``-o``: ``(single output file, None)``, ``(None, output folder)`` or ``(None, None)``.
+
+    A path with an image suffix that is not an existing folder names one output file, which is only
+    valid for a single input.
+    """
+    if not output:
+        return None, None
+    target = Path(output).expanduser()
+    if target.suffix.lower() in image_suffixes and not target.is_dir():
+        if count != 1:
+            raise FlowliftError(f"-o {target} names one file but {count} inputs were given; pass a folder")
+        return target, None
+    return None, target
+
+
+def plan_jobs(
+    inputs: Sequence[Path],
+    output: str | None,
+    output_name: Callable[[Path], str],
+    image_suffixes: Sequence[str],
+    *,
+    expected_size: Callable[[Path], tuple[int, int]] | None = None,
+    check_output: Callable[[Path, Path], None] | None = None,
+) -> list[Job]:
+    """One :class:`Job` per input; ``output_name(source)`` gives the output's file name.
+
+    Outputs go to ``-o``'s folder, or next to each input without ``-o``; ``-o FILE`` names the single
+    output. An input that is another input's planned output, or that is named ``<stem>_x<N>`` beside
+    an input ``<stem>`` (:func:`flowlift.files.naming.source_of`, for any output folder), is skipped with a
+    note, so rerunning a command over a folder resumes instead of processing its own results; an output
+    that would replace its input, or that two inputs would share, is refused.
+    ``expected_size(source)`` is the (width, height) of a complete output (for :func:`valid_output`);
+    ``check_output(source, output)`` may refuse a target up front. An :data:`ITEM_ERRORS` exception
+    from any callback refuses that input alone, with its message as the note.
+    """
+    single_file, out_dir = output_target(output, len(inputs), image_suffixes)
+
+    refused: dict[Path, str] = {}
+    writable: dict[Path, str | None] = {}
+
+    def output_of(path: Path) -> Path | None:
+        try:
+            if single_file is not None:
+                return single_file
+            folder = out_dir if out_dir is not None else path.parent
+            return folder / output_name(path)
+        except ITEM_ERRORS as error:
+            refused[path] = error_line(error)
+            return None
+
+    from flowlift.files.naming import source_of
+
+    outputs = {path: output_of(path) for path in inputs}
+    producers = {o.resolve(): p for p, o in outputs.items() if o is not None and o.resolve() != p.resolve()}
+    taken: dict[Path, Path] = {}
+    jobs: list[Job] = []
+    for path in inputs:
+        out = outputs[path]
+        if out is None:
+            jobs.append(Job(path, None, refused[path]))
+            continue
+        key = out.resolve()
+        # an earlier result: planned from another input here, or named <stem>_x<N> beside its <stem> input
+        # (whatever the output folder is, so `upscale "dir/*.png" -o out/` never upscales dir's old outputs)
+        producer = producers.get(path.resolve()) or source_of(path, inputs)
+        if producer is not None:
+            jobs.append(Job(path, None, f"skipped, it is the output of {producer}"))
+        elif key == path.resolve():
+            jobs.append(Job(path, None, f"output {out} would overwrite the input; choose another -o"))
+        elif key in taken:
+            jobs.append(Job(path, None, f"output {out} is also the output of {taken[key]}; use separate folders"))
+        else:
+            if out.parent not in writable:
+                writable[out.parent] = folder_problem(out.parent)
+                if writable[out.parent] is None:
+                    remove_stale_temporaries(out.parent)  # debris of runs killed over an hour ago
+            try:
+                if writable[out.parent]:
+                    raise FlowliftError(writable[out.parent])
+                if check_output is not None:
+                    check_output(path, out)
+                size = expected_size(path) if expected_size is not None else None
+            except ITEM_ERRORS as error:
+                jobs.append(Job(path, None, error_line(error)))
+                continue
+            taken[key] = path
+            jobs.append(Job(path, out, expected_size=size))
+    return jobs
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why outputs cannot be written into ``folder``, or None when they can (nothing is created).
+
+    Probed by creating and removing a temporary file in ``folder`` or, when it does not exist yet, in
+    its nearest existing ancestor (which the writer's ``mkdir`` will create it in): a permission
+    check alone would pass for root on a read-only mount.
+    """
+    import tempfile
+
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"cannot write outputs into {folder}: {existing} is not a folder"
+    try:
+        descriptor, name = tempfile.mkstemp(prefix=".flowlift-probe.", dir=existing)
+        os.close(descriptor)
+        os.unlink(name)
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        return f"cannot write outputs into {folder}: {reason}"
+    return None
+
+
+def valid_output(path: Path, expected_size: tuple[int, int] | None) -> bool:
+    """True when ``path`` opens as an image (header only) of ``expected_size`` (width, height), if given."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return expected_size is None or tuple(image.size) == tuple(expected_size)
+    except Exception:  # noqa: BLE001 - anything Pillow cannot open is not a finished output
+        return False
+
+
+def _done(job: Job) -> bool:
+    return job.output is not None and job.output.exists() and valid_output(job.output, job.expected_size)
+
+
+def pending(jobs: Iterable[Job], overwrite: bool = False) -> list[Job]:
+    """The jobs :func:`run_jobs` would process: those without a valid existing output (or all, ``overwrite``)."""
+    return [job for job in jobs if job.output is not None and (overwrite or not _done(job))]
+
+
+def error_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none)."""
+    text = str(error)
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def report(command: str, source: Path | None, text: str, write: Callable[[str], None] | None = None) -> None:
+    """Print ``flowlift COMMAND: SOURCE: TEXT`` on stderr (the source left out when the text names it)."""
+    prefix = "" if source is None or str(source) in text else f"{source}: "
+    line = f"flowlift {command}: {prefix}{text}"
+    if write is not None:
+        write(line)
+    else:
+        print(line, file=sys.stderr)
+
+
+def run_jobs(
+    jobs: Iterable[Job],
+    process: Callable[[Path, Path], None],
+    *,
+    command: str,
+    overwrite: bool = False,
+    progress: bool | None = None,
+) -> BatchResult:
+    """Run ``process(source, output)`` for every job with an output; returns the counts.
+
+    Jobs without an output print their note (a refusal counts as failed, a "skipped" note does not);
+    an existing output is skipped unless ``overwrite``; an :data:`ITEM_ERRORS` exception from
+    ``process`` prints one line and the batch goes on. ``progress``: a tqdm bar over the jobs
+    (``None``: only on a terminal).
+    """
+    from tqdm import tqdm
+
+    jobs = list(jobs)
+    result = BatchResult(total=len(jobs))
+    todo: list[Job] = []
+    for job in jobs:
+        if job.output is None:
+            report(command, job.source, job.note)
+            if job.refused:
+                result.failed += 1
+            else:
+                result.skipped += 1
+        elif job.output.exists() and not overwrite:
+            if _done(job):
+                report(command, job.source, f"skipped, {job.output} exists (--overwrite to replace)")
+                result.skipped += 1
+            else:
+                size = "x".join(map(str, job.expected_size)) if job.expected_size else "readable"
+                report(command, job.source, f"redoing {job.output}: the existing file is not a {size} image")
+                todo.append(job)
+        else:
+            todo.append(job)
+    disable = None if progress is None else not progress
+    bar = tqdm(todo, desc="images", unit="img", disable=disable, file=sys.stderr)
+    for job in bar:
+        bar.set_postfix_str(job.source.name)
+        try:
+            process(job.source, job.output)
+        except ITEM_ERRORS as error:
+            result.failed += 1
+            report(command, job.source, error_line(error), write=lambda line: tqdm.write(line, file=sys.stderr))
+        else:
+            result.done += 1
+            tqdm.write(f"wrote {job.output}", file=sys.stdout)
+    if result.failed:
+        report(command, None, f"{result.failed} of {result.total} image(s) failed")
+    print(summary_line(command, result), file=sys.stdout)
+    return result
+
+
+def summary_line(command: str, result: BatchResult) -> str:
+    """``flowlift upscale: 3 written, 1 skipped, 0 failed (4 inputs)``: the last line of every batch."""
+    return (
+        f"flowlift {command}: {result.done} written, {result.skipped} skipped, {result.failed} failed "
+        f"({result.total} input{'s' if result.total != 1 else ''})"
+    )

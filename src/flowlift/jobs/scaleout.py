@@ -1,0 +1,202 @@
+"""A batch (:mod:`flowlift.jobs.batch`) run as one rank of a ``torchrun`` job, with its job manifest.
+
+:func:`run_batch` is what an image-to-image command calls instead of :func:`flowlift.jobs.batch.run_jobs`:
+
+* one process and no manifest in the output folder: exactly ``run_jobs`` (nothing new is written);
+* under ``torchrun`` (or one process continuing a job whose folder holds a manifest):
+
+  1. every rank plans the same jobs; the ranks split the probing (image headers, the resume rule
+     :func:`flowlift.jobs.batch.pending`) and exchange the results once (:func:`probe_and_gather`, which
+     also checks that all ranks planned the same list);
+  2. the jobs that need work are split by pixel count (:func:`shard_by_pixels`); each rank builds its
+     models (``make_process``) only when its share is not empty and runs ``run_jobs`` over it — no
+     collective inside the loop, so a failing image costs one line on its own rank and nothing else;
+  3. each processed image appends one record to the manifest (done with its seconds, or failed with
+     its error line); rank 0 also records the plan (a ``job`` record), the inputs it refuses and the
+     finished outputs the manifest did not know yet;
+  4. a monitored barrier with a timeout, the ranks' counts gathered, and rank 0's summary line (and
+     ``summary`` record). Rank 0 exits 1 when any image failed on any rank (so does ``torchrun``),
+     the other ranks 0 once they passed the barrier.
+
+A rank killed mid-run loses only its image in flight (outputs are written atomically and recorded
+after they exist); rerunning the same command with any world size redoes exactly the images whose
+output is missing — the ones that failed or were never reached.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from flowlift.errors import FlowliftError
+from flowlift.jobs.batch import Job, error_line, pending, report, run_jobs
+from flowlift.jobs.distributed import (
+    DEFAULT_BARRIER_TIMEOUT_S,
+    DistEnv,
+    broadcast,
+    finish,
+    image_pixels,
+    new_run_id,
+    probe_and_gather,
+    process_group,
+    shard_by_pixels,
+    total_counts,
+)
+from flowlift.jobs.manifest import Manifest, image_record, latest_by_output, now_iso
+
+Process = Callable[[Path, Path], None]
+
+
+def _nothing_to_do(source: Path, output: Path) -> None:
+    raise AssertionError(f"no job was pending, yet {source} -> {output} was run")
+
+
+def manifest_folder(output: str | None) -> Path | None:
+    """The folder ``-o`` names (the manifest's home), or ``None`` (no ``-o``, or ``-o FILE``)."""
+    from flowlift.files.images import IMAGE_SUFFIXES
+
+    if not output:
+        return None
+    target = Path(output).expanduser()
+    if target.suffix.lower() in IMAGE_SUFFIXES and not target.is_dir():
+        return None
+    return target
+
+
+def run_batch(
+    jobs: Sequence[Job],
+    make_process: Callable[[], Process],
+    *,
+    command: str,
+    output: str | None,
+    overwrite: bool = False,
+    barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT_S,
+    env: DistEnv | None = None,
+    progress: bool | None = None,
+) -> int:
+    """Run ``jobs`` on this rank's share; returns the exit status (see the module docstring).
+
+    ``make_process()`` builds the per-image callback (loading the models); it is called at most
+    once, and only when this rank has work.
+    """
+    env = DistEnv.from_environ() if env is None else env
+    jobs = list(jobs)
+    folder = manifest_folder(output)
+    if env.distributed and folder is None:
+        raise FlowliftError("under torchrun, -o must name an output folder: the job manifest is kept there")
+    if not env.distributed and (folder is None or not Manifest(folder).exists()):
+        process = make_process() if pending(jobs, overwrite) else _nothing_to_do
+        return run_jobs(jobs, process, command=command, overwrite=overwrite, progress=progress).exit_code
+    assert folder is not None
+    with process_group(env, barrier_timeout):
+        return _run_share(jobs, make_process, command, Manifest(folder), overwrite, barrier_timeout, env, progress)
+
+
+def _run_share(
+    jobs: list[Job],
+    make_process: Callable[[], Process],
+    command: str,
+    manifest: Manifest,
+    overwrite: bool,
+    barrier_timeout: float,
+    env: DistEnv,
+    progress: bool | None,
+) -> int:
+    run = broadcast(env, new_run_id())
+
+    def probe(job: Job) -> tuple[int, bool]:
+        needed = bool(pending([job], overwrite))
+        return (image_pixels(job.source) if needed else 0), needed
+
+    probes = probe_and_gather(env, jobs, probe)
+    todo = [i for i, (_, needed) in enumerate(probes) if needed]
+    share = {todo[k] for k in shard_by_pixels([probes[i][0] for i in todo], env.world_size)[env.rank]}
+    if env.is_main:
+        _record_plan(manifest, jobs, todo, run, env)
+        # rank 0 also reports the jobs nobody processes (refusals, skips), once
+        mine = [job for i, job in enumerate(jobs) if i in share or not probes[i][1]]
+    else:
+        mine = [jobs[i] for i in sorted(share)]
+    process = _recording(make_process(), manifest, run, env) if share else _nothing_to_do
+    if not env.is_main:
+        progress = False  # one batch bar on a shared terminal: rank 0's (its share)
+    result = run_jobs(mine, process, command=command, overwrite=overwrite, progress=progress)
+    counts = {"total": result.total, "done": result.done, "skipped": result.skipped, "failed": result.failed}
+    per_rank, reason = finish(env, counts, barrier_timeout)
+    if per_rank is None:
+        report(command, None, f"no summary: not every rank finished within {barrier_timeout:.0f} s ({reason})")
+        return 1  # on every rank: the job's state is unknown
+    totals = total_counts(per_rank)
+    if not env.is_main:
+        # the job's status is rank 0's: torchrun stops the other ranks as soon as one exits non-zero,
+        # which must not cut rank 0's summary short (this rank's failures are in it)
+        return 0
+    if env.distributed:
+        report(
+            command,
+            None,
+            f"{env.world_size} ranks: {totals['done']} done, {totals['skipped']} skipped, "
+            f"{totals['failed']} failed of {totals['total']} image(s)",
+        )
+    manifest.append({"event": "summary", "run": run, "time": now_iso(), "world_size": env.world_size,
+                     **{k: int(totals[k]) for k in ("total", "done", "skipped", "failed")}})  # fmt: skip
+    return 1 if totals["failed"] else 0
+
+
+def _record_plan(manifest: Manifest, jobs: list[Job], todo: list[int], run: str, env: DistEnv) -> None:
+    """The ``job`` record, a failed record per refused input, and a ``skipped`` record for each
+    finished output the manifest does not record as done (e.g. written just before a kill); the
+    image records carry ``plan: true`` (the loop did not produce them)."""
+    waiting = set(todo)
+    refused = sum(job.refused for job in jobs)
+    manifest.append({"event": "job", "run": run, "time": now_iso(), "world_size": env.world_size, "inputs": len(jobs),
+                     "todo": len(todo), "refused": refused, "skipped": len(jobs) - len(todo) - refused})  # fmt: skip
+    latest = latest_by_output(manifest.records())
+    for i, job in enumerate(jobs):
+        if i in waiting or (job.output is None and not job.refused):
+            continue
+        if job.output is None:
+            record = image_record(input_path=_absolute(job.source), input_sha256=None, output=None,
+                                  status="failed", seconds=0.0, error=job.note, env=env, run=run)  # fmt: skip
+        elif latest.get(_absolute(job.output), {}).get("status") not in ("done", "skipped"):
+            record = image_record(input_path=_absolute(job.source), input_sha256=_sha256(job.source),
+                                  output=_absolute(job.output), status="skipped", seconds=0.0, error=None,
+                                  env=env, run=run)  # fmt: skip
+        else:
+            continue
+        manifest.append({**record, "plan": True})
+
+
+def _recording(process: Process, manifest: Manifest, run: str, env: DistEnv) -> Process:
+    """``process`` that appends the image's manifest record once its output exists (or it failed)."""
+
+    def recorded(source: Path, output: Path) -> None:
+        start = time.perf_counter()
+        try:
+            process(source, output)
+        except Exception as error:  # recorded, then handled by run_jobs (one line) or propagated
+            manifest.append(image_record(input_path=_absolute(source), input_sha256=_sha256(source),
+                                         output=_absolute(output), status="failed",
+                                         seconds=time.perf_counter() - start, error=error_line(error),
+                                         env=env, run=run))  # fmt: skip
+            raise
+        manifest.append(image_record(input_path=_absolute(source), input_sha256=_sha256(source),
+                                     output=_absolute(output), status="done", seconds=time.perf_counter() - start,
+                                     error=None, env=env, run=run))  # fmt: skip
+
+    return recorded
+
+
+def _absolute(path: Path) -> str:
+    return os.path.abspath(path)
+
+
+def _sha256(path: Path) -> str | None:
+    from flowlift.files.images import file_sha256
+
+    try:
+        return file_sha256(path)
+    except OSError:
+        return None

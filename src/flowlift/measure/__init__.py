@@ -1,0 +1,1 @@
+"""Metrics, eval runs, band response and the other upscalers they compare against."""

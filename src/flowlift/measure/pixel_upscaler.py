@@ -1,0 +1,197 @@
+"""Pixel super-resolution models (Real-ESRGAN, HAT, SwinIR, 4x-UltraSharp...) through ``spandrel``.
+
+``spandrel`` -- the library ComfyUI and chaiNNer load these models with -- is an optional extra
+(``pip install -e ".[pixel]"``) and is imported only when a model is loaded. flowlift reads the file
+itself (safetensors, or ``torch.load(weights_only=True)``; pickles that need more are refused) and
+hands the state dict to spandrel's architecture registry, so spandrel's own unpickler never runs.
+
+A model runs at its native scale, tiled with overlap when the image is larger than a tile
+(:func:`flowlift.measure.tiled_inference.run_tiled`, tile size from the memory a probe pass needs:
+:func:`auto_tile_size`), and its
+output is resized with Lanczos to the requested scale when that differs from the native one.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from flowlift.errors import FlowliftError
+from flowlift.measure.tiled_inference import (
+    DEFAULT_OVERLAP,
+    PROBE_SIDE,
+    memory_budget,
+    peak_bytes_per_pixel,
+    run_tiled,
+    tile_side_for,
+)
+
+MODEL_SUFFIXES = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
+
+
+# --------------------------------------------------------------------------------------------------
+# reading a model file
+
+
+def read_model_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The state dict in a model file, read without running any pickled code.
+
+    ``.safetensors`` through :mod:`safetensors`; ``.pth`` / ``.pt`` / ``.ckpt`` / ``.bin`` only with
+    ``torch.load(weights_only=True)``. A pickle that needs more (pickled classes or code, TorchScript)
+    is refused with one :class:`FlowliftError` line. Nested dicts (``params_ema``, ``state_dict``)
+    are returned as they are; spandrel's canonicalisation unwraps them.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FlowliftError(f"model file not found: {path}")
+    if path.suffix.lower() not in MODEL_SUFFIXES:
+        raise FlowliftError(f"{path}: not a model file ({', '.join(MODEL_SUFFIXES)})")
+    try:
+        if path.suffix.lower() == ".safetensors":
+            from safetensors.torch import load_file
+
+            return dict(load_file(str(path), device="cpu"))
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "weights_only" in str(error) or "Weights only" in str(error):
+            raise FlowliftError(
+                f"{path}: refused: this pickle needs more than torch.load(weights_only=True) allows "
+                "(pickled code or classes); use a .safetensors export of the model"
+            ) from None
+        raise FlowliftError(f"{path}: cannot read: {str(error).splitlines()[0][:200]}") from None
+    except Exception as error:  # noqa: BLE001 - any reader failure is a bad file to the user
+        first = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        raise FlowliftError(f"{path}: cannot read: {first}") from None
+    if not isinstance(state, dict):
+        raise FlowliftError(f"{path}: holds a {type(state).__name__}, not a state dict")
+    return state
+
+
+# --------------------------------------------------------------------------------------------------
+# the model
+
+
+@dataclass
+class PixelUpscaler:
+    """A spandrel image model loaded from a local file, with flowlift's tiling and resizing."""
+
+    descriptor: Any
+    path: Path
+    device: torch.device
+    dtype: torch.dtype
+    overlap: int = DEFAULT_OVERLAP
+    tile: int | None = None  # None: no tiling; set by load_pixel_upscaler ("auto" sizes it by memory)
+    _last: tuple[bytes, int, np.ndarray] | None = field(default=None, repr=False)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.descriptor.architecture.name)
+
+    @property
+    def native_scale(self) -> int:
+        return int(self.descriptor.scale)
+
+    def describe(self, scale: int) -> str:
+        """One line for reports: architecture, native scale, tiling and any resize to ``scale``."""
+        tiling = f"tiled above {self.tile} px (overlap {self.overlap} px)" if self.tile else "untiled"
+        text = f"{self.architecture}, native {self.native_scale}x, {tiling}"
+        if self.native_scale != scale:
+            text += f"; resized {self.native_scale}x -> {scale}x with Lanczos"
+        return text
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.descriptor(x)
+
+    def upscale_tensor(self, image: torch.Tensor) -> torch.Tensor:
+        """(1, 3, h, w) float in [0, 1] -> (1, 3, h * native_scale, w * native_scale), tiled as set."""
+        x = image.to(device=self.device, dtype=self.dtype)
+        with torch.no_grad():
+            return run_tiled(self._forward, x, self.native_scale, self.tile, self.overlap)
+
+    def upscale(self, image: np.ndarray, scale: int) -> np.ndarray:
+        """uint8 HWC RGB in, uint8 HWC RGB out at ``scale`` times the size: the model at its native
+        scale, then a Lanczos resize when ``scale`` differs. The last result is kept, so a method and
+        its ``+colorfix`` variant run the model once."""
+        from PIL import Image
+
+        from flowlift.files.images import tensor_to_uint8, to_tensor
+
+        digest = image.tobytes()
+        if self._last is not None and self._last[0] == digest and self._last[1] == scale:
+            return self._last[2]
+        out = tensor_to_uint8(self.upscale_tensor(to_tensor(image)).float())[0]
+        h, w = image.shape[:2]
+        if out.shape[:2] != (h * scale, w * scale):
+            out = np.asarray(Image.fromarray(out).resize((w * scale, h * scale), Image.Resampling.LANCZOS))
+        self._last = (digest, scale, out)
+        return out
+
+
+def load_pixel_upscaler(
+    path: str | os.PathLike,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    tile: int | str | None = "auto",
+    overlap: int = DEFAULT_OVERLAP,
+) -> PixelUpscaler:
+    """Load a single-image super-resolution model from a local file with spandrel.
+
+    The file is read by :func:`read_model_state`; spandrel detects the architecture. Models that are
+    not single-image RGB models (inpainting, masks, grayscale) are refused with one line. ``tile``:
+    an input-pixel side, ``None`` (never tile) or ``"auto"`` (:func:`auto_tile_size`; models that
+    tile internally are not tiled again).
+    """
+    state = read_model_state(path)
+    try:
+        import spandrel
+    except ImportError as error:
+        raise FlowliftError(
+            f"spandrel: methods need the optional extra: pip install -e \".[pixel]\" ({error})"
+        ) from None
+    device = torch.device(device)
+    try:
+        descriptor = spandrel.ModelLoader(device="cpu").load_from_state_dict(spandrel.canonicalize_state_dict(state))
+    except spandrel.UnsupportedModelError:
+        raise FlowliftError(f"{path}: spandrel does not recognise this model's architecture") from None
+    except (KeyError, RuntimeError, ValueError, AssertionError) as error:
+        first = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        raise FlowliftError(f"{path}: spandrel cannot build the model: {first}") from None
+    if not isinstance(descriptor, spandrel.ImageModelDescriptor):
+        raise FlowliftError(f"{path}: {descriptor.architecture.name} is not a single-image model")
+    if descriptor.input_channels != 3 or descriptor.output_channels != 3:
+        raise FlowliftError(
+            f"{path}: {descriptor.architecture.name} takes {descriptor.input_channels} and gives "
+            f"{descriptor.output_channels} channels; only RGB models are supported"
+        )
+    try:
+        descriptor.to(device=device, dtype=dtype)
+    except spandrel.UnsupportedDtypeError as error:
+        raise FlowliftError(f"{path}: {error}") from None
+    descriptor.eval()
+    model = PixelUpscaler(descriptor, Path(path), device, dtype, overlap=overlap)
+    if tile == "auto":
+        internal = descriptor.tiling == spandrel.ModelTiling.INTERNAL
+        model.tile = None if internal else auto_tile_size(model)
+    elif tile is not None:
+        model.tile = int(tile)
+        if model.tile - 2 * overlap < 1:
+            raise FlowliftError(f"tile {tile} must exceed twice the overlap ({overlap})")
+    return model
+
+
+def auto_tile_size(model: PixelUpscaler) -> int:
+    """Tile side (input pixels) from the probe's peak memory per pixel and :func:`memory_budget`."""
+    requirements = model.descriptor.size_requirements
+    side = max(PROBE_SIDE, requirements.minimum)
+    side += -side % requirements.multiple_of
+    per_pixel = peak_bytes_per_pixel(model._forward, model.device, model.dtype, side)
+    return tile_side_for(
+        per_pixel, memory_budget(model.device), model.overlap, requirements.multiple_of, requirements.minimum
+    )

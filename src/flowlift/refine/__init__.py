@@ -1,0 +1,1 @@
+"""FLUX.2 txt2img, img2img, inpaint, outpaint and the hires fix on diffusers components."""

@@ -1,0 +1,1 @@
+"""Exact bounded-memory execution of the Flow Upscaler UNet in row strips."""

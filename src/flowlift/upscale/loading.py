@@ -1,0 +1,157 @@
+"""The Flow Upscaler pipeline's models: resolving and loading the UNet and the VAE, provenance lists.
+
+:func:`resolve_upscaler_file` turns a file, folder or hub id into the UNet's safetensors file (or one
+error line saying how to get it); :func:`load_pipeline_upscaler` / :func:`load_pipeline_vae` turn what
+a user passed (a module, an object, a spec) into a model on the pipeline's device;
+:func:`pipeline_model_files` lists the weight files behind both so outputs can record their hashes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flowlift.errors import FlowliftError
+
+if TYPE_CHECKING:  # torch is imported where it is used: the command line reads the defaults below
+    import torch
+
+DEFAULT_UPSCALER = "TensorForger/FlowUpscaler"
+#: The VAE of the command line, the web app and :class:`flowlift.upscale.pipeline.FlowUpscalerPipeline`: the
+#: full FLUX.2 VAE the upscaler's latents belong to (``taef2`` is the fast, approximate alternative).
+DEFAULT_VAE = "flux2"
+UPSCALER_WEIGHTS_NAME = "flow_upscaler.safetensors"
+WEIGHT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin")
+
+__all__ = [
+    "DEFAULT_UPSCALER",
+    "DEFAULT_VAE",
+    "UPSCALER_WEIGHTS_NAME",
+    "first_parameter",
+    "load_pipeline_upscaler",
+    "load_pipeline_vae",
+    "pipeline_model_files",
+    "resolve_upscaler_file",
+    "vae_spec_files",
+]
+
+
+def first_parameter(obj: Any) -> torch.Tensor | None:
+    """The first parameter of a module-like object (its device/dtype stand for the model's), else None."""
+    parameters = getattr(obj, "parameters", None)
+    if callable(parameters):
+        for param in parameters():
+            return param
+    return None
+
+
+def resolve_upscaler_file(source: str | os.PathLike) -> Path:
+    """Resolve the UNet weights (file, folder, hub id) or raise one line saying how to provide them."""
+    from flowlift.models.weights import resolve_file
+
+    try:
+        return resolve_file(source, [UPSCALER_WEIGHTS_NAME], what="Flow Upscaler weights")
+    except FlowliftError as error:
+        if UPSCALER_WEIGHTS_NAME in str(error):
+            raise FlowliftError(f"{error} (CLI: --upscaler PATH)") from None
+        raise FlowliftError(
+            f"{error} (the Flow Upscaler is {UPSCALER_WEIGHTS_NAME} of the hub repo {DEFAULT_UPSCALER}, "
+            "or a local file/folder: CLI --upscaler PATH)"
+        ) from None
+
+
+def vae_spec_files(spec: str) -> list[Path]:
+    """Weight files a VAE spec names: a file, a folder's weight files, or hub-cache files."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    from flowlift.models import vae as vae_module
+
+    if spec == "taef2":
+        repos = [vae_module.TAEF2_REPO]
+    elif spec == "flux2":
+        repos = list(vae_module.FLUX2_REPOS)
+    else:
+        repos = [spec]
+    names = [*vae_module.TAEF2_FILES, "diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"]
+    from huggingface_hub import try_to_load_from_cache
+
+    for repo in repos:
+        found = []
+        for name in names:
+            try:
+                cached = try_to_load_from_cache(repo, name)
+            except Exception:  # noqa: BLE001 - provenance is best effort; an odd id just has no files
+                cached = None
+            if isinstance(cached, str):
+                found.append(Path(cached))
+        if found:
+            return found
+    return []
+
+
+def pipeline_model_files(upscaler_path: Path | None, vae: Any, vae_spec: str | None) -> dict[str, list[Path]]:
+    """``{"upscaler": [...], "vae": [...]}``: the weight files behind a pipeline, for provenance.
+
+    The VAE's files come from its ``weight_files`` attribute when it has one, else from a local
+    spec (file or folder), else from the Hugging Face cache for ``taef2`` / ``flux2`` / repo ids.
+    """
+    files: dict[str, list[Path]] = {"upscaler": [], "vae": []}
+    if upscaler_path is not None:
+        files["upscaler"].append(upscaler_path)
+    vae_files = getattr(vae, "weight_files", None)
+    if vae_files:
+        files["vae"].extend(Path(p) for p in vae_files)
+    elif vae_spec is not None:
+        files["vae"].extend(vae_spec_files(vae_spec))
+    return files
+
+
+def load_pipeline_upscaler(upscaler: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, Path | None]:
+    """(UNet callable on ``device`` in ``dtype``, its weights file or None).
+
+    A path or hub id is resolved and loaded; a module is moved to ``device``/``dtype``; any other
+    callable is used as it is.
+    """
+    path: Path | None = None
+    if isinstance(upscaler, (str, os.PathLike)):
+        path = resolve_upscaler_file(upscaler)
+        from flowlift.models.upscaler_unet import load_upscaler
+
+        upscaler = load_upscaler(path, device=device, dtype=dtype)
+    elif first_parameter(upscaler) is not None:
+        upscaler = upscaler.to(device=device, dtype=dtype)
+    if not callable(upscaler):
+        raise FlowliftError(f"upscaler must be callable like the Flow Upscaler UNet, got {type(upscaler).__name__}")
+    return upscaler, path
+
+
+def load_pipeline_vae(vae: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, str | None]:
+    """(VAE with ``encode``/``decode``, its spec string or None).
+
+    A spec (``taef2``, ``flux2``, path, repo id) goes through :func:`flowlift.models.vae.load_vae` in
+    ``dtype``; a bare TAEF2 / diffusers ``AutoencoderKLFlux2`` module is wrapped keeping its own dtype;
+    an object with the interface is used as it is.
+    """
+    import torch
+
+    spec: str | None = None
+    if isinstance(vae, (str, os.PathLike)):
+        spec = os.fspath(vae)
+        from flowlift.models.vae import load_vae
+
+        vae = load_vae(spec, device=device, dtype=dtype)
+    elif isinstance(vae, torch.nn.Module):
+        # A bare TAEF2 or diffusers AutoencoderKLFlux2 (as in the model card's example): wrap it
+        # in the package's VAE interface, keeping its own dtype.
+        from flowlift.models.vae import load_vae
+
+        vae_param = first_parameter(vae)
+        vae_dtype = vae_param.dtype if vae_param is not None else dtype
+        vae = load_vae(vae, device=device, dtype=vae_dtype)
+    if not (callable(getattr(vae, "encode", None)) and callable(getattr(vae, "decode", None))):
+        raise FlowliftError(f"vae must have encode() and decode(), got {type(vae).__name__}")
+    return vae, spec

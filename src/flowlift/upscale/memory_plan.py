@@ -1,0 +1,387 @@
+"""One device-memory budget for a whole upscale: parse it, estimate each stage's peak, plan how each runs.
+
+``max_memory`` (``--max-memory 6GB``) bounds the device peak of every stage of
+:class:`flowlift.upscale.pipeline.FlowUpscalerPipeline`: the UNet passes, the VAE decode and both colour stages.
+:func:`plan_upscale` is a pure function of sizes, dtypes and the budget; it returns an
+:class:`UpscalePlan` saying, per stage, how it runs:
+
+* each UNet pass: ``plain`` (whole-frame forward) when its estimated peak fits; else ``chunked``
+  (:class:`flowlift.upscale.chunked.executor.ChunkedExecutor`, full-frame stores on the device, strips as tall as the
+  rest of the budget allows); else ``offload`` (stores in pinned host memory, strips from the budget);
+* the VAE decode: whole frame when it fits, else tiled;
+* stage 2 (the pixel colour fix): on the device when the float32 image fits next to the decoder's
+  output, else on the host (the decoded image is copied out in strips and the device copy freed).
+
+A budget too small for even the smallest of these raises one :class:`~flowlift.errors.FlowliftError`
+line saying what the smallest plan needs. All peaks are *estimates* from the formulas below (frame
+counts calibrated on the CPU, see ``docs/performance.md``); without a budget the pipeline keeps its
+size-based defaults (a fraction of the free device memory).
+
+Sizes: ``frame_bytes(b, c, h, w, dtype) = b * c * h * w * itemsize``; UNet sizes are latent pixels of
+a pass's *output* (the noise sample), image sizes are pixels.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from flowlift.errors import FlowliftError
+
+__all__ = [
+    "UNetPassPlan",
+    "UpscalePlan",
+    "chunked_store_bytes",
+    "colour_stage_bytes",
+    "decode_peak_bytes",
+    "format_bytes",
+    "frame_bytes",
+    "model_bytes",
+    "parse_memory",
+    "pass_io_bytes",
+    "plain_peak_bytes",
+    "plan_unet_pass",
+    "plan_upscale",
+    "strip_bytes_per_row",
+    "strip_rows_for_budget",
+    "to_host_float32",
+    "vae_kind",
+]
+
+#: Plain forward's activation peak in (B, base_channels, H, W) frames (fp32, CPU, 2048 px output; docs/unet.md).
+PLAIN_PEAK_FRAMES = 10.0
+#: ChunkedExecutor's full-frame stores in the same unit (two frames at the full-resolution level plus the
+#: long skip, the lower levels' frames and the conditioning features). Measured on the CPU (peak RSS, fp32,
+#: base 64, 256x256 latent, benchmarks/calibrate_memory.py): about 2.3 frames; the H200 run of issue 13
+#: (16384^2, bf16) measured 7.3 GiB = 2.4 frames including the strips.
+CHUNKED_STORE_FRAMES = 2.5
+#: ChunkedExecutor's strip temporaries per output row, in (B, base_channels, 1, W) rows: the up stage's
+#: first block reads two parts with a halo, normalizes each and convolves them (inputs, normalized
+#: copies, partial sums), and the strip being written back (plus, offloaded, the predicted next strip).
+#: Measured 4-8.5 per row on the CPU (same run); 12 keeps a margin.
+STRIP_ROW_FRAMES = 12.0
+#: Below this many rows per strip at the output resolution a device-resident chunked run is all kernel
+#: launches; offloading the stores buys taller strips from the same budget.
+MIN_DEVICE_STRIP_ROWS = 8
+#: Latent channels of a FLUX.2 latent (the UNet's sample channels).
+LATENT_CHANNELS = 32
+#: Decoder activation peak per output pixel, in channels of the VAE's dtype (whole-frame decode): TAEF2's
+#: 8x stage runs 64-channel convolutions at full resolution (input, output, a residual), the FLUX.2 VAE's
+#: last up block 128 channels plus a GroupNorm copy.
+DECODE_PLAIN_CHANNELS = {"taef2": 3 * 64, "flux2": 4 * 128}
+#: Tiled decode's working set besides the latent and the output image: one tile's activations.
+#: TAEF2: bands of 128x128 latent px (64 ch at 2x/4x) and 64x64-latent tiles at 8x; FLUX.2 VAE (diffusers
+#: tiling): 512 px tiles through 128-512 channels.
+DECODE_TILE_BYTES = {"taef2": 600 << 20, "flux2": 2 << 30}
+#: Stage 2's strips (a few float32 RGB/Lab strips of ~1M px) and coarse maps, plus the reference image.
+COLOUR_STRIP_BYTES = 64 << 20
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_memory(value: str | int | float) -> int:
+    """Bytes from ``6GB``, ``6.5 GiB``, ``512MB``, ``3g`` or a plain number of bytes.
+
+    Decimal units (k, M, G, T, with or without ``B``) are powers of 1000, binary ones (KiB, MiB, GiB,
+    TiB) powers of 1024, so ``6GB`` = 6e9 bytes (5.59 GiB). Anything else, or a value below 1 MB, is one
+    :class:`FlowliftError` line.
+    """
+    if isinstance(value, bool):
+        raise FlowliftError(f"max_memory must be a size like 6GB, got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise FlowliftError(f"max_memory must be a size like 6GB, 512MiB or a number of bytes, got {value!r}")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    size = int(number * _UNITS[unit])
+    if size < 10**6:
+        raise FlowliftError(f"max_memory {value!r} is below 1 MB; give a unit, e.g. 6GB")
+    return size
+
+
+def format_bytes(size: int | float) -> str:
+    """``size`` in GiB/MiB with two decimals (``6.00 GiB``), for messages."""
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def frame_bytes(batch: int, channels: int, height: int, width: int, dtype: torch.dtype) -> int:
+    """Bytes of a (batch, channels, height, width) tensor: ``b * c * h * w * itemsize``."""
+    return batch * channels * height * width * _itemsize(dtype)
+
+
+def plain_peak_bytes(
+    height: int, width: int, *, batch: int = 1, base_channels: int = 384, dtype: torch.dtype = torch.float32
+) -> int:
+    """Estimated activation peak of the plain forward for a (batch, 32, height, width) sample.
+
+    ``PLAIN_PEAK_FRAMES * batch * base_channels * height * width * itemsize``.
+    """
+    return int(PLAIN_PEAK_FRAMES * frame_bytes(batch, base_channels, height, width, dtype))
+
+
+def chunked_store_bytes(
+    height: int, width: int, *, batch: int = 1, base_channels: int = 384, dtype: torch.dtype = torch.float32
+) -> int:
+    """ChunkedExecutor's full-frame stores: ``CHUNKED_STORE_FRAMES * b * base * h * w * itemsize``."""
+    return int(CHUNKED_STORE_FRAMES * frame_bytes(batch, base_channels, height, width, dtype))
+
+
+def strip_bytes_per_row(
+    width: int, *, batch: int = 1, base_channels: int = 384, dtype: torch.dtype = torch.float32
+) -> int:
+    """Strip temporaries per output row: ``STRIP_ROW_FRAMES * b * base * w * itemsize``.
+
+    Lower-resolution levels take proportionally more rows per strip, so a strip's bytes are about the
+    same at every level.
+    """
+    return int(STRIP_ROW_FRAMES * frame_bytes(batch, base_channels, 1, width, dtype))
+
+
+def strip_rows_for_budget(
+    budget_bytes: int,
+    height: int,
+    width: int,
+    *,
+    batch: int = 1,
+    base_channels: int = 384,
+    dtype: torch.dtype = torch.float32,
+) -> int:
+    """Rows per strip (at the output resolution) whose temporaries fit in ``budget_bytes``.
+
+    ``clamp(floor(budget / strip_bytes_per_row(width)) - 2, 1, height)`` (two rows of halo); at least
+    one row, even when the budget is smaller (the caller decides whether that is acceptable).
+    """
+    per_row = strip_bytes_per_row(width, batch=batch, base_channels=base_channels, dtype=dtype)
+    rows = int(budget_bytes // max(1, per_row)) - 2
+    return max(1, min(height, rows))
+
+
+def pass_io_bytes(height: int, width: int, *, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
+    """A pass's latent tensors besides the UNet's activations, and stage 1 (the latent colour fix).
+
+    The noise and the velocity in the UNet's dtype, ``x0`` and stage 1's float32 result, the small
+    conditioning in float32 and the UNet's dtype (a quarter frame each):
+    ``b * 32 * h * w * (2 * itemsize + 2 * 4 + (4 + itemsize) / 4)``.
+    """
+    latent = batch * LATENT_CHANNELS * height * width
+    itemsize = _itemsize(dtype)
+    return int(latent * (2 * itemsize + 2 * 4 + (4 + itemsize) / 4))
+
+
+def decode_peak_bytes(
+    vae_kind: str, height: int, width: int, *, batch: int = 1, dtype: torch.dtype = torch.float32, tiled: bool
+) -> int:
+    """Device peak of decoding a (batch, 32, height/8, width/8) latent to a (batch, 3, height, width) image.
+
+    Whole frame: ``b * h * w * itemsize * (DECODE_PLAIN_CHANNELS + 3)``. Tiled: the output image and
+    the latent plus one tile's working set, ``b * h * w * itemsize * (3 + 32/64) + DECODE_TILE_BYTES``.
+    Unknown VAEs are costed like the FLUX.2 VAE (the larger one).
+    """
+    kind = vae_kind if vae_kind in DECODE_PLAIN_CHANNELS else "flux2"
+    pixels = batch * height * width
+    itemsize = _itemsize(dtype)
+    if tiled:
+        return int(pixels * itemsize * (3 + LATENT_CHANNELS / 64) + DECODE_TILE_BYTES[kind])
+    return int(pixels * itemsize * (DECODE_PLAIN_CHANNELS[kind] + 3))
+
+
+def colour_stage_bytes(height: int, width: int, *, batch: int = 1, vae_dtype: torch.dtype = torch.float32) -> int:
+    """Device peak of stage 2 on the device: the decoder's output, its float32 copy and the strips.
+
+    ``b * 3 * h * w * (itemsize(vae) + 4) + COLOUR_STRIP_BYTES`` (no separate copy when the VAE is
+    float32: ``b * 3 * h * w * 4 + COLOUR_STRIP_BYTES``).
+    """
+    image = batch * 3 * height * width
+    copy = 0 if vae_dtype == torch.float32 else image * _itemsize(vae_dtype)
+    return int(image * 4 + copy + COLOUR_STRIP_BYTES)
+
+
+@dataclass(frozen=True)
+class UNetPassPlan:
+    """How one UNet pass runs: ``mode`` (plain / chunked / offload), rows per strip, estimated peak."""
+
+    mode: str
+    height: int
+    width: int
+    strip_rows: int | None
+    peak_bytes: int
+
+
+@dataclass(frozen=True)
+class UpscalePlan:
+    """Per-stage choices for one upscale under ``budget_bytes`` (see the module docstring)."""
+
+    budget_bytes: int
+    passes: tuple[UNetPassPlan, ...]
+    vae_tiled: bool
+    colour_on_host: bool
+    peak_bytes: int
+    stage_peaks: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line: the choices and the estimated peak against the budget."""
+        unet = ", ".join(p.mode if p.strip_rows is None else f"{p.mode}({p.strip_rows} rows)" for p in self.passes)
+        return (
+            f"max_memory {format_bytes(self.budget_bytes)}: UNet {unet or 'no passes'}; "
+            f"VAE decode {'tiled' if self.vae_tiled else 'whole frame'}; "
+            f"colour fix on the {'host' if self.colour_on_host else 'device'}; "
+            f"estimated peak {format_bytes(self.peak_bytes)}"
+        )
+
+
+def plan_unet_pass(
+    height: int,
+    width: int,
+    budget_bytes: int,
+    *,
+    batch: int = 1,
+    base_channels: int = 384,
+    dtype: torch.dtype = torch.float32,
+    fixed_bytes: int = 0,
+) -> UNetPassPlan:
+    """The fastest way to run one pass (output latent ``height x width``) within ``budget_bytes``.
+
+    ``fixed_bytes`` (weights, the pass's latent tensors) is taken off the budget first. Plain when
+    :func:`plain_peak_bytes` fits; else chunked when the stores fit and leave at least
+    ``MIN_DEVICE_STRIP_ROWS`` rows of strip; else offload with strips from the whole remainder; a
+    remainder below one row is a FlowliftError.
+    """
+    sizes = {"batch": batch, "base_channels": base_channels, "dtype": dtype}
+    free = budget_bytes - fixed_bytes
+    plain = plain_peak_bytes(height, width, **sizes)
+    if plain <= free:
+        return UNetPassPlan("plain", height, width, None, fixed_bytes + plain)
+    per_row = strip_bytes_per_row(width, **sizes)
+    stores = chunked_store_bytes(height, width, **sizes)
+    rows = strip_rows_for_budget(free - stores, height, width, **sizes)
+    if free - stores >= (MIN_DEVICE_STRIP_ROWS + 2) * per_row:
+        return UNetPassPlan("chunked", height, width, rows, fixed_bytes + stores + (rows + 2) * per_row)
+    if free < 3 * per_row:
+        need = fixed_bytes + 3 * per_row
+        raise FlowliftError(
+            f"max_memory {format_bytes(budget_bytes)} is too small for a {width}x{height}-latent UNet pass "
+            f"(batch {batch}): even offloaded with one-row strips it needs about {format_bytes(need)}"
+        )
+    rows = strip_rows_for_budget(free, height, width, **sizes)
+    return UNetPassPlan("offload", height, width, rows, fixed_bytes + (rows + 2) * per_row)
+
+
+def plan_upscale(
+    height: int,
+    width: int,
+    num_passes: int,
+    budget_bytes: int,
+    *,
+    batch: int = 1,
+    base_channels: int = 384,
+    unet_dtype: torch.dtype = torch.float32,
+    unet_weight_bytes: int = 0,
+    vae_kind: str = "flux2",
+    vae_dtype: torch.dtype = torch.float32,
+    vae_weight_bytes: int = 0,
+    spatial_factor: int = 8,
+) -> UpscalePlan:
+    """Plan an upscale of a (batch, 3, height, width) model input by ``2**num_passes`` within a budget.
+
+    Both models' weights stay on the device throughout and count against every stage. Pass ``p``'s
+    sample is the input latent times ``2**(p+1)``. The decode is whole-frame when
+    :func:`decode_peak_bytes` fits, else tiled; stage 2 runs on the device when the decode's output
+    and its float32 copy fit (:func:`colour_stage_bytes`), else on the host. Raises a FlowliftError
+    line when some stage cannot fit at all.
+    """
+    weights = unet_weight_bytes + vae_weight_bytes
+    if budget_bytes <= weights:
+        raise FlowliftError(
+            f"max_memory {format_bytes(budget_bytes)} does not even hold the model weights ({format_bytes(weights)})"
+        )
+    latent_h, latent_w = height // spatial_factor, width // spatial_factor
+    passes = []
+    for index in range(num_passes):
+        h, w = latent_h * 2 ** (index + 1), latent_w * 2 ** (index + 1)
+        fixed = weights + pass_io_bytes(h, w, batch=batch, dtype=unet_dtype)
+        passes.append(
+            plan_unet_pass(
+                h, w, budget_bytes, batch=batch, base_channels=base_channels, dtype=unet_dtype, fixed_bytes=fixed
+            )
+        )
+    out_h, out_w = height * 2**num_passes, width * 2**num_passes
+    latent_bytes = frame_bytes(batch, LATENT_CHANNELS, out_h // spatial_factor, out_w // spatial_factor, torch.float32)
+    decode_fixed = weights + latent_bytes
+    sizes = {"batch": batch, "dtype": vae_dtype}
+    whole = decode_fixed + decode_peak_bytes(vae_kind, out_h, out_w, tiled=False, **sizes)
+    tiled = whole > budget_bytes
+    decode = whole if not tiled else decode_fixed + decode_peak_bytes(vae_kind, out_h, out_w, tiled=True, **sizes)
+    if decode > budget_bytes:
+        raise FlowliftError(
+            f"max_memory {format_bytes(budget_bytes)} is too small to decode a {out_w}x{out_h} image "
+            f"(batch {batch}): the tiled decode needs about {format_bytes(decode)}"
+        )
+    colour = weights + colour_stage_bytes(out_h, out_w, batch=batch, vae_dtype=vae_dtype)
+    colour_on_host = colour > budget_bytes
+    peaks = {f"pass {i + 1}": p.peak_bytes for i, p in enumerate(passes)}
+    peaks["decode"] = decode
+    # On the host path the device holds the decoder's output until it is copied out strip by strip.
+    peaks["colour"] = weights + frame_bytes(batch, 3, out_h, out_w, vae_dtype) if colour_on_host else colour
+    return UpscalePlan(
+        budget_bytes=budget_bytes,
+        passes=tuple(passes),
+        vae_tiled=tiled,
+        colour_on_host=colour_on_host,
+        peak_bytes=max(peaks.values()),
+        stage_peaks=peaks,
+    )
+
+
+def model_bytes(model: object) -> int:
+    """Bytes of a module's parameters and buffers (0 for anything without them)."""
+    total = 0
+    for attr in ("parameters", "buffers"):
+        tensors = getattr(model, attr, None)
+        if callable(tensors):
+            total += sum(t.numel() * t.element_size() for t in tensors())
+    inner = getattr(model, "model", None)  # flowlift's VAE adapters hold the module as .model
+    if total == 0 and inner is not None and inner is not model:
+        return model_bytes(inner)
+    return total
+
+
+def vae_kind(vae: object) -> str:
+    """``"taef2"`` for flowlift's TAEF2 adapter, else ``"flux2"`` (the larger decoder, costed conservatively)."""
+    return "taef2" if type(vae).__name__.upper().startswith("TAEF2") else "flux2"
+
+
+def to_host_float32(images: torch.Tensor, strip_rows: int = 256) -> torch.Tensor:
+    """``images`` (B, C, H, W) as float32 on the host, converted strip by strip.
+
+    The device never holds a float32 copy of the frame, only one strip of it; the values are exactly
+    ``images.to("cpu", torch.float32)``.
+    """
+    if images.device.type == "cpu":
+        return images.to(torch.float32)
+    out = torch.empty(images.shape, dtype=torch.float32, device="cpu")
+    for r0 in range(0, images.shape[-2], strip_rows):
+        out[..., r0 : r0 + strip_rows].copy_(images[..., r0 : r0 + strip_rows].to(torch.float32))
+    return out

@@ -1,0 +1,223 @@
+"""``flowlift upscale``'s per-image work, shared by the command and the web app.
+
+The command line parses and plans (:mod:`flowlift.commands.upscale`) and the web app validates its
+form; both describe a request as one :class:`UpscaleSettings`, and this module turns one planned input
+into one written output: the pipeline call with those settings, the metadata (parameters, the dtype
+and device that ran, weight and source hashes), and the atomic write that keeps the input's ICC
+profile and EXIF. :class:`OutputSizes` reads each input's header to name its output by the scale the
+16K cap lets run and to know what size a complete output has (for resume).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flowlift.upscale.loading import DEFAULT_UPSCALER, DEFAULT_VAE
+
+
+@dataclass(frozen=True)
+class UpscaleSettings:
+    """What one ``flowlift upscale`` request asks of every image: the pipeline's per-image options and
+    what the output's metadata records (``upscaler=None`` is the released weights)."""
+
+    seed: int | list[int] = 0
+    color_fix: bool = True
+    transplant_strength: float = 1.0
+    color_fix_strength: float = 1.0
+    resize_mode: str = "pad"
+    vae: str = DEFAULT_VAE
+    upscaler: str | None = None
+    quality: int | None = None
+
+    def pipeline_options(self) -> dict[str, Any]:
+        """The :meth:`FlowUpscalerPipeline.upscale_image` keyword arguments these settings set."""
+        return {
+            "seed": self.seed,
+            "color_fix": self.color_fix,
+            "transplant_strength": self.transplant_strength,
+            "color_fix_strength": self.color_fix_strength,
+            "resize_mode": self.resize_mode,
+        }
+
+
+def output_metadata(
+    settings: UpscaleSettings, passes: int, source: Path, hashes: dict[str, str], pipeline: Any
+) -> dict[str, object]:
+    """The output file's metadata: parameters, what ran, weight and source hashes."""
+    from flowlift import __version__
+    from flowlift.files.images import file_sha256
+
+    return {
+        "Software": f"flowlift {__version__} upscale",
+        "flowlift.parameters": {
+            "scale": 2**passes,
+            "passes": passes,
+            "seed": settings.seed,
+            "color_fix": settings.color_fix,
+            "transplant_strength": settings.transplant_strength,
+            "color_fix_strength": settings.color_fix_strength,
+            "resize_mode": settings.resize_mode,
+            "vae": settings.vae,
+            "upscaler": settings.upscaler or DEFAULT_UPSCALER,
+            "dtype": str(pipeline.dtype).removeprefix("torch."),  # what ran, not "auto"
+            "device": str(pipeline.device),
+        },
+        "flowlift.models": hashes,
+        "flowlift.source": {"name": source.name, "sha256": file_sha256(source)},
+    }
+
+
+def model_hashes(pipeline: Any) -> dict[str, dict[str, str]]:
+    """SHA-256 of every weight file behind ``pipeline`` by role: the PNG's ``flowlift.models``."""
+    from flowlift.files.images import file_sha256
+
+    return {role: {p.name: file_sha256(p) for p in paths} for role, paths in pipeline.model_files().items() if paths}
+
+
+def output_name(source: Path, scale: int, output_format: str | None = "png") -> str:
+    """The file name of ``source``'s result: ``<stem>_x<scale>.<format>`` (also the web app's names;
+    no format: png)."""
+    from flowlift.files.naming import upscaled_name
+
+    return upscaled_name(source.stem, scale, output_format or "png")
+
+
+def upscale_file(
+    pipeline: Any,
+    settings: UpscaleSettings,
+    passes: int,
+    source: Path,
+    out: Path,
+    hashes: dict[str, dict[str, str]],
+    on_stage: Callable[[str], None] | None = None,
+) -> tuple[Any, Any, list[str]]:
+    """Load ``source``, upscale it with ``settings``, write ``out`` atomically with the metadata.
+
+    Returns (input image, result image, warnings such as passes dropped at MAX_OUTPUT_SIDE). The one
+    per-image step of ``flowlift upscale``; the web app calls it too.
+    """
+    from flowlift.files.images import attach_alpha, load_image
+
+    image, alpha = load_image(source)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        result = pipeline.upscale_image(image, num_passes=passes, callback=on_stage, **settings.pipeline_options())
+    if alpha is not None:
+        result = attach_alpha(result, alpha)
+    save_result(pipeline, settings, source, out, image, result, hashes)
+    return image, result, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+def save_result(
+    pipeline: Any, settings: UpscaleSettings, source: Path, out: Path, image: Any, result: Any, hashes: dict
+) -> None:
+    """Write ``result`` (upscaled from ``image``, read from ``source``) atomically with its metadata,
+    named in the metadata by the passes that actually ran (fewer when MAX_OUTPUT_SIDE dropped some)."""
+    from flowlift.files.images import save_image_atomic
+
+    done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
+    save_image_atomic(
+        result,
+        out,
+        output_metadata(settings, done, source, hashes, pipeline),
+        source=source,  # the input's ICC profile and EXIF
+        quality=settings.quality,
+    )
+
+
+#: Largest side each output format can store (WebP's 14-bit dimensions; JPEG's 16-bit).
+FORMAT_MAX_SIDE = {".webp": 16383, ".jpg": 65535, ".jpeg": 65535}
+
+
+class OutputSizes:
+    """Per input, from its header only: the passes that will run (the cap may drop some), the scale
+    the output is named by, and the (width, height) a complete output has."""
+
+    def __init__(self, passes: int, resize_mode: str) -> None:
+        self.passes = passes
+        self.resize_mode = resize_mode
+        self._cache: dict[Path, tuple[int, tuple[int, int] | None]] = {}
+
+    def _plan(self, path: Path) -> tuple[int, tuple[int, int] | None]:
+        from flowlift.errors import FlowliftError
+        from flowlift.files.images import image_size
+        from flowlift.upscale.pipeline import MAX_OUTPUT_SIDE
+        from flowlift.upscale.sizes import planned_passes, upscaled_size
+
+        if path not in self._cache:
+            try:
+                width, height = image_size(path)
+            except FlowliftError:  # unreadable: named by the request, it fails in its own step (one line)
+                self._cache[path] = self.passes, None
+                return self._cache[path]
+            run = planned_passes(height, width, self.passes, self.resize_mode, MAX_OUTPUT_SIDE)
+            if run == 0:
+                raise FlowliftError(
+                    f"{path}: a {width}x{height} image cannot be upscaled: one 2x pass would exceed "
+                    f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px"
+                )
+            out_h, out_w = upscaled_size(height, width, run, self.resize_mode)
+            self._cache[path] = run, (out_w, out_h)
+        return self._cache[path]
+
+    def scale(self, path: Path) -> int:
+        return 2 ** self._plan(path)[0]
+
+    def output_size(self, path: Path) -> tuple[int, int] | None:
+        return self._plan(path)[1]
+
+
+def check_format_limit(out: Path, size: tuple[int, int] | None) -> None:
+    from flowlift.errors import FlowliftError
+
+    limit = FORMAT_MAX_SIDE.get(out.suffix.lower())
+    if limit is not None and size is not None and max(size) > limit:
+        raise FlowliftError(
+            f"output {out} would be {size[0]}x{size[1]}, over {out.suffix} format's {limit} px limit; use --format png"
+        )
+
+
+def batched_process(
+    settings: UpscaleSettings,
+    pipeline: Any,
+    jobs: list,
+    passes: int,
+    hashes: dict,
+    *,
+    batch_size: int,
+    overwrite: bool,
+) -> Any:
+    """``--batch-size N``: same-size inputs through the pipeline together (:mod:`flowlift.upscale.batches`)."""
+    import torch
+    from tqdm import tqdm
+
+    from flowlift.files.images import attach_alpha, load_image, tensor_to_pil, to_tensor
+    from flowlift.jobs.batch import report
+    from flowlift.upscale.batches import SameSizeBatches
+
+    def compute(paths: list[Path]) -> list[tuple[Any, Any, list[str]]]:
+        loaded = [load_image(path) for path in paths]
+        images = torch.cat([to_tensor(image) for image, _alpha in loaded])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            result = pipeline.upscale_image(images, num_passes=passes, output_type="pt", **settings.pipeline_options())
+        notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        return [
+            (attach_alpha(tensor_to_pil(result[i : i + 1]), alpha), image, notes)
+            for i, (image, alpha) in enumerate(loaded)
+        ]
+
+    def save(path: Path, out: Path, item: tuple[Any, Any, list[str]]) -> None:
+        result, image, notes = item
+        for note in notes:
+            report("upscale", path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
+        save_result(pipeline, settings, path, out, image, result, hashes)
+
+    todo = [job.source for job in jobs if job.output is not None and (overwrite or not job.output.exists())]
+    return SameSizeBatches(todo, batch_size, compute, save)

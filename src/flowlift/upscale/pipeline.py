@@ -1,0 +1,464 @@
+"""Image in, 2x/4x/8x image out: :class:`FlowUpscalerPipeline`.
+
+The loop, per image::
+
+    x      = image padded (or resampled) to a multiple of 16                      encode_image
+    z_0    = VAE.encode(x)                                  normalized 32-ch latents at 1/8 size
+    z_p+1  = n_p - v(n_p, 1000, z_p)        n_p ~ N(0, I) at 2x size, own seeded stream per pass
+    z_p+1  = stage 1 (latent low-band transplant from z_p)                        upscale_latents
+    y      = VAE.decode(z_N), cropped to 2^N x the original size
+    y      = stage 2 (pixel L*a*b* low-band transplant from the input image)      upscale_image
+
+``upscaler`` is anything called like the Flow Upscaler UNet (``model(sample, timestep, small)``), a
+weights file, a folder or a hub id; ``vae`` is any object with flowlift's VAE interface
+(``encode(images) -> latents``, ``decode(latents) -> images``) or a spec for
+:func:`flowlift.models.vae.load_vae`. Both colour stages live in :mod:`flowlift.upscale.colorfix`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowlift.errors import FlowliftError
+from flowlift.upscale.colorfix import LOWFREQ_FACTOR, lab_lowband_transplant, latent_lowband_transplant
+from flowlift.upscale.loading import (
+    DEFAULT_UPSCALER,
+    DEFAULT_VAE,
+    UPSCALER_WEIGHTS_NAME,
+    first_parameter,
+    load_pipeline_upscaler,
+    load_pipeline_vae,
+    pipeline_model_files,
+    resolve_upscaler_file,
+)
+from flowlift.upscale.memory_plan import (
+    UNetPassPlan,
+    UpscalePlan,
+    model_bytes,
+    parse_memory,
+    plan_upscale,
+    to_host_float32,
+    vae_kind,
+)
+from flowlift.upscale.sizes import (
+    MAX_OUTPUT_SIDE,
+    RESIZE_MODES,
+    SIZE_MULTIPLE,
+    allowed_passes,
+    image_seeds,
+    output_scale,
+    pad_to_multiple,
+    padded_size,
+    pass_generator,
+    pass_noise,
+    passes_for_scale,
+    planned_passes,
+    resample_to_multiple,
+    upscaled_size,
+)
+from flowlift.upscale.unet_runner import CompiledUNet, velocity_model
+
+ONE_STEP_TIMESTEP = 1000.0
+
+__all__ = [
+    "DEFAULT_UPSCALER",
+    "LOWFREQ_FACTOR",
+    "MAX_OUTPUT_SIDE",
+    "RESIZE_MODES",
+    "SIZE_MULTIPLE",
+    "UPSCALER_WEIGHTS_NAME",
+    "FlowUpscalerPipeline",
+    "allowed_passes",
+    "output_scale",
+    "pad_to_multiple",
+    "pass_generator",
+    "passes_for_scale",
+    "padded_size",
+    "resolve_upscaler_file",
+]
+
+
+def _check_count(name: str, value: Any) -> int:
+    """``value`` as an int if it is a non-negative integer (numpy ints too; not bool, not 1.5), else one line."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise FlowliftError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _check_seed(seed: Any) -> int | list[int]:
+    """A non-negative integer seed, or a sequence of them (one per image of a batch), else one line."""
+    if isinstance(seed, (list, tuple)):
+        return [_check_count("seed", value) for value in seed]
+    return _check_count("seed", seed)
+
+
+def _check_finite(tensor: torch.Tensor, stage: str, what: str = "latents") -> None:
+    """Raise ``"<stage> non-finite <what> (NaN/Inf)"`` unless every value is finite (one reduction)."""
+    if not bool(torch.isfinite(tensor).all()):
+        raise FlowliftError(f"Flow Upscaler: {stage} non-finite {what} (NaN/Inf); nothing was written")
+
+
+def _image_alpha(image: Any) -> Any:
+    """The alpha channel of a Pillow image (palette transparency included), else None."""
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        return None
+    if image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (image.mode == "P" and "transparency" in image.info):
+        return image.convert("RGBA").getchannel("A")
+    return None
+
+
+class FlowUpscalerPipeline:
+    """Flow Upscaler image pipeline (see the module docstring for the loop).
+
+    Parameters
+    ----------
+    upscaler:
+        A model called as ``model(sample, timestep, latents_small) -> velocity``, or a source for
+        :func:`flowlift.models.upscaler_unet.load_upscaler` (file, folder, hub id; default
+        ``flow_upscaler.safetensors`` in ``TensorForger/FlowUpscaler``).
+    vae:
+        A VAE object with flowlift's interface (``encode``/``decode``), a bare TAEF2 or diffusers
+        ``AutoencoderKLFlux2`` module (wrapped), or a spec for :func:`flowlift.models.vae.load_vae`.
+    dtype, device:
+        Where and in what precision the UNet and a loaded VAE run. Defaults: a given module's own
+        device/dtype; otherwise CUDA in bfloat16 if available, else CPU float32.
+    chunked:
+        Run the UNet through :class:`flowlift.upscale.chunked.executor.ChunkedExecutor` (exact, bounded memory):
+        ``None`` switches it on by size (:func:`flowlift.upscale.chunked.executor.should_chunk`), True/False force it.
+    vae_tiled:
+        Passed to the VAE's ``encode``/``decode`` as ``tiled`` (``None``: the VAE decides by size, or
+        the memory plan when ``max_memory`` is set).
+    max_memory:
+        A device-memory budget (bytes or ``"6GB"``, :func:`flowlift.upscale.memory_plan.parse_memory`) for the
+        whole upscale: UNet passes, VAE decode and both colour stages run plain / chunked / tiled /
+        offloaded as :func:`flowlift.upscale.memory_plan.plan_upscale` says (explicit ``chunked``,
+        ``vae_tiled``, ``chunk_rows``, ``offload_device`` still win). ``None``: size-based defaults.
+    compile:
+        ``True`` (or a ``torch.compile`` mode string) runs the whole-frame UNet through
+        :class:`flowlift.upscale.unet_runner.CompiledUNet`: one compiled graph per input shape, CUDA-graph
+        replay on CUDA, eager fallback with one warning when compilation fails.
+    channels_last:
+        Channels-last weights and inputs for the UNet (``None``: on CUDA only).
+    chunk_budget_bytes:
+        Memory the plain UNet forward may use before chunking switches on (``chunked=None``, no
+        ``max_memory``); by default :func:`flowlift.upscale.chunked.executor.should_chunk`'s (half the free CUDA memory,
+        1 GiB on the CPU).
+    on_strip:
+        ``on_strip(done, total)``, called after every strip of a chunked pass (progress; an exception
+        it raises, e.g. a user's cancel, stops the pass). See
+        :class:`flowlift.upscale.chunked.executor.ChunkedExecutor`.
+
+    ``vae=None`` makes a latent-only pipeline: :meth:`upscale_latents` works, the image methods raise.
+    """
+
+    MAX_OUTPUT_SIDE = MAX_OUTPUT_SIDE
+    LOWFREQ_FACTOR = LOWFREQ_FACTOR
+
+    def __init__(
+        self,
+        upscaler: Any = DEFAULT_UPSCALER,
+        vae: Any = DEFAULT_VAE,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        chunked: bool | None = None,
+        vae_tiled: bool | None = None,
+        chunk_rows: int | None = None,
+        offload_device: torch.device | str | None = None,
+        max_memory: int | str | None = None,
+        compile: bool | str = False,
+        channels_last: bool | None = None,
+        chunk_budget_bytes: int | None = None,
+        on_strip: Callable[[int, int], None] | None = None,
+    ) -> None:
+        param = first_parameter(upscaler) if not isinstance(upscaler, (str, os.PathLike)) else None
+        if device is None:
+            device = param.device if param is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = torch.device(device)
+        if dtype is None:
+            if param is not None and param.is_floating_point():
+                dtype = param.dtype
+            else:
+                dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = dtype
+        self.chunked = chunked
+        self.vae_tiled = vae_tiled
+        self.chunk_rows = chunk_rows
+        self.offload_device = offload_device
+        self.chunk_budget_bytes = chunk_budget_bytes
+        self.on_strip = on_strip
+        if isinstance(upscaler, (str, os.PathLike)):
+            from flowlift.models.vae import check_vae_spec
+
+            resolve_upscaler_file(upscaler)  # both sources found before either model loads
+            check_vae_spec(vae)
+        self.upscaler, self.upscaler_path = load_pipeline_upscaler(upscaler, self.device, self.dtype)
+        self.vae, self.vae_spec = (None, None) if vae is None else load_pipeline_vae(vae, self.device, self.dtype)
+        self.max_memory = None if max_memory is None else parse_memory(max_memory)
+        self.channels_last = self.device.type == "cuda" if channels_last is None else bool(channels_last)
+        if self.channels_last and isinstance(self.upscaler, torch.nn.Module):
+            self.upscaler.to(memory_format=torch.channels_last)
+        self.compiled_upscaler: CompiledUNet | None = None
+        if compile:
+            if not isinstance(self.upscaler, torch.nn.Module):
+                raise FlowliftError(f"compile needs the UNet as a torch module, got {type(self.upscaler).__name__}")
+            mode = compile if isinstance(compile, str) else None
+            self.compiled_upscaler = CompiledUNet(self.upscaler, mode=mode, channels_last=self.channels_last)
+        self.last_plan: UpscalePlan | None = None
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    @property
+    def spatial_factor(self) -> int:
+        """Image pixels per latent pixel (8 for FLUX.2 VAEs)."""
+        return int(getattr(self.vae, "spatial_factor", 8))
+
+    def _vae_dtype(self) -> torch.dtype:
+        param = first_parameter(self.vae)
+        if param is not None and param.is_floating_point():
+            return param.dtype
+        dtype = getattr(self.vae, "dtype", None)
+        return dtype if isinstance(dtype, torch.dtype) else self.dtype
+
+    def _vae_call(self, method: str, x: torch.Tensor, tiled: bool | None = None) -> torch.Tensor:
+        if self.vae is None:
+            raise FlowliftError("this pipeline was made without a VAE (vae=None): it upscales latents only")
+        fn = getattr(self.vae, method)
+        tiled = self.vae_tiled if tiled is None else tiled
+        if tiled is None:
+            return fn(x)
+        return fn(x, tiled=tiled)
+
+    def _velocity_model(self, sample_shape: tuple[int, ...], pass_plan: UNetPassPlan | None = None) -> Callable:
+        """The UNet (compiled when asked), or a ChunkedExecutor around it, for this pass."""
+        return velocity_model(
+            self.upscaler,
+            sample_shape,
+            device=self.device,
+            dtype=self.dtype,
+            chunked=self.chunked,
+            chunk_rows=self.chunk_rows,
+            offload_device=self.offload_device,
+            pass_plan=pass_plan,
+            plain=self.compiled_upscaler,
+            budget_bytes=self.chunk_budget_bytes,
+            on_strip=self.on_strip,
+        )
+
+    def plan_memory(self, height: int, width: int, num_passes: int, batch: int = 1) -> UpscalePlan | None:
+        """The :func:`flowlift.upscale.memory_plan.plan_upscale` plan for a (batch, 3, height, width) model input
+        under ``max_memory`` (None without a budget); a budget too small is a FlowliftError."""
+        if self.max_memory is None:
+            return None
+        return plan_upscale(
+            height,
+            width,
+            num_passes,
+            self.max_memory,
+            batch=batch,
+            base_channels=int(getattr(self.upscaler, "config", {}).get("base_channels", 384)),
+            unet_dtype=self.dtype,
+            unet_weight_bytes=model_bytes(self.upscaler),
+            vae_kind=vae_kind(self.vae),
+            vae_dtype=self._vae_dtype(),
+            vae_weight_bytes=model_bytes(self.vae),
+            spatial_factor=self.spatial_factor,
+        )
+
+    def plan_passes(self, image_height: int, image_width: int, num_passes: int, resize_mode: str = "pad") -> int:
+        """Passes that run for an input of this (real, unpadded) size; warns when the cap drops some.
+
+        The cap is on the computed canvas (:func:`flowlift.upscale.sizes.planned_passes`); the warning
+        names the input's own size and the output actually produced. When no pass fits at all although
+        some were asked for, the image is refused with one FlowliftError line.
+        """
+        num_passes = _check_count("num_passes", num_passes)
+        passes = planned_passes(image_height, image_width, num_passes, resize_mode, self.MAX_OUTPUT_SIDE)
+        if passes < num_passes:
+            out_h, out_w = upscaled_size(image_height, image_width, passes, resize_mode)
+            if passes == 0:
+                raise FlowliftError(
+                    f"Flow Upscaler: a {image_width}x{image_height} image cannot be upscaled: one 2x pass would "
+                    f"exceed MAX_OUTPUT_SIDE={self.MAX_OUTPUT_SIDE} px"
+                )
+            message = (
+                f"Flow Upscaler: {num_passes} pass(es) on a {image_width}x{image_height} image would exceed "
+                f"MAX_OUTPUT_SIDE={self.MAX_OUTPUT_SIDE} px; running {passes} pass(es) "
+                f"({num_passes - passes} dropped, output {out_w}x{out_h}, scale {2**passes})"
+            )
+            warnings.warn(message, UserWarning, stacklevel=3)
+        return passes
+
+    # -- the three steps ----------------------------------------------------------------------------
+
+    def prepare_image(self, image: Any, resize_mode: str = "pad") -> tuple[torch.Tensor, torch.Tensor]:
+        """(original (B,3,H,W) float32 on the device, the model input at multiples of 16).
+
+        ``resize_mode="pad"`` (default) pads bottom/right by reflection (:func:`pad_to_multiple`) and
+        nothing is resampled; ``"resample"`` resizes the whole image (bicubic, antialiased) to the
+        nearest multiples of 16.
+        """
+        from flowlift.files.images import to_tensor
+
+        if resize_mode not in RESIZE_MODES:
+            raise FlowliftError(f"resize_mode must be one of {', '.join(RESIZE_MODES)}, got {resize_mode!r}")
+        original = to_tensor(image, device=self.device, dtype=torch.float32)
+        if resize_mode == "pad":
+            return original, pad_to_multiple(original, SIZE_MULTIPLE)
+        return original, resample_to_multiple(original, SIZE_MULTIPLE)
+
+    @torch.inference_mode()
+    def encode_image(self, image: Any, resize_mode: str = "pad", return_size: bool = False) -> Any:
+        """PIL / ndarray / tensor image -> normalized latents (B, 32, H16/8, W16/8), float32.
+
+        The image is brought to multiples of 16 by :meth:`prepare_image` (``"pad"``: reflection pad
+        bottom/right, crop the output back; ``"resample"``: resize). With ``return_size=True`` returns
+        ``(latents, (height, width))`` of the original image, so that ``2**n`` times that size can be
+        cropped from a padded result.
+        """
+        original, prepared = self.prepare_image(image, resize_mode)
+        latents = self._vae_call("encode", prepared.to(self._vae_dtype())).to(torch.float32)
+        if return_size:
+            return latents, tuple(original.shape[-2:])
+        return latents
+
+    @torch.inference_mode()
+    def upscale_latents(
+        self,
+        latents: torch.Tensor,
+        num_passes: int = 1,
+        seed: int | Sequence[int] = 0,
+        transplant_strength: float = 1.0,
+        color_fix: bool = True,
+        callback: Callable[[str], None] | None = None,
+    ) -> torch.Tensor:
+        """Chain ``num_passes`` 2x passes on normalized latents; returns float32 latents.
+
+        Pass ``p``: ``noise ~ N(0, I)`` at twice the size, drawn per image from :func:`pass_generator`
+        (seed, p) on the CPU in float32 (``seed``: one for every image, or one per image), so an image
+        gets the same noise in a batch as alone; ``x0 = noise - v(noise, 1000, cond)``; with ``color_fix`` stage 1
+        (:func:`flowlift.upscale.colorfix.latent_lowband_transplant` at ``transplant_strength``) pins x0's low
+        band to ``cond``'s; x0 is the next pass's ``cond``. Passes beyond ``MAX_OUTPUT_SIDE`` are
+        dropped with a warning.
+        """
+        if not 0.0 <= transplant_strength <= 1.0:
+            raise FlowliftError(f"transplant_strength must be in [0, 1], got {transplant_strength}")
+        seed = _check_seed(seed)
+        factor = self.spatial_factor
+        passes = self.plan_passes(latents.shape[-2] * factor, latents.shape[-1] * factor, num_passes)
+        seeds = image_seeds(seed, latents.shape[0])
+        plan = self.plan_memory(latents.shape[-2] * factor, latents.shape[-1] * factor, passes, latents.shape[0])
+        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
+        cond = latents.to(device=self.device, dtype=torch.float32)
+        _check_finite(cond, "the input latents contain")
+        for index in range(passes):
+            batch, channels, height, width = cond.shape
+            shape = (batch, channels, 2 * height, 2 * width)
+            noise = pass_noise(seeds, index, shape[1:])
+            noise = noise.to(device=self.device, dtype=self.dtype, memory_format=memory_format)
+            timestep = torch.full((batch,), ONE_STEP_TIMESTEP, dtype=torch.float32, device=self.device)
+            model = self._velocity_model(shape, None if plan is None else plan.passes[index])
+            velocity = model(noise, timestep, cond.to(self.dtype, memory_format=memory_format))
+            x0 = noise.to(torch.float32) - velocity.to(torch.float32)
+            if color_fix and transplant_strength > 0:
+                x0 = latent_lowband_transplant(x0, cond, transplant_strength, self.LOWFREQ_FACTOR)
+            _check_finite(x0, f"pass {index + 1} produced")  # one reduction per pass, never per strip
+            cond = x0
+            if callback is not None:
+                callback(f"pass {index + 1}/{passes}")
+        return cond
+
+    @torch.inference_mode()
+    def upscale_image(
+        self,
+        image: Any,
+        num_passes: int = 1,
+        seed: int | Sequence[int] = 0,
+        color_fix: bool = True,
+        transplant_strength: float = 1.0,
+        color_fix_strength: float = 1.0,
+        *,
+        resize_mode: str = "pad",
+        output_type: str = "pil",
+        callback: Callable[[str], None] | None = None,
+    ) -> Any:
+        """Encode -> passes -> decode -> stage 2 -> image ``2**passes`` times the input's size.
+
+        ``output_type="pil"`` returns a Pillow image (a list for a batch; RGBA when a Pillow input had
+        alpha: the colour is upscaled, the alpha Lanczos-resized), ``"pt"`` a float (B, 3, H, W)
+        tensor in [0, 1]. With ``resize_mode="pad"`` the output is exactly ``2**passes`` times the
+        original size; with ``"resample"`` it is that factor times the size resampled to multiples of
+        16. ``color_fix=False`` switches both stages off; ``color_fix_strength`` scales stage 2.
+        """
+        if output_type not in ("pil", "pt"):
+            raise FlowliftError(f"output_type must be 'pil' or 'pt', got {output_type!r}")
+        if not 0.0 <= color_fix_strength <= 1.0:
+            raise FlowliftError(f"color_fix_strength must be in [0, 1], got {color_fix_strength}")
+        seed = _check_seed(seed)
+        original, prepared = self.prepare_image(image, resize_mode)
+        passes = self.plan_passes(original.shape[-2], original.shape[-1], num_passes, resize_mode)
+        latents = self._vae_call("encode", prepared.to(self._vae_dtype())).to(torch.float32)
+        _check_finite(latents, "the VAE encoder produced")
+        if callback is not None:
+            callback("encode")
+        latents = self.upscale_latents(
+            latents,
+            passes,
+            seed=seed,
+            transplant_strength=transplant_strength,
+            color_fix=color_fix,
+            callback=callback,
+        )
+        plan = self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0])
+        self.last_plan = plan
+        tiled = self.vae_tiled if self.vae_tiled is not None or plan is None else plan.vae_tiled
+        decoded = self._vae_call("decode", latents.to(self._vae_dtype()), tiled=tiled)
+        del latents
+        if plan is not None and plan.colour_on_host:  # stage 2 on the host: the device keeps no float32 frame
+            decoded = to_host_float32(decoded)
+        else:
+            decoded = decoded.to(torch.float32)
+        _check_finite(decoded, "the VAE decoder produced", what="pixels")
+        if callback is not None:
+            callback("decode")
+        scale = output_scale(passes)
+        reference = original if resize_mode == "pad" else prepared
+        height, width = reference.shape[-2] * scale, reference.shape[-1] * scale
+        if decoded.shape[-2] < height or decoded.shape[-1] < width:
+            raise FlowliftError(
+                f"VAE decoded {decoded.shape[-1]}x{decoded.shape[-2]}, expected at least {width}x{height}"
+            )
+        decoded = decoded[..., :height, :width]
+        if color_fix and color_fix_strength > 0:
+            result = lab_lowband_transplant(decoded, reference, color_fix_strength, inplace=True)
+        else:
+            result = decoded.clamp(0.0, 1.0)
+        if callback is not None:
+            callback("color fix")
+        if output_type == "pt":
+            return result
+        from flowlift.files.images import attach_alpha, tensor_to_pil
+
+        alpha = _image_alpha(image)
+        pictures = [attach_alpha(tensor_to_pil(result[i : i + 1]), alpha) for i in range(result.shape[0])]
+        return pictures[0] if len(pictures) == 1 else pictures
+
+    # -- provenance ---------------------------------------------------------------------------------
+
+    def model_files(self) -> dict[str, list[Path]]:
+        """Weight files behind this pipeline, for provenance: ``{"upscaler": [...], "vae": [...]}``.
+
+        The VAE's files come from its ``weight_files`` attribute when it has one, else from a local
+        spec (file or folder), else from the Hugging Face cache for ``taef2`` / ``flux2`` / repo ids.
+        """
+        return pipeline_model_files(self.upscaler_path, self.vae, self.vae_spec)
