@@ -1,0 +1,148 @@
+"""The house rules of docs/architecture.md, checked on the sources (imports read with ``ast``, nothing run).
+
+- Layers: a module imports only from its own folder or from folders below it (lazy imports inside
+  functions count too), so no arrow runs back up and front-ends sit on top of the capability packages.
+- No import cycle between modules.
+- Units stay readable: no module of ``src/flowlift`` past :data:`MAX_MODULE_LINES`; the top level holds
+  only the few modules every folder uses.
+- ``import flowlift`` stays cheap: it imports no torch (the public names are resolved lazily).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "flowlift"
+
+#: Lowest first. A module may import its own layer and any layer below it, never one above.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("errors", "console", "devices"),
+    ("files",),
+    ("flux2",),
+    ("models",),
+    ("jobs",),
+    ("upscale.chunked",),
+    ("upscale",),
+    ("refine",),
+    ("measure",),
+    ("training",),
+    ("comfyui", "app"),
+    ("commands",),
+    ("__main__",),
+)
+#: Front-ends of one layer must not import one another (``commands`` sits above: ``flowlift app`` starts the app).
+FRONT_ENDS = ("comfyui", "app", "commands")
+TOP_LEVEL_MODULES = {"__init__", "__main__", "errors", "console", "devices"}
+MAX_MODULE_LINES = 450
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(("flowlift", *parts)) if parts else "flowlift"
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported_modules(path: Path, known: set[str]) -> set[str]:
+    """Every flowlift module ``path`` imports, at the top or inside a function (``from x import y`` where
+    ``x.y`` is a module counts as importing ``x.y``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            if name in known:
+                found.add(name)
+    return found
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(layer index, folder key) of a flowlift module; the longest matching folder key wins."""
+    rest = module.removeprefix("flowlift.")
+    best: tuple[int, str] | None = None
+    for index, keys in enumerate(LAYERS):
+        for key in keys:
+            if (rest == key or rest.startswith(key + ".")) and (best is None or len(key) > len(best[1])):
+                best = (index, key)
+    if best is None:
+        raise AssertionError(f"{module} is in no layer of LAYERS: add its folder (and say why in docs/architecture.md)")
+    return best
+
+
+def import_graph() -> dict[str, set[str]]:
+    found = modules()
+    known = set(found)
+    return {name: imported_modules(path, known) - {name} for name, path in found.items()}
+
+
+def test_no_import_runs_back_up_a_layer():
+    upward = []
+    for module, targets in import_graph().items():
+        if module == "flowlift":  # the package's face resolves its public names lazily
+            continue
+        own_layer, own_key = layer_of(module)
+        for target in targets:
+            if target == "flowlift":
+                continue
+            layer, key = layer_of(target)
+            sideways = layer == own_layer and key != own_key and {key, own_key} <= set(FRONT_ENDS)
+            if layer > own_layer or sideways:
+                upward.append(f"{module} -> {target}")
+    assert not upward, "imports that run back up (see docs/architecture.md):\n" + "\n".join(sorted(upward))
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(target) :], target]))
+            elif target not in state:
+                visit(target)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_modules_stay_readable_and_the_top_level_small():
+    long = {
+        str(path.relative_to(PACKAGE)): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules past {MAX_MODULE_LINES} lines (split them along a seam): {long}"
+    top = {path.stem for path in PACKAGE.glob("*.py")}
+    assert top <= TOP_LEVEL_MODULES, f"new top-level modules belong in a folder: {sorted(top - TOP_LEVEL_MODULES)}"
+
+
+@pytest.mark.parametrize("statement", ["import flowlift", "import flowlift.commands.cli"])
+def test_importing_the_package_or_the_command_line_loads_no_torch(statement):
+    code = f"import sys; {statement}; print(sorted(m for m in ('torch', 'diffusers', 'gradio') if m in sys.modules))"
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}  # this checkout's sources, whatever is installed
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", f"{statement} imported {result.stdout.strip()}"
