@@ -240,7 +240,8 @@ def test_bad_model_is_one_line(capsys, tmp_path, embeds_file, photo):
 
 def test_argument_choices_mirror_the_api():
     from flowlift.commands import img2img
-    from flowlift.refine.refiner import SAMPLERS, STRENGTH_MAPS
+    from flowlift.flux2.sampling import SAMPLERS
+    from flowlift.refine.loop import STRENGTH_MAPS
 
     assert img2img.SAMPLERS == SAMPLERS and img2img.STRENGTH_MAPS == STRENGTH_MAPS
 

@@ -90,7 +90,7 @@ def test_looks_like_path(source, is_path):
 
 def test_mistyped_local_paths_say_no_such_file(tmp_path):
     from flowlift.models.vae import load_vae
-    from flowlift.refine.refiner import load_transformer
+    from flowlift.refine.loading import load_transformer
     from flowlift.upscale.pipeline import resolve_upscaler_file
 
     for call in (
@@ -124,13 +124,13 @@ def test_missing_vae_fails_before_the_unet_loads(tmp_path, monkeypatch):
 
 @pytest.fixture
 def no_model_loads(monkeypatch):
-    import flowlift.refine.refiner as refine
+    import flowlift.refine.loading as loading
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the inputs were checked")
 
-    monkeypatch.setattr(refine, "load_refiner", must_not_load)
-    monkeypatch.setattr(refine, "load_transformer", must_not_load)
+    monkeypatch.setattr(loading, "load_refiner", must_not_load)
+    monkeypatch.setattr(loading, "load_transformer", must_not_load)
 
 
 def test_img2img_checks_every_input_before_loading(tmp_path, photo, capsys, monkeypatch, no_model_loads):
@@ -172,7 +172,7 @@ def test_hires_checks_the_upscaler_before_loading(tmp_path, capsys, no_model_loa
 
 
 def test_offline_hub_model_error_says_cache_and_command():
-    from flowlift.refine.refiner import load_transformer
+    from flowlift.refine.loading import load_transformer
 
     with pytest.raises(FlowliftError) as caught:
         load_transformer("someone/flux2-not-cached", dtype=torch.float32)
@@ -184,7 +184,7 @@ def test_offline_hub_model_error_says_cache_and_command():
 def test_wrong_single_file_is_named_as_not_a_flux2_transformer(tmp_path):
     from safetensors.torch import save_file
 
-    from flowlift.refine.refiner import load_transformer
+    from flowlift.refine.loading import load_transformer
 
     path = tmp_path / "unet.safetensors"
     save_file({"model.diffusion_model.input_blocks.0.0.weight": torch.zeros(2, 2)}, str(path))

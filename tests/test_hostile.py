@@ -174,7 +174,7 @@ def test_pickled_code_is_refused_without_advising_weights_only_false(tmp_path):
 
 @pytest.mark.parametrize("kind", sorted(NON_FINITE))
 def test_non_finite_prompt_embeddings_are_refused_at_load(tmp_path, kind):
-    from flowlift.refine.refiner import load_prompt_embeds
+    from flowlift.refine.prompts import load_prompt_embeds
 
     embeds = torch.zeros(1, 4, 8)
     embeds[0, 2, 3] = NON_FINITE[kind]
@@ -351,7 +351,7 @@ def test_non_finite_numeric_options_are_refused(tmp_path, capsys, value):
 
 
 def test_outpaint_canvas_is_capped_before_loading_anything(tmp_path, capsys):
-    from flowlift.refine.refiner import outpaint_pads
+    from flowlift.refine.canvas import outpaint_pads
 
     with pytest.raises(FlowliftError, match="MAX_OUTPUT_SIDE"):
         outpaint_pads(64, 64, 0, 0, 10**9, 0)

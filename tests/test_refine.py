@@ -16,13 +16,9 @@ import torch
 from flowlift.errors import FlowliftError
 from flowlift.flux2.img2img import gaussian_flow_velocity
 from flowlift.flux2.latents import denormalize, normalize, pack, patchify, unpack, unpatchify
-from flowlift.refine.refiner import (
-    Flux2Refiner,
-    denoising_start_for,
-    latent_mask,
-    latent_noise,
-    refine_latents,
-)
+from flowlift.refine.canvas import latent_mask
+from flowlift.refine.loop import denoising_start_for, latent_noise, refine_latents
+from flowlift.refine.refiner import Flux2Refiner
 from tiny_flux2 import DiffusersHelpers as P
 from tiny_flux2 import Spy, prompt_embeds, tiny_transformer, tiny_vae
 

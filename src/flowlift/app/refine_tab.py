@@ -77,7 +77,9 @@ def refine(
         to_tensor,
     )
     from flowlift.files.naming import refined_output
-    from flowlift.refine.refiner import SAMPLERS, STRENGTH_MAPS, load_prompt_embeds
+    from flowlift.flux2.sampling import SAMPLERS
+    from flowlift.refine.loop import STRENGTH_MAPS
+    from flowlift.refine.prompts import load_prompt_embeds
 
     if not path:
         raise FlowliftError("no image uploaded")
@@ -151,7 +153,8 @@ def refine(
 
 def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_error: Any, upload_path: Any) -> None:
     """The Refine tab and its ``refine`` endpoint (built inside the page's ``gr.Blocks``)."""
-    from flowlift.refine.refiner import SAMPLERS, STRENGTH_MAPS
+    from flowlift.flux2.sampling import SAMPLERS
+    from flowlift.refine.loop import STRENGTH_MAPS
 
     follow_tqdm = gr.Progress(track_tqdm=True)
 

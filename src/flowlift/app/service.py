@@ -201,12 +201,12 @@ class AppService:
 
             device, dtype = resolve_device_dtype(self.config.device or "auto", self.config.dtype)
             if self._refiner is None:
-                from flowlift.refine.refiner import load_refiner
+                from flowlift.refine.loading import load_refiner
 
                 progress(0.0, "loading the FLUX.2 model (once per server)")
                 self._refiner = load_refiner(self.config.model, vae=self.config.model_vae, device=device, dtype=dtype)
             if text_encoder and self._refiner.prompt_encoder is None:
-                from flowlift.refine.refiner import PromptEncoder
+                from flowlift.refine.prompts import PromptEncoder
 
                 progress(0.0, "loading the FLUX.2 text encoder (once per server)")
                 self._refiner.prompt_encoder = PromptEncoder(self.config.model, device=device, dtype=dtype)

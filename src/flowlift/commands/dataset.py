@@ -109,7 +109,7 @@ def load_teacher(args: argparse.Namespace, device):
         embeds = read_state_dict(args.prompt_embeds, what="prompt embeddings")
         if "prompt_embeds" not in embeds:
             raise FlowliftError(f"{args.prompt_embeds} has no tensor named 'prompt_embeds'")
-        from flowlift.refine.refiner import check_prompt_embeds
+        from flowlift.refine.prompts import check_prompt_embeds
 
         check_prompt_embeds(embeds, origin=str(args.prompt_embeds))
         try:

@@ -19,7 +19,8 @@ from flowlift.commands._options import (
 from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
 
-#: Mirrors flowlift.refine.refiner.SAMPLERS / STRENGTH_MAPS (kept literal so --help does not import torch).
+#: Mirrors flowlift.flux2.sampling.SAMPLERS / flowlift.refine.loop.STRENGTH_MAPS
+#: (kept literal so --help does not import torch).
 SAMPLERS = ("euler", "heun")
 STRENGTH_MAPS = ("linear", "canvas")
 
@@ -152,7 +153,8 @@ def check_model_sources(args: argparse.Namespace) -> None:
 
 def load_refiner_from_args(args: argparse.Namespace):
     """Build the refiner (text encoder only when a prompt must be embedded) and the conditioning kwargs."""
-    from flowlift.refine.refiner import load_prompt_embeds, load_refiner
+    from flowlift.refine.loading import load_refiner
+    from flowlift.refine.prompts import load_prompt_embeds
 
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     embeds = negative = None
@@ -224,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     check_output(output)
     rgb, alpha = load_image(args.image)
     if pads:
-        from flowlift.refine.refiner import outpaint_pads
+        from flowlift.refine.canvas import outpaint_pads
 
         outpaint_pads(rgb.height, rgb.width, *pads)  # the size cap, before any weights are loaded
     images = to_tensor(rgb)

@@ -1,0 +1,77 @@
+"""Canvas geometry in pixels: the 16-pixel grid, edge padding, the latent mask and the outpaint canvas.
+
+Pure pixel geometry, no model: what img2img, inpaint and outpaint do to an image and its mask before the
+VAE sees them, and what the command line checks outpaint borders with before it loads any weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flowlift.errors import FlowliftError
+from flowlift.flux2.latents import VAE_SCALE_FACTOR
+
+#: Images are processed on a 16-pixel grid (8x VAE, then 2x2 patches); other sizes are edge-padded.
+PIXEL_MULTIPLE = VAE_SCALE_FACTOR * 2
+
+
+def pad_to_multiple(images: torch.Tensor, multiple: int = PIXEL_MULTIPLE) -> tuple[torch.Tensor, tuple[int, int]]:
+    """Edge-replicate pad (B, C, H, W) on the right/bottom to multiples of ``multiple``; returns the pad."""
+    h, w = images.shape[-2:]
+    ph, pw = (-h) % multiple, (-w) % multiple
+    if ph or pw:
+        images = F.pad(images, (0, pw, 0, ph), mode="replicate")
+    return images, (ph, pw)
+
+
+def latent_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Pixel mask (B, 1, H, W) in [0, 1] (1 = regenerate) -> latent mask at 1/8: the mean of each 8x8 cell.
+
+    Cells entirely outside the masked region are exactly 0, so they are kept exactly.
+    """
+    if mask.ndim != 4 or mask.shape[1] != 1:
+        raise ValueError(f"mask must be (B, 1, H, W), got {tuple(mask.shape)}")
+    return F.avg_pool2d(mask.float(), VAE_SCALE_FACTOR)
+
+
+def outpaint_pads(height: int, width: int, left: int, top: int, right: int, bottom: int) -> tuple[int, int, int, int]:
+    """The borders rounded up to multiples of 16 px, checked before anything is allocated.
+
+    The canvas ``(height + top + bottom) x (width + left + right)`` must stay within
+    :data:`flowlift.upscale.pipeline.MAX_OUTPUT_SIDE` per side (the package's output cap), else one
+    FlowliftError line: ``--outpaint 0,0,1000000,0`` would otherwise try to allocate the canvas.
+    """
+    from flowlift.upscale.pipeline import MAX_OUTPUT_SIDE
+
+    pads = tuple(-(-max(0, int(p)) // PIXEL_MULTIPLE) * PIXEL_MULTIPLE for p in (left, top, right, bottom))
+    if not any(pads):
+        raise FlowliftError("outpaint needs a border: give at least one of left/top/right/bottom > 0")
+    canvas_h, canvas_w = height + pads[1] + pads[3], width + pads[0] + pads[2]
+    if max(canvas_h, canvas_w) > MAX_OUTPUT_SIDE:
+        raise FlowliftError(
+            f"outpaint canvas {canvas_w}x{canvas_h} exceeds MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px per side; "
+            "use smaller borders"
+        )
+    return pads  # type: ignore[return-value]
+
+
+def outpaint_canvas(
+    images: torch.Tensor, left: int, top: int, right: int, bottom: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int, int]]:
+    """Edge-replicate canvas for outpainting and its pixel mask (1 on the new border).
+
+    The image sides must be multiples of 16 px; the pads are rounded up to multiples of 16 px so the
+    original region stays aligned with the transformer's 2x2 latent patches.
+    """
+    h, w = images.shape[-2:]
+    if h % PIXEL_MULTIPLE or w % PIXEL_MULTIPLE:
+        raise FlowliftError(
+            f"outpaint needs image sides that are multiples of {PIXEL_MULTIPLE} px, got {w}x{h}; crop or resize first"
+        )
+    pads = outpaint_pads(h, w, left, top, right, bottom)
+    left, top, right, bottom = pads
+    canvas = F.pad(images, (left, right, top, bottom), mode="replicate")
+    mask = torch.ones(images.shape[0], 1, canvas.shape[-2], canvas.shape[-1], device=images.device)
+    mask[:, :, top : top + h, left : left + w] = 0.0
+    return canvas, mask, (left, top, right, bottom)

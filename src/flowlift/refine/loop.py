@@ -1,0 +1,188 @@
+"""The latent-level FLUX.2 loop, run the way the transformer was trained (``shared/seeds/000_*``).
+
+Normalized start latents with unit-scale noise, the shifted schedule clipped at the strength and the
+inpaint merge with the start noise, for any ``velocity_fn(x, sigma)``: it needs no transformer, VAE or
+prompt, so the tests drive it with an analytic Gaussian velocity. :class:`_Progress` shows its steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flowlift.errors import FlowliftError
+from flowlift.flux2.latents import (
+    LATENT_CHANNELS,
+    PATCHIFIED_CHANNELS,
+    image_seq_len,
+    normalize,
+    seeded_noise,
+    unpatchify,
+)
+from flowlift.flux2.sampling import SAMPLERS
+
+STRENGTH_MAPS = ("linear", "canvas")
+
+VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
+StepCallback = Callable[[int, int, float], None]
+
+
+def denoising_start_for(strength: float, strength_map: str = "linear") -> float:
+    """``denoising_start`` of an img2img ``strength`` in [0, 1].
+
+    ``linear``: ``1 - strength``; ``canvas``: ``1 - strength ** 0.2`` (the canvas "optimized denoising"
+    map, far more aggressive at the strengths users pick: 0.5 -> 0.129).
+    """
+    from flowlift.flux2.schedule import canvas_denoising_start, linear_denoising_start
+
+    if not 0.0 <= float(strength) <= 1.0:
+        raise FlowliftError(f"strength must be in [0, 1], got {strength}")
+    if strength_map == "linear":
+        return float(linear_denoising_start(float(strength)))
+    if strength_map == "canvas":
+        return float(canvas_denoising_start(float(strength)))
+    raise FlowliftError(f"unknown strength map {strength_map!r}; choose one of {', '.join(STRENGTH_MAPS)}")
+
+
+def check_sampler(sampler: str) -> str:
+    """Return ``sampler`` if flowlift can run it on the shifted schedule, else one FlowliftError line."""
+    if sampler not in SAMPLERS:
+        raise FlowliftError(f"unknown sampler {sampler!r}; flowlift runs {', '.join(SAMPLERS)}")
+    return sampler
+
+
+def latent_noise(shape: Sequence[int], seed: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Unit noise for normalized latents of ``shape`` (B, 32, H, W), drawn in the *patchified* layout.
+
+    Drawn as (B, 128, H/2, W/2) float32 on the CPU (the shape diffusers' FLUX.2 pipelines draw) and
+    unpatchified, so a seed gives the same starting noise as ``Flux2KleinPipeline`` with
+    ``generator=torch.Generator("cpu").manual_seed(seed)`` in float32.
+    """
+    b, c, h, w = shape
+    if c != LATENT_CHANNELS or h % 2 or w % 2:
+        raise ValueError(f"latent noise needs (B, 32, even H, even W), got {tuple(shape)}")
+    patches = seeded_noise((b, PATCHIFIED_CHANNELS, h // 2, w // 2), seed, device="cpu", dtype=torch.float32)
+    return unpatchify(patches).to(device)
+
+
+@dataclass
+class RefineResult:
+    """Normalized output latents plus the exact sigmas the model was run on and the start noise level."""
+
+    latents: torch.Tensor
+    sigmas: list[float]
+    t0: float
+    model_calls: int = 0
+
+
+def refine_latents(
+    velocity_fn: VelocityFn,
+    *,
+    init_latents: torch.Tensor | None = None,
+    shape: Sequence[int] | None = None,
+    bn_mean: torch.Tensor | None = None,
+    bn_std: torch.Tensor | None = None,
+    denoising_start: float = 0.0,
+    denoising_end: float = 1.0,
+    steps: int = 28,
+    seed: int = 0,
+    sampler: str = "euler",
+    mask: torch.Tensor | None = None,
+    on_step: StepCallback | None = None,
+    device: torch.device | str = "cpu",
+) -> RefineResult:
+    """Sample FLUX.2 latents: txt2img (no ``init_latents``), img2img, or inpaint (with ``mask``).
+
+    * ``init_latents``: normalized (B, 32, H, W) latents, or *raw* VAE latents when ``bn_mean``/``bn_std``
+      ([128]) are given -- then only they are normalized, never the noise blend.
+    * ``sigmas = flux2_sigmas(steps, image_seq_len(H, W), denoising_start, denoising_end)``: the shifted
+      schedule with mu from the full sequence length and step count, clipped; ``t0 = sigmas[0]``.
+    * start: ``x = t0 * noise + (1 - t0) * normalize(init)`` (txt2img: ``x = noise``).
+    * ``mask`` (1 or B, 1, H, W), 1 = regenerate: after each step the kept region is set to
+      ``sigma_next * noise + (1 - sigma_next) * init`` with the *same* ``noise`` as the start.
+    * ``sampler``: ``euler`` or ``heun`` on those sigmas, in every mode.
+    * ``denoising_start >= denoising_end`` (strength 0) runs no step and returns the normalized init.
+    """
+    from flowlift.flux2.img2img import InpaintMerger, denoise, prepare_start_latents
+    from flowlift.flux2.schedule import flux2_sigmas
+
+    check_sampler(sampler)
+    if steps < 1:
+        raise FlowliftError(f"steps must be >= 1, got {steps}")
+    if not 0.0 <= denoising_start <= 1.0 or not 0.0 <= denoising_end <= 1.0 or denoising_start > denoising_end:
+        raise FlowliftError(f"need 0 <= denoising_start <= denoising_end <= 1, got {denoising_start}, {denoising_end}")
+    if (bn_mean is None) != (bn_std is None):
+        raise ValueError("give both bn_mean and bn_std, or neither")
+    if init_latents is None:
+        if shape is None:
+            raise ValueError("txt2img needs a latent shape")
+        if denoising_start != 0.0:
+            raise FlowliftError("txt2img starts from pure noise: denoising_start must be 0 (strength 1)")
+        if mask is not None:
+            raise FlowliftError("a mask needs an init image")
+        shape = tuple(shape)
+    else:
+        init_latents = init_latents.to(device=device, dtype=torch.float32)
+        shape = tuple(init_latents.shape)
+    if len(shape) != 4 or shape[1] != LATENT_CHANNELS or shape[2] % 2 or shape[3] % 2:
+        raise ValueError(f"expected (B, 32, even H, even W) latents, got {shape}")
+
+    init_norm = None
+    if init_latents is not None:
+        init_norm = normalize(init_latents, bn_mean, bn_std) if bn_mean is not None else init_latents
+    if denoising_start >= denoising_end:  # strength 0 (or an empty window): nothing to denoise
+        return RefineResult(latents=init_norm, sigmas=[], t0=1.0 - denoising_start)
+
+    noise = latent_noise(shape, seed, device=device)
+    sigmas = flux2_sigmas(steps, image_seq_len(shape[2], shape[3]), denoising_start, denoising_end)
+    sigma_list = [float(s) for s in sigmas]
+    t0 = sigma_list[0]
+    if init_latents is None:
+        x = noise
+    else:
+        x = prepare_start_latents(init_latents, noise, t0, bn_mean=bn_mean, bn_std=bn_std)
+
+    merger = None
+    if mask is not None:
+        mask = mask.to(device=device, dtype=torch.float32)
+        if mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2:] != shape[2:]:
+            raise ValueError(f"latent mask must be (B, 1, {shape[2]}, {shape[3]}), got {tuple(mask.shape)}")
+        merger = InpaintMerger(init_norm, mask, noise)
+
+    calls = 0
+
+    def counted(z: torch.Tensor, sigma: float) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return velocity_fn(z, sigma)
+
+    n_steps = len(sigma_list) - 1
+
+    def callback(i: int, *_: Any) -> None:
+        if on_step is not None:
+            on_step(i, n_steps, sigma_list[i + 1])
+
+    with torch.inference_mode():
+        out = denoise(counted, x, sigmas, inpaint=merger, callback=callback, sampler=sampler)
+    return RefineResult(latents=out, sigmas=sigma_list, t0=t0, model_calls=calls)
+
+
+class _Progress:
+    def __init__(self, enabled: bool, desc: str) -> None:
+        self.enabled, self.desc, self.bar = enabled, desc, None
+
+    def __call__(self, i: int, total: int, sigma: float) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=self.desc, unit="step", leave=False)
+        self.bar.update(1)
+        self.bar.set_postfix(sigma=f"{sigma:.3f}")
+        if i + 1 == total:
+            self.bar.close()
+            self.bar = None

@@ -1,0 +1,81 @@
+"""Prompt conditioning: prompt strings to FLUX.2 embeddings, or precomputed embeddings read and checked.
+
+Either way the refiner gets float32 ``prompt_embeds`` (and optional ``negative_prompt_embeds``) it can trust.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from flowlift.errors import FlowliftError
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return (lines[0][:200] if lines else "") or type(error).__name__
+
+
+class PromptEncoder:
+    """Prompt -> FLUX.2 embeddings with the matching diffusers pipeline's text encoder (optional extra).
+
+    Loads the pipeline of ``model`` (``Flux2Pipeline``: Mistral-3; ``Flux2KleinPipeline``: Qwen3) without
+    its transformer and VAE, and calls its ``encode_prompt``. Needs ``pip install 'flowlift[text]'``.
+    """
+
+    def __init__(self, model: str, *, device: torch.device | str, dtype: torch.dtype) -> None:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            raise FlowliftError(
+                "computing prompt embeddings needs the text extra (pip install 'flowlift[text]'); "
+                "or pass precomputed --prompt-embeds"
+            ) from None
+        from diffusers import DiffusionPipeline
+
+        try:
+            self.pipe = DiffusionPipeline.from_pretrained(model, transformer=None, vae=None, torch_dtype=dtype)
+        except Exception as error:  # noqa: BLE001 - any loader failure is a bad --model to the user
+            raise FlowliftError(f"cannot load the text encoder of {model}: {_first_line(error)}") from None
+        self.pipe.text_encoder.to(device)
+        self.device = torch.device(device)
+
+    @torch.inference_mode()
+    def __call__(self, prompt: str) -> torch.Tensor:
+        embeds, _ = self.pipe.encode_prompt(prompt=prompt, device=self.device)
+        return embeds.float()
+
+
+def check_prompt_embeds(state: dict[str, torch.Tensor], *, origin: str) -> None:
+    """Refuse prompt embeddings that are not floating point or hold NaN/Inf (checked once, at load).
+
+    Non-finite embeddings propagate through every attention layer and decode to a black image.
+    """
+    from flowlift.models.weights import check_finite_state
+
+    for name in ("prompt_embeds", "negative_prompt_embeds"):
+        tensor = state.get(name)
+        if tensor is not None and not tensor.is_floating_point():
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            raise FlowliftError(f"prompt embeddings ({origin}): `{name}` has dtype {dtype}, expected floating point")
+    check_finite_state(state, what="prompt embeddings", origin=origin)
+
+
+def load_prompt_embeds(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Read ``prompt_embeds`` (and optional ``negative_prompt_embeds``) from a safetensors/.pt file."""
+    from flowlift.models.weights import read_state_dict
+
+    state = read_state_dict(path, what="prompt embeddings")
+    if "prompt_embeds" not in state:
+        raise FlowliftError(f"prompt embeddings: {path} has no 'prompt_embeds' tensor (keys: {', '.join(state)})")
+    check_prompt_embeds(state, origin=str(path))
+    embeds = state["prompt_embeds"].float()
+    if embeds.ndim == 2:
+        embeds = embeds[None]
+    negative = state.get("negative_prompt_embeds")
+    if negative is not None:
+        negative = negative.float()
+        if negative.ndim == 2:
+            negative = negative[None]
+    return embeds, negative
