@@ -36,7 +36,7 @@ def direct(model_path: str, photos: list[str]) -> dict:
     import spandrel
 
     from flowlift.files.images import tensor_to_uint8, to_tensor
-    from flowlift.measure.evaluate import _load_rgb, prepare_pair
+    from flowlift.measure.inputs import _load_rgb, prepare_pair
     from flowlift.measure.metrics import drift_at_input_scale
     from flowlift.measure.pixel_upscaler import read_model_state
 

@@ -9,8 +9,12 @@ from PIL import Image
 
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
+from flowlift.measure import cache as C
 from flowlift.measure import evaluate as E
+from flowlift.measure import inputs as IN
+from flowlift.measure import methods as MT
 from flowlift.measure import metrics as M
+from flowlift.measure import report as R
 
 
 class BlockVAE:
@@ -43,13 +47,13 @@ def photos(tmp_path_factory, shared) -> Path:
 
 
 def test_parse_methods():
-    specs = E.parse_methods(["lanczos,bicubic", "flow:transplant=0.5:seed=3,vae-roundtrip"])
+    specs = MT.parse_methods(["lanczos,bicubic", "flow:transplant=0.5:seed=3,vae-roundtrip"])
     assert [s.label for s in specs] == ["lanczos", "bicubic", "flow:seed=3:transplant=0.5", "vae-roundtrip"]
     assert [s.needs_vae for s in specs] == [False, False, True, True]
-    kw = E.flow_kwargs(specs[2], 4)
+    kw = MT.flow_kwargs(specs[2], 4)
     assert kw == {"num_passes": 2, "seed": 3, "color_fix": True, "transplant_strength": 0.5,
                   "color_fix_strength": 1.0}  # fmt: skip
-    assert E.flow_kwargs(E.parse_methods("flow:color=off:color_fix=0")[0], 2)["color_fix"] is False
+    assert MT.flow_kwargs(MT.parse_methods("flow:color=off:color_fix=0")[0], 2)["color_fix"] is False
     for bad, msg in [
         ("nearest", "unknown method"),
         ("lanczos:seed=1", "bad option"),
@@ -60,21 +64,21 @@ def test_parse_methods():
         (",", "no methods"),
     ]:
         with pytest.raises(FlowliftError, match=msg):
-            E.parse_methods(bad)
+            MT.parse_methods(bad)
     with pytest.raises(FlowliftError, match="power of 2"):
-        E.flow_kwargs(E.parse_methods("flow")[0], 3)
+        MT.flow_kwargs(MT.parse_methods("flow")[0], 3)
 
 
 def test_prepare_pair_crops_and_area_downsamples():
     rng = np.random.default_rng(0)
     photo = rng.integers(0, 256, size=(150, 201, 3), dtype=np.uint8)
-    gt, low = E.prepare_pair(photo, 4)
+    gt, low = IN.prepare_pair(photo, 4)
     assert gt.shape == (128, 192, 3) and low.shape == (32, 48, 3) and low.dtype == np.uint8
     np.testing.assert_array_equal(gt, photo[11:139, 4:196])
     block = gt[:4, :4].astype(np.float64).mean(axis=(0, 1))
     np.testing.assert_allclose(low[0, 0], block, atol=0.5 + 1e-6)
     with pytest.raises(FlowliftError, match="smaller"):
-        E.prepare_pair(photo[:50], 4)
+        IN.prepare_pair(photo[:50], 4)
 
 
 def test_area_downscale_rounds_exact_halves_to_even_without_bias():
@@ -86,7 +90,7 @@ def test_area_downscale_rounds_exact_halves_to_even_without_bias():
     blocks[:, 1, 1] = levels[:, None] + 1
     photo = blocks.transpose(1, 0, 2, 3).reshape(2, 255 * 2, 3)[:, :, :]
     photo = np.concatenate([photo] * 16, axis=0)[:32, : 16 * 2 * 15]  # 32 x 480: multiples of 16 x 2
-    gt, low = E.prepare_pair(photo, 2)
+    gt, low = IN.prepare_pair(photo, 2)
     exact = gt.astype(np.float64).reshape(16, 2, 240, 2, 3).mean(axis=(1, 3))
     assert np.all(exact % 1 == 0.5)
     expected = np.floor(exact) + (np.floor(exact) % 2 == 1)  # ties to the even neighbour
@@ -98,7 +102,7 @@ def test_area_downscale_rounds_exact_halves_to_even_without_bias():
     for factor in (2, 3, 4, 8, 16):
         h, w = 48 - 48 % factor, 64 - 64 % factor
         means = image[:h, :w].astype(np.float64).reshape(h // factor, factor, w // factor, factor, 3).mean((1, 3))
-        np.testing.assert_array_equal(E.box_downscale_uint8(image[:h, :w], factor), np.rint(means).astype(np.uint8))
+        np.testing.assert_array_equal(IN.box_downscale_uint8(image[:h, :w], factor), np.rint(means).astype(np.uint8))
 
 
 def test_summarize_worst_rules():
@@ -113,8 +117,8 @@ def test_summarize_worst_rules():
 
 def test_run_methods_table_json_figures_and_cache(photos, tmp_path):
     vae = BlockVAE()
-    specs = E.parse_methods("lanczos,bicubic,latent-bicubic,vae-roundtrip")
-    fns = {s.label: E.make_method_fn(s, 4, vae=vae, device="cpu", dtype=torch.float32) for s in specs}
+    specs = MT.parse_methods("lanczos,bicubic,latent-bicubic,vae-roundtrip")
+    fns = {s.label: MT.make_method_fn(s, 4, vae=vae, device="cpu", dtype=torch.float32) for s in specs}
     ident = {"vae": "fake-1", "device": "cpu", "dtype": "float32"}
     cache = tmp_path / "cache"
 
@@ -133,11 +137,11 @@ def test_run_methods_table_json_figures_and_cache(photos, tmp_path):
     assert res["lanczos"]["kodim03"]["psnr_gt"] > res["latent-bicubic"]["kodim03"]["psnr_gt"]
     # metrics match a direct computation
     with Image.open(photos / "kodim07.png") as im:
-        gt, low = E.prepare_pair(np.asarray(im), 4)
-    direct = E.measure(E.pixel_upscale(low, 4, "bicubic"), low, gt)
+        gt, low = IN.prepare_pair(np.asarray(im), 4)
+    direct = E.measure(MT.pixel_upscale(low, 4, "bicubic"), low, gt)
     assert res["bicubic"]["kodim07"] == pytest.approx(direct)
 
-    paths = E.write_report(report, tmp_path / "out")
+    paths = R.write_report(report, tmp_path / "out")
     table = paths["table"].read_text()
     assert table.count("| lanczos | mean |") == 1 and table.count("| vae-roundtrip | worst |") == 1
     assert "PSNR gt (dB)" in table and "3 image(s)" in table
@@ -169,7 +173,7 @@ def test_run_methods_table_json_figures_and_cache(photos, tmp_path):
     third = run(folder=changed)
     assert (third.computed, third.cached) == (4, 8)
     # method options are part of the key
-    assert E.cache_key({"method": "flow", "options": {"transplant": 0.5}}) != E.cache_key(
+    assert C.cache_key({"method": "flow", "options": {"transplant": 0.5}}) != C.cache_key(
         {"method": "flow", "options": {"transplant": 1.0}}
     )
 
@@ -189,7 +193,7 @@ def test_pairs_mode_identical_and_shifted(photos, tmp_path):
     assert same["identical_pct"] == 100.0 and same["l1"] == 0.0 and same["psnr_input"] == math.inf
     assert res["kodim03"]["cast_g"] == pytest.approx(3.0, abs=0.05) and res["kodim03"]["identical_pct"] < 5
     assert "levels" in same and "grey_sigma" in same
-    text = E.markdown_table(report)
+    text = R.markdown_table(report)
     assert "identical %" in text and "inf" in text and "levels" in text
     other = tmp_path / "other"
     other.mkdir()
@@ -228,8 +232,8 @@ def test_vae_roundtrip_with_real_taef2_is_clean(shared, photos):
 
     vae = load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
     with Image.open(photos / "kodim23.png") as im:
-        gt, _ = E.prepare_pair(np.asarray(im), 1)
-    out = E.vae_roundtrip(vae, gt, "cpu", torch.float32)
+        gt, _ = IN.prepare_pair(np.asarray(im), 1)
+    out = MT.vae_roundtrip(vae, gt, "cpu", torch.float32)
     drift = M.drift_at_input_scale(out, gt)
     # TAEF2 is an approximate decoder: Kodak round trips cast ~1-5/255 (the card's VAE: <= 0.9/255)
     assert drift["cast_max"] < 2.0 and abs(drift["c_mean_change_pct"]) < 5.0 and drift["psnr_input"] > 25
@@ -265,8 +269,8 @@ def test_flow_method_passes_its_knobs_to_the_pipeline():
             calls.append(kwargs)
             return image.resize((image.width * 4, image.height * 4), Image.Resampling.BICUBIC)
 
-    spec = E.parse_methods("flow:transplant=0.25:color_fix=0.5:seed=7")[0]
-    fn = E.make_method_fn(spec, 4, vae=object(), pipeline=RecordingPipeline())
+    spec = MT.parse_methods("flow:transplant=0.25:color_fix=0.5:seed=7")[0]
+    fn = MT.make_method_fn(spec, 4, vae=object(), pipeline=RecordingPipeline())
     low = np.zeros((16, 32, 3), dtype=np.uint8)
     out = fn(low, np.zeros((64, 128, 3), dtype=np.uint8))
     assert out.shape == (64, 128, 3)
@@ -275,7 +279,7 @@ def test_flow_method_passes_its_knobs_to_the_pipeline():
     with pytest.raises(FlowliftError, match="not 4x"):
         fn(low, np.zeros((60, 128, 3), dtype=np.uint8))
     with pytest.raises(FlowliftError, match="--upscaler"):
-        E.make_method_fn(spec, 4, vae=object(), pipeline=None)
+        MT.make_method_fn(spec, 4, vae=object(), pipeline=None)
 
 
 def test_latent_bicubic_interpolates_raw_latents_when_the_vae_has_statistics():
@@ -297,7 +301,7 @@ def test_latent_bicubic_interpolates_raw_latents_when_the_vae_has_statistics():
             raw = denormalize(latents, mean, std)[:, :1]
             return raw.repeat_interleave(8, 2).repeat_interleave(8, 3).repeat(1, 3, 1, 1)
 
-    out = E.latent_bicubic(StatVAE(), np.zeros((32, 32, 3), dtype=np.uint8), 2, "cpu", torch.float32)
+    out = MT.latent_bicubic(StatVAE(), np.zeros((32, 32, 3), dtype=np.uint8), 2, "cpu", torch.float32)
     # the normalized latent has a 2x2 sub-position pattern; interpolating it would break the constant
     assert out.shape == (64, 64, 3) and np.all(out == round(0.4 * 255))
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from flowlift.errors import FlowliftError
-from flowlift.measure import evaluate as E
+from flowlift.measure import methods as MT
 from flowlift.measure.pixel_upscaler import PixelUpscaler, load_pixel_upscaler, read_model_state
 from flowlift.measure.tiled_inference import peak_bytes_per_pixel, run_tiled, tile_side_for, tile_spans
 
@@ -171,7 +171,7 @@ def test_pixel_upscaler_resizes_to_the_requested_scale_and_reuses_its_last_resul
 
 
 def test_parse_spandrel_methods():
-    specs = E.parse_methods(
+    specs = MT.parse_methods(
         "lanczos,spandrel:models/4x-UltraSharp.pth,spandrel:C:/m/x.safetensors:hat+colorfix,"
         "spandrel:m/esr.pth+colorfix:esr"
     )
@@ -182,11 +182,11 @@ def test_parse_spandrel_methods():
     assert [o["colorfix"] for o in opts] == [False, True, True]
     assert not any(s.needs_vae for s in specs)
     with pytest.raises(FlowliftError, match="model file"):
-        E.parse_methods("spandrel:model.onnx")
+        MT.parse_methods("spandrel:model.onnx")
     with pytest.raises(FlowliftError, match="given twice"):
-        E.parse_methods("spandrel:a/m.pth,spandrel:b/m.pth")
+        MT.parse_methods("spandrel:a/m.pth,spandrel:b/m.pth")
     with pytest.raises(FlowliftError, match="label"):
-        E.parse_methods("spandrel:m.pth:bad label")
+        MT.parse_methods("spandrel:m.pth:bad label")
 
 
 def test_eval_help_lists_the_spandrel_method_with_an_example():

@@ -45,10 +45,11 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from flowlift.errors import FlowliftError
+    from flowlift.files.atomic import atomic_write_bytes
     from flowlift.files.images import list_images, load_image, to_tensor
     from flowlift.measure import bands as B
     from flowlift.measure import metrics as M
-    from flowlift.measure.evaluate import atomic_write_bytes, model_identity
+    from flowlift.measure.cache import model_identity
     from flowlift.models.vae import load_vae
 
     if not args.amplitude > 0:

@@ -95,7 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from flowlift.errors import FlowliftError
-    from flowlift.measure import evaluate as E
+    from flowlift.measure.evaluate import evaluate_pairs
+    from flowlift.measure.report import markdown_table, write_report
 
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
         env = DistEnv.from_environ()
         with process_group(env, args.barrier_timeout):
-            report = _run_methods(args, E, env)
+            report = _run_methods(args, env)
         if report is None:  # a rank other than 0 of a sharded run: its share is in the cache
             return 0
     else:
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             raise FlowliftError("--save-outputs goes with --run (OUTPUTS --reference are files already)")
         if not args.outputs or not args.reference:
             raise FlowliftError("give OUTPUTS and --reference INPUTS (or --run METHODS --dataset DIR)")
-        report = E.evaluate_pairs(
+        report = evaluate_pairs(
             args.outputs,
             args.reference,
             args.ground_truth,
@@ -127,21 +128,24 @@ def run(args: argparse.Namespace) -> int:
             figure_images=args.figure_images,
             progress=show_progress(args),
         )
-    paths = E.write_report(report, out_dir)
-    print(E.markdown_table(report))
+    paths = write_report(report, out_dir)
+    print(markdown_table(report))
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     if report.config.get("mode") == "run":
         print(f"cache: {report.cached} reused, {report.computed} computed")
     return 0
 
 
-def _run_methods(args: argparse.Namespace, E, env):
+def _run_methods(args: argparse.Namespace, env):
     import torch
 
     from flowlift.errors import FlowliftError
     from flowlift.jobs.distributed import rank_device
+    from flowlift.measure.cache import model_identity
+    from flowlift.measure.evaluate import evaluate_methods
+    from flowlift.measure.methods import flow_kwargs, make_method_fn, parse_methods
 
-    specs = E.parse_methods(args.run)
+    specs = parse_methods(args.run)
     given, dtype = resolve_device_dtype(args.device, args.dtype)
     # under torchrun each rank computes on its own cuda:LOCAL_RANK; cache keys and reports name the device given
     device = torch.device(rank_device(str(given), env)) if env.distributed else given
@@ -153,7 +157,7 @@ def _run_methods(args: argparse.Namespace, E, env):
         raise FlowliftError("method flow needs --upscaler (the Flow Upscaler weights)")
     for s in specs:
         if s.name == "flow":
-            E.flow_kwargs(s, args.scale)  # validates the scale before any work
+            flow_kwargs(s, args.scale)  # validates the scale before any work
     vae = pipeline = None
     identities: dict = {}
     if needs_vae:
@@ -161,7 +165,7 @@ def _run_methods(args: argparse.Namespace, E, env):
 
         vae = load_vae(args.vae, device=device, dtype=dtype)
         identities.update(
-            vae=E.model_identity(args.vae), device=str(given), dtype=str(dtype).removeprefix("torch."),
+            vae=model_identity(args.vae), device=str(given), dtype=str(dtype).removeprefix("torch."),
             vae_spec=str(args.vae),
         )
         if getattr(vae, "approximate_decode", False):
@@ -170,10 +174,10 @@ def _run_methods(args: argparse.Namespace, E, env):
         from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
         pipeline = FlowUpscalerPipeline(args.upscaler, vae, device=device, dtype=dtype)
-        identities.update(upscaler=E.model_identity(args.upscaler), upscaler_spec=str(args.upscaler))
-    pixel_models = _load_pixel_models(args, specs, device, dtype, identities, E, given)
+        identities.update(upscaler=model_identity(args.upscaler), upscaler_spec=str(args.upscaler))
+    pixel_models = _load_pixel_models(args, specs, device, dtype, identities, given)
     fns = {
-        s.label: E.make_method_fn(
+        s.label: make_method_fn(
             s, args.scale, vae=vae, pipeline=pipeline, device=device, dtype=dtype, pixel_models=pixel_models
         )
         for s in specs
@@ -181,7 +185,7 @@ def _run_methods(args: argparse.Namespace, E, env):
     cache_dir = None if args.no_cache else Path(args.cache) if args.cache else Path(args.out) / "cache"
 
     def evaluate(indices=None):
-        return E.evaluate_methods(
+        return evaluate_methods(
             specs,
             args.dataset,
             args.scale,
@@ -198,18 +202,19 @@ def _run_methods(args: argparse.Namespace, E, env):
 
     if not env.distributed:
         return evaluate()
-    return _run_sharded(args, E, env, evaluate, cache_dir)
+    return _run_sharded(args, env, evaluate, cache_dir)
 
-def _run_sharded(args: argparse.Namespace, E, env, evaluate, cache_dir):
+def _run_sharded(args: argparse.Namespace, env, evaluate, cache_dir):
     """Each rank measures its pixel-balanced share into the shared cache; after the barrier rank 0
     builds the report from the cache, exactly as a single process would on a second run (anything a
     rank could not leave in the cache, e.g. a cache folder not shared between hosts, it computes)."""
     from flowlift.errors import FlowliftError
     from flowlift.jobs.distributed import finish, image_pixels, probe_and_gather, shard_by_pixels, total_counts
+    from flowlift.measure.inputs import dataset_paths
 
     if cache_dir is None:
         raise FlowliftError("a sharded eval --run merges the ranks' results through the cache; drop --no-cache")
-    paths = E.dataset_paths(args.dataset, args.limit)
+    paths = dataset_paths(args.dataset, args.limit)
     pixels = probe_and_gather(env, paths, image_pixels)
     share = evaluate(shard_by_pixels(pixels, env.world_size)[env.rank])
     per_rank, reason = finish(env, {"computed": share.computed, "cached": share.cached}, args.barrier_timeout)
@@ -225,16 +230,18 @@ def _run_sharded(args: argparse.Namespace, E, env, evaluate, cache_dir):
     return report
 
 
-def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identities: dict, E, given=None) -> dict:
+def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identities: dict, given=None) -> dict:
     """Load every spandrel model once (by path); record what identifies it in ``identities["spandrel"]``
     (with the device ``given``, default ``device``: under torchrun the setting, not the rank's cuda:N)."""
     given = device if given is None else given
     from flowlift.errors import FlowliftError
+    from flowlift.measure.cache import model_identity
+    from flowlift.measure.methods import SPANDREL
     from flowlift.measure.pixel_upscaler import DEFAULT_OVERLAP, load_pixel_upscaler
 
     paths: dict[str, list[str]] = {}
     for s in specs:
-        if s.name == E.SPANDREL:
+        if s.name == SPANDREL:
             paths.setdefault(dict(s.options)["path"], []).append(s.label)
     if not paths:
         return {}
@@ -256,7 +263,7 @@ def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identitie
         models[path] = model
         info[path] = {
             "labels": ", ".join(labels),
-            "model": E.model_identity(path),
+            "model": model_identity(path),
             "architecture": model.architecture,
             "native_scale": model.native_scale,
             "tile": model.tile,

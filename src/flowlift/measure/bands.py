@@ -206,7 +206,7 @@ def heatmap_figure(matrix: np.ndarray, path: str, title: str, edges: Sequence[fl
 
     import matplotlib
 
-    from flowlift.measure.evaluate import atomic_write_bytes
+    from flowlift.files.atomic import atomic_write_bytes
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt

@@ -1,0 +1,119 @@
+"""What ``flowlift eval`` feeds its methods and shows in its figure: the dataset's photos (distinct stems), the
+(ground truth, low-res input) pair built from each (centre crop to a multiple of ``16 * scale``, exact area
+downscale), and the figure's crop boxes mapped between output and input scale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from flowlift.errors import FlowliftError
+from flowlift.measure import metrics as M
+
+#: Size multiple of the low-res inputs (FLUX.2 latents are patchified 2x2 at 1/8 scale).
+INPUT_MULTIPLE = 16
+
+Box = tuple[int, int, int, int]
+
+
+def prepare_pair(photo: np.ndarray, scale: int, multiple: int = INPUT_MULTIPLE) -> tuple[np.ndarray, np.ndarray]:
+    """``(ground_truth, lowres)`` from a uint8 photo.
+
+    The photo is centre-cropped to a multiple of ``multiple * scale`` (so the low-res input is a
+    multiple of ``multiple``), then area-downsampled by :func:`box_downscale_uint8` (the exact box
+    mean, rounded half to even in integer arithmetic).
+    """
+    h, w = photo.shape[:2]
+    step = multiple * scale
+    nh, nw = h - h % step, w - w % step
+    if nh == 0 or nw == 0:
+        raise FlowliftError(f"photo {w}x{h} is smaller than {step}x{step} (16 x scale)")
+    top, left = (h - nh) // 2, (w - nw) // 2
+    gt = np.ascontiguousarray(photo[top : top + nh, left : left + nw])
+    return gt, box_downscale_uint8(gt, scale)
+
+
+def box_downscale_uint8(image: np.ndarray, factor: int) -> np.ndarray:
+    """Exact area downscale of a uint8 HWC image by an integer ``factor`` (sides divisible by it).
+
+    ``out = round_half_even(S / n)`` with ``S`` the integer sum of each ``factor x factor`` block and
+    ``n = factor**2``: ``q, r = divmod(S, n)``, ``out = q + (2r > n) + (2r == n and q odd)``. For 2x2
+    blocks a quarter of the means land exactly on .5; rounding them after float32 arithmetic (where
+    ``x.5`` comes out as ``x.5 +- ulp``) biased inputs by up to +0.09/255.
+    """
+    height, width, channels = image.shape
+    if height % factor or width % factor:
+        raise FlowliftError(f"box_downscale_uint8: {width}x{height} is not divisible by {factor}")
+    blocks = image.astype(np.int64).reshape(height // factor, factor, width // factor, factor, channels)
+    sums = blocks.sum(axis=(1, 3))
+    n = factor * factor
+    quotient, remainder = np.divmod(sums, n)
+    rounded = quotient + (2 * remainder > n) + ((2 * remainder == n) & (quotient % 2 == 1))
+    return rounded.astype(np.uint8)
+
+
+def default_crop(size: tuple[int, int], box: Box | None) -> Box:
+    """The crop shown in the figure, in output pixels: ``box`` or a centred square of a quarter of the
+    short side (at least 32 px)."""
+    if box is not None:
+        return box
+    w, h = size
+    side = max(32, min(w, h) // 4)
+    side = min(side, w, h)
+    return ((w - side) // 2, (h - side) // 2, side, side)
+
+
+def _nearest_up(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.fromarray(image).resize(size, resample=Image.Resampling.NEAREST))
+
+
+def _scaled_box(box: Box, factor_x: float, factor_y: float) -> Box:
+    x, y, w, h = box
+    return (
+        int(round(x * factor_x)),
+        int(round(y * factor_y)),
+        max(1, int(round(w * factor_x))),
+        max(1, int(round(h * factor_y))),
+    )
+
+
+def _input_crop(reference: np.ndarray, output_size: tuple[int, int], crop: Box) -> np.ndarray:
+    """The crop region of the reference, nearest-upscaled to the crop's output size."""
+    w_out, h_out = output_size
+    fx, fy = reference.shape[1] / w_out, reference.shape[0] / h_out
+    small = M.crop_box(reference, _scaled_box(crop, fx, fy))
+    return _nearest_up(small, (crop[2], crop[3]))
+
+
+def _load_rgb(path: Path) -> np.ndarray:
+    from flowlift.files.images import load_image
+
+    return np.asarray(load_image(path)[0])
+
+
+def _by_stem(paths: Sequence[Path], what: str) -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for p in paths:
+        if p.stem in out:
+            raise FlowliftError(f"{what}: two files named {p.stem!r} ({out[p.stem].name}, {p.name})")
+        out[p.stem] = p
+    return out
+
+
+def dataset_paths(dataset: Sequence[str | Path], limit: int | None = None) -> list[Path]:
+    """The photos of ``dataset`` (files/folders/globs, as listed by ``list_images``), the first
+    ``limit`` of them when given; distinct stems are required (results are keyed by stem)."""
+    from flowlift.files.images import list_images
+
+    paths = list_images([str(d) for d in dataset])
+    if limit is not None:
+        paths = paths[:limit]
+    if not paths:
+        raise FlowliftError("the dataset holds no images")
+    _by_stem(paths, "dataset")
+    return paths

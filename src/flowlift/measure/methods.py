@@ -1,0 +1,257 @@
+"""The methods ``flowlift eval --run`` compares: :func:`parse_methods` turns ``--run`` into :class:`MethodSpec`
+and :func:`make_method_fn` builds each one's ``fn(lowres, ground_truth) -> output``. ``lanczos`` / ``bicubic``
+(Pillow), ``latent-bicubic`` / ``vae-roundtrip`` (through the VAE; the latter is its ceiling for any latent
+upscaler), ``flow`` (the Flow Upscaler, e.g. ``flow:transplant=0.5:seed=1``) and
+``spandrel:PATH[:label][+colorfix]`` (a local pixel super-resolution model, :mod:`flowlift.measure.pixel_upscaler`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flowlift.errors import FlowliftError
+
+PIXEL_METHODS = ("lanczos", "bicubic")
+VAE_METHODS = ("latent-bicubic", "vae-roundtrip", "flow")
+METHODS = PIXEL_METHODS + VAE_METHODS
+#: ``spandrel:PATH[:label][+colorfix]``: a pixel super-resolution model file (see parse_spandrel_method).
+SPANDREL = "spandrel"
+COLORFIX_SUFFIX = "+colorfix"
+FLOW_OPTIONS = {"transplant": float, "color_fix": float, "color": str, "seed": int}
+
+MethodFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method name with its options, e.g. ``flow`` with ``(("transplant", 0.5),)``."""
+
+    name: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def label(self) -> str:
+        """``name[:key=value...]`` as written on the command line (options sorted); for spandrel
+        models ``spandrel:<label>[+colorfix]``."""
+        if self.name == SPANDREL:
+            opts = dict(self.options)
+            return f"{SPANDREL}:{opts['label']}" + (COLORFIX_SUFFIX if opts["colorfix"] else "")
+        return ":".join([self.name] + [f"{k}={v}" for k, v in self.options])
+
+    @property
+    def needs_vae(self) -> bool:
+        return self.name in VAE_METHODS
+
+
+def parse_methods(text: str | Sequence[str]) -> list[MethodSpec]:
+    """Parse ``"lanczos,bicubic,flow:transplant=0.5"`` (or a list of such strings) into specs.
+
+    Methods are separated by commas, a method's options by colons. Unknown methods/options, bad
+    values and duplicates raise :class:`FlowliftError`.
+    """
+    items = [text] if isinstance(text, str) else list(text)
+    specs: list[MethodSpec] = []
+    for item in items:
+        for part in (p.strip() for p in item.split(",")):
+            if not part:
+                continue
+            if part.lower().startswith(SPANDREL + ":"):
+                spec = parse_spandrel_method(part)
+                if spec.label in (s.label for s in specs):
+                    raise FlowliftError(f"method {spec.label} given twice (give models distinct labels)")
+                specs.append(spec)
+                continue
+            name, *opts = part.split(":")
+            name = name.strip().lower()
+            if name not in METHODS:
+                raise FlowliftError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+            options: dict[str, Any] = {}
+            for opt in opts:
+                key, sep, value = opt.partition("=")
+                key = key.strip()
+                if name != "flow" or not sep or key not in FLOW_OPTIONS:
+                    allowed = ", ".join(f"{k}=" for k in FLOW_OPTIONS) if name == "flow" else "none"
+                    raise FlowliftError(f"method {name}: bad option {opt!r} (options: {allowed})")
+                options[key] = _parse_flow_option(key, value.strip())
+            spec = MethodSpec(name, tuple(sorted(options.items())))
+            if spec in specs:
+                raise FlowliftError(f"method {spec.label} given twice")
+            specs.append(spec)
+    if not specs:
+        raise FlowliftError("no methods given")
+    return specs
+
+
+def parse_spandrel_method(text: str) -> MethodSpec:
+    """``spandrel:PATH[:label][+colorfix]`` -> a spec with options ``colorfix``, ``label``, ``path``.
+
+    ``PATH`` must end in a model suffix (``.safetensors``, ``.pth``, ...); a ``:label`` after it
+    names the row (default: the file's stem), so paths may themselves contain colons. ``+colorfix``
+    (at the end, or right after the path) adds stage 2 against the low-res input.
+    """
+    from flowlift.models.weights import WEIGHT_SUFFIXES
+
+    body = text.strip()[len(SPANDREL) + 1 :].strip()
+    colorfix = body.lower().endswith(COLORFIX_SUFFIX)
+    if colorfix:
+        body = body[: -len(COLORFIX_SUFFIX)]
+    path, label = body, ""
+    head, sep, tail = body.rpartition(":")
+    if sep and head.lower().removesuffix(COLORFIX_SUFFIX).endswith(WEIGHT_SUFFIXES):
+        path, label = head, tail.strip()
+    if path.lower().endswith(COLORFIX_SUFFIX):
+        path, colorfix = path[: -len(COLORFIX_SUFFIX)], True
+    if not path.lower().endswith(WEIGHT_SUFFIXES):
+        raise FlowliftError(
+            f"method {text!r}: spandrel: takes a model file ({', '.join(WEIGHT_SUFFIXES)}), "
+            "e.g. spandrel:4x-UltraSharp.safetensors:ultrasharp"
+        )
+    label = label or Path(path).stem
+    if not re.fullmatch(r"[A-Za-z0-9_.=-]+", label):
+        raise FlowliftError(f"method {text!r}: label {label!r} may hold only letters, digits and _ . = -")
+    return MethodSpec(SPANDREL, (("colorfix", colorfix), ("label", label), ("path", path)))
+
+
+def spandrel_method_fn(model: Any, scale: int, colorfix: bool) -> MethodFn:
+    """``fn(lowres, ground_truth)`` of a loaded :class:`flowlift.measure.pixel_upscaler.PixelUpscaler`: the
+    model at ``scale`` (Lanczos from its native scale if they differ), then stage 2 against the
+    low-res input when ``colorfix``."""
+
+    def run(low: np.ndarray, gt: np.ndarray) -> np.ndarray:
+        out = model.upscale(low, scale)
+        if colorfix:
+            from flowlift.upscale.colorfix_image import color_fix_array
+
+            out = color_fix_array(out, low, 1.0, device=model.device)
+        return out
+
+    return run
+
+
+def _parse_flow_option(key: str, value: str) -> Any:
+    if key == "color":
+        if value.lower() not in ("on", "off"):
+            raise FlowliftError(f"method flow: color must be on or off, got {value!r}")
+        return value.lower()
+    try:
+        parsed = FLOW_OPTIONS[key](value)
+    except ValueError:
+        raise FlowliftError(f"method flow: {key} must be a number, got {value!r}") from None
+    if key in ("transplant", "color_fix") and not 0.0 <= parsed <= 1.0:
+        raise FlowliftError(f"method flow: {key} must be in [0, 1], got {value}")
+    return parsed
+
+
+def pixel_upscale(lowres: np.ndarray, scale: int, method: str) -> np.ndarray:
+    """Pillow ``LANCZOS`` / ``BICUBIC`` resize of a uint8 HWC image by an integer ``scale``."""
+    from PIL import Image
+
+    resample = {"lanczos": Image.Resampling.LANCZOS, "bicubic": Image.Resampling.BICUBIC}[method]
+    h, w = lowres.shape[:2]
+    return np.asarray(Image.fromarray(lowres).resize((w * scale, h * scale), resample=resample))
+
+
+def latent_bicubic(vae, lowres: np.ndarray, scale: int, device, dtype) -> np.ndarray:
+    """Encode, ``torch.nn.functional.interpolate(mode="bicubic", align_corners=False)`` by
+    ``scale`` in latent space, decode; uint8 HWC out.
+
+    When the VAE has normalization statistics (``bn_mean`` / ``bn_std``, the FLUX.2 VAE) the
+    interpolation runs on the raw latents (``denormalize``, interpolate, ``normalize``): the
+    normalization differs per 2x2 sub-position, so interpolating normalized latents would mix those
+    statistics. TAEF2 has none and is interpolated in its own latent space.
+    """
+    import torch
+
+    from flowlift.files.images import tensor_to_uint8, to_tensor
+    from flowlift.flux2.latents import denormalize, normalize
+
+    mean, std = getattr(vae, "bn_mean", None), getattr(vae, "bn_std", None)
+    with torch.no_grad():
+        z = vae.encode(to_tensor(lowres, device=device, dtype=dtype))
+        if mean is not None and std is not None:
+            z = denormalize(z, mean, std)
+        z = torch.nn.functional.interpolate(z, scale_factor=scale, mode="bicubic", align_corners=False)
+        if mean is not None and std is not None:
+            z = normalize(z, mean, std)
+        return tensor_to_uint8(vae.decode(z).float())[0]
+
+
+def vae_roundtrip(vae, image: np.ndarray, device, dtype) -> np.ndarray:
+    """``decode(encode(image))``; uint8 HWC out."""
+    import torch
+
+    from flowlift.files.images import tensor_to_uint8, to_tensor
+
+    with torch.no_grad():
+        return tensor_to_uint8(vae.decode(vae.encode(to_tensor(image, device=device, dtype=dtype))).float())[0]
+
+
+def flow_kwargs(spec: MethodSpec, scale: int) -> dict[str, Any]:
+    """``upscale_image`` keyword arguments of a ``flow`` spec: ``num_passes = log2(scale)``."""
+    passes = int(round(math.log2(scale)))
+    if 2**passes != scale:
+        raise FlowliftError(f"method flow upscales 2x per pass; --scale must be a power of 2, got {scale}")
+    opts = dict(spec.options)
+    return {
+        "num_passes": passes,
+        "seed": int(opts.get("seed", 0)),
+        "color_fix": opts.get("color", "on") == "on",
+        "transplant_strength": float(opts.get("transplant", 1.0)),
+        "color_fix_strength": float(opts.get("color_fix", 1.0)),
+    }
+
+
+def make_method_fn(
+    spec: MethodSpec,
+    scale: int,
+    *,
+    vae=None,
+    pipeline=None,
+    device: Any = "cpu",
+    dtype: Any = None,
+    pixel_models: dict[str, Any] | None = None,
+) -> MethodFn:
+    """``fn(lowres, ground_truth) -> output`` (uint8 HWC) for one method. ``pixel_models`` maps a
+    spandrel method's path to its loaded :class:`flowlift.measure.pixel_upscaler.PixelUpscaler`."""
+    if spec.name == SPANDREL:
+        opts = dict(spec.options)
+        model = (pixel_models or {}).get(opts["path"])
+        if model is None:
+            raise FlowliftError(f"method {spec.label} needs its model loaded (flowlift.measure.pixel_upscaler)")
+        return spandrel_method_fn(model, scale, opts["colorfix"])
+    if spec.name in PIXEL_METHODS:
+        return lambda low, gt: pixel_upscale(low, scale, spec.name)
+    if vae is None:
+        raise FlowliftError(f"method {spec.name} needs a VAE (--vae)")
+    if spec.name == "latent-bicubic":
+        return lambda low, gt: latent_bicubic(vae, low, scale, device, dtype)
+    if spec.name == "vae-roundtrip":
+        return lambda low, gt: vae_roundtrip(vae, gt, device, dtype)
+    if pipeline is None:
+        raise FlowliftError("method flow needs the Flow Upscaler weights (--upscaler)")
+    kwargs = flow_kwargs(spec, scale)
+
+    def run_flow(low: np.ndarray, gt: np.ndarray) -> np.ndarray:
+        from PIL import Image
+
+        out = np.asarray(pipeline.upscale_image(Image.fromarray(low), **kwargs).convert("RGB"))
+        if out.shape != gt.shape:
+            raise FlowliftError(
+                f"flow output {out.shape[1]}x{out.shape[0]} is not {scale}x the input "
+                f"({gt.shape[1]}x{gt.shape[0]} expected)"
+            )
+        return out
+
+    return run_flow
+
+
+def method_folder(label: str) -> str:
+    """A method label as a folder name (``flow:color=off`` -> ``flow_color=off``)."""
+    return "".join(ch if ch.isalnum() or ch in "-_=.," else "_" for ch in label)
