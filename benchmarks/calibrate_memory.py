@@ -1,6 +1,6 @@
 """CPU peak RSS of the plain UNet forward and the ChunkedExecutor, in (1, base, H, W) fp32 frames.
 
-Calibrates ``flowlift.upscale.memory_plan``'s frame counts (PLAIN_PEAK_FRAMES, CHUNKED_STORE_FRAMES,
+Calibrates ``flowlift.upscale.chunked.budget``'s frame counts (PLAIN_PEAK_FRAMES, CHUNKED_STORE_FRAMES,
 STRIP_ROW_FRAMES). Each measurement runs in its own process (Linux: VmHWM reset through
 /proc/self/clear_refs after a warm-up), so allocator reuse between runs cannot hide a peak::
 

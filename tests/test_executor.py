@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from flowlift.errors import FlowliftError
 from flowlift.models import upscaler_unet as U
+from flowlift.upscale.chunked import budget as B
 from flowlift.upscale.chunked import executor as E
 
 
@@ -144,15 +145,15 @@ def test_group_norm_affine_equals_group_norm():
 
 
 def test_should_chunk_by_size_with_force_and_forbid():
-    assert E.plain_peak_bytes(256, 256) == int(E.PLAIN_PEAK_FRAMES * 384 * 256 * 256 * 4)
-    assert E.plain_peak_bytes(256, 256, dtype=torch.bfloat16) * 2 == E.plain_peak_bytes(256, 256)
-    assert not E.should_chunk(128, 128, "cpu")
-    assert E.should_chunk(1024, 1024, "cpu")
-    assert E.should_chunk(16, 16, "cpu", force=True)
-    assert not E.should_chunk(4096, 4096, "cpu", force=False)
-    need = E.plain_peak_bytes(64, 64)
-    assert E.should_chunk(64, 64, "cpu", budget_bytes=need - 1)
-    assert not E.should_chunk(64, 64, "cpu", budget_bytes=need)
+    assert B.plain_peak_bytes(256, 256) == int(B.PLAIN_PEAK_FRAMES * 384 * 256 * 256 * 4)
+    assert B.plain_peak_bytes(256, 256, dtype=torch.bfloat16) * 2 == B.plain_peak_bytes(256, 256)
+    assert not B.should_chunk(128, 128, "cpu")
+    assert B.should_chunk(1024, 1024, "cpu")
+    assert B.should_chunk(16, 16, "cpu", force=True)
+    assert not B.should_chunk(4096, 4096, "cpu", force=False)
+    need = B.plain_peak_bytes(64, 64)
+    assert B.should_chunk(64, 64, "cpu", budget_bytes=need - 1)
+    assert not B.should_chunk(64, 64, "cpu", budget_bytes=need)
 
 
 # -- issue 13: budget-sized strips, offloaded stores with predicted (double-buffered) reads ----------
@@ -208,8 +209,8 @@ def test_offloaded_stores_drop_predictions_overwritten_before_use():
 def test_strip_rows_come_from_the_budget():
     model = small_model(base=16)
     sizes = {"batch": 1, "base_channels": 16, "dtype": torch.float32}
-    per_row = E.strip_bytes_per_row(64, **sizes)
-    stores = E.chunked_store_bytes(48, 64, **sizes)
+    per_row = B.strip_bytes_per_row(64, **sizes)
+    stores = B.chunked_store_bytes(48, 64, **sizes)
     # offloaded: the whole budget is strips
     executor = E.ChunkedExecutor(model, offload_device="meta", budget_bytes=12 * per_row)
     assert executor.strip_rows(1, 48, 64) == 10
@@ -220,7 +221,7 @@ def test_strip_rows_come_from_the_budget():
     assert E.ChunkedExecutor(model, budget_bytes=1).strip_rows(1, 48, 64) == 1
     # an explicit chunk wins; on the CPU without a budget the cache-sized default stays
     assert E.ChunkedExecutor(model, chunk=7, budget_bytes=1).strip_rows(1, 48, 64) == 7
-    assert E.ChunkedExecutor(model).strip_rows(1, 48, 64) == E.default_chunk(64)
+    assert E.ChunkedExecutor(model).strip_rows(1, 48, 64) == B.default_chunk(64)
 
 
 def test_budget_sized_executor_equals_plain_forward():
@@ -228,7 +229,7 @@ def test_budget_sized_executor_equals_plain_forward():
     sample, timestep, small = inputs(1, 24, 20)
     with torch.no_grad():
         reference = model(sample, timestep, small)
-    budget = E.chunked_store_bytes(24, 20, base_channels=16) + 7 * E.strip_bytes_per_row(20, base_channels=16)
+    budget = B.chunked_store_bytes(24, 20, base_channels=16) + 7 * B.strip_bytes_per_row(20, base_channels=16)
     executor = E.ChunkedExecutor(model, budget_bytes=budget)
     out = executor(sample, timestep, small)
     assert executor.last_chunk == 5

@@ -13,6 +13,7 @@ from PIL import Image
 
 from flowlift.errors import FlowliftError
 from flowlift.upscale import memory_plan as M
+from flowlift.upscale.chunked import budget as B
 from flowlift.upscale.pipeline import FlowUpscalerPipeline, pass_generator
 
 GIB = 2**30
@@ -97,12 +98,12 @@ def test_plan_refuses_budgets_that_cannot_fit_in_one_line():
 
 def test_plan_unet_pass_boundaries():
     sizes = {"batch": 1, "base_channels": 64, "dtype": torch.float32}
-    plain = M.plain_peak_bytes(128, 128, **sizes)
+    plain = B.plain_peak_bytes(128, 128, **sizes)
     assert M.plan_unet_pass(128, 128, plain, **sizes).mode == "plain"
     chunked = M.plan_unet_pass(128, 128, plain - 1, **sizes)
     assert chunked.mode == "chunked" and chunked.peak_bytes <= plain - 1
-    stores = M.chunked_store_bytes(128, 128, **sizes)
-    per_row = M.strip_bytes_per_row(128, **sizes)
+    stores = B.chunked_store_bytes(128, 128, **sizes)
+    per_row = B.strip_bytes_per_row(128, **sizes)
     offload = M.plan_unet_pass(128, 128, stores + 5 * per_row, **sizes)
     # the stores do not fit with 8 rows of strip on the device; offloaded, the whole budget is strips
     assert offload.mode == "offload" and offload.strip_rows == (stores + 5 * per_row) // per_row - 2
@@ -135,9 +136,9 @@ def test_budgeted_pipeline_equals_plain(unet, vae, photos, monkeypatch):
     # tiny images: scale the UNet's frame counts up so that the UNet decides the budget
     monkeypatch.setattr(M, "DECODE_TILE_BYTES", {"taef2": 0, "flux2": 0})
     monkeypatch.setattr(M, "COLOUR_STRIP_BYTES", 0)
-    monkeypatch.setattr(M, "PLAIN_PEAK_FRAMES", 1e5)
-    monkeypatch.setattr(M, "CHUNKED_STORE_FRAMES", 2e3)
-    monkeypatch.setattr(M, "STRIP_ROW_FRAMES", 200.0)
+    monkeypatch.setattr(B, "PLAIN_PEAK_FRAMES", 1e5)
+    monkeypatch.setattr(B, "CHUNKED_STORE_FRAMES", 2e3)
+    monkeypatch.setattr(B, "STRIP_ROW_FRAMES", 200.0)
     plain = FlowUpscalerPipeline(unet, vae, device="cpu", dtype=torch.float32)
     reference = plain.upscale_image(photos[0], num_passes=2, seed=5, output_type="pt")
     for want in ("chunked", "offload"):

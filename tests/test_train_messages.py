@@ -24,7 +24,7 @@ def test_steps_below_warmup_warn_with_the_peak_lr(tmp_path):
 
 
 def test_init_contradicted_by_explicit_architecture_settings():
-    from flowlift.training.trainer import init_contradictions
+    from flowlift.training.checkpoints import init_contradictions
 
     init = {"base_channels": 32, "time_dim": 32, "cond_dim": 64}
     assert init_contradictions(TrainConfig(), init) == ""  # defaults follow the checkpoint

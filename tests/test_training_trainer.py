@@ -21,13 +21,8 @@ import torch
 from flowlift.commands.cli import main as cli_main
 from flowlift.errors import FlowliftError
 from flowlift.training.config import TrainConfig, build_config, parse_assignments
-from flowlift.training.trainer import (
-    Trainer,
-    flow_matching_loss,
-    interpolate_flow,
-    velocity_target,
-    warmup_cosine,
-)
+from flowlift.training.objective import flow_matching_loss, interpolate_flow, velocity_target, warmup_cosine
+from flowlift.training.trainer import Trainer
 
 # Tiny models: single-threaded torch for this module (conftest.single_thread_torch).
 pytestmark = pytest.mark.usefixtures("single_thread_torch")

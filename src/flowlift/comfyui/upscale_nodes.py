@@ -21,7 +21,7 @@ from flowlift.comfyui import layouts
 from flowlift.comfyui.loaders import CATEGORY, UPSCALER_TYPE
 from flowlift.comfyui.vae_adapters import ComfyFlux2VAE, TAEF2ComfyVAE
 from flowlift.errors import FlowliftError
-from flowlift.upscale.chunked.executor import CUDA_BUDGET_FRACTION
+from flowlift.upscale.chunked.budget import CUDA_BUDGET_FRACTION
 from flowlift.upscale.colorfix import lab_lowband_transplant
 from flowlift.upscale.pipeline import MAX_OUTPUT_SIDE, FlowUpscalerPipeline
 

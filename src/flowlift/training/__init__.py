@@ -9,5 +9,9 @@ Modules (nothing heavy is imported here):
 * :mod:`~flowlift.training.config` — :class:`TrainConfig`, loaded from a file plus overrides.
 * :mod:`~flowlift.training.trainer` — the rectified-flow trainer (AdamW, warm-up + cosine, EMA,
   accumulation, checkpoint/resume, DDP under ``torchrun``).
+* :mod:`~flowlift.training.objective` — the step's pure maths: flow-matching loss, learning-rate
+  schedule, EMA, dropout seeds.
+* :mod:`~flowlift.training.checkpoints` — checkpoint folders: write, read, prune, pick the one to resume.
+* :mod:`~flowlift.training.distributed` — the run's rank in the ``torchrun`` process group and its device.
 * :mod:`~flowlift.training.validation` — held-out metrics against lanczos / latent-bicubic, CSV, plot.
 """

@@ -32,94 +32,31 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import shutil
 import time
 import uuid
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from flowlift.errors import FlowliftError
-from flowlift.files.atomic import atomic_write_text
 from flowlift.models.upscaler_unet import set_dropout_seeds
+from flowlift.training.checkpoints import (
+    EMA_NAME,
+    init_contradictions,
+    load_checkpoint,
+    resume_point,
+    save_checkpoint,
+)
 from flowlift.training.config import TrainConfig
+from flowlift.training.distributed import DistContext, init_distributed, pick_device
+from flowlift.training.objective import flow_matching_loss, make_ema, sample_seed, step_seed, warmup_cosine
 from flowlift.training.shards import ShardReader, ShardStream, TimeSampling, shard_name
 
-STATE_NAME = "train_state.pt"
-EMA_NAME = "flow_upscaler.safetensors"
-RAW_NAME = "model.safetensors"
-RUN_ID_NAME = "run_id"
 LOG_FIELDS = ["step", "loss", "lr", "grad_norm", "samples_per_s", "elapsed_s"]
-
-
-# ----------------------------------------------------------------------------------------------
-# Pure pieces
-
-
-def interpolate_flow(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``x_t = (1 - t) * x0 + t * noise`` with ``t`` of shape (B,) broadcast over (C, H, W)."""
-    t = t.view(-1, *([1] * (x0.ndim - 1))).to(x0.dtype)
-    return (1 - t) * x0 + t * noise
-
-
-def velocity_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """The rectified-flow velocity ``v* = noise - x0`` (``dx_t/dt``)."""
-    return noise - x0
-
-
-def flow_matching_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``mean((v(x_t, 1000 t, cond) - (noise - x0))^2)`` over all elements of the batch."""
-    x0, noise, cond, t = batch["target"], batch["noise"], batch["cond"], batch["t"]
-    x_t = interpolate_flow(x0, noise, t)
-    prediction = model(x_t, t * 1000.0, cond)
-    return F.mse_loss(prediction.float(), velocity_target(x0, noise).float())
-
-
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> float:
-    """Learning-rate multiplier at optimizer step ``step`` (0-based).
-
-    Linear warm-up ``(step + 1) / warmup_steps`` for ``step < warmup_steps``, then cosine decay
-    ``min_ratio + (1 - min_ratio) * (1 + cos(pi * p)) / 2`` with
-    ``p = (step - warmup_steps) / max(1, total_steps - warmup_steps)`` clipped to [0, 1].
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def ema_decay_at(num_averaged: int, decay: float, warmup: bool) -> float:
-    """EMA decay for the update after ``num_averaged`` updates: ``min(decay, (1 + n) / (10 + n))``
-    with warm-up, else ``decay``."""
-    return min(decay, (1.0 + num_averaged) / (10.0 + num_averaged)) if warmup else decay
-
-
-def make_ema(model: torch.nn.Module, decay: float, warmup: bool) -> torch.optim.swa_utils.AveragedModel:
-    """An :class:`~torch.optim.swa_utils.AveragedModel` doing ``ema <- d * ema + (1 - d) * w``
-    with ``d = ema_decay_at(n, decay, warmup)`` (parameters and buffers)."""
-
-    def multi_avg_fn(ema_params, model_params, num_averaged) -> None:
-        d = ema_decay_at(int(num_averaged), decay, warmup)
-        for e, p in zip(ema_params, model_params, strict=True):
-            e.lerp_(p.to(e.dtype), 1.0 - d)
-
-    return torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=multi_avg_fn, use_buffers=True)
-
-
-def step_seed(seed: int, step: int, micro: int, rank: int) -> int:
-    """Seed of the global torch generator (dropout) for one micro-batch on one rank."""
-    return (seed * 1_000_003 + step * 7919 + micro * 104_729 + rank * 15_485_863) % (2**62)
-
-
-def sample_seed(seed: int, position: int) -> int:
-    """Dropout seed of the sample at global stream ``position`` (the same on any rank or micro-batch)."""
-    return (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 7) % (2**62)
 
 
 def prefetched_batches(stream: ShardStream, start_step: int, end_step: int, micro_batches: int, depth: int = 2):
@@ -140,130 +77,6 @@ def prefetched_batches(stream: ShardStream, start_step: int, end_step: int, micr
         while pending:
             (step, micro), future = pending.popleft()
             yield step, micro, future.result()
-
-
-# ----------------------------------------------------------------------------------------------
-# Distributed context
-
-
-@dataclass
-class DistContext:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    initialized_here: bool = False
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            torch.distributed.barrier()
-
-    def mean(self, value: float, device: torch.device) -> float:
-        if self.world_size == 1:
-            return value
-        tensor = torch.tensor([value], dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
-        torch.distributed.all_reduce(tensor)
-        return float(tensor.item()) / self.world_size
-
-    def close(self) -> None:
-        if self.initialized_here and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-
-
-def init_distributed(device_kind: str) -> DistContext:
-    """Join the process group set up by ``torchrun`` (``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` in the
-    environment), NCCL on CUDA and gloo on CPU; a plain single process otherwise."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
-        return DistContext()
-    rank = int(os.environ["RANK"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    created = False
-    if not torch.distributed.is_initialized():
-        backend = "nccl" if device_kind == "cuda" else "gloo"
-        torch.distributed.init_process_group(backend=backend)
-        created = True
-    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, initialized_here=created)
-
-
-def pick_device(setting: str, dist: DistContext) -> torch.device:
-    from flowlift.devices import resolve_device
-
-    device = resolve_device(setting)
-    if device.type == "cuda":
-        if dist.world_size > 1 or device.index is None:
-            device = torch.device("cuda", dist.local_rank if dist.world_size > 1 else (device.index or 0))
-        torch.cuda.set_device(device)
-    return device
-
-
-# ----------------------------------------------------------------------------------------------
-# Checkpoints
-
-
-#: Architecture settings an ``--init`` checkpoint fixes (its own config wins; a contradiction is an error).
-ARCHITECTURE_FIELDS = ("base_channels", "time_dim", "cond_dim")
-
-
-def init_contradictions(config: TrainConfig, init_config: dict[str, Any]) -> str:
-    """``"base_channels 384 (not 64), ..."`` for architecture settings changed from their defaults that the
-    ``--init`` checkpoint contradicts; empty when none. Settings left at their defaults follow the checkpoint."""
-    defaults = TrainConfig()
-    clashes = []
-    for name in ARCHITECTURE_FIELDS:
-        wanted, actual = getattr(config, name), init_config.get(name)
-        if wanted != getattr(defaults, name) and actual is not None and int(actual) != int(wanted):
-            clashes.append(f"{name} {actual} (not {wanted})")
-    return ", ".join(clashes)
-
-
-def checkpoint_dir(output: Path, step: int) -> Path:
-    return output / "checkpoints" / f"step-{step:08d}"
-
-
-def checkpoint_folders(output: Path) -> list[Path]:
-    """Complete-looking checkpoint folders ``output/checkpoints/step-*`` (not ``.partial``), by step."""
-    root = output / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".partial"))
-
-
-def latest_checkpoint(output: Path) -> Path | None:
-    """The checkpoint ``output/checkpoints/latest`` names, or None when the folder holds no checkpoints.
-
-    A pointer to a missing or incomplete checkpoint, or checkpoints without a pointer, raise one
-    FlowliftError line: silently starting from step 0 would then overwrite and prune that run's files.
-    """
-    root = output / "checkpoints"
-    pointer = root / "latest"
-    if not pointer.is_file():
-        existing = checkpoint_folders(output)
-        if existing:
-            raise FlowliftError(
-                f"{root} holds {len(existing)} checkpoint(s) but no 'latest' pointer; pass --resume "
-                f"{existing[-1]} (or another checkpoint folder), or --resume none --overwrite to start over"
-            )
-        return None
-    name = pointer.read_text().strip()
-    path = root / name
-    if not name or not (path / STATE_NAME).is_file():
-        raise FlowliftError(
-            f"{pointer} names {name or '(nothing)'}, which is missing or incomplete; pass --resume with a complete "
-            "checkpoint folder, or --resume none --overwrite to start over"
-        )
-    return path
-
-
-def checkpoint_run_id(path: Path) -> str | None:
-    """The id of the run that wrote checkpoint folder ``path`` (its ``run_id`` file), or None."""
-    try:
-        return (path / RUN_ID_NAME).read_text().strip() or None
-    except OSError:
-        return None
 
 
 class StopRequest:
@@ -294,10 +107,6 @@ class StopRequest:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if hasattr(model, "module") else model
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,77 +181,6 @@ class Trainer:
         with (self.output / "train_log.csv").open("a", newline="") as f:
             csv.DictWriter(f, fieldnames=LOG_FIELDS).writerow(row)
 
-    # -- checkpoints -----------------------------------------------------------------------------
-    def _save_checkpoint(self, step: int, model, ema, optimizer, scheduler, global_batch: int, world: int) -> Path:
-        from flowlift.models.upscaler_unet import save_upscaler
-
-        final = checkpoint_dir(self.output, step)
-        tmp = final.with_name(final.name + ".partial")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        save_upscaler(ema.module, tmp / EMA_NAME)
-        save_upscaler(_unwrap(model), tmp / RAW_NAME)
-        state = {
-            "step": step,
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "ema_num_averaged": int(ema.n_averaged.item()),
-            "global_batch": global_batch,
-            "world_size": world,
-            "config": self.config.to_dict(),
-            "rng": {"torch": torch.get_rng_state()},
-            "run_id": self.run_id,
-        }
-        torch.save(state, tmp / STATE_NAME)
-        (tmp / RUN_ID_NAME).write_text(self.run_id)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = self.output / "checkpoints" / "latest"
-        atomic_write_text(pointer, final.name)
-        # Only this run's checkpoints are pruned: another run in the same folder (higher steps, or an
-        # older layout without run ids) is never touched.
-        mine = [p for p in checkpoint_folders(self.output) if checkpoint_run_id(p) == self.run_id]
-        for old in mine[: -self.config.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
-
-    def _load_checkpoint(self, path: Path, model, ema, optimizer, scheduler, global_batch: int) -> int:
-        from flowlift.models.weights import load_strict, read_state_dict
-
-        state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
-        if state["global_batch"] != global_batch:
-            raise FlowliftError(
-                f"checkpoint {path} was trained with a global batch of {state['global_batch']} samples, "
-                f"this run has {global_batch} (world size x batch size x grad accumulation); "
-                "keep the global batch to continue the same run"
-            )
-        load_strict(_unwrap(model), read_state_dict(path / RAW_NAME), what="checkpoint weights", origin=str(path))
-        load_strict(ema.module, read_state_dict(path / EMA_NAME), what="checkpoint EMA weights", origin=str(path))
-        ema.n_averaged.fill_(int(state["ema_num_averaged"]))
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        self.run_id = str(state.get("run_id") or checkpoint_run_id(path) or self.run_id)
-        return int(state["step"])
-
-    def _resume_point(self) -> Path | None:
-        """The checkpoint to continue from, or None for a fresh run; refuses to start over another run."""
-        c = self.config
-        mode = (c.resume or "none").strip()
-        if mode.lower() == "none":
-            existing = checkpoint_folders(self.output)
-            if existing and not c.overwrite:
-                raise FlowliftError(
-                    f"{self.output} already holds {len(existing)} training checkpoint(s) (last {existing[-1].name}); "
-                    "--resume none would start a new run over them: pass --overwrite to replace them, "
-                    "or --resume auto to continue"
-                )
-            return None
-        resume_from = latest_checkpoint(self.output) if mode == "auto" else Path(mode)
-        if resume_from is not None and not (resume_from / STATE_NAME).is_file():
-            raise FlowliftError(f"{resume_from} is not a flowlift training checkpoint (no {STATE_NAME})")
-        return resume_from
-
     def _non_finite_message(self, stream: ShardStream, step: int) -> str:
         """Why step ``step``'s gradient is non-finite: corrupt data (named) or, if the data is fine, training."""
         reader = stream.reader
@@ -470,7 +208,7 @@ class Trainer:
     def _run(self, dist: DistContext) -> dict[str, Any]:
         c = self.config
         device = pick_device(c.device, dist)
-        resume_from = self._resume_point()
+        resume_from = resume_point(c, self.output)
         if resume_from is None and c.overwrite and dist.is_main:
             # --overwrite: the previous run's checkpoints go, so that nothing can resume into a mix of both
             shutil.rmtree(self.output / "checkpoints", ignore_errors=True)
@@ -512,7 +250,9 @@ class Trainer:
 
         start_step = 0
         if resume_from is not None:
-            start_step = self._load_checkpoint(resume_from, model, ema, optimizer, scheduler, stream.global_batch)
+            start_step, self.run_id = load_checkpoint(
+                resume_from, model, ema, optimizer, scheduler, stream.global_batch, self.run_id
+            )
 
         if dist.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -597,8 +337,8 @@ class Trainer:
                     window_start, window_samples = now, 0
                 if done % c.checkpoint_every == 0 or last:
                     if dist.is_main:
-                        self._save_checkpoint(done, model, ema, optimizer, scheduler, stream.global_batch,
-                                              dist.world_size)
+                        save_checkpoint(self.output, done, model, ema, optimizer, scheduler, stream.global_batch,
+                                        dist.world_size, config=c, run_id=self.run_id)
                     dist.barrier()
                 if c.val_every and (done % c.val_every == 0 or done == c.steps or last) and not stop.requested:
                     if validator is not None:

@@ -13,9 +13,9 @@
   output, else on the host (the decoded image is copied out in strips and the device copy freed).
 
 A budget too small for even the smallest of these raises one :class:`~flowlift.errors.FlowliftError`
-line saying what the smallest plan needs. All peaks are *estimates* from the formulas below (frame
-counts calibrated on the CPU, see ``docs/performance.md``); without a budget the pipeline keeps its
-size-based defaults (a fraction of the free device memory).
+line saying what the smallest plan needs. All peaks are *estimates* from the formulas below and the UNet's
+in :mod:`flowlift.upscale.chunked.budget` (frame counts calibrated on the CPU, see ``docs/performance.md``);
+without a budget the pipeline keeps its size-based defaults (a fraction of the free device memory).
 
 Sizes: ``frame_bytes(b, c, h, w, dtype) = b * c * h * w * itemsize``; UNet sizes are latent pixels of
 a pass's *output* (the noise sample), image sizes are pixels.
@@ -29,42 +29,31 @@ from dataclasses import dataclass, field
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.upscale.chunked.budget import (
+    MIN_DEVICE_STRIP_ROWS,
+    _itemsize,
+    chunked_store_bytes,
+    frame_bytes,
+    plain_peak_bytes,
+    strip_bytes_per_row,
+    strip_rows_for_budget,
+)
 
 __all__ = [
     "UNetPassPlan",
     "UpscalePlan",
-    "chunked_store_bytes",
     "colour_stage_bytes",
     "decode_peak_bytes",
     "format_bytes",
-    "frame_bytes",
     "model_bytes",
     "parse_memory",
     "pass_io_bytes",
-    "plain_peak_bytes",
     "plan_unet_pass",
     "plan_upscale",
-    "strip_bytes_per_row",
-    "strip_rows_for_budget",
     "to_host_float32",
     "vae_kind",
 ]
 
-#: Plain forward's activation peak in (B, base_channels, H, W) frames (fp32, CPU, 2048 px output; docs/unet.md).
-PLAIN_PEAK_FRAMES = 10.0
-#: ChunkedExecutor's full-frame stores in the same unit (two frames at the full-resolution level plus the
-#: long skip, the lower levels' frames and the conditioning features). Measured on the CPU (peak RSS, fp32,
-#: base 64, 256x256 latent, benchmarks/calibrate_memory.py): about 2.3 frames; the H200 run of issue 13
-#: (16384^2, bf16) measured 7.3 GiB = 2.4 frames including the strips.
-CHUNKED_STORE_FRAMES = 2.5
-#: ChunkedExecutor's strip temporaries per output row, in (B, base_channels, 1, W) rows: the up stage's
-#: first block reads two parts with a halo, normalizes each and convolves them (inputs, normalized
-#: copies, partial sums), and the strip being written back (plus, offloaded, the predicted next strip).
-#: Measured 4-8.5 per row on the CPU (same run); 12 keeps a margin.
-STRIP_ROW_FRAMES = 12.0
-#: Below this many rows per strip at the output resolution a device-resident chunked run is all kernel
-#: launches; offloading the stores buys taller strips from the same budget.
-MIN_DEVICE_STRIP_ROWS = 8
 #: Latent channels of a FLUX.2 latent (the UNet's sample channels).
 LATENT_CHANNELS = 32
 #: Decoder activation peak per output pixel, in channels of the VAE's dtype (whole-frame decode): TAEF2's
@@ -121,62 +110,6 @@ def parse_memory(value: str | int | float) -> int:
 def format_bytes(size: int | float) -> str:
     """``size`` in GiB/MiB with two decimals (``6.00 GiB``), for messages."""
     return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def frame_bytes(batch: int, channels: int, height: int, width: int, dtype: torch.dtype) -> int:
-    """Bytes of a (batch, channels, height, width) tensor: ``b * c * h * w * itemsize``."""
-    return batch * channels * height * width * _itemsize(dtype)
-
-
-def plain_peak_bytes(
-    height: int, width: int, *, batch: int = 1, base_channels: int = 384, dtype: torch.dtype = torch.float32
-) -> int:
-    """Estimated activation peak of the plain forward for a (batch, 32, height, width) sample.
-
-    ``PLAIN_PEAK_FRAMES * batch * base_channels * height * width * itemsize``.
-    """
-    return int(PLAIN_PEAK_FRAMES * frame_bytes(batch, base_channels, height, width, dtype))
-
-
-def chunked_store_bytes(
-    height: int, width: int, *, batch: int = 1, base_channels: int = 384, dtype: torch.dtype = torch.float32
-) -> int:
-    """ChunkedExecutor's full-frame stores: ``CHUNKED_STORE_FRAMES * b * base * h * w * itemsize``."""
-    return int(CHUNKED_STORE_FRAMES * frame_bytes(batch, base_channels, height, width, dtype))
-
-
-def strip_bytes_per_row(
-    width: int, *, batch: int = 1, base_channels: int = 384, dtype: torch.dtype = torch.float32
-) -> int:
-    """Strip temporaries per output row: ``STRIP_ROW_FRAMES * b * base * w * itemsize``.
-
-    Lower-resolution levels take proportionally more rows per strip, so a strip's bytes are about the
-    same at every level.
-    """
-    return int(STRIP_ROW_FRAMES * frame_bytes(batch, base_channels, 1, width, dtype))
-
-
-def strip_rows_for_budget(
-    budget_bytes: int,
-    height: int,
-    width: int,
-    *,
-    batch: int = 1,
-    base_channels: int = 384,
-    dtype: torch.dtype = torch.float32,
-) -> int:
-    """Rows per strip (at the output resolution) whose temporaries fit in ``budget_bytes``.
-
-    ``clamp(floor(budget / strip_bytes_per_row(width)) - 2, 1, height)`` (two rows of halo); at least
-    one row, even when the budget is smaller (the caller decides whether that is acceptable).
-    """
-    per_row = strip_bytes_per_row(width, batch=batch, base_channels=base_channels, dtype=dtype)
-    rows = int(budget_bytes // max(1, per_row)) - 2
-    return max(1, min(height, rows))
 
 
 def pass_io_bytes(height: int, width: int, *, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
@@ -276,7 +209,7 @@ def plan_unet_pass(
         return UNetPassPlan("plain", height, width, None, fixed_bytes + plain)
     per_row = strip_bytes_per_row(width, **sizes)
     stores = chunked_store_bytes(height, width, **sizes)
-    rows = strip_rows_for_budget(free - stores, height, width, **sizes)
+    rows = strip_rows_for_budget(free, height, width, offloaded=False, **sizes)
     if free - stores >= (MIN_DEVICE_STRIP_ROWS + 2) * per_row:
         return UNetPassPlan("chunked", height, width, rows, fixed_bytes + stores + (rows + 2) * per_row)
     if free < 3 * per_row:
@@ -285,7 +218,7 @@ def plan_unet_pass(
             f"max_memory {format_bytes(budget_bytes)} is too small for a {width}x{height}-latent UNet pass "
             f"(batch {batch}): even offloaded with one-row strips it needs about {format_bytes(need)}"
         )
-    rows = strip_rows_for_budget(free, height, width, **sizes)
+    rows = strip_rows_for_budget(free, height, width, offloaded=True, **sizes)
     return UNetPassPlan("offload", height, width, rows, fixed_bytes + (rows + 2) * per_row)
 
 

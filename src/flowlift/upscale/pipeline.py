@@ -134,7 +134,7 @@ class FlowUpscalerPipeline:
         device/dtype; otherwise CUDA in bfloat16 if available, else CPU float32.
     chunked:
         Run the UNet through :class:`flowlift.upscale.chunked.executor.ChunkedExecutor` (exact, bounded memory):
-        ``None`` switches it on by size (:func:`flowlift.upscale.chunked.executor.should_chunk`), True/False force it.
+        ``None`` switches it on by size (:func:`flowlift.upscale.chunked.budget.should_chunk`), True/False force it.
     vae_tiled:
         Passed to the VAE's ``encode``/``decode`` as ``tiled`` (``None``: the VAE decides by size, or
         the memory plan when ``max_memory`` is set).
@@ -151,7 +151,7 @@ class FlowUpscalerPipeline:
         Channels-last weights and inputs for the UNet (``None``: on CUDA only).
     chunk_budget_bytes:
         Memory the plain UNet forward may use before chunking switches on (``chunked=None``, no
-        ``max_memory``); by default :func:`flowlift.upscale.chunked.executor.should_chunk`'s (half the free CUDA memory,
+        ``max_memory``); by default :func:`flowlift.upscale.chunked.budget.should_chunk`'s (half the free CUDA memory,
         1 GiB on the CPU).
     on_strip:
         ``on_strip(done, total)``, called after every strip of a chunked pass (progress; an exception

@@ -8,7 +8,7 @@
 * :func:`velocity_model` returns the callable a pass evaluates ``v(noise, 1000, cond)`` with: the UNet
   (compiled or not), or a :class:`flowlift.upscale.chunked.executor.ChunkedExecutor` around it as the pass's memory
   plan (:mod:`flowlift.upscale.memory_plan`) or, without a budget, the size
-  (:func:`flowlift.upscale.chunked.executor.should_chunk`)
+  (:func:`flowlift.upscale.chunked.budget.should_chunk`)
   says.
 """
 
@@ -140,7 +140,7 @@ def velocity_model(
     ``FlowUpscalerUNet`` then raises), ``None`` follows ``pass_plan`` (a
     :class:`flowlift.upscale.memory_plan.UNetPassPlan`: plain / chunked / offload with its strip rows) when
     given, else the size (above ``budget_bytes`` of estimated plain-forward memory; default:
-    :func:`flowlift.upscale.chunked.executor.should_chunk`'s). Explicit ``chunk_rows`` and ``offload_device`` win over
+    :func:`flowlift.upscale.chunked.budget.should_chunk`'s). Explicit ``chunk_rows`` and ``offload_device`` win over
     the plan's. ``on_strip`` goes to the executor (progress and cancel per strip).
     """
     plain = plain if plain is not None else upscaler
@@ -148,7 +148,8 @@ def velocity_model(
         return plain
     try:
         from flowlift.models.upscaler_unet import FlowUpscalerUNet
-        from flowlift.upscale.chunked.executor import ChunkedExecutor, should_chunk
+        from flowlift.upscale.chunked.budget import should_chunk
+        from flowlift.upscale.chunked.executor import ChunkedExecutor
     except ImportError:  # the executor is optional for custom models
         return plain
     if not isinstance(upscaler, FlowUpscalerUNet):

@@ -25,8 +25,8 @@ and any batch size. Peak memory: the stores (about three full-resolution 384-cha
 strip's temporaries on the compute device; with ``offload_device="cpu"`` on a GPU only the strip
 temporaries and the weights live on the device.
 
-Use :func:`should_chunk` to decide when to switch the executor on by size (the user can force or
-forbid it).
+Use :func:`flowlift.upscale.chunked.budget.should_chunk` to decide when to switch the executor on by
+size (the user can force or forbid it).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from flowlift.models.upscaler_unet import (
     ResBlock,
     check_inputs,
 )
+from flowlift.upscale.chunked.budget import CUDA_BUDGET_FRACTION, default_chunk, strip_rows_for_budget
 from flowlift.upscale.chunked.strip_io import OffloadedStores
 from flowlift.upscale.chunked.strip_kernels import (
     ChannelStats,
@@ -54,105 +55,22 @@ from flowlift.upscale.chunked.strip_kernels import (
     resize_rows,
     upsample2x_rows,
 )
-from flowlift.upscale.memory_plan import (
-    PLAIN_PEAK_FRAMES,
-    chunked_store_bytes,
-    plain_peak_bytes,
-    strip_bytes_per_row,
-    strip_rows_for_budget,
-)
 
 __all__ = [
-    "CUDA_BUDGET_FRACTION",
-    "DEFAULT_CPU_BUDGET_BYTES",
-    "DEFAULT_STRIP_PIXELS",
-    "PLAIN_PEAK_FRAMES",
     "ChannelStats",
     "ChunkedExecutor",
     "Frame",
     "StripCallback",
     "affine_silu",
     "bilinear_taps",
-    "budget_chunk",
-    "chunked_store_bytes",
     "conv_rows",
-    "default_chunk",
     "group_norm_affine",
-    "plain_peak_bytes",
     "resize_rows",
-    "should_chunk",
-    "strip_bytes_per_row",
     "upsample2x_rows",
 ]
 
-# Default strip size on the CPU: this many latent pixels per strip at the output resolution (64 rows
-# at 1024 px output, 32 at 2048 px, 4 at 16K): ~12 MiB per 384-channel fp32 strip temporary, sized
-# for CPU caches. On a GPU strips are sized from the memory budget instead (:func:`budget_chunk`).
-DEFAULT_STRIP_PIXELS = 8192
-DEFAULT_CPU_BUDGET_BYTES = 1 << 30
-CUDA_BUDGET_FRACTION = 0.5
-
 #: ``on_strip(done, total)``: called after every strip of a forward; may raise to cancel the run.
 StripCallback = Callable[[int, int], None]
-
-
-# --------------------------------------------------------------------------------------------------
-# when to chunk
-
-
-def should_chunk(
-    height: int,
-    width: int,
-    device: str | torch.device,
-    *,
-    batch: int = 1,
-    base_channels: int = 384,
-    dtype: torch.dtype = torch.float32,
-    force: bool | None = None,
-    budget_bytes: int | None = None,
-) -> bool:
-    """Whether to run the UNet through :class:`ChunkedExecutor` for a sample of ``height x width`` latents.
-
-    ``force=True``/``False`` forces or forbids chunking. Otherwise chunk when :func:`plain_peak_bytes`
-    exceeds ``budget_bytes``; by default that is ``CUDA_BUDGET_FRACTION`` of the free memory of a CUDA
-    device, and ``DEFAULT_CPU_BUDGET_BYTES`` (1 GiB: above about 2100 px output in fp32) elsewhere.
-    """
-    if force is not None:
-        return bool(force)
-    device = torch.device(device)
-    if budget_bytes is None:
-        if device.type == "cuda" and torch.cuda.is_available():
-            free, _ = torch.cuda.mem_get_info(device)
-            budget_bytes = int(free * CUDA_BUDGET_FRACTION)
-        else:
-            budget_bytes = DEFAULT_CPU_BUDGET_BYTES
-    need = plain_peak_bytes(height, width, batch=batch, base_channels=base_channels, dtype=dtype)
-    return need > budget_bytes
-
-
-def default_chunk(width: int) -> int:
-    """Rows per strip at the output resolution on the CPU: ``max(1, DEFAULT_STRIP_PIXELS // width)``."""
-    return max(1, DEFAULT_STRIP_PIXELS // max(1, width))
-
-
-def budget_chunk(
-    budget_bytes: int,
-    height: int,
-    width: int,
-    *,
-    batch: int = 1,
-    base_channels: int = 384,
-    dtype: torch.dtype = torch.float32,
-    offloaded: bool = False,
-) -> int:
-    """Rows per strip for a (batch, 32, height, width) sample when the executor may use ``budget_bytes``.
-
-    The stores (:func:`flowlift.upscale.memory_plan.chunked_store_bytes`, none when ``offloaded``) come off
-    the budget first; the rest is strip temporaries (:func:`flowlift.upscale.memory_plan.strip_rows_for_budget`).
-    """
-    sizes = {"batch": batch, "base_channels": base_channels, "dtype": dtype}
-    stores = 0 if offloaded else chunked_store_bytes(height, width, **sizes)
-    return strip_rows_for_budget(budget_bytes - stores, height, width, **sizes)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -196,8 +114,8 @@ class ChunkedExecutor:
     the number of rows per strip at the output resolution (lower-resolution levels use proportionally
     more rows, so every strip has about the same number of pixels). Without ``chunk`` the strips are
     sized from ``budget_bytes`` (the device memory the executor may use: stores plus strips,
-    :func:`budget_chunk`); without either, from ``CUDA_BUDGET_FRACTION`` of the free memory on a CUDA
-    device, and :func:`default_chunk` (cache-sized) on the CPU.
+    :func:`strip_rows_for_budget`); without either, from ``CUDA_BUDGET_FRACTION`` of the free memory on a
+    CUDA device, and :func:`default_chunk` (cache-sized) on the CPU.
 
     Full-frame activations are kept on ``offload_device`` (default: the model's device); strips are
     computed on the model's device. Offloaded stores are row-major, pinned and copied on a side
@@ -254,7 +172,7 @@ class ChunkedExecutor:
             budget = int(free * CUDA_BUDGET_FRACTION)
         if budget is None:
             return default_chunk(width)
-        return budget_chunk(budget, height, width, **sizes)
+        return strip_rows_for_budget(budget, height, width, **sizes)
 
     def __call__(
         self, sample: torch.Tensor, timestep: torch.Tensor | float, latents_small: torch.Tensor

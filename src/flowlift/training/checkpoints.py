@@ -1,0 +1,176 @@
+"""Training checkpoints: the folder layout, writing, reading and choosing the one to resume from.
+
+A checkpoint ``output/checkpoints/step-NNNNNNNN`` holds the EMA and raw weights in the released
+layout, the optimizer/scheduler/RNG state and the id of the run that wrote it; ``latest`` names the
+newest. Writes go through a ``.partial`` folder, and only the writing run's own checkpoints are pruned.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowlift.errors import FlowliftError
+from flowlift.files.atomic import atomic_write_text
+from flowlift.training.config import TrainConfig
+
+STATE_NAME = "train_state.pt"
+EMA_NAME = "flow_upscaler.safetensors"
+RAW_NAME = "model.safetensors"
+RUN_ID_NAME = "run_id"
+
+#: Architecture settings an ``--init`` checkpoint fixes (its own config wins; a contradiction is an error).
+ARCHITECTURE_FIELDS = ("base_channels", "time_dim", "cond_dim")
+
+
+def init_contradictions(config: TrainConfig, init_config: dict[str, Any]) -> str:
+    """``"base_channels 384 (not 64), ..."`` for architecture settings changed from their defaults that the
+    ``--init`` checkpoint contradicts; empty when none. Settings left at their defaults follow the checkpoint."""
+    defaults = TrainConfig()
+    clashes = []
+    for name in ARCHITECTURE_FIELDS:
+        wanted, actual = getattr(config, name), init_config.get(name)
+        if wanted != getattr(defaults, name) and actual is not None and int(actual) != int(wanted):
+            clashes.append(f"{name} {actual} (not {wanted})")
+    return ", ".join(clashes)
+
+
+def checkpoint_dir(output: Path, step: int) -> Path:
+    return output / "checkpoints" / f"step-{step:08d}"
+
+
+def checkpoint_folders(output: Path) -> list[Path]:
+    """Complete-looking checkpoint folders ``output/checkpoints/step-*`` (not ``.partial``), by step."""
+    root = output / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".partial"))
+
+
+def latest_checkpoint(output: Path) -> Path | None:
+    """The checkpoint ``output/checkpoints/latest`` names, or None when the folder holds no checkpoints.
+
+    A pointer to a missing or incomplete checkpoint, or checkpoints without a pointer, raise one
+    FlowliftError line: silently starting from step 0 would then overwrite and prune that run's files.
+    """
+    root = output / "checkpoints"
+    pointer = root / "latest"
+    if not pointer.is_file():
+        existing = checkpoint_folders(output)
+        if existing:
+            raise FlowliftError(
+                f"{root} holds {len(existing)} checkpoint(s) but no 'latest' pointer; pass --resume "
+                f"{existing[-1]} (or another checkpoint folder), or --resume none --overwrite to start over"
+            )
+        return None
+    name = pointer.read_text().strip()
+    path = root / name
+    if not name or not (path / STATE_NAME).is_file():
+        raise FlowliftError(
+            f"{pointer} names {name or '(nothing)'}, which is missing or incomplete; pass --resume with a complete "
+            "checkpoint folder, or --resume none --overwrite to start over"
+        )
+    return path
+
+
+def checkpoint_run_id(path: Path) -> str | None:
+    """The id of the run that wrote checkpoint folder ``path`` (its ``run_id`` file), or None."""
+    try:
+        return (path / RUN_ID_NAME).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def resume_point(config: TrainConfig, output: Path) -> Path | None:
+    """The checkpoint to continue from, or None for a fresh run; refuses to start over another run."""
+    mode = (config.resume or "none").strip()
+    if mode.lower() == "none":
+        existing = checkpoint_folders(output)
+        if existing and not config.overwrite:
+            raise FlowliftError(
+                f"{output} already holds {len(existing)} training checkpoint(s) (last {existing[-1].name}); "
+                "--resume none would start a new run over them: pass --overwrite to replace them, "
+                "or --resume auto to continue"
+            )
+        return None
+    resume_from = latest_checkpoint(output) if mode == "auto" else Path(mode)
+    if resume_from is not None and not (resume_from / STATE_NAME).is_file():
+        raise FlowliftError(f"{resume_from} is not a flowlift training checkpoint (no {STATE_NAME})")
+    return resume_from
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def save_checkpoint(
+    output: Path,
+    step: int,
+    model,
+    ema,
+    optimizer,
+    scheduler,
+    global_batch: int,
+    world: int,
+    *,
+    config: TrainConfig,
+    run_id: str,
+) -> Path:
+    """Write checkpoint ``step`` of run ``run_id`` under ``output`` (atomically), point ``latest`` at it and
+    prune this run's older ones down to ``config.keep_checkpoints``."""
+    from flowlift.models.upscaler_unet import save_upscaler
+
+    final = checkpoint_dir(output, step)
+    tmp = final.with_name(final.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_upscaler(ema.module, tmp / EMA_NAME)
+    save_upscaler(_unwrap(model), tmp / RAW_NAME)
+    state = {
+        "step": step,
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "ema_num_averaged": int(ema.n_averaged.item()),
+        "global_batch": global_batch,
+        "world_size": world,
+        "config": config.to_dict(),
+        "rng": {"torch": torch.get_rng_state()},
+        "run_id": run_id,
+    }
+    torch.save(state, tmp / STATE_NAME)
+    (tmp / RUN_ID_NAME).write_text(run_id)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    pointer = output / "checkpoints" / "latest"
+    atomic_write_text(pointer, final.name)
+    # Only this run's checkpoints are pruned: another run in the same folder (higher steps, or an
+    # older layout without run ids) is never touched.
+    mine = [p for p in checkpoint_folders(output) if checkpoint_run_id(p) == run_id]
+    for old in mine[: -config.keep_checkpoints]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, model, ema, optimizer, scheduler, global_batch: int, run_id: str) -> tuple[int, str]:
+    """Restore checkpoint ``path`` into the run's objects; its step and run id (its own, else ``run_id``)."""
+    from flowlift.models.weights import load_strict, read_state_dict
+
+    state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
+    if state["global_batch"] != global_batch:
+        raise FlowliftError(
+            f"checkpoint {path} was trained with a global batch of {state['global_batch']} samples, "
+            f"this run has {global_batch} (world size x batch size x grad accumulation); "
+            "keep the global batch to continue the same run"
+        )
+    load_strict(_unwrap(model), read_state_dict(path / RAW_NAME), what="checkpoint weights", origin=str(path))
+    load_strict(ema.module, read_state_dict(path / EMA_NAME), what="checkpoint EMA weights", origin=str(path))
+    ema.n_averaged.fill_(int(state["ema_num_averaged"]))
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    run_id = str(state.get("run_id") or checkpoint_run_id(path) or run_id)
+    return int(state["step"]), run_id

@@ -1,0 +1,66 @@
+"""The process a training run lives in: its rank in the ``torchrun`` process group and its device.
+
+A single process is a world of one (a default :class:`DistContext`), so the trainer's loop is the
+same code either way; :meth:`DistContext.mean` and :meth:`DistContext.barrier` are how ranks agree.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    initialized_here: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    def mean(self, value: float, device: torch.device) -> float:
+        if self.world_size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
+        torch.distributed.all_reduce(tensor)
+        return float(tensor.item()) / self.world_size
+
+    def close(self) -> None:
+        if self.initialized_here and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def init_distributed(device_kind: str) -> DistContext:
+    """Join the process group set up by ``torchrun`` (``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` in the
+    environment), NCCL on CUDA and gloo on CPU; a plain single process otherwise."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return DistContext()
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    created = False
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if device_kind == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend=backend)
+        created = True
+    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, initialized_here=created)
+
+
+def pick_device(setting: str, dist: DistContext) -> torch.device:
+    from flowlift.devices import resolve_device
+
+    device = resolve_device(setting)
+    if device.type == "cuda":
+        if dist.world_size > 1 or device.index is None:
+            device = torch.device("cuda", dist.local_rank if dist.world_size > 1 else (device.index or 0))
+        torch.cuda.set_device(device)
+    return device
