@@ -328,7 +328,8 @@ class Trainer:
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
-        from flowlift.models.upscaler_unet import FlowUpscalerUNet, load_upscaler
+        from flowlift.models.upscaler_unet import FlowUpscalerUNet
+        from flowlift.models.upscaler_weights import load_upscaler
 
         c = self.config
         if self._custom_model is not None:
@@ -374,7 +375,7 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def _save_checkpoint(self, step: int, model, ema, optimizer, scheduler, global_batch: int, world: int) -> Path:
-        from flowlift.models.upscaler_unet import save_upscaler
+        from flowlift.models.upscaler_weights import save_upscaler
 
         final = checkpoint_dir(self.output, step)
         tmp = final.with_name(final.name + ".partial")
@@ -621,7 +622,7 @@ class Trainer:
         }
         if dist.is_main:
             if final_step >= c.steps:
-                from flowlift.models.upscaler_unet import save_upscaler
+                from flowlift.models.upscaler_weights import save_upscaler
 
                 summary["weights"] = str(save_upscaler(ema.module, self.output / EMA_NAME))
             if validator is not None:
