@@ -28,7 +28,8 @@ SRC = ROOT / "src"
 def random_checkpoint(folder: Path) -> Path:
     import torch
 
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
 
     path = folder / "flow_upscaler.safetensors"
     if not path.is_file():

@@ -31,7 +31,7 @@ DEFAULT_WEIGHTS = REPO.parent / "shared" / "models" / "taef2"
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from flowlift.models.vae import load_vae
+    from flowlift.models.vae_loading import load_vae
 
     torch.manual_seed(0)
     vae = load_vae(args.weights, device="cpu", dtype=torch.float32)

@@ -60,7 +60,7 @@ def main() -> int:
         args.base_channels, args.time_dim, args.cond_dim = 384, 512, 1024
 
     from flowlift.files.images import list_images
-    from flowlift.models.vae import load_vae
+    from flowlift.models.vae_loading import load_vae
     from flowlift.training.config import build_config
     from flowlift.training.datasets import build_images_dataset
     from flowlift.training.trainer import Trainer
@@ -109,7 +109,7 @@ def main() -> int:
     print(f"trained {last_step} steps x {args.batch_size} samples ({speed}); "
           f"loss {float(log[0]['loss']):.4f} -> {float(log[-1]['loss']):.4f}")
 
-    from flowlift.models.upscaler_unet import load_upscaler
+    from flowlift.models.upscaler_weights import load_upscaler
 
     latest = sorted((run / "checkpoints").glob("step-*"))[-1]
     model = load_upscaler(latest / "flow_upscaler.safetensors", device=device, dtype=torch.float32)

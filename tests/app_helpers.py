@@ -15,7 +15,8 @@ def tiny_upscaler(path: Path) -> Path:
     """A small random Flow Upscaler checkpoint (the released architecture, narrow)."""
     import torch
 
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
 
     torch.manual_seed(0)
     model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)

@@ -116,9 +116,9 @@ def _fake_vae_module(monkeypatch, vae_cls):
     import sys
     import types
 
-    module = types.ModuleType("flowlift.models.vae")
+    module = types.ModuleType("flowlift.models.vae_loading")
     module.load_vae = lambda spec, device="cpu", dtype=torch.float32: vae_cls()
-    monkeypatch.setitem(sys.modules, "flowlift.models.vae", module)
+    monkeypatch.setitem(sys.modules, "flowlift.models.vae_loading", module)
 
 
 class IdealVAE:
@@ -165,7 +165,7 @@ def test_taef2_band_response_on_a_real_crop(shared):
     from PIL import Image
 
     from flowlift.files.images import to_tensor
-    from flowlift.models.vae import load_vae
+    from flowlift.models.vae_loading import load_vae
 
     vae = load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
     with Image.open(shared / "images" / "kodak" / "kodim23.png") as im:

@@ -12,7 +12,8 @@ from flowlift.commands.cli import main
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
 
     torch.manual_seed(0)
     model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)

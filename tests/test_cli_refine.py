@@ -247,7 +247,8 @@ def test_argument_choices_mirror_the_api():
 
 
 def test_hires_from_image_and_from_txt2img(capsys, tmp_path, model_dir, embeds_file, photo):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
 
     torch.manual_seed(0)
     upscaler = tmp_path / "flow_upscaler.safetensors"

@@ -12,12 +12,13 @@ import torch
 from PIL import Image
 
 from flowlift.commands.cli import main
-from flowlift.files.images import file_sha256
+from flowlift.files.image_outputs import file_sha256
 
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
 
     torch.manual_seed(0)
     model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)

@@ -28,8 +28,9 @@ from safetensors.torch import load_file, save_file
 
 from comfy_venv import comfy_env, comfy_python, comfyui_dir
 from flowlift.flux2.latents import from_comfyui_latent, patchify
-from flowlift.models.upscaler_unet import FlowUpscalerUNet, load_upscaler, save_upscaler
-from flowlift.models.vae import load_vae
+from flowlift.models.upscaler_unet import FlowUpscalerUNet
+from flowlift.models.upscaler_weights import load_upscaler, save_upscaler
+from flowlift.models.vae_loading import load_vae
 from flowlift.upscale.colorfix import lab_lowband_transplant
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 

@@ -274,7 +274,8 @@ SIZES = [(48, 32), (64, 48), (48, 48), (80, 48), (48, 64), (96, 64), (64, 40), (
 def weights(tmp_path_factory):
     import torch
 
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
 
     torch.manual_seed(0)
     model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)

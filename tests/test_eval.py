@@ -228,7 +228,7 @@ def test_cli_pairs_and_errors(photos, tmp_path, capsys):
 
 
 def test_vae_roundtrip_with_real_taef2_is_clean(shared, photos):
-    from flowlift.models.vae import load_vae
+    from flowlift.models.vae_loading import load_vae
 
     vae = load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
     with Image.open(photos / "kodim23.png") as im:
@@ -243,9 +243,9 @@ def test_cli_run_with_vae_methods_and_cache(monkeypatch, photos, tmp_path, capsy
     import sys
     import types
 
-    module = types.ModuleType("flowlift.models.vae")
+    module = types.ModuleType("flowlift.models.vae_loading")
     module.load_vae = lambda spec, device="cpu", dtype=torch.float32: BlockVAE()
-    monkeypatch.setitem(sys.modules, "flowlift.models.vae", module)
+    monkeypatch.setitem(sys.modules, "flowlift.models.vae_loading", module)
     weights = tmp_path / "vae.safetensors"
     weights.write_bytes(b"one")
     out = tmp_path / "run"
@@ -308,7 +308,8 @@ def test_latent_bicubic_interpolates_raw_latents_when_the_vae_has_statistics():
 
 def test_cli_flow_end_to_end_with_random_weights(shared, tmp_path, capsys):
     """The flow method through the real pipeline and TAEF2 (random tiny UNet: only the plumbing)."""
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
 
     torch.manual_seed(0)
     unet = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0).eval()

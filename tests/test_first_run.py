@@ -89,7 +89,7 @@ def test_looks_like_path(source, is_path):
 
 
 def test_mistyped_local_paths_say_no_such_file(tmp_path):
-    from flowlift.models.vae import load_vae
+    from flowlift.models.vae_loading import load_vae
     from flowlift.refine.loading import load_transformer
     from flowlift.upscale.pipeline import resolve_upscaler_file
 
@@ -107,13 +107,13 @@ def test_mistyped_local_paths_say_no_such_file(tmp_path):
 
 
 def test_missing_vae_fails_before_the_unet_loads(tmp_path, monkeypatch):
-    import flowlift.models.upscaler_unet as unet_module
+    import flowlift.models.upscaler_weights as weights_module
     from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("the UNet was loaded before the VAE was checked")
 
-    monkeypatch.setattr(unet_module, "load_upscaler", must_not_load)
+    monkeypatch.setattr(weights_module, "load_upscaler", must_not_load)
     weights = tmp_path / "flow_upscaler.safetensors"
     weights.write_bytes(b"not read")
     with pytest.raises(FlowliftError, match="VAE: .*no such file"):

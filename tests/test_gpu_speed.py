@@ -29,7 +29,7 @@ def unet():
 
 @pytest.fixture(scope="module")
 def vae(shared):
-    from flowlift.models.vae import load_vae
+    from flowlift.models.vae_loading import load_vae
 
     return load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
 

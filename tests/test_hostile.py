@@ -43,7 +43,8 @@ def _one_error_line(err: str, command: str) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_weights(tmp_path_factory) -> Path:
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
 
     torch.manual_seed(0)
     model = FlowUpscalerUNet(**TINY_UNET, dropout=0.0)
@@ -69,7 +70,7 @@ def _rewrite(source: Path, target: Path, change) -> Path:
 @pytest.mark.parametrize("kind", sorted(NON_FINITE))
 @pytest.mark.parametrize("which", [0, 1, 2])
 def test_non_finite_upscaler_weights_are_refused_naming_the_tensor(tiny_weights, tmp_path, kind, which):
-    from flowlift.models.upscaler_unet import load_upscaler
+    from flowlift.models.upscaler_weights import load_upscaler
 
     name = _poisoned_names(tiny_weights)[which]
 
@@ -84,7 +85,7 @@ def test_non_finite_upscaler_weights_are_refused_naming_the_tensor(tiny_weights,
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.int32, torch.uint8])
 def test_non_float_weights_are_refused(tiny_weights, tmp_path, dtype):
-    from flowlift.models.upscaler_unet import load_upscaler
+    from flowlift.models.upscaler_weights import load_upscaler
 
     name = _poisoned_names(tiny_weights)[1]
 
@@ -120,7 +121,7 @@ def test_load_strict_refuses_non_float_and_non_finite_for_any_module():
     ],
 )
 def test_absurd_upscaler_config_is_refused_before_building(tiny_weights, tmp_path, metadata, drop):
-    from flowlift.models.upscaler_unet import load_upscaler
+    from flowlift.models.upscaler_weights import load_upscaler
 
     state = load_file(str(tiny_weights))
     for name in drop:
@@ -139,7 +140,7 @@ TINY_UNET_STR = {k: str(v) for k, v in TINY_UNET.items()}
 
 @pytest.mark.parametrize("kind", sorted(NON_FINITE))
 def test_non_finite_vae_weights_are_refused(shared, tmp_path, kind):
-    from flowlift.models.vae import load_vae
+    from flowlift.models.vae_loading import load_vae
 
     for part in ("encoder", "decoder"):
         state = torch.load(shared / "models" / "taef2" / f"taef2_{part}.pth", map_location="cpu", weights_only=True)

@@ -7,11 +7,10 @@ import torch
 from PIL import Image
 
 from flowlift.errors import FlowliftError
+from flowlift.files.image_outputs import file_sha256, save_image_atomic
 from flowlift.files.images import (
-    file_sha256,
     list_images,
     load_image,
-    save_image_atomic,
     tensor_to_pil,
     to_tensor,
 )

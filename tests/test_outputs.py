@@ -13,13 +13,11 @@ from PIL import Image, ImageCms
 
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
+from flowlift.files.image_outputs import read_metadata, read_source_profile, save_image_atomic
 from flowlift.files.images import (
     IMAGE_SUFFIXES,
     list_images,
     load_image,
-    read_metadata,
-    read_source_profile,
-    save_image_atomic,
 )
 
 _ORIENTATION, _MAKE, _EXIF_IFD, _EXIF_WIDTH, _DATETIME_ORIGINAL = 0x0112, 0x010F, 0x8769, 0xA002, 0x9003
@@ -144,7 +142,8 @@ def test_pairing_of_upscale_outputs_with_references(tmp_path):
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
 
     torch.manual_seed(0)
     model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)

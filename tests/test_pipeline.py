@@ -33,7 +33,7 @@ def unet():
 
 @pytest.fixture(scope="module")
 def vae(shared):
-    from flowlift.models.vae import load_vae
+    from flowlift.models.vae_loading import load_vae
 
     return load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
 
@@ -202,7 +202,7 @@ def test_missing_weights_say_where_and_how(vae, tmp_path):
 
 
 def test_loads_saved_weights_and_records_their_file(unet, vae, tmp_path):
-    from flowlift.models.upscaler_unet import save_upscaler
+    from flowlift.models.upscaler_weights import save_upscaler
 
     path = save_upscaler(unet, tmp_path / "flow_upscaler.safetensors")
     loaded = FlowUpscalerPipeline(tmp_path, vae, device="cpu")

@@ -27,7 +27,7 @@ H, W = 64, 96  # 8x12 latents, 4x6 = 24 tokens
 
 @pytest.fixture(scope="module")
 def vae():
-    from flowlift.models.vae import load_vae
+    from flowlift.models.vae_loading import load_vae
 
     return load_vae(tiny_vae(), device="cpu", dtype=torch.float32)
 

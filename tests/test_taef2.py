@@ -9,15 +9,13 @@ from safetensors.torch import load_file, save_file
 from flowlift.errors import FlowliftError
 from flowlift.models.taef2 import (
     TAEF2,
-    LocalOp,
     build_decoder,
-    chain_intervals,
     detect_layout,
-    input_interval,
     local_op,
-    split_axis,
 )
-from flowlift.models.vae import TAEF2VAE, load_vae
+from flowlift.models.taef2_tiling import LocalOp, chain_intervals, input_interval, split_axis
+from flowlift.models.vae import TAEF2VAE
+from flowlift.models.vae_loading import load_vae
 
 GOLDEN_TOL = 1e-4
 TILE_TOL = 1e-4

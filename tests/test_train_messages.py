@@ -36,7 +36,8 @@ def test_init_contradicted_by_explicit_architecture_settings():
 def test_init_contradiction_is_an_error_before_training(tmp_path):
     import torch
 
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet, save_upscaler
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
     from flowlift.training.trainer import Trainer
 
     torch.manual_seed(0)

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 @pytest.fixture(scope="module")
 def taef2(shared):
-    from flowlift.models.vae import load_vae
+    from flowlift.models.vae_loading import load_vae
 
     return load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
 

@@ -38,7 +38,7 @@ def taef2_spec(shared):
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory, shared, taef2_spec):
     """8 items: 4 random 128px crops (16x16 target latents) from each of two Kodak images."""
-    from flowlift.models.vae import load_vae
+    from flowlift.models.vae_loading import load_vae
     from flowlift.training.datasets import build_images_dataset
 
     root = tmp_path_factory.mktemp("train-data")
@@ -59,7 +59,7 @@ def _config(dataset, output, **overrides) -> TrainConfig:
 
 
 def _weights(path):
-    from flowlift.models.upscaler_unet import load_upscaler
+    from flowlift.models.upscaler_weights import load_upscaler
 
     return load_upscaler(path).state_dict()
 
@@ -128,8 +128,9 @@ def test_train_cli_errors_are_one_line(tmp_path, capsys):
 
 
 def test_loss_falls_and_checkpoint_loads_strictly_into_pipeline(dataset, tmp_path, taef2_spec):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet, load_upscaler
-    from flowlift.models.vae import load_vae
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import load_upscaler
+    from flowlift.models.vae_loading import load_vae
     from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
     output = tmp_path / "run"

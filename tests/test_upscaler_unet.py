@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from flowlift.errors import FlowliftError
 from flowlift.models import upscaler_unet as U
+from flowlift.models import upscaler_weights as W
 
 SMALL = {"sample_channels": 32, "base_channels": 16, "time_dim": 32, "cond_dim": 64}
 
@@ -53,7 +54,7 @@ def test_default_model_matches_released_manifest(shared):
 
 def test_golden_vectors_reproduced(golden):
     weights, cases, metadata = golden
-    config = {k: int(metadata[k]) for k in U.CONFIG_KEYS}
+    config = {k: int(metadata[k]) for k in W.CONFIG_KEYS}
     assert config["base_channels"] == 64
     model = U.FlowUpscalerUNet(**config).eval()
     model.load_state_dict(weights, strict=True)
@@ -68,7 +69,7 @@ def test_load_upscaler_infers_config_from_shapes(golden, tmp_path):
     weights, cases, _ = golden
     path = tmp_path / "bare.safetensors"
     save_file(weights, str(path))  # no metadata: the config must come from the tensor shapes
-    model = U.load_upscaler(path)
+    model = W.load_upscaler(path)
     assert not model.training
     assert model.config == {"sample_channels": 32, "base_channels": 64, "time_dim": 512, "cond_dim": 1024}
     case = cases[1]
@@ -79,14 +80,14 @@ def test_load_upscaler_infers_config_from_shapes(golden, tmp_path):
 
 def test_save_load_roundtrip_directory_and_metadata(tmp_path):
     model = small_model()
-    path = U.save_upscaler(model, tmp_path / U.WEIGHTS_NAME)
+    path = W.save_upscaler(model, tmp_path / W.WEIGHTS_NAME)
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata()
         keys = set(handle.keys())
-    assert {k: int(metadata[k]) for k in U.CONFIG_KEYS} == SMALL
+    assert {k: int(metadata[k]) for k in W.CONFIG_KEYS} == SMALL
     assert keys == set(model.state_dict())
     assert not list(tmp_path.glob("*.partial"))
-    loaded = U.load_upscaler(tmp_path)  # a directory holding flow_upscaler.safetensors
+    loaded = W.load_upscaler(tmp_path)  # a directory holding flow_upscaler.safetensors
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value)
     sample, small = torch.randn(1, 32, 8, 12), torch.randn(1, 32, 4, 6)
@@ -99,10 +100,10 @@ def test_half_precision_files_load(tmp_path, file_dtype):
     model = small_model()
     state = {k: v.to(file_dtype) for k, v in model.state_dict().items()}
     save_file(state, str(tmp_path / "w.safetensors"))
-    loaded = U.load_upscaler(tmp_path / "w.safetensors", dtype=torch.float32)
+    loaded = W.load_upscaler(tmp_path / "w.safetensors", dtype=torch.float32)
     assert loaded.in_conv.weight.dtype == torch.float32
     assert torch.equal(loaded.in_conv.weight, state["in_conv.weight"].float())
-    as_bf16 = U.load_upscaler(tmp_path / "w.safetensors", dtype=torch.bfloat16)
+    as_bf16 = W.load_upscaler(tmp_path / "w.safetensors", dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in as_bf16.parameters())
     out = as_bf16(
         torch.randn(1, 32, 16, 16, dtype=torch.bfloat16),
@@ -115,7 +116,7 @@ def test_half_precision_files_load(tmp_path, file_dtype):
 def test_pth_file_loads_with_weights_only(tmp_path):
     model = small_model()
     torch.save(model.state_dict(), tmp_path / "w.pth")
-    loaded = U.load_upscaler(tmp_path / "w.pth")
+    loaded = W.load_upscaler(tmp_path / "w.pth")
     assert torch.equal(loaded.out_conv.weight, model.out_conv.weight)
 
 
@@ -126,7 +127,7 @@ def test_wrong_file_names_missing_unexpected_and_misshaped(tmp_path):
     state["mid_stages.0.conv1.weight"] = torch.zeros(16, 16, 1, 1)
     save_file(state, str(tmp_path / "bad.safetensors"))
     with pytest.raises(FlowliftError) as info:
-        U.load_upscaler(tmp_path / "bad.safetensors")
+        W.load_upscaler(tmp_path / "bad.safetensors")
     message = str(info.value)
     assert "\n" not in message
     assert "missing 1: out_conv.bias" in message
@@ -143,7 +144,7 @@ def test_bad_sources_give_one_line_errors(tmp_path):
         "nobody/not-cached",
     ):
         with pytest.raises(FlowliftError) as info:
-            U.load_upscaler(source)
+            W.load_upscaler(source)
         assert "\n" not in str(info.value) and "Flow Upscaler" in str(info.value)
 
 

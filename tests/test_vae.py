@@ -9,7 +9,8 @@ from safetensors.torch import save_file
 
 from flowlift.errors import FlowliftError
 from flowlift.models.flux2_vae_convert import convert_original_flux2_vae, infer_flux2_config
-from flowlift.models.vae import TAEF2VAE, Flux2VAE, flux2_from_state_dict, load_vae
+from flowlift.models.vae import TAEF2VAE, Flux2VAE, flux2_from_state_dict
+from flowlift.models.vae_loading import load_vae
 
 
 def tiny_flux2(norm_num_groups: int = 8, seed: int = 0) -> AutoencoderKLFlux2:

@@ -68,14 +68,8 @@ def refine(
     progress: ProgressFn = _no_progress,
 ) -> UpscaleResult:
     """Refine one upload; written as ``<stem>_img2img.png`` / ``<stem>_hires<N>x.png`` with the CLI's metadata."""
-    from flowlift.files.images import (
-        attach_alpha,
-        input_hashes,
-        load_image,
-        save_image_atomic,
-        tensor_to_pil,
-        to_tensor,
-    )
+    from flowlift.files.image_outputs import input_hashes, save_image_atomic
+    from flowlift.files.images import attach_alpha, load_image, tensor_to_pil, to_tensor
     from flowlift.files.naming import refined_output
     from flowlift.flux2.sampling import SAMPLERS
     from flowlift.refine.loop import STRENGTH_MAPS

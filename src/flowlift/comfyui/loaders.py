@@ -15,8 +15,9 @@ import torch
 
 from flowlift.comfyui.vae_adapters import TAEF2ComfyVAE
 from flowlift.errors import FlowliftError
-from flowlift.models.upscaler_unet import load_upscaler
-from flowlift.models.vae import TAEF2VAE, load_vae
+from flowlift.models.upscaler_weights import load_upscaler
+from flowlift.models.vae import TAEF2VAE
+from flowlift.models.vae_loading import load_vae
 
 UPSCALER_FOLDER = "latent_upscale_models"
 TAEF2_FOLDER = "vae_approx"

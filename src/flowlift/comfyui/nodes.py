@@ -6,7 +6,7 @@ them; add new inputs at the end (as optional inputs where possible).
 Each node does ComfyUI's part (folders, memory management, progress bar, cancel, output device) and
 calls flowlift for the work: :class:`flowlift.upscale.pipeline.FlowUpscalerPipeline` (noise, Euler step,
 stage 1, exact chunked execution, encode/decode, stage 2), :func:`flowlift.upscale.colorfix.lab_lowband_transplant`
-(stage 2 alone) and :func:`flowlift.models.vae.load_vae` (TAEF2). Loaders: :mod:`flowlift.comfyui.loaders`;
+(stage 2 alone) and :func:`flowlift.models.vae_loading.load_vae` (TAEF2). Loaders: :mod:`flowlift.comfyui.loaders`;
 the others: :mod:`flowlift.comfyui.upscale_nodes`.
 """
 

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from flowlift.measure import bands as B
     from flowlift.measure import metrics as M
     from flowlift.measure.cache import model_identity
-    from flowlift.models.vae import load_vae
+    from flowlift.models.vae_loading import load_vae
 
     if not args.amplitude > 0:
         raise FlowliftError(f"--amplitude must be > 0, got {args.amplitude}")

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _metadata(args: argparse.Namespace, source: Path, reference: Path, scale: int) -> dict[str, object]:
     from flowlift import __version__
-    from flowlift.files.images import file_sha256
+    from flowlift.files.image_outputs import file_sha256
 
     return {
         "Software": f"flowlift {__version__} colorfix",
@@ -66,7 +66,8 @@ def _metadata(args: argparse.Namespace, source: Path, reference: Path, scale: in
 def run(args: argparse.Namespace) -> int:
     from flowlift.commands.upscale import output_format
     from flowlift.errors import FlowliftError
-    from flowlift.files.images import IMAGE_SUFFIXES, list_images, load_image, save_image_atomic
+    from flowlift.files.image_outputs import save_image_atomic
+    from flowlift.files.images import IMAGE_SUFFIXES, list_images, load_image
     from flowlift.files.naming import index_by_stem, reference_stem
     from flowlift.jobs.batch import Job, plan_jobs, run_jobs
     from flowlift.upscale.colorfix_image import color_fix_image, integer_scale

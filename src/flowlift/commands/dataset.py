@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from flowlift.errors import FlowliftError
-    from flowlift.models.vae import load_vae
+    from flowlift.models.vae_loading import load_vae
     from flowlift.training.degrade import Degradation
 
     device = _device(args.device)

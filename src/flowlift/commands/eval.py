@@ -161,7 +161,7 @@ def _run_methods(args: argparse.Namespace, env):
     vae = pipeline = None
     identities: dict = {}
     if needs_vae:
-        from flowlift.models.vae import load_vae
+        from flowlift.models.vae_loading import load_vae
 
         vae = load_vae(args.vae, device=device, dtype=dtype)
         identities.update(

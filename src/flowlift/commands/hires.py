@@ -59,14 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowlift.files.images import (
-        attach_alpha,
-        input_hashes,
-        load_image,
-        save_image_atomic,
-        tensor_to_pil,
-        to_tensor,
-    )
+    from flowlift.files.image_outputs import input_hashes, save_image_atomic
+    from flowlift.files.images import attach_alpha, load_image, tensor_to_pil, to_tensor
     from flowlift.files.naming import refined_output
 
     check_prompt_args(args)

@@ -52,7 +52,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "e.g. black-forest-labs/FLUX.2-klein-4B), a transformer folder, or a single .safetensors file",
     )
     model.add_argument(
-        "--vae", metavar="SPEC", help="VAE (flowlift.models.vae.load_vae spec); default: the model's own vae/ folder"
+        "--vae",
+        metavar="SPEC",
+        help="VAE (flowlift.models.vae_loading.load_vae spec); default: the model's own vae/ folder",
     )
     add_device_options(model, "transformer and VAE")
     prompt = parser.add_argument_group("prompt")
@@ -143,7 +145,7 @@ def check_prompt_args(args: argparse.Namespace) -> None:
 def check_model_sources(args: argparse.Namespace) -> None:
     """Local --model / --vae paths exist (and hub ids are cached when offline) before any weights load."""
     from flowlift.models.hub import looks_like_path
-    from flowlift.models.vae import check_vae_spec
+    from flowlift.models.vae_loading import check_vae_spec
 
     if not Path(args.model).expanduser().exists() and looks_like_path(args.model):
         raise FlowliftError(f"--model {args.model}: no such file or folder")
@@ -207,14 +209,8 @@ def parse_outpaint(text: str) -> tuple[int, int, int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowlift.files.images import (
-        attach_alpha,
-        input_hashes,
-        load_image,
-        save_image_atomic,
-        tensor_to_pil,
-        to_tensor,
-    )
+    from flowlift.files.image_outputs import input_hashes, save_image_atomic
+    from flowlift.files.images import attach_alpha, load_image, tensor_to_pil, to_tensor
     from flowlift.files.naming import refined_output
 
     # validate everything before loading weights

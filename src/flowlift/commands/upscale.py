@@ -55,7 +55,8 @@ def settings_from_args(args: argparse.Namespace):
 def output_format(output: str | None, requested: str | None) -> str:
     """The output format: ``--format``, or the suffix of ``-o FILE``; both given and different is an error."""
     from flowlift.errors import FlowliftError
-    from flowlift.files.images import IMAGE_SUFFIXES, check_output_format
+    from flowlift.files.image_outputs import check_output_format
+    from flowlift.files.images import IMAGE_SUFFIXES
 
     suffix = Path(output).suffix.lower() if output else ""
     if output and suffix in IMAGE_SUFFIXES and not Path(output).expanduser().is_dir():

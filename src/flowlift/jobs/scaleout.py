@@ -194,7 +194,7 @@ def _absolute(path: Path) -> str:
 
 
 def _sha256(path: Path) -> str | None:
-    from flowlift.files.images import file_sha256
+    from flowlift.files.image_outputs import file_sha256
 
     try:
         return file_sha256(path)

@@ -36,7 +36,7 @@ def array_digest(*arrays: np.ndarray | None) -> str:
 def model_identity(spec: str | os.PathLike | None) -> str | None:
     """Identity of weights given as a local file/folder (SHA-256 over their weight/config files,
     names included) or a hub id (the id itself). ``None`` stays ``None``."""
-    from flowlift.files.images import file_sha256
+    from flowlift.files.image_outputs import file_sha256
     from flowlift.models.weights import WEIGHT_SUFFIXES
 
     if spec is None:

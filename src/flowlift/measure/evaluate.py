@@ -202,7 +202,7 @@ def evaluate_methods(
     from PIL import Image
     from tqdm import tqdm
 
-    from flowlift.files.images import save_image_atomic
+    from flowlift.files.image_outputs import save_image_atomic
     from flowlift.files.naming import upscaled_name
 
     if scale < 2:

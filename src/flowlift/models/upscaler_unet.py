@@ -2,7 +2,8 @@
 
 Released as ``flow_upscaler.safetensors`` (166 tensors, 59,267,104 parameters) in the hub repository
 ``TensorForger/FlowUpscaler``. The module names below reproduce that file's tensor names exactly, so
-the released file loads with ``strict=True`` and computes what its authors' code computes.
+the released file loads with ``strict=True`` (:mod:`flowlift.models.upscaler_weights`) and computes
+what its authors' code computes.
 
 Architecture (SDXL-style ResNet blocks, FiLM conditioning, no attention):
 
@@ -23,24 +24,16 @@ One-step sampling (diffusers' ``FlowMatchEulerDiscreteScheduler().set_timesteps(
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from flowlift.errors import FlowliftError
-from flowlift.files.atomic import atomic_output
 
-HUB_REPO_ID = "TensorForger/FlowUpscaler"
-WEIGHTS_NAME = "flow_upscaler.safetensors"
-WHAT = "Flow Upscaler weights"
 GROUP_NORM_EPS = 1e-6
 ONE_STEP_TIMESTEP = 1000.0
-CONFIG_KEYS = ("sample_channels", "base_channels", "time_dim", "cond_dim")
-DEFAULT_CONFIG = {"sample_channels": 32, "base_channels": 384, "time_dim": 512, "cond_dim": 1024}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -372,105 +365,3 @@ def one_step_upscale(model: VelocityFn, noise: torch.Tensor, latents_small: torc
     timestep = torch.full((noise.shape[0],), ONE_STEP_TIMESTEP, dtype=torch.float32, device=noise.device)
     velocity = model(noise, timestep, latents_small)
     return noise - velocity.to(noise.dtype)
-
-
-# --------------------------------------------------------------------------------------------------
-# loading and saving
-
-
-def infer_config(state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> dict[str, int]:
-    """Constructor arguments from tensor shapes (falling back to safetensors metadata, then defaults).
-
-    ``in_conv.weight`` is (base, sample_channels, 1, 1); ``conditioning.time_proj.0.weight`` is
-    (cond_dim, time_dim).
-    """
-    config = dict(DEFAULT_CONFIG)
-    for key in CONFIG_KEYS:
-        value = (metadata or {}).get(key)
-        if value is not None and str(value).isdigit():
-            config[key] = int(value)
-    in_conv = state.get("in_conv.weight")
-    if in_conv is not None and in_conv.ndim == 4:
-        config["base_channels"], config["sample_channels"] = int(in_conv.shape[0]), int(in_conv.shape[1])
-    time_proj = state.get("conditioning.time_proj.0.weight")
-    if time_proj is not None and time_proj.ndim == 2:
-        config["cond_dim"], config["time_dim"] = int(time_proj.shape[0]), int(time_proj.shape[1])
-    return config
-
-
-#: Largest accepted value per constructor argument (the released model: 32 / 384 / 512 / 1024).
-CONFIG_LIMITS = {"sample_channels": 1024, "base_channels": 8192, "time_dim": 8192, "cond_dim": 16384}
-
-
-def check_config(config: Mapping[str, int], *, origin: str = "") -> None:
-    """Refuse constructor arguments that cannot describe a real checkpoint (0, negative, absurdly large).
-
-    They come from file metadata and tensor shapes, i.e. from the user's file: ``base_channels=0``
-    would divide by zero and a huge value would allocate gigabytes before the strict key check.
-    ``time_dim`` must be even (sinusoidal embedding).
-    """
-    source = f"{origin}: " if origin else ""
-    for key, limit in CONFIG_LIMITS.items():
-        value = config.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
-            raise FlowliftError(f"{WHAT}: {source}{key}={value!r} is not a valid size (1..{limit})")
-    if config["time_dim"] % 2:
-        raise FlowliftError(f"{WHAT}: {source}time_dim={config['time_dim']} must be even")
-
-
-def _safetensors_metadata(path: Path) -> dict[str, str]:
-    if path.suffix != ".safetensors":
-        return {}
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as handle:
-            return dict(handle.metadata() or {})
-    except Exception:  # noqa: BLE001 - read_state_dict reports unreadable files with a clear line
-        return {}
-
-
-def load_upscaler(
-    source: str | os.PathLike = HUB_REPO_ID,
-    device: str | torch.device = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> FlowUpscalerUNet:
-    """Load the Flow Upscaler from a file, a directory or a hub repo id, strictly, in eval mode.
-
-    The constructor arguments are inferred from the tensor shapes (and the file's metadata), so
-    smaller checkpoints written by :func:`save_upscaler` load too. fp32/fp16/bf16 files all load; the
-    model is returned in ``dtype`` on ``device``. A file that does not fit raises one FlowliftError
-    line naming the missing, unexpected and mis-shaped tensors.
-    """
-    from flowlift.models.weights import dtype_mismatch, load_strict, read_state_dict, resolve_file, state_dict_mismatch
-
-    path = resolve_file(source, [WEIGHTS_NAME], what=WHAT)
-    state = read_state_dict(path, what=WHAT)
-    config = infer_config(state, _safetensors_metadata(path))
-    check_config(config, origin=str(path))
-    with torch.device("meta"):
-        model = FlowUpscalerUNet(**config)
-    # Shapes, dtypes and values are checked on the meta model, before any memory is allocated.
-    problem = state_dict_mismatch(model, state) or dtype_mismatch(model, state)
-    if problem:
-        raise FlowliftError(f"{WHAT} from {path} does not match the architecture: {problem}")
-    model = model.to_empty(device="cpu")
-    load_strict(model, state, what=WHAT, origin=str(path))
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def save_upscaler(model: FlowUpscalerUNet, path: str | os.PathLike) -> Path:
-    """Write ``model`` as safetensors in the released tensor layout, constructor args in the metadata.
-
-    The file is written next to ``path`` and renamed into place, so a failure leaves no partial file.
-    """
-    from safetensors.torch import save_file
-
-    path = Path(path)
-    if path.suffix != ".safetensors":
-        raise FlowliftError(f"save_upscaler: {path} must end in .safetensors")
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    metadata = {k: str(v) for k, v in model.config.items()} | {"format": "pt"}
-    with atomic_output(path) as tmp:
-        save_file(state, str(tmp), metadata=metadata)
-    return path

@@ -104,11 +104,11 @@ def load_refiner(
 ) -> Flux2Refiner:
     """A :class:`Flux2Refiner` from FLUX.2 Klein / dev weights (local diffusers folder or hub id).
 
-    ``vae`` (any :func:`flowlift.models.vae.load_vae` spec) defaults to the model's own ``vae/`` subfolder.
+    ``vae`` (any :func:`flowlift.models.vae_loading.load_vae` spec) defaults to the model's own ``vae/`` subfolder.
     ``text_encoder=True`` also loads the pipeline's text encoder (``flowlift[text]``) so prompts can be
     given as strings.
     """
-    from flowlift.models.vae import load_vae
+    from flowlift.models.vae_loading import load_vae
 
     transformer = load_transformer(model, dtype=dtype)
     # the FLUX.2 VAE overflows in float16; bfloat16 and float32 are fine

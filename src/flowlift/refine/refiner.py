@@ -43,7 +43,7 @@ class Flux2Refiner:
     """txt2img / img2img / inpaint / outpaint / hires on a FLUX.2 transformer and VAE.
 
     ``transformer`` is a diffusers ``Flux2Transformer2DModel`` (or a module with its forward signature);
-    ``vae`` follows :class:`RefineVAE` (e.g. a :func:`flowlift.models.vae.load_vae` adapter).
+    ``vae`` follows :class:`RefineVAE` (e.g. a :func:`flowlift.models.vae_loading.load_vae` adapter).
     ``prompt_encoder`` (optional) turns prompt strings into embeddings; without it, pass
     ``prompt_embeds`` tensors.
     """

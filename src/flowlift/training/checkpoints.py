@@ -122,7 +122,7 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint ``step`` of run ``run_id`` under ``output`` (atomically), point ``latest`` at it and
     prune this run's older ones down to ``config.keep_checkpoints``."""
-    from flowlift.models.upscaler_unet import save_upscaler
+    from flowlift.models.upscaler_weights import save_upscaler
 
     final = checkpoint_dir(output, step)
     tmp = final.with_name(final.name + ".partial")

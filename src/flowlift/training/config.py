@@ -70,7 +70,7 @@ class TrainConfig:
     val_images: list[str] = field(default_factory=list)
     val_count: int = 4
     val_size: int = 256  # centre crop side of the high-res ground truth, pixels (multiple of 16)
-    vae: str = ""  # VAE spec for validation (flowlift.models.vae.load_vae)
+    vae: str = ""  # VAE spec for validation (flowlift.models.vae_loading.load_vae)
     val_seed: int = 0
     val_color_fix: bool = True
     progress: bool = True

@@ -137,7 +137,8 @@ class Trainer:
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
-        from flowlift.models.upscaler_unet import FlowUpscalerUNet, load_upscaler
+        from flowlift.models.upscaler_unet import FlowUpscalerUNet
+        from flowlift.models.upscaler_weights import load_upscaler
 
         c = self.config
         if self._custom_model is not None:
@@ -361,7 +362,7 @@ class Trainer:
         }
         if dist.is_main:
             if final_step >= c.steps:
-                from flowlift.models.upscaler_unet import save_upscaler
+                from flowlift.models.upscaler_weights import save_upscaler
 
                 summary["weights"] = str(save_upscaler(ema.module, self.output / EMA_NAME))
             if validator is not None:

@@ -68,7 +68,7 @@ def vae_spec_files(spec: str) -> list[Path]:
         return [path]
     if path.is_dir():
         return sorted(p for p in path.rglob("*") if p.suffix in WEIGHT_SUFFIXES and p.is_file())
-    from flowlift.models import vae as vae_module
+    from flowlift.models import vae_loading as vae_module
 
     if spec == "taef2":
         repos = [vae_module.TAEF2_REPO]
@@ -119,7 +119,7 @@ def load_pipeline_upscaler(upscaler: Any, device: torch.device, dtype: torch.dty
     path: Path | None = None
     if isinstance(upscaler, (str, os.PathLike)):
         path = resolve_upscaler_file(upscaler)
-        from flowlift.models.upscaler_unet import load_upscaler
+        from flowlift.models.upscaler_weights import load_upscaler
 
         upscaler = load_upscaler(path, device=device, dtype=dtype)
     elif first_parameter(upscaler) is not None:
@@ -132,7 +132,7 @@ def load_pipeline_upscaler(upscaler: Any, device: torch.device, dtype: torch.dty
 def load_pipeline_vae(vae: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, str | None]:
     """(VAE with ``encode``/``decode``, its spec string or None).
 
-    A spec (``taef2``, ``flux2``, path, repo id) goes through :func:`flowlift.models.vae.load_vae` in
+    A spec (``taef2``, ``flux2``, path, repo id) goes through :func:`flowlift.models.vae_loading.load_vae` in
     ``dtype``; a bare TAEF2 / diffusers ``AutoencoderKLFlux2`` module is wrapped keeping its own dtype;
     an object with the interface is used as it is.
     """
@@ -141,13 +141,13 @@ def load_pipeline_vae(vae: Any, device: torch.device, dtype: torch.dtype) -> tup
     spec: str | None = None
     if isinstance(vae, (str, os.PathLike)):
         spec = os.fspath(vae)
-        from flowlift.models.vae import load_vae
+        from flowlift.models.vae_loading import load_vae
 
         vae = load_vae(spec, device=device, dtype=dtype)
     elif isinstance(vae, torch.nn.Module):
         # A bare TAEF2 or diffusers AutoencoderKLFlux2 (as in the model card's example): wrap it
         # in the package's VAE interface, keeping its own dtype.
-        from flowlift.models.vae import load_vae
+        from flowlift.models.vae_loading import load_vae
 
         vae_param = first_parameter(vae)
         vae_dtype = vae_param.dtype if vae_param is not None else dtype

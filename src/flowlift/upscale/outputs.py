@@ -51,7 +51,7 @@ def output_metadata(
 ) -> dict[str, object]:
     """The output file's metadata: parameters, what ran, weight and source hashes."""
     from flowlift import __version__
-    from flowlift.files.images import file_sha256
+    from flowlift.files.image_outputs import file_sha256
 
     return {
         "Software": f"flowlift {__version__} upscale",
@@ -75,7 +75,7 @@ def output_metadata(
 
 def model_hashes(pipeline: Any) -> dict[str, dict[str, str]]:
     """SHA-256 of every weight file behind ``pipeline`` by role: the PNG's ``flowlift.models``."""
-    from flowlift.files.images import file_sha256
+    from flowlift.files.image_outputs import file_sha256
 
     return {role: {p.name: file_sha256(p) for p in paths} for role, paths in pipeline.model_files().items() if paths}
 
@@ -119,7 +119,7 @@ def save_result(
 ) -> None:
     """Write ``result`` (upscaled from ``image``, read from ``source``) atomically with its metadata,
     named in the metadata by the passes that actually ran (fewer when MAX_OUTPUT_SIDE dropped some)."""
-    from flowlift.files.images import save_image_atomic
+    from flowlift.files.image_outputs import save_image_atomic
 
     done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
     save_image_atomic(

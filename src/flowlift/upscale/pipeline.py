@@ -12,7 +12,7 @@ The loop, per image::
 ``upscaler`` is anything called like the Flow Upscaler UNet (``model(sample, timestep, small)``), a
 weights file, a folder or a hub id; ``vae`` is any object with flowlift's VAE interface
 (``encode(images) -> latents``, ``decode(latents) -> images``) or a spec for
-:func:`flowlift.models.vae.load_vae`. Both colour stages live in :mod:`flowlift.upscale.colorfix`.
+:func:`flowlift.models.vae_loading.load_vae`. Both colour stages live in :mod:`flowlift.upscale.colorfix`.
 """
 
 from __future__ import annotations
@@ -124,11 +124,11 @@ class FlowUpscalerPipeline:
     ----------
     upscaler:
         A model called as ``model(sample, timestep, latents_small) -> velocity``, or a source for
-        :func:`flowlift.models.upscaler_unet.load_upscaler` (file, folder, hub id; default
+        :func:`flowlift.models.upscaler_weights.load_upscaler` (file, folder, hub id; default
         ``flow_upscaler.safetensors`` in ``TensorForger/FlowUpscaler``).
     vae:
         A VAE object with flowlift's interface (``encode``/``decode``), a bare TAEF2 or diffusers
-        ``AutoencoderKLFlux2`` module (wrapped), or a spec for :func:`flowlift.models.vae.load_vae`.
+        ``AutoencoderKLFlux2`` module (wrapped), or a spec for :func:`flowlift.models.vae_loading.load_vae`.
     dtype, device:
         Where and in what precision the UNet and a loaded VAE run. Defaults: a given module's own
         device/dtype; otherwise CUDA in bfloat16 if available, else CPU float32.
@@ -198,7 +198,7 @@ class FlowUpscalerPipeline:
         self.chunk_budget_bytes = chunk_budget_bytes
         self.on_strip = on_strip
         if isinstance(upscaler, (str, os.PathLike)):
-            from flowlift.models.vae import check_vae_spec
+            from flowlift.models.vae_loading import check_vae_spec
 
             resolve_upscaler_file(upscaler)  # both sources found before either model loads
             check_vae_spec(vae)

@@ -1,0 +1,220 @@
+"""VAE specs: :func:`load_vae` builds a :mod:`flowlift.models.vae` adapter; :func:`check_vae_spec` fails fast.
+
+``spec`` is ``"taef2"`` (hub ``madebyollin/taef2``), ``"flux2"`` (the VAE of a cached FLUX.2 Klein or
+dev repository, ``subfolder="vae"``), a local file or directory, a hub repo id, or an already-built
+:class:`~flowlift.models.taef2.TAEF2` / ``AutoencoderKLFlux2`` module. Hub lookups go through the
+huggingface_hub cache and honour ``HF_HUB_OFFLINE=1``. Every weight load is strict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowlift.errors import FlowliftError
+from flowlift.models.vae import TAEF2VAE, Flux2VAE, flux2_from_state_dict, taef2_from_state_dicts
+from flowlift.models.weights import looks_like_repo_id, read_state_dict
+
+TAEF2_REPO = "madebyollin/taef2"
+#: Repositories whose ``vae/`` folder holds the FLUX.2 VAE, tried in order (the Klein repos are not
+#: gated and carry the same VAE as FLUX.2-dev).
+FLUX2_REPOS = (
+    "black-forest-labs/FLUX.2-klein-4B",
+    "black-forest-labs/FLUX.2-klein-9B",
+    "black-forest-labs/FLUX.2-dev",
+)
+TAEF2_FILES = ("taef2_encoder.pth", "taef2_decoder.pth")
+
+
+def load_vae(
+    spec: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> TAEF2VAE | Flux2VAE:
+    """Load a VAE from ``spec`` (see the module docstring) onto ``device`` in ``dtype``."""
+    if isinstance(spec, (TAEF2VAE, Flux2VAE)):
+        spec.model.to(device=device, dtype=dtype)
+        return spec
+    if isinstance(spec, torch.nn.Module):
+        return _from_module(spec, device, dtype)
+    if not isinstance(spec, (str, os.PathLike)):
+        raise FlowliftError(
+            f"VAE spec must be a name, path, hub repo id or module, got {type(spec).__name__}"
+        )
+    text = os.fspath(spec)
+    if text == "taef2":
+        return _from_hub(TAEF2_REPO, device, dtype)
+    if text == "flux2":
+        return _flux2_from_hub(device, dtype)
+    path = Path(text).expanduser()
+    if path.is_file():
+        return _from_file(path, device, dtype)
+    if path.is_dir():
+        return _from_dir(path, device, dtype)
+    if looks_like_repo_id(text):
+        return _from_hub(text, device, dtype)
+    raise FlowliftError(f"VAE: {text}: no such file or folder (nor 'taef2', 'flux2' or a hub repo id owner/name)")
+
+
+def _from_module(
+    module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype
+) -> TAEF2VAE | Flux2VAE:
+    from diffusers import AutoencoderKLFlux2
+
+    from flowlift.models.taef2 import TAEF2
+
+    if isinstance(module, TAEF2):
+        return TAEF2VAE(module.to(device=device, dtype=dtype))
+    if isinstance(module, AutoencoderKLFlux2):
+        return Flux2VAE(module.to(device=device, dtype=dtype))
+    raise FlowliftError(
+        f"VAE module must be a flowlift TAEF2 or a diffusers AutoencoderKLFlux2, got {type(module).__name__}"
+    )
+
+
+def _from_file(path: Path, device: torch.device | str, dtype: torch.dtype) -> TAEF2VAE | Flux2VAE:
+    from flowlift.models.flux2_vae_convert import is_diffusers_flux2_vae, is_original_flux2_vae
+    from flowlift.models.taef2 import detect_layout
+
+    state = read_state_dict(path, what="VAE weights")
+    layout = detect_layout(state)
+    if layout in ("encoder", "decoder"):
+        states = [(state, str(path))]
+        other = "decoder" if layout == "encoder" else "encoder"
+        sibling = path.with_name(path.name.replace(layout, other))
+        if sibling != path and sibling.is_file():
+            states.append((read_state_dict(sibling, what="TAEF2 weights"), str(sibling)))
+        return taef2_from_state_dicts(states, device=device, dtype=dtype)
+    if layout != "unknown":
+        return taef2_from_state_dicts([(state, str(path))], device=device, dtype=dtype)
+    if is_original_flux2_vae(state) or is_diffusers_flux2_vae(state):
+        config = None
+        config_path = path.with_name("config.json")
+        if is_diffusers_flux2_vae(state) and config_path.is_file():
+            config = _read_config(config_path)
+        return flux2_from_state_dict(state, config=config, origin=str(path), device=device, dtype=dtype)
+    raise FlowliftError(f"VAE: {path} is neither a TAEF2 nor a FLUX.2 VAE checkpoint (unrecognised keys)")
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise FlowliftError(f"VAE: cannot read {path}: {str(error).splitlines()[0][:200]}") from None
+    if not isinstance(config, dict):
+        raise FlowliftError(f"VAE: {path} is not a JSON object")
+    return config
+
+
+def _diffusers_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The state dict of a diffusers model folder (single or sharded safetensors, or .bin)."""
+    for name in ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin"):
+        if (folder / name).is_file():
+            return read_state_dict(folder / name, what="VAE weights")
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(_read_config(index).get("weight_map", {}).values()))
+        state: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            state.update(read_state_dict(folder / shard, what="VAE weights"))
+        if state:
+            return state
+    raise FlowliftError(f"VAE: no diffusion_pytorch_model weights in {folder}")
+
+
+def _from_dir(path: Path, device: torch.device | str, dtype: torch.dtype) -> TAEF2VAE | Flux2VAE:
+    pth = [path / name for name in TAEF2_FILES if (path / name).is_file()]
+    if pth:
+        states = [(read_state_dict(p, what="TAEF2 weights"), str(p)) for p in pth]
+        return taef2_from_state_dicts(states, device=device, dtype=dtype)
+    for folder in (path / "vae", path):
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            continue
+        config = _read_config(config_path)
+        if config.get("_class_name") == "AutoencoderKLFlux2":
+            return flux2_from_state_dict(
+                _diffusers_weights(folder), config=config, origin=str(folder), device=device, dtype=dtype
+            )
+        weights = [folder / n for n in ("diffusion_pytorch_model.safetensors", "taef2.safetensors")]
+        for file in weights:
+            if file.is_file():
+                return _from_file(file, device, dtype)
+    files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors")
+    if len(files) == 1:
+        return _from_file(files[0], device, dtype)
+    raise FlowliftError(
+        f"VAE: {path} holds no TAEF2 files ({', '.join(TAEF2_FILES)}), no diffusers VAE folder "
+        "(config.json + weights, also under vae/) and no single .safetensors checkpoint"
+    )
+
+
+def _snapshot(repo_id: str, patterns: list[str]) -> Path:
+    from huggingface_hub import snapshot_download
+
+    from flowlift.models.hub import download_hint
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as error:  # noqa: BLE001 - any hub failure is "not available" to the user
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+        hint = "it is not in the Hugging Face cache and HF_HUB_OFFLINE=1" if offline else type(error).__name__
+        raise FlowliftError(
+            f"VAE: cannot get {repo_id} ({hint}); {download_hint(repo_id)} or pass a local path"
+        ) from None
+
+
+#: Only what a VAE can be: never a repository's (large) transformer or text-encoder files.
+_VAE_PATTERNS = ["config.json", "taef2*", "diffusion_pytorch_model*", "*vae*.safetensors", "vae/*"]
+
+
+def check_vae_spec(spec: Any) -> None:
+    """Fail fast, before any model loads, when a VAE spec cannot be found.
+
+    Local paths must exist; ``taef2``, ``flux2`` and hub ids are resolved to their cached (or, online,
+    downloaded) files, which :func:`load_vae` then reads without fetching again. Objects pass unchecked.
+    """
+    if not isinstance(spec, (str, os.PathLike)):
+        return
+    text = os.fspath(spec)
+    if text == "flux2":
+        _flux2_folder()
+        return
+    if text == "taef2":
+        text = TAEF2_REPO
+    if Path(text).expanduser().exists():
+        return
+    if looks_like_repo_id(text):
+        _snapshot(text, _VAE_PATTERNS)
+        return
+    raise FlowliftError(f"VAE: {text}: no such file or folder (nor 'taef2', 'flux2' or a hub repo id owner/name)")
+
+
+def _from_hub(repo_id: str, device: torch.device | str, dtype: torch.dtype) -> TAEF2VAE | Flux2VAE:
+    folder = _snapshot(repo_id, _VAE_PATTERNS)
+    return _from_dir(folder, device, dtype)
+
+
+def _flux2_folder() -> Path:
+    """The cached (or downloaded) snapshot of the first FLUX.2 repository whose ``vae/`` folder is available."""
+    from flowlift.models.hub import download_hint
+
+    for repo in FLUX2_REPOS:
+        try:
+            folder = _snapshot(repo, ["vae/*"])
+        except FlowliftError:
+            continue
+        if (folder / "vae" / "config.json").is_file():
+            return folder
+    raise FlowliftError(
+        f"VAE 'flux2': none of {', '.join(FLUX2_REPOS)} has its vae/ folder in the Hugging Face cache; "
+        f"{download_hint(FLUX2_REPOS[0], include='vae/*')} or pass a local path (or use --vae taef2)"
+    )
+
+
+def _flux2_from_hub(device: torch.device | str, dtype: torch.dtype) -> Flux2VAE:
+    vae = _from_dir(_flux2_folder(), device, dtype)
+    assert isinstance(vae, Flux2VAE)
+    return vae
