@@ -3,22 +3,26 @@
 - Layers: a module imports only from its own folder or from folders below it (lazy imports inside
   functions count too), so no arrow runs back up and front-ends sit on top of the capability packages.
 - No import cycle between modules.
-- Units stay readable: no module of ``src/flowlift`` past :data:`MAX_MODULE_LINES`; the top level holds
-  only the few modules every folder uses.
-- ``import flowlift`` stays cheap: it imports no torch (the public names are resolved lazily).
+- Units stay readable: no module of ``src/flowlift`` past :data:`MAX_MODULE_LINES`, except those
+  docs/architecture.md names with the reason; the top level holds only the few modules every folder uses.
+- ``import flowlift`` stays cheap: it imports no torch (the public names are resolved lazily), and each
+  public name is the object its capability package defines.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "flowlift"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "src" / "flowlift"
 
 #: Lowest first. A module may import its own layer and any layer below it, never one above.
 LAYERS: tuple[tuple[str, ...], ...] = (
@@ -84,20 +88,20 @@ def layer_of(module: str) -> tuple[int, str]:
 
 
 def import_graph() -> dict[str, set[str]]:
+    """Module -> the flowlift modules it imports. The package's face (``flowlift``: the version and the
+    lazily resolved public names) is left out: every layer may read ``__version__``."""
     found = modules()
     known = set(found)
-    return {name: imported_modules(path, known) - {name} for name, path in found.items()}
+    return {
+        name: imported_modules(path, known) - {name, "flowlift"} for name, path in found.items() if name != "flowlift"
+    }
 
 
 def test_no_import_runs_back_up_a_layer():
     upward = []
     for module, targets in import_graph().items():
-        if module == "flowlift":  # the package's face resolves its public names lazily
-            continue
         own_layer, own_key = layer_of(module)
         for target in targets:
-            if target == "flowlift":
-                continue
             layer, key = layer_of(target)
             sideways = layer == own_layer and key != own_key and {key, own_key} <= set(FRONT_ENDS)
             if layer > own_layer or sideways:
@@ -128,13 +132,27 @@ def test_no_import_cycle():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
+def documented_long_modules() -> set[str]:
+    """Modules docs/architecture.md allows past the limit: the ``- `src/flowlift/...py` ...`` items of its
+    "Modules past" section, each of which must give its reason."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    section = text.split("## Modules past", 1)[1].split("\n## ", 1)[0] if "## Modules past" in text else ""
+    return set(re.findall(r"^- `src/flowlift/([\w/]+\.py)` \S", section, re.M))
+
+
 def test_modules_stay_readable_and_the_top_level_small():
     long = {
         str(path.relative_to(PACKAGE)): n
         for path in PACKAGE.rglob("*.py")
         if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     }
-    assert not long, f"modules past {MAX_MODULE_LINES} lines (split them along a seam): {long}"
+    allowed = documented_long_modules()
+    unexplained = {path: n for path, n in long.items() if path not in allowed}
+    assert not unexplained, (
+        f"modules past {MAX_MODULE_LINES} lines: split them along a seam, or say why in docs/architecture.md: "
+        f"{unexplained}"
+    )
+    assert allowed <= set(long), f"docs/architecture.md excuses modules that are short now: {allowed - set(long)}"
     top = {path.stem for path in PACKAGE.glob("*.py")}
     assert top <= TOP_LEVEL_MODULES, f"new top-level modules belong in a folder: {sorted(top - TOP_LEVEL_MODULES)}"
 
@@ -146,3 +164,15 @@ def test_importing_the_package_or_the_command_line_loads_no_torch(statement):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", f"{statement} imported {result.stdout.strip()}"
+
+
+def test_the_public_names_are_their_packages_objects():
+    import flowlift
+
+    assert set(flowlift.__all__) == {"FlowliftError", "__version__", *flowlift._PUBLIC}
+    for name, module in flowlift._PUBLIC.items():
+        assert getattr(flowlift, name) is getattr(importlib.import_module(module), name), name
+    from flowlift import FlowUpscalerPipeline, Flux2Refiner, load_upscaler, load_vae  # noqa: F401  (the issue's line)
+
+    with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
+        flowlift.nonesuch  # noqa: B018

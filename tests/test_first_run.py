@@ -47,7 +47,7 @@ def test_download_command_is_the_one_the_installed_hub_ships(monkeypatch):
 
 def test_missing_upscaler_says_once_how_to_download_and_where_it_goes():
     from flowlift.models.hub import cache_folder
-    from flowlift.upscale.pipeline import resolve_upscaler_file
+    from flowlift.upscale.loading import resolve_upscaler_file
 
     with pytest.raises(FlowliftError) as caught:
         resolve_upscaler_file("TensorForger/NoSuchRepoCached")
@@ -91,7 +91,7 @@ def test_looks_like_path(source, is_path):
 def test_mistyped_local_paths_say_no_such_file(tmp_path):
     from flowlift.models.vae_loading import load_vae
     from flowlift.refine.loading import load_transformer
-    from flowlift.upscale.pipeline import resolve_upscaler_file
+    from flowlift.upscale.loading import resolve_upscaler_file
 
     for call in (
         lambda: resolve_upscaler_file("models/fu.safetensors"),

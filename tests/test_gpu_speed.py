@@ -14,7 +14,8 @@ from PIL import Image
 from flowlift.errors import FlowliftError
 from flowlift.upscale import memory_plan as M
 from flowlift.upscale.chunked import budget as B
-from flowlift.upscale.pipeline import FlowUpscalerPipeline, pass_generator
+from flowlift.upscale.pipeline import FlowUpscalerPipeline
+from flowlift.upscale.sizes import pass_generator
 
 GIB = 2**30
 

@@ -11,16 +11,9 @@ from PIL import Image
 
 from flowlift.errors import FlowliftError
 from flowlift.measure.metrics import drift_at_input_scale
-from flowlift.upscale.colorfix import area_downsample, lowband_grid
-from flowlift.upscale.pipeline import (
-    LOWFREQ_FACTOR,
-    MAX_OUTPUT_SIDE,
-    FlowUpscalerPipeline,
-    allowed_passes,
-    pad_to_multiple,
-    pass_generator,
-    passes_for_scale,
-)
+from flowlift.upscale.colorfix import LOWFREQ_FACTOR, area_downsample, lowband_grid
+from flowlift.upscale.pipeline import FlowUpscalerPipeline
+from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, allowed_passes, pad_to_multiple, pass_generator, passes_for_scale
 
 
 @pytest.fixture(scope="module")

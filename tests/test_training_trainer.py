@@ -160,7 +160,7 @@ def test_loss_falls_and_checkpoint_loads_strictly_into_pipeline(dataset, tmp_pat
     up = pipeline.upscale_latents(small, num_passes=1, seed=0, color_fix=False)
     assert up.shape == (1, 32, 16, 16) and torch.isfinite(up).all()
     # ... and runs this very model: one Euler step x0 = noise - v(noise, 1000, small)
-    from flowlift.upscale.pipeline import pass_generator
+    from flowlift.upscale.sizes import pass_generator
 
     noise = torch.randn(1, 32, 16, 16, generator=pass_generator(0, 0))
     with torch.no_grad():

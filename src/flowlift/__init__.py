@@ -7,7 +7,76 @@ Conventions used everywhere in the package (documented once, here and in the REA
   unless a name says otherwise (``packed``: (B, h*w, 128) transformer tokens; ``raw``: the VAE's
   un-normalized output; ``patchified``: (B, 128, H/2, W/2)).
 
-Importing flowlift never downloads, allocates large tensors or touches the network.
+The names a user needs are here (``from flowlift import FlowUpscalerPipeline, load_vae``); each is
+imported from its capability package on first use, so ``import flowlift`` stays cheap: it never
+imports torch, downloads, allocates large tensors or touches the network. The map of the packages
+is docs/architecture.md.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from flowlift.errors import FlowliftError
+
 __version__ = "0.1.0"
+
+#: Public name -> the module that defines it (imported on first access).
+_PUBLIC = {
+    "FlowUpscalerPipeline": "flowlift.upscale.pipeline",
+    "color_fix_image": "flowlift.upscale.colorfix_image",
+    "Flux2Refiner": "flowlift.refine.refiner",
+    "load_refiner": "flowlift.refine.loading",
+    "refine_latents": "flowlift.refine.loop",
+    "flux2_sigmas": "flowlift.flux2.schedule",
+    "load_vae": "flowlift.models.vae_loading",
+    "load_upscaler": "flowlift.models.upscaler_weights",
+    "save_upscaler": "flowlift.models.upscaler_weights",
+    "FlowUpscalerUNet": "flowlift.models.upscaler_unet",
+    "load_image": "flowlift.files.images",
+    "save_image_atomic": "flowlift.files.image_outputs",
+}
+
+__all__ = [  # grouped as _PUBLIC is
+    "FlowliftError",
+    "__version__",
+    "FlowUpscalerPipeline",
+    "color_fix_image",
+    "Flux2Refiner",
+    "load_refiner",
+    "refine_latents",
+    "flux2_sigmas",
+    "load_vae",
+    "load_upscaler",
+    "save_upscaler",
+    "FlowUpscalerUNet",
+    "load_image",
+    "save_image_atomic",
+]
+
+if TYPE_CHECKING:  # what static tools see; at run time __getattr__ imports on demand
+    from flowlift.files.image_outputs import save_image_atomic
+    from flowlift.files.images import load_image
+    from flowlift.flux2.schedule import flux2_sigmas
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import load_upscaler, save_upscaler
+    from flowlift.models.vae_loading import load_vae
+    from flowlift.refine.loading import load_refiner
+    from flowlift.refine.loop import refine_latents
+    from flowlift.refine.refiner import Flux2Refiner
+    from flowlift.upscale.colorfix_image import color_fix_image
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flowlift' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

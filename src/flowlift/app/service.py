@@ -160,7 +160,7 @@ class AppService:
 
     @property
     def upscaler_source(self) -> str:
-        from flowlift.upscale.pipeline import DEFAULT_UPSCALER
+        from flowlift.upscale.loading import DEFAULT_UPSCALER
 
         return self.config.upscaler or DEFAULT_UPSCALER
 
@@ -316,7 +316,7 @@ class AppService:
             scale, seed, transplant_strength, color_fix_strength, vae
         )
         check_upload(source, self.config.max_upload_mb)
-        from flowlift.upscale.pipeline import passes_for_scale
+        from flowlift.upscale.sizes import passes_for_scale
 
         folder = self._new_result_dir()
         settings = self.settings(seed, transplant, color_fix, vae)
@@ -346,7 +346,7 @@ class AppService:
             scale, seed, transplant_strength, color_fix_strength, vae
         )
         from flowlift.files.atomic import atomic_output
-        from flowlift.upscale.pipeline import passes_for_scale
+        from flowlift.upscale.sizes import passes_for_scale
 
         folder = self._new_result_dir()
         out_dir = folder / f"x{scale}"

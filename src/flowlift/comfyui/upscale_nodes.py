@@ -23,7 +23,8 @@ from flowlift.comfyui.vae_adapters import ComfyFlux2VAE, TAEF2ComfyVAE
 from flowlift.errors import FlowliftError
 from flowlift.upscale.chunked.budget import CUDA_BUDGET_FRACTION
 from flowlift.upscale.colorfix import lab_lowband_transplant
-from flowlift.upscale.pipeline import MAX_OUTPUT_SIDE, FlowUpscalerPipeline
+from flowlift.upscale.pipeline import FlowUpscalerPipeline
+from flowlift.upscale.sizes import MAX_OUTPUT_SIDE
 
 SEED_MAX = 0xFFFFFFFFFFFFFFFF
 

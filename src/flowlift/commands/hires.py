@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise FlowliftError("this flowlift build has no Flow Upscaler pipeline (flowlift.upscale.pipeline)") from None
 
-    from flowlift.upscale.pipeline import DEFAULT_UPSCALER, resolve_upscaler_file
+    from flowlift.upscale.loading import DEFAULT_UPSCALER, resolve_upscaler_file
 
     check_model_sources(args)
     upscaler_file = resolve_upscaler_file(args.upscaler or DEFAULT_UPSCALER)  # before the transformer loads

@@ -203,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
     from flowlift.jobs.batch import Job, plan_jobs, report
     from flowlift.jobs.distributed import DistEnv, rank_device
     from flowlift.jobs.scaleout import run_batch
+    from flowlift.upscale.loading import DEFAULT_UPSCALER
     from flowlift.upscale.outputs import (
         OutputSizes,
         batched_process,
@@ -211,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
         output_name,
         upscale_file,
     )
-    from flowlift.upscale.pipeline import DEFAULT_UPSCALER, FlowUpscalerPipeline, passes_for_scale
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+    from flowlift.upscale.sizes import passes_for_scale
 
     if args.status is not None:
         return _print_status(args)

@@ -147,8 +147,7 @@ class OutputSizes:
     def _plan(self, path: Path) -> tuple[int, tuple[int, int] | None]:
         from flowlift.errors import FlowliftError
         from flowlift.files.images import image_size
-        from flowlift.upscale.pipeline import MAX_OUTPUT_SIDE
-        from flowlift.upscale.sizes import planned_passes, upscaled_size
+        from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, planned_passes, upscaled_size
 
         if path not in self._cache:
             try:

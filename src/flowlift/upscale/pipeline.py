@@ -27,10 +27,10 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.upscale.colorfix import LOWFREQ_FACTOR, lab_lowband_transplant, latent_lowband_transplant
+from flowlift.upscale.inputs import check_count, check_finite, check_seed, image_alpha
 from flowlift.upscale.loading import (
     DEFAULT_UPSCALER,
     DEFAULT_VAE,
-    UPSCALER_WEIGHTS_NAME,
     first_parameter,
     load_pipeline_upscaler,
     load_pipeline_vae,
@@ -50,14 +50,10 @@ from flowlift.upscale.sizes import (
     MAX_OUTPUT_SIDE,
     RESIZE_MODES,
     SIZE_MULTIPLE,
-    allowed_passes,
     image_seeds,
     output_scale,
     pad_to_multiple,
-    padded_size,
-    pass_generator,
     pass_noise,
-    passes_for_scale,
     planned_passes,
     resample_to_multiple,
     upscaled_size,
@@ -66,55 +62,6 @@ from flowlift.upscale.unet_runner import CompiledUNet, velocity_model
 
 ONE_STEP_TIMESTEP = 1000.0
 
-__all__ = [
-    "DEFAULT_UPSCALER",
-    "LOWFREQ_FACTOR",
-    "MAX_OUTPUT_SIDE",
-    "RESIZE_MODES",
-    "SIZE_MULTIPLE",
-    "UPSCALER_WEIGHTS_NAME",
-    "FlowUpscalerPipeline",
-    "allowed_passes",
-    "output_scale",
-    "pad_to_multiple",
-    "pass_generator",
-    "passes_for_scale",
-    "padded_size",
-    "resolve_upscaler_file",
-]
-
-
-def _check_count(name: str, value: Any) -> int:
-    """``value`` as an int if it is a non-negative integer (numpy ints too; not bool, not 1.5), else one line."""
-    import numbers
-
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise FlowliftError(f"{name} must be a non-negative integer, got {value!r}")
-    return int(value)
-
-
-def _check_seed(seed: Any) -> int | list[int]:
-    """A non-negative integer seed, or a sequence of them (one per image of a batch), else one line."""
-    if isinstance(seed, (list, tuple)):
-        return [_check_count("seed", value) for value in seed]
-    return _check_count("seed", seed)
-
-
-def _check_finite(tensor: torch.Tensor, stage: str, what: str = "latents") -> None:
-    """Raise ``"<stage> non-finite <what> (NaN/Inf)"`` unless every value is finite (one reduction)."""
-    if not bool(torch.isfinite(tensor).all()):
-        raise FlowliftError(f"Flow Upscaler: {stage} non-finite {what} (NaN/Inf); nothing was written")
-
-
-def _image_alpha(image: Any) -> Any:
-    """The alpha channel of a Pillow image (palette transparency included), else None."""
-    from PIL import Image
-
-    if not isinstance(image, Image.Image):
-        return None
-    if image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (image.mode == "P" and "transparency" in image.info):
-        return image.convert("RGBA").getchannel("A")
-    return None
 
 
 class FlowUpscalerPipeline:
@@ -282,7 +229,7 @@ class FlowUpscalerPipeline:
         names the input's own size and the output actually produced. When no pass fits at all although
         some were asked for, the image is refused with one FlowliftError line.
         """
-        num_passes = _check_count("num_passes", num_passes)
+        num_passes = check_count("num_passes", num_passes)
         passes = planned_passes(image_height, image_width, num_passes, resize_mode, self.MAX_OUTPUT_SIDE)
         if passes < num_passes:
             out_h, out_w = upscaled_size(image_height, image_width, passes, resize_mode)
@@ -353,14 +300,14 @@ class FlowUpscalerPipeline:
         """
         if not 0.0 <= transplant_strength <= 1.0:
             raise FlowliftError(f"transplant_strength must be in [0, 1], got {transplant_strength}")
-        seed = _check_seed(seed)
+        seed = check_seed(seed)
         factor = self.spatial_factor
         passes = self.plan_passes(latents.shape[-2] * factor, latents.shape[-1] * factor, num_passes)
         seeds = image_seeds(seed, latents.shape[0])
         plan = self.plan_memory(latents.shape[-2] * factor, latents.shape[-1] * factor, passes, latents.shape[0])
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
         cond = latents.to(device=self.device, dtype=torch.float32)
-        _check_finite(cond, "the input latents contain")
+        check_finite(cond, "the input latents contain")
         for index in range(passes):
             batch, channels, height, width = cond.shape
             shape = (batch, channels, 2 * height, 2 * width)
@@ -372,7 +319,7 @@ class FlowUpscalerPipeline:
             x0 = noise.to(torch.float32) - velocity.to(torch.float32)
             if color_fix and transplant_strength > 0:
                 x0 = latent_lowband_transplant(x0, cond, transplant_strength, self.LOWFREQ_FACTOR)
-            _check_finite(x0, f"pass {index + 1} produced")  # one reduction per pass, never per strip
+            check_finite(x0, f"pass {index + 1} produced")  # one reduction per pass, never per strip
             cond = x0
             if callback is not None:
                 callback(f"pass {index + 1}/{passes}")
@@ -404,11 +351,11 @@ class FlowUpscalerPipeline:
             raise FlowliftError(f"output_type must be 'pil' or 'pt', got {output_type!r}")
         if not 0.0 <= color_fix_strength <= 1.0:
             raise FlowliftError(f"color_fix_strength must be in [0, 1], got {color_fix_strength}")
-        seed = _check_seed(seed)
+        seed = check_seed(seed)
         original, prepared = self.prepare_image(image, resize_mode)
         passes = self.plan_passes(original.shape[-2], original.shape[-1], num_passes, resize_mode)
         latents = self._vae_call("encode", prepared.to(self._vae_dtype())).to(torch.float32)
-        _check_finite(latents, "the VAE encoder produced")
+        check_finite(latents, "the VAE encoder produced")
         if callback is not None:
             callback("encode")
         latents = self.upscale_latents(
@@ -428,7 +375,7 @@ class FlowUpscalerPipeline:
             decoded = to_host_float32(decoded)
         else:
             decoded = decoded.to(torch.float32)
-        _check_finite(decoded, "the VAE decoder produced", what="pixels")
+        check_finite(decoded, "the VAE decoder produced", what="pixels")
         if callback is not None:
             callback("decode")
         scale = output_scale(passes)
@@ -449,7 +396,7 @@ class FlowUpscalerPipeline:
             return result
         from flowlift.files.images import attach_alpha, tensor_to_pil
 
-        alpha = _image_alpha(image)
+        alpha = image_alpha(image)
         pictures = [attach_alpha(tensor_to_pil(result[i : i + 1]), alpha) for i in range(result.shape[0])]
         return pictures[0] if len(pictures) == 1 else pictures
 
