@@ -36,7 +36,7 @@ def direct(model_path: str, photos: list[str]) -> dict:
     import spandrel
 
     from flowlift.files.images import tensor_to_uint8, to_tensor
-    from flowlift.measure.inputs import _load_rgb, prepare_pair
+    from flowlift.measure.inputs import load_rgb, prepare_pair
     from flowlift.measure.metrics import drift_at_input_scale
     from flowlift.measure.pixel_upscaler import read_model_state
 
@@ -44,7 +44,7 @@ def direct(model_path: str, photos: list[str]) -> dict:
     descriptor = spandrel.ModelLoader().load_from_state_dict(state).eval()
     result = {}
     for photo in photos:
-        _gt, low = prepare_pair(_load_rgb(Path(photo)), descriptor.scale)
+        _gt, low = prepare_pair(load_rgb(Path(photo)), descriptor.scale)
         with torch.no_grad():
             out = tensor_to_uint8(descriptor(to_tensor(low)))[0]
         result[Path(photo).stem] = drift_at_input_scale(out, low)

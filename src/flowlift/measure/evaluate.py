@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 
 from flowlift.errors import FlowliftError
+from flowlift.files.naming import index_by_stem
 from flowlift.measure import metrics as M
 from flowlift.measure.cache import CACHE_VERSION, ResultCache, array_digest, cache_key
-from flowlift.measure.inputs import Box, _by_stem, _input_crop, _load_rgb, dataset_paths, default_crop, prepare_pair
+from flowlift.measure.inputs import Box, dataset_paths, default_crop, input_crop, load_rgb, prepare_pair
 from flowlift.measure.methods import SPANDREL, MethodFn, MethodSpec, make_method_fn, method_folder
 
 
@@ -126,9 +127,9 @@ def evaluate_pairs(
     from flowlift.files.naming import pair_by_stem
 
     out_paths = list_images([str(o) for o in outputs])
-    _by_stem(out_paths, "outputs")
+    index_by_stem(out_paths, "outputs")
     pairs, unpaired = pair_by_stem(out_paths, list_images([str(reference)]))
-    gts = _by_stem(list_images([str(ground_truth)]), "ground truth") if ground_truth is not None else None
+    gts = index_by_stem(list_images([str(ground_truth)]), "ground truth") if ground_truth is not None else None
     # keyed by the reference's stem: kodim01_x2.png (an upscale output) is the image "kodim01"
     outs = {ref.stem: out for out, ref in pairs if gts is None or ref.stem in gts}
     refs = {ref.stem: ref for _, ref in pairs}
@@ -156,14 +157,14 @@ def evaluate_pairs(
         report.crops[c] = {}
     report.results[label] = {}
     for i, name in enumerate(tqdm(names, desc="eval", unit="img", disable=not progress)):
-        out = _load_rgb(outs[name])
-        ref = _load_rgb(refs[name])
-        gt = _load_rgb(gts[name]) if gts is not None else None
+        out = load_rgb(outs[name])
+        ref = load_rgb(refs[name])
+        gt = load_rgb(gts[name]) if gts is not None else None
         report.results[label][name] = measure(out, ref, gt, box)
         report.computed += 1
         if i < figure_images:
             crop = default_crop((out.shape[1], out.shape[0]), box)
-            report.crops["input"][name] = _input_crop(ref, (out.shape[1], out.shape[0]), crop)
+            report.crops["input"][name] = input_crop(ref, (out.shape[1], out.shape[0]), crop)
             report.crops[label][name] = M.crop_box(out, crop)
             if gt is not None:
                 report.crops["ground truth"][name] = M.crop_box(gt, crop)
@@ -234,13 +235,13 @@ def evaluate_methods(
     try:
         for i, path in enumerate(paths):
             name = path.stem
-            gt, low = prepare_pair(_load_rgb(path), scale)
+            gt, low = prepare_pair(load_rgb(path), scale)
             size = (gt.shape[1], gt.shape[0])
             crop = default_crop(size, box)
             M.crop_box(gt, crop)  # validates the box against the output size
             report.results["(ground truth)"][name] = M.detail(gt, box)
             if i < figure_images:
-                report.crops["input"][name] = _input_crop(low, size, crop)
+                report.crops["input"][name] = input_crop(low, size, crop)
                 report.crops["ground truth"][name] = M.crop_box(gt, crop)
             base = {"v": CACHE_VERSION, "scale": scale, "box": box, "crop": crop, "input": array_digest(low, gt)}
             if save_outputs is not None:

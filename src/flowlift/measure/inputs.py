@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from flowlift.errors import FlowliftError
+from flowlift.files.naming import index_by_stem
 from flowlift.measure import metrics as M
 
 #: Size multiple of the low-res inputs (FLUX.2 latents are patchified 2x2 at 1/8 scale).
@@ -82,7 +83,7 @@ def _scaled_box(box: Box, factor_x: float, factor_y: float) -> Box:
     )
 
 
-def _input_crop(reference: np.ndarray, output_size: tuple[int, int], crop: Box) -> np.ndarray:
+def input_crop(reference: np.ndarray, output_size: tuple[int, int], crop: Box) -> np.ndarray:
     """The crop region of the reference, nearest-upscaled to the crop's output size."""
     w_out, h_out = output_size
     fx, fy = reference.shape[1] / w_out, reference.shape[0] / h_out
@@ -90,19 +91,10 @@ def _input_crop(reference: np.ndarray, output_size: tuple[int, int], crop: Box) 
     return _nearest_up(small, (crop[2], crop[3]))
 
 
-def _load_rgb(path: Path) -> np.ndarray:
+def load_rgb(path: Path) -> np.ndarray:
     from flowlift.files.images import load_image
 
     return np.asarray(load_image(path)[0])
-
-
-def _by_stem(paths: Sequence[Path], what: str) -> dict[str, Path]:
-    out: dict[str, Path] = {}
-    for p in paths:
-        if p.stem in out:
-            raise FlowliftError(f"{what}: two files named {p.stem!r} ({out[p.stem].name}, {p.name})")
-        out[p.stem] = p
-    return out
 
 
 def dataset_paths(dataset: Sequence[str | Path], limit: int | None = None) -> list[Path]:
@@ -115,5 +107,5 @@ def dataset_paths(dataset: Sequence[str | Path], limit: int | None = None) -> li
         paths = paths[:limit]
     if not paths:
         raise FlowliftError("the dataset holds no images")
-    _by_stem(paths, "dataset")
+    index_by_stem(paths, "dataset")
     return paths

@@ -31,8 +31,8 @@ import torch
 from flowlift.errors import FlowliftError
 from flowlift.upscale.chunked.budget import (
     MIN_DEVICE_STRIP_ROWS,
-    _itemsize,
     chunked_store_bytes,
+    dtype_bytes,
     frame_bytes,
     plain_peak_bytes,
     strip_bytes_per_row,
@@ -120,7 +120,7 @@ def pass_io_bytes(height: int, width: int, *, batch: int = 1, dtype: torch.dtype
     ``b * 32 * h * w * (2 * itemsize + 2 * 4 + (4 + itemsize) / 4)``.
     """
     latent = batch * LATENT_CHANNELS * height * width
-    itemsize = _itemsize(dtype)
+    itemsize = dtype_bytes(dtype)
     return int(latent * (2 * itemsize + 2 * 4 + (4 + itemsize) / 4))
 
 
@@ -135,7 +135,7 @@ def decode_peak_bytes(
     """
     kind = vae_kind if vae_kind in DECODE_PLAIN_CHANNELS else "flux2"
     pixels = batch * height * width
-    itemsize = _itemsize(dtype)
+    itemsize = dtype_bytes(dtype)
     if tiled:
         return int(pixels * itemsize * (3 + LATENT_CHANNELS / 64) + DECODE_TILE_BYTES[kind])
     return int(pixels * itemsize * (DECODE_PLAIN_CHANNELS[kind] + 3))
@@ -148,7 +148,7 @@ def colour_stage_bytes(height: int, width: int, *, batch: int = 1, vae_dtype: to
     float32: ``b * 3 * h * w * 4 + COLOUR_STRIP_BYTES``).
     """
     image = batch * 3 * height * width
-    copy = 0 if vae_dtype == torch.float32 else image * _itemsize(vae_dtype)
+    copy = 0 if vae_dtype == torch.float32 else image * dtype_bytes(vae_dtype)
     return int(image * 4 + copy + COLOUR_STRIP_BYTES)
 
 

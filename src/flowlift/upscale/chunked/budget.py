@@ -51,13 +51,13 @@ DEFAULT_CPU_BUDGET_BYTES = 1 << 30
 CUDA_BUDGET_FRACTION = 0.5
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
 def frame_bytes(batch: int, channels: int, height: int, width: int, dtype: torch.dtype) -> int:
     """Bytes of a (batch, channels, height, width) tensor: ``b * c * h * w * itemsize``."""
-    return batch * channels * height * width * _itemsize(dtype)
+    return batch * channels * height * width * dtype_bytes(dtype)
 
 
 def plain_peak_bytes(
