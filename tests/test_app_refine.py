@@ -60,6 +60,7 @@ def test_img2img_matches_the_cli(service, model_dir, inputs, monkeypatch, tmp_pa
     assert main([*argv, "--strength", "0.6", "--steps", "6", "--seed", "3", "-o", str(out), "--quiet"]) == 0
     cli_size, cli_meta = _flowlift_text(out)
     assert size == cli_size and app_meta == cli_meta
+    assert (app_meta["mu"], app_meta["schedule"]) == (2.02, "respaced")  # the refiner's defaults, recorded
     with Image.open(out) as cli_png, Image.open(result.output) as app_png:
         assert cli_png.tobytes() == app_png.tobytes()
 

@@ -95,10 +95,14 @@ def test_img2img_writes_png_with_all_parameters(capsys, tmp_path, model_dir, emb
         "model": str(model_dir),
         "dtype": "float32",  # what ran, not "auto"
         "device": "cpu",
+        "mu": 2.02,  # the schedule's defaults
+        "mu_rule": "fixed",
+        "schedule": "respaced",
     }.items():
         assert meta[key] == value, key
     assert meta["denoising_start"] == pytest.approx(0.4) and meta["t0"] == pytest.approx(0.6)
     assert meta["sigmas"][0] == pytest.approx(0.6) and meta["sigmas"][-1] == 0.0
+    assert len(meta["sigmas"]) == 6 + 1  # respaced: every step runs in the window
     assert len(meta["input_sha256"]) == 64 and len(meta["prompt_embeds_sha256"]) == 64
 
 
@@ -240,10 +244,49 @@ def test_bad_model_is_one_line(capsys, tmp_path, embeds_file, photo):
 
 def test_argument_choices_mirror_the_api():
     from flowlift.commands import img2img
+    from flowlift.flux2 import schedule
     from flowlift.flux2.sampling import SAMPLERS
     from flowlift.refine.loop import STRENGTH_MAPS
 
     assert img2img.SAMPLERS == SAMPLERS and img2img.STRENGTH_MAPS == STRENGTH_MAPS
+    assert img2img.SCHEDULES == schedule.SCHEDULES and img2img.MU_RANGE == schedule.MU_RANGE
+    assert img2img.DEFAULT_MU == schedule.DEFAULT_MU
+
+
+def test_mu_and_schedule_options(capsys, tmp_path, model_dir, embeds_file, photo):
+    from flowlift.flux2.schedule import compute_empirical_mu, flux2_sigmas
+
+    out = tmp_path / "empirical.png"
+    argv = ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "9", "--quiet"]
+    code, _, err = _run(capsys, *argv, "--strength", "0.5", "--mu", "empirical", "--schedule", "clipped", "-o", out)
+    assert code == 0, err
+    meta = _metadata(out)
+    seq = (H // 16) * (W // 16)
+    assert (meta["mu_rule"], meta["schedule"]) == ("empirical", "clipped")
+    assert meta["mu"] == pytest.approx(compute_empirical_mu(seq, 9), abs=1e-6)
+    expected = flux2_sigmas(9, seq, 0.5, mu="empirical", schedule="clipped").tolist()
+    assert meta["sigmas"] == pytest.approx(expected, abs=1e-6) and len(expected) < 10
+    code, _, err = _run(capsys, *argv, "--strength", "0.5", "--mu", "3.5", "-o", out)
+    assert code == 0, err
+    meta = _metadata(out)
+    assert (meta["mu"], meta["mu_rule"], meta["schedule"]) == (3.5, "fixed", "respaced") and len(meta["sigmas"]) == 10
+    for bad, message in [("-1", "must be in [0, 15]"), ("15.5", "must be in [0, 15]"), ("auto", "not a number")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(a) for a in argv] + ["--mu", bad])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(a) for a in argv] + ["--schedule", "linear"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_empirical_mu_out_of_range_is_refused_before_loading(capsys, tmp_path, embeds_file, photo):
+    """hires 4x of a 2048 px base refines at 8192 px, where diffusers' formula gives mu 44.8."""
+    code, _, err = _run(
+        capsys, "hires", "--width", "2048", "--height", "2048", "--scale", "4", "--mu", "empirical",
+        "--model", tmp_path / "never-loaded", "--prompt-embeds", embeds_file, "--quiet", "-o", tmp_path / "x.png",
+    )  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "--mu: mu='empirical' gives 44.8" in err and "8192x8192" in err
 
 
 def test_hires_from_image_and_from_txt2img(capsys, tmp_path, model_dir, embeds_file, photo):

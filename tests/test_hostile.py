@@ -339,6 +339,7 @@ def test_non_finite_numeric_options_are_refused(tmp_path, capsys, value):
     cases = [
         (["bands", str(image), "--vae", "taef2", f"--amplitude={value}", "--out", str(tmp_path / "b")], "--amplitude"),
         (["img2img", str(image), "--model", "x/y", "--prompt", "p", f"--cfg-scale={value}"], "--cfg-scale"),
+        (["img2img", str(image), "--model", "x/y", "--prompt", "p", f"--mu={value}"], "--mu"),
         (["train", "--data", "d", "--output", "o", f"--lr={value}"], "--lr"),
         (["dataset", "images", str(tmp_path), f"--noise-std={value}", "--out", str(tmp_path / "d")], "--noise-std"),
     ]

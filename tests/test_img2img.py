@@ -4,7 +4,7 @@ import torch
 from flowlift.flux2.img2img import InpaintMerger, denoise, gaussian_flow_velocity, prepare_start_latents
 from flowlift.flux2.latents import bn_std as make_bn_std
 from flowlift.flux2.latents import denormalize, normalize, seeded_noise
-from flowlift.flux2.schedule import flux2_sigmas
+from flowlift.flux2.schedule import DEFAULT_MU, flux2_sigmas
 
 # BN statistics shaped like the real FLUX.2 VAE's: running_var 2.91...3.47 -> bn_std ~1.77.
 BN_MEAN = torch.linspace(-0.4, 0.3, 128)
@@ -59,18 +59,18 @@ def test_128_channel_patchified_init_latents():
 
 # --- the analytic oracle: posterization measured without weights ------------------------------
 DATA_MEAN, DATA_STD = 0.3, 0.8
-# Above 4300 tokens mu does not depend on the step count; below, diffusers' interpolation in the
-# step count extrapolates to a degenerate schedule at thousands of steps.
+# Above 4300 tokens the empirical mu does not depend on the step count; below, diffusers' interpolation
+# in the step count extrapolates below 0 at thousands of steps (refused). The fixed mu has no such limit.
 SEQ_LEN = 16384  # a 2048 px image
 
 
-def _oracle_img2img(strength, start_builder, steps=2000, seed=0):
+def _oracle_img2img(strength, start_builder, steps=2000, seed=0, mu=DEFAULT_MU, schedule="respaced"):
     """img2img of Gaussian 'images' with the exact velocity; returns the output latents."""
     shape = (1, 32, 32, 32)
     clean_normalized = DATA_MEAN + DATA_STD * seeded_noise(shape, seed)
     init_raw = denormalize(clean_normalized, BN_MEAN, BN_STD)
     noise = seeded_noise(shape, seed + 1000)
-    sigmas = flux2_sigmas(steps, SEQ_LEN, denoising_start=1.0 - strength)
+    sigmas = flux2_sigmas(steps, SEQ_LEN, denoising_start=1.0 - strength, mu=mu, schedule=schedule)
     x = start_builder(init_raw, noise, float(sigmas[0]))
     return denoise(lambda z, s: gaussian_flow_velocity(z, s, DATA_MEAN, DATA_STD), x, sigmas)
 
@@ -83,9 +83,11 @@ def _buggy(init_raw, noise, t0):
     return normalize(t0 * noise + (1 - t0) * init_raw, BN_MEAN, BN_STD)
 
 
-def test_oracle_correct_start_keeps_the_data_distribution_at_every_strength():
+@pytest.mark.parametrize("schedule", ["respaced", "clipped"])
+@pytest.mark.parametrize("mu", [DEFAULT_MU, "empirical"])
+def test_oracle_correct_start_keeps_the_data_distribution_at_every_strength(mu, schedule):
     for strength in (0.3, 0.5, 0.75, 1.0):
-        out = _oracle_img2img(strength, _correct)
+        out = _oracle_img2img(strength, _correct, mu=mu, schedule=schedule)
         assert out.mean().item() == pytest.approx(DATA_MEAN, abs=0.02), strength
         assert out.std().item() == pytest.approx(DATA_STD, abs=0.015), strength
 
@@ -98,16 +100,17 @@ def test_oracle_buggy_raw_space_blend_collapses_variance_worse_with_strength():
     assert all(b < a + 1e-3 for a, b in zip(stds, stds[1:], strict=False))
 
 
-def test_strength_one_is_txt2img_bit_for_bit():
+@pytest.mark.parametrize("mu", [DEFAULT_MU, "empirical"])
+def test_strength_one_is_txt2img_bit_for_bit(mu):
     shape = (1, 32, 16, 16)
     init_raw = _raw_init(shape)
     noise = seeded_noise(shape, 9)
-    sigmas = flux2_sigmas(9, 64, denoising_start=0.0)
+    sigmas = flux2_sigmas(9, 64, denoising_start=0.0, mu=mu)  # the img2img window, respaced by default
 
     def velocity(x, s):
         return gaussian_flow_velocity(x, s, DATA_MEAN, DATA_STD)
 
-    txt2img = denoise(velocity, noise.clone(), flux2_sigmas(9, 64))
+    txt2img = denoise(velocity, noise.clone(), flux2_sigmas(9, 64, mu=mu, schedule="clipped"))
     img2img = denoise(velocity, prepare_start_latents(init_raw, noise, float(sigmas[0]), BN_MEAN, BN_STD), sigmas)
     assert torch.equal(txt2img, img2img)
 

@@ -100,8 +100,19 @@ def _model_inputs(spy: Spy, h: int = H // 8, w: int = W // 8) -> list[torch.Tens
 
 @pytest.mark.parametrize("strength,strength_map", [(0.6, "linear"), (0.5, "canvas"), (1.0, "linear")])
 def test_img2img_runs_shifted_full_mu_schedule_with_sigma_timesteps(refiner, spy, image, strength, strength_map):
+    """diffusers parity: with ``mu="empirical"`` and ``schedule="clipped"`` img2img runs the diffusers
+    scheduler's own sigmas below t0."""
     steps = 9
-    out = refiner.img2img(image, strength=strength, strength_map=strength_map, steps=steps, seed=3, prompt_embeds=EMB)
+    out = refiner.img2img(
+        image,
+        strength=strength,
+        strength_map=strength_map,
+        steps=steps,
+        seed=3,
+        prompt_embeds=EMB,
+        mu="empirical",
+        schedule="clipped",
+    )
     ds = denoising_start_for(strength, strength_map)
     assert ds == pytest.approx(1 - strength if strength_map == "linear" else 1 - strength**0.2)
     expected = _expected_sigmas(steps, (H // 16) * (W // 16), ds)
@@ -122,7 +133,12 @@ def test_mu_comes_from_full_schedule_not_the_clipped_one():
     wrong_full = _scheduler_sigmas(n_clipped, seq)  # what a mu from the clipped step count gives
     assert _mu(seq, steps) != pytest.approx(_mu(seq, n_clipped))
     res = refine_latents(
-        lambda x, s: torch.zeros_like(x), init_latents=torch.zeros(1, 32, 8, 12), denoising_start=ds, steps=steps
+        lambda x, s: torch.zeros_like(x),
+        init_latents=torch.zeros(1, 32, 8, 12),
+        denoising_start=ds,
+        steps=steps,
+        mu="empirical",
+        schedule="clipped",
     )
     np.testing.assert_allclose(res.sigmas, expected, atol=2e-6)
     clipped_wrong = [1 - ds] + [s for s in wrong_full if 0 < s < 1 - ds] + [0.0]
@@ -143,12 +159,14 @@ def test_start_latents_normalize_only_the_init_and_keep_unit_noise(refiner, spy,
     assert recovered.std().item() == pytest.approx(1.0, abs=0.08)
 
 
-def test_strength_one_is_txt2img_bit_for_bit(refiner, spy, image):
-    a = refiner.img2img(image, strength=1.0, steps=5, seed=21, prompt_embeds=EMB)
-    b = refiner.txt2img(height=H, width=W, steps=5, seed=21, prompt_embeds=EMB)
+@pytest.mark.parametrize("mu", [2.02, "empirical"])
+def test_strength_one_is_txt2img_bit_for_bit(refiner, spy, image, mu):
+    a = refiner.img2img(image, strength=1.0, steps=5, seed=21, prompt_embeds=EMB, mu=mu)  # respaced: the default
+    b = refiner.txt2img(height=H, width=W, steps=5, seed=21, prompt_embeds=EMB, mu=mu)
     assert torch.equal(a.latents, b.latents)
     assert torch.equal(a.images, b.images)
-    c = refiner.img2img(image, strength=1.0, strength_map="canvas", steps=5, seed=21, prompt_embeds=EMB)
+    assert a.parameters["sigmas"] == b.parameters["sigmas"] and len(b.parameters["sigmas"]) == 6
+    c = refiner.img2img(image, strength=1.0, strength_map="canvas", steps=5, seed=21, prompt_embeds=EMB, mu=mu)
     assert torch.equal(c.latents, b.latents)
 
 
@@ -219,7 +237,7 @@ def test_txt2img_matches_the_diffusers_klein_loop(refiner, transformer):
     from diffusers.utils.torch_utils import randn_tensor
 
     steps, seed = 6, 123
-    out = refiner.txt2img(height=H, width=W, steps=steps, seed=seed, prompt_embeds=EMB)
+    out = refiner.txt2img(height=H, width=W, steps=steps, seed=seed, prompt_embeds=EMB, mu="empirical")
 
     sched = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="exponential")
     shape = (1, 128, H // 16, W // 16)
@@ -243,12 +261,14 @@ def test_txt2img_matches_the_diffusers_klein_loop(refiner, transformer):
     torch.testing.assert_close(out.latents, reference, rtol=0, atol=2e-5)
 
 
-def test_gaussian_oracle_keeps_data_variance_at_every_strength():
+@pytest.mark.parametrize("mu", [2.02, "empirical"])
+def test_gaussian_oracle_keeps_data_variance_at_every_strength(mu):
     """End to end through refine_latents with the exact Gaussian velocity as a stand-in transformer.
 
     Data N(0.3, 0.8^2) in normalized space, FLUX.2-like BN stats (bn_std 1.77), raw init latents as
-    the VAE emits them. The pipeline's img2img keeps mean and std at every strength; the buggy
-    raw-space blend (noise / bn_std) collapses the variance, more with strength.
+    the VAE emits them. The pipeline's img2img keeps mean and std at every strength, under the fixed
+    and the empirical mu; the buggy raw-space blend (noise / bn_std) collapses the variance, more with
+    strength.
     """
     import flowlift.flux2.img2img as img2img_module
 
@@ -271,13 +291,15 @@ def test_gaussian_oracle_keeps_data_variance_at_every_strength():
             steps=steps,
             seed=1,
             sampler=sampler,
+            mu=mu,
         ).latents
 
     for strength in (0.3, 0.5, 0.75, 1.0):
         out = run(strength)
         assert out.mean().item() == pytest.approx(mean, abs=0.02), strength
         assert out.std().item() == pytest.approx(std, abs=0.015), strength
-    assert run(0.5, "euler", 300).std().item() == pytest.approx(std, abs=0.015)
+    # 200 steps: at 256 tokens the empirical mu extrapolates below 0 past ~260 steps (refused)
+    assert run(0.5, "euler", 200).std().item() == pytest.approx(std, abs=0.015)
 
     # the posterization bug, measured: blend in raw space, normalize the mixture
     def buggy(init_latents, noise, t0, bn_mean=None, bn_std=None, add_noise=True):
@@ -315,7 +337,17 @@ def test_hires_chain_upscales_then_refines_at_low_strength(refiner, spy, vae, im
         calls.append(latents.shape)
         return torch.nn.functional.interpolate(latents, scale_factor=2, mode="nearest")
 
-    out = refiner.hires(upscale, images=image, scale=2, refine_strength=0.3, steps=10, seed=4, prompt_embeds=EMB)
+    out = refiner.hires(
+        upscale,
+        images=image,
+        scale=2,
+        refine_strength=0.3,
+        steps=10,
+        seed=4,
+        prompt_embeds=EMB,
+        mu="empirical",
+        schedule="clipped",
+    )
     assert calls == [(1, 32, H // 8, W // 8)]
     assert out.images.shape == (1, 3, 2 * H, 2 * W)
     expected = _expected_sigmas(10, (H // 8) * (W // 8), 0.7)
@@ -403,3 +435,78 @@ def test_prompt_text_goes_through_the_prompt_encoder(transformer, vae, image):
     seen.clear()
     refiner.img2img(image, strength=0.5, steps=3, prompt="ignored", prompt_embeds=EMB)
     assert seen == []  # given embeddings win; no encoder call
+
+
+# ------------------------------------------------------------------- schedule: mu and respaced windows
+
+
+def _flux2_sigmas(steps, seq, start, **kwargs):
+    from flowlift.flux2.schedule import flux2_sigmas
+
+    return [float(s) for s in flux2_sigmas(steps, seq, start, **kwargs)]
+
+
+def test_default_schedule_runs_every_step_of_a_low_strength_window(refiner, spy, vae, image):
+    """mu 2.02 and the respaced window by default: strength 0.3 at 6 steps runs 6 model calls, on
+    ``flux2_sigmas(6, seq, 0.7)``; ``schedule="clipped"`` runs only the full schedule's points below 0.3."""
+    seq = (H // 16) * (W // 16)
+    out = refiner.img2img(image, strength=0.3, steps=6, seed=3, prompt_embeds=EMB)
+    expected = _flux2_sigmas(6, seq, 0.7)
+    assert len(expected) == 7 and expected[0] == pytest.approx(0.3) and expected[-1] == 0.0
+    np.testing.assert_allclose(out.parameters["sigmas"], expected, atol=1e-6)
+    np.testing.assert_allclose([float(c["timestep"][0]) for c in spy.seen], expected[:-1], atol=1e-6)
+    p = out.parameters
+    assert (p["mu"], p["mu_rule"], p["schedule"], p["model_calls"]) == (2.02, "fixed", "respaced", 6)
+    spy.seen.clear()
+    clipped = refiner.img2img(image, strength=0.3, steps=6, seed=3, prompt_embeds=EMB, schedule="clipped")
+    expected_clipped = _flux2_sigmas(6, seq, 0.7, schedule="clipped")
+    assert len(expected_clipped) < 7 and clipped.parameters["schedule"] == "clipped"
+    np.testing.assert_allclose(clipped.parameters["sigmas"], expected_clipped, atol=1e-6)
+    assert len(spy.seen) == len(expected_clipped) - 1
+    # inpaint, outpaint and Heun run the same respaced windows
+    spy.seen.clear()
+    mask = torch.zeros(1, 1, H, W)
+    mask[..., 16:48, 32:80] = 1
+    heun = refiner.inpaint(image, mask, strength=0.3, steps=6, seed=3, sampler="heun", prompt_embeds=EMB)
+    assert heun.parameters["sigmas"] == out.parameters["sigmas"] and len(spy.seen) == 2 * 6 - 1
+    side = refiner.outpaint(image, right=16, strength=0.4, steps=5, seed=3, prompt_embeds=EMB)
+    assert len(side.parameters["sigmas"]) == 6 and side.parameters["schedule"] == "respaced"
+
+
+def test_the_refiners_schedule_and_per_call_choices(transformer, vae, image):
+    refiner = Flux2Refiner(Spy(transformer), vae, mu="empirical", schedule="clipped")
+    seq = (H // 16) * (W // 16)
+    out = refiner.img2img(image, strength=0.6, steps=9, seed=0, prompt_embeds=EMB)
+    assert (out.parameters["mu_rule"], out.parameters["schedule"]) == ("empirical", "clipped")
+    assert out.parameters["mu"] == pytest.approx(_mu(seq, 9), abs=1e-6)
+    np.testing.assert_allclose(out.parameters["sigmas"], _expected_sigmas(9, seq, 0.4), atol=2e-6)
+    override = refiner.img2img(image, strength=0.6, steps=9, seed=0, prompt_embeds=EMB, mu=3.0, schedule="respaced")
+    assert (override.parameters["mu"], override.parameters["mu_rule"]) == (3.0, "fixed")
+    np.testing.assert_allclose(override.parameters["sigmas"], _flux2_sigmas(9, seq, 0.4, mu=3.0), atol=1e-6)
+    txt = refiner.txt2img(height=H, width=W, steps=4, seed=0, prompt_embeds=EMB)
+    assert txt.parameters["mu_rule"] == "empirical" and "schedule" not in txt.parameters  # a full window
+    hires = refiner.hires(
+        lambda z: torch.nn.functional.interpolate(z, scale_factor=2), height=32, width=32, base_steps=3, steps=4,
+        seed=0, prompt_embeds=EMB,
+    )  # fmt: skip
+    assert hires.parameters["base_mu"] == pytest.approx(_mu(4, 3), abs=1e-6)  # each pass its own size and steps
+    assert hires.parameters["mu"] == pytest.approx(_mu(16, 4), abs=1e-6)
+
+
+def test_bad_schedule_choices_are_one_line_errors(refiner, transformer, vae, image):
+    from flowlift.refine.loading import load_refiner
+
+    with pytest.raises(FlowliftError, match="unknown schedule 'linear'"):
+        Flux2Refiner(transformer, vae, schedule="linear")
+    with pytest.raises(FlowliftError, match="mu must be a number or 'empirical'"):
+        Flux2Refiner(transformer, vae, mu="auto")
+    with pytest.raises(FlowliftError, match="mu must be a number"):
+        load_refiner("no/such-model-anywhere", mu=None)  # checked before any weights are looked for
+    with pytest.raises(FlowliftError, match="outside"):
+        refiner.img2img(image, strength=0.5, steps=4, prompt_embeds=EMB, mu=-1.0)
+    with pytest.raises(FlowliftError, match="finite"):
+        refiner.img2img(image, strength=0.0, steps=4, prompt_embeds=EMB, mu=float("nan"))  # even with no step
+    with pytest.raises(FlowliftError, match="empirical"):  # 24 tokens, 300 steps: diffusers' mu extrapolates below 0
+        refine_latents(
+            lambda x, s: x, init_latents=torch.zeros(1, 32, 8, 12), denoising_start=0.5, steps=300, mu="empirical"
+        )

@@ -9,6 +9,7 @@ from flowlift.commands._options import examples, positive_int, unit_interval
 from flowlift.commands.img2img import (
     add_model_arguments,
     check_model_sources,
+    check_mu_for_size,
     check_output,
     check_prompt_args,
     load_refiner_from_args,
@@ -52,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--refine-strength",
         type=unit_interval,
         default=0.3,
-        help="img2img strength of the refine pass (default 0.3). On the shifted schedule few of the "
-        "--steps points lie below a low strength: raise --steps for more refine steps",
+        help="img2img strength of the refine pass (default 0.3); it runs --steps steps (with --schedule "
+        "clipped only the few points of the full schedule below it)",
     )
     add_model_arguments(parser)
 
@@ -76,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
             )
     elif args.width % 16 or args.height % 16:
         raise FlowliftError(f"--width/--height must be multiples of 16, got {args.width}x{args.height}")
+    base_w, base_h = (images.shape[-1], images.shape[-2]) if images is not None else (args.width, args.height)
+    check_mu_for_size(args, base_w * args.scale, base_h * args.scale)  # the refine pass's size
     try:
         from flowlift.upscale.pipeline import FlowUpscalerPipeline
     except ImportError:
@@ -110,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         sampler=args.sampler,
         scale=args.scale,
+        mu=args.mu,
+        schedule=args.schedule,
         **conditioning,
     )
     metadata = dict(result.parameters)

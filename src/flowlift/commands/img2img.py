@@ -23,6 +23,10 @@ from flowlift.errors import FlowliftError
 #: (kept literal so --help does not import torch).
 SAMPLERS = ("euler", "heun")
 STRENGTH_MAPS = ("linear", "canvas")
+#: Mirror flowlift.flux2.schedule.SCHEDULES / DEFAULT_MU / MU_RANGE (literal for the same reason).
+SCHEDULES = ("respaced", "clipped")
+DEFAULT_MU = 2.02
+MU_RANGE = (0.0, 15.0)
 
 NAME = "img2img"
 HELP = (
@@ -83,8 +87,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps",
         type=positive_int,
         default=28,
-        help="steps of the FULL shifted schedule (default 28; distilled Klein: 4). img2img runs the part "
-        "of it below sigma = 1 - denoising_start",
+        help="steps of the shifted schedule (default 28; distilled Klein: 4). img2img runs them in the window "
+        "below sigma = 1 - denoising_start (with --schedule clipped, only the full schedule's points there)",
     )
     sampling.add_argument("--sampler", choices=SAMPLERS, default="euler", help="euler (default) or heun")
     sampling.add_argument("--seed", type=seed_value, default=0, help="noise seed (default 0)")
@@ -94,6 +98,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default="linear",
         help="strength -> denoising_start: linear = 1 - s (default); canvas = 1 - s**0.2",
     )
+    add_schedule_arguments(sampling)
     out = parser.add_argument_group("output")
     out.add_argument("-o", "--output", metavar="PATH", help="output image (PNG keeps all parameters as metadata)")
     out.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -120,6 +125,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="reference image (repeatable): clean latents the model attends to (t = 10, 20, ...)",
     )
     add_model_arguments(parser)
+
+
+# --------------------------------------------------------------------------------- schedule options
+
+
+def mu_option(text: str) -> float | str:
+    """``--mu``: ``empirical`` or a finite number in :data:`MU_RANGE` (argparse: one line, exit 2)."""
+    if text.strip().lower() == "empirical":
+        return "empirical"
+    value = finite_float(text)
+    if not MU_RANGE[0] <= value <= MU_RANGE[1]:
+        raise argparse.ArgumentTypeError(
+            f"must be in [{MU_RANGE[0]:g}, {MU_RANGE[1]:g}] (0 = no shift), got {value:g}"
+        )
+    return value
+
+
+def add_schedule_arguments(sampling: argparse._ArgumentGroup) -> None:
+    """``--mu`` and ``--schedule``: the shift and how a low-strength window is filled (docs/refine.md)."""
+    sampling.add_argument(
+        "--mu",
+        type=mu_option,
+        default=DEFAULT_MU,
+        metavar="2.02|empirical|FLOAT",
+        help=f"schedule shift mu (default {DEFAULT_MU}, InvokeAI's and ComfyUI's FLUX.2 value); 'empirical' = "
+        f"diffusers' formula from the image size and --steps (3.23 at 2048 px); a number in "
+        f"[{MU_RANGE[0]:g}, {MU_RANGE[1]:g}]",
+    )
+    sampling.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default="respaced",
+        help="respaced (default): a low strength still runs --steps steps, evenly spaced before the shift; "
+        "clipped: only the full schedule's points below the strength (diffusers' img2img)",
+    )
+
+
+def check_mu_for_size(args: argparse.Namespace, width: int, height: int) -> None:
+    """``--mu empirical`` at this model size (pixels) must give a mu in range: refused before weights load."""
+    if args.mu != "empirical":
+        return
+    from flowlift.flux2.schedule import resolve_mu
+
+    tokens = -(-height // 16) * -(-width // 16)
+    try:
+        resolve_mu("empirical", tokens, args.steps)
+    except ValueError as error:
+        raise FlowliftError(f"--mu: {error} ({width}x{height} px)") from None
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -221,10 +274,13 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else refined_output(args.image, "outpaint" if pads else "img2img")
     check_output(output)
     rgb, alpha = load_image(args.image)
+    size = (rgb.width, rgb.height)
     if pads:
         from flowlift.refine.canvas import outpaint_pads
 
-        outpaint_pads(rgb.height, rgb.width, *pads)  # the size cap, before any weights are loaded
+        rounded = outpaint_pads(rgb.height, rgb.width, *pads)  # the size cap, before any weights are loaded
+        size = (rgb.width + rounded[0] + rounded[2], rgb.height + rounded[1] + rounded[3])
+    check_mu_for_size(args, *size)
     images = to_tensor(rgb)
     mask = None
     if args.mask:
@@ -250,6 +306,8 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         seed=args.seed,
         sampler=args.sampler,
+        mu=args.mu,
+        schedule=args.schedule,
         reference_images=references,
         **conditioning,
     )

@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.flux2.schedule import DEFAULT_MU
 from flowlift.models.weights import looks_like_repo_id
+from flowlift.refine.loop import check_schedule
 from flowlift.refine.prompts import PromptEncoder, _first_line
 from flowlift.refine.refiner import Flux2Refiner
 
@@ -101,15 +103,19 @@ def load_refiner(
     dtype: torch.dtype = torch.float32,
     text_encoder: bool = False,
     progress: bool = False,
+    mu: float | str = DEFAULT_MU,
+    schedule: str = "respaced",
 ) -> Flux2Refiner:
     """A :class:`Flux2Refiner` from FLUX.2 Klein / dev weights (local diffusers folder or hub id).
 
     ``vae`` (any :func:`flowlift.models.vae_loading.load_vae` spec) defaults to the model's own ``vae/`` subfolder.
     ``text_encoder=True`` also loads the pipeline's text encoder (``flowlift[text]``) so prompts can be
-    given as strings.
+    given as strings. ``mu`` and ``schedule`` are the refiner's schedule (:class:`Flux2Refiner`), checked
+    before any weights load.
     """
     from flowlift.models.vae_loading import load_vae
 
+    check_schedule(mu, schedule)
     transformer = load_transformer(model, dtype=dtype)
     # the FLUX.2 VAE overflows in float16; bfloat16 and float32 are fine
     vae_adapter = load_vae(vae or model, device=device, dtype=torch.float32 if dtype == torch.float16 else dtype)
@@ -122,4 +128,6 @@ def load_refiner(
         prompt_encoder=encoder,
         progress=progress,
         model_name=str(model),
+        mu=mu,
+        schedule=schedule,
     )

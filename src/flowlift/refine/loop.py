@@ -1,8 +1,9 @@
 """The latent-level FLUX.2 loop, run the way the transformer was trained (``shared/seeds/000_*``).
 
-Normalized start latents with unit-scale noise, the shifted schedule clipped at the strength and the
-inpaint merge with the start noise, for any ``velocity_fn(x, sigma)``: it needs no transformer, VAE or
-prompt, so the tests drive it with an analytic Gaussian velocity. :class:`_Progress` shows its steps.
+Normalized start latents with unit-scale noise, the shifted schedule's window at the strength (respaced
+or clipped, with a fixed or the empirical mu) and the inpaint merge with the start noise, for any
+``velocity_fn(x, sigma)``: it needs no transformer, VAE or prompt, so the tests drive it with an
+analytic Gaussian velocity. :class:`_Progress` shows its steps.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from flowlift.flux2.latents import (
     unpatchify,
 )
 from flowlift.flux2.sampling import SAMPLERS
+from flowlift.flux2.schedule import DEFAULT_MU, EMPIRICAL_MU, SCHEDULES, flux2_sigmas, resolve_mu
 
 STRENGTH_MAPS = ("linear", "canvas")
 
@@ -54,6 +56,31 @@ def check_sampler(sampler: str) -> str:
     return sampler
 
 
+def check_schedule(mu: float | str, schedule: str) -> None:
+    """One FlowliftError line unless ``schedule`` is respaced/clipped and ``mu`` a number in
+    :data:`~flowlift.flux2.schedule.MU_RANGE` or ``"empirical"`` (whose value is checked per image)."""
+    if schedule not in SCHEDULES:
+        raise FlowliftError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if isinstance(mu, bool) or not isinstance(mu, str | int | float):
+        raise FlowliftError(f"mu must be a number or {EMPIRICAL_MU!r}, got {mu!r}")
+    if mu != EMPIRICAL_MU:
+        try:
+            resolve_mu(mu, 0, 1)
+        except ValueError as error:
+            raise FlowliftError(str(error)) from None
+
+
+def _window_sigmas(
+    steps: int, seq_len: int, start: float, end: float, mu: float | str, schedule: str
+) -> tuple[torch.Tensor, float]:
+    """``flux2_sigmas`` of the window and the mu it shifted with; a schedule it refuses is one FlowliftError."""
+    try:
+        value = resolve_mu(mu, seq_len, steps)
+        return flux2_sigmas(steps, seq_len, start, end, mu=value, schedule=schedule), value
+    except ValueError as error:
+        raise FlowliftError(str(error)) from None
+
+
 def latent_noise(shape: Sequence[int], seed: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
     """Unit noise for normalized latents of ``shape`` (B, 32, H, W), drawn in the *patchified* layout.
 
@@ -70,12 +97,16 @@ def latent_noise(shape: Sequence[int], seed: int, *, device: torch.device | str 
 
 @dataclass
 class RefineResult:
-    """Normalized output latents plus the exact sigmas the model was run on and the start noise level."""
+    """Normalized output latents, the exact sigmas the model was run on, the start noise level, and the
+    schedule that made the sigmas (``mu`` the number it shifted with, ``mu_rule`` "fixed" or "empirical")."""
 
     latents: torch.Tensor
     sigmas: list[float]
     t0: float
     model_calls: int = 0
+    mu: float | None = None
+    mu_rule: str | None = None
+    schedule: str | None = None
 
 
 def refine_latents(
@@ -93,13 +124,16 @@ def refine_latents(
     mask: torch.Tensor | None = None,
     on_step: StepCallback | None = None,
     device: torch.device | str = "cpu",
+    mu: float | str = DEFAULT_MU,
+    schedule: str = "respaced",
 ) -> RefineResult:
     """Sample FLUX.2 latents: txt2img (no ``init_latents``), img2img, or inpaint (with ``mask``).
 
     * ``init_latents``: normalized (B, 32, H, W) latents, or *raw* VAE latents when ``bn_mean``/``bn_std``
       ([128]) are given -- then only they are normalized, never the noise blend.
-    * ``sigmas = flux2_sigmas(steps, image_seq_len(H, W), denoising_start, denoising_end)``: the shifted
-      schedule with mu from the full sequence length and step count, clipped; ``t0 = sigmas[0]``.
+    * ``sigmas = flux2_sigmas(steps, image_seq_len(H, W), denoising_start, denoising_end, mu=mu,
+      schedule=schedule)``: the shifted schedule (``mu`` 2.02 or a number, or ``"empirical"`` from the full
+      sequence length and step count), its window respaced to ``steps`` steps or clipped; ``t0 = sigmas[0]``.
     * start: ``x = t0 * noise + (1 - t0) * normalize(init)`` (txt2img: ``x = noise``).
     * ``mask`` (1 or B, 1, H, W), 1 = regenerate: after each step the kept region is set to
       ``sigma_next * noise + (1 - sigma_next) * init`` with the *same* ``noise`` as the start.
@@ -107,9 +141,9 @@ def refine_latents(
     * ``denoising_start >= denoising_end`` (strength 0) runs no step and returns the normalized init.
     """
     from flowlift.flux2.img2img import InpaintMerger, denoise, prepare_start_latents
-    from flowlift.flux2.schedule import flux2_sigmas
 
     check_sampler(sampler)
+    check_schedule(mu, schedule)
     if steps < 1:
         raise FlowliftError(f"steps must be >= 1, got {steps}")
     if not 0.0 <= denoising_start <= 1.0 or not 0.0 <= denoising_end <= 1.0 or denoising_start > denoising_end:
@@ -137,7 +171,8 @@ def refine_latents(
         return RefineResult(latents=init_norm, sigmas=[], t0=1.0 - denoising_start)
 
     noise = latent_noise(shape, seed, device=device)
-    sigmas = flux2_sigmas(steps, image_seq_len(shape[2], shape[3]), denoising_start, denoising_end)
+    seq_len = image_seq_len(shape[2], shape[3])
+    sigmas, mu_value = _window_sigmas(steps, seq_len, denoising_start, denoising_end, mu, schedule)
     sigma_list = [float(s) for s in sigmas]
     t0 = sigma_list[0]
     if init_latents is None:
@@ -167,7 +202,8 @@ def refine_latents(
 
     with torch.inference_mode():
         out = denoise(counted, x, sigmas, inpaint=merger, callback=callback, sampler=sampler)
-    return RefineResult(latents=out, sigmas=sigma_list, t0=t0, model_calls=calls)
+    mu_rule = "empirical" if isinstance(mu, str) else "fixed"
+    return RefineResult(out, sigma_list, t0, calls, mu=mu_value, mu_rule=mu_rule, schedule=schedule)
 
 
 class _Progress:

@@ -14,8 +14,17 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR
+from flowlift.flux2.schedule import DEFAULT_MU
 from flowlift.refine.canvas import PIXEL_MULTIPLE, latent_mask, outpaint_canvas, pad_to_multiple
-from flowlift.refine.loop import RefineResult, VelocityFn, _Progress, check_sampler, denoising_start_for, refine_latents
+from flowlift.refine.loop import (
+    RefineResult,
+    VelocityFn,
+    _Progress,
+    check_sampler,
+    check_schedule,
+    denoising_start_for,
+    refine_latents,
+)
 
 
 class RefineVAE(Protocol):
@@ -45,7 +54,9 @@ class Flux2Refiner:
     ``transformer`` is a diffusers ``Flux2Transformer2DModel`` (or a module with its forward signature);
     ``vae`` follows :class:`RefineVAE` (e.g. a :func:`flowlift.models.vae_loading.load_vae` adapter).
     ``prompt_encoder`` (optional) turns prompt strings into embeddings; without it, pass
-    ``prompt_embeds`` tensors.
+    ``prompt_embeds`` tensors. ``mu`` (2.02, a number, or ``"empirical"``) and ``schedule`` (``respaced`` or
+    ``clipped``) are the schedule every mode runs unless a call gives its own (see
+    :func:`flowlift.flux2.schedule.flux2_sigmas`).
     """
 
     def __init__(
@@ -58,7 +69,11 @@ class Flux2Refiner:
         prompt_encoder: Callable[[str], torch.Tensor] | None = None,
         progress: bool = False,
         model_name: str = "",
+        mu: float | str = DEFAULT_MU,
+        schedule: str = "respaced",
     ) -> None:
+        check_schedule(mu, schedule)
+        self.mu, self.schedule = mu, schedule
         self.transformer = transformer.to(device=device, dtype=dtype).eval()
         self.vae = vae
         self.device, self.dtype = torch.device(device), dtype
@@ -143,6 +158,8 @@ class Flux2Refiner:
         sampler: str,
         mask: torch.Tensor | None = None,
         denoising_end: float = 1.0,
+        mu: float | str | None = None,
+        schedule: str | None = None,
     ) -> RefineResult:
         init_latents, bn_mean, bn_std = init if init is not None else (None, None, None)
         return refine_latents(
@@ -159,6 +176,8 @@ class Flux2Refiner:
             mask=mask,
             on_step=_Progress(self.progress, mode),
             device=self.device,
+            mu=self.mu if mu is None else mu,
+            schedule=self.schedule if schedule is None else schedule,
         )
 
     def _parameters(self, mode: str, result: RefineResult, **kwargs: Any) -> dict[str, Any]:
@@ -171,6 +190,10 @@ class Flux2Refiner:
         params["sigmas"] = [round(s, 6) for s in result.sigmas]
         params["t0"] = round(result.t0, 6)
         params["model_calls"] = result.model_calls
+        if result.mu is not None:  # the schedule that made the sigmas (none ran at strength 0)
+            params.update(mu=round(result.mu, 6), mu_rule=result.mu_rule)
+            if mode != "txt2img":  # a full window is the same under both
+                params["schedule"] = result.schedule
         return params
 
     def txt2img(
@@ -182,6 +205,7 @@ class Flux2Refiner:
         seed: int = 0,
         sampler: str = "euler",
         batch: int = 1,
+        mu: float | str | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """Generate from pure noise (``denoising_start = 0``) at ``height x width`` (multiples of 16)."""
@@ -190,7 +214,7 @@ class Flux2Refiner:
         den = self.denoiser(**conditioning)
         shape = (batch, LATENT_CHANNELS, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
         result = self._run(
-            "txt2img", den, init=None, shape=shape, denoising_start=0.0, steps=steps, seed=seed, sampler=sampler
+            "txt2img", den, init=None, shape=shape, denoising_start=0.0, steps=steps, seed=seed, sampler=sampler, mu=mu
         )
         params = self._parameters(
             "txt2img",
@@ -214,6 +238,8 @@ class Flux2Refiner:
         seed: int = 0,
         sampler: str = "euler",
         mask: torch.Tensor | None = None,
+        mu: float | str | None = None,
+        schedule: str | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """Refine ``images`` (B, 3, H, W) in [0, 1] at ``strength``; with ``mask`` (B|1, 1, H, W) inpaint.
@@ -242,6 +268,8 @@ class Flux2Refiner:
             seed=seed,
             sampler=sampler,
             mask=lmask,
+            mu=mu,
+            schedule=schedule,
         )
         out = self.decode(result.latents)[..., :h, :w]
         params = self._parameters(
@@ -278,6 +306,8 @@ class Flux2Refiner:
         steps: int = 28,
         seed: int = 0,
         sampler: str = "euler",
+        mu: float | str | None = None,
+        schedule: str | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """Extend the canvas by the given borders (rounded up to 16 px) and paint them in.
@@ -306,6 +336,8 @@ class Flux2Refiner:
             seed=seed,
             sampler=sampler,
             mask=lmask,
+            mu=mu,
+            schedule=schedule,
         )
         params = self._parameters(
             "outpaint",
@@ -338,13 +370,16 @@ class Flux2Refiner:
         seed: int = 0,
         sampler: str = "euler",
         scale: int = 2,
+        mu: float | str | None = None,
+        schedule: str | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """The hires fix: base latents -> ``upscale`` (Flow Upscaler) -> refine at low strength -> decode.
 
         The base is ``images`` encoded, or a txt2img at ``height x width`` (``base_steps``). ``upscale``
         maps normalized latents to normalized latents ``scale`` times larger. The refine pass is img2img
-        on the upscaled normalized latents on the shifted schedule clipped at ``1 - refine_strength``.
+        on the upscaled normalized latents in the window below ``1 - refine_strength`` (``schedule``); both
+        passes shift with ``mu`` (for ``"empirical"``, each from its own size and step count).
         """
         check_sampler(sampler)
         start = denoising_start_for(refine_strength, strength_map)
@@ -359,10 +394,12 @@ class Flux2Refiner:
         else:
             if height is None or width is None:
                 raise FlowliftError("hires needs an input image or a txt2img size")
-            base = self.txt2img(
-                height=height, width=width, steps=base_steps, seed=seed, sampler=sampler, **conditioning
-            ).latents
+            base_out = self.txt2img(
+                height=height, width=width, steps=base_steps, seed=seed, sampler=sampler, mu=mu, **conditioning
+            )
+            base = base_out.latents
             params.update(base="txt2img", base_steps=base_steps, height=height, width=width)
+            params["base_mu"] = base_out.parameters["mu"]
         up = upscale(base).float().to(self.device)
         expect = (base.shape[2] * scale, base.shape[3] * scale)
         if tuple(up.shape[2:]) != expect:
@@ -376,6 +413,8 @@ class Flux2Refiner:
             steps=steps,
             seed=seed,
             sampler=sampler,
+            mu=mu,
+            schedule=schedule,
         )
         params.update(
             self._parameters(

@@ -95,9 +95,9 @@ class TransformerTeacher:
     """A bare FLUX.2 transformer as teacher: Euler steps of its velocity on the shifted schedule.
 
     ``noise`` (B, 32, H, W, normalized) is integrated with ``x <- x + (sigma' - sigma) * v`` over
-    :func:`flowlift.flux2.schedule.flux2_sigmas`, the velocity being the transformer behind
-    :class:`flowlift.flux2.denoiser.Flux2Denoiser` (the same token layout, ids and sigma timestep as the
-    refine pipelines) with fixed prompt embeddings ``prompt_embeds`` (L, D). ``guidance`` is the
+    :func:`flowlift.flux2.schedule.flux2_sigmas` (diffusers' empirical ``mu``), the velocity being the
+    transformer behind :class:`flowlift.flux2.denoiser.Flux2Denoiser` (the same token layout, ids and sigma
+    timestep as the refine pipelines) with fixed prompt embeddings ``prompt_embeds`` (L, D). ``guidance`` is the
     embedded guidance of guidance-distilled (dev) transformers (None: the denoiser's default);
     Klein transformers take none.
     """
@@ -133,7 +133,8 @@ class TransformerTeacher:
 
         _, _, height, width = noise.shape
         velocity = Flux2Denoiser(self.transformer, self.prompt_embeds.unsqueeze(0), guidance=self.guidance)
-        sigmas = flux2_sigmas(self.num_steps, image_seq_len(height, width))
+        # diffusers' mu, as the pipeline teacher's: the two teachers give the same targets
+        sigmas = flux2_sigmas(self.num_steps, image_seq_len(height, width), mu="empirical")
         return denoise(velocity, noise.to(self.device, torch.float32), sigmas)
 
 
