@@ -154,8 +154,8 @@ def flux2_sigmas(
     inside = shifted[(shifted < high) & (shifted > low)]
     sigmas = torch.cat([high.view(1), inside, low.view(1)])
     if schedule == "respaced" and len(sigmas) - 1 < num_steps:
+        # its float64 endpoints are exactly 1 - start and 1 - end, so in float32 they are ``high`` and ``low``
         sigmas = respaced_window(mu, 1.0 - denoising_start, 1.0 - denoising_end, num_steps).to(torch.float32)
-        sigmas[0], sigmas[-1] = high, low  # the same float32 endpoints as the clipped window
     repeated = sigmas[1:] >= sigmas[:-1]
     if bool(repeated.any()):
         at = float(sigmas[int(repeated.nonzero()[0])])
