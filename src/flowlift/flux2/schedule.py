@@ -76,7 +76,7 @@ def resolve_mu(mu: float | str, image_seq_len: int, num_steps: int) -> float:
     ``compute_empirical_mu(image_seq_len, num_steps)`` (the full sequence length and step count).
 
     Refused (ValueError): another string, a non-finite number, or a value outside :data:`MU_RANGE`
-    (the empirical formula leaves it above about 6,000 px square: 44.8 at 8192 px).
+    (the empirical formula leaves it above about 4700 px square: 44.8 at 8192 px).
     """
     if isinstance(mu, str):
         if mu != EMPIRICAL_MU:
