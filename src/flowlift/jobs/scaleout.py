@@ -139,7 +139,9 @@ def _run_share(
     counts = {"total": result.total, "done": result.done, "skipped": result.skipped, "failed": result.failed}
     per_rank, reason = finish(env, counts, barrier_timeout)
     if per_rank is None:
-        report(command, None, f"no summary: not every rank finished within {barrier_timeout:.0f} s ({reason})")
+        # a rank that stopped early (a user error on it alone) ends the wait at once; a slow or hung one, the timeout
+        report(command, None, f"no summary: not every rank reached the end (waited up to {barrier_timeout:.0f} s: "
+                              f"{reason})")  # fmt: skip
         return 1  # on every rank: the job's state is unknown
     totals = total_counts(per_rank)
     failed = int(totals["failed"])
