@@ -387,9 +387,10 @@ def test_a_manifest_that_cannot_be_written_stops_every_rank_with_one_line(tmp_pa
     (out / MANIFEST_NAME).mkdir(parents=True)
     result = run_torchrun(2, *upscale_args(inputs, out, shared, weights), cwd=tmp_path)
     line = f"flowlift upscale: error: cannot use the job manifest {out / MANIFEST_NAME}: Is a directory"
-    ours = [x for x in result.stderr.splitlines() if x.startswith("flowlift upscale:")]
-    # torchrun stops the group as soon as one rank exits 2, so the slower rank may say "interrupted" instead
-    assert line in ours and set(ours) <= {line, "flowlift upscale: interrupted"}, result.stderr[-3000:]
+    # (compared as text: two ranks' lines on one pipe can interleave their newlines) torchrun stops the
+    # group as soon as one rank exits 2, so the slower rank may say "interrupted" instead
+    assert line in result.stderr, result.stderr[-3000:]
+    assert "flowlift upscale:" not in result.stderr.replace(line, "").replace("flowlift upscale: interrupted", "")
     assert "IsADirectoryError" not in result.stderr and f'File "{REPO}' not in result.stderr
     assert "exitcode  : 2" in result.stderr  # a rank's own status (torchrun reports any non-zero one as a failure)
     assert not processes_naming(str(out)) and not list(out.glob("*.png"))
@@ -415,7 +416,7 @@ def test_launcher_exit_status_is_the_jobs_and_failed_images_are_not_restarted(tm
     )  # fmt: skip
     assert launched.returncode == 1, launched.stderr[-3000:]
     assert "Traceback" not in launched.stderr and "ChildFailedError" not in launched.stderr, launched.stderr[-3000:]
-    assert "flowlift upscale: 2 ranks: 2 done, 0 skipped, 1 failed of 3 image(s)" in launched.stderr.splitlines()
+    assert "flowlift upscale: 2 ranks: 2 done, 0 skipped, 1 failed of 3 image(s)" in launched.stderr
     records = Manifest(out).records()
     assert sum(r["event"] == "job" for r in records) == 1  # one attempt of the group
     tried = sorted((Path(r["input"]).name, r["status"]) for r in records if r["event"] == "image")
@@ -430,7 +431,8 @@ def test_launcher_exit_status_is_the_jobs_and_failed_images_are_not_restarted(tm
     )  # fmt: skip
     assert refused.returncode == 2, refused.stderr[-3000:]
     line = f"flowlift upscale: error: cannot use the job manifest {blocked / MANIFEST_NAME}: Is a directory"
-    assert refused.stderr.splitlines() == [line, line]  # one per rank, once: no restart, no traceback
+    # one line per rank, once: no restart, no traceback (as text: two ranks' newlines may interleave)
+    assert refused.stderr.count(line) == 2 and not refused.stderr.replace(line, "").strip(), refused.stderr
 
 
 CRASH_SCRIPT = """
