@@ -1,6 +1,7 @@
 """Run inside the ComfyUI venv (spandrel + torchvision) by tests/test_spandrel_eval.py; prints one JSON line.
 
     python tests/spandrel_check.py OUT_DIR PHOTO...
+    python tests/spandrel_check.py --bad-files OUT_DIR PHOTO_DIR
 
 1. makes a randomly initialised small ESRGAN (spandrel's RRDBNet architecture, 4x, seed 0) and saves
    its state dict as OUT_DIR/esrgan.safetensors and OUT_DIR/esrgan.pth;
@@ -8,6 +9,12 @@
    on each photo's eval low-res input;
 3. ``tiling``: max |tiled - untiled| of flowlift's tiled inference (the .pth file, read with
    weights_only) on a random 56x72 image in 40 px tiles, for overlaps 2 and 16 input pixels.
+
+``--bad-files``: writes model files that spandrel loads but that cannot give a right result (the
+ESRGAN cast to int8, one NaN in it, an SCUNet whose dim 16 is below its head size 32) and runs
+``flowlift eval --run spandrel:FILE`` on PHOTO_DIR for each through the CLI's ``main`` (auto tiles,
+whose probe runs the model at load, and ``--tile none``, which first runs it on a photo): per case
+the exit status, the stderr lines and whether anything escaped ``main``.
 """
 
 from __future__ import annotations
@@ -65,8 +72,53 @@ def tiling(model_path: str, height: int, width: int, tile: int, overlaps: list[i
     return result
 
 
+def bad_files(out_dir: Path, photo_dir: str) -> dict:
+    import contextlib
+    import io
+
+    from safetensors.torch import save_file
+    from spandrel.architectures.ESRGAN import ESRGAN
+    from spandrel.architectures.SCUNet import SCUNet
+
+    from flowlift.commands.cli import main
+
+    torch.manual_seed(0)
+    esrgan = {k: v.contiguous() for k, v in ESRGAN(in_nc=3, out_nc=3, num_filters=8, num_blocks=1).state_dict().items()}
+    poisoned = dict(esrgan)
+    name = sorted(poisoned)[3]
+    poisoned[name] = poisoned[name].clone()
+    poisoned[name].view(-1)[5] = float("nan")
+    scunet = SCUNet(in_nc=3, config=[1, 1, 1, 1, 1, 1, 1], dim=16).state_dict()  # 16 < head_dim 32
+    files = {
+        "int8": {k: (v * 100).round().to(torch.int8) for k, v in esrgan.items()},
+        "nan": poisoned,
+        "scunet": {k: v.contiguous() for k, v in scunet.items()},
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"poisoned": name}
+    for case, tile in (("int8", "auto"), ("nan", "auto"), ("scunet", "auto"), ("scunet", "none")):
+        path = out_dir / f"{case}.safetensors"
+        save_file(files[case], path)
+        args = ["eval", "--run", f"spandrel:{path}:bad", "--dataset", photo_dir, "--scale", "4",
+                "--out", str(out_dir / f"report-{case}-{tile}"), "--tile", tile, "--quiet"]  # fmt: skip
+        err = io.StringIO()
+        escaped = None
+        with contextlib.redirect_stderr(err):
+            try:
+                code = main(args)
+            except BaseException as error:  # noqa: BLE001 - what escapes main would be a traceback
+                code, escaped = None, f"{type(error).__name__}: {error}"
+        report = (out_dir / f"report-{case}-{tile}" / "results.json").exists()
+        result[f"{case}-{tile}"] = {"code": code, "err": err.getvalue().splitlines(), "escaped": escaped,
+                                    "report": report, "path": str(path)}  # fmt: skip
+    return result
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    if sys.argv[1] == "--bad-files":
+        print(json.dumps(bad_files(Path(sys.argv[2]), sys.argv[3])))
+        return
     out_dir, photos = Path(sys.argv[1]), sys.argv[2:]
     result = {"model": make(out_dir)}
     result["direct"] = direct(str(out_dir / "esrgan.safetensors"), photos)

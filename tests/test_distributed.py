@@ -32,26 +32,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(nproc: int, *cli_args: str, program: tuple[str, ...] = ("-m", "flowlift", "--")) -> list[str]:
-    """``torchrun`` on one host, rendezvous on a free 127.0.0.1 port (the multi-host form of the command).
+def rendezvous_options(nproc: int) -> list[str]:
+    """One host, rendezvous on a free 127.0.0.1 port (the multi-host form of the options)."""
+    return ["--nnodes", "1", "--nproc_per_node", str(nproc), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", uuid.uuid4().hex]  # fmt: skip
+
+
+def torchrun_command(
+    nproc: int, *cli_args: str, program: tuple[str, ...] = ("-m", "flowlift", "--"), options: tuple[str, ...] = ()
+) -> list[str]:
+    """``torchrun`` with :func:`rendezvous_options` and ``options``, then the program.
 
     ``--`` ends torchrun's options: it would take eval's ``--run`` as an abbreviation of its ``--run-path``.
     """
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", uuid.uuid4().hex,
-        *program, *cli_args,
-    ]  # fmt: skip
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous_options(nproc), *options, *program, *cli_args]
 
 
 def worker_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 
 
-def run_torchrun(nproc: int, *cli_args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_torchrun(
+    nproc: int, *cli_args: str, cwd: Path, timeout: float = 120, options: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        torchrun_command(nproc, *cli_args), env=worker_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd
-    )
+        torchrun_command(nproc, *cli_args, options=options),
+        env=worker_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd,
+    )  # fmt: skip
+
+
+def processes_naming(marker: str, grace_s: float = 10.0) -> list[str]:
+    """Command lines of live processes that contain ``marker`` (e.g. a test's output folder), after
+    waiting up to ``grace_s`` for them to go: torchrun's workers run in sessions of their own, so
+    "torchrun returned" alone does not prove that every rank exited."""
+    import time
+
+    deadline = time.monotonic() + grace_s
+    while True:
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                try:
+                    line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                if marker in line:
+                    found.append(line)
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -316,12 +345,19 @@ def test_sharded_upscale_equals_one_process_and_reports_the_corrupt_image(
     assert not (tmp_path / "one" / MANIFEST_NAME).exists()  # one process, no job: nothing new written
     capsys.readouterr()
 
-    result = run_torchrun(2, *upscale_args(inputs, tmp_path / "two", shared, weights), cwd=tmp_path)
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert f'File "{REPO}' not in result.stderr  # no flowlift traceback (torchrun prints its own failure report)
+    # --max-restarts 2, as the docs recommend: a failed image is the job's outcome, not a crash to
+    # restart the group for (issue 22 item 13): every rank exits 0, torchrun prints no failure report
+    result = run_torchrun(2, *upscale_args(inputs, tmp_path / "two", shared, weights), cwd=tmp_path,
+                          options=("--max-restarts", "2"))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("flowlift upscale:")]
     assert sum("corrupt.png" in line for line in errors) == 1  # one rank reports it, once
     assert "flowlift upscale: 2 ranks: 8 done, 0 skipped, 1 failed of 9 image(s)" in errors
+    assert any("--status" in line and "exits 1" in line for line in errors)  # says where the failure shows
+    jobs = [r for r in Manifest(tmp_path / "two").records() if r["event"] == "job"]
+    assert len(jobs) == 1  # one attempt of the group: no restart
+    assert not processes_naming(str(tmp_path / "two"))
 
     one, two = outputs_of(tmp_path / "one"), outputs_of(tmp_path / "two")
     assert len(one) == 8 and two == one  # every image, byte-identical (pixels and PNG metadata)
@@ -342,6 +378,142 @@ def test_sharded_upscale_equals_one_process_and_reports_the_corrupt_image(
     assert main(["upscale", "--status", str(tmp_path / "two")]) == 1  # not complete: one failed
     status = capsys.readouterr().out
     assert "8 done, 0 skipped, 1 failed" in status and "corrupt.png" in status
+
+
+def test_a_manifest_that_cannot_be_written_stops_every_rank_with_one_line(tmp_path, shared, weights, inputs):
+    """Issue 22 item 8: a folder where the manifest goes once killed rank 0 with an IsADirectoryError
+    traceback while rank 1 went on. Every rank checks, they agree, each says so in one line, exit 2."""
+    out = tmp_path / "out"
+    (out / MANIFEST_NAME).mkdir(parents=True)
+    result = run_torchrun(2, *upscale_args(inputs, out, shared, weights), cwd=tmp_path)
+    line = f"flowlift upscale: error: cannot use the job manifest {out / MANIFEST_NAME}: Is a directory"
+    # (compared as text: two ranks' lines on one pipe can interleave their newlines) torchrun stops the
+    # group as soon as one rank exits 2, so the slower rank may say "interrupted" instead
+    assert line in result.stderr, result.stderr[-3000:]
+    assert "flowlift upscale:" not in result.stderr.replace(line, "").replace("flowlift upscale: interrupted", "")
+    assert "IsADirectoryError" not in result.stderr and f'File "{REPO}' not in result.stderr
+    assert "exitcode  : 2" in result.stderr  # a rank's own status (torchrun reports any non-zero one as a failure)
+    assert not processes_naming(str(out)) and not list(out.glob("*.png"))
+
+
+def launcher_command(nproc: int, *cli_args: str, options: tuple[str, ...] = ()) -> list[str]:
+    """``flowlift launch`` with torchrun's rendezvous options (its spelling), then ``--`` and the command."""
+    return [sys.executable, "-m", "flowlift", "launch", *rendezvous_options(nproc), *options, "--", *cli_args]
+
+
+def test_launcher_exit_status_is_the_jobs_and_failed_images_are_not_restarted(tmp_path, shared, weights, inputs):
+    """Issue 22 item 13 with ``flowlift launch``: a corrupt image under --max-restarts 2 is tried once,
+    the exit status says an image failed (1), no ChildFailedError; a user error is exit 2, not retried."""
+    import shutil
+
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    for name in ("img0.png", "img1.png", "corrupt.png"):
+        shutil.copy(inputs / name, src / name)
+    launched = subprocess.run(
+        launcher_command(2, *upscale_args(src, out, shared, weights), options=("--max-restarts", "2")),
+        env=worker_env(), capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )  # fmt: skip
+    assert launched.returncode == 1, launched.stderr[-3000:]
+    assert "Traceback" not in launched.stderr and "ChildFailedError" not in launched.stderr, launched.stderr[-3000:]
+    assert "flowlift upscale: 2 ranks: 2 done, 0 skipped, 1 failed of 3 image(s)" in launched.stderr
+    records = Manifest(out).records()
+    assert sum(r["event"] == "job" for r in records) == 1  # one attempt of the group
+    tried = sorted((Path(r["input"]).name, r["status"]) for r in records if r["event"] == "image")
+    assert tried == [("corrupt.png", "failed"), ("img0.png", "done"), ("img1.png", "done")]  # each once
+    assert not processes_naming(str(out))
+
+    blocked = tmp_path / "blocked"
+    (blocked / MANIFEST_NAME).mkdir(parents=True)
+    refused = subprocess.run(
+        launcher_command(2, *upscale_args(src, blocked, shared, weights), options=("--max-restarts", "2")),
+        env=worker_env(), capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    line = f"flowlift upscale: error: cannot use the job manifest {blocked / MANIFEST_NAME}: Is a directory"
+    # one line per rank, once: no restart, no traceback (as text: two ranks' newlines may interleave)
+    assert refused.stderr.count(line) == 2 and not refused.stderr.replace(line, "").strip(), refused.stderr
+
+
+CRASH_SCRIPT = """
+import os
+import sys
+
+from flowlift.jobs.launch import launch
+
+
+def worker(argv):
+    with open(argv[0], "a") as log:
+        log.write(f"{os.environ['RANK']} {os.environ['TORCHELASTIC_RESTART_COUNT']}\\n")
+    raise RuntimeError("a bug")
+
+
+if __name__ == "__main__":
+    sys.exit(launch(worker, [sys.argv[1]], sys.argv[2:], command="flowlift launch"))
+"""
+
+
+def test_launcher_restarts_a_crashed_group_then_reports_each_crash_in_one_line(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_SCRIPT)
+    attempts = tmp_path / "attempts.log"
+    result = subprocess.run(
+        [sys.executable, str(script), str(attempts), *rendezvous_options(1), "--max-restarts", "1"],
+        env=worker_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 3, result.stderr[-3000:]  # jobs.launch.CRASHED: neither images nor a user error
+    assert attempts.read_text().splitlines() == ["0 0", "0 1"]  # started again once
+    ours = [line for line in result.stderr.splitlines() if line.startswith("flowlift launch:")]
+    assert ours == ["flowlift launch: rank 0 crashed (exit code 1: RuntimeError: a bug); 1 restart(s) did not help"]
+    assert "RuntimeError: a bug" in result.stderr.replace(ours[0], "")  # the crash keeps its traceback
+    assert not processes_naming(str(attempts))
+
+
+def test_launcher_options_and_exit_status(monkeypatch):
+    from flowlift.jobs.launch import CRASHED, job_status, launch_config
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's configuration sets it when unset
+    config = launch_config(["--nproc_per_node", "3", "--max-restarts", "2"])
+    assert (config.nproc_per_node, config.max_restarts, config.min_nodes, config.max_nodes) == (3, 2, 1, 1)
+    assert (config.rdzv_backend, config.rdzv_endpoint) == ("c10d", "localhost:0")  # one node: torchrun's standalone
+    config = launch_config(["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h0:29400"])
+    assert (config.min_nodes, config.max_nodes, config.rdzv_endpoint) == (1, 2, "h0:29400")
+    for bad in (["--nnodes", "x"], ["--nproc-per-node", "many"], ["--bogus"]):
+        with pytest.raises(FlowliftError, match="^launcher options: ") as info:
+            launch_config(bad)
+        assert "\n" not in str(info.value)
+    assert job_status({0: 0, 1: 0}) == 0 and job_status({}) == 0
+    assert job_status({0: 1, 1: 0}) == 1  # an image failed on some rank
+    assert job_status({0: 1, 1: 2}) == 2 and job_status({0: 130, 1: 1}) == 130  # not hidden behind a 1
+    assert job_status({0: None}) == CRASHED
+
+
+def test_launcher_refuses_a_missing_or_unlaunchable_command_in_one_line(capsys):
+    from flowlift.commands.cli import main
+
+    assert main(["launch", "--nproc-per-node", "2"]) == 2
+    assert main(["launch", "--", "app"]) == 2
+    assert main(["launch", "--max-restarts", "-1", "--", "upscale", "a.png"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and all(line.startswith("flowlift launch: error: ") for line in err), err
+    assert "after --" in err[0] and "app" in err[1] and "max_restarts" in err[2]
+
+
+def test_manifest_that_cannot_be_written_is_one_line(tmp_path):
+    from flowlift.jobs.distributed import agree
+
+    (tmp_path / MANIFEST_NAME).mkdir()
+    blocked = Manifest(tmp_path)
+    assert blocked.writable_problem() == f"cannot use the job manifest {tmp_path / MANIFEST_NAME}: Is a directory"
+    with pytest.raises(FlowliftError, match="Is a directory"):
+        blocked.append({"event": "summary"})
+    with pytest.raises(FlowliftError, match="Is a directory"):
+        blocked.records()
+    with pytest.raises(FlowliftError, match="Is a directory"):
+        agree(DistEnv(), blocked.writable_problem())
+    agree(DistEnv(), None)
+    fresh = Manifest(tmp_path / "new" / "out")
+    assert fresh.writable_problem() is None and fresh.exists() and fresh.records() == []
 
 
 def test_killed_rank_loses_only_its_image_in_flight_and_reruns_finish_the_job(

@@ -200,3 +200,46 @@ def test_eval_help_lists_the_spandrel_method_with_an_example():
     assert result.returncode == 0, result.stderr
     assert "spandrel:PATH[:label][+colorfix]" in result.stdout
     assert "--run spandrel:models/4x-UltraSharp.pth:ultrasharp" in result.stdout
+
+
+# -- models that cannot give a right result (issue 22 items 5 and 9) -------------------------------------
+
+
+def test_weight_dtype_check_refuses_integers_also_under_renamed_keys():
+    from flowlift.models.weights import dtype_mismatch
+
+    module = torch.nn.Conv2d(3, 4, 1)
+    module.register_buffer("index", torch.zeros(3, dtype=torch.long))  # an index buffer, as SwinIR's
+    fine = {"weight": torch.randn(4, 3, 1, 1), "bias": torch.randn(4), "index": torch.arange(3)}
+    assert dtype_mismatch(module, fine) is None
+    assert "`bias` has dtype int8" in dtype_mismatch(module, {**fine, "bias": torch.ones(4, dtype=torch.int8)})
+    # a loader that renames keys (spandrel's ESRGAN: conv_first -> model.0) loads what the module does not name
+    renamed = {"conv_first.weight": torch.ones(4, 3, 1, 1, dtype=torch.int8), "index": torch.arange(3)}
+    assert "`conv_first.weight` has dtype int8" in dtype_mismatch(module, renamed)
+
+
+def test_a_model_that_fails_or_gives_nan_is_one_line_naming_the_file():
+    class _Descriptor:
+        scale = 2
+        architecture = SimpleNamespace(name="Broken")
+
+        def __init__(self, behaviour):
+            self.behaviour = behaviour
+
+        def __call__(self, x):
+            if self.behaviour == "raise":
+                raise RuntimeError("\n Error while processing pattern\n Shape mismatch, can't divide 24 by 32")
+            return torch.full((1, 3, x.shape[-2] * 2, x.shape[-1] * 2), float("nan"))
+
+    low = (torch.rand(20, 30, 3) * 255).round().to(torch.uint8).numpy()
+    broken = PixelUpscaler(_Descriptor("raise"), Path("m/odd.safetensors"), torch.device("cpu"), torch.float32)
+    with pytest.raises(FlowliftError) as info:
+        broken.upscale(low, 2)
+    text = str(info.value)
+    assert "\n" not in text and text.startswith("m/odd.safetensors: Broken cannot run on a 20x30 input")
+    assert "RuntimeError: Error while processing pattern ... Shape mismatch" in text
+    with pytest.raises(FlowliftError, match="odd.safetensors: Broken cannot run on a 64x64"):  # the tile probe
+        peak_bytes_per_pixel(broken._forward, torch.device("cpu"), torch.float32, side=64)
+    nan = PixelUpscaler(_Descriptor("nan"), Path("m/nan.safetensors"), torch.device("cpu"), torch.float16)
+    with pytest.raises(FlowliftError, match=r"m/nan.safetensors: Broken gave NaN or Inf .* float16"):
+        nan.upscale(low, 2)

@@ -103,3 +103,26 @@ def test_tiled_inference_matches_untiled(model_checks):
     assert tiling["16"] <= 1e-6  # the tiny model's receptive field fits in 16 px: float noise only
     assert tiling["2"] <= 1e-3  # seams from cut context stay small
 
+
+
+def test_bad_model_files_are_one_line_naming_the_file_and_what_is_wrong(venv_run, photos):
+    """int8 weights (issue 22 item 5: once a +150/255 cast and exit 0), a NaN, and an SCUNet that builds
+    but cannot run (item 9: once an EinopsError traceback), at load (auto tiles probe the model) and
+    on the first photo (--tile none): exit 2, one line naming the file, no report."""
+    result = venv_run(str(TESTS / "spandrel_check.py"), "--bad-files", "bad", str(photos))
+    assert result.returncode == 0, result.stderr[-3000:]
+    cases = json.loads(result.stdout.strip().splitlines()[-1])
+    expected = {
+        "int8-auto": "weights do not fit ESRGAN: `model.0.bias` has dtype int8, expected floating point",
+        "nan-auto": f"contain NaN in `{cases['poisoned']}`",
+        "scunet-auto": "SCUNet cannot run on a 64x64 input",
+        "scunet-none": "SCUNet cannot run on a 32x48 input",
+    }
+    for case, text in expected.items():
+        outcome = cases[case]
+        assert outcome["escaped"] is None, (case, outcome)
+        assert outcome["code"] == 2 and len(outcome["err"]) == 1, (case, outcome)
+        line = outcome["err"][0]
+        assert line.startswith("flowlift eval: error: ") and outcome["path"] in line and text in line, (case, line)
+        assert not outcome["report"], case
+    assert "EinopsError" in cases["scunet-none"]["err"][0]  # what the model said, on the same line

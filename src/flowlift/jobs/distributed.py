@@ -32,6 +32,19 @@ from flowlift.errors import FlowliftError
 
 #: Default seconds the end-of-job barrier waits for the slowest rank before giving up on the summary.
 DEFAULT_BARRIER_TIMEOUT_S = 1800.0
+#: Set in the workers ``flowlift launch`` starts: there a rank's return value (not its exit status)
+#: carries the job's outcome back to the launcher (:mod:`flowlift.jobs.launch`).
+LAUNCH_WORKER_ENV = "FLOWLIFT_LAUNCH_WORKER"
+
+
+def outcome_is_returned() -> bool:
+    """True in a worker of ``flowlift launch``; False under plain ``torchrun`` or in one process.
+
+    Under plain ``torchrun`` a rank's exit status is all its agent sees, and any non-zero one is a
+    crash to it (restarted under ``--max-restarts``, then reported with a ``ChildFailedError``
+    traceback), so ranks that reached the end of the job exit 0 also when images failed.
+    """
+    return os.environ.get(LAUNCH_WORKER_ENV) == "1"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -205,6 +218,18 @@ def broadcast(env: DistEnv, value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def agree(env: DistEnv, problem: str | None) -> None:
+    """Raise :class:`FlowliftError` on every rank when any rank has a ``problem`` (one line each).
+
+    For checks before the work (can the manifest be written?): a rank that stopped alone would
+    leave the others in the next collective until its timeout, or -- on a file system whose state
+    differs between hosts -- run a job with a rank missing.
+    """
+    problems = [p for p in all_gather(env, problem) if p]
+    if problems:
+        raise FlowliftError(problems[0])
 
 
 def probe_and_gather(env: DistEnv, items: Sequence[Any], probe: Callable[[Any], Any]) -> list[Any]:

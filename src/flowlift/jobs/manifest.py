@@ -56,17 +56,31 @@ class Manifest:
     def exists(self) -> bool:
         return self.path.is_file()
 
+    def writable_problem(self) -> str | None:
+        """Why this process cannot append to the manifest (a folder in its place, no permission, a
+        read-only file system), as one line, or ``None``. Opening is the test (creating the file
+        when it is missing): permission bits say nothing reliable for root or on NFS."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666))
+        except OSError as error:
+            return _os_problem(self.path, error)
+        return None
+
     def append(self, record: Mapping[str, Any]) -> None:
         data = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         try:
-            _lock(descriptor)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(descriptor, view) :]
-        finally:
-            os.close(descriptor)  # releases the lock
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            try:
+                _lock(descriptor)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(descriptor, view) :]
+            finally:
+                os.close(descriptor)  # releases the lock
+        except OSError as error:  # e.g. the disk filled up mid-job: one line, not a traceback
+            raise FlowliftError(_os_problem(self.path, error)) from None
 
     def records(self) -> list[dict[str, Any]]:
         """All well-formed records in file order (torn or foreign lines are skipped)."""
@@ -74,6 +88,8 @@ class Manifest:
             raw = self.path.read_bytes()
         except FileNotFoundError:
             return []
+        except OSError as error:
+            raise FlowliftError(_os_problem(self.path, error)) from None
         out = []
         for line in raw.splitlines():
             try:
@@ -83,6 +99,10 @@ class Manifest:
             if isinstance(record, dict) and "event" in record:
                 out.append(record)
         return out
+
+
+def _os_problem(path: Path, error: OSError) -> str:
+    return f"cannot use the job manifest {path}: {error.strerror or error}"
 
 
 def _lock(descriptor: int) -> None:

@@ -15,8 +15,18 @@
      its error line); rank 0 also records the plan (a ``job`` record), the inputs it refuses and the
      finished outputs the manifest did not know yet;
   4. a monitored barrier with a timeout, the ranks' counts gathered, and rank 0's summary line (and
-     ``summary`` record). Rank 0 exits 1 when any image failed on any rank (so does ``torchrun``),
-     the other ranks 0 once they passed the barrier.
+     ``summary`` record).
+
+Exit status: "some images failed" is the job's outcome, "a rank could not finish" is a failure of
+the run, and only the second is a non-zero exit status of a rank. Under plain ``torchrun`` every rank
+that passed the barrier exits 0, also when images failed (the summary line, the manifest and
+``flowlift upscale --status`` say so, the last with exit 1): ``torchrun`` treats any non-zero rank
+as a crash, restarts the whole group for it under ``--max-restarts`` and prints its
+``ChildFailedError`` traceback. Under ``flowlift launch`` (:mod:`flowlift.jobs.launch`) every rank
+returns the job's outcome (1 when any image failed on any rank) as a value, which becomes the
+launcher's exit status. A user error is exit 2 on the ranks that meet it (checks that can differ
+between ranks, such as whether the manifest can be written, are agreed first, so that all ranks
+stop together); a barrier timeout is 1 on every rank.
 
 A rank killed mid-run loses only its image in flight (outputs are written atomically and recorded
 after they exist); rerunning the same command with any world size redoes exactly the images whose
@@ -35,10 +45,12 @@ from flowlift.jobs.batch import Job, error_line, pending, report, run_jobs
 from flowlift.jobs.distributed import (
     DEFAULT_BARRIER_TIMEOUT_S,
     DistEnv,
+    agree,
     broadcast,
     finish,
     image_pixels,
     new_run_id,
+    outcome_is_returned,
     probe_and_gather,
     process_group,
     shard_by_pixels,
@@ -104,6 +116,7 @@ def _run_share(
     env: DistEnv,
     progress: bool | None,
 ) -> int:
+    agree(env, manifest.writable_problem())  # e.g. a folder in its place: every rank stops, with one line
     run = broadcast(env, new_run_id())
 
     def probe(job: Job) -> tuple[int, bool]:
@@ -126,23 +139,32 @@ def _run_share(
     counts = {"total": result.total, "done": result.done, "skipped": result.skipped, "failed": result.failed}
     per_rank, reason = finish(env, counts, barrier_timeout)
     if per_rank is None:
-        report(command, None, f"no summary: not every rank finished within {barrier_timeout:.0f} s ({reason})")
+        # a rank that stopped early (a user error on it alone) ends the wait at once; a slow or hung one, the timeout
+        report(command, None, f"no summary: not every rank reached the end (waited up to {barrier_timeout:.0f} s: "
+                              f"{reason})")  # fmt: skip
         return 1  # on every rank: the job's state is unknown
     totals = total_counts(per_rank)
-    if not env.is_main:
-        # the job's status is rank 0's: torchrun stops the other ranks as soon as one exits non-zero,
-        # which must not cut rank 0's summary short (this rank's failures are in it)
+    failed = int(totals["failed"])
+    if env.is_main:
+        if env.distributed:
+            report(
+                command,
+                None,
+                f"{env.world_size} ranks: {totals['done']} done, {totals['skipped']} skipped, "
+                f"{failed} failed of {totals['total']} image(s)",
+            )
+        manifest.append({"event": "summary", "run": run, "time": now_iso(), "world_size": env.world_size,
+                         **{k: int(totals[k]) for k in ("total", "done", "skipped", "failed")}})  # fmt: skip
+    if failed and env.distributed and not outcome_is_returned():
+        if env.is_main:
+            report(
+                command,
+                None,
+                f"the ranks exit 0 so that torchrun does not restart the job for image failures; "
+                f"`flowlift upscale --status {manifest.path.parent}` exits 1 until they are redone",
+            )
         return 0
-    if env.distributed:
-        report(
-            command,
-            None,
-            f"{env.world_size} ranks: {totals['done']} done, {totals['skipped']} skipped, "
-            f"{totals['failed']} failed of {totals['total']} image(s)",
-        )
-    manifest.append({"event": "summary", "run": run, "time": now_iso(), "world_size": env.world_size,
-                     **{k: int(totals[k]) for k in ("total", "done", "skipped", "failed")}})  # fmt: skip
-    return 1 if totals["failed"] else 0
+    return 1 if failed else 0
 
 
 def _record_plan(manifest: Manifest, jobs: list[Job], todo: list[int], run: str, env: DistEnv) -> None:

@@ -5,6 +5,11 @@
 itself (safetensors, or ``torch.load(weights_only=True)``; pickles that need more are refused) and
 hands the state dict to spandrel's architecture registry, so spandrel's own unpickler never runs.
 
+The weights pass the checks every flowlift loader applies (:mod:`flowlift.models.weights`: no
+integer or bool tensor where the model holds floats, no NaN or Inf), and whatever the model does
+wrong later -- a self-inconsistent file that builds but cannot run, NaN or Inf in its output -- is
+one :class:`FlowliftError` line naming the file, never a traceback or a plausible-looking image.
+
 A model runs at its native scale, tiled with overlap when the image is larger than a tile
 (:func:`flowlift.measure.tiled_inference.run_tiled`, tile size from the memory a probe pass needs:
 :func:`auto_tile_size`), and its
@@ -31,6 +36,7 @@ from flowlift.measure.tiled_inference import (
     run_tiled,
     tile_side_for,
 )
+from flowlift.models.weights import check_finite_state, dtype_mismatch
 
 MODEL_SUFFIXES = (".safetensors", ".pth", ".pt", ".ckpt", ".bin")
 
@@ -106,13 +112,32 @@ class PixelUpscaler:
         return text
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.descriptor(x)
+        # spandrel builds whatever the file's shapes describe; a file whose shapes contradict each
+        # other (SCUNet with dim 16 < its head size 32) only fails here, in the model's own code
+        try:
+            return self.descriptor(x)
+        except torch.OutOfMemoryError:
+            raise FlowliftError(
+                f"{self.path}: {self.architecture} ran out of memory on a {x.shape[-2]}x{x.shape[-1]} input; "
+                "use a smaller --tile"
+            ) from None
+        except Exception as error:  # noqa: BLE001 - any failure inside the model is a bad model file
+            raise FlowliftError(
+                f"{self.path}: {self.architecture} cannot run on a {x.shape[-2]}x{x.shape[-1]} input "
+                f"(the file is inconsistent or not a model spandrel runs): {_first_line(error)}"
+            ) from None
 
     def upscale_tensor(self, image: torch.Tensor) -> torch.Tensor:
         """(1, 3, h, w) float in [0, 1] -> (1, 3, h * native_scale, w * native_scale), tiled as set."""
         x = image.to(device=self.device, dtype=self.dtype)
         with torch.no_grad():
-            return run_tiled(self._forward, x, self.native_scale, self.tile, self.overlap)
+            out = run_tiled(self._forward, x, self.native_scale, self.tile, self.overlap)
+        if not bool(torch.isfinite(out).all()):  # clamped to uint8 it would pass for an image
+            raise FlowliftError(
+                f"{self.path}: {self.architecture} gave NaN or Inf for a {x.shape[-2]}x{x.shape[-1]} input "
+                f"(in {str(self.dtype).removeprefix('torch.')}; try --dtype float32)"
+            )
+        return out
 
     def upscale(self, image: np.ndarray, scale: int) -> np.ndarray:
         """uint8 HWC RGB in, uint8 HWC RGB out at ``scale`` times the size: the model at its native
@@ -157,12 +182,20 @@ def load_pixel_upscaler(
         ) from None
     device = torch.device(device)
     try:
-        descriptor = spandrel.ModelLoader(device="cpu").load_from_state_dict(spandrel.canonicalize_state_dict(state))
+        state = spandrel.canonicalize_state_dict(state)
+        tensors = {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+        check_finite_state(tensors, what=f"{path}: weights")
+        descriptor = spandrel.ModelLoader(device="cpu").load_from_state_dict(state)
+    except FlowliftError:
+        raise
     except spandrel.UnsupportedModelError:
         raise FlowliftError(f"{path}: spandrel does not recognise this model's architecture") from None
-    except (KeyError, RuntimeError, ValueError, AssertionError) as error:
-        first = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-        raise FlowliftError(f"{path}: spandrel cannot build the model: {first}") from None
+    except Exception as error:  # noqa: BLE001 - whatever the architecture's builder trips on is a bad file
+        raise FlowliftError(f"{path}: spandrel cannot build the model: {_first_line(error)}") from None
+    # load_state_dict has already cast an int8 file into the float model, silently: refuse it by the file's dtypes
+    problem = dtype_mismatch(descriptor.model, tensors)
+    if problem:
+        raise FlowliftError(f"{path}: weights do not fit {descriptor.architecture.name}: {problem}")
     if not isinstance(descriptor, spandrel.ImageModelDescriptor):
         raise FlowliftError(f"{path}: {descriptor.architecture.name} is not a single-image model")
     if descriptor.input_channels != 3 or descriptor.output_channels != 3:
@@ -174,6 +207,9 @@ def load_pixel_upscaler(
         descriptor.to(device=device, dtype=dtype)
     except spandrel.UnsupportedDtypeError as error:
         raise FlowliftError(f"{path}: {error}") from None
+    if dtype != torch.float32:  # float16 overflows past 65504: a finite file can become Inf here
+        cast = str(dtype).removeprefix("torch.")
+        check_finite_state(descriptor.model.state_dict(), what=f"{path}: weights in {cast}")
     descriptor.eval()
     model = PixelUpscaler(descriptor, Path(path), device, dtype, overlap=overlap)
     if tile == "auto":
@@ -184,6 +220,14 @@ def load_pixel_upscaler(
         if model.tile - 2 * overlap < 1:
             raise FlowliftError(f"tile {tile} must exceed twice the overlap ({overlap})")
     return model
+
+
+def _first_line(error: BaseException) -> str:
+    """An exception's type and the first and last non-empty lines of its text (einops puts the
+    pattern first and the actual mismatch last), as one line."""
+    lines = [line.strip()[:200] for line in str(error).splitlines() if line.strip()]
+    text = " ... ".join(lines[:1] + lines[-1:] if len(lines) > 1 else lines)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def auto_tile_size(model: PixelUpscaler) -> int:

@@ -168,12 +168,14 @@ def dtype_mismatch(module: torch.nn.Module, state: Mapping[str, torch.Tensor]) -
     """The first tensor of ``state`` that is not floating point where ``module`` expects floats, described.
 
     ``load_state_dict`` would cast an int8 or bool tensor into a float parameter without a word
-    (quantized or corrupt files then load as garbage), so such a file is refused instead.
+    (quantized or corrupt files then load as garbage), so such a file is refused instead. A
+    non-float tensor passes only where ``module`` holds a non-float tensor of the same name (an
+    index buffer): loaders that rename keys on the way in (spandrel's) cannot slip one past.
     """
     expected = module.state_dict()
     for name in sorted(state):
         tensor, target = state[name], expected.get(name)
-        if target is not None and target.is_floating_point() and not tensor.is_floating_point():
+        if not tensor.is_floating_point() and (target is None or target.is_floating_point()):
             return f"`{name}` has dtype {str(tensor.dtype).removeprefix('torch.')}, expected floating point"
     return None
 
