@@ -8,6 +8,7 @@ runs. Exit codes: 0 ok, 1 some images failed, 2 user error, 130 interrupted.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, PngImagePlugin
 from safetensors.torch import load_file, save_file
 
 from flowlift.commands.cli import main
@@ -868,7 +869,8 @@ def test_cap_dropped_passes_name_the_output_by_the_scale_produced_and_resume(sha
     assert "skipped" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("damage", ["empty", "garbage", "truncated", "wrong size", "not an image"])
+@pytest.mark.parametrize("damage", ["empty", "garbage", "truncated", "cut mid-data", "another flowlift run",
+                                    "not an image"])
 def test_broken_existing_outputs_are_redone_not_skipped(shared, tiny_weights, tmp_path, capsys, damage):
     Image.new("RGB", (48, 32), (10, 200, 90)).save(tmp_path / "a.png")
     out = tmp_path / "out"
@@ -882,8 +884,12 @@ def test_broken_existing_outputs_are_redone_not_skipped(shared, tiny_weights, tm
         target.write_bytes(os.urandom(500))
     elif damage == "truncated":
         target.write_bytes(good[:20])
-    elif damage == "wrong size":
-        Image.new("RGB", (48, 32)).save(target)
+    elif damage == "cut mid-data":  # the header (and size) intact: only a full read finds it
+        target.write_bytes(good[: len(good) * 2 // 3])
+    elif damage == "another flowlift run":  # flowlift's own result at another size (other settings)
+        info = PngImagePlugin.PngInfo()
+        info.add_text("Software", "flowlift 0.1.0 upscale")
+        Image.new("RGB", (48, 32)).save(target, pnginfo=info)
     else:
         target.write_text("hello")
     capsys.readouterr()
@@ -893,6 +899,85 @@ def test_broken_existing_outputs_are_redone_not_skipped(shared, tiny_weights, tm
     with Image.open(target) as result:
         assert result.size == (96, 64)
     assert main(argv) == 0 and "skipped" in capsys.readouterr().err
+
+
+def _png_bytes(size: tuple[int, int], colour: tuple[int, int, int], fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("theirs", ["png of another size", "jpeg of another size", "huge png"])
+def test_a_users_image_at_an_output_name_is_never_overwritten(shared, tiny_weights, tmp_path, capsys, theirs):
+    """Issue 22.1: any valid image flowlift did not write is the user's: one line for that input, exit 1,
+    the batch goes on; only --overwrite replaces it."""
+    for name, colour in (("a", (200, 40, 40)), ("b", (40, 200, 40))):
+        Image.new("RGB", (48, 32), colour).save(tmp_path / f"{name}.png")
+    out = tmp_path / "out"
+    out.mkdir()
+    suffix = ".jpg" if theirs.startswith("jpeg") else ".png"
+    fmt = "jpg" if suffix == ".jpg" else "png"
+    if theirs == "huge png":  # past Pillow's decompression-bomb limit: a picture all the same
+        with Image.new("1", (14000, 14000)) as huge:
+            buffer = io.BytesIO()
+            huge.save(buffer, format="PNG")
+        user = buffer.getvalue()
+    else:
+        user = _png_bytes((128, 96), (1, 2, 3), "JPEG" if suffix == ".jpg" else "PNG")
+    (out / f"a_x2{suffix}").write_bytes(user)
+    argv = _upscale(shared, tiny_weights, str(tmp_path / "a.png"), str(tmp_path / "b.png"), "-o", str(out),
+                    "--format", fmt)  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    refused = [line for line in err.splitlines() if "was not written by flowlift" in line]
+    assert len(refused) == 1 and "a.png" in refused[0] and "use --overwrite" in refused[0], err
+    assert "Traceback" not in err and "redoing" not in err
+    assert (out / f"a_x2{suffix}").read_bytes() == user  # kept, byte for byte
+    assert (out / f"b_x2{suffix}").is_file()  # the batch went on
+    assert main(argv) == 1 and (out / f"a_x2{suffix}").read_bytes() == user  # and stays refused
+    capsys.readouterr()
+    assert main([*argv, "--overwrite"]) == 0
+    with Image.open(out / f"a_x2{suffix}") as replaced:
+        assert replaced.size == (96, 64)
+
+
+def test_a_users_image_of_the_right_size_is_skipped_not_replaced(shared, tiny_weights, tmp_path, capsys):
+    Image.new("RGB", (48, 32), (200, 40, 40)).save(tmp_path / "a.png")
+    user = _png_bytes((96, 64), (9, 9, 9))
+    (tmp_path / "a_x2.png").write_bytes(user)
+    assert main(_upscale(shared, tiny_weights, str(tmp_path / "a.png"))) == 0
+    assert "skipped" in capsys.readouterr().err and (tmp_path / "a_x2.png").read_bytes() == user
+
+
+def test_colorfix_and_a_continued_job_refuse_a_users_image_too(tmp_path, capsys):
+    """The same rule where colorfix plans its outputs and where a job with a manifest (torchrun's path,
+    here continued by one process) does: refused in one line, recorded as failed, the file kept."""
+    from flowlift.jobs.batch import plan_jobs
+    from flowlift.jobs.distributed import DistEnv
+    from flowlift.jobs.manifest import Manifest, latest_by_output
+    from flowlift.jobs.scaleout import run_batch
+
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(tmp_path / "a_x2.png")
+    user = _png_bytes((5, 5), (1, 2, 3))
+    (tmp_path / "a_x2_colorfix.png").write_bytes(user)
+    code = main(["colorfix", str(tmp_path / "a_x2.png"), "--reference", str(tmp_path / "a.png")])
+    err = capsys.readouterr().err
+    assert code == 1 and "was not written by flowlift" in err and "Traceback" not in err
+    assert (tmp_path / "a_x2_colorfix.png").read_bytes() == user
+
+    out = tmp_path / "job"
+    out.mkdir()
+    (out / "a_x2.png").write_bytes(user)
+    Manifest(out).append({"event": "job", "run": "earlier", "inputs": 1, "todo": 1, "world_size": 2})
+    jobs = plan_jobs([tmp_path / "a.png"], str(out), lambda p: f"{p.stem}_x2.png", (".png",),
+                     expected_size=lambda p: (20, 24))  # fmt: skip
+    assert run_batch(jobs, lambda: None, command="upscale", output=str(out), env=DistEnv()) == 1
+    assert "was not written by flowlift" in capsys.readouterr().err
+    assert (out / "a_x2.png").read_bytes() == user
+    record = latest_by_output(Manifest(out).records())[os.path.abspath(out / "a_x2.png")]
+    assert record["status"] == "failed" and "was not written by flowlift" in record["error"]
 
 
 def test_bad_paths_cost_one_line_each_and_the_batch_goes_on(shared, tiny_weights, tmp_path, capsys):
