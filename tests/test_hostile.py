@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import signal
+import time
 import warnings
 from pathlib import Path
 
@@ -739,7 +740,46 @@ def test_killed_mid_write_then_resume(shared, tiny_weights, tmp_path, capsys, la
         for name in ("a_x2.png", "b_x2.png"):
             with Image.open(out / name) as result:
                 assert result.size == (96, 64)
-    assert all(not p.exists() or p.name.startswith(".") for p in debris)
+        # issue 22.3: the killed run's hidden temporaries (either naming) are gone after the rerun
+        assert not [p for p in out.iterdir() if p.name.startswith(".")], sorted(out.iterdir())
+    assert debris and not any(p.exists() for p in debris)
+
+
+_LIVE_WRITER = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from flowlift.files.atomic import atomic_output
+with atomic_output(sys.argv[1]) as tmp:
+    tmp.write_bytes(b"half an image")
+    print(tmp, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_live_writers_temporary_is_left_alone_and_removed_once_it_is_killed(tmp_path, capsys):
+    """Issue 22.3: a later run removes the temporaries of killed runs, never one a live process writes."""
+    import subprocess
+    import sys
+
+    from flowlift.files.atomic import remove_stale_temporaries, temporary_in_use
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    writer = subprocess.Popen([sys.executable, "-c", _LIVE_WRITER, str(tmp_path / "a_x2.png"), str(src)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        temporary = Path(writer.stdout.readline().strip())
+        assert temporary.is_file() and temporary_in_use(temporary)
+        assert remove_stale_temporaries(tmp_path, before=time.time() + 60) == []  # older than the run, but locked
+        assert temporary.is_file()
+        assert main(["upscale", "--status", str(tmp_path)]) == 1
+        assert f"being written now: {temporary.name}" in capsys.readouterr().out
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    assert writer.returncode == -signal.SIGKILL and temporary.is_file()
+    assert not temporary_in_use(temporary)  # the kernel dropped the dead writer's lock
+    assert remove_stale_temporaries(tmp_path, before=temporary.stat().st_mtime) == []  # not older than the run
+    assert remove_stale_temporaries(tmp_path) == [temporary] and list(tmp_path.iterdir()) == []
 
 
 # ------------------------------------------------------------------------------------------------

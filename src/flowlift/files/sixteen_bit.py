@@ -102,6 +102,26 @@ def load_image_16bit(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray | 
     return _orient(rgb, orientation), None if alpha is None else _orient(alpha, orientation)
 
 
+def sixteen_bit_source(path: str | os.PathLike, out: str | os.PathLike) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """:func:`load_image_16bit` of ``path`` when it holds 16-bit samples and ``out``'s format keeps them;
+    None otherwise. A 16-bit ``path`` that will be written 8-bit costs one warning line, naming why
+    (before any work, so the user can stop and choose ``--format png``)."""
+    from flowlift.files.images import FlowliftWarning
+
+    if not has_16bit_samples(path):
+        return None
+    suffix = Path(out).suffix.lower()
+    deep = load_image_16bit(path) if suffix in SIXTEEN_BIT_SUFFIXES else None
+    if deep is None:
+        why = (
+            "its 16-bit samples could not be read"
+            if suffix in SIXTEEN_BIT_SUFFIXES
+            else f"{suffix.lstrip('.').upper()} holds 8 bits per sample (use --format png, or -o NAME.tif, to keep 16)"
+        )
+        warnings.warn(FlowliftWarning(f"{path}: a 16-bit image, written 8-bit to {out}: {why}"), stacklevel=3)
+    return deep
+
+
 def tensor_to_uint16(image: torch.Tensor) -> np.ndarray:
     """One image tensor (3, H, W) or (1, 3, H, W) in [0, 1] -> uint16 (H, W, 3): ``round(65535 * x)``,
     clamped; NaN/Inf refused (they would become black)."""

@@ -71,8 +71,9 @@ def folder_status(folder: str | os.PathLike) -> FolderStatus:
             continue
         found = inspect_existing(entry)
         if not (found.image and found.complete):
-            reason = "empty" if found.empty else "truncated" if found.image else "not an image"
+            reason = "empty" if found.empty else "truncated" if found.image else "unreadable"
             status.broken.append((entry, reason))
+            made_from.add(source_stem(entry.stem) or entry.stem)  # its source is not missing: it is broken
             continue
         try:
             metadata = read_metadata(entry) if found.size is not None else {}

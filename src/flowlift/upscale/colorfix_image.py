@@ -34,7 +34,7 @@ def integer_scale(upscaled_size: tuple[int, int], reference_size: tuple[int, int
     if width % ref_w or height % ref_h or ratio_w != ratio_h:
         raise FlowliftError(
             f"{width}x{height} is not an integer multiple of the reference {ref_w}x{ref_h} "
-            f"({ratio_w:.3g}x by {ratio_h:.3g}x), not an upscale by one integer factor on both axes"
+            f"({ratio_w:.3g}x by {ratio_h:.3g}x); an upscale needs the same integer scale on both axes"
         )
     if ratio_w < max(2, minimum):
         if minimum <= 1:
@@ -68,7 +68,8 @@ def color_fix_array(
     *,
     device: torch.device | str = "cpu",
 ) -> np.ndarray:
-    """:func:`color_fix_image` on uint8 HWC RGB arrays; returns a uint8 HWC RGB array.
+    """:func:`color_fix_image` on uint8 or uint16 HWC RGB arrays (each scaled by its own range);
+    returns an HWC RGB array of ``upscaled``'s dtype, so 16-bit images stay 16-bit.
 
     ``Lab(area_down(result))`` equals ``Lab(reference)`` at strength 1 (to L*a*b*'s nonlinearity and
     clipping, which stage 2's iterations remove); detail above the reference's Nyquist stays the
@@ -78,13 +79,14 @@ def color_fix_array(
         raise FlowliftError(f"colour fix strength must be in [0, 1], got {strength}")
     integer_scale((upscaled.shape[1], upscaled.shape[0]), (reference.shape[1], reference.shape[0]))
     from flowlift.files.images import tensor_to_uint8, to_tensor
+    from flowlift.files.sixteen_bit import tensor_to_uint16
 
     device = torch.device(device)
     out = to_tensor(upscaled, device=device, dtype=torch.float32)
     ref = to_tensor(reference, device=device, dtype=torch.float32)
     with torch.no_grad():
         fixed = lab_lowband_transplant(out, ref, strength, inplace=True)
-    return tensor_to_uint8(fixed)[0]
+    return tensor_to_uint16(fixed) if upscaled.dtype == np.uint16 else tensor_to_uint8(fixed)[0]
 
 
 def color_fix_image(

@@ -112,20 +112,18 @@ def read_source(source: Path, out: Path) -> SourcePixels:
     warning line (before any work) when ``out``'s format drops the 16 bits or the alpha channel."""
     from flowlift.files.image_outputs import ALPHA_SUFFIXES, warn_alpha_dropped
     from flowlift.files.images import FlowliftWarning, load_image, to_tensor
-    from flowlift.files.sixteen_bit import SIXTEEN_BIT_SUFFIXES, has_16bit_samples, load_image_16bit
+    from flowlift.files.sixteen_bit import sixteen_bit_source
 
     image, alpha = load_image(source)
-    suffix = out.suffix.lower()
-    if alpha is not None and suffix not in ALPHA_SUFFIXES:
+    if alpha is not None and out.suffix.lower() not in ALPHA_SUFFIXES:
         warn_alpha_dropped(out)
         alpha = None
-    if not has_16bit_samples(source):
-        return SourcePixels(image, image, alpha)
-    deep = load_image_16bit(source) if suffix in SIXTEEN_BIT_SUFFIXES else None
-    if deep is None or (deep[0].shape[1], deep[0].shape[0]) != image.size:
-        why = "its 16-bit samples could not be read" if suffix in SIXTEEN_BIT_SUFFIXES else (
-            f"{suffix.lstrip('.').upper()} holds 8 bits per sample (use --format png, or -o NAME.tif, to keep 16)")
-        warnings.warn(FlowliftWarning(f"{source}: a 16-bit image, written 8-bit to {out}: {why}"), stacklevel=2)
+    deep = sixteen_bit_source(source, out)
+    if deep is not None and (deep[0].shape[1], deep[0].shape[0]) != image.size:
+        warnings.warn(FlowliftWarning(f"{source}: its 16-bit samples do not match the image; written 8-bit"),
+                      stacklevel=2)  # fmt: skip
+        deep = None
+    if deep is None:
         return SourcePixels(image, image, alpha)
     rgb16, alpha16 = deep
     return SourcePixels(image, to_tensor(rgb16), alpha, alpha16 if alpha is not None else None)
