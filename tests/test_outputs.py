@@ -143,6 +143,29 @@ def test_pairing_of_upscale_outputs_with_references(tmp_path):
                                                      ("kodim02_colorfix.png", "kodim02.png")]  # fmt: skip
 
 
+def test_inspect_existing_tells_whole_truncated_and_flowlifts_own(tmp_path):
+    """The resume rule's file check: cut files are incomplete in every output format, data after a
+    format's end (a camera's trailer) is not a cut, and flowlift's metadata is recognised."""
+    from flowlift.files.image_outputs import inspect_existing
+
+    image = _photo((64, 48))
+    for suffix in (".png", ".jpg", ".webp", ".tif", ".bmp"):
+        whole = save_image_atomic(image, tmp_path / f"whole{suffix}", {"Software": "flowlift test"})
+        data = whole.read_bytes()
+        found = inspect_existing(whole, (64, 48))
+        assert found.complete and found.size == (64, 48) and found.by_flowlift == (suffix != ".bmp"), suffix
+        (tmp_path / f"cut{suffix}").write_bytes(data[: len(data) * 3 // 4])
+        cut = inspect_existing(tmp_path / f"cut{suffix}")
+        assert not cut.complete, suffix  # (a cut WebP does not even open: not an image)
+        (tmp_path / f"trailer{suffix}").write_bytes(data + b"motion-photo trailer" * 50)
+        assert inspect_existing(tmp_path / f"trailer{suffix}").complete, suffix
+    (tmp_path / "empty.png").write_bytes(b"")
+    assert inspect_existing(tmp_path / "empty.png").empty
+    plain = tmp_path / "plain.png"
+    image.save(plain)
+    assert not inspect_existing(plain).by_flowlift and inspect_existing(plain).complete
+
+
 # ---------------------------------------------------------------------------- 16 bits per sample
 
 

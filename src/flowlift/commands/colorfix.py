@@ -28,9 +28,8 @@ HELP = "fix the colour drift of images from any upscaler against their sources (
 EXAMPLES = (
     "examples:\n"
     "  flowlift colorfix esrgan-out/ --reference photos/ -o fixed/    # photo_x4.png pairs with photos/photo.png\n"
-    "  flowlift colorfix photo_x4.png --reference photo.png --strength 0.5  # half the colour/tone difference\n"
-    "  flowlift colorfix esrgan.png --reference small.png           # one file and its source: any names\n"
-    "  flowlift eval fixed/ --reference photos/ --out report/       # photo_x4_colorfix.png pairs with photo.png"
+    "  flowlift colorfix big.png --reference small.png --strength 0.5  # one file and its source: any names\n"
+    "  flowlift eval fixed/ --reference photos/ --out report/         # photo_x4_colorfix.png pairs with photo.png"
 )
 
 

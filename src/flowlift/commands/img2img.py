@@ -189,6 +189,7 @@ def check_output(path: Path, overwrite: bool = False) -> None:
     """The output path is writable in a format flowlift writes, and replacing what is there destroys
     nothing of the user's: an existing whole image without flowlift's metadata needs ``overwrite``
     (empty or broken files, and flowlift's own earlier results, are replaced)."""
+    from flowlift.files.atomic import remove_stale_temporaries
     from flowlift.files.image_outputs import inspect_existing
     from flowlift.files.images import IMAGE_SUFFIXES
 
@@ -196,6 +197,7 @@ def check_output(path: Path, overwrite: bool = False) -> None:
         raise FlowliftError(f"--output {path}: unsupported image format {path.suffix or '(none)'}")
     if path.is_dir():
         raise FlowliftError(f"--output {path} is a directory")
+    remove_stale_temporaries(path.parent)  # a killed run's debris (never a live writer's)
     if path.is_file() and not overwrite:
         found = inspect_existing(path)
         if found.image and found.complete and not found.by_flowlift:

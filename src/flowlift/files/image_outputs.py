@@ -178,11 +178,34 @@ _PIXEL_LIMIT = threading.Lock()
 _INSPECTED: dict[tuple, ExistingFile] = {}
 
 
-def _is_complete(opened: Image.Image) -> bool:
-    """Whether all of an opened image's data is present: a PNG's chunks read and CRC-checked to IEND
-    (no decompression), a JPEG decoded at 1/8 scale (every entropy-coded byte is still read), any
-    other format decoded in full. Pillow refuses truncated data unless told otherwise."""
+_PNG_END = b"\0\0\0\0IEND\xaeB`\x82"  # the empty IEND chunk with its CRC: every PNG's last 12 bytes
+
+
+def _ends_whole(path: Path, fmt: str | None) -> bool:
+    """O(1): the file ends as its format's files end (PNG: IEND; JPEG: EOI; WebP: the RIFF length).
+    A file cut short does not; one that does not may still be whole (data after the end)."""
+    with open(path, "rb") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        if fmt == "PNG" and size >= 12:
+            handle.seek(size - 12)
+            return handle.read(12) == _PNG_END
+        if fmt == "JPEG" and size >= 2:
+            handle.seek(size - 2)
+            return handle.read(2) == b"\xff\xd9"
+        if fmt == "WEBP" and size >= 12:
+            handle.seek(4)
+            return int.from_bytes(handle.read(4), "little") + 8 <= size
+    return False
+
+
+def _is_complete(opened: Image.Image, path: Path) -> bool:
+    """Whether all of an opened image's data is there: cheaply when the file ends as its format's
+    files end (:func:`_ends_whole`), else by reading it: a PNG's chunks CRC-checked to IEND (no
+    decompression), a JPEG decoded at 1/8 scale (every entropy-coded byte still read), anything else
+    decoded in full. Pillow refuses truncated data unless told otherwise."""
     try:
+        if _ends_whole(path, opened.format):
+            return True
         if opened.format == "PNG":
             opened.verify()
         else:
@@ -234,7 +257,7 @@ def _inspect(path: Path, expected_size: tuple[int, int] | None) -> ExistingFile:
                     except Exception:  # noqa: BLE001 - unreadable metadata claims nothing
                         by_flowlift = False
                 with Image.open(path) as fresh:  # verify() needs an image that has not been loaded
-                    complete = _is_complete(fresh)
+                    complete = _is_complete(fresh, path)
         except Image.DecompressionBombError:  # a real picture larger than any output: somebody's
             return ExistingFile(image=True, complete=True)
         except PermissionError:
