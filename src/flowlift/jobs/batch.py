@@ -54,7 +54,6 @@ __all__ = [
     "report",
     "run_jobs",
     "summary_line",
-    "valid_output",
 ]
 
 #: Exceptions that fail one input of a batch (reported in one line) instead of the whole run.
@@ -122,7 +121,7 @@ def plan_jobs(
     an input ``<stem>`` (:func:`flowlift.files.naming.source_of`, for any output folder), is skipped with a
     note, so rerunning a command over a folder resumes instead of processing its own results; an output
     that would replace its input, or that two inputs would share, is refused.
-    ``expected_size(source)`` is the (width, height) of a complete output (for :func:`valid_output`);
+    ``expected_size(source)`` is the (width, height) of a complete output (for :func:`existing_output`);
     ``check_output(source, output)`` may refuse a target up front. An :data:`ITEM_ERRORS` exception
     from any callback refuses that input alone, with its message as the note.
     """
@@ -204,17 +203,6 @@ def folder_problem(folder: Path) -> str | None:
         reason = error.strerror or type(error).__name__
         return f"cannot write outputs into {folder}: {reason}"
     return None
-
-
-def valid_output(path: Path, expected_size: tuple[int, int] | None) -> bool:
-    """True when ``path`` is a whole image (not truncated) of ``expected_size`` (width, height), if given."""
-    from flowlift.files.image_outputs import inspect_existing
-
-    try:
-        found = inspect_existing(path, expected_size)
-    except OSError:
-        return False
-    return found.complete and found.size is not None and (expected_size is None or found.size == tuple(expected_size))
 
 
 @dataclass(frozen=True)
