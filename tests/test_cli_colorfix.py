@@ -93,3 +93,54 @@ def test_colorfix_command_keeps_the_icc_profile(tmp_path, capsys):
     assert code == 0 and lines == [], lines
     with Image.open(out) as written:
         assert written.format == "JPEG" and written.info.get("icc_profile") == icc
+
+
+def test_colorfix_one_folder_holding_sources_and_upscales(drifted_pair, tmp_path, capsys):
+    """Issue 22.11: ``DIR --reference DIR`` pairs by name, not by which flag listed the folder."""
+    reference, drifted = drifted_pair
+    Image.fromarray(reference).save(tmp_path / "photo.png")
+    Image.fromarray(drifted).save(tmp_path / "photo_x4.png")
+    code, lines = _colorfix([str(tmp_path), "--reference", str(tmp_path)], capsys)
+    assert code == 0 and lines == ["flowlift colorfix: " + str(tmp_path / "photo.png") + ": skipped, it is a reference"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["photo.png", "photo_x4.png", "photo_x4_colorfix.png"]
+    with Image.open(tmp_path / "photo_x4_colorfix.png") as written:
+        assert drift_at_input_scale(np.asarray(written.convert("RGB")), reference)["cast_max"] <= 0.05
+    # the rerun: the fix is skipped as photo_x4's output (not fixed against photo_x4), nothing written
+    code, lines = _colorfix([str(tmp_path), "--reference", str(tmp_path)], capsys)
+    assert code == 0 and sorted(p.name for p in tmp_path.iterdir())[-1] == "photo_x4_colorfix.png"
+    assert any("photo_x4_colorfix.png: skipped, it is the output of" in line for line in lines), lines
+
+
+def test_colorfix_then_eval_chain_and_explicit_pairs_of_any_names(drifted_pair, tmp_path, capsys):
+    """Issue 21.10: eval pairs colorfix's <stem>_x4_colorfix outputs with <stem>; one file and one
+    reference file are a pair whatever their names, in colorfix and in eval."""
+    import json
+
+    from flowlift.commands.cli import main
+
+    reference, drifted = drifted_pair
+    for folder in ("src", "up"):
+        (tmp_path / folder).mkdir()
+    Image.fromarray(reference).save(tmp_path / "src" / "wine.png")
+    Image.fromarray(drifted).save(tmp_path / "up" / "wine_x4.png")  # an upscaler's output, as named by flowlift
+    code, lines = _colorfix([str(tmp_path / "up"), "--reference", str(tmp_path / "src"), "-o", str(tmp_path / "fixed")],
+                            capsys)  # fmt: skip
+    assert code == 0 and lines == [], lines
+    assert main(["eval", str(tmp_path / "fixed"), "--reference", str(tmp_path / "src"), "--out", str(tmp_path / "r1"),
+                 "--quiet"]) == 0  # fmt: skip
+    first = json.loads((tmp_path / "r1" / "results.json").read_text())
+    assert first["config"]["images"] == ["wine"] and first["images"]["outputs"]["wine"]["cast_max"] <= 0.05
+
+    # names that share nothing: given as one file each, they are the pair
+    Image.fromarray(drifted).save(tmp_path / "esrgan result.png")
+    Image.fromarray(reference).save(tmp_path / "small.png")
+    code, lines = _colorfix([str(tmp_path / "esrgan result.png"), "--reference", str(tmp_path / "small.png")], capsys)
+    assert code == 0 and lines == [], lines
+    fixed = tmp_path / "esrgan result_colorfix.png"
+    assert main(["eval", str(fixed), "--reference", str(tmp_path / "small.png"), "--out", str(tmp_path / "r2"),
+                 "--quiet"]) == 0  # fmt: skip
+    second = json.loads((tmp_path / "r2" / "results.json").read_text())
+    assert second["images"]["outputs"]["small"] == first["images"]["outputs"]["wine"]
+    # a folder is not an explicit pair: names still decide there
+    code, lines = _colorfix([str(tmp_path / "up"), "--reference", str(tmp_path / "small.png")], capsys)
+    assert code == 1 and any("no reference named wine_x4" in line for line in lines), lines

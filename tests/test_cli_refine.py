@@ -214,6 +214,24 @@ def test_bad_inputs_one_line_no_output(capsys, tmp_path, model_dir, embeds_file,
     assert set(tmp_path.iterdir()) == before
 
 
+def test_an_image_flowlift_did_not_write_is_replaced_only_with_overwrite(capsys, tmp_path, model_dir, embeds_file,
+                                                                        photo):
+    """Issue 22.1 in the refine commands: -o naming a user's picture is one line (exit 2), before any model
+    loads; flowlift's own earlier result is replaced as before; --overwrite replaces the user's too."""
+    mine = tmp_path / "mine.png"
+    Image.new("RGB", (5, 5), (1, 2, 3)).save(mine)
+    kept = mine.read_bytes()
+    argv = ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "1", "--quiet"]
+    for command in (argv, ["hires", "--image", photo, *argv[2:]]):
+        code, _, err = _run(capsys, *command, "-o", mine)
+        assert code == 2 and "was not written by flowlift; use --overwrite" in err
+        assert len(err.strip().splitlines()) == 1
+        assert mine.read_bytes() == kept
+    assert _run(capsys, *argv, "-o", mine, "--overwrite")[0] == 0
+    assert _run(capsys, *argv, "-o", mine)[0] == 0  # now it is flowlift's own result: replaced without asking
+    assert _metadata(mine)["mode"] == "img2img"
+
+
 def test_prompt_text_needs_text_encoder_or_embeds(capsys, tmp_path, model_dir, photo):
     code, _, err = _run(capsys, "img2img", photo, "--model", model_dir, "--quiet", "-o", tmp_path / "x.png")
     assert code == 2 and "--prompt" in err

@@ -152,6 +152,30 @@ def test_bad_arguments(tmp_path, capsys):
     # a missing input is one line and a failed image (exit 1), not a user error that stops the batch
     assert main(["upscale", str(tmp_path / "missing-*.png")]) == 1
     assert "no such file" in capsys.readouterr().err
+    # but the one file asked for by name is a user error (issue 21.16): one line, exit 2
+    assert main(["upscale", str(tmp_path / "missing.png")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("flowlift upscale: error: ") and "missing.png: no such" in err
+
+
+def test_status_of_a_plain_run_comes_from_its_files(tmp_path, shared, weights, photo, capsys):
+    """Issue 21.11: without a manifest, --status reports done, partial, broken and missing from the files."""
+    for name in ("a", "b", "c"):
+        photo.save(tmp_path / f"{name}.png")
+    assert main(["upscale", str(tmp_path / "a.png"), str(tmp_path / "b.png"), *_common(shared, weights)]) == 0
+    damaged = (tmp_path / "b_x2.png").read_bytes()
+    (tmp_path / "b_x2.png").write_bytes(damaged[: len(damaged) * 2 // 3])  # cut short since
+    (tmp_path / ".c_x2.k3j4h5l6.flowlift-partial").write_bytes(b"")  # a killed run's
+    capsys.readouterr()
+    assert main(["upscale", "--status", str(tmp_path)]) == 1
+    text = capsys.readouterr().out
+    assert "no job manifest" in text and "1 done, 1 partial, 1 broken, 1 missing" in text, text
+    assert "broken: b_x2.png (truncated" in text and "missing: c.png" in text and "not complete" in text
+    assert main(["upscale", str(tmp_path), *_common(shared, weights)]) == 0  # the rerun finishes it
+    capsys.readouterr()
+    assert main(["upscale", "--status", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "3 done, 0 partial, 0 broken, 0 missing" in text and "complete" in text.splitlines()[-1]
 
 
 def test_image_too_wide_for_any_pass_is_refused_in_one_line(tmp_path, shared, weights, capsys):

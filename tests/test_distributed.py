@@ -216,11 +216,12 @@ def test_scaleout_refusals_are_one_line_errors(tmp_path, capsys):
         with pytest.raises(FlowliftError, match="-o must name an output folder"):
             run_batch(jobs, lambda: None, command="upscale", output=output, env=DistEnv(0, 2, 0))
     assert main(["upscale", "a.png", "--status", str(tmp_path)]) == 2
-    assert main(["upscale", "--status", str(tmp_path)]) == 2  # no manifest there
+    assert main(["upscale", "--status", str(tmp_path / "absent")]) == 2  # no folder there (without a
+    # manifest, an existing folder's state comes from its files: tests/test_cli_upscale.py)
     assert main(["upscale"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 3 and all(line.startswith("flowlift upscale: error: ") for line in err)
-    assert "no job manifest" in err[1]
+    assert "no such folder" in err[1]
 
 
 BARRIER_SCRIPT = """

@@ -227,6 +227,35 @@ def test_cli_pairs_and_errors(photos, tmp_path, capsys):
         assert not bad.exists()
 
 
+@pytest.mark.parametrize(("output", "reference"), [((100, 77), (64, 48)), ((1, 1), (3, 3)), ((128, 90), (64, 48))])
+def test_pairs_that_are_not_an_integer_upscale_are_refused(tmp_path, capsys, output, reference):
+    """Issue 22.6: eval measures only pairs that are one integer factor (>= 1) apart on both axes, the
+    rule colorfix applies; anything else is one line and exit 2, nothing written."""
+    rng = np.random.default_rng(0)
+    for folder, size in (("outs", output), ("refs", reference)):
+        (tmp_path / folder).mkdir()
+        Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(tmp_path / folder / "a.png")
+    report = tmp_path / "report"
+    assert main(["eval", str(tmp_path / "outs"), "--reference", str(tmp_path / "refs"), "--out", str(report),
+                 "--quiet"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not an integer multiple of the reference" in err and "Traceback" not in err
+    assert f"{output[0]}x{output[1]}" in err and str(tmp_path / "outs" / "a.png") in err
+    assert not report.exists()
+
+
+def test_pairs_at_an_integer_scale_including_1x_are_measured(tmp_path):
+    rng = np.random.default_rng(0)
+    for folder in ("outs", "refs"):
+        (tmp_path / folder).mkdir()
+    Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(tmp_path / "refs" / "a.png")
+    Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(tmp_path / "refs" / "b.png")
+    Image.fromarray(rng.integers(0, 256, (144, 192, 3), dtype=np.uint8)).save(tmp_path / "outs" / "a_x3.png")
+    Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(tmp_path / "outs" / "b.png")
+    report = E.evaluate_pairs([tmp_path / "outs"], tmp_path / "refs", figure_images=0)
+    assert sorted(report.results["outputs"]) == ["a", "b"] and "l1" in report.results["outputs"]["b"]
+
+
 def test_vae_roundtrip_with_real_taef2_is_clean(shared, photos):
     from flowlift.models.vae_loading import load_vae
 

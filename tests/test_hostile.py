@@ -8,17 +8,19 @@ runs. Exit codes: 0 ok, 1 some images failed, 2 user error, 130 interrupted.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
 import signal
+import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import Image, PngImagePlugin
 from safetensors.torch import load_file, save_file
 
 from flowlift.commands.cli import main
@@ -739,7 +741,46 @@ def test_killed_mid_write_then_resume(shared, tiny_weights, tmp_path, capsys, la
         for name in ("a_x2.png", "b_x2.png"):
             with Image.open(out / name) as result:
                 assert result.size == (96, 64)
-    assert all(not p.exists() or p.name.startswith(".") for p in debris)
+        # issue 22.3: the killed run's hidden temporaries (either naming) are gone after the rerun
+        assert not [p for p in out.iterdir() if p.name.startswith(".")], sorted(out.iterdir())
+    assert debris and not any(p.exists() for p in debris)
+
+
+_LIVE_WRITER = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from flowlift.files.atomic import atomic_output
+with atomic_output(sys.argv[1]) as tmp:
+    tmp.write_bytes(b"half an image")
+    print(tmp, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_live_writers_temporary_is_left_alone_and_removed_once_it_is_killed(tmp_path, capsys):
+    """Issue 22.3: a later run removes the temporaries of killed runs, never one a live process writes."""
+    import subprocess
+    import sys
+
+    from flowlift.files.atomic import remove_stale_temporaries, temporary_in_use
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    writer = subprocess.Popen([sys.executable, "-c", _LIVE_WRITER, str(tmp_path / "a_x2.png"), str(src)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        temporary = Path(writer.stdout.readline().strip())
+        assert temporary.is_file() and temporary_in_use(temporary)
+        assert remove_stale_temporaries(tmp_path, before=time.time() + 60) == []  # older than the run, but locked
+        assert temporary.is_file()
+        assert main(["upscale", "--status", str(tmp_path)]) == 1
+        assert f"being written now: {temporary.name}" in capsys.readouterr().out
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    assert writer.returncode == -signal.SIGKILL and temporary.is_file()
+    assert not temporary_in_use(temporary)  # the kernel dropped the dead writer's lock
+    assert remove_stale_temporaries(tmp_path, before=temporary.stat().st_mtime) == []  # not older than the run
+    assert remove_stale_temporaries(tmp_path) == [temporary] and list(tmp_path.iterdir()) == []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -869,7 +910,8 @@ def test_cap_dropped_passes_name_the_output_by_the_scale_produced_and_resume(sha
     assert "skipped" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("damage", ["empty", "garbage", "truncated", "wrong size", "not an image"])
+@pytest.mark.parametrize("damage", ["empty", "garbage", "truncated", "cut mid-data", "another flowlift run",
+                                    "not an image"])
 def test_broken_existing_outputs_are_redone_not_skipped(shared, tiny_weights, tmp_path, capsys, damage):
     Image.new("RGB", (48, 32), (10, 200, 90)).save(tmp_path / "a.png")
     out = tmp_path / "out"
@@ -883,8 +925,12 @@ def test_broken_existing_outputs_are_redone_not_skipped(shared, tiny_weights, tm
         target.write_bytes(os.urandom(500))
     elif damage == "truncated":
         target.write_bytes(good[:20])
-    elif damage == "wrong size":
-        Image.new("RGB", (48, 32)).save(target)
+    elif damage == "cut mid-data":  # the header (and size) intact: only a full read finds it
+        target.write_bytes(good[: len(good) * 2 // 3])
+    elif damage == "another flowlift run":  # flowlift's own result at another size (other settings)
+        info = PngImagePlugin.PngInfo()
+        info.add_text("Software", "flowlift 0.1.0 upscale")
+        Image.new("RGB", (48, 32)).save(target, pnginfo=info)
     else:
         target.write_text("hello")
     capsys.readouterr()
@@ -894,6 +940,85 @@ def test_broken_existing_outputs_are_redone_not_skipped(shared, tiny_weights, tm
     with Image.open(target) as result:
         assert result.size == (96, 64)
     assert main(argv) == 0 and "skipped" in capsys.readouterr().err
+
+
+def _png_bytes(size: tuple[int, int], colour: tuple[int, int, int], fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("theirs", ["png of another size", "jpeg of another size", "huge png"])
+def test_a_users_image_at_an_output_name_is_never_overwritten(shared, tiny_weights, tmp_path, capsys, theirs):
+    """Issue 22.1: any valid image flowlift did not write is the user's: one line for that input, exit 1,
+    the batch goes on; only --overwrite replaces it."""
+    for name, colour in (("a", (200, 40, 40)), ("b", (40, 200, 40))):
+        Image.new("RGB", (48, 32), colour).save(tmp_path / f"{name}.png")
+    out = tmp_path / "out"
+    out.mkdir()
+    suffix = ".jpg" if theirs.startswith("jpeg") else ".png"
+    fmt = "jpg" if suffix == ".jpg" else "png"
+    if theirs == "huge png":  # past Pillow's decompression-bomb limit: a picture all the same
+        with Image.new("1", (14000, 14000)) as huge:
+            buffer = io.BytesIO()
+            huge.save(buffer, format="PNG")
+        user = buffer.getvalue()
+    else:
+        user = _png_bytes((128, 96), (1, 2, 3), "JPEG" if suffix == ".jpg" else "PNG")
+    (out / f"a_x2{suffix}").write_bytes(user)
+    argv = _upscale(shared, tiny_weights, str(tmp_path / "a.png"), str(tmp_path / "b.png"), "-o", str(out),
+                    "--format", fmt)  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    refused = [line for line in err.splitlines() if "was not written by flowlift" in line]
+    assert len(refused) == 1 and "a.png" in refused[0] and "use --overwrite" in refused[0], err
+    assert "Traceback" not in err and "redoing" not in err
+    assert (out / f"a_x2{suffix}").read_bytes() == user  # kept, byte for byte
+    assert (out / f"b_x2{suffix}").is_file()  # the batch went on
+    assert main(argv) == 1 and (out / f"a_x2{suffix}").read_bytes() == user  # and stays refused
+    capsys.readouterr()
+    assert main([*argv, "--overwrite"]) == 0
+    with Image.open(out / f"a_x2{suffix}") as replaced:
+        assert replaced.size == (96, 64)
+
+
+def test_a_users_image_of_the_right_size_is_skipped_not_replaced(shared, tiny_weights, tmp_path, capsys):
+    Image.new("RGB", (48, 32), (200, 40, 40)).save(tmp_path / "a.png")
+    user = _png_bytes((96, 64), (9, 9, 9))
+    (tmp_path / "a_x2.png").write_bytes(user)
+    assert main(_upscale(shared, tiny_weights, str(tmp_path / "a.png"))) == 0
+    assert "skipped" in capsys.readouterr().err and (tmp_path / "a_x2.png").read_bytes() == user
+
+
+def test_colorfix_and_a_continued_job_refuse_a_users_image_too(tmp_path, capsys):
+    """The same rule where colorfix plans its outputs and where a job with a manifest (torchrun's path,
+    here continued by one process) does: refused in one line, recorded as failed, the file kept."""
+    from flowlift.jobs.batch import plan_jobs
+    from flowlift.jobs.distributed import DistEnv
+    from flowlift.jobs.manifest import Manifest, latest_by_output
+    from flowlift.jobs.scaleout import run_batch
+
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)).save(tmp_path / "a.png")
+    Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(tmp_path / "a_x2.png")
+    user = _png_bytes((5, 5), (1, 2, 3))
+    (tmp_path / "a_x2_colorfix.png").write_bytes(user)
+    code = main(["colorfix", str(tmp_path / "a_x2.png"), "--reference", str(tmp_path / "a.png")])
+    err = capsys.readouterr().err
+    assert code == 1 and "was not written by flowlift" in err and "Traceback" not in err
+    assert (tmp_path / "a_x2_colorfix.png").read_bytes() == user
+
+    out = tmp_path / "job"
+    out.mkdir()
+    (out / "a_x2.png").write_bytes(user)
+    Manifest(out).append({"event": "job", "run": "earlier", "inputs": 1, "todo": 1, "world_size": 2})
+    jobs = plan_jobs([tmp_path / "a.png"], str(out), lambda p: f"{p.stem}_x2.png", (".png",),
+                     expected_size=lambda p: (20, 24))  # fmt: skip
+    assert run_batch(jobs, lambda: None, command="upscale", output=str(out), env=DistEnv()) == 1
+    assert "was not written by flowlift" in capsys.readouterr().err
+    assert (out / "a_x2.png").read_bytes() == user
+    record = latest_by_output(Manifest(out).records())[os.path.abspath(out / "a_x2.png")]
+    assert record["status"] == "failed" and "was not written by flowlift" in record["error"]
 
 
 def test_bad_paths_cost_one_line_each_and_the_batch_goes_on(shared, tiny_weights, tmp_path, capsys):

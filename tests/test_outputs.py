@@ -1,6 +1,7 @@
 """Outputs (issue 15, items 8-13): colour profile and EXIF carried through, metadata in every format,
 --format/--quality, every readable format listed, the output-of guard in any folder, one line per
-written file, ``<stem>_x<N>`` pairing and ``eval --save-outputs``."""
+written file, ``<stem>_x<N>`` pairing and ``eval --save-outputs``; 16-bit inputs kept 16-bit and
+alpha never dropped without a word (issue 21, items 8-9)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from PIL import Image, ImageCms
 
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
-from flowlift.files.image_outputs import read_metadata, read_source_profile, save_image_atomic
+from flowlift.files.image_outputs import SourceProfile, read_metadata, read_source_profile, save_image_atomic
 from flowlift.files.images import (
     IMAGE_SUFFIXES,
     list_images,
     load_image,
+    to_tensor,
 )
 
 _ORIENTATION, _MAKE, _EXIF_IFD, _EXIF_WIDTH, _DATETIME_ORIGINAL = 0x0112, 0x010F, 0x8769, 0xA002, 0x9003
@@ -42,7 +44,7 @@ def _tagged_source(path, icc: bytes) -> None:
     _photo().save(path, quality=95, icc_profile=icc, exif=exif.tobytes())
 
 
-@pytest.mark.parametrize("suffix", [".png", ".jpg", ".webp"])
+@pytest.mark.parametrize("suffix", [".png", ".jpg", ".webp", ".tif"])
 def test_icc_profile_exif_and_metadata_reach_every_format(tmp_path, suffix):
     icc = _profile_bytes()
     source = tmp_path / "src.jpg"
@@ -135,6 +137,83 @@ def test_pairing_of_upscale_outputs_with_references(tmp_path):
     assert [p.name for p in unpaired] == ["other_x2.png"]
     with pytest.raises(FlowliftError, match="both pair with the reference kodim01.png"):
         pair_by_stem([tmp_path / "kodim01_x2.png", tmp_path / "kodim01_x4.png"], refs)
+    # flowlift colorfix's names pair with the source, not with the upscale they were fixed from
+    pairs, unpaired = pair_by_stem([tmp_path / "kodim01_x2_colorfix.png", tmp_path / "kodim02_colorfix.png"], refs)
+    assert [(o.name, r.name) for o, r in pairs] == [("kodim01_x2_colorfix.png", "kodim01.png"),
+                                                     ("kodim02_colorfix.png", "kodim02.png")]  # fmt: skip
+
+
+def test_inspect_existing_tells_whole_truncated_and_flowlifts_own(tmp_path):
+    """The resume rule's file check: cut files are incomplete in every output format, data after a
+    format's end (a camera's trailer) is not a cut, and flowlift's metadata is recognised."""
+    from flowlift.files.image_outputs import inspect_existing
+
+    image = _photo((64, 48))
+    for suffix in (".png", ".jpg", ".webp", ".tif", ".bmp"):
+        whole = save_image_atomic(image, tmp_path / f"whole{suffix}", {"Software": "flowlift test"})
+        data = whole.read_bytes()
+        found = inspect_existing(whole, (64, 48))
+        assert found.complete and found.size == (64, 48) and found.by_flowlift == (suffix != ".bmp"), suffix
+        (tmp_path / f"cut{suffix}").write_bytes(data[: len(data) * 3 // 4])
+        cut = inspect_existing(tmp_path / f"cut{suffix}")
+        assert not cut.complete, suffix  # (a cut WebP does not even open: not an image)
+        (tmp_path / f"trailer{suffix}").write_bytes(data + b"motion-photo trailer" * 50)
+        assert inspect_existing(tmp_path / f"trailer{suffix}").complete, suffix
+    (tmp_path / "empty.png").write_bytes(b"")
+    assert inspect_existing(tmp_path / "empty.png").empty
+    plain = tmp_path / "plain.png"
+    image.save(plain)
+    assert not inspect_existing(plain).by_flowlift and inspect_existing(plain).complete
+
+
+# ---------------------------------------------------------------------------- 16 bits per sample
+
+
+def _bit_depth(path) -> int:
+    """Bits per sample as stored in the file (OpenCV keeps 16-bit samples that Pillow cuts to 8)."""
+    import cv2
+
+    array = cv2.imdecode(np.fromfile(path, dtype=np.uint8), cv2.IMREAD_UNCHANGED)
+    return {np.dtype(np.uint8): 8, np.dtype(np.uint16): 16}[array.dtype]
+
+
+@pytest.mark.parametrize("suffix", [".png", ".tif"])
+@pytest.mark.parametrize("alpha", [False, True])
+def test_sixteen_bit_files_are_written_and_read_back_exactly(tmp_path, suffix, alpha):
+    from flowlift.files.sixteen_bit import has_16bit_samples, load_image_16bit, save_image16_atomic, tensor_to_uint16
+
+    rng = np.random.default_rng(1)
+    rgb = rng.integers(0, 65536, (20, 30, 3), dtype=np.uint16)
+    transparency = rng.integers(0, 65536, (20, 30), dtype=np.uint16) if alpha else None
+    icc = _profile_bytes()
+    metadata = {"Software": "flowlift test", "flowlift.parameters": {"scale": 2}}
+    out = save_image16_atomic(rgb, transparency, tmp_path / f"o{suffix}", metadata, source=SourceProfile(icc))
+    assert _bit_depth(out) == 16 and has_16bit_samples(out) and not has_16bit_samples(tmp_path / "missing.png")
+    read_rgb, read_alpha = load_image_16bit(out)
+    assert np.array_equal(read_rgb, rgb) and (read_alpha is None) == (not alpha)
+    assert not alpha or np.array_equal(read_alpha, transparency)
+    assert read_metadata(out)["flowlift.parameters"] == {"scale": 2}
+    with Image.open(out) as written:
+        assert written.info.get("icc_profile") == icc and written.mode == ("RGBA" if alpha else "RGB")
+        written.load()  # Pillow reads it too (as 8-bit)
+    assert np.array_equal(tensor_to_uint16(to_tensor(rgb)), rgb)  # the float pipeline loses no 16-bit level
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+def test_sixteen_bit_orientation_matches_pillows(tmp_path):
+    from PIL import ImageOps
+
+    from flowlift.files.sixteen_bit import load_image_16bit
+
+    grey = (np.arange(12 * 7, dtype=np.uint16).reshape(12, 7) * 701).astype(np.uint16)
+    for orientation in range(1, 9):
+        exif = Image.Exif()
+        exif[_ORIENTATION] = orientation
+        Image.fromarray(grey).save(tmp_path / "o.png", exif=exif.tobytes())  # mode I;16
+        rgb, alpha = load_image_16bit(tmp_path / "o.png")
+        with Image.open(tmp_path / "o.png") as opened:
+            expected = np.asarray(ImageOps.exif_transpose(opened))
+        assert alpha is None and np.array_equal(rgb[..., 0], expected) and np.array_equal(rgb[..., 2], expected)
 
 
 # ---------------------------------------------------------------------------- the upscale command
@@ -193,6 +272,89 @@ def test_format_and_output_name_must_agree(tmp_path, shared, weights, capsys):
     assert rc == 2 and "drop one" in err and not (tmp_path / "two.jpg").exists()
     rc = main(["upscale", str(source), "-o", str(tmp_path / "x.gif"), *_common(shared, weights)])
     assert rc == 2 and "unsupported output format .gif" in capsys.readouterr().err
+
+
+def _sixteen_bit_inputs(folder) -> dict[str, np.ndarray]:
+    """A 16-bit RGB PNG and a 16-bit grey PNG with levels 8 bits cannot hold (written by OpenCV)."""
+    import cv2
+
+    folder.mkdir()
+    ramp = np.linspace(0, 65535, 48, dtype=np.float64)[None, :].repeat(32, axis=0)
+    rgb = np.stack([ramp, ramp[::-1, ::-1], np.full_like(ramp, 30001)], axis=-1).round().astype(np.uint16)
+    grey = (ramp * 0.5 + 1).round().astype(np.uint16)
+    cv2.imwrite(str(folder / "rgb16.png"), rgb[..., ::-1])
+    cv2.imwrite(str(folder / "grey16.png"), grey)
+    return {"rgb16": rgb, "grey16": np.repeat(grey[..., None], 3, axis=-1)}
+
+
+def test_upscale_keeps_16_bits_where_the_format_can_and_says_so_where_not(tmp_path, shared, weights, capsys):
+    """Issue 21.8: 16-bit inputs stay 16-bit in PNG and TIFF; JPEG costs one warning line per image."""
+    from flowlift.files.sixteen_bit import load_image_16bit
+    from flowlift.upscale.outputs import read_source
+
+    originals = _sixteen_bit_inputs(tmp_path / "in")
+    for name, rgb in originals.items():  # the samples reach the pipeline whole: x / 65535, not x >> 8
+        loaded = read_source(tmp_path / "in" / f"{name}.png", tmp_path / "o.png")
+        assert loaded.sixteen_bit and torch.equal(loaded.pixels, to_tensor(rgb))
+    assert main(["upscale", str(tmp_path / "in"), "-o", str(tmp_path / "png"), *_common(shared, weights)]) == 0
+    assert "warning" not in capsys.readouterr().err
+    for name in originals:
+        out = tmp_path / "png" / f"{name}_x2.png"
+        assert _bit_depth(out) == 16 and read_metadata(out)["flowlift.parameters"]["scale"] == 2
+        levels = load_image_16bit(out)[0]
+        assert levels.shape == (64, 96, 3) and np.any(levels % 257)  # not 8-bit values scaled up
+    tif = tmp_path / "rgb16_x2.tif"
+    assert main(["upscale", str(tmp_path / "in" / "rgb16.png"), "-o", str(tif), *_common(shared, weights)]) == 0
+    assert _bit_depth(tif) == 16 and read_metadata(tif)["Software"].endswith("upscale")
+    assert main(["upscale", str(tmp_path / "in"), "-o", str(tmp_path / "jpg"), "--format", "jpg",
+                 *_common(shared, weights)]) == 0  # fmt: skip
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warned) == 2 and all("16-bit" in line and "--format png" in line for line in warned), warned
+    assert all(_bit_depth(p) == 8 for p in (tmp_path / "jpg").iterdir())
+
+
+def test_colorfix_keeps_16_bits_too(tmp_path, capsys):
+    """Issue 21.8 in colorfix: a 16-bit upscale is fixed on its 16-bit samples and written 16-bit."""
+    import cv2
+
+    from flowlift.files.sixteen_bit import load_image_16bit
+    from flowlift.upscale.colorfix_image import color_fix_array
+
+    rng = np.random.default_rng(3)
+    small = rng.integers(0, 65536, (10, 12, 3), dtype=np.uint16)
+    big = cv2.resize(small, (24, 20), interpolation=cv2.INTER_LINEAR) // 2 + 9000  # drifted, 16-bit levels
+    cv2.imwrite(str(tmp_path / "a.png"), small[..., ::-1])
+    cv2.imwrite(str(tmp_path / "a_x2.png"), big[..., ::-1])
+    assert main(["colorfix", str(tmp_path / "a_x2.png"), "--reference", str(tmp_path / "a.png")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    out = tmp_path / "a_x2_colorfix.png"
+    assert _bit_depth(out) == 16 and read_metadata(out)["Software"].endswith("colorfix")
+    assert np.array_equal(load_image_16bit(out)[0], color_fix_array(big, small))
+    assert main(["colorfix", str(tmp_path / "a_x2.png"), "--reference", str(tmp_path / "a.png"), "-o",
+                 str(tmp_path / "fixed.jpg")]) == 0  # fmt: skip
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warned) == 1 and "16-bit" in warned[0] and _bit_depth(tmp_path / "fixed.jpg") == 8
+
+
+def test_alpha_written_as_jpeg_costs_one_warning_line(tmp_path, shared, weights, capsys):
+    """Issue 21.9: a format without alpha says so and names the fix; PNG keeps the alpha silently."""
+    rgba = _photo()
+    rgba.putalpha(Image.fromarray(np.tile(np.linspace(0, 255, 48, dtype=np.uint8), (32, 1)), "L"))
+    rgba.save(tmp_path / "a.png")
+    assert main(["upscale", str(tmp_path / "a.png"), "--format", "jpg", *_common(shared, weights)]) == 0
+    err = capsys.readouterr().err
+    warned = [line for line in err.splitlines() if "warning" in line]
+    assert len(warned) == 1 and "alpha" in warned[0] and "--format png|webp" in warned[0], err
+    with Image.open(tmp_path / "a_x2.jpg") as written:
+        assert written.mode == "RGB" and written.size == (96, 64)
+    assert main(["upscale", str(tmp_path / "a.png"), *_common(shared, weights)]) == 0
+    assert "warning" not in capsys.readouterr().err
+    with Image.open(tmp_path / "a_x2.png") as written:
+        assert written.mode == "RGBA"
+    # colorfix writes through the same saver: the same line
+    code = main(["colorfix", str(tmp_path / "a_x2.png"), "--reference", str(tmp_path / "a.png"), "--format", "jpg"])
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert code == 0 and len(warned) == 1 and "--format png|webp" in warned[0]
 
 
 def test_eval_reads_upscale_outputs_and_save_outputs_recomputes_the_same_numbers(tmp_path, shared, capsys):

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_prompt_args(args)
     output = Path(args.output) if args.output else refined_output(args.image, f"hires{args.scale}x")
-    check_output(output)
+    check_output(output, args.overwrite)
     images = alpha = None
     if args.image:
         rgb, alpha = load_image(args.image)

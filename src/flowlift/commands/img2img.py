@@ -101,6 +101,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_schedule_arguments(sampling)
     out = parser.add_argument_group("output")
     out.add_argument("-o", "--output", metavar="PATH", help="output image (PNG keeps all parameters as metadata)")
+    out.add_argument("--overwrite", action="store_true",
+                     help="replace an existing image at the output path that flowlift did not write")  # fmt: skip
     out.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -236,13 +238,25 @@ def load_refiner_from_args(args: argparse.Namespace):
     return refiner, conditioning
 
 
-def check_output(path: Path) -> None:
+def check_output(path: Path, overwrite: bool = False) -> None:
+    """The output path is writable in a format flowlift writes, and replacing what is there destroys
+    nothing of the user's: an existing whole image without flowlift's metadata needs ``overwrite``
+    (empty or broken files, and flowlift's own earlier results, are replaced)."""
+    from flowlift.files.atomic import remove_stale_temporaries
+    from flowlift.files.image_outputs import inspect_existing
     from flowlift.files.images import IMAGE_SUFFIXES
 
     if path.suffix.lower() not in IMAGE_SUFFIXES:
         raise FlowliftError(f"--output {path}: unsupported image format {path.suffix or '(none)'}")
     if path.is_dir():
         raise FlowliftError(f"--output {path} is a directory")
+    remove_stale_temporaries(path.parent)  # a killed run's debris (never a live writer's)
+    if path.is_file() and not overwrite:
+        found = inspect_existing(path)
+        if found.image and found.complete and not found.by_flowlift:
+            raise FlowliftError(
+                f"--output {path} exists and was not written by flowlift; use --overwrite to replace it"
+            )
 
 
 def parse_outpaint(text: str) -> tuple[int, int, int, int]:
@@ -272,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
         raise FlowliftError("--mask and --outpaint are exclusive")
     pads = parse_outpaint(args.outpaint) if args.outpaint else None
     output = Path(args.output) if args.output else refined_output(args.image, "outpaint" if pads else "img2img")
-    check_output(output)
+    check_output(output, args.overwrite)
     rgb, alpha = load_image(args.image)
     size = (rgb.width, rgb.height)
     if pads:

@@ -10,6 +10,7 @@ the batch goes on; the exit status is 1 when any image failed.
 from __future__ import annotations
 
 import argparse
+import glob
 import sys
 from pathlib import Path
 
@@ -161,7 +162,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     from flowlift.jobs.distributed import add_barrier_timeout_argument
 
-    parser.add_argument("--status", metavar="OUT", help="print the state of the job in output folder OUT, then exit")
+    parser.add_argument("--status", metavar="OUT", help="print the state of the job in output folder OUT (its "
+                        "torchrun manifest, else what the files there show: done, partial, broken, missing), "
+                        "then exit")  # fmt: skip
     add_barrier_timeout_argument(parser)
 
 
@@ -184,12 +187,18 @@ def _check_output_option(output: str | None) -> None:
 
 
 def _print_status(args: argparse.Namespace) -> int:
-    """``--status OUT``: the manifest's account of the job; exit 0 when it is complete, else 1."""
+    """``--status OUT``: the manifest's account of the job, or without one (a plain run) the account
+    the files in OUT give (:mod:`flowlift.jobs.folder_status`); exit 0 when it is complete, else 1."""
     from flowlift.errors import FlowliftError
-    from flowlift.jobs.manifest import format_status, job_status
+    from flowlift.jobs.folder_status import folder_status, format_folder_status
+    from flowlift.jobs.manifest import Manifest, format_status, job_status
 
     if args.inputs:
-        raise FlowliftError("--status OUT reads a job's manifest; give no INPUT images with it")
+        raise FlowliftError("--status OUT reads the output folder; give no INPUT images with it")
+    if not Manifest(args.status).exists():
+        found = folder_status(args.status)
+        print(format_folder_status(found))
+        return 0 if found.complete else 1
     status = job_status(args.status)
     print(format_status(status))
     return 0 if status.complete else 1
@@ -227,6 +236,9 @@ def run(args: argparse.Namespace) -> int:
     inputs = list_images(args.inputs, problems)
     if not inputs and not problems:
         raise FlowliftError("no input images found")
+    if not inputs and len(args.inputs) == 1 and not glob.has_magic(args.inputs[0]):
+        item, message = problems[0]  # the one file asked for is not there: a user error (exit 2), not a batch
+        raise FlowliftError(f"{item}: {message}")
     bars = show_progress(args)
     sizes = OutputSizes(passes, args.resize_mode)  # named by the scale the cap lets run, from the header
     jobs = [Job(Path(item), None, message) for item, message in problems] + plan_jobs(

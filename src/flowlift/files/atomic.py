@@ -10,6 +10,11 @@ Temporary files are named ``.<stem>.<random>.flowlift-partial``: hidden, and wit
 reader lists, so a run killed with SIGKILL never leaves something the next run takes for an input
 (:func:`is_temporary` lets folder listings skip them anyway, including the older
 ``.<stem>.<random>.partial<suffix>`` names). The name is shortened to fit the folder's name limit.
+
+The writer holds an exclusive ``flock`` on its temporary file until the rename, so a later run can
+tell a killed run's debris from work in progress: :func:`remove_stale_temporaries` deletes a
+temporary file only when it is older than the run and no live process holds its lock (the kernel
+drops the locks of a process killed with SIGKILL).
 """
 
 from __future__ import annotations
@@ -22,9 +27,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; stale temporaries are told by their age alone
+    fcntl = None  # type: ignore[assignment]
+
 TEMP_SUFFIX = ".flowlift-partial"
 _RANDOM_PART = 8  # characters mkstemp adds
 _TEMP_PATTERN = re.compile(r"^\..+\.[^.]+(\.flowlift-partial|\.partial\.[A-Za-z0-9]+)$")
+#: Without advisory locks (Windows) a temporary file must be this old to count as a killed run's.
+UNLOCKED_STALE_AFTER_S = 3600.0
 
 
 def is_temporary(path: str | os.PathLike) -> bool:
@@ -68,18 +80,36 @@ def _fsync_directory(folder: Path) -> None:
         os.close(descriptor)
 
 
+def _lock_exclusive(descriptor: int) -> bool:
+    """An exclusive ``flock`` on ``descriptor``, without waiting; False where none can be taken.
+
+    ``flock`` belongs to the open file description, so the writer's own other opens and closes of
+    the file (``image.save(path)``, the ``fsync``) keep it, unlike ``fcntl``/``lockf`` record locks.
+    """
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
 @contextmanager
 def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path in ``path``'s folder; on success it replaces ``path``, on error it is removed.
 
     The temporary name does not end with ``path``'s suffix: writers must be told the format
     (``image.save(tmp, format=...)``, ``fig.savefig(tmp, format=...)``); safetensors and torch.save
-    ignore the name.
+    ignore the name. The temporary file stays locked until it is renamed or removed, so no other
+    run takes it for debris while it is written.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, name = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=TEMP_SUFFIX, dir=path.parent)
-    os.close(descriptor)
+    if not _lock_exclusive(descriptor):
+        os.close(descriptor)  # nothing to hold open (and Windows cannot rename an open file)
+        descriptor = -1
     temporary = Path(name)
     try:
         yield temporary
@@ -91,25 +121,80 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+    finally:
+        if descriptor >= 0:
+            os.close(descriptor)  # the lock goes with it, after the rename or the removal
 
 
-def remove_stale_temporaries(folder: str | os.PathLike, older_than_s: float = 3600.0) -> list[Path]:
-    """Delete temporary files of killed runs (SIGKILL, power cut) in ``folder`` older than ``older_than_s``.
+def _remove_if_unlocked(entry: Path) -> bool:
+    """Delete ``entry`` unless a process holds its lock; True when it was deleted.
 
-    Younger ones may belong to a run still writing; they are left alone (listings skip them anyway).
+    The lock is taken before the unlink and held across it, so no writer can take the file over
+    in between.
+    """
+    try:
+        descriptor = os.open(entry, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:  # gone already, or another user's file: not ours to judge
+        return False
+    try:
+        if not _lock_exclusive(descriptor):
+            return False  # a live writer holds it
+        entry.unlink()
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(descriptor)
+
+
+def temporary_in_use(path: str | os.PathLike) -> bool:
+    """True when a live process holds ``path``'s lock: a temporary file being written now. Without
+    ``flock`` (Windows), a temporary file younger than :data:`UNLOCKED_STALE_AFTER_S` counts as in use."""
+    path = Path(path)
+    if fcntl is None:
+        try:
+            return time.time() - path.stat().st_mtime < UNLOCKED_STALE_AFTER_S
+        except OSError:
+            return False
+    try:
+        descriptor = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        return not _lock_exclusive(descriptor)
+    finally:
+        os.close(descriptor)  # and the lock, if this took it
+
+
+def remove_stale_temporaries(folder: str | os.PathLike, before: float | None = None) -> list[Path]:
+    """Delete the temporary files that killed runs (SIGKILL, power cut) left in ``folder``; returns them.
+
+    A temporary file is stale when it was last written before ``before`` (the start of the run that
+    cleans up; default: now) and no live process holds its lock (:func:`atomic_output` keeps it
+    locked until the rename; the kernel releases a killed process's locks). The age test covers the
+    instant between a writer creating its file and locking it. Without ``flock`` (Windows) a
+    temporary file must also be :data:`UNLOCKED_STALE_AFTER_S` old.
     """
     folder = Path(folder)
     removed: list[Path] = []
     if not folder.is_dir():
         return removed
-    now = time.time()
+    cutoff = time.time() if before is None else before
+    if fcntl is None:
+        cutoff = min(cutoff, time.time() - UNLOCKED_STALE_AFTER_S)
     for entry in folder.iterdir():
         try:
-            if is_temporary(entry) and entry.is_file() and now - entry.stat().st_mtime > older_than_s:
+            if not is_temporary(entry) or entry.is_symlink() or not entry.is_file():
+                continue
+            if entry.stat().st_mtime >= cutoff:
+                continue  # written since this run began: someone else's work in progress
+            if fcntl is None:
                 entry.unlink()
-                removed.append(entry)
+            elif not _remove_if_unlocked(entry):
+                continue
         except OSError:
             continue
+        removed.append(entry)
     return removed
 
 

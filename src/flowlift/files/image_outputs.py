@@ -3,7 +3,11 @@
 :func:`save_image_atomic` writes through a temporary file and a rename, so a crash never leaves a
 truncated image under the final name. Outputs keep the input's ICC profile and EXIF
 (:func:`read_source_profile`: orientation and sizes dropped) and carry ``metadata``: PNG text chunks,
-or one JSON object in the EXIF UserComment of JPEG/WebP files (:func:`read_metadata` reads both).
+one JSON object in the EXIF UserComment of JPEG/WebP files, or in the ImageDescription of TIFF files
+(:func:`read_metadata` reads all three; BMP holds none). That metadata is also how a later run knows
+an existing file as flowlift's own (:func:`inspect_existing`), which it may redo; any other image at
+an output name is the user's. A format that cannot hold what the image has (alpha in a JPEG) costs one
+warning line, never a silent loss.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +33,8 @@ OUTPUT_FORMAT_OF_SUFFIX = {".png": "png", ".jpg": "jpg", ".jpeg": "jpg", ".webp"
                            ".tif": "tif", ".tiff": "tif"}  # fmt: skip
 #: JPEG/WebP quality when none is given (WebP at 100 is written lossless).
 DEFAULT_QUALITY = 95
+#: Output suffixes that store an alpha channel (JPEG does not).
+ALPHA_SUFFIXES = (".png", ".webp", ".tif", ".tiff", ".bmp")
 
 
 #: EXIF tags that stop being true once flowlift has written a new image: the orientation (already
@@ -72,14 +80,20 @@ def read_source_profile(path: str | os.PathLike | None) -> SourceProfile:
     return SourceProfile(icc_profile=icc, exif=exif if len(exif) or exif.get_ifd(_EXIF_IFD) else None)
 
 
-def _metadata_text(value: object) -> str:
+def metadata_text(value: object) -> str:
+    """One metadata value as text: strings as they are, anything else as JSON."""
     return value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+
+
+def metadata_json(metadata: Mapping[str, object]) -> str:
+    """All of ``metadata`` as one JSON object (EXIF UserComment, TIFF ImageDescription)."""
+    return json.dumps({str(k): v for k, v in metadata.items()}, sort_keys=True, default=str)
 
 
 def _png_info(metadata: Mapping[str, object]) -> PngImagePlugin.PngInfo:
     info = PngImagePlugin.PngInfo()
     for key, value in metadata.items():
-        info.add_text(str(key), _metadata_text(value))
+        info.add_text(str(key), metadata_text(value))
     return info
 
 
@@ -98,22 +112,39 @@ def _exif_with_metadata(exif: Image.Exif | None, metadata: Mapping[str, object] 
     return out
 
 
+def _json_object(text: object) -> dict[str, object] | None:
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    if not isinstance(text, str) or not text.startswith("{"):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def read_metadata(path: str | os.PathLike) -> dict[str, object]:
-    """flowlift's metadata of an output: PNG text chunks, or the JSON in a JPEG/WebP EXIF UserComment.
+    """flowlift's metadata of an output: PNG text chunks, the JSON in a JPEG/WebP EXIF UserComment, or
+    the JSON in a TIFF ImageDescription.
 
     JSON values are decoded; an image without flowlift metadata gives ``{}``.
     """
     with Image.open(path) as opened:
-        if opened.format == "PNG":
-            raw = dict(getattr(opened, "text", {}) or {})
-        else:
-            comment = opened.getexif().get_ifd(_EXIF_IFD).get(_USER_COMMENT)
-            if not isinstance(comment, bytes) or not comment.startswith(_ASCII_PREFIX):
-                return {}
-            try:
-                return json.loads(comment[len(_ASCII_PREFIX) :].decode("ascii"))
-            except ValueError:
-                return {}
+        return _metadata_of(opened)
+
+
+def _metadata_of(opened: Image.Image) -> dict[str, object]:
+    if opened.format == "PNG":
+        raw = dict(getattr(opened, "text", {}) or {})
+    else:
+        exif = opened.getexif()
+        if opened.format == "TIFF" and (found := _json_object(exif.get(0x010E))) is not None:
+            return found
+        comment = exif.get_ifd(_EXIF_IFD).get(_USER_COMMENT)
+        if not isinstance(comment, bytes) or not comment.startswith(_ASCII_PREFIX):
+            return {}
+        return _json_object(comment[len(_ASCII_PREFIX) :].decode("ascii", "replace")) or {}
     decoded: dict[str, object] = {}
     for key, text in raw.items():
         try:
@@ -121,6 +152,121 @@ def read_metadata(path: str | os.PathLike) -> dict[str, object]:
         except ValueError:
             decoded[key] = text
     return decoded
+
+
+def is_flowlift_metadata(metadata: Mapping[str, object]) -> bool:
+    """True for the metadata flowlift writes: ``Software: flowlift ...`` (upscale, colorfix) or a
+    ``flowlift`` / ``flowlift.*`` key (the refine commands, ``eval --save-outputs``)."""
+    software = metadata.get("Software")
+    if isinstance(software, str) and software.startswith("flowlift"):
+        return True
+    return any(str(key) == "flowlift" or str(key).startswith("flowlift.") for key in metadata)
+
+
+@dataclass(frozen=True)
+class ExistingFile:
+    """What is at an output path before a run writes it (see :func:`inspect_existing`)."""
+
+    empty: bool = False
+    image: bool = False  # opens as an image (its header parses)
+    complete: bool = False  # all its data is there (PNG chunk CRCs, or a full decode)
+    size: tuple[int, int] | None = None  # (width, height)
+    by_flowlift: bool = False  # carries flowlift's metadata
+
+
+_PIXEL_LIMIT = threading.Lock()
+_INSPECTED: dict[tuple, ExistingFile] = {}
+
+
+_PNG_END = b"\0\0\0\0IEND\xaeB`\x82"  # the empty IEND chunk with its CRC: every PNG's last 12 bytes
+
+
+def _ends_whole(path: Path, fmt: str | None) -> bool:
+    """O(1): the file ends as its format's files end (PNG: IEND; JPEG: EOI; WebP: the RIFF length).
+    A file cut short does not; one that does not may still be whole (data after the end)."""
+    with open(path, "rb") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        if fmt == "PNG" and size >= 12:
+            handle.seek(size - 12)
+            return handle.read(12) == _PNG_END
+        if fmt == "JPEG" and size >= 2:
+            handle.seek(size - 2)
+            return handle.read(2) == b"\xff\xd9"
+        if fmt == "WEBP" and size >= 12:
+            handle.seek(4)
+            return int.from_bytes(handle.read(4), "little") + 8 <= size
+    return False
+
+
+def _is_complete(opened: Image.Image, path: Path) -> bool:
+    """Whether all of an opened image's data is there: cheaply when the file ends as its format's
+    files end (:func:`_ends_whole`), else by reading it: a PNG's chunks CRC-checked to IEND (no
+    decompression), a JPEG decoded at 1/8 scale (every entropy-coded byte still read), anything else
+    decoded in full. Pillow refuses truncated data unless told otherwise."""
+    try:
+        if _ends_whole(path, opened.format):
+            return True
+        if opened.format == "PNG":
+            opened.verify()
+        else:
+            if opened.format == "JPEG":
+                opened.draft("RGB", (max(1, opened.width // 8), max(1, opened.height // 8)))
+            opened.load()
+    except Exception:  # noqa: BLE001 - any decoder failure means the file is not whole
+        return False
+    return True
+
+
+def inspect_existing(path: str | os.PathLike, expected_size: tuple[int, int] | None = None) -> ExistingFile:
+    """Classify an existing file at an output path: empty, not an image, truncated, its size, and
+    whether flowlift wrote it (:func:`is_flowlift_metadata`).
+
+    ``expected_size`` (width, height) lifts Pillow's decompression-bomb limit to that many pixels for
+    this one open, so a finished 16K output is recognised; a larger image that Pillow refuses counts
+    as a whole image of unknown size (it is somebody's picture, never debris). Results are cached by
+    the file's identity and modification time.
+    """
+    path = Path(path)
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, expected_size)
+    if key in _INSPECTED:
+        return _INSPECTED[key]
+    if stat.st_size == 0:
+        found = ExistingFile(empty=True)
+    else:
+        found = _inspect(path, expected_size)
+    if len(_INSPECTED) > 4096:
+        _INSPECTED.clear()
+    _INSPECTED[key] = found
+    return found
+
+
+def _inspect(path: Path, expected_size: tuple[int, int] | None) -> ExistingFile:
+    limit = (expected_size[0] * expected_size[1]) if expected_size else 0
+    with _PIXEL_LIMIT:  # Pillow's limit is process-wide: raised for this inspection only
+        default = Image.MAX_IMAGE_PIXELS
+        if default is not None and limit > default:
+            Image.MAX_IMAGE_PIXELS = limit
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with Image.open(path) as opened:
+                    size = (int(opened.size[0]), int(opened.size[1]))
+                    try:
+                        by_flowlift = is_flowlift_metadata(_metadata_of(opened))
+                    except Exception:  # noqa: BLE001 - unreadable metadata claims nothing
+                        by_flowlift = False
+                with Image.open(path) as fresh:  # verify() needs an image that has not been loaded
+                    complete = _is_complete(fresh, path)
+        except Image.DecompressionBombError:  # a real picture larger than any output: somebody's
+            return ExistingFile(image=True, complete=True)
+        except PermissionError:
+            raise  # unreadable to us is not unreadable: the caller must not replace it
+        except Exception:  # noqa: BLE001 - anything Pillow cannot open is not an image
+            return ExistingFile()
+        finally:
+            Image.MAX_IMAGE_PIXELS = default
+    return ExistingFile(image=True, complete=complete, size=size, by_flowlift=by_flowlift)
 
 
 def check_output_format(path: str | os.PathLike) -> str:
@@ -165,8 +311,13 @@ def save_image_atomic(
         kwargs["quality"] = int(quality if quality is not None else DEFAULT_QUALITY)
         if suffix == ".webp" and kwargs["quality"] == 100:
             kwargs["lossless"] = True
-        if suffix != ".webp" and image.mode == "RGBA":
-            image = image.convert("RGB")
+    elif suffix in (".tif", ".tiff") and metadata:
+        kwargs["description"] = metadata_json(metadata)
+        if isinstance(metadata.get("Software"), str):
+            kwargs["software"] = metadata["Software"]
+    if image.mode in ("RGBA", "LA", "PA") and suffix not in ALPHA_SUFFIXES:
+        warn_alpha_dropped(path)
+        image = image.convert("RGB")
     if suffix in (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff"):
         if profile.icc_profile:
             kwargs["icc_profile"] = profile.icc_profile
@@ -175,6 +326,18 @@ def save_image_atomic(
     with atomic_output(path) as temporary:
         image.save(temporary, format=Image.registered_extensions()[suffix], **kwargs)
     return path
+
+
+def warn_alpha_dropped(path: str | os.PathLike) -> None:
+    """One warning line: ``path``'s format keeps no alpha channel, so the transparency is lost."""
+    from flowlift.files.images import FlowliftWarning
+
+    fmt = Path(path).suffix.lstrip(".").upper() or "this format"
+    warnings.warn(
+        FlowliftWarning(f"{path}: {fmt} has no alpha channel, the transparency is dropped "
+                        "(use --format png|webp to keep it)"),
+        stacklevel=3,
+    )
 
 
 def file_sha256(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:

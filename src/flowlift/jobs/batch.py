@@ -8,9 +8,12 @@ list of input files into one output file each, and promise the same things:
   input is a previous result, not a source; an output that would overwrite an input, or that two
   inputs would share, is refused for that input alone.
 * **Resume** (:func:`run_jobs`): an existing output is skipped unless ``overwrite``, so rerunning an
-  interrupted command continues where it stopped — but only when it opens as an image of the
-  expected size (:func:`valid_output`, a header check); a 0-byte, garbage or wrong-size file is
-  redone with a note.
+  interrupted command continues where it stopped — but only when it is a whole image of the
+  expected size (:func:`existing_output`). A file that is empty, not an image or truncated is redone
+  with a note, and so is one that flowlift wrote at another size (another run's settings). **Any other
+  image is the user's**: it is never replaced without ``overwrite``; that input costs one line.
+* **Debris**: the temporary files of runs killed mid-write in the output folders are removed
+  (:func:`flowlift.files.atomic.remove_stale_temporaries`; never one a live run still writes).
 * **Bad inputs and targets cost one line, up front**: an input that cannot be planned (missing,
   not a regular file, unreadable header, too large) or whose output cannot be written (folder not
   writable, format limit) is refused before any model is loaded; the batch goes on.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +43,10 @@ from flowlift.files.atomic import remove_stale_temporaries
 __all__ = [
     "ITEM_ERRORS",
     "BatchResult",
+    "ExistingOutput",
     "Job",
     "error_line",
+    "existing_output",
     "folder_problem",
     "output_target",
     "pending",
@@ -48,7 +54,6 @@ __all__ = [
     "report",
     "run_jobs",
     "summary_line",
-    "valid_output",
 ]
 
 #: Exceptions that fail one input of a batch (reported in one line) instead of the whole run.
@@ -116,10 +121,11 @@ def plan_jobs(
     an input ``<stem>`` (:func:`flowlift.files.naming.source_of`, for any output folder), is skipped with a
     note, so rerunning a command over a folder resumes instead of processing its own results; an output
     that would replace its input, or that two inputs would share, is refused.
-    ``expected_size(source)`` is the (width, height) of a complete output (for :func:`valid_output`);
+    ``expected_size(source)`` is the (width, height) of a complete output (for :func:`existing_output`);
     ``check_output(source, output)`` may refuse a target up front. An :data:`ITEM_ERRORS` exception
     from any callback refuses that input alone, with its message as the note.
     """
+    started = time.time()
     single_file, out_dir = output_target(output, len(inputs), image_suffixes)
 
     refused: dict[Path, str] = {}
@@ -160,7 +166,7 @@ def plan_jobs(
             if out.parent not in writable:
                 writable[out.parent] = folder_problem(out.parent)
                 if writable[out.parent] is None:
-                    remove_stale_temporaries(out.parent)  # debris of runs killed over an hour ago
+                    remove_stale_temporaries(out.parent, before=started)  # debris of killed runs
             try:
                 if writable[out.parent]:
                     raise FlowliftError(writable[out.parent])
@@ -199,24 +205,57 @@ def folder_problem(folder: Path) -> str | None:
     return None
 
 
-def valid_output(path: Path, expected_size: tuple[int, int] | None) -> bool:
-    """True when ``path`` opens as an image (header only) of ``expected_size`` (width, height), if given."""
-    from PIL import Image
+@dataclass(frozen=True)
+class ExistingOutput:
+    """What a run does about a job's output path: ``new`` (nothing there, or ``overwrite``), ``done``
+    (a finished output: skip), ``redo`` (debris or flowlift's own older result: replace, ``note`` says
+    why) or ``refuse`` (somebody else's image: leave it, ``note`` is the input's error line)."""
 
+    action: str
+    note: str = ""
+
+
+def existing_output(job: Job, overwrite: bool = False) -> ExistingOutput:
+    """The resume rule for one job's output path (see the module docstring).
+
+    Only files that are empty, unreadable, truncated, or carry flowlift's own metadata at another
+    size are redone: whatever else is there, flowlift did not write, and it is never destroyed
+    without ``overwrite``.
+    """
+    from flowlift.files.image_outputs import inspect_existing
+
+    path = job.output
+    if path is None or overwrite or not os.path.lexists(path):
+        return ExistingOutput("new")
+    if not path.is_file():
+        return ExistingOutput("refuse", f"output {path} exists and is not a file; remove it or choose another -o")
+    expected = job.expected_size
+    due = f"a finished {expected[0]}x{expected[1]} image" if expected else "a finished image"
     try:
-        with Image.open(path) as image:
-            return expected_size is None or tuple(image.size) == tuple(expected_size)
-    except Exception:  # noqa: BLE001 - anything Pillow cannot open is not a finished output
-        return False
-
-
-def _done(job: Job) -> bool:
-    return job.output is not None and job.output.exists() and valid_output(job.output, job.expected_size)
+        found = inspect_existing(path, expected)
+    except OSError as error:
+        return ExistingOutput("refuse", f"cannot read the existing output {path}: {error_line(error)}")
+    if found.empty:
+        return ExistingOutput("redo", f"the existing file is empty, not {due}")
+    if not found.image:
+        return ExistingOutput("redo", f"the existing file is not an image, not {due}")
+    if not found.complete:
+        return ExistingOutput("redo", f"the existing file is truncated, not {due}")
+    if expected is None or found.size == tuple(expected):
+        return ExistingOutput("done")
+    what = f"a {found.size[0]}x{found.size[1]} image" if found.size else "an image too large to open"
+    if found.by_flowlift:
+        return ExistingOutput("redo", f"the existing file is {what} from another flowlift run, not {due}")
+    return ExistingOutput(
+        "refuse",
+        f"{path} exists and was not written by flowlift ({what} where this run writes "
+        f"{expected[0]}x{expected[1]}); use --overwrite to replace it",
+    )
 
 
 def pending(jobs: Iterable[Job], overwrite: bool = False) -> list[Job]:
-    """The jobs :func:`run_jobs` would process: those without a valid existing output (or all, ``overwrite``)."""
-    return [job for job in jobs if job.output is not None and (overwrite or not _done(job))]
+    """The jobs :func:`run_jobs` would process: new outputs and outputs to redo (all, ``overwrite``)."""
+    return [job for job in jobs if job.output is not None and existing_output(job, overwrite).action in ("new", "redo")]
 
 
 def error_line(error: BaseException) -> str:
@@ -246,7 +285,8 @@ def run_jobs(
     """Run ``process(source, output)`` for every job with an output; returns the counts.
 
     Jobs without an output print their note (a refusal counts as failed, a "skipped" note does not);
-    an existing output is skipped unless ``overwrite``; an :data:`ITEM_ERRORS` exception from
+    an existing output follows :func:`existing_output` (skipped, redone with a note, or refused as
+    somebody else's file: one line, counted as failed); an :data:`ITEM_ERRORS` exception from
     ``process`` prints one line and the batch goes on. ``progress``: a tqdm bar over the jobs
     (``None``: only on a terminal).
     """
@@ -262,16 +302,18 @@ def run_jobs(
                 result.failed += 1
             else:
                 result.skipped += 1
-        elif job.output.exists() and not overwrite:
-            if _done(job):
+        else:
+            state = existing_output(job, overwrite)
+            if state.action == "done":
                 report(command, job.source, f"skipped, {job.output} exists (--overwrite to replace)")
                 result.skipped += 1
+            elif state.action == "refuse":
+                report(command, job.source, state.note)
+                result.failed += 1
             else:
-                size = "x".join(map(str, job.expected_size)) if job.expected_size else "readable"
-                report(command, job.source, f"redoing {job.output}: the existing file is not a {size} image")
+                if state.action == "redo":
+                    report(command, job.source, f"redoing {job.output}: {state.note}")
                 todo.append(job)
-        else:
-            todo.append(job)
     disable = None if progress is None else not progress
     bar = tqdm(todo, desc="images", unit="img", disable=disable, file=sys.stderr)
     for job in bar:

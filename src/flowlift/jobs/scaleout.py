@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from flowlift.errors import FlowliftError
-from flowlift.jobs.batch import Job, error_line, pending, report, run_jobs
+from flowlift.jobs.batch import Job, error_line, existing_output, pending, report, run_jobs
 from flowlift.jobs.distributed import (
     DEFAULT_BARRIER_TIMEOUT_S,
     DistEnv,
@@ -168,20 +168,24 @@ def _run_share(
 
 
 def _record_plan(manifest: Manifest, jobs: list[Job], todo: list[int], run: str, env: DistEnv) -> None:
-    """The ``job`` record, a failed record per refused input, and a ``skipped`` record for each
-    finished output the manifest does not record as done (e.g. written just before a kill); the
-    image records carry ``plan: true`` (the loop did not produce them)."""
+    """The ``job`` record, a failed record per refused input (and per output path that holds somebody
+    else's image), and a ``skipped`` record for each finished output the manifest does not record as
+    done (e.g. written just before a kill); the image records carry ``plan: true`` (the loop did not
+    produce them)."""
     waiting = set(todo)
-    refused = sum(job.refused for job in jobs)
+    states = {i: existing_output(job) for i, job in enumerate(jobs) if i not in waiting and job.output is not None}
+    refused = sum(job.refused for job in jobs) + sum(state.action == "refuse" for state in states.values())
     manifest.append({"event": "job", "run": run, "time": now_iso(), "world_size": env.world_size, "inputs": len(jobs),
                      "todo": len(todo), "refused": refused, "skipped": len(jobs) - len(todo) - refused})  # fmt: skip
     latest = latest_by_output(manifest.records())
     for i, job in enumerate(jobs):
         if i in waiting or (job.output is None and not job.refused):
             continue
-        if job.output is None:
-            record = image_record(input_path=_absolute(job.source), input_sha256=None, output=None,
-                                  status="failed", seconds=0.0, error=job.note, env=env, run=run)  # fmt: skip
+        if job.output is None or states[i].action == "refuse":
+            record = image_record(input_path=_absolute(job.source), input_sha256=None,
+                                  output=None if job.output is None else _absolute(job.output), status="failed",
+                                  seconds=0.0, error=job.note if job.output is None else states[i].note,
+                                  env=env, run=run)  # fmt: skip
         elif latest.get(_absolute(job.output), {}).get("status") not in ("done", "skipped"):
             record = image_record(input_path=_absolute(job.source), input_sha256=_sha256(job.source),
                                   output=_absolute(job.output), status="skipped", seconds=0.0, error=None,

@@ -118,17 +118,24 @@ def evaluate_pairs(
     progress: bool = False,
 ) -> EvalReport:
     """Measure existing ``outputs`` (files/folders) against their files in ``reference`` (and
-    ``ground_truth``): the same stem, or ``<stem>_x<N>`` (``flowlift upscale``'s names) with ``<stem>``
-    (:func:`flowlift.files.naming.pair_by_stem`). Images without a counterpart are skipped; none paired is an
-    error."""
+    ``ground_truth``): the same stem, or ``<stem>_x<N>`` / ``<stem>_x<N>_colorfix`` (``flowlift upscale``'s
+    and ``flowlift colorfix``'s names) with ``<stem>`` (:func:`flowlift.files.naming.pair_by_stem`); one
+    output file given with one reference file is a pair whatever their names. Images without a
+    counterpart are skipped; none paired is an error, and so is a pair that is not an upscale by one
+    integer factor on both axes (:func:`check_pair_sizes`)."""
     from tqdm import tqdm
 
     from flowlift.files.images import list_images
-    from flowlift.files.naming import pair_by_stem
+    from flowlift.files.naming import explicit_pair, pair_by_stem
 
     out_paths = list_images([str(o) for o in outputs])
     index_by_stem(out_paths, "outputs")
-    pairs, unpaired = pair_by_stem(out_paths, list_images([str(reference)]))
+    named = explicit_pair([str(o) for o in outputs], [str(reference)])
+    if named is not None:
+        pairs, unpaired = [named], []
+    else:
+        pairs, unpaired = pair_by_stem(out_paths, list_images([str(reference)]))
+    check_pair_sizes(pairs)
     gts = index_by_stem(list_images([str(ground_truth)]), "ground truth") if ground_truth is not None else None
     # keyed by the reference's stem: kodim01_x2.png (an upscale output) is the image "kodim01"
     outs = {ref.stem: out for out, ref in pairs if gts is None or ref.stem in gts}
@@ -169,6 +176,26 @@ def evaluate_pairs(
             if gt is not None:
                 report.crops["ground truth"][name] = M.crop_box(gt, crop)
     return report
+
+
+def check_pair_sizes(pairs: Sequence[tuple[Path, Path]]) -> None:
+    """Refuse (one :class:`FlowliftError` line, before anything is measured) any (output, reference)
+    pair whose sizes are not ``s`` times one another for one integer ``s >= 1`` on both axes
+    (:func:`flowlift.upscale.colorfix_image.integer_scale`, the rule ``flowlift colorfix`` applies):
+    the drift metrics compare ``s x s`` block means of the output with the reference's pixels, which
+    means nothing for a downscale or a stretched image. Sizes come from the headers."""
+    from flowlift.files.images import image_size
+    from flowlift.upscale.colorfix_image import integer_scale
+
+    bad = []
+    for output, ref in pairs:
+        try:
+            integer_scale(image_size(output), image_size(ref), minimum=1)
+        except FlowliftError as error:
+            bad.append(f"{output} against its reference {ref}: {error}")
+    if bad:
+        more = f" (and {len(bad) - 1} more such pair(s))" if len(bad) > 1 else ""
+        raise FlowliftError(bad[0] + more)
 
 
 def evaluate_methods(

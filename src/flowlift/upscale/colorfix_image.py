@@ -18,13 +18,14 @@ from flowlift.errors import FlowliftError
 from flowlift.upscale.colorfix import lab_lowband_transplant
 
 
-def integer_scale(upscaled_size: tuple[int, int], reference_size: tuple[int, int]) -> int:
+def integer_scale(upscaled_size: tuple[int, int], reference_size: tuple[int, int], *, minimum: int = 2) -> int:
     """The integer factor ``s`` with ``upscaled_size == s * reference_size`` (sizes as ``(width, height)``).
 
-    Raises :class:`FlowliftError` (one line) when the ratio is not the same integer >= 2 on both axes:
-    stage 2 pins the low band below the reference's Nyquist by block means of ``s x s`` output
-    pixels, which needs whole blocks, and at ``s = 1`` that band is the whole image (the result would
-    be the reference itself).
+    Raises :class:`FlowliftError` (one line) when the ratio is not the same integer ``>= minimum`` on
+    both axes: stage 2 pins the low band below the reference's Nyquist by block means of ``s x s``
+    output pixels, which needs whole blocks, and at ``s = 1`` that band is the whole image (the result
+    would be the reference itself). ``flowlift eval`` takes ``minimum=1`` (a same-size output is
+    compared pixel by pixel) and the same rule otherwise.
     """
     (width, height), (ref_w, ref_h) = upscaled_size, reference_size
     if min(width, height, ref_w, ref_h) < 1:
@@ -33,9 +34,11 @@ def integer_scale(upscaled_size: tuple[int, int], reference_size: tuple[int, int
     if width % ref_w or height % ref_h or ratio_w != ratio_h:
         raise FlowliftError(
             f"{width}x{height} is not an integer multiple of the reference {ref_w}x{ref_h} "
-            f"({ratio_w:.3g}x by {ratio_h:.3g}x); the colour fix needs the same integer scale on both axes"
+            f"({ratio_w:.3g}x by {ratio_h:.3g}x); an upscale needs the same integer scale on both axes"
         )
-    if ratio_w < 2:
+    if ratio_w < max(2, minimum):
+        if minimum <= 1:
+            return 1
         raise FlowliftError(
             f"{width}x{height} is the reference's own size: nothing lies above its resolution to keep "
             "(the colour fix needs an upscale of 2x or more)"
@@ -65,7 +68,8 @@ def color_fix_array(
     *,
     device: torch.device | str = "cpu",
 ) -> np.ndarray:
-    """:func:`color_fix_image` on uint8 HWC RGB arrays; returns a uint8 HWC RGB array.
+    """:func:`color_fix_image` on uint8 or uint16 HWC RGB arrays (each scaled by its own range);
+    returns an HWC RGB array of ``upscaled``'s dtype, so 16-bit images stay 16-bit.
 
     ``Lab(area_down(result))`` equals ``Lab(reference)`` at strength 1 (to L*a*b*'s nonlinearity and
     clipping, which stage 2's iterations remove); detail above the reference's Nyquist stays the
@@ -75,13 +79,14 @@ def color_fix_array(
         raise FlowliftError(f"colour fix strength must be in [0, 1], got {strength}")
     integer_scale((upscaled.shape[1], upscaled.shape[0]), (reference.shape[1], reference.shape[0]))
     from flowlift.files.images import tensor_to_uint8, to_tensor
+    from flowlift.files.sixteen_bit import tensor_to_uint16
 
     device = torch.device(device)
     out = to_tensor(upscaled, device=device, dtype=torch.float32)
     ref = to_tensor(reference, device=device, dtype=torch.float32)
     with torch.no_grad():
         fixed = lab_lowband_transplant(out, ref, strength, inplace=True)
-    return tensor_to_uint8(fixed)[0]
+    return tensor_to_uint16(fixed) if upscaled.dtype == np.uint16 else tensor_to_uint8(fixed)[0]
 
 
 def color_fix_image(

@@ -88,6 +88,47 @@ def output_name(source: Path, scale: int, output_format: str | None = "png") -> 
     return upscaled_name(source.stem, scale, output_format or "png")
 
 
+@dataclass
+class SourcePixels:
+    """One input as the upscaler takes it and as its output must be written.
+
+    ``image`` is the 8-bit RGB view (sizes, previews); ``pixels`` what the pipeline gets: ``image``
+    itself, or a float tensor of the file's 16-bit samples when the output keeps 16 bits
+    (``alpha16`` is then the 16-bit alpha). ``alpha`` is None when the output format cannot hold it.
+    """
+
+    image: Any
+    pixels: Any
+    alpha: Any = None
+    alpha16: Any = None
+
+    @property
+    def sixteen_bit(self) -> bool:
+        return self.pixels is not self.image
+
+
+def read_source(source: Path, out: Path) -> SourcePixels:
+    """Load ``source`` for writing ``out``: 16-bit samples kept when ``out`` is a PNG or TIFF; one
+    warning line (before any work) when ``out``'s format drops the 16 bits or the alpha channel."""
+    from flowlift.files.image_outputs import ALPHA_SUFFIXES, warn_alpha_dropped
+    from flowlift.files.images import FlowliftWarning, load_image, to_tensor
+    from flowlift.files.sixteen_bit import sixteen_bit_source
+
+    image, alpha = load_image(source)
+    if alpha is not None and out.suffix.lower() not in ALPHA_SUFFIXES:
+        warn_alpha_dropped(out)
+        alpha = None
+    deep = sixteen_bit_source(source, out)
+    if deep is not None and (deep[0].shape[1], deep[0].shape[0]) != image.size:
+        warnings.warn(FlowliftWarning(f"{source}: its 16-bit samples do not match the image; written 8-bit"),
+                      stacklevel=2)  # fmt: skip
+        deep = None
+    if deep is None:
+        return SourcePixels(image, image, alpha)
+    rgb16, alpha16 = deep
+    return SourcePixels(image, to_tensor(rgb16), alpha, alpha16 if alpha is not None else None)
+
+
 def upscale_file(
     pipeline: Any,
     settings: UpscaleSettings,
@@ -100,35 +141,50 @@ def upscale_file(
     """Load ``source``, upscale it with ``settings``, write ``out`` atomically with the metadata.
 
     Returns (input image, result image, warnings such as passes dropped at MAX_OUTPUT_SIDE). The one
-    per-image step of ``flowlift upscale``; the web app calls it too.
+    per-image step of ``flowlift upscale``; the web app calls it too. A 16-bit input stays 16-bit in
+    a PNG or TIFF output (:func:`read_source`).
     """
-    from flowlift.files.images import attach_alpha, load_image
-
-    image, alpha = load_image(source)
+    loaded = read_source(source, out)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
-        result = pipeline.upscale_image(image, num_passes=passes, callback=on_stage, **settings.pipeline_options())
-    if alpha is not None:
-        result = attach_alpha(result, alpha)
-    save_result(pipeline, settings, source, out, image, result, hashes)
-    return image, result, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        result = pipeline.upscale_image(
+            loaded.pixels, num_passes=passes, callback=on_stage, output_type="pt", **settings.pipeline_options()
+        )
+    picture = save_result(pipeline, settings, source, out, loaded, result, hashes)
+    return loaded.image, picture, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
 
 
 def save_result(
-    pipeline: Any, settings: UpscaleSettings, source: Path, out: Path, image: Any, result: Any, hashes: dict
-) -> None:
-    """Write ``result`` (upscaled from ``image``, read from ``source``) atomically with its metadata,
-    named in the metadata by the passes that actually ran (fewer when MAX_OUTPUT_SIDE dropped some)."""
+    pipeline: Any,
+    settings: UpscaleSettings,
+    source: Path,
+    out: Path,
+    loaded: SourcePixels,
+    result: Any,
+    hashes: dict,
+) -> Any:
+    """Write ``result`` (a float (1, 3, H, W) tensor upscaled from ``loaded``) atomically with its
+    metadata, named in the metadata by the passes that actually ran (fewer when MAX_OUTPUT_SIDE
+    dropped some); 16-bit when ``loaded`` is. Returns the result as an 8-bit Pillow image (previews)."""
     from flowlift.files.image_outputs import save_image_atomic
+    from flowlift.files.images import attach_alpha, tensor_to_pil
+    from flowlift.files.sixteen_bit import resize_alpha16, save_image16_atomic, tensor_to_uint16
 
-    done = max(0, round(math.log2(max(result.size[0] / image.size[0], 1.0))))
+    picture = attach_alpha(tensor_to_pil(result), loaded.alpha)
+    done = max(0, round(math.log2(max(picture.size[0] / loaded.image.size[0], 1.0))))
+    metadata = output_metadata(settings, done, source, hashes, pipeline)
+    if loaded.sixteen_bit:
+        alpha16 = None if loaded.alpha16 is None else resize_alpha16(loaded.alpha16, picture.size)
+        save_image16_atomic(tensor_to_uint16(result), alpha16, out, metadata, source=source)
+        return picture
     save_image_atomic(
-        result,
+        picture,
         out,
-        output_metadata(settings, done, source, hashes, pipeline),
+        metadata,
         source=source,  # the input's ICC profile and EXIF
         quality=settings.quality,
     )
+    return picture
 
 
 #: Largest side each output format can store (WebP's 14-bit dimensions; JPEG's 16-bit).
@@ -196,27 +252,25 @@ def batched_process(
     import torch
     from tqdm import tqdm
 
-    from flowlift.files.images import attach_alpha, load_image, tensor_to_pil, to_tensor
-    from flowlift.jobs.batch import report
+    from flowlift.files.images import to_tensor
+    from flowlift.jobs.batch import pending, report
     from flowlift.upscale.batches import SameSizeBatches
 
-    def compute(paths: list[Path]) -> list[tuple[Any, Any, list[str]]]:
-        loaded = [load_image(path) for path in paths]
-        images = torch.cat([to_tensor(image) for image, _alpha in loaded])
+    def compute(paths: list[Path]) -> list[tuple[Any, SourcePixels, list[str]]]:
+        loaded = [read_source(path, job_output[path]) for path in paths]
+        images = torch.cat([to_tensor(item.pixels) for item in loaded])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", UserWarning)
             result = pipeline.upscale_image(images, num_passes=passes, output_type="pt", **settings.pipeline_options())
         notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-        return [
-            (attach_alpha(tensor_to_pil(result[i : i + 1]), alpha), image, notes)
-            for i, (image, alpha) in enumerate(loaded)
-        ]
+        return [(result[i : i + 1], item, notes) for i, item in enumerate(loaded)]
 
-    def save(path: Path, out: Path, item: tuple[Any, Any, list[str]]) -> None:
-        result, image, notes = item
+    def save(path: Path, out: Path, item: tuple[Any, SourcePixels, list[str]]) -> None:
+        result, loaded, notes = item
         for note in notes:
             report("upscale", path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
-        save_result(pipeline, settings, path, out, image, result, hashes)
+        save_result(pipeline, settings, path, out, loaded, result, hashes)
 
-    todo = [job.source for job in jobs if job.output is not None and (overwrite or not job.output.exists())]
+    job_output = {job.source: job.output for job in jobs if job.output is not None}
+    todo = [job.source for job in pending(jobs, overwrite)]
     return SameSizeBatches(todo, batch_size, compute, save)

@@ -1,0 +1,110 @@
+"""``flowlift upscale --status OUT`` for a folder without a job manifest: the state told by the files.
+
+A plain (one-process) run writes no manifest (:mod:`flowlift.jobs.scaleout`): its record is the outputs
+themselves, and they say enough. Every output flowlift writes carries its metadata (the command and
+the source's name), a killed write leaves a ``.flowlift-partial`` temporary file whose lock tells a
+live writer from debris (:mod:`flowlift.files.atomic`), and a damaged output fails the same check the
+resume rule applies (:func:`flowlift.files.image_outputs.inspect_existing`). So the folder's state is:
+
+* **done** — whole images with flowlift's metadata;
+* **partial** — temporary files: being written now (locked) or left by a killed run;
+* **broken** — empty, unreadable or truncated images at output names (the next run redoes them);
+* **missing** — images in the folder that flowlift did not write (sources, when outputs are written
+  next to their inputs) and that no output here was made from. Inputs kept in another folder cannot
+  be seen from here: rerunning the command is what finishes those (finished outputs are skipped).
+
+Writing a manifest in plain runs too was the other way; it would add a file to every output folder
+and send every later run through the torchrun code path, to record what the outputs already say.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flowlift.errors import FlowliftError
+
+
+@dataclass
+class FolderStatus:
+    """What the files in one output folder say about the runs that wrote it."""
+
+    folder: Path
+    done: list[Path] = field(default_factory=list)
+    writing: list[Path] = field(default_factory=list)  # temporary files a live process holds
+    stale: list[Path] = field(default_factory=list)  # temporary files of killed runs
+    broken: list[tuple[Path, str]] = field(default_factory=list)
+    missing: list[Path] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """Outputs are there and nothing is partial, broken or missing."""
+        return bool(self.done) and not (self.writing or self.stale or self.broken or self.missing)
+
+
+def _source_name(metadata: dict) -> str | None:
+    source = metadata.get("flowlift.source")
+    return source.get("name") if isinstance(source, dict) and isinstance(source.get("name"), str) else None
+
+
+def folder_status(folder: str | os.PathLike) -> FolderStatus:
+    """Read the state of ``folder`` from its files (see the module docstring)."""
+    from flowlift.files.atomic import is_temporary, temporary_in_use
+    from flowlift.files.image_outputs import inspect_existing, is_flowlift_metadata, read_metadata
+    from flowlift.files.images import IMAGE_SUFFIXES
+    from flowlift.files.naming import source_stem
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FlowliftError(f"{folder}: no such folder")
+    status = FolderStatus(folder)
+    others: list[Path] = []  # whole images flowlift did not write
+    made_from: set[str] = set()  # stems of the images the outputs here were made from
+    for entry in sorted(folder.iterdir()):
+        if not entry.is_file():
+            continue
+        if is_temporary(entry):
+            (status.writing if temporary_in_use(entry) else status.stale).append(entry)
+            continue
+        if entry.suffix.lower() not in IMAGE_SUFFIXES:
+            continue
+        found = inspect_existing(entry)
+        if not (found.image and found.complete):
+            reason = "empty" if found.empty else "truncated" if found.image else "unreadable"
+            status.broken.append((entry, reason))
+            made_from.add(source_stem(entry.stem) or entry.stem)  # its source is not missing: it is broken
+            continue
+        try:
+            metadata = read_metadata(entry) if found.size is not None else {}
+        except Exception:  # noqa: BLE001 - a picture whose metadata Pillow cannot read claims nothing
+            metadata = {}
+        if not is_flowlift_metadata(metadata):
+            others.append(entry)
+            continue
+        status.done.append(entry)
+        name = _source_name(metadata)
+        made_from.add(Path(name).stem if name else (source_stem(entry.stem) or entry.stem))
+    status.missing = [p for p in others if p.stem not in made_from and source_stem(p.stem) is None]
+    return status
+
+
+def format_folder_status(status: FolderStatus) -> str:
+    """Human-readable lines for :func:`folder_status`."""
+    lines = [
+        f"{status.folder}: no job manifest (a run without torchrun keeps none); from the files: "
+        f"{len(status.done)} done, {len(status.writing) + len(status.stale)} partial, "
+        f"{len(status.broken)} broken, {len(status.missing)} missing"
+    ]
+    lines += [f"  being written now: {p.name}" for p in status.writing]
+    lines += [f"  partial: {p.name} (a killed run's; the next run removes it)" for p in status.stale]
+    lines += [f"  broken: {p.name} ({reason}; the next run redoes it)" for p, reason in status.broken]
+    lines += [f"  missing: {p.name} has no output here" for p in status.missing]
+    if status.complete:
+        lines.append("complete (outputs of inputs kept in other folders are not listed: rerun to be sure)")
+    elif status.writing:
+        lines.append("a run is writing here now")
+    else:
+        lines.append("not complete: rerun the same command to finish" if status.done or status.missing
+                     else "no flowlift outputs here")  # fmt: skip
+    return "\n".join(lines)
