@@ -213,7 +213,8 @@ def main() -> None:
                 ui.open_app(driver, server.url)  # a fresh page, as a user opens it
                 names = ui.open_templates_of(driver, PACK_NAME)
                 deadline = time.monotonic() + 30
-                while not ui.thumbnails_loaded(driver, PACK_NAME, names) and time.monotonic() < deadline:
+                sizes = {name: Image.open(WORKFLOWS / f"{name}.jpg").size for name in names}
+                while not ui.thumbnails_loaded(driver, sizes) and time.monotonic() < deadline:
                     time.sleep(0.5)
                 driver.save_screenshot(str(DOCS / "comfyui_templates.png"))
                 print(f"wrote {DOCS / 'comfyui_templates.png'}")

@@ -178,17 +178,18 @@ def open_templates_of(driver: WebDriver, pack: str) -> list[str]:
     )
 
 
-def thumbnails_loaded(driver: WebDriver, pack: str, names: list[str]) -> bool:
-    """Every card of ``names`` shows its own image from the pack (not the frontend's default picture)."""
+def thumbnails_loaded(driver: WebDriver, sizes: dict[str, tuple[int, int]]) -> bool:
+    """Every card of ``sizes`` (name -> its thumbnail's pixel size) shows that image, not the frontend's
+    default picture (the frontend shows a fetched thumbnail through a blob: URL of its media cache)."""
     return bool(driver.execute_script(
         """
-        return arguments[1].every(name => {
+        return Object.entries(arguments[0]).every(([name, [width, height]]) => {
           const img = document.querySelector(`[data-testid="template-workflow-${name}"] img`);
-          return img && img.complete && img.naturalWidth > 0
-            && img.src.includes(`/workflow_templates/${arguments[0]}/${name}.`);
+          return img && img.complete && !img.src.includes('default-template')
+            && img.naturalWidth === width && img.naturalHeight === height;
         });
         """,
-        pack, names,
+        sizes,
     ))
 
 
