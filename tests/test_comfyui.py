@@ -9,8 +9,12 @@ API on the same inputs. The UI-format workflows in the frontend: tests/test_comf
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +22,14 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from comfy_server import IMAGE_H, IMAGE_W, comfy_server, load_api_workflow, message, png_tensor
+from flowlift.comfyui.layouts import NUMERIC_INPUTS
 from flowlift.flux2.latents import from_comfyui_latent, patchify
 from flowlift.models.upscaler_weights import load_upscaler
 from flowlift.models.vae_loading import load_vae
 from flowlift.upscale.colorfix import lab_lowband_transplant
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 NODE_IDS = (
     "FlowliftUpscalerLoader",
     "FlowliftUpscaleLatent",
@@ -197,3 +203,65 @@ def test_interrupt_stops_a_long_chunked_run_within_seconds(server):
     assert interrupted["node_type"] == "FlowliftUpscaleLatent"
     assert "4" not in entry["outputs"]
     assert took <= 5.0, f"interrupt took {took:.1f} s"
+
+
+def test_every_numeric_input_is_checked_and_nan_fails_the_node_with_one_line(server):
+    # ComfyUI's own min/max check lets NaN through (NaN < min is false): FlowliftColorFix with strength
+    # NaN saved an all-black image with status success.
+    for node in NODE_IDS:
+        required = server.object_info[node]["input"]["required"]
+        numeric = {name for name, spec in required.items() if spec[0] in ("INT", "FLOAT")}
+        assert numeric == set(NUMERIC_INPUTS.get(node, {})), node  # a new numeric input needs its check
+
+    taef2 = load_api_workflow("image_upscale_4x_taef2.json")
+    latent = {key: taef2[key] for key in ("1", "2", "3")} | {
+        "4": {"class_type": "VAEEncode", "inputs": {"pixels": ["1", 0], "vae": ["2", 0]}},
+        "5": {"class_type": "FlowliftUpscaleLatent", "inputs": {
+            "upscaler": ["3", 0], "samples": ["4", 0], "scale": "2x", "seed": 0, "transplant_strength": 1.0,
+            "chunked": "auto"}},
+        "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": "test/nan"}},
+    }
+    workflows = {"FlowliftUpscaleImage": (taef2, "4"), "FlowliftUpscaleLatent": (latent, "5"),
+                 "FlowliftColorFix": (load_api_workflow("color_fix.json"), "3")}
+    for node, inputs in NUMERIC_INPUTS.items():
+        workflow, key = workflows[node]
+        assert workflow[key]["class_type"] == node
+        for name, (_low, _high, integer) in inputs.items():
+            bad = json.loads(json.dumps(workflow))
+            bad[key]["inputs"][name] = float("nan")
+            if integer:  # ComfyUI converts INT inputs with int() first: it refuses the prompt itself
+                with pytest.raises(AssertionError, match="HTTP 400"):
+                    server.queue(bad)
+                continue
+            entry = server.wait(server.queue(bad))
+            error = message(entry, "execution_error")
+            assert entry["status"]["status_str"] == "error" and error["node_type"] == node, (node, name)
+            text = error["exception_message"].strip()
+            assert text == f"{node}: {name} must be a finite number in [0.0, 1.0], got nan", text
+            assert not [o for o in entry["outputs"].values() if o.get("images") or o.get("latents")], (node, name)
+    server.run(load_api_workflow("color_fix.json"))  # still serving
+
+
+def test_soak_short_run_answers_every_prompt_with_a_valid_image(server, shared):
+    # benchmarks/soak_comfyui.py (40 prompts, docs/comfyui.md) in short: one prompt of each kind.
+    spec = importlib.util.spec_from_file_location("soak_comfyui", REPO_ROOT / "benchmarks" / "soak_comfyui.py")
+    soak = sys.modules["soak_comfyui"] = importlib.util.module_from_spec(spec)  # its dataclass needs the entry
+    spec.loader.exec_module(soak)
+    result = soak.soak(server, shared, prompts=len(soak.KINDS), size=(64, 48))
+    assert (result.answered, result.valid, result.failures) == (3, 3, []), result
+    assert result.warm.rss > 0 and result.end.threads > 0 and result.end.open_files > 0
+    row = soak.report_row(result)
+    assert row.startswith("| ComfyUI server, flowlift nodes | 3 |") and "3/3 answered, 3 valid outputs" in row
+
+    # the verdict: growth beyond the allowance, more files or threads, failures and unanswered prompts count
+    grown = dataclasses.replace(result, end=dataclasses.replace(
+        result.warm, rss=result.warm.rss + (200 << 20), open_files=result.warm.open_files + 1,
+        threads=result.warm.threads + 1))
+    assert [p.split(" ")[0] for p in soak.problems(grown)] == ["resident", "open", "threads"]
+    flat = dataclasses.replace(result, end=result.warm)
+    assert soak.problems(flat) == []
+    broken = dataclasses.replace(flat, answered=2, failures=["prompt 1: soak/0001.png is blank"])
+    assert soak.problems(broken) == ["1 prompts unanswered", "prompt 1: soak/0001.png is blank"]
+    blank = server.root / "input" / "blank.png"
+    Image.new("RGB", (8, 8)).save(blank)
+    assert "is blank" in soak.output_problem(blank, (8, 8)) and "expected 9x8" in soak.output_problem(blank, (9, 8))
