@@ -15,7 +15,8 @@ random models, loopback) and its own frontend in headless Chromium (tests/comfy_
    whose high band is noise). The committed thumbnails come from the command above: a small Flow
    Upscaler trained for 600 steps on the CPU by flowlift's own trainer, on images other than the
    thumbnails' kodim05 and kodim23. The released FLUX.2 VAE's weights are not here, so TAEF2 (the
-   same latent space) stands in for it in the FLUX.2 latent workflow's run.
+   same latent space) stands in for it in the FLUX.2 latent workflow's run. That workflow has no
+   stage 2 colour fix, and the small model's raw passes are soft, so its thumbnail is soft too.
 2. UI-format workflows, ``example_workflows/<name>.json``: each API copy loaded by the frontend
    (``app.loadApiJson``), every node sized so that its title and widgets are drawn whole at 100%
    (measured with the frontend's fonts), laid out left to right by :func:`layout_columns`, and written
@@ -58,12 +59,12 @@ GRID = 10
 SAVE_IMAGE_SIZE = (400, 420)
 #: Per workflow: the Kodak image its thumbnail run starts from, and the square region of it.
 THUMBNAIL_SOURCES = {
-    "image_upscale_4x_taef2": ("kodim23.png", (128, 0, 640, 512)),
-    "flux2_latent_upscale_4x": ("kodim05.png", (128, 0, 640, 512)),
+    "image_upscale_4x_taef2": ("kodim05.png", (128, 0, 640, 512)),
+    "flux2_latent_upscale_4x": ("kodim23.png", (128, 0, 640, 512)),
     "color_fix": ("kodim15.png", (128, 0, 640, 512)),
 }
 THUMBNAIL_INPUT = 128  # px a side; 4x gives a 512 px thumbnail
-WINDOW = (2000, 1000)
+WINDOW = (2000, 1100)
 UUID_NAMESPACE = uuid.UUID("5b0e5a4e-3c1f-4f53-9a3e-0f1ee7f10f7e")
 
 
