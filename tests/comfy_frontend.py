@@ -194,16 +194,19 @@ def thumbnails_loaded(driver: WebDriver, sizes: dict[str, tuple[int, int]]) -> b
 
 
 def open_template(driver: WebDriver, pack: str, name: str) -> None:
-    """Click ``name``'s card in the pack's category and wait until the dialog closed with a graph loaded."""
+    """Click ``name``'s card in the pack's category and wait until its graph is the one on the canvas
+    (the dialog closes before the frontend loads the graph: the nodes on screen before are marked)."""
     open_templates_of(driver, pack)
+    driver.execute_script("window.app.graph._nodes.forEach(node => { node.flowliftShownBefore = true; })")
     driver.execute_script(f"document.querySelector('[data-testid=\"template-workflow-{name}\"]').click()")
     wait_for(
         driver,
+        "const nodes = window.app.graph._nodes;"
         "return !document.querySelector('[data-testid=template-workflows-content]')"
-        " && window.app.graph._nodes.length > 0",
+        " && nodes.length > 0 && !nodes.some(node => node.flowliftShownBefore)",
         f"template {name!r} to open",
     )
-    time.sleep(0.5)  # the load finishes its own follow-ups (size fixes, image previews) in the next frames
+    time.sleep(0.5)  # the load's own follow-ups (size fixes, image previews) run in the next frames
 
 
 def measure_nodes(driver: WebDriver) -> list[dict]:
