@@ -1,104 +1,231 @@
-"""Regenerate docs/comfyui_workflow.png (the ComfyUI page with example workflow (a) loaded) and the
-UI-format copies of the example workflows in example_workflows/ui/.
+"""Regenerate the ComfyUI assets: the UI-format workflows, their thumbnails and the docs screenshots.
 
-Runs the same set-up as tests/test_comfyui.py (temp ComfyUI v0.8.0 copy, this repository in
-custom_nodes/, random models, loopback server in the venv of tests/comfy_venv.py), opens the page in
-headless Chromium (selenium + chromedriver), loads the workflow through the frontend's own
-API-format loader and saves a screenshot; then loads every example workflow the same way and writes
-the graph the frontend made of it (``app.graph.serialize()``, the UI format). Usage::
+Everything is made by a real ComfyUI v0.8.0 server with this pack (tests/comfy_server.py: temp copy,
+random models, loopback) and its own frontend in headless Chromium (tests/comfy_frontend.py)::
 
-    python docs/comfyui_screenshot.py [--workflow flux2_latent_upscale_4x.json] [--out docs/comfyui_workflow.png]
+    python benchmarks/train_mini.py --out /tmp/train_mini
+    python docs/comfyui_screenshot.py \
+        --upscaler /tmp/train_mini/run-64/checkpoints/step-00000600/flow_upscaler.safetensors
+
+(options: ``--skip-thumbnails``, ``--skip-workflows``, ``--skip-screenshots``).
+
+1. Thumbnails, ``example_workflows/<name>.jpg``: each API-format workflow (``example_workflows/api/``)
+   run through the server on a Kodak image (a square region downsampled to the input size) with the
+   real TAEF2 and the upscaler of ``--upscaler`` (without it: a randomly initialised full-size one,
+   whose high band is noise). The committed thumbnails come from the command above: a small Flow
+   Upscaler trained for 600 steps on the CPU by flowlift's own trainer, on images other than the
+   thumbnails' kodim05 and kodim23. The released FLUX.2 VAE's weights are not here, so TAEF2 (the
+   same latent space) stands in for it in the FLUX.2 latent workflow's run. That workflow has no
+   stage 2 colour fix, and the small model's raw passes are soft, so its thumbnail is soft too.
+2. UI-format workflows, ``example_workflows/<name>.json``: each API copy loaded by the frontend
+   (``app.loadApiJson``), every node sized so that its title and widgets are drawn whole at 100%
+   (measured with the frontend's fonts), laid out left to right by :func:`layout_columns`, and written
+   as the frontend serializes it (``JSON.stringify``, so absent fields stay absent instead of null).
+3. Screenshots: Templates -> Extensions -> flowlift (``docs/comfyui_templates.png``) and each workflow
+   opened from its card at 100% (``docs/comfyui_workflow.png`` for the FLUX.2 latent one,
+   ``docs/comfyui_workflow_<name>.png`` for the others).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
+import math
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO_ROOT / "tests"), str(REPO_ROOT / "src")]
 
-from comfy_venv import comfy_env, comfy_python, comfyui_dir, shared_dir  # noqa: E402
-from test_comfyui import ComfyServer, free_port, stop, write_models_and_inputs  # noqa: E402
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+
+import comfy_frontend as ui  # noqa: E402
+from comfy_server import API_WORKFLOWS, PACK_NAME, WORKFLOWS, comfy_server, write_models_and_inputs  # noqa: E402
+from comfy_venv import shared_dir  # noqa: E402
+from flowlift.models.upscaler_unet import FlowUpscalerUNet  # noqa: E402
+from flowlift.models.upscaler_weights import save_upscaler  # noqa: E402
+
+DOCS = REPO_ROOT / "docs"
+ORIGIN = (100, 130)  # clear of the frontend's floating menus at the top left
+COLUMN_GAP, ROW_GAP = 60, 40
+GRID = 10
+#: Room for the output preview a Save Image node shows after a run.
+SAVE_IMAGE_SIZE = (400, 420)
+#: Per workflow: the Kodak image its thumbnail run starts from, and the square region of it.
+THUMBNAIL_SOURCES = {
+    "image_upscale_4x_taef2": ("kodim05.png", (128, 0, 640, 512)),
+    "flux2_latent_upscale_4x": ("kodim23.png", (128, 0, 640, 512)),
+    "color_fix": ("kodim15.png", (128, 0, 640, 512)),
+}
+THUMBNAIL_INPUT = 128  # px a side; 4x gives a 512 px thumbnail
+WINDOW = (2000, 1100)
+UUID_NAMESPACE = uuid.UUID("5b0e5a4e-3c1f-4f53-9a3e-0f1ee7f10f7e")
+
+
+def layout_columns(
+    sizes: dict[int, tuple[float, float]], links: list[tuple[int, int, int]], title_height: float
+) -> dict[int, tuple[float, float]]:
+    """Left-to-right positions for nodes of the given (width, height) sizes and (origin, target, target slot) links.
+
+    Column of a node with inputs: one right of its rightmost input (longest path); a node without
+    inputs (a loader, Load Image) sits one column left of its leftmost consumer, next to where it is
+    used. Within a column, nodes are ordered as the inputs they feed in the nearest column (consumer's
+    row, then input slot), so links do not cross; columns are as wide as their widest node, COLUMN_GAP
+    apart, and nodes are stacked ROW_GAP apart below their title bars. Returns each node's ``pos`` (the body's top-left
+    corner; LiteGraph draws the title bar above it).
+    """
+    inputs: dict[int, list[int]] = {node: [] for node in sizes}
+    consumers: dict[int, list[tuple[int, int]]] = {node: [] for node in sizes}
+    for origin, target, slot in links:
+        inputs[target].append(origin)
+        consumers[origin].append((target, slot))
+
+    depth: dict[int, int] = {}
+
+    def depth_of(node: int) -> int:
+        if node not in depth:
+            depth[node] = 1 + max((depth_of(o) for o in inputs[node]), default=-1)
+        return depth[node]
+
+    column = {node: depth_of(node) for node in sizes}
+    for node in sizes:
+        if not inputs[node] and consumers[node]:
+            column[node] = max(0, min(column[t] for t, _ in consumers[node]) - 1)
+
+    rank: dict[int, int] = {}
+    for col in sorted(set(column.values()), reverse=True):  # consumers are ranked before their inputs
+        members = [n for n in sizes if column[n] == col]
+        nearest = {n: min(((column[t], rank[t], s) for t, s in consumers[n]), default=(math.inf, 0, 0))
+                   for n in members}
+        members.sort(key=lambda n: (nearest[n], n))
+        rank.update({n: i for i, n in enumerate(members)})
+
+    positions: dict[int, tuple[float, float]] = {}
+    x = ORIGIN[0]
+    for col in sorted(set(column.values())):
+        members = sorted((n for n in sizes if column[n] == col), key=rank.__getitem__)
+        y = ORIGIN[1]
+        for node in members:
+            positions[node] = (x, y)
+            y += sizes[node][1] + title_height + ROW_GAP
+        x += max(sizes[n][0] for n in members) + COLUMN_GAP
+    return positions
+
+
+def node_size(measured: dict) -> tuple[float, float]:
+    """A size at which the frontend draws the node's title and widgets whole (whole grid steps)."""
+    width = max(measured["size"][0], measured["min_size"][0], measured["title_width"], measured["widget_width"])
+    height = max(measured["size"][1], measured["min_size"][1])
+    if measured["type"] == "SaveImage":
+        width, height = max(width, SAVE_IMAGE_SIZE[0]), max(height, SAVE_IMAGE_SIZE[1])
+    return (math.ceil(width / GRID) * GRID, math.ceil(height / GRID) * GRID)
+
+
+def ui_workflow(driver, api: dict, name: str) -> dict:
+    """The UI-format workflow of an API-format one: the frontend's graph, sized and laid out."""
+    # clean(): no state of the previous graph (image previews are kept by node id and would resize a node
+    # of this graph with the same id); loading a template from the Templates browser does the same.
+    driver.execute_script("window.app.clean(); return window.app.loadApiJson(arguments[0], arguments[1])", api, name)
+    time.sleep(2)  # image previews load and resize their nodes
+    measured = {m["id"]: m for m in ui.measure_nodes(driver)}
+    graph = json.loads(driver.execute_script("return JSON.stringify(window.app.graph.serialize())"))
+    sizes = {node_id: node_size(m) for node_id, m in measured.items()}
+    links = [(link[1], link[3], link[4]) for link in graph["links"]]
+    positions = layout_columns(sizes, links, driver.execute_script("return LiteGraph.NODE_TITLE_HEIGHT"))
+    for node in graph["nodes"]:
+        node["pos"] = list(positions[node["id"]])
+        node["size"] = list(sizes[node["id"]])
+    graph["id"] = str(uuid.uuid5(UUID_NAMESPACE, name))  # a stable id per template (the API loader leaves zeros)
+    graph["extra"] = {**graph.get("extra", {}), "ds": {"scale": 1, "offset": [0, 0]}}
+    return graph
+
+
+def write_thumbnail_inputs(root: Path, shared: Path, upscaler: Path | None) -> None:
+    """The test models and inputs, ``upscaler`` (else a random full-size one) in place of the small one,
+    and the thumbnail runs' inputs (``thumb_<name>.png``; the colour fix's drifted 2x ``thumb_color_fix_2x.png``)."""
+    write_models_and_inputs(root, shared)
+    target = root / "models" / "latent_upscale_models" / "flow_upscaler.safetensors"
+    if upscaler is not None:
+        shutil.copy(upscaler, target)
+    else:
+        import torch
+
+        torch.manual_seed(0)
+        save_upscaler(FlowUpscalerUNet().eval(), target)
+    for name, (image, box) in THUMBNAIL_SOURCES.items():
+        source = Image.open(shared / "images" / "kodak" / image).convert("RGB").crop(box)
+        size = 2 * THUMBNAIL_INPUT if name == "color_fix" else THUMBNAIL_INPUT
+        small = source.resize((size, size), Image.LANCZOS)
+        small.save(root / "input" / f"thumb_{name}.png")
+        if name == "color_fix":  # "another upscaler's" 2x with a colour cast, as the test input has
+            drifted = np.asarray(small.resize((2 * size, 2 * size), Image.LANCZOS), dtype=np.float32)
+            drifted = np.clip(drifted * [1.08, 1.0, 0.9] + [6, 0, -4], 0, 255).round().astype(np.uint8)
+            Image.fromarray(drifted).save(root / "input" / "thumb_color_fix_2x.png")
+
+
+def thumbnail_run(api: dict, name: str) -> tuple[dict, str]:
+    """The API workflow pointed at the thumbnail inputs (TAEF2 for the FLUX.2 VAE); returns it and its Save node."""
+    workflow = json.loads(json.dumps(api))
+    for node in workflow.values():
+        if node["class_type"] == "LoadImage":
+            node["inputs"]["image"] = f"thumb_{name}.png"
+        if node["class_type"] == "VAELoader":  # no FLUX.2 VAE weights here: TAEF2 is the same latent space
+            node["class_type"], node["inputs"] = "FlowliftTAEF2Loader", {"taef2_name": "taef2_encoder.pth"}
+    if name == "color_fix":
+        workflow["1"]["inputs"]["image"] = "thumb_color_fix_2x.png"
+    (save,) = [key for key, node in workflow.items() if node["class_type"] == "SaveImage"]
+    return workflow, save
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workflow", default="flux2_latent_upscale_4x.json")
-    parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "comfyui_workflow.png")
+    parser.add_argument("--upscaler", type=Path, help="Flow Upscaler checkpoint of the thumbnail runs")
+    parser.add_argument("--skip-thumbnails", action="store_true")
+    parser.add_argument("--skip-workflows", action="store_true")
+    parser.add_argument("--skip-screenshots", action="store_true")
     args = parser.parse_args()
-    workflow = json.loads((REPO_ROOT / "example_workflows" / args.workflow).read_text())
+    apis = {path.stem: json.loads(path.read_text()) for path in sorted(API_WORKFLOWS.glob("*.json"))}
 
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
-
-    python = comfy_python()
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp) / "ComfyUI"
-        shutil.copytree(comfyui_dir(), root, ignore=shutil.ignore_patterns("tests", "tests-unit", "__pycache__"))
-        for folder in ("custom_nodes", "input", "models/vae", "models/latent_upscale_models", "models/vae_approx"):
-            (root / folder).mkdir(parents=True, exist_ok=True)
-        (Path(tmp) / "extra_models" / "latent_upscale_models").mkdir(parents=True)
-        os.symlink(REPO_ROOT, root / "custom_nodes" / "flowlift", target_is_directory=True)
-        write_models_and_inputs(root, shared_dir())
-        port = free_port()
-        command = [str(python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
-                   "--disable-auto-launch"]
-        log = root / "server.log"
-        with open(log, "wb") as log_file:
-            process = subprocess.Popen(command, cwd=root, env=comfy_env(), stdout=log_file,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
-        server = ComfyServer(root, port, process, log)
-        driver = None
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    server.request("/system_stats", timeout=10)
-                    break
-                except OSError:
-                    if time.monotonic() > deadline or process.poll() is not None:
-                        raise SystemExit(f"ComfyUI did not start:\n{server.log_tail()}") from None
+    write_files = functools.partial(write_thumbnail_inputs, upscaler=args.upscaler)
+    with tempfile.TemporaryDirectory() as tmp, comfy_server(Path(tmp), shared_dir(), write_files) as server:
+        if not args.skip_thumbnails:
+            for name, api in apis.items():
+                workflow, save = thumbnail_run(api, name)
+                started = time.monotonic()
+                entry = server.run(workflow)
+                with Image.open(server.output_file(entry, save)) as image:
+                    image.convert("RGB").save(WORKFLOWS / f"{name}.jpg", quality=88, optimize=True)
+                print(f"wrote {WORKFLOWS / f'{name}.jpg'} (run {time.monotonic() - started:.1f} s)")
+        server.request("/settings/Comfy.TutorialCompleted", True)  # no template browser on the first visit
+        with ui.chromium(*WINDOW) as driver:
+            ui.open_app(driver, server.url)
+            if not args.skip_workflows:
+                for name, api in apis.items():
+                    graph = ui_workflow(driver, api, name)
+                    (WORKFLOWS / f"{name}.json").write_text(json.dumps(graph, indent=1) + "\n")
+                    print(f"wrote {WORKFLOWS / f'{name}.json'}")
+            if not args.skip_screenshots:
+                ui.open_app(driver, server.url)  # a fresh page, as a user opens it
+                names = ui.open_templates_of(driver, PACK_NAME)
+                deadline = time.monotonic() + 30
+                sizes = {name: Image.open(WORKFLOWS / f"{name}.jpg").size for name in names}
+                while not ui.thumbnails_loaded(driver, sizes) and time.monotonic() < deadline:
                     time.sleep(0.5)
-            server.request("/settings/Comfy.TutorialCompleted", True)  # no template browser on first visit
-            options = Options()
-            options.binary_location = shutil.which("chromium") or shutil.which("google-chrome") or ""
-            for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1600,1000"):
-                options.add_argument(flag)
-            driver = webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
-            driver.get(server.url)
-            deadline = time.monotonic() + 120
-            while not driver.execute_script("return !!(window.app && window.app.graph)"):
-                if time.monotonic() > deadline:
-                    raise SystemExit("the ComfyUI page did not load")
-                time.sleep(0.5)
-            time.sleep(3)
-            driver.execute_script("window.app.loadApiJson(arguments[0], arguments[1])", workflow, args.workflow)
-            time.sleep(3)
-            driver.save_screenshot(str(args.out))
-            print(f"wrote {args.out}")
-            ui_dir = REPO_ROOT / "example_workflows" / "ui"
-            ui_dir.mkdir(exist_ok=True)
-            for path in sorted((REPO_ROOT / "example_workflows").glob("*.json")):
-                driver.execute_script(
-                    "window.app.loadApiJson(arguments[0], arguments[1])", json.loads(path.read_text()), path.name
-                )
-                time.sleep(2)
-                graph = driver.execute_script("return window.app.graph.serialize()")
-                (ui_dir / path.name).write_text(json.dumps(graph, indent=1) + "\n")
-                print(f"wrote {ui_dir / path.name}")
-        finally:
-            if driver is not None:
-                driver.quit()
-            stop(process)
+                driver.save_screenshot(str(DOCS / "comfyui_templates.png"))
+                print(f"wrote {DOCS / 'comfyui_templates.png'}")
+                for name in apis:
+                    ui.open_template(driver, PACK_NAME, name)
+                    time.sleep(1)
+                    out = DOCS / ("comfyui_workflow.png" if name == "flux2_latent_upscale_4x" else
+                                  f"comfyui_workflow_{name}.png")
+                    driver.save_screenshot(str(out))
+                    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

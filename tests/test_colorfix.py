@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from flowlift.errors import FlowliftError
 from flowlift.files.images import to_tensor
 from flowlift.measure.metrics import drift_at_input_scale
 from flowlift.upscale.colorfix import (
@@ -188,3 +189,12 @@ def test_stage2_strips_do_not_change_the_result(synthetic_drift):
 def test_stage2_rejects_non_integer_scale():
     with pytest.raises(ValueError):
         lab_lowband_transplant(torch.rand(1, 3, 30, 40), torch.rand(1, 3, 8, 10))
+
+
+@pytest.mark.parametrize("strength", [float("nan"), float("inf"), -0.5, 1.5])
+def test_both_stages_refuse_a_strength_outside_0_1_nan_included(strength):
+    # A NaN strength passed the `strength == 0` shortcut and turned every pixel NaN: a black image.
+    with pytest.raises(FlowliftError, match=r"lab_lowband_transplant: strength must be a number in \[0, 1\]"):
+        lab_lowband_transplant(torch.rand(1, 3, 16, 16), torch.rand(1, 3, 8, 8), strength)
+    with pytest.raises(FlowliftError, match=r"latent_lowband_transplant: strength must be a number in \[0, 1\]"):
+        latent_lowband_transplant(torch.rand(1, 32, 16, 16), torch.rand(1, 32, 8, 8), strength)

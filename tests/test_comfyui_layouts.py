@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tomllib
 import torch
+from PIL import Image
 
+from comfy_frontend import overlaps
 from flowlift.comfyui import layouts as L
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import patchify
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+#: The nodes' inputs in their saved order (tests/test_comfyui.py checks them on a real server), and which
+#: of them are widgets (the others are links).
+WIDGET_ORDER = {
+    "FlowliftUpscaleLatent": ["upscaler", "samples", "scale", "seed", "transplant_strength", "chunked"],
+    "FlowliftUpscaleImage": [
+        "image", "upscaler", "vae", "scale", "seed", "transplant_strength", "color_fix_strength", "chunked"
+    ],
+    "FlowliftColorFix": ["image", "reference", "strength"],
+}
+WIDGET_INPUTS = {"scale", "seed", "transplant_strength", "color_fix_strength", "chunked", "strength"}
 
 
 def test_scale_and_chunking_widgets():
@@ -73,14 +87,134 @@ def test_requirements_txt_is_pyproject_minus_torch():
     assert project["tool"]["comfy"]["PublisherId"] and project["tool"]["comfy"]["DisplayName"]
 
 
-def test_ui_copies_of_the_example_workflows_hold_the_same_nodes():
-    folder = REPO_ROOT / "example_workflows"
-    api_files = sorted(folder.glob("*.json"))
-    assert len(api_files) == 3
-    for path in api_files:
-        api = json.loads(path.read_text())
-        ui = json.loads((folder / "ui" / path.name).read_text())
-        assert sorted(n["type"] for n in ui["nodes"]) == sorted(n["class_type"] for n in api.values()), path.name
-        for node in ui["nodes"]:
-            if node["type"] == "FlowliftUpscaleLatent":  # widget values in the saved order
-                assert node["widgets_values"][0] == "4x" and node["widgets_values"][-1] == "auto"
+# --------------------------------------------------------------------------------------------------
+# numeric inputs (issue 22: a NaN strength gave an all-black image with status success)
+
+
+NUMERIC_CASES = [(node, name) for node, inputs in L.NUMERIC_INPUTS.items() for name in inputs]
+
+
+@pytest.mark.parametrize(("node", "name"), NUMERIC_CASES)
+def test_every_numeric_input_refuses_non_finite_out_of_range_and_non_numbers(node, name):
+    low, high, integer = L.NUMERIC_INPUTS[node][name]
+    bad = [math.nan, math.inf, -math.inf, low - 1, high + 1, "0.5", None, True, torch.tensor(0.5)]
+    bad += [0.5, 2.0] if integer else [np.float32("nan")]
+    for value in bad:
+        with pytest.raises(FlowliftError) as info:
+            L.check_numbers(node, **{name: value})
+        text = str(info.value)
+        assert text.startswith(f"{node}: {name} must be") and repr(value) in text and "\n" not in text, text
+    good = [low, high, np.int64(1) if integer else np.float32(0.25)]
+    for value in good:
+        checked = L.check_numbers(node, **{name: value})[name]
+        assert checked == value and type(checked) is (int if integer else float)
+
+
+def test_nan_pixels_and_latents_are_one_clear_error():
+    image = torch.rand(1, 8, 8, 3)
+    image[0, 3, 4, 1] = math.nan
+    with pytest.raises(FlowliftError, match=r"^FlowliftColorFix image contains non-finite values \(NaN/Inf\)$"):
+        L.image_to_nchw(image, "FlowliftColorFix image")
+    samples = torch.zeros(1, 128, 4, 4)
+    samples[0, 5, 1, 1] = math.inf
+    with pytest.raises(FlowliftError, match="FlowliftUpscaleLatent: the LATENT contains non-finite values"):
+        L.flux2_latents({"samples": samples}, "FlowliftUpscaleLatent")
+
+
+# --------------------------------------------------------------------------------------------------
+# the shipped workflows (issue 21): UI format at the top (ComfyUI's Templates), API copies in api/
+
+WORKFLOWS = REPO_ROOT / "example_workflows"
+UI_FILES = sorted(WORKFLOWS.glob("*.json"))
+#: LiteGraph.NODE_TITLE_HEIGHT: a node's title bar is drawn above its ``pos``.
+TITLE_HEIGHT = 30
+MIN_GAP = 20
+
+
+def api_copy(path: Path) -> dict:
+    return json.loads((WORKFLOWS / "api" / path.name).read_text())
+
+
+def test_every_ui_workflow_has_an_api_copy_with_the_same_graph():
+    assert [p.name for p in UI_FILES] == sorted(p.name for p in (WORKFLOWS / "api").glob("*.json"))
+    assert len(UI_FILES) == 3
+    for path in UI_FILES:
+        ui, api = json.loads(path.read_text()), api_copy(path)
+        assert isinstance(ui["version"], (int, float)) and ui["version"] > 0, path.name
+        nodes = {str(n["id"]): n for n in ui["nodes"]}
+        assert {k: n["type"] for k, n in nodes.items()} == {k: n["class_type"] for k, n in api.items()}, path.name
+        assert ui["last_node_id"] >= max(n["id"] for n in ui["nodes"])
+        assert ui["last_link_id"] >= max(link[0] for link in ui["links"])
+        expected_links = set()
+        for node_id, node in api.items():
+            title = node["_meta"]["title"]  # the frontend saves a title only where it is not the node's own name
+            assert nodes[node_id].get("title", title) == title, (path.name, node_id)
+            literals = [v for v in node["inputs"].values() if not isinstance(v, list)]
+            values = iter(nodes[node_id].get("widgets_values", []))
+            assert all(any(v == w for w in values) for v in literals), (path.name, node_id)  # in order
+            expected_links |= {(int(v[0]), v[1], int(node_id)) for v in node["inputs"].values() if isinstance(v, list)}
+        got_links = set()
+        for link_id, origin, origin_slot, target, target_slot, _type in ui["links"]:
+            assert nodes[str(target)]["inputs"][target_slot]["link"] == link_id
+            assert link_id in nodes[str(origin)]["outputs"][origin_slot]["links"]
+            got_links.add((origin, origin_slot, target))
+        assert got_links == expected_links, path.name
+
+
+def nulls(value: object, where: str = "") -> list[str]:
+    """Paths of every null in a JSON value."""
+    if value is None:
+        return [where]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in nulls(v, f"{where}.{k}")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in nulls(v, f"{where}[{i}]")]
+    return []
+
+
+def test_ui_workflows_have_nulls_only_where_the_frontend_schema_allows_them():
+    # The frontend's zod schema allows null only for an input's link and an output's links; a null at
+    # floatingLinks, extra.reroutes, definitions or slot_index made it refuse the whole workflow.
+    allowed = re.compile(r"^\.nodes\[\d+\]\.(inputs\[\d+\]\.link|outputs\[\d+\]\.links)$")
+    for path in UI_FILES:
+        found = [p for p in nulls(json.loads(path.read_text())) if not allowed.match(p)]
+        assert not found, (path.name, found)
+
+
+def test_ui_workflows_are_laid_out_left_to_right_without_overlaps():
+    for path in UI_FILES:
+        ui = json.loads(path.read_text())
+        boxes = {f"{n['id']} {n['type']}": (n["pos"][0], n["pos"][1] - TITLE_HEIGHT, n["size"][0],
+                                            n["size"][1] + TITLE_HEIGHT) for n in ui["nodes"]}
+        assert not overlaps(boxes, gap=MIN_GAP), (path.name, overlaps(boxes, gap=MIN_GAP))
+        nodes = {n["id"]: n for n in ui["nodes"]}
+        for _link, origin, _slot, target, _tslot, _type in ui["links"]:
+            a, b = nodes[origin], nodes[target]
+            assert a["pos"][0] + a["size"][0] + MIN_GAP <= b["pos"][0], (path.name, a["type"], b["type"])
+        assert ui["extra"]["ds"]["scale"] == 1  # opens at 100%
+
+
+def test_ui_workflows_start_with_fixed_seeds():
+    found = 0
+    for path in UI_FILES:
+        for node in json.loads(path.read_text())["nodes"]:
+            widgets = [name for name in WIDGET_ORDER.get(node["type"], []) if name in WIDGET_INPUTS]
+            if "seed" in widgets:  # the frontend stores "control after generate" right after the seed
+                values = node["widgets_values"]
+                assert values[widgets.index("seed") + 1] == "fixed", (path.name, node["type"], values)
+                found += 1
+    assert found == 2
+
+
+def test_every_template_has_a_thumbnail_from_a_real_run():
+    pixels = {}
+    for path in UI_FILES:
+        thumbnail = path.with_suffix(".jpg")  # the name and format ComfyUI's Templates browser asks for
+        with Image.open(thumbnail) as image:
+            assert image.format == "JPEG" and min(image.size) >= 256, thumbnail.name
+            array = np.asarray(image.convert("RGB"))
+        colours = np.unique(array.astype(np.int32) @ np.array([1 << 16, 1 << 8, 1], dtype=np.int32))
+        assert array.std() > 20 and len(colours) > 5000, thumbnail.name  # a photo, not a flat placeholder
+        pixels[path.stem] = array.astype(np.float32)
+    first, *others = pixels.values()
+    assert all(o.shape != first.shape or np.abs(o - first).mean() > 10 for o in others)

@@ -7,6 +7,8 @@ and ``batch_index``. No ComfyUI import here: these are plain tensor functions.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -18,6 +20,20 @@ from flowlift.upscale.colorfix_image import integer_scale
 
 SCALES = ("2x", "4x", "8x")
 CHUNKING = ("auto", "always", "never")
+SEED_MAX = 0xFFFFFFFFFFFFFFFF
+#: Every numeric widget of every node, with its (lowest, highest) value and whether it is an integer: the
+#: nodes check theirs with :func:`check_numbers` before any work (ComfyUI's own min/max check lets NaN
+#: through, and a node called from Python gets no check at all). A test keeps this equal to the nodes'
+#: INT and FLOAT inputs.
+NUMERIC_INPUTS: dict[str, dict[str, tuple[float, float, bool]]] = {
+    "FlowliftUpscaleLatent": {"seed": (0, SEED_MAX, True), "transplant_strength": (0.0, 1.0, False)},
+    "FlowliftUpscaleImage": {
+        "seed": (0, SEED_MAX, True),
+        "transplant_strength": (0.0, 1.0, False),
+        "color_fix_strength": (0.0, 1.0, False),
+    },
+    "FlowliftColorFix": {"strength": (0.0, 1.0, False)},
+}
 
 
 def passes_for(scale: str) -> int:
@@ -34,12 +50,36 @@ def chunked_flag(chunked: str) -> bool | None:
     return {"auto": None, "always": True, "never": False}[chunked]
 
 
+def check_numbers(node: str, **values: Any) -> dict[str, float | int]:
+    """``values`` (input name -> value) of ``node``'s numeric inputs checked against
+    :data:`NUMERIC_INPUTS`: each must be a finite number (an integer where the input is an INT) within
+    its range, else one error line naming the node, the input and the value. Returns them as int/float."""
+    checked: dict[str, float | int] = {}
+    for name, value in values.items():
+        low, high, integer = NUMERIC_INPUTS[node][name]
+        kind = "an integer" if integer else "a finite number"
+        wanted = numbers.Integral if integer else numbers.Real
+        number = value if isinstance(value, wanted) and not isinstance(value, bool) else None
+        if number is None or not math.isfinite(number) or not low <= number <= high:
+            raise FlowliftError(f"{node}: {name} must be {kind} in [{low}, {high}], got {value!r}")
+        checked[name] = int(number) if integer else float(number)
+    return checked
+
+
+def check_finite_tensor(tensor: torch.Tensor, what: str) -> None:
+    """One error line unless every value of an input tensor is finite (NaN/Inf would come out as black)."""
+    if not bool(torch.isfinite(tensor).all()):
+        raise FlowliftError(f"{what} contains non-finite values (NaN/Inf)")
+
+
 def image_to_nchw(image: torch.Tensor, what: str = "image") -> torch.Tensor:
-    """ComfyUI IMAGE (B, H, W, C>=3) -> float32 (B, 3, H, W); an alpha channel is dropped."""
+    """ComfyUI IMAGE (B, H, W, C>=3) -> float32 (B, 3, H, W); an alpha channel is dropped; NaN/Inf refused."""
     if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[-1] < 3:
         shape = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
         raise FlowliftError(f"{what}: expected a ComfyUI IMAGE of shape (batch, height, width, 3), got {shape}")
-    return image[..., :3].movedim(-1, 1).to(torch.float32)
+    images = image[..., :3].movedim(-1, 1).to(torch.float32)
+    check_finite_tensor(images, what)
+    return images
 
 
 def nchw_to_image(images: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -48,7 +88,8 @@ def nchw_to_image(images: torch.Tensor, device: torch.device | str) -> torch.Ten
 
 
 def flux2_latents(latent: Any, what: str) -> torch.Tensor:
-    """A ComfyUI FLUX.2 LATENT dict -> flowlift latents (B, 32, 2h, 2w); anything else is one clear error."""
+    """A ComfyUI FLUX.2 LATENT dict -> flowlift latents (B, 32, 2h, 2w); anything else (other shapes,
+    NaN/Inf values) is one clear error."""
     samples = latent.get("samples") if isinstance(latent, dict) else None
     if not isinstance(samples, torch.Tensor) or samples.ndim != 4 or samples.shape[1] != PATCHIFIED_CHANNELS:
         shape = tuple(samples.shape) if isinstance(samples, torch.Tensor) else type(samples).__name__
@@ -56,6 +97,7 @@ def flux2_latents(latent: Any, what: str) -> torch.Tensor:
             f"{what} needs a FLUX.2 LATENT (batch, {PATCHIFIED_CHANNELS}, h, w) from the FLUX.2 VAE or TAEF2, "
             f"got samples of shape {shape}"
         )
+    check_finite_tensor(samples, f"{what}: the LATENT")
     return from_comfyui_latent({"samples": samples.to(torch.float32)})
 
 

@@ -26,8 +26,6 @@ from flowlift.upscale.colorfix import lab_lowband_transplant
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 from flowlift.upscale.sizes import MAX_OUTPUT_SIDE
 
-SEED_MAX = 0xFFFFFFFFFFFFFFFF
-
 log = logging.getLogger("flowlift")
 
 
@@ -107,7 +105,13 @@ def upscaler_inputs() -> dict[str, tuple]:
         "scale": (list(layouts.SCALES), {"default": "2x", "tooltip": "2x per pass: 2x = 1 pass, 4x = 2, 8x = 3"}),
         "seed": (
             "INT",
-            {"default": 0, "min": 0, "max": SEED_MAX, "control_after_generate": True, "tooltip": "noise seed"},
+            {
+                "default": 0,
+                "min": 0,
+                "max": layouts.SEED_MAX,
+                "control_after_generate": True,  # the pack's frontend extension (web/) starts it at "fixed"
+                "tooltip": "noise seed; the same seed gives the same image",
+            },
         ),
         "transplant_strength": (
             "FLOAT",
@@ -157,14 +161,13 @@ class FlowliftUpscaleLatent:
     def upscale(
         self, upscaler: Any, samples: dict, scale: str, seed: int, transplant_strength: float, chunked: str
     ) -> tuple:
+        checked = layouts.check_numbers("FlowliftUpscaleLatent", seed=seed, transplant_strength=transplant_strength)
         latents = layouts.flux2_latents(samples, "FlowliftUpscaleLatent")
         passes = layouts.passes_for(scale)
         progress = Progress(passes)
         pipeline = make_pipeline(upscaler, None, chunked, progress)
         result = run_logging_warnings(
-            lambda: pipeline.upscale_latents(
-                latents, passes, seed=seed, transplant_strength=transplant_strength, callback=progress.stage
-            )
+            lambda: pipeline.upscale_latents(latents, passes, **checked, callback=progress.stage)
         )
         return (layouts.upscaled_latent_dict(samples, result, mm.intermediate_device()),)
 
@@ -213,6 +216,12 @@ class FlowliftUpscaleImage:
         color_fix_strength: float,
         chunked: str,
     ) -> tuple:
+        checked = layouts.check_numbers(
+            "FlowliftUpscaleImage",
+            seed=seed,
+            transplant_strength=transplant_strength,
+            color_fix_strength=color_fix_strength,
+        )
         images = layouts.image_to_nchw(image, "FlowliftUpscaleImage")
         passes = layouts.passes_for(scale)
         progress = Progress(passes + 3)  # encode, passes, decode, colour fix
@@ -224,15 +233,7 @@ class FlowliftUpscaleImage:
         if isinstance(flowlift_vae, ComfyFlux2VAE):
             flowlift_vae.device = pipeline.device  # decoded images meet the reference on the upscaler's device
         result = run_logging_warnings(
-            lambda: pipeline.upscale_image(
-                images,
-                passes,
-                seed=seed,
-                transplant_strength=transplant_strength,
-                color_fix_strength=color_fix_strength,
-                output_type="pt",
-                callback=progress.stage,
-            )
+            lambda: pipeline.upscale_image(images, passes, **checked, output_type="pt", callback=progress.stage)
         )
         return (layouts.nchw_to_image(result, mm.intermediate_device()),)
 
@@ -259,6 +260,7 @@ class FlowliftColorFix:
         }
 
     def fix(self, image: torch.Tensor, reference: torch.Tensor, strength: float) -> tuple:
+        strength = layouts.check_numbers("FlowliftColorFix", strength=strength)["strength"]
         device = mm.get_torch_device()
         images = layouts.image_to_nchw(image, "FlowliftColorFix image").to(device)
         ref = layouts.matched_reference(images, layouts.image_to_nchw(reference, "FlowliftColorFix reference"))

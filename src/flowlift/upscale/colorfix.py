@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flowlift.errors import FlowliftError
+
 LOWFREQ_FACTOR = 8
 
 # Pixels per strip in stage 2 (about 48 MiB of fp32 temporaries per strip for 3 channels).
@@ -82,6 +84,13 @@ def area_downsample(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return torch.matmul(torch.matmul(d_h, x.to(dtype)), d_w.T)
 
 
+def check_strength(strength: float, what: str) -> None:
+    """Refuse a strength outside [0, 1], NaN included: NaN passes ``strength == 0`` and would make every
+    output value NaN (an all-black image once saved)."""
+    if not 0.0 <= strength <= 1.0:
+        raise FlowliftError(f"{what}: strength must be a number in [0, 1], got {strength}")
+
+
 def latent_lowband_transplant(
     output: torch.Tensor,
     conditioning: torch.Tensor,
@@ -107,6 +116,7 @@ def latent_lowband_transplant(
             f"latent_lowband_transplant: expected (B, C, H, W) tensors with equal B and C, "
             f"got {tuple(output.shape)} and {tuple(conditioning.shape)}"
         )
+    check_strength(strength, "latent_lowband_transplant")
     result = output.to(torch.float32).clone()
     if strength == 0:
         return result
@@ -234,6 +244,7 @@ def lab_lowband_transplant(
     device = output.device
     if inplace and output.dtype != torch.float32:
         raise ValueError("lab_lowband_transplant: inplace needs a float32 output tensor")
+    check_strength(strength, "lab_lowband_transplant")
     if strength == 0:
         return output.clamp_(0.0, 1.0) if inplace else output.to(torch.float32).clamp(0.0, 1.0)
 

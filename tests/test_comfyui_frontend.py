@@ -1,0 +1,142 @@
+"""The shipped workflows in ComfyUI v0.8.0's own frontend, in headless Chromium, as a user meets them.
+
+One server (tests/comfy_server.py, loopback, stopped at the end) and one browser session for the
+module. A template is opened the way a user opens it (Templates -> Extensions -> flowlift -> card);
+then the frontend's state is read: toasts (the zod-schema alert, "links fixed" notices), console
+warnings and errors, the graph (node boxes with their title bars, links, widget values) and every text
+the canvas draws at 100%, so that an overlap, a right-to-left link or a truncated title fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from PIL import Image
+
+import comfy_frontend as ui
+from comfy_server import PACK_NAME, WORKFLOWS, comfy_server
+
+WINDOW = (2100, 1200)
+NAMES = sorted(path.stem for path in WORKFLOWS.glob("*.json"))
+THUMBNAIL_SIZES = {name: Image.open(WORKFLOWS / f"{name}.jpg").size for name in NAMES}
+SEEDED = ("FlowliftUpscaleLatent", "FlowliftUpscaleImage")
+MIN_GAP = 10  # px between node boxes (title bars included) in the live graph
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, shared):
+    with comfy_server(tmp_path_factory.mktemp("comfy-ui"), shared) as comfy:
+        comfy.request("/settings/Comfy.TutorialCompleted", True)  # no template browser on the first visit
+        yield comfy
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    """One Chromium on the server's page; the page-load console noise (404s of optional files) is drained."""
+    with ui.chromium(*WINDOW) as driver:
+        ui.open_app(driver, server.url)
+        ui.console_problems(driver)
+        yield driver
+
+
+def problems(driver) -> list[str]:
+    return [f"toast: {text}" for text in ui.toasts(driver)] + ui.console_problems(driver)
+
+
+def test_the_templates_api_serves_every_workflow_and_its_thumbnail(server):
+    listed = server.request("/workflow_templates")
+    assert {pack: sorted(names) for pack, names in listed.items()} == {PACK_NAME: NAMES}
+    for name in NAMES:
+        body, kind = server.fetch(f"/api/workflow_templates/{PACK_NAME}/{name}.jpg")
+        assert kind == "image/jpeg" and body == (WORKFLOWS / f"{name}.jpg").read_bytes(), name
+        body, _ = server.fetch(f"/api/workflow_templates/{PACK_NAME}/{name}.json")
+        assert json.loads(body) == json.loads((WORKFLOWS / f"{name}.json").read_text())
+
+
+def test_every_template_opens_from_the_templates_browser_cleanly(page, tmp_path):
+    assert sorted(ui.open_templates_of(page, PACK_NAME)) == NAMES
+    deadline = time.monotonic() + 60
+    while not ui.thumbnails_loaded(page, THUMBNAIL_SIZES):
+        assert time.monotonic() < deadline, "the template cards do not show their thumbnails"
+        time.sleep(0.25)
+    assert not problems(page)  # a missing thumbnail is a 404 and a "Failed to cache media" warning
+
+    for name in NAMES:
+        ui.open_template(page, PACK_NAME, name)
+        page.save_screenshot(str(tmp_path / f"{name}.png"))  # kept by pytest for a failure's inspection
+        assert not problems(page), name  # e.g. "Invalid workflow against zod schema ..." or "Workflow Links Fixed"
+
+        saved = json.loads((WORKFLOWS / f"{name}.json").read_text())
+        state = ui.graph_state(page)
+        nodes = {node["id"]: node for node in state["nodes"]}
+        assert {i: n["type"] for i, n in nodes.items()} == {n["id"]: n["type"] for n in saved["nodes"]}, name
+        assert state["scale"] == 1, name  # opens at 100%
+        for node in state["nodes"]:
+            if node["type"] in SEEDED:
+                assert node["widgets"]["control_after_generate"] == "fixed", (name, node["type"])
+
+        boxes = {f"{n['id']} {n['title']}": tuple(n["bounding"]) for n in state["nodes"]}
+        assert not ui.overlaps(boxes, gap=MIN_GAP), (name, ui.overlaps(boxes, gap=MIN_GAP))
+        for origin, target in state["links"]:
+            a, b = nodes[origin]["bounding"], nodes[target]["bounding"]
+            assert a[0] + a[2] < b[0], (name, nodes[origin]["title"], nodes[target]["title"])
+
+        width, height = ui.show_at_100_percent(page)
+        assert width + 150 < WINDOW[0] and height + 200 < WINDOW[1], (name, width, height)  # all of it drawn
+        texts = ui.drawn_texts(page)
+        for node in state["nodes"]:
+            assert node["title"] in texts, (name, node["title"])
+        truncated = [t for t in texts if any(mark in t for mark in ui.TRUNCATION_MARKS)]
+        assert not truncated, (name, truncated)
+
+
+def test_new_nodes_start_with_a_fixed_seed_and_a_saved_choice_is_kept(page):
+    controls = page.execute_script(
+        """
+        return arguments[0].concat(['KSampler']).map(type => {
+          const node = LiteGraph.createNode(type);
+          return [type, node.widgets.find(w => w.name === 'control_after_generate').value];
+        });
+        """,
+        list(SEEDED),
+    )
+    assert controls == [[t, "fixed"] for t in SEEDED] + [["KSampler", "randomize"]]  # core nodes untouched
+
+    saved = json.loads((WORKFLOWS / "image_upscale_4x_taef2.json").read_text())
+    (node,) = [n for n in saved["nodes"] if n["type"] == "FlowliftUpscaleImage"]
+    node["widgets_values"][2] = "randomize"  # a user's own choice, saved in their workflow
+    value = page.execute_script(
+        """
+        await window.app.loadGraphData(arguments[0], true, true, 'mine');
+        const node = window.app.graph._nodes.find(n => n.type === 'FlowliftUpscaleImage');
+        return node.widgets.find(w => w.name === 'control_after_generate').value;
+        """,
+        saved,
+    )
+    assert value == "randomize"
+    assert not problems(page)
+
+
+def test_run_twice_gives_the_same_seed_and_image(server, page):
+    ui.open_template(page, PACK_NAME, "image_upscale_4x_taef2")
+    before = set(server.request("/history"))
+    for run in (1, 2):
+        page.execute_script(
+            "Array.from(document.querySelectorAll('button')).find(b => b.textContent.trim() === 'Run').click()"
+        )
+        deadline = time.monotonic() + 120
+        while len(set(server.request("/history")) - before) < run:
+            assert time.monotonic() < deadline, server.log_tail()
+            time.sleep(0.25)
+    entries = [server.wait(prompt_id) for prompt_id in set(server.request("/history")) - before]
+    assert [e["status"]["status_str"] for e in entries] == ["success", "success"]
+    seeds = {e["prompt"][2]["4"]["inputs"]["seed"] for e in entries}
+    assert seeds == {0}  # the saved seed, unchanged by "control after generate"
+    seed = page.execute_script(
+        "return window.app.graph._nodes.find(n => n.type === 'FlowliftUpscaleImage')"
+        ".widgets.find(w => w.name === 'seed').value"
+    )
+    assert seed == 0
+    assert not problems(page)
