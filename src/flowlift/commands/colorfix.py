@@ -65,6 +65,7 @@ def _metadata(args: argparse.Namespace, source: Path, reference: Path, scale: in
 
 def run(args: argparse.Namespace) -> int:
     from flowlift.commands.upscale import output_format
+    from flowlift.devices import resolve_device_option
     from flowlift.errors import FlowliftError
     from flowlift.files.image_outputs import save_image_atomic
     from flowlift.files.images import IMAGE_SUFFIXES, list_images, load_image
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from flowlift.jobs.batch import Job, plan_jobs, run_jobs
     from flowlift.upscale.colorfix_image import color_fix_image, integer_scale
 
+    device = resolve_device_option(args.device)  # a bad or absent device is one line, before any image is read
     inputs = list_images(args.inputs)
     if not inputs:
         raise FlowliftError("no input images found")
@@ -93,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         scale = integer_scale(image.size, source.size)
         if alpha is not None:
             image.putalpha(alpha)
-        result = color_fix_image(image, source, args.strength, device=args.device)
+        result = color_fix_image(image, source, args.strength, device=device)
         save_image_atomic(
             result,
             out,

@@ -31,11 +31,11 @@ from flowlift.upscale.inputs import check_count, check_finite, check_seed, image
 from flowlift.upscale.loading import (
     DEFAULT_UPSCALER,
     DEFAULT_VAE,
+    check_upscale_weights,
     first_parameter,
     load_pipeline_upscaler,
     load_pipeline_vae,
     pipeline_model_files,
-    resolve_upscaler_file,
 )
 from flowlift.upscale.memory_plan import (
     UNetPassPlan,
@@ -50,13 +50,13 @@ from flowlift.upscale.sizes import (
     MAX_OUTPUT_SIDE,
     RESIZE_MODES,
     SIZE_MULTIPLE,
+    dropped_passes_message,
     image_seeds,
     output_scale,
     pad_to_multiple,
     pass_noise,
     planned_passes,
     resample_to_multiple,
-    upscaled_size,
 )
 from flowlift.upscale.unet_runner import CompiledUNet, velocity_model
 
@@ -145,10 +145,7 @@ class FlowUpscalerPipeline:
         self.chunk_budget_bytes = chunk_budget_bytes
         self.on_strip = on_strip
         if isinstance(upscaler, (str, os.PathLike)):
-            from flowlift.models.vae_loading import check_vae_spec
-
-            resolve_upscaler_file(upscaler)  # both sources found before either model loads
-            check_vae_spec(vae)
+            check_upscale_weights(upscaler, [vae])  # both found (or both named as missing) before either loads
         self.upscaler, self.upscaler_path = load_pipeline_upscaler(upscaler, self.device, self.dtype)
         self.vae, self.vae_spec = (None, None) if vae is None else load_pipeline_vae(vae, self.device, self.dtype)
         self.max_memory = None if max_memory is None else parse_memory(max_memory)
@@ -232,16 +229,13 @@ class FlowUpscalerPipeline:
         num_passes = check_count("num_passes", num_passes)
         passes = planned_passes(image_height, image_width, num_passes, resize_mode, self.MAX_OUTPUT_SIDE)
         if passes < num_passes:
-            out_h, out_w = upscaled_size(image_height, image_width, passes, resize_mode)
             if passes == 0:
                 raise FlowliftError(
                     f"Flow Upscaler: a {image_width}x{image_height} image cannot be upscaled: one 2x pass would "
                     f"exceed MAX_OUTPUT_SIDE={self.MAX_OUTPUT_SIDE} px"
                 )
-            message = (
-                f"Flow Upscaler: {num_passes} pass(es) on a {image_width}x{image_height} image would exceed "
-                f"MAX_OUTPUT_SIDE={self.MAX_OUTPUT_SIDE} px; running {passes} pass(es) "
-                f"({num_passes - passes} dropped, output {out_w}x{out_h}, scale {2**passes})"
+            message = dropped_passes_message(
+                image_width, image_height, num_passes, passes, resize_mode, self.MAX_OUTPUT_SIDE
             )
             warnings.warn(message, UserWarning, stacklevel=3)
         return passes
