@@ -27,7 +27,14 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.upscale.colorfix import LOWFREQ_FACTOR, lab_lowband_transplant, latent_lowband_transplant
-from flowlift.upscale.inputs import check_count, check_finite, check_seed, image_alpha
+from flowlift.upscale.inputs import (
+    check_count,
+    check_finite,
+    check_latents,
+    check_seed,
+    check_unit_interval,
+    image_alpha,
+)
 from flowlift.upscale.loading import (
     DEFAULT_UPSCALER,
     DEFAULT_VAE,
@@ -292,8 +299,8 @@ class FlowUpscalerPipeline:
         band to ``cond``'s; x0 is the next pass's ``cond``. Passes beyond ``MAX_OUTPUT_SIDE`` are
         dropped with a warning.
         """
-        if not 0.0 <= transplant_strength <= 1.0:
-            raise FlowliftError(f"transplant_strength must be in [0, 1], got {transplant_strength}")
+        check_latents(latents, "Flow Upscaler")
+        transplant_strength = check_unit_interval("transplant_strength", transplant_strength)
         seed = check_seed(seed)
         factor = self.spatial_factor
         passes = self.plan_passes(latents.shape[-2] * factor, latents.shape[-1] * factor, num_passes)
@@ -301,7 +308,6 @@ class FlowUpscalerPipeline:
         plan = self.plan_memory(latents.shape[-2] * factor, latents.shape[-1] * factor, passes, latents.shape[0])
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
         cond = latents.to(device=self.device, dtype=torch.float32)
-        check_finite(cond, "the input latents contain")
         for index in range(passes):
             batch, channels, height, width = cond.shape
             shape = (batch, channels, 2 * height, 2 * width)
@@ -343,8 +349,8 @@ class FlowUpscalerPipeline:
         """
         if output_type not in ("pil", "pt"):
             raise FlowliftError(f"output_type must be 'pil' or 'pt', got {output_type!r}")
-        if not 0.0 <= color_fix_strength <= 1.0:
-            raise FlowliftError(f"color_fix_strength must be in [0, 1], got {color_fix_strength}")
+        color_fix_strength = check_unit_interval("color_fix_strength", color_fix_strength)
+        check_unit_interval("transplant_strength", transplant_strength)  # before the encoder runs
         seed = check_seed(seed)
         original, prepared = self.prepare_image(image, resize_mode)
         passes = self.plan_passes(original.shape[-2], original.shape[-1], num_passes, resize_mode)
