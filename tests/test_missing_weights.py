@@ -175,3 +175,54 @@ def test_app_checks_every_offered_vae_and_the_refiner_at_start_up(empty_cache, c
     assert err.startswith("flowlift app: error: 4 weights are missing") and len(err.splitlines()) == 1, err
     assert download_command("madebyollin/taef2") in err and "missing.safetensors: no such file" in err
     assert "transformer/" in err and "vae/" in err
+
+
+@pytest.fixture
+def online_mode(monkeypatch):
+    """huggingface_hub in online mode for this test (conftest sets HF_HUB_OFFLINE=1), no cached answers."""
+    import huggingface_hub.constants
+
+    import flowlift.models.hub as hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hub, "_checked", {})
+    return hub
+
+
+def test_an_answering_endpoint_is_reachable_and_a_hanging_one_is_not(online_mode, monkeypatch):
+    import http.server
+    import threading
+
+    import huggingface_hub.constants
+
+    hub = online_mode
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):  # any answer, even 404, means the hub can be asked
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        assert hub.hub_offline_reason() is None
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    class Hanging:  # a name lookup that never returns is not bounded by the request's own timeout
+        def head(self, url, timeout):
+            time.sleep(30)
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://hub.invalid")
+    monkeypatch.setattr("huggingface_hub.utils.get_session", lambda: Hanging())
+    start = time.monotonic()
+    reason = hub.hub_offline_reason(timeout=0.5)
+    assert time.monotonic() - start < 3.0
+    assert reason == "the hub http://hub.invalid cannot be reached (no answer within 0.5 s)"
+    assert hub.hub_offline_reason(timeout=0.5) == reason  # kept: one check per command, not one per file
