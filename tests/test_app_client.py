@@ -102,7 +102,7 @@ def test_upscale_endpoint_and_queue_with_gradio_client(server, shared, tmp_path)
     assert waited > 0.5, f"the waiting request was seen in the queue for {waited:.2f} s"
 
 
-def test_a_taken_port_is_one_error_line(capsys, tmp_path, monkeypatch):
+def test_a_taken_port_is_one_error_line(capsys, tmp_path, monkeypatch, shared):
     import socket
     import threading
 
@@ -114,7 +114,8 @@ def test_a_taken_port_is_one_error_line(capsys, tmp_path, monkeypatch):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        argv = ["app", "--port", str(port), "--vae", "taef2"]
+        weights = tiny_upscaler(tmp_path / "flow_upscaler.safetensors")  # found: the start-up weight check passes
+        argv = ["app", "--port", str(port), "--upscaler", str(weights), "--vae", str(shared / "models" / "taef2")]
         runner = threading.Thread(target=lambda: outcome.append(main(argv)), daemon=True)
         runner.start()
         runner.join(120)

@@ -274,6 +274,7 @@ def test_cli_run_with_vae_methods_and_cache(monkeypatch, photos, tmp_path, capsy
 
     module = types.ModuleType("flowlift.models.vae_loading")
     module.load_vae = lambda spec, device="cpu", dtype=torch.float32: BlockVAE()
+    module.check_vae_spec = lambda spec: None  # the up-front weight check (a local file here)
     monkeypatch.setitem(sys.modules, "flowlift.models.vae_loading", module)
     weights = tmp_path / "vae.safetensors"
     weights.write_bytes(b"one")

@@ -156,7 +156,9 @@ def test_img2img_checks_every_input_before_loading(tmp_path, photo, capsys, monk
     )
     assert main(base + ["--prompt", "a cat"]) == 2
     err = capsys.readouterr().err
-    assert "flowlift[text]" in err and "--prompt-embeds" in err
+    from flowlift.console import install_command
+
+    assert install_command("text") in err and "--prompt-embeds" in err  # the command for this install (item 18)
 
 
 def test_hires_checks_the_upscaler_before_loading(tmp_path, capsys, no_model_loads):

@@ -707,11 +707,11 @@ def test_atomic_output_fsyncs_file_then_folder(tmp_path, monkeypatch):
 
 
 def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
-    from flowlift.commands.cli import _sigterm_as_interrupt
+    from flowlift.commands.cli import _signals_interrupt
     from flowlift.files.atomic import atomic_output
 
     with pytest.raises(KeyboardInterrupt):
-        with _sigterm_as_interrupt():
+        with _signals_interrupt():
             with atomic_output(tmp_path / "out.png") as tmp:
                 tmp.write_bytes(b"partial")
                 signal.raise_signal(signal.SIGTERM)

@@ -7,6 +7,8 @@
   "kept in float32" lines, huggingface_hub deprecation warnings, transformers notices) off stderr, so
   a run prints flowlift's own lines only; ``-v`` leaves the libraries' warnings visible.
 * :func:`warn_once` prints a ``flowlift CMD: warning: ...`` line at most once per process per key.
+* :func:`install_command` is the pip command that adds an optional extra to the flowlift that is running
+  (a source checkout or an installed package), for every "needs the X extra" message.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
 #: Libraries whose log records and Python warnings are silenced unless ``-v`` is given.
 NOISY_LIBRARIES = ("diffusers", "transformers", "huggingface_hub", "accelerate", "safetensors")
@@ -24,7 +27,9 @@ _warned: set[str] = set()
 
 
 def add_console_options(parser: argparse.ArgumentParser) -> None:
-    """``-v/--verbose`` and ``--progress/--no-progress``, identical on every subcommand."""
+    """``-v/--verbose`` and ``--progress/--no-progress``, identical on every subcommand: the one convention
+    for progress bars. ``--quiet`` (which ``eval``, ``bands``, ``img2img`` and ``hires`` had, meaning "no
+    progress bars") is still accepted as a hidden alias of ``--no-progress`` so old scripts keep working."""
     group = parser.add_argument_group("console")
     group.add_argument(
         "-v",
@@ -38,16 +43,15 @@ def add_console_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="draw progress bars (default: only when stderr is a terminal)",
     )
+    group.add_argument("--quiet", dest="progress", action="store_false", help=argparse.SUPPRESS)
 
 
 def show_progress(args: argparse.Namespace) -> bool:
-    """True when progress bars should be drawn: ``--progress`` forces, ``--no-progress``/``--quiet`` forbid,
-    otherwise only when stderr is a terminal."""
+    """True when progress bars should be drawn: ``--progress`` forces, ``--no-progress`` (or its old
+    spelling ``--quiet``) forbids, otherwise only when stderr is a terminal."""
     forced = getattr(args, "progress", None)
     if forced is not None:
         return bool(forced)
-    if getattr(args, "quiet", False):
-        return False
     return sys.stderr.isatty()
 
 
@@ -96,3 +100,19 @@ def warn_once(command: str, key: str, message: str) -> None:
         return
     _warned.add(key)
     print(f"flowlift {command}: warning: {message}", file=sys.stderr)
+
+
+def install_command(extra: str) -> str:
+    """The pip command that adds the optional ``extra`` to the flowlift that is running.
+
+    From a source checkout (an editable install, or ``src`` on ``PYTHONPATH``; recognised by the
+    ``pyproject.toml`` two folders above the package) ``pip install -e ".[extra]"``, with the checkout's
+    path unless it is the current folder; from an installed package ``pip install "flowlift[extra]"``
+    (a checkout's path is not a package name, and the package's name is no use to a checkout).
+    """
+    package = Path(__file__).resolve().parent
+    root = package.parent.parent
+    if package.parent.name == "src" and (root / "pyproject.toml").is_file():
+        where = "." if root == Path.cwd().resolve() else str(root)
+        return f'pip install -e "{where}[{extra}]"'
+    return f'pip install "flowlift[{extra}]"'

@@ -44,6 +44,14 @@ def resolve_device(setting: str | torch.device | None) -> torch.device:
     return device
 
 
+def resolve_device_option(device: str | None, option: str = "--device") -> torch.device:
+    """:func:`resolve_device` for a command-line option: a bad value is one FlowliftError line naming it."""
+    try:
+        return resolve_device(device)  # unknown names, missing backends, indices past the device count
+    except FlowliftError as error:
+        raise FlowliftError(f"{option} {device}: {error}") from None
+
+
 def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
     """``(torch.device, torch.dtype)`` from the option values; one FlowliftError line for a bad device.
 
@@ -52,10 +60,7 @@ def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.d
     """
     import torch
 
-    try:
-        dev = resolve_device(device)  # unknown names, missing backends, indices past the device count
-    except FlowliftError as error:
-        raise FlowliftError(f"--device {device}: {error}") from None
+    dev = resolve_device_option(device)
     if dtype in (None, "auto"):
         dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     elif dtype in DTYPES:

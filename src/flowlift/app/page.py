@@ -35,7 +35,9 @@ def import_gradio() -> Any:
     try:
         import gradio
     except ImportError:
-        raise FlowliftError('the app needs Gradio 6: pip install "flowlift[app]"') from None
+        from flowlift.console import install_command
+
+        raise FlowliftError(f"the app needs Gradio 6: {install_command('app')}") from None
     if int(gradio.__version__.split(".")[0]) < 6:
         raise FlowliftError(f"the app needs Gradio 6.x, found {gradio.__version__}: pip install 'gradio>=6,<7'")
     return gradio

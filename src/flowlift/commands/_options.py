@@ -79,12 +79,24 @@ def unit_interval(text: str) -> float:
 
 
 def positive_int(text: str) -> int:
+    """A count of at least one (images, steps, passes, pixels): an integer >= 1."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """A count that may be 0 (``--tile-overlap``, ``--val-every 0`` = never): an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 

@@ -1,7 +1,8 @@
 """``flowlift app``: a local web page for upscaling (and refining with ``--model``), Gradio 6.
 
 Bound to 127.0.0.1 unless ``--host`` says otherwise; a public Gradio share link only with ``--share``.
-Models load on the first request and stay loaded for the life of the process.
+Every weight the page needs is found at start-up (missing ones: one error line, exit 2); the models
+load on the first request and stay loaded for the life of the process.
 """
 
 from __future__ import annotations
@@ -63,10 +64,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-vae", default=None, metavar="SPEC", help="VAE of --model (default: its vae/ folder)")
 
 
+def check_weights(args: argparse.Namespace) -> None:
+    """Every weight the page will load, found at start-up (the same lookups as ``flowlift upscale`` and
+    ``flowlift img2img``): the upscaler, each offered VAE and, with ``--model``, the refiner's transformer
+    and VAE. All missing ones are one error line (exit 2) instead of a page whose first click fails."""
+    from flowlift.models.weights import require_all
+    from flowlift.refine.loading import refiner_weight_checks
+    from flowlift.upscale.loading import DEFAULT_UPSCALER, upscale_weight_checks
+
+    checks = upscale_weight_checks(args.upscaler or DEFAULT_UPSCALER, list(dict.fromkeys(args.vae or ["flux2"])))
+    if args.model:
+        checks += refiner_weight_checks(args.model, vae=args.model_vae)
+    require_all(checks)
+
+
 def run(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    from flowlift.errors import FlowliftError
+
+    if importlib.util.find_spec("gradio") is None:  # before anything slow: the fix is an install
+        from flowlift.console import install_command
+
+        raise FlowliftError(f"the app needs Gradio 6: {install_command('app')}")
+    check_weights(args)
     from flowlift.app.page import build_app, launch
     from flowlift.app.service import AppConfig, AppService
-    from flowlift.errors import FlowliftError
 
     config = AppConfig(
         upscaler=args.upscaler,

@@ -14,7 +14,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from flowlift.commands._options import add_device_options, examples, finite_float, resolve_device_dtype
+from flowlift.commands._options import (
+    add_device_options,
+    examples,
+    finite_float,
+    positive_int,
+    resolve_device_dtype,
+    seed_value,
+)
 from flowlift.console import show_progress
 
 NAME = "bands"
@@ -30,13 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vae", required=True, help="VAE weights: local file/folder or hub id")
     parser.add_argument("--out", required=True, help="folder for bands.json, bands.md, bands.png")
     parser.add_argument("--amplitude", type=finite_float, default=0.1, help="perturbation RMS in latent sigma (0.1)")
-    parser.add_argument("--seed", type=int, default=0, help="noise seed (band k uses seed + k)")
-    parser.add_argument("--max-side", type=int, default=None,
+    parser.add_argument("--seed", type=seed_value, default=0, help="noise seed (band k uses seed + k)")
+    parser.add_argument("--max-side", type=positive_int, default=None,
                         help="downscale images (INTER_AREA) so the long side is at most this")  # fmt: skip
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N images")
+    parser.add_argument("--limit", type=positive_int, default=None, help="use only the first N images")
     parser.add_argument("--full", action="store_true", help="print every pixel band, not only the two summaries")
     add_device_options(parser, "VAE")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,7 +2,8 @@
 
 Subcommands live beside this module in :mod:`flowlift.commands` (one module each) and are discovered
 at start-up.
-User errors (:class:`flowlift.errors.FlowliftError`) print one line and exit with status 2.
+User errors (:class:`flowlift.errors.FlowliftError`) print one line and exit with status 2; SIGINT and
+SIGTERM stop any command with status 130.
 """
 
 from __future__ import annotations
@@ -57,11 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextmanager
-def _sigterm_as_interrupt():
-    """SIGTERM (``kill``, a job scheduler's stop) raises KeyboardInterrupt like Ctrl-C does.
+def _signals_interrupt():
+    """SIGINT and SIGTERM raise KeyboardInterrupt in the main thread for the whole command, then the
+    previous handlers come back (an in-process caller such as a test keeps its own).
 
-    So every ``except BaseException`` / ``finally`` clean-up runs (temporary files removed, training
-    checkpoint saved) and the exit status is 130 instead of an abrupt death leaving debris.
+    SIGINT is installed explicitly because Python leaves an *inherited* ``SIG_IGN`` in place: a command
+    started in the background by a non-interactive shell (``flowlift upscale ... &`` in a script) or by a
+    job runner that ignores SIGINT would otherwise never see Ctrl-C or ``kill -INT`` and run to the end.
+    SIGTERM (``kill``, a scheduler's stop) gets the same treatment, so every ``finally`` clean-up runs
+    (temporary files removed, training checkpoint saved) and the exit status is 130 instead of an
+    abrupt death leaving debris.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -70,11 +76,15 @@ def _sigterm_as_interrupt():
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+        signal.SIGTERM: signal.signal(signal.SIGTERM, interrupt),
+    }
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 def _one_line_warnings(command: str):
@@ -107,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_libraries(bool(getattr(args, "verbose", False)))
     format_warnings(args.command)
     try:
-        with warnings.catch_warnings(), _sigterm_as_interrupt():  # both restored when an in-process caller returns
+        with warnings.catch_warnings(), _signals_interrupt():  # both restored when an in-process caller returns
             warnings.showwarning = _one_line_warnings(args.command)
             return int(args._run(args) or 0)
     except FlowliftError as error:

@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from flowlift.commands.upscale import output_format
+    from flowlift.devices import resolve_device_option
     from flowlift.files.image_outputs import save_image_atomic
     from flowlift.files.images import load_image
     from flowlift.files.sixteen_bit import (
@@ -114,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
     from flowlift.jobs.batch import run_jobs
     from flowlift.upscale.colorfix_image import color_fix_array, color_fix_image, integer_scale
 
+    device = resolve_device_option(args.device)  # a bad or absent device is one line, before any image is read
     fmt = output_format(args.output, args.format)
     jobs, paired = plan(args, fmt)
 
@@ -127,12 +129,12 @@ def run(args: argparse.Namespace) -> int:
         if deep is not None:  # 16 bits in, 16 bits out: the fix runs on the samples themselves
             ref16 = load_image_16bit(reference) if has_16bit_samples(reference) else None
             ref = ref16[0] if ref16 is not None else np.asarray(source)
-            fixed = color_fix_array(deep[0], ref, args.strength, device=args.device)
+            fixed = color_fix_array(deep[0], ref, args.strength, device=device)
             save_image16_atomic(fixed, deep[1] if alpha is not None else None, out, metadata, source=path)
             return
         if alpha is not None:
             image.putalpha(alpha)
-        result = color_fix_image(image, source, args.strength, device=args.device)
+        result = color_fix_image(image, source, args.strength, device=device)
         save_image_atomic(result, out, metadata, source=path, quality=args.quality)  # path's ICC profile, EXIF
 
     return run_jobs(jobs, fix_one, command=NAME, overwrite=args.overwrite).exit_code

@@ -13,7 +13,15 @@ import argparse
 import os
 from pathlib import Path
 
-from flowlift.commands._options import HelpFormatter, examples, finite_float, resolve_device_dtype
+from flowlift.commands._options import (
+    HelpFormatter,
+    examples,
+    finite_float,
+    positive_int,
+    quality,
+    resolve_device_dtype,
+    seed_value,
+)
 from flowlift.console import add_console_options, show_progress
 
 NAME = "dataset"
@@ -31,14 +39,14 @@ STORAGE = ("float16", "bfloat16", "float32")
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="dataset folder (created; an existing one is resumed)")
     parser.add_argument("--vae", required=True, help="VAE for decode/encode: flux2, taef2, a file/folder or hub id")
-    parser.add_argument("--seed", type=int, default=0, help="seed of crops, flips and stored noise")
-    parser.add_argument("--shard-size", type=int, default=256, help="items per shard file (default 256)")
-    parser.add_argument("--batch-size", type=int, default=4, help="items processed together (default 4)")
+    parser.add_argument("--seed", type=seed_value, default=0, help="seed of crops, flips and stored noise")
+    parser.add_argument("--shard-size", type=positive_int, default=256, help="items per shard file (default 256)")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="items processed together (default 4)")
     parser.add_argument("--storage-dtype", choices=STORAGE, default="float16", help="tensor dtype in shards")
     parser.add_argument("--device", default="auto", help="auto (default: CUDA if available, else cpu), cpu, cuda, ...")
     parser.add_argument("--filter", default="area", choices=("area", "bicubic", "bilinear", "lanczos"),
                         help="antialiased 2x pixel-space downscale for the conditioning (default area)")
-    parser.add_argument("--jpeg-quality", type=int, help="also JPEG-compress the downscaled image (1-100)")
+    parser.add_argument("--jpeg-quality", type=quality, help="also JPEG-compress the downscaled image (1-100)")
     parser.add_argument("--noise-std", type=finite_float, default=0.0,
                         help="also add Gaussian pixel noise (0..1 units)")
     parser.add_argument("--part", default="0/1", metavar="I/N",
@@ -58,10 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="a FLUX.2 diffusers pipeline (folder or hub id) or a Flux2Transformer2DModel folder")
     distill.add_argument("--prompts", help="text file, one prompt per line (pipeline teachers); item i uses line i")
     distill.add_argument("--prompt-embeds", help="safetensors file with 'prompt_embeds' (L, D) (transformer teachers)")
-    distill.add_argument("--num", type=int, required=True, help="number of items")
-    distill.add_argument("--width", type=int, default=1024, help="target image width in pixels (multiple of 32)")
-    distill.add_argument("--height", type=int, default=1024, help="target image height in pixels (multiple of 32)")
-    distill.add_argument("--steps", type=int, default=4, help="teacher sampling steps (default 4)")
+    distill.add_argument("--num", type=positive_int, required=True, help="number of items")
+    distill.add_argument("--width", type=positive_int, default=1024,
+                         help="target image width in pixels (multiple of 32)")  # fmt: skip
+    distill.add_argument("--height", type=positive_int, default=1024,
+                         help="target image height in pixels (multiple of 32)")  # fmt: skip
+    distill.add_argument("--steps", type=positive_int, default=4, help="teacher sampling steps (default 4)")
     distill.add_argument("--guidance", type=finite_float, help="teacher guidance scale")
     distill.add_argument("--teacher-dtype", choices=STORAGE, default=None,
                          help="teacher weights dtype (default bfloat16 on CUDA, float32 on CPU)")
@@ -72,8 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 "--out data/photos"))
     _common(images)
     images.add_argument("inputs", nargs="+", help="image files, folders or glob patterns")
-    images.add_argument("--crop", type=int, default=512, help="crop side in pixels (multiple of 32; default 512)")
-    images.add_argument("--crops-per-image", type=int, default=4, help="random crops taken from each photo")
+    images.add_argument("--crop", type=positive_int, default=512,
+                        help="crop side in pixels (multiple of 32; default 512)")  # fmt: skip
+    images.add_argument("--crops-per-image", type=positive_int, default=4, help="random crops taken from each photo")
     images.add_argument("--no-flip", action="store_true", help="no random horizontal flips")
 
 

@@ -17,15 +17,24 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from flowlift.commands._options import DEFAULT_SCALE, add_device_options, examples, resolve_device_dtype
+from flowlift.commands._options import (
+    DEFAULT_SCALE,
+    DEFAULT_VAE,
+    add_device_options,
+    examples,
+    non_negative_int,
+    positive_int,
+    resolve_device_dtype,
+)
 from flowlift.console import show_progress
 
 EPILOG = """\
 methods for --run:
   lanczos, bicubic                      Pillow resize (pixel space)
-  latent-bicubic, vae-roundtrip         need --vae
+  latent-bicubic, vae-roundtrip         through --vae (default flux2, as for flowlift upscale)
   flow[:transplant=F][:color_fix=F][:color=on|off][:seed=N]
-                                        the Flow Upscaler (needs --vae and --upscaler)
+                                        the Flow Upscaler (--upscaler, default the released
+                                        weights, and --vae)
   spandrel:PATH[:label][+colorfix]      any single-image super-resolution model spandrel loads from a
                                         local .safetensors/.pth file (Real-ESRGAN, HAT, SwinIR, ...;
                                         pip install -e ".[pixel]"); run at its native scale, tiled by
@@ -66,16 +75,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "flow:color=on|off, flow:seed=N (chained: flow:color=off:seed=1); spandrel models as "
                         "spandrel:PATH:label or spandrel:PATH+colorfix (see below)")  # fmt: skip
     parser.add_argument("--dataset", action="append", help="photos (files/folders) to build low-res inputs from")
-    parser.add_argument("--scale", type=int, default=DEFAULT_SCALE, help="upscale factor for --run")
-    parser.add_argument("--limit", type=int, help="use only the first N dataset images")
+    parser.add_argument("--scale", type=positive_int, default=DEFAULT_SCALE, help="upscale factor for --run")
+    parser.add_argument("--limit", type=positive_int, help="use only the first N dataset images")
     parser.add_argument("--box", type=_box, help="x,y,w,h in output pixels: grey levels are counted here, "
                         "and the figure crops it")  # fmt: skip
-    parser.add_argument("--vae", default=None, help="VAE for latent methods: local file/folder or hub id")
-    parser.add_argument("--upscaler", default=None, help="Flow Upscaler weights (for the flow method)")
+    parser.add_argument("--vae", default=DEFAULT_VAE, metavar="flux2|taef2|PATH|REPO",
+                        help="VAE of the latent methods (latent-bicubic, vae-roundtrip, flow), as for flowlift "
+                        f"upscale: flux2, taef2, a file/folder or hub id (default {DEFAULT_VAE})")  # fmt: skip
+    parser.add_argument("--upscaler", default=None, metavar="PATH|REPO",
+                        help="Flow Upscaler weights for the flow method: file, folder or hub repo "
+                        "(default TensorForger/FlowUpscaler, as for flowlift upscale)")  # fmt: skip
     add_device_options(parser, "VAE, upscaler and spandrel models")
     parser.add_argument("--tile", default="auto", help="spandrel models: tile side in input pixels, 'auto' (by "
                         "memory, the default) or 'none'")  # fmt: skip
-    parser.add_argument("--tile-overlap", type=int, default=None, metavar="PX",
+    parser.add_argument("--tile-overlap", type=non_negative_int, default=None, metavar="PX",
                         help="spandrel models: input pixels of context around each tile (default 32)")  # fmt: skip
     parser.add_argument("--out", required=True, help="folder for results.json, table.md, metrics.png, crops.png")
     parser.add_argument("--cache", default=None, help="result cache folder (default OUT/cache)")
@@ -86,8 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --run: also write every full output to OUT/outputs/<method>/<stem>_x<scale>.png, with the "
         "low-res inputs and ground truth beside them, so the numbers can be recomputed from files",
     )
-    parser.add_argument("--figure-images", type=int, default=3, help="images in the crop grid (default 3)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--figure-images", type=positive_int, default=3, help="images in the crop grid (default 3)")
     from flowlift.jobs.distributed import add_barrier_timeout_argument
 
     add_barrier_timeout_argument(parser)
@@ -139,7 +151,6 @@ def run(args: argparse.Namespace) -> int:
 def _run_methods(args: argparse.Namespace, env):
     import torch
 
-    from flowlift.errors import FlowliftError
     from flowlift.jobs.distributed import rank_device
     from flowlift.measure.cache import model_identity
     from flowlift.measure.evaluate import evaluate_methods
@@ -151,13 +162,16 @@ def _run_methods(args: argparse.Namespace, env):
     device = torch.device(rank_device(str(given), env)) if env.distributed else given
     needs_vae = any(s.needs_vae for s in specs)
     needs_flow = any(s.name == "flow" for s in specs)
-    if needs_vae and args.vae is None:
-        raise FlowliftError("methods " + ", ".join(s.label for s in specs if s.needs_vae) + " need --vae")
-    if needs_flow and args.upscaler is None:
-        raise FlowliftError("method flow needs --upscaler (the Flow Upscaler weights)")
     for s in specs:
         if s.name == "flow":
             flow_kwargs(s, args.scale)  # validates the scale before any work
+    if needs_vae:  # every weight found (or every missing one named, in one line) before any loads
+        from flowlift.models.weights import require_all
+        from flowlift.upscale.loading import DEFAULT_UPSCALER, upscale_weight_checks
+
+        if needs_flow:
+            args.upscaler = args.upscaler or DEFAULT_UPSCALER
+        require_all(upscale_weight_checks(args.upscaler if needs_flow else None, [args.vae]))
     vae = pipeline = None
     identities: dict = {}
     if needs_vae:

@@ -84,10 +84,9 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise FlowliftError("this flowlift build has no Flow Upscaler pipeline (flowlift.upscale.pipeline)") from None
 
-    from flowlift.upscale.loading import DEFAULT_UPSCALER, resolve_upscaler_file
+    from flowlift.upscale.loading import DEFAULT_UPSCALER
 
-    check_model_sources(args)
-    upscaler_file = resolve_upscaler_file(args.upscaler or DEFAULT_UPSCALER)  # before the transformer loads
+    upscaler_file = check_model_sources(args, args.upscaler or DEFAULT_UPSCALER)  # all before the transformer loads
     refiner, conditioning = load_refiner_from_args(args)
     upscaler = FlowUpscalerPipeline(upscaler_file, refiner.vae, device=refiner.device, dtype=refiner.dtype)
     passes = {2: 1, 4: 2}[args.scale]
@@ -133,6 +132,5 @@ def run(args: argparse.Namespace) -> int:
         metadata.pop("input", None)
     image = attach_alpha(tensor_to_pil(result.images[0]), alpha)
     save_image_atomic(image, output, {"flowlift": metadata}, source=args.image)  # ICC profile and EXIF kept
-    if not args.quiet:
-        print(f"wrote {output}")
+    print(f"wrote {output}")
     return 0

@@ -103,7 +103,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("-o", "--output", metavar="PATH", help="output image (PNG keeps all parameters as metadata)")
     out.add_argument("--overwrite", action="store_true",
                      help="replace an existing image at the output path that flowlift did not write")  # fmt: skip
-    out.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,21 +190,27 @@ def check_prompt_args(args: argparse.Namespace) -> None:
         import importlib.util
 
         if importlib.util.find_spec("transformers") is None:
+            from flowlift.console import install_command
+
             raise FlowliftError(
-                "--prompt needs the FLUX.2 text encoder, in the text extra (pip install 'flowlift[text]', "
-                "from a checkout pip install -e '.[text]'); or pass precomputed --prompt-embeds"
+                f"--prompt needs the FLUX.2 text encoder, in the text extra ({install_command('text')}); "
+                "or pass precomputed --prompt-embeds"
             )
 
 
-def check_model_sources(args: argparse.Namespace) -> None:
-    """Local --model / --vae paths exist (and hub ids are cached when offline) before any weights load."""
-    from flowlift.models.hub import looks_like_path
-    from flowlift.models.vae_loading import check_vae_spec
+def check_model_sources(args: argparse.Namespace, upscaler: str | None = None) -> Path | None:
+    """Every weight the command needs, found before any loads: the transformer, the VAE, the text encoder
+    when a prompt is embedded here and (``upscaler``, for hires) the Flow Upscaler; all missing ones are
+    named in one message. Returns the upscaler's file when one was asked for."""
+    from flowlift.models.weights import require_all
+    from flowlift.refine.loading import refiner_weight_checks
+    from flowlift.upscale.loading import resolve_upscaler_file
 
-    if not Path(args.model).expanduser().exists() and looks_like_path(args.model):
-        raise FlowliftError(f"--model {args.model}: no such file or folder")
-    if args.vae is not None:
-        check_vae_spec(args.vae)
+    checks = refiner_weight_checks(args.model, vae=args.vae, text_encoder=args.prompt_embeds is None)
+    if upscaler is not None:
+        checks.append(lambda: resolve_upscaler_file(upscaler))
+    found = require_all(checks)
+    return found[-1] if upscaler is not None else None
 
 
 def load_refiner_from_args(args: argparse.Namespace):
@@ -345,6 +350,5 @@ def run(args: argparse.Namespace) -> int:
     metadata = {k: v for k, v in metadata.items() if v is not None}
     image = attach_alpha(tensor_to_pil(result.images[0]), alpha)
     save_image_atomic(image, output, {"flowlift": metadata}, source=args.image)  # ICC profile and EXIF kept
-    if not args.quiet:
-        print(f"wrote {output}")
+    print(f"wrote {output}")
     return 0

@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
 
     from flowlift.errors import FlowliftError
     from flowlift.files.images import IMAGE_SUFFIXES, list_images
-    from flowlift.jobs.batch import Job, plan_jobs, report
+    from flowlift.jobs.batch import Job, pending, plan_jobs, report
     from flowlift.jobs.distributed import DistEnv, rank_device
     from flowlift.jobs.scaleout import run_batch
     from flowlift.upscale.loading import DEFAULT_UPSCALER
@@ -250,6 +250,11 @@ def run(args: argparse.Namespace) -> int:
         check_output=lambda path, out: check_format_limit(out, sizes.output_size(path)),
     )
     env = DistEnv.from_environ()
+    if env.is_main:  # the cap's note before any work (and once, not per rank), not after the image
+        for job in pending(jobs, args.overwrite):
+            note = sizes.dropped_note(job.source)
+            if note:
+                report(NAME, job.source, f"warning: {note}")
     settings = settings_from_args(args)
     pipeline = hashes = None
 
@@ -272,17 +277,19 @@ def run(args: argparse.Namespace) -> int:
             print(note, file=sys.stderr)
         elif args.batch_size > 1:
             return batched_process(
-                settings, pipeline, jobs, passes, hashes, batch_size=args.batch_size, overwrite=args.overwrite
+                settings, pipeline, jobs, sizes.passes_for, hashes, batch_size=args.batch_size,
+                overwrite=args.overwrite,
             )
         return upscale_one
 
     def upscale_one(path: Path, out: Path) -> None:
-        steps = tqdm(total=passes + 3, desc=path.name, unit="step", leave=False, disable=not bars, file=sys.stderr)
+        count = sizes.passes_for(path)  # the passes the cap lets run, already said at planning
+        steps = tqdm(total=count + 3, desc=path.name, unit="step", leave=False, disable=not bars, file=sys.stderr)
         with steps:
             _, _, notes = upscale_file(
-                pipeline, settings, passes, path, out, hashes, on_stage=lambda _stage, bar=steps: bar.update(1)
+                pipeline, settings, count, path, out, hashes, on_stage=lambda _stage, bar=steps: bar.update(1)
             )
-        for note in notes:  # e.g. passes dropped at MAX_OUTPUT_SIDE: one line, not a stack
+        for note in notes:  # anything the pipeline warned about this image: one line, not a stack
             report(NAME, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
 
     return run_batch(jobs, make_process, command=NAME, output=args.output, overwrite=args.overwrite,

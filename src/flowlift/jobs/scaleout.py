@@ -93,6 +93,7 @@ def run_batch(
     ``make_process()`` builds the per-image callback (loading the models); it is called at most
     once, and only when this rank has work.
     """
+    started = time.perf_counter()  # the summary's total time includes loading the models
     env = DistEnv.from_environ() if env is None else env
     jobs = list(jobs)
     folder = manifest_folder(output)
@@ -100,10 +101,12 @@ def run_batch(
         raise FlowliftError("under torchrun, -o must name an output folder: the job manifest is kept there")
     if not env.distributed and (folder is None or not Manifest(folder).exists()):
         process = make_process() if pending(jobs, overwrite) else _nothing_to_do
-        return run_jobs(jobs, process, command=command, overwrite=overwrite, progress=progress).exit_code
+        return run_jobs(jobs, process, command=command, overwrite=overwrite, progress=progress,
+                        started=started).exit_code  # fmt: skip
     assert folder is not None
     with process_group(env, barrier_timeout):
-        return _run_share(jobs, make_process, command, Manifest(folder), overwrite, barrier_timeout, env, progress)
+        return _run_share(jobs, make_process, command, Manifest(folder), overwrite, barrier_timeout, env, progress,
+                          started)  # fmt: skip
 
 
 def _run_share(
@@ -115,6 +118,7 @@ def _run_share(
     barrier_timeout: float,
     env: DistEnv,
     progress: bool | None,
+    started: float | None = None,
 ) -> int:
     agree(env, manifest.writable_problem())  # e.g. a folder in its place: every rank stops, with one line
     run = broadcast(env, new_run_id())
@@ -135,7 +139,7 @@ def _run_share(
     process = _recording(make_process(), manifest, run, env) if share else _nothing_to_do
     if not env.is_main:
         progress = False  # one batch bar on a shared terminal: rank 0's (its share)
-    result = run_jobs(mine, process, command=command, overwrite=overwrite, progress=progress)
+    result = run_jobs(mine, process, command=command, overwrite=overwrite, progress=progress, started=started)
     counts = {"total": result.total, "done": result.done, "skipped": result.skipped, "failed": result.failed}
     per_rank, reason = finish(env, counts, barrier_timeout)
     if per_rank is None:

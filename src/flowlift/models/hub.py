@@ -1,4 +1,4 @@
-"""What flowlift tells a user about the Hugging Face hub: download advice and path-versus-repo-id.
+"""What flowlift tells a user about the Hugging Face hub: download advice, path-versus-repo-id, reachability.
 
 * :func:`download_command` names the command that exists for the installed huggingface_hub
   (``hf download`` from 0.34 on, ``huggingface-cli download`` before), with plain file names.
@@ -6,11 +6,16 @@
   where the file goes (the hub cache folder), so a user can act on it without reading docs.
 * :func:`looks_like_path` tells a mistyped local path (``models/fu.safetensors``) from a hub id
   (``owner/name``), so a missing file is reported as "no such file" instead of a hub lookup.
+* :func:`hub_offline_reason` says whether hub lookups must stay in the local cache: ``HF_HUB_OFFLINE``,
+  or one quick request to the endpoint that gets no answer. Without it, a machine without network
+  waits ~25 s per file while huggingface_hub retries its connection with back-off, then fails anyway.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Sequence
 
 #: Suffixes of files flowlift reads; a hub *repository* id never ends in one of them.
@@ -65,3 +70,73 @@ def looks_like_path(source: str) -> bool:
     if text.count("/") != 1:
         return True
     return text.lower().endswith(FILE_SUFFIXES)
+
+
+#: Seconds the one reachability request may take before the hub counts as unreachable.
+HUB_CHECK_TIMEOUT_S = 3.0
+#: How long an answer is reused: a command checks once; a long-running app re-checks now and then.
+HUB_CHECK_TTL_S = 60.0
+
+_checked: dict[str, tuple[float, str | None]] = {}
+_checked_lock = threading.Lock()
+
+
+def _env_offline() -> bool:
+    from huggingface_hub import constants
+
+    flag = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    return flag or bool(getattr(constants, "HF_HUB_OFFLINE", False))
+
+
+def _endpoint() -> str:
+    from huggingface_hub import constants
+
+    return str(getattr(constants, "ENDPOINT", "https://huggingface.co")).rstrip("/")
+
+
+def _probe(endpoint: str, timeout: float) -> str | None:
+    """None when ``endpoint`` answers one HEAD request (any status), else why not (the error's type).
+
+    Through huggingface_hub's own HTTP session (its proxies and headers), without retries; run in a
+    thread joined with a deadline, because a name lookup that hangs is not bounded by the request's
+    own timeout.
+    """
+    outcome: list[str | None] = []
+
+    def attempt() -> None:
+        try:
+            from huggingface_hub.utils import get_session
+
+            get_session().head(endpoint, timeout=timeout)
+            outcome.append(None)
+        except Exception as error:  # noqa: BLE001 - any failure means: no answer from the hub
+            outcome.append(type(error).__name__)
+
+    thread = threading.Thread(target=attempt, name="flowlift-hub-check", daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    if not outcome:
+        return f"no answer within {timeout:g} s"
+    return outcome[0]
+
+
+def hub_offline_reason(timeout: float = HUB_CHECK_TIMEOUT_S) -> str | None:
+    """Why hub lookups must use the local cache only, as the tail of a sentence, or None when the hub answers.
+
+    ``"HF_HUB_OFFLINE=1"`` when offline mode is set (no request is made); ``"the hub
+    https://huggingface.co cannot be reached (ConnectError)"`` when one HEAD request to the endpoint
+    (``HF_ENDPOINT`` honoured) gets no answer within ``timeout`` seconds. The answer is kept for
+    :data:`HUB_CHECK_TTL_S`, so a command pays for at most one check.
+    """
+    if _env_offline():
+        return "HF_HUB_OFFLINE=1"
+    endpoint = _endpoint()
+    now = time.monotonic()
+    with _checked_lock:
+        cached = _checked.get(endpoint)
+        if cached is not None and now - cached[0] < HUB_CHECK_TTL_S:
+            return cached[1]
+        error = _probe(endpoint, timeout)
+        reason = None if error is None else f"the hub {endpoint} cannot be reached ({error})"
+        _checked[endpoint] = (time.monotonic(), reason)
+        return reason

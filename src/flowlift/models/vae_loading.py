@@ -3,7 +3,8 @@
 ``spec`` is ``"taef2"`` (hub ``madebyollin/taef2``), ``"flux2"`` (the VAE of a cached FLUX.2 Klein or
 dev repository, ``subfolder="vae"``), a local file or directory, a hub repo id, or an already-built
 :class:`~flowlift.models.taef2.TAEF2` / ``AutoencoderKLFlux2`` module. Hub lookups go through the
-huggingface_hub cache and honour ``HF_HUB_OFFLINE=1``. Every weight load is strict.
+huggingface_hub cache and honour ``HF_HUB_OFFLINE=1``; an unreachable hub is treated as offline
+(:func:`flowlift.models.hub.hub_offline_reason`). Every weight load is strict.
 """
 
 from __future__ import annotations
@@ -154,15 +155,15 @@ def _from_dir(path: Path, device: torch.device | str, dtype: torch.dtype) -> TAE
 def _snapshot(repo_id: str, patterns: list[str]) -> Path:
     from huggingface_hub import snapshot_download
 
-    from flowlift.models.hub import download_hint
+    from flowlift.models.hub import download_hint, hub_offline_reason
 
+    offline = hub_offline_reason()  # offline or unreachable: the cache only, at once, instead of ~25 s of retries
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline is not None))
     except Exception as error:  # noqa: BLE001 - any hub failure is "not available" to the user
-        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
-        hint = "it is not in the Hugging Face cache and HF_HUB_OFFLINE=1" if offline else type(error).__name__
+        hint = f"it is not in the Hugging Face cache and {offline}" if offline else type(error).__name__
         raise FlowliftError(
-            f"VAE: cannot get {repo_id} ({hint}); {download_hint(repo_id)} or pass a local path"
+            f"VAE: cannot get {repo_id} ({hint}); {download_hint(repo_id)} or pass a local path (CLI: --vae PATH)"
         ) from None
 
 
@@ -199,7 +200,7 @@ def _from_hub(repo_id: str, device: torch.device | str, dtype: torch.dtype) -> T
 
 def _flux2_folder() -> Path:
     """The cached (or downloaded) snapshot of the first FLUX.2 repository whose ``vae/`` folder is available."""
-    from flowlift.models.hub import download_hint
+    from flowlift.models.hub import download_hint, hub_offline_reason
 
     for repo in FLUX2_REPOS:
         try:
@@ -208,9 +209,11 @@ def _flux2_folder() -> Path:
             continue
         if (folder / "vae" / "config.json").is_file():
             return folder
+    offline = hub_offline_reason()
     raise FlowliftError(
-        f"VAE 'flux2': none of {', '.join(FLUX2_REPOS)} has its vae/ folder in the Hugging Face cache; "
-        f"{download_hint(FLUX2_REPOS[0], include='vae/*')} or pass a local path (or use --vae taef2)"
+        f"VAE 'flux2': none of {', '.join(FLUX2_REPOS)} has its vae/ folder in the Hugging Face cache"
+        f"{f' and {offline}' if offline else ''}; {download_hint(FLUX2_REPOS[0], include='vae/*')} "
+        "or pass a local path (CLI: --vae PATH, or --vae taef2 for the fast approximate VAE)"
     )
 
 

@@ -5,8 +5,11 @@ A *source* is one of
 * a file path (``.safetensors``, or ``.pth``/``.pt``/``.bin`` read with ``weights_only=True``);
 * a directory, searched for the expected file names;
 * a hub repository id (``owner/name``), resolved through huggingface_hub's cache. Offline mode
-  (``HF_HUB_OFFLINE=1``) is honoured by huggingface_hub itself: a file that is not cached then gives
-  a :class:`~flowlift.errors.FlowliftError` saying where it was expected.
+  (``HF_HUB_OFFLINE=1``) and an unreachable hub (:func:`flowlift.models.hub.hub_offline_reason`) keep the
+  lookup in the cache: a file that is not cached then gives a :class:`~flowlift.errors.FlowliftError`
+  saying where it was expected and the command that downloads it.
+
+:func:`require_all` runs the lookups a command needs and reports every missing weight in one message.
 
 Every load is strict: :func:`load_strict` names the missing, unexpected and mis-shaped tensors in
 one line instead of silently loading part of a model.
@@ -17,8 +20,9 @@ from __future__ import annotations
 import os
 import pickle
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -79,26 +83,56 @@ def _hub_download(
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    from flowlift.models.hub import download_hint, hub_offline_reason
+
+    offline = hub_offline_reason()  # offline or unreachable: the cache only, at once, instead of ~25 s of retries
     last_error: Exception | None = None
     for name in filenames:
         try:
-            return Path(hf_hub_download(repo_id, name, subfolder=subfolder, revision=revision))
+            return Path(
+                hf_hub_download(
+                    repo_id, name, subfolder=subfolder, revision=revision, local_files_only=offline is not None
+                )
+            )
         except (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError, OSError) as error:
             last_error = error
             continue
-    from flowlift.models.hub import download_hint
-
     prefix = f"{subfolder}/" if subfolder else ""
     where = f"{prefix}{filenames[0]} of {repo_id}" if len(filenames) == 1 else f"{repo_id} ({', '.join(filenames)})"
-    if offline:
+    if offline is not None:
         raise FlowliftError(
-            f"{what}: {where} is not in the Hugging Face cache and HF_HUB_OFFLINE=1; "
+            f"{what}: {where} is not in the Hugging Face cache and {offline}; "
             f"{download_hint(repo_id, [prefix + filenames[0]])} or pass a local path"
         )
     raise FlowliftError(
-        f"{what}: could not get {where} from the hub ({type(last_error).__name__}); pass a local path instead"
+        f"{what}: could not get {where} from the hub ({type(last_error).__name__}); "
+        f"{download_hint(repo_id, [prefix + filenames[0]])} or pass a local path"
     )
+
+
+def require_all(checks: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Run every check (each finds one weight a command needs) and return their results in order.
+
+    When any fail, raise one :class:`FlowliftError` naming all of them, not only the first, so that a
+    user without the weights learns everything to fetch from one message instead of one per run:
+    ``2 weights are missing: (1) Flow Upscaler weights: ...; (2) VAE 'flux2': ...`` (each part names
+    its own fix). A single failure keeps its own message.
+    """
+    results: list[Any] = []
+    problems: list[str] = []
+    for check in checks:
+        try:
+            results.append(check())
+        except FlowliftError as error:
+            problems.append(str(error))
+            results.append(None)
+    problems = list(dict.fromkeys(problems))  # the same spec asked twice is one problem
+    if len(problems) == 1:
+        raise FlowliftError(problems[0])
+    if problems:
+        parts = "; ".join(f"({i}) {problem}" for i, problem in enumerate(problems, 1))
+        raise FlowliftError(f"{len(problems)} weights are missing: {parts}")
+    return results
 
 
 def read_state_dict(path: str | os.PathLike, *, what: str = "weights") -> dict[str, torch.Tensor]:

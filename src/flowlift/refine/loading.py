@@ -6,7 +6,7 @@ that is not cached or cannot be fetched) ends here as one FlowliftError line.
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,18 +47,72 @@ def _check_transformer_file(path: Path) -> None:
 
 def _hub_model_error(model: str, error: BaseException) -> FlowliftError:
     """One actionable line for a hub id that could not be loaded (offline cache miss, gated, missing)."""
-    from flowlift.models.hub import download_hint
+    from flowlift.models.hub import download_hint, hub_offline_reason
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    offline = hub_offline_reason()
     if offline:
         return FlowliftError(
-            f"--model {model}: its transformer/ folder is not in the Hugging Face cache and HF_HUB_OFFLINE=1; "
+            f"--model {model}: its transformer/ folder is not in the Hugging Face cache and {offline}; "
             f"{download_hint(model)} or pass a local folder"
         )
     return FlowliftError(
         f"--model {model}: cannot get it from the hub ({_first_line(error)}); {download_hint(model)} "
         "or pass a local folder"
     )
+
+
+def check_model_part(model: str, part: str) -> None:
+    """Raise one line unless the ``part/`` subfolder (``transformer``, ``vae``, ``text_encoder``) of a hub id
+    ``model`` can be had: in the cache when offline or the hub is unreachable, else on the hub (its small
+    ``config.json`` is fetched, which proves the repository, the part and the access). Local paths pass:
+    their layout is checked when they load."""
+    from flowlift.models.hub import download_hint, hub_offline_reason, looks_like_path
+
+    path = Path(model).expanduser()
+    if path.exists():
+        return
+    if looks_like_path(model) or not looks_like_repo_id(model):
+        raise FlowliftError(f"--model {model}: no such file or folder, and not a hub repo id (owner/name)")
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    offline = hub_offline_reason()
+    hint = download_hint(model, include=f"{part}/*")
+    if offline is None:
+        try:
+            hf_hub_download(model, f"{part}/config.json")
+        except Exception as error:  # noqa: BLE001 - missing, gated, misnamed: all "cannot get it"
+            raise FlowliftError(
+                f"--model {model}: cannot get its {part}/ folder from the hub ({_first_line(error)}); {hint} "
+                "or pass a local folder"
+            ) from None
+        return
+    try:
+        folder = Path(snapshot_download(model, allow_patterns=[f"{part}/*"], local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached at all
+        folder = None
+    if folder is None or not (folder / part / "config.json").is_file():
+        raise FlowliftError(
+            f"--model {model}: its {part}/ folder is not in the Hugging Face cache and {offline}; {hint} "
+            "or pass a local folder"
+        )
+
+
+def refiner_weight_checks(
+    model: str, *, vae: str | None = None, text_encoder: bool = False
+) -> list[Callable[[], object]]:
+    """The lookups a refiner from ``model`` needs (for :func:`flowlift.models.weights.require_all`): the
+    transformer, the VAE (``vae``, else the model's ``vae/``) and, when prompts are embedded here, the
+    text encoder. Local paths are checked to exist; hub ids as :func:`check_model_part` says."""
+    from flowlift.models.vae_loading import check_vae_spec
+
+    checks: list[Callable[[], object]] = [lambda: check_model_part(model, "transformer")]
+    if vae is not None:
+        checks.append(lambda: check_vae_spec(vae))
+    else:
+        checks.append(lambda: check_model_part(model, "vae"))
+    if text_encoder:
+        checks.append(lambda: check_model_part(model, "text_encoder"))
+    return checks
 
 
 def load_transformer(model: str, *, dtype: torch.dtype) -> torch.nn.Module:
@@ -85,7 +139,12 @@ def load_transformer(model: str, *, dtype: torch.dtype) -> torch.nn.Module:
                 "layout, or config.json, a bare transformer folder)"
             )
         if path.is_dir() or from_hub:
-            return Flux2Transformer2DModel.from_pretrained(model, subfolder="transformer", torch_dtype=dtype)
+            from flowlift.models.hub import hub_offline_reason
+
+            cache_only = from_hub and hub_offline_reason() is not None  # no retries against an unreachable hub
+            return Flux2Transformer2DModel.from_pretrained(
+                model, subfolder="transformer", torch_dtype=dtype, local_files_only=cache_only
+            )
     except FlowliftError:
         raise
     except Exception as error:  # noqa: BLE001 - any loader failure is a bad --model to the user

@@ -141,28 +141,35 @@ def refine_latents(
     * ``denoising_start >= denoising_end`` (strength 0) runs no step and returns the normalized init.
     """
     from flowlift.flux2.img2img import InpaintMerger, denoise, prepare_start_latents
+    from flowlift.upscale.inputs import check_count, check_latents, check_unit_interval
 
     check_sampler(sampler)
     check_schedule(mu, schedule)
-    if steps < 1:
+    if check_count("steps", steps) < 1:
         raise FlowliftError(f"steps must be >= 1, got {steps}")
-    if not 0.0 <= denoising_start <= 1.0 or not 0.0 <= denoising_end <= 1.0 or denoising_start > denoising_end:
+    seed = check_count("seed", seed)
+    denoising_start = check_unit_interval("denoising_start", denoising_start)
+    denoising_end = check_unit_interval("denoising_end", denoising_end)
+    if denoising_start > denoising_end:
         raise FlowliftError(f"need 0 <= denoising_start <= denoising_end <= 1, got {denoising_start}, {denoising_end}")
     if (bn_mean is None) != (bn_std is None):
-        raise ValueError("give both bn_mean and bn_std, or neither")
+        raise FlowliftError("refine_latents: give both bn_mean and bn_std, or neither")
     if init_latents is None:
         if shape is None:
-            raise ValueError("txt2img needs a latent shape")
+            raise FlowliftError("refine_latents: txt2img (no init_latents) needs a latent shape")
         if denoising_start != 0.0:
             raise FlowliftError("txt2img starts from pure noise: denoising_start must be 0 (strength 1)")
         if mask is not None:
             raise FlowliftError("a mask needs an init image")
         shape = tuple(shape)
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape) or len(shape) != 4:
+            raise FlowliftError(f"refine_latents: shape must be four positive integers (B, 32, h, w), got {shape}")
+        if shape[1] != LATENT_CHANNELS or shape[2] % 2 or shape[3] % 2:
+            raise FlowliftError(f"refine_latents: shape must be (B, 32, even h, even w), got {shape}")
     else:
+        check_latents(init_latents, "refine_latents", even=True)
         init_latents = init_latents.to(device=device, dtype=torch.float32)
         shape = tuple(init_latents.shape)
-    if len(shape) != 4 or shape[1] != LATENT_CHANNELS or shape[2] % 2 or shape[3] % 2:
-        raise ValueError(f"expected (B, 32, even H, even W) latents, got {shape}")
 
     init_norm = None
     if init_latents is not None:
@@ -182,9 +189,12 @@ def refine_latents(
 
     merger = None
     if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2:] != shape[2:]:
+            got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise FlowliftError(f"refine_latents: the latent mask must be (B, 1, {shape[2]}, {shape[3]}), got {got}")
         mask = mask.to(device=device, dtype=torch.float32)
-        if mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2:] != shape[2:]:
-            raise ValueError(f"latent mask must be (B, 1, {shape[2]}, {shape[3]}), got {tuple(mask.shape)}")
+        if not bool(torch.isfinite(mask).all()):
+            raise FlowliftError("refine_latents: the latent mask contains non-finite values (NaN/Inf)")
         merger = InpaintMerger(init_norm, mask, noise)
 
     calls = 0

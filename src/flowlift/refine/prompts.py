@@ -28,14 +28,21 @@ class PromptEncoder:
         try:
             import transformers  # noqa: F401
         except ImportError:
+            from flowlift.console import install_command
+
             raise FlowliftError(
-                "computing prompt embeddings needs the text extra (pip install 'flowlift[text]'); "
+                f"computing prompt embeddings needs the text extra ({install_command('text')}); "
                 "or pass precomputed --prompt-embeds"
             ) from None
         from diffusers import DiffusionPipeline
 
+        from flowlift.models.hub import hub_offline_reason
+
+        cache_only = not os.path.exists(model) and hub_offline_reason() is not None  # no retries when unreachable
         try:
-            self.pipe = DiffusionPipeline.from_pretrained(model, transformer=None, vae=None, torch_dtype=dtype)
+            self.pipe = DiffusionPipeline.from_pretrained(
+                model, transformer=None, vae=None, torch_dtype=dtype, local_files_only=cache_only
+            )
         except Exception as error:  # noqa: BLE001 - any loader failure is a bad --model to the user
             raise FlowliftError(f"cannot load the text encoder of {model}: {_first_line(error)}") from None
         self.pipe.text_encoder.to(device)

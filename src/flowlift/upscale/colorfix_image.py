@@ -75,13 +75,21 @@ def color_fix_array(
     clipping, which stage 2's iterations remove); detail above the reference's Nyquist stays the
     upscaled image's own.
     """
-    if not 0.0 <= strength <= 1.0:
-        raise FlowliftError(f"colour fix strength must be in [0, 1], got {strength}")
-    integer_scale((upscaled.shape[1], upscaled.shape[0]), (reference.shape[1], reference.shape[0]))
+    from flowlift.devices import resolve_device
     from flowlift.files.images import tensor_to_uint8, to_tensor
     from flowlift.files.sixteen_bit import tensor_to_uint16
+    from flowlift.upscale.inputs import check_unit_interval
 
-    device = torch.device(device)
+    strength = check_unit_interval("colour fix strength", strength)
+    for name, array in (("upscaled", upscaled), ("reference", reference)):
+        if not isinstance(array, np.ndarray) or array.ndim != 3 or array.shape[-1] != 3 or array.dtype not in (
+            np.uint8,
+            np.uint16,
+        ):
+            got = f"{array.dtype} {array.shape}" if isinstance(array, np.ndarray) else type(array).__name__
+            raise FlowliftError(f"colour fix: {name} must be a uint8 or uint16 HWC RGB array, got {got}")
+    integer_scale((upscaled.shape[1], upscaled.shape[0]), (reference.shape[1], reference.shape[0]))
+    device = resolve_device(device)  # 'cuda' without CUDA, 'bogus': one line, before any work
     out = to_tensor(upscaled, device=device, dtype=torch.float32)
     ref = to_tensor(reference, device=device, dtype=torch.float32)
     with torch.no_grad():

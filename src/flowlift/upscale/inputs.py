@@ -1,7 +1,11 @@
-"""What :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline`'s public methods accept, checked at the door.
+"""What the public entry points accept, checked at the door: :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline`'s
+methods, :func:`~flowlift.upscale.colorfix_image.color_fix_image` and :func:`~flowlift.refine.loop.refine_latents`.
 
-Seeds and counts must be non-negative integers, tensors finite; a Pillow input's alpha is split off
-to be re-attached after the upscale. Each refusal is one :class:`~flowlift.errors.FlowliftError` line.
+Seeds and counts must be non-negative integers, strengths real numbers in [0, 1], latents floating
+(B, 32, h, w) tensors (the package's normalized, unpatchified FLUX.2 layout) with finite values; a
+Pillow input's alpha is split off to be re-attached after the upscale. Each refusal is one
+:class:`~flowlift.errors.FlowliftError` line instead of a ``ValueError: not enough values to unpack``
+from deep inside.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.flux2.latents import LATENT_CHANNELS
 
 
 def check_count(name: str, value: Any) -> int:
@@ -27,6 +32,41 @@ def check_seed(seed: Any) -> int | list[int]:
     if isinstance(seed, (list, tuple)):
         return [check_count("seed", value) for value in seed]
     return check_count("seed", seed)
+
+
+def check_unit_interval(name: str, value: Any) -> float:
+    """``value`` as a float if it is a real number in [0, 1] (not bool, not a string, not NaN), else one line."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
+        raise FlowliftError(f"{name} must be in [0, 1], got {value!r}")
+    return float(value)
+
+
+def check_latents(latents: Any, where: str, *, even: bool = False) -> torch.Tensor:
+    """``latents`` if they are package-convention latents: a floating (B, 32, h, w) tensor, every size >= 1
+    (``even``: h and w even, as FLUX.2's 2x2 patches need), all values finite; else one line starting with
+    ``where`` (the entry point's name)."""
+    if not isinstance(latents, torch.Tensor):
+        raise FlowliftError(
+            f"{where}: latents must be a torch.Tensor of shape (B, {LATENT_CHANNELS}, h, w), "
+            f"got {type(latents).__name__}"
+        )
+    shape = tuple(latents.shape)
+    if latents.ndim != 4 or shape[1] != LATENT_CHANNELS:
+        raise FlowliftError(
+            f"{where}: latents must have shape (B, {LATENT_CHANNELS}, h, w) (normalized, unpatchified FLUX.2 "
+            f"latents), got {shape}"
+        )
+    if min(shape) < 1:
+        raise FlowliftError(f"{where}: the latents are empty, shape {shape}")
+    if even and (shape[2] % 2 or shape[3] % 2):
+        raise FlowliftError(f"{where}: latents need an even height and width (FLUX.2's 2x2 patches), got {shape}")
+    if not latents.is_floating_point():
+        raise FlowliftError(f"{where}: latents must be floating point, got {str(latents.dtype).removeprefix('torch.')}")
+    if not bool(torch.isfinite(latents).all()):
+        raise FlowliftError(f"{where}: the input latents contain non-finite values (NaN/Inf)")
+    return latents
 
 
 def check_finite(tensor: torch.Tensor, stage: str, what: str = "latents") -> None:

@@ -1,7 +1,9 @@
 """The Flow Upscaler pipeline's models: resolving and loading the UNet and the VAE, provenance lists.
 
 :func:`resolve_upscaler_file` turns a file, folder or hub id into the UNet's safetensors file (or one
-error line saying how to get it); :func:`load_pipeline_upscaler` / :func:`load_pipeline_vae` turn what
+error line saying how to get it); :func:`check_upscale_weights` finds the UNet and every VAE an upscale
+will use before any model loads and names every missing one in one message (the command line, the
+web app at start-up and the pipeline all call it); :func:`load_pipeline_upscaler` / :func:`load_pipeline_vae` turn what
 a user passed (a module, an object, a spec) into a model on the pipeline's device;
 :func:`pipeline_model_files` lists the weight files behind both so outputs can record their hashes.
 """
@@ -9,6 +11,7 @@ a user passed (a module, an object, a spec) into a model on the pipeline's devic
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,11 +31,13 @@ __all__ = [
     "DEFAULT_UPSCALER",
     "DEFAULT_VAE",
     "UPSCALER_WEIGHTS_NAME",
+    "check_upscale_weights",
     "first_parameter",
     "load_pipeline_upscaler",
     "load_pipeline_vae",
     "pipeline_model_files",
     "resolve_upscaler_file",
+    "upscale_weight_checks",
     "vae_spec_files",
 ]
 
@@ -59,6 +64,32 @@ def resolve_upscaler_file(source: str | os.PathLike) -> Path:
             f"{error} (the Flow Upscaler is {UPSCALER_WEIGHTS_NAME} of the hub repo {DEFAULT_UPSCALER}, "
             "or a local file/folder: CLI --upscaler PATH)"
         ) from None
+
+
+def upscale_weight_checks(upscaler: Any, vaes: Sequence[Any]) -> list[Callable[[], object]]:
+    """The lookups an upscale with ``upscaler`` and ``vaes`` needs: the UNet's file (when ``upscaler`` is a
+    path or hub id, not a model) and every VAE spec (objects need none), for
+    :func:`flowlift.models.weights.require_all`."""
+    from flowlift.models.vae_loading import check_vae_spec
+
+    checks: list[Callable[[], object]] = []
+    if isinstance(upscaler, (str, os.PathLike)):
+        checks.append(lambda: resolve_upscaler_file(upscaler))
+    for vae in vaes:
+        checks.append(lambda vae=vae: check_vae_spec(vae))
+    return checks
+
+
+def check_upscale_weights(upscaler: Any = DEFAULT_UPSCALER, vaes: Sequence[Any] = (DEFAULT_VAE,)) -> None:
+    """Find the UNet and every VAE before any model loads; one :class:`FlowliftError` names all that are
+    missing, each with its fix (``hf download ...`` or ``--upscaler``/``--vae PATH``).
+
+    Hub ids are looked up in the cache at once when ``HF_HUB_OFFLINE`` is set or the hub does not answer
+    (:func:`flowlift.models.hub.hub_offline_reason`); otherwise they are downloaded once, as the loaders would.
+    """
+    from flowlift.models.weights import require_all
+
+    require_all(upscale_weight_checks(upscaler, vaes))
 
 
 def vae_spec_files(spec: str) -> list[Path]:

@@ -193,23 +193,24 @@ FORMAT_MAX_SIDE = {".webp": 16383, ".jpg": 65535, ".jpeg": 65535}
 
 class OutputSizes:
     """Per input, from its header only: the passes that will run (the cap may drop some), the scale
-    the output is named by, and the (width, height) a complete output has."""
+    the output is named by, the (width, height) a complete output has, and the line that says when
+    the cap dropped passes (so that the command prints it before any work)."""
 
     def __init__(self, passes: int, resize_mode: str) -> None:
         self.passes = passes
         self.resize_mode = resize_mode
-        self._cache: dict[Path, tuple[int, tuple[int, int] | None]] = {}
+        self._cache: dict[Path, tuple[int, tuple[int, int] | None, str | None]] = {}
 
-    def _plan(self, path: Path) -> tuple[int, tuple[int, int] | None]:
+    def _plan(self, path: Path) -> tuple[int, tuple[int, int] | None, str | None]:
         from flowlift.errors import FlowliftError
         from flowlift.files.images import image_size
-        from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, planned_passes, upscaled_size
+        from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, dropped_passes_message, planned_passes, upscaled_size
 
         if path not in self._cache:
             try:
                 width, height = image_size(path)
             except FlowliftError:  # unreadable: named by the request, it fails in its own step (one line)
-                self._cache[path] = self.passes, None
+                self._cache[path] = self.passes, None, None
                 return self._cache[path]
             run = planned_passes(height, width, self.passes, self.resize_mode, MAX_OUTPUT_SIDE)
             if run == 0:
@@ -218,14 +219,25 @@ class OutputSizes:
                     f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px"
                 )
             out_h, out_w = upscaled_size(height, width, run, self.resize_mode)
-            self._cache[path] = run, (out_w, out_h)
+            note = None
+            if run < self.passes:
+                note = dropped_passes_message(width, height, self.passes, run, self.resize_mode)
+            self._cache[path] = run, (out_w, out_h), note
         return self._cache[path]
+
+    def passes_for(self, path: Path) -> int:
+        """The passes that run for ``path``: the requested ones, fewer when the cap drops some."""
+        return self._plan(path)[0]
 
     def scale(self, path: Path) -> int:
         return 2 ** self._plan(path)[0]
 
     def output_size(self, path: Path) -> tuple[int, int] | None:
         return self._plan(path)[1]
+
+    def dropped_note(self, path: Path) -> str | None:
+        """``Flow Upscaler: 20 pass(es) on a 64x48 image would exceed ...`` when the cap drops passes, else None."""
+        return self._plan(path)[2]
 
 
 def check_format_limit(out: Path, size: tuple[int, int] | None) -> None:
@@ -242,13 +254,17 @@ def batched_process(
     settings: UpscaleSettings,
     pipeline: Any,
     jobs: list,
-    passes: int,
+    passes: int | Callable[[Path], int],
     hashes: dict,
     *,
     batch_size: int,
     overwrite: bool,
 ) -> Any:
-    """``--batch-size N``: same-size inputs through the pipeline together (:mod:`flowlift.upscale.batches`)."""
+    """``--batch-size N``: same-size inputs through the pipeline together (:mod:`flowlift.upscale.batches`).
+
+    ``passes``: for every input, or a function of the input (e.g. :meth:`OutputSizes.passes_for`: the
+    passes the cap lets run, the same for a group of same-size inputs).
+    """
     import torch
     from tqdm import tqdm
 
@@ -261,7 +277,8 @@ def batched_process(
         images = torch.cat([to_tensor(item.pixels) for item in loaded])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", UserWarning)
-            result = pipeline.upscale_image(images, num_passes=passes, output_type="pt", **settings.pipeline_options())
+            count = passes(paths[0]) if callable(passes) else passes
+            result = pipeline.upscale_image(images, num_passes=count, output_type="pt", **settings.pipeline_options())
         notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
         return [(result[i : i + 1], item, notes) for i, item in enumerate(loaded)]
 

@@ -27,15 +27,22 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.upscale.colorfix import LOWFREQ_FACTOR, lab_lowband_transplant, latent_lowband_transplant
-from flowlift.upscale.inputs import check_count, check_finite, check_seed, image_alpha
+from flowlift.upscale.inputs import (
+    check_count,
+    check_finite,
+    check_latents,
+    check_seed,
+    check_unit_interval,
+    image_alpha,
+)
 from flowlift.upscale.loading import (
     DEFAULT_UPSCALER,
     DEFAULT_VAE,
+    check_upscale_weights,
     first_parameter,
     load_pipeline_upscaler,
     load_pipeline_vae,
     pipeline_model_files,
-    resolve_upscaler_file,
 )
 from flowlift.upscale.memory_plan import (
     UNetPassPlan,
@@ -50,13 +57,13 @@ from flowlift.upscale.sizes import (
     MAX_OUTPUT_SIDE,
     RESIZE_MODES,
     SIZE_MULTIPLE,
+    dropped_passes_message,
     image_seeds,
     output_scale,
     pad_to_multiple,
     pass_noise,
     planned_passes,
     resample_to_multiple,
-    upscaled_size,
 )
 from flowlift.upscale.unet_runner import CompiledUNet, velocity_model
 
@@ -145,10 +152,7 @@ class FlowUpscalerPipeline:
         self.chunk_budget_bytes = chunk_budget_bytes
         self.on_strip = on_strip
         if isinstance(upscaler, (str, os.PathLike)):
-            from flowlift.models.vae_loading import check_vae_spec
-
-            resolve_upscaler_file(upscaler)  # both sources found before either model loads
-            check_vae_spec(vae)
+            check_upscale_weights(upscaler, [vae])  # both found (or both named as missing) before either loads
         self.upscaler, self.upscaler_path = load_pipeline_upscaler(upscaler, self.device, self.dtype)
         self.vae, self.vae_spec = (None, None) if vae is None else load_pipeline_vae(vae, self.device, self.dtype)
         self.max_memory = None if max_memory is None else parse_memory(max_memory)
@@ -232,16 +236,13 @@ class FlowUpscalerPipeline:
         num_passes = check_count("num_passes", num_passes)
         passes = planned_passes(image_height, image_width, num_passes, resize_mode, self.MAX_OUTPUT_SIDE)
         if passes < num_passes:
-            out_h, out_w = upscaled_size(image_height, image_width, passes, resize_mode)
             if passes == 0:
                 raise FlowliftError(
                     f"Flow Upscaler: a {image_width}x{image_height} image cannot be upscaled: one 2x pass would "
                     f"exceed MAX_OUTPUT_SIDE={self.MAX_OUTPUT_SIDE} px"
                 )
-            message = (
-                f"Flow Upscaler: {num_passes} pass(es) on a {image_width}x{image_height} image would exceed "
-                f"MAX_OUTPUT_SIDE={self.MAX_OUTPUT_SIDE} px; running {passes} pass(es) "
-                f"({num_passes - passes} dropped, output {out_w}x{out_h}, scale {2**passes})"
+            message = dropped_passes_message(
+                image_width, image_height, num_passes, passes, resize_mode, self.MAX_OUTPUT_SIDE
             )
             warnings.warn(message, UserWarning, stacklevel=3)
         return passes
@@ -298,8 +299,8 @@ class FlowUpscalerPipeline:
         band to ``cond``'s; x0 is the next pass's ``cond``. Passes beyond ``MAX_OUTPUT_SIDE`` are
         dropped with a warning.
         """
-        if not 0.0 <= transplant_strength <= 1.0:
-            raise FlowliftError(f"transplant_strength must be in [0, 1], got {transplant_strength}")
+        check_latents(latents, "Flow Upscaler")
+        transplant_strength = check_unit_interval("transplant_strength", transplant_strength)
         seed = check_seed(seed)
         factor = self.spatial_factor
         passes = self.plan_passes(latents.shape[-2] * factor, latents.shape[-1] * factor, num_passes)
@@ -307,7 +308,6 @@ class FlowUpscalerPipeline:
         plan = self.plan_memory(latents.shape[-2] * factor, latents.shape[-1] * factor, passes, latents.shape[0])
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
         cond = latents.to(device=self.device, dtype=torch.float32)
-        check_finite(cond, "the input latents contain")
         for index in range(passes):
             batch, channels, height, width = cond.shape
             shape = (batch, channels, 2 * height, 2 * width)
@@ -349,8 +349,8 @@ class FlowUpscalerPipeline:
         """
         if output_type not in ("pil", "pt"):
             raise FlowliftError(f"output_type must be 'pil' or 'pt', got {output_type!r}")
-        if not 0.0 <= color_fix_strength <= 1.0:
-            raise FlowliftError(f"color_fix_strength must be in [0, 1], got {color_fix_strength}")
+        color_fix_strength = check_unit_interval("color_fix_strength", color_fix_strength)
+        check_unit_interval("transplant_strength", transplant_strength)  # before the encoder runs
         seed = check_seed(seed)
         original, prepared = self.prepare_image(image, resize_mode)
         passes = self.plan_passes(original.shape[-2], original.shape[-1], num_passes, resize_mode)

@@ -24,6 +24,7 @@ __all__ = [
     "RESIZE_MODES",
     "SIZE_MULTIPLE",
     "allowed_passes",
+    "dropped_passes_message",
     "image_seeds",
     "output_scale",
     "pad_to_multiple",
@@ -104,6 +105,22 @@ def planned_passes(
     """
     canvas_h, canvas_w = prepared_size(height, width, resize_mode)
     return allowed_passes(canvas_h, canvas_w, num_passes, max_side)
+
+
+def dropped_passes_message(
+    width: int, height: int, asked: int, passes: int, resize_mode: str = "pad", max_side: int = MAX_OUTPUT_SIDE
+) -> str:
+    """The one line that says the cap dropped passes: asked, run, dropped, and the output size and scale.
+
+    Printed by ``flowlift upscale`` when it plans the job (before any work) and warned by the pipeline
+    when a caller asks it for more passes than fit.
+    """
+    out_h, out_w = upscaled_size(height, width, passes, resize_mode)
+    return (
+        f"Flow Upscaler: {asked} pass(es) on a {width}x{height} image would exceed "
+        f"MAX_OUTPUT_SIDE={max_side} px; running {passes} pass(es) "
+        f"({asked - passes} dropped, output {out_w}x{out_h}, scale {2**passes})"
+    )
 
 
 def upscaled_size(height: int, width: int, passes: int, resize_mode: str = "pad") -> tuple[int, int]:
