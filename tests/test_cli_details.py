@@ -151,7 +151,8 @@ def test_the_root_entry_point_loaded_by_path_exports_no_nodes_outside_comfyui():
     spec = importlib.util.spec_from_file_location("custom_nodes.flowlift_pack", REPO_ROOT / "__init__.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.NODE_CLASS_MAPPINGS == {} and module.__all__ == ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
+    assert module.NODE_CLASS_MAPPINGS == {}
+    assert module.__all__ == ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
 
 
 # ------------------------------------------------------------------------ 22.7 colorfix --device
