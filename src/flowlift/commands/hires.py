@@ -85,8 +85,16 @@ def run(args: argparse.Namespace) -> int:
 
     check_model_sources(args)
     upscaler_file = resolve_upscaler_file(args.upscaler or DEFAULT_UPSCALER)  # before the transformer loads
-    refiner, conditioning = load_refiner_from_args(args)
-    upscaler = FlowUpscalerPipeline(upscaler_file, refiner.vae, device=refiner.device, dtype=refiner.dtype)
+    base_h, base_w = tuple(images.shape[-2:]) if images is not None else (args.height, args.width)
+    refiner, conditioning = load_refiner_from_args(args, image_size=(base_h * args.scale, base_w * args.scale))
+    plan = refiner.memory_plan  # the upscaler gets what the transformer leaves of --max-memory
+    upscaler = FlowUpscalerPipeline(
+        upscaler_file,
+        refiner.vae,
+        device=refiner.device,
+        dtype=refiner.dtype,
+        max_memory=plan.upscaler_budget_bytes if plan is not None else None,
+    )
     passes = {2: 1, 4: 2}[args.scale]
 
     def upscale(latents):

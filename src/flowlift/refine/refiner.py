@@ -16,6 +16,7 @@ from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR
 from flowlift.refine.canvas import PIXEL_MULTIPLE, latent_mask, outpaint_canvas, pad_to_multiple
 from flowlift.refine.loop import RefineResult, VelocityFn, _Progress, check_sampler, denoising_start_for, refine_latents
+from flowlift.refine.offload import place_transformer, with_transformer_on_device
 
 
 class RefineVAE(Protocol):
@@ -46,6 +47,8 @@ class Flux2Refiner:
     ``vae`` follows :class:`RefineVAE` (e.g. a :func:`flowlift.models.vae_loading.load_vae` adapter).
     ``prompt_encoder`` (optional) turns prompt strings into embeddings; without it, pass
     ``prompt_embeds`` tensors.
+    ``offload`` (none/model/group, :mod:`flowlift.refine.offload`) and ``vae_tiled`` (None: by size) come from
+    the memory plan; ``provenance`` (files, LoRAs with SHA-256 and scale, offload) joins every output's parameters.
     """
 
     def __init__(
@@ -58,10 +61,16 @@ class Flux2Refiner:
         prompt_encoder: Callable[[str], torch.Tensor] | None = None,
         progress: bool = False,
         model_name: str = "",
+        offload: str = "none",
+        vae_tiled: bool | None = None,
+        memory_plan: Any = None,
+        provenance: dict[str, Any] | None = None,
     ) -> None:
-        self.transformer = transformer.to(device=device, dtype=dtype).eval()
-        self.vae = vae
         self.device, self.dtype = torch.device(device), dtype
+        self.offload, self.vae_tiled, self.memory_plan = offload, vae_tiled, memory_plan
+        self.provenance = dict(provenance or {})
+        self.transformer = place_transformer(transformer.eval(), offload=offload, device=self.device, dtype=dtype)
+        self.vae = vae
         self.prompt_encoder = prompt_encoder
         self.progress = progress
         self.model_name = model_name
@@ -115,21 +124,26 @@ class Flux2Refiner:
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         """Images [0, 1] (sides multiples of 16) -> normalized latents."""
-        return self.vae.encode(images.to(self.device)).float()
+        return self.vae.encode(images.to(self.device), **self._tiling()).float()
 
     def _encode_init(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Init latents for img2img: raw + BN stats when the VAE exposes them, else normalized."""
         if hasattr(self.vae, "encode_raw") and getattr(self.vae, "bn_mean", None) is not None:
-            raw = self.vae.encode_raw(images.to(self.device)).float()
+            raw = self.vae.encode_raw(images.to(self.device), **self._tiling()).float()
             return raw, self.vae.bn_mean.to(self.device), self.vae.bn_std.to(self.device)
         return self.encode(images), None, None
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalized latents -> images clamped to [0, 1]."""
-        return self.vae.decode(latents).float().clamp(0.0, 1.0)
+        return self.vae.decode(latents, **self._tiling()).float().clamp(0.0, 1.0)
+
+    def _tiling(self) -> dict[str, bool]:
+        """The VAE's ``tiled`` argument when the memory plan decided it (VAEs without the argument never get it)."""
+        return {} if self.vae_tiled is None else {"tiled": self.vae_tiled}
 
     # -- modes
 
+    @with_transformer_on_device
     def _run(
         self,
         mode: str,
@@ -168,6 +182,7 @@ class Flux2Refiner:
         # what ran, not what was asked for ("auto")
         params.update(dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
         params.update({k: v for k, v in kwargs.items() if v is not None})
+        params.update(self.provenance)
         params["sigmas"] = [round(s, 6) for s in result.sigmas]
         params["t0"] = round(result.t0, 6)
         params["model_calls"] = result.model_calls
