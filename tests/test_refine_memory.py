@@ -265,3 +265,25 @@ def test_offload_choices_mirror_the_api():
     from flowlift.refine.offload import OFFLOAD_MODES
 
     assert OFFLOAD_CHOICES == ("auto", *OFFLOAD_MODES)
+
+
+def test_offload_modes_compose_with_fp8_gguf_and_a_lora(tmp_path, image):
+    """fp8 layerwise casting, GGUF blocks and a peft LoRA under each offload mode: the same latents bit for bit."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("peft")
+    from flux2_files import write_fp8, write_gguf, write_peft_lora
+
+    tiny_vae().save_pretrained(tmp_path / "vae")
+    write_peft_lora(tiny_transformer(), tmp_path / "lora.safetensors")
+    files = [tmp_path / "t-fp8.safetensors"]
+    write_fp8(tiny_transformer(), files[0])
+    if importlib.util.find_spec("gguf") is not None:
+        files.append(tmp_path / "t-Q8_0.gguf")
+        write_gguf(tiny_transformer(), files[1], "Q8_0")
+    for path in files:
+        latents = {}
+        for mode in ("none", "model", "group"):
+            refiner = load_refiner(str(tmp_path / "vae"), vae=str(tmp_path / "vae"), transformer=str(path),
+                                   loras=[(tmp_path / "lora.safetensors", 0.7)], offload=mode)  # fmt: skip
+            latents[mode] = refiner.img2img(image, strength=0.6, steps=2, seed=3, prompt_embeds=EMB).latents
+        assert torch.equal(latents["model"], latents["none"]) and torch.equal(latents["group"], latents["none"]), path
