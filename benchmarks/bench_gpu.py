@@ -9,7 +9,11 @@ Rows (random weights, fixed seed: time and memory do not depend on their values)
 * plain forward vs the budget-sized :class:`flowlift.upscale.chunked.executor.ChunkedExecutor` vs offloaded stores
   at 4K / 8K / 16K output, with peak device memory (``torch.cuda.max_memory_allocated``);
 * the end-to-end pipeline (TAEF2 from ``../shared/models/taef2``) 2048x1366 -> x8 without a budget
-  and with ``max_memory`` 6GB and 3GB, with peak memory.
+  and with ``max_memory`` 6GB and 3GB, with peak memory;
+* the FLUX.2 refine pass (issue 23): img2img at strength 0.5, 4 steps (Klein's), at 1024 and 2048 px with a
+  random transformer of FLUX.2 Klein 4B's size (bf16, 7.75 GB) and the FLUX.2 VAE's architecture, for
+  ``--offload none|model|group`` and for the plans ``--max-memory`` 24GB / 12GB / 8GB picks; peak memory here is
+  absolute (weights included), not the growth over the resident weights.
 
 Times are medians of ``--repeats`` runs after a warm-up (CUDA: synchronized wall time). Ratios are
 against the row's reference (first row of its group). ``--device cpu --quick`` runs every row at
@@ -73,14 +77,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, int | None]:
-    """(median seconds of ``repeats`` calls after one warm-up, peak device bytes of one call or None)."""
+def timed(
+    fn: Callable[[], object], device: torch.device, repeats: int, absolute: bool = False
+) -> tuple[float, int | None]:
+    """(median seconds of ``repeats`` calls after one warm-up, peak device bytes of one call or None).
+
+    The peak is the growth over what was allocated before, or with ``absolute`` everything allocated."""
     fn()
     sync(device)
     peak = None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
+        base = 0 if absolute else torch.cuda.memory_allocated(device)
     samples = []
     for _ in range(repeats):
         sync(device)
@@ -242,21 +250,106 @@ def pipeline_rows(
             torch.cuda.empty_cache()
 
 
+#: FLUX.2 Klein 4B's transformer (width 3072, 5 double + 20 single blocks, Qwen3-4B's three stacked hidden states).
+KLEIN_4B = {"num_layers": 5, "num_single_layers": 20, "num_attention_heads": 24, "joint_attention_dim": 7680}
+TOY_TRANSFORMER = {"num_layers": 1, "num_single_layers": 1, "num_attention_heads": 2, "joint_attention_dim": 256}
+
+
+def random_module(cls, config: dict, dtype: torch.dtype) -> torch.nn.Module:
+    """``cls(**config)`` with random weights in ``dtype`` on the CPU, without a float32 copy first."""
+    with torch.device("meta"):
+        module = cls(**config)
+    module = module.to_empty(device="cpu").to(dtype)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32).mul_(0.02).to(dtype))
+        for name, buffer in module.named_buffers():
+            buffer.fill_(1.0 if name.endswith("running_var") else 0.0)
+    return module.eval().requires_grad_(False)
+
+
+def refine_rows(table: Table, args: argparse.Namespace, device: torch.device) -> None:
+    """img2img (strength 0.5, 4 steps) per offload mode and per planned budget (module docstring)."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+
+    from flowlift.models.vae_loading import load_vae
+    from flowlift.refine.memory_plan import plan_refine, transformer_sizes
+    from flowlift.upscale.memory_plan import model_bytes
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = TOY_TRANSFORMER if args.quick else KLEIN_4B
+    transformer = random_module(
+        Flux2Transformer2DModel, {**config, "attention_head_dim": 128, "timestep_guidance_channels": 256}, dtype
+    )
+    vae_config = {"block_out_channels": (8, 8, 8, 8), "norm_num_groups": 4} if args.quick else {}
+    vae = load_vae(random_module(AutoencoderKLFlux2, vae_config, dtype), device=device, dtype=dtype)
+    text = torch.Generator().manual_seed(1)
+    emb = torch.randn(1, 8 if args.quick else 512, config["joint_attention_dim"], generator=text)
+    sizes = transformer_sizes(transformer)
+    name = "toy transformer" if args.quick else "Klein 4B size"
+    pixels = torch.Generator().manual_seed(2)
+    images = {side: torch.rand(1, 3, side, side, generator=pixels) for side in args.refine_sides}
+    runs = [(side, mode, None) for side in args.refine_sides for mode in ("none", "model")]
+    largest = args.refine_sides[-1]
+    for budget in args.refine_budgets:  # largest budget first: once a plan picks group, the leaner ones do too
+        plan = plan_refine(largest, largest, parse_memory(budget), sizes, dtype=dtype, vae_bytes=model_bytes(vae),
+                           vae_dtype=dtype, text_tokens=emb.shape[1])  # fmt: skip
+        runs.append((largest, plan, budget))
+    runs += [(side, "group", None) for side in args.refine_sides]  # last: group offloading's hooks stay on the model
+    for side, how, budget in runs:
+        group = f"refine img2img 0.5 x4 steps, {side} px, {name}"
+        _refine_row(table, group, transformer, vae, images[side], emb, device, dtype, how, budget)
+
+
+def _refine_row(table, group, transformer, vae, image, emb, device, dtype, how, budget) -> None:
+    """One row: ``how`` is an offload mode or a :class:`~flowlift.refine.memory_plan.RefinePlan`."""
+    from flowlift.errors import FlowliftError
+    from flowlift.refine.refiner import Flux2Refiner
+
+    plan = None if isinstance(how, str) else how
+    offload = how if plan is None else plan.offload
+    setting = f"offload {offload}" if plan is None else f"max_memory {budget}"
+    try:
+        refiner = Flux2Refiner(transformer, vae, device=device, dtype=dtype, offload=offload,
+                               vae_tiled=None if plan is None else plan.vae_tiled)  # fmt: skip
+    except FlowliftError as error:  # group offload without accelerate
+        table.add(group, setting, None, None, f"skipped: {error}")
+        return
+
+    def run() -> object:
+        return refiner.img2img(image, strength=0.5, steps=4, seed=0, prompt_embeds=emb)
+
+    try:
+        seconds, peak = timed(run, device, 1, absolute=True)
+    except torch.OutOfMemoryError:
+        seconds = peak = None
+    finally:
+        if offload == "none":
+            transformer.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    note = "out of memory" if seconds is None else (plan.describe().split(": ", 1)[1] if plan is not None else "")
+    table.add(group, setting, seconds, peak, note)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="toy sizes and a small UNet (seconds)")
     parser.add_argument("--repeats", type=int, default=0, help="timed runs per row (default 20 GPU, 2 quick)")
     parser.add_argument("--compile-on-cpu", action="store_true", help="also run the inductor row on the CPU")
-    parser.add_argument("--parts", default="unet,batch,executor,pipeline")
+    parser.add_argument("--parts", default="unet,batch,executor,pipeline,refine")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.quick:
         base, unet_sides, batch_side, exec_sides, size = 32, [128], 128, [256], (48, 32)
         args.passes, args.budgets, args.executor_budget = 1, ["2GB"], "64MB"
+        args.refine_sides, args.refine_budgets = [64], ["1GB"]
     else:
         base, unet_sides, batch_side, exec_sides, size = 384, [1024, 2048], 1024, [4096, 8192, 16384], (2048, 1366)
         args.passes, args.budgets, args.executor_budget = 3, ["6GB", "3GB"], "6GB"
+        args.refine_sides, args.refine_budgets = [1024, 2048], ["24GB", "12GB", "8GB"]
     args.repeats = args.repeats or (1 if args.quick else 20)
     table = Table()
     parts = set(args.parts.split(","))
@@ -269,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         executor_rows(table, args, device, base, exec_sides)
     if "pipeline" in parts:
         pipeline_rows(table, args, device, base, size)
+    if "refine" in parts:
+        refine_rows(table, args, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"flowlift bench_gpu on {name}, torch {torch.__version__}{' (--quick)' if args.quick else ''}")
     print(table.render())

@@ -29,6 +29,9 @@ def test_bench_gpu_quick_on_cpu(shared):
         "| executor, 256 px output | executor, strips from 64MB |",
         "| executor, 256 px output | executor, staged stores",
         "| pipeline 48x32 -> x2 | max_memory 2GB |",
+        "| refine img2img 0.5 x4 steps, 64 px, toy transformer | offload model |",
+        "| refine img2img 0.5 x4 steps, 64 px, toy transformer | max_memory 1GB |",
+        "| refine img2img 0.5 x4 steps, 64 px, toy transformer | offload group |",
     ):
         assert row in table, row
     assert "skipped: no TAEF2" not in table

@@ -87,8 +87,15 @@ def run(args: argparse.Namespace) -> int:
     from flowlift.upscale.loading import DEFAULT_UPSCALER
 
     upscaler_file = check_model_sources(args, args.upscaler or DEFAULT_UPSCALER)  # all before the transformer loads
-    refiner, conditioning = load_refiner_from_args(args)
-    upscaler = FlowUpscalerPipeline(upscaler_file, refiner.vae, device=refiner.device, dtype=refiner.dtype)
+    refiner, conditioning = load_refiner_from_args(args, image_size=(base_h * args.scale, base_w * args.scale))
+    plan = refiner.memory_plan  # the upscaler gets what the transformer leaves of --max-memory
+    upscaler = FlowUpscalerPipeline(
+        upscaler_file,
+        refiner.vae,
+        device=refiner.device,
+        dtype=refiner.dtype,
+        max_memory=plan.upscaler_budget_bytes if plan is not None else None,
+    )
     passes = {2: 1, 4: 2}[args.scale]
 
     def upscale(latents):

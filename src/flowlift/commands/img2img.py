@@ -16,6 +16,7 @@ from flowlift.commands._options import (
     seed_value,
     unit_interval,
 )
+from flowlift.commands._refine_weights import add_weights_arguments, check_weights_arguments, weights_kwargs
 from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
 
@@ -61,6 +62,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="VAE (flowlift.models.vae_loading.load_vae spec); default: the model's own vae/ folder",
     )
     add_device_options(model, "transformer and VAE")
+    add_weights_arguments(parser)
     prompt = parser.add_argument_group("prompt")
     prompt.add_argument("--prompt", help="the prompt (embedded with the model's own text encoder, flowlift[text])")
     prompt.add_argument(
@@ -206,36 +208,46 @@ def check_model_sources(args: argparse.Namespace, upscaler: str | None = None) -
     from flowlift.refine.loading import refiner_weight_checks
     from flowlift.upscale.loading import resolve_upscaler_file
 
-    checks = refiner_weight_checks(args.model, vae=args.vae, text_encoder=args.prompt_embeds is None)
+    check_weights_arguments(args)  # --transformer, --lora, --offload, --max-memory: what they name and need
+    checks = refiner_weight_checks(
+        args.model, vae=args.vae, text_encoder=args.prompt_embeds is None, transformer=args.transformer
+    )
     if upscaler is not None:
         checks.append(lambda: resolve_upscaler_file(upscaler))
     found = require_all(checks)
     return found[-1] if upscaler is not None else None
 
 
-def load_refiner_from_args(args: argparse.Namespace):
-    """Build the refiner (text encoder only when a prompt must be embedded) and the conditioning kwargs."""
+def load_refiner_from_args(args: argparse.Namespace, image_size: tuple[int, int] = (1024, 1024)):
+    """Build the refiner and the conditioning kwargs. Prompts given as text are embedded first, by a text encoder
+    that is freed before the transformer loads; ``image_size`` (height, width) is what --max-memory plans for."""
     from flowlift.refine.loading import load_refiner
-    from flowlift.refine.prompts import load_prompt_embeds
+    from flowlift.refine.prompts import embed_prompts, load_prompt_embeds
 
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     embeds = negative = None
     if args.prompt_embeds is not None:
         embeds, negative = load_prompt_embeds(args.prompt_embeds)
     need_negative = args.cfg_scale != 1.0 and negative is None
-    need_encoder = embeds is None or need_negative
+    negative_text = args.negative_prompt
+    if embeds is None or need_negative:
+        negative_text = "" if args.negative_prompt is None and need_negative else args.negative_prompt
+        texts = ([args.prompt] if embeds is None else []) + ([negative_text] if need_negative else [])
+        encoded = embed_prompts(args.model, texts, device=device, dtype=dtype)
+        embeds = encoded.pop(0) if embeds is None else embeds
+        negative = encoded.pop(0) if need_negative else negative
     refiner = load_refiner(
         args.model,
         vae=args.vae,
         device=device,
         dtype=dtype,
-        text_encoder=need_encoder,
         progress=show_progress(args),
+        **weights_kwargs(args, image_size, text_tokens=embeds.shape[1]),
     )
     conditioning: dict[str, Any] = {
         "prompt": args.prompt,
         "prompt_embeds": embeds,
-        "negative_prompt": args.negative_prompt,
+        "negative_prompt": negative_text,
         "negative_prompt_embeds": negative,
         "cfg_scale": args.cfg_scale,
         "guidance": args.guidance,
@@ -293,10 +305,10 @@ def run(args: argparse.Namespace) -> int:
     output = Path(args.output) if args.output else refined_output(args.image, "outpaint" if pads else "img2img")
     check_output(output, args.overwrite)
     rgb, alpha = load_image(args.image)
+    from flowlift.refine.canvas import outpaint_pads
+
     size = (rgb.width, rgb.height)
     if pads:
-        from flowlift.refine.canvas import outpaint_pads
-
         rounded = outpaint_pads(rgb.height, rgb.width, *pads)  # the size cap, before any weights are loaded
         size = (rgb.width + rounded[0] + rounded[2], rgb.height + rounded[1] + rounded[3])
     check_mu_for_size(args, *size)
@@ -318,7 +330,11 @@ def run(args: argparse.Namespace) -> int:
     strength = args.strength if args.strength is not None else (1.0 if pads else 0.5)
     check_model_sources(args)
 
-    refiner, conditioning = load_refiner_from_args(args)
+    canvas = (-(-rgb.height // 16) * 16, -(-rgb.width // 16) * 16)  # what the model sees: padded, or the canvas
+    if pads:
+        left, top, right, bottom = outpaint_pads(rgb.height, rgb.width, *pads)
+        canvas = (rgb.height + top + bottom, rgb.width + left + right)
+    refiner, conditioning = load_refiner_from_args(args, image_size=canvas)
     common = dict(
         strength=strength,
         strength_map=args.strength_map,

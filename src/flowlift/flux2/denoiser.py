@@ -123,6 +123,11 @@ class Flux2Denoiser:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The transformer's compute dtype: a diffusers model's own answer (it sees through fp8-stored layers and
+        GGUF blocks), else its first parameter's."""
+        dtype = getattr(self.transformer, "dtype", None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
         param = next(self.transformer.parameters(), None)
         return param.dtype if param is not None else torch.float32
 

@@ -1,13 +1,20 @@
-"""Loading FLUX.2 weights: the transformer from a diffusers folder, a hub id or one file, then the refiner.
+"""Loading FLUX.2 weights: the transformer from a diffusers folder, a hub id or one file (BFL/ComfyUI
+safetensors, fp8, GGUF), LoRAs on it, then the refiner placed in device memory as planned.
 
-Every way a ``--model`` can be wrong (a missing path, a file that is not a FLUX.2 transformer, a hub id
-that is not cached or cannot be fetched) ends here as one FlowliftError line.
+Every way a ``--model`` / ``--transformer`` can be wrong (a missing path, a file that is not a FLUX.2
+transformer, a hub id that is not cached or cannot be fetched) ends here as one FlowliftError line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,53 +22,35 @@ from flowlift.errors import FlowliftError
 from flowlift.flux2.schedule import DEFAULT_MU
 from flowlift.models.weights import looks_like_repo_id
 from flowlift.refine.loop import check_schedule
+from flowlift.refine.loras import LoraSpec
 from flowlift.refine.prompts import PromptEncoder, _first_line
 from flowlift.refine.refiner import Flux2Refiner
+
+#: Suffixes of single-file transformers (everything else is a folder or a hub id).
+TRANSFORMER_FILE_SUFFIXES = (".safetensors", ".gguf")
 
 
 def _is_diffusers_folder(path: Path) -> bool:
     return (path / "model_index.json").is_file() or (path / "transformer" / "config.json").is_file()
 
 
-#: Tensor-name fragments of a FLUX transformer checkpoint (BFL / ComfyUI layout and diffusers layout).
-_TRANSFORMER_KEY_MARKERS = ("double_blocks.", "single_blocks.", "transformer_blocks.")
-
-
-def _check_transformer_file(path: Path) -> None:
-    """Refuse a single file that is not a FLUX transformer checkpoint before diffusers guesses a model for it."""
-    if path.suffix != ".safetensors":
-        raise FlowliftError(f"--model {path}: a single-file transformer must be a .safetensors file")
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            keys = list(handle.keys())
-    except Exception as error:  # noqa: BLE001 - any reader failure is a bad file to the user
-        raise FlowliftError(f"--model {path}: cannot read it as safetensors ({_first_line(error)})") from None
-    if not any(marker in key for key in keys for marker in _TRANSFORMER_KEY_MARKERS):
-        raise FlowliftError(
-            f"--model {path}: not a FLUX.2 transformer checkpoint (no double/single transformer blocks among its "
-            f"{len(keys)} tensors); give the transformer .safetensors, a diffusers folder or a hub id"
-        )
-
-
-def _hub_model_error(model: str, error: BaseException) -> FlowliftError:
+def _hub_model_error(model: str, error: BaseException, option: str) -> FlowliftError:
     """One actionable line for a hub id that could not be loaded (offline cache miss, gated, missing)."""
     from flowlift.models.hub import download_hint, hub_offline_reason
 
     offline = hub_offline_reason()
     if offline:
         return FlowliftError(
-            f"--model {model}: its transformer/ folder is not in the Hugging Face cache and {offline}; "
+            f"{option} {model}: its transformer/ folder is not in the Hugging Face cache and {offline}; "
             f"{download_hint(model)} or pass a local folder"
         )
     return FlowliftError(
-        f"--model {model}: cannot get it from the hub ({_first_line(error)}); {download_hint(model)} "
+        f"{option} {model}: cannot get it from the hub ({_first_line(error)}); {download_hint(model)} "
         "or pass a local folder"
     )
 
 
-def check_model_part(model: str, part: str) -> None:
+def check_model_part(model: str, part: str, option: str = "--model") -> None:
     """Raise one line unless the ``part/`` subfolder (``transformer``, ``vae``, ``text_encoder``) of a hub id
     ``model`` can be had: in the cache when offline or the hub is unreachable, else on the hub (its small
     ``config.json`` is fetched, which proves the repository, the part and the access). Local paths pass:
@@ -72,7 +61,7 @@ def check_model_part(model: str, part: str) -> None:
     if path.exists():
         return
     if looks_like_path(model) or not looks_like_repo_id(model):
-        raise FlowliftError(f"--model {model}: no such file or folder, and not a hub repo id (owner/name)")
+        raise FlowliftError(f"{option} {model}: no such file or folder, and not a hub repo id (owner/name)")
     from huggingface_hub import hf_hub_download, snapshot_download
 
     offline = hub_offline_reason()
@@ -82,7 +71,7 @@ def check_model_part(model: str, part: str) -> None:
             hf_hub_download(model, f"{part}/config.json")
         except Exception as error:  # noqa: BLE001 - missing, gated, misnamed: all "cannot get it"
             raise FlowliftError(
-                f"--model {model}: cannot get its {part}/ folder from the hub ({_first_line(error)}); {hint} "
+                f"{option} {model}: cannot get its {part}/ folder from the hub ({_first_line(error)}); {hint} "
                 "or pass a local folder"
             ) from None
         return
@@ -92,20 +81,25 @@ def check_model_part(model: str, part: str) -> None:
         folder = None
     if folder is None or not (folder / part / "config.json").is_file():
         raise FlowliftError(
-            f"--model {model}: its {part}/ folder is not in the Hugging Face cache and {offline}; {hint} "
+            f"{option} {model}: its {part}/ folder is not in the Hugging Face cache and {offline}; {hint} "
             "or pass a local folder"
         )
 
 
 def refiner_weight_checks(
-    model: str, *, vae: str | None = None, text_encoder: bool = False
+    model: str, *, vae: str | None = None, text_encoder: bool = False, transformer: str | None = None
 ) -> list[Callable[[], object]]:
     """The lookups a refiner from ``model`` needs (for :func:`flowlift.models.weights.require_all`): the
-    transformer, the VAE (``vae``, else the model's ``vae/``) and, when prompts are embedded here, the
-    text encoder. Local paths are checked to exist; hub ids as :func:`check_model_part` says."""
+    transformer (``transformer``, else the model's), the VAE (``vae``, else the model's ``vae/``) and, when
+    prompts are embedded here, the text encoder. Local paths are checked to exist; hub ids as
+    :func:`check_model_part` says."""
     from flowlift.models.vae_loading import check_vae_spec
 
-    checks: list[Callable[[], object]] = [lambda: check_model_part(model, "transformer")]
+    checks: list[Callable[[], object]] = [
+        lambda: check_model_part(transformer, "transformer", "--transformer")
+        if transformer is not None
+        else check_model_part(model, "transformer")
+    ]
     if vae is not None:
         checks.append(lambda: check_vae_spec(vae))
     else:
@@ -115,27 +109,106 @@ def refiner_weight_checks(
     return checks
 
 
-def load_transformer(model: str, *, dtype: torch.dtype) -> torch.nn.Module:
+def load_transformer_file(path: str | os.PathLike, *, dtype: torch.dtype, option: str = "--model") -> torch.nn.Module:
+    """A ``Flux2Transformer2DModel`` from one BFL/ComfyUI ``.safetensors`` (float or fp8) or ``.gguf`` file.
+
+    The config comes from the file's shapes (:func:`flowlift.models.flux2_transformer_files.inspect_transformer_file`;
+    nothing is fetched), the tensors go through diffusers' ``from_single_file`` (its FLUX.2 key converter; GGUF via
+    ``GGUFQuantizationConfig(compute_dtype=dtype)``: blocks stay quantized and are dequantized per layer when it
+    runs). fp8 weights stay stored in ``float8_e4m3fn`` and are computed in ``dtype`` (diffusers' layerwise casting,
+    :func:`store_fp8_layers`); scaled fp8 layers are dequantized to ``dtype`` once, here.
+    """
+    from diffusers import Flux2Transformer2DModel
+
+    from flowlift.models.flux2_transformer_files import inspect_transformer_file, read_transformer_state
+
+    info = inspect_transformer_file(path, option=option)
+    kwargs: dict[str, Any] = {}
+    if info.container == "gguf":
+        from diffusers import GGUFQuantizationConfig
+        from diffusers.utils import is_accelerate_available
+
+        if not is_accelerate_available():
+            raise FlowliftError(
+                f"{option} {path}: GGUF transformers need the gguf extra (pip install 'flowlift[gguf]')"
+            )
+        kwargs["quantization_config"] = GGUFQuantizationConfig(compute_dtype=dtype)
+    state, dequantized = read_transformer_state(info, dtype=dtype)
+    fp8_modules = _fp8_module_names(state, info.layout)  # before from_single_file: its converter empties ``state``
+    if dequantized:
+        warnings.warn(
+            f"{option} {path}: {len(dequantized)} scaled fp8 layers dequantized to {str(dtype).removeprefix('torch.')} "
+            "(diffusers stores fp8 without per-layer scales), so they take that dtype's memory",
+            UserWarning,
+            stacklevel=2,
+        )
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            Path(folder, "config.json").write_text(json.dumps(info.config))
+            model = Flux2Transformer2DModel.from_single_file(state, config=folder, torch_dtype=dtype, **kwargs)
+    except FlowliftError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any loader failure is a bad file to the user
+        raise FlowliftError(f"{option} {path}: cannot load it as {info.describe()}: {_first_line(error)}") from None
+    model.flowlift_source = {"transformer_file": info.describe()}
+    model.flowlift_fp8_modules = fp8_modules
+    return model.eval().requires_grad_(False)
+
+
+def _fp8_module_names(state: dict[str, torch.Tensor], layout: str) -> set[str]:
+    """The diffusers module names of the layers whose weights the file stores in fp8 (keys mapped by diffusers'
+    own converter, on shape-only copies)."""
+    meta = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in state.items()}
+    if layout == "bfl" and any(t.dtype == torch.float8_e4m3fn for t in meta.values()):
+        from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+        meta = convert_flux2_transformer_checkpoint_to_diffusers(meta)
+    return {name.removesuffix(".weight") for name, t in meta.items() if t.dtype == torch.float8_e4m3fn}
+
+
+def store_fp8_layers(transformer: torch.nn.Module, *, dtype: torch.dtype) -> int:
+    """Keep the layers the file stored in fp8 stored in ``float8_e4m3fn``, computed in ``dtype``; returns their count.
+
+    diffusers' layerwise casting (``apply_layerwise_casting``) on exactly those layers (a LoRA's peft wrapper
+    holds the layer as ``base_layer``); every other layer keeps ``dtype``. The stored values are the file's fp8
+    values, so nothing is rounded. Applied after the LoRAs, whose small matrices stay in ``dtype``.
+    """
+    fp8 = getattr(transformer, "flowlift_fp8_modules", None)
+    if not fp8:
+        return 0
+    from diffusers.hooks import apply_layerwise_casting
+    from diffusers.hooks._common import _GO_LC_SUPPORTED_PYTORCH_LAYERS
+
+    keep = [
+        name
+        for name, module in transformer.named_modules()
+        if isinstance(module, _GO_LC_SUPPORTED_PYTORCH_LAYERS) and name.removesuffix(".base_layer") not in fp8
+    ]
+    skip = ("^(" + "|".join(re.escape(name) for name in keep) + ")$",) if keep else ()
+    apply_layerwise_casting(transformer, torch.float8_e4m3fn, dtype, skip_modules_pattern=skip)
+    return len(fp8)
+
+
+def load_transformer(model: str, *, dtype: torch.dtype, option: str = "--model") -> torch.nn.Module:
     """A ``Flux2Transformer2DModel`` from a diffusers folder / hub id (``transformer/`` subfolder), a
-    transformer folder (``config.json``), or a single BFL/ComfyUI ``.safetensors`` file."""
+    transformer folder (``config.json``), or a single BFL/ComfyUI ``.safetensors`` (float or fp8) or ``.gguf`` file
+    (:func:`load_transformer_file`)."""
     from diffusers import Flux2Transformer2DModel
 
     from flowlift.models.hub import looks_like_path
 
     path = Path(model).expanduser()
     if not path.exists() and looks_like_path(model):
-        raise FlowliftError(f"--model {model}: no such file or folder")
+        raise FlowliftError(f"{option} {model}: no such file or folder")
     if path.is_file():
-        _check_transformer_file(path)
+        return load_transformer_file(path, dtype=dtype, option=option)
     from_hub = not path.exists() and looks_like_repo_id(model)
     try:
-        if path.is_file():
-            return Flux2Transformer2DModel.from_single_file(str(path), torch_dtype=dtype)
         if path.is_dir() and (path / "config.json").is_file() and not _is_diffusers_folder(path):
             return Flux2Transformer2DModel.from_pretrained(str(path), torch_dtype=dtype)
         if path.is_dir() and not (path / "transformer" / "config.json").is_file():
             raise FlowliftError(
-                f"--model {model}: not a FLUX.2 transformer folder (it needs transformer/config.json, the diffusers "
+                f"{option} {model}: not a FLUX.2 transformer folder (it needs transformer/config.json, the diffusers "
                 "layout, or config.json, a bare transformer folder)"
             )
         if path.is_dir() or from_hub:
@@ -149,15 +222,21 @@ def load_transformer(model: str, *, dtype: torch.dtype) -> torch.nn.Module:
         raise
     except Exception as error:  # noqa: BLE001 - any loader failure is a bad --model to the user
         if from_hub:
-            raise _hub_model_error(model, error) from None
+            raise _hub_model_error(model, error, option) from None
         raise FlowliftError(f"cannot load a FLUX.2 transformer from {model}: {_first_line(error)}") from None
-    raise FlowliftError(f"--model {model}: no such file or folder, and not a hub repo id (owner/name)")
+    raise FlowliftError(f"{option} {model}: no such file or folder, and not a hub repo id (owner/name)")
 
 
 def load_refiner(
     model: str,
     *,
     vae: str | None = None,
+    transformer: str | None = None,
+    loras: Sequence[LoraSpec] = (),
+    offload: str = "auto",
+    max_memory: str | int | None = None,
+    image_size: tuple[int, int] = (1024, 1024),
+    text_tokens: int | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     text_encoder: bool = False,
@@ -165,22 +244,56 @@ def load_refiner(
     mu: float | str = DEFAULT_MU,
     schedule: str = "respaced",
 ) -> Flux2Refiner:
-    """A :class:`Flux2Refiner` from FLUX.2 Klein / dev weights (local diffusers folder or hub id).
+    """A :class:`Flux2Refiner` from FLUX.2 Klein / dev weights.
 
-    ``vae`` (any :func:`flowlift.models.vae_loading.load_vae` spec) defaults to the model's own ``vae/`` subfolder.
-    ``text_encoder=True`` also loads the pipeline's text encoder (``flowlift[text]``) so prompts can be
-    given as strings. ``mu`` and ``schedule`` are the refiner's schedule (:class:`Flux2Refiner`), checked
-    before any weights load.
+    ``model``: a diffusers folder or hub id (``transformer/`` and ``vae/``), a transformer folder or a single
+    transformer file. ``transformer`` (optional) takes the transformer from elsewhere (a BFL/ComfyUI single file,
+    fp8, GGUF, a folder or hub id; :func:`load_transformer`), the VAE and text encoder still from ``model``.
+    ``vae`` (any :func:`flowlift.models.vae_loading.load_vae` spec) defaults to the model's own ``vae/``.
+    ``loras``: ``(path, scale)`` pairs applied to the transformer (:func:`flowlift.refine.loras.apply_loras`;
+    needs ``flowlift[lora]``), active in every pass. ``offload``: ``none``, ``model``, ``group``
+    (:mod:`flowlift.refine.offload`) or ``auto``: with ``max_memory``, what
+    :func:`flowlift.refine.memory_plan.plan_refine` picks for images up to ``image_size`` (height, width) pixels
+    (it also decides the VAE's tiling), else ``none``. ``text_encoder=True`` also loads the pipeline's text encoder
+    (``flowlift[text]``) so prompts can be strings; with an offload mode it waits in host memory between prompts.
+    To free its memory before the transformer loads, embed the prompts first
+    (:func:`flowlift.refine.prompts.embed_prompts`) and pass ``prompt_embeds``.
+    ``mu`` and ``schedule`` are the refiner's schedule (:class:`Flux2Refiner`), checked before any weights load.
     """
     from flowlift.models.vae_loading import load_vae
+    from flowlift.refine.loras import apply_loras
+    from flowlift.refine.offload import OFFLOAD_MODES
 
     check_schedule(mu, schedule)
-    transformer = load_transformer(model, dtype=dtype)
+    if offload != "auto" and offload not in OFFLOAD_MODES:
+        raise FlowliftError(f"offload must be auto or one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
+    device = torch.device(device)
+    option = "--transformer" if transformer is not None else "--model"
+    module = load_transformer(transformer if transformer is not None else model, dtype=dtype, option=option)
+    loaded_loras = apply_loras(module, loras)
+    fp8_layers = store_fp8_layers(module, dtype=dtype)
     # the FLUX.2 VAE overflows in float16; bfloat16 and float32 are fine
-    vae_adapter = load_vae(vae or model, device=device, dtype=torch.float32 if dtype == torch.float16 else dtype)
-    encoder = PromptEncoder(model, device=device, dtype=dtype) if text_encoder else None
+    vae_dtype = torch.float32 if dtype == torch.float16 else dtype
+    vae_adapter = load_vae(vae or model, device=device, dtype=vae_dtype)
+    plan = None
+    if max_memory is not None:
+        plan = _plan(module, vae_adapter, max_memory, image_size, text_tokens, offload, dtype, vae_dtype)
+    mode = plan.offload if plan is not None else ("none" if offload == "auto" else offload)
+    encoder = None
+    if text_encoder:
+        encoder = PromptEncoder(model, device=device, dtype=dtype, offload=mode != "none")
+    provenance: dict[str, Any] = dict(getattr(module, "flowlift_source", {}))
+    if transformer is not None:
+        provenance["transformer"] = str(transformer)
+    if fp8_layers:
+        provenance["fp8_layers"] = fp8_layers
+    if loaded_loras:
+        provenance["loras"] = [lora.record() for lora in loaded_loras]
+    provenance["offload"] = mode
+    if plan is not None:
+        provenance["memory_plan"] = plan.describe()
     return Flux2Refiner(
-        transformer,
+        module,
         vae_adapter,
         device=device,
         dtype=dtype,
@@ -189,4 +302,27 @@ def load_refiner(
         model_name=str(model),
         mu=mu,
         schedule=schedule,
+        offload=mode,
+        vae_tiled=plan.vae_tiled if plan is not None else None,
+        memory_plan=plan,
+        provenance=provenance,
+    )
+
+
+def _plan(module, vae_adapter, max_memory, image_size, text_tokens, offload, dtype, vae_dtype):
+    from flowlift.refine.memory_plan import DEFAULT_TEXT_TOKENS, plan_refine, transformer_sizes
+    from flowlift.upscale.memory_plan import model_bytes, parse_memory, vae_kind
+
+    height, width = image_size
+    return plan_refine(
+        height,
+        width,
+        parse_memory(max_memory),
+        transformer_sizes(module),
+        dtype=dtype,
+        vae_kind=vae_kind(vae_adapter),
+        vae_bytes=model_bytes(vae_adapter),
+        vae_dtype=vae_dtype,
+        text_tokens=text_tokens or DEFAULT_TEXT_TOKENS,
+        offload=None if offload == "auto" else offload,
     )

@@ -6,6 +6,7 @@ Either way the refiner gets float32 ``prompt_embeds`` (and optional ``negative_p
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -21,10 +22,11 @@ class PromptEncoder:
     """Prompt -> FLUX.2 embeddings with the matching diffusers pipeline's text encoder (optional extra).
 
     Loads the pipeline of ``model`` (``Flux2Pipeline``: Mistral-3; ``Flux2KleinPipeline``: Qwen3) without
-    its transformer and VAE, and calls its ``encode_prompt``. Needs ``pip install 'flowlift[text]'``.
+    its transformer and VAE, and calls its ``encode_prompt``. Needs ``pip install 'flowlift[text]'``. With
+    ``offload`` the text encoder waits in host memory and moves to ``device`` for each prompt.
     """
 
-    def __init__(self, model: str, *, device: torch.device | str, dtype: torch.dtype) -> None:
+    def __init__(self, model: str, *, device: torch.device | str, dtype: torch.dtype, offload: bool = False) -> None:
         try:
             import transformers  # noqa: F401
         except ImportError:
@@ -35,23 +37,61 @@ class PromptEncoder:
                 "or pass precomputed --prompt-embeds"
             ) from None
         from diffusers import DiffusionPipeline
+        from diffusers.utils import logging as diffusers_logging
 
         from flowlift.models.hub import hub_offline_reason
 
         cache_only = not os.path.exists(model) and hub_offline_reason() is not None  # no retries when unreachable
+        bar = diffusers_logging.is_progress_bar_enabled()
+        diffusers_logging.disable_progress_bar()  # its "Loading pipeline components" bar would break one-line errors
         try:
             self.pipe = DiffusionPipeline.from_pretrained(
                 model, transformer=None, vae=None, torch_dtype=dtype, local_files_only=cache_only
             )
         except Exception as error:  # noqa: BLE001 - any loader failure is a bad --model to the user
             raise FlowliftError(f"cannot load the text encoder of {model}: {_first_line(error)}") from None
-        self.pipe.text_encoder.to(device)
+        finally:
+            if bar:
+                diffusers_logging.enable_progress_bar()
         self.device = torch.device(device)
+        self.offload = offload
+        self.pipe.text_encoder.to("cpu" if offload else device)
 
     @torch.inference_mode()
     def __call__(self, prompt: str) -> torch.Tensor:
-        embeds, _ = self.pipe.encode_prompt(prompt=prompt, device=self.device)
+        if self.offload:  # on the device only while it encodes (model offload of the text encoder)
+            self.pipe.text_encoder.to(self.device)
+        try:
+            embeds, _ = self.pipe.encode_prompt(prompt=prompt, device=self.device)
+        finally:
+            if self.offload:
+                self.pipe.text_encoder.to("cpu")
         return embeds.float()
+
+    def close(self) -> None:
+        """Drop the text encoder's pipeline and return its device memory (before the transformer loads)."""
+        import gc
+
+        self.pipe = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def embed_prompts(
+    model: str, prompts: Sequence[str], *, device: torch.device | str, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """Each prompt embedded by the text encoder of ``model``, which is loaded, run and freed here.
+
+    The command line embeds this way before the transformer loads, so the text encoder (Qwen3 4B/8B for Klein,
+    Mistral 3 for dev) and the transformer never share the device. Embeddings come back float32 on the CPU.
+    """
+    encoder = PromptEncoder(model, device=device, dtype=dtype)
+    try:
+        return [encoder(prompt).cpu() for prompt in prompts]
+    finally:
+        encoder.close()
+        del encoder
 
 
 def check_prompt_embeds(state: dict[str, torch.Tensor], *, origin: str) -> None:

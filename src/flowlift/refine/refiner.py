@@ -7,7 +7,6 @@ one method per mode; :func:`flowlift.refine.loading.load_refiner` builds one fro
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +24,8 @@ from flowlift.refine.loop import (
     denoising_start_for,
     refine_latents,
 )
+from flowlift.refine.offload import place_transformer, with_transformer_on_device
+from flowlift.refine.parameters import RefineOutput, conditioning_parameters, output_parameters
 
 
 class RefineVAE(Protocol):
@@ -39,15 +40,6 @@ class RefineVAE(Protocol):
     def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
 
 
-@dataclass
-class RefineOutput:
-    """Images (B, 3, H, W) in [0, 1], their normalized latents, and the parameters that made them."""
-
-    images: torch.Tensor
-    latents: torch.Tensor
-    parameters: dict[str, Any]
-
-
 class Flux2Refiner:
     """txt2img / img2img / inpaint / outpaint / hires on a FLUX.2 transformer and VAE.
 
@@ -56,7 +48,9 @@ class Flux2Refiner:
     ``prompt_encoder`` (optional) turns prompt strings into embeddings; without it, pass
     ``prompt_embeds`` tensors. ``mu`` (2.02, a number, or ``"empirical"``) and ``schedule`` (``respaced`` or
     ``clipped``) are the schedule every mode runs unless a call gives its own (see
-    :func:`flowlift.flux2.schedule.flux2_sigmas`).
+    :func:`flowlift.flux2.schedule.flux2_sigmas`). ``offload`` (none/model/group, :mod:`flowlift.refine.offload`)
+    and ``vae_tiled`` (None: by size) come from the memory plan; ``provenance`` (files, LoRAs with SHA-256 and
+    scale, offload) joins every output's parameters.
     """
 
     def __init__(
@@ -71,12 +65,18 @@ class Flux2Refiner:
         model_name: str = "",
         mu: float | str = DEFAULT_MU,
         schedule: str = "respaced",
+        offload: str = "none",
+        vae_tiled: bool | None = None,
+        memory_plan: Any = None,
+        provenance: dict[str, Any] | None = None,
     ) -> None:
         check_schedule(mu, schedule)
         self.mu, self.schedule = mu, schedule
-        self.transformer = transformer.to(device=device, dtype=dtype).eval()
-        self.vae = vae
         self.device, self.dtype = torch.device(device), dtype
+        self.offload, self.vae_tiled, self.memory_plan = offload, vae_tiled, memory_plan
+        self.provenance = dict(provenance or {})
+        self.transformer = place_transformer(transformer.eval(), offload=offload, device=self.device, dtype=dtype)
+        self.vae = vae
         self.prompt_encoder = prompt_encoder
         self.progress = progress
         self.model_name = model_name
@@ -130,21 +130,26 @@ class Flux2Refiner:
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         """Images [0, 1] (sides multiples of 16) -> normalized latents."""
-        return self.vae.encode(images.to(self.device)).float()
+        return self.vae.encode(images.to(self.device), **self._tiling()).float()
 
     def _encode_init(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Init latents for img2img: raw + BN stats when the VAE exposes them, else normalized."""
         if hasattr(self.vae, "encode_raw") and getattr(self.vae, "bn_mean", None) is not None:
-            raw = self.vae.encode_raw(images.to(self.device)).float()
+            raw = self.vae.encode_raw(images.to(self.device), **self._tiling()).float()
             return raw, self.vae.bn_mean.to(self.device), self.vae.bn_std.to(self.device)
         return self.encode(images), None, None
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalized latents -> images clamped to [0, 1]."""
-        return self.vae.decode(latents).float().clamp(0.0, 1.0)
+        return self.vae.decode(latents, **self._tiling()).float().clamp(0.0, 1.0)
+
+    def _tiling(self) -> dict[str, bool]:
+        """The VAE's ``tiled`` argument when the memory plan decided it (VAEs without the argument never get it)."""
+        return {} if self.vae_tiled is None else {"tiled": self.vae_tiled}
 
     # -- modes
 
+    @with_transformer_on_device
     def _run(
         self,
         mode: str,
@@ -181,20 +186,8 @@ class Flux2Refiner:
         )
 
     def _parameters(self, mode: str, result: RefineResult, **kwargs: Any) -> dict[str, Any]:
-        from flowlift import __version__
-
-        params = {"flowlift": __version__, "mode": mode, "model": self.model_name}
-        # what ran, not what was asked for ("auto")
-        params.update(dtype=str(self.dtype).removeprefix("torch."), device=str(self.device))
-        params.update({k: v for k, v in kwargs.items() if v is not None})
-        params["sigmas"] = [round(s, 6) for s in result.sigmas]
-        params["t0"] = round(result.t0, 6)
-        params["model_calls"] = result.model_calls
-        if result.mu is not None:  # the schedule that made the sigmas (none ran at strength 0)
-            params.update(mu=round(result.mu, 6), mu_rule=result.mu_rule)
-            if mode != "txt2img":  # a full window is the same under both
-                params["schedule"] = result.schedule
-        return params
+        where = {"model": self.model_name, "dtype": self.dtype, "device": self.device, "provenance": self.provenance}
+        return output_parameters(mode, result, **where, **kwargs)
 
     def txt2img(
         self,
@@ -224,7 +217,7 @@ class Flux2Refiner:
             steps=steps,
             seed=seed,
             sampler=sampler,
-            **_conditioning_params(conditioning, den),
+            **conditioning_parameters(conditioning, den),
         )
         return RefineOutput(self.decode(result.latents), result.latents, params)
 
@@ -283,7 +276,7 @@ class Flux2Refiner:
             sampler=sampler,
             width=w,
             height=h,
-            **(_conditioning_params(conditioning, den) if den is not None else {}),
+            **(conditioning_parameters(conditioning, den) if den is not None else {}),
         )
         return RefineOutput(out, result.latents, params)
 
@@ -352,7 +345,7 @@ class Flux2Refiner:
             steps=steps,
             seed=seed,
             sampler=sampler,
-            **(_conditioning_params(conditioning, den) if den is not None else {}),
+            **(conditioning_parameters(conditioning, den) if den is not None else {}),
         )
         return RefineOutput(self.decode(result.latents), result.latents, params)
 
@@ -427,22 +420,7 @@ class Flux2Refiner:
                 steps=steps,
                 seed=seed,
                 sampler=sampler,
-                **_conditioning_params(conditioning, den),
+                **conditioning_parameters(conditioning, den),
             )
         )
         return RefineOutput(self.decode(result.latents), result.latents, params)
-
-
-def _conditioning_params(conditioning: dict[str, Any], den: Any) -> dict[str, Any]:
-    negative = None
-    if den.cfg_scale != 1.0:
-        negative = conditioning.get("negative_prompt")
-        if negative is None and conditioning.get("negative_prompt_embeds") is None:
-            negative = ""  # the default negative prompt under true CFG
-    return {
-        "prompt": conditioning.get("prompt"),
-        "negative_prompt": negative,
-        "cfg_scale": den.cfg_scale,
-        "guidance": den.guidance,
-        "reference_images": len(den.reference_latents) or None,
-    }

@@ -1,0 +1,68 @@
+"""What a refine output records: its images and latents, and the parameters that made them.
+
+Every mode of :class:`~flowlift.refine.refiner.Flux2Refiner` returns a :class:`RefineOutput` whose
+``parameters`` go into the output file's metadata: what was asked (strength, steps, seed, prompt...), what
+ran (dtype, device, the exact sigmas, the schedule's mu and window) and where the weights came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flowlift.refine.loop import RefineResult
+
+
+@dataclass
+class RefineOutput:
+    """Images (B, 3, H, W) in [0, 1], their normalized latents, and the parameters that made them."""
+
+    images: torch.Tensor
+    latents: torch.Tensor
+    parameters: dict[str, Any]
+
+
+def output_parameters(
+    mode: str,
+    result: RefineResult,
+    *,
+    model: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    provenance: dict[str, Any],
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """The metadata of one refine output: the request (``kwargs``, unset ones left out), what ran and the sigmas."""
+    from flowlift import __version__
+
+    params = {"flowlift": __version__, "mode": mode, "model": model}
+    # what ran, not what was asked for ("auto")
+    params.update(dtype=str(dtype).removeprefix("torch."), device=str(device))
+    params.update({k: v for k, v in kwargs.items() if v is not None})
+    params.update(provenance)
+    params["sigmas"] = [round(s, 6) for s in result.sigmas]
+    params["t0"] = round(result.t0, 6)
+    params["model_calls"] = result.model_calls
+    if result.mu is not None:  # the schedule that made the sigmas (none ran at strength 0)
+        params.update(mu=round(result.mu, 6), mu_rule=result.mu_rule)
+        if mode != "txt2img":  # a full window is the same under both
+            params["schedule"] = result.schedule
+    return params
+
+
+def conditioning_parameters(conditioning: dict[str, Any], den: Any) -> dict[str, Any]:
+    """The prompt side of the metadata: prompt, the negative prompt true CFG used, CFG scale, guidance, references."""
+    negative = None
+    if den.cfg_scale != 1.0:
+        negative = conditioning.get("negative_prompt")
+        if negative is None and conditioning.get("negative_prompt_embeds") is None:
+            negative = ""  # the default negative prompt under true CFG
+    return {
+        "prompt": conditioning.get("prompt"),
+        "negative_prompt": negative,
+        "cfg_scale": den.cfg_scale,
+        "guidance": den.guidance,
+        "reference_images": len(den.reference_latents) or None,
+    }

@@ -1,0 +1,289 @@
+"""Fitting the refine pass in device memory (issue 23, part 3): offload modes, the plan, the text encoder first.
+
+On the CPU the offload modes move nothing, so what is checked here is what must hold on any device: the same
+outputs bit for bit in every mode (the same kernels on the same values), the moves and hooks each mode sets up,
+the plan's choices from sizes, and that the text encoder is gone before the transformer loads. GPU figures come
+from ``benchmarks/bench_gpu.py`` (its refine rows).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import json
+import sys
+import types
+import weakref
+
+import pytest
+import torch
+
+from flowlift.commands.cli import main
+from flowlift.errors import FlowliftError
+from flowlift.refine.loading import load_refiner
+from flowlift.refine.memory_plan import TransformerSizes, plan_refine, transformer_activation_bytes
+from tiny_flux2 import prompt_embeds, tiny_transformer, tiny_vae
+
+H, W = 48, 64
+EMB = prompt_embeds()
+GB = 10**9
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("flux2-tiny")
+    tiny_transformer().save_pretrained(root / "transformer")
+    tiny_vae().save_pretrained(root / "vae")
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def image():
+    return torch.rand(1, 3, H, W, generator=torch.Generator().manual_seed(4))
+
+
+def _img2img(refiner, image):
+    return refiner.img2img(image, strength=0.6, steps=6, seed=3, sampler="heun", prompt_embeds=EMB)
+
+
+def test_offloaded_equals_not_offloaded_bit_for_bit(model_dir, image, monkeypatch):
+    reference = _img2img(load_refiner(str(model_dir), offload="none"), image)
+
+    model = load_refiner(str(model_dir), offload="model")
+    moves = []
+    real_to = torch.nn.Module.to
+
+    def spy_to(module, *args, **kwargs):
+        if module is model.transformer:
+            moves.append(str(args[0]) if args else str(kwargs.get("device")))
+        return real_to(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", spy_to)
+    out = _img2img(model, image)
+    monkeypatch.undo()
+    assert moves == ["cpu", "cpu"]  # onto the device (the CPU here) for the sampling loop, back to the host after
+    assert torch.equal(out.latents, reference.latents) and torch.equal(out.images, reference.images)
+
+
+def test_group_offloaded_equals_not_offloaded_bit_for_bit(model_dir, image):
+    pytest.importorskip("accelerate")  # diffusers' group offloading moves tensors with accelerate's helpers
+    reference = _img2img(load_refiner(str(model_dir), offload="none"), image)
+    group = load_refiner(str(model_dir), offload="group")
+    hooked = [m for m in group.transformer.modules() if getattr(m, "_diffusers_hook", None) is not None]
+    assert any(h._diffusers_hook.get_hook("group_offloading") is not None for h in hooked)
+    out = _img2img(group, image)
+    assert torch.equal(out.latents, reference.latents) and torch.equal(out.images, reference.images)
+    assert out.parameters["offload"] == "group" and reference.parameters["offload"] == "none"
+    with pytest.raises(FlowliftError, match="group-offloaded"):
+        from flowlift.refine.refiner import Flux2Refiner
+
+        Flux2Refiner(group.transformer, group.vae, offload="none")
+
+
+def test_the_planned_vae_tiling_reaches_the_vae(model_dir, image):
+    refiner = load_refiner(str(model_dir))
+    seen = []
+
+    class Recording:
+        def __init__(self, inner):
+            self.inner, self.bn_mean, self.bn_std = inner, inner.bn_mean, inner.bn_std
+
+        def encode_raw(self, images, **kwargs):
+            seen.append(("encode_raw", kwargs))
+            return self.inner.encode_raw(images, **kwargs)
+
+        def encode(self, images, **kwargs):
+            seen.append(("encode", kwargs))
+            return self.inner.encode(images, **kwargs)
+
+        def decode(self, latents, **kwargs):
+            seen.append(("decode", kwargs))
+            return self.inner.decode(latents, **kwargs)
+
+    refiner.vae = Recording(refiner.vae)
+    whole = _img2img(refiner, image)
+    assert seen == [("encode_raw", {}), ("decode", {})]  # no plan: the VAE decides by size
+    seen.clear()
+    refiner.vae_tiled = True
+    tiled = _img2img(refiner, image)
+    assert seen == [("encode_raw", {"tiled": True}), ("decode", {"tiled": True})]
+    assert tiled.images.shape == whole.images.shape and torch.isfinite(tiled.images).all()
+
+
+# ------------------------------------------------------------------------------------------------- the plan
+
+KLEIN_4B = TransformerSizes(total_bytes=int(7.75 * GB), largest_block_bytes=int(0.226 * GB),
+                            outside_blocks_bytes=int(0.5 * GB), width=3072)  # fmt: skip
+VAE_BYTES = int(0.17 * GB)
+
+
+def _plan(side, budget_gb, **kwargs):
+    return plan_refine(side, side, int(budget_gb * GB), KLEIN_4B, vae_bytes=VAE_BYTES, **kwargs)
+
+
+def test_plan_picks_the_fastest_fit_as_the_budget_shrinks():
+    assert (_plan(1024, 24).offload, _plan(1024, 24).vae_tiled) == ("none", False)
+    # 2048 px: the whole-frame decode (~4.3 GB in bf16) no longer fits beside the weights: tile, keep the weights
+    assert (_plan(2048, 16).offload, _plan(2048, 16).vae_tiled) == ("none", False)
+    assert (_plan(2048, 12).offload, _plan(2048, 12).vae_tiled) == ("none", True)
+    # weights + activations (3.3 GB at 16896 tokens) exceed 10 GB: stream the blocks
+    plan = _plan(2048, 10)
+    assert (plan.offload, plan.vae_tiled, plan.upscaler_budget_bytes) == ("group", False, 10 * GB)
+    assert plan.peak_bytes <= 10 * GB and "transformer offload group" in plan.describe()
+    # 1024 px, 8.9 GB: weights + activations (8.83 GB) fit, weights + the decode (9.0 GB) do not: model offload
+    assert (_plan(1024, 8.9).offload, _plan(1024, 8.9).vae_tiled) == ("model", False)
+    # offload given: only the VAE's tiling is planned
+    assert _plan(2048, 12, offload="group").offload == "group"
+    assert _plan(2048, 40).upscaler_budget_bytes == 40 * GB - KLEIN_4B.total_bytes
+
+
+def test_plan_too_small_is_one_line():
+    with pytest.raises(FlowliftError) as caught:
+        _plan(2048, 3)
+    text = str(caught.value)
+    assert "too small to refine a 2048x2048 image" in text and "group offload and a tiled VAE" in text
+    assert "\n" not in text
+
+
+def test_activation_estimate_scales_with_tokens_width_and_dtype():
+    base = transformer_activation_bytes(4608, 3072, dtype=torch.bfloat16)
+    assert transformer_activation_bytes(9216, 3072, dtype=torch.bfloat16) == 2 * base
+    assert transformer_activation_bytes(4608, 3072, dtype=torch.float32) == 2 * base
+    assert 0.5 * GB < base < 1.5 * GB  # 32 frames of 4608 x 3072 bf16
+
+
+def test_load_refiner_plans_from_max_memory(model_dir, image):
+    refiner = load_refiner(str(model_dir), max_memory="64MB", image_size=(H, W))
+    assert refiner.memory_plan is not None and refiner.offload == "none" and refiner.vae_tiled is False
+    out = _img2img(refiner, image)
+    assert "max_memory 61.0 MiB" in out.parameters["memory_plan"]
+    with pytest.raises(FlowliftError, match="too small to refine"):
+        load_refiner(str(model_dir), max_memory="5MB", image_size=(H, W))
+
+
+# --------------------------------------------------------------------------------------------- command line
+
+
+@pytest.fixture
+def photo(tmp_path):
+    from PIL import Image
+
+    path = tmp_path / "photo.png"
+    array = (torch.rand(H, W, 3, generator=torch.Generator().manual_seed(0)) * 255).to(torch.uint8).numpy()
+    Image.fromarray(array, "RGB").save(path)
+    return path
+
+
+@pytest.fixture
+def embeds_file(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "prompt.safetensors"
+    save_file({"prompt_embeds": EMB}, str(path))
+    return path
+
+
+def _pixels_and_metadata(path):
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(path) as img:
+        return np.asarray(img.convert("RGB")).copy(), json.loads(img.text["flowlift"])
+
+
+def test_cli_offload_and_max_memory(capsys, tmp_path, model_dir, photo, embeds_file):
+    base = ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "4", "--seed", "2"]
+    outputs = {}
+    runs = {"none": [], "model": ["--offload", "model"], "plan": ["--max-memory", "64MB"]}
+    if importlib.util.find_spec("accelerate") is not None:
+        runs["group"] = ["--offload", "group"]
+    for name, extra in runs.items():
+        out = tmp_path / f"{name}.png"
+        assert main([str(a) for a in [*base, *extra, "-o", out]]) == 0, capsys.readouterr().err
+        outputs[name] = _pixels_and_metadata(out)
+    for name, (pixels, meta) in outputs.items():
+        assert (pixels == outputs["none"][0]).all(), name
+        assert meta["offload"] == ("none" if name == "plan" else name)
+    assert "VAE whole frame" in outputs["plan"][1]["memory_plan"]
+    assert main([str(a) for a in [*base, "--max-memory", "5MB", "-o", tmp_path / "x.png"]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "too small to refine a 64x48 image" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "x.png").exists()
+    assert main([str(a) for a in [*base, "--max-memory", "lots", "-o", tmp_path / "y.png"]]) == 2
+    assert "--max-memory" in capsys.readouterr().err
+
+
+def test_cli_frees_the_text_encoder_before_the_transformer_loads(capsys, tmp_path, model_dir, photo, monkeypatch):
+    """--prompt text: the text encoder is loaded, run and released before the transformer is read."""
+    import diffusers
+
+    import flowlift.refine.loading as loading
+
+    class FakePipe:  # what DiffusionPipeline.from_pretrained(model, transformer=None, vae=None) gives
+        def __init__(self):
+            self.text_encoder = torch.nn.Linear(4, 4)
+
+        def encode_prompt(self, prompt, device):
+            return prompt_embeds(7, seed=len(prompt)).to(device), None
+
+    encoders = []
+
+    def fake_from_pretrained(model, **kwargs):
+        assert kwargs.get("transformer", 0) is None and kwargs.get("vae", 0) is None
+        pipe = FakePipe()
+        encoders.append(weakref.ref(pipe.text_encoder))
+        return pipe
+
+    real_load = loading.load_transformer
+    alive_at_load = []
+
+    def checking_load(*args, **kwargs):
+        gc.collect()
+        alive_at_load.append([ref() is not None for ref in encoders])
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(diffusers.DiffusionPipeline, "from_pretrained", staticmethod(fake_from_pretrained))
+    monkeypatch.setattr(loading, "load_transformer", checking_load)
+    stand_in = sys.modules.get("transformers") or types.ModuleType("transformers")  # the real one where installed
+    monkeypatch.setitem(sys.modules, "transformers", stand_in)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "transformers" else real_find_spec(name, *a)
+    )
+    out = tmp_path / "o.png"
+    argv = ["img2img", photo, "--model", model_dir, "--prompt", "a red door", "--cfg-scale", "2",
+            "--steps", "3", "-o", out]  # fmt: skip
+    assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
+    assert len(encoders) == 1 and alive_at_load == [[False]]  # one encoder for prompt and negative, freed first
+    _, meta = _pixels_and_metadata(out)
+    assert meta["prompt"] == "a red door" and meta["negative_prompt"] == "" and meta["cfg_scale"] == 2.0
+
+
+def test_offload_choices_mirror_the_api():
+    from flowlift.commands._refine_weights import OFFLOAD_CHOICES
+    from flowlift.refine.offload import OFFLOAD_MODES
+
+    assert OFFLOAD_CHOICES == ("auto", *OFFLOAD_MODES)
+
+
+def test_offload_modes_compose_with_fp8_gguf_and_a_lora(tmp_path, image):
+    """fp8 layerwise casting, GGUF blocks and a peft LoRA under each offload mode: the same latents bit for bit."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("peft")
+    from flux2_files import write_fp8, write_gguf, write_peft_lora
+
+    tiny_vae().save_pretrained(tmp_path / "vae")
+    write_peft_lora(tiny_transformer(), tmp_path / "lora.safetensors")
+    files = [tmp_path / "t-fp8.safetensors"]
+    write_fp8(tiny_transformer(), files[0])
+    if importlib.util.find_spec("gguf") is not None:
+        files.append(tmp_path / "t-Q8_0.gguf")
+        write_gguf(tiny_transformer(), files[1], "Q8_0")
+    for path in files:
+        latents = {}
+        for mode in ("none", "model", "group"):
+            refiner = load_refiner(str(tmp_path / "vae"), vae=str(tmp_path / "vae"), transformer=str(path),
+                                   loras=[(tmp_path / "lora.safetensors", 0.7)], offload=mode)  # fmt: skip
+            latents[mode] = refiner.img2img(image, strength=0.6, steps=2, seed=3, prompt_embeds=EMB).latents
+        assert torch.equal(latents["model"], latents["none"]) and torch.equal(latents["group"], latents["none"]), path
