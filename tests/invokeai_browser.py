@@ -44,6 +44,49 @@ def _wait_for(driver: WebDriver, css: str, timeout: float = PAGE_TIMEOUT_S, text
         time.sleep(0.25)
 
 
+def _click(driver: WebDriver, css: str, timeout: float = PAGE_TIMEOUT_S) -> None:
+    """Click the element once it is shown; React re-renders may replace it meanwhile, so retry."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _wait_for(driver, css, max(1.0, deadline - time.monotonic())).click()
+            return
+        except StaleElementReferenceException:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.25)
+
+
+def _click_text(driver: WebDriver, text: str, timeout: float = PAGE_TIMEOUT_S) -> None:
+    """Click the innermost shown element whose own text is ``text`` (the panel's tabs have no labels)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            for element in driver.find_elements(By.XPATH, f"//*[normalize-space(text())='{text}']"):
+                if element.is_displayed():
+                    element.click()
+                    return
+        except StaleElementReferenceException:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"nothing reading {text!r} on the page after {timeout} s")
+        time.sleep(0.25)
+
+
+def _wait_for_node_templates(driver: WebDriver, timeout: float = PAGE_TIMEOUT_S) -> None:
+    """Wait until the page has fetched the server's OpenAPI schema (its node templates): a workflow loaded
+    before that is checked against no templates and loses its edges, with a warning."""
+    fetched = (
+        "return performance.getEntriesByType('resource')"
+        ".some(e => e.name.split('?')[0].endsWith('/openapi.json') && e.responseEnd > 0)"
+    )
+    deadline = time.monotonic() + timeout
+    while not driver.execute_script(fetched):
+        assert time.monotonic() < deadline, f"the page did not fetch /openapi.json within {timeout} s"
+        time.sleep(0.25)
+    time.sleep(2.0)  # parsed into templates right after the fetch
+
+
 def _toasts(driver: WebDriver) -> list[str]:
     try:
         return [t.text.strip() for t in driver.find_elements(By.CSS_SELECTOR, "[role=status]") if t.text.strip()]
@@ -54,23 +97,34 @@ def _toasts(driver: WebDriver) -> list[str]:
 def load_workflow(driver: WebDriver, url: str, workflow: Path) -> tuple[list[str], int, int]:
     """Load ``workflow`` into the editor of the page at ``url``: (notifications, nodes drawn, edges drawn)."""
     driver.get(url)
-    _wait_for(driver, "button[aria-label='Workflows']").click()
-    _wait_for(driver, "button[aria-label='Edit in Workflow Editor']")
-    file_input = [i for i in driver.find_elements(By.CSS_SELECTOR, "input[type=file]")
-                  if "json" in (i.get_attribute("accept") or "")][0]  # fmt: skip
-    file_input.send_keys(str(workflow.resolve()))
+    _wait_for_node_templates(driver)
+    _click(driver, "button[aria-label='Workflows']")
+    _click_text(driver, "Launchpad")  # the tab reopens where it was left: the editor after a first load
+    deadline = time.monotonic() + 60
+    while True:  # the page's hidden "Load workflow from file" input
+        try:
+            file_input = [i for i in driver.find_elements(By.CSS_SELECTOR, "input[type=file]")
+                          if "json" in (i.get_attribute("accept") or "")][0]  # fmt: skip
+            file_input.send_keys(str(workflow.resolve()))
+            break
+        except (StaleElementReferenceException, IndexError):
+            assert time.monotonic() < deadline, "no workflow file input on the Workflows tab"
+            time.sleep(0.25)
     deadline = time.monotonic() + 60
     seen: list[str] = []
     while not any(text.startswith("Workflow Loaded") for text in seen):
-        for button in driver.find_elements(By.CSS_SELECTOR, ".chakra-modal__content-container button"):
-            if button.is_displayed() and button.text.strip() == "Load":  # "your workflow has unsaved changes"
-                button.click()
+        try:
+            for button in driver.find_elements(By.CSS_SELECTOR, ".chakra-modal__content-container button"):
+                if button.is_displayed() and button.text.strip() == "Load":  # "your workflow has unsaved changes"
+                    button.click()
+        except StaleElementReferenceException:
+            pass
         seen += [text for text in _toasts(driver) if text not in seen]
         assert time.monotonic() < deadline, f"the page never said the workflow loaded: {seen}"
         time.sleep(0.25)
     time.sleep(1.0)
     seen += [text for text in _toasts(driver) if text not in seen]
-    _wait_for(driver, "button[aria-label='Edit in Workflow Editor']").click()
+    _click_text(driver, "Workflow Editor")
     _wait_for(driver, ".react-flow__node")
     time.sleep(1.0)
     nodes = len(driver.find_elements(By.CSS_SELECTOR, ".react-flow__node"))
@@ -86,7 +140,7 @@ def editor_screenshot(driver: WebDriver, out: Path) -> None:
         if any(e.is_displayed() for e in driver.find_elements(By.XPATH, f"//*[text()='{panel_text}']")):
             button.click()
             time.sleep(1.0)
-    _wait_for(driver, "button[aria-label='Fit View']").click()
+    _click(driver, "button[aria-label='Fit View']")
     time.sleep(1.5)
     out.parent.mkdir(parents=True, exist_ok=True)
     driver.save_screenshot(str(out))

@@ -2,9 +2,9 @@
 
     python tests/invokeai_events.py URL OUT.jsonl
 
-Connects to the server's socket.io endpoint (long polling: the venv has no websocket client), joins
-the default queue's room and appends one JSON line per ``invocation_progress`` event (node type,
-message, percentage, queue item) to OUT.jsonl until it is terminated. Prints ``subscribed`` once
+Connects to the server's socket.io endpoint (websocket transport: InvokeAI's middleware breaks long polling), joins
+the default queue's room and appends one JSON line per ``invocation_progress`` event (node type, graph
+node id, message, percentage, queue item) to OUT.jsonl until it is terminated. Prints ``subscribed`` once
 it listens, so the caller knows no event is missed after that.
 """
 
@@ -27,12 +27,13 @@ def main(url: str, out_path: str) -> None:
         record = {
             "item_id": data.get("item_id"),
             "type": invocation.get("type"),
+            "node": data.get("invocation_source_id"),
             "message": data.get("message"),
             "percentage": data.get("percentage"),
         }
         out.write(json.dumps(record) + "\n")
 
-    client.connect(url, socketio_path="/ws/socket.io", transports=["polling"])
+    client.connect(url, socketio_path="/ws/socket.io", transports=["websocket"])
     client.emit("subscribe_queue", {"queue_id": "default"})
     time.sleep(1.0)  # the room join is handled asynchronously
     print("subscribed", flush=True)

@@ -42,7 +42,7 @@ from comfy_venv import flowlift_runtime_dependencies, shared_dir
 
 TORCH_PIN = "torch==2.13.0"
 INVOKEAI_PIN = "invokeai==6.14.2"
-TEST_TOOLS = ("pytest>=8",)
+TEST_TOOLS = ("pytest>=8", "websocket-client>=1.6")  # core tests; progress events (tests/invokeai_events.py)
 #: flowlift requirement -> the InvokeAI dependency that provides the same import under another name.
 PROVIDED_BY_INVOKEAI = {"opencv-python-headless": "opencv-contrib-python"}
 RECIPE = 1  # bump when the build steps change

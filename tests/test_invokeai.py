@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
+from flowlift.flux2.latents import bn_std as bn_std_of
 from flowlift.flux2.latents import denormalize, normalize
 from flowlift.models.upscaler_weights import load_upscaler, save_upscaler
 from flowlift.models.vae_loading import load_vae
@@ -179,6 +181,7 @@ def test_image_node_equals_the_pipeline_and_keeps_alpha(server, shared):
     expected = pipeline.upscale_image(pixels.permute(2, 0, 1)[None], 2, seed=3, output_type="pt")
     assert got.size == (4 * IMAGE_W, 4 * IMAGE_H) and got.mode == "RGB"
     got_pixels = torch.from_numpy(np.asarray(got, np.float32) / 255).permute(2, 0, 1)[None]
+    print(f"image node vs upscale_image: max |diff| = {255 * (got_pixels - expected).abs().max().item():.3f}/255")
     assert (got_pixels - expected).abs().max().item() <= ONE_LEVEL
 
     expected_rgba = pipeline.upscale_image(Image.open(server.inputs / "example_rgba.png"), 1, seed=4)
@@ -189,7 +192,7 @@ def test_image_node_equals_the_pipeline_and_keeps_alpha(server, shared):
     # progress went through InvokeAI's progress events: every stage of the 4x run, in order
     time.sleep(1.0)
     events = [json.loads(line) for line in server.events.read_text().splitlines()]
-    ours = [e for e in events if e["item_id"] == item["item_id"] and e["type"] == "flowlift_upscale_image"]
+    ours = [e for e in events if e["item_id"] == item["item_id"] and e["node"] == "rgb"]
     percentages = [e["percentage"] for e in ours if e["percentage"] is not None]
     assert percentages and percentages == sorted(percentages) and percentages[-1] == 1.0, ours
     messages = " | ".join(e["message"] for e in ours)
@@ -232,12 +235,16 @@ def test_colour_fix_equals_flowlift_colorfix(server, tmp_path):
     item = server.run(graph(nodes, []))
     got = server.image_tensor(server.output(item, "fix")["image"]["image_name"])
 
-    command = [sys.executable, "-m", "flowlift", "colorfix", str(server.inputs / "upscaled.png"),
+    upscaled = tmp_path / "example_x2.png"  # the CLI pairs <stem>_x<N> with <stem>
+    shutil.copy(server.inputs / "upscaled.png", upscaled)
+    command = [sys.executable, "-m", "flowlift", "colorfix", str(upscaled),
                "--reference", str(server.inputs / "example.png"), "-o", str(tmp_path / "fixed.png")]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
-    subprocess.run(command, check=True, env=env, capture_output=True)
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
     expected = torch.from_numpy(np.asarray(Image.open(tmp_path / "fixed.png").convert("RGB"), np.float32) / 255)
     expected = expected.permute(2, 0, 1)[None]
+    print(f"colour fix node vs flowlift colorfix: max |diff| = {255 * (got - expected).abs().max().item():.3f}/255")
     assert (got - expected).abs().max().item() <= ONE_LEVEL
     drifted = torch.from_numpy(np.asarray(Image.open(server.inputs / "upscaled.png"), np.float32) / 255)
     assert (drifted.permute(2, 0, 1)[None] - expected).abs().max().item() > 4 / 255  # the fix did change it
@@ -262,15 +269,21 @@ def test_latent_node_on_invokeais_flux2_vae_equals_upscale_latents(server):
 
     encoded = server.tensor(server.output(item, "encode")["latents"]["latents_name"])
     assert encoded.shape == (1, 32, IMAGE_H // 8, IMAGE_W // 8)
-    vae = load_vae(server.models / "flux2-vae.safetensors")  # flowlift's reading of the same single file
+    # The BatchNorm statistics of the installed file as InvokeAI holds them: its FLUX.2 checkpoint loader
+    # casts every tensor to bfloat16 before loading (then to float32 on the CPU). The node reads them from
+    # InvokeAI's VAE, as FLUX2 Denoise does, so the expected values use them too.
+    bn = load_vae(server.models / "flux2-vae.safetensors").model.bn
+    bn_mean = bn.running_mean.to(torch.bfloat16).float()
+    bn_std = bn_std_of(bn.running_var.to(torch.bfloat16).float(), bn.eps)
     pipeline = FlowUpscalerPipeline(load_upscaler(upscaler), vae=None, chunked=False)
-    normalized = normalize(encoded.float(), vae.bn_mean, vae.bn_std)
-    expected = denormalize(pipeline.upscale_latents(normalized, 1, seed=7), vae.bn_mean, vae.bn_std)
+    normalized = normalize(encoded.float(), bn_mean, bn_std)
+    expected = denormalize(pipeline.upscale_latents(normalized, 1, seed=7), bn_mean, bn_std)
     for node in ("up", "up_chunked"):
         output = server.output(item, node)
         got = server.tensor(output["latents"]["latents_name"])
         assert got.shape == (1, 32, IMAGE_H // 4, IMAGE_W // 4)
         assert (output["width"], output["height"]) == (2 * IMAGE_W, 2 * IMAGE_H)
+        print(f"latent node ({node}) vs upscale_latents: max |diff| = {(got - expected).abs().max().item():.2e}")
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
     decoded = server.image(server.output(item, "decode")["image"]["image_name"])
     assert decoded.size == (2 * IMAGE_W, 2 * IMAGE_H)
@@ -338,10 +351,10 @@ def test_cancelling_a_running_item_stops_it(server):
     assert item["status"] == "completed", item.get("error_message")
     cancelled = server.item(long_run)
     assert cancelled["status"] == "canceled" and not cancelled.get("error_type")
-    assert not cancelled["session"]["results"], "the cancelled node must not produce an output"
+    (prepared,) = cancelled["session"]["source_prepared_mapping"]["up"]
+    assert prepared not in cancelled["session"]["results"], "the cancelled node must not produce an output"
     assert took <= 10.0, f"the cancelled node kept the queue busy for {took:.1f} s"
-    assert not [ln for ln in server.log_lines("Error while invoking") if "flowlift_upscale_latents" in ln and
-                str(long_run) in ln]  # fmt: skip
+    assert not server.log_lines(f"Error while invoking session {cancelled['session_id']}")
 
 
 def test_workflows_validate_against_this_server(server):
@@ -369,10 +382,24 @@ def test_workflows_validate_against_this_server(server):
         assert created["workflow"]["name"] == workflow["name"]
 
 
+def test_workflows_load_in_the_web_page(server):
+    from invokeai_browser import chrome, load_workflow
+
+    driver = chrome()
+    try:
+        for path in sorted(WORKFLOWS.glob("*.json")):
+            workflow = json.loads(path.read_text())
+            said, nodes, edges = load_workflow(driver, server.url, path)
+            assert "Workflow Loaded" in said and not [t for t in said if "Warning" in t or "rror" in t], said
+            assert (nodes, edges) == (len(workflow["nodes"]), len(workflow["edges"])), path.name
+    finally:
+        driver.quit()
+
+
 def test_the_core_passes_under_invokeais_pins(shared):
     """flowlift's floors (diffusers>=0.40...) are what InvokeAI's pins give: the core's diffusers-facing
     tests run in the InvokeAI venv."""
-    modules = ["tests/test_vae.py", "tests/test_denoiser.py", "tests/test_schedule.py", "tests/test_pipeline.py"]
+    modules = ["tests/test_vae.py", "tests/test_denoiser.py", "tests/test_schedule.py"]
     env = invokeai_env(PYTHONPATH=os.pathsep.join([str(shared / "comfyui-cpu-shim"), str(REPO_ROOT / "src")]),
                        FLOWLIFT_SHARED=str(shared))  # fmt: skip
     command = [str(invokeai_python()), "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules]

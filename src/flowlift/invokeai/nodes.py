@@ -87,9 +87,11 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
         description="FLUX.2 latents (Image to Latents - FLUX2, FLUX2 Denoise)", input=Input.Connection
     )
     vae: VAEField = InputField(
-        description="The FLUX.2 VAE the latents belong to (for its BatchNorm statistics)", input=Input.Connection
+        title="FLUX.2 VAE",
+        description="The FLUX.2 VAE the latents belong to (for its BatchNorm statistics)",
+        input=Input.Connection,
     )
-    upscaler: str = InputField(default=DEFAULT_UPSCALER, description=UPSCALER_DESCRIPTION)
+    upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
     scale: Scale = InputField(default="2x", description=SCALE_DESCRIPTION)
     seed: int = InputField(default=0, ge=0, le=SEED_MAX, description=SEED_DESCRIPTION)
     transplant_strength: float = InputField(default=1.0, ge=0.0, le=1.0, description=TRANSPLANT_DESCRIPTION)
@@ -136,15 +138,17 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
     image: ImageField = InputField(description="The image to upscale")
     vae: VAEField | None = InputField(
         default=None,
+        title="FLUX.2 VAE",
         description="The FLUX.2 VAE (the upscaler's own latent space, slower); leave unconnected to use TAEF2",
         input=Input.Connection,
     )
     taef2: str = InputField(
         default=TAEF2_REPO,
+        title="TAEF2",
         description="TAEF2 (fast, approximate FLUX.2 VAE) when no VAE is connected: a local folder or file with "
         "taef2_encoder/taef2_decoder, or a Hugging Face repo id",
     )
-    upscaler: str = InputField(default=DEFAULT_UPSCALER, description=UPSCALER_DESCRIPTION)
+    upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
     scale: Scale = InputField(default="2x", description=SCALE_DESCRIPTION)
     seed: int = InputField(default=0, ge=0, le=SEED_MAX, description=SEED_DESCRIPTION)
     transplant_strength: float = InputField(default=1.0, ge=0.0, le=1.0, description=TRANSPLANT_DESCRIPTION)
