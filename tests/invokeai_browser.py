@@ -16,6 +16,7 @@ from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
@@ -133,14 +134,13 @@ def load_workflow(driver: WebDriver, url: str, workflow: Path) -> tuple[list[str
 
 
 def editor_screenshot(driver: WebDriver, out: Path) -> None:
-    """The editor alone (side panels hidden, the graph fitted to the view) as a PNG."""
-    for label in ("Toggle Left Panel (T)", "Toggle Right Panel (G)"):
-        button = driver.find_element(By.CSS_SELECTOR, f"button[aria-label='{label}']")
-        panel_text = "Boards" if "Right" in label else "Form Builder"
-        if any(e.is_displayed() for e in driver.find_elements(By.XPATH, f"//*[text()='{panel_text}']")):
-            button.click()
-            time.sleep(1.0)
+    """The editor (the gallery panel hidden, the workflow's form left of it, the graph fitted) as a PNG."""
+    if any(e.is_displayed() for e in driver.find_elements(By.XPATH, "//*[text()='Boards']")):
+        _click(driver, "button[aria-label='Toggle Right Panel (G)']")
+        time.sleep(1.0)
     _click(driver, "button[aria-label='Fit View']")
-    time.sleep(1.5)
+    canvas = driver.find_element(By.CSS_SELECTOR, ".react-flow__pane")
+    ActionChains(driver).move_to_element_with_offset(canvas, 0, -canvas.size["height"] // 2 + 20).perform()
+    time.sleep(1.5)  # the fit animation; the button's tooltip gone with the pointer
     out.parent.mkdir(parents=True, exist_ok=True)
     driver.save_screenshot(str(out))
