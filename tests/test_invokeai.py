@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from flowlift.flux2.latents import bn_std as bn_std_of
 from flowlift.flux2.latents import denormalize, normalize
 from flowlift.models.upscaler_weights import load_upscaler, save_upscaler
+from flowlift.models.vae import Flux2VAE
 from flowlift.models.vae_loading import load_vae
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 from invokeai_client import InvokeAIServer, graph, start_server, stop_server, wait_until_serving
@@ -250,7 +251,7 @@ def test_colour_fix_equals_flowlift_colorfix(server, tmp_path):
     assert (drifted.permute(2, 0, 1)[None] - expected).abs().max().item() > 4 / 255  # the fix did change it
 
 
-def test_latent_node_on_invokeais_flux2_vae_equals_upscale_latents(server):
+def test_latent_and_image_nodes_on_invokeais_flux2_vae_equal_the_pipeline(server):
     upscaler = str(server.models / "flow_upscaler.safetensors")
     latent_node = {"type": "flowlift_upscale_latents", "upscaler": upscaler, "scale": "2x", "seed": 7}
     nodes = {
@@ -260,8 +261,9 @@ def test_latent_node_on_invokeais_flux2_vae_equals_upscale_latents(server):
         "up": latent_node,
         "up_chunked": {**latent_node, "chunked": "always"},
         "decode": {"type": "flux2_vae_decode"},
+        "img": upscale_image_node(server, "example.png", scale="2x", seed=8),  # the image node on this VAE
     }
-    edges = [("image", "image", "encode", "image"), ("vae", "vae", "encode", "vae"),
+    edges = [("vae", "vae", "img", "vae"), ("image", "image", "encode", "image"), ("vae", "vae", "encode", "vae"),
              ("encode", "latents", "up", "latents"), ("vae", "vae", "up", "vae"),
              ("encode", "latents", "up_chunked", "latents"), ("vae", "vae", "up_chunked", "vae"),
              ("up", "latents", "decode", "latents"), ("vae", "vae", "decode", "vae")]  # fmt: skip
@@ -269,12 +271,13 @@ def test_latent_node_on_invokeais_flux2_vae_equals_upscale_latents(server):
 
     encoded = server.tensor(server.output(item, "encode")["latents"]["latents_name"])
     assert encoded.shape == (1, 32, IMAGE_H // 8, IMAGE_W // 8)
-    # The BatchNorm statistics of the installed file as InvokeAI holds them: its FLUX.2 checkpoint loader
-    # casts every tensor to bfloat16 before loading (then to float32 on the CPU). The node reads them from
-    # InvokeAI's VAE, as FLUX2 Denoise does, so the expected values use them too.
-    bn = load_vae(server.models / "flux2-vae.safetensors").model.bn
-    bn_mean = bn.running_mean.to(torch.bfloat16).float()
-    bn_std = bn_std_of(bn.running_var.to(torch.bfloat16).float(), bn.eps)
+    # The installed file as InvokeAI holds it: its FLUX.2 checkpoint loader casts every tensor to bfloat16
+    # before loading (then to float32 on the CPU). The nodes use InvokeAI's VAE (its BatchNorm statistics, as
+    # FLUX2 Denoise does), so the expected values come from the same rounded weights.
+    file_vae = load_vae(server.models / "flux2-vae.safetensors").model
+    vae_as_invokeai_holds_it = Flux2VAE(file_vae.to(torch.bfloat16).float())
+    bn = vae_as_invokeai_holds_it.model.bn
+    bn_mean, bn_std = bn.running_mean.float(), bn_std_of(bn.running_var.float(), bn.eps)
     pipeline = FlowUpscalerPipeline(load_upscaler(upscaler), vae=None, chunked=False)
     normalized = normalize(encoded.float(), bn_mean, bn_std)
     expected = denormalize(pipeline.upscale_latents(normalized, 1, seed=7), bn_mean, bn_std)
@@ -287,6 +290,14 @@ def test_latent_node_on_invokeais_flux2_vae_equals_upscale_latents(server):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
     decoded = server.image(server.output(item, "decode")["image"]["image_name"])
     assert decoded.size == (2 * IMAGE_W, 2 * IMAGE_H)
+
+    got = server.image_tensor(server.output(item, "img")["image"]["image_name"])
+    image_pipeline = FlowUpscalerPipeline(load_upscaler(upscaler), vae_as_invokeai_holds_it)
+    expected_image = image_pipeline.upscale_image(server.image_tensor(server.images["example.png"]), 1, seed=8,
+                                                  output_type="pt")  # fmt: skip
+    print(f"image node (FLUX.2 VAE) vs upscale_image: max |diff| = {255 * (got - expected_image).abs().max():.3f}/255")
+    assert got.shape == (1, 3, 2 * IMAGE_H, 2 * IMAGE_W)
+    assert (got - expected_image).abs().max().item() <= ONE_LEVEL
 
 
 def test_bad_inputs_fail_only_their_item_with_one_line(server):
