@@ -108,9 +108,11 @@ def _build(venv: Path) -> None:
     finally:
         os.unlink(constraints.name)
     # torchaudio's wheel is a CUDA build; through transformers it breaks `import diffusers` even with the shim.
-    if not _imports_diffusers(python) and "torchaudio" in names:
+    imports = _imports_diffusers(python)
+    if not imports and "torchaudio" in names:
         _run([python, "-m", "pip", "uninstall", "--quiet", "-y", "torchaudio"], "uninstall torchaudio")
-    if not _imports_diffusers(python):
+        imports = _imports_diffusers(python)
+    if not imports:
         raise RuntimeError("invokeai venv: diffusers or invokeai.invocation_api does not import (with the CPU shim)")
     (venv / MARKER_NAME).write_text(json.dumps({"built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
 

@@ -31,6 +31,7 @@ from invokeai.invocation_api import (
 )
 
 from flowlift.devices import resolve_device
+from flowlift.flux2.latents import VAE_SCALE_FACTOR
 from flowlift.invokeai.latents import (
     check_output_cap,
     check_raw_latents,
@@ -102,7 +103,7 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
         what = "Flow Upscale Latents (FLUX.2)"
         raw = check_raw_latents(context.tensors.load(self.latents.latents_name), what)
         passes = passes_for(self.scale)
-        check_output_cap(raw.shape[-2] * 8, raw.shape[-1] * 8, passes, what)
+        check_output_cap(raw.shape[-2] * VAE_SCALE_FACTOR, raw.shape[-1] * VAE_SCALE_FACTOR, passes, what)
         check_flux2_vae_field(context, self.vae, what)
         with context.models.load(self.vae.vae).model_in_ram() as vae_module:
             vae = flux2_vae_adapter(vae_module, what)
