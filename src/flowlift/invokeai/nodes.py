@@ -48,8 +48,11 @@ from flowlift.invokeai.models import (
     on_device,
 )
 from flowlift.invokeai.progress import NodeProgress
+from flowlift.models.vae import TAEF2VAE
 from flowlift.models.vae_loading import TAEF2_REPO
+from flowlift.upscale.colorfix_image import color_fix_image
 from flowlift.upscale.loading import DEFAULT_UPSCALER
+from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
 CATEGORY = "flowlift"
 Scale = Literal["2x", "4x", "8x"]
@@ -108,8 +111,6 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
         with context.models.load(self.vae.vae).model_in_ram() as vae_module:
             vae = flux2_vae_adapter(vae_module, what)
         progress = NodeProgress(context, what, passes)
-        from flowlift.upscale.pipeline import FlowUpscalerPipeline
-
         with on_device(load_upscaler_cached(context, self.upscaler), "the Flow Upscaler") as (unet, device, dtype):
             pipeline = FlowUpscalerPipeline(
                 unet, vae=None, device=device, dtype=dtype, chunked=chunked_flag(self.chunked),
@@ -170,9 +171,6 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
         if self.vae is not None:
             check_flux2_vae_field(context, self.vae, what)
         progress = NodeProgress(context, what, passes + 3)  # encode, passes, decode, colour fix
-        from flowlift.models.vae import TAEF2VAE
-        from flowlift.upscale.pipeline import FlowUpscalerPipeline
-
         upscaler = load_upscaler_cached(context, self.upscaler)
         if self.vae is not None:
             vae_model = context.models.load(self.vae.vae)
@@ -215,8 +213,6 @@ class ColourFixInvocation(BaseInvocation, WithMetadata, WithBoard):
 
     @torch.no_grad()
     def invoke(self, context: InvocationContext) -> ImageOutput:
-        from flowlift.upscale.colorfix_image import color_fix_image
-
         progress = NodeProgress(context, "Colour Fix", 1)
         upscaled = context.images.get_pil(self.image.image_name)
         reference = context.images.get_pil(self.reference.image_name)
