@@ -1,16 +1,23 @@
-"""ComfyUI entry point: ComfyUI imports this file when the repository (or a link to it) is in custom_nodes/.
+"""Node-pack entry point for ComfyUI and InvokeAI: the repository (or a link to it) is the pack.
 
-The nodes live in ``src/flowlift/comfyui``; this pack runs the flowlift next to it, so ``src`` goes
-first on ``sys.path`` (flowlift's runtime dependencies come from ``requirements.txt``). Imported
-anywhere else (pytest treats the repository root as a package) it exports no nodes and imports no
-ComfyUI module. ``WEB_DIRECTORY`` holds the pack's frontend extension (seeds start at "fixed").
+* ComfyUI imports this file when the repository is in ``custom_nodes/``: the nodes live in
+  ``src/flowlift/comfyui``, the mappings below export them and ``WEB_DIRECTORY`` holds the pack's
+  frontend extension (seeds start at "fixed").
+* InvokeAI imports it when the repository is ``<INVOKEAI_ROOT>/nodes/flowlift`` (a link, a copy, or
+  the Workflows tab's install from a git URL): importing ``src/flowlift/invokeai/nodes`` registers its
+  invocations. InvokeAI registers this file under the folder's name, ``flowlift``, which is also the
+  package's name, so the name is handed over to the real package before it is imported.
 
-Imported under the name ``flowlift`` it is the package itself. That happens when the checkout's folder
-is named ``flowlift`` and its parent is on ``sys.path`` first: ``python -c "import flowlift"`` run from
-the folder above the checkout, where ``sys.path[0]`` is the current folder and a folder with an
-``__init__.py`` is a package that shadows the installed one (or a ComfyUI that names a node pack by its
-folder). This file then hands over to ``src/flowlift`` — its folder for every submodule, its
-``__init__.py`` for the public names — so ``import flowlift`` means the same from any folder.
+Either way the pack runs the flowlift next to it, so ``src`` goes first on ``sys.path`` (its runtime
+dependencies: docs/comfyui.md, docs/invokeai.md). Imported anywhere else (pytest treats the
+repository root as a package) it exports no nodes and imports no host module.
+
+Imported under the name ``flowlift`` outside InvokeAI it is the package itself. That happens when the
+checkout's folder is named ``flowlift`` and its parent is on ``sys.path`` first: ``python -c "import
+flowlift"`` run from the folder above the checkout, where ``sys.path[0]`` is the current folder and a
+folder with an ``__init__.py`` is a package that shadows the installed one. This file then hands over
+to ``src/flowlift`` — its folder for every submodule, its ``__init__.py`` for the public names — so
+``import flowlift`` means the same from any folder.
 """
 
 import importlib.util
@@ -19,9 +26,21 @@ import sys
 
 _ROOT = os.path.dirname(os.path.realpath(__file__))
 _IN_COMFYUI = importlib.util.find_spec("folder_paths") is not None
+_IN_INVOKEAI = "invokeai.app.invocations.baseinvocation" in sys.modules
 WEB_DIRECTORY = "./src/flowlift/comfyui/web"
 
-if __name__ == "flowlift":
+
+def _src_first() -> None:
+    src = os.path.join(_ROOT, "src")
+    if src not in (os.path.realpath(p) for p in sys.path if p):
+        sys.path.insert(0, src)
+
+
+if __name__ == "flowlift" and _IN_INVOKEAI:
+    _src_first()
+    sys.modules.pop(__name__, None)  # this file, registered as "flowlift": let the package take its name
+    import flowlift.invokeai.nodes  # noqa: F401  (registers the flowlift_* invocations)
+elif __name__ == "flowlift":
     __path__ = [os.path.join(_ROOT, "src", "flowlift")]
     __file__ = os.path.join(__path__[0], "__init__.py")
     if __spec__ is not None:
@@ -36,9 +55,10 @@ else:
     NODE_DISPLAY_NAME_MAPPINGS: dict = {}
 
     if _IN_COMFYUI:
-        _SRC = os.path.join(_ROOT, "src")
-        if _SRC not in (os.path.realpath(p) for p in sys.path if p):
-            sys.path.insert(0, _SRC)
+        _src_first()
         from flowlift.comfyui.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: F811
+    elif _IN_INVOKEAI:
+        _src_first()
+        import flowlift.invokeai.nodes  # noqa: F401  (registers the flowlift_* invocations)
 
     __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]

@@ -36,12 +36,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("refine",),
     ("measure",),
     ("training",),
-    ("comfyui", "app"),
+    ("comfyui", "app", "invokeai"),
     ("commands",),
     ("__main__",),
 )
 #: Front-ends of one layer must not import one another (``commands`` sits above: ``flowlift app`` starts the app).
-FRONT_ENDS = ("comfyui", "app", "commands")
+FRONT_ENDS = ("comfyui", "app", "invokeai", "commands")
 TOP_LEVEL_MODULES = {"__init__", "__main__", "errors", "console", "devices"}
 MAX_MODULE_LINES = 450
 

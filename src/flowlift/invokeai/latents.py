@@ -1,0 +1,84 @@
+"""InvokeAI's FLUX.2 latents and the checks the nodes make on their inputs (no InvokeAI import here).
+
+InvokeAI's FLUX.2 nodes pass the VAE's **raw**, unpacked latents, (B, 32, H/8, W/8): ``FLUX2 Denoise``
+normalizes them with the VAE's BatchNorm statistics itself and denormalizes its output. The Flow
+Upscaler works on normalized latents, so the latent node normalizes on the way in and denormalizes on
+the way out (:func:`raw_to_normalized`, :func:`normalized_to_raw`), with the statistics of the VAE the
+latents came from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flowlift.errors import FlowliftError
+from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR, denormalize, normalize
+from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, planned_passes, upscaled_size
+
+#: The scale choices of both upscale nodes: 2x per pass.
+SCALES = ("2x", "4x", "8x")
+#: The ``chunked`` choices: ``auto`` switches the exact chunked executor on by size.
+CHUNKING = ("auto", "always", "never")
+
+
+def passes_for(scale: str) -> int:
+    """'2x' -> 1, '4x' -> 2, '8x' -> 3 passes."""
+    if scale not in SCALES:
+        raise FlowliftError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
+    return SCALES.index(scale) + 1
+
+
+def chunked_flag(chunked: str) -> bool | None:
+    """The pipeline's ``chunked`` argument: 'auto' -> None (by size), 'always' -> True, 'never' -> False."""
+    if chunked not in CHUNKING:
+        raise FlowliftError(f"chunked must be one of {', '.join(CHUNKING)}, got {chunked!r}")
+    return {"auto": None, "always": True, "never": False}[chunked]
+
+
+def check_output_cap(height: int, width: int, passes: int, what: str) -> None:
+    """One error line when ``passes`` 2x passes on a ``width x height`` image would pass the 16K cap.
+
+    flowlift's command line drops the passes beyond the cap with a warning; in a node graph the nodes
+    after this one are sized for the scale asked for, so a smaller result would be wrong: refuse instead.
+    """
+    if planned_passes(height, width, passes, "pad", MAX_OUTPUT_SIDE) < passes:
+        out_h, out_w = upscaled_size(height, width, passes, "pad")
+        raise FlowliftError(
+            f"{what}: {2**passes}x on {width}x{height} px would make {out_w}x{out_h} px, over the "
+            f"{MAX_OUTPUT_SIDE} px cap per side (MAX_OUTPUT_SIDE); choose a smaller scale"
+        )
+
+
+def check_raw_latents(latents: Any, what: str) -> torch.Tensor:
+    """InvokeAI FLUX.2 latents as float32 (B, 32, h, w), h and w even; anything else is one error line.
+
+    The sides must be even because the BatchNorm statistics belong to 2x2 patches (an image side that
+    is a multiple of 16, as FLUX2 Denoise makes them).
+    """
+    if not isinstance(latents, torch.Tensor) or latents.ndim != 4 or latents.shape[1] != LATENT_CHANNELS:
+        shape = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
+        raise FlowliftError(
+            f"{what} needs FLUX.2 latents (batch, {LATENT_CHANNELS}, height/8, width/8) from a FLUX.2 node "
+            f"(Image to Latents - FLUX2, FLUX2 Denoise), got latents of shape {shape}"
+        )
+    if not latents.is_floating_point():
+        raise FlowliftError(f"{what} needs float latents, got {latents.dtype}")
+    height, width = latents.shape[-2:]
+    if height % 2 or width % 2 or height == 0 or width == 0:
+        raise FlowliftError(
+            f"{what}: latents of {width}x{height} (an image of {width * VAE_SCALE_FACTOR}x"
+            f"{height * VAE_SCALE_FACTOR} px) need even sides: make the image sides multiples of 16"
+        )
+    return latents.to(torch.float32)
+
+
+def raw_to_normalized(raw_latents: torch.Tensor, bn_mean: torch.Tensor, bn_std: torch.Tensor) -> torch.Tensor:
+    """InvokeAI's raw FLUX.2 latents -> flowlift's normalized latents (same 32-channel layout)."""
+    return normalize(raw_latents, bn_mean, bn_std)
+
+
+def normalized_to_raw(latents: torch.Tensor, bn_mean: torch.Tensor, bn_std: torch.Tensor) -> torch.Tensor:
+    """flowlift's normalized latents -> InvokeAI's raw FLUX.2 latents (the inverse of :func:`raw_to_normalized`)."""
+    return denormalize(latents, bn_mean, bn_std)

@@ -1,0 +1,223 @@
+"""The three InvokeAI invocations (ids ``flowlift_*``, category ``flowlift``), thin over flowlift's pipeline.
+
+Invocation ids, field names and their meaning are part of every saved workflow: never rename them;
+a change of behaviour bumps the invocation's version. Each node does InvokeAI's part (images,
+tensors, the model cache, progress, cancel) and calls flowlift for the work:
+:class:`flowlift.upscale.pipeline.FlowUpscalerPipeline` (noise, Euler step, stage 1, exact chunked
+execution, encode/decode, stage 2) and :func:`flowlift.upscale.colorfix_image.color_fix_image` (stage 2
+alone, what ``flowlift colorfix`` runs).
+
+No ``from __future__ import annotations`` here: InvokeAI reads each ``invoke``'s return annotation
+and each field's type at class creation.
+"""
+
+from typing import Literal
+
+import torch
+from invokeai.invocation_api import (
+    SEED_MAX,
+    BaseInvocation,
+    ImageField,
+    ImageOutput,
+    Input,
+    InputField,
+    InvocationContext,
+    LatentsField,
+    LatentsOutput,
+    VAEField,
+    WithBoard,
+    WithMetadata,
+    invocation,
+)
+
+from flowlift.devices import resolve_device
+from flowlift.flux2.latents import VAE_SCALE_FACTOR
+from flowlift.invokeai.latents import (
+    check_output_cap,
+    check_raw_latents,
+    chunked_flag,
+    normalized_to_raw,
+    passes_for,
+    raw_to_normalized,
+)
+from flowlift.invokeai.models import (
+    check_flux2_vae_field,
+    flux2_vae_adapter,
+    load_taef2_cached,
+    load_upscaler_cached,
+    on_device,
+)
+from flowlift.invokeai.progress import NodeProgress
+from flowlift.models.vae import TAEF2VAE
+from flowlift.models.vae_loading import TAEF2_REPO
+from flowlift.upscale.colorfix_image import color_fix_image
+from flowlift.upscale.loading import DEFAULT_UPSCALER
+from flowlift.upscale.pipeline import FlowUpscalerPipeline
+
+CATEGORY = "flowlift"
+Scale = Literal["2x", "4x", "8x"]
+Chunking = Literal["auto", "always", "never"]
+
+UPSCALER_DESCRIPTION = (
+    "Flow Upscaler weights: a local .safetensors file or folder, or a Hugging Face repo id (downloaded once "
+    "into the Hugging Face cache; HF_HUB_OFFLINE=1 is honoured). Loaded once per file content and kept in "
+    "InvokeAI's model cache."
+)
+SCALE_DESCRIPTION = "2x per pass: 2x = 1 pass, 4x = 2, 8x = 3 (outputs are capped at 16384 px a side)"
+SEED_DESCRIPTION = "Noise seed (each pass draws its own stream on the CPU, so a seed means the same result anywhere)"
+TRANSPLANT_DESCRIPTION = (
+    "Stage 1 colour fix: how much of each pass's latent low band comes from its input (1 = exactly, 0 = off)"
+)
+CHUNKED_DESCRIPTION = (
+    "Exact bounded-memory UNet execution in row strips: auto = when the plain pass would not fit in half of "
+    "the free memory; the result is the same either way"
+)
+
+
+@invocation(
+    "flowlift_upscale_latents",
+    title="Flow Upscale Latents (FLUX.2)",
+    tags=["flowlift", "upscale", "latents", "flux2", "klein", "hires"],
+    category=CATEGORY,
+    version="1.0.0",
+    use_cache=False,  # the result depends on the weight file's content, which the node cache cannot see
+)
+class FlowUpscaleLatentsInvocation(BaseInvocation):
+    """Upscales FLUX.2 latents 2x/4x/8x with the Flow Upscaler (one Euler step per 2x pass, stage 1 colour
+    fix). In and out: InvokeAI's raw FLUX.2 latents, so FLUX2 Denoise (img2img, the hires fix) and
+    Latents to Image - FLUX2 take the result directly."""
+
+    latents: LatentsField = InputField(
+        description="FLUX.2 latents (Image to Latents - FLUX2, FLUX2 Denoise)", input=Input.Connection
+    )
+    vae: VAEField = InputField(
+        title="FLUX.2 VAE",
+        description="The FLUX.2 VAE the latents belong to (for its BatchNorm statistics)",
+        input=Input.Connection,
+    )
+    upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
+    scale: Scale = InputField(default="2x", description=SCALE_DESCRIPTION)
+    seed: int = InputField(default=0, ge=0, le=SEED_MAX, description=SEED_DESCRIPTION)
+    transplant_strength: float = InputField(default=1.0, ge=0.0, le=1.0, description=TRANSPLANT_DESCRIPTION)
+    chunked: Chunking = InputField(default="auto", description=CHUNKED_DESCRIPTION)
+
+    @torch.no_grad()
+    def invoke(self, context: InvocationContext) -> LatentsOutput:
+        what = "Flow Upscale Latents (FLUX.2)"
+        raw = check_raw_latents(context.tensors.load(self.latents.latents_name), what)
+        passes = passes_for(self.scale)
+        check_output_cap(raw.shape[-2] * VAE_SCALE_FACTOR, raw.shape[-1] * VAE_SCALE_FACTOR, passes, what)
+        check_flux2_vae_field(context, self.vae, what)
+        with context.models.load(self.vae.vae).model_in_ram() as vae_module:
+            vae = flux2_vae_adapter(vae_module, what)
+        progress = NodeProgress(context, what, passes)
+        with on_device(load_upscaler_cached(context, self.upscaler), "the Flow Upscaler") as (unet, device, dtype):
+            pipeline = FlowUpscalerPipeline(
+                unet, vae=None, device=device, dtype=dtype, chunked=chunked_flag(self.chunked),
+                channels_last=False, on_strip=progress.strip,
+            )  # fmt: skip
+            latents = pipeline.upscale_latents(
+                raw_to_normalized(raw, vae.bn_mean, vae.bn_std), passes, seed=self.seed,
+                transplant_strength=self.transplant_strength, callback=progress.stage,
+            )  # fmt: skip
+        upscaled = normalized_to_raw(latents.to("cpu"), vae.bn_mean, vae.bn_std)
+        name = context.tensors.save(tensor=upscaled)
+        return LatentsOutput.build(latents_name=name, latents=upscaled, seed=self.seed)
+
+
+@invocation(
+    "flowlift_upscale_image",
+    title="Flow Upscale Image (FLUX.2)",
+    tags=["flowlift", "upscale", "image", "flux2", "taef2"],
+    category=CATEGORY,
+    version="1.0.0",
+    use_cache=False,  # the result depends on the weight files' content, which the node cache cannot see
+)
+class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
+    """Upscales an image 2x/4x/8x through the whole Flow Upscaler pipeline: encode, passes, decode, both
+    colour-drift corrections. Exactly 2^n times the input's size; an alpha channel is resized beside it."""
+
+    image: ImageField = InputField(description="The image to upscale")
+    vae: VAEField | None = InputField(
+        default=None,
+        title="FLUX.2 VAE",
+        description="The FLUX.2 VAE (the upscaler's own latent space, slower); leave unconnected to use TAEF2",
+        input=Input.Connection,
+    )
+    taef2: str = InputField(
+        default=TAEF2_REPO,
+        title="TAEF2",
+        description="TAEF2 (fast, approximate FLUX.2 VAE) when no VAE is connected: a local folder or file with "
+        "taef2_encoder/taef2_decoder, or a Hugging Face repo id",
+    )
+    upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
+    scale: Scale = InputField(default="2x", description=SCALE_DESCRIPTION)
+    seed: int = InputField(default=0, ge=0, le=SEED_MAX, description=SEED_DESCRIPTION)
+    transplant_strength: float = InputField(default=1.0, ge=0.0, le=1.0, description=TRANSPLANT_DESCRIPTION)
+    color_fix_strength: float = InputField(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="Stage 2 colour fix: how much of the input's colour and tone (L*a*b* low band) to restore",
+    )
+    chunked: Chunking = InputField(default="auto", description=CHUNKED_DESCRIPTION)
+
+    @torch.no_grad()
+    def invoke(self, context: InvocationContext) -> ImageOutput:
+        what = "Flow Upscale Image (FLUX.2)"
+        image = context.images.get_pil(self.image.image_name)
+        passes = passes_for(self.scale)
+        check_output_cap(image.height, image.width, passes, what)
+        if self.vae is not None:
+            check_flux2_vae_field(context, self.vae, what)
+        progress = NodeProgress(context, what, passes + 3)  # encode, passes, decode, colour fix
+        upscaler = load_upscaler_cached(context, self.upscaler)
+        if self.vae is not None:
+            vae_model = context.models.load(self.vae.vae)
+        else:
+            vae_model = load_taef2_cached(context, self.taef2)
+        with (
+            on_device(upscaler, "the Flow Upscaler") as (unet, device, dtype),
+            vae_model.model_on_device() as (_, module),
+        ):
+            vae = flux2_vae_adapter(module, what) if self.vae is not None else TAEF2VAE(module)
+            pipeline = FlowUpscalerPipeline(
+                unet, vae, device=device, dtype=dtype, chunked=chunked_flag(self.chunked), channels_last=False,
+                on_strip=progress.strip,
+            )  # fmt: skip
+            progress.begin("encode")
+            result = pipeline.upscale_image(
+                image, passes, seed=self.seed, transplant_strength=self.transplant_strength,
+                color_fix_strength=self.color_fix_strength, output_type="pil", callback=progress.stage,
+            )  # fmt: skip
+        return ImageOutput.build(context.images.save(image=result))
+
+
+@invocation(
+    "flowlift_color_fix",
+    title="Colour Fix",
+    tags=["flowlift", "color", "colour", "fix", "upscale", "drift"],
+    category=CATEGORY,
+    version="1.0.0",
+)
+class ColourFixInvocation(BaseInvocation, WithMetadata, WithBoard):
+    """Restores the original's colour and tone in an upscaled image (flowlift's stage 2, an exact L*a*b*
+    low-band transplant), whatever made it: the Upscale tab's models, a spandrel upscaler, an editor.
+    The image must be an integer multiple >= 2 of the original's size on both axes."""
+
+    image: ImageField = InputField(description="The upscaled image")
+    reference: ImageField = InputField(description="The original it was upscaled from")
+    strength: float = InputField(
+        default=1.0, ge=0.0, le=1.0, description="Share of the colour/tone difference removed (1 = all of it)"
+    )
+
+    @torch.no_grad()
+    def invoke(self, context: InvocationContext) -> ImageOutput:
+        progress = NodeProgress(context, "Colour Fix", 1)
+        upscaled = context.images.get_pil(self.image.image_name)
+        reference = context.images.get_pil(self.reference.image_name)
+        progress.begin("colour fix")
+        device = resolve_device(context.config.get().device)
+        fixed = color_fix_image(upscaled, reference, self.strength, device=device)
+        progress.stage("colour fix")
+        return ImageOutput.build(context.images.save(image=fixed))

@@ -1,0 +1,421 @@
+"""The InvokeAI node pack inside a real InvokeAI 6.14.2 server, driven over its REST API.
+
+One server per module (tests/invokeai_client.py): a fresh INVOKEAI_ROOT with this repository linked
+as ``nodes/flowlift``, bound to 127.0.0.1 on a free port, stopped at the end (its exit is checked).
+Models are local files: small random Flow Upscalers, the real TAEF2, and a random full-size FLUX.2 VAE
+installed through InvokeAI's model install API. Results are read back (images over HTTP, latents from
+the server's tensor folder) and compared with flowlift's own pipeline on the same inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from flowlift.flux2.latents import bn_std as bn_std_of
+from flowlift.flux2.latents import denormalize, normalize
+from flowlift.models.upscaler_weights import load_upscaler, save_upscaler
+from flowlift.models.vae import Flux2VAE
+from flowlift.models.vae_loading import load_vae
+from flowlift.upscale.pipeline import FlowUpscalerPipeline
+from invokeai_client import InvokeAIServer, graph, start_server, stop_server, wait_until_serving
+from invokeai_venv import invokeai_env, invokeai_python
+from test_comfyui import random_upscaler, write_random_flux2_vae
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WORKFLOWS = REPO_ROOT / "example_workflows" / "invokeai"
+NODE_TYPES = {
+    "flowlift_upscale_latents": ("FlowUpscaleLatentsInvocation", "Flow Upscale Latents (FLUX.2)"),
+    "flowlift_upscale_image": ("FlowUpscaleImageInvocation", "Flow Upscale Image (FLUX.2)"),
+    "flowlift_color_fix": ("ColourFixInvocation", "Colour Fix"),
+}
+#: Saved workflows refer to these field names: a change here is a breaking change for users.
+FIELDS = {
+    "flowlift_upscale_latents": ["latents", "vae", "upscaler", "scale", "seed", "transplant_strength", "chunked"],
+    "flowlift_upscale_image": [
+        "image", "vae", "taef2", "upscaler", "scale", "seed", "transplant_strength", "color_fix_strength", "chunked"
+    ],
+    "flowlift_color_fix": ["image", "reference", "strength"],
+}
+IMAGE_W, IMAGE_H = 48, 32
+ONE_LEVEL = 1 / 255 + 1e-6  # an 8-bit PNG's rounding
+
+
+# --------------------------------------------------------------------------------------------------
+# models, inputs and the server
+
+
+def write_models(folder: Path) -> None:
+    """Local model files the graphs name by path (and the files InvokeAI installs)."""
+    folder.mkdir(parents=True)
+    save_upscaler(random_upscaler(16, seed=1), folder / "flow_upscaler.safetensors")
+    save_upscaler(random_upscaler(16, seed=3), folder / "replaced_upscaler.safetensors")
+    save_upscaler(random_upscaler(64, seed=2), folder / "flow_upscaler_b64.safetensors")
+    (folder / "corrupt.safetensors").write_bytes(b"\x17not a safetensors file" * 8)
+    write_random_flux2_vae(folder / "flux2-vae.safetensors")
+    # What InvokeAI's model probe identifies as an SD-1 VAE (4 latent channels); the nodes must refuse it
+    # from its model config, before anything loads, so its other weights are left out.
+    gen = torch.Generator().manual_seed(0)
+    save_file(
+        {"encoder.conv_in.weight": torch.randn(8, 3, 3, 3, generator=gen),
+         "decoder.conv_in.weight": torch.randn(8, 4, 3, 3, generator=gen)},
+        str(folder / "sd15-vae.safetensors"),
+    )  # fmt: skip
+
+
+def example_images(shared: Path) -> dict[str, Image.Image]:
+    source = Image.open(shared / "images" / "kodak" / "kodim23.png").convert("RGB")
+    example = source.crop((300, 150, 300 + 4 * IMAGE_W, 150 + 4 * IMAGE_H)).resize((IMAGE_W, IMAGE_H), Image.LANCZOS)
+    rgba = example.copy()
+    ramp = np.linspace(40, 255, IMAGE_W, dtype=np.float32)[None, :].repeat(IMAGE_H, 0)
+    rgba.putalpha(Image.fromarray(ramp.round().astype(np.uint8), "L"))
+    # "another upscaler's" output with a colour drift, for the colour fix
+    drifted = np.asarray(example.resize((2 * IMAGE_W, 2 * IMAGE_H), Image.LANCZOS), dtype=np.float32)
+    drifted = np.clip(drifted * [1.08, 1.0, 0.9] + [6, 0, -4], 0, 255).round().astype(np.uint8)
+    return {
+        "example.png": example,
+        "example_rgba.png": rgba,
+        "upscaled.png": Image.fromarray(drifted),
+        "wide.png": Image.new("RGB", (2049, 16), (90, 120, 150)),  # 8x of its canvas passes 16384 px
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, shared):
+    """InvokeAI 6.14.2 with the pack, models installed and images uploaded; stopped (and checked) after."""
+    base = tmp_path_factory.mktemp("invokeai")
+    invoke = start_server(base / "root")
+    try:
+        write_models(base / "models")  # while the server starts
+        wait_until_serving(invoke)
+        invoke.models = base / "models"
+        invoke.shared_taef2 = shared / "models" / "taef2"
+        invoke.flux2_vae = invoke.install_model(base / "models" / "flux2-vae.safetensors")
+        invoke.sd15_vae = invoke.install_model(base / "models" / "sd15-vae.safetensors")
+        invoke.images = {}
+        for name, picture in example_images(shared).items():
+            picture.save(base / name)
+            invoke.images[name] = invoke.upload_png(picture, name)
+        invoke.inputs = base
+        invoke.events = base / "events.jsonl"
+        listener = subprocess.Popen(
+            [str(invokeai_python()), str(REPO_ROOT / "tests" / "invokeai_events.py"), invoke.url, str(invoke.events)],
+            env=invokeai_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        try:
+            assert listener.stdout.readline().strip() == "subscribed", listener.stdout.read()
+            yield invoke
+        finally:
+            stop_server(listener)
+    finally:
+        status = stop_server(invoke.process)
+        print(f"InvokeAI stopped with exit status {status}")
+
+
+def vae_loader(config: dict) -> dict:
+    keys = ("key", "hash", "name", "base", "type")
+    return {"type": "vae_loader", "vae_model": {k: config[k] for k in keys}}
+
+
+def upscale_image_node(server: InvokeAIServer, image: str, **fields) -> dict:
+    return {
+        "type": "flowlift_upscale_image", "image": {"image_name": server.images[image]},
+        "upscaler": str(server.models / "flow_upscaler.safetensors"), "taef2": str(server.shared_taef2),
+        "scale": "4x", "seed": 3, **fields,
+    }  # fmt: skip
+
+
+def error_line(item: dict) -> str:
+    assert item["status"] == "failed", (item["status"], item.get("error_message"))
+    assert item["error_type"] == "FlowliftError", (item["error_type"], item["error_message"])
+    text = item["error_message"].strip()
+    assert "\n" not in text, text
+    return text
+
+
+def count_loads(server: InvokeAIServer, file: str) -> int:
+    return len([line for line in server.log_lines("flowlift: loading Flow Upscaler") if file in line])
+
+
+# --------------------------------------------------------------------------------------------------
+# tests
+
+
+def test_the_pack_loads_and_its_invocations_are_in_the_openapi_schema(server):
+    schemas = server.request("GET", "/openapi.json")["components"]["schemas"]
+    for node_type, (schema_name, title) in NODE_TYPES.items():
+        schema = schemas[schema_name]
+        assert schema["properties"]["type"]["default"] == node_type
+        assert (schema["title"], schema["category"], schema["node_pack"]) == (title, "flowlift", "flowlift")
+        inputs = [name for name, field in schema["properties"].items() if field.get("field_kind") == "input"]
+        assert inputs == FIELDS[node_type], node_type
+        assert all(schema["properties"][name].get("description") for name in inputs), node_type
+    packs = server.request("GET", "/api/v2/custom_nodes/")["node_packs"]
+    (pack,) = [p for p in packs if p["name"] == "flowlift"]
+    assert sorted(pack["node_types"]) == sorted(NODE_TYPES)
+    assert not server.log_lines("Failed to load node pack")
+
+
+def test_image_node_equals_the_pipeline_and_keeps_alpha(server, shared):
+    nodes = {
+        "rgb": upscale_image_node(server, "example.png"),
+        "rgba": upscale_image_node(server, "example_rgba.png", scale="2x", seed=4),
+    }
+    item = server.run(graph(nodes, []))
+    got = server.image(server.output(item, "rgb")["image"]["image_name"])
+    got_rgba = server.image(server.output(item, "rgba")["image"]["image_name"])
+
+    pipeline = FlowUpscalerPipeline(load_upscaler(server.models / "flow_upscaler.safetensors"),
+                                    load_vae(shared / "models" / "taef2"))  # fmt: skip
+    pixels = torch.from_numpy(np.asarray(Image.open(server.inputs / "example.png"), np.float32) / 255)
+    expected = pipeline.upscale_image(pixels.permute(2, 0, 1)[None], 2, seed=3, output_type="pt")
+    assert got.size == (4 * IMAGE_W, 4 * IMAGE_H) and got.mode == "RGB"
+    got_pixels = torch.from_numpy(np.asarray(got, np.float32) / 255).permute(2, 0, 1)[None]
+    print(f"image node vs upscale_image: max |diff| = {255 * (got_pixels - expected).abs().max().item():.3f}/255")
+    assert (got_pixels - expected).abs().max().item() <= ONE_LEVEL
+
+    expected_rgba = pipeline.upscale_image(Image.open(server.inputs / "example_rgba.png"), 1, seed=4)
+    assert got_rgba.mode == "RGBA" and got_rgba.size == (2 * IMAGE_W, 2 * IMAGE_H)
+    difference = np.abs(np.asarray(got_rgba, np.int16) - np.asarray(expected_rgba, np.int16))
+    assert difference[..., 3].max() == 0 and difference.max() <= 1
+
+    # progress went through InvokeAI's progress events: every stage of the 4x run, in order
+    time.sleep(1.0)
+    events = [json.loads(line) for line in server.events.read_text().splitlines()]
+    ours = [e for e in events if e["item_id"] == item["item_id"] and e["node"] == "rgb"]
+    percentages = [e["percentage"] for e in ours if e["percentage"] is not None]
+    assert percentages and percentages == sorted(percentages) and percentages[-1] == 1.0, ours
+    messages = " | ".join(e["message"] for e in ours)
+    for stage in ("encode", "pass 1/2 done", "pass 2/2 done", "decode done", "color fix done"):
+        assert stage in messages, messages
+
+
+def test_upscaler_loads_once_per_file_content_and_is_freed_with_the_cache(server, shared):
+    path = server.models / "replaced_upscaler.safetensors"
+    node = {"up": upscale_image_node(server, "example.png", upscaler=str(path), scale="2x")}
+    first = server.run(graph(node, []))
+    server.run(graph(node, []))
+    assert count_loads(server, path.name) == 1, "the second run must reuse the cached upscaler"
+
+    # a file replaced in place is a new model: loaded again, and its result is the new weights'
+    save_upscaler(random_upscaler(16, seed=9), path)
+    replaced = server.run(graph(node, []))
+    assert count_loads(server, path.name) == 2
+    pipeline = FlowUpscalerPipeline(load_upscaler(path), load_vae(shared / "models" / "taef2"))
+    expected = pipeline.upscale_image(Image.open(server.inputs / "example.png"), 1, seed=3)
+    got = server.image(server.output(replaced, "up")["image"]["image_name"])
+    assert np.abs(np.asarray(got, np.int16) - np.asarray(expected, np.int16)).max() <= 1
+    assert server.output(first, "up")["image"]["image_name"] != server.output(replaced, "up")["image"]["image_name"]
+
+    # InvokeAI's cache frees it when it needs the room (here: all of it), nothing else holds it
+    freed_before = len(server.log_lines("flowlift: Flow Upscaler"))
+    server.request("POST", "/api/v2/models/empty_model_cache")
+    deadline = time.monotonic() + 30
+    while not [ln for ln in server.log_lines("freed") if path.name in ln and "Flow Upscaler" in ln]:
+        assert time.monotonic() < deadline, f"the upscaler was not freed:\n{server.log_tail()}"
+        time.sleep(0.2)
+    assert len(server.log_lines("flowlift: Flow Upscaler")) > freed_before
+    server.run(graph(node, []))
+    assert count_loads(server, path.name) == 3
+
+
+def test_colour_fix_equals_flowlift_colorfix(server, tmp_path):
+    nodes = {"fix": {"type": "flowlift_color_fix", "image": {"image_name": server.images["upscaled.png"]},
+                     "reference": {"image_name": server.images["example.png"]}}}  # fmt: skip
+    item = server.run(graph(nodes, []))
+    got = server.image_tensor(server.output(item, "fix")["image"]["image_name"])
+
+    upscaled = tmp_path / "example_x2.png"  # the CLI pairs <stem>_x<N> with <stem>
+    shutil.copy(server.inputs / "upscaled.png", upscaled)
+    command = [sys.executable, "-m", "flowlift", "colorfix", str(upscaled),
+               "--reference", str(server.inputs / "example.png"), "-o", str(tmp_path / "fixed.png")]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    expected = torch.from_numpy(np.asarray(Image.open(tmp_path / "fixed.png").convert("RGB"), np.float32) / 255)
+    expected = expected.permute(2, 0, 1)[None]
+    print(f"colour fix node vs flowlift colorfix: max |diff| = {255 * (got - expected).abs().max().item():.3f}/255")
+    assert (got - expected).abs().max().item() <= ONE_LEVEL
+    drifted = torch.from_numpy(np.asarray(Image.open(server.inputs / "upscaled.png"), np.float32) / 255)
+    assert (drifted.permute(2, 0, 1)[None] - expected).abs().max().item() > 4 / 255  # the fix did change it
+
+
+def test_latent_and_image_nodes_on_invokeais_flux2_vae_equal_the_pipeline(server):
+    upscaler = str(server.models / "flow_upscaler.safetensors")
+    latent_node = {"type": "flowlift_upscale_latents", "upscaler": upscaler, "scale": "2x", "seed": 7}
+    nodes = {
+        "image": {"type": "image", "image": {"image_name": server.images["example.png"]}},
+        "vae": vae_loader(server.flux2_vae),
+        "encode": {"type": "flux2_vae_encode"},
+        "up": latent_node,
+        "up_chunked": {**latent_node, "chunked": "always"},
+        "decode": {"type": "flux2_vae_decode"},
+        "img": upscale_image_node(server, "example.png", scale="2x", seed=8),  # the image node on this VAE
+    }
+    edges = [("vae", "vae", "img", "vae"), ("image", "image", "encode", "image"), ("vae", "vae", "encode", "vae"),
+             ("encode", "latents", "up", "latents"), ("vae", "vae", "up", "vae"),
+             ("encode", "latents", "up_chunked", "latents"), ("vae", "vae", "up_chunked", "vae"),
+             ("up", "latents", "decode", "latents"), ("vae", "vae", "decode", "vae")]  # fmt: skip
+    item = server.run(graph(nodes, edges))
+
+    encoded = server.tensor(server.output(item, "encode")["latents"]["latents_name"])
+    assert encoded.shape == (1, 32, IMAGE_H // 8, IMAGE_W // 8)
+    # The installed file as InvokeAI holds it: its FLUX.2 checkpoint loader casts every tensor to bfloat16
+    # before loading (then to float32 on the CPU). The nodes use InvokeAI's VAE (its BatchNorm statistics, as
+    # FLUX2 Denoise does), so the expected values come from the same rounded weights.
+    file_vae = load_vae(server.models / "flux2-vae.safetensors").model
+    vae_as_invokeai_holds_it = Flux2VAE(file_vae.to(torch.bfloat16).float())
+    bn = vae_as_invokeai_holds_it.model.bn
+    bn_mean, bn_std = bn.running_mean.float(), bn_std_of(bn.running_var.float(), bn.eps)
+    pipeline = FlowUpscalerPipeline(load_upscaler(upscaler), vae=None, chunked=False)
+    normalized = normalize(encoded.float(), bn_mean, bn_std)
+    expected = denormalize(pipeline.upscale_latents(normalized, 1, seed=7), bn_mean, bn_std)
+    for node in ("up", "up_chunked"):
+        output = server.output(item, node)
+        got = server.tensor(output["latents"]["latents_name"])
+        assert got.shape == (1, 32, IMAGE_H // 4, IMAGE_W // 4)
+        assert (output["width"], output["height"]) == (2 * IMAGE_W, 2 * IMAGE_H)
+        print(f"latent node ({node}) vs upscale_latents: max |diff| = {(got - expected).abs().max().item():.2e}")
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    decoded = server.image(server.output(item, "decode")["image"]["image_name"])
+    assert decoded.size == (2 * IMAGE_W, 2 * IMAGE_H)
+
+    got = server.image_tensor(server.output(item, "img")["image"]["image_name"])
+    image_pipeline = FlowUpscalerPipeline(load_upscaler(upscaler), vae_as_invokeai_holds_it)
+    expected_image = image_pipeline.upscale_image(server.image_tensor(server.images["example.png"]), 1, seed=8,
+                                                  output_type="pt")  # fmt: skip
+    print(f"image node (FLUX.2 VAE) vs upscale_image: max |diff| = {255 * (got - expected_image).abs().max():.3f}/255")
+    assert got.shape == (1, 3, 2 * IMAGE_H, 2 * IMAGE_W)
+    assert (got - expected_image).abs().max().item() <= ONE_LEVEL
+
+
+def test_bad_inputs_fail_only_their_item_with_one_line(server):
+    flux2_vae = vae_loader(server.flux2_vae)
+    good = str(server.models / "flow_upscaler.safetensors")
+
+    def latent_graph(latents_name: str, vae: dict, upscaler: str = good) -> dict:
+        nodes = {"vae": vae, "up": {"type": "flowlift_upscale_latents", "latents": {"latents_name": latents_name},
+                                    "upscaler": upscaler}}  # fmt: skip
+        return graph(nodes, [("vae", "vae", "up", "vae")])
+
+    gen = torch.Generator().manual_seed(5)
+    flux2 = server.put_tensor(torch.randn(1, 32, 8, 8, generator=gen), "Tensor_flowlift_flux2")
+    sd = server.put_tensor(torch.randn(1, 4, 8, 8, generator=gen), "Tensor_flowlift_sd")
+    nan = torch.randn(1, 32, 8, 8, generator=gen)
+    nan[0, 3, 2, 2] = float("nan")
+    nan = server.put_tensor(nan, "Tensor_flowlift_nan")
+    wide = graph({"up": upscale_image_node(server, "wide.png", scale="8x")}, [])
+
+    cases = {
+        "corrupt upscaler": (latent_graph(flux2, flux2_vae, str(server.models / "corrupt.safetensors")),
+                             ["cannot read", "corrupt.safetensors"]),
+        "wrong latent channels": (latent_graph(sd, flux2_vae), ["needs FLUX.2 latents", "(1, 4, 8, 8)"]),
+        "NaN latents": (latent_graph(nan, flux2_vae), ["non-finite", "NaN"]),
+        "SD-1 VAE": (latent_graph(flux2, vae_loader(server.sd15_vae)), ["needs a FLUX.2 VAE", "sd-1"]),
+        "16K cap": (wide, ["16384 px cap", "2049x16"]),
+    }
+    item_ids = {name: server.enqueue(g) for name, (g, _) in cases.items()}
+    after = server.enqueue(latent_graph(flux2, flux2_vae))  # queued behind the failures: must still run
+    for name, (_, expected) in cases.items():
+        text = error_line(server.wait(item_ids[name]))
+        assert all(part in text for part in expected), (name, text)
+    item = server.wait(after)
+    assert item["status"] == "completed", item.get("error_message")
+    sd_image = graph({"vae": vae_loader(server.sd15_vae), "up": upscale_image_node(server, "example.png")},
+                     [("vae", "vae", "up", "vae")])  # fmt: skip
+    assert "needs a FLUX.2 VAE" in error_line(server.wait(server.enqueue(sd_image)))
+
+
+def test_cancelling_a_running_item_stops_it(server):
+    gen = torch.Generator().manual_seed(6)
+    big = server.put_tensor(torch.randn(1, 32, 48, 48, generator=gen), "Tensor_flowlift_big")
+    nodes = {"vae": vae_loader(server.flux2_vae),
+             "up": {"type": "flowlift_upscale_latents", "latents": {"latents_name": big}, "scale": "8x",
+                    "upscaler": str(server.models / "flow_upscaler_b64.safetensors"), "chunked": "always"}}
+    long_run = server.enqueue(graph(nodes, [("vae", "vae", "up", "vae")]))
+    deadline = time.monotonic() + 120
+    while server.item(long_run)["status"] != "in_progress":
+        assert time.monotonic() < deadline, "the long item never started"
+        time.sleep(0.1)
+    time.sleep(3.0)  # inside the first pass's strips (the whole run takes many minutes on a CPU)
+    assert server.item(long_run)["status"] == "in_progress", "the run ended before the cancel: make it longer"
+    started = time.monotonic()
+    server.cancel(long_run)
+    quick = server.enqueue(graph({"fix": {"type": "flowlift_color_fix",
+                                          "image": {"image_name": server.images["upscaled.png"]},
+                                          "reference": {"image_name": server.images["example.png"]},
+                                          "use_cache": False}}, []))  # fmt: skip
+    item = server.wait(quick, timeout=60)
+    took = time.monotonic() - started
+    print(f"cancel: the next item completed {took:.2f} s after the cancel request")
+    assert item["status"] == "completed", item.get("error_message")
+    cancelled = server.item(long_run)
+    assert cancelled["status"] == "canceled" and not cancelled.get("error_type")
+    (prepared,) = cancelled["session"]["source_prepared_mapping"]["up"]
+    assert prepared not in cancelled["session"]["results"], "the cancelled node must not produce an output"
+    assert took <= 10.0, f"the cancelled node kept the queue busy for {took:.1f} s"
+    assert not server.log_lines(f"Error while invoking session {cancelled['session_id']}")
+
+
+def test_workflows_validate_against_this_server(server):
+    schemas = server.request("GET", "/openapi.json")["components"]["schemas"]
+    templates = {s["properties"]["type"]["default"]: s for s in schemas.values()
+                 if "properties" in s and "type" in s["properties"] and s.get("class") == "invocation"}  # fmt: skip
+    files = sorted(WORKFLOWS.glob("*.json"))
+    assert [f.name for f in files] == ["flux2_klein_hires_fix.json", "image_upscale_4x.json"]
+    for file in files:
+        workflow = json.loads(file.read_text())
+        nodes = {node["id"]: node["data"] for node in workflow["nodes"]}
+        for data in nodes.values():
+            template = templates[data["type"]]
+            assert data["version"] == template["version"], (file.name, data["type"])
+            assert data["nodePack"] == template["node_pack"], (file.name, data["type"])
+            assert set(data["inputs"]) <= set(template["properties"]), (file.name, data["type"], set(data["inputs"]))
+        for edge in workflow["edges"]:
+            source, target = nodes[edge["source"]], nodes[edge["target"]]
+            output_type = templates[source["type"]]["output"]["$ref"].rsplit("/", 1)[-1]
+            assert edge["sourceHandle"] in schemas[output_type]["properties"], (file.name, edge)
+            assert edge["targetHandle"] in templates[target["type"]]["properties"], (file.name, edge)
+        for field in workflow["exposedFields"]:
+            assert field["fieldName"] in nodes[field["nodeId"]]["inputs"], (file.name, field)
+        created = server.request("POST", "/api/v1/workflows/", {"workflow": workflow})  # the library's own check
+        assert created["workflow"]["name"] == workflow["name"]
+
+
+def test_workflows_load_in_the_web_page(server):
+    from invokeai_browser import chrome, load_workflow
+
+    driver = chrome()
+    try:
+        for path in sorted(WORKFLOWS.glob("*.json")):
+            workflow = json.loads(path.read_text())
+            said, nodes, edges = load_workflow(driver, server.url, path)
+            assert "Workflow Loaded" in said and not [t for t in said if "Warning" in t or "rror" in t], said
+            assert (nodes, edges) == (len(workflow["nodes"]), len(workflow["edges"])), path.name
+    finally:
+        driver.quit()
+
+
+def test_the_core_passes_under_invokeais_pins(shared):
+    """flowlift's floors (diffusers>=0.40...) are what InvokeAI's pins give: the core's diffusers-facing
+    tests run in the InvokeAI venv."""
+    modules = ["tests/test_vae.py", "tests/test_denoiser.py", "tests/test_schedule.py"]
+    env = invokeai_env(PYTHONPATH=os.pathsep.join([str(shared / "comfyui-cpu-shim"), str(REPO_ROOT / "src")]),
+                       FLOWLIFT_SHARED=str(shared))  # fmt: skip
+    command = [str(invokeai_python()), "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    versions = subprocess.run([str(invokeai_python()), "-c", "import diffusers, numpy; print(diffusers.__version__, "
+                               "numpy.__version__)"], env=env, capture_output=True, text=True).stdout.split()
+    assert versions[0] == "0.40.0" and versions[1].startswith("1."), versions

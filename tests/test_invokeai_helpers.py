@@ -1,0 +1,90 @@
+"""The InvokeAI pack's plain modules (no InvokeAI needed): raw latents, input checks, weight-file keys."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flowlift.errors import FlowliftError
+from flowlift.flux2.latents import normalize
+from flowlift.invokeai import files, latents
+
+
+def bn_stats(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(128, generator=gen) * 0.3, torch.rand(128, generator=gen) + 0.5
+
+
+def test_raw_latents_round_trip_through_flowlifts_normalization():
+    mean, std = bn_stats()
+    raw = torch.randn(2, 32, 6, 10, generator=torch.Generator().manual_seed(1)) * 2 + 0.5
+    normalized = latents.raw_to_normalized(raw, mean, std)
+    torch.testing.assert_close(normalized, normalize(raw, mean, std), rtol=0, atol=0)
+    torch.testing.assert_close(latents.normalized_to_raw(normalized, mean, std), raw, rtol=0, atol=1e-6)
+    # per 2x2 patch channel c*4 + pi*2 + pj: latent (0, 0) of channel 0 uses statistic 0, (0, 1) statistic 1
+    assert torch.isclose(normalized[0, 0, 0, 1], (raw[0, 0, 0, 1] - mean[1]) / std[1])
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (torch.zeros(1, 4, 8, 8), "needs FLUX.2 latents (batch, 32, height/8, width/8)"),
+        (torch.zeros(1, 128, 4, 4), "(1, 128, 4, 4)"),
+        (torch.zeros(32, 8, 8), "(32, 8, 8)"),
+        ("not a tensor", "str"),
+        (torch.zeros(1, 32, 8, 8, dtype=torch.int64), "float latents"),
+        (torch.zeros(1, 32, 9, 8), "need even sides: make the image sides multiples of 16"),
+    ],
+)
+def test_latent_inputs_that_cannot_be_flux2_are_one_line(value, message):
+    with pytest.raises(FlowliftError) as caught:
+        latents.check_raw_latents(value, "Flow Upscale Latents (FLUX.2)")
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_raw_latents_pass_as_float32():
+    out = latents.check_raw_latents(torch.zeros(1, 32, 8, 6, dtype=torch.bfloat16), "node")
+    assert out.dtype == torch.float32 and out.shape == (1, 32, 8, 6)
+
+
+def test_scales_chunking_and_the_cap():
+    assert [latents.passes_for(s) for s in latents.SCALES] == [1, 2, 3]
+    assert [latents.chunked_flag(c) for c in latents.CHUNKING] == [None, True, False]
+    for bad in (lambda: latents.passes_for("3x"), lambda: latents.chunked_flag("sometimes")):
+        with pytest.raises(FlowliftError):
+            bad()
+    latents.check_output_cap(2048, 2048, 3, "node")  # 16384 px exactly: allowed
+    with pytest.raises(FlowliftError, match=r"node: 8x on 2049x16 px would make 16392x128 px, over the 16384 px"):
+        latents.check_output_cap(16, 2049, 3, "node")
+
+
+def test_a_weight_file_is_hashed_once_per_version_on_disk(tmp_path, monkeypatch):
+    path = tmp_path / "weights.safetensors"
+    path.write_bytes(b"first version")
+    reads = []
+    real_sha256 = files.file_sha256
+    monkeypatch.setattr(files, "file_sha256", lambda p: reads.append(p) or real_sha256(p))
+    first = files.file_digest(path)
+    assert files.file_digest(path) == first and len(reads) == 1  # the second call costs a stat only
+    path.write_bytes(b"second version, longer")  # replaced in place: another size and mtime
+    second = files.file_digest(path)
+    assert second != first and len(reads) == 2
+    assert files.cache_key("upscaler", second, "float32", path.name).as_posix() == (
+        f"flowlift/upscaler/{second}-float32/weights.safetensors"
+    )
+    link = tmp_path / "link.safetensors"
+    os.symlink(path, link)
+    assert files.file_digest(link) == second and len(reads) == 2  # the same file through a link
+
+
+def test_a_model_of_several_files_gets_one_order_independent_digest(tmp_path):
+    a, b = tmp_path / "taef2_encoder.pth", tmp_path / "taef2_decoder.pth"
+    a.write_bytes(b"encoder")
+    b.write_bytes(b"decoder")
+    assert files.files_digest([a, b]) == files.files_digest([b, a]) != files.files_digest([a])
+    with pytest.raises(FlowliftError, match="cannot read"):
+        files.file_digest(tmp_path / "missing.safetensors")
+    with pytest.raises(FlowliftError):
+        files.files_digest([])
