@@ -9,7 +9,8 @@ import pytest
 from PIL import Image
 
 from app_helpers import bomb_png, tiny_upscaler
-from flowlift.app.service import AppConfig, AppService, check_upload
+from flowlift.app.results import check_upload
+from flowlift.app.service import AppConfig, AppService
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 
@@ -130,7 +131,7 @@ def test_output_cap_warning_is_returned(service, photo):
     assert result.output_size == (96, 64)
     assert result.output.name == "parrots_x4.png"  # the CLI's name for the request, as the CLI writes it
     assert len(result.warnings) == 1 and "MAX_OUTPUT_SIDE=96" in result.warnings[0]
-    assert "⚠️" in result.summary()
+    assert "**Warning:** Flow Upscaler: 2 pass(es)" in result.summary()
 
 
 def test_batch_zip_has_cli_names_and_lists_failures(service, photo, tmp_path):
@@ -155,7 +156,7 @@ def test_batch_zip_has_cli_names_and_lists_failures(service, photo, tmp_path):
         with archive.open("b_x2.png") as member, Image.open(member) as png:
             assert png.size == (96, 64) and "flowlift.parameters" in png.text
     summary = result.summary()
-    assert "2 of 4 file(s)" in summary and "❌ broken.png" in summary
+    assert "2 of 4 file(s)" in summary and "**failed:** broken.png" in summary
 
 
 def test_batch_with_only_failures_has_no_zip(service, tmp_path):

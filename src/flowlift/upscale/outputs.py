@@ -96,18 +96,26 @@ def upscale_file(
     out: Path,
     hashes: dict[str, dict[str, str]],
     on_stage: Callable[[str], None] | None = None,
+    on_decode_tile: Callable[[int, int], None] | None = None,
 ) -> tuple[Any, Any, list[str]]:
     """Load ``source``, upscale it with ``settings``, write ``out`` atomically with the metadata.
 
     Returns (input image, result image, warnings such as passes dropped at MAX_OUTPUT_SIDE). The one
-    per-image step of ``flowlift upscale``; the web app calls it too.
+    per-image step of ``flowlift upscale``; the web app calls it too (with progress callbacks: the
+    pipeline's ``callback`` and ``on_decode_tile``).
     """
     from flowlift.files.images import attach_alpha, load_image
 
     image, alpha = load_image(source)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
-        result = pipeline.upscale_image(image, num_passes=passes, callback=on_stage, **settings.pipeline_options())
+        result = pipeline.upscale_image(
+            image,
+            num_passes=passes,
+            callback=on_stage,
+            on_decode_tile=on_decode_tile,
+            **settings.pipeline_options(),
+        )
     if alpha is not None:
         result = attach_alpha(result, alpha)
     save_result(pipeline, settings, source, out, image, result, hashes)
