@@ -238,3 +238,16 @@ def test_summaries_need_no_emoji_font(service, photo, tmp_path):
     texts = [service.upscale(photo, 2, 0).summary(), service.batch([photo, tmp_path / "bad.png"], 2, 0).summary()]
     assert not [text for text in texts if EMOJI.search(text)], texts
     assert "- done: parrots_x2.png" in texts[1] and "- **failed:** bad.png: " in texts[1]
+
+
+def test_start_up_lines_name_the_share_flag():
+    from flowlift.app.page import start_lines
+
+    local = start_lines("http://127.0.0.1:7860/", None, "127.0.0.1")
+    assert local == [
+        "flowlift app: serving http://127.0.0.1:7860/ (this machine only); Ctrl-C stops it",
+        "flowlift app: for a public *.gradio.live link, start it with flowlift app --share",
+    ]
+    shared_lines = start_lines("http://0.0.0.0:7860/", "https://abc.gradio.live", "0.0.0.0")
+    assert "bound to 0.0.0.0" in shared_lines[0] and "https://abc.gradio.live" in shared_lines[1]
+    assert not [line for line in local + shared_lines if "share=True" in line or "launch()" in line]
