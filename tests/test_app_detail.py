@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -107,7 +108,7 @@ def test_overview_frames_the_region_and_clicks_map_back(pair):
 
 def test_errors_are_one_line(pair, tmp_path):
     source, output = pair
-    with pytest.raises(FlowliftError, match="gone.png is no longer on the server"):
+    with pytest.raises(FlowliftError, match="gone.png is no longer on the server; upload it again"):
         detail_view(tmp_path / "gone.png", output, None)
     odd = tmp_path / "odd.png"
     Image.new("RGB", (401, 240)).save(odd)
@@ -115,3 +116,24 @@ def test_errors_are_one_line(pair, tmp_path):
         detail_view(source, odd, None)
     with pytest.raises(FlowliftError, match="zoom must be one of 100%, 200%"):
         detail_view(source, output, None, "300%")
+
+
+def test_results_past_the_upload_limit_and_16_bit_results_are_shown(pair, tmp_path, monkeypatch):
+    """The result is read without the uploads' decompression-bomb limit (results are bigger by design),
+    and a 16-bit PNG shows its 8-bit values (scaled, not clipped)."""
+    source, output = pair
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 40000)  # the 400x240 result is now a 'bomb' to Image.open
+    with pytest.raises(Image.DecompressionBombError):
+        Image.open(output)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # Pillow's warning on the 256x240 crop
+        view, _ = detail_view(source, output, None, "200%")  # the 6000 px input is still an acceptable upload
+    monkeypatch.undo()
+    with Image.open(output) as png:
+        assert np.array_equal(_pixels(view.output_crop)[::2, ::2], _pixels(png.crop(view.box)))
+    with Image.open(output) as png:
+        grey = np.asarray(png.convert("L"))
+    sixteen = tmp_path / "grey_x4.png"
+    Image.fromarray(grey.astype(np.uint16) * 257).save(sixteen)  # mode I;16
+    view, _ = detail_view(source, sixteen, None)
+    assert np.array_equal(_pixels(view.output_crop)[..., 0], grey)

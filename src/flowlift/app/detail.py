@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageDraw
 
 from flowlift.errors import FlowliftError
@@ -78,15 +79,41 @@ def detail_box(
     return x0, y0, x0 + side_x, y0 + side_y
 
 
-def load_rgb(path: Path, name: str) -> Image.Image:
-    """An image file as flowlift reads it (EXIF orientation, any mode -> 8-bit RGB), errors naming ``name``."""
+def load_input(path: Path) -> Image.Image:
+    """The uploaded input as flowlift reads it (EXIF orientation, any mode -> 8-bit RGB)."""
     from flowlift.files.images import load_image
 
     try:
         rgb, _alpha = load_image(path)
     except FlowliftError:
-        raise FlowliftError(f"{name} is no longer on the server; upscale it again") from None
+        raise FlowliftError(f"{path.name} is no longer on the server; upload it again") from None
     return rgb
+
+
+def load_result(path: Path) -> Image.Image:
+    """The result PNG flowlift wrote, as 8-bit RGB (16-bit files by their high byte, alpha dropped).
+
+    Read whole without Pillow's decompression-bomb limit, which is for uploads: results are larger
+    by design (up to 16384 px a side, ~800 MB of RGB), and the path comes from the server's own
+    state, never from the browser. A PNG cannot be cropped without decoding the rows above the crop,
+    so each view of a region reads the file once.
+    """
+    from PIL import PngImagePlugin
+
+    try:
+        image = PngImagePlugin.PngImageFile(str(path))
+    except (OSError, SyntaxError):
+        raise FlowliftError(f"{path.name} is no longer on the server; upscale it again") from None
+    try:
+        image.load()
+        if image.mode in ("I;16", "I;16B", "I"):  # 16-bit grey: scale, do not clip
+            grey = np.clip(np.round(np.asarray(image, dtype=np.float64) / 257.0), 0, 255).astype(np.uint8)
+            return Image.fromarray(grey, "L").convert("RGB")
+        return image.convert("RGB")
+    except (OSError, SyntaxError):
+        raise FlowliftError(f"{path.name} is no longer readable on the server; upscale it again") from None
+    finally:
+        image.close()
 
 
 def detail_view(
@@ -106,8 +133,8 @@ def detail_view(
     if input_filter not in INPUT_FILTERS:
         raise FlowliftError(f"input resampling must be one of {', '.join(INPUT_FILTERS)}, got {input_filter!r}")
     zoom = ZOOMS[zoom_label]
-    result = load_rgb(output, output.name)
-    image = load_rgb(source, source.name)
+    result = load_result(output)
+    image = load_input(source)
     scale = integer_scale(image.size, result.size)
     box = detail_box(centre, zoom, result.size, scale)
     x0, y0, x1, y1 = box

@@ -106,9 +106,9 @@ def build_app(service: AppService) -> Any:
     config = service.config
     device = config.device or "the default device"
     queue = {"concurrency_limit": 1, "concurrency_id": f"models-{device}"}
-    # Views (the upload check, the detail crops) never wait behind a running upscale, and draw no
-    # overlay over the crops (a half-transparent veil would change the pixels the view is for).
-    views = {"concurrency_limit": 4, "concurrency_id": "views", "api_visibility": "private", "show_progress": "hidden"}
+    # Views (the upload check, the detail crops) never wait behind a running upscale, two at a time (each
+    # decodes a whole image), and draw no overlay over the crops (a veil would change the pixels shown).
+    views = {"concurrency_limit": 2, "concurrency_id": "views", "api_visibility": "private", "show_progress": "hidden"}
 
     stage_progress = gr.Progress()
 
