@@ -233,7 +233,7 @@ def test_upscale_in_a_real_browser(app_server, browser, shared, tmp_path):
     assert not browser.find_element(By.ID, "upscale-button").is_enabled()
     browser.save_screenshot(str(tmp_path / "error.png"))
 
-    _upload(browser, source, "kodim23.png: 192x128, ready to upscale")
+    _upload(browser, source, "Ready: kodim23.png: 192x128 px")
     assert browser.find_element(By.ID, "upscale-button").is_enabled()
     assert browser.find_element(By.CSS_SELECTOR, "#upscale-vae input").get_attribute("value") == "taef2"
     browser.find_element(By.CSS_SELECTOR, "#upscale-scale input[value='4']").click()
@@ -316,7 +316,7 @@ def test_upscale_in_a_real_browser(app_server, browser, shared, tmp_path):
     assert not EMOJI.search(browser.find_element(By.TAG_NAME, "body").text)
 
     # the server still serves, and logged one line per request (the corrupt file never was one)
-    _upload(browser, second, "kodim03.png: 96x64, ready to upscale")
+    _upload(browser, second, "Ready: kodim03.png: 96x64 px")
     browser.find_element(By.CSS_SELECTOR, "#upscale-scale input[value='2']").click()
     browser.find_element(By.ID, "upscale-button").click()
     again = _fetch_png(_download_link(browser, "kodim03_x2.png").get_attribute("href"))

@@ -191,6 +191,10 @@ def test_each_request_logs_one_line(service, photo, tmp_path, monkeypatch):
     ]
     assert "error: corrupt.png: unreadable or truncated image" in lines[1]
     assert all(str(tmp_path) not in line for line in lines)
+    lines.clear()
+    with pytest.raises(FlowliftError):
+        service.upscale(photo, "2\nforged line", 0)  # an API caller's value cannot add a log line
+    assert len(lines) == 1 and "\n" not in lines[0] and "x2 forged line" in lines[0]
 
 
 def test_decode_tiles_move_the_bar(service, photo, monkeypatch):
@@ -206,7 +210,7 @@ def test_decode_tiles_move_the_bar(service, photo, monkeypatch):
 
 
 def test_a_dropped_file_is_checked_at_once(service, photo, tmp_path):
-    assert service.check_image(photo) == "parrots.png: 48x32, ready to upscale"
+    assert service.check_image(photo) == "parrots.png: 48x32 px"
     truncated = tmp_path / "deep" / "folder" / "cut.png"
     truncated.parent.mkdir(parents=True)
     truncated.write_bytes(photo.read_bytes()[:200])

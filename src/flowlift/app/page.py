@@ -56,12 +56,16 @@ def upload_path(payload: Any) -> str | None:
     return os.fspath(payload)
 
 
-def _as_user_error(gr: Any, error: BaseException) -> Exception:
-    """A ``gr.Error`` (escaped, shown until closed) for any failure; the server logs unexpected ones."""
+def _user_text(error: BaseException) -> str:
+    """The first line of an error for the page (unescaped); the server logs unexpected errors in full."""
     if not isinstance(error, FlowliftError):
         traceback.print_exception(error, file=sys.stderr)
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return gr.Error(html.escape(text), duration=None, print_exception=False)
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _as_user_error(gr: Any, error: BaseException) -> Exception:
+    """A ``gr.Error`` (escaped, shown until closed) for any failure; the server logs unexpected ones."""
+    return gr.Error(html.escape(_user_text(error)), duration=None, print_exception=False)
 
 
 def _progress_adapter(progress: Any) -> Callable[[float, str], None]:
@@ -135,8 +139,7 @@ def build_app(service: AppService) -> Any:
         try:
             return status_line(service.check_image(upload_path(image))), gr.update(interactive=True)
         except Exception as error:  # noqa: BLE001 - shown under the input, where the file was dropped
-            text = str(error).splitlines()[0] if str(error) else type(error).__name__
-            return status_line(text, error=True), gr.update(interactive=False)
+            return status_line(_user_text(error), error=True), gr.update(interactive=False)
 
     def show_detail(shown, zoom, input_filter):
         if not shown:

@@ -27,9 +27,10 @@ def log_to_stderr(line: str) -> None:
 
 def request_log_line(kind: str, name: str, request: str, seconds: float, outcome: str) -> str:
     """The server's one line per request: ``<time> flowlift app: <kind> <name> <request> <seconds> s <outcome>``,
-    e.g. ``... upscale photo.png 640x480 x4 -> 2560x1920 12.3 s ok``."""
+    e.g. ``... upscale photo.png 640x480 x4 -> 2560x1920 12.3 s ok``. Whitespace (newlines in an uploaded
+    file's name or an API caller's values included) is collapsed, so a request is always one line."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    return f"{stamp} flowlift app: {kind} {name} {request} {seconds:.1f} s {outcome}".replace("  ", " ")
+    return " ".join(f"{stamp} flowlift app: {kind} {name} {request} {seconds:.1f} s {outcome}".split())
 
 
 def model_name(spec: str) -> str:

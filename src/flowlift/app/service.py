@@ -253,7 +253,7 @@ class AppService:
         except ITEM_ERRORS as error:
             raise FlowliftError(public_message(error, source)) from None
         transparency = " with transparency" if alpha is not None else ""
-        return f"{source.name}: {image.width}x{image.height}{transparency}, ready to upscale"
+        return f"{source.name}: {image.width}x{image.height} px{transparency}"
 
     def upscale(
         self,
