@@ -56,6 +56,8 @@ class SoakResult:
     seconds: float = 0.0
     server_exit: int | None = None
     server_log: str = ""
+    #: (requests answered, server RSS in bytes) at every tenth of the run: the shape of any growth.
+    trace: list[tuple[int, int]] = field(default_factory=list)
 
     def problems(self, check_flat: bool = True) -> list[str]:
         """Why the run failed (empty when it passed)."""
@@ -237,6 +239,8 @@ def run_soak(
                     answered[0] += 1
                     if answered[0] == warm_at + 1:
                         result.warm = ProcessSample.of(server.pid)
+                    if answered[0] % max(1, requests // 10) == 0:
+                        result.trace.append((answered[0], ProcessSample.of(server.pid).rss))
 
         started = time.perf_counter()
         try:
@@ -271,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: PYTHONPATH=src python benchmarks/soak_app.py {shlex.join(sys.argv[1:] if argv is None else argv)}")
     print(TABLE_HEADER)
     print(result.row(name))
+    print("server RSS (MiB) by requests answered: " + ", ".join(f"{n}: {rss / 2**20:.0f}" for n, rss in result.trace))
     problems = result.problems()
     for problem in problems:
         print(f"soak_app: {problem}", file=sys.stderr)
