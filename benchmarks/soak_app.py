@@ -5,9 +5,11 @@ sources, a random Flow Upscaler checkpoint, the real TAEF2 from ``../shared/mode
 ``--clients`` gradio_client clients, each in its own thread, share ``--requests`` requests: small
 Kodak crops (a different image and seed per request) at ``--scale``. Every answer is checked: a PNG
 of exactly the input's size times the scale, with flowlift's metadata and the request's seed. The
-server's resident memory, open files and threads are read from ``/proc`` when the first 10% of the
-requests are answered and after the last (:mod:`soak_common`); the run is flat when memory is within
-10% (or 50 MB) of the first sample and files and threads did not grow. Afterwards the server is
+server's resident memory, open files and threads are read from ``/proc`` with the server idle: the
+clients send the first 10% of the requests, wait for every answer, and the server is sampled; then the
+other 90%, and the server is sampled again (:mod:`soak_common`). Comparing two idle moments leaves out
+what a request in flight holds; the run is flat when memory is within 10% (or 50 MB) of the first
+sample and files and threads did not grow. Afterwards the server is
 stopped (SIGTERM) and must exit within 30 s.
 
     PYTHONPATH=src python benchmarks/soak_app.py [--requests 100] [--clients 8] [--size 128x96] \\
@@ -31,6 +33,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +43,8 @@ from soak_common import TABLE_HEADER, ProcessSample, flat_verdict, table_row, wa
 ROOT = Path(__file__).resolve().parents[1]
 SERVER_START_S = 300
 STOP_S = 30
+#: Pause after a phase before the server is sampled (its last answers are written and sent by then).
+SETTLE_S = 2.0
 
 
 @dataclass
@@ -56,8 +61,8 @@ class SoakResult:
     seconds: float = 0.0
     server_exit: int | None = None
     server_log: str = ""
-    #: (requests answered, server RSS in bytes) at every tenth of the run: the shape of any growth.
-    trace: list[tuple[int, int]] = field(default_factory=list)
+    #: (requests answered, server RSS in bytes, threads) at every tenth of the run: the shape of any growth.
+    trace: list[tuple[int, int, int]] = field(default_factory=list)
 
     def problems(self, check_flat: bool = True) -> list[str]:
         """Why the run failed (empty when it passed)."""
@@ -200,57 +205,58 @@ def run_soak(
         images = test_images(shared, folder, size)
         server, url = start_server(random_upscaler(folder, full_size), shared / "models" / "taef2", folder)
         lock = threading.Lock()
-        next_request = iter(range(requests))
         answered = [0]
-        warm_at = warm_index(requests)
+        try:
+            connected = [Client(url, verbose=False, download_files=str(folder)) for _ in range(clients)]
+        except Exception:
+            result.server_exit, result.server_log = stop_server(server)
+            raise
 
-        def client_loop(number: int) -> None:
-            downloads = folder / f"client{number}"
-            downloads.mkdir()
-            try:
-                client = Client(url, verbose=False, download_files=str(downloads))
-            except Exception as error:  # noqa: BLE001 - counted as failed requests below
-                with lock:
-                    result.errors.append(f"client {number}: cannot connect ({error})")
-                return
+        def send(client: Client, queue: Iterator[int]) -> None:
             while True:
                 with lock:
-                    index = next(next_request, None)
+                    index = next(queue, None)
                 if index is None:
                     return
-                source = images[index % len(images)]
                 started = time.perf_counter()
-                problem = None
                 try:
-                    job = client.submit(handle_file(str(source)), scale, index, 1.0, 1.0, api_name="/upscale")
+                    job = client.submit(
+                        handle_file(str(images[index % len(images)])), scale, index, 1.0, 1.0, api_name="/upscale"
+                    )
                     _preview, png, _summary = job.result(timeout=request_timeout)
                     problem = check_answer(png, size, scale, index)
                     Path(png).unlink(missing_ok=True)  # keep the client's disk use bounded
                 except Exception as error:  # noqa: BLE001 - a failed request is a finding, not a crash
                     first = str(error).splitlines()[0] if str(error) else ""
                     problem = f"request {index}: {type(error).__name__}: {first}"
-                seconds = time.perf_counter() - started
                 with lock:
-                    result.latencies.append(seconds)
+                    result.latencies.append(time.perf_counter() - started)
                     if problem is None:
                         result.valid += 1
                     else:
                         result.errors.append(problem)
                     answered[0] += 1
-                    if answered[0] == warm_at + 1:
-                        result.warm = ProcessSample.of(server.pid)
                     if answered[0] % max(1, requests // 10) == 0:
-                        result.trace.append((answered[0], ProcessSample.of(server.pid).rss))
+                        sample = ProcessSample.of(server.pid)
+                        result.trace.append((answered[0], sample.rss, sample.threads))
 
-        started = time.perf_counter()
-        try:
-            threads = [threading.Thread(target=client_loop, args=(n,), daemon=True) for n in range(clients)]
+        def phase(indices: range) -> ProcessSample:
+            """All clients at once on ``indices``; the server's sample once it is idle again."""
+            queue = iter(indices)
+            threads = [threading.Thread(target=send, args=(c, queue), daemon=True) for c in connected]
             for thread in threads:
                 thread.start()
             for thread in threads:
                 thread.join()
+            time.sleep(SETTLE_S)
+            return ProcessSample.of(server.pid)
+
+        started = time.perf_counter()
+        try:
+            warm_count = warm_index(requests) + 1
+            result.warm = phase(range(warm_count))
+            result.end = phase(range(warm_count, requests))
             result.seconds = time.perf_counter() - started
-            result.end = ProcessSample.of(server.pid)
         finally:
             result.server_exit, result.server_log = stop_server(server)
     return result
@@ -275,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: PYTHONPATH=src python benchmarks/soak_app.py {shlex.join(sys.argv[1:] if argv is None else argv)}")
     print(TABLE_HEADER)
     print(result.row(name))
-    print("server RSS (MiB) by requests answered: " + ", ".join(f"{n}: {rss / 2**20:.0f}" for n, rss in result.trace))
+    trace = ", ".join(f"{n}: {rss / 2**20:.0f} MiB/{threads}" for n, rss, threads in result.trace)
+    print(f"server RSS/threads by requests answered, under load: {trace}")
     problems = result.problems()
     for problem in problems:
         print(f"soak_app: {problem}", file=sys.stderr)

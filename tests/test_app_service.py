@@ -6,6 +6,7 @@ import functools
 import json
 import re
 import zipfile
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -255,3 +256,33 @@ def test_start_up_lines_name_the_share_flag():
     shared_lines = start_lines("http://0.0.0.0:7860/", "https://abc.gradio.live", "0.0.0.0")
     assert "bound to 0.0.0.0" in shared_lines[0] and "https://abc.gradio.live" in shared_lines[1]
     assert not [line for line in local + shared_lines if "share=True" in line or "launch()" in line]
+
+
+def test_freed_memory_goes_back_to_the_system():
+    """What a request freed on a worker thread is returned (glibc keeps it in that thread's arena otherwise:
+    the server grew with every Gradio worker that ever ran the model; see flowlift.app.memory)."""
+    import platform
+    import threading
+
+    from flowlift.app.memory import release_freed_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+
+    def rss() -> int:
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+
+    kept = []
+
+    def request() -> None:  # 180 MB in blocks below the mmap threshold, freed, the heap's top still in use
+        blocks = [bytearray(60_000) for _ in range(3000)]
+        kept.append(bytearray(100))
+        del blocks
+
+    worker = threading.Thread(target=request)
+    worker.start()
+    worker.join()
+    before = rss()
+    assert release_freed_memory()
+    assert before - rss() > 100 * 2**20

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flowlift.app.memory import release_freed_memory
 from flowlift.app.progress import ProgressFn
 from flowlift.app.results import (
     UpscaleResult,
@@ -88,9 +89,11 @@ def refine(
             service, path, prompt, prompt_embeds, mode, strength, strength_map, steps, seed, sampler, progress
         )
     except BaseException as error:
+        release_freed_memory()
         seconds = time.perf_counter() - started
         service.config.log(request_log_line("refine", name, str(mode), seconds, f"error: {first_line(error)}"))
         raise
+    release_freed_memory()
     (w0, h0), (w1, h1) = result.input_size, result.output_size
     request = f"{mode} {w0}x{h0} -> {w1}x{h1}"
     service.config.log(request_log_line("refine", name, request, time.perf_counter() - started, "ok"))

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flowlift.app.memory import release_freed_memory
 from flowlift.app.progress import EtaProgress, ProgressFn, UpscaleProgress
 from flowlift.app.results import (
     BatchResult,
@@ -235,6 +236,8 @@ class AppService:
         return UpscaleResult(out, before, after, image.size, result.size, time.perf_counter() - started, notes)
 
     def _log(self, kind: str, name: str, request: str, started: float, outcome: str) -> None:
+        """The request's log line; the request is over, so its freed memory goes back to the system."""
+        release_freed_memory()
         self.config.log(request_log_line(kind, name, request, time.perf_counter() - started, outcome))
 
     def check_image(self, path: str | Path | None) -> str:
