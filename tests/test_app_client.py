@@ -51,6 +51,8 @@ def test_upscale_endpoint_and_queue_with_gradio_client(server, shared, tmp_path)
     with Image.open(shared / "images" / "kodak" / "kodim03.png") as image:
         image.convert("RGB").resize((64, 48), Image.Resampling.BOX).save(source)
     client = Client(url, verbose=False)
+    # the page's views (upload check, detail crops) are not API endpoints; the API keeps its two
+    assert set(client.view_api(print_info=False, return_format="dict")["named_endpoints"]) == {"/upscale", "/batch"}
     slider, download, info = client.predict(handle_file(str(source)), 2, 5, 1.0, 0.5, api_name="/upscale")
     with Image.open(download) as png:
         assert png.size == (128, 96) and png.format == "PNG"

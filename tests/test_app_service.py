@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import zipfile
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from app_helpers import bomb_png, tiny_upscaler
-from flowlift.app.service import AppConfig, AppService, check_upload
+from flowlift.app.results import check_upload, vae_labels
+from flowlift.app.service import AppConfig, AppService
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 
@@ -130,7 +134,7 @@ def test_output_cap_warning_is_returned(service, photo):
     assert result.output_size == (96, 64)
     assert result.output.name == "parrots_x4.png"  # the CLI's name for the request, as the CLI writes it
     assert len(result.warnings) == 1 and "MAX_OUTPUT_SIDE=96" in result.warnings[0]
-    assert "⚠️" in result.summary()
+    assert "**Warning:** Flow Upscaler: 2 pass(es)" in result.summary()
 
 
 def test_batch_zip_has_cli_names_and_lists_failures(service, photo, tmp_path):
@@ -155,10 +159,130 @@ def test_batch_zip_has_cli_names_and_lists_failures(service, photo, tmp_path):
         with archive.open("b_x2.png") as member, Image.open(member) as png:
             assert png.size == (96, 64) and "flowlift.parameters" in png.text
     summary = result.summary()
-    assert "2 of 4 file(s)" in summary and "❌ broken.png" in summary
+    assert "2 of 4 file(s)" in summary and "**failed:** broken.png" in summary
 
 
 def test_batch_with_only_failures_has_no_zip(service, tmp_path):
     (tmp_path / "x.png").write_bytes(b"nope")
     result = service.batch([tmp_path / "x.png"], 2, 0)
     assert result.zip_path is None and result.written == [] and len(result.errors) == 1
+
+
+LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d flowlift app: (.*) (\d+\.\d) s (.*)$")
+#: Characters that need an emoji font (pictographs, dingbats, the emoji variation selector).
+EMOJI = re.compile("[\U0001f000-\U0001faff\u2600-\u27bf\ufe0f]")
+
+
+def test_each_request_logs_one_line(service, photo, tmp_path, monkeypatch):
+    lines: list[str] = []
+    monkeypatch.setattr(service.config, "log", lines.append)
+    service.upscale(photo, 2, 0)
+    corrupt = tmp_path / "server" / "corrupt.png"
+    corrupt.parent.mkdir()
+    corrupt.write_bytes(photo.read_bytes()[:100])
+    with pytest.raises(FlowliftError):
+        service.upscale(corrupt, 4, 0)
+    service.batch([photo, corrupt], 2, 0)
+    parsed = [LOG_LINE.match(line) for line in lines]
+    assert all(parsed) and len(parsed) == 3, lines
+    assert [(m.group(1), m.group(3)) for m in parsed] == [
+        ("upscale parrots.png 48x32 x2 -> 96x64", "ok"),
+        ("upscale corrupt.png x4", f"error: {lines[1].split('error: ', 1)[1]}"),
+        ("batch 2 file(s) x2", "1 ok, 1 failed"),
+    ]
+    assert "error: corrupt.png: unreadable or truncated image" in lines[1]
+    assert all(str(tmp_path) not in line for line in lines)
+    lines.clear()
+    with pytest.raises(FlowliftError):
+        service.upscale(photo, "2\nforged line", 0)  # an API caller's value cannot add a log line
+    assert len(lines) == 1 and "\n" not in lines[0] and "x2 forged line" in lines[0]
+
+
+def test_decode_tiles_move_the_bar(service, photo, monkeypatch):
+    pipeline = service.pipeline(service.config.vaes[0])
+    monkeypatch.setattr(pipeline, "vae_tiled", True)
+    monkeypatch.setattr(pipeline.vae.model, "decode_tiled", functools.partial(pipeline.vae.model.decode_tiled, tile=2))
+    progress: list[tuple[float, str]] = []
+    service.upscale(photo, 2, 0, progress=lambda f, d: progress.append((f, d)))
+    tiles = [d for _, d in progress if ": decode, tile " in d]
+    assert len(tiles) > 1 and tiles[-1].endswith(f"tile {len(tiles)}/{len(tiles)}")  # 2x2-latent tiles of 12x8
+    fractions = [f for f, _ in progress]
+    assert fractions == sorted(fractions) and fractions[-1] < 1
+
+
+def test_a_dropped_file_is_checked_at_once(service, photo, tmp_path):
+    assert service.check_image(photo) == "parrots.png: 48x32 px"
+    truncated = tmp_path / "deep" / "folder" / "cut.png"
+    truncated.parent.mkdir(parents=True)
+    truncated.write_bytes(photo.read_bytes()[:200])
+    with pytest.raises(FlowliftError) as caught:
+        service.check_image(truncated)
+    message = str(caught.value)
+    assert message.startswith("cut.png: unreadable or truncated image") and str(tmp_path) not in message
+    with pytest.raises(FlowliftError, match="decompression bomb"):
+        service.check_image(bomb_png(tmp_path / "bomb.png"))
+    assert service.check_image(None) == ""
+
+
+def test_vaes_are_shown_by_name_and_chosen_by_name_or_spec(service, photo, shared, tmp_path):
+    (tmp_path / "a" / "taef2").mkdir(parents=True)
+    (tmp_path / "b" / "taef2").mkdir(parents=True)
+    specs = [str(tmp_path / "a" / "taef2"), str(tmp_path / "b" / "taef2"), "flux2", "org/some-vae"]
+    assert vae_labels(specs) == dict(zip(["a/taef2", "b/taef2", "flux2", "org/some-vae"], specs, strict=True))
+    assert service.vae_labels == {"taef2": str(shared / "models" / "taef2")}
+    by_name = service.upscale(photo, 2, 3, 1.0, 1.0, "taef2")
+    by_spec = service.upscale(photo, 2, 3, 1.0, 1.0, str(shared / "models" / "taef2"))
+    with Image.open(by_name.output) as first, Image.open(by_spec.output) as second:
+        assert first.tobytes() == second.tobytes()
+    with pytest.raises(FlowliftError, match="choose one of taef2$"):
+        service.upscale(photo, 2, 0, 1.0, 1.0, "flux2")
+
+
+def test_summaries_need_no_emoji_font(service, photo, tmp_path):
+    (tmp_path / "bad.png").write_bytes(b"nope")
+    texts = [service.upscale(photo, 2, 0).summary(), service.batch([photo, tmp_path / "bad.png"], 2, 0).summary()]
+    assert not [text for text in texts if EMOJI.search(text)], texts
+    assert "- done: parrots_x2.png" in texts[1] and "- **failed:** bad.png: " in texts[1]
+
+
+def test_start_up_lines_name_the_share_flag():
+    from flowlift.app.page import start_lines
+
+    local = start_lines("http://127.0.0.1:7860/", None, "127.0.0.1")
+    assert local == [
+        "flowlift app: serving http://127.0.0.1:7860/ (this machine only); Ctrl-C stops it",
+        "flowlift app: for a public *.gradio.live link, start it with flowlift app --share",
+    ]
+    shared_lines = start_lines("http://0.0.0.0:7860/", "https://abc.gradio.live", "0.0.0.0")
+    assert "bound to 0.0.0.0" in shared_lines[0] and "https://abc.gradio.live" in shared_lines[1]
+    assert not [line for line in local + shared_lines if "share=True" in line or "launch()" in line]
+
+
+def test_freed_memory_goes_back_to_the_system():
+    """What a request freed on a worker thread is returned (glibc keeps it in that thread's arena otherwise:
+    the server grew with every Gradio worker that ever ran the model; see flowlift.app.memory)."""
+    import platform
+    import threading
+
+    from flowlift.app.memory import release_freed_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+
+    def rss() -> int:
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+
+    kept = []
+
+    def request() -> None:  # 180 MB in blocks below the mmap threshold, freed, the heap's top still in use
+        blocks = [bytearray(60_000) for _ in range(3000)]
+        kept.append(bytearray(100))
+        del blocks
+
+    worker = threading.Thread(target=request)
+    worker.start()
+    worker.join()
+    before = rss()
+    assert release_freed_memory()
+    assert before - rss() > 100 * 2**20

@@ -226,3 +226,32 @@ def test_latent_only_pipeline_with_strip_progress_and_memory_budget(unet):
     assert len(totals) == 2 and len(seen) == sum(totals)  # two passes, every strip reported once
     with pytest.raises(FlowliftError, match="without a VAE"):
         pipe.upscale_image(torch.rand(1, 3, 16, 16), 1)
+
+
+def test_decode_tile_progress_reaches_the_caller(unet, vae, photo):
+    """on_decode_tile sees every tile of the VAE's tiled decode; it only observes (same pixels)."""
+    tiled = FlowUpscalerPipeline(unet, vae, device="cpu", dtype=torch.float32, vae_tiled=True)
+    seen: list[tuple[int, int]] = []
+    stages: list[str] = []
+    hooked = tiled.upscale_image(
+        photo, 2, seed=1, output_type="pt", callback=stages.append, on_decode_tile=lambda *a: seen.append(a)
+    )
+    plain = tiled.upscale_image(photo, 2, seed=1, output_type="pt")
+    assert torch.equal(hooked, plain)
+    assert seen and seen == [(done, seen[0][1]) for done in range(1, seen[0][1] + 1)]
+    assert stages == ["encode", "pass 1/2", "pass 2/2", "decode", "color fix"]
+
+    class PlainDecode:  # a VAE without tile progress (e.g. another front-end's adapter): one tile
+        spatial_factor = 8
+
+        def encode(self, images, tiled=None):
+            return vae.encode(images, tiled=tiled)
+
+        def decode(self, latents, tiled=None):
+            return vae.decode(latents, tiled=tiled)
+
+    seen.clear()
+    FlowUpscalerPipeline(unet, PlainDecode(), device="cpu", dtype=torch.float32).upscale_image(
+        photo, 1, on_decode_tile=lambda *a: seen.append(a)
+    )
+    assert seen == [(1, 1)]

@@ -109,6 +109,23 @@ def test_tiled_encode_equals_full_frame(vae, band, tile):
     assert _max_err(tiled, full) <= TILE_TOL
 
 
+def test_tiled_decode_reports_every_tile_and_changes_nothing(vae):
+    """The progress hook of the tiled decode: one call per tile over the batch, same pixels as without it."""
+    torch.manual_seed(2)
+    latents = torch.randn(2, 32, 13, 19)
+    seen: list[tuple[int, int]] = []
+    with torch.no_grad():
+        plain = vae.model.decode_tiled(latents, band=9, tile=5)
+        hooked = vae.model.decode_tiled(latents, band=9, tile=5, on_tile=lambda done, total: seen.append((done, total)))
+    assert torch.equal(plain, hooked)
+    # per image: rows 13 -> bands of 6 and 7 -> 2 tiles each; columns 19 -> bands 6, 7, 6 -> 2 tiles each:
+    # (2 * 2) * (3 * 2) = 24 tiles, 48 for the batch of two
+    assert seen == [(done, 48) for done in range(1, 49)]
+    seen.clear()
+    vae.decode(latents[:1], tiled=False, on_tile=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 1)]  # a whole-frame decode is one tile
+
+
 def test_tiled_decode_bounds_every_activation(vae):
     """Tiling must really tile: no conv in the local part sees more than a haloed tile."""
     seen: list[tuple[int, int]] = []

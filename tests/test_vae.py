@@ -212,6 +212,30 @@ def test_tiling_switch(model, images, monkeypatch):
     assert len(seen) == 2
 
 
+def test_tiled_decode_reports_diffusers_tiles(model, images, monkeypatch):
+    """Flux2VAE's tile progress counts diffusers' own decoder runs (a hook, not a copy of the decode)."""
+    from flowlift.models.vae import diffusers_decode_tiles
+
+    vae = load_vae(model)
+    latents = vae.encode(images)  # (2, 32, 8, 6); the tiny config tiles 4 latent px with stride 3
+    seen: list[tuple[int, int]] = []
+    plain = vae.decode(latents, tiled=True)
+    hooked = vae.decode(latents, tiled=True, on_tile=lambda done, total: seen.append((done, total)))
+    assert torch.equal(plain, hooked)
+    assert seen == [(done, 6) for done in range(1, 7)]  # ceil(8 / 3) * ceil(6 / 3)
+    assert not model.decoder._forward_hooks  # removed afterwards
+    seen.clear()
+    monkeypatch.setattr(model, "use_slicing", True)  # a batch decoded one image at a time
+    vae.decode(latents, tiled=True, on_tile=lambda done, total: seen.append((done, total)))
+    assert seen == [(done, 12) for done in range(1, 13)]
+    seen.clear()
+    vae.decode(latents, tiled=False, on_tile=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 2), (2, 2)]  # untiled, sliced: one decoder run per image
+    kwargs = dict(batch=1, tiling=True, slicing=False, tile_latent=64, overlap=0.25)
+    assert diffusers_decode_tiles(64, 64, **kwargs) == 1  # no side over one tile: not tiled
+    assert diffusers_decode_tiles(128, 65, **kwargs) == 3 * 2  # stride int(64 * 0.75) = 48
+
+
 def test_bad_inputs(model):
     vae = load_vae(model)
     with pytest.raises(FlowliftError, match="multiples of 16"):

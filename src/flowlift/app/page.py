@@ -1,13 +1,16 @@
 """``flowlift app``: the Gradio page over :class:`flowlift.app.service.AppService`.
 
-Tabs: **Upscale** (one image, before/after slider, full-resolution download; also the API endpoint
-``upscale``), **Batch** (several files into a zip with the CLI's names, per-file errors listed) and,
-when a FLUX.2 model is configured, **Refine** (img2img / hires fix). Every handler that runs a model
-shares one queue slot per device (``concurrency_limit=1``), so requests on one GPU run one at a time
-and a waiting request shows its place in the queue. Handlers take the raw upload payloads
-(``preprocess=False``): the file is opened only by :func:`flowlift.files.images.load_image`, so a corrupt
-file, a decompression bomb or an unsupported format reaches the user as one error line instead of
-a failure inside Gradio's own image decoding.
+Tabs: **Upscale** (one image, before/after slider, a detail view at 100%/200% beside the input,
+full-resolution download; also the API endpoint ``upscale``), **Batch** (several files into a zip
+with the CLI's names, per-file errors listed) and, when a FLUX.2 model is configured, **Refine**
+(img2img / hires fix). Every handler that runs a model shares one queue slot per device
+(``concurrency_limit=1``), so requests on one GPU run one at a time and a waiting request shows its
+place in the queue. Handlers take the raw upload payloads (``preprocess=False``): the file is opened
+only by :func:`flowlift.files.images.load_image`, so a corrupt file, a decompression bomb or an
+unsupported format reaches the user as one error line instead of a failure inside Gradio's own image
+decoding; the file is also read as soon as it is dropped, so such an error shows at once. Each
+request has one progress bar (stages, passes and decode tiles, with the time left) over its main
+output.
 
 Gradio is imported only when a page is built (it is the optional ``app`` extra).
 """
@@ -19,9 +22,12 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from flowlift.app.service import PREVIEW_MAX_SIDE, SCALES, AppService
+from flowlift.app.detail import INPUT_FILTERS, ZOOMS, detail_html, detail_view, overview_to_output
+from flowlift.app.results import PREVIEW_MAX_SIDE
+from flowlift.app.service import SCALES, AppService
 from flowlift.errors import FlowliftError
 
 #: Fonts the browser has already: the default theme would fetch web fonts from the internet.
@@ -52,12 +58,16 @@ def upload_path(payload: Any) -> str | None:
     return os.fspath(payload)
 
 
-def _as_user_error(gr: Any, error: BaseException) -> Exception:
-    """A ``gr.Error`` (escaped, shown until closed) for any failure; the server logs unexpected ones."""
+def _user_text(error: BaseException) -> str:
+    """The first line of an error for the page (unescaped); the server logs unexpected errors in full."""
     if not isinstance(error, FlowliftError):
         traceback.print_exception(error, file=sys.stderr)
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return gr.Error(html.escape(text), duration=None, print_exception=False)
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _as_user_error(gr: Any, error: BaseException) -> Exception:
+    """A ``gr.Error`` (escaped, shown until closed) for any failure; the server logs unexpected ones."""
+    return gr.Error(html.escape(_user_text(error)), duration=None, print_exception=False)
 
 
 def _progress_adapter(progress: Any) -> Callable[[float, str], None]:
@@ -67,19 +77,52 @@ def _progress_adapter(progress: Any) -> Callable[[float, str], None]:
     return report
 
 
+#: Styles of the page's status lines (plain text marks: the page needs no emoji font).
+CSS = """
+.flowlift-error { color: var(--error-text-color, #b91c1c); font-weight: 600; }
+.flowlift-ok { color: var(--body-text-color-subdued, #4b5563); }
+"""
+
+#: Sizes the detail crops in device pixels: at 100% one image pixel per screen pixel, also on a HiDPI
+#: screen (devicePixelRatio 2 shows a 512 px crop as 256 CSS px, which are 512 screen pixels).
+FIT_DEVICE_PIXELS = """
+const fit = () => {
+  const ratio = window.devicePixelRatio || 1;
+  element.querySelectorAll('img[data-zoom]').forEach((img) => {
+    img.style.width = (Number(img.getAttribute('width')) / ratio) + 'px';
+    img.style.height = (Number(img.getAttribute('height')) / ratio) + 'px';
+  });
+};
+fit();
+watch('value', fit);
+"""
+
+
+def status_line(text: str, error: bool = False) -> str:
+    """One status line for a Markdown field, marked by a word and a colour (no icon font needed)."""
+    if not text:
+        return ""
+    kind, mark = ("flowlift-error", "Error:") if error else ("flowlift-ok", "Ready:")
+    return f'<span class="{kind}">{mark}</span> {html.escape(text)}'
+
+
 def build_app(service: AppService) -> Any:
     """The ``gr.Blocks`` page of ``flowlift app`` (not launched)."""
     gr = import_gradio()
     config = service.config
     device = config.device or "the default device"
     queue = {"concurrency_limit": 1, "concurrency_id": f"models-{device}"}
+    # Views (the upload check, the detail crops) never wait behind a running upscale, two at a time (each
+    # decodes a whole image), and draw no overlay over the crops (a veil would change the pixels shown).
+    views = {"concurrency_limit": 2, "concurrency_id": "views", "api_visibility": "private", "show_progress": "hidden"}
 
     stage_progress = gr.Progress()
 
     def upscale(image, scale, seed, transplant_strength, color_fix_strength, vae=None, progress=stage_progress):
+        source = upload_path(image)
         try:
             result = service.upscale(
-                upload_path(image),
+                source,
                 scale,
                 seed,
                 transplant_strength,
@@ -91,7 +134,33 @@ def build_app(service: AppService) -> Any:
             raise _as_user_error(gr, error) from None
         for warning in result.warnings:
             gr.Warning(html.escape(warning), duration=None)
-        return (result.before, result.after), str(result.output), result.summary()
+        shown = {"source": source, "output": str(result.output), "size": result.output_size, "centre": None}
+        return (result.before, result.after), str(result.output), result.summary(), shown
+
+    def check(image):
+        try:
+            return status_line(service.check_image(upload_path(image))), gr.update(interactive=True)
+        except Exception as error:  # noqa: BLE001 - shown under the input, where the file was dropped
+            return status_line(_user_text(error), error=True), gr.update(interactive=False)
+
+    def show_detail(shown, zoom, input_filter):
+        if not shown:
+            return None, "", shown
+        try:
+            view, thumbnail = detail_view(
+                Path(shown["source"]), Path(shown["output"]), shown["centre"], zoom, input_filter
+            )
+        except Exception as error:  # noqa: BLE001
+            raise _as_user_error(gr, error) from None
+        return thumbnail, detail_html(view, Path(shown["output"]).name), shown
+
+    def pick_region(shown, zoom, input_filter, evt: gr.SelectData):
+        if not shown or not isinstance(evt.index, (list, tuple)) or len(evt.index) != 2:
+            return show_detail(shown, zoom, input_filter)
+        centre = overview_to_output((float(evt.index[0]), float(evt.index[1])), tuple(shown["size"]))
+        return show_detail({**shown, "centre": centre}, zoom, input_filter)
+
+    pick_region.__annotations__["evt"] = gr.SelectData  # Gradio finds the event by class; annotations are strings here
 
     def batch(files, scale, seed, transplant_strength, color_fix_strength, vae=None, progress=stage_progress):
         try:
@@ -121,7 +190,8 @@ def build_app(service: AppService) -> Any:
                         sources=["upload", "clipboard"],
                         elem_id="upscale-input",
                     )
-                    controls = _upscale_controls(gr, config.vaes, "upscale")
+                    upload_status = gr.Markdown(elem_id="upscale-upload-status")
+                    controls = _upscale_controls(gr, service, "upscale")
                     run = gr.Button("Upscale", variant="primary", elem_id="upscale-button")
                 with gr.Column():
                     slider = gr.ImageSlider(
@@ -132,19 +202,55 @@ def build_app(service: AppService) -> Any:
                     )
                     download = gr.File(label="Full-resolution PNG", elem_id="upscale-download")
                     info = gr.Markdown(elem_id="upscale-info")
+            shown = gr.State(None)
+            with gr.Column(elem_id="upscale-detail"):
+                gr.Markdown(
+                    "### Detail at 1:1\nA region of the result at 100% or 200% beside the same region of the "
+                    "input enlarged to the result's size. Click the overview to choose the region (the "
+                    "centre at first); the full-resolution PNG is the download above."
+                )
+                with gr.Row():
+                    overview_image = gr.Image(
+                        label="Overview: click to move the region",
+                        type="pil",
+                        interactive=False,
+                        buttons=[],
+                        height=300,
+                        elem_id="detail-overview",
+                    )
+                    with gr.Column():
+                        zoom = gr.Radio(list(ZOOMS), value="100%", label="Zoom", elem_id="detail-zoom")
+                        input_filter = gr.Radio(
+                            list(INPUT_FILTERS),
+                            value="nearest",
+                            label="Input enlarged with",
+                            info="nearest: every input pixel as a block; Lanczos: smooth, as the slider's 'before'",
+                            elem_id="detail-filter",
+                        )
+                detail = gr.HTML(js_on_load=FIT_DEVICE_PIXELS, elem_id="detail-view")
+            image.upload(check, inputs=[image], outputs=[upload_status, run], preprocess=False, **views)
+            image.clear(lambda: ("", gr.update(interactive=True)), outputs=[upload_status, run], **views)
             run.click(
                 upscale,
                 inputs=[image, *controls],
-                outputs=[slider, download, info],
+                outputs=[slider, download, info, shown],
                 api_name="upscale",
                 preprocess=False,
+                show_progress_on=[slider],
                 **queue,
+            ).success(show_detail, inputs=[shown, zoom, input_filter], outputs=[overview_image, detail, shown], **views)
+            for choice in (zoom, input_filter):
+                choice.change(
+                    show_detail, inputs=[shown, zoom, input_filter], outputs=[overview_image, detail, shown], **views
+                )
+            overview_image.select(
+                pick_region, inputs=[shown, zoom, input_filter], outputs=[overview_image, detail, shown], **views
             )
         with gr.Tab("Batch", id="batch"):
             with gr.Row():
                 with gr.Column():
                     files = gr.File(label="Images", file_count="multiple", elem_id="batch-input")
-                    batch_controls = _upscale_controls(gr, config.vaes, "batch")
+                    batch_controls = _upscale_controls(gr, service, "batch")
                     run_batch = gr.Button("Upscale all", variant="primary", elem_id="batch-button")
                 with gr.Column():
                     archive = gr.File(
@@ -157,6 +263,7 @@ def build_app(service: AppService) -> Any:
                 outputs=[archive, report],
                 api_name="batch",
                 preprocess=False,
+                show_progress_on=[archive],
                 **queue,
             )
         if config.model:
@@ -166,8 +273,9 @@ def build_app(service: AppService) -> Any:
     return demo
 
 
-def _upscale_controls(gr: Any, vaes: list[str], prefix: str) -> list[Any]:
-    """Scale, seed, both strengths and the VAE choice (the API's argument order)."""
+def _upscale_controls(gr: Any, service: AppService, prefix: str) -> list[Any]:
+    """Scale, seed, both strengths and the VAE choice (the API's argument order). The strengths are
+    labelled by what they do; the help line under each gives the stage and its maths."""
     scale = gr.Radio(list(SCALES), value=2, label="Scale", elem_id=f"{prefix}-scale")
     seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id=f"{prefix}-seed")
     transplant = gr.Slider(
@@ -175,11 +283,35 @@ def _upscale_controls(gr: Any, vaes: list[str], prefix: str) -> list[Any]:
         1.0,
         value=1.0,
         step=0.05,
-        label="Transplant strength (stage 1: latent low band; lower = truer to the input)",
+        label="Keep the input's broad shapes and shading",
+        info="Stage 1, after every 2x pass: this share of the coarse band (below 1/8 of the latent "
+        "resolution) is set to the input's. 1 = exactly the input's; 0 = the model's own.",
+        elem_id=f"{prefix}-transplant",
     )
-    color_fix = gr.Slider(0.0, 1.0, value=1.0, step=0.05, label="Colour-fix strength (stage 2: L*a*b* low band)")
-    vae = gr.Dropdown(vaes, value=vaes[0], label="VAE", interactive=len(vaes) > 1, elem_id=f"{prefix}-vae")
+    color_fix = gr.Slider(
+        0.0,
+        1.0,
+        value=1.0,
+        step=0.05,
+        label="Match the input's colours and brightness",
+        info="Stage 2, after decoding: 1 = averaged over each input pixel, the result's L*a*b* colour equals "
+        "the input's; 0.5 leaves half the difference; 0 = no correction. Fine detail is not touched.",
+        elem_id=f"{prefix}-color-fix",
+    )
+    labels = list(service.vae_labels)
+    vae = gr.Dropdown(labels, value=labels[0], label="VAE", interactive=len(labels) > 1, elem_id=f"{prefix}-vae")
     return [scale, seed, transplant, color_fix, vae]
+
+
+def start_lines(local_url: str, share_url: str | None, host: str) -> list[str]:
+    """What ``flowlift app`` prints once it serves: where, and how to share (the flag, not Gradio's API)."""
+    reach = "this machine only" if host in ("127.0.0.1", "localhost", "::1") else f"bound to {host}"
+    lines = [f"flowlift app: serving {local_url} ({reach}); Ctrl-C stops it"]
+    if share_url:
+        lines.append(f"flowlift app: public link {share_url} (anyone with it can use this server)")
+    else:
+        lines.append("flowlift app: for a public *.gradio.live link, start it with flowlift app --share")
+    return lines
 
 
 def launch(
@@ -191,7 +323,11 @@ def launch(
     share: bool = False,
     block: bool = True,
 ) -> Any:
-    """Serve ``demo`` (queue on, upload limit, system fonts, no share unless asked); returns after close."""
+    """Serve ``demo`` (queue on, upload limit, system fonts, no share unless asked); returns after close.
+
+    Gradio's own start-up lines are off (they point at ``launch(share=True)``, which a ``flowlift app``
+    user cannot call); :func:`start_lines` says where the page is and that ``--share`` shares it.
+    """
     gr = import_gradio()
     demo.queue(default_concurrency_limit=1)
     kwargs = dict(
@@ -201,9 +337,15 @@ def launch(
         max_file_size=int(service.config.max_upload_mb * 2**20),
         allowed_paths=[str(service.work_dir)],
         theme=gr.themes.Default(font=SYSTEM_FONTS, font_mono=MONO_FONTS),
+        css=CSS,
         ssr_mode=False,
         show_error=True,
-        quiet=False,
-        prevent_thread_lock=not block,
+        quiet=True,
+        prevent_thread_lock=True,
     )
-    return demo.launch(**kwargs)
+    launched = demo.launch(**kwargs)
+    for line in start_lines(demo.local_url, getattr(demo, "share_url", None), host):
+        print(line, file=sys.stderr, flush=True)
+    if block:
+        demo.block_thread()
+    return launched

@@ -12,7 +12,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flowlift.app.service import AppService, ProgressFn, UpscaleResult, _public_message, check_upload, preview_pair
+from flowlift.app.memory import release_freed_memory
+from flowlift.app.progress import ProgressFn
+from flowlift.app.results import (
+    UpscaleResult,
+    check_upload,
+    first_line,
+    model_name,
+    preview_pair,
+    public_message,
+    request_log_line,
+)
+from flowlift.app.service import AppService
 from flowlift.errors import FlowliftError
 from flowlift.jobs.batch import ITEM_ERRORS
 
@@ -67,7 +78,41 @@ def refine(
     sampler: str = "euler",
     progress: ProgressFn = _no_progress,
 ) -> UpscaleResult:
-    """Refine one upload; written as ``<stem>_img2img.png`` / ``<stem>_hires<N>x.png`` with the CLI's metadata."""
+    """Refine one upload; written as ``<stem>_img2img.png`` / ``<stem>_hires<N>x.png`` with the CLI's metadata.
+
+    Logs the server's one line for the request whatever its outcome.
+    """
+    started = time.perf_counter()
+    name = Path(path).name if path else "-"
+    try:
+        result = _refine(
+            service, path, prompt, prompt_embeds, mode, strength, strength_map, steps, seed, sampler, progress
+        )
+    except BaseException as error:
+        release_freed_memory()
+        seconds = time.perf_counter() - started
+        service.config.log(request_log_line("refine", name, str(mode), seconds, f"error: {first_line(error)}"))
+        raise
+    release_freed_memory()
+    (w0, h0), (w1, h1) = result.input_size, result.output_size
+    request = f"{mode} {w0}x{h0} -> {w1}x{h1}"
+    service.config.log(request_log_line("refine", name, request, time.perf_counter() - started, "ok"))
+    return result
+
+
+def _refine(
+    service: AppService,
+    path: str | Path | None,
+    prompt: str | None = None,
+    prompt_embeds: str | Path | None = None,
+    mode: str = "img2img",
+    strength: Any = 0.5,
+    strength_map: str = "linear",
+    steps: Any = 28,
+    seed: Any = 0,
+    sampler: str = "euler",
+    progress: ProgressFn = _no_progress,
+) -> UpscaleResult:
     from flowlift.files.image_outputs import input_hashes, save_image_atomic
     from flowlift.files.images import attach_alpha, load_image, tensor_to_pil, to_tensor
     from flowlift.files.naming import refined_output
@@ -94,13 +139,13 @@ def refine(
         try:
             embeds, negative = load_prompt_embeds(embeds_path)
         except ITEM_ERRORS as error:
-            raise FlowliftError(_public_message(error, embeds_path)) from None
+            raise FlowliftError(public_message(error, embeds_path)) from None
     elif not (prompt or "").strip():
         raise FlowliftError("give a prompt or a prompt-embeds file (.safetensors with 'prompt_embeds')")
     try:
         rgb, alpha = load_image(source)
     except FlowliftError as error:
-        raise FlowliftError(_public_message(error, source)) from None
+        raise FlowliftError(public_message(error, source)) from None
     scale = MODES[mode]
     if scale and (rgb.size[0] % 16 or rgb.size[1] % 16):
         raise FlowliftError(f"{source.name}: the hires fix needs sides that are multiples of 16 px, got {rgb.size}")
@@ -129,7 +174,7 @@ def refine(
             name = refined_output(source.name, "img2img").name
             extra = {"command": "img2img"}
     except ITEM_ERRORS as error:
-        raise FlowliftError(_public_message(error, source)) from None
+        raise FlowliftError(public_message(error, source)) from None
     metadata = dict(result.parameters)
     metadata.update(
         input=source.name,
@@ -172,7 +217,7 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
         return (result.before, result.after), str(result.output), result.summary()
 
     with gr.Tab("Refine", id="refine"):
-        gr.Markdown(f"FLUX.2 model: `{html.escape(str(service.config.model))}`")
+        gr.Markdown(f"FLUX.2 model: `{html.escape(model_name(str(service.config.model)))}`")
         with gr.Row():
             with gr.Column():
                 image = gr.Image(
@@ -185,8 +230,22 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
                 prompt = gr.Textbox(label="Prompt (needs flowlift[text]; or give prompt embeddings below)", lines=2)
                 embeds = gr.File(label="Prompt embeddings (.safetensors with 'prompt_embeds')", elem_id="refine-embeds")
                 mode = gr.Radio(list(MODES), value="img2img", label="Mode")
-                strength = gr.Slider(0.0, 1.0, value=0.5, step=0.01, label="Strength (hires fix: refine strength)")
-                strength_map = gr.Radio(list(STRENGTH_MAPS), value="linear", label="Strength map (canvas: 1 - s**0.2)")
+                strength = gr.Slider(
+                    0.0,
+                    1.0,
+                    value=0.5,
+                    step=0.01,
+                    label="How much to redraw the image",
+                    info="0 keeps it, 1 draws it anew from noise (hires fix: the redraw after the upscale). "
+                    "Sampling starts at denoising_start = 1 - strength (linear) or 1 - strength**0.2 (canvas).",
+                )
+                strength_map = gr.Radio(
+                    list(STRENGTH_MAPS),
+                    value="linear",
+                    label="How strength is counted",
+                    info="linear: 0.5 redraws the last half of the schedule; canvas: as canvas apps count it, "
+                    "much stronger at the same number (0.5 redraws 87%)",
+                )
                 steps = gr.Number(
                     value=28, precision=0, minimum=1, maximum=MAX_STEPS, label="Steps of the full schedule"
                 )
@@ -203,5 +262,6 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
             outputs=[slider, download, info],
             api_name="refine",
             preprocess=False,
+            show_progress_on=[slider],
             **queue,
         )

@@ -17,20 +17,29 @@ import threading
 import time
 import zipfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flowlift.app.memory import release_freed_memory
+from flowlift.app.progress import EtaProgress, ProgressFn, UpscaleProgress
+from flowlift.app.results import (
+    BatchResult,
+    UpscaleResult,
+    check_upload,
+    first_line,
+    log_to_stderr,
+    preview_pair,
+    public_message,
+    request_log_line,
+    strip_folders,
+    vae_labels,
+)
 from flowlift.errors import FlowliftError
 from flowlift.jobs.batch import ITEM_ERRORS
 
-#: Progress reporter: ``progress(fraction_done, description)``.
-ProgressFn = Callable[[float, str], None]
-
 SCALES = (2, 4, 8)
 DEFAULT_MAX_UPLOAD_MB = 50.0
-#: Longest side of the before/after preview sent to the browser (the download is full resolution).
-PREVIEW_MAX_SIDE = 2048
 #: Result folders older than this are removed when a new request starts (Gradio keeps its own copy).
 RESULT_MAX_AGE_S = 3600.0
 
@@ -51,90 +60,13 @@ class AppConfig:
     model: str | None = None
     model_vae: str | None = None
     work_dir: Path | None = None
+    #: Where the one line per request goes (stderr by default).
+    log: Callable[[str], None] = log_to_stderr
 
     def __post_init__(self) -> None:
         self.vaes = list(dict.fromkeys(self.vaes)) or ["flux2"]
         if self.max_upload_mb <= 0:
             raise FlowliftError(f"--max-upload-mb must be > 0, got {self.max_upload_mb}")
-
-
-@dataclass
-class UpscaleResult:
-    """One upscaled file: the full-resolution PNG, the preview pair, and what to show under it."""
-
-    output: Path
-    before: Any
-    after: Any
-    input_size: tuple[int, int]
-    output_size: tuple[int, int]
-    seconds: float
-    warnings: list[str] = field(default_factory=list)
-
-    def summary(self) -> str:
-        """One Markdown paragraph: sizes, time, warnings."""
-        (w0, h0), (w1, h1) = self.input_size, self.output_size
-        text = f"**{self.output.name}**: {w0}x{h0} → **{w1}x{h1}** px in {self.seconds:.1f} s"
-        for warning in self.warnings:
-            text += f"\n\n⚠️ {warning}"
-        return text
-
-
-@dataclass
-class BatchResult:
-    """A batch: the zip of every output written (None when nothing succeeded) and one line per failure."""
-
-    zip_path: Path | None
-    written: list[str]
-    errors: list[str]
-    seconds: float
-
-    def summary(self) -> str:
-        total = len(self.written) + len(self.errors)
-        lines = [f"{len(self.written)} of {total} file(s) upscaled in {self.seconds:.1f} s"]
-        lines += [f"- ✅ {name}" for name in self.written]
-        lines += [f"- ❌ {error}" for error in self.errors]
-        return "\n".join(lines)
-
-
-def check_upload(path: str | Path, max_upload_mb: float) -> Path:
-    """The uploaded file as a Path, or one error line when it is missing or over ``max_upload_mb``."""
-    path = Path(path)
-    if not path.is_file():
-        raise FlowliftError(f"{path.name}: the upload is missing on the server; upload it again")
-    size_mb = path.stat().st_size / 2**20
-    if size_mb > max_upload_mb:
-        raise FlowliftError(
-            f"{path.name}: {size_mb:.1f} MB is over the {max_upload_mb:g} MB upload limit (--max-upload-mb)"
-        )
-    return path
-
-
-def _public_message(error: BaseException, path: Path) -> str:
-    """An error's first line with the server-side folder of ``path`` cut off (only the file name stays)."""
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    text = text.replace(str(path), path.name)
-    return text if text.startswith(path.name) else f"{path.name}: {text}"
-
-
-def _strip_folders(text: str, folders: Sequence[Path]) -> str:
-    """``text`` with the server-side ``folders`` cut from any path in it (users see file names only)."""
-    for folder in sorted({str(f) for f in folders}, key=len, reverse=True):
-        text = text.replace(folder + "/", "")
-    return text
-
-
-def preview_pair(image: Any, result: Any, max_side: int = PREVIEW_MAX_SIDE) -> tuple[Any, Any]:
-    """(input Lanczos-resized, output) at the output's size, both shrunk to fit ``max_side``."""
-    from PIL import Image
-
-    width, height = result.size
-    shrink = min(1.0, max_side / max(width, height))
-    size = (max(1, round(width * shrink)), max(1, round(height * shrink)))
-    before = image.convert("RGB").resize(size, Image.Resampling.LANCZOS)
-    after = result.convert("RGB")
-    if after.size != size:
-        after = after.resize(size, Image.Resampling.LANCZOS)
-    return before, after
 
 
 class AppService:
@@ -155,6 +87,18 @@ class AppService:
         self._own_work_dir = config.work_dir is None
         self.work_dir = Path(config.work_dir or tempfile.mkdtemp(prefix="flowlift-app-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        #: The page's VAE choices: label (a name) -> spec (possibly a server path, never shown).
+        self.vae_labels = vae_labels(config.vaes)
+
+    def vae_spec(self, vae: str | None) -> str:
+        """The configured VAE spec for a page label or a spec (API callers may pass either; None: the first)."""
+        if not vae:
+            return self.config.vaes[0]
+        if vae in self.vae_labels:
+            return self.vae_labels[vae]
+        if vae in self.config.vaes:
+            return vae
+        raise FlowliftError(f"VAE {vae!r} is not configured; choose one of {', '.join(self.vae_labels)}")
 
     # -- models ------------------------------------------------------------------------------------
 
@@ -172,7 +116,7 @@ class AppService:
     def pipeline(self, vae: str, progress: ProgressFn = _no_progress) -> Any:
         """The :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline` for ``vae`` (one of the configured VAEs)."""
         if vae not in self.config.vaes:
-            raise FlowliftError(f"VAE {vae!r} is not configured; choose one of {', '.join(self.config.vaes)}")
+            raise FlowliftError(f"VAE {vae!r} is not configured; choose one of {', '.join(self.vae_labels)}")
         with self._lock:
             if vae in self._pipelines:
                 return self._pipelines[vae]
@@ -180,7 +124,8 @@ class AppService:
             from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
             first = next(iter(self._pipelines.values()), None)
-            progress(0.0, f"loading the Flow Upscaler and VAE {vae} (once per server)")
+            label = next((name for name, spec in self.vae_labels.items() if spec == vae), vae)
+            progress(0.0, f"loading the Flow Upscaler and VAE {label} (once per server)")
             if first is None:
                 pipe = FlowUpscalerPipeline(
                     self.upscaler_source, vae, dtype=self._torch_dtype(), device=self.config.device
@@ -260,10 +205,7 @@ class AppService:
         for name, value in (("transplant strength", transplant_f), ("colour-fix strength", color_f)):
             if not 0.0 <= value <= 1.0:
                 raise FlowliftError(f"{name} must be in [0, 1], got {value}")
-        vae = vae or self.config.vaes[0]
-        if vae not in self.config.vaes:
-            raise FlowliftError(f"VAE {vae!r} is not configured; choose one of {', '.join(self.config.vaes)}")
-        return scale_i, int(seed_f), transplant_f, color_f, vae
+        return scale_i, int(seed_f), transplant_f, color_f, self.vae_spec(vae)
 
     def _upscale_into(
         self,
@@ -282,21 +224,39 @@ class AppService:
 
         started = time.perf_counter()
         check_upload(source, self.config.max_upload_mb)
-        stages = ["encode", *(f"pass {i + 1}/{passes}" for i in range(passes)), "decode", "color fix"]
-        done = iter(range(1, len(stages) + 1))
-
-        def on_stage(stage: str) -> None:
-            step = next(done, len(stages))
-            following = stages[step] if step < len(stages) else "saving"
-            progress(base + span * step / (len(stages) + 1), f"{source.name}: {stage} done, {following}")
-
-        progress(base, f"{source.name}: encode")
+        stages = UpscaleProgress(progress, source.name, passes, base, span)
+        stages.start()
         try:
-            image, result, notes = upscale_file(pipeline, settings, passes, source, out, self._hashes[vae], on_stage)
+            image, result, notes = upscale_file(
+                pipeline, settings, passes, source, out, self._hashes[vae], stages.stage, stages.decode_tile
+            )
         except ITEM_ERRORS as error:
-            raise FlowliftError(_public_message(error, source)) from None
+            raise FlowliftError(public_message(error, source)) from None
         before, after = preview_pair(image, result)
         return UpscaleResult(out, before, after, image.size, result.size, time.perf_counter() - started, notes)
+
+    def _log(self, kind: str, name: str, request: str, started: float, outcome: str) -> None:
+        """The request's log line; the request is over, so its freed memory goes back to the system."""
+        release_freed_memory()
+        self.config.log(request_log_line(kind, name, request, time.perf_counter() - started, outcome))
+
+    def check_image(self, path: str | Path | None) -> str:
+        """What the page says when a file is dropped: its size, or the one-line error an upscale would give.
+
+        The file is read completely (as the upscale will read it), so a truncated or corrupt image is
+        reported on upload, not after the user pressed Upscale.
+        """
+        from flowlift.files.images import load_image
+
+        if not path:
+            return ""
+        source = check_upload(path, self.config.max_upload_mb)
+        try:
+            image, alpha = load_image(source)
+        except ITEM_ERRORS as error:
+            raise FlowliftError(public_message(error, source)) from None
+        transparency = " with transparency" if alpha is not None else ""
+        return f"{source.name}: {image.width}x{image.height} px{transparency}"
 
     def upscale(
         self,
@@ -308,7 +268,30 @@ class AppService:
         vae: str | None = None,
         progress: ProgressFn = _no_progress,
     ) -> UpscaleResult:
-        """Upscale one uploaded file into ``<stem>_x<scale>.png`` (the CLI's name and metadata)."""
+        """Upscale one uploaded file into ``<stem>_x<scale>.png`` (the CLI's name and metadata).
+
+        Logs one line (``request_log_line``) whatever the outcome.
+        """
+        started = time.perf_counter()
+        name = Path(path).name if path else "-"
+        try:
+            result = self._upscale(path, scale, seed, transplant_strength, color_fix_strength, vae, progress)
+        except BaseException as error:
+            self._log("upscale", name, f"x{scale}", started, f"error: {first_line(error)}")
+            raise
+        self._log("upscale", name, result.log_request(), started, "ok")
+        return result
+
+    def _upscale(
+        self,
+        path: str | Path | None,
+        scale: Any,
+        seed: Any,
+        transplant_strength: Any,
+        color_fix_strength: Any,
+        vae: str | None,
+        progress: ProgressFn,
+    ) -> UpscaleResult:
         if not path:
             raise FlowliftError("no image uploaded")
         source = Path(path)
@@ -323,9 +306,10 @@ class AppService:
         (job,) = self.plan([source], folder, scale)
         out = job.output
         if out is None:
-            raise FlowliftError(f"{source.name}: {_strip_folders(job.note, [source.parent, folder])}")
+            raise FlowliftError(f"{source.name}: {strip_folders(job.note, [source.parent, folder])}")
         pipeline = self.pipeline(vae, progress)
-        return self._upscale_into(source, out, settings, passes_for_scale(scale), pipeline, vae, progress)
+        eta = EtaProgress(progress)  # from here on: loading the models does not count
+        return self._upscale_into(source, out, settings, passes_for_scale(scale), pipeline, vae, eta)
 
     def batch(
         self,
@@ -337,7 +321,31 @@ class AppService:
         vae: str | None = None,
         progress: ProgressFn = _no_progress,
     ) -> BatchResult:
-        """Upscale every file into one zip (CLI names); a failing file is listed and the rest go on."""
+        """Upscale every file into one zip (CLI names); a failing file is listed and the rest go on.
+
+        Logs one line for the whole batch.
+        """
+        started = time.perf_counter()
+        count = f"{len(paths or [])} file(s)"
+        try:
+            result = self._batch(paths, scale, seed, transplant_strength, color_fix_strength, vae, progress)
+        except BaseException as error:
+            self._log("batch", count, f"x{scale}", started, f"error: {first_line(error)}")
+            raise
+        outcome = f"{len(result.written)} ok, {len(result.errors)} failed" if result.errors else "ok"
+        self._log("batch", count, f"x{scale}", started, outcome)
+        return result
+
+    def _batch(
+        self,
+        paths: Sequence[str | Path] | None,
+        scale: Any,
+        seed: Any,
+        transplant_strength: Any,
+        color_fix_strength: Any,
+        vae: str | None,
+        progress: ProgressFn,
+    ) -> BatchResult:
         if not paths:
             raise FlowliftError("no files uploaded")
         started = time.perf_counter()
@@ -353,18 +361,19 @@ class AppService:
         settings = self.settings(seed, transplant, color_fix, vae)
         plan = self.plan(sources, out_dir, scale)
         pipeline = self.pipeline(vae, progress)
+        eta = EtaProgress(progress)
         written: list[Path] = []
         errors: list[str] = []
         for index, (source, out, note) in enumerate((job.source, job.output, job.note) for job in plan):
             if out is None:
-                errors.append(f"{source.name}: {_strip_folders(note, [*(s.parent for s in sources), out_dir])}")
+                errors.append(f"{source.name}: {strip_folders(note, [*(s.parent for s in sources), out_dir])}")
                 continue
             try:
                 share = (index / len(plan), 1 / len(plan))
-                self._upscale_into(source, out, settings, passes_for_scale(scale), pipeline, vae, progress, *share)
+                self._upscale_into(source, out, settings, passes_for_scale(scale), pipeline, vae, eta, *share)
                 written.append(out)
             except ITEM_ERRORS as error:
-                errors.append(_public_message(error, source))
+                errors.append(public_message(error, source))
         zip_path = None
         if written:
             zip_path = folder / f"flowlift_x{scale}.zip"

@@ -29,7 +29,7 @@ band; encoding runs the full-resolution stem in tiles and the 1/2..1/8 stages in
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -189,19 +189,26 @@ class TAEF2(nn.Module):
         return torch.cat(outs)
 
     def decode_tiled(
-        self, latents: torch.Tensor, *, band: int = DEFAULT_DECODE_BAND, tile: int = DEFAULT_DECODE_TILE
+        self,
+        latents: torch.Tensor,
+        *,
+        band: int = DEFAULT_DECODE_BAND,
+        tile: int = DEFAULT_DECODE_TILE,
+        on_tile: Callable[[int, int], None] | None = None,
     ) -> torch.Tensor:
         """:meth:`decode_full` with bounded memory, equal up to float summation order.
 
         Per latent: the latent-resolution part (indices 0..5, with the GroupNorms) on the whole
         frame, the 2x and 4x stages (6..15) in bands of ``band x band`` latent pixels, and the 8x
-        stage (16..19) in tiles of ``tile x tile`` latent pixels inside each band.
+        stage (16..19) in tiles of ``tile x tile`` latent pixels inside each band. ``on_tile(done,
+        total)`` is called after every 8x tile, counted over the whole batch (progress only).
         """
         dec = self._need(self.decoder, "decoder")
         mid = list(dec[DECODER_LOCAL_START:DECODER_LAST_STAGE_START])
         last = list(dec[DECODER_LAST_STAGE_START:])
         outs = []
-        for latent in latents.split(1):
+        count = latents.shape[0]
+        for index, latent in enumerate(latents.split(1)):
             h = dec[:DECODER_LOCAL_START](latent)
             outs.append(
                 run_two_level(
@@ -215,6 +222,7 @@ class TAEF2(nn.Module):
                     tile=tile,
                     tile_unit=SPATIAL_FACTOR,
                     tile_first=False,
+                    on_tile=None if on_tile is None else _batch_tiles(on_tile, index, count),
                 )  # fmt: skip
             )
             del h
@@ -227,6 +235,16 @@ class TAEF2(nn.Module):
 
             raise FlowliftError(f"this TAEF2 has no {name} (only the other half was loaded)")
         return part
+
+
+def _batch_tiles(on_tile: Callable[[int, int], None], index: int, count: int) -> Callable[[int, int], None]:
+    """Per-image tile progress as progress over a batch of ``count``: image ``index``'s tile ``d`` of ``t``
+    is tile ``index * t + d`` of ``count * t`` (every image of a batch has the same size)."""
+
+    def report(done: int, total: int) -> None:
+        on_tile(index * total + done, count * total)
+
+    return report
 
 
 # --------------------------------------------------------------------------------------------------

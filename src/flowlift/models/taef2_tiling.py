@@ -102,6 +102,8 @@ def split_axis(n: int, tile: int) -> list[tuple[int, int]]:
 # --------------------------------------------------------------------------------------------------
 
 Provider = Callable[[int, int, int, int], torch.Tensor]
+#: ``on_tile(done, total)``: progress after each finished tile.
+TileCallback = Callable[[int, int], None]
 
 
 def run_region(
@@ -177,6 +179,7 @@ def run_two_level(
     tile: int,
     tile_unit: int,
     tile_first: bool,
+    on_tile: TileCallback | None = None,
 ) -> torch.Tensor:
     """Run the chain ``first`` then ``second`` over the whole of ``x`` in bands and tiles, exactly.
 
@@ -187,40 +190,40 @@ def run_two_level(
     output pixels; with ``tile_first=True`` (encoding: the expensive full-resolution stem first)
     ``first`` produces the mid region in such tiles and ``second`` runs once on the band. Every
     layer computes only its band/tile plus the halo the rest of the chain needs.
+
+    ``on_tile(done, total)`` is called after every tile (progress; it sees nothing of the data, so the
+    result is the same with or without it, and an exception it raises stops the run between tiles).
     """
     in_size = (x.shape[-2], x.shape[-1])
     mid_size = _chain_out_size(first_ops, in_size)
     out_h, out_w = _chain_out_size(second_ops, mid_size)
-    out: torch.Tensor | None = None
+    bands = []
     for by0, by1 in split_axis(-(-out_h // band_unit), band):
         for bx0, bx1 in split_axis(-(-out_w // band_unit), band):
             box = (by0 * band_unit, min(by1 * band_unit, out_h), bx0 * band_unit, min(bx1 * band_unit, out_w))
             rows = chain_intervals(second_ops, box[0], box[1], mid_size[0])[0]
             cols = chain_intervals(second_ops, box[2], box[3], mid_size[1])[0]
-            mid_box = (rows[0], rows[1], cols[0], cols[1])
-            if tile_first:
-                mid = _assemble(
-                    first_layers, first_ops, _tensor_provider(x), in_size, mid_box, tile, tile_unit
-                )
-                piece = run_region(
-                    second_layers, second_ops, _tensor_provider(mid, (rows[0], cols[0])), mid_size, box
-                )
-            else:
-                mid = run_region(first_layers, first_ops, _tensor_provider(x), in_size, mid_box)
-                piece = _assemble(
-                    second_layers,
-                    second_ops,
-                    _tensor_provider(mid, (rows[0], cols[0])),
-                    mid_size,
-                    box,
-                    tile,
-                    tile_unit,
-                )
-            del mid
-            if out is None:
-                out = _empty_like_layout(piece, (x.shape[0], piece.shape[1], out_h, out_w))
-            out[:, :, box[0] : box[1], box[2] : box[3]] = piece
-            del piece
+            bands.append((box, (rows[0], rows[1], cols[0], cols[1])))
+    tiled_box = 1 if tile_first else 0  # the region _assemble splits into tiles: mid (encode) or band (decode)
+    counter = _TileCounter(sum(_tile_count(b[tiled_box], tile, tile_unit) for b in bands), on_tile)
+    out: torch.Tensor | None = None
+    for box, mid_box in bands:
+        origin = (mid_box[0], mid_box[2])
+        if tile_first:
+            mid = _assemble(
+                first_layers, first_ops, _tensor_provider(x), in_size, mid_box, tile, tile_unit, counter
+            )
+            piece = run_region(second_layers, second_ops, _tensor_provider(mid, origin), mid_size, box)
+        else:
+            mid = run_region(first_layers, first_ops, _tensor_provider(x), in_size, mid_box)
+            piece = _assemble(
+                second_layers, second_ops, _tensor_provider(mid, origin), mid_size, box, tile, tile_unit, counter
+            )
+        del mid
+        if out is None:
+            out = _empty_like_layout(piece, (x.shape[0], piece.shape[1], out_h, out_w))
+        out[:, :, box[0] : box[1], box[2] : box[3]] = piece
+        del piece
     assert out is not None
     return out
 
@@ -233,6 +236,7 @@ def _assemble(
     box: tuple[int, int, int, int],
     tile: int,
     unit: int,
+    counter: _TileCounter | None = None,
 ) -> torch.Tensor:
     """Output of the chain on ``box``, computed in tiles of at most ``tile`` units of ``unit`` pixels."""
     y0, y1, x0, x1 = box
@@ -243,8 +247,28 @@ def _assemble(
             if out is None:
                 out = _empty_like_layout(piece, (piece.shape[0], piece.shape[1], y1 - y0, x1 - x0))
             out[:, :, ty0:ty1, tx0:tx1] = piece
+            if counter is not None:
+                counter.tick()
     assert out is not None
     return out
+
+
+def _tile_count(box: tuple[int, int, int, int], tile: int, unit: int) -> int:
+    """How many tiles :func:`_assemble` splits ``box`` into."""
+    y0, y1, x0, x1 = box
+    return len(_split_px(y1 - y0, tile, unit)) * len(_split_px(x1 - x0, tile, unit))
+
+
+class _TileCounter:
+    """Counts finished tiles and reports ``(done, total)`` to an optional callback."""
+
+    def __init__(self, total: int, on_tile: TileCallback | None) -> None:
+        self.done, self.total, self.on_tile = 0, total, on_tile
+
+    def tick(self) -> None:
+        self.done += 1
+        if self.on_tile is not None:
+            self.on_tile(self.done, self.total)
 
 
 def _split_px(n: int, tile: int, unit: int) -> list[tuple[int, int]]:

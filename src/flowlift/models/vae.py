@@ -22,6 +22,7 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import DEFAULT_BATCH_NORM_EPS, LATENT_CHANNELS, bn_std, denormalize, normalize
+from flowlift.models.taef2_tiling import TileCallback
 from flowlift.models.weights import load_strict
 
 #: TAEF2 tiles automatically when the image has more pixels than this (one 1024x1024 frame).
@@ -61,6 +62,22 @@ def _check_latents(latents: torch.Tensor, multiple: int) -> None:
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.is_floating_point() else torch.float32
+
+
+def diffusers_decode_tiles(
+    height: int, width: int, *, batch: int, tiling: bool, slicing: bool, tile_latent: int, overlap: float
+) -> int:
+    """How many times diffusers' ``AutoencoderKL*`` decode runs its decoder on (batch, C, height, width).
+
+    Tiled (``tiling`` and a side over ``tile_latent``): tiles start every ``stride = int(tile_latent *
+    (1 - overlap))`` latent rows and columns, so ``ceil(height / stride) * ceil(width / stride)`` per
+    decode; otherwise one. With ``slicing`` a batch of more than one is decoded one image at a time.
+    """
+    per_decode = 1
+    if tiling and (height > tile_latent or width > tile_latent):
+        stride = int(tile_latent * (1 - overlap))
+        per_decode = -(-height // stride) * -(-width // stride)
+    return per_decode * (batch if slicing and batch > 1 else 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -114,14 +131,21 @@ class TAEF2VAE(_ModuleVAE):
         return z.to(_out_dtype(images)).contiguous()
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
-        """Normalized latents (B, 32, h, w) -> images (B, 3, 8h, 8w), approximately [0, 1], unclamped."""
+    def decode(
+        self, latents: torch.Tensor, *, tiled: bool | None = None, on_tile: TileCallback | None = None
+    ) -> torch.Tensor:
+        """Normalized latents (B, 32, h, w) -> images (B, 3, 8h, 8w), approximately [0, 1], unclamped.
+
+        ``on_tile(done, total)`` after every decoded tile (a whole-frame decode is one tile).
+        """
         _check_latents(latents, 1)
         z = latents.to(self.device, self.dtype).contiguous(memory_format=torch.channels_last)
         if self._use_tiles(tiled, latents.shape[-2] * latents.shape[-1] * self.spatial_factor**2):
-            x = self.model.decode_tiled(z)
+            x = self.model.decode_tiled(z, **({} if on_tile is None else {"on_tile": on_tile}))
         else:
             x = self.model.decode_full(z)
+            if on_tile is not None:
+                on_tile(1, 1)
         return x.to(_out_dtype(latents)).contiguous()
 
     def __repr__(self) -> str:
@@ -207,24 +231,61 @@ class Flux2VAE(_ModuleVAE):
         return z.to(_out_dtype(images))
 
     @torch.no_grad()
-    def decode_raw(self, raw_latents: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
-        """Raw latents (B, 32, h, w), even sides -> images (B, 3, 8h, 8w), about [0, 1], unclamped."""
+    def decode_raw(
+        self, raw_latents: torch.Tensor, *, tiled: bool | None = None, on_tile: TileCallback | None = None
+    ) -> torch.Tensor:
+        """Raw latents (B, 32, h, w), even sides -> images (B, 3, 8h, 8w), about [0, 1], unclamped.
+
+        ``on_tile(done, total)`` after every tile diffusers decodes (a forward hook on its decoder,
+        which runs once per tile and per batch slice; the decode itself is diffusers' own).
+        """
         _check_latents(raw_latents, 2)
         z = raw_latents.to(self.device, self.dtype)
-        with self._tiling(tiled, max(raw_latents.shape[-2:]) * self.spatial_factor):
+        with self._tiling(tiled, max(raw_latents.shape[-2:]) * self.spatial_factor), self._tile_hook(z, on_tile):
             x = self.model.decode(z).sample
         return ((x.float() + 1) / 2).to(_out_dtype(raw_latents))
+
+    @contextmanager
+    def _tile_hook(self, z: torch.Tensor, on_tile: TileCallback | None):
+        """Report each run of diffusers' decoder as one tile of :func:`diffusers_decode_tiles`'s count."""
+        if on_tile is None:
+            yield
+            return
+        model = self.model
+        total = diffusers_decode_tiles(
+            z.shape[-2],
+            z.shape[-1],
+            batch=z.shape[0],
+            tiling=bool(model.use_tiling),
+            slicing=bool(getattr(model, "use_slicing", False)),
+            tile_latent=int(model.tile_latent_min_size),
+            overlap=float(model.tile_overlap_factor),
+        )
+        done = 0
+
+        def after_decoder(*_: Any) -> None:
+            nonlocal done
+            done = min(done + 1, total)
+            on_tile(done, total)
+
+        handle = model.decoder.register_forward_hook(after_decoder)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def encode(self, images: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
         """Images [0, 1] -> normalized, unpatchified latents (B, 32, H/8, W/8)."""
         raw = self.encode_raw(images, tiled=tiled)
         return normalize(raw.float(), self.bn_mean, self.bn_std).to(raw.dtype)
 
-    def decode(self, latents: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
+    def decode(
+        self, latents: torch.Tensor, *, tiled: bool | None = None, on_tile: TileCallback | None = None
+    ) -> torch.Tensor:
         """Normalized latents (B, 32, h, w) -> images (B, 3, 8h, 8w), about [0, 1], unclamped."""
         _check_latents(latents, 2)
         raw = denormalize(latents.float(), self.bn_mean, self.bn_std)
-        return self.decode_raw(raw, tiled=tiled).to(_out_dtype(latents))
+        return self.decode_raw(raw, tiled=tiled, on_tile=on_tile).to(_out_dtype(latents))
 
     def __repr__(self) -> str:
         return f"Flux2VAE(device={self.device}, dtype={self.dtype})"

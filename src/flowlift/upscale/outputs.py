@@ -137,18 +137,25 @@ def upscale_file(
     out: Path,
     hashes: dict[str, dict[str, str]],
     on_stage: Callable[[str], None] | None = None,
+    on_decode_tile: Callable[[int, int], None] | None = None,
 ) -> tuple[Any, Any, list[str]]:
     """Load ``source``, upscale it with ``settings``, write ``out`` atomically with the metadata.
 
     Returns (input image, result image, warnings such as passes dropped at MAX_OUTPUT_SIDE). The one
-    per-image step of ``flowlift upscale``; the web app calls it too. A 16-bit input stays 16-bit in
-    a PNG or TIFF output (:func:`read_source`).
+    per-image step of ``flowlift upscale``; the web app calls it too (with progress callbacks: the
+    pipeline's ``callback`` and ``on_decode_tile``). A 16-bit input stays 16-bit in a PNG or TIFF output
+    (:func:`read_source`).
     """
     loaded = read_source(source, out)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         result = pipeline.upscale_image(
-            loaded.pixels, num_passes=passes, callback=on_stage, output_type="pt", **settings.pipeline_options()
+            loaded.pixels,
+            num_passes=passes,
+            callback=on_stage,
+            on_decode_tile=on_decode_tile,
+            output_type="pt",
+            **settings.pipeline_options(),
         )
     picture = save_result(pipeline, settings, source, out, loaded, result, hashes)
     return loaded.image, picture, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]

@@ -17,6 +17,7 @@ weights file, a folder or a hub id; ``vae`` is any object with flowlift's VAE in
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -181,14 +182,25 @@ class FlowUpscalerPipeline:
         dtype = getattr(self.vae, "dtype", None)
         return dtype if isinstance(dtype, torch.dtype) else self.dtype
 
-    def _vae_call(self, method: str, x: torch.Tensor, tiled: bool | None = None) -> torch.Tensor:
+    def _vae_call(
+        self,
+        method: str,
+        x: torch.Tensor,
+        tiled: bool | None = None,
+        on_tile: Callable[[int, int], None] | None = None,
+    ) -> torch.Tensor:
         if self.vae is None:
             raise FlowliftError("this pipeline was made without a VAE (vae=None): it upscales latents only")
         fn = getattr(self.vae, method)
         tiled = self.vae_tiled if tiled is None else tiled
-        if tiled is None:
-            return fn(x)
-        return fn(x, tiled=tiled)
+        kwargs: dict[str, Any] = {} if tiled is None else {"tiled": tiled}
+        if on_tile is None:
+            return fn(x, **kwargs)
+        if "on_tile" in inspect.signature(fn).parameters:
+            return fn(x, on_tile=on_tile, **kwargs)
+        result = fn(x, **kwargs)  # a VAE without tile progress: its decode counts as one tile
+        on_tile(1, 1)
+        return result
 
     def _velocity_model(self, sample_shape: tuple[int, ...], pass_plan: UNetPassPlan | None = None) -> Callable:
         """The UNet (compiled when asked), or a ChunkedExecutor around it, for this pass."""
@@ -338,6 +350,7 @@ class FlowUpscalerPipeline:
         resize_mode: str = "pad",
         output_type: str = "pil",
         callback: Callable[[str], None] | None = None,
+        on_decode_tile: Callable[[int, int], None] | None = None,
     ) -> Any:
         """Encode -> passes -> decode -> stage 2 -> image ``2**passes`` times the input's size.
 
@@ -346,6 +359,9 @@ class FlowUpscalerPipeline:
         tensor in [0, 1]. With ``resize_mode="pad"`` the output is exactly ``2**passes`` times the
         original size; with ``"resample"`` it is that factor times the size resampled to multiples of
         16. ``color_fix=False`` switches both stages off; ``color_fix_strength`` scales stage 2.
+        ``callback(stage)`` is called after each stage (``"encode"``, ``"pass i/n"``, ``"decode"``,
+        ``"color fix"``) and ``on_decode_tile(done, total)`` after each tile of the VAE decode (one for
+        an untiled decode); both only report progress (an exception they raise stops the run).
         """
         if output_type not in ("pil", "pt"):
             raise FlowliftError(f"output_type must be 'pil' or 'pt', got {output_type!r}")
@@ -369,7 +385,7 @@ class FlowUpscalerPipeline:
         plan = self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0])
         self.last_plan = plan
         tiled = self.vae_tiled if self.vae_tiled is not None or plan is None else plan.vae_tiled
-        decoded = self._vae_call("decode", latents.to(self._vae_dtype()), tiled=tiled)
+        decoded = self._vae_call("decode", latents.to(self._vae_dtype()), tiled=tiled, on_tile=on_decode_tile)
         del latents
         if plan is not None and plan.colour_on_host:  # stage 2 on the host: the device keeps no float32 frame
             decoded = to_host_float32(decoded)
