@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
+from comfy_server import random_upscaler, write_random_flux2_vae
 from flowlift.flux2.latents import bn_std as bn_std_of
 from flowlift.flux2.latents import denormalize, normalize
 from flowlift.models.upscaler_weights import load_upscaler, save_upscaler
@@ -31,7 +32,6 @@ from flowlift.models.vae_loading import load_vae
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 from invokeai_client import InvokeAIServer, graph, start_server, stop_server, wait_until_serving
 from invokeai_venv import invokeai_env, invokeai_python
-from test_comfyui import random_upscaler, write_random_flux2_vae
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = REPO_ROOT / "example_workflows" / "invokeai"
