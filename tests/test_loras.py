@@ -60,7 +60,7 @@ def raw_latents(refiner, normalized):
 
 @pytest.mark.parametrize("scale", [1.0, 0.6])
 def test_peft_lora_equals_the_diffusers_klein_pipeline(model_dir, peft_lora, scale):
-    refiner = load_refiner(str(model_dir), loras=[(peft_lora, scale)], device="cpu")
+    refiner = load_refiner(str(model_dir), loras=[(peft_lora, scale)], device="cpu", mu="empirical")  # diffusers mu
     ours = refiner.txt2img(height=H, width=W, steps=STEPS, seed=SEED, prompt_embeds=EMB)
 
     pipe = diffusers_pipeline()
@@ -76,7 +76,7 @@ def test_peft_lora_equals_the_diffusers_klein_pipeline(model_dir, peft_lora, sca
         output_type="latent",
     ).images
     torch.testing.assert_close(raw_latents(refiner, ours.latents), reference, rtol=0, atol=1e-4)
-    plain = load_refiner(str(model_dir), device="cpu")
+    plain = load_refiner(str(model_dir), device="cpu", mu="empirical")
     without = plain.txt2img(height=H, width=W, steps=STEPS, seed=SEED, prompt_embeds=EMB)
     assert (ours.latents - without.latents).abs().max() > 1e-2  # the LoRA changes the result
     record = ours.parameters["loras"]
@@ -86,7 +86,7 @@ def test_peft_lora_equals_the_diffusers_klein_pipeline(model_dir, peft_lora, sca
 
 def test_scale_zero_is_no_lora_bit_for_bit(model_dir, peft_lora):
     with_zero = load_refiner(str(model_dir), loras=[(peft_lora, 0.0)], device="cpu")
-    plain = load_refiner(str(model_dir), device="cpu")
+    plain = load_refiner(str(model_dir), device="cpu", mu="empirical")
     a = with_zero.txt2img(height=H, width=W, steps=STEPS, seed=SEED, prompt_embeds=EMB)
     b = plain.txt2img(height=H, width=W, steps=STEPS, seed=SEED, prompt_embeds=EMB)
     assert torch.equal(a.latents, b.latents) and torch.equal(a.images, b.images)
