@@ -293,3 +293,10 @@ def test_eval_figure_images_minus_one_is_a_usage_error(tmp_path, capsys):
     assert caught.value.code == 2
     assert "argument --figure-images: must be >= 1, got -1" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-5", "soon"])
+def test_barrier_timeout_must_be_a_finite_positive_number_of_seconds(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as caught:  # inf would wait forever for a dead rank
+        main(["upscale", str(tmp_path / "x.png"), "--barrier-timeout", value])
+    assert caught.value.code == 2 and "argument --barrier-timeout" in capsys.readouterr().err

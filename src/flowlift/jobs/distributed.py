@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import math
 import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -287,9 +288,12 @@ def add_barrier_timeout_argument(parser) -> None:
     def seconds(text: str) -> float:
         import argparse
 
-        value = float(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        if not (value > 0 and math.isfinite(value)):  # inf would wait forever for a dead rank
+            raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
         return value
 
     parser.add_argument(

@@ -177,9 +177,10 @@ def load_pixel_upscaler(
     try:
         import spandrel
     except ImportError as error:
-        raise FlowliftError(
-            f"spandrel: methods need the optional extra: pip install -e \".[pixel]\" ({error})"
-        ) from None
+        from flowlift.console import install_command
+
+        hint = install_command("pixel")
+        raise FlowliftError(f"spandrel: methods need the optional extra: {hint} ({error})") from None
     device = torch.device(device)
     try:
         state = spandrel.canonicalize_state_dict(state)
