@@ -20,6 +20,7 @@ from __future__ import annotations
 import html
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -346,6 +347,10 @@ def launch(
     launched = demo.launch(**kwargs)
     for line in start_lines(demo.local_url, getattr(demo, "share_url", None), host):
         print(line, file=sys.stderr, flush=True)
-    if block:
-        demo.block_thread()
+    if block:  # not demo.block_thread(): it swallows Ctrl-C/SIGTERM, and `flowlift app` exits 130 on them
+        try:
+            while True:
+                time.sleep(0.2)
+        finally:
+            demo.close()
     return launched
