@@ -86,7 +86,7 @@ def test_peft_lora_equals_the_diffusers_klein_pipeline(model_dir, peft_lora, sca
 
 def test_scale_zero_is_no_lora_bit_for_bit(model_dir, peft_lora):
     with_zero = load_refiner(str(model_dir), loras=[(peft_lora, 0.0)], device="cpu")
-    plain = load_refiner(str(model_dir), device="cpu", mu="empirical")
+    plain = load_refiner(str(model_dir), device="cpu")
     a = with_zero.txt2img(height=H, width=W, steps=STEPS, seed=SEED, prompt_embeds=EMB)
     b = plain.txt2img(height=H, width=W, steps=STEPS, seed=SEED, prompt_embeds=EMB)
     assert torch.equal(a.latents, b.latents) and torch.equal(a.images, b.images)
