@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 try:
@@ -65,51 +66,66 @@ def venv_dir() -> Path:
     return Path.home() / ".cache" / "flowlift" / f"comfy-venv-{key}"
 
 
-def _venv_python(venv: Path) -> Path:
+def venv_python(venv: Path) -> Path:
     return venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
-def _run(command: list[str], what: str) -> None:
+def run_step(label: str, command: list[str], what: str, env: dict[str, str] | None = None) -> str:
+    """Run one build step, printing ``<label>: <what> ...`` and its time; its output, or RuntimeError with the tail."""
     started = time.monotonic()
-    print(f"comfy venv: {what} ...", file=sys.stderr, flush=True)
-    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(f"{label}: {what} ...", file=sys.stderr, flush=True)
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     if result.returncode != 0:
         tail = "\n".join(result.stdout.splitlines()[-40:])
-        raise RuntimeError(f"comfy venv: {what} failed (exit {result.returncode}):\n{tail}")
-    print(f"comfy venv: {what} done in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        raise RuntimeError(f"{label}: {what} failed (exit {result.returncode}):\n{tail}")
+    print(f"{label}: {what} done in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    return result.stdout
+
+
+def built_venv(venv: Path, build: Callable[[Path], None], marker: str = MARKER_NAME) -> Path:
+    """``venv``'s python, running ``build(venv)`` first unless the completion ``marker`` file is there.
+
+    A file lock keeps parallel test processes from building it twice; the marker, written last, means a
+    half-built venv (an interrupted build, a full disk) is built again from scratch.
+    """
+    if (venv / marker).is_file():
+        return venv_python(venv)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f"{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait, then re-check
+        try:
+            if not (venv / marker).is_file():
+                if venv.exists():
+                    shutil.rmtree(venv)  # no marker: a half-built venv from an interrupted build
+                build(venv)
+                built = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                (venv / marker).write_text(json.dumps({"built": built}))
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return venv_python(venv)
+
+
+def _run(command: list[str], what: str) -> None:
+    run_step("comfy venv", command, what)
 
 
 def _build(venv: Path) -> None:
     requirements = comfyui_dir() / "requirements.txt"
     if not requirements.is_file():
         raise FileNotFoundError(f"ComfyUI requirements not found: {requirements} (set FLOWLIFT_SHARED)")
-    if venv.exists():
-        shutil.rmtree(venv)  # no marker: a half-built venv from an interrupted build
     _run([sys.executable, "-m", "venv", str(venv)], f"create {venv}")
-    python = str(_venv_python(venv))
+    python = str(venv_python(venv))
     pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     # The torch pin keeps the CPU build (a bare "torch" requirement would pull a CUDA one on CPU machines).
     _run([*pip, TORCH_PIN, "-r", str(requirements), "requests"], "install ComfyUI's requirements")
     # torchaudio's wheel is a CUDA build; through transformers it breaks `import diffusers`. ComfyUI starts without it.
     _run([python, "-m", "pip", "uninstall", "--quiet", "-y", "torchaudio"], "uninstall torchaudio")
     _run([*pip, TORCH_PIN, *flowlift_runtime_dependencies()], "install flowlift's runtime dependencies")
-    (venv / MARKER_NAME).write_text(json.dumps({"built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
 
 
 def comfy_python() -> Path:
     """The ComfyUI test venv's python, building the venv first if it is missing or half-built."""
-    venv = venv_dir()
-    if (venv / MARKER_NAME).is_file():
-        return _venv_python(venv)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(venv.parent / f"{venv.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait, then re-check
-        try:
-            if not (venv / MARKER_NAME).is_file():
-                _build(venv)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return _venv_python(venv)
+    return built_venv(venv_dir(), _build)
 
 
 def comfy_env(**extra: str) -> dict[str, str]:

@@ -26,19 +26,17 @@ taken over the pins, flowlift's runtime dependencies and this builder's recipe v
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from comfy_venv import flowlift_runtime_dependencies, shared_dir
+from comfy_venv import built_venv, flowlift_runtime_dependencies, run_step, shared_dir, venv_python
 
 TORCH_PIN = "torch==2.13.0"
 INVOKEAI_PIN = "invokeai==6.14.2"
@@ -67,19 +65,8 @@ def venv_dir() -> Path:
     return Path.home() / ".cache" / "flowlift" / f"invokeai-venv-{key}"
 
 
-def _venv_python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
 def _run(command: list[str], what: str, env: dict[str, str] | None = None) -> str:
-    started = time.monotonic()
-    print(f"invokeai venv: {what} ...", file=sys.stderr, flush=True)
-    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    if result.returncode != 0:
-        tail = "\n".join(result.stdout.splitlines()[-40:])
-        raise RuntimeError(f"invokeai venv: {what} failed (exit {result.returncode}):\n{tail}")
-    print(f"invokeai venv: {what} done in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-    return result.stdout
+    return run_step("invokeai venv", command, what, env)
 
 
 def _imports_diffusers(python: str) -> bool:
@@ -88,10 +75,8 @@ def _imports_diffusers(python: str) -> bool:
 
 
 def _build(venv: Path) -> None:
-    if venv.exists():
-        shutil.rmtree(venv)  # no marker: a half-built venv from an interrupted build
     _run([sys.executable, "-m", "venv", str(venv)], f"create {venv}")
-    python = str(_venv_python(venv))
+    python = str(venv_python(venv))
     pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     _run([*pip, TORCH_PIN, INVOKEAI_PIN], f"install {INVOKEAI_PIN}")
     installed = _run([python, "-m", "pip", "freeze", "--disable-pip-version-check"], "list InvokeAI's pins")
@@ -114,23 +99,11 @@ def _build(venv: Path) -> None:
         imports = _imports_diffusers(python)
     if not imports:
         raise RuntimeError("invokeai venv: diffusers or invokeai.invocation_api does not import (with the CPU shim)")
-    (venv / MARKER_NAME).write_text(json.dumps({"built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
 
 
 def invokeai_python() -> Path:
     """The InvokeAI test venv's python, building the venv first if it is missing or half-built."""
-    venv = venv_dir()
-    if (venv / MARKER_NAME).is_file():
-        return _venv_python(venv)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with open(venv.parent / f"{venv.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it: wait, then re-check
-        try:
-            if not (venv / MARKER_NAME).is_file():
-                _build(venv)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return _venv_python(venv)
+    return built_venv(venv_dir(), _build, MARKER_NAME)
 
 
 def invokeai_env(**extra: str) -> dict[str, str]:

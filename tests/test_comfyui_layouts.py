@@ -17,6 +17,7 @@ from comfy_frontend import overlaps
 from flowlift.comfyui import layouts as L
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import patchify
+from flowlift.upscale import node_choices as choices
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 #: The nodes' inputs in their saved order (tests/test_comfyui.py checks them on a real server), and which
@@ -32,10 +33,10 @@ WIDGET_INPUTS = {"scale", "seed", "transplant_strength", "color_fix_strength", "
 
 
 def test_scale_and_chunking_widgets():
-    assert [L.passes_for(s) for s in L.SCALES] == [1, 2, 3]
-    assert [L.chunked_flag(c) for c in L.CHUNKING] == [None, True, False]
+    assert [choices.passes_for(s) for s in choices.SCALES] == [1, 2, 3]
+    assert [choices.chunked_flag(c) for c in choices.CHUNKING] == [None, True, False]
     with pytest.raises(FlowliftError, match="scale must be one of"):
-        L.passes_for("3x")
+        choices.passes_for("3x")
 
 
 @pytest.mark.parametrize("channels", [4, 16, 32])

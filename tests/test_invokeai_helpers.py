@@ -10,6 +10,7 @@ import torch
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import normalize
 from flowlift.invokeai import files, latents
+from flowlift.upscale import node_choices as choices
 
 
 def bn_stats(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,9 +51,9 @@ def test_raw_latents_pass_as_float32():
 
 
 def test_scales_chunking_and_the_cap():
-    assert [latents.passes_for(s) for s in latents.SCALES] == [1, 2, 3]
-    assert [latents.chunked_flag(c) for c in latents.CHUNKING] == [None, True, False]
-    for bad in (lambda: latents.passes_for("3x"), lambda: latents.chunked_flag("sometimes")):
+    assert [choices.passes_for(s) for s in choices.SCALES] == [1, 2, 3]
+    assert [choices.chunked_flag(c) for c in choices.CHUNKING] == [None, True, False]
+    for bad in (lambda: choices.passes_for("3x"), lambda: choices.chunked_flag("sometimes")):
         with pytest.raises(FlowliftError):
             bad()
     latents.check_output_cap(2048, 2048, 3, "node")  # 16384 px exactly: allowed

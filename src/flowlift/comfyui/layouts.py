@@ -18,8 +18,6 @@ from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import PATCHIFIED_CHANNELS, from_comfyui_latent, patchify
 from flowlift.upscale.colorfix_image import integer_scale
 
-SCALES = ("2x", "4x", "8x")
-CHUNKING = ("auto", "always", "never")
 SEED_MAX = 0xFFFFFFFFFFFFFFFF
 #: Every numeric widget of every node, with its (lowest, highest) value and whether it is an integer: the
 #: nodes check theirs with :func:`check_numbers` before any work (ComfyUI's own min/max check lets NaN
@@ -34,20 +32,6 @@ NUMERIC_INPUTS: dict[str, dict[str, tuple[float, float, bool]]] = {
     },
     "FlowliftColorFix": {"strength": (0.0, 1.0, False)},
 }
-
-
-def passes_for(scale: str) -> int:
-    """'2x' -> 1, '4x' -> 2, '8x' -> 3 passes."""
-    if scale not in SCALES:
-        raise FlowliftError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
-    return SCALES.index(scale) + 1
-
-
-def chunked_flag(chunked: str) -> bool | None:
-    """The pipeline's ``chunked`` argument: 'auto' -> None (by free memory), 'always' -> True, 'never' -> False."""
-    if chunked not in CHUNKING:
-        raise FlowliftError(f"chunked must be one of {', '.join(CHUNKING)}, got {chunked!r}")
-    return {"auto": None, "always": True, "never": False}[chunked]
 
 
 def check_numbers(node: str, **values: Any) -> dict[str, float | int]:

@@ -23,6 +23,7 @@ from flowlift.comfyui.vae_adapters import ComfyFlux2VAE, TAEF2ComfyVAE
 from flowlift.errors import FlowliftError
 from flowlift.upscale.chunked.budget import CUDA_BUDGET_FRACTION
 from flowlift.upscale.colorfix import lab_lowband_transplant
+from flowlift.upscale.node_choices import CHUNKING, SCALES, chunked_flag, passes_for
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 from flowlift.upscale.sizes import MAX_OUTPUT_SIDE
 
@@ -83,7 +84,7 @@ def make_pipeline(
         vae,
         device=device,
         dtype=param.dtype,
-        chunked=layouts.chunked_flag(chunked),
+        chunked=chunked_flag(chunked),
         chunk_budget_bytes=budget,
         on_strip=progress.strip,
     )
@@ -102,7 +103,7 @@ def run_logging_warnings(fn: Callable[[], Any]) -> Any:
 def upscaler_inputs() -> dict[str, tuple]:
     """Widgets shared by both upscale nodes, in their saved order."""
     return {
-        "scale": (list(layouts.SCALES), {"default": "2x", "tooltip": "2x per pass: 2x = 1 pass, 4x = 2, 8x = 3"}),
+        "scale": (list(SCALES), {"default": "2x", "tooltip": "2x per pass: 2x = 1 pass, 4x = 2, 8x = 3"}),
         "seed": (
             "INT",
             {
@@ -127,7 +128,7 @@ def upscaler_inputs() -> dict[str, tuple]:
 
 
 CHUNKED_INPUT = (
-    list(layouts.CHUNKING),
+    list(CHUNKING),
     {
         "default": "auto",
         "tooltip": "exact bounded-memory UNet execution in row strips: auto = when the plain pass would not fit "
@@ -163,7 +164,7 @@ class FlowliftUpscaleLatent:
     ) -> tuple:
         checked = layouts.check_numbers("FlowliftUpscaleLatent", seed=seed, transplant_strength=transplant_strength)
         latents = layouts.flux2_latents(samples, "FlowliftUpscaleLatent")
-        passes = layouts.passes_for(scale)
+        passes = passes_for(scale)
         progress = Progress(passes)
         pipeline = make_pipeline(upscaler, None, chunked, progress)
         result = run_logging_warnings(
@@ -223,7 +224,7 @@ class FlowliftUpscaleImage:
             color_fix_strength=color_fix_strength,
         )
         images = layouts.image_to_nchw(image, "FlowliftUpscaleImage")
-        passes = layouts.passes_for(scale)
+        passes = passes_for(scale)
         progress = Progress(passes + 3)  # encode, passes, decode, colour fix
         if isinstance(vae, TAEF2ComfyVAE):
             flowlift_vae, also = vae.taef2, [vae.patcher]  # flowlift's own TAEF2 adapter: exact tiling by size

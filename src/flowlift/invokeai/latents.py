@@ -17,25 +17,6 @@ from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR, denormalize, normalize
 from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, planned_passes, upscaled_size
 
-#: The scale choices of both upscale nodes: 2x per pass.
-SCALES = ("2x", "4x", "8x")
-#: The ``chunked`` choices: ``auto`` switches the exact chunked executor on by size.
-CHUNKING = ("auto", "always", "never")
-
-
-def passes_for(scale: str) -> int:
-    """'2x' -> 1, '4x' -> 2, '8x' -> 3 passes."""
-    if scale not in SCALES:
-        raise FlowliftError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
-    return SCALES.index(scale) + 1
-
-
-def chunked_flag(chunked: str) -> bool | None:
-    """The pipeline's ``chunked`` argument: 'auto' -> None (by size), 'always' -> True, 'never' -> False."""
-    if chunked not in CHUNKING:
-        raise FlowliftError(f"chunked must be one of {', '.join(CHUNKING)}, got {chunked!r}")
-    return {"auto": None, "always": True, "never": False}[chunked]
-
 
 def check_output_cap(height: int, width: int, passes: int, what: str) -> None:
     """One error line when ``passes`` 2x passes on a ``width x height`` image would pass the 16K cap.

@@ -32,14 +32,7 @@ from invokeai.invocation_api import (
 
 from flowlift.devices import resolve_device
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
-from flowlift.invokeai.latents import (
-    check_output_cap,
-    check_raw_latents,
-    chunked_flag,
-    normalized_to_raw,
-    passes_for,
-    raw_to_normalized,
-)
+from flowlift.invokeai.latents import check_output_cap, check_raw_latents, normalized_to_raw, raw_to_normalized
 from flowlift.invokeai.models import (
     check_flux2_vae_field,
     flux2_vae_adapter,
@@ -52,6 +45,7 @@ from flowlift.models.vae import TAEF2VAE
 from flowlift.models.vae_loading import TAEF2_REPO
 from flowlift.upscale.colorfix_image import color_fix_image
 from flowlift.upscale.loading import DEFAULT_UPSCALER
+from flowlift.upscale.node_choices import chunked_flag, passes_for
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
 CATEGORY = "flowlift"

@@ -1,0 +1,28 @@
+"""The Flow Upscaler's options as the node packs offer them: scale labels and chunking modes.
+
+ComfyUI and InvokeAI show the same two drop-downs; both turn a choice into the pipeline's arguments
+here, so the two packs cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from flowlift.errors import FlowliftError
+
+#: The scale choices of the upscale nodes: 2x per pass.
+SCALES = ("2x", "4x", "8x")
+#: The ``chunked`` choices: ``auto`` switches the exact chunked executor on by size (or free memory).
+CHUNKING = ("auto", "always", "never")
+
+
+def passes_for(scale: str) -> int:
+    """'2x' -> 1, '4x' -> 2, '8x' -> 3 passes."""
+    if scale not in SCALES:
+        raise FlowliftError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
+    return SCALES.index(scale) + 1
+
+
+def chunked_flag(chunked: str) -> bool | None:
+    """The pipeline's ``chunked`` argument: 'auto' -> None (decided by size), 'always' -> True, 'never' -> False."""
+    if chunked not in CHUNKING:
+        raise FlowliftError(f"chunked must be one of {', '.join(CHUNKING)}, got {chunked!r}")
+    return {"auto": None, "always": True, "never": False}[chunked]
