@@ -12,16 +12,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flowlift.app.memory import release_freed_memory
 from flowlift.app.progress import ProgressFn
 from flowlift.app.results import (
     UpscaleResult,
     check_upload,
-    first_line,
+    logged_request,
     model_name,
     preview_pair,
     public_message,
-    request_log_line,
 )
 from flowlift.app.service import AppService
 from flowlift.errors import FlowliftError
@@ -82,21 +80,12 @@ def refine(
 
     Logs the server's one line for the request whatever its outcome.
     """
-    started = time.perf_counter()
-    name = Path(path).name if path else "-"
-    try:
+    with logged_request(service.config.log, "refine", Path(path).name if path else "-", str(mode)) as entry:
         result = _refine(
             service, path, prompt, prompt_embeds, mode, strength, strength_map, steps, seed, sampler, progress
         )
-    except BaseException as error:
-        release_freed_memory()
-        seconds = time.perf_counter() - started
-        service.config.log(request_log_line("refine", name, str(mode), seconds, f"error: {first_line(error)}"))
-        raise
-    release_freed_memory()
-    (w0, h0), (w1, h1) = result.input_size, result.output_size
-    request = f"{mode} {w0}x{h0} -> {w1}x{h1}"
-    service.config.log(request_log_line("refine", name, request, time.perf_counter() - started, "ok"))
+        (w0, h0), (w1, h1) = result.input_size, result.output_size
+        entry.request = f"{mode} {w0}x{h0} -> {w1}x{h1}"
     return result
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,33 @@ def request_log_line(kind: str, name: str, request: str, seconds: float, outcome
     file's name or an API caller's values included) is collapsed, so a request is always one line."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     return " ".join(f"{stamp} flowlift app: {kind} {name} {request} {seconds:.1f} s {outcome}".split())
+
+
+@dataclass
+class RequestLog:
+    """The parts of a request's log line a handler can refine while it runs (see :func:`logged_request`)."""
+
+    request: str
+    outcome: str = "ok"
+
+
+@contextmanager
+def logged_request(log: Callable[[str], None], kind: str, name: str, request: str) -> Iterator[RequestLog]:
+    """Log one :func:`request_log_line` when the ``with`` body ends, whatever the outcome (an exception's first
+    line is the outcome, and it propagates); the request is over then, so its freed memory goes back to the
+    system (:func:`flowlift.app.memory.release_freed_memory`)."""
+    from flowlift.app.memory import release_freed_memory
+
+    entry = RequestLog(request)
+    started = time.perf_counter()
+    try:
+        yield entry
+    except BaseException as error:
+        entry.outcome = f"error: {first_line(error)}"
+        raise
+    finally:
+        release_freed_memory()
+        log(request_log_line(kind, name, entry.request, time.perf_counter() - started, entry.outcome))
 
 
 def model_name(spec: str) -> str:

@@ -21,17 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flowlift.app.memory import release_freed_memory
 from flowlift.app.progress import EtaProgress, ProgressFn, UpscaleProgress
 from flowlift.app.results import (
     BatchResult,
     UpscaleResult,
     check_upload,
-    first_line,
     log_to_stderr,
+    logged_request,
     preview_pair,
     public_message,
-    request_log_line,
     strip_folders,
     vae_labels,
 )
@@ -235,11 +233,6 @@ class AppService:
         before, after = preview_pair(image, result)
         return UpscaleResult(out, before, after, image.size, result.size, time.perf_counter() - started, notes)
 
-    def _log(self, kind: str, name: str, request: str, started: float, outcome: str) -> None:
-        """The request's log line; the request is over, so its freed memory goes back to the system."""
-        release_freed_memory()
-        self.config.log(request_log_line(kind, name, request, time.perf_counter() - started, outcome))
-
     def check_image(self, path: str | Path | None) -> str:
         """What the page says when a file is dropped: its size, or the one-line error an upscale would give.
 
@@ -272,44 +265,27 @@ class AppService:
 
         Logs one line (``request_log_line``) whatever the outcome.
         """
-        started = time.perf_counter()
-        name = Path(path).name if path else "-"
-        try:
-            result = self._upscale(path, scale, seed, transplant_strength, color_fix_strength, vae, progress)
-        except BaseException as error:
-            self._log("upscale", name, f"x{scale}", started, f"error: {first_line(error)}")
-            raise
-        self._log("upscale", name, result.log_request(), started, "ok")
-        return result
-
-    def _upscale(
-        self,
-        path: str | Path | None,
-        scale: Any,
-        seed: Any,
-        transplant_strength: Any,
-        color_fix_strength: Any,
-        vae: str | None,
-        progress: ProgressFn,
-    ) -> UpscaleResult:
-        if not path:
-            raise FlowliftError("no image uploaded")
-        source = Path(path)
-        scale, seed, transplant, color_fix, vae = self._validate(
-            scale, seed, transplant_strength, color_fix_strength, vae
-        )
-        check_upload(source, self.config.max_upload_mb)
         from flowlift.upscale.sizes import passes_for_scale
 
-        folder = self._new_result_dir()
-        settings = self.settings(seed, transplant, color_fix, vae)
-        (job,) = self.plan([source], folder, scale)
-        out = job.output
-        if out is None:
-            raise FlowliftError(f"{source.name}: {strip_folders(job.note, [source.parent, folder])}")
-        pipeline = self.pipeline(vae, progress)
-        eta = EtaProgress(progress)  # from here on: loading the models does not count
-        return self._upscale_into(source, out, settings, passes_for_scale(scale), pipeline, vae, eta)
+        with logged_request(self.config.log, "upscale", Path(path).name if path else "-", f"x{scale}") as entry:
+            if not path:
+                raise FlowliftError("no image uploaded")
+            source = Path(path)
+            scale, seed, transplant, color_fix, vae = self._validate(
+                scale, seed, transplant_strength, color_fix_strength, vae
+            )
+            check_upload(source, self.config.max_upload_mb)
+            folder = self._new_result_dir()
+            settings = self.settings(seed, transplant, color_fix, vae)
+            (job,) = self.plan([source], folder, scale)
+            out = job.output
+            if out is None:
+                raise FlowliftError(f"{source.name}: {strip_folders(job.note, [source.parent, folder])}")
+            pipeline = self.pipeline(vae, progress)
+            eta = EtaProgress(progress)  # from here on: loading the models does not count
+            result = self._upscale_into(source, out, settings, passes_for_scale(scale), pipeline, vae, eta)
+            entry.request = result.log_request()
+        return result
 
     def batch(
         self,
@@ -325,63 +301,46 @@ class AppService:
 
         Logs one line for the whole batch.
         """
-        started = time.perf_counter()
-        count = f"{len(paths or [])} file(s)"
-        try:
-            result = self._batch(paths, scale, seed, transplant_strength, color_fix_strength, vae, progress)
-        except BaseException as error:
-            self._log("batch", count, f"x{scale}", started, f"error: {first_line(error)}")
-            raise
-        outcome = f"{len(result.written)} ok, {len(result.errors)} failed" if result.errors else "ok"
-        self._log("batch", count, f"x{scale}", started, outcome)
-        return result
-
-    def _batch(
-        self,
-        paths: Sequence[str | Path] | None,
-        scale: Any,
-        seed: Any,
-        transplant_strength: Any,
-        color_fix_strength: Any,
-        vae: str | None,
-        progress: ProgressFn,
-    ) -> BatchResult:
-        if not paths:
-            raise FlowliftError("no files uploaded")
-        started = time.perf_counter()
-        sources = [Path(p) for p in paths]
-        scale, seed, transplant, color_fix, vae = self._validate(
-            scale, seed, transplant_strength, color_fix_strength, vae
-        )
         from flowlift.files.atomic import atomic_output
         from flowlift.upscale.sizes import passes_for_scale
 
-        folder = self._new_result_dir()
-        out_dir = folder / f"x{scale}"
-        settings = self.settings(seed, transplant, color_fix, vae)
-        plan = self.plan(sources, out_dir, scale)
-        pipeline = self.pipeline(vae, progress)
-        eta = EtaProgress(progress)
-        written: list[Path] = []
-        errors: list[str] = []
-        for index, (source, out, note) in enumerate((job.source, job.output, job.note) for job in plan):
-            if out is None:
-                errors.append(f"{source.name}: {strip_folders(note, [*(s.parent for s in sources), out_dir])}")
-                continue
-            try:
-                share = (index / len(plan), 1 / len(plan))
-                self._upscale_into(source, out, settings, passes_for_scale(scale), pipeline, vae, eta, *share)
-                written.append(out)
-            except ITEM_ERRORS as error:
-                errors.append(public_message(error, source))
-        zip_path = None
-        if written:
-            zip_path = folder / f"flowlift_x{scale}.zip"
-            with atomic_output(zip_path) as temporary, zipfile.ZipFile(temporary, "w") as archive:
-                for out in written:  # PNGs are compressed already
-                    archive.write(out, out.name, compress_type=zipfile.ZIP_STORED)
-        progress(1.0, "done")
-        return BatchResult(zip_path, [p.name for p in written], errors, time.perf_counter() - started)
+        started = time.perf_counter()
+        with logged_request(self.config.log, "batch", f"{len(paths or [])} file(s)", f"x{scale}") as entry:
+            if not paths:
+                raise FlowliftError("no files uploaded")
+            sources = [Path(p) for p in paths]
+            scale, seed, transplant, color_fix, vae = self._validate(
+                scale, seed, transplant_strength, color_fix_strength, vae
+            )
+            folder = self._new_result_dir()
+            out_dir = folder / f"x{scale}"
+            settings = self.settings(seed, transplant, color_fix, vae)
+            plan = self.plan(sources, out_dir, scale)
+            pipeline = self.pipeline(vae, progress)
+            eta = EtaProgress(progress)
+            written: list[Path] = []
+            errors: list[str] = []
+            for index, (source, out, note) in enumerate((job.source, job.output, job.note) for job in plan):
+                if out is None:
+                    errors.append(f"{source.name}: {strip_folders(note, [*(s.parent for s in sources), out_dir])}")
+                    continue
+                try:
+                    share = (index / len(plan), 1 / len(plan))
+                    self._upscale_into(source, out, settings, passes_for_scale(scale), pipeline, vae, eta, *share)
+                    written.append(out)
+                except ITEM_ERRORS as error:
+                    errors.append(public_message(error, source))
+            zip_path = None
+            if written:
+                zip_path = folder / f"flowlift_x{scale}.zip"
+                with atomic_output(zip_path) as temporary, zipfile.ZipFile(temporary, "w") as archive:
+                    for out in written:  # PNGs are compressed already
+                        archive.write(out, out.name, compress_type=zipfile.ZIP_STORED)
+            progress(1.0, "done")
+            result = BatchResult(zip_path, [p.name for p in written], errors, time.perf_counter() - started)
+            if result.errors:
+                entry.outcome = f"{len(result.written)} ok, {len(result.errors)} failed"
+        return result
 
     def close(self) -> None:
         """Remove the result files this service created."""
