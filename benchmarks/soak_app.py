@@ -253,7 +253,8 @@ def run_soak(
 
         started = time.perf_counter()
         try:
-            warm_count = warm_index(requests) + 1
+            # the warm-up gives every client a request at once, so the server's per-connection threads exist
+            warm_count = max(warm_index(requests) + 1, min(clients, requests))
             result.warm = phase(range(warm_count))
             result.end = phase(range(warm_count, requests))
             result.seconds = time.perf_counter() - started
