@@ -13,16 +13,12 @@ from flowlift.app.refine_tab import refine
 from flowlift.app.service import AppConfig, AppService
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
-from tiny_flux2 import prompt_embeds, tiny_transformer, tiny_vae
+from tiny_flux2 import prompt_embeds, write_model_dir
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("flux2-tiny")
-    tiny_transformer().save_pretrained(root / "transformer")
-    tiny_vae().save_pretrained(root / "vae")
-    (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
-    return root
+    return write_model_dir(tmp_path_factory.mktemp("flux2-tiny"))
 
 
 @pytest.fixture(scope="module")

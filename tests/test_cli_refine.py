@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from flowlift.commands.cli import main
-from tiny_flux2 import prompt_embeds, tiny_transformer, tiny_vae
+from tiny_flux2 import prompt_embeds, write_model_dir
 
 W, H = 64, 48
 
@@ -17,11 +17,7 @@ W, H = 64, 48
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A diffusers-layout model folder: transformer/ and vae/ subfolders with tiny random weights."""
-    root = tmp_path_factory.mktemp("flux2-tiny")
-    tiny_transformer().save_pretrained(root / "transformer")
-    tiny_vae().save_pretrained(root / "vae")
-    (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
-    return root
+    return write_model_dir(tmp_path_factory.mktemp("flux2-tiny"))
 
 
 @pytest.fixture(scope="module")

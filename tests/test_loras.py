@@ -23,7 +23,7 @@ from flowlift.flux2.latents import denormalize  # noqa: E402
 from flowlift.refine.loading import load_refiner  # noqa: E402
 from flowlift.refine.loras import apply_loras, parse_lora_spec  # noqa: E402
 from flux2_files import bfl_lora_layers, write_comfyui_lora, write_kohya_lora, write_peft_lora  # noqa: E402
-from tiny_flux2 import TEXT_DIM, prompt_embeds, tiny_transformer, tiny_vae  # noqa: E402
+from tiny_flux2 import TEXT_DIM, prompt_embeds, tiny_transformer, tiny_vae, write_model_dir  # noqa: E402
 
 H, W, STEPS, SEED = 64, 96, 3, 5
 EMB = prompt_embeds()
@@ -31,11 +31,7 @@ EMB = prompt_embeds()
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("flux2-tiny")
-    tiny_transformer().save_pretrained(root / "transformer")
-    tiny_vae().save_pretrained(root / "vae")
-    (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
-    return root
+    return write_model_dir(tmp_path_factory.mktemp("flux2-tiny"))
 
 
 @pytest.fixture(scope="module")

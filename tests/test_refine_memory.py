@@ -22,7 +22,7 @@ from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 from flowlift.refine.loading import load_refiner
 from flowlift.refine.memory_plan import TransformerSizes, plan_refine, transformer_activation_bytes
-from tiny_flux2 import prompt_embeds, tiny_transformer, tiny_vae
+from tiny_flux2 import prompt_embeds, tiny_transformer, tiny_vae, write_model_dir
 
 H, W = 48, 64
 EMB = prompt_embeds()
@@ -31,11 +31,7 @@ GB = 10**9
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("flux2-tiny")
-    tiny_transformer().save_pretrained(root / "transformer")
-    tiny_vae().save_pretrained(root / "vae")
-    (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
-    return root
+    return write_model_dir(tmp_path_factory.mktemp("flux2-tiny"))
 
 
 @pytest.fixture(scope="module")

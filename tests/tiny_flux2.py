@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 TEXT_DIM = 32
@@ -106,3 +109,12 @@ class Spy(torch.nn.Module):
     def forward(self, **kwargs):
         self.seen.append({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()})
         return self.inner(**kwargs)
+
+
+def write_model_dir(root: Path) -> Path:
+    """A diffusers-layout FLUX.2 Klein model folder at ``root``: transformer/ and vae/ with the tiny random
+    weights above, and the pipeline's model_index.json."""
+    tiny_transformer().save_pretrained(root / "transformer")
+    tiny_vae().save_pretrained(root / "vae")
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
+    return root
