@@ -10,17 +10,14 @@ browser console's warnings and errors.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
-from selenium import webdriver
 from selenium.webdriver.chrome.webdriver import WebDriver
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+from browser import headless_chromium
+
 PAGE_TIMEOUT_S = 120
 #: Console lines that are not about the page: the tests have no network (ComfyUI's release check).
 OFFLINE_NOISE = ("https://api.comfy.org/",)
@@ -98,18 +95,11 @@ return [right - left, bottom - top];
 
 @contextlib.contextmanager
 def chromium(width: int, height: int) -> Iterator[WebDriver]:
-    """One headless Chromium (Debian's, through chromedriver) with its console log kept; quit on exit."""
-    if not (Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()):
-        raise RuntimeError("headless Chromium missing: apt-get install -y chromium chromium-driver (.ci/run does this)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
+    """One headless Chromium (Debian's, through chromedriver; see tests/browser.py) with its console log kept;
+    quit on exit."""
     with tempfile.TemporaryDirectory(prefix="flowlift-chromium-") as profile:
-        for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                     "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                     "--hide-scrollbars", f"--window-size={width},{height}", f"--user-data-dir={profile}"):
-            options.add_argument(flag)
-        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-        driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(CHROMEDRIVER))
+        driver = headless_chromium(width, height, profile_dir=profile, extra_flags=("--hide-scrollbars",),
+                                   console_log=True)
         try:
             yield driver
         finally:

@@ -35,6 +35,18 @@ def shared() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def headless_browser() -> tuple[str, str]:
+    """(chromium, chromedriver) for the browser tests, installing Debian's packages on a fresh machine
+    (tests/browser.py); one clear failure naming the command where that cannot be done."""
+    from browser import BrowserMissing, browser_paths
+
+    try:
+        return browser_paths()
+    except BrowserMissing as error:
+        pytest.fail(str(error), pytrace=False)
+
+
 @pytest.fixture(scope="module")
 def single_thread_torch():
     """Run a module's tiny models single-threaded (fastest for them, much faster on a busy box); restored after."""

@@ -8,27 +8,22 @@ the nodes and edges drawn in the editor. Used by tests/test_invokeai.py and docs
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
-from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
-from selenium.webdriver.chrome.options import Options
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
+
+from browser import headless_chromium
 
 PAGE_TIMEOUT_S = 180  # the first load compiles a large bundle on a busy 2-core machine
 
 
 def chrome(width: int = 1920, height: int = 1200) -> WebDriver:
-    options = Options()
-    options.binary_location = shutil.which("chromium") or shutil.which("google-chrome") or ""
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", f"--window-size={width},{height}"):
-        options.add_argument(flag)
-    return webdriver.Chrome(options=options, service=Service(shutil.which("chromedriver")))
+    """A headless Chromium through Debian's chromedriver (tests/browser.py); the caller quits it."""
+    return headless_chromium(width, height)
 
 
 def _wait_for(driver: WebDriver, css: str, timeout: float = PAGE_TIMEOUT_S, text: str | None = None):

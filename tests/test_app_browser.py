@@ -18,7 +18,6 @@ import base64
 import io
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,28 +28,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from selenium import webdriver
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as EC
 from selenium.webdriver.support.ui import WebDriverWait
 
 from app_helpers import free_port, is_loopback, listening_addresses, process_tree, subprocess_env, tiny_upscaler
+from browser import headless_chromium
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--window-size=1400,1000",
-    "--force-color-profile=srgb",  # screenshots hold the page's sRGB pixels unchanged
-]
+# Screenshots hold the page's sRGB pixels unchanged.
+CHROMIUM_FLAGS = ("--force-color-profile=srgb",)
 SERVER_START_S = 180
 REQUEST_S = 180
 
@@ -97,15 +84,9 @@ def app_server(shared, tmp_path):
 
 
 @pytest.fixture
-def browser(tmp_path):
-    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
-        pytest.fail("headless Chromium missing: apt-get install -y chromium chromium-driver (.ci/run does this)")
-    options = webdriver.ChromeOptions()
-    for flag in CHROMIUM_FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tempfile.mkdtemp(dir=tmp_path, prefix='chromium-')}")
-    options.binary_location = CHROMIUM
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(CHROMEDRIVER))
+def browser(tmp_path, headless_browser):
+    profile = tempfile.mkdtemp(dir=tmp_path, prefix="chromium-")
+    driver = headless_chromium(1400, 1000, profile_dir=profile, extra_flags=CHROMIUM_FLAGS)
     try:
         yield driver
     finally:

@@ -5,21 +5,87 @@ from __future__ import annotations
 import pytest
 
 from flowlift.app.progress import (
+    DEFAULT_SECONDS_PER_MP,
     EtaProgress,
+    StageCosts,
     UpscaleProgress,
     format_duration,
+    produced_megapixels,
     remaining_seconds,
     stage_weights,
 )
 
+#: The stage model the app had before its stages were weighed by measured costs (relative cost per pixel).
+FIXED_MODEL = {"encode": 4.0, "pass": 1.0, "decode": 1.0, "color fix": 0.1, "saving": 0.1}
 
-def test_stage_weights_follow_the_pixels_each_stage_makes():
-    weights = dict(stage_weights(2))
+
+def test_stage_weights_follow_the_pixels_and_the_cost_of_each_stage():
+    costs = StageCosts({"encode": 2.0, "pass": 3.0, "decode": 1.0, "color fix": 0.5, "saving": 0.25})
+    weights = dict(stage_weights(2, costs))
     assert list(weights) == ["encode", "pass 1/2", "pass 2/2", "decode", "color fix", "saving"]
     assert sum(weights.values()) == pytest.approx(1.0)
     assert weights["pass 2/2"] == pytest.approx(4 * weights["pass 1/2"])  # twice the sides: four times the pixels
-    assert weights["decode"] == pytest.approx(weights["pass 2/2"])  # same output pixels, same cost per pixel
-    assert weights["color fix"] == pytest.approx(weights["decode"] / 10)
+    assert weights["pass 2/2"] == pytest.approx(3 * weights["decode"])  # same output pixels, 3x the cost per pixel
+    assert weights["encode"] == pytest.approx(weights["decode"] * 2 / 16)  # the input's pixels, at 2x the cost
+    assert produced_megapixels(2, 0.5) == {"encode": 0.5, "pass": 10.0, "decode": 8.0, "color fix": 8.0,
+                                           "saving": 8.0}  # fmt: skip
+
+
+def simulate_request(true_per_mp: dict[str, float], costs: StageCosts, passes: int = 1, megapixels: float = 0.71,
+                     tiles: int = 6) -> float:  # fmt: skip
+    """One upscale on a fake clock whose stages take ``true_per_mp`` seconds per megapixel produced (the decode
+    in ``tiles`` even tiles); returns the worst factor between the time left shown and the truth, from 2%."""
+    now = [0.0]
+    shown: list[tuple[float, float]] = []
+    eta = EtaProgress(lambda fraction, _text: shown.append((now[0], fraction)), clock=lambda: now[0])
+    bar = UpscaleProgress(eta, "photo.png", passes, costs=costs, input_megapixels=megapixels, clock=lambda: now[0])
+    produced = produced_megapixels(passes, megapixels)
+    bar.start()
+    now[0] += true_per_mp["encode"] * produced["encode"]
+    bar.stage("encode")
+    for index in range(1, passes + 1):
+        now[0] += true_per_mp["pass"] * megapixels * 4.0**index
+        bar.stage(f"pass {index}/{passes}")
+    for tile in range(1, tiles + 1):
+        now[0] += true_per_mp["decode"] * produced["decode"] / tiles
+        bar.decode_tile(tile, tiles)
+    bar.stage("decode")
+    now[0] += true_per_mp["color fix"] * produced["color fix"]
+    bar.stage("color fix")
+    now[0] += true_per_mp["saving"] * produced["saving"]
+    bar.finish()
+    total = now[0]
+    worst = 1.0
+    for elapsed, fraction in shown:
+        estimate = remaining_seconds(fraction, elapsed)
+        if estimate is not None:
+            truth = total - elapsed
+            worst = max(worst, estimate / truth, truth / estimate)
+    return worst
+
+
+@pytest.mark.parametrize("passes", [1, 2, 3])
+def test_time_left_is_right_within_a_factor_of_1_5_with_the_measured_costs(passes):
+    """With stages as slow as measured (DEFAULT_SECONDS_PER_MP, the CPU), every estimate from 2% on is within
+    1.5x of the time really left; the old model (stages weighed by pixels alone) was not."""
+    assert simulate_request(DEFAULT_SECONDS_PER_MP, StageCosts(), passes) <= 1.5
+    assert simulate_request(DEFAULT_SECONDS_PER_MP, StageCosts(FIXED_MODEL), passes) > 1.5
+
+
+def test_a_slow_stage_is_learned_from_the_first_request():
+    """A machine whose passes are 5x slower and decode 3x faster than the table: after one request the
+    estimates are within 1.5x, because the costs are the machine's own measured times."""
+    slow = dict(DEFAULT_SECONDS_PER_MP, encode=DEFAULT_SECONDS_PER_MP["encode"] * 2,
+                decode=DEFAULT_SECONDS_PER_MP["decode"] / 3)  # fmt: skip
+    slow["pass"] = DEFAULT_SECONDS_PER_MP["pass"] * 5
+    costs = StageCosts()
+    simulate_request(slow, costs, passes=2)
+    assert costs.table() == pytest.approx(slow)  # the first measurement replaces the table from another machine
+    assert simulate_request(slow, costs, passes=2) <= 1.05
+    assert simulate_request(slow, costs, passes=1, megapixels=2.0) <= 1.05  # another size and scale too
+    faster = {kind: seconds / 2 for kind, seconds in slow.items()}
+    simulate_request(faster, costs)
+    assert costs.table() == pytest.approx({kind: 0.75 * seconds for kind, seconds in slow.items()})  # averaged
 
 
 def test_remaining_seconds_extrapolates_the_rate_so_far():

@@ -33,7 +33,7 @@ def server(tmp_path_factory, shared):
 
 
 @pytest.fixture(scope="module")
-def page(server):
+def page(server, headless_browser):
     """One Chromium on the server's page; the page-load console noise (404s of optional files) is drained."""
     with ui.chromium(*WINDOW) as driver:
         ui.open_app(driver, server.url)

@@ -393,7 +393,7 @@ def test_workflows_validate_against_this_server(server):
         assert created["workflow"]["name"] == workflow["name"]
 
 
-def test_workflows_load_in_the_web_page(server):
+def test_workflows_load_in_the_web_page(server, headless_browser):
     from invokeai_browser import chrome, load_workflow
 
     driver = chrome()

@@ -223,6 +223,6 @@ def test_an_answering_endpoint_is_reachable_and_a_hanging_one_is_not(online_mode
     monkeypatch.setattr("huggingface_hub.utils.get_session", lambda: Hanging())
     start = time.monotonic()
     reason = hub.hub_offline_reason(timeout=0.5)
-    assert time.monotonic() - start < 3.0
+    assert time.monotonic() - start < 10.0  # bounded: the lookup itself would hang for 30 s
     assert reason == "the hub http://hub.invalid cannot be reached (no answer within 0.5 s)"
     assert hub.hub_offline_reason(timeout=0.5) == reason  # kept: one check per command, not one per file

@@ -14,35 +14,82 @@ from collections.abc import Callable
 #: Progress reporter: ``progress(fraction_done, description)``.
 ProgressFn = Callable[[float, str], None]
 
-#: Work per pixel a stage produces, relative to a UNet pass (see :func:`stage_weights`).
-ENCODE_COST = 4.0
-PASS_COST = 1.0
-DECODE_COST = 1.0
-COLOR_FIX_COST = 0.1
-SAVE_COST = 0.1
+#: Seconds per megapixel of what each stage produces (the input's pixels for ``encode``, the pass's output
+#: for ``pass``, the result's for the rest), measured with the released architecture (random full-size UNet),
+#: TAEF2 and float32 on the CPU: ``PYTHONPATH=src python benchmarks/bench_app_eta.py`` (docs/app.md has the
+#: table). Only their ratios matter; :class:`StageCosts` replaces them with each finished request's own times.
+DEFAULT_SECONDS_PER_MP = {"encode": 0.5, "pass": 3.0, "decode": 1.0, "color fix": 0.2, "saving": 0.2}
+#: Weight of the newest request's measured cost against what was learned before (an exponential average;
+#: the first measurement replaces the table, which came from another machine).
+LEARNING_RATE = 0.5
 #: No time left is shown before this share of the work is done or this many seconds have passed.
 ETA_MIN_FRACTION = 0.02
 ETA_MIN_SECONDS = 1.0
 
 
-def stage_weights(passes: int) -> list[tuple[str, float]]:
-    """The stages of one upscale (the pipeline's names, then ``saving``) with their share of the work.
+def stage_kind(name: str) -> str:
+    """The cost table's key of a stage: ``"pass 2/3"`` -> ``"pass"``, other names as they are."""
+    return "pass" if name.startswith("pass ") else name
 
-    With the input's pixel count as 1, a stage's weight is the pixels it produces times its cost per
-    pixel, normalized to sum to 1::
 
-        encode       ENCODE_COST * 1          (reads the full-resolution input)
-        pass i/n     PASS_COST * 4**i         (i = 1..n; each pass doubles both sides)
-        decode       DECODE_COST * 4**n
-        color fix    COLOR_FIX_COST * 4**n
-        saving       SAVE_COST * 4**n
+def stage_pixels(passes: int) -> list[tuple[str, float]]:
+    """The stages of one upscale and the pixels each produces, with the input's pixel count as 1::
 
-    A model, not a measurement: it only has to make the bar and the time left move evenly.
+        encode 1,  pass i/n 4**i (i = 1..n: each pass doubles both sides),  decode, color fix, saving 4**n
     """
     out = 4.0**passes
-    stages = [("encode", ENCODE_COST)]
-    stages += [(f"pass {i}/{passes}", PASS_COST * 4.0**i) for i in range(1, passes + 1)]
-    stages += [("decode", DECODE_COST * out), ("color fix", COLOR_FIX_COST * out), ("saving", SAVE_COST * out)]
+    stages = [("encode", 1.0)] + [(f"pass {i}/{passes}", 4.0**i) for i in range(1, passes + 1)]
+    return stages + [("decode", out), ("color fix", out), ("saving", out)]
+
+
+def produced_megapixels(passes: int, input_megapixels: float) -> dict[str, float]:
+    """Megapixels each stage kind produces in one upscale of an ``input_megapixels`` image (passes summed)."""
+    produced: dict[str, float] = {}
+    for name, count in stage_pixels(passes):
+        produced[stage_kind(name)] = produced.get(stage_kind(name), 0.0) + count * input_megapixels
+    return produced
+
+
+class StageCosts:
+    """Seconds per megapixel of each stage kind, learned from finished requests.
+
+    Starts from :data:`DEFAULT_SECONDS_PER_MP`; :meth:`learn` takes one finished request's stage times (the
+    first replaces the table, later ones are averaged in at :data:`LEARNING_RATE`), so from the second request
+    on a machine its stages are weighed by that machine's own speeds (a GPU, bf16, another VAE all shift them). Thread-safe enough for its use: a
+    dict of floats replaced as a whole.
+    """
+
+    def __init__(self, seconds_per_mp: dict[str, float] | None = None) -> None:
+        self._seconds_per_mp = dict(seconds_per_mp or DEFAULT_SECONDS_PER_MP)
+        self._measured: set[str] = set()  # the kinds this machine has timed itself
+
+    def per_mp(self, kind: str) -> float:
+        return self._seconds_per_mp[kind]
+
+    def table(self) -> dict[str, float]:
+        """The seconds per megapixel now, per stage kind."""
+        return dict(self._seconds_per_mp)
+
+    def learn(self, seconds: dict[str, float], megapixels: dict[str, float]) -> None:
+        """Fold in measured ``seconds`` per stage kind for ``megapixels`` produced by that kind."""
+        updated = dict(self._seconds_per_mp)
+        for kind, spent in seconds.items():
+            if kind in updated and megapixels.get(kind, 0.0) > 0 and spent >= 0:
+                measured = spent / megapixels[kind]
+                rate = LEARNING_RATE if kind in self._measured else 1.0
+                updated[kind] = (1 - rate) * updated[kind] + rate * measured
+                self._measured.add(kind)
+        self._seconds_per_mp = updated
+
+
+def stage_weights(passes: int, costs: StageCosts | None = None) -> list[tuple[str, float]]:
+    """The stages of one upscale (the pipeline's names, then ``saving``) with their share of the time.
+
+    A stage's weight is the pixels it produces (:func:`stage_pixels`) times its seconds per pixel
+    (:class:`StageCosts`, measured), normalized to sum to 1: ``w_s = p_s c_s / sum_t p_t c_t``.
+    """
+    costs = costs or StageCosts()
+    stages = [(name, pixels * costs.per_mp(stage_kind(name))) for name, pixels in stage_pixels(passes)]
     total = sum(weight for _, weight in stages)
     return [(name, weight / total) for name, weight in stages]
 
@@ -90,22 +137,41 @@ class UpscaleProgress:
     """The pipeline's stage and decode-tile callbacks as one fraction in ``[base, base + span)``.
 
     ``stage(name)`` is the pipeline's ``callback`` (called after a stage), ``decode_tile(done, total)``
-    its ``on_decode_tile``; each report says what runs now, e.g. ``photo.png: decode, tile 3/12``.
+    its ``on_decode_tile``, ``finish()`` is called once the file is written; each report says what runs
+    now, e.g. ``photo.png: decode, tile 3/12``. The stages are weighed by ``costs``; given the input's
+    ``input_megapixels``, ``finish()`` teaches ``costs`` this request's own stage times.
     """
 
-    def __init__(self, report: ProgressFn, name: str, passes: int, base: float = 0.0, span: float = 1.0) -> None:
+    def __init__(
+        self,
+        report: ProgressFn,
+        name: str,
+        passes: int,
+        base: float = 0.0,
+        span: float = 1.0,
+        costs: StageCosts | None = None,
+        input_megapixels: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._report = report
         self._name = name
-        self._stages = stage_weights(passes)
+        self._costs = costs or StageCosts()
+        self._passes = passes
+        self._stages = stage_weights(passes, self._costs)
         self._base, self._span = base, span
         self._index = 0  # the stage running now
         self._done = 0.0  # share of the work in finished stages
+        self._input_megapixels = input_megapixels
+        self._clock = clock
+        self._mark = clock()  # when the running stage started
+        self._seconds: dict[str, float] = {}  # measured time per stage kind
 
     def _send(self, within: float, what: str) -> None:
         fraction = self._done + within * self._stages[min(self._index, len(self._stages) - 1)][1]
         self._report(self._base + self._span * min(fraction, 1.0), f"{self._name}: {what}")
 
     def start(self) -> None:
+        self._mark = self._clock()
         self._send(0.0, self._stages[0][0])
 
     def _running(self, name: str) -> None:
@@ -113,15 +179,23 @@ class UpscaleProgress:
         planned one (the 16K cap dropped passes) re-plans the stages."""
         names = [stage for stage, _ in self._stages]
         if name not in names and name.startswith("pass "):
-            self._stages = stage_weights(int(name.rsplit("/", 1)[1]))
+            self._passes = int(name.rsplit("/", 1)[1])
+            self._stages = stage_weights(self._passes, self._costs)
             names = [stage for stage, _ in self._stages]
         if name in names:
             self._index = names.index(name)
             self._done = sum(weight for _, weight in self._stages[: self._index])
 
+    def _clock_stage(self, name: str) -> None:
+        now = self._clock()
+        kind = stage_kind(name)
+        self._seconds[kind] = self._seconds.get(kind, 0.0) + now - self._mark
+        self._mark = now
+
     def stage(self, finished: str) -> None:
         """A stage finished (the pipeline's names); the report names the next one."""
         self._running(finished)
+        self._clock_stage(finished)
         self._done += self._stages[self._index][1]
         self._index += 1
         following = self._stages[self._index][0] if self._index < len(self._stages) else "saving"
@@ -131,3 +205,15 @@ class UpscaleProgress:
         """Tile ``done`` of ``total`` of the VAE decode finished."""
         self._running("decode")
         self._send(done / max(total, 1), f"decode, tile {done}/{total}")
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Measured seconds per stage kind so far (``pass`` summed over the passes)."""
+        return dict(self._seconds)
+
+    def finish(self) -> None:
+        """The output is written: the ``saving`` time is taken and the costs learn this request's times."""
+        self._clock_stage("saving")
+        if self._input_megapixels is None or self._input_megapixels <= 0:
+            return
+        self._costs.learn(self._seconds, produced_megapixels(self._passes, self._input_megapixels))

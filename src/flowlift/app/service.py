@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flowlift.app.progress import EtaProgress, ProgressFn, UpscaleProgress
+from flowlift.app.progress import EtaProgress, ProgressFn, StageCosts, UpscaleProgress
 from flowlift.app.results import (
     BatchResult,
     UpscaleResult,
@@ -82,6 +82,8 @@ class AppService:
         self._hashes: dict[str, dict[str, dict[str, str]]] = {}
         self._refiner: Any = None
         self._hires_pipeline: Any = None
+        #: Seconds per megapixel of each upscale stage, per VAE, learned from finished requests (the time left).
+        self._stage_costs: dict[str, StageCosts] = {}
         self._own_work_dir = config.work_dir is None
         self.work_dir = Path(config.work_dir or tempfile.mkdtemp(prefix="flowlift-app-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -218,18 +220,22 @@ class AppService:
         span: float = 1.0,
     ) -> UpscaleResult:
         """``flowlift upscale``'s per-image step (:func:`~flowlift.upscale.outputs.upscale_file`) on one upload."""
+        from flowlift.files.images import image_size
         from flowlift.upscale.outputs import upscale_file
 
         started = time.perf_counter()
         check_upload(source, self.config.max_upload_mb)
-        stages = UpscaleProgress(progress, source.name, passes, base, span)
-        stages.start()
+        costs = self._stage_costs.setdefault(vae, StageCosts())  # each VAE (and machine) has its own speeds
         try:
+            width, height = image_size(source)
+            stages = UpscaleProgress(progress, source.name, passes, base, span, costs, width * height / 1e6)
+            stages.start()
             image, result, notes = upscale_file(
                 pipeline, settings, passes, source, out, self._hashes[vae], stages.stage, stages.decode_tile
             )
         except ITEM_ERRORS as error:
             raise FlowliftError(public_message(error, source)) from None
+        stages.finish()
         before, after = preview_pair(image, result)
         return UpscaleResult(out, before, after, image.size, result.size, time.perf_counter() - started, notes)
 
