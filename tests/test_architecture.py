@@ -26,7 +26,7 @@ PACKAGE = REPO / "src" / "flowlift"
 
 #: Lowest first. A module may import its own layer and any layer below it, never one above.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "console", "devices"),
+    ("errors", "console", "devices", "version"),
     ("files",),
     ("flux2",),
     ("models",),
@@ -38,11 +38,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training",),
     ("comfyui", "app", "invokeai"),
     ("commands",),
+    ("",),  # the package's face: the version and the public names of every layer, resolved lazily
     ("__main__",),
 )
 #: Front-ends of one layer must not import one another (``commands`` sits above: ``flowlift app`` starts the app).
 FRONT_ENDS = ("comfyui", "app", "invokeai", "commands")
-TOP_LEVEL_MODULES = {"__init__", "__main__", "errors", "console", "devices"}
+TOP_LEVEL_MODULES = {"__init__", "__main__", "errors", "console", "devices", "version"}
 MAX_MODULE_LINES = 450
 
 
@@ -76,7 +77,7 @@ def imported_modules(path: Path, known: set[str]) -> set[str]:
 
 def layer_of(module: str) -> tuple[int, str]:
     """(layer index, folder key) of a flowlift module; the longest matching folder key wins."""
-    rest = module.removeprefix("flowlift.")
+    rest = "" if module == "flowlift" else module.removeprefix("flowlift.")
     best: tuple[int, str] | None = None
     for index, keys in enumerate(LAYERS):
         for key in keys:
@@ -88,13 +89,12 @@ def layer_of(module: str) -> tuple[int, str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the flowlift modules it imports. The package's face (``flowlift``: the version and the
-    lazily resolved public names) is left out: every layer may read ``__version__``."""
+    """Module -> the flowlift modules it imports. The package's face (``flowlift``: the lazily resolved public
+    names) sits above every capability, so no module below it imports it: ``__version__`` is read from
+    ``flowlift.version``, at the bottom."""
     found = modules()
     known = set(found)
-    return {
-        name: imported_modules(path, known) - {name, "flowlift"} for name, path in found.items() if name != "flowlift"
-    }
+    return {name: imported_modules(path, known) - {name} for name, path in found.items()}
 
 
 def test_no_import_runs_back_up_a_layer():

@@ -20,7 +20,7 @@
 Exit status: "some images failed" is the job's outcome, "a rank could not finish" is a failure of
 the run, and only the second is a non-zero exit status of a rank. Under plain ``torchrun`` every rank
 that passed the barrier exits 0, also when images failed (the summary line, the manifest and
-``flowlift upscale --status`` say so, the last with exit 1): ``torchrun`` treats any non-zero rank
+``flowlift status`` say so, the last with exit 1): ``torchrun`` treats any non-zero rank
 as a crash, restarts the whole group for it under ``--max-restarts`` and prints its
 ``ChildFailedError`` traceback. Under ``flowlift launch`` (:mod:`flowlift.jobs.launch`) every rank
 returns the job's outcome (1 when any image failed on any rank) as a value, which becomes the
@@ -67,14 +67,11 @@ def _nothing_to_do(source: Path, output: Path) -> None:
 
 def manifest_folder(output: str | None) -> Path | None:
     """The folder ``-o`` names (the manifest's home), or ``None`` (no ``-o``, or ``-o FILE``)."""
-    from flowlift.files.images import IMAGE_SUFFIXES
+    from flowlift.files.images import names_image_file
 
-    if not output:
+    if not output or names_image_file(output):
         return None
-    target = Path(output).expanduser()
-    if target.suffix.lower() in IMAGE_SUFFIXES and not target.is_dir():
-        return None
-    return target
+    return Path(output).expanduser()
 
 
 def run_batch(
@@ -165,7 +162,8 @@ def _run_share(
                 command,
                 None,
                 f"the ranks exit 0 so that torchrun does not restart the job for image failures; "
-                f"`flowlift upscale --status {manifest.path.parent}` exits 1 until they are redone",
+                f"`flowlift status {manifest.path.parent}` (or `flowlift upscale --status`) exits 1 until they "
+                "are redone",
             )
         return 0
     return 1 if failed else 0
