@@ -191,12 +191,13 @@ def _upscale(args: argparse.Namespace) -> int:
         raise FlowliftError("give INPUT images (or --status OUT)")
     device, dtype = resolve_device_dtype(args.device, args.dtype)  # a bad --device is one line, before any input
     _check_output_option(args.output)
+    settings = settings_from_args(args)
     request = UpscaleRequest(
         inputs=args.inputs,
         output=args.output,
         passes=args.passes if args.passes is not None else passes_for_scale(args.scale or DEFAULT_SCALE),
         output_format=output_format(args.output, args.format),
-        settings=settings_from_args(args),
+        settings=settings,
         overwrite=args.overwrite,
         batch_size=args.batch_size,
         device=device,

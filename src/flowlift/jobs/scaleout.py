@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from flowlift.errors import FlowliftError
-from flowlift.jobs.batch import Job, error_line, existing_output, pending, report, run_jobs
+from flowlift.jobs.batch import BatchResult, Job, error_line, existing_output, pending, report, run_jobs
 from flowlift.jobs.distributed import (
     DEFAULT_BARRIER_TIMEOUT_S,
     DistEnv,
@@ -88,8 +90,28 @@ def run_batch(
     """Run ``jobs`` on this rank's share; returns the exit status (see the module docstring).
 
     ``make_process()`` builds the per-image callback (loading the models); it is called at most
-    once, and only when this rank has work.
+    once, and only when this rank has work. A caller that builds its models itself uses
+    :func:`batch_share` and :meth:`BatchShare.run` instead.
     """
+    with batch_share(jobs, command=command, output=output, overwrite=overwrite, barrier_timeout=barrier_timeout,
+                     env=env, progress=progress) as share:  # fmt: skip
+        return share.run(make_process() if share.has_work else None)
+
+
+@contextmanager
+def batch_share(
+    jobs: Sequence[Job],
+    *,
+    command: str,
+    output: str | None,
+    overwrite: bool = False,
+    barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT_S,
+    env: DistEnv | None = None,
+    progress: bool | None = None,
+) -> Iterator[BatchShare]:
+    """This rank's share of ``jobs``, planned and agreed with the other ranks (steps 1 and 2 of the
+    module docstring), inside the process group when there is one. The caller builds its models only
+    when :attr:`BatchShare.has_work`, then runs the share with :meth:`BatchShare.run`."""
     started = time.perf_counter()  # the summary's total time includes loading the models
     env = DistEnv.from_environ() if env is None else env
     jobs = list(jobs)
@@ -97,26 +119,54 @@ def run_batch(
     if env.distributed and folder is None:
         raise FlowliftError("under torchrun, -o must name an output folder: the job manifest is kept there")
     if not env.distributed and (folder is None or not Manifest(folder).exists()):
-        process = make_process() if pending(jobs, overwrite) else _nothing_to_do
-        return run_jobs(jobs, process, command=command, overwrite=overwrite, progress=progress,
-                        started=started).exit_code  # fmt: skip
+        yield BatchShare(jobs, command, overwrite, barrier_timeout, env, progress, started,
+                         has_work=bool(pending(jobs, overwrite)))  # fmt: skip
+        return
     assert folder is not None
     with process_group(env, barrier_timeout):
-        return _run_share(jobs, make_process, command, Manifest(folder), overwrite, barrier_timeout, env, progress,
-                          started)  # fmt: skip
+        yield _agreed_share(jobs, command, Manifest(folder), overwrite, barrier_timeout, env, progress, started)
 
 
-def _run_share(
+@dataclass
+class BatchShare:
+    """What this rank runs of a batch: ``jobs`` (its share, and on rank 0 the ones nobody processes, to
+    report them once), whether any of them needs work, and the job manifest when the run keeps one."""
+
+    jobs: list[Job]
+    command: str
+    overwrite: bool
+    barrier_timeout: float
+    env: DistEnv
+    progress: bool | None
+    started: float
+    has_work: bool
+    manifest: Manifest | None = None
+    run_id: str = ""
+
+    def run(self, process: Process | None) -> int:
+        """Run ``process(source, output)`` over the share (steps 3 and 4); returns the exit status.
+        ``process`` may be None only when the share has no work."""
+        process = process if self.has_work and process is not None else _nothing_to_do
+        if self.manifest is None:
+            return run_jobs(self.jobs, process, command=self.command, overwrite=self.overwrite,
+                            progress=self.progress, started=self.started).exit_code  # fmt: skip
+        process = _recording(process, self.manifest, self.run_id, self.env) if self.has_work else process
+        progress = self.progress if self.env.is_main else False  # one batch bar on a shared terminal: rank 0's
+        result = run_jobs(self.jobs, process, command=self.command, overwrite=self.overwrite, progress=progress,
+                          started=self.started)  # fmt: skip
+        return _finish(self, result)
+
+
+def _agreed_share(
     jobs: list[Job],
-    make_process: Callable[[], Process],
     command: str,
     manifest: Manifest,
     overwrite: bool,
     barrier_timeout: float,
     env: DistEnv,
     progress: bool | None,
-    started: float | None = None,
-) -> int:
+    started: float,
+) -> BatchShare:
     agree(env, manifest.writable_problem())  # e.g. a folder in its place: every rank stops, with one line
     run = broadcast(env, new_run_id())
 
@@ -133,10 +183,14 @@ def _run_share(
         mine = [job for i, job in enumerate(jobs) if i in share or not probes[i][1]]
     else:
         mine = [jobs[i] for i in sorted(share)]
-    process = _recording(make_process(), manifest, run, env) if share else _nothing_to_do
-    if not env.is_main:
-        progress = False  # one batch bar on a shared terminal: rank 0's (its share)
-    result = run_jobs(mine, process, command=command, overwrite=overwrite, progress=progress, started=started)
+    return BatchShare(mine, command, overwrite, barrier_timeout, env, progress, started, has_work=bool(share),
+                      manifest=manifest, run_id=run)  # fmt: skip
+
+
+def _finish(share: BatchShare, result: BatchResult) -> int:
+    """The end-of-job barrier, the ranks' counts, rank 0's summary line and record; the exit status."""
+    command, env, manifest, barrier_timeout = share.command, share.env, share.manifest, share.barrier_timeout
+    assert manifest is not None
     counts = {"total": result.total, "done": result.done, "skipped": result.skipped, "failed": result.failed}
     per_rank, reason = finish(env, counts, barrier_timeout)
     if per_rank is None:
@@ -154,7 +208,7 @@ def _run_share(
                 f"{env.world_size} ranks: {totals['done']} done, {totals['skipped']} skipped, "
                 f"{failed} failed of {totals['total']} image(s)",
             )
-        manifest.append({"event": "summary", "run": run, "time": now_iso(), "world_size": env.world_size,
+        manifest.append({"event": "summary", "run": share.run_id, "time": now_iso(), "world_size": env.world_size,
                          **{k: int(totals[k]) for k in ("total", "done", "skipped", "failed")}})  # fmt: skip
     if failed and env.distributed and not outcome_is_returned():
         if env.is_main:

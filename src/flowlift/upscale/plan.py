@@ -4,9 +4,10 @@ The command line turns its options into one :class:`UpscaleRequest` and calls :f
 :func:`plan_upscale` decides everything before any model loads, from the inputs' headers alone
 (:class:`OutputSizes`): the passes the 16K cap lets run, each output's name, size and format limit,
 and, through :func:`flowlift.jobs.batch.plan_targets`, what is skipped or refused. The plan is data:
-it writes and removes nothing. :func:`run_upscale` hands its jobs to
-:func:`flowlift.jobs.scaleout.run_batch` with :class:`UpscaleStep`, which loads the models only when
-this rank has work and writes one output per call (:func:`flowlift.upscale.outputs.upscale_file`).
+it writes and removes nothing. :func:`run_upscale` hands its jobs to :mod:`flowlift.jobs` once
+(:func:`flowlift.jobs.scaleout.batch_share`: this rank's share), loads the models only when that share
+has work, and runs it with :class:`UpscaleStep`, which writes one output per call
+(:func:`flowlift.upscale.outputs.upscale_file`).
 """
 
 from __future__ import annotations
@@ -155,21 +156,24 @@ def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
 
 
 class UpscaleStep:
-    """The per-image step of one run: :meth:`load` builds the pipeline (only when this rank has work)
-    and returns the ``process(source, output)`` that :func:`flowlift.jobs.batch.run_jobs` calls."""
+    """The per-image step of one run on its loaded pipeline: ``step(source, output)`` writes one output
+    (:func:`flowlift.upscale.outputs.upscale_file`). Built by :meth:`load` only when this rank has work."""
 
-    def __init__(self, request: UpscaleRequest, plan: UpscalePlan, env: DistEnv) -> None:
-        self.request, self.plan, self.env = request, plan, env
-        self.pipeline: Any = None
-        self.hashes: dict = {}
+    def __init__(self, request: UpscaleRequest, plan: UpscalePlan, pipeline: Any) -> None:
+        from flowlift.upscale.outputs import model_hashes
 
-    def load(self) -> Callable[[Path, Path], None]:
+        self.request, self.plan, self.pipeline = request, plan, pipeline
+        self.hashes = model_hashes(pipeline)
+
+    @classmethod
+    def load(cls, request: UpscaleRequest, plan: UpscalePlan, env: DistEnv) -> Callable[[Path, Path], None]:
+        """The pipeline on this rank's device, and the step over it (``--batch-size N``: same-size inputs
+        together, :func:`flowlift.upscale.outputs.batched_process`)."""
         from flowlift.jobs.distributed import rank_device
-        from flowlift.upscale.outputs import batched_process, model_hashes
+        from flowlift.upscale.outputs import batched_process
         from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
-        request, env = self.request, self.env
-        self.pipeline = FlowUpscalerPipeline(
+        pipeline = FlowUpscalerPipeline(
             request.settings.upscaler or DEFAULT_UPSCALER,
             request.settings.vae,
             dtype=request.dtype,
@@ -179,16 +183,16 @@ class UpscaleStep:
             max_memory=request.max_memory,
             compile=request.compile,
         )
-        self.hashes = model_hashes(self.pipeline)
+        step = cls(request, plan, pipeline)
         if request.batch_size > 1 and env.distributed:
             print(f"flowlift {COMMAND}: --batch-size is not applied under torchrun; images run one by one",
                   file=sys.stderr)  # fmt: skip
         elif request.batch_size > 1:
-            return batched_process(request.settings, self.pipeline, self.plan.jobs, self.plan.sizes.passes_for,
-                                   self.hashes, batch_size=request.batch_size, overwrite=request.overwrite)  # fmt: skip
-        return self.upscale_one
+            return batched_process(request.settings, pipeline, plan.jobs, plan.sizes.passes_for, step.hashes,
+                                   batch_size=request.batch_size, overwrite=request.overwrite)  # fmt: skip
+        return step
 
-    def upscale_one(self, path: Path, out: Path) -> None:
+    def __call__(self, path: Path, out: Path) -> None:
         from tqdm import tqdm
 
         from flowlift.upscale.outputs import upscale_file
@@ -204,14 +208,17 @@ class UpscaleStep:
 
 
 def run_upscale(request: UpscaleRequest) -> int:
-    """Plan the request, say what the cap drops (once, before any work), run the jobs; the exit status."""
-    from flowlift.jobs.scaleout import run_batch
+    """Plan the request, say what the cap drops (once, before any work), then run this rank's share of
+    the jobs (:func:`flowlift.jobs.scaleout.batch_share`), loading the models only when it has work;
+    returns the exit status."""
+    from flowlift.jobs.scaleout import batch_share
 
     plan = plan_upscale(request)
     env = DistEnv.from_environ()
     if env.is_main:  # the cap's note before any work (and once, not per rank), not after the image
         for source, note in plan.dropped_notes(request.overwrite):
             report(COMMAND, source, f"warning: {note}")
-    step = UpscaleStep(request, plan, env)
-    return run_batch(plan.jobs, step.load, command=COMMAND, output=request.output, overwrite=request.overwrite,
-                     barrier_timeout=request.barrier_timeout, env=env, progress=request.progress)  # fmt: skip
+    with batch_share(plan.jobs, command=COMMAND, output=request.output, overwrite=request.overwrite,
+                     barrier_timeout=request.barrier_timeout, env=env, progress=request.progress) as share:  # fmt: skip
+        step = UpscaleStep.load(request, plan, env) if share.has_work else None
+        return share.run(step)
