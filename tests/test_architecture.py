@@ -4,7 +4,8 @@
   functions count too), so no arrow runs back up and front-ends sit on top of the capability packages.
 - No import cycle between modules.
 - Units stay readable: no module of ``src/flowlift`` past :data:`MAX_MODULE_LINES`, except those
-  docs/architecture.md names with the reason; the top level holds only the few modules every folder uses.
+  docs/architecture.md names with the reason, and no function past :data:`MAX_FUNCTION_LINES`; the top
+  level holds only the few modules every folder uses.
 - ``import flowlift`` stays cheap: it imports no torch (the public names are resolved lazily), and each
   public name is the object its capability package defines.
 """
@@ -45,6 +46,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 FRONT_ENDS = ("comfyui", "app", "invokeai", "commands")
 TOP_LEVEL_MODULES = {"__init__", "__main__", "errors", "console", "devices", "version"}
 MAX_MODULE_LINES = 450
+#: Lines of one function or method, from its ``def`` line to its last line (decorators not counted).
+MAX_FUNCTION_LINES = 100
 
 
 def module_name(path: Path) -> str:
@@ -155,6 +158,44 @@ def test_modules_stay_readable_and_the_top_level_small():
     assert allowed <= set(long), f"docs/architecture.md excuses modules that are short now: {allowed - set(long)}"
     top = {path.stem for path in PACKAGE.glob("*.py")}
     assert top <= TOP_LEVEL_MODULES, f"new top-level modules belong in a folder: {sorted(top - TOP_LEVEL_MODULES)}"
+
+
+def long_functions(path: Path) -> dict[str, int]:
+    """``{qualified name: lines}`` of the functions and methods in ``path`` past :data:`MAX_FUNCTION_LINES`
+    (nested functions count inside their parent and on their own)."""
+    found: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{prefix}{child.name}"
+                lines = child.end_lineno - child.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found[name] = lines
+                visit(child, f"{name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+
+    visit(ast.parse(path.read_text(), str(path)), "")
+    return found
+
+
+def test_functions_stay_readable():
+    long = {
+        f"{path.relative_to(PACKAGE)}:{name}": lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name, lines in long_functions(path).items()
+    }
+    assert not long, f"functions past {MAX_FUNCTION_LINES} lines: split them into named steps: {long}"
+
+
+def test_the_function_limit_sees_methods_and_nested_functions(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    source = tmp_path / "sample.py"
+    source.write_text(f"class A:\n  def long(self):\n{body}\ndef outer():\n  def inner():\n{body}\n  return inner\n"
+                      "def short():\n    return 1\n")  # fmt: skip
+    assert long_functions(source) == {"A.long": MAX_FUNCTION_LINES + 1, "outer": MAX_FUNCTION_LINES + 4,
+                                      "outer.inner": MAX_FUNCTION_LINES + 1}  # fmt: skip
 
 
 @pytest.mark.parametrize("statement", ["import flowlift", "import flowlift.commands.cli"])
