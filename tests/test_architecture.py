@@ -2,7 +2,7 @@
 
 - Layers: a module imports only from its own folder or from folders below it (lazy imports inside
   functions count too), so no arrow runs back up and front-ends sit on top of the capability packages.
-- No import cycle between modules.
+- No import cycle between modules; no command module imports another command.
 - Units stay readable: no module of ``src/flowlift`` past :data:`MAX_MODULE_LINES`, except those
   docs/architecture.md names with the reason, and no function past :data:`MAX_FUNCTION_LINES`; the top
   level holds only the few modules every folder uses.
@@ -110,6 +110,19 @@ def test_no_import_runs_back_up_a_layer():
             if layer > own_layer or sideways:
                 upward.append(f"{module} -> {target}")
     assert not upward, "imports that run back up (see docs/architecture.md):\n" + "\n".join(sorted(upward))
+
+
+def test_no_command_imports_another_command():
+    """What two subcommands share lives in an underscore module of ``commands/`` (or below): a command
+    module imports no other command (``cli`` is the dispatcher, not a command)."""
+
+    def is_command(module: str) -> bool:
+        parts = module.split(".")
+        return len(parts) == 3 and parts[1] == "commands" and not parts[2].startswith("_") and parts[2] != "cli"
+
+    crossing = [f"{module} -> {target}" for module, targets in import_graph().items() if is_command(module)
+                for target in targets if is_command(target) and target != module]  # fmt: skip
+    assert not crossing, "commands importing other commands:\n" + "\n".join(sorted(crossing))
 
 
 def test_no_import_cycle():

@@ -25,8 +25,7 @@ from flowlift.flux2.latents import (
 )
 from flowlift.flux2.sampling import SAMPLERS
 from flowlift.flux2.schedule import DEFAULT_MU, EMPIRICAL_MU, SCHEDULES, flux2_sigmas, resolve_mu
-
-STRENGTH_MAPS = ("linear", "canvas")
+from flowlift.refine.choices import STRENGTH_MAPS
 
 VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
 StepCallback = Callable[[int, int, float], None]
