@@ -228,7 +228,8 @@ def plan_targets(targets: Sequence[Target]) -> list[Job]:
 
 def remove_debris(jobs: Iterable[Job], before: float | None = None) -> None:
     """Remove the temporary files that killed runs left in the jobs' output folders
-    (:func:`flowlift.files.atomic.remove_stale_temporaries`: never one that a live run still writes)."""
+    (:func:`flowlift.files.atomic.remove_stale_temporaries`: never one that a live run still writes, nor one
+    last written at or after ``before``, the start of this run; default: now)."""
     for folder in dict.fromkeys(job.output.parent for job in jobs if job.output is not None):
         remove_stale_temporaries(folder, before=before)
 
@@ -334,6 +335,7 @@ def run_jobs(
     overwrite: bool = False,
     progress: bool | None = None,
     started: float | None = None,
+    debris_before: float | None = None,
 ) -> BatchResult:
     """Run ``process(source, output)`` for every job with an output; returns the counts and times.
 
@@ -342,13 +344,15 @@ def run_jobs(
     somebody else's file: one line, counted as failed); an :data:`ITEM_ERRORS` exception from
     ``process`` prints one line and the batch goes on. ``progress``: a tqdm bar over the jobs
     (``None``: only on a terminal). ``started``: the :func:`time.perf_counter` the summary's total
-    time counts from (default: now).
+    time counts from (default: now). ``debris_before``: the :func:`time.time` before which a temporary
+    file in an output folder can be a killed run's (default: now; a job of several ranks passes a time
+    from before any rank began to write, see :func:`remove_debris`).
     """
     from tqdm import tqdm
 
     started = time.perf_counter() if started is None else started
     jobs = list(jobs)
-    remove_debris(jobs, before=time.time())  # debris of killed runs, before this run writes anything
+    remove_debris(jobs, before=debris_before)  # debris of killed runs, before this run writes anything
     result = BatchResult(total=len(jobs))
     todo: list[Job] = []
     for job in jobs:

@@ -1,6 +1,7 @@
 """A batch (:mod:`flowlift.jobs.batch`) run as one rank of a ``torchrun`` job, with its job manifest.
 
-:func:`run_batch` is what an image-to-image command calls instead of :func:`flowlift.jobs.batch.run_jobs`:
+:func:`batch_share` (then :meth:`BatchShare.run`) is what an image-to-image command calls instead of
+:func:`flowlift.jobs.batch.run_jobs`, and :func:`run_batch` the two in one for a caller with a model factory:
 
 * one process and no manifest in the output folder: exactly ``run_jobs`` (nothing new is written);
 * under ``torchrun`` (or one process continuing a job whose folder holds a manifest):
@@ -8,9 +9,10 @@
   1. every rank plans the same jobs; the ranks split the probing (image headers, the resume rule
      :func:`flowlift.jobs.batch.pending`) and exchange the results once (:func:`probe_and_gather`, which
      also checks that all ranks planned the same list);
-  2. the jobs that need work are split by pixel count (:func:`shard_by_pixels`); each rank builds its
-     models (``make_process``) only when its share is not empty and runs ``run_jobs`` over it — no
-     collective inside the loop, so a failing image costs one line on its own rank and nothing else;
+  2. the jobs that need work are split by pixel count (:func:`shard_by_pixels`); the caller builds its
+     models only when this rank's share has work (:attr:`BatchShare.has_work`) and runs ``run_jobs``
+     over it (:meth:`BatchShare.run`) — no collective inside the loop, so a failing image costs one
+     line on its own rank and nothing else;
   3. each processed image appends one record to the manifest (done with its seconds, or failed with
      its error line); rank 0 also records the plan (a ``job`` record), the inputs it refuses and the
      finished outputs the manifest did not know yet;
@@ -113,18 +115,20 @@ def batch_share(
     module docstring), inside the process group when there is one. The caller builds its models only
     when :attr:`BatchShare.has_work`, then runs the share with :meth:`BatchShare.run`."""
     started = time.perf_counter()  # the summary's total time includes loading the models
+    opened = time.time()  # before any rank of this run writes (they first agree on the plan): the debris cutoff
     env = DistEnv.from_environ() if env is None else env
     jobs = list(jobs)
     folder = manifest_folder(output)
     if env.distributed and folder is None:
         raise FlowliftError("under torchrun, -o must name an output folder: the job manifest is kept there")
     if not env.distributed and (folder is None or not Manifest(folder).exists()):
-        yield BatchShare(jobs, command, overwrite, barrier_timeout, env, progress, started,
+        yield BatchShare(jobs, command, overwrite, barrier_timeout, env, progress, started, opened,
                          has_work=bool(pending(jobs, overwrite)))  # fmt: skip
         return
     assert folder is not None
     with process_group(env, barrier_timeout):
-        yield _agreed_share(jobs, command, Manifest(folder), overwrite, barrier_timeout, env, progress, started)
+        yield _agreed_share(jobs, command, Manifest(folder), overwrite, barrier_timeout, env, progress, started,
+                            opened)  # fmt: skip
 
 
 @dataclass
@@ -139,6 +143,7 @@ class BatchShare:
     env: DistEnv
     progress: bool | None
     started: float
+    opened: float
     has_work: bool
     manifest: Manifest | None = None
     run_id: str = ""
@@ -148,12 +153,13 @@ class BatchShare:
         ``process`` may be None only when the share has no work."""
         process = process if self.has_work and process is not None else _nothing_to_do
         if self.manifest is None:
-            return run_jobs(self.jobs, process, command=self.command, overwrite=self.overwrite,
-                            progress=self.progress, started=self.started).exit_code  # fmt: skip
+            result = run_jobs(self.jobs, process, command=self.command, overwrite=self.overwrite,
+                              progress=self.progress, started=self.started, debris_before=self.opened)  # fmt: skip
+            return result.exit_code
         process = _recording(process, self.manifest, self.run_id, self.env) if self.has_work else process
         progress = self.progress if self.env.is_main else False  # one batch bar on a shared terminal: rank 0's
         result = run_jobs(self.jobs, process, command=self.command, overwrite=self.overwrite, progress=progress,
-                          started=self.started)  # fmt: skip
+                          started=self.started, debris_before=self.opened)  # fmt: skip
         return _finish(self, result)
 
 
@@ -166,6 +172,7 @@ def _agreed_share(
     env: DistEnv,
     progress: bool | None,
     started: float,
+    opened: float,
 ) -> BatchShare:
     agree(env, manifest.writable_problem())  # e.g. a folder in its place: every rank stops, with one line
     run = broadcast(env, new_run_id())
@@ -183,8 +190,8 @@ def _agreed_share(
         mine = [job for i, job in enumerate(jobs) if i in share or not probes[i][1]]
     else:
         mine = [jobs[i] for i in sorted(share)]
-    return BatchShare(mine, command, overwrite, barrier_timeout, env, progress, started, has_work=bool(share),
-                      manifest=manifest, run_id=run)  # fmt: skip
+    return BatchShare(mine, command, overwrite, barrier_timeout, env, progress, started, opened,
+                      has_work=bool(share), manifest=manifest, run_id=run)  # fmt: skip
 
 
 def _finish(share: BatchShare, result: BatchResult) -> int:
