@@ -146,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--status", metavar="OUT", help="print the state of the job in output folder OUT (its "
                         "torchrun manifest, else what the files there show: done, partial, broken, missing), "
-                        "then exit; an alias of `flowlift status OUT`")  # fmt: skip
+                        "then exit")  # fmt: skip
     add_barrier_timeout_argument(parser)
 
 
