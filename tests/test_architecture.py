@@ -2,9 +2,10 @@
 
 - Layers: a module imports only from its own folder or from folders below it (lazy imports inside
   functions count too), so no arrow runs back up and front-ends sit on top of the capability packages.
-- No import cycle between modules.
+- No import cycle between modules; no command module imports another command.
 - Units stay readable: no module of ``src/flowlift`` past :data:`MAX_MODULE_LINES`, except those
-  docs/architecture.md names with the reason; the top level holds only the few modules every folder uses.
+  docs/architecture.md names with the reason, and no function past :data:`MAX_FUNCTION_LINES`; the top
+  level holds only the few modules every folder uses.
 - ``import flowlift`` stays cheap: it imports no torch (the public names are resolved lazily), and each
   public name is the object its capability package defines.
 """
@@ -26,7 +27,7 @@ PACKAGE = REPO / "src" / "flowlift"
 
 #: Lowest first. A module may import its own layer and any layer below it, never one above.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "console", "devices"),
+    ("errors", "console", "devices", "version"),
     ("files",),
     ("flux2",),
     ("models",),
@@ -38,12 +39,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training",),
     ("comfyui", "app", "invokeai"),
     ("commands",),
+    ("",),  # the package's face: the version and the public names of every layer, resolved lazily
     ("__main__",),
 )
 #: Front-ends of one layer must not import one another (``commands`` sits above: ``flowlift app`` starts the app).
 FRONT_ENDS = ("comfyui", "app", "invokeai", "commands")
-TOP_LEVEL_MODULES = {"__init__", "__main__", "errors", "console", "devices"}
+TOP_LEVEL_MODULES = {"__init__", "__main__", "errors", "console", "devices", "version"}
 MAX_MODULE_LINES = 450
+#: Lines of one function or method, from its ``def`` line to its last line (decorators not counted).
+MAX_FUNCTION_LINES = 100
 
 
 def module_name(path: Path) -> str:
@@ -76,7 +80,7 @@ def imported_modules(path: Path, known: set[str]) -> set[str]:
 
 def layer_of(module: str) -> tuple[int, str]:
     """(layer index, folder key) of a flowlift module; the longest matching folder key wins."""
-    rest = module.removeprefix("flowlift.")
+    rest = "" if module == "flowlift" else module.removeprefix("flowlift.")
     best: tuple[int, str] | None = None
     for index, keys in enumerate(LAYERS):
         for key in keys:
@@ -88,13 +92,12 @@ def layer_of(module: str) -> tuple[int, str]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the flowlift modules it imports. The package's face (``flowlift``: the version and the
-    lazily resolved public names) is left out: every layer may read ``__version__``."""
+    """Module -> the flowlift modules it imports. The package's face (``flowlift``: the lazily resolved public
+    names) sits above every capability, so no module below it imports it: ``__version__`` is read from
+    ``flowlift.version``, at the bottom."""
     found = modules()
     known = set(found)
-    return {
-        name: imported_modules(path, known) - {name, "flowlift"} for name, path in found.items() if name != "flowlift"
-    }
+    return {name: imported_modules(path, known) - {name} for name, path in found.items()}
 
 
 def test_no_import_runs_back_up_a_layer():
@@ -107,6 +110,19 @@ def test_no_import_runs_back_up_a_layer():
             if layer > own_layer or sideways:
                 upward.append(f"{module} -> {target}")
     assert not upward, "imports that run back up (see docs/architecture.md):\n" + "\n".join(sorted(upward))
+
+
+def test_no_command_imports_another_command():
+    """What two subcommands share lives in an underscore module of ``commands/`` (or below): a command
+    module imports no other command (``cli`` is the dispatcher, not a command)."""
+
+    def is_command(module: str) -> bool:
+        parts = module.split(".")
+        return len(parts) == 3 and parts[1] == "commands" and not parts[2].startswith("_") and parts[2] != "cli"
+
+    crossing = [f"{module} -> {target}" for module, targets in import_graph().items() if is_command(module)
+                for target in targets if is_command(target) and target != module]  # fmt: skip
+    assert not crossing, "commands importing other commands:\n" + "\n".join(sorted(crossing))
 
 
 def test_no_import_cycle():
@@ -155,6 +171,44 @@ def test_modules_stay_readable_and_the_top_level_small():
     assert allowed <= set(long), f"docs/architecture.md excuses modules that are short now: {allowed - set(long)}"
     top = {path.stem for path in PACKAGE.glob("*.py")}
     assert top <= TOP_LEVEL_MODULES, f"new top-level modules belong in a folder: {sorted(top - TOP_LEVEL_MODULES)}"
+
+
+def long_functions(path: Path) -> dict[str, int]:
+    """``{qualified name: lines}`` of the functions and methods in ``path`` past :data:`MAX_FUNCTION_LINES`
+    (nested functions count inside their parent and on their own)."""
+    found: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{prefix}{child.name}"
+                lines = child.end_lineno - child.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found[name] = lines
+                visit(child, f"{name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+
+    visit(ast.parse(path.read_text(), str(path)), "")
+    return found
+
+
+def test_functions_stay_readable():
+    long = {
+        f"{path.relative_to(PACKAGE)}:{name}": lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name, lines in long_functions(path).items()
+    }
+    assert not long, f"functions past {MAX_FUNCTION_LINES} lines: split them into named steps: {long}"
+
+
+def test_the_function_limit_sees_methods_and_nested_functions(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    source = tmp_path / "sample.py"
+    source.write_text(f"class A:\n  def long(self):\n{body}\ndef outer():\n  def inner():\n{body}\n  return inner\n"
+                      "def short():\n    return 1\n")  # fmt: skip
+    assert long_functions(source) == {"A.long": MAX_FUNCTION_LINES + 1, "outer": MAX_FUNCTION_LINES + 4,
+                                      "outer.inner": MAX_FUNCTION_LINES + 1}  # fmt: skip
 
 
 @pytest.mark.parametrize("statement", ["import flowlift", "import flowlift.commands.cli"])

@@ -63,3 +63,35 @@ def test_run_jobs_counts_resume_and_keeps_going(tmp_path, capsys):
     # a programming error is not a per-image failure: it propagates
     with pytest.raises(ZeroDivisionError):
         run_jobs(jobs[:1], lambda s, o: 1 / 0, command="test", overwrite=True, progress=False)
+
+
+def test_planning_removes_nothing_and_the_run_clears_killed_runs_debris(tmp_path):
+    """Issue 29: a plan is data (it writes and removes nothing); a killed run's temporary file goes when a
+    run starts, and only then."""
+    import os
+    import time
+
+    from flowlift.jobs.batch import Target, plan_targets
+
+    source = _touch(tmp_path / "a.png")
+    debris = tmp_path / ".a_x2.k3j4h5l6.flowlift-partial"
+    debris.write_bytes(b"")
+    old = time.time() - 60
+    os.utime(debris, (old, old))
+    before = sorted(tmp_path.iterdir())
+    jobs = plan_jobs([source], None, lambda p: f"{p.stem}_x2.png", SUFFIXES)
+    jobs += plan_targets([Target(source, tmp_path / "a_x2.jpg")])
+    assert sorted(tmp_path.iterdir()) == before and debris.exists()
+    run_jobs(jobs[:1], lambda s, o: o.write_bytes(b"result"), command="test", progress=False)
+    assert not debris.exists() and (tmp_path / "a_x2.png").read_bytes() == b"result"
+
+
+def test_refused_is_what_the_planner_decided_not_how_the_note_reads(tmp_path):
+    from flowlift.jobs.batch import Target, plan_targets
+
+    a = _touch(tmp_path / "a.png")
+    assert Job.refusal(a, "skipped by nobody: this input is refused").refused
+    assert not Job.skip(a, "a reference, left alone").refused
+    jobs = plan_targets([Target(a, None, "skipped-looking problem"), Target(a, tmp_path / "b.png", "too large")])
+    assert [job.refused for job in jobs] == [True, True]
+    assert [job.note for job in jobs] == ["skipped-looking problem", "too large"]

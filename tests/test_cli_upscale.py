@@ -188,3 +188,19 @@ def test_image_too_wide_for_any_pass_is_refused_in_one_line(tmp_path, shared, we
     refused = [line for line in _error_lines(err) if "MAX_OUTPUT_SIDE=16384" in line]
     assert len(refused) == 1 and "8200x8 image cannot be upscaled" in refused[0]
     assert not (tmp_path / "out" / "wide_x2.png").exists()
+
+
+def test_status_is_its_own_command_and_upscale_status_its_alias(tmp_path, capsys):
+    """Issue 29: `flowlift status OUT`; `flowlift upscale --status OUT` prints the same account, exits the
+    same, and adds one notice line on stderr."""
+    Image.new("RGB", (8, 8), (10, 20, 30)).save(tmp_path / "a.png")  # a source with no output here: missing
+    assert main(["status", str(tmp_path)]) == 1
+    own = capsys.readouterr()
+    assert "1 missing" in own.out and own.err == ""
+    assert main(["upscale", "--status", str(tmp_path)]) == 1
+    alias = capsys.readouterr()
+    assert alias.out == own.out
+    assert len(alias.err.splitlines()) == 1 and "flowlift status OUT" in alias.err
+    assert main(["status", str(tmp_path / "absent")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flowlift status: error: ") and "no such folder" in err and "\n" not in err

@@ -265,3 +265,25 @@ def test_bf16_autocast_and_channels_last_paths(dataset, tmp_path):
 
     weights = load_file(str(tmp_path / "bf16" / "flow_upscaler.safetensors"))
     assert all(v.dtype == torch.float32 for v in weights.values())  # master weights stay fp32
+
+
+def test_a_run_that_fails_closes_its_shard_files(dataset, tmp_path, monkeypatch):
+    """Issue 29: the dataset reader's open shard files are closed however a run ends, a failing step too."""
+    import flowlift.training.trainer as trainer
+
+    readers = []
+
+    class RecordedReader(trainer.ShardReader):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            readers.append(self)
+
+    def failing_loss(model, batch):
+        assert readers and readers[0]._open, "the step runs with the shard files open"
+        raise FlowliftError("this step failed")
+
+    monkeypatch.setattr(trainer, "ShardReader", RecordedReader)
+    monkeypatch.setattr(trainer, "flow_matching_loss", failing_loss)
+    with pytest.raises(FlowliftError, match="this step failed"):
+        Trainer(_config(dataset, tmp_path / "run")).run()
+    assert len(readers) == 1 and not readers[0]._open

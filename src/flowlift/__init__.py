@@ -19,8 +19,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from flowlift.errors import FlowliftError
-
-__version__ = "0.1.0"
+from flowlift.version import __version__
 
 #: Public name -> the module that defines it (imported on first access).
 _PUBLIC = {

@@ -24,6 +24,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from flowlift.app.detail import INPUT_FILTERS, ZOOMS, detail_html, detail_view, overview_to_output
@@ -117,6 +118,28 @@ def build_app(service: AppService) -> Any:
     # decodes a whole image), and draw no overlay over the crops (a veil would change the pixels shown).
     views = {"concurrency_limit": 2, "concurrency_id": "views", "api_visibility": "private", "show_progress": "hidden"}
 
+    on = _handlers(gr, service)
+    with gr.Blocks(title="flowlift", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
+        gr.Markdown(
+            "# flowlift\n"
+            "The Flow Upscaler in one step per 2x pass, colour drift corrected. "
+            f"Requests run one at a time on {html.escape(str(device))}; a request that waits shows its place "
+            f"in the queue over the result. Uploads up to {config.max_upload_mb:g} MB.",
+            elem_id="intro",
+        )
+        with gr.Tab("Upscale", id="upscale"):
+            _upscale_tab(gr, service, on, queue, views)
+        with gr.Tab("Batch", id="batch"):
+            _batch_tab(gr, service, on, queue)
+        if config.model:
+            from flowlift.app.refine_tab import refine_tab
+
+            refine_tab(gr, service, queue, _as_user_error, upload_path)
+    return demo
+
+
+def _handlers(gr: Any, service: AppService) -> SimpleNamespace:
+    """The page's event handlers over ``service``: every failure a visible message, the server up."""
     stage_progress = gr.Progress()
 
     def upscale(image, scale, seed, transplant_strength, color_fix_strength, vae=None, progress=stage_progress):
@@ -173,105 +196,99 @@ def build_app(service: AppService) -> Any:
             raise _as_user_error(gr, error) from None
         return (str(result.zip_path) if result.zip_path else None), result.summary()
 
-    with gr.Blocks(title="flowlift", analytics_enabled=False, delete_cache=(3600, 3600)) as demo:
-        gr.Markdown(
-            "# flowlift\n"
-            "The Flow Upscaler in one step per 2x pass, colour drift corrected. "
-            f"Requests run one at a time on {html.escape(str(device))}; a request that waits shows its place "
-            f"in the queue over the result. Uploads up to {config.max_upload_mb:g} MB.",
-            elem_id="intro",
-        )
-        with gr.Tab("Upscale", id="upscale"):
-            with gr.Row():
-                with gr.Column():
-                    image = gr.Image(
-                        label="Image (drop, paste or click to upload)",
-                        type="filepath",
-                        image_mode=None,
-                        sources=["upload", "clipboard"],
-                        elem_id="upscale-input",
-                    )
-                    upload_status = gr.Markdown(elem_id="upscale-upload-status")
-                    controls = _upscale_controls(gr, service, "upscale")
-                    run = gr.Button("Upscale", variant="primary", elem_id="upscale-button")
-                with gr.Column():
-                    slider = gr.ImageSlider(
-                        label=f"Before (input, Lanczos-resized) / after; preview up to {PREVIEW_MAX_SIDE} px",
-                        type="pil",
-                        format="png",
-                        elem_id="upscale-slider",
-                    )
-                    download = gr.File(label="Full-resolution PNG", elem_id="upscale-download")
-                    info = gr.Markdown(elem_id="upscale-info")
-            shown = gr.State(None)
-            with gr.Column(elem_id="upscale-detail"):
-                gr.Markdown(
-                    "### Detail at 1:1\nA region of the result at 100% or 200% beside the same region of the "
-                    "input enlarged to the result's size. Click the overview to choose the region (the "
-                    "centre at first); the full-resolution PNG is the download above."
-                )
-                with gr.Row():
-                    overview_image = gr.Image(
-                        label="Overview: click to move the region",
-                        type="pil",
-                        interactive=False,
-                        buttons=[],
-                        height=300,
-                        elem_id="detail-overview",
-                    )
-                    with gr.Column():
-                        zoom = gr.Radio(list(ZOOMS), value="100%", label="Zoom", elem_id="detail-zoom")
-                        input_filter = gr.Radio(
-                            list(INPUT_FILTERS),
-                            value="nearest",
-                            label="Input enlarged with",
-                            info="nearest: every input pixel as a block; Lanczos: smooth, as the slider's 'before'",
-                            elem_id="detail-filter",
-                        )
-                detail = gr.HTML(js_on_load=FIT_DEVICE_PIXELS, elem_id="detail-view")
-            image.upload(check, inputs=[image], outputs=[upload_status, run], preprocess=False, **views)
-            image.clear(lambda: ("", gr.update(interactive=True)), outputs=[upload_status, run], **views)
-            run.click(
-                upscale,
-                inputs=[image, *controls],
-                outputs=[slider, download, info, shown],
-                api_name="upscale",
-                preprocess=False,
-                show_progress_on=[slider],
-                **queue,
-            ).success(show_detail, inputs=[shown, zoom, input_filter], outputs=[overview_image, detail, shown], **views)
-            for choice in (zoom, input_filter):
-                choice.change(
-                    show_detail, inputs=[shown, zoom, input_filter], outputs=[overview_image, detail, shown], **views
-                )
-            overview_image.select(
-                pick_region, inputs=[shown, zoom, input_filter], outputs=[overview_image, detail, shown], **views
-            )
-        with gr.Tab("Batch", id="batch"):
-            with gr.Row():
-                with gr.Column():
-                    files = gr.File(label="Images", file_count="multiple", elem_id="batch-input")
-                    batch_controls = _upscale_controls(gr, service, "batch")
-                    run_batch = gr.Button("Upscale all", variant="primary", elem_id="batch-button")
-                with gr.Column():
-                    archive = gr.File(
-                        label="Zip of the outputs (names as flowlift upscale writes them)", elem_id="batch-zip"
-                    )
-                    report = gr.Markdown(elem_id="batch-report")
-            run_batch.click(
-                batch,
-                inputs=[files, *batch_controls],
-                outputs=[archive, report],
-                api_name="batch",
-                preprocess=False,
-                show_progress_on=[archive],
-                **queue,
-            )
-        if config.model:
-            from flowlift.app.refine_tab import refine_tab
+    return SimpleNamespace(upscale=upscale, check=check, show_detail=show_detail, pick_region=pick_region, batch=batch)
 
-            refine_tab(gr, service, queue, _as_user_error, upload_path)
-    return demo
+
+def _upscale_tab(gr: Any, service: AppService, on: SimpleNamespace, queue: dict, views: dict) -> None:
+    """The Upscale tab: one image in, the before/after slider, the download and the 1:1 detail."""
+    with gr.Row():
+        with gr.Column():
+            image = gr.Image(
+                label="Image (drop, paste or click to upload)",
+                type="filepath",
+                image_mode=None,
+                sources=["upload", "clipboard"],
+                elem_id="upscale-input",
+            )
+            upload_status = gr.Markdown(elem_id="upscale-upload-status")
+            controls = _upscale_controls(gr, service, "upscale")
+            run = gr.Button("Upscale", variant="primary", elem_id="upscale-button")
+        with gr.Column():
+            slider = gr.ImageSlider(
+                label=f"Before (input, Lanczos-resized) / after; preview up to {PREVIEW_MAX_SIDE} px",
+                type="pil",
+                format="png",
+                elem_id="upscale-slider",
+            )
+            download = gr.File(label="Full-resolution PNG", elem_id="upscale-download")
+            info = gr.Markdown(elem_id="upscale-info")
+    shown = gr.State(None)
+    with gr.Column(elem_id="upscale-detail"):
+        gr.Markdown(
+            "### Detail at 1:1\nA region of the result at 100% or 200% beside the same region of the "
+            "input enlarged to the result's size. Click the overview to choose the region (the "
+            "centre at first); the full-resolution PNG is the download above."
+        )
+        with gr.Row():
+            overview_image = gr.Image(
+                label="Overview: click to move the region",
+                type="pil",
+                interactive=False,
+                buttons=[],
+                height=300,
+                elem_id="detail-overview",
+            )
+            with gr.Column():
+                zoom = gr.Radio(list(ZOOMS), value="100%", label="Zoom", elem_id="detail-zoom")
+                input_filter = gr.Radio(
+                    list(INPUT_FILTERS),
+                    value="nearest",
+                    label="Input enlarged with",
+                    info="nearest: every input pixel as a block; Lanczos: smooth, as the slider's 'before'",
+                    elem_id="detail-filter",
+                )
+        detail = gr.HTML(js_on_load=FIT_DEVICE_PIXELS, elem_id="detail-view")
+    image.upload(on.check, inputs=[image], outputs=[upload_status, run], preprocess=False, **views)
+    image.clear(lambda: ("", gr.update(interactive=True)), outputs=[upload_status, run], **views)
+    run.click(
+        on.upscale,
+        inputs=[image, *controls],
+        outputs=[slider, download, info, shown],
+        api_name="upscale",
+        preprocess=False,
+        show_progress_on=[slider],
+        **queue,
+    ).success(on.show_detail, inputs=[shown, zoom, input_filter], outputs=[overview_image, detail, shown], **views)
+    for choice in (zoom, input_filter):
+        choice.change(
+            on.show_detail, inputs=[shown, zoom, input_filter], outputs=[overview_image, detail, shown], **views
+        )
+    overview_image.select(
+        on.pick_region, inputs=[shown, zoom, input_filter], outputs=[overview_image, detail, shown], **views
+    )
+
+
+def _batch_tab(gr: Any, service: AppService, on: SimpleNamespace, queue: dict) -> None:
+    """The Batch tab: many images in, one zip of the outputs out."""
+    with gr.Row():
+        with gr.Column():
+            files = gr.File(label="Images", file_count="multiple", elem_id="batch-input")
+            batch_controls = _upscale_controls(gr, service, "batch")
+            run_batch = gr.Button("Upscale all", variant="primary", elem_id="batch-button")
+        with gr.Column():
+            archive = gr.File(
+                label="Zip of the outputs (names as flowlift upscale writes them)", elem_id="batch-zip"
+            )
+            report = gr.Markdown(elem_id="batch-report")
+    run_batch.click(
+        on.batch,
+        inputs=[files, *batch_controls],
+        outputs=[archive, report],
+        api_name="batch",
+        preprocess=False,
+        show_progress_on=[archive],
+        **queue,
+    )
 
 
 def _upscale_controls(gr: Any, service: AppService, prefix: str) -> list[Any]:

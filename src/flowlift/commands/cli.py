@@ -19,10 +19,10 @@ import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from flowlift import __version__
 from flowlift.commands._options import HelpFormatter
 from flowlift.console import add_console_options, format_warnings, quiet_libraries
 from flowlift.errors import FlowliftError
+from flowlift.version import __version__
 
 
 def _command_modules() -> list:

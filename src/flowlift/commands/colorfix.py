@@ -51,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _metadata(args: argparse.Namespace, source: Path, reference: Path, scale: int) -> dict[str, object]:
-    from flowlift import __version__
     from flowlift.files.image_outputs import file_sha256
+    from flowlift.version import __version__
 
     return {
         "Software": f"flowlift {__version__} colorfix",
@@ -90,9 +90,9 @@ def plan(args: argparse.Namespace, fmt: str) -> tuple[list, dict[Path, Path]]:
         if p in paired:
             continue
         if p.resolve() in reference_files:
-            jobs.append(Job(p, None, "skipped, it is a reference"))
+            jobs.append(Job.skip(p, "skipped, it is a reference"))
         else:
-            jobs.append(Job(p, None, f"no reference named {p.stem} or (for <stem>_x<N>) <stem> among --reference"))
+            jobs.append(Job.refusal(p, f"no reference named {p.stem} or (for <stem>_x<N>) <stem> among --reference"))
     upscaled = [p for p in inputs if p in paired]
     jobs += plan_jobs(upscaled, args.output, lambda path: colorfix_name(path.stem, fmt), IMAGE_SUFFIXES,
                       expected_size=image_size)  # fmt: skip
@@ -102,9 +102,8 @@ def plan(args: argparse.Namespace, fmt: str) -> tuple[list, dict[Path, Path]]:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from flowlift.commands.upscale import output_format
     from flowlift.devices import resolve_device_option
-    from flowlift.files.image_outputs import save_image_atomic
+    from flowlift.files.image_outputs import output_format, save_image_atomic
     from flowlift.files.images import load_image
     from flowlift.files.sixteen_bit import (
         has_16bit_samples,

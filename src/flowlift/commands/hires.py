@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from flowlift.commands._options import examples, positive_int, unit_interval
-from flowlift.commands.img2img import (
+from flowlift.commands._refine_options import (
     add_model_arguments,
     check_model_sources,
     check_mu_for_size,

@@ -10,7 +10,6 @@ the batch goes on; the exit status is 1 when any image failed.
 from __future__ import annotations
 
 import argparse
-import glob
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from flowlift.commands._options import (
     unit_interval,
 )
 from flowlift.console import show_progress
+from flowlift.errors import FlowliftError
 
 NAME = "upscale"
 HELP = "upscale images 2x/4x/8x with the Flow Upscaler, colour drift corrected"
@@ -51,24 +51,6 @@ def settings_from_args(args: argparse.Namespace):
         upscaler=args.upscaler,
         quality=args.quality,
     )
-
-
-def output_format(output: str | None, requested: str | None) -> str:
-    """The output format: ``--format``, or the suffix of ``-o FILE``; both given and different is an error."""
-    from flowlift.errors import FlowliftError
-    from flowlift.files.image_outputs import check_output_format
-    from flowlift.files.images import IMAGE_SUFFIXES
-
-    suffix = Path(output).suffix.lower() if output else ""
-    if output and suffix in IMAGE_SUFFIXES and not Path(output).expanduser().is_dir():
-        named = check_output_format(output)
-        if requested is not None and requested != named:
-            raise FlowliftError(
-                f"-o {output} is a .{suffix.lstrip('.')} file name but --format {requested} was given; "
-                "drop one, or give -o a folder"
-            )
-        return named
-    return requested or "png"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,7 +156,6 @@ def _check_output_option(output: str | None) -> None:
         return
     from PIL import Image
 
-    from flowlift.errors import FlowliftError
     from flowlift.files.images import IMAGE_SUFFIXES
 
     target = Path(output).expanduser()
@@ -186,111 +167,46 @@ def _check_output_option(output: str | None) -> None:
         )
 
 
-def _print_status(args: argparse.Namespace) -> int:
-    """``--status OUT``: the manifest's account of the job, or without one (a plain run) the account
-    the files in OUT give (:mod:`flowlift.jobs.folder_status`); exit 0 when it is complete, else 1."""
-    from flowlift.errors import FlowliftError
-    from flowlift.jobs.folder_status import folder_status, format_folder_status
-    from flowlift.jobs.manifest import Manifest, format_status, job_status
+def run(args: argparse.Namespace) -> int:
+    if args.status is None:
+        return _upscale(args)
+    from flowlift.jobs.folder_status import print_job_status
 
+    # the old spelling of `flowlift status OUT`: the same account and exit status, then one notice
     if args.inputs:
         raise FlowliftError("--status OUT reads the output folder; give no INPUT images with it")
-    if not Manifest(args.status).exists():
-        found = folder_status(args.status)
-        print(format_folder_status(found))
-        return 0 if found.complete else 1
-    status = job_status(args.status)
-    print(format_status(status))
-    return 0 if status.complete else 1
+    code = print_job_status(args.status)
+    print(f"flowlift {NAME}: note: --status OUT is an alias of `flowlift status OUT`", file=sys.stderr)
+    return code
 
 
-def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from flowlift.errors import FlowliftError
-    from flowlift.files.images import IMAGE_SUFFIXES, list_images
-    from flowlift.jobs.batch import Job, pending, plan_jobs, report
-    from flowlift.jobs.distributed import DistEnv, rank_device
-    from flowlift.jobs.scaleout import run_batch
-    from flowlift.upscale.loading import DEFAULT_UPSCALER
-    from flowlift.upscale.outputs import (
-        OutputSizes,
-        batched_process,
-        check_format_limit,
-        model_hashes,
-        output_name,
-        upscale_file,
-    )
-    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+def _upscale(args: argparse.Namespace) -> int:
+    """The options as one :class:`~flowlift.upscale.plan.UpscaleRequest`, planned and run by
+    :func:`flowlift.upscale.plan.run_upscale`."""
+    from flowlift.files.image_outputs import output_format
+    from flowlift.upscale.plan import UpscaleRequest, run_upscale
     from flowlift.upscale.sizes import passes_for_scale
 
-    if args.status is not None:
-        return _print_status(args)
     if not args.inputs:
         raise FlowliftError("give INPUT images (or --status OUT)")
-    resolve_device_dtype(args.device, args.dtype)  # a bad --device is one line, before any input is read
-    passes = args.passes if args.passes is not None else passes_for_scale(args.scale or DEFAULT_SCALE)
+    device, dtype = resolve_device_dtype(args.device, args.dtype)  # a bad --device is one line, before any input
     _check_output_option(args.output)
-    fmt = output_format(args.output, args.format)
-    problems: list[tuple[str, str]] = []
-    inputs = list_images(args.inputs, problems)
-    if not inputs and not problems:
-        raise FlowliftError("no input images found")
-    if not inputs and len(args.inputs) == 1 and not glob.has_magic(args.inputs[0]):
-        item, message = problems[0]  # the one file asked for is not there: a user error (exit 2), not a batch
-        raise FlowliftError(f"{item}: {message}")
-    bars = show_progress(args)
-    sizes = OutputSizes(passes, args.resize_mode)  # named by the scale the cap lets run, from the header
-    jobs = [Job(Path(item), None, message) for item, message in problems] + plan_jobs(
-        inputs,
-        args.output,
-        lambda path: output_name(path, sizes.scale(path), fmt),
-        IMAGE_SUFFIXES,
-        expected_size=sizes.output_size,
-        check_output=lambda path, out: check_format_limit(out, sizes.output_size(path)),
-    )
-    env = DistEnv.from_environ()
-    if env.is_main:  # the cap's note before any work (and once, not per rank), not after the image
-        for job in pending(jobs, args.overwrite):
-            note = sizes.dropped_note(job.source)
-            if note:
-                report(NAME, job.source, f"warning: {note}")
     settings = settings_from_args(args)
-    pipeline = hashes = None
-
-    def make_process():  # called only when there is work (on this rank): nothing to compute loads no model
-        nonlocal pipeline, hashes
-        device, dtype = resolve_device_dtype(args.device, args.dtype)
-        pipeline = FlowUpscalerPipeline(
-            args.upscaler or DEFAULT_UPSCALER,
-            args.vae,
-            dtype=dtype,
-            device=rank_device(str(device), env) if env.distributed else device,  # cuda:LOCAL_RANK
-            chunked=args.chunked,
-            vae_tiled=args.vae_tiling,
-            max_memory=args.max_memory,
-            compile=args.compile,
-        )
-        hashes = model_hashes(pipeline)
-        if args.batch_size > 1 and env.distributed:
-            note = "flowlift upscale: --batch-size is not applied under torchrun; images run one by one"
-            print(note, file=sys.stderr)
-        elif args.batch_size > 1:
-            return batched_process(
-                settings, pipeline, jobs, sizes.passes_for, hashes, batch_size=args.batch_size,
-                overwrite=args.overwrite,
-            )
-        return upscale_one
-
-    def upscale_one(path: Path, out: Path) -> None:
-        count = sizes.passes_for(path)  # the passes the cap lets run, already said at planning
-        steps = tqdm(total=count + 3, desc=path.name, unit="step", leave=False, disable=not bars, file=sys.stderr)
-        with steps:
-            _, _, notes = upscale_file(
-                pipeline, settings, count, path, out, hashes, on_stage=lambda _stage, bar=steps: bar.update(1)
-            )
-        for note in notes:  # anything the pipeline warned about this image: one line, not a stack
-            report(NAME, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
-
-    return run_batch(jobs, make_process, command=NAME, output=args.output, overwrite=args.overwrite,
-                     barrier_timeout=args.barrier_timeout, env=env, progress=bars)  # fmt: skip
+    request = UpscaleRequest(
+        inputs=args.inputs,
+        output=args.output,
+        passes=args.passes if args.passes is not None else passes_for_scale(args.scale or DEFAULT_SCALE),
+        output_format=output_format(args.output, args.format),
+        settings=settings,
+        overwrite=args.overwrite,
+        batch_size=args.batch_size,
+        device=device,
+        dtype=dtype,
+        chunked=args.chunked,
+        vae_tiled=args.vae_tiling,
+        max_memory=args.max_memory,
+        compile=args.compile,
+        barrier_timeout=args.barrier_timeout,
+        progress=show_progress(args),
+    )
+    return run_upscale(request)

@@ -279,6 +279,23 @@ def check_output_format(path: str | os.PathLike) -> str:
     return OUTPUT_FORMAT_OF_SUFFIX[suffix]
 
 
+def output_format(output: str | os.PathLike | None, requested: str | None) -> str:
+    """The format a command writes: ``--format`` (``requested``), or the suffix of ``-o FILE``
+    (:func:`flowlift.files.images.names_image_file`), else ``png``; both given and different is an error."""
+    from flowlift.files.images import names_image_file
+
+    if not names_image_file(output):
+        return requested or "png"
+    named = check_output_format(output)
+    if requested is not None and requested != named:
+        suffix = Path(output).suffix.lower()
+        raise FlowliftError(
+            f"-o {output} is a .{suffix.lstrip('.')} file name but --format {requested} was given; "
+            "drop one, or give -o a folder"
+        )
+    return named
+
+
 def save_image_atomic(
     image: Image.Image,
     path: str | os.PathLike,

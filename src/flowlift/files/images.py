@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,15 @@ def _readable_suffixes() -> tuple[str, ...]:
 IMAGE_SUFFIXES = _readable_suffixes()
 #: Pillow's own limit (~89 Mpx) would be raised to a warning only; flowlift refuses anything larger.
 MAX_INPUT_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
+
+
+def names_image_file(output: str | os.PathLike | None, suffixes: Sequence[str] = IMAGE_SUFFIXES) -> bool:
+    """True when ``-o OUTPUT`` names one output file rather than a folder: it ends in an image suffix
+    (one of ``suffixes``) and is not a folder that exists."""
+    if not output:
+        return False
+    target = Path(output).expanduser()
+    return target.suffix.lower() in suffixes and not target.is_dir()
 
 
 def _to_rgb_and_alpha(image: Image.Image) -> tuple[Image.Image, Image.Image | None]:

@@ -15,8 +15,9 @@ from typing import Protocol
 
 import torch
 
+from flowlift.flux2.choices import SAMPLERS
+
 VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
-SAMPLERS = ("euler", "heun")
 
 
 class StepMerger(Protocol):

@@ -3,7 +3,8 @@
 ``flowlift upscale``, ``flowlift colorfix``, the web app's batch tab and a torchrun shard all turn a
 list of input files into one output file each, and promise the same things:
 
-* **Planning** (:func:`plan_jobs`): every input gets one output path, in ``-o``'s folder or next to
+* **Planning** (:func:`plan_targets`, or :func:`plan_jobs` for a caller that names outputs by a
+  function): every input gets one output path, in ``-o``'s folder or next to
   the input (or ``-o`` names the single output file). An input that is the planned output of another
   input is a previous result, not a source; an output that would overwrite an input, or that two
   inputs would share, is refused for that input alone.
@@ -12,8 +13,8 @@ list of input files into one output file each, and promise the same things:
   expected size (:func:`existing_output`). A file that is empty, not an image or truncated is redone
   with a note, and so is one that flowlift wrote at another size (another run's settings). **Any other
   image is the user's**: it is never replaced without ``overwrite``; that input costs one line.
-* **Debris**: the temporary files of runs killed mid-write in the output folders are removed
-  (:func:`flowlift.files.atomic.remove_stale_temporaries`; never one a live run still writes).
+* **Debris**: when a run starts, the temporary files of runs killed mid-write in its output folders are
+  removed (:func:`remove_debris`; never one a live run still writes). Planning writes and removes nothing.
 * **Bad inputs and targets cost one line, up front**: an input that cannot be planned (missing,
   not a regular file, unreadable header, too large) or whose output cannot be written (folder not
   writable, format limit) is refused before any model is loaded; the batch goes on.
@@ -46,6 +47,7 @@ __all__ = [
     "BatchResult",
     "ExistingOutput",
     "Job",
+    "Target",
     "error_line",
     "existing_output",
     "folder_problem",
@@ -53,6 +55,8 @@ __all__ = [
     "output_target",
     "pending",
     "plan_jobs",
+    "plan_targets",
+    "remove_debris",
     "report",
     "run_jobs",
     "summary_line",
@@ -64,17 +68,44 @@ ITEM_ERRORS: tuple[type[BaseException], ...] = (FlowliftError, OSError, RuntimeE
 
 @dataclass(frozen=True)
 class Job:
-    """One input of a batch: its output path, or ``None`` and a note saying why it has none."""
+    """One input of a batch: its output path, or ``None`` and a note saying why it has none.
+
+    ``refused``: an input without an output for a reason that counts as a failure (a missing file, an
+    output that would replace its input); without it, an input with no output is skipped (a previous
+    result, a reference).
+    """
 
     source: Path
     output: Path | None
     note: str = ""
     expected_size: tuple[int, int] | None = None  # (width, height) of a complete output, when known
+    refused: bool = False
 
-    @property
-    def refused(self) -> bool:
-        """True when the input has no output for a reason that counts as a failure (not a skip)."""
-        return self.output is None and not self.note.startswith("skipped")
+    @classmethod
+    def refusal(cls, source: Path, note: str) -> Job:
+        """An input that gets no output and counts as failed; ``note`` is its one line."""
+        return cls(source, None, note, refused=True)
+
+    @classmethod
+    def skip(cls, source: Path, note: str) -> Job:
+        """An input that gets no output and is not a failure (``note`` says why, e.g. "skipped, ...")."""
+        return cls(source, None, note)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One input with the output its caller planned for it, handed to :func:`plan_targets`.
+
+    ``output`` is None when the caller could not plan one (``problem`` says why: the input is refused).
+    A ``problem`` beside an output refuses that output too, but only after the planner's own rules
+    (a previous result is still skipped, an unwritable folder is still named first).
+    ``expected_size``: the (width, height) of a complete output (for :func:`existing_output`).
+    """
+
+    source: Path
+    output: Path | None
+    problem: str = ""
+    expected_size: tuple[int, int] | None = None
 
 
 @dataclass
@@ -100,13 +131,15 @@ class BatchResult:
 def output_target(output: str | None, count: int, image_suffixes: Sequence[str]) -> tuple[Path | None, Path | None]:
     """Interpret ``-o``: ``(single output file, None)``, ``(None, output folder)`` or ``(None, None)``.
 
-    A path with an image suffix that is not an existing folder names one output file, which is only
-    valid for a single input.
+    A path with an image suffix that is not an existing folder names one output file
+    (:func:`flowlift.files.images.names_image_file`), which is only valid for a single input.
     """
+    from flowlift.files.images import names_image_file
+
     if not output:
         return None, None
     target = Path(output).expanduser()
-    if target.suffix.lower() in image_suffixes and not target.is_dir():
+    if names_image_file(target, image_suffixes):
         if count != 1:
             raise FlowliftError(f"-o {target} names one file but {count} inputs were given; pass a folder")
         return target, None
@@ -125,68 +158,80 @@ def plan_jobs(
     """One :class:`Job` per input; ``output_name(source)`` gives the output's file name.
 
     Outputs go to ``-o``'s folder, or next to each input without ``-o``; ``-o FILE`` names the single
-    output. An input that is another input's planned output, or that is named ``<stem>_x<N>`` beside
-    an input ``<stem>`` (:func:`flowlift.files.naming.source_of`, for any output folder), is skipped with a
-    note, so rerunning a command over a folder resumes instead of processing its own results; an output
-    that would replace its input, or that two inputs would share, is refused.
-    ``expected_size(source)`` is the (width, height) of a complete output (for :func:`existing_output`);
-    ``check_output(source, output)`` may refuse a target up front. An :data:`ITEM_ERRORS` exception
-    from any callback refuses that input alone, with its message as the note.
+    output. ``expected_size(source)`` is the (width, height) of a complete output (for
+    :func:`existing_output`); ``check_output(source, output)`` may refuse a target up front. An
+    :data:`ITEM_ERRORS` exception from any of the three refuses that input alone, with its message as
+    the note. The rules that follow are :func:`plan_targets`'.
     """
-    started = time.time()
     single_file, out_dir = output_target(output, len(inputs), image_suffixes)
-
-    refused: dict[Path, str] = {}
-    writable: dict[Path, str | None] = {}
-
-    def output_of(path: Path) -> Path | None:
+    targets = []
+    for path in inputs:
         try:
-            if single_file is not None:
-                return single_file
-            folder = out_dir if out_dir is not None else path.parent
-            return folder / output_name(path)
+            out = single_file if single_file is not None else (out_dir or path.parent) / output_name(path)
         except ITEM_ERRORS as error:
-            refused[path] = error_line(error)
-            return None
+            targets.append(Target(path, None, error_line(error)))
+            continue
+        try:
+            if check_output is not None:
+                check_output(path, out)
+            size = expected_size(path) if expected_size is not None else None
+        except ITEM_ERRORS as error:
+            targets.append(Target(path, out, error_line(error)))
+            continue
+        targets.append(Target(path, out, expected_size=size))
+    return plan_targets(targets)
 
+
+def plan_targets(targets: Sequence[Target]) -> list[Job]:
+    """One :class:`Job` per target, in order; nothing is written or removed.
+
+    An input that is another input's planned output, or that is named ``<stem>_x<N>`` beside an input
+    ``<stem>`` (:func:`flowlift.files.naming.source_of`, for any output folder), is skipped with a
+    note, so rerunning a command over a folder resumes instead of processing its own results; an output
+    that would replace its input, that two inputs would share, or whose folder cannot be written
+    (:func:`folder_problem`) is refused, and so is a target with a ``problem``.
+    """
     from flowlift.files.naming import source_of
 
-    outputs = {path: output_of(path) for path in inputs}
-    producers = {o.resolve(): p for p, o in outputs.items() if o is not None and o.resolve() != p.resolve()}
+    inputs = [target.source for target in targets]
+    outputs = {t.source: t.output.resolve() for t in targets if t.output is not None}
+    producers = {out: source for source, out in outputs.items() if out != source.resolve()}
     taken: dict[Path, Path] = {}
+    writable: dict[Path, str | None] = {}
     jobs: list[Job] = []
-    for path in inputs:
-        out = outputs[path]
+    for target in targets:
+        path, out = target.source, target.output
         if out is None:
-            jobs.append(Job(path, None, refused[path]))
+            jobs.append(Job.refusal(path, target.problem))
             continue
         key = out.resolve()
         # an earlier result: planned from another input here, or named <stem>_x<N> beside its <stem> input
         # (whatever the output folder is, so `upscale "dir/*.png" -o out/` never upscales dir's old outputs)
         producer = producers.get(path.resolve()) or source_of(path, inputs)
         if producer is not None:
-            jobs.append(Job(path, None, f"skipped, it is the output of {producer}"))
+            jobs.append(Job.skip(path, f"skipped, it is the output of {producer}"))
         elif key == path.resolve():
-            jobs.append(Job(path, None, f"output {out} would overwrite the input; choose another -o"))
+            jobs.append(Job.refusal(path, f"output {out} would overwrite the input; choose another -o"))
         elif key in taken:
-            jobs.append(Job(path, None, f"output {out} is also the output of {taken[key]}; use separate folders"))
+            jobs.append(Job.refusal(path, f"output {out} is also the output of {taken[key]}; use separate folders"))
         else:
             if out.parent not in writable:
                 writable[out.parent] = folder_problem(out.parent)
-                if writable[out.parent] is None:
-                    remove_stale_temporaries(out.parent, before=started)  # debris of killed runs
-            try:
-                if writable[out.parent]:
-                    raise FlowliftError(writable[out.parent])
-                if check_output is not None:
-                    check_output(path, out)
-                size = expected_size(path) if expected_size is not None else None
-            except ITEM_ERRORS as error:
-                jobs.append(Job(path, None, error_line(error)))
+            problem = writable[out.parent] or target.problem
+            if problem:
+                jobs.append(Job.refusal(path, problem))
                 continue
             taken[key] = path
-            jobs.append(Job(path, out, expected_size=size))
+            jobs.append(Job(path, out, expected_size=target.expected_size))
     return jobs
+
+
+def remove_debris(jobs: Iterable[Job], before: float | None = None) -> None:
+    """Remove the temporary files that killed runs left in the jobs' output folders
+    (:func:`flowlift.files.atomic.remove_stale_temporaries`: never one that a live run still writes, nor one
+    last written at or after ``before``, the start of this run; default: now)."""
+    for folder in dict.fromkeys(job.output.parent for job in jobs if job.output is not None):
+        remove_stale_temporaries(folder, before=before)
 
 
 def folder_problem(folder: Path) -> str | None:
@@ -290,6 +335,7 @@ def run_jobs(
     overwrite: bool = False,
     progress: bool | None = None,
     started: float | None = None,
+    debris_before: float | None = None,
 ) -> BatchResult:
     """Run ``process(source, output)`` for every job with an output; returns the counts and times.
 
@@ -298,12 +344,15 @@ def run_jobs(
     somebody else's file: one line, counted as failed); an :data:`ITEM_ERRORS` exception from
     ``process`` prints one line and the batch goes on. ``progress``: a tqdm bar over the jobs
     (``None``: only on a terminal). ``started``: the :func:`time.perf_counter` the summary's total
-    time counts from (default: now).
+    time counts from (default: now). ``debris_before``: the :func:`time.time` before which a temporary
+    file in an output folder can be a killed run's (default: now; a job of several ranks passes a time
+    from before any rank began to write, see :func:`remove_debris`).
     """
     from tqdm import tqdm
 
     started = time.perf_counter() if started is None else started
     jobs = list(jobs)
+    remove_debris(jobs, before=debris_before)  # debris of killed runs, before this run writes anything
     result = BatchResult(total=len(jobs))
     todo: list[Job] = []
     for job in jobs:

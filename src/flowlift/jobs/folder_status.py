@@ -1,4 +1,7 @@
-"""``flowlift upscale --status OUT`` for a folder without a job manifest: the state told by the files.
+"""``flowlift status OUT``: the state of a job's output folder, from its manifest or from its files.
+
+:func:`print_job_status` reads the job manifest when the folder has one (a ``torchrun`` job,
+:func:`flowlift.jobs.manifest.job_status`), else the files themselves (:func:`folder_status`).
 
 A plain (one-process) run writes no manifest (:mod:`flowlift.jobs.scaleout`): its record is the outputs
 themselves, and they say enough. Every output flowlift writes carries its metadata (the command and
@@ -108,3 +111,17 @@ def format_folder_status(status: FolderStatus) -> str:
         lines.append("not complete: rerun the same command to finish" if status.done or status.missing
                      else "no flowlift outputs here")  # fmt: skip
     return "\n".join(lines)
+
+
+def print_job_status(folder: str | os.PathLike) -> int:
+    """Print the account of the job in ``folder`` (its manifest's, else its files'); 0 when the job is
+    complete, else 1. A folder that is not there is one FlowliftError line."""
+    from flowlift.jobs.manifest import Manifest, format_status, job_status
+
+    if not Manifest(folder).exists():
+        found = folder_status(folder)
+        print(format_folder_status(found))
+        return 0 if found.complete else 1
+    status = job_status(folder)
+    print(format_status(status))
+    return 0 if status.complete else 1

@@ -1,7 +1,7 @@
 """The job manifest of a batch run: JSON Lines in the output folder, one record per image.
 
 Written by every rank of a ``torchrun`` job (and by a single process continuing such a job), read by
-the next run's summary and by ``flowlift upscale --status OUT`` (:func:`job_status`). The manifest is
+the next run's summary and by ``flowlift status OUT`` (:func:`job_status`). The manifest is
 a record of what happened; whether an image still needs work is decided by its output file (the
 batch resume rule), so a manifest line and an output can never disagree in a way that loses work.
 """
@@ -155,7 +155,7 @@ def latest_by_output(records: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[
 
 @dataclass
 class JobStatus:
-    """What ``flowlift upscale --status OUT`` prints: the latest run and the state of every output."""
+    """What ``flowlift status OUT`` prints: the latest run and the state of every output."""
 
     manifest: Path
     run: str | None = None

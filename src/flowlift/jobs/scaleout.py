@@ -1,6 +1,7 @@
 """A batch (:mod:`flowlift.jobs.batch`) run as one rank of a ``torchrun`` job, with its job manifest.
 
-:func:`run_batch` is what an image-to-image command calls instead of :func:`flowlift.jobs.batch.run_jobs`:
+:func:`batch_share` (then :meth:`BatchShare.run`) is what an image-to-image command calls instead of
+:func:`flowlift.jobs.batch.run_jobs`, and :func:`run_batch` the two in one for a caller with a model factory:
 
 * one process and no manifest in the output folder: exactly ``run_jobs`` (nothing new is written);
 * under ``torchrun`` (or one process continuing a job whose folder holds a manifest):
@@ -8,9 +9,10 @@
   1. every rank plans the same jobs; the ranks split the probing (image headers, the resume rule
      :func:`flowlift.jobs.batch.pending`) and exchange the results once (:func:`probe_and_gather`, which
      also checks that all ranks planned the same list);
-  2. the jobs that need work are split by pixel count (:func:`shard_by_pixels`); each rank builds its
-     models (``make_process``) only when its share is not empty and runs ``run_jobs`` over it — no
-     collective inside the loop, so a failing image costs one line on its own rank and nothing else;
+  2. the jobs that need work are split by pixel count (:func:`shard_by_pixels`); the caller builds its
+     models only when this rank's share has work (:attr:`BatchShare.has_work`) and runs ``run_jobs``
+     over it (:meth:`BatchShare.run`) — no collective inside the loop, so a failing image costs one
+     line on its own rank and nothing else;
   3. each processed image appends one record to the manifest (done with its seconds, or failed with
      its error line); rank 0 also records the plan (a ``job`` record), the inputs it refuses and the
      finished outputs the manifest did not know yet;
@@ -20,7 +22,7 @@
 Exit status: "some images failed" is the job's outcome, "a rank could not finish" is a failure of
 the run, and only the second is a non-zero exit status of a rank. Under plain ``torchrun`` every rank
 that passed the barrier exits 0, also when images failed (the summary line, the manifest and
-``flowlift upscale --status`` say so, the last with exit 1): ``torchrun`` treats any non-zero rank
+``flowlift status`` say so, the last with exit 1): ``torchrun`` treats any non-zero rank
 as a crash, restarts the whole group for it under ``--max-restarts`` and prints its
 ``ChildFailedError`` traceback. Under ``flowlift launch`` (:mod:`flowlift.jobs.launch`) every rank
 returns the job's outcome (1 when any image failed on any rank) as a value, which becomes the
@@ -37,11 +39,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from flowlift.errors import FlowliftError
-from flowlift.jobs.batch import Job, error_line, existing_output, pending, report, run_jobs
+from flowlift.jobs.batch import BatchResult, Job, error_line, existing_output, pending, report, run_jobs
 from flowlift.jobs.distributed import (
     DEFAULT_BARRIER_TIMEOUT_S,
     DistEnv,
@@ -67,14 +71,11 @@ def _nothing_to_do(source: Path, output: Path) -> None:
 
 def manifest_folder(output: str | None) -> Path | None:
     """The folder ``-o`` names (the manifest's home), or ``None`` (no ``-o``, or ``-o FILE``)."""
-    from flowlift.files.images import IMAGE_SUFFIXES
+    from flowlift.files.images import names_image_file
 
-    if not output:
+    if not output or names_image_file(output):
         return None
-    target = Path(output).expanduser()
-    if target.suffix.lower() in IMAGE_SUFFIXES and not target.is_dir():
-        return None
-    return target
+    return Path(output).expanduser()
 
 
 def run_batch(
@@ -91,35 +92,88 @@ def run_batch(
     """Run ``jobs`` on this rank's share; returns the exit status (see the module docstring).
 
     ``make_process()`` builds the per-image callback (loading the models); it is called at most
-    once, and only when this rank has work.
+    once, and only when this rank has work. A caller that builds its models itself uses
+    :func:`batch_share` and :meth:`BatchShare.run` instead.
     """
+    with batch_share(jobs, command=command, output=output, overwrite=overwrite, barrier_timeout=barrier_timeout,
+                     env=env, progress=progress) as share:  # fmt: skip
+        return share.run(make_process() if share.has_work else None)
+
+
+@contextmanager
+def batch_share(
+    jobs: Sequence[Job],
+    *,
+    command: str,
+    output: str | None,
+    overwrite: bool = False,
+    barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT_S,
+    env: DistEnv | None = None,
+    progress: bool | None = None,
+) -> Iterator[BatchShare]:
+    """This rank's share of ``jobs``, planned and agreed with the other ranks (steps 1 and 2 of the
+    module docstring), inside the process group when there is one. The caller builds its models only
+    when :attr:`BatchShare.has_work`, then runs the share with :meth:`BatchShare.run`."""
     started = time.perf_counter()  # the summary's total time includes loading the models
+    opened = time.time()  # before any rank of this run writes (they first agree on the plan): the debris cutoff
     env = DistEnv.from_environ() if env is None else env
     jobs = list(jobs)
     folder = manifest_folder(output)
     if env.distributed and folder is None:
         raise FlowliftError("under torchrun, -o must name an output folder: the job manifest is kept there")
     if not env.distributed and (folder is None or not Manifest(folder).exists()):
-        process = make_process() if pending(jobs, overwrite) else _nothing_to_do
-        return run_jobs(jobs, process, command=command, overwrite=overwrite, progress=progress,
-                        started=started).exit_code  # fmt: skip
+        yield BatchShare(jobs, command, overwrite, barrier_timeout, env, progress, started, opened,
+                         has_work=bool(pending(jobs, overwrite)))  # fmt: skip
+        return
     assert folder is not None
     with process_group(env, barrier_timeout):
-        return _run_share(jobs, make_process, command, Manifest(folder), overwrite, barrier_timeout, env, progress,
-                          started)  # fmt: skip
+        yield _agreed_share(jobs, command, Manifest(folder), overwrite, barrier_timeout, env, progress, started,
+                            opened)  # fmt: skip
 
 
-def _run_share(
+@dataclass
+class BatchShare:
+    """What this rank runs of a batch: ``jobs`` (its share, and on rank 0 the ones nobody processes, to
+    report them once), whether any of them needs work, and the job manifest when the run keeps one."""
+
+    jobs: list[Job]
+    command: str
+    overwrite: bool
+    barrier_timeout: float
+    env: DistEnv
+    progress: bool | None
+    started: float
+    opened: float
+    has_work: bool
+    manifest: Manifest | None = None
+    run_id: str = ""
+
+    def run(self, process: Process | None) -> int:
+        """Run ``process(source, output)`` over the share (steps 3 and 4); returns the exit status.
+        ``process`` may be None only when the share has no work."""
+        process = process if self.has_work and process is not None else _nothing_to_do
+        if self.manifest is None:
+            result = run_jobs(self.jobs, process, command=self.command, overwrite=self.overwrite,
+                              progress=self.progress, started=self.started, debris_before=self.opened)  # fmt: skip
+            return result.exit_code
+        process = _recording(process, self.manifest, self.run_id, self.env) if self.has_work else process
+        progress = self.progress if self.env.is_main else False  # one batch bar on a shared terminal: rank 0's
+        result = run_jobs(self.jobs, process, command=self.command, overwrite=self.overwrite, progress=progress,
+                          started=self.started, debris_before=self.opened)  # fmt: skip
+        return _finish(self, result)
+
+
+def _agreed_share(
     jobs: list[Job],
-    make_process: Callable[[], Process],
     command: str,
     manifest: Manifest,
     overwrite: bool,
     barrier_timeout: float,
     env: DistEnv,
     progress: bool | None,
-    started: float | None = None,
-) -> int:
+    started: float,
+    opened: float,
+) -> BatchShare:
     agree(env, manifest.writable_problem())  # e.g. a folder in its place: every rank stops, with one line
     run = broadcast(env, new_run_id())
 
@@ -136,10 +190,14 @@ def _run_share(
         mine = [job for i, job in enumerate(jobs) if i in share or not probes[i][1]]
     else:
         mine = [jobs[i] for i in sorted(share)]
-    process = _recording(make_process(), manifest, run, env) if share else _nothing_to_do
-    if not env.is_main:
-        progress = False  # one batch bar on a shared terminal: rank 0's (its share)
-    result = run_jobs(mine, process, command=command, overwrite=overwrite, progress=progress, started=started)
+    return BatchShare(mine, command, overwrite, barrier_timeout, env, progress, started, opened,
+                      has_work=bool(share), manifest=manifest, run_id=run)  # fmt: skip
+
+
+def _finish(share: BatchShare, result: BatchResult) -> int:
+    """The end-of-job barrier, the ranks' counts, rank 0's summary line and record; the exit status."""
+    command, env, manifest, barrier_timeout = share.command, share.env, share.manifest, share.barrier_timeout
+    assert manifest is not None
     counts = {"total": result.total, "done": result.done, "skipped": result.skipped, "failed": result.failed}
     per_rank, reason = finish(env, counts, barrier_timeout)
     if per_rank is None:
@@ -157,7 +215,7 @@ def _run_share(
                 f"{env.world_size} ranks: {totals['done']} done, {totals['skipped']} skipped, "
                 f"{failed} failed of {totals['total']} image(s)",
             )
-        manifest.append({"event": "summary", "run": run, "time": now_iso(), "world_size": env.world_size,
+        manifest.append({"event": "summary", "run": share.run_id, "time": now_iso(), "world_size": env.world_size,
                          **{k: int(totals[k]) for k in ("total", "done", "skipped", "failed")}})  # fmt: skip
     if failed and env.distributed and not outcome_is_returned():
         if env.is_main:
@@ -165,7 +223,8 @@ def _run_share(
                 command,
                 None,
                 f"the ranks exit 0 so that torchrun does not restart the job for image failures; "
-                f"`flowlift upscale --status {manifest.path.parent}` exits 1 until they are redone",
+                f"`flowlift status {manifest.path.parent}` (or `flowlift upscale --status`) exits 1 until they "
+                "are redone",
             )
         return 0
     return 1 if failed else 0

@@ -231,7 +231,6 @@ def evaluate_methods(
     from tqdm import tqdm
 
     from flowlift.files.image_outputs import save_image_atomic
-    from flowlift.files.naming import upscaled_name
 
     if scale < 2:
         raise FlowliftError(f"--scale must be an integer >= 2, got {scale}")
@@ -277,35 +276,10 @@ def evaluate_methods(
                     if not target.is_file():
                         save_image_atomic(Image.fromarray(array), target)
             for spec in methods:
-                fields = {**base, "method": spec.name, "options": dict(spec.options)}
-                if spec.needs_vae:
-                    fields.update({k: identities.get(k) for k in ("vae", "device", "dtype")})
-                if spec.name == "flow":
-                    fields["upscaler"] = identities.get("upscaler")
-                if spec.name == SPANDREL:
-                    fields.update(_spandrel_key_fields(identities, dict(spec.options)["path"], low.shape))
-                key = cache_key(fields)
-                saved = None
-                if save_outputs is not None:
-                    saved = Path(save_outputs) / method_folder(spec.label) / upscaled_name(name, scale, "png")
-                hit = cache.load(spec.label, name, key) if saved is None or saved.is_file() else None
-                if hit is not None:
-                    metrics, crop_img = hit
-                    report.cached += 1
-                else:
-                    fn = method_fns.get(spec.label) or make_method_fn(spec, scale)
-                    output = fn(low, gt)
-                    if output.shape != gt.shape or output.dtype != np.uint8:
-                        raise FlowliftError(
-                            f"method {spec.label} returned {output.shape} {output.dtype}, "
-                            f"expected {gt.shape} uint8"
-                        )
-                    metrics = measure(output, low, gt, box)
-                    if saved is not None:
-                        save_image_atomic(Image.fromarray(output), saved, {"flowlift": {**fields, "image": name}})
-                    crop_img = np.ascontiguousarray(M.crop_box(output, crop))
-                    cache.store(spec.label, name, key, metrics, crop_img)
-                    report.computed += 1
+                metrics, crop_img, cached = _method_result(spec, name, low, gt, crop, base, scale, box, identities,
+                                                           cache, method_fns, save_outputs)  # fmt: skip
+                report.cached += cached
+                report.computed += not cached
                 report.results[spec.label][name] = metrics
                 if i < figure_images:
                     report.crops[spec.label][name] = crop_img
@@ -313,6 +287,60 @@ def evaluate_methods(
     finally:
         bar.close()
     return report
+
+
+def _method_result(
+    spec: MethodSpec,
+    name: str,
+    low: np.ndarray,
+    gt: np.ndarray,
+    crop: Box,
+    base: dict[str, Any],
+    scale: int,
+    box: Box | None,
+    identities: dict[str, Any],
+    cache: ResultCache,
+    method_fns: dict[str, MethodFn],
+    save_outputs: Path | None,
+) -> tuple[dict[str, float], np.ndarray, bool]:
+    """One method on one image: (metrics, the figure's crop, whether they came from the cache).
+
+    The cache key holds the inputs' digest (``base``) and what the method's output depends on; a miss
+    runs the method, checks its output, measures it and stores it (and writes it under ``save_outputs``).
+    """
+    from PIL import Image
+
+    from flowlift.files.image_outputs import save_image_atomic
+    from flowlift.files.naming import upscaled_name
+
+    fields = {**base, "method": spec.name, "options": dict(spec.options)}
+    if spec.needs_vae:
+        fields.update({k: identities.get(k) for k in ("vae", "device", "dtype")})
+    if spec.name == "flow":
+        fields["upscaler"] = identities.get("upscaler")
+    if spec.name == SPANDREL:
+        fields.update(_spandrel_key_fields(identities, dict(spec.options)["path"], low.shape))
+    key = cache_key(fields)
+    saved = None
+    if save_outputs is not None:
+        saved = Path(save_outputs) / method_folder(spec.label) / upscaled_name(name, scale, "png")
+    hit = cache.load(spec.label, name, key) if saved is None or saved.is_file() else None
+    if hit is not None:
+        metrics, crop_img = hit
+        return metrics, crop_img, True
+    fn = method_fns.get(spec.label) or make_method_fn(spec, scale)
+    output = fn(low, gt)
+    if output.shape != gt.shape or output.dtype != np.uint8:
+        raise FlowliftError(
+            f"method {spec.label} returned {output.shape} {output.dtype}, "
+            f"expected {gt.shape} uint8"
+        )
+    metrics = measure(output, low, gt, box)
+    if saved is not None:
+        save_image_atomic(Image.fromarray(output), saved, {"flowlift": {**fields, "image": name}})
+    crop_img = np.ascontiguousarray(M.crop_box(output, crop))
+    cache.store(spec.label, name, key, metrics, crop_img)
+    return metrics, crop_img, False
 
 
 def _spandrel_key_fields(identities: dict[str, Any], path: str, low_shape: tuple[int, ...]) -> dict[str, Any]:

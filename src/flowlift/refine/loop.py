@@ -25,8 +25,7 @@ from flowlift.flux2.latents import (
 )
 from flowlift.flux2.sampling import SAMPLERS
 from flowlift.flux2.schedule import DEFAULT_MU, EMPIRICAL_MU, SCHEDULES, flux2_sigmas, resolve_mu
-
-STRENGTH_MAPS = ("linear", "canvas")
+from flowlift.refine.choices import STRENGTH_MAPS
 
 VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
 StepCallback = Callable[[int, int, float], None]
@@ -155,17 +154,7 @@ def refine_latents(
     if (bn_mean is None) != (bn_std is None):
         raise FlowliftError("refine_latents: give both bn_mean and bn_std, or neither")
     if init_latents is None:
-        if shape is None:
-            raise FlowliftError("refine_latents: txt2img (no init_latents) needs a latent shape")
-        if denoising_start != 0.0:
-            raise FlowliftError("txt2img starts from pure noise: denoising_start must be 0 (strength 1)")
-        if mask is not None:
-            raise FlowliftError("a mask needs an init image")
-        shape = tuple(shape)
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape) or len(shape) != 4:
-            raise FlowliftError(f"refine_latents: shape must be four positive integers (B, 32, h, w), got {shape}")
-        if shape[1] != LATENT_CHANNELS or shape[2] % 2 or shape[3] % 2:
-            raise FlowliftError(f"refine_latents: shape must be (B, 32, even h, even w), got {shape}")
+        shape = _txt2img_shape(shape, denoising_start, mask)
     else:
         check_latents(init_latents, "refine_latents", even=True)
         init_latents = init_latents.to(device=device, dtype=torch.float32)
@@ -189,13 +178,7 @@ def refine_latents(
 
     merger = None
     if mask is not None:
-        if not isinstance(mask, torch.Tensor) or mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2:] != shape[2:]:
-            got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise FlowliftError(f"refine_latents: the latent mask must be (B, 1, {shape[2]}, {shape[3]}), got {got}")
-        mask = mask.to(device=device, dtype=torch.float32)
-        if not bool(torch.isfinite(mask).all()):
-            raise FlowliftError("refine_latents: the latent mask contains non-finite values (NaN/Inf)")
-        merger = InpaintMerger(init_norm, mask, noise)
+        merger = InpaintMerger(init_norm, _checked_mask(mask, shape, device), noise)
 
     calls = 0
 
@@ -214,6 +197,33 @@ def refine_latents(
         out = denoise(counted, x, sigmas, inpaint=merger, callback=callback, sampler=sampler)
     mu_rule = "empirical" if isinstance(mu, str) else "fixed"
     return RefineResult(out, sigma_list, t0, calls, mu=mu_value, mu_rule=mu_rule, schedule=schedule)
+
+
+def _txt2img_shape(shape: Sequence[int] | None, denoising_start: float, mask: Any) -> tuple[int, ...]:
+    """The latent shape of a txt2img run (no init latents), checked: (B, 32, even h, even w), from pure noise."""
+    if shape is None:
+        raise FlowliftError("refine_latents: txt2img (no init_latents) needs a latent shape")
+    if denoising_start != 0.0:
+        raise FlowliftError("txt2img starts from pure noise: denoising_start must be 0 (strength 1)")
+    if mask is not None:
+        raise FlowliftError("a mask needs an init image")
+    shape = tuple(shape)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape) or len(shape) != 4:
+        raise FlowliftError(f"refine_latents: shape must be four positive integers (B, 32, h, w), got {shape}")
+    if shape[1] != LATENT_CHANNELS or shape[2] % 2 or shape[3] % 2:
+        raise FlowliftError(f"refine_latents: shape must be (B, 32, even h, even w), got {shape}")
+    return shape
+
+
+def _checked_mask(mask: Any, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+    """An inpaint latent mask (1 or B, 1, h, w) of finite values, as float32 on ``device``."""
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2:] != shape[2:]:
+        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise FlowliftError(f"refine_latents: the latent mask must be (B, 1, {shape[2]}, {shape[3]}), got {got}")
+    mask = mask.to(device=device, dtype=torch.float32)
+    if not bool(torch.isfinite(mask).all()):
+        raise FlowliftError("refine_latents: the latent mask contains non-finite values (NaN/Inf)")
+    return mask
 
 
 class _Progress:

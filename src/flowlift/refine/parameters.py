@@ -35,7 +35,7 @@ def output_parameters(
     **kwargs: Any,
 ) -> dict[str, Any]:
     """The metadata of one refine output: the request (``kwargs``, unset ones left out), what ran and the sigmas."""
-    from flowlift import __version__
+    from flowlift.version import __version__
 
     params = {"flowlift": __version__, "mode": mode, "model": model}
     # what ran, not what was asked for ("auto")

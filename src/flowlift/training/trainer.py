@@ -37,6 +37,7 @@ import time
 import uuid
 import warnings
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,22 @@ class StopRequest:
 # ----------------------------------------------------------------------------------------------
 # The trainer
 
+
+
+@dataclass
+class _Run:
+    """What the steps of one training run share (built once by :meth:`Trainer._train`)."""
+
+    dist: DistContext
+    device: torch.device
+    stream: ShardStream
+    model: torch.nn.Module
+    ddp: torch.nn.Module
+    ema: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    validator: Any
+    channels_last: bool
 
 class Trainer:
     """One training run described by a :class:`TrainConfig`. ``run()`` trains and returns a summary.
@@ -214,6 +231,13 @@ class Trainer:
             # --overwrite: the previous run's checkpoints go, so that nothing can resume into a mix of both
             shutil.rmtree(self.output / "checkpoints", ignore_errors=True)
         reader = ShardReader(c.data)
+        try:  # the shards' files are closed however the run ends (an error, a stop, the last step)
+            return self._train(dist, device, reader, resume_from)
+        finally:
+            reader.close()
+
+    def _train(self, dist: DistContext, device: torch.device, reader: ShardReader, resume_from: Any) -> dict[str, Any]:
+        c = self.config
         if len(reader) == 0:
             raise FlowliftError(f"{c.data}: dataset has no complete items")
         stream = ShardStream(
@@ -236,18 +260,7 @@ class Trainer:
             model = model.to(memory_format=torch.channels_last)
         model.train()
         ema = make_ema(model, c.ema_decay, c.ema_warmup)
-        decay, no_decay = [], []
-        for name, param in model.named_parameters():
-            (no_decay if param.ndim <= 1 or name.endswith(".bias") else decay).append(param)
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=c.lr,
-            betas=(c.adam_beta1, c.adam_beta2),
-            eps=c.adam_eps,
-        )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: warmup_cosine(s, c.warmup_steps, c.steps, c.min_lr_ratio)
-        )
+        optimizer, scheduler = self._optimizer(model)
 
         start_step = 0
         if resume_from is not None:
@@ -270,7 +283,32 @@ class Trainer:
             from flowlift.training.validation import Validator
 
             validator = Validator.from_config(c, device=device, output=self.output, start_step=start_step)
+        run = _Run(dist, device, stream, model, ddp, ema, optimizer, scheduler, validator, channels_last)
+        final_step, losses, stopped = self._loop(run, start_step)
+        if stopped:
+            raise KeyboardInterrupt(f"training stopped after step {final_step}; checkpoint saved")
+        return self._summary(run, start_step, final_step, losses)
 
+    def _optimizer(self, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+        """AdamW (no weight decay on biases and norms) and the warm-up + cosine schedule."""
+        c = self.config
+        decay, no_decay = [], []
+        for name, param in model.named_parameters():
+            (no_decay if param.ndim <= 1 or name.endswith(".bias") else decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": c.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=c.lr,
+            betas=(c.adam_beta1, c.adam_beta2),
+            eps=c.adam_eps,
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: warmup_cosine(s, c.warmup_steps, c.steps, c.min_lr_ratio)
+        )
+        return optimizer, scheduler
+
+    def _loop(self, run: _Run, start_step: int) -> tuple[int, list[tuple[int, float]], bool]:
+        """The optimizer steps from ``start_step``: (last step done, (step, loss) per step, stopped by a signal)."""
+        c, dist, device, stream = self.config, run.dist, run.device, run.stream
         end_step = c.steps if c.stop_after is None else min(c.steps, c.stop_after)
         losses: list[tuple[int, float]] = []
         started = time.perf_counter()
@@ -282,94 +320,108 @@ class Trainer:
         batches = prefetched_batches(stream, start_step, end_step, c.grad_accum)
         final_step = start_step
         stop = StopRequest()
-        with stop:
-            for step in range(start_step, end_step):
-                optimizer.zero_grad(set_to_none=True)
-                step_loss = 0.0
-                for micro in range(c.grad_accum):
-                    fetched_step, fetched_micro, cpu_batch = next(batches)
-                    assert (fetched_step, fetched_micro) == (step, micro)
-                    batch = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items()}
-                    if channels_last:
-                        batch = {k: (v.contiguous(memory_format=torch.channels_last) if v.ndim == 4 else v)
-                                 for k, v in batch.items()}
-                    torch.manual_seed(step_seed(c.seed, step, micro, dist.rank))  # custom models' own dropout
-                    set_dropout_seeds(model, [sample_seed(c.seed, p) for p in stream.positions(step, micro)])
-                    sync = micro == c.grad_accum - 1 or dist.world_size == 1
-                    context = nullcontext() if sync else ddp.no_sync()
-                    with context:
-                        with self._autocast(device):
-                            loss = flow_matching_loss(ddp, batch)
-                        (loss / c.grad_accum).backward()
-                    step_loss += float(loss.detach()) / c.grad_accum
-                if c.grad_clip > 0:
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip))
-                else:
-                    grad_norm = float(torch.linalg.vector_norm(
-                        torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
-                if not math.isfinite(grad_norm):
-                    raise FlowliftError(self._non_finite_message(stream, step))
-                lr = optimizer.param_groups[0]["lr"]
-                optimizer.step()
-                scheduler.step()
-                ema.update_parameters(model)
-                global_loss = dist.mean(step_loss, device)
-                done = final_step = step + 1
-                last = done == end_step
-                if c.time_limit_s > 0 and not last:
-                    # every rank must stop at the same step: stop when any rank is out of time
-                    out_of_time = float(time.perf_counter() - started > c.time_limit_s)
-                    last = dist.mean(out_of_time, device) > 0
-                if not last and (stop.requested or dist.world_size > 1):
-                    # Ctrl-C / SIGTERM: finish this step, save it, stop (all ranks at the same step)
-                    last = dist.mean(float(stop.requested), device) > 0
-                    stop.requested = stop.requested or last
-                losses.append((done, global_loss))
-                window_samples += stream.global_batch
-                bar.update(1)
-                if dist.is_main and (done % c.log_every == 0 or last):
-                    now = time.perf_counter()
-                    self._append_log({
-                        "step": done, "loss": f"{global_loss:.6g}", "lr": f"{lr:.6g}", "grad_norm": f"{grad_norm:.6g}",
-                        "samples_per_s": f"{window_samples / max(now - window_start, 1e-9):.4g}",
-                        "elapsed_s": f"{now - started:.2f}",
-                    })
-                    bar.set_postfix(loss=f"{global_loss:.4f}")
-                    window_start, window_samples = now, 0
-                if done % c.checkpoint_every == 0 or last:
-                    if dist.is_main:
-                        save_checkpoint(self.output, done, model, ema, optimizer, scheduler, stream.global_batch,
-                                        dist.world_size, config=c, run_id=self.run_id)
-                    dist.barrier()
-                if c.val_every and (done % c.val_every == 0 or done == c.steps or last) and not stop.requested:
-                    if validator is not None:
-                        validator.evaluate(done, ema.module)
-                    dist.barrier()
-                if last:
-                    break
-        bar.close()
-        batches.close()
-        if stop.requested:
-            reader.close()
-            raise KeyboardInterrupt(f"training stopped after step {final_step}; checkpoint saved")
+        try:
+            with stop:
+                for step in range(start_step, end_step):
+                    step_loss, grad_norm, lr = self._step(run, batches, step)
+                    global_loss = dist.mean(step_loss, device)
+                    done = final_step = step + 1
+                    last = done == end_step
+                    if c.time_limit_s > 0 and not last:
+                        # every rank must stop at the same step: stop when any rank is out of time
+                        out_of_time = float(time.perf_counter() - started > c.time_limit_s)
+                        last = dist.mean(out_of_time, device) > 0
+                    if not last and (stop.requested or dist.world_size > 1):
+                        # Ctrl-C / SIGTERM: finish this step, save it, stop (all ranks at the same step)
+                        last = dist.mean(float(stop.requested), device) > 0
+                        stop.requested = stop.requested or last
+                    losses.append((done, global_loss))
+                    window_samples += stream.global_batch
+                    bar.update(1)
+                    if dist.is_main and (done % c.log_every == 0 or last):
+                        now = time.perf_counter()
+                        self._append_log({
+                            "step": done, "loss": f"{global_loss:.6g}", "lr": f"{lr:.6g}",
+                            "grad_norm": f"{grad_norm:.6g}",
+                            "samples_per_s": f"{window_samples / max(now - window_start, 1e-9):.4g}",
+                            "elapsed_s": f"{now - started:.2f}",
+                        })
+                        bar.set_postfix(loss=f"{global_loss:.4f}")
+                        window_start, window_samples = now, 0
+                    self._after_step(run, done, last, stop.requested)
+                    if last:
+                        break
+        finally:
+            bar.close()
+            batches.close()
+        return final_step, losses, stop.requested
+
+    def _step(self, run: _Run, batches: Any, step: int) -> tuple[float, float, float]:
+        """One optimizer step over ``grad_accum`` micro-batches: (this rank's loss, gradient norm, lr)."""
+        c, dist, device, model, ddp = self.config, run.dist, run.device, run.model, run.ddp
+        run.optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for micro in range(c.grad_accum):
+            fetched_step, fetched_micro, cpu_batch = next(batches)
+            assert (fetched_step, fetched_micro) == (step, micro)
+            batch = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items()}
+            if run.channels_last:
+                batch = {k: (v.contiguous(memory_format=torch.channels_last) if v.ndim == 4 else v)
+                         for k, v in batch.items()}
+            torch.manual_seed(step_seed(c.seed, step, micro, dist.rank))  # custom models' own dropout
+            set_dropout_seeds(model, [sample_seed(c.seed, p) for p in run.stream.positions(step, micro)])
+            sync = micro == c.grad_accum - 1 or dist.world_size == 1
+            context = nullcontext() if sync else ddp.no_sync()
+            with context:
+                with self._autocast(device):
+                    loss = flow_matching_loss(ddp, batch)
+                (loss / c.grad_accum).backward()
+            step_loss += float(loss.detach()) / c.grad_accum
+        if c.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip))
+        else:
+            grad_norm = float(torch.linalg.vector_norm(
+                torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
+        if not math.isfinite(grad_norm):
+            raise FlowliftError(self._non_finite_message(run.stream, step))
+        lr = run.optimizer.param_groups[0]["lr"]
+        run.optimizer.step()
+        run.scheduler.step()
+        run.ema.update_parameters(model)
+        return step_loss, grad_norm, lr
+
+    def _after_step(self, run: _Run, done: int, last: bool, stopping: bool) -> None:
+        """The checkpoint and the validation that fall on step ``done`` (every rank meets their barriers)."""
+        c, dist = self.config, run.dist
+        if done % c.checkpoint_every == 0 or last:
+            if dist.is_main:
+                save_checkpoint(self.output, done, run.model, run.ema, run.optimizer, run.scheduler,
+                                run.stream.global_batch, dist.world_size, config=c, run_id=self.run_id)
+            dist.barrier()
+        if c.val_every and (done % c.val_every == 0 or done == c.steps or last) and not stopping:
+            if run.validator is not None:
+                run.validator.evaluate(done, run.ema.module)
+            dist.barrier()
+
+    def _summary(self, run: _Run, start_step: int, final_step: int, losses: list[tuple[int, float]]) -> dict[str, Any]:
+        """The run's result; on rank 0 the EMA weights once the last step is done, and the loss curves."""
         summary: dict[str, Any] = {
             "start_step": start_step,
             "step": final_step,
             "losses": losses,
             "output": str(self.output),
-            "world_size": dist.world_size,
-            "global_batch": stream.global_batch,
+            "world_size": run.dist.world_size,
+            "global_batch": run.stream.global_batch,
         }
-        if dist.is_main:
-            if final_step >= c.steps:
+        if run.dist.is_main:
+            if final_step >= self.config.steps:
                 from flowlift.models.upscaler_weights import save_upscaler
 
-                summary["weights"] = str(save_upscaler(ema.module, self.output / EMA_NAME))
-            if validator is not None:
-                validator.plot(self.output / "curves.png")
+                summary["weights"] = str(save_upscaler(run.ema.module, self.output / EMA_NAME))
+            if run.validator is not None:
+                run.validator.plot(self.output / "curves.png")
             else:
                 from flowlift.training.validation import plot_curves
 
                 plot_curves(self.output / "train_log.csv", None, self.output / "curves.png")
-        reader.close()
         return summary

@@ -20,26 +20,19 @@ from typing import Any
 
 from flowlift.jobs.batch import ITEM_ERRORS
 
-__all__ = ["SameSizeBatches", "image_size"]
-
-#: EXIF orientations that swap width and height (transpose, 90 and 270 degree rotations).
-_SWAPPING_ORIENTATIONS = (5, 6, 7, 8)
+__all__ = ["SameSizeBatches", "header_size"]
 
 
-def image_size(path: Path) -> tuple[int, int] | None:
-    """(width, height) as :func:`flowlift.files.images.load_image` will return it, from the header.
-
-    None if the header is unreadable.
-    """
-    from PIL import Image
+def header_size(path: Path) -> tuple[int, int] | None:
+    """(width, height) as :func:`flowlift.files.images.load_image` will return it, from the header
+    (:func:`flowlift.files.images.image_size`); None when the header is unreadable or refused."""
+    from flowlift.errors import FlowliftError
+    from flowlift.files.images import image_size
 
     try:
-        with Image.open(path) as image:
-            width, height = image.size
-            orientation = image.getexif().get(0x0112)
-    except Exception:  # noqa: BLE001 - an unreadable file gets its own group; load_image reports it
+        return image_size(path)
+    except FlowliftError:  # an unreadable file gets its own group; load_image reports it
         return None
-    return (height, width) if orientation in _SWAPPING_ORIENTATIONS else (width, height)
 
 
 class SameSizeBatches:
@@ -63,7 +56,7 @@ class SameSizeBatches:
         self.group_of: dict[Path, list[Path]] = {}
         open_groups: dict[object, list[Path]] = {}
         for index, path in enumerate(sources):
-            size = image_size(path)
+            size = header_size(path)
             key: object = size if size is not None else ("unreadable", index)
             group = open_groups.get(key)
             if group is None or len(group) >= batch_size:

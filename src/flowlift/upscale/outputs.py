@@ -1,11 +1,10 @@
 """``flowlift upscale``'s per-image work, shared by the command and the web app.
 
-The command line parses and plans (:mod:`flowlift.commands.upscale`) and the web app validates its
+The command line's job is planned in :mod:`flowlift.upscale.plan` and the web app validates its
 form; both describe a request as one :class:`UpscaleSettings`, and this module turns one planned input
 into one written output: the pipeline call with those settings, the metadata (parameters, the dtype
 and device that ran, weight and source hashes), and the atomic write that keeps the input's ICC
-profile and EXIF. :class:`OutputSizes` reads each input's header to name its output by the scale the
-16K cap lets run and to know what size a complete output has (for resume).
+profile and EXIF.
 """
 
 from __future__ import annotations
@@ -50,8 +49,8 @@ def output_metadata(
     settings: UpscaleSettings, passes: int, source: Path, hashes: dict[str, str], pipeline: Any
 ) -> dict[str, object]:
     """The output file's metadata: parameters, what ran, weight and source hashes."""
-    from flowlift import __version__
     from flowlift.files.image_outputs import file_sha256
+    from flowlift.version import __version__
 
     return {
         "Software": f"flowlift {__version__} upscale",
@@ -194,69 +193,6 @@ def save_result(
     return picture
 
 
-#: Largest side each output format can store (WebP's 14-bit dimensions; JPEG's 16-bit).
-FORMAT_MAX_SIDE = {".webp": 16383, ".jpg": 65535, ".jpeg": 65535}
-
-
-class OutputSizes:
-    """Per input, from its header only: the passes that will run (the cap may drop some), the scale
-    the output is named by, the (width, height) a complete output has, and the line that says when
-    the cap dropped passes (so that the command prints it before any work)."""
-
-    def __init__(self, passes: int, resize_mode: str) -> None:
-        self.passes = passes
-        self.resize_mode = resize_mode
-        self._cache: dict[Path, tuple[int, tuple[int, int] | None, str | None]] = {}
-
-    def _plan(self, path: Path) -> tuple[int, tuple[int, int] | None, str | None]:
-        from flowlift.errors import FlowliftError
-        from flowlift.files.images import image_size
-        from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, dropped_passes_message, planned_passes, upscaled_size
-
-        if path not in self._cache:
-            try:
-                width, height = image_size(path)
-            except FlowliftError:  # unreadable: named by the request, it fails in its own step (one line)
-                self._cache[path] = self.passes, None, None
-                return self._cache[path]
-            run = planned_passes(height, width, self.passes, self.resize_mode, MAX_OUTPUT_SIDE)
-            if run == 0:
-                raise FlowliftError(
-                    f"{path}: a {width}x{height} image cannot be upscaled: one 2x pass would exceed "
-                    f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px"
-                )
-            out_h, out_w = upscaled_size(height, width, run, self.resize_mode)
-            note = None
-            if run < self.passes:
-                note = dropped_passes_message(width, height, self.passes, run, self.resize_mode)
-            self._cache[path] = run, (out_w, out_h), note
-        return self._cache[path]
-
-    def passes_for(self, path: Path) -> int:
-        """The passes that run for ``path``: the requested ones, fewer when the cap drops some."""
-        return self._plan(path)[0]
-
-    def scale(self, path: Path) -> int:
-        return 2 ** self._plan(path)[0]
-
-    def output_size(self, path: Path) -> tuple[int, int] | None:
-        return self._plan(path)[1]
-
-    def dropped_note(self, path: Path) -> str | None:
-        """``Flow Upscaler: 20 pass(es) on a 64x48 image would exceed ...`` when the cap drops passes, else None."""
-        return self._plan(path)[2]
-
-
-def check_format_limit(out: Path, size: tuple[int, int] | None) -> None:
-    from flowlift.errors import FlowliftError
-
-    limit = FORMAT_MAX_SIDE.get(out.suffix.lower())
-    if limit is not None and size is not None and max(size) > limit:
-        raise FlowliftError(
-            f"output {out} would be {size[0]}x{size[1]}, over {out.suffix} format's {limit} px limit; use --format png"
-        )
-
-
 def batched_process(
     settings: UpscaleSettings,
     pipeline: Any,
@@ -269,8 +205,9 @@ def batched_process(
 ) -> Any:
     """``--batch-size N``: same-size inputs through the pipeline together (:mod:`flowlift.upscale.batches`).
 
-    ``passes``: for every input, or a function of the input (e.g. :meth:`OutputSizes.passes_for`: the
-    passes the cap lets run, the same for a group of same-size inputs).
+    ``passes``: for every input, or a function of the input (e.g.
+    :meth:`flowlift.upscale.plan.OutputSizes.passes_for`: the passes the cap lets run, the same for a
+    group of same-size inputs).
     """
     import torch
     from tqdm import tqdm

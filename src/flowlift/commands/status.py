@@ -1,0 +1,31 @@
+"""``flowlift status OUT``: the state of the job whose outputs are in folder OUT.
+
+With a job manifest there (a ``torchrun`` job, :mod:`flowlift.jobs.manifest`) it is the manifest's
+account: the latest run and the latest record of every output; without one (a plain run) it is what
+the files show: done, partial, broken, missing (:mod:`flowlift.jobs.folder_status`). Exit status 0
+when the job is complete, 1 when it is not, 2 when OUT is not there. ``flowlift upscale --status OUT``
+is the older spelling of the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from flowlift.commands._options import examples
+
+NAME = "status"
+HELP = "print the state of a batch job from its output folder (exit 0 when complete, else 1)"
+EXAMPLES = examples(
+    "flowlift status out/            # after `flowlift upscale photos/ -o out/`",
+    "flowlift status /data/out       # a torchrun job: its manifest, from anywhere, at any time",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("folder", metavar="OUT", help="the job's output folder")
+
+
+def run(args: argparse.Namespace) -> int:
+    from flowlift.jobs.folder_status import print_job_status
+
+    return print_job_status(args.folder)

@@ -1,0 +1,224 @@
+"""``flowlift upscale``'s job: planned here once, then handed to :mod:`flowlift.jobs` to run.
+
+The command line turns its options into one :class:`UpscaleRequest` and calls :func:`run_upscale`.
+:func:`plan_upscale` decides everything before any model loads, from the inputs' headers alone
+(:class:`OutputSizes`): the passes the 16K cap lets run, each output's name, size and format limit,
+and, through :func:`flowlift.jobs.batch.plan_targets`, what is skipped or refused. The plan is data:
+it writes and removes nothing. :func:`run_upscale` hands its jobs to :mod:`flowlift.jobs` once
+(:func:`flowlift.jobs.scaleout.batch_share`: this rank's share), loads the models only when that share
+has work, and runs it with :class:`UpscaleStep`, which writes one output per call
+(:func:`flowlift.upscale.outputs.upscale_file`).
+"""
+
+from __future__ import annotations
+
+import glob
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flowlift.errors import FlowliftError
+from flowlift.jobs.batch import Job, Target, error_line, output_target, pending, plan_targets, report
+from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S, DistEnv
+from flowlift.upscale.loading import DEFAULT_UPSCALER
+from flowlift.upscale.outputs import UpscaleSettings, output_name
+
+__all__ = ["FORMAT_MAX_SIDE", "OutputSizes", "UpscalePlan", "UpscaleRequest", "UpscaleStep", "plan_upscale",
+           "run_upscale"]  # fmt: skip
+
+COMMAND = "upscale"
+#: Largest side each output format can store (WebP's 14-bit dimensions; JPEG's 16-bit).
+FORMAT_MAX_SIDE = {".webp": 16383, ".jpg": 65535, ".jpeg": 65535}
+
+
+@dataclass(frozen=True)
+class UpscaleRequest:
+    """Everything one ``flowlift upscale`` run asks for: the inputs (files, folders, glob patterns) and
+    where their outputs go, the per-image :class:`UpscaleSettings`, the models and how they run, and the
+    batch's own options (``device``/``dtype`` already resolved; ``upscaler=None`` is the released weights)."""
+
+    inputs: Sequence[str]
+    output: str | None = None
+    passes: int = 1
+    output_format: str = "png"
+    settings: UpscaleSettings = field(default_factory=UpscaleSettings)
+    overwrite: bool = False
+    batch_size: int = 1
+    device: Any = None
+    dtype: Any = None
+    chunked: bool | None = None
+    vae_tiled: bool | None = None
+    max_memory: str | None = None
+    compile: bool = False
+    barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT_S
+    progress: bool = False
+
+
+class OutputSizes:
+    """Per input, from its header only: the passes that will run (the cap may drop some), the scale
+    the output is named by, the (width, height) a complete output has, and the line that says when
+    the cap dropped passes (so that the command prints it before any work)."""
+
+    def __init__(self, passes: int, resize_mode: str) -> None:
+        self.passes = passes
+        self.resize_mode = resize_mode
+        self._cache: dict[Path, tuple[int, tuple[int, int] | None, str | None]] = {}
+
+    def _plan(self, path: Path) -> tuple[int, tuple[int, int] | None, str | None]:
+        from flowlift.files.images import image_size
+        from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, dropped_passes_message, planned_passes, upscaled_size
+
+        if path not in self._cache:
+            try:
+                width, height = image_size(path)
+            except FlowliftError:  # unreadable: named by the request, it fails in its own step (one line)
+                self._cache[path] = self.passes, None, None
+                return self._cache[path]
+            run = planned_passes(height, width, self.passes, self.resize_mode, MAX_OUTPUT_SIDE)
+            if run == 0:
+                raise FlowliftError(
+                    f"{path}: a {width}x{height} image cannot be upscaled: one 2x pass would exceed "
+                    f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px"
+                )
+            out_h, out_w = upscaled_size(height, width, run, self.resize_mode)
+            note = None
+            if run < self.passes:
+                note = dropped_passes_message(width, height, self.passes, run, self.resize_mode)
+            self._cache[path] = run, (out_w, out_h), note
+        return self._cache[path]
+
+    def passes_for(self, path: Path) -> int:
+        """The passes that run for ``path``: the requested ones, fewer when the cap drops some."""
+        return self._plan(path)[0]
+
+    def scale(self, path: Path) -> int:
+        return 2 ** self._plan(path)[0]
+
+    def output_size(self, path: Path) -> tuple[int, int] | None:
+        return self._plan(path)[1]
+
+    def dropped_note(self, path: Path) -> str | None:
+        """``Flow Upscaler: 20 pass(es) on a 64x48 image would exceed ...`` when the cap drops passes, else None."""
+        return self._plan(path)[2]
+
+    def target(self, path: Path, single_file: Path | None, folder: Path | None, output_format: str) -> Target:
+        """Where ``path``'s output goes (``single_file``, else ``<folder or next to it>/<stem>_x<N>.<format>``),
+        the size it must have, or why it has none (unreadable header, over the cap or the format's limit)."""
+        try:
+            out = single_file or (folder or path.parent) / output_name(path, self.scale(path), output_format)
+        except FlowliftError as error:
+            return Target(path, None, error_line(error))
+        size = self.output_size(path)
+        return Target(path, out, format_limit_problem(out, size), expected_size=size)
+
+
+def format_limit_problem(out: Path, size: tuple[int, int] | None) -> str:
+    """Why ``out``'s format cannot hold an image of ``size`` (``""`` when it can)."""
+    limit = FORMAT_MAX_SIDE.get(out.suffix.lower())
+    if limit is None or size is None or max(size) <= limit:
+        return ""
+    return f"output {out} would be {size[0]}x{size[1]}, over {out.suffix} format's {limit} px limit; use --format png"
+
+
+@dataclass
+class UpscalePlan:
+    """The jobs of one run (inputs refused at listing first) and the per-input sizes they were planned with."""
+
+    jobs: list[Job]
+    sizes: OutputSizes
+
+    def dropped_notes(self, overwrite: bool) -> list[tuple[Path, str]]:
+        """``(input, note)`` for every job that will run with fewer passes than asked (the 16K cap)."""
+        notes = ((job.source, self.sizes.dropped_note(job.source)) for job in pending(self.jobs, overwrite))
+        return [(source, note) for source, note in notes if note]
+
+
+def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
+    """List the inputs and plan one job per input (see the module docstring); nothing is written."""
+    from flowlift.files.images import IMAGE_SUFFIXES, list_images
+
+    if not request.inputs:
+        raise FlowliftError("give INPUT images (or --status OUT)")
+    problems: list[tuple[str, str]] = []
+    inputs = list_images(list(request.inputs), problems)
+    if not inputs and not problems:
+        raise FlowliftError("no input images found")
+    if not inputs and len(request.inputs) == 1 and not glob.has_magic(request.inputs[0]):
+        item, message = problems[0]  # the one file asked for is not there: a user error (exit 2), not a batch
+        raise FlowliftError(f"{item}: {message}")
+    sizes = OutputSizes(request.passes, request.settings.resize_mode)  # named by the scale the cap lets run
+    single_file, folder = output_target(request.output, len(inputs), IMAGE_SUFFIXES)
+    targets = [sizes.target(path, single_file, folder, request.output_format) for path in inputs]
+    refused = [Job.refusal(Path(item), message) for item, message in problems]
+    return UpscalePlan(refused + plan_targets(targets), sizes)
+
+
+class UpscaleStep:
+    """The per-image step of one run on its loaded pipeline: ``step(source, output)`` writes one output
+    (:func:`flowlift.upscale.outputs.upscale_file`). Built by :meth:`load` only when this rank has work."""
+
+    def __init__(self, request: UpscaleRequest, plan: UpscalePlan, pipeline: Any) -> None:
+        from flowlift.upscale.outputs import model_hashes
+
+        self.request, self.plan, self.pipeline = request, plan, pipeline
+        self.hashes = model_hashes(pipeline)
+
+    @classmethod
+    def load(cls, request: UpscaleRequest, plan: UpscalePlan, env: DistEnv) -> Callable[[Path, Path], None]:
+        """The pipeline on this rank's device, and the step over it (``--batch-size N``: same-size inputs
+        together, :func:`flowlift.upscale.outputs.batched_process`)."""
+        from flowlift.jobs.distributed import rank_device
+        from flowlift.upscale.outputs import batched_process
+        from flowlift.upscale.pipeline import FlowUpscalerPipeline
+
+        pipeline = FlowUpscalerPipeline(
+            request.settings.upscaler or DEFAULT_UPSCALER,
+            request.settings.vae,
+            dtype=request.dtype,
+            device=rank_device(str(request.device), env) if env.distributed else request.device,  # cuda:LOCAL_RANK
+            chunked=request.chunked,
+            vae_tiled=request.vae_tiled,
+            max_memory=request.max_memory,
+            compile=request.compile,
+        )
+        step = cls(request, plan, pipeline)
+        if request.batch_size > 1 and env.distributed:
+            print(f"flowlift {COMMAND}: --batch-size is not applied under torchrun; images run one by one",
+                  file=sys.stderr)  # fmt: skip
+        elif request.batch_size > 1:
+            return batched_process(request.settings, pipeline, plan.jobs, plan.sizes.passes_for, step.hashes,
+                                   batch_size=request.batch_size, overwrite=request.overwrite)  # fmt: skip
+        return step
+
+    def __call__(self, path: Path, out: Path) -> None:
+        from tqdm import tqdm
+
+        from flowlift.upscale.outputs import upscale_file
+
+        count = self.plan.sizes.passes_for(path)  # the passes the cap lets run, already said at planning
+        steps = tqdm(total=count + 3, desc=path.name, unit="step", leave=False, disable=not self.request.progress,
+                     file=sys.stderr)  # fmt: skip
+        with steps:
+            _, _, notes = upscale_file(self.pipeline, self.request.settings, count, path, out, self.hashes,
+                                       on_stage=lambda _stage, bar=steps: bar.update(1))  # fmt: skip
+        for note in notes:  # anything the pipeline warned about this image: one line, not a stack
+            report(COMMAND, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
+
+
+def run_upscale(request: UpscaleRequest) -> int:
+    """Plan the request, say what the cap drops (once, before any work), then run this rank's share of
+    the jobs (:func:`flowlift.jobs.scaleout.batch_share`), loading the models only when it has work;
+    returns the exit status."""
+    from flowlift.jobs.scaleout import batch_share
+
+    plan = plan_upscale(request)
+    env = DistEnv.from_environ()
+    if env.is_main:  # the cap's note before any work (and once, not per rank), not after the image
+        for source, note in plan.dropped_notes(request.overwrite):
+            report(COMMAND, source, f"warning: {note}")
+    with batch_share(plan.jobs, command=COMMAND, output=request.output, overwrite=request.overwrite,
+                     barrier_timeout=request.barrier_timeout, env=env, progress=request.progress) as share:  # fmt: skip
+        step = UpscaleStep.load(request, plan, env) if share.has_work else None
+        return share.run(step)
