@@ -89,6 +89,7 @@ class TiledVelocity:
         self.row_weights = partition_weights(self.frame[0], self.rows, self.tile_h)
         self.col_weights = partition_weights(self.frame[1], self.cols, self.tile_w)
         self.calls = self.tiles_run = 0
+        self._weights: dict[tuple[int, int], torch.Tensor] = {}
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -97,6 +98,14 @@ class TiledVelocity:
     def tiles(self) -> list[tuple[int, int]]:
         """(row index, column index) of every tile, row-major."""
         return [(i, j) for i in range(len(self.rows)) for j in range(len(self.cols))]
+
+    def _weight(self, i: int, j: int, device: torch.device) -> torch.Tensor:
+        """Tile (i, j)'s float32 weights ``a_i (outer) b_j`` on ``device``, made once (one channel: small)."""
+        weight = self._weights.get((i, j))
+        if weight is None or weight.device != device:
+            weight = torch.outer(self.row_weights[i], self.col_weights[j]).to(device=device, dtype=torch.float32)
+            self._weights[(i, j)] = weight
+        return weight
 
     def _crop(self, x: torch.Tensor, i: int, j: int) -> torch.Tensor:
         top, left = self.rows[i], self.cols[j]
@@ -119,10 +128,9 @@ class TiledVelocity:
             self.calls += 1
             self.tiles_run += len(group)
             for n, (i, j) in enumerate(group):
-                weight = torch.outer(self.row_weights[i], self.col_weights[j]).to(device=x.device, dtype=torch.float32)
                 v = velocity[n * x.shape[0] : (n + 1) * x.shape[0]]
                 top, left = self.rows[i], self.cols[j]
-                out[:, :, top : top + self.tile_h, left : left + self.tile_w] += weight * v
+                out[:, :, top : top + self.tile_h, left : left + self.tile_w] += self._weight(i, j, x.device) * v
         return out.to(x.dtype)
 
 

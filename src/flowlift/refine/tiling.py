@@ -121,7 +121,9 @@ def parse_tile_batch(value: int | str) -> int | str:
 def check_overlap(tile: int, overlap: int) -> None:
     """Neighbours must advance: ``overlap < tile`` (one line otherwise)."""
     if overlap >= tile:
-        raise FlowliftError(f"tile overlap {overlap} px must be smaller than the tile ({tile} px)")
+        raise FlowliftError(
+            f"tile overlap {overlap} px must be smaller than the tile ({tile} px); give a smaller tile overlap"
+        )
 
 
 @dataclass(frozen=True)
