@@ -171,7 +171,7 @@ def test_plan_counts_a_tiles_tokens_so_12_gb_plans_a_4096_hires_fix():
     assert tiled.stage_peaks["vae"] == coding and tiled.peak_bytes == max(sampling, coding) <= 12 * GB
     # tile_batch auto: as many tiles per call as fit, at most 4; one more would not fit (or the cap is reached)
     assert tiled.tile_batch == min(4, (12 * GB - (sampling - tiled.tile_batch * tile_activations)) // tile_activations)
-    assert "1024 px tiles, %d per call" % tiled.tile_batch in tiled.describe()
+    assert f"1024 px tiles, {tiled.tile_batch} per call" in tiled.describe()
     assert plan(8).tile_batch == 1 and plan(8).offload == "none"  # 5.5 + 0.17 + 1.2 + 0.27 GB
     assert plan(12, tile_batch=2).tile_batch == 2
     assert plan(12, tile_size=512).tile_size == 512
