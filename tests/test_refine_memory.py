@@ -198,6 +198,19 @@ def test_load_refiner_plans_from_max_memory(model_dir, image):
         load_refiner(str(model_dir), max_memory="5MB", image_size=(H, W))
 
 
+def test_load_refiner_plans_the_tiles_and_their_batch(model_dir, image):
+    refiner = load_refiner(str(model_dir), max_memory="64MB", image_size=(H, W), tile_size=32, tile_overlap=16)
+    plan = refiner.memory_plan
+    assert plan.tile_size == 32 and plan.tile_batch == 4  # 6 tiles of a 64x48 frame; auto stops at 4
+    out = _img2img(refiner, image)
+    assert out.parameters["tiles"] == {"size": [32, 32], "overlap": 16, "grid": [2, 3], "batch": 4}
+    assert "32 px tiles, 4 per call" in out.parameters["memory_plan"]
+    one = _img2img(load_refiner(str(model_dir), tile_size=32, tile_overlap=16, tile_batch=1), image)
+    assert torch.allclose(out.latents, one.latents, rtol=0, atol=1e-5)  # batched tiles: the same blend
+    with pytest.raises(FlowliftError, match="tile size must be"):
+        load_refiner(str(model_dir), tile_size=33)  # checked before any weights load
+
+
 # --------------------------------------------------------------------------------------------- command line
 
 
