@@ -147,6 +147,9 @@ def test_plan_too_small_is_one_line():
 # Klein 9B as a Q4_K_M GGUF: 8 + 24 blocks of width 4096; the largest (a double block) ~0.25 GB at ~4.5 bits
 KLEIN_9B_Q4 = TransformerSizes(total_bytes=int(5.5 * GB), largest_block_bytes=int(0.25 * GB),
                                outside_blocks_bytes=int(0.3 * GB), width=4096)  # fmt: skip
+# the same in bf16: a double block is ~436M parameters
+KLEIN_9B_BF16 = TransformerSizes(total_bytes=int(18.1 * GB), largest_block_bytes=int(0.87 * GB),
+                                 outside_blocks_bytes=int(0.6 * GB), width=4096)  # fmt: skip
 
 
 def test_plan_counts_a_tiles_tokens_so_12_gb_plans_a_4096_hires_fix():
@@ -180,6 +183,10 @@ def test_plan_counts_a_tiles_tokens_so_12_gb_plans_a_4096_hires_fix():
     assert whole.tile_size is None and whole.tile_batch == 1
     small = plan_refine(2048, 2048, int(3 * GB), KLEIN_4B, vae_bytes=VAE_BYTES)
     assert (small.offload, small.tile_size) == ("group", 1024)
+    # docs/refine.md's 24 GB and 12 GB rows for Klein 9B in bf16
+    card24 = plan_refine(4096, 4096, 23 * GB, KLEIN_9B_BF16, vae_bytes=VAE_BYTES)
+    card12 = plan_refine(4096, 4096, 11 * GB, KLEIN_9B_BF16, vae_bytes=VAE_BYTES)
+    assert (card24.offload, card24.tile_size, card12.offload, card12.tile_size) == ("none", 1024, "group", 1024)
 
 
 def test_activation_estimate_scales_with_tokens_width_and_dtype():
