@@ -392,3 +392,59 @@ def test_alpha_channel_is_kept(capsys, tmp_path, model_dir, embeds_file, photo):
     assert code == 0, err
     with Image.open(out) as result:
         assert result.mode == "RGBA" and result.getchannel("A").getextrema() == (128, 128)
+
+
+def test_tile_options_in_every_mode_and_the_metadata(capsys, tmp_path, model_dir, embeds_file, photo):
+    base = ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "2", "--quiet"]
+    tiles = ["--tile-size", "32", "--tile-overlap", "16"]
+    runs = {
+        "default": [],
+        "img2img": [*tiles, "--tile-batch", "2"],
+        "outpaint": [*tiles, "--outpaint", "0,0,16,0"],
+        "inpaint": [*tiles, "--mask", photo],
+    }
+    meta = {}
+    for name, extra in runs.items():
+        out = tmp_path / f"{name}.png"
+        code, _, err = _run(capsys, *base, *extra, "-o", out)
+        assert code == 0, err
+        meta[name] = _metadata(out)
+    assert meta["default"]["tile_size"] == "auto" and "tiles" not in meta["default"]  # 64x48: one call
+    assert meta["img2img"]["tiles"] == {"size": [32, 32], "overlap": 16, "grid": [2, 3], "batch": 2}
+    assert meta["outpaint"]["mode"] == "outpaint" and meta["outpaint"]["tiles"]["grid"] == [2, 4]  # 80x48 canvas
+    assert meta["inpaint"]["mode"] == "inpaint" and meta["inpaint"]["tiles"]["grid"] == [2, 3]
+    never = ["img2img", photo, "--model", tmp_path / "never-loaded", "--prompt-embeds", embeds_file]
+    code, _, err = _run(capsys, *never, "--tile-size", "64", "--tile-overlap", "64", "-o", tmp_path / "x.png")
+    assert code == 2 and "must be smaller than the tile (64 px)" in err and len(err.strip().splitlines()) == 1
+    for extra, message in [
+        (["--tile-size", "40"], "argument --tile-size: tile size must be a multiple of 16"),
+        (["--tile-overlap", "8"], "argument --tile-overlap: tile overlap must be a multiple of 16"),
+        (["--tile-batch", "0"], "argument --tile-batch: tile batch must be auto or >= 1"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:  # argparse: usage and one error line, exit 2
+            main([str(a) for a in [*never, *extra, "-o", tmp_path / "x.png"]])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_hires_scale_8_refines_in_tiles(capsys, tmp_path, model_dir, embeds_file, photo):
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
+
+    torch.manual_seed(0)
+    upscaler = tmp_path / "flow_upscaler.safetensors"
+    save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32), upscaler)
+    crop = tmp_path / "small.png"
+    Image.open(photo).resize((64, 64)).save(crop)
+    out = tmp_path / "hires8.png"
+    code, _, err = _run(
+        capsys, "hires", "--image", crop, "--scale", "8", "--upscaler", upscaler, "--model", model_dir,
+        "--prompt-embeds", embeds_file, "--steps", "2", "--tile-size", "256", "--tile-overlap", "64", "--quiet",
+        "-o", out,
+    )  # fmt: skip
+    assert code == 0, err
+    with Image.open(out) as img:
+        assert img.size == (512, 512)
+    meta = _metadata(out)
+    assert meta["scale"] == 8 and meta["tiles"] == {"size": [256, 256], "overlap": 64, "grid": [3, 3], "batch": 1}

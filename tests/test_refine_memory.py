@@ -136,10 +136,57 @@ def test_plan_picks_the_fastest_fit_as_the_budget_shrinks():
 
 def test_plan_too_small_is_one_line():
     with pytest.raises(FlowliftError) as caught:
-        _plan(2048, 3)
+        _plan(2048, 1.5)
     text = str(caught.value)
-    assert "too small to refine a 2048x2048 image" in text and "group offload and a tiled VAE" in text
+    assert "too small to refine a 2048x2048 image" in text and "group offload, a tiled VAE and 1024 px tiles" in text
     assert "\n" not in text
+    with pytest.raises(FlowliftError, match="even group offload and a tiled VAE needs"):
+        _plan(2048, 3, tile_size="off")  # 3 GB plans 1024 px tiles (next test); untiled it is too small
+
+
+# Klein 9B as a Q4_K_M GGUF: 8 + 24 blocks of width 4096; the largest (a double block) ~0.25 GB at ~4.5 bits
+KLEIN_9B_Q4 = TransformerSizes(total_bytes=int(5.5 * GB), largest_block_bytes=int(0.25 * GB),
+                               outside_blocks_bytes=int(0.3 * GB), width=4096)  # fmt: skip
+# the same in bf16: a double block is ~436M parameters
+KLEIN_9B_BF16 = TransformerSizes(total_bytes=int(18.1 * GB), largest_block_bytes=int(0.87 * GB),
+                                 outside_blocks_bytes=int(0.6 * GB), width=4096)  # fmt: skip
+
+
+def test_plan_counts_a_tiles_tokens_so_12_gb_plans_a_4096_hires_fix():
+    from flowlift.refine.memory_plan import LATENT_FRAME_BUFFERS
+    from flowlift.upscale.memory_plan import decode_peak_bytes
+
+    def plan(budget_gb, **kwargs):
+        return plan_refine(4096, 4096, int(budget_gb * GB), KLEIN_9B_Q4, vae_bytes=VAE_BYTES, **kwargs)
+
+    # untiled, one forward on 65536 + 512 tokens is 17.3 GB of activations: refused even with group offload
+    with pytest.raises(FlowliftError, match="too small to refine a 4096x4096 image: even group offload and a tiled"):
+        plan(12, tile_size="off")
+    tiled = plan(12)
+    assert (tiled.offload, tiled.tile_size) == ("none", 1024)
+    # the sampling stage, term by term: weights + VAE + k tiles' activations (4096 + 512 tokens each) + latents
+    tile_activations = int(32 * (64 * 64 + 512) * 4096 * 2)
+    latents = LATENT_FRAME_BUFFERS * 32 * 512 * 512 * 4
+    sampling = KLEIN_9B_Q4.total_bytes + VAE_BYTES + tiled.tile_batch * tile_activations + latents
+    assert tiled.stage_peaks["sampling"] == sampling
+    coding = KLEIN_9B_Q4.total_bytes + VAE_BYTES + decode_peak_bytes("flux2", 4096, 4096, dtype=torch.bfloat16,
+                                                                     tiled=tiled.vae_tiled)  # fmt: skip
+    assert tiled.stage_peaks["vae"] == coding and tiled.peak_bytes == max(sampling, coding) <= 12 * GB
+    # tile_batch auto: as many tiles per call as fit, at most 4; one more would not fit (or the cap is reached)
+    assert tiled.tile_batch == min(4, (12 * GB - (sampling - tiled.tile_batch * tile_activations)) // tile_activations)
+    assert f"1024 px tiles, {tiled.tile_batch} per call" in tiled.describe()
+    assert plan(8).tile_batch == 1 and plan(8).offload == "none"  # 5.5 + 0.17 + 1.2 + 0.27 GB
+    assert plan(12, tile_batch=2).tile_batch == 2
+    assert plan(12, tile_size=512).tile_size == 512
+    # a frame within 4 MP stays whole while it fits, and tiles only when nothing untiled does
+    whole = plan_refine(2048, 2048, 12 * GB, KLEIN_9B_Q4, vae_bytes=VAE_BYTES)
+    assert whole.tile_size is None and whole.tile_batch == 1
+    small = plan_refine(2048, 2048, int(3 * GB), KLEIN_4B, vae_bytes=VAE_BYTES)
+    assert (small.offload, small.tile_size) == ("group", 1024)
+    # docs/refine.md's 24 GB and 12 GB rows for Klein 9B in bf16
+    card24 = plan_refine(4096, 4096, 23 * GB, KLEIN_9B_BF16, vae_bytes=VAE_BYTES)
+    card12 = plan_refine(4096, 4096, 11 * GB, KLEIN_9B_BF16, vae_bytes=VAE_BYTES)
+    assert (card24.offload, card24.tile_size, card12.offload, card12.tile_size) == ("none", 1024, "group", 1024)
 
 
 def test_activation_estimate_scales_with_tokens_width_and_dtype():
@@ -156,6 +203,19 @@ def test_load_refiner_plans_from_max_memory(model_dir, image):
     assert "max_memory 61.0 MiB" in out.parameters["memory_plan"]
     with pytest.raises(FlowliftError, match="too small to refine"):
         load_refiner(str(model_dir), max_memory="5MB", image_size=(H, W))
+
+
+def test_load_refiner_plans_the_tiles_and_their_batch(model_dir, image):
+    refiner = load_refiner(str(model_dir), max_memory="64MB", image_size=(H, W), tile_size=32, tile_overlap=16)
+    plan = refiner.memory_plan
+    assert plan.tile_size == 32 and plan.tile_batch == 4  # 6 tiles of a 64x48 frame; auto stops at 4
+    out = _img2img(refiner, image)
+    assert out.parameters["tiles"] == {"size": [32, 32], "overlap": 16, "grid": [2, 3], "batch": 4}
+    assert "32 px tiles, 4 per call" in out.parameters["memory_plan"]
+    one = _img2img(load_refiner(str(model_dir), tile_size=32, tile_overlap=16, tile_batch=1), image)
+    assert torch.allclose(out.latents, one.latents, rtol=0, atol=1e-5)  # batched tiles: the same blend
+    with pytest.raises(FlowliftError, match="tile size must be"):
+        load_refiner(str(model_dir), tile_size=33)  # checked before any weights load
 
 
 # --------------------------------------------------------------------------------------------- command line

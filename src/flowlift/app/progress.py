@@ -56,8 +56,8 @@ class StageCosts:
 
     Starts from :data:`DEFAULT_SECONDS_PER_MP`; :meth:`learn` takes one finished request's stage times (the
     first replaces the table, later ones are averaged in at :data:`LEARNING_RATE`), so from the second request
-    on a machine its stages are weighed by that machine's own speeds (a GPU, bf16, another VAE all shift them). Thread-safe enough for its use: a
-    dict of floats replaced as a whole.
+    on a machine its stages are weighed by that machine's own speeds (a GPU, bf16, another VAE all shift them).
+    The table is replaced as a whole on each update, so a request reading it never sees half an update.
     """
 
     def __init__(self, seconds_per_mp: dict[str, float] | None = None) -> None:

@@ -17,6 +17,7 @@ from flowlift.commands._options import (
     resolve_device_dtype,
     seed_value,
 )
+from flowlift.commands._refine_tiles import add_tile_arguments, check_tile_arguments, tile_kwargs
 from flowlift.commands._refine_weights import add_weights_arguments, check_weights_arguments, weights_kwargs
 from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
@@ -43,6 +44,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_device_options(model, "transformer and VAE")
     add_weights_arguments(parser)
+    add_tile_arguments(parser)
     prompt = parser.add_argument_group("prompt")
     prompt.add_argument("--prompt", help="the prompt (embedded with the model's own text encoder, flowlift[text])")
     prompt.add_argument(
@@ -166,6 +168,7 @@ def check_model_sources(args: argparse.Namespace, upscaler: str | None = None) -
     from flowlift.upscale.loading import resolve_upscaler_file
 
     check_weights_arguments(args)  # --transformer, --lora, --offload, --max-memory: what they name and need
+    check_tile_arguments(args)
     checks = refiner_weight_checks(
         args.model, vae=args.vae, text_encoder=args.prompt_embeds is None, transformer=args.transformer
     )
@@ -200,6 +203,7 @@ def load_refiner_from_args(args: argparse.Namespace, image_size: tuple[int, int]
         dtype=dtype,
         progress=show_progress(args),
         **weights_kwargs(args, image_size, text_tokens=embeds.shape[1]),
+        **tile_kwargs(args),
     )
     conditioning: dict[str, Any] = {
         "prompt": args.prompt,

@@ -18,13 +18,15 @@ from flowlift.errors import FlowliftError
 
 NAME = "hires"
 HELP = (
-    "hires fix: txt2img (--prompt) or an --image, upscaled 2x/4x in latent space by the Flow Upscaler, "
-    "then refined by FLUX.2 at low strength"
+    "hires fix: txt2img (--prompt) or an --image, upscaled 2x/4x/8x in latent space by the Flow Upscaler, "
+    "then refined by FLUX.2 at low strength (in overlapping tiles above 4 MP)"
 )
 EXAMPLES = examples(
     'flowlift hires --prompt "a lighthouse at dusk" --model black-forest-labs/FLUX.2-klein-4B --steps 4 -o out.png',
     'flowlift hires --image photo.png --prompt "..." --model black-forest-labs/FLUX.2-klein-4B --scale 2 '
     "--refine-strength 0.3",
+    "flowlift hires --image photo.png --prompt-embeds emb.safetensors --model black-forest-labs/FLUX.2-klein-9B "
+    "--transformer flux-2-klein-9b-Q4_K_M.gguf --scale 4 --max-memory 11GB --steps 8  # tiled refine at 4096 px",
 )
 
 
@@ -35,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     base.add_argument("--height", type=positive_int, default=1024, help="txt2img height (multiple of 16)")
     base.add_argument("--base-steps", type=positive_int, default=28, help="txt2img steps (default 28)")
     up = parser.add_argument_group("upscale")
-    up.add_argument("--scale", type=int, choices=(2, 4), default=2, help="2 (one pass) or 4 (two passes)")
+    up.add_argument(
+        "--scale", type=int, choices=(2, 4, 8), default=2, help="2 (one pass), 4 (two passes) or 8 (three passes)"
+    )
     up.add_argument(
         "--upscaler",
         metavar="PATH|REPO",
@@ -96,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=refiner.dtype,
         max_memory=plan.upscaler_budget_bytes if plan is not None else None,
     )
-    passes = {2: 1, 4: 2}[args.scale]
+    passes = {2: 1, 4: 2, 8: 3}[args.scale]
 
     def upscale(latents):
         return upscaler.upscale_latents(

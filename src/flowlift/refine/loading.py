@@ -25,6 +25,7 @@ from flowlift.refine.loop import check_schedule
 from flowlift.refine.loras import LoraSpec
 from flowlift.refine.prompts import PromptEncoder, _first_line
 from flowlift.refine.refiner import Flux2Refiner
+from flowlift.refine.tiling import DEFAULT_TILE_OVERLAP, TileRequest
 
 #: Suffixes of single-file transformers (everything else is a folder or a hub id).
 TRANSFORMER_FILE_SUFFIXES = (".safetensors", ".gguf")
@@ -243,6 +244,9 @@ def load_refiner(
     progress: bool = False,
     mu: float | str = DEFAULT_MU,
     schedule: str = "respaced",
+    tile_size: int | str = "auto",
+    tile_overlap: int = DEFAULT_TILE_OVERLAP,
+    tile_batch: int | str = "auto",
 ) -> Flux2Refiner:
     """A :class:`Flux2Refiner` from FLUX.2 Klein / dev weights.
 
@@ -259,12 +263,15 @@ def load_refiner(
     To free its memory before the transformer loads, embed the prompts first
     (:func:`flowlift.refine.prompts.embed_prompts`) and pass ``prompt_embeds``.
     ``mu`` and ``schedule`` are the refiner's schedule (:class:`Flux2Refiner`), checked before any weights load.
+    ``tile_size`` / ``tile_overlap`` / ``tile_batch`` (:mod:`flowlift.refine.tiling`) are its tiling, also checked
+    first; with ``max_memory`` the plan counts a tile's tokens instead of the frame's where it tiles.
     """
     from flowlift.models.vae_loading import load_vae
     from flowlift.refine.loras import apply_loras
     from flowlift.refine.offload import OFFLOAD_MODES
 
     check_schedule(mu, schedule)
+    tiling = TileRequest.parse(tile_size, tile_overlap, tile_batch)
     if offload != "auto" and offload not in OFFLOAD_MODES:
         raise FlowliftError(f"offload must be auto or one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
     device = torch.device(device)
@@ -277,7 +284,7 @@ def load_refiner(
     vae_adapter = load_vae(vae or model, device=device, dtype=vae_dtype)
     plan = None
     if max_memory is not None:
-        plan = _plan(module, vae_adapter, max_memory, image_size, text_tokens, offload, dtype, vae_dtype)
+        plan = _plan(module, vae_adapter, max_memory, image_size, text_tokens, offload, dtype, vae_dtype, tiling)
     mode = plan.offload if plan is not None else ("none" if offload == "auto" else offload)
     encoder = None
     if text_encoder:
@@ -306,10 +313,13 @@ def load_refiner(
         vae_tiled=plan.vae_tiled if plan is not None else None,
         memory_plan=plan,
         provenance=provenance,
+        tile_size=tiling.size,
+        tile_overlap=tiling.overlap,
+        tile_batch=tiling.batch,
     )
 
 
-def _plan(module, vae_adapter, max_memory, image_size, text_tokens, offload, dtype, vae_dtype):
+def _plan(module, vae_adapter, max_memory, image_size, text_tokens, offload, dtype, vae_dtype, tiling):
     from flowlift.refine.memory_plan import DEFAULT_TEXT_TOKENS, plan_refine, transformer_sizes
     from flowlift.upscale.memory_plan import model_bytes, parse_memory, vae_kind
 
@@ -325,4 +335,7 @@ def _plan(module, vae_adapter, max_memory, image_size, text_tokens, offload, dty
         vae_dtype=vae_dtype,
         text_tokens=text_tokens or DEFAULT_TEXT_TOKENS,
         offload=None if offload == "auto" else offload,
+        tile_size=tiling.size,
+        tile_overlap=tiling.overlap,
+        tile_batch=tiling.batch,
     )

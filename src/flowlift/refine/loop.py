@@ -9,7 +9,7 @@ analytic Gaussian velocity. :class:`_Progress` shows its steps.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -96,8 +96,9 @@ def latent_noise(shape: Sequence[int], seed: int, *, device: torch.device | str 
 
 @dataclass
 class RefineResult:
-    """Normalized output latents, the exact sigmas the model was run on, the start noise level, and the
-    schedule that made the sigmas (``mu`` the number it shifted with, ``mu_rule`` "fixed" or "empirical")."""
+    """Normalized output latents, the exact sigmas the model was run on, the start noise level, the
+    schedule that made the sigmas (``mu`` the number it shifted with, ``mu_rule`` "fixed" or "empirical"), and
+    (set by the refiner) how the transformer was tiled (``tiling``: ``tile_size`` asked, ``tiles`` that ran)."""
 
     latents: torch.Tensor
     sigmas: list[float]
@@ -106,6 +107,7 @@ class RefineResult:
     mu: float | None = None
     mu_rule: str | None = None
     schedule: str | None = None
+    tiling: dict[str, Any] = field(default_factory=dict)
 
 
 def refine_latents(

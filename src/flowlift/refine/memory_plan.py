@@ -1,15 +1,19 @@
 """One device-memory budget for a refine (img2img, inpaint, outpaint, hires): where the transformer lives, whether
-the VAE tiles.
+the VAE tiles, whether the transformer runs in tiles and how many per call.
 
 The same ``--max-memory`` the upscaler plans with (:mod:`flowlift.upscale.memory_plan`: its size parser, its VAE
-decode estimates). :func:`plan_refine` is a pure function of sizes, dtypes and the budget. It tries the offload
-modes from fastest to leanest (``none``, ``model``, ``group``, :mod:`flowlift.refine.offload`) and, within each,
-a whole-frame VAE before a tiled one (tiling costs far less time than offloading), and returns the first plan whose
-every stage fits:
+decode estimates). :func:`plan_refine` is a pure function of sizes, dtypes and the budget. It tries the
+transformer's frames from most to least context (the whole frame when it is within FLUX.2's 4 MP, then tiles,
+:mod:`flowlift.refine.tiling`), within each the offload modes from fastest to leanest (``none``, ``model``,
+``group``, :mod:`flowlift.refine.offload`) and within each a whole-frame VAE before a tiled one (tiling the VAE
+costs far less time than offloading), and returns the first plan whose every stage fits; with ``tile_batch auto``
+it then puts as many tiles in one call as still fit (at most :data:`~flowlift.refine.tiling.MAX_AUTO_TILE_BATCH`):
 
 * sampling: the transformer's resident weights (all of them; with ``group`` the layers outside the blocks plus
   two blocks, the running one and the one being prefetched) + the VAE's weights + one forward's activations,
-  ``TRANSFORMER_PEAK_FRAMES * tokens * width * itemsize`` (tokens: image + text + reference tokens);
+  ``TRANSFORMER_PEAK_FRAMES * tiles_per_call * tokens * width * itemsize`` (tokens: one tile's image tokens, or the
+  frame's, + text + reference tokens: references go to every tile) + the frame's latent buffers,
+  ``LATENT_FRAME_BUFFERS * 32 * (h/8) * (w/8) * 4`` bytes (the only term that grows with the frame when tiled);
 * VAE encode/decode at the output size (:func:`flowlift.upscale.memory_plan.decode_peak_bytes`, whole or tiled)
   + the VAE's weights + the transformer's weights when ``none`` keeps them on the device;
 * hires: the Flow Upscaler gets what the transformer leaves (:attr:`RefinePlan.upscaler_budget_bytes`) and plans
@@ -26,6 +30,15 @@ from dataclasses import dataclass, field
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.refine.tiling import (
+    DEFAULT_TILE_OVERLAP,
+    DEFAULT_TILE_SIZE,
+    MAX_AUTO_TILE_BATCH,
+    TileRequest,
+    exceeds_untiled_limit,
+    resolve_tile_size,
+    tile_count,
+)
 from flowlift.upscale.chunked.budget import dtype_bytes
 from flowlift.upscale.memory_plan import decode_peak_bytes, format_bytes
 
@@ -37,6 +50,9 @@ TRANSFORMER_PEAK_FRAMES = 32.0
 DEFAULT_TEXT_TOKENS = 512
 #: Image side (pixels) of one latent token: 8x VAE, 2x2 patches.
 PIXELS_PER_TOKEN_SIDE = 16
+#: float32 (B, 32, h/8, w/8) frames the sampling loop holds: the latent, the start noise, the init, Heun's
+#: velocity and predictor, the tiled velocity's blend, the inpaint merge's re-noised init and its result.
+LATENT_FRAME_BUFFERS = 8
 
 
 @dataclass(frozen=True)
@@ -73,11 +89,14 @@ class RefinePlan:
     peak_bytes: int
     upscaler_budget_bytes: int
     stage_peaks: dict[str, int] = field(default_factory=dict)
+    tile_size: int | None = None
+    tile_batch: int = 1
 
     def describe(self) -> str:
         """One line: the choices and the estimated peak against the budget."""
+        tiles = "whole frame" if self.tile_size is None else f"{self.tile_size} px tiles, {self.tile_batch} per call"
         return (
-            f"max_memory {format_bytes(self.budget_bytes)}: transformer offload {self.offload}; "
+            f"max_memory {format_bytes(self.budget_bytes)}: transformer offload {self.offload}, {tiles}; "
             f"VAE {'tiled' if self.vae_tiled else 'whole frame'}; estimated peak {format_bytes(self.peak_bytes)}"
         )
 
@@ -87,6 +106,22 @@ def transformer_activation_bytes(
 ) -> int:
     """One forward's activation peak: ``TRANSFORMER_PEAK_FRAMES * batch * tokens * width * itemsize``."""
     return int(TRANSFORMER_PEAK_FRAMES * batch * tokens * width * dtype_bytes(dtype))
+
+
+def latent_buffer_bytes(height: int, width: int, *, batch: int = 1) -> int:
+    """The sampling loop's float32 latents: ``LATENT_FRAME_BUFFERS * batch * 32 * (height/8) * (width/8) * 4``."""
+    return LATENT_FRAME_BUFFERS * batch * 32 * -(-height // 8) * -(-width // 8) * 4
+
+
+def tile_candidates(height: int, width: int, request: TileRequest) -> list[int | None]:
+    """Transformer frames to try, most context first: None (the whole frame) while it is within 4 MP, then tiles
+    (``auto``: :data:`~flowlift.refine.tiling.DEFAULT_TILE_SIZE`; a number: that; ``off``: the whole frame only)."""
+    if request.size == "off":
+        return [None]
+    if isinstance(request.size, int):
+        return [resolve_tile_size(height, width, request.size)]
+    tiled = resolve_tile_size(height, width, DEFAULT_TILE_SIZE)
+    return [tiled] if exceeds_untiled_limit(height, width) else list(dict.fromkeys([None, tiled]))
 
 
 def refine_tokens(height: int, width: int, *, text_tokens: int = DEFAULT_TEXT_TOKENS, reference_tokens: int = 0) -> int:
@@ -109,14 +144,17 @@ def plan_refine(
     reference_tokens: int = 0,
     batch: int = 1,
     offload: str | None = None,
+    tile_size: int | str = "auto",
+    tile_overlap: int = DEFAULT_TILE_OVERLAP,
+    tile_batch: int | str = "auto",
 ) -> RefinePlan:
     """The fastest plan for a refine whose largest image is ``height x width`` pixels within ``budget_bytes``.
 
-    ``offload`` given: only that mode is considered (the VAE's tiling is still planned). Raises one
-    FlowliftError line when nothing fits.
+    ``offload`` given: only that mode is considered (the VAE's tiling is still planned). ``tile_size`` /
+    ``tile_overlap`` / ``tile_batch`` are the tiling knobs (:mod:`flowlift.refine.tiling`): ``auto`` keeps the frame
+    whole when it is within 4 MP and fits, else tiles it. Raises one FlowliftError line when nothing fits.
     """
-    tokens = refine_tokens(height, width, text_tokens=text_tokens, reference_tokens=reference_tokens)
-    activations = transformer_activation_bytes(tokens, sizes.width, batch=batch, dtype=dtype)
+    request = TileRequest.parse(tile_size, tile_overlap, tile_batch)
     vae = {
         tiled: decode_peak_bytes(vae_kind, height, width, batch=batch, dtype=vae_dtype, tiled=tiled)
         for tiled in (False, True)
@@ -126,27 +164,49 @@ def plan_refine(
         "model": sizes.total_bytes,
         "group": sizes.outside_blocks_bytes + 2 * sizes.largest_block_bytes,
     }
+    buffers = latent_buffer_bytes(height, width, batch=batch)
+
+    def activations(tile: int | None, per_call: int) -> int:
+        side = (height, width) if tile is None else (min(tile, height), min(tile, width))
+        tokens = refine_tokens(*side, text_tokens=text_tokens, reference_tokens=reference_tokens)
+        return transformer_activation_bytes(tokens, sizes.width, batch=batch * per_call, dtype=dtype)
+
+    def sampling(mode: str, tile: int | None, per_call: int) -> int:
+        return resident_while_sampling[mode] + vae_bytes + activations(tile, per_call) + buffers
+
+    first = request.batch if isinstance(request.batch, int) else 1
     candidates = [offload] if offload is not None else ["none", "model", "group"]
+    tiles = tile_candidates(height, width, request)
     leanest = None
-    for mode in candidates:
-        sampling = resident_while_sampling[mode] + vae_bytes + activations
-        kept = sizes.total_bytes if mode == "none" else 0  # the transformer's weights during the VAE's stages
-        for tiled in (False, True):
-            coding = kept + vae_bytes + vae[tiled]
-            peak = max(sampling, coding)
-            leanest = peak if leanest is None else min(leanest, peak)
-            if peak <= budget_bytes:
+    for tile in tiles:
+        per_call = first if tile is not None else 1
+        for mode in candidates:
+            kept = sizes.total_bytes if mode == "none" else 0  # the transformer's weights during the VAE's stages
+            for tiled in (False, True):
+                coding = kept + vae_bytes + vae[tiled]
+                peak = max(sampling(mode, tile, per_call), coding)
+                leanest = peak if leanest is None else min(leanest, peak)
+                if peak > budget_bytes:
+                    continue
+                if request.batch == "auto" and tile is not None and batch == 1:
+                    most = min(MAX_AUTO_TILE_BATCH, tile_count(height, width, tile, request.overlap))
+                    while per_call < most and max(sampling(mode, tile, per_call + 1), coding) <= budget_bytes:
+                        per_call += 1
+                peak = max(sampling(mode, tile, per_call), coding)
                 return RefinePlan(
                     budget_bytes=budget_bytes,
                     offload=mode,
                     vae_tiled=tiled,
                     peak_bytes=peak,
                     upscaler_budget_bytes=budget_bytes - kept,
-                    stage_peaks={"sampling": sampling, "vae": coding},
+                    stage_peaks={"sampling": sampling(mode, tile, per_call), "vae": coding},
+                    tile_size=tile,
+                    tile_batch=per_call,
                 )
-    what = f"offload {offload}" if offload is not None else "group offload and a tiled VAE"
+    what = f"offload {offload}" if offload is not None else "group offload"
+    what += " and a tiled VAE" if tiles[-1] is None else f", a tiled VAE and {tiles[-1]} px tiles"
     raise FlowliftError(
         f"max_memory {format_bytes(budget_bytes)} is too small to refine a {width}x{height} image: even {what} "
         f"needs about {format_bytes(leanest or 0)} (transformer {format_bytes(sizes.total_bytes)}, one forward's "
-        f"activations {format_bytes(activations)})"
+        f"activations {format_bytes(activations(tiles[-1], 1))})"
     )

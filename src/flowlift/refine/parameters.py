@@ -45,6 +45,7 @@ def output_parameters(
     params["sigmas"] = [round(s, 6) for s in result.sigmas]
     params["t0"] = round(result.t0, 6)
     params["model_calls"] = result.model_calls
+    params.update(result.tiling)  # tile_size as asked; tiles (size, overlap, grid, batch) when tiles ran
     if result.mu is not None:  # the schedule that made the sigmas (none ran at strength 0)
         params.update(mu=round(result.mu, 6), mu_rule=result.mu_rule)
         if mode != "txt2img":  # a full window is the same under both

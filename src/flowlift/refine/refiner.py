@@ -26,6 +26,10 @@ from flowlift.refine.loop import (
 )
 from flowlift.refine.offload import place_transformer, with_transformer_on_device
 from flowlift.refine.parameters import RefineOutput, conditioning_parameters, output_parameters
+from flowlift.refine.tiling import DEFAULT_TILE_OVERLAP, TileRequest
+
+#: A mode's tiling knobs (``tile_size``, ``tile_overlap``, ``tile_batch``; None keeps the refiner's).
+Tiles = tuple[int | str | None, int | None, int | str | None]
 
 
 class RefineVAE(Protocol):
@@ -50,7 +54,9 @@ class Flux2Refiner:
     ``clipped``) are the schedule every mode runs unless a call gives its own (see
     :func:`flowlift.flux2.schedule.flux2_sigmas`). ``offload`` (none/model/group, :mod:`flowlift.refine.offload`)
     and ``vae_tiled`` (None: by size) come from the memory plan; ``provenance`` (files, LoRAs with SHA-256 and
-    scale, offload) joins every output's parameters.
+    scale, offload) joins every output's parameters. ``tile_size`` / ``tile_overlap`` / ``tile_batch``
+    (:mod:`flowlift.refine.tiling`; every mode takes them too) run the transformer in overlapping tiles
+    (:mod:`flowlift.refine.tiled_velocity`): ``auto`` above FLUX.2's 4 MP or where the memory plan tiles.
     """
 
     def __init__(
@@ -69,8 +75,12 @@ class Flux2Refiner:
         vae_tiled: bool | None = None,
         memory_plan: Any = None,
         provenance: dict[str, Any] | None = None,
+        tile_size: int | str = "auto",
+        tile_overlap: int = DEFAULT_TILE_OVERLAP,
+        tile_batch: int | str = "auto",
     ) -> None:
         check_schedule(mu, schedule)
+        self.tiling = TileRequest.parse(tile_size, tile_overlap, tile_batch)
         self.mu, self.schedule = mu, schedule
         self.device, self.dtype = torch.device(device), dtype
         self.offload, self.vae_tiled, self.memory_plan = offload, vae_tiled, memory_plan
@@ -165,9 +175,16 @@ class Flux2Refiner:
         denoising_end: float = 1.0,
         mu: float | str | None = None,
         schedule: str | None = None,
+        tiles: Tiles = (None, None, None),
     ) -> RefineResult:
+        from flowlift.refine.tiled_velocity import tiled_for_frame
+
         init_latents, bn_mean, bn_std = init if init is not None else (None, None, None)
-        return refine_latents(
+        size = tuple((init_latents.shape if init_latents is not None else shape)[2:])
+        tiling: dict[str, Any] = {}
+        if velocity_fn is not None:  # None: strength 0, no model call
+            velocity_fn, tiling = tiled_for_frame(velocity_fn, size, self.tiling.replace(*tiles), self.memory_plan)
+        result = refine_latents(
             velocity_fn,
             init_latents=init_latents,
             shape=shape,
@@ -184,6 +201,8 @@ class Flux2Refiner:
             mu=self.mu if mu is None else mu,
             schedule=self.schedule if schedule is None else schedule,
         )
+        result.tiling = tiling
+        return result
 
     def _parameters(self, mode: str, result: RefineResult, **kwargs: Any) -> dict[str, Any]:
         where = {"model": self.model_name, "dtype": self.dtype, "device": self.device, "provenance": self.provenance}
@@ -199,6 +218,9 @@ class Flux2Refiner:
         sampler: str = "euler",
         batch: int = 1,
         mu: float | str | None = None,
+        tile_size: int | str | None = None,
+        tile_overlap: int | None = None,
+        tile_batch: int | str | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """Generate from pure noise (``denoising_start = 0``) at ``height x width`` (multiples of 16)."""
@@ -207,8 +229,9 @@ class Flux2Refiner:
         den = self.denoiser(**conditioning)
         shape = (batch, LATENT_CHANNELS, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
         result = self._run(
-            "txt2img", den, init=None, shape=shape, denoising_start=0.0, steps=steps, seed=seed, sampler=sampler, mu=mu
-        )
+            "txt2img", den, init=None, shape=shape, denoising_start=0.0, steps=steps, seed=seed, sampler=sampler, mu=mu,
+            tiles=(tile_size, tile_overlap, tile_batch),
+        )  # fmt: skip
         params = self._parameters(
             "txt2img",
             result,
@@ -233,6 +256,9 @@ class Flux2Refiner:
         mask: torch.Tensor | None = None,
         mu: float | str | None = None,
         schedule: str | None = None,
+        tile_size: int | str | None = None,
+        tile_overlap: int | None = None,
+        tile_batch: int | str | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """Refine ``images`` (B, 3, H, W) in [0, 1] at ``strength``; with ``mask`` (B|1, 1, H, W) inpaint.
@@ -252,18 +278,9 @@ class Flux2Refiner:
         den = self.denoiser(**conditioning) if start < 1.0 else None
         mode = "inpaint" if mask is not None else "img2img"
         result = self._run(
-            mode,
-            den,
-            init=self._encode_init(padded),
-            shape=None,
-            denoising_start=start,
-            steps=steps,
-            seed=seed,
-            sampler=sampler,
-            mask=lmask,
-            mu=mu,
-            schedule=schedule,
-        )
+            mode, den, init=self._encode_init(padded), shape=None, denoising_start=start, steps=steps, seed=seed,
+            sampler=sampler, mask=lmask, mu=mu, schedule=schedule, tiles=(tile_size, tile_overlap, tile_batch),
+        )  # fmt: skip
         out = self.decode(result.latents)[..., :h, :w]
         params = self._parameters(
             mode,
@@ -301,6 +318,9 @@ class Flux2Refiner:
         sampler: str = "euler",
         mu: float | str | None = None,
         schedule: str | None = None,
+        tile_size: int | str | None = None,
+        tile_overlap: int | None = None,
+        tile_batch: int | str | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """Extend the canvas by the given borders (rounded up to 16 px) and paint them in.
@@ -320,18 +340,9 @@ class Flux2Refiner:
         init[:, :, t8 : t8 + original.shape[2], l8 : l8 + original.shape[3]] = original
         den = self.denoiser(**conditioning) if start < 1.0 else None
         result = self._run(
-            "outpaint",
-            den,
-            init=(init, bn_mean, bn_std),
-            shape=None,
-            denoising_start=start,
-            steps=steps,
-            seed=seed,
-            sampler=sampler,
-            mask=lmask,
-            mu=mu,
-            schedule=schedule,
-        )
+            "outpaint", den, init=(init, bn_mean, bn_std), shape=None, denoising_start=start, steps=steps, seed=seed,
+            sampler=sampler, mask=lmask, mu=mu, schedule=schedule, tiles=(tile_size, tile_overlap, tile_batch),
+        )  # fmt: skip
         params = self._parameters(
             "outpaint",
             result,
@@ -365,6 +376,9 @@ class Flux2Refiner:
         scale: int = 2,
         mu: float | str | None = None,
         schedule: str | None = None,
+        tile_size: int | str | None = None,
+        tile_overlap: int | None = None,
+        tile_batch: int | str | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """The hires fix: base latents -> ``upscale`` (Flow Upscaler) -> refine at low strength -> decode.
@@ -372,7 +386,8 @@ class Flux2Refiner:
         The base is ``images`` encoded, or a txt2img at ``height x width`` (``base_steps``). ``upscale``
         maps normalized latents to normalized latents ``scale`` times larger. The refine pass is img2img
         on the upscaled normalized latents in the window below ``1 - refine_strength`` (``schedule``); both
-        passes shift with ``mu`` (for ``"empirical"``, each from its own size and step count).
+        passes shift with ``mu`` (for ``"empirical"``, each from its own size and step count) and tile as the
+        ``tile_*`` knobs say (the refine pass of a 4x or 8x fix is where tiles run).
         """
         check_sampler(sampler)
         start = denoising_start_for(refine_strength, strength_map)
@@ -388,27 +403,22 @@ class Flux2Refiner:
             if height is None or width is None:
                 raise FlowliftError("hires needs an input image or a txt2img size")
             base_out = self.txt2img(
-                height=height, width=width, steps=base_steps, seed=seed, sampler=sampler, mu=mu, **conditioning
-            )
+                height=height, width=width, steps=base_steps, seed=seed, sampler=sampler, mu=mu, tile_size=tile_size,
+                tile_overlap=tile_overlap, tile_batch=tile_batch, **conditioning,
+            )  # fmt: skip
             base = base_out.latents
             params.update(base="txt2img", base_steps=base_steps, height=height, width=width)
-            params["base_mu"] = base_out.parameters["mu"]
+            params.update(base_mu=base_out.parameters["mu"])
+            if "tiles" in base_out.parameters:
+                params["base_tiles"] = base_out.parameters["tiles"]
         up = upscale(base).float().to(self.device)
         expect = (base.shape[2] * scale, base.shape[3] * scale)
         if tuple(up.shape[2:]) != expect:
             raise FlowliftError(f"the upscaler returned {tuple(up.shape[2:])} latents, expected {expect}")
         result = self._run(
-            "hires refine",
-            den,
-            init=(up, None, None),
-            shape=None,
-            denoising_start=start,
-            steps=steps,
-            seed=seed,
-            sampler=sampler,
-            mu=mu,
-            schedule=schedule,
-        )
+            "hires refine", den, init=(up, None, None), shape=None, denoising_start=start, steps=steps, seed=seed,
+            sampler=sampler, mu=mu, schedule=schedule, tiles=(tile_size, tile_overlap, tile_batch),
+        )  # fmt: skip
         params.update(
             self._parameters(
                 "hires",

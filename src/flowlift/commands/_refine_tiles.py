@@ -1,0 +1,63 @@
+"""``--tile-size``, ``--tile-overlap`` and ``--tile-batch`` of ``img2img`` and ``hires``: the tiled refine's knobs,
+derived from their one declaration (:data:`flowlift.refine.tiling.TILE_KNOBS`: name, domain, default, help).
+
+Not a subcommand (the leading underscore keeps :mod:`flowlift.commands.cli` from listing it). ``flowlift.refine.tiling``
+imports no torch, so ``--help`` stays fast; the options are checked together (the overlap against the tile) before
+any weights load.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from flowlift.errors import FlowliftError
+from flowlift.refine.tiling import TILE_KNOBS, TileRequest, parse_tile_batch, parse_tile_overlap, parse_tile_size
+
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "tile_size": parse_tile_size,
+    "tile_overlap": parse_tile_overlap,
+    "tile_batch": parse_tile_batch,
+}
+_METAVARS = {"tile_size": "PX|auto|off", "tile_overlap": "PX", "tile_batch": "N|auto"}
+
+
+def _option_type(parse: Callable[[Any], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` from a knob's parser: its FlowliftError becomes argparse's one usage line (exit 2)."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except FlowliftError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    convert.__name__ = parse.__name__.removeprefix("parse_").replace("_", " ")
+    return convert
+
+
+def add_tile_arguments(parser: argparse.ArgumentParser) -> None:
+    """The tiling knobs, one option each, as an argument group."""
+    group = parser.add_argument_group("tiled refine (frames above FLUX.2's 4 MP)")
+    for knob in TILE_KNOBS:
+        group.add_argument(
+            "--" + knob.name.replace("_", "-"),
+            type=_option_type(_PARSERS[knob.name]),
+            default=knob.default,
+            metavar=_METAVARS[knob.name],
+            help=f"{knob.help} ({knob.domain}; default {knob.default})",
+        )
+
+
+def check_tile_arguments(args: argparse.Namespace) -> TileRequest:
+    """The knobs together (the overlap smaller than the tile), before any weights load: one FlowliftError line."""
+    try:
+        return TileRequest.parse(args.tile_size, args.tile_overlap, args.tile_batch)
+    except FlowliftError as error:
+        raise FlowliftError(f"--tile-overlap/--tile-size: {error}") from None
+
+
+def tile_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The :func:`flowlift.refine.loading.load_refiner` arguments of these options."""
+    request = check_tile_arguments(args)
+    return {"tile_size": request.size, "tile_overlap": request.overlap, "tile_batch": request.batch}

@@ -1,0 +1,244 @@
+"""Tiled refine: the three knobs, their domains, and where the tiles of a frame go. Pure Python, no torch.
+
+A frame larger than FLUX.2's specified maximum (4 megapixels, e.g. 2048x2048; the same for Klein) is refined in
+overlapping tiles: :class:`~flowlift.refine.tiled_velocity.TiledVelocity` runs the transformer on each tile with
+tile-local position ids and blends the velocities. This module holds what a front-end needs before any weights
+load (``--help`` imports no torch):
+
+* the knobs, declared once: ``tile_size`` (px, ``"auto"`` or ``"off"``; default ``auto``), ``tile_overlap`` (px,
+  default 128), ``tile_batch`` (tiles per transformer call, ``"auto"`` or a count) -- :data:`TILE_KNOBS` with each
+  one's type, domain, default and help, and :func:`parse_tile_size` / :func:`parse_tile_overlap` /
+  :func:`parse_tile_batch`, which accept the knob's value as text or as a Python value;
+* the 4 MP rule (:func:`exceeds_untiled_limit`) and :func:`resolve_tile_size`, what ``auto`` means for a frame;
+* the layout (:func:`tile_starts`, :func:`tile_layout`): tiles of one size, starts on the 16-pixel grid of the
+  2x2-patchified latent, spread evenly so that neighbours overlap by at least ``tile_overlap``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flowlift.errors import FlowliftError
+
+#: Tile sides and offsets are multiples of 16 image pixels: 8x VAE, then the transformer's 2x2 patches.
+TILE_MULTIPLE = 16
+#: FLUX.2's specified maximum resolution (BFL: 4 megapixels, e.g. 2048x2048; Klein the same).
+MAX_UNTILED_PIXELS = 2048 * 2048
+#: ``auto``'s tile: 1024 px, the resolution FLUX.2 is trained and most used at (1 MP, 4096 tokens per tile).
+DEFAULT_TILE_SIZE = 1024
+#: ``auto``'s overlap: 128 px = 16 latent pixels = 8 tokens on each shared edge, the width of the crossfade.
+DEFAULT_TILE_OVERLAP = 128
+#: The smallest tile (2x2 tokens) and the most tiles ``tile_batch auto`` puts in one call.
+MIN_TILE_SIZE = 32
+MAX_AUTO_TILE_BATCH = 4
+TILE_SIZE_WORDS = ("auto", "off")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One user-facing setting: its name, Python type, domain in words, default and help line."""
+
+    name: str
+    type: str
+    domain: str
+    default: Any
+    help: str
+
+
+TILE_KNOBS = (
+    Knob(
+        "tile_size",
+        "int | str",
+        f"auto, off, or pixels: a multiple of {TILE_MULTIPLE}, at least {MIN_TILE_SIZE}",
+        "auto",
+        f"refine in overlapping tiles of this many pixels per side: auto tiles at {DEFAULT_TILE_SIZE} px when the "
+        f"frame exceeds FLUX.2's 4 MP (or --max-memory needs it), off runs one transformer call per step",
+    ),
+    Knob(
+        "tile_overlap",
+        "int",
+        f"pixels: a multiple of {TILE_MULTIPLE}, 0 or more, less than the tile",
+        DEFAULT_TILE_OVERLAP,
+        "how far neighbouring tiles overlap; their velocities crossfade across it",
+    ),
+    Knob(
+        "tile_batch",
+        "int | str",
+        "auto, or a count of 1 or more",
+        "auto",
+        "tiles per transformer call: auto = as many as --max-memory leaves room for (at most "
+        f"{MAX_AUTO_TILE_BATCH}; 1 without a budget)",
+    ),
+)
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise FlowliftError(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise FlowliftError(f"{name} must be an integer, got {value!r}") from None
+    if isinstance(value, int):
+        return value
+    raise FlowliftError(f"{name} must be an integer, got {value!r}")
+
+
+def parse_tile_size(value: int | str) -> int | str:
+    """``"auto"``, ``"off"``, or a tile side in pixels (a multiple of 16, at least :data:`MIN_TILE_SIZE`)."""
+    if isinstance(value, str) and value.strip().lower() in TILE_SIZE_WORDS:
+        return value.strip().lower()
+    if isinstance(value, str) and not value.strip().lstrip("-").isdigit():
+        raise FlowliftError(f"tile size must be auto, off or a number of pixels, got {value!r}")
+    size = _integer("tile size", value)
+    if size < MIN_TILE_SIZE or size % TILE_MULTIPLE:
+        raise FlowliftError(
+            f"tile size must be a multiple of {TILE_MULTIPLE} px and at least {MIN_TILE_SIZE}, got {size}"
+        )
+    return size
+
+
+def parse_tile_overlap(value: int | str) -> int:
+    """An overlap in pixels: a multiple of 16, 0 or more (less than the tile: :func:`check_overlap`)."""
+    overlap = _integer("tile overlap", value)
+    if overlap < 0 or overlap % TILE_MULTIPLE:
+        raise FlowliftError(f"tile overlap must be a multiple of {TILE_MULTIPLE} px and >= 0, got {overlap}")
+    return overlap
+
+
+def parse_tile_batch(value: int | str) -> int | str:
+    """``"auto"`` or the number of tiles per transformer call (1 or more)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    batch = _integer("tile batch", value)
+    if batch < 1:
+        raise FlowliftError(f"tile batch must be auto or >= 1, got {batch}")
+    return batch
+
+
+def check_overlap(tile: int, overlap: int) -> None:
+    """Neighbours must advance: ``overlap < tile`` (one line otherwise)."""
+    if overlap >= tile:
+        raise FlowliftError(
+            f"tile overlap {overlap} px must be smaller than the tile ({tile} px); give a smaller tile overlap"
+        )
+
+
+@dataclass(frozen=True)
+class TileRequest:
+    """The three knobs as asked: ``size`` (px, ``auto`` or ``off``), ``overlap`` (px), ``batch`` (count or auto)."""
+
+    size: int | str = "auto"
+    overlap: int = DEFAULT_TILE_OVERLAP
+    batch: int | str = "auto"
+
+    @classmethod
+    def parse(cls, size: int | str = "auto", overlap: int | str = DEFAULT_TILE_OVERLAP, batch: int | str = "auto"):
+        """Each knob checked against its domain, and the overlap against the tile (``auto``'s is 1024 px)."""
+        request = cls(parse_tile_size(size), parse_tile_overlap(overlap), parse_tile_batch(batch))
+        if request.size != "off":
+            check_overlap(request.size if isinstance(request.size, int) else DEFAULT_TILE_SIZE, request.overlap)
+        return request
+
+    def replace(self, size=None, overlap=None, batch=None) -> TileRequest:
+        """This request with the knobs given (not None) replaced, checked again."""
+        return TileRequest.parse(
+            self.size if size is None else size,
+            self.overlap if overlap is None else overlap,
+            self.batch if batch is None else batch,
+        )
+
+
+def exceeds_untiled_limit(height: int, width: int) -> bool:
+    """True when a ``height x width`` px frame is above FLUX.2's 4 MP: ``height * width > 2048 * 2048``."""
+    return height * width > MAX_UNTILED_PIXELS
+
+
+def resolve_tile_size(height: int, width: int, size: int | str, planned: int | None | str = "none") -> int | None:
+    """The tile side (px) a ``height x width`` frame runs with, or None for one untiled call.
+
+    ``off``: None. A number: that number. ``auto``: the memory plan's tile (``planned``: a side, or None when the
+    plan keeps the frame whole; ``"none"`` when there is no plan), and in any case :data:`DEFAULT_TILE_SIZE` above
+    4 MP (:func:`exceeds_untiled_limit`). A tile at least as large as both sides is None: one call, untiled.
+    """
+    if size == "off":
+        tile = None
+    elif isinstance(size, int):
+        tile = size
+    else:
+        tile = None if planned == "none" else planned
+        if tile is None and exceeds_untiled_limit(height, width):
+            tile = DEFAULT_TILE_SIZE
+    if tile is not None and tile >= height and tile >= width:
+        return None
+    return tile
+
+
+def tile_starts(length: int, tile: int, overlap: int) -> list[int]:
+    """Start offsets (px) of tiles of side ``tile`` covering ``[0, length)`` with neighbours sharing >= ``overlap``.
+
+    ``n = ceil((length - overlap) / (tile - overlap))`` tiles (one when ``tile >= length``), the k-th at
+    ``16 * floor(k * u / (n - 1) + 1/2)`` with ``u = (length - tile) / 16``: the first at 0, the last ending at
+    ``length``, evenly spread on the 16-px grid. A step of ``floor(y + s) - floor(y)`` grid units is at most
+    ``ceil(s)``, and ``s = u / (n - 1) <= (tile - overlap) / 16``, a whole number: every step is at most
+    ``tile - overlap``, so each shared edge is at least ``overlap`` px wide.
+    """
+    if length % TILE_MULTIPLE or tile % TILE_MULTIPLE:
+        raise FlowliftError(f"frame and tile sides must be multiples of {TILE_MULTIPLE} px, got {length} and {tile}")
+    if tile >= length:
+        return [0]
+    check_overlap(tile, overlap)
+    count = -(-(length - overlap) // (tile - overlap))
+    units = (length - tile) // TILE_MULTIPLE
+    return [TILE_MULTIPLE * ((2 * k * units + count - 1) // (2 * (count - 1))) for k in range(count)]
+
+
+@dataclass(frozen=True)
+class TileLayout:
+    """Tiles of ``tile_height x tile_width`` px at ``rows x cols`` starts of a ``height x width`` px frame."""
+
+    height: int
+    width: int
+    tile_height: int
+    tile_width: int
+    rows: tuple[int, ...]
+    cols: tuple[int, ...]
+    overlap: int
+    batch: int = 1
+
+    @property
+    def count(self) -> int:
+        return len(self.rows) * len(self.cols)
+
+    def record(self) -> dict[str, Any]:
+        """What ran, for the output's metadata: tile size (h, w px), overlap, grid (rows, cols), tiles per call."""
+        return {
+            "size": [self.tile_height, self.tile_width],
+            "overlap": self.overlap,
+            "grid": [len(self.rows), len(self.cols)],
+            "batch": self.batch,
+        }
+
+    def describe(self) -> str:
+        return (
+            f"{len(self.rows)}x{len(self.cols)} tiles of {self.tile_width}x{self.tile_height} px, "
+            f"overlap {self.overlap} px"
+        )
+
+
+def tile_layout(height: int, width: int, tile: int, overlap: int, batch: int = 1) -> TileLayout:
+    """The layout of ``tile``-px tiles on a ``height x width`` px frame (a side shorter than the tile is one tile
+    of that side)."""
+    tile_h, tile_w = min(tile, height), min(tile, width)
+    rows = tile_starts(height, tile_h, overlap) if tile_h < height else [0]
+    cols = tile_starts(width, tile_w, overlap) if tile_w < width else [0]
+    return TileLayout(height, width, tile_h, tile_w, tuple(rows), tuple(cols), overlap, max(1, int(batch)))
+
+
+def tile_count(height: int, width: int, tile: int | None, overlap: int) -> int:
+    """How many tiles :func:`tile_layout` makes (1 untiled)."""
+    if tile is None:
+        return 1
+    return tile_layout(height, width, tile, overlap).count
