@@ -1,0 +1,180 @@
+"""Hostile run 4 (issue 32), the output side: what flowlift may delete, replace and fail to write.
+
+* E — the stale-temporary sweep removes only what flowlift itself made (a temporary folder whose
+  ``origin`` says so and whose lock no live process holds), never a user's file that looks like one;
+* F — one replace rule for every writer: only a regular file is replaced without ``--overwrite``
+  (a FIFO, a socket, a link are not);
+* D — an output that cannot be written is one line before any model loads, and a write that fails
+  during the work (a full disk) is one line with nothing partial left.
+
+Real ``python -m flowlift`` subprocesses where the promise is an exit code, a line or the files left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from tiny_flux2 import prompt_embeds, write_model_dir
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+
+
+def _flowlift(*argv, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")  # fmt: skip
+    return subprocess.run([sys.executable, "-m", "flowlift", *map(str, argv)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def _one_line(result: subprocess.CompletedProcess, command: str) -> str:
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith(f"flowlift {command}: error:")]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory) -> Path:
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
+
+    torch.manual_seed(0)
+    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32, dropout=0.0)
+    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("flux2-tiny"))
+
+
+@pytest.fixture(scope="module")
+def embeds_file(tmp_path_factory) -> Path:
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("emb") / "prompt.safetensors"
+    save_file({"prompt_embeds": prompt_embeds()}, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def photo(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("img") / "img.png"
+    g = torch.Generator().manual_seed(0)
+    Image.fromarray((torch.rand(48, 64, 3, generator=g) * 255).to(torch.uint8).numpy(), "RGB").save(path)
+    return path
+
+
+def _img2img(photo: Path, model_dir: Path, embeds_file: Path, *extra) -> list:
+    return ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "1", "--quiet",
+            *extra]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# E: the sweep removes only what flowlift made
+
+
+_KILLED_WRITER = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[2])
+from flowlift.files.atomic import atomic_output
+with atomic_output(sys.argv[1]) as tmp:
+    tmp.write_bytes(b"half an image")
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _users_lookalikes(folder: Path) -> dict[Path, bytes | None]:
+    """A user's files and folders that look like temporaries, an hour old; what each holds (None: a folder)."""
+    from flowlift.files.atomic import ORIGIN_MAGIC
+
+    folder.mkdir(parents=True, exist_ok=True)
+    made: dict[Path, bytes | None] = {}
+    for name in (".notes.v2.partial.txt", ".img_x2.k3j4h5l6.partial.png", ".img_x2.abcdefgh.flowlift-partial",
+                 ".img.abcdefgh.flowlift-partial"):  # fmt: skip
+        (folder / name).write_bytes(b"notes " + name.encode())
+        made[folder / name] = (folder / name).read_bytes()
+    # folders with the temporary name: no origin, an origin that is not flowlift's, flowlift's origin
+    # beside a file of the user's, and one whose origin is a link to a real origin elsewhere
+    layouts = {
+        ".a.aaaaaaaa.flowlift-partial": {"data": b"user data"},
+        ".b.bbbbbbbb.flowlift-partial": {"origin": b"mine\n", "data": b"user data"},
+        ".c.cccccccc.flowlift-partial": {"origin": ORIGIN_MAGIC, "data": b"x", "thesis.tex": b"user's"},
+    }
+    for name, files in layouts.items():
+        (folder / name).mkdir()
+        for inner, content in files.items():
+            (folder / name / inner).write_bytes(content)
+        made[folder / name] = None
+    real_origin = folder.parent / "origin-elsewhere"
+    real_origin.write_bytes(ORIGIN_MAGIC)
+    (folder / ".d.dddddddd.flowlift-partial").mkdir()
+    (folder / ".d.dddddddd.flowlift-partial" / "origin").symlink_to(real_origin)
+    made[folder / ".d.dddddddd.flowlift-partial"] = None
+    hour_ago = time.time() - 3600
+    for path in list(made) + [p for d in made if made[d] is None for p in d.iterdir()]:
+        os.utime(path, (hour_ago, hour_ago), follow_symlinks=False)
+    return made
+
+
+def _still_there(made: dict[Path, bytes | None]) -> None:
+    for path, content in made.items():
+        if content is None:
+            assert path.is_dir() and any(path.iterdir()), path
+        else:
+            assert path.read_bytes() == content, path
+
+
+@pytest.mark.parametrize("command", ["upscale", "img2img"])
+def test_the_temporary_sweep_never_removes_a_users_files(tmp_path, shared, tiny_weights, model_dir, embeds_file,
+                                                         photo, command):
+    """Issue 32.E: files and folders that merely look like temporaries stay; a killed run's temporary goes."""
+    out = tmp_path / "out"
+    made = _users_lookalikes(out)
+    killed = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(out / "img_x2.png"), str(SRC)],
+                            capture_output=True, timeout=60)  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL
+    debris = [p for p in out.iterdir() if p not in made]
+    assert len(debris) == 1 and (debris[0] / "data").read_bytes() == b"half an image"
+    old = time.time() - 60
+    os.utime(debris[0] / "data", (old, old))
+    os.utime(debris[0] / "origin", (old, old))
+    if command == "upscale":
+        argv = ["upscale", photo, "-o", out, "--scale", "2", "--upscaler", tiny_weights,
+                "--vae", shared / "models" / "taef2", "--device", "cpu"]  # fmt: skip
+        written = out / "img_x2.png"
+    else:
+        written = out / "img_x2.png"
+        argv = _img2img(photo, model_dir, embeds_file, "-o", written)
+    result = _flowlift(*argv, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert written.is_file()
+    _still_there(made)
+    assert not debris[0].exists()  # flowlift's own, killed: removed
+    assert set(out.iterdir()) == set(made) | {written}
+
+
+def test_the_sweep_removes_only_unlocked_proven_folders(tmp_path):
+    """The sweep itself: the user's look-alikes stay however old; an interrupted write leaves nothing."""
+    from flowlift.files.atomic import atomic_output, remove_stale_temporaries, temporary_in_use
+
+    made = _users_lookalikes(tmp_path / "out")
+    assert remove_stale_temporaries(tmp_path / "out", before=time.time() + 3600) == []
+    _still_there(made)
+    assert not any(temporary_in_use(p) for p in made)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_output(tmp_path / "out" / "x.png") as temporary:
+            temporary.write_bytes(b"part")
+            assert temporary_in_use(temporary) and remove_stale_temporaries(tmp_path / "out", time.time() + 9) == []
+            raise KeyboardInterrupt
+    assert set((tmp_path / "out").iterdir()) == set(made)
