@@ -178,3 +178,82 @@ def test_the_sweep_removes_only_unlocked_proven_folders(tmp_path):
             assert temporary_in_use(temporary) and remove_stale_temporaries(tmp_path / "out", time.time() + 9) == []
             raise KeyboardInterrupt
     assert set((tmp_path / "out").iterdir()) == set(made)
+
+
+# ------------------------------------------------------------------------------------------------
+# F: only a regular file is ever replaced, by every writer
+
+
+def _specials(folder: Path) -> dict[str, str]:
+    """A FIFO and a symbolic link at output names; what each is."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(folder / "pipe.png")
+    (folder / "target.png").write_bytes(b"the link's target")
+    (folder / "link.png").symlink_to(folder / "target.png")
+    return {"pipe.png": "a FIFO", "link.png": "a symbolic link"}
+
+
+def _kept(folder: Path) -> None:
+    import stat
+
+    assert stat.S_ISFIFO(os.lstat(folder / "pipe.png").st_mode)
+    assert (folder / "link.png").is_symlink() and (folder / "target.png").read_bytes() == b"the link's target"
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_fifo_or_link_at_an_output_name_is_never_replaced(tmp_path, shared, tiny_weights, model_dir, embeds_file,
+                                                            photo, overwrite):
+    """Issue 32.F: img2img, hires and upscale refuse a FIFO or a link at the output name, in one line
+    (exit 2, or exit 1 for a batch's failed image), --overwrite or not; nothing is written."""
+    out = tmp_path / "out"
+    kinds = _specials(out)
+    flag = ["--overwrite"] if overwrite else []
+    square = tmp_path / "square.png"
+    Image.open(photo).resize((32, 32)).save(square)
+    for name, kind in kinds.items():
+        for command, argv in (
+            ("img2img", _img2img(photo, model_dir, embeds_file, "-o", out / name, *flag)),
+            ("hires", ["hires", "--image", square, "--scale", "2", "--upscaler", tiny_weights, "--model", model_dir,
+                       "--prompt-embeds", embeds_file, "--steps", "1", "--quiet", "-o", out / name, *flag]),
+        ):  # fmt: skip
+            result = _flowlift(*argv, cwd=tmp_path)
+            assert result.returncode == 2, result.stderr
+            assert f"exists and is {kind}" in _one_line(result, command)
+    # upscale: the output names <stem>_x2.png are a FIFO and a link
+    os.mkfifo(out / "pipe_x2.png")
+    (out / "link_x2.png").symlink_to(out / "target.png")
+    for stem in ("pipe", "link"):
+        Image.open(photo).save(tmp_path / f"{stem}.png")
+    result = _flowlift("upscale", tmp_path / "pipe.png", tmp_path / "link.png", "-o", out, "--scale", "2",
+                       "--upscaler", tiny_weights, "--vae", shared / "models" / "taef2", "--device", "cpu", *flag,
+                       cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "pipe_x2.png exists and is a FIFO" in result.stderr
+    assert "link_x2.png exists and is a symbolic link" in result.stderr
+    _kept(out)
+    import stat
+
+    assert stat.S_ISFIFO(os.lstat(out / "pipe_x2.png").st_mode) and (out / "link_x2.png").is_symlink()
+    assert sorted(p.name for p in out.iterdir()) == ["link.png", "link_x2.png", "pipe.png", "pipe_x2.png", "target.png"]
+
+
+def test_every_writer_refuses_a_fifo(tmp_path):
+    """The rule lives in atomic_output, which every writer goes through (images, reports, shards, weights)."""
+    from flowlift.errors import FlowliftError
+    from flowlift.files.atomic import atomic_write_text
+    from flowlift.files.image_outputs import save_image_atomic
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
+    from flowlift.training.shards import shard_name, write_shard
+
+    writers = {
+        "a.png": lambda p: save_image_atomic(Image.new("RGB", (4, 4)), p),
+        "results.json": lambda p: atomic_write_text(p, "{}"),
+        "w.safetensors": lambda p: save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32), p),
+        shard_name(0): lambda p: write_shard(p.parent, 0, 0, {"target": torch.zeros(1, 2)}, [{}]),
+    }
+    for name, write in writers.items():
+        os.mkfifo(tmp_path / name)
+        with pytest.raises(FlowliftError, match="exists and is a FIFO"):
+            write(tmp_path / name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(writers)

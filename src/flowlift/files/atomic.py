@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import os
 import re
+import stat as stat_module
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from flowlift.errors import FlowliftError
 
 try:
     import fcntl
@@ -54,6 +57,47 @@ def is_temporary(path: str | os.PathLike) -> bool:
     return bool(_TEMP_PATTERN.match(Path(path).name))
 
 
+class OutputWriteError(FlowliftError, OSError):
+    """A write that failed (a full disk, a read-only file system, a name too long): one line, and an
+    :class:`OSError` still for the callers that catch those."""
+
+
+_KINDS = ((stat_module.S_ISDIR, "a folder"), (stat_module.S_ISLNK, "a symbolic link"),
+          (stat_module.S_ISFIFO, "a FIFO"), (stat_module.S_ISSOCK, "a socket"),
+          (stat_module.S_ISCHR, "a character device"), (stat_module.S_ISBLK, "a block device"))  # fmt: skip
+
+
+def replace_refusal(path: str | os.PathLike) -> str | None:
+    """Why ``path`` must not be replaced by an output, or None: only a regular file (or nothing) may be.
+
+    A FIFO, socket, device, link or folder at an output name is never flowlift's: ``os.replace`` would
+    silently swap it for a file (``--overwrite`` or not), so it is refused, in the same words by every writer.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        return f"cannot inspect the existing {path}: {error.strerror or type(error).__name__}"
+    if stat_module.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return f"{path} exists and is {kind}, not a file flowlift wrote; remove it or choose another output"
+
+
+def _write_failure(error: BaseException) -> str | None:
+    """The reason of a failed write (``No space left on device``), or None for errors that are no I/O failure.
+
+    OSErrors give their ``strerror``; libraries that wrap the system error in their own type
+    (safetensors' ``... (os error 28)``) give the same text through the error number they name.
+    """
+    if isinstance(error, OSError):
+        text = str(error)
+        return error.strerror or (text.splitlines()[0] if text else type(error).__name__)
+    match = re.search(r"\(os error (\d+)\)", str(error))
+    return os.strerror(int(match.group(1))) if match else None
+
+
 def _default_file_mode() -> int:
     """``0o666`` less the process umask: the mode ``open(path, "w")`` would have given."""
     umask = os.umask(0)
@@ -61,7 +105,8 @@ def _default_file_mode() -> int:
     return 0o666 & ~umask
 
 
-def _name_limit(folder: Path) -> int:
+def name_limit(folder: Path) -> int:
+    """The longest file name ``folder``'s file system takes, in bytes (255 where it cannot be asked)."""
     try:
         return int(os.pathconf(folder, "PC_NAME_MAX"))
     except (AttributeError, OSError, ValueError):
@@ -70,7 +115,7 @@ def _name_limit(folder: Path) -> int:
 
 def _temp_prefix(path: Path) -> str:
     """``.<stem>.`` shortened (by bytes, on a character boundary) so the whole temporary name fits the limit."""
-    room = _name_limit(path.parent) - len(b".") - len(b".") - _RANDOM_PART - len(TEMP_SUFFIX.encode())
+    room = name_limit(path.parent) - len(b".") - len(b".") - _RANDOM_PART - len(TEMP_SUFFIX.encode())
     stem = path.stem
     while len(stem.encode("utf-8", "surrogateescape")) > max(room, 1):
         stem = stem[:-1]
@@ -130,8 +175,13 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
     run takes it for debris while it is written.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    folder = Path(tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=TEMP_SUFFIX, dir=path.parent))
+    if refusal := replace_refusal(path):
+        raise FlowliftError(refusal)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=TEMP_SUFFIX, dir=path.parent))
+    except OSError as error:
+        raise OutputWriteError(f"cannot write {path}: {_write_failure(error)}") from error
     descriptor = -1
     temporary = folder / DATA_NAME
     try:
@@ -140,8 +190,15 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
         os.chmod(temporary, _default_file_mode())
         with open(temporary, "rb") as handle:
             os.fsync(handle.fileno())
+        if refusal := replace_refusal(path):  # something took the name while the data was written
+            raise FlowliftError(refusal)
         os.replace(temporary, path)
         _fsync_directory(path.parent)
+    except Exception as error:
+        reason = None if isinstance(error, FlowliftError) else _write_failure(error)
+        if reason is None:
+            raise
+        raise OutputWriteError(f"cannot write {path}: {reason}") from error
     finally:
         _remove_folder(folder)
         if descriptor >= 0:
@@ -174,8 +231,6 @@ def _last_written(folder: Path) -> float | None:
     flowlift's: a real folder (no link) with the temporary name, holding ``origin`` (a regular file
     beginning with :data:`ORIGIN_MAGIC`) and at most ``data`` (a regular file), nothing else.
     """
-    import stat as stat_module
-
     try:
         if not folder.name.endswith(TEMP_SUFFIX) or not is_temporary(folder):
             return None

@@ -39,7 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flowlift.errors import FlowliftError
-from flowlift.files.atomic import remove_stale_temporaries
+from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
+from flowlift.files.output_paths import folder_problem
 
 __all__ = [
     "ITEM_ERRORS",
@@ -189,30 +190,6 @@ def plan_jobs(
     return jobs
 
 
-def folder_problem(folder: Path) -> str | None:
-    """Why outputs cannot be written into ``folder``, or None when they can (nothing is created).
-
-    Probed by creating and removing a temporary file in ``folder`` or, when it does not exist yet, in
-    its nearest existing ancestor (which the writer's ``mkdir`` will create it in): a permission
-    check alone would pass for root on a read-only mount.
-    """
-    import tempfile
-
-    existing = folder
-    while not existing.exists() and existing.parent != existing:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"cannot write outputs into {folder}: {existing} is not a folder"
-    try:
-        descriptor, name = tempfile.mkstemp(prefix=".flowlift-probe.", dir=existing)
-        os.close(descriptor)
-        os.unlink(name)
-    except OSError as error:
-        reason = error.strerror or type(error).__name__
-        return f"cannot write outputs into {folder}: {reason}"
-    return None
-
-
 @dataclass(frozen=True)
 class ExistingOutput:
     """What a run does about a job's output path: ``new`` (nothing there, or ``overwrite``), ``done``
@@ -233,10 +210,12 @@ def existing_output(job: Job, overwrite: bool = False) -> ExistingOutput:
     from flowlift.files.image_outputs import inspect_existing
 
     path = job.output
-    if path is None or overwrite or not os.path.lexists(path):
+    if path is None or not os.path.lexists(path):
         return ExistingOutput("new")
-    if not path.is_file():
-        return ExistingOutput("refuse", f"output {path} exists and is not a file; remove it or choose another -o")
+    if refusal := replace_refusal(path):  # a FIFO, link, folder...: never replaced, --overwrite or not
+        return ExistingOutput("refuse", refusal)
+    if overwrite:
+        return ExistingOutput("new")
     expected = job.expected_size
     due = f"a finished {expected[0]}x{expected[1]} image" if expected else "a finished image"
     try:
