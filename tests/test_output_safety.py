@@ -29,11 +29,11 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
-def _flowlift(*argv, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def _flowlift(*argv, cwd: Path, timeout: float = 300, preexec_fn=None) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")  # fmt: skip
+               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")  # fmt: skip
     return subprocess.run([sys.executable, "-m", "flowlift", *map(str, argv)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+                          capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)  # fmt: skip
 
 
 def _one_line(result: subprocess.CompletedProcess, command: str) -> str:
@@ -257,3 +257,136 @@ def test_every_writer_refuses_a_fifo(tmp_path):
         with pytest.raises(FlowliftError, match="exists and is a FIFO"):
             write(tmp_path / name)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(writers)
+
+
+# ------------------------------------------------------------------------------------------------
+# D: an output that cannot be written is one line before any model loads; a write that fails later is
+# one line with nothing partial left
+
+
+def _mount_tmpfs(folder: Path, options: str) -> bool:
+    """A tmpfs at ``folder`` (root only; False where this machine allows no mount)."""
+    if os.geteuid() != 0:
+        return False
+    folder.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
+                          capture_output=True).returncode == 0  # fmt: skip
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder no file can be created in: a read-only tmpfs as root (chmod does not stop root), else chmod."""
+    folder = tmp_path / "ro"
+    if os.geteuid() == 0:
+        if not _mount_tmpfs(folder, "ro,size=64k"):
+            pytest.skip("root without mount: no read-only file system to test with")
+        try:
+            yield folder
+        finally:
+            subprocess.run(["umount", str(folder)], check=True)
+    else:
+        folder.mkdir()
+        folder.chmod(0o555)
+        try:
+            yield folder
+        finally:
+            folder.chmod(0o755)
+
+
+@pytest.fixture(params=["tmpfs", "file-size-limit"])
+def full_disk(request, tmp_path):
+    """(folder, preexec_fn): a folder whose writes fail mid-file. A 4 KiB tmpfs as root (ENOSPC); anywhere
+    else a 2 KiB RLIMIT_FSIZE on the subprocess (EFBIG: the same failed write, reached the same way)."""
+    folder = tmp_path / "full"
+    if request.param == "tmpfs":
+        if not _mount_tmpfs(folder, "size=4k"):
+            pytest.skip("no tmpfs mount here (not root); the file-size-limit variant covers it")
+        try:
+            yield folder, None
+        finally:
+            subprocess.run(["umount", str(folder)], check=True)
+    else:
+        import resource
+
+        folder.mkdir()
+
+        def limit() -> None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of killing
+            resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+
+        yield folder, limit
+
+
+def _refine_argv(command: str, photo: Path, model_dir: Path, embeds_file: Path, weights: Path, output) -> list:
+    common = ["--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "1", "--quiet"]
+    if output is not None:
+        common += ["-o", output]
+    if command == "img2img":
+        return ["img2img", photo, *common]
+    return ["hires", "--image", photo, "--scale", "2", "--upscaler", weights, *common]
+
+
+@pytest.mark.parametrize("command", ["img2img", "hires"])
+def test_unwritable_refine_outputs_are_one_line_before_any_model_loads(tmp_path, read_only_folder, tiny_weights,
+                                                                       embeds_file, photo, command):
+    """Issue 32.D: -o under a plain file, on a read-only file system, in /proc, or a default name over
+    the 255-byte limit: exit 2, one line naming the output, before any model loads (the model folder
+    given does not exist, so a later check would name it instead), nothing left."""
+    square = tmp_path / "square.png"
+    Image.open(photo).resize((32, 32)).save(square)
+    (tmp_path / "plain.txt").write_text("a file")
+    long_input = tmp_path / ("p" * 245 + ".png")  # a legal 249-byte name; its default output is 257 bytes
+    Image.open(photo).resize((32, 32)).save(long_input)
+    cases = [
+        (square, tmp_path / "plain.txt" / "out.png", "plain.txt is not a folder"),
+        (square, read_only_folder / "out.png", "Read-only file system" if os.geteuid() == 0 else "Permission denied"),
+        (square, Path("/proc/flowlift-out.png"), "cannot write outputs into /proc"),
+        (long_input, None, "over the file system's limit of 255"),
+    ]
+    before = sorted(tmp_path.iterdir())
+    for image, output, message in cases:
+        argv = _refine_argv(command, image, tmp_path / "no-such-model", embeds_file, tiny_weights, output)
+        result = _flowlift(*argv, cwd=tmp_path)
+        assert result.returncode == 2, result.stderr
+        line = _one_line(result, command)
+        assert message in line and "no-such-model" not in line, line
+    assert sorted(tmp_path.iterdir()) == before and list(read_only_folder.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["img2img", "hires"])
+def test_a_full_disk_during_a_refine_is_one_line_and_leaves_nothing(tmp_path, full_disk, tiny_weights, model_dir,
+                                                                    embeds_file, photo, command):
+    folder, limit = full_disk
+    square = tmp_path / "square.png"
+    Image.open(photo).resize((64, 64)).save(square)
+    argv = _refine_argv(command, square, model_dir, embeds_file, tiny_weights, folder / "out.png")
+    result = _flowlift(*argv, cwd=tmp_path, preexec_fn=limit)
+    assert result.returncode == 2, result.stderr
+    line = _one_line(result, command)
+    assert f"cannot write {folder / 'out.png'}: " in line
+    assert ("No space left on device" if limit is None else "File too large") in line
+    assert list(folder.iterdir()) == []  # no output, no temporary
+
+
+def test_eval_and_dataset_on_a_full_disk_are_one_line_and_leave_no_partial_file(tmp_path, full_disk, shared, photo):
+    """Issue 32.D: ``eval --out`` and ``dataset`` shards on a full disk: exit 2, one line, no partial file."""
+    folder, limit = full_disk
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for index in range(2):
+        Image.open(photo).rotate(90 * index).resize((64, 64)).save(photos / f"p{index}.png")
+    result = _flowlift("eval", photos, "--reference", photos, "--out", folder / "report", "--quiet", cwd=tmp_path,
+                       preexec_fn=limit)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    line = _one_line(result, "eval")
+    assert "cannot write " in line and str(folder / "report") in line
+    result = _flowlift("dataset", "images", photos, "--crop", "64", "--crops-per-image", "2", "--vae",
+                       shared / "models" / "taef2", "--device", "cpu", "--out", folder / "data", cwd=tmp_path,
+                       preexec_fn=limit)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    line = _one_line(result, "dataset")
+    assert "cannot write " in line and str(folder / "data") in line
+    from flowlift.files.atomic import is_temporary
+
+    left = [p for p in folder.rglob("*") if is_temporary(p) or p.suffix == ".safetensors"]
+    assert left == [], left

@@ -268,9 +268,7 @@ def check_output(path: Path, overwrite: bool = False) -> None:
 
     if path.suffix.lower() not in IMAGE_SUFFIXES:
         raise FlowliftError(f"--output {path}: unsupported image format {path.suffix or '(none)'}")
-    if path.is_dir() and not path.is_symlink():
-        raise FlowliftError(f"--output {path} is a directory")
-    if problem := output_file_problem(path):
+    if problem := output_file_problem(path):  # first: a name too long cannot even be looked at
         raise FlowliftError(problem)
     remove_stale_temporaries(path.parent)  # a killed run's debris (never a live writer's)
     if path.is_file() and not overwrite:
