@@ -105,7 +105,8 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
         with context.models.load(self.vae.vae).model_in_ram() as vae_module:
             vae = flux2_vae_adapter(vae_module, what)
         progress = NodeProgress(context, what, passes)
-        with on_device(load_upscaler_cached(context, self.upscaler), "the Flow Upscaler") as (unet, device, dtype):
+        upscaler = load_upscaler_cached(context, self.upscaler, progress.check_cancel)
+        with on_device(upscaler, "the Flow Upscaler") as (unet, device, dtype):
             pipeline = FlowUpscalerPipeline(
                 unet, vae=None, device=device, dtype=dtype, chunked=chunked_flag(self.chunked),
                 channels_last=False, on_strip=progress.strip,
@@ -165,11 +166,11 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
         if self.vae is not None:
             check_flux2_vae_field(context, self.vae, what)
         progress = NodeProgress(context, what, passes + 3)  # encode, passes, decode, colour fix
-        upscaler = load_upscaler_cached(context, self.upscaler)
+        upscaler = load_upscaler_cached(context, self.upscaler, progress.check_cancel)
         if self.vae is not None:
             vae_model = context.models.load(self.vae.vae)
         else:
-            vae_model = load_taef2_cached(context, self.taef2)
+            vae_model = load_taef2_cached(context, self.taef2, progress.check_cancel)
         with (
             on_device(upscaler, "the Flow Upscaler") as (unet, device, dtype),
             vae_model.model_on_device() as (_, module),
