@@ -42,9 +42,11 @@ NODE_TYPES = {
 }
 #: Saved workflows refer to these field names: a change here is a breaking change for users.
 FIELDS = {
-    "flowlift_upscale_latents": ["latents", "vae", "upscaler", "scale", "seed", "transplant_strength", "chunked"],
+    "flowlift_upscale_latents": ["latents", "vae", "upscaler_model", "upscaler", "scale", "seed",
+                                 "transplant_strength", "chunked"],
     "flowlift_upscale_image": [
-        "image", "vae", "taef2", "upscaler", "scale", "seed", "transplant_strength", "color_fix_strength", "chunked"
+        "image", "vae", "taef2_model", "taef2", "upscaler_model", "upscaler", "scale", "seed", "transplant_strength",
+        "color_fix_strength", "chunked"
     ],
     "flowlift_color_fix": ["image", "reference", "strength"],
 }
@@ -354,6 +356,23 @@ def test_bad_inputs_fail_only_their_item_with_one_line(server):
     sd_image = graph({"vae": vae_loader(server.sd15_vae), "up": upscale_image_node(server, "example.png")},
                      [("vae", "vae", "up", "vae")])  # fmt: skip
     assert "needs a FLUX.2 VAE" in error_line(server.wait(server.enqueue(sd_image)))
+
+
+def test_installed_models_are_preferred_over_server_paths(server):
+    """Issue 32.G: like InvokeAI's own model fields, the nodes take the upscaler and TAEF2 from the model
+    manager (installed as 'unknown' models) before the path fields, which then are not even looked at."""
+    keys = ("key", "hash", "name", "base", "type")
+    upscaler = server.install_model(server.models / "flow_upscaler.safetensors")
+    taef2 = server.install_model(server.shared_taef2)
+    print(f"installed as: upscaler {upscaler['type']}, TAEF2 {taef2['type']}")
+    installed = upscale_image_node(server, "example.png", scale="2x", seed=4,
+                                   upscaler=str(server.models / "missing.safetensors"), taef2="/nonexistent/taef2",
+                                   upscaler_model={k: upscaler[k] for k in keys},
+                                   taef2_model={k: taef2[k] for k in keys})  # fmt: skip
+    by_path = upscale_image_node(server, "example.png", scale="2x", seed=4)
+    item = server.run(graph({"installed": installed, "path": by_path}, []))
+    got = server.image_tensor(server.output(item, "installed")["image"]["image_name"])
+    assert torch.equal(got, server.image_tensor(server.output(item, "path")["image"]["image_name"]))
 
 
 def test_cancelling_a_running_item_stops_it(server):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from invokeai.invocation_api import BaseModelType, InvocationContext, VAEField
+from invokeai.invocation_api import BaseModelType, InvocationContext, ModelIdentifierField, VAEField
 
 from flowlift.devices import resolve_device_dtype
 from flowlift.errors import FlowliftError
@@ -121,6 +121,15 @@ def load_taef2_cached(context: InvocationContext, source: str, should_stop: Call
 
     key = cache_key("taef2", digest, str(dtype).removeprefix("torch."), "taef2")
     return context.models.load_local_model(key, loader=load)
+
+
+def installed_model_path(context: InvocationContext, field: ModelIdentifierField | None, path: str) -> str:
+    """The source a node loads: the model installed in InvokeAI's model manager when ``field`` names one
+    (preferred: the server's admin chose what is there), else the ``path`` field's text."""
+    if field is None:
+        return path
+    config = context.models.get_config(field)
+    return str(context.models.get_absolute_path(config))
 
 
 def check_flux2_vae_field(context: InvocationContext, field: VAEField | None, what: str) -> None:
