@@ -390,3 +390,39 @@ def test_eval_and_dataset_on_a_full_disk_are_one_line_and_leave_no_partial_file(
 
     left = [p for p in folder.rglob("*") if is_temporary(p) or p.suffix == ".safetensors"]
     assert left == [], left
+
+
+def test_a_checkpoint_write_removes_only_its_own_runs_partial_folders(tmp_path):
+    """Issue 32.E in training: a killed checkpoint write's folder is removed by the same run (its run id
+    is inside from the start); folders that only look like one, or another run's, stay."""
+    from torch.optim.swa_utils import AveragedModel
+
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.training.checkpoints import RUN_ID_NAME, save_checkpoint
+    from flowlift.training.config import build_config
+
+    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32, dropout=0.0)
+    ema = AveragedModel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    config = build_config(None, {"data": str(tmp_path / "data"), "output": str(tmp_path / "run"),
+                                 "base_channels": 32, "time_dim": 32, "cond_dim": 32})  # fmt: skip
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    kept = {}
+    for name, run_id in (("step-00000002.partial", "mine"), (".step-00000002.aaaa.partial", None),
+                         (".step-00000002.bbbb.partial", "another run")):  # fmt: skip
+        (root / name).mkdir()
+        (root / name / "notes.txt").write_text("the user's")
+        if run_id:
+            (root / name / RUN_ID_NAME).write_text(run_id)
+        kept[name] = sorted(p.name for p in (root / name).iterdir())
+    killed = root / ".step-00000001.cccc.partial"  # this run's, killed mid-write
+    killed.mkdir()
+    (killed / RUN_ID_NAME).write_text("mine")
+    (killed / "ema.safetensors").write_bytes(b"half")
+    save_checkpoint(tmp_path / "run", 2, model, ema, optimizer, scheduler, 2, 1, config=config, run_id="mine")
+    assert not killed.exists()
+    for name, files in kept.items():
+        assert sorted(p.name for p in (root / name).iterdir()) == files, name
+    assert sorted(p.name for p in root.iterdir()) == sorted([*kept, "latest", "step-00000002"])
