@@ -140,6 +140,21 @@ def test_a_named_server_file_is_checked_before_a_byte_of_its_data_is_read(tmp_pa
         assert secret not in line, (secret, line)
 
 
+def test_a_hub_cache_file_is_checked_by_its_name_and_its_header(tmp_path):
+    """The Hugging Face cache links ``snapshots/<rev>/flow_upscaler.safetensors`` to a suffix-less blob."""
+    good = _upscaler_file(tmp_path)
+    blob = tmp_path / "blobs" / "0123abcd"
+    blob.parent.mkdir()
+    good.rename(blob)
+    link = tmp_path / "snapshots" / "flow_upscaler.safetensors"
+    link.parent.mkdir()
+    os.symlink(blob, link)
+    assert files.check_weight_file(link, files.UPSCALER_FILE) == blob.resolve()
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling.safetensors")
+    with pytest.raises(FlowliftError, match="cannot use"):
+        files.check_weight_file(tmp_path / "dangling.safetensors", files.UPSCALER_FILE)
+
+
 def test_taef2_sources_are_the_two_files_or_one_safetensors_never_a_folder_walk(tmp_path, shared, monkeypatch):
     folder = shared / "models" / "taef2"
     assert sorted(p.name for p in files.local_taef2_files(str(folder))) == ["taef2_decoder.pth", "taef2_encoder.pth"]

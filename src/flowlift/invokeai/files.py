@@ -144,10 +144,10 @@ def check_weight_file(path: str | os.PathLike, kind: WeightKind, shown: str | No
     ``shown`` (default: ``path``) and the expectation, so the line reveals nothing about the file.
     """
     shown = os.fspath(path) if shown is None else shown
-    real = os.path.realpath(path)
-    suffix = Path(real).suffix.lower()
-    if suffix not in kind.suffixes or Path(os.fspath(path)).suffix.lower() not in kind.suffixes:
+    suffix = Path(os.fspath(path)).suffix.lower()  # the name given: a hub cache file links to a suffix-less blob
+    if suffix not in kind.suffixes:
         raise refusal(kind, shown)
+    real = os.path.realpath(path)
     try:
         info = os.stat(real)
     except (OSError, ValueError):
