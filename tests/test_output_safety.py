@@ -426,3 +426,21 @@ def test_a_checkpoint_write_removes_only_its_own_runs_partial_folders(tmp_path):
     for name, files in kept.items():
         assert sorted(p.name for p in (root / name).iterdir()) == files, name
     assert sorted(p.name for p in root.iterdir()) == sorted([*kept, "latest", "step-00000002"])
+
+
+def test_the_app_prunes_only_its_own_old_result_folders(tmp_path):
+    """Issue 32.E in the web app: a work_dir given by the caller may hold their own ``r-...`` folders."""
+    from flowlift.app.service import AppConfig, AppService
+
+    service = AppService(AppConfig(work_dir=tmp_path))
+    users = tmp_path / "r-2024-holiday"
+    users.mkdir()
+    (users / "photo.jpg").write_bytes(b"the user's")
+    old = service._new_result_dir()  # the app's own, then left for two hours
+    (old / "a_x2.png").write_bytes(b"result")
+    hours_ago = time.time() - 7200
+    for path in (users, old):
+        os.utime(path, (hours_ago, hours_ago))
+    fresh = service._new_result_dir()
+    assert not old.exists() and fresh.is_dir()
+    assert (users / "photo.jpg").read_bytes() == b"the user's"
