@@ -444,3 +444,32 @@ def test_the_app_prunes_only_its_own_old_result_folders(tmp_path):
     fresh = service._new_result_dir()
     assert not old.exists() and fresh.is_dir()
     assert (users / "photo.jpg").read_bytes() == b"the user's"
+
+
+def test_a_regular_file_flowlift_did_not_write_is_replaced_only_with_overwrite(tmp_path, shared, tiny_weights,
+                                                                               model_dir, embeds_file, photo):
+    """Issue 32.F: a text file or a truncated picture without flowlift's metadata at an output name is the
+    user's, in img2img as in upscale (it used to be redone as 'broken'); an empty file is replaced."""
+    picture = (shared / "images" / "kodak" / "kodim23.png").read_bytes()
+    theirs = {"notes.png": b"my notes\n", "cut.png": picture[: len(picture) // 2]}
+    out = tmp_path / "out"
+    out.mkdir()
+    for name, content in theirs.items():
+        (out / name).write_bytes(content)
+        result = _flowlift(*_img2img(photo, model_dir, embeds_file, "-o", out / name), cwd=tmp_path)
+        assert result.returncode == 2 and "was not written by flowlift" in _one_line(result, "img2img")
+        assert (out / name).read_bytes() == content
+    (out / "empty.png").write_bytes(b"")
+    assert _flowlift(*_img2img(photo, model_dir, embeds_file, "-o", out / "empty.png"), cwd=tmp_path).returncode == 0
+    for stem, content in (("notes", theirs["notes.png"]), ("cut", theirs["cut.png"])):
+        Image.open(photo).save(tmp_path / f"{stem}.png")
+        (out / f"{stem}_x2.png").write_bytes(content)
+    argv = ["upscale", tmp_path / "notes.png", tmp_path / "cut.png", "-o", out, "--scale", "2", "--upscaler",
+            tiny_weights, "--vae", shared / "models" / "taef2", "--device", "cpu"]  # fmt: skip
+    result = _flowlift(*argv, cwd=tmp_path)
+    assert result.returncode == 1 and result.stderr.count("was not written by flowlift") == 2, result.stderr
+    assert (out / "notes_x2.png").read_bytes() == theirs["notes.png"]
+    assert (out / "cut_x2.png").read_bytes() == theirs["cut.png"]
+    assert _flowlift(*argv, "--overwrite", cwd=tmp_path).returncode == 0
+    with Image.open(out / "cut_x2.png") as replaced:
+        assert replaced.size == (128, 96)

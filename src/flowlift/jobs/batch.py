@@ -9,9 +9,11 @@ list of input files into one output file each, and promise the same things:
   inputs would share, is refused for that input alone.
 * **Resume** (:func:`run_jobs`): an existing output is skipped unless ``overwrite``, so rerunning an
   interrupted command continues where it stopped — but only when it is a whole image of the
-  expected size (:func:`existing_output`). A file that is empty, not an image or truncated is redone
-  with a note, and so is one that flowlift wrote at another size (another run's settings). **Any other
-  image is the user's**: it is never replaced without ``overwrite``; that input costs one line.
+  expected size (:func:`existing_output`). An empty file is redone with a note, and so is one that
+  flowlift wrote (its metadata says so) that is truncated or at another size (another run's
+  settings). **Anything else is the user's** — their image, a file that is no image, a truncated
+  picture without flowlift's metadata, a FIFO or a link: it is never replaced without ``overwrite``
+  (not a regular file: never), and that input costs one line.
 * **Debris**: the temporary files of runs killed mid-write in the output folders are removed
   (:func:`flowlift.files.atomic.remove_stale_temporaries`; never one a live run still writes).
 * **Bad inputs and targets cost one line, up front**: an input that cannot be planned (missing,
@@ -224,10 +226,13 @@ def existing_output(job: Job, overwrite: bool = False) -> ExistingOutput:
         return ExistingOutput("refuse", f"cannot read the existing output {path}: {error_line(error)}")
     if found.empty:
         return ExistingOutput("redo", f"the existing file is empty, not {due}")
-    if not found.image:
-        return ExistingOutput("redo", f"the existing file is not an image, not {due}")
+    if not found.by_flowlift and not (found.image and found.complete):  # issue 32.F: never flowlift's
+        what = "a truncated image" if found.image else "no image"
+        return ExistingOutput(
+            "refuse", f"{path} exists and was not written by flowlift ({what}); use --overwrite to replace it"
+        )
     if not found.complete:
-        return ExistingOutput("redo", f"the existing file is truncated, not {due}")
+        return ExistingOutput("redo", f"the existing file is a truncated flowlift output, not {due}")
     if expected is None or found.size == tuple(expected):
         return ExistingOutput("done")
     what = f"a {found.size[0]}x{found.size[1]} image" if found.size else "an image too large to open"
