@@ -69,15 +69,17 @@ def test_planning_removes_nothing_and_the_run_clears_killed_runs_debris(tmp_path
     """Issue 29: a plan is data (it writes and removes nothing); a killed run's temporary file goes when a
     run starts, and only then."""
     import os
-    import time
+    import subprocess
+    import sys
 
     from flowlift.jobs.batch import Target, plan_targets
 
     source = _touch(tmp_path / "a.png")
-    debris = tmp_path / ".a_x2.k3j4h5l6.flowlift-partial"
-    debris.write_bytes(b"")
-    old = time.time() - 60
-    os.utime(debris, (old, old))
+    killed = ("import os, signal, sys; from flowlift.files.atomic import atomic_output\n"
+              "with atomic_output(sys.argv[1]) as tmp:\n    os.kill(os.getpid(), signal.SIGKILL)")  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    assert subprocess.run([sys.executable, "-c", killed, str(tmp_path / "a_x2.png")], env=env).returncode == -9
+    (debris,) = [path for path in tmp_path.iterdir() if path.name.startswith(".a_x2.")]  # a killed run's own
     before = sorted(tmp_path.iterdir())
     jobs = plan_jobs([source], None, lambda p: f"{p.stem}_x2.png", SUFFIXES)
     jobs += plan_targets([Target(source, tmp_path / "a_x2.jpg")])

@@ -676,15 +676,17 @@ def test_temporary_names_are_not_image_names_and_fit_the_name_limit(tmp_path):
 
     longest = "x" * 251 + ".png"  # a legal 255-byte name
     with atomic_output(tmp_path / longest) as tmp:
-        assert len(tmp.name.encode()) <= 255 and tmp.name.endswith(TEMP_SUFFIX)
-        assert tmp.suffix.lower() not in IMAGE_SUFFIXES and is_temporary(tmp)
+        folder = tmp.parent
+        assert folder.parent == tmp_path and len(folder.name.encode()) <= 255 and folder.name.endswith(TEMP_SUFFIX)
+        assert tmp.suffix.lower() not in IMAGE_SUFFIXES and is_temporary(folder)
         tmp.write_bytes(b"data")
     assert (tmp_path / longest).read_bytes() == b"data"
     assert [p.name for p in tmp_path.iterdir()] == [longest]
     multibyte = "é" * 125 + ".png"  # 254 bytes
     with atomic_output(tmp_path / multibyte) as tmp:
-        assert len(tmp.name.encode()) <= 255
+        assert len(tmp.parent.name.encode()) <= 255
         tmp.write_bytes(b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([longest, multibyte])
     assert is_temporary(tmp_path / ".photo_x2.ab12cd_9.partial.png")  # the older naming
     assert not is_temporary(tmp_path / "photo_x2.png") and not is_temporary(tmp_path / ".hidden.png")
 
@@ -741,8 +743,10 @@ def test_killed_mid_write_then_resume(shared, tiny_weights, tmp_path, capsys, la
         for name in ("a_x2.png", "b_x2.png"):
             with Image.open(out / name) as result:
                 assert result.size == (96, 64)
-        # issue 22.3: the killed run's hidden temporaries (either naming) are gone after the rerun
-        assert not [p for p in out.iterdir() if p.name.startswith(".")], sorted(out.iterdir())
+        # issue 22.3: the killed run's hidden temporary is gone after the rerun; issue 32.E: a file that
+        # merely has an older release's temporary name carries no proof flowlift made it, so it stays
+        hidden = [p.name for p in out.iterdir() if p.name.startswith(".")]
+        assert hidden == [".b_x2.k3j4h5l6.partial.png"], sorted(out.iterdir())
     assert debris and not any(p.exists() for p in debris)
 
 
@@ -773,14 +777,14 @@ def test_a_live_writers_temporary_is_left_alone_and_removed_once_it_is_killed(tm
         assert remove_stale_temporaries(tmp_path, before=time.time() + 60) == []  # older than the run, but locked
         assert temporary.is_file()
         assert main(["upscale", "--status", str(tmp_path)]) == 1
-        assert f"being written now: {temporary.name}" in capsys.readouterr().out
+        assert f"being written now: {temporary.parent.name}" in capsys.readouterr().out
     finally:
         writer.kill()
         writer.wait(timeout=30)
     assert writer.returncode == -signal.SIGKILL and temporary.is_file()
     assert not temporary_in_use(temporary)  # the kernel dropped the dead writer's lock
     assert remove_stale_temporaries(tmp_path, before=temporary.stat().st_mtime) == []  # not older than the run
-    assert remove_stale_temporaries(tmp_path) == [temporary] and list(tmp_path.iterdir()) == []
+    assert remove_stale_temporaries(tmp_path) == [temporary.parent] and list(tmp_path.iterdir()) == []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -934,11 +938,22 @@ def test_broken_existing_outputs_are_redone_not_skipped(shared, tiny_weights, tm
     else:
         target.write_text("hello")
     capsys.readouterr()
-    assert main(argv) == 0
-    err = capsys.readouterr().err
-    assert "redoing" in err and "96x64" in err
+    if damage in ("garbage", "truncated", "not an image"):  # issue 32.F: without flowlift's metadata, the user's
+        kept = target.read_bytes()
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert "was not written by flowlift" in err and "use --overwrite" in err and "Traceback" not in err
+        assert target.read_bytes() == kept
+        argv = [*argv, "--overwrite"]
+        assert main(argv) == 0
+        capsys.readouterr()
+    else:
+        assert main(argv) == 0
+        err = capsys.readouterr().err
+        assert "redoing" in err and "96x64" in err
     with Image.open(target) as result:
         assert result.size == (96, 64)
+    argv = [a for a in argv if a != "--overwrite"]
     assert main(argv) == 0 and "skipped" in capsys.readouterr().err
 
 

@@ -42,9 +42,11 @@ NODE_TYPES = {
 }
 #: Saved workflows refer to these field names: a change here is a breaking change for users.
 FIELDS = {
-    "flowlift_upscale_latents": ["latents", "vae", "upscaler", "scale", "seed", "transplant_strength", "chunked"],
+    "flowlift_upscale_latents": ["latents", "vae", "upscaler_model", "upscaler", "scale", "seed",
+                                 "transplant_strength", "chunked"],
     "flowlift_upscale_image": [
-        "image", "vae", "taef2", "upscaler", "scale", "seed", "transplant_strength", "color_fix_strength", "chunked"
+        "image", "vae", "taef2_model", "taef2", "upscaler_model", "upscaler", "scale", "seed", "transplant_strength",
+        "color_fix_strength", "chunked"
     ],
     "flowlift_color_fix": ["image", "reference", "strength"],
 }
@@ -63,6 +65,9 @@ def write_models(folder: Path) -> None:
     save_upscaler(random_upscaler(16, seed=3), folder / "replaced_upscaler.safetensors")
     save_upscaler(random_upscaler(64, seed=2), folder / "flow_upscaler_b64.safetensors")
     (folder / "corrupt.safetensors").write_bytes(b"\x17not a safetensors file" * 8)
+    with open(folder / "big.safetensors", "wb") as handle:  # issue 32.G: 300 GB, sparse (no disk used)
+        handle.truncate(300 << 30)
+    (folder / ".profile").write_text("# a dotfile of the server user's\nexport TOKEN=secret\n")
     write_random_flux2_vae(folder / "flux2-vae.safetensors")
     # What InvokeAI's model probe identifies as an SD-1 VAE (4 latent channels); the nodes must refuse it
     # from its model config, before anything loads, so its other weights are left out.
@@ -316,10 +321,21 @@ def test_bad_inputs_fail_only_their_item_with_one_line(server):
     nan[0, 3, 2, 2] = float("nan")
     nan = server.put_tensor(nan, "Tensor_flowlift_nan")
     wide = graph({"up": upscale_image_node(server, "wide.png", scale="8x")}, [])
+    dotfile = server.models / ".profile"
 
     cases = {
         "corrupt upscaler": (latent_graph(flux2, flux2_vae, str(server.models / "corrupt.safetensors")),
-                             ["cannot read", "corrupt.safetensors"]),
+                             ["cannot use", "corrupt.safetensors", "expected the Flow Upscaler's weights"]),
+        # issue 32.G: refused before a byte is read (the item queued behind must not wait for a 300 GB hash),
+        # in the same words as a file that does not exist, telling nothing of what a file holds
+        "300 GB sparse upscaler": (latent_graph(flux2, flux2_vae, str(server.models / "big.safetensors")),
+                                   ["cannot use", "big.safetensors", "expected the Flow Upscaler's weights"]),
+        "dotfile upscaler": (latent_graph(flux2, flux2_vae, str(server.models / ".profile")),
+                             ["cannot use", ".profile", "expected the Flow Upscaler's weights"]),
+        "missing upscaler": (latent_graph(flux2, flux2_vae, str(server.models / "missing.safetensors")),
+                             ["cannot use", "missing.safetensors", "expected the Flow Upscaler's weights"]),
+        "dotfile TAEF2": (graph({"up": upscale_image_node(server, "example.png", taef2=str(dotfile))}, []),
+                          ["TAEF2: cannot use", ".profile", "expected TAEF2's weights"]),
         "wrong latent channels": (latent_graph(sd, flux2_vae), ["needs FLUX.2 latents", "(1, 4, 8, 8)"]),
         "NaN latents": (latent_graph(nan, flux2_vae), ["non-finite", "NaN"]),
         "SD-1 VAE": (latent_graph(flux2, vae_loader(server.sd15_vae)), ["needs a FLUX.2 VAE", "sd-1"]),
@@ -327,14 +343,36 @@ def test_bad_inputs_fail_only_their_item_with_one_line(server):
     }
     item_ids = {name: server.enqueue(g) for name, (g, _) in cases.items()}
     after = server.enqueue(latent_graph(flux2, flux2_vae))  # queued behind the failures: must still run
+    refusals = set()
     for name, (_, expected) in cases.items():
         text = error_line(server.wait(item_ids[name]))
         assert all(part in text for part in expected), (name, text)
-    item = server.wait(after)
+        assert "secret" not in text and "TOKEN" not in text and "operand" not in text, (name, text)
+        if name.endswith(" upscaler"):
+            refusals.add(text.split(": expected ", 1)[1])
+    assert len(refusals) == 1, refusals  # corrupt, huge, a dotfile or missing: one and the same line
+    item = server.wait(after, timeout=60)
     assert item["status"] == "completed", item.get("error_message")
     sd_image = graph({"vae": vae_loader(server.sd15_vae), "up": upscale_image_node(server, "example.png")},
                      [("vae", "vae", "up", "vae")])  # fmt: skip
     assert "needs a FLUX.2 VAE" in error_line(server.wait(server.enqueue(sd_image)))
+
+
+def test_installed_models_are_preferred_over_server_paths(server):
+    """Issue 32.G: like InvokeAI's own model fields, the nodes take the upscaler and TAEF2 from the model
+    manager (installed as 'unknown' models) before the path fields, which then are not even looked at."""
+    keys = ("key", "hash", "name", "base", "type")
+    upscaler = server.install_model(server.models / "flow_upscaler.safetensors")
+    taef2 = server.install_model(server.shared_taef2)
+    print(f"installed as: upscaler {upscaler['type']}, TAEF2 {taef2['type']}")
+    installed = upscale_image_node(server, "example.png", scale="2x", seed=4,
+                                   upscaler=str(server.models / "missing.safetensors"), taef2="/nonexistent/taef2",
+                                   upscaler_model={k: upscaler[k] for k in keys},
+                                   taef2_model={k: taef2[k] for k in keys})  # fmt: skip
+    by_path = upscale_image_node(server, "example.png", scale="2x", seed=4)
+    item = server.run(graph({"installed": installed, "path": by_path}, []))
+    got = server.image_tensor(server.output(item, "installed")["image"]["image_name"])
+    assert torch.equal(got, server.image_tensor(server.output(item, "path")["image"]["image_name"]))
 
 
 def test_cancelling_a_running_item_stops_it(server):

@@ -65,8 +65,8 @@ def test_a_weight_file_is_hashed_once_per_version_on_disk(tmp_path, monkeypatch)
     path = tmp_path / "weights.safetensors"
     path.write_bytes(b"first version")
     reads = []
-    real_sha256 = files.file_sha256
-    monkeypatch.setattr(files, "file_sha256", lambda p: reads.append(p) or real_sha256(p))
+    real_open = open
+    monkeypatch.setattr(files, "open", lambda p, *a: reads.append(p) or real_open(p, *a), raising=False)
     first = files.file_digest(path)
     assert files.file_digest(path) == first and len(reads) == 1  # the second call costs a stat only
     path.write_bytes(b"second version, longer")  # replaced in place: another size and mtime
@@ -89,3 +89,100 @@ def test_a_model_of_several_files_gets_one_order_independent_digest(tmp_path):
         files.file_digest(tmp_path / "missing.safetensors")
     with pytest.raises(FlowliftError):
         files.files_digest([])
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 32.G: server paths are checked before they are read, and refused without telling what they hold
+
+
+def _upscaler_file(folder):
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
+
+    torch.manual_seed(0)
+    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32)
+    return save_upscaler(model, folder / "flow_upscaler.safetensors")
+
+
+def test_a_named_server_file_is_checked_before_a_byte_of_its_data_is_read(tmp_path, monkeypatch):
+    """A 300 GB sparse file, a dotfile, garbage, a FIFO, a folder, no file at all: one refusal each, the same
+    words for all (what was expected, never what is there), and no data read (so the queue never stalls)."""
+    good = _upscaler_file(tmp_path)
+    assert files.local_upscaler_file(str(good)) == good.resolve()
+    assert files.local_upscaler_file(str(tmp_path)) == good.resolve()  # a folder's flow_upscaler.safetensors
+    header = good.read_bytes()[: 8 + int.from_bytes(good.read_bytes()[:8], "little")]
+    big = tmp_path / "big.safetensors"
+    with open(big, "wb") as handle:
+        handle.truncate(300 << 30)  # sparse: no disk used
+    (tmp_path / ".bashrc").write_text("# ~/.bashrc: executed by bash\nexport SECRET=1\n")
+    (tmp_path / "garbage.safetensors").write_bytes(b"#!" + os.urandom(4000))
+    (tmp_path / "cut.safetensors").write_bytes(header + b"\0" * 100)  # a header whose data is missing
+    (tmp_path / "listed.safetensors").write_bytes(len(b"[1,2]").to_bytes(8, "little") + b"[1,2]")
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    (tmp_path / "folder.safetensors").mkdir()
+    os.symlink(tmp_path / ".bashrc", tmp_path / "link.safetensors")
+    sources = [big, tmp_path / ".bashrc", tmp_path / "garbage.safetensors", tmp_path / "cut.safetensors",
+               tmp_path / "listed.safetensors", tmp_path / "pipe.safetensors", tmp_path / "folder.safetensors",
+               tmp_path / "link.safetensors", tmp_path / "missing.safetensors", tmp_path / "nowhere" / "x.safetensors",
+               tmp_path / "empty-folder"]  # fmt: skip
+    (tmp_path / "empty-folder").mkdir()
+    monkeypatch.setattr(files, "file_digest", lambda *a: pytest.fail("a refused file was hashed"))
+    lines = set()
+    for source in sources:
+        with pytest.raises(FlowliftError) as error:
+            files.local_upscaler_file(str(source))
+        text = str(error.value)
+        assert "\n" not in text and text.startswith(f"Flow Upscaler: cannot use {source}: expected ")
+        lines.add(text.replace(str(source), "SOURCE"))
+    assert len(lines) == 1, lines  # nothing tells one case from another
+    (line,) = lines
+    for secret in ("No such file", "Permission", "FIFO", "directory", "35", "#", "SECRET", "operand", "300"):
+        assert secret not in line, (secret, line)
+
+
+def test_a_hub_cache_file_is_checked_by_its_name_and_its_header(tmp_path):
+    """The Hugging Face cache links ``snapshots/<rev>/flow_upscaler.safetensors`` to a suffix-less blob."""
+    good = _upscaler_file(tmp_path)
+    blob = tmp_path / "blobs" / "0123abcd"
+    blob.parent.mkdir()
+    good.rename(blob)
+    link = tmp_path / "snapshots" / "flow_upscaler.safetensors"
+    link.parent.mkdir()
+    os.symlink(blob, link)
+    assert files.check_weight_file(link, files.UPSCALER_FILE) == blob.resolve()
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling.safetensors")
+    with pytest.raises(FlowliftError, match="cannot use"):
+        files.check_weight_file(tmp_path / "dangling.safetensors", files.UPSCALER_FILE)
+
+
+def test_taef2_sources_are_the_two_files_or_one_safetensors_never_a_folder_walk(tmp_path, shared, monkeypatch):
+    folder = shared / "models" / "taef2"
+    assert sorted(p.name for p in files.local_taef2_files(str(folder))) == ["taef2_decoder.pth", "taef2_encoder.pth"]
+    walked = []
+    monkeypatch.setattr(type(tmp_path), "rglob", lambda self, *a: walked.append(self) or iter(()))
+    for source in ("/", str(tmp_path), str(tmp_path / ".bashrc"), str(tmp_path / "x.pth")):
+        with pytest.raises(FlowliftError, match=r"^TAEF2: cannot use .*: expected TAEF2's weights: a folder holding"):
+            files.local_taef2_files(source)
+    assert walked == []
+
+
+def test_hashing_stops_within_one_chunk_of_a_cancel(tmp_path):
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(os.urandom(5 << 20))  # five chunks
+    calls = []
+
+    class Cancelled(Exception):
+        pass
+
+    def stop_after_two():
+        calls.append(1)
+        if len(calls) > 2:
+            raise Cancelled
+
+    with pytest.raises(Cancelled):
+        files.file_digest(path, stop_after_two)
+    assert len(calls) == 3  # two chunks read, stopped before the third
+    digest = files.file_digest(path, lambda: None)  # a cancelled hash is not remembered as the file's digest
+    import hashlib
+
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()

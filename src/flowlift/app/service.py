@@ -40,6 +40,8 @@ SCALES = (2, 4, 8)
 DEFAULT_MAX_UPLOAD_MB = 50.0
 #: Result folders older than this are removed when a new request starts (Gradio keeps its own copy).
 RESULT_MAX_AGE_S = 3600.0
+#: The file that marks a result folder as this app's (only those are ever pruned).
+RESULT_MARKER = ".flowlift-result"
 
 
 def _no_progress(_fraction: float, _description: str) -> None:
@@ -181,11 +183,16 @@ class AppService:
         return plan_jobs(sources, out_dir, lambda path: output_name(path, scale), IMAGE_SUFFIXES)
 
     def _new_result_dir(self) -> Path:
+        """A fresh result folder; old ones are pruned, but only those this app made (its marker inside):
+        a ``work_dir`` given by the caller may hold folders of theirs named ``r-...``."""
         now = time.time()
         for old in self.work_dir.glob("r-*"):
-            if old.is_dir() and now - old.stat().st_mtime > RESULT_MAX_AGE_S:
+            if (old.is_dir() and not old.is_symlink() and (old / RESULT_MARKER).is_file()
+                    and now - old.stat().st_mtime > RESULT_MAX_AGE_S):  # fmt: skip
                 shutil.rmtree(old, ignore_errors=True)
-        return Path(tempfile.mkdtemp(prefix="r-", dir=self.work_dir))
+        folder = Path(tempfile.mkdtemp(prefix="r-", dir=self.work_dir))
+        (folder / RESULT_MARKER).write_text("made by flowlift app; removed when old\n")
+        return folder
 
     # -- handlers ------------------------------------------------------------------------------------
 

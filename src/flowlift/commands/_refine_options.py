@@ -217,21 +217,24 @@ def load_refiner_from_args(args: argparse.Namespace, image_size: tuple[int, int]
 
 
 def check_output(path: Path, overwrite: bool = False) -> None:
-    """The output path is writable in a format flowlift writes, and replacing what is there destroys
-    nothing of the user's: an existing whole image without flowlift's metadata needs ``overwrite``
-    (empty or broken files, and flowlift's own earlier results, are replaced)."""
+    """The output path is writable in a format flowlift writes (name length, folder, what is there:
+    :func:`flowlift.files.output_paths.output_file_problem`), and replacing what is there destroys
+    nothing of the user's: only a regular file may be replaced, and one without flowlift's metadata
+    needs ``overwrite`` (an empty file, and flowlift's own earlier results, are replaced). Checked
+    before any model loads."""
     from flowlift.files.atomic import remove_stale_temporaries
     from flowlift.files.image_outputs import inspect_existing
     from flowlift.files.images import IMAGE_SUFFIXES
+    from flowlift.files.output_paths import output_file_problem
 
     if path.suffix.lower() not in IMAGE_SUFFIXES:
         raise FlowliftError(f"--output {path}: unsupported image format {path.suffix or '(none)'}")
-    if path.is_dir():
-        raise FlowliftError(f"--output {path} is a directory")
+    if problem := output_file_problem(path):  # first: a name too long cannot even be looked at
+        raise FlowliftError(problem)
     remove_stale_temporaries(path.parent)  # a killed run's debris (never a live writer's)
     if path.is_file() and not overwrite:
         found = inspect_existing(path)
-        if found.image and found.complete and not found.by_flowlift:
+        if not found.empty and not found.by_flowlift:  # the user's: an image, or any other file
             raise FlowliftError(
                 f"--output {path} exists and was not written by flowlift; use --overwrite to replace it"
             )

@@ -177,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise FlowliftError(f"--out {out} exists and is not a folder")
+    from flowlift.files.output_paths import folder_problem
+
+    if problem := folder_problem(out):  # before the teacher or the VAE loads
+        raise FlowliftError(problem)
     if args.dataset_kind == "distill":
         if args.width % 32 or args.height % 32 or args.width <= 0 or args.height <= 0:
             raise FlowliftError(f"--width/--height must be positive multiples of 32, got {args.width}x{args.height}")

@@ -107,12 +107,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from flowlift.errors import FlowliftError
+    from flowlift.files.output_paths import folder_problem
     from flowlift.measure.evaluate import evaluate_pairs
     from flowlift.measure.report import markdown_table, write_report
 
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise FlowliftError(f"--out {out_dir} exists and is not a folder")
+    if problem := folder_problem(out_dir):  # before any model loads or metric runs
+        raise FlowliftError(problem)
     if args.run:
         if args.outputs or args.reference:
             raise FlowliftError("give either OUTPUTS --reference, or --run with --dataset, not both")

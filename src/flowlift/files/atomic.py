@@ -6,26 +6,31 @@ disk (``fsync`` of the file before the rename, of the folder after it), so a pow
 a renamed but empty file either. Every writer in flowlift goes through :func:`atomic_output`
 (images, reports, dataset shards, checkpoints).
 
-Temporary files are named ``.<stem>.<random>.flowlift-partial``: hidden, and with a suffix no image
-reader lists, so a run killed with SIGKILL never leaves something the next run takes for an input
-(:func:`is_temporary` lets folder listings skip them anyway, including the older
-``.<stem>.<random>.partial<suffix>`` names). The name is shortened to fit the folder's name limit.
-
-The writer holds an exclusive ``flock`` on its temporary file until the rename, so a later run can
-tell a killed run's debris from work in progress: :func:`remove_stale_temporaries` deletes a
-temporary file only when it is older than the run and no live process holds its lock (the kernel
-drops the locks of a process killed with SIGKILL).
+The temporary file lives in a temporary *folder* beside the target, ``.<stem>.<random>.flowlift-partial/``
+(hidden, no image suffix, shortened to fit the folder's name limit), which holds exactly two files:
+``data`` (what the writer writes) and ``origin``, flowlift's proof that it made the folder: a fixed
+first line (:data:`ORIGIN_MAGIC`) written only after the writer holds an exclusive ``flock`` on it,
+kept until the rename. A run killed with SIGKILL leaves that folder; a later run's
+:func:`remove_stale_temporaries` deletes it only when its ``origin`` says flowlift made it, no live
+process holds the lock (the kernel drops a killed process's locks), nothing else is inside, and it
+was last written before the run began. Nothing else is ever removed: a user's file that happens to
+look like a temporary name (``.notes.v2.partial.txt``, or a file called ``.x.abc.flowlift-partial``)
+is a file, not such a folder, and stays. :func:`is_temporary` still lets folder listings skip those
+names (including the ``.<stem>.<random>.partial<suffix>`` files of older releases), never to delete them.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat as stat_module
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from flowlift.errors import FlowliftError
 
 try:
     import fcntl
@@ -33,15 +38,64 @@ except ImportError:  # Windows: no flock; stale temporaries are told by their ag
     fcntl = None  # type: ignore[assignment]
 
 TEMP_SUFFIX = ".flowlift-partial"
-_RANDOM_PART = 8  # characters mkstemp adds
+#: The first line of a temporary folder's ``origin`` file: what makes it flowlift's to remove.
+ORIGIN_MAGIC = b"flowlift atomic_output temporary v1\n"
+DATA_NAME = "data"
+ORIGIN_NAME = "origin"
+_RANDOM_PART = 8  # characters mkdtemp adds
 _TEMP_PATTERN = re.compile(r"^\..+\.[^.]+(\.flowlift-partial|\.partial\.[A-Za-z0-9]+)$")
-#: Without advisory locks (Windows) a temporary file must be this old to count as a killed run's.
+#: Without advisory locks (Windows) a temporary folder must be this old to count as a killed run's.
 UNLOCKED_STALE_AFTER_S = 3600.0
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 def is_temporary(path: str | os.PathLike) -> bool:
-    """True for the temporary names :func:`atomic_output` uses (current and older releases)."""
+    """True for names shaped like flowlift's temporaries (current and older releases): listings skip them.
+
+    A name proves nothing: only :func:`remove_stale_temporaries`'s checks decide what may be deleted.
+    """
     return bool(_TEMP_PATTERN.match(Path(path).name))
+
+
+class OutputWriteError(FlowliftError, OSError):
+    """A write that failed (a full disk, a read-only file system, a name too long): one line, and an
+    :class:`OSError` still for the callers that catch those."""
+
+
+_KINDS = ((stat_module.S_ISDIR, "a folder"), (stat_module.S_ISLNK, "a symbolic link"),
+          (stat_module.S_ISFIFO, "a FIFO"), (stat_module.S_ISSOCK, "a socket"),
+          (stat_module.S_ISCHR, "a character device"), (stat_module.S_ISBLK, "a block device"))  # fmt: skip
+
+
+def replace_refusal(path: str | os.PathLike) -> str | None:
+    """Why ``path`` must not be replaced by an output, or None: only a regular file (or nothing) may be.
+
+    A FIFO, socket, device, link or folder at an output name is never flowlift's: ``os.replace`` would
+    silently swap it for a file (``--overwrite`` or not), so it is refused, in the same words by every writer.
+    """
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        return f"cannot inspect the existing {path}: {error.strerror or type(error).__name__}"
+    if stat_module.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return f"{path} exists and is {kind}, not a file flowlift wrote; remove it or choose another output"
+
+
+def _write_failure(error: BaseException) -> str | None:
+    """The reason of a failed write (``No space left on device``), or None for errors that are no I/O failure.
+
+    OSErrors give their ``strerror``; libraries that wrap the system error in their own type
+    (safetensors' ``... (os error 28)``) give the same text through the error number they name.
+    """
+    if isinstance(error, OSError):
+        text = str(error)
+        return error.strerror or (text.splitlines()[0] if text else type(error).__name__)
+    match = re.search(r"\(os error (\d+)\)", str(error))
+    return os.strerror(int(match.group(1))) if match else None
 
 
 def _default_file_mode() -> int:
@@ -51,7 +105,8 @@ def _default_file_mode() -> int:
     return 0o666 & ~umask
 
 
-def _name_limit(folder: Path) -> int:
+def name_limit(folder: Path) -> int:
+    """The longest file name ``folder``'s file system takes, in bytes (255 where it cannot be asked)."""
     try:
         return int(os.pathconf(folder, "PC_NAME_MAX"))
     except (AttributeError, OSError, ValueError):
@@ -60,7 +115,7 @@ def _name_limit(folder: Path) -> int:
 
 def _temp_prefix(path: Path) -> str:
     """``.<stem>.`` shortened (by bytes, on a character boundary) so the whole temporary name fits the limit."""
-    room = _name_limit(path.parent) - len(b".") - len(b".") - _RANDOM_PART - len(TEMP_SUFFIX.encode())
+    room = name_limit(path.parent) - len(b".") - len(b".") - _RANDOM_PART - len(TEMP_SUFFIX.encode())
     stem = path.stem
     while len(stem.encode("utf-8", "surrogateescape")) > max(room, 1):
         stem = stem[:-1]
@@ -83,8 +138,8 @@ def _fsync_directory(folder: Path) -> None:
 def _lock_exclusive(descriptor: int) -> bool:
     """An exclusive ``flock`` on ``descriptor``, without waiting; False where none can be taken.
 
-    ``flock`` belongs to the open file description, so the writer's own other opens and closes of
-    the file (``image.save(path)``, the ``fsync``) keep it, unlike ``fcntl``/``lockf`` record locks.
+    ``flock`` belongs to the open file description, so it is held until that descriptor is closed,
+    whatever else opens the folder's files meanwhile.
     """
     if fcntl is None:
         return False
@@ -95,85 +150,157 @@ def _lock_exclusive(descriptor: int) -> bool:
     return True
 
 
+def _claim_origin(folder: Path) -> int:
+    """Create ``folder/origin``, lock it, then write :data:`ORIGIN_MAGIC`; the descriptor (-1 without flock).
+
+    The magic is written only once the lock is held, so a sweep that reads it either finds the lock
+    taken (a live writer) or the writer gone.
+    """
+    descriptor = os.open(folder / ORIGIN_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+    locked = _lock_exclusive(descriptor)
+    os.write(descriptor, ORIGIN_MAGIC + f"pid {os.getpid()}\n".encode())
+    if not locked:
+        os.close(descriptor)  # nothing to hold open (and Windows cannot remove an open file)
+        return -1
+    return descriptor
+
+
 @contextmanager
 def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path in ``path``'s folder; on success it replaces ``path``, on error it is removed.
+    """Yield a temporary path beside ``path``; on success it replaces ``path``, on error it is removed.
 
     The temporary name does not end with ``path``'s suffix: writers must be told the format
     (``image.save(tmp, format=...)``, ``fig.savefig(tmp, format=...)``); safetensors and torch.save
-    ignore the name. The temporary file stays locked until it is renamed or removed, so no other
+    ignore the name. The temporary folder stays locked until the rename or the removal, so no other
     run takes it for debris while it is written.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, name = tempfile.mkstemp(prefix=_temp_prefix(path), suffix=TEMP_SUFFIX, dir=path.parent)
-    if not _lock_exclusive(descriptor):
-        os.close(descriptor)  # nothing to hold open (and Windows cannot rename an open file)
-        descriptor = -1
-    temporary = Path(name)
+    if refusal := replace_refusal(path):
+        raise FlowliftError(refusal)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=TEMP_SUFFIX, dir=path.parent))
+    except OSError as error:
+        raise OutputWriteError(f"cannot write {path}: {_write_failure(error)}") from error
+    descriptor = -1
+    temporary = folder / DATA_NAME
+    try:
+        descriptor = _claim_origin(folder)
         yield temporary
-        os.chmod(temporary, _default_file_mode())  # mkstemp creates 0600
+        os.chmod(temporary, _default_file_mode())
         with open(temporary, "rb") as handle:
             os.fsync(handle.fileno())
+        if refusal := replace_refusal(path):  # something took the name while the data was written
+            raise FlowliftError(refusal)
         os.replace(temporary, path)
         _fsync_directory(path.parent)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
+    except Exception as error:
+        reason = None if isinstance(error, FlowliftError) else _write_failure(error)
+        if reason is None:
+            raise
+        raise OutputWriteError(f"cannot write {path}: {reason}") from error
     finally:
+        _remove_folder(folder)
         if descriptor >= 0:
             os.close(descriptor)  # the lock goes with it, after the rename or the removal
 
 
-def _remove_if_unlocked(entry: Path) -> bool:
-    """Delete ``entry`` unless a process holds its lock; True when it was deleted.
+def _remove_folder(folder: Path) -> None:
+    """Remove a temporary folder's own two files and the folder; anything else inside keeps it there."""
+    for name in (DATA_NAME, ORIGIN_NAME):
+        try:
+            (folder / name).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
 
-    The lock is taken before the unlink and held across it, so no writer can take the file over
-    in between.
+
+def _temporary_folder(path: Path) -> Path:
+    """The temporary folder ``path`` names: itself, or the folder of its ``data`` file."""
+    return path.parent if path.name == DATA_NAME and path.parent.name.endswith(TEMP_SUFFIX) else path
+
+
+def _last_written(folder: Path) -> float | None:
+    """The newest modification time of a temporary folder's files, or None when it is not flowlift's.
+
+    flowlift's: a real folder (no link) with the temporary name, holding ``origin`` (a regular file
+    beginning with :data:`ORIGIN_MAGIC`) and at most ``data`` (a regular file), nothing else.
     """
     try:
-        descriptor = os.open(entry, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:  # gone already, or another user's file: not ours to judge
-        return False
-    try:
-        if not _lock_exclusive(descriptor):
-            return False  # a live writer holds it
-        entry.unlink()
-        return True
+        if not folder.name.endswith(TEMP_SUFFIX) or not is_temporary(folder):
+            return None
+        if not stat_module.S_ISDIR(os.lstat(folder).st_mode):
+            return None
+        names = set(os.listdir(folder))
+        if ORIGIN_NAME not in names or not names <= {ORIGIN_NAME, DATA_NAME}:
+            return None
+        newest = 0.0
+        for name in names:
+            info = os.lstat(folder / name)
+            if not stat_module.S_ISREG(info.st_mode):
+                return None
+            newest = max(newest, info.st_mtime)
+        with open(folder / ORIGIN_NAME, "rb") as handle:
+            if handle.read(len(ORIGIN_MAGIC)) != ORIGIN_MAGIC:
+                return None
     except OSError:
-        return False
-    finally:
-        os.close(descriptor)
+        return None
+    return newest
+
+
+def _locked_by_another(folder: Path) -> tuple[bool, int]:
+    """(True, -1) when a live process holds ``folder``'s lock; else (False, descriptor holding it now).
+
+    Without ``flock`` (Windows) nothing is locked and the descriptor is -1.
+    """
+    if fcntl is None:
+        return False, -1
+    try:
+        descriptor = os.open(folder / ORIGIN_NAME, os.O_RDWR | _NOFOLLOW)
+    except OSError:
+        return True, -1  # gone, or not ours to open: judge nothing
+    if _lock_exclusive(descriptor):
+        return False, descriptor
+    os.close(descriptor)
+    return True, -1
 
 
 def temporary_in_use(path: str | os.PathLike) -> bool:
-    """True when a live process holds ``path``'s lock: a temporary file being written now. Without
-    ``flock`` (Windows), a temporary file younger than :data:`UNLOCKED_STALE_AFTER_S` counts as in use."""
-    path = Path(path)
-    if fcntl is None:
-        try:
-            return time.time() - path.stat().st_mtime < UNLOCKED_STALE_AFTER_S
-        except OSError:
-            return False
-    try:
-        descriptor = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-    except OSError:
+    """True when ``path`` (a temporary folder or its ``data`` file) is flowlift's and being written now.
+
+    Without ``flock`` (Windows), a temporary folder written in the last :data:`UNLOCKED_STALE_AFTER_S`
+    counts as in use.
+    """
+    folder = _temporary_folder(Path(path))
+    written = _last_written(folder)
+    if written is None:
         return False
-    try:
-        return not _lock_exclusive(descriptor)
-    finally:
-        os.close(descriptor)  # and the lock, if this took it
+    if fcntl is None:
+        return time.time() - written < UNLOCKED_STALE_AFTER_S
+    in_use, descriptor = _locked_by_another(folder)
+    if descriptor >= 0:
+        os.close(descriptor)
+    return in_use
+
+
+def is_stale_temporary(path: str | os.PathLike) -> bool:
+    """True for a temporary folder flowlift made that no live process writes: a killed run's."""
+    folder = _temporary_folder(Path(path))
+    return _last_written(folder) is not None and not temporary_in_use(folder)
 
 
 def remove_stale_temporaries(folder: str | os.PathLike, before: float | None = None) -> list[Path]:
-    """Delete the temporary files that killed runs (SIGKILL, power cut) left in ``folder``; returns them.
+    """Delete the temporary folders that killed runs (SIGKILL, power cut) left in ``folder``; returns them.
 
-    A temporary file is stale when it was last written before ``before`` (the start of the run that
-    cleans up; default: now) and no live process holds its lock (:func:`atomic_output` keeps it
-    locked until the rename; the kernel releases a killed process's locks). The age test covers the
-    instant between a writer creating its file and locking it. Without ``flock`` (Windows) a
-    temporary file must also be :data:`UNLOCKED_STALE_AFTER_S` old.
+    A temporary folder is stale when flowlift made it (its ``origin``, see the module docstring), it
+    was last written before ``before`` (the start of the run that cleans up; default: now), and no
+    live process holds its lock. Without ``flock`` (Windows) it must also be
+    :data:`UNLOCKED_STALE_AFTER_S` old. Nothing that fails any of these is touched.
     """
     folder = Path(folder)
     removed: list[Path] = []
@@ -183,18 +310,20 @@ def remove_stale_temporaries(folder: str | os.PathLike, before: float | None = N
     if fcntl is None:
         cutoff = min(cutoff, time.time() - UNLOCKED_STALE_AFTER_S)
     for entry in folder.iterdir():
-        try:
-            if not is_temporary(entry) or entry.is_symlink() or not entry.is_file():
-                continue
-            if entry.stat().st_mtime >= cutoff:
-                continue  # written since this run began: someone else's work in progress
-            if fcntl is None:
-                entry.unlink()
-            elif not _remove_if_unlocked(entry):
-                continue
-        except OSError:
+        written = _last_written(entry)
+        if written is None or written >= cutoff:
+            continue  # not flowlift's, or written since this run began: someone else's work in progress
+        in_use, descriptor = _locked_by_another(entry)
+        if in_use:
             continue
-        removed.append(entry)
+        try:  # the lock is held across the removal, so no writer can take the folder over in between
+            if _last_written(entry) is not None:
+                _remove_folder(entry)
+        finally:
+            if descriptor >= 0:
+                os.close(descriptor)
+        if not entry.exists():
+            removed.append(entry)
     return removed
 
 

@@ -136,7 +136,10 @@ def read_metadata(path: str | os.PathLike) -> dict[str, object]:
 
 def _metadata_of(opened: Image.Image) -> dict[str, object]:
     if opened.format == "PNG":
-        raw = dict(getattr(opened, "text", {}) or {})
+        try:
+            raw = dict(getattr(opened, "text", {}) or {})  # reads to the end for chunks after the image data
+        except Exception:  # noqa: BLE001 - a truncated file: the text chunks before its image data are in .info
+            raw = {str(k): v for k, v in opened.info.items() if isinstance(v, str)}
     else:
         exif = opened.getexif()
         if opened.format == "TIFF" and (found := _json_object(exif.get(0x010E))) is not None:

@@ -15,17 +15,29 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from invokeai.invocation_api import BaseModelType, InvocationContext, VAEField
+from invokeai.invocation_api import BaseModelType, InvocationContext, ModelIdentifierField, VAEField
 
 from flowlift.devices import resolve_device_dtype
 from flowlift.errors import FlowliftError
-from flowlift.invokeai.files import cache_key, file_digest, files_digest
+from flowlift.invokeai.files import (
+    TAEF2_PTH,
+    TAEF2_SAFETENSORS,
+    UPSCALER_FILE,
+    cache_key,
+    check_weight_file,
+    file_digest,
+    files_digest,
+    is_local,
+    local_taef2_files,
+    local_upscaler_file,
+    refusal,
+)
 
 #: Cache lifecycle messages go to InvokeAI's own log ("InvokeAI" is the name of InvokeAI's logger); they
 #: are not tied to one node's run.
@@ -42,19 +54,30 @@ def _announce_free(model: torch.nn.Module, what: str) -> None:
     weakref.finalize(model, log.info, f"flowlift: {what} freed")
 
 
-def load_upscaler_cached(context: InvocationContext, source: str) -> Any:
-    """The Flow Upscaler from ``source`` (file, folder, hub id) as InvokeAI's loaded model (not yet locked)."""
+def load_upscaler_cached(context: InvocationContext, source: str, should_stop: Callable[[], None]) -> Any:
+    """The Flow Upscaler from ``source`` (file, folder, hub id) as InvokeAI's loaded model (not yet locked).
+
+    A server path is checked before it is read and refused in one line that names only what was
+    expected (:mod:`flowlift.invokeai.files`); ``should_stop`` (the cancel check) runs while it is hashed.
+    """
     from flowlift.models.upscaler_weights import load_upscaler
     from flowlift.upscale.loading import resolve_upscaler_file
 
-    path = resolve_upscaler_file(source.strip())
-    digest = file_digest(path)
+    source = source.strip()
+    if is_local(source):
+        path = local_upscaler_file(source)
+    else:  # a hub repo id: its file in the Hugging Face cache (or downloaded once), checked the same way
+        path = check_weight_file(resolve_upscaler_file(source), UPSCALER_FILE, shown=source)
+    digest = file_digest(path, should_stop)
     dtype = model_dtype(context)
-    what = f"Flow Upscaler {path} (sha256 {digest[:12]}, {str(dtype).removeprefix('torch.')})"
+    what = f"Flow Upscaler {source} (sha256 {digest[:12]}, {str(dtype).removeprefix('torch.')})"
 
     def load(_key: Path) -> torch.nn.Module:
         log.info(f"flowlift: loading {what}")
-        model = load_upscaler(path, device="cpu", dtype=dtype)
+        try:
+            model = load_upscaler(path, device="cpu", dtype=dtype)
+        except FlowliftError:
+            raise refusal(UPSCALER_FILE, source) from None  # its tensors are not the Flow Upscaler's
         _announce_free(model, what)
         return model
 
@@ -62,24 +85,32 @@ def load_upscaler_cached(context: InvocationContext, source: str) -> Any:
     return context.models.load_local_model(key, loader=load)
 
 
-def load_taef2_cached(context: InvocationContext, source: str) -> Any:
-    """TAEF2 from ``source`` (folder, file, hub id; ``taef2`` = madebyollin/taef2) as InvokeAI's loaded model."""
+def load_taef2_cached(context: InvocationContext, source: str, should_stop: Callable[[], None]) -> Any:
+    """TAEF2 from ``source`` (folder, file, hub id; ``taef2`` = madebyollin/taef2) as InvokeAI's loaded model,
+    checked like the upscaler (:func:`load_upscaler_cached`)."""
     from flowlift.models.vae import TAEF2VAE
     from flowlift.models.vae_loading import check_vae_spec, load_vae
     from flowlift.upscale.loading import vae_spec_files
 
     spec = source.strip()
-    check_vae_spec(spec)  # a missing folder or an uncached repo id offline: one line, before anything loads
-    files = vae_spec_files(spec)
-    if not files:
-        raise FlowliftError(f"TAEF2: {spec} holds no weight files")
-    digest = files_digest(files)
+    if is_local(spec) and spec != "taef2":
+        files = local_taef2_files(spec)
+    else:
+        check_vae_spec(spec)  # an uncached repo id offline: one line, before anything loads
+        files = [check_weight_file(p, TAEF2_SAFETENSORS if p.suffix == ".safetensors" else TAEF2_PTH, shown=spec)
+                 for p in vae_spec_files(spec)]  # fmt: skip
+        if not files:
+            raise refusal(TAEF2_PTH, spec)
+    digest = files_digest(files, should_stop)
     dtype = model_dtype(context)
     what = f"TAEF2 {spec} (sha256 {digest[:12]}, {str(dtype).removeprefix('torch.')})"
 
     def load(_key: Path) -> torch.nn.Module:
         log.info(f"flowlift: loading {what}")
-        vae = load_vae(spec, device="cpu", dtype=dtype)
+        try:
+            vae = load_vae(spec, device="cpu", dtype=dtype)
+        except FlowliftError:
+            raise refusal(TAEF2_PTH, spec) from None
         if not isinstance(vae, TAEF2VAE):
             raise FlowliftError(
                 f"TAEF2: {spec} is a full FLUX.2 VAE, not TAEF2; install it in InvokeAI's model manager and "
@@ -90,6 +121,15 @@ def load_taef2_cached(context: InvocationContext, source: str) -> Any:
 
     key = cache_key("taef2", digest, str(dtype).removeprefix("torch."), "taef2")
     return context.models.load_local_model(key, loader=load)
+
+
+def installed_model_path(context: InvocationContext, field: ModelIdentifierField | None, path: str) -> str:
+    """The source a node loads: the model installed in InvokeAI's model manager when ``field`` names one
+    (preferred: the server's admin chose what is there), else the ``path`` field's text."""
+    if field is None:
+        return path
+    config = context.models.get_config(field)
+    return str(context.models.get_absolute_path(config))
 
 
 def check_flux2_vae_field(context: InvocationContext, field: VAEField | None, what: str) -> None:

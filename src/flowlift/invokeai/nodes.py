@@ -24,6 +24,8 @@ from invokeai.invocation_api import (
     InvocationContext,
     LatentsField,
     LatentsOutput,
+    ModelIdentifierField,
+    ModelType,
     VAEField,
     WithBoard,
     WithMetadata,
@@ -36,6 +38,7 @@ from flowlift.invokeai.latents import check_output_cap, check_raw_latents, norma
 from flowlift.invokeai.models import (
     check_flux2_vae_field,
     flux2_vae_adapter,
+    installed_model_path,
     load_taef2_cached,
     load_upscaler_cached,
     on_device,
@@ -53,10 +56,22 @@ Scale = Literal["2x", "4x", "8x"]
 Chunking = Literal["auto", "always", "never"]
 
 UPSCALER_DESCRIPTION = (
-    "Flow Upscaler weights: a local .safetensors file or folder, or a Hugging Face repo id (downloaded once "
-    "into the Hugging Face cache; HF_HUB_OFFLINE=1 is honoured). Loaded once per file content and kept in "
-    "InvokeAI's model cache."
+    "Flow Upscaler weights when no installed model is chosen: a .safetensors file or folder on the InvokeAI "
+    "server, or a Hugging Face repo id (downloaded once into the Hugging Face cache; HF_HUB_OFFLINE=1 is "
+    "honoured). Loaded once per file content and kept in InvokeAI's model cache."
 )
+INSTALLED_DESCRIPTION = (
+    "The {what} installed in InvokeAI's model manager (Model Manager: add the file or folder; it is listed as "
+    "an unknown model). Used instead of the {field} field when chosen."
+)
+
+
+def installed_model_field(what: str, field: str) -> ModelIdentifierField | None:
+    """An optional model-manager pick (InvokeAI lists flowlift's files as 'unknown' models)."""
+    return InputField(
+        default=None, title=f"{what} (installed)", description=INSTALLED_DESCRIPTION.format(what=what, field=field),
+        ui_model_type=ModelType.Unknown,
+    )  # fmt: skip
 SCALE_DESCRIPTION = "2x per pass: 2x = 1 pass, 4x = 2, 8x = 3 (outputs are capped at 16384 px a side)"
 SEED_DESCRIPTION = "Noise seed (each pass draws its own stream on the CPU, so a seed means the same result anywhere)"
 TRANSPLANT_DESCRIPTION = (
@@ -73,7 +88,7 @@ CHUNKED_DESCRIPTION = (
     title="Flow Upscale Latents (FLUX.2)",
     tags=["flowlift", "upscale", "latents", "flux2", "klein", "hires"],
     category=CATEGORY,
-    version="1.0.0",
+    version="1.1.0",  # 1.1.0: the installed-model fields (issue 32.G)
     use_cache=False,  # the result depends on the weight file's content, which the node cache cannot see
 )
 class FlowUpscaleLatentsInvocation(BaseInvocation):
@@ -89,6 +104,7 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
         description="The FLUX.2 VAE the latents belong to (for its BatchNorm statistics)",
         input=Input.Connection,
     )
+    upscaler_model: ModelIdentifierField | None = installed_model_field("Flow Upscaler", "Flow Upscaler")
     upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
     scale: Scale = InputField(default="2x", description=SCALE_DESCRIPTION)
     seed: int = InputField(default=0, ge=0, le=SEED_MAX, description=SEED_DESCRIPTION)
@@ -105,7 +121,9 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
         with context.models.load(self.vae.vae).model_in_ram() as vae_module:
             vae = flux2_vae_adapter(vae_module, what)
         progress = NodeProgress(context, what, passes)
-        with on_device(load_upscaler_cached(context, self.upscaler), "the Flow Upscaler") as (unet, device, dtype):
+        source = installed_model_path(context, self.upscaler_model, self.upscaler)
+        upscaler = load_upscaler_cached(context, source, progress.check_cancel)
+        with on_device(upscaler, "the Flow Upscaler") as (unet, device, dtype):
             pipeline = FlowUpscalerPipeline(
                 unet, vae=None, device=device, dtype=dtype, chunked=chunked_flag(self.chunked),
                 channels_last=False, on_strip=progress.strip,
@@ -124,7 +142,7 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
     title="Flow Upscale Image (FLUX.2)",
     tags=["flowlift", "upscale", "image", "flux2", "taef2"],
     category=CATEGORY,
-    version="1.0.0",
+    version="1.1.0",  # 1.1.0: the installed-model fields (issue 32.G)
     use_cache=False,  # the result depends on the weight files' content, which the node cache cannot see
 )
 class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
@@ -138,12 +156,15 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
         description="The FLUX.2 VAE (the upscaler's own latent space, slower); leave unconnected to use TAEF2",
         input=Input.Connection,
     )
+    taef2_model: ModelIdentifierField | None = installed_model_field("TAEF2", "TAEF2")
     taef2: str = InputField(
         default=TAEF2_REPO,
         title="TAEF2",
-        description="TAEF2 (fast, approximate FLUX.2 VAE) when no VAE is connected: a local folder or file with "
-        "taef2_encoder/taef2_decoder, or a Hugging Face repo id",
+        description="TAEF2 (fast, approximate FLUX.2 VAE) when no VAE is connected and no installed TAEF2 is "
+        "chosen: a folder on the InvokeAI server with taef2_encoder.pth and taef2_decoder.pth, one .safetensors "
+        "file, or a Hugging Face repo id",
     )
+    upscaler_model: ModelIdentifierField | None = installed_model_field("Flow Upscaler", "Flow Upscaler")
     upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
     scale: Scale = InputField(default="2x", description=SCALE_DESCRIPTION)
     seed: int = InputField(default=0, ge=0, le=SEED_MAX, description=SEED_DESCRIPTION)
@@ -165,11 +186,13 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
         if self.vae is not None:
             check_flux2_vae_field(context, self.vae, what)
         progress = NodeProgress(context, what, passes + 3)  # encode, passes, decode, colour fix
-        upscaler = load_upscaler_cached(context, self.upscaler)
+        source = installed_model_path(context, self.upscaler_model, self.upscaler)
+        upscaler = load_upscaler_cached(context, source, progress.check_cancel)
         if self.vae is not None:
             vae_model = context.models.load(self.vae.vae)
         else:
-            vae_model = load_taef2_cached(context, self.taef2)
+            taef2 = installed_model_path(context, self.taef2_model, self.taef2)
+            vae_model = load_taef2_cached(context, taef2, progress.check_cancel)
         with (
             on_device(upscaler, "the Flow Upscaler") as (unet, device, dtype),
             vae_model.model_on_device() as (_, module),

@@ -10,11 +10,14 @@ list of input files into one output file each, and promise the same things:
   inputs would share, is refused for that input alone.
 * **Resume** (:func:`run_jobs`): an existing output is skipped unless ``overwrite``, so rerunning an
   interrupted command continues where it stopped — but only when it is a whole image of the
-  expected size (:func:`existing_output`). A file that is empty, not an image or truncated is redone
-  with a note, and so is one that flowlift wrote at another size (another run's settings). **Any other
-  image is the user's**: it is never replaced without ``overwrite``; that input costs one line.
+  expected size (:func:`existing_output`). An empty file is redone with a note, and so is one that
+  flowlift wrote (its metadata says so) that is truncated or at another size (another run's
+  settings). **Anything else is the user's** — their image, a file that is no image, a truncated
+  picture without flowlift's metadata, a FIFO or a link: it is never replaced without ``overwrite``
+  (not a regular file: never), and that input costs one line.
 * **Debris**: when a run starts, the temporary files of runs killed mid-write in its output folders are
-  removed (:func:`remove_debris`; never one a live run still writes). Planning writes and removes nothing.
+  removed (:func:`remove_debris`; only flowlift's own, never one a live run still writes). Planning writes
+  and removes nothing.
 * **Bad inputs and targets cost one line, up front**: an input that cannot be planned (missing,
   not a regular file, unreadable header, too large) or whose output cannot be written (folder not
   writable, format limit) is refused before any model is loaded; the batch goes on.
@@ -40,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flowlift.errors import FlowliftError
-from flowlift.files.atomic import remove_stale_temporaries
+from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
+from flowlift.files.output_paths import folder_problem
 
 __all__ = [
     "ITEM_ERRORS",
@@ -234,30 +238,6 @@ def remove_debris(jobs: Iterable[Job], before: float | None = None) -> None:
         remove_stale_temporaries(folder, before=before)
 
 
-def folder_problem(folder: Path) -> str | None:
-    """Why outputs cannot be written into ``folder``, or None when they can (nothing is created).
-
-    Probed by creating and removing a temporary file in ``folder`` or, when it does not exist yet, in
-    its nearest existing ancestor (which the writer's ``mkdir`` will create it in): a permission
-    check alone would pass for root on a read-only mount.
-    """
-    import tempfile
-
-    existing = folder
-    while not existing.exists() and existing.parent != existing:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"cannot write outputs into {folder}: {existing} is not a folder"
-    try:
-        descriptor, name = tempfile.mkstemp(prefix=".flowlift-probe.", dir=existing)
-        os.close(descriptor)
-        os.unlink(name)
-    except OSError as error:
-        reason = error.strerror or type(error).__name__
-        return f"cannot write outputs into {folder}: {reason}"
-    return None
-
-
 @dataclass(frozen=True)
 class ExistingOutput:
     """What a run does about a job's output path: ``new`` (nothing there, or ``overwrite``), ``done``
@@ -278,10 +258,12 @@ def existing_output(job: Job, overwrite: bool = False) -> ExistingOutput:
     from flowlift.files.image_outputs import inspect_existing
 
     path = job.output
-    if path is None or overwrite or not os.path.lexists(path):
+    if path is None or not os.path.lexists(path):
         return ExistingOutput("new")
-    if not path.is_file():
-        return ExistingOutput("refuse", f"output {path} exists and is not a file; remove it or choose another -o")
+    if refusal := replace_refusal(path):  # a FIFO, link, folder...: never replaced, --overwrite or not
+        return ExistingOutput("refuse", refusal)
+    if overwrite:
+        return ExistingOutput("new")
     expected = job.expected_size
     due = f"a finished {expected[0]}x{expected[1]} image" if expected else "a finished image"
     try:
@@ -290,10 +272,13 @@ def existing_output(job: Job, overwrite: bool = False) -> ExistingOutput:
         return ExistingOutput("refuse", f"cannot read the existing output {path}: {error_line(error)}")
     if found.empty:
         return ExistingOutput("redo", f"the existing file is empty, not {due}")
-    if not found.image:
-        return ExistingOutput("redo", f"the existing file is not an image, not {due}")
+    if not found.by_flowlift and not (found.image and found.complete):  # issue 32.F: never flowlift's
+        what = "a truncated image" if found.image else "no image"
+        return ExistingOutput(
+            "refuse", f"{path} exists and was not written by flowlift ({what}); use --overwrite to replace it"
+        )
     if not found.complete:
-        return ExistingOutput("redo", f"the existing file is truncated, not {due}")
+        return ExistingOutput("redo", f"the existing file is a truncated flowlift output, not {due}")
     if expected is None or found.size == tuple(expected):
         return ExistingOutput("done")
     what = f"a {found.size[0]}x{found.size[1]} image" if found.size else "an image too large to open"

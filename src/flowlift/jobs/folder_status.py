@@ -5,12 +5,12 @@
 
 A plain (one-process) run writes no manifest (:mod:`flowlift.jobs.scaleout`): its record is the outputs
 themselves, and they say enough. Every output flowlift writes carries its metadata (the command and
-the source's name), a killed write leaves a ``.flowlift-partial`` temporary file whose lock tells a
+the source's name), a killed write leaves a ``.flowlift-partial`` temporary folder whose lock tells a
 live writer from debris (:mod:`flowlift.files.atomic`), and a damaged output fails the same check the
 resume rule applies (:func:`flowlift.files.image_outputs.inspect_existing`). So the folder's state is:
 
 * **done** — whole images with flowlift's metadata;
-* **partial** — temporary files: being written now (locked) or left by a killed run;
+* **partial** — flowlift's temporary folders: being written now (locked) or left by a killed run;
 * **broken** — empty, unreadable or truncated images at output names (the next run redoes them);
 * **missing** — images in the folder that flowlift did not write (sources, when outputs are written
   next to their inputs) and that no output here was made from. Inputs kept in another folder cannot
@@ -53,7 +53,7 @@ def _source_name(metadata: dict) -> str | None:
 
 def folder_status(folder: str | os.PathLike) -> FolderStatus:
     """Read the state of ``folder`` from its files (see the module docstring)."""
-    from flowlift.files.atomic import is_temporary, temporary_in_use
+    from flowlift.files.atomic import is_stale_temporary, is_temporary, temporary_in_use
     from flowlift.files.image_outputs import inspect_existing, is_flowlift_metadata, read_metadata
     from flowlift.files.images import IMAGE_SUFFIXES
     from flowlift.files.naming import source_stem
@@ -65,11 +65,14 @@ def folder_status(folder: str | os.PathLike) -> FolderStatus:
     others: list[Path] = []  # whole images flowlift did not write
     made_from: set[str] = set()  # stems of the images the outputs here were made from
     for entry in sorted(folder.iterdir()):
-        if not entry.is_file():
+        if temporary_in_use(entry):
+            status.writing.append(entry)
             continue
-        if is_temporary(entry):
-            (status.writing if temporary_in_use(entry) else status.stale).append(entry)
+        if is_stale_temporary(entry):
+            status.stale.append(entry)
             continue
+        if not entry.is_file() or is_temporary(entry):
+            continue  # a name shaped like a temporary without flowlift's proof is nobody's business here
         if entry.suffix.lower() not in IMAGE_SUFFIXES:
             continue
         found = inspect_existing(entry)

@@ -2,13 +2,16 @@
 
 A checkpoint ``output/checkpoints/step-NNNNNNNN`` holds the EMA and raw weights in the released
 layout, the optimizer/scheduler/RNG state and the id of the run that wrote it; ``latest`` names the
-newest. Writes go through a ``.partial`` folder, and only the writing run's own checkpoints are pruned.
+newest. Writes go through a fresh hidden ``.step-NNNNNNNN.XXXX.partial`` folder that holds the run id
+from its first moment, so the next write of the same run removes a killed write's folder and nothing
+else; only the writing run's own checkpoints are pruned or replaced.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -125,9 +128,12 @@ def save_checkpoint(
     from flowlift.models.upscaler_weights import save_upscaler
 
     final = checkpoint_dir(output, step)
-    tmp = final.with_name(final.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_own_partials(final.parent, run_id)
+    # a fresh hidden folder, never one that is there already; the run id goes in first, so that a
+    # killed write's folder carries the proof of whose it is (issue 32.E: only that is ever removed)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+    (tmp / RUN_ID_NAME).write_text(run_id)
     save_upscaler(ema.module, tmp / EMA_NAME)
     save_upscaler(_unwrap(model), tmp / RAW_NAME)
     state = {
@@ -142,8 +148,11 @@ def save_checkpoint(
         "run_id": run_id,
     }
     torch.save(state, tmp / STATE_NAME)
-    (tmp / RUN_ID_NAME).write_text(run_id)
-    shutil.rmtree(final, ignore_errors=True)
+    if final.exists():
+        if checkpoint_run_id(final) != run_id:  # another run's checkpoint (resume_point refuses those first)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise FlowliftError(f"{final} is another run's checkpoint; it is not replaced")
+        shutil.rmtree(final, ignore_errors=True)  # this run's own, written again after a resume
     os.replace(tmp, final)
     pointer = output / "checkpoints" / "latest"
     atomic_write_text(pointer, final.name)
@@ -153,6 +162,14 @@ def save_checkpoint(
     for old in mine[: -config.keep_checkpoints]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _remove_own_partials(root: Path, run_id: str) -> None:
+    """Delete the partial checkpoint folders a killed process of this run left (their run id file says
+    so); anything else in ``root`` is never touched."""
+    for folder in root.glob(".step-*.partial"):
+        if folder.is_dir() and not folder.is_symlink() and checkpoint_run_id(folder) == run_id:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def load_checkpoint(path: Path, model, ema, optimizer, scheduler, global_batch: int, run_id: str) -> tuple[int, str]:

@@ -1,0 +1,72 @@
+"""Can an output be written here? Checked before any model loads, so a bad ``-o`` costs no work.
+
+Every writer asks the same three questions of an output path: is its name within the file system's
+limit (255 bytes on most), can a file be created in its folder (or in the nearest existing ancestor,
+which ``mkdir`` will create the folder in: a plain file there, ``/proc``, a read-only mount or no
+permission all fail), and is whatever is already there a regular file (never a FIFO, socket, device,
+link or folder: :func:`flowlift.files.atomic.replace_refusal`). The answer is a probe, not the
+permission bits, which say nothing reliable for root or on NFS. A full disk passes the probe (an
+empty file needs no space); the write that then fails is one line too
+(:class:`flowlift.files.atomic.OutputWriteError`) and leaves nothing under the output name.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from flowlift.errors import FlowliftError
+from flowlift.files.atomic import name_limit, replace_refusal
+
+
+def _nearest_existing(folder: Path) -> Path:
+    existing = folder
+    while not os.path.lexists(existing) and existing.parent != existing:
+        existing = existing.parent
+    return existing
+
+
+def folder_problem(folder: str | os.PathLike) -> str | None:
+    """Why outputs cannot be written into ``folder``, or None when they can (nothing is left behind).
+
+    Probed by creating and removing a temporary file in ``folder`` or, when it does not exist yet, in
+    its nearest existing ancestor (which the writer's ``mkdir`` will create it in): a permission
+    check alone would pass for root on a read-only mount.
+    """
+    folder = Path(folder)
+    existing = _nearest_existing(folder)
+    if not existing.is_dir():
+        return f"cannot write outputs into {folder}: {existing} is not a folder"
+    try:
+        descriptor, name = tempfile.mkstemp(prefix=".flowlift-probe.", dir=existing)
+        os.close(descriptor)
+        os.unlink(name)
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        return f"cannot write outputs into {folder}: {reason}"
+    return None
+
+
+def name_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path``'s file name is too long for its file system, or None."""
+    path = Path(path)
+    existing = _nearest_existing(path.parent)
+    limit = name_limit(existing if existing.is_dir() else existing.parent)
+    size = len(path.name.encode("utf-8", "surrogateescape"))
+    if size > limit:
+        return (f"cannot write {path}: its file name is {size} bytes, over the file system's limit of {limit}; "
+                "choose a shorter -o")  # fmt: skip
+    return None
+
+
+def output_file_problem(path: str | os.PathLike) -> str | None:
+    """Why one output file cannot be written at ``path`` (see the module docstring), or None."""
+    path = Path(path)
+    return name_problem(path) or folder_problem(path.parent) or replace_refusal(path)
+
+
+def check_output_file(path: str | os.PathLike) -> None:
+    """:func:`output_file_problem` as one FlowliftError line."""
+    if problem := output_file_problem(path):
+        raise FlowliftError(problem)
