@@ -26,7 +26,7 @@ PACKAGE = REPO / "src" / "flowlift"
 
 #: Lowest first. A module may import its own layer and any layer below it, never one above.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "console", "devices"),
+    ("errors", "console", "devices", "knobs"),
     ("files",),
     ("flux2",),
     ("models",),
@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 #: Front-ends of one layer must not import one another (``commands`` sits above: ``flowlift app`` starts the app).
 FRONT_ENDS = ("comfyui", "app", "invokeai", "commands")
-TOP_LEVEL_MODULES = {"__init__", "__main__", "errors", "console", "devices"}
+TOP_LEVEL_MODULES = {"__init__", "__main__", "errors", "console", "devices", "knobs"}
 MAX_MODULE_LINES = 450
 
 

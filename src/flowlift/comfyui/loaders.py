@@ -14,6 +14,7 @@ import folder_paths
 import torch
 
 from flowlift.comfyui.vae_adapters import TAEF2ComfyVAE
+from flowlift.devices import default_dtype
 from flowlift.errors import FlowliftError
 from flowlift.models.upscaler_weights import load_upscaler
 from flowlift.models.vae import TAEF2VAE
@@ -49,7 +50,8 @@ class FlowliftUpscalerLoader:
     def load(self, upscaler_name: str) -> tuple:
         path = folder_paths.get_full_path_or_raise(UPSCALER_FOLDER, upscaler_name)
         load_device = mm.get_torch_device()
-        dtype = torch.bfloat16 if load_device.type == "cuda" and mm.should_use_bf16(load_device) else torch.float32
+        # flowlift's one --dtype auto rule, where ComfyUI says this device runs bfloat16 well
+        dtype = default_dtype(load_device) if mm.should_use_bf16(load_device) else torch.float32
         unet = load_upscaler(path, device="cpu", dtype=dtype)
         offload_device = mm.unet_offload_device()
         return (comfy.model_patcher.ModelPatcher(unet, load_device=load_device, offload_device=offload_device),)

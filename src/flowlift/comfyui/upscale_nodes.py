@@ -21,10 +21,19 @@ from flowlift.comfyui import layouts
 from flowlift.comfyui.loaders import CATEGORY, UPSCALER_TYPE
 from flowlift.comfyui.vae_adapters import ComfyFlux2VAE, TAEF2ComfyVAE
 from flowlift.errors import FlowliftError
+from flowlift.knobs import SEED, Knob
 from flowlift.upscale.chunked.budget import CUDA_BUDGET_FRACTION
 from flowlift.upscale.colorfix import lab_lowband_transplant
-from flowlift.upscale.node_choices import CHUNKING, SCALES, chunked_flag, passes_for
+from flowlift.upscale.node_choices import chunked_flag, passes_for
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
+from flowlift.upscale.settings import (
+    CHUNKED,
+    COLOR_FIX_KNOBS,
+    COLOR_FIX_STRENGTH,
+    SCALE,
+    TRANSPLANT_STRENGTH,
+    MemoryPolicy,
+)
 from flowlift.upscale.sizes import MAX_OUTPUT_SIDE
 
 log = logging.getLogger("flowlift")
@@ -84,8 +93,7 @@ def make_pipeline(
         vae,
         device=device,
         dtype=param.dtype,
-        chunked=chunked_flag(chunked),
-        chunk_budget_bytes=budget,
+        memory=MemoryPolicy(chunked=chunked_flag(chunked), chunk_budget_bytes=budget),
         on_strip=progress.strip,
     )
 
@@ -100,41 +108,30 @@ def run_logging_warnings(fn: Callable[[], Any]) -> Any:
     return result
 
 
+def knob_input(knob: Knob, **extra: Any) -> tuple:
+    """A ComfyUI widget from a knob of the tables: INT/FLOAT with its default, min, max and step, or a combo
+    of its choices (labelled as the node packs show them), with the knob's help as tooltip."""
+    options: dict[str, Any] = {"default": knob.default, "tooltip": knob.help}
+    if knob.choices:
+        options["default"] = knob.label(knob.default)
+        return ([knob.label(choice) for choice in knob.choices], {**options, **extra})
+    options.update(min=knob.low, max=knob.high)
+    if knob.step is not None:
+        options["step"] = knob.step
+    return ("INT" if knob.kind is int else "FLOAT", {**options, **extra})
+
+
 def upscaler_inputs() -> dict[str, tuple]:
     """Widgets shared by both upscale nodes, in their saved order."""
     return {
-        "scale": (list(SCALES), {"default": "2x", "tooltip": "2x per pass: 2x = 1 pass, 4x = 2, 8x = 3"}),
-        "seed": (
-            "INT",
-            {
-                "default": 0,
-                "min": 0,
-                "max": layouts.SEED_MAX,
-                "control_after_generate": True,  # the pack's frontend extension (web/) starts it at "fixed"
-                "tooltip": "noise seed; the same seed gives the same image",
-            },
-        ),
-        "transplant_strength": (
-            "FLOAT",
-            {
-                "default": 1.0,
-                "min": 0.0,
-                "max": 1.0,
-                "step": 0.05,
-                "tooltip": "stage 1: how much of the latent low band comes from the input (1 = exactly)",
-            },
-        ),
+        "scale": knob_input(SCALE),
+        # the pack's frontend extension (web/) starts "control after generate" at "fixed"
+        "seed": knob_input(SEED, control_after_generate=True),
+        "transplant_strength": knob_input(TRANSPLANT_STRENGTH),
     }
 
 
-CHUNKED_INPUT = (
-    list(CHUNKING),
-    {
-        "default": "auto",
-        "tooltip": "exact bounded-memory UNet execution in row strips: auto = when the plain pass would not fit "
-        "in half of the free memory",
-    },
-)
+CHUNKED_INPUT = knob_input(CHUNKED)
 
 
 class FlowliftUpscaleLatent:
@@ -192,16 +189,7 @@ class FlowliftUpscaleImage:
                 "upscaler": (UPSCALER_TYPE,),
                 "vae": ("VAE", {"tooltip": "the FLUX.2 VAE (VAELoader) or TAEF2 (FlowliftTAEF2Loader)"}),
                 **upscaler_inputs(),
-                "color_fix_strength": (
-                    "FLOAT",
-                    {
-                        "default": 1.0,
-                        "min": 0.0,
-                        "max": 1.0,
-                        "step": 0.05,
-                        "tooltip": "stage 2: how much of the input's colour and tone (L*a*b* low band) to restore",
-                    },
-                ),
+                "color_fix_strength": knob_input(COLOR_FIX_STRENGTH),
                 "chunked": CHUNKED_INPUT,
             }
         }
@@ -256,7 +244,7 @@ class FlowliftColorFix:
             "required": {
                 "image": ("IMAGE", {"tooltip": "the upscaled image"}),
                 "reference": ("IMAGE", {"tooltip": "the image it was upscaled from"}),
-                "strength": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.05}),
+                "strength": knob_input(COLOR_FIX_KNOBS["strength"]),
             }
         }
 

@@ -9,25 +9,21 @@ from typing import Any
 
 from flowlift.commands._options import (
     add_device_options,
+    add_knob,
     examples,
     finite_float,
-    positive_int,
     resolve_device_dtype,
-    seed_value,
-    unit_interval,
+    sampling_from_args,
 )
 from flowlift.commands._refine_weights import add_weights_arguments, check_weights_arguments, weights_kwargs
 from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
+from flowlift.knobs import SEED
+from flowlift.refine.settings import MU, SAMPLER, SCHEDULE, STEPS, STRENGTH, STRENGTH_MAP
 
-#: Mirrors flowlift.flux2.sampling.SAMPLERS / flowlift.refine.loop.STRENGTH_MAPS
-#: (kept literal so --help does not import torch).
-SAMPLERS = ("euler", "heun")
-STRENGTH_MAPS = ("linear", "canvas")
-#: Mirror flowlift.flux2.schedule.SCHEDULES / DEFAULT_MU / MU_RANGE (literal for the same reason).
-SCHEDULES = ("respaced", "clipped")
-DEFAULT_MU = 2.02
-MU_RANGE = (0.0, 15.0)
+#: The knob tables' values (torch-free modules, so --help stays fast).
+DEFAULT_MU = MU.default
+MU_RANGE = (MU.low, MU.high)
 
 NAME = "img2img"
 HELP = (
@@ -85,21 +81,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="embedded guidance of FLUX.2 dev (default 4.0); not accepted by Klein (no guidance embedding)",
     )
     sampling = parser.add_argument_group("sampling")
-    sampling.add_argument(
-        "--steps",
-        type=positive_int,
-        default=28,
-        help="steps of the shifted schedule (default 28; distilled Klein: 4). img2img runs them in the window "
-        "below sigma = 1 - denoising_start (with --schedule clipped, only the full schedule's points there)",
+    add_knob(
+        sampling,
+        STEPS,
+        help=f"{STEPS.help}, {STEPS.describe()}; img2img runs them in the window below sigma = 1 - "
+        "denoising_start (with --schedule clipped, only the full schedule's points there)",
     )
-    sampling.add_argument("--sampler", choices=SAMPLERS, default="euler", help="euler (default) or heun")
-    sampling.add_argument("--seed", type=seed_value, default=0, help="noise seed (default 0)")
-    sampling.add_argument(
-        "--strength-map",
-        choices=STRENGTH_MAPS,
-        default="linear",
-        help="strength -> denoising_start: linear = 1 - s (default); canvas = 1 - s**0.2",
-    )
+    add_knob(sampling, SAMPLER)
+    add_knob(sampling, SEED, metavar="SEED")
+    add_knob(sampling, STRENGTH_MAP)
     add_schedule_arguments(sampling)
     out = parser.add_argument_group("output")
     out.add_argument("-o", "--output", metavar="PATH", help="output image (PNG keeps all parameters as metadata)")
@@ -109,11 +99,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("image", help="input image")
-    parser.add_argument(
-        "--strength",
-        type=unit_interval,
-        help="how much to change: 0 = the VAE round trip, 1 = ignore the input (default 0.5; outpaint 1.0)",
-    )
+    add_knob(parser, STRENGTH, default=None, help=f"{STRENGTH.help}; {STRENGTH.describe()} (default 0.5)")
     parser.add_argument("--mask", metavar="IMAGE", help="inpaint mask, same size: white = regenerate, black = keep")
     parser.add_argument(
         "--outpaint",
@@ -156,13 +142,7 @@ def add_schedule_arguments(sampling: argparse._ArgumentGroup) -> None:
         f"diffusers' formula from the image size and --steps (3.23 at 2048 px); a number in "
         f"[{MU_RANGE[0]:g}, {MU_RANGE[1]:g}]",
     )
-    sampling.add_argument(
-        "--schedule",
-        choices=SCHEDULES,
-        default="respaced",
-        help="respaced (default): a low strength still runs --steps steps, evenly spaced before the shift; "
-        "clipped: only the full schedule's points below the strength (diffusers' img2img)",
-    )
+    add_knob(sampling, SCHEDULE)
 
 
 def check_mu_for_size(args: argparse.Namespace, width: int, height: int) -> None:
@@ -327,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
             raise FlowliftError(
                 f"--reference {path}: sides must be multiples of 16 px, got {ref.shape[-1]}x{ref.shape[-2]}"
             )
-    strength = args.strength if args.strength is not None else (1.0 if pads else 0.5)
+    strength = args.strength if args.strength is not None else (1.0 if pads else STRENGTH.default)
     check_model_sources(args)
 
     canvas = (-(-rgb.height // 16) * 16, -(-rgb.width // 16) * 16)  # what the model sees: padded, or the canvas
@@ -338,11 +318,7 @@ def run(args: argparse.Namespace) -> int:
     common = dict(
         strength=strength,
         strength_map=args.strength_map,
-        steps=args.steps,
-        seed=args.seed,
-        sampler=args.sampler,
-        mu=args.mu,
-        schedule=args.schedule,
+        sampling=sampling_from_args(args),
         reference_images=references,
         **conditioning,
     )

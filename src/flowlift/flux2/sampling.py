@@ -15,8 +15,9 @@ from typing import Protocol
 
 import torch
 
+from flowlift.flux2.settings import SAMPLERS  # noqa: F401  (the one list, torch-free)
+
 VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
-SAMPLERS = ("euler", "heun")
 
 
 class StepMerger(Protocol):

@@ -17,16 +17,7 @@ import math
 
 import torch
 
-#: The fixed shift of InvokeAI's and ComfyUI's FLUX.2 schedules (and of the founding document's table).
-DEFAULT_MU = 2.02
-#: ``mu="empirical"``: diffusers' formula, from the full image sequence length and the full step count.
-EMPIRICAL_MU = "empirical"
-#: The mu a schedule may run with. Below 0 the shift would move steps towards sigma 0, the opposite of
-#: every FLUX.2 schedule (0 itself is the unshifted linear schedule); above 15 (a shift factor e^15 of
-#: about 3.3e6) a few-step schedule's top sigmas are closer to 1 than float32 resolves (6e-8).
-MU_RANGE = (0.0, 15.0)
-#: How a denoising window is filled: every step respaced into it, or the full schedule clipped to it.
-SCHEDULES = ("respaced", "clipped")
+from flowlift.flux2.settings import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SCHEDULES  # noqa: F401
 
 _A1, _B1 = 8.73809524e-05, 1.89833333  # the 10-step line
 _A2, _B2 = 0.00016927, 0.45666666  # the 200-step line

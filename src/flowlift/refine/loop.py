@@ -25,8 +25,10 @@ from flowlift.flux2.latents import (
 )
 from flowlift.flux2.sampling import SAMPLERS
 from flowlift.flux2.schedule import DEFAULT_MU, EMPIRICAL_MU, SCHEDULES, flux2_sigmas, resolve_mu
+from flowlift.knobs import SEED
+from flowlift.refine.settings import STRENGTH_MAP
 
-STRENGTH_MAPS = ("linear", "canvas")
+STRENGTH_MAPS = STRENGTH_MAP.choices
 
 VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
 StepCallback = Callable[[int, int, float], None]
@@ -147,7 +149,7 @@ def refine_latents(
     check_schedule(mu, schedule)
     if check_count("steps", steps) < 1:
         raise FlowliftError(f"steps must be >= 1, got {steps}")
-    seed = check_count("seed", seed)
+    seed = SEED.check(seed)
     denoising_start = check_unit_interval("denoising_start", denoising_start)
     denoising_end = check_unit_interval("denoising_end", denoising_end)
     if denoising_start > denoising_end:

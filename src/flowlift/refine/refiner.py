@@ -7,6 +7,7 @@ one method per mode; :func:`flowlift.refine.loading.load_refiner` builds one fro
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -19,13 +20,13 @@ from flowlift.refine.loop import (
     RefineResult,
     VelocityFn,
     _Progress,
-    check_sampler,
     check_schedule,
     denoising_start_for,
     refine_latents,
 )
 from flowlift.refine.offload import place_transformer, with_transformer_on_device
 from flowlift.refine.parameters import RefineOutput, conditioning_parameters, output_parameters
+from flowlift.refine.settings import SamplingSettings, sampling_from
 
 
 class RefineVAE(Protocol):
@@ -158,13 +159,9 @@ class Flux2Refiner:
         init: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None,
         shape: Sequence[int] | None,
         denoising_start: float,
-        steps: int,
-        seed: int,
-        sampler: str,
+        sampling: SamplingSettings,
         mask: torch.Tensor | None = None,
         denoising_end: float = 1.0,
-        mu: float | str | None = None,
-        schedule: str | None = None,
     ) -> RefineResult:
         init_latents, bn_mean, bn_std = init if init is not None else (None, None, None)
         return refine_latents(
@@ -175,49 +172,39 @@ class Flux2Refiner:
             bn_std=bn_std,
             denoising_start=denoising_start,
             denoising_end=denoising_end,
-            steps=steps,
-            seed=seed,
-            sampler=sampler,
+            steps=sampling.steps,
+            seed=sampling.seed,
+            sampler=sampling.sampler,
             mask=mask,
             on_step=_Progress(self.progress, mode),
             device=self.device,
-            mu=self.mu if mu is None else mu,
-            schedule=self.schedule if schedule is None else schedule,
+            mu=self.mu if sampling.mu is None else sampling.mu,
+            schedule=self.schedule if sampling.schedule is None else sampling.schedule,
         )
 
-    def _parameters(self, mode: str, result: RefineResult, **kwargs: Any) -> dict[str, Any]:
+    def _parameters(self, mode: str, result: RefineResult, sampling: SamplingSettings, **kwargs: Any) -> dict[str, Any]:
         where = {"model": self.model_name, "dtype": self.dtype, "device": self.device, "provenance": self.provenance}
-        return output_parameters(mode, result, **where, **kwargs)
+        asked = {"steps": sampling.steps, "seed": sampling.seed, "sampler": sampling.sampler}
+        return output_parameters(mode, result, **where, **kwargs, **asked)
 
     def txt2img(
         self,
         *,
         height: int,
         width: int,
-        steps: int = 28,
-        seed: int = 0,
-        sampler: str = "euler",
+        sampling: SamplingSettings | None = None,
         batch: int = 1,
-        mu: float | str | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """Generate from pure noise (``denoising_start = 0``) at ``height x width`` (multiples of 16)."""
+        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.txt2img")
         if height % PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height <= 0 or width <= 0:
             raise FlowliftError(f"txt2img size must be positive multiples of {PIXEL_MULTIPLE}, got {width}x{height}")
         den = self.denoiser(**conditioning)
         shape = (batch, LATENT_CHANNELS, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
-        result = self._run(
-            "txt2img", den, init=None, shape=shape, denoising_start=0.0, steps=steps, seed=seed, sampler=sampler, mu=mu
-        )
+        result = self._run("txt2img", den, init=None, shape=shape, denoising_start=0.0, sampling=sampling)
         params = self._parameters(
-            "txt2img",
-            result,
-            height=height,
-            width=width,
-            steps=steps,
-            seed=seed,
-            sampler=sampler,
-            **conditioning_parameters(conditioning, den),
+            "txt2img", result, sampling, height=height, width=width, **conditioning_parameters(conditioning, den)
         )
         return RefineOutput(self.decode(result.latents), result.latents, params)
 
@@ -227,12 +214,8 @@ class Flux2Refiner:
         *,
         strength: float,
         strength_map: str = "linear",
-        steps: int = 28,
-        seed: int = 0,
-        sampler: str = "euler",
+        sampling: SamplingSettings | None = None,
         mask: torch.Tensor | None = None,
-        mu: float | str | None = None,
-        schedule: str | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """Refine ``images`` (B, 3, H, W) in [0, 1] at ``strength``; with ``mask`` (B|1, 1, H, W) inpaint.
@@ -240,7 +223,7 @@ class Flux2Refiner:
         Sides that are not multiples of 16 are edge-padded for the model and cropped back.
         ``strength`` 0 returns the VAE round trip of the input; 1 ignores the input (txt2img noise).
         """
-        check_sampler(sampler)
+        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.img2img")
         start = denoising_start_for(strength, strength_map)
         h, w = images.shape[-2:]
         padded, _ = pad_to_multiple(images.to(self.device, torch.float32))
@@ -257,23 +240,17 @@ class Flux2Refiner:
             init=self._encode_init(padded),
             shape=None,
             denoising_start=start,
-            steps=steps,
-            seed=seed,
-            sampler=sampler,
+            sampling=sampling,
             mask=lmask,
-            mu=mu,
-            schedule=schedule,
         )
         out = self.decode(result.latents)[..., :h, :w]
         params = self._parameters(
             mode,
             result,
+            sampling,
             strength=strength,
             strength_map=strength_map,
             denoising_start=round(start, 6),
-            steps=steps,
-            seed=seed,
-            sampler=sampler,
             width=w,
             height=h,
             **(conditioning_parameters(conditioning, den) if den is not None else {}),
@@ -296,11 +273,7 @@ class Flux2Refiner:
         bottom: int = 0,
         strength: float = 1.0,
         strength_map: str = "linear",
-        steps: int = 28,
-        seed: int = 0,
-        sampler: str = "euler",
-        mu: float | str | None = None,
-        schedule: str | None = None,
+        sampling: SamplingSettings | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """Extend the canvas by the given borders (rounded up to 16 px) and paint them in.
@@ -308,7 +281,7 @@ class Flux2Refiner:
         The border starts from an edge-replicated canvas; the original region's latents are the
         encoding of the original image alone and are kept exactly (mask 0) through every step.
         """
-        check_sampler(sampler)
+        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.outpaint")
         images = images.to(self.device, torch.float32)
         canvas, mask, pads = outpaint_canvas(images, left, top, right, bottom)
         start = denoising_start_for(strength, strength_map)
@@ -325,16 +298,13 @@ class Flux2Refiner:
             init=(init, bn_mean, bn_std),
             shape=None,
             denoising_start=start,
-            steps=steps,
-            seed=seed,
-            sampler=sampler,
+            sampling=sampling,
             mask=lmask,
-            mu=mu,
-            schedule=schedule,
         )
         params = self._parameters(
             "outpaint",
             result,
+            sampling,
             left=pads[0],
             top=pads[1],
             right=pads[2],
@@ -342,9 +312,6 @@ class Flux2Refiner:
             strength=strength,
             strength_map=strength_map,
             denoising_start=round(start, 6),
-            steps=steps,
-            seed=seed,
-            sampler=sampler,
             **(conditioning_parameters(conditioning, den) if den is not None else {}),
         )
         return RefineOutput(self.decode(result.latents), result.latents, params)
@@ -359,12 +326,8 @@ class Flux2Refiner:
         base_steps: int = 28,
         refine_strength: float = 0.3,
         strength_map: str = "linear",
-        steps: int = 28,
-        seed: int = 0,
-        sampler: str = "euler",
+        sampling: SamplingSettings | None = None,
         scale: int = 2,
-        mu: float | str | None = None,
-        schedule: str | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """The hires fix: base latents -> ``upscale`` (Flow Upscaler) -> refine at low strength -> decode.
@@ -372,9 +335,10 @@ class Flux2Refiner:
         The base is ``images`` encoded, or a txt2img at ``height x width`` (``base_steps``). ``upscale``
         maps normalized latents to normalized latents ``scale`` times larger. The refine pass is img2img
         on the upscaled normalized latents in the window below ``1 - refine_strength`` (``schedule``); both
-        passes shift with ``mu`` (for ``"empirical"``, each from its own size and step count).
+        passes shift with ``mu`` (for ``"empirical"``, each from its own size and step count). ``sampling``
+        is the refine pass's; the txt2img base runs it with ``base_steps``.
         """
-        check_sampler(sampler)
+        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.hires")
         start = denoising_start_for(refine_strength, strength_map)
         den = self.denoiser(**conditioning)
         params: dict[str, Any] = {}
@@ -387,9 +351,8 @@ class Flux2Refiner:
         else:
             if height is None or width is None:
                 raise FlowliftError("hires needs an input image or a txt2img size")
-            base_out = self.txt2img(
-                height=height, width=width, steps=base_steps, seed=seed, sampler=sampler, mu=mu, **conditioning
-            )
+            base_sampling = replace(sampling, steps=base_steps, schedule=None)  # a full window: no schedule choice
+            base_out = self.txt2img(height=height, width=width, sampling=base_sampling, **conditioning)
             base = base_out.latents
             params.update(base="txt2img", base_steps=base_steps, height=height, width=width)
             params["base_mu"] = base_out.parameters["mu"]
@@ -403,23 +366,17 @@ class Flux2Refiner:
             init=(up, None, None),
             shape=None,
             denoising_start=start,
-            steps=steps,
-            seed=seed,
-            sampler=sampler,
-            mu=mu,
-            schedule=schedule,
+            sampling=sampling,
         )
         params.update(
             self._parameters(
                 "hires",
                 result,
+                sampling,
                 scale=scale,
                 refine_strength=refine_strength,
                 strength_map=strength_map,
                 denoising_start=round(start, 6),
-                steps=steps,
-                seed=seed,
-                sampler=sampler,
                 **conditioning_parameters(conditioning, den),
             )
         )
