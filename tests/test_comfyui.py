@@ -75,6 +75,28 @@ def test_the_five_nodes_load_with_stable_ids_and_widget_order(server):
     assert not any("flowlift" in ln for ln in failed), failed
 
 
+def test_the_inputs_have_the_knob_tables_domain_and_default(server):
+    # issue 29: every widget's limits and default come from flowlift's knob tables (the seed: [0, 2^64 - 1])
+    from flowlift.upscale.settings import COLOR_FIX_KNOBS, UPSCALE_KNOBS
+
+    checked = 0
+    for node in NODE_IDS:
+        table = COLOR_FIX_KNOBS if node == "FlowliftColorFix" else UPSCALE_KNOBS
+        for name, spec in server.object_info[node]["input"]["required"].items():
+            if name not in table:
+                continue
+            knob, (kind, options) = table[name], (spec[0], spec[1] if len(spec) > 1 else {})
+            if knob.choices:
+                assert options.get("options", kind) == [knob.label(choice) for choice in knob.choices], (node, name)
+                assert options["default"] == knob.label(knob.default), (node, name)
+            else:
+                assert kind == ("INT" if knob.kind is int else "FLOAT"), (node, name)
+                assert (options["min"], options["max"], options["default"]) == (knob.low, knob.high, knob.default)
+            checked += 1
+    assert checked == 10  # scale, seed, transplant, chunked twice; color_fix_strength; the colour fix's strength
+    assert server.object_info["FlowliftUpscaleLatent"]["input"]["required"]["seed"][1]["max"] == 2**64 - 1
+
+
 def test_flux2_latent_workflow_equals_the_python_api(server):
     workflow = load_api_workflow("flux2_latent_upscale_4x.json")
     # 2x: the random full-size FLUX.2 VAE dominates this test's time on a CPU (4x chaining is checked with TAEF2)

@@ -87,8 +87,10 @@ def test_cli_options_have_the_knobs_domain_and_default(command, option):
     knob = table[name]
     action = action_of(parser_of(command), option)
     assert action.default == (knob.default if cli_default is ... else cli_default)
-    if knob.choices:
+    if knob.choices:  # argparse checks the choices; the type (if any) parses exactly
         assert tuple(action.choices) == knob.choices
+        assert all(action.type is None or action.type(str(choice)) == choice for choice in knob.choices)
+        return
     inside, outside = edge_values(knob)
     for value in inside:
         assert action.type(str(value)) == value

@@ -24,7 +24,7 @@ from flowlift.app.results import (
 from flowlift.app.service import AppService
 from flowlift.errors import FlowliftError
 from flowlift.jobs.batch import ITEM_ERRORS
-from flowlift.knobs import SEED
+from flowlift.knobs import SEED, Knob
 from flowlift.refine.settings import HIRES_SCALE, SAMPLER, STEPS, STRENGTH, STRENGTH_MAP
 
 #: Refine modes: img2img at the input size, or the hires fix (Flow Upscaler 2x/4x, then refine).
@@ -34,6 +34,18 @@ MAX_STEPS = STEPS.high
 
 def _no_progress(_fraction: float, _description: str) -> None:
     return None
+
+
+def _checked(knob: Knob, value: Any) -> Any:
+    """A request's value checked against its knob (JSON and form values parsed exactly), in this tab's words."""
+    try:
+        return knob.check(value, loose=True)
+    except FlowliftError:
+        if knob.kind is int:
+            domain = f"an integer in [{knob.low}, {knob.high}]"
+        else:
+            domain = f"a number in [{knob.low:g}, {knob.high:g}]"
+        raise FlowliftError(f"{knob.name} must be {domain}, got {value}") from None
 
 
 def _hires_upscaler(service: AppService, refiner: Any) -> Any:
@@ -104,9 +116,9 @@ def _refine(
         raise FlowliftError("no image uploaded")
     if mode not in MODES:
         raise FlowliftError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    strength = STRENGTH.check(strength, loose=True)  # the hires fix's refine strength shares its domain
-    steps = STEPS.check(steps, loose=True)
-    seed = SEED.check(seed, loose=True)  # exact: never through float()
+    strength = _checked(STRENGTH, strength)  # the hires fix's refine strength shares its domain
+    steps = _checked(STEPS, steps)
+    seed = _checked(SEED, seed)  # exact: never through float()
     strength_map = STRENGTH_MAP.check(strength_map, "strength map")
     sampler = SAMPLER.check(sampler)
     source = check_upload(path, service.config.max_upload_mb)

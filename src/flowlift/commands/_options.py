@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 from typing import Any
 
 from flowlift.devices import DTYPES, resolve_device_dtype  # noqa: F401  (imported by the commands from here)
@@ -126,8 +127,9 @@ def add_knob(
     command resolves the knob's default itself, a help line naming other options).
     """
     kwargs: dict[str, Any] = {"type": knob_type(knob), "default": knob.default, "help": knob.help}
-    if knob.choices:
+    if knob.choices:  # argparse checks the choices itself ("invalid choice: ... (choose from ...)")
         kwargs["choices"] = knob.choices
+        kwargs["type"] = None if knob.kind is str else knob_type(replace(knob, choices=(), low=None, high=None))
     elif knob.kind in (int, float):
         kwargs["metavar"] = "N" if knob.kind is int else "X"
         kwargs["help"] = f"{knob.help}; {knob.describe()}"

@@ -22,6 +22,9 @@ from flowlift.knobs import SEED
 from flowlift.refine.settings import MU, SAMPLER, SCHEDULE, STEPS, STRENGTH, STRENGTH_MAP
 
 #: The knob tables' values (torch-free modules, so --help stays fast).
+SAMPLERS = SAMPLER.choices
+STRENGTH_MAPS = STRENGTH_MAP.choices
+SCHEDULES = SCHEDULE.choices
 DEFAULT_MU = MU.default
 MU_RANGE = (MU.low, MU.high)
 
