@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,7 +186,3 @@ def table(*knobs: Knob) -> dict[str, Knob]:
             raise ValueError(f"knob {knob.name} declared twice")
         found[knob.name] = knob
     return found
-
-
-def choices_text(values: Sequence[Any]) -> str:
-    return ", ".join(map(str, values))

@@ -26,7 +26,7 @@ from flowlift.flux2.latents import (
 from flowlift.flux2.sampling import SAMPLERS
 from flowlift.flux2.schedule import DEFAULT_MU, EMPIRICAL_MU, SCHEDULES, flux2_sigmas, resolve_mu
 from flowlift.knobs import SEED
-from flowlift.refine.settings import STRENGTH_MAP
+from flowlift.refine.settings import STRENGTH, STRENGTH_MAP
 
 STRENGTH_MAPS = STRENGTH_MAP.choices
 
@@ -42,8 +42,7 @@ def denoising_start_for(strength: float, strength_map: str = "linear") -> float:
     """
     from flowlift.flux2.schedule import canvas_denoising_start, linear_denoising_start
 
-    if not 0.0 <= float(strength) <= 1.0:
-        raise FlowliftError(f"strength must be in [0, 1], got {strength}")
+    strength = STRENGTH.check(strength)  # the knob table's domain (the hires fix's refine strength: the same)
     if strength_map == "linear":
         return float(linear_denoising_start(float(strength)))
     if strength_map == "canvas":
