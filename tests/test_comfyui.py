@@ -100,6 +100,15 @@ def test_the_inputs_have_the_knob_tables_domain_and_default(server):
             checked += 1
     assert checked == 10  # scale, seed, transplant, chunked twice; color_fix_strength; the colour fix's strength
     assert server.object_info["FlowliftUpscaleLatent"]["input"]["required"]["seed"][1]["max"] == 2**64 - 1
+    # the widest seed runs (so `flowlift upscale --seed` can reproduce any workflow); one past it is refused
+    workflow = load_api_workflow("image_upscale_4x_taef2.json")
+    (key,) = [key for key, node in workflow.items() if node["class_type"] == "FlowliftUpscaleImage"]
+    workflow[key]["inputs"].update(seed=2**64 - 1, scale="2x")
+    entry = server.wait(server.queue(workflow))
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    workflow[key]["inputs"]["seed"] = 2**64
+    with pytest.raises(AssertionError, match="HTTP 400"):
+        server.queue(workflow)
 
 
 def test_flux2_latent_workflow_equals_the_python_api(server):

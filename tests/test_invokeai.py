@@ -186,6 +186,11 @@ def test_the_fields_have_the_knob_tables_domain_and_default(server):
                 assert (field["minimum"], field["maximum"], field["default"]) == (knob.low, knob.high, knob.default)
             checked += 1
     assert checked == 10  # scale, seed, transplant, chunked twice; color_fix_strength; the colour fix's strength
+    # the widest seed runs (a ComfyUI or `flowlift upscale` seed reproduces here); one past it is refused
+    item = server.run(graph({"up": upscale_image_node(server, "example.png", scale="2x", seed=2**64 - 1)}, []))
+    assert item["status"] == "completed", item.get("error_message")
+    with pytest.raises(AssertionError, match="HTTP 422"):
+        server.enqueue(graph({"up": upscale_image_node(server, "example.png", scale="2x", seed=2**64)}, []))
 
 
 def test_image_node_equals_the_pipeline_and_keeps_alpha(server, shared):
