@@ -1,8 +1,9 @@
 """Node-pack entry point for ComfyUI and InvokeAI: the repository (or a link to it) is the pack.
 
 * ComfyUI imports this file when the repository is in ``custom_nodes/``: the nodes live in
-  ``src/flowlift/comfyui``, the mappings below export them and ``WEB_DIRECTORY`` holds the pack's
-  frontend extension (seeds start at "fixed").
+  ``src/flowlift/comfyui`` on ComfyUI's V3 schema, ``comfy_entrypoint`` below hands them over (the
+  ``NODE_CLASS_MAPPINGS`` of the legacy API are None there, so ComfyUI takes the entry point) and
+  ``WEB_DIRECTORY`` holds the pack's frontend extension (seeds start at "fixed").
 * InvokeAI imports it when the repository is ``<INVOKEAI_ROOT>/nodes/flowlift`` (a link, a copy, or
   the Workflows tab's install from a git URL): importing ``src/flowlift/invokeai/nodes`` registers its
   invocations. InvokeAI registers this file under the folder's name, ``flowlift``, which is also the
@@ -48,15 +49,17 @@ elif __name__ == "flowlift":
     with open(__file__, encoding="utf-8") as _package_init:
         exec(compile(_package_init.read(), __file__, "exec"))  # the package's own names, in this module
     del _package_init
-    if _IN_COMFYUI:
-        from flowlift.comfyui.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: F401
+    if _IN_COMFYUI:  # V3 nodes: ComfyUI takes comfy_entrypoint only where NODE_CLASS_MAPPINGS is None
+        NODE_CLASS_MAPPINGS = NODE_DISPLAY_NAME_MAPPINGS = None
+        from flowlift.comfyui.nodes import comfy_entrypoint  # noqa: F401
 else:
     NODE_CLASS_MAPPINGS: dict = {}
     NODE_DISPLAY_NAME_MAPPINGS: dict = {}
 
-    if _IN_COMFYUI:
+    if _IN_COMFYUI:  # V3 nodes: ComfyUI takes comfy_entrypoint only where NODE_CLASS_MAPPINGS is None
         _src_first()
-        from flowlift.comfyui.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: F811
+        NODE_CLASS_MAPPINGS = NODE_DISPLAY_NAME_MAPPINGS = None  # type: ignore[assignment]
+        from flowlift.comfyui.nodes import comfy_entrypoint  # noqa: F401
     elif _IN_INVOKEAI:
         _src_first()
         import flowlift.invokeai.nodes  # noqa: F401  (registers the flowlift_* invocations)

@@ -223,6 +223,7 @@ def pipeline_rows(
     table: Table, args: argparse.Namespace, device: torch.device, base: int, size: tuple[int, int]
 ) -> None:
     from flowlift.upscale.pipeline import FlowUpscalerPipeline
+    from flowlift.upscale.settings import MemoryPolicy
 
     shared = Path(os.environ.get("FLOWLIFT_SHARED", ROOT.parent / "shared"))
     taef2 = shared / "models" / "taef2"
@@ -235,7 +236,8 @@ def pipeline_rows(
     gen = torch.Generator().manual_seed(2)
     image = torch.rand(1, 3, size[1], size[0], generator=gen)
     for budget in [None, *args.budgets]:
-        pipe = FlowUpscalerPipeline(model, str(taef2), device=device, dtype=dtype, max_memory=budget)
+        memory = MemoryPolicy(max_memory=budget)
+        pipe = FlowUpscalerPipeline(model, str(taef2), device=device, dtype=dtype, memory=memory)
         try:
             seconds, peak = timed(
                 lambda p=pipe: p.upscale_image(image, num_passes=args.passes, output_type="pt"), device, 1
@@ -318,7 +320,9 @@ def _refine_row(table, group, transformer, vae, image, emb, device, dtype, how, 
         return
 
     def run() -> object:
-        return refiner.img2img(image, strength=0.5, steps=4, seed=0, prompt_embeds=emb)
+        from flowlift.refine.settings import SamplingSettings
+
+        return refiner.img2img(image, strength=0.5, sampling=SamplingSettings(steps=4, seed=0), prompt_embeds=emb)
 
     try:
         seconds, peak = timed(run, device, 1, absolute=True)

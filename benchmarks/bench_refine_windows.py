@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -126,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     from flowlift.files.images import load_image, tensor_to_pil, to_tensor
 
     refiner, conditioning = build_refiner(args)
-    common = dict(steps=args.steps, seed=args.seed, sampler=args.sampler, mu=mu, **conditioning)
+    from flowlift.refine.settings import SamplingSettings
+
+    sampling = SamplingSettings(steps=args.steps, seed=args.seed, sampler=args.sampler, mu=mu)
+    common = dict(sampling=sampling, **conditioning)
     if args.image:
         base = to_tensor(load_image(args.image)[0])
         base_name = Path(args.image).name
@@ -152,9 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         tensor_to_pil(base[0]).save(args.out / "base.png")
     for strength in args.strengths:
         for schedule in SCHEDULES:
-            result = refiner.img2img(
-                base, strength=strength, strength_map=args.strength_map, schedule=schedule, **common
-            )
+            windowed = dict(common, sampling=replace(sampling, schedule=schedule))
+            result = refiner.img2img(base, strength=strength, strength_map=args.strength_map, **windowed)
             sigmas = result.parameters.get("sigmas", [])
             last = f"{sigmas[-2]:.3f}" if len(sigmas) >= 2 else "-"
             energy, levels, sigma = measure(result.images[0].cpu(), box)

@@ -104,6 +104,25 @@ def test_upscale_endpoint_and_queue_with_gradio_client(server, shared, tmp_path)
     assert waited > 0.5, f"the waiting request was seen in the queue for {waited:.2f} s"
 
 
+def test_the_api_keeps_large_seeds_exact(server, shared, tmp_path):
+    # issue 29: the API passed the seed through float(), so seeds 2^53 and 2^53 + 1 gave the same image
+    _demo, url, _service = server
+    source = tmp_path / "kodim03.png"
+    with Image.open(shared / "images" / "kodak" / "kodim03.png") as image:
+        image.convert("RGB").resize((64, 48), Image.Resampling.BOX).save(source)
+    client = Client(url, verbose=False)
+    seeds, pixels = [], []
+    for seed in (2**53, 2**53 + 1, 2**64 - 1):
+        _, download, _ = client.predict(handle_file(str(source)), 2, seed, 1.0, 1.0, api_name="/upscale")
+        with Image.open(download) as png:
+            seeds.append(json.loads(png.text["flowlift.parameters"])["seed"])
+            pixels.append(png.tobytes())
+    assert seeds == [2**53, 2**53 + 1, 2**64 - 1]
+    assert pixels[0] != pixels[1]
+    with pytest.raises(Exception, match=r"seed must be a non-negative integer at most 18446744073709551615"):
+        client.predict(handle_file(str(source)), 2, 2**64, 1.0, 1.0, api_name="/upscale")
+
+
 def test_a_taken_port_is_one_error_line(capsys, tmp_path, monkeypatch, shared):
     import socket
     import threading

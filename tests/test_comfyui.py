@@ -49,6 +49,11 @@ WIDGET_ORDER = {
 }
 
 
+def combo_options(spec: list) -> list:
+    """A drop-down's choices in /object_info: ``["COMBO", {"options": [...]}]`` (V3 nodes) or ``[[...], {...}]``."""
+    return spec[1]["options"] if spec[0] == "COMBO" else spec[0]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, shared):
     """ComfyUI v0.8.0 with this pack in custom_nodes/, serving on 127.0.0.1; stopped after the module."""
@@ -67,12 +72,43 @@ def test_the_five_nodes_load_with_stable_ids_and_widget_order(server):
     for node, order in WIDGET_ORDER.items():
         assert info[node]["input_order"]["required"] == order, node
     # our files are listed through ComfyUI's own folders, extra_model_paths.yaml folders included
-    names = info["FlowliftUpscalerLoader"]["input"]["required"]["upscaler_name"][0]
+    names = combo_options(info["FlowliftUpscalerLoader"]["input"]["required"]["upscaler_name"])
     assert {"flow_upscaler.safetensors", "corrupt.safetensors", "extra_upscaler.safetensors"} <= set(names)
-    taef2_names = info["FlowliftTAEF2Loader"]["input"]["required"]["taef2_name"][0]
+    taef2_names = combo_options(info["FlowliftTAEF2Loader"]["input"]["required"]["taef2_name"])
     assert taef2_names == ["taef2_decoder.pth", "taef2_encoder.pth"]
     failed = [ln for ln in server.log.read_text(errors="replace").splitlines() if "IMPORT FAILED" in ln]
     assert not any("flowlift" in ln for ln in failed), failed
+
+
+def test_the_inputs_have_the_knob_tables_domain_and_default(server):
+    # issue 29: every widget's limits and default come from flowlift's knob tables (the seed: [0, 2^64 - 1])
+    from flowlift.upscale.settings import COLOR_FIX_KNOBS, UPSCALE_KNOBS
+
+    checked = 0
+    for node in NODE_IDS:
+        table = COLOR_FIX_KNOBS if node == "FlowliftColorFix" else UPSCALE_KNOBS
+        for name, spec in server.object_info[node]["input"]["required"].items():
+            if name not in table:
+                continue
+            knob, (kind, options) = table[name], (spec[0], spec[1] if len(spec) > 1 else {})
+            if knob.choices:
+                assert combo_options(spec) == [knob.label(choice) for choice in knob.choices], (node, name)
+                assert options["default"] == knob.label(knob.default), (node, name)
+            else:
+                assert kind == ("INT" if knob.kind is int else "FLOAT"), (node, name)
+                assert (options["min"], options["max"], options["default"]) == (knob.low, knob.high, knob.default)
+            checked += 1
+    assert checked == 10  # scale, seed, transplant, chunked twice; color_fix_strength; the colour fix's strength
+    assert server.object_info["FlowliftUpscaleLatent"]["input"]["required"]["seed"][1]["max"] == 2**64 - 1
+    # the widest seed runs (so `flowlift upscale --seed` can reproduce any workflow); one past it is refused
+    workflow = load_api_workflow("image_upscale_4x_taef2.json")
+    (key,) = [key for key, node in workflow.items() if node["class_type"] == "FlowliftUpscaleImage"]
+    workflow[key]["inputs"].update(seed=2**64 - 1, scale="2x")
+    entry = server.wait(server.queue(workflow))
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    workflow[key]["inputs"]["seed"] = 2**64
+    with pytest.raises(AssertionError, match="HTTP 400"):
+        server.queue(workflow)
 
 
 def test_flux2_latent_workflow_equals_the_python_api(server):

@@ -172,6 +172,32 @@ def test_the_pack_loads_and_its_invocations_are_in_the_openapi_schema(server):
     assert not server.log_lines("Failed to load node pack")
 
 
+def test_the_fields_have_the_knob_tables_domain_and_default(server):
+    # issue 29: every field's limits and default come from flowlift's knob tables (the seed: [0, 2^64 - 1])
+    from flowlift.upscale.settings import COLOR_FIX_KNOBS, UPSCALE_KNOBS
+
+    schemas = server.request("GET", "/openapi.json")["components"]["schemas"]
+    checked = 0
+    for node_type, (schema_name, _title) in NODE_TYPES.items():
+        table = COLOR_FIX_KNOBS if node_type == "flowlift_color_fix" else UPSCALE_KNOBS
+        for name, field in schemas[schema_name]["properties"].items():
+            if name not in table or field.get("field_kind") != "input":
+                continue
+            knob = table[name]
+            if knob.choices:
+                assert field["enum"] == [knob.label(choice) for choice in knob.choices], (node_type, name)
+                assert field["default"] == knob.label(knob.default), (node_type, name)
+            else:
+                assert (field["minimum"], field["maximum"], field["default"]) == (knob.low, knob.high, knob.default)
+            checked += 1
+    assert checked == 10  # scale, seed, transplant, chunked twice; color_fix_strength; the colour fix's strength
+    # the widest seed runs (a ComfyUI or `flowlift upscale` seed reproduces here); one past it is refused
+    item = server.run(graph({"up": upscale_image_node(server, "example.png", scale="2x", seed=2**64 - 1)}, []))
+    assert item["status"] == "completed", item.get("error_message")
+    with pytest.raises(AssertionError, match="HTTP 422"):
+        server.enqueue(graph({"up": upscale_image_node(server, "example.png", scale="2x", seed=2**64)}, []))
+
+
 def test_image_node_equals_the_pipeline_and_keeps_alpha(server, shared):
     nodes = {
         "rgb": upscale_image_node(server, "example.png"),

@@ -52,6 +52,13 @@ def resolve_device_option(device: str | None, option: str = "--device") -> torch
         raise FlowliftError(f"{option} {device}: {error}") from None
 
 
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """The one ``--dtype auto`` rule every front-end and pipeline uses: bfloat16 on CUDA, else float32."""
+    import torch
+
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
 def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
     """``(torch.device, torch.dtype)`` from the option values; one FlowliftError line for a bad device.
 
@@ -62,7 +69,7 @@ def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.d
 
     dev = resolve_device_option(device)
     if dtype in (None, "auto"):
-        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        dt = default_dtype(dev)
     elif dtype in DTYPES:
         dt = getattr(torch, dtype)
     else:

@@ -29,8 +29,10 @@ from typing import Any
 
 from flowlift.app.detail import INPUT_FILTERS, ZOOMS, detail_html, detail_view, overview_to_output
 from flowlift.app.results import PREVIEW_MAX_SIDE
-from flowlift.app.service import SCALES, AppService
+from flowlift.app.service import AppService
 from flowlift.errors import FlowliftError
+from flowlift.knobs import SEED
+from flowlift.upscale.settings import COLOR_FIX_STRENGTH, SCALE, TRANSPLANT_STRENGTH
 
 #: Fonts the browser has already: the default theme would fetch web fonts from the internet.
 SYSTEM_FONTS = ["ui-sans-serif", "system-ui", "sans-serif"]
@@ -294,23 +296,23 @@ def _batch_tab(gr: Any, service: AppService, on: SimpleNamespace, queue: dict) -
 def _upscale_controls(gr: Any, service: AppService, prefix: str) -> list[Any]:
     """Scale, seed, both strengths and the VAE choice (the API's argument order). The strengths are
     labelled by what they do; the help line under each gives the stage and its maths."""
-    scale = gr.Radio(list(SCALES), value=2, label="Scale", elem_id=f"{prefix}-scale")
-    seed = gr.Number(value=0, precision=0, minimum=0, label="Seed", elem_id=f"{prefix}-seed")
+    scale = gr.Radio(list(SCALE.choices), value=SCALE.default, label="Scale", elem_id=f"{prefix}-scale")
+    seed = seed_number(gr, elem_id=f"{prefix}-seed")
     transplant = gr.Slider(
-        0.0,
-        1.0,
-        value=1.0,
-        step=0.05,
+        TRANSPLANT_STRENGTH.low,
+        TRANSPLANT_STRENGTH.high,
+        value=TRANSPLANT_STRENGTH.default,
+        step=TRANSPLANT_STRENGTH.step,
         label="Keep the input's broad shapes and shading",
         info="Stage 1, after every 2x pass: this share of the coarse band (below 1/8 of the latent "
         "resolution) is set to the input's. 1 = exactly the input's; 0 = the model's own.",
         elem_id=f"{prefix}-transplant",
     )
     color_fix = gr.Slider(
-        0.0,
-        1.0,
-        value=1.0,
-        step=0.05,
+        COLOR_FIX_STRENGTH.low,
+        COLOR_FIX_STRENGTH.high,
+        value=COLOR_FIX_STRENGTH.default,
+        step=COLOR_FIX_STRENGTH.step,
         label="Match the input's colours and brightness",
         info="Stage 2, after decoding: 1 = averaged over each input pixel, the result's L*a*b* colour equals "
         "the input's; 0.5 leaves half the difference; 0 = no correction. Fine detail is not touched.",
@@ -319,6 +321,11 @@ def _upscale_controls(gr: Any, service: AppService, prefix: str) -> list[Any]:
     labels = list(service.vae_labels)
     vae = gr.Dropdown(labels, value=labels[0], label="VAE", interactive=len(labels) > 1, elem_id=f"{prefix}-vae")
     return [scale, seed, transplant, color_fix, vae]
+
+
+def seed_number(gr: Any, **kwargs: Any) -> Any:
+    """The seed field of every tab, from :data:`flowlift.knobs.SEED` (its default and range)."""
+    return gr.Number(value=SEED.default, precision=0, minimum=SEED.low, maximum=SEED.high, label="Seed", **kwargs)
 
 
 def start_lines(local_url: str, share_url: str | None, host: str) -> list[str]:

@@ -24,25 +24,28 @@ from flowlift.app.results import (
 from flowlift.app.service import AppService
 from flowlift.errors import FlowliftError
 from flowlift.jobs.batch import ITEM_ERRORS
+from flowlift.knobs import SEED, Knob
+from flowlift.refine.settings import HIRES_SCALE, SAMPLER, STEPS, STRENGTH, STRENGTH_MAP
 
-#: Refine modes: img2img at the input size, or the hires fix (Flow Upscaler 2x/4x, then refine).
-MODES = {"img2img": 0, "hires fix 2x": 2, "hires fix 4x": 4}
-MAX_STEPS = 200
+#: Refine modes: img2img at the input size, or the hires fix (Flow Upscaler 2x/4x/8x, then refine).
+MODES = {"img2img": 0, **{f"hires fix {factor}x": factor for factor in HIRES_SCALE.choices}}
+MAX_STEPS = STEPS.high
 
 
 def _no_progress(_fraction: float, _description: str) -> None:
     return None
 
 
-def _check_number(name: str, value: Any, low: float, high: float, integer: bool = False) -> Any:
+def _checked(knob: Knob, value: Any) -> Any:
+    """A request's value checked against its knob (JSON and form values parsed exactly), in this tab's words."""
     try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise FlowliftError(f"{name} must be a number, got {value!r}") from None
-    if not low <= number <= high or (integer and not number.is_integer()):
-        kind = "an integer" if integer else "a number"
-        raise FlowliftError(f"{name} must be {kind} in [{low:g}, {high:g}], got {value}")
-    return int(number) if integer else number
+        return knob.check(value, loose=True)
+    except FlowliftError:
+        if knob.kind is int:
+            domain = f"an integer in [{knob.low}, {knob.high}]"
+        else:
+            domain = f"a number in [{knob.low:g}, {knob.high:g}]"
+        raise FlowliftError(f"{knob.name} must be {domain}, got {value}") from None
 
 
 def _hires_upscaler(service: AppService, refiner: Any) -> Any:
@@ -105,21 +108,19 @@ def _refine(
     from flowlift.files.image_outputs import input_hashes, save_image_atomic
     from flowlift.files.images import attach_alpha, load_image, tensor_to_pil, to_tensor
     from flowlift.files.naming import refined_output
-    from flowlift.flux2.sampling import SAMPLERS
-    from flowlift.refine.loop import STRENGTH_MAPS
     from flowlift.refine.prompts import load_prompt_embeds
+    from flowlift.refine.settings import SamplingSettings
+    from flowlift.upscale.settings import SCALE_PASSES
 
     if not path:
         raise FlowliftError("no image uploaded")
     if mode not in MODES:
         raise FlowliftError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    strength = _check_number("strength", strength, 0.0, 1.0)
-    steps = _check_number("steps", steps, 1, MAX_STEPS, integer=True)
-    seed = _check_number("seed", seed, 0, 2**63 - 1, integer=True)
-    if strength_map not in STRENGTH_MAPS:
-        raise FlowliftError(f"strength map must be one of {', '.join(STRENGTH_MAPS)}, got {strength_map!r}")
-    if sampler not in SAMPLERS:
-        raise FlowliftError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    strength = _checked(STRENGTH, strength)  # the hires fix's refine strength shares its domain
+    steps = _checked(STEPS, steps)
+    seed = _checked(SEED, seed)  # exact: never through float()
+    strength_map = STRENGTH_MAP.check(strength_map, "strength map")
+    sampler = SAMPLER.check(sampler)
     source = check_upload(path, service.config.max_upload_mb)
     embeds = negative = None
     embeds_path = Path(prompt_embeds) if prompt_embeds else None
@@ -144,12 +145,13 @@ def _refine(
     refiner.progress = True  # its tqdm bar is what the page's progress follows
     conditioning = {"prompt": None if embeds is not None else prompt, "prompt_embeds": embeds}
     conditioning["negative_prompt_embeds"] = negative
-    common = dict(strength_map=strength_map, steps=steps, seed=seed, sampler=sampler, **conditioning)
+    sampling = SamplingSettings(steps=steps, seed=seed, sampler=sampler)
+    common = dict(strength_map=strength_map, sampling=sampling, **conditioning)
     folder = service._new_result_dir()
     try:
         if scale:
             upscaler = _hires_upscaler(service, refiner)
-            passes = {2: 1, 4: 2}[scale]
+            passes = SCALE_PASSES[scale]
 
             def upscale(latents: Any) -> Any:
                 return upscaler.upscale_latents(latents, num_passes=passes, seed=seed)
@@ -181,9 +183,6 @@ def _refine(
 
 def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_error: Any, upload_path: Any) -> None:
     """The Refine tab and its ``refine`` endpoint (built inside the page's ``gr.Blocks``)."""
-    from flowlift.flux2.sampling import SAMPLERS
-    from flowlift.refine.loop import STRENGTH_MAPS
-
     follow_tqdm = gr.Progress(track_tqdm=True)
 
     def run(image, prompt, embeds, mode, strength, strength_map, steps, seed, sampler, progress=follow_tqdm):
@@ -220,26 +219,30 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
                 embeds = gr.File(label="Prompt embeddings (.safetensors with 'prompt_embeds')", elem_id="refine-embeds")
                 mode = gr.Radio(list(MODES), value="img2img", label="Mode")
                 strength = gr.Slider(
-                    0.0,
-                    1.0,
-                    value=0.5,
-                    step=0.01,
+                    STRENGTH.low,
+                    STRENGTH.high,
+                    value=STRENGTH.default,
+                    step=STRENGTH.step,
                     label="How much to redraw the image",
                     info="0 keeps it, 1 draws it anew from noise (hires fix: the redraw after the upscale). "
                     "Sampling starts at denoising_start = 1 - strength (linear) or 1 - strength**0.2 (canvas).",
                 )
                 strength_map = gr.Radio(
-                    list(STRENGTH_MAPS),
-                    value="linear",
+                    list(STRENGTH_MAP.choices),
+                    value=STRENGTH_MAP.default,
                     label="How strength is counted",
                     info="linear: 0.5 redraws the last half of the schedule; canvas: as canvas apps count it, "
                     "much stronger at the same number (0.5 redraws 87%)",
                 )
                 steps = gr.Number(
-                    value=28, precision=0, minimum=1, maximum=MAX_STEPS, label="Steps of the full schedule"
+                    value=STEPS.default,
+                    precision=0,
+                    minimum=STEPS.low,
+                    maximum=STEPS.high,
+                    label="Steps of the full schedule",
                 )
-                seed = gr.Number(value=0, precision=0, minimum=0, label="Seed")
-                sampler = gr.Radio(list(SAMPLERS), value="euler", label="Sampler")
+                seed = gr.Number(value=SEED.default, precision=0, minimum=SEED.low, maximum=SEED.high, label="Seed")
+                sampler = gr.Radio(list(SAMPLER.choices), value=SAMPLER.default, label="Sampler")
                 button = gr.Button("Refine", variant="primary", elem_id="refine-button")
             with gr.Column():
                 slider = gr.ImageSlider(label="Before / after", type="pil", format="png", elem_id="refine-slider")

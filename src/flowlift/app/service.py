@@ -35,8 +35,9 @@ from flowlift.app.results import (
 )
 from flowlift.errors import FlowliftError
 from flowlift.jobs.batch import ITEM_ERRORS
+from flowlift.knobs import SEED
+from flowlift.upscale.settings import COLOR_FIX_STRENGTH, SCALE, TRANSPLANT_STRENGTH
 
-SCALES = (2, 4, 8)
 DEFAULT_MAX_UPLOAD_MB = 50.0
 #: Result folders older than this are removed when a new request starts (Gradio keeps its own copy).
 RESULT_MAX_AGE_S = 3600.0
@@ -167,8 +168,8 @@ class AppService:
 
         return UpscaleSettings(
             seed=seed,
-            transplant_strength=float(transplant),
-            color_fix_strength=float(color_fix),
+            transplant_strength=transplant,
+            color_fix_strength=color_fix,
             vae=vae,
             upscaler=self.config.upscaler,
         )
@@ -197,22 +198,18 @@ class AppService:
     # -- handlers ------------------------------------------------------------------------------------
 
     def _validate(self, scale: Any, seed: Any, transplant: Any, color_fix: Any, vae: Any) -> tuple:
-        try:
-            scale_i = int(scale)
-            seed_f = float(seed)
-            transplant_f, color_f = float(transplant), float(color_fix)
-        except (TypeError, ValueError):
-            raise FlowliftError(
-                f"scale, seed and strengths must be numbers, got {scale!r}, {seed!r}, {transplant!r}, {color_fix!r}"
-            ) from None
-        if scale_i not in SCALES:
-            raise FlowliftError(f"scale must be one of {', '.join(map(str, SCALES))}, got {scale}")
-        if not seed_f.is_integer() or not 0 <= seed_f < 2**63:
-            raise FlowliftError(f"seed must be a non-negative integer, got {seed}")
-        for name, value in (("transplant strength", transplant_f), ("colour-fix strength", color_f)):
-            if not 0.0 <= value <= 1.0:
-                raise FlowliftError(f"{name} must be in [0, 1], got {value}")
-        return scale_i, int(seed_f), transplant_f, color_f, self.vae_spec(vae)
+        """A request's settings checked against the knob table (:data:`flowlift.upscale.settings.UPSCALE_KNOBS`).
+
+        JSON and form values are parsed exactly (``loose``: integers, digit strings, whole floats up to
+        2^53), so the seed is never passed through ``float()``: 2^53 + 1 stays 2^53 + 1.
+        """
+        return (
+            SCALE.check(scale, loose=True),
+            SEED.check(seed, loose=True),
+            TRANSPLANT_STRENGTH.check(transplant, "transplant strength", loose=True),
+            COLOR_FIX_STRENGTH.check(color_fix, "colour-fix strength", loose=True),
+            self.vae_spec(vae),
+        )
 
     def _upscale_into(
         self,

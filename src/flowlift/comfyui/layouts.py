@@ -16,21 +16,25 @@ import torch.nn.functional as F
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import PATCHIFIED_CHANNELS, from_comfyui_latent, patchify
+from flowlift.knobs import SEED_MAX, Knob  # noqa: F401  (SEED_MAX: the seed widgets' maximum)
 from flowlift.upscale.colorfix_image import integer_scale
+from flowlift.upscale.settings import COLOR_FIX_KNOBS, UPSCALE_KNOBS
 
-SEED_MAX = 0xFFFFFFFFFFFFFFFF
-#: Every numeric widget of every node, with its (lowest, highest) value and whether it is an integer: the
-#: nodes check theirs with :func:`check_numbers` before any work (ComfyUI's own min/max check lets NaN
-#: through, and a node called from Python gets no check at all). A test keeps this equal to the nodes'
-#: INT and FLOAT inputs.
-NUMERIC_INPUTS: dict[str, dict[str, tuple[float, float, bool]]] = {
-    "FlowliftUpscaleLatent": {"seed": (0, SEED_MAX, True), "transplant_strength": (0.0, 1.0, False)},
+#: The knobs behind each node's numeric widgets (input name -> knob of the capability's table).
+NODE_KNOBS: dict[str, dict[str, Knob]] = {
+    "FlowliftUpscaleLatent": {name: UPSCALE_KNOBS[name] for name in ("seed", "transplant_strength")},
     "FlowliftUpscaleImage": {
-        "seed": (0, SEED_MAX, True),
-        "transplant_strength": (0.0, 1.0, False),
-        "color_fix_strength": (0.0, 1.0, False),
+        name: UPSCALE_KNOBS[name] for name in ("seed", "transplant_strength", "color_fix_strength")
     },
-    "FlowliftColorFix": {"strength": (0.0, 1.0, False)},
+    "FlowliftColorFix": dict(COLOR_FIX_KNOBS),
+}
+#: Every numeric widget of every node, with its (lowest, highest) value and whether it is an integer, from
+#: the knob tables: the nodes check theirs with :func:`check_numbers` before any work (ComfyUI's own min/max
+#: check lets NaN through, and a node called from Python gets no check at all). A test keeps this equal to
+#: the nodes' INT and FLOAT inputs.
+NUMERIC_INPUTS: dict[str, dict[str, tuple[float, float, bool]]] = {
+    node: {name: (knob.low, knob.high, knob.kind is int) for name, knob in knobs.items()}
+    for node, knobs in NODE_KNOBS.items()
 }
 
 

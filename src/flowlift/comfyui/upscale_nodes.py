@@ -1,4 +1,6 @@
-"""The three image/latent nodes: FlowliftUpscaleLatent, FlowliftUpscaleImage, FlowliftColorFix.
+"""The three image/latent nodes (ComfyUI's V3 schema): FlowliftUpscaleLatent, FlowliftUpscaleImage,
+FlowliftColorFix. Their widgets' limits and defaults come from the knob tables
+(:data:`flowlift.upscale.settings.UPSCALE_KNOBS`) through :func:`knob_input`.
 
 ComfyUI's part (memory management, progress bar, cancel, output device) is done here; the work is
 flowlift's :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline` and
@@ -16,15 +18,25 @@ import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.utils
 import torch
+from comfy_api.latest import io
 
 from flowlift.comfyui import layouts
-from flowlift.comfyui.loaders import CATEGORY, UPSCALER_TYPE
+from flowlift.comfyui.loaders import CATEGORY, UPSCALER
 from flowlift.comfyui.vae_adapters import ComfyFlux2VAE, TAEF2ComfyVAE
 from flowlift.errors import FlowliftError
+from flowlift.knobs import SEED, Knob
 from flowlift.upscale.chunked.budget import CUDA_BUDGET_FRACTION
 from flowlift.upscale.colorfix import lab_lowband_transplant
-from flowlift.upscale.node_choices import CHUNKING, SCALES, chunked_flag, passes_for
+from flowlift.upscale.node_choices import chunked_flag, passes_for
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
+from flowlift.upscale.settings import (
+    CHUNKED,
+    COLOR_FIX_KNOBS,
+    COLOR_FIX_STRENGTH,
+    SCALE,
+    TRANSPLANT_STRENGTH,
+    MemoryPolicy,
+)
 from flowlift.upscale.sizes import MAX_OUTPUT_SIDE
 
 log = logging.getLogger("flowlift")
@@ -84,8 +96,7 @@ def make_pipeline(
         vae,
         device=device,
         dtype=param.dtype,
-        chunked=chunked_flag(chunked),
-        chunk_budget_bytes=budget,
+        memory=MemoryPolicy(chunked=chunked_flag(chunked), chunk_budget_bytes=budget),
         on_strip=progress.strip,
     )
 
@@ -100,68 +111,52 @@ def run_logging_warnings(fn: Callable[[], Any]) -> Any:
     return result
 
 
-def upscaler_inputs() -> dict[str, tuple]:
+def knob_input(name: str, knob: Knob, **extra: Any) -> io.Input:
+    """A ComfyUI V3 widget from a knob of the tables: INT/FLOAT with its default, min, max and step, or a combo
+    of its choices (labelled as the node packs show them), with the knob's help as tooltip."""
+    if knob.choices:
+        options = [knob.label(choice) for choice in knob.choices]
+        return io.Combo.Input(name, options=options, default=knob.label(knob.default), tooltip=knob.help, **extra)
+    widget = io.Int if knob.kind is int else io.Float
+    return widget.Input(
+        name, default=knob.default, min=knob.low, max=knob.high, step=knob.step, tooltip=knob.help, **extra
+    )
+
+
+def upscaler_inputs() -> list[io.Input]:
     """Widgets shared by both upscale nodes, in their saved order."""
-    return {
-        "scale": (list(SCALES), {"default": "2x", "tooltip": "2x per pass: 2x = 1 pass, 4x = 2, 8x = 3"}),
-        "seed": (
-            "INT",
-            {
-                "default": 0,
-                "min": 0,
-                "max": layouts.SEED_MAX,
-                "control_after_generate": True,  # the pack's frontend extension (web/) starts it at "fixed"
-                "tooltip": "noise seed; the same seed gives the same image",
-            },
-        ),
-        "transplant_strength": (
-            "FLOAT",
-            {
-                "default": 1.0,
-                "min": 0.0,
-                "max": 1.0,
-                "step": 0.05,
-                "tooltip": "stage 1: how much of the latent low band comes from the input (1 = exactly)",
-            },
-        ),
-    }
+    return [
+        knob_input("scale", SCALE),
+        # the pack's frontend extension (web/) starts "control after generate" at "fixed"
+        knob_input("seed", SEED, control_after_generate=True),
+        knob_input("transplant_strength", TRANSPLANT_STRENGTH),
+    ]
 
 
-CHUNKED_INPUT = (
-    list(CHUNKING),
-    {
-        "default": "auto",
-        "tooltip": "exact bounded-memory UNet execution in row strips: auto = when the plain pass would not fit "
-        "in half of the free memory",
-    },
-)
-
-
-class FlowliftUpscaleLatent:
+class FlowliftUpscaleLatent(io.ComfyNode):
     """FLUX.2 LATENT -> 2x/4x/8x LATENT with the Flow Upscaler (stage 1 colour fix in latent space)."""
 
-    DESCRIPTION = (
-        "Upscales a FLUX.2 LATENT 2x per pass with the Flow Upscaler; equals flowlift's "
-        "FlowUpscalerPipeline.upscale_latents for the same seed."
-    )
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("LATENT",)
-    FUNCTION = "upscale"
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="FlowliftUpscaleLatent",
+            display_name="Flow Upscale Latent (flowlift)",
+            category=CATEGORY,
+            description="Upscales a FLUX.2 LATENT 2x per pass with the Flow Upscaler; equals flowlift's "
+            "FlowUpscalerPipeline.upscale_latents for the same seed.",
+            inputs=[
+                UPSCALER.Input("upscaler"),
+                io.Latent.Input("samples"),
+                *upscaler_inputs(),
+                knob_input("chunked", CHUNKED),
+            ],
+            outputs=[io.Latent.Output()],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls) -> dict:  # noqa: N802
-        return {
-            "required": {
-                "upscaler": (UPSCALER_TYPE,),
-                "samples": ("LATENT",),
-                **upscaler_inputs(),
-                "chunked": CHUNKED_INPUT,
-            }
-        }
-
-    def upscale(
-        self, upscaler: Any, samples: dict, scale: str, seed: int, transplant_strength: float, chunked: str
-    ) -> tuple:
+    def execute(
+        cls, upscaler: Any, samples: dict, scale: str, seed: int, transplant_strength: float, chunked: str
+    ) -> io.NodeOutput:
         checked = layouts.check_numbers("FlowliftUpscaleLatent", seed=seed, transplant_strength=transplant_strength)
         latents = layouts.flux2_latents(samples, "FlowliftUpscaleLatent")
         passes = passes_for(scale)
@@ -170,44 +165,35 @@ class FlowliftUpscaleLatent:
         result = run_logging_warnings(
             lambda: pipeline.upscale_latents(latents, passes, **checked, callback=progress.stage)
         )
-        return (layouts.upscaled_latent_dict(samples, result, mm.intermediate_device()),)
+        return io.NodeOutput(layouts.upscaled_latent_dict(samples, result, mm.intermediate_device()))
 
 
-class FlowliftUpscaleImage:
+class FlowliftUpscaleImage(io.ComfyNode):
     """IMAGE -> 2x/4x/8x IMAGE: encode, Flow Upscaler passes, decode, both colour stages."""
 
-    DESCRIPTION = (
-        "Upscales an image with the Flow Upscaler through a FLUX.2 VAE or TAEF2, with both colour-drift "
-        f"corrections; outputs are capped at {MAX_OUTPUT_SIDE} px a side (passes beyond are dropped with a warning)."
-    )
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("IMAGE",)
-    FUNCTION = "upscale"
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="FlowliftUpscaleImage",
+            display_name="Flow Upscale Image (flowlift)",
+            category=CATEGORY,
+            description="Upscales an image with the Flow Upscaler through a FLUX.2 VAE or TAEF2, with both "
+            f"colour-drift corrections; outputs are capped at {MAX_OUTPUT_SIDE} px a side (passes beyond are "
+            "dropped with a warning).",
+            inputs=[
+                io.Image.Input("image"),
+                UPSCALER.Input("upscaler"),
+                io.Vae.Input("vae", tooltip="the FLUX.2 VAE (VAELoader) or TAEF2 (FlowliftTAEF2Loader)"),
+                *upscaler_inputs(),
+                knob_input("color_fix_strength", COLOR_FIX_STRENGTH),
+                knob_input("chunked", CHUNKED),
+            ],
+            outputs=[io.Image.Output()],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls) -> dict:  # noqa: N802
-        return {
-            "required": {
-                "image": ("IMAGE",),
-                "upscaler": (UPSCALER_TYPE,),
-                "vae": ("VAE", {"tooltip": "the FLUX.2 VAE (VAELoader) or TAEF2 (FlowliftTAEF2Loader)"}),
-                **upscaler_inputs(),
-                "color_fix_strength": (
-                    "FLOAT",
-                    {
-                        "default": 1.0,
-                        "min": 0.0,
-                        "max": 1.0,
-                        "step": 0.05,
-                        "tooltip": "stage 2: how much of the input's colour and tone (L*a*b* low band) to restore",
-                    },
-                ),
-                "chunked": CHUNKED_INPUT,
-            }
-        }
-
-    def upscale(
-        self,
+    def execute(
+        cls,
         image: torch.Tensor,
         upscaler: Any,
         vae: Any,
@@ -216,7 +202,7 @@ class FlowliftUpscaleImage:
         transplant_strength: float,
         color_fix_strength: float,
         chunked: str,
-    ) -> tuple:
+    ) -> io.NodeOutput:
         checked = layouts.check_numbers(
             "FlowliftUpscaleImage",
             seed=seed,
@@ -236,35 +222,35 @@ class FlowliftUpscaleImage:
         result = run_logging_warnings(
             lambda: pipeline.upscale_image(images, passes, **checked, output_type="pt", callback=progress.stage)
         )
-        return (layouts.nchw_to_image(result, mm.intermediate_device()),)
+        return io.NodeOutput(layouts.nchw_to_image(result, mm.intermediate_device()))
 
 
-class FlowliftColorFix:
+class FlowliftColorFix(io.ComfyNode):
     """Stage 2 alone: pin an upscaled image's colour and tone to its source (any upscaler's output)."""
 
-    DESCRIPTION = (
-        "Restores the source's colour and tone below its Nyquist (exact L*a*b* low-band transplant) in an image "
-        "upscaled by any method; the image must be an integer multiple of the reference's size."
-    )
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("IMAGE",)
-    FUNCTION = "fix"
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="FlowliftColorFix",
+            display_name="Colour Fix, stage 2 (flowlift)",
+            category=CATEGORY,
+            description="Restores the source's colour and tone below its Nyquist (exact L*a*b* low-band "
+            "transplant) in an image upscaled by any method; the image must be an integer multiple of the "
+            "reference's size.",
+            inputs=[
+                io.Image.Input("image", tooltip="the upscaled image"),
+                io.Image.Input("reference", tooltip="the image it was upscaled from"),
+                knob_input("strength", COLOR_FIX_KNOBS["strength"]),
+            ],
+            outputs=[io.Image.Output()],
+        )
 
     @classmethod
-    def INPUT_TYPES(cls) -> dict:  # noqa: N802
-        return {
-            "required": {
-                "image": ("IMAGE", {"tooltip": "the upscaled image"}),
-                "reference": ("IMAGE", {"tooltip": "the image it was upscaled from"}),
-                "strength": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.05}),
-            }
-        }
-
-    def fix(self, image: torch.Tensor, reference: torch.Tensor, strength: float) -> tuple:
+    def execute(cls, image: torch.Tensor, reference: torch.Tensor, strength: float) -> io.NodeOutput:
         strength = layouts.check_numbers("FlowliftColorFix", strength=strength)["strength"]
         device = mm.get_torch_device()
         images = layouts.image_to_nchw(image, "FlowliftColorFix image").to(device)
         ref = layouts.matched_reference(images, layouts.image_to_nchw(reference, "FlowliftColorFix reference"))
         mm.throw_exception_if_processing_interrupted()
         result = lab_lowband_transplant(images, ref.to(device), strength)
-        return (layouts.nchw_to_image(result, mm.intermediate_device()),)
+        return io.NodeOutput(layouts.nchw_to_image(result, mm.intermediate_device()))

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
+from typing import Any
 
 from flowlift.devices import DTYPES, resolve_device_dtype  # noqa: F401  (imported by the commands from here)
+from flowlift.errors import FlowliftError
+from flowlift.knobs import SEED, Knob
 from flowlift.upscale.loading import DEFAULT_VAE  # noqa: F401  (the one default, shared with the Python API)
+from flowlift.upscale.settings import SCALE
 
-#: One 2x pass: the upscaler's native step (``upscale``, ``eval --run``, ``hires``).
-DEFAULT_SCALE = 2
+#: One 2x pass: the upscaler's native step (``upscale``, ``eval --run``, ``hires``): the knob's default.
+DEFAULT_SCALE = SCALE.default
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -100,14 +105,40 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def seed_value(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer seed: {text!r}") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"seed must be in [0, 2^63), got {value}")
-    return value
+def knob_type(knob: Knob):
+    """The argparse ``type`` of a knob: its exact parse (:meth:`Knob.parse_text`), a bad value one line, exit 2."""
+
+    def parse(text: str) -> Any:
+        try:
+            return knob.parse_text(text)
+        except FlowliftError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parse.__name__ = knob.name  # argparse names the type in "invalid <name> value"
+    return parse
+
+
+def add_knob(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, knob: Knob, flag: str | None = None, **overrides: Any
+) -> argparse.Action:
+    """``--<knob-name>`` from a knob table entry: its exact parse, its choices, its default and its help.
+
+    ``overrides`` are for what only the command line has (``metavar``, a ``default`` of None where the
+    command resolves the knob's default itself, a help line naming other options).
+    """
+    kwargs: dict[str, Any] = {"type": knob_type(knob), "default": knob.default, "help": knob.help}
+    if knob.choices:  # argparse checks the choices itself ("invalid choice: ... (choose from ...)")
+        kwargs["choices"] = knob.choices
+        kwargs["type"] = None if knob.kind is str else knob_type(replace(knob, choices=(), low=None, high=None))
+    elif knob.kind in (int, float):
+        kwargs["metavar"] = "N" if knob.kind is int else "X"
+        kwargs["help"] = f"{knob.help}; {knob.describe()}"
+    kwargs.update(overrides)
+    return parser.add_argument(flag or "--" + knob.name.replace("_", "-"), **kwargs)
+
+
+#: ``--seed``'s type: an exact integer in [0, 2^64 - 1] (:data:`flowlift.knobs.SEED`), never through float.
+seed_value = knob_type(SEED)
 
 
 def quality(text: str) -> int:
@@ -119,3 +150,10 @@ def quality(text: str) -> int:
     if not 1 <= value <= 100:
         raise argparse.ArgumentTypeError(f"must be in 1..100, got {value}")
     return value
+
+
+def sampling_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~flowlift.refine.settings.SamplingSettings` of ``--steps --seed --sampler --mu --schedule``."""
+    from flowlift.refine.settings import SamplingSettings
+
+    return SamplingSettings(steps=args.steps, seed=args.seed, sampler=args.sampler, mu=args.mu, schedule=args.schedule)

@@ -1,7 +1,8 @@
 """What the refine commands share (``img2img`` and ``hires``): the model, prompt, sampling and output
 options, and the checks and loading that follow from them. Not a subcommand (the leading underscore
 keeps :mod:`flowlift.commands.cli` from listing it); the choices come from torch-free modules
-(:mod:`flowlift.flux2.choices`, :mod:`flowlift.refine.choices`), so ``--help`` imports no torch.
+(the knob tables of :mod:`flowlift.refine.settings`, on :mod:`flowlift.flux2.settings`), so ``--help``
+imports no torch.
 """
 
 from __future__ import annotations
@@ -12,17 +13,23 @@ from typing import Any
 
 from flowlift.commands._options import (
     add_device_options,
+    add_knob,
     finite_float,
-    positive_int,
     resolve_device_dtype,
-    seed_value,
 )
 from flowlift.commands._refine_tiles import add_tile_arguments, check_tile_arguments, tile_kwargs
 from flowlift.commands._refine_weights import add_weights_arguments, check_weights_arguments, weights_kwargs
 from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
-from flowlift.flux2.choices import DEFAULT_MU, MU_RANGE, SAMPLERS, SCHEDULES
-from flowlift.refine.choices import STRENGTH_MAPS
+from flowlift.knobs import SEED
+from flowlift.refine.settings import MU, SAMPLER, SCHEDULE, STEPS, STRENGTH_MAP
+
+#: The knob tables' values (torch-free modules, so --help stays fast).
+SAMPLERS = SAMPLER.choices
+STRENGTH_MAPS = STRENGTH_MAP.choices
+SCHEDULES = SCHEDULE.choices
+DEFAULT_MU = MU.default
+MU_RANGE = (MU.low, MU.high)
 
 # ------------------------------------------------------------------------------------ shared options
 
@@ -67,21 +74,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="embedded guidance of FLUX.2 dev (default 4.0); not accepted by Klein (no guidance embedding)",
     )
     sampling = parser.add_argument_group("sampling")
-    sampling.add_argument(
-        "--steps",
-        type=positive_int,
-        default=28,
-        help="steps of the shifted schedule (default 28; distilled Klein: 4). img2img runs them in the window "
-        "below sigma = 1 - denoising_start (with --schedule clipped, only the full schedule's points there)",
+    add_knob(
+        sampling,
+        STEPS,
+        help=f"{STEPS.help}, {STEPS.describe()}; img2img runs them in the window below sigma = 1 - "
+        "denoising_start (with --schedule clipped, only the full schedule's points there)",
     )
-    sampling.add_argument("--sampler", choices=SAMPLERS, default="euler", help="euler (default) or heun")
-    sampling.add_argument("--seed", type=seed_value, default=0, help="noise seed (default 0)")
-    sampling.add_argument(
-        "--strength-map",
-        choices=STRENGTH_MAPS,
-        default="linear",
-        help="strength -> denoising_start: linear = 1 - s (default); canvas = 1 - s**0.2",
-    )
+    add_knob(sampling, SAMPLER)
+    add_knob(sampling, SEED, metavar="SEED")
+    add_knob(sampling, STRENGTH_MAP)
     add_schedule_arguments(sampling)
     out = parser.add_argument_group("output")
     out.add_argument("-o", "--output", metavar="PATH", help="output image (PNG keeps all parameters as metadata)")
@@ -115,13 +116,7 @@ def add_schedule_arguments(sampling: argparse._ArgumentGroup) -> None:
         f"diffusers' formula from the image size and --steps (3.23 at 2048 px); a number in "
         f"[{MU_RANGE[0]:g}, {MU_RANGE[1]:g}]",
     )
-    sampling.add_argument(
-        "--schedule",
-        choices=SCHEDULES,
-        default="respaced",
-        help="respaced (default): a low strength still runs --steps steps, evenly spaced before the shift; "
-        "clipped: only the full schedule's points below the strength (diffusers' img2img)",
-    )
+    add_knob(sampling, SCHEDULE)
 
 
 def check_mu_for_size(args: argparse.Namespace, width: int, height: int) -> None:

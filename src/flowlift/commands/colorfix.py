@@ -19,8 +19,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from flowlift.commands._options import OUTPUT_FORMATS, quality, unit_interval
+from flowlift.commands._options import OUTPUT_FORMATS, add_knob, quality
 from flowlift.errors import FlowliftError
+from flowlift.upscale.settings import COLOR_FIX_KNOBS
 
 NAME = "colorfix"
 HELP = "fix the colour drift of images from any upscaler against their sources (flowlift's stage 2)"
@@ -40,8 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "<stem> or <stem>_x<N> with <stem>")  # fmt: skip
     parser.add_argument("-o", "--output", metavar="OUT",
                         help="output folder (default: next to each upscaled image); for one input, a file name")
-    parser.add_argument("--strength", type=unit_interval, default=1.0, metavar="S",
-                        help="0..1: share of the colour/tone difference removed (default 1: all of it)")
+    add_knob(parser, COLOR_FIX_KNOBS["strength"], metavar="S")
     parser.add_argument("--format", choices=OUTPUT_FORMATS, default=None,
                         help="output format (default: the suffix of -o FILE, else png); ICC profile and EXIF kept")
     parser.add_argument("--quality", type=quality, default=None, metavar="Q",

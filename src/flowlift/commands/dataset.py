@@ -96,7 +96,9 @@ def _dtype(name: str | None, device):
     import torch
 
     if name is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        from flowlift.devices import default_dtype
+
+        return default_dtype(device)
     return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 

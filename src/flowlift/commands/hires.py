@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from flowlift.commands._options import examples, positive_int, unit_interval
+from flowlift.commands._options import add_knob, examples, positive_int, sampling_from_args
 from flowlift.commands._refine_options import (
     add_model_arguments,
     check_model_sources,
@@ -15,6 +15,8 @@ from flowlift.commands._refine_options import (
     load_refiner_from_args,
 )
 from flowlift.errors import FlowliftError
+from flowlift.refine.settings import HIRES_SCALE, REFINE_STRENGTH, STEPS
+from flowlift.upscale.settings import TRANSPLANT_STRENGTH
 
 NAME = "hires"
 HELP = (
@@ -35,29 +37,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     base.add_argument("--image", help="start from this image instead of a txt2img generation")
     base.add_argument("--width", type=positive_int, default=1024, help="txt2img width (multiple of 16; default 1024)")
     base.add_argument("--height", type=positive_int, default=1024, help="txt2img height (multiple of 16)")
-    base.add_argument("--base-steps", type=positive_int, default=28, help="txt2img steps (default 28)")
+    add_knob(base, STEPS, "--base-steps", help=f"txt2img steps, {STEPS.describe()}")
     up = parser.add_argument_group("upscale")
-    up.add_argument(
-        "--scale", type=int, choices=(2, 4, 8), default=2, help="2 (one pass), 4 (two passes) or 8 (three passes)"
-    )
+    add_knob(up, HIRES_SCALE, "--scale")
     up.add_argument(
         "--upscaler",
         metavar="PATH|REPO",
         help="Flow Upscaler weights (file, folder or hub id; default TensorForger/FlowUpscaler)",
     )
-    up.add_argument(
-        "--transplant-strength",
-        type=unit_interval,
-        default=1.0,
-        help="colour-fix low-band transplant strength of the upscaler (default 1)",
-    )
+    add_knob(up, TRANSPLANT_STRENGTH)
     up.add_argument("--no-color-fix", action="store_true", help="switch the upscaler's colour fix off")
     refine = parser.add_argument_group("refine")
-    refine.add_argument(
-        "--refine-strength",
-        type=unit_interval,
-        default=0.3,
-        help="img2img strength of the refine pass (default 0.3); it runs --steps steps (with --schedule "
+    add_knob(
+        refine,
+        REFINE_STRENGTH,
+        help=f"{REFINE_STRENGTH.help}, {REFINE_STRENGTH.describe()}; it runs --steps steps (with --schedule "
         "clipped only the few points of the full schedule below it)",
     )
     add_model_arguments(parser)
@@ -89,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         raise FlowliftError("this flowlift build has no Flow Upscaler pipeline (flowlift.upscale.pipeline)") from None
 
     from flowlift.upscale.loading import DEFAULT_UPSCALER
+    from flowlift.upscale.settings import SCALE_PASSES, MemoryPolicy
 
     upscaler_file = check_model_sources(args, args.upscaler or DEFAULT_UPSCALER)  # all before the transformer loads
     refiner, conditioning = load_refiner_from_args(args, image_size=(base_h * args.scale, base_w * args.scale))
@@ -98,9 +93,9 @@ def run(args: argparse.Namespace) -> int:
         refiner.vae,
         device=refiner.device,
         dtype=refiner.dtype,
-        max_memory=plan.upscaler_budget_bytes if plan is not None else None,
+        memory=MemoryPolicy(max_memory=plan.upscaler_budget_bytes if plan is not None else None),
     )
-    passes = {2: 1, 4: 2, 8: 3}[args.scale]
+    passes = SCALE_PASSES[args.scale]
 
     def upscale(latents):
         return upscaler.upscale_latents(
@@ -119,12 +114,8 @@ def run(args: argparse.Namespace) -> int:
         base_steps=args.base_steps,
         refine_strength=args.refine_strength,
         strength_map=args.strength_map,
-        steps=args.steps,
-        seed=args.seed,
-        sampler=args.sampler,
+        sampling=sampling_from_args(args),
         scale=args.scale,
-        mu=args.mu,
-        schedule=args.schedule,
         **conditioning,
     )
     metadata = dict(result.parameters)

@@ -6,8 +6,13 @@ import argparse
 import os
 from pathlib import Path
 
-from flowlift.commands._options import examples, unit_interval
-from flowlift.commands._refine_options import (
+from flowlift.commands._options import add_knob, examples, sampling_from_args
+from flowlift.commands._refine_options import (  # noqa: F401  (the choices, read here by tests and scripts)
+    DEFAULT_MU,
+    MU_RANGE,
+    SAMPLERS,
+    SCHEDULES,
+    STRENGTH_MAPS,
     add_model_arguments,
     check_model_sources,
     check_mu_for_size,
@@ -16,10 +21,7 @@ from flowlift.commands._refine_options import (
     load_refiner_from_args,
 )
 from flowlift.errors import FlowliftError
-
-# the choices of img2img's options, defined once without torch (read here by tests and scripts)
-from flowlift.flux2.choices import DEFAULT_MU, MU_RANGE, SAMPLERS, SCHEDULES  # noqa: F401
-from flowlift.refine.choices import STRENGTH_MAPS  # noqa: F401
+from flowlift.refine.settings import STRENGTH
 
 NAME = "img2img"
 HELP = (
@@ -37,11 +39,7 @@ EXAMPLES = examples(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("image", help="input image")
-    parser.add_argument(
-        "--strength",
-        type=unit_interval,
-        help="how much to change: 0 = the VAE round trip, 1 = ignore the input (default 0.5; outpaint 1.0)",
-    )
+    add_knob(parser, STRENGTH, default=None, help=f"{STRENGTH.help}; {STRENGTH.describe()} (default 0.5)")
     parser.add_argument("--mask", metavar="IMAGE", help="inpaint mask, same size: white = regenerate, black = keep")
     parser.add_argument(
         "--outpaint",
@@ -109,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             raise FlowliftError(
                 f"--reference {path}: sides must be multiples of 16 px, got {ref.shape[-1]}x{ref.shape[-2]}"
             )
-    strength = args.strength if args.strength is not None else (1.0 if pads else 0.5)
+    strength = args.strength if args.strength is not None else (1.0 if pads else STRENGTH.default)
     check_model_sources(args)
 
     canvas = (-(-rgb.height // 16) * 16, -(-rgb.width // 16) * 16)  # what the model sees: padded, or the canvas
@@ -120,11 +118,7 @@ def run(args: argparse.Namespace) -> int:
     common = dict(
         strength=strength,
         strength_map=args.strength_map,
-        steps=args.steps,
-        seed=args.seed,
-        sampler=args.sampler,
-        mu=args.mu,
-        schedule=args.schedule,
+        sampling=sampling_from_args(args),
         reference_images=references,
         **conditioning,
     )

@@ -18,15 +18,16 @@ from flowlift.commands._options import (
     DEFAULT_VAE,
     OUTPUT_FORMATS,
     add_device_options,
+    add_knob,
     examples,
     positive_int,
     quality,
     resolve_device_dtype,
-    seed_value,
-    unit_interval,
 )
 from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
+from flowlift.knobs import SEED
+from flowlift.upscale.settings import COLOR_FIX_STRENGTH, RESIZE_MODE, SCALE, TRANSPLANT_STRENGTH
 
 NAME = "upscale"
 HELP = "upscale images 2x/4x/8x with the Flow Upscaler, colour drift corrected"
@@ -62,24 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output folder (default: next to each input); for a single input, a file name with an image suffix",
     )
     scale = parser.add_mutually_exclusive_group()
-    scale.add_argument("--scale", type=int, choices=(2, 4, 8), help=f"upscale factor (default {DEFAULT_SCALE})")
+    # --scale's default is applied in run(): a default here would hide "--scale 2 --passes 3" from the group
+    add_knob(scale, SCALE, default=None, help=f"{SCALE.help} (default {DEFAULT_SCALE})")
     scale.add_argument("--passes", type=positive_int, metavar="N", help="number of 2x passes (scale 2**N)")
-    parser.add_argument("--seed", type=seed_value, default=0, help="noise seed (default 0)")
+    add_knob(parser, SEED, metavar="SEED")
     parser.add_argument("--no-color-fix", action="store_true", help="switch both colour-drift stages off")
-    parser.add_argument(
-        "--transplant-strength",
-        type=unit_interval,
-        default=1.0,
-        metavar="X",
-        help="stage 1 latent low-band transplant, 0..1 (lower: truer to the input; 1: crisper; default 1)",
-    )
-    parser.add_argument(
-        "--color-fix-strength",
-        type=unit_interval,
-        default=1.0,
-        metavar="X",
-        help="stage 2 pixel L*a*b* low-band transplant, 0..1 (default 1)",
-    )
+    add_knob(parser, TRANSPLANT_STRENGTH)
+    add_knob(parser, COLOR_FIX_STRENGTH)
     parser.add_argument(
         "--vae",
         default=DEFAULT_VAE,
@@ -107,12 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="Q",
         help="JPEG/WebP quality 1-100 (default 95; WebP at 100 is lossless)",
     )
-    parser.add_argument(
-        "--resize-mode",
-        choices=("pad", "resample"),
-        default="pad",
-        help="how inputs reach multiples of 16: pad (default; exact 2^n x the input size back) or resample",
-    )
+    add_knob(parser, RESIZE_MODE)
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs instead of skipping")
     parser.add_argument(
         "--chunked",

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from flowlift.flux2.choices import SAMPLERS
+from flowlift.flux2.settings import SAMPLERS  # noqa: F401  (the one list, torch-free)
 
 VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
 

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from flowlift.flux2.choices import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SCHEDULES  # noqa: F401  (the names live there)
+from flowlift.flux2.settings import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SCHEDULES  # noqa: F401
 
 _A1, _B1 = 8.73809524e-05, 1.89833333  # the 10-step line
 _A2, _B2 = 0.00016927, 0.45666666  # the 200-step line

@@ -11,11 +11,10 @@ No ``from __future__ import annotations`` here: InvokeAI reads each ``invoke``'s
 and each field's type at class creation.
 """
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from invokeai.invocation_api import (
-    SEED_MAX,
     BaseInvocation,
     ImageField,
     ImageOutput,
@@ -44,16 +43,35 @@ from flowlift.invokeai.models import (
     on_device,
 )
 from flowlift.invokeai.progress import NodeProgress
+from flowlift.knobs import SEED, Knob
 from flowlift.models.vae import TAEF2VAE
 from flowlift.models.vae_loading import TAEF2_REPO
 from flowlift.upscale.colorfix_image import color_fix_image
 from flowlift.upscale.loading import DEFAULT_UPSCALER
-from flowlift.upscale.node_choices import chunked_flag, passes_for
+from flowlift.upscale.node_choices import CHUNKING, SCALES, chunked_flag, passes_for
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
+from flowlift.upscale.settings import (
+    CHUNKED,
+    COLOR_FIX_KNOBS,
+    COLOR_FIX_STRENGTH,
+    SCALE,
+    TRANSPLANT_STRENGTH,
+    MemoryPolicy,
+)
 
 CATEGORY = "flowlift"
-Scale = Literal["2x", "4x", "8x"]
-Chunking = Literal["auto", "always", "never"]
+# InvokeAI reads each field's type at class creation: the choices become Literal types, from the knob table
+Scale = Literal[SCALES]  # type: ignore[valid-type]
+Chunking = Literal[CHUNKING]  # type: ignore[valid-type]
+
+
+def knob_field(knob: Knob, description: str | None = None, **extra: Any) -> Any:
+    """An InvokeAI ``InputField`` from a knob of the tables: its default (a choice as the node packs label it),
+    its range (``ge``/``le``) and its help as the description."""
+    kwargs: dict[str, Any] = {"default": knob.label(knob.default) if knob.choices else knob.default}
+    if not knob.choices:
+        kwargs.update(ge=knob.low, le=knob.high)
+    return InputField(description=description or knob.help[:1].upper() + knob.help[1:], **kwargs, **extra)
 
 UPSCALER_DESCRIPTION = (
     "Flow Upscaler weights when no installed model is chosen: a .safetensors file or folder on the InvokeAI "
@@ -106,10 +124,10 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
     )
     upscaler_model: ModelIdentifierField | None = installed_model_field("Flow Upscaler", "Flow Upscaler")
     upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
-    scale: Scale = InputField(default="2x", description=SCALE_DESCRIPTION)
-    seed: int = InputField(default=0, ge=0, le=SEED_MAX, description=SEED_DESCRIPTION)
-    transplant_strength: float = InputField(default=1.0, ge=0.0, le=1.0, description=TRANSPLANT_DESCRIPTION)
-    chunked: Chunking = InputField(default="auto", description=CHUNKED_DESCRIPTION)
+    scale: Scale = knob_field(SCALE, SCALE_DESCRIPTION)
+    seed: int = knob_field(SEED, SEED_DESCRIPTION)
+    transplant_strength: float = knob_field(TRANSPLANT_STRENGTH, TRANSPLANT_DESCRIPTION)
+    chunked: Chunking = knob_field(CHUNKED, CHUNKED_DESCRIPTION)
 
     @torch.no_grad()
     def invoke(self, context: InvocationContext) -> LatentsOutput:
@@ -125,7 +143,7 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
         upscaler = load_upscaler_cached(context, source, progress.check_cancel)
         with on_device(upscaler, "the Flow Upscaler") as (unet, device, dtype):
             pipeline = FlowUpscalerPipeline(
-                unet, vae=None, device=device, dtype=dtype, chunked=chunked_flag(self.chunked),
+                unet, vae=None, device=device, dtype=dtype, memory=MemoryPolicy(chunked=chunked_flag(self.chunked)),
                 channels_last=False, on_strip=progress.strip,
             )  # fmt: skip
             latents = pipeline.upscale_latents(
@@ -166,16 +184,14 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
     )
     upscaler_model: ModelIdentifierField | None = installed_model_field("Flow Upscaler", "Flow Upscaler")
     upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
-    scale: Scale = InputField(default="2x", description=SCALE_DESCRIPTION)
-    seed: int = InputField(default=0, ge=0, le=SEED_MAX, description=SEED_DESCRIPTION)
-    transplant_strength: float = InputField(default=1.0, ge=0.0, le=1.0, description=TRANSPLANT_DESCRIPTION)
-    color_fix_strength: float = InputField(
-        default=1.0,
-        ge=0.0,
-        le=1.0,
-        description="Stage 2 colour fix: how much of the input's colour and tone (L*a*b* low band) to restore",
+    scale: Scale = knob_field(SCALE, SCALE_DESCRIPTION)
+    seed: int = knob_field(SEED, SEED_DESCRIPTION)
+    transplant_strength: float = knob_field(TRANSPLANT_STRENGTH, TRANSPLANT_DESCRIPTION)
+    color_fix_strength: float = knob_field(
+        COLOR_FIX_STRENGTH,
+        "Stage 2 colour fix: how much of the input's colour and tone (L*a*b* low band) to restore",
     )
-    chunked: Chunking = InputField(default="auto", description=CHUNKED_DESCRIPTION)
+    chunked: Chunking = knob_field(CHUNKED, CHUNKED_DESCRIPTION)
 
     @torch.no_grad()
     def invoke(self, context: InvocationContext) -> ImageOutput:
@@ -199,8 +215,8 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
         ):
             vae = flux2_vae_adapter(module, what) if self.vae is not None else TAEF2VAE(module)
             pipeline = FlowUpscalerPipeline(
-                unet, vae, device=device, dtype=dtype, chunked=chunked_flag(self.chunked), channels_last=False,
-                on_strip=progress.strip,
+                unet, vae, device=device, dtype=dtype, memory=MemoryPolicy(chunked=chunked_flag(self.chunked)),
+                channels_last=False, on_strip=progress.strip,
             )  # fmt: skip
             progress.begin("encode")
             result = pipeline.upscale_image(
@@ -224,8 +240,8 @@ class ColourFixInvocation(BaseInvocation, WithMetadata, WithBoard):
 
     image: ImageField = InputField(description="The upscaled image")
     reference: ImageField = InputField(description="The original it was upscaled from")
-    strength: float = InputField(
-        default=1.0, ge=0.0, le=1.0, description="Share of the colour/tone difference removed (1 = all of it)"
+    strength: float = knob_field(
+        COLOR_FIX_KNOBS["strength"], "Share of the colour/tone difference removed (1 = all of it)"
     )
 
     @torch.no_grad()

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.knobs import wrap_seed
 
 #: Latent bands as fractions of the latent Nyquist (model card): 0-1/16 ... 1/2-1.
 BAND_EDGES: tuple[float, ...] = (0.0, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
@@ -146,7 +147,7 @@ def band_response(
 
     Row ``k``: the pixel-band power fractions (:func:`pixel_band_fractions`) of the luma response
     ``Y(decode(latents + delta_k)) - Y(decode(latents))`` to a band-``k`` perturbation
-    ``delta_k = band_limited_noise(..., amplitude, seed=seed + k)``; the last band is closed at the
+    ``delta_k = band_limited_noise(..., amplitude, seed=(seed + k) mod 2^64)``; the last band is closed at the
     latent Nyquist. ``latents`` is one (1, C, h, w) latent; the perturbation is added in its dtype on
     its device.
     """
@@ -157,7 +158,7 @@ def band_response(
     n_bands = len(edges) - 1
     for k, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
         delta = band_limited_noise(
-            tuple(latents.shape), lo, hi, amplitude, seed=seed + k, closed=(k == n_bands - 1)
+            tuple(latents.shape), lo, hi, amplitude, seed=wrap_seed(seed + k), closed=(k == n_bands - 1)
         )
         perturbed = _luma(decode(latents + delta.to(device=latents.device, dtype=latents.dtype)))
         if perturbed.shape != base.shape:

@@ -25,7 +25,10 @@ from flowlift.flux2.latents import (
 )
 from flowlift.flux2.sampling import SAMPLERS
 from flowlift.flux2.schedule import DEFAULT_MU, EMPIRICAL_MU, SCHEDULES, flux2_sigmas, resolve_mu
-from flowlift.refine.choices import STRENGTH_MAPS
+from flowlift.knobs import SEED
+from flowlift.refine.settings import STRENGTH, STRENGTH_MAP
+
+STRENGTH_MAPS = STRENGTH_MAP.choices
 
 VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
 StepCallback = Callable[[int, int, float], None]
@@ -39,8 +42,7 @@ def denoising_start_for(strength: float, strength_map: str = "linear") -> float:
     """
     from flowlift.flux2.schedule import canvas_denoising_start, linear_denoising_start
 
-    if not 0.0 <= float(strength) <= 1.0:
-        raise FlowliftError(f"strength must be in [0, 1], got {strength}")
+    strength = STRENGTH.check(strength)  # the knob table's domain (the hires fix's refine strength: the same)
     if strength_map == "linear":
         return float(linear_denoising_start(float(strength)))
     if strength_map == "canvas":
@@ -148,7 +150,7 @@ def refine_latents(
     check_schedule(mu, schedule)
     if check_count("steps", steps) < 1:
         raise FlowliftError(f"steps must be >= 1, got {steps}")
-    seed = check_count("seed", seed)
+    seed = SEED.check(seed)
     denoising_start = check_unit_interval("denoising_start", denoising_start)
     denoising_end = check_unit_interval("denoising_end", denoising_end)
     if denoising_start > denoising_end:

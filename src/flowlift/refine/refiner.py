@@ -7,6 +7,7 @@ one method per mode; :func:`flowlift.refine.loading.load_refiner` builds one fro
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import torch
@@ -19,13 +20,13 @@ from flowlift.refine.loop import (
     RefineResult,
     VelocityFn,
     _Progress,
-    check_sampler,
     check_schedule,
     denoising_start_for,
     refine_latents,
 )
 from flowlift.refine.offload import place_transformer, with_transformer_on_device
 from flowlift.refine.parameters import RefineOutput, conditioning_parameters, output_parameters
+from flowlift.refine.settings import SamplingSettings, sampling_from
 from flowlift.refine.tiling import DEFAULT_TILE_OVERLAP, TileRequest
 
 #: A mode's tiling knobs (``tile_size``, ``tile_overlap``, ``tile_batch``; None keeps the refiner's).
@@ -168,13 +169,9 @@ class Flux2Refiner:
         init: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None,
         shape: Sequence[int] | None,
         denoising_start: float,
-        steps: int,
-        seed: int,
-        sampler: str,
+        sampling: SamplingSettings,
         mask: torch.Tensor | None = None,
         denoising_end: float = 1.0,
-        mu: float | str | None = None,
-        schedule: str | None = None,
         tiles: Tiles = (None, None, None),
     ) -> RefineResult:
         from flowlift.refine.tiled_velocity import tiled_for_frame
@@ -192,55 +189,47 @@ class Flux2Refiner:
             bn_std=bn_std,
             denoising_start=denoising_start,
             denoising_end=denoising_end,
-            steps=steps,
-            seed=seed,
-            sampler=sampler,
+            steps=sampling.steps,
+            seed=sampling.seed,
+            sampler=sampling.sampler,
             mask=mask,
             on_step=_Progress(self.progress, mode),
             device=self.device,
-            mu=self.mu if mu is None else mu,
-            schedule=self.schedule if schedule is None else schedule,
+            mu=self.mu if sampling.mu is None else sampling.mu,
+            schedule=self.schedule if sampling.schedule is None else sampling.schedule,
         )
         result.tiling = tiling
         return result
 
-    def _parameters(self, mode: str, result: RefineResult, **kwargs: Any) -> dict[str, Any]:
+    def _parameters(self, mode: str, result: RefineResult, sampling: SamplingSettings, **kwargs: Any) -> dict[str, Any]:
         where = {"model": self.model_name, "dtype": self.dtype, "device": self.device, "provenance": self.provenance}
-        return output_parameters(mode, result, **where, **kwargs)
+        asked = {"steps": sampling.steps, "seed": sampling.seed, "sampler": sampling.sampler}
+        return output_parameters(mode, result, **where, **kwargs, **asked)
 
     def txt2img(
         self,
         *,
         height: int,
         width: int,
-        steps: int = 28,
-        seed: int = 0,
-        sampler: str = "euler",
+        sampling: SamplingSettings | None = None,
         batch: int = 1,
-        mu: float | str | None = None,
         tile_size: int | str | None = None,
         tile_overlap: int | None = None,
         tile_batch: int | str | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """Generate from pure noise (``denoising_start = 0``) at ``height x width`` (multiples of 16)."""
+        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.txt2img")
         if height % PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height <= 0 or width <= 0:
             raise FlowliftError(f"txt2img size must be positive multiples of {PIXEL_MULTIPLE}, got {width}x{height}")
         den = self.denoiser(**conditioning)
         shape = (batch, LATENT_CHANNELS, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
         result = self._run(
-            "txt2img", den, init=None, shape=shape, denoising_start=0.0, steps=steps, seed=seed, sampler=sampler, mu=mu,
+            "txt2img", den, init=None, shape=shape, denoising_start=0.0, sampling=sampling,
             tiles=(tile_size, tile_overlap, tile_batch),
         )  # fmt: skip
         params = self._parameters(
-            "txt2img",
-            result,
-            height=height,
-            width=width,
-            steps=steps,
-            seed=seed,
-            sampler=sampler,
-            **conditioning_parameters(conditioning, den),
+            "txt2img", result, sampling, height=height, width=width, **conditioning_parameters(conditioning, den)
         )
         return RefineOutput(self.decode(result.latents), result.latents, params)
 
@@ -250,12 +239,8 @@ class Flux2Refiner:
         *,
         strength: float,
         strength_map: str = "linear",
-        steps: int = 28,
-        seed: int = 0,
-        sampler: str = "euler",
+        sampling: SamplingSettings | None = None,
         mask: torch.Tensor | None = None,
-        mu: float | str | None = None,
-        schedule: str | None = None,
         tile_size: int | str | None = None,
         tile_overlap: int | None = None,
         tile_batch: int | str | None = None,
@@ -266,7 +251,7 @@ class Flux2Refiner:
         Sides that are not multiples of 16 are edge-padded for the model and cropped back.
         ``strength`` 0 returns the VAE round trip of the input; 1 ignores the input (txt2img noise).
         """
-        check_sampler(sampler)
+        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.img2img")
         start = denoising_start_for(strength, strength_map)
         h, w = images.shape[-2:]
         padded, _ = pad_to_multiple(images.to(self.device, torch.float32))
@@ -278,19 +263,23 @@ class Flux2Refiner:
         den = self.denoiser(**conditioning) if start < 1.0 else None
         mode = "inpaint" if mask is not None else "img2img"
         result = self._run(
-            mode, den, init=self._encode_init(padded), shape=None, denoising_start=start, steps=steps, seed=seed,
-            sampler=sampler, mask=lmask, mu=mu, schedule=schedule, tiles=(tile_size, tile_overlap, tile_batch),
-        )  # fmt: skip
+            mode,
+            den,
+            init=self._encode_init(padded),
+            shape=None,
+            denoising_start=start,
+            sampling=sampling,
+            mask=lmask,
+            tiles=(tile_size, tile_overlap, tile_batch),
+        )
         out = self.decode(result.latents)[..., :h, :w]
         params = self._parameters(
             mode,
             result,
+            sampling,
             strength=strength,
             strength_map=strength_map,
             denoising_start=round(start, 6),
-            steps=steps,
-            seed=seed,
-            sampler=sampler,
             width=w,
             height=h,
             **(conditioning_parameters(conditioning, den) if den is not None else {}),
@@ -313,11 +302,7 @@ class Flux2Refiner:
         bottom: int = 0,
         strength: float = 1.0,
         strength_map: str = "linear",
-        steps: int = 28,
-        seed: int = 0,
-        sampler: str = "euler",
-        mu: float | str | None = None,
-        schedule: str | None = None,
+        sampling: SamplingSettings | None = None,
         tile_size: int | str | None = None,
         tile_overlap: int | None = None,
         tile_batch: int | str | None = None,
@@ -328,7 +313,7 @@ class Flux2Refiner:
         The border starts from an edge-replicated canvas; the original region's latents are the
         encoding of the original image alone and are kept exactly (mask 0) through every step.
         """
-        check_sampler(sampler)
+        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.outpaint")
         images = images.to(self.device, torch.float32)
         canvas, mask, pads = outpaint_canvas(images, left, top, right, bottom)
         start = denoising_start_for(strength, strength_map)
@@ -340,12 +325,19 @@ class Flux2Refiner:
         init[:, :, t8 : t8 + original.shape[2], l8 : l8 + original.shape[3]] = original
         den = self.denoiser(**conditioning) if start < 1.0 else None
         result = self._run(
-            "outpaint", den, init=(init, bn_mean, bn_std), shape=None, denoising_start=start, steps=steps, seed=seed,
-            sampler=sampler, mask=lmask, mu=mu, schedule=schedule, tiles=(tile_size, tile_overlap, tile_batch),
-        )  # fmt: skip
+            "outpaint",
+            den,
+            init=(init, bn_mean, bn_std),
+            shape=None,
+            denoising_start=start,
+            sampling=sampling,
+            mask=lmask,
+            tiles=(tile_size, tile_overlap, tile_batch),
+        )
         params = self._parameters(
             "outpaint",
             result,
+            sampling,
             left=pads[0],
             top=pads[1],
             right=pads[2],
@@ -353,9 +345,6 @@ class Flux2Refiner:
             strength=strength,
             strength_map=strength_map,
             denoising_start=round(start, 6),
-            steps=steps,
-            seed=seed,
-            sampler=sampler,
             **(conditioning_parameters(conditioning, den) if den is not None else {}),
         )
         return RefineOutput(self.decode(result.latents), result.latents, params)
@@ -370,12 +359,8 @@ class Flux2Refiner:
         base_steps: int = 28,
         refine_strength: float = 0.3,
         strength_map: str = "linear",
-        steps: int = 28,
-        seed: int = 0,
-        sampler: str = "euler",
+        sampling: SamplingSettings | None = None,
         scale: int = 2,
-        mu: float | str | None = None,
-        schedule: str | None = None,
         tile_size: int | str | None = None,
         tile_overlap: int | None = None,
         tile_batch: int | str | None = None,
@@ -387,9 +372,10 @@ class Flux2Refiner:
         maps normalized latents to normalized latents ``scale`` times larger. The refine pass is img2img
         on the upscaled normalized latents in the window below ``1 - refine_strength`` (``schedule``); both
         passes shift with ``mu`` (for ``"empirical"``, each from its own size and step count) and tile as the
-        ``tile_*`` knobs say (the refine pass of a 4x or 8x fix is where tiles run).
+        ``tile_*`` knobs say (the refine pass of a 4x or 8x fix is where tiles run). ``sampling`` is the refine
+        pass's; the txt2img base runs it with ``base_steps``.
         """
-        check_sampler(sampler)
+        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.hires")
         start = denoising_start_for(refine_strength, strength_map)
         den = self.denoiser(**conditioning)
         params: dict[str, Any] = {}
@@ -402,9 +388,10 @@ class Flux2Refiner:
         else:
             if height is None or width is None:
                 raise FlowliftError("hires needs an input image or a txt2img size")
+            base_sampling = replace(sampling, steps=base_steps, schedule=None)  # a full window: no schedule choice
             base_out = self.txt2img(
-                height=height, width=width, steps=base_steps, seed=seed, sampler=sampler, mu=mu, tile_size=tile_size,
-                tile_overlap=tile_overlap, tile_batch=tile_batch, **conditioning,
+                height=height, width=width, sampling=base_sampling, tile_size=tile_size, tile_overlap=tile_overlap,
+                tile_batch=tile_batch, **conditioning,
             )  # fmt: skip
             base = base_out.latents
             params.update(base="txt2img", base_steps=base_steps, height=height, width=width)
@@ -416,20 +403,23 @@ class Flux2Refiner:
         if tuple(up.shape[2:]) != expect:
             raise FlowliftError(f"the upscaler returned {tuple(up.shape[2:])} latents, expected {expect}")
         result = self._run(
-            "hires refine", den, init=(up, None, None), shape=None, denoising_start=start, steps=steps, seed=seed,
-            sampler=sampler, mu=mu, schedule=schedule, tiles=(tile_size, tile_overlap, tile_batch),
-        )  # fmt: skip
+            "hires refine",
+            den,
+            init=(up, None, None),
+            shape=None,
+            denoising_start=start,
+            sampling=sampling,
+            tiles=(tile_size, tile_overlap, tile_batch),
+        )
         params.update(
             self._parameters(
                 "hires",
                 result,
+                sampling,
                 scale=scale,
                 refine_strength=refine_strength,
                 strength_map=strength_map,
                 denoising_start=round(start, 6),
-                steps=steps,
-                seed=seed,
-                sampler=sampler,
                 **conditioning_parameters(conditioning, den),
             )
         )

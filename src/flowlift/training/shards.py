@@ -40,6 +40,7 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_output, atomic_write_text
+from flowlift.knobs import wrap_seed
 
 FORMAT = "flowlift-latent-dataset"
 SHARD_FORMAT = "flowlift-shard"
@@ -379,7 +380,7 @@ class ShardStream:
         if perm is None:
             n = len(self.reader)
             if self.shuffle:
-                perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1009 + epoch))
+                perm = torch.randperm(n, generator=torch.Generator().manual_seed(wrap_seed(self.seed * 1009 + epoch)))
             else:
                 perm = torch.arange(n)
             self._perm_cache = {epoch: perm}

@@ -1,8 +1,9 @@
 """What the public entry points accept, checked at the door: :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline`'s
 methods, :func:`~flowlift.upscale.colorfix_image.color_fix_image` and :func:`~flowlift.refine.loop.refine_latents`.
 
-Seeds and counts must be non-negative integers, strengths real numbers in [0, 1], latents floating
-(B, 32, h, w) tensors (the package's normalized, unpatchified FLUX.2 layout) with finite values; a
+Seeds lie in [0, 2^64 - 1] (:data:`flowlift.knobs.SEED`), counts are non-negative integers, strengths
+real numbers in [0, 1], latents floating (B, 32, h, w) tensors (the package's normalized, unpatchified
+FLUX.2 layout) with finite values; a
 Pillow input's alpha is split off to be re-attached after the upscale. Each refusal is one
 :class:`~flowlift.errors.FlowliftError` line instead of a ``ValueError: not enough values to unpack``
 from deep inside.
@@ -16,6 +17,7 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS
+from flowlift.knobs import check_seed as _check_seed
 
 
 def check_count(name: str, value: Any) -> int:
@@ -28,10 +30,9 @@ def check_count(name: str, value: Any) -> int:
 
 
 def check_seed(seed: Any) -> int | list[int]:
-    """A non-negative integer seed, or a sequence of them (one per image of a batch), else one line."""
-    if isinstance(seed, (list, tuple)):
-        return [check_count("seed", value) for value in seed]
-    return check_count("seed", seed)
+    """A seed of :data:`flowlift.knobs.SEED` ([0, 2^64 - 1], exact), or a sequence of them (one per image of a
+    batch), else one line."""
+    return _check_seed(seed)
 
 
 def check_unit_interval(name: str, value: Any) -> float:

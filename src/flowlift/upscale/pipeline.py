@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from flowlift.devices import default_dtype
 from flowlift.errors import FlowliftError
 from flowlift.upscale.colorfix import LOWFREQ_FACTOR, lab_lowband_transplant, latent_lowband_transplant
 from flowlift.upscale.inputs import (
@@ -33,7 +34,6 @@ from flowlift.upscale.inputs import (
     check_finite,
     check_latents,
     check_seed,
-    check_unit_interval,
     image_alpha,
 )
 from flowlift.upscale.loading import (
@@ -54,9 +54,14 @@ from flowlift.upscale.memory_plan import (
     to_host_float32,
     vae_kind,
 )
+from flowlift.upscale.settings import (
+    COLOR_FIX_STRENGTH,
+    RESIZE_MODE,
+    TRANSPLANT_STRENGTH,
+    MemoryPolicy,
+)
 from flowlift.upscale.sizes import (
     MAX_OUTPUT_SIDE,
-    RESIZE_MODES,
     SIZE_MULTIPLE,
     dropped_passes_message,
     image_seeds,
@@ -69,6 +74,26 @@ from flowlift.upscale.sizes import (
 from flowlift.upscale.unet_runner import CompiledUNet, velocity_model
 
 ONE_STEP_TIMESTEP = 1000.0
+
+
+def memory_policy(memory: MemoryPolicy | None, deprecated: dict[str, Any]) -> MemoryPolicy:
+    """The pipeline's :class:`MemoryPolicy`: ``memory``, or for one release the old keyword arguments
+    (``chunked=``, ``max_memory=`` ...) folded into one with a DeprecationWarning; both at once, or an unknown
+    keyword, is an error."""
+    unknown = sorted(set(deprecated) - set(MemoryPolicy.field_names()))
+    if unknown:
+        raise TypeError(f"FlowUpscalerPipeline() got unexpected keyword arguments: {', '.join(unknown)}")
+    if not deprecated:
+        return memory if memory is not None else MemoryPolicy()
+    if memory is not None:
+        raise FlowliftError(f"FlowUpscalerPipeline: give memory=MemoryPolicy(...) or {', '.join(deprecated)}, not both")
+    warnings.warn(
+        f"FlowUpscalerPipeline({', '.join(f'{name}=' for name in deprecated)}) is deprecated and goes in the next "
+        "release; pass memory=MemoryPolicy(...) (flowlift.upscale.settings)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return MemoryPolicy(**deprecated)
 
 
 
@@ -87,27 +112,18 @@ class FlowUpscalerPipeline:
     dtype, device:
         Where and in what precision the UNet and a loaded VAE run. Defaults: a given module's own
         device/dtype; otherwise CUDA in bfloat16 if available, else CPU float32.
-    chunked:
-        Run the UNet through :class:`flowlift.upscale.chunked.executor.ChunkedExecutor` (exact, bounded memory):
-        ``None`` switches it on by size (:func:`flowlift.upscale.chunked.budget.should_chunk`), True/False force it.
-    vae_tiled:
-        Passed to the VAE's ``encode``/``decode`` as ``tiled`` (``None``: the VAE decides by size, or
-        the memory plan when ``max_memory`` is set).
-    max_memory:
-        A device-memory budget (bytes or ``"6GB"``, :func:`flowlift.upscale.memory_plan.parse_memory`) for the
-        whole upscale: UNet passes, VAE decode and both colour stages run plain / chunked / tiled /
-        offloaded as :func:`flowlift.upscale.memory_plan.plan_upscale` says (explicit ``chunked``,
-        ``vae_tiled``, ``chunk_rows``, ``offload_device`` still win). ``None``: size-based defaults.
+    memory:
+        A :class:`flowlift.upscale.settings.MemoryPolicy`: chunked UNet execution, VAE tiling, strip rows, the
+        offload device, a ``max_memory`` budget for the whole upscale and the chunking budget, with one
+        precedence (its docstring). ``None``: every decision by size. The six old keyword arguments
+        (``chunked``, ``vae_tiled``, ``chunk_rows``, ``offload_device``, ``max_memory``,
+        ``chunk_budget_bytes``) still work for one release, with a DeprecationWarning.
     compile:
         ``True`` (or a ``torch.compile`` mode string) runs the whole-frame UNet through
         :class:`flowlift.upscale.unet_runner.CompiledUNet`: one compiled graph per input shape, CUDA-graph
         replay on CUDA, eager fallback with one warning when compilation fails.
     channels_last:
         Channels-last weights and inputs for the UNet (``None``: on CUDA only).
-    chunk_budget_bytes:
-        Memory the plain UNet forward may use before chunking switches on (``chunked=None``, no
-        ``max_memory``); by default :func:`flowlift.upscale.chunked.budget.should_chunk`'s (half the free CUDA memory,
-        1 GiB on the CPU).
     on_strip:
         ``on_strip(done, total)``, called after every strip of a chunked pass (progress; an exception
         it raises, e.g. a user's cancel, stops the pass). See
@@ -126,16 +142,13 @@ class FlowUpscalerPipeline:
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-        chunked: bool | None = None,
-        vae_tiled: bool | None = None,
-        chunk_rows: int | None = None,
-        offload_device: torch.device | str | None = None,
-        max_memory: int | str | None = None,
+        memory: MemoryPolicy | None = None,
         compile: bool | str = False,
         channels_last: bool | None = None,
-        chunk_budget_bytes: int | None = None,
         on_strip: Callable[[int, int], None] | None = None,
+        **deprecated: Any,
     ) -> None:
+        memory = memory_policy(memory, deprecated)
         param = first_parameter(upscaler) if not isinstance(upscaler, (str, os.PathLike)) else None
         if device is None:
             device = param.device if param is not None else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -144,19 +157,20 @@ class FlowUpscalerPipeline:
             if param is not None and param.is_floating_point():
                 dtype = param.dtype
             else:
-                dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+                dtype = default_dtype(self.device)
         self.dtype = dtype
-        self.chunked = chunked
-        self.vae_tiled = vae_tiled
-        self.chunk_rows = chunk_rows
-        self.offload_device = offload_device
-        self.chunk_budget_bytes = chunk_budget_bytes
+        self.memory = memory
+        self.chunked = memory.chunked
+        self.vae_tiled = memory.vae_tiled
+        self.chunk_rows = memory.chunk_rows
+        self.offload_device = memory.offload_device
+        self.chunk_budget_bytes = memory.chunk_budget_bytes
         self.on_strip = on_strip
         if isinstance(upscaler, (str, os.PathLike)):
             check_upscale_weights(upscaler, [vae])  # both found (or both named as missing) before either loads
         self.upscaler, self.upscaler_path = load_pipeline_upscaler(upscaler, self.device, self.dtype)
         self.vae, self.vae_spec = (None, None) if vae is None else load_pipeline_vae(vae, self.device, self.dtype)
-        self.max_memory = None if max_memory is None else parse_memory(max_memory)
+        self.max_memory = None if memory.max_memory is None else parse_memory(memory.max_memory)
         self.channels_last = self.device.type == "cuda" if channels_last is None else bool(channels_last)
         if self.channels_last and isinstance(self.upscaler, torch.nn.Module):
             self.upscaler.to(memory_format=torch.channels_last)
@@ -270,8 +284,7 @@ class FlowUpscalerPipeline:
         """
         from flowlift.files.images import to_tensor
 
-        if resize_mode not in RESIZE_MODES:
-            raise FlowliftError(f"resize_mode must be one of {', '.join(RESIZE_MODES)}, got {resize_mode!r}")
+        RESIZE_MODE.check(resize_mode)
         original = to_tensor(image, device=self.device, dtype=torch.float32)
         if resize_mode == "pad":
             return original, pad_to_multiple(original, SIZE_MULTIPLE)
@@ -312,7 +325,7 @@ class FlowUpscalerPipeline:
         dropped with a warning.
         """
         check_latents(latents, "Flow Upscaler")
-        transplant_strength = check_unit_interval("transplant_strength", transplant_strength)
+        transplant_strength = TRANSPLANT_STRENGTH.check(transplant_strength)
         seed = check_seed(seed)
         factor = self.spatial_factor
         passes = self.plan_passes(latents.shape[-2] * factor, latents.shape[-1] * factor, num_passes)
@@ -365,8 +378,8 @@ class FlowUpscalerPipeline:
         """
         if output_type not in ("pil", "pt"):
             raise FlowliftError(f"output_type must be 'pil' or 'pt', got {output_type!r}")
-        color_fix_strength = check_unit_interval("color_fix_strength", color_fix_strength)
-        check_unit_interval("transplant_strength", transplant_strength)  # before the encoder runs
+        color_fix_strength = COLOR_FIX_STRENGTH.check(color_fix_strength)
+        TRANSPLANT_STRENGTH.check(transplant_strength)  # before the encoder runs
         seed = check_seed(seed)
         original, prepared = self.prepare_image(image, resize_mode)
         passes = self.plan_passes(original.shape[-2], original.shape[-1], num_passes, resize_mode)

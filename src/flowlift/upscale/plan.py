@@ -172,15 +172,14 @@ class UpscaleStep:
         from flowlift.jobs.distributed import rank_device
         from flowlift.upscale.outputs import batched_process
         from flowlift.upscale.pipeline import FlowUpscalerPipeline
+        from flowlift.upscale.settings import MemoryPolicy
 
         pipeline = FlowUpscalerPipeline(
             request.settings.upscaler or DEFAULT_UPSCALER,
             request.settings.vae,
             dtype=request.dtype,
             device=rank_device(str(request.device), env) if env.distributed else request.device,  # cuda:LOCAL_RANK
-            chunked=request.chunked,
-            vae_tiled=request.vae_tiled,
-            max_memory=request.max_memory,
+            memory=MemoryPolicy(chunked=request.chunked, vae_tiled=request.vae_tiled, max_memory=request.max_memory),
             compile=request.compile,
         )
         step = cls(request, plan, pipeline)

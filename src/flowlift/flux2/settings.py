@@ -1,12 +1,10 @@
-"""The names and ranges FLUX.2 sampling takes, in a module without torch.
-
-The samplers (:mod:`flowlift.flux2.sampling`), the schedule's shift and how a window is filled
-(:mod:`flowlift.flux2.schedule`) check against these; the command line's options offer them, so
-``flowlift --help`` reads them without importing torch.
+"""The FLUX.2 sampling choices as plain values (no torch), so a command's ``--help`` and the knob tables
+(:mod:`flowlift.refine.settings`) read them without loading the maths. :mod:`flowlift.flux2.schedule` and
+:mod:`flowlift.flux2.sampling` use these same objects.
 """
 
-#: The samplers of :func:`flowlift.flux2.sampling.denoise`.
-SAMPLERS = ("euler", "heun")
+from __future__ import annotations
+
 #: The fixed shift of InvokeAI's and ComfyUI's FLUX.2 schedules (and of the founding document's table).
 DEFAULT_MU = 2.02
 #: ``mu="empirical"``: diffusers' formula, from the full image sequence length and the full step count.
@@ -17,3 +15,5 @@ EMPIRICAL_MU = "empirical"
 MU_RANGE = (0.0, 15.0)
 #: How a denoising window is filled: every step respaced into it, or the full schedule clipped to it.
 SCHEDULES = ("respaced", "clipped")
+#: The samplers of :mod:`flowlift.flux2.sampling`.
+SAMPLERS = ("euler", "heun")

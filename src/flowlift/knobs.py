@@ -1,0 +1,188 @@
+"""What a user-facing setting is, declared once: :class:`Knob`, and the one seed every door takes.
+
+Each capability package owns a table of its knobs (``flowlift.upscale.settings``,
+``flowlift.refine.settings``): name, type, domain (a range or choices), default, unit and a one-line help.
+The front-ends derive their controls from those tables — the command line's options, the web app's
+components and checks, the ComfyUI and InvokeAI inputs, the Python API's checks — so a limit is written
+in one place. Nothing here imports torch.
+
+Integers are parsed exactly on every door: the Python API and the node packs take an ``int`` (numpy's
+too); the text and JSON doors (the command line, the web app's API) also a string of digits, or a float
+that is a whole number no larger than 2^53 (beyond that a float has already lost the integer it was
+meant to be). A seed is never passed through ``float()``: seeds 2^53 and 2^53 + 1 are different seeds.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowlift.errors import FlowliftError
+
+#: The largest seed: what ComfyUI's seed widgets and ``torch.Generator.manual_seed`` accept (2^64 - 1).
+SEED_MAX = 2**64 - 1
+#: Floats are whole numbers exactly up to here; past it a float cannot carry an exact integer.
+EXACT_FLOAT_INT = 2**53
+_INTEGER_TEXT = re.compile(r"[+-]?\d+")
+
+
+def exact_int(value: Any, *, loose: bool = False) -> int | None:
+    """``value`` as an exact ``int``, or ``None`` when it is not one.
+
+    Accepted: integers (numpy's too, never ``bool``); with ``loose`` (text and JSON doors: the command
+    line, the web app's API) also strings of decimal digits (``" 18446744073709551615"``) and whole floats
+    ``|x| <= 2^53``. Refused: fractions, NaN/Inf, larger floats, anything else.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if not loose:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        return int(text) if _INTEGER_TEXT.fullmatch(text) else None
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        if math.isfinite(number) and number.is_integer() and abs(number) <= EXACT_FLOAT_INT:
+            return int(number)
+    return None
+
+
+def _finite_real(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One user-facing setting: what every front-end shows and checks for it.
+
+    ``kind`` is ``int``, ``float``, ``str`` (one of ``choices``) or ``bool``. ``low``/``high`` close the range
+    of a number (``None``: unbounded on that side); ``words`` are strings a number knob also takes
+    (``mu``'s ``"empirical"``). ``step`` is the slider step a UI offers, ``unit`` what the number counts.
+    """
+
+    name: str
+    kind: type
+    default: Any
+    help: str
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[Any, ...] = ()
+    words: tuple[str, ...] = ()
+    unit: str = ""
+    step: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind is str and not self.choices:
+            raise ValueError(f"knob {self.name}: a str knob needs its choices")
+        self.check(self.default)  # the default lies in the domain, always
+
+    @property
+    def domain(self) -> tuple[Any, ...]:
+        """``("choices", (...))`` or ``("range", low, high)``, with ``words`` last if any: what a test compares."""
+        if self.choices:
+            return ("choices", tuple(self.choices))
+        if self.kind is bool:
+            return ("choices", (False, True))
+        return ("range", self.low, self.high, *self.words)
+
+    def describe(self) -> str:
+        """The domain in words: ``"one of a, b"``, ``"in [0, 1]"``, ``"an integer in [1, 200]"``."""
+        if self.choices:
+            return "one of " + ", ".join(map(str, self.choices))
+        low = "-inf" if self.low is None else f"{self.low:g}" if self.kind is float else str(self.low)
+        high = "inf" if self.high is None else f"{self.high:g}" if self.kind is float else str(self.high)
+        words = "".join(f" or {word}" for word in self.words)
+        return f"{'an integer ' if self.kind is int else ''}in [{low}, {high}]{words}"
+
+    def _error(self, label: str, value: Any) -> FlowliftError:
+        if self.kind is int and self.low == 0:
+            at_most = "" if self.high is None else f" at most {self.high}"
+            if self.high == SEED_MAX:
+                at_most += " (2^64 - 1)"
+            return FlowliftError(f"{label} must be a non-negative integer{at_most}, got {value!r}")
+        return FlowliftError(f"{label} must be {self.describe()}, got {value!r}")
+
+    def check(self, value: Any, label: str | None = None, *, loose: bool = False) -> Any:
+        """``value`` converted to this knob's type if it lies in the domain, else one FlowliftError line.
+
+        Integers are exact (:func:`exact_int`, ``loose`` for text and JSON doors); floats must be finite
+        real numbers (``loose``: numeric strings too); a choice must be one of the choices; ``bool`` takes
+        only ``True``/``False``.
+        """
+        label = label or self.name
+        if self.choices:
+            if loose and self.kind is int:
+                value = exact_int(value, loose=True) if exact_int(value, loose=True) is not None else value
+            if isinstance(value, bool) and self.kind is not bool or value not in self.choices:
+                raise FlowliftError(f"{label} must be one of {', '.join(map(str, self.choices))}, got {value!r}")
+            return next(choice for choice in self.choices if choice == value)
+        if self.kind is bool:
+            if not isinstance(value, bool):
+                raise FlowliftError(f"{label} must be true or false, got {value!r}")
+            return value
+        if isinstance(value, str) and value.strip().lower() in self.words:
+            return value.strip().lower()
+        number = exact_int(value, loose=loose) if self.kind is int else _finite_real(value)
+        if isinstance(value, str) and self.kind is float and not loose:
+            number = None  # the Python API takes numbers; text is for the loose doors
+        if number is None:
+            raise self._error(label, value)
+        if (self.low is not None and number < self.low) or (self.high is not None and number > self.high):
+            raise self._error(label, value)
+        return self.kind(number)
+
+    def parse_text(self, text: str) -> Any:
+        """A command-line value: :meth:`check` on the text (numbers parsed exactly), for ``argparse``."""
+        try:
+            return self.check(text, label="value", loose=True)
+        except FlowliftError as error:
+            raise FlowliftError(str(error).removeprefix("value ")) from None
+
+    def label(self, value: Any) -> str:
+        """How a choice is shown where the node packs show it: ``extra["labels"]`` maps it (``2 -> "2x"``)."""
+        labels = self.extra.get("labels")
+        return labels[self.choices.index(value)] if labels else str(value)
+
+
+SEED = Knob(
+    "seed",
+    int,
+    0,
+    "noise seed: the same seed gives the same result on every device",
+    low=0,
+    high=SEED_MAX,
+)
+
+
+def check_seed(seed: Any) -> int | list[int]:
+    """A seed in [0, 2^64 - 1] (exact), or a sequence of them (one per image of a batch), else one line."""
+    if isinstance(seed, (list, tuple)):
+        return [SEED.check(value) for value in seed]
+    return SEED.check(seed)
+
+
+def wrap_seed(value: int) -> int:
+    """A seed derived by arithmetic (``seed + k``) brought back into [0, 2^64 - 1]: ``value mod 2^64``."""
+    return int(value) % (SEED_MAX + 1)
+
+
+def table(*knobs: Knob) -> dict[str, Knob]:
+    """A knob table: name -> knob, in the order given (the order the front-ends show them)."""
+    found: dict[str, Knob] = {}
+    for knob in knobs:
+        if knob.name in found:
+            raise ValueError(f"knob {knob.name} declared twice")
+        found[knob.name] = knob
+    return found

@@ -1,0 +1,104 @@
+"""The Flow Upscaler's knobs, declared once, and its memory settings as one :class:`MemoryPolicy`.
+
+:data:`UPSCALE_KNOBS` is the table every front-end derives its controls from (``flowlift upscale``'s
+options, the web app's Upscale tab and its checks, the ComfyUI and InvokeAI inputs, the checks of
+:class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline`); :data:`COLOR_FIX_KNOBS` is stage 2 alone
+(``flowlift colorfix``, the colour-fix nodes). ``tests/test_knobs.py`` holds every front-end to them.
+No torch here: ``flowlift upscale --help`` reads this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from flowlift.errors import FlowliftError
+from flowlift.knobs import SEED, Knob, table
+
+#: Passes per scale: each pass doubles both sides.
+SCALE_PASSES = {2: 1, 4: 2, 8: 3}
+
+SCALE = Knob(
+    "scale",
+    int,
+    2,
+    "upscale factor: 2x per pass (2 = one pass, 4 = two, 8 = three)",
+    choices=tuple(SCALE_PASSES),
+    unit="x",
+    extra={"labels": tuple(f"{factor}x" for factor in SCALE_PASSES)},
+)
+TRANSPLANT_STRENGTH = Knob(
+    "transplant_strength",
+    float,
+    1.0,
+    "stage 1, after every pass: share of the latent low band taken from the input (1 = exactly, 0 = off)",
+    low=0.0,
+    high=1.0,
+    step=0.05,
+)
+COLOR_FIX_STRENGTH = Knob(
+    "color_fix_strength",
+    float,
+    1.0,
+    "stage 2, after decoding: share of the input's colour and tone (L*a*b* low band) restored (1 = all)",
+    low=0.0,
+    high=1.0,
+    step=0.05,
+)
+RESIZE_MODE = Knob(
+    "resize_mode",
+    str,
+    "pad",
+    "how inputs reach multiples of 16: pad (exactly 2^n x the input size back) or resample",
+    choices=("pad", "resample"),
+)
+CHUNKED = Knob(
+    "chunked",
+    str,
+    "auto",
+    "exact bounded-memory UNet execution in row strips: auto = when the plain pass would not fit",
+    choices=("auto", "always", "never"),
+)
+
+#: The Flow Upscaler's knobs, in the order the node packs show them.
+UPSCALE_KNOBS = table(SCALE, SEED, TRANSPLANT_STRENGTH, COLOR_FIX_STRENGTH, RESIZE_MODE, CHUNKED)
+#: Stage 2 alone (``flowlift colorfix``, FlowliftColorFix, flowlift_color_fix): its one strength.
+COLOR_FIX_KNOBS = table(replace(COLOR_FIX_STRENGTH, name="strength"))
+
+
+@dataclass(frozen=True)
+class MemoryPolicy:
+    """How an upscale fits in device memory: one object instead of six overlapping arguments.
+
+    Precedence, highest first:
+
+    1. ``chunked``, ``vae_tiled``, ``chunk_rows``, ``offload_device`` given explicitly always hold
+       (``chunked``: True/False forces the exact row-strip executor on or off; ``vae_tiled`` is passed to the
+       VAE's encode/decode; ``chunk_rows`` fixes the strip height; ``offload_device`` is where strips wait).
+    2. ``max_memory`` (bytes or ``"6GB"``): :func:`flowlift.upscale.memory_plan.plan_upscale` decides what
+       (1) left unset, for the whole upscale (UNet passes, VAE decode, both colour stages).
+    3. ``chunk_budget_bytes`` (only without ``max_memory``): what the plain UNet forward may use before
+       chunking switches on by itself (default: half the free CUDA memory, 1 GiB on the CPU).
+    4. Nothing set: every decision by size.
+    """
+
+    chunked: bool | None = None
+    vae_tiled: bool | None = None
+    chunk_rows: int | None = None
+    offload_device: Any = None
+    max_memory: int | str | None = None
+    chunk_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("chunked", "vae_tiled"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise FlowliftError(f"MemoryPolicy {name} must be True, False or None, got {value!r}")
+        for name in ("chunk_rows", "chunk_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise FlowliftError(f"MemoryPolicy {name} must be a positive integer or None, got {value!r}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(item.name for item in fields(cls))

@@ -1,0 +1,401 @@
+"""One definition of every knob (issue 29): every front-end's control has the knob table's domain and default.
+
+The tables are :data:`flowlift.upscale.settings.UPSCALE_KNOBS`, :data:`~flowlift.upscale.settings.COLOR_FIX_KNOBS`
+and :data:`flowlift.refine.settings.REFINE_KNOBS`. Here: the command line's options, the web app's components
+and request checks, the ComfyUI nodes' numeric checks and the Python API's checks. The ComfyUI inputs as a
+real server lists them and the InvokeAI fields as a real server's schema has them are held to the same tables
+in tests/test_comfyui.py and tests/test_invokeai.py (they need those hosts' environments). A knob added to a
+table but not to a front-end below fails ``test_every_knob_is_mapped``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from flowlift.errors import FlowliftError
+from flowlift.knobs import SEED, SEED_MAX, Knob, exact_int
+from flowlift.refine.settings import REFINE_KNOBS, SamplingSettings
+from flowlift.upscale.settings import COLOR_FIX_KNOBS, UPSCALE_KNOBS, MemoryPolicy
+
+#: (command, option) -> (table, knob name, the argparse default where the command resolves the knob's own
+#: default itself, or ``...`` for the knob's default).
+CLI_OPTIONS: dict[tuple[str, str], tuple[dict[str, Knob], str, object]] = {
+    ("upscale", "--scale"): (UPSCALE_KNOBS, "scale", None),  # None: run() applies DEFAULT_SCALE (checked below)
+    ("upscale", "--seed"): (UPSCALE_KNOBS, "seed", ...),
+    ("upscale", "--transplant-strength"): (UPSCALE_KNOBS, "transplant_strength", ...),
+    ("upscale", "--color-fix-strength"): (UPSCALE_KNOBS, "color_fix_strength", ...),
+    ("upscale", "--resize-mode"): (UPSCALE_KNOBS, "resize_mode", ...),
+    ("colorfix", "--strength"): (COLOR_FIX_KNOBS, "strength", ...),
+    ("img2img", "--strength"): (REFINE_KNOBS, "strength", None),  # None: 0.5, outpaint 1 (run() decides)
+    ("img2img", "--strength-map"): (REFINE_KNOBS, "strength_map", ...),
+    ("img2img", "--steps"): (REFINE_KNOBS, "steps", ...),
+    ("img2img", "--seed"): (REFINE_KNOBS, "seed", ...),
+    ("img2img", "--sampler"): (REFINE_KNOBS, "sampler", ...),
+    ("img2img", "--mu"): (REFINE_KNOBS, "mu", ...),
+    ("img2img", "--schedule"): (REFINE_KNOBS, "schedule", ...),
+    ("hires", "--scale"): (REFINE_KNOBS, "hires_scale", ...),
+    ("hires", "--base-steps"): (REFINE_KNOBS, "steps", ...),
+    ("hires", "--transplant-strength"): (UPSCALE_KNOBS, "transplant_strength", ...),
+    ("hires", "--refine-strength"): (REFINE_KNOBS, "refine_strength", ...),
+    ("hires", "--steps"): (REFINE_KNOBS, "steps", ...),
+    ("hires", "--seed"): (REFINE_KNOBS, "seed", ...),
+    ("hires", "--sampler"): (REFINE_KNOBS, "sampler", ...),
+    ("hires", "--mu"): (REFINE_KNOBS, "mu", ...),
+    ("hires", "--schedule"): (REFINE_KNOBS, "schedule", ...),
+}
+#: Knobs the node packs show but the command line spells otherwise (``--chunked/--no-chunked`` is a flag pair).
+NOT_ON_THE_COMMAND_LINE = {"chunked"}
+
+
+def parser_of(command: str) -> argparse.ArgumentParser:
+    import importlib
+
+    module = importlib.import_module(f"flowlift.commands.{command}")
+    parser = argparse.ArgumentParser(prog=f"flowlift {command}")
+    module.add_arguments(parser)
+    return parser
+
+
+def action_of(parser: argparse.ArgumentParser, option: str) -> argparse.Action:
+    return next(action for action in parser._actions if option in action.option_strings)
+
+
+def edge_values(knob: Knob) -> tuple[list[object], list[object]]:
+    """(values inside the domain, values just outside it) for a knob: the ends of a range and one step past."""
+    if knob.choices:
+        return list(knob.choices), ["not-a-choice"] if knob.kind is str else [max(knob.choices) + 1, -1]
+    if knob.kind is int:
+        return [knob.low, knob.high], [knob.low - 1, knob.high + 1]
+    return [knob.low, knob.high, *knob.words], [knob.low - 0.001, knob.high + 0.001, float("nan")]
+
+
+def test_every_knob_is_mapped():
+    on_cli = {(id(table), name) for table, name, _ in CLI_OPTIONS.values()}
+    for table in (UPSCALE_KNOBS, COLOR_FIX_KNOBS, REFINE_KNOBS):
+        for name in table:
+            assert (id(table), name) in on_cli or name in NOT_ON_THE_COMMAND_LINE, f"knob {name} has no CLI option"
+
+
+@pytest.mark.parametrize(("command", "option"), list(CLI_OPTIONS))
+def test_cli_options_have_the_knobs_domain_and_default(command, option):
+    table, name, cli_default = CLI_OPTIONS[(command, option)]
+    knob = table[name]
+    action = action_of(parser_of(command), option)
+    assert action.default == (knob.default if cli_default is ... else cli_default)
+    if knob.choices:  # argparse checks the choices; the type (if any) parses exactly
+        assert tuple(action.choices) == knob.choices
+        assert all(action.type is None or action.type(str(choice)) == choice for choice in knob.choices)
+        return
+    inside, outside = edge_values(knob)
+    for value in inside:
+        assert action.type(str(value)) == value
+    for value in outside:
+        with pytest.raises(argparse.ArgumentTypeError):
+            action.type(str(value))
+
+
+def test_the_command_lines_default_scale_is_the_knobs():
+    from flowlift.commands._options import DEFAULT_SCALE
+
+    assert DEFAULT_SCALE == UPSCALE_KNOBS["scale"].default
+
+
+def test_app_components_have_the_knobs_domain_and_default(tmp_path):
+    pytest.importorskip("gradio")
+    from flowlift.app.page import build_app
+    from flowlift.app.service import AppConfig, AppService
+
+    service = AppService(AppConfig(upscaler="unused", vaes=["taef2"], model="unused", work_dir=tmp_path))
+    fns = {fn.api_name: fn for fn in build_app(service).fns.values()}
+    upscale = dict(zip(["image", "scale", "seed", "transplant_strength", "color_fix_strength", "vae"],
+                       fns["upscale"].inputs, strict=True))  # fmt: skip
+    batch = dict(zip(["files", "scale", "seed", "transplant_strength", "color_fix_strength", "vae"],
+                     fns["batch"].inputs, strict=True))  # fmt: skip
+    refine = dict(zip(["image", "prompt", "embeds", "mode", "strength", "strength_map", "steps", "seed", "sampler"],
+                      fns["refine"].inputs, strict=True))  # fmt: skip
+    mapped = [(UPSCALE_KNOBS, controls) for controls in (upscale, batch)] + [(REFINE_KNOBS, refine)]
+    for table, controls in mapped:
+        for name, component in controls.items():
+            if name not in table:
+                continue
+            knob = table[name]
+            assert component.value == knob.default, name
+            if knob.choices:
+                assert [choice[1] for choice in component.choices] == list(knob.choices), name
+            else:
+                assert (component.minimum, component.maximum) == (knob.low, knob.high), name
+    assert list(REFINE_KNOBS["hires_scale"].choices) == [2, 4, 8]  # the Refine tab's "hires fix 2x/4x/8x" modes
+    from flowlift.app.refine_tab import MODES
+
+    assert sorted(factor for factor in MODES.values() if factor) == list(REFINE_KNOBS["hires_scale"].choices)
+
+
+def test_app_request_checks_have_the_knobs_domain(tmp_path):
+    from flowlift.app.service import AppConfig, AppService
+
+    service = AppService(AppConfig(upscaler="unused", vaes=["taef2"], work_dir=tmp_path))
+    order = ["scale", "seed", "transplant_strength", "color_fix_strength"]
+    good = [2, 0, 1.0, 1.0]
+    for index, name in enumerate(order):
+        inside, outside = edge_values(UPSCALE_KNOBS[name])
+        for value in inside:
+            values = [*good[:index], value, *good[index + 1 :]]
+            assert service._validate(*values, None)[index] == value
+        for value in outside:
+            with pytest.raises(FlowliftError):
+                service._validate(*[*good[:index], value, *good[index + 1 :]], None)
+
+
+def test_comfyui_numeric_checks_are_the_knobs():
+    from flowlift.comfyui import layouts
+
+    for node, inputs in layouts.NODE_KNOBS.items():
+        for name, knob in inputs.items():
+            table = COLOR_FIX_KNOBS if node == "FlowliftColorFix" else UPSCALE_KNOBS
+            assert knob == table[name]
+            assert layouts.NUMERIC_INPUTS[node][name] == (knob.low, knob.high, knob.kind is int)
+            inside, outside = edge_values(knob)
+            for value in inside:
+                assert layouts.check_numbers(node, **{name: value})[name] == value
+            for value in outside:
+                with pytest.raises(FlowliftError):
+                    layouts.check_numbers(node, **{name: value})
+
+
+def test_node_pack_choices_are_the_knobs():
+    from flowlift.upscale import node_choices
+
+    assert node_choices.SCALES == ("2x", "4x", "8x")
+    assert [node_choices.passes_for(label) for label in node_choices.SCALES] == [1, 2, 3]
+    assert node_choices.DEFAULT_SCALE_LABEL == "2x"
+    assert node_choices.CHUNKING == UPSCALE_KNOBS["chunked"].choices
+
+
+def test_python_api_checks_have_the_knobs_domain():
+    import torch
+
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+
+    class Velocity(torch.nn.Module):  # v = noise - 2x(cond): the pass returns the nearest-upsampled input
+        def forward(self, sample, timestep, small):
+            return sample - torch.nn.functional.interpolate(small, scale_factor=2.0)
+
+    pipe = FlowUpscalerPipeline(Velocity(), None, device="cpu", dtype=torch.float32)
+    latents = torch.zeros(1, 32, 2, 2)
+    for name in ("seed", "transplant_strength"):
+        inside, outside = edge_values(UPSCALE_KNOBS[name])
+        for value in inside:
+            assert pipe.upscale_latents(latents, 1, **{name: value}).shape == (1, 32, 4, 4)
+        for value in outside:
+            with pytest.raises(FlowliftError):
+                pipe.upscale_latents(latents, 1, **{name: value})
+    for name in ("steps", "seed"):
+        inside, outside = edge_values(REFINE_KNOBS[name])
+        for value in inside:
+            assert getattr(SamplingSettings(**{name: value}), name) == value
+        for value in outside:
+            with pytest.raises(FlowliftError):
+                SamplingSettings(**{name: value})
+    with pytest.raises(FlowliftError, match="unknown sampler"):
+        SamplingSettings(sampler="dpm++")
+
+
+# ------------------------------------------------------------------------------------------ the seed
+
+
+def test_seeds_are_exact_integers_on_every_door():
+    assert SEED.domain == ("range", 0, 2**64 - 1) and SEED_MAX == 18446744073709551615
+    assert exact_int(2**53 + 1) == 2**53 + 1
+    assert exact_int(str(2**53 + 1), loose=True) == 2**53 + 1  # text: exact, never through float
+    assert exact_int(float(2**53), loose=True) == 2**53
+    assert exact_int(float(2**53) * 2, loose=True) is None  # a float this large is no longer one integer
+    assert exact_int(2.0) is None and exact_int(True) is None and exact_int("7") is None  # strict doors
+    for bad in (-1, 2**64, 1.5, "12", None):
+        with pytest.raises(FlowliftError, match="seed must be a non-negative integer"):
+            SEED.check(bad)
+
+
+@pytest.mark.parametrize("command", ["upscale", "img2img", "hires"])
+def test_seed_2_64_is_one_error_line_exit_2_on_the_command_line(command, tmp_path):
+    needs = {"upscale": ["x.png"], "img2img": ["x.png", "--model", "m", "--prompt", "p"], "hires": ["--model", "m"]}
+    from app_helpers import subprocess_env
+
+    result = subprocess.run(
+        [sys.executable, "-m", "flowlift", command, *needs[command], "--seed", str(2**64)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=subprocess_env(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert errors == [
+        f"flowlift {command}: error: argument --seed: must be a non-negative integer at most "
+        f"18446744073709551615 (2^64 - 1), got '18446744073709551616'"
+    ], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_seed_2_64_is_one_error_line_on_the_app_the_nodes_and_the_api(tmp_path):
+    import torch
+
+    from flowlift.app.service import AppConfig, AppService
+    from flowlift.comfyui.layouts import check_numbers
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+
+    service = AppService(AppConfig(upscaler="unused", vaes=["taef2"], work_dir=tmp_path))
+    pipe = FlowUpscalerPipeline(lambda sample, t, small: sample, None, device="cpu", dtype=torch.float32)
+    doors = [
+        lambda: service._validate(2, 2**64, 1.0, 1.0, None),
+        lambda: service._validate(2, str(2**64), 1.0, 1.0, None),
+        lambda: check_numbers("FlowliftUpscaleLatent", seed=2**64),
+        lambda: pipe.upscale_latents(torch.zeros(1, 32, 2, 2), 1, seed=2**64),
+        lambda: SamplingSettings(seed=2**64),
+    ]
+    for door in doors:
+        with pytest.raises(FlowliftError) as info:
+            door()
+        assert "\n" not in str(info.value) and "18446744073709551616" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------- settings objects
+
+
+def test_old_pipeline_memory_keywords_warn_and_mean_the_same_policy():
+    import torch
+
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+
+    def velocity(sample, t, small):
+        return sample
+
+    with pytest.warns(DeprecationWarning, match=r"FlowUpscalerPipeline\(chunked=, max_memory=\) is deprecated"):
+        old = FlowUpscalerPipeline(velocity, None, device="cpu", dtype=torch.float32, chunked=True, max_memory="2GB")
+    new = FlowUpscalerPipeline(
+        velocity, None, device="cpu", dtype=torch.float32, memory=MemoryPolicy(chunked=True, max_memory="2GB")
+    )
+    assert old.memory == new.memory and old.chunked is new.chunked is True and old.max_memory == new.max_memory
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new spelling warns about nothing
+        FlowUpscalerPipeline(velocity, None, device="cpu", dtype=torch.float32, memory=MemoryPolicy())
+    with pytest.raises(FlowliftError, match="not both"):
+        FlowUpscalerPipeline(velocity, None, memory=MemoryPolicy(), chunked=True)
+    with pytest.raises(TypeError, match="chunkd"):
+        FlowUpscalerPipeline(velocity, None, chunkd=True)
+    with pytest.raises(FlowliftError, match="chunk_rows must be a positive integer"):
+        MemoryPolicy(chunk_rows=0)
+
+
+def test_old_refiner_sampling_keywords_warn_and_give_the_same_result():
+    import torch
+
+    from flowlift.models.vae_loading import load_vae
+    from flowlift.refine.refiner import Flux2Refiner
+    from tiny_flux2 import prompt_embeds, tiny_transformer, tiny_vae
+
+    refiner = Flux2Refiner(tiny_transformer(), load_vae(tiny_vae(), device="cpu", dtype=torch.float32))
+    embeds = prompt_embeds()
+    image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    sampling = SamplingSettings(steps=3, seed=7, sampler="heun", mu=1.5, schedule="clipped")
+    new = refiner.img2img(image, strength=0.6, sampling=sampling, prompt_embeds=embeds)
+    with pytest.warns(DeprecationWarning, match=r"Flux2Refiner.img2img\(steps=, seed=, sampler=, mu=, schedule=\)"):
+        old = refiner.img2img(
+            image, strength=0.6, steps=3, seed=7, sampler="heun", mu=1.5, schedule="clipped", prompt_embeds=embeds
+        )
+    assert torch.equal(old.images, new.images) and old.parameters == new.parameters
+    assert new.parameters["seed"] == 7 and new.parameters["steps"] == 3 and new.parameters["schedule"] == "clipped"
+    with pytest.raises(FlowliftError, match="not both"):
+        refiner.img2img(image, strength=0.6, sampling=sampling, seed=1, prompt_embeds=embeds)
+
+
+# ------------------------------------------------------------------- the seed bugs of issue 29, end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_weights(tmp_path_factory):
+    import torch
+
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
+
+    torch.manual_seed(0)
+    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
+    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+
+
+@pytest.fixture(scope="module")
+def small_photo(shared, tmp_path_factory):
+    from PIL import Image
+
+    path = tmp_path_factory.mktemp("photo") / "wine.png"
+    with Image.open(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png") as image:
+        image.convert("RGB").resize((48, 32), Image.Resampling.BOX).save(path)
+    return path
+
+
+def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, tiny_weights, small_photo):
+    # a ComfyUI workflow's seed >= 2^63 was refused by `flowlift upscale --seed` ("seed must be in [0, 2^63)")
+    import json
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from flowlift.commands.cli import main
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+
+    taef2 = str(shared / "models" / "taef2")
+    out = tmp_path / "out.png"
+    argv = ["upscale", str(small_photo), "-o", str(out), "--seed", str(SEED_MAX), "--upscaler", str(tiny_weights)]
+    assert main([*argv, "--vae", taef2, "--device", "cpu", "--quiet"]) == 0
+    pipeline = FlowUpscalerPipeline(str(tiny_weights), taef2, device="cpu", dtype=torch.float32)
+    with Image.open(small_photo) as image:
+        expected = pipeline.upscale_image(image.convert("RGB"), 1, seed=SEED_MAX)
+        other = pipeline.upscale_image(image.convert("RGB"), 1, seed=SEED_MAX - 1)
+    with Image.open(out) as written:
+        assert json.loads(written.text["flowlift.parameters"])["seed"] == SEED_MAX
+        got = np.asarray(written.convert("RGB"))
+    assert np.array_equal(got, np.asarray(expected))
+    assert not np.array_equal(got, np.asarray(other))  # the seed reached the noise
+
+
+def test_app_keeps_seeds_exact(tmp_path, shared, tiny_weights, small_photo):
+    # through float(), seeds 2^53 and 2^53 + 1 were the same seed and gave the same image
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from flowlift.app.service import AppConfig, AppService
+
+    config = AppConfig(upscaler=str(tiny_weights), vaes=[str(shared / "models" / "taef2")], device="cpu",
+                       work_dir=tmp_path / "work")  # fmt: skip
+    service = AppService(config)
+    try:
+        pictures, seeds = [], []
+        for seed in (2**53, 2**53 + 1, str(2**53 + 1), SEED_MAX):
+            result = service.upscale(small_photo, 2, seed)
+            with Image.open(result.output) as png:
+                seeds.append(json.loads(png.text["flowlift.parameters"])["seed"])
+                pictures.append(np.asarray(png.convert("RGB")))
+    finally:
+        service.close()
+    assert seeds == [2**53, 2**53 + 1, 2**53 + 1, SEED_MAX]
+    assert not np.array_equal(pictures[0], pictures[1])
+    assert np.array_equal(pictures[1], pictures[2])  # a seed sent as text is the same seed
+
+
+def test_seeded_noise_takes_every_seed_up_to_2_64_minus_1():
+    import torch
+
+    from flowlift.flux2.latents import seeded_noise
+    from flowlift.refine.loop import latent_noise
+    from flowlift.upscale.sizes import pass_noise
+
+    top = seeded_noise((2, 4, 4), SEED_MAX)
+    assert torch.equal(top, torch.randn((2, 4, 4), generator=torch.Generator().manual_seed(SEED_MAX)))
+    assert not torch.equal(top, seeded_noise((2, 4, 4), SEED_MAX - 1))
+    assert not torch.equal(latent_noise((1, 32, 4, 4), SEED_MAX), latent_noise((1, 32, 4, 4), 0))
+    assert not torch.equal(pass_noise([SEED_MAX], 0, (32, 4, 4)), pass_noise([SEED_MAX - 1], 0, (32, 4, 4)))
