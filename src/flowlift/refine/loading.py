@@ -195,6 +195,7 @@ def load_transformer(model: str, *, dtype: torch.dtype, option: str = "--model")
     (:func:`load_transformer_file`)."""
     from diffusers import Flux2Transformer2DModel
 
+    from flowlift.models.flux2_transformer_folders import inspect_transformer_folder
     from flowlift.models.hub import looks_like_path
 
     path = Path(model).expanduser()
@@ -205,12 +206,15 @@ def load_transformer(model: str, *, dtype: torch.dtype, option: str = "--model")
     from_hub = not path.exists() and looks_like_repo_id(model)
     try:
         if path.is_dir() and (path / "config.json").is_file() and not _is_diffusers_folder(path):
+            inspect_transformer_folder(path, option=option)
             return Flux2Transformer2DModel.from_pretrained(str(path), torch_dtype=dtype)
         if path.is_dir() and not (path / "transformer" / "config.json").is_file():
             raise FlowliftError(
                 f"{option} {model}: not a FLUX.2 transformer folder (it needs transformer/config.json, the diffusers "
                 "layout, or config.json, a bare transformer folder)"
             )
+        if path.is_dir():
+            inspect_transformer_folder(path / "transformer", option=option)
         if path.is_dir() or from_hub:
             from flowlift.models.hub import hub_offline_reason
 
