@@ -62,7 +62,7 @@ def launch_config(options: Sequence[str]) -> Any:
         check_processes(config.nproc_per_node)
         if args.rdzv_backend == "static":
             _check_port(args.master_port, "--master-port")
-        _check_endpoint(config.rdzv_endpoint, args.rdzv_backend)
+        _check_endpoint_port(config.rdzv_endpoint, args.rdzv_backend)
     except (AssertionError, ValueError, RuntimeError) as error:
         raise FlowliftError(f"launcher options: {_first_line(error)}") from None
     wait = config.rdzv_configs.get("join_timeout")
@@ -103,19 +103,26 @@ def _check_port(port: object, option: str) -> None:
         raise ValueError(f"{option} must be a port number from 1 to 65535, got {port}")
 
 
-def _check_endpoint(endpoint: str, backend: str) -> None:
-    """The rendezvous endpoint's port is a port number and its host resolves (an unknown host would be retried
-    in C++ until the rendezvous timeout, deaf to Ctrl-C)."""
-    import socket
-
+def _check_endpoint_port(endpoint: str, backend: str) -> None:
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400 if backend == "c10d" else 29500)
-    _check_port(port, "the rendezvous endpoint's port") if port else None
+    _, port = parse_rendezvous_endpoint(endpoint, default_port=29400 if backend == "c10d" else 29500)
+    if port:
+        _check_port(port, "the rendezvous endpoint's port")
+
+
+def check_rendezvous_host(endpoint: str) -> None:
+    """The rendezvous endpoint's host resolves: an unknown one is retried in C++ until the rendezvous times out,
+    deaf to Ctrl-C and SIGTERM."""
+    import socket
+
+    host = endpoint.rsplit(":", 1)[0].strip("[]") if ":" in endpoint else endpoint
     try:
         socket.getaddrinfo(host, None)
     except OSError as error:
-        raise ValueError(f"the rendezvous host {host} does not resolve ({error.strerror or error})") from None
+        raise FlowliftError(
+            f"launcher options: the rendezvous host {host} does not resolve ({error.strerror or error})"
+        ) from None
 
 
 def launch(
@@ -143,6 +150,7 @@ def launch(
         _quiet_agent_logs()
     _drop_interrupted_worker_logs()
     config = launch_config(options)
+    check_rendezvous_host(config.rdzv_endpoint)
     try:
         values = elastic_launch(config, worker)(list(argv))
     except ChildFailedError as error:
