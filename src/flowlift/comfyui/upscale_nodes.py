@@ -87,6 +87,7 @@ def make_pipeline(
         chunked=chunked_flag(chunked),
         chunk_budget_bytes=budget,
         on_strip=progress.strip,
+        check_interrupt=mm.throw_exception_if_processing_interrupted,  # before every layer, strip and tile
     )
 
 
