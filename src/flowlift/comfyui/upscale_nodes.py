@@ -267,5 +267,7 @@ class FlowliftColorFix:
         images = layouts.image_to_nchw(image, "FlowliftColorFix image").to(device)
         ref = layouts.matched_reference(images, layouts.image_to_nchw(reference, "FlowliftColorFix reference"))
         mm.throw_exception_if_processing_interrupted()
-        result = lab_lowband_transplant(images, ref.to(device), strength)
+        result = lab_lowband_transplant(
+            images, ref.to(device), strength, on_strip=mm.throw_exception_if_processing_interrupted
+        )
         return (layouts.nchw_to_image(result, mm.intermediate_device()),)
