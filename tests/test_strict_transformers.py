@@ -258,3 +258,27 @@ def test_a_truncated_cached_file_names_its_repository(good_file, tmp_path):
     with pytest.raises(FlowliftError) as caught:
         load_transformer(str(half), dtype=torch.float32, option="--transformer")
     assert "`hf download owner/flux2 transformer/model.safetensors --force-download`" in str(caught.value)
+
+
+def test_a_cached_hub_transformer_is_checked_the_same_way(files, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    repo = tmp_path / "hub" / "models--owner--bad-flux2"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    shutil.copytree(_folder(files, "hub-bad", {"num_layers": 200000}), snapshot / "transformer")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    import diffusers
+
+    def built(*args, **kwargs):
+        raise AssertionError("diffusers built the model before its config was checked")
+
+    monkeypatch.setattr(diffusers.Flux2Transformer2DModel, "from_pretrained", built)
+    with pytest.raises(FlowliftError) as caught:
+        load_transformer("owner/bad-flux2", dtype=torch.float32)
+    text = str(caught.value)
+    assert text.startswith("--model owner/bad-flux2: ") and "num_layers is 200000, the weights hold 1" in text, text
