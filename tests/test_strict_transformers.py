@@ -282,3 +282,19 @@ def test_a_cached_hub_transformer_is_checked_the_same_way(files, tmp_path, monke
         load_transformer("owner/bad-flux2", dtype=torch.float32)
     text = str(caught.value)
     assert text.startswith("--model owner/bad-flux2: ") and "num_layers is 200000, the weights hold 1" in text, text
+
+
+def test_a_distillation_teacher_folder_is_checked_the_same_way(files, tmp_path, shared, capsys):
+    from flowlift.commands.cli import main
+
+    teacher = _folder(files, "teacher", {"num_single_layers": 0})
+    save_file({"prompt_embeds": torch.randn(6, 32)}, str(tmp_path / "embeds.safetensors"))
+    out = tmp_path / "distill"
+    argv = ["dataset", "distill", "--out", str(out), "--vae", str(shared / "models" / "taef2"),
+            "--teacher", str(teacher), "--prompt-embeds", str(tmp_path / "embeds.safetensors"), "--num", "2",
+            "--width", "64", "--height", "64", "--steps", "1", "--device", "cpu", "--no-progress"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"flowlift dataset: error: --teacher {teacher}: config.json does not match its weights: "
+                   "num_single_layers is 0, the weights hold 1"), err  # fmt: skip
+    assert not (out / "dataset.json").exists()
