@@ -41,6 +41,8 @@ PACK_NAME = "flowlift"
 START_TIMEOUT_S = 300  # a loaded 2-core CI machine: ComfyUI imports ~545 nodes first
 PROMPT_TIMEOUT_S = 240
 IMAGE_W, IMAGE_H = 48, 32
+#: The input of the long runs that are interrupted (8x: 2048x1536 out; a plain last pass takes seconds).
+BIG_W, BIG_H = 256, 192
 
 
 def random_upscaler(base: int, seed: int) -> FlowUpscalerUNet:
@@ -168,6 +170,7 @@ def write_models_and_inputs(root: Path, shared: Path) -> None:
     drifted = np.clip(drifted * [1.08, 1.0, 0.9] + [6, 0, -4], 0, 255).round().astype(np.uint8)
     Image.fromarray(drifted).save(inputs / "upscaled.png")
     example.resize((IMAGE_W - 3, IMAGE_H)).save(inputs / "odd_size.png")
+    source.resize((BIG_W, BIG_H), Image.LANCZOS).save(inputs / "big.png")
     gen = torch.Generator().manual_seed(5)
     for name, shape in (("big_flux2.latent", (1, 128, 48, 48)), ("sd15.latent", (1, 4, 8, 8))):
         latent = {"latent_tensor": torch.randn(shape, generator=gen), "latent_format_version_0": torch.tensor([])}

@@ -212,7 +212,7 @@ def test_wrong_files_are_one_line_naming_what_they_are(tmp_path):
     pickle.write_bytes(b"\x80\x04")
     cases.append((pickle, "never pickles"))
     broken = tmp_path / "broken.safetensors"
-    broken.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}")
+    broken.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
     cases.append((broken, "not a readable safetensors file"))
     for path, message in cases:
         with pytest.raises(FlowliftError) as caught:

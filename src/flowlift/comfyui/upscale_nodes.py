@@ -98,6 +98,7 @@ def make_pipeline(
         dtype=param.dtype,
         memory=MemoryPolicy(chunked=chunked_flag(chunked), chunk_budget_bytes=budget),
         on_strip=progress.strip,
+        check_interrupt=mm.throw_exception_if_processing_interrupted,  # before every layer, strip and tile
     )
 
 
@@ -252,5 +253,7 @@ class FlowliftColorFix(io.ComfyNode):
         images = layouts.image_to_nchw(image, "FlowliftColorFix image").to(device)
         ref = layouts.matched_reference(images, layouts.image_to_nchw(reference, "FlowliftColorFix reference"))
         mm.throw_exception_if_processing_interrupted()
-        result = lab_lowband_transplant(images, ref.to(device), strength)
+        result = lab_lowband_transplant(
+            images, ref.to(device), strength, on_strip=mm.throw_exception_if_processing_interrupted
+        )
         return io.NodeOutput(layouts.nchw_to_image(result, mm.intermediate_device()))

@@ -55,6 +55,11 @@ class ComfyFlux2VAE:
         self.device = torch.device(device)
         self.tile_above_pixels = tile_above_pixels
 
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """ComfyUI's VAE module (the pipeline checks for interruption before each of its layers)."""
+        return getattr(self.vae, "first_stage_model", None)
+
     def encode(self, images: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
         samples = self.vae.encode(images.movedim(1, -1))
         return unpatchify(samples.to(torch.float32)).to(self.device)

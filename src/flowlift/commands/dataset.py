@@ -125,6 +125,9 @@ def load_teacher(args: argparse.Namespace, device):
         from flowlift.refine.prompts import check_prompt_embeds
 
         check_prompt_embeds(embeds, origin=str(args.prompt_embeds))
+        from flowlift.models.flux2_transformer_folders import inspect_transformer_folder
+
+        inspect_transformer_folder(path, option="--teacher")  # as strictly as refine's folders, before building
         try:
             transformer = Flux2Transformer2DModel.from_pretrained(str(path), torch_dtype=dtype)
         except Exception as error:  # noqa: BLE001 - diffusers raises many types for a bad folder

@@ -33,6 +33,8 @@ from flowlift.errors import FlowliftError
 
 #: Exit status of ``flowlift launch`` when a rank crashed and the restarts (if any) did not cure it.
 CRASHED = 3
+#: Exit status of an interrupted command (SIGINT, SIGTERM), a worker's and the launcher's.
+INTERRUPTED = 130
 
 
 def launch_config(options: Sequence[str]) -> Any:
@@ -57,9 +59,70 @@ def launch_config(options: Sequence[str]) -> Any:
         if args.master_port is None:
             args.master_port = 29500
         config, _command, _arguments = torchrun.config_from_args(args)
+        check_processes(config.nproc_per_node)
+        if args.rdzv_backend == "static":
+            _check_port(args.master_port, "--master-port")
+        _check_endpoint_port(config.rdzv_endpoint, args.rdzv_backend)
     except (AssertionError, ValueError, RuntimeError) as error:
         raise FlowliftError(f"launcher options: {_first_line(error)}") from None
+    wait = config.rdzv_configs.get("join_timeout")
+    given = {item.split("=", 1)[0].strip() for item in (args.rdzv_conf or "").split(",")}
+    if wait is not None and "timeout" not in given:
+        # torchrun's static rendezvous knows no join_timeout and waits its own 900 s for the other nodes; c10d
+        # connects to its store for read_timeout (60 s): the wait the user set bounds both
+        config.rdzv_configs["timeout"] = int(wait)
+        if args.rdzv_backend == "c10d":
+            config.rdzv_configs["read_timeout"] = min(int(wait), int(config.rdzv_configs.get("read_timeout", 60)))
     return config
+
+
+#: Open files the agent holds per local worker (pipes, semaphores, log files; a margin over what it opens).
+FILES_PER_WORKER = 16
+
+
+def check_processes(count: int) -> None:
+    """Refuse a local worker count the agent cannot start: below 1, or more processes than the open-file
+    limit allows (:data:`FILES_PER_WORKER` each) or than 8 per CPU core."""
+    import os
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    cores = os.cpu_count() or 1
+    most = min(soft // FILES_PER_WORKER if soft != resource.RLIM_INFINITY else 1 << 20, 8 * cores)
+    if count < 1:
+        raise ValueError(f"--nproc-per-node must be at least 1, got {count}")
+    if count > most:
+        raise ValueError(
+            f"--nproc-per-node {count} is more processes than this machine can start (at most {most}: "
+            f"{cores} CPU cores, an open-file limit of {soft})"
+        )
+
+
+def _check_port(port: object, option: str) -> None:
+    if type(port) is not int or not 0 < port < 65536:
+        raise ValueError(f"{option} must be a port number from 1 to 65535, got {port}")
+
+
+def _check_endpoint_port(endpoint: str, backend: str) -> None:
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    _, port = parse_rendezvous_endpoint(endpoint, default_port=29400 if backend == "c10d" else 29500)
+    if port:
+        _check_port(port, "the rendezvous endpoint's port")
+
+
+def check_rendezvous_host(endpoint: str) -> None:
+    """The rendezvous endpoint's host resolves: an unknown one is retried in C++ until the rendezvous times out,
+    deaf to Ctrl-C and SIGTERM."""
+    import socket
+
+    host = endpoint.rsplit(":", 1)[0].strip("[]") if ":" in endpoint else endpoint
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as error:
+        raise FlowliftError(
+            f"launcher options: the rendezvous host {host} does not resolve ({error.strerror or error})"
+        ) from None
 
 
 def launch(
@@ -77,6 +140,7 @@ def launch(
     crash's record and traceback remain.
     """
     import torch.distributed.run  # noqa: F401 - its logger, like the agent's, exists once imported
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
@@ -84,20 +148,42 @@ def launch(
 
     if quiet:
         _quiet_agent_logs()
+    _drop_interrupted_worker_logs()
     config = launch_config(options)
+    check_rendezvous_host(config.rdzv_endpoint)
     try:
         values = elastic_launch(config, worker)(list(argv))
     except ChildFailedError as error:
+        if all(failure.exitcode == INTERRUPTED for failure in error.failures.values()):
+            # a rank stopped by SIGTERM/SIGINT (a user's kill, a scheduler) ends its command with 130: not a crash
+            ranks = ", ".join(str(rank) for rank in sorted(error.failures))
+            print(f"{command}: interrupted (rank {ranks} stopped by a signal)", file=sys.stderr)
+            return INTERRUPTED
         for rank, failure in sorted(error.failures.items()):
             print(f"{command}: rank {rank} crashed ({_cause(failure)}); "
                   f"{config.max_restarts} restart(s) did not help", file=sys.stderr)  # fmt: skip
         return CRASHED
     except SignalException:
         print(f"{command}: interrupted", file=sys.stderr)
-        return 130
-    except RendezvousError as error:
-        raise FlowliftError(f"the ranks could not meet: {_first_line(error)}") from None
+        return INTERRUPTED
+    except (RendezvousError, DistError) as error:  # the static rendezvous' store times out as a DistStoreError
+        wait = config.rdzv_configs.get("join_timeout", config.rdzv_configs.get("timeout"))
+        detail = _first_line(error) if str(error).strip() else f"not all nodes joined within {wait} s"
+        raise FlowliftError(f"the ranks could not meet: {detail}") from None
     return job_status(values)
+
+
+class _NotInterrupted(logging.Filter):
+    """Drops the agent's "failed (exitcode: 130)" record and its traceback: that worker was interrupted."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return f"(exitcode: {INTERRUPTED})" not in record.getMessage()
+
+
+def _drop_interrupted_worker_logs() -> None:
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if not any(isinstance(f, _NotInterrupted) for f in logger.filters):
+        logger.addFilter(_NotInterrupted())
 
 
 def _quiet_agent_logs() -> None:

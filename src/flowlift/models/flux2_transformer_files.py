@@ -19,6 +19,7 @@ diffusers' ``GGUFParameter``.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.flux2.latents import PATCHIFIED_CHANNELS
 
 #: Prefixes that ComfyUI (and checkpoints saved by it) put before the BFL tensor names.
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
@@ -94,27 +96,12 @@ class TransformerFile:
 
 
 def _safetensors_header(path: Path, option: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str], dict[str, str]]:
-    """(shapes, dtype names, header metadata) of a safetensors file, without reading its tensors."""
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as handle:
-            length = int.from_bytes(handle.read(8), "little")
-            if not 2 <= length <= min(size - 8, 1 << 30):
-                raise ValueError("bad header length")
-            header = json.loads(handle.read(length))
-    except (OSError, ValueError, UnicodeDecodeError) as error:
-        raise FlowliftError(f"{option} {path}: not a readable safetensors file ({error})") from None
-    metadata = header.pop("__metadata__", None) or {}
-    shapes = {name: tuple(entry["shape"]) for name, entry in header.items()}
-    dtypes = {name: _SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"]) for name, entry in header.items()}
-    return shapes, dtypes, metadata
+    """(shapes, dtype names, header metadata) of a safetensors file, checked strictly
+    (:func:`flowlift.models.safetensors_headers.read_header`), without reading its tensors."""
+    from flowlift.models.safetensors_headers import read_header
 
-
-_SAFETENSORS_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-    "BOOL": "bool",
-}  # fmt: skip
+    header = read_header(path, what=f"{option} {path}")
+    return header.shapes, header.dtypes, header.metadata
 
 
 def _gguf_header(path: Path, option: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
@@ -128,7 +115,12 @@ def _gguf_header(path: Path, option: str) -> tuple[dict[str, tuple[int, ...]], d
     try:
         reader = GGUFReader(str(path))
     except Exception as error:  # noqa: BLE001 - any reader failure is a bad file to the user
-        raise FlowliftError(f"{option} {path}: not a readable GGUF file ({str(error).splitlines()[0][:160]})") from None
+        from flowlift.models.safetensors_headers import refetch_hint
+
+        raise FlowliftError(
+            f"{option} {path}: not a readable GGUF file ({str(error).splitlines()[0][:160]}); if a download was cut "
+            f"short, {refetch_hint(path)}"
+        ) from None
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape.tolist())) for t in reader.tensors}
     kinds = {t.name: t.tensor_type.name for t in reader.tensors}
     return shapes, kinds
@@ -188,6 +180,13 @@ def flux2_config_from_shapes(shapes: dict[str, tuple[int, ...]], layout: str) ->
         raise FlowliftError(f"FLUX.2 transformer file lacks or mis-shapes the tensor {error}") from None
     if head_dim <= 0 or inner % head_dim or head_dim % 4 or (fused_rows - 3 * inner) % 2:
         raise FlowliftError(f"FLUX.2 transformer shapes do not fit together (width {inner}, head {head_dim})")
+    if in_channels != PATCHIFIED_CHANNELS or out_channels != in_channels:
+        # the refiner feeds and reads FLUX.2 VAE latents, patchified: anything else fails only after a whole run
+        raise FlowliftError(
+            f"FLUX.2 transformer file maps {in_channels} latent channels ({keys['img_in']}) to {out_channels} "
+            f"({keys['out']}); a FLUX.2 transformer maps the VAE's {PATCHIFIED_CHANNELS} patchified channels to "
+            f"{PATCHIFIED_CHANNELS}"
+        )
 
     def count(prefix: str) -> int:
         found = [int(m.group(1)) for name in shapes if (m := re.match(re.escape(prefix) + r"(\d+)\.", name))]
@@ -245,7 +244,11 @@ def inspect_transformer_file(path: str | Path, *, option: str = "--transformer")
     formats = _layer_formats(metadata)
     kinds = {name: "float8_e4m3fn" if _in_fp8_container(name, kind, formats) else kind for name, kind in kinds.items()}
     _check_storage(path, option, container, kinds, formats)
-    config = flux2_config_from_shapes(shapes, layout)
+    _check_scales(path, option, shapes)
+    try:
+        config = flux2_config_from_shapes(shapes, layout)
+    except FlowliftError as error:
+        raise FlowliftError(f"{option} {path}: {str(error).removeprefix('FLUX.2 transformer file ')}") from None
     weights = {name: shape for name, shape in shapes.items() if not _is_auxiliary(name)}
     _check_fills_model(path, option, weights, layout, config)
     storage: dict[str, int] = {}
@@ -296,6 +299,20 @@ def _check_storage(path: Path, option: str, container: str, kinds: dict[str, str
             )
 
 
+def _check_scales(path: Path, option: str, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Each fp8 weight scale belongs to a weight and holds one value or one per row of it."""
+    for name, shape in shapes.items():
+        suffix = next((s for s in _WEIGHT_SCALE_SUFFIXES if name.endswith(s)), None)
+        if suffix is None:
+            continue
+        weight = shapes.get(name.removesuffix(suffix) + ".weight")
+        count = math.prod(shape)
+        rows = weight[0] if weight else None
+        if weight is None or not (count == 1 or (count == rows and shape in ((rows,), (rows, 1)))):
+            expected = f"1 or {rows} (one per row of its weight {weight})" if weight else "a weight beside it"
+            raise FlowliftError(f"{option} {path}: fp8 scale {name} has shape {shape}; expected {expected}")
+
+
 def _check_fills_model(path: Path, option: str, shapes: dict, layout: str, config: dict[str, Any]) -> None:
     """The tensors, converted by diffusers' own FLUX.2 key map on ``meta`` tensors, fill the model exactly."""
     from diffusers import Flux2Transformer2DModel
@@ -342,7 +359,10 @@ def read_transformer_state(
     else:
         from safetensors.torch import load_file
 
-        raw = load_file(str(info.path), device="cpu")
+        try:
+            raw = load_file(str(info.path), device="cpu")
+        except Exception as error:  # noqa: BLE001 - the file changed since its header was checked
+            raise FlowliftError(f"{info.path}: cannot read its tensors ({str(error).splitlines()[0][:200]})") from None
     state = {name[len(info.prefix) :]: t for name, t in raw.items() if name.startswith(info.prefix)}
     del raw
     out, dequantized = {}, []

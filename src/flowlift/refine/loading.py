@@ -190,12 +190,24 @@ def store_fp8_layers(transformer: torch.nn.Module, *, dtype: torch.dtype) -> int
     return len(fp8)
 
 
+def _cached_transformer_folder(repo_id: str) -> Path | None:
+    """The ``transformer/`` folder of a hub id in the Hugging Face cache, when it is there (nothing is fetched)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=["transformer/*"], local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached: diffusers fetches it (or says why it cannot)
+        return None
+    return folder / "transformer" if (folder / "transformer" / "config.json").is_file() else None
+
+
 def load_transformer(model: str, *, dtype: torch.dtype, option: str = "--model") -> torch.nn.Module:
     """A ``Flux2Transformer2DModel`` from a diffusers folder / hub id (``transformer/`` subfolder), a
     transformer folder (``config.json``), or a single BFL/ComfyUI ``.safetensors`` (float or fp8) or ``.gguf`` file
     (:func:`load_transformer_file`)."""
     from diffusers import Flux2Transformer2DModel
 
+    from flowlift.models.flux2_transformer_folders import inspect_transformer_folder
     from flowlift.models.hub import looks_like_path
 
     path = Path(model).expanduser()
@@ -206,12 +218,18 @@ def load_transformer(model: str, *, dtype: torch.dtype, option: str = "--model")
     from_hub = not path.exists() and looks_like_repo_id(model)
     try:
         if path.is_dir() and (path / "config.json").is_file() and not _is_diffusers_folder(path):
+            inspect_transformer_folder(path, option=option)
             return Flux2Transformer2DModel.from_pretrained(str(path), torch_dtype=dtype)
         if path.is_dir() and not (path / "transformer" / "config.json").is_file():
             raise FlowliftError(
                 f"{option} {model}: not a FLUX.2 transformer folder (it needs transformer/config.json, the diffusers "
                 "layout, or config.json, a bare transformer folder)"
             )
+        if path.is_dir():
+            inspect_transformer_folder(path / "transformer", option=option)
+        cached = _cached_transformer_folder(model) if from_hub else None
+        if cached is not None:  # what diffusers would load from the cache, checked the same way
+            inspect_transformer_folder(cached, option=f"{option} {model}:")
         if path.is_dir() or from_hub:
             from flowlift.models.hub import hub_offline_reason
 

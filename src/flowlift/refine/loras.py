@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +31,11 @@ LoraSpec = tuple[str | os.PathLike, float]
 #: Keys of a diffusers-format LoRA carry their module path between this prefix and ``.lora_A`` / ``.lora_B``.
 _PREFIX = "transformer."
 _ADAPTER_PARTS = (".lora_A", ".lora_B", ".lora_magnitude_vector", ".lokr_")
+#: The (down, up) matrix suffixes of the LoRA formats read here.
+_PAIRS = ((".lora_A.weight", ".lora_B.weight"), (".lora_down.weight", ".lora_up.weight"))
+#: The largest ``alpha / rank`` accepted: trained LoRAs scale their rank-r update by 1/r to about 2 (alpha = 1, r
+#: or 2r); a thousand times the update is a damaged file, whose images would only come out black or noise.
+MAX_ALPHA_SCALE = 1e3
 
 
 @dataclass(frozen=True)
@@ -94,13 +100,68 @@ def read_lora(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict | 
             dtype = str(tensor.dtype).removeprefix("torch.")
             raise FlowliftError(f"LoRA {path}: `{name}` has dtype {dtype}, expected floating point")
     check_finite_state(state, what="LoRA weights", origin=str(path))
+    check_lora_matrices(state, origin=str(path))
     metadata = None
     if "lora_adapter_metadata" in header:
         try:
             metadata = json.loads(header["lora_adapter_metadata"])
         except ValueError:
             raise FlowliftError(f"LoRA {path}: its lora_adapter_metadata header is not JSON") from None
+        check_adapter_metadata(metadata, origin=str(path))
     return state, metadata
+
+
+def check_lora_matrices(state: dict[str, torch.Tensor], *, origin: str) -> None:
+    """Each down matrix (``lora_A`` / ``lora_down``, rank x in) has its up matrix (out x rank) of the same rank r > 0,
+    and each ``alpha`` is one number with ``|alpha| / r <= MAX_ALPHA_SCALE``; else one line naming the tensor."""
+    ranks = {}
+    for name in state:
+        for down, up in _PAIRS:
+            if not name.endswith((down, up)):
+                continue
+            is_down = name.endswith(down)
+            layer = name.removesuffix(down if is_down else up)
+            partner = layer + (up if is_down else down)
+            if partner not in state:
+                raise FlowliftError(f"LoRA {origin}: `{name}` has no {partner[len(layer) + 1 :]} beside it")
+            a, b = (state[name], state[partner]) if is_down else (state[partner], state[name])
+            if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or a.shape[0] == 0:
+                raise FlowliftError(
+                    f"LoRA {origin}: `{layer}` has down {tuple(a.shape)} and up {tuple(b.shape)} matrices; expected "
+                    "(rank, in) and (out, rank) with the same rank > 0"
+                )
+            ranks[layer] = a.shape[0]
+    for name in (n for n in state if n.endswith(".alpha")):
+        alpha, rank = state[name], ranks.get(name.removesuffix(".alpha"))
+        if alpha.numel() != 1:
+            raise FlowliftError(f"LoRA {origin}: `{name}` holds {alpha.numel()} values; an alpha is one number")
+        if rank and abs(float(alpha)) / rank > MAX_ALPHA_SCALE:
+            raise FlowliftError(
+                f"LoRA {origin}: `{name}` is {float(alpha):g} for rank {rank}, a scale of {float(alpha) / rank:g} "
+                f"(trained LoRAs stay near 1; at most {MAX_ALPHA_SCALE:g})"
+            )
+
+
+def check_adapter_metadata(metadata: object, *, origin: str) -> None:
+    """diffusers' ``lora_adapter_metadata`` (a peft ``LoraConfig``, keys under ``transformer.``) holds a rank ``r``
+    > 0 and a finite ``lora_alpha`` with ``|lora_alpha| / r <= MAX_ALPHA_SCALE`` (per-layer patterns alike)."""
+    what = f"LoRA {origin}: its lora_adapter_metadata header"
+    if not isinstance(metadata, dict):
+        raise FlowliftError(f"{what} is a JSON {type(metadata).__name__}, not a peft LoRA config object")
+    config = {k.removeprefix(_PREFIX): v for k, v in metadata.items()}
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    if not isinstance(ranks, dict) or not isinstance(alphas, dict):
+        raise FlowliftError(f"{what} has a rank_pattern or alpha_pattern that is not an object")
+    for label, value in [("r", rank), *((f"rank_pattern {k}", v) for k, v in ranks.items())]:
+        if type(value) is not int or value <= 0:
+            raise FlowliftError(f"{what} has {label} {value!r}; expected a rank, a positive integer")
+    for label, value in [("lora_alpha", alpha), *((f"alpha_pattern {k}", v) for k, v in alphas.items())]:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or value != value or abs(value) / rank > MAX_ALPHA_SCALE:
+            raise FlowliftError(
+                f"{what} has {label} {value!r}; expected a finite number of at most {MAX_ALPHA_SCALE:g} x the rank"
+            )
 
 
 def normalize_comfyui_lora(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -168,11 +229,10 @@ def convert_lora(
     try:
         with _diffusers_warnings() as warned:
             converted = Flux2LoraLoaderMixin.lora_state_dict(work)
-    except ValueError as error:  # ai-toolkit conversion: "should be empty at this point but has ..."
-        detail = str(error).splitlines()[0]
-        raise FlowliftError(
-            f"LoRA {origin}: keys that match no layer of a FLUX.2 transformer ({detail[:300]})"
-        ) from None
+    except ValueError as error:  # ai-toolkit conversion: "should be empty at this point but has ... dict_keys([...])"
+        left = re.findall(r"'([^']+)'", str(error).split("dict_keys", 1)[-1]) if "dict_keys" in str(error) else []
+        names = f"{len(left)} tensors: {_short(left)}" if left else "its tensors"
+        raise FlowliftError(f"LoRA {origin}: {names} match no layer of a FLUX.2 transformer") from None
     if any(k.endswith(".lora_down.weight") for k in source) and work:  # kohya's: what it did not convert
         raise FlowliftError(
             f"LoRA {origin}: {len(work)} of {len(source)} tensors match no layer of a FLUX.2 transformer: "
@@ -187,6 +247,7 @@ def convert_lora(
         cut = min((path.find(part) for part in _ADAPTER_PARTS if part in path), default=-1)
         if not key.startswith(_PREFIX) or cut < 0 or path[:cut] not in modules:
             unmatched.append(key)
+    check_fit(converted, transformer, origin=origin)
     if unmatched:
         raise FlowliftError(
             f"LoRA {origin}: {len(unmatched)} of {len(converted)} tensors match no layer of this FLUX.2 transformer: "
@@ -195,6 +256,53 @@ def convert_lora(
     if not converted:
         raise FlowliftError(f"LoRA {origin}: no LoRA tensors for the transformer")
     return converted
+
+
+def _made_for(converted: dict[str, torch.Tensor], width_here: int) -> str:
+    """The model a LoRA seems made for, from the width its attention projections take."""
+    from collections import Counter
+
+    from flowlift.models.flux2_transformer_files import KNOWN_WIDTHS
+
+    widths = Counter(
+        tensor.shape[1]
+        for key, tensor in converted.items()
+        if key.endswith(".lora_A.weight") and tensor.ndim == 2
+        and key.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] in ("to_q", "to_k", "to_v", "to_qkv_mlp_proj")
+    )  # fmt: skip
+    if not widths:
+        return "the LoRA seems made for another model"
+    width = widths.most_common(1)[0][0]
+    if width == width_here:
+        return f"its attention layers take this model's width {width} (a damaged or edited file?)"
+    name = f"{KNOWN_WIDTHS[width]} (width {width})" if width in KNOWN_WIDTHS else f"a FLUX.2 of width {width}"
+    return f"the LoRA seems made for {name}"
+
+
+def check_fit(
+    converted: dict[str, torch.Tensor], transformer: torch.nn.Module, *, origin: str, rank: int | None = None
+) -> None:
+    """Every LoRA pair on a layer of ``transformer`` fits it: ``lora_A`` (r, in_features), ``lora_B``
+    (out_features, r), r the metadata's ``rank`` when given; else one line naming the first tensor that does not
+    fit, the layer and the model the LoRA seems made for."""
+    from flowlift.models.flux2_transformer_files import model_name
+
+    modules = dict(transformer.named_modules())
+    config = dict(transformer.config)
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    for key, tensor in converted.items():
+        part = next((p for p in (".lora_A.weight", ".lora_B.weight") if key.endswith(p)), None)
+        layer = modules.get(key.removeprefix(_PREFIX).removesuffix(part or ""))
+        if part is None or not isinstance(layer, torch.nn.Linear):
+            continue
+        a = converted[key.replace(".lora_B.", ".lora_A.")] if part == ".lora_B.weight" else tensor
+        want = (a.shape[0], layer.in_features) if part == ".lora_A.weight" else (layer.out_features, a.shape[0])
+        if tuple(tensor.shape) != want or (rank is not None and a.shape[0] != rank):
+            sizes = f"{layer.in_features} in, {layer.out_features} out" + (f", rank {rank}" if rank else "")
+            raise FlowliftError(
+                f"LoRA {origin}: `{key}` is {tuple(tensor.shape)}, which does not fit the layer ({sizes}) of this "
+                f"{model_name(config)} transformer; {_made_for(converted, width)}"
+            )
 
 
 def apply_loras(transformer: torch.nn.Module, loras: Sequence[LoraSpec]) -> list[LoadedLora]:
@@ -218,6 +326,9 @@ def apply_loras(transformer: torch.nn.Module, loras: Sequence[LoraSpec]) -> list
             raise FlowliftError(f"LoRA {path}: the scale must be a finite number, got {scale}")
         state, metadata = read_lora(path)
         converted = convert_lora(state, transformer, origin=os.fspath(path))
+        config = {k.removeprefix(_PREFIX): v for k, v in (metadata or {}).items()}
+        if metadata is not None and not config.get("rank_pattern"):
+            check_fit(converted, transformer, origin=os.fspath(path), rank=config["r"])
         prepared.append((os.fspath(path), scale, f"lora{index}", converted, metadata))
     loaded = []
     for path, scale, adapter, converted, metadata in prepared:

@@ -16,6 +16,8 @@ All functions are pure; nothing is cached between calls.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -208,6 +210,7 @@ def lab_lowband_transplant(
     iterations: int = 2,
     strip_pixels: int = _STRIP_PIXELS,
     inplace: bool = False,
+    on_strip: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Stage 2: pin the output's colour and tone below the reference's Nyquist, in CIE L*a*b*.
 
@@ -227,6 +230,7 @@ def lab_lowband_transplant(
     grid). Work is done in float32 row strips of about ``strip_pixels`` pixels, so the extra memory is
     a few strips plus coarse maps; returns a new float32 tensor (B, 3, H, W) in [0, 1], or with
     ``inplace=True`` writes the result into ``output`` (which must then be float32) and returns it.
+    ``on_strip()`` (optional) runs before every strip: a cancel point (it may raise to stop).
     """
     if output.ndim != 4 or reference.ndim != 4 or output.shape[1] != 3 or reference.shape[1] != 3:
         raise ValueError(
@@ -256,6 +260,8 @@ def lab_lowband_transplant(
     rows_per_strip = max(s_h, (strip_pixels // max(width, 1)) // s_h * s_h)
 
     def strip(r0: int, r1: int, coarse: torch.Tensor | None) -> torch.Tensor:
+        if on_strip is not None:
+            on_strip()
         rgb = output[:, :, r0:r1].to(torch.float32).clamp(0.0, 1.0)
         if coarse is None:
             return rgb

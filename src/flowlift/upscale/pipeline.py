@@ -36,6 +36,7 @@ from flowlift.upscale.inputs import (
     check_seed,
     image_alpha,
 )
+from flowlift.upscale.interrupts import checked_modules, with_check
 from flowlift.upscale.loading import (
     DEFAULT_UPSCALER,
     DEFAULT_VAE,
@@ -59,6 +60,7 @@ from flowlift.upscale.settings import (
     RESIZE_MODE,
     TRANSPLANT_STRENGTH,
     MemoryPolicy,
+    memory_policy,
 )
 from flowlift.upscale.sizes import (
     MAX_OUTPUT_SIDE,
@@ -74,27 +76,6 @@ from flowlift.upscale.sizes import (
 from flowlift.upscale.unet_runner import CompiledUNet, velocity_model
 
 ONE_STEP_TIMESTEP = 1000.0
-
-
-def memory_policy(memory: MemoryPolicy | None, deprecated: dict[str, Any]) -> MemoryPolicy:
-    """The pipeline's :class:`MemoryPolicy`: ``memory``, or for one release the old keyword arguments
-    (``chunked=``, ``max_memory=`` ...) folded into one with a DeprecationWarning; both at once, or an unknown
-    keyword, is an error."""
-    unknown = sorted(set(deprecated) - set(MemoryPolicy.field_names()))
-    if unknown:
-        raise TypeError(f"FlowUpscalerPipeline() got unexpected keyword arguments: {', '.join(unknown)}")
-    if not deprecated:
-        return memory if memory is not None else MemoryPolicy()
-    if memory is not None:
-        raise FlowliftError(f"FlowUpscalerPipeline: give memory=MemoryPolicy(...) or {', '.join(deprecated)}, not both")
-    warnings.warn(
-        f"FlowUpscalerPipeline({', '.join(f'{name}=' for name in deprecated)}) is deprecated and goes in the next "
-        "release; pass memory=MemoryPolicy(...) (flowlift.upscale.settings)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return MemoryPolicy(**deprecated)
-
 
 
 class FlowUpscalerPipeline:
@@ -146,6 +127,7 @@ class FlowUpscalerPipeline:
         compile: bool | str = False,
         channels_last: bool | None = None,
         on_strip: Callable[[int, int], None] | None = None,
+        check_interrupt: Callable[[], None] | None = None,
         **deprecated: Any,
     ) -> None:
         memory = memory_policy(memory, deprecated)
@@ -166,6 +148,7 @@ class FlowUpscalerPipeline:
         self.offload_device = memory.offload_device
         self.chunk_budget_bytes = memory.chunk_budget_bytes
         self.on_strip = on_strip
+        self.check_interrupt = check_interrupt
         if isinstance(upscaler, (str, os.PathLike)):
             check_upscale_weights(upscaler, [vae])  # both found (or both named as missing) before either loads
         self.upscaler, self.upscaler_path = load_pipeline_upscaler(upscaler, self.device, self.dtype)
@@ -208,6 +191,7 @@ class FlowUpscalerPipeline:
         fn = getattr(self.vae, method)
         tiled = self.vae_tiled if tiled is None else tiled
         kwargs: dict[str, Any] = {} if tiled is None else {"tiled": tiled}
+        on_tile = with_check(self.check_interrupt, on_tile)
         if on_tile is None:
             return fn(x, **kwargs)
         if "on_tile" in inspect.signature(fn).parameters:
@@ -229,7 +213,7 @@ class FlowUpscalerPipeline:
             pass_plan=pass_plan,
             plain=self.compiled_upscaler,
             budget_bytes=self.chunk_budget_bytes,
-            on_strip=self.on_strip,
+            on_strip=with_check(self.check_interrupt, self.on_strip),
         )
 
     def plan_memory(self, height: int, width: int, num_passes: int, batch: int = 1) -> UpscalePlan | None:
@@ -331,8 +315,16 @@ class FlowUpscalerPipeline:
         passes = self.plan_passes(latents.shape[-2] * factor, latents.shape[-1] * factor, num_passes)
         seeds = image_seeds(seed, latents.shape[0])
         plan = self.plan_memory(latents.shape[-2] * factor, latents.shape[-1] * factor, passes, latents.shape[0])
-        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
         cond = latents.to(device=self.device, dtype=torch.float32)
+        with self._cancel_points():
+            return self._passes(cond, passes, seeds, plan, transplant_strength, color_fix, callback)
+
+    def _cancel_points(self):
+        """``check_interrupt`` before every leaf module of the upscaler and the VAE (upscale/interrupts.py)."""
+        return checked_modules(self.check_interrupt, [self.upscaler, getattr(self.vae, "model", None)])
+
+    def _passes(self, cond, passes, seeds, plan, transplant_strength, color_fix, callback) -> torch.Tensor:
+        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
         for index in range(passes):
             batch, channels, height, width = cond.shape
             shape = (batch, channels, 2 * height, 2 * width)
@@ -382,6 +374,20 @@ class FlowUpscalerPipeline:
         TRANSPLANT_STRENGTH.check(transplant_strength)  # before the encoder runs
         seed = check_seed(seed)
         original, prepared = self.prepare_image(image, resize_mode)
+        with self._cancel_points():
+            result = self._image_stages(original, prepared, num_passes, seed, color_fix, transplant_strength,
+                                        color_fix_strength, resize_mode, callback, on_decode_tile)  # fmt: skip
+        if output_type == "pt":
+            return result
+        from flowlift.files.images import attach_alpha, tensor_to_pil
+
+        alpha = image_alpha(image)
+        pictures = [attach_alpha(tensor_to_pil(result[i : i + 1]), alpha) for i in range(result.shape[0])]
+        return pictures[0] if len(pictures) == 1 else pictures
+
+    def _image_stages(self, original, prepared, num_passes, seed, color_fix, transplant_strength,
+                      color_fix_strength, resize_mode, callback, on_decode_tile) -> torch.Tensor:  # fmt: skip
+        """upscale_image's stages: encode, passes, decode, stage 2; float32 (B, 3, H, W) in [0, 1]."""
         passes = self.plan_passes(original.shape[-2], original.shape[-1], num_passes, resize_mode)
         latents = self._vae_call("encode", prepared.to(self._vae_dtype())).to(torch.float32)
         check_finite(latents, "the VAE encoder produced")
@@ -416,18 +422,14 @@ class FlowUpscalerPipeline:
             )
         decoded = decoded[..., :height, :width]
         if color_fix and color_fix_strength > 0:
-            result = lab_lowband_transplant(decoded, reference, color_fix_strength, inplace=True)
+            result = lab_lowband_transplant(
+                decoded, reference, color_fix_strength, inplace=True, on_strip=self.check_interrupt
+            )
         else:
             result = decoded.clamp(0.0, 1.0)
         if callback is not None:
             callback("color fix")
-        if output_type == "pt":
-            return result
-        from flowlift.files.images import attach_alpha, tensor_to_pil
-
-        alpha = image_alpha(image)
-        pictures = [attach_alpha(tensor_to_pil(result[i : i + 1]), alpha) for i in range(result.shape[0])]
-        return pictures[0] if len(pictures) == 1 else pictures
+        return result
 
     # -- provenance ---------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ No torch here: ``flowlift upscale --help`` reads this module.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -102,3 +103,23 @@ class MemoryPolicy:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(item.name for item in fields(cls))
+
+
+def memory_policy(memory: MemoryPolicy | None, deprecated: dict[str, Any]) -> MemoryPolicy:
+    """The pipeline's :class:`MemoryPolicy`: ``memory``, or for one release the old keyword arguments
+    (``chunked=``, ``max_memory=`` ...) folded into one with a DeprecationWarning; both at once, or an unknown
+    keyword, is an error."""
+    unknown = sorted(set(deprecated) - set(MemoryPolicy.field_names()))
+    if unknown:
+        raise TypeError(f"FlowUpscalerPipeline() got unexpected keyword arguments: {', '.join(unknown)}")
+    if not deprecated:
+        return memory if memory is not None else MemoryPolicy()
+    if memory is not None:
+        raise FlowliftError(f"FlowUpscalerPipeline: give memory=MemoryPolicy(...) or {', '.join(deprecated)}, not both")
+    warnings.warn(
+        f"FlowUpscalerPipeline({', '.join(f'{name}=' for name in deprecated)}) is deprecated and goes in the next "
+        "release; pass memory=MemoryPolicy(...) (flowlift.upscale.settings)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return MemoryPolicy(**deprecated)

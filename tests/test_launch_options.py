@@ -1,0 +1,148 @@
+"""``flowlift launch`` with options torchrun cannot run and ranks stopped from outside (issue 32, class H).
+
+Worker counts below 1 or past what the machine can start, port numbers past 65535 and rendezvous hosts that do
+not resolve are one line and exit 2 before anything starts; a rendezvous the other nodes never join ends within
+its join timeout (static and c10d backends; loopback only); a rank stopped by SIGTERM makes the job
+"interrupted", exit 130, not a crash with a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from flowlift.commands.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1, got 0"),
+        (["--nproc-per-node", "-1"], "--nproc-per-node must be at least 1, got -1"),
+        (["--nproc-per-node", "100000"], "--nproc-per-node 100000 is more processes than this machine can start"),
+        (["--master-port", "99999"], "--master-port must be a port number from 1 to 65535, got 99999"),
+        (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:99999"], "port number of the rendezvous endpoint"),
+        (["--nnodes", "2", "--rdzv-endpoint", "nonexistent.invalid:29400"],
+         "the rendezvous host nonexistent.invalid does not resolve"),
+    ],
+)  # fmt: skip
+def test_options_torchrun_cannot_run_are_one_line(capsys, options, message):
+    assert main(["launch", *options, "--", "upscale", "a.png"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("flowlift launch: error: launcher options: ") and message in err[0], err
+
+
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_a_rendezvous_nobody_joins_ends_within_its_join_timeout(tmp_path, backend):
+    join_timeout = 3
+    argv = [sys.executable, "-m", "flowlift", "launch", "--nnodes", "2", "--rdzv-backend", backend,
+            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", uuid.uuid4().hex,
+            "--rdzv-conf", f"join_timeout={join_timeout}", "--", "upscale", "a.png"]  # fmt: skip
+    process = subprocess.Popen(argv, env=_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    _, err = process.communicate(timeout=120)
+    lines = err.splitlines()
+    assert process.returncode == 2 and len(lines) == 1, err
+    assert lines[0].startswith("flowlift launch: error: the ranks could not meet: "), err
+
+
+def _launch_time(tmp_path: Path) -> float:
+    """Seconds from start to the refusal of a launch that imports torch and refuses at once (the baseline)."""
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "flowlift", "launch", "--nproc-per-node", "0", "--", "upscale", "a"],
+                         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    return time.monotonic() - start
+
+
+def test_the_join_timeout_bounds_the_wait(tmp_path):
+    """The wait past the start-up a refused launch costs too is the join timeout plus a few seconds (the
+    static store's own poll), not torchrun's 900 s."""
+    baseline = _launch_time(tmp_path)
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "flowlift", "launch", "--nnodes", "2", "--rdzv-endpoint",
+                          f"127.0.0.1:{_free_port()}", "--rdzv-conf", "join_timeout=4", "--", "upscale", "a.png"],
+                         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    waited = time.monotonic() - start - baseline
+    assert run.returncode == 2 and "the ranks could not meet" in run.stderr, run.stderr
+    assert waited < 4 + 10, (waited, baseline)
+
+
+INTERRUPTIBLE = """
+import os
+import sys
+import time
+from pathlib import Path
+
+from flowlift.jobs.launch import launch
+
+
+def worker(argv):
+    # flowlift's own rank (commands.launch.run_worker) running a command that works until it is stopped,
+    # under the command line's signal handling (SIGTERM -> KeyboardInterrupt -> "interrupted", 130)
+    import flowlift.commands.cli as cli
+    from flowlift.commands.launch import run_worker
+
+    def command(args):
+        with cli._signals_interrupt():
+            try:
+                Path(args[0], os.environ["RANK"]).write_text(str(os.getpid()))
+                time.sleep(300)
+                return 0
+            except KeyboardInterrupt:
+                print("flowlift test: interrupted", file=sys.stderr)
+                return 130
+
+    cli.main = command
+    return run_worker(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(launch(worker, [sys.argv[1]], sys.argv[2:], command="flowlift launch"))
+"""
+
+
+def test_sigterm_to_one_rank_is_an_interrupted_job_not_a_crash(tmp_path):
+    script = tmp_path / "interruptible.py"
+    script.write_text(INTERRUPTIBLE)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    options = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               f"127.0.0.1:{_free_port()}", "--rdzv-id", uuid.uuid4().hex]  # fmt: skip
+    process = subprocess.Popen([sys.executable, str(script), str(pids), *options], env=_env(), cwd=tmp_path,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not all((pids / rank).is_file() and (pids / rank).read_text() for rank in "01"):
+            assert process.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        os.kill(int((pids / "0").read_text()), signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and "crashed" not in err and "exitcode" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("flowlift launch")] == [
+        "flowlift launch: interrupted (rank 0 stopped by a signal)"
+    ] or "flowlift launch: interrupted (rank 0, 1 stopped by a signal)" in err, err
