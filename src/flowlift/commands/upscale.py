@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH|REPO",
         help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
     )
-    add_device_options(parser)
+    add_device_options(parser, cpu_bf16=True)
     parser.add_argument(
         "--format",
         choices=OUTPUT_FORMATS,
@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
 
     def make_process():  # called only when there is work (on this rank): nothing to compute loads no model
         nonlocal pipeline, hashes
-        device, dtype = resolve_device_dtype(args.device, args.dtype)
+        device, dtype = resolve_device_dtype(args.device, args.dtype, cpu_bf16=True)  # bf16 on a native-bf16 CPU
         pipeline = FlowUpscalerPipeline(
             args.upscaler or DEFAULT_UPSCALER,
             args.vae,

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from flowlift.devices import auto_dtype
 from flowlift.errors import FlowliftError
 from flowlift.upscale.colorfix import LOWFREQ_FACTOR, lab_lowband_transplant, latent_lowband_transplant
 from flowlift.upscale.inputs import (
@@ -71,6 +72,12 @@ from flowlift.upscale.unet_runner import CompiledUNet, velocity_model
 ONE_STEP_TIMESTEP = 1000.0
 
 
+def default_channels_last(device: torch.device, dtype: torch.dtype) -> bool:
+    """Channels-last UNet weights and inputs: on CUDA, and on the CPU in bfloat16 (oneDNN's fast bf16
+    convolutions want NHWC; measured in docs/performance.md). CPU float32 keeps the contiguous layout the
+    results were made with."""
+    return device.type == "cuda" or (device.type == "cpu" and dtype == torch.bfloat16)
+
 
 class FlowUpscalerPipeline:
     """Flow Upscaler image pipeline (see the module docstring for the loop).
@@ -86,7 +93,8 @@ class FlowUpscalerPipeline:
         ``AutoencoderKLFlux2`` module (wrapped), or a spec for :func:`flowlift.models.vae_loading.load_vae`.
     dtype, device:
         Where and in what precision the UNet and a loaded VAE run. Defaults: a given module's own
-        device/dtype; otherwise CUDA in bfloat16 if available, else CPU float32.
+        device/dtype; otherwise CUDA if available, else the CPU, in :func:`flowlift.devices.auto_dtype`'s
+        dtype (bfloat16 on CUDA and on a CPU with native bfloat16, else float32).
     chunked:
         Run the UNet through :class:`flowlift.upscale.chunked.executor.ChunkedExecutor` (exact, bounded memory):
         ``None`` switches it on by size (:func:`flowlift.upscale.chunked.budget.should_chunk`), True/False force it.
@@ -103,7 +111,8 @@ class FlowUpscalerPipeline:
         :class:`flowlift.upscale.unet_runner.CompiledUNet`: one compiled graph per input shape, CUDA-graph
         replay on CUDA, eager fallback with one warning when compilation fails.
     channels_last:
-        Channels-last weights and inputs for the UNet (``None``: on CUDA only).
+        Channels-last weights and inputs for the UNet (``None``: :func:`default_channels_last`, i.e. on CUDA
+        and in bfloat16 on the CPU).
     chunk_budget_bytes:
         Memory the plain UNet forward may use before chunking switches on (``chunked=None``, no
         ``max_memory``); by default :func:`flowlift.upscale.chunked.budget.should_chunk`'s (half the free CUDA memory,
@@ -144,7 +153,7 @@ class FlowUpscalerPipeline:
             if param is not None and param.is_floating_point():
                 dtype = param.dtype
             else:
-                dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+                dtype = auto_dtype(self.device, cpu_bf16=True)
         self.dtype = dtype
         self.chunked = chunked
         self.vae_tiled = vae_tiled
@@ -157,7 +166,9 @@ class FlowUpscalerPipeline:
         self.upscaler, self.upscaler_path = load_pipeline_upscaler(upscaler, self.device, self.dtype)
         self.vae, self.vae_spec = (None, None) if vae is None else load_pipeline_vae(vae, self.device, self.dtype)
         self.max_memory = None if max_memory is None else parse_memory(max_memory)
-        self.channels_last = self.device.type == "cuda" if channels_last is None else bool(channels_last)
+        if channels_last is None:
+            channels_last = default_channels_last(self.device, self.dtype)
+        self.channels_last = bool(channels_last)
         if self.channels_last and isinstance(self.upscaler, torch.nn.Module):
             self.upscaler.to(memory_format=torch.channels_last)
         self.compiled_upscaler: CompiledUNet | None = None
