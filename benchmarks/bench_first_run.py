@@ -85,11 +85,13 @@ def breakdown_child(argv: list[str]) -> None:
     import flowlift.files.images as images
     import flowlift.models.upscaler_unet as unet
     import flowlift.models.vae as vae
+    import flowlift.upscale.chunked.executor as executor
     import flowlift.upscale.outputs as outputs
     import flowlift.upscale.pipeline as pipeline
 
     table: dict[str, list[float]] = {"start-up and imports": [time.perf_counter() - started]}
     unet.FlowUpscalerUNet.forward = _timed(table, "UNet pass", unet.FlowUpscalerUNet.forward)
+    executor.ChunkedExecutor.__call__ = _timed(table, "UNet pass (chunked)", executor.ChunkedExecutor.__call__)
     vae.TAEF2VAE.encode = _timed(table, "encode (TAEF2)", vae.TAEF2VAE.encode)
     vae.TAEF2VAE.decode = _timed(table, "decode (TAEF2)", vae.TAEF2VAE.decode)
     pipeline.latent_lowband_transplant = _timed(table, "stage 1", pipeline.latent_lowband_transplant)
