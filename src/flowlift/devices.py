@@ -19,11 +19,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 NATIVE_BF16_FEATURES = ("amx_bf16", "avx512_bf16")
 
 
-def cpu_has_native_bf16() -> bool:
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU computes bfloat16 natively: one of :data:`NATIVE_BF16_FEATURES` is present.
 
     Asked of torch (``torch.cpu.get_capabilities()``, the CPU features its kernels dispatch on); where
-    that call does not exist, of the ``flags`` line of ``/proc/cpuinfo``. Anything else (an older
+    that call does not exist, of the ``flags`` line of ``cpuinfo`` (Linux). Anything else (an older
     x86 CPU, ARM, macOS) answers False, which keeps float32.
     """
     import torch
@@ -33,7 +33,7 @@ def cpu_has_native_bf16() -> bool:
         found = capabilities()
         return any(bool(found.get(name)) for name in NATIVE_BF16_FEATURES)
     try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+        with open(cpuinfo, encoding="ascii", errors="replace") as info:
             flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
     except OSError:
         return False
