@@ -50,6 +50,7 @@ def test_auto_is_bfloat16_on_the_cpu_only_with_native_bf16_and_only_where_asked(
 
 
 def test_detection_reads_torchs_cpu_features_and_falls_back_to_cpuinfo(monkeypatch, tmp_path):
+    monkeypatch.delenv("FLOWLIFT_CPU_BF16")  # conftest's pin to float32, tested last
     features = {"avx512_bf16": False, "amx_bf16": False, "avx512_f": True}
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: dict(features), raising=False)
     assert cpu_has_native_bf16() is False  # AVX512 alone converts bf16 around every kernel: slower than fp32
@@ -64,6 +65,8 @@ def test_detection_reads_torchs_cpu_features_and_falls_back_to_cpuinfo(monkeypat
     info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
     assert cpu_has_native_bf16(str(info)) is True
     assert cpu_has_native_bf16(str(tmp_path / "missing")) is False
+    monkeypatch.setenv("FLOWLIFT_CPU_BF16", "0")
+    assert cpu_has_native_bf16(str(info)) is False
 
 
 @pytest.mark.parametrize("native", [False, True])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 #: AVX512-BF16 dot products), as ``torch.cpu.get_capabilities()`` and ``/proc/cpuinfo`` name them. Without
 #: them a CPU converts bfloat16 to float32 around every kernel and runs slower than plain float32.
 NATIVE_BF16_FEATURES = ("amx_bf16", "avx512_bf16")
+#: ``FLOWLIFT_CPU_BF16=0`` turns the detection off: every CPU counts as one without native bfloat16.
+CPU_BF16_ENV = "FLOWLIFT_CPU_BF16"
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
@@ -24,9 +27,14 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
     Asked of torch (``torch.cpu.get_capabilities()``, the CPU features its kernels dispatch on); where
     that call does not exist, of the ``flags`` line of ``cpuinfo`` (Linux). Anything else (an older
-    x86 CPU, ARM, macOS) answers False, which keeps float32.
+    x86 CPU, ARM, macOS) answers False, which keeps float32. The environment variable
+    ``FLOWLIFT_CPU_BF16=0`` answers False on any CPU (the test suite sets it, so that every machine runs
+    the same float32 reference path; a user's per-command way is ``--dtype float32``).
     """
     import torch
+
+    if os.environ.get(CPU_BF16_ENV, "").strip() == "0":
+        return False
 
     capabilities = getattr(torch.cpu, "get_capabilities", None)
     if callable(capabilities):
