@@ -132,3 +132,20 @@ def test_taef2_channels_last_equals_contiguous(shared, single_thread_torch):
     with torch.inference_mode():
         contiguous = vae.model.decode_full(latents.contiguous())
     assert (channels_last - contiguous).abs().max().item() < 1e-5
+
+
+def test_png_outputs_are_written_at_the_chosen_zlib_level(tmp_path, shared):
+    """The first command's 6 MP PNG spent a third of the time at level 3 (docs/cpu.md): the writer uses it."""
+    import io
+
+    from flowlift.files.image_outputs import PNG_COMPRESS_LEVEL, save_image_atomic
+
+    image = Image.open(shared / "images" / "kodak" / "kodim23.png").convert("RGB").crop((0, 0, 96, 64))
+    written = save_image_atomic(image, tmp_path / "out.png").read_bytes()
+    expected = {}
+    for level in (PNG_COMPRESS_LEVEL, 6):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG", compress_level=level)
+        expected[level] = buffer.getvalue()
+    assert PNG_COMPRESS_LEVEL == 3 and expected[3] != expected[6]
+    assert written == expected[PNG_COMPRESS_LEVEL]
