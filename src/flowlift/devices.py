@@ -35,7 +35,6 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
     if os.environ.get(CPU_BF16_ENV, "").strip() == "0":
         return False
-
     capabilities = getattr(torch.cpu, "get_capabilities", None)
     if callable(capabilities):
         found = capabilities()
@@ -52,7 +51,7 @@ def auto_dtype(device: torch.device, *, cpu_bf16: bool = False) -> torch.dtype:
     """The dtype ``--dtype auto`` means on ``device``: the one rule every front-end and pipeline uses.
 
     bfloat16 on CUDA; on the CPU bfloat16 when ``cpu_bf16`` (the caller's model is measured to keep its
-    results in bfloat16: the Flow Upscaler and TAEF2, docs/performance.md) and :func:`cpu_has_native_bf16`;
+    results in bfloat16: the Flow Upscaler and TAEF2, docs/cpu.md) and :func:`cpu_has_native_bf16`;
     float32 everywhere else.
     """
     import torch
