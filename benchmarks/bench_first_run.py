@@ -7,14 +7,25 @@ once, and the command runs as a user runs it, in a fresh process, with the real 
 decode, both colour stages, writing the PNG), its CPU time (user + system, which a busy machine inflates
 far less than the wall time) and the load average while it ran.
 
+``--baseline REV`` runs the same command from revision REV (its ``src/`` exported with ``git archive``)
+and ``--baseline-dtype DTYPE`` this tree with ``--dtype DTYPE``, alternating with this tree's default, so a
+loaded machine slows every variant alike; the ratios of the medians are the result, and every output is
+compared with the first variant's pixels (max difference in 1/255 steps). ``--breakdown`` runs each
+command in-process in a fresh interpreter with timers around each stage (imports, loading, encode, each
+UNet pass, stage 1, decode, stage 2, the PNG) and prints where the time goes.
+
     PYTHONPATH=src python benchmarks/bench_first_run.py [--device cpu] [--repeats 1]
+    PYTHONPATH=src python benchmarks/bench_first_run.py --baseline ade227f --baseline-dtype float32 \
+        --repeats 3 --breakdown
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,40 +49,177 @@ def random_checkpoint(folder: Path) -> Path:
     return path
 
 
+def exported_source(revision: str, work: Path) -> Path:
+    """``src/`` of ``revision`` (``git archive``), extracted once under ``work``."""
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", revision], capture_output=True, text=True,
+                            check=True).stdout.strip()  # fmt: skip
+    folder = work / f"rev-{commit[:12]}"
+    if not (folder / "src" / "flowlift").is_dir():
+        folder.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "src"], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    return folder / "src"
+
+
+# -- the in-process breakdown (runs in the child interpreter) ---------------------------------------------
+
+
+def _timed(table: dict, name: str, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            table.setdefault(name, []).append(time.perf_counter() - start)
+
+    return wrapper
+
+
+def breakdown_child(argv: list[str]) -> None:
+    """Run ``flowlift`` with ``argv`` in this process, timers around each stage; print them as JSON."""
+    started = time.perf_counter()
+    import torch
+
+    import flowlift.commands.cli as cli
+    import flowlift.files.image_outputs as image_outputs
+    import flowlift.files.images as images
+    import flowlift.models.upscaler_unet as unet
+    import flowlift.models.vae as vae
+    import flowlift.upscale.chunked.executor as executor
+    import flowlift.upscale.outputs as outputs
+    import flowlift.upscale.pipeline as pipeline
+
+    table: dict[str, list[float]] = {"start-up and imports": [time.perf_counter() - started]}
+    unet.FlowUpscalerUNet.forward = _timed(table, "UNet pass", unet.FlowUpscalerUNet.forward)
+    executor.ChunkedExecutor.__call__ = _timed(table, "UNet pass (chunked)", executor.ChunkedExecutor.__call__)
+    vae.TAEF2VAE.encode = _timed(table, "encode (TAEF2)", vae.TAEF2VAE.encode)
+    vae.TAEF2VAE.decode = _timed(table, "decode (TAEF2)", vae.TAEF2VAE.decode)
+    pipeline.latent_lowband_transplant = _timed(table, "stage 1", pipeline.latent_lowband_transplant)
+    pipeline.lab_lowband_transplant = _timed(table, "stage 2", pipeline.lab_lowband_transplant)
+    pipeline.FlowUpscalerPipeline.__init__ = _timed(table, "loading weights", pipeline.FlowUpscalerPipeline.__init__)
+    outputs.model_hashes = _timed(table, "weight hashes", outputs.model_hashes)
+    images.tensor_to_pil = _timed(table, "to 8-bit image", images.tensor_to_pil)
+    image_outputs.save_image_atomic = _timed(table, "PNG writing", image_outputs.save_image_atomic)
+    outputs.read_source = _timed(table, "reading the input", outputs.read_source)
+    start = time.perf_counter()
+    code = cli.main(argv)
+    table["command total"] = [time.perf_counter() - start]
+    table["threads"] = [float(torch.get_num_threads())]
+    print("BREAKDOWN " + json.dumps(table))
+    sys.exit(code)
+
+
+# -- the parent -----------------------------------------------------------------------------------------
+
+
+def run_variant(name: str, src: Path, extra: list[str], args, image: Path, weights: Path, out: Path) -> dict:
+    command = ["upscale", str(image), "--scale", "4", "--vae", str(Path(args.shared) / "models" / "taef2"),
+               "--upscaler", str(weights), "--device", args.device, "-o", str(out), "--overwrite", *extra]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    if args.breakdown:
+        argv = [sys.executable, str(Path(__file__).resolve()), "--child", *command]
+    else:
+        argv = [sys.executable, "-m", "flowlift", *command]
+    load_before = os.getloadavg()[0]
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    run = subprocess.run(argv, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - start
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
+    if run.returncode != 0:
+        sys.exit(f"{name} failed ({run.returncode}): {run.stderr.strip()}")
+    stages = {}
+    for line in run.stdout.splitlines():
+        if line.startswith("BREAKDOWN "):
+            stages = json.loads(line.removeprefix("BREAKDOWN "))
+    print(f"  {name}: {wall:.1f} s wall, {cpu:.1f} s CPU, load {load_before:.1f} -> {os.getloadavg()[0]:.1f}",
+          flush=True)  # fmt: skip
+    return {"wall": wall, "cpu": cpu, "stages": stages}
+
+
+def pixel_difference(a: Path, b: Path) -> int:
+    import numpy as np
+    from PIL import Image
+
+    x = np.asarray(Image.open(a).convert("RGB"), dtype=np.int16)
+    y = np.asarray(Image.open(b).convert("RGB"), dtype=np.int16)
+    return int(np.abs(x - y).max())
+
+
+def print_breakdown(results: dict[str, list[dict]]) -> None:
+    names = list(results)
+    rows: list[str] = []
+    for runs in results.values():
+        for key in runs[0]["stages"]:
+            if key not in rows:
+                rows.append(key)
+    print("\nstage (median of runs, seconds; several calls summed)  " + "  ".join(f"{n:>18}" for n in names))
+    for row in rows:
+        cells = []
+        for name in names:
+            values = [sum(r["stages"].get(row, [0.0])) for r in results[name]]
+            calls = len(results[name][0]["stages"].get(row, []))
+            if row == "threads":
+                cells.append(f"{statistics.median(values):>18.0f}")
+            else:
+                label = f"{statistics.median(values):.2f}" + (f" ({calls}x)" if calls > 1 else "")
+                cells.append(f"{label:>18}")
+        print(f"{row:<55}" + "  ".join(cells))
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        return breakdown_child(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shared", default=os.environ.get("FLOWLIFT_SHARED", str(ROOT.parent / "shared")))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "flowlift-first-run"))
+    parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / f"flowlift-first-run-{os.getuid()}"))
+    parser.add_argument("--baseline", help="also run this git revision (e.g. ade227f), alternating")
+    parser.add_argument("--baseline-dtype", help="also run this tree with --dtype DTYPE (e.g. float32), alternating")
+    parser.add_argument("--dtype", help="this tree's --dtype (default: the command's own default)")
+    parser.add_argument("--breakdown", action="store_true", help="time each stage in-process")
     args = parser.parse_args()
     shared = Path(args.shared)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     weights = random_checkpoint(work)
     image = shared / "images" / "kodak" / "kodim23.png"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    variants = {"this tree" + (f" --dtype {args.dtype}" if args.dtype else ""):
+                (SRC, ["--dtype", args.dtype] if args.dtype else [])}  # fmt: skip
+    if args.baseline_dtype:
+        variants[f"this tree --dtype {args.baseline_dtype}"] = (SRC, ["--dtype", args.baseline_dtype])
+    if args.baseline:
+        variants[f"revision {args.baseline}"] = (exported_source(args.baseline, work), [])
+    cpu_model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                     "unknown CPU")  # fmt: skip
+    print(f"first command, kodim23 768x512 -> 3072x2048, random full-size UNet + TAEF2, {args.device}, "
+          f"{os.cpu_count()} CPUs ({cpu_model}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")  # fmt: skip
+    results: dict[str, list[dict]] = {name: [] for name in variants}
     for repeat in range(args.repeats):
-        out = work / f"out{repeat}"
-        command = [sys.executable, "-m", "flowlift", "upscale", str(image), "--scale", "4", "--vae",
-                   str(shared / "models" / "taef2"), "--upscaler", str(weights), "--device", args.device,
-                   "-o", str(out), "--overwrite"]  # fmt: skip
-        load_before = os.getloadavg()[0]
-        cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        start = time.perf_counter()
-        run = subprocess.run(command, capture_output=True, text=True, env=env)
-        wall = time.perf_counter() - start
-        cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
-        load_after = os.getloadavg()[0]
-        if run.returncode != 0:
-            sys.exit(f"failed ({run.returncode}): {run.stderr.strip()}")
-        print(run.stdout.strip())
-        print(
-            f"first command, kodim23 768x512 -> 3072x2048, random full-size UNet + TAEF2, {args.device}, "
-            f"{os.cpu_count()} CPUs: {wall:.1f} s wall, {cpu:.1f} s CPU time (user+sys; {cpu / wall:.2f} cores busy "
-            f"on average), load average {load_before:.1f} -> {load_after:.1f}"
-        )
+        order = list(variants) if repeat % 2 == 0 else list(reversed(variants))  # alternate who goes first
+        for name in order:
+            src, extra = variants[name]
+            out = work / f"out-{list(variants).index(name)}.png"
+            results[name].append(run_variant(name, src, extra, args, image, weights, out))
+    first = list(variants)[0]
+    for index, name in enumerate(variants):
+        walls = [r["wall"] for r in results[name]]
+        cpus = [r["cpu"] for r in results[name]]
+        line = f"{name}: median {statistics.median(walls):.1f} s wall, {statistics.median(cpus):.1f} s CPU"
+        if index:
+            ratio = statistics.median(walls) / statistics.median([r["wall"] for r in results[first]])
+            cpu_ratio = statistics.median(cpus) / statistics.median([r["cpu"] for r in results[first]])
+            paired = statistics.median(
+                r["wall"] / f["wall"] for r, f in zip(results[name], results[first], strict=True)
+            )
+            diff = pixel_difference(work / "out-0.png", work / f"out-{index}.png")
+            line += (f"; {ratio:.2f}x the wall time of '{first}' (paired runs: {paired:.2f}x), {cpu_ratio:.2f}x its "
+                     f"CPU time; pixels differ from it by at most {diff}/255")  # fmt: skip
+        print(line)
+    if args.breakdown:
+        print_breakdown(results)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ from pathlib import Path
 
 # Tests never download: set before anything imports huggingface_hub.
 os.environ["HF_HUB_OFFLINE"] = "1"
+# Every machine runs the float32 reference path on the CPU, whatever bfloat16 support its CPU has (and subprocesses
+# too); tests/test_cpu_dtype.py sets the detection's answer itself.
+os.environ["FLOWLIFT_CPU_BF16"] = "0"
 # Gradio (flowlift app's tests) never phones home.
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
 

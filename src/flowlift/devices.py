@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,54 @@ if TYPE_CHECKING:
 
 #: The ``--dtype`` choices of every command and the web app.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+#: CPU features with which oneDNN computes bfloat16 convolutions and matrix products natively (AMX tiles or the
+#: AVX512-BF16 dot products), as ``torch.cpu.get_capabilities()`` and ``/proc/cpuinfo`` name them. Without
+#: them a CPU converts bfloat16 to float32 around every kernel and runs slower than plain float32.
+NATIVE_BF16_FEATURES = ("amx_bf16", "avx512_bf16")
+#: ``FLOWLIFT_CPU_BF16=0`` turns the detection off: every CPU counts as one without native bfloat16.
+CPU_BF16_ENV = "FLOWLIFT_CPU_BF16"
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes bfloat16 natively: one of :data:`NATIVE_BF16_FEATURES` is present.
+
+    Asked of torch (``torch.cpu.get_capabilities()``, the CPU features its kernels dispatch on); where
+    that call does not exist, of the ``flags`` line of ``cpuinfo`` (Linux). Anything else (an older
+    x86 CPU, ARM, macOS) answers False, which keeps float32. The environment variable
+    ``FLOWLIFT_CPU_BF16=0`` answers False on any CPU (the test suite sets it, so that every machine runs
+    the same float32 reference path; a user's per-command way is ``--dtype float32``).
+    """
+    import torch
+
+    if os.environ.get(CPU_BF16_ENV, "").strip() == "0":
+        return False
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if callable(capabilities):
+        found = capabilities()
+        return any(bool(found.get(name)) for name in NATIVE_BF16_FEATURES)
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as info:
+            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return any(name in flags for name in NATIVE_BF16_FEATURES)
+
+
+def auto_dtype(device: torch.device, *, cpu_bf16: bool = False) -> torch.dtype:
+    """The dtype ``--dtype auto`` means on ``device``: the one rule every front-end and pipeline uses.
+
+    bfloat16 on CUDA; on the CPU bfloat16 when ``cpu_bf16`` (the caller's model is measured to keep its
+    results in bfloat16: the Flow Upscaler and TAEF2, docs/cpu.md) and :func:`cpu_has_native_bf16`;
+    float32 everywhere else.
+    """
+    import torch
+
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "cpu" and cpu_bf16 and cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
 
 
 def resolve_device(setting: str | torch.device | None) -> torch.device:
@@ -52,15 +101,12 @@ def resolve_device_option(device: str | None, option: str = "--device") -> torch
         raise FlowliftError(f"{option} {device}: {error}") from None
 
 
-def default_dtype(device: torch.device | str) -> torch.dtype:
-    """The one ``--dtype auto`` rule every front-end and pipeline uses: bfloat16 on CUDA, else float32."""
-    import torch
-
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-
-
-def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.device, torch.dtype]:
+def resolve_device_dtype(
+    device: str | None, dtype: str | None, *, cpu_bf16: bool = False
+) -> tuple[torch.device, torch.dtype]:
     """``(torch.device, torch.dtype)`` from the option values; one FlowliftError line for a bad device.
+
+    ``auto`` (or None) is :func:`auto_dtype` (``cpu_bf16``: bfloat16 also on a CPU with native bfloat16).
 
     float16 on the CPU is allowed but warned about: the CPU has no fast float16 kernels, so it runs many
     times slower than float32 and gains nothing.
@@ -69,7 +115,7 @@ def resolve_device_dtype(device: str | None, dtype: str | None) -> tuple[torch.d
 
     dev = resolve_device_option(device)
     if dtype in (None, "auto"):
-        dt = default_dtype(dev)
+        dt = auto_dtype(dev, cpu_bf16=cpu_bf16)
     elif dtype in DTYPES:
         dt = getattr(torch, dtype)
     else:

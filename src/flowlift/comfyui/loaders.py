@@ -16,7 +16,7 @@ import torch
 from comfy_api.latest import io
 
 from flowlift.comfyui.vae_adapters import TAEF2ComfyVAE
-from flowlift.devices import default_dtype
+from flowlift.devices import auto_dtype
 from flowlift.errors import FlowliftError
 from flowlift.models.upscaler_weights import load_upscaler
 from flowlift.models.vae import TAEF2VAE
@@ -57,7 +57,7 @@ class FlowliftUpscalerLoader(io.ComfyNode):
         path = folder_paths.get_full_path_or_raise(UPSCALER_FOLDER, upscaler_name)
         load_device = mm.get_torch_device()
         # flowlift's one --dtype auto rule, where ComfyUI says this device runs bfloat16 well
-        dtype = default_dtype(load_device) if mm.should_use_bf16(load_device) else torch.float32
+        dtype = auto_dtype(load_device) if mm.should_use_bf16(load_device) else torch.float32
         unet = load_upscaler(path, device="cpu", dtype=dtype)
         offload_device = mm.unet_offload_device()
         patcher = comfy.model_patcher.ModelPatcher(unet, load_device=load_device, offload_device=offload_device)

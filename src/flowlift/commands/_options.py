@@ -2,7 +2,8 @@
 
 One set of defaults for the whole command line and the Python API (the README's "Defaults" section
 says why): ``--device auto`` (CUDA when available, else CPU), ``--dtype auto`` (bfloat16 on CUDA,
-float32 on the CPU), ``--vae flux2`` (:data:`DEFAULT_VAE`), ``--scale 2`` (:data:`DEFAULT_SCALE`).
+float32 on the CPU; ``upscale`` and ``app`` also bfloat16 on a CPU with native bf16,
+:func:`flowlift.devices.auto_dtype`), ``--vae flux2`` (:data:`DEFAULT_VAE`), ``--scale 2`` (:data:`DEFAULT_SCALE`).
 Not a subcommand (the leading underscore keeps :mod:`flowlift.commands.cli` from listing it).
 """
 
@@ -44,8 +45,13 @@ def examples(*lines: str) -> str:
     return "examples:\n" + "\n".join(f"  {line}" for line in lines)
 
 
-def add_device_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, what: str = "models") -> None:
-    """``--device`` and ``--dtype`` with the one set of defaults."""
+def add_device_options(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, what: str = "models", *, cpu_bf16: bool = False
+) -> None:
+    """``--device`` and ``--dtype`` with the one set of defaults (``cpu_bf16``: the command's Flow Upscaler
+    runs in bfloat16 on a CPU with native bfloat16, :func:`flowlift.devices.auto_dtype`)."""
+    native = "bfloat16 for the Flow Upscaler and TAEF2 on a CPU with native bf16 (AMX/AVX512-BF16), else float32"
+    cpu = native if cpu_bf16 else "float32 on the CPU"
     parser.add_argument(
         "--device", default="auto", help=f"torch device for the {what}: auto (default: CUDA if available, else cpu), "
         "cpu, cuda, cuda:1, ..."
@@ -54,7 +60,7 @@ def add_device_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         "--dtype",
         choices=DTYPES,
         default="auto",
-        help="precision (default auto: bfloat16 on CUDA, float32 on the CPU; float16 on the CPU is very slow)",
+        help=f"precision (default auto: bfloat16 on CUDA, {cpu}; float16 on the CPU is very slow)",
     )
 
 

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="taef2|flux2|PATH",
         help="VAE to offer (repeatable; the first is the default; default flux2, as for flowlift upscale)",
     )
-    add_device_options(parser)
+    add_device_options(parser, cpu_bf16=True)
     parser.add_argument(
         "--max-upload-mb", type=_megabytes, default=50.0, metavar="MB", help="largest accepted upload (default 50)"
     )

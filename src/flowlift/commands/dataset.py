@@ -96,9 +96,9 @@ def _dtype(name: str | None, device):
     import torch
 
     if name is None:
-        from flowlift.devices import default_dtype
+        from flowlift.devices import auto_dtype
 
-        return default_dtype(device)
+        return auto_dtype(device)
     return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 

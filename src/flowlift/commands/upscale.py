@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH|REPO",
         help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
     )
-    add_device_options(parser)
+    add_device_options(parser, cpu_bf16=True)
     parser.add_argument(
         "--format",
         choices=OUTPUT_FORMATS,
@@ -174,7 +174,7 @@ def _upscale(args: argparse.Namespace) -> int:
 
     if not args.inputs:
         raise FlowliftError("give INPUT images (or --status OUT)")
-    device, dtype = resolve_device_dtype(args.device, args.dtype)  # a bad --device is one line, before any input
+    device, dtype = resolve_device_dtype(args.device, args.dtype, cpu_bf16=True)  # bad --device: one line, first
     _check_output_option(args.output)
     settings = settings_from_args(args)
     request = UpscaleRequest(

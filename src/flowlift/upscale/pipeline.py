@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from flowlift.devices import default_dtype
+from flowlift.devices import auto_dtype
 from flowlift.errors import FlowliftError
 from flowlift.upscale.colorfix import LOWFREQ_FACTOR, lab_lowband_transplant, latent_lowband_transplant
 from flowlift.upscale.inputs import (
@@ -73,7 +73,7 @@ from flowlift.upscale.sizes import (
     planned_passes,
     resample_to_multiple,
 )
-from flowlift.upscale.unet_runner import CompiledUNet, velocity_model
+from flowlift.upscale.unet_runner import CompiledUNet, default_channels_last, velocity_model
 
 ONE_STEP_TIMESTEP = 1000.0
 
@@ -92,7 +92,8 @@ class FlowUpscalerPipeline:
         ``AutoencoderKLFlux2`` module (wrapped), or a spec for :func:`flowlift.models.vae_loading.load_vae`.
     dtype, device:
         Where and in what precision the UNet and a loaded VAE run. Defaults: a given module's own
-        device/dtype; otherwise CUDA in bfloat16 if available, else CPU float32.
+        device/dtype; otherwise CUDA if available, else the CPU, in :func:`flowlift.devices.auto_dtype`'s
+        dtype (bfloat16 on CUDA and on a CPU with native bfloat16, else float32).
     memory:
         A :class:`flowlift.upscale.settings.MemoryPolicy`: chunked UNet execution, VAE tiling, strip rows, the
         offload device, a ``max_memory`` budget for the whole upscale and the chunking budget, with one
@@ -104,7 +105,8 @@ class FlowUpscalerPipeline:
         :class:`flowlift.upscale.unet_runner.CompiledUNet`: one compiled graph per input shape, CUDA-graph
         replay on CUDA, eager fallback with one warning when compilation fails.
     channels_last:
-        Channels-last weights and inputs for the UNet (``None``: on CUDA only).
+        Channels-last weights and inputs for the UNet (``None``: on CUDA and in bfloat16 on the CPU,
+        :func:`flowlift.upscale.unet_runner.default_channels_last`).
     on_strip:
         ``on_strip(done, total)``, called after every strip of a chunked pass (progress; an exception
         it raises, e.g. a user's cancel, stops the pass). See
@@ -139,7 +141,7 @@ class FlowUpscalerPipeline:
             if param is not None and param.is_floating_point():
                 dtype = param.dtype
             else:
-                dtype = default_dtype(self.device)
+                dtype = auto_dtype(self.device, cpu_bf16=True)
         self.dtype = dtype
         self.memory = memory
         self.chunked = memory.chunked
@@ -154,7 +156,9 @@ class FlowUpscalerPipeline:
         self.upscaler, self.upscaler_path = load_pipeline_upscaler(upscaler, self.device, self.dtype)
         self.vae, self.vae_spec = (None, None) if vae is None else load_pipeline_vae(vae, self.device, self.dtype)
         self.max_memory = None if memory.max_memory is None else parse_memory(memory.max_memory)
-        self.channels_last = self.device.type == "cuda" if channels_last is None else bool(channels_last)
+        if channels_last is None:
+            channels_last = default_channels_last(self.device, self.dtype)
+        self.channels_last = bool(channels_last)
         if self.channels_last and isinstance(self.upscaler, torch.nn.Module):
             self.upscaler.to(memory_format=torch.channels_last)
         self.compiled_upscaler: CompiledUNet | None = None

@@ -1,0 +1,151 @@
+"""``--dtype auto`` on the CPU (issue 31): bfloat16 for the Flow Upscaler and TAEF2 only where the CPU
+computes bf16 natively (the detection monkeypatched both ways, so the tests hold on any machine), float32
+elsewhere; channels-last equals the contiguous layout to float rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+import flowlift.devices as devices
+from flowlift.commands.cli import main
+from flowlift.devices import auto_dtype, cpu_has_native_bf16, resolve_device_dtype
+from flowlift.files.image_outputs import read_metadata
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory):
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
+
+    torch.manual_seed(0)
+    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
+    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+
+
+@pytest.fixture
+def native_bf16(monkeypatch):
+    """Set what the CPU detection answers: ``native_bf16(True)`` / ``native_bf16(False)``."""
+
+    def answer(value: bool) -> None:
+        monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: value)
+
+    return answer
+
+
+def test_auto_is_bfloat16_on_the_cpu_only_with_native_bf16_and_only_where_asked(native_bf16):
+    native_bf16(False)
+    assert resolve_device_dtype("cpu", "auto", cpu_bf16=True) == (CPU, torch.float32)
+    assert auto_dtype(CPU, cpu_bf16=True) == torch.float32
+    native_bf16(True)
+    assert resolve_device_dtype("cpu", "auto", cpu_bf16=True) == (CPU, torch.bfloat16)
+    assert resolve_device_dtype("cpu", None, cpu_bf16=True) == (CPU, torch.bfloat16)
+    assert resolve_device_dtype("cpu", "auto") == (CPU, torch.float32)  # other commands: float32 on the CPU
+    assert resolve_device_dtype("cpu", "float32", cpu_bf16=True) == (CPU, torch.float32)  # an explicit dtype wins
+    assert auto_dtype(torch.device("meta"), cpu_bf16=True) == torch.float32
+    assert auto_dtype(torch.device("cuda"), cpu_bf16=False) == torch.bfloat16
+
+
+def test_detection_reads_torchs_cpu_features_and_falls_back_to_cpuinfo(monkeypatch, tmp_path):
+    monkeypatch.delenv("FLOWLIFT_CPU_BF16")  # conftest's pin to float32, tested last
+    features = {"avx512_bf16": False, "amx_bf16": False, "avx512_f": True}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: dict(features), raising=False)
+    assert cpu_has_native_bf16() is False  # AVX512 alone converts bf16 around every kernel: slower than fp32
+    features["avx512_bf16"] = True
+    assert cpu_has_native_bf16() is True
+    features.update(avx512_bf16=False, amx_bf16=True)
+    assert cpu_has_native_bf16() is True
+    monkeypatch.delattr(torch.cpu, "get_capabilities")
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw\n")
+    assert cpu_has_native_bf16(str(info)) is False
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
+    assert cpu_has_native_bf16(str(info)) is True
+    assert cpu_has_native_bf16(str(tmp_path / "missing")) is False
+    monkeypatch.setenv("FLOWLIFT_CPU_BF16", "0")
+    assert cpu_has_native_bf16(str(info)) is False
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_upscale_command_runs_what_auto_picks(native, native_bf16, tmp_path, shared, weights, single_thread_torch):
+    native_bf16(native)
+    photo = Image.open(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png").convert("RGB")
+    photo.resize((48, 32), Image.Resampling.BOX).save(tmp_path / "in.png")
+    common = ["--upscaler", str(weights), "--vae", str(shared / "models" / "taef2"), "--device", "cpu"]
+    outputs = {}
+    for dtype in ("auto", "float32"):
+        out = tmp_path / f"{dtype}.png"
+        assert main(["upscale", str(tmp_path / "in.png"), "-o", str(out), "--dtype", dtype, *common]) == 0
+        outputs[dtype] = out
+    ran = {name: read_metadata(path)["flowlift.parameters"]["dtype"] for name, path in outputs.items()}
+    assert ran == {"auto": "bfloat16" if native else "float32", "float32": "float32"}
+    auto = torch.tensor(list(Image.open(outputs["auto"]).getdata()), dtype=torch.float32)
+    fp32 = torch.tensor(list(Image.open(outputs["float32"]).getdata()), dtype=torch.float32)
+    if native:  # bf16 rounding through a random UNet and TAEF2; stage 2 pins the colour to the input
+        assert 0 < (auto - fp32).abs().mean() < 3 and (auto.mean(0) - fp32.mean(0)).abs().max() < 0.5
+    else:
+        assert torch.equal(auto, fp32)
+
+
+def test_pipeline_default_follows_the_rule_with_channels_last_in_bf16(native_bf16, weights, single_thread_torch):
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+
+    native_bf16(False)
+    pipe = FlowUpscalerPipeline(str(weights), None, device="cpu")
+    assert (pipe.dtype, pipe.channels_last) == (torch.float32, False)
+    assert next(pipe.upscaler.parameters()).is_contiguous()
+    native_bf16(True)
+    pipe = FlowUpscalerPipeline(str(weights), None, device="cpu")
+    assert (pipe.dtype, pipe.channels_last) == (torch.bfloat16, True)
+    conv = next(m for m in pipe.upscaler.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size == (3, 3))
+    assert conv.weight.dtype == torch.bfloat16 and conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert FlowUpscalerPipeline(str(weights), None, device="cpu", dtype=torch.float32).channels_last is False
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 0.1)])
+def test_channels_last_equals_contiguous(dtype, tolerance, weights, single_thread_torch):
+    """The same passes with channels-last and contiguous weights and inputs: equal to float rounding
+    (fp32: summation order only, 1e-5 on latents of unit scale; bf16: one bf16 rounding step of the
+    activations, ~2^-8 relative, through the UNet)."""
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+
+    latents = torch.randn(1, 32, 6, 8, generator=torch.Generator().manual_seed(3))
+    results = {}
+    for layout in (False, True):
+        pipe = FlowUpscalerPipeline(str(weights), None, device="cpu", dtype=dtype, channels_last=layout)
+        results[layout] = pipe.upscale_latents(latents, num_passes=2, seed=5)
+    difference = (results[True] - results[False]).abs().max().item()
+    assert difference <= tolerance, difference
+
+
+def test_taef2_channels_last_equals_contiguous(shared, single_thread_torch):
+    """TAEF2VAE always runs channels-last; its decode equals the contiguous module's to float rounding."""
+    from flowlift.models.vae_loading import load_vae
+
+    vae = load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
+    latents = torch.randn(1, 32, 8, 12, generator=torch.Generator().manual_seed(4))
+    channels_last = vae.decode(latents)
+    vae.model.to(memory_format=torch.contiguous_format)
+    with torch.inference_mode():
+        contiguous = vae.model.decode_full(latents.contiguous())
+    assert (channels_last - contiguous).abs().max().item() < 1e-5
+
+
+def test_png_outputs_are_written_at_the_chosen_zlib_level(tmp_path, shared):
+    """The first command's 6 MP PNG spent a third of the time at level 3 (docs/cpu.md): the writer uses it."""
+    import io
+
+    from flowlift.files.image_outputs import PNG_COMPRESS_LEVEL, save_image_atomic
+
+    image = Image.open(shared / "images" / "kodak" / "kodim23.png").convert("RGB").crop((0, 0, 96, 64))
+    written = save_image_atomic(image, tmp_path / "out.png").read_bytes()
+    expected = {}
+    for level in (PNG_COMPRESS_LEVEL, 6):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG", compress_level=level)
+        expected[level] = buffer.getvalue()
+    assert PNG_COMPRESS_LEVEL == 3 and expected[3] != expected[6]
+    assert written == expected[PNG_COMPRESS_LEVEL]
