@@ -258,23 +258,31 @@ def test_interrupt_stops_an_8x_image_upscale_within_seconds_in_every_stage(serve
         "5": {"class_type": "SaveImage", "inputs": {"images": ["4", 0], "filename_prefix": "test/interrupted"}},
     }
     worst = 0.0
-    for delay in (3.0, 18.0):  # in the first pass; in the third (the longest single UNet call)
-        workflow["4"]["inputs"]["seed"] = int(delay)  # a new prompt each time (ComfyUI caches finished nodes)
-        prompt_id = server.queue(workflow)
-        deadline = time.monotonic() + 60
-        while not any(item[1] == prompt_id for item in server.request("/queue")["queue_running"]):
-            assert time.monotonic() < deadline, "the prompt never started"
-            time.sleep(0.1)
-        time.sleep(delay)
-        assert not server.request(f"/history/{prompt_id}"), "the run finished before the interrupt: make it longer"
-        started = time.monotonic()
-        server.request("/interrupt", {})
-        entry = server.wait(prompt_id, timeout=120)
-        took = time.monotonic() - started
-        worst = max(worst, took)
-        print(f"interrupted {delay:.0f} s into an 8x image upscale: stopped after {took:.2f} s")
-        assert message(entry, "execution_interrupted")["node_type"] == "FlowliftUpscaleImage"
-        assert "5" not in entry["outputs"]
+    # in the first pass; then as late as the machine's speed allows (the third pass, the longest single UNet
+    # call, is 18 s in on a loaded 2-core machine and may be over by then on a fast one: the next try is earlier)
+    for stage, delays in (("early", (3.0,)), ("late", (18.0, 11.0, 7.0))):
+        for delay in delays:
+            workflow["4"]["inputs"]["seed"] = int(delay * 10)  # a new prompt each time (ComfyUI caches finished nodes)
+            prompt_id = server.queue(workflow)
+            deadline = time.monotonic() + 60
+            while not any(item[1] == prompt_id for item in server.request("/queue")["queue_running"]):
+                assert time.monotonic() < deadline, "the prompt never started"
+                time.sleep(0.1)
+            time.sleep(delay)
+            if server.request(f"/history/{prompt_id}"):
+                assert stage == "late", "the run finished within 3 s: make it longer"
+                continue  # finished before the interrupt: try earlier
+            started = time.monotonic()
+            server.request("/interrupt", {})
+            entry = server.wait(prompt_id, timeout=120)
+            took = time.monotonic() - started
+            worst = max(worst, took)
+            print(f"interrupted {delay:.0f} s into an 8x image upscale: stopped after {took:.2f} s")
+            assert message(entry, "execution_interrupted")["node_type"] == "FlowliftUpscaleImage"
+            assert "5" not in entry["outputs"]
+            break
+        else:
+            raise AssertionError(f"every {stage} try finished before its interrupt: make the image larger")
     print(f"worst case: {worst:.2f} s")
     assert worst <= 5.0, f"interrupt took {worst:.1f} s"
 
