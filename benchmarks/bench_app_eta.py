@@ -101,7 +101,7 @@ def main() -> None:
     source = Path(args.image or shared / "images" / "photos" / "Picture_0B_by_freespace.png")
     work = Path(tempfile.mkdtemp(prefix="flowlift-eta-"))
     weights = random_checkpoint(Path(tempfile.gettempdir()) / "flowlift-first-run")
-    device, dtype = resolve_device_dtype(args.device, args.dtype)
+    device, dtype = resolve_device_dtype(args.device, args.dtype, cpu_bf16=True)  # the app's rule for auto
     vae = str(shared / "models" / "taef2")
     pipeline = FlowUpscalerPipeline(str(weights), vae, device=device, dtype=dtype)
     settings = UpscaleSettings(seed=0, vae=vae, upscaler=str(weights))

@@ -16,10 +16,10 @@ ProgressFn = Callable[[float, str], None]
 
 #: Seconds per megapixel of what each stage produces (the input's pixels for ``encode``, the pass's output
 #: for ``pass``, the result's for the rest), measured with the released architecture (random full-size UNet),
-#: TAEF2 and float32 on the CPU: ``PYTHONPATH=src python benchmarks/bench_app_eta.py --json`` (1024x693 photo,
-#: x2; 2-core AMD EPYC, heavily loaded, so the absolute values are ~4x an idle machine's; docs/app.md has the
-#: table). Only their ratios matter; :class:`StageCosts` replaces them with a machine's own measured times.
-DEFAULT_SECONDS_PER_MP = {"encode": 16.8, "pass": 24.4, "decode": 17.3, "color fix": 3.64, "saving": 1.08}
+#: TAEF2 and float32 on the CPU: ``PYTHONPATH=src python benchmarks/bench_app_eta.py --dtype float32 --json``
+#: (1024x693 photo, x2; 2-core AMD EPYC, 2026-12-01; docs/app.md has the table). Only their ratios matter;
+#: :class:`StageCosts` replaces them with a machine's own measured times after its first request.
+DEFAULT_SECONDS_PER_MP = {"encode": 2.82, "pass": 4.17, "decode": 3.61, "color fix": 0.57, "saving": 0.14}
 #: Weight of the newest request's measured cost against what was learned before (an exponential average;
 #: the first measurement replaces the table, which came from another machine).
 LEARNING_RATE = 0.5
