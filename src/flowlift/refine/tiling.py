@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowlift.errors import FlowliftError
-
 from flowlift.refine.settings import (  # noqa: F401  (the constants' home; imported from here by the refiner)
     DEFAULT_TILE_OVERLAP,
     DEFAULT_TILE_SIZE,
