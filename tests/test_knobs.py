@@ -119,8 +119,13 @@ def test_app_components_have_the_knobs_domain_and_default(tmp_path):
                        fns["upscale"].inputs, strict=True))  # fmt: skip
     batch = dict(zip(["files", "scale", "seed", "transplant_strength", "color_fix_strength", "vae"],
                      fns["batch"].inputs, strict=True))  # fmt: skip
-    refine = dict(zip(["image", "prompt", "embeds", "mode", "strength", "strength_map", "steps", "seed", "sampler"],
-                      fns["refine"].inputs, strict=True))  # fmt: skip
+    refine = dict(zip(["image", "prompt", "embeds", "mode", "strength", "strength_map", "steps", "seed", "sampler",
+                       "tile_size", "tile_overlap"], fns["refine"].inputs, strict=True))  # fmt: skip
+    tile_size = refine.pop("tile_size")  # a menu of the knob's words and sides, any multiple of 16 typed in
+    assert tile_size.value == REFINE_KNOBS["tile_size"].default and tile_size.allow_custom_value
+    words = REFINE_KNOBS["tile_size"].words
+    assert [choice[1] for choice in tile_size.choices][: len(words)] == list(words)
+    assert refine["tile_overlap"].step == REFINE_KNOBS["tile_overlap"].step
     mapped = [(UPSCALE_KNOBS, controls) for controls in (upscale, batch)] + [(REFINE_KNOBS, refine)]
     for table, controls in mapped:
         for name, component in controls.items():
