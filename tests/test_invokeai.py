@@ -455,7 +455,8 @@ def test_workflows_validate_against_this_server(server):
     templates = {s["properties"]["type"]["default"]: s for s in schemas.values()
                  if "properties" in s and "type" in s["properties"] and s.get("class") == "invocation"}  # fmt: skip
     files = sorted(WORKFLOWS.glob("*.json"))
-    assert [f.name for f in files] == ["flux2_klein_hires_fix.json", "image_upscale_4x.json"]
+    assert [f.name for f in files] == ["flux2_klein_hires_fix.json", "flux2_klein_tiled_hires_fix_4x.json",
+                                       "image_upscale_4x.json"]
     for file in files:
         workflow = json.loads(file.read_text())
         nodes = {node["id"]: node["data"] for node in workflow["nodes"]}
