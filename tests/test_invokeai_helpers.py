@@ -206,8 +206,9 @@ def test_tiled_denoise_loop_with_the_model_object_invokeai_hands_it():
 
     def run(size, overlap=16):
         with torch.no_grad():
+            tiles = TileRequest.parse(size, overlap)
             return tiled_refine_raw_latents(transformer, raw, bn_mean, bn_std, prompt_embeds(), strength=0.6,
-                                            sampling=sampling, tiles=TileRequest.parse(size, overlap), device="cpu")  # fmt: skip
+                                            sampling=sampling, tiles=tiles, device="cpu")  # fmt: skip
 
     untiled, off_record = run("off")
     whole, whole_record = run(128)
