@@ -91,3 +91,27 @@ def test_refine_tab_only_with_a_model(service, tmp_path):
     without = {fn.api_name for fn in build_app(AppService(AppConfig(work_dir=tmp_path))).fns.values()}
     assert {"upscale", "batch", "refine"} <= with_model
     assert "refine" not in without and {"upscale", "batch"} <= without
+
+
+def test_tiled_img2img_matches_the_cli(service, model_dir, inputs, monkeypatch, tmp_path):
+    # the Refine tab's tile size and overlap reach the refiner: the tiles really run and the metadata names them
+    args = (service, inputs / "photo.png", None, inputs / "prompt.safetensors", "img2img", 0.6, "linear", 3, 5)
+    tiled = refine(*args, tile_size="32", tile_overlap=16)
+    untiled = refine(*args, tile_size="off", tile_overlap=16)
+    _, meta = _flowlift_text(tiled.output)
+    assert meta["tiles"]["grid"] == [2, 3] and meta["tiles"]["overlap"] == 16, meta["tiles"]
+    assert "tiles" not in _flowlift_text(untiled.output)[1]
+    with Image.open(tiled.output) as a, Image.open(untiled.output) as b:
+        assert a.tobytes() != b.tobytes()  # the tiles changed the transformer's view
+    monkeypatch.chdir(inputs)
+    out = tmp_path / "cli.png"
+    argv = ["img2img", "photo.png", "--model", str(model_dir), "--prompt-embeds", "prompt.safetensors", "--quiet"]
+    argv += ["--strength", "0.6", "--steps", "3", "--seed", "5", "--tile-size", "32", "--tile-overlap", "16"]
+    assert main([*argv, "-o", str(out)]) == 0
+    assert _flowlift_text(out)[1] == meta
+    with Image.open(out) as cli_png, Image.open(tiled.output) as app_png:
+        assert cli_png.tobytes() == app_png.tobytes()
+    for size, overlap, message in [("1000", 128, "multiple of 16"), ("64", 64, "smaller than the tile"),
+                                   ("big", 0, "tile size must be"), ("64", -16, "tile overlap must be")]:  # fmt: skip
+        with pytest.raises(FlowliftError, match=message):
+            refine(*args, tile_size=size, tile_overlap=overlap)

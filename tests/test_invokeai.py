@@ -39,6 +39,7 @@ NODE_TYPES = {
     "flowlift_upscale_latents": ("FlowUpscaleLatentsInvocation", "Flow Upscale Latents (FLUX.2)"),
     "flowlift_upscale_image": ("FlowUpscaleImageInvocation", "Flow Upscale Image (FLUX.2)"),
     "flowlift_color_fix": ("ColourFixInvocation", "Colour Fix"),
+    "flowlift_tiled_flux2_denoise": ("TiledFlux2DenoiseInvocation", "Tiled FLUX.2 Denoise (flowlift)"),
 }
 #: Saved workflows refer to these field names: a change here is a breaking change for users.
 FIELDS = {
@@ -49,7 +50,12 @@ FIELDS = {
         "color_fix_strength", "chunked"
     ],
     "flowlift_color_fix": ["image", "reference", "strength"],
+    "flowlift_tiled_flux2_denoise": ["latents", "transformer", "positive_text_conditioning", "vae", "strength",
+                                     "num_steps", "seed", "tile_size", "tile_overlap", "tile_batch"],
 }
+#: The Tiled FLUX.2 Denoise node's fields -> their refine knobs (flowlift.refine.settings.REFINE_KNOBS).
+TILED_DENOISE_KNOBS = {"strength": "refine_strength", "num_steps": "steps", "seed": "seed", "tile_size": "tile_size",
+                       "tile_overlap": "tile_overlap", "tile_batch": "tile_batch"}
 IMAGE_W, IMAGE_H = 48, 32
 ONE_LEVEL = 1 / 255 + 1e-6  # an 8-bit PNG's rounding
 
@@ -178,7 +184,19 @@ def test_the_fields_have_the_knob_tables_domain_and_default(server):
 
     schemas = server.request("GET", "/openapi.json")["components"]["schemas"]
     checked = 0
+    from flowlift.refine.settings import REFINE_KNOBS
+
+    tiled = schemas[NODE_TYPES["flowlift_tiled_flux2_denoise"][0]]["properties"]
+    for name, knob_name in TILED_DENOISE_KNOBS.items():
+        knob, field = REFINE_KNOBS[knob_name], tiled[name]
+        if knob.words:  # a number that also takes words: a text field with the knob's default
+            assert (field["type"], field["default"]) == ("string", str(knob.default)), name
+            assert knob.describe() in field["description"], name
+        else:
+            assert (field.get("minimum"), field.get("maximum"), field["default"]) == (knob.low, knob.high, knob.default)
     for node_type, (schema_name, _title) in NODE_TYPES.items():
+        if node_type == "flowlift_tiled_flux2_denoise":
+            continue
         table = COLOR_FIX_KNOBS if node_type == "flowlift_color_fix" else UPSCALE_KNOBS
         for name, field in schemas[schema_name]["properties"].items():
             if name not in table or field.get("field_kind") != "input":
@@ -437,7 +455,8 @@ def test_workflows_validate_against_this_server(server):
     templates = {s["properties"]["type"]["default"]: s for s in schemas.values()
                  if "properties" in s and "type" in s["properties"] and s.get("class") == "invocation"}  # fmt: skip
     files = sorted(WORKFLOWS.glob("*.json"))
-    assert [f.name for f in files] == ["flux2_klein_hires_fix.json", "image_upscale_4x.json"]
+    assert [f.name for f in files] == ["flux2_klein_hires_fix.json", "flux2_klein_tiled_hires_fix_4x.json",
+                                       "image_upscale_4x.json"]
     for file in files:
         workflow = json.loads(file.read_text())
         nodes = {node["id"]: node["data"] for node in workflow["nodes"]}

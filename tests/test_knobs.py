@@ -19,7 +19,7 @@ import pytest
 
 from flowlift.errors import FlowliftError
 from flowlift.knobs import SEED, SEED_MAX, Knob, exact_int
-from flowlift.refine.settings import REFINE_KNOBS, SamplingSettings
+from flowlift.refine.settings import REFINE_KNOBS, TILE_KNOBS, SamplingSettings
 from flowlift.upscale.settings import COLOR_FIX_KNOBS, UPSCALE_KNOBS, MemoryPolicy
 
 #: (command, option) -> (table, knob name, the argparse default where the command resolves the knob's own
@@ -47,6 +47,8 @@ CLI_OPTIONS: dict[tuple[str, str], tuple[dict[str, Knob], str, object]] = {
     ("hires", "--sampler"): (REFINE_KNOBS, "sampler", ...),
     ("hires", "--mu"): (REFINE_KNOBS, "mu", ...),
     ("hires", "--schedule"): (REFINE_KNOBS, "schedule", ...),
+    **{(command, "--" + knob.name.replace("_", "-")): (REFINE_KNOBS, knob.name, ...)
+       for command in ("img2img", "hires") for knob in TILE_KNOBS},  # fmt: skip
 }
 #: Knobs the node packs show but the command line spells otherwise (``--chunked/--no-chunked`` is a flag pair).
 NOT_ON_THE_COMMAND_LINE = {"chunked"}
@@ -70,7 +72,8 @@ def edge_values(knob: Knob) -> tuple[list[object], list[object]]:
     if knob.choices:
         return list(knob.choices), ["not-a-choice"] if knob.kind is str else [max(knob.choices) + 1, -1]
     if knob.kind is int:
-        return [knob.low, knob.high], [knob.low - 1, knob.high + 1]
+        inside = [knob.low, *knob.words] if knob.high is None else [knob.low, knob.high, *knob.words]
+        return inside, [knob.low - 1] if knob.high is None else [knob.low - 1, knob.high + 1]
     return [knob.low, knob.high, *knob.words], [knob.low - 0.001, knob.high + 0.001, float("nan")]
 
 
@@ -116,8 +119,13 @@ def test_app_components_have_the_knobs_domain_and_default(tmp_path):
                        fns["upscale"].inputs, strict=True))  # fmt: skip
     batch = dict(zip(["files", "scale", "seed", "transplant_strength", "color_fix_strength", "vae"],
                      fns["batch"].inputs, strict=True))  # fmt: skip
-    refine = dict(zip(["image", "prompt", "embeds", "mode", "strength", "strength_map", "steps", "seed", "sampler"],
-                      fns["refine"].inputs, strict=True))  # fmt: skip
+    refine = dict(zip(["image", "prompt", "embeds", "mode", "strength", "strength_map", "steps", "seed", "sampler",
+                       "tile_size", "tile_overlap"], fns["refine"].inputs, strict=True))  # fmt: skip
+    tile_size = refine.pop("tile_size")  # a menu of the knob's words and sides, any multiple of 16 typed in
+    assert tile_size.value == REFINE_KNOBS["tile_size"].default and tile_size.allow_custom_value
+    words = REFINE_KNOBS["tile_size"].words
+    assert [choice[1] for choice in tile_size.choices][: len(words)] == list(words)
+    assert refine["tile_overlap"].step == REFINE_KNOBS["tile_overlap"].step
     mapped = [(UPSCALE_KNOBS, controls) for controls in (upscale, batch)] + [(REFINE_KNOBS, refine)]
     for table, controls in mapped:
         for name, component in controls.items():

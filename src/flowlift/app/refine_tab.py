@@ -25,11 +25,22 @@ from flowlift.app.service import AppService
 from flowlift.errors import FlowliftError
 from flowlift.jobs.batch import ITEM_ERRORS
 from flowlift.knobs import SEED, Knob
-from flowlift.refine.settings import HIRES_SCALE, SAMPLER, STEPS, STRENGTH, STRENGTH_MAP
+from flowlift.refine.settings import (
+    HIRES_SCALE,
+    SAMPLER,
+    STEPS,
+    STRENGTH,
+    STRENGTH_MAP,
+    TILE_MULTIPLE,
+    TILE_OVERLAP,
+    TILE_SIZE,
+)
 
 #: Refine modes: img2img at the input size, or the hires fix (Flow Upscaler 2x/4x/8x, then refine).
 MODES = {"img2img": 0, **{f"hires fix {factor}x": factor for factor in HIRES_SCALE.choices}}
 MAX_STEPS = STEPS.high
+#: The tile size menu: the knob's words, then sides FLUX.2 is used at (any multiple of 16 may be typed in).
+TILE_SIZE_CHOICES = (*TILE_SIZE.words, "512", "768", "1024", "1536", "2048")
 
 
 def _no_progress(_fraction: float, _description: str) -> None:
@@ -66,6 +77,15 @@ def _hires_upscaler(service: AppService, refiner: Any) -> Any:
         return cached
 
 
+def _tiles(tile_size: Any, tile_overlap: Any) -> dict[str, Any]:
+    """The mode's ``tile_size``/``tile_overlap`` from the form: each knob's check (text parsed exactly) and the
+    tiling module's grid and overlap-below-tile rules, one line in the knobs' words otherwise."""
+    from flowlift.refine.tiling import TileRequest
+
+    request = TileRequest.parse(tile_size, tile_overlap)
+    return {"tile_size": request.size, "tile_overlap": request.overlap}
+
+
 def refine(
     service: AppService,
     path: str | Path | None,
@@ -77,15 +97,20 @@ def refine(
     steps: Any = 28,
     seed: Any = 0,
     sampler: str = "euler",
+    tile_size: Any = TILE_SIZE.default,
+    tile_overlap: Any = TILE_OVERLAP.default,
     progress: ProgressFn = _no_progress,
 ) -> UpscaleResult:
     """Refine one upload; written as ``<stem>_img2img.png`` / ``<stem>_hires<N>x.png`` with the CLI's metadata.
 
+    ``tile_size`` (px, ``auto`` or ``off``) and ``tile_overlap`` (px) are the tiled refine's knobs
+    (:data:`flowlift.refine.settings.TILE_KNOBS`); the tiles that ran are in the metadata as the CLI writes them.
     Logs the server's one line for the request whatever its outcome.
     """
     with logged_request(service.config.log, "refine", Path(path).name if path else "-", str(mode)) as entry:
+        tiles = _tiles(tile_size, tile_overlap)
         result = _refine(
-            service, path, prompt, prompt_embeds, mode, strength, strength_map, steps, seed, sampler, progress
+            service, path, prompt, prompt_embeds, mode, strength, strength_map, steps, seed, sampler, progress, tiles
         )
         (w0, h0), (w1, h1) = result.input_size, result.output_size
         entry.request = f"{mode} {w0}x{h0} -> {w1}x{h1}"
@@ -104,6 +129,7 @@ def _refine(
     seed: Any = 0,
     sampler: str = "euler",
     progress: ProgressFn = _no_progress,
+    tiles: dict[str, Any] | None = None,
 ) -> UpscaleResult:
     from flowlift.files.image_outputs import input_hashes, save_image_atomic
     from flowlift.files.images import attach_alpha, load_image, tensor_to_pil, to_tensor
@@ -146,7 +172,7 @@ def _refine(
     conditioning = {"prompt": None if embeds is not None else prompt, "prompt_embeds": embeds}
     conditioning["negative_prompt_embeds"] = negative
     sampling = SamplingSettings(steps=steps, seed=seed, sampler=sampler)
-    common = dict(strength_map=strength_map, sampling=sampling, **conditioning)
+    common = dict(strength_map=strength_map, sampling=sampling, **conditioning, **(tiles or {}))
     folder = service._new_result_dir()
     try:
         if scale:
@@ -181,11 +207,37 @@ def _refine(
     return UpscaleResult(out, before, after, rgb.size, image.size, time.perf_counter() - started)
 
 
+def _tile_controls(gr: Any) -> tuple[Any, Any]:
+    """Tile size (auto / off / px, typed or picked) and tile overlap (px), from the knobs."""
+    with gr.Row():
+        tile_size = gr.Dropdown(
+            list(TILE_SIZE_CHOICES),
+            value=TILE_SIZE.default,
+            allow_custom_value=True,
+            label="Tile size (px)",
+            info=f"auto: 1024 px tiles above FLUX.2's 4 MP; off: one transformer call; or a multiple of "
+            f"{TILE_MULTIPLE}, at least {TILE_SIZE.low}",
+            elem_id="refine-tile-size",
+        )
+        tile_overlap = gr.Number(
+            value=TILE_OVERLAP.default,
+            precision=0,
+            minimum=TILE_OVERLAP.low,
+            maximum=TILE_OVERLAP.high,
+            step=TILE_OVERLAP.step,
+            label="Tile overlap (px)",
+            info=f"a multiple of {TILE_MULTIPLE}, less than the tile; neighbours crossfade across it",
+            elem_id="refine-tile-overlap",
+        )
+    return tile_size, tile_overlap
+
+
 def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_error: Any, upload_path: Any) -> None:
     """The Refine tab and its ``refine`` endpoint (built inside the page's ``gr.Blocks``)."""
     follow_tqdm = gr.Progress(track_tqdm=True)
 
-    def run(image, prompt, embeds, mode, strength, strength_map, steps, seed, sampler, progress=follow_tqdm):
+    def run(image, prompt, embeds, mode, strength, strength_map, steps, seed, sampler, tile_size, tile_overlap,
+            progress=follow_tqdm):  # fmt: skip
         try:
             result = refine(
                 service,
@@ -198,6 +250,8 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
                 steps,
                 seed,
                 sampler,
+                tile_size,
+                tile_overlap,
                 progress=lambda fraction, text: progress(fraction, desc=text),
             )
         except Exception as error:  # noqa: BLE001 - every failure becomes a visible message
@@ -243,6 +297,7 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
                 )
                 seed = gr.Number(value=SEED.default, precision=0, minimum=SEED.low, maximum=SEED.high, label="Seed")
                 sampler = gr.Radio(list(SAMPLER.choices), value=SAMPLER.default, label="Sampler")
+                tile_size, tile_overlap = _tile_controls(gr)
                 button = gr.Button("Refine", variant="primary", elem_id="refine-button")
             with gr.Column():
                 slider = gr.ImageSlider(label="Before / after", type="pil", format="png", elem_id="refine-slider")
@@ -250,7 +305,7 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
                 info = gr.Markdown(elem_id="refine-info")
         button.click(
             run,
-            inputs=[image, prompt, embeds, mode, strength, strength_map, steps, seed, sampler],
+            inputs=[image, prompt, embeds, mode, strength, strength_map, steps, seed, sampler, tile_size, tile_overlap],
             outputs=[slider, download, info],
             api_name="refine",
             preprocess=False,

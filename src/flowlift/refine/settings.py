@@ -4,8 +4,9 @@
 :class:`~flowlift.refine.refiner.Flux2Refiner`'s checks derive from (``tests/test_knobs.py`` holds them to
 it). No torch here: the commands' ``--help`` reads this module.
 
-Room is left for the refine tiling knobs (``tile_size``, ``tile_overlap``, ``tile_batch``): they join
-:data:`REFINE_KNOBS` as :class:`~flowlift.knobs.Knob` entries beside these.
+The tiled refine's knobs (``tile_size``, ``tile_overlap``, ``tile_batch``) are here too, with the constants
+their domains are made of; :mod:`flowlift.refine.tiling` adds the rules one knob cannot say alone (a tile side on
+the 16-px grid, the overlap smaller than the tile) on top of :meth:`~flowlift.knobs.Knob.check`.
 """
 
 from __future__ import annotations
@@ -84,8 +85,58 @@ HIRES_SCALE = Knob(
     unit="x",
 )
 
+#: Tile sides and offsets are multiples of 16 image pixels: 8x VAE, then the transformer's 2x2 patches.
+TILE_MULTIPLE = 16
+#: FLUX.2's specified maximum resolution (BFL: 4 megapixels, e.g. 2048x2048; Klein the same).
+MAX_UNTILED_PIXELS = 2048 * 2048
+#: ``auto``'s tile: 1024 px, the resolution FLUX.2 is trained and most used at (1 MP, 4096 tokens per tile).
+DEFAULT_TILE_SIZE = 1024
+#: ``auto``'s overlap: 128 px = 16 latent pixels = 8 tokens on each shared edge, the width of the crossfade.
+DEFAULT_TILE_OVERLAP = 128
+#: The smallest tile (2x2 tokens) and the most tiles ``tile_batch auto`` puts in one call.
+MIN_TILE_SIZE = 32
+MAX_AUTO_TILE_BATCH = 4
+TILE_SIZE_WORDS = ("auto", "off")
+
+TILE_SIZE = Knob(
+    "tile_size",
+    int,
+    "auto",
+    f"refine in overlapping tiles of this many pixels per side (a multiple of {TILE_MULTIPLE}): auto tiles at "
+    f"{DEFAULT_TILE_SIZE} px when the frame exceeds FLUX.2's 4 MP (or --max-memory needs it), off runs one "
+    "transformer call per step",
+    low=MIN_TILE_SIZE,
+    words=TILE_SIZE_WORDS,
+    unit="px",
+    step=TILE_MULTIPLE,
+)
+TILE_OVERLAP = Knob(
+    "tile_overlap",
+    int,
+    DEFAULT_TILE_OVERLAP,
+    f"how far neighbouring tiles overlap (a multiple of {TILE_MULTIPLE}, less than the tile); their velocities "
+    "crossfade across it",
+    low=0,
+    unit="px",
+    step=TILE_MULTIPLE,
+)
+TILE_BATCH = Knob(
+    "tile_batch",
+    int,
+    "auto",
+    f"tiles per transformer call: auto = as many as --max-memory leaves room for (at most {MAX_AUTO_TILE_BATCH}; "
+    "1 without a budget)",
+    low=1,
+    words=("auto",),
+    unit="tiles",
+)
+#: The tiled refine's knobs, in the order the front-ends show them.
+TILE_KNOBS = (TILE_SIZE, TILE_OVERLAP, TILE_BATCH)
+
 #: The refiner's knobs (the seed is :data:`flowlift.knobs.SEED`, the same as the upscaler's).
-REFINE_KNOBS = table(STRENGTH, REFINE_STRENGTH, STRENGTH_MAP, STEPS, SEED, SAMPLER, MU, SCHEDULE, HIRES_SCALE)
+REFINE_KNOBS = table(
+    STRENGTH, REFINE_STRENGTH, STRENGTH_MAP, STEPS, SEED, SAMPLER, MU, SCHEDULE, HIRES_SCALE, *TILE_KNOBS
+)
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,11 @@ overlapping tiles: :class:`~flowlift.refine.tiled_velocity.TiledVelocity` runs t
 tile-local position ids and blends the velocities. This module holds what a front-end needs before any weights
 load (``--help`` imports no torch):
 
-* the knobs, declared once: ``tile_size`` (px, ``"auto"`` or ``"off"``; default ``auto``), ``tile_overlap`` (px,
-  default 128), ``tile_batch`` (tiles per transformer call, ``"auto"`` or a count) -- :data:`TILE_KNOBS` with each
-  one's type, domain, default and help, and :func:`parse_tile_size` / :func:`parse_tile_overlap` /
-  :func:`parse_tile_batch`, which accept the knob's value as text or as a Python value;
+* the knobs' checks: ``tile_size`` (px, ``"auto"`` or ``"off"``; default ``auto``), ``tile_overlap`` (px,
+  default 128), ``tile_batch`` (tiles per transformer call, ``"auto"`` or a count) are declared once in
+  :mod:`flowlift.refine.settings` (:data:`~flowlift.refine.settings.TILE_KNOBS`, in ``REFINE_KNOBS``);
+  :func:`parse_tile_size` / :func:`parse_tile_overlap` / :func:`parse_tile_batch` run the knob's check on a value
+  given as text or as a Python value, then the 16-px grid rule;
 * the 4 MP rule (:func:`exceeds_untiled_limit`) and :func:`resolve_tile_size`, what ``auto`` means for a frame;
 * the layout (:func:`tile_starts`, :func:`tile_layout`): tiles of one size, starts on the 16-pixel grid of the
   2x2-patchified latent, spread evenly so that neighbours overlap by at least ``tile_overlap``.
@@ -20,80 +21,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowlift.errors import FlowliftError
-
-#: Tile sides and offsets are multiples of 16 image pixels: 8x VAE, then the transformer's 2x2 patches.
-TILE_MULTIPLE = 16
-#: FLUX.2's specified maximum resolution (BFL: 4 megapixels, e.g. 2048x2048; Klein the same).
-MAX_UNTILED_PIXELS = 2048 * 2048
-#: ``auto``'s tile: 1024 px, the resolution FLUX.2 is trained and most used at (1 MP, 4096 tokens per tile).
-DEFAULT_TILE_SIZE = 1024
-#: ``auto``'s overlap: 128 px = 16 latent pixels = 8 tokens on each shared edge, the width of the crossfade.
-DEFAULT_TILE_OVERLAP = 128
-#: The smallest tile (2x2 tokens) and the most tiles ``tile_batch auto`` puts in one call.
-MIN_TILE_SIZE = 32
-MAX_AUTO_TILE_BATCH = 4
-TILE_SIZE_WORDS = ("auto", "off")
-
-
-@dataclass(frozen=True)
-class Knob:
-    """One user-facing setting: its name, Python type, domain in words, default and help line."""
-
-    name: str
-    type: str
-    domain: str
-    default: Any
-    help: str
-
-
-TILE_KNOBS = (
-    Knob(
-        "tile_size",
-        "int | str",
-        f"auto, off, or pixels: a multiple of {TILE_MULTIPLE}, at least {MIN_TILE_SIZE}",
-        "auto",
-        f"refine in overlapping tiles of this many pixels per side: auto tiles at {DEFAULT_TILE_SIZE} px when the "
-        f"frame exceeds FLUX.2's 4 MP (or --max-memory needs it), off runs one transformer call per step",
-    ),
-    Knob(
-        "tile_overlap",
-        "int",
-        f"pixels: a multiple of {TILE_MULTIPLE}, 0 or more, less than the tile",
-        DEFAULT_TILE_OVERLAP,
-        "how far neighbouring tiles overlap; their velocities crossfade across it",
-    ),
-    Knob(
-        "tile_batch",
-        "int | str",
-        "auto, or a count of 1 or more",
-        "auto",
-        "tiles per transformer call: auto = as many as --max-memory leaves room for (at most "
-        f"{MAX_AUTO_TILE_BATCH}; 1 without a budget)",
-    ),
+from flowlift.refine.settings import (  # noqa: F401  (the constants' home; imported from here by the refiner)
+    DEFAULT_TILE_OVERLAP,
+    DEFAULT_TILE_SIZE,
+    MAX_AUTO_TILE_BATCH,
+    MAX_UNTILED_PIXELS,
+    MIN_TILE_SIZE,
+    TILE_BATCH,
+    TILE_KNOBS,
+    TILE_MULTIPLE,
+    TILE_OVERLAP,
+    TILE_SIZE,
+    TILE_SIZE_WORDS,
 )
 
 
-def _integer(name: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise FlowliftError(f"{name} must be an integer, got {value!r}")
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            raise FlowliftError(f"{name} must be an integer, got {value!r}") from None
-    if isinstance(value, int):
-        return value
-    raise FlowliftError(f"{name} must be an integer, got {value!r}")
-
-
 def parse_tile_size(value: int | str) -> int | str:
-    """``"auto"``, ``"off"``, or a tile side in pixels (a multiple of 16, at least :data:`MIN_TILE_SIZE`)."""
-    if isinstance(value, str) and value.strip().lower() in TILE_SIZE_WORDS:
-        return value.strip().lower()
-    if isinstance(value, str) and not value.strip().lstrip("-").isdigit():
-        raise FlowliftError(f"tile size must be auto, off or a number of pixels, got {value!r}")
-    size = _integer("tile size", value)
-    if size < MIN_TILE_SIZE or size % TILE_MULTIPLE:
+    """``"auto"``, ``"off"``, or a tile side in pixels: :data:`TILE_SIZE`'s check, then a multiple of 16."""
+    size = TILE_SIZE.check(value, "tile size", loose=True)
+    if isinstance(size, int) and size % TILE_MULTIPLE:
         raise FlowliftError(
             f"tile size must be a multiple of {TILE_MULTIPLE} px and at least {MIN_TILE_SIZE}, got {size}"
         )
@@ -101,21 +47,17 @@ def parse_tile_size(value: int | str) -> int | str:
 
 
 def parse_tile_overlap(value: int | str) -> int:
-    """An overlap in pixels: a multiple of 16, 0 or more (less than the tile: :func:`check_overlap`)."""
-    overlap = _integer("tile overlap", value)
-    if overlap < 0 or overlap % TILE_MULTIPLE:
+    """An overlap in pixels: :data:`TILE_OVERLAP`'s check, then a multiple of 16 (less than the tile:
+    :func:`check_overlap`)."""
+    overlap = TILE_OVERLAP.check(value, "tile overlap", loose=True)
+    if overlap % TILE_MULTIPLE:
         raise FlowliftError(f"tile overlap must be a multiple of {TILE_MULTIPLE} px and >= 0, got {overlap}")
     return overlap
 
 
 def parse_tile_batch(value: int | str) -> int | str:
-    """``"auto"`` or the number of tiles per transformer call (1 or more)."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    batch = _integer("tile batch", value)
-    if batch < 1:
-        raise FlowliftError(f"tile batch must be auto or >= 1, got {batch}")
-    return batch
+    """``"auto"`` or the number of tiles per transformer call (1 or more): :data:`TILE_BATCH`'s check."""
+    return TILE_BATCH.check(value, "tile batch", loose=True)
 
 
 def check_overlap(tile: int, overlap: int) -> None:
