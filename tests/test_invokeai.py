@@ -2,9 +2,10 @@
 
 One server per module (tests/invokeai_client.py): a fresh INVOKEAI_ROOT with this repository linked
 as ``nodes/flowlift``, bound to 127.0.0.1 on a free port, stopped at the end (its exit is checked).
-Models are local files: small random Flow Upscalers, the real TAEF2, and a random full-size FLUX.2 VAE
-installed through InvokeAI's model install API. Results are read back (images over HTTP, latents from
-the server's tensor folder) and compared with flowlift's own pipeline on the same inputs.
+Models are local files: small random Flow Upscalers, the real TAEF2, a random full-size FLUX.2 VAE and a
+tiny random FLUX.2 Klein diffusers pipeline (tests/tiny_flux2.py) installed through InvokeAI's model install
+API. Results are read back (images over HTTP, latents from the server's tensor folder) and compared with
+flowlift's own pipeline on the same inputs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from flowlift.models.vae_loading import load_vae
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 from invokeai_client import InvokeAIServer, graph, start_server, stop_server, wait_until_serving
 from invokeai_venv import invokeai_env, invokeai_python
+from tiny_flux2 import write_invokeai_klein_pipeline
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = REPO_ROOT / "example_workflows" / "invokeai"
@@ -57,6 +59,7 @@ FIELDS = {
 TILED_DENOISE_KNOBS = {"strength": "refine_strength", "num_steps": "steps", "seed": "seed", "tile_size": "tile_size",
                        "tile_overlap": "tile_overlap", "tile_batch": "tile_batch"}
 IMAGE_W, IMAGE_H = 48, 32
+KLEIN_W, KLEIN_H = 256, 128  # the tiled refine's frame: 64 px tiles really tile it
 ONE_LEVEL = 1 / 255 + 1e-6  # an 8-bit PNG's rounding
 
 
@@ -75,6 +78,7 @@ def write_models(folder: Path) -> None:
         handle.truncate(300 << 30)
     (folder / ".profile").write_text("# a dotfile of the server user's\nexport TOKEN=secret\n")
     write_random_flux2_vae(folder / "flux2-vae.safetensors")
+    write_invokeai_klein_pipeline(folder / "klein-tiny", qwen3_tokenizer_files())
     # What InvokeAI's model probe identifies as an SD-1 VAE (4 latent channels); the nodes must refuse it
     # from its model config, before anything loads, so its other weights are left out.
     gen = torch.Generator().manual_seed(0)
@@ -83,6 +87,16 @@ def write_models(folder: Path) -> None:
          "decoder.conv_in.weight": torch.randn(8, 4, 3, 3, generator=gen)},
         str(folder / "sd15-vae.safetensors"),
     )  # fmt: skip
+
+
+def qwen3_tokenizer_files() -> Path:
+    """InvokeAI's vendored Qwen3 tokenizer (the real one; its single-file Qwen3 loader uses it offline)."""
+    find = "import importlib.util as u; print(u.find_spec('invokeai').submodule_search_locations[0])"
+    result = subprocess.run([str(invokeai_python()), "-c", find], env=invokeai_env(), capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    folder = Path(result.stdout.strip()) / "backend" / "qwen3" / "tokenizer"
+    assert (folder / "tokenizer.json.gz").is_file(), folder
+    return folder
 
 
 def example_images(shared: Path) -> dict[str, Image.Image]:
@@ -99,6 +113,7 @@ def example_images(shared: Path) -> dict[str, Image.Image]:
         "example_rgba.png": rgba,
         "upscaled.png": Image.fromarray(drifted),
         "wide.png": Image.new("RGB", (2049, 16), (90, 120, 150)),  # 8x of its canvas passes 16384 px
+        "klein.png": source.crop((200, 100, 200 + KLEIN_W, 100 + KLEIN_H)),
     }
 
 
@@ -114,6 +129,7 @@ def server(tmp_path_factory, shared):
         invoke.shared_taef2 = shared / "models" / "taef2"
         invoke.flux2_vae = invoke.install_model(base / "models" / "flux2-vae.safetensors")
         invoke.sd15_vae = invoke.install_model(base / "models" / "sd15-vae.safetensors")
+        invoke.klein = invoke.install_model(base / "models" / "klein-tiny")
         invoke.images = {}
         for name, picture in example_images(shared).items():
             picture.save(base / name)
@@ -347,6 +363,64 @@ def test_latent_and_image_nodes_on_invokeais_flux2_vae_equal_the_pipeline(server
     print(f"image node (FLUX.2 VAE) vs upscale_image: max |diff| = {255 * (got - expected_image).abs().max():.3f}/255")
     assert got.shape == (1, 3, 2 * IMAGE_H, 2 * IMAGE_W)
     assert (got - expected_image).abs().max().item() <= ONE_LEVEL
+
+
+def test_tiled_denoise_runs_on_an_installed_klein_pipeline(server):
+    """Issue 30: a small random FLUX.2 Klein pipeline installs through the model API (InvokeAI's probe takes it as
+    a Klein 4B diffusers main model) and InvokeAI's own Klein graph feeds the Tiled FLUX.2 Denoise node: its
+    model loader's transformer and VAE, its Qwen3 text encoder node's conditioning, its VAE encode and decode.
+    64 px tiles really tile the 256x128 frame; a tile covering the frame is the untiled run bit for bit."""
+    from flowlift.refine.tiling import tile_layout
+
+    klein = server.klein
+    assert (klein["base"], klein["type"], klein["format"], klein["variant"]) == ("flux2", "main", "diffusers",
+                                                                                 "klein_4b")  # fmt: skip
+    model = {k: klein[k] for k in ("key", "hash", "name", "base", "type")}
+    refine = {"type": "flowlift_tiled_flux2_denoise", "strength": 0.6, "num_steps": 2, "seed": 3}
+    nodes = {
+        "loader": {"type": "flux2_klein_model_loader", "model": model, "max_seq_len": 256},
+        "prompt": {"type": "flux2_klein_text_encoder", "prompt": "a parrot on a branch"},
+        "image": {"type": "image", "image": {"image_name": server.images["klein.png"]}},
+        "encode": {"type": "flux2_vae_encode"},
+        "tiled": {**refine, "tile_size": "64", "tile_overlap": 16},
+        "whole": {**refine, "tile_size": str(KLEIN_W)},
+        "off": {**refine, "tile_size": "off"},
+        "decode": {"type": "flux2_vae_decode"},
+    }
+    edges = [("loader", "qwen3_encoder", "prompt", "qwen3_encoder"), ("loader", "max_seq_len", "prompt", "max_seq_len"),
+             ("image", "image", "encode", "image"), ("loader", "vae", "encode", "vae"),
+             ("tiled", "latents", "decode", "latents"), ("loader", "vae", "decode", "vae")]  # fmt: skip
+    for node in ("tiled", "whole", "off"):
+        edges += [("encode", "latents", node, "latents"), ("loader", "transformer", node, "transformer"),
+                  ("prompt", "conditioning", node, "positive_text_conditioning"), ("loader", "vae", node, "vae")]
+    started = time.monotonic()
+    item = server.run(graph(nodes, edges))
+    print(f"Klein tiled refine graph: {time.monotonic() - started:.1f} s")
+
+    encoded = server.tensor(server.output(item, "encode")["latents"]["latents_name"])
+    refined = {node: server.tensor(server.output(item, node)["latents"]["latents_name"])
+               for node in ("tiled", "whole", "off")}  # fmt: skip
+    assert encoded.shape == (1, 32, KLEIN_H // 8, KLEIN_W // 8)
+    for node, latents in refined.items():
+        assert latents.shape == encoded.shape and latents.dtype == torch.float32, node
+        assert torch.isfinite(latents).all(), node
+    assert torch.equal(refined["whole"], refined["off"])
+    tiles_change = (refined["tiled"] - refined["off"]).abs().max().item()
+    print(f"tiled vs untiled: max |diff| = {tiles_change:.3e}")
+    assert tiles_change > 1e-3  # the tiles ran (each tile sees only its own positions and neighbours)
+    assert (refined["off"] - encoded).abs().max().item() > 1e-1  # the refine changed the latents
+
+    picture = server.image(server.output(item, "decode")["image"]["image_name"])
+    assert picture.size == (KLEIN_W, KLEIN_H) and picture.mode == "RGB"
+    assert np.asarray(picture, np.float32).std() > 1.0  # not a constant image
+
+    grid = tile_layout(KLEIN_H, KLEIN_W, 64, 16, 1).record()["grid"]
+    assert grid[0] > 1 and grid[1] > 1, grid
+    what = "flowlift: Tiled FLUX.2 Denoise (flowlift):"
+    assert server.log_lines(f"{what} {KLEIN_W}x{KLEIN_H} px refined in {grid[0]}x{grid[1]} tiles of 64x64 px, "
+                            "overlap 16 px, 1 per call"), server.log_lines(what)  # fmt: skip
+    for asked in (str(KLEIN_W), "off"):
+        assert server.log_lines(f"{what} {KLEIN_W}x{KLEIN_H} px refined untiled (tile size {asked})"), asked
 
 
 def test_bad_inputs_fail_only_their_item_with_one_line(server):

@@ -194,7 +194,7 @@ def test_tiled_denoise_loop_with_the_model_object_invokeai_hands_it():
     # really run, change the result, and are named in the record
     import torch
 
-    from flowlift.invokeai.tiled_refine import tiled_refine_raw_latents
+    from flowlift.invokeai.tiled_refine import tiled_refine_raw_latents, tiling_line
     from flowlift.refine.settings import SamplingSettings
     from flowlift.refine.tiling import TileRequest
     from tiny_flux2 import prompt_embeds, tiny_transformer
@@ -218,3 +218,6 @@ def test_tiled_denoise_loop_with_the_model_object_invokeai_hands_it():
     assert tiled.shape == raw.shape and torch.isfinite(tiled).all()
     assert not torch.allclose(tiled, untiled, atol=1e-4)
     assert not torch.allclose(untiled, raw, atol=1e-2)  # the loop ran: raw in, refined raw out
+    # the node's log line (a LatentsOutput carries no metadata)
+    assert tiling_line((96, 128), record) == "128x96 px refined in 2x3 tiles of 64x64 px, overlap 32 px, 1 per call"
+    assert tiling_line((96, 128), whole_record) == "128x96 px refined untiled (tile size 128)"

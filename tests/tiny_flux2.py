@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -10,7 +12,7 @@ import torch
 TEXT_DIM = 32
 
 
-def tiny_transformer(*, guidance_embeds: bool = False, seed: int = 0):
+def tiny_transformer(*, guidance_embeds: bool = False, seed: int = 0, text_dim: int = TEXT_DIM):
     """A 1+1-layer ``Flux2Transformer2DModel`` (2 heads of 16, rope axes 4x4) with random weights."""
     from diffusers import Flux2Transformer2DModel
 
@@ -22,7 +24,7 @@ def tiny_transformer(*, guidance_embeds: bool = False, seed: int = 0):
         num_single_layers=1,
         attention_head_dim=16,
         num_attention_heads=2,
-        joint_attention_dim=TEXT_DIM,
+        joint_attention_dim=text_dim,
         timestep_guidance_channels=32,
         axes_dims_rope=(4, 4, 4, 4),
         guidance_embeds=guidance_embeds,
@@ -117,4 +119,44 @@ def write_model_dir(root: Path) -> Path:
     tiny_transformer().save_pretrained(root / "transformer")
     tiny_vae().save_pretrained(root / "vae")
     (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline"}))
+    return root
+
+
+#: The tiny Qwen3 encoder's width: the Klein text encoder node stacks three of its hidden states, so the
+#: transformer's context is 3x this wide.
+QWEN3_WIDTH = 16
+QWEN3_VOCAB = 151936  # Qwen3's vocabulary: the real tokenizer's ids (chat-template tokens near 151 650) index it
+
+
+def write_invokeai_klein_pipeline(root: Path, qwen3_tokenizer: Path) -> Path:
+    """A complete FLUX.2 Klein diffusers pipeline at ``root``, small and random, as InvokeAI 6.14.2 installs one
+    (``Main_Diffusers_Flux2_Config``: model_index.json naming ``Flux2KleinPipeline``) and its Klein model loader
+    splits it: transformer/ (context 3 x :data:`QWEN3_WIDTH`), text_encoder/ (a 2-layer ``Qwen3ForCausalLM``;
+    the Klein text encoder node's layers 9, 18, 27 clamp to its last), tokenizer/ (the real Qwen3 tokenizer:
+    ``qwen3_tokenizer`` is InvokeAI's vendored copy, tokenizer.json gzipped), vae/ and scheduler/."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tiny_transformer(text_dim=3 * QWEN3_WIDTH, seed=4).save_pretrained(root / "transformer")
+    tiny_vae(seed=5).save_pretrained(root / "vae")
+    torch.manual_seed(6)
+    encoder = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=QWEN3_VOCAB, hidden_size=QWEN3_WIDTH, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    ))  # fmt: skip
+    encoder.save_pretrained(root / "text_encoder")
+    FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True).save_pretrained(root / "scheduler")
+    (root / "tokenizer").mkdir()
+    with gzip.open(qwen3_tokenizer / "tokenizer.json.gz", "rb") as packed:
+        (root / "tokenizer" / "tokenizer.json").write_bytes(packed.read())
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(qwen3_tokenizer / name, root / "tokenizer" / name)
+    index = {
+        "_class_name": "Flux2KleinPipeline", "_diffusers_version": "0.40.0", "is_distilled": True,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen3ForCausalLM"], "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+        "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"],
+    }  # fmt: skip
+    (root / "model_index.json").write_text(json.dumps(index, indent=2))
     return root

@@ -45,7 +45,7 @@ from flowlift.invokeai.models import (
     on_device,
 )
 from flowlift.invokeai.progress import NodeProgress
-from flowlift.invokeai.tiled_refine import tiled_refine_raw_latents
+from flowlift.invokeai.tiled_refine import tiled_refine_raw_latents, tiling_line
 from flowlift.knobs import SEED, Knob
 from flowlift.models.vae import TAEF2VAE
 from flowlift.models.vae_loading import TAEF2_REPO
@@ -317,10 +317,12 @@ class TiledFlux2DenoiseInvocation(BaseInvocation):
             def on_step(*_: Any) -> None:
                 progress.stage("refine step")
 
-            refined, _record = tiled_refine_raw_latents(
+            refined, record = tiled_refine_raw_latents(
                 transformer, raw, vae.bn_mean, vae.bn_std, embeds, strength=self.strength, sampling=sampling,
                 tiles=tiles, device=device, on_step=on_step,
             )  # fmt: skip
+        frame = (raw.shape[2] * VAE_SCALE_FACTOR, raw.shape[3] * VAE_SCALE_FACTOR)
+        context.logger.info(f"flowlift: {what}: {tiling_line(frame, record)}")
         refined = refined.to("cpu")
         name = context.tensors.save(tensor=refined)
         return LatentsOutput.build(latents_name=name, latents=refined, seed=self.seed)

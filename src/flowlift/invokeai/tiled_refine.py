@@ -6,7 +6,8 @@ the VAE's *raw* latents with the VAE's BatchNorm statistics. :func:`tiled_refine
 as ``flowlift img2img``: :class:`~flowlift.flux2.denoiser.Flux2Denoiser` over the transformer, tiled by
 :func:`~flowlift.refine.tiled_velocity.tiled_for_frame` (:class:`~flowlift.refine.tiled_velocity.TiledVelocity`),
 sampled by :func:`~flowlift.refine.loop.refine_latents` (only the init latents are normalized, never the noise
-blend), and returns raw latents again, as InvokeAI's FLUX.2 nodes pass them.
+blend), and returns raw latents again, as InvokeAI's FLUX.2 nodes pass them. :func:`tiling_line` words the
+tiling record for InvokeAI's log (a ``LatentsOutput`` has no metadata to carry it).
 """
 
 from __future__ import annotations
@@ -61,3 +62,17 @@ def tiled_refine_raw_latents(
         **({} if sampling.schedule is None else {"schedule": sampling.schedule}),
     )
     return denormalize(result.latents, bn_mean.to(device), bn_std.to(device)), record
+
+
+def tiling_line(frame: tuple[int, int], record: dict[str, Any]) -> str:
+    """The tiling ``record`` of a refine of a ``frame`` (h, w px) in one log line: the grid (rows x columns), the
+    tile (w x h px), the overlap and tiles per call, or that the frame ran in one transformer call."""
+    height, width = frame
+    tiles = record.get("tiles")
+    if tiles is None:
+        return f"{width}x{height} px refined untiled (tile size {record['tile_size']})"
+    (rows, cols), (tile_h, tile_w) = tiles["grid"], tiles["size"]
+    return (
+        f"{width}x{height} px refined in {rows}x{cols} tiles of {tile_w}x{tile_h} px, overlap {tiles['overlap']} px, "
+        f"{tiles['batch']} per call"
+    )
