@@ -31,9 +31,10 @@ from flowlift.models.upscaler_weights import load_upscaler, save_upscaler
 from flowlift.models.vae import Flux2VAE
 from flowlift.models.vae_loading import load_vae
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
+from flux2_files import write_single_file
 from invokeai_client import InvokeAIServer, graph, start_server, stop_server, wait_until_serving
 from invokeai_venv import invokeai_env, invokeai_python
-from tiny_flux2 import write_invokeai_klein_pipeline
+from tiny_flux2 import QWEN3_WIDTH, write_invokeai_klein_pipeline
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = REPO_ROOT / "example_workflows" / "invokeai"
@@ -79,6 +80,14 @@ def write_models(folder: Path) -> None:
     (folder / ".profile").write_text("# a dotfile of the server user's\nexport TOKEN=secret\n")
     write_random_flux2_vae(folder / "flux2-vae.safetensors")
     write_invokeai_klein_pipeline(folder / "klein-tiny", qwen3_tokenizer_files())
+    # A Klein transformer as one BFL-named file (how Klein 4B/9B ship): InvokeAI's checkpoint loader rebuilds it
+    # with 128-wide heads and diffusers' other defaults (rope axes 32x4, 256 timestep channels), so it has those.
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(12)
+    single = Flux2Transformer2DModel(num_layers=1, num_single_layers=1, attention_head_dim=128, num_attention_heads=1,
+                                     joint_attention_dim=3 * QWEN3_WIDTH, guidance_embeds=False)  # fmt: skip
+    write_single_file(single, folder / "klein-tiny-transformer.safetensors")
     # What InvokeAI's model probe identifies as an SD-1 VAE (4 latent channels); the nodes must refuse it
     # from its model config, before anything loads, so its other weights are left out.
     gen = torch.Generator().manual_seed(0)
@@ -130,6 +139,7 @@ def server(tmp_path_factory, shared):
         invoke.flux2_vae = invoke.install_model(base / "models" / "flux2-vae.safetensors")
         invoke.sd15_vae = invoke.install_model(base / "models" / "sd15-vae.safetensors")
         invoke.klein = invoke.install_model(base / "models" / "klein-tiny")
+        invoke.klein_file = invoke.install_model(base / "models" / "klein-tiny-transformer.safetensors")
         invoke.images = {}
         for name, picture in example_images(shared).items():
             picture.save(base / name)
@@ -365,17 +375,19 @@ def test_latent_and_image_nodes_on_invokeais_flux2_vae_equal_the_pipeline(server
     assert (got - expected_image).abs().max().item() <= ONE_LEVEL
 
 
-def test_tiled_denoise_runs_on_an_installed_klein_pipeline(server):
+def test_tiled_denoise_runs_on_installed_klein_models(server):
     """Issue 30: a small random FLUX.2 Klein pipeline installs through the model API (InvokeAI's probe takes it as
     a Klein 4B diffusers main model) and InvokeAI's own Klein graph feeds the Tiled FLUX.2 Denoise node: its
     model loader's transformer and VAE, its Qwen3 text encoder node's conditioning, its VAE encode and decode.
-    64 px tiles really tile the 256x128 frame; a tile covering the frame is the untiled run bit for bit."""
+    64 px tiles really tile the 256x128 frame; a tile covering the frame is the untiled run bit for bit. A Klein
+    transformer as one file (a Klein 4B checkpoint to the probe) runs too, with the pipeline as its Qwen3 source."""
     from flowlift.refine.tiling import tile_layout
 
-    klein = server.klein
-    assert (klein["base"], klein["type"], klein["format"], klein["variant"]) == ("flux2", "main", "diffusers",
-                                                                                 "klein_4b")  # fmt: skip
-    model = {k: klein[k] for k in ("key", "hash", "name", "base", "type")}
+    identity = ("base", "type", "format", "variant")
+    assert [server.klein[k] for k in identity] == ["flux2", "main", "diffusers", "klein_4b"]
+    assert [server.klein_file[k] for k in identity] == ["flux2", "main", "checkpoint", "klein_4b"]
+    model, model_file = ({k: config[k] for k in ("key", "hash", "name", "base", "type")}
+                         for config in (server.klein, server.klein_file))  # fmt: skip
     refine = {"type": "flowlift_tiled_flux2_denoise", "strength": 0.6, "num_steps": 2, "seed": 3}
     nodes = {
         "loader": {"type": "flux2_klein_model_loader", "model": model, "max_seq_len": 256},
@@ -385,21 +397,23 @@ def test_tiled_denoise_runs_on_an_installed_klein_pipeline(server):
         "tiled": {**refine, "tile_size": "64", "tile_overlap": 16},
         "whole": {**refine, "tile_size": str(KLEIN_W)},
         "off": {**refine, "tile_size": "off"},
+        "file_loader": {"type": "flux2_klein_model_loader", "model": model_file, "qwen3_source_model": model},
+        "file_tiled": {**refine, "tile_size": "64", "tile_overlap": 16},
         "decode": {"type": "flux2_vae_decode"},
     }
     edges = [("loader", "qwen3_encoder", "prompt", "qwen3_encoder"), ("loader", "max_seq_len", "prompt", "max_seq_len"),
              ("image", "image", "encode", "image"), ("loader", "vae", "encode", "vae"),
              ("tiled", "latents", "decode", "latents"), ("loader", "vae", "decode", "vae")]  # fmt: skip
-    for node in ("tiled", "whole", "off"):
-        edges += [("encode", "latents", node, "latents"), ("loader", "transformer", node, "transformer"),
-                  ("prompt", "conditioning", node, "positive_text_conditioning"), ("loader", "vae", node, "vae")]
+    for node, loader in (("tiled", "loader"), ("whole", "loader"), ("off", "loader"), ("file_tiled", "file_loader")):
+        edges += [("encode", "latents", node, "latents"), (loader, "transformer", node, "transformer"),
+                  ("prompt", "conditioning", node, "positive_text_conditioning"), (loader, "vae", node, "vae")]
     started = time.monotonic()
     item = server.run(graph(nodes, edges))
     print(f"Klein tiled refine graph: {time.monotonic() - started:.1f} s")
 
     encoded = server.tensor(server.output(item, "encode")["latents"]["latents_name"])
     refined = {node: server.tensor(server.output(item, node)["latents"]["latents_name"])
-               for node in ("tiled", "whole", "off")}  # fmt: skip
+               for node in ("tiled", "whole", "off", "file_tiled")}  # fmt: skip
     assert encoded.shape == (1, 32, KLEIN_H // 8, KLEIN_W // 8)
     for node, latents in refined.items():
         assert latents.shape == encoded.shape and latents.dtype == torch.float32, node
@@ -408,7 +422,8 @@ def test_tiled_denoise_runs_on_an_installed_klein_pipeline(server):
     tiles_change = (refined["tiled"] - refined["off"]).abs().max().item()
     print(f"tiled vs untiled: max |diff| = {tiles_change:.3e}")
     assert tiles_change > 1e-3  # the tiles ran (each tile sees only its own positions and neighbours)
-    assert (refined["off"] - encoded).abs().max().item() > 1e-1  # the refine changed the latents
+    for node in ("off", "file_tiled"):
+        assert (refined[node] - encoded).abs().max().item() > 1e-1, node  # the refine changed the latents
 
     picture = server.image(server.output(item, "decode")["image"]["image_name"])
     assert picture.size == (KLEIN_W, KLEIN_H) and picture.mode == "RGB"
@@ -417,8 +432,9 @@ def test_tiled_denoise_runs_on_an_installed_klein_pipeline(server):
     grid = tile_layout(KLEIN_H, KLEIN_W, 64, 16, 1).record()["grid"]
     assert grid[0] > 1 and grid[1] > 1, grid
     what = "flowlift: Tiled FLUX.2 Denoise (flowlift):"
-    assert server.log_lines(f"{what} {KLEIN_W}x{KLEIN_H} px refined in {grid[0]}x{grid[1]} tiles of 64x64 px, "
-                            "overlap 16 px, 1 per call"), server.log_lines(what)  # fmt: skip
+    tiled_lines = server.log_lines(f"{what} {KLEIN_W}x{KLEIN_H} px refined in {grid[0]}x{grid[1]} tiles of "
+                                   "64x64 px, overlap 16 px, 1 per call")  # fmt: skip
+    assert len(tiled_lines) == 2, server.log_lines(what)  # the pipeline's transformer and the file's
     for asked in (str(KLEIN_W), "off"):
         assert server.log_lines(f"{what} {KLEIN_W}x{KLEIN_H} px refined untiled (tile size {asked})"), asked
 
