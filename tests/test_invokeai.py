@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from comfy_server import random_upscaler, write_random_flux2_vae
 from flowlift.flux2.latents import bn_std as bn_std_of
@@ -375,7 +375,7 @@ def test_latent_and_image_nodes_on_invokeais_flux2_vae_equal_the_pipeline(server
     assert (got - expected_image).abs().max().item() <= ONE_LEVEL
 
 
-def test_tiled_denoise_runs_on_installed_klein_models(server):
+def test_tiled_denoise_runs_on_installed_klein_models(server, shared, tmp_path):
     """Issue 30: a small random FLUX.2 Klein pipeline installs through the model API (InvokeAI's probe takes it as
     a Klein 4B diffusers main model) and InvokeAI's own Klein graph feeds the Tiled FLUX.2 Denoise node: its
     model loader's transformer and VAE, its Qwen3 text encoder node's conditioning, its VAE encode and decode.
@@ -424,6 +424,22 @@ def test_tiled_denoise_runs_on_installed_klein_models(server):
     assert tiles_change > 1e-3  # the tiles ran (each tile sees only its own positions and neighbours)
     for node in ("off", "file_tiled"):
         assert (refined[node] - encoded).abs().max().item() > 1e-1, node  # the refine changed the latents
+
+    # the node equals flowlift's own loop on what the server held: the pipeline's weights as InvokeAI loads them,
+    # the Qwen3 conditioning its text encoder node stored, the latents its VAE encode made
+    (conditioning,) = (server.root / "outputs" / "conditioning").glob(
+        "tmp*/" + server.output(item, "prompt")["conditioning"]["conditioning_name"])  # fmt: skip
+    (latents_file,) = (server.root / "outputs" / "tensors").glob(
+        "tmp*/" + server.output(item, "encode")["latents"]["latents_name"])  # fmt: skip
+    reference = tmp_path / "reference.safetensors"
+    env = invokeai_env(PYTHONPATH=os.pathsep.join([str(shared / "comfyui-cpu-shim"), str(REPO_ROOT / "src")]))
+    command = [str(invokeai_python()), str(REPO_ROOT / "tests" / "invokeai_klein_reference.py"),
+               str(server.models / "klein-tiny"), str(conditioning), str(latents_file), str(reference), "64", "16"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = load_file(str(reference))["latents"]
+    print(f"tiled node vs tiled_refine_raw_latents: max |diff| = {(refined['tiled'] - expected).abs().max():.2e}")
+    torch.testing.assert_close(refined["tiled"], expected, rtol=0, atol=1e-4)
 
     picture = server.image(server.output(item, "decode")["image"]["image_name"])
     assert picture.size == (KLEIN_W, KLEIN_H) and picture.mode == "RGB"
