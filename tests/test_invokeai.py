@@ -380,7 +380,8 @@ def test_tiled_denoise_runs_on_installed_klein_models(server, shared, tmp_path):
     a Klein 4B diffusers main model) and InvokeAI's own Klein graph feeds the Tiled FLUX.2 Denoise node: its
     model loader's transformer and VAE, its Qwen3 text encoder node's conditioning, its VAE encode and decode.
     64 px tiles really tile the 256x128 frame; a tile covering the frame is the untiled run bit for bit. A Klein
-    transformer as one file (a Klein 4B checkpoint to the probe) runs too, with the pipeline as its Qwen3 source."""
+    transformer as one file (a Klein 4B checkpoint to the probe) runs too, with the pipeline as its Qwen3 source.
+    The tiled result equals flowlift's own loop on the weights, conditioning and latents the server held."""
     from flowlift.refine.tiling import tile_layout
 
     identity = ("base", "type", "format", "variant")
