@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from flowlift.refine.settings import DEFAULT_TILE_SIZE, TILE_OVERLAP
 
 #: The FLUX.2 pipelines pad prompts to 512 tokens; smaller runs may pass fewer (``--text-tokens``).
 TEXT_TOKENS = 512
@@ -111,9 +114,10 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256, help="CPU model width (heads of 128; default 256)")
     parser.add_argument("--sizes", type=_sizes, default=[1024, 2048, 4096], help="untiled and tiled rows (px)")
     parser.add_argument("--tiled-sizes", type=_sizes, default=[8192], help="tiled-only rows (px)")
-    parser.add_argument("--tile-size", type=int, default=1024)
-    parser.add_argument("--tile-overlap", type=int, default=128)
-    parser.add_argument("--tile-batch", type=int, default=1)
+    parser.add_argument("--tile-size", type=int, default=DEFAULT_TILE_SIZE, help=f"default {DEFAULT_TILE_SIZE}")
+    overlap = TILE_OVERLAP.default
+    parser.add_argument("--tile-overlap", type=int, default=overlap, help=f"default {overlap}")
+    parser.add_argument("--tile-batch", type=int, default=1, help="default 1 (the CLI's auto without a budget)")
     parser.add_argument("--text-tokens", type=int, default=TEXT_TOKENS, help=f"default {TEXT_TOKENS}")
     parser.add_argument("--one", nargs=2, type=int, metavar=("SIDE", "TILE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -144,6 +148,8 @@ def main() -> None:
         r = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"| {side}² | {how} | {r['tiles']} | {r['tokens']} + {args.text_tokens} | {r['seconds']:.2f} | "
               f"{r['seconds'] / r['tiles']:.2f} | {r['peak'] / 2**20:.0f} |", flush=True)  # fmt: skip
+    if args.device == "cpu":
+        print("load average after the run (1, 5, 15 min): " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
 
 
 if __name__ == "__main__":
