@@ -6,7 +6,7 @@ each in its own process so allocator reuse cannot hide a peak:
 
 * ``--device cpu`` (default): a wide-but-shallow model (1 double + 1 single block, heads of 128, ``--width``),
   float32; the peak is the resident-memory growth of the call (Linux ``VmHWM`` after resetting it through
-  ``/proc/self/clear_refs``), weights excluded, the frame's latents included;
+  ``/proc/self/clear_refs``), weights and the input latents (made before) excluded, the output frame included;
 * ``--device cuda``: a random transformer of FLUX.2 Klein 4B's size (width 3072, 5 + 20 blocks) in bfloat16; the peak
   is ``torch.cuda.max_memory_allocated`` above what was allocated before the call (weights excluded). Without a
   CUDA device its rows say "not measured yet".
@@ -15,7 +15,7 @@ The time is the wall time of the call (one step; a refine runs ``--steps`` of th
 the tiled peak flat in the frame size apart from the latent buffers, the tiled time linear in the tile count, the
 untiled peak and time growing with the tokens (time with their square, from attention)::
 
-    PYTHONPATH=src python benchmarks/bench_tiled_refine.py                       # 1024-4096 px, 8192 tiled
+    PYTHONPATH=src python benchmarks/bench_tiled_refine.py         # 1024-4096 px, 8192 tiled; tiles 1024/128 px
     PYTHONPATH=src python benchmarks/bench_tiled_refine.py --sizes 512,1024,2048 --tiled-sizes 4096 \\
         --tile-size 512 --tile-overlap 64 --text-tokens 64                        # minutes on 2 loaded cores
     PYTHONPATH=src python benchmarks/bench_tiled_refine.py --device cuda          # the GPU rows
