@@ -7,16 +7,21 @@ once, and the command runs as a user runs it, in a fresh process, with the real 
 decode, both colour stages, writing the PNG), its CPU time (user + system, which a busy machine inflates
 far less than the wall time) and the load average while it ran.
 
-``--baseline REV`` runs the same command from revision REV (its ``src/`` exported with ``git archive``)
-and ``--baseline-dtype DTYPE`` this tree with ``--dtype DTYPE``, alternating with this tree's default, so a
-loaded machine slows every variant alike; the ratios of the medians are the result, and every output is
-compared with the first variant's pixels (max difference in 1/255 steps). ``--breakdown`` runs each
-command in-process in a fresh interpreter with timers around each stage (imports, loading, encode, each
-UNet pass, stage 1, decode, stage 2, the PNG) and prints where the time goes.
+``--baseline REV`` runs the same command from revision REV (its ``src/`` exported with ``git archive``),
+``--baseline-dtype DTYPE`` this tree with ``--dtype DTYPE`` and ``--baseline-env VAR=VALUE`` this tree with
+one more environment variable (e.g. ``FLOWLIFT_REUSE_FREED_MEMORY=0``: glibc's own allocation policy),
+alternating with this tree's default, so a loaded machine slows every variant alike; the ratios of the
+medians are the result, and every output is compared with the first variant's pixels (max difference in
+1/255 steps). ``--breakdown`` runs each command in-process in a fresh interpreter with timers around each
+stage (imports, loading, encode, each UNet pass, stage 1, decode, stage 2, the PNG) and prints where the
+time goes.
 
     PYTHONPATH=src python benchmarks/bench_first_run.py [--device cpu] [--repeats 1]
     PYTHONPATH=src python benchmarks/bench_first_run.py --baseline ade227f --baseline-dtype float32 \
         --repeats 3 --breakdown
+    PYTHONPATH=src python benchmarks/bench_first_run.py --baseline-env FLOWLIFT_REUSE_FREED_MEMORY=0 --repeats 2
+
+The system time (the kernel's share of the CPU time: page faults, zeroing fresh pages) is printed beside it.
 """
 
 from __future__ import annotations
@@ -102,7 +107,8 @@ def breakdown_child(argv: list[str]) -> None:
     image_outputs.save_image_atomic = _timed(table, "PNG writing", image_outputs.save_image_atomic)
     outputs.read_source = _timed(table, "reading the input", outputs.read_source)
     start = time.perf_counter()
-    code = cli.main(argv)
+    sys.argv = ["flowlift", *argv]
+    code = cli.main()  # as the command line calls it: the process is the command's own
     table["command total"] = [time.perf_counter() - start]
     table["threads"] = [float(torch.get_num_threads())]
     print("BREAKDOWN " + json.dumps(table))
@@ -112,10 +118,12 @@ def breakdown_child(argv: list[str]) -> None:
 # -- the parent -----------------------------------------------------------------------------------------
 
 
-def run_variant(name: str, src: Path, extra: list[str], args, image: Path, weights: Path, out: Path) -> dict:
+def run_variant(
+    name: str, src: Path, extra: list[str], env_extra: dict, args, image: Path, weights: Path, out: Path
+) -> dict:
     command = ["upscale", str(image), "--scale", "4", "--vae", str(Path(args.shared) / "models" / "taef2"),
                "--upscaler", str(weights), "--device", args.device, "-o", str(out), "--overwrite", *extra]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, **env_extra, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
     if args.breakdown:
         argv = [sys.executable, str(Path(__file__).resolve()), "--child", *command]
     else:
@@ -126,16 +134,17 @@ def run_variant(name: str, src: Path, extra: list[str], args, image: Path, weigh
     run = subprocess.run(argv, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
+    system = cpu_after.ru_stime - cpu_before.ru_stime
+    cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + system
     if run.returncode != 0:
         sys.exit(f"{name} failed ({run.returncode}): {run.stderr.strip()}")
     stages = {}
     for line in run.stdout.splitlines():
         if line.startswith("BREAKDOWN "):
             stages = json.loads(line.removeprefix("BREAKDOWN "))
-    print(f"  {name}: {wall:.1f} s wall, {cpu:.1f} s CPU, load {load_before:.1f} -> {os.getloadavg()[0]:.1f}",
-          flush=True)  # fmt: skip
-    return {"wall": wall, "cpu": cpu, "stages": stages}
+    print(f"  {name}: {wall:.1f} s wall, {cpu:.1f} s CPU (of which system {system:.1f} s), "
+          f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    return {"wall": wall, "cpu": cpu, "system": system, "stages": stages}
 
 
 def pixel_difference(a: Path, b: Path) -> int:
@@ -178,6 +187,7 @@ def main() -> None:
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / f"flowlift-first-run-{os.getuid()}"))
     parser.add_argument("--baseline", help="also run this git revision (e.g. ade227f), alternating")
     parser.add_argument("--baseline-dtype", help="also run this tree with --dtype DTYPE (e.g. float32), alternating")
+    parser.add_argument("--baseline-env", metavar="VAR=VALUE", help="also run this tree with VAR=VALUE, alternating")
     parser.add_argument("--dtype", help="this tree's --dtype (default: the command's own default)")
     parser.add_argument("--breakdown", action="store_true", help="time each stage in-process")
     args = parser.parse_args()
@@ -187,11 +197,14 @@ def main() -> None:
     weights = random_checkpoint(work)
     image = shared / "images" / "kodak" / "kodim23.png"
     variants = {"this tree" + (f" --dtype {args.dtype}" if args.dtype else ""):
-                (SRC, ["--dtype", args.dtype] if args.dtype else [])}  # fmt: skip
+                (SRC, ["--dtype", args.dtype] if args.dtype else [], {})}  # fmt: skip
     if args.baseline_dtype:
-        variants[f"this tree --dtype {args.baseline_dtype}"] = (SRC, ["--dtype", args.baseline_dtype])
+        variants[f"this tree --dtype {args.baseline_dtype}"] = (SRC, ["--dtype", args.baseline_dtype], {})
+    if args.baseline_env:
+        var, _, value = args.baseline_env.partition("=")
+        variants[f"this tree with {var}={value}"] = (SRC, [], {var: value})
     if args.baseline:
-        variants[f"revision {args.baseline}"] = (exported_source(args.baseline, work), [])
+        variants[f"revision {args.baseline}"] = (exported_source(args.baseline, work), [], {})
     cpu_model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                      "unknown CPU")  # fmt: skip
     print(f"first command, kodim23 768x512 -> 3072x2048, random full-size UNet + TAEF2, {args.device}, "
@@ -200,14 +213,16 @@ def main() -> None:
     for repeat in range(args.repeats):
         order = list(variants) if repeat % 2 == 0 else list(reversed(variants))  # alternate who goes first
         for name in order:
-            src, extra = variants[name]
+            src, extra, env_extra = variants[name]
             out = work / f"out-{list(variants).index(name)}.png"
-            results[name].append(run_variant(name, src, extra, args, image, weights, out))
+            results[name].append(run_variant(name, src, extra, env_extra, args, image, weights, out))
     first = list(variants)[0]
     for index, name in enumerate(variants):
         walls = [r["wall"] for r in results[name]]
         cpus = [r["cpu"] for r in results[name]]
-        line = f"{name}: median {statistics.median(walls):.1f} s wall, {statistics.median(cpus):.1f} s CPU"
+        system = statistics.median(r["system"] for r in results[name])
+        line = (f"{name}: median {statistics.median(walls):.1f} s wall, {statistics.median(cpus):.1f} s CPU "
+                f"({system:.1f} s system)")  # fmt: skip
         if index:
             ratio = statistics.median(walls) / statistics.median([r["wall"] for r in results[first]])
             cpu_ratio = statistics.median(cpus) / statistics.median([r["cpu"] for r in results[first]])

@@ -128,3 +128,42 @@ def resolve_device_dtype(
             stacklevel=2,
         )
     return dev, dt
+
+
+#: glibc ``mallopt`` parameters (``<malloc.h>``).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+#: ``FLOWLIFT_REUSE_FREED_MEMORY=0`` keeps the C library's own allocation policy in every command.
+REUSE_FREED_MEMORY_ENV = "FLOWLIFT_REUSE_FREED_MEMORY"
+
+
+def reuse_freed_memory() -> bool:
+    """Keep memory the process frees for its next allocations instead of handing it back; True if set.
+
+    PyTorch's CPU tensors come straight from ``malloc``, and glibc serves every block above its mmap
+    threshold (at most 32 MiB) with a fresh ``mmap`` and returns it with ``munmap`` on free. A model's
+    activations are such blocks, so every layer of every pass faults in and zeroes new pages: on the
+    first command that is a sixth of its wall time spent in the kernel (``benchmarks/bench_first_run.py
+    --heap``, docs/cpu.md). With ``M_MMAP_MAX = 0`` every block comes from the heap, and with an
+    unbounded ``M_TRIM_THRESHOLD`` freed blocks stay there for the next layer, already faulted in. The
+    price is a higher resident peak (freed blocks are kept, and the heap fragments), so this is for
+    one-shot commands without a memory cap, never a long-running server (``app.memory`` does the
+    opposite there). Process-wide and irreversible; a no-op returning False outside glibc and when
+    :data:`REUSE_FREED_MEMORY_ENV` is ``0``.
+    """
+    if os.environ.get(REUSE_FREED_MEMORY_ENV, "1") == "0":
+        return False
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    # mallopt answers 1 on success; the trim threshold is an int, so "unbounded" is its largest value.
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))

@@ -12,6 +12,8 @@ import argparse
 from flowlift.commands._options import add_device_options
 
 NAME = "app"
+#: A server: its allocator keeps glibc's policy (and gives freed memory back after each request).
+LONG_RUNNING = True
 HELP = "serve a local web page (Gradio) for upscaling, batches and, with --model, refining"
 EXAMPLES = """examples:
   flowlift app                                   # http://127.0.0.1:7860, upscaling with the released weights

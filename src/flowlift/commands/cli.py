@@ -3,7 +3,9 @@
 Subcommands live beside this module in :mod:`flowlift.commands` (one module each) and are discovered
 at start-up.
 User errors (:class:`flowlift.errors.FlowliftError`) print one line and exit with status 2; SIGINT and
-SIGTERM stop any command with status 130.
+SIGTERM stop any command with status 130. Run as the process's own command line (``argv`` not given),
+a one-shot command without ``--max-memory`` keeps freed memory for reuse
+(:func:`flowlift.devices.reuse_freed_memory`); an in-process caller's allocator is left alone.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from contextlib import contextmanager
 
 from flowlift.commands._options import HelpFormatter
 from flowlift.console import add_console_options, format_warnings, quiet_libraries
+from flowlift.devices import reuse_freed_memory
 from flowlift.errors import FlowliftError
 from flowlift.version import __version__
 
@@ -53,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(sub)
         if not getattr(module, "NESTED_COMMANDS", False):  # nested ones add them to each of their own
             add_console_options(sub)
-        sub.set_defaults(_run=module.run)
+        sub.set_defaults(_run=module.run, _long_running=getattr(module, "LONG_RUNNING", False))
     return parser
 
 
@@ -110,10 +113,13 @@ def _one_line_warnings(command: str):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    owns_process = argv is None
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 0
+    if owns_process and not args._long_running and getattr(args, "max_memory", None) is None:
+        reuse_freed_memory()
     quiet_libraries(bool(getattr(args, "verbose", False)))
     format_warnings(args.command)
     try:
