@@ -2,13 +2,13 @@
 
 Subcommands live beside this module in :mod:`flowlift.commands` (one module each) and are discovered
 at start-up.
-User errors (:class:`flowlift.errors.FlowliftError`) print one line and exit with status 2; SIGINT and
-SIGTERM stop any command with status 130.
+User errors (:class:`flowlift.errors.FlowliftError`, and bad arguments through
+:class:`~flowlift.commands._options.OneLineParser`) print one line and exit with status 2; SIGINT and SIGTERM
+stop any command with status 130.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import pkgutil
@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from flowlift.commands._options import HelpFormatter
+from flowlift.commands._options import HelpFormatter, OneLineParser
 from flowlift.console import add_console_options, format_warnings, quiet_libraries
 from flowlift.errors import FlowliftError
 from flowlift.version import __version__
@@ -34,14 +34,14 @@ def _command_modules() -> list:
     return [importlib.import_module(f"flowlift.commands.{name}") for name in names]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(
         prog="flowlift",
         description="FLUX.2 latent-space image work: upscale, refine, measure, train.",
         epilog="run `flowlift COMMAND --help` for a command's options and examples",
     )
     parser.add_argument("--version", action="version", version=f"flowlift {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for module in _command_modules():
         sub = subparsers.add_parser(
             module.NAME,

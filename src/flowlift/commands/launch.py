@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
                             "photos/ -o out/")  # fmt: skip
     if command[0] in NOT_LAUNCHED:
         raise FlowliftError(f"`flowlift {command[0]}` does not run under a launcher")
-    build_parser().parse_args(command)  # a mistyped option: argparse's usage and exit 2 here, before any rank starts
+    build_parser().parse_args(command)  # a mistyped option: one error line and exit 2 here, before any rank starts
     return launch(run_worker, command, _forwarded(args), command=f"flowlift {NAME}", quiet=not args.verbose)
 
 
