@@ -57,6 +57,16 @@ def build_parser() -> OneLineParser:
     return parser
 
 
+#: The signal (SIGINT or SIGTERM) that last interrupted a command in this process, or None.
+_interrupted_by: int | None = None
+
+
+def interrupted_by() -> int | None:
+    """The signal number that last interrupted a command in this process (``None``: none did). A rank of
+    ``flowlift launch`` exits with 128 + it, so that the launcher can name the signal that stopped it."""
+    return _interrupted_by
+
+
 @contextmanager
 def _signals_interrupt():
     """SIGINT and SIGTERM raise KeyboardInterrupt in the main thread for the whole command, then the
@@ -74,10 +84,12 @@ def _signals_interrupt():
         return
 
     def interrupt(signum, frame):
+        global _interrupted_by
+        _interrupted_by = signum
         raise KeyboardInterrupt
 
     previous = {
-        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+        signal.SIGINT: signal.signal(signal.SIGINT, interrupt),
         signal.SIGTERM: signal.signal(signal.SIGTERM, interrupt),
     }
     try:
