@@ -35,7 +35,7 @@ TORCHRUN_OPTIONS = (
     (("--rdzv-id",), "ID", "job id, the same on every machine (default: a fresh one)"),
     (("--rdzv-conf",), "K=V,...", "rendezvous settings, e.g. join_timeout=600 (default: torchrun's)"),
     (("--max-restarts", "--max_restarts"), "N",
-     "restarts of the whole group after a crash (never for failed images; default 0)"),
+     "restarts of the whole group after a crash (never for failed images or a stopped rank; default 0)"),
     (("--node-rank",), "N", "this machine's rank, static rendezvous (default 0)"),
     (("--master-addr",), "HOST", "rank 0's machine, static rendezvous (default: torchrun's)"),
     (("--master-port",), "PORT", "rank 0's port, static rendezvous (default: torchrun's)"),

@@ -8,9 +8,12 @@ images failed (:mod:`flowlift.jobs.scaleout`), and the summary, the manifest and
 This launcher starts the same workers with a Python function as the entrypoint instead of a
 command, so that each worker hands its command's exit status back as a *value*:
 
-* a worker process succeeds whenever its command finished -- done, images failed, a user error,
-  interrupted; only a crash (an exception flowlift does not turn into one line, a signal, a kill)
-  fails the process, and only that makes the agent restart the group, up to ``--max-restarts``;
+* a worker process succeeds whenever its command finished -- done, images failed, a user error;
+  only a crash (an exception flowlift does not turn into one line, a fatal signal such as SIGSEGV)
+  makes the agent restart the group, up to ``--max-restarts``;
+* a rank stopped from outside (SIGINT, SIGTERM, SIGKILL, SIGHUP, SIGQUIT: :data:`STOP_SIGNALS`), or the
+  launcher stopped by SIGINT/SIGTERM, ends the whole run without a restart: exit status 130 and one
+  line naming the signal (torch's agent is run with that one change, :func:`_no_restart_after_a_stop`);
 * the launcher exits with the highest value of its node's workers: 0 done, 1 an image failed (or
   the ranks' summary could not be made), 2 a user error, 130 interrupted -- the workers print the
   one line each, the launcher adds no traceback;
