@@ -57,14 +57,14 @@ def build_parser() -> OneLineParser:
     return parser
 
 
-#: The signal (SIGINT or SIGTERM) that last interrupted a command in this process, or None.
-_interrupted_by: int | None = None
+#: Whether SIGTERM interrupted the last command run in this process (else a KeyboardInterrupt is SIGINT).
+_stopped_by_sigterm = False
 
 
-def interrupted_by() -> int | None:
-    """The signal number that last interrupted a command in this process (``None``: none did). A rank of
-    ``flowlift launch`` exits with 128 + it, so that the launcher can name the signal that stopped it."""
-    return _interrupted_by
+def stopped_by_sigterm() -> bool:
+    """SIGTERM, not SIGINT (Ctrl-C), interrupted the last command run in this process. A rank of
+    ``flowlift launch`` exits with 128 + the signal, so that the launcher can name the signal that stopped it."""
+    return _stopped_by_sigterm
 
 
 @contextmanager
@@ -79,17 +79,19 @@ def _signals_interrupt():
     (temporary files removed, training checkpoint saved) and the exit status is 130 instead of an
     abrupt death leaving debris.
     """
+    global _stopped_by_sigterm
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _stopped_by_sigterm = False
 
     def interrupt(signum, frame):
-        global _interrupted_by
-        _interrupted_by = signum
+        global _stopped_by_sigterm
+        _stopped_by_sigterm = True
         raise KeyboardInterrupt
 
     previous = {
-        signal.SIGINT: signal.signal(signal.SIGINT, interrupt),
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
         signal.SIGTERM: signal.signal(signal.SIGTERM, interrupt),
     }
     try:

@@ -113,5 +113,5 @@ def run_worker(argv: list[str]) -> int:
         # a returned value waits until the agent reads it, which an agent shutting down for Ctrl-C never
         # does (it kills the worker after its 30 s grace): end the process now, as the signal meant, with
         # the shell's 128 + signal so that the launcher can name it and knows not to restart the group
-        raise SystemExit(128 + (cli.interrupted_by() or signal.SIGINT))
+        raise SystemExit(128 + (signal.SIGTERM if cli.stopped_by_sigterm() else signal.SIGINT))
     return code
