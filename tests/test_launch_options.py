@@ -3,7 +3,9 @@
 Worker counts below 1 or past what the machine can start, port numbers past 65535 and rendezvous hosts that do
 not resolve are one line and exit 2 before anything starts; a rendezvous the other nodes never join ends within
 its join timeout (static and c10d backends; loopback only); a rank stopped by SIGTERM makes the job
-"interrupted", exit 130, not a crash with a traceback.
+"interrupted", exit 130, not a crash with a traceback. Under --max-restarts a rank stopped by SIGTERM,
+SIGINT or SIGKILL, or the launcher stopped by SIGTERM or SIGINT, ends the whole run without a restart
+(issue 29's "no restart or retry can hang"), with one line naming the signal, and every rank exits.
 """
 
 from __future__ import annotations
