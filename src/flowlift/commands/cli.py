@@ -2,9 +2,8 @@
 
 Subcommands live beside this module in :mod:`flowlift.commands` (one module each) and are discovered
 at start-up.
-User errors (:class:`flowlift.errors.FlowliftError`, and bad arguments through
-:class:`~flowlift.commands._options.OneLineParser`) print one line and exit with status 2; SIGINT and SIGTERM
-stop any command with status 130.
+User errors (:class:`flowlift.errors.FlowliftError`) print one line and exit with status 2; SIGINT and
+SIGTERM stop any command with status 130.
 """
 
 from __future__ import annotations
@@ -35,6 +34,8 @@ def _command_modules() -> list:
 
 
 def build_parser() -> OneLineParser:
+    """The root parser and one subparser per command, all :class:`OneLineParser`: a bad argument is one
+    line and exit status 2 like any user error, without argparse's usage block."""
     parser = OneLineParser(
         prog="flowlift",
         description="FLUX.2 latent-space image work: upscale, refine, measure, train.",
