@@ -300,3 +300,57 @@ def test_barrier_timeout_must_be_a_finite_positive_number_of_seconds(tmp_path, c
     with pytest.raises(SystemExit) as caught:  # inf would wait forever for a dead rank
         main(["upscale", str(tmp_path / "x.png"), "--barrier-timeout", value])
     assert caught.value.code == 2 and "argument --barrier-timeout" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------- bad arguments: one line, exit 2 (issue 29)
+
+#: Each command's required arguments (nothing is run: a bad option stops the parse first), and one option value
+#: its parser refuses.
+GOOD_AND_BAD = {
+    "upscale": (["x.png"], ["--seed", str(2**64)]),
+    "img2img": (["x.png", "--model", "m", "--prompt", "p"], ["--steps", "x"]),
+    "hires": (["--model", "m"], ["--steps", "0"]),
+    "eval": (["a", "--reference", "b", "--out", "r"], ["--figure-images", "-1"]),
+    "status": (["out"], ["out2"]),  # status has no option with a value: one folder too many
+    "bands": (["a.png", "--vae", "v", "--out", "o"], ["--amplitude", "soon"]),
+    "colorfix": (["a.png", "--reference", "b"], ["--quality", "101"]),
+    "train": ([], ["--steps", "0"]),
+    "app": ([], ["--port", "x"]),
+    "dataset images": (["a", "--out", "o", "--vae", "v"], ["--batch-size", "0"]),
+    "dataset distill": (["--out", "o", "--vae", "v", "--teacher", "t", "--num", "1"], ["--num", "0"]),
+    "launch": (["--", "upscale", "x.png"], ["--scale", "3"]),  # the launched command's own parser
+}
+
+
+def test_the_bad_argument_table_covers_every_command():
+    assert sorted(f"flowlift {name}" for name in GOOD_AND_BAD) == sorted(COMMANDS)
+
+
+@pytest.mark.parametrize("name", sorted(GOOD_AND_BAD))
+@pytest.mark.parametrize("mistake", ["a bad value", "an unknown option"])
+def test_a_bad_argument_is_one_error_line_and_exit_2(name, mistake, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # nothing may be written, and nothing is: the parse stops first
+    needed, bad = GOOD_AND_BAD[name]
+    if mistake == "a bad value":
+        argv = [*name.split(), *needed, *bad]
+    else:  # before the arguments: after launch's `--` it would be the launched command's
+        argv = [*name.split(), "--no-such-option", *needed]
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    out, err = capsys.readouterr()
+    prog = "flowlift upscale" if name == "launch" and mistake == "a bad value" else f"flowlift {name}"
+    assert caught.value.code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.endswith(f" ({prog} -h lists the options)\n"), err
+    assert err.startswith(f"{prog}: error: "), err
+    if mistake == "an unknown option":
+        assert "unrecognized arguments: --no-such-option" in err
+    assert "usage:" not in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_command_is_one_error_line(capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["upscal", "x.png"])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith("flowlift: error: argument COMMAND: invalid choice: 'upscal'"), err

@@ -143,7 +143,7 @@ def test_manifest_concurrent_appends_stay_whole_lines(tmp_path):
 
     def writer(k: int) -> None:
         for i in range(100):
-            manifest.append(
+            manifest.write_record(
                 image_record(input_path=f"in/{k}-{i}.png", input_sha256="0" * 64, output=f"out/{k}-{i}.png",
                              status="done", seconds=0.5, error=None, env=env, run="r")  # fmt: skip
             )
@@ -174,17 +174,17 @@ def test_job_status_counts_latest_records(tmp_path):
 
     def image(name, status, run, error=None):
         out = tmp_path / f"{name}_x2.png"
-        manifest.append(image_record(input_path=f"{name}.png", input_sha256=None, output=out, status=status,
-                                     seconds=1.0, error=error, env=env, run=run))  # fmt: skip
+        manifest.write_record(image_record(input_path=f"{name}.png", input_sha256=None, output=out, status=status,
+                                           seconds=1.0, error=error, env=env, run=run))  # fmt: skip
 
-    manifest.append({"event": "job", "run": "r1", "inputs": 4, "todo": 4, "skipped": 0, "world_size": 2})
+    manifest.write_record({"event": "job", "run": "r1", "inputs": 4, "todo": 4, "skipped": 0, "world_size": 2})
     image("a", "done", "r1")
     image("c", "failed", "r1", "c.png: truncated")
     image("d", "done", "r1")  # d's output is gone since
     (tmp_path / "e_x2.png").write_bytes(b"x")  # finished before any record: rank 0 records it while planning
     planned = image_record(input_path="e.png", input_sha256=None, output=tmp_path / "e_x2.png", status="skipped",
                            seconds=0, error=None, env=env, run="r1")  # fmt: skip
-    manifest.append({**planned, "plan": True})
+    manifest.write_record({**planned, "plan": True})
     status = job_status(tmp_path)
     assert status.run == "r1" and status.run_counts["done"] == 2 and status.run_counts["failed"] == 1
     assert status.run_counts["skipped"] == 0 and status.latest["skipped"] == 1  # plan records are not progress
@@ -193,13 +193,13 @@ def test_job_status_counts_latest_records(tmp_path):
     assert "1 not recorded yet" in text and "failed: c.png: c.png: truncated" in text
     assert "missing: " in text and "d_x2.png" in text
 
-    manifest.append({"event": "job", "run": "r2", "inputs": 4, "todo": 3, "skipped": 1, "world_size": 1})
+    manifest.write_record({"event": "job", "run": "r2", "inputs": 4, "todo": 3, "skipped": 1, "world_size": 1})
     image("b", "done", "r2")
     image("c", "done", "r2")
     (tmp_path / "c_x2.png").write_bytes(b"x")
     image("d", "done", "r2")
     (tmp_path / "d_x2.png").write_bytes(b"x")
-    manifest.append({"event": "summary", "run": "r2", "done": 3, "skipped": 1, "failed": 0})
+    manifest.write_record({"event": "summary", "run": "r2", "done": 3, "skipped": 1, "failed": 0})
     status = job_status(tmp_path)
     assert status.finished and status.complete
     assert status.latest["done"] == 4 and status.latest["skipped"] == 1 and not status.missing_outputs
@@ -507,7 +507,7 @@ def test_manifest_that_cannot_be_written_is_one_line(tmp_path):
     blocked = Manifest(tmp_path)
     assert blocked.writable_problem() == f"cannot use the job manifest {tmp_path / MANIFEST_NAME}: Is a directory"
     with pytest.raises(FlowliftError, match="Is a directory"):
-        blocked.append({"event": "summary"})
+        blocked.write_record({"event": "summary"})
     with pytest.raises(FlowliftError, match="Is a directory"):
         blocked.records()
     with pytest.raises(FlowliftError, match="Is a directory"):

@@ -1026,7 +1026,7 @@ def test_colorfix_and_a_continued_job_refuse_a_users_image_too(tmp_path, capsys)
     out = tmp_path / "job"
     out.mkdir()
     (out / "a_x2.png").write_bytes(user)
-    Manifest(out).append({"event": "job", "run": "earlier", "inputs": 1, "todo": 1, "world_size": 2})
+    Manifest(out).write_record({"event": "job", "run": "earlier", "inputs": 1, "todo": 1, "world_size": 2})
     jobs = plan_jobs([tmp_path / "a.png"], str(out), lambda p: f"{p.stem}_x2.png", (".png",),
                      expected_size=lambda p: (20, 24))  # fmt: skip
     assert run_batch(jobs, lambda: None, command="upscale", output=str(out), env=DistEnv()) == 1

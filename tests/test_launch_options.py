@@ -3,7 +3,9 @@
 Worker counts below 1 or past what the machine can start, port numbers past 65535 and rendezvous hosts that do
 not resolve are one line and exit 2 before anything starts; a rendezvous the other nodes never join ends within
 its join timeout (static and c10d backends; loopback only); a rank stopped by SIGTERM makes the job
-"interrupted", exit 130, not a crash with a traceback.
+"interrupted", exit 130, not a crash with a traceback. Under --max-restarts a rank stopped by SIGTERM,
+SIGINT or SIGKILL, or the launcher stopped by SIGTERM or SIGINT, ends the whole run without a restart
+(issue 29's "no restart or retry can hang"), with one line naming the signal, and every rank exits.
 """
 
 from __future__ import annotations
@@ -144,5 +146,98 @@ def test_sigterm_to_one_rank_is_an_interrupted_job_not_a_crash(tmp_path):
     assert process.returncode == 130, err
     assert "Traceback" not in err and "crashed" not in err and "exitcode" not in err, err
     assert [line for line in err.splitlines() if line.startswith("flowlift launch")] == [
-        "flowlift launch: interrupted (rank 0 stopped by a signal)"
-    ] or "flowlift launch: interrupted (rank 0, 1 stopped by a signal)" in err, err
+        "flowlift launch: interrupted (rank 0 stopped by SIGTERM)"
+    ] or "flowlift launch: interrupted (rank 0 stopped by SIGTERM, rank 1 stopped by SIGTERM)" in err, err
+
+
+STOPPABLE = """
+import os
+import sys
+import time
+from pathlib import Path
+
+from flowlift.jobs.launch import launch
+
+
+def worker(argv):
+    # like INTERRUPTIBLE, and each start of a rank leaves RANK.RESTART (its pid): a restart would show
+    import flowlift.commands.cli as cli
+    from flowlift.commands.launch import run_worker
+
+    def command(args):
+        with cli._signals_interrupt():
+            try:
+                start = Path(args[0], f"{os.environ['RANK']}.{os.environ['TORCHELASTIC_RESTART_COUNT']}")
+                start.write_text(str(os.getpid()))
+                time.sleep(300)
+                return 0
+            except KeyboardInterrupt:
+                print("flowlift test: interrupted", file=sys.stderr)
+                return 130
+
+    cli.main = command
+    return run_worker(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(launch(worker, [sys.argv[1]], sys.argv[2:], command="flowlift launch"))
+"""
+
+
+def _gone(pids: list[int], grace_s: float = 15.0) -> list[int]:
+    """The pids among ``pids`` still running (not a zombie) after up to ``grace_s``."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state != "Z":
+                alive.append(pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize(
+    ("target", "signum", "line"),
+    [
+        ("rank 0", signal.SIGTERM, "flowlift launch: interrupted (rank 0 stopped by SIGTERM)"),
+        ("rank 1", signal.SIGINT, "flowlift launch: interrupted (rank 1 stopped by SIGINT)"),
+        ("rank 1", signal.SIGKILL, "flowlift launch: interrupted (rank 1 killed by SIGKILL)"),
+        ("launcher", signal.SIGTERM, "flowlift launch: interrupted by SIGTERM"),
+        ("launcher", signal.SIGINT, "flowlift launch: interrupted by SIGINT"),
+    ],
+)  # fmt: skip
+def test_a_signal_stops_the_whole_run_and_is_never_restarted(tmp_path, target, signum, line):
+    """`--max-restarts` is for crashes: a rank stopped by SIGTERM/SIGINT/SIGKILL from outside, or the launcher
+    stopped by a user, ends the run (exit 130, one line naming the signal), and every process exits."""
+    script = tmp_path / "stoppable.py"
+    script.write_text(STOPPABLE)
+    starts = tmp_path / "starts"
+    starts.mkdir()
+    options = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               f"127.0.0.1:{_free_port()}", "--rdzv-id", uuid.uuid4().hex, "--max-restarts", "2"]  # fmt: skip
+    process = subprocess.Popen([sys.executable, str(script), str(starts), *options], env=_env(), cwd=tmp_path,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = [starts / "0.0", starts / "1.0"]
+    try:
+        deadline = time.monotonic() + 120
+        while not all(path.is_file() and path.read_text() for path in first):
+            assert process.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        ranks = [int(path.read_text()) for path in first]
+        victim = process.pid if target == "launcher" else ranks[int(target.split()[1])]
+        os.kill(victim, signum)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, err
+    assert sorted(path.name for path in starts.iterdir()) == ["0.0", "1.0"], err  # no rank started again
+    ours = [text for text in err.splitlines() if text.startswith("flowlift launch")]
+    assert ours == [line], err
+    assert "Traceback" not in err and "crashed" not in err, err
+    assert _gone(ranks) == [], err

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -38,6 +39,37 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if action.default is None:
             return f"{text} (default: none)"
         return f"{text} (default: %(default)s)"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit status 2, like every other user error.
+
+    argparse prints the whole usage block before its error line; a bad ``--seed`` then buries the one
+    line that matters under thirty lines of options. This parser prints
+    ``flowlift CMD: error: MESSAGE (flowlift CMD -h lists the options)`` instead. Used for the root parser;
+    its subparsers (and theirs) are made of the same class. Unknown options are reported by the deepest
+    command that was chosen (``flowlift upscale: error: unrecognized arguments: --sed``), not by the root.
+    """
+
+    def error(self, message: str) -> None:  # type: ignore[override]  (argparse's returns NoReturn too)
+        text = " ".join(str(message).split())  # argparse's messages are one line; keep it so
+        print(f"{self.prog}: error: {text} ({self.prog} -h lists the options)", file=sys.stderr)
+        self.exit(2)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self._chosen_command(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed
+
+    def _chosen_command(self, parsed: argparse.Namespace) -> OneLineParser:
+        """The parser of the innermost subcommand named on the command line (this one when none was)."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(parsed, action.dest, None))
+                if isinstance(chosen, OneLineParser):
+                    return chosen._chosen_command(parsed)
+        return self
 
 
 def examples(*lines: str) -> str:

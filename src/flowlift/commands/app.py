@@ -22,14 +22,20 @@ EXAMPLES = """examples:
 
 
 def _port(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number in 1..65535, got {text!r}") from None
     if not 0 < value < 65536:
         raise argparse.ArgumentTypeError(f"must be in 1..65535, got {text}")
     return value
 
 
 def _megabytes(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of megabytes > 0, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value

@@ -10,7 +10,6 @@ a one-shot command without ``--max-memory`` keeps freed memory for reuse
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import pkgutil
@@ -21,7 +20,7 @@ import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from flowlift.commands._options import HelpFormatter
+from flowlift.commands._options import HelpFormatter, OneLineParser
 from flowlift.console import add_console_options, format_warnings, quiet_libraries
 from flowlift.devices import reuse_freed_memory
 from flowlift.errors import FlowliftError
@@ -37,14 +36,16 @@ def _command_modules() -> list:
     return [importlib.import_module(f"flowlift.commands.{name}") for name in names]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> OneLineParser:
+    """The root parser and one subparser per command, all :class:`OneLineParser`: a bad argument is one
+    line and exit status 2 like any user error, without argparse's usage block."""
+    parser = OneLineParser(
         prog="flowlift",
         description="FLUX.2 latent-space image work: upscale, refine, measure, train.",
         epilog="run `flowlift COMMAND --help` for a command's options and examples",
     )
     parser.add_argument("--version", action="version", version=f"flowlift {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for module in _command_modules():
         sub = subparsers.add_parser(
             module.NAME,
@@ -60,6 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Whether SIGTERM interrupted the last command run in this process (else a KeyboardInterrupt is SIGINT).
+_stopped_by_sigterm = False
+
+
+def stopped_by_sigterm() -> bool:
+    """SIGTERM, not SIGINT (Ctrl-C), interrupted the last command run in this process. A rank of
+    ``flowlift launch`` exits with 128 + the signal, so that the launcher can name the signal that stopped it."""
+    return _stopped_by_sigterm
+
+
 @contextmanager
 def _signals_interrupt():
     """SIGINT and SIGTERM raise KeyboardInterrupt in the main thread for the whole command, then the
@@ -72,11 +83,15 @@ def _signals_interrupt():
     (temporary files removed, training checkpoint saved) and the exit status is 130 instead of an
     abrupt death leaving debris.
     """
+    global _stopped_by_sigterm
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _stopped_by_sigterm = False
 
     def interrupt(signum, frame):
+        global _stopped_by_sigterm
+        _stopped_by_sigterm = True
         raise KeyboardInterrupt
 
     previous = {

@@ -35,7 +35,7 @@ TORCHRUN_OPTIONS = (
     (("--rdzv-id",), "ID", "job id, the same on every machine (default: a fresh one)"),
     (("--rdzv-conf",), "K=V,...", "rendezvous settings, e.g. join_timeout=600 (default: torchrun's)"),
     (("--max-restarts", "--max_restarts"), "N",
-     "restarts of the whole group after a crash (never for failed images; default 0)"),
+     "restarts of the whole group after a crash (never for failed images or a stopped rank; default 0)"),
     (("--node-rank",), "N", "this machine's rank, static rendezvous (default 0)"),
     (("--master-addr",), "HOST", "rank 0's machine, static rendezvous (default: torchrun's)"),
     (("--master-port",), "PORT", "rank 0's port, static rendezvous (default: torchrun's)"),
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
                             "photos/ -o out/")  # fmt: skip
     if command[0] in NOT_LAUNCHED:
         raise FlowliftError(f"`flowlift {command[0]}` does not run under a launcher")
-    build_parser().parse_args(command)  # a mistyped option: argparse's usage and exit 2 here, before any rank starts
+    build_parser().parse_args(command)  # a mistyped option: one error line and exit 2 here, before any rank starts
     return launch(run_worker, command, _forwarded(args), command=f"flowlift {NAME}", quiet=not args.verbose)
 
 
@@ -94,20 +94,24 @@ def run_worker(argv: list[str]) -> int:
 
     The elastic agent then sees the process succeed whenever the command finished (done, images
     failed, a user error: each reported in its own lines) and restarts the group only for a crash --
-    an exception that escapes the command line, a signal, a kill.
+    an exception that escapes the command line, a fatal signal such as SIGSEGV. A rank stopped by
+    SIGINT or SIGTERM ends with 128 + the signal (130, 143), and the launcher ends the run for it
+    (:func:`flowlift.jobs.launch.stop_signal_name`).
     """
     import os
+    import signal
 
-    from flowlift.commands.cli import main
+    from flowlift.commands import cli
     from flowlift.jobs.distributed import LAUNCH_WORKER_ENV
 
     os.environ[LAUNCH_WORKER_ENV] = "1"  # the ranks return the job's outcome instead of exiting 0 for torchrun
     try:
-        code = main(argv)
+        code = cli.main(argv)
     except SystemExit as stop:  # argparse inside the command: its message is printed already
         code = stop.code if isinstance(stop.code, int) else 2
     if code == INTERRUPTED:
         # a returned value waits until the agent reads it, which an agent shutting down for Ctrl-C never
-        # does (it kills the worker after its 30 s grace): end the process now, as the signal meant
-        raise SystemExit(INTERRUPTED)
+        # does (it kills the worker after its 30 s grace): end the process now, as the signal meant, with
+        # the shell's 128 + signal so that the launcher can name it and knows not to restart the group
+        raise SystemExit(128 + (signal.SIGTERM if cli.stopped_by_sigterm() else signal.SIGINT))
     return code

@@ -8,9 +8,12 @@ images failed (:mod:`flowlift.jobs.scaleout`), and the summary, the manifest and
 This launcher starts the same workers with a Python function as the entrypoint instead of a
 command, so that each worker hands its command's exit status back as a *value*:
 
-* a worker process succeeds whenever its command finished -- done, images failed, a user error,
-  interrupted; only a crash (an exception flowlift does not turn into one line, a signal, a kill)
-  fails the process, and only that makes the agent restart the group, up to ``--max-restarts``;
+* a worker process succeeds whenever its command finished -- done, images failed, a user error;
+  only a crash (an exception flowlift does not turn into one line, a fatal signal such as SIGSEGV)
+  makes the agent restart the group, up to ``--max-restarts``;
+* a rank stopped from outside (SIGINT, SIGTERM, SIGKILL, SIGHUP, SIGQUIT: :data:`STOP_SIGNALS`), or the
+  launcher stopped by SIGINT/SIGTERM, ends the whole run without a restart: exit status 130 and one
+  line naming the signal (torch's agent is run with that one change, :func:`_no_restart_after_a_stop`);
 * the launcher exits with the highest value of its node's workers: 0 done, 1 an image failed (or
   the ranks' summary could not be made), 2 a user error, 130 interrupted -- the workers print the
   one line each, the launcher adds no traceback;
@@ -24,9 +27,12 @@ The launcher's options are torchrun's, handed to torchrun's own parser and confi
 from __future__ import annotations
 
 import logging
+import re
+import signal
 import sys
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from flowlift.errors import FlowliftError
@@ -35,6 +41,22 @@ from flowlift.errors import FlowliftError
 CRASHED = 3
 #: Exit status of an interrupted command (SIGINT, SIGTERM), a worker's and the launcher's.
 INTERRUPTED = 130
+#: Signals by which a user or a scheduler stops a run (Ctrl-C, kill, kill -9, a closed terminal, SIGQUIT): a
+#: rank that ended by one was stopped, not crashed, and the run ends without a restart. A fatal signal of the
+#: program's own (SIGSEGV, SIGABRT, SIGBUS, ...) is a crash, restarted up to ``--max-restarts``.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGHUP, signal.SIGQUIT)
+
+
+def stop_signal_name(exitcode: int | None) -> str | None:
+    """The stop signal a worker process ended by, from its exit code, or ``None`` when it did not.
+
+    A negative exit code -N is the signal N that killed the process (multiprocessing's convention); a
+    flowlift rank that caught SIGINT or SIGTERM and ran its clean-up exits with the shell's 128 + N (130, 143,
+    :func:`flowlift.commands.launch.run_worker`)."""
+    if exitcode is None:
+        return None
+    number = -exitcode if exitcode < 0 else exitcode - 128 if exitcode in (130, 143) else None
+    return next((s.name for s in STOP_SIGNALS if s == number), None)
 
 
 def launch_config(options: Sequence[str]) -> Any:
@@ -152,19 +174,22 @@ def launch(
     config = launch_config(options)
     check_rendezvous_host(config.rdzv_endpoint)
     try:
-        values = elastic_launch(config, worker)(list(argv))
+        with _no_restart_after_a_stop():
+            values = elastic_launch(config, worker)(list(argv))
     except ChildFailedError as error:
-        if all(failure.exitcode == INTERRUPTED for failure in error.failures.values()):
-            # a rank stopped by SIGTERM/SIGINT (a user's kill, a scheduler) ends its command with 130: not a crash
-            ranks = ", ".join(str(rank) for rank in sorted(error.failures))
-            print(f"{command}: interrupted (rank {ranks} stopped by a signal)", file=sys.stderr)
+        stops = {rank: stop_signal_name(failure.exitcode) for rank, failure in sorted(error.failures.items())}
+        if all(stops.values()):
+            # a rank stopped from outside (a user's kill, Ctrl-C, a scheduler, the OOM killer): not a crash
+            how = ", ".join(f"rank {rank} {'killed' if error.failures[rank].exitcode < 0 else 'stopped'} by {name}"
+                            for rank, name in stops.items())  # fmt: skip
+            print(f"{command}: interrupted ({how})", file=sys.stderr)
             return INTERRUPTED
         for rank, failure in sorted(error.failures.items()):
             print(f"{command}: rank {rank} crashed ({_cause(failure)}); "
                   f"{config.max_restarts} restart(s) did not help", file=sys.stderr)  # fmt: skip
         return CRASHED
-    except SignalException:
-        print(f"{command}: interrupted", file=sys.stderr)
+    except SignalException as stop:  # the launcher itself was stopped: the agent has stopped the ranks
+        print(f"{command}: interrupted by {signal.Signals(stop.sigval).name}", file=sys.stderr)
         return INTERRUPTED
     except (RendezvousError, DistError) as error:  # the static rendezvous' store times out as a DistStoreError
         wait = config.rdzv_configs.get("join_timeout", config.rdzv_configs.get("timeout"))
@@ -173,11 +198,49 @@ def launch(
     return job_status(values)
 
 
+@contextmanager
+def _no_restart_after_a_stop() -> Iterator[None]:
+    """While torch's ``launch_agent`` runs, the agent it builds is :func:`_stop_aware_agent`'s: a rank that
+    ended by a stop signal ends the run instead of restarting the group (``--max-restarts`` is for crashes).
+
+    ``launch_agent`` offers no way to choose its agent class and builds it by its module's name
+    ``LocalElasticAgent``; that name is swapped for the subclass here and put back after (the launcher's own
+    process; tests/test_launch_options.py fails if a restart follows a stop, e.g. when torch changes this).
+    """
+    import torch.distributed.launcher.api as launcher_api
+
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = _stop_aware_agent(original)
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original
+
+
+def _stop_aware_agent(base: type) -> type:
+    class StopAwareAgent(base):  # type: ignore[misc, valid-type]
+        """torch's local agent, which gives up its remaining restarts when a rank was stopped by a signal
+        (as torch's own agent does for a worker stuck in uninterruptible sleep)."""
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed() and any(stop_signal_name(f.exitcode) for f in result.failures.values()):
+                self._remaining_restarts = 0  # a restart would undo the stop the user (or the system) asked for
+            return result
+
+    return StopAwareAgent
+
+
+_EXIT_CODE = re.compile(r"\(exitcode: (-?\d+)\)")
+
+
 class _NotInterrupted(logging.Filter):
-    """Drops the agent's "failed (exitcode: 130)" record and its traceback: that worker was interrupted."""
+    """Drops the agent's "failed (exitcode: 130)" record and its traceback (also 143, -9, ...): that worker
+    was stopped by a signal, which the launcher's own line names."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return f"(exitcode: {INTERRUPTED})" not in record.getMessage()
+        found = _EXIT_CODE.search(record.getMessage())
+        return not (found and stop_signal_name(int(found.group(1))))
 
 
 def _drop_interrupted_worker_logs() -> None:

@@ -44,7 +44,7 @@ class Manifest:
       ``todo``, ``skipped``, ``world_size``, ``time``;
     * ``summary`` — written by rank 0 after the end-of-job barrier: ``run`` and the counts.
 
-    :meth:`append` writes one whole line with a single ``write`` on an ``O_APPEND`` descriptor under
+    :meth:`write_record` writes one whole line with a single ``write`` on an ``O_APPEND`` descriptor under
     an exclusive ``fcntl`` lock, so lines from concurrent ranks never interleave, also on NFS (whose
     clients revalidate the file on lock) for ranks on several hosts. A process killed mid-write
     leaves at most a torn last line, which :meth:`records` skips.
@@ -67,7 +67,9 @@ class Manifest:
             return _os_problem(self.path, error)
         return None
 
-    def append(self, record: Mapping[str, Any]) -> None:
+    def write_record(self, record: Mapping[str, Any]) -> None:
+        """Add ``record`` as one JSON line at the end of the manifest, under an exclusive lock so that the
+        lines of concurrent ranks never interleave; an OS failure (a full disk) is one FlowliftError line."""
         data = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -215,8 +215,8 @@ def _finish(share: BatchShare, result: BatchResult) -> int:
                 f"{env.world_size} ranks: {totals['done']} done, {totals['skipped']} skipped, "
                 f"{failed} failed of {totals['total']} image(s)",
             )
-        manifest.append({"event": "summary", "run": share.run_id, "time": now_iso(), "world_size": env.world_size,
-                         **{k: int(totals[k]) for k in ("total", "done", "skipped", "failed")}})  # fmt: skip
+        manifest.write_record({"event": "summary", "run": share.run_id, "time": now_iso(), "world_size": env.world_size,
+                               **{k: int(totals[k]) for k in ("total", "done", "skipped", "failed")}})  # fmt: skip
     if failed and env.distributed and not outcome_is_returned():
         if env.is_main:
             report(
@@ -238,8 +238,9 @@ def _record_plan(manifest: Manifest, jobs: list[Job], todo: list[int], run: str,
     waiting = set(todo)
     states = {i: existing_output(job) for i, job in enumerate(jobs) if i not in waiting and job.output is not None}
     refused = sum(job.refused for job in jobs) + sum(state.action == "refuse" for state in states.values())
-    manifest.append({"event": "job", "run": run, "time": now_iso(), "world_size": env.world_size, "inputs": len(jobs),
-                     "todo": len(todo), "refused": refused, "skipped": len(jobs) - len(todo) - refused})  # fmt: skip
+    manifest.write_record({"event": "job", "run": run, "time": now_iso(), "world_size": env.world_size,
+                           "inputs": len(jobs), "todo": len(todo), "refused": refused,
+                           "skipped": len(jobs) - len(todo) - refused})  # fmt: skip
     latest = latest_by_output(manifest.records())
     for i, job in enumerate(jobs):
         if i in waiting or (job.output is None and not job.refused):
@@ -255,7 +256,7 @@ def _record_plan(manifest: Manifest, jobs: list[Job], todo: list[int], run: str,
                                   env=env, run=run)  # fmt: skip
         else:
             continue
-        manifest.append({**record, "plan": True})
+        manifest.write_record({**record, "plan": True})
 
 
 def _recording(process: Process, manifest: Manifest, run: str, env: DistEnv) -> Process:
@@ -266,14 +267,14 @@ def _recording(process: Process, manifest: Manifest, run: str, env: DistEnv) -> 
         try:
             process(source, output)
         except Exception as error:  # recorded, then handled by run_jobs (one line) or propagated
-            manifest.append(image_record(input_path=_absolute(source), input_sha256=_sha256(source),
-                                         output=_absolute(output), status="failed",
-                                         seconds=time.perf_counter() - start, error=error_line(error),
-                                         env=env, run=run))  # fmt: skip
+            manifest.write_record(image_record(input_path=_absolute(source), input_sha256=_sha256(source),
+                                               output=_absolute(output), status="failed",
+                                               seconds=time.perf_counter() - start, error=error_line(error),
+                                               env=env, run=run))  # fmt: skip
             raise
-        manifest.append(image_record(input_path=_absolute(source), input_sha256=_sha256(source),
-                                     output=_absolute(output), status="done", seconds=time.perf_counter() - start,
-                                     error=None, env=env, run=run))  # fmt: skip
+        manifest.write_record(image_record(input_path=_absolute(source), input_sha256=_sha256(source),
+                                           output=_absolute(output), status="done", seconds=time.perf_counter() - start,
+                                           error=None, env=env, run=run))  # fmt: skip
 
     return recorded
 
