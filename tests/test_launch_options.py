@@ -78,8 +78,9 @@ def _launch_time(tmp_path: Path) -> float:
 
 
 def test_the_join_timeout_bounds_the_wait(tmp_path):
-    """The wait past the start-up a refused launch costs too is the join timeout plus a few seconds (the
-    static store's own poll), not torchrun's 900 s."""
+    """The wait past the start-up a refused launch costs too follows the join timeout (4 s plus the static
+    store's own poll), not torchrun's 900 s. The bound is generous on purpose: a loaded machine stretches
+    the start-up of both runs unevenly, and only the order of magnitude tells the two behaviours apart."""
     baseline = _launch_time(tmp_path)
     start = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "flowlift", "launch", "--nnodes", "2", "--rdzv-endpoint",
@@ -87,7 +88,7 @@ def test_the_join_timeout_bounds_the_wait(tmp_path):
                          env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
     waited = time.monotonic() - start - baseline
     assert run.returncode == 2 and "the ranks could not meet" in run.stderr, run.stderr
-    assert waited < 4 + 10, (waited, baseline)
+    assert waited < 4 + 90, (waited, baseline)
 
 
 INTERRUPTIBLE = """
