@@ -91,43 +91,9 @@ def test_the_join_timeout_bounds_the_wait(tmp_path):
     assert waited < 4 + 90, (waited, baseline)
 
 
-INTERRUPTIBLE = """
-import os
-import sys
-import time
-from pathlib import Path
-
-from flowlift.jobs.launch import launch
-
-
-def worker(argv):
-    # flowlift's own rank (commands.launch.run_worker) running a command that works until it is stopped,
-    # under the command line's signal handling (SIGTERM -> KeyboardInterrupt -> "interrupted", 130)
-    import flowlift.commands.cli as cli
-    from flowlift.commands.launch import run_worker
-
-    def command(args):
-        with cli._signals_interrupt():
-            try:
-                Path(args[0], os.environ["RANK"]).write_text(str(os.getpid()))
-                time.sleep(300)
-                return 0
-            except KeyboardInterrupt:
-                print("flowlift test: interrupted", file=sys.stderr)
-                return 130
-
-    cli.main = command
-    return run_worker(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(launch(worker, [sys.argv[1]], sys.argv[2:], command="flowlift launch"))
-"""
-
-
 def test_sigterm_to_one_rank_is_an_interrupted_job_not_a_crash(tmp_path):
-    script = tmp_path / "interruptible.py"
-    script.write_text(INTERRUPTIBLE)
+    script = tmp_path / "stoppable.py"
+    script.write_text(STOPPABLE)
     pids = tmp_path / "pids"
     pids.mkdir()
     options = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
@@ -136,10 +102,10 @@ def test_sigterm_to_one_rank_is_an_interrupted_job_not_a_crash(tmp_path):
                                stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while not all((pids / rank).is_file() and (pids / rank).read_text() for rank in "01"):
+        while not all((pids / f"{rank}.0").is_file() and (pids / f"{rank}.0").read_text() for rank in "01"):
             assert process.poll() is None and time.monotonic() < deadline, "the ranks did not start"
             time.sleep(0.2)
-        os.kill(int((pids / "0").read_text()), signal.SIGTERM)
+        os.kill(int((pids / "0.0").read_text()), signal.SIGTERM)
         _, err = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
@@ -161,7 +127,9 @@ from flowlift.jobs.launch import launch
 
 
 def worker(argv):
-    # like INTERRUPTIBLE, and each start of a rank leaves RANK.RESTART (its pid): a restart would show
+    # flowlift's own rank (commands.launch.run_worker) running a command that works until it is stopped,
+    # under the command line's signal handling (SIGTERM -> KeyboardInterrupt -> "interrupted", 130); each
+    # start of a rank leaves RANK.RESTART (its pid): a restart would show
     import flowlift.commands.cli as cli
     from flowlift.commands.launch import run_worker
 
