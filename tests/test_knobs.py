@@ -278,8 +278,9 @@ def test_old_pipeline_memory_keywords_warn_and_mean_the_same_policy():
     def velocity(sample, t, small):
         return sample
 
-    with pytest.warns(DeprecationWarning, match=r"FlowUpscalerPipeline\(chunked=, max_memory=\) is deprecated"):
+    with pytest.warns(DeprecationWarning, match=r"FlowUpscalerPipeline\(chunked=, max_memory=\) is deprecated") as seen:
         old = FlowUpscalerPipeline(velocity, None, device="cpu", dtype=torch.float32, chunked=True, max_memory="2GB")
+    assert seen[0].filename == __file__  # the warning points at the caller's line
     new = FlowUpscalerPipeline(
         velocity, None, device="cpu", dtype=torch.float32, memory=MemoryPolicy(chunked=True, max_memory="2GB")
     )
@@ -307,10 +308,12 @@ def test_old_refiner_sampling_keywords_warn_and_give_the_same_result():
     image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     sampling = SamplingSettings(steps=3, seed=7, sampler="heun", mu=1.5, schedule="clipped")
     new = refiner.img2img(image, strength=0.6, sampling=sampling, prompt_embeds=embeds)
-    with pytest.warns(DeprecationWarning, match=r"Flux2Refiner.img2img\(steps=, seed=, sampler=, mu=, schedule=\)"):
+    legacy = r"Flux2Refiner.img2img\(steps=, seed=, sampler=, mu=, schedule=\)"
+    with pytest.warns(DeprecationWarning, match=legacy) as seen:
         old = refiner.img2img(
             image, strength=0.6, steps=3, seed=7, sampler="heun", mu=1.5, schedule="clipped", prompt_embeds=embeds
         )
+    assert seen[0].filename == __file__  # the warning points at the caller's line
     assert torch.equal(old.images, new.images) and old.parameters == new.parameters
     assert new.parameters["seed"] == 7 and new.parameters["steps"] == 3 and new.parameters["schedule"] == "clipped"
     with pytest.raises(FlowliftError, match="not both"):

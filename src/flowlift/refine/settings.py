@@ -11,13 +11,12 @@ the 16-px grid, the overlap smaller than the tile) on top of :meth:`~flowlift.kn
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.settings import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SAMPLERS, SCHEDULES
-from flowlift.knobs import SEED, Knob, table
+from flowlift.knobs import SEED, Knob, settings_or_deprecated_keywords, table
 
 #: The most steps a refine takes: far past where a flow model stops gaining (28-50), and a bound on what one
 #: request to the web app can ask for.
@@ -168,14 +167,6 @@ def sampling_from(sampling: SamplingSettings | None, legacy: dict[str, Any], whe
     """The mode's :class:`SamplingSettings`: ``sampling`` itself, or (for one release) the old keyword arguments
     ``steps/seed/sampler/mu/schedule`` popped from ``legacy``, with a DeprecationWarning. Both at once is an error."""
     old = {name: legacy.pop(name) for name in SAMPLING_FIELDS if name in legacy}
-    if not old:
-        return sampling if sampling is not None else SamplingSettings()
-    if sampling is not None:
-        raise FlowliftError(f"{where}: give sampling=SamplingSettings(...) or {', '.join(old)}, not both")
-    warnings.warn(
-        f"{where}({', '.join(f'{name}=' for name in old)}) is deprecated and goes in the next release; pass "
-        "sampling=SamplingSettings(...) (flowlift.refine.settings)",
-        DeprecationWarning,
-        stacklevel=3,
+    return settings_or_deprecated_keywords(
+        sampling, old, SamplingSettings, where=where, argument="sampling", home="flowlift.refine.settings"
     )
-    return SamplingSettings(**old)

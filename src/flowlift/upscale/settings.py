@@ -9,12 +9,11 @@ No torch here: ``flowlift upscale --help`` reads this module.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from flowlift.errors import FlowliftError
-from flowlift.knobs import SEED, Knob, table
+from flowlift.knobs import SEED, Knob, settings_or_deprecated_keywords, table
 
 #: Passes per scale: each pass doubles both sides.
 SCALE_PASSES = {2: 1, 4: 2, 8: 3}
@@ -112,14 +111,7 @@ def memory_policy(memory: MemoryPolicy | None, deprecated: dict[str, Any]) -> Me
     unknown = sorted(set(deprecated) - set(MemoryPolicy.field_names()))
     if unknown:
         raise TypeError(f"FlowUpscalerPipeline() got unexpected keyword arguments: {', '.join(unknown)}")
-    if not deprecated:
-        return memory if memory is not None else MemoryPolicy()
-    if memory is not None:
-        raise FlowliftError(f"FlowUpscalerPipeline: give memory=MemoryPolicy(...) or {', '.join(deprecated)}, not both")
-    warnings.warn(
-        f"FlowUpscalerPipeline({', '.join(f'{name}=' for name in deprecated)}) is deprecated and goes in the next "
-        "release; pass memory=MemoryPolicy(...) (flowlift.upscale.settings)",
-        DeprecationWarning,
-        stacklevel=3,
+    return settings_or_deprecated_keywords(
+        memory, deprecated, MemoryPolicy, where="FlowUpscalerPipeline", argument="memory",
+        home="flowlift.upscale.settings",
     )
-    return MemoryPolicy(**deprecated)
