@@ -122,3 +122,36 @@ def test_colorfix_never_replaces_its_reference_or_input(tmp_path, capsys, spelli
     wanted = "is the input reference" if victim_name == "reference" else "would overwrite the input"
     assert any(wanted in line for line in lines), lines
     assert victim.read_bytes() == before
+
+
+@pytest.mark.parametrize("how", ["report name in the measured folder", "hard link", "linked folder"])
+def test_eval_reports_never_replace_a_measured_image(tmp_path, capsys, how):
+    outputs, references = tmp_path / "outs", tmp_path / "refs"
+    measured = _earlier_output(outputs / "crops.png", (32, 32))
+    _earlier_output(references / "crops.png", (16, 16))
+    out = outputs
+    if how == "hard link":
+        out = tmp_path / "report"
+        out.mkdir()
+        os.link(measured, out / "metrics.png")
+    elif how == "linked folder":
+        out = tmp_path / "linked"
+        out.symlink_to(outputs, target_is_directory=True)
+    before = measured.read_bytes()
+    assert main(["eval", str(outputs), "--reference", str(references), "--out", str(out)]) == 2
+    lines = _error_lines(capsys, "eval")
+    assert len(lines) == 1 and "is the input OUTPUTS" in lines[0], lines
+    assert measured.read_bytes() == before
+
+
+def test_dataset_never_replaces_an_input_image(tmp_path, capsys):
+    photo = _earlier_output(tmp_path / "photos" / "a.png", (64, 64))
+    out = tmp_path / "ds"
+    out.mkdir()
+    os.link(photo, out / "shard-00000.safetensors")
+    before = photo.read_bytes()
+    code = main(["dataset", "images", str(photo), "--out", str(out), "--vae", str(tmp_path / "no-such-vae")])
+    assert code == 2
+    lines = _error_lines(capsys, "dataset")
+    assert len(lines) == 1 and "is the input INPUT" in lines[0] and "no-such-vae" not in lines[0], lines
+    assert photo.read_bytes() == before
