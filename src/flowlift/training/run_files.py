@@ -33,6 +33,7 @@ from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
 from flowlift.files.output_paths import folder_problem, same_file_problem
 from flowlift.training.checkpoints import EMA_NAME, RAW_NAME, RUN_ID_NAME, STATE_NAME
 from flowlift.training.config import TrainConfig
+from flowlift.training.validation import CURVES_SOFTWARE, VAL_FIELDS
 
 CONFIG_NAME = "config.json"
 LOG_NAME = "train_log.csv"
@@ -41,8 +42,6 @@ CURVES_NAME = "curves.png"
 CHECKPOINTS_NAME = "checkpoints"
 LATEST_NAME = "latest"
 LOG_FIELDS = ["step", "loss", "lr", "grad_norm", "samples_per_s", "elapsed_s"]
-#: The PNG ``Software`` text of ``curves.png``: what makes an existing one flowlift's.
-CURVES_SOFTWARE = "flowlift train"
 _CHECKPOINT_FILES = {RUN_ID_NAME, STATE_NAME, EMA_NAME, RAW_NAME}
 _STEP_NAME = re.compile(r"^step-\d{8}$")
 _PARTIAL_NAME = re.compile(r"^\.step-\d{8}\..+\.partial$")
@@ -75,8 +74,6 @@ def is_train_log(path: Path) -> bool:
 
 def is_val_log(path: Path) -> bool:
     """A CSV whose header is the validator's."""
-    from flowlift.training.validation import VAL_FIELDS
-
     return _first_line(path) == ",".join(VAL_FIELDS)
 
 

@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import append_text, atomic_output, atomic_write_text
 from flowlift.training.degrade import LatentCodec, downscale, pil_lanczos_resize
-from flowlift.training.run_files import CURVES_SOFTWARE
 
 VAL_FIELDS = ["step", "method", "psnr", "ssim", "sharpness", "sharpness_gt", "cast_max", "dC", "psnr_input"]
 METHODS = ("model", "lanczos", "latent-bicubic")
+#: The PNG ``Software`` text of the curves figure: what tells a later run that ``curves.png`` is flowlift's.
+CURVES_SOFTWARE = "flowlift train"
 
 
 def centre_crop(image: torch.Tensor, size: int, multiple: int = 16) -> torch.Tensor:
