@@ -135,6 +135,11 @@ def test_a_runs_own_files_are_replaced_on_resume_and_the_log_appends(tmp_path, c
     assert main(_train(data, out, steps=4)) == 0, capsys.readouterr().err
     rows = (out / "train_log.csv").read_text().splitlines()
     assert rows[0].startswith("step,loss") and [r.split(",")[0] for r in rows[1:]] == ["1", "2", "3", "4"]
+    # a resume with --overwrite over a log that is not flowlift's: replaced (none of its rows kept), no traceback
+    (out / "train_log.csv").write_text("date,mood\nmonday,fine\n")
+    assert main(_train(data, out, "--overwrite", steps=5)) == 0, capsys.readouterr().err
+    rows = (out / "train_log.csv").read_text().splitlines()
+    assert rows[0].startswith("step,loss") and [r.split(",")[0] for r in rows[1:]] == ["5"]
 
 
 @pytest.mark.parametrize("kind", ["link", "fifo", "file"])

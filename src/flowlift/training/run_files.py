@@ -33,7 +33,7 @@ from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
 from flowlift.files.output_paths import folder_problem, same_file_problem
 from flowlift.training.checkpoints import EMA_NAME, RAW_NAME, RUN_ID_NAME, STATE_NAME
 from flowlift.training.config import TrainConfig
-from flowlift.training.validation import CURVES_SOFTWARE, VAL_FIELDS
+from flowlift.training.validation import CURVES_SOFTWARE, is_val_log
 
 CONFIG_NAME = "config.json"
 LOG_NAME = "train_log.csv"
@@ -70,11 +70,6 @@ def is_run_config(path: Path) -> bool:
 def is_train_log(path: Path) -> bool:
     """A CSV whose header is the trainer's (:data:`LOG_FIELDS`)."""
     return _first_line(path) == ",".join(LOG_FIELDS)
-
-
-def is_val_log(path: Path) -> bool:
-    """A CSV whose header is the validator's."""
-    return _first_line(path) == ",".join(VAL_FIELDS)
 
 
 def is_curves(path: Path) -> bool:

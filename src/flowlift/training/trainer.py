@@ -62,6 +62,7 @@ from flowlift.training.run_files import (
     LOG_FIELDS,
     LOG_NAME,
     check_run_folder,
+    is_train_log,
     remove_flowlift_checkpoints,
     run_inputs,
 )
@@ -197,7 +198,7 @@ class Trainer:
         """Create train_log.csv, or keep only the rows up to ``start_step`` of a resumed run."""
         path = self.output / LOG_NAME
         rows = []
-        if start_step > 0 and path.is_file() and not path.is_symlink():
+        if start_step > 0 and path.is_file() and not path.is_symlink() and is_train_log(path):  # else: not ours
             with path.open(newline="") as f:
                 rows = [r for r in csv.DictReader(f) if int(r["step"]) <= start_step]
         text = io.StringIO(newline="")

@@ -35,6 +35,12 @@ METHODS = ("model", "lanczos", "latent-bicubic")
 CURVES_SOFTWARE = "flowlift train"
 
 
+def is_val_log(path: Path) -> bool:
+    """Whether ``path`` begins with the validator's CSV header (:data:`VAL_FIELDS`): a ``val.csv`` flowlift wrote."""
+    with open(path, "rb") as handle:
+        return handle.readline(4096).rstrip(b"\r\n").decode("utf-8", "replace") == ",".join(VAL_FIELDS)
+
+
 def centre_crop(image: torch.Tensor, size: int, multiple: int = 16) -> torch.Tensor:
     """Centre crop (B, C, H, W) to ``size x size`` (or the largest multiple of ``multiple`` that fits)."""
     h, w = image.shape[-2:]
@@ -152,7 +158,7 @@ class Validator:
         self.csv_path = self.output / "val.csv"
         self.baselines = evaluate_methods(self.images, vae, {}, include_baselines=True)
         rows = []
-        if start_step > 0 and self.csv_path.is_file() and not self.csv_path.is_symlink():
+        if start_step > 0 and self.csv_path.is_file() and not self.csv_path.is_symlink() and is_val_log(self.csv_path):
             with self.csv_path.open(newline="") as f:
                 rows = [r for r in csv.DictReader(f) if int(r["step"]) <= start_step]
         text = io.StringIO(newline="")
