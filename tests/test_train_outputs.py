@@ -266,3 +266,19 @@ def test_a_link_swapped_in_mid_run_is_refused_at_the_next_line(tmp_path, data, m
         trainer_module.Trainer(config).run()
     assert victim.read_text() == "my notes\n"
     torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("kind", ["link", "dangling link", "fifo", "folder"])
+def test_the_job_manifest_is_never_appended_through_a_link_or_a_fifo(tmp_path, kind):
+    # the other line-by-line writer (upscale's job manifest): the same append, the same refusal
+    from flowlift.jobs.manifest import MANIFEST_NAME, Manifest
+
+    victim = tmp_path / "notes.txt"
+    victim.write_text("my notes\n")
+    out = tmp_path / "out"
+    words = _make(out / MANIFEST_NAME, kind, victim)
+    manifest = Manifest(out)
+    assert words in (manifest.writable_problem() or "")
+    with pytest.raises(FlowliftError, match=words):
+        manifest.write_record({"type": "job"})
+    assert victim.read_text() == "my notes\n" and not (tmp_path / "nowhere.txt").exists()
