@@ -38,6 +38,9 @@ STORAGE = ("float16", "bfloat16", "float32")
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="dataset folder (created; an existing one is resumed)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace files at the dataset's names (dataset.json, shard-*.safetensors) that "
+                        "flowlift did not write (without it, only flowlift's own and empty files are replaced)")
     parser.add_argument("--vae", required=True, help="VAE for decode/encode: flux2, taef2, a file/folder or hub id")
     parser.add_argument("--seed", type=seed_value, default=0, help="seed of crops, flips and stored noise")
     parser.add_argument("--shard-size", type=positive_int, default=256, help="items per shard file (default 256)")
@@ -186,6 +189,9 @@ def run(args: argparse.Namespace) -> int:
 
     if problem := folder_problem(out):  # before the teacher or the VAE loads
         raise FlowliftError(problem)
+    from flowlift.training.shards import check_dataset_folder
+
+    check_dataset_folder(out, args.overwrite)  # the replace rule at every name, before any model loads
     if args.dataset_kind == "distill":
         if args.width % 32 or args.height % 32 or args.width <= 0 or args.height <= 0:
             raise FlowliftError(f"--width/--height must be positive multiples of 32, got {args.width}x{args.height}")
@@ -198,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
             out, teacher, vae, num_items=args.num, latent_size=(args.height // 8, args.width // 8),
             seed=args.seed, shard_size=args.shard_size, batch_size=args.batch_size, degradation=degradation,
             storage_dtype=storage, device=device, source=source, progress=show_progress(args), part=part,
+            overwrite=args.overwrite,
         )
     else:
         from flowlift.files.images import list_images
@@ -210,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
             out, paths, vae, crop=args.crop, crops_per_image=args.crops_per_image, seed=args.seed,
             shard_size=args.shard_size, batch_size=args.batch_size, flip=not args.no_flip,
             degradation=degradation, storage_dtype=storage, device=device, vae_name=args.vae,
-            progress=show_progress(args), part=part,
+            progress=show_progress(args), part=part, overwrite=args.overwrite,
         )
     print(f"{args.dataset_kind} dataset: {manifest['num_items']} items of {manifest['target_shape']} in "
           f"{os.fspath(out)}")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,12 +41,14 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_output, atomic_write_text
+from flowlift.files.own_files import Recogniser, check_replaceable, json_object, safetensors_metadata
 from flowlift.knobs import wrap_seed
 
 FORMAT = "flowlift-latent-dataset"
 SHARD_FORMAT = "flowlift-shard"
 VERSION = 1
 CROP_ALIGN = 4
+_SHARD_NAME = re.compile(r"^shard-\d+\.safetensors$")
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -108,15 +111,59 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any]) -> None:
+def is_dataset_manifest(path: Path) -> bool:
+    """A JSON object of format :data:`FORMAT`: a ``dataset.json`` flowlift wrote (of any version)."""
+    manifest = json_object(path)
+    return manifest is not None and manifest.get("format") == FORMAT
+
+
+def shard_count(path: Path) -> int | None:
+    """The item count in the metadata of flowlift's shard at ``path``; None when it is none of flowlift's
+    shards (empty, not safetensors, another format), without reading its tensors."""
+    try:
+        metadata = safetensors_metadata(path)
+    except OSError:
+        return None
+    if not metadata or metadata.get("format") != SHARD_FORMAT:
+        return None
+    try:
+        return int(metadata.get("count", ""))
+    except ValueError:
+        return None
+
+
+def dataset_names(root: str | os.PathLike) -> dict[Path, Recogniser]:
+    """``dataset.json`` and every shard name in ``root``, with how flowlift's own is told."""
+    root = Path(root)
+    names: dict[Path, Recogniser] = {root / "dataset.json": is_dataset_manifest}
+    try:
+        entries = sorted(os.listdir(root)) if root.is_dir() else []
+    except OSError as error:
+        raise FlowliftError(f"cannot read {root}: {error.strerror or type(error).__name__}") from None
+    for name in entries:
+        if _SHARD_NAME.match(name):
+            names[root / name] = lambda path: shard_count(path) is not None
+    return names
+
+
+def check_dataset_folder(root: str | os.PathLike, overwrite: bool = False) -> None:
+    """The replace rule (:mod:`flowlift.files.own_files`) for the manifest and every shard name in ``root``:
+    a link, FIFO or folder there is one line; a non-empty file flowlift did not write needs ``overwrite``
+    (then it is replaced: a foreign shard is rebuilt). flowlift's own shards stay: the build resumes."""
+    check_replaceable(dataset_names(root), overwrite, "dataset")
+
+
+def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any], overwrite: bool = False) -> None:
     """Create ``root`` with ``manifest``, or check that an existing dataset has the same settings.
 
     Only ``num_items`` may differ (a resumed build may ask for more items). A different setting
-    raises one FlowliftError line instead of mixing two datasets.
+    raises one FlowliftError line instead of mixing two datasets. An empty ``dataset.json``, or one
+    flowlift did not write where ``overwrite`` allows replacing it, is replaced (:func:`check_dataset_folder`).
     """
     root = Path(root)
+    check_dataset_folder(root, overwrite)
     manifest = {"format": FORMAT, "version": VERSION, **manifest}
-    if (root / "dataset.json").is_file():
+    if (root / "dataset.json").is_file() and is_dataset_manifest(root / "dataset.json"):
         existing = read_manifest(root)
         now, there = _flatten(manifest), _flatten(existing)
         differing = sorted(
@@ -137,13 +184,16 @@ def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any]) -> No
 
 
 def completed_shards(root: str | os.PathLike) -> list[int]:
-    """Indices of the shard files present in ``root`` (each is complete: written atomically)."""
+    """Indices of flowlift's shard files present in ``root`` (each is complete: written atomically);
+    a file at a shard name that is none of flowlift's shards is not one."""
     out = []
     for path in Path(root).glob("shard-*.safetensors"):
         try:
-            out.append(int(path.stem.split("-")[1]))
+            index = int(path.stem.split("-")[1])
         except (IndexError, ValueError):
             continue
+        if os.path.isfile(path) and not os.path.islink(path) and shard_count(path) is not None:
+            out.append(index)
     return sorted(out)
 
 
