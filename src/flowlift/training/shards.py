@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,14 +40,17 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_output, atomic_write_text
-from flowlift.files.own_files import Recogniser, check_replaceable, json_object, safetensors_metadata
 from flowlift.knobs import wrap_seed
+from flowlift.training.dataset_files import (  # noqa: F401 - the format's names live with the replace rule
+    FORMAT,
+    SHARD_FORMAT,
+    check_dataset_folder,
+    is_dataset_manifest,
+    shard_count,
+)
 
-FORMAT = "flowlift-latent-dataset"
-SHARD_FORMAT = "flowlift-shard"
 VERSION = 1
 CROP_ALIGN = 4
-_SHARD_NAME = re.compile(r"^shard-\d+\.safetensors$")
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -109,48 +111,6 @@ def _flatten(manifest: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def _short(value: Any, limit: int = 60) -> str:
     text = json.dumps(value, sort_keys=True, default=str) if not isinstance(value, str) else value
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def is_dataset_manifest(path: Path) -> bool:
-    """A JSON object of format :data:`FORMAT`: a ``dataset.json`` flowlift wrote (of any version)."""
-    manifest = json_object(path)
-    return manifest is not None and manifest.get("format") == FORMAT
-
-
-def shard_count(path: Path) -> int | None:
-    """The item count in the metadata of flowlift's shard at ``path``; None when it is none of flowlift's
-    shards (empty, not safetensors, another format), without reading its tensors."""
-    try:
-        metadata = safetensors_metadata(path)
-    except OSError:
-        return None
-    if not metadata or metadata.get("format") != SHARD_FORMAT:
-        return None
-    try:
-        return int(metadata.get("count", ""))
-    except ValueError:
-        return None
-
-
-def dataset_names(root: str | os.PathLike) -> dict[Path, Recogniser]:
-    """``dataset.json`` and every shard name in ``root``, with how flowlift's own is told."""
-    root = Path(root)
-    names: dict[Path, Recogniser] = {root / "dataset.json": is_dataset_manifest}
-    try:
-        entries = sorted(os.listdir(root)) if root.is_dir() else []
-    except OSError as error:
-        raise FlowliftError(f"cannot read {root}: {error.strerror or type(error).__name__}") from None
-    for name in entries:
-        if _SHARD_NAME.match(name):
-            names[root / name] = lambda path: shard_count(path) is not None
-    return names
-
-
-def check_dataset_folder(root: str | os.PathLike, overwrite: bool = False) -> None:
-    """The replace rule (:mod:`flowlift.files.own_files`) for the manifest and every shard name in ``root``:
-    a link, FIFO or folder there is one line; a non-empty file flowlift did not write needs ``overwrite``
-    (then it is replaced: a foreign shard is rebuilt). flowlift's own shards stay: the build resumes."""
-    check_replaceable(dataset_names(root), overwrite, "dataset")
 
 
 def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any], overwrite: bool = False) -> None:
