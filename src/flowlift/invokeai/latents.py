@@ -63,3 +63,17 @@ def raw_to_normalized(raw_latents: torch.Tensor, bn_mean: torch.Tensor, bn_std: 
 def normalized_to_raw(latents: torch.Tensor, bn_mean: torch.Tensor, bn_std: torch.Tensor) -> torch.Tensor:
     """flowlift's normalized latents -> InvokeAI's raw FLUX.2 latents (the inverse of :func:`raw_to_normalized`)."""
     return denormalize(latents, bn_mean, bn_std)
+
+
+def seed_field_value(value: Any) -> int:
+    """A node's seed as it arrives in a graph's JSON, held to the rule of every JSON door
+    (:data:`flowlift.knobs.SEED`'s check with ``loose``: an integer, a string of digits, a whole float up to
+    2^53; never ``true``, 5.5, -1 or 2^64). pydantic's own ``int`` would take ``true`` as 1: the nodes'
+    seed fields run this first (``BeforeValidator``), and its ValueError is InvokeAI's HTTP 422 naming the
+    field and the rule."""
+    from flowlift.knobs import SEED
+
+    try:
+        return SEED.check(value, loose=True)
+    except FlowliftError as error:
+        raise ValueError(str(error)) from None

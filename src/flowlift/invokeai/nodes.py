@@ -11,7 +11,7 @@ No ``from __future__ import annotations`` here: InvokeAI reads each ``invoke``'s
 and each field's type at class creation.
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from invokeai.invocation_api import (
@@ -32,10 +32,17 @@ from invokeai.invocation_api import (
     WithMetadata,
     invocation,
 )
+from pydantic import BeforeValidator
 
 from flowlift.devices import resolve_device
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
-from flowlift.invokeai.latents import check_output_cap, check_raw_latents, normalized_to_raw, raw_to_normalized
+from flowlift.invokeai.latents import (
+    check_output_cap,
+    check_raw_latents,
+    normalized_to_raw,
+    raw_to_normalized,
+    seed_field_value,
+)
 from flowlift.invokeai.models import (
     check_flux2_vae_field,
     flux2_vae_adapter,
@@ -68,6 +75,10 @@ CATEGORY = "flowlift"
 # InvokeAI reads each field's type at class creation: the choices become Literal types, from the knob table
 Scale = Literal[SCALES]  # type: ignore[valid-type]
 Chunking = Literal[CHUNKING]  # type: ignore[valid-type]
+
+
+#: The seed fields' type: an int checked by :data:`flowlift.knobs.SEED` before pydantic's own coercion.
+Seed = Annotated[int, BeforeValidator(seed_field_value)]
 
 
 def knob_field(knob: Knob, description: str | None = None, **extra: Any) -> Any:
@@ -130,7 +141,7 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
     upscaler_model: ModelIdentifierField | None = installed_model_field("Flow Upscaler", "Flow Upscaler")
     upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
     scale: Scale = knob_field(SCALE, SCALE_DESCRIPTION)
-    seed: int = knob_field(SEED, SEED_DESCRIPTION)
+    seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
     transplant_strength: float = knob_field(TRANSPLANT_STRENGTH, TRANSPLANT_DESCRIPTION)
     chunked: Chunking = knob_field(CHUNKED, CHUNKED_DESCRIPTION)
 
@@ -190,7 +201,7 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
     upscaler_model: ModelIdentifierField | None = installed_model_field("Flow Upscaler", "Flow Upscaler")
     upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
     scale: Scale = knob_field(SCALE, SCALE_DESCRIPTION)
-    seed: int = knob_field(SEED, SEED_DESCRIPTION)
+    seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
     transplant_strength: float = knob_field(TRANSPLANT_STRENGTH, TRANSPLANT_DESCRIPTION)
     color_fix_strength: float = knob_field(
         COLOR_FIX_STRENGTH,
@@ -293,7 +304,7 @@ class TiledFlux2DenoiseInvocation(BaseInvocation):
     )  # fmt: skip
     strength: float = knob_field(REFINE_STRENGTH, "How much the refine changes the latents (img2img strength)")
     num_steps: int = knob_field(STEPS, "Steps of the full schedule (distilled Klein: 4)")
-    seed: int = knob_field(SEED, SEED_DESCRIPTION)
+    seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
     tile_size: str = _text_knob_field(TILE_SIZE, TILE_SIZE.help[:1].upper() + TILE_SIZE.help[1:])
     tile_overlap: int = knob_field(TILE_OVERLAP, multiple_of=16)
     tile_batch: str = _text_knob_field(TILE_BATCH, TILE_BATCH.help[:1].upper() + TILE_BATCH.help[1:])
