@@ -9,9 +9,10 @@ latents came from.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import BeforeValidator
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR, denormalize, normalize
@@ -77,3 +78,7 @@ def seed_field_value(value: Any) -> int:
         return SEED.check(value, loose=True)
     except FlowliftError as error:
         raise ValueError(str(error)) from None
+
+
+#: The nodes' seed fields' type: an ``int`` that :func:`seed_field_value` checks before pydantic's coercion.
+Seed = Annotated[int, BeforeValidator(seed_field_value)]

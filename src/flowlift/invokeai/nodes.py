@@ -11,7 +11,7 @@ No ``from __future__ import annotations`` here: InvokeAI reads each ``invoke``'s
 and each field's type at class creation.
 """
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import torch
 from invokeai.invocation_api import (
@@ -32,16 +32,15 @@ from invokeai.invocation_api import (
     WithMetadata,
     invocation,
 )
-from pydantic import BeforeValidator
 
 from flowlift.devices import resolve_device
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
 from flowlift.invokeai.latents import (
+    Seed,
     check_output_cap,
     check_raw_latents,
     normalized_to_raw,
     raw_to_normalized,
-    seed_field_value,
 )
 from flowlift.invokeai.models import (
     check_flux2_vae_field,
@@ -75,10 +74,6 @@ CATEGORY = "flowlift"
 # InvokeAI reads each field's type at class creation: the choices become Literal types, from the knob table
 Scale = Literal[SCALES]  # type: ignore[valid-type]
 Chunking = Literal[CHUNKING]  # type: ignore[valid-type]
-
-
-#: The seed fields' type: an int checked by :data:`flowlift.knobs.SEED` before pydantic's own coercion.
-Seed = Annotated[int, BeforeValidator(seed_field_value)]
 
 
 def knob_field(knob: Knob, description: str | None = None, **extra: Any) -> Any:
