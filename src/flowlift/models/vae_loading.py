@@ -89,8 +89,6 @@ _NOT_A_SPEC = "no such file or folder (nor 'taef2', 'flux2', 'mage' or a hub rep
 
 
 def _from_module(module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:
-    from diffusers import AutoencoderKLFlux2
-
     from flowlift.models.mage_vae import MageVAEModel
     from flowlift.models.taef2 import TAEF2
 
@@ -98,6 +96,8 @@ def _from_module(module: torch.nn.Module, device: torch.device | str, dtype: tor
         return TAEF2VAE(module.to(device=device, dtype=dtype))
     if isinstance(module, MageVAEModel):
         return MageVAE(module.to(device=device, dtype=dtype))
+    from diffusers import AutoencoderKLFlux2  # only now: importing diffusers takes seconds
+
     if isinstance(module, AutoencoderKLFlux2):
         return Flux2VAE(module.to(device=device, dtype=dtype))
     raise FlowliftError(
