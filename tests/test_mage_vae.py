@@ -130,6 +130,7 @@ def test_round_trip_through_load_vae_equals_the_reference(released_file, state):
     loaded = load_vae(str(released_file))
     assert isinstance(loaded, MageVAE) and loaded.has_encoder
     assert loaded.bn_mean is None and loaded.bn_std is None and loaded.spatial_factor == 8
+    assert loaded.approximate_decode
     torch.manual_seed(3)
     images = torch.rand(1, 3, 80, 48)
     expected = (ref.decode(state, ref.encode(state, images * 2 - 1)) + 1) / 2
@@ -336,6 +337,11 @@ def test_mage_spec_tries_the_repositories_in_order(tmp_path, monkeypatch, releas
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     assert isinstance(load_vae("mage"), MageVAE)
     assert isinstance(load_vae(MAGE_REPOS[-1]), MageVAE)
+    from flowlift.models.vae_loading import check_vae_spec
+    from flowlift.upscale.loading import vae_spec_files
+
+    check_vae_spec("mage")
+    assert [p.name for p in vae_spec_files("mage")] == ["mage_vae.safetensors"]  # provenance: the file hashed
 
 
 def test_mage_spec_without_cache_is_one_line_with_the_download_command(tmp_path, monkeypatch):
