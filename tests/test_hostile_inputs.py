@@ -203,3 +203,14 @@ def test_a_file_cut_in_a_later_frame_is_refused_as_truncated(tmp_path, format_na
             load_image(path)
         message = str(caught.value)
         assert message.startswith(f"{path}: unreadable or truncated image (") and "\n" not in message
+
+
+@pytest.mark.parametrize("name", ["list-5000", "mixed-100000", "unclosed-200000"])
+def test_deep_json_at_a_training_runs_file_names_is_not_flowlifts(tmp_path, name):
+    """The recognisers of a run's files (issue 36 class 1's replace rule) read a user's file at those names."""
+    from flowlift.training.run_files import is_run_config, is_upscaler_weights
+
+    (tmp_path / "config.json").write_text(_deep_object(DEEP_TEXTS[name]))
+    assert is_run_config(tmp_path / "config.json") is False
+    weights = _safetensors(tmp_path / "flow_upscaler.safetensors", DEEP_TEXTS[name])
+    assert is_upscaler_weights(weights) is False
