@@ -52,12 +52,10 @@ def check_numbers(node: str, **values: Any) -> dict[str, float | int]:
         if integer:
             checked[name] = NODE_KNOBS[node][name].check(value, label=f"{node}: {name}")
             continue
-        kind = "an integer" if integer else "a finite number"
-        wanted = numbers.Integral if integer else numbers.Real
-        number = value if isinstance(value, wanted) and not isinstance(value, bool) else None
+        number = value if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
         if number is None or not math.isfinite(number) or not low <= number <= high:
-            raise FlowliftError(f"{node}: {name} must be {kind} in [{low}, {high}], got {value!r}")
-        checked[name] = int(number) if integer else float(number)
+            raise FlowliftError(f"{node}: {name} must be a finite number in [{low}, {high}], got {value!r}")
+        checked[name] = float(number)
     return checked
 
 
