@@ -65,7 +65,7 @@ class FlowliftTestTinyFlux2:
     def build(self, seed: int):
         generator = torch.Generator().manual_seed(seed + 1)
         context = torch.randn(1, TEXT_TOKENS, TINY_UNET_CONFIG["context_in_dim"], generator=generator)
-        return (tiny_flux2(seed), [[context, {}]])
+        return (tiny_flux2(seed), [[context, {"pooled_output": None}]])  # FLUX.2 has no pooled text
 
 
 class FlowliftTestTiledReference:
