@@ -45,6 +45,8 @@ IMAGE_W, IMAGE_H = 48, 32
 BIG_W, BIG_H = 256, 192
 #: The tiled refine tests' FLUX.2 latent: 128x192 px (ComfyUI's layout, 16 px per latent pixel).
 REFINE_LATENT = (1, 128, 8, 12)
+#: The FLUX.2 Klein files the tiled refine template names (no weights here: empty stand-ins, never loaded).
+KLEIN_FILES = (("diffusion_models", "flux-2-klein-4b.safetensors"), ("text_encoders", "qwen_3_4b.safetensors"))
 #: Test-only nodes (the tiny FLUX.2 built from ComfyUI's own classes), linked in with ``test_nodes=True``.
 TEST_NODES = Path(__file__).resolve().parent / "comfy_test_nodes"
 
@@ -166,6 +168,9 @@ def write_models_and_inputs(root: Path, shared: Path) -> None:
     (models / "latent_upscale_models" / "corrupt.safetensors").write_bytes(b"\x17not a safetensors file" * 8)
     for name in ("taef2_encoder.pth", "taef2_decoder.pth"):
         shutil.copy(shared / "models" / "taef2" / name, models / "vae_approx" / name)
+    for folder, name in KLEIN_FILES:  # listed so that the Klein template's loaders show their files; never loaded
+        (models / folder).mkdir(parents=True, exist_ok=True)
+        (models / folder / name).write_bytes(b"")
     source = Image.open(shared / "images" / "kodak" / "kodim23.png").convert("RGB")
     example = source.crop((300, 150, 300 + 4 * IMAGE_W, 150 + 4 * IMAGE_H)).resize((IMAGE_W, IMAGE_H), Image.LANCZOS)
     example.save(inputs / "example.png")
