@@ -135,3 +135,23 @@ def test_an_earlier_wrapper_runs_per_tile():
     alone = call(TiledModelFunction(TileRequest.parse(64, 32)), FakeModel(), latent())
     assert seen == [(1, 128, 4, 4)] * 15
     torch.testing.assert_close(got, 2 * alone, rtol=0, atol=1e-5)
+
+
+def test_comfyuis_memory_estimate_is_made_for_one_tiled_call():
+    shapes = []
+
+    def executor(model, noise_shape, conds, model_options=None, force_full_load=False):
+        shapes.append(noise_shape)
+        return "loaded"
+
+    cases = [
+        (TileRequest.parse(), [1, 128, 256, 256], [1, 128, 64, 64]),  # auto at 4096 px: 1024 px tiles
+        (TileRequest.parse(), [1, 128, 128, 128], [1, 128, 128, 128]),  # auto at 2048 px: untouched
+        (TileRequest.parse(64, 32, 2), [1, 128, 8, 12], [2, 128, 4, 4]),  # two tiles per call
+        (TileRequest.parse(64, 32, 2), [2, 128, 8, 12], [2, 128, 4, 4]),  # a batch of two: one tile per call
+        (TileRequest.parse(256, 32), [1, 128, 8, 12], [1, 128, 8, 12]),  # one tile: the frame
+    ]
+    for request, latent_shape, expected in cases:
+        wrapper = TiledModelFunction(request)
+        assert wrapper.prepare_sampling(executor, "model", torch.Size(latent_shape), {}, model_options={}) == "loaded"
+        assert shapes[-1] == expected, (request, latent_shape)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import comfy.model_base
 import comfy.model_management as mm
 import comfy.model_patcher
+import comfy.patcher_extension
 from comfy_api.latest import io
 
 from flowlift.comfyui.loaders import CATEGORY
@@ -76,4 +77,7 @@ class FlowliftTiledFlux2Refine(io.ComfyNode):
         previous = patched.model_options.get("model_function_wrapper")
         wrapper = TiledModelFunction(request, mm.throw_exception_if_processing_interrupted, previous, TITLE)
         patched.set_model_unet_function_wrapper(wrapper)
+        patched.add_wrapper_with_key(
+            comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, NODE_ID, wrapper.prepare_sampling
+        )
         return io.NodeOutput(patched)

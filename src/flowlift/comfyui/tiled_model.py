@@ -29,7 +29,7 @@ No ComfyUI import here (the node is :mod:`flowlift.comfyui.refine_nodes`): ``che
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ import torch
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import PATCHIFIED_CHANNELS, VAE_SCALE_FACTOR, patchify, unpatchify
 from flowlift.refine.tiled_velocity import TiledVelocity, tiled_for_frame
-from flowlift.refine.tiling import TileRequest
+from flowlift.refine.tiling import TileRequest, resolve_tile_size, tile_layout
 
 log = logging.getLogger("flowlift")
 
@@ -54,6 +54,8 @@ FRAME_CONDITIONING = {
 }
 
 ModelFunction = Callable[..., torch.Tensor]
+#: Image pixels per latent pixel of ComfyUI's FLUX.2 layout (8x VAE, then 2x2 patches).
+COMFY_LATENT_PX = 2 * VAE_SCALE_FACTOR
 
 
 def check_conditioning(conditioning: dict[str, Any], where: str) -> None:
@@ -122,6 +124,25 @@ class TiledModelFunction:
             self.logged.add(frame)
             log.info("flowlift: %s", tiling_line(frame, record))
         return patchify(tiled(unpatchify(x), timestep))
+
+
+    def call_shape(self, latent_shape: Sequence[int]) -> list[int]:
+        """The largest input one model call gets for a ComfyUI latent of ``latent_shape`` (B, 128, h, w): a tile
+        (times the tiles stacked per call, which only a batch of one stacks) when the frame runs in tiles, else the
+        latent itself. ComfyUI's memory estimate before sampling is made for this shape."""
+        batch, channels = latent_shape[0], latent_shape[1]
+        height, width = COMFY_LATENT_PX * latent_shape[-2], COMFY_LATENT_PX * latent_shape[-1]
+        tile = resolve_tile_size(height, width, self.request.size)
+        if tile is None or len(latent_shape) != 4:
+            return list(latent_shape)
+        layout = tile_layout(height, width, tile, self.request.overlap)
+        per_call = self.request.batch if isinstance(self.request.batch, int) and batch == 1 else 1
+        return [batch * per_call, channels, layout.tile_height // COMFY_LATENT_PX, layout.tile_width // COMFY_LATENT_PX]
+
+    def prepare_sampling(self, executor: Callable[..., Any], model: Any, noise_shape: Sequence[int], *args, **kwargs):
+        """ComfyUI's ``PREPARE_SAMPLING`` wrapper: the model is loaded with room for one tiled call's activations
+        (:meth:`call_shape`) instead of the whole frame's, which the tiles never need at once."""
+        return executor(model, self.call_shape(noise_shape), *args, **kwargs)
 
 
 def tiling_line(frame: tuple[int, int], record: dict[str, Any]) -> str:
