@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -158,3 +159,27 @@ def test_an_inpaint_mask_is_kept_per_tile(server):
     torch.testing.assert_close(got[..., half + 1 :], source[..., half + 1 :], rtol=0, atol=1e-5)
     assert (got[..., : half - 1] - source[..., : half - 1]).abs().max() > 1e-2
     assert re.search(r"Tiled FLUX.2 Refine: \d+x\d+ px in 3x5 tiles", server.log.read_text(errors="replace"))
+
+
+def test_cancel_stops_a_step_between_tiles(server):
+    # one sampler step over 47x47 = 2209 tiles of 64 px (1536 px frame) takes far longer than ComfyUI's own check
+    # between steps would allow; the patch checks before every tile
+    graph = base_graph() | {
+        "3": {"class_type": "EmptyFlux2LatentImage", "inputs": {"width": 1536, "height": 1536, "batch_size": 1}},
+        "4": tiled(["1", 0], "64"), "5": ksampler(["4", 0], ["3", 0]), "6": save(["5", 0], "cancelled"),
+    }  # fmt: skip
+    graph["5"]["inputs"] |= {"steps": 1, "denoise": 1.0}
+    prompt_id = server.queue(graph)
+    deadline = time.monotonic() + 60
+    while not any(item[1] == prompt_id for item in server.request("/queue")["queue_running"]):
+        assert time.monotonic() < deadline, "the prompt never started"
+        time.sleep(0.1)
+    time.sleep(3.0)
+    assert not server.request(f"/history/{prompt_id}"), "the step finished before the interrupt: make it longer"
+    started = time.monotonic()
+    server.request("/interrupt", {})
+    entry = server.wait(prompt_id, timeout=120)
+    took = time.monotonic() - started
+    print(f"cancel honoured after {took:.2f} s")
+    assert message(entry, "execution_interrupted")["node_type"] == "KSampler"
+    assert "6" not in entry["outputs"] and took <= 5.0, took
