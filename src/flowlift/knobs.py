@@ -6,10 +6,11 @@ The front-ends derive their controls from those tables — the command line's op
 components and checks, the ComfyUI and InvokeAI inputs, the Python API's checks — so a limit is written
 in one place. Nothing here imports torch.
 
-Integers are parsed exactly on every door: the Python API and the node packs take an ``int`` (numpy's
-too); the text and JSON doors (the command line, the web app's API) also a string of digits, or a float
-that is a whole number no larger than 2^53 (beyond that a float has already lost the integer it was
-meant to be). A seed is never passed through ``float()``: seeds 2^53 and 2^53 + 1 are different seeds.
+Integers are parsed exactly on every door: the Python API and the node functions take an ``int`` (numpy's
+too); the text and JSON doors (the command line, the web app's API, ComfyUI's ``POST /prompt``, InvokeAI's
+graphs) also a string of digits, or a float that is a whole number no larger than 2^53 (beyond that a float
+has already lost the integer it was meant to be). A seed is never passed through ``float()`` or ``int()``:
+seeds 2^53 and 2^53 + 1 are different seeds, 5.5 and ``true`` are no seeds.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ metadata, a safetensors file's metadata. Every command checks all its names with
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import replace_refusal
+from flowlift.files.json_input import parse_json
 from flowlift.version import __version__
 
 Recogniser = Callable[[Path], bool]
@@ -61,8 +61,8 @@ def json_object(path: Path, limit: int = _HEAD_BYTES) -> dict[str, Any] | None:
     try:
         if os.stat(path).st_size > limit:
             return None
-        value = json.loads(head(path, limit))
-    except (OSError, ValueError, RecursionError):
+        value = parse_json(head(path, limit))
+    except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
 
@@ -108,8 +108,8 @@ def safetensors_metadata(path: Path) -> dict[str, str] | None:
     if not 2 <= size <= 100 << 20:
         return None
     try:
-        header = json.loads(head(path, 8 + size)[8:])
-    except (ValueError, RecursionError):
+        header = parse_json(head(path, 8 + size)[8:])
+    except ValueError:
         return None
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     return metadata if isinstance(metadata, dict) else None

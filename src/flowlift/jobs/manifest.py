@@ -21,6 +21,7 @@ from typing import Any
 
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import open_for_append
+from flowlift.files.json_input import parse_json
 from flowlift.jobs.distributed import DistEnv
 
 #: File name of the job manifest inside the output folder.
@@ -185,8 +186,8 @@ class RecordStream:
 def _record(line: bytes) -> dict[str, Any] | None:
     """One line as a record, or None (not JSON, too deeply nested, no object with an ``event``)."""
     try:
-        record = json.loads(line)
-    except (ValueError, RecursionError):
+        record = parse_json(line)
+    except ValueError:  # not JSON, or nested past the bound (files/json_input.py)
         return None
     return record if isinstance(record, dict) and "event" in record else None
 

@@ -177,10 +177,13 @@ class Flux2Refiner:
         from flowlift.refine.tiled_velocity import tiled_for_frame
 
         init_latents, bn_mean, bn_std = init if init is not None else (None, None, None)
-        size = tuple((init_latents.shape if init_latents is not None else shape)[2:])
+        frame = tuple(init_latents.shape if init_latents is not None else shape)
+        size = frame[2:]
         tiling: dict[str, Any] = {}
         if velocity_fn is not None:  # None: strength 0, no model call
-            velocity_fn, tiling = tiled_for_frame(velocity_fn, size, self.tiling.replace(*tiles), self.memory_plan)
+            velocity_fn, tiling = tiled_for_frame(
+                velocity_fn, size, self.tiling.replace(*tiles), self.memory_plan, images=frame[0]
+            )
         result = refine_latents(
             velocity_fn,
             init_latents=init_latents,

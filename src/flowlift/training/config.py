@@ -6,7 +6,6 @@ Precedence: dataclass defaults < config file < ``--set key=value`` / dedicated C
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from flowlift.errors import FlowliftError
+from flowlift.files.json_input import MAX_JSON_DEPTH, nesting_depth, parse_json
 
 
 @dataclass
@@ -181,8 +181,10 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
             import tomllib
 
             data = tomllib.loads(path.read_text())
+            if nesting_depth(data) > MAX_JSON_DEPTH:  # tomllib recurses like json: same bound
+                raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
         else:
-            data = json.loads(path.read_text())
+            data = parse_json(path.read_text())
     except Exception as error:  # noqa: BLE001 - any parse failure is a bad file to the user
         raise FlowliftError(f"cannot parse config {path}: {str(error).splitlines()[0]}") from None
     if not isinstance(data, dict):

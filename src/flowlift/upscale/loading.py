@@ -105,6 +105,8 @@ def vae_spec_files(spec: str) -> list[Path]:
         repos = [vae_module.TAEF2_REPO]
     elif spec == "flux2":
         repos = list(vae_module.FLUX2_REPOS)
+    elif spec == "mage":
+        return _cached_mage_files(vae_module.MAGE_REPOS, vae_module.MAGE_PATTERNS)
     else:
         repos = [spec]
     names = [*vae_module.TAEF2_FILES, "diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"]
@@ -196,3 +198,18 @@ def load_pipeline_vae(vae: Any, device: torch.device, dtype: torch.dtype) -> tup
     if not (callable(getattr(vae, "encode", None)) and callable(getattr(vae, "decode", None))):
         raise FlowliftError(f"vae must have encode() and decode(), got {type(vae).__name__}")
     return vae, spec
+
+
+def _cached_mage_files(repos: Sequence[str], patterns: list[str]) -> list[Path]:
+    """The ``vae/*.safetensors`` of the first Mage-Flow repository in the hub cache (the cache only, no request)."""
+    from huggingface_hub import snapshot_download
+
+    for repo in repos:
+        try:
+            folder = Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=True))
+        except Exception:  # noqa: BLE001 - provenance is best effort; not cached just means no files
+            continue
+        found = sorted((folder / "vae").glob("*.safetensors"))
+        if found:
+            return found
+    return []
