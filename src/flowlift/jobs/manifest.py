@@ -9,6 +9,7 @@ batch resume rule), so a manifest line and an output can never disagree in a way
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import os
 import socket
@@ -142,9 +143,11 @@ class RecordStream:
             return None
         except OSError as error:
             raise FlowliftError(_os_problem(self.path, error)) from None
-        if not stat_module.S_ISREG(os.fstat(descriptor).st_mode):
+        mode = os.fstat(descriptor).st_mode
+        if not stat_module.S_ISREG(mode):
             os.close(descriptor)
-            raise FlowliftError(f"cannot use the job manifest {self.path}: it is not a regular file")
+            reason = os.strerror(errno.EISDIR) if stat_module.S_ISDIR(mode) else "not a regular file"
+            raise FlowliftError(f"cannot use the job manifest {self.path}: {reason}")
         return descriptor
 
     def _lines(self) -> Iterator[bytes]:
