@@ -190,11 +190,10 @@ def run(args: argparse.Namespace) -> int:
     if problem := folder_problem(out):  # before the teacher or the VAE loads
         raise FlowliftError(problem)
     from flowlift.training.shards import check_dataset_folder
-
-    check_dataset_folder(out, args.overwrite)  # the replace rule at every name, before any model loads
     if args.dataset_kind == "distill":
         if args.width % 32 or args.height % 32 or args.width <= 0 or args.height <= 0:
             raise FlowliftError(f"--width/--height must be positive multiples of 32, got {args.width}x{args.height}")
+        check_dataset_folder(out, args.overwrite)  # the replace rule at every name, before any model loads
         teacher, source = load_teacher(args, device)
         vae = load_vae(args.vae, device=device, dtype=torch.float32)
         source["vae"] = args.vae
@@ -211,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
         from flowlift.training.datasets import build_images_dataset
 
         paths = list_images(args.inputs)
-        _check_outputs_are_no_input(out, paths)
+        _check_outputs_are_no_input(out, paths)  # first: an input is refused, --overwrite or not
+        check_dataset_folder(out, args.overwrite)
         vae = load_vae(args.vae, device=device, dtype=torch.float32)
         manifest = build_images_dataset(
             out, paths, vae, crop=args.crop, crops_per_image=args.crops_per_image, seed=args.seed,
