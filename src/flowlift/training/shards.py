@@ -145,16 +145,15 @@ def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any], overw
 
 
 def completed_shards(root: str | os.PathLike) -> list[int]:
-    """Indices of flowlift's shard files present in ``root`` (each is complete: written atomically);
-    a file at a shard name that is none of flowlift's shards is not one."""
+    """Indices of the shard files present in ``root`` (each is complete: written atomically). A file
+    at a shard name that is none of flowlift's is listed too: the reader names it, the builder
+    (:func:`shard_count`) rebuilds it where ``--overwrite`` allowed it."""
     out = []
     for path in Path(root).glob("shard-*.safetensors"):
         try:
-            index = int(path.stem.split("-")[1])
+            out.append(int(path.stem.split("-")[1]))
         except (IndexError, ValueError):
             continue
-        if os.path.isfile(path) and not os.path.islink(path) and shard_count(path) is not None:
-            out.append(index)
     return sorted(out)
 
 
