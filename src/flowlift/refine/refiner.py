@@ -26,7 +26,7 @@ from flowlift.refine.loop import (
 )
 from flowlift.refine.offload import place_transformer, with_transformer_on_device
 from flowlift.refine.parameters import RefineOutput, conditioning_parameters, output_parameters
-from flowlift.refine.settings import SamplingSettings, sampling_from
+from flowlift.refine.settings import SamplingSettings, check_hires_size, sampling_from
 from flowlift.refine.tiling import DEFAULT_TILE_OVERLAP, TileRequest
 
 #: A mode's tiling knobs (``tile_size``, ``tile_overlap``, ``tile_batch``; None keeps the refiner's).
@@ -379,6 +379,9 @@ class Flux2Refiner:
         pass's; the txt2img base runs it with ``base_steps``.
         """
         sampling = sampling_from(sampling, conditioning, "Flux2Refiner.hires")
+        if images is not None or (height is not None and width is not None):
+            base_h, base_w = images.shape[-2:] if images is not None else (height, width)
+            check_hires_size(int(base_w), int(base_h), scale)  # the whole pass plan, before the base runs
         start = denoising_start_for(refine_strength, strength_map)
         den = self.denoiser(**conditioning)
         params: dict[str, Any] = {}
