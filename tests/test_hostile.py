@@ -371,7 +371,7 @@ def test_outpaint_canvas_is_capped_before_loading_anything(tmp_path, capsys):
 
 def test_cli_turns_warnings_into_one_flowlift_line_and_drops_third_party_ones(capsys):
     from flowlift.commands.cli import _one_line_warnings
-    from flowlift.files.images import FlowliftWarning
+    from flowlift.errors import FlowliftWarning
 
     show = _one_line_warnings("upscale")
     show(RuntimeWarning("invalid value encountered in cast"), RuntimeWarning, np.__file__, 1)

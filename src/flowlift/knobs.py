@@ -175,6 +175,24 @@ def check_seed(seed: Any) -> int | list[int]:
     return SEED.check(seed)
 
 
+def check_count(name: str, value: Any) -> int:
+    """``value`` as an int if it is a non-negative integer (numpy ints too; not bool, not 1.5), else one line."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise FlowliftError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def check_unit_interval(name: str, value: Any) -> float:
+    """``value`` as a float if it is a real number in [0, 1] (not bool, not a string, not NaN), else one line."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
+        raise FlowliftError(f"{name} must be in [0, 1], got {value!r}")
+    return float(value)
+
+
 def wrap_seed(value: int) -> int:
     """A seed derived by arithmetic (``seed + k``) brought back into [0, 2^64 - 1]: ``value mod 2^64``."""
     return int(value) % (SEED_MAX + 1)

@@ -354,7 +354,7 @@ def save_image_atomic(
 
 def warn_alpha_dropped(path: str | os.PathLike) -> None:
     """One warning line: ``path``'s format keeps no alpha channel, so the transparency is lost."""
-    from flowlift.files.images import FlowliftWarning
+    from flowlift.errors import FlowliftWarning
 
     fmt = Path(path).suffix.lstrip(".").upper() or "this format"
     warnings.warn(

@@ -39,10 +39,10 @@ def outpaint_pads(height: int, width: int, left: int, top: int, right: int, bott
     """The borders rounded up to multiples of 16 px, checked before anything is allocated.
 
     The canvas ``(height + top + bottom) x (width + left + right)`` must stay within
-    :data:`flowlift.upscale.sizes.MAX_OUTPUT_SIDE` per side (the package's output cap), else one
+    :data:`flowlift.limits.MAX_OUTPUT_SIDE` per side (the package's output cap), else one
     FlowliftError line: ``--outpaint 0,0,1000000,0`` would otherwise try to allocate the canvas.
     """
-    from flowlift.upscale.sizes import MAX_OUTPUT_SIDE
+    from flowlift.limits import MAX_OUTPUT_SIDE
 
     pads = tuple(-(-max(0, int(p)) // PIXEL_MULTIPLE) * PIXEL_MULTIPLE for p in (left, top, right, bottom))
     if not any(pads):

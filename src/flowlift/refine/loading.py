@@ -338,8 +338,8 @@ def load_refiner(
 
 
 def _plan(module, vae_adapter, max_memory, image_size, text_tokens, offload, dtype, vae_dtype, tiling):
+    from flowlift.limits import model_bytes, parse_memory, vae_kind
     from flowlift.refine.memory_plan import DEFAULT_TEXT_TOKENS, plan_refine, transformer_sizes
-    from flowlift.upscale.memory_plan import model_bytes, parse_memory, vae_kind
 
     height, width = image_size
     return plan_refine(

@@ -144,7 +144,8 @@ def refine_latents(
     * ``denoising_start >= denoising_end`` (strength 0) runs no step and returns the normalized init.
     """
     from flowlift.flux2.img2img import InpaintMerger, denoise, prepare_start_latents
-    from flowlift.upscale.inputs import check_count, check_latents, check_unit_interval
+    from flowlift.flux2.latents import check_latents
+    from flowlift.knobs import check_count, check_unit_interval
 
     check_sampler(sampler)
     check_schedule(mu, schedule)

@@ -1,7 +1,7 @@
 """One device-memory budget for a refine (img2img, inpaint, outpaint, hires): where the transformer lives, whether
 the VAE tiles, whether the transformer runs in tiles and how many per call.
 
-The same ``--max-memory`` the upscaler plans with (:mod:`flowlift.upscale.memory_plan`: its size parser, its VAE
+The same ``--max-memory`` the upscaler plans with (:mod:`flowlift.limits`: its size parser, its VAE
 decode estimates). :func:`plan_refine` is a pure function of sizes, dtypes and the budget. It tries the
 transformer's frames from most to least context (the whole frame when it is within FLUX.2's 4 MP, then tiles,
 :mod:`flowlift.refine.tiling`), within each the offload modes from fastest to leanest (``none``, ``model``,
@@ -14,7 +14,7 @@ it then puts as many tiles in one call as still fit (at most :data:`~flowlift.re
   ``TRANSFORMER_PEAK_FRAMES * tiles_per_call * tokens * width * itemsize`` (tokens: one tile's image tokens, or the
   frame's, + text + reference tokens: references go to every tile) + the frame's latent buffers,
   ``LATENT_FRAME_BUFFERS * 32 * (h/8) * (w/8) * 4`` bytes (the only term that grows with the frame when tiled);
-* VAE encode/decode at the output size (:func:`flowlift.upscale.memory_plan.decode_peak_bytes`, whole or tiled)
+* VAE encode/decode at the output size (:func:`flowlift.limits.decode_peak_bytes`, whole or tiled)
   + the VAE's weights + the transformer's weights when ``none`` keeps them on the device;
 * hires: the Flow Upscaler gets what the transformer leaves (:attr:`RefinePlan.upscaler_budget_bytes`) and plans
   its own passes in it.
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.limits import decode_peak_bytes, dtype_bytes, format_bytes
 from flowlift.refine.tiling import (
     DEFAULT_TILE_OVERLAP,
     DEFAULT_TILE_SIZE,
@@ -39,8 +40,6 @@ from flowlift.refine.tiling import (
     resolve_tile_size,
     tile_count,
 )
-from flowlift.upscale.chunked.budget import dtype_bytes
-from flowlift.upscale.memory_plan import decode_peak_bytes, format_bytes
 
 #: One forward's activation peak in (tokens, width) frames of the compute dtype. Measured on the CPU (peak RSS,
 #: fp32, width 1024, 1+1 blocks, 1024-9216 image + 512 text tokens): 23.5-28.7 frames, flat in the token count

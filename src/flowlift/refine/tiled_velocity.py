@@ -145,7 +145,7 @@ def tiled_for_frame(
     plan made this tile, else 1. The metadata: ``tile_size`` as asked, and ``tiles`` (size, overlap, grid, batch)
     when tiles ran.
     """
-    from flowlift.files.images import FlowliftWarning
+    from flowlift.errors import FlowliftWarning
 
     height, width = latent_size[0] * VAE_SCALE_FACTOR, latent_size[1] * VAE_SCALE_FACTOR
     planned = "none" if plan is None else plan.tile_size
