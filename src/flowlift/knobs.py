@@ -70,7 +70,8 @@ class Knob:
 
     ``kind`` is ``int``, ``float``, ``str`` (one of ``choices``) or ``bool``. ``low``/``high`` close the range
     of a number (``None``: unbounded on that side); ``words`` are strings a number knob also takes
-    (``mu``'s ``"empirical"``). ``step`` is the slider step a UI offers, ``unit`` what the number counts.
+    (``mu``'s ``"empirical"``). ``step`` is the slider step a UI offers, ``unit`` what the number counts;
+    ``multiple_of`` (an int knob) is the grid its numbers lie on (a tile side: 16 px), checked with the range.
     """
 
     name: str
@@ -83,6 +84,7 @@ class Knob:
     words: tuple[str, ...] = ()
     unit: str = ""
     step: float | None = None
+    multiple_of: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -106,7 +108,8 @@ class Knob:
         low = "-inf" if self.low is None else f"{self.low:g}" if self.kind is float else str(self.low)
         high = "inf" if self.high is None else f"{self.high:g}" if self.kind is float else str(self.high)
         words = "".join(f" or {word}" for word in self.words)
-        return f"{'an integer ' if self.kind is int else ''}in [{low}, {high}]{words}"
+        grid = f"a multiple of {self.multiple_of} " if self.multiple_of else ""
+        return f"{'an integer ' if self.kind is int and not grid else ''}{grid}in [{low}, {high}]{words}"
 
     def _error(self, label: str, value: Any) -> FlowliftError:
         if self.kind is int and self.low == 0:
@@ -143,6 +146,9 @@ class Knob:
             raise self._error(label, value)
         if (self.low is not None and number < self.low) or (self.high is not None and number > self.high):
             raise self._error(label, value)
+        if self.multiple_of and number % self.multiple_of:
+            unit = f" {self.unit}" if self.unit else ""
+            raise FlowliftError(f"{label} must be a multiple of {self.multiple_of}{unit}, got {value!r}")
         return self.kind(number)
 
     def parse_text(self, text: str) -> Any:
@@ -165,6 +171,32 @@ SEED = Knob(
     "noise seed: the same seed gives the same result on every device",
     low=0,
     high=SEED_MAX,
+)
+
+
+#: Passes per scale: each Flow Upscaler pass doubles both sides.
+SCALE_PASSES = {2: 1, 4: 2, 8: 3}
+
+#: The upscale factor, declared once for both of its owners: ``flowlift upscale --scale`` (the upscaler's table)
+#: and the hires fix's upscale (the refiner's ``hires_scale`` is this knob under its own name).
+SCALE = Knob(
+    "scale",
+    int,
+    2,
+    "upscale factor: 2x per pass (2 = one pass, 4 = two, 8 = three)",
+    choices=tuple(SCALE_PASSES),
+    unit="x",
+    extra={"labels": tuple(f"{factor}x" for factor in SCALE_PASSES)},
+)
+#: Stage 1 of the colour fix, run after every upscale pass: the upscaler's and the hires fix's.
+TRANSPLANT_STRENGTH = Knob(
+    "transplant_strength",
+    float,
+    1.0,
+    "stage 1, after every pass: share of the latent low band taken from the input (1 = exactly, 0 = off)",
+    low=0.0,
+    high=1.0,
+    step=0.05,
 )
 
 

@@ -11,12 +11,12 @@ the 16-px grid, the overlap smaller than the tile) on top of :meth:`~flowlift.kn
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.settings import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SAMPLERS, SCHEDULES
-from flowlift.knobs import SEED, Knob, settings_or_deprecated_keywords, table
+from flowlift.knobs import SCALE, SEED, TRANSPLANT_STRENGTH, Knob, settings_or_deprecated_keywords, table  # noqa: F401
 
 #: The most steps a refine takes: far past where a flow model stops gaining (28-50), and a bound on what one
 #: request to the web app can ask for.
@@ -75,14 +75,11 @@ SCHEDULE = Knob(
     "schedule's points below the strength (diffusers' img2img)",
     choices=SCHEDULES,
 )
-HIRES_SCALE = Knob(
-    "hires_scale",
-    int,
-    2,
-    "hires fix: the Flow Upscaler's factor before the refine (2 = one pass, 4 = two, 8 = three)",
-    choices=(2, 4, 8),
-    unit="x",
-)
+#: The hires fix's upscale factor: the upscale scale knob (:data:`flowlift.knobs.SCALE`) under the refiner's name.
+HIRES_SCALE = replace(
+    SCALE, name="hires_scale",
+    help="hires fix: the Flow Upscaler's factor before the refine (2 = one pass, 4 = two, 8 = three)",
+)  # fmt: skip
 
 #: Tile sides and offsets are multiples of 16 image pixels: 8x VAE, then the transformer's 2x2 patches.
 TILE_MULTIPLE = 16
@@ -108,6 +105,7 @@ TILE_SIZE = Knob(
     words=TILE_SIZE_WORDS,
     unit="px",
     step=TILE_MULTIPLE,
+    multiple_of=TILE_MULTIPLE,
 )
 TILE_OVERLAP = Knob(
     "tile_overlap",
@@ -118,6 +116,7 @@ TILE_OVERLAP = Knob(
     low=0,
     unit="px",
     step=TILE_MULTIPLE,
+    multiple_of=TILE_MULTIPLE,
 )
 TILE_BATCH = Knob(
     "tile_batch",

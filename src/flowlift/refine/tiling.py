@@ -37,22 +37,14 @@ from flowlift.refine.settings import (  # noqa: F401  (the constants' home; impo
 
 
 def parse_tile_size(value: int | str) -> int | str:
-    """``"auto"``, ``"off"``, or a tile side in pixels: :data:`TILE_SIZE`'s check, then a multiple of 16."""
-    size = TILE_SIZE.check(value, "tile size", loose=True)
-    if isinstance(size, int) and size % TILE_MULTIPLE:
-        raise FlowliftError(
-            f"tile size must be a multiple of {TILE_MULTIPLE} px and at least {MIN_TILE_SIZE}, got {size}"
-        )
-    return size
+    """``"auto"``, ``"off"``, or a tile side in pixels: :data:`TILE_SIZE`'s check (its range and 16-px grid)."""
+    return TILE_SIZE.check(value, "tile size", loose=True)
 
 
 def parse_tile_overlap(value: int | str) -> int:
-    """An overlap in pixels: :data:`TILE_OVERLAP`'s check, then a multiple of 16 (less than the tile:
+    """An overlap in pixels: :data:`TILE_OVERLAP`'s check, its range and 16-px grid (less than the tile:
     :func:`check_overlap`)."""
-    overlap = TILE_OVERLAP.check(value, "tile overlap", loose=True)
-    if overlap % TILE_MULTIPLE:
-        raise FlowliftError(f"tile overlap must be a multiple of {TILE_MULTIPLE} px and >= 0, got {overlap}")
-    return overlap
+    return TILE_OVERLAP.check(value, "tile overlap", loose=True)
 
 
 def parse_tile_batch(value: int | str) -> int | str:
