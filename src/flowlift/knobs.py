@@ -251,13 +251,14 @@ def settings_or_deprecated_keywords(
     where: str,
     argument: str,
     home: str,
+    stacklevel: int = 4,
 ) -> Settings:
     """A settings object, or for one release the keyword arguments it replaced, folded into one.
 
     ``given`` itself (``make()``'s defaults when None) if ``old`` is empty; ``make(**old)`` with a
     ``DeprecationWarning`` naming ``where``'s old keywords and the new ``argument`` (a class of module
     ``home``); both at once is one :class:`FlowliftError`. The warning points at the caller of the public
-    function that called this one.
+    function that called this one (``stacklevel`` 3 when the public function calls this one itself).
     """
     if not old:
         return given if given is not None else make()
@@ -268,6 +269,6 @@ def settings_or_deprecated_keywords(
         f"{where}({', '.join(f'{name}=' for name in old)}) is deprecated and goes in the next release; pass "
         f"{spelled} ({home})",
         DeprecationWarning,
-        stacklevel=4,
+        stacklevel=stacklevel,
     )
     return make(**old)

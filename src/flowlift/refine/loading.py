@@ -23,9 +23,10 @@ from flowlift.flux2.schedule import DEFAULT_MU
 from flowlift.models.weights import looks_like_repo_id
 from flowlift.refine.loop import check_schedule
 from flowlift.refine.loras import LoraSpec
+from flowlift.refine.memory_plan import RefineMemory
 from flowlift.refine.prompts import PromptEncoder, _first_line
 from flowlift.refine.refiner import Flux2Refiner
-from flowlift.refine.tiling import DEFAULT_TILE_OVERLAP, TileRequest
+from flowlift.refine.tiling import TileRequest, tiles_from
 
 #: Suffixes of single-file transformers (everything else is a folder or a hub id).
 TRANSFORMER_FILE_SUFFIXES = (".safetensors", ".gguf")
@@ -246,25 +247,24 @@ def load_transformer(model: str, *, dtype: torch.dtype, option: str = "--model")
     raise FlowliftError(f"{option} {model}: no such file or folder, and not a hub repo id (owner/name)")
 
 
+_MEMORY_KEYWORDS = ("offload", "max_memory", "image_size", "text_tokens")
+
+
 def load_refiner(
     model: str,
     *,
     vae: str | None = None,
     transformer: str | None = None,
     loras: Sequence[LoraSpec] = (),
-    offload: str = "auto",
-    max_memory: str | int | None = None,
-    image_size: tuple[int, int] = (1024, 1024),
-    text_tokens: int | None = None,
+    memory: RefineMemory | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     text_encoder: bool = False,
     progress: bool = False,
     mu: float | str = DEFAULT_MU,
     schedule: str = "respaced",
-    tile_size: int | str = "auto",
-    tile_overlap: int = DEFAULT_TILE_OVERLAP,
-    tile_batch: int | str = "auto",
+    tiles: TileRequest | None = None,
+    **deprecated: Any,
 ) -> Flux2Refiner:
     """A :class:`Flux2Refiner` from FLUX.2 Klein / dev weights.
 
@@ -273,23 +273,32 @@ def load_refiner(
     fp8, GGUF, a folder or hub id; :func:`load_transformer`), the VAE and text encoder still from ``model``.
     ``vae`` (any :func:`flowlift.models.vae_loading.load_vae` spec) defaults to the model's own ``vae/``.
     ``loras``: ``(path, scale)`` pairs applied to the transformer (:func:`flowlift.refine.loras.apply_loras`;
-    needs ``flowlift[lora]``), active in every pass. ``offload``: ``none``, ``model``, ``group``
-    (:mod:`flowlift.refine.offload`) or ``auto``: with ``max_memory``, what
+    needs ``flowlift[lora]``), active in every pass. ``memory`` (:class:`~flowlift.refine.memory_plan.RefineMemory`):
+    ``offload`` ``none``, ``model``, ``group`` (:mod:`flowlift.refine.offload`) or ``auto``: with ``max_memory``, what
     :func:`flowlift.refine.memory_plan.plan_refine` picks for images up to ``image_size`` (height, width) pixels
     (it also decides the VAE's tiling), else ``none``. ``text_encoder=True`` also loads the pipeline's text encoder
     (``flowlift[text]``) so prompts can be strings; with an offload mode it waits in host memory between prompts.
     To free its memory before the transformer loads, embed the prompts first
     (:func:`flowlift.refine.prompts.embed_prompts`) and pass ``prompt_embeds``.
     ``mu`` and ``schedule`` are the refiner's schedule (:class:`Flux2Refiner`), checked before any weights load.
-    ``tile_size`` / ``tile_overlap`` / ``tile_batch`` (:mod:`flowlift.refine.tiling`) are its tiling, also checked
-    first; with ``max_memory`` the plan counts a tile's tokens instead of the frame's where it tiles.
+    ``tiles`` (:class:`~flowlift.refine.tiling.TileRequest`) is its tiling, also checked first; with ``max_memory``
+    the plan counts a tile's tokens instead of the frame's where it tiles. The old keywords ``offload``,
+    ``max_memory``, ``image_size``, ``text_tokens`` and ``tile_size``/``tile_overlap``/``tile_batch`` work for one
+    release, with a DeprecationWarning.
     """
+    from flowlift.knobs import settings_or_deprecated_keywords
     from flowlift.models.vae_loading import load_vae
     from flowlift.refine.loras import apply_loras
-    from flowlift.refine.offload import OFFLOAD_MODES
+    from flowlift.refine.offload import OFFLOAD_MODES, Placement
 
+    tiling = tiles_from(tiles, deprecated, "load_refiner")
+    old = {name: deprecated.pop(name) for name in _MEMORY_KEYWORDS if name in deprecated}
+    if deprecated:
+        raise TypeError(f"load_refiner() got an unexpected keyword argument {next(iter(deprecated))!r}")
+    memory = settings_or_deprecated_keywords(memory, old, RefineMemory, where="load_refiner", argument="memory",
+                                             home="flowlift.refine.memory_plan", stacklevel=3)  # fmt: skip
     check_schedule(mu, schedule)
-    tiling = TileRequest.parse(tile_size, tile_overlap, tile_batch)
+    offload = memory.offload
     if offload != "auto" and offload not in OFFLOAD_MODES:
         raise FlowliftError(f"offload must be auto or one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
     device = torch.device(device)
@@ -301,12 +310,12 @@ def load_refiner(
     vae_dtype = torch.float32 if dtype == torch.float16 else dtype
     vae_adapter = load_vae(vae or model, device=device, dtype=vae_dtype)
     plan = None
-    if max_memory is not None:
-        plan = _plan(module, vae_adapter, max_memory, image_size, text_tokens, offload, dtype, vae_dtype, tiling)
-    mode = plan.offload if plan is not None else ("none" if offload == "auto" else offload)
+    if memory.max_memory is not None:
+        plan = _plan(module, vae_adapter, memory, dtype, vae_dtype, tiling)
+    placement = Placement.planned(plan) if plan is not None else Placement("none" if offload == "auto" else offload)
     encoder = None
     if text_encoder:
-        encoder = PromptEncoder(model, device=device, dtype=dtype, offload=mode != "none")
+        encoder = PromptEncoder(model, device=device, dtype=dtype, offload=placement.offload != "none")
     provenance: dict[str, Any] = dict(getattr(module, "flowlift_source", {}))
     if transformer is not None:
         provenance["transformer"] = str(transformer)
@@ -314,46 +323,28 @@ def load_refiner(
         provenance["fp8_layers"] = fp8_layers
     if loaded_loras:
         provenance["loras"] = [lora.record() for lora in loaded_loras]
-    provenance["offload"] = mode
+    provenance["offload"] = placement.offload
     if plan is not None:
         provenance["memory_plan"] = plan.describe()
     return Flux2Refiner(
-        module,
-        vae_adapter,
-        device=device,
-        dtype=dtype,
-        prompt_encoder=encoder,
-        progress=progress,
-        model_name=str(model),
-        mu=mu,
-        schedule=schedule,
-        offload=mode,
-        vae_tiled=plan.vae_tiled if plan is not None else None,
-        memory_plan=plan,
-        provenance=provenance,
-        tile_size=tiling.size,
-        tile_overlap=tiling.overlap,
-        tile_batch=tiling.batch,
-    )
+        module, vae_adapter, device=device, dtype=dtype, prompt_encoder=encoder, progress=progress,
+        model_name=str(model), mu=mu, schedule=schedule, placement=placement, provenance=provenance, tiles=tiling,
+    )  # fmt: skip
 
 
-def _plan(module, vae_adapter, max_memory, image_size, text_tokens, offload, dtype, vae_dtype, tiling):
+def _plan(module, vae_adapter, memory: RefineMemory, dtype, vae_dtype, tiling: TileRequest):
     from flowlift.limits import model_bytes, parse_memory, vae_kind
-    from flowlift.refine.memory_plan import DEFAULT_TEXT_TOKENS, plan_refine, transformer_sizes
+    from flowlift.refine.memory_plan import DEFAULT_TEXT_TOKENS, VAESizes, plan_refine, transformer_sizes
 
-    height, width = image_size
+    height, width = memory.image_size
     return plan_refine(
         height,
         width,
-        parse_memory(max_memory),
+        parse_memory(memory.max_memory),
         transformer_sizes(module),
         dtype=dtype,
-        vae_kind=vae_kind(vae_adapter),
-        vae_bytes=model_bytes(vae_adapter),
-        vae_dtype=vae_dtype,
-        text_tokens=text_tokens or DEFAULT_TEXT_TOKENS,
-        offload=None if offload == "auto" else offload,
-        tile_size=tiling.size,
-        tile_overlap=tiling.overlap,
-        tile_batch=tiling.batch,
+        vae=VAESizes(vae_kind(vae_adapter), model_bytes(vae_adapter), vae_dtype),
+        text_tokens=memory.text_tokens or DEFAULT_TEXT_TOKENS,
+        offload=None if memory.offload == "auto" else memory.offload,
+        tiles=tiling,
     )

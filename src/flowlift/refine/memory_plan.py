@@ -26,19 +26,20 @@ a budget too small for the leanest plan is one FlowliftError line saying what th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.limits import decode_peak_bytes, dtype_bytes, format_bytes
 from flowlift.refine.tiling import (
-    DEFAULT_TILE_OVERLAP,
     DEFAULT_TILE_SIZE,
     MAX_AUTO_TILE_BATCH,
     TileRequest,
     exceeds_untiled_limit,
     resolve_tile_size,
     tile_count,
+    tiles_from,
 )
 
 #: One forward's activation peak in (tokens, width) frames of the compute dtype. Measured on the CPU (peak RSS,
@@ -129,6 +130,31 @@ def refine_tokens(height: int, width: int, *, text_tokens: int = DEFAULT_TEXT_TO
     return -(-height // side) * -(-width // side) + text_tokens + reference_tokens
 
 
+@dataclass(frozen=True)
+class RefineMemory:
+    """How a refiner is fitted in device memory, as asked: ``offload`` (``auto``: planned from ``max_memory``,
+    else ``none``; or none/model/group), ``max_memory`` (``12GB``, bytes; None: no plan), and what the plan is made
+    for: ``image_size`` (height, width px, the largest image decoded) and ``text_tokens`` (None: 512)."""
+
+    offload: str = "auto"
+    max_memory: str | int | None = None
+    image_size: tuple[int, int] = (1024, 1024)
+    text_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class VAESizes:
+    """What the planner needs to know of the VAE: its ``kind`` (``taef2`` or ``flux2``, whose decode peaks differ),
+    its weights' ``bytes`` and the ``dtype`` it runs in."""
+
+    kind: str = "flux2"
+    bytes: int = 0
+    dtype: Any = torch.bfloat16
+
+
+_VAE_KEYWORDS = {"vae_kind": "kind", "vae_bytes": "bytes", "vae_dtype": "dtype"}
+
+
 def plan_refine(
     height: int,
     width: int,
@@ -136,26 +162,33 @@ def plan_refine(
     sizes: TransformerSizes,
     *,
     dtype: torch.dtype = torch.bfloat16,
-    vae_kind: str = "flux2",
-    vae_bytes: int = 0,
-    vae_dtype: torch.dtype = torch.bfloat16,
+    vae: VAESizes | None = None,
     text_tokens: int = DEFAULT_TEXT_TOKENS,
     reference_tokens: int = 0,
     batch: int = 1,
     offload: str | None = None,
-    tile_size: int | str = "auto",
-    tile_overlap: int = DEFAULT_TILE_OVERLAP,
-    tile_batch: int | str = "auto",
+    tiles: TileRequest | None = None,
+    **deprecated: Any,
 ) -> RefinePlan:
     """The fastest plan for a refine whose largest image is ``height x width`` pixels within ``budget_bytes``.
 
-    ``offload`` given: only that mode is considered (the VAE's tiling is still planned). ``tile_size`` /
-    ``tile_overlap`` / ``tile_batch`` are the tiling knobs (:mod:`flowlift.refine.tiling`): ``auto`` keeps the frame
-    whole when it is within 4 MP and fits, else tiles it. Raises one FlowliftError line when nothing fits.
+    ``offload`` given: only that mode is considered (the VAE's tiling is still planned). ``tiles`` are the tiling
+    knobs (:class:`~flowlift.refine.tiling.TileRequest`): ``auto`` keeps the frame whole when it is within 4 MP and
+    fits, else tiles it. Raises one FlowliftError line when nothing fits. The old keywords ``vae_kind``/
+    ``vae_bytes``/``vae_dtype`` and ``tile_size``/``tile_overlap``/``tile_batch`` work for one release, with a
+    DeprecationWarning.
     """
-    request = TileRequest.parse(tile_size, tile_overlap, tile_batch)
+    from flowlift.knobs import settings_or_deprecated_keywords
+
+    request = tiles_from(tiles, deprecated, "plan_refine")
+    old = {_VAE_KEYWORDS[name]: deprecated.pop(name) for name in list(deprecated) if name in _VAE_KEYWORDS}
+    if deprecated:
+        raise TypeError(f"plan_refine() got an unexpected keyword argument {next(iter(deprecated))!r}")
+    vae = settings_or_deprecated_keywords(vae, old, VAESizes, where="plan_refine", argument="vae",
+                                          home="flowlift.refine.memory_plan", stacklevel=3)  # fmt: skip
+    vae_kind, vae_bytes = vae.kind, vae.bytes
     vae = {
-        tiled: decode_peak_bytes(vae_kind, height, width, batch=batch, dtype=vae_dtype, tiled=tiled)
+        tiled: decode_peak_bytes(vae_kind, height, width, batch=batch, dtype=vae.dtype, tiled=tiled)
         for tiled in (False, True)
     }
     resident_while_sampling = {

@@ -85,6 +85,30 @@ class TileRequest:
         )
 
 
+_TILE_KEYWORDS = {"tile_size": "size", "tile_overlap": "overlap", "tile_batch": "batch"}
+
+
+def tiles_from(tiles: TileRequest | None, deprecated: dict[str, Any], where: str,
+               base: TileRequest | None = None) -> TileRequest:  # fmt: skip
+    """The :class:`TileRequest` a call runs with: ``tiles`` itself, else ``base`` (the refiner's; None: the knobs'
+    defaults); for one release the old keywords ``tile_size``/``tile_overlap``/``tile_batch`` popped from
+    ``deprecated`` (those not None replace ``base``'s), with a DeprecationWarning. Both at once is an error."""
+    import warnings
+
+    old = {_TILE_KEYWORDS[name]: deprecated.pop(name) for name in list(deprecated) if name in _TILE_KEYWORDS}
+    if not old:
+        return tiles if tiles is not None else base if base is not None else TileRequest()
+    if tiles is not None:
+        raise FlowliftError(f"{where}: give tiles=TileRequest(...) or {', '.join(f'tile_{n}' for n in old)}, not both")
+    warnings.warn(
+        f"{where}({', '.join(f'tile_{name}=' for name in old)}) is deprecated and goes in the next release; pass "
+        "tiles=TileRequest(...) (flowlift.refine.tiling)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return (base if base is not None else TileRequest()).replace(**old)
+
+
 def exceeds_untiled_limit(height: int, width: int) -> bool:
     """True when a ``height x width`` px frame is above FLUX.2's 4 MP: ``height * width > 2048 * 2048``."""
     return height * width > MAX_UNTILED_PIXELS
