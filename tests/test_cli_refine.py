@@ -284,7 +284,8 @@ def test_mu_and_schedule_options(capsys, tmp_path, model_dir, embeds_file, photo
     assert code == 0, err
     meta = _metadata(out)
     assert (meta["mu"], meta["mu_rule"], meta["schedule"]) == (3.5, "fixed", "respaced") and len(meta["sigmas"]) == 10
-    for bad, message in [("-1", "must be in [0, 15]"), ("15.5", "must be in [0, 15]"), ("auto", "not a number")]:
+    for bad, message in [("-1", "must be in [0, 15]"), ("15.5", "must be in [0, 15]"),
+                         ("auto", "must be in [0, 15] or empirical, got 'auto'")]:  # fmt: skip
         with pytest.raises(SystemExit) as exit_info:
             main([str(a) for a in argv] + ["--mu", bad])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -376,3 +376,29 @@ def file_sha256(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
 def input_hashes(paths: dict[str, str | None]) -> dict[str, str]:
     """``{"<role>_sha256": hex}`` for every given input file (the metadata of refine outputs)."""
     return {f"{key}_sha256": file_sha256(path) for key, path in paths.items() if path}
+
+
+def check_single_output(path: Path, overwrite: bool = False, option: str = "--output") -> None:
+    """One output image ``path`` (a refine's) can be written, and writing it destroys nothing of the user's.
+
+    Writable in a format flowlift writes (name length, folder, what is there:
+    :func:`flowlift.files.output_paths.output_file_problem`); only a regular file may be replaced, and one without
+    flowlift's metadata needs ``overwrite`` (an empty file, and flowlift's own earlier results, are replaced). A
+    killed run's debris beside it is removed (never a live writer's). Checked before any model loads; ``option``
+    names the output in the one error line.
+    """
+    from flowlift.files.atomic import remove_stale_temporaries
+    from flowlift.files.images import IMAGE_SUFFIXES
+    from flowlift.files.output_paths import output_file_problem
+
+    if path.suffix.lower() not in IMAGE_SUFFIXES:
+        raise FlowliftError(f"{option} {path}: unsupported image format {path.suffix or '(none)'}")
+    if problem := output_file_problem(path):  # first: a name too long cannot even be looked at
+        raise FlowliftError(problem)
+    remove_stale_temporaries(path.parent)
+    if path.is_file() and not overwrite:
+        found = inspect_existing(path)
+        if not found.empty and not found.by_flowlift:  # the user's: an image, or any other file
+            raise FlowliftError(
+                f"{option} {path} exists and was not written by flowlift; use --overwrite to replace it"
+            )

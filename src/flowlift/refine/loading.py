@@ -348,3 +348,44 @@ def _plan(module, vae_adapter, memory: RefineMemory, dtype, vae_dtype, tiling: T
         offload=None if memory.offload == "auto" else memory.offload,
         tiles=tiling,
     )
+
+
+def check_refiner_source(source: Any) -> list[LoraSpec]:
+    """Everything a :class:`~flowlift.refine.request.RefinerSource` names, checked before any weights load (one
+    FlowliftError line): the ``transformer`` file is what it claims (headers only) and its extra is installed, the
+    LoRAs are ``.safetensors`` files and peft is there, ``group`` offload has accelerate, the budget parses.
+    Returns the LoRAs as ``(path, scale)`` pairs."""
+    import importlib.util
+
+    from flowlift.limits import parse_memory
+    from flowlift.models.hub import looks_like_path
+    from flowlift.refine.loras import parse_lora_spec
+
+    if source.transformer is not None:
+        path = Path(source.transformer).expanduser()
+        if path.is_file():
+            from flowlift.models.flux2_transformer_files import inspect_transformer_file
+
+            info = inspect_transformer_file(path, option="--transformer")  # headers only: what it is
+            if info.container == "gguf" and importlib.util.find_spec("accelerate") is None:
+                raise FlowliftError(f"--transformer {path}: GGUF needs the gguf extra (pip install 'flowlift[gguf]')")
+        elif not path.exists() and looks_like_path(source.transformer):
+            raise FlowliftError(f"--transformer {source.transformer}: no such file or folder")
+    loras = [parse_lora_spec(text) for text in source.loras]
+    for lora, _ in loras:
+        if not Path(lora).is_file():
+            raise FlowliftError(f"--lora {lora}: no such file")
+        if Path(lora).suffix.lower() != ".safetensors":
+            raise FlowliftError(f"--lora {lora}: LoRAs are read from .safetensors only")
+    if loras and (importlib.util.find_spec("peft") is None or importlib.util.find_spec("transformers") is None):
+        raise FlowliftError(
+            "--lora needs peft (pip install 'flowlift[lora]', from a checkout pip install -e '.[lora]')"
+        )
+    if source.offload == "group" and importlib.util.find_spec("accelerate") is None:
+        raise FlowliftError("--offload group needs accelerate (pip install 'flowlift[offload]')")
+    if source.max_memory is not None:
+        try:
+            parse_memory(source.max_memory)
+        except FlowliftError as error:
+            raise FlowliftError(f"--max-memory: {error}") from None
+    return loras
