@@ -14,3 +14,8 @@ class FlowliftError(Exception):
 class FlowliftWarning(UserWarning):
     """A warning flowlift raises about a user's data (an image read with a caveat, alpha dropped, a tile
     layout below FLUX.2's trained size): one line, shown once per message."""
+
+
+#: Exceptions that fail one input of a batch, or one request of the web app (reported in one line), instead of
+#: the whole run: a user error, a file that cannot be read or written, a model that ran out of memory.
+ITEM_ERRORS: tuple[type[BaseException], ...] = (FlowliftError, OSError, RuntimeError, MemoryError, ValueError)

@@ -108,8 +108,8 @@ def _frame(job: RefineJob) -> tuple[int, int]:
     request = job.request
     if request.mode == "hires":
         if job.rgb is not None and (job.rgb.width % MULTIPLE or job.rgb.height % MULTIPLE):
-            raise FlowliftError(f"--image sides must be multiples of {MULTIPLE} px, got {job.rgb.width}x"
-                                f"{job.rgb.height}; crop it first")  # fmt: skip
+            raise FlowliftError(f"{Path(request.image).name}: the hires fix needs sides that are multiples of "
+                                f"{MULTIPLE} px, got {job.rgb.width}x{job.rgb.height}; crop it first")  # fmt: skip
         width, height = (job.rgb.width, job.rgb.height) if job.rgb is not None else request.hires.base_size
         if job.rgb is None and (width % MULTIPLE or height % MULTIPLE):
             raise FlowliftError(f"--width/--height must be multiples of {MULTIPLE}, got {width}x{height}")
