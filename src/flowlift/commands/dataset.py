@@ -192,24 +192,23 @@ def run(args: argparse.Namespace) -> int:
         teacher, source = load_teacher(args, device)
         vae = load_vae(args.vae, device=device, dtype=torch.float32)
         source["vae"] = args.vae
-        from flowlift.training.datasets import build_distill_dataset
+        from flowlift.training.datasets import ShardWriting, build_distill_dataset
 
+        writing = ShardWriting(args.shard_size, storage, device, show_progress(args), part)
         manifest = build_distill_dataset(
             out, teacher, vae, num_items=args.num, latent_size=(args.height // 8, args.width // 8),
-            seed=args.seed, shard_size=args.shard_size, batch_size=args.batch_size, degradation=degradation,
-            storage_dtype=storage, device=device, source=source, progress=show_progress(args), part=part,
+            seed=args.seed, batch_size=args.batch_size, degradation=degradation, source=source, writing=writing,
         )
     else:
         from flowlift.files.images import list_images
-        from flowlift.training.datasets import build_images_dataset
+        from flowlift.training.datasets import ShardWriting, build_images_dataset
 
         paths = list_images(args.inputs)
         vae = load_vae(args.vae, device=device, dtype=torch.float32)
         manifest = build_images_dataset(
             out, paths, vae, crop=args.crop, crops_per_image=args.crops_per_image, seed=args.seed,
-            shard_size=args.shard_size, batch_size=args.batch_size, flip=not args.no_flip,
-            degradation=degradation, storage_dtype=storage, device=device, vae_name=args.vae,
-            progress=show_progress(args), part=part,
+            batch_size=args.batch_size, flip=not args.no_flip, degradation=degradation, vae_name=args.vae,
+            writing=ShardWriting(args.shard_size, storage, device, show_progress(args), part),
         )
     print(f"{args.dataset_kind} dataset: {manifest['num_items']} items of {manifest['target_shape']} in "
           f"{os.fspath(out)}")
