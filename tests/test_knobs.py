@@ -409,3 +409,66 @@ def test_seeded_noise_takes_every_seed_up_to_2_64_minus_1():
     assert not torch.equal(top, seeded_noise((2, 4, 4), SEED_MAX - 1))
     assert not torch.equal(latent_noise((1, 32, 4, 4), SEED_MAX), latent_noise((1, 32, 4, 4), 0))
     assert not torch.equal(pass_noise([SEED_MAX], 0, (32, 4, 4)), pass_noise([SEED_MAX - 1], 0, (32, 4, 4)))
+
+
+#: Front-end parameter names that mean a knob under another name (the InvokeAI nodes' ``num_steps``).
+KNOB_ALIASES = {"num_steps": "steps", "transplant": "transplant_strength", "color_fix": "color_fix_strength"}
+FRONT_END_PACKAGES = ("app", "commands", "comfyui", "invokeai")
+
+
+def _front_end_knob_defaults():
+    """``(where, parameter, default node)`` for every parameter of a front-end function that names a knob."""
+    import ast
+    from pathlib import Path
+
+    import flowlift
+
+    names = {*UPSCALE_KNOBS, *REFINE_KNOBS, *KNOB_ALIASES}
+    root = Path(flowlift.__file__).parent
+    for package in FRONT_END_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                arguments = node.args
+                positional = [*arguments.posonlyargs, *arguments.args]
+                pairs = list(zip(positional[len(positional) - len(arguments.defaults):], arguments.defaults))
+                pairs += [(a, d) for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults) if d is not None]
+                for argument, default in pairs:
+                    if argument.arg in names:
+                        yield f"{path.relative_to(root)}:{node.name}", argument.arg, default
+
+
+def test_no_front_end_writes_a_knobs_default_as_a_literal():
+    """A front-end parameter named after a knob takes its default from the table (``STEPS.default``) or None (the
+    callee decides), never a number or word typed again: the app's hires fix once started at 0.5 this way."""
+    import ast
+
+    literals = [f"{where}({name}={ast.unparse(default)})" for where, name, default in _front_end_knob_defaults()
+                if isinstance(default, ast.Constant) and default.value is not None]  # fmt: skip
+    assert not literals, "front-end defaults retyped as literals: " + ", ".join(literals)
+
+
+def test_the_apps_handlers_and_forms_default_to_the_knobs():
+    import dataclasses
+    import inspect
+
+    from flowlift.app.refine import MODES, RefineForm, mode_strength_default
+    from flowlift.app.service import AppService
+
+    tables = {**UPSCALE_KNOBS, **REFINE_KNOBS}
+    checked = 0
+    for handler in (AppService.upscale, AppService.batch, AppService.refine):
+        for name, parameter in inspect.signature(handler).parameters.items():
+            if name in tables and parameter.default is not None:
+                assert parameter.default == tables[name].default, (handler.__name__, name)
+                checked += 1
+    for spec in dataclasses.fields(RefineForm):
+        if spec.name in tables and spec.default is not None:
+            assert spec.default == tables[spec.name].default, spec.name
+            checked += 1
+    assert checked >= 16
+    assert mode_strength_default("img2img") == REFINE_KNOBS["strength"].default
+    for mode, factor in MODES.items():
+        if factor:  # the hires fix's refine strength, as the CLI and the InvokeAI node start it
+            assert mode_strength_default(mode) == REFINE_KNOBS["refine_strength"].default == 0.3
