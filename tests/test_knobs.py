@@ -432,8 +432,9 @@ def _front_end_knob_defaults():
                     continue
                 arguments = node.args
                 positional = [*arguments.posonlyargs, *arguments.args]
-                pairs = list(zip(positional[len(positional) - len(arguments.defaults):], arguments.defaults))
-                pairs += [(a, d) for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults) if d is not None]
+                with_defaults = positional[len(positional) - len(arguments.defaults) :]
+                pairs = list(zip(with_defaults, arguments.defaults, strict=True))
+                pairs += [(a, d) for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True) if d]
                 for argument, default in pairs:
                     if argument.arg in names:
                         yield f"{path.relative_to(root)}:{node.name}", argument.arg, default
