@@ -18,9 +18,9 @@ from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 from invokeai.backend.stable_diffusion.diffusion.conditioning_data import ConditioningFieldData, FLUXConditioningInfo
 from safetensors.torch import save_file
 
-from flowlift.refine.tiled_refine import tiled_refine_raw_latents
 from flowlift.models.vae import Flux2VAE
 from flowlift.refine.settings import SamplingSettings
+from flowlift.refine.tiled_refine import tiled_refine_raw_latents
 from flowlift.refine.tiling import TileRequest
 
 #: The Klein test's refine settings (test_invokeai.py's node fields).
