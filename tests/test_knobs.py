@@ -473,3 +473,19 @@ def test_the_apps_handlers_and_forms_default_to_the_knobs():
     for mode, factor in MODES.items():
         if factor:  # the hires fix's refine strength, as the CLI and the InvokeAI node start it
             assert mode_strength_default(mode) == REFINE_KNOBS["refine_strength"].default == 0.3
+
+
+@pytest.mark.parametrize(
+    "argv, prefix",
+    [(["upscale", "x.png", "--color-fix", "0.5"], "--color-fix"), (["img2img", "x.png", "--model", "m", "--stre", "1"],
+     "--stre"), (["dataset", "images", "x.png", "--out", "o", "--vae", "taef2", "--cro", "64"], "--cro")],
+)  # fmt: skip
+def test_a_prefix_of_an_option_is_refused_on_every_command(argv, prefix, capsys):
+    """Issue 39: ``--color-fix 0.5`` once ran as ``--color-fix-strength 0.5``; every parser, the subcommands' and
+    their subcommands' too, refuses a prefix in one line (exit 2)."""
+    from flowlift.commands.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"unrecognized arguments: {prefix}" in err and len(err.splitlines()) == 1

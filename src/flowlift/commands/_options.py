@@ -49,7 +49,13 @@ class OneLineParser(argparse.ArgumentParser):
     ``flowlift CMD: error: MESSAGE (flowlift CMD -h lists the options)`` instead. Used for the root parser;
     its subparsers (and theirs) are made of the same class. Unknown options are reported by the deepest
     command that was chosen (``flowlift upscale: error: unrecognized arguments: --sed``), not by the root.
+    A prefix of an option is refused (``allow_abbrev=False``): ``--color-fix 0.5`` is not silently
+    ``--color-fix-strength 0.5``, and adding an option never changes what an old command line means.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]  (argparse's returns NoReturn too)
         text = " ".join(str(message).split())  # argparse's messages are one line; keep it so
