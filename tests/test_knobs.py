@@ -33,16 +33,16 @@ CLI_OPTIONS: dict[tuple[str, str], tuple[dict[str, Knob], str, object]] = {
     ("colorfix", "--strength"): (COLOR_FIX_KNOBS, "strength", ...),
     ("img2img", "--strength"): (REFINE_KNOBS, "strength", None),  # None: 0.5, outpaint 1 (run() decides)
     ("img2img", "--strength-map"): (REFINE_KNOBS, "strength_map", ...),
-    ("img2img", "--steps"): (REFINE_KNOBS, "steps", ...),
+    ("img2img", "--steps"): (REFINE_KNOBS, "steps", None),  # None: the model's (4 for a distilled Klein, else 28)
     ("img2img", "--seed"): (REFINE_KNOBS, "seed", ...),
     ("img2img", "--sampler"): (REFINE_KNOBS, "sampler", ...),
     ("img2img", "--mu"): (REFINE_KNOBS, "mu", ...),
     ("img2img", "--schedule"): (REFINE_KNOBS, "schedule", ...),
     ("hires", "--scale"): (REFINE_KNOBS, "hires_scale", ...),
-    ("hires", "--base-steps"): (REFINE_KNOBS, "steps", ...),
+    ("hires", "--base-steps"): (REFINE_KNOBS, "steps", None),  # None: the model's, as --steps
     ("hires", "--transplant-strength"): (UPSCALE_KNOBS, "transplant_strength", ...),
     ("hires", "--refine-strength"): (REFINE_KNOBS, "refine_strength", ...),
-    ("hires", "--steps"): (REFINE_KNOBS, "steps", ...),
+    ("hires", "--steps"): (REFINE_KNOBS, "steps", None),
     ("hires", "--seed"): (REFINE_KNOBS, "seed", ...),
     ("hires", "--sampler"): (REFINE_KNOBS, "sampler", ...),
     ("hires", "--mu"): (REFINE_KNOBS, "mu", ...),

@@ -15,7 +15,7 @@ from flowlift.commands._options import add_device_options, add_knob, finite_floa
 from flowlift.commands._refine_tiles import add_tile_arguments
 from flowlift.commands._refine_weights import add_weights_arguments
 from flowlift.knobs import SEED
-from flowlift.refine.settings import MU, SAMPLER, SCHEDULE, STEPS, STRENGTH_MAP
+from flowlift.refine.settings import DISTILLED_STEPS, MU, SAMPLER, SCHEDULE, STEPS, STRENGTH_MAP
 
 #: The knob tables' values (torch-free modules, so --help stays fast).
 SAMPLERS = SAMPLER.choices
@@ -70,8 +70,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_knob(
         sampling,
         STEPS,
-        help=f"{STEPS.help}, {STEPS.describe()}; img2img runs them in the window below sigma = 1 - "
-        "denoising_start (with --schedule clipped, only the full schedule's points there)",
+        default=None,  # the model's: the refiner resolves it (SamplingSettings(steps=None))
+        help=f"steps of the shifted schedule, {STEPS.describe()}; img2img runs them in the window below sigma = 1 - "
+        "denoising_start (with --schedule clipped, only the full schedule's points there) (default: the model's: "
+        f"{DISTILLED_STEPS} for a step-distilled Klein, by its model_index.json or a Klein file name without 'base'; "
+        f"{STEPS.default} for Klein base and dev)",
     )
     add_knob(sampling, SAMPLER)
     add_knob(sampling, SEED, metavar="SEED")

@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help=f"txt2img width (multiple of 16; default {width})")  # fmt: skip
     base.add_argument("--height", type=positive_int, default=height,
                       help=f"txt2img height (multiple of 16; default {height})")  # fmt: skip
-    add_knob(base, STEPS, "--base-steps", help=f"txt2img steps, {STEPS.describe()}")
+    add_knob(base, STEPS, "--base-steps", default=None,
+             help=f"txt2img steps, {STEPS.describe()} (default: the model's, as --steps)")  # fmt: skip
     up = parser.add_argument_group("upscale")
     add_knob(up, HIRES_SCALE, "--scale")
     up.add_argument(

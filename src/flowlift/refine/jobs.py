@@ -70,10 +70,14 @@ def _check_mu(request: RefineRequest, height: int, width: int) -> None:
     if request.sampling.mu != "empirical":
         return
     from flowlift.flux2.schedule import resolve_mu
+    from flowlift.refine.loading import model_default_steps
 
+    steps = request.sampling.steps
+    if steps is None:  # the model's, as the refiner will resolve it
+        steps = model_default_steps(request.source.model, request.source.transformer)[0]
     tokens = -(-height // MULTIPLE) * -(-width // MULTIPLE)
     try:
-        resolve_mu("empirical", tokens, request.sampling.steps)
+        resolve_mu("empirical", tokens, steps)
     except ValueError as error:
         raise FlowliftError(f"--mu: {error} ({width}x{height} px)") from None
 

@@ -326,10 +326,14 @@ def load_refiner(
     provenance["offload"] = placement.offload
     if plan is not None:
         provenance["memory_plan"] = plan.describe()
-    return Flux2Refiner(
+    steps, why = model_default_steps(model, transformer)
+    provenance["default_steps"] = f"{steps} ({why})"
+    refiner = Flux2Refiner(
         module, vae_adapter, device=device, dtype=dtype, prompt_encoder=encoder, progress=progress,
         model_name=str(model), mu=mu, schedule=schedule, placement=placement, provenance=provenance, tiles=tiling,
     )  # fmt: skip
+    refiner.default_steps = steps
+    return refiner
 
 
 def _plan(module, vae_adapter, memory: RefineMemory, dtype, vae_dtype, tiling: TileRequest):
@@ -389,3 +393,37 @@ def check_refiner_source(source: Any) -> list[LoraSpec]:
         except FlowliftError as error:
             raise FlowliftError(f"--max-memory: {error}") from None
     return loras
+
+
+def model_default_steps(model: str, transformer: str | None = None) -> tuple[int, str]:
+    """The steps a model is made for, and why: a diffusers folder's (or cached hub id's) ``model_index.json`` says
+    ``is_distilled`` (diffusers' ``Flux2KleinPipeline``: True is the step-distilled Klein, 4 steps; False or absent
+    the base model, 28); without one (a single transformer file), a Klein name without ``base`` (BFL's
+    ``flux-2-klein-4b.safetensors``) is the distilled model; anything else 28 (:data:`STEPS`' default). Nothing is
+    fetched."""
+    from flowlift.refine.settings import DISTILLED_STEPS, STEPS
+
+    index = _model_index(model)
+    if index is not None:
+        if index.get("is_distilled") is True:
+            return DISTILLED_STEPS, "model_index.json: is_distilled"
+        return STEPS.default, "model_index.json: not distilled"
+    name = Path(transformer or model).name.lower()
+    if "klein" in name and "base" not in name:
+        return DISTILLED_STEPS, "a Klein model without 'base' in its name: step-distilled"
+    return STEPS.default, "not a step-distilled Klein"
+
+
+def _model_index(model: str) -> dict[str, Any] | None:
+    """``model_index.json`` of a local diffusers folder, or of a hub id in the Hugging Face cache; None without one."""
+    path = Path(model).expanduser() / "model_index.json"
+    if not path.is_file() and not Path(model).expanduser().exists() and looks_like_repo_id(model):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, "model_index.json")
+        path = Path(cached) if isinstance(cached, str) else path
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return index if isinstance(index, dict) else None

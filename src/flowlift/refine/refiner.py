@@ -19,7 +19,7 @@ from flowlift.refine.canvas import PIXEL_MULTIPLE, latent_mask, outpaint_canvas,
 from flowlift.refine.loop import RefineResult, VelocityFn, _Progress, check_schedule, denoising_start_for
 from flowlift.refine.offload import Placement, place_transformer, with_transformer_on_device
 from flowlift.refine.parameters import RefineOutput, conditioning_parameters, output_parameters
-from flowlift.refine.settings import SamplingSettings, sampling_from
+from flowlift.refine.settings import STEPS, SamplingSettings, sampling_from
 from flowlift.refine.tiling import TileRequest, tiles_from
 
 _PLACEMENT_FIELDS = {"offload": "offload", "vae_tiled": "vae_tiled", "memory_plan": "plan"}
@@ -97,6 +97,15 @@ class Flux2Refiner:
         self.prompt_encoder = prompt_encoder
         self.progress = progress
         self.model_name = model_name
+        #: The steps ``SamplingSettings(steps=None)`` runs: the model's (:func:`flowlift.refine.loading.load_refiner`
+        #: sets 4 for a step-distilled Klein), else the knob's 28.
+        self.default_steps = STEPS.default
+
+    def _sampling(self, sampling: SamplingSettings | None, conditioning: dict[str, Any],
+                  where: str) -> SamplingSettings:  # fmt: skip
+        """The mode's sampling (:func:`~flowlift.refine.settings.sampling_from`), ``steps`` None as the model's."""
+        sampling = sampling_from(sampling, conditioning, where)
+        return sampling if sampling.steps is not None else replace(sampling, steps=self.default_steps)
 
     # -- conditioning
 
@@ -217,7 +226,7 @@ class Flux2Refiner:
         **conditioning: Any,
     ) -> RefineOutput:
         """Generate from pure noise (``denoising_start = 0``) at ``height x width`` (multiples of 16)."""
-        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.txt2img")
+        sampling = self._sampling(sampling, conditioning, "Flux2Refiner.txt2img")
         tiles = tiles_from(tiles, conditioning, "Flux2Refiner.txt2img", base=self.tiling)
         if height % PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height <= 0 or width <= 0:
             raise FlowliftError(f"txt2img size must be positive multiples of {PIXEL_MULTIPLE}, got {width}x{height}")
@@ -248,7 +257,7 @@ class Flux2Refiner:
         Sides that are not multiples of 16 are edge-padded for the model and cropped back.
         ``strength`` 0 returns the VAE round trip of the input; 1 ignores the input (txt2img noise).
         """
-        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.img2img")
+        sampling = self._sampling(sampling, conditioning, "Flux2Refiner.img2img")
         tiles = tiles_from(tiles, conditioning, "Flux2Refiner.img2img", base=self.tiling)
         start = denoising_start_for(strength, strength_map)
         h, w = images.shape[-2:]
@@ -309,7 +318,7 @@ class Flux2Refiner:
         The border starts from an edge-replicated canvas; the original region's latents are the
         encoding of the original image alone and are kept exactly (mask 0) through every step.
         """
-        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.outpaint")
+        sampling = self._sampling(sampling, conditioning, "Flux2Refiner.outpaint")
         tiles = tiles_from(tiles, conditioning, "Flux2Refiner.outpaint", base=self.tiling)
         images = images.to(self.device, torch.float32)
         canvas, mask, pads = outpaint_canvas(images, left, top, right, bottom)
@@ -353,7 +362,7 @@ class Flux2Refiner:
         images: torch.Tensor | None = None,
         height: int | None = None,
         width: int | None = None,
-        base_steps: int = 28,
+        base_steps: int | None = None,
         refine_strength: float = 0.3,
         strength_map: str = "linear",
         sampling: SamplingSettings | None = None,
@@ -363,14 +372,15 @@ class Flux2Refiner:
     ) -> RefineOutput:
         """The hires fix: base latents -> ``upscale`` (Flow Upscaler) -> refine at low strength -> decode.
 
-        The base is ``images`` encoded, or a txt2img at ``height x width`` (``base_steps``). ``upscale``
+        The base is ``images`` encoded, or a txt2img at ``height x width`` (``base_steps``; None: the model's).
+        ``upscale``
         maps normalized latents to normalized latents ``scale`` times larger. The refine pass is img2img
         on the upscaled normalized latents in the window below ``1 - refine_strength`` (``schedule``); both
         passes shift with ``mu`` (for ``"empirical"``, each from its own size and step count) and tile as the
         ``tile_*`` knobs say (the refine pass of a 4x or 8x fix is where tiles run). ``sampling`` is the refine
         pass's; the txt2img base runs it with ``base_steps``.
         """
-        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.hires")
+        sampling = self._sampling(sampling, conditioning, "Flux2Refiner.hires")
         tiles = tiles_from(tiles, conditioning, "Flux2Refiner.hires", base=self.tiling)
         start = denoising_start_for(refine_strength, strength_map)
         den = self.denoiser(**conditioning)
@@ -384,6 +394,7 @@ class Flux2Refiner:
         else:
             if height is None or width is None:
                 raise FlowliftError("hires needs an input image or a txt2img size")
+            base_steps = self.default_steps if base_steps is None else base_steps
             base_sampling = replace(sampling, steps=base_steps, schedule=None)  # a full window: no schedule choice
             base_out = self.txt2img(
                 height=height, width=width, sampling=base_sampling, tiles=tiles, **conditioning,

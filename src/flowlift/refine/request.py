@@ -102,13 +102,13 @@ class RefinerSource:
 @dataclass(frozen=True)
 class HiresSettings:
     """The hires fix around the refine: the base (an input image, else a txt2img of ``base_size`` (width, height)
-    at ``base_steps``), the upscale (``scale``, the upscaler, its stage-1 ``transplant_strength`` and
+    at ``base_steps``, None: the model's), the upscale (``scale``, the upscaler, its stage-1 ``transplant_strength`` and
     ``color_fix``), and the refine pass's ``refine_strength``. Defaults are the knob tables'."""
 
     upscaler: LatentUpscalerSource | None = None
     scale: int = HIRES_SCALE.default
     refine_strength: float = REFINE_STRENGTH.default
-    base_steps: int = STEPS.default
+    base_steps: int | None = None
     base_size: tuple[int, int] = DEFAULT_SIZE
     transplant_strength: float = TRANSPLANT_STRENGTH.default
     color_fix: bool = True
@@ -116,7 +116,8 @@ class HiresSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "scale", HIRES_SCALE.check(self.scale))
         object.__setattr__(self, "refine_strength", REFINE_STRENGTH.check(self.refine_strength))
-        object.__setattr__(self, "base_steps", STEPS.check(self.base_steps))
+        if self.base_steps is not None:  # None: the model's (4 for a step-distilled Klein)
+            object.__setattr__(self, "base_steps", STEPS.check(self.base_steps))
         object.__setattr__(self, "transplant_strength", TRANSPLANT_STRENGTH.check(self.transplant_strength))
 
     @property

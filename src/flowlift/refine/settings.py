@@ -47,11 +47,15 @@ STRENGTH_MAP = Knob(
     "strength -> denoising_start: linear = 1 - s; canvas = 1 - s**0.2 (as canvas apps count it)",
     choices=("linear", "canvas"),
 )
+#: The steps a step-distilled model (FLUX.2 Klein 4B/9B) is made for; base and dev models take the knob's 28.
+DISTILLED_STEPS = 4
+
 STEPS = Knob(
     "steps",
     int,
     28,
-    "steps of the shifted schedule (distilled Klein: 4)",
+    f"steps of the shifted schedule (the model's default: {DISTILLED_STEPS} for a step-distilled Klein, 28 for Klein "
+    "base and dev)",
     low=1,
     high=MAX_STEPS,
     unit="steps",
@@ -141,19 +145,21 @@ REFINE_KNOBS = table(
 class SamplingSettings:
     """How one refine samples: steps, seed, sampler, and the schedule's ``mu`` and ``schedule``.
 
-    ``mu``/``schedule`` ``None`` mean the refiner's own (set when it was made). ``steps``, ``seed`` and
+    ``mu``/``schedule`` ``None`` mean the refiner's own (set when it was made); ``steps`` None is the model's
+    (:attr:`~flowlift.refine.refiner.Flux2Refiner.default_steps`: 4 for a step-distilled Klein). ``steps``, ``seed`` and
     ``sampler`` are checked against :data:`REFINE_KNOBS` when the object is made (one line before any work);
     ``mu`` and ``schedule`` when the schedule is built, as ``"empirical"`` depends on the image size.
     """
 
-    steps: int = STEPS.default
+    steps: int | None = STEPS.default
     seed: int = SEED.default
     sampler: str = SAMPLER.default
     mu: float | str | None = None
     schedule: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "steps", STEPS.check(self.steps))
+        if self.steps is not None:
+            object.__setattr__(self, "steps", STEPS.check(self.steps))
         object.__setattr__(self, "seed", SEED.check(self.seed))
         if self.sampler not in SAMPLER.choices:
             raise FlowliftError(f"unknown sampler {self.sampler!r}; flowlift runs {', '.join(SAMPLER.choices)}")
