@@ -30,7 +30,7 @@ CLI_OPTIONS: dict[tuple[str, str], tuple[dict[str, Knob], str, object]] = {
     ("upscale", "--transplant-strength"): (UPSCALE_KNOBS, "transplant_strength", ...),
     ("upscale", "--color-fix-strength"): (UPSCALE_KNOBS, "color_fix_strength", ...),
     ("upscale", "--resize-mode"): (UPSCALE_KNOBS, "resize_mode", ...),
-    ("colorfix", "--strength"): (COLOR_FIX_KNOBS, "strength", ...),
+    ("colorfix", "--color-fix-strength"): (COLOR_FIX_KNOBS, "strength", ...),  # the same knob as upscale's
     ("img2img", "--strength"): (REFINE_KNOBS, "strength", None),  # None: 0.5, outpaint 1 (run() decides)
     ("img2img", "--strength-map"): (REFINE_KNOBS, "strength_map", ...),
     ("img2img", "--steps"): (REFINE_KNOBS, "steps", None),  # None: the model's (4 for a distilled Klein, else 28)
@@ -478,7 +478,7 @@ def test_the_apps_handlers_and_forms_default_to_the_knobs():
 @pytest.mark.parametrize(
     "argv, prefix",
     [(["upscale", "x.png", "--color-fix", "0.5"], "--color-fix"), (["img2img", "x.png", "--model", "m", "--stre", "1"],
-     "--stre"), (["dataset", "images", "x.png", "--out", "o", "--vae", "taef2", "--cro", "64"], "--cro")],
+     "--stre"), (["dataset", "images", "x.png", "-o", "o", "--vae", "taef2", "--cro", "64"], "--cro")],
 )  # fmt: skip
 def test_a_prefix_of_an_option_is_refused_on_every_command(argv, prefix, capsys):
     """Issue 39: ``--color-fix 0.5`` once ran as ``--color-fix-strength 0.5``; every parser, the subcommands' and
@@ -489,3 +489,52 @@ def test_a_prefix_of_an_option_is_refused_on_every_command(argv, prefix, capsys)
         main(argv)
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and f"unrecognized arguments: {prefix}" in err and len(err.splitlines()) == 1
+
+
+def _command_parsers():
+    """``{"flowlift CMD": parser}`` for every subcommand the command line has (``dataset images`` and
+    ``dataset distill`` too), as ``flowlift --help`` builds them."""
+    from flowlift.commands.cli import build_parser
+
+    found = {}
+
+    def visit(parser):
+        found[parser.prog] = parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    visit(sub)
+
+    visit(build_parser())
+    return found
+
+
+#: One name (and with it one unit) per knob: the concepts every command spells the same.
+VOCABULARY = {"output": ["-o", "--output"], "vae": ["--vae"], "color_fix_strength": ["--color-fix-strength"],
+              "seed": ["--seed"], "device": ["--device"], "dtype": ["--dtype"], "overwrite": ["--overwrite"]}  # fmt: skip
+
+
+def test_every_knob_has_one_name_on_every_command():
+    """Issue 39: a test walks every parser and the knob tables and fails on a knob spelled two ways: one option
+    per ``dest`` across all commands, the shared concepts spelled as :data:`VOCABULARY` says, every knob of the
+    tables under its own ``--name`` wherever it keeps its name, one ``--vae`` help text, no old spelling shown."""
+    from flowlift.commands._options import VAE_HELP
+
+    spellings: dict[str, dict[tuple[str, ...], list[str]]] = {}
+    knobs = {**UPSCALE_KNOBS, **REFINE_KNOBS, "color_fix_strength": UPSCALE_KNOBS["color_fix_strength"]}
+    for prog, parser in _command_parsers().items():
+        for action in parser._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS:
+                continue  # positionals; hidden old spellings (one deprecation line when used)
+            flags = tuple(action.option_strings)
+            spellings.setdefault(action.dest, {}).setdefault(flags, []).append(prog)
+            if action.dest in VOCABULARY:
+                assert list(flags) == VOCABULARY[action.dest], (prog, action.dest, flags)
+            if action.dest in knobs:
+                assert "--" + action.dest.replace("_", "-") in flags, (prog, action.dest, flags)
+            if action.dest == "vae":
+                assert action.help.startswith(VAE_HELP), (prog, action.help)
+            assert not any(flag in ("--out", "--crop") for flag in flags), (prog, flags)  # units or -o in the name
+    twice = {dest: {flags: progs for flags, progs in seen.items()} for dest, seen in spellings.items() if len(seen) > 1}
+    twice.pop("help", None)
+    assert not twice, f"one setting spelled two ways: {twice}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from flowlift.commands._options import add_device_options, add_knob, finite_float
+from flowlift.commands._options import add_device_options, add_knob, add_vae_option, finite_float
 from flowlift.commands._refine_tiles import add_tile_arguments
 from flowlift.commands._refine_weights import add_weights_arguments
 from flowlift.knobs import SEED
@@ -37,11 +37,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="FLUX.2 Klein or dev weights: a diffusers folder or hub id (transformer/ and vae/ subfolders, "
         "e.g. black-forest-labs/FLUX.2-klein-4B), a transformer folder, or a single .safetensors file",
     )
-    model.add_argument(
-        "--vae",
-        metavar="SPEC",
-        help="VAE (flowlift.models.vae_loading.load_vae spec); default: the model's own vae/ folder",
-    )
+    add_vae_option(model, "default: the model's own vae/ folder")
     add_device_options(model, "transformer and VAE")
     add_weights_arguments(parser)
     add_tile_arguments(parser)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 
-from flowlift.commands._options import OUTPUT_FORMATS, add_knob, quality
-from flowlift.upscale.settings import COLOR_FIX_KNOBS
+from flowlift.commands._options import OUTPUT_FORMATS, add_deprecated_spelling, add_knob, quality
+from flowlift.upscale.settings import COLOR_FIX_STRENGTH
 
 NAME = "colorfix"
 HELP = "fix the colour drift of images from any upscaler against their sources (flowlift's stage 2)"
@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "<stem> or <stem>_x<N> with <stem>")  # fmt: skip
     parser.add_argument("-o", "--output", metavar="OUT",
                         help="output folder (default: next to each upscaled image); for one input, a file name")
-    add_knob(parser, COLOR_FIX_KNOBS["strength"], metavar="S")
+    strength = add_knob(parser, COLOR_FIX_STRENGTH, metavar="S")
+    add_deprecated_spelling(parser, "--strength", strength)
     parser.add_argument("--format", choices=OUTPUT_FORMATS, default=None,
                         help="output format (default: the suffix of -o FILE, else png); ICC profile and EXIF kept")
     parser.add_argument("--quality", type=quality, default=None, metavar="Q",
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         inputs=args.inputs,
         references=args.reference,
         output=args.output,
-        strength=args.strength,
+        strength=args.color_fix_strength,
         output_format=output_format(args.output, args.format),
         quality=args.quality,
         overwrite=args.overwrite,

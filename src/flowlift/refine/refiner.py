@@ -101,10 +101,8 @@ class Flux2Refiner:
         #: sets 4 for a step-distilled Klein), else the knob's 28.
         self.default_steps = STEPS.default
 
-    def _sampling(self, sampling: SamplingSettings | None, conditioning: dict[str, Any],
-                  where: str) -> SamplingSettings:  # fmt: skip
-        """The mode's sampling (:func:`~flowlift.refine.settings.sampling_from`), ``steps`` None as the model's."""
-        sampling = sampling_from(sampling, conditioning, where)
+    def _with_steps(self, sampling: SamplingSettings) -> SamplingSettings:
+        """``sampling`` with ``steps`` None as the model's (:attr:`default_steps`)."""
         return sampling if sampling.steps is not None else replace(sampling, steps=self.default_steps)
 
     # -- conditioning
@@ -226,7 +224,7 @@ class Flux2Refiner:
         **conditioning: Any,
     ) -> RefineOutput:
         """Generate from pure noise (``denoising_start = 0``) at ``height x width`` (multiples of 16)."""
-        sampling = self._sampling(sampling, conditioning, "Flux2Refiner.txt2img")
+        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.txt2img"))
         tiles = tiles_from(tiles, conditioning, "Flux2Refiner.txt2img", base=self.tiling)
         if height % PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height <= 0 or width <= 0:
             raise FlowliftError(f"txt2img size must be positive multiples of {PIXEL_MULTIPLE}, got {width}x{height}")
@@ -257,7 +255,7 @@ class Flux2Refiner:
         Sides that are not multiples of 16 are edge-padded for the model and cropped back.
         ``strength`` 0 returns the VAE round trip of the input; 1 ignores the input (txt2img noise).
         """
-        sampling = self._sampling(sampling, conditioning, "Flux2Refiner.img2img")
+        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.img2img"))
         tiles = tiles_from(tiles, conditioning, "Flux2Refiner.img2img", base=self.tiling)
         start = denoising_start_for(strength, strength_map)
         h, w = images.shape[-2:]
@@ -318,7 +316,7 @@ class Flux2Refiner:
         The border starts from an edge-replicated canvas; the original region's latents are the
         encoding of the original image alone and are kept exactly (mask 0) through every step.
         """
-        sampling = self._sampling(sampling, conditioning, "Flux2Refiner.outpaint")
+        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.outpaint"))
         tiles = tiles_from(tiles, conditioning, "Flux2Refiner.outpaint", base=self.tiling)
         images = images.to(self.device, torch.float32)
         canvas, mask, pads = outpaint_canvas(images, left, top, right, bottom)
@@ -380,7 +378,7 @@ class Flux2Refiner:
         ``tile_*`` knobs say (the refine pass of a 4x or 8x fix is where tiles run). ``sampling`` is the refine
         pass's; the txt2img base runs it with ``base_steps``.
         """
-        sampling = self._sampling(sampling, conditioning, "Flux2Refiner.hires")
+        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.hires"))
         tiles = tiles_from(tiles, conditioning, "Flux2Refiner.hires", base=self.tiling)
         start = denoising_start_for(refine_strength, strength_map)
         den = self.denoiser(**conditioning)
