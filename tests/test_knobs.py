@@ -511,7 +511,8 @@ def _command_parsers():
 
 #: One name (and with it one unit) per knob: the concepts every command spells the same.
 VOCABULARY = {"output": ["-o", "--output"], "vae": ["--vae"], "color_fix_strength": ["--color-fix-strength"],
-              "seed": ["--seed"], "device": ["--device"], "dtype": ["--dtype"], "overwrite": ["--overwrite"]}  # fmt: skip
+              "seed": ["--seed"], "device": ["--device"], "dtype": ["--dtype"],
+              "overwrite": ["--overwrite"]}  # fmt: skip
 
 
 def test_every_knob_has_one_name_on_every_command():
