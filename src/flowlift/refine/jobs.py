@@ -127,6 +127,19 @@ def _frame(job: RefineJob) -> tuple[int, int]:
     return -(-job.rgb.height // MULTIPLE) * MULTIPLE, -(-job.rgb.width // MULTIPLE) * MULTIPLE
 
 
+def _input_files(request: RefineRequest) -> dict[str, Any]:
+    """Every file the request reads, by the option that names it: an output is never one of them (issue 36.2)."""
+    from flowlift.refine.loras import parse_lora_spec
+
+    source, hires = request.source, request.hires
+    upscaler = hires.upscaler.name if hires is not None and hires.upscaler is not None else None
+    files = {"--image": request.image, "--mask": request.mask, "--reference": list(request.references) or None,
+             "--prompt-embeds": request.prompt.embeds, "--model": source.model, "--transformer": source.transformer,
+             "--vae": source.vae, "--upscaler": upscaler,
+             "--lora": [parse_lora_spec(text)[0] for text in source.loras] or None}  # fmt: skip
+    return {role: path for role, path in files.items() if path is not None}
+
+
 def plan_refine_job(request: RefineRequest) -> RefineJob:
     """Everything of ``request`` that needs no weights, checked in the order a user meets it (see the module
     docstring); nothing is loaded or written."""
@@ -138,7 +151,7 @@ def plan_refine_job(request: RefineRequest) -> RefineJob:
     _check_prompt(request)
     image = os.fspath(request.image) if request.image is not None else None
     output = Path(request.output) if request.output else refined_output(image, request.name_suffix)
-    check_single_output(output, request.overwrite)
+    check_single_output(output, request.overwrite, inputs=_input_files(request))
     job = RefineJob(request, device, dtype, output, (0, 0), request.mode_strength, pads=request.outpaint)
     if request.image is not None:
         _read_inputs(job)

@@ -49,6 +49,7 @@ def plan_colorfix(request: ColorFixRequest) -> tuple[list[Any], dict[Path, Path]
     """
     from flowlift.files.images import IMAGE_SUFFIXES, image_size, list_images
     from flowlift.files.naming import colorfix_name, explicit_pair, index_by_stem, reference_of
+    from flowlift.files.output_paths import check_not_an_input
     from flowlift.jobs.batch import Job, plan_jobs
 
     inputs, refs = list(request.inputs), list(request.references)
@@ -74,7 +75,8 @@ def plan_colorfix(request: ColorFixRequest) -> tuple[list[Any], dict[Path, Path]
     upscaled = [p for p in found if p in paired]
     fmt = request.output_format
     jobs += plan_jobs(upscaled, request.output, lambda path: colorfix_name(path.stem, fmt), IMAGE_SUFFIXES,
-                      expected_size=image_size)  # fmt: skip
+                      expected_size=image_size,
+                      check_output=lambda path, out: check_not_an_input(out, {"reference": paired[path]}))  # fmt: skip
     return jobs, paired
 
 
