@@ -539,3 +539,19 @@ def test_every_knob_has_one_name_on_every_command():
     twice = {dest: {flags: progs for flags, progs in seen.items()} for dest, seen in spellings.items() if len(seen) > 1}
     twice.pop("help", None)
     assert not twice, f"one setting spelled two ways: {twice}"
+
+
+@pytest.mark.parametrize(
+    "argv, old, new",
+    [(["bands", "/no/such.png", "--vae", "taef2", "--out", "o"], "--out", "-o/--output"),
+     (["dataset", "images", "/no/such.png", "-o", "o", "--vae", "taef2", "--crop", "64"], "--crop", "--crop-px"),
+     (["colorfix", "/no/such.png", "--reference", "r.png", "--strength", "0.5"], "--strength", "--color-fix-strength")],
+)  # fmt: skip
+def test_old_spellings_work_for_a_release_with_one_deprecation_line(argv, old, new, capsys, tmp_path, monkeypatch):
+    from flowlift.commands.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    main(argv)  # the inputs do not exist: the run stops at them, after parsing the old spelling
+    notes = [line for line in capsys.readouterr().err.splitlines() if "deprecated" in line]
+    assert notes == [f"flowlift {argv[0] if argv[0] != 'dataset' else 'dataset images'}: note: {old} is deprecated "
+                     f"and goes in the next release; use {new}"]  # fmt: skip
