@@ -11,9 +11,7 @@ import torch.nn.functional as F
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
-
-#: Images are processed on a 16-pixel grid (8x VAE, then 2x2 patches); other sizes are edge-padded.
-PIXEL_MULTIPLE = VAE_SCALE_FACTOR * 2
+from flowlift.refine.settings import PIXEL_MULTIPLE  # noqa: F401  (images on the 16-px grid; others edge-padded)
 
 
 def pad_to_multiple(images: torch.Tensor, multiple: int = PIXEL_MULTIPLE) -> tuple[torch.Tensor, tuple[int, int]]:

@@ -22,9 +22,7 @@ from typing import Any
 
 from flowlift.errors import FlowliftError
 from flowlift.refine.request import LatentUpscaler, RefineRequest
-
-#: Image sides the transformer sees are multiples of this many pixels (8x VAE, then 2x2 patches).
-MULTIPLE = 16
+from flowlift.refine.settings import PIXEL_MULTIPLE as MULTIPLE  # the transformer's 16-px grid
 
 
 @dataclass

@@ -85,8 +85,11 @@ HIRES_SCALE = replace(
     help="hires fix: the Flow Upscaler's factor before the refine (2 = one pass, 4 = two, 8 = three)",
 )  # fmt: skip
 
-#: Tile sides and offsets are multiples of 16 image pixels: 8x VAE, then the transformer's 2x2 patches.
-TILE_MULTIPLE = 16
+#: The transformer sees images on a 16-pixel grid: 8x VAE, then its 2x2 patches (declared once: the canvas's
+#: padding, the hires and reference checks, the tile knobs' ``multiple_of``).
+PIXEL_MULTIPLE = 16
+#: Tile sides and offsets lie on the same grid.
+TILE_MULTIPLE = PIXEL_MULTIPLE
 #: FLUX.2's specified maximum resolution (BFL: 4 megapixels, e.g. 2048x2048; Klein the same).
 MAX_UNTILED_PIXELS = 2048 * 2048
 #: ``auto``'s tile: 1024 px, the resolution FLUX.2 is trained and most used at (1 MP, 4096 tokens per tile).
