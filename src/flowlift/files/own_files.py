@@ -116,7 +116,7 @@ def safetensors_metadata(path: Path) -> dict[str, str] | None:
 
 
 def replace_problem(path: str | os.PathLike, recognise: Recogniser, overwrite: bool, command: str,
-                    option: str = "--out") -> str | None:  # fmt: skip
+                    option: str = "-o/--output") -> str | None:  # fmt: skip
     """Why ``command`` must not replace ``path`` (see the module docstring), or None when it may."""
     path = Path(path)
     if refusal := replace_refusal(path):
@@ -140,7 +140,8 @@ def folder_refusal(folder: str | os.PathLike) -> str | None:
     return replace_refusal(folder) or f"{folder} exists and is not a folder; remove it or choose another output"
 
 
-def check_replaceable(names: Mapping[Path, Recogniser], overwrite: bool, command: str, option: str = "--out") -> None:
+def check_replaceable(names: Mapping[Path, Recogniser], overwrite: bool, command: str,
+                      option: str = "-o/--output") -> None:
     """:func:`replace_problem` for every path of ``names`` (path -> recogniser): the first as one line."""
     for path, recognise in names.items():
         if problem := replace_problem(path, recognise, overwrite, command, option):
