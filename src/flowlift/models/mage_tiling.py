@@ -51,6 +51,7 @@ from flowlift.models.mage_vae import (
     DiCoBlock,
     MageDecoder,
     MageEncoder,
+    MageVAEConfig,
     ResnetBlock,
     WindowAttentionBlock,
     channel_gate,
@@ -82,6 +83,31 @@ class MageTiling:
             raise ValueError(f"Mage tiling: tile {self.tile} must be a positive multiple of the window {window}")
         if self.pixel_tile <= 0:
             raise ValueError(f"Mage tiling: pixel_tile must be positive, got {self.pixel_tile}")
+
+
+def decode_tile_numel(config: MageVAEConfig, tiling: MageTiling) -> int:
+    """Elements of the largest tensor one tile of the decode allocates (the frame's stores aside).
+
+    ``max((t + 2)**2 * max(4C, 128), (t / d)**2 * d**4, p**2 * 256 * 3c)``: a haloed 1/16 tile through
+    the DiCo MLP (or the latent's 128 channels), the softmax weights of a tile's ``(t / d)**2``
+    attention windows of ``d**2`` positions each, and a pixel tile's adaLN output (shift, scale, gate
+    of the ``c`` per-pixel features for each of its 256 pixels per position).
+    """
+    grown = (tiling.tile + 2) ** 2
+    ffn = int(config.mlp_ratio * config.hidden)
+    window = config.attention_window
+    attention = (-(-tiling.tile // window)) ** 2 * window**4
+    pixels = tiling.pixel_tile**2 * MAGE_PATCH**2 * 3 * config.pixel_width
+    return max(grown * max(ffn, config.hidden, MAGE_LATENT_CHANNELS), attention, pixels)
+
+
+def encode_tile_numel(config: MageVAEConfig, tiling: MageTiling) -> int:
+    """Elements of the largest tensor one tile of the encode allocates (the stores aside).
+
+    ``(t + 2)**2 * max(4 C_head, 4C, 3 * 256)``: the head blocks' MLP, or the haloed image tile.
+    """
+    widths = (int(config.mlp_ratio * config.encoder_head), int(config.mlp_ratio * config.hidden), 3 * MAGE_PATCH**2)
+    return (tiling.tile + 2) ** 2 * max(widths)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -456,8 +482,10 @@ __all__ = [
     "GroupSums",
     "MageTiling",
     "decode_steps",
+    "decode_tile_numel",
     "decode_tiled",
     "encode_steps",
+    "encode_tile_numel",
     "encode_tiled",
     "tile_grid",
     "with_halo",
