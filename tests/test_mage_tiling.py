@@ -70,6 +70,18 @@ def test_tiled_encode_equals_the_whole_frame(vae, batch, h, w):
         assert relative(tiled[i], whole[i]) <= 1e-5
 
 
+def test_deeper_chains_cycle_their_stores():
+    """Three blocks per chain (and three 768-wide head blocks): the double buffers really alternate."""
+    deep = mage_from_state_dict(
+        released_state(replace(NARROW, encoder_head_blocks=3, encoder_blocks=3, decoder_blocks=3), seed=5)
+    )
+    torch.manual_seed(6)
+    z, x = torch.randn(1, 128, 40, 35), torch.rand(1, 3, 16 * 40, 16 * 35) * 2 - 1
+    with torch.no_grad():
+        assert relative(decode_tiled(deep.model.decoder, z, tiling=SMALL), deep.model.decoder(z)) <= 1e-5
+        assert relative(encode_tiled(deep.model.encoder, x, tiling=SMALL), deep.model.encoder(x)) <= 1e-5
+
+
 def test_the_adapter_tiles_when_asked_and_equals_its_whole_frame(vae):
     torch.manual_seed(1)
     latents = torch.randn(2, 32, 2 * 37, 2 * 50)  # codec 37 x 50: 2 x 2 tiles

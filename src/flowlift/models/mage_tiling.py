@@ -394,9 +394,19 @@ def decode_tiled(
         _cod_passes(decoder, z[i : i + 1], stream, cond, tokens, **kw)
         pixels = _pixel_writer(decoder, cond, out[i : i + 1], tiling.pixel_tile, progress)
         dico_run(
-            decoder.blocks, store_source(tokens), pixels, new_store=lambda: None, pool=[stream], reading=tokens, **kw
+            decoder.blocks,
+            store_source(tokens),
+            pixels,
+            new_store=_no_store,
+            pool=[stream, tokens],
+            reading=tokens,
+            **kw,
         )
     return out
+
+
+def _no_store() -> torch.Tensor:
+    raise AssertionError("Mage tiling: the decoder's DiCo chain has its two stores")
 
 
 def _cod_passes(
