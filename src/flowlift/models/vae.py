@@ -351,8 +351,7 @@ class MageVAE(_ModuleVAE):
     ``tiled``: where :meth:`_use_tiles` says so (``None``: above ``auto_tile_pixels``), encode and
     decode run :attr:`tiled_encoder` / :attr:`tiled_decoder`, called as ``fn(module, x) -> y`` (the
     decoder's also with ``on_tile=``); by default the exact, bounded-memory executors of
-    :mod:`flowlift.models.mage_tiling` with ``tiling`` (tile sides), which equal the whole frame to
-    float rounding. Setting a hook to None runs the whole frame always.
+    :mod:`flowlift.models.mage_tiling` (tile sides: :attr:`tiling`). A hook set to None: whole frame.
     """
 
     spatial_factor = 8
@@ -363,14 +362,7 @@ class MageVAE(_ModuleVAE):
     bn_mean: torch.Tensor | None = None
     bn_std: torch.Tensor | None = None
 
-    def __init__(
-        self,
-        model: Any,
-        *,
-        auto_tile_pixels: int = TAEF2_AUTO_TILE_PIXELS,
-        origin: str = "",
-        tiling: Any = None,
-    ) -> None:
+    def __init__(self, model: Any, *, auto_tile_pixels: int = TAEF2_AUTO_TILE_PIXELS, origin: str = "") -> None:
         from flowlift.models.mage_tiling import MageTiling
         from flowlift.models.mage_vae import MageVAEModel
 
@@ -383,7 +375,7 @@ class MageVAE(_ModuleVAE):
         self.auto_tile_pixels = auto_tile_pixels
         self.tiled_encoder: Any = None
         self.tiled_decoder: Any = None
-        self.tiling = tiling if tiling is not None else MageTiling()
+        self.tiling = MageTiling()
 
     @property
     def tiling(self) -> Any:
