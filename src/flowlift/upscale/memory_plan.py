@@ -58,8 +58,8 @@ __all__ = [
 LATENT_CHANNELS = 32
 #: Mage-VAE, measured on the CPU in float32 (benchmarks/bench_mage_tiling.py): whole-frame decode peak
 #: per output pixel in values, and the tiled decode's working set beside the frame-sized tensors.
-MAGE_PLAIN_CHANNELS = 400
-MAGE_TILE_BYTES = 768 << 20
+MAGE_PLAIN_CHANNELS = 288
+MAGE_TILE_BYTES = 512 << 20
 #: Decoder activation peak per output pixel, in channels of the VAE's dtype (whole-frame decode): TAEF2's
 #: 8x stage runs 64-channel convolutions at full resolution (input, output, a residual), the FLUX.2 VAE's
 #: last up block 128 channels plus a GroupNorm copy; Mage-VAE's per-pixel MLP holds about a dozen
