@@ -205,8 +205,9 @@ def decode_tiled(
     """Codec latents (B, 128, h, w) -> image (B, 3, 16h, 16w) in about [-1, 1], equal to ``decoder(z)``.
 
     The hook of :class:`flowlift.models.vae.MageVAE` (``tiled_decoder``); one sample at a time, with
-    three (C, h, w) stores: A (the CoD stream, then DiCo buffer), B (CoD ResNet middles, then the
-    conditioning) and T (the tokens, then DiCo buffer).
+    three (C, h, w) stores: ``stream`` (the CoD residual stream, then a DiCo buffer), ``cond`` (the
+    CoD ResNets' middles, then the conditioning the per-pixel path reads) and ``tokens`` (the first
+    tokens, then the other DiCo buffer). The last DiCo block writes through the per-pixel path.
     """
     tiling = tiling or MageTiling()
     tiling.check(decoder.y_embedder.decoder.window)

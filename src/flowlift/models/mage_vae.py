@@ -41,6 +41,7 @@ functions: :func:`channel_means` / :func:`channel_gate` (every DiCo block's chan
 :func:`group_norm_statistics` / :func:`group_norm_apply` (the CoD decoder's GroupNorms) and
 :func:`window_attention` (self-attention over a fixed 32x32-latent window grid anchored at the top-left,
 the last row/column of windows replicate-padded). Everything else is pointwise or a 3x3 convolution.
+:mod:`flowlift.models.mage_tiling` runs the codec exactly on tiles from these pieces.
 """
 
 from __future__ import annotations
