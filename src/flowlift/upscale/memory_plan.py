@@ -59,7 +59,7 @@ LATENT_CHANNELS = 32
 #: Mage-VAE, measured on the CPU in float32 (benchmarks/bench_mage_tiling.py): whole-frame decode peak
 #: per output pixel in values, and the tiled decode's working set beside the frame-sized tensors.
 MAGE_PLAIN_CHANNELS = 288
-MAGE_TILE_BYTES = 512 << 20
+MAGE_TILE_BYTES = 768 << 20
 #: Decoder activation peak per output pixel, in channels of the VAE's dtype (whole-frame decode): TAEF2's
 #: 8x stage runs 64-channel convolutions at full resolution (input, output, a residual), the FLUX.2 VAE's
 #: last up block 128 channels plus a GroupNorm copy; Mage-VAE's per-pixel MLP holds about a dozen
@@ -68,7 +68,7 @@ DECODE_PLAIN_CHANNELS = {"taef2": 3 * 64, "flux2": 4 * 128, "mage": MAGE_PLAIN_C
 #: Tiled decode's working set besides the latent and the output image: one tile's activations.
 #: TAEF2: bands of 128x128 latent px (64 ch at 2x/4x) and 64x64-latent tiles at 8x; FLUX.2 VAE (diffusers
 #: tiling): 512 px tiles through 128-512 channels; Mage-VAE: a 128x128-position tile through the DiCo
-#: MLP or a 32x32-position (512 px) tile of the per-pixel MLP (measured, see above).
+#: MLP or a 32x32-position (512 px) tile of the per-pixel MLP (measured <= 581 MB, see above).
 DECODE_TILE_BYTES = {"taef2": 600 << 20, "flux2": 2 << 30, "mage": MAGE_TILE_BYTES}
 #: Mage-VAE's tiled decode also holds, for one sample at a time, three (384, h/16, w/16) stores:
 #: ``3 * 384 / 256`` values per output pixel (:mod:`flowlift.models.mage_tiling`), and the patchified
