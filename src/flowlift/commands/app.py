@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowlift.commands._options import add_device_options
+from flowlift.commands._options import add_device_options, add_vae_option
 
 NAME = "app"
 #: A server: its allocator keeps glibc's policy (and gives freed memory back after each request).
@@ -53,12 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH|REPO",
         help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
     )
-    parser.add_argument(
-        "--vae",
-        action="append",
-        metavar="taef2|flux2|PATH",
-        help="VAE to offer (repeatable; the first is the default; default flux2, as for flowlift upscale)",
-    )
+    add_vae_option(parser, "repeatable: the VAEs the page offers, the first the default (default flux2, as for "
+                   "flowlift upscale)", action="append")
     add_device_options(parser, cpu_bf16=True)
     parser.add_argument(
         "--max-upload-mb", type=_megabytes, default=50.0, metavar="MB", help="largest accepted upload (default 50)"
@@ -95,14 +91,18 @@ def run(args: argparse.Namespace) -> int:
         from flowlift.console import install_command
 
         raise FlowliftError(f"the app needs Gradio 6: {install_command('app')}")
-    check_weights(args)
-    from flowlift.app.page import build_app, launch
+    from flowlift.app.page import build_app, check_bind_address, launch
     from flowlift.app.service import AppConfig, AppService
+    from flowlift.devices import resolve_device_dtype
+
+    device, _ = resolve_device_dtype(args.device, args.dtype, cpu_bf16=True)  # cuda/mps missing: one line, now
+    check_bind_address(args.host, args.port)  # a host that does not resolve: one line, not a server retrying
+    check_weights(args)
 
     config = AppConfig(
         upscaler=args.upscaler,
         vaes=args.vae or ["flux2"],
-        device=None if args.device == "auto" else args.device,  # AppConfig: None picks CUDA if available
+        device=None if args.device == "auto" else str(device),  # AppConfig: None picks CUDA if available
         dtype=args.dtype,
         max_upload_mb=args.max_upload_mb,
         model=args.model,

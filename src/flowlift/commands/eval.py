@@ -21,12 +21,15 @@ from flowlift.commands._options import (
     DEFAULT_SCALE,
     DEFAULT_VAE,
     add_device_options,
+    add_knob,
+    add_output_option,
+    add_vae_option,
     examples,
-    non_negative_int,
     positive_int,
     resolve_device_dtype,
 )
 from flowlift.console import show_progress
+from flowlift.measure.methods import SPANDREL_TILE, SPANDREL_TILE_OVERLAP, spandrel_tiling
 
 EPILOG = """\
 methods for --run:
@@ -79,18 +82,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=positive_int, help="use only the first N dataset images")
     parser.add_argument("--box", type=_box, help="x,y,w,h in output pixels: grey levels are counted here, "
                         "and the figure crops it")  # fmt: skip
-    parser.add_argument("--vae", default=DEFAULT_VAE, metavar="flux2|taef2|PATH|REPO",
-                        help="VAE of the latent methods (latent-bicubic, vae-roundtrip, flow), as for flowlift "
-                        f"upscale: flux2, taef2, a file/folder or hub id (default {DEFAULT_VAE})")  # fmt: skip
+    add_vae_option(parser, "the latent methods' (latent-bicubic, vae-roundtrip, flow), as for flowlift upscale",
+                   default=DEFAULT_VAE)
     parser.add_argument("--upscaler", default=None, metavar="PATH|REPO",
                         help="Flow Upscaler weights for the flow method: file, folder or hub repo "
                         "(default TensorForger/FlowUpscaler, as for flowlift upscale)")  # fmt: skip
     add_device_options(parser, "VAE, upscaler and spandrel models")
-    parser.add_argument("--tile", default="auto", help="spandrel models: tile side in input pixels, 'auto' (by "
-                        "memory, the default) or 'none'")  # fmt: skip
-    parser.add_argument("--tile-overlap", type=non_negative_int, default=None, metavar="PX",
-                        help="spandrel models: input pixels of context around each tile (default 32)")  # fmt: skip
-    parser.add_argument("--out", required=True, help="folder for results.json, table.md, metrics.png, crops.png")
+    add_knob(parser, SPANDREL_TILE, metavar="PX|auto|none",
+             help=f"{SPANDREL_TILE.help}; {SPANDREL_TILE.describe()} (default auto)")  # fmt: skip
+    add_knob(parser, SPANDREL_TILE_OVERLAP, default=None, metavar="PX",
+             help=f"{SPANDREL_TILE_OVERLAP.help} (default {SPANDREL_TILE_OVERLAP.default})")  # fmt: skip
+    add_output_option(parser, "folder for results.json, table.md, metrics.png, crops.png", required=True, old="--out")
     parser.add_argument("--cache", default=None, help="result cache folder (default OUT/cache)")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything, store nothing")
     parser.add_argument(
@@ -111,9 +113,10 @@ def run(args: argparse.Namespace) -> int:
     from flowlift.measure.evaluate import evaluate_pairs
     from flowlift.measure.report import markdown_table, write_report
 
-    out_dir = Path(args.out)
+    spandrel_tiling(args.tile, args.tile_overlap)  # with or without a spandrel method: a bad value is refused
+    out_dir = Path(args.output)
     if out_dir.exists() and not out_dir.is_dir():
-        raise FlowliftError(f"--out {out_dir} exists and is not a folder")
+        raise FlowliftError(f"--output {out_dir} exists and is not a folder")
     if problem := folder_problem(out_dir):  # before any model loads or metric runs
         raise FlowliftError(problem)
     _check_reports_are_no_input(args, out_dir)
@@ -218,7 +221,7 @@ def _run_methods(args: argparse.Namespace, env):
         )
         for s in specs
     }
-    cache_dir = None if args.no_cache else Path(args.cache) if args.cache else Path(args.out) / "cache"
+    cache_dir = None if args.no_cache else Path(args.cache) if args.cache else Path(args.output) / "cache"
 
     def evaluate(indices=None):
         return evaluate_methods(
@@ -232,7 +235,7 @@ def _run_methods(args: argparse.Namespace, env):
             limit=args.limit,
             figure_images=args.figure_images,
             progress=show_progress(args),
-            save_outputs=Path(args.out) / "outputs" if args.save_outputs else None,
+            save_outputs=Path(args.output) / "outputs" if args.save_outputs else None,
             indices=indices,
         )
 
@@ -270,10 +273,9 @@ def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identitie
     """Load every spandrel model once (by path); record what identifies it in ``identities["spandrel"]``
     (with the device ``given``, default ``device``: under torchrun the setting, not the rank's cuda:N)."""
     given = device if given is None else given
-    from flowlift.errors import FlowliftError
     from flowlift.measure.cache import model_identity
     from flowlift.measure.methods import SPANDREL
-    from flowlift.measure.pixel_upscaler import DEFAULT_OVERLAP, load_pixel_upscaler
+    from flowlift.measure.pixel_upscaler import load_pixel_upscaler
 
     paths: dict[str, list[str]] = {}
     for s in specs:
@@ -281,17 +283,7 @@ def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identitie
             paths.setdefault(dict(s.options)["path"], []).append(s.label)
     if not paths:
         return {}
-    tile_text = str(args.tile).strip().lower()
-    if tile_text in ("auto", "none"):
-        tile = None if tile_text == "none" else "auto"
-    else:
-        try:
-            tile = int(tile_text)
-        except ValueError:
-            raise FlowliftError(f"--tile must be a number of pixels, auto or none, got {args.tile!r}") from None
-    overlap = DEFAULT_OVERLAP if args.tile_overlap is None else args.tile_overlap
-    if overlap < 0:
-        raise FlowliftError(f"--tile-overlap must be >= 0, got {overlap}")
+    tile, overlap = spandrel_tiling(args.tile, args.tile_overlap)
     models = {}
     info = identities.setdefault("spandrel", {})
     for path, labels in paths.items():

@@ -14,6 +14,7 @@ Writing images (formats, metadata, ICC/EXIF carried over, atomic saves) is :mod:
 from __future__ import annotations
 
 import os
+import struct
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from flowlift.errors import FlowliftError
+from flowlift.errors import FlowliftWarning as _FlowliftWarning
 from flowlift.files.atomic import is_temporary
 
 #: Formats the loader reads, by suffix: everything common that Pillow opens as a still or first frame
@@ -95,6 +97,21 @@ def _to_rgb_and_alpha(image: Image.Image) -> tuple[Image.Image, Image.Image | No
     return image.convert("RGB"), None
 
 
+#: What Pillow raises on damaged bytes, beyond OSError: a truncated GIF or TIFF page table fails with
+#: IndexError, struct.error or TypeError while its frames are counted or decoded.
+DECODE_ERRORS = (OSError, SyntaxError, ValueError, IndexError, EOFError, struct.error)
+
+
+def _frame_count(opened: Image.Image) -> int:
+    """How many frames ``opened`` holds. Pillow counts them by seeking through the file, so a damaged
+    later frame fails here; it raises ValueError then (a file cut short is refused, not half-read)."""
+    try:
+        return int(getattr(opened, "n_frames", 1))
+    except (*DECODE_ERRORS, TypeError, KeyError) as error:  # TypeError: a TIFF page without its size tags
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"its frames cannot be counted: {message}") from None
+
+
 def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None]:
     """Open ``path`` as (8-bit RGB image, alpha ``"L"`` image or None), EXIF orientation applied."""
     path = Path(path)
@@ -105,7 +122,7 @@ def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None
             warnings.simplefilter("always")
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path) as opened:
-                frames = getattr(opened, "n_frames", 1)
+                frames = _frame_count(opened)
                 if frames > 1 and opened.format != "MPO":  # MPO: a JPEG with a preview/depth frame attached
                     warnings.warn(f"{path}: has {frames} frames, only the first is used", UserWarning, stacklevel=2)
                 width, height = opened.size
@@ -124,15 +141,11 @@ def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None
         raise FlowliftError(f"{path}: refused as a decompression bomb ({error})") from None
     except UnidentifiedImageError:
         raise FlowliftError(f"{path}: not an image file Pillow can read") from None
-    except (OSError, SyntaxError, ValueError) as error:
+    except DECODE_ERRORS as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise FlowliftError(f"{path}: unreadable or truncated image ({message})") from None
     _report_reader_warnings(path, caught)
     return rgb, alpha
-
-
-class FlowliftWarning(UserWarning):
-    """A one-line warning about the user's data; the CLI prints it as ``flowlift CMD: warning: ...``."""
 
 
 def _report_reader_warnings(path: Path, caught: list[warnings.WarningMessage]) -> None:
@@ -151,7 +164,7 @@ def _report_reader_warnings(path: Path, caught: list[warnings.WarningMessage]) -
             if text not in notes:
                 notes.append(text)
     if notes:
-        warnings.warn(FlowliftWarning(f"{path}: {'; '.join(notes)} (image read, metadata may be ignored)"),
+        warnings.warn(_FlowliftWarning(f"{path}: {'; '.join(notes)} (image read, metadata may be ignored)"),
                       stacklevel=3)
 
 
@@ -175,7 +188,7 @@ def image_size(path: str | os.PathLike) -> tuple[int, int]:
         raise FlowliftError(f"{path}: refused as a decompression bomb ({error})") from None
     except UnidentifiedImageError:
         raise FlowliftError(f"{path}: not an image file Pillow can read") from None
-    except (OSError, SyntaxError, ValueError) as error:
+    except DECODE_ERRORS as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise FlowliftError(f"{path}: unreadable or truncated image ({message})") from None
     if width * height > MAX_INPUT_PIXELS:
@@ -342,3 +355,16 @@ def list_images(inputs: list[str], problems: list[tuple[str, str]] | None = None
             seen.add(key)
             unique.append(p)
     return unique
+
+
+def __getattr__(name: str):
+    """``flowlift.files.images.FlowliftWarning``, the old home of :class:`flowlift.errors.FlowliftWarning`:
+    still there for this release, with a DeprecationWarning naming the new one."""
+    if name == "FlowliftWarning":
+        warnings.warn(
+            "flowlift.files.images.FlowliftWarning moved to flowlift.errors.FlowliftWarning; import it from there",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _FlowliftWarning
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -30,6 +30,7 @@ from PIL import Image
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_output
 from flowlift.files.image_outputs import SourceProfile, metadata_json, metadata_text, read_source_profile
+from flowlift.files.images import DECODE_ERRORS
 
 #: Output suffixes written with 16 bits per sample when the source had them.
 SIXTEEN_BIT_SUFFIXES = (".png", ".tif", ".tiff")
@@ -84,7 +85,7 @@ def load_image_16bit(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray | 
         array = cv2.imdecode(np.fromfile(path, dtype=np.uint8), cv2.IMREAD_UNCHANGED)
         with Image.open(path) as opened:
             orientation = int(opened.getexif().get(0x0112, 1) or 1)
-    except (OSError, ValueError, cv2.error):
+    except (*DECODE_ERRORS, Image.DecompressionBombError, cv2.error):
         return None
     if array is None or array.dtype != np.uint16:
         return None
@@ -106,7 +107,7 @@ def sixteen_bit_source(path: str | os.PathLike, out: str | os.PathLike) -> tuple
     """:func:`load_image_16bit` of ``path`` when it holds 16-bit samples and ``out``'s format keeps them;
     None otherwise. A 16-bit ``path`` that will be written 8-bit costs one warning line, naming why
     (before any work, so the user can stop and choose ``--format png``)."""
-    from flowlift.files.images import FlowliftWarning
+    from flowlift.errors import FlowliftWarning
 
     if not has_16bit_samples(path):
         return None

@@ -35,7 +35,13 @@ from invokeai.invocation_api import (
 
 from flowlift.devices import resolve_device
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
-from flowlift.invokeai.latents import check_output_cap, check_raw_latents, normalized_to_raw, raw_to_normalized
+from flowlift.invokeai.latents import (
+    Seed,
+    check_output_cap,
+    check_raw_latents,
+    normalized_to_raw,
+    raw_to_normalized,
+)
 from flowlift.invokeai.models import (
     check_flux2_vae_field,
     flux2_vae_adapter,
@@ -45,11 +51,11 @@ from flowlift.invokeai.models import (
     on_device,
 )
 from flowlift.invokeai.progress import NodeProgress
-from flowlift.invokeai.tiled_refine import tiled_refine_raw_latents, tiling_line
 from flowlift.knobs import SEED, Knob
 from flowlift.models.vae import TAEF2VAE
 from flowlift.models.vae_loading import TAEF2_REPO
 from flowlift.refine.settings import REFINE_STRENGTH, STEPS, TILE_BATCH, TILE_OVERLAP, TILE_SIZE, SamplingSettings
+from flowlift.refine.tiled_refine import tiled_refine_raw_latents, tiling_line
 from flowlift.refine.tiling import TileRequest
 from flowlift.upscale.colorfix_image import color_fix_image
 from flowlift.upscale.loading import DEFAULT_UPSCALER
@@ -72,10 +78,12 @@ Chunking = Literal[CHUNKING]  # type: ignore[valid-type]
 
 def knob_field(knob: Knob, description: str | None = None, **extra: Any) -> Any:
     """An InvokeAI ``InputField`` from a knob of the tables: its default (a choice as the node packs label it),
-    its range (``ge``/``le``) and its help as the description."""
+    its range (``ge``/``le``), its grid (``multiple_of``) and its help as the description."""
     kwargs: dict[str, Any] = {"default": knob.label(knob.default) if knob.choices else knob.default}
     if not knob.choices:
         kwargs.update(ge=knob.low, le=knob.high)
+    if knob.multiple:
+        kwargs["multiple_of"] = knob.multiple
     return InputField(description=description or knob.help[:1].upper() + knob.help[1:], **kwargs, **extra)
 
 UPSCALER_DESCRIPTION = (
@@ -130,7 +138,7 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
     upscaler_model: ModelIdentifierField | None = installed_model_field("Flow Upscaler", "Flow Upscaler")
     upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
     scale: Scale = knob_field(SCALE, SCALE_DESCRIPTION)
-    seed: int = knob_field(SEED, SEED_DESCRIPTION)
+    seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
     transplant_strength: float = knob_field(TRANSPLANT_STRENGTH, TRANSPLANT_DESCRIPTION)
     chunked: Chunking = knob_field(CHUNKED, CHUNKED_DESCRIPTION)
 
@@ -190,7 +198,7 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
     upscaler_model: ModelIdentifierField | None = installed_model_field("Flow Upscaler", "Flow Upscaler")
     upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
     scale: Scale = knob_field(SCALE, SCALE_DESCRIPTION)
-    seed: int = knob_field(SEED, SEED_DESCRIPTION)
+    seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
     transplant_strength: float = knob_field(TRANSPLANT_STRENGTH, TRANSPLANT_DESCRIPTION)
     color_fix_strength: float = knob_field(
         COLOR_FIX_STRENGTH,
@@ -293,9 +301,9 @@ class TiledFlux2DenoiseInvocation(BaseInvocation):
     )  # fmt: skip
     strength: float = knob_field(REFINE_STRENGTH, "How much the refine changes the latents (img2img strength)")
     num_steps: int = knob_field(STEPS, "Steps of the full schedule (distilled Klein: 4)")
-    seed: int = knob_field(SEED, SEED_DESCRIPTION)
+    seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
     tile_size: str = _text_knob_field(TILE_SIZE, TILE_SIZE.help[:1].upper() + TILE_SIZE.help[1:])
-    tile_overlap: int = knob_field(TILE_OVERLAP, multiple_of=16)
+    tile_overlap: int = knob_field(TILE_OVERLAP)
     tile_batch: str = _text_knob_field(TILE_BATCH, TILE_BATCH.help[:1].upper() + TILE_BATCH.help[1:])
 
     @torch.no_grad()

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 
 from flowlift.errors import FlowliftError
+from flowlift.knobs import SEED, TRANSPLANT_STRENGTH, Knob
+from flowlift.upscale.settings import COLOR_FIX_STRENGTH
 
 PIXEL_METHODS = ("lanczos", "bicubic")
 VAE_METHODS = ("latent-bicubic", "vae-roundtrip", "flow")
@@ -24,7 +26,13 @@ METHODS = PIXEL_METHODS + VAE_METHODS
 #: ``spandrel:PATH[:label][+colorfix]``: a pixel super-resolution model file (see parse_spandrel_method).
 SPANDREL = "spandrel"
 COLORFIX_SUFFIX = "+colorfix"
-FLOW_OPTIONS = {"transplant": float, "color_fix": float, "color": str, "seed": int}
+#: ``flow``'s options, each a knob of the tables (the upscaler's; ``color`` switches both colour stages).
+FLOW_OPTIONS = {
+    "transplant": TRANSPLANT_STRENGTH,
+    "color_fix": COLOR_FIX_STRENGTH,
+    "color": Knob("color", str, "on", "both colour-drift stages on or off", choices=("on", "off")),
+    "seed": SEED,
+}
 
 MethodFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
@@ -136,17 +144,14 @@ def spandrel_method_fn(model: Any, scale: int, colorfix: bool) -> MethodFn:
 
 
 def _parse_flow_option(key: str, value: str) -> Any:
-    if key == "color":
-        if value.lower() not in ("on", "off"):
-            raise FlowliftError(f"method flow: color must be on or off, got {value!r}")
-        return value.lower()
+    """One ``flow`` option's value, checked by its knob (numbers parsed exactly, as on the command line)."""
+    knob = FLOW_OPTIONS[key]
     try:
-        parsed = FLOW_OPTIONS[key](value)
-    except ValueError:
-        raise FlowliftError(f"method flow: {key} must be a number, got {value!r}") from None
-    if key in ("transplant", "color_fix") and not 0.0 <= parsed <= 1.0:
-        raise FlowliftError(f"method flow: {key} must be in [0, 1], got {value}")
-    return parsed
+        return knob.check(value.lower() if knob.choices else value, key, loose=True)
+    except FlowliftError:
+        if knob.choices:
+            raise FlowliftError(f"method flow: {key} must be {' or '.join(knob.choices)}, got {value!r}") from None
+        raise FlowliftError(f"method flow: {key} must be a number: {knob.describe()}, got {value!r}") from None
 
 
 def pixel_upscale(lowres: np.ndarray, scale: int, method: str) -> np.ndarray:
@@ -255,3 +260,33 @@ def make_method_fn(
 def method_folder(label: str) -> str:
     """A method label as a folder name (``flow:color=off`` -> ``flow_color=off``)."""
     return "".join(ch if ch.isalnum() or ch in "-_=.," else "_" for ch in label)
+
+
+#: How the spandrel models of ``eval --run`` tile (input pixels); checked on every run, spandrel or not.
+SPANDREL_TILE = Knob(
+    "tile",
+    int,
+    "auto",
+    "spandrel models: tile side in input pixels, auto (sized by memory) or none (untiled)",
+    low=1,
+    words=("auto", "none"),
+    unit="px",
+)
+#: The same as :data:`flowlift.measure.tiled_inference.DEFAULT_OVERLAP` (tests/test_up_front_checks.py).
+SPANDREL_TILE_OVERLAP = Knob(
+    "tile_overlap", int, 32, "spandrel models: input pixels of context around each tile", low=0, unit="px"
+)
+
+
+def spandrel_tiling(tile: Any = "auto", overlap: Any = None) -> tuple[int | str | None, int]:
+    """``(tile, overlap)`` for :func:`flowlift.measure.pixel_upscaler.load_pixel_upscaler`, checked: each in its
+    knob's domain (``"none"`` becomes ``None``), and a tile larger than twice its overlap. One FlowliftError line."""
+    overlap = (
+        SPANDREL_TILE_OVERLAP.default
+        if overlap is None
+        else SPANDREL_TILE_OVERLAP.check(overlap, "--tile-overlap", loose=True)
+    )
+    tile = SPANDREL_TILE.check(tile, "--tile", loose=True)
+    if isinstance(tile, int) and tile - 2 * overlap < 1:
+        raise FlowliftError(f"--tile {tile} must exceed twice the --tile-overlap ({overlap})")
+    return (None if tile == "none" else tile), overlap
