@@ -18,6 +18,7 @@ from typing import Any
 from flowlift.devices import DTYPES, resolve_device_dtype  # noqa: F401  (imported by the commands from here)
 from flowlift.errors import FlowliftError
 from flowlift.knobs import SEED, Knob
+from flowlift.models.vae_names import vae_help, vae_metavar
 from flowlift.upscale.loading import DEFAULT_VAE  # noqa: F401  (the one default, shared with the Python API)
 from flowlift.upscale.settings import SCALE
 
@@ -75,6 +76,25 @@ class OneLineParser(argparse.ArgumentParser):
 def examples(*lines: str) -> str:
     """An epilog of example command lines: ``examples:`` and one indented line each."""
     return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def add_vae_option(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *,
+    default: str | None = None,
+    role: str = "",
+    **kwargs: Any,
+) -> argparse.Action:
+    """``--vae``, with the names, metavar and help every command derives from :mod:`flowlift.models.vae_names`.
+
+    ``role`` says what the VAE is for in this command (``"of the latent methods"``); ``kwargs`` go to
+    ``add_argument`` (``required``, ``action="append"``, a ``help`` tail as ``more``).
+    """
+    more = kwargs.pop("more", "")
+    text = vae_help(default)
+    if role:
+        text = text.replace("VAE: ", f"VAE {role}: ", 1)
+    return parser.add_argument("--vae", default=default, metavar=vae_metavar(), help=text + more, **kwargs)
 
 
 def add_device_options(

@@ -14,6 +14,7 @@ from typing import Any
 from flowlift.commands._options import (
     add_device_options,
     add_knob,
+    add_vae_option,
     finite_float,
     resolve_device_dtype,
 )
@@ -44,11 +45,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="FLUX.2 Klein or dev weights: a diffusers folder or hub id (transformer/ and vae/ subfolders, "
         "e.g. black-forest-labs/FLUX.2-klein-4B), a transformer folder, or a single .safetensors file",
     )
-    model.add_argument(
-        "--vae",
-        metavar="SPEC",
-        help="VAE (flowlift.models.vae_loading.load_vae spec); default: the model's own vae/ folder",
-    )
+    add_vae_option(model, more="; default: the model's own vae/ folder")
     add_device_options(model, "transformer and VAE")
     add_weights_arguments(parser)
     add_tile_arguments(parser)

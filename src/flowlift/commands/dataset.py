@@ -15,6 +15,7 @@ from pathlib import Path
 
 from flowlift.commands._options import (
     HelpFormatter,
+    add_vae_option,
     examples,
     finite_float,
     positive_int,
@@ -38,7 +39,7 @@ STORAGE = ("float16", "bfloat16", "float32")
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="dataset folder (created; an existing one is resumed)")
-    parser.add_argument("--vae", required=True, help="VAE for decode/encode: flux2, taef2, a file/folder or hub id")
+    add_vae_option(parser, role="for decode/encode", required=True)
     parser.add_argument("--seed", type=seed_value, default=0, help="seed of crops, flips and stored noise")
     parser.add_argument("--shard-size", type=positive_int, default=256, help="items per shard file (default 256)")
     parser.add_argument("--batch-size", type=positive_int, default=4, help="items processed together (default 4)")

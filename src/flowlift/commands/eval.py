@@ -21,6 +21,7 @@ from flowlift.commands._options import (
     DEFAULT_SCALE,
     DEFAULT_VAE,
     add_device_options,
+    add_vae_option,
     examples,
     non_negative_int,
     positive_int,
@@ -79,9 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=positive_int, help="use only the first N dataset images")
     parser.add_argument("--box", type=_box, help="x,y,w,h in output pixels: grey levels are counted here, "
                         "and the figure crops it")  # fmt: skip
-    parser.add_argument("--vae", default=DEFAULT_VAE, metavar="flux2|taef2|PATH|REPO",
-                        help="VAE of the latent methods (latent-bicubic, vae-roundtrip, flow), as for flowlift "
-                        f"upscale: flux2, taef2, a file/folder or hub id (default {DEFAULT_VAE})")  # fmt: skip
+    add_vae_option(parser, default=DEFAULT_VAE, role="of the latent methods (latent-bicubic, vae-roundtrip, flow)")
     parser.add_argument("--upscaler", default=None, metavar="PATH|REPO",
                         help="Flow Upscaler weights for the flow method: file, folder or hub repo "
                         "(default TensorForger/FlowUpscaler, as for flowlift upscale)")  # fmt: skip
