@@ -78,7 +78,7 @@ MAGE = NamedVAE(
         "microsoft/Mage-Flow-Edit-Turbo",
         "M-vdBerg/Mage-Flow",
     ),
-    patterns=("vae/*",),
+    patterns=("vae/*.safetensors", "vae/*.json"),  # never a pickle, never the transformer
     files=(),  # whatever single .safetensors vae/ holds
     native=True,
     approximate=False,
