@@ -3,12 +3,13 @@
 One run measures every VAE of ``--vaes`` at every size of ``--megapixels`` (square images: 1 MP =
 1024x1024, 4 MP = 2048x2048, 16 MP = 4096x4096), encode and decode, with **full-size random weights**
 (the released architectures, default init, seed 0: time and memory do not depend on weight values).
-Each measurement runs in a fresh subprocess, so its peak RSS (``ru_maxrss``) belongs to that one
+Each measurement runs in a fresh subprocess, so its peak RSS belongs to that one
 operation; it builds the model, its input (a seeded random image, or a random normalized latent),
 runs the adapter's ``encode`` / ``decode`` as the pipelines call it (``tiled=None``: each VAE's own
 rule by size) ``--repeat`` times and reports the best wall time, the best process CPU time (user +
 system, all threads: it moves far less than the wall time when other jobs share the machine), the
-peak RSS and the RSS before the operation (torch + weights). A measurement that runs past
+peak RSS (``VmHWM``, reset after the model is built, so the random init does not hide the
+operation's own peak) and the RSS before the operation (torch + weights). A measurement that runs past
 ``--budget-s`` is stopped and reported as such; a VAE and operation that ran out of budget at one size
 is not tried at the larger sizes.
 
@@ -137,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         x, fn = torch.randn(1, 32, side // 8, side // 8), vae.decode
     tiled = {"auto": None, "full": False, "tiled": True}[args.mode]
-    base_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    base_mb = reset_peak_mb()  # building the model must not hide the operation's own peak
     times, cpu_times = [], []
     for _ in range(args.repeat):
         cpu0, start = _cpu_s(), time.perf_counter()
@@ -145,8 +146,25 @@ def worker(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
         cpu_times.append(_cpu_s() - cpu0)
         del out
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_mb = _status_mb("VmHWM")
     print(json.dumps({"time_s": min(times), "cpu_s": min(cpu_times), "peak_mb": peak_mb, "base_mb": base_mb}))
+
+
+def _status_mb(field: str) -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise SystemExit(f"no {field} in /proc/self/status")
+
+
+def reset_peak_mb() -> float:
+    """Reset this process's peak RSS (Linux: ``5`` to /proc/self/clear_refs) and return the RSS now, in MB."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    return _status_mb("VmRSS")
 
 
 def measure(vae: str, size: int, op: str, args: argparse.Namespace, *, mode: str = "auto", weights: str = "") -> dict:
@@ -168,10 +186,14 @@ def measure(vae: str, size: int, op: str, args: argparse.Namespace, *, mode: str
 
 
 def cpu_name() -> str:
+    """The CPU's model name and its bfloat16 features (``amx_bf16``, ``avx512_bf16``) from /proc/cpuinfo."""
+    name, flags = platform.processor() or "unknown CPU", []
     for line in open("/proc/cpuinfo"):
         if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("flags"):
+            flags = [f for f in ("amx_bf16", "avx512_bf16") if f in line.split()]
+    return f"{name} ({', '.join(flags) or 'no native bf16'})"
 
 
 def _cell(result: dict, key: str, fmt: str) -> str:

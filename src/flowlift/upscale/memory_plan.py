@@ -58,11 +58,14 @@ __all__ = [
 LATENT_CHANNELS = 32
 #: Decoder activation peak per output pixel, in channels of the VAE's dtype (whole-frame decode): TAEF2's
 #: 8x stage runs 64-channel convolutions at full resolution (input, output, a residual), the FLUX.2 VAE's
-#: last up block 128 channels plus a GroupNorm copy.
-DECODE_PLAIN_CHANNELS = {"taef2": 3 * 64, "flux2": 4 * 128}
+#: last up block 128 channels plus a GroupNorm copy; Mage-VAE's per-pixel MLP (32-wide features, their
+#: 96 adaLN modulations, the MLP's hidden and output, RGB): measured ~190 float32 channels per output pixel
+#: above the weights at 512 and 1024 px (benchmarks/bench_vae.py), costed at 256.
+DECODE_PLAIN_CHANNELS = {"taef2": 3 * 64, "flux2": 4 * 128, "mage": 8 * 32}
 #: Tiled decode's working set besides the latent and the output image: one tile's activations.
 #: TAEF2: bands of 128x128 latent px (64 ch at 2x/4x) and 64x64-latent tiles at 8x; FLUX.2 VAE (diffusers
-#: tiling): 512 px tiles through 128-512 channels.
+#: tiling): 512 px tiles through 128-512 channels. A kind missing here has no bounded decode yet (Mage-VAE:
+#: its adapter runs the whole frame whatever ``tiled`` says), so its tiled cost is its whole-frame cost.
 DECODE_TILE_BYTES = {"taef2": 600 << 20, "flux2": 2 << 30}
 #: Stage 2's strips (a few float32 RGB/Lab strips of ~1M px) and coarse maps, plus the reference image.
 COLOUR_STRIP_BYTES = 64 << 20
@@ -131,12 +134,13 @@ def decode_peak_bytes(
 
     Whole frame: ``b * h * w * itemsize * (DECODE_PLAIN_CHANNELS + 3)``. Tiled: the output image and
     the latent plus one tile's working set, ``b * h * w * itemsize * (3 + 32/64) + DECODE_TILE_BYTES``.
-    Unknown VAEs are costed like the FLUX.2 VAE (the larger one).
+    Unknown VAEs are costed like the FLUX.2 VAE (the larger one); a kind without a bounded decode
+    (not in :data:`DECODE_TILE_BYTES`) costs its whole frame, tiled or not.
     """
     kind = vae_kind if vae_kind in DECODE_PLAIN_CHANNELS else "flux2"
     pixels = batch * height * width
     itemsize = dtype_bytes(dtype)
-    if tiled:
+    if tiled and kind in DECODE_TILE_BYTES:
         return int(pixels * itemsize * (3 + LATENT_CHANNELS / 64) + DECODE_TILE_BYTES[kind])
     return int(pixels * itemsize * (DECODE_PLAIN_CHANNELS[kind] + 3))
 
@@ -302,8 +306,10 @@ def model_bytes(model: object) -> int:
 
 
 def vae_kind(vae: object) -> str:
-    """``"taef2"`` for flowlift's TAEF2 adapter, else ``"flux2"`` (the larger decoder, costed conservatively)."""
-    return "taef2" if type(vae).__name__.upper().startswith("TAEF2") else "flux2"
+    """``"taef2"`` / ``"mage"`` for flowlift's TAEF2 / Mage-VAE adapters, else ``"flux2"`` (the larger decoder,
+    costed conservatively)."""
+    name = type(vae).__name__.upper()
+    return "taef2" if name.startswith("TAEF2") else "mage" if name.startswith("MAGE") else "flux2"
 
 
 def to_host_float32(images: torch.Tensor, strip_rows: int = 256) -> torch.Tensor:
