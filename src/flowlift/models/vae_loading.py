@@ -1,11 +1,12 @@
 """VAE specs: :func:`load_vae` builds a :mod:`flowlift.models.vae` adapter; :func:`check_vae_spec` fails fast.
 
-``spec`` is a name of :data:`flowlift.models.vae_names.VAE_NAMES` (``"taef2"``: hub ``madebyollin/taef2``;
-``"flux2"``: the ``vae/`` folder of a FLUX.2 Klein or dev repository; ``"mage"``: the ``vae/`` folder of a
-Mage-Flow repository; each name's repositories are tried in order), a local file or directory, a hub repo
-id, or an already-built :class:`~flowlift.models.taef2.TAEF2` / ``AutoencoderKLFlux2`` module. Hub lookups go
-through the huggingface_hub cache and honour ``HF_HUB_OFFLINE=1``; an unreachable hub is treated as offline
-(:func:`flowlift.models.hub.hub_offline_reason`). Every weight load is strict.
+``spec`` is a name of :data:`flowlift.models.vae_names.VAE_NAMES`, the one declaration of the VAE knob's
+choices (``"taef2"``: hub ``madebyollin/taef2``; ``"flux2"``: the ``vae/`` folder of a FLUX.2 Klein or dev
+repository; ``"mage"``: Mage-VAE, the ``vae/`` folder of a Mage-Flow repository; each name's repositories
+are tried in order), a local file or directory, a hub repo id, or an already-built
+:class:`~flowlift.models.taef2.TAEF2` / ``AutoencoderKLFlux2`` / :class:`~flowlift.models.mage_vae.MageVAEModel`
+module. Hub lookups go through the huggingface_hub cache and honour ``HF_HUB_OFFLINE=1``; an unreachable hub
+is treated as offline (:func:`flowlift.models.hub.hub_offline_reason`). Every weight load is strict.
 """
 
 from __future__ import annotations
@@ -18,21 +19,36 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.models.vae import TAEF2VAE, Flux2VAE, flux2_from_state_dict, taef2_from_state_dicts
-from flowlift.models.vae_names import FLUX2, HUB_VAE_PATTERNS, TAEF2, NamedVAE, named_vae, unknown_vae_message
+from flowlift.models.mage_vae_files import is_mage_vae, mage_from_state_dict
+from flowlift.models.vae import TAEF2VAE, Flux2VAE, MageVAE, flux2_from_state_dict, taef2_from_state_dicts
+from flowlift.models.vae_names import FLUX2, HUB_VAE_PATTERNS, MAGE, TAEF2, NamedVAE, named_vae, unknown_vae_message
 from flowlift.models.weights import WEIGHT_SUFFIXES, looks_like_repo_id, read_state_dict
 
+# Each name's repositories and files are declared once, in flowlift.models.vae_names.
 TAEF2_REPO = TAEF2.repos[0]
-#: Repositories whose ``vae/`` folder holds the FLUX.2 VAE, tried in order (declared in vae_names).
+#: Repositories whose ``vae/`` folder holds the FLUX.2 VAE, tried in order.
 FLUX2_REPOS = FLUX2.repos
 TAEF2_FILES = ("taef2_encoder.pth", "taef2_decoder.pth")
+#: Repositories whose ``vae/`` folder holds the released Mage-VAE, tried in order.
+MAGE_REPOS = MAGE.repos
+#: Only the VAE of a Mage-Flow repository (never its transformer or text encoder; no pickles).
+MAGE_PATTERNS = list(MAGE.patterns)
+#: The class of the diffusers port ``MinhNH232331M/MageFlow-VAE-diffusers``, whose key layout is unpublished.
+MAGE_DIFFUSERS_PORT_CLASS = "AutoencoderKLMega"
+#: What flowlift reads, for the errors that refuse something else.
+READABLE_LAYOUTS = (
+    "TAEF2 (taef2_encoder/decoder .pth or .safetensors), a FLUX.2 VAE (single file with BFL/ComfyUI keys, or a "
+    "diffusers AutoencoderKLFlux2 folder) or Mage-VAE as released (one .safetensors with student.dconv_encoder.* "
+    "and pipeline.* tensors, or a Mage-Flow repository's vae/ folder)"
+)
 
 
-def load_vae(
-    spec: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> TAEF2VAE | Flux2VAE:
+AnyVAE = TAEF2VAE | Flux2VAE | MageVAE
+
+
+def load_vae(spec: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AnyVAE:
     """Load a VAE from ``spec`` (see the module docstring) onto ``device`` in ``dtype``."""
-    if isinstance(spec, (TAEF2VAE, Flux2VAE)):
+    if isinstance(spec, (TAEF2VAE, Flux2VAE, MageVAE)):
         spec.model.to(device=device, dtype=dtype)
         return spec
     if isinstance(spec, torch.nn.Module):
@@ -55,23 +71,25 @@ def load_vae(
     raise FlowliftError(unknown_vae_message(text))
 
 
-def _from_module(
-    module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype
-) -> TAEF2VAE | Flux2VAE:
+def _from_module(module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:
     from diffusers import AutoencoderKLFlux2
 
+    from flowlift.models.mage_vae import MageVAEModel
     from flowlift.models.taef2 import TAEF2
 
     if isinstance(module, TAEF2):
         return TAEF2VAE(module.to(device=device, dtype=dtype))
+    if isinstance(module, MageVAEModel):
+        return MageVAE(module.to(device=device, dtype=dtype))
     if isinstance(module, AutoencoderKLFlux2):
         return Flux2VAE(module.to(device=device, dtype=dtype))
     raise FlowliftError(
-        f"VAE module must be a flowlift TAEF2 or a diffusers AutoencoderKLFlux2, got {type(module).__name__}"
+        "VAE module must be a flowlift TAEF2 or MageVAEModel or a diffusers AutoencoderKLFlux2, "
+        f"got {type(module).__name__}"
     )
 
 
-def _from_file(path: Path, device: torch.device | str, dtype: torch.dtype) -> TAEF2VAE | Flux2VAE:
+def _from_file(path: Path, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:
     from flowlift.models.flux2_vae_convert import is_diffusers_flux2_vae, is_original_flux2_vae
     from flowlift.models.taef2 import detect_layout
 
@@ -92,7 +110,17 @@ def _from_file(path: Path, device: torch.device | str, dtype: torch.dtype) -> TA
         if is_diffusers_flux2_vae(state) and config_path.is_file():
             config = _read_config(config_path)
         return flux2_from_state_dict(state, config=config, origin=str(path), device=device, dtype=dtype)
-    raise FlowliftError(f"VAE: {path} is neither a TAEF2 nor a FLUX.2 VAE checkpoint (unrecognised keys)")
+    if is_mage_vae(state):
+        if path.suffix != ".safetensors":
+            raise FlowliftError(
+                f"VAE: {path} is a pickled Mage-VAE checkpoint; flowlift reads Mage-VAE only as the released "
+                ".safetensors file (student.dconv_encoder.* and pipeline.* tensors)"
+            )
+        return mage_from_state_dict(state, origin=str(path), device=device, dtype=dtype)
+    raise FlowliftError(
+        f"VAE: {path} is neither a TAEF2, a FLUX.2 VAE nor a Mage-VAE checkpoint (unrecognised keys); "
+        f"flowlift reads {READABLE_LAYOUTS}"
+    )
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -121,7 +149,7 @@ def _diffusers_weights(folder: Path) -> dict[str, torch.Tensor]:
     raise FlowliftError(f"VAE: no diffusion_pytorch_model weights in {folder}")
 
 
-def _from_dir(path: Path, device: torch.device | str, dtype: torch.dtype) -> TAEF2VAE | Flux2VAE:
+def _from_dir(path: Path, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:
     pth = [path / name for name in TAEF2_FILES if (path / name).is_file()]
     if pth:
         states = [(read_state_dict(p, what="TAEF2 weights"), str(p)) for p in pth]
@@ -131,6 +159,12 @@ def _from_dir(path: Path, device: torch.device | str, dtype: torch.dtype) -> TAE
         if not config_path.is_file():
             continue
         config = _read_config(config_path)
+        if config.get("_class_name") == MAGE_DIFFUSERS_PORT_CLASS:
+            raise FlowliftError(
+                f"VAE: {folder} is the diffusers port of Mage-VAE ({MAGE_DIFFUSERS_PORT_CLASS}, t = 0-folded weights "
+                f"in a layout its model card does not publish), which flowlift cannot load; flowlift reads "
+                f"{READABLE_LAYOUTS} (--vae mage fetches the released one)"
+            )
         if config.get("_class_name") == "AutoencoderKLFlux2":
             return flux2_from_state_dict(
                 _diffusers_weights(folder), config=config, origin=str(folder), device=device, dtype=dtype
@@ -139,12 +173,14 @@ def _from_dir(path: Path, device: torch.device | str, dtype: torch.dtype) -> TAE
         for file in weights:
             if file.is_file():
                 return _from_file(file, device, dtype)
-    files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors")
-    if len(files) == 1:
-        return _from_file(files[0], device, dtype)
+    for folder in (path, path / "vae"):  # a lone checkpoint, e.g. a Mage-Flow repository's vae/ file
+        files = sorted(p for p in folder.iterdir() if p.suffix == ".safetensors") if folder.is_dir() else []
+        if len(files) == 1:
+            return _from_file(files[0], device, dtype)
     raise FlowliftError(
         f"VAE: {path} holds no TAEF2 files ({', '.join(TAEF2_FILES)}), no diffusers VAE folder "
-        "(config.json + weights, also under vae/) and no single .safetensors checkpoint"
+        "(config.json + weights, also under vae/) and no single .safetensors checkpoint (also under vae/); "
+        f"flowlift reads {READABLE_LAYOUTS}"
     )
 
 
@@ -189,7 +225,7 @@ def check_vae_spec(spec: Any) -> None:
     raise FlowliftError(unknown_vae_message(text))
 
 
-def _from_hub(repo_id: str, device: torch.device | str, dtype: torch.dtype) -> TAEF2VAE | Flux2VAE:
+def _from_hub(repo_id: str, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:
     folder = _snapshot(repo_id, _VAE_PATTERNS)
     return _from_dir(folder, device, dtype)
 
@@ -201,8 +237,8 @@ def _has_weights(folder: Path, patterns: tuple[str, ...]) -> bool:
 def named_vae_folder(named: NamedVAE) -> Path:
     """The cached (or downloaded) snapshot of the first of ``named.repos`` that holds its VAE files.
 
-    A single repository's own error is passed on (it names its download command); with several, one
-    line names them all and the first one's command.
+    One repository: its own error is passed on (it names its download command). Several: one line names
+    them all and the first one's download command (``named.include``: only its VAE files).
     """
     from flowlift.models.hub import download_hint, hub_offline_reason
 
@@ -219,10 +255,10 @@ def named_vae_folder(named: NamedVAE) -> Path:
             if _has_weights(folder, named.patterns):
                 return folder
     offline = hub_offline_reason()
-    include = named.patterns[0] if len(named.patterns) == 1 else None
     where = f"none of {', '.join(named.repos)} has" if len(named.repos) > 1 else f"{named.repos[0]} has no"
+    other = "" if named is TAEF2 else ", or --vae taef2 for the fast approximate VAE"
     raise FlowliftError(
         f"VAE '{named.name}': {where} its VAE files in the Hugging Face cache"
-        f"{f' and {offline}' if offline else ''}; {download_hint(named.repos[0], include=include)} "
-        "or pass a local path (CLI: --vae PATH, or --vae taef2 for the fast approximate VAE)"
+        f"{f' and {offline}' if offline else ''}; {download_hint(named.repos[0], include=named.include)} "
+        f"or pass a local path (CLI: --vae PATH{other})"
     )

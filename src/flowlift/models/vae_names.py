@@ -24,10 +24,11 @@ class NamedVAE:
 
     ``repos``: hub repositories whose files are this VAE, tried in order (the first one cached or
     downloadable wins); ``patterns``: the only files fetched from them (never a transformer);
-    ``files``: the weight files inside a snapshot (the output's provenance hashes). ``native``: flowlift's
-    own implementation, so the node packs load it through flowlift (ComfyUI: a loader node reading
-    ``comfy_folder``; InvokeAI: the image node's flowlift-VAE field), where the FLUX.2 VAE is the host's
-    own model. ``approximate``: its decode only approximates the FLUX.2 VAE's.
+    ``files``: the weight files inside a snapshot (the output's provenance hashes); ``include``: the
+    ``hf download --include`` pattern an error line suggests (None: the whole, small, repository).
+    ``native``: flowlift's own implementation, so the node packs load it through flowlift (ComfyUI: a
+    loader node reading ``comfy_folder``; InvokeAI: the image node's flowlift-VAE field), where the
+    FLUX.2 VAE is the host's own model. ``approximate``: its decode only approximates the FLUX.2 VAE's.
     """
 
     name: str
@@ -38,6 +39,7 @@ class NamedVAE:
     files: tuple[str, ...]
     native: bool
     approximate: bool
+    include: str | None = None
     comfy_folder: str = ""
     comfy_node: str = ""
 
@@ -64,6 +66,7 @@ FLUX2 = NamedVAE(
     files=("vae/diffusion_pytorch_model.safetensors",),
     native=False,
     approximate=False,
+    include="vae/*",
 )
 MAGE = NamedVAE(
     name="mage",
@@ -82,6 +85,7 @@ MAGE = NamedVAE(
     files=(),  # whatever single .safetensors vae/ holds
     native=True,
     approximate=False,
+    include="vae/*",
     comfy_folder="vae",
     comfy_node="FlowliftMageVAELoader",
 )
