@@ -10,8 +10,9 @@ rule by size) ``--repeat`` times and reports the best wall time, the best proces
 system, all threads: it moves far less than the wall time when other jobs share the machine), the
 peak RSS (``VmHWM``, reset after the model is built, so the random init does not hide the
 operation's own peak) and the RSS before the operation (torch + weights). A measurement that runs past
-``--budget-s`` is stopped and reported as such; a VAE and operation that ran out of budget at one size
-is not tried at the larger sizes.
+``--budget-s`` is stopped and reported as such, one whose decode flowlift's memory model
+(:func:`flowlift.upscale.memory_plan.decode_peak_bytes`) puts above ``--max-memory-gb`` is not started
+(the machine is shared), and a VAE and operation not measured at one size is not tried at the larger ones.
 
 MACs per pixel are counted, not timed: ``torch.utils.flop_counter.FlopCounterMode`` over the same
 forward pass with the model and input on the ``meta`` device (no memory, no arithmetic), halved (it
@@ -65,7 +66,6 @@ def build_adapter(name: str, dtype):
         return Flux2VAE(AutoencoderKLFlux2().to(dtype=dtype))  # diffusers' defaults are the FLUX.2 VAE's
     if name == "mage":
         from flowlift.models.mage_vae import MageVAEConfig, MageVAEModel
-
         from flowlift.models.vae import MageVAE
 
         model = MageVAEModel(MageVAEConfig()).fold_t0()  # the released widths; fold in float32, as loading does
@@ -200,6 +200,17 @@ def _cell(result: dict, key: str, fmt: str) -> str:
     return format(result[key], fmt) if key in result else "–"
 
 
+def estimated_peak_gb(vae: str, side: int) -> float:
+    """What a ``side`` x ``side`` decode costs by flowlift's own model (upscale.memory_plan), tiled as each
+    adapter tiles by size (TAEF2 above 1 MP, the FLUX.2 VAE above 2048 px a side, Mage-VAE not yet):
+    the guard that keeps this benchmark from exhausting a shared machine. Used for encode too (the encoders
+    peak lower)."""
+    from flowlift.upscale.memory_plan import decode_peak_bytes
+
+    tiled = {"taef2": side * side > 1024 * 1024, "flux2": side > 2048, "mage": False}[vae]
+    return decode_peak_bytes(vae, side, side, tiled=tiled) / 1e9
+
+
 def compare(args: argparse.Namespace) -> None:
     import torch
 
@@ -226,10 +237,14 @@ def compare(args: argparse.Namespace) -> None:
         for op in args.ops:
             row: dict[str, dict] = {}
             for vae in args.vaes:
+                need_gb = estimated_peak_gb(vae, side)
                 if (vae, op) in out_of_budget:
-                    row[vae] = {"error": "not tried (the smaller size ran out of budget)"}
-                    continue
-                row[vae] = measure(vae, side, op, args)
+                    row[vae] = {"error": "not tried (a smaller size was not measured)"}
+                elif need_gb > args.max_memory_gb:
+                    row[vae] = {"error": f"needs ~{need_gb:.0f} GB (flowlift's decode cost model), over "
+                                         f"--max-memory-gb {args.max_memory_gb:g} on this shared machine"}  # fmt: skip
+                else:
+                    row[vae] = measure(vae, side, op, args)
                 if "error" in row[vae]:
                     out_of_budget.add((vae, op))
             for vae, result in row.items():
@@ -278,6 +293,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs per measurement (best time is kept)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop a measurement after this long")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--max-memory-gb", type=float, default=8.0,
+                        help="skip a measurement whose decode is estimated to need more")  # fmt: skip
     parser.add_argument("--tiling", action="store_true", help="the TAEF2 full-vs-tiled table instead")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048], help="--tiling: image sides")
     parser.add_argument("--weights", default=str(DEFAULT_WEIGHTS), help="--tiling: TAEF2 weights")
