@@ -163,7 +163,7 @@ def test_eval_vae_methods_take_every_named_vae(named_hub, photo, tmp_path, capsy
     dataset.mkdir()
     shutil.copy(photo, dataset / "photo.png")
     out = tmp_path / "eval"
-    code, err = _run(capsys, "eval", "--run", "vae-roundtrip,latent-bicubic", "--dataset", dataset, "--scale", "1",
+    code, err = _run(capsys, "eval", "--run", "vae-roundtrip,latent-bicubic", "--dataset", dataset, "--scale", "2",
                      "--vae", name, "--device", "cpu", "--out", out)  # fmt: skip
     assert code == 0, err
     assert any(out.rglob("*.json")), list(out.rglob("*"))
