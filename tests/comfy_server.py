@@ -75,6 +75,13 @@ def write_random_flux2_vae(path: Path) -> None:
     save_file({k: v.to(torch.float16).contiguous() for k, v in state.items()}, str(path))
 
 
+def write_random_mage_vae(path: Path) -> None:
+    """A narrow random Mage-VAE in the released single-file layout (tests/mage_files.py)."""
+    from mage_files import released_state, save_released
+
+    save_released(path, released_state())
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -162,6 +169,7 @@ def write_models_and_inputs(root: Path, shared: Path) -> None:
     (models / "latent_upscale_models" / "corrupt.safetensors").write_bytes(b"\x17not a safetensors file" * 8)
     for name in ("taef2_encoder.pth", "taef2_decoder.pth"):
         shutil.copy(shared / "models" / "taef2" / name, models / "vae_approx" / name)
+    write_random_mage_vae(models / "vae" / "mage_vae.safetensors")
     source = Image.open(shared / "images" / "kodak" / "kodim23.png").convert("RGB")
     example = source.crop((300, 150, 300 + 4 * IMAGE_W, 150 + 4 * IMAGE_H)).resize((IMAGE_W, IMAGE_H), Image.LANCZOS)
     example.save(inputs / "example.png")
