@@ -38,5 +38,5 @@ def released_state(config: MageVAEConfig = NARROW, *, seed: int = 0, encoder: bo
 def save_released(path: Path, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> Path:
     from safetensors.torch import save_file
 
-    save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, str(path))
+    save_file({k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in state.items()}, str(path))
     return path

@@ -3,7 +3,7 @@
 Written from the published description of the reference (``mage_flow/models/modules/mage_vae.py`` in
 the public MIT-licensed repository ``microsoft/Mage``); module and parameter names follow the released
 checkpoint's keys (``student.dconv_encoder.*`` -> ``encoder.*``, ``pipeline.*`` -> ``decoder.*``), so a
-released file loads strictly (:mod:`flowlift.models.vae_loading`).
+released file loads strictly (:mod:`flowlift.models.mage_vae_files`, through ``load_vae``).
 
 The codec's latent is 128 channels at 1/16 of the image: FLUX.2's *normalized, patchified* latent
 (Mage-Flow regularizes it toward FLUX.2-VAE latents; the diffusers port unpatchifies it 2x2 and
@@ -32,7 +32,7 @@ next to a pointwise convolution::
     conv1(n * (1 + scale) + shift) = (W1 diag(1 + scale)) n + (W1 shift + b1)
     inp + gate * conv3(h)          = inp + (diag(gate) W3) h + gate * b3
 
-The folded block then has the form of the encoder's head blocks (no modulation), and ``t_embedder``
+The folded block then has the form of the encoder's head blocks (no modulation; plain LayerNorms), and ``t_embedder``
 and ``adaLN_modulation`` are dropped (~37M parameters). The per-pixel MLP blocks' adaLN is *not*
 constant (it is conditioned on the per-position feature) and stays.
 

@@ -59,7 +59,7 @@ def mage_from_state_dict(
     VAE; no ``pipeline.*`` tensor is an error (flowlift needs the decoder). Weights load in float32,
     the t = 0 adaLN fold runs in float32, then the model moves to ``device`` / ``dtype``.
     """
-    from flowlift.models.mage_vae import MageVAEModel, infer_config
+    from flowlift.models.mage_vae import MageVAEConfig, MageVAEModel, infer_config
     from flowlift.models.weights import check_finite_state, state_dict_mismatch
 
     source = f" from {origin}" if origin else ""
@@ -69,14 +69,14 @@ def mage_from_state_dict(
         raise FlowliftError(
             f"Mage-VAE weights{source} hold no decoder (no pipeline.* tensors besides the skipped ones)"
         )
-    renamed = {_flowlift_name(k): v for k, v in kept.items()}
-    if config is None:
-        config = infer_config({k: tuple(v.shape) for k, v in renamed.items() if k is not None})
+    shapes = {name: tuple(v.shape) for k, v in kept.items() if (name := _flowlift_name(k)) is not None}
     try:
         with torch.device("meta"):
-            skeleton = MageVAEModel(config, encoder=has_encoder, decoder=True)
-    except (ValueError, RuntimeError) as error:  # widths that fit no GroupNorm, etc.
-        raise FlowliftError(f"Mage-VAE weights{source} have impossible widths: {error}") from None
+            skeleton = MageVAEModel(config or infer_config(shapes), encoder=has_encoder, decoder=True)
+    except (ValueError, RuntimeError, ZeroDivisionError):
+        # Widths that fit no GroupNorm (a damaged file): compare with the released widths, naming tensors.
+        with torch.device("meta"):
+            skeleton = MageVAEModel(MageVAEConfig(), encoder=has_encoder, decoder=True)
     expected = {_released_name(k): v for k, v in skeleton.state_dict().items()}
     problem = state_dict_mismatch(_Shapes(expected), kept)
     bad = next((k for k, v in kept.items() if not v.is_floating_point()), None)
@@ -84,10 +84,12 @@ def mage_from_state_dict(
         problem = f"`{bad}` has dtype {str(kept[bad].dtype).removeprefix('torch.')}, expected floating point"
     if problem:
         raise FlowliftError(f"Mage-VAE weights{source} do not match the architecture: {problem}")
-    check_finite_state(kept, what="Mage-VAE weights", origin=origin)
-    # The meta skeleton takes the file's tensors as they are (no random init of ~140M parameters).
-    # Copies: the t = 0 fold below works in place and must not change the caller's tensors.
-    skeleton.load_state_dict({k: v.to(torch.float32, copy=True) for k, v in renamed.items()}, strict=True, assign=True)
+    # Float32 copies: the t = 0 fold below works in place and must not change the caller's tensors (and
+    # the finiteness check is several times faster on float32 than on a bf16 file's tensors).
+    tensors = {k: v.to(torch.float32, copy=True) for k, v in kept.items()}
+    check_finite_state(tensors, what="Mage-VAE weights", origin=origin)
+    # The meta skeleton takes the tensors as they are (no random init of ~140M parameters).
+    skeleton.load_state_dict({_flowlift_name(k): v for k, v in tensors.items()}, strict=True, assign=True)
     model = skeleton.fold_t0()
     return MageVAE(model.to(device=device, dtype=dtype), origin=origin)
 

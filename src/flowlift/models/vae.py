@@ -7,7 +7,7 @@
   convention, :mod:`flowlift.flux2.latents`). Decoded images are *not* clamped. Inputs are moved to the
   VAE's device and dtype; outputs stay on the VAE's device in the input's floating dtype.
 * ``tiled``: ``None`` switches tiling on by size, ``True`` forces it, ``False`` forbids it.
-* ``spatial_factor`` (8), ``approximate_decode`` (True for TAEF2), ``device``, ``dtype``,
+* ``spatial_factor`` (8), ``approximate_decode`` (True for TAEF2 and Mage-VAE), ``device``, ``dtype``,
   ``bn_mean`` / ``bn_std`` ([128] float32 normalization statistics; None for TAEF2 and Mage-VAE,
   whose latents are already normalized).
 * The FLUX.2 adapter also offers ``encode_raw`` / ``decode_raw`` on raw (un-normalized) latents.
@@ -354,7 +354,9 @@ class MageVAE(_ModuleVAE):
 
     spatial_factor = 8
     image_multiple = MAGE_IMAGE_MULTIPLE
-    approximate_decode = False
+    # Its own decoder, trained toward FLUX.2-VAE latents, not FLUX.2's decoder: FLUX.2 latents decode
+    # approximately (as with TAEF2), which is what this flag tells eval and the reports.
+    approximate_decode = True
     bn_mean: torch.Tensor | None = None
     bn_std: torch.Tensor | None = None
 

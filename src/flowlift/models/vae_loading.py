@@ -72,8 +72,6 @@ def load_vae(spec: Any, device: torch.device | str = "cpu", dtype: torch.dtype =
 
 
 def _from_module(module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:
-    from diffusers import AutoencoderKLFlux2
-
     from flowlift.models.mage_vae import MageVAEModel
     from flowlift.models.taef2 import TAEF2
 
@@ -81,6 +79,8 @@ def _from_module(module: torch.nn.Module, device: torch.device | str, dtype: tor
         return TAEF2VAE(module.to(device=device, dtype=dtype))
     if isinstance(module, MageVAEModel):
         return MageVAE(module.to(device=device, dtype=dtype))
+    from diffusers import AutoencoderKLFlux2  # only now: importing diffusers takes seconds
+
     if isinstance(module, AutoencoderKLFlux2):
         return Flux2VAE(module.to(device=device, dtype=dtype))
     raise FlowliftError(
