@@ -221,3 +221,15 @@ def test_tiled_denoise_loop_with_the_model_object_invokeai_hands_it():
     # the node's log line (a LatentsOutput carries no metadata)
     assert tiling_line((96, 128), record) == "128x96 px refined in 2x3 tiles of 64x64 px, overlap 32 px, 1 per call"
     assert tiling_line((96, 128), whole_record) == "128x96 px refined untiled (tile size 128)"
+
+
+def test_a_mage_vae_file_passes_its_own_check_and_other_sources_are_one_line(tmp_path):
+    """issue 37: Mage-VAE's file kind (one .safetensors, a bound of its own) and its one refusal line."""
+    from mage_files import released_state, save_released
+
+    path = save_released(tmp_path / "mage_vae.safetensors", released_state())
+    assert files.check_weight_file(path, files.MAGE_SAFETENSORS) == path.resolve()
+    assert set(files.NATIVE_VAE_FILES) == {"taef2", "mage"}
+    for source in (tmp_path / "missing.safetensors", tmp_path / "mage_vae.pt", tmp_path):
+        with pytest.raises(FlowliftError, match=r"^Mage-VAE: cannot use .*: expected Mage-VAE's weights: one "):
+            files.check_weight_file(source, files.MAGE_SAFETENSORS, shown=str(source))
