@@ -211,7 +211,7 @@ def test_the_web_app_offers_and_runs_every_named_vae(named_hub, upscaler, photo,
         assert image.size == (2 * W, 2 * H)
 
 
-@pytest.mark.parametrize("command", ["upscale", "eval", "dataset images", "img2img", "hires", "app"])
+@pytest.mark.parametrize("command", ["upscale", "eval", "dataset images", "img2img", "hires", "app", "bands"])
 def test_every_vae_option_lists_every_name(capsys, command):
     with pytest.raises(SystemExit):
         main([*command.split(), "-h"])

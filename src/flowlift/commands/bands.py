@@ -16,6 +16,7 @@ from pathlib import Path
 
 from flowlift.commands._options import (
     add_device_options,
+    add_vae_option,
     examples,
     finite_float,
     positive_int,
@@ -34,7 +35,7 @@ EXAMPLES = examples(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("images", nargs="+", help="image files or folders (non-recursive)")
-    parser.add_argument("--vae", required=True, help="VAE weights: local file/folder or hub id")
+    add_vae_option(parser, role="whose decoder is measured", required=True)
     parser.add_argument("--out", required=True, help="folder for bands.json, bands.md, bands.png")
     parser.add_argument("--amplitude", type=finite_float, default=0.1, help="perturbation RMS in latent sigma (0.1)")
     parser.add_argument("--seed", type=seed_value, default=0, help="noise seed (band k uses seed + k)")
