@@ -155,11 +155,19 @@ def pipeline_model_files(upscaler_path: Path | None, vae: Any, vae_spec: str | N
     return files
 
 
+def _placed(param: Any, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model whose first parameter is ``param`` is on ``device`` in ``dtype`` (``cuda``: any index)."""
+    on_device = param.device.type == device.type and (device.index is None or param.device.index == device.index)
+    return on_device and (not param.is_floating_point() or param.dtype == dtype)
+
+
 def load_pipeline_upscaler(upscaler: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, Path | None]:
     """(UNet callable on ``device`` in ``dtype``, its weights file or None).
 
-    A path or hub id is resolved and loaded; a module is moved to ``device``/``dtype``; any other
-    callable is used as it is.
+    A path or hub id is resolved and loaded; a module already on ``device`` in ``dtype`` is used as it
+    is, one elsewhere or in another dtype is *copied* there (issue 36.3: ``Module.to`` converts in place,
+    so a UNet shared by several pipelines, like the web app's upscale and hires fix ones, would change
+    dtype under the others); any other callable is used as it is.
     """
     path: Path | None = None
     if isinstance(upscaler, (str, os.PathLike)):
@@ -167,8 +175,10 @@ def load_pipeline_upscaler(upscaler: Any, device: torch.device, dtype: torch.dty
         from flowlift.models.upscaler_weights import load_upscaler
 
         upscaler = load_upscaler(path, device=device, dtype=dtype)
-    elif first_parameter(upscaler) is not None:
-        upscaler = upscaler.to(device=device, dtype=dtype)
+    elif (param := first_parameter(upscaler)) is not None and not _placed(param, device, dtype):
+        import copy
+
+        upscaler = copy.deepcopy(upscaler).to(device=device, dtype=dtype)
     if not callable(upscaler):
         raise FlowliftError(f"upscaler must be callable like the Flow Upscaler UNet, got {type(upscaler).__name__}")
     return upscaler, path
