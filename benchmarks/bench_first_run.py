@@ -67,10 +67,10 @@ def random_mage_hub(folder: Path) -> Path:
 
     from flowlift.models.mage_vae import MageVAEConfig, MageVAEModel
     from flowlift.models.mage_vae_files import MAGE_DECODER_PREFIX, MAGE_ENCODER_PREFIX
-    from flowlift.models.vae_names import MAGE
+    from flowlift.models.vae_names import NAMED_MAGE
 
     cache = folder / "hub"
-    repo = cache / f"models--{MAGE.repos[0].replace('/', '--')}"
+    repo = cache / f"models--{NAMED_MAGE.repos[0].replace('/', '--')}"
     target = repo / "snapshots" / ("0" * 40) / "vae" / "mage_vae.safetensors"
     if not target.is_file():
         torch.manual_seed(0)

@@ -21,11 +21,11 @@ from flowlift.devices import auto_dtype
 from flowlift.errors import FlowliftError
 from flowlift.models.upscaler_weights import load_upscaler
 from flowlift.models.vae_loading import load_vae
-from flowlift.models.vae_names import NATIVE_VAES, TAEF2, NamedVAE
+from flowlift.models.vae_names import NAMED_TAEF2, NATIVE_VAES, NamedVAE
 from flowlift.upscale.memory_plan import vae_kind
 
 UPSCALER_FOLDER = "latent_upscale_models"
-TAEF2_FOLDER = TAEF2.comfy_folder
+TAEF2_FOLDER = NAMED_TAEF2.comfy_folder
 #: The native VAEs, in words, and the upscale node's VAE tooltip, both from the declaration.
 NATIVE_TITLES = " or ".join(f"{vae.title} ({vae.comfy_node})" for vae in NATIVE_VAES)
 VAE_TOOLTIP = f"the FLUX.2 VAE (VAELoader), {NATIVE_TITLES}"

@@ -21,18 +21,26 @@ import torch
 from flowlift.errors import FlowliftError
 from flowlift.models.mage_vae_files import is_mage_vae, mage_from_state_dict
 from flowlift.models.vae import TAEF2VAE, Flux2VAE, MageVAE, flux2_from_state_dict, taef2_from_state_dicts
-from flowlift.models.vae_names import FLUX2, HUB_VAE_PATTERNS, MAGE, TAEF2, NamedVAE, named_vae, unknown_vae_message
+from flowlift.models.vae_names import (
+    HUB_VAE_PATTERNS,
+    NAMED_FLUX2,
+    NAMED_MAGE,
+    NAMED_TAEF2,
+    NamedVAE,
+    named_vae,
+    unknown_vae_message,
+)
 from flowlift.models.weights import WEIGHT_SUFFIXES, looks_like_repo_id, read_state_dict
 
 # Each name's repositories and files are declared once, in flowlift.models.vae_names.
-TAEF2_REPO = TAEF2.repos[0]
+TAEF2_REPO = NAMED_TAEF2.repos[0]
 #: Repositories whose ``vae/`` folder holds the FLUX.2 VAE, tried in order.
-FLUX2_REPOS = FLUX2.repos
+FLUX2_REPOS = NAMED_FLUX2.repos
 TAEF2_FILES = ("taef2_encoder.pth", "taef2_decoder.pth")
 #: Repositories whose ``vae/`` folder holds the released Mage-VAE, tried in order.
-MAGE_REPOS = MAGE.repos
+MAGE_REPOS = NAMED_MAGE.repos
 #: Only the VAE of a Mage-Flow repository (never its transformer or text encoder; no pickles).
-MAGE_PATTERNS = list(MAGE.patterns)
+MAGE_PATTERNS = list(NAMED_MAGE.patterns)
 #: The class of the diffusers port ``MinhNH232331M/MageFlow-VAE-diffusers``, whose key layout is unpublished.
 MAGE_DIFFUSERS_PORT_CLASS = "AutoencoderKLMega"
 #: What flowlift reads, for the errors that refuse something else.
@@ -256,7 +264,7 @@ def named_vae_folder(named: NamedVAE) -> Path:
                 return folder
     offline = hub_offline_reason()
     where = f"none of {', '.join(named.repos)} has" if len(named.repos) > 1 else f"{named.repos[0]} has no"
-    other = "" if named is TAEF2 else ", or --vae taef2 for the fast approximate VAE"
+    other = "" if named is NAMED_TAEF2 else ", or --vae taef2 for the fast approximate VAE"
     raise FlowliftError(
         f"VAE '{named.name}': {where} its VAE files in the Hugging Face cache"
         f"{f' and {offline}' if offline else ''}; {download_hint(named.repos[0], include=named.include)} "

@@ -44,7 +44,7 @@ class NamedVAE:
     comfy_node: str = ""
 
 
-TAEF2 = NamedVAE(
+NAMED_TAEF2 = NamedVAE(
     name="taef2",
     title="TAEF2",
     summary="fast, approximate",
@@ -56,7 +56,7 @@ TAEF2 = NamedVAE(
     comfy_folder="vae_approx",
     comfy_node="FlowliftTAEF2Loader",
 )
-FLUX2 = NamedVAE(
+NAMED_FLUX2 = NamedVAE(
     name="flux2",
     title="FLUX.2 VAE",
     summary="the full FLUX.2 VAE",
@@ -68,7 +68,7 @@ FLUX2 = NamedVAE(
     approximate=False,
     include="vae/*",
 )
-MAGE = NamedVAE(
+NAMED_MAGE = NamedVAE(
     name="mage",
     title="Mage-VAE",
     summary="Mage-Flow's VAE, the Flow Upscaler card's choice: FLUX.2 latents at far fewer MACs",
@@ -91,7 +91,7 @@ MAGE = NamedVAE(
 )
 
 #: Name -> named VAE, in the order the doors show them; the first is no default (that is DEFAULT_VAE).
-NAMED_VAES: dict[str, NamedVAE] = {vae.name: vae for vae in (FLUX2, TAEF2, MAGE)}
+NAMED_VAES: dict[str, NamedVAE] = {vae.name: vae for vae in (NAMED_FLUX2, NAMED_TAEF2, NAMED_MAGE)}
 #: The names ``--vae`` takes besides a path or hub id.
 VAE_NAMES: tuple[str, ...] = tuple(NAMED_VAES)
 #: The named VAEs flowlift itself runs inside the node packs.
