@@ -9,7 +9,7 @@ device) and calls flowlift for the work: :class:`flowlift.upscale.pipeline.FlowU
 Euler step, stage 1, exact chunked execution, encode/decode, stage 2),
 :func:`flowlift.upscale.colorfix.lab_lowband_transplant` (stage 2 alone) and
 :func:`flowlift.models.vae_loading.load_vae` (TAEF2, Mage-VAE). Loaders: :mod:`flowlift.comfyui.loaders`; the others:
-:mod:`flowlift.comfyui.upscale_nodes`.
+:mod:`flowlift.comfyui.upscale_nodes`; the tiled refine's model patch: :mod:`flowlift.comfyui.refine_nodes`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 from comfy_api.latest import ComfyExtension, io
 
 from flowlift.comfyui.loaders import VAE_LOADERS, FlowliftUpscalerLoader, ensure_model_folders
+from flowlift.comfyui.refine_nodes import FlowliftTiledFlux2Refine
 from flowlift.comfyui.upscale_nodes import FlowliftColorFix, FlowliftUpscaleImage, FlowliftUpscaleLatent
 
 ensure_model_folders()
@@ -28,6 +29,7 @@ NODES: list[type[io.ComfyNode]] = [
     FlowliftUpscaleImage,
     FlowliftColorFix,
     *VAE_LOADERS.values(),  # FlowliftTAEF2Loader, FlowliftMageVAELoader: one per native VAE (vae_names)
+    FlowliftTiledFlux2Refine,
 ]
 
 
