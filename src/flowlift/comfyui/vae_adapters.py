@@ -33,8 +33,8 @@ TILED_DECODE_PIXELS = 2048 * 2048
 TILE_LATENT, TILE_OVERLAP_LATENT = 64, 16
 #: Activation bytes per image pixel and per byte of dtype (ComfyUI uses the estimate to decide what to
 #: unload before a run). TAEF2: 64-channel full-resolution convolutions, a few live at once; Mage-VAE: its
-#: per-pixel MLP, ~290 channels measured (flowlift.upscale.memory_plan.DECODE_PLAIN_CHANNELS), costed at 320.
-BYTES_PER_PIXEL = {"taef2": 64 * 6, "mage": 320}
+#: per-pixel MLP, 290-310 channels measured (flowlift.upscale.memory_plan.DECODE_PLAIN_CHANNELS), costed at 352.
+BYTES_PER_PIXEL = {"taef2": 64 * 6, "mage": 352}
 TAEF2_BYTES_PER_PIXEL = BYTES_PER_PIXEL["taef2"]
 
 

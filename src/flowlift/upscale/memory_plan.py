@@ -59,9 +59,10 @@ LATENT_CHANNELS = 32
 #: Decoder activation peak per output pixel, in channels of the VAE's dtype (whole-frame decode): TAEF2's
 #: 8x stage runs 64-channel convolutions at full resolution (input, output, a residual), the FLUX.2 VAE's
 #: last up block 128 channels plus a GroupNorm copy; Mage-VAE's per-pixel MLP (32-wide features, their
-#: 96 adaLN modulations, the MLP's hidden and output, RGB): measured ~290 float32 channels per output pixel
-#: above the weights at 1024 px (benchmarks/bench_vae.py: 1223 MB over 1 Mpx), costed at 320.
-DECODE_PLAIN_CHANNELS = {"taef2": 3 * 64, "flux2": 4 * 128, "mage": 10 * 32}
+#: 96 adaLN modulations, the MLP's hidden and output, RGB): measured 290-310 float32 channels per output pixel
+#: above the weights at 1024 px (benchmarks/bench_vae.py: 1223 MB contiguous, 1299 MB channels-last over
+#: 1 Mpx), costed at 352.
+DECODE_PLAIN_CHANNELS = {"taef2": 3 * 64, "flux2": 4 * 128, "mage": 11 * 32}
 #: Tiled decode's working set besides the latent and the output image: one tile's activations.
 #: TAEF2: bands of 128x128 latent px (64 ch at 2x/4x) and 64x64-latent tiles at 8x; FLUX.2 VAE (diffusers
 #: tiling): 512 px tiles through 128-512 channels. A kind missing here has no bounded decode yet (Mage-VAE:
