@@ -75,10 +75,14 @@ def test_tiles_equal_the_refine_cores_tiled_velocity_and_batches_equal_single_ti
     assert (got - call(TiledModelFunction(TileRequest.parse("off")), FakeModel(), x)).abs().max() > 1e-2
 
 
-def test_batched_latents_and_reference_latents_run_per_tile():
+def test_batched_latents_and_reference_latents_run_per_tile(caplog):
     x, ref = latent(batch=2), [latent(batch=2, h=3, w=5, seed=1)]
     model = FakeModel()
-    got = call(TiledModelFunction(TileRequest.parse(64, 32, 4)), model, x, ref_latents=ref)
+    with caplog.at_level(logging.INFO, logger="flowlift"):
+        got = call(TiledModelFunction(TileRequest.parse(64, 32, 4)), model, x, ref_latents=ref)
+    # the grid line records what ran (one tile of both latents per call), not the tile batch asked for
+    lines = [r.getMessage() for r in caplog.records if "Tiled FLUX.2 Refine" in r.getMessage()]
+    assert lines == ["flowlift: Tiled FLUX.2 Refine: 192x128 px in 3x5 tiles of 64x64 px, overlap 32 px, 1 per call"]
     assert {c["batch"] for c in model.calls} == {2} and len(model.calls) == 15  # a batch of 2: one tile per call
     for item in range(2):  # each batch item equals its own tiled run
         alone = call(TiledModelFunction(TileRequest.parse(64, 32)), FakeModel(), x[item : item + 1],

@@ -233,3 +233,25 @@ def test_a_mage_vae_file_passes_its_own_check_and_other_sources_are_one_line(tmp
     for source in (tmp_path / "missing.safetensors", tmp_path / "mage_vae.pt", tmp_path):
         with pytest.raises(FlowliftError, match=r"^Mage-VAE: cannot use .*: expected Mage-VAE's weights: one "):
             files.check_weight_file(source, files.MAGE_SAFETENSORS, shown=str(source))
+
+
+@pytest.mark.parametrize(
+    ("sent", "expected"),
+    [("5", 5), ("5.0", 5), ('"5"', 5), ("18446744073709551615", 2**64 - 1), ("true", None), ("false", None),
+     ("5.5", None), ("-1", None), ('"-1"', None), ("18446744073709551616", None), ('"5.5"', None), ("null", None),
+     ("[5]", None)],
+)  # fmt: skip
+def test_the_seed_fields_take_the_seed_rule_before_pydantic(sent, expected):
+    """Issue 36 class 10: the nodes' seed type (``Seed``) in a pydantic model with the knob's bounds, as
+    ``knob_field`` declares it, fed the graph's JSON: pydantic's own int took ``true`` as 1."""
+    from pydantic import Field, ValidationError, create_model
+
+    from flowlift.knobs import SEED
+
+    node = create_model("Node", seed=(latents.Seed, Field(default=SEED.default, ge=SEED.low, le=SEED.high)))
+    if expected is None:
+        with pytest.raises(ValidationError, match="seed must be a non-negative integer at most 18446744073709551615"):
+            node.model_validate_json('{"seed": ' + sent + '}')
+    else:
+        got = node.model_validate_json('{"seed": ' + sent + '}').seed
+        assert got == expected and type(got) is int

@@ -22,6 +22,21 @@ from flowlift.comfyui.upscale_nodes import FlowliftColorFix, FlowliftUpscaleImag
 
 ensure_model_folders()
 
+
+def register_prompt_check() -> None:
+    """Hold the INT inputs of flowlift's nodes to their knobs' rule where a prompt arrives
+    (:func:`flowlift.comfyui.layouts.check_prompt_integers`), once per server."""
+    from server import PromptServer
+
+    from flowlift.comfyui.layouts import check_prompt_integers
+
+    server = getattr(PromptServer, "instance", None)
+    if server is not None and check_prompt_integers not in server.on_prompt_handlers:
+        server.add_on_prompt_handler(check_prompt_integers)
+
+
+register_prompt_check()
+
 #: The pack's nodes, in the order ComfyUI lists them.
 NODES: list[type[io.ComfyNode]] = [
     FlowliftUpscalerLoader,

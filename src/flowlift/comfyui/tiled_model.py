@@ -116,7 +116,7 @@ class TiledModelFunction:
             tile_args = {**args, "c": {k: repeat_rows(v, batch, times) for k, v in conditioning.items()}}
             return unpatchify(self._run(apply_model, patchify(crops), repeat_rows(timestep, batch, times), tile_args))
 
-        tiled, record = tiled_for_frame(tile_call, frame, self.request)
+        tiled, record = tiled_for_frame(tile_call, frame, self.request, images=batch)
         if not isinstance(tiled, TiledVelocity):
             return self._run(apply_model, x, timestep, args)  # untiled: the model function itself, bit for bit
         check_conditioning(conditioning, self.where)
