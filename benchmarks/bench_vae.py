@@ -11,7 +11,7 @@ system, all threads: it moves far less than the wall time when other jobs share 
 peak RSS (``VmHWM``, reset after the model is built, so the random init does not hide the
 operation's own peak) and the RSS before the operation (torch + weights). A measurement that runs past
 ``--budget-s`` is stopped and reported as such, one whose decode flowlift's memory model
-(:func:`flowlift.upscale.memory_plan.decode_peak_bytes`) puts above ``--max-memory-gb`` is not started
+(:func:`flowlift.limits.decode_peak_bytes`) puts above ``--max-memory-gb`` is not started
 (the machine is shared), and a VAE and operation not measured at one size is not tried at the larger ones.
 
 MACs per pixel are counted, not timed: ``torch.utils.flop_counter.FlopCounterMode`` over the same
@@ -201,11 +201,11 @@ def _cell(result: dict, key: str, fmt: str) -> str:
 
 
 def estimated_peak_gb(vae: str, side: int) -> float:
-    """What a ``side`` x ``side`` decode costs by flowlift's own model (upscale.memory_plan), tiled as each
+    """What a ``side`` x ``side`` decode costs by flowlift's own model (flowlift.limits), tiled as each
     adapter tiles by size (TAEF2 above 1 MP, the FLUX.2 VAE above 2048 px a side, Mage-VAE not yet):
     the guard that keeps this benchmark from exhausting a shared machine. Used for encode too (the encoders
     peak lower)."""
-    from flowlift.upscale.memory_plan import decode_peak_bytes
+    from flowlift.limits import decode_peak_bytes
 
     tiled = {"taef2": side * side > 1024 * 1024, "flux2": side > 2048, "mage": False}[vae]
     return decode_peak_bytes(vae, side, side, tiled=tiled) / 1e9

@@ -112,9 +112,9 @@ def test_the_declaration_names_mage_and_every_native_vae_has_a_comfyui_loader():
 
 @pytest.mark.parametrize("name", VAE_NAMES)
 def test_a_name_loads_through_load_vae_and_is_found_before_loading(named_hub, name):
+    from flowlift.limits import vae_kind
     from flowlift.models.vae_loading import check_vae_spec, load_vae
     from flowlift.upscale.loading import vae_spec_files
-    from flowlift.upscale.memory_plan import vae_kind
 
     check_vae_spec(name)
     vae = load_vae(name)
@@ -221,8 +221,8 @@ def test_every_vae_option_lists_every_name(capsys, command):
 
 
 def test_the_memory_plan_costs_mage_vae_as_a_whole_frame_until_it_has_a_bounded_decode():
+    from flowlift.limits import decode_peak_bytes, vae_kind
     from flowlift.models.vae import MageVAE
-    from flowlift.upscale.memory_plan import decode_peak_bytes, vae_kind
 
     assert vae_kind(MageVAE.__new__(MageVAE)) == "mage"
     whole = decode_peak_bytes("mage", 4096, 4096, tiled=False)

@@ -19,10 +19,10 @@ from comfy_api.latest import io
 from flowlift.comfyui.vae_adapters import FlowliftComfyVAE
 from flowlift.devices import auto_dtype
 from flowlift.errors import FlowliftError
+from flowlift.limits import vae_kind
 from flowlift.models.upscaler_weights import load_upscaler
 from flowlift.models.vae_loading import load_vae
 from flowlift.models.vae_names import NAMED_TAEF2, NATIVE_VAES, NamedVAE
-from flowlift.upscale.memory_plan import vae_kind
 
 UPSCALER_FOLDER = "latent_upscale_models"
 TAEF2_FOLDER = NAMED_TAEF2.comfy_folder

@@ -24,8 +24,8 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import PATCHIFIED_CHANNELS, patchify, unpatchify
+from flowlift.limits import vae_kind
 from flowlift.models.vae import TAEF2VAE
-from flowlift.upscale.memory_plan import vae_kind
 
 #: ComfyUI FLUX.2 decodes above this many output pixels go through ComfyUI's tiled decode.
 TILED_DECODE_PIXELS = 2048 * 2048
@@ -33,7 +33,7 @@ TILED_DECODE_PIXELS = 2048 * 2048
 TILE_LATENT, TILE_OVERLAP_LATENT = 64, 16
 #: Activation bytes per image pixel and per byte of dtype (ComfyUI uses the estimate to decide what to
 #: unload before a run). TAEF2: 64-channel full-resolution convolutions, a few live at once; Mage-VAE: its
-#: per-pixel MLP, 290-310 channels measured (flowlift.upscale.memory_plan.DECODE_PLAIN_CHANNELS), costed at 352.
+#: per-pixel MLP, 290-310 channels measured (flowlift.limits.DECODE_PLAIN_CHANNELS), costed at 352.
 BYTES_PER_PIXEL = {"taef2": 64 * 6, "mage": 352}
 TAEF2_BYTES_PER_PIXEL = BYTES_PER_PIXEL["taef2"]
 

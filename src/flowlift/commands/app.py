@@ -53,10 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH|REPO",
         help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
     )
-    add_vae_option(
-        parser, role="to offer", action="append",
-        more=f" (repeatable; the first is the default; default {DEFAULT_VAE}, as for flowlift upscale)",
-    )  # fmt: skip
+    add_vae_option(parser, f"repeatable: the VAEs the page offers, the first the default (default {DEFAULT_VAE}, "
+                   "as for flowlift upscale)", action="append")
     add_device_options(parser, cpu_bf16=True)
     parser.add_argument(
         "--max-upload-mb", type=_megabytes, default=50.0, metavar="MB", help="largest accepted upload (default 50)"

@@ -132,9 +132,9 @@ def load_native_vae_cached(context: InvocationContext, source: str, should_stop:
     Which VAE it is comes from the name, else from the file's tensor names (Mage-VAE's released layout),
     else it is TAEF2 (the field's default); the loaded VAE must be that one.
     """
+    from flowlift.limits import vae_kind
     from flowlift.models.vae_loading import load_vae
     from flowlift.models.vae_names import NAMED_VAES
-    from flowlift.upscale.memory_plan import vae_kind
 
     spec = source.strip()
     kind = _vae_kind_of_source(spec)

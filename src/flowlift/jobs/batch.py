@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from flowlift.errors import ITEM_ERRORS as _ITEM_ERRORS
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
 from flowlift.files.output_paths import folder_problem, same_file
@@ -66,8 +67,9 @@ __all__ = [
     "summary_line",
 ]
 
-#: Exceptions that fail one input of a batch (reported in one line) instead of the whole run.
-ITEM_ERRORS: tuple[type[BaseException], ...] = (FlowliftError, OSError, RuntimeError, MemoryError, ValueError)
+#: Exceptions that fail one input of a batch (reported in one line) instead of the whole run (their home is
+#: :data:`flowlift.errors.ITEM_ERRORS`, which the front-ends import).
+ITEM_ERRORS = _ITEM_ERRORS
 
 
 @dataclass(frozen=True)
