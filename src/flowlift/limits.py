@@ -31,9 +31,11 @@ __all__ = [
 MAX_OUTPUT_SIDE = 16384
 #: Latent channels of a FLUX.2 latent (what a decode reads).
 _LATENT_CHANNELS = 32
-#: Mage-VAE, measured on the CPU in float32 (benchmarks/bench_mage_tiling.py, docs/vae.md): whole-frame
-#: decode peak per output pixel in values, and the tiled decode's working set beside the frame-sized tensors.
-MAGE_PLAIN_CHANNELS = 288
+#: Mage-VAE, measured on the CPU in float32 (benchmarks/bench_vae.py, benchmarks/bench_mage_tiling.py,
+#: docs/vae.md): the whole-frame decode peak per output pixel in values (the per-pixel MLP's 32-wide features,
+#: their adaLN modulations, the MLP's hidden and output, RGB: 288-325 measured at 1 Mpx, contiguous and
+#: channels-last; costed at 352), and the tiled decode's working set beside the frame-sized tensors.
+MAGE_PLAIN_CHANNELS = 11 * 32
 MAGE_TILE_BYTES = 768 << 20
 #: Decoder activation peak per output pixel, in channels of the VAE's dtype (whole-frame decode): TAEF2's
 #: 8x stage runs 64-channel convolutions at full resolution (input, output, a residual), the FLUX.2 VAE's
