@@ -1,4 +1,4 @@
-"""What bfloat16 and channels-last cost and buy on the CPU: speed and error of the UNet and TAEF2.
+"""What bfloat16 and channels-last cost and buy on the CPU: speed and error of the UNet, TAEF2 and Mage-VAE.
 
 * TAEF2 (the real weights, ``../shared/models/taef2``): kodim23 encoded, and the decode of its latents
   upsampled 4x (the first command's 3072x2048 decode), in float32 and in bfloat16 (both channels-last,
@@ -10,7 +10,13 @@
   difference from contiguous in fp32, and bf16's error vs fp32 (relative RMS, max abs difference, PSNR
   over the fp32 output's range).
 
+* A random full-size Mage-VAE (the released widths, seed 0, t = 0 folded): kodim23 encoded and its latents
+  decoded, float32 and bfloat16, each contiguous and channels-last (warm-up first, then alternating,
+  ``--repeats``, medians of the process CPU time, which a busy machine inflates far less than the wall
+  time), and each variant's error against float32 contiguous (latents: relative RMS; decode: 8-bit PSNR).
+
     PYTHONPATH=src python benchmarks/bench_cpu_bf16.py [--repeats 3] [--unet-size 128x192]
+    PYTHONPATH=src python benchmarks/bench_cpu_bf16.py --skip-unet --skip-taef2 --repeats 3   # Mage-VAE only
 """
 
 from __future__ import annotations
@@ -88,6 +94,46 @@ def taef2_report(shared: Path, repeats: int) -> None:
         print(f"TAEF2 bf16 decode 3072x2048, whole frame: {t:.2f} s")
 
 
+def mage_report(shared: Path, repeats: int) -> None:
+    from flowlift.files.images import load_image, to_tensor
+    from flowlift.models.mage_vae import MageVAEConfig, MageVAEModel
+    from flowlift.models.vae import MageVAE
+
+    image, _ = load_image(shared / "images" / "kodak" / "kodim23.png")
+    x = to_tensor(image, dtype=torch.float32)
+    torch.manual_seed(0)
+    state = MageVAEModel(MageVAEConfig()).fold_t0().state_dict()
+    cl = torch.channels_last
+    variants = {}
+    for name, dtype, layout in (("fp32 contiguous", torch.float32, torch.contiguous_format),
+                                ("fp32 channels-last", torch.float32, cl),
+                                ("bf16 contiguous", torch.bfloat16, torch.contiguous_format),
+                                ("bf16 channels-last", torch.bfloat16, cl)):  # fmt: skip
+        model = MageVAEModel(MageVAEConfig()).fold_t0()
+        model.load_state_dict(state)
+        variants[name] = (MageVAE(model.to(dtype=dtype, memory_format=layout)), dtype, layout)
+    with torch.inference_mode():
+        z32 = variants["fp32 contiguous"][0].encode(x)
+        inputs = {name: (x.to(dtype).contiguous(memory_format=layout), z32.to(dtype).contiguous(memory_format=layout))
+                  for name, (_, dtype, layout) in variants.items()}  # fmt: skip
+        outs = {name: (vae.encode(inputs[name][0]).float(), vae.decode(inputs[name][1]).float())
+                for name, (vae, _, _) in variants.items()}  # warm-up (oneDNN primitives) and the results  # fmt: skip
+        times: dict[str, dict[str, list[float]]] = {name: {"encode": [], "decode": []} for name in variants}
+        for _ in range(repeats):
+            for name, (vae, _, _) in variants.items():
+                for op, arg in (("encode", inputs[name][0]), ("decode", inputs[name][1])):
+                    start = time.process_time()
+                    getattr(vae, op)(arg)
+                    times[name][op].append(time.process_time() - start)
+    base = {op: statistics.median(times["fp32 contiguous"][op]) for op in ("encode", "decode")}
+    ref_z, ref_y = outs["fp32 contiguous"]
+    for name in variants:
+        enc, dec = (statistics.median(times[name][op]) for op in ("encode", "decode"))
+        print(f"Mage-VAE {name}: encode 768x512 {enc:.2f} CPU s ({base['encode'] / enc:.2f}x fp32 contiguous), "
+              f"decode {dec:.2f} CPU s ({base['decode'] / dec:.2f}x); latents {tensor_error(ref_z, outs[name][0])}; "
+              f"decode {pixel_error(ref_y, outs[name][1])}")  # fmt: skip
+
+
 def unet_report(size: tuple[int, int], repeats: int) -> None:
     from flowlift.models.upscaler_unet import FlowUpscalerUNet
 
@@ -148,6 +194,7 @@ def main() -> None:
     parser.add_argument("--unet-size", default="128x192", help="sample HxW in latent px (pass 2: 256x384)")
     parser.add_argument("--skip-unet", action="store_true")
     parser.add_argument("--skip-taef2", action="store_true")
+    parser.add_argument("--skip-mage", action="store_true")
     args = parser.parse_args()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     from flowlift.devices import cpu_has_native_bf16
@@ -156,6 +203,8 @@ def main() -> None:
           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")  # fmt: skip
     if not args.skip_taef2:
         taef2_report(Path(args.shared), args.repeats)
+    if not args.skip_mage:
+        mage_report(Path(args.shared), args.repeats)
     if not args.skip_unet:
         h, w = (int(v) for v in args.unet_size.split("x"))
         unet_report((h, w), args.repeats)

@@ -7,6 +7,11 @@ once, and the command runs as a user runs it, in a fresh process, with the real 
 decode, both colour stages, writing the PNG), its CPU time (user + system, which a busy machine inflates
 far less than the wall time) and the load average while it ran.
 
+``--vae mage`` runs ``--vae mage`` itself (the name, resolved through a private Hugging Face cache under
+``--work`` holding a random full-size Mage-VAE in the released single-file layout, ``HF_HUB_OFFLINE=1``);
+``--vae taef2`` (the default) the real TAEF2 folder. ``--baseline-vae VAE`` also runs this tree with the other
+VAE, alternating, so the two VAEs' first commands are measured side by side.
+
 ``--baseline REV`` runs the same command from revision REV (its ``src/`` exported with ``git archive``),
 ``--baseline-dtype DTYPE`` this tree with ``--dtype DTYPE`` and ``--baseline-env VAR=VALUE`` this tree with
 one more environment variable (e.g. ``FLOWLIFT_REUSE_FREED_MEMORY=0``: glibc's own allocation policy),
@@ -20,6 +25,7 @@ time goes.
     PYTHONPATH=src python benchmarks/bench_first_run.py --baseline ade227f --baseline-dtype float32 \
         --repeats 3 --breakdown
     PYTHONPATH=src python benchmarks/bench_first_run.py --baseline-env FLOWLIFT_REUSE_FREED_MEMORY=0 --repeats 2
+    PYTHONPATH=src python benchmarks/bench_first_run.py --vae mage --baseline-vae taef2 --repeats 1
 
 The system time (the kernel's share of the CPU time: page faults, zeroing fresh pages) is printed beside it.
 """
@@ -52,6 +58,38 @@ def random_checkpoint(folder: Path) -> Path:
         torch.manual_seed(0)
         save_upscaler(FlowUpscalerUNet(), path)
     return path
+
+
+def random_mage_hub(folder: Path) -> Path:
+    """A private hub cache whose first ``mage`` repository holds a random full-size Mage-VAE (released layout)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from flowlift.models.mage_vae import MageVAEConfig, MageVAEModel
+    from flowlift.models.mage_vae_files import MAGE_DECODER_PREFIX, MAGE_ENCODER_PREFIX
+    from flowlift.models.vae_names import NAMED_MAGE
+
+    cache = folder / "hub"
+    repo = cache / f"models--{NAMED_MAGE.repos[0].replace('/', '--')}"
+    target = repo / "snapshots" / ("0" * 40) / "vae" / "mage_vae.safetensors"
+    if not target.is_file():
+        torch.manual_seed(0)
+        state = MageVAEModel(MageVAEConfig()).state_dict()  # unfolded, as released
+        prefixes = {"encoder": MAGE_ENCODER_PREFIX, "decoder": MAGE_DECODER_PREFIX}
+        released = {prefixes[k.split(".", 1)[0]] + k.split(".", 1)[1]: v.contiguous() for k, v in state.items()}
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text("0" * 40)
+        save_file(released, str(target.with_suffix(".partial")))
+        target.with_suffix(".partial").rename(target)
+    return cache
+
+
+def vae_arguments(vae: str, args) -> tuple[list[str], dict[str, str]]:
+    """The command's ``--vae`` and the environment it needs: the real TAEF2 folder, or ``--vae mage`` itself."""
+    if vae == "taef2":
+        return ["--vae", str(Path(args.shared) / "models" / "taef2")], {}
+    return ["--vae", "mage"], {"HF_HUB_CACHE": str(random_mage_hub(Path(args.work))), "HF_HUB_OFFLINE": "1"}
 
 
 def exported_source(revision: str, work: Path) -> Path:
@@ -121,9 +159,12 @@ def breakdown_child(argv: list[str]) -> None:
 def run_variant(
     name: str, src: Path, extra: list[str], env_extra: dict, args, image: Path, weights: Path, out: Path
 ) -> dict:
-    command = ["upscale", str(image), "--scale", "4", "--vae", str(Path(args.shared) / "models" / "taef2"),
+    env_extra = dict(env_extra)  # the variant's own dict stays whole for the next repeat
+    vae_args, vae_env = vae_arguments(env_extra.pop("FLOWLIFT_BENCH_VAE", args.vae), args)
+    command = ["upscale", str(image), "--scale", "4", *vae_args,
                "--upscaler", str(weights), "--device", args.device, "-o", str(out), "--overwrite", *extra]  # fmt: skip
-    env = {**os.environ, **env_extra, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, **vae_env, **env_extra,
+           "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     if args.breakdown:
         argv = [sys.executable, str(Path(__file__).resolve()), "--child", *command]
     else:
@@ -189,6 +230,8 @@ def main() -> None:
     parser.add_argument("--baseline-dtype", help="also run this tree with --dtype DTYPE (e.g. float32), alternating")
     parser.add_argument("--baseline-env", metavar="VAR=VALUE", help="also run this tree with VAR=VALUE, alternating")
     parser.add_argument("--dtype", help="this tree's --dtype (default: the command's own default)")
+    parser.add_argument("--vae", default="taef2", choices=["taef2", "mage"], help="the command's VAE")
+    parser.add_argument("--baseline-vae", choices=["taef2", "mage"], help="also run this tree with this VAE")
     parser.add_argument("--breakdown", action="store_true", help="time each stage in-process")
     args = parser.parse_args()
     shared = Path(args.shared)
@@ -196,18 +239,20 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     weights = random_checkpoint(work)
     image = shared / "images" / "kodak" / "kodim23.png"
-    variants = {"this tree" + (f" --dtype {args.dtype}" if args.dtype else ""):
+    variants = {f"this tree --vae {args.vae}" + (f" --dtype {args.dtype}" if args.dtype else ""):
                 (SRC, ["--dtype", args.dtype] if args.dtype else [], {})}  # fmt: skip
     if args.baseline_dtype:
         variants[f"this tree --dtype {args.baseline_dtype}"] = (SRC, ["--dtype", args.baseline_dtype], {})
     if args.baseline_env:
         var, _, value = args.baseline_env.partition("=")
         variants[f"this tree with {var}={value}"] = (SRC, [], {var: value})
+    if args.baseline_vae:
+        variants[f"this tree --vae {args.baseline_vae}"] = (SRC, [], {"FLOWLIFT_BENCH_VAE": args.baseline_vae})
     if args.baseline:
         variants[f"revision {args.baseline}"] = (exported_source(args.baseline, work), [], {})
     cpu_model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                      "unknown CPU")  # fmt: skip
-    print(f"first command, kodim23 768x512 -> 3072x2048, random full-size UNet + TAEF2, {args.device}, "
+    print(f"first command, kodim23 768x512 -> 3072x2048, random full-size UNet, --vae {args.vae}, {args.device}, "
           f"{os.cpu_count()} CPUs ({cpu_model}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")  # fmt: skip
     results: dict[str, list[dict]] = {name: [] for name in variants}
     for repeat in range(args.repeats):

@@ -81,6 +81,13 @@ def write_random_flux2_vae(path: Path) -> None:
     save_file({k: v.to(torch.float16).contiguous() for k, v in state.items()}, str(path))
 
 
+def write_random_mage_vae(path: Path) -> None:
+    """A narrow random Mage-VAE in the released single-file layout (tests/mage_files.py)."""
+    from mage_files import released_state, save_released
+
+    save_released(path, released_state())
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -168,6 +175,7 @@ def write_models_and_inputs(root: Path, shared: Path) -> None:
     (models / "latent_upscale_models" / "corrupt.safetensors").write_bytes(b"\x17not a safetensors file" * 8)
     for name in ("taef2_encoder.pth", "taef2_decoder.pth"):
         shutil.copy(shared / "models" / "taef2" / name, models / "vae_approx" / name)
+    write_random_mage_vae(models / "vae" / "mage_vae.safetensors")
     for folder, name in KLEIN_FILES:  # listed so that the Klein template's loaders show their files; never loaded
         (models / folder).mkdir(parents=True, exist_ok=True)
         (models / folder / name).write_bytes(b"")

@@ -27,6 +27,7 @@ from flowlift.comfyui.layouts import NUMERIC_INPUTS
 from flowlift.flux2.latents import from_comfyui_latent, patchify
 from flowlift.models.upscaler_weights import load_upscaler
 from flowlift.models.vae_loading import load_vae
+from flowlift.models.vae_names import NATIVE_VAES
 from flowlift.upscale.colorfix import lab_lowband_transplant
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
@@ -37,6 +38,7 @@ NODE_IDS = (
     "FlowliftUpscaleImage",
     "FlowliftColorFix",
     "FlowliftTAEF2Loader",
+    "FlowliftMageVAELoader",
 )
 #: Saved workflows depend on these: a change here is a breaking change for users.
 WIDGET_ORDER = {
@@ -47,6 +49,7 @@ WIDGET_ORDER = {
     ],
     "FlowliftColorFix": ["image", "reference", "strength"],
     "FlowliftTAEF2Loader": ["taef2_name"],
+    "FlowliftMageVAELoader": ["mage_name"],
 }
 
 
@@ -66,7 +69,7 @@ def server(tmp_path_factory, shared):
 # tests
 
 
-def test_the_five_nodes_load_with_stable_ids_and_widget_order(server):
+def test_the_nodes_load_with_stable_ids_and_widget_order(server):
     info = server.object_info
     missing = [n for n in NODE_IDS if n not in info]
     assert not missing, f"nodes missing from /object_info: {missing}\n{server.log_tail()}"
@@ -77,6 +80,8 @@ def test_the_five_nodes_load_with_stable_ids_and_widget_order(server):
     assert {"flow_upscaler.safetensors", "corrupt.safetensors", "extra_upscaler.safetensors"} <= set(names)
     taef2_names = combo_options(info["FlowliftTAEF2Loader"]["input"]["required"]["taef2_name"])
     assert taef2_names == ["taef2_decoder.pth", "taef2_encoder.pth"]
+    mage_names = combo_options(info["FlowliftMageVAELoader"]["input"]["required"]["mage_name"])
+    assert mage_names == ["flux2-vae.safetensors", "mage_vae.safetensors"]  # models/vae's .safetensors files
     failed = [ln for ln in server.log.read_text(errors="replace").splitlines() if "IMPORT FAILED" in ln]
     assert not any("flowlift" in ln for ln in failed), failed
 
@@ -175,6 +180,45 @@ def test_taef2_workflows_equal_the_python_api(server, shared):
     round_trip = taef2.decode(taef2.encode(pixels)).clamp(0, 1)
     assert (png_tensor(server.output_file(entry, "82")) - round_trip).abs().max().item() <= 1 / 255 + 1e-6
     assert png_tensor(server.output_file(entry, "84")).shape == pixels.shape
+
+
+NATIVE_FILES = {"taef2": "taef2_encoder.pth", "mage": "mage_vae.safetensors"}
+
+
+@pytest.mark.parametrize("vae", NATIVE_VAES, ids=lambda vae: vae.name)
+def test_every_native_vae_has_a_loader_whose_workflows_equal_the_python_api(server, vae):
+    """issue 37: each VAE flowlift runs itself (vae_names) loads through its own node, as a ComfyUI VAE that
+    FlowliftUpscaleImage, VAEEncode and VAEDecode take; the results equal flowlift's Python API."""
+    workflow = load_api_workflow("image_upscale_4x_taef2.json")
+    folder = server.root / "models" / vae.comfy_folder
+    workflow["2"] = {"class_type": vae.comfy_node, "inputs": {f"{vae.name}_name": NATIVE_FILES[vae.name]}}
+    workflow["4"]["inputs"].update(seed=3, scale="2x")
+    workflow["5"]["inputs"]["filename_prefix"] = f"test/{vae.name}_upscale"
+    workflow |= {
+        "80": {"class_type": "VAEEncode", "inputs": {"pixels": ["1", 0], "vae": ["2", 0]}},
+        "81": {"class_type": "VAEDecode", "inputs": {"samples": ["80", 0], "vae": ["2", 0]}},
+        "82": {"class_type": "SaveImage", "inputs": {"images": ["81", 0], "filename_prefix": f"test/{vae.name}_rt"}},
+    }
+    entry = server.run(workflow)
+
+    pixels = png_tensor(server.root / "input" / "example.png")
+    flowlift_vae = load_vae(folder / NATIVE_FILES[vae.name])
+    upscaler = load_upscaler(server.root / "models" / "latent_upscale_models" / "flow_upscaler.safetensors")
+    expected = FlowUpscalerPipeline(upscaler, flowlift_vae).upscale_image(pixels, 1, seed=3, output_type="pt")
+    got = png_tensor(server.output_file(entry, "5"))
+    assert got.shape == (1, 3, 2 * IMAGE_H, 2 * IMAGE_W)
+    assert (got - expected).abs().max().item() <= 1 / 255 + 1e-6
+    round_trip = flowlift_vae.decode(flowlift_vae.encode(pixels)).clamp(0, 1)
+    assert (png_tensor(server.output_file(entry, "82")) - round_trip).abs().max().item() <= 1 / 255 + 1e-6
+
+
+def test_a_native_vae_loader_refuses_another_vae_in_one_line(server):
+    workflow = load_api_workflow("image_upscale_4x_taef2.json")
+    workflow["2"] = {"class_type": "FlowliftMageVAELoader", "inputs": {"mage_name": "flux2-vae.safetensors"}}
+    entry = server.wait(server.queue(workflow))
+    assert entry["status"]["status_str"] == "error"
+    text = message(entry, "execution_error")["exception_message"].strip()
+    assert text.splitlines() == [text] and "flux2-vae.safetensors is not a Mage-VAE checkpoint" in text
 
 
 def test_color_fix_equals_stage_2(server):

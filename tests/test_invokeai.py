@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-from comfy_server import random_upscaler, write_random_flux2_vae
+from comfy_server import random_upscaler, write_random_flux2_vae, write_random_mage_vae
 from flowlift.flux2.latents import bn_std as bn_std_of
 from flowlift.flux2.latents import denormalize, normalize
 from flowlift.models.upscaler_weights import load_upscaler, save_upscaler
@@ -80,6 +80,7 @@ def write_models(folder: Path) -> None:
         handle.truncate(300 << 30)
     (folder / ".profile").write_text("# a dotfile of the server user's\nexport TOKEN=secret\n")
     write_random_flux2_vae(folder / "flux2-vae.safetensors")
+    write_random_mage_vae(folder / "mage_vae.safetensors")  # issue 37: a narrow Mage-VAE, released layout
     write_invokeai_klein_pipeline(folder / "klein-tiny", qwen3_tokenizer_files())
     # A Klein transformer as one BFL-named file (how Klein 4B/9B ship): InvokeAI's checkpoint loader rebuilds it
     # with 128-wide heads and diffusers' other defaults (rope axes 32x4, 256 timestep channels), so it has those.
@@ -289,6 +290,21 @@ def test_image_node_equals_the_pipeline_and_keeps_alpha(server, shared):
     messages = " | ".join(e["message"] for e in ours)
     for stage in ("encode", "pass 1/2 done", "pass 2/2 done", "decode done", "color fix done"):
         assert stage in messages, messages
+
+
+def test_image_node_runs_mage_vae_from_its_flowlift_vae_field(server):
+    """issue 37: the field that takes TAEF2 takes Mage-VAE too (a released-layout file, found by its tensor
+    names), and the node equals the pipeline on it."""
+    path = server.models / "mage_vae.safetensors"
+    item = server.run(graph({"up": upscale_image_node(server, "example.png", scale="2x", taef2=str(path))}, []))
+    got = server.image(server.output(item, "up")["image"]["image_name"])
+    pipeline = FlowUpscalerPipeline(load_upscaler(server.models / "flow_upscaler.safetensors"), load_vae(path))
+    pixels = torch.from_numpy(np.asarray(Image.open(server.inputs / "example.png"), np.float32) / 255)
+    expected = pipeline.upscale_image(pixels.permute(2, 0, 1)[None], 1, seed=3, output_type="pt")
+    got_pixels = torch.from_numpy(np.asarray(got, np.float32) / 255).permute(2, 0, 1)[None]
+    assert got.size == (2 * IMAGE_W, 2 * IMAGE_H)
+    assert (got_pixels - expected).abs().max().item() <= ONE_LEVEL
+    assert server.log_lines("flowlift: loading Mage-VAE")
 
 
 def test_upscaler_loads_once_per_file_content_and_is_freed_with_the_cache(server, shared):

@@ -223,6 +223,18 @@ def test_tiled_denoise_loop_with_the_model_object_invokeai_hands_it():
     assert tiling_line((96, 128), whole_record) == "128x96 px refined untiled (tile size 128)"
 
 
+def test_a_mage_vae_file_passes_its_own_check_and_other_sources_are_one_line(tmp_path):
+    """issue 37: Mage-VAE's file kind (one .safetensors, a bound of its own) and its one refusal line."""
+    from mage_files import released_state, save_released
+
+    path = save_released(tmp_path / "mage_vae.safetensors", released_state())
+    assert files.check_weight_file(path, files.MAGE_SAFETENSORS) == path.resolve()
+    assert set(files.NATIVE_VAE_FILES) == {"taef2", "mage"}
+    for source in (tmp_path / "missing.safetensors", tmp_path / "mage_vae.pt", tmp_path):
+        with pytest.raises(FlowliftError, match=r"^Mage-VAE: cannot use .*: expected Mage-VAE's weights: one "):
+            files.check_weight_file(source, files.MAGE_SAFETENSORS, shown=str(source))
+
+
 @pytest.mark.parametrize(
     ("sent", "expected"),
     [("5", 5), ("5.0", 5), ('"5"', 5), ("18446744073709551615", 2**64 - 1), ("true", None), ("false", None),

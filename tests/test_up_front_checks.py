@@ -97,7 +97,7 @@ def test_the_cpu_is_one_device_recorded_as_cpu(device):
     assert resolved == torch.device("cpu") and str(resolved) == "cpu" and resolved.index is None
 
 
-@pytest.mark.parametrize("command", [["upscale", "a.png"], ["bands", "a.png", "--vae", "v", "--out", "o"],
+@pytest.mark.parametrize("command", [["upscale", "a.png"], ["bands", "a.png", "--vae", "v", "-o", "o"],
                                      ["colorfix", "a.png", "--reference", "b.png"], ["app"],
                                      ["train", "--data", "d", "--output", "o"]])  # fmt: skip
 @pytest.mark.parametrize("device", ["cpu:1", "cpu:5"])
@@ -118,14 +118,14 @@ BAD_TILING = [("--tile", "-1"), ("--tile", "0"), ("--tile", "x"), ("--tile", "1.
 @pytest.mark.parametrize(("option", "value"), BAD_TILING)
 def test_eval_tile_is_checked_without_any_spandrel_method(capsys, tmp_path, option, value):
     with pytest.raises(SystemExit) as caught:  # the pairs mode runs no spandrel model: still refused, at the parse
-        main(["eval", str(tmp_path), "--reference", str(tmp_path), "--out", str(tmp_path / "r"), option, value])
+        main(["eval", str(tmp_path), "--reference", str(tmp_path), "-o", str(tmp_path / "r"), option, value])
     err = capsys.readouterr().err.strip()
     assert caught.value.code == 2 and err.splitlines() == [err] and f"argument {option}" in err, err
     assert not (tmp_path / "r").exists()
 
 
 def test_eval_tile_must_exceed_twice_its_overlap_in_every_mode(capsys, tmp_path):
-    err = _one_line(capsys, ["eval", tmp_path, "--reference", tmp_path, "--out", tmp_path / "r", "--tile", "64",
+    err = _one_line(capsys, ["eval", tmp_path, "--reference", tmp_path, "-o", tmp_path / "r", "--tile", "64",
                              "--tile-overlap", "32"])  # fmt: skip
     assert "--tile 64 must exceed twice the --tile-overlap (32)" in err and not (tmp_path / "r").exists()
 

@@ -31,14 +31,26 @@ __all__ = [
 MAX_OUTPUT_SIDE = 16384
 #: Latent channels of a FLUX.2 latent (what a decode reads).
 _LATENT_CHANNELS = 32
+#: Mage-VAE, measured on the CPU in float32 (benchmarks/bench_vae.py, benchmarks/bench_mage_tiling.py,
+#: docs/vae.md): the whole-frame decode peak per output pixel in values (the per-pixel MLP's 32-wide features,
+#: their adaLN modulations, the MLP's hidden and output, RGB: 288-325 measured at 1 Mpx, contiguous and
+#: channels-last; costed at 352), and the tiled decode's working set beside the frame-sized tensors.
+MAGE_PLAIN_CHANNELS = 11 * 32
+MAGE_TILE_BYTES = 768 << 20
 #: Decoder activation peak per output pixel, in channels of the VAE's dtype (whole-frame decode): TAEF2's
 #: 8x stage runs 64-channel convolutions at full resolution (input, output, a residual), the FLUX.2 VAE's
-#: last up block 128 channels plus a GroupNorm copy.
-DECODE_PLAIN_CHANNELS = {"taef2": 3 * 64, "flux2": 4 * 128}
+#: last up block 128 channels plus a GroupNorm copy; Mage-VAE's per-pixel MLP holds about a dozen
+#: 32-feature tensors per pixel (measured 1.13 KB/px in float32 at 1024²).
+DECODE_PLAIN_CHANNELS = {"taef2": 3 * 64, "flux2": 4 * 128, "mage": MAGE_PLAIN_CHANNELS}
 #: Tiled decode's working set besides the latent and the output image: one tile's activations.
 #: TAEF2: bands of 128x128 latent px (64 ch at 2x/4x) and 64x64-latent tiles at 8x; FLUX.2 VAE (diffusers
-#: tiling): 512 px tiles through 128-512 channels.
-DECODE_TILE_BYTES = {"taef2": 600 << 20, "flux2": 2 << 30}
+#: tiling): 512 px tiles through 128-512 channels; Mage-VAE: a 128x128-position tile through the DiCo
+#: MLP or a 32x32-position (512 px) tile of the per-pixel MLP (measured <= 581 MB at 2560²).
+DECODE_TILE_BYTES = {"taef2": 600 << 20, "flux2": 2 << 30, "mage": MAGE_TILE_BYTES}
+#: Mage-VAE's tiled decode also holds, for one sample at a time, three (384, h/16, w/16) stores:
+#: ``3 * 384 / 256`` values per output pixel (:mod:`flowlift.models.mage_tiling`), and the patchified
+#: copy of the latent (another ``32 / 64`` per pixel).
+MAGE_STORE_CHANNELS = 3 * 384 / 256
 
 _UNITS = {
     "": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
@@ -85,14 +97,21 @@ def decode_peak_bytes(vae_kind: str, height: int, width: int, *, batch: int = 1,
     """Device peak of decoding a (batch, 32, height/8, width/8) latent to a (batch, 3, height, width) image.
 
     Whole frame: ``b * h * w * itemsize * (DECODE_PLAIN_CHANNELS + 3)``. Tiled: the output image and
-    the latent plus one tile's working set, ``b * h * w * itemsize * (3 + 32/64) + DECODE_TILE_BYTES``.
-    Unknown VAEs are costed like the FLUX.2 VAE (the larger one); ``dtype`` None is float32.
+    the latent plus one tile's working set, ``b * h * w * itemsize * (3 + 32/64) + DECODE_TILE_BYTES``;
+    for Mage-VAE also the patchified latent (``b * h * w * itemsize * 32/64``) and one sample's
+    stores, ``h * w * itemsize * MAGE_STORE_CHANNELS``: its exact executor is bounded by the tile
+    *plus* 4.5 values per pixel of one image (its global GroupNorm / channel means need the
+    1/16-resolution activations of the whole frame). Unknown VAEs are costed like the FLUX.2 VAE (the
+    larger one); ``dtype`` None is float32.
     """
     kind = vae_kind if vae_kind in DECODE_PLAIN_CHANNELS else "flux2"
     pixels = batch * height * width
     itemsize = 4 if dtype is None else dtype_bytes(dtype)
     if tiled:
-        return int(pixels * itemsize * (3 + _LATENT_CHANNELS / 64) + DECODE_TILE_BYTES[kind])
+        tiled_bytes = pixels * itemsize * (3 + _LATENT_CHANNELS / 64) + DECODE_TILE_BYTES[kind]
+        if kind == "mage":
+            tiled_bytes += pixels * itemsize * _LATENT_CHANNELS / 64 + height * width * itemsize * MAGE_STORE_CHANNELS
+        return int(tiled_bytes)
     return int(pixels * itemsize * (DECODE_PLAIN_CHANNELS[kind] + 3))
 
 
@@ -110,5 +129,8 @@ def model_bytes(model: object) -> int:
 
 
 def vae_kind(vae: object) -> str:
-    """``"taef2"`` for flowlift's TAEF2 adapter, else ``"flux2"`` (the larger decoder, costed conservatively)."""
-    return "taef2" if type(vae).__name__.upper().startswith("TAEF2") else "flux2"
+    """``"taef2"`` / ``"mage"`` for flowlift's TAEF2 / Mage-VAE adapters, else ``"flux2"`` (costed conservatively)."""
+    name = type(vae).__name__.upper()
+    if name.startswith("TAEF2"):
+        return "taef2"
+    return "mage" if name.startswith("MAGE") else "flux2"

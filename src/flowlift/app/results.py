@@ -70,8 +70,9 @@ def model_name(spec: str) -> str:
 def vae_labels(specs: Sequence[str]) -> dict[str, str]:
     """What the page calls each configured VAE (label -> spec): names, never server paths.
 
-    ``taef2``/``flux2`` and hub ids as given; a local file or folder by its name, with its parent
-    folder's name when two would read the same (and a number when even that does not tell them apart).
+    The names of ``vae_names.VAE_NAMES`` (``flux2``, ``taef2``, ``mage``) and hub ids as given; a local file
+    or folder by its name, with its parent folder's name when two would read the same (and a number when
+    even that does not tell them apart).
     """
     labels: dict[str, str] = {}
     for spec in specs:

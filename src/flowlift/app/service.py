@@ -36,6 +36,7 @@ from flowlift.app.results import (
 from flowlift.errors import ITEM_ERRORS, FlowliftError
 from flowlift.knobs import SEED
 from flowlift.refine.settings import SAMPLER, STEPS, STRENGTH_MAP, TILE_OVERLAP, TILE_SIZE
+from flowlift.upscale.loading import DEFAULT_VAE
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH, SCALE, TRANSPLANT_STRENGTH
 
 DEFAULT_MAX_UPLOAD_MB = 50.0
@@ -54,7 +55,7 @@ class AppConfig:
     """The models and limits of one app process (the ``flowlift app`` options)."""
 
     upscaler: str | None = None
-    vaes: Sequence[str] = ("flux2",)
+    vaes: Sequence[str] = (DEFAULT_VAE,)
     device: str | None = None
     dtype: str = "auto"
     max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB
@@ -65,7 +66,7 @@ class AppConfig:
     log: Callable[[str], None] = log_to_stderr
 
     def __post_init__(self) -> None:
-        self.vaes = list(dict.fromkeys(self.vaes)) or ["flux2"]
+        self.vaes = list(dict.fromkeys(self.vaes)) or [DEFAULT_VAE]
         if self.max_upload_mb <= 0:
             raise FlowliftError(f"--max-upload-mb must be > 0, got {self.max_upload_mb}")
 

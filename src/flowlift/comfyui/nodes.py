@@ -1,4 +1,4 @@
-"""The six ComfyUI nodes on ComfyUI's V3 schema (``comfy_api.latest.io.ComfyNode``), thin over flowlift.
+"""The ComfyUI nodes on ComfyUI's V3 schema (``comfy_api.latest.io.ComfyNode``), thin over flowlift.
 
 Node ids and the order of their widgets are part of every saved workflow: never rename or reorder
 them; add new inputs at the end (as optional inputs where possible).
@@ -8,7 +8,7 @@ exports it). Each node does ComfyUI's part (folders, memory management, progress
 device) and calls flowlift for the work: :class:`flowlift.upscale.pipeline.FlowUpscalerPipeline` (noise,
 Euler step, stage 1, exact chunked execution, encode/decode, stage 2),
 :func:`flowlift.upscale.colorfix.lab_lowband_transplant` (stage 2 alone) and
-:func:`flowlift.models.vae_loading.load_vae` (TAEF2). Loaders: :mod:`flowlift.comfyui.loaders`; the others:
+:func:`flowlift.models.vae_loading.load_vae` (TAEF2, Mage-VAE). Loaders: :mod:`flowlift.comfyui.loaders`; the others:
 :mod:`flowlift.comfyui.upscale_nodes`; the tiled refine's model patch: :mod:`flowlift.comfyui.refine_nodes`.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
-from flowlift.comfyui.loaders import FlowliftTAEF2Loader, FlowliftUpscalerLoader, ensure_model_folders
+from flowlift.comfyui.loaders import VAE_LOADERS, FlowliftUpscalerLoader, ensure_model_folders
 from flowlift.comfyui.refine_nodes import FlowliftTiledFlux2Refine
 from flowlift.comfyui.upscale_nodes import FlowliftColorFix, FlowliftUpscaleImage, FlowliftUpscaleLatent
 
@@ -43,7 +43,7 @@ NODES: list[type[io.ComfyNode]] = [
     FlowliftUpscaleLatent,
     FlowliftUpscaleImage,
     FlowliftColorFix,
-    FlowliftTAEF2Loader,
+    *VAE_LOADERS.values(),  # FlowliftTAEF2Loader, FlowliftMageVAELoader: one per native VAE (vae_names)
     FlowliftTiledFlux2Refine,
 ]
 

@@ -21,8 +21,8 @@ import torch
 from comfy_api.latest import io
 
 from flowlift.comfyui import layouts
-from flowlift.comfyui.loaders import CATEGORY, UPSCALER
-from flowlift.comfyui.vae_adapters import ComfyFlux2VAE, TAEF2ComfyVAE
+from flowlift.comfyui.loaders import CATEGORY, NATIVE_TITLES, UPSCALER, VAE_TOOLTIP
+from flowlift.comfyui.vae_adapters import ComfyFlux2VAE, FlowliftComfyVAE
 from flowlift.errors import FlowliftError
 from flowlift.knobs import SEED, Knob
 from flowlift.upscale.chunked.budget import CUDA_BUDGET_FRACTION
@@ -178,13 +178,13 @@ class FlowliftUpscaleImage(io.ComfyNode):
             node_id="FlowliftUpscaleImage",
             display_name="Flow Upscale Image (flowlift)",
             category=CATEGORY,
-            description="Upscales an image with the Flow Upscaler through a FLUX.2 VAE or TAEF2, with both "
+            description=f"Upscales an image with the Flow Upscaler through a FLUX.2 VAE, {NATIVE_TITLES}, with both "
             f"colour-drift corrections; outputs are capped at {MAX_OUTPUT_SIDE} px a side (passes beyond are "
             "dropped with a warning).",
             inputs=[
                 io.Image.Input("image"),
                 UPSCALER.Input("upscaler"),
-                io.Vae.Input("vae", tooltip="the FLUX.2 VAE (VAELoader) or TAEF2 (FlowliftTAEF2Loader)"),
+                io.Vae.Input("vae", tooltip=VAE_TOOLTIP),
                 *upscaler_inputs(),
                 knob_input("color_fix_strength", COLOR_FIX_STRENGTH),
                 knob_input("chunked", CHUNKED),
@@ -213,8 +213,8 @@ class FlowliftUpscaleImage(io.ComfyNode):
         images = layouts.image_to_nchw(image, "FlowliftUpscaleImage")
         passes = passes_for(scale)
         progress = Progress(passes + 3)  # encode, passes, decode, colour fix
-        if isinstance(vae, TAEF2ComfyVAE):
-            flowlift_vae, also = vae.taef2, [vae.patcher]  # flowlift's own TAEF2 adapter: exact tiling by size
+        if isinstance(vae, FlowliftComfyVAE):
+            flowlift_vae, also = vae.adapter, [vae.patcher]  # flowlift's own adapter (TAEF2: exact tiling by size)
         else:  # ComfyUI's VAE loads itself when it encodes and decodes
             flowlift_vae, also = ComfyFlux2VAE(vae, mm.get_torch_device()), []
         pipeline = make_pipeline(upscaler, flowlift_vae, chunked, progress, also)

@@ -4,15 +4,18 @@
   (``encode``/``decode`` on NCHW images and normalized 32-channel latents), so that
   :class:`flowlift.upscale.pipeline.FlowUpscalerPipeline` runs on it. ComfyUI keeps doing the work: memory
   management, batching, and its own tiled decode (used for large outputs).
-* :class:`TAEF2ComfyVAE` is the other direction: flowlift's TAEF2 as a ComfyUI ``VAE`` (a subclass of
-  ``comfy.sd.VAE``), so that VAEEncode / VAEDecode / VAEDecodeTiled accept it, in ComfyUI's FLUX.2
-  LATENT layout (128 channels, patchified, normalized — TAEF2's encoder already outputs normalized
-  latents).
+* :class:`FlowliftComfyVAE` is the other direction: a VAE flowlift runs itself (the ``native`` ones of
+  :mod:`flowlift.models.vae_names`: TAEF2, Mage-VAE) as a ComfyUI ``VAE`` (a subclass of ``comfy.sd.VAE``),
+  so that VAEEncode / VAEDecode / VAEDecodeTiled accept it, in ComfyUI's FLUX.2 LATENT layout (128
+  channels, patchified, normalized — both encoders already output normalized latents, so no BN
+  statistics are involved, for Mage-VAE as for TAEF2). :class:`TAEF2ComfyVAE` is its TAEF2 name.
 
 Needs ComfyUI (``comfy``) on the import path.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import comfy.model_management as mm
 import comfy.model_patcher
@@ -21,15 +24,18 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import PATCHIFIED_CHANNELS, patchify, unpatchify
+from flowlift.limits import vae_kind
 from flowlift.models.vae import TAEF2VAE
 
 #: ComfyUI FLUX.2 decodes above this many output pixels go through ComfyUI's tiled decode.
 TILED_DECODE_PIXELS = 2048 * 2048
 #: Tiles of that decode, in 128-channel latent pixels (16 image pixels each): 1024 px tiles, 256 px overlap.
 TILE_LATENT, TILE_OVERLAP_LATENT = 64, 16
-#: Activation bytes per image pixel and per byte of dtype, TAEF2 (64-channel full-resolution convolutions,
-#: a few live at once): ComfyUI uses the estimate to decide what to unload before a run.
-TAEF2_BYTES_PER_PIXEL = 64 * 6
+#: Activation bytes per image pixel and per byte of dtype (ComfyUI uses the estimate to decide what to
+#: unload before a run). TAEF2: 64-channel full-resolution convolutions, a few live at once; Mage-VAE: its
+#: per-pixel MLP, 290-310 channels measured (flowlift.limits.DECODE_PLAIN_CHANNELS), costed at 352.
+BYTES_PER_PIXEL = {"taef2": 64 * 6, "mage": 352}
+TAEF2_BYTES_PER_PIXEL = BYTES_PER_PIXEL["taef2"]
 
 
 class ComfyFlux2VAE:
@@ -76,16 +82,14 @@ class ComfyFlux2VAE:
         return images.movedim(-1, 1).to(device=self.device, dtype=torch.float32)
 
 
-class TAEF2LatentModel(torch.nn.Module):
-    """TAEF2 speaking ComfyUI's FLUX.2 LATENT: ``encode`` [0, 1] NCHW -> (B, 128, H/16, W/16), ``decode`` back.
+class FlowliftLatentModel(torch.nn.Module):
+    """A flowlift VAE adapter speaking ComfyUI's FLUX.2 LATENT: ``encode`` [0, 1] NCHW -> (B, 128, H/16, W/16),
+    ``decode`` back. The adapter's own rule by size picks full frame or its exact tiling."""
 
-    Full frame or flowlift's exact tiling, chosen by size (:class:`flowlift.models.vae.TAEF2VAE`).
-    """
-
-    def __init__(self, taef2: TAEF2VAE) -> None:
+    def __init__(self, adapter: Any) -> None:
         super().__init__()
-        self.taef2 = taef2.model  # registered, so ComfyUI's ModelPatcher moves and measures it
-        self.adapter = taef2
+        self.inner = adapter.model  # registered, so ComfyUI's ModelPatcher moves and measures it
+        self.adapter = adapter
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         return patchify(self.adapter.encode(images))
@@ -94,16 +98,21 @@ class TAEF2LatentModel(torch.nn.Module):
         return self.adapter.decode(unpatchify(samples))
 
 
-class TAEF2ComfyVAE(comfy.sd.VAE):
-    """flowlift's TAEF2 as a ComfyUI ``VAE``: ComfyUI's own encode/decode/tiled code drives it.
+class FlowliftComfyVAE(comfy.sd.VAE):
+    """A VAE flowlift runs itself (TAEF2, Mage-VAE) as a ComfyUI ``VAE``: ComfyUI's own encode/decode/tiled
+    code drives it.
 
-    ``comfy.sd.VAE.__init__`` builds a model from a state dict by key sniffing (no TAEF2 there), so
+    ``comfy.sd.VAE.__init__`` builds a model from a state dict by key sniffing (neither VAE is there), so
     this sets the same attributes itself and leaves every method to ComfyUI.
     """
 
-    def __init__(self, taef2: TAEF2VAE) -> None:  # deliberately not calling super().__init__
+    def __init__(self, adapter: Any) -> None:  # deliberately not calling super().__init__
+        per_pixel = BYTES_PER_PIXEL.get(vae_kind(adapter))
+        if per_pixel is None:
+            raise FlowliftError(f"a flowlift VAE for ComfyUI must be TAEF2 or Mage-VAE, got {type(adapter).__name__}")
+
         def bytes_for(pixels: int, dtype: torch.dtype) -> int:
-            return int(TAEF2_BYTES_PER_PIXEL * pixels * mm.dtype_size(dtype))
+            return int(per_pixel * pixels * mm.dtype_size(dtype))
 
         self.memory_used_encode = lambda shape, dtype: bytes_for(shape[0] * shape[-2] * shape[-1], dtype)
         self.memory_used_decode = lambda shape, dtype: bytes_for(shape[0] * shape[-2] * shape[-1] * 256, dtype)
@@ -112,7 +121,7 @@ class TAEF2ComfyVAE(comfy.sd.VAE):
         self.latent_dim = 2
         self.output_channels = 3
         self.pad_channel_value = None
-        self.process_input = lambda image: image  # TAEF2 takes [0, 1] images
+        self.process_input = lambda image: image  # flowlift's adapters take [0, 1] images
         self.process_output = lambda image: torch.clamp(image, min=0.0, max=1.0)
         self.working_dtypes = [torch.float16, torch.bfloat16, torch.float32]
         self.disable_offload = False
@@ -121,9 +130,9 @@ class TAEF2ComfyVAE(comfy.sd.VAE):
         self.downscale_index_formula = None
         self.upscale_index_formula = None
         self.extra_1d_channel = None
-        self.crop_input = True
+        self.crop_input = True  # sides cropped to multiples of 16: what Mage-VAE needs, and TAEF2's LATENT
 
-        self.first_stage_model = TAEF2LatentModel(taef2).eval()
+        self.first_stage_model = FlowliftLatentModel(adapter).eval()
         self.device = mm.vae_device()
         offload_device = mm.vae_offload_device()
         self.vae_dtype = mm.vae_dtype(self.device, self.working_dtypes)
@@ -135,6 +144,15 @@ class TAEF2ComfyVAE(comfy.sd.VAE):
         self.model_size()
 
     @property
-    def taef2(self) -> TAEF2VAE:
-        """flowlift's adapter (exact tiling); load ``self.patcher`` first to have it on the device."""
+    def adapter(self) -> Any:
+        """flowlift's adapter (exact tiling where it has one); load ``self.patcher`` first to have it on the device."""
         return self.first_stage_model.adapter
+
+    @property
+    def taef2(self) -> TAEF2VAE:
+        """The adapter, under the name the TAEF2-only version of this class gave it."""
+        return self.adapter
+
+
+#: The TAEF2-only name of :class:`FlowliftComfyVAE` (kept: code outside the pack may check for it).
+TAEF2ComfyVAE = FlowliftComfyVAE

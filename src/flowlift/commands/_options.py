@@ -18,6 +18,7 @@ from typing import Any
 from flowlift.devices import DTYPES, resolve_device_dtype  # noqa: F401  (imported by the commands from here)
 from flowlift.errors import FlowliftError
 from flowlift.knobs import SEED, Knob
+from flowlift.models.vae_names import vae_help, vae_metavar
 from flowlift.upscale.loading import DEFAULT_VAE  # noqa: F401  (the one default, shared with the Python API)
 from flowlift.upscale.settings import SCALE
 
@@ -82,7 +83,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 #: The one help text of ``--vae`` (every command that takes a VAE; a command adds only what is its own).
-VAE_HELP = "VAE: flux2 (the full FLUX.2 VAE), taef2 (fast, approximate), a file or folder, or a hub id"
+#: Its names come from the one declaration of the VAE names (flowlift.models.vae_names).
+VAE_HELP = vae_help()
 
 
 class _DeprecatedSpelling(argparse.Action):
@@ -122,7 +124,7 @@ def add_output_option(parser: argparse.ArgumentParser, help: str, *, required: b
 def add_vae_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, own: str = "",
                    **kwargs: Any) -> argparse.Action:  # fmt: skip
     """``--vae`` with the one help text (:data:`VAE_HELP`), ``own`` appended (what only this command does with it)."""
-    kwargs.setdefault("metavar", "flux2|taef2|PATH|REPO")
+    kwargs.setdefault("metavar", vae_metavar())
     return parser.add_argument("--vae", help=VAE_HELP + (f"; {own}" if own else ""), **kwargs)
 
 

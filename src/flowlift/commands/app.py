@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowlift.commands._options import add_device_options, add_vae_option
+from flowlift.commands._options import DEFAULT_VAE, add_device_options, add_vae_option
 
 NAME = "app"
 #: A server: its allocator keeps glibc's policy (and gives freed memory back after each request).
@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH|REPO",
         help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
     )
-    add_vae_option(parser, "repeatable: the VAEs the page offers, the first the default (default flux2, as for "
-                   "flowlift upscale)", action="append")
+    add_vae_option(parser, f"repeatable: the VAEs the page offers, the first the default (default {DEFAULT_VAE}, "
+                   "as for flowlift upscale)", action="append")
     add_device_options(parser, cpu_bf16=True)
     parser.add_argument(
         "--max-upload-mb", type=_megabytes, default=50.0, metavar="MB", help="largest accepted upload (default 50)"
@@ -76,7 +76,7 @@ def check_weights(args: argparse.Namespace) -> None:
     from flowlift.refine.loading import refiner_weight_checks
     from flowlift.upscale.loading import DEFAULT_UPSCALER, upscale_weight_checks
 
-    checks = upscale_weight_checks(args.upscaler or DEFAULT_UPSCALER, list(dict.fromkeys(args.vae or ["flux2"])))
+    checks = upscale_weight_checks(args.upscaler or DEFAULT_UPSCALER, list(dict.fromkeys(args.vae or [DEFAULT_VAE])))
     if args.model:
         checks += refiner_weight_checks(args.model, vae=args.model_vae)
     require_all(checks)
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = AppConfig(
         upscaler=args.upscaler,
-        vaes=args.vae or ["flux2"],
+        vaes=args.vae or [DEFAULT_VAE],
         device=None if args.device == "auto" else str(device),  # AppConfig: None picks CUDA if available
         dtype=args.dtype,
         max_upload_mb=args.max_upload_mb,

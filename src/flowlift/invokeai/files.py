@@ -59,6 +59,14 @@ _TAEF2_EXPECTED = (f"expected TAEF2's weights: a folder holding taef2_encoder.pt
 TAEF2_PTH = WeightKind("TAEF2", (".pth",), 256 << 20, _TAEF2_EXPECTED)
 #: TAEF2 as one file.
 TAEF2_SAFETENSORS = WeightKind("TAEF2", (".safetensors",), 256 << 20, _TAEF2_EXPECTED)
+#: Mage-VAE as released: one .safetensors file (~140M float32 parameters, ~0.6 GB; 2 GiB leaves room).
+MAGE_SAFETENSORS = WeightKind(
+    "Mage-VAE", (".safetensors",), 2 << 30,
+    f"expected Mage-VAE's weights: one .safetensors file as released (student.dconv_encoder.* and pipeline.* "
+    f"tensors), {_LIMITS.format(mib=2 << 10)}, 'mage' or a Hugging Face repo id",
+)  # fmt: skip
+#: What a flowlift-run VAE source can be, by the declaration's name (flowlift.models.vae_names).
+NATIVE_VAE_FILES = {"taef2": (TAEF2_PTH, TAEF2_SAFETENSORS), "mage": (MAGE_SAFETENSORS, MAGE_SAFETENSORS)}
 
 
 def refusal(kind: WeightKind, shown: str) -> FlowliftError:

@@ -1,6 +1,7 @@
-"""The models the nodes run, through InvokeAI's model cache: the Flow Upscaler, TAEF2, InvokeAI's FLUX.2 VAE.
+"""The models the nodes run, through InvokeAI's model cache: the Flow Upscaler, the VAEs flowlift runs itself
+(TAEF2, Mage-VAE: the ``native`` ones of :mod:`flowlift.models.vae_names`), InvokeAI's FLUX.2 VAE.
 
-The upscaler and TAEF2 are files outside InvokeAI's model manager (a local path or a Hugging Face repo
+The upscaler and the flowlift-run VAEs are files outside InvokeAI's model manager (a local path or a Hugging Face repo
 id, resolved by flowlift through the Hugging Face cache). They go into InvokeAI's RAM/VRAM cache with
 ``context.models.load_local_model`` under a key naming their SHA-256 (:mod:`flowlift.invokeai.files`):
 loaded once per process and file content, moved to the execution device by the cache, and dropped by
@@ -26,8 +27,8 @@ from invokeai.invocation_api import BaseModelType, InvocationContext, ModelIdent
 from flowlift.devices import resolve_device_dtype
 from flowlift.errors import FlowliftError
 from flowlift.invokeai.files import (
-    TAEF2_PTH,
-    TAEF2_SAFETENSORS,
+    MAGE_SAFETENSORS,
+    NATIVE_VAE_FILES,
     UPSCALER_FILE,
     cache_key,
     check_weight_file,
@@ -85,42 +86,93 @@ def load_upscaler_cached(context: InvocationContext, source: str, should_stop: C
     return context.models.load_local_model(key, loader=load)
 
 
-def load_taef2_cached(context: InvocationContext, source: str, should_stop: Callable[[], None]) -> Any:
-    """TAEF2 from ``source`` (folder, file, hub id; ``taef2`` = madebyollin/taef2) as InvokeAI's loaded model,
-    checked like the upscaler (:func:`load_upscaler_cached`)."""
-    from flowlift.models.vae import TAEF2VAE
-    from flowlift.models.vae_loading import check_vae_spec, load_vae
+def _vae_kind_of_source(spec: str) -> str:
+    """``"taef2"`` or ``"mage"``: which flowlift-run VAE a source names, by its name, else by a server file's
+    tensor names (read only after the file passed Mage-VAE's checks), else TAEF2 (the field's default)."""
+    from flowlift.models.safetensors_headers import read_header
+    from flowlift.models.vae_names import named_vae
+
+    named = named_vae(spec)
+    if named is not None:
+        return named.name if named.native else "taef2"
+    if is_local(spec) and spec.lower().endswith(".safetensors"):
+        try:
+            path = check_weight_file(Path(spec).expanduser(), MAGE_SAFETENSORS, shown=spec)
+            keys = read_header(path, what=spec).shapes
+        except FlowliftError:
+            return "taef2"  # then checked, and refused in one line, as TAEF2's
+        if any(k.startswith(("student.dconv_encoder.", "pipeline.")) for k in keys):
+            return "mage"
+    return "taef2"
+
+
+def _native_vae_files(spec: str, kind: str) -> list[Path]:
+    """The checked weight files of a flowlift-run VAE source (a server path, a name or a hub id)."""
+    from flowlift.models.vae_loading import check_vae_spec
+    from flowlift.models.vae_names import named_vae
     from flowlift.upscale.loading import vae_spec_files
 
+    folder_kind, file_kind = NATIVE_VAE_FILES[kind]
+    if is_local(spec) and named_vae(spec) is None:
+        if kind == "taef2":
+            return local_taef2_files(spec)
+        return [check_weight_file(Path(spec).expanduser(), MAGE_SAFETENSORS, shown=spec)]
+    check_vae_spec(spec)  # an uncached repo id offline: one line, before anything loads
+    files = [check_weight_file(p, file_kind if p.suffix == ".safetensors" else folder_kind, shown=spec)
+             for p in vae_spec_files(spec)]  # fmt: skip
+    if not files:
+        raise refusal(folder_kind, spec)
+    return files
+
+
+def load_native_vae_cached(context: InvocationContext, source: str, should_stop: Callable[[], None]) -> Any:
+    """A VAE flowlift runs itself from ``source`` (``taef2``, ``mage``, a server folder or file, a hub id) as
+    InvokeAI's loaded model (the adapter's module), checked like the upscaler (:func:`load_upscaler_cached`).
+
+    Which VAE it is comes from the name, else from the file's tensor names (Mage-VAE's released layout),
+    else it is TAEF2 (the field's default); the loaded VAE must be that one.
+    """
+    from flowlift.limits import vae_kind
+    from flowlift.models.vae_loading import load_vae
+    from flowlift.models.vae_names import NAMED_VAES
+
     spec = source.strip()
-    if is_local(spec) and spec != "taef2":
-        files = local_taef2_files(spec)
-    else:
-        check_vae_spec(spec)  # an uncached repo id offline: one line, before anything loads
-        files = [check_weight_file(p, TAEF2_SAFETENSORS if p.suffix == ".safetensors" else TAEF2_PTH, shown=spec)
-                 for p in vae_spec_files(spec)]  # fmt: skip
-        if not files:
-            raise refusal(TAEF2_PTH, spec)
+    kind = _vae_kind_of_source(spec)
+    title = NAMED_VAES[kind].title
+    files = _native_vae_files(spec, kind)
     digest = files_digest(files, should_stop)
     dtype = model_dtype(context)
-    what = f"TAEF2 {spec} (sha256 {digest[:12]}, {str(dtype).removeprefix('torch.')})"
+    what = f"{title} {spec} (sha256 {digest[:12]}, {str(dtype).removeprefix('torch.')})"
 
     def load(_key: Path) -> torch.nn.Module:
         log.info(f"flowlift: loading {what}")
         try:
             vae = load_vae(spec, device="cpu", dtype=dtype)
         except FlowliftError:
-            raise refusal(TAEF2_PTH, spec) from None
-        if not isinstance(vae, TAEF2VAE):
+            raise refusal(NATIVE_VAE_FILES[kind][0], spec) from None
+        if vae_kind(vae) != kind:
             raise FlowliftError(
-                f"TAEF2: {spec} is a full FLUX.2 VAE, not TAEF2; install it in InvokeAI's model manager and "
+                f"{title}: {spec} is a full FLUX.2 VAE, not {title}; install it in InvokeAI's model manager and "
                 "connect it to the vae input instead"
             )
         _announce_free(vae.model, what)
         return vae.model
 
-    key = cache_key("taef2", digest, str(dtype).removeprefix("torch."), "taef2")
+    key = cache_key(kind, digest, str(dtype).removeprefix("torch."), kind)
     return context.models.load_local_model(key, loader=load)
+
+
+def load_taef2_cached(context: InvocationContext, source: str, should_stop: Callable[[], None]) -> Any:
+    """TAEF2 from ``source``: :func:`load_native_vae_cached` (kept under the name the TAEF2-only version had)."""
+    return load_native_vae_cached(context, source, should_stop)
+
+
+def native_vae_adapter(module: torch.nn.Module) -> Any:
+    """flowlift's adapter over a cached native VAE module (TAEF2 or Mage-VAE), in the module's own dtype."""
+    from flowlift.models.vae_loading import load_vae
+
+    param = next(module.parameters())
+    return load_vae(module, device=param.device, dtype=param.dtype)
 
 
 def installed_model_path(context: InvocationContext, field: ModelIdentifierField | None, path: str) -> str:

@@ -46,14 +46,15 @@ from flowlift.invokeai.models import (
     check_flux2_vae_field,
     flux2_vae_adapter,
     installed_model_path,
-    load_taef2_cached,
+    load_native_vae_cached,
     load_upscaler_cached,
+    native_vae_adapter,
     on_device,
 )
 from flowlift.invokeai.progress import NodeProgress
 from flowlift.knobs import SEED, Knob
-from flowlift.models.vae import TAEF2VAE
 from flowlift.models.vae_loading import TAEF2_REPO
+from flowlift.models.vae_names import NATIVE_VAES
 from flowlift.refine.settings import REFINE_STRENGTH, STEPS, TILE_BATCH, TILE_OVERLAP, TILE_SIZE, SamplingSettings
 from flowlift.refine.tiled_refine import tiled_refine_raw_latents, tiling_line
 from flowlift.refine.tiling import TileRequest
@@ -71,6 +72,8 @@ from flowlift.upscale.settings import (
 )
 
 CATEGORY = "flowlift"
+#: The flowlift-run VAEs' names, for the image node's field (from the one declaration, flowlift.models.vae_names).
+NATIVE_NAMES = ", ".join(f"{vae.name} ({vae.title}: {vae.summary})" for vae in NATIVE_VAES)
 # InvokeAI reads each field's type at class creation: the choices become Literal types, from the knob table
 Scale = Literal[SCALES]  # type: ignore[valid-type]
 Chunking = Literal[CHUNKING]  # type: ignore[valid-type]
@@ -171,7 +174,7 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
 @invocation(
     "flowlift_upscale_image",
     title="Flow Upscale Image (FLUX.2)",
-    tags=["flowlift", "upscale", "image", "flux2", "taef2"],
+    tags=["flowlift", "upscale", "image", "flux2", *(vae.name for vae in NATIVE_VAES)],
     category=CATEGORY,
     version="1.1.0",  # 1.1.0: the installed-model fields (issue 32.G)
     use_cache=False,  # the result depends on the weight files' content, which the node cache cannot see
@@ -184,16 +187,17 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
     vae: VAEField | None = InputField(
         default=None,
         title="FLUX.2 VAE",
-        description="The FLUX.2 VAE (the upscaler's own latent space, slower); leave unconnected to use TAEF2",
+        description="The FLUX.2 VAE (the upscaler's own latent space, slower); leave unconnected to use the "
+        "flowlift VAE below (TAEF2 or Mage-VAE)",
         input=Input.Connection,
     )
     taef2_model: ModelIdentifierField | None = installed_model_field("TAEF2", "TAEF2")
     taef2: str = InputField(
         default=TAEF2_REPO,
         title="TAEF2",
-        description="TAEF2 (fast, approximate FLUX.2 VAE) when no VAE is connected and no installed TAEF2 is "
-        "chosen: a folder on the InvokeAI server with taef2_encoder.pth and taef2_decoder.pth, one .safetensors "
-        "file, or a Hugging Face repo id",
+        description=f"The VAE flowlift runs when no VAE is connected and no installed TAEF2 is chosen: "
+        f"{NATIVE_NAMES}; or a folder on the InvokeAI server with taef2_encoder.pth and taef2_decoder.pth, one "
+        ".safetensors file (TAEF2, or Mage-VAE as released), or a Hugging Face repo id",
     )
     upscaler_model: ModelIdentifierField | None = installed_model_field("Flow Upscaler", "Flow Upscaler")
     upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
@@ -221,12 +225,12 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
             vae_model = context.models.load(self.vae.vae)
         else:
             taef2 = installed_model_path(context, self.taef2_model, self.taef2)
-            vae_model = load_taef2_cached(context, taef2, progress.check_cancel)
+            vae_model = load_native_vae_cached(context, taef2, progress.check_cancel)
         with (
             on_device(upscaler, "the Flow Upscaler") as (unet, device, dtype),
             vae_model.model_on_device() as (_, module),
         ):
-            vae = flux2_vae_adapter(module, what) if self.vae is not None else TAEF2VAE(module)
+            vae = flux2_vae_adapter(module, what) if self.vae is not None else native_vae_adapter(module)
             pipeline = FlowUpscalerPipeline(
                 unet, vae, device=device, dtype=dtype, memory=MemoryPolicy(chunked=chunked_flag(self.chunked)),
                 channels_last=False, on_strip=progress.strip,

@@ -41,6 +41,7 @@ functions: :func:`channel_means` / :func:`channel_gate` (every DiCo block's chan
 :func:`group_norm_statistics` / :func:`group_norm_apply` (the CoD decoder's GroupNorms) and
 :func:`window_attention` (self-attention over a fixed 32x32-latent window grid anchored at the top-left,
 the last row/column of windows replicate-padded). Everything else is pointwise or a 3x3 convolution.
+:mod:`flowlift.models.mage_tiling` runs the codec exactly on tiles from these pieces.
 """
 
 from __future__ import annotations
@@ -351,6 +352,7 @@ class CoDDecoder(nn.Module):
 
     def __init__(self, channels: int, window: int) -> None:
         super().__init__()
+        self.window = window
         self.conv_in = nn.Conv2d(MAGE_LATENT_CHANNELS, channels, 3, padding=1)
         self.block = nn.Sequential(
             ResnetBlock(channels),
@@ -404,6 +406,10 @@ class MageEncoder(nn.Module):
         cond = self.patch_cond_embed(x)
         for block in self.head_blocks:
             cond = block(cond)
+        return self.project(cond)
+
+    def project(self, cond: torch.Tensor) -> torch.Tensor:
+        """``proj_down`` and the fuse with z_t = 0 (pointwise), the last step of :meth:`stem`."""
         cond = self.proj_down(cond)
         c = cond.shape[1]
         w_cond = self.fuse_proj.weight[:, :c]

@@ -1,12 +1,12 @@
 """VAE specs: :func:`load_vae` builds a :mod:`flowlift.models.vae` adapter; :func:`check_vae_spec` fails fast.
 
-``spec`` is ``"taef2"`` (hub ``madebyollin/taef2``), ``"flux2"`` (the VAE of a cached FLUX.2 Klein or
-dev repository, ``subfolder="vae"``), ``"mage"`` (Mage-VAE, the ``vae/`` folder of the first
-available :data:`MAGE_REPOS` repository), a local file or directory, a hub repo id, or an already-built
+``spec`` is a name of :data:`flowlift.models.vae_names.VAE_NAMES`, the one declaration of the VAE knob's
+choices (``"taef2"``: hub ``madebyollin/taef2``; ``"flux2"``: the ``vae/`` folder of a FLUX.2 Klein or dev
+repository; ``"mage"``: Mage-VAE, the ``vae/`` folder of a Mage-Flow repository; each name's repositories
+are tried in order), a local file or directory, a hub repo id, or an already-built
 :class:`~flowlift.models.taef2.TAEF2` / ``AutoencoderKLFlux2`` / :class:`~flowlift.models.mage_vae.MageVAEModel`
-module. Hub lookups go through the
-huggingface_hub cache and honour ``HF_HUB_OFFLINE=1``; an unreachable hub is treated as offline
-(:func:`flowlift.models.hub.hub_offline_reason`). Every weight load is strict.
+module. Hub lookups go through the huggingface_hub cache and honour ``HF_HUB_OFFLINE=1``; an unreachable hub
+is treated as offline (:func:`flowlift.models.hub.hub_offline_reason`). Every weight load is strict.
 """
 
 from __future__ import annotations
@@ -21,29 +21,26 @@ from flowlift.errors import FlowliftError
 from flowlift.files.json_input import parse_json
 from flowlift.models.mage_vae_files import is_mage_vae, mage_from_state_dict
 from flowlift.models.vae import TAEF2VAE, Flux2VAE, MageVAE, flux2_from_state_dict, taef2_from_state_dicts
-from flowlift.models.weights import looks_like_repo_id, read_state_dict
+from flowlift.models.vae_names import (
+    HUB_VAE_PATTERNS,
+    NAMED_FLUX2,
+    NAMED_MAGE,
+    NAMED_TAEF2,
+    NamedVAE,
+    named_vae,
+    unknown_vae_message,
+)
+from flowlift.models.weights import WEIGHT_SUFFIXES, looks_like_repo_id, read_state_dict
 
-TAEF2_REPO = "madebyollin/taef2"
-#: Repositories whose ``vae/`` folder holds the FLUX.2 VAE, tried in order (the Klein repos are not
-#: gated and carry the same VAE as FLUX.2-dev).
-FLUX2_REPOS = (
-    "black-forest-labs/FLUX.2-klein-4B",
-    "black-forest-labs/FLUX.2-klein-9B",
-    "black-forest-labs/FLUX.2-dev",
-)
+# Each name's repositories and files are declared once, in flowlift.models.vae_names.
+TAEF2_REPO = NAMED_TAEF2.repos[0]
+#: Repositories whose ``vae/`` folder holds the FLUX.2 VAE, tried in order.
+FLUX2_REPOS = NAMED_FLUX2.repos
 TAEF2_FILES = ("taef2_encoder.pth", "taef2_decoder.pth")
-#: Repositories whose ``vae/`` folder holds the released Mage-VAE, tried in order (``microsoft/Mage-Flow``
-#: itself was removed from the hub; ``M-vdBerg/Mage-Flow`` is a community mirror).
-MAGE_REPOS = (
-    "microsoft/Mage-Flow-Base",
-    "microsoft/Mage-Flow-Turbo",
-    "microsoft/Mage-Flow-Edit",
-    "microsoft/Mage-Flow-Edit-Base",
-    "microsoft/Mage-Flow-Edit-Turbo",
-    "M-vdBerg/Mage-Flow",
-)
+#: Repositories whose ``vae/`` folder holds the released Mage-VAE, tried in order.
+MAGE_REPOS = NAMED_MAGE.repos
 #: Only the VAE of a Mage-Flow repository (never its transformer or text encoder; no pickles).
-MAGE_PATTERNS = ["vae/*.safetensors", "vae/*.json"]
+MAGE_PATTERNS = list(NAMED_MAGE.patterns)
 #: The class of the diffusers port ``MinhNH232331M/MageFlow-VAE-diffusers``, whose key layout is unpublished.
 MAGE_DIFFUSERS_PORT_CLASS = "AutoencoderKLMega"
 #: What flowlift reads, for the errors that refuse something else.
@@ -69,12 +66,9 @@ def load_vae(spec: Any, device: torch.device | str = "cpu", dtype: torch.dtype =
             f"VAE spec must be a name, path, hub repo id or module, got {type(spec).__name__}"
         )
     text = os.fspath(spec)
-    if text == "taef2":
-        return _from_hub(TAEF2_REPO, device, dtype)
-    if text == "flux2":
-        return _flux2_from_hub(device, dtype)
-    if text == "mage":
-        return _from_dir(_mage_folder(), device, dtype)
+    named = named_vae(text)
+    if named is not None:
+        return _from_dir(named_vae_folder(named), device, dtype)
     path = Path(text).expanduser()
     if path.is_file():
         return _from_file(path, device, dtype)
@@ -82,10 +76,7 @@ def load_vae(spec: Any, device: torch.device | str = "cpu", dtype: torch.dtype =
         return _from_dir(path, device, dtype)
     if looks_like_repo_id(text):
         return _from_hub(text, device, dtype)
-    raise FlowliftError(f"VAE: {text}: {_NOT_A_SPEC}")
-
-
-_NOT_A_SPEC = "no such file or folder (nor 'taef2', 'flux2', 'mage' or a hub repo id owner/name)"
+    raise FlowliftError(unknown_vae_message(text))
 
 
 def _from_module(module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:
@@ -217,32 +208,29 @@ def _snapshot(repo_id: str, patterns: list[str]) -> Path:
 
 
 #: Only what a VAE can be: never a repository's (large) transformer or text-encoder files.
-_VAE_PATTERNS = ["config.json", "taef2*", "diffusion_pytorch_model*", "*vae*.safetensors", "vae/*"]
+_VAE_PATTERNS = list(HUB_VAE_PATTERNS)
 
 
 def check_vae_spec(spec: Any) -> None:
     """Fail fast, before any model loads, when a VAE spec cannot be found.
 
-    Local paths must exist; ``taef2``, ``flux2`` and hub ids are resolved to their cached (or, online,
-    downloaded) files, which :func:`load_vae` then reads without fetching again. Objects pass unchecked.
+    Local paths must exist; the names of :data:`~flowlift.models.vae_names.VAE_NAMES` and hub ids are
+    resolved to their cached (or, online, downloaded) files, which :func:`load_vae` then reads without
+    fetching again. Objects pass unchecked.
     """
     if not isinstance(spec, (str, os.PathLike)):
         return
     text = os.fspath(spec)
-    if text == "flux2":
-        _flux2_folder()
+    named = named_vae(text)
+    if named is not None:
+        named_vae_folder(named)
         return
-    if text == "mage":
-        _mage_folder()
-        return
-    if text == "taef2":
-        text = TAEF2_REPO
     if Path(text).expanduser().exists():
         return
     if looks_like_repo_id(text):
         _snapshot(text, _VAE_PATTERNS)
         return
-    raise FlowliftError(f"VAE: {text}: {_NOT_A_SPEC}")
+    raise FlowliftError(unknown_vae_message(text))
 
 
 def _from_hub(repo_id: str, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:
@@ -250,45 +238,35 @@ def _from_hub(repo_id: str, device: torch.device | str, dtype: torch.dtype) -> A
     return _from_dir(folder, device, dtype)
 
 
-def _flux2_folder() -> Path:
-    """The cached (or downloaded) snapshot of the first FLUX.2 repository whose ``vae/`` folder is available."""
+def _has_weights(folder: Path, patterns: tuple[str, ...]) -> bool:
+    return any(p.suffix in WEIGHT_SUFFIXES and p.is_file() for pattern in patterns for p in folder.glob(pattern))
+
+
+def named_vae_folder(named: NamedVAE) -> Path:
+    """The cached (or downloaded) snapshot of the first of ``named.repos`` that holds its VAE files.
+
+    One repository: its own error is passed on (it names its download command). Several: one line names
+    them all and the first one's download command (``named.include``: only its VAE files).
+    """
     from flowlift.models.hub import download_hint, hub_offline_reason
 
-    for repo in FLUX2_REPOS:
-        try:
-            folder = _snapshot(repo, ["vae/*"])
-        except FlowliftError:
-            continue
-        if (folder / "vae" / "config.json").is_file():
+    if len(named.repos) == 1:
+        folder = _snapshot(named.repos[0], list(named.patterns))
+        if _has_weights(folder, named.patterns):
             return folder
+    else:
+        for repo in named.repos:
+            try:
+                folder = _snapshot(repo, list(named.patterns))
+            except FlowliftError:
+                continue
+            if _has_weights(folder, named.patterns):
+                return folder
     offline = hub_offline_reason()
+    where = f"none of {', '.join(named.repos)} has" if len(named.repos) > 1 else f"{named.repos[0]} has no"
+    other = "" if named is NAMED_TAEF2 else ", or --vae taef2 for the fast approximate VAE"
     raise FlowliftError(
-        f"VAE 'flux2': none of {', '.join(FLUX2_REPOS)} has its vae/ folder in the Hugging Face cache"
-        f"{f' and {offline}' if offline else ''}; {download_hint(FLUX2_REPOS[0], include='vae/*')} "
-        "or pass a local path (CLI: --vae PATH, or --vae taef2 for the fast approximate VAE)"
-    )
-
-
-def _flux2_from_hub(device: torch.device | str, dtype: torch.dtype) -> Flux2VAE:
-    vae = _from_dir(_flux2_folder(), device, dtype)
-    assert isinstance(vae, Flux2VAE)
-    return vae
-
-
-def _mage_folder() -> Path:
-    """The cached (or downloaded) snapshot of the first Mage-Flow repository whose ``vae/`` holds a .safetensors."""
-    from flowlift.models.hub import download_hint, hub_offline_reason
-
-    for repo in MAGE_REPOS:
-        try:
-            folder = _snapshot(repo, MAGE_PATTERNS)
-        except FlowliftError:
-            continue
-        if any(p.suffix == ".safetensors" for p in (folder / "vae").glob("*")):
-            return folder
-    offline = hub_offline_reason()
-    raise FlowliftError(
-        f"VAE 'mage': none of {', '.join(MAGE_REPOS)} has its vae/ folder in the Hugging Face cache"
-        f"{f' and {offline}' if offline else ''}; {download_hint(MAGE_REPOS[0], include='vae/*')} "
-        "or pass a local path (CLI: --vae PATH)"
+        f"VAE '{named.name}': {where} its VAE files in the Hugging Face cache"
+        f"{f' and {offline}' if offline else ''}; {download_hint(named.repos[0], include=named.include)} "
+        f"or pass a local path (CLI: --vae PATH{other})"
     )

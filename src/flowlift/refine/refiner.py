@@ -378,11 +378,11 @@ class Flux2Refiner:
         ``tile_*`` knobs say (the refine pass of a 4x or 8x fix is where tiles run). ``sampling`` is the refine
         pass's; the txt2img base runs it with ``base_steps``.
         """
-        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.hires"))
-        tiles = tiles_from(tiles, conditioning, "Flux2Refiner.hires", base=self.tiling)
         if images is not None or (height is not None and width is not None):
             base_h, base_w = images.shape[-2:] if images is not None else (height, width)
             check_hires_size(int(base_w), int(base_h), scale)  # the whole pass plan, before the base runs
+        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.hires"))
+        tiles = tiles_from(tiles, conditioning, "Flux2Refiner.hires", base=self.tiling)
         start = denoising_start_for(refine_strength, strength_map)
         den = self.denoiser(**conditioning)
         params: dict[str, Any] = {}

@@ -99,17 +99,13 @@ def vae_spec_files(spec: str) -> list[Path]:
         return [path]
     if path.is_dir():
         return sorted(p for p in path.rglob("*") if p.suffix in WEIGHT_SUFFIXES and p.is_file())
-    from flowlift.models import vae_loading as vae_module
+    from flowlift.models.vae_names import NAMED_VAES, named_vae
 
-    if spec == "taef2":
-        repos = [vae_module.TAEF2_REPO]
-    elif spec == "flux2":
-        repos = list(vae_module.FLUX2_REPOS)
-    elif spec == "mage":
-        return _cached_mage_files(vae_module.MAGE_REPOS, vae_module.MAGE_PATTERNS)
-    else:
-        repos = [spec]
-    names = [*vae_module.TAEF2_FILES, "diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"]
+    named = named_vae(spec)
+    repos = list(named.repos) if named is not None else [spec]
+    if named is not None and not named.files:  # a folder of one checkpoint: whatever its snapshot holds
+        return _snapshot_weight_files(repos, named.patterns)
+    names = list(dict.fromkeys(name for vae in NAMED_VAES.values() for name in vae.files))
     from huggingface_hub import try_to_load_from_cache
 
     for repo in repos:
@@ -126,11 +122,27 @@ def vae_spec_files(spec: str) -> list[Path]:
     return []
 
 
+def _snapshot_weight_files(repos: list[str], patterns: Sequence[str]) -> list[Path]:
+    """The weight files matching ``patterns`` in the cached snapshot of the first of ``repos`` that has any."""
+    from huggingface_hub import snapshot_download
+
+    for repo in repos:
+        try:
+            folder = Path(snapshot_download(repo, allow_patterns=list(patterns), local_files_only=True))
+        except Exception:  # noqa: BLE001 - provenance is best effort; an uncached repo just has no files
+            continue
+        found = sorted({p for pattern in patterns for p in folder.glob(pattern)
+                        if p.suffix in WEIGHT_SUFFIXES and p.is_file()})  # fmt: skip
+        if found:
+            return found
+    return []
+
+
 def pipeline_model_files(upscaler_path: Path | None, vae: Any, vae_spec: str | None) -> dict[str, list[Path]]:
     """``{"upscaler": [...], "vae": [...]}``: the weight files behind a pipeline, for provenance.
 
     The VAE's files come from its ``weight_files`` attribute when it has one, else from a local
-    spec (file or folder), else from the Hugging Face cache for ``taef2`` / ``flux2`` / repo ids.
+    spec (file or folder), else from the Hugging Face cache for a named VAE (``vae_names``) or a repo id.
     """
     files: dict[str, list[Path]] = {"upscaler": [], "vae": []}
     if upscaler_path is not None:
@@ -198,18 +210,3 @@ def load_pipeline_vae(vae: Any, device: torch.device, dtype: torch.dtype) -> tup
     if not (callable(getattr(vae, "encode", None)) and callable(getattr(vae, "decode", None))):
         raise FlowliftError(f"vae must have encode() and decode(), got {type(vae).__name__}")
     return vae, spec
-
-
-def _cached_mage_files(repos: Sequence[str], patterns: list[str]) -> list[Path]:
-    """The ``vae/*.safetensors`` of the first Mage-Flow repository in the hub cache (the cache only, no request)."""
-    from huggingface_hub import snapshot_download
-
-    for repo in repos:
-        try:
-            folder = Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=True))
-        except Exception:  # noqa: BLE001 - provenance is best effort; not cached just means no files
-            continue
-        found = sorted((folder / "vae").glob("*.safetensors"))
-        if found:
-            return found
-    return []

@@ -1,0 +1,327 @@
+"""Exact, bounded-memory Mage-VAE encode and decode: layer-synchronous passes over window-aligned tiles.
+
+Why a plain tiling (TAEF2's) cannot work here: three operations of the codec see the whole frame —
+every DiCo block's channel gate ``sigmoid(ca(mean_hw(a)))``, every GroupNorm of the CoD decoder, and
+the window attention's fixed grid. A tile that computed them from its own pixels would differ.
+
+**The schedule.** Everything before the per-pixel MLP runs at the codec's 1/16 resolution, so the
+executor keeps that resolution's activations as whole-frame *stores* (one sample at a time) and
+runs the network one layer at a time, each layer as a *pass* over tiles:
+
+* a pass reads its input tile plus a halo of 1 (one 3x3 or depthwise 3x3 convolution per pass; at
+  the frame border the slice is clipped and the convolution's zero padding *is* the frame's),
+  computes the layer, crops the halo and writes the tile into an output store;
+* global statistics of a layer's *output* are summed while it is written (float64 per-group sums of
+  ``x`` and ``x**2`` for the next GroupNorm) and finished with GroupNorm's formula before the next
+  pass, which then applies them pointwise (:func:`~flowlift.models.mage_vae.group_norm_apply`);
+* a DiCo block is two passes: the first only sums its branch ``a = gelu(dwconv(conv1(LN(x))))``
+  over tiles (the gate needs the mean of ``a``, which needs every tile's halo, so it cannot ride on
+  the pass that wrote ``x``); the second recomputes ``a`` (conv1 is ~1/10 of a block's work), gates
+  it and runs the rest of the block;
+* window attention passes use tiles whose sides are multiples of the 32-latent window and whose
+  origins lie on the grid, so every tile holds whole windows; an edge tile ends at the frame edge
+  and :func:`~flowlift.models.mage_vae.window_attention` replicate-pads it exactly as the frame;
+* the decoder's per-pixel path (features, adaLN MLP, RMSNorm, fold) is independent per latent
+  position and runs last, on its own smaller tiles, writing straight into the output image.
+
+The result equals the whole-frame computation up to float summation order (tested at <= 1e-5
+relative in float32; the statistics are exact sums in float64).
+
+**The bound** (one sample at a time; ``C`` = 384, the frame at 1/16 is ``h x w``):
+decode holds 3 stores ``(C, h, w)`` (the conditioning, needed again by the per-pixel path, and the
+residual stream double-buffered: a pass reads its input's halo while writing its output), i.e.
+``3 * C / 256 = 4.5`` values per output pixel, besides its input latent and output image, plus
+one tile's working set (:func:`tile_working_bytes`). Encode holds two stores (768 + 384 channels
+during the head blocks, 2 x 384 after) beside the image. Nothing else grows with the frame.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from flowlift.models.mage_passes import (
+    GroupSums,
+    Progress,
+    Region,
+    TileCallback,
+    crop,
+    dico_run,
+    run_pass,
+    store_source,
+    store_writer,
+    tile_grid,
+)
+from flowlift.models.mage_vae import (
+    MAGE_LATENT_CHANNELS,
+    MAGE_PATCH,
+    MageDecoder,
+    MageEncoder,
+    MageVAEConfig,
+    ResnetBlock,
+    WindowAttentionBlock,
+    group_norm_apply,
+    window_attention,
+)
+
+
+@dataclass(frozen=True)
+class MageTiling:
+    """Tile sides in codec positions (1 position = 16x16 pixels).
+
+    ``tile``: the 1/16-resolution passes; a multiple of the attention window (32) so tiles hold whole
+    windows. ``pixel_tile``: the per-pixel path, whose activations are 256 pixels x 32-96 features per
+    position, so it takes smaller tiles.
+    """
+
+    tile: int = 128
+    pixel_tile: int = 32
+
+    def check(self, window: int = 1) -> None:
+        if self.tile <= 0 or self.tile % window:
+            raise ValueError(f"Mage tiling: tile {self.tile} must be a positive multiple of the window {window}")
+        if self.pixel_tile <= 0:
+            raise ValueError(f"Mage tiling: pixel_tile must be positive, got {self.pixel_tile}")
+
+
+def decode_tile_numel(config: MageVAEConfig, tiling: MageTiling) -> int:
+    """Elements of the largest tensor one tile of the decode allocates (the frame's stores aside).
+
+    ``max((t + 2)**2 * max(4C, 128), (t / d)**2 * d**4, p**2 * 256 * 3c)``: a haloed 1/16 tile through
+    the DiCo MLP (or the latent's 128 channels), the softmax weights of a tile's ``(t / d)**2``
+    attention windows of ``d**2`` positions each, and a pixel tile's adaLN output (shift, scale, gate
+    of the ``c`` per-pixel features for each of its 256 pixels per position).
+    """
+    grown = (tiling.tile + 2) ** 2
+    ffn = int(config.mlp_ratio * config.hidden)
+    window = config.attention_window
+    attention = (-(-tiling.tile // window)) ** 2 * window**4
+    pixels = tiling.pixel_tile**2 * MAGE_PATCH**2 * 3 * config.pixel_width
+    return max(grown * max(ffn, config.hidden, MAGE_LATENT_CHANNELS), attention, pixels)
+
+
+def encode_tile_numel(config: MageVAEConfig, tiling: MageTiling) -> int:
+    """Elements of the largest tensor one tile of the encode allocates (the stores aside).
+
+    ``(t + 2)**2 * max(4 C_head, 4C, 3 * 256)``: the head blocks' MLP, or the haloed image tile.
+    """
+    widths = (int(config.mlp_ratio * config.encoder_head), int(config.mlp_ratio * config.hidden), 3 * MAGE_PATCH**2)
+    return (tiling.tile + 2) ** 2 * max(widths)
+
+
+# --------------------------------------------------------------------------------------------------
+# Encoder
+# --------------------------------------------------------------------------------------------------
+
+
+def encode_steps(encoder: MageEncoder, height: int, width: int, tiling: MageTiling) -> int:
+    """Tile steps of one sample's tiled encode (two per DiCo block, at least one per stage)."""
+    tiles = len(tile_grid(height, width, tiling.tile))
+    head = max(1, 2 * len(encoder.head_blocks))
+    return (head + max(1, 2 * len(encoder.blocks))) * tiles
+
+
+def encode_tiled(
+    encoder: MageEncoder, x: torch.Tensor, on_tile: TileCallback | None = None, *, tiling: MageTiling | None = None
+) -> torch.Tensor:
+    """Images [-1, 1] (B, 3, H, W), sides multiples of 16 -> posterior mean (B, 128, H/16, W/16).
+
+    Equals ``encoder(x)``; the hook of :class:`flowlift.models.vae.MageVAE` (``tiled_encoder``).
+    The patch embedding is recomputed from the image per tile (it is cheap and pointwise per patch),
+    so the first store is the first head block's output.
+    """
+    tiling = tiling or MageTiling()
+    tiling.check()
+    b, _, height, width = x.shape
+    h, w = height // MAGE_PATCH, width // MAGE_PATCH
+    out = torch.empty(b, MAGE_LATENT_CHANNELS, h, w, device=x.device, dtype=x.dtype)
+    progress = Progress(b * encode_steps(encoder, h, w, tiling), on_tile)
+    kw = {"size": (h, w), "tile": tiling.tile, "progress": progress}
+    for i in range(b):
+        image = x[i : i + 1]
+
+        def new_store(channels: int) -> Callable[[], torch.Tensor]:
+            return lambda: torch.empty(1, channels, h, w, device=x.device, dtype=x.dtype)
+
+        def patches(r: Region, image: torch.Tensor = image) -> torch.Tensor:
+            p = MAGE_PATCH
+            return encoder.patch_cond_embed(image[:, :, r[0] * p : r[1] * p, r[2] * p : r[3] * p])
+
+        stem = new_store(encoder.proj_down.out_channels)()
+        dico_run(
+            encoder.head_blocks,
+            patches,
+            _writer(stem, encoder.project),
+            new_store=new_store(encoder.patch_cond_embed.out_channels),
+            **kw,
+        )
+        dico_run(
+            encoder.blocks,
+            store_source(stem),
+            _writer(out[i : i + 1], encoder.head),
+            new_store=new_store(stem.shape[1]),
+            pool=[stem],
+            reading=stem,
+            **kw,
+        )
+    return out
+
+
+def _writer(store: torch.Tensor, pointwise: Callable[[torch.Tensor], torch.Tensor]):
+    """Writes ``pointwise(y)`` of each tile into ``store``."""
+
+    def write(r: Region, y: torch.Tensor) -> None:
+        store[:, :, r[0] : r[1], r[2] : r[3]] = pointwise(y)
+
+    return write
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoder
+# --------------------------------------------------------------------------------------------------
+
+
+def sub_grid(region: Region, side: int) -> list[Region]:
+    """Tiles of ``side`` inside ``region``, anchored at its origin, in frame coordinates."""
+    r0, r1, c0, c1 = region
+    return [(r0 + a, r0 + b, c0 + c, c0 + d) for a, b, c, d in tile_grid(r1 - r0, c1 - c0, side)]
+
+
+def decode_steps(decoder: MageDecoder, height: int, width: int, tiling: MageTiling) -> int:
+    """Tile steps of one sample's tiled decode: the 1/16 passes times their tiles, plus the pixel tiles."""
+    cod = decoder.y_embedder.decoder
+    passes = 2 + sum(2 if isinstance(b, ResnetBlock) else 1 for b in cod.block)  # + conv_in, conv_out
+    passes += max(1, 2 * len(decoder.blocks))
+    grid = tile_grid(height, width, tiling.tile)
+    return passes * len(grid) + sum(len(sub_grid(r, tiling.pixel_tile)) for r in grid)
+
+
+def decode_tiled(
+    decoder: MageDecoder, z: torch.Tensor, on_tile: TileCallback | None = None, *, tiling: MageTiling | None = None
+) -> torch.Tensor:
+    """Codec latents (B, 128, h, w) -> image (B, 3, 16h, 16w) in about [-1, 1], equal to ``decoder(z)``.
+
+    The hook of :class:`flowlift.models.vae.MageVAE` (``tiled_decoder``); one sample at a time, with
+    three (C, h, w) stores: ``stream`` (the CoD residual stream, then a DiCo buffer), ``cond`` (the
+    CoD ResNets' middles, then the conditioning the per-pixel path reads) and ``tokens`` (the first
+    tokens, then the other DiCo buffer). The last DiCo block writes through the per-pixel path.
+    """
+    tiling = tiling or MageTiling()
+    tiling.check(decoder.y_embedder.decoder.window)
+    b, _, h, w = z.shape
+    out = torch.empty(b, 3, h * MAGE_PATCH, w * MAGE_PATCH, device=z.device, dtype=z.dtype)
+    progress = Progress(b * decode_steps(decoder, h, w, tiling), on_tile)
+    kw = {"size": (h, w), "tile": tiling.tile, "progress": progress}
+    channels = decoder.s_embedder.proj2.out_channels
+    for i in range(b):
+        stream, cond, tokens = (torch.empty(1, channels, h, w, device=z.device, dtype=z.dtype) for _ in range(3))
+        _cod_passes(decoder, z[i : i + 1], stream, cond, tokens, **kw)
+        pixels = _pixel_writer(decoder, cond, out[i : i + 1], tiling.pixel_tile, progress)
+        dico_run(
+            decoder.blocks,
+            store_source(tokens),
+            pixels,
+            new_store=_no_store,
+            pool=[stream, tokens],
+            reading=tokens,
+            **kw,
+        )
+    return out
+
+
+def _no_store() -> torch.Tensor:
+    raise AssertionError("Mage tiling: the decoder's DiCo chain has its two stores")
+
+
+def _cod_passes(
+    decoder: MageDecoder, z: torch.Tensor, a: torch.Tensor, spare: torch.Tensor, tokens: torch.Tensor, **kw
+) -> None:
+    """The CoD decoder over tiles: the conditioning ends in ``spare``, ``tokens_in`` of it in ``tokens``.
+
+    ``a`` holds the residual stream (attention blocks and ResNet skips update it in place, tile by
+    tile, which is safe because those writes read only their own tile); each ResNet's middle goes to
+    ``spare``. Every pass gathers the GroupNorm sums of what it writes, for the next pass.
+    """
+    cod = decoder.y_embedder.decoder
+    sums = GroupSums(a.shape[1])
+    run_pass(lambda x, inner, _: crop(cod.conv_in(x), inner), store_source(z), store_writer(a, sums), halo=1, **kw)
+    for block in cod.block:
+        stats, sums = sums.finish(a.device), GroupSums(a.shape[1])
+        if isinstance(block, ResnetBlock):
+            middle = GroupSums(a.shape[1])
+            run_pass(
+                _gn_conv(block.norm1, block.conv1, stats), store_source(a), store_writer(spare, middle), halo=1, **kw
+            )
+            second = _gn_conv(block.norm2, block.conv2, middle.finish(a.device))
+            run_pass(_plus_skip(second, a), store_source(spare), store_writer(a, sums), halo=1, **kw)
+        elif isinstance(block, WindowAttentionBlock):
+            run_pass(_attention(block, stats), store_source(a), store_writer(a, sums), halo=0, **kw)
+        else:
+            raise TypeError(f"Mage tiling: unexpected CoD block {type(block).__name__}")
+
+    def write(r: Region, cond: torch.Tensor) -> None:
+        spare[:, :, r[0] : r[1], r[2] : r[3]] = cond
+        tokens[:, :, r[0] : r[1], r[2] : r[3]] = decoder.tokens_in(cond)
+
+    run_pass(_gn_conv(cod.norm_out, cod.conv_out, sums.finish(a.device)), store_source(a), write, halo=1, **kw)
+
+
+def _gn_conv(norm, conv, stats) -> Callable[[torch.Tensor, tuple[slice, slice], Region], torch.Tensor]:
+    """``crop(conv(silu(GN(x))))`` with the frame's GroupNorm statistics ``stats``: a 3x3 conv, halo 1."""
+    mean, inv_std = stats
+
+    def layer(x: torch.Tensor, inner: tuple[slice, slice], _: Region) -> torch.Tensor:
+        return crop(conv(F.silu(group_norm_apply(x, mean, inv_std, norm.weight, norm.bias))), inner)
+
+    return layer
+
+
+def _plus_skip(layer, store: torch.Tensor):
+    """``store[tile] + layer(...)``: the ResNet skip, read at the tile just before it is overwritten."""
+
+    def with_skip(x: torch.Tensor, inner: tuple[slice, slice], r: Region) -> torch.Tensor:
+        return store[:, :, r[0] : r[1], r[2] : r[3]] + layer(x, inner, r)
+
+    return with_skip
+
+
+def _attention(block: WindowAttentionBlock, stats):
+    """``x + proj_out(window_attention(qkv(GN(x))))`` on a tile of whole windows (halo 0)."""
+    mean, inv_std = stats
+
+    def layer(x: torch.Tensor, inner: tuple[slice, slice], _: Region) -> torch.Tensor:
+        h = group_norm_apply(x, mean, inv_std, block.norm.weight, block.norm.bias)
+        return x + block.proj_out(window_attention(block.q(h), block.k(h), block.v(h), block.window))
+
+    return layer
+
+
+def _pixel_writer(decoder: MageDecoder, cond: torch.Tensor, out: torch.Tensor, side: int, progress: Progress):
+    """The last DiCo block's output tiles -> the per-pixel path on sub-tiles of ``side`` -> ``out``."""
+    p = MAGE_PATCH
+
+    def write(region: Region, tokens: torch.Tensor) -> None:
+        for r in sub_grid(region, side):
+            rows, cols, dr, dc = r[1] - r[0], r[3] - r[2], r[0] - region[0], r[2] - region[2]
+            flat = tokens[:, :, dr : dr + rows, dc : dc + cols].permute(0, 2, 3, 1).reshape(rows * cols, -1)
+            features = decoder.pixel_features(cond[:, :, r[0] : r[1], r[2] : r[3]])
+            pixels = decoder.pixels_out(decoder.dec_net(features, flat), 1, rows, cols)
+            out[:, :, r[0] * p : r[1] * p, r[2] * p : r[3] * p] = pixels
+            progress.step()
+
+    return write
+
+
+__all__ = [
+    "MageTiling",
+    "decode_steps",
+    "decode_tile_numel",
+    "decode_tiled",
+    "encode_steps",
+    "encode_tile_numel",
+    "encode_tiled",
+    "tile_grid",
+]
