@@ -214,13 +214,19 @@ def test_resume_none_overwrite_removes_nothing_when_the_command_then_fails(tmp_p
     assert _snapshot(out) == before
 
 
-@pytest.mark.parametrize("name", ["flow_upscaler.safetensors", "config.json"])
+@pytest.mark.parametrize("name", ["flow_upscaler.safetensors", "config.json", "curves.png"])
 def test_an_output_is_never_an_input(tmp_path, capsys, data, name):
     out = tmp_path / "run"
     assert main(_train(data, out, steps=2)) == 0, capsys.readouterr().err
     linked = tmp_path / "linked"
     linked.symlink_to(out, target_is_directory=True)
-    given = ["--init", str(linked / name)] if name.endswith(".safetensors") else ["--config", str(linked / name)]
+    if name == "config.json":  # a user's own settings file at the run's config name: an input, not the run's
+        (out / name).write_text('{"lr": 0.001}')
+        given = ["--config", str(linked / name)]
+    elif name == "curves.png":
+        given = ["--val-images", str(linked / name)]
+    else:
+        given = ["--init", str(linked / name)]
     before = _snapshot(out)
     assert main(_train(data, out, "--resume", "none", "--overwrite", *given, steps=1)) == 2
     line = _one_line(capsys)
@@ -282,3 +288,27 @@ def test_the_job_manifest_is_never_appended_through_a_link_or_a_fifo(tmp_path, k
     with pytest.raises(FlowliftError, match=words):
         manifest.write_record({"type": "job"})
     assert victim.read_text() == "my notes\n" and not (tmp_path / "nowhere.txt").exists()
+
+
+@pytest.mark.parametrize("spelling", ["same", "linked folder", "dotdot", "hard link"])
+def test_a_run_resumes_from_its_own_saved_config(tmp_path, capsys, data, spelling):
+    """``--config OUT/config.json --output OUT``: the config is read whole before anything is written, so
+    rewriting the run's own config.json (atomically) is allowed, by identity, however it is spelled."""
+    out = tmp_path / "run"
+    assert main(_train(data, out, steps=2)) == 0, capsys.readouterr().err
+    saved = out / "config.json"
+    if spelling == "linked folder":
+        (tmp_path / "linked").symlink_to(out, target_is_directory=True)
+        saved = tmp_path / "linked" / "config.json"
+    elif spelling == "dotdot":
+        (tmp_path / "elsewhere").mkdir()
+        saved = tmp_path / "elsewhere" / ".." / "run" / "config.json"
+    elif spelling == "hard link":
+        os.link(out / "config.json", tmp_path / "config-copy.json")
+        saved = tmp_path / "config-copy.json"
+    args = ["train", "--config", str(saved), "--data", str(data), "--output", str(out), "--steps", "3", *TINY_SETS]
+    assert main(args) == 0, capsys.readouterr().err
+    import json
+
+    assert json.loads((out / "config.json").read_text())["steps"] == 3
+    assert (out / "checkpoints" / "step-00000003").is_dir()

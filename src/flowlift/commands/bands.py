@@ -44,7 +44,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="downscale images (INTER_AREA) so the long side is at most this")  # fmt: skip
     parser.add_argument("--limit", type=positive_int, default=None, help="use only the first N images")
     parser.add_argument("--full", action="store_true", help="print every pixel band, not only the two summaries")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace files at the report's names that flowlift did not write (without it, only "
+                        "flowlift's own reports and empty files are replaced)")  # fmt: skip
     add_device_options(parser, "VAE")
+
+
+def report_recognisers(out_dir: Path) -> dict:
+    """The files ``flowlift bands`` writes into ``out_dir``, with how flowlift's own is told."""
+    from flowlift.files.own_files import flowlift_image, json_report, markdown_report
+
+    return {
+        out_dir / "bands.json": json_report(NAME, {"vae", "band_edges", "mean_percent"}),
+        out_dir / "bands.md": markdown_report(NAME),
+        out_dir / "bands.png": flowlift_image,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.output)
     if out_dir.exists() and not out_dir.is_dir():
         raise FlowliftError(f"--out {out_dir} exists and is not a folder")
+    from flowlift.files.own_files import check_replaceable, markdown_stamp, stamp
+
+    check_replaceable(report_recognisers(out_dir), args.overwrite, NAME)  # before any image or model loads
     paths = list_images(args.images)[: args.limit]
     if not paths:
         raise FlowliftError("no images given")
@@ -102,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     table = B.format_table(mean, full=args.full, reference=B.MAGE_REFERENCE)
     full_table = B.format_table(mean, full=True)
     payload = {
+        "flowlift": stamp(NAME),  # how a later run knows bands.json as flowlift's own
         "vae": str(args.vae),
         "vae_identity": model_identity(args.vae),
         "spatial_factor": int(vae.spatial_factor),
@@ -119,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     B.heatmap_figure(mean, str(out_dir / "bands.png"), title)
-    markdown = f"{title}\n\n{table}\n\nFull rows (% per pixel band):\n\n{full_table}\n"
+    markdown = f"{markdown_stamp(NAME)}{title}\n\n{table}\n\nFull rows (% per pixel band):\n\n{full_table}\n"
     atomic_write_bytes(out_dir / "bands.md", markdown.encode())
     atomic_write_bytes(out_dir / "bands.json", json.dumps(payload, indent=1).encode())
     print(table)

@@ -41,6 +41,9 @@ STORAGE = ("float16", "bfloat16", "float32")
 
 def _common(parser: argparse.ArgumentParser) -> None:
     add_output_option(parser, "dataset folder (created; an existing one is resumed)", required=True, old="--out")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace files at the dataset's names (dataset.json, shard-*.safetensors) that "
+                        "flowlift did not write (without it, only flowlift's own and empty files are replaced)")
     add_vae_option(parser, "decodes the targets and encodes the degraded conditions", required=True)
     parser.add_argument("--seed", type=seed_value, default=0, help="seed of crops, flips and stored noise")
     parser.add_argument("--shard-size", type=positive_int, default=256, help="items per shard file (default 256)")
@@ -190,9 +193,11 @@ def run(args: argparse.Namespace) -> int:
 
     if problem := folder_problem(out):  # before the teacher or the VAE loads
         raise FlowliftError(problem)
+    from flowlift.training.shards import check_dataset_folder
     if args.dataset_kind == "distill":
         if args.width % 32 or args.height % 32 or args.width <= 0 or args.height <= 0:
             raise FlowliftError(f"--width/--height must be positive multiples of 32, got {args.width}x{args.height}")
+        check_dataset_folder(out, args.overwrite)  # the replace rule at every name, before any model loads
         teacher, source = load_teacher(args, device)
         vae = load_vae(args.vae, device=device, dtype=torch.float32)
         source["vae"] = args.vae
@@ -202,18 +207,21 @@ def run(args: argparse.Namespace) -> int:
         manifest = build_distill_dataset(
             out, teacher, vae, num_items=args.num, latent_size=(args.height // 8, args.width // 8),
             seed=args.seed, batch_size=args.batch_size, degradation=degradation, source=source, writing=writing,
+            overwrite=args.overwrite,
         )
     else:
         from flowlift.files.images import list_images
         from flowlift.training.datasets import ShardWriting, build_images_dataset
 
         paths = list_images(args.inputs)
-        _check_outputs_are_no_input(out, paths)
+        _check_outputs_are_no_input(out, paths)  # first: an input is refused, --overwrite or not
+        check_dataset_folder(out, args.overwrite)
         vae = load_vae(args.vae, device=device, dtype=torch.float32)
         manifest = build_images_dataset(
             out, paths, vae, crop=args.crop_px, crops_per_image=args.crops_per_image, seed=args.seed,
             batch_size=args.batch_size, flip=not args.no_flip, degradation=degradation, vae_name=args.vae,
             writing=ShardWriting(args.shard_size, storage, device, show_progress(args), part),
+            overwrite=args.overwrite,
         )
     print(f"{args.dataset_kind} dataset: {manifest['num_items']} items of {manifest['target_shape']} in "
           f"{os.fspath(out)}")

@@ -15,6 +15,7 @@ Both print a Markdown table (mean and worst rows) and write ``results.json``, ``
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from flowlift.commands._options import (
@@ -93,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_knob(parser, SPANDREL_TILE_OVERLAP, default=None, metavar="PX",
              help=f"{SPANDREL_TILE_OVERLAP.help} (default {SPANDREL_TILE_OVERLAP.default})")  # fmt: skip
     add_output_option(parser, "folder for results.json, table.md, metrics.png, crops.png", required=True, old="--out")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace files at the report's names that flowlift did not write (without it, only "
+                        "flowlift's own reports and empty files are replaced)")  # fmt: skip
     parser.add_argument("--cache", default=None, help="result cache folder (default OUT/cache)")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything, store nothing")
     parser.add_argument(
@@ -127,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
             raise FlowliftError("--run needs --dataset (a folder of photos)")
         if args.limit is not None and args.limit < 1:
             raise FlowliftError("--limit must be >= 1")
+        _check_replace_rule(args, out_dir)
         from flowlift.jobs.distributed import DistEnv, process_group
 
         env = DistEnv.from_environ()
@@ -139,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
             raise FlowliftError("--save-outputs goes with --run (OUTPUTS --reference are files already)")
         if not args.outputs or not args.reference:
             raise FlowliftError("give OUTPUTS and --reference INPUTS (or --run METHODS --dataset DIR)")
+        _check_replace_rule(args, out_dir)
         report = evaluate_pairs(
             args.outputs,
             args.reference,
@@ -171,6 +177,37 @@ def _check_reports_are_no_input(args: argparse.Namespace, out_dir: Path) -> None
                 pass  # a missing input is named by the measuring itself, in its own words
     for path in report_paths(out_dir).values():
         check_not_an_input(path, inputs)
+
+
+def _check_replace_rule(args: argparse.Namespace, out_dir: Path) -> None:
+    """The replace rule (:mod:`flowlift.files.own_files`) at every name the run writes, before any work:
+    the reports, with ``--save-outputs`` every output, input and ground-truth file, and the cache's entries."""
+    from flowlift.errors import FlowliftError
+    from flowlift.files.own_files import check_replaceable, flowlift_image, folder_refusal
+    from flowlift.measure.cache import ResultCache
+    from flowlift.measure.evaluate import saved_output_paths
+    from flowlift.measure.inputs import dataset_paths
+    from flowlift.measure.methods import method_folder, parse_methods
+    from flowlift.measure.report import report_recognisers
+
+    check_replaceable(report_recognisers(out_dir), args.overwrite, NAME)
+    if not args.run:
+        return
+    labels = [spec.label for spec in parse_methods(args.run)]
+    if args.save_outputs:
+        saved = out_dir / "outputs"
+        for folder in [saved] + [saved / name for name in ("inputs", "ground-truth", *map(method_folder, labels))]:
+            if refusal := folder_refusal(folder):
+                raise FlowliftError(refusal)
+        stems = [path.stem for path in dataset_paths(args.dataset, args.limit)]
+        names = saved_output_paths(saved, labels, stems, args.scale)
+        check_replaceable(dict.fromkeys(names, flowlift_image), args.overwrite, NAME)
+    if not args.no_cache:
+        root = Path(args.cache) if args.cache else out_dir / "cache"
+        if args.cache and os.path.isdir(root):
+            root = Path(os.path.realpath(root))  # a --cache given as a link to a folder is the user's choice
+        if problem := ResultCache(root).problems(labels, args.overwrite):
+            raise FlowliftError(problem)
 
 
 def _run_methods(args: argparse.Namespace, env):

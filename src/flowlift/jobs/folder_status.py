@@ -52,47 +52,68 @@ def _source_name(metadata: dict) -> str | None:
 
 
 def folder_status(folder: str | os.PathLike) -> FolderStatus:
-    """Read the state of ``folder`` from its files (see the module docstring)."""
+    """Read the state of ``folder`` from its files (see the module docstring).
+
+    A folder that cannot be read is one FlowliftError line; a file in it that cannot be read is
+    listed as broken (``unreadable: Permission denied``), never a traceback.
+    """
+    from flowlift.files.naming import source_stem
+
+    folder = Path(folder)
+    try:
+        with os.scandir(folder) as listing:
+            names = sorted(entry.name for entry in listing)
+    except (FileNotFoundError, NotADirectoryError):
+        raise FlowliftError(f"{folder}: no such folder") from None
+    except OSError as error:  # permission denied: one line, not a traceback
+        raise FlowliftError(f"cannot read the folder {folder}: {error.strerror or type(error).__name__}") from None
+    status = FolderStatus(folder)
+    others: list[Path] = []  # whole images flowlift did not write
+    made_from: set[str] = set()  # stems of the images the outputs here were made from
+    for name in names:
+        entry = folder / name
+        try:
+            _sort_entry(entry, status, others, made_from)
+        except OSError as error:  # a file this user may not read
+            status.broken.append((entry, f"unreadable: {error.strerror or type(error).__name__}"))
+            made_from.add(source_stem(entry.stem) or entry.stem)
+    status.missing = [p for p in others if p.stem not in made_from and source_stem(p.stem) is None]
+    return status
+
+
+def _sort_entry(entry: Path, status: FolderStatus, others: list[Path], made_from: set[str]) -> None:
+    """File one folder entry under ``status`` (or ``others``: a whole image flowlift did not write)."""
     from flowlift.files.atomic import is_stale_temporary, is_temporary, temporary_in_use
     from flowlift.files.image_outputs import inspect_existing, is_flowlift_metadata, read_metadata
     from flowlift.files.images import IMAGE_SUFFIXES
     from flowlift.files.naming import source_stem
 
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise FlowliftError(f"{folder}: no such folder")
-    status = FolderStatus(folder)
-    others: list[Path] = []  # whole images flowlift did not write
-    made_from: set[str] = set()  # stems of the images the outputs here were made from
-    for entry in sorted(folder.iterdir()):
-        if temporary_in_use(entry):
-            status.writing.append(entry)
-            continue
-        if is_stale_temporary(entry):
-            status.stale.append(entry)
-            continue
-        if not entry.is_file() or is_temporary(entry):
-            continue  # a name shaped like a temporary without flowlift's proof is nobody's business here
-        if entry.suffix.lower() not in IMAGE_SUFFIXES:
-            continue
-        found = inspect_existing(entry)
-        if not (found.image and found.complete):
-            reason = "empty" if found.empty else "truncated" if found.image else "unreadable"
-            status.broken.append((entry, reason))
-            made_from.add(source_stem(entry.stem) or entry.stem)  # its source is not missing: it is broken
-            continue
-        try:
-            metadata = read_metadata(entry) if found.size is not None else {}
-        except Exception:  # noqa: BLE001 - a picture whose metadata Pillow cannot read claims nothing
-            metadata = {}
-        if not is_flowlift_metadata(metadata):
-            others.append(entry)
-            continue
-        status.done.append(entry)
-        name = _source_name(metadata)
-        made_from.add(Path(name).stem if name else (source_stem(entry.stem) or entry.stem))
-    status.missing = [p for p in others if p.stem not in made_from and source_stem(p.stem) is None]
-    return status
+    if temporary_in_use(entry):
+        status.writing.append(entry)
+        return
+    if is_stale_temporary(entry):
+        status.stale.append(entry)
+        return
+    if not entry.is_file() or is_temporary(entry):
+        return  # a name shaped like a temporary without flowlift's proof is nobody's business here
+    if entry.suffix.lower() not in IMAGE_SUFFIXES:
+        return
+    found = inspect_existing(entry)
+    if not (found.image and found.complete):
+        reason = "empty" if found.empty else "truncated" if found.image else "unreadable"
+        status.broken.append((entry, reason))
+        made_from.add(source_stem(entry.stem) or entry.stem)  # its source is not missing: it is broken
+        return
+    try:
+        metadata = read_metadata(entry) if found.size is not None else {}
+    except Exception:  # noqa: BLE001 - a picture whose metadata Pillow cannot read claims nothing
+        metadata = {}
+    if not is_flowlift_metadata(metadata):
+        others.append(entry)
+        return
+    status.done.append(entry)
+    name = _source_name(metadata)
+    made_from.add(Path(name).stem if name else (source_stem(entry.stem) or entry.stem))
 
 
 def format_folder_status(status: FolderStatus) -> str:

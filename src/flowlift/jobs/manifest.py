@@ -9,11 +9,13 @@ batch resume rule), so a manifest line and an output can never disagree in a way
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import os
 import socket
+import stat as stat_module
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +58,13 @@ class Manifest:
         self.path = Path(folder) / MANIFEST_NAME
 
     def exists(self) -> bool:
-        return self.path.is_file()
+        """True when a manifest (a regular file) is there; a folder that cannot be searched is one line."""
+        try:
+            return stat_module.S_ISREG(os.stat(self.path).st_mode)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as error:  # permission denied on the folder: one line, not a traceback
+            raise FlowliftError(_os_problem(self.path, error)) from None
 
     def writable_problem(self) -> str | None:
         """Why this process cannot append to the manifest (a folder in its place, no permission, a
@@ -89,22 +97,102 @@ class Manifest:
             raise FlowliftError(_os_problem(self.path, error)) from None
 
     def records(self) -> list[dict[str, Any]]:
-        """All well-formed records in file order (torn or foreign lines are skipped)."""
+        """All well-formed records in file order (torn, over-long or foreign lines are skipped)."""
+        return list(self.read().records)
+
+    def read(self) -> RecordStream:
+        """The records as a stream, read in bounded chunks (:class:`RecordStream`)."""
+        return RecordStream(self.path)
+
+
+#: The longest manifest line read as a record (bytes). A record is a few hundred bytes; a longer line
+#: (a corrupt file, or one that is no manifest) is one bad line, skipped without being held whole.
+MAX_LINE_BYTES = 1 << 20
+#: The most bytes one ``read`` asks for: the manifest is never held whole, whatever its size.
+READ_CHUNK_BYTES = 1 << 16
+
+
+class RecordStream:
+    """The records of a manifest file, one line at a time, never more than one bounded line in memory.
+
+    ``records`` yields every well-formed record in file order; lines that are no record (torn by a
+    kill, corrupt, not JSON, over :data:`MAX_LINE_BYTES`) are counted in ``bad_lines`` as they are
+    passed. The file is opened without blocking (a FIFO in its place fails at once) and must be a
+    regular file; an OS failure (permission denied) is one FlowliftError line.
+    """
+
+    def __init__(self, path: Path, max_line: int = MAX_LINE_BYTES, chunk: int = READ_CHUNK_BYTES):
+        self.path, self.max_line, self.chunk = path, max_line, chunk
+        self.bad_lines = 0
+
+    @property
+    def records(self) -> Iterator[dict[str, Any]]:
+        for line in self._lines():
+            if not line.strip():
+                continue  # a blank line is no record and no damage
+            record = _record(line)
+            if record is None:
+                self.bad_lines += 1
+            else:
+                yield record
+
+    def _open(self) -> int | None:
         try:
-            raw = self.path.read_bytes()
+            descriptor = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
-            return []
+            return None
         except OSError as error:
             raise FlowliftError(_os_problem(self.path, error)) from None
-        out = []
-        for line in raw.splitlines():
-            try:
-                record = parse_json(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and "event" in record:
-                out.append(record)
-        return out
+        mode = os.fstat(descriptor).st_mode
+        if not stat_module.S_ISREG(mode):
+            os.close(descriptor)
+            reason = os.strerror(errno.EISDIR) if stat_module.S_ISDIR(mode) else "not a regular file"
+            raise FlowliftError(f"cannot use the job manifest {self.path}: {reason}")
+        return descriptor
+
+    def _lines(self) -> Iterator[bytes]:
+        """Each line's bytes (without its newline); an over-long line as ``b""`` plus a bad line."""
+        descriptor = self._open()
+        if descriptor is None:
+            return
+        pending, overlong = bytearray(), False
+        try:
+            while True:
+                try:
+                    chunk = os.read(descriptor, self.chunk)
+                except OSError as error:
+                    raise FlowliftError(_os_problem(self.path, error)) from None
+                if not chunk:
+                    break
+                start = 0
+                while (end := chunk.find(b"\n", start)) >= 0:
+                    if overlong or len(pending) + end - start > self.max_line:
+                        self.bad_lines += 1
+                    else:
+                        pending += chunk[start:end]
+                        yield bytes(pending)
+                    pending.clear()
+                    overlong, start = False, end + 1
+                if not overlong:
+                    pending += chunk[start:]
+                    if len(pending) > self.max_line:  # dropped now: the rest of the line is skipped as read
+                        pending.clear()
+                        overlong = True
+        finally:
+            os.close(descriptor)
+        if overlong:
+            self.bad_lines += 1
+        elif pending.strip():
+            yield bytes(pending)  # a last line without its newline (a torn write): judged like any other
+
+
+def _record(line: bytes) -> dict[str, Any] | None:
+    """One line as a record, or None (not JSON, too deeply nested, no object with an ``event``)."""
+    try:
+        record = parse_json(line)
+    except ValueError:  # not JSON, or nested past the bound (files/json_input.py)
+        return None
+    return record if isinstance(record, dict) and "event" in record else None
 
 
 def _os_problem(path: Path, error: OSError) -> str:
@@ -175,6 +263,7 @@ class JobStatus:
     missing_outputs: list[str] = field(default_factory=list)  # latest says done/skipped, file absent
     failures: list[tuple[str, str]] = field(default_factory=list)  # (input, error) of latest failures
     seconds: float = 0.0  # this run's image seconds, summed over ranks
+    bad_lines: int = 0  # lines that are no record (torn, corrupt, over-long): skipped
 
     @property
     def complete(self) -> bool:
@@ -189,33 +278,65 @@ class JobStatus:
 
 
 def job_status(folder: str | os.PathLike) -> JobStatus:
-    """Read the manifest in ``folder``: counts of the latest run and of the latest record per output."""
+    """Read the manifest in ``folder``: counts of the latest run and of the latest record per output.
+
+    One pass over the stream (:meth:`Manifest.read`): what is kept is one entry per run and the latest
+    record per output, never the file nor the list of its lines.
+    """
     manifest = Manifest(folder)
     if not manifest.exists():
         raise FlowliftError(f"{folder}: no job manifest ({MANIFEST_NAME}) here")
-    records = manifest.records()
+    stream = manifest.read()
     status = JobStatus(manifest=manifest.path)
-    jobs = [r for r in records if r.get("event") == "job"]
-    if jobs:
-        job = jobs[-1]
+    latest_job: Mapping[str, Any] | None = None
+    per_run: dict[Any, tuple[Counter, list[float], list[bool]]] = {}
+    latest: dict[str, Mapping[str, Any]] = {}
+    for record in stream.records:
+        event = record.get("event")
+        if event == "job":
+            latest_job = record
+        counts, seconds, finished = per_run.setdefault(_hashable(record.get("run")), (Counter(), [0.0], [False]))
+        if event == "image":
+            latest[str(record.get("output") or record.get("input"))] = record
+            if not record.get("plan"):
+                counts[_hashable(record.get("status"))] += 1
+                seconds[0] += _seconds(record.get("seconds"))
+        elif event == "summary":
+            finished[0] = True
+    status.bad_lines = stream.bad_lines
+    if latest_job is not None:
+        job = latest_job
         status.run, status.world_size, status.started = job.get("run"), job.get("world_size"), job.get("time")
         status.planned, status.todo = job.get("inputs"), job.get("todo")
-        for record in records:
-            if record.get("run") != status.run:
-                continue
-            if record.get("event") == "image" and not record.get("plan"):
-                status.run_counts[record.get("status")] += 1
-                status.seconds += float(record.get("seconds") or 0.0)
-            elif record.get("event") == "summary":
-                status.finished = True
-    for key, record in latest_by_output(records).items():
-        state = record.get("status")
+        counts, seconds, finished = per_run.get(_hashable(status.run), (Counter(), [0.0], [False]))
+        status.run_counts, status.seconds, status.finished = counts, seconds[0], finished[0]
+    for key, record in latest.items():
+        state = _hashable(record.get("status"))
         status.latest[state] += 1
         if state == "failed":
             status.failures.append((str(record.get("input")), str(record.get("error"))))
-        elif record.get("output") and not Path(record["output"]).exists():
+        elif record.get("output") and not _exists(record["output"]):
             status.missing_outputs.append(key)
     return status
+
+
+def _hashable(value: Any) -> Any:
+    """A run id or status as a dict key (a corrupt record's list or object as its JSON text)."""
+    return value if value is None or isinstance(value, (str, int, float, bool)) else json.dumps(value, sort_keys=True)
+
+
+def _seconds(value: Any) -> float:
+    try:
+        return float(value or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _exists(output: Any) -> bool:
+    try:
+        return os.path.exists(str(output))
+    except (OSError, ValueError):
+        return False
 
 
 def format_status(status: JobStatus) -> str:
@@ -241,5 +362,8 @@ def format_status(status: JobStatus) -> str:
         lines.append(f"  failed: {source}: {error}")
     for output in status.missing_outputs:
         lines.append(f"  missing: {output}")
+    if status.bad_lines:
+        lines.append(f"  {status.bad_lines} line(s) of the manifest are no record (torn, corrupt or over-long): "
+                     "skipped")  # fmt: skip
     lines.append("complete" if status.complete else "not complete: rerun the same command to finish")
     return "\n".join(lines)

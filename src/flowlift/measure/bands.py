@@ -208,6 +208,7 @@ def heatmap_figure(matrix: np.ndarray, path: str, title: str, edges: Sequence[fl
     import matplotlib
 
     from flowlift.files.atomic import atomic_write_bytes
+    from flowlift.files.own_files import software
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
@@ -227,7 +228,7 @@ def heatmap_figure(matrix: np.ndarray, path: str, title: str, edges: Sequence[fl
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
+    fig.savefig(buffer, format="png", metadata={"Software": software("bands")})  # flowlift's own, to a later run
     plt.close(fig)
     atomic_write_bytes(Path(path), buffer.getvalue())
 

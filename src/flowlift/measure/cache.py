@@ -10,13 +10,14 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from flowlift.files.atomic import atomic_write_bytes
-from flowlift.files.json_input import parse_json
+from flowlift.files.own_files import flowlift_image, folder_refusal, json_object, replace_problem, software, stamp
 
 CACHE_VERSION = 1
 
@@ -70,17 +71,15 @@ class ResultCache:
         self.root = root
 
     def _base(self, label: str, name: str, key: str) -> Path:
-        assert self.root is not None
-        safe = re.sub(r"[^A-Za-z0-9_.=+-]", "_", label)
-        return self.root / safe / f"{name}.{key[:16]}"
+        return self.folder(label) / f"{name}.{key[:16]}"
 
     def load(self, label: str, name: str, key: str) -> tuple[dict[str, float], np.ndarray] | None:
         if self.root is None:
             return None
         base = self._base(label, name, key)
         try:
-            entry = parse_json(Path(f"{base}.json").read_text())
-            if entry.get("key") != key:
+            entry = json_object(Path(f"{base}.json"))  # never through a link, never blocking on a FIFO
+            if entry is None or entry.get("key") != key:
                 return None
             from PIL import Image
 
@@ -95,10 +94,60 @@ class ResultCache:
             return
         import io
 
-        from PIL import Image
+        from PIL import Image, PngImagePlugin
 
         base = self._base(label, name, key)
         buffer = io.BytesIO()
-        Image.fromarray(crop).save(buffer, format="PNG")
+        info = PngImagePlugin.PngInfo()
+        info.add_text("Software", software("eval cache"))
+        Image.fromarray(crop).save(buffer, format="PNG", pnginfo=info)
         atomic_write_bytes(Path(f"{base}.png"), buffer.getvalue())  # crop first: json marks done
-        atomic_write_bytes(Path(f"{base}.json"), json.dumps({"key": key, "metrics": metrics}).encode())
+        entry = {"flowlift": stamp("eval cache"), "key": key, "metrics": metrics}
+        atomic_write_bytes(Path(f"{base}.json"), json.dumps(entry).encode())
+
+    def folder(self, label: str) -> Path:
+        """The folder of ``label``'s entries."""
+        assert self.root is not None
+        return self.root / re.sub(r"[^A-Za-z0-9_.=+-]", "_", label)
+
+    def problems(self, labels: Sequence[str], overwrite: bool) -> str | None:
+        """The replace rule (:mod:`flowlift.files.own_files`) for every entry name the run may write.
+
+        Entry names come from keys only known once each image is read, so every entry name already
+        in the methods' folders is checked instead: a link, FIFO or folder there is refused, and a
+        non-empty file that is no cache entry of flowlift's needs ``overwrite``. Other files stay.
+        """
+        if self.root is None:
+            return None
+        if refusal := folder_refusal(self.root):
+            return refusal
+        for label in labels:
+            folder = self.folder(label)
+            if refusal := folder_refusal(folder):
+                return refusal
+            try:
+                names = sorted(os.listdir(folder)) if folder.is_dir() else []
+            except OSError as error:
+                return f"cannot read the cache folder {folder}: {error.strerror or type(error).__name__}"
+            for name in names:
+                if match := _ENTRY_NAME.match(name):
+                    recognise = _own_entry_json if match.group(2) == "json" else _own_entry_png
+                    if problem := replace_problem(folder / name, recognise, overwrite, "eval", "--cache"):
+                        return problem
+        return None
+
+
+_ENTRY_NAME = re.compile(r"^.+\.([0-9a-f]{16})\.(json|png)$")
+
+
+def _own_entry_json(path: Path) -> bool:
+    """A cache entry: a JSON object whose ``key`` begins with the 16 hex digits of its name, with metrics."""
+    entry = json_object(path)
+    match = _ENTRY_NAME.match(path.name)
+    return (entry is not None and match is not None and isinstance(entry.get("key"), str)
+            and entry["key"][:16] == match.group(1) and isinstance(entry.get("metrics"), dict))  # fmt: skip
+
+
+def _own_entry_png(path: Path) -> bool:
+    """A cache crop: flowlift's PNG, or (written before crops carried a mark) beside its own entry."""
+    return flowlift_image(path) or _own_entry_json(path.with_suffix(".json"))

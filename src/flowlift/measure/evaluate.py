@@ -98,7 +98,10 @@ class EvalReport:
         return out
 
     def to_json(self) -> dict[str, Any]:
+        from flowlift.files.own_files import stamp
+
         return {
+            "flowlift": stamp("eval"),  # how a later run knows results.json as flowlift's own
             "config": self.config,
             "summary": self.summary(),
             "images": self.results,
@@ -231,6 +234,7 @@ def evaluate_methods(
     from tqdm import tqdm
 
     from flowlift.files.image_outputs import save_image_atomic
+    from flowlift.files.own_files import flowlift_image
 
     if scale < 2:
         raise FlowliftError(f"--scale must be an integer >= 2, got {scale}")
@@ -273,8 +277,8 @@ def evaluate_methods(
             if save_outputs is not None:
                 for folder, array in (("inputs", low), ("ground-truth", gt)):
                     target = Path(save_outputs) / folder / f"{name}.png"
-                    if not target.is_file():
-                        save_image_atomic(Image.fromarray(array), target)
+                    if not flowlift_image(target):  # missing, empty, or a foreign one --overwrite let through
+                        save_image_atomic(Image.fromarray(array), target, {"flowlift": {"eval": folder, "image": name}})
             for spec in methods:
                 metrics, crop_img, cached = _method_result(spec, name, low, gt, crop, base, scale, box, identities,
                                                            cache, method_fns, save_outputs)  # fmt: skip
@@ -287,6 +291,16 @@ def evaluate_methods(
     finally:
         bar.close()
     return report
+
+
+def saved_output_paths(save_outputs: Path, labels: Sequence[str], stems: Sequence[str], scale: int) -> list[Path]:
+    """Every file ``evaluate_methods(save_outputs=...)`` writes for these methods and images."""
+    from flowlift.files.naming import upscaled_name
+
+    paths = [save_outputs / folder / f"{stem}.png" for folder in ("inputs", "ground-truth") for stem in stems]
+    paths += [save_outputs / method_folder(label) / upscaled_name(stem, scale, "png") for label in labels
+              for stem in stems]  # fmt: skip
+    return paths
 
 
 def _method_result(
@@ -312,6 +326,7 @@ def _method_result(
 
     from flowlift.files.image_outputs import save_image_atomic
     from flowlift.files.naming import upscaled_name
+    from flowlift.files.own_files import flowlift_image
 
     fields = {**base, "method": spec.name, "options": dict(spec.options)}
     if spec.needs_vae:
@@ -324,7 +339,7 @@ def _method_result(
     saved = None
     if save_outputs is not None:
         saved = Path(save_outputs) / method_folder(spec.label) / upscaled_name(name, scale, "png")
-    hit = cache.load(spec.label, name, key) if saved is None or saved.is_file() else None
+    hit = cache.load(spec.label, name, key) if saved is None or flowlift_image(saved) else None
     if hit is not None:
         metrics, crop_img = hit
         return metrics, crop_img, True

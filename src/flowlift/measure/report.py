@@ -11,6 +11,14 @@ from pathlib import Path
 import numpy as np
 
 from flowlift.files.atomic import atomic_write_bytes
+from flowlift.files.own_files import (
+    Recogniser,
+    flowlift_image,
+    json_report,
+    markdown_report,
+    markdown_stamp,
+    software,
+)
 from flowlift.measure.evaluate import EvalReport
 
 #: (metric key, column header, format) in table order; a column appears when any row has it.
@@ -80,7 +88,7 @@ def _save_figure(fig, path: Path) -> None:
     import io
 
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
+    fig.savefig(buffer, format="png", metadata={"Software": software("eval")})  # flowlift's own, to a later run
     atomic_write_bytes(path, buffer.getvalue())
 
 
@@ -155,10 +163,22 @@ def report_paths(out_dir: Path) -> dict[str, Path]:
     }
 
 
+def report_recognisers(out_dir: Path) -> dict[Path, Recogniser]:
+    """Each file :func:`write_report` writes, with how flowlift's own is told (the replace rule)."""
+    paths = report_paths(out_dir)
+    return {
+        paths["json"]: json_report("eval", {"config", "summary", "images"}),
+        paths["table"]: markdown_report("eval"),
+        paths["metrics"]: flowlift_image,
+        paths["crops"]: flowlift_image,
+    }
+
+
 def write_report(report: EvalReport, out_dir: Path) -> dict[str, Path]:
     """Write ``results.json``, ``table.md``, ``metrics.png`` and ``crops.png`` into ``out_dir``, each
-    atomically (rendered in memory, then a temporary file and a rename). Returns the paths."""
-    table = markdown_table(report)
+    atomically (rendered in memory, then a temporary file and a rename), each marked as flowlift's
+    (:mod:`flowlift.files.own_files`). Returns the paths."""
+    table = markdown_stamp("eval") + markdown_table(report)
     payload = json.dumps(report.to_json(), indent=1, sort_keys=False).encode()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = report_paths(out_dir)

@@ -31,6 +31,8 @@ from flowlift.training.shards import (
     completed_shards,
     item_generator,
     prepare_dataset_dir,
+    shard_count,
+    shard_name,
     write_shard,
 )
 
@@ -71,13 +73,8 @@ def _pending_shards(root: Path, num_items: int, shard_size: int) -> list[int]:
     pending = []
     for index in range(total):
         count = min(shard_size, num_items - index * shard_size)
-        if index in done:
-            from safetensors import safe_open
-
-            with safe_open(str(root / f"shard-{index:05d}.safetensors"), framework="pt") as f:
-                if int((f.metadata() or {}).get("count", -1)) == count:
-                    continue
-            # A short last shard from a smaller earlier build: rebuild it with the new count.
+        if index in done and shard_count(root / shard_name(index)) == count:
+            continue  # a short last shard from a smaller earlier build is rebuilt with the new count
         pending.append(index)
     return pending
 
@@ -229,6 +226,7 @@ def build_distill_dataset(
     degradation: Degradation | None = None,
     source: dict[str, Any] | None = None,
     writing: ShardWriting | None = None,
+    overwrite: bool = False,
     **deprecated: Any,
 ) -> dict[str, Any]:
     """Build (or resume) a distillation dataset of ``num_items`` items at ``latent_size`` (target).
@@ -237,7 +235,8 @@ def build_distill_dataset(
     ``cond = encode(degrade(decode(target)))``. ``source`` describes the teacher in the manifest.
     ``part = (i, n)`` builds only shards ``k % n == i`` (run n processes/machines on one folder).
     ``writing`` (:class:`ShardWriting`: shard size, storage dtype, device, progress, part; its old keywords work
-    for one release with a DeprecationWarning). Returns the manifest.
+    for one release with a DeprecationWarning); ``overwrite`` lets files at its names that flowlift did not
+    write be replaced. Returns the manifest.
     """
     from flowlift.flux2.latents import seeded_noise
 
@@ -262,7 +261,7 @@ def build_distill_dataset(
         "storage_dtype": str(storage_dtype).removeprefix("torch."),
         "source": source or {"teacher": type(teacher).__name__},
     }
-    prepare_dataset_dir(root, manifest)
+    prepare_dataset_dir(root, manifest, overwrite)
     pending, part_items, done_items = _shard_plan(root, num_items, shard_size, part)
     with _progress(part_items, done_items, "distill", progress) as bar:
         for shard in pending:
@@ -343,13 +342,14 @@ def build_images_dataset(
     degradation: Degradation | None = None,
     vae_name: str = "",
     writing: ShardWriting | None = None,
+    overwrite: bool = False,
     **deprecated: Any,
 ) -> dict[str, Any]:
     """Build (or resume) an images dataset: ``target = encode(crop)``, ``cond = encode(degrade(decode(target)))``.
 
     ``crop`` (pixels) must be a multiple of ``8 * 4`` so the target latent side is a multiple of 4.
-    ``part = (i, n)`` builds only shards ``k % n == i``; ``writing`` as :func:`build_distill_dataset` takes it.
-    Returns the manifest.
+    ``part = (i, n)`` builds only shards ``k % n == i``; ``writing`` and ``overwrite`` as
+    :func:`build_distill_dataset` takes them. Returns the manifest.
     """
     shard_size, storage_dtype, device, progress, part = _writing(writing, deprecated, "build_images_dataset")
     from flowlift.files.images import load_image, to_tensor
@@ -384,7 +384,7 @@ def build_images_dataset(
         "source": {"images": [str(p) for p in paths], "crop": crop, "crops_per_image": crops_per_image,
                    "flip": flip, "vae": vae_name, "skipped": skipped},
     }
-    prepare_dataset_dir(root, manifest)
+    prepare_dataset_dir(root, manifest, overwrite)
     pending, part_items, done_items = _shard_plan(root, len(items), shard_size, part)
     cache: dict[str, torch.Tensor] = {}
     with _progress(part_items, done_items, "images", progress) as bar:

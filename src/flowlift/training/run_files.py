@@ -10,7 +10,8 @@ rule (issue 36.1), checked by :func:`check_run_folder` before any model or data 
   the run); ``checkpoints`` must be a real folder, not a link;
 * without ``--overwrite`` only an empty file or one flowlift's trainer wrote (recognised by its
   content: :data:`RECOGNISERS`) is replaced; anything else is the user's;
-* no output is one of the run's input files (``--init``, ``--config``, validation images), by identity
+* no output is one of the run's input files (``--init``, ``--config``, validation images), by identity,
+  except the run's own ``config.json`` given back as ``--config`` to resume from its saved settings
   (:func:`flowlift.files.output_paths.same_file_problem`);
 * ``--resume none --overwrite`` removes only what runs of flowlift made under ``checkpoints/``
   (:func:`flowlift_checkpoint_entries`: the pointer, and folders holding nothing but a checkpoint's
@@ -30,7 +31,7 @@ from typing import Any
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
 from flowlift.files.json_input import parse_json
-from flowlift.files.output_paths import folder_problem, same_file_problem
+from flowlift.files.output_paths import folder_problem, same_file, same_file_problem
 from flowlift.training.checkpoints import EMA_NAME, RAW_NAME, RUN_ID_NAME, STATE_NAME
 from flowlift.training.config import TrainConfig
 from flowlift.training.validation import CURVES_SOFTWARE, is_val_log
@@ -195,6 +196,24 @@ def run_inputs(config: TrainConfig, config_file: str | os.PathLike | None = None
     return {"--init": config.init or None, "--config": config_file, "--val-images": val_images}
 
 
+def _inputs_it_may_replace(config_path: Path, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``inputs`` less ``--config`` when that is this run folder's own ``config.json`` (flowlift wrote it).
+
+    Resuming a run from its saved settings (``--config OUT/config.json --output OUT``) rewrites the
+    file it read: safe, as the config is read whole before anything is written, and the new file is
+    written atomically. Any other identity (a user's own settings file at that name, an ``--init``
+    or validation image that is an output) stays an input no output may replace.
+    """
+    given = inputs.get("--config")
+    if given is None or not same_file(config_path, given):
+        return inputs
+    try:
+        own = stat_module.S_ISREG(os.lstat(config_path).st_mode) and is_run_config(config_path)
+    except OSError:
+        own = False
+    return {role: paths for role, paths in inputs.items() if role != "--config"} if own else inputs
+
+
 def check_run_folder(config: TrainConfig, inputs: dict[str, Any] | None = None) -> None:
     """The replace rule (module docstring) for every file the run would write; one FlowliftError line.
 
@@ -210,7 +229,8 @@ def check_run_folder(config: TrainConfig, inputs: dict[str, Any] | None = None) 
     wanted = inputs if inputs is not None else run_inputs(config)
     for name, recognise in RECOGNISERS.items():
         path = output / name
-        problem = same_file_problem(path, wanted) or run_file_problem(path, recognise, config.overwrite)
+        roles = _inputs_it_may_replace(path, wanted) if name == CONFIG_NAME else wanted
+        problem = same_file_problem(path, roles) or run_file_problem(path, recognise, config.overwrite)
         if problem:
             raise FlowliftError(problem)
 

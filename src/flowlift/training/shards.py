@@ -42,9 +42,14 @@ from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_output, atomic_write_text
 from flowlift.files.json_input import parse_json
 from flowlift.knobs import wrap_seed
+from flowlift.training.dataset_files import (  # noqa: F401 - the format's names live with the replace rule
+    FORMAT,
+    SHARD_FORMAT,
+    check_dataset_folder,
+    is_dataset_manifest,
+    shard_count,
+)
 
-FORMAT = "flowlift-latent-dataset"
-SHARD_FORMAT = "flowlift-shard"
 VERSION = 1
 CROP_ALIGN = 4
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -109,15 +114,17 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any]) -> None:
+def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any], overwrite: bool = False) -> None:
     """Create ``root`` with ``manifest``, or check that an existing dataset has the same settings.
 
     Only ``num_items`` may differ (a resumed build may ask for more items). A different setting
-    raises one FlowliftError line instead of mixing two datasets.
+    raises one FlowliftError line instead of mixing two datasets. An empty ``dataset.json``, or one
+    flowlift did not write where ``overwrite`` allows replacing it, is replaced (:func:`check_dataset_folder`).
     """
     root = Path(root)
+    check_dataset_folder(root, overwrite)
     manifest = {"format": FORMAT, "version": VERSION, **manifest}
-    if (root / "dataset.json").is_file():
+    if (root / "dataset.json").is_file() and is_dataset_manifest(root / "dataset.json"):
         existing = read_manifest(root)
         now, there = _flatten(manifest), _flatten(existing)
         differing = sorted(
@@ -138,7 +145,9 @@ def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any]) -> No
 
 
 def completed_shards(root: str | os.PathLike) -> list[int]:
-    """Indices of the shard files present in ``root`` (each is complete: written atomically)."""
+    """Indices of the shard files present in ``root`` (each is complete: written atomically). A file
+    at a shard name that is none of flowlift's is listed too: the reader names it, the builder
+    (:func:`shard_count`) rebuilds it where ``--overwrite`` allowed it."""
     out = []
     for path in Path(root).glob("shard-*.safetensors"):
         try:
