@@ -392,3 +392,26 @@ def test_a_rank_suspended_before_the_end_barrier_ends_the_run_with_exit_1(tmp_pa
     assert "flowlift launch: rank 1 stayed suspended (SIGSTOP) after the other ranks ended" in err, err
     assert "Traceback" not in err and "crashed" not in err, err
     assert _gone([victim]) == [], err
+
+
+def test_the_agent_kills_ranks_that_ignore_a_stop_within_its_grace_not_torchs_30_s():
+    """A rank blocked inside a C++ collective takes SIGTERM only when the call returns: torch's agent then waits
+    30 s before its SIGKILL. flowlift's agent waits STOP_GRACE_S, whatever timeout torch passes."""
+    import signal as signals
+
+    from flowlift.jobs.launch import STOP_GRACE_S, _stop_aware_agent
+
+    closed = []
+
+    class Base:
+        _worker_watchdog = _health_check_server = None
+
+        def _shutdown(self, death_sig=signals.SIGTERM, timeout=30):
+            closed.append((death_sig, timeout))
+
+    agent = _stop_aware_agent(Base, {})()
+    agent._shutdown()
+    agent._shutdown(signals.SIGKILL, 300)
+    agent._shutdown(signals.SIGTERM, 2)
+    assert closed == [(signals.SIGTERM, STOP_GRACE_S), (signals.SIGKILL, STOP_GRACE_S), (signals.SIGTERM, 2)]
+    assert STOP_GRACE_S <= 10
