@@ -81,10 +81,10 @@ def _pending_shards(root: Path, num_items: int, shard_size: int) -> list[int]:
     return pending
 
 
-def _progress(total: int, initial: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
+def _progress(total: int, initial: int, desc: str, enabled: bool | None):
+    from flowlift.console import progress_bar
 
-    return tqdm(total=total, initial=initial, desc=desc, unit="item", disable=not enabled, dynamic_ncols=True)
+    return progress_bar(total=total, initial=initial, desc=desc, unit="item", enabled=enabled)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def build_distill_dataset(
     storage_dtype: torch.dtype = torch.float16,
     device: torch.device | str = "cpu",
     source: dict[str, Any] | None = None,
-    progress: bool = True,
+    progress: bool | None = True,
     part: tuple[int, int] = (0, 1),
 ) -> dict[str, Any]:
     """Build (or resume) a distillation dataset of ``num_items`` items at ``latent_size`` (target).
@@ -319,7 +319,7 @@ def build_images_dataset(
     storage_dtype: torch.dtype = torch.float16,
     device: torch.device | str = "cpu",
     vae_name: str = "",
-    progress: bool = True,
+    progress: bool | None = True,
     part: tuple[int, int] = (0, 1),
 ) -> dict[str, Any]:
     """Build (or resume) an images dataset: ``target = encode(crop)``, ``cond = encode(degrade(decode(target)))``.
