@@ -277,6 +277,7 @@ class AppService:
         """
         from flowlift.upscale.sizes import passes_for_scale
 
+        eta = EtaProgress(progress)  # the request's clock: loading the models counts in its time
         with logged_request(self.config.log, "upscale", Path(path).name if path else "-", f"x{scale}") as entry:
             if not path:
                 raise FlowliftError("no image uploaded")
@@ -291,9 +292,9 @@ class AppService:
             out = job.output
             if out is None:
                 raise FlowliftError(f"{source.name}: {strip_folders(job.note, [source.parent, folder])}")
-            pipeline = self.pipeline(vae, progress)
-            eta = EtaProgress(progress)  # from here on: loading the models does not count
+            pipeline = self.pipeline(vae, eta)
             result = self._upscale_into(source, out, settings, passes_for_scale(scale), pipeline, vae, eta)
+            result.seconds = eta.elapsed  # the request's wall time, loading the models included
             entry.request = result.log_request()
         return result
 
@@ -315,6 +316,7 @@ class AppService:
         from flowlift.upscale.sizes import passes_for_scale
 
         started = time.perf_counter()
+        eta = EtaProgress(progress)  # the request's clock: loading the models counts in its time
         with logged_request(self.config.log, "batch", f"{len(paths or [])} file(s)", f"x{scale}") as entry:
             if not paths:
                 raise FlowliftError("no files uploaded")
@@ -326,8 +328,7 @@ class AppService:
             out_dir = folder / f"x{scale}"
             settings = self.settings(seed, transplant, color_fix, vae)
             plan = self.plan(sources, out_dir, scale)
-            pipeline = self.pipeline(vae, progress)
-            eta = EtaProgress(progress)
+            pipeline = self.pipeline(vae, eta)
             written: list[Path] = []
             errors: list[str] = []
             for index, (source, out, note) in enumerate((job.source, job.output, job.note) for job in plan):
