@@ -130,11 +130,6 @@ SKIP: dict[str, str] = {
     "pipe = Flux2KleinPipeline.from_pretrained('black-forest-labs/FLUX.2-klein-9B', transformer=None, vae=None, "
     "torch_dtype=torch.bfloat16) emb, _ = pipe.encode_prompt('a lighthouse at dusk, watercolour', device='cpu') "
     "save_file({'prompt_embeds': emb.float()}, 'lighthouse.safetensors')": f"Klein 9B's text encoder: {NEEDS_WEIGHTS}",
-    "flowlift dataset distill --teacher black-forest-labs/FLUX.2-klein-4B --prompts prompts.txt --num 20000 "
-    "--width 1024 --height 1024 --steps 4 --vae taef2 -o data/distill":
-        f"{TEXT_ENCODER}; 20000 teacher samples at 1024x1024",
-    "flowlift dataset distill --teacher black-forest-labs/FLUX.2-klein-4B --prompts prompts.txt --num 20000 "
-    "--vae taef2 -o data/distill": f"{TEXT_ENCODER}; 20000 teacher samples at 1024x1024",
     "flowlift eval --run bicubic,flow,flow:transplant=0.5,flow:color=off --dataset photos/ --scale 4 --vae VAE "
     "--upscaler flow_upscaler.safetensors --device cuda --dtype bfloat16 -o report/": f"{GPU}; --vae VAE: {SYNOPSIS}",
     "flowlift eval --dataset my-photos/ --scale 4 -o compare/ --vae taef2 --upscaler TensorForger/FlowUpscaler "
@@ -209,18 +204,18 @@ def stand_ins(tmp_path_factory, shared) -> dict[str, Path]:
 
     from flowlift.models.upscaler_unet import FlowUpscalerUNet
     from flowlift.models.upscaler_weights import save_upscaler
-    from tiny_flux2 import tiny_vae
+    from tiny_flux2 import write_klein_pipeline_with_text_encoder
 
     root = tmp_path_factory.mktemp("stand-ins")
     torch.manual_seed(0)
     upscaler = save_upscaler(FlowUpscalerUNet(), root / "flow_upscaler.safetensors")  # the released size, random
-    tiny_vae().save_pretrained(root / "flux2-vae")
+    klein = write_klein_pipeline_with_text_encoder(root / "klein")  # its vae/ is also what `--vae flux2` finds
     cache = root / "hub"
     fake_hub_cache(cache, "TensorForger/FlowUpscaler", {"flow_upscaler.safetensors": upscaler})
     taef2 = shared / "models" / "taef2"
     fake_hub_cache(cache, "madebyollin/taef2", {n: taef2 / n for n in ("taef2_encoder.pth", "taef2_decoder.pth")})
     fake_hub_cache(cache, "black-forest-labs/FLUX.2-klein-4B",
-                   {f"vae/{p.name}": p for p in (root / "flux2-vae").iterdir()})  # fmt: skip
+                   {str(p.relative_to(klein)): p for p in klein.rglob("*") if p.is_file()})  # fmt: skip
     bin_dir = root / "bin"
     bin_dir.mkdir()
     launcher = bin_dir / "flowlift"  # `flowlift` is this checkout's, whatever is installed
@@ -305,7 +300,12 @@ def training_data(work: Path, shared: Path, stand) -> None:
     images(work / "held_out", ("kodim23",), shared, size=(256, 256))
 
 
+def prompts_file(work: Path, _shared: Path, _stand) -> None:
+    (work / "prompts.txt").write_text("a lighthouse at dusk\na watercolour harbour\n")
+
+
 STEP_LINE = r"flowlift train: train [1-9]\d*/\d+ step"
+DISTILL_LINE = r"flowlift dataset: distill [1-9]\d*/20000 item"
 
 #: key -> how it runs here.
 RUN: dict[str, Scenario] = {
@@ -350,6 +350,15 @@ RUN: dict[str, Scenario] = {
     "flowlift dataset images photos/ more/*.jpg --crop 512 --crops-per-image 8 --vae taef2 -o data/photos": Scenario(
         prepare=lambda work, shared, stand: crops_of_512(work, shared, stand, more=True),
         stdout=(r"images dataset: 16 items of \[32, 64, 64\] in data/photos",)),
+    # the dataset and training lines: as written (20000 items, 20000 steps), with a tiny random Klein pipeline as
+    # the teacher; stopped with Ctrl-C once the first items (steps) are done, as a user would (both resume)
+    "flowlift dataset distill --teacher black-forest-labs/FLUX.2-klein-4B --prompts prompts.txt --num 20000 "
+    "--vae taef2 -o data/distill": Scenario(prepare=prompts_file, interrupt_after=DISTILL_LINE, exit_code=130,
+        stdout=(r"flowlift dataset: interrupted",), files=("data/distill/dataset.json",)),  # fmt: skip
+    "flowlift dataset distill --teacher black-forest-labs/FLUX.2-klein-4B --prompts prompts.txt --num 20000 "
+    "--width 1024 --height 1024 --steps 4 --vae taef2 -o data/distill": Scenario(prepare=prompts_file,
+        interrupt_after=DISTILL_LINE, exit_code=130, stdout=(r"flowlift dataset: interrupted",),
+        files=("data/distill/dataset.json",)),  # fmt: skip
     # the training lines: as written (20000 steps), stopped with Ctrl-C after the first step, which saves it
     "flowlift train --data data/distill -o runs/a --steps 20000 --batch-size 16 --vae taef2 --val-images held_out/ "
     "--val-every 1000": Scenario(prepare=training_data, interrupt_after=STEP_LINE, exit_code=130,

@@ -23,7 +23,8 @@ list of input files into one output file each, and promise the same things:
   writable, format limit) is refused before any model is loaded; the batch goes on.
 * **One line per written file** (``wrote PATH`` on stdout) and a summary line at the end with the
   counts, the total time and the time per written image, also when stderr is not a terminal
-  (progress bars are drawn only on one, unless forced).
+  (a progress bar on a terminal, one plain progress line per interval elsewhere:
+  :func:`flowlift.console.progress_bar`).
 * **One line per failure**: a user-facing error while processing one input (:data:`ITEM_ERRORS`)
   costs that input one line on stderr; the batch goes on and the exit status is 1 at the end.
 * **Atomic outputs**: the ``process`` callback writes through :mod:`flowlift.files.atomic`, so an output
