@@ -3,7 +3,7 @@
 A command is a line (``\\`` continuations joined, ``# comments`` dropped, ``a && b`` split) of a fenced
 ``bash``/``sh``/``shell``/``console`` block (``console``: the ``$ `` lines), or an inline code span
 ``flowlift SUBCOMMAND ARGS`` in the prose. Unlabelled fences hold output, trees and tables: not commands.
-``python -m tests.doc_commands .`` lists them with their keys.
+``python tests/doc_commands.py .`` lists them with their keys.
 """
 from __future__ import annotations
 

@@ -182,7 +182,7 @@ def small_shared(real: Path, root: Path) -> Path:
     for sub, names in (("kodak", ("kodim03", "kodim23")), ("photos", ("kodim07", "kodim19"))):
         (folder / "images" / sub).mkdir(parents=True)
         for name in names:
-            kodak_crop(name).save(folder / "images" / sub / f"{name}.png")
+            kodak_crop(name, (128, 96)).save(folder / "images" / sub / f"{name}.png")  # small: a short run
     (folder / "models").mkdir()
     (folder / "models" / "taef2").symlink_to(real / "models" / "taef2")
     return folder
@@ -335,11 +335,11 @@ RUN: dict[str, Scenario] = {
         stdout=(r"wrote photo_x4\.png",), files=("photo_x4.png",)),
     "flowlift upscale photos/ more/*.jpg -o out/ --scale 2 --upscaler flow_upscaler.safetensors --vae taef2":
         Scenario(prepare=upscale_folders, stdout=(r"flowlift upscale: 3 written, 0 skipped, 0 failed \(3 inputs\)",),
-                 files=("out/kodim03_x2.png", "out/kodim07_x2.png", "out/kodim19_x2.jpg")),
+                 files=("out/kodim03_x2.png", "out/kodim07_x2.png", "out/kodim19_x2.png")),
     "flowlift upscale photos/ more/*.jpg -o out/ --scale 2 --upscaler ~/models/flow_upscaler.safetensors --vae taef2":
         Scenario(prepare=upscale_folders_home,
                  stdout=(r"flowlift upscale: 3 written, 0 skipped, 0 failed \(3 inputs\)",),
-                 files=("out/kodim03_x2.png", "out/kodim07_x2.png", "out/kodim19_x2.jpg")),
+                 files=("out/kodim03_x2.png", "out/kodim07_x2.png", "out/kodim19_x2.png")),
     "flowlift colorfix upscaled/ --reference originals/ -o fixed/": Scenario(
         prepare=colorfix_folders, stdout=(r"wrote fixed/", r"flowlift colorfix: 2 written")),
     "flowlift eval --run lanczos,bicubic,latent-bicubic,vae-roundtrip --dataset ../shared/images/kodak --scale 4 "
@@ -351,7 +351,7 @@ RUN: dict[str, Scenario] = {
         stdout=(r"\| method \|", r"\| vae-roundtrip \|"), files=("eval-photos4/table.md",)),
     "flowlift eval --run lanczos,bicubic,latent-bicubic,vae-roundtrip --dataset photos/ --scale 4 "
     "--vae ../shared/models/taef2 -o report/": Scenario(
-        prepare=lambda work, shared, _: images(work / "photos", ("kodim03", "kodim07"), size=(256, 192)),
+        prepare=lambda work, shared, _: images(work / "photos", ("kodim03", "kodim07"), size=(128, 96)),
         stdout=(r"\| method \|", r"\| lanczos \|"), files=("report/table.md",)),
     "flowlift eval out/ --reference ../shared/images/kodak -o report/": Scenario(
         prepare=upscaled_pair, stdout=(r"\| outputs \| mean \|",), files=("report/results.json",)),
