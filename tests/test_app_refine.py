@@ -115,3 +115,65 @@ def test_tiled_img2img_matches_the_cli(service, model_dir, inputs, monkeypatch, 
                                    ("big", 0, "tile size must be"), ("64", -16, "tile overlap must be")]:  # fmt: skip
         with pytest.raises(FlowliftError, match=message):
             refine(*args, tile_size=size, tile_overlap=overlap)
+
+
+def _every_ordered_pair(names: list[str]) -> list[str]:
+    """A sequence in which every ordered pair of ``names`` (a name after itself too) follows directly
+    (an Eulerian circuit of the complete directed graph with loops: len(names)**2 + 1 entries)."""
+    edges = {a: list(names) for a in names}
+    stack, circuit = [names[0]], []
+    while stack:
+        if edges[stack[-1]]:
+            stack.append(edges[stack[-1]].pop())
+        else:
+            circuit.append(stack.pop())
+    return circuit[::-1]
+
+
+def test_every_tab_after_every_other_on_one_service(model_dir, inputs, shared, tmp_path, monkeypatch,
+                                                    single_thread_torch):
+    # issue 36.3: a hires fix converted the UNet the upscale tabs share to the refiner's dtype in place,
+    # and every later Upscale / Batch request failed ("Input type (c10::BFloat16) and bias type (float)").
+    # Upscale in bf16 (as on a CPU with native bf16) and refine in float32, so the dtypes differ here too.
+    import flowlift.devices
+
+    monkeypatch.setattr(flowlift.devices, "cpu_has_native_bf16", lambda: True)
+    weights = tiny_upscaler(tmp_path / "flow_upscaler.safetensors")
+    taef2 = str(shared / "models" / "taef2")
+    service = AppService(AppConfig(upscaler=str(weights), vaes=[taef2], device="cpu", model=str(model_dir),
+                                   work_dir=tmp_path / "work"))  # fmt: skip
+    square = tmp_path / "square.png"
+    Image.open(inputs / "photo.png").resize((64, 64)).save(square)
+    embeds = inputs / "prompt.safetensors"
+    tabs = {
+        "upscale": lambda: service.upscale(square, 2, 0).output,
+        "batch": lambda: service.batch([square], 2, 0).zip_path,
+        "img2img": lambda: refine(service, square, None, embeds, "img2img", 0.5, "linear", 2, 0).output,
+        "hires": lambda: refine(service, square, None, embeds, "hires fix 2x", 0.4, "linear", 2, 0).output,
+    }
+    order = _every_ordered_pair(list(tabs))
+    pairs = set(zip(order, order[1:], strict=False))
+    assert len(order) == 17 and pairs == {(a, b) for a in tabs for b in tabs}
+    try:
+        for name in order:
+            assert tabs[name]() is not None, name
+            pipe = service.pipeline(taef2)
+            assert pipe.dtype == torch.bfloat16
+            assert {p.dtype for p in pipe.upscaler.parameters()} == {torch.bfloat16}, f"after {name}"
+    finally:
+        service.close()
+
+
+def test_a_pipeline_never_converts_the_module_it_is_given(shared):
+    # the root of 36.3: a second pipeline in another dtype (or device) works on a copy of a shared UNet
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+
+    unet = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0).to(torch.bfloat16)
+    taef2 = str(shared / "models" / "taef2")
+    same = FlowUpscalerPipeline(unet, taef2, device="cpu", dtype=torch.bfloat16)
+    assert same.upscaler is unet  # nothing to convert: shared, not copied
+    for dtype in (torch.float32, torch.float16):
+        other = FlowUpscalerPipeline(unet, taef2, device="cpu", dtype=dtype)
+        assert other.upscaler is not unet and {p.dtype for p in other.upscaler.parameters()} == {dtype}
+        assert {p.dtype for p in unet.parameters()} == {torch.bfloat16}

@@ -201,7 +201,7 @@ def test_corrupt_and_mismatched_files(tmp_path, pth_states):
         load_vae(tmp_path / "wrong_encoder.pth")
 
     save_file({"some.other.weight": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
-    with pytest.raises(FlowliftError, match="neither a TAEF2 nor a FLUX.2"):
+    with pytest.raises(FlowliftError, match="neither a TAEF2, a FLUX.2 VAE nor a Mage-VAE"):
         load_vae(tmp_path / "other.safetensors")
 
 

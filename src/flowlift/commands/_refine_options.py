@@ -211,19 +211,31 @@ def load_refiner_from_args(args: argparse.Namespace, image_size: tuple[int, int]
     return refiner, conditioning
 
 
-def check_output(path: Path, overwrite: bool = False) -> None:
+#: The file arguments of the refine commands: an output is never one of them (issue 36.2).
+INPUT_OPTIONS = ("image", "mask", "reference", "prompt_embeds", "negative_prompt_embeds", "lora", "model",
+                 "transformer", "vae", "upscaler")  # fmt: skip
+
+
+def refine_inputs(args: argparse.Namespace) -> dict[str, Any]:
+    """``{"--image": path, ...}``: every file argument of a refine command that was given."""
+    return {f"--{name.replace('_', '-')}": getattr(args, name) for name in INPUT_OPTIONS if getattr(args, name, None)}
+
+
+def check_output(path: Path, overwrite: bool = False, inputs: dict[str, Any] | None = None) -> None:
     """The output path is writable in a format flowlift writes (name length, folder, what is there:
-    :func:`flowlift.files.output_paths.output_file_problem`), and replacing what is there destroys
-    nothing of the user's: only a regular file may be replaced, and one without flowlift's metadata
-    needs ``overwrite`` (an empty file, and flowlift's own earlier results, are replaced). Checked
-    before any model loads."""
+    :func:`flowlift.files.output_paths.output_file_problem`), is none of ``inputs`` (by identity:
+    :func:`flowlift.files.output_paths.same_file_problem`, ``--overwrite`` or not), and replacing what
+    is there destroys nothing of the user's: only a regular file may be replaced, and one without
+    flowlift's metadata needs ``overwrite`` (an empty file, and flowlift's own earlier results, are
+    replaced). Checked before any model loads."""
     from flowlift.files.atomic import remove_stale_temporaries
     from flowlift.files.image_outputs import inspect_existing
     from flowlift.files.images import IMAGE_SUFFIXES
-    from flowlift.files.output_paths import output_file_problem
+    from flowlift.files.output_paths import check_not_an_input, output_file_problem
 
     if path.suffix.lower() not in IMAGE_SUFFIXES:
         raise FlowliftError(f"--output {path}: unsupported image format {path.suffix or '(none)'}")
+    check_not_an_input(path, inputs or {})
     if problem := output_file_problem(path):  # first: a name too long cannot even be looked at
         raise FlowliftError(problem)
     remove_stale_temporaries(path.parent)  # a killed run's debris (never a live writer's)

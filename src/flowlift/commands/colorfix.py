@@ -72,6 +72,7 @@ def plan(args: argparse.Namespace, fmt: str) -> tuple[list, dict[Path, Path]]:
     """
     from flowlift.files.images import IMAGE_SUFFIXES, image_size, list_images
     from flowlift.files.naming import colorfix_name, explicit_pair, index_by_stem, reference_of
+    from flowlift.files.output_paths import check_not_an_input
     from flowlift.jobs.batch import Job, plan_jobs
 
     pair = explicit_pair(args.inputs, args.reference)
@@ -95,7 +96,8 @@ def plan(args: argparse.Namespace, fmt: str) -> tuple[list, dict[Path, Path]]:
             jobs.append(Job.refusal(p, f"no reference named {p.stem} or (for <stem>_x<N>) <stem> among --reference"))
     upscaled = [p for p in inputs if p in paired]
     jobs += plan_jobs(upscaled, args.output, lambda path: colorfix_name(path.stem, fmt), IMAGE_SUFFIXES,
-                      expected_size=image_size)  # fmt: skip
+                      expected_size=image_size,
+                      check_output=lambda path, out: check_not_an_input(out, {"reference": paired[path]}))  # fmt: skip
     return jobs, paired
 
 

@@ -204,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
         from flowlift.training.datasets import build_images_dataset
 
         paths = list_images(args.inputs)
+        _check_outputs_are_no_input(out, paths)
         vae = load_vae(args.vae, device=device, dtype=torch.float32)
         manifest = build_images_dataset(
             out, paths, vae, crop=args.crop, crops_per_image=args.crops_per_image, seed=args.seed,
@@ -214,3 +215,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.dataset_kind} dataset: {manifest['num_items']} items of {manifest['target_shape']} in "
           f"{os.fspath(out)}")
     return 0
+
+
+def _check_outputs_are_no_input(out: Path, inputs: list[Path]) -> None:
+    """No file the dataset writes (its manifest, its shards) is one of its input images (issue 36.2: by
+    identity; only a hard link can make them one, as the names differ)."""
+    from flowlift.files.output_paths import check_not_an_input
+
+    if not out.is_dir():
+        return
+    for path in [out / "dataset.json", *sorted(out.glob("shard-*.safetensors"))]:
+        check_not_an_input(path, {"INPUT": inputs})

@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         raise FlowliftError(f"--out {out_dir} exists and is not a folder")
     if problem := folder_problem(out_dir):  # before any model loads or metric runs
         raise FlowliftError(problem)
+    _check_reports_are_no_input(args, out_dir)
     if args.run:
         if args.outputs or args.reference:
             raise FlowliftError("give either OUTPUTS --reference, or --run with --dataset, not both")
@@ -149,6 +150,24 @@ def run(args: argparse.Namespace) -> int:
     if report.config.get("mode") == "run":
         print(f"cache: {report.cached} reused, {report.computed} computed")
     return 0
+
+
+def _check_reports_are_no_input(args: argparse.Namespace, out_dir: Path) -> None:
+    """No report file is one of the images measured (issue 36.2: by identity, e.g. ``eval OUT ... --out OUT``)."""
+    from flowlift.errors import FlowliftError
+    from flowlift.files.images import list_images
+    from flowlift.files.output_paths import check_not_an_input
+    from flowlift.measure.report import report_paths
+
+    inputs: dict[str, list[Path]] = {}
+    for role, given in (("OUTPUTS", args.outputs), ("--reference", args.reference), ("--dataset", args.dataset)):
+        if given:
+            try:
+                inputs[role] = list_images([given] if isinstance(given, str) else list(given))
+            except FlowliftError:
+                pass  # a missing input is named by the measuring itself, in its own words
+    for path in report_paths(out_dir).values():
+        check_not_an_input(path, inputs)
 
 
 def _run_methods(args: argparse.Namespace, env):

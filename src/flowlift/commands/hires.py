@@ -13,6 +13,7 @@ from flowlift.commands._refine_options import (
     check_output,
     check_prompt_args,
     load_refiner_from_args,
+    refine_inputs,
 )
 from flowlift.errors import FlowliftError
 from flowlift.refine.settings import HIRES_SCALE, REFINE_STRENGTH, STEPS
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_prompt_args(args)
     output = Path(args.output) if args.output else refined_output(args.image, f"hires{args.scale}x")
-    check_output(output, args.overwrite)
+    check_output(output, args.overwrite, refine_inputs(args))
     images = alpha = None
     if args.image:
         rgb, alpha = load_image(args.image)

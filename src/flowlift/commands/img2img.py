@@ -19,6 +19,7 @@ from flowlift.commands._refine_options import (  # noqa: F401  (the choices, rea
     check_output,
     check_prompt_args,
     load_refiner_from_args,
+    refine_inputs,
 )
 from flowlift.errors import FlowliftError
 from flowlift.refine.settings import STRENGTH
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise FlowliftError("--mask and --outpaint are exclusive")
     pads = parse_outpaint(args.outpaint) if args.outpaint else None
     output = Path(args.output) if args.output else refined_output(args.image, "outpaint" if pads else "img2img")
-    check_output(output, args.overwrite)
+    check_output(output, args.overwrite, refine_inputs(args))
     rgb, alpha = load_image(args.image)
     from flowlift.refine.canvas import outpaint_pads
 

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
     from flowlift.training.trainer import Trainer
 
-    summary = Trainer(config).run()
+    summary = Trainer(config, config_file=args.config).run()
     import os
 
     if int(os.environ.get("RANK", "0")) == 0:

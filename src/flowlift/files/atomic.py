@@ -337,3 +337,44 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically."""
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def open_for_append(path: str | os.PathLike) -> int:
+    """A write descriptor at the end of the regular file ``path`` (created when missing), never through a link.
+
+    The name is opened without following a link (``O_NOFOLLOW``) and without blocking (``O_NONBLOCK``:
+    a FIFO without a reader fails at once instead of hanging the run), and whatever was opened must be
+    a regular file: a link, FIFO, socket, device or folder at the name is one :func:`replace_refusal`
+    line (:class:`FlowliftError`); a failure of the system is :class:`OutputWriteError`.
+    """
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0)
+    try:
+        descriptor = os.open(path, flags, 0o666)
+    except OSError as error:
+        if refusal := replace_refusal(path):  # ELOOP (a link), ENXIO (a FIFO), EISDIR (a folder)...
+            raise FlowliftError(refusal) from error
+        raise OutputWriteError(f"cannot write {path}: {_write_failure(error)}") from error
+    try:
+        is_regular = stat_module.S_ISREG(os.fstat(descriptor).st_mode)
+    except OSError:
+        is_regular = False
+    if not is_regular:
+        os.close(descriptor)
+        raise FlowliftError(replace_refusal(path) or f"{path} is not a regular file; it is not written")
+    return descriptor
+
+
+def append_text(path: str | os.PathLike, text: str) -> None:
+    """Append ``text`` (UTF-8) to the regular file ``path`` (:func:`open_for_append`: never through a
+    link, never blocking on a FIFO). A log that grows line by line (``train_log.csv``) cannot be
+    rewritten atomically at every line; this is its one safe append."""
+    descriptor = open_for_append(path)
+    try:
+        data = text.encode("utf-8")
+        while data:
+            data = data[os.write(descriptor, data):]
+    except OSError as error:
+        raise OutputWriteError(f"cannot write {path}: {_write_failure(error)}") from error
+    finally:
+        os.close(descriptor)

@@ -5,7 +5,9 @@ limit (255 bytes on most), can a file be created in its folder (or in the neares
 which ``mkdir`` will create the folder in: a plain file there, ``/proc``, a read-only mount or no
 permission all fail), and is whatever is already there a regular file (never a FIFO, socket, device,
 link or folder: :func:`flowlift.files.atomic.replace_refusal`). The answer is a probe, not the
-permission bits, which say nothing reliable for root or on NFS. A full disk passes the probe (an
+permission bits, which say nothing reliable for root or on NFS. And no output is ever one of the run's
+inputs (:func:`same_file_problem`): asked by identity (device and inode), never by spelling, so a
+symlinked folder, ``..``, a link or a hard link to the input are all the input. A full disk passes the probe (an
 empty file needs no space); the write that then fails is one line too
 (:class:`flowlift.files.atomic.OutputWriteError`) and leaves nothing under the output name.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from flowlift.errors import FlowliftError
@@ -69,4 +72,45 @@ def output_file_problem(path: str | os.PathLike) -> str | None:
 def check_output_file(path: str | os.PathLike) -> None:
     """:func:`output_file_problem` as one FlowliftError line."""
     if problem := output_file_problem(path):
+        raise FlowliftError(problem)
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """True when ``a`` and ``b`` both exist and are one file: the same device and inode (links followed).
+
+    Not the spelling: ``dir/r.png``, ``link-to-dir/r.png``, ``x/../dir/r.png`` and a hard link of it
+    are all the same file.
+    """
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
+
+
+InputPaths = Mapping[str, "str | os.PathLike | Iterable[str | os.PathLike] | None"]
+
+
+def same_file_problem(output: str | os.PathLike, inputs: InputPaths) -> str | None:
+    """Why ``output`` must not be written: it is one of ``inputs`` (:func:`same_file`), or None.
+
+    ``inputs`` maps a role (``"--image"``, ``"the reference"``) to a path, several paths or None.
+    Writing an output replaces the file under its name, so an output that is an input would destroy
+    the input (issue 36.2): refused, ``--overwrite`` or not, whatever the input's own origin.
+    """
+    if not os.path.lexists(output):
+        return None
+    for role, given in inputs.items():
+        if given is None:
+            continue
+        paths = [given] if isinstance(given, (str, os.PathLike)) else list(given)
+        for path in paths:
+            if path is not None and same_file(output, path):
+                same = "" if os.fspath(path) == os.fspath(output) else f" ({path})"
+                return f"{output} is the input {role}{same}; an output never replaces an input: choose another output"
+    return None
+
+
+def check_not_an_input(output: str | os.PathLike, inputs: InputPaths) -> None:
+    """:func:`same_file_problem` as one FlowliftError line."""
+    if problem := same_file_problem(output, inputs):
         raise FlowliftError(problem)

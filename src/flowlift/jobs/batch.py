@@ -46,7 +46,7 @@ from pathlib import Path
 from flowlift.console import format_seconds
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
-from flowlift.files.output_paths import folder_problem
+from flowlift.files.output_paths import folder_problem, same_file
 
 __all__ = [
     "ITEM_ERRORS",
@@ -216,7 +216,7 @@ def plan_targets(targets: Sequence[Target]) -> list[Job]:
         producer = producers.get(path.resolve()) or source_of(path, inputs)
         if producer is not None:
             jobs.append(Job.skip(path, f"skipped, it is the output of {producer}"))
-        elif key == path.resolve():
+        elif key == path.resolve() or same_file(out, path):  # by identity too: a hard link, a linked folder
             jobs.append(Job.refusal(path, f"output {out} would overwrite the input; choose another -o"))
         elif key in taken:
             jobs.append(Job.refusal(path, f"output {out} is also the output of {taken[key]}; use separate folders"))

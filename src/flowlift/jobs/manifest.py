@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from flowlift.errors import FlowliftError
+from flowlift.files.atomic import open_for_append
 from flowlift.jobs.distributed import DistEnv
 
 #: File name of the job manifest inside the output folder.
@@ -62,7 +63,9 @@ class Manifest:
         when it is missing): permission bits say nothing reliable for root or on NFS."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            os.close(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666))
+            os.close(open_for_append(self.path))  # never through a link, never blocking on a FIFO
+        except FlowliftError as error:
+            return str(error)
         except OSError as error:
             return _os_problem(self.path, error)
         return None
@@ -73,7 +76,7 @@ class Manifest:
         data = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+            descriptor = open_for_append(self.path)  # a link or FIFO in its place: one line, not followed
             try:
                 _lock(descriptor)
                 view = memoryview(data)

@@ -145,18 +145,23 @@ def crops_figure(report: EvalReport, path: Path) -> None:
     plt.close(fig)
 
 
+def report_paths(out_dir: Path) -> dict[str, Path]:
+    """The files :func:`write_report` writes into ``out_dir``, by role."""
+    return {
+        "json": out_dir / "results.json",
+        "table": out_dir / "table.md",
+        "metrics": out_dir / "metrics.png",
+        "crops": out_dir / "crops.png",
+    }
+
+
 def write_report(report: EvalReport, out_dir: Path) -> dict[str, Path]:
     """Write ``results.json``, ``table.md``, ``metrics.png`` and ``crops.png`` into ``out_dir``, each
     atomically (rendered in memory, then a temporary file and a rename). Returns the paths."""
     table = markdown_table(report)
     payload = json.dumps(report.to_json(), indent=1, sort_keys=False).encode()
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "json": out_dir / "results.json",
-        "table": out_dir / "table.md",
-        "metrics": out_dir / "metrics.png",
-        "crops": out_dir / "crops.png",
-    }
+    paths = report_paths(out_dir)
     metrics_figure(report, paths["metrics"])
     crops_figure(report, paths["crops"])
     atomic_write_bytes(paths["table"], table.encode())

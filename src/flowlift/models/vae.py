@@ -1,4 +1,4 @@
-"""VAEs behind one interface: TAEF2 and the FLUX.2 VAE (diffusers ``AutoencoderKLFlux2``).
+"""VAEs behind one interface: TAEF2, the FLUX.2 VAE (diffusers ``AutoencoderKLFlux2``) and Mage-VAE.
 
 :func:`flowlift.models.vae_loading.load_vae` returns one of the adapters below, an object with
 
@@ -7,8 +7,9 @@
   convention, :mod:`flowlift.flux2.latents`). Decoded images are *not* clamped. Inputs are moved to the
   VAE's device and dtype; outputs stay on the VAE's device in the input's floating dtype.
 * ``tiled``: ``None`` switches tiling on by size, ``True`` forces it, ``False`` forbids it.
-* ``spatial_factor`` (8), ``approximate_decode`` (True for TAEF2), ``device``, ``dtype``,
-  ``bn_mean`` / ``bn_std`` ([128] float32 normalization statistics; None for TAEF2).
+* ``spatial_factor`` (8), ``approximate_decode`` (True for TAEF2 and Mage-VAE), ``device``, ``dtype``,
+  ``bn_mean`` / ``bn_std`` ([128] float32 normalization statistics; None for TAEF2 and Mage-VAE,
+  whose latents are already normalized).
 * The FLUX.2 adapter also offers ``encode_raw`` / ``decode_raw`` on raw (un-normalized) latents.
 """
 
@@ -328,3 +329,99 @@ def flux2_from_state_dict(
         ) from None
     load_strict(model, state, what="FLUX.2 VAE weights", origin=origin)
     return Flux2VAE(model.to(device=device, dtype=dtype))
+
+
+# --------------------------------------------------------------------------------------------------
+# Mage-VAE
+# --------------------------------------------------------------------------------------------------
+
+#: Mage-VAE image sides must be multiples of its 16-pixel patch.
+MAGE_IMAGE_MULTIPLE = 16
+
+
+class MageVAE(_ModuleVAE):
+    """Adapter over flowlift's :class:`~flowlift.models.mage_vae.MageVAEModel` (t = 0 folded).
+
+    The codec's latent (B, 128, H/16, W/16) is FLUX.2's normalized, patchified latent, so ``encode`` is
+    ``unpatchify(mean(q(z | 2x - 1)))`` (the posterior mean, no sampling) and ``decode`` is
+    ``(decoder(patchify(z)) + 1) / 2`` unclamped; no BN statistics are involved (``bn_mean`` /
+    ``bn_std`` are None, as for TAEF2). Image sides must be multiples of 16, latent sides even.
+
+    ``tiled``: the hook for an exact tiled executor. Today every call runs the whole frame (which the
+    tiled executor must equal); :attr:`tiled_encoder` / :attr:`tiled_decoder`, when set, are called
+    as ``fn(module, x) -> y`` instead where :meth:`_use_tiles` says so.
+    """
+
+    spatial_factor = 8
+    image_multiple = MAGE_IMAGE_MULTIPLE
+    # Its own decoder, trained toward FLUX.2-VAE latents, not FLUX.2's decoder: FLUX.2 latents decode
+    # approximately (as with TAEF2), which is what this flag tells eval and the reports.
+    approximate_decode = True
+    bn_mean: torch.Tensor | None = None
+    bn_std: torch.Tensor | None = None
+
+    def __init__(self, model: Any, *, auto_tile_pixels: int = TAEF2_AUTO_TILE_PIXELS, origin: str = "") -> None:
+        from flowlift.models.mage_vae import MageVAEModel
+
+        if not isinstance(model, MageVAEModel):
+            raise FlowliftError(f"MageVAE needs a flowlift MageVAEModel, got {type(model).__name__}")
+        if not model.folded:
+            model.fold_t0()
+        self.model = model.eval().requires_grad_(False)
+        self.origin = origin
+        self.auto_tile_pixels = auto_tile_pixels
+        self.tiled_encoder: Any = None
+        self.tiled_decoder: Any = None
+
+    @property
+    def has_encoder(self) -> bool:
+        return self.model.encoder is not None
+
+    def _use_tiles(self, tiled: bool | None, pixels: int) -> bool:
+        return pixels > self.auto_tile_pixels if tiled is None else bool(tiled)
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
+        """Images [0, 1] (B, 3, H, W), sides multiples of 16 -> normalized latents (B, 32, H/8, W/8)."""
+        from flowlift.flux2.latents import unpatchify
+
+        if self.model.encoder is None:
+            where = f" ({self.origin})" if self.origin else ""
+            raise FlowliftError(
+                f"Mage-VAE{where} is decode-only (the file has no student.dconv_encoder.* tensors); "
+                "encoding needs the full released file, or another VAE (--vae taef2)"
+            )
+        _check_images(images, self.image_multiple)
+        x = images.to(self.device, self.dtype) * 2 - 1
+        if self.tiled_encoder is not None and self._use_tiles(tiled, images.shape[-2] * images.shape[-1]):
+            z = self.tiled_encoder(self.model.encoder, x)
+        else:
+            z = self.model.encoder(x)
+        return unpatchify(z).to(_out_dtype(images)).contiguous()
+
+    @torch.no_grad()
+    def decode(
+        self, latents: torch.Tensor, *, tiled: bool | None = None, on_tile: TileCallback | None = None
+    ) -> torch.Tensor:
+        """Normalized latents (B, 32, h, w), even sides -> images (B, 3, 8h, 8w), about [0, 1], unclamped.
+
+        ``on_tile(done, total)`` after every decoded tile (a whole-frame decode is one tile).
+        """
+        from flowlift.flux2.latents import patchify
+
+        if self.model.decoder is None:
+            raise FlowliftError("Mage-VAE: this VAE has no decoder")
+        _check_latents(latents, 2)
+        z = patchify(latents.to(self.device, self.dtype))
+        pixels = latents.shape[-2] * latents.shape[-1] * self.spatial_factor**2
+        if self.tiled_decoder is not None and self._use_tiles(tiled, pixels):
+            x = self.tiled_decoder(self.model.decoder, z, **({} if on_tile is None else {"on_tile": on_tile}))
+        else:
+            x = self.model.decoder(z)
+            if on_tile is not None:
+                on_tile(1, 1)
+        return ((x.float() + 1) / 2).to(_out_dtype(latents)).contiguous()
+
+    def __repr__(self) -> str:
+        parts = [p for p in ("encoder", "decoder") if getattr(self.model, p) is not None]
+        return f"MageVAE({'+'.join(parts)}, device={self.device}, dtype={self.dtype})"

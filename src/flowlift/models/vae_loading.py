@@ -1,8 +1,10 @@
 """VAE specs: :func:`load_vae` builds a :mod:`flowlift.models.vae` adapter; :func:`check_vae_spec` fails fast.
 
 ``spec`` is ``"taef2"`` (hub ``madebyollin/taef2``), ``"flux2"`` (the VAE of a cached FLUX.2 Klein or
-dev repository, ``subfolder="vae"``), a local file or directory, a hub repo id, or an already-built
-:class:`~flowlift.models.taef2.TAEF2` / ``AutoencoderKLFlux2`` module. Hub lookups go through the
+dev repository, ``subfolder="vae"``), ``"mage"`` (Mage-VAE, the ``vae/`` folder of the first
+available :data:`MAGE_REPOS` repository), a local file or directory, a hub repo id, or an already-built
+:class:`~flowlift.models.taef2.TAEF2` / ``AutoencoderKLFlux2`` / :class:`~flowlift.models.mage_vae.MageVAEModel`
+module. Hub lookups go through the
 huggingface_hub cache and honour ``HF_HUB_OFFLINE=1``; an unreachable hub is treated as offline
 (:func:`flowlift.models.hub.hub_offline_reason`). Every weight load is strict.
 """
@@ -17,7 +19,8 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.models.vae import TAEF2VAE, Flux2VAE, flux2_from_state_dict, taef2_from_state_dicts
+from flowlift.models.mage_vae_files import is_mage_vae, mage_from_state_dict
+from flowlift.models.vae import TAEF2VAE, Flux2VAE, MageVAE, flux2_from_state_dict, taef2_from_state_dicts
 from flowlift.models.weights import looks_like_repo_id, read_state_dict
 
 TAEF2_REPO = "madebyollin/taef2"
@@ -29,13 +32,34 @@ FLUX2_REPOS = (
     "black-forest-labs/FLUX.2-dev",
 )
 TAEF2_FILES = ("taef2_encoder.pth", "taef2_decoder.pth")
+#: Repositories whose ``vae/`` folder holds the released Mage-VAE, tried in order (``microsoft/Mage-Flow``
+#: itself was removed from the hub; ``M-vdBerg/Mage-Flow`` is a community mirror).
+MAGE_REPOS = (
+    "microsoft/Mage-Flow-Base",
+    "microsoft/Mage-Flow-Turbo",
+    "microsoft/Mage-Flow-Edit",
+    "microsoft/Mage-Flow-Edit-Base",
+    "microsoft/Mage-Flow-Edit-Turbo",
+    "M-vdBerg/Mage-Flow",
+)
+#: Only the VAE of a Mage-Flow repository (never its transformer or text encoder; no pickles).
+MAGE_PATTERNS = ["vae/*.safetensors", "vae/*.json"]
+#: The class of the diffusers port ``MinhNH232331M/MageFlow-VAE-diffusers``, whose key layout is unpublished.
+MAGE_DIFFUSERS_PORT_CLASS = "AutoencoderKLMega"
+#: What flowlift reads, for the errors that refuse something else.
+READABLE_LAYOUTS = (
+    "TAEF2 (taef2_encoder/decoder .pth or .safetensors), a FLUX.2 VAE (single file with BFL/ComfyUI keys, or a "
+    "diffusers AutoencoderKLFlux2 folder) or Mage-VAE as released (one .safetensors with student.dconv_encoder.* "
+    "and pipeline.* tensors, or a Mage-Flow repository's vae/ folder)"
+)
 
 
-def load_vae(
-    spec: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> TAEF2VAE | Flux2VAE:
+AnyVAE = TAEF2VAE | Flux2VAE | MageVAE
+
+
+def load_vae(spec: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AnyVAE:
     """Load a VAE from ``spec`` (see the module docstring) onto ``device`` in ``dtype``."""
-    if isinstance(spec, (TAEF2VAE, Flux2VAE)):
+    if isinstance(spec, (TAEF2VAE, Flux2VAE, MageVAE)):
         spec.model.to(device=device, dtype=dtype)
         return spec
     if isinstance(spec, torch.nn.Module):
@@ -49,6 +73,8 @@ def load_vae(
         return _from_hub(TAEF2_REPO, device, dtype)
     if text == "flux2":
         return _flux2_from_hub(device, dtype)
+    if text == "mage":
+        return _from_dir(_mage_folder(), device, dtype)
     path = Path(text).expanduser()
     if path.is_file():
         return _from_file(path, device, dtype)
@@ -56,26 +82,31 @@ def load_vae(
         return _from_dir(path, device, dtype)
     if looks_like_repo_id(text):
         return _from_hub(text, device, dtype)
-    raise FlowliftError(f"VAE: {text}: no such file or folder (nor 'taef2', 'flux2' or a hub repo id owner/name)")
+    raise FlowliftError(f"VAE: {text}: {_NOT_A_SPEC}")
 
 
-def _from_module(
-    module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype
-) -> TAEF2VAE | Flux2VAE:
-    from diffusers import AutoencoderKLFlux2
+_NOT_A_SPEC = "no such file or folder (nor 'taef2', 'flux2', 'mage' or a hub repo id owner/name)"
 
+
+def _from_module(module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:
+    from flowlift.models.mage_vae import MageVAEModel
     from flowlift.models.taef2 import TAEF2
 
     if isinstance(module, TAEF2):
         return TAEF2VAE(module.to(device=device, dtype=dtype))
+    if isinstance(module, MageVAEModel):
+        return MageVAE(module.to(device=device, dtype=dtype))
+    from diffusers import AutoencoderKLFlux2  # only now: importing diffusers takes seconds
+
     if isinstance(module, AutoencoderKLFlux2):
         return Flux2VAE(module.to(device=device, dtype=dtype))
     raise FlowliftError(
-        f"VAE module must be a flowlift TAEF2 or a diffusers AutoencoderKLFlux2, got {type(module).__name__}"
+        "VAE module must be a flowlift TAEF2 or MageVAEModel or a diffusers AutoencoderKLFlux2, "
+        f"got {type(module).__name__}"
     )
 
 
-def _from_file(path: Path, device: torch.device | str, dtype: torch.dtype) -> TAEF2VAE | Flux2VAE:
+def _from_file(path: Path, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:
     from flowlift.models.flux2_vae_convert import is_diffusers_flux2_vae, is_original_flux2_vae
     from flowlift.models.taef2 import detect_layout
 
@@ -96,7 +127,17 @@ def _from_file(path: Path, device: torch.device | str, dtype: torch.dtype) -> TA
         if is_diffusers_flux2_vae(state) and config_path.is_file():
             config = _read_config(config_path)
         return flux2_from_state_dict(state, config=config, origin=str(path), device=device, dtype=dtype)
-    raise FlowliftError(f"VAE: {path} is neither a TAEF2 nor a FLUX.2 VAE checkpoint (unrecognised keys)")
+    if is_mage_vae(state):
+        if path.suffix != ".safetensors":
+            raise FlowliftError(
+                f"VAE: {path} is a pickled Mage-VAE checkpoint; flowlift reads Mage-VAE only as the released "
+                ".safetensors file (student.dconv_encoder.* and pipeline.* tensors)"
+            )
+        return mage_from_state_dict(state, origin=str(path), device=device, dtype=dtype)
+    raise FlowliftError(
+        f"VAE: {path} is neither a TAEF2, a FLUX.2 VAE nor a Mage-VAE checkpoint (unrecognised keys); "
+        f"flowlift reads {READABLE_LAYOUTS}"
+    )
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -125,7 +166,7 @@ def _diffusers_weights(folder: Path) -> dict[str, torch.Tensor]:
     raise FlowliftError(f"VAE: no diffusion_pytorch_model weights in {folder}")
 
 
-def _from_dir(path: Path, device: torch.device | str, dtype: torch.dtype) -> TAEF2VAE | Flux2VAE:
+def _from_dir(path: Path, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:
     pth = [path / name for name in TAEF2_FILES if (path / name).is_file()]
     if pth:
         states = [(read_state_dict(p, what="TAEF2 weights"), str(p)) for p in pth]
@@ -135,6 +176,12 @@ def _from_dir(path: Path, device: torch.device | str, dtype: torch.dtype) -> TAE
         if not config_path.is_file():
             continue
         config = _read_config(config_path)
+        if config.get("_class_name") == MAGE_DIFFUSERS_PORT_CLASS:
+            raise FlowliftError(
+                f"VAE: {folder} is the diffusers port of Mage-VAE ({MAGE_DIFFUSERS_PORT_CLASS}, t = 0-folded weights "
+                f"in a layout its model card does not publish), which flowlift cannot load; flowlift reads "
+                f"{READABLE_LAYOUTS} (--vae mage fetches the released one)"
+            )
         if config.get("_class_name") == "AutoencoderKLFlux2":
             return flux2_from_state_dict(
                 _diffusers_weights(folder), config=config, origin=str(folder), device=device, dtype=dtype
@@ -143,12 +190,14 @@ def _from_dir(path: Path, device: torch.device | str, dtype: torch.dtype) -> TAE
         for file in weights:
             if file.is_file():
                 return _from_file(file, device, dtype)
-    files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors")
-    if len(files) == 1:
-        return _from_file(files[0], device, dtype)
+    for folder in (path, path / "vae"):  # a lone checkpoint, e.g. a Mage-Flow repository's vae/ file
+        files = sorted(p for p in folder.iterdir() if p.suffix == ".safetensors") if folder.is_dir() else []
+        if len(files) == 1:
+            return _from_file(files[0], device, dtype)
     raise FlowliftError(
         f"VAE: {path} holds no TAEF2 files ({', '.join(TAEF2_FILES)}), no diffusers VAE folder "
-        "(config.json + weights, also under vae/) and no single .safetensors checkpoint"
+        "(config.json + weights, also under vae/) and no single .safetensors checkpoint (also under vae/); "
+        f"flowlift reads {READABLE_LAYOUTS}"
     )
 
 
@@ -183,6 +232,9 @@ def check_vae_spec(spec: Any) -> None:
     if text == "flux2":
         _flux2_folder()
         return
+    if text == "mage":
+        _mage_folder()
+        return
     if text == "taef2":
         text = TAEF2_REPO
     if Path(text).expanduser().exists():
@@ -190,10 +242,10 @@ def check_vae_spec(spec: Any) -> None:
     if looks_like_repo_id(text):
         _snapshot(text, _VAE_PATTERNS)
         return
-    raise FlowliftError(f"VAE: {text}: no such file or folder (nor 'taef2', 'flux2' or a hub repo id owner/name)")
+    raise FlowliftError(f"VAE: {text}: {_NOT_A_SPEC}")
 
 
-def _from_hub(repo_id: str, device: torch.device | str, dtype: torch.dtype) -> TAEF2VAE | Flux2VAE:
+def _from_hub(repo_id: str, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:
     folder = _snapshot(repo_id, _VAE_PATTERNS)
     return _from_dir(folder, device, dtype)
 
@@ -221,3 +273,22 @@ def _flux2_from_hub(device: torch.device | str, dtype: torch.dtype) -> Flux2VAE:
     vae = _from_dir(_flux2_folder(), device, dtype)
     assert isinstance(vae, Flux2VAE)
     return vae
+
+
+def _mage_folder() -> Path:
+    """The cached (or downloaded) snapshot of the first Mage-Flow repository whose ``vae/`` holds a .safetensors."""
+    from flowlift.models.hub import download_hint, hub_offline_reason
+
+    for repo in MAGE_REPOS:
+        try:
+            folder = _snapshot(repo, MAGE_PATTERNS)
+        except FlowliftError:
+            continue
+        if any(p.suffix == ".safetensors" for p in (folder / "vae").glob("*")):
+            return folder
+    offline = hub_offline_reason()
+    raise FlowliftError(
+        f"VAE 'mage': none of {', '.join(MAGE_REPOS)} has its vae/ folder in the Hugging Face cache"
+        f"{f' and {offline}' if offline else ''}; {download_hint(MAGE_REPOS[0], include='vae/*')} "
+        "or pass a local path (CLI: --vae PATH)"
+    )

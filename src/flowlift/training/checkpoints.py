@@ -148,6 +148,9 @@ def save_checkpoint(
         "run_id": run_id,
     }
     torch.save(state, tmp / STATE_NAME)
+    if os.path.lexists(final) and (final.is_symlink() or not final.is_dir()):
+        shutil.rmtree(tmp, ignore_errors=True)  # a link, FIFO or file at the name: never replaced or followed
+        raise FlowliftError(f"{final} exists and is not a checkpoint folder of this run; it is not replaced")
     if final.exists():
         if checkpoint_run_id(final) != run_id:  # another run's checkpoint (resume_point refuses those first)
             shutil.rmtree(tmp, ignore_errors=True)

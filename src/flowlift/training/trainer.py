@@ -30,9 +30,9 @@ reseeded per (step, micro-batch, rank) instead: reproducible on resume, but not 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
-import shutil
 import time
 import uuid
 import warnings
@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.files.atomic import append_text, atomic_write_text
 from flowlift.models.upscaler_unet import set_dropout_seeds
 from flowlift.training.checkpoints import (
     EMA_NAME,
@@ -55,9 +56,17 @@ from flowlift.training.checkpoints import (
 from flowlift.training.config import TrainConfig
 from flowlift.training.distributed import DistContext, init_distributed, pick_device
 from flowlift.training.objective import flow_matching_loss, make_ema, sample_seed, step_seed, warmup_cosine
+from flowlift.training.run_files import (
+    CONFIG_NAME,
+    CURVES_NAME,
+    LOG_FIELDS,
+    LOG_NAME,
+    check_run_folder,
+    is_train_log,
+    remove_flowlift_checkpoints,
+    run_inputs,
+)
 from flowlift.training.shards import ShardReader, ShardStream, TimeSampling, shard_name
-
-LOG_FIELDS = ["step", "loss", "lr", "grad_norm", "samples_per_s", "elapsed_s"]
 
 
 def prefetched_batches(stream: ShardStream, start_step: int, end_step: int, micro_batches: int, depth: int = 2):
@@ -137,7 +146,8 @@ class Trainer:
     :class:`~flowlift.models.upscaler_unet.FlowUpscalerUNet` is built (or loaded from ``config.init``).
     """
 
-    def __init__(self, config: TrainConfig, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, config: TrainConfig, model: torch.nn.Module | None = None, *,
+                 config_file: str | None = None) -> None:
         config.validate()
         if config.steps < config.warmup_steps:
             warnings.warn(
@@ -150,6 +160,7 @@ class Trainer:
         self.config = config
         self.output = Path(config.output)
         self._custom_model = model
+        self.config_file = config_file  # an input (``--config``): no output may be it
         self.run_id = uuid.uuid4().hex  # replaced by the checkpoint's own when resuming
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -185,19 +196,21 @@ class Trainer:
     # -- logging ---------------------------------------------------------------------------------
     def _open_log(self, start_step: int) -> None:
         """Create train_log.csv, or keep only the rows up to ``start_step`` of a resumed run."""
-        path = self.output / "train_log.csv"
+        path = self.output / LOG_NAME
         rows = []
-        if path.is_file() and start_step > 0:
+        if start_step > 0 and path.is_file() and not path.is_symlink() and is_train_log(path):  # else: not ours
             with path.open(newline="") as f:
                 rows = [r for r in csv.DictReader(f) if int(r["step"]) <= start_step]
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=LOG_FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=LOG_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_text(path, text.getvalue())
 
     def _append_log(self, row: dict[str, Any]) -> None:
-        with (self.output / "train_log.csv").open("a", newline="") as f:
-            csv.DictWriter(f, fieldnames=LOG_FIELDS).writerow(row)
+        text = io.StringIO(newline="")
+        csv.DictWriter(text, fieldnames=LOG_FIELDS).writerow(row)
+        append_text(self.output / LOG_NAME, text.getvalue())  # never through a link, never blocking on a FIFO
 
     def _non_finite_message(self, stream: ShardStream, step: int) -> str:
         """Why step ``step``'s gradient is non-finite: corrupt data (named) or, if the data is fine, training."""
@@ -226,10 +239,9 @@ class Trainer:
     def _run(self, dist: DistContext) -> dict[str, Any]:
         c = self.config
         device = pick_device(c.device, dist)
+        # the replace rule for every file the run writes, before anything loads (issue 36.1)
+        check_run_folder(c, run_inputs(c, self.config_file))
         resume_from = resume_point(c, self.output)
-        if resume_from is None and c.overwrite and dist.is_main:
-            # --overwrite: the previous run's checkpoints go, so that nothing can resume into a mix of both
-            shutil.rmtree(self.output / "checkpoints", ignore_errors=True)
         reader = ShardReader(c.data)
         try:  # the shards' files are closed however the run ends (an error, a stop, the last step)
             return self._train(dist, device, reader, resume_from)
@@ -252,9 +264,6 @@ class Trainer:
             use_stored_noise=c.use_stored_noise,
         )
         model = self._build_model().to(device)  # a bad --init fails here, before anything is written
-        if dist.is_main:
-            self.output.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
         channels_last = c.channels_last == "yes" or (c.channels_last == "auto" and device.type == "cuda")
         if channels_last:
             model = model.to(memory_format=torch.channels_last)
@@ -275,14 +284,20 @@ class Trainer:
         else:
             ddp = model
 
-        if dist.is_main:
-            (self.output / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
-            self._open_log(start_step)
         validator = None
-        if c.val_every and dist.is_main:
-            from flowlift.training.validation import Validator
+        if dist.is_main:
+            self.output.mkdir(parents=True, exist_ok=True)
+            if c.val_every:  # the VAE and the images load (or fail) before anything is removed
+                from flowlift.training.validation import Validator
 
-            validator = Validator.from_config(c, device=device, output=self.output, start_step=start_step)
+                validator = Validator.from_config(c, device=device, output=self.output, start_step=start_step)
+            if resume_from is None and c.overwrite:
+                # --resume none --overwrite: the earlier runs' checkpoints go (only flowlift's, issue 36.1),
+                # so that nothing can resume into a mix of both; every check has passed by now
+                remove_flowlift_checkpoints(self.output)
+            atomic_write_text(self.output / CONFIG_NAME, json.dumps(c.to_dict(), indent=2))
+            self._open_log(start_step)
+        dist.barrier()
         run = _Run(dist, device, stream, model, ddp, ema, optimizer, scheduler, validator, channels_last)
         final_step, losses, stopped = self._loop(run, start_step)
         if stopped:
@@ -420,9 +435,9 @@ class Trainer:
 
                 summary["weights"] = str(save_upscaler(run.ema.module, self.output / EMA_NAME))
             if run.validator is not None:
-                run.validator.plot(self.output / "curves.png")
+                run.validator.plot(self.output / CURVES_NAME)
             else:
                 from flowlift.training.validation import plot_curves
 
-                plot_curves(self.output / "train_log.csv", None, self.output / "curves.png")
+                plot_curves(self.output / LOG_NAME, None, self.output / CURVES_NAME)
         return summary

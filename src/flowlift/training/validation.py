@@ -16,6 +16,7 @@ images) and :func:`plot_curves` draws loss and metrics to a PNG.
 from __future__ import annotations
 
 import csv
+import io
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,11 +26,19 @@ import torch
 import torch.nn.functional as F
 
 from flowlift.errors import FlowliftError
-from flowlift.files.atomic import atomic_output
+from flowlift.files.atomic import append_text, atomic_output, atomic_write_text
 from flowlift.training.degrade import LatentCodec, downscale, pil_lanczos_resize
 
 VAL_FIELDS = ["step", "method", "psnr", "ssim", "sharpness", "sharpness_gt", "cast_max", "dC", "psnr_input"]
 METHODS = ("model", "lanczos", "latent-bicubic")
+#: The PNG ``Software`` text of the curves figure: what tells a later run that ``curves.png`` is flowlift's.
+CURVES_SOFTWARE = "flowlift train"
+
+
+def is_val_log(path: Path) -> bool:
+    """Whether ``path`` begins with the validator's CSV header (:data:`VAL_FIELDS`): a ``val.csv`` flowlift wrote."""
+    with open(path, "rb") as handle:
+        return handle.readline(4096).rstrip(b"\r\n").decode("utf-8", "replace") == ",".join(VAL_FIELDS)
 
 
 def centre_crop(image: torch.Tensor, size: int, multiple: int = 16) -> torch.Tensor:
@@ -149,13 +158,14 @@ class Validator:
         self.csv_path = self.output / "val.csv"
         self.baselines = evaluate_methods(self.images, vae, {}, include_baselines=True)
         rows = []
-        if self.csv_path.is_file() and start_step > 0:
+        if start_step > 0 and self.csv_path.is_file() and not self.csv_path.is_symlink() and is_val_log(self.csv_path):
             with self.csv_path.open(newline="") as f:
                 rows = [r for r in csv.DictReader(f) if int(r["step"]) <= start_step]
-        with self.csv_path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=VAL_FIELDS)
-            writer.writeheader()
-            writer.writerows(rows)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=VAL_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_text(self.csv_path, text.getvalue())
 
     @classmethod
     def from_config(cls, config: Any, *, device: torch.device, output: Path, start_step: int = 0) -> Validator:
@@ -175,12 +185,13 @@ class Validator:
         finally:
             model.train(was_training)
         results.update(self.baselines)
-        with self.csv_path.open("a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=VAL_FIELDS)
-            for method in METHODS:
-                row = {"step": step, "method": method}
-                row.update({k: f"{v:.6g}" for k, v in results[method].items()})
-                writer.writerow(row)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=VAL_FIELDS)
+        for method in METHODS:
+            row = {"step": step, "method": method}
+            row.update({k: f"{v:.6g}" for k, v in results[method].items()})
+            writer.writerow(row)
+        append_text(self.csv_path, text.getvalue())  # never through a link, never blocking on a FIFO
         return results
 
     def plot(self, path: Path) -> Path:
@@ -226,7 +237,8 @@ def plot_curves(train_csv: Path, val_csv: Path | None, path: Path) -> Path:
             ax.set_title(title)
             ax.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_output(path) as tmp:
-        fig.savefig(tmp, dpi=100, format=Path(path).suffix.lstrip(".") or "png")
+    fmt = Path(path).suffix.lstrip(".") or "png"
+    with atomic_output(path) as tmp:  # the Software tag is how a later run knows the file is flowlift's
+        fig.savefig(tmp, dpi=100, format=fmt, metadata={"Software": CURVES_SOFTWARE} if fmt == "png" else None)
     plt.close(fig)
     return Path(path)

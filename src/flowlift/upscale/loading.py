@@ -105,6 +105,8 @@ def vae_spec_files(spec: str) -> list[Path]:
         repos = [vae_module.TAEF2_REPO]
     elif spec == "flux2":
         repos = list(vae_module.FLUX2_REPOS)
+    elif spec == "mage":
+        return _cached_mage_files(vae_module.MAGE_REPOS, vae_module.MAGE_PATTERNS)
     else:
         repos = [spec]
     names = [*vae_module.TAEF2_FILES, "diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors"]
@@ -141,11 +143,19 @@ def pipeline_model_files(upscaler_path: Path | None, vae: Any, vae_spec: str | N
     return files
 
 
+def _placed(param: Any, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model whose first parameter is ``param`` is on ``device`` in ``dtype`` (``cuda``: any index)."""
+    on_device = param.device.type == device.type and (device.index is None or param.device.index == device.index)
+    return on_device and (not param.is_floating_point() or param.dtype == dtype)
+
+
 def load_pipeline_upscaler(upscaler: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, Path | None]:
     """(UNet callable on ``device`` in ``dtype``, its weights file or None).
 
-    A path or hub id is resolved and loaded; a module is moved to ``device``/``dtype``; any other
-    callable is used as it is.
+    A path or hub id is resolved and loaded; a module already on ``device`` in ``dtype`` is used as it
+    is, one elsewhere or in another dtype is *copied* there (issue 36.3: ``Module.to`` converts in place,
+    so a UNet shared by several pipelines, like the web app's upscale and hires fix ones, would change
+    dtype under the others); any other callable is used as it is.
     """
     path: Path | None = None
     if isinstance(upscaler, (str, os.PathLike)):
@@ -153,8 +163,10 @@ def load_pipeline_upscaler(upscaler: Any, device: torch.device, dtype: torch.dty
         from flowlift.models.upscaler_weights import load_upscaler
 
         upscaler = load_upscaler(path, device=device, dtype=dtype)
-    elif first_parameter(upscaler) is not None:
-        upscaler = upscaler.to(device=device, dtype=dtype)
+    elif (param := first_parameter(upscaler)) is not None and not _placed(param, device, dtype):
+        import copy
+
+        upscaler = copy.deepcopy(upscaler).to(device=device, dtype=dtype)
     if not callable(upscaler):
         raise FlowliftError(f"upscaler must be callable like the Flow Upscaler UNet, got {type(upscaler).__name__}")
     return upscaler, path
@@ -186,3 +198,18 @@ def load_pipeline_vae(vae: Any, device: torch.device, dtype: torch.dtype) -> tup
     if not (callable(getattr(vae, "encode", None)) and callable(getattr(vae, "decode", None))):
         raise FlowliftError(f"vae must have encode() and decode(), got {type(vae).__name__}")
     return vae, spec
+
+
+def _cached_mage_files(repos: Sequence[str], patterns: list[str]) -> list[Path]:
+    """The ``vae/*.safetensors`` of the first Mage-Flow repository in the hub cache (the cache only, no request)."""
+    from huggingface_hub import snapshot_download
+
+    for repo in repos:
+        try:
+            folder = Path(snapshot_download(repo, allow_patterns=patterns, local_files_only=True))
+        except Exception:  # noqa: BLE001 - provenance is best effort; not cached just means no files
+            continue
+        found = sorted((folder / "vae").glob("*.safetensors"))
+        if found:
+            return found
+    return []

@@ -1,0 +1,568 @@
+"""Mage-VAE: the one-step diffusion codec of Microsoft's Mage-Flow, at t = 0, in flowlift's own code.
+
+Written from the published description of the reference (``mage_flow/models/modules/mage_vae.py`` in
+the public MIT-licensed repository ``microsoft/Mage``); module and parameter names follow the released
+checkpoint's keys (``student.dconv_encoder.*`` -> ``encoder.*``, ``pipeline.*`` -> ``decoder.*``), so a
+released file loads strictly (:mod:`flowlift.models.mage_vae_files`, through ``load_vae``).
+
+The codec's latent is 128 channels at 1/16 of the image: FLUX.2's *normalized, patchified* latent
+(Mage-Flow regularizes it toward FLUX.2-VAE latents; the diffusers port unpatchifies it 2x2 and
+denormalizes it with FLUX.2's BN statistics to get raw FLUX.2 latents). Images are [-1, 1] here.
+
+**Encoder** (image -> posterior mean), ``DConvEncoder`` at t = 0 with z_t = 0::
+
+    cond = proj_down(head_blocks(patch_cond_embed(x)))       # 16-px patches -> 768 -> 2 DiCo -> 384
+    s    = fuse_proj([cond, z_proj(z_t)])                    # z_t = 0: z_proj(0) = z_proj.bias, a constant
+    s    = blocks(s)                                         # 21 DiCo blocks, adaLN at t = 0
+    mean = proj_out(norm_out(s))[:, :128]                    # the log-variance half is never computed
+
+**Decoder** (latent -> image), the CoD decoder then the DConv denoiser at t = 0 with noise x = 0::
+
+    cond = cod_decoder(z)                                    # conv, 3 GN ResNet + 2 window-attention blocks, conv
+    s    = blocks(s_embedder(x, cond))                       # x = 0: proj1(0) = 0, so s = proj2([0, cond])
+    y    = per-pixel features: y_embedder_x(cond) (32 per pixel), DCT position features, x = 0
+    out  = final_layer(dec_net(x_embedder(y), s))            # 3 adaLN MLP blocks per pixel, RMSNorm, linear
+    image = fold(out)                                        # 16x16 pixels per latent position
+
+**The t = 0 fold.** A DiCo block's adaLN modulation ``(shift, scale, gate) x 2 = adaLN(t_embedder(0))``
+is one constant per block. :meth:`MageVAEModel.fold_t0` computes it once, after loading, and folds it
+into the block's 1x1 convolutions (exact algebra, float rounding aside), since every modulation sits
+next to a pointwise convolution::
+
+    conv1(n * (1 + scale) + shift) = (W1 diag(1 + scale)) n + (W1 shift + b1)
+    inp + gate * conv3(h)          = inp + (diag(gate) W3) h + gate * b3
+
+The folded block then has the form of the encoder's head blocks (no modulation; plain LayerNorms), and ``t_embedder``
+and ``adaLN_modulation`` are dropped (~37M parameters). The per-pixel MLP blocks' adaLN is *not*
+constant (it is conditioned on the per-position feature) and stays.
+
+**Global operations** (what a tiled executor must gather over the whole frame) are small separate
+functions: :func:`channel_means` / :func:`channel_gate` (every DiCo block's channel attention),
+:func:`group_norm_statistics` / :func:`group_norm_apply` (the CoD decoder's GroupNorms) and
+:func:`window_attention` (self-attention over a fixed 32x32-latent window grid anchored at the top-left,
+the last row/column of windows replicate-padded). Everything else is pointwise or a 3x3 convolution.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: Latent channels of the codec (FLUX.2's patchified latent) and its downsampling factor.
+MAGE_LATENT_CHANNELS = 128
+MAGE_PATCH = 16
+#: Every norm of the codec uses this epsilon; the CoD decoder's GroupNorms have 32 groups.
+NORM_EPS = 1e-6
+GROUPS = 32
+
+
+@dataclass(frozen=True)
+class MageVAEConfig:
+    """Widths and depths; the defaults are the released codec. Tests build narrow ones."""
+
+    hidden: int = 384  # DiCo width of both sides, CoD decoder width
+    encoder_head: int = 768  # width of the encoder's patch embedding and head blocks
+    encoder_head_blocks: int = 2
+    encoder_blocks: int = 21
+    decoder_blocks: int = 21  # the denoiser's DiCo ("cond") blocks
+    pixel_width: int = 32  # per-pixel feature width of the decoder's MLP
+    pixel_blocks: int = 3  # adaLN MLP residual blocks per pixel (24 blocks - 21 cond blocks)
+    mlp_ratio: float = 4.0
+    dct_freqs: int = 8
+    attention_window: int = 32  # latent pixels per side of an attention window
+    timestep_features: int = 256
+
+
+def infer_config(shapes: dict[str, tuple[int, ...]]) -> MageVAEConfig:
+    """The :class:`MageVAEConfig` that ``shapes`` (flowlift names ``encoder.*`` / ``decoder.*``) were made with.
+
+    Widths and depths are read from the tensors; ``attention_window`` leaves no trace in the weights and
+    keeps the released 32. Missing tensors fall back to the released values (the strict load that follows
+    then names them).
+    """
+    base = MageVAEConfig()
+
+    def dim(key: str, axis: int, default: int) -> int:
+        shape = shapes.get(key)
+        return int(shape[axis]) if shape is not None and len(shape) > axis else default
+
+    def count(prefix: str, default: int) -> int:
+        found = {k[len(prefix) :].split(".", 1)[0] for k in shapes if k.startswith(prefix)}
+        return len(found) if found else default
+
+    side = "decoder" if any(k.startswith("decoder.") for k in shapes) else "encoder"
+    hidden = dim(f"{side}.blocks.0.conv1.weight", 0, base.hidden)
+    pixel_width = dim("decoder.dec_net.input_proj.weight", 0, base.pixel_width)
+    x_in = dim("decoder.x_embedder.embedder.0.weight", 1, 3 + pixel_width + base.dct_freqs**2)
+    return MageVAEConfig(
+        hidden=hidden,
+        encoder_head=dim("encoder.patch_cond_embed.weight", 0, base.encoder_head),
+        encoder_head_blocks=count("encoder.head_blocks.", base.encoder_head_blocks),
+        encoder_blocks=count("encoder.blocks.", base.encoder_blocks),
+        decoder_blocks=count("decoder.blocks.", base.decoder_blocks),
+        pixel_width=pixel_width,
+        pixel_blocks=count("decoder.dec_net.res_blocks.", base.pixel_blocks),
+        mlp_ratio=dim(f"{side}.blocks.0.conv4.weight", 0, int(base.mlp_ratio * hidden)) / hidden,
+        dct_freqs=max(1, round(math.sqrt(max(x_in - 3 - pixel_width, 1)))),
+        timestep_features=dim(f"{side}.t_embedder.mlp.0.weight", 1, base.timestep_features),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Small pure functions (the global ones are what a tiled executor calls)
+# --------------------------------------------------------------------------------------------------
+
+
+def layer_norm_2d(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """LayerNorm over channels at every pixel of (B, C, H, W): ``(x - mean_c) / sqrt(var_c + 1e-6) * w + b``."""
+    y = F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), weight, bias, NORM_EPS)
+    return y.permute(0, 3, 1, 2)
+
+
+def channel_means(x: torch.Tensor) -> torch.Tensor:
+    """Global average over the frame, (B, C, H, W) -> (B, C, 1, 1): the only global input of a DiCo block.
+
+    A tiled executor sums each tile's ``x.sum((2, 3))`` and divides by ``H * W``.
+    """
+    return x.mean(dim=(2, 3), keepdim=True)
+
+
+def channel_gate(means: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+    """Channel attention weights ``sigmoid(conv1x1(means))``, (B, C, 1, 1)."""
+    return torch.sigmoid(conv(means))
+
+
+def group_norm_statistics(x: torch.Tensor, groups: int = GROUPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (sample, group) mean and ``1 / sqrt(var + 1e-6)`` over the whole frame, each (B, groups).
+
+    Computed in float32 (biased variance, as GroupNorm). A tiled executor gathers the per-group sums
+    of ``x`` and ``x**2`` instead (a first pass) and finishes with the same formula.
+    """
+    b, c = x.shape[:2]
+    grouped = x.reshape(b, groups, -1).float()
+    var, mean = torch.var_mean(grouped, dim=2, unbiased=False)
+    return mean, torch.rsqrt(var + NORM_EPS)
+
+
+def group_norm_apply(
+    x: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """``(x - mean_g) * inv_std_g * weight_c + bias_c`` with group statistics from :func:`group_norm_statistics`.
+
+    Pointwise given the statistics, so it runs on any tile of the frame.
+    """
+    b, c = x.shape[:2]
+    groups = mean.shape[1]
+    scale = inv_std.repeat_interleave(c // groups, dim=1) * weight.float()  # (B, C)
+    shift = bias.float() - mean.repeat_interleave(c // groups, dim=1) * scale
+    return (x.float() * scale[:, :, None, None] + shift[:, :, None, None]).to(x.dtype)
+
+
+def group_norm(x: torch.Tensor, norm: nn.GroupNorm) -> torch.Tensor:
+    """Whole-frame GroupNorm: :func:`group_norm_statistics` then :func:`group_norm_apply`."""
+    mean, inv_std = group_norm_statistics(x, norm.num_groups)
+    return group_norm_apply(x, mean, inv_std, norm.weight, norm.bias)
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """Single-head softmax attention inside each ``window x window`` cell of a grid anchored at (0, 0).
+
+    q, k, v: (B, C, H, W). Sides that are not multiples of ``window`` are first padded at the bottom
+    and right by repeating the last row / column (those padded keys *take part* in the edge windows'
+    softmax, as in the reference), and the output is cropped back. Scale ``C ** -0.5``. Each window
+    is independent: a tile aligned to the grid that holds whole windows computes them exactly.
+    """
+    b, c, h, w = q.shape
+    pad_h, pad_w = -h % window, -w % window
+    if pad_h or pad_w:
+        q, k, v = (F.pad(t, (0, pad_w, 0, pad_h), mode="replicate") for t in (q, k, v))
+    rows, cols = (h + pad_h) // window, (w + pad_w) // window
+
+    def to_windows(t: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B * cells, window², C)
+        t = t.reshape(b, c, rows, window, cols, window).permute(0, 2, 4, 3, 5, 1)
+        return t.reshape(b * rows * cols, window * window, c)
+
+    out = F.scaled_dot_product_attention(to_windows(q), to_windows(k), to_windows(v))
+    out = out.reshape(b, rows, cols, window, window, c).permute(0, 5, 1, 3, 2, 4)
+    return out.reshape(b, c, rows * window, cols * window)[:, :, :h, :w]
+
+
+def timestep_features(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal features ``[cos(t f_i), sin(t f_i)]`` with ``f_i = max_period ** (-i / (dim/2))``.
+
+    At t = 0 this is ``dim/2`` ones then ``dim/2`` zeros.
+    """
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+def dct_position_features(patch: int, freqs: int, *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """DCT features of the ``patch x patch`` pixel positions inside a patch, (patch², freqs²).
+
+    For pixel (y, x) with ``py = y / (patch - 1)``, ``px = x / (patch - 1)`` and frequencies
+    ``f_0..f_{n-1} = linspace(0, n, n)`` (so 0 .. n, not 0 .. n-1), feature ``i * n + j`` is
+    ``cos(pi px f_i) cos(pi py f_j) / (1 + f_i f_j)``. Positions are row-major (``y * patch + x``).
+    """
+    pos = torch.linspace(0, 1, patch, dtype=torch.float32, device=device)
+    pos_y, pos_x = torch.meshgrid(pos, pos, indexing="ij")
+    f = torch.linspace(0, freqs, freqs, dtype=torch.float32, device=device)
+    cos_x = torch.cos(pos_x.reshape(-1, 1, 1) * f[None, :, None] * math.pi)  # (P², n, 1)
+    cos_y = torch.cos(pos_y.reshape(-1, 1, 1) * f[None, None, :] * math.pi)  # (P², 1, n)
+    weight = 1.0 / (1.0 + f[:, None] * f[None, :])
+    return (cos_x * cos_y * weight).reshape(patch * patch, freqs * freqs).to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x²) + 1e-6)`` over the last dim, computed in float32."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + NORM_EPS)).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Blocks
+# --------------------------------------------------------------------------------------------------
+
+
+class TimestepEmbedder(nn.Module):
+    """``mlp(timestep_features(t))``: Linear(256 -> C), SiLU, Linear(C -> C). Used only to fold t = 0."""
+
+    def __init__(self, hidden: int, features: int = 256) -> None:
+        super().__init__()
+        self.features = features
+        self.mlp = nn.Sequential(nn.Linear(features, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        return self.mlp(timestep_features(t, self.features).to(self.mlp[0].weight.dtype))
+
+
+class DiCoBlock(nn.Module):
+    """Depthwise-conv block with channel attention; ``modulated`` blocks carry adaLN until folded.
+
+    Folded (or unmodulated) form, on (B, C, H, W)::
+
+        h = conv3(a * gate),  a = gelu(dwconv3x3(conv1(norm1(x)))),  gate = channel_gate(channel_means(a))
+        x = x + h
+        x = x + conv5(gelu(conv4(norm2(x))))
+
+    The encoder's head blocks have affine LayerNorms; modulated blocks have plain ones, and their
+    ``adaLN_modulation`` (SiLU, Linear(C -> 6C)) gives shift/scale/gate for each half, folded by
+    :meth:`fold_modulation`.
+    """
+
+    def __init__(self, channels: int, mlp_ratio: float, *, modulated: bool) -> None:
+        super().__init__()
+        ffn = int(mlp_ratio * channels)
+        self.conv1 = nn.Conv2d(channels, channels, 1)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+        self.conv3 = nn.Conv2d(channels, channels, 1)
+        # Index 1 of the released Sequential (pool, conv, sigmoid); the pool and sigmoid are channel_gate.
+        self.ca = nn.Sequential(nn.Identity(), nn.Conv2d(channels, channels, 1))
+        self.conv4 = nn.Conv2d(channels, ffn, 1)
+        self.conv5 = nn.Conv2d(ffn, channels, 1)
+        self.norm1 = nn.LayerNorm(channels, eps=NORM_EPS, elementwise_affine=not modulated)
+        self.norm2 = nn.LayerNorm(channels, eps=NORM_EPS, elementwise_affine=not modulated)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 6 * channels)) if modulated else None
+
+    @torch.no_grad()
+    def fold_modulation(self, c: torch.Tensor) -> None:
+        """Fold ``adaLN_modulation(c)`` (c: (1, C), the t = 0 embedding) into conv1/conv3/conv4/conv5."""
+        if self.adaLN_modulation is None:
+            return
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c)[0].chunk(6)
+        _fold_input_affine(self.conv1, 1 + scale1, shift1)
+        _fold_output_scale(self.conv3, gate1)
+        _fold_input_affine(self.conv4, 1 + scale2, shift2)
+        _fold_output_scale(self.conv5, gate2)
+        self.adaLN_modulation = None
+
+    def attention_half(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's first residual branch, split around its one global operation."""
+        a = self.branch_pre_gate(x)
+        return self.conv3(a * channel_gate(channel_means(a), self.ca[1]))
+
+    def branch_pre_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """``gelu(dwconv(conv1(norm1(x))))``: local (a 3x3 halo); its channel means feed the gate."""
+        return F.gelu(self.conv2(self.conv1(layer_norm_2d(x, self.norm1.weight, self.norm1.bias))))
+
+    def mlp_half(self, x: torch.Tensor) -> torch.Tensor:
+        """The second residual branch, pointwise."""
+        return self.conv5(F.gelu(self.conv4(layer_norm_2d(x, self.norm2.weight, self.norm2.bias))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.adaLN_modulation is not None:
+            raise RuntimeError("DiCoBlock: call MageVAEModel.fold_t0() after loading, before running")
+        x = x + self.attention_half(x)
+        return x + self.mlp_half(x)
+
+
+def _fold_input_affine(conv: nn.Conv2d, scale: torch.Tensor, shift: torch.Tensor) -> None:
+    """conv1x1(x * scale + shift) == conv'(x): W' = W diag(scale), b' = b + W shift."""
+    w = conv.weight[:, :, 0, 0]
+    conv.bias.add_(w.float().matmul(shift.float()).to(conv.bias.dtype))
+    conv.weight.mul_(scale.to(conv.weight.dtype)[None, :, None, None])
+
+
+def _fold_output_scale(conv: nn.Conv2d, gate: torch.Tensor) -> None:
+    """gate * conv1x1(x) == conv'(x): W' = diag(gate) W, b' = gate * b."""
+    conv.weight.mul_(gate.to(conv.weight.dtype)[:, None, None, None])
+    conv.bias.mul_(gate.to(conv.bias.dtype))
+
+
+class ResnetBlock(nn.Module):
+    """``x + conv2(silu(GN(conv1(silu(GN(x))))))`` with 3x3 convolutions and 32-group GroupNorms."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.norm1 = nn.GroupNorm(GROUPS, channels, eps=NORM_EPS)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm2 = nn.GroupNorm(GROUPS, channels, eps=NORM_EPS)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(group_norm(x, self.norm1)))
+        return x + self.conv2(F.silu(group_norm(h, self.norm2)))
+
+
+class WindowAttentionBlock(nn.Module):
+    """``x + proj_out(window_attention(q(GN(x)), k(GN(x)), v(GN(x))))`` with 1x1 projections."""
+
+    def __init__(self, channels: int, window: int) -> None:
+        super().__init__()
+        self.window = window
+        self.norm = nn.GroupNorm(GROUPS, channels, eps=NORM_EPS)
+        self.q = nn.Conv2d(channels, channels, 1)
+        self.k = nn.Conv2d(channels, channels, 1)
+        self.v = nn.Conv2d(channels, channels, 1)
+        self.proj_out = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = group_norm(x, self.norm)
+        return x + self.proj_out(window_attention(self.q(h), self.k(h), self.v(h), self.window))
+
+
+class CoDDecoder(nn.Module):
+    """Latent (B, 128, h, w) -> conditioning features (B, C, h, w): conv, R A R A R, GN, SiLU, conv."""
+
+    def __init__(self, channels: int, window: int) -> None:
+        super().__init__()
+        self.conv_in = nn.Conv2d(MAGE_LATENT_CHANNELS, channels, 3, padding=1)
+        self.block = nn.Sequential(
+            ResnetBlock(channels),
+            WindowAttentionBlock(channels, window),
+            ResnetBlock(channels),
+            WindowAttentionBlock(channels, window),
+            ResnetBlock(channels),
+        )
+        self.norm_out = nn.GroupNorm(GROUPS, channels, eps=NORM_EPS)
+        self.conv_out = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        h = self.block(self.conv_in(z))
+        return self.conv_out(F.silu(group_norm(h, self.norm_out)))
+
+
+class _Holder(nn.Module):
+    """A named container, so that state-dict keys keep the released nesting (``y_embedder.decoder``)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Encoder
+# --------------------------------------------------------------------------------------------------
+
+
+class MageEncoder(nn.Module):
+    """``student.dconv_encoder``: image [-1, 1] (B, 3, H, W), sides multiples of 16 -> mean (B, 128, H/16, W/16)."""
+
+    def __init__(self, config: MageVAEConfig) -> None:
+        super().__init__()
+        c, head = config.hidden, config.encoder_head
+        self.patch_cond_embed = nn.Conv2d(3, head, MAGE_PATCH, stride=MAGE_PATCH)
+        self.head_blocks = nn.ModuleList(
+            DiCoBlock(head, config.mlp_ratio, modulated=False) for _ in range(config.encoder_head_blocks)
+        )
+        self.proj_down = nn.Conv2d(head, c, 1)
+        self.z_proj = nn.Conv2d(MAGE_LATENT_CHANNELS, c, 1)
+        self.fuse_proj = nn.Conv2d(2 * c, c, 1)
+        self.t_embedder: TimestepEmbedder | None = TimestepEmbedder(c, config.timestep_features)
+        self.blocks = nn.ModuleList(
+            DiCoBlock(c, config.mlp_ratio, modulated=True) for _ in range(config.encoder_blocks)
+        )
+        self.norm_out = nn.LayerNorm(c, eps=NORM_EPS)
+        self.proj_out = nn.Conv2d(c, 2 * MAGE_LATENT_CHANNELS, 1)
+
+    def stem(self, x: torch.Tensor) -> torch.Tensor:
+        """Patch embedding, head blocks, projection and the fuse with z_t = 0: (B, 3, H, W) -> (B, C, H/16, W/16).
+
+        ``fuse_proj([cond, z_proj(0)]) = W_cond cond + (W_z z_proj.bias + fuse_proj.bias)``.
+        """
+        cond = self.patch_cond_embed(x)
+        for block in self.head_blocks:
+            cond = block(cond)
+        cond = self.proj_down(cond)
+        c = cond.shape[1]
+        w_cond = self.fuse_proj.weight[:, :c]
+        w_zero = self.fuse_proj.weight[:, c:, 0, 0]
+        bias = self.fuse_proj.bias + w_zero.matmul(self.z_proj.bias)
+        return F.conv2d(cond, w_cond, bias)
+
+    def head(self, s: torch.Tensor) -> torch.Tensor:
+        """LayerNorm and the mean half of ``proj_out``: (B, C, h, w) -> (B, 128, h, w)."""
+        s = layer_norm_2d(s, self.norm_out.weight, self.norm_out.bias)
+        return F.conv2d(s, self.proj_out.weight[:MAGE_LATENT_CHANNELS], self.proj_out.bias[:MAGE_LATENT_CHANNELS])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.stem(x)
+        for block in self.blocks:
+            s = block(s)
+        return self.head(s)
+
+
+# --------------------------------------------------------------------------------------------------
+# Decoder
+# --------------------------------------------------------------------------------------------------
+
+
+class PixelResBlock(nn.Module):
+    """Per-pixel ``x + gate * mlp(LN(x) * (1 + scale) + shift)``, (shift, scale, gate) = Linear(SiLU(cond))."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.in_ln = nn.LayerNorm(channels, eps=NORM_EPS)
+        self.mlp = nn.Sequential(nn.Linear(channels, channels), nn.SiLU(), nn.Linear(channels, channels))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 3 * channels))
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        shift, scale, gate = self.adaLN_modulation(cond).chunk(3, dim=-1)
+        return x + gate * self.mlp(self.in_ln(x) * (1 + scale) + shift)
+
+
+class PixelMLP(nn.Module):
+    """``dec_net``: per-pixel features (N, P², c) conditioned on tokens (N, C) -> (N, P², c)."""
+
+    def __init__(self, config: MageVAEConfig) -> None:
+        super().__init__()
+        px = config.pixel_width
+        self.cond_embed = nn.Linear(config.hidden, MAGE_PATCH * MAGE_PATCH * px)
+        self.input_proj = nn.Linear(px, px)
+        self.res_blocks = nn.ModuleList(PixelResBlock(px) for _ in range(config.pixel_blocks))
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.input_proj(x)
+        cond = self.cond_embed(tokens).reshape(tokens.shape[0], MAGE_PATCH * MAGE_PATCH, -1)  # position-major
+        for block in self.res_blocks:
+            x = block(x, cond)
+        return x
+
+
+class MageDecoder(nn.Module):
+    """``pipeline``: the DConv denoiser with its CoD decoder; latent (B, 128, h, w) -> image [-1, 1] (B, 3, 16h, 16w).
+
+    ``s_embedder.proj1`` (the noise's patch embedding) and the noise channels of ``x_embedder`` act on
+    the zero noise only, so they are loaded but never computed.
+    """
+
+    def __init__(self, config: MageVAEConfig) -> None:
+        super().__init__()
+        c, px, p2 = config.hidden, config.pixel_width, MAGE_PATCH * MAGE_PATCH
+        self.dct_freqs = config.dct_freqs
+        self.t_embedder: TimestepEmbedder | None = TimestepEmbedder(c, config.timestep_features)
+        self.y_embedder_x = nn.Conv2d(c, px * p2, 1)
+        self.x_embedder = _Holder()
+        self.x_embedder.embedder = nn.Sequential(nn.Linear(3 + px + config.dct_freqs**2, px))
+        self.s_embedder = _Holder()
+        self.s_embedder.proj1 = nn.Conv2d(3, MAGE_LATENT_CHANNELS, MAGE_PATCH, stride=MAGE_PATCH, bias=False)
+        self.s_embedder.proj2 = nn.Conv2d(MAGE_LATENT_CHANNELS + c, c, 1)
+        self.blocks = nn.ModuleList(
+            DiCoBlock(c, config.mlp_ratio, modulated=True) for _ in range(config.decoder_blocks)
+        )
+        self.dec_net = PixelMLP(config)
+        self.final_layer = _Holder()
+        self.final_layer.norm = _Holder()
+        self.final_layer.norm.weight = nn.Parameter(torch.ones(px))
+        self.final_layer.linear = nn.Linear(px, 3)
+        self.y_embedder = _Holder()
+        self.y_embedder.decoder = CoDDecoder(c, config.attention_window)
+
+    def tokens_in(self, cond: torch.Tensor) -> torch.Tensor:
+        """``s_embedder(0, cond) = proj2([proj1(0), cond]) = W2[:, 128:] cond + b2``."""
+        proj2 = self.s_embedder.proj2
+        return F.conv2d(cond, proj2.weight[:, MAGE_LATENT_CHANNELS:], proj2.bias)
+
+    def pixel_features(self, cond: torch.Tensor) -> torch.Tensor:
+        """``x_embedder([0, y_embedder_x(cond), dct])`` per pixel: (B, C, h, w) -> (B*h*w, 256, c).
+
+        The zero-noise columns of the linear layer drop out; the DCT part is one (256, c) constant.
+        """
+        b, _, h, w = cond.shape
+        p2 = MAGE_PATCH * MAGE_PATCH
+        linear = self.x_embedder.embedder[0]
+        px = self.y_embedder_x.out_channels // p2
+        y = self.y_embedder_x(cond)  # (B, px * 256, h, w), channel-major: k * 256 + position
+        y = y.reshape(b, px, p2, h * w).permute(0, 3, 2, 1).reshape(b * h * w, p2, px)
+        dct = dct_position_features(MAGE_PATCH, self.dct_freqs, device=cond.device, dtype=cond.dtype)
+        constant = F.linear(dct, linear.weight[:, 3 + px :], linear.bias)  # (256, c)
+        return F.linear(y, linear.weight[:, 3 : 3 + px]) + constant
+
+    def pixels_out(self, x: torch.Tensor, b: int, h: int, w: int) -> torch.Tensor:
+        """RMSNorm, linear to RGB and fold: (B*h*w, 256, c) -> (B, 3, 16h, 16w)."""
+        rgb = self.final_layer.linear(rms_norm(x, self.final_layer.norm.weight))  # (B*h*w, 256, 3)
+        rgb = rgb.reshape(b, h, w, MAGE_PATCH, MAGE_PATCH, 3).permute(0, 5, 1, 3, 2, 4)
+        return rgb.reshape(b, 3, h * MAGE_PATCH, w * MAGE_PATCH)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = z.shape
+        cond = self.y_embedder.decoder(z)
+        s = self.tokens_in(cond)
+        for block in self.blocks:
+            s = block(s)
+        tokens = s.permute(0, 2, 3, 1).reshape(b * h * w, -1)
+        x = self.dec_net(self.pixel_features(cond), tokens)
+        return self.pixels_out(x, b, h, w)
+
+
+# --------------------------------------------------------------------------------------------------
+# The codec
+# --------------------------------------------------------------------------------------------------
+
+
+class MageVAEModel(nn.Module):
+    """Encoder and/or decoder of Mage-VAE. Load the released weights, then :meth:`fold_t0` once."""
+
+    def __init__(self, config: MageVAEConfig | None = None, *, encoder: bool = True, decoder: bool = True) -> None:
+        super().__init__()
+        self.config = config or MageVAEConfig()
+        self.encoder = MageEncoder(self.config) if encoder else None
+        self.decoder = MageDecoder(self.config) if decoder else None
+        self.folded = False
+
+    @torch.no_grad()
+    def fold_t0(self) -> MageVAEModel:
+        """Fold every DiCo block's t = 0 adaLN modulation into its convolutions; drop the timestep MLPs."""
+        for part in (self.encoder, self.decoder):
+            if part is None or part.t_embedder is None:
+                continue
+            embedder = part.t_embedder
+            c = embedder(torch.zeros(1, device=embedder.mlp[0].weight.device))
+            for block in part.blocks:
+                block.fold_modulation(c)
+            part.t_embedder = None
+        self.folded = True
+        return self
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        """Images [-1, 1] (B, 3, H, W), sides multiples of 16 -> posterior mean (B, 128, H/16, W/16)."""
+        if self.encoder is None:
+            raise RuntimeError("this Mage-VAE has no encoder")
+        return self.encoder(images)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents (B, 128, h, w) -> images in about [-1, 1] (B, 3, 16h, 16w), unclamped."""
+        if self.decoder is None:
+            raise RuntimeError("this Mage-VAE has no decoder")
+        return self.decoder(latents)

@@ -1,0 +1,105 @@
+"""Mage-VAE files in the released layout: recognising them and loading them strictly into :class:`MageVAE`.
+
+The released single file holds ``student.dconv_encoder.*`` (the encoder) and ``pipeline.*`` (the DConv
+denoiser and its CoD decoder ``pipeline.y_embedder.decoder.*``); ``pipeline.y_embedder.encoder.*`` and
+``pipeline.y_embedder.bottleneck.*`` are a FLUX.2-VAE encoder side the codec never runs and are skipped.
+flowlift's module names are the released ones with the prefixes ``encoder.`` / ``decoder.``, so the
+mapping is a prefix swap, and every error names the tensor in the file's own spelling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from flowlift.errors import FlowliftError
+from flowlift.models.vae import MageVAE
+
+#: Prefixes of the released Mage-VAE file and the flowlift module each maps to.
+MAGE_ENCODER_PREFIX = "student.dconv_encoder."
+MAGE_DECODER_PREFIX = "pipeline."
+#: The FLUX.2-VAE encoder side stored with the decoder, which inference never uses: skipped.
+MAGE_SKIPPED_PREFIXES = ("pipeline.y_embedder.encoder.", "pipeline.y_embedder.bottleneck.")
+
+
+def is_mage_vae(state: Mapping[str, torch.Tensor]) -> bool:
+    """True when ``state`` has the released Mage-VAE layout (``student.dconv_encoder.*`` / ``pipeline.*``)."""
+    return any(k.startswith((MAGE_ENCODER_PREFIX, MAGE_DECODER_PREFIX)) for k in state)
+
+
+def _released_name(flowlift_key: str) -> str:
+    if flowlift_key.startswith("encoder."):
+        return MAGE_ENCODER_PREFIX + flowlift_key.removeprefix("encoder.")
+    return MAGE_DECODER_PREFIX + flowlift_key.removeprefix("decoder.")
+
+
+def _flowlift_name(released_key: str) -> str | None:
+    if released_key.startswith(MAGE_ENCODER_PREFIX):
+        return "encoder." + released_key.removeprefix(MAGE_ENCODER_PREFIX)
+    if released_key.startswith(MAGE_DECODER_PREFIX):
+        return "decoder." + released_key.removeprefix(MAGE_DECODER_PREFIX)
+    return None
+
+
+def mage_from_state_dict(
+    state: Mapping[str, torch.Tensor],
+    *,
+    origin: str = "",
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    config: Any = None,
+) -> MageVAE:
+    """Build a :class:`MageVAE` from a state dict in the released layout, strictly.
+
+    ``pipeline.y_embedder.encoder.*`` / ``pipeline.y_embedder.bottleneck.*`` are skipped; every other
+    tensor must be one of the architecture's (named in the released spelling when it is not, is
+    missing or has another shape). No ``student.dconv_encoder.*`` tensor at all gives a decode-only
+    VAE; no ``pipeline.*`` tensor is an error (flowlift needs the decoder). Weights load in float32,
+    the t = 0 adaLN fold runs in float32, then the model moves to ``device`` / ``dtype``.
+    """
+    from flowlift.models.mage_vae import MageVAEConfig, MageVAEModel, infer_config
+    from flowlift.models.weights import check_finite_state, state_dict_mismatch
+
+    source = f" from {origin}" if origin else ""
+    kept = {k: v for k, v in state.items() if not k.startswith(MAGE_SKIPPED_PREFIXES)}
+    has_encoder = any(k.startswith(MAGE_ENCODER_PREFIX) for k in kept)
+    if not any(k.startswith(MAGE_DECODER_PREFIX) for k in kept):
+        raise FlowliftError(
+            f"Mage-VAE weights{source} hold no decoder (no pipeline.* tensors besides the skipped ones)"
+        )
+    shapes = {name: tuple(v.shape) for k, v in kept.items() if (name := _flowlift_name(k)) is not None}
+    try:
+        with torch.device("meta"):
+            skeleton = MageVAEModel(config or infer_config(shapes), encoder=has_encoder, decoder=True)
+    except (ValueError, RuntimeError, ZeroDivisionError):
+        # Widths that fit no GroupNorm (a damaged file): compare with the released widths, naming tensors.
+        with torch.device("meta"):
+            skeleton = MageVAEModel(MageVAEConfig(), encoder=has_encoder, decoder=True)
+    expected = {_released_name(k): v for k, v in skeleton.state_dict().items()}
+    problem = state_dict_mismatch(_Shapes(expected), kept)
+    bad = next((k for k, v in kept.items() if not v.is_floating_point()), None)
+    if problem is None and bad is not None:
+        problem = f"`{bad}` has dtype {str(kept[bad].dtype).removeprefix('torch.')}, expected floating point"
+    if problem:
+        raise FlowliftError(f"Mage-VAE weights{source} do not match the architecture: {problem}")
+    # Float32 copies: the t = 0 fold below works in place and must not change the caller's tensors (and
+    # the finiteness check is several times faster on float32 than on a bf16 file's tensors).
+    tensors = {k: v.to(torch.float32, copy=True) for k, v in kept.items()}
+    check_finite_state(tensors, what="Mage-VAE weights", origin=origin)
+    # The meta skeleton takes the tensors as they are (no random init of ~140M parameters).
+    skeleton.load_state_dict({_flowlift_name(k): v for k, v in tensors.items()}, strict=True, assign=True)
+    model = skeleton.fold_t0()
+    return MageVAE(model.to(device=device, dtype=dtype), origin=origin)
+
+
+class _Shapes(torch.nn.Module):
+    """A stand-in whose ``state_dict()`` is a given {name: tensor} map, for :func:`state_dict_mismatch`."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._tensors = dict(tensors)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return self._tensors
