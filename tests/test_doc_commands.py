@@ -150,6 +150,9 @@ SKIP: dict[str, str] = {
     "flowlift upscale --seed": FRAGMENT,
     "flowlift upscale --dtype auto": FRAGMENT,
     "flowlift upscale --compile": FRAGMENT,
+    "flowlift upscale --vae mage_vae.safetensors": FRAGMENT,
+    "flowlift upscale photo.png --scale 2 --vae mage -o out/":
+        f"the Mage-VAE: {NEEDS_WEIGHTS}; tests/test_mage_vae.py runs random ones",
     "flowlift img2img --tile-size 32 --tile-overlap 16": FRAGMENT,
     "flowlift launch --nproc-per-node 8 -- upscale photos/ -o out/ --scale 4 --vae taef2": MANY_RANKS,
     "flowlift launch --nproc-per-node 8 -- eval --run lanczos,flow --dataset photos/ --scale 4 --vae taef2 "
