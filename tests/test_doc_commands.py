@@ -185,7 +185,7 @@ def small_shared(real: Path, root: Path) -> Path:
     for sub, names in (("kodak", ("kodim03", "kodim23")), ("photos", ("kodim07", "kodim19"))):
         (folder / "images" / sub).mkdir(parents=True)
         for name in names:
-            kodak_crop(name, (128, 96)).save(folder / "images" / sub / f"{name}.png")  # small: a short run
+            kodak_crop(name).save(folder / "images" / sub / f"{name}.png")  # small (bands needs a 32x24 latent)
     (folder / "models").mkdir()
     (folder / "models" / "taef2").symlink_to(real / "models" / "taef2")
     return folder
