@@ -62,9 +62,15 @@ THUMBNAIL_SOURCES = {
     "image_upscale_4x_taef2": ("kodim05.png", (128, 0, 640, 512)),
     "flux2_latent_upscale_4x": ("kodim23.png", (128, 0, 640, 512)),
     "color_fix": ("kodim15.png", (128, 0, 640, 512)),
+    "flux2_klein_tiled_refine_4x": ("kodim13.png", (128, 0, 640, 512)),
 }
+#: Workflows whose FLUX.2 transformer has no weights here (Klein, its Qwen3 text encoder): the thumbnail run is
+#: their flowlift stage alone on a Kodak image (TAEF2 encode -> the workflow's Flow Upscale Latent -> decode).
+TRANSFORMER_LOADERS = ("UNETLoader", "CLIPLoader")
 THUMBNAIL_INPUT = 128  # px a side; 4x gives a 512 px thumbnail
 WINDOW = (2000, 1100)
+#: Core nodes whose seed a template saves at "fixed" (flowlift's own nodes start there by themselves).
+FIXED_SEED_NODES = ("KSampler",)
 UUID_NAMESPACE = uuid.UUID("5b0e5a4e-3c1f-4f53-9a3e-0f1ee7f10f7e")
 
 
@@ -141,6 +147,10 @@ def ui_workflow(driver, api: dict, name: str) -> dict:
     for node in graph["nodes"]:
         node["pos"] = list(positions[node["id"]])
         node["size"] = list(sizes[node["id"]])
+    for node in graph["nodes"]:
+        if node["type"] in FIXED_SEED_NODES:  # a template runs again as saved ("control after generate": fixed)
+            values = node["widgets_values"]
+            values[values.index("randomize")] = "fixed"
     graph["id"] = str(uuid.uuid5(UUID_NAMESPACE, name))  # a stable id per template (the API loader leaves zeros)
     graph["extra"] = {**graph.get("extra", {}), "ds": {"scale": 1, "offset": [0, 0]}}
     return graph
@@ -169,8 +179,28 @@ def write_thumbnail_inputs(root: Path, shared: Path, upscaler: Path | None) -> N
             Image.fromarray(drifted).save(root / "input" / "thumb_color_fix_2x.png")
 
 
+def upscale_stage(api: dict) -> dict:
+    """A workflow's Flow Upscale Latent node between TAEF2's encode (of a Load Image) and decode, saved."""
+    (key,) = [key for key, node in api.items() if node["class_type"] == "FlowliftUpscaleLatent"]
+    upscale = json.loads(json.dumps(api[key]))
+    loader = api[upscale["inputs"]["upscaler"][0]]
+    upscale["inputs"] |= {"upscaler": ["2", 0], "samples": ["4", 0]}
+    return {
+        "1": {"class_type": "LoadImage", "inputs": {"image": "example.png"}},
+        "2": loader,
+        "3": {"class_type": "FlowliftTAEF2Loader", "inputs": {"taef2_name": "taef2_encoder.pth"}},
+        "4": {"class_type": "VAEEncode", "inputs": {"pixels": ["1", 0], "vae": ["3", 0]}},
+        "5": upscale,
+        "6": {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["3", 0]}},
+        "7": {"class_type": "SaveImage", "inputs": {"images": ["6", 0], "filename_prefix": "thumbnails/stage"}},
+    }
+
+
 def thumbnail_run(api: dict, name: str) -> tuple[dict, str]:
-    """The API workflow pointed at the thumbnail inputs (TAEF2 for the FLUX.2 VAE); returns it and its Save node."""
+    """The API workflow pointed at the thumbnail inputs (TAEF2 for the FLUX.2 VAE; only the flowlift stage where
+    the transformer has no weights here, :data:`TRANSFORMER_LOADERS`); returns it and its Save node."""
+    if any(node["class_type"] in TRANSFORMER_LOADERS for node in api.values()):
+        api = upscale_stage(api)
     workflow = json.loads(json.dumps(api))
     for node in workflow.values():
         if node["class_type"] == "LoadImage":
@@ -221,10 +251,13 @@ def main() -> None:
                 print(f"wrote {DOCS / 'comfyui_templates.png'}")
                 for name in apis:
                     ui.open_template(driver, PACK_NAME, name)
+                    width, height = ui.show_at_100_percent(driver)
+                    driver.set_window_size(max(WINDOW[0], width + 250), max(WINDOW[1], height + 300))  # all of it
                     time.sleep(1)
                     out = DOCS / ("comfyui_workflow.png" if name == "flux2_latent_upscale_4x" else
                                   f"comfyui_workflow_{name}.png")
                     driver.save_screenshot(str(out))
+                    driver.set_window_size(*WINDOW)
                     print(f"wrote {out}")
 
 

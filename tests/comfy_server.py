@@ -43,6 +43,12 @@ PROMPT_TIMEOUT_S = 240
 IMAGE_W, IMAGE_H = 48, 32
 #: The input of the long runs that are interrupted (8x: 2048x1536 out; a plain last pass takes seconds).
 BIG_W, BIG_H = 256, 192
+#: The tiled refine tests' FLUX.2 latent: 128x192 px (ComfyUI's layout, 16 px per latent pixel).
+REFINE_LATENT = (1, 128, 8, 12)
+#: The FLUX.2 Klein files the tiled refine template names (no weights here: empty stand-ins, never loaded).
+KLEIN_FILES = (("diffusion_models", "flux-2-klein-4b.safetensors"), ("text_encoders", "qwen_3_4b.safetensors"))
+#: Test-only nodes (the tiny FLUX.2 built from ComfyUI's own classes), linked in with ``test_nodes=True``.
+TEST_NODES = Path(__file__).resolve().parent / "comfy_test_nodes"
 
 
 def random_upscaler(base: int, seed: int) -> FlowUpscalerUNet:
@@ -162,6 +168,9 @@ def write_models_and_inputs(root: Path, shared: Path) -> None:
     (models / "latent_upscale_models" / "corrupt.safetensors").write_bytes(b"\x17not a safetensors file" * 8)
     for name in ("taef2_encoder.pth", "taef2_decoder.pth"):
         shutil.copy(shared / "models" / "taef2" / name, models / "vae_approx" / name)
+    for folder, name in KLEIN_FILES:  # listed so that the Klein template's loaders show their files; never loaded
+        (models / folder).mkdir(parents=True, exist_ok=True)
+        (models / folder / name).write_bytes(b"")
     source = Image.open(shared / "images" / "kodak" / "kodim23.png").convert("RGB")
     example = source.crop((300, 150, 300 + 4 * IMAGE_W, 150 + 4 * IMAGE_H)).resize((IMAGE_W, IMAGE_H), Image.LANCZOS)
     example.save(inputs / "example.png")
@@ -172,7 +181,8 @@ def write_models_and_inputs(root: Path, shared: Path) -> None:
     example.resize((IMAGE_W - 3, IMAGE_H)).save(inputs / "odd_size.png")
     source.resize((BIG_W, BIG_H), Image.LANCZOS).save(inputs / "big.png")
     gen = torch.Generator().manual_seed(5)
-    for name, shape in (("big_flux2.latent", (1, 128, 48, 48)), ("sd15.latent", (1, 4, 8, 8))):
+    shapes = (("big_flux2.latent", (1, 128, 48, 48)), ("sd15.latent", (1, 4, 8, 8)), ("refine.latent", REFINE_LATENT))
+    for name, shape in shapes:
         latent = {"latent_tensor": torch.randn(shape, generator=gen), "latent_format_version_0": torch.tensor([])}
         save_file(latent, str(inputs / name))
 
@@ -194,11 +204,13 @@ def comfy_server(
     shared: Path,
     write_files: Callable[[Path, Path], None] = write_models_and_inputs,
     env: dict[str, str] | None = None,
+    test_nodes: bool = False,
 ) -> Iterator[ComfyServer]:
     """ComfyUI v0.8.0 in ``base/ComfyUI`` with this pack in custom_nodes/, serving on 127.0.0.1.
 
     ``write_files(root, shared)`` fills its model and input folders while the server starts (ComfyUI lists
-    folders when asked, not at start). The server's process group is stopped on exit, whatever happens.
+    folders when asked, not at start). ``test_nodes`` links the test-only nodes of :data:`TEST_NODES` in too.
+    The server's process group is stopped on exit, whatever happens.
     """
     python = comfy_python()  # builds the venv if CI did not (minutes, once)
     root = base / "ComfyUI"
@@ -208,6 +220,8 @@ def comfy_server(
     for folder in (root / "custom_nodes", inputs, *model_folders):
         folder.mkdir(parents=True, exist_ok=True)
     os.symlink(REPO_ROOT, root / "custom_nodes" / PACK_NAME, target_is_directory=True)
+    if test_nodes:
+        os.symlink(TEST_NODES, root / "custom_nodes" / "flowlift_test_nodes", target_is_directory=True)
     # A user's extra model folder: the pack must add to ComfyUI's folder entries, never replace them.
     (base / "extra_models" / "latent_upscale_models").mkdir(parents=True)
     (root / "extra_model_paths.yaml").write_text(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -106,9 +107,18 @@ def test_the_inputs_have_the_knob_tables_domain_and_default(server):
     workflow[key]["inputs"].update(seed=2**64 - 1, scale="2x")
     entry = server.wait(server.queue(workflow))
     assert entry["status"]["status_str"] == "success", entry["status"]
-    workflow[key]["inputs"]["seed"] = 2**64
-    with pytest.raises(AssertionError, match=r"(?s)HTTP 400: .*bigger than max of 18446744073709551615"):
-        server.queue(workflow)
+    # issue 36 class 10: ComfyUI's int() took 5.5 as 5 and true as 1; the seed rule of every door refuses them
+    # (the JSON doors' rule: digits and whole floats are the integer they spell)
+    rule = "FlowliftUpscaleImage: seed must be a non-negative integer at most 18446744073709551615"
+    for bad in (2**64, 5.5, True, False, -1, "5.5", "-1", str(2**64), "x", {"__value__": 5.5}):
+        workflow[key]["inputs"]["seed"] = bad
+        with pytest.raises(AssertionError, match=rf"(?s)HTTP 400: .*{re.escape(rule)}"):
+            server.queue(workflow)
+    for good in ("5", 5.0, 5):  # the same prompt three times: ComfyUI's cache answers the last two
+        workflow[key]["inputs"]["seed"] = good
+        entry = server.wait(server.queue(workflow))
+        assert entry["status"]["status_str"] == "success", entry["status"]
+        assert entry["prompt"][2][key]["inputs"]["seed"] == 5, entry["prompt"][2][key]
 
 
 def test_flux2_latent_workflow_equals_the_python_api(server):

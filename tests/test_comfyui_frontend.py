@@ -18,7 +18,7 @@ from PIL import Image
 import comfy_frontend as ui
 from comfy_server import PACK_NAME, WORKFLOWS, comfy_server
 
-WINDOW = (2100, 1200)
+WINDOW = (3100, 1200)  # the widest template (the Klein tiled refine) is ~2900 px at 100%
 NAMES = sorted(path.stem for path in WORKFLOWS.glob("*.json"))
 THUMBNAIL_SIZES = {name: Image.open(WORKFLOWS / f"{name}.jpg").size for name in NAMES}
 SEEDED = ("FlowliftUpscaleLatent", "FlowliftUpscaleImage")

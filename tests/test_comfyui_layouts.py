@@ -138,7 +138,7 @@ def api_copy(path: Path) -> dict:
 
 def test_every_ui_workflow_has_an_api_copy_with_the_same_graph():
     assert [p.name for p in UI_FILES] == sorted(p.name for p in (WORKFLOWS / "api").glob("*.json"))
-    assert len(UI_FILES) == 3
+    assert len(UI_FILES) == 4
     for path in UI_FILES:
         ui, api = json.loads(path.read_text()), api_copy(path)
         assert isinstance(ui["version"], (int, float)) and ui["version"] > 0, path.name
@@ -204,7 +204,7 @@ def test_ui_workflows_start_with_fixed_seeds():
                 values = node["widgets_values"]
                 assert values[widgets.index("seed") + 1] == "fixed", (path.name, node["type"], values)
                 found += 1
-    assert found == 2
+    assert found == 3
 
 
 def test_every_template_has_a_thumbnail_from_a_real_run():

@@ -149,3 +149,55 @@ def test_png_outputs_are_written_at_the_chosen_zlib_level(tmp_path, shared):
         expected[level] = buffer.getvalue()
     assert PNG_COMPRESS_LEVEL == 3 and expected[3] != expected[6]
     assert written == expected[PNG_COMPRESS_LEVEL]
+
+
+# ------------------------------------------------ issue 36, class 11: narrow images in bfloat16 on the CPU
+
+
+@pytest.mark.parametrize("shape", [(1, 32, 64, 2), (1, 32, 64, 1), (2, 32, 16, 2), (1, 32, 1024, 1), (1, 96, 33, 2)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_strided_convolution_one_column_wide_is_right_in_bf16(shape, channels_last):
+    """torch's CPU bf16 kernel returns garbage for a stride-2 convolution one output column wide (the
+    downsample of a 16 px wide image's latents); StridedConv2d equals the float32 convolution to bf16 rounding,
+    on every call."""
+    from flowlift.models.upscaler_unet import StridedConv2d
+
+    torch.manual_seed(0)
+    conv = StridedConv2d(shape[1], shape[1], 3, stride=2, padding=1)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        reference = torch.nn.functional.conv2d(x, conv.weight, conv.bias, 2, 1)
+        fast = conv.to(torch.bfloat16)
+        xb = x.bfloat16()
+        if channels_last:
+            fast, xb = fast.to(memory_format=torch.channels_last), xb.contiguous(memory_format=torch.channels_last)
+        for _ in range(3):
+            out = fast(xb)
+            assert out.dtype == torch.bfloat16 and out.shape == reference.shape
+            assert (out.float() - reference).abs().max() <= 0.02 * reference.abs().max() + 0.02
+
+
+def test_the_strided_conv_keeps_nn_conv2ds_state_dict():
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+
+    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64)
+    assert "down_stages.0.downsample.weight" in model.state_dict()
+    assert isinstance(model.down_stages[0].downsample, torch.nn.Conv2d)
+
+
+@pytest.mark.parametrize("size", [(16, 512), (16, 160), (1, 96), (3, 300), (32, 512)])
+def test_narrow_images_upscale_in_bf16_like_float32(native_bf16, tmp_path, shared, weights, size, single_thread_torch):
+    """`--dtype auto` (bf16 on a CPU with native bf16, forced here) on strips 1-32 px wide: written, and close to
+    float32 (was: "pass 1 produced non-finite latents", or finite garbage)."""
+    native_bf16(True)
+    Image.new("RGB", size, (120, 70, 30)).save(tmp_path / "in.png")
+    noise = torch.rand(size[1], size[0], 3) * 60
+    Image.fromarray((torch.tensor([120, 70, 30]) + noise).clamp(0, 255).byte().numpy()).save(tmp_path / "in.png")
+    common = ["--upscaler", str(weights), "--vae", str(shared / "models" / "taef2"), "--device", "cpu"]
+    pixels = {}
+    for dtype in ("auto", "float32"):
+        out = tmp_path / f"{dtype}.png"
+        assert main(["upscale", str(tmp_path / "in.png"), "-o", str(out), "--dtype", dtype, *common]) == 0
+        pixels[dtype] = torch.tensor(list(Image.open(out).getdata()), dtype=torch.float32)
+    assert read_metadata(tmp_path / "auto.png")["flowlift.parameters"]["dtype"] == "bfloat16"
+    assert (pixels["auto"] - pixels["float32"]).abs().mean() < 4

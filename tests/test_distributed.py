@@ -25,6 +25,9 @@ from flowlift.jobs.manifest import MANIFEST_NAME, Manifest, format_status, image
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: What the replace rule says of a folder where the manifest goes (files/atomic.py).
+FOLDER_AT_MANIFEST = "exists and is a folder, not a file flowlift wrote; remove it or choose another output"
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -390,7 +393,7 @@ def test_a_manifest_that_cannot_be_written_stops_every_rank_with_one_line(tmp_pa
     out = tmp_path / "out"
     (out / MANIFEST_NAME).mkdir(parents=True)
     result = run_torchrun(2, *upscale_args(inputs, out, shared, weights), cwd=tmp_path)
-    line = f"flowlift upscale: error: cannot use the job manifest {out / MANIFEST_NAME}: Is a directory"
+    line = f"flowlift upscale: error: {out / MANIFEST_NAME} {FOLDER_AT_MANIFEST}"
     # (compared as text: two ranks' lines on one pipe can interleave their newlines) torchrun stops the
     # group as soon as one rank exits 2, so the slower rank may say "interrupted" instead
     assert line in result.stderr, result.stderr[-3000:]
@@ -434,7 +437,7 @@ def test_launcher_exit_status_is_the_jobs_and_failed_images_are_not_restarted(tm
         env=worker_env(), capture_output=True, text=True, timeout=180, cwd=tmp_path,
     )  # fmt: skip
     assert refused.returncode == 2, refused.stderr[-3000:]
-    line = f"flowlift upscale: error: cannot use the job manifest {blocked / MANIFEST_NAME}: Is a directory"
+    line = f"flowlift upscale: error: {blocked / MANIFEST_NAME} {FOLDER_AT_MANIFEST}"
     # one line per rank, once: no restart, no traceback (as text: two ranks' newlines may interleave)
     assert refused.stderr.count(line) == 2 and not refused.stderr.replace(line, "").strip(), refused.stderr
 
@@ -508,12 +511,12 @@ def test_manifest_that_cannot_be_written_is_one_line(tmp_path):
 
     (tmp_path / MANIFEST_NAME).mkdir()
     blocked = Manifest(tmp_path)
-    assert blocked.writable_problem() == f"cannot use the job manifest {tmp_path / MANIFEST_NAME}: Is a directory"
-    with pytest.raises(FlowliftError, match="Is a directory"):
+    assert blocked.writable_problem() == f"{tmp_path / MANIFEST_NAME} {FOLDER_AT_MANIFEST}"
+    with pytest.raises(FlowliftError, match="is a folder"):
         blocked.write_record({"event": "summary"})
     with pytest.raises(FlowliftError, match="Is a directory"):
         blocked.records()
-    with pytest.raises(FlowliftError, match="Is a directory"):
+    with pytest.raises(FlowliftError, match="is a folder"):
         agree(DistEnv(), blocked.writable_problem())
     agree(DistEnv(), None)
     fresh = Manifest(tmp_path / "new" / "out")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -240,6 +241,20 @@ def test_the_fields_have_the_knob_tables_domain_and_default(server):
     assert item["status"] == "completed", item.get("error_message")
     with pytest.raises(AssertionError, match=r"(?s)HTTP 422: .*18446744073709551615"):  # the field's limit, named
         server.enqueue(graph({"up": upscale_image_node(server, "example.png", scale="2x", seed=2**64)}, []))
+    # issue 36 class 10: pydantic's int took `true` as 1; every seed field has the rule of every JSON door
+    rule = "seed must be a non-negative integer at most 18446744073709551615"
+    for node_type in ("flowlift_upscale_image", "flowlift_upscale_latents", "flowlift_tiled_flux2_denoise"):
+        for bad in (True, False, 5.5, -1, 2**64, "5.5", "x", None):
+            node = upscale_image_node(server, "example.png", scale="2x", seed=bad)
+            if node_type != "flowlift_upscale_image":
+                node = {"type": node_type, "seed": bad}
+            with pytest.raises(AssertionError, match=rf"(?s)HTTP 422: .*{re.escape(rule)}") as caught:
+                server.enqueue(graph({"up": node}, []))
+            assert f"got {bad!r}" in str(caught.value), (node_type, bad, str(caught.value)[:400])
+    for good in ("5", 5.0):  # digits and whole floats are the integer they spell, as at the web API
+        item = server.run(graph({"up": upscale_image_node(server, "example.png", scale="2x", seed=good)}, []))
+        assert item["status"] == "completed", item.get("error_message")
+        assert item["session"]["graph"]["nodes"]["up"]["seed"] == 5, item["session"]["graph"]["nodes"]["up"]
 
 
 def test_image_node_equals_the_pipeline_and_keeps_alpha(server, shared):

@@ -221,3 +221,25 @@ def test_tiled_denoise_loop_with_the_model_object_invokeai_hands_it():
     # the node's log line (a LatentsOutput carries no metadata)
     assert tiling_line((96, 128), record) == "128x96 px refined in 2x3 tiles of 64x64 px, overlap 32 px, 1 per call"
     assert tiling_line((96, 128), whole_record) == "128x96 px refined untiled (tile size 128)"
+
+
+@pytest.mark.parametrize(
+    ("sent", "expected"),
+    [("5", 5), ("5.0", 5), ('"5"', 5), ("18446744073709551615", 2**64 - 1), ("true", None), ("false", None),
+     ("5.5", None), ("-1", None), ('"-1"', None), ("18446744073709551616", None), ('"5.5"', None), ("null", None),
+     ("[5]", None)],
+)  # fmt: skip
+def test_the_seed_fields_take_the_seed_rule_before_pydantic(sent, expected):
+    """Issue 36 class 10: the nodes' seed type (``Seed``) in a pydantic model with the knob's bounds, as
+    ``knob_field`` declares it, fed the graph's JSON: pydantic's own int took ``true`` as 1."""
+    from pydantic import Field, ValidationError, create_model
+
+    from flowlift.knobs import SEED
+
+    node = create_model("Node", seed=(latents.Seed, Field(default=SEED.default, ge=SEED.low, le=SEED.high)))
+    if expected is None:
+        with pytest.raises(ValidationError, match="seed must be a non-negative integer at most 18446744073709551615"):
+            node.model_validate_json('{"seed": ' + sent + '}')
+    else:
+        got = node.model_validate_json('{"seed": ' + sent + '}').seed
+        assert got == expected and type(got) is int

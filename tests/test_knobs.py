@@ -267,6 +267,111 @@ def test_seed_2_64_is_one_error_line_on_the_app_the_nodes_and_the_api(tmp_path):
         assert "\n" not in str(info.value) and "18446744073709551616" in str(info.value)
 
 
+#: Seeds as a hostile client sends them (issue 36 class 10: ComfyUI took 5.5 as 5 and ``true`` as 1, InvokeAI
+#: ``true``), with what the JSON and text doors make of them (None: refused).
+SEED_VARIANTS = [
+    (5, 5), (0, 0), (2**64 - 1, 2**64 - 1), (2**53 + 1, 2**53 + 1), ("5", 5), (" 7 ", 7), (5.0, 5),
+    (5.5, None), (0.5, None), (True, None), (False, None), (-1, None), ("-1", None), (2**64, None),
+    (str(2**64), None), (2.0**64, None), (float("nan"), None), (float("inf"), None), ("5.5", None), ("x", None),
+    ("", None), (None, None), ([5], None), ({"seed": 5}, None),
+]  # fmt: skip
+
+
+def _comfyui_door(value):
+    """ComfyUI's POST /prompt handler on one FlowliftUpscaleLatent node, then ComfyUI's own ``int()``."""
+    from flowlift.comfyui.layouts import check_prompt_integers
+
+    request = {"prompt": {"5": {"class_type": "FlowliftUpscaleLatent", "inputs": {"seed": value, "scale": "2x"}}}}
+    seen = check_prompt_integers(request)["prompt"]["5"]["inputs"]["seed"]
+    if type(seen) is not int:
+        assert isinstance(seen, str) and seen.startswith("FlowliftUpscaleLatent: seed must be"), seen
+        with pytest.raises(ValueError):
+            int(seen)  # what ComfyUI then does with it: HTTP 400 carrying the line
+        raise FlowliftError(seen)
+    return seen
+
+
+def check_prompt_leaves_links_alone(link) -> bool:
+    from flowlift.comfyui.layouts import check_prompt_integers
+
+    request = {"prompt": {"5": {"class_type": "FlowliftUpscaleLatent", "inputs": {"seed": link}}}}
+    return check_prompt_integers(request)["prompt"]["5"]["inputs"]["seed"] is link
+
+
+def test_the_comfyui_prompt_check_unwraps_values_and_ignores_other_nodes_and_bodies():
+    from flowlift.comfyui.layouts import check_prompt_integers
+
+    request = {"prompt": {
+        "1": {"class_type": "FlowliftUpscaleImage", "inputs": {"seed": {"__value__": "9"}}},
+        "2": {"class_type": "FlowliftUpscaleImage", "inputs": {"seed": {"__value__": 9.5}}},
+        "3": {"class_type": "KSampler", "inputs": {"seed": 5.5}},  # not flowlift's: ComfyUI's rule
+        "4": {"class_type": "FlowliftColorFix", "inputs": {"strength": 0.5}},  # no INT input
+        "5": "not a node",
+    }}  # fmt: skip
+    out = check_prompt_integers(request)["prompt"]
+    assert out["1"]["inputs"]["seed"] == 9 and out["2"]["inputs"]["seed"].startswith("FlowliftUpscaleImage: seed")
+    assert out["3"]["inputs"]["seed"] == 5.5 and out["4"]["inputs"]["strength"] == 0.5 and out["5"] == "not a node"
+    for body in ({}, {"prompt": None}, {"prompt": []}, [], None, "x"):
+        assert check_prompt_integers(body) == body
+
+
+@pytest.mark.parametrize(("value", "expected"), SEED_VARIANTS)
+def test_one_seed_rule_at_every_json_and_text_door(tmp_path, value, expected):
+    from flowlift.app.service import AppConfig, AppService
+    from flowlift.invokeai.latents import seed_field_value
+
+    service = AppService(AppConfig(upscaler="unused", vaes=["taef2"], work_dir=tmp_path))
+
+    def invokeai(value):
+        try:
+            return seed_field_value(value)
+        except ValueError as error:  # pydantic turns it into HTTP 422
+            raise FlowliftError(str(error)) from None
+
+    doors = {
+        "web API": lambda v: service._validate(2, v, 1.0, 1.0, None)[1],
+        "ComfyUI /prompt": _comfyui_door,
+        "InvokeAI graph": invokeai,
+        "knob (loose)": lambda v: SEED.check(v, loose=True),
+    }
+    if isinstance(value, str):
+        doors["CLI --seed"] = SEED.parse_text
+    if isinstance(value, list):  # a link ([node, output]) to ComfyUI: its graph check, not a widget value
+        assert check_prompt_leaves_links_alone(value)
+        del doors["ComfyUI /prompt"]
+    for door, check in doors.items():
+        if expected is None:
+            with pytest.raises(FlowliftError) as caught:
+                check(value)
+            assert "must be a non-negative integer at most 18446744073709551615" in str(caught.value), door
+            assert "\n" not in str(caught.value)
+        else:
+            got = check(value)
+            assert got == expected and type(got) is int, (door, got)
+
+
+@pytest.mark.parametrize(("value", "expected"), SEED_VARIANTS)
+def test_the_python_doors_take_only_integers(value, expected):
+    """The Python API and the node functions (what ComfyUI's nodes and a script call): an int, never text or
+    floats (``5.0`` too: a float seed is a computed value, not a seed)."""
+    import numpy as np
+
+    from flowlift.comfyui.layouts import check_numbers
+
+    doors = {
+        "ComfyUI node": lambda v: check_numbers("FlowliftUpscaleImage", seed=v)["seed"],
+        "SamplingSettings": lambda v: SamplingSettings(seed=v).seed,
+        "knob": SEED.check,
+    }
+    integer = type(value) is int
+    for door, check in doors.items():
+        if integer and expected is not None:
+            assert check(value) == expected and check(np.uint64(value)) == expected, door
+        else:
+            with pytest.raises(FlowliftError, match="seed must be a non-negative integer"):
+                check(value)
+
+
 # ---------------------------------------------------------------------------------- settings objects
 
 

@@ -210,3 +210,185 @@ def test_a_signal_stops_the_whole_run_and_is_never_restarted(tmp_path, target, s
     assert ours == [line], err
     assert "Traceback" not in err and "crashed" not in err, err
     assert _gone(ranks) == [], err
+
+
+# ---------------------------------------------------- issue 36, class 9: checked up front, ended as documented
+
+
+@pytest.mark.parametrize("key", ["join_timeout", "last_call_timeout", "close_timeout", "timeout", "read_timeout"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "x", "1e12", "5.5", str(10**12), "inf", "2592001"])
+def test_rdzv_conf_waits_outside_their_domain_are_one_line(capsys, key, value):
+    assert main(["launch", "--rdzv-conf", f"{key}={value}", "--", "upscale", "a.png"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    expected = f"flowlift launch: error: launcher options: --rdzv-conf {key} must be"
+    assert len(err) == 1 and err[0].startswith(expected), err
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--rdzv-conf", "keep_alive_max_attempt=0"], "--rdzv-conf keep_alive_max_attempt must be"),
+    (["--rdzv-conf", "is_host=maybe"], "--rdzv-conf is_host must be one of"),
+    (["--node-rank", "-1"], "--node-rank must be from 0 to 0"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400"], "--node-rank must be from 0 to 1"),
+    (["--nnodes", "1:3", "--node-rank", "-5", "--rdzv-endpoint", "127.0.0.1:29400"], "--node-rank must be from 0 to 2"),
+])  # fmt: skip
+def test_other_launcher_values_torch_would_fail_on_late_are_one_line(capsys, options, message):
+    assert main(["launch", *options, "--", "upscale", "a.png"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_good_rdzv_conf_values_are_normalised_and_kept():
+    from flowlift.jobs.launch import launch_config
+
+    config = launch_config(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-conf",
+                            "join_timeout=+7,is_host=YES,store_type=tcp", "--node-rank", "1"])  # fmt: skip
+    assert config.rdzv_configs["join_timeout"] == "7" and config.rdzv_configs["is_host"] == "yes"
+    assert config.rdzv_configs["store_type"] == "tcp"  # a key flowlift knows nothing of is passed on
+
+
+def _ranks_of(launcher: int) -> list[int]:
+    """The pids of the launcher's spawned ranks (not multiprocessing's resource tracker)."""
+    found = []
+    for task in Path(f"/proc/{launcher}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                line = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "spawn_main" in line and "resource_tracker" not in line:
+                found.append(int(child))
+    return sorted(found)
+
+
+@pytest.fixture(scope="module")
+def tiny_upscale(tmp_path_factory):
+    """An upscale command line with a tiny random Flow Upscaler and one small image (output folder last)."""
+    import torch
+    from PIL import Image
+
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
+
+    folder = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    weights = save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64), folder / "w.safetensors")
+    Image.new("RGB", (64, 48), (90, 40, 20)).save(folder / "a.png")
+    shared = REPO.parent / "shared" / "models" / "taef2"
+    return ["upscale", str(folder / "a.png"), "--upscaler", str(weights), "--vae", str(shared), "--device", "cpu",
+            "--barrier-timeout", "4", "-o"]  # fmt: skip
+
+
+def _launch_and_signal(tmp_path, command, signum, delay_s, rank=0):
+    """``flowlift launch --nproc-per-node 2 -- COMMAND``; ``signum`` to one rank ``delay_s`` after it appeared.
+
+    Returns (exit status, stderr, the ranks' pids)."""
+    argv = [sys.executable, "-m", "flowlift", "launch", "--nproc-per-node", "2", "--", *command, str(tmp_path / "o")]
+    process = subprocess.Popen(argv, env=_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        ranks: list[int] = []
+        while len(ranks) < 2:
+            assert process.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            try:
+                ranks = _ranks_of(process.pid)
+            except OSError:
+                ranks = []
+            time.sleep(0.01)
+        time.sleep(delay_s)
+        os.kill(ranks[rank], signum)
+        _, err = process.communicate(timeout=150)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return process.returncode, err, ranks
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.5, 1.5])
+def test_sigint_to_a_rank_still_starting_is_interrupted_without_a_traceback(tmp_path, tiny_upscale, delay_s):
+    """Ranks start with SIGINT blocked and take it once flowlift's entry runs: no KeyboardInterrupt traceback
+    from inside Python's start-up or torch's import (or a "Fatal Python error", a crash to the agent)."""
+    code, err, ranks = _launch_and_signal(tmp_path, tiny_upscale, signal.SIGINT, delay_s)
+    assert code == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "crashed" not in err, err
+    assert [line for line in err.splitlines() if line.startswith("flowlift launch")] == [
+        "flowlift launch: interrupted (rank 0 stopped by SIGINT)"], err  # fmt: skip
+    assert _gone(ranks) == [], err
+
+
+def test_a_rank_suspended_by_sigstop_ends_as_a_missed_barrier(tmp_path, tiny_upscale):
+    """The ranks that waited say "no summary" (their --barrier-timeout) and the launcher ends the suspended one:
+    exit 1 as docs/distributed.md says, not "rank 0 crashed (DistStoreError ...)" exit 3, and no hang."""
+    code, err, ranks = _launch_and_signal(tmp_path, tiny_upscale, signal.SIGSTOP, 0.5, rank=1)
+    try:
+        assert code == 1, err
+        assert "Traceback" not in err and "crashed" not in err and "DistStoreError" not in err.split("(waited")[0], err
+        ours = [line for line in err.splitlines() if line.startswith("flowlift")]
+        assert any(line.startswith("flowlift upscale: error: no summary: not every rank reached") for line in ours), err
+        assert ours[-1].startswith("flowlift launch: rank 1 stayed suspended (SIGSTOP)"), err
+        assert _gone(ranks) == [], err
+    finally:
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+AT_THE_BARRIER = """
+import os
+import sys
+import time
+from pathlib import Path
+
+from flowlift.jobs.launch import launch
+
+
+def worker(argv):
+    # both ranks join the group; rank 1 then says it is ready and idles (the test suspends it), rank 0 goes
+    # to the end barrier, whose timeout it reports as the job's outcome (what scaleout._finish does)
+    from flowlift.jobs.distributed import DistEnv, finish, process_group
+
+    env = DistEnv.from_environ()
+    with process_group(env, 60):
+        if env.rank == 1:
+            Path(argv[0], "ready").write_text(str(os.getpid()))
+            time.sleep(120)
+        while not Path(argv[0], "suspended").exists():
+            time.sleep(0.1)
+        per_rank, reason = finish(env, {"done": 1}, 3)
+        print(f"rank {env.rank}: {per_rank} | {reason}", file=sys.stderr)
+        return 1 if per_rank is None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(launch(worker, [sys.argv[1]], sys.argv[2:], command="flowlift launch"))
+"""
+
+
+def test_a_rank_suspended_before_the_end_barrier_ends_the_run_with_exit_1(tmp_path):
+    script = tmp_path / "barrier.py"
+    script.write_text(AT_THE_BARRIER)
+    options = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               f"127.0.0.1:{_free_port()}", "--rdzv-id", uuid.uuid4().hex, "--max-restarts", "2"]  # fmt: skip
+    process = subprocess.Popen([sys.executable, str(script), str(tmp_path), *options], env=_env(), cwd=tmp_path,
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    ready, victim = tmp_path / "ready", None
+    try:
+        deadline = time.monotonic() + 120
+        while not (ready.is_file() and ready.read_text()):
+            assert process.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.1)
+        victim = int(ready.read_text())
+        os.kill(victim, signal.SIGSTOP)
+        (tmp_path / "suspended").write_text("")
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        if victim is not None and _gone([victim], 0):
+            os.kill(victim, signal.SIGKILL)
+    assert process.returncode == 1, err
+    assert any(line.startswith("rank 0: None | ") for line in err.splitlines()), err
+    assert "flowlift launch: rank 1 stayed suspended (SIGSTOP) after the other ranks ended" in err, err
+    assert "Traceback" not in err and "crashed" not in err, err
+    assert _gone([victim]) == [], err

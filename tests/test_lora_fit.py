@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from flowlift.errors import FlowliftError  # noqa: E402
 from flowlift.refine.loras import apply_loras  # noqa: E402
-from flux2_files import bfl_lora_layers, write_comfyui_lora, write_kohya_lora, write_peft_lora  # noqa: E402
+from flux2_files import LORA_TARGETS, bfl_lora_layers, write_comfyui_lora, write_kohya_lora, write_peft_lora  # noqa: E402
 from tiny_flux2 import prompt_embeds, tiny_transformer, write_model_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,6 +38,43 @@ def _other_width():
     return Flux2Transformer2DModel(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1,
                                    attention_head_dim=16, num_attention_heads=3, joint_attention_dim=32,
                                    timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4)).eval()  # fmt: skip
+
+
+#: (case, peft setting, value, piece of the message): each names the setting.
+ADAPTER_CONFIG_CASES = [
+    ("targets-empty", "target_modules", [], "has target_modules an empty list"),
+    ("targets-string", "target_modules", "to_q", "has target_modules str 'to_q'"),
+    ("targets-regex", "target_modules", "(a+)+$", "has target_modules str '(a+)+$'"),
+    ("targets-int", "target_modules", 5, "has target_modules int 5"),
+    ("targets-null", "target_modules", None, "has target_modules NoneType None"),
+    ("targets-entry", "target_modules", ["to_q", 3], "has target_modules entry 3"),
+    ("targets-miss", "target_modules", ["to_q", "to_k"], "target_modules that miss the layer"),
+    ("targets-extra", "target_modules", [*LORA_TARGETS, "ff.linear_out"], "also reach transformer_blocks.0.ff"),
+    ("targets-huge", "target_modules", [*LORA_TARGETS, *(f"m{i}" for i in range(200_000))], "characters"),
+    ("dora", "use_dora", True, "has use_dora true: a DoRA"),
+    ("dora-text", "use_dora", "yes", "has use_dora 'yes'; expected true or false"),
+    ("dora-int", "use_dora", 1, "has use_dora 1; expected true or false"),
+    ("rslora-text", "use_rslora", "x", "has use_rslora 'x'"),
+    ("alpha-zero", "lora_alpha", 0, "has lora_alpha 0; expected a positive"),
+    ("alpha-negative", "lora_alpha", -8, "has lora_alpha -8"),
+    ("alpha-tiny-negative", "lora_alpha", -1e-9, "has lora_alpha -1e-09"),
+    ("alpha-text", "lora_alpha", "8", "has lora_alpha '8'"),
+    ("alpha-bool", "lora_alpha", True, "has lora_alpha True"),
+    ("alpha-pattern-zero", "alpha_pattern", {"proj_out": 0}, "has alpha_pattern proj_out 0"),
+    ("alpha-pattern-regex", "alpha_pattern", {"(a+)+$": 4}, "has alpha_pattern key '(a+)+$'"),
+    ("rank-pattern-zero", "rank_pattern", {"proj_out": 0}, "has rank_pattern proj_out 0"),
+    ("rank-pattern-list", "rank_pattern", [4], "rank_pattern or alpha_pattern that is not an object"),
+    ("unknown-setting", "frobnicate", 1, "has the setting 'frobnicate', which is no field"),
+    ("pissa", "init_lora_weights", "pissa", "has init_lora_weights 'pissa', which rewrites the base weights"),
+    ("init-number", "init_lora_weights", 2, "has init_lora_weights 2"),
+    ("layer-replication", "layer_replication", [[0, 1]], "has layer_replication [[0, 1]]"),
+    ("modules-to-save", "modules_to_save", ["proj_out"], "has modules_to_save ['proj_out']"),
+    ("exclude", "exclude_modules", ["proj_out"], "has exclude_modules ['proj_out']"),
+    ("lora-bias", "lora_bias", True, "has lora_bias true but the file holds no lora_B bias"),
+    ("fan-in-fan-out", "fan_in_fan_out", True, "has fan_in_fan_out true"),
+    ("bias-text", "bias", "bogus", "has bias 'bogus'"),
+    ("lokr", "peft_type", "LOKR", "has peft_type 'LOKR'"),
+]
 
 
 def _write_cases(root: Path) -> dict[str, tuple[Path, str]]:
@@ -77,6 +114,15 @@ def _write_cases(root: Path) -> dict[str, tuple[Path, str]]:
         "metadata-rank": (good, with_config(**{"transformer.r": "x"}), "has r 'x'"),
         "metadata-alpha-nan": (good, with_config(**{"transformer.lora_alpha": float("nan")}), "lora_alpha nan"),
         "metadata-alpha-huge": (good, with_config(**{"transformer.lora_alpha": 1e30}), "lora_alpha 1e+30"),
+        # issue 36 class 8: settings the fit check let through to peft (KeyError, TypeError, warnings, a hang)
+        **{f"metadata-{name}": (good, with_config(**{f"transformer.{key}": value}), message)
+           for name, key, value, message in ADAPTER_CONFIG_CASES},
+        "metadata-deep": (good, {"lora_adapter_metadata": "[" * 100_000}, "is not JSON (JSON nested"),
+        "metadata-deep-value": (good, with_config(**{"transformer.rank_pattern": json.loads("[" * 70 + "]" * 70)}),
+                                "is not JSON (JSON nested more than 64"),
+        "metadata-blob": (good, with_config(junk="x" * 20_000_000), "holds 2000"),
+        "metadata-no-transformer-keys": (good, {"lora_adapter_metadata": json.dumps(
+            {k.removeprefix("transformer."): v for k, v in config.items()})}, "has no transformer.* settings"),
         "comfy-rank0": ({**comfy, ca: torch.zeros(0, 32), cb: torch.zeros(96, 0)}, None,
                         "has down (0, 32) and up (96, 0) matrices"),
         "comfy-vector-alpha": ({**comfy, alpha: torch.ones(4)}, None, f"`{alpha}` holds 4 values"),

@@ -199,8 +199,70 @@ def test_batched_tiles_equal_one_tile_per_call(vae, image):
         out = refiner.img2img(image, tile_batch=batch, **common)
         assert len(spy.seen) == 2 * calls_per_step
         assert spy.seen[0]["hidden_states"].shape[0] == min(batch, 4)
-        assert out.parameters["tiles"]["batch"] == batch
+        assert out.parameters["tiles"]["batch"] == min(batch, 4)  # what ran: 8 asked, 4 tiles in the frame
         assert torch.allclose(out.latents, single.latents, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("requested", [1, 2, 3, 4, 8, "auto"])
+def test_several_images_run_one_tile_of_all_per_call_and_record_what_ran(vae, image, requested):
+    """Issue 36 class 12: with two images in one batch each call ran one tile but the metadata said the requested
+    tile_batch. It records what ran, the batch equals each image refined alone (1e-5: another batch size of the
+    same matmuls), and an explicit tile_batch above 1 costs one warning line."""
+    spy = Spy(tiny_transformer())
+    refiner = Flux2Refiner(spy, vae, tile_size=80, tile_overlap=32)
+    common = dict(strength=0.6, steps=2, seed=3, prompt_embeds=EMB)
+    pair = torch.cat([image, image.flip(-1)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = refiner.img2img(pair, tile_batch=requested, **common)
+    assert [call["hidden_states"].shape[0] for call in spy.seen] == [2] * (2 * 4)  # one tile of both, 4 per step
+    assert out.parameters["tiles"]["batch"] == 1
+    ours = [str(w.message) for w in caught if issubclass(w.category, FlowliftWarning)]
+    if isinstance(requested, int) and requested > 1:
+        assert ours == [f"tile batch {requested}: with 2 images in one batch each transformer call runs one "
+                        "tile of all 2 (recorded as batch 1)"], ours  # fmt: skip
+    else:
+        assert not ours, ours
+    first = refiner.img2img(pair[:1], tile_batch=1, **common)  # its noise is the first half of the pair's
+    assert torch.allclose(out.latents[:1], first.latents, rtol=0, atol=1e-5)
+    # the velocity of both images at once is each image's alone, at any tiles per call asked
+    denoiser = refiner.denoiser(prompt_embeds=EMB)
+    x = torch.randn(2, 32, S // 8, S // 8, generator=torch.Generator().manual_seed(1))
+    layout = tiled_for_frame(denoiser, (S // 8, S // 8), TileRequest.parse(80, 32, requested), images=2)[0].layout
+    both = TiledVelocity(denoiser, layout)(x, 0.5)
+    alone = torch.cat([TiledVelocity(denoiser, layout)(x[k : k + 1], 0.5) for k in range(2)])
+    assert torch.allclose(both, alone, rtol=0, atol=1e-5)
+
+
+def test_the_record_says_the_tiles_per_call_that_ran_for_any_frame():
+    for height, width, tile, asked in [(640, 640, 256, 16), (640, 640, 256, 3), (256, 640, 256, 5), (256, 256, 256, 4)]:
+        layout = tile_layout(height, width, tile, 64, asked)
+        inner_calls: list[int] = []
+
+        def inner(x, sigma, seen=inner_calls):
+            seen.append(x.shape[0])
+            return x
+
+        tiled = TiledVelocity(inner, layout)
+        tiled(torch.zeros(1, 4, height // 8, width // 8), 0.5)
+        assert layout.record()["batch"] == max(inner_calls) == min(asked, layout.count), (height, width, tile, asked)
+        assert tiled.tiles_run == layout.count
+
+
+def test_edge_ramps_use_the_axis_length_to_refuse_layouts_that_do_not_span_it():
+    from flowlift.refine.tiled_velocity import edge_ramps
+
+    assert len(edge_ramps(40, [0, 12, 24], 16)) == 3
+    for length, starts, tile in [(48, [0, 12, 24], 16),  # the last tile ends before the axis
+                                 (32, [0, 12, 24], 16),  # and past it
+                                 (40, [4, 12, 24], 16),  # the first starts inside
+                                 (40, [0, 24, 12, 24], 16),  # out of order
+                                 (64, [0, 24, 48], 16),  # a gap between tiles
+                                 (40, [], 16)]:  # fmt: skip
+        with pytest.raises(ValueError):
+            edge_ramps(length, starts, tile)
+        with pytest.raises(ValueError):
+            partition_weights(length, starts, tile)
 
 
 def test_reference_images_go_to_every_tile(vae, image):

@@ -67,7 +67,9 @@ def resolve_device(setting: str | torch.device | None) -> torch.device:
     """``None``/``"auto"`` -> CUDA if available else CPU; otherwise the named device, checked to exist.
 
     Raises :class:`FlowliftError` for a name torch does not know (``bogus``), for CUDA/MPS/XPU when that
-    backend is not available, and for a device index past the number of devices.
+    backend is not available, and for a device index past the number of devices. The CPU is one device:
+    ``cpu`` and ``cpu:0`` are it (returned as ``cpu``, what outputs then record); torch also takes
+    ``cpu:N`` and runs on that same CPU, so any other index names a device that does not exist and is refused.
     """
     import torch  # here, not at import: the command line's start-up stays fast
 
@@ -80,7 +82,9 @@ def resolve_device(setting: str | torch.device | None) -> torch.device:
     if device.type == "meta":
         raise FlowliftError("device 'meta' holds no data; use auto, cpu, cuda, cuda:N or mps")
     if device.type == "cpu":
-        return device
+        if device.index not in (None, 0):
+            raise FlowliftError(f"device {str(device)!r}: there is one CPU device (cpu, or cpu:0); use cpu")
+        return torch.device("cpu")
     backend = getattr(torch, device.type, None)
     available = getattr(backend, "is_available", None)
     if not callable(available) or not available():

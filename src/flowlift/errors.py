@@ -7,4 +7,7 @@ non-zero without a traceback; programming errors keep their tracebacks.
 
 
 class FlowliftError(Exception):
-    """A user-facing error whose message is one clear line."""
+    """A user-facing error whose message is one clear line; the command line exits with :attr:`exit_status`."""
+
+    #: 2, a user error; a subclass for an outcome that is no user's mistake says otherwise.
+    exit_status: int = 2

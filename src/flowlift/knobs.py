@@ -6,10 +6,11 @@ The front-ends derive their controls from those tables — the command line's op
 components and checks, the ComfyUI and InvokeAI inputs, the Python API's checks — so a limit is written
 in one place. Nothing here imports torch.
 
-Integers are parsed exactly on every door: the Python API and the node packs take an ``int`` (numpy's
-too); the text and JSON doors (the command line, the web app's API) also a string of digits, or a float
-that is a whole number no larger than 2^53 (beyond that a float has already lost the integer it was
-meant to be). A seed is never passed through ``float()``: seeds 2^53 and 2^53 + 1 are different seeds.
+Integers are parsed exactly on every door: the Python API and the node functions take an ``int`` (numpy's
+too); the text and JSON doors (the command line, the web app's API, ComfyUI's ``POST /prompt``, InvokeAI's
+graphs) also a string of digits, or a float that is a whole number no larger than 2^53 (beyond that a float
+has already lost the integer it was meant to be). A seed is never passed through ``float()`` or ``int()``:
+seeds 2^53 and 2^53 + 1 are different seeds, 5.5 and ``true`` are no seeds.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ SEED_MAX = 2**64 - 1
 #: Floats are whole numbers exactly up to here; past it a float cannot carry an exact integer.
 EXACT_FLOAT_INT = 2**53
 _INTEGER_TEXT = re.compile(r"[+-]?\d+")
+#: How the text doors spell ``None`` for an optional knob.
+_NONE = ("none", "null")
 
 
 def exact_int(value: Any, *, loose: bool = False) -> int | None:
@@ -68,9 +71,12 @@ def _finite_real(value: Any) -> float | None:
 class Knob:
     """One user-facing setting: what every front-end shows and checks for it.
 
-    ``kind`` is ``int``, ``float``, ``str`` (one of ``choices``) or ``bool``. ``low``/``high`` close the range
-    of a number (``None``: unbounded on that side); ``words`` are strings a number knob also takes
-    (``mu``'s ``"empirical"``). ``step`` is the slider step a UI offers, ``unit`` what the number counts.
+    ``kind`` is ``int``, ``float``, ``str`` (one of ``choices``, or text matching ``pattern``), ``bool`` or
+    ``list`` (of strings). ``low``/``high`` close the range of a number (``None``: unbounded on that side;
+    ``low_open``/``high_open`` leave that end out: ``lr`` in (0, inf)); ``multiple`` is what an integer
+    must be a multiple of; ``words`` are strings a number knob also takes (``mu``'s ``"empirical"``);
+    ``optional`` puts ``None`` in the domain (the text doors spell it ``none`` or ``null``). ``step`` is
+    the slider step a UI offers, ``unit`` what the number counts; ``extra["spelled"]`` says a pattern in words.
     """
 
     name: str
@@ -83,33 +89,56 @@ class Knob:
     words: tuple[str, ...] = ()
     unit: str = ""
     step: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    multiple: int | None = None
+    optional: bool = False
+    pattern: str = ""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if self.kind is str and not self.choices:
-            raise ValueError(f"knob {self.name}: a str knob needs its choices")
+        if self.kind is str and not self.choices and not self.pattern:
+            raise ValueError(f"knob {self.name}: a str knob needs its choices or a pattern")
         self.check(self.default)  # the default lies in the domain, always
 
     @property
     def domain(self) -> tuple[Any, ...]:
         """``("choices", (...))`` or ``("range", low, high)``, with ``words`` last if any: what a test compares."""
+        none = (None,) if self.optional else ()
         if self.choices:
-            return ("choices", tuple(self.choices))
+            return ("choices", tuple(self.choices), *none)
         if self.kind is bool:
-            return ("choices", (False, True))
-        return ("range", self.low, self.high, *self.words)
+            return ("choices", (False, True), *none)
+        if self.kind is str:
+            return ("text", self.pattern, *none)
+        if self.kind is list:
+            return ("list of text", *none)
+        opened = ("open", self.low_open, self.high_open) if self.low_open or self.high_open else ()
+        multiple = ("multiple", self.multiple) if self.multiple else ()
+        return ("range", self.low, self.high, *opened, *multiple, *self.words, *none)
 
     def describe(self) -> str:
-        """The domain in words: ``"one of a, b"``, ``"in [0, 1]"``, ``"an integer in [1, 200]"``."""
+        """The domain in words: ``"one of a, b"``, ``"in [0, 1]"``, ``"an integer in [1, 200]"``, ``"in (0, 1)"``."""
+        none = " or none" if self.optional else ""
         if self.choices:
-            return "one of " + ", ".join(map(str, self.choices))
+            return "one of " + ", ".join(map(str, self.choices)) + none
+        if self.kind is bool:
+            return "true or false" + none
+        if self.kind is str:
+            spelled = self.extra.get("spelled") or ("text" if self.pattern == ".*" else f"text matching {self.pattern}")
+            return spelled + none
+        if self.kind is list:
+            return "a list of text (comma-separated on the command line)" + none
         low = "-inf" if self.low is None else f"{self.low:g}" if self.kind is float else str(self.low)
         high = "inf" if self.high is None else f"{self.high:g}" if self.kind is float else str(self.high)
         words = "".join(f" or {word}" for word in self.words)
-        return f"{'an integer ' if self.kind is int else ''}in [{low}, {high}]{words}"
+        opening, closing = "(" if self.low_open else "[", ")" if self.high_open else "]"
+        multiple = f" and a multiple of {self.multiple}" if self.multiple else ""
+        kind = "an integer " if self.kind is int else ""
+        return f"{kind}in {opening}{low}, {high}{closing}{multiple}{words}{none}"
 
     def _error(self, label: str, value: Any) -> FlowliftError:
-        if self.kind is int and self.low == 0:
+        if self.kind is int and self.low == 0 and not self.multiple and not self.optional:
             at_most = "" if self.high is None else f" at most {self.high}"
             if self.high == SEED_MAX:
                 at_most += " (2^64 - 1)"
@@ -124,6 +153,8 @@ class Knob:
         only ``True``/``False``.
         """
         label = label or self.name
+        if self.optional and (value is None or loose and isinstance(value, str) and value.strip().lower() in _NONE):
+            return None
         if self.choices:
             if loose and self.kind is int:
                 value = exact_int(value, loose=True) if exact_int(value, loose=True) is not None else value
@@ -134,6 +165,14 @@ class Knob:
             if not isinstance(value, bool):
                 raise FlowliftError(f"{label} must be true or false, got {value!r}")
             return value
+        if self.kind is str:
+            if not isinstance(value, str) or not re.fullmatch(self.pattern, value.strip(), re.DOTALL):
+                raise FlowliftError(f"{label} must be {self.describe()}, got {value!r}")
+            return value.strip()
+        if self.kind is list:
+            if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
+                raise FlowliftError(f"{label} must be {self.describe()}, got {value!r}")
+            return list(value)
         if isinstance(value, str) and value.strip().lower() in self.words:
             return value.strip().lower()
         number = exact_int(value, loose=loose) if self.kind is int else _finite_real(value)
@@ -141,7 +180,9 @@ class Knob:
             number = None  # the Python API takes numbers; text is for the loose doors
         if number is None:
             raise self._error(label, value)
-        if (self.low is not None and number < self.low) or (self.high is not None and number > self.high):
+        below = self.low is not None and (number <= self.low if self.low_open else number < self.low)
+        above = self.high is not None and (number >= self.high if self.high_open else number > self.high)
+        if below or above or (self.multiple and number % self.multiple):
             raise self._error(label, value)
         return self.kind(number)
 

@@ -339,6 +339,35 @@ def start_lines(local_url: str, share_url: str | None, host: str) -> list[str]:
     return lines
 
 
+def check_bind_address(host: str, port: int | None = None) -> None:
+    """One FlowliftError line unless this machine can listen on ``host`` (and ``port``, when given).
+
+    uvicorn, under Gradio, retries a name that does not resolve or an address this machine does not have
+    and logs the same error line again and again instead of exiting; asked first, the answer is one line.
+    """
+    import socket
+
+    where = f"{host}:{port}" if port else host
+    try:
+        found = socket.getaddrinfo(host or None, port or 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as error:
+        raise FlowliftError(f"cannot serve on {where}: the host does not resolve ({_reason(error)})") from None
+    problem: OSError | None = None
+    for family, kind, proto, _, address in found:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+            return
+        except OSError as error:
+            problem = error
+    raise FlowliftError(f"cannot serve on {where}: {_reason(problem)}")
+
+
+def _reason(error: BaseException | None) -> str:
+    return (getattr(error, "strerror", None) or str(error) or type(error).__name__).splitlines()[0]
+
+
 def launch(
     demo: Any,
     service: AppService,
@@ -353,6 +382,7 @@ def launch(
     Gradio's own start-up lines are off (they point at ``launch(share=True)``, which a ``flowlift app``
     user cannot call); :func:`start_lines` says where the page is and that ``--share`` shares it.
     """
+    check_bind_address(host, port)  # before Gradio starts a server that would retry forever
     gr = import_gradio()
     demo.queue(default_concurrency_limit=1)
     kwargs = dict(

@@ -1,4 +1,4 @@
-"""ComfyUI node pack: the Flow Upscaler, both colour-fix stages and TAEF2 as ComfyUI nodes.
+"""ComfyUI node pack: the Flow Upscaler, both colour-fix stages, TAEF2 and the tiled FLUX.2 refine as ComfyUI nodes.
 
 Only ComfyUI imports this package (through the repository's top-level ``__init__.py`` when the
 repository sits in ``ComfyUI/custom_nodes/``): :mod:`flowlift.comfyui.nodes` and

@@ -41,17 +41,53 @@ NUMERIC_INPUTS: dict[str, dict[str, tuple[float, float, bool]]] = {
 def check_numbers(node: str, **values: Any) -> dict[str, float | int]:
     """``values`` (input name -> value) of ``node``'s numeric inputs checked against
     :data:`NUMERIC_INPUTS`: each must be a finite number (an integer where the input is an INT) within
-    its range, else one error line naming the node, the input and the value. Returns them as int/float."""
+    its range, else one error line naming the node, the input and the value. Returns them as int/float.
+
+    An INT input is its knob's own check (:meth:`flowlift.knobs.Knob.check`, the rule of every door: the seed
+    is :data:`flowlift.knobs.SEED`'s), strict as the Python API is: an ``int`` (numpy's too), never a bool, a
+    float or text."""
     checked: dict[str, float | int] = {}
     for name, value in values.items():
         low, high, integer = NUMERIC_INPUTS[node][name]
-        kind = "an integer" if integer else "a finite number"
-        wanted = numbers.Integral if integer else numbers.Real
-        number = value if isinstance(value, wanted) and not isinstance(value, bool) else None
+        if integer:
+            checked[name] = NODE_KNOBS[node][name].check(value, label=f"{node}: {name}")
+            continue
+        number = value if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
         if number is None or not math.isfinite(number) or not low <= number <= high:
-            raise FlowliftError(f"{node}: {name} must be {kind} in [{low}, {high}], got {value!r}")
-        checked[name] = int(number) if integer else float(number)
+            raise FlowliftError(f"{node}: {name} must be a finite number in [{low}, {high}], got {value!r}")
+        checked[name] = float(number)
     return checked
+
+
+def check_prompt_integers(request: Any) -> Any:
+    """ComfyUI's ``POST /prompt`` body with every INT input of flowlift's nodes held to its knob's rule
+    (registered as an on-prompt handler by :mod:`flowlift.comfyui.nodes`).
+
+    ComfyUI converts an INT widget's value with ``int()`` before any node code runs (5.5 becomes 5, ``true``
+    becomes 1), so the nodes never see what was sent. Here each value is checked as the other JSON doors (the
+    web app's API, InvokeAI) check it: :meth:`~flowlift.knobs.Knob.check` with ``loose`` (an integer, a string
+    of digits, a whole float up to 2^53). A value it takes is put back as that ``int``; one it refuses is
+    replaced by its error line, which ComfyUI's ``int()`` then refuses, so the prompt is answered HTTP 400
+    with that line. (An on-prompt handler cannot refuse a prompt itself: ComfyUI logs what it raises and goes
+    on.) Linked inputs (``[node, output]``) and anything that is not a prompt are left as they are."""
+    prompt = request.get("prompt") if isinstance(request, dict) else None
+    if not isinstance(prompt, dict):
+        return request
+    for node in prompt.values():
+        if not isinstance(node, dict) or not isinstance(node.get("inputs"), dict):
+            continue
+        class_type, inputs = node.get("class_type"), node["inputs"]
+        for name, knob in NODE_KNOBS.get(class_type, {}).items() if isinstance(class_type, str) else ():
+            value = inputs.get(name)
+            if knob.kind is not int or name not in inputs or isinstance(value, list):
+                continue
+            if isinstance(value, dict) and "__value__" in value:  # ComfyUI's wrapped widget value
+                value = value["__value__"]
+            try:
+                inputs[name] = knob.check(value, label=f"{class_type}: {name}", loose=True)
+            except FlowliftError as error:
+                inputs[name] = str(error)
+    return request
 
 
 def check_finite_tensor(tensor: torch.Tensor, what: str) -> None:

@@ -1,4 +1,4 @@
-"""The five ComfyUI nodes on ComfyUI's V3 schema (``comfy_api.latest.io.ComfyNode``), thin over flowlift.
+"""The six ComfyUI nodes on ComfyUI's V3 schema (``comfy_api.latest.io.ComfyNode``), thin over flowlift.
 
 Node ids and the order of their widgets are part of every saved workflow: never rename or reorder
 them; add new inputs at the end (as optional inputs where possible).
@@ -9,7 +9,7 @@ device) and calls flowlift for the work: :class:`flowlift.upscale.pipeline.FlowU
 Euler step, stage 1, exact chunked execution, encode/decode, stage 2),
 :func:`flowlift.upscale.colorfix.lab_lowband_transplant` (stage 2 alone) and
 :func:`flowlift.models.vae_loading.load_vae` (TAEF2). Loaders: :mod:`flowlift.comfyui.loaders`; the others:
-:mod:`flowlift.comfyui.upscale_nodes`.
+:mod:`flowlift.comfyui.upscale_nodes`; the tiled refine's model patch: :mod:`flowlift.comfyui.refine_nodes`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,25 @@ from __future__ import annotations
 from comfy_api.latest import ComfyExtension, io
 
 from flowlift.comfyui.loaders import FlowliftTAEF2Loader, FlowliftUpscalerLoader, ensure_model_folders
+from flowlift.comfyui.refine_nodes import FlowliftTiledFlux2Refine
 from flowlift.comfyui.upscale_nodes import FlowliftColorFix, FlowliftUpscaleImage, FlowliftUpscaleLatent
 
 ensure_model_folders()
+
+
+def register_prompt_check() -> None:
+    """Hold the INT inputs of flowlift's nodes to their knobs' rule where a prompt arrives
+    (:func:`flowlift.comfyui.layouts.check_prompt_integers`), once per server."""
+    from server import PromptServer
+
+    from flowlift.comfyui.layouts import check_prompt_integers
+
+    server = getattr(PromptServer, "instance", None)
+    if server is not None and check_prompt_integers not in server.on_prompt_handlers:
+        server.add_on_prompt_handler(check_prompt_integers)
+
+
+register_prompt_check()
 
 #: The pack's nodes, in the order ComfyUI lists them.
 NODES: list[type[io.ComfyNode]] = [
@@ -28,6 +44,7 @@ NODES: list[type[io.ComfyNode]] = [
     FlowliftUpscaleImage,
     FlowliftColorFix,
     FlowliftTAEF2Loader,
+    FlowliftTiledFlux2Refine,
 ]
 
 

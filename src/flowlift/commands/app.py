@@ -95,14 +95,18 @@ def run(args: argparse.Namespace) -> int:
         from flowlift.console import install_command
 
         raise FlowliftError(f"the app needs Gradio 6: {install_command('app')}")
-    check_weights(args)
-    from flowlift.app.page import build_app, launch
+    from flowlift.app.page import build_app, check_bind_address, launch
     from flowlift.app.service import AppConfig, AppService
+    from flowlift.devices import resolve_device_dtype
+
+    device, _ = resolve_device_dtype(args.device, args.dtype, cpu_bf16=True)  # cuda/mps missing: one line, now
+    check_bind_address(args.host, args.port)  # a host that does not resolve: one line, not a server retrying
+    check_weights(args)
 
     config = AppConfig(
         upscaler=args.upscaler,
         vaes=args.vae or ["flux2"],
-        device=None if args.device == "auto" else args.device,  # AppConfig: None picks CUDA if available
+        device=None if args.device == "auto" else str(device),  # AppConfig: None picks CUDA if available
         dtype=args.dtype,
         max_upload_mb=args.max_upload_mb,
         model=args.model,

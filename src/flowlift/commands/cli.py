@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args._run(args) or 0)
     except FlowliftError as error:
         print(f"flowlift {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        return error.exit_status
     except KeyboardInterrupt:
         print(f"flowlift {args.command}: interrupted", file=sys.stderr)
         return 130

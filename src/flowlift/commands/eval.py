@@ -21,12 +21,13 @@ from flowlift.commands._options import (
     DEFAULT_SCALE,
     DEFAULT_VAE,
     add_device_options,
+    add_knob,
     examples,
-    non_negative_int,
     positive_int,
     resolve_device_dtype,
 )
 from flowlift.console import show_progress
+from flowlift.measure.methods import SPANDREL_TILE, SPANDREL_TILE_OVERLAP, spandrel_tiling
 
 EPILOG = """\
 methods for --run:
@@ -86,10 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Flow Upscaler weights for the flow method: file, folder or hub repo "
                         "(default TensorForger/FlowUpscaler, as for flowlift upscale)")  # fmt: skip
     add_device_options(parser, "VAE, upscaler and spandrel models")
-    parser.add_argument("--tile", default="auto", help="spandrel models: tile side in input pixels, 'auto' (by "
-                        "memory, the default) or 'none'")  # fmt: skip
-    parser.add_argument("--tile-overlap", type=non_negative_int, default=None, metavar="PX",
-                        help="spandrel models: input pixels of context around each tile (default 32)")  # fmt: skip
+    add_knob(parser, SPANDREL_TILE, metavar="PX|auto|none",
+             help=f"{SPANDREL_TILE.help}; {SPANDREL_TILE.describe()} (default auto)")  # fmt: skip
+    add_knob(parser, SPANDREL_TILE_OVERLAP, default=None, metavar="PX",
+             help=f"{SPANDREL_TILE_OVERLAP.help} (default {SPANDREL_TILE_OVERLAP.default})")  # fmt: skip
     parser.add_argument("--out", required=True, help="folder for results.json, table.md, metrics.png, crops.png")
     parser.add_argument("--cache", default=None, help="result cache folder (default OUT/cache)")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything, store nothing")
@@ -111,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from flowlift.measure.evaluate import evaluate_pairs
     from flowlift.measure.report import markdown_table, write_report
 
+    spandrel_tiling(args.tile, args.tile_overlap)  # with or without a spandrel method: a bad value is refused
     out_dir = Path(args.out)
     if out_dir.exists() and not out_dir.is_dir():
         raise FlowliftError(f"--out {out_dir} exists and is not a folder")
@@ -270,10 +272,9 @@ def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identitie
     """Load every spandrel model once (by path); record what identifies it in ``identities["spandrel"]``
     (with the device ``given``, default ``device``: under torchrun the setting, not the rank's cuda:N)."""
     given = device if given is None else given
-    from flowlift.errors import FlowliftError
     from flowlift.measure.cache import model_identity
     from flowlift.measure.methods import SPANDREL
-    from flowlift.measure.pixel_upscaler import DEFAULT_OVERLAP, load_pixel_upscaler
+    from flowlift.measure.pixel_upscaler import load_pixel_upscaler
 
     paths: dict[str, list[str]] = {}
     for s in specs:
@@ -281,17 +282,7 @@ def _load_pixel_models(args: argparse.Namespace, specs, device, dtype, identitie
             paths.setdefault(dict(s.options)["path"], []).append(s.label)
     if not paths:
         return {}
-    tile_text = str(args.tile).strip().lower()
-    if tile_text in ("auto", "none"):
-        tile = None if tile_text == "none" else "auto"
-    else:
-        try:
-            tile = int(tile_text)
-        except ValueError:
-            raise FlowliftError(f"--tile must be a number of pixels, auto or none, got {args.tile!r}") from None
-    overlap = DEFAULT_OVERLAP if args.tile_overlap is None else args.tile_overlap
-    if overlap < 0:
-        raise FlowliftError(f"--tile-overlap must be >= 0, got {overlap}")
+    tile, overlap = spandrel_tiling(args.tile, args.tile_overlap)
     models = {}
     info = identities.setdefault("spandrel", {})
     for path, labels in paths.items():

@@ -16,7 +16,7 @@ from flowlift.commands._refine_options import (
     refine_inputs,
 )
 from flowlift.errors import FlowliftError
-from flowlift.refine.settings import HIRES_SCALE, REFINE_STRENGTH, STEPS
+from flowlift.refine.settings import HIRES_SCALE, REFINE_STRENGTH, STEPS, check_hires_size
 from flowlift.upscale.settings import TRANSPLANT_STRENGTH
 
 NAME = "hires"
@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.width % 16 or args.height % 16:
         raise FlowliftError(f"--width/--height must be multiples of 16, got {args.width}x{args.height}")
     base_w, base_h = (images.shape[-1], images.shape[-2]) if images is not None else (args.width, args.height)
+    check_hires_size(base_w, base_h, args.scale)  # 16384 px cap for the base and the result, before any model
     check_mu_for_size(args, base_w * args.scale, base_h * args.scale)  # the refine pass's size
     try:
         from flowlift.upscale.pipeline import FlowUpscalerPipeline

@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from flowlift.commands._options import examples, finite_float, non_negative_int, positive_int, seed_value
+from flowlift.commands._options import examples, knob_type
 from flowlift.console import show_progress
+from flowlift.training.config import TRAIN_KNOBS
 
 NAME = "train"
 HELP = "train or fine-tune the Flow Upscaler (rectified-flow distillation; single process or torchrun DDP)"
@@ -55,6 +56,11 @@ def _config_default(field: str) -> str:
     return " (default: none)"
 
 
+def _type(field: str):
+    """A flag's argparse type: its setting's knob (:data:`TRAIN_KNOBS`), the domain ``--set`` and files use too."""
+    return knob_type(TRAIN_KNOBS[field])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = _config_default
     parser.add_argument("--config", help="JSON or TOML file of training settings (default: none, built-in defaults)")
@@ -62,12 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", help="run folder: logs, checkpoints, final flow_upscaler.safetensors" + d("output"))
     parser.add_argument("--init", help="fine-tune from this Flow Upscaler checkpoint (file, folder or hub id)"
                         + d("init"))  # fmt: skip
-    parser.add_argument("--steps", type=positive_int, help="total optimizer steps" + d("steps"))
-    parser.add_argument("--batch-size", type=positive_int, help="samples per process per micro-batch"
+    parser.add_argument("--steps", type=_type("steps"), help="total optimizer steps" + d("steps"))
+    parser.add_argument("--batch-size", type=_type("batch_size"), help="samples per process per micro-batch"
                         + d("batch_size"))  # fmt: skip
-    parser.add_argument("--grad-accum", type=positive_int, help="micro-batches per optimizer step" + d("grad_accum"))
-    parser.add_argument("--lr", type=finite_float, help="peak learning rate" + d("lr"))
-    parser.add_argument("--crop", type=non_negative_int,
+    parser.add_argument("--grad-accum", type=_type("grad_accum"), help="micro-batches per optimizer step"
+                        + d("grad_accum"))  # fmt: skip
+    parser.add_argument("--lr", type=_type("lr"), help="peak learning rate" + d("lr"))
+    parser.add_argument("--crop", type=_type("crop"),
                         help="target-latent crop side (multiple of 4; 0 = whole items)" + d("crop"))  # fmt: skip
     parser.add_argument("--resume", help="auto (latest checkpoint in --output), a checkpoint folder, or none"
                         + d("resume"))  # fmt: skip
@@ -77,9 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vae", help="VAE for validation (taef2, flux2 or a local folder)" + d("vae"))
     parser.add_argument("--val-images", nargs="+", help="held-out images (files, folders, globs) for validation"
                         + d("val_images"))  # fmt: skip
-    parser.add_argument("--val-every", type=non_negative_int,
+    parser.add_argument("--val-every", type=_type("val_every"),
                         help="validate every K steps (0 = never)" + d("val_every"))  # fmt: skip
-    parser.add_argument("--seed", type=seed_value, help="seed of data order, noise and initialisation" + d("seed"))
+    parser.add_argument("--seed", type=_type("seed"), help="seed of data order, noise and initialisation" + d("seed"))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="any other TrainConfig setting, e.g. --set ema_decay=0.9999 (repeatable; "
                         "--print-config lists them all with their values)")  # fmt: skip

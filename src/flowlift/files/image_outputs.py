@@ -25,6 +25,7 @@ from PIL import Image, PngImagePlugin
 
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_output
+from flowlift.files.json_input import parse_json
 
 #: Formats outputs are written in (by the output name's suffix).
 OUTPUT_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -121,7 +122,7 @@ def _json_object(text: object) -> dict[str, object] | None:
     if not isinstance(text, str) or not text.startswith("{"):
         return None
     try:
-        value = json.loads(text)
+        value = parse_json(text)
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
@@ -154,7 +155,7 @@ def _metadata_of(opened: Image.Image) -> dict[str, object]:
     decoded: dict[str, object] = {}
     for key, text in raw.items():
         try:
-            decoded[key] = json.loads(text)
+            decoded[key] = parse_json(text)
         except ValueError:
             decoded[key] = text
     return decoded

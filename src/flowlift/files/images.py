@@ -14,6 +14,7 @@ Writing images (formats, metadata, ICC/EXIF carried over, atomic saves) is :mod:
 from __future__ import annotations
 
 import os
+import struct
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -95,6 +96,21 @@ def _to_rgb_and_alpha(image: Image.Image) -> tuple[Image.Image, Image.Image | No
     return image.convert("RGB"), None
 
 
+#: What Pillow raises on damaged bytes, beyond OSError: a truncated GIF or TIFF page table fails with
+#: IndexError, struct.error or TypeError while its frames are counted or decoded.
+DECODE_ERRORS = (OSError, SyntaxError, ValueError, IndexError, EOFError, struct.error)
+
+
+def _frame_count(opened: Image.Image) -> int:
+    """How many frames ``opened`` holds. Pillow counts them by seeking through the file, so a damaged
+    later frame fails here; it raises ValueError then (a file cut short is refused, not half-read)."""
+    try:
+        return int(getattr(opened, "n_frames", 1))
+    except (*DECODE_ERRORS, TypeError, KeyError) as error:  # TypeError: a TIFF page without its size tags
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ValueError(f"its frames cannot be counted: {message}") from None
+
+
 def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None]:
     """Open ``path`` as (8-bit RGB image, alpha ``"L"`` image or None), EXIF orientation applied."""
     path = Path(path)
@@ -105,7 +121,7 @@ def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None
             warnings.simplefilter("always")
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path) as opened:
-                frames = getattr(opened, "n_frames", 1)
+                frames = _frame_count(opened)
                 if frames > 1 and opened.format != "MPO":  # MPO: a JPEG with a preview/depth frame attached
                     warnings.warn(f"{path}: has {frames} frames, only the first is used", UserWarning, stacklevel=2)
                 width, height = opened.size
@@ -124,7 +140,7 @@ def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None
         raise FlowliftError(f"{path}: refused as a decompression bomb ({error})") from None
     except UnidentifiedImageError:
         raise FlowliftError(f"{path}: not an image file Pillow can read") from None
-    except (OSError, SyntaxError, ValueError) as error:
+    except DECODE_ERRORS as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise FlowliftError(f"{path}: unreadable or truncated image ({message})") from None
     _report_reader_warnings(path, caught)
@@ -175,7 +191,7 @@ def image_size(path: str | os.PathLike) -> tuple[int, int]:
         raise FlowliftError(f"{path}: refused as a decompression bomb ({error})") from None
     except UnidentifiedImageError:
         raise FlowliftError(f"{path}: not an image file Pillow can read") from None
-    except (OSError, SyntaxError, ValueError) as error:
+    except DECODE_ERRORS as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise FlowliftError(f"{path}: unreadable or truncated image ({message})") from None
     if width * height > MAX_INPUT_PIXELS:

@@ -30,6 +30,7 @@ from PIL import Image
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_output
 from flowlift.files.image_outputs import SourceProfile, metadata_json, metadata_text, read_source_profile
+from flowlift.files.images import DECODE_ERRORS
 
 #: Output suffixes written with 16 bits per sample when the source had them.
 SIXTEEN_BIT_SUFFIXES = (".png", ".tif", ".tiff")
@@ -84,7 +85,7 @@ def load_image_16bit(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray | 
         array = cv2.imdecode(np.fromfile(path, dtype=np.uint8), cv2.IMREAD_UNCHANGED)
         with Image.open(path) as opened:
             orientation = int(opened.getexif().get(0x0112, 1) or 1)
-    except (OSError, ValueError, cv2.error):
+    except (*DECODE_ERRORS, Image.DecompressionBombError, cv2.error):
         return None
     if array is None or array.dtype != np.uint16:
         return None

@@ -18,7 +18,6 @@ so repeated runs cost a ``stat``, not a read.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import stat as stat_module
 import threading
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flowlift.errors import FlowliftError
+from flowlift.files.json_input import parse_json
 
 _DIGESTS: dict[tuple[str, int, int, int], str] = {}
 _LOCK = threading.Lock()
@@ -107,7 +107,7 @@ def _safetensors_header_fits(handle, size: int) -> bool:
     length = int.from_bytes(prefix, "little")
     if not 2 <= length <= min(_MAX_HEADER_BYTES, size - 8):
         return False
-    header = json.loads(handle.read(length))
+    header = parse_json(handle.read(length))
     if not isinstance(header, dict):
         return False
     end = 0

@@ -9,9 +9,10 @@ latents came from.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import torch
+from pydantic import BeforeValidator
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR, denormalize, normalize
@@ -63,3 +64,21 @@ def raw_to_normalized(raw_latents: torch.Tensor, bn_mean: torch.Tensor, bn_std: 
 def normalized_to_raw(latents: torch.Tensor, bn_mean: torch.Tensor, bn_std: torch.Tensor) -> torch.Tensor:
     """flowlift's normalized latents -> InvokeAI's raw FLUX.2 latents (the inverse of :func:`raw_to_normalized`)."""
     return denormalize(latents, bn_mean, bn_std)
+
+
+def seed_field_value(value: Any) -> int:
+    """A node's seed as it arrives in a graph's JSON, held to the rule of every JSON door
+    (:data:`flowlift.knobs.SEED`'s check with ``loose``: an integer, a string of digits, a whole float up to
+    2^53; never ``true``, 5.5, -1 or 2^64). pydantic's own ``int`` would take ``true`` as 1: the nodes'
+    seed fields run this first (``BeforeValidator``), and its ValueError is InvokeAI's HTTP 422 naming the
+    field and the rule."""
+    from flowlift.knobs import SEED
+
+    try:
+        return SEED.check(value, loose=True)
+    except FlowliftError as error:
+        raise ValueError(str(error)) from None
+
+
+#: The nodes' seed fields' type: an ``int`` that :func:`seed_field_value` checks before pydantic's coercion.
+Seed = Annotated[int, BeforeValidator(seed_field_value)]

@@ -35,7 +35,13 @@ from invokeai.invocation_api import (
 
 from flowlift.devices import resolve_device
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
-from flowlift.invokeai.latents import check_output_cap, check_raw_latents, normalized_to_raw, raw_to_normalized
+from flowlift.invokeai.latents import (
+    Seed,
+    check_output_cap,
+    check_raw_latents,
+    normalized_to_raw,
+    raw_to_normalized,
+)
 from flowlift.invokeai.models import (
     check_flux2_vae_field,
     flux2_vae_adapter,
@@ -130,7 +136,7 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
     upscaler_model: ModelIdentifierField | None = installed_model_field("Flow Upscaler", "Flow Upscaler")
     upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
     scale: Scale = knob_field(SCALE, SCALE_DESCRIPTION)
-    seed: int = knob_field(SEED, SEED_DESCRIPTION)
+    seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
     transplant_strength: float = knob_field(TRANSPLANT_STRENGTH, TRANSPLANT_DESCRIPTION)
     chunked: Chunking = knob_field(CHUNKED, CHUNKED_DESCRIPTION)
 
@@ -190,7 +196,7 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
     upscaler_model: ModelIdentifierField | None = installed_model_field("Flow Upscaler", "Flow Upscaler")
     upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
     scale: Scale = knob_field(SCALE, SCALE_DESCRIPTION)
-    seed: int = knob_field(SEED, SEED_DESCRIPTION)
+    seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
     transplant_strength: float = knob_field(TRANSPLANT_STRENGTH, TRANSPLANT_DESCRIPTION)
     color_fix_strength: float = knob_field(
         COLOR_FIX_STRENGTH,
@@ -293,7 +299,7 @@ class TiledFlux2DenoiseInvocation(BaseInvocation):
     )  # fmt: skip
     strength: float = knob_field(REFINE_STRENGTH, "How much the refine changes the latents (img2img strength)")
     num_steps: int = knob_field(STEPS, "Steps of the full schedule (distilled Klein: 4)")
-    seed: int = knob_field(SEED, SEED_DESCRIPTION)
+    seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
     tile_size: str = _text_knob_field(TILE_SIZE, TILE_SIZE.help[:1].upper() + TILE_SIZE.help[1:])
     tile_overlap: int = knob_field(TILE_OVERLAP, multiple_of=16)
     tile_batch: str = _text_knob_field(TILE_BATCH, TILE_BATCH.help[:1].upper() + TILE_BATCH.help[1:])

@@ -46,7 +46,7 @@ def tiled_refine_raw_latents(
     from flowlift.refine.tiled_velocity import tiled_for_frame
 
     denoiser = Flux2Denoiser(transformer, prompt_embeds.to(device))
-    velocity_fn, record = tiled_for_frame(denoiser, tuple(raw_latents.shape[2:]), tiles)
+    velocity_fn, record = tiled_for_frame(denoiser, tuple(raw_latents.shape[2:]), tiles, images=raw_latents.shape[0])
     result = refine_latents(
         velocity_fn,
         init_latents=raw_latents.to(device=device, dtype=torch.float32),

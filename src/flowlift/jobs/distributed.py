@@ -178,6 +178,25 @@ def new_run_id() -> str:
     return f"{_dt.datetime.now(_dt.timezone.utc).strftime('%Y%m%dT%H%M%SZ')}-{os.urandom(3).hex()}"
 
 
+class RanksDidNotMeet(FlowliftError):
+    """Not every rank arrived at a collective within its timeout (crashed, hung, stopped by SIGSTOP): the
+    job's state is unknown, exit status 1 as for a missed end barrier (docs/distributed.md), one line."""
+
+    exit_status = 1
+
+
+@contextmanager
+def _met(what: str, timeout_s: float | None = None) -> Iterator[None]:
+    """A collective's timeout (torch's ``DistStoreError``, gloo's ``RuntimeError``) as :class:`RanksDidNotMeet`."""
+    try:
+        yield
+    except RuntimeError as error:  # DistError and DistBackendError are RuntimeErrors too
+        text = str(error).strip()
+        reason = text.splitlines()[0][:300] if text else type(error).__name__
+        waited = "" if timeout_s is None else f"waited up to {timeout_s:.0f} s: "
+        raise RanksDidNotMeet(f"no summary: not every rank reached {what} ({waited}{reason})") from None
+
+
 @contextmanager
 def process_group(env: DistEnv, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) -> Iterator[DistEnv]:
     """Join ``torchrun``'s process group (gloo, ``env://``) for the body; nothing for one process.
@@ -191,7 +210,8 @@ def process_group(env: DistEnv, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) ->
 
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s))
+        with _met("the start", timeout_s):
+            dist.init_process_group(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s))
     try:
         yield env
     finally:
@@ -206,7 +226,8 @@ def all_gather(env: DistEnv, value: Any) -> list[Any]:
     import torch.distributed as dist
 
     gathered: list[Any] = [None] * env.world_size
-    dist.all_gather_object(gathered, value)
+    with _met("an exchange of the plan"):
+        dist.all_gather_object(gathered, value)
     return gathered
 
 
@@ -217,8 +238,10 @@ def broadcast(env: DistEnv, value: Any) -> Any:
     import torch.distributed as dist
 
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    with _met("an exchange of the plan"):
+        dist.broadcast_object_list(box, src=0)
     return box[0]
+
 
 
 def agree(env: DistEnv, problem: str | None) -> None:

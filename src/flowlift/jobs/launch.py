@@ -26,7 +26,9 @@ The launcher's options are torchrun's, handed to torchrun's own parser and confi
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import re
 import signal
 import sys
@@ -36,6 +38,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from flowlift.errors import FlowliftError
+from flowlift.knobs import Knob, table
 
 #: Exit status of ``flowlift launch`` when a rank crashed and the restarts (if any) did not cure it.
 CRASHED = 3
@@ -80,7 +83,11 @@ def launch_config(options: Sequence[str]) -> Any:
             args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
         if args.master_port is None:
             args.master_port = 29500
+        if not 0 <= args.node_rank < max_nodes:
+            raise ValueError(f"--node-rank must be from 0 to {max_nodes - 1} (--nnodes {args.nnodes}), got "
+                             f"{args.node_rank}")  # fmt: skip
         config, _command, _arguments = torchrun.config_from_args(args)
+        check_rendezvous_settings(config.rdzv_configs)
         check_processes(config.nproc_per_node)
         if args.rdzv_backend == "static":
             _check_port(args.master_port, "--master-port")
@@ -96,6 +103,43 @@ def launch_config(options: Sequence[str]) -> Any:
         if args.rdzv_backend == "c10d":
             config.rdzv_configs["read_timeout"] = min(int(wait), int(config.rdzv_configs.get("read_timeout", 60)))
     return config
+
+
+#: The longest rendezvous wait taken (30 days): a longer one is a hang by another name.
+LONGEST_WAIT_S = 30 * 24 * 3600
+
+
+def _wait(name: str, help: str) -> Knob:
+    return Knob(name, int, 1, help, low=1, high=LONGEST_WAIT_S, unit="s")
+
+
+#: The ``--rdzv-conf`` settings torch's rendezvous reads as numbers or switches, with their domains: torch
+#: parses them only when the rendezvous starts, deep in the agent (``int("1e12")`` is a traceback there, a
+#: wait of 0 or less one of its own). Other keys are passed on as given.
+RDZV_KNOBS = table(
+    _wait("join_timeout", "how long the nodes wait for each other to join"),
+    _wait("last_call_timeout", "extra wait for more nodes once the minimum has joined"),
+    _wait("close_timeout", "wait for the rendezvous to close"),
+    _wait("heartbeat_timeout", "a node missing its heartbeat this long is dead"),
+    _wait("timeout", "the static rendezvous' wait for the other nodes"),
+    _wait("read_timeout", "the c10d store's read timeout"),
+    _wait("keep_alive_interval", "seconds between keep-alive heartbeats"),
+    Knob("keep_alive_max_attempt", int, 3, "missed heartbeats before a node counts as dead", low=1, high=1000),
+    Knob("is_host", str, "true", "whether this node hosts the c10d store",
+         choices=("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n")),  # fmt: skip
+)
+
+
+def check_rendezvous_settings(settings: dict[str, Any]) -> None:
+    """Each ``--rdzv-conf`` setting of :data:`RDZV_KNOBS` checked against its domain (normalised in place:
+    ``join_timeout=+600`` becomes ``600``); a bad one is a ValueError line naming it."""
+    for key, knob in RDZV_KNOBS.items():
+        if key in settings:
+            value = settings[key].strip().lower() if isinstance(settings[key], str) else settings[key]
+            try:
+                settings[key] = str(knob.check(value, label=f"--rdzv-conf {key}", loose=True))
+            except FlowliftError as error:
+                raise ValueError(str(error)) from None
 
 
 #: Open files the agent holds per local worker (pipes, semaphores, log files; a margin over what it opens).
@@ -170,13 +214,20 @@ def launch(
 
     if quiet:
         _quiet_agent_logs()
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # the ranks' c10d socket warnings on a timeout
     _drop_interrupted_worker_logs()
     config = launch_config(options)
     check_rendezvous_host(config.rdzv_endpoint)
+    suspended: dict[int, int] = {}  # global rank -> pid of a suspended rank the agent ended
     try:
-        with _no_restart_after_a_stop():
-            values = elastic_launch(config, worker)(list(argv))
+        with _no_restart_after_a_stop(suspended):
+            values = elastic_launch(config, _quiet_start(worker))(list(argv))
     except ChildFailedError as error:
+        if suspended and set(error.failures) <= set(suspended):
+            ranks = ", ".join(f"rank {rank}" for rank in sorted(error.failures))
+            print(f"{command}: {ranks} stayed suspended (SIGSTOP) after the other ranks ended, and was ended; "
+                  "the job did not finish (see their lines)", file=sys.stderr)  # fmt: skip
+            return 1
         stops = {rank: stop_signal_name(failure.exitcode) for rank, failure in sorted(error.failures.items())}
         if all(stops.values()):
             # a rank stopped from outside (a user's kill, Ctrl-C, a scheduler, the OOM killer): not a crash
@@ -199,7 +250,7 @@ def launch(
 
 
 @contextmanager
-def _no_restart_after_a_stop() -> Iterator[None]:
+def _no_restart_after_a_stop(suspended: dict[int, int]) -> Iterator[None]:
     """While torch's ``launch_agent`` runs, the agent it builds is :func:`_stop_aware_agent`'s: a rank that
     ended by a stop signal ends the run instead of restarting the group (``--max-restarts`` is for crashes).
 
@@ -210,25 +261,84 @@ def _no_restart_after_a_stop() -> Iterator[None]:
     import torch.distributed.launcher.api as launcher_api
 
     original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = _stop_aware_agent(original)
+    launcher_api.LocalElasticAgent = _stop_aware_agent(original, suspended)
     try:
         yield
     finally:
         launcher_api.LocalElasticAgent = original
 
 
-def _stop_aware_agent(base: type) -> type:
+def _stop_aware_agent(base: type, suspended: dict[int, int]) -> type:
     class StopAwareAgent(base):  # type: ignore[misc, valid-type]
         """torch's local agent, which gives up its remaining restarts when a rank was stopped by a signal
-        (as torch's own agent does for a worker stuck in uninterruptible sleep)."""
+        (as torch's own agent does for a worker stuck in uninterruptible sleep), and ends a rank that is
+        suspended (SIGSTOP) once every other local rank has returned its outcome (recorded in ``suspended``)."""
+
+        def _start_workers(self, worker_group: Any) -> Any:
+            # A rank spends seconds in Python's start-up and torch's import before any code of flowlift's
+            # runs, and SIGINT there printed a KeyboardInterrupt traceback (from inside `site`, a "Fatal
+            # Python error": a crash to the agent). The ranks are started with SIGINT blocked (a spawned
+            # process inherits the mask) and take it in _rank_entry. The resource tracker runs first:
+            # starting it unblocks SIGINT in this process.
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                return super()._start_workers(worker_group)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
             if result.is_failed() and any(stop_signal_name(f.exitcode) for f in result.failures.values()):
                 self._remaining_restarts = 0  # a restart would undo the stop the user (or the system) asked for
+            elif result.state.name == "HEALTHY":
+                self._end_suspended_ranks(worker_group)
             return result
 
+        def _end_suspended_ranks(self, worker_group: Any) -> None:
+            # The ranks that returned gave up on the suspended one (their barrier or plan exchange timed out):
+            # it can never finish, and torch's agent would wait for it forever. SIGKILL is the one signal a
+            # suspended process takes; the launcher then ends as a missed barrier does (exit 1).
+            returned = getattr(self._pcontext, "_return_values", None)  # torch's ranks' values, as they arrive
+            if not isinstance(returned, dict) or not returned:
+                return
+            waiting = [(rank, w) for rank, w in enumerate(worker_group.workers) if rank not in returned]
+            if waiting and all(is_suspended(w.id) for _, w in waiting):
+                for _, w in waiting:
+                    suspended[w.global_rank] = w.id
+                    os.kill(w.id, signal.SIGKILL)
+                self._remaining_restarts = 0
+
     return StopAwareAgent
+
+
+def is_suspended(pid: int | None) -> bool:
+    """Whether process ``pid`` is stopped by a job-control signal (SIGSTOP, SIGTSTP; Linux ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError, TypeError):
+        return False
+
+
+def _rank_entry(worker: Callable[..., Any], *args: Any) -> Any:
+    """Each rank's entry point: SIGINT, blocked while the rank started (:func:`_stop_aware_agent`), is
+    taken from here on, and ends the rank quietly with the shell's 130 until the command installs its own
+    handler (and after it puts this one back)."""
+    signal.signal(signal.SIGINT, _end_quietly)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a SIGINT sent while starting arrives now
+    return worker(*args)
+
+
+def _end_quietly(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _quiet_start(worker: Callable[..., Any]) -> Callable[..., Any]:
+    """``worker`` behind :func:`_rank_entry`, picklable like ``worker`` (a spawned rank imports it by name)."""
+    return functools.update_wrapper(functools.partial(_rank_entry, worker), worker)  # torch logs its name
 
 
 _EXIT_CODE = re.compile(r"\(exitcode: (-?\d+)\)")

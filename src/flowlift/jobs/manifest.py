@@ -20,6 +20,7 @@ from typing import Any
 
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import open_for_append
+from flowlift.files.json_input import parse_json
 from flowlift.jobs.distributed import DistEnv
 
 #: File name of the job manifest inside the output folder.
@@ -98,7 +99,7 @@ class Manifest:
         out = []
         for line in raw.splitlines():
             try:
-                record = json.loads(line)
+                record = parse_json(line)
             except ValueError:
                 continue
             if isinstance(record, dict) and "event" in record:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from flowlift.files.atomic import atomic_write_bytes
+from flowlift.files.json_input import parse_json
 
 CACHE_VERSION = 1
 
@@ -78,7 +79,7 @@ class ResultCache:
             return None
         base = self._base(label, name, key)
         try:
-            entry = json.loads(Path(f"{base}.json").read_text())
+            entry = parse_json(Path(f"{base}.json").read_text())
             if entry.get("key") != key:
                 return None
             from PIL import Image

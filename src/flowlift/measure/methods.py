@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from flowlift.errors import FlowliftError
+from flowlift.knobs import Knob
 
 PIXEL_METHODS = ("lanczos", "bicubic")
 VAE_METHODS = ("latent-bicubic", "vae-roundtrip", "flow")
@@ -255,3 +256,33 @@ def make_method_fn(
 def method_folder(label: str) -> str:
     """A method label as a folder name (``flow:color=off`` -> ``flow_color=off``)."""
     return "".join(ch if ch.isalnum() or ch in "-_=.," else "_" for ch in label)
+
+
+#: How the spandrel models of ``eval --run`` tile (input pixels); checked on every run, spandrel or not.
+SPANDREL_TILE = Knob(
+    "tile",
+    int,
+    "auto",
+    "spandrel models: tile side in input pixels, auto (sized by memory) or none (untiled)",
+    low=1,
+    words=("auto", "none"),
+    unit="px",
+)
+#: The same as :data:`flowlift.measure.tiled_inference.DEFAULT_OVERLAP` (tests/test_up_front_checks.py).
+SPANDREL_TILE_OVERLAP = Knob(
+    "tile_overlap", int, 32, "spandrel models: input pixels of context around each tile", low=0, unit="px"
+)
+
+
+def spandrel_tiling(tile: Any = "auto", overlap: Any = None) -> tuple[int | str | None, int]:
+    """``(tile, overlap)`` for :func:`flowlift.measure.pixel_upscaler.load_pixel_upscaler`, checked: each in its
+    knob's domain (``"none"`` becomes ``None``), and a tile larger than twice its overlap. One FlowliftError line."""
+    overlap = (
+        SPANDREL_TILE_OVERLAP.default
+        if overlap is None
+        else SPANDREL_TILE_OVERLAP.check(overlap, "--tile-overlap", loose=True)
+    )
+    tile = SPANDREL_TILE.check(tile, "--tile", loose=True)
+    if isinstance(tile, int) and tile - 2 * overlap < 1:
+        raise FlowliftError(f"--tile {tile} must exceed twice the --tile-overlap ({overlap})")
+    return (None if tile == "none" else tile), overlap

@@ -18,7 +18,6 @@ diffusers' ``GGUFParameter``.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.files.json_input import parse_json
 from flowlift.flux2.latents import PATCHIFIED_CHANNELS
 
 #: Prefixes that ComfyUI (and checkpoints saved by it) put before the BFL tensor names.
@@ -267,7 +267,7 @@ def _layer_formats(metadata: dict[str, str]) -> dict[str, str]:
     if not raw:
         return {}
     try:
-        layers = json.loads(raw).get("layers", {})
+        layers = parse_json(raw).get("layers", {})
     except (ValueError, AttributeError):
         return {"(all)": "unreadable _quantization_metadata"}
     return {layer: conf.get("format", "?") if isinstance(conf, dict) else str(conf) for layer, conf in layers.items()}

@@ -14,11 +14,11 @@ tensors only. Each problem is one :class:`~flowlift.errors.FlowliftError` line n
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from flowlift.errors import FlowliftError
+from flowlift.files.json_input import parse_json
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 INDEX_NAME = WEIGHTS_NAME + ".index.json"
@@ -46,7 +46,7 @@ def _weight_files(folder: Path, what: str) -> list[Path]:
         found = found if others else ""
         raise FlowliftError(f"{what}: no {WEIGHTS_NAME} (or {INDEX_NAME}) beside its config.json{found}")
     try:
-        index = json.loads((folder / INDEX_NAME).read_text())
+        index = parse_json((folder / INDEX_NAME).read_text())
         shards = sorted(set(index["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise FlowliftError(f"{what}: {INDEX_NAME} is not a readable shard index ({error!r})"[:300]) from None
@@ -60,7 +60,7 @@ def _weight_files(folder: Path, what: str) -> list[Path]:
 
 def _read_config(folder: Path, what: str) -> dict[str, Any]:
     try:
-        config = json.loads((folder / "config.json").read_text())
+        config = parse_json((folder / "config.json").read_text())
     except (OSError, ValueError, UnicodeDecodeError) as error:
         raise FlowliftError(f"{what}: config.json is not readable JSON ({str(error)[:160]})") from None
     if not isinstance(config, dict):

@@ -12,12 +12,12 @@ that fetches it again.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from flowlift.errors import FlowliftError
+from flowlift.files.json_input import parse_json
 
 #: Bytes per element of each safetensors dtype, and the torch name flowlift reports it by.
 DTYPES = {
@@ -86,7 +86,7 @@ def read_header(path: str | Path, *, what: str) -> Header:
             handle.seek(8)
             if size < 8 or not 2 <= length <= min(size - 8, MAX_HEADER_BYTES):
                 raise ValueError(f"a header length of {length} bytes in a file of {size}")
-            header = json.loads(handle.read(length))
+            header = parse_json(handle.read(length))
     except (OSError, ValueError, UnicodeDecodeError) as error:
         raise FlowliftError(f"{what}: not a readable safetensors file ({str(error)[:160]})") from None
     if not isinstance(header, dict):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -159,6 +160,34 @@ class ResBlock(nn.Module):
         return h + self.skip(x)
 
 
+def strided_conv2d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: Any, padding: Any
+) -> torch.Tensor:
+    """``F.conv2d(x, weight, bias, stride, padding)``, in float32 where torch's CPU bfloat16 kernel is wrong.
+
+    torch's CPU bfloat16 convolution (oneDNN, torch 2.13 on AVX512-BF16/AMX) returns garbage -- huge or
+    non-finite values, different on every call -- for a strided convolution whose output is one column
+    wide, e.g. the 3x3 stride-2 downsample of a 16x512 image's latents; float32 and wider outputs are
+    right (tests/test_cpu_dtype.py asserts torch still does this, so that the detour can go when torch is
+    fixed). There the convolution runs in float32 and is rounded back to bfloat16, which is what a correct
+    bfloat16 kernel returns to its rounding; it is the narrowest layer of the model, so the cost is nil.
+    """
+    stride_w = stride[1] if isinstance(stride, (tuple, list)) else stride
+    pad_w = padding[1] if isinstance(padding, (tuple, list)) else padding
+    out_w = (x.shape[-1] + 2 * pad_w - weight.shape[-1]) // stride_w + 1
+    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and out_w == 1:
+        bias32 = None if bias is None else bias.float()
+        return F.conv2d(x.float(), weight.float(), bias32, stride, padding).to(x.dtype)
+    return F.conv2d(x, weight, bias, stride, padding)
+
+
+class StridedConv2d(nn.Conv2d):
+    """An ``nn.Conv2d`` (same parameters, same state-dict keys) that convolves with :func:`strided_conv2d`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return strided_conv2d(x, self.weight, self.bias, self.stride, self.padding)
+
+
 class DownStage(nn.Module):
     """``n`` residual blocks and a 3x3 stride-2 ``downsample``.
 
@@ -172,7 +201,7 @@ class DownStage(nn.Module):
         super().__init__()
         self.downsample_first = downsample_first
         self.blocks = nn.ModuleList(ResBlock(channels, channels, cond_dim, dropout) for _ in range(num_blocks))
-        self.downsample = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+        self.downsample = StridedConv2d(channels, channels, 3, stride=2, padding=1)
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.downsample_first:

@@ -11,7 +11,6 @@ huggingface_hub cache and honour ``HF_HUB_OFFLINE=1``; an unreachable hub is tre
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.files.json_input import parse_json
 from flowlift.models.mage_vae_files import is_mage_vae, mage_from_state_dict
 from flowlift.models.vae import TAEF2VAE, Flux2VAE, MageVAE, flux2_from_state_dict, taef2_from_state_dicts
 from flowlift.models.weights import looks_like_repo_id, read_state_dict
@@ -142,7 +142,7 @@ def _from_file(path: Path, device: torch.device | str, dtype: torch.dtype) -> An
 
 def _read_config(path: Path) -> dict[str, Any]:
     try:
-        config = json.loads(path.read_text())
+        config = parse_json(path.read_text())
     except (OSError, ValueError) as error:
         raise FlowliftError(f"VAE: cannot read {path}: {str(error).splitlines()[0][:200]}") from None
     if not isinstance(config, dict):

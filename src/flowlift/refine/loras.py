@@ -13,7 +13,6 @@ bit for bit (the adapter adds an exact zero).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.refine import lora_config
 
 #: ``(path, scale)`` pairs as :func:`flowlift.refine.loading.load_refiner` takes them.
 LoraSpec = tuple[str | os.PathLike, float]
@@ -35,7 +35,7 @@ _ADAPTER_PARTS = (".lora_A", ".lora_B", ".lora_magnitude_vector", ".lokr_")
 _PAIRS = ((".lora_A.weight", ".lora_B.weight"), (".lora_down.weight", ".lora_up.weight"))
 #: The largest ``alpha / rank`` accepted: trained LoRAs scale their rank-r update by 1/r to about 2 (alpha = 1, r
 #: or 2r); a thousand times the update is a damaged file, whose images would only come out black or noise.
-MAX_ALPHA_SCALE = 1e3
+MAX_ALPHA_SCALE = lora_config.MAX_ALPHA_SCALE
 
 
 @dataclass(frozen=True)
@@ -103,11 +103,8 @@ def read_lora(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict | 
     check_lora_matrices(state, origin=str(path))
     metadata = None
     if "lora_adapter_metadata" in header:
-        try:
-            metadata = json.loads(header["lora_adapter_metadata"])
-        except ValueError:
-            raise FlowliftError(f"LoRA {path}: its lora_adapter_metadata header is not JSON") from None
-        check_adapter_metadata(metadata, origin=str(path))
+        config = lora_config.adapter_config(header["lora_adapter_metadata"], origin=str(path))
+        metadata = {_PREFIX + key: value for key, value in config.items()}  # what diffusers passes to peft
     return state, metadata
 
 
@@ -143,25 +140,11 @@ def check_lora_matrices(state: dict[str, torch.Tensor], *, origin: str) -> None:
 
 
 def check_adapter_metadata(metadata: object, *, origin: str) -> None:
-    """diffusers' ``lora_adapter_metadata`` (a peft ``LoraConfig``, keys under ``transformer.``) holds a rank ``r``
-    > 0 and a finite ``lora_alpha`` with ``|lora_alpha| / r <= MAX_ALPHA_SCALE`` (per-layer patterns alike)."""
-    what = f"LoRA {origin}: its lora_adapter_metadata header"
-    if not isinstance(metadata, dict):
-        raise FlowliftError(f"{what} is a JSON {type(metadata).__name__}, not a peft LoRA config object")
-    config = {k.removeprefix(_PREFIX): v for k, v in metadata.items()}
-    rank, alpha = config.get("r"), config.get("lora_alpha")
-    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
-    if not isinstance(ranks, dict) or not isinstance(alphas, dict):
-        raise FlowliftError(f"{what} has a rank_pattern or alpha_pattern that is not an object")
-    for label, value in [("r", rank), *((f"rank_pattern {k}", v) for k, v in ranks.items())]:
-        if type(value) is not int or value <= 0:
-            raise FlowliftError(f"{what} has {label} {value!r}; expected a rank, a positive integer")
-    for label, value in [("lora_alpha", alpha), *((f"alpha_pattern {k}", v) for k, v in alphas.items())]:
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or value != value or abs(value) / rank > MAX_ALPHA_SCALE:
-            raise FlowliftError(
-                f"{what} has {label} {value!r}; expected a finite number of at most {MAX_ALPHA_SCALE:g} x the rank"
-            )
+    """diffusers' decoded ``lora_adapter_metadata`` (a peft ``LoraConfig``, keys under ``transformer.``) holds
+    only settings flowlift can apply, each in its domain (:func:`flowlift.refine.lora_config.check_adapter_config`:
+    a rank ``r`` > 0, a positive finite ``lora_alpha`` with ``lora_alpha / r <= MAX_ALPHA_SCALE``, per-layer
+    patterns alike, a list of ``target_modules``, no DoRA), else one line naming the setting."""
+    lora_config.transformer_settings(metadata, what=f"LoRA {origin}: its lora_adapter_metadata header")
 
 
 def normalize_comfyui_lora(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -305,6 +288,21 @@ def check_fit(
             )
 
 
+def _check_metadata_fits(
+    metadata: dict, converted: dict[str, torch.Tensor], transformer: torch.nn.Module, *, origin: str
+) -> None:
+    """The adapter config reaches exactly the layers the tensors adapt, at the tensors' rank (when one rank)."""
+    config = {key.removeprefix(_PREFIX): value for key, value in metadata.items()}
+    layers = {key.removeprefix(_PREFIX).split(".lora_", 1)[0] for key in converted if ".lora_" in key}
+    linear = [name for name, module in transformer.named_modules() if isinstance(module, torch.nn.Linear)]
+    what = f"LoRA {origin}: its lora_adapter_metadata header"
+    lora_config.check_targets(config, layers, linear, what=what)
+    if config.get("lora_bias") and not any(key.endswith(".lora_B.bias") for key in converted):
+        raise FlowliftError(f"{what} has lora_bias true but the file holds no lora_B bias")
+    if not config.get("rank_pattern"):
+        check_fit(converted, transformer, origin=origin, rank=config["r"])
+
+
 def apply_loras(transformer: torch.nn.Module, loras: Sequence[LoraSpec]) -> list[LoadedLora]:
     """Load each ``(path, scale)`` LoRA onto ``transformer`` as a peft adapter and activate them at their scales.
 
@@ -326,9 +324,8 @@ def apply_loras(transformer: torch.nn.Module, loras: Sequence[LoraSpec]) -> list
             raise FlowliftError(f"LoRA {path}: the scale must be a finite number, got {scale}")
         state, metadata = read_lora(path)
         converted = convert_lora(state, transformer, origin=os.fspath(path))
-        config = {k.removeprefix(_PREFIX): v for k, v in (metadata or {}).items()}
-        if metadata is not None and not config.get("rank_pattern"):
-            check_fit(converted, transformer, origin=os.fspath(path), rank=config["r"])
+        if metadata is not None:
+            _check_metadata_fits(metadata, converted, transformer, origin=os.fspath(path))
         prepared.append((os.fspath(path), scale, f"lora{index}", converted, metadata))
     loaded = []
     for path, scale, adapter, converted, metadata in prepared:

@@ -26,7 +26,7 @@ from flowlift.refine.loop import (
 )
 from flowlift.refine.offload import place_transformer, with_transformer_on_device
 from flowlift.refine.parameters import RefineOutput, conditioning_parameters, output_parameters
-from flowlift.refine.settings import SamplingSettings, sampling_from
+from flowlift.refine.settings import SamplingSettings, check_hires_size, sampling_from
 from flowlift.refine.tiling import DEFAULT_TILE_OVERLAP, TileRequest
 
 #: A mode's tiling knobs (``tile_size``, ``tile_overlap``, ``tile_batch``; None keeps the refiner's).
@@ -177,10 +177,13 @@ class Flux2Refiner:
         from flowlift.refine.tiled_velocity import tiled_for_frame
 
         init_latents, bn_mean, bn_std = init if init is not None else (None, None, None)
-        size = tuple((init_latents.shape if init_latents is not None else shape)[2:])
+        frame = tuple(init_latents.shape if init_latents is not None else shape)
+        size = frame[2:]
         tiling: dict[str, Any] = {}
         if velocity_fn is not None:  # None: strength 0, no model call
-            velocity_fn, tiling = tiled_for_frame(velocity_fn, size, self.tiling.replace(*tiles), self.memory_plan)
+            velocity_fn, tiling = tiled_for_frame(
+                velocity_fn, size, self.tiling.replace(*tiles), self.memory_plan, images=frame[0]
+            )
         result = refine_latents(
             velocity_fn,
             init_latents=init_latents,
@@ -376,6 +379,9 @@ class Flux2Refiner:
         pass's; the txt2img base runs it with ``base_steps``.
         """
         sampling = sampling_from(sampling, conditioning, "Flux2Refiner.hires")
+        if images is not None or (height is not None and width is not None):
+            base_h, base_w = images.shape[-2:] if images is not None else (height, width)
+            check_hires_size(int(base_w), int(base_h), scale)  # the whole pass plan, before the base runs
         start = denoising_start_for(refine_strength, strength_map)
         den = self.denoiser(**conditioning)
         params: dict[str, Any] = {}

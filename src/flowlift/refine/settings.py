@@ -84,6 +84,34 @@ HIRES_SCALE = Knob(
     unit="x",
 )
 
+
+
+def check_hires_size(width: int, height: int, scale: int) -> None:
+    """One FlowliftError line unless a hires fix of a ``width x height`` base can run at exactly ``scale``.
+
+    The hires fix refines at ``scale`` times the base, so every Flow Upscaler pass must run: the base and
+    the result both within ``MAX_OUTPUT_SIDE`` (16384 px, where :func:`flowlift.upscale.sizes.planned_passes`
+    would drop a pass and leave the refine a smaller size than it was planned for), sides positive multiples
+    of ``SIZE_MULTIPLE`` (16: the VAE's 8x and the 2x2 patches). Checked before any model runs.
+    """
+    from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, SIZE_MULTIPLE
+
+    scale = HIRES_SCALE.check(scale, "hires scale")
+    if min(width, height) < SIZE_MULTIPLE or width % SIZE_MULTIPLE or height % SIZE_MULTIPLE:
+        raise FlowliftError(f"hires base sides must be positive multiples of {SIZE_MULTIPLE} px, got {width}x{height}")
+    side = max(width, height)
+    if side > MAX_OUTPUT_SIDE:
+        raise FlowliftError(f"a {width}x{height} hires base is over MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side")
+    if side * scale > MAX_OUTPUT_SIDE:
+        fits = [choice for choice in HIRES_SCALE.choices if side * choice <= MAX_OUTPUT_SIDE]
+        most = MAX_OUTPUT_SIDE // min(HIRES_SCALE.choices)
+        hint = f"use a scale of at most {max(fits)}" if fits else f"use a base of at most {most} px a side"
+        raise FlowliftError(
+            f"hires at {scale}x of a {width}x{height} base would be {width * scale}x{height * scale}, over "
+            f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side (a pass would be dropped); {hint}"
+        )
+
+
 #: Tile sides and offsets are multiples of 16 image pixels: 8x VAE, then the transformer's 2x2 patches.
 TILE_MULTIPLE = 16
 #: FLUX.2's specified maximum resolution (BFL: 4 megapixels, e.g. 2048x2048; Klein the same).

@@ -37,13 +37,25 @@ def smoothstep(t: torch.Tensor) -> torch.Tensor:
     return t * t * (3.0 - 2.0 * t)
 
 
+def check_axis_layout(length: int, starts: Sequence[int], tile: int) -> None:
+    """``starts`` lay tiles of side ``tile`` on an axis of ``length`` as :func:`edge_ramps` reads them: in order,
+    the first at 0, the last ending at ``length``, each inside the axis (ValueError naming the first that is not)."""
+    if not starts or tile <= 0 or starts[0] != 0 or starts[-1] + tile != length:
+        raise ValueError(f"tiles of {tile} at {list(starts)[:8]} do not span an axis of {length} from 0 to its end")
+    for before, start in zip(starts[:-1], starts[1:], strict=True):
+        if not before < start <= before + tile:
+            raise ValueError(f"tile starts {before} and {start} on an axis of {length}: not in order or leave a gap")
+
+
 def edge_ramps(length: int, starts: Sequence[int], tile: int) -> list[torch.Tensor]:
     """Un-normalized 1-D weights ``r_k`` (float64, ``tile`` long) of tiles at ``starts`` on an axis of ``length``.
 
     All in latent pixels. Across an edge tile ``k`` shares with a neighbour, over that shared span of ``o`` pixels,
     ``r = smoothstep((d + 1/2) / o)`` at ``d`` pixels in from the edge; edges on the frame's border and abutting
-    edges (``o = 0``) get no ramp.
+    edges (``o = 0``) get no ramp. Which edges lie on the border is read from the order of ``starts``, so the
+    layout must span the axis: :func:`check_axis_layout` (``length``'s use) refuses one that does not.
     """
+    check_axis_layout(length, starts, tile)
     ramps = []
     centres = torch.arange(tile, dtype=torch.float64) + 0.5
     for k, start in enumerate(starts):
@@ -76,7 +88,10 @@ class TiledVelocity:
 
     ``layout`` is in image pixels (multiples of 16: each tile's offsets and sides are whole 2x2 latent patches);
     ``x`` is a (B, C, H/8, W/8) latent. ``layout.batch`` tiles go into one ``inner`` call (stacked on the batch
-    axis; a batch of B > 1 images runs one tile per call). ``calls`` counts the inner calls, ``tiles_run`` the tiles.
+    axis); a batch of B > 1 images runs one tile (of all B) per call, as :func:`tiled_for_frame` lays it out and
+    records: ``inner``'s conditioning is laid out for B latents (per-image prompt embeddings are batch B), and
+    several tiles of B images would need it repeated in tile order. ``calls`` counts the inner calls, ``tiles_run``
+    the tiles.
     """
 
     def __init__(self, inner: VelocityFn, layout: TileLayout) -> None:
@@ -135,15 +150,16 @@ class TiledVelocity:
 
 
 def tiled_for_frame(
-    velocity_fn: VelocityFn, latent_size: tuple[int, int], request: TileRequest, plan: Any = None
+    velocity_fn: VelocityFn, latent_size: tuple[int, int], request: TileRequest, plan: Any = None, *, images: int = 1
 ) -> tuple[VelocityFn, dict[str, Any]]:
     """``velocity_fn`` for a frame of ``latent_size`` (h, w latent pixels) as ``request`` and the memory ``plan``
     (a :class:`~flowlift.refine.memory_plan.RefinePlan` or None) decide, and its metadata.
 
     :func:`~flowlift.refine.tiling.resolve_tile_size` picks the tile; untiled, ``velocity_fn`` itself is returned
     (a frame above 4 MP then costs one warning line). ``tile_batch auto`` is the plan's tiles per call when the
-    plan made this tile, else 1. The metadata: ``tile_size`` as asked, and ``tiles`` (size, overlap, grid, batch)
-    when tiles ran.
+    plan made this tile, else 1; with ``images`` > 1 in the batch each call runs one tile of all of them (see
+    :class:`TiledVelocity`; a ``tile_batch`` above 1 asked for then costs one warning line). The metadata:
+    ``tile_size`` as asked, and ``tiles`` (size, overlap, grid, batch: the tiles per call that ran) when tiles ran.
     """
     from flowlift.files.images import FlowliftWarning
 
@@ -165,6 +181,14 @@ def tiled_for_frame(
         batch = request.batch
     else:
         batch = plan.tile_batch if plan is not None and plan.tile_size == tile else 1
+    if images > 1 and batch > 1:
+        if isinstance(request.batch, int):
+            warnings.warn(
+                FlowliftWarning(f"tile batch {batch}: with {images} images in one batch each transformer call runs "
+                                f"one tile of all {images} (recorded as batch 1)"),
+                stacklevel=3,
+            )  # fmt: skip
+        batch = 1
     layout = tile_layout(height, width, tile, request.overlap, batch)
     record["tiles"] = layout.record()
     return TiledVelocity(velocity_fn, layout), record

@@ -172,11 +172,12 @@ class TileLayout:
 
 def tile_layout(height: int, width: int, tile: int, overlap: int, batch: int = 1) -> TileLayout:
     """The layout of ``tile``-px tiles on a ``height x width`` px frame (a side shorter than the tile is one tile
-    of that side)."""
+    of that side), ``batch`` tiles per call: at most the layout's tiles, so that the record says what runs."""
     tile_h, tile_w = min(tile, height), min(tile, width)
     rows = tile_starts(height, tile_h, overlap) if tile_h < height else [0]
     cols = tile_starts(width, tile_w, overlap) if tile_w < width else [0]
-    return TileLayout(height, width, tile_h, tile_w, tuple(rows), tuple(cols), overlap, max(1, int(batch)))
+    per_call = max(1, min(int(batch), len(rows) * len(cols)))
+    return TileLayout(height, width, tile_h, tile_w, tuple(rows), tuple(cols), overlap, per_call)
 
 
 def tile_count(height: int, width: int, tile: int | None, overlap: int) -> int:

@@ -6,14 +6,14 @@ Precedence: dataclass defaults < config file < ``--set key=value`` / dedicated C
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flowlift.errors import FlowliftError
+from flowlift.files.json_input import MAX_JSON_DEPTH, nesting_depth, parse_json
+from flowlift.knobs import SEED, Knob, table
 
 
 @dataclass
@@ -84,69 +84,115 @@ class TrainConfig:
             raise FlowliftError("no training data: set data (a folder built by `flowlift dataset`)")
         if not self.output:
             raise FlowliftError("no output folder: set output")
-        for spec in dataclasses.fields(self):
-            value = getattr(self, spec.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise FlowliftError(f"{spec.name} must be a finite number, got {value}")
-        if not 0 <= self.dropout < 1:
-            raise FlowliftError(f"dropout must be in [0, 1), got {self.dropout}")
-        positive = ("steps", "batch_size", "grad_accum", "log_every", "checkpoint_every", "keep_checkpoints")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise FlowliftError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.crop < 0 or self.crop % 4:
-            raise FlowliftError(f"crop must be 0 or a positive multiple of 4 latent pixels, got {self.crop}")
-        if self.lr <= 0 or self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise FlowliftError("need lr > 0, warmup_steps >= 0 and 0 <= min_lr_ratio <= 1")
-        if not 0 <= self.ema_decay < 1:
-            raise FlowliftError(f"ema_decay must be in [0, 1), got {self.ema_decay}")
-        if self.mixed_precision not in ("auto", "no", "bf16"):
-            raise FlowliftError(f"mixed_precision must be auto, no or bf16, got {self.mixed_precision!r}")
-        if self.channels_last not in ("auto", "yes", "no"):
-            raise FlowliftError(f"channels_last must be auto, yes or no, got {self.channels_last!r}")
-        if self.val_every < 0:
-            raise FlowliftError("val_every must be >= 0")
+        for name, knob in TRAIN_KNOBS.items():  # an object built in Python skips apply_overrides
+            knob.check(getattr(self, name), label=name)
+        if self.t_low > self.t_high:  # TimeSampling draws from [t_low, t_high] in any mode
+            raise FlowliftError(f"t_low must be at most t_high, got {self.t_low} > {self.t_high}")
         if self.val_every and (not self.val_images or not self.vae):
             raise FlowliftError("validation (val_every > 0) needs val_images and vae")
-        if self.val_size % 16 or self.val_size < 128:
-            raise FlowliftError(f"val_size must be a multiple of 16 pixels and at least 128, got {self.val_size}")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_DEFAULTS = TrainConfig()
+_TEXT = ".*"
+#: What ``device`` may name; whether that device exists is checked when the run starts (devices.py).
+_DEVICE = r"auto|cpu(:0)?|cuda(:\d+)?|mps"
+
+
+def _knob(name: str, kind: type, help: str, **domain: Any) -> Knob:
+    """One training setting's knob, with :class:`TrainConfig`'s default."""
+    return Knob(name, kind, getattr(_DEFAULTS, name), help, **domain)
+
+
+#: Every training setting's domain, the one table that ``--set``, a ``--config`` file and the dedicated
+#: flags all go through (:func:`apply_overrides`); settings that depend on each other are checked by
+#: :meth:`TrainConfig.validate`.
+TRAIN_KNOBS: dict[str, Knob] = table(
+    _knob("data", str, "dataset folder (from `flowlift dataset`)", pattern=_TEXT),
+    _knob("output", str, "run folder: logs, checkpoints, final flow_upscaler.safetensors", pattern=_TEXT),
+    _knob("crop", int, "target-latent crop side (0 = whole items)", low=0, multiple=4, unit="latent px"),
+    _knob("use_stored_noise", bool, "distillation shards: train on the teacher's own noise"),
+    _knob(
+        "init",
+        str,
+        "released checkpoint to fine-tune (file, folder or hub id); none = scratch",
+        pattern=_TEXT,
+        optional=True,
+    ),  # fmt: skip
+    _knob("base_channels", int, "UNet width", low=1),
+    _knob("time_dim", int, "sinusoidal time embedding width (sin and cos halves)", low=2, multiple=2),
+    _knob("cond_dim", int, "conditioning vector width", low=1),
+    _knob("dropout", float, "dropout probability", low=0.0, high=1.0, high_open=True),
+    _knob("t_sampling", str, "flow time sampling", choices=("fixed", "uniform", "logit_normal")),
+    _knob("t_value", float, "flow time of t_sampling fixed", low=0.0, high=1.0),
+    _knob("t_low", float, "lower end of t_sampling uniform", low=0.0, high=1.0),
+    _knob("t_high", float, "upper end of t_sampling uniform", low=0.0, high=1.0),
+    _knob("t_mean", float, "mean of t_sampling logit_normal (logit space)"),
+    _knob("t_std", float, "standard deviation of t_sampling logit_normal", low=0.0, low_open=True),
+    _knob("steps", int, "total optimizer steps", low=1),
+    _knob("batch_size", int, "samples per process per micro-batch", low=1),
+    _knob("grad_accum", int, "micro-batches per optimizer step", low=1),
+    _knob("lr", float, "peak learning rate", low=0.0, low_open=True),
+    _knob("min_lr_ratio", float, "cosine decays to lr * min_lr_ratio", low=0.0, high=1.0),
+    _knob("warmup_steps", int, "linear warm-up steps", low=0),
+    _knob("weight_decay", float, "AdamW weight decay", low=0.0),
+    _knob("adam_beta1", float, "AdamW beta1", low=0.0, high=1.0, high_open=True),
+    _knob("adam_beta2", float, "AdamW beta2", low=0.0, high=1.0, high_open=True),
+    _knob("adam_eps", float, "AdamW epsilon", low=0.0, low_open=True),
+    _knob("grad_clip", float, "max global grad norm (0 disables)", low=0.0),
+    _knob("ema_decay", float, "EMA decay of the saved weights", low=0.0, high=1.0, high_open=True),
+    _knob("ema_warmup", bool, "decay_n = min(ema_decay, (1 + n) / (10 + n))"),
+    _knob("seed", int, SEED.help, low=SEED.low, high=SEED.high),
+    _knob(
+        "device",
+        str,
+        "auto (CUDA if available, else cpu), cpu, cuda, cuda:N",
+        pattern=_DEVICE,
+        extra={"spelled": "one of auto, cpu, cuda, cuda:N, mps"},
+    ),  # fmt: skip
+    _knob("mixed_precision", str, "auto (bf16 on CUDA), no or bf16", choices=("auto", "no", "bf16")),
+    _knob("channels_last", str, "auto (on CUDA), yes or no", choices=("auto", "yes", "no")),
+    _knob("log_every", int, "log the loss every K steps", low=1),
+    _knob("checkpoint_every", int, "checkpoint every K steps", low=1),
+    _knob("keep_checkpoints", int, "checkpoints kept", low=1),
+    _knob(
+        "resume", str, "auto (latest in output, if any), a checkpoint folder, or none", pattern=_TEXT, optional=True
+    ),  # fmt: skip
+    _knob("overwrite", bool, "with resume none: replace the output folder's checkpoints"),
+    _knob(
+        "stop_after", int, "end this invocation after this global step (none = at steps)", low=1, optional=True
+    ),  # fmt: skip
+    _knob(
+        "time_limit_s", float, "end this invocation (with a checkpoint) after this long; 0 = none", low=0.0, unit="s"
+    ),  # fmt: skip
+    _knob("val_every", int, "validate every K steps (0 = never)", low=0),
+    _knob("val_images", list, "held-out images (files, folders, globs) for validation"),
+    _knob("val_count", int, "validation images used", low=1),
+    _knob("val_size", int, "centre crop side of the validation ground truth", low=128, multiple=16, unit="px"),
+    _knob("vae", str, "VAE spec for validation", pattern=_TEXT),
+    _knob("val_seed", int, "seed of the validation noise", low=SEED.low, high=SEED.high),
+    _knob("val_color_fix", bool, "colour-fix the validation images"),
+    _knob("progress", bool, "progress bars"),
+)
 
 
 def _coerce(name: str, value: Any) -> Any:
-    """Convert a file or command-line value to the type of field ``name``."""
-    default = _FIELDS[name].default
-    kind = _FIELDS[name].type
-    if isinstance(value, str):
-        text = value.strip()
-        if "list" in str(kind):
-            return [v for v in (s.strip() for s in text.split(",")) if v]
-        if text.lower() in ("none", "null") and ("None" in str(kind)):
-            return None
-        if "bool" in str(kind):
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise FlowliftError(f"{name}: expected true/false, got {value!r}")
-        if "int" in str(kind) and "float" not in str(kind):
-            try:
-                return int(text)
-            except ValueError:
-                raise FlowliftError(f"{name}: expected an integer, got {value!r}") from None
-        if "float" in str(kind):
-            try:
-                return float(text)
-            except ValueError:
-                raise FlowliftError(f"{name}: expected a number, got {value!r}") from None
-        return text
-    if isinstance(default, bool) and not isinstance(value, bool):
-        raise FlowliftError(f"{name}: expected true/false, got {value!r}")
-    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    return value
+    """A file or command-line value of setting ``name``, checked against its domain (:data:`TRAIN_KNOBS`).
+
+    Text is what the command line gives (``--set``) and what a file may hold: ``true``/``false`` for a
+    switch, comma-separated items for a list; numbers are parsed exactly (:meth:`Knob.check`, loose).
+    """
+    knob = TRAIN_KNOBS[name]
+    if isinstance(value, str) and knob.kind is bool:
+        text = value.strip().lower()
+        value = True if text in _TRUE else False if text in _FALSE else value
+    elif isinstance(value, str) and knob.kind is list:
+        value = [item for item in (part.strip() for part in value.split(",")) if item]
+    return knob.check(value, label=name, loose=True)
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 def apply_overrides(config: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
@@ -181,8 +227,10 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
             import tomllib
 
             data = tomllib.loads(path.read_text())
+            if nesting_depth(data) > MAX_JSON_DEPTH:  # tomllib recurses like json: same bound
+                raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
         else:
-            data = json.loads(path.read_text())
+            data = parse_json(path.read_text())
     except Exception as error:  # noqa: BLE001 - any parse failure is a bad file to the user
         raise FlowliftError(f"cannot parse config {path}: {str(error).splitlines()[0]}") from None
     if not isinstance(data, dict):

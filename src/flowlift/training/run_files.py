@@ -20,7 +20,6 @@ rule (issue 36.1), checked by :func:`check_run_folder` before any model or data 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import stat as stat_module
@@ -30,6 +29,7 @@ from typing import Any
 
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
+from flowlift.files.json_input import parse_json
 from flowlift.files.output_paths import folder_problem, same_file_problem
 from flowlift.training.checkpoints import EMA_NAME, RAW_NAME, RUN_ID_NAME, STATE_NAME
 from flowlift.training.config import TrainConfig
@@ -61,7 +61,7 @@ def is_run_config(path: Path) -> bool:
     """A JSON object of :class:`TrainConfig` settings (with ``output`` and ``steps``): a run's ``config.json``."""
     fields = set(TrainConfig().to_dict())
     try:
-        value = json.loads(_head(path))
+        value = parse_json(_head(path))
     except ValueError:
         return False
     return isinstance(value, dict) and {"output", "steps"} <= set(value) <= fields
@@ -93,7 +93,7 @@ def is_upscaler_weights(path: Path) -> bool:
     try:
         with open(path, "rb") as handle:
             handle.seek(8)
-            header = json.loads(handle.read(size))
+            header = parse_json(handle.read(size))
     except ValueError:
         return False
     metadata = header.get("__metadata__") if isinstance(header, dict) else None

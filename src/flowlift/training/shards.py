@@ -40,6 +40,7 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_output, atomic_write_text
+from flowlift.files.json_input import parse_json
 from flowlift.knobs import wrap_seed
 
 FORMAT = "flowlift-latent-dataset"
@@ -58,8 +59,8 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise FlowliftError(f"{root} is not a flowlift dataset (no dataset.json); build one with `flowlift dataset`")
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        manifest = parse_json(path.read_text())
+    except (OSError, ValueError) as error:  # UnicodeDecodeError and too deep JSON are ValueErrors
         raise FlowliftError(f"cannot read {path}: {str(error).splitlines()[0]}") from None
     if not isinstance(manifest, dict):
         raise FlowliftError(f"{path}: the manifest must be a JSON object, got a {type(manifest).__name__}")

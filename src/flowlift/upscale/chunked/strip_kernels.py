@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flowlift.models.upscaler_unet import strided_conv2d
+
 RowFn = Callable[[int, int], torch.Tensor]
 
 __all__ = [
@@ -147,7 +149,7 @@ def conv_rows(
     x = read(lo_c, hi_c)
     if lo_c != lo or hi_c != hi:
         x = F.pad(x, (0, 0, lo_c - lo, hi - hi_c))
-    return F.conv2d(x, weight, bias, stride=stride, padding=(0, pw))
+    return strided_conv2d(x, weight, bias, stride, (0, pw))  # F.conv2d, minus torch's one-column bf16 bug
 
 
 def upsample2x_rows(read: RowFn, height: int, a: int, b: int) -> torch.Tensor:

@@ -1,0 +1,111 @@
+"""Test-only ComfyUI nodes (linked into the test server's custom_nodes/ by ``comfy_server(test_nodes=True)``).
+
+ComfyUI v0.8.0's model detection (``comfy/model_detection.py``) reads a FLUX.2 checkpoint with 48 heads and
+4 rope axes of 32 (head width 128) whatever its shapes, so the hidden size must be 48 * 128 = 6144, and it needs a
+``double_blocks.0`` block: no checkpoint it accepts is smaller than about 1.5 billion parameters. These nodes
+therefore build **ComfyUI's own FLUX.2 model class** (``comfy.supported_models.Flux2`` -> ``comfy.model_base.Flux2``
+-> ``comfy.ldm.flux.model.Flux``, the classes a detected FLUX.2 file gets) from a tiny ``unet_config`` in the
+server's process, with seeded random weights, as ``comfy.sd.load_diffusion_model_state_dict`` does after
+detection.
+
+* ``FlowliftTestTinyFlux2``: seed -> (MODEL, CONDITIONING): the tiny FLUX.2 and a random text conditioning.
+* ``FlowliftTestTiledReference``: a model patched by Tiled FLUX.2 Refine + a LATENT + sigma -> LATENT holding, on
+  the batch axis, the patched model's prediction, flowlift's refine core (``TiledVelocity`` over the same model
+  function, one tile per call) on the same inputs, and the unpatched prediction.
+"""
+
+from __future__ import annotations
+
+import comfy.model_detection
+import comfy.model_management as mm
+import comfy.model_patcher
+import torch
+
+from flowlift.flux2.latents import patchify, unpatchify
+from flowlift.refine.tiled_velocity import TiledVelocity
+from flowlift.refine.tiling import tile_layout
+
+#: A FLUX.2 of ComfyUI's FLUX.2 family (the detected config's fixed entries) at width 64: 2 heads of 32.
+TINY_UNET_CONFIG = {
+    "image_model": "flux2", "in_channels": 128, "out_channels": 128, "vec_in_dim": None, "context_in_dim": 32,
+    "hidden_size": 64, "mlp_ratio": 3.0, "num_heads": 2, "depth": 1, "depth_single_blocks": 1,
+    "axes_dim": [8, 8, 8, 8], "theta": 2000, "patch_size": 1, "qkv_bias": False, "guidance_embed": False,
+    "txt_ids_dims": [3], "global_modulation": True, "mlp_silu_act": True, "ops_bias": False,
+    "default_ref_method": "index", "ref_index_scale": 10.0,
+}  # fmt: skip
+TEXT_TOKENS = 8
+
+
+def tiny_flux2(seed: int) -> comfy.model_patcher.ModelPatcher:
+    """ComfyUI's FLUX.2 classes at :data:`TINY_UNET_CONFIG`, float32, weights ~ N(0, 1/fan_in) (norms ~1)."""
+    config = comfy.model_detection.model_config_from_unet_config(dict(TINY_UNET_CONFIG))
+    config.set_inference_dtype(torch.float32, None)
+    model = config.get_model({})
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, tensor in model.diffusion_model.state_dict().items():
+        noise = torch.randn(tensor.shape, generator=generator)
+        fan_in = tensor.shape[-1] if tensor.ndim > 1 else 1
+        state[name] = 1 + 0.1 * noise if tensor.ndim == 1 else noise / fan_in**0.5
+    model.diffusion_model.load_state_dict(state)
+    return comfy.model_patcher.ModelPatcher(
+        model, load_device=mm.get_torch_device(), offload_device=mm.unet_offload_device()
+    )
+
+
+class FlowliftTestTinyFlux2:
+    RETURN_TYPES = ("MODEL", "CONDITIONING")
+    FUNCTION = "build"
+    CATEGORY = "flowlift_test"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31})}}
+
+    def build(self, seed: int):
+        generator = torch.Generator().manual_seed(seed + 1)
+        context = torch.randn(1, TEXT_TOKENS, TINY_UNET_CONFIG["context_in_dim"], generator=generator)
+        return (tiny_flux2(seed), [[context, {"pooled_output": None}]])  # FLUX.2 has no pooled text
+
+
+class FlowliftTestTiledReference:
+    RETURN_TYPES = ("LATENT",)
+    FUNCTION = "compare"
+    CATEGORY = "flowlift_test"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "model": ("MODEL",), "samples": ("LATENT",), "conditioning": ("CONDITIONING",),
+            "sigma": ("FLOAT", {"default": 0.5, "min": 0.0, "max": 1.0, "step": 0.01}),
+            "tile_size": ("INT", {"default": 64, "min": 32, "max": 4096}), "tile_overlap": ("INT", {"default": 32}),
+            "batch": ("INT", {"default": 1, "min": 1, "max": 4}), "reference_latent": ("BOOLEAN", {"default": False}),
+        }}  # fmt: skip
+
+    def compare(self, model, samples, conditioning, sigma, tile_size, tile_overlap, batch, reference_latent):
+        mm.load_models_gpu([model])
+        base, wrapper = model.model, model.model_options["model_function_wrapper"]
+        x = samples["samples"].to(torch.float32).repeat(batch, 1, 1, 1)
+        x = x + 0.1 * torch.arange(batch, dtype=x.dtype).view(-1, 1, 1, 1)  # batch items that differ
+        t = torch.full((batch,), sigma)
+        c = {"c_crossattn": conditioning[0][0].repeat(batch, 1, 1), "transformer_options": {}}
+        if reference_latent:  # a FLUX.2 reference latent, (B, 128, h, w) as ComfyUI's CONDList hands it over
+            ref = torch.randn((1, 128, 3, 5), generator=torch.Generator().manual_seed(9))
+            c["ref_latents"] = [ref.repeat(batch, 1, 1, 1)]
+        patched = wrapper(base.apply_model, {"input": x, "timestep": t, "c": c, "cond_or_uncond": [0] * batch})
+
+        def velocity(crops, _sigma):  # the unpatched model's velocity on a tile: v = (x - x0) / sigma
+            tokens = patchify(crops)
+            return unpatchify((tokens - base.apply_model(tokens, t, **c)) / sigma)
+
+        height, width = 16 * x.shape[2], 16 * x.shape[3]
+        reference = TiledVelocity(velocity, tile_layout(height, width, tile_size, tile_overlap))
+        expected = x - sigma * patchify(reference(unpatchify(x), sigma))
+        whole = base.apply_model(x, t, **c)
+        return ({"samples": torch.cat([patched, expected, whole]).contiguous()},)
+
+
+NODE_CLASS_MAPPINGS = {
+    "FlowliftTestTinyFlux2": FlowliftTestTinyFlux2,
+    "FlowliftTestTiledReference": FlowliftTestTiledReference,
+}

@@ -1,0 +1,185 @@
+"""What was checked late or not at all (issue 36, class 5): the hires fix's whole pass plan, ``--device cpu:N``,
+``eval --tile`` without a spandrel method, ``flowlift app``'s device and host. Each is one line and exit 2 before
+any model loads or any server starts."""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+
+from flowlift.commands.cli import main
+from flowlift.errors import FlowliftError
+
+
+def _one_line(capsys, argv) -> str:
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.splitlines() == [err] and "Traceback" not in err, (code, err)
+    return err
+
+
+# ------------------------------------------------------------------------------------------ hires: the pass plan
+
+
+@pytest.mark.parametrize(("width", "height", "scale"), [
+    (16400, 16, 2), (16384, 16, 2), (16, 16384, 2), (8208, 16, 2), (4112, 64, 4), (2064, 16, 8), (16, 2064, 8),
+    (32768, 32768, 2),
+])  # fmt: skip
+def test_hires_txt2img_past_the_cap_is_refused_before_loading(capsys, tmp_path, width, height, scale):
+    err = _one_line(capsys, ["hires", "--width", width, "--height", height, "--scale", scale, "--prompt", "p",
+                             "--model", tmp_path / "never-loaded", "-o", tmp_path / "x.png"])  # fmt: skip
+    assert "MAX_OUTPUT_SIDE=16384" in err and "never-loaded" not in err, err
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize(("size", "scale", "hint"), [((2064, 16), 8, "at most 4"), ((16, 8208), 2, "at most 8192"),
+                                                     ((4112, 16), 4, "at most 2")])  # fmt: skip
+def test_hires_image_past_the_cap_is_refused_before_loading(capsys, tmp_path, size, scale, hint):
+    image = tmp_path / "strip.png"
+    Image.new("RGB", size, (90, 40, 20)).save(image)
+    err = _one_line(capsys, ["hires", "--image", image, "--scale", scale, "--prompt", "p",
+                             "--model", tmp_path / "never-loaded", "-o", tmp_path / "x.png"])  # fmt: skip
+    assert f"{size[0]}x{size[1]} base" in err and hint in err, err
+
+
+@pytest.mark.parametrize(("width", "height", "scale"), [(8192, 16, 2), (16, 4096, 4), (2048, 2048, 8), (16, 16, 8)])
+def test_hires_sizes_at_the_cap_pass_the_plan(width, height, scale):
+    from flowlift.refine.settings import check_hires_size
+
+    check_hires_size(width, height, scale)
+
+
+@pytest.mark.parametrize(("width", "height", "scale"), [(0, 16, 2), (8, 16, 2), (24, 16, 2), (16, 16, 3), (16, 16, 1)])
+def test_hires_plan_refuses_bad_sides_and_scales(width, height, scale):
+    from flowlift.refine.settings import check_hires_size
+
+    with pytest.raises(FlowliftError):
+        check_hires_size(width, height, scale)
+
+
+def test_the_python_api_checks_the_plan_before_the_base_runs():
+    from flowlift.refine.refiner import Flux2Refiner
+
+    class NoModels(Flux2Refiner):
+        def __init__(self):  # nothing loaded: the plan must be refused before anything would run
+            pass
+
+    def never(latents):
+        raise AssertionError("the upscaler ran")
+
+    with pytest.raises(FlowliftError, match="over MAX_OUTPUT_SIDE"):
+        NoModels().hires(never, height=16, width=2064, scale=8)
+
+
+# ------------------------------------------------------------------------------------------ --device cpu:N
+
+
+@pytest.mark.parametrize("device", ["cpu:1", "cpu:7", "cpu:-1", " cpu:2 ", "CPU:3"])
+def test_cpu_with_an_index_other_than_0_is_refused(device):
+    from flowlift.devices import resolve_device
+
+    with pytest.raises(FlowliftError) as caught:
+        resolve_device(device)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", " cpu:0", "CPU"])
+def test_the_cpu_is_one_device_recorded_as_cpu(device):
+    import torch
+
+    from flowlift.devices import resolve_device
+
+    try:
+        resolved = resolve_device(device)
+    except FlowliftError:
+        assert device.strip() == "CPU"  # torch's own spelling is lower case
+        return
+    assert resolved == torch.device("cpu") and str(resolved) == "cpu" and resolved.index is None
+
+
+@pytest.mark.parametrize("command", [["upscale", "a.png"], ["bands", "a.png", "--vae", "v", "--out", "o"],
+                                     ["colorfix", "a.png", "--reference", "b.png"], ["app"],
+                                     ["train", "--data", "d", "--output", "o"]])  # fmt: skip
+@pytest.mark.parametrize("device", ["cpu:1", "cpu:5"])
+def test_every_door_refuses_cpu_n(capsys, tmp_path, monkeypatch, command, device):
+    monkeypatch.chdir(tmp_path)
+    err = _one_line(capsys, [*command, "--device", device])
+    assert device in err, err
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------------------------------ eval --tile
+
+
+BAD_TILING = [("--tile", "-1"), ("--tile", "0"), ("--tile", "x"), ("--tile", "1.5"), ("--tile", "nan"),
+              ("--tile-overlap", "-1"), ("--tile-overlap", "y")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("option", "value"), BAD_TILING)
+def test_eval_tile_is_checked_without_any_spandrel_method(capsys, tmp_path, option, value):
+    with pytest.raises(SystemExit) as caught:  # the pairs mode runs no spandrel model: still refused, at the parse
+        main(["eval", str(tmp_path), "--reference", str(tmp_path), "--out", str(tmp_path / "r"), option, value])
+    err = capsys.readouterr().err.strip()
+    assert caught.value.code == 2 and err.splitlines() == [err] and f"argument {option}" in err, err
+    assert not (tmp_path / "r").exists()
+
+
+def test_eval_tile_must_exceed_twice_its_overlap_in_every_mode(capsys, tmp_path):
+    err = _one_line(capsys, ["eval", tmp_path, "--reference", tmp_path, "--out", tmp_path / "r", "--tile", "64",
+                             "--tile-overlap", "32"])  # fmt: skip
+    assert "--tile 64 must exceed twice the --tile-overlap (32)" in err and not (tmp_path / "r").exists()
+
+
+def test_the_tile_knobs_match_the_tiling_code():
+    from flowlift.measure.methods import SPANDREL_TILE_OVERLAP, spandrel_tiling
+    from flowlift.measure.tiled_inference import DEFAULT_OVERLAP
+
+    assert SPANDREL_TILE_OVERLAP.default == DEFAULT_OVERLAP
+    assert spandrel_tiling("none", None) == (None, DEFAULT_OVERLAP)
+    assert spandrel_tiling("AUTO", "0") == ("auto", 0) and spandrel_tiling(65, 32) == (65, 32)
+
+
+# ------------------------------------------------------------------------------------------ flowlift app
+
+
+def _app_exits(tmp_path, *options: str) -> tuple[int, str]:
+    """``flowlift app OPTIONS`` as its own process: it must exit by itself, well within the timeout."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("gradio")
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo / "src"), HF_HUB_OFFLINE="1")
+    done = subprocess.run([sys.executable, "-m", "flowlift", "app", *options], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=90)  # fmt: skip
+    return done.returncode, done.stderr.strip()
+
+
+@pytest.mark.parametrize("host", ["bogus.invalid", "no-such-host.example.invalid", "8.8.8.8", "999.1.1.1"])
+def test_app_on_a_host_it_cannot_serve_on_exits_at_once_with_one_line(tmp_path, host):
+    code, err = _app_exits(tmp_path, "--host", host, "--device", "cpu")
+    assert code == 2 and err.splitlines() == [err] and err.startswith(f"flowlift app: error: cannot serve on {host}")
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:3", "mps", "xpu", "bogus"])
+def test_app_checks_its_device_before_serving(tmp_path, device):
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    code, err = _app_exits(tmp_path, "--device", device)
+    assert code == 2 and err.splitlines() == [err] and err.startswith(f"flowlift app: error: --device {device}"), err
+
+
+def test_check_bind_address_takes_what_this_machine_has():
+    from flowlift.app.page import check_bind_address
+
+    check_bind_address("127.0.0.1")
+    check_bind_address("localhost")
+    check_bind_address("0.0.0.0")
+    with pytest.raises(FlowliftError, match="does not resolve"):
+        check_bind_address("bogus.invalid")
