@@ -151,6 +151,8 @@ SKIP: dict[str, str] = {
     "flowlift upscale --dtype auto": FRAGMENT,
     "flowlift upscale --compile": FRAGMENT,
     "flowlift upscale --vae mage_vae.safetensors": FRAGMENT,
+    "flowlift img2img --tile-size/--tile-overlap/ --tile-batch": FRAGMENT,
+    "flowlift img2img --reference": FRAGMENT,
     "flowlift upscale photo.png --scale 2 --vae mage -o out/":
         f"the Mage-VAE: {NEEDS_WEIGHTS}; tests/test_mage_vae.py runs random ones",
     "flowlift img2img --tile-size 32 --tile-overlap 16": FRAGMENT,
