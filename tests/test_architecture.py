@@ -27,14 +27,13 @@ PACKAGE = REPO / "src" / "flowlift"
 
 #: Lowest first. A module may import its own layer and any layer below it, never one above.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "console", "devices", "knobs", "version"),
+    ("errors", "console", "devices", "knobs", "limits", "version"),
     ("files",),
     ("flux2",),
     ("models",),
     ("jobs",),
     ("upscale.chunked",),
-    ("upscale",),
-    ("refine",),
+    ("upscale", "refine"),  # siblings: neither imports the other (test_refine_and_upscale_are_siblings)
     ("measure",),
     ("training",),
     ("comfyui", "app", "invokeai"),
@@ -44,7 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 #: Front-ends of one layer must not import one another (``commands`` sits above: ``flowlift app`` starts the app).
 FRONT_ENDS = ("comfyui", "app", "invokeai", "commands")
-TOP_LEVEL_MODULES = {"__init__", "__main__", "errors", "console", "devices", "knobs", "version"}
+TOP_LEVEL_MODULES = {"__init__", "__main__", "errors", "console", "devices", "knobs", "limits", "version"}
 MAX_MODULE_LINES = 450
 #: Lines of one function or method, from its ``def`` line to its last line (decorators not counted).
 MAX_FUNCTION_LINES = 100
@@ -230,3 +229,72 @@ def test_the_public_names_are_their_packages_objects():
 
     with pytest.raises(AttributeError, match="no attribute 'nonesuch'"):
         flowlift.nonesuch  # noqa: B018
+
+
+#: The most named parameters a public function or method takes (``self``/``cls`` and ``*args``/``**kwargs`` not
+#: counted); past it, the settings belong in one object (``SamplingSettings``, ``TileRequest``, ``MemoryPolicy``).
+MAX_PUBLIC_PARAMETERS = 12
+
+
+def wide_public_functions(path: Path) -> dict[str, int]:
+    """``{qualified name: parameters}`` of the public functions, methods and constructors of public classes in
+    ``path`` with more than :data:`MAX_PUBLIC_PARAMETERS` named parameters (nested functions are private)."""
+    found: dict[str, int] = {}
+
+    def count(function: ast.FunctionDef | ast.AsyncFunctionDef, method: bool) -> int:
+        arguments = function.args
+        names = [a.arg for a in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs)]
+        return len(names) - (1 if method and names and names[0] in ("self", "cls") else 0)
+
+    def public(name: str) -> bool:
+        return not name.startswith("_") or name == "__init__"
+
+    tree = ast.parse(path.read_text(), str(path))
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and public(node.name):
+            if (n := count(node, False)) > MAX_PUBLIC_PARAMETERS:
+                found[node.name] = n
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and public(item.name):
+                    if (n := count(item, True)) > MAX_PUBLIC_PARAMETERS:
+                        found[f"{node.name}.{item.name}"] = n
+    return found
+
+
+def test_no_public_function_takes_more_than_twelve_parameters():
+    wide = {
+        f"{path.relative_to(PACKAGE)}:{name}": n
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for name, n in wide_public_functions(path).items()
+    }
+    assert not wide, f"public functions past {MAX_PUBLIC_PARAMETERS} parameters: pass a settings object: {wide}"
+
+
+def test_the_parameter_limit_counts_methods_and_keyword_only_parameters(tmp_path):
+    source = tmp_path / "sample.py"
+    many = ", ".join(f"p{i}" for i in range(MAX_PUBLIC_PARAMETERS))
+    source.write_text(f"def wide(a, {many}): pass\ndef fits({many}, *args, **kwargs): pass\n"
+                      f"def _private(a, {many}): pass\nclass A:\n  def __init__(self, {many}): pass\n"
+                      f"  def m(self, *, a, {many}): pass\n")  # fmt: skip
+    assert wide_public_functions(source) == {"wide": MAX_PUBLIC_PARAMETERS + 1, "A.m": MAX_PUBLIC_PARAMETERS + 1}
+
+
+def test_refine_and_upscale_are_siblings():
+    """The hires fix takes the upscaler as an object (``refine.request.LatentUpscalerSource``): nothing in
+    ``refine/`` imports ``flowlift.upscale``, nor the other way round (what both use lives below them:
+    ``flowlift.limits``, ``flowlift.knobs``, ``flux2/``; what composes both lives in a front-end)."""
+    graph = import_graph()
+    pairs = (("flowlift.refine", "flowlift.upscale"), ("flowlift.upscale", "flowlift.refine"))
+    crossing = [f"{module} -> {target}" for source, sink in pairs for module, targets in graph.items()
+                if module.startswith(source) for target in targets if target.startswith(sink)]  # fmt: skip
+    assert not crossing, "refine/ and upscale/ importing each other:\n" + "\n".join(sorted(crossing))
+
+
+def test_no_front_end_plans_jobs_itself():
+    """Jobs are planned by the capability that owns them (``upscale/plan.py``, ``refine/jobs.py``): no front-end
+    imports ``flowlift.jobs.batch``."""
+    graph = import_graph()
+    direct = [f"{module} -> flowlift.jobs.batch" for module, targets in graph.items()
+              if layer_of(module)[1] in FRONT_ENDS and "flowlift.jobs.batch" in targets]  # fmt: skip
+    assert not direct, "front-ends importing flowlift.jobs.batch:\n" + "\n".join(sorted(direct))

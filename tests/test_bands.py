@@ -140,7 +140,7 @@ def test_bands_cli_writes_table_json_heatmap(monkeypatch, shared, tmp_path, caps
     _fake_vae_module(monkeypatch, IdealVAE)
     out = tmp_path / "bands"
     kodak = shared / "images" / "kodak"
-    argv = ["bands", str(kodak / "kodim01.png"), str(kodak / "kodim02.png"), "--vae", "fake", "--out", str(out),
+    argv = ["bands", str(kodak / "kodim01.png"), str(kodak / "kodim02.png"), "--vae", "fake", "-o", str(out),
             "--max-side", "256", "--quiet", "--full"]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -154,10 +154,10 @@ def test_bands_cli_writes_table_json_heatmap(monkeypatch, shared, tmp_path, caps
     # user errors: one line, exit 2, nothing written
     bad = tmp_path / "bad"
     for extra, msg in [(["--amplitude", "0"], "amplitude"), (["--max-side", "8"], "max-side")]:
-        assert main(["bands", str(kodak / "kodim01.png"), "--vae", "fake", "--out", str(bad), *extra]) == 2
+        assert main(["bands", str(kodak / "kodim01.png"), "--vae", "fake", "-o", str(bad), *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert msg in err and err.count("\n") == 0
-    assert main(["bands", str(tmp_path / "missing.png"), "--vae", "fake", "--out", str(bad)]) == 2
+    assert main(["bands", str(tmp_path / "missing.png"), "--vae", "fake", "-o", str(bad)]) == 2
     assert not bad.exists()
 
 
@@ -192,7 +192,7 @@ def test_bands_records_bin_counts_and_warns_when_small(monkeypatch, shared, tmp_
     kodak = shared / "images" / "kodak"
     for side, warned in ((256, True), (512, False)):
         out = tmp_path / f"bands{side}"
-        argv = ["bands", str(kodak / "kodim01.png"), "--vae", "fake", "--out", str(out), "--max-side", str(side),
+        argv = ["bands", str(kodak / "kodim01.png"), "--vae", "fake", "-o", str(out), "--max-side", str(side),
                 "--quiet"]
         assert main(argv) == 0
         err = capsys.readouterr().err

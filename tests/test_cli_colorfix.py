@@ -126,7 +126,7 @@ def test_colorfix_then_eval_chain_and_explicit_pairs_of_any_names(drifted_pair, 
     code, lines = _colorfix([str(tmp_path / "up"), "--reference", str(tmp_path / "src"), "-o", str(tmp_path / "fixed")],
                             capsys)  # fmt: skip
     assert code == 0 and lines == [], lines
-    assert main(["eval", str(tmp_path / "fixed"), "--reference", str(tmp_path / "src"), "--out", str(tmp_path / "r1"),
+    assert main(["eval", str(tmp_path / "fixed"), "--reference", str(tmp_path / "src"), "-o", str(tmp_path / "r1"),
                  "--quiet"]) == 0  # fmt: skip
     first = json.loads((tmp_path / "r1" / "results.json").read_text())
     assert first["config"]["images"] == ["wine"] and first["images"]["outputs"]["wine"]["cast_max"] <= 0.05
@@ -137,7 +137,7 @@ def test_colorfix_then_eval_chain_and_explicit_pairs_of_any_names(drifted_pair, 
     code, lines = _colorfix([str(tmp_path / "esrgan result.png"), "--reference", str(tmp_path / "small.png")], capsys)
     assert code == 0 and lines == [], lines
     fixed = tmp_path / "esrgan result_colorfix.png"
-    assert main(["eval", str(fixed), "--reference", str(tmp_path / "small.png"), "--out", str(tmp_path / "r2"),
+    assert main(["eval", str(fixed), "--reference", str(tmp_path / "small.png"), "-o", str(tmp_path / "r2"),
                  "--quiet"]) == 0  # fmt: skip
     second = json.loads((tmp_path / "r2" / "results.json").read_text())
     assert second["images"]["outputs"]["small"] == first["images"]["outputs"]["wine"]

@@ -82,7 +82,7 @@ def test_every_command_has_progress_options_and_none_lists_quiet():
 def test_eval_vae_and_upscaler_default_like_upscale():
     from flowlift.commands._options import DEFAULT_VAE
 
-    eval_args = COMMANDS["flowlift eval"].parse_args(["--out", "x"])
+    eval_args = COMMANDS["flowlift eval"].parse_args(["-o", "x"])
     upscale_args = COMMANDS["flowlift upscale"].parse_args([])
     assert eval_args.vae == upscale_args.vae == DEFAULT_VAE
     assert eval_args.upscaler is None and upscale_args.upscaler is None  # both: TensorForger/FlowUpscaler
@@ -288,7 +288,7 @@ def test_every_count_option_of_every_command_refuses_a_negative_value():
 
 def test_eval_figure_images_minus_one_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as caught:
-        main(["eval", str(tmp_path), "--reference", str(tmp_path), "--out", str(tmp_path / "r"),
+        main(["eval", str(tmp_path), "--reference", str(tmp_path), "-o", str(tmp_path / "r"),
               "--figure-images", "-1"])  # fmt: skip
     assert caught.value.code == 2
     assert "argument --figure-images: must be >= 1, got -1" in capsys.readouterr().err
@@ -310,14 +310,14 @@ GOOD_AND_BAD = {
     "upscale": (["x.png"], ["--seed", str(2**64)]),
     "img2img": (["x.png", "--model", "m", "--prompt", "p"], ["--steps", "x"]),
     "hires": (["--model", "m"], ["--steps", "0"]),
-    "eval": (["a", "--reference", "b", "--out", "r"], ["--figure-images", "-1"]),
+    "eval": (["a", "--reference", "b", "-o", "r"], ["--figure-images", "-1"]),
     "status": (["out"], ["out2"]),  # status has no option with a value: one folder too many
-    "bands": (["a.png", "--vae", "v", "--out", "o"], ["--amplitude", "soon"]),
+    "bands": (["a.png", "--vae", "v", "-o", "o"], ["--amplitude", "soon"]),
     "colorfix": (["a.png", "--reference", "b"], ["--quality", "101"]),
     "train": ([], ["--steps", "0"]),
     "app": ([], ["--port", "x"]),
-    "dataset images": (["a", "--out", "o", "--vae", "v"], ["--batch-size", "0"]),
-    "dataset distill": (["--out", "o", "--vae", "v", "--teacher", "t", "--num", "1"], ["--num", "0"]),
+    "dataset images": (["a", "-o", "o", "--vae", "v"], ["--batch-size", "0"]),
+    "dataset distill": (["-o", "o", "--vae", "v", "--teacher", "t", "--num", "1"], ["--num", "0"]),
     "launch": (["--", "upscale", "x.png"], ["--scale", "3"]),  # the launched command's own parser
 }
 

@@ -284,7 +284,8 @@ def test_mu_and_schedule_options(capsys, tmp_path, model_dir, embeds_file, photo
     assert code == 0, err
     meta = _metadata(out)
     assert (meta["mu"], meta["mu_rule"], meta["schedule"]) == (3.5, "fixed", "respaced") and len(meta["sigmas"]) == 10
-    for bad, message in [("-1", "must be in [0, 15]"), ("15.5", "must be in [0, 15]"), ("auto", "not a number")]:
+    for bad, message in [("-1", "must be in [0, 15]"), ("15.5", "must be in [0, 15]"),
+                         ("auto", "must be in [0, 15] or empirical, got 'auto'")]:  # fmt: skip
         with pytest.raises(SystemExit) as exit_info:
             main([str(a) for a in argv] + ["--mu", bad])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -448,3 +449,29 @@ def test_hires_scale_8_refines_in_tiles(capsys, tmp_path, model_dir, embeds_file
         assert img.size == (512, 512)
     meta = _metadata(out)
     assert meta["scale"] == 8 and meta["tiles"] == {"size": [256, 256], "overlap": 64, "grid": [3, 3], "batch": 1}
+
+
+def test_steps_follow_the_model(capsys, tmp_path, embeds_file, photo):
+    """Issue 39: ``--steps`` left out is the model's: 4 for a step-distilled Klein (its model_index.json says
+    ``is_distilled``, or a Klein file name without ``base``), 28 for base and dev; the metadata says which."""
+    from flowlift.refine.loading import model_default_steps
+
+    distilled = write_model_dir(tmp_path / "klein")
+    index = json.loads((distilled / "model_index.json").read_text())
+    (distilled / "model_index.json").write_text(json.dumps({**index, "is_distilled": True}))
+    assert model_default_steps(str(distilled))[0] == 4
+    assert model_default_steps(str(tmp_path / "nowhere"), "flux-2-klein-4b.safetensors")[0] == 4
+    assert model_default_steps(str(tmp_path / "nowhere"), "flux-2-klein-base-4b.safetensors")[0] == 28
+    assert model_default_steps("black-forest-labs/FLUX.2-dev-not-cached")[0] == 28
+    out = tmp_path / "out.png"
+    code, _, err = _run(capsys, "img2img", photo, "--model", distilled, "--prompt-embeds", embeds_file, "-o", out)
+    assert code == 0, err
+    meta = _metadata(out)
+    assert meta["steps"] == 4 and meta["default_steps"] == "4 (model_index.json: is_distilled)"
+    code, _, err = _run(capsys, "img2img", photo, "--model", distilled, "--prompt-embeds", embeds_file, "--steps",
+                        "2", "-o", out)  # fmt: skip
+    assert code == 0, err
+    assert _metadata(out)["steps"] == 2
+    with pytest.raises(SystemExit):
+        main(["img2img", "--help"])
+    assert "the model's: 4 for a step-distilled Klein" in " ".join(capsys.readouterr().out.split())

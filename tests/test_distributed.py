@@ -283,8 +283,8 @@ def test_eval_run_sharded_equals_single_process(tmp_path, shared, photos, single
 
     common = ["--run", "lanczos,vae-roundtrip", "--dataset", str(photos), "--scale", "2",
               "--vae", str(shared / "models" / "taef2"), "--quiet"]  # fmt: skip
-    assert main(["eval", *common, "--out", str(tmp_path / "one")]) == 0
-    result = run_torchrun(2, "eval", *common, "--out", str(tmp_path / "two"), cwd=tmp_path)
+    assert main(["eval", *common, "-o", str(tmp_path / "one")]) == 0
+    result = run_torchrun(2, "eval", *common, "-o", str(tmp_path / "two"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     one = json.loads((tmp_path / "one" / "results.json").read_text())
     two = json.loads((tmp_path / "two" / "results.json").read_text())

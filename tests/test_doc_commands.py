@@ -364,9 +364,9 @@ RUN: dict[str, Scenario] = {
     "--full -o bands-taef2": Scenario(stdout=(r"wrote bands-taef2/bands\.json",), files=("bands-taef2/bands.md",)),
     "flowlift bands ../shared/images/kodak --limit 6 --vae ../shared/models/taef2 --full -o bands-kodak6": Scenario(
         stdout=(r"wrote bands-kodak6/bands\.json",), files=("bands-kodak6/bands.md",)),
-    "flowlift dataset images photos/ --crop 512 --crops-per-image 8 --vae taef2 -o data/photos": Scenario(
+    "flowlift dataset images photos/ --crop-px 512 --crops-per-image 8 --vae taef2 -o data/photos": Scenario(
         prepare=crops_of_512, stdout=(r"images dataset: 8 items of \[32, 64, 64\] in data/photos",)),
-    "flowlift dataset images photos/ more/*.jpg --crop 512 --crops-per-image 8 --vae taef2 -o data/photos": Scenario(
+    "flowlift dataset images photos/ more/*.jpg --crop-px 512 --crops-per-image 8 --vae taef2 -o data/photos": Scenario(
         prepare=lambda work, shared, stand: crops_of_512(work, shared, stand, more=True),
         stdout=(r"images dataset: 16 items of \[32, 64, 64\] in data/photos",)),
     # the dataset and training lines: as written (20000 items, 20000 steps), with a tiny random Klein pipeline as

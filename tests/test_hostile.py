@@ -281,8 +281,8 @@ def test_decompression_bomb_in_dataset_folder_is_one_line(tmp_path, shared, monk
         Image.new("RGB", size, (10, 20, 30)).save(tmp_path / f"img{size[0]}.png")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 64x64 > 2x the limit: Pillow's error
     monkeypatch.setattr(images, "MAX_INPUT_PIXELS", 1000)
-    rc = main(["dataset", "images", str(tmp_path), "--crop", "32", "--vae", str(shared / "models" / "taef2"),
-               "--device", "cpu", "--out", str(tmp_path / "data")])
+    rc = main(["dataset", "images", str(tmp_path), "--crop-px", "32", "--vae", str(shared / "models" / "taef2"),
+               "--device", "cpu", "-o", str(tmp_path / "data")])
     assert rc == 2
     line = _one_error_line(capsys.readouterr().err, "dataset")
     assert "img40.png" in line or "img64.png" in line
@@ -315,10 +315,10 @@ def _device_commands(tmp_path: Path, shared: Path, device: str) -> dict[str, lis
     return {
         "upscale": ["upscale", str(image), "-o", str(tmp_path / "up"), "--vae", taef2, "--device", device],
         "eval": ["eval", "--run", "lanczos", "--dataset", str(tmp_path), "--scale", "2", "--device", device,
-                 "--out", str(tmp_path / "ev")],
-        "bands": ["bands", str(image), "--vae", taef2, "--device", device, "--out", str(tmp_path / "bd")],
-        "dataset": ["dataset", "images", str(tmp_path), "--crop", "16", "--vae", taef2, "--device", device,
-                    "--out", str(tmp_path / "ds")],
+                 "-o", str(tmp_path / "ev")],
+        "bands": ["bands", str(image), "--vae", taef2, "--device", device, "-o", str(tmp_path / "bd")],
+        "dataset": ["dataset", "images", str(tmp_path), "--crop-px", "16", "--vae", taef2, "--device", device,
+                    "-o", str(tmp_path / "ds")],
         "train": ["train", "--data", str(tmp_path / "nodata"), "--output", str(tmp_path / "run"),
                   "--device", device],
     }
@@ -339,11 +339,11 @@ def test_non_finite_numeric_options_are_refused(tmp_path, capsys, value):
     image = tmp_path / "a.png"
     Image.new("RGB", (32, 32)).save(image)
     cases = [
-        (["bands", str(image), "--vae", "taef2", f"--amplitude={value}", "--out", str(tmp_path / "b")], "--amplitude"),
+        (["bands", str(image), "--vae", "taef2", f"--amplitude={value}", "-o", str(tmp_path / "b")], "--amplitude"),
         (["img2img", str(image), "--model", "x/y", "--prompt", "p", f"--cfg-scale={value}"], "--cfg-scale"),
         (["img2img", str(image), "--model", "x/y", "--prompt", "p", f"--mu={value}"], "--mu"),
         (["train", "--data", "d", "--output", "o", f"--lr={value}"], "--lr"),
-        (["dataset", "images", str(tmp_path), f"--noise-std={value}", "--out", str(tmp_path / "d")], "--noise-std"),
+        (["dataset", "images", str(tmp_path), f"--noise-std={value}", "-o", str(tmp_path / "d")], "--noise-std"),
     ]
     for argv, option in cases:
         with pytest.raises(SystemExit) as exit_info:
@@ -371,7 +371,7 @@ def test_outpaint_canvas_is_capped_before_loading_anything(tmp_path, capsys):
 
 def test_cli_turns_warnings_into_one_flowlift_line_and_drops_third_party_ones(capsys):
     from flowlift.commands.cli import _one_line_warnings
-    from flowlift.files.images import FlowliftWarning
+    from flowlift.errors import FlowliftWarning
 
     show = _one_line_warnings("upscale")
     show(RuntimeWarning("invalid value encountered in cast"), RuntimeWarning, np.__file__, 1)
@@ -466,7 +466,7 @@ def test_corrupt_dataset_is_one_line_naming_the_file(tmp_path, capsys, how):
     text = str(caught.value)
     assert "\n" not in text
     assert ("shard-00001" in text) if "manifest" not in how and "_" not in how else ("dataset.json" in text)
-    rc = main(["train", "--data", str(root), "--output", str(tmp_path / "run"), "--steps", "1", "--crop", "0",
+    rc = main(["train", "--data", str(root), "--output", str(tmp_path / "run"), "--steps", "1", "--crop-latent", "0",
                "--device", "cpu", "--set", "progress=false"])
     assert rc == 2
     _one_error_line(capsys.readouterr().err, "train")

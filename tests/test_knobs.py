@@ -30,19 +30,19 @@ CLI_OPTIONS: dict[tuple[str, str], tuple[dict[str, Knob], str, object]] = {
     ("upscale", "--transplant-strength"): (UPSCALE_KNOBS, "transplant_strength", ...),
     ("upscale", "--color-fix-strength"): (UPSCALE_KNOBS, "color_fix_strength", ...),
     ("upscale", "--resize-mode"): (UPSCALE_KNOBS, "resize_mode", ...),
-    ("colorfix", "--strength"): (COLOR_FIX_KNOBS, "strength", ...),
+    ("colorfix", "--color-fix-strength"): (COLOR_FIX_KNOBS, "strength", ...),  # the same knob as upscale's
     ("img2img", "--strength"): (REFINE_KNOBS, "strength", None),  # None: 0.5, outpaint 1 (run() decides)
     ("img2img", "--strength-map"): (REFINE_KNOBS, "strength_map", ...),
-    ("img2img", "--steps"): (REFINE_KNOBS, "steps", ...),
+    ("img2img", "--steps"): (REFINE_KNOBS, "steps", None),  # None: the model's (4 for a distilled Klein, else 28)
     ("img2img", "--seed"): (REFINE_KNOBS, "seed", ...),
     ("img2img", "--sampler"): (REFINE_KNOBS, "sampler", ...),
     ("img2img", "--mu"): (REFINE_KNOBS, "mu", ...),
     ("img2img", "--schedule"): (REFINE_KNOBS, "schedule", ...),
     ("hires", "--scale"): (REFINE_KNOBS, "hires_scale", ...),
-    ("hires", "--base-steps"): (REFINE_KNOBS, "steps", ...),
+    ("hires", "--base-steps"): (REFINE_KNOBS, "steps", None),  # None: the model's, as --steps
     ("hires", "--transplant-strength"): (UPSCALE_KNOBS, "transplant_strength", ...),
     ("hires", "--refine-strength"): (REFINE_KNOBS, "refine_strength", ...),
-    ("hires", "--steps"): (REFINE_KNOBS, "steps", ...),
+    ("hires", "--steps"): (REFINE_KNOBS, "steps", None),
     ("hires", "--seed"): (REFINE_KNOBS, "seed", ...),
     ("hires", "--sampler"): (REFINE_KNOBS, "sampler", ...),
     ("hires", "--mu"): (REFINE_KNOBS, "mu", ...),
@@ -514,3 +514,149 @@ def test_seeded_noise_takes_every_seed_up_to_2_64_minus_1():
     assert not torch.equal(top, seeded_noise((2, 4, 4), SEED_MAX - 1))
     assert not torch.equal(latent_noise((1, 32, 4, 4), SEED_MAX), latent_noise((1, 32, 4, 4), 0))
     assert not torch.equal(pass_noise([SEED_MAX], 0, (32, 4, 4)), pass_noise([SEED_MAX - 1], 0, (32, 4, 4)))
+
+
+#: Front-end parameter names that mean a knob under another name (the InvokeAI nodes' ``num_steps``).
+KNOB_ALIASES = {"num_steps": "steps", "transplant": "transplant_strength", "color_fix": "color_fix_strength"}
+FRONT_END_PACKAGES = ("app", "commands", "comfyui", "invokeai")
+
+
+def _front_end_knob_defaults():
+    """``(where, parameter, default node)`` for every parameter of a front-end function that names a knob."""
+    import ast
+    from pathlib import Path
+
+    import flowlift
+
+    names = {*UPSCALE_KNOBS, *REFINE_KNOBS, *KNOB_ALIASES}
+    root = Path(flowlift.__file__).parent
+    for package in FRONT_END_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    continue
+                arguments = node.args
+                positional = [*arguments.posonlyargs, *arguments.args]
+                with_defaults = positional[len(positional) - len(arguments.defaults) :]
+                pairs = list(zip(with_defaults, arguments.defaults, strict=True))
+                pairs += [(a, d) for a, d in zip(arguments.kwonlyargs, arguments.kw_defaults, strict=True) if d]
+                for argument, default in pairs:
+                    if argument.arg in names:
+                        yield f"{path.relative_to(root)}:{node.name}", argument.arg, default
+
+
+def test_no_front_end_writes_a_knobs_default_as_a_literal():
+    """A front-end parameter named after a knob takes its default from the table (``STEPS.default``) or None (the
+    callee decides), never a number or word typed again: the app's hires fix once started at 0.5 this way."""
+    import ast
+
+    literals = [f"{where}({name}={ast.unparse(default)})" for where, name, default in _front_end_knob_defaults()
+                if isinstance(default, ast.Constant) and default.value is not None]  # fmt: skip
+    assert not literals, "front-end defaults retyped as literals: " + ", ".join(literals)
+
+
+def test_the_apps_handlers_and_forms_default_to_the_knobs():
+    import dataclasses
+    import inspect
+
+    from flowlift.app.refine import MODES, RefineForm, mode_strength_default
+    from flowlift.app.service import AppService
+
+    tables = {**UPSCALE_KNOBS, **REFINE_KNOBS}
+    checked = 0
+    for handler in (AppService.upscale, AppService.batch, AppService.refine):
+        for name, parameter in inspect.signature(handler).parameters.items():
+            if name in tables and parameter.default is not None:
+                assert parameter.default == tables[name].default, (handler.__name__, name)
+                checked += 1
+    for spec in dataclasses.fields(RefineForm):
+        if spec.name in tables and spec.default is not None:
+            assert spec.default == tables[spec.name].default, spec.name
+            checked += 1
+    assert checked >= 16
+    assert mode_strength_default("img2img") == REFINE_KNOBS["strength"].default
+    for mode, factor in MODES.items():
+        if factor:  # the hires fix's refine strength, as the CLI and the InvokeAI node start it
+            assert mode_strength_default(mode) == REFINE_KNOBS["refine_strength"].default == 0.3
+
+
+@pytest.mark.parametrize(
+    "argv, prefix",
+    [(["upscale", "x.png", "--color-fix", "0.5"], "--color-fix"), (["img2img", "x.png", "--model", "m", "--stre", "1"],
+     "--stre"), (["dataset", "images", "x.png", "-o", "o", "--vae", "taef2", "--cro", "64"], "--cro")],
+)  # fmt: skip
+def test_a_prefix_of_an_option_is_refused_on_every_command(argv, prefix, capsys):
+    """Issue 39: ``--color-fix 0.5`` once ran as ``--color-fix-strength 0.5``; every parser, the subcommands' and
+    their subcommands' too, refuses a prefix in one line (exit 2)."""
+    from flowlift.commands.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and f"unrecognized arguments: {prefix}" in err and len(err.splitlines()) == 1
+
+
+def _command_parsers():
+    """``{"flowlift CMD": parser}`` for every subcommand the command line has (``dataset images`` and
+    ``dataset distill`` too), as ``flowlift --help`` builds them."""
+    from flowlift.commands.cli import build_parser
+
+    found = {}
+
+    def visit(parser):
+        found[parser.prog] = parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    visit(sub)
+
+    visit(build_parser())
+    return found
+
+
+#: One name (and with it one unit) per knob: the concepts every command spells the same.
+VOCABULARY = {"output": ["-o", "--output"], "vae": ["--vae"], "color_fix_strength": ["--color-fix-strength"],
+              "seed": ["--seed"], "device": ["--device"], "dtype": ["--dtype"],
+              "overwrite": ["--overwrite"]}  # fmt: skip
+
+
+def test_every_knob_has_one_name_on_every_command():
+    """Issue 39: a test walks every parser and the knob tables and fails on a knob spelled two ways: one option
+    per ``dest`` across all commands, the shared concepts spelled as :data:`VOCABULARY` says, every knob of the
+    tables under its own ``--name`` wherever it keeps its name, one ``--vae`` help text, no old spelling shown."""
+    from flowlift.commands._options import VAE_HELP
+
+    spellings: dict[str, dict[tuple[str, ...], list[str]]] = {}
+    knobs = {**UPSCALE_KNOBS, **REFINE_KNOBS, "color_fix_strength": UPSCALE_KNOBS["color_fix_strength"]}
+    for prog, parser in _command_parsers().items():
+        for action in parser._actions:
+            if not action.option_strings or action.help == argparse.SUPPRESS:
+                continue  # positionals; hidden old spellings (one deprecation line when used)
+            flags = tuple(action.option_strings)
+            spellings.setdefault(action.dest, {}).setdefault(flags, []).append(prog)
+            if action.dest in VOCABULARY:
+                assert list(flags) == VOCABULARY[action.dest], (prog, action.dest, flags)
+            if action.dest in knobs:
+                assert "--" + action.dest.replace("_", "-") in flags, (prog, action.dest, flags)
+            if action.dest == "vae":
+                assert action.help.startswith(VAE_HELP), (prog, action.help)
+            assert not any(flag in ("--out", "--crop") for flag in flags), (prog, flags)  # units or -o in the name
+    twice = {dest: {flags: progs for flags, progs in seen.items()} for dest, seen in spellings.items() if len(seen) > 1}
+    twice.pop("help", None)
+    assert not twice, f"one setting spelled two ways: {twice}"
+
+
+@pytest.mark.parametrize(
+    "argv, old, new",
+    [(["bands", "/no/such.png", "--vae", "taef2", "--out", "o"], "--out", "-o/--output"),
+     (["dataset", "images", "/no/such.png", "-o", "o", "--vae", "taef2", "--crop", "64"], "--crop", "--crop-px"),
+     (["colorfix", "/no/such.png", "--reference", "r.png", "--strength", "0.5"], "--strength", "--color-fix-strength")],
+)  # fmt: skip
+def test_old_spellings_work_for_a_release_with_one_deprecation_line(argv, old, new, capsys, tmp_path, monkeypatch):
+    from flowlift.commands.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    main(argv)  # the inputs do not exist: the run stops at them, after parsing the old spelling
+    notes = [line for line in capsys.readouterr().err.splitlines() if "deprecated" in line]
+    assert notes == [f"flowlift {argv[0] if argv[0] != 'dataset' else 'dataset images'}: note: {old} is deprecated "
+                     f"and goes in the next release; use {new}"]  # fmt: skip

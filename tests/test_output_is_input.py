@@ -138,7 +138,7 @@ def test_eval_reports_never_replace_a_measured_image(tmp_path, capsys, how):
         out = tmp_path / "linked"
         out.symlink_to(outputs, target_is_directory=True)
     before = measured.read_bytes()
-    assert main(["eval", str(outputs), "--reference", str(references), "--out", str(out)]) == 2
+    assert main(["eval", str(outputs), "--reference", str(references), "-o", str(out)]) == 2
     lines = _error_lines(capsys, "eval")
     assert len(lines) == 1 and "is the input OUTPUTS" in lines[0], lines
     assert measured.read_bytes() == before
@@ -150,7 +150,7 @@ def test_dataset_never_replaces_an_input_image(tmp_path, capsys):
     out.mkdir()
     os.link(photo, out / "shard-00000.safetensors")
     before = photo.read_bytes()
-    code = main(["dataset", "images", str(photo), "--out", str(out), "--vae", str(tmp_path / "no-such-vae")])
+    code = main(["dataset", "images", str(photo), "-o", str(out), "--vae", str(tmp_path / "no-such-vae")])
     assert code == 2
     lines = _error_lines(capsys, "dataset")
     assert len(lines) == 1 and "is the input INPUT" in lines[0] and "no-such-vae" not in lines[0], lines

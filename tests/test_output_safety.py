@@ -375,13 +375,13 @@ def test_eval_and_dataset_on_a_full_disk_are_one_line_and_leave_no_partial_file(
     photos.mkdir()
     for index in range(2):
         Image.open(photo).rotate(90 * index).resize((64, 64)).save(photos / f"p{index}.png")
-    result = _flowlift("eval", photos, "--reference", photos, "--out", folder / "report", "--quiet", cwd=tmp_path,
+    result = _flowlift("eval", photos, "--reference", photos, "-o", folder / "report", "--quiet", cwd=tmp_path,
                        preexec_fn=limit)  # fmt: skip
     assert result.returncode == 2, result.stderr
     line = _one_line(result, "eval")
     assert "cannot write " in line and str(folder / "report") in line
-    result = _flowlift("dataset", "images", photos, "--crop", "64", "--crops-per-image", "2", "--vae",
-                       shared / "models" / "taef2", "--device", "cpu", "--out", folder / "data", cwd=tmp_path,
+    result = _flowlift("dataset", "images", photos, "--crop-px", "64", "--crops-per-image", "2", "--vae",
+                       shared / "models" / "taef2", "--device", "cpu", "-o", folder / "data", cwd=tmp_path,
                        preexec_fn=limit)  # fmt: skip
     assert result.returncode == 2, result.stderr
     line = _one_line(result, "dataset")

@@ -368,14 +368,14 @@ def test_eval_reads_upscale_outputs_and_save_outputs_recomputes_the_same_numbers
             im.convert("RGB").crop((300, 200, 428, 296)).save(photos / f"{name}.png")
     out = tmp_path / "run"
     assert main(["eval", "--run", "lanczos,bicubic", "--dataset", str(photos), "--scale", "2", "--save-outputs",
-                 "--out", str(out)]) == 0  # fmt: skip
+                 "-o", str(out)]) == 0  # fmt: skip
     saved = out / "outputs"
     assert sorted(p.name for p in (saved / "lanczos").iterdir()) == ["kodim03_x2.png", "kodim23_x2.png"]
     run_results = json.loads((out / "results.json").read_text())
     capsys.readouterr()
     again = tmp_path / "again"
     assert main(["eval", str(saved / "lanczos"), "--reference", str(saved / "inputs"), "--ground-truth",
-                 str(saved / "ground-truth"), "--out", str(again)]) == 0  # fmt: skip
+                 str(saved / "ground-truth"), "-o", str(again)]) == 0  # fmt: skip
     pair_results = json.loads((again / "results.json").read_text())
 
     run_rows = run_results["images"]["lanczos"]

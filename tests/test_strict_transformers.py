@@ -290,7 +290,7 @@ def test_a_distillation_teacher_folder_is_checked_the_same_way(files, tmp_path, 
     teacher = _folder(files, "teacher", {"num_single_layers": 0})
     save_file({"prompt_embeds": torch.randn(6, 32)}, str(tmp_path / "embeds.safetensors"))
     out = tmp_path / "distill"
-    argv = ["dataset", "distill", "--out", str(out), "--vae", str(shared / "models" / "taef2"),
+    argv = ["dataset", "distill", "-o", str(out), "--vae", str(shared / "models" / "taef2"),
             "--teacher", str(teacher), "--prompt-embeds", str(tmp_path / "embeds.safetensors"), "--num", "2",
             "--width", "64", "--height", "64", "--steps", "1", "--device", "cpu", "--no-progress"]  # fmt: skip
     assert main(argv) == 2

@@ -13,8 +13,7 @@ import warnings
 import pytest
 import torch
 
-from flowlift.errors import FlowliftError
-from flowlift.files.images import FlowliftWarning
+from flowlift.errors import FlowliftError, FlowliftWarning
 from flowlift.flux2.img2img import gaussian_flow_velocity
 from flowlift.flux2.latents import patchify
 from flowlift.refine.loop import refine_latents

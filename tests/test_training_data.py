@@ -128,7 +128,7 @@ def test_dataset_distill_cli_with_tiny_flux2_transformer_teacher(tmp_path, taef2
     embeds = torch.randn(6, 32, generator=torch.Generator().manual_seed(3))
     save_file({"prompt_embeds": embeds}, str(tmp_path / "embeds.safetensors"))
     out = tmp_path / "distill"
-    argv = ["dataset", "distill", "--out", str(out), "--vae", str(shared / "models" / "taef2"),
+    argv = ["dataset", "distill", "-o", str(out), "--vae", str(shared / "models" / "taef2"),
             "--teacher", str(tmp_path / "teacher"), "--prompt-embeds", str(tmp_path / "embeds.safetensors"),
             "--num", "5", "--width", "128", "--height", "96", "--steps", "2", "--shard-size", "2",
             "--batch-size", "2", "--storage-dtype", "float32", "--seed", "7", "--device", "cpu", "--no-progress"]
@@ -175,8 +175,8 @@ def test_dataset_images_builder_encodes_recorded_crops(tmp_path, taef2, shared):
 
     out = tmp_path / "images"
     kodak = shared / "images" / "kodak"
-    argv = ["dataset", "images", str(kodak / "kodim05.png"), str(kodak / "kodim19.png"), "--out", str(out),
-            "--vae", str(shared / "models" / "taef2"), "--crop", "64", "--crops-per-image", "2",
+    argv = ["dataset", "images", str(kodak / "kodim05.png"), str(kodak / "kodim19.png"), "-o", str(out),
+            "--vae", str(shared / "models" / "taef2"), "--crop-px", "64", "--crops-per-image", "2",
             "--shard-size", "3", "--batch-size", "3", "--storage-dtype", "float32", "--device", "cpu",
             "--no-progress"]
     assert cli_main(argv) == 0
@@ -219,13 +219,13 @@ def test_dataset_images_builder_encodes_recorded_crops(tmp_path, taef2, shared):
 
 def test_dataset_cli_errors_are_one_line_and_leave_no_output(tmp_path, shared, capsys):
     out = tmp_path / "never"
-    code = cli_main(["dataset", "distill", "--out", str(out), "--vae", str(shared / "models" / "taef2"),
+    code = cli_main(["dataset", "distill", "-o", str(out), "--vae", str(shared / "models" / "taef2"),
                      "--teacher", str(tmp_path / "missing-teacher"), "--num", "2", "--no-progress"])
     assert code == 2 and not out.exists()
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "teacher" in err[0]
-    code = cli_main(["dataset", "images", str(shared / "images" / "kodak" / "kodim01.png"), "--out", str(out),
-                     "--vae", str(shared / "models" / "taef2"), "--crop", "48", "--no-progress"])
+    code = cli_main(["dataset", "images", str(shared / "images" / "kodak" / "kodim01.png"), "-o", str(out),
+                     "--vae", str(shared / "models" / "taef2"), "--crop-px", "48", "--no-progress"])
     assert code == 2 and not out.exists()
 
 

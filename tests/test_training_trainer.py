@@ -210,7 +210,7 @@ def test_grad_accumulation_matches_the_full_batch(dataset, tmp_path):
 def test_ddp_two_gloo_processes_match_one_process_with_doubled_batch(dataset, tmp_path):
     # with dropout on: masks are per sample (SampleDropout), so the rank layout does not change them
     tiny = {**TINY, "dropout": 0.1}
-    common = ["--data", str(dataset), "--crop", "16", "--steps", "3", "--lr", "2e-3", "--resume", "none",
+    common = ["--data", str(dataset), "--crop-latent", "16", "--steps", "3", "--lr", "2e-3", "--resume", "none",
               "--set", "warmup_steps=1", "--set", "log_every=1", "--set", "progress=false",
               "--set", "t_sampling=uniform"] + [x for k, v in tiny.items() for x in ("--set", f"{k}={v}")]
     single = Trainer(_config(dataset, tmp_path / "one", steps=3, lr=2e-3, warmup_steps=1, resume="none",

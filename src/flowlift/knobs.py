@@ -182,8 +182,11 @@ class Knob:
             raise self._error(label, value)
         below = self.low is not None and (number <= self.low if self.low_open else number < self.low)
         above = self.high is not None and (number >= self.high if self.high_open else number > self.high)
-        if below or above or (self.multiple and number % self.multiple):
+        if below or above:
             raise self._error(label, value)
+        if self.multiple and number % self.multiple:
+            unit = f" {self.unit}" if self.unit else ""
+            raise FlowliftError(f"{label} must be a multiple of {self.multiple}{unit}, got {value!r}")
         return self.kind(number)
 
     def parse_text(self, text: str) -> Any:
@@ -209,11 +212,55 @@ SEED = Knob(
 )
 
 
+#: Passes per scale: each Flow Upscaler pass doubles both sides.
+SCALE_PASSES = {2: 1, 4: 2, 8: 3}
+
+#: The upscale factor, declared once for both of its owners: ``flowlift upscale --scale`` (the upscaler's table)
+#: and the hires fix's upscale (the refiner's ``hires_scale`` is this knob under its own name).
+SCALE = Knob(
+    "scale",
+    int,
+    2,
+    "upscale factor: 2x per pass (2 = one pass, 4 = two, 8 = three)",
+    choices=tuple(SCALE_PASSES),
+    unit="x",
+    extra={"labels": tuple(f"{factor}x" for factor in SCALE_PASSES)},
+)
+#: Stage 1 of the colour fix, run after every upscale pass: the upscaler's and the hires fix's.
+TRANSPLANT_STRENGTH = Knob(
+    "transplant_strength",
+    float,
+    1.0,
+    "stage 1, after every pass: share of the latent low band taken from the input (1 = exactly, 0 = off)",
+    low=0.0,
+    high=1.0,
+    step=0.05,
+)
+
+
 def check_seed(seed: Any) -> int | list[int]:
     """A seed in [0, 2^64 - 1] (exact), or a sequence of them (one per image of a batch), else one line."""
     if isinstance(seed, (list, tuple)):
         return [SEED.check(value) for value in seed]
     return SEED.check(seed)
+
+
+def check_count(name: str, value: Any) -> int:
+    """``value`` as an int if it is a non-negative integer (numpy ints too; not bool, not 1.5), else one line."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise FlowliftError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def check_unit_interval(name: str, value: Any) -> float:
+    """``value`` as a float if it is a real number in [0, 1] (not bool, not a string, not NaN), else one line."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
+        raise FlowliftError(f"{name} must be in [0, 1], got {value!r}")
+    return float(value)
 
 
 def wrap_seed(value: int) -> int:
@@ -242,13 +289,14 @@ def settings_or_deprecated_keywords(
     where: str,
     argument: str,
     home: str,
+    stacklevel: int = 4,
 ) -> Settings:
     """A settings object, or for one release the keyword arguments it replaced, folded into one.
 
     ``given`` itself (``make()``'s defaults when None) if ``old`` is empty; ``make(**old)`` with a
     ``DeprecationWarning`` naming ``where``'s old keywords and the new ``argument`` (a class of module
     ``home``); both at once is one :class:`FlowliftError`. The warning points at the caller of the public
-    function that called this one.
+    function that called this one (``stacklevel`` 3 when the public function calls this one itself).
     """
     if not old:
         return given if given is not None else make()
@@ -259,6 +307,6 @@ def settings_or_deprecated_keywords(
         f"{where}({', '.join(f'{name}=' for name in old)}) is deprecated and goes in the next release; pass "
         f"{spelled} ({home})",
         DeprecationWarning,
-        stacklevel=4,
+        stacklevel=stacklevel,
     )
     return make(**old)

@@ -33,9 +33,9 @@ from flowlift.app.results import (
     strip_folders,
     vae_labels,
 )
-from flowlift.errors import FlowliftError
-from flowlift.jobs.batch import ITEM_ERRORS
+from flowlift.errors import ITEM_ERRORS, FlowliftError
 from flowlift.knobs import SEED
+from flowlift.refine.settings import SAMPLER, STEPS, STRENGTH_MAP, TILE_OVERLAP, TILE_SIZE
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH, SCALE, TRANSPLANT_STRENGTH
 
 DEFAULT_MAX_UPLOAD_MB = 50.0
@@ -175,15 +175,15 @@ class AppService:
         )
 
     @staticmethod
-    def plan(sources: Sequence[Path], out_dir: Path, scale: int) -> list[Any]:
-        """``flowlift upscale``'s plan (:func:`flowlift.jobs.batch.plan_jobs` with its output names)."""
-        from flowlift.files.images import IMAGE_SUFFIXES
-        from flowlift.jobs.batch import plan_jobs
-        from flowlift.upscale.outputs import output_name
+    def plan(sources: Sequence[Path], out_dir: Path, scale: int) -> Any:
+        """``flowlift upscale``'s plan of the uploads (:func:`flowlift.upscale.plan.plan_files`): the same output
+        names (by the scale the 16K cap lets run: a capped 8x is ``_x4``), sizes and refusals."""
+        from flowlift.upscale.plan import plan_files
+        from flowlift.upscale.sizes import passes_for_scale
 
-        return plan_jobs(sources, out_dir, lambda path: output_name(path, scale), IMAGE_SUFFIXES)
+        return plan_files(sources, out_dir, passes_for_scale(scale))
 
-    def _new_result_dir(self) -> Path:
+    def new_result_dir(self) -> Path:
         """A fresh result folder; old ones are pruned, but only those this app made (its marker inside):
         a ``work_dir`` given by the caller may hold folders of theirs named ``r-...``."""
         now = time.time()
@@ -194,6 +194,43 @@ class AppService:
         folder = Path(tempfile.mkdtemp(prefix="r-", dir=self.work_dir))
         (folder / RESULT_MARKER).write_text("made by flowlift app; removed when old\n")
         return folder
+
+    _new_result_dir = new_result_dir  # the name older callers use
+
+    def hires_upscaler(self, refiner: Any) -> Any:
+        """The hires fix's Flow Upscaler on the refiner's VAE, device and dtype (made once; the UNet an upscale
+        request already loaded is reused, :class:`~flowlift.upscale.latent_source.FlowUpscalerSource`)."""
+        from flowlift.upscale.latent_source import FlowUpscalerSource
+
+        with self._lock:
+            if self._hires_pipeline is None:
+                loaded = next(iter(self._pipelines.values()), None)
+                source = FlowUpscalerSource(self.config.upscaler, loaded.upscaler if loaded is not None else None)
+                self._hires_pipeline = source.load(refiner.vae, device=refiner.device, dtype=refiner.dtype)
+            return self._hires_pipeline
+
+    def refine(
+        self,
+        path: str | Path | None,
+        prompt: str | None = None,
+        prompt_embeds: str | Path | None = None,
+        mode: str = "img2img",
+        strength: Any = None,
+        strength_map: str = STRENGTH_MAP.default,
+        steps: Any = STEPS.default,
+        seed: Any = SEED.default,
+        sampler: str = SAMPLER.default,
+        tile_size: Any = TILE_SIZE.default,
+        tile_overlap: Any = TILE_OVERLAP.default,
+        progress: ProgressFn = _no_progress,
+    ) -> UpscaleResult:
+        """Refine one upload (the Refine tab, :mod:`flowlift.app.refine`): img2img or ``hires fix <N>x``, written as
+        ``flowlift img2img`` / ``flowlift hires`` name it, with their metadata. ``strength`` None is the mode's
+        knob default (img2img ``strength``, the hires fix's ``refine_strength``)."""
+        from flowlift.app.refine import RefineForm, refine_upload
+
+        form = RefineForm(mode, strength, strength_map, steps, seed, sampler, tile_size, tile_overlap)
+        return refine_upload(self, path, prompt, prompt_embeds, form, progress)
 
     # -- handlers ------------------------------------------------------------------------------------
 
@@ -264,10 +301,10 @@ class AppService:
     def upscale(
         self,
         path: str | Path | None,
-        scale: Any = 2,
-        seed: Any = 0,
-        transplant_strength: Any = 1.0,
-        color_fix_strength: Any = 1.0,
+        scale: Any = SCALE.default,
+        seed: Any = SEED.default,
+        transplant_strength: Any = TRANSPLANT_STRENGTH.default,
+        color_fix_strength: Any = COLOR_FIX_STRENGTH.default,
         vae: str | None = None,
         progress: ProgressFn = _no_progress,
     ) -> UpscaleResult:
@@ -275,8 +312,6 @@ class AppService:
 
         Logs one line (``request_log_line``) whatever the outcome.
         """
-        from flowlift.upscale.sizes import passes_for_scale
-
         eta = EtaProgress(progress)  # the request's clock: loading the models counts in its time
         with logged_request(self.config.log, "upscale", Path(path).name if path else "-", f"x{scale}") as entry:
             if not path:
@@ -288,12 +323,13 @@ class AppService:
             check_upload(source, self.config.max_upload_mb)
             folder = self._new_result_dir()
             settings = self.settings(seed, transplant, color_fix, vae)
-            (job,) = self.plan([source], folder, scale)
+            plan = self.plan([source], folder, scale)
+            (job,) = plan.jobs
             out = job.output
             if out is None:
                 raise FlowliftError(f"{source.name}: {strip_folders(job.note, [source.parent, folder])}")
             pipeline = self.pipeline(vae, eta)
-            result = self._upscale_into(source, out, settings, passes_for_scale(scale), pipeline, vae, eta)
+            result = self._upscale_into(source, out, settings, plan.sizes.passes_for(source), pipeline, vae, eta)
             result.seconds = eta.elapsed  # the request's wall time, loading the models included
             entry.request = result.log_request()
         return result
@@ -301,10 +337,10 @@ class AppService:
     def batch(
         self,
         paths: Sequence[str | Path] | None,
-        scale: Any = 2,
-        seed: Any = 0,
-        transplant_strength: Any = 1.0,
-        color_fix_strength: Any = 1.0,
+        scale: Any = SCALE.default,
+        seed: Any = SEED.default,
+        transplant_strength: Any = TRANSPLANT_STRENGTH.default,
+        color_fix_strength: Any = COLOR_FIX_STRENGTH.default,
         vae: str | None = None,
         progress: ProgressFn = _no_progress,
     ) -> BatchResult:
@@ -313,7 +349,6 @@ class AppService:
         Logs one line for the whole batch.
         """
         from flowlift.files.atomic import atomic_output
-        from flowlift.upscale.sizes import passes_for_scale
 
         started = time.perf_counter()
         eta = EtaProgress(progress)  # the request's clock: loading the models counts in its time
@@ -327,7 +362,8 @@ class AppService:
             folder = self._new_result_dir()
             out_dir = folder / f"x{scale}"
             settings = self.settings(seed, transplant, color_fix, vae)
-            plan = self.plan(sources, out_dir, scale)
+            planned = self.plan(sources, out_dir, scale)
+            plan = planned.jobs
             pipeline = self.pipeline(vae, eta)
             written: list[Path] = []
             errors: list[str] = []
@@ -337,7 +373,8 @@ class AppService:
                     continue
                 try:
                     share = (index / len(plan), 1 / len(plan))
-                    self._upscale_into(source, out, settings, passes_for_scale(scale), pipeline, vae, eta, *share)
+                    passes = planned.sizes.passes_for(source)  # the passes the 16K cap lets run, as named
+                    self._upscale_into(source, out, settings, passes, pipeline, vae, eta, *share)
                     written.append(out)
                 except ITEM_ERRORS as error:
                     errors.append(public_message(error, source))

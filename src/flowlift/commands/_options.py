@@ -49,7 +49,13 @@ class OneLineParser(argparse.ArgumentParser):
     ``flowlift CMD: error: MESSAGE (flowlift CMD -h lists the options)`` instead. Used for the root parser;
     its subparsers (and theirs) are made of the same class. Unknown options are reported by the deepest
     command that was chosen (``flowlift upscale: error: unrecognized arguments: --sed``), not by the root.
+    A prefix of an option is refused (``allow_abbrev=False``): ``--color-fix 0.5`` is not silently
+    ``--color-fix-strength 0.5``, and adding an option never changes what an old command line means.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]  (argparse's returns NoReturn too)
         text = " ".join(str(message).split())  # argparse's messages are one line; keep it so
@@ -60,6 +66,9 @@ class OneLineParser(argparse.ArgumentParser):
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             self._chosen_command(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
+        for dest, flags in getattr(parsed, "_required_options", {}).items():  # required, also under an old spelling
+            if getattr(parsed, dest, None) is None:
+                self._chosen_command(parsed).error(f"the following arguments are required: {flags}")
         return parsed
 
     def _chosen_command(self, parsed: argparse.Namespace) -> OneLineParser:
@@ -70,6 +79,51 @@ class OneLineParser(argparse.ArgumentParser):
                 if isinstance(chosen, OneLineParser):
                     return chosen._chosen_command(parsed)
         return self
+
+
+#: The one help text of ``--vae`` (every command that takes a VAE; a command adds only what is its own).
+VAE_HELP = "VAE: flux2 (the full FLUX.2 VAE), taef2 (fast, approximate), a file or folder, or a hub id"
+
+
+class _DeprecatedSpelling(argparse.Action):
+    """An option's old spelling: stores into the new option's ``dest`` and says so in one line on stderr."""
+
+    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
+        self.new = new
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+        print(f"{parser.prog}: note: {option_string} is deprecated and goes in the next release; use {self.new}",
+              file=sys.stderr)  # fmt: skip
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_spelling(parser: argparse.ArgumentParser | argparse._ArgumentGroup, old: str,
+                            action: argparse.Action) -> None:  # fmt: skip
+    """``old`` as a hidden spelling of ``action``'s option, for one release: the same value and type, one note line."""
+    parser.add_argument(old, dest=action.dest, type=action.type, metavar=action.metavar, help=argparse.SUPPRESS,
+                        default=argparse.SUPPRESS, action=_DeprecatedSpelling,
+                        new="/".join(action.option_strings))  # fmt: skip
+
+
+def add_output_option(parser: argparse.ArgumentParser, help: str, *, required: bool = False, metavar: str = "OUT",
+                      old: str | None = None) -> argparse.Action:  # fmt: skip
+    """``-o/--output``, the one spelling of every command's output (``old``: a former spelling kept for a release).
+    ``required`` is checked after parsing, so that the old spelling satisfies it too."""
+    action = parser.add_argument("-o", "--output", metavar=metavar, help=help)
+    if old is not None:
+        add_deprecated_spelling(parser, old, action)
+    if required:
+        required_options = dict(parser.get_default("_required_options") or {})
+        parser.set_defaults(_required_options={**required_options, "output": "-o/--output"})
+    return action
+
+
+def add_vae_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, own: str = "",
+                   **kwargs: Any) -> argparse.Action:  # fmt: skip
+    """``--vae`` with the one help text (:data:`VAE_HELP`), ``own`` appended (what only this command does with it)."""
+    kwargs.setdefault("metavar", "flux2|taef2|PATH|REPO")
+    return parser.add_argument("--vae", help=VAE_HELP + (f"; {own}" if own else ""), **kwargs)
 
 
 def examples(*lines: str) -> str:

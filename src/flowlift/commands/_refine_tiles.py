@@ -3,8 +3,8 @@ derived from their one declaration (:data:`flowlift.refine.settings.TILE_KNOBS`:
 
 Not a subcommand (the leading underscore keeps :mod:`flowlift.commands.cli` from listing it).
 ``flowlift.refine.tiling`` imports no torch, so ``--help`` stays fast. Each option is :func:`add_knob` of its knob
-with the tiling module's parse as its type (the knob's check plus the 16-px grid rule); the options are checked
-together (the overlap against the tile) before any weights load.
+with the tiling module's parse as its type (the knob's check, its range and 16-px grid); the options are checked
+together (the overlap against the tile) by :func:`flowlift.refine.jobs.find_weights`, before any weights load.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from flowlift.commands._options import add_knob
 from flowlift.errors import FlowliftError
-from flowlift.refine.tiling import TILE_KNOBS, TileRequest, parse_tile_batch, parse_tile_overlap, parse_tile_size
+from flowlift.refine.tiling import TILE_KNOBS, parse_tile_batch, parse_tile_overlap, parse_tile_size
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "tile_size": parse_tile_size,
@@ -49,17 +49,3 @@ def add_tile_arguments(parser: argparse.ArgumentParser) -> None:
             metavar=_METAVARS[knob.name],
             help=f"{knob.help}; {knob.describe()} (default {knob.default})",
         )
-
-
-def check_tile_arguments(args: argparse.Namespace) -> TileRequest:
-    """The knobs together (the overlap smaller than the tile), before any weights load: one FlowliftError line."""
-    try:
-        return TileRequest.parse(args.tile_size, args.tile_overlap, args.tile_batch)
-    except FlowliftError as error:
-        raise FlowliftError(f"--tile-overlap/--tile-size: {error}") from None
-
-
-def tile_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The :func:`flowlift.refine.loading.load_refiner` arguments of these options."""
-    request = check_tile_arguments(args)
-    return {"tile_size": request.size, "tile_overlap": request.overlap, "tile_batch": request.batch}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowlift.commands._options import add_device_options
+from flowlift.commands._options import add_device_options, add_vae_option
 
 NAME = "app"
 #: A server: its allocator keeps glibc's policy (and gives freed memory back after each request).
@@ -53,12 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH|REPO",
         help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
     )
-    parser.add_argument(
-        "--vae",
-        action="append",
-        metavar="taef2|flux2|PATH",
-        help="VAE to offer (repeatable; the first is the default; default flux2, as for flowlift upscale)",
-    )
+    add_vae_option(parser, "repeatable: the VAEs the page offers, the first the default (default flux2, as for "
+                   "flowlift upscale)", action="append")
     add_device_options(parser, cpu_bf16=True)
     parser.add_argument(
         "--max-upload-mb", type=_megabytes, default=50.0, metavar="MB", help="largest accepted upload (default 50)"

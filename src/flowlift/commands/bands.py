@@ -16,6 +16,8 @@ from pathlib import Path
 
 from flowlift.commands._options import (
     add_device_options,
+    add_output_option,
+    add_vae_option,
     examples,
     finite_float,
     positive_int,
@@ -34,8 +36,8 @@ EXAMPLES = examples(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("images", nargs="+", help="image files or folders (non-recursive)")
-    parser.add_argument("--vae", required=True, help="VAE weights: local file/folder or hub id")
-    parser.add_argument("--out", required=True, help="folder for bands.json, bands.md, bands.png")
+    add_vae_option(parser, required=True)
+    add_output_option(parser, "folder for bands.json, bands.md, bands.png", required=True, old="--out")
     parser.add_argument("--amplitude", type=finite_float, default=0.1, help="perturbation RMS in latent sigma (0.1)")
     parser.add_argument("--seed", type=seed_value, default=0, help="noise seed (band k uses seed + k)")
     parser.add_argument("--max-side", type=positive_int, default=None,
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise FlowliftError("--limit must be >= 1")
     device, dtype = resolve_device_dtype(args.device, args.dtype)  # before anything is read
-    out_dir = Path(args.out)
+    out_dir = Path(args.output)
     if out_dir.exists() and not out_dir.is_dir():
         raise FlowliftError(f"--out {out_dir} exists and is not a folder")
     paths = list_images(args.images)[: args.limit]

@@ -115,7 +115,7 @@ def _one_line_warnings(command: str):
     package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/flowlift, not commands/
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
-        from flowlift.files.images import FlowliftWarning
+        from flowlift.errors import FlowliftWarning
 
         ours = issubclass(category, FlowliftWarning) or os.path.abspath(filename).startswith(package_dir)
         if not ours:

@@ -15,6 +15,9 @@ from pathlib import Path
 
 from flowlift.commands._options import (
     HelpFormatter,
+    add_deprecated_spelling,
+    add_output_option,
+    add_vae_option,
     examples,
     finite_float,
     positive_int,
@@ -37,8 +40,8 @@ STORAGE = ("float16", "bfloat16", "float32")
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="dataset folder (created; an existing one is resumed)")
-    parser.add_argument("--vae", required=True, help="VAE for decode/encode: flux2, taef2, a file/folder or hub id")
+    add_output_option(parser, "dataset folder (created; an existing one is resumed)", required=True, old="--out")
+    add_vae_option(parser, "decodes the targets and encodes the degraded conditions", required=True)
     parser.add_argument("--seed", type=seed_value, default=0, help="seed of crops, flips and stored noise")
     parser.add_argument("--shard-size", type=positive_int, default=256, help="items per shard file (default 256)")
     parser.add_argument("--batch-size", type=positive_int, default=4, help="items processed together (default 4)")
@@ -82,8 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 "--out data/photos"))
     _common(images)
     images.add_argument("inputs", nargs="+", help="image files, folders or glob patterns")
-    images.add_argument("--crop", type=positive_int, default=512,
-                        help="crop side in pixels (multiple of 32; default 512)")  # fmt: skip
+    crop = images.add_argument("--crop-px", type=positive_int, default=512,
+                               help="crop side in image pixels (multiple of 32; default 512)")  # fmt: skip
+    add_deprecated_spelling(images, "--crop", crop)
     images.add_argument("--crops-per-image", type=positive_int, default=4, help="random crops taken from each photo")
     images.add_argument("--no-flip", action="store_true", help="no random horizontal flips")
 
@@ -179,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     check_part(part)
     degradation = Degradation(filter=args.filter, jpeg_quality=args.jpeg_quality, noise_std=args.noise_std)
     storage = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[args.storage_dtype]
-    out = Path(args.out)
+    out = Path(args.output)
     if out.exists() and not out.is_dir():
         raise FlowliftError(f"--out {out} exists and is not a folder")
     from flowlift.files.output_paths import folder_problem
@@ -192,25 +196,24 @@ def run(args: argparse.Namespace) -> int:
         teacher, source = load_teacher(args, device)
         vae = load_vae(args.vae, device=device, dtype=torch.float32)
         source["vae"] = args.vae
-        from flowlift.training.datasets import build_distill_dataset
+        from flowlift.training.datasets import ShardWriting, build_distill_dataset
 
+        writing = ShardWriting(args.shard_size, storage, device, show_progress(args), part)
         manifest = build_distill_dataset(
             out, teacher, vae, num_items=args.num, latent_size=(args.height // 8, args.width // 8),
-            seed=args.seed, shard_size=args.shard_size, batch_size=args.batch_size, degradation=degradation,
-            storage_dtype=storage, device=device, source=source, progress=show_progress(args), part=part,
+            seed=args.seed, batch_size=args.batch_size, degradation=degradation, source=source, writing=writing,
         )
     else:
         from flowlift.files.images import list_images
-        from flowlift.training.datasets import build_images_dataset
+        from flowlift.training.datasets import ShardWriting, build_images_dataset
 
         paths = list_images(args.inputs)
         _check_outputs_are_no_input(out, paths)
         vae = load_vae(args.vae, device=device, dtype=torch.float32)
         manifest = build_images_dataset(
-            out, paths, vae, crop=args.crop, crops_per_image=args.crops_per_image, seed=args.seed,
-            shard_size=args.shard_size, batch_size=args.batch_size, flip=not args.no_flip,
-            degradation=degradation, storage_dtype=storage, device=device, vae_name=args.vae,
-            progress=show_progress(args), part=part,
+            out, paths, vae, crop=args.crop_px, crops_per_image=args.crops_per_image, seed=args.seed,
+            batch_size=args.batch_size, flip=not args.no_flip, degradation=degradation, vae_name=args.vae,
+            writing=ShardWriting(args.shard_size, storage, device, show_progress(args), part),
         )
     print(f"{args.dataset_kind} dataset: {manifest['num_items']} items of {manifest['target_shape']} in "
           f"{os.fspath(out)}")

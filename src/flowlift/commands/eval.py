@@ -22,6 +22,8 @@ from flowlift.commands._options import (
     DEFAULT_VAE,
     add_device_options,
     add_knob,
+    add_output_option,
+    add_vae_option,
     examples,
     positive_int,
     resolve_device_dtype,
@@ -80,9 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=positive_int, help="use only the first N dataset images")
     parser.add_argument("--box", type=_box, help="x,y,w,h in output pixels: grey levels are counted here, "
                         "and the figure crops it")  # fmt: skip
-    parser.add_argument("--vae", default=DEFAULT_VAE, metavar="flux2|taef2|PATH|REPO",
-                        help="VAE of the latent methods (latent-bicubic, vae-roundtrip, flow), as for flowlift "
-                        f"upscale: flux2, taef2, a file/folder or hub id (default {DEFAULT_VAE})")  # fmt: skip
+    add_vae_option(parser, "the latent methods' (latent-bicubic, vae-roundtrip, flow), as for flowlift upscale",
+                   default=DEFAULT_VAE)
     parser.add_argument("--upscaler", default=None, metavar="PATH|REPO",
                         help="Flow Upscaler weights for the flow method: file, folder or hub repo "
                         "(default TensorForger/FlowUpscaler, as for flowlift upscale)")  # fmt: skip
@@ -91,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help=f"{SPANDREL_TILE.help}; {SPANDREL_TILE.describe()} (default auto)")  # fmt: skip
     add_knob(parser, SPANDREL_TILE_OVERLAP, default=None, metavar="PX",
              help=f"{SPANDREL_TILE_OVERLAP.help} (default {SPANDREL_TILE_OVERLAP.default})")  # fmt: skip
-    parser.add_argument("--out", required=True, help="folder for results.json, table.md, metrics.png, crops.png")
+    add_output_option(parser, "folder for results.json, table.md, metrics.png, crops.png", required=True, old="--out")
     parser.add_argument("--cache", default=None, help="result cache folder (default OUT/cache)")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything, store nothing")
     parser.add_argument(
@@ -113,9 +114,9 @@ def run(args: argparse.Namespace) -> int:
     from flowlift.measure.report import markdown_table, write_report
 
     spandrel_tiling(args.tile, args.tile_overlap)  # with or without a spandrel method: a bad value is refused
-    out_dir = Path(args.out)
+    out_dir = Path(args.output)
     if out_dir.exists() and not out_dir.is_dir():
-        raise FlowliftError(f"--out {out_dir} exists and is not a folder")
+        raise FlowliftError(f"--output {out_dir} exists and is not a folder")
     if problem := folder_problem(out_dir):  # before any model loads or metric runs
         raise FlowliftError(problem)
     _check_reports_are_no_input(args, out_dir)
@@ -220,7 +221,7 @@ def _run_methods(args: argparse.Namespace, env):
         )
         for s in specs
     }
-    cache_dir = None if args.no_cache else Path(args.cache) if args.cache else Path(args.out) / "cache"
+    cache_dir = None if args.no_cache else Path(args.cache) if args.cache else Path(args.output) / "cache"
 
     def evaluate(indices=None):
         return evaluate_methods(
@@ -234,7 +235,7 @@ def _run_methods(args: argparse.Namespace, env):
             limit=args.limit,
             figure_images=args.figure_images,
             progress=show_progress(args) if env.is_main else False,  # a launched eval: rank 0's progress only
-            save_outputs=Path(args.out) / "outputs" if args.save_outputs else None,
+            save_outputs=Path(args.output) / "outputs" if args.save_outputs else None,
             indices=indices,
         )
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 
 from flowlift.commands._options import add_knob, examples, sampling_from_args
 from flowlift.commands._refine_options import (  # noqa: F401  (the choices, read here by tests and scripts)
@@ -14,13 +12,11 @@ from flowlift.commands._refine_options import (  # noqa: F401  (the choices, rea
     SCHEDULES,
     STRENGTH_MAPS,
     add_model_arguments,
-    check_model_sources,
-    check_mu_for_size,
-    check_output,
-    check_prompt_args,
-    load_refiner_from_args,
-    refine_inputs,
+    prompt_request,
+    refiner_source,
+    tile_request,
 )
+from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
 from flowlift.refine.settings import STRENGTH
 
@@ -74,74 +70,28 @@ def parse_outpaint(text: str) -> tuple[int, int, int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flowlift.files.image_outputs import input_hashes, save_image_atomic
-    from flowlift.files.images import attach_alpha, load_image, tensor_to_pil, to_tensor
-    from flowlift.files.naming import refined_output
+    """The options as one :class:`~flowlift.refine.request.RefineRequest`, planned and run by
+    :func:`flowlift.refine.jobs.run_refine`."""
+    from flowlift.refine.jobs import run_refine
+    from flowlift.refine.request import RefineRequest
 
-    # validate everything before loading weights
-    check_prompt_args(args)
-    if args.mask and args.outpaint:
-        raise FlowliftError("--mask and --outpaint are exclusive")
     pads = parse_outpaint(args.outpaint) if args.outpaint else None
-    output = Path(args.output) if args.output else refined_output(args.image, "outpaint" if pads else "img2img")
-    check_output(output, args.overwrite, refine_inputs(args))
-    rgb, alpha = load_image(args.image)
-    from flowlift.refine.canvas import outpaint_pads
-
-    size = (rgb.width, rgb.height)
-    if pads:
-        rounded = outpaint_pads(rgb.height, rgb.width, *pads)  # the size cap, before any weights are loaded
-        size = (rgb.width + rounded[0] + rounded[2], rgb.height + rounded[1] + rounded[3])
-    check_mu_for_size(args, *size)
-    images = to_tensor(rgb)
-    mask = None
-    if args.mask:
-        mask_rgb, _ = load_image(args.mask)
-        if mask_rgb.size != rgb.size:
-            raise FlowliftError(
-                f"--mask is {mask_rgb.size[0]}x{mask_rgb.size[1]}, the image {rgb.size[0]}x{rgb.size[1]}"
-            )
-        mask = to_tensor(mask_rgb.convert("L").convert("RGB"))[:, :1]
-    references = [to_tensor(load_image(path)[0]) for path in args.reference]
-    for path, ref in zip(args.reference, references, strict=True):
-        if ref.shape[-1] % 16 or ref.shape[-2] % 16:
-            raise FlowliftError(
-                f"--reference {path}: sides must be multiples of 16 px, got {ref.shape[-1]}x{ref.shape[-2]}"
-            )
-    strength = args.strength if args.strength is not None else (1.0 if pads else STRENGTH.default)
-    check_model_sources(args)
-
-    canvas = (-(-rgb.height // 16) * 16, -(-rgb.width // 16) * 16)  # what the model sees: padded, or the canvas
-    if pads:
-        left, top, right, bottom = outpaint_pads(rgb.height, rgb.width, *pads)
-        canvas = (rgb.height + top + bottom, rgb.width + left + right)
-    refiner, conditioning = load_refiner_from_args(args, image_size=canvas)
-    common = dict(
-        strength=strength,
+    request = RefineRequest(
+        mode="outpaint" if pads else "inpaint" if args.mask else "img2img",
+        prompt=prompt_request(args),
+        source=refiner_source(args),
+        image=args.image,
+        mask=args.mask,
+        outpaint=pads,
+        references=tuple(args.reference),
+        output=args.output,
+        overwrite=args.overwrite,
+        strength=args.strength,
         strength_map=args.strength_map,
         sampling=sampling_from_args(args),
-        reference_images=references,
-        **conditioning,
+        tiles=tile_request(args),
+        command=NAME,
+        progress=show_progress(args),
     )
-    if pads is not None:
-        left, top, right, bottom = pads
-        result = refiner.outpaint(images, left=left, top=top, right=right, bottom=bottom, **common)
-        alpha = None
-    else:
-        result = refiner.img2img(images, mask=mask, **common)
-
-    metadata = dict(result.parameters)
-    metadata.update(
-        command="img2img",
-        input=os.fspath(args.image),
-        mask=args.mask,
-        references=args.reference or None,
-        prompt_embeds=args.prompt_embeds,
-        vae=args.vae or args.model,
-        **input_hashes({"input": args.image, "mask": args.mask, "prompt_embeds": args.prompt_embeds}),
-    )
-    metadata = {k: v for k, v in metadata.items() if v is not None}
-    image = attach_alpha(tensor_to_pil(result.images[0]), alpha)
-    save_image_atomic(image, output, {"flowlift": metadata}, source=args.image)  # ICC profile and EXIF kept
-    print(f"wrote {output}")
+    print(f"wrote {run_refine(request)}")
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from flowlift.commands._options import examples, knob_type
+from flowlift.commands._options import add_deprecated_spelling, add_output_option, add_vae_option, examples, knob_type
 from flowlift.console import show_progress
 from flowlift.training.config import TRAIN_KNOBS
 
@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = _config_default
     parser.add_argument("--config", help="JSON or TOML file of training settings (default: none, built-in defaults)")
     parser.add_argument("--data", help="dataset folder (from `flowlift dataset`)" + d("data"))
-    parser.add_argument("--output", help="run folder: logs, checkpoints, final flow_upscaler.safetensors" + d("output"))
+    add_output_option(parser, "run folder: logs, checkpoints, final flow_upscaler.safetensors" + d("output"))
     parser.add_argument("--init", help="fine-tune from this Flow Upscaler checkpoint (file, folder or hub id)"
                         + d("init"))  # fmt: skip
     parser.add_argument("--steps", type=_type("steps"), help="total optimizer steps" + d("steps"))
@@ -74,14 +74,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-accum", type=_type("grad_accum"), help="micro-batches per optimizer step"
                         + d("grad_accum"))  # fmt: skip
     parser.add_argument("--lr", type=_type("lr"), help="peak learning rate" + d("lr"))
-    parser.add_argument("--crop", type=_type("crop"),
-                        help="target-latent crop side (multiple of 4; 0 = whole items)" + d("crop"))  # fmt: skip
+    crop = parser.add_argument("--crop-latent", dest="crop", type=_type("crop"), metavar="N",
+                               help="crop side in target-latent pixels, 1/8 of image pixels (multiple of 4; 0 = whole "
+                               "items)" + d("crop"))  # fmt: skip
+    add_deprecated_spelling(parser, "--crop", crop)
     parser.add_argument("--resume", help="auto (latest checkpoint in --output), a checkpoint folder, or none"
                         + d("resume"))  # fmt: skip
     parser.add_argument("--device", help="auto (CUDA if available, else cpu), cpu, cuda, cuda:N" + d("device"))
     parser.add_argument("--overwrite", action="store_true", default=None,
                         help="with --resume none: start a new run over the checkpoints already in --output")
-    parser.add_argument("--vae", help="VAE for validation (taef2, flux2 or a local folder)" + d("vae"))
+    add_vae_option(parser, "for validation" + d("vae"))
     parser.add_argument("--val-images", nargs="+", help="held-out images (files, folders, globs) for validation"
                         + d("val_images"))  # fmt: skip
     parser.add_argument("--val-every", type=_type("val_every"),

@@ -19,6 +19,7 @@ from flowlift.commands._options import (
     OUTPUT_FORMATS,
     add_device_options,
     add_knob,
+    add_vae_option,
     examples,
     positive_int,
     quality,
@@ -70,13 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-color-fix", action="store_true", help="switch both colour-drift stages off")
     add_knob(parser, TRANSPLANT_STRENGTH)
     add_knob(parser, COLOR_FIX_STRENGTH)
-    parser.add_argument(
-        "--vae",
-        default=DEFAULT_VAE,
-        metavar="flux2|taef2|PATH|REPO",
-        help=f"VAE: flux2 (the full FLUX.2 VAE), taef2 (fast, approximate), a file/folder or hub id "
-        f"(default {DEFAULT_VAE})",
-    )
+    add_vae_option(parser, default=DEFAULT_VAE)
     parser.add_argument(
         "--upscaler",
         default=None,

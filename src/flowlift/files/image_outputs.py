@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from PIL import Image, PngImagePlugin
 
@@ -355,7 +356,7 @@ def save_image_atomic(
 
 def warn_alpha_dropped(path: str | os.PathLike) -> None:
     """One warning line: ``path``'s format keeps no alpha channel, so the transparency is lost."""
-    from flowlift.files.images import FlowliftWarning
+    from flowlift.errors import FlowliftWarning
 
     fmt = Path(path).suffix.lstrip(".").upper() or "this format"
     warnings.warn(
@@ -377,3 +378,33 @@ def file_sha256(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
 def input_hashes(paths: dict[str, str | None]) -> dict[str, str]:
     """``{"<role>_sha256": hex}`` for every given input file (the metadata of refine outputs)."""
     return {f"{key}_sha256": file_sha256(path) for key, path in paths.items() if path}
+
+
+def check_single_output(path: Path, overwrite: bool = False, option: str = "--output",
+                        inputs: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """One output image ``path`` (a refine's) can be written, and writing it destroys nothing of the user's.
+
+    Writable in a format flowlift writes (name length, folder, what is there:
+    :func:`flowlift.files.output_paths.output_file_problem`); none of ``inputs`` (a role -> a path or paths, by
+    identity: :func:`flowlift.files.output_paths.same_file_problem`, ``overwrite`` or not, issue 36.2); only a
+    regular file may be replaced, and one without
+    flowlift's metadata needs ``overwrite`` (an empty file, and flowlift's own earlier results, are replaced). A
+    killed run's debris beside it is removed (never a live writer's). Checked before any model loads; ``option``
+    names the output in the one error line.
+    """
+    from flowlift.files.atomic import remove_stale_temporaries
+    from flowlift.files.images import IMAGE_SUFFIXES
+    from flowlift.files.output_paths import check_not_an_input, output_file_problem
+
+    if path.suffix.lower() not in IMAGE_SUFFIXES:
+        raise FlowliftError(f"{option} {path}: unsupported image format {path.suffix or '(none)'}")
+    check_not_an_input(path, inputs or {})
+    if problem := output_file_problem(path):  # first: a name too long cannot even be looked at
+        raise FlowliftError(problem)
+    remove_stale_temporaries(path.parent)
+    if path.is_file() and not overwrite:
+        found = inspect_existing(path)
+        if not found.empty and not found.by_flowlift:  # the user's: an image, or any other file
+            raise FlowliftError(
+                f"{option} {path} exists and was not written by flowlift; use --overwrite to replace it"
+            )

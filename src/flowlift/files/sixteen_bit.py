@@ -107,7 +107,7 @@ def sixteen_bit_source(path: str | os.PathLike, out: str | os.PathLike) -> tuple
     """:func:`load_image_16bit` of ``path`` when it holds 16-bit samples and ``out``'s format keeps them;
     None otherwise. A 16-bit ``path`` that will be written 8-bit costs one warning line, naming why
     (before any work, so the user can stop and choose ``--format png``)."""
-    from flowlift.files.images import FlowliftWarning
+    from flowlift.errors import FlowliftWarning
 
     if not has_16bit_samples(path):
         return None

@@ -14,8 +14,11 @@ LATENT — and ``packed`` means the transformer's token layout (B, h*w, 128).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+
+from flowlift.errors import FlowliftError
 
 LATENT_CHANNELS = 32
 PATCHIFIED_CHANNELS = 128
@@ -142,3 +145,29 @@ def from_comfyui_latent(latent: dict[str, torch.Tensor]) -> torch.Tensor:
     if samples.ndim != 4 or samples.shape[1] != PATCHIFIED_CHANNELS:
         raise ValueError(f"expected a FLUX.2 LATENT of shape (B, 128, h, w), got {tuple(samples.shape)}")
     return unpatchify(samples)
+
+
+def check_latents(latents: Any, where: str, *, even: bool = False) -> torch.Tensor:
+    """``latents`` if they are package-convention latents: a floating (B, 32, h, w) tensor, every size >= 1
+    (``even``: h and w even, as FLUX.2's 2x2 patches need), all values finite; else one line starting with
+    ``where`` (the entry point's name)."""
+    if not isinstance(latents, torch.Tensor):
+        raise FlowliftError(
+            f"{where}: latents must be a torch.Tensor of shape (B, {LATENT_CHANNELS}, h, w), "
+            f"got {type(latents).__name__}"
+        )
+    shape = tuple(latents.shape)
+    if latents.ndim != 4 or shape[1] != LATENT_CHANNELS:
+        raise FlowliftError(
+            f"{where}: latents must have shape (B, {LATENT_CHANNELS}, h, w) (normalized, unpatchified FLUX.2 "
+            f"latents), got {shape}"
+        )
+    if min(shape) < 1:
+        raise FlowliftError(f"{where}: the latents are empty, shape {shape}")
+    if even and (shape[2] % 2 or shape[3] % 2):
+        raise FlowliftError(f"{where}: latents need an even height and width (FLUX.2's 2x2 patches), got {shape}")
+    if not latents.is_floating_point():
+        raise FlowliftError(f"{where}: latents must be floating point, got {str(latents.dtype).removeprefix('torch.')}")
+    if not bool(torch.isfinite(latents).all()):
+        raise FlowliftError(f"{where}: the input latents contain non-finite values (NaN/Inf)")
+    return latents

@@ -51,11 +51,11 @@ from flowlift.invokeai.models import (
     on_device,
 )
 from flowlift.invokeai.progress import NodeProgress
-from flowlift.invokeai.tiled_refine import tiled_refine_raw_latents, tiling_line
 from flowlift.knobs import SEED, Knob
 from flowlift.models.vae import TAEF2VAE
 from flowlift.models.vae_loading import TAEF2_REPO
 from flowlift.refine.settings import REFINE_STRENGTH, STEPS, TILE_BATCH, TILE_OVERLAP, TILE_SIZE, SamplingSettings
+from flowlift.refine.tiled_refine import tiled_refine_raw_latents, tiling_line
 from flowlift.refine.tiling import TileRequest
 from flowlift.upscale.colorfix_image import color_fix_image
 from flowlift.upscale.loading import DEFAULT_UPSCALER
@@ -78,10 +78,12 @@ Chunking = Literal[CHUNKING]  # type: ignore[valid-type]
 
 def knob_field(knob: Knob, description: str | None = None, **extra: Any) -> Any:
     """An InvokeAI ``InputField`` from a knob of the tables: its default (a choice as the node packs label it),
-    its range (``ge``/``le``) and its help as the description."""
+    its range (``ge``/``le``), its grid (``multiple_of``) and its help as the description."""
     kwargs: dict[str, Any] = {"default": knob.label(knob.default) if knob.choices else knob.default}
     if not knob.choices:
         kwargs.update(ge=knob.low, le=knob.high)
+    if knob.multiple:
+        kwargs["multiple_of"] = knob.multiple
     return InputField(description=description or knob.help[:1].upper() + knob.help[1:], **kwargs, **extra)
 
 UPSCALER_DESCRIPTION = (
@@ -301,7 +303,7 @@ class TiledFlux2DenoiseInvocation(BaseInvocation):
     num_steps: int = knob_field(STEPS, "Steps of the full schedule (distilled Klein: 4)")
     seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
     tile_size: str = _text_knob_field(TILE_SIZE, TILE_SIZE.help[:1].upper() + TILE_SIZE.help[1:])
-    tile_overlap: int = knob_field(TILE_OVERLAP, multiple_of=16)
+    tile_overlap: int = knob_field(TILE_OVERLAP)
     tile_batch: str = _text_knob_field(TILE_BATCH, TILE_BATCH.help[:1].upper() + TILE_BATCH.help[1:])
 
     @torch.no_grad()

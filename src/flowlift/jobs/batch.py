@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flowlift.console import format_seconds
+from flowlift.errors import ITEM_ERRORS as _ITEM_ERRORS
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
 from flowlift.files.output_paths import folder_problem, same_file
@@ -68,8 +69,9 @@ __all__ = [
     "summary_line",
 ]
 
-#: Exceptions that fail one input of a batch (reported in one line) instead of the whole run.
-ITEM_ERRORS: tuple[type[BaseException], ...] = (FlowliftError, OSError, RuntimeError, MemoryError, ValueError)
+#: Exceptions that fail one input of a batch (reported in one line) instead of the whole run (their home is
+#: :data:`flowlift.errors.ITEM_ERRORS`, which the front-ends import).
+ITEM_ERRORS = _ITEM_ERRORS
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from flowlift.errors import FlowliftError
-from flowlift.knobs import Knob
+from flowlift.knobs import SEED, TRANSPLANT_STRENGTH, Knob
+from flowlift.upscale.settings import COLOR_FIX_STRENGTH
 
 PIXEL_METHODS = ("lanczos", "bicubic")
 VAE_METHODS = ("latent-bicubic", "vae-roundtrip", "flow")
@@ -25,7 +26,13 @@ METHODS = PIXEL_METHODS + VAE_METHODS
 #: ``spandrel:PATH[:label][+colorfix]``: a pixel super-resolution model file (see parse_spandrel_method).
 SPANDREL = "spandrel"
 COLORFIX_SUFFIX = "+colorfix"
-FLOW_OPTIONS = {"transplant": float, "color_fix": float, "color": str, "seed": int}
+#: ``flow``'s options, each a knob of the tables (the upscaler's; ``color`` switches both colour stages).
+FLOW_OPTIONS = {
+    "transplant": TRANSPLANT_STRENGTH,
+    "color_fix": COLOR_FIX_STRENGTH,
+    "color": Knob("color", str, "on", "both colour-drift stages on or off", choices=("on", "off")),
+    "seed": SEED,
+}
 
 MethodFn = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
@@ -137,17 +144,14 @@ def spandrel_method_fn(model: Any, scale: int, colorfix: bool) -> MethodFn:
 
 
 def _parse_flow_option(key: str, value: str) -> Any:
-    if key == "color":
-        if value.lower() not in ("on", "off"):
-            raise FlowliftError(f"method flow: color must be on or off, got {value!r}")
-        return value.lower()
+    """One ``flow`` option's value, checked by its knob (numbers parsed exactly, as on the command line)."""
+    knob = FLOW_OPTIONS[key]
     try:
-        parsed = FLOW_OPTIONS[key](value)
-    except ValueError:
-        raise FlowliftError(f"method flow: {key} must be a number, got {value!r}") from None
-    if key in ("transplant", "color_fix") and not 0.0 <= parsed <= 1.0:
-        raise FlowliftError(f"method flow: {key} must be in [0, 1], got {value}")
-    return parsed
+        return knob.check(value.lower() if knob.choices else value, key, loose=True)
+    except FlowliftError:
+        if knob.choices:
+            raise FlowliftError(f"method flow: {key} must be {' or '.join(knob.choices)}, got {value!r}") from None
+        raise FlowliftError(f"method flow: {key} must be a number: {knob.describe()}, got {value!r}") from None
 
 
 def pixel_upscale(lowres: np.ndarray, scale: int, method: str) -> np.ndarray:

@@ -11,9 +11,7 @@ import torch.nn.functional as F
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
-
-#: Images are processed on a 16-pixel grid (8x VAE, then 2x2 patches); other sizes are edge-padded.
-PIXEL_MULTIPLE = VAE_SCALE_FACTOR * 2
+from flowlift.refine.settings import PIXEL_MULTIPLE  # noqa: F401  (images on the 16-px grid; others edge-padded)
 
 
 def pad_to_multiple(images: torch.Tensor, multiple: int = PIXEL_MULTIPLE) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -39,10 +37,10 @@ def outpaint_pads(height: int, width: int, left: int, top: int, right: int, bott
     """The borders rounded up to multiples of 16 px, checked before anything is allocated.
 
     The canvas ``(height + top + bottom) x (width + left + right)`` must stay within
-    :data:`flowlift.upscale.sizes.MAX_OUTPUT_SIDE` per side (the package's output cap), else one
+    :data:`flowlift.limits.MAX_OUTPUT_SIDE` per side (the package's output cap), else one
     FlowliftError line: ``--outpaint 0,0,1000000,0`` would otherwise try to allocate the canvas.
     """
-    from flowlift.upscale.sizes import MAX_OUTPUT_SIDE
+    from flowlift.limits import MAX_OUTPUT_SIDE
 
     pads = tuple(-(-max(0, int(p)) // PIXEL_MULTIPLE) * PIXEL_MULTIPLE for p in (left, top, right, bottom))
     if not any(pads):

@@ -23,9 +23,10 @@ from flowlift.flux2.schedule import DEFAULT_MU
 from flowlift.models.weights import looks_like_repo_id
 from flowlift.refine.loop import check_schedule
 from flowlift.refine.loras import LoraSpec
+from flowlift.refine.memory_plan import RefineMemory
 from flowlift.refine.prompts import PromptEncoder, _first_line
 from flowlift.refine.refiner import Flux2Refiner
-from flowlift.refine.tiling import DEFAULT_TILE_OVERLAP, TileRequest
+from flowlift.refine.tiling import TileRequest, tiles_from
 
 #: Suffixes of single-file transformers (everything else is a folder or a hub id).
 TRANSFORMER_FILE_SUFFIXES = (".safetensors", ".gguf")
@@ -246,25 +247,24 @@ def load_transformer(model: str, *, dtype: torch.dtype, option: str = "--model")
     raise FlowliftError(f"{option} {model}: no such file or folder, and not a hub repo id (owner/name)")
 
 
+_MEMORY_KEYWORDS = ("offload", "max_memory", "image_size", "text_tokens")
+
+
 def load_refiner(
     model: str,
     *,
     vae: str | None = None,
     transformer: str | None = None,
     loras: Sequence[LoraSpec] = (),
-    offload: str = "auto",
-    max_memory: str | int | None = None,
-    image_size: tuple[int, int] = (1024, 1024),
-    text_tokens: int | None = None,
+    memory: RefineMemory | None = None,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     text_encoder: bool = False,
     progress: bool | None = False,
     mu: float | str = DEFAULT_MU,
     schedule: str = "respaced",
-    tile_size: int | str = "auto",
-    tile_overlap: int = DEFAULT_TILE_OVERLAP,
-    tile_batch: int | str = "auto",
+    tiles: TileRequest | None = None,
+    **deprecated: Any,
 ) -> Flux2Refiner:
     """A :class:`Flux2Refiner` from FLUX.2 Klein / dev weights.
 
@@ -273,23 +273,32 @@ def load_refiner(
     fp8, GGUF, a folder or hub id; :func:`load_transformer`), the VAE and text encoder still from ``model``.
     ``vae`` (any :func:`flowlift.models.vae_loading.load_vae` spec) defaults to the model's own ``vae/``.
     ``loras``: ``(path, scale)`` pairs applied to the transformer (:func:`flowlift.refine.loras.apply_loras`;
-    needs ``flowlift[lora]``), active in every pass. ``offload``: ``none``, ``model``, ``group``
-    (:mod:`flowlift.refine.offload`) or ``auto``: with ``max_memory``, what
+    needs ``flowlift[lora]``), active in every pass. ``memory`` (:class:`~flowlift.refine.memory_plan.RefineMemory`):
+    ``offload`` ``none``, ``model``, ``group`` (:mod:`flowlift.refine.offload`) or ``auto``: with ``max_memory``, what
     :func:`flowlift.refine.memory_plan.plan_refine` picks for images up to ``image_size`` (height, width) pixels
     (it also decides the VAE's tiling), else ``none``. ``text_encoder=True`` also loads the pipeline's text encoder
     (``flowlift[text]``) so prompts can be strings; with an offload mode it waits in host memory between prompts.
     To free its memory before the transformer loads, embed the prompts first
     (:func:`flowlift.refine.prompts.embed_prompts`) and pass ``prompt_embeds``.
     ``mu`` and ``schedule`` are the refiner's schedule (:class:`Flux2Refiner`), checked before any weights load.
-    ``tile_size`` / ``tile_overlap`` / ``tile_batch`` (:mod:`flowlift.refine.tiling`) are its tiling, also checked
-    first; with ``max_memory`` the plan counts a tile's tokens instead of the frame's where it tiles.
+    ``tiles`` (:class:`~flowlift.refine.tiling.TileRequest`) is its tiling, also checked first; with ``max_memory``
+    the plan counts a tile's tokens instead of the frame's where it tiles. The old keywords ``offload``,
+    ``max_memory``, ``image_size``, ``text_tokens`` and ``tile_size``/``tile_overlap``/``tile_batch`` work for one
+    release, with a DeprecationWarning.
     """
+    from flowlift.knobs import settings_or_deprecated_keywords
     from flowlift.models.vae_loading import load_vae
     from flowlift.refine.loras import apply_loras
-    from flowlift.refine.offload import OFFLOAD_MODES
+    from flowlift.refine.offload import OFFLOAD_MODES, Placement
 
+    tiling = tiles_from(tiles, deprecated, "load_refiner")
+    old = {name: deprecated.pop(name) for name in _MEMORY_KEYWORDS if name in deprecated}
+    if deprecated:
+        raise TypeError(f"load_refiner() got an unexpected keyword argument {next(iter(deprecated))!r}")
+    memory = settings_or_deprecated_keywords(memory, old, RefineMemory, where="load_refiner", argument="memory",
+                                             home="flowlift.refine.memory_plan", stacklevel=3)  # fmt: skip
     check_schedule(mu, schedule)
-    tiling = TileRequest.parse(tile_size, tile_overlap, tile_batch)
+    offload = memory.offload
     if offload != "auto" and offload not in OFFLOAD_MODES:
         raise FlowliftError(f"offload must be auto or one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
     device = torch.device(device)
@@ -301,12 +310,12 @@ def load_refiner(
     vae_dtype = torch.float32 if dtype == torch.float16 else dtype
     vae_adapter = load_vae(vae or model, device=device, dtype=vae_dtype)
     plan = None
-    if max_memory is not None:
-        plan = _plan(module, vae_adapter, max_memory, image_size, text_tokens, offload, dtype, vae_dtype, tiling)
-    mode = plan.offload if plan is not None else ("none" if offload == "auto" else offload)
+    if memory.max_memory is not None:
+        plan = _plan(module, vae_adapter, memory, dtype, vae_dtype, tiling)
+    placement = Placement.planned(plan) if plan is not None else Placement("none" if offload == "auto" else offload)
     encoder = None
     if text_encoder:
-        encoder = PromptEncoder(model, device=device, dtype=dtype, offload=mode != "none")
+        encoder = PromptEncoder(model, device=device, dtype=dtype, offload=placement.offload != "none")
     provenance: dict[str, Any] = dict(getattr(module, "flowlift_source", {}))
     if transformer is not None:
         provenance["transformer"] = str(transformer)
@@ -314,46 +323,107 @@ def load_refiner(
         provenance["fp8_layers"] = fp8_layers
     if loaded_loras:
         provenance["loras"] = [lora.record() for lora in loaded_loras]
-    provenance["offload"] = mode
+    provenance["offload"] = placement.offload
     if plan is not None:
         provenance["memory_plan"] = plan.describe()
-    return Flux2Refiner(
-        module,
-        vae_adapter,
-        device=device,
-        dtype=dtype,
-        prompt_encoder=encoder,
-        progress=progress,
-        model_name=str(model),
-        mu=mu,
-        schedule=schedule,
-        offload=mode,
-        vae_tiled=plan.vae_tiled if plan is not None else None,
-        memory_plan=plan,
-        provenance=provenance,
-        tile_size=tiling.size,
-        tile_overlap=tiling.overlap,
-        tile_batch=tiling.batch,
-    )
+    steps, why = model_default_steps(model, transformer)
+    provenance["default_steps"] = f"{steps} ({why})"
+    refiner = Flux2Refiner(
+        module, vae_adapter, device=device, dtype=dtype, prompt_encoder=encoder, progress=progress,
+        model_name=str(model), mu=mu, schedule=schedule, placement=placement, provenance=provenance, tiles=tiling,
+    )  # fmt: skip
+    refiner.default_steps = steps
+    return refiner
 
 
-def _plan(module, vae_adapter, max_memory, image_size, text_tokens, offload, dtype, vae_dtype, tiling):
-    from flowlift.refine.memory_plan import DEFAULT_TEXT_TOKENS, plan_refine, transformer_sizes
-    from flowlift.upscale.memory_plan import model_bytes, parse_memory, vae_kind
+def _plan(module, vae_adapter, memory: RefineMemory, dtype, vae_dtype, tiling: TileRequest):
+    from flowlift.limits import model_bytes, parse_memory, vae_kind
+    from flowlift.refine.memory_plan import DEFAULT_TEXT_TOKENS, VAESizes, plan_refine, transformer_sizes
 
-    height, width = image_size
+    height, width = memory.image_size
     return plan_refine(
         height,
         width,
-        parse_memory(max_memory),
+        parse_memory(memory.max_memory),
         transformer_sizes(module),
         dtype=dtype,
-        vae_kind=vae_kind(vae_adapter),
-        vae_bytes=model_bytes(vae_adapter),
-        vae_dtype=vae_dtype,
-        text_tokens=text_tokens or DEFAULT_TEXT_TOKENS,
-        offload=None if offload == "auto" else offload,
-        tile_size=tiling.size,
-        tile_overlap=tiling.overlap,
-        tile_batch=tiling.batch,
+        vae=VAESizes(vae_kind(vae_adapter), model_bytes(vae_adapter), vae_dtype),
+        text_tokens=memory.text_tokens or DEFAULT_TEXT_TOKENS,
+        offload=None if memory.offload == "auto" else memory.offload,
+        tiles=tiling,
     )
+
+
+def check_refiner_source(source: Any) -> list[LoraSpec]:
+    """Everything a :class:`~flowlift.refine.request.RefinerSource` names, checked before any weights load (one
+    FlowliftError line): the ``transformer`` file is what it claims (headers only) and its extra is installed, the
+    LoRAs are ``.safetensors`` files and peft is there, ``group`` offload has accelerate, the budget parses.
+    Returns the LoRAs as ``(path, scale)`` pairs."""
+    import importlib.util
+
+    from flowlift.limits import parse_memory
+    from flowlift.models.hub import looks_like_path
+    from flowlift.refine.loras import parse_lora_spec
+
+    if source.transformer is not None:
+        path = Path(source.transformer).expanduser()
+        if path.is_file():
+            from flowlift.models.flux2_transformer_files import inspect_transformer_file
+
+            info = inspect_transformer_file(path, option="--transformer")  # headers only: what it is
+            if info.container == "gguf" and importlib.util.find_spec("accelerate") is None:
+                raise FlowliftError(f"--transformer {path}: GGUF needs the gguf extra (pip install 'flowlift[gguf]')")
+        elif not path.exists() and looks_like_path(source.transformer):
+            raise FlowliftError(f"--transformer {source.transformer}: no such file or folder")
+    loras = [parse_lora_spec(text) for text in source.loras]
+    for lora, _ in loras:
+        if not Path(lora).is_file():
+            raise FlowliftError(f"--lora {lora}: no such file")
+        if Path(lora).suffix.lower() != ".safetensors":
+            raise FlowliftError(f"--lora {lora}: LoRAs are read from .safetensors only")
+    if loras and (importlib.util.find_spec("peft") is None or importlib.util.find_spec("transformers") is None):
+        raise FlowliftError(
+            "--lora needs peft (pip install 'flowlift[lora]', from a checkout pip install -e '.[lora]')"
+        )
+    if source.offload == "group" and importlib.util.find_spec("accelerate") is None:
+        raise FlowliftError("--offload group needs accelerate (pip install 'flowlift[offload]')")
+    if source.max_memory is not None:
+        try:
+            parse_memory(source.max_memory)
+        except FlowliftError as error:
+            raise FlowliftError(f"--max-memory: {error}") from None
+    return loras
+
+
+def model_default_steps(model: str, transformer: str | None = None) -> tuple[int, str]:
+    """The steps a model is made for, and why: a diffusers folder's (or cached hub id's) ``model_index.json`` says
+    ``is_distilled`` (diffusers' ``Flux2KleinPipeline``: True is the step-distilled Klein, 4 steps; False or absent
+    the base model, 28); without one (a single transformer file), a Klein name without ``base`` (BFL's
+    ``flux-2-klein-4b.safetensors``) is the distilled model; anything else 28 (:data:`STEPS`' default). Nothing is
+    fetched."""
+    from flowlift.refine.settings import DISTILLED_STEPS, STEPS
+
+    index = _model_index(model)
+    if index is not None:
+        if index.get("is_distilled") is True:
+            return DISTILLED_STEPS, "model_index.json: is_distilled"
+        return STEPS.default, "model_index.json: not distilled"
+    name = Path(transformer or model).name.lower()
+    if "klein" in name and "base" not in name:
+        return DISTILLED_STEPS, "a Klein model without 'base' in its name: step-distilled"
+    return STEPS.default, "not a step-distilled Klein"
+
+
+def _model_index(model: str) -> dict[str, Any] | None:
+    """``model_index.json`` of a local diffusers folder, or of a hub id in the Hugging Face cache; None without one."""
+    path = Path(model).expanduser() / "model_index.json"
+    if not path.is_file() and not Path(model).expanduser().exists() and looks_like_repo_id(model):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, "model_index.json")
+        path = Path(cached) if isinstance(cached, str) else path
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return index if isinstance(index, dict) else None

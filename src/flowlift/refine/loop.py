@@ -26,7 +26,7 @@ from flowlift.flux2.latents import (
 from flowlift.flux2.sampling import SAMPLERS
 from flowlift.flux2.schedule import DEFAULT_MU, EMPIRICAL_MU, SCHEDULES, flux2_sigmas, resolve_mu
 from flowlift.knobs import SEED
-from flowlift.refine.settings import STRENGTH, STRENGTH_MAP
+from flowlift.refine.settings import STRENGTH, STRENGTH_MAP, SamplingSettings, sampling_from
 
 STRENGTH_MAPS = STRENGTH_MAP.choices
 
@@ -121,19 +121,19 @@ def refine_latents(
     bn_std: torch.Tensor | None = None,
     denoising_start: float = 0.0,
     denoising_end: float = 1.0,
-    steps: int = 28,
-    seed: int = 0,
-    sampler: str = "euler",
+    sampling: SamplingSettings | None = None,
     mask: torch.Tensor | None = None,
     on_step: StepCallback | None = None,
     device: torch.device | str = "cpu",
-    mu: float | str = DEFAULT_MU,
-    schedule: str = "respaced",
+    **deprecated: Any,
 ) -> RefineResult:
     """Sample FLUX.2 latents: txt2img (no ``init_latents``), img2img, or inpaint (with ``mask``).
 
     * ``init_latents``: normalized (B, 32, H, W) latents, or *raw* VAE latents when ``bn_mean``/``bn_std``
       ([128]) are given -- then only they are normalized, never the noise blend.
+    * ``sampling`` (:class:`~flowlift.refine.settings.SamplingSettings`: steps, seed, sampler, mu, schedule; its
+      ``mu``/``schedule`` None are 2.02 and ``respaced``; the old keywords ``steps=`` ... ``schedule=`` work for one
+      release, with a DeprecationWarning).
     * ``sigmas = flux2_sigmas(steps, image_seq_len(H, W), denoising_start, denoising_end, mu=mu,
       schedule=schedule)``: the shifted schedule (``mu`` 2.02 or a number, or ``"empirical"`` from the full
       sequence length and step count), its window respaced to ``steps`` steps or clipped; ``t0 = sigmas[0]``.
@@ -144,8 +144,15 @@ def refine_latents(
     * ``denoising_start >= denoising_end`` (strength 0) runs no step and returns the normalized init.
     """
     from flowlift.flux2.img2img import InpaintMerger, denoise, prepare_start_latents
-    from flowlift.upscale.inputs import check_count, check_latents, check_unit_interval
+    from flowlift.flux2.latents import check_latents
+    from flowlift.knobs import check_count, check_unit_interval
 
+    sampling = sampling_from(sampling, deprecated, "refine_latents")
+    if deprecated:
+        raise TypeError(f"refine_latents() got an unexpected keyword argument {next(iter(deprecated))!r}")
+    steps, seed, sampler = sampling.steps, sampling.seed, sampling.sampler
+    mu = DEFAULT_MU if sampling.mu is None else sampling.mu
+    schedule = "respaced" if sampling.schedule is None else sampling.schedule
     check_sampler(sampler)
     check_schedule(mu, schedule)
     if check_count("steps", steps) < 1:

@@ -1,7 +1,7 @@
 """One device-memory budget for a refine (img2img, inpaint, outpaint, hires): where the transformer lives, whether
 the VAE tiles, whether the transformer runs in tiles and how many per call.
 
-The same ``--max-memory`` the upscaler plans with (:mod:`flowlift.upscale.memory_plan`: its size parser, its VAE
+The same ``--max-memory`` the upscaler plans with (:mod:`flowlift.limits`: its size parser, its VAE
 decode estimates). :func:`plan_refine` is a pure function of sizes, dtypes and the budget. It tries the
 transformer's frames from most to least context (the whole frame when it is within FLUX.2's 4 MP, then tiles,
 :mod:`flowlift.refine.tiling`), within each the offload modes from fastest to leanest (``none``, ``model``,
@@ -14,7 +14,7 @@ it then puts as many tiles in one call as still fit (at most :data:`~flowlift.re
   ``TRANSFORMER_PEAK_FRAMES * tiles_per_call * tokens * width * itemsize`` (tokens: one tile's image tokens, or the
   frame's, + text + reference tokens: references go to every tile) + the frame's latent buffers,
   ``LATENT_FRAME_BUFFERS * 32 * (h/8) * (w/8) * 4`` bytes (the only term that grows with the frame when tiled);
-* VAE encode/decode at the output size (:func:`flowlift.upscale.memory_plan.decode_peak_bytes`, whole or tiled)
+* VAE encode/decode at the output size (:func:`flowlift.limits.decode_peak_bytes`, whole or tiled)
   + the VAE's weights + the transformer's weights when ``none`` keeps them on the device;
 * hires: the Flow Upscaler gets what the transformer leaves (:attr:`RefinePlan.upscaler_budget_bytes`) and plans
   its own passes in it.
@@ -26,21 +26,21 @@ a budget too small for the leanest plan is one FlowliftError line saying what th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.limits import decode_peak_bytes, dtype_bytes, format_bytes
 from flowlift.refine.tiling import (
-    DEFAULT_TILE_OVERLAP,
     DEFAULT_TILE_SIZE,
     MAX_AUTO_TILE_BATCH,
     TileRequest,
     exceeds_untiled_limit,
     resolve_tile_size,
     tile_count,
+    tiles_from,
 )
-from flowlift.upscale.chunked.budget import dtype_bytes
-from flowlift.upscale.memory_plan import decode_peak_bytes, format_bytes
 
 #: One forward's activation peak in (tokens, width) frames of the compute dtype. Measured on the CPU (peak RSS,
 #: fp32, width 1024, 1+1 blocks, 1024-9216 image + 512 text tokens): 23.5-28.7 frames, flat in the token count
@@ -130,6 +130,31 @@ def refine_tokens(height: int, width: int, *, text_tokens: int = DEFAULT_TEXT_TO
     return -(-height // side) * -(-width // side) + text_tokens + reference_tokens
 
 
+@dataclass(frozen=True)
+class RefineMemory:
+    """How a refiner is fitted in device memory, as asked: ``offload`` (``auto``: planned from ``max_memory``,
+    else ``none``; or none/model/group), ``max_memory`` (``12GB``, bytes; None: no plan), and what the plan is made
+    for: ``image_size`` (height, width px, the largest image decoded) and ``text_tokens`` (None: 512)."""
+
+    offload: str = "auto"
+    max_memory: str | int | None = None
+    image_size: tuple[int, int] = (1024, 1024)
+    text_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class VAESizes:
+    """What the planner needs to know of the VAE: its ``kind`` (``taef2`` or ``flux2``, whose decode peaks differ),
+    its weights' ``bytes`` and the ``dtype`` it runs in."""
+
+    kind: str = "flux2"
+    bytes: int = 0
+    dtype: Any = torch.bfloat16
+
+
+_VAE_KEYWORDS = {"vae_kind": "kind", "vae_bytes": "bytes", "vae_dtype": "dtype"}
+
+
 def plan_refine(
     height: int,
     width: int,
@@ -137,26 +162,33 @@ def plan_refine(
     sizes: TransformerSizes,
     *,
     dtype: torch.dtype = torch.bfloat16,
-    vae_kind: str = "flux2",
-    vae_bytes: int = 0,
-    vae_dtype: torch.dtype = torch.bfloat16,
+    vae: VAESizes | None = None,
     text_tokens: int = DEFAULT_TEXT_TOKENS,
     reference_tokens: int = 0,
     batch: int = 1,
     offload: str | None = None,
-    tile_size: int | str = "auto",
-    tile_overlap: int = DEFAULT_TILE_OVERLAP,
-    tile_batch: int | str = "auto",
+    tiles: TileRequest | None = None,
+    **deprecated: Any,
 ) -> RefinePlan:
     """The fastest plan for a refine whose largest image is ``height x width`` pixels within ``budget_bytes``.
 
-    ``offload`` given: only that mode is considered (the VAE's tiling is still planned). ``tile_size`` /
-    ``tile_overlap`` / ``tile_batch`` are the tiling knobs (:mod:`flowlift.refine.tiling`): ``auto`` keeps the frame
-    whole when it is within 4 MP and fits, else tiles it. Raises one FlowliftError line when nothing fits.
+    ``offload`` given: only that mode is considered (the VAE's tiling is still planned). ``tiles`` are the tiling
+    knobs (:class:`~flowlift.refine.tiling.TileRequest`): ``auto`` keeps the frame whole when it is within 4 MP and
+    fits, else tiles it. Raises one FlowliftError line when nothing fits. The old keywords ``vae_kind``/
+    ``vae_bytes``/``vae_dtype`` and ``tile_size``/``tile_overlap``/``tile_batch`` work for one release, with a
+    DeprecationWarning.
     """
-    request = TileRequest.parse(tile_size, tile_overlap, tile_batch)
+    from flowlift.knobs import settings_or_deprecated_keywords
+
+    request = tiles_from(tiles, deprecated, "plan_refine")
+    old = {_VAE_KEYWORDS[name]: deprecated.pop(name) for name in list(deprecated) if name in _VAE_KEYWORDS}
+    if deprecated:
+        raise TypeError(f"plan_refine() got an unexpected keyword argument {next(iter(deprecated))!r}")
+    vae = settings_or_deprecated_keywords(vae, old, VAESizes, where="plan_refine", argument="vae",
+                                          home="flowlift.refine.memory_plan", stacklevel=3)  # fmt: skip
+    vae_kind, vae_bytes = vae.kind, vae.bytes
     vae = {
-        tiled: decode_peak_bytes(vae_kind, height, width, batch=batch, dtype=vae_dtype, tiled=tiled)
+        tiled: decode_peak_bytes(vae_kind, height, width, batch=batch, dtype=vae.dtype, tiled=tiled)
         for tiled in (False, True)
     }
     resident_while_sampling = {

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -26,6 +27,22 @@ from flowlift.errors import FlowliftError
 OFFLOAD_MODES = ("none", "model", "group")
 _HOST = torch.device("cpu")
 Run = TypeVar("Run", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a refiner's models run, as one object: ``offload`` (:data:`OFFLOAD_MODES`: where the transformer
+    waits), ``vae_tiled`` (None: by size) and the ``--max-memory`` ``plan`` they came from
+    (:class:`~flowlift.refine.memory_plan.RefinePlan`; it also sizes the tiles), or None without a budget."""
+
+    offload: str = "none"
+    vae_tiled: bool | None = None
+    plan: Any = None
+
+    @classmethod
+    def planned(cls, plan: Any) -> Placement:
+        """The placement a memory plan decided (its offload mode and VAE tiling)."""
+        return cls(plan.offload, plan.vae_tiled, plan)
 
 
 def storage_is_managed(transformer: torch.nn.Module) -> bool:

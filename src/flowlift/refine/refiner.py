@@ -16,21 +16,22 @@ from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR
 from flowlift.flux2.schedule import DEFAULT_MU
 from flowlift.refine.canvas import PIXEL_MULTIPLE, latent_mask, outpaint_canvas, pad_to_multiple
-from flowlift.refine.loop import (
-    RefineResult,
-    VelocityFn,
-    _Progress,
-    check_schedule,
-    denoising_start_for,
-    refine_latents,
-)
-from flowlift.refine.offload import place_transformer, with_transformer_on_device
+from flowlift.refine.loop import RefineResult, VelocityFn, _Progress, check_schedule, denoising_start_for
+from flowlift.refine.offload import Placement, place_transformer, with_transformer_on_device
 from flowlift.refine.parameters import RefineOutput, conditioning_parameters, output_parameters
-from flowlift.refine.settings import SamplingSettings, check_hires_size, sampling_from
-from flowlift.refine.tiling import DEFAULT_TILE_OVERLAP, TileRequest
+from flowlift.refine.settings import STEPS, SamplingSettings, check_hires_size, sampling_from
+from flowlift.refine.tiling import TileRequest, tiles_from
 
-#: A mode's tiling knobs (``tile_size``, ``tile_overlap``, ``tile_batch``; None keeps the refiner's).
-Tiles = tuple[int | str | None, int | None, int | str | None]
+_PLACEMENT_FIELDS = {"offload": "offload", "vae_tiled": "vae_tiled", "memory_plan": "plan"}
+
+
+def _placement_from(placement: Placement | None, deprecated: dict[str, Any]) -> Placement:
+    """``placement``, or for one release the keywords it replaced (``offload``, ``vae_tiled``, ``memory_plan``)."""
+    from flowlift.knobs import settings_or_deprecated_keywords
+
+    old = {_PLACEMENT_FIELDS[name]: deprecated.pop(name) for name in list(deprecated) if name in _PLACEMENT_FIELDS}
+    return settings_or_deprecated_keywords(placement, old, Placement, where="Flux2Refiner", argument="placement",
+                                           home="flowlift.refine.offload")  # fmt: skip
 
 
 class RefineVAE(Protocol):
@@ -53,11 +54,13 @@ class Flux2Refiner:
     ``prompt_encoder`` (optional) turns prompt strings into embeddings; without it, pass
     ``prompt_embeds`` tensors. ``mu`` (2.02, a number, or ``"empirical"``) and ``schedule`` (``respaced`` or
     ``clipped``) are the schedule every mode runs unless a call gives its own (see
-    :func:`flowlift.flux2.schedule.flux2_sigmas`). ``offload`` (none/model/group, :mod:`flowlift.refine.offload`)
-    and ``vae_tiled`` (None: by size) come from the memory plan; ``provenance`` (files, LoRAs with SHA-256 and
-    scale, offload) joins every output's parameters. ``tile_size`` / ``tile_overlap`` / ``tile_batch``
-    (:mod:`flowlift.refine.tiling`; every mode takes them too) run the transformer in overlapping tiles
-    (:mod:`flowlift.refine.tiled_velocity`): ``auto`` above FLUX.2's 4 MP or where the memory plan tiles.
+    :func:`flowlift.flux2.schedule.flux2_sigmas`). ``placement`` (:class:`~flowlift.refine.offload.Placement`:
+    the offload mode, the VAE's tiling and the memory plan they came from) says where the models run;
+    ``provenance`` (files, LoRAs with SHA-256 and scale, offload) joins every output's parameters. ``tiles``
+    (:class:`~flowlift.refine.tiling.TileRequest`; every mode takes one too) runs the transformer in overlapping
+    tiles (:mod:`flowlift.refine.tiled_velocity`): ``auto`` above FLUX.2's 4 MP or where the memory plan tiles.
+    The old keywords ``offload``/``vae_tiled``/``memory_plan`` and ``tile_size``/``tile_overlap``/``tile_batch``
+    work for one release, with a DeprecationWarning.
     """
 
     def __init__(
@@ -72,25 +75,35 @@ class Flux2Refiner:
         model_name: str = "",
         mu: float | str = DEFAULT_MU,
         schedule: str = "respaced",
-        offload: str = "none",
-        vae_tiled: bool | None = None,
-        memory_plan: Any = None,
+        placement: Placement | None = None,
         provenance: dict[str, Any] | None = None,
-        tile_size: int | str = "auto",
-        tile_overlap: int = DEFAULT_TILE_OVERLAP,
-        tile_batch: int | str = "auto",
+        tiles: TileRequest | None = None,
+        **deprecated: Any,
     ) -> None:
         check_schedule(mu, schedule)
-        self.tiling = TileRequest.parse(tile_size, tile_overlap, tile_batch)
+        placement = _placement_from(placement, deprecated)
+        self.tiling = tiles_from(tiles, deprecated, "Flux2Refiner")
+        if deprecated:
+            raise TypeError(f"Flux2Refiner() got an unexpected keyword argument {next(iter(deprecated))!r}")
         self.mu, self.schedule = mu, schedule
         self.device, self.dtype = torch.device(device), dtype
-        self.offload, self.vae_tiled, self.memory_plan = offload, vae_tiled, memory_plan
+        self.placement = placement
+        self.offload, self.vae_tiled, self.memory_plan = placement.offload, placement.vae_tiled, placement.plan
         self.provenance = dict(provenance or {})
-        self.transformer = place_transformer(transformer.eval(), offload=offload, device=self.device, dtype=dtype)
+        self.transformer = place_transformer(
+            transformer.eval(), offload=placement.offload, device=self.device, dtype=dtype
+        )
         self.vae = vae
         self.prompt_encoder = prompt_encoder
         self.progress = progress
         self.model_name = model_name
+        #: The steps ``SamplingSettings(steps=None)`` runs: the model's (:func:`flowlift.refine.loading.load_refiner`
+        #: sets 4 for a step-distilled Klein), else the knob's 28.
+        self.default_steps = STEPS.default
+
+    def _with_steps(self, sampling: SamplingSettings) -> SamplingSettings:
+        """``sampling`` with ``steps`` None as the model's (:attr:`default_steps`)."""
+        return sampling if sampling.steps is not None else replace(sampling, steps=self.default_steps)
 
     # -- conditioning
 
@@ -172,37 +185,28 @@ class Flux2Refiner:
         sampling: SamplingSettings,
         mask: torch.Tensor | None = None,
         denoising_end: float = 1.0,
-        tiles: Tiles = (None, None, None),
+        tiles: TileRequest | None = None,
     ) -> RefineResult:
-        from flowlift.refine.tiled_velocity import tiled_for_frame
+        from flowlift.refine.tiled_refine import refine_tiled
 
-        init_latents, bn_mean, bn_std = init if init is not None else (None, None, None)
-        frame = tuple(init_latents.shape if init_latents is not None else shape)
-        size = frame[2:]
-        tiling: dict[str, Any] = {}
-        if velocity_fn is not None:  # None: strength 0, no model call
-            velocity_fn, tiling = tiled_for_frame(
-                velocity_fn, size, self.tiling.replace(*tiles), self.memory_plan, images=frame[0]
-            )
-        result = refine_latents(
-            velocity_fn,
-            init_latents=init_latents,
-            shape=shape,
-            bn_mean=bn_mean,
-            bn_std=bn_std,
-            denoising_start=denoising_start,
-            denoising_end=denoising_end,
-            steps=sampling.steps,
-            seed=sampling.seed,
-            sampler=sampling.sampler,
-            mask=mask,
-            on_step=_Progress(self.progress, mode),
-            device=self.device,
+        resolved = replace(
+            sampling,
             mu=self.mu if sampling.mu is None else sampling.mu,
             schedule=self.schedule if sampling.schedule is None else sampling.schedule,
         )
-        result.tiling = tiling
-        return result
+        return refine_tiled(
+            velocity_fn,
+            init,
+            sampling=resolved,
+            tiles=tiles if tiles is not None else self.tiling,
+            denoising_start=denoising_start,
+            shape=shape,
+            memory_plan=self.memory_plan,
+            mask=mask,
+            denoising_end=denoising_end,
+            on_step=_Progress(self.progress, mode),
+            device=self.device,
+        )
 
     def _parameters(self, mode: str, result: RefineResult, sampling: SamplingSettings, **kwargs: Any) -> dict[str, Any]:
         where = {"model": self.model_name, "dtype": self.dtype, "device": self.device, "provenance": self.provenance}
@@ -216,20 +220,19 @@ class Flux2Refiner:
         width: int,
         sampling: SamplingSettings | None = None,
         batch: int = 1,
-        tile_size: int | str | None = None,
-        tile_overlap: int | None = None,
-        tile_batch: int | str | None = None,
+        tiles: TileRequest | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """Generate from pure noise (``denoising_start = 0``) at ``height x width`` (multiples of 16)."""
-        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.txt2img")
+        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.txt2img"))
+        tiles = tiles_from(tiles, conditioning, "Flux2Refiner.txt2img", base=self.tiling)
         if height % PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height <= 0 or width <= 0:
             raise FlowliftError(f"txt2img size must be positive multiples of {PIXEL_MULTIPLE}, got {width}x{height}")
         den = self.denoiser(**conditioning)
         shape = (batch, LATENT_CHANNELS, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
         result = self._run(
             "txt2img", den, init=None, shape=shape, denoising_start=0.0, sampling=sampling,
-            tiles=(tile_size, tile_overlap, tile_batch),
+            tiles=tiles,
         )  # fmt: skip
         params = self._parameters(
             "txt2img", result, sampling, height=height, width=width, **conditioning_parameters(conditioning, den)
@@ -244,9 +247,7 @@ class Flux2Refiner:
         strength_map: str = "linear",
         sampling: SamplingSettings | None = None,
         mask: torch.Tensor | None = None,
-        tile_size: int | str | None = None,
-        tile_overlap: int | None = None,
-        tile_batch: int | str | None = None,
+        tiles: TileRequest | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """Refine ``images`` (B, 3, H, W) in [0, 1] at ``strength``; with ``mask`` (B|1, 1, H, W) inpaint.
@@ -254,7 +255,8 @@ class Flux2Refiner:
         Sides that are not multiples of 16 are edge-padded for the model and cropped back.
         ``strength`` 0 returns the VAE round trip of the input; 1 ignores the input (txt2img noise).
         """
-        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.img2img")
+        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.img2img"))
+        tiles = tiles_from(tiles, conditioning, "Flux2Refiner.img2img", base=self.tiling)
         start = denoising_start_for(strength, strength_map)
         h, w = images.shape[-2:]
         padded, _ = pad_to_multiple(images.to(self.device, torch.float32))
@@ -273,7 +275,7 @@ class Flux2Refiner:
             denoising_start=start,
             sampling=sampling,
             mask=lmask,
-            tiles=(tile_size, tile_overlap, tile_batch),
+            tiles=tiles,
         )
         out = self.decode(result.latents)[..., :h, :w]
         params = self._parameters(
@@ -306,9 +308,7 @@ class Flux2Refiner:
         strength: float = 1.0,
         strength_map: str = "linear",
         sampling: SamplingSettings | None = None,
-        tile_size: int | str | None = None,
-        tile_overlap: int | None = None,
-        tile_batch: int | str | None = None,
+        tiles: TileRequest | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """Extend the canvas by the given borders (rounded up to 16 px) and paint them in.
@@ -316,7 +316,8 @@ class Flux2Refiner:
         The border starts from an edge-replicated canvas; the original region's latents are the
         encoding of the original image alone and are kept exactly (mask 0) through every step.
         """
-        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.outpaint")
+        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.outpaint"))
+        tiles = tiles_from(tiles, conditioning, "Flux2Refiner.outpaint", base=self.tiling)
         images = images.to(self.device, torch.float32)
         canvas, mask, pads = outpaint_canvas(images, left, top, right, bottom)
         start = denoising_start_for(strength, strength_map)
@@ -335,7 +336,7 @@ class Flux2Refiner:
             denoising_start=start,
             sampling=sampling,
             mask=lmask,
-            tiles=(tile_size, tile_overlap, tile_batch),
+            tiles=tiles,
         )
         params = self._parameters(
             "outpaint",
@@ -359,26 +360,26 @@ class Flux2Refiner:
         images: torch.Tensor | None = None,
         height: int | None = None,
         width: int | None = None,
-        base_steps: int = 28,
+        base_steps: int | None = None,
         refine_strength: float = 0.3,
         strength_map: str = "linear",
         sampling: SamplingSettings | None = None,
         scale: int = 2,
-        tile_size: int | str | None = None,
-        tile_overlap: int | None = None,
-        tile_batch: int | str | None = None,
+        tiles: TileRequest | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
         """The hires fix: base latents -> ``upscale`` (Flow Upscaler) -> refine at low strength -> decode.
 
-        The base is ``images`` encoded, or a txt2img at ``height x width`` (``base_steps``). ``upscale``
+        The base is ``images`` encoded, or a txt2img at ``height x width`` (``base_steps``; None: the model's).
+        ``upscale``
         maps normalized latents to normalized latents ``scale`` times larger. The refine pass is img2img
         on the upscaled normalized latents in the window below ``1 - refine_strength`` (``schedule``); both
         passes shift with ``mu`` (for ``"empirical"``, each from its own size and step count) and tile as the
         ``tile_*`` knobs say (the refine pass of a 4x or 8x fix is where tiles run). ``sampling`` is the refine
         pass's; the txt2img base runs it with ``base_steps``.
         """
-        sampling = sampling_from(sampling, conditioning, "Flux2Refiner.hires")
+        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.hires"))
+        tiles = tiles_from(tiles, conditioning, "Flux2Refiner.hires", base=self.tiling)
         if images is not None or (height is not None and width is not None):
             base_h, base_w = images.shape[-2:] if images is not None else (height, width)
             check_hires_size(int(base_w), int(base_h), scale)  # the whole pass plan, before the base runs
@@ -394,10 +395,10 @@ class Flux2Refiner:
         else:
             if height is None or width is None:
                 raise FlowliftError("hires needs an input image or a txt2img size")
+            base_steps = self.default_steps if base_steps is None else base_steps
             base_sampling = replace(sampling, steps=base_steps, schedule=None)  # a full window: no schedule choice
             base_out = self.txt2img(
-                height=height, width=width, sampling=base_sampling, tile_size=tile_size, tile_overlap=tile_overlap,
-                tile_batch=tile_batch, **conditioning,
+                height=height, width=width, sampling=base_sampling, tiles=tiles, **conditioning,
             )  # fmt: skip
             base = base_out.latents
             params.update(base="txt2img", base_steps=base_steps, height=height, width=width)
@@ -415,7 +416,7 @@ class Flux2Refiner:
             shape=None,
             denoising_start=start,
             sampling=sampling,
-            tiles=(tile_size, tile_overlap, tile_batch),
+            tiles=tiles,
         )
         params.update(
             self._parameters(

@@ -11,12 +11,13 @@ the 16-px grid, the overlap smaller than the tile) on top of :meth:`~flowlift.kn
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.settings import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SAMPLERS, SCHEDULES
-from flowlift.knobs import SEED, Knob, settings_or_deprecated_keywords, table
+from flowlift.knobs import SCALE, SEED, TRANSPLANT_STRENGTH, Knob, settings_or_deprecated_keywords, table  # noqa: F401
+from flowlift.limits import MAX_OUTPUT_SIDE
 
 #: The most steps a refine takes: far past where a flow model stops gaining (28-50), and a bound on what one
 #: request to the web app can ask for.
@@ -47,11 +48,15 @@ STRENGTH_MAP = Knob(
     "strength -> denoising_start: linear = 1 - s; canvas = 1 - s**0.2 (as canvas apps count it)",
     choices=("linear", "canvas"),
 )
+#: The steps a step-distilled model (FLUX.2 Klein 4B/9B) is made for; base and dev models take the knob's 28.
+DISTILLED_STEPS = 4
+
 STEPS = Knob(
     "steps",
     int,
     28,
-    "steps of the shifted schedule (distilled Klein: 4)",
+    f"steps of the shifted schedule (the model's default: {DISTILLED_STEPS} for a step-distilled Klein, 28 for Klein "
+    "base and dev)",
     low=1,
     high=MAX_STEPS,
     unit="steps",
@@ -75,15 +80,17 @@ SCHEDULE = Knob(
     "schedule's points below the strength (diffusers' img2img)",
     choices=SCHEDULES,
 )
-HIRES_SCALE = Knob(
-    "hires_scale",
-    int,
-    2,
-    "hires fix: the Flow Upscaler's factor before the refine (2 = one pass, 4 = two, 8 = three)",
-    choices=(2, 4, 8),
-    unit="x",
-)
+#: The hires fix's upscale factor: the upscale scale knob (:data:`flowlift.knobs.SCALE`) under the refiner's name.
+HIRES_SCALE = replace(
+    SCALE, name="hires_scale",
+    help="hires fix: the Flow Upscaler's factor before the refine (2 = one pass, 4 = two, 8 = three)",
+)  # fmt: skip
 
+#: The transformer sees images on a 16-pixel grid: 8x VAE, then its 2x2 patches (declared once: the canvas's
+#: padding, the hires and reference checks, the tile knobs' ``multiple``).
+PIXEL_MULTIPLE = 16
+#: Tile sides and offsets lie on the same grid.
+TILE_MULTIPLE = PIXEL_MULTIPLE
 
 
 def check_hires_size(width: int, height: int, scale: int) -> None:
@@ -92,13 +99,11 @@ def check_hires_size(width: int, height: int, scale: int) -> None:
     The hires fix refines at ``scale`` times the base, so every Flow Upscaler pass must run: the base and
     the result both within ``MAX_OUTPUT_SIDE`` (16384 px, where :func:`flowlift.upscale.sizes.planned_passes`
     would drop a pass and leave the refine a smaller size than it was planned for), sides positive multiples
-    of ``SIZE_MULTIPLE`` (16: the VAE's 8x and the 2x2 patches). Checked before any model runs.
+    of ``PIXEL_MULTIPLE`` (16: the VAE's 8x and the 2x2 patches). Checked before any model runs.
     """
-    from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, SIZE_MULTIPLE
-
     scale = HIRES_SCALE.check(scale, "hires scale")
-    if min(width, height) < SIZE_MULTIPLE or width % SIZE_MULTIPLE or height % SIZE_MULTIPLE:
-        raise FlowliftError(f"hires base sides must be positive multiples of {SIZE_MULTIPLE} px, got {width}x{height}")
+    if min(width, height) < PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height % PIXEL_MULTIPLE:
+        raise FlowliftError(f"hires base sides must be positive multiples of {PIXEL_MULTIPLE} px, got {width}x{height}")
     side = max(width, height)
     if side > MAX_OUTPUT_SIDE:
         raise FlowliftError(f"a {width}x{height} hires base is over MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side")
@@ -112,8 +117,6 @@ def check_hires_size(width: int, height: int, scale: int) -> None:
         )
 
 
-#: Tile sides and offsets are multiples of 16 image pixels: 8x VAE, then the transformer's 2x2 patches.
-TILE_MULTIPLE = 16
 #: FLUX.2's specified maximum resolution (BFL: 4 megapixels, e.g. 2048x2048; Klein the same).
 MAX_UNTILED_PIXELS = 2048 * 2048
 #: ``auto``'s tile: 1024 px, the resolution FLUX.2 is trained and most used at (1 MP, 4096 tokens per tile).
@@ -136,6 +139,7 @@ TILE_SIZE = Knob(
     words=TILE_SIZE_WORDS,
     unit="px",
     step=TILE_MULTIPLE,
+    multiple=TILE_MULTIPLE,
 )
 TILE_OVERLAP = Knob(
     "tile_overlap",
@@ -146,6 +150,7 @@ TILE_OVERLAP = Knob(
     low=0,
     unit="px",
     step=TILE_MULTIPLE,
+    multiple=TILE_MULTIPLE,
 )
 TILE_BATCH = Knob(
     "tile_batch",
@@ -170,19 +175,21 @@ REFINE_KNOBS = table(
 class SamplingSettings:
     """How one refine samples: steps, seed, sampler, and the schedule's ``mu`` and ``schedule``.
 
-    ``mu``/``schedule`` ``None`` mean the refiner's own (set when it was made). ``steps``, ``seed`` and
+    ``mu``/``schedule`` ``None`` mean the refiner's own (set when it was made); ``steps`` None is the model's
+    (:attr:`~flowlift.refine.refiner.Flux2Refiner.default_steps`: 4 for a step-distilled Klein). ``steps``, ``seed`` and
     ``sampler`` are checked against :data:`REFINE_KNOBS` when the object is made (one line before any work);
     ``mu`` and ``schedule`` when the schedule is built, as ``"empirical"`` depends on the image size.
     """
 
-    steps: int = STEPS.default
+    steps: int | None = STEPS.default
     seed: int = SEED.default
     sampler: str = SAMPLER.default
     mu: float | str | None = None
     schedule: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "steps", STEPS.check(self.steps))
+        if self.steps is not None:
+            object.__setattr__(self, "steps", STEPS.check(self.steps))
         object.__setattr__(self, "seed", SEED.check(self.seed))
         if self.sampler not in SAMPLER.choices:
             raise FlowliftError(f"unknown sampler {self.sampler!r}; flowlift runs {', '.join(SAMPLER.choices)}")

@@ -161,7 +161,7 @@ def tiled_for_frame(
     :class:`TiledVelocity`; a ``tile_batch`` above 1 asked for then costs one warning line). The metadata:
     ``tile_size`` as asked, and ``tiles`` (size, overlap, grid, batch: the tiles per call that ran) when tiles ran.
     """
-    from flowlift.files.images import FlowliftWarning
+    from flowlift.errors import FlowliftWarning
 
     height, width = latent_size[0] * VAE_SCALE_FACTOR, latent_size[1] * VAE_SCALE_FACTOR
     planned = "none" if plan is None else plan.tile_size

@@ -37,22 +37,14 @@ from flowlift.refine.settings import (  # noqa: F401  (the constants' home; impo
 
 
 def parse_tile_size(value: int | str) -> int | str:
-    """``"auto"``, ``"off"``, or a tile side in pixels: :data:`TILE_SIZE`'s check, then a multiple of 16."""
-    size = TILE_SIZE.check(value, "tile size", loose=True)
-    if isinstance(size, int) and size % TILE_MULTIPLE:
-        raise FlowliftError(
-            f"tile size must be a multiple of {TILE_MULTIPLE} px and at least {MIN_TILE_SIZE}, got {size}"
-        )
-    return size
+    """``"auto"``, ``"off"``, or a tile side in pixels: :data:`TILE_SIZE`'s check (its range and 16-px grid)."""
+    return TILE_SIZE.check(value, "tile size", loose=True)
 
 
 def parse_tile_overlap(value: int | str) -> int:
-    """An overlap in pixels: :data:`TILE_OVERLAP`'s check, then a multiple of 16 (less than the tile:
+    """An overlap in pixels: :data:`TILE_OVERLAP`'s check, its range and 16-px grid (less than the tile:
     :func:`check_overlap`)."""
-    overlap = TILE_OVERLAP.check(value, "tile overlap", loose=True)
-    if overlap % TILE_MULTIPLE:
-        raise FlowliftError(f"tile overlap must be a multiple of {TILE_MULTIPLE} px and >= 0, got {overlap}")
-    return overlap
+    return TILE_OVERLAP.check(value, "tile overlap", loose=True)
 
 
 def parse_tile_batch(value: int | str) -> int | str:
@@ -91,6 +83,30 @@ class TileRequest:
             self.overlap if overlap is None else overlap,
             self.batch if batch is None else batch,
         )
+
+
+_TILE_KEYWORDS = {"tile_size": "size", "tile_overlap": "overlap", "tile_batch": "batch"}
+
+
+def tiles_from(tiles: TileRequest | None, deprecated: dict[str, Any], where: str,
+               base: TileRequest | None = None) -> TileRequest:  # fmt: skip
+    """The :class:`TileRequest` a call runs with: ``tiles`` itself, else ``base`` (the refiner's; None: the knobs'
+    defaults); for one release the old keywords ``tile_size``/``tile_overlap``/``tile_batch`` popped from
+    ``deprecated`` (those not None replace ``base``'s), with a DeprecationWarning. Both at once is an error."""
+    import warnings
+
+    old = {_TILE_KEYWORDS[name]: deprecated.pop(name) for name in list(deprecated) if name in _TILE_KEYWORDS}
+    if not old:
+        return tiles if tiles is not None else base if base is not None else TileRequest()
+    if tiles is not None:
+        raise FlowliftError(f"{where}: give tiles=TileRequest(...) or {', '.join(f'tile_{n}' for n in old)}, not both")
+    warnings.warn(
+        f"{where}({', '.join(f'tile_{name}=' for name in old)}) is deprecated and goes in the next release; pass "
+        "tiles=TileRequest(...) (flowlift.refine.tiling)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return (base if base is not None else TileRequest()).replace(**old)
 
 
 def exceeds_untiled_limit(height: int, width: int) -> bool:

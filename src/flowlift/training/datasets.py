@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,32 @@ class PipelineTeacher:
 # Builders
 
 
+@dataclass(frozen=True)
+class ShardWriting:
+    """How a dataset's shards are written, whichever kind: ``shard_size`` items per shard, ``storage_dtype`` of the
+    latents on disk, the ``device`` the VAE and teacher run on, ``progress`` bars, and ``part = (i, n)``: only
+    shards ``k % n == i`` (n processes or machines on one folder)."""
+
+    shard_size: int = 256
+    storage_dtype: Any = torch.float16
+    device: Any = "cpu"
+    progress: bool | None = True  # flowlift.console.progress_bar's enabled
+    part: tuple[int, int] = (0, 1)
+
+
+def _writing(writing: ShardWriting | None, deprecated: dict[str, Any], where: str) -> tuple:
+    """``writing``'s fields, or for one release the keywords it replaced (a DeprecationWarning)."""
+    from flowlift.knobs import settings_or_deprecated_keywords
+
+    names = ("shard_size", "storage_dtype", "device", "progress", "part")
+    old = {name: deprecated.pop(name) for name in names if name in deprecated}
+    if deprecated:
+        raise TypeError(f"{where}() got an unexpected keyword argument {next(iter(deprecated))!r}")
+    chosen = settings_or_deprecated_keywords(writing, old, ShardWriting, where=where, argument="writing",
+                                             home="flowlift.training.datasets")  # fmt: skip
+    return tuple(getattr(chosen, name) for name in names)
+
+
 def build_distill_dataset(
     root: str | os.PathLike,
     teacher: Teacher,
@@ -198,24 +225,23 @@ def build_distill_dataset(
     num_items: int,
     latent_size: tuple[int, int],
     seed: int = 0,
-    shard_size: int = 256,
     batch_size: int = 4,
     degradation: Degradation | None = None,
-    storage_dtype: torch.dtype = torch.float16,
-    device: torch.device | str = "cpu",
     source: dict[str, Any] | None = None,
-    progress: bool | None = True,
-    part: tuple[int, int] = (0, 1),
+    writing: ShardWriting | None = None,
+    **deprecated: Any,
 ) -> dict[str, Any]:
     """Build (or resume) a distillation dataset of ``num_items`` items at ``latent_size`` (target).
 
     Item ``i``: ``noise = seeded_noise((32, H, W), item_seed(seed, i))``, ``target = teacher(noise)``,
     ``cond = encode(degrade(decode(target)))``. ``source`` describes the teacher in the manifest.
     ``part = (i, n)`` builds only shards ``k % n == i`` (run n processes/machines on one folder).
-    Returns the manifest.
+    ``writing`` (:class:`ShardWriting`: shard size, storage dtype, device, progress, part; its old keywords work
+    for one release with a DeprecationWarning). Returns the manifest.
     """
     from flowlift.flux2.latents import seeded_noise
 
+    shard_size, storage_dtype, device, progress, part = _writing(writing, deprecated, "build_distill_dataset")
     degradation = degradation or Degradation()
     height, width = latent_size
     if height % 4 or width % 4 or height <= 0 or width <= 0:
@@ -312,21 +338,20 @@ def build_images_dataset(
     crop: int = 512,
     crops_per_image: int = 4,
     seed: int = 0,
-    shard_size: int = 256,
     batch_size: int = 8,
     flip: bool = True,
     degradation: Degradation | None = None,
-    storage_dtype: torch.dtype = torch.float16,
-    device: torch.device | str = "cpu",
     vae_name: str = "",
-    progress: bool | None = True,
-    part: tuple[int, int] = (0, 1),
+    writing: ShardWriting | None = None,
+    **deprecated: Any,
 ) -> dict[str, Any]:
     """Build (or resume) an images dataset: ``target = encode(crop)``, ``cond = encode(degrade(decode(target)))``.
 
     ``crop`` (pixels) must be a multiple of ``8 * 4`` so the target latent side is a multiple of 4.
-    ``part = (i, n)`` builds only shards ``k % n == i``. Returns the manifest.
+    ``part = (i, n)`` builds only shards ``k % n == i``; ``writing`` as :func:`build_distill_dataset` takes it.
+    Returns the manifest.
     """
+    shard_size, storage_dtype, device, progress, part = _writing(writing, deprecated, "build_images_dataset")
     from flowlift.files.images import load_image, to_tensor
 
     degradation = degradation or Degradation()

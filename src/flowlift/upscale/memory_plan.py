@@ -23,12 +23,20 @@ a pass's *output* (the noise sample), image sizes are pixels.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.limits import (  # noqa: F401  (their home is the bottom floor; imported from here too)
+    DECODE_PLAIN_CHANNELS,
+    DECODE_TILE_BYTES,
+    decode_peak_bytes,
+    format_bytes,
+    model_bytes,
+    parse_memory,
+    vae_kind,
+)
 from flowlift.upscale.chunked.budget import (
     MIN_DEVICE_STRIP_ROWS,
     chunked_store_bytes,
@@ -56,61 +64,8 @@ __all__ = [
 
 #: Latent channels of a FLUX.2 latent (the UNet's sample channels).
 LATENT_CHANNELS = 32
-#: Decoder activation peak per output pixel, in channels of the VAE's dtype (whole-frame decode): TAEF2's
-#: 8x stage runs 64-channel convolutions at full resolution (input, output, a residual), the FLUX.2 VAE's
-#: last up block 128 channels plus a GroupNorm copy.
-DECODE_PLAIN_CHANNELS = {"taef2": 3 * 64, "flux2": 4 * 128}
-#: Tiled decode's working set besides the latent and the output image: one tile's activations.
-#: TAEF2: bands of 128x128 latent px (64 ch at 2x/4x) and 64x64-latent tiles at 8x; FLUX.2 VAE (diffusers
-#: tiling): 512 px tiles through 128-512 channels.
-DECODE_TILE_BYTES = {"taef2": 600 << 20, "flux2": 2 << 30}
 #: Stage 2's strips (a few float32 RGB/Lab strips of ~1M px) and coarse maps, plus the reference image.
 COLOUR_STRIP_BYTES = 64 << 20
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_memory(value: str | int | float) -> int:
-    """Bytes from ``6GB``, ``6.5 GiB``, ``512MB``, ``3g`` or a plain number of bytes.
-
-    Decimal units (k, M, G, T, with or without ``B``) are powers of 1000, binary ones (KiB, MiB, GiB,
-    TiB) powers of 1024, so ``6GB`` = 6e9 bytes (5.59 GiB). Anything else, or a value below 1 MB, is one
-    :class:`FlowliftError` line.
-    """
-    if isinstance(value, bool):
-        raise FlowliftError(f"max_memory must be a size like 6GB, got {value!r}")
-    if isinstance(value, (int, float)):
-        number, unit = float(value), ""
-    else:
-        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-        if match is None or match.group(2).lower() not in _UNITS:
-            raise FlowliftError(f"max_memory must be a size like 6GB, 512MiB or a number of bytes, got {value!r}")
-        number, unit = float(match.group(1)), match.group(2).lower()
-    size = int(number * _UNITS[unit])
-    if size < 10**6:
-        raise FlowliftError(f"max_memory {value!r} is below 1 MB; give a unit, e.g. 6GB")
-    return size
-
-
-def format_bytes(size: int | float) -> str:
-    """``size`` in GiB/MiB with two decimals (``6.00 GiB``), for messages."""
-    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
-
 
 def pass_io_bytes(height: int, width: int, *, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
     """A pass's latent tensors besides the UNet's activations, and stage 1 (the latent colour fix).
@@ -122,23 +77,6 @@ def pass_io_bytes(height: int, width: int, *, batch: int = 1, dtype: torch.dtype
     latent = batch * LATENT_CHANNELS * height * width
     itemsize = dtype_bytes(dtype)
     return int(latent * (2 * itemsize + 2 * 4 + (4 + itemsize) / 4))
-
-
-def decode_peak_bytes(
-    vae_kind: str, height: int, width: int, *, batch: int = 1, dtype: torch.dtype = torch.float32, tiled: bool
-) -> int:
-    """Device peak of decoding a (batch, 32, height/8, width/8) latent to a (batch, 3, height, width) image.
-
-    Whole frame: ``b * h * w * itemsize * (DECODE_PLAIN_CHANNELS + 3)``. Tiled: the output image and
-    the latent plus one tile's working set, ``b * h * w * itemsize * (3 + 32/64) + DECODE_TILE_BYTES``.
-    Unknown VAEs are costed like the FLUX.2 VAE (the larger one).
-    """
-    kind = vae_kind if vae_kind in DECODE_PLAIN_CHANNELS else "flux2"
-    pixels = batch * height * width
-    itemsize = dtype_bytes(dtype)
-    if tiled:
-        return int(pixels * itemsize * (3 + LATENT_CHANNELS / 64) + DECODE_TILE_BYTES[kind])
-    return int(pixels * itemsize * (DECODE_PLAIN_CHANNELS[kind] + 3))
 
 
 def colour_stage_bytes(height: int, width: int, *, batch: int = 1, vae_dtype: torch.dtype = torch.float32) -> int:
@@ -286,24 +224,6 @@ def plan_upscale(
         peak_bytes=max(peaks.values()),
         stage_peaks=peaks,
     )
-
-
-def model_bytes(model: object) -> int:
-    """Bytes of a module's parameters and buffers (0 for anything without them)."""
-    total = 0
-    for attr in ("parameters", "buffers"):
-        tensors = getattr(model, attr, None)
-        if callable(tensors):
-            total += sum(t.numel() * t.element_size() for t in tensors())
-    inner = getattr(model, "model", None)  # flowlift's VAE adapters hold the module as .model
-    if total == 0 and inner is not None and inner is not model:
-        return model_bytes(inner)
-    return total
-
-
-def vae_kind(vae: object) -> str:
-    """``"taef2"`` for flowlift's TAEF2 adapter, else ``"flux2"`` (the larger decoder, costed conservatively)."""
-    return "taef2" if type(vae).__name__.upper().startswith("TAEF2") else "flux2"
 
 
 def to_host_float32(images: torch.Tensor, strip_rows: int = 256) -> torch.Tensor:

@@ -109,8 +109,9 @@ class SourcePixels:
 def read_source(source: Path, out: Path) -> SourcePixels:
     """Load ``source`` for writing ``out``: 16-bit samples kept when ``out`` is a PNG or TIFF; one
     warning line (before any work) when ``out``'s format drops the 16 bits or the alpha channel."""
+    from flowlift.errors import FlowliftWarning
     from flowlift.files.image_outputs import ALPHA_SUFFIXES, warn_alpha_dropped
-    from flowlift.files.images import FlowliftWarning, load_image, to_tensor
+    from flowlift.files.images import load_image, to_tensor
     from flowlift.files.sixteen_bit import sixteen_bit_source
 
     image, alpha = load_image(source)

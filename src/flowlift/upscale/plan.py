@@ -24,9 +24,10 @@ from flowlift.jobs.batch import Job, Target, error_line, output_target, pending,
 from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S, DistEnv
 from flowlift.upscale.loading import DEFAULT_UPSCALER
 from flowlift.upscale.outputs import UpscaleSettings, output_name
+from flowlift.upscale.settings import RESIZE_MODE
 
-__all__ = ["FORMAT_MAX_SIDE", "OutputSizes", "UpscalePlan", "UpscaleRequest", "UpscaleStep", "plan_upscale",
-           "run_upscale"]  # fmt: skip
+__all__ = ["FORMAT_MAX_SIDE", "OutputSizes", "UpscalePlan", "UpscaleRequest", "UpscaleStep", "plan_files",
+           "plan_upscale", "run_upscale"]  # fmt: skip
 
 COMMAND = "upscale"
 #: Largest side each output format can store (WebP's 14-bit dimensions; JPEG's 16-bit).
@@ -133,6 +134,15 @@ class UpscalePlan:
         """``(input, note)`` for every job that will run with fewer passes than asked (the 16K cap)."""
         notes = ((job.source, self.sizes.dropped_note(job.source)) for job in pending(self.jobs, overwrite))
         return [(source, note) for source, note in notes if note]
+
+
+def plan_files(sources: Sequence[Path], folder: Path, passes: int, resize_mode: str = RESIZE_MODE.default,
+               output_format: str = "png") -> UpscalePlan:  # fmt: skip
+    """The plan of named files into ``folder`` (the web app's uploads): the names, sizes and refusals of
+    :func:`plan_upscale` (an output is named by the scale the 16K cap lets run: a capped 8x is ``_x4``), without
+    listing inputs or interpreting ``-o``; nothing is written."""
+    sizes = OutputSizes(passes, resize_mode)
+    return UpscalePlan(plan_targets([sizes.target(Path(path), None, folder, output_format) for path in sources]), sizes)
 
 
 def plan_upscale(request: UpscaleRequest) -> UpscalePlan:

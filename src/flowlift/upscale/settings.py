@@ -13,29 +13,16 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from flowlift.errors import FlowliftError
-from flowlift.knobs import SEED, Knob, settings_or_deprecated_keywords, table
-
-#: Passes per scale: each pass doubles both sides.
-SCALE_PASSES = {2: 1, 4: 2, 8: 3}
-
-SCALE = Knob(
-    "scale",
-    int,
-    2,
-    "upscale factor: 2x per pass (2 = one pass, 4 = two, 8 = three)",
-    choices=tuple(SCALE_PASSES),
-    unit="x",
-    extra={"labels": tuple(f"{factor}x" for factor in SCALE_PASSES)},
+from flowlift.knobs import (  # noqa: F401  (SCALE_PASSES: its home is the bottom floor, shared with refine/)
+    SCALE,
+    SCALE_PASSES,
+    SEED,
+    TRANSPLANT_STRENGTH,
+    Knob,
+    settings_or_deprecated_keywords,
+    table,
 )
-TRANSPLANT_STRENGTH = Knob(
-    "transplant_strength",
-    float,
-    1.0,
-    "stage 1, after every pass: share of the latent low band taken from the input (1 = exactly, 0 = off)",
-    low=0.0,
-    high=1.0,
-    step=0.05,
-)
+
 COLOR_FIX_STRENGTH = Knob(
     "color_fix_strength",
     float,

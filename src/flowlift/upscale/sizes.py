@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from flowlift.errors import FlowliftError
+from flowlift.limits import MAX_OUTPUT_SIDE
 
-MAX_OUTPUT_SIDE = 16384
 SIZE_MULTIPLE = 16
 RESIZE_MODES = ("pad", "resample")
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from flowlift.limits import dtype_bytes  # noqa: F401  (its home is the bottom floor)
+
 __all__ = [
     "CHUNKED_STORE_FRAMES",
     "CUDA_BUDGET_FRACTION",
@@ -49,10 +51,6 @@ MIN_DEVICE_STRIP_ROWS = 8
 DEFAULT_STRIP_PIXELS = 8192
 DEFAULT_CPU_BUDGET_BYTES = 1 << 30
 CUDA_BUDGET_FRACTION = 0.5
-
-
-def dtype_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def frame_bytes(batch: int, channels: int, height: int, width: int, dtype: torch.dtype) -> int:

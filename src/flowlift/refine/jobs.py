@@ -1,0 +1,308 @@
+"""A :class:`~flowlift.refine.request.RefineRequest` planned once, then run: refine's job, whichever door asked.
+
+:func:`plan_refine_job` decides everything that needs no weights, before any load: the device, the prompt's
+files and extras, the output (name, format, what is there), the input images read and checked (mask size,
+outpaint canvas under the 16K cap, references and hires inputs on the 16-px grid), the strength and the frame
+the memory plan is made for, and ``--mu empirical`` at that size. The plan (:class:`RefineJob`) is data.
+
+:func:`run_refine` is the whole command: the plan, every weight found in one message
+(:func:`find_weights`), the prompts embedded before the transformer loads (:func:`load_for_job`), the mode run
+(:func:`refine_job`; hires through :func:`flowlift.refine.hires.hires_fix`), the result written with its
+metadata (:func:`write_job`). The web app runs the same plan and the same :func:`refine_job` on the refiner it
+keeps loaded. Nothing here prints: a front-end shows the result.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flowlift.errors import FlowliftError
+from flowlift.refine.request import LatentUpscaler, RefineRequest
+from flowlift.refine.settings import PIXEL_MULTIPLE as MULTIPLE  # the transformer's 16-px grid
+from flowlift.refine.settings import check_hires_size
+
+
+@dataclass
+class RefineJob:
+    """One planned refine: the request, the resolved ``device``/``dtype``, the ``output`` path, the inputs as read
+    (``rgb`` and ``alpha`` Pillow images, ``images``/``mask``/``references`` tensors), ``pads`` (outpaint borders
+    as asked), the strength it runs at, and ``frame`` (height, width px): the largest image the refine decodes,
+    what the memory plan is made for."""
+
+    request: RefineRequest
+    device: Any
+    dtype: Any
+    output: Path
+    frame: tuple[int, int]
+    strength: float
+    rgb: Any = None
+    alpha: Any = None
+    images: Any = None
+    mask: Any = None
+    references: list[Any] = field(default_factory=list)
+    pads: tuple[int, int, int, int] | None = None
+
+
+def _check_prompt(request: RefineRequest) -> None:
+    """The prompt's file is there; text to embed here needs the text encoder's extra."""
+    prompt = request.prompt
+    if prompt.embeds is not None and not Path(prompt.embeds).is_file():
+        raise FlowliftError(f"--prompt-embeds: file not found: {prompt.embeds}")
+    if prompt.needs_text_encoder:
+        import importlib.util
+
+        if importlib.util.find_spec("transformers") is None:
+            from flowlift.console import install_command
+
+            raise FlowliftError(
+                f"--prompt needs the FLUX.2 text encoder, in the text extra ({install_command('text')}); "
+                "or pass precomputed --prompt-embeds"
+            )
+
+
+def _check_mu(request: RefineRequest, height: int, width: int) -> None:
+    """``mu empirical`` at this size (pixels) must give a mu in range: refused before weights load."""
+    if request.sampling.mu != "empirical":
+        return
+    from flowlift.flux2.schedule import resolve_mu
+    from flowlift.refine.loading import model_default_steps
+
+    steps = request.sampling.steps
+    if steps is None:  # the model's, as the refiner will resolve it
+        steps = model_default_steps(request.source.model, request.source.transformer)[0]
+    tokens = -(-height // MULTIPLE) * -(-width // MULTIPLE)
+    try:
+        resolve_mu("empirical", tokens, steps)
+    except ValueError as error:
+        raise FlowliftError(f"--mu: {error} ({width}x{height} px)") from None
+
+
+def _read_inputs(job: RefineJob) -> None:
+    """The input image, the mask and the references, read and checked against each other."""
+    from flowlift.files.images import load_image, to_tensor
+
+    request = job.request
+    job.rgb, job.alpha = load_image(request.image)
+    job.images = to_tensor(job.rgb)
+    if request.mask is not None:
+        mask_rgb, _ = load_image(request.mask)
+        if mask_rgb.size != job.rgb.size:
+            raise FlowliftError(
+                f"--mask is {mask_rgb.size[0]}x{mask_rgb.size[1]}, the image {job.rgb.size[0]}x{job.rgb.size[1]}"
+            )
+        job.mask = to_tensor(mask_rgb.convert("L").convert("RGB"))[:, :1]
+    job.references = [to_tensor(load_image(path)[0]) for path in request.references]
+    for path, ref in zip(request.references, job.references, strict=True):
+        if ref.shape[-1] % MULTIPLE or ref.shape[-2] % MULTIPLE:
+            raise FlowliftError(
+                f"--reference {path}: sides must be multiples of {MULTIPLE} px, got {ref.shape[-1]}x{ref.shape[-2]}"
+            )
+
+
+def _frame(job: RefineJob) -> tuple[int, int]:
+    """(height, width) px of the largest image the refine decodes: the padded input, the outpaint canvas, the
+    txt2img size, or the hires input (or base) times the scale."""
+    from flowlift.refine.canvas import outpaint_pads
+
+    request = job.request
+    if request.mode == "hires":
+        if job.rgb is not None and (job.rgb.width % MULTIPLE or job.rgb.height % MULTIPLE):
+            raise FlowliftError(f"{Path(request.image).name}: the hires fix needs sides that are multiples of "
+                                f"{MULTIPLE} px, got {job.rgb.width}x{job.rgb.height}; crop it first")  # fmt: skip
+        width, height = (job.rgb.width, job.rgb.height) if job.rgb is not None else request.hires.base_size
+        if job.rgb is None and (width % MULTIPLE or height % MULTIPLE):
+            raise FlowliftError(f"--width/--height must be multiples of {MULTIPLE}, got {width}x{height}")
+        check_hires_size(width, height, request.hires.scale)  # the 16384 px cap on the base and the result
+        return height * request.hires.scale, width * request.hires.scale
+    if request.mode == "txt2img":
+        width, height = request.size
+        return height, width
+    if job.pads is not None:
+        left, top, right, bottom = outpaint_pads(job.rgb.height, job.rgb.width, *job.pads)  # the cap, before loading
+        return job.rgb.height + top + bottom, job.rgb.width + left + right
+    return -(-job.rgb.height // MULTIPLE) * MULTIPLE, -(-job.rgb.width // MULTIPLE) * MULTIPLE
+
+
+def _input_files(request: RefineRequest) -> dict[str, Any]:
+    """Every file the request reads, by the option that names it: an output is never one of them (issue 36.2)."""
+    from flowlift.refine.loras import parse_lora_spec
+
+    source, hires = request.source, request.hires
+    upscaler = hires.upscaler.name if hires is not None and hires.upscaler is not None else None
+    files = {"--image": request.image, "--mask": request.mask, "--reference": list(request.references) or None,
+             "--prompt-embeds": request.prompt.embeds, "--model": source.model, "--transformer": source.transformer,
+             "--vae": source.vae, "--upscaler": upscaler,
+             "--lora": [parse_lora_spec(text)[0] for text in source.loras] or None}  # fmt: skip
+    return {role: path for role, path in files.items() if path is not None}
+
+
+def plan_refine_job(request: RefineRequest) -> RefineJob:
+    """Everything of ``request`` that needs no weights, checked in the order a user meets it (see the module
+    docstring); nothing is loaded or written."""
+    from flowlift.devices import resolve_device_dtype
+    from flowlift.files.image_outputs import check_single_output
+    from flowlift.files.naming import refined_output
+
+    device, dtype = resolve_device_dtype(request.source.device, request.source.dtype)  # a bad --device: first
+    _check_prompt(request)
+    image = os.fspath(request.image) if request.image is not None else None
+    output = Path(request.output) if request.output else refined_output(image, request.name_suffix)
+    check_single_output(output, request.overwrite, inputs=_input_files(request))
+    job = RefineJob(request, device, dtype, output, (0, 0), request.mode_strength, pads=request.outpaint)
+    if request.image is not None:
+        _read_inputs(job)
+    job.frame = _frame(job)
+    _check_mu(request, *job.frame)  # at the size the refine pass runs
+    return job
+
+
+def find_weights(job: RefineJob) -> list[Any]:
+    """Every weight the job needs, found before any loads, all missing ones named in one message: what the
+    :class:`~flowlift.refine.request.RefinerSource` names (:func:`~flowlift.refine.loading.check_refiner_source`),
+    the tiling knobs together, the transformer, the VAE, the text encoder when a prompt is embedded here, and
+    (hires) the upscaler. Returns the LoRAs as ``(path, scale)`` pairs."""
+    from flowlift.models.weights import require_all
+    from flowlift.refine.loading import check_refiner_source, refiner_weight_checks
+    from flowlift.refine.tiling import TileRequest
+
+    request = job.request
+    source = request.source
+    loras = check_refiner_source(source)
+    tiles = request.tiles
+    try:
+        TileRequest.parse(tiles.size, tiles.overlap, tiles.batch)  # each knob, and the overlap against the tile
+    except FlowliftError as error:
+        raise FlowliftError(f"--tile-overlap/--tile-size: {error}") from None
+    checks = refiner_weight_checks(source.model, vae=source.vae, text_encoder=request.prompt.embeds is None,
+                                   transformer=source.transformer)  # fmt: skip
+    if request.mode == "hires" and request.hires.upscaler is not None:
+        checks.append(request.hires.upscaler.find)
+    require_all(checks)
+    return loras
+
+
+def job_conditioning(job: RefineJob, embed: Callable[[Sequence[str]], list[Any]] | None = None) -> dict[str, Any]:
+    """The conditioning keywords of the job's prompt: its embeddings file read; texts embedded by ``embed`` (the
+    command line's text encoder, freed before the transformer loads), or left as text for a refiner with its own
+    prompt encoder (``embed`` None)."""
+    from flowlift.refine.prompts import load_prompt_embeds
+
+    prompt = job.request.prompt
+    embeds = negative = None
+    if prompt.embeds is not None:
+        embeds, negative = load_prompt_embeds(prompt.embeds)
+    need_negative = prompt.cfg_scale != 1.0 and negative is None
+    negative_text = "" if prompt.negative is None and need_negative else prompt.negative
+    if embed is not None and (embeds is None or need_negative):
+        texts = ([prompt.text] if embeds is None else []) + ([negative_text] if need_negative else [])
+        encoded = embed(texts)
+        embeds = encoded.pop(0) if embeds is None else embeds
+        negative = encoded.pop(0) if need_negative else negative
+    return {
+        "prompt": prompt.text,
+        "prompt_embeds": embeds,
+        "negative_prompt": negative_text,
+        "negative_prompt_embeds": negative,
+        "cfg_scale": prompt.cfg_scale,
+        "guidance": prompt.guidance,
+    }
+
+
+def load_for_job(job: RefineJob, loras: Sequence[Any] = ()) -> tuple[Any, dict[str, Any]]:
+    """The refiner for ``job`` and its conditioning: prompts given as text embedded first, by a text encoder
+    that is freed before the transformer loads; the memory plan made for the job's frame."""
+    from flowlift.refine.loading import load_refiner
+    from flowlift.refine.memory_plan import RefineMemory
+    from flowlift.refine.prompts import embed_prompts
+
+    source = job.request.source
+
+    def embed(texts: Sequence[str]) -> list[Any]:
+        return embed_prompts(source.model, texts, device=job.device, dtype=job.dtype)
+
+    conditioning = job_conditioning(job, embed)
+    tokens = conditioning["prompt_embeds"].shape[1]
+    memory = RefineMemory(source.offload, source.max_memory, job.frame, tokens)
+    refiner = load_refiner(source.model, vae=source.vae, transformer=source.transformer, loras=loras, memory=memory,
+                           device=job.device, dtype=job.dtype, progress=job.request.progress,
+                           tiles=job.request.tiles)  # fmt: skip
+    return refiner, conditioning
+
+
+def refine_job(job: RefineJob, refiner: Any, conditioning: dict[str, Any],
+               upscaler: LatentUpscaler | None = None) -> Any:  # fmt: skip
+    """Run the job's mode on ``refiner`` (hires: ``upscaler`` first, :func:`flowlift.refine.hires.hires_fix`);
+    the :class:`~flowlift.refine.parameters.RefineOutput`."""
+    request = job.request
+    common = dict(strength_map=request.strength_map, sampling=request.sampling, tiles=request.tiles)
+    if request.mode == "hires":
+        from flowlift.refine.hires import hires_fix
+
+        if upscaler is None:
+            raise FlowliftError("the hires fix needs an upscaler")
+        name = request.hires.upscaler.name if request.hires.upscaler is not None else None
+        return hires_fix(refiner, upscaler, request.hires, images=job.images, upscaler_name=name,
+                         conditioning=conditioning, **common)  # fmt: skip
+    if request.mode == "txt2img":
+        width, height = request.size
+        return refiner.txt2img(height=height, width=width, sampling=request.sampling, tiles=request.tiles,
+                               **conditioning)  # fmt: skip
+    common.update(reference_images=job.references, **conditioning)
+    if job.pads is not None:
+        left, top, right, bottom = job.pads
+        return refiner.outpaint(job.images, left=left, top=top, right=right, bottom=bottom, strength=job.strength,
+                                **common)  # fmt: skip
+    return refiner.img2img(job.images, mask=job.mask, strength=job.strength, **common)
+
+
+def job_metadata(job: RefineJob, result: Any, shown: Callable[[Any], Any] = os.fspath) -> dict[str, Any]:
+    """The output's ``flowlift`` metadata: the refiner's parameters, the command, the inputs (as ``shown`` names
+    them: the path on the command line, the uploaded file's name in the app) with their SHA-256, the VAE."""
+    from flowlift.files.image_outputs import input_hashes
+
+    request = job.request
+    files = {"input": request.image, "mask": request.mask, "prompt_embeds": request.prompt.embeds}
+    metadata = dict(result.parameters)
+    metadata.update(
+        command=request.command or ("hires" if request.mode == "hires" else "img2img"),
+        input=shown(request.image) if request.image is not None else None,
+        mask=shown(request.mask) if request.mask is not None else None,
+        references=[shown(path) for path in request.references] or None,
+        prompt_embeds=shown(request.prompt.embeds) if request.prompt.embeds is not None else None,
+        vae=request.source.vae or request.source.model,
+        **input_hashes({key: os.fspath(path) if path is not None else None for key, path in files.items()}),
+    )
+    return {key: value for key, value in metadata.items() if value is not None}
+
+
+def write_job(job: RefineJob, result: Any, metadata: dict[str, Any]) -> Any:
+    """Write the result to the job's output (the input's alpha put back, resized with the image; outpaint has
+    none; ICC profile and EXIF of the input kept); returns the written Pillow image."""
+    from flowlift.files.image_outputs import save_image_atomic
+    from flowlift.files.images import attach_alpha, tensor_to_pil
+
+    alpha = None if job.pads is not None else job.alpha
+    image = attach_alpha(tensor_to_pil(result.images[0]), alpha)
+    source = os.fspath(job.request.image) if job.request.image is not None else None
+    save_image_atomic(image, job.output, {"flowlift": metadata}, source=source)
+    return image
+
+
+def run_refine(request: RefineRequest) -> Path:
+    """The whole refine of ``request``: planned (:func:`plan_refine_job`), its weights found, loaded, run and
+    written; returns the output path."""
+    job = plan_refine_job(request)
+    loras = find_weights(job)
+    refiner, conditioning = load_for_job(job, loras)
+    upscaler = None
+    if request.mode == "hires":
+        plan = refiner.memory_plan  # the upscaler gets what the transformer leaves of --max-memory
+        upscaler = request.hires.upscaler.load(refiner.vae, device=refiner.device, dtype=refiner.dtype,
+                                               budget_bytes=plan.upscaler_budget_bytes if plan else None)  # fmt: skip
+    result = refine_job(job, refiner, conditioning, upscaler)
+    write_job(job, result, job_metadata(job, result))
+    return job.output
