@@ -38,14 +38,15 @@ FIXED_MODEL = {"encode": 4.0, "pass": 1.0, "decode": 1.0, "color fix": 0.1, "sav
 
 
 def run_request(pipeline, settings, passes, source, out, hashes, costs):  # noqa: ANN001, ANN201
-    """One upload as the app runs it; returns (reports [(seconds since start, fraction)], total, stage seconds)."""
+    """One upload as the app runs it; returns (reports [(seconds since start, time left shown or None)], total,
+    stage seconds)."""
     from flowlift.app.progress import EtaProgress, UpscaleProgress
     from flowlift.files.images import image_size
     from flowlift.upscale.outputs import upscale_file
 
-    reports: list[tuple[float, float]] = []
+    reports: list[tuple[float, float | None]] = []
     started = time.monotonic()
-    eta = EtaProgress(lambda fraction, _text: reports.append((time.monotonic() - started, fraction)))
+    eta = EtaProgress(lambda _fraction, _text: reports.append((time.monotonic() - started, eta.left)))
     width, height = image_size(source)
     stages = UpscaleProgress(eta, source.name, passes, costs=costs, input_megapixels=width * height / 1e6)
     stages.start()
@@ -54,13 +55,10 @@ def run_request(pipeline, settings, passes, source, out, hashes, costs):  # noqa
     return reports, time.monotonic() - started, stages.seconds
 
 
-def worst_factor(reports: list[tuple[float, float]], total: float) -> float:
+def worst_factor(reports: list[tuple[float, float | None]], total: float) -> float:
     """The largest max(estimate / truth, truth / estimate) over the reports that show a time left."""
-    from flowlift.app.progress import remaining_seconds
-
     worst = 1.0
-    for elapsed, fraction in reports:
-        estimate = remaining_seconds(fraction, elapsed)
+    for elapsed, estimate in reports:
         truth = total - elapsed
         if estimate is None or truth <= 0.5:  # the last half second is saving the file: nothing left to say
             continue

@@ -59,3 +59,17 @@ def single_thread_torch():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """tests/test_doc_commands.py's table of the documented commands it does not run, each with why."""
+    import sys
+
+    module = sys.modules.get("test_doc_commands")
+    rows = getattr(module, "SKIPPED_REPORT", None)
+    if not rows:
+        return
+    terminalreporter.section(f"documented commands not run by tests/test_doc_commands.py ({len(rows)})")
+    for where, command, reason in rows:
+        terminalreporter.write_line(f"{where}: {command}")
+        terminalreporter.write_line(f"    not run: {reason}")

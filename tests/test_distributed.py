@@ -358,6 +358,9 @@ def test_sharded_upscale_equals_one_process_and_reports_the_corrupt_image(
     errors = [line for line in result.stderr.splitlines() if line.startswith("flowlift upscale:")]
     assert sum("corrupt.png" in line for line in errors) == 1  # one rank reports it, once
     assert "flowlift upscale: 2 ranks: 8 done, 0 skipped, 1 failed of 9 image(s)" in errors
+    summaries = [line for line in result.stdout.splitlines() if " written, " in line]
+    assert len(summaries) == 1, result.stdout  # one summary for the job (rank 0's, every rank counted), issue 39
+    assert summaries[0].startswith("flowlift upscale: 8 written, 0 skipped, 1 failed (9 inputs) in "), summaries
     assert any("--status" in line and "exits 1" in line for line in errors)  # says where the failure shows
     jobs = [r for r in Manifest(tmp_path / "two").records() if r["event"] == "job"]
     assert len(jobs) == 1  # one attempt of the group: no restart

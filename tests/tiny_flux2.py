@@ -160,3 +160,64 @@ def write_invokeai_klein_pipeline(root: Path, qwen3_tokenizer: Path) -> Path:
     }  # fmt: skip
     (root / "model_index.json").write_text(json.dumps(index, indent=2))
     return root
+
+
+#: A chat template of Qwen3's form (the Klein pipeline formats every prompt as one user turn).
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_tokenizer(folder: Path) -> Path:
+    """A byte-level BPE tokenizer with no merges (one token per byte) and Qwen's special tokens, made offline,
+    saved as ``Qwen2TokenizerFast`` with a chat template: what the Klein pipeline's prompt encoding calls."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: index for index, symbol in enumerate(sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   additional_special_tokens=["<|im_start|>"])  # fmt: skip
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "Qwen2TokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def write_klein_pipeline_with_text_encoder(root: Path) -> Path:
+    """A complete, tiny, random FLUX.2 Klein diffusers pipeline (``DiffusionPipeline.from_pretrained`` loads it,
+    text prompts included): transformer/ (context 3 x :data:`QWEN3_WIDTH`), text_encoder/ (a 27-layer
+    ``Qwen3ForCausalLM`` of width 16: the pipeline stacks hidden states 9, 18 and 27), tokenizer/
+    (:func:`write_tiny_tokenizer`), vae/ and scheduler/."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = write_tiny_tokenizer(root / "tokenizer")
+    from transformers import AutoTokenizer
+
+    vocab_size = len(AutoTokenizer.from_pretrained(tokenizer))
+    tiny_transformer(text_dim=3 * QWEN3_WIDTH, seed=4).save_pretrained(root / "transformer")
+    tiny_vae(seed=5).save_pretrained(root / "vae")
+    torch.manual_seed(6)
+    encoder = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=vocab_size, hidden_size=QWEN3_WIDTH, intermediate_size=32, num_hidden_layers=27,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    ))  # fmt: skip
+    encoder.save_pretrained(root / "text_encoder")
+    FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True).save_pretrained(root / "scheduler")
+    index = {
+        "_class_name": "Flux2KleinPipeline", "_diffusers_version": "0.40.0", "is_distilled": True,
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen3ForCausalLM"], "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+        "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"],
+    }  # fmt: skip
+    (root / "model_index.json").write_text(json.dumps(index, indent=2))
+    return root

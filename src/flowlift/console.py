@@ -1,8 +1,11 @@
 """What the ``flowlift`` command prints, and when: progress bars, library noise, one-time warnings.
 
 * :func:`add_console_options` gives every subcommand the same ``-v/--verbose`` and
-  ``--progress/--no-progress`` options; :func:`show_progress` turns them into one bool: bars are drawn
-  only on a terminal unless forced either way (a piped log gets no ``\\r`` bars).
+  ``--progress/--no-progress`` options; :func:`show_progress` turns them into the one ``enabled`` value
+  :func:`progress_bar` takes (True: a bar, False: nothing, None: decided by the stream).
+* :func:`progress_bar` is the progress of every long command: a tqdm bar on a terminal and, off a
+  terminal (a log, a scheduler, CI), one plain line every :func:`progress_interval` seconds (done/total,
+  rate, time left) so a long job never looks hung; a piped log gets no ``\\r`` bars.
 * :func:`quiet_libraries` keeps third-party chatter (diffusers' "accelerate was not found" block,
   "kept in float32" lines, huggingface_hub deprecation warnings, transformers notices) off stderr, so
   a run prints flowlift's own lines only; ``-v`` leaves the libraries' warnings visible.
@@ -15,15 +18,27 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
+import threading
+import time
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, TextIO
+
+from flowlift.errors import FlowliftError
 
 #: Libraries whose log records and Python warnings are silenced unless ``-v`` is given.
 NOISY_LIBRARIES = ("diffusers", "transformers", "huggingface_hub", "accelerate", "safetensors")
 
+#: Seconds between two progress lines off a terminal, unless :data:`PROGRESS_INTERVAL_VARIABLE` says.
+DEFAULT_PROGRESS_INTERVAL_S = 20.0
+PROGRESS_INTERVAL_VARIABLE = "FLOWLIFT_PROGRESS_INTERVAL_S"
+
 _warned: set[str] = set()
+_command = {"name": ""}  # the subcommand running, for the ``flowlift CMD:`` of progress lines
 
 
 def add_console_options(parser: argparse.ArgumentParser) -> None:
@@ -41,18 +56,18 @@ def add_console_options(parser: argparse.ArgumentParser) -> None:
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="draw progress bars (default: only when stderr is a terminal)",
+        help="draw progress bars (default: bars on a terminal; elsewhere one progress line every "
+        f"{DEFAULT_PROGRESS_INTERVAL_S:.0f} s, or ${PROGRESS_INTERVAL_VARIABLE} seconds)",
     )
     group.add_argument("--quiet", dest="progress", action="store_false", help=argparse.SUPPRESS)
 
 
-def show_progress(args: argparse.Namespace) -> bool:
-    """True when progress bars should be drawn: ``--progress`` forces, ``--no-progress`` (or its old
-    spelling ``--quiet``) forbids, otherwise only when stderr is a terminal."""
+def show_progress(args: argparse.Namespace) -> bool | None:
+    """The ``enabled`` of :func:`progress_bar`: True with ``--progress`` (a bar even off a terminal),
+    False with ``--no-progress`` (or its old spelling ``--quiet``), None otherwise (a bar on a terminal,
+    plain lines elsewhere)."""
     forced = getattr(args, "progress", None)
-    if forced is not None:
-        return bool(forced)
-    return sys.stderr.isatty()
+    return None if forced is None else bool(forced)
 
 
 def quiet_libraries(verbose: bool) -> None:
@@ -116,3 +131,169 @@ def install_command(extra: str) -> str:
         where = "." if root == Path.cwd().resolve() else str(root)
         return f'pip install -e "{where}[{extra}]"'
     return f'pip install "flowlift[{extra}]"'
+
+
+def set_command(name: str) -> None:
+    """Name the subcommand this process runs: progress lines start ``flowlift NAME:``."""
+    _command["name"] = name
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration for people: ``0.42 s``, ``12.3 s``, ``4 min 05 s``, ``2 h 03 min``."""
+    if seconds < 1:
+        return f"{seconds:.2f} s"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    whole = int(round(seconds))
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60:02d} s"
+    return f"{whole // 3600} h {whole % 3600 // 60:02d} min"
+
+
+def progress_interval() -> float:
+    """Seconds between two progress lines off a terminal: ``$FLOWLIFT_PROGRESS_INTERVAL_S`` (a positive
+    number) or :data:`DEFAULT_PROGRESS_INTERVAL_S`."""
+    text = os.environ.get(PROGRESS_INTERVAL_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_PROGRESS_INTERVAL_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise FlowliftError(f"{PROGRESS_INTERVAL_VARIABLE}={text!r}: expected a positive number of seconds")
+    return value
+
+
+def progress_line(
+    desc: str, n: float, total: float | None, elapsed: float, unit: str, postfix: str = "", initial: float = 0
+) -> str:
+    """One plain progress line: done/total, the share done, this run's time so far, its mean rate
+    (``rate = (n - initial) / elapsed``; ``initial``: where a resumed loop began) and the time left
+    (``left = (total - n) / rate``), e.g. ``eval 3/12 img (25%) in 1 min 02 s, 20.7 s/img, about
+    3 min 06 s left``; without a total, the count, the time and the rate."""
+    done = f"{n:g}/{total:g} {unit} ({100 * n / total:.0f}%)" if total else f"{n:g} {unit}"
+    line = f"{desc} {done} in {format_seconds(elapsed)}".lstrip()
+    rate = (n - initial) / elapsed if elapsed > 0 else 0.0
+    if rate > 0:
+        line += f", {rate:.3g} {unit}/s" if rate >= 1 else f", {format_seconds(1 / rate)}/{unit}"
+        if total and n < total:
+            line += f", about {format_seconds((total - n) / rate)} left"
+    return line + (f" [{postfix}]" if postfix else "")
+
+
+def progress_bar(
+    iterable: Iterable | None = None,
+    *,
+    desc: str,
+    total: float | None = None,
+    unit: str = "it",
+    enabled: bool | None = None,
+    initial: float = 0,
+    leave: bool = True,
+    file: TextIO | None = None,
+) -> Any:
+    """The progress of a long loop, a ``tqdm`` in every case (``update``, ``set_postfix``, iteration,
+    ``with``): ``enabled`` True draws a bar, False nothing, None a bar when ``file`` (default stderr) is a
+    terminal and otherwise :class:`_ProgressLines`: one plain :func:`progress_line` per
+    :func:`progress_interval` seconds, also while one step takes longer than that."""
+    from tqdm.auto import tqdm
+
+    file = sys.stderr if file is None else file
+    options = {"desc": desc, "total": total, "unit": unit, "initial": initial, "leave": leave}
+    if enabled is None and not _is_terminal(file):
+        return _progress_lines_class()(iterable, out=file, interval=progress_interval(), **options)
+    return tqdm(iterable, disable=enabled is False, file=file, dynamic_ncols=True, **options)
+
+
+def _is_terminal(file: TextIO) -> bool:
+    try:
+        return bool(file.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
+class _Discard:
+    """The stream a :class:`_ProgressLines` gives tqdm: tqdm's own drawing goes nowhere."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+_lines_class: list[type] = []
+#: The open :class:`_ProgressLines`, outermost first: only the outermost writes lines (one line per interval).
+_open_lines: list[Any] = []
+_open_lines_lock = threading.Lock()
+
+
+def _progress_lines_class() -> type:
+    """:class:`_ProgressLines`, made on first use so that importing this module does not import tqdm."""
+    if not _lines_class:
+        from tqdm.std import tqdm
+
+        class _ProgressLines(tqdm):
+            """A tqdm that draws nothing itself; a ticker thread writes one :func:`progress_line` to
+            ``out`` every ``interval`` seconds while the loop runs (the counts and the mean rate from
+            tqdm), so a step slower than the interval still gets its lines. Lines only: the command's
+            own summary line says how it ended."""
+
+            def __init__(self, iterable=None, *, out: TextIO, interval: float, **options: Any) -> None:
+                self._out, self._interval = out, interval
+                self._stop = threading.Event()
+                # mininterval 0: tqdm keeps its count current at every item (its own drawing is discarded)
+                super().__init__(iterable, file=_Discard(), mininterval=0, miniters=1, smoothing=0, **options)
+                self._last_line = time.monotonic()
+                with _open_lines_lock:
+                    _open_lines.append(self)
+                self._ticker = threading.Thread(target=self._tick, name="flowlift-progress", daemon=True)
+                self._ticker.start()
+
+            def line(self) -> str:
+                d = self.format_dict
+                prefix = f"flowlift {_command['name']}: " if _command["name"] else "flowlift: "
+                desc = "" if self.desc == _command["name"] else self.desc
+                line = progress_line(desc, d["n"], d["total"], d["elapsed"], d["unit"], d.get("postfix") or "",
+                                     d.get("initial") or 0)  # fmt: skip
+                with _open_lines_lock:
+                    inner = [bar for bar in _open_lines if bar is not self]
+                for bar in inner:  # e.g. the steps of the image being done: a short note on the outer line
+                    n, total = bar.format_dict["n"], bar.format_dict["total"]
+                    line += f"; {bar.desc} {n:g}/{total:g}" if total else f"; {bar.desc} {n:g}"
+                return prefix + line
+
+            def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+                return True  # tqdm's own drawing: nothing (the ticker writes the lines)
+
+            def write_line(self, now: float) -> bool:
+                """Write a line when ``interval`` passed since the last one (at ``now``, monotonic)."""
+                with _open_lines_lock:
+                    outer = bool(_open_lines) and _open_lines[0] is self
+                if not outer or now - self._last_line < self._interval:
+                    return False  # an inner bar's state is part of the outermost bar's line
+                self._last_line = now
+                try:
+                    print(self.line(), file=self._out, flush=True)
+                except (OSError, ValueError):  # a closed log: progress is not worth failing the run for
+                    self._stop.set()
+                return True
+
+            def _tick(self) -> None:
+                while not self._stop.wait(max(0.01, self._interval - (time.monotonic() - self._last_line))):
+                    self.write_line(time.monotonic())
+
+            def close(self) -> None:
+                stop = getattr(self, "_stop", None)
+                if stop is not None:
+                    stop.set()
+                    with _open_lines_lock:  # by identity: tqdm's == compares screen positions
+                        _open_lines[:] = [bar for bar in _open_lines if bar is not self]
+                    ticker = getattr(self, "_ticker", None)
+                    if ticker is not None and ticker is not threading.current_thread():
+                        ticker.join(timeout=1.0)
+                super().close()
+
+        _lines_class.append(_ProgressLines)
+    return _lines_class[0]

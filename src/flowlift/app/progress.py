@@ -95,15 +95,17 @@ def stage_weights(passes: int, costs: StageCosts | None = None) -> list[tuple[st
     return [(name, weight / total) for name, weight in stages]
 
 
-def remaining_seconds(fraction: float, elapsed: float) -> float | None:
-    """Time left if the rest runs at the rate so far: ``elapsed * (1 - f) / f``.
+def remaining_seconds(fraction: float, elapsed: float, start_fraction: float = 0.0) -> float | None:
+    """Time left if the rest runs at the rate since ``start_fraction`` was reached ``elapsed`` seconds ago:
+    ``elapsed * (1 - f) / (f - f0)``.
 
-    None while too little is done to say (``f < ETA_MIN_FRACTION`` or ``elapsed < ETA_MIN_SECONDS``)
+    None while too little is done to say (``f - f0 < ETA_MIN_FRACTION`` or ``elapsed < ETA_MIN_SECONDS``)
     and once the work is done (``f >= 1``).
     """
-    if fraction < ETA_MIN_FRACTION or elapsed < ETA_MIN_SECONDS or fraction >= 1.0:
+    done = fraction - start_fraction
+    if done < ETA_MIN_FRACTION or elapsed < ETA_MIN_SECONDS or fraction >= 1.0:
         return None
-    return elapsed * (1.0 - fraction) / fraction
+    return elapsed * (1.0 - fraction) / done
 
 
 def format_duration(seconds: float) -> str:
@@ -119,18 +121,35 @@ def format_duration(seconds: float) -> str:
 class EtaProgress:
     """A :data:`ProgressFn` that appends ``about N s left`` (:func:`remaining_seconds`) to each line.
 
-    The clock starts when this object is made, so model loading before it does not count.
+    Made when the request starts, before any model loads. The rate is measured from the first report past 0
+    (the first stage done) on, so what comes before it is never extrapolated to the rest of the work: loading
+    the models on a server's first request (reported at 0) and the first stage's one-off kernel set-up, which
+    made a first estimate of "about 1 min 13 s left" with 15 s to go. :attr:`left` is the last estimate shown
+    (None: none yet), :attr:`elapsed` the request's time so far, loading included.
     """
 
     def __init__(self, report: ProgressFn, clock: Callable[[], float] = time.monotonic) -> None:
         self._report = report
         self._clock = clock
         self._started = clock()
+        self._anchor: tuple[float, float] | None = None  # (time, fraction) of the first report past 0
+        self.left: float | None = None
+
+    @property
+    def elapsed(self) -> float:
+        return self._clock() - self._started
 
     def __call__(self, fraction: float, description: str) -> None:
-        left = remaining_seconds(fraction, self._clock() - self._started)
-        if left is not None:
-            description = f"{description}, about {format_duration(left)} left"
+        now = self._clock()
+        self.left = None
+        if self._anchor is None:
+            if fraction > 0:
+                self._anchor = (now, fraction)
+        else:
+            since, start_fraction = self._anchor
+            self.left = remaining_seconds(fraction, now - since, start_fraction)
+        if self.left is not None:
+            description = f"{description}, about {format_duration(self.left)} left"
         self._report(fraction, description)
 
 

@@ -313,6 +313,7 @@ class AppService:
 
         Logs one line (``request_log_line``) whatever the outcome.
         """
+        eta = EtaProgress(progress)  # the request's clock: loading the models counts in its time
         with logged_request(self.config.log, "upscale", Path(path).name if path else "-", f"x{scale}") as entry:
             if not path:
                 raise FlowliftError("no image uploaded")
@@ -328,9 +329,9 @@ class AppService:
             out = job.output
             if out is None:
                 raise FlowliftError(f"{source.name}: {strip_folders(job.note, [source.parent, folder])}")
-            pipeline = self.pipeline(vae, progress)
-            eta = EtaProgress(progress)  # from here on: loading the models does not count
+            pipeline = self.pipeline(vae, eta)
             result = self._upscale_into(source, out, settings, plan.sizes.passes_for(source), pipeline, vae, eta)
+            result.seconds = eta.elapsed  # the request's wall time, loading the models included
             entry.request = result.log_request()
         return result
 
@@ -351,6 +352,7 @@ class AppService:
         from flowlift.files.atomic import atomic_output
 
         started = time.perf_counter()
+        eta = EtaProgress(progress)  # the request's clock: loading the models counts in its time
         with logged_request(self.config.log, "batch", f"{len(paths or [])} file(s)", f"x{scale}") as entry:
             if not paths:
                 raise FlowliftError("no files uploaded")
@@ -363,8 +365,7 @@ class AppService:
             settings = self.settings(seed, transplant, color_fix, vae)
             planned = self.plan(sources, out_dir, scale)
             plan = planned.jobs
-            pipeline = self.pipeline(vae, progress)
-            eta = EtaProgress(progress)
+            pipeline = self.pipeline(vae, eta)
             written: list[Path] = []
             errors: list[str] = []
             for index, (source, out, note) in enumerate((job.source, job.output, job.note) for job in plan):

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 
 from flowlift.commands._options import HelpFormatter, OneLineParser
-from flowlift.console import add_console_options, format_warnings, quiet_libraries
+from flowlift.console import add_console_options, format_warnings, quiet_libraries, set_command
 from flowlift.devices import reuse_freed_memory
 from flowlift.errors import FlowliftError
 from flowlift.version import __version__
@@ -137,6 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reuse_freed_memory()
     quiet_libraries(bool(getattr(args, "verbose", False)))
     format_warnings(args.command)
+    set_command(args.command)  # progress lines off a terminal start `flowlift COMMAND:`
     try:
         with warnings.catch_warnings(), _signals_interrupt():  # both restored when an in-process caller returns
             warnings.showwarning = _one_line_warnings(args.command)

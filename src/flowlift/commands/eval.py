@@ -271,7 +271,7 @@ def _run_methods(args: argparse.Namespace, env):
             box=args.box,
             limit=args.limit,
             figure_images=args.figure_images,
-            progress=show_progress(args),
+            progress=show_progress(args) if env.is_main else False,  # a launched eval: rank 0's progress only
             save_outputs=Path(args.output) / "outputs" if args.save_outputs else None,
             indices=indices,
         )

@@ -106,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
     if args.val_images:
         overrides["val_images"] = list(args.val_images)
     overrides.update(parse_assignments(args.set))
-    if args.progress is not None or not show_progress(args):  # bars only on a terminal unless forced
-        overrides.setdefault("progress", show_progress(args))
+    if show_progress(args) is False:  # progress true (the default): a bar on a terminal, lines elsewhere
+        overrides.setdefault("progress", False)
     if args.print_config:
         from flowlift.training.config import TrainConfig, apply_overrides, load_config_file
 

@@ -23,7 +23,8 @@ list of input files into one output file each, and promise the same things:
   writable, format limit) is refused before any model is loaded; the batch goes on.
 * **One line per written file** (``wrote PATH`` on stdout) and a summary line at the end with the
   counts, the total time and the time per written image, also when stderr is not a terminal
-  (progress bars are drawn only on one, unless forced).
+  (a progress bar on a terminal, one plain progress line per interval elsewhere:
+  :func:`flowlift.console.progress_bar`).
 * **One line per failure**: a user-facing error while processing one input (:data:`ITEM_ERRORS`)
   costs that input one line on stderr; the batch goes on and the exit status is 1 at the end.
 * **Atomic outputs**: the ``process`` callback writes through :mod:`flowlift.files.atomic`, so an output
@@ -42,6 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from flowlift.console import format_seconds
 from flowlift.errors import ITEM_ERRORS as _ITEM_ERRORS
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
@@ -323,19 +325,24 @@ def run_jobs(
     progress: bool | None = None,
     started: float | None = None,
     debris_before: float | None = None,
+    summary: bool = True,
 ) -> BatchResult:
     """Run ``process(source, output)`` for every job with an output; returns the counts and times.
 
     Jobs without an output print their note (a refusal counts as failed, a "skipped" note does not);
     an existing output follows :func:`existing_output` (skipped, redone with a note, or refused as
     somebody else's file: one line, counted as failed); an :data:`ITEM_ERRORS` exception from
-    ``process`` prints one line and the batch goes on. ``progress``: a tqdm bar over the jobs
-    (``None``: only on a terminal). ``started``: the :func:`time.perf_counter` the summary's total
+    ``process`` prints one line and the batch goes on. ``progress``: the ``enabled`` of
+    :func:`flowlift.console.progress_bar` over the jobs (``None``: a bar on a terminal, plain lines
+    elsewhere). ``summary``: print the summary line (a rank of a launched job leaves it to rank 0).
+    ``started``: the :func:`time.perf_counter` the summary's total
     time counts from (default: now). ``debris_before``: the :func:`time.time` before which a temporary
     file in an output folder can be a killed run's (default: now; a job of several ranks passes a time
     from before any rank began to write, see :func:`remove_debris`).
     """
     from tqdm import tqdm
+
+    from flowlift.console import progress_bar
 
     started = time.perf_counter() if started is None else started
     jobs = list(jobs)
@@ -361,37 +368,29 @@ def run_jobs(
                 if state.action == "redo":
                     report(command, job.source, f"redoing {job.output}: {state.note}")
                 todo.append(job)
-    disable = None if progress is None else not progress
-    bar = tqdm(todo, desc="images", unit="img", disable=disable, file=sys.stderr)
-    for job in bar:
-        bar.set_postfix_str(job.source.name)
-        begun = time.perf_counter()
-        try:
-            process(job.source, job.output)
-        except ITEM_ERRORS as error:
-            result.failed += 1
-            report(command, job.source, error_line(error), write=lambda line: tqdm.write(line, file=sys.stderr))
-        else:
-            result.done += 1
-            result.image_seconds += time.perf_counter() - begun
-            tqdm.write(f"wrote {job.output}", file=sys.stdout)
+    bar = progress_bar(todo, desc="images", unit="img", enabled=progress, file=sys.stderr)
+    try:
+        for job in bar:
+            bar.set_postfix_str(job.source.name)
+            begun = time.perf_counter()
+            try:
+                process(job.source, job.output)
+            except ITEM_ERRORS as error:
+                result.failed += 1
+                write = lambda line: tqdm.write(line, file=sys.stderr)  # noqa: E731 (above the bar, if one is drawn)
+                report(command, job.source, error_line(error), write=write)
+            else:
+                result.done += 1
+                result.image_seconds += time.perf_counter() - begun
+                tqdm.write(f"wrote {job.output}", file=sys.stdout)
+    finally:
+        bar.close()  # its progress lines stop with the loop, also on Ctrl-C
     if result.failed:
         report(command, None, f"{result.failed} of {result.total} image(s) failed")
     result.seconds = time.perf_counter() - started
-    print(summary_line(command, result), file=sys.stdout)
+    if summary:
+        print(summary_line(command, result), file=sys.stdout)
     return result
-
-
-def format_seconds(seconds: float) -> str:
-    """A duration for people: ``0.42 s``, ``12.3 s``, ``4 min 05 s``, ``2 h 03 min``."""
-    if seconds < 1:
-        return f"{seconds:.2f} s"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    whole = int(round(seconds))
-    if whole < 3600:
-        return f"{whole // 60} min {whole % 60:02d} s"
-    return f"{whole // 3600} h {whole % 3600 // 60:02d} min"
 
 
 def summary_line(command: str, result: BatchResult) -> str:

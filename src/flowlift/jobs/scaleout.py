@@ -38,6 +38,7 @@ output is missing — the ones that failed or were never reached.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -45,7 +46,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flowlift.errors import FlowliftError
-from flowlift.jobs.batch import BatchResult, Job, error_line, existing_output, pending, report, run_jobs
+from flowlift.jobs.batch import (
+    BatchResult,
+    Job,
+    error_line,
+    existing_output,
+    pending,
+    report,
+    run_jobs,
+    summary_line,
+)
 from flowlift.jobs.distributed import (
     DEFAULT_BARRIER_TIMEOUT_S,
     DistEnv,
@@ -158,8 +168,10 @@ class BatchShare:
             return result.exit_code
         process = _recording(process, self.manifest, self.run_id, self.env) if self.has_work else process
         progress = self.progress if self.env.is_main else False  # one batch bar on a shared terminal: rank 0's
+        # a launched job's one summary line is rank 0's, over every rank's counts (see _finish)
         result = run_jobs(self.jobs, process, command=self.command, overwrite=self.overwrite, progress=progress,
-                          started=self.started, debris_before=self.opened)  # fmt: skip
+                          started=self.started, debris_before=self.opened,
+                          summary=not self.env.distributed)  # fmt: skip
         return _finish(self, result)
 
 
@@ -198,7 +210,8 @@ def _finish(share: BatchShare, result: BatchResult) -> int:
     """The end-of-job barrier, the ranks' counts, rank 0's summary line and record; the exit status."""
     command, env, manifest, barrier_timeout = share.command, share.env, share.manifest, share.barrier_timeout
     assert manifest is not None
-    counts = {"total": result.total, "done": result.done, "skipped": result.skipped, "failed": result.failed}
+    counts = {"total": result.total, "done": result.done, "skipped": result.skipped, "failed": result.failed,
+              "image_seconds": result.image_seconds}  # fmt: skip
     per_rank, reason = finish(env, counts, barrier_timeout)
     if per_rank is None:
         # a rank that stopped early (a user error on it alone) ends the wait at once; a slow or hung one, the timeout
@@ -209,6 +222,9 @@ def _finish(share: BatchShare, result: BatchResult) -> int:
     failed = int(totals["failed"])
     if env.is_main:
         if env.distributed:
+            job = BatchResult(**{k: int(totals[k]) for k in ("total", "done", "skipped", "failed")},
+                              seconds=time.perf_counter() - share.started, image_seconds=totals["image_seconds"])
+            print(summary_line(command, job), file=sys.stdout)
             report(
                 command,
                 None,

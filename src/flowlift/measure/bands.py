@@ -279,7 +279,7 @@ def run_bands(
     amplitude: float = 0.1,
     seed: int = 0,
     edges: Sequence[float] = BAND_EDGES,
-    progress: bool = False,
+    progress: bool | None = False,
 ) -> tuple[np.ndarray, list[np.ndarray]]:
     """Band response of ``vae``'s decoder averaged over ``images``; returns ``(mean, per_image)``.
 
@@ -289,13 +289,14 @@ def run_bands(
     :func:`band_response` (same ``seed`` for every image, so every image sees the same noise draw
     where sizes agree).
     """
-    from tqdm import tqdm
+    from flowlift.console import progress_bar
 
     factor = int(vae.spatial_factor)
     per_image = []
-    for image in tqdm(images, desc="bands", unit="img", disable=not progress):
-        x = crop_to_multiple(image, 2 * factor).to(device=device, dtype=dtype)
-        with torch.no_grad():
-            z = vae.encode(x)
-        per_image.append(band_response(vae.decode, z, factor, amplitude=amplitude, seed=seed, edges=edges))
+    with progress_bar(images, desc="bands", unit="img", enabled=progress) as bar:
+        for image in bar:
+            x = crop_to_multiple(image, 2 * factor).to(device=device, dtype=dtype)
+            with torch.no_grad():
+                z = vae.encode(x)
+            per_image.append(band_response(vae.decode, z, factor, amplitude=amplitude, seed=seed, edges=edges))
     return mean_rows(per_image), per_image

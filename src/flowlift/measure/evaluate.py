@@ -118,7 +118,7 @@ def evaluate_pairs(
     box: Box | None = None,
     label: str = "outputs",
     figure_images: int = 3,
-    progress: bool = False,
+    progress: bool | None = False,
 ) -> EvalReport:
     """Measure existing ``outputs`` (files/folders) against their files in ``reference`` (and
     ``ground_truth``): the same stem, or ``<stem>_x<N>`` / ``<stem>_x<N>_colorfix`` (``flowlift upscale``'s
@@ -126,8 +126,7 @@ def evaluate_pairs(
     output file given with one reference file is a pair whatever their names. Images without a
     counterpart are skipped; none paired is an error, and so is a pair that is not an upscale by one
     integer factor on both axes (:func:`check_pair_sizes`)."""
-    from tqdm import tqdm
-
+    from flowlift.console import progress_bar
     from flowlift.files.images import list_images
     from flowlift.files.naming import explicit_pair, pair_by_stem
 
@@ -166,18 +165,19 @@ def evaluate_pairs(
     for c in report.crop_columns:
         report.crops[c] = {}
     report.results[label] = {}
-    for i, name in enumerate(tqdm(names, desc="eval", unit="img", disable=not progress)):
-        out = load_rgb(outs[name])
-        ref = load_rgb(refs[name])
-        gt = load_rgb(gts[name]) if gts is not None else None
-        report.results[label][name] = measure(out, ref, gt, box)
-        report.computed += 1
-        if i < figure_images:
-            crop = default_crop((out.shape[1], out.shape[0]), box)
-            report.crops["input"][name] = input_crop(ref, (out.shape[1], out.shape[0]), crop)
-            report.crops[label][name] = M.crop_box(out, crop)
-            if gt is not None:
-                report.crops["ground truth"][name] = M.crop_box(gt, crop)
+    with progress_bar(names, desc="eval", unit="img", enabled=progress) as bar:
+        for i, name in enumerate(bar):
+            out = load_rgb(outs[name])
+            ref = load_rgb(refs[name])
+            gt = load_rgb(gts[name]) if gts is not None else None
+            report.results[label][name] = measure(out, ref, gt, box)
+            report.computed += 1
+            if i < figure_images:
+                crop = default_crop((out.shape[1], out.shape[0]), box)
+                report.crops["input"][name] = input_crop(ref, (out.shape[1], out.shape[0]), crop)
+                report.crops[label][name] = M.crop_box(out, crop)
+                if gt is not None:
+                    report.crops["ground truth"][name] = M.crop_box(gt, crop)
     return report
 
 
@@ -212,7 +212,7 @@ def evaluate_methods(
     box: Box | None = None,
     limit: int | None = None,
     figure_images: int = 3,
-    progress: bool = False,
+    progress: bool | None = False,
     save_outputs: Path | None = None,
     indices: Sequence[int] | None = None,
 ) -> EvalReport:
@@ -231,8 +231,8 @@ def evaluate_methods(
     whose results reach the merged report through the cache.
     """
     from PIL import Image
-    from tqdm import tqdm
 
+    from flowlift.console import progress_bar
     from flowlift.files.image_outputs import save_image_atomic
     from flowlift.files.own_files import flowlift_image
 
@@ -261,7 +261,7 @@ def evaluate_methods(
     report.results["(ground truth)"] = {}
     for m in methods:
         report.results[m.label] = {}
-    bar = tqdm(total=len(paths) * len(methods), desc="eval", unit="run", disable=not progress)
+    bar = progress_bar(total=len(paths) * len(methods), desc="eval", unit="run", enabled=progress)
     try:
         for i, path in enumerate(paths):
             name = path.stem

@@ -260,7 +260,7 @@ def load_refiner(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     text_encoder: bool = False,
-    progress: bool = False,
+    progress: bool | None = False,
     mu: float | str = DEFAULT_MU,
     schedule: str = "respaced",
     tiles: TileRequest | None = None,

@@ -238,16 +238,18 @@ def _checked_mask(mask: Any, shape: tuple[int, ...], device: torch.device | str)
 
 
 class _Progress:
-    def __init__(self, enabled: bool, desc: str) -> None:
+    """The sampling steps' bar (``enabled``: :func:`flowlift.console.progress_bar`'s)."""
+
+    def __init__(self, enabled: bool | None, desc: str) -> None:
         self.enabled, self.desc, self.bar = enabled, desc, None
 
     def __call__(self, i: int, total: int, sigma: float) -> None:
-        if not self.enabled:
+        if self.enabled is False:
             return
         if self.bar is None:
-            from tqdm.auto import tqdm
+            from flowlift.console import progress_bar
 
-            self.bar = tqdm(total=total, desc=self.desc, unit="step", leave=False)
+            self.bar = progress_bar(total=total, desc=self.desc, unit="step", leave=False, enabled=self.enabled)
         self.bar.update(1)
         self.bar.set_postfix(sigma=f"{sigma:.3f}")
         if i + 1 == total:

@@ -71,7 +71,7 @@ class Flux2Refiner:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         prompt_encoder: Callable[[str], torch.Tensor] | None = None,
-        progress: bool = False,
+        progress: bool | None = False,
         model_name: str = "",
         mu: float | str = DEFAULT_MU,
         schedule: str = "respaced",

@@ -79,10 +79,10 @@ def _pending_shards(root: Path, num_items: int, shard_size: int) -> list[int]:
     return pending
 
 
-def _progress(total: int, initial: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
+def _progress(total: int, initial: int, desc: str, enabled: bool | None):
+    from flowlift.console import progress_bar
 
-    return tqdm(total=total, initial=initial, desc=desc, unit="item", disable=not enabled, dynamic_ncols=True)
+    return progress_bar(total=total, initial=initial, desc=desc, unit="item", enabled=enabled)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,7 +197,7 @@ class ShardWriting:
     shard_size: int = 256
     storage_dtype: Any = torch.float16
     device: Any = "cpu"
-    progress: bool = True
+    progress: bool | None = True  # flowlift.console.progress_bar's enabled
     part: tuple[int, int] = (0, 1)
 
 

@@ -328,10 +328,11 @@ class Trainer:
         losses: list[tuple[int, float]] = []
         started = time.perf_counter()
         window_start, window_samples = time.perf_counter(), 0
-        from tqdm.auto import tqdm
+        from flowlift.console import progress_bar
 
-        bar = tqdm(total=c.steps, initial=start_step, desc="train", disable=not (c.progress and dist.is_main),
-                   dynamic_ncols=True)
+        # progress true: a bar on a terminal, a line every interval elsewhere; rank 0's only
+        enabled = None if c.progress and dist.is_main else False
+        bar = progress_bar(total=c.steps, initial=start_step, desc="train", unit="step", enabled=enabled)
         batches = prefetched_batches(stream, start_step, end_step, c.grad_accum)
         final_step = start_step
         stop = StopRequest()

@@ -54,7 +54,7 @@ class UpscaleRequest:
     max_memory: str | None = None
     compile: bool = False
     barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT_S
-    progress: bool = False
+    progress: bool | None = False  # flowlift.console.progress_bar's enabled
 
 
 class OutputSizes:
@@ -204,11 +204,12 @@ class UpscaleStep:
     def __call__(self, path: Path, out: Path) -> None:
         from tqdm import tqdm
 
+        from flowlift.console import progress_bar
         from flowlift.upscale.outputs import upscale_file
 
         count = self.plan.sizes.passes_for(path)  # the passes the cap lets run, already said at planning
-        steps = tqdm(total=count + 3, desc=path.name, unit="step", leave=False, disable=not self.request.progress,
-                     file=sys.stderr)  # fmt: skip
+        steps = progress_bar(total=count + 3, desc=path.name, unit="step", leave=False, enabled=self.request.progress,
+                             file=sys.stderr)  # fmt: skip
         with steps:
             _, _, notes = upscale_file(self.pipeline, self.request.settings, count, path, out, self.hashes,
                                        on_stage=lambda _stage, bar=steps: bar.update(1))  # fmt: skip
