@@ -1,11 +1,11 @@
 """``flowlift bands``: how a VAE decoder maps latent frequency bands to pixel frequency bands.
 
-    flowlift bands IMAGES... --vae PATH [--out DIR] [--full]
+    flowlift bands IMAGES... --vae PATH [-o DIR] [--full]
 
 Encodes each image, perturbs one latent band at a time (0.1 sigma, FFT mask), decodes and
 integrates the luma response spectrum per pixel band (:mod:`flowlift.measure.bands`). Prints the table
 (with the model card's Mage decoder figures alongside), and writes ``bands.json``, ``bands.md`` and
-``bands.png`` (heat map) into ``--out``.
+``bands.png`` (heat map) into ``--output``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from flowlift.console import show_progress
 NAME = "bands"
 HELP = "measure a VAE decoder's latent->pixel band response (the model card's band table)"
 EXAMPLES = examples(
-    "flowlift bands ../shared/images/kodak --vae ../shared/models/taef2 --max-side 512 --out bands-taef2",
-    "flowlift bands photos/ --vae flux2 --full --out bands-flux2",
+    "flowlift bands ../shared/images/kodak --vae ../shared/models/taef2 --max-side 512 -o bands-taef2",
+    "flowlift bands photos/ --vae flux2 --full -o bands-flux2",
 )
 
 
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     device, dtype = resolve_device_dtype(args.device, args.dtype)  # before anything is read
     out_dir = Path(args.output)
     if out_dir.exists() and not out_dir.is_dir():
-        raise FlowliftError(f"--out {out_dir} exists and is not a folder")
+        raise FlowliftError(f"--output {out_dir} exists and is not a folder")
     from flowlift.files.own_files import check_replaceable, markdown_stamp, stamp
 
     check_replaceable(report_recognisers(out_dir), args.overwrite, NAME)  # before any image or model loads

@@ -29,7 +29,7 @@ EXAMPLES = (
     "examples:\n"
     "  flowlift colorfix esrgan-out/ --reference photos/ -o fixed/    # photo_x4.png pairs with photos/photo.png\n"
     "  flowlift colorfix big.png --reference small.png --strength 0.5  # one file and its source: any names\n"
-    "  flowlift eval fixed/ --reference photos/ --out report/         # photo_x4_colorfix.png pairs with photo.png"
+    "  flowlift eval fixed/ --reference photos/ -o report/         # photo_x4_colorfix.png pairs with photo.png"
 )
 
 

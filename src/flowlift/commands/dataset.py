@@ -31,9 +31,9 @@ NAME = "dataset"
 NESTED_COMMANDS = True
 HELP = "build training shards: teacher distillation pairs or encoded photo crops"
 EXAMPLES = examples(
-    "flowlift dataset images photos/ --crop 512 --crops-per-image 8 --vae taef2 --out data/photos",
+    "flowlift dataset images photos/ --crop-px 512 --crops-per-image 8 --vae taef2 -o data/photos",
     "flowlift dataset distill --teacher black-forest-labs/FLUX.2-klein-4B --prompts prompts.txt --num 20000 "
-    "--vae flux2 --out data/distill",
+    "--vae flux2 -o data/distill",
 )
 
 STORAGE = ("float16", "bfloat16", "float32")
@@ -56,7 +56,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--noise-std", type=finite_float, default=0.0,
                         help="also add Gaussian pixel noise (0..1 units)")
     parser.add_argument("--part", default="0/1", metavar="I/N",
-                        help="build only shards k with k %% N == I (run N processes or machines on one --out)")
+                        help="build only shards k with k %% N == I (run N processes or machines on one --output)")
     add_console_options(parser)
 
 
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              description="generate target latents with a FLUX.2 teacher from stored noise",
                              formatter_class=HelpFormatter, epilog=examples(
                                  "flowlift dataset distill --teacher black-forest-labs/FLUX.2-klein-4B "
-                                 "--prompts prompts.txt --num 20000 --vae flux2 --out data/distill"))
+                                 "--prompts prompts.txt --num 20000 --vae flux2 -o data/distill"))
     _common(distill)
     distill.add_argument("--teacher", required=True,
                          help="a FLUX.2 diffusers pipeline (folder or hub id) or a Flux2Transformer2DModel folder")
@@ -84,8 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     images = sub.add_parser("images", help="encoded crops of real photos",
                             description="encode random crops (and flips) of photos; noise is drawn at train time",
                             formatter_class=HelpFormatter, epilog=examples(
-                                "flowlift dataset images photos/ --crop 512 --crops-per-image 8 --vae taef2 "
-                                "--out data/photos"))
+                                "flowlift dataset images photos/ --crop-px 512 --crops-per-image 8 --vae taef2 "
+                                "-o data/photos"))
     _common(images)
     images.add_argument("inputs", nargs="+", help="image files, folders or glob patterns")
     crop = images.add_argument("--crop-px", type=positive_int, default=512,
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     storage = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[args.storage_dtype]
     out = Path(args.output)
     if out.exists() and not out.is_dir():
-        raise FlowliftError(f"--out {out} exists and is not a folder")
+        raise FlowliftError(f"--output {out} exists and is not a folder")
     from flowlift.files.output_paths import folder_problem
 
     if problem := folder_problem(out):  # before the teacher or the VAE loads

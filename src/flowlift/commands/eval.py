@@ -2,14 +2,14 @@
 
 Two modes::
 
-    flowlift eval OUTPUTS... --reference INPUTS [--ground-truth GT] [--box x,y,w,h] --out DIR
+    flowlift eval OUTPUTS... --reference INPUTS [--ground-truth GT] [--box x,y,w,h] -o DIR
     flowlift eval --run lanczos,bicubic,latent-bicubic,vae-roundtrip --dataset PHOTOS --scale 4 \
-        --vae PATH [--upscaler PATH] --out DIR
+        --vae PATH [--upscaler PATH] -o DIR
     flowlift eval --run lanczos,spandrel:4x-UltraSharp.pth:ultrasharp,spandrel:4x-UltraSharp.pth+colorfix \
-        --dataset PHOTOS --scale 4 --out DIR
+        --dataset PHOTOS --scale 4 -o DIR
 
 Both print a Markdown table (mean and worst rows) and write ``results.json``, ``table.md``,
-``metrics.png`` and ``crops.png`` into ``--out``.
+``metrics.png`` and ``crops.png`` into ``--output``.
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ methods for --run:
 NAME = "eval"
 HELP = "measure colour drift, detail and fidelity of outputs or of upscaling methods; write tables and plots"
 EXAMPLES = examples(
-    "flowlift eval out/ --reference photos/ --out report/          # kodim01_x2.png pairs with kodim01.png",
+    "flowlift eval out/ --reference photos/ -o report/          # kodim01_x2.png pairs with kodim01.png",
     "flowlift eval --run lanczos,latent-bicubic,vae-roundtrip --dataset ../shared/images/kodak --scale 4 "
-    "--vae taef2 --out eval-kodak4",
+    "--vae taef2 -o eval-kodak4",
     "flowlift eval --run lanczos --run spandrel:models/4x-UltraSharp.pth:ultrasharp+colorfix --dataset photos/ "
-    "--scale 4 --save-outputs --out report/",
+    "--scale 4 --save-outputs -o report/",
 )
 
 
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_reports_are_no_input(args: argparse.Namespace, out_dir: Path) -> None:
-    """No report file is one of the images measured (issue 36.2: by identity, e.g. ``eval OUT ... --out OUT``)."""
+    """No report file is one of the images measured (issue 36.2: by identity, e.g. ``eval OUT ... -o OUT``)."""
     from flowlift.errors import FlowliftError
     from flowlift.files.images import list_images
     from flowlift.files.output_paths import check_not_an_input
