@@ -72,7 +72,21 @@ SKIP: dict[str, str] = {
         TEST_SUITE,
     "PYTHONPATH=src python benchmarks/bench_first_run.py --baseline ade227f --repeats 2": BENCHMARK,
     "PYTHONPATH=src python benchmarks/bench_unet.py": BENCHMARK,
-    "PYTHONPATH=src python benchmarks/bench_vae.py --sizes 1024 2048 --repeat 1": BENCHMARK,
+    "PYTHONPATH=src python benchmarks/bench_vae.py --tiling --sizes 1024 2048 --repeat 1": BENCHMARK,
+    "PYTHONPATH=src python benchmarks/bench_vae.py --megapixels 1 4 16 --budget-s 480": BENCHMARK,
+    "PYTHONPATH=src python benchmarks/bench_vae.py --vaes flux2 mage --ops decode --megapixels 1 --budget-s 2400":
+        BENCHMARK,
+    "PYTHONPATH=src python benchmarks/bench_vae.py --vaes mage taef2 --megapixels 1 --budget-s 900": BENCHMARK,
+    "PYTHONPATH=src python benchmarks/bench_first_run.py --vae mage --baseline-vae taef2 --repeats 1": BENCHMARK,
+    "PYTHONPATH=src python benchmarks/bench_mage_tiling.py --sizes 512 1024 --ops decode encode": BENCHMARK,
+    "PYTHONPATH=src python benchmarks/bench_mage_tiling.py --sizes --strips 16384x128 16384x256 --ops decode":
+        BENCHMARK,
+    "PYTHONPATH=src python benchmarks/bench_mage_tiling.py --sizes --strips 2560x2560 --ops decode": BENCHMARK,
+    "PYTHONPATH=src python benchmarks/bench_mage_tiling.py --check 768 --ops decode encode": BENCHMARK,
+    "flowlift upscale kodim23.png --scale 4 --vae mage": "the released Mage-VAE (a full-size random stand-in is "
+        "0.3 GB; tests/test_vae_doors.py runs --vae mage through a hub cache with a small random file)",
+    "flowlift train --config OUT/config.json -o OUT": "resumes an earlier run's folder OUT (a placeholder); "
+        "tests/test_train_outputs.py runs it on a run it made",
     "PYTHONPATH=src python benchmarks/bench_tiled_refine.py": BENCHMARK,
     "PYTHONPATH=src python benchmarks/soak_cli.py --images 300 --unet full --device cpu": BENCHMARK,
     "FLOWLIFT_SHARED=../shared PYTHONPATH=src python benchmarks/soak_app.py": BENCHMARK,
