@@ -236,5 +236,5 @@ def test_module_spec_and_unknown_module(pth_states):
     model.decoder.load_state_dict(pth_states["decoder"])
     vae = load_vae(model)
     assert isinstance(vae, TAEF2VAE) and vae.model is model
-    with pytest.raises(FlowliftError, match="TAEF2 or a diffusers AutoencoderKLFlux2"):
+    with pytest.raises(FlowliftError, match="TAEF2 or MageVAEModel or a diffusers AutoencoderKLFlux2"):
         load_vae(torch.nn.Linear(2, 2))

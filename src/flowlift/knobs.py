@@ -57,6 +57,14 @@ def exact_int(value: Any, *, loose: bool = False) -> int | None:
     return None
 
 
+def _non_finite(value: Any) -> bool:
+    """Whether ``value`` is a number or numeric string that is NaN or infinite."""
+    try:
+        return not isinstance(value, bool) and not math.isfinite(float(value))
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
 def _finite_real(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
         return None
@@ -143,6 +151,8 @@ class Knob:
             if self.high == SEED_MAX:
                 at_most += " (2^64 - 1)"
             return FlowliftError(f"{label} must be a non-negative integer{at_most}, got {value!r}")
+        if self.kind is float and _non_finite(value):  # say what is wrong with nan / inf, not only the range
+            return FlowliftError(f"{label} must be a finite number {self.describe()}, got {value!r}")
         return FlowliftError(f"{label} must be {self.describe()}, got {value!r}")
 
     def check(self, value: Any, label: str | None = None, *, loose: bool = False) -> Any:
