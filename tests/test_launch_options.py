@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import shared_dir
 from flowlift.commands.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -273,7 +274,7 @@ def tiny_upscale(tmp_path_factory):
     torch.manual_seed(0)
     weights = save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64), folder / "w.safetensors")
     Image.new("RGB", (64, 48), (90, 40, 20)).save(folder / "a.png")
-    shared = REPO.parent / "shared" / "models" / "taef2"
+    shared = shared_dir() / "models" / "taef2"  # $FLOWLIFT_SHARED, else ../shared
     return ["upscale", str(folder / "a.png"), "--upscaler", str(weights), "--vae", str(shared), "--device", "cpu",
             "--barrier-timeout", "4", "-o"]  # fmt: skip
 
