@@ -32,6 +32,7 @@ from flowlift.errors import FlowliftError
 from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
 from flowlift.files.json_input import parse_json
 from flowlift.files.output_paths import folder_problem, same_file, same_file_problem
+from flowlift.files.own_files import replace_problem
 from flowlift.training.checkpoints import EMA_NAME, RAW_NAME, RUN_ID_NAME, STATE_NAME
 from flowlift.training.config import TrainConfig
 from flowlift.training.validation import CURVES_SOFTWARE, is_val_log
@@ -119,17 +120,8 @@ RECOGNISERS: dict[str, Callable[[Path], bool]] = {
 
 def run_file_problem(path: Path, recognise: Callable[[Path], bool], overwrite: bool) -> str | None:
     """Why the run must not replace ``path``: not a regular file (never), or a non-empty file flowlift did
-    not write (without ``overwrite``); None when it may."""
-    if refusal := replace_refusal(path):
-        return refusal
-    if not os.path.lexists(path) or overwrite:
-        return None
-    try:
-        if os.stat(path).st_size == 0 or recognise(path):
-            return None
-    except OSError as error:
-        return f"cannot read the existing {path}: {error.strerror or type(error).__name__}"
-    return f"{path} exists and was not written by flowlift train; use --overwrite to replace it, or another --output"
+    not write (without ``overwrite``); None when it may (the one replace rule, :func:`replace_problem`)."""
+    return replace_problem(path, recognise, overwrite, "train")
 
 
 def _checkpoint_folder_is_flowlifts(folder: Path) -> bool:
