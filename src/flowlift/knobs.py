@@ -222,6 +222,29 @@ SEED = Knob(
 )
 
 
+#: Whether a file flowlift did not write may be replaced at an output name. A bool and nothing else: a form value
+#: such as ``"no"`` is truthy, and reading it as yes would destroy the user's file (issue 43.1).
+OVERWRITE = Knob(
+    "overwrite",
+    bool,
+    False,
+    "replace a file at an output name that flowlift did not write",
+)
+#: Stage 2 of the colour fix on or off (the hires fix's ``color_fix``): a bool, never a truthy string.
+COLOR_FIX = Knob(
+    "color_fix",
+    bool,
+    True,
+    "stage 2 after decoding: restore the input's colour and tone",
+)
+
+
+def check_overwrite(value: Any) -> bool:
+    """``value`` if it is ``True`` or ``False``, else one line: the replace rule's own guard, so no caller's truthy
+    non-bool (``"no"``, ``"false"``, ``1``) ever counts as permission to replace a user's file."""
+    return OVERWRITE.check(value)
+
+
 #: Passes per scale: each Flow Upscaler pass doubles both sides.
 SCALE_PASSES = {2: 1, 4: 2, 8: 3}
 

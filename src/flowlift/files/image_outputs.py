@@ -27,6 +27,7 @@ from PIL import Image, PngImagePlugin
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_output
 from flowlift.files.json_input import parse_json
+from flowlift.knobs import check_overwrite
 
 #: Formats outputs are written in (by the output name's suffix).
 OUTPUT_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -396,6 +397,7 @@ def check_single_output(path: Path, overwrite: bool = False, option: str = "--ou
     from flowlift.files.images import IMAGE_SUFFIXES
     from flowlift.files.output_paths import check_not_an_input, output_file_problem
 
+    overwrite = check_overwrite(overwrite)
     if path.suffix.lower() not in IMAGE_SUFFIXES:
         raise FlowliftError(f"{option} {path}: unsupported image format {path.suffix or '(none)'}")
     check_not_an_input(path, inputs or {})

@@ -20,6 +20,7 @@ from typing import Any
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import replace_refusal
 from flowlift.files.json_input import parse_json
+from flowlift.knobs import check_overwrite
 from flowlift.version import __version__
 
 Recogniser = Callable[[Path], bool]
@@ -117,7 +118,10 @@ def safetensors_metadata(path: Path) -> dict[str, str] | None:
 
 def replace_problem(path: str | os.PathLike, recognise: Recogniser, overwrite: bool, command: str,
                     option: str = "-o/--output") -> str | None:  # fmt: skip
-    """Why ``command`` must not replace ``path`` (see the module docstring), or None when it may."""
+    """Why ``command`` must not replace ``path`` (see the module docstring), or None when it may.
+
+    ``overwrite`` must be a bool (:func:`flowlift.knobs.check_overwrite`): ``"no"`` is refused, never read as yes."""
+    overwrite = check_overwrite(overwrite)
     path = Path(path)
     if refusal := replace_refusal(path):
         return refusal
@@ -143,6 +147,7 @@ def folder_refusal(folder: str | os.PathLike) -> str | None:
 def check_replaceable(names: Mapping[Path, Recogniser], overwrite: bool, command: str,
                       option: str = "-o/--output") -> None:
     """:func:`replace_problem` for every path of ``names`` (path -> recogniser): the first as one line."""
+    overwrite = check_overwrite(overwrite)
     for path, recognise in names.items():
         if problem := replace_problem(path, recognise, overwrite, command, option):
             raise FlowliftError(problem)

@@ -48,6 +48,7 @@ from flowlift.errors import ITEM_ERRORS as _ITEM_ERRORS
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
 from flowlift.files.output_paths import folder_problem, same_file
+from flowlift.knobs import check_overwrite
 
 __all__ = [
     "ITEM_ERRORS",
@@ -261,6 +262,7 @@ def existing_output(job: Job, overwrite: bool = False) -> ExistingOutput:
     """
     from flowlift.files.image_outputs import inspect_existing
 
+    overwrite = check_overwrite(overwrite)
     path = job.output
     if path is None or not os.path.lexists(path):
         return ExistingOutput("new")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flowlift.errors import FlowliftError
+from flowlift.knobs import COLOR_FIX, OVERWRITE
 from flowlift.refine.settings import (
     HIRES_SCALE,
     REFINE_STRENGTH,
@@ -119,6 +120,7 @@ class HiresSettings:
         if self.base_steps is not None:  # None: the model's (4 for a step-distilled Klein)
             object.__setattr__(self, "base_steps", STEPS.check(self.base_steps))
         object.__setattr__(self, "transplant_strength", TRANSPLANT_STRENGTH.check(self.transplant_strength))
+        object.__setattr__(self, "color_fix", COLOR_FIX.check(self.color_fix))
 
     @property
     def passes(self) -> int:
@@ -156,6 +158,7 @@ class RefineRequest:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise FlowliftError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        object.__setattr__(self, "overwrite", OVERWRITE.check(self.overwrite))
         if self.mode == "hires" and self.hires is None:
             object.__setattr__(self, "hires", HiresSettings())
         if self.mode == "inpaint" and self.mask is None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flowlift.errors import FlowliftError
+from flowlift.knobs import OVERWRITE
 from flowlift.upscale.settings import COLOR_FIX_KNOBS
 
 COMMAND = "colorfix"
@@ -37,6 +38,9 @@ class ColorFixRequest:
     quality: int | None = None
     overwrite: bool = False
     device: Any = "cpu"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "overwrite", OVERWRITE.check(self.overwrite))
 
 
 def plan_colorfix(request: ColorFixRequest) -> tuple[list[Any], dict[Path, Path]]:

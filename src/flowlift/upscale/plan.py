@@ -22,6 +22,7 @@ from typing import Any
 from flowlift.errors import FlowliftError
 from flowlift.jobs.batch import Job, Target, error_line, output_target, pending, plan_targets, report
 from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S, DistEnv
+from flowlift.knobs import OVERWRITE
 from flowlift.upscale.loading import DEFAULT_UPSCALER
 from flowlift.upscale.outputs import UpscaleSettings, output_name
 from flowlift.upscale.settings import RESIZE_MODE
@@ -55,6 +56,9 @@ class UpscaleRequest:
     compile: bool = False
     barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT_S
     progress: bool | None = False  # flowlift.console.progress_bar's enabled
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "overwrite", OVERWRITE.check(self.overwrite))
 
 
 class OutputSizes:
