@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import warnings
 
 import pytest
 
 from flowlift.errors import FlowliftError
 from flowlift.knobs import SEED, SEED_MAX, Knob, exact_int
 from flowlift.refine.settings import REFINE_KNOBS, TILE_KNOBS, SamplingSettings
-from flowlift.upscale.settings import COLOR_FIX_KNOBS, UPSCALE_KNOBS, MemoryPolicy
+from flowlift.upscale.settings import COLOR_FIX_KNOBS, UPSCALE_KNOBS
 
 #: (command, option) -> (table, knob name, the argparse default where the command resolves the knob's own
 #: default itself, or ``...`` for the knob's default).
@@ -375,54 +374,11 @@ def test_the_python_doors_take_only_integers(value, expected):
 # ---------------------------------------------------------------------------------- settings objects
 
 
-def test_old_pipeline_memory_keywords_warn_and_mean_the_same_policy():
-    import torch
+def test_memory_policy_checks_its_fields():
+    from flowlift.upscale.settings import MemoryPolicy
 
-    from flowlift.upscale.pipeline import FlowUpscalerPipeline
-
-    def velocity(sample, t, small):
-        return sample
-
-    with pytest.warns(DeprecationWarning, match=r"FlowUpscalerPipeline\(chunked=, max_memory=\) is deprecated") as seen:
-        old = FlowUpscalerPipeline(velocity, None, device="cpu", dtype=torch.float32, chunked=True, max_memory="2GB")
-    assert seen[0].filename == __file__  # the warning points at the caller's line
-    new = FlowUpscalerPipeline(
-        velocity, None, device="cpu", dtype=torch.float32, memory=MemoryPolicy(chunked=True, max_memory="2GB")
-    )
-    assert old.memory == new.memory and old.chunked is new.chunked is True and old.max_memory == new.max_memory
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new spelling warns about nothing
-        FlowUpscalerPipeline(velocity, None, device="cpu", dtype=torch.float32, memory=MemoryPolicy())
-    with pytest.raises(FlowliftError, match="not both"):
-        FlowUpscalerPipeline(velocity, None, memory=MemoryPolicy(), chunked=True)
-    with pytest.raises(TypeError, match="chunkd"):
-        FlowUpscalerPipeline(velocity, None, chunkd=True)
     with pytest.raises(FlowliftError, match="chunk_rows must be a positive integer"):
         MemoryPolicy(chunk_rows=0)
-
-
-def test_old_refiner_sampling_keywords_warn_and_give_the_same_result():
-    import torch
-
-    from flowlift.models.vae_loading import load_vae
-    from flowlift.refine.refiner import Flux2Refiner
-    from tiny_flux2 import prompt_embeds, tiny_transformer, tiny_vae
-
-    refiner = Flux2Refiner(tiny_transformer(), load_vae(tiny_vae(), device="cpu", dtype=torch.float32))
-    embeds = prompt_embeds()
-    image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    sampling = SamplingSettings(steps=3, seed=7, sampler="heun", mu=1.5, schedule="clipped")
-    new = refiner.img2img(image, strength=0.6, sampling=sampling, prompt_embeds=embeds)
-    legacy = r"Flux2Refiner.img2img\(steps=, seed=, sampler=, mu=, schedule=\)"
-    with pytest.warns(DeprecationWarning, match=legacy) as seen:
-        old = refiner.img2img(
-            image, strength=0.6, steps=3, seed=7, sampler="heun", mu=1.5, schedule="clipped", prompt_embeds=embeds
-        )
-    assert seen[0].filename == __file__  # the warning points at the caller's line
-    assert torch.equal(old.images, new.images) and old.parameters == new.parameters
-    assert new.parameters["seed"] == 7 and new.parameters["steps"] == 3 and new.parameters["schedule"] == "clipped"
-    with pytest.raises(FlowliftError, match="not both"):
-        refiner.img2img(image, strength=0.6, sampling=sampling, seed=1, prompt_embeds=embeds)
 
 
 # ------------------------------------------------------------------- the seed bugs of issue 29, end to end

@@ -245,9 +245,6 @@ def check_overwrite(value: Any) -> bool:
     return OVERWRITE.check(value)
 
 
-#: Passes per scale: each Flow Upscaler pass doubles both sides.
-SCALE_PASSES = {2: 1, 4: 2, 8: 3}
-
 #: The upscale factor, declared once for both of its owners: ``flowlift upscale --scale`` (the upscaler's table)
 #: and the hires fix's upscale (the refiner's ``hires_scale`` is this knob under its own name).
 SCALE = Knob(
@@ -255,9 +252,9 @@ SCALE = Knob(
     int,
     2,
     "upscale factor: 2x per pass (2 = one pass, 4 = two, 8 = three)",
-    choices=tuple(SCALE_PASSES),
+    choices=(2, 4, 8),  # each Flow Upscaler pass doubles both sides: flowlift.limits.passes_for_scale
     unit="x",
-    extra={"labels": tuple(f"{factor}x" for factor in SCALE_PASSES)},
+    extra={"labels": ("2x", "4x", "8x")},
 )
 #: Stage 1 of the colour fix, run after every upscale pass: the upscaler's and the hires fix's.
 TRANSPLANT_STRENGTH = Knob(
