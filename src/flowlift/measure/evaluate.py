@@ -38,7 +38,7 @@ def measure(
 ) -> dict[str, float]:
     """All metrics of one output: A against ``reference`` (its input), B on the output (levels in
     ``box``), L1 / identical pixels when output and reference have the same size, C against
-    ``ground_truth`` when given."""
+    ``ground_truth`` when given (PSNR-Y / SSIM-Y with :func:`y_shave` px off each border)."""
     result = M.drift_at_input_scale(output, reference)
     result.update(M.detail(output, box))
     if output.shape == reference.shape:
@@ -49,8 +49,16 @@ def measure(
                 f"ground truth {ground_truth.shape[1]}x{ground_truth.shape[0]} and output "
                 f"{output.shape[1]}x{output.shape[0]} differ in size"
             )
-        result.update(M.fidelity(output, ground_truth))
+        result.update(M.fidelity(output, ground_truth, y_shave(output.shape, reference.shape)))
     return result
+
+
+def y_shave(output_shape: tuple[int, ...], input_shape: tuple[int, ...]) -> int:
+    """Border pixels PSNR-Y / SSIM-Y leave out: the upscale factor, rounded up (``ceil(max(H/h, W/w))``:
+    4 at 4x, 2 at 1.5x, 1 for a same-size output), the super-resolution field's ``crop_border = scale``."""
+    import math
+
+    return math.ceil(max(output_shape[0] / input_shape[0], output_shape[1] / input_shape[1]) - 1e-9)
 
 
 #: How the "worst" row picks a value: largest magnitude (sign kept), smallest or largest.
@@ -59,7 +67,7 @@ WORST_RULE = {
     "c_mean_change_pct": "abs", "dC": "abs", "c_p99_change": "abs", "l_std_change": "abs",
     "l_p5_change": "abs", "l_p95_change": "abs", "psnr_input": "min", "sharpness": "min",
     "hf_energy": "min", "levels": "min", "grey_sigma": "min", "l1": "max", "identical_pct": "min",
-    "psnr_gt": "min", "ssim_gt": "min",
+    "psnr_gt": "min", "ssim_gt": "min", "psnr_y": "min", "ssim_y": "min",
 }  # fmt: skip
 
 
