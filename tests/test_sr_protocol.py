@@ -95,3 +95,101 @@ def test_eval_reports_y_metrics_that_recompute_from_saved_outputs(photos, tmp_pa
         assert data["summary"][method]["worst"]["ssim_y"] == min(m["ssim_y"] for m in values.values())
     # lanczos beats bicubic on luma fidelity here, as in every SR paper's baseline rows
     assert data["summary"]["lanczos"]["mean"]["psnr_y"] > data["summary"]["bicubic"]["mean"]["psnr_y"]
+
+
+@pytest.fixture(scope="module")
+def sesqui_file(tmp_path_factory) -> Path:
+    from safetensors.torch import save_file
+
+    from sesqui_reference import random_state
+
+    path = tmp_path_factory.mktemp("sesqui") / "upscaler_Flux2.safetensors"
+    save_file(random_state(0), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def flux2_vae_dir(tmp_path_factory) -> Path:
+    from tiny_flux2 import tiny_vae
+
+    folder = tmp_path_factory.mktemp("vae") / "tiny-flux2-vae"
+    tiny_vae().save_pretrained(folder)
+    return folder
+
+
+def test_fractional_scale_inputs_are_lanczos_downsampled_multiples_of_16():
+    from flowlift.measure import inputs as IN
+
+    photo = np.random.default_rng(0).integers(0, 256, (150, 200, 3), dtype=np.uint8)
+    gt, low = IN.prepare_pair(photo, 1.5)
+    assert gt.shape == (144, 192, 3) and low.shape == (96, 128, 3)
+    expected = np.asarray(Image.fromarray(gt).resize((128, 96), Image.Resampling.LANCZOS))
+    assert np.array_equal(low, expected)
+    gt4, low4 = IN.prepare_pair(photo, 4)  # whole scales keep the exact box mean
+    assert low4.shape == (32, 48, 3) and np.array_equal(low4, IN.box_downscale_uint8(gt4, 4))
+    assert IN.check_scale("2.0") == 2 and isinstance(IN.check_scale("2.0"), int) and IN.check_scale(1.25) == 1.25
+    for bad in ("1", "0.5", "17", "nan", "1.333", "x"):
+        with pytest.raises(FlowliftError):
+            IN.check_scale(bad)
+
+
+def test_unreachable_methods_are_skipped_with_their_reason():
+    from flowlift.measure import methods as MT
+
+    specs = {s.name: s for s in MT.parse_methods("flow,sesqui:w.safetensors:mine,lanczos,latent-bicubic")}
+    assert specs["sesqui"].label == "sesqui:mine" and specs["sesqui"].needs_vae
+    assert MT.unreachable(specs["flow"], 3) and MT.unreachable(specs["flow"], 1.5)
+    assert MT.unreachable(specs["flow"], 4) is None and MT.unreachable(specs["flow"], 2) is None
+    assert MT.unreachable(specs["sesqui"], 1.5) is None and MT.unreachable(specs["sesqui"], 2) is None
+    assert "[1, 2]" in MT.unreachable(specs["sesqui"], 3)
+    assert MT.unreachable(specs["lanczos"], 3) is None and MT.unreachable(specs["latent-bicubic"], 1.5) is None
+    with pytest.raises(FlowliftError, match="safetensors"):
+        MT.parse_methods("sesqui:weights.pth")
+
+
+def _eval(args, tmp_path, name):
+    out_dir = tmp_path / name
+    assert main(["eval", *args, "--quiet", "--device", "cpu", "-o", str(out_dir)]) == 0
+    return out_dir, json.loads((out_dir / "results.json").read_text())
+
+
+def test_eval_runs_sesqui_beside_the_others_at_1_5x(photos, sesqui_file, flux2_vae_dir, tmp_path, capsys):
+    run = f"lanczos,latent-bicubic,flow,sesqui:{sesqui_file}"
+    out_dir, data = _eval(["--run", run, "--dataset", str(photos), "--scale", "1.5", "--vae", str(flux2_vae_dir),
+                           "--save-outputs"], tmp_path, "r15")  # fmt: skip
+    table = capsys.readouterr().out
+    assert data["config"]["methods"] == ["lanczos", "latent-bicubic", "sesqui:upscaler_Flux2"]
+    assert "power of 2" in data["config"]["skipped"]["flow"] and "flow: skipped" in table
+    for method in ("lanczos", "latent-bicubic", "sesqui:upscaler_Flux2"):
+        folder = out_dir / "outputs" / method.replace(":", "_")
+        for stem, metrics in data["images"][method].items():
+            out = np.asarray(Image.open(folder / f"{stem}_x1.5.png").convert("RGB"))
+            gt = np.asarray(Image.open(out_dir / "outputs" / "ground-truth" / f"{stem}.png").convert("RGB"))
+            low = np.asarray(Image.open(out_dir / "outputs" / "inputs" / f"{stem}.png").convert("RGB"))
+            assert out.shape == gt.shape == (low.shape[0] * 3 // 2, low.shape[1] * 3 // 2, 3)
+            psnr, ssim = independent_y_metrics(out, gt, 2)  # ceil(1.5) px shaved
+            assert metrics["psnr_y"] == pytest.approx(psnr, abs=1e-9)
+            assert metrics["ssim_y"] == pytest.approx(ssim, abs=1e-9)
+    # the SesquiLSR output is the network's on the raw latents, not latent bicubic's
+    sesqui, bicubic = data["images"]["sesqui:upscaler_Flux2"], data["images"]["latent-bicubic"]
+    assert all(sesqui[k]["psnr_gt"] != bicubic[k]["psnr_gt"] for k in sesqui)
+
+
+def test_eval_at_3x_skips_what_cannot_reach_it(photos, sesqui_file, flux2_vae_dir, tmp_path, capsys):
+    _, data = _eval(["--run", f"lanczos,flow,sesqui:{sesqui_file}", "--dataset", str(photos), "--scale", "3",
+                     "--vae", str(flux2_vae_dir)], tmp_path, "r3")  # fmt: skip
+    assert data["config"]["methods"] == ["lanczos"]
+    assert set(data["config"]["skipped"]) == {"flow", "sesqui:upscaler_Flux2"}
+    assert "sesqui:upscaler_Flux2: skipped, SesquiLSR reaches factors in [1, 2]" in capsys.readouterr().out
+
+
+def test_eval_sesqui_needs_the_flux2_vae_and_its_file(photos, sesqui_file, flux2_vae_dir, shared, tmp_path, capsys):
+    args = ["--dataset", str(photos), "--scale", "2", "--quiet", "--device", "cpu", "-o", str(tmp_path / "o")]
+    code = main(["eval", "--run", f"sesqui:{sesqui_file}", "--vae", str(shared / "models" / "taef2"), *args])
+    err = capsys.readouterr().err
+    assert code != 0 and "BN statistics" in err and len(err.strip().splitlines()) == 1
+    missing = tmp_path / "upscaler_Flux2.safetensors"
+    code = main(["eval", "--run", f"sesqui:{missing}", "--vae", str(flux2_vae_dir), *args])
+    err = capsys.readouterr().err
+    assert code != 0 and "models/ folder" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o" / "results.json").exists()

@@ -68,6 +68,7 @@ def markdown_table(report: EvalReport) -> str:
             lines.append("| " + " | ".join(cells) + " |")
     n = len(next(iter(report.results.values()), {}))
     notes = [f"{info['labels']}: {info['note']}" for info in (report.config.get("spandrel") or {}).values()]
+    notes += [f"{label}: skipped, {reason}" for label, reason in (report.config.get("skipped") or {}).items()]
     return (
         "\n".join(lines)
         + f"\n\n{n} image(s); drift and PSNR in at input scale (INTER_AREA), Lab units"
