@@ -67,9 +67,11 @@ def test_constants():
     assert FlowUpscalerPipeline.MAX_OUTPUT_SIDE == 16384 and FlowUpscalerPipeline.LOWFREQ_FACTOR == 8
     assert [passes_for_scale(s) for s in (2, 4, 8)] == [1, 2, 3]
     # the one rule is "the fewest 2x passes that reach the scale", so it also serves a scale between powers of two
-    assert [passes_for_scale(s) for s in (1.5, 3, 5, 6.0, 16)] == [1, 2, 3, 3, 4]
-    for bad in (1, 0, -2, float("nan"), float("inf"), True, "2"):
-        with pytest.raises(FlowliftError, match="scale must be a finite number above 1"):
+    assert [passes_for_scale(s) for s in (1, 1.5, 3, 5, 6.0, 16)] == [1, 1, 2, 3, 3, 4]
+    # a latent step that does the fraction in [1, 2) last (SesquiLSR): one pass fewer unless a power of two
+    assert [passes_for_scale(s, fraction_last=True) for s in (1.5, 2, 3, 4, 6, 8)] == [0, 1, 1, 2, 2, 3]
+    for bad in (0.99, 0, -2, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(FlowliftError, match="scale must be a finite number of at least 1"):
             passes_for_scale(bad)
 
 

@@ -67,20 +67,25 @@ _UNITS = {
 }  # fmt: skip
 
 
-def passes_for_scale(scale: float) -> int:
+def passes_for_scale(scale: float, *, fraction_last: bool = False) -> int:
     """The fewest 2x passes that reach ``scale``: the least ``n >= 1`` with ``2**n >= scale`` (2 -> 1, 4 -> 2,
-    8 -> 3). Every pass doubles both sides; a scale between two powers of two takes the larger (3 -> 2), and the
-    caller brings the result down to its size. Which scales a door offers is its knob's domain
-    (:data:`flowlift.knobs.SCALE`); anything not a finite number above 1 is one line here.
+    8 -> 3). Every pass doubles both sides; a scale between two powers of two takes the larger (3 -> 2, 1.5 -> 1,
+    1 -> 1), and the caller resamples the result down to its size (``flowlift upscale``). With ``fraction_last``
+    (a latent upscaler that does any factor in [1, 2] as the last step: ``hires --latent-upscaler sesqui:PATH``)
+    a scale that is not a power of two takes one pass fewer and leaves the fraction ``scale / 2**n`` in (1, 2)
+    to that step (1.5 -> 0, 3 -> 1, 6 -> 2). Which scales a door offers is its knob's domain
+    (:data:`flowlift.knobs.SCALE`); anything not a finite number of at least 1 is one line here.
     """
     import math
     import numbers
 
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 1:
-        raise FlowliftError(f"scale must be a finite number above 1, got {scale!r}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale < 1:
+        raise FlowliftError(f"scale must be a finite number of at least 1, got {scale!r}")
     passes = 1
     while 2**passes < scale:
         passes += 1
+    if fraction_last and 2**passes != scale:
+        passes -= 1
     return passes
 
 

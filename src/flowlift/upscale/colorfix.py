@@ -16,6 +16,7 @@ All functions are pure; nothing is cached between calls.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -159,6 +160,64 @@ def integer_area_tridiagonal(n_coarse: int, factor: int) -> torch.Tensor:
     return bands
 
 
+def box_taps(n_out: int, n_in: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact area (box) downsampling ``n_in -> n_out``, ``n_in >= n_out``, as taps: ``(index, weight)``, both
+    ``(n_out, K)``. Output ``j`` integrates the input over ``[j r, (j + 1) r)`` with ``r = n_in / n_out``: sample
+    ``p`` weighs ``|[p, p + 1) ∩ [j r, (j + 1) r)| / r``, so every row sums to 1 and every input sample's weights
+    sum to ``1 / r`` (the mean is kept exactly; the block mean for an integer ``r``). Unused taps: weight 0."""
+    if n_in < n_out:
+        raise ValueError(f"box_taps: {n_in} samples cannot be area-downsampled to {n_out}")
+    ratio = n_in / n_out
+    first = torch.tensor([j * n_in // n_out for j in range(n_out)], dtype=torch.int64)
+    width = int(math.ceil(ratio)) + 1
+    index = (first[:, None] + torch.arange(width)).clamp_max(n_in - 1)
+    left = torch.arange(n_out, dtype=torch.float64)[:, None] * ratio
+    low = torch.maximum(index.to(torch.float64), left)
+    high = torch.minimum(index.to(torch.float64) + 1, left + ratio)
+    weight = (high - low).clamp_min(0.0) / ratio
+    weight[:, 1:] *= (index[:, 1:] != index[:, :-1]).to(torch.float64)  # the clamped repeats of the last sample
+    return index, weight
+
+
+def box_downsample(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Exact area downsample of ``(..., H, W)`` to ``size`` (:func:`box_taps` per axis), float32."""
+    x = x.to(torch.float32)
+    for dim, n_out in ((-2, size[0]), (-1, size[1])):
+        index, weight = (t.to(x.device) for t in box_taps(n_out, x.shape[dim]))
+        moved = x.movedim(dim, -1)
+        moved = (moved[..., index] * weight.to(torch.float32)).sum(-1)
+        x = moved.movedim(-1, dim)
+    return x
+
+
+def box_linear_tridiagonal(n_coarse: int, n_fine: int) -> torch.Tensor:
+    """Bands of ``A = D U`` for any ``n_fine >= n_coarse``: ``(n, 3)`` float64 = (sub, diagonal, super).
+
+    ``D`` is the exact area downsample ``n_fine -> n_coarse`` (:func:`box_taps`), ``U`` bilinear upsampling
+    ``n_coarse -> n_fine`` (:func:`linear_taps`): ``A[i, k] = sum_t weight[i, t] U[index[i, t], k]``. A fine
+    sample of window ``i`` has its bilinear source ``(r + 1/2) n_coarse / n_fine - 1/2`` within ``(i - 1, i + 1)``,
+    so ``A`` is tridiagonal; for an integer ratio it equals :func:`integer_area_tridiagonal`.
+    """
+    index, weight = box_taps(n_coarse, n_fine)
+    i0, i1, w1 = linear_taps(n_fine, n_coarse)
+    rows = torch.arange(n_coarse)[:, None].expand_as(index)
+    bands = torch.zeros(n_coarse, 3, dtype=torch.float64)
+    used = weight > 0
+    for column, share in ((i0[index], 1.0 - w1[index]), (i1[index], w1[index])):
+        offset = column - rows + 1
+        if offset[used].min() < 0 or offset[used].max() > 2:
+            raise AssertionError("bilinear-up/area-down is not tridiagonal")  # cannot happen for n_fine >= n_coarse
+        bands.index_put_((rows[used], offset[used]), (share * weight)[used], accumulate=True)
+    return bands
+
+
+def _box_rows(index: torch.Tensor, weight: torch.Tensor, f0: int, f1: int) -> torch.Tensor:
+    """Rows of the area matrix of :func:`box_taps` restricted to the fine samples ``f0:f1`` (dense, float32)."""
+    dense = torch.zeros(index.shape[0], f1 - f0, dtype=torch.float64)
+    dense.scatter_add_(1, (index - f0).clamp(0, f1 - f0 - 1), weight)
+    return dense.to(torch.float32)
+
+
 def solve_tridiagonal(bands: torch.Tensor, rhs: torch.Tensor, dim: int) -> torch.Tensor:
     """Solve ``A x = rhs`` along ``dim`` for tridiagonal ``A`` given as ``(n, 3)`` (sub, diag, super).
 
@@ -214,8 +273,13 @@ def lab_lowband_transplant(
 ) -> torch.Tensor:
     """Stage 2: pin the output's colour and tone below the reference's Nyquist, in CIE L*a*b*.
 
-    ``output`` (B, 3, H, W) and ``reference`` (B, 3, h, w) are RGB in [0, 1] with ``H = s_h h`` and
-    ``W = s_w w`` for integers ``s_h, s_w``. With ``D`` the block mean (area downsample, in RGB),
+    ``output`` (B, 3, H, W) and ``reference`` (B, 3, h, w) are RGB in [0, 1] with ``H >= h`` and ``W >= w``
+    (integer multiples ``H = s_h h``, ``W = s_w w`` from the 2x passes, or any larger size: ``flowlift upscale
+    --scale 3``'s resampled output). Off the integer ratios the low band's grid ``h x w`` is per side the
+    reference's, or half the output's where that is smaller (``min(h, H // 2)``; the reference is area-downsampled
+    to it): a grid within 2x of the output would make ``A`` ill-conditioned (``H = h + 1``: the correction is
+    nearly the whole image). With ``D`` the area downsample to ``h x w`` (in RGB: the block mean for
+    integer ratios, else the exact box integral of :func:`box_taps`, which keeps the mean exactly),
     ``Lab`` the sRGB -> CIE L*a*b* (D65) conversion, ``U`` bilinear upsampling and ``A = D U``::
 
         target = Lab(D out) + strength * (Lab(reference) - Lab(D out))
@@ -239,11 +303,15 @@ def lab_lowband_transplant(
         )
     batch, _, height, width = output.shape
     h, w = reference.shape[-2:]
-    if reference.shape[0] != batch or height % h or width % w:
+    if reference.shape[0] != batch or height < h or width < w:
         raise ValueError(
-            f"lab_lowband_transplant: output {height}x{width} is not an integer multiple of the "
-            f"reference {h}x{w} (or the batch sizes differ)"
+            f"lab_lowband_transplant: output {height}x{width} is smaller than the reference {h}x{w} "
+            f"(or the batch sizes differ)"
         )
+    integer = height % h == 0 and width % w == 0  # the passes' own sizes: the block mean, as always
+    if not integer:  # the low band's grid: the reference's, or half the output's where that is coarser
+        h, w = (n if out == n else min(n, out // 2) for n, out in ((h, height), (w, width)))
+        reference = box_downsample(reference, (h, w))
     s_h, s_w = height // h, width // w
     device = output.device
     if inplace and output.dtype != torch.float32:
@@ -253,11 +321,15 @@ def lab_lowband_transplant(
         return output.clamp_(0.0, 1.0) if inplace else output.to(torch.float32).clamp(0.0, 1.0)
 
     solve = _solve_dtype(device)
-    bands_h = integer_area_tridiagonal(h, s_h)
-    bands_w = integer_area_tridiagonal(w, s_w)
+    if integer:
+        bands_h, bands_w = integer_area_tridiagonal(h, s_h), integer_area_tridiagonal(w, s_w)
+    else:
+        bands_h, bands_w = box_linear_tridiagonal(h, height), box_linear_tridiagonal(w, width)
     taps_h = linear_taps(height, h, device)
     taps_w = linear_taps(width, w, device)
     rows_per_strip = max(s_h, (strip_pixels // max(width, 1)) // s_h * s_h)
+    box_h = box_taps(h, height)
+    coarse_rows = max(1, strip_pixels // max(width, 1) // (s_h + 1))  # coarse rows per strip off the integers
 
     def strip(r0: int, r1: int, coarse: torch.Tensor | None) -> torch.Tensor:
         if on_strip is not None:
@@ -270,9 +342,17 @@ def lab_lowband_transplant(
 
     def down_lab(coarse: torch.Tensor | None) -> torch.Tensor:
         low = torch.empty(batch, 3, h, w, dtype=torch.float32, device=device)
-        for r0 in range(0, height, rows_per_strip):
-            r1 = min(height, r0 + rows_per_strip)
-            low[:, :, r0 // s_h : r1 // s_h] = F.avg_pool2d(strip(r0, r1, coarse), (s_h, s_w))
+        if integer:
+            for r0 in range(0, height, rows_per_strip):
+                r1 = min(height, r0 + rows_per_strip)
+                low[:, :, r0 // s_h : r1 // s_h] = F.avg_pool2d(strip(r0, r1, coarse), (s_h, s_w))
+            return _rgb_to_lab(low)
+        index, weight = box_h
+        for c0 in range(0, h, coarse_rows):  # each strip holds whole row windows (neighbours share a row)
+            c1 = min(h, c0 + coarse_rows)
+            f0, f1 = int(index[c0, 0]), int(index[c1 - 1].max()) + 1
+            rows = box_downsample(strip(f0, f1, coarse), (f1 - f0, w))  # the width's windows
+            low[:, :, c0:c1] = torch.matmul(_box_rows(index[c0:c1], weight[c0:c1], f0, f1).to(device), rows)
         return _rgb_to_lab(low)
 
     reference_lab = _rgb_to_lab(reference.to(device=device, dtype=torch.float32).clamp(0.0, 1.0))
