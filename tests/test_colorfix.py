@@ -186,9 +186,39 @@ def test_stage2_strips_do_not_change_the_result(synthetic_drift):
     torch.testing.assert_close(inplace, whole, atol=1e-5, rtol=0)
 
 
-def test_stage2_rejects_non_integer_scale():
-    with pytest.raises(ValueError):
-        lab_lowband_transplant(torch.rand(1, 3, 30, 40), torch.rand(1, 3, 8, 10))
+def test_stage2_rejects_an_output_smaller_than_the_reference():
+    with pytest.raises(ValueError, match="smaller than the reference"):
+        lab_lowband_transplant(torch.rand(1, 3, 30, 40), torch.rand(1, 3, 32, 10))
+
+
+def _exact_area(n_out: int, n_in: int) -> torch.Tensor:
+    """An independent dense exact-area matrix: row j integrates [j r, (j + 1) r) of the input, r = n_in / n_out."""
+    ratio = n_in / n_out
+    rows = [[max(0.0, min(p + 1, (j + 1) * ratio) - max(p, j * ratio)) / ratio for p in range(n_in)]
+            for j in range(n_out)]  # fmt: skip
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("size", [(60, 90), (41, 61), (40, 61), (100, 150), (120, 170)])
+def test_stage2_off_the_integer_ratios_pins_the_mean_and_the_low_band(size):
+    # flowlift upscale --scale 1.5 / 3 / --size: the output is any size at or above the reference's. The cast must
+    # go: after an exact area downsample back, the mean matches the reference within 0.1/255 (it was 0.15-0.2 off).
+    from flowlift.upscale.colorfix import box_linear_tridiagonal, linear_matrix
+
+    gen = torch.Generator().manual_seed(3)
+    reference = F.avg_pool2d(F.pad(torch.rand(1, 3, 40, 60, generator=gen), (2, 2, 2, 2), mode="reflect"), 5, 1)
+    output = F.interpolate(reference, size=size, mode="bicubic", antialias=True).clamp(0, 1)
+    output = (0.8 * output + 0.15 + 0.05 * torch.rand(output.shape, generator=gen)).clamp(0, 1)
+    result = lab_lowband_transplant(output, reference, strip_pixels=1000)  # several strips
+    assert result.shape == output.shape and torch.isfinite(result).all()
+    back = _exact_area(40, size[0]) @ result.double() @ _exact_area(60, size[1]).T
+    assert (back - reference.double()).mean(dim=(0, 2, 3)).abs().max() * 255 <= 0.1
+    assert (output.mean(dim=(0, 2, 3)) - reference.mean(dim=(0, 2, 3))).abs().max() * 255 > 10  # there was a cast
+    # the solve's matrix is D U with D the exact area downsample (tridiagonal at every ratio >= 1)
+    for n_coarse, n_fine in ((10, 15), (7, 10), (50, 103), (97, 101)):
+        bands = box_linear_tridiagonal(n_coarse, n_fine)
+        full = torch.diag(bands[:, 1]) + torch.diag(bands[1:, 0], -1) + torch.diag(bands[:-1, 2], 1)
+        assert torch.allclose(full, _exact_area(n_coarse, n_fine) @ linear_matrix(n_fine, n_coarse), atol=1e-12)
 
 
 @pytest.mark.parametrize("strength", [float("nan"), float("inf"), -0.5, 1.5])

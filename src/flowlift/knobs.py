@@ -246,15 +246,21 @@ def check_overwrite(value: Any) -> bool:
 
 
 #: The upscale factor, declared once for both of its owners: ``flowlift upscale --scale`` (the upscaler's table)
-#: and the hires fix's upscale (the refiner's ``hires_scale`` is this knob under its own name).
+#: and the hires fix's upscale (the refiner's ``hires_scale`` is this knob under its own name). Any real factor in
+#: [1, 8]: 2, 4 and 8 are one, two and three 2x passes; any other factor takes the fewest passes that reach it
+#: (:func:`flowlift.limits.passes_for_scale`) and is resampled to its size. ``extra["presets"]``: the factors the
+#: pages offer as one click (the Refine tab's "hires fix 2x/4x/8x" modes).
 SCALE = Knob(
     "scale",
-    int,
-    2,
-    "upscale factor: 2x per pass (2 = one pass, 4 = two, 8 = three)",
-    choices=(2, 4, 8),  # each Flow Upscaler pass doubles both sides: flowlift.limits.passes_for_scale
+    float,
+    2.0,
+    "upscale factor in [1, 8]: 2x per pass (2 = one pass, 4 = two, 8 = three); any other factor runs the fewest "
+    "passes that reach it, then resamples to the exact size",
+    low=1.0,
+    high=8.0,
+    step=0.05,
     unit="x",
-    extra={"labels": ("2x", "4x", "8x")},
+    extra={"presets": (2, 4, 8)},
 )
 #: Stage 1 of the colour fix, run after every upscale pass: the upscaler's and the hires fix's.
 TRANSPLANT_STRENGTH = Knob(

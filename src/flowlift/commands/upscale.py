@@ -1,9 +1,11 @@
 """``flowlift upscale``: images in, 2x/4x/8x images out (Flow Upscaler + two-stage colour fix).
 
+``--scale`` takes any factor in [1, 8] and ``--long-side N`` / ``--size WxH`` name the output size: the fewest
+2x passes that reach it, then an antialiased resample to exactly that size, stage 2 against the input at it.
 Inputs are files, folders (their images, not recursive) or glob patterns. Each output is written
-atomically (temporary file + rename) as ``OUT/<stem>_x<scale>.<format>`` (next to the input without
-``-o``); existing outputs are skipped unless ``--overwrite``, so an interrupted batch resumes where
-it stopped, and an output path that is one of the inputs is refused. A bad input prints one line and
+atomically (temporary file + rename) as ``OUT/<stem>_x<scale>.<format>`` (``_x3``, ``_x1.5``; ``_<W>x<H>`` for
+a size; next to the input without ``-o``); existing outputs are skipped unless ``--overwrite``, so an
+interrupted batch resumes where it stopped, and an output path that is one of the inputs is refused. A bad input prints one line and
 the batch goes on; the exit status is 1 when any image failed.
 """
 
@@ -31,12 +33,23 @@ from flowlift.knobs import SEED
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH, RESIZE_MODE, SCALE, TRANSPLANT_STRENGTH
 
 NAME = "upscale"
-HELP = "upscale images 2x/4x/8x with the Flow Upscaler, colour drift corrected"
+HELP = "upscale images 2x/4x/8x (or any factor up to 8x, or a size) with the Flow Upscaler, colour drift corrected"
 EXAMPLES = examples(
     "flowlift upscale photo.png --scale 4                       # -> photo_x4.png next to it",
+    "flowlift upscale photo.png --long-side 3840                # -> photo_3840x2560.png (a 1536x1024 input)",
     'flowlift upscale photos/ "more/*.jpg" -o out/ --vae taef2   # a batch; rerun to resume',
     "flowlift upscale photo.png -o big.jpg --quality 90         # format from -o, ICC profile and EXIF kept",
 )
+
+
+def size_value(text: str) -> tuple[int, int]:
+    """``--size WxH``: (width, height) in pixels (:func:`flowlift.upscale.asked_size.parse_size`)."""
+    from flowlift.upscale.asked_size import parse_size
+
+    try:
+        return parse_size(text)
+    except FlowliftError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("size ")) from None
 
 
 def settings_from_args(args: argparse.Namespace):
@@ -67,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # --scale's default is applied in run(): a default here would hide "--scale 2 --passes 3" from the group
     add_knob(scale, SCALE, default=None, help=f"{SCALE.help} (default {DEFAULT_SCALE})")
     scale.add_argument("--passes", type=positive_int, metavar="N", help="number of 2x passes (scale 2**N)")
+    scale.add_argument("--long-side", type=positive_int, metavar="N",
+                       help="output long side in px (the fewest passes that reach it, then resampled)")  # fmt: skip
+    scale.add_argument("--size", type=size_value, metavar="WxH",
+                       help="output size in px, e.g. 3840x2560 (the fewest passes that reach it, resampled)")  # fmt: skip
     add_knob(parser, SEED, metavar="SEED")
     parser.add_argument("--no-color-fix", action="store_true", help="switch both colour-drift stages off")
     add_knob(parser, TRANSPLANT_STRENGTH)
@@ -164,7 +181,6 @@ def _upscale(args: argparse.Namespace) -> int:
     """The options as one :class:`~flowlift.upscale.plan.UpscaleRequest`, planned and run by
     :func:`flowlift.upscale.plan.run_upscale`."""
     from flowlift.files.image_outputs import output_format
-    from flowlift.limits import passes_for_scale
     from flowlift.upscale.plan import UpscaleRequest, run_upscale
 
     if not args.inputs:
@@ -172,10 +188,14 @@ def _upscale(args: argparse.Namespace) -> int:
     device, dtype = resolve_device_dtype(args.device, args.dtype, cpu_bf16=True)  # bad --device: one line, first
     _check_output_option(args.output)
     settings = settings_from_args(args)
+    scale = None if args.passes is not None or args.long_side or args.size else args.scale or DEFAULT_SCALE
     request = UpscaleRequest(
         inputs=args.inputs,
         output=args.output,
-        passes=args.passes if args.passes is not None else passes_for_scale(args.scale or DEFAULT_SCALE),
+        passes=args.passes,
+        scale=scale,
+        long_side=args.long_side,
+        size=args.size,
         output_format=output_format(args.output, args.format),
         settings=settings,
         overwrite=args.overwrite,

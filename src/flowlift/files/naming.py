@@ -21,14 +21,17 @@ from pathlib import Path
 
 from flowlift.errors import FlowliftError
 
-_UPSCALED = re.compile(r"^(?P<stem>.+)_x(?P<scale>[1-9][0-9]*)$")
+_UPSCALED = re.compile(r"^(?P<stem>.+)_(?:x(?P<scale>[1-9][0-9]*(?:\.[0-9]+)?)|(?P<w>[1-9][0-9]*)x(?P<h>[1-9][0-9]*))$")
 #: What ``flowlift colorfix`` appends to the stem of the image it fixed.
 COLORFIX_SUFFIX = "_colorfix"
 
 
-def upscaled_name(stem: str, scale: int, fmt: str) -> str:
-    """``<stem>_x<scale>.<fmt>``, the file name of ``stem``'s output at ``scale``."""
-    return f"{stem}_x{int(scale)}.{fmt.lstrip('.')}"
+def upscaled_name(stem: str, scale: float | tuple[int, int], fmt: str) -> str:
+    """``<stem>_x<scale>.<fmt>``, the file name of ``stem``'s output at ``scale`` (``_x4``, ``_x1.5``), or
+    ``<stem>_<W>x<H>.<fmt>`` for an output asked by its size (a (width, height) pair: ``--long-side``, ``--size``)."""
+    if isinstance(scale, tuple):
+        return f"{stem}_{scale[0]}x{scale[1]}.{fmt.lstrip('.')}"
+    return f"{stem}_x{float(scale):g}.{fmt.lstrip('.')}"
 
 
 def colorfix_name(stem: str, fmt: str) -> str:
@@ -45,12 +48,16 @@ def refined_output(image: str | None, suffix: str) -> Path:
     return Path(f"flowlift_{suffix}.png")
 
 
-def parse_upscaled_stem(stem: str) -> tuple[str, int] | None:
-    """``("kodim01", 2)`` for ``"kodim01_x2"``; None when ``stem`` has no ``_x<N>`` suffix."""
+def parse_upscaled_stem(stem: str) -> tuple[str, float | tuple[int, int]] | None:
+    """``("kodim01", 2)`` for ``"kodim01_x2"``, ``("a", 1.5)`` for ``"a_x1.5"``, ``("a", (3840, 2560))`` for
+    ``"a_3840x2560"``; None when ``stem`` has none of these suffixes."""
     match = _UPSCALED.match(stem)
     if match is None:
         return None
-    return match["stem"], int(match["scale"])
+    if match["scale"] is None:
+        return match["stem"], (int(match["w"]), int(match["h"]))
+    scale = float(match["scale"])
+    return match["stem"], int(scale) if scale.is_integer() else scale
 
 
 def index_by_stem(paths: Sequence[Path], what: str) -> dict[str, Path]:

@@ -327,7 +327,7 @@ def output_name(stem: str, scale: float) -> str:
     """``<stem>_x<scale>.png`` (``_x4``, ``_x1.5``): a saved output's file name."""
     from flowlift.files.naming import upscaled_name
 
-    return upscaled_name(stem, int(scale), "png") if float(scale).is_integer() else f"{stem}_x{scale:g}.png"
+    return upscaled_name(stem, scale, "png")
 
 
 def _sesqui_identity(path: str) -> str | None:

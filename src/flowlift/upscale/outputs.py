@@ -46,16 +46,25 @@ class UpscaleSettings:
 
 
 def output_metadata(
-    settings: UpscaleSettings, passes: int, source: Path, hashes: dict[str, str], pipeline: Any
+    settings: UpscaleSettings,
+    passes: int,
+    source: Path,
+    hashes: dict[str, str],
+    pipeline: Any,
+    asked: Any = None,
+    size: tuple[int, int] | None = None,
 ) -> dict[str, object]:
-    """The output file's metadata: parameters, what ran, weight and source hashes."""
+    """The output file's metadata: parameters, what ran, weight and source hashes. ``asked`` (an
+    :class:`~flowlift.upscale.asked_size.AskedSize` that is not a power of two) and ``size`` (the output's
+    (width, height)): recorded as asked, beside the passes that ran before the resample to that size."""
     from flowlift.files.image_outputs import file_sha256
     from flowlift.version import __version__
 
+    request = {"scale": 2**passes} if asked is None else {**asked.record(), "size": list(size)}
     return {
         "Software": f"flowlift {__version__} upscale",
         "flowlift.parameters": {
-            "scale": 2**passes,
+            **request,
             "passes": passes,
             "seed": settings.seed,
             "color_fix": settings.color_fix,
@@ -79,9 +88,9 @@ def model_hashes(pipeline: Any) -> dict[str, dict[str, str]]:
     return {role: {p.name: file_sha256(p) for p in paths} for role, paths in pipeline.model_files().items() if paths}
 
 
-def output_name(source: Path, scale: int, output_format: str | None = "png") -> str:
-    """The file name of ``source``'s result: ``<stem>_x<scale>.<format>`` (also the web app's names;
-    no format: png)."""
+def output_name(source: Path, scale: float | tuple[int, int], output_format: str | None = "png") -> str:
+    """The file name of ``source``'s result: ``<stem>_x<scale>.<format>`` (``_x4``, ``_x1.5``), or
+    ``<stem>_<W>x<H>.<format>`` for a (width, height) (also the web app's names; no format: png)."""
     from flowlift.files.naming import upscaled_name
 
     return upscaled_name(source.stem, scale, output_format or "png")
@@ -138,6 +147,8 @@ def upscale_file(
     hashes: dict[str, dict[str, str]],
     on_stage: Callable[[str], None] | None = None,
     on_decode_tile: Callable[[int, int], None] | None = None,
+    resample_to: tuple[int, int] | None = None,
+    asked: Any = None,
 ) -> tuple[Any, Any, list[str]]:
     """Load ``source``, upscale it with ``settings``, write ``out`` atomically with the metadata.
 
@@ -155,9 +166,11 @@ def upscale_file(
             callback=on_stage,
             on_decode_tile=on_decode_tile,
             output_type="pt",
+            output_size=resample_to,
             **settings.pipeline_options(),
         )
-    picture = save_result(pipeline, settings, source, out, loaded, result, hashes)
+    ran = passes if resample_to is not None else None
+    picture = save_result(pipeline, settings, source, out, loaded, result, hashes, ran, asked)
     return loaded.image, picture, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
 
 
@@ -169,17 +182,23 @@ def save_result(
     loaded: SourcePixels,
     result: Any,
     hashes: dict,
+    passes: int | None = None,
+    asked: Any = None,
 ) -> Any:
     """Write ``result`` (a float (1, 3, H, W) tensor upscaled from ``loaded``) atomically with its
     metadata, named in the metadata by the passes that actually ran (fewer when MAX_OUTPUT_SIDE
-    dropped some); 16-bit when ``loaded`` is. Returns the result as an 8-bit Pillow image (previews)."""
+    dropped some; ``passes`` and ``asked`` given: resampled to an asked size); 16-bit when ``loaded`` is. Returns
+    the result as an 8-bit Pillow image (previews)."""
     from flowlift.files.image_outputs import save_image_atomic
     from flowlift.files.images import attach_alpha, tensor_to_pil
     from flowlift.files.sixteen_bit import resize_alpha16, save_image16_atomic, tensor_to_uint16
 
     picture = attach_alpha(tensor_to_pil(result), loaded.alpha)
-    done = max(0, round(math.log2(max(picture.size[0] / loaded.image.size[0], 1.0))))
-    metadata = output_metadata(settings, done, source, hashes, pipeline)
+    if passes is None:  # the passes' own size: named by what ran
+        done = max(0, round(math.log2(max(picture.size[0] / loaded.image.size[0], 1.0))))
+        metadata = output_metadata(settings, done, source, hashes, pipeline)
+    else:  # resampled to an asked size: the request and the passes before the resample
+        metadata = output_metadata(settings, passes, source, hashes, pipeline, asked, picture.size)
     if loaded.sixteen_bit:
         alpha16 = None if loaded.alpha16 is None else resize_alpha16(loaded.alpha16, picture.size)
         save_image16_atomic(tensor_to_uint16(result), alpha16, out, metadata, source=source)
@@ -203,6 +222,8 @@ def batched_process(
     *,
     batch_size: int,
     overwrite: bool,
+    resample_to: Callable[[Path], tuple[int, int] | None] | None = None,
+    asked: Any = None,
 ) -> Any:
     """``--batch-size N``: same-size inputs through the pipeline together (:mod:`flowlift.upscale.batches`).
 
@@ -217,21 +238,24 @@ def batched_process(
     from flowlift.jobs.batch import pending, report
     from flowlift.upscale.batches import SameSizeBatches
 
-    def compute(paths: list[Path]) -> list[tuple[Any, SourcePixels, list[str]]]:
+    def compute(paths: list[Path]) -> list[tuple[Any, SourcePixels, list[str], int | None]]:
         loaded = [read_source(path, job_output[path]) for path in paths]
         images = torch.cat([to_tensor(item.pixels) for item in loaded])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", UserWarning)
             count = passes(paths[0]) if callable(passes) else passes
-            result = pipeline.upscale_image(images, num_passes=count, output_type="pt", **settings.pipeline_options())
+            size = None if resample_to is None else resample_to(paths[0])  # same-size inputs: the same size out
+            result = pipeline.upscale_image(images, num_passes=count, output_type="pt", output_size=size,
+                                            **settings.pipeline_options())  # fmt: skip
         notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-        return [(result[i : i + 1], item, notes) for i, item in enumerate(loaded)]
+        ran = None if size is None else count
+        return [(result[i : i + 1], item, notes, ran) for i, item in enumerate(loaded)]
 
-    def save(path: Path, out: Path, item: tuple[Any, SourcePixels, list[str]]) -> None:
-        result, loaded, notes = item
+    def save(path: Path, out: Path, item: tuple[Any, SourcePixels, list[str], int | None]) -> None:
+        result, loaded, notes, ran = item
         for note in notes:
             report("upscale", path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
-        save_result(pipeline, settings, path, out, loaded, result, hashes)
+        save_result(pipeline, settings, path, out, loaded, result, hashes, ran, asked)
 
     job_output = {job.source: job.output for job in jobs if job.output is not None}
     todo = [job.source for job in pending(jobs, overwrite)]

@@ -60,6 +60,7 @@ from flowlift.upscale.sizes import (
     pass_noise,
     planned_passes,
     resample_to_multiple,
+    resample_to_size,
 )
 from flowlift.upscale.unet_runner import CompiledUNet, default_channels_last, velocity_model
 
@@ -203,9 +204,11 @@ class FlowUpscalerPipeline:
             on_strip=with_check(self.check_interrupt, self.on_strip),
         )
 
-    def plan_memory(self, height: int, width: int, num_passes: int, batch: int = 1) -> UpscaleMemoryPlan | None:
+    def plan_memory(self, height: int, width: int, num_passes: int, batch: int = 1,
+                    final_size: tuple[int, int] | None = None) -> UpscaleMemoryPlan | None:  # fmt: skip
         """The :func:`flowlift.upscale.memory_plan.plan_upscale_memory` plan for a (batch, 3, height, width) model input
-        under ``max_memory`` (None without a budget); a budget too small is a FlowliftError."""
+        (resampled to ``final_size`` before stage 2, when given) under ``max_memory`` (None without a budget); a
+        budget too small is a FlowliftError."""
         if self.max_memory is None:
             return None
         return plan_upscale_memory(
@@ -221,6 +224,7 @@ class FlowUpscalerPipeline:
             vae_dtype=self._vae_dtype(),
             vae_weight_bytes=model_bytes(self.vae),
             spatial_factor=self.spatial_factor,
+            final_size=final_size,
         )
 
     def plan_passes(self, image_height: int, image_width: int, num_passes: int, resize_mode: str = "pad") -> int:
@@ -343,6 +347,7 @@ class FlowUpscalerPipeline:
         output_type: str = "pil",
         callback: Callable[[str], None] | None = None,
         on_decode_tile: Callable[[int, int], None] | None = None,
+        output_size: tuple[int, int] | None = None,
     ) -> Any:
         """Encode -> passes -> decode -> stage 2 -> image ``2**passes`` times the input's size.
 
@@ -354,6 +359,9 @@ class FlowUpscalerPipeline:
         ``callback(stage)`` is called after each stage (``"encode"``, ``"pass i/n"``, ``"decode"``,
         ``"color fix"``) and ``on_decode_tile(done, total)`` after each tile of the VAE decode (one for
         an untiled decode); both only report progress (an exception they raise stops the run).
+        ``output_size`` (width, height) at or above the input's: the decoded frame is resampled to exactly that
+        size (:func:`flowlift.upscale.sizes.resample_to_size`) and stage 2 pins it to the input (``--scale 3``:
+        ``num_passes=2``, then down to 3x); None is the passes' own size.
         """
         if output_type not in ("pil", "pt"):
             raise FlowliftError(f"output_type must be 'pil' or 'pt', got {output_type!r}")
@@ -361,9 +369,13 @@ class FlowUpscalerPipeline:
         TRANSPLANT_STRENGTH.check(transplant_strength)  # before the encoder runs
         seed = check_seed(seed)
         original, prepared = self.prepare_image(image, resize_mode)
+        if output_size is not None and (output_size[0] < original.shape[-1] or output_size[1] < original.shape[-2]):
+            raise FlowliftError(f"output_size {output_size[0]}x{output_size[1]} is below the "
+                                f"{original.shape[-1]}x{original.shape[-2]} input")  # fmt: skip
         with self._cancel_points():
             result = self._image_stages(original, prepared, num_passes, seed, color_fix, transplant_strength,
-                                        color_fix_strength, resize_mode, callback, on_decode_tile)  # fmt: skip
+                                        color_fix_strength, resize_mode, callback, on_decode_tile,
+                                        output_size)  # fmt: skip
         if output_type == "pt":
             return result
         from flowlift.files.images import attach_alpha, tensor_to_pil
@@ -372,8 +384,8 @@ class FlowUpscalerPipeline:
         pictures = [attach_alpha(tensor_to_pil(result[i : i + 1]), alpha) for i in range(result.shape[0])]
         return pictures[0] if len(pictures) == 1 else pictures
 
-    def _image_stages(self, original, prepared, num_passes, seed, color_fix, transplant_strength,
-                      color_fix_strength, resize_mode, callback, on_decode_tile) -> torch.Tensor:  # fmt: skip
+    def _image_stages(self, original, prepared, num_passes, seed, color_fix, transplant_strength, color_fix_strength,
+                      resize_mode, callback, on_decode_tile, output_size=None) -> torch.Tensor:  # fmt: skip
         """upscale_image's stages: encode, passes, decode, stage 2; float32 (B, 3, H, W) in [0, 1]."""
         passes = self.plan_passes(original.shape[-2], original.shape[-1], num_passes, resize_mode)
         latents = self._vae_call("encode", prepared.to(self._vae_dtype())).to(torch.float32)
@@ -388,7 +400,7 @@ class FlowUpscalerPipeline:
             color_fix=color_fix,
             callback=callback,
         )
-        plan = self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0])
+        plan = self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0], output_size)
         self.last_plan = plan
         tiled = self.vae_tiled if self.vae_tiled is not None or plan is None else plan.vae_tiled
         decoded = self._vae_call("decode", latents.to(self._vae_dtype()), tiled=tiled, on_tile=on_decode_tile)
@@ -408,6 +420,9 @@ class FlowUpscalerPipeline:
                 f"VAE decoded {decoded.shape[-1]}x{decoded.shape[-2]}, expected at least {width}x{height}"
             )
         decoded = decoded[..., :height, :width]
+        if output_size is not None:  # the asked size: stage 2 against the input itself, at that size
+            decoded = resample_to_size(decoded, output_size[1], output_size[0])
+            reference = original
         if color_fix and color_fix_strength > 0:
             result = lab_lowband_transplant(
                 decoded, reference, color_fix_strength, inplace=True, on_strip=self.check_interrupt

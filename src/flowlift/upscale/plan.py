@@ -23,6 +23,7 @@ from flowlift.errors import FlowliftError
 from flowlift.jobs.batch import Job, Target, error_line, output_target, pending, plan_targets, report
 from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S, DistEnv
 from flowlift.knobs import OVERWRITE
+from flowlift.upscale.asked_size import AskedSize
 from flowlift.upscale.loading import DEFAULT_UPSCALER
 from flowlift.upscale.outputs import UpscaleSettings, output_name
 from flowlift.upscale.settings import RESIZE_MODE
@@ -39,11 +40,18 @@ FORMAT_MAX_SIDE = {".webp": 16383, ".jpg": 65535, ".jpeg": 65535}
 class UpscaleRequest:
     """Everything one ``flowlift upscale`` run asks for: the inputs (files, folders, glob patterns) and
     where their outputs go, the per-image :class:`UpscaleSettings`, the models and how they run, and the
-    batch's own options (``device``/``dtype`` already resolved; ``upscaler=None`` is the released weights)."""
+    batch's own options (``device``/``dtype`` already resolved; ``upscaler=None`` is the released weights).
+
+    The size, one of: ``passes`` (N 2x passes), ``scale`` (any factor in [1, 8]; 2, 4, 8 are the passes' own
+    output), ``long_side`` (pixels) or ``size`` ((width, height) or ``"WxH"``); none of them is ``scale=2``. Two
+    at once is one line (:attr:`asked`)."""
 
     inputs: Sequence[str]
     output: str | None = None
-    passes: int = 1
+    passes: int | None = None
+    scale: float | None = None
+    long_side: int | None = None
+    size: tuple[int, int] | str | None = None
     output_format: str = "png"
     settings: UpscaleSettings = field(default_factory=UpscaleSettings)
     overwrite: bool = False
@@ -59,50 +67,92 @@ class UpscaleRequest:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overwrite", OVERWRITE.check(self.overwrite))
+        self.asked  # noqa: B018  (a bad or doubled size is one line at construction)
+
+    @property
+    def asked(self) -> AskedSize:
+        """The request's size as one :class:`~flowlift.upscale.asked_size.AskedSize`."""
+        from flowlift.knobs import check_count
+
+        if self.passes is not None:
+            if any(value is not None for value in (self.scale, self.long_side, self.size)):
+                raise FlowliftError("give passes or a scale, long_side or size, not both")
+            return AskedSize.of_passes(max(1, check_count("passes", self.passes)))
+        if self.long_side is None and self.size is None:
+            return AskedSize(scale=2.0 if self.scale is None else self.scale)
+        return AskedSize(scale=self.scale, long_side=self.long_side, size=self.size)
 
 
 class OutputSizes:
-    """Per input, from its header only: the passes that will run (the cap may drop some), the scale
-    the output is named by, the (width, height) a complete output has, and the line that says when
-    the cap dropped passes (so that the command prints it before any work)."""
+    """Per input, from its header only: the passes that will run (the cap may drop some), what the output is
+    named by, the (width, height) a complete output has, whether the decoded frame is resampled to it, and the
+    line that says when the cap dropped passes (so that the command prints it before any work).
 
-    def __init__(self, passes: int, resize_mode: str) -> None:
-        self.passes = passes
+    ``asked``: an :class:`~flowlift.upscale.asked_size.AskedSize` (or a number of passes, the scale ``2**N``). A
+    power-of-two scale is the passes' own output, the cap dropping whole passes (named by the scale that ran);
+    any other request is its exact size, refused in one line when over 8x, over the cap or below the input.
+    """
+
+    def __init__(self, asked: AskedSize | int, resize_mode: str) -> None:
+        self.asked = asked if isinstance(asked, AskedSize) else AskedSize.of_passes(asked)
         self.resize_mode = resize_mode
-        self._cache: dict[Path, tuple[int, tuple[int, int] | None, str | None]] = {}
+        self._cache: dict[Path, tuple[int, tuple[int, int] | None, str | None, Any]] = {}
 
-    def _plan(self, path: Path) -> tuple[int, tuple[int, int] | None, str | None]:
+    @property
+    def passes(self) -> int:
+        """The passes of a power-of-two request (0 for any other: those depend on the input)."""
+        return self.asked.passes
+
+    def _plan(self, path: Path) -> tuple[int, tuple[int, int] | None, str | None, Any]:
         from flowlift.files.images import image_size
-        from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, dropped_passes_message, planned_passes, upscaled_size
 
         if path not in self._cache:
             try:
                 width, height = image_size(path)
             except FlowliftError:  # unreadable: named by the request, it fails in its own step (one line)
-                self._cache[path] = self.passes, None, None
+                self._cache[path] = max(1, self.passes), None, None, self.asked.named_by(self.asked.size or (0, 0))
                 return self._cache[path]
-            run = planned_passes(height, width, self.passes, self.resize_mode, MAX_OUTPUT_SIDE)
-            if run == 0:
-                raise FlowliftError(
-                    f"{path}: a {width}x{height} image cannot be upscaled: one 2x pass would exceed "
-                    f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px"
-                )
-            out_h, out_w = upscaled_size(height, width, run, self.resize_mode)
-            note = None
-            if run < self.passes:
-                note = dropped_passes_message(width, height, self.passes, run, self.resize_mode)
-            self._cache[path] = run, (out_w, out_h), note
+            self._cache[path] = self._sized(path, width, height)
         return self._cache[path]
+
+    def _sized(self, path: Path, width: int, height: int) -> tuple[int, tuple[int, int], str | None, Any]:
+        from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, dropped_passes_message, planned_passes, upscaled_size
+
+        try:
+            target = None if self.asked.power_of_two else self.asked.target(width, height)
+        except FlowliftError as error:
+            raise FlowliftError(f"{path}: {error}") from None
+        asked = self.asked.passes if target is None else self.asked.passes_for(width, height)
+        run = planned_passes(height, width, asked, self.resize_mode, MAX_OUTPUT_SIDE)
+        if run == 0:
+            raise FlowliftError(
+                f"{path}: a {width}x{height} image cannot be upscaled: one 2x pass would exceed "
+                f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px"
+            )
+        note = None
+        if run < asked:
+            note = dropped_passes_message(width, height, asked, run, self.resize_mode)
+            if target is not None:
+                note += f"; then resampled up to the asked {target[0]}x{target[1]}"
+        if target is None:
+            out_h, out_w = upscaled_size(height, width, run, self.resize_mode)
+            return run, (out_w, out_h), note, 2**run
+        return run, target, note, self.asked.named_by(target)
 
     def passes_for(self, path: Path) -> int:
         """The passes that run for ``path``: the requested ones, fewer when the cap drops some."""
         return self._plan(path)[0]
 
-    def scale(self, path: Path) -> int:
-        return 2 ** self._plan(path)[0]
+    def named_by(self, path: Path) -> float | tuple[int, int]:
+        """What ``path``'s output name carries: the scale that runs (``_x4``, ``_x1.5``) or the size (``_WxH``)."""
+        return self._plan(path)[3]
 
     def output_size(self, path: Path) -> tuple[int, int] | None:
         return self._plan(path)[1]
+
+    def resample_to(self, path: Path) -> tuple[int, int] | None:
+        """The (width, height) the decoded frame is resampled to (the asked size), None for a power of two."""
+        return None if self.asked.power_of_two else self._plan(path)[1]
 
     def dropped_note(self, path: Path) -> str | None:
         """``Flow Upscaler: 20 pass(es) on a 64x48 image would exceed ...`` when the cap drops passes, else None."""
@@ -112,7 +162,7 @@ class OutputSizes:
         """Where ``path``'s output goes (``single_file``, else ``<folder or next to it>/<stem>_x<N>.<format>``),
         the size it must have, or why it has none (unreadable header, over the cap or the format's limit)."""
         try:
-            out = single_file or (folder or path.parent) / output_name(path, self.scale(path), output_format)
+            out = single_file or (folder or path.parent) / output_name(path, self.named_by(path), output_format)
         except FlowliftError as error:
             return Target(path, None, error_line(error))
         size = self.output_size(path)
@@ -140,8 +190,8 @@ class UpscalePlan:
         return [(source, note) for source, note in notes if note]
 
 
-def plan_files(sources: Sequence[Path], folder: Path, passes: int, resize_mode: str = RESIZE_MODE.default,
-               output_format: str = "png") -> UpscalePlan:  # fmt: skip
+def plan_files(sources: Sequence[Path], folder: Path, passes: int | AskedSize,
+               resize_mode: str = RESIZE_MODE.default, output_format: str = "png") -> UpscalePlan:  # fmt: skip
     """The plan of named files into ``folder`` (the web app's uploads): the names, sizes and refusals of
     :func:`plan_upscale` (an output is named by the scale the 16K cap lets run: a capped 8x is ``_x4``), without
     listing inputs or interpreting ``-o``; nothing is written."""
@@ -162,7 +212,7 @@ def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
     if not inputs and len(request.inputs) == 1 and not glob.has_magic(request.inputs[0]):
         item, message = problems[0]  # the one file asked for is not there: a user error (exit 2), not a batch
         raise FlowliftError(f"{item}: {message}")
-    sizes = OutputSizes(request.passes, request.settings.resize_mode)  # named by the scale the cap lets run
+    sizes = OutputSizes(request.asked, request.settings.resize_mode)  # named by the scale the cap lets run
     single_file, folder = output_target(request.output, len(inputs), IMAGE_SUFFIXES)
     targets = [sizes.target(path, single_file, folder, request.output_format) for path in inputs]
     refused = [Job.refusal(Path(item), message) for item, message in problems]
@@ -202,7 +252,8 @@ class UpscaleStep:
                   file=sys.stderr)  # fmt: skip
         elif request.batch_size > 1:
             return batched_process(request.settings, pipeline, plan.jobs, plan.sizes.passes_for, step.hashes,
-                                   batch_size=request.batch_size, overwrite=request.overwrite)  # fmt: skip
+                                   batch_size=request.batch_size, overwrite=request.overwrite,
+                                   resample_to=plan.sizes.resample_to, asked=plan.sizes.asked)  # fmt: skip
         return step
 
     def __call__(self, path: Path, out: Path) -> None:
@@ -216,7 +267,9 @@ class UpscaleStep:
                              file=sys.stderr)  # fmt: skip
         with steps:
             _, _, notes = upscale_file(self.pipeline, self.request.settings, count, path, out, self.hashes,
-                                       on_stage=lambda _stage, bar=steps: bar.update(1))  # fmt: skip
+                                       on_stage=lambda _stage, bar=steps: bar.update(1),
+                                       resample_to=self.plan.sizes.resample_to(path),
+                                       asked=self.plan.sizes.asked)  # fmt: skip
         for note in notes:  # anything the pipeline warned about this image: one line, not a stack
             report(COMMAND, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
 

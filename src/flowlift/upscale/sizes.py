@@ -31,6 +31,7 @@ __all__ = [
     "planned_passes",
     "prepared_size",
     "resample_to_multiple",
+    "resample_to_size",
     "upscaled_size",
 ]
 
@@ -70,6 +71,22 @@ def resample_to_multiple(images: torch.Tensor, multiple: int = PIXEL_MULTIPLE) -
         return images
     resized = F.interpolate(images, size=size, mode="bicubic", align_corners=False, antialias=True)
     return resized.clamp(0.0, 1.0)
+
+
+def resample_to_size(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """(B, C, H, W) in [0, 1] resampled to exactly ``height x width``, clamped to [0, 1]: the last step of an
+    upscale whose size is not the passes' own (``--scale 3``: four times, then down to three).
+
+    torch's bicubic (Keys, a = -0.75) with ``antialias=True``: downscaling widens the kernel by the factor (the
+    same separable filter as Pillow's BICUBIC), so the 2^n frame is averaged, not aliased, into the asked size.
+    Chosen over Pillow's LANCZOS on per-channel ``F`` images because it runs where the decoded frame already is
+    (device or host), batched, in float32 with no copy per channel; Lanczos's extra lobe rings more, and stage 2
+    then pins the low band anyway. Unchanged when already that size.
+    """
+    if tuple(images.shape[-2:]) == (height, width):
+        return images
+    resized = F.interpolate(images, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
+    return resized.clamp_(0.0, 1.0)
 
 
 def allowed_passes(height: int, width: int, num_passes: int, max_side: int = MAX_OUTPUT_SIDE) -> int:
