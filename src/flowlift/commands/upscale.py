@@ -5,8 +5,8 @@
 Inputs are files, folders (their images, not recursive) or glob patterns. Each output is written
 atomically (temporary file + rename) as ``OUT/<stem>_x<scale>.<format>`` (``_x3``, ``_x1.5``; ``_<W>x<H>`` for
 a size; next to the input without ``-o``); existing outputs are skipped unless ``--overwrite``, so an
-interrupted batch resumes where it stopped, and an output path that is one of the inputs is refused. A bad input prints one line and
-the batch goes on; the exit status is 1 when any image failed.
+interrupted batch resumes where it stopped, and an output path that is one of the inputs is refused. A bad
+input prints one line and the batch goes on; the exit status is 1 when any image failed.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scale.add_argument("--long-side", type=positive_int, metavar="N",
                        help="output long side in px (the fewest passes that reach it, then resampled)")  # fmt: skip
     scale.add_argument("--size", type=size_value, metavar="WxH",
-                       help="output size in px, e.g. 3840x2560 (the fewest passes that reach it, resampled)")  # fmt: skip
+                       help="output size in px, e.g. 3840x2560 (the fewest passes reaching it, resampled)")  # fmt: skip
     add_knob(parser, SEED, metavar="SEED")
     parser.add_argument("--no-color-fix", action="store_true", help="switch both colour-drift stages off")
     add_knob(parser, TRANSPLANT_STRENGTH)
