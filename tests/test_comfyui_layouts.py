@@ -33,10 +33,14 @@ WIDGET_INPUTS = {"scale", "seed", "transplant_strength", "color_fix_strength", "
 
 
 def test_scale_and_chunking_widgets():
-    assert [choices.passes_for(s) for s in choices.SCALES] == [1, 2, 3]
+    assert [choices.image_plan(s, 48, 32) for s in (2, 4, 8)] == [(1, None), (2, None), (3, None)]
+    assert choices.image_plan(3, 48, 32) == (2, (144, 96)) and choices.image_plan(1.5, 48, 32) == (1, (72, 48))
+    assert [choices.latent_passes(s) for s in (2.0, 4, 8)] == [1, 2, 3]
     assert [choices.chunked_flag(c) for c in choices.CHUNKING] == [None, True, False]
-    with pytest.raises(FlowliftError, match="scale must be one of"):
-        choices.passes_for("3x")
+    with pytest.raises(FlowliftError, match=r"scale must be in \[1, 8\]"):
+        choices.image_plan(9, 48, 32)
+    with pytest.raises(FlowliftError, match="a latent upscale runs whole 2x passes"):
+        choices.latent_passes(3)
 
 
 @pytest.mark.parametrize("channels", [4, 16, 32])

@@ -136,10 +136,11 @@ def test_app_components_have_the_knobs_domain_and_default(tmp_path):
                 assert [choice[1] for choice in component.choices] == list(knob.choices), name
             else:
                 assert (component.minimum, component.maximum) == (knob.low, knob.high), name
-    assert list(REFINE_KNOBS["hires_scale"].choices) == [2, 4, 8]  # the Refine tab's "hires fix 2x/4x/8x" modes
+    presets = list(REFINE_KNOBS["hires_scale"].extra["presets"])
+    assert presets == [2, 4, 8]  # the Refine tab's "hires fix 2x/4x/8x" modes
     from flowlift.app.refine_tab import MODES
 
-    assert sorted(factor for factor in MODES.values() if factor) == list(REFINE_KNOBS["hires_scale"].choices)
+    assert sorted(factor for factor in MODES.values() if factor) == presets
 
 
 def test_app_request_checks_have_the_knobs_domain(tmp_path):
@@ -177,9 +178,13 @@ def test_comfyui_numeric_checks_are_the_knobs():
 def test_node_pack_choices_are_the_knobs():
     from flowlift.upscale import node_choices
 
-    assert node_choices.SCALES == ("2x", "4x", "8x")
-    assert [node_choices.passes_for(label) for label in node_choices.SCALES] == [1, 2, 3]
-    assert node_choices.DEFAULT_SCALE_LABEL == "2x"
+    scale = UPSCALE_KNOBS["scale"]  # a number in [1, 8] on both packs: the image node resamples, latents whole passes
+    assert (scale.low, scale.high, scale.kind) == (1.0, 8.0, float)
+    assert [node_choices.latent_passes(factor) for factor in scale.extra["presets"]] == [1, 2, 3]
+    assert node_choices.image_plan(scale.low, 48, 32) == (1, (48, 32))
+    for outside in (scale.low - 0.001, scale.high + 0.001, float("nan")):
+        with pytest.raises(FlowliftError):
+            node_choices.image_plan(outside, 48, 32)
     assert node_choices.CHUNKING == UPSCALE_KNOBS["chunked"].choices
 
 

@@ -296,7 +296,8 @@ def _batch_tab(gr: Any, service: AppService, on: SimpleNamespace, queue: dict) -
 def _upscale_controls(gr: Any, service: AppService, prefix: str) -> list[Any]:
     """Scale, seed, both strengths and the VAE choice (the API's argument order). The strengths are
     labelled by what they do; the help line under each gives the stage and its maths."""
-    scale = gr.Radio(list(SCALE.choices), value=SCALE.default, label="Scale", elem_id=f"{prefix}-scale")
+    scale = gr.Number(value=SCALE.default, minimum=SCALE.low, maximum=SCALE.high, step=SCALE.step,
+                      label="Scale (1-8x; 2, 4, 8 are whole 2x passes)", elem_id=f"{prefix}-scale")  # fmt: skip
     seed = seed_number(gr, elem_id=f"{prefix}-seed")
     transplant = gr.Slider(
         TRANSPLANT_STRENGTH.low,

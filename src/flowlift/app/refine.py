@@ -32,7 +32,7 @@ from flowlift.refine.settings import (
 )
 
 #: Refine modes: img2img at the input size, or the hires fix (Flow Upscaler 2x/4x/8x, then refine).
-MODES = {"img2img": 0, **{f"hires fix {factor}x": factor for factor in HIRES_SCALE.choices}}
+MODES = {"img2img": 0, **{f"hires fix {factor}x": factor for factor in HIRES_SCALE.extra["presets"]}}
 
 
 def mode_strength_default(mode: str) -> float:

@@ -176,13 +176,13 @@ class AppService:
         )
 
     @staticmethod
-    def plan(sources: Sequence[Path], out_dir: Path, scale: int) -> Any:
+    def plan(sources: Sequence[Path], out_dir: Path, scale: float) -> Any:
         """``flowlift upscale``'s plan of the uploads (:func:`flowlift.upscale.plan.plan_files`): the same output
-        names (by the scale the 16K cap lets run: a capped 8x is ``_x4``), sizes and refusals."""
-        from flowlift.limits import passes_for_scale
+        names (by the scale the 16K cap lets run: a capped 8x is ``_x4``; ``_x1.5``), sizes and refusals."""
+        from flowlift.upscale.asked_size import AskedSize
         from flowlift.upscale.plan import plan_files
 
-        return plan_files(sources, out_dir, passes_for_scale(scale))
+        return plan_files(sources, out_dir, AskedSize(scale=scale))
 
     def new_result_dir(self) -> Path:
         """A fresh result folder; old ones are pruned, but only those this app made (its marker inside):
@@ -254,16 +254,19 @@ class AppService:
         source: Path,
         out: Path,
         settings: Any,
-        passes: int,
+        sizes: Any,
         pipeline: Any,
         vae: str,
         progress: ProgressFn,
         base: float = 0.0,
         span: float = 1.0,
     ) -> UpscaleResult:
-        """``flowlift upscale``'s per-image step (:func:`~flowlift.upscale.outputs.upscale_file`) on one upload."""
+        """``flowlift upscale``'s per-image step (:func:`~flowlift.upscale.outputs.upscale_file`) on one upload, as
+        ``sizes`` (the plan's :class:`~flowlift.upscale.plan.OutputSizes`) planned it."""
         from flowlift.files.images import image_size
         from flowlift.upscale.outputs import upscale_file
+
+        passes = sizes.passes_for(source)  # the passes the 16K cap lets run, as named
 
         started = time.perf_counter()
         check_upload(source, self.config.max_upload_mb)
@@ -272,9 +275,9 @@ class AppService:
             width, height = image_size(source)
             stages = UpscaleProgress(progress, source.name, passes, base, span, costs, width * height / 1e6)
             stages.start()
-            image, result, notes = upscale_file(
-                pipeline, settings, passes, source, out, self._hashes[vae], stages.stage, stages.decode_tile
-            )
+            image, result, notes = upscale_file(pipeline, settings, passes, source, out, self._hashes[vae],
+                                                stages.stage, stages.decode_tile, sizes.resample_to(source),
+                                                sizes.asked)  # fmt: skip
         except ITEM_ERRORS as error:
             raise FlowliftError(public_message(error, source)) from None
         stages.finish()
@@ -330,7 +333,7 @@ class AppService:
             if out is None:
                 raise FlowliftError(f"{source.name}: {strip_folders(job.note, [source.parent, folder])}")
             pipeline = self.pipeline(vae, eta)
-            result = self._upscale_into(source, out, settings, plan.sizes.passes_for(source), pipeline, vae, eta)
+            result = self._upscale_into(source, out, settings, plan.sizes, pipeline, vae, eta)
             result.seconds = eta.elapsed  # the request's wall time, loading the models included
             entry.request = result.log_request()
         return result
@@ -361,7 +364,7 @@ class AppService:
                 scale, seed, transplant_strength, color_fix_strength, vae
             )
             folder = self._new_result_dir()
-            out_dir = folder / f"x{scale}"
+            out_dir = folder / f"x{scale:g}"
             settings = self.settings(seed, transplant, color_fix, vae)
             planned = self.plan(sources, out_dir, scale)
             plan = planned.jobs
@@ -374,14 +377,13 @@ class AppService:
                     continue
                 try:
                     share = (index / len(plan), 1 / len(plan))
-                    passes = planned.sizes.passes_for(source)  # the passes the 16K cap lets run, as named
-                    self._upscale_into(source, out, settings, passes, pipeline, vae, eta, *share)
+                    self._upscale_into(source, out, settings, planned.sizes, pipeline, vae, eta, *share)
                     written.append(out)
                 except ITEM_ERRORS as error:
                     errors.append(public_message(error, source))
             zip_path = None
             if written:
-                zip_path = folder / f"flowlift_x{scale}.zip"
+                zip_path = folder / f"flowlift_x{scale:g}.zip"
                 with atomic_output(zip_path) as temporary, zipfile.ZipFile(temporary, "w") as archive:
                     for out in written:  # PNGs are compressed already
                         archive.write(out, out.name, compress_type=zipfile.ZIP_STORED)

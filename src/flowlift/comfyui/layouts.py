@@ -22,9 +22,9 @@ from flowlift.upscale.settings import COLOR_FIX_KNOBS, UPSCALE_KNOBS
 
 #: The knobs behind each node's numeric widgets (input name -> knob of the capability's table).
 NODE_KNOBS: dict[str, dict[str, Knob]] = {
-    "FlowliftUpscaleLatent": {name: UPSCALE_KNOBS[name] for name in ("seed", "transplant_strength")},
+    "FlowliftUpscaleLatent": {name: UPSCALE_KNOBS[name] for name in ("scale", "seed", "transplant_strength")},
     "FlowliftUpscaleImage": {
-        name: UPSCALE_KNOBS[name] for name in ("seed", "transplant_strength", "color_fix_strength")
+        name: UPSCALE_KNOBS[name] for name in ("scale", "seed", "transplant_strength", "color_fix_strength")
     },
     "FlowliftColorFix": dict(COLOR_FIX_KNOBS),
 }

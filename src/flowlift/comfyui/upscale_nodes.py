@@ -27,7 +27,7 @@ from flowlift.errors import FlowliftError
 from flowlift.knobs import SEED, Knob
 from flowlift.upscale.chunked.budget import CUDA_BUDGET_FRACTION
 from flowlift.upscale.colorfix import lab_lowband_transplant
-from flowlift.upscale.node_choices import chunked_flag, passes_for
+from flowlift.upscale.node_choices import chunked_flag, image_plan, latent_passes
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 from flowlift.upscale.settings import (
     CHUNKED,
@@ -156,11 +156,11 @@ class FlowliftUpscaleLatent(io.ComfyNode):
 
     @classmethod
     def execute(
-        cls, upscaler: Any, samples: dict, scale: str, seed: int, transplant_strength: float, chunked: str
+        cls, upscaler: Any, samples: dict, scale: float, seed: int, transplant_strength: float, chunked: str
     ) -> io.NodeOutput:
         checked = layouts.check_numbers("FlowliftUpscaleLatent", seed=seed, transplant_strength=transplant_strength)
         latents = layouts.flux2_latents(samples, "FlowliftUpscaleLatent")
-        passes = passes_for(scale)
+        passes = latent_passes(scale)
         progress = Progress(passes)
         pipeline = make_pipeline(upscaler, None, chunked, progress)
         result = run_logging_warnings(
@@ -198,7 +198,7 @@ class FlowliftUpscaleImage(io.ComfyNode):
         image: torch.Tensor,
         upscaler: Any,
         vae: Any,
-        scale: str,
+        scale: float,
         seed: int,
         transplant_strength: float,
         color_fix_strength: float,
@@ -211,7 +211,7 @@ class FlowliftUpscaleImage(io.ComfyNode):
             color_fix_strength=color_fix_strength,
         )
         images = layouts.image_to_nchw(image, "FlowliftUpscaleImage")
-        passes = passes_for(scale)
+        passes, size = image_plan(scale, images.shape[-1], images.shape[-2])
         progress = Progress(passes + 3)  # encode, passes, decode, colour fix
         if isinstance(vae, FlowliftComfyVAE):
             flowlift_vae, also = vae.adapter, [vae.patcher]  # flowlift's own adapter (TAEF2: exact tiling by size)
@@ -221,7 +221,8 @@ class FlowliftUpscaleImage(io.ComfyNode):
         if isinstance(flowlift_vae, ComfyFlux2VAE):
             flowlift_vae.device = pipeline.device  # decoded images meet the reference on the upscaler's device
         result = run_logging_warnings(
-            lambda: pipeline.upscale_image(images, passes, **checked, output_type="pt", callback=progress.stage)
+            lambda: pipeline.upscale_image(images, passes, **checked, output_type="pt", callback=progress.stage,
+                                           output_size=size)  # fmt: skip
         )
         return io.NodeOutput(layouts.nchw_to_image(result, mm.intermediate_device()))
 

@@ -60,7 +60,7 @@ from flowlift.refine.tiled_refine import tiled_refine_raw_latents, tiling_line
 from flowlift.refine.tiling import TileRequest
 from flowlift.upscale.colorfix_image import color_fix_image
 from flowlift.upscale.loading import DEFAULT_UPSCALER
-from flowlift.upscale.node_choices import CHUNKING, SCALES, chunked_flag, passes_for
+from flowlift.upscale.node_choices import CHUNKING, chunked_flag, image_plan, latent_passes
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 from flowlift.upscale.settings import (
     CHUNKED,
@@ -75,7 +75,6 @@ CATEGORY = "flowlift"
 #: The flowlift-run VAEs' names, for the image node's field (from the one declaration, flowlift.models.vae_names).
 NATIVE_NAMES = ", ".join(f"{vae.name} ({vae.title}: {vae.summary})" for vae in NATIVE_VAES)
 # InvokeAI reads each field's type at class creation: the choices become Literal types, from the knob table
-Scale = Literal[SCALES]  # type: ignore[valid-type]
 Chunking = Literal[CHUNKING]  # type: ignore[valid-type]
 
 
@@ -106,7 +105,10 @@ def installed_model_field(what: str, field: str) -> ModelIdentifierField | None:
         default=None, title=f"{what} (installed)", description=INSTALLED_DESCRIPTION.format(what=what, field=field),
         ui_model_type=ModelType.Unknown,
     )  # fmt: skip
-SCALE_DESCRIPTION = "2x per pass: 2x = 1 pass, 4x = 2, 8x = 3 (outputs are capped at 16384 px a side)"
+SCALE_DESCRIPTION = (
+    "Any factor in [1, 8]: 2 = 1 pass, 4 = 2, 8 = 3; the image node resamples any other factor from the fewest "
+    "passes that reach it (outputs are capped at 16384 px a side)"
+)
 SEED_DESCRIPTION = "Noise seed (each pass draws its own stream on the CPU, so a seed means the same result anywhere)"
 TRANSPLANT_DESCRIPTION = (
     "Stage 1 colour fix: how much of each pass's latent low band comes from its input (1 = exactly, 0 = off)"
@@ -140,7 +142,7 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
     )
     upscaler_model: ModelIdentifierField | None = installed_model_field("Flow Upscaler", "Flow Upscaler")
     upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
-    scale: Scale = knob_field(SCALE, SCALE_DESCRIPTION)
+    scale: float = knob_field(SCALE, SCALE_DESCRIPTION)
     seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
     transplant_strength: float = knob_field(TRANSPLANT_STRENGTH, TRANSPLANT_DESCRIPTION)
     chunked: Chunking = knob_field(CHUNKED, CHUNKED_DESCRIPTION)
@@ -149,7 +151,7 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
     def invoke(self, context: InvocationContext) -> LatentsOutput:
         what = "Flow Upscale Latents (FLUX.2)"
         raw = check_raw_latents(context.tensors.load(self.latents.latents_name), what)
-        passes = passes_for(self.scale)
+        passes = latent_passes(self.scale)
         check_output_cap(raw.shape[-2] * VAE_SCALE_FACTOR, raw.shape[-1] * VAE_SCALE_FACTOR, passes, what)
         check_flux2_vae_field(context, self.vae, what)
         with context.models.load(self.vae.vae).model_in_ram() as vae_module:
@@ -201,7 +203,7 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
     )
     upscaler_model: ModelIdentifierField | None = installed_model_field("Flow Upscaler", "Flow Upscaler")
     upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
-    scale: Scale = knob_field(SCALE, SCALE_DESCRIPTION)
+    scale: float = knob_field(SCALE, SCALE_DESCRIPTION)
     seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
     transplant_strength: float = knob_field(TRANSPLANT_STRENGTH, TRANSPLANT_DESCRIPTION)
     color_fix_strength: float = knob_field(
@@ -214,7 +216,7 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
     def invoke(self, context: InvocationContext) -> ImageOutput:
         what = "Flow Upscale Image (FLUX.2)"
         image = context.images.get_pil(self.image.image_name)
-        passes = passes_for(self.scale)
+        passes, size = image_plan(self.scale, image.width, image.height)
         check_output_cap(image.height, image.width, passes, what)
         if self.vae is not None:
             check_flux2_vae_field(context, self.vae, what)
@@ -239,6 +241,7 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
             result = pipeline.upscale_image(
                 image, passes, seed=self.seed, transplant_strength=self.transplant_strength,
                 color_fix_strength=self.color_fix_strength, output_type="pil", callback=progress.stage,
+                output_size=size,
             )  # fmt: skip
         return ImageOutput.build(context.images.save(image=result))
 

@@ -1,29 +1,40 @@
-"""The Flow Upscaler's options as the node packs offer them: scale labels and chunking modes.
+"""The Flow Upscaler's options as the node packs offer them: the scale and the chunking modes.
 
-ComfyUI and InvokeAI show the same two drop-downs, derived from the knob table
-(:data:`flowlift.upscale.settings.UPSCALE_KNOBS`); both turn a choice into the pipeline's arguments
-here, so the two packs cannot drift apart.
+ComfyUI and InvokeAI show the same inputs, derived from the knob table
+(:data:`flowlift.upscale.settings.UPSCALE_KNOBS`: the scale any factor in [1, 8]); both turn them into the
+pipeline's arguments here, so the two packs cannot drift apart.
 """
 
 from __future__ import annotations
 
 from flowlift.errors import FlowliftError
-from flowlift.limits import passes_for_scale
-from flowlift.upscale.settings import CHUNKED, SCALE
+from flowlift.upscale.asked_size import AskedSize
+from flowlift.upscale.settings import CHUNKED
 
-#: The scale choices of the upscale nodes: 2x per pass ("2x", "4x", "8x").
-SCALES: tuple[str, ...] = tuple(SCALE.label(factor) for factor in SCALE.choices)
-#: The scale the nodes start at.
-DEFAULT_SCALE_LABEL = SCALE.label(SCALE.default)
 #: The ``chunked`` choices: ``auto`` switches the exact chunked executor on by size (or free memory).
 CHUNKING: tuple[str, ...] = CHUNKED.choices
 
 
-def passes_for(scale: str) -> int:
-    """'2x' -> 1, '4x' -> 2, '8x' -> 3 passes."""
-    if scale not in SCALES:
-        raise FlowliftError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
-    return passes_for_scale(SCALE.choices[SCALES.index(scale)])
+def image_plan(scale: float, width: int, height: int) -> tuple[int, tuple[int, int] | None]:
+    """An image node's ``(passes, output_size)`` for a ``width x height`` image: 2, 4, 8 -> (1/2/3, None), the
+    passes' own output; any other factor in [1, 8] -> the fewest passes that reach it and the exact (width, height)
+    to resample to (:class:`~flowlift.upscale.asked_size.AskedSize`, its refusals in one line)."""
+    asked = AskedSize(scale=scale)
+    if asked.power_of_two:
+        return asked.passes, None
+    return asked.passes_for(width, height), asked.target(width, height)
+
+
+def latent_passes(scale: float) -> int:
+    """A latent node's passes: 2 -> 1, 4 -> 2, 8 -> 3; a factor that is not a power of two has no latent size of
+    whole 2x passes: one line (the image node resamples it)."""
+    asked = AskedSize(scale=scale)
+    if not asked.power_of_two:
+        raise FlowliftError(
+            f"a latent upscale runs whole 2x passes (scale 2, 4 or 8), got {asked.scale:g}; upscale the image for "
+            "any other factor"
+        )
+    return asked.passes
 
 
 def chunked_flag(chunked: str) -> bool | None:
