@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH|REPO",
         help="Flow Upscaler weights (file, folder or hub id; default TensorForger/FlowUpscaler)",
     )
+    up.add_argument(
+        "--latent-upscaler",
+        metavar="sesqui:PATH",
+        help="the fraction of a --scale that is not 2, 4 or 8 (1.5; 3 = one pass then 1.5x) in latent space: SesquiLSR "
+        "FLUX.2 weights (upscaler_Flux2.safetensors from LoganBooker/SesquiLSR's models/; needs --vae flux2)",
+    )
     add_knob(up, TRANSPLANT_STRENGTH)
     up.add_argument("--no-color-fix", action="store_true", help="switch the upscaler's colour fix off")
     refine = parser.add_argument_group("refine")
@@ -72,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         sampling=sampling_from_args(args),
         tiles=tile_request(args),
         hires=HiresSettings(
-            upscaler=FlowUpscalerSource(args.upscaler),
+            upscaler=FlowUpscalerSource(args.upscaler, latent_upscaler=args.latent_upscaler),
             scale=args.scale,
             refine_strength=args.refine_strength,
             base_steps=args.base_steps,

@@ -13,7 +13,7 @@ from typing import Any
 
 from flowlift.refine.parameters import RefineOutput
 from flowlift.refine.request import HiresSettings, LatentUpscaler
-from flowlift.refine.settings import STRENGTH_MAP, SamplingSettings
+from flowlift.refine.settings import STRENGTH_MAP, SamplingSettings, hires_latent_size, whole_passes
 from flowlift.refine.tiling import TileRequest
 
 
@@ -32,7 +32,8 @@ def hires_fix(
     """The hires fix on ``refiner`` (:class:`~flowlift.refine.refiner.Flux2Refiner`): ``images`` (B, 3, H, W) in
     [0, 1] encoded, or a txt2img of ``settings.base_size`` at ``settings.base_steps``; upscaled ``settings.scale``
     times by ``upscaler`` (``settings.passes`` passes, the sampling seed, stage 1 at ``transplant_strength``,
-    ``color_fix``); refined at ``settings.refine_strength`` with ``sampling`` and ``tiles``; decoded.
+    ``color_fix``; a scale that is not a power of two ends with ``upscaler.to_size``: the fraction, in latent space);
+    refined at ``settings.refine_strength`` with ``sampling`` and ``tiles``; decoded.
 
     The output's parameters are the refiner's plus the upscale's (``upscaler`` as ``upscaler_name`` records it,
     ``transplant_strength``, ``color_fix``), the same whichever front-end asked.
@@ -40,9 +41,14 @@ def hires_fix(
     sampling = sampling if sampling is not None else SamplingSettings()
 
     def upscale(latents: Any) -> Any:
-        return upscaler.upscale_latents(latents, settings.passes, seed=sampling.seed,
-                                        transplant_strength=settings.transplant_strength,
-                                        color_fix=settings.color_fix)  # fmt: skip
+        up = latents
+        if settings.passes:
+            up = upscaler.upscale_latents(latents, settings.passes, seed=sampling.seed,
+                                          transplant_strength=settings.transplant_strength,
+                                          color_fix=settings.color_fix)  # fmt: skip
+        if whole_passes(settings.scale):
+            return up
+        return upscaler.to_size(up, hires_latent_size(*latents.shape[-2:], settings.scale))  # the fraction (SesquiLSR)
 
     width, height = settings.base_size
     result = refiner.hires(
@@ -59,6 +65,9 @@ def hires_fix(
         **(conditioning or {}),
     )
     result.parameters.update(
-        upscaler=upscaler_name, transplant_strength=settings.transplant_strength, color_fix=settings.color_fix
-    )
+        upscaler=upscaler_name, transplant_strength=settings.transplant_strength, color_fix=settings.color_fix,
+        passes=settings.passes,
+    )  # fmt: skip
+    if not whole_passes(settings.scale):
+        result.parameters["latent_upscaler"] = getattr(upscaler, "latent_upscaler", None)
     return result

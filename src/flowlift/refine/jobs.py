@@ -23,7 +23,7 @@ from typing import Any
 from flowlift.errors import FlowliftError
 from flowlift.limits import PIXEL_MULTIPLE
 from flowlift.refine.request import LatentUpscaler, RefineRequest
-from flowlift.refine.settings import check_hires_size
+from flowlift.refine.settings import check_hires_size, hires_latent_size
 
 
 @dataclass
@@ -120,7 +120,8 @@ def _frame(job: RefineJob) -> tuple[int, int]:
         if job.rgb is None and (width % PIXEL_MULTIPLE or height % PIXEL_MULTIPLE):
             raise FlowliftError(f"--width/--height must be multiples of {PIXEL_MULTIPLE}, got {width}x{height}")
         check_hires_size(width, height, request.hires.scale)  # the 16384 px cap on the base and the result
-        return height * request.hires.scale, width * request.hires.scale
+        out_h, out_w = hires_latent_size(height // 8, width // 8, request.hires.scale)  # latents: 1/8 of the pixels
+        return out_h * 8, out_w * 8
     if request.mode == "txt2img":
         width, height = request.size
         return height, width

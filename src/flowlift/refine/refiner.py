@@ -20,7 +20,7 @@ from flowlift.refine.canvas import latent_mask, outpaint_canvas, pad_to_multiple
 from flowlift.refine.loop import RefineResult, VelocityFn, _Progress, check_schedule, denoising_start_for
 from flowlift.refine.offload import Placement, place_transformer, with_transformer_on_device
 from flowlift.refine.parameters import RefineOutput, conditioning_parameters, output_parameters
-from flowlift.refine.settings import STEPS, SamplingSettings, check_hires_size
+from flowlift.refine.settings import STEPS, SamplingSettings, check_hires_size, hires_latent_size
 from flowlift.refine.tiling import TileRequest
 
 
@@ -350,7 +350,7 @@ class Flux2Refiner:
         refine_strength: float = 0.3,
         strength_map: str = "linear",
         sampling: SamplingSettings | None = None,
-        scale: int = 2,
+        scale: float = 2,
         tiles: TileRequest | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
@@ -358,8 +358,9 @@ class Flux2Refiner:
 
         The base is ``images`` encoded, or a txt2img at ``height x width`` (``base_steps``; None: the model's).
         ``upscale``
-        maps normalized latents to normalized latents ``scale`` times larger. The refine pass is img2img
-        on the upscaled normalized latents in the window below ``1 - refine_strength`` (``schedule``); both
+        maps normalized latents to normalized latents ``scale`` times larger
+        (:func:`~flowlift.refine.settings.hires_latent_size`: even sides for a fractional scale). The refine pass is
+        img2img on the upscaled normalized latents in the window below ``1 - refine_strength`` (``schedule``); both
         passes shift with ``mu`` (for ``"empirical"``, each from its own size and step count) and tile as the
         ``tile_*`` knobs say (the refine pass of a 4x or 8x fix is where tiles run). ``sampling`` is the refine
         pass's; the txt2img base runs it with ``base_steps``.
@@ -392,7 +393,7 @@ class Flux2Refiner:
             if "tiles" in base_out.parameters:
                 params["base_tiles"] = base_out.parameters["tiles"]
         up = upscale(base).float().to(self.device)
-        expect = (base.shape[2] * scale, base.shape[3] * scale)
+        expect = hires_latent_size(base.shape[2], base.shape[3], scale)
         if tuple(up.shape[2:]) != expect:
             raise FlowliftError(f"the upscaler returned {tuple(up.shape[2:])} latents, expected {expect}")
         result = self._run(

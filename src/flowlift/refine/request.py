@@ -31,6 +31,7 @@ from flowlift.refine.settings import (
     STRENGTH_MAP,
     TRANSPLANT_STRENGTH,
     SamplingSettings,
+    whole_passes,
 )
 from flowlift.refine.tiling import TileRequest
 
@@ -41,7 +42,8 @@ DEFAULT_SIZE = (1024, 1024)
 
 
 class LatentUpscaler(Protocol):
-    """What the hires fix needs of an upscaler: normalized latents in, ``2**num_passes`` times larger out."""
+    """What the hires fix needs of an upscaler: normalized latents in, ``2**num_passes`` times larger out; for a
+    scale that is not a power of two also ``to_size(latents, (h, w))``, the fraction in [1, 2] (SesquiLSR)."""
 
     def upscale_latents(self, latents: Any, num_passes: int, *, seed: int, transplant_strength: float,
                         color_fix: bool) -> Any: ...  # fmt: skip
@@ -53,6 +55,8 @@ class LatentUpscalerSource(Protocol):
     the refiner's plan leaves (``budget_bytes``, None: no plan). ``name`` is what the metadata records."""
 
     name: str
+    #: ``"sesqui:PATH"`` when the source also does fractional factors in latent space (``to_size``), else None.
+    latent_upscaler: str | None
 
     def find(self) -> Path: ...
 
@@ -107,7 +111,7 @@ class HiresSettings:
     ``color_fix``), and the refine pass's ``refine_strength``. Defaults are the knob tables'."""
 
     upscaler: LatentUpscalerSource | None = None
-    scale: int = HIRES_SCALE.default
+    scale: float = HIRES_SCALE.default
     refine_strength: float = REFINE_STRENGTH.default
     base_steps: int | None = None
     base_size: tuple[int, int] = DEFAULT_SIZE
@@ -116,6 +120,11 @@ class HiresSettings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "scale", HIRES_SCALE.check(self.scale))
+        if not whole_passes(self.scale) and getattr(self.upscaler, "latent_upscaler", None) is None:
+            raise FlowliftError(
+                f"hires --scale {self.scale:g} is not a whole number of 2x passes (2, 4, 8): give --latent-upscaler "
+                "sesqui:PATH (SesquiLSR's FLUX.2 weights, upscaler_Flux2.safetensors) for the fraction"
+            )
         object.__setattr__(self, "refine_strength", REFINE_STRENGTH.check(self.refine_strength))
         if self.base_steps is not None:  # None: the model's (4 for a step-distilled Klein)
             object.__setattr__(self, "base_steps", STEPS.check(self.base_steps))
@@ -124,10 +133,11 @@ class HiresSettings:
 
     @property
     def passes(self) -> int:
-        """The upscaler's 2x passes: :func:`flowlift.limits.passes_for_scale` (the one rule)."""
+        """The upscaler's 2x passes: :func:`flowlift.limits.passes_for_scale` (the one rule), the fraction last
+        for a scale that is not a power of two (1.5 -> 0 passes, 3 -> 1, 6 -> 2, then ``to_size``)."""
         from flowlift.limits import passes_for_scale
 
-        return passes_for_scale(self.scale)
+        return passes_for_scale(self.scale, fraction_last=not whole_passes(self.scale))
 
 
 @dataclass(frozen=True)
@@ -184,5 +194,5 @@ class RefineRequest:
     def name_suffix(self) -> str:
         """The default output's suffix: ``img2img``, ``outpaint``, ``hires<N>x`` (``<stem>_<suffix>.png``)."""
         if self.mode == "hires":
-            return f"hires{self.hires.scale}x"
+            return f"hires{self.hires.scale:g}x"
         return "img2img" if self.mode == "inpaint" else self.mode

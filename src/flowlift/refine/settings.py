@@ -11,6 +11,7 @@ smaller than the tile) on top of :meth:`~flowlift.knobs.Knob.check`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from flowlift.errors import FlowliftError
@@ -82,17 +83,33 @@ SCHEDULE = Knob(
 #: The hires fix's upscale factor: the upscale scale knob (:data:`flowlift.knobs.SCALE`) under the refiner's name.
 HIRES_SCALE = replace(
     SCALE, name="hires_scale",
-    help="hires fix: the Flow Upscaler's factor before the refine (2 = one pass, 4 = two, 8 = three)",
+    help="hires fix: the upscale before the refine (2 = one Flow pass, 4 = two, 8 = three; any other factor in "
+    "[1, 8] needs --latent-upscaler sesqui:PATH for the fraction: 1.5 = SesquiLSR alone, 3 = one pass then 1.5x)",
 )  # fmt: skip
 
 
-def check_hires_size(width: int, height: int, scale: int) -> None:
+def whole_passes(scale: float) -> bool:
+    """Whether ``scale`` is 2, 4 or 8 (a whole number of 2x passes, no fraction left)."""
+    return scale >= 2 and math.log2(scale).is_integer()
+
+
+def hires_latent_size(height: int, width: int, scale: float) -> tuple[int, int]:
+    """The latent (height, width) a hires fix of ``height x width`` latents refines at: ``scale`` times for 2, 4,
+    8; for any other factor ``floor(side * scale / 2 + 1/2) * 2`` (even latent sides, halves up: the image on the 16-px grid that
+    FLUX.2's 2x2 patches need, so 1.5x of 1008 px is 1520 px)."""
+    if whole_passes(scale):
+        return height * int(scale), width * int(scale)
+    return (max(2, math.floor(height * scale / 2 + 0.5) * 2), max(2, math.floor(width * scale / 2 + 0.5) * 2))
+
+
+def check_hires_size(width: int, height: int, scale: float) -> None:
     """One FlowliftError line unless a hires fix of a ``width x height`` base can run at exactly ``scale``.
 
-    The hires fix refines at ``scale`` times the base, so every Flow Upscaler pass must run: the base and
-    the result both within ``MAX_OUTPUT_SIDE`` (16384 px, where :func:`flowlift.upscale.sizes.planned_passes`
-    would drop a pass and leave the refine a smaller size than it was planned for), sides positive multiples
-    of ``PIXEL_MULTIPLE`` (16: the VAE's 8x and the 2x2 patches). Checked before any model runs.
+    The hires fix refines at ``scale`` times the base (:func:`hires_latent_size`), so every Flow Upscaler pass must
+    run: the base and the result both within ``MAX_OUTPUT_SIDE`` (16384 px, where
+    :func:`flowlift.upscale.sizes.planned_passes` would drop a pass and leave the refine a smaller size than it was
+    planned for), sides positive multiples of ``PIXEL_MULTIPLE`` (16: the VAE's 8x and the 2x2 patches). Checked
+    before any model runs.
     """
     scale = HIRES_SCALE.check(scale, "hires scale")
     if min(width, height) < PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height % PIXEL_MULTIPLE:
@@ -100,12 +117,14 @@ def check_hires_size(width: int, height: int, scale: int) -> None:
     side = max(width, height)
     if side > MAX_OUTPUT_SIDE:
         raise FlowliftError(f"a {width}x{height} hires base is over MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side")
-    if side * scale > MAX_OUTPUT_SIDE:
-        fits = [choice for choice in HIRES_SCALE.choices if side * choice <= MAX_OUTPUT_SIDE]
-        most = MAX_OUTPUT_SIDE // min(HIRES_SCALE.choices)
+    out_h, out_w = (8 * n for n in hires_latent_size(height // 8, width // 8, scale))
+    if max(out_h, out_w) > MAX_OUTPUT_SIDE:
+        presets = HIRES_SCALE.extra["presets"]
+        fits = [choice for choice in presets if side * choice <= MAX_OUTPUT_SIDE]
+        most = MAX_OUTPUT_SIDE // min(presets)
         hint = f"use a scale of at most {max(fits)}" if fits else f"use a base of at most {most} px a side"
         raise FlowliftError(
-            f"hires at {scale}x of a {width}x{height} base would be {width * scale}x{height * scale}, over "
+            f"hires at {scale:g}x of a {width}x{height} base would be {out_w}x{out_h}, over "
             f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side (a pass would be dropped); {hint}"
         )
 

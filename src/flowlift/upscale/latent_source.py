@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from flowlift.errors import FlowliftError
 from flowlift.upscale.loading import DEFAULT_UPSCALER
 
 
@@ -24,6 +27,11 @@ class FlowUpscalerSource:
 
     weights: str | None = None
     unet: Any = None
+    latent_upscaler: str | None = None  # "sesqui:PATH": SesquiLSR for a fractional scale's last step
+
+    def __post_init__(self) -> None:
+        if self.latent_upscaler is not None:
+            sesqui_path(self.latent_upscaler)  # a malformed spec is one line at construction
 
     @property
     def name(self) -> str:
@@ -34,6 +42,12 @@ class FlowUpscalerSource:
         """The weights file (one line saying how to get it when it is missing)."""
         from flowlift.upscale.loading import resolve_upscaler_file
 
+        if self.latent_upscaler is not None:
+            path = sesqui_path(self.latent_upscaler)
+            if not path.is_file():
+                from flowlift.models.sesqui_lsr import load_sesqui_lsr
+
+                load_sesqui_lsr(path)  # its one line: no such file, and where the released weights are
         return resolve_upscaler_file(self.name)
 
     def load(self, vae: Any, *, device: Any, dtype: Any, budget_bytes: int | None = None) -> Any:
@@ -43,4 +57,37 @@ class FlowUpscalerSource:
 
         weights = self.unet if self.unet is not None else self.find()
         memory = MemoryPolicy(max_memory=budget_bytes)
-        return FlowUpscalerPipeline(weights, vae, device=device, dtype=dtype, memory=memory)
+        pipeline = FlowUpscalerPipeline(weights, vae, device=device, dtype=dtype, memory=memory)
+        if self.latent_upscaler is None:
+            return pipeline
+        from flowlift.models.sesqui_lsr import load_sesqui_lsr
+
+        sesqui = load_sesqui_lsr(sesqui_path(self.latent_upscaler), device=pipeline.device, dtype=torch.float32)
+        return FractionalUpscaler(pipeline, sesqui, vae, self.latent_upscaler)
+
+
+def sesqui_path(spec: str) -> Path:
+    """``"sesqui:PATH"`` -> PATH (the only latent upscaler for fractions today), else one line."""
+    kind, _, path = str(spec).partition(":")
+    if kind != "sesqui" or not path:
+        raise FlowliftError(f"--latent-upscaler must be sesqui:PATH (SesquiLSR's FLUX.2 weights), got {spec!r}")
+    return Path(path).expanduser()
+
+
+class FractionalUpscaler:
+    """The Flow Upscaler's whole 2x passes (``upscale_latents``) and SesquiLSR for the fraction (``to_size``):
+    normalized -> raw with the VAE's BN statistics -> SesquiLSR to the size -> normalized
+    (:func:`flowlift.models.sesqui_lsr.sesqui_upscale_latents`; TAEF2/Mage-VAE have no statistics: one line)."""
+
+    def __init__(self, pipeline: Any, sesqui: Any, vae: Any, spec: str) -> None:
+        self.pipeline, self.sesqui, self.vae, self.latent_upscaler = pipeline, sesqui, vae, spec
+
+    def upscale_latents(self, latents: Any, num_passes: int, **options: Any) -> Any:
+        return self.pipeline.upscale_latents(latents, num_passes, **options)
+
+    def to_size(self, latents: Any, size: tuple[int, int]) -> Any:
+        """Normalized latents (B, 32, h, w) -> normalized latents of latent ``size`` (h, w), each side 1-2x."""
+        from flowlift.models.sesqui_lsr import sesqui_upscale_latents
+
+        bn_mean, bn_std = getattr(self.vae, "bn_mean", None), getattr(self.vae, "bn_std", None)
+        return sesqui_upscale_latents(self.sesqui, latents, size, bn_mean, bn_std)

@@ -1,0 +1,79 @@
+"""``flowlift hires --scale 1.5 / 3 --latent-upscaler sesqui:PATH`` (issue 46.3): Flow passes for the powers of
+two, SesquiLSR for the fraction in latent space, on a tiny FLUX.2 model and a random SesquiLSR file in the
+released layout; without the option, a fractional scale is one line naming it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+from sesqui_reference import random_state
+from test_cli_refine import _run, embeds_file, model_dir  # noqa: F401  (fixtures)
+
+from flowlift.errors import FlowliftError
+
+
+@pytest.fixture(scope="module")
+def sesqui(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sesqui") / "upscaler_Flux2.safetensors"
+    save_file(random_state(0), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def upscaler(tmp_path_factory):
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+    from flowlift.models.upscaler_weights import save_upscaler
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("flow") / "flow_upscaler.safetensors"
+    return save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32), path)
+
+
+@pytest.fixture(scope="module")
+def square(tmp_path_factory):
+    path = tmp_path_factory.mktemp("img") / "square.png"
+    g = torch.Generator().manual_seed(0)
+    Image.fromarray((torch.rand(64, 64, 3, generator=g) * 255).to(torch.uint8).numpy(), "RGB").save(path)
+    return path
+
+
+@pytest.mark.parametrize(("scale", "side", "passes"), [("1.5", 96, 0), ("3", 192, 1)])
+def test_hires_fractional_scale_runs_flow_passes_then_sesquilsr(
+    capsys, tmp_path, model_dir, embeds_file, upscaler, sesqui, square, scale, side, passes  # noqa: F811
+):
+    out = tmp_path / "hires.png"
+    code, _, err = _run(capsys, "hires", "--image", square, "--scale", scale, "--upscaler", upscaler,
+                        "--latent-upscaler", f"sesqui:{sesqui}", "--model", model_dir, "--prompt-embeds", embeds_file,
+                        "--steps", "2", "-o", out)  # fmt: skip
+    assert code == 0, err
+    with Image.open(out) as image:
+        assert image.size == (side, side)
+        meta = json.loads(image.text["flowlift"])
+    assert meta["scale"] == float(scale) and meta["passes"] == passes
+    assert meta["latent_upscaler"] == f"sesqui:{sesqui}"
+
+
+def test_hires_fractional_scale_without_the_option_is_one_line(capsys, tmp_path, square):
+    code, _, err = _run(capsys, "hires", "--image", square, "--scale", "1.5", "--model", tmp_path / "never-loaded",
+                        "--prompt", "p", "-o", tmp_path / "x.png")  # fmt: skip
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "hires --scale 1.5 is not a whole number of 2x passes" in err and "--latent-upscaler sesqui:PATH" in err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_hires_passes_and_sizes_follow_the_one_rule():
+    from flowlift.refine.request import HiresSettings
+    from flowlift.refine.settings import hires_latent_size
+    from flowlift.upscale.latent_source import FlowUpscalerSource
+
+    source = FlowUpscalerSource(latent_upscaler="sesqui:x.safetensors")
+    assert [HiresSettings(upscaler=source, scale=s).passes for s in (1.5, 2, 3, 4, 6, 8)] == [0, 1, 1, 2, 2, 3]
+    assert [HiresSettings(scale=s).passes for s in (2, 4, 8)] == [1, 2, 3]  # no option needed for whole passes
+    assert hires_latent_size(128, 126, 1.5) == (192, 190) and hires_latent_size(126, 64, 3) == (378, 192)
+    assert hires_latent_size(128, 64, 4) == (512, 256)
+    with pytest.raises(FlowliftError, match="--latent-upscaler must be sesqui:PATH"):
+        FlowUpscalerSource(latent_upscaler="bicubic")
