@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import save_file
-from sesqui_reference import random_state
-from test_cli_refine import _run, embeds_file, model_dir  # noqa: F401  (fixtures)
 
 from flowlift.errors import FlowliftError
+from sesqui_reference import random_state
+from test_cli_refine import _run, embeds_file, model_dir  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="module")

@@ -95,8 +95,8 @@ def whole_passes(scale: float) -> bool:
 
 def hires_latent_size(height: int, width: int, scale: float) -> tuple[int, int]:
     """The latent (height, width) a hires fix of ``height x width`` latents refines at: ``scale`` times for 2, 4,
-    8; for any other factor ``floor(side * scale / 2 + 1/2) * 2`` (even latent sides, halves up: the image on the 16-px grid that
-    FLUX.2's 2x2 patches need, so 1.5x of 1008 px is 1520 px)."""
+    8; for any other factor ``floor(side * scale / 2 + 1/2) * 2`` (even latent sides, halves up: the image on the
+    16-px grid that FLUX.2's 2x2 patches need, so 1.5x of 1008 px is 1520 px)."""
     if whole_passes(scale):
         return height * int(scale), width * int(scale)
     return (max(2, math.floor(height * scale / 2 + 0.5) * 2), max(2, math.floor(width * scale / 2 + 0.5) * 2))
