@@ -147,7 +147,9 @@ def test_missing_weights_message(tmp_path, shared, photo, capsys):
 
 def test_bad_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["upscale", "x.png", "--scale", "3"])
+        main(["upscale", "x.png", "--scale", "9"])  # 3 or 1.5 are scales now (issue 46); past 8x is not
+    with pytest.raises(SystemExit):
+        main(["upscale", "x.png", "--scale", "3", "--long-side", "100"])
     with pytest.raises(SystemExit):
         main(["upscale", "x.png", "--scale", "2", "--passes", "2"])
     with pytest.raises(SystemExit):

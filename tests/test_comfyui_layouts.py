@@ -109,7 +109,7 @@ def test_every_numeric_input_refuses_non_finite_out_of_range_and_non_numbers(nod
             L.check_numbers(node, **{name: value})
         text = str(info.value)
         assert text.startswith(f"{node}: {name} must be") and repr(value) in text and "\n" not in text, text
-    good = [low, high, np.int64(1) if integer else np.float32(0.25)]
+    good = [low, high, np.int64(1) if integer else np.float32((low + high) / 2)]
     for value in good:
         checked = L.check_numbers(node, **{name: value})[name]
         assert checked == value and type(checked) is (int if integer else float)
