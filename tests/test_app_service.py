@@ -140,8 +140,8 @@ def test_upload_limit_and_parameter_errors(service, photo, tmp_path):
     small = AppService(AppConfig(upscaler="unused", vaes=["taef2"], max_upload_mb=1, work_dir=tmp_path / "w"))
     with pytest.raises(FlowliftError, match="upload limit"):
         small.upscale(big, 2, 0)  # refused before any model is loaded
-    with pytest.raises(FlowliftError, match="scale must be one of 2, 4, 8"):
-        service.upscale(photo, 3, 0)
+    with pytest.raises(FlowliftError, match=r"scale must be in \[1, 8\]"):
+        service.upscale(photo, 9, 0)  # 3 and 1.5 are scales (issue 46): test_app_any_scale
     with pytest.raises(FlowliftError, match="seed must be a non-negative integer"):
         service.upscale(photo, 2, -1)
     with pytest.raises(FlowliftError, match=r"transplant strength must be in \[0, 1\]"):
@@ -150,6 +150,14 @@ def test_upload_limit_and_parameter_errors(service, photo, tmp_path):
         service.upscale(photo, 2, 0, 1.0, 1.0, "flux2")
     with pytest.raises(FlowliftError, match="no image uploaded"):
         service.upscale(None)
+
+
+def test_app_any_scale(service, photo):
+    # issue 46: the Upscale tab takes any factor in [1, 8], named and sized as the command line does it
+    result = service.upscale(photo, 1.5, 0)
+    assert result.output.name == "parrots_x1.5.png" and result.output_size == (72, 48)
+    with Image.open(result.output) as image:
+        assert image.size == (72, 48)
 
 
 def test_missing_weights_are_one_clear_line(tmp_path, photo):
