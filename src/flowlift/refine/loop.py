@@ -98,7 +98,6 @@ def refine_latents(
     bn_mean: torch.Tensor | None = None,
     bn_std: torch.Tensor | None = None,
     denoising_start: float = 0.0,
-    denoising_end: float = 1.0,
     sampling: SamplingSettings | None = None,
     mask: torch.Tensor | None = None,
     on_step: StepCallback | None = None,
@@ -116,14 +115,14 @@ def refine_latents(
     * ``tiles`` (None: one call per step): the velocity tiled for the frame as the knobs and ``memory_plan`` (a
       :class:`~flowlift.refine.memory_plan.RefinePlan`) decide; the result's ``tiling`` records it
       (``tile_size`` as asked; ``tiles`` when they ran). A batch of several images runs one tile of all per call.
-    * ``sigmas = flux2_sigmas(steps, image_seq_len(H, W), denoising_start, denoising_end, mu=mu,
+    * ``sigmas = flux2_sigmas(steps, image_seq_len(H, W), denoising_start, 1, mu=mu,
       schedule=schedule)``: the shifted schedule (``mu`` 2.02 or a number, or ``"empirical"`` from the full
       sequence length and step count), its window respaced to ``steps`` steps or clipped; ``t0 = sigmas[0]``.
     * start: ``x = t0 * noise + (1 - t0) * normalize(init)`` (txt2img: ``x = noise``).
     * ``mask`` (1 or B, 1, H, W), 1 = regenerate: after each step the kept region is set to
       ``sigma_next * noise + (1 - sigma_next) * init`` with the *same* ``noise`` as the start.
     * ``sampler``: ``euler`` or ``heun`` on those sigmas, in every mode.
-    * ``denoising_start >= denoising_end`` (strength 0) runs no step and returns the normalized init.
+    * the window ends at sigma 0; ``denoising_start`` 1 (strength 0) runs no step and returns the normalized init.
     """
     from flowlift.flux2.img2img import InpaintMerger, denoise, prepare_start_latents
     from flowlift.flux2.latents import check_latents
@@ -135,9 +134,7 @@ def refine_latents(
     mu = MU.default if sampling.mu is None else sampling.mu
     schedule = SCHEDULE.default if sampling.schedule is None else sampling.schedule
     denoising_start = check_unit_interval("denoising_start", denoising_start)
-    denoising_end = check_unit_interval("denoising_end", denoising_end)
-    if denoising_start > denoising_end:
-        raise FlowliftError(f"need 0 <= denoising_start <= denoising_end <= 1, got {denoising_start}, {denoising_end}")
+    denoising_end = 1.0  # every refine runs to the clean image
     if (bn_mean is None) != (bn_std is None):
         raise FlowliftError("refine_latents: give both bn_mean and bn_std, or neither")
     if init_latents is None:

@@ -90,7 +90,8 @@ def check_upscale_weights(upscaler: Any = DEFAULT_UPSCALER, vaes: Sequence[Any] 
     """
     from flowlift.models.weights import require_all
 
-    require_all(upscale_weight_checks(upscaler, vaes))
+    checks = upscale_weight_checks(upscaler, vaes)
+    require_all(checks)
 
 
 def vae_spec_files(spec: str) -> list[Path]:

@@ -175,6 +175,7 @@ def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
     """List the inputs and plan one job per input (see the module docstring); nothing is written."""
     from flowlift.files.images import IMAGE_SUFFIXES, list_images
 
+    sizes = OutputSizes(request.passes, request.settings.resize_mode)  # named by the scale the cap lets run
     problems: list[tuple[str, str]] = []
     inputs = list_images(list(request.inputs), problems)
     if not inputs and not problems:
@@ -182,7 +183,6 @@ def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
     if not inputs and len(request.inputs) == 1 and not glob.has_magic(request.inputs[0]):
         item, message = problems[0]  # the one file asked for is not there: a user error (exit 2), not a batch
         raise FlowliftError(f"{item}: {message}")
-    sizes = OutputSizes(request.passes, request.settings.resize_mode)  # named by the scale the cap lets run
     single_file, folder = output_target(request.output, len(inputs), IMAGE_SUFFIXES)
     targets = [sizes.target(path, single_file, folder, request.output_format) for path in inputs]
     refused = [Job.refusal(Path(item), message) for item, message in problems]
