@@ -142,8 +142,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings(), _signals_interrupt():  # both restored when an in-process caller returns
             warnings.showwarning = _one_line_warnings(args.command)
             return int(args._run(args) or 0)
-    except FlowliftError as error:
-        print(f"flowlift {args.command}: error: {error}", file=sys.stderr)
+    except FlowliftError as error:  # a knob or field the capability named as Python does, said as this command does
+        from flowlift.commands._options import option_words
+
+        words = option_words(parser._chosen_command(args)) if error.fields else {}
+        print(f"flowlift {args.command}: error: {error.worded(words)}", file=sys.stderr)
         return error.exit_status
     except KeyboardInterrupt:
         print(f"flowlift {args.command}: interrupted", file=sys.stderr)
