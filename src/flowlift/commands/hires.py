@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--latent-upscaler",
         metavar="sesqui:PATH",
         help="the fraction of a --scale that is not 2, 4 or 8 (1.5; 3 = one pass then 1.5x) in latent space: SesquiLSR "
-        "FLUX.2 weights (upscaler_Flux2.safetensors from LoganBooker/SesquiLSR's models/; needs --vae flux2)",
+        "FLUX.2 weights (upscaler_Flux2.safetensors from LoganBooker/SesquiLSR's models/; needs the FLUX.2 VAE; "
+        "default: none, so only 2, 4, 8)",
     )
     add_knob(up, TRANSPLANT_STRENGTH)
     up.add_argument("--no-color-fix", action="store_true", help="switch the upscaler's colour fix off")

@@ -36,9 +36,8 @@ NAME = "upscale"
 HELP = "upscale images 2x/4x/8x (or any factor up to 8x, or a size) with the Flow Upscaler, colour drift corrected"
 EXAMPLES = examples(
     "flowlift upscale photo.png --scale 4                       # -> photo_x4.png next to it",
-    "flowlift upscale photo.png --long-side 3840                # -> photo_3840x2560.png (a 1536x1024 input)",
     'flowlift upscale photos/ "more/*.jpg" -o out/ --vae taef2   # a batch; rerun to resume',
-    "flowlift upscale photo.png -o big.jpg --quality 90         # format from -o, ICC profile and EXIF kept",
+    "flowlift upscale photo.png --long-side 3840 -o big.jpg     # 3840 px long side; ICC profile and EXIF kept",
 )
 
 
@@ -81,9 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_knob(scale, SCALE, default=None, help=f"{SCALE.help} (default {DEFAULT_SCALE})")
     scale.add_argument("--passes", type=positive_int, metavar="N", help="number of 2x passes (scale 2**N)")
     scale.add_argument("--long-side", type=positive_int, metavar="N",
-                       help="output long side in px (the fewest passes that reach it, then resampled)")  # fmt: skip
+                       help="output long side in px, resampled after the passes (default: --scale 2)")  # fmt: skip
     scale.add_argument("--size", type=size_value, metavar="WxH",
-                       help="output size in px, e.g. 3840x2560 (the fewest passes reaching it, resampled)")  # fmt: skip
+                       help="output size in px, e.g. 3840x2560, resampled likewise (default: --scale 2)")  # fmt: skip
     add_knob(parser, SEED, metavar="SEED")
     parser.add_argument("--no-color-fix", action="store_true", help="switch both colour-drift stages off")
     add_knob(parser, TRANSPLANT_STRENGTH)

@@ -262,6 +262,28 @@ def _lab_to_rgb(lab: torch.Tensor) -> torch.Tensor:
     return lab_to_rgb(lab, clip=True)
 
 
+def _stage2_reference(output: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Stage 2's shapes checked, and the reference on the low band's grid: itself when the output is an integer
+    multiple of it (``True``), else per side the reference's size or half the output's where that is coarser, the
+    reference area-downsampled to it (:func:`box_downsample`; ``False``)."""
+    if output.ndim != 4 or reference.ndim != 4 or output.shape[1] != 3 or reference.shape[1] != 3:
+        raise ValueError(
+            f"lab_lowband_transplant: expected RGB (B, 3, H, W) tensors, "
+            f"got {tuple(output.shape)} and {tuple(reference.shape)}"
+        )
+    height, width = output.shape[-2:]
+    h, w = reference.shape[-2:]
+    if reference.shape[0] != output.shape[0] or height < h or width < w:
+        raise ValueError(
+            f"lab_lowband_transplant: output {height}x{width} is smaller than the reference {h}x{w} "
+            f"(or the batch sizes differ)"
+        )
+    if height % h == 0 and width % w == 0:  # the passes' own sizes: the block mean, as always
+        return reference, True
+    grid = tuple(n if out == n else min(n, out // 2) for n, out in ((h, height), (w, width)))
+    return box_downsample(reference, grid), False
+
+
 def lab_lowband_transplant(
     output: torch.Tensor,
     reference: torch.Tensor,
@@ -296,22 +318,9 @@ def lab_lowband_transplant(
     ``inplace=True`` writes the result into ``output`` (which must then be float32) and returns it.
     ``on_strip()`` (optional) runs before every strip: a cancel point (it may raise to stop).
     """
-    if output.ndim != 4 or reference.ndim != 4 or output.shape[1] != 3 or reference.shape[1] != 3:
-        raise ValueError(
-            f"lab_lowband_transplant: expected RGB (B, 3, H, W) tensors, "
-            f"got {tuple(output.shape)} and {tuple(reference.shape)}"
-        )
     batch, _, height, width = output.shape
+    reference, integer = _stage2_reference(output, reference)
     h, w = reference.shape[-2:]
-    if reference.shape[0] != batch or height < h or width < w:
-        raise ValueError(
-            f"lab_lowband_transplant: output {height}x{width} is smaller than the reference {h}x{w} "
-            f"(or the batch sizes differ)"
-        )
-    integer = height % h == 0 and width % w == 0  # the passes' own sizes: the block mean, as always
-    if not integer:  # the low band's grid: the reference's, or half the output's where that is coarser
-        h, w = (n if out == n else min(n, out // 2) for n, out in ((h, height), (w, width)))
-        reference = box_downsample(reference, (h, w))
     s_h, s_w = height // h, width // w
     device = output.device
     if inplace and output.dtype != torch.float32:

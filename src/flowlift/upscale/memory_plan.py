@@ -158,7 +158,6 @@ def plan_upscale_memory(
     vae_dtype: torch.dtype = torch.float32,
     vae_weight_bytes: int = 0,
     spatial_factor: int = 8,
-    final_size: tuple[int, int] | None = None,
 ) -> UpscaleMemoryPlan:
     """Plan an upscale of a (batch, 3, height, width) model input by ``2**num_passes`` within a budget.
 
@@ -166,8 +165,7 @@ def plan_upscale_memory(
     sample is the input latent times ``2**(p+1)``. The decode is whole-frame when
     :func:`decode_peak_bytes` fits, else tiled; stage 2 runs on the device when the decode's output
     and its float32 copy fit (:func:`colour_stage_bytes`), else on the host. Raises a FlowliftError
-    line when some stage cannot fit at all. ``final_size`` (width, height): the asked size the decoded frame is
-    resampled to before stage 2 (``--scale 3``), whose float32 frame the colour stage holds beside the decoded one.
+    line when some stage cannot fit at all.
     """
     weights = unet_weight_bytes + vae_weight_bytes
     if budget_bytes <= weights:
@@ -197,8 +195,6 @@ def plan_upscale_memory(
             f"(batch {batch}): the tiled decode needs about {format_bytes(decode)}"
         )
     colour = weights + colour_stage_bytes(out_h, out_w, batch=batch, vae_dtype=vae_dtype)
-    if final_size is not None and final_size != (out_w, out_h):
-        colour += frame_bytes(batch, 3, final_size[1], final_size[0], torch.float32)
     colour_on_host = colour > budget_bytes
     peaks = {f"pass {i + 1}": p.peak_bytes for i, p in enumerate(passes)}
     peaks["decode"] = decode

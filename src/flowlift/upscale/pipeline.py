@@ -211,15 +211,16 @@ class FlowUpscalerPipeline:
     def plan_memory(self, height: int, width: int, num_passes: int, batch: int = 1,
                     final_size: tuple[int, int] | None = None) -> UpscaleMemoryPlan | None:  # fmt: skip
         """The :func:`flowlift.upscale.memory_plan.plan_upscale_memory` plan for a (batch, 3, height, width) model input
-        (resampled to ``final_size`` before stage 2, when given) under ``max_memory`` (None without a budget); a
-        budget too small is a FlowliftError."""
+        (resampled to ``final_size`` (width, height) before stage 2, when given: its float32 frame is reserved out of
+        the budget) under ``max_memory`` (None without a budget); a budget too small is a FlowliftError."""
         if self.max_memory is None:
             return None
+        final = 0 if final_size is None else batch * 3 * final_size[0] * final_size[1] * 4  # the resampled frame
         return plan_upscale_memory(
             height,
             width,
             num_passes,
-            self.max_memory,
+            self.max_memory - final,
             batch=batch,
             base_channels=int(getattr(self.upscaler, "config", {}).get("base_channels", 384)),
             unet_dtype=self.dtype,
@@ -228,7 +229,6 @@ class FlowUpscalerPipeline:
             vae_dtype=self._vae_dtype(),
             vae_weight_bytes=model_bytes(self.vae),
             spatial_factor=self.spatial_factor,
-            final_size=final_size,
         )
 
     def plan_passes(self, image_height: int, image_width: int, num_passes: int, resize_mode: str = "pad") -> int:
