@@ -53,7 +53,7 @@ def test_img2img_matches_the_cli(service, model_dir, inputs, monkeypatch, tmp_pa
     monkeypatch.chdir(inputs)  # the CLI records the paths as given: give bare names, as the app does
     out = tmp_path / "cli.png"
     argv = ["img2img", "photo.png", "--model", str(model_dir), "--prompt-embeds", "prompt.safetensors"]
-    assert main([*argv, "--strength", "0.6", "--steps", "6", "--seed", "3", "-o", str(out), "--quiet"]) == 0
+    assert main([*argv, "--strength", "0.6", "--steps", "6", "--seed", "3", "-o", str(out), "--no-progress"]) == 0
     cli_size, cli_meta = _flowlift_text(out)
     assert size == cli_size and app_meta == cli_meta
     assert (app_meta["mu"], app_meta["schedule"]) == (2.02, "respaced")  # the refiner's defaults, recorded
@@ -105,7 +105,7 @@ def test_tiled_img2img_matches_the_cli(service, model_dir, inputs, monkeypatch, 
         assert a.tobytes() != b.tobytes()  # the tiles changed the transformer's view
     monkeypatch.chdir(inputs)
     out = tmp_path / "cli.png"
-    argv = ["img2img", "photo.png", "--model", str(model_dir), "--prompt-embeds", "prompt.safetensors", "--quiet"]
+    argv = ["img2img", "photo.png", "--model", str(model_dir), "--prompt-embeds", "prompt.safetensors", "--no-progress"]
     argv += ["--strength", "0.6", "--steps", "3", "--seed", "5", "--tile-size", "32", "--tile-overlap", "16"]
     assert main([*argv, "-o", str(out)]) == 0
     assert _flowlift_text(out)[1] == meta

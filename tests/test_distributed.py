@@ -218,12 +218,12 @@ def test_scaleout_refusals_are_one_line_errors(tmp_path, capsys):
     for output in (None, str(tmp_path / "one.png")):  # no folder for the manifest
         with pytest.raises(FlowliftError, match="-o must name an output folder"):
             run_batch(jobs, lambda: None, command="upscale", output=output, env=DistEnv(0, 2, 0))
-    assert main(["upscale", "a.png", "--status", str(tmp_path)]) == 2
-    assert main(["upscale", "--status", str(tmp_path / "absent")]) == 2  # no folder there (without a
+    assert main(["status", str(tmp_path / "absent")]) == 2  # no folder there (without a
     # manifest, an existing folder's state comes from its files: tests/test_cli_upscale.py)
     assert main(["upscale"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 3 and all(line.startswith("flowlift upscale: error: ") for line in err)
+    assert len(err) == 2 and err[0].startswith("flowlift status: error: ") and err[1].startswith(
+        "flowlift upscale: error: ")
     assert "no such folder" in err[1]
 
 
@@ -282,7 +282,7 @@ def test_eval_run_sharded_equals_single_process(tmp_path, shared, photos, single
     from flowlift.commands.cli import main
 
     common = ["--run", "lanczos,vae-roundtrip", "--dataset", str(photos), "--scale", "2",
-              "--vae", str(shared / "models" / "taef2"), "--quiet"]  # fmt: skip
+              "--vae", str(shared / "models" / "taef2"), "--no-progress"]  # fmt: skip
     assert main(["eval", *common, "-o", str(tmp_path / "one")]) == 0
     result = run_torchrun(2, "eval", *common, "-o", str(tmp_path / "two"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -382,7 +382,7 @@ def test_sharded_upscale_equals_one_process_and_reports_the_corrupt_image(
                 for rank in (0, 1)]  # fmt: skip
     assert abs(per_rank[0] - per_rank[1]) <= max(w * h for w, h in SIZES)
 
-    assert main(["upscale", "--status", str(tmp_path / "two")]) == 1  # not complete: one failed
+    assert main(["status", str(tmp_path / "two")]) == 1  # not complete: one failed
     status = capsys.readouterr().out
     assert "8 done, 0 skipped, 1 failed" in status and "corrupt.png" in status
 
@@ -589,5 +589,5 @@ def test_killed_rank_loses_only_its_image_in_flight_and_reruns_finish_the_job(
     assert all(third[name][0] == second[name][0] for name in second)
     assert all(third[name] == second[name] for name in second if name not in lost)
     assert done_counts() == {**before, **{name: before.get(name, 0) + 1 for name in lost}}
-    assert main(["upscale", "--status", str(out)]) == 0
+    assert main(["status", str(out)]) == 0
     assert capsys.readouterr().out.strip().endswith("complete")

@@ -58,7 +58,7 @@ def test_the_apps_hires_fix_equals_the_command_lines(model_dir, inputs, tmp_path
         service.close()
     out = tmp_path / "cli.png"
     argv = ["hires", "--image", "square.png", "--model", str(model_dir), "--prompt-embeds", "prompt.safetensors",
-            "--upscaler", "flow_upscaler.safetensors", "--steps", STEPS, "--quiet", "-o", str(out)]  # fmt: skip
+            "--upscaler", "flow_upscaler.safetensors", "--steps", STEPS, "--no-progress", "-o", str(out)]  # fmt: skip
     assert main(argv) == 0
     app_pixels, app_meta = _flowlift_text(app.output)
     cli_pixels, cli_meta = _flowlift_text(out)

@@ -194,7 +194,7 @@ def test_cli_refuses_a_lora_that_does_not_fit_in_one_line(cases, tmp_path, comma
     for name in ("comfy-rank0", "other-width", "metadata-empty"):
         path, message = cases[name]
         argv = [sys.executable, "-m", "flowlift", *args, "--model", str(model_dir), "--prompt-embeds", str(embeds),
-                "--lora", str(path), "--quiet", "-o", str(out)]  # fmt: skip
+                "--lora", str(path), "--no-progress", "-o", str(out)]  # fmt: skip
         run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         lines = run.stderr.splitlines()
         assert run.returncode == 2 and len(lines) == 1, run.stderr

@@ -277,7 +277,7 @@ def test_cli_hires_with_a_file_transformer_a_lora_and_a_budget(capsys, tmp_path,
     out = tmp_path / "hires.png"
     argv = ["hires", "--width", "64", "--height", "64", "--base-steps", "2", "--scale", "2", "--upscaler", upscaler,
             "--model", model_dir, "--transformer", fp8, "--lora", f"{peft_lora}:0.5", "--max-memory", "256MB",
-            "--prompt-embeds", embeds, "--steps", "4", "--quiet", "-o", out]  # fmt: skip
+            "--prompt-embeds", embeds, "--steps", "4", "--no-progress", "-o", out]  # fmt: skip
     assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
     with Image.open(out) as img:
         assert img.size == (128, 128)

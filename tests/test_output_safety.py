@@ -76,7 +76,7 @@ def photo(tmp_path_factory) -> Path:
 
 
 def _img2img(photo: Path, model_dir: Path, embeds_file: Path, *extra) -> list:
-    return ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "1", "--quiet",
+    return ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "1", "--no-progress",
             *extra]  # fmt: skip
 
 
@@ -214,7 +214,7 @@ def test_a_fifo_or_link_at_an_output_name_is_never_replaced(tmp_path, shared, ti
         for command, argv in (
             ("img2img", _img2img(photo, model_dir, embeds_file, "-o", out / name, *flag)),
             ("hires", ["hires", "--image", square, "--scale", "2", "--upscaler", tiny_weights, "--model", model_dir,
-                       "--prompt-embeds", embeds_file, "--steps", "1", "--quiet", "-o", out / name, *flag]),
+                       "--prompt-embeds", embeds_file, "--steps", "1", "--no-progress", "-o", out / name, *flag]),
         ):  # fmt: skip
             result = _flowlift(*argv, cwd=tmp_path)
             assert result.returncode == 2, result.stderr
@@ -318,7 +318,7 @@ def full_disk(request, tmp_path):
 
 
 def _refine_argv(command: str, photo: Path, model_dir: Path, embeds_file: Path, weights: Path, output) -> list:
-    common = ["--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "1", "--quiet"]
+    common = ["--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "1", "--no-progress"]
     if output is not None:
         common += ["-o", output]
     if command == "img2img":
@@ -375,7 +375,7 @@ def test_eval_and_dataset_on_a_full_disk_are_one_line_and_leave_no_partial_file(
     photos.mkdir()
     for index in range(2):
         Image.open(photo).rotate(90 * index).resize((64, 64)).save(photos / f"p{index}.png")
-    result = _flowlift("eval", photos, "--reference", photos, "-o", folder / "report", "--quiet", cwd=tmp_path,
+    result = _flowlift("eval", photos, "--reference", photos, "-o", folder / "report", "--no-progress", cwd=tmp_path,
                        preexec_fn=limit)  # fmt: skip
     assert result.returncode == 2, result.stderr
     line = _one_line(result, "eval")
@@ -436,12 +436,12 @@ def test_the_app_prunes_only_its_own_old_result_folders(tmp_path):
     users = tmp_path / "r-2024-holiday"
     users.mkdir()
     (users / "photo.jpg").write_bytes(b"the user's")
-    old = service._new_result_dir()  # the app's own, then left for two hours
+    old = service.new_result_dir()  # the app's own, then left for two hours
     (old / "a_x2.png").write_bytes(b"result")
     hours_ago = time.time() - 7200
     for path in (users, old):
         os.utime(path, (hours_ago, hours_ago))
-    fresh = service._new_result_dir()
+    fresh = service.new_result_dir()
     assert not old.exists() and fresh.is_dir()
     assert (users / "photo.jpg").read_bytes() == b"the user's"
 

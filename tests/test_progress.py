@@ -150,7 +150,7 @@ def test_eval_into_a_log_writes_progress_lines(photos, tmp_path):
            "HF_HUB_OFFLINE": "1"}  # fmt: skip
     with open(tmp_path / "out", "w") as out, open(tmp_path / "log", "w") as log:
         done = subprocess.run(
-            [sys.executable, "-m", "flowlift", "eval", str(photos), "--reference", str(photos), "--out",
+            [sys.executable, "-m", "flowlift", "eval", str(photos), "--reference", str(photos), "-o",
              str(tmp_path / "report")],
             stdout=out, stderr=log, stdin=subprocess.DEVNULL, env=env, timeout=300, cwd=tmp_path,
         )  # fmt: skip

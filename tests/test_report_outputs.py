@@ -148,7 +148,7 @@ def photos(tmp_path_factory, shared) -> Path:
 
 
 def _eval_argv(photos: Path, out: Path) -> list[str]:
-    return ["eval", "--run", "lanczos", "--dataset", str(photos), "--scale", "2", "--save-outputs", "--quiet",
+    return ["eval", "--run", "lanczos", "--dataset", str(photos), "--scale", "2", "--save-outputs", "--no-progress",
             "--output", str(out)]  # fmt: skip
 
 
@@ -193,7 +193,8 @@ def test_eval_of_pairs_applies_the_rule_to_its_reports(tmp_path, capsys, monkeyp
                                                        kind):  # fmt: skip
     out = tmp_path / "report"
     outputs = eval_reference / "outputs"
-    argv = ["eval", str(outputs / "lanczos"), "--reference", str(outputs / "inputs"), "--quiet", "--output", str(out)]
+    argv = ["eval", str(outputs / "lanczos"), "--reference", str(outputs / "inputs"), "--no-progress",
+            "--output", str(out)]
     _case(tmp_path, capsys, monkeypatch, command="eval", argv=argv, out=out, name=name, kind=kind, overwrite=False,
           own=eval_reference, no_work=_fail("flowlift.measure.evaluate.evaluate_pairs"))  # fmt: skip
 
@@ -236,7 +237,7 @@ def fake_vae(monkeypatch):
 
 def _bands_argv(shared: Path, out: Path) -> list[str]:
     return ["bands", str(shared / "images" / "kodak" / "kodim01.png"), "--vae", "fake", "--max-side", "256",
-            "--quiet", "--output", str(out)]  # fmt: skip
+            "--no-progress", "--output", str(out)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -284,8 +285,8 @@ def crops(tmp_path_factory) -> Path:
 
 
 def _dataset_argv(shared: Path, crops: Path, out: Path) -> list[str]:
-    return ["dataset", "images", str(crops), "--crop", "32", "--crops-per-image", "1", "--shard-size", "1", "--vae",
-            str(shared / "models" / "taef2"), "--device", "cpu", "--quiet", "--output", str(out)]  # fmt: skip
+    return ["dataset", "images", str(crops), "--crop-px", "32", "--crops-per-image", "1", "--shard-size", "1", "--vae",
+            str(shared / "models" / "taef2"), "--device", "cpu", "--no-progress", "--output", str(out)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -164,7 +164,7 @@ def test_eval_vae_methods_take_every_named_vae(named_hub, photo, tmp_path, capsy
     shutil.copy(photo, dataset / "photo.png")
     out = tmp_path / "eval"
     code, err = _run(capsys, "eval", "--run", "vae-roundtrip,latent-bicubic", "--dataset", dataset, "--scale", "2",
-                     "--vae", name, "--device", "cpu", "--out", out)  # fmt: skip
+                     "--vae", name, "--device", "cpu", "-o", out)  # fmt: skip
     assert code == 0, err
     assert any(out.rglob("*.json")), list(out.rglob("*"))
 
@@ -172,8 +172,8 @@ def test_eval_vae_methods_take_every_named_vae(named_hub, photo, tmp_path, capsy
 @pytest.mark.parametrize("name", VAE_NAMES)
 def test_dataset_images_takes_every_named_vae(named_hub, shared, tmp_path, capsys, name):
     out = tmp_path / "data"
-    code, err = _run(capsys, "dataset", "images", shared / "images" / "kodak" / "kodim05.png", "--out", out,
-                     "--vae", name, "--crop", "64", "--crops-per-image", "1", "--device", "cpu",
+    code, err = _run(capsys, "dataset", "images", shared / "images" / "kodak" / "kodim05.png", "-o", out,
+                     "--vae", name, "--crop-px", "64", "--crops-per-image", "1", "--device", "cpu",
                      "--no-progress")  # fmt: skip
     assert code == 0, err
     manifest = json.loads((out / "dataset.json").read_text())

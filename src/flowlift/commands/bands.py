@@ -37,7 +37,7 @@ EXAMPLES = examples(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("images", nargs="+", help="image files or folders (non-recursive)")
     add_vae_option(parser, required=True)
-    add_output_option(parser, "folder for bands.json, bands.md, bands.png", required=True, old="--out")
+    add_output_option(parser, "folder for bands.json, bands.md, bands.png", required=True)
     parser.add_argument("--amplitude", type=finite_float, default=0.1, help="perturbation RMS in latent sigma (0.1)")
     parser.add_argument("--seed", type=seed_value, default=0, help="noise seed (band k uses seed + k)")
     parser.add_argument("--max-side", type=positive_int, default=None,

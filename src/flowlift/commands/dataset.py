@@ -15,7 +15,6 @@ from pathlib import Path
 
 from flowlift.commands._options import (
     HelpFormatter,
-    add_deprecated_spelling,
     add_output_option,
     add_vae_option,
     examples,
@@ -40,7 +39,7 @@ STORAGE = ("float16", "bfloat16", "float32")
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    add_output_option(parser, "dataset folder (created; an existing one is resumed)", required=True, old="--out")
+    add_output_option(parser, "dataset folder (created; an existing one is resumed)", required=True)
     parser.add_argument("--overwrite", action="store_true",
                         help="replace files at the dataset's names (dataset.json, shard-*.safetensors) that "
                         "flowlift did not write (without it, only flowlift's own and empty files are replaced)")
@@ -88,9 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 "-o data/photos"))
     _common(images)
     images.add_argument("inputs", nargs="+", help="image files, folders or glob patterns")
-    crop = images.add_argument("--crop-px", type=positive_int, default=512,
-                               help="crop side in image pixels (multiple of 32; default 512)")  # fmt: skip
-    add_deprecated_spelling(images, "--crop", crop)
+    images.add_argument("--crop-px", type=positive_int, default=512,
+                        help="crop side in image pixels (multiple of 32; default 512)")  # fmt: skip
     images.add_argument("--crops-per-image", type=positive_int, default=4, help="random crops taken from each photo")
     images.add_argument("--no-flip", action="store_true", help="no random horizontal flips")
 

@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              help=f"{SPANDREL_TILE.help}; {SPANDREL_TILE.describe()} (default auto)")  # fmt: skip
     add_knob(parser, SPANDREL_TILE_OVERLAP, default=None, metavar="PX",
              help=f"{SPANDREL_TILE_OVERLAP.help} (default {SPANDREL_TILE_OVERLAP.default})")  # fmt: skip
-    add_output_option(parser, "folder for results.json, table.md, metrics.png, crops.png", required=True, old="--out")
+    add_output_option(parser, "folder for results.json, table.md, metrics.png, crops.png", required=True)
     parser.add_argument("--overwrite", action="store_true",
                         help="replace files at the report's names that flowlift did not write (without it, only "
                         "flowlift's own reports and empty files are replaced)")  # fmt: skip
