@@ -91,18 +91,8 @@ def test_blocky_decoder_leaks_upwards_and_low_band_stays_low():
 
 
 def test_run_bands_with_a_vae_like_object(tmp_path):
-    class LinearVAE:
-        spatial_factor = FACTOR
-
-        def encode(self, images: torch.Tensor) -> torch.Tensor:
-            pooled = torch.nn.functional.avg_pool2d(images - 0.5, FACTOR)
-            return torch.cat([pooled, pooled[:, :1]], dim=1) * 4
-
-        def decode(self, latents: torch.Tensor) -> torch.Tensor:
-            return ideal_decoder(latents)
-
     images = [torch.rand(1, 3, 270, 390), torch.rand(1, 3, 256, 256)]
-    mean, per_image = B.run_bands(LinearVAE(), images, seed=5)
+    mean, per_image = B.run_bands(IdealVAE(), images, seed=5)
     assert len(per_image) == 2 and mean.shape == (5, 6)
     np.testing.assert_allclose(mean, (per_image[0] + per_image[1]) / 2)
     assert np.all(np.diag(mean) > 99.0)

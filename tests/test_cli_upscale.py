@@ -11,21 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
+from builders import save_tiny_unet
 from flowlift.commands.cli import main
 from flowlift.files.image_outputs import file_sha256
 
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
-    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+    return save_tiny_unet(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from builders import save_tiny_unet
 from flowlift.errors import FlowliftError
 from flowlift.jobs.distributed import DistEnv, image_pixels, probe_and_gather, rank_device, shard_by_pixels
 from flowlift.jobs.manifest import MANIFEST_NAME, Manifest, format_status, image_record, job_status, latest_by_output
@@ -305,14 +306,7 @@ SIZES = [(48, 32), (64, 48), (48, 48), (80, 48), (48, 64), (96, 64), (64, 40), (
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    import torch
-
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
-    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+    return save_tiny_unet(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from builders import fake_hub_cache
 from conftest import shared_dir
 from doc_commands import doc_commands
 
@@ -204,18 +205,6 @@ def small_shared(real: Path, root: Path) -> Path:
     (folder / "models").mkdir()
     (folder / "models" / "taef2").symlink_to(real / "models" / "taef2")
     return folder
-
-
-def fake_hub_cache(cache: Path, repo_id: str, files: dict[str, Path]) -> None:
-    """``files`` (name in the repo -> a file here) as huggingface_hub's cache holds a downloaded snapshot."""
-    commit = "0" * 40
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    for name, source in files.items():
-        target = repo / "snapshots" / commit / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.symlink_to(source)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
+from builders import kodak_crops, save_tiny_unet
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 from flowlift.measure import cache as C
@@ -39,11 +40,7 @@ class BlockVAE:
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory, shared) -> Path:
     """Three small photos (Kodak crops, 136x104 -> cropped to 128x64 multiples of 64 at scale 4)."""
-    folder = tmp_path_factory.mktemp("photos")
-    for name in ("kodim03", "kodim07", "kodim23"):
-        with Image.open(shared / "images" / "kodak" / f"{name}.png") as im:
-            im.convert("RGB").crop((300, 200, 436, 304)).save(folder / f"{name}.png")
-    return folder
+    return kodak_crops(shared, tmp_path_factory.mktemp("photos"))
 
 
 def test_parse_methods():
@@ -338,12 +335,7 @@ def test_latent_bicubic_interpolates_raw_latents_when_the_vae_has_statistics():
 
 def test_cli_flow_end_to_end_with_random_weights(shared, tmp_path, capsys):
     """The flow method through the real pipeline and TAEF2 (random tiny UNet: only the plumbing)."""
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    unet = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0).eval()
-    weights = save_upscaler(unet, tmp_path / "flow_upscaler.safetensors")
+    weights = save_tiny_unet(tmp_path / "flow_upscaler.safetensors")
     data = tmp_path / "data"
     data.mkdir()
     with Image.open(shared / "images" / "kodak" / "kodim23.png") as im:

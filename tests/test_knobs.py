@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from builders import resized_photo
 from flowlift.errors import FlowliftError
 from flowlift.knobs import SEED, SEED_MAX, Knob, exact_int
 from flowlift.refine.settings import REFINE_KNOBS, TILE_KNOBS, SamplingSettings
@@ -383,28 +384,12 @@ def test_memory_policy_refuses_a_chunk_rows_that_is_not_a_positive_integer():
 
 
 @pytest.fixture(scope="module")
-def tiny_weights(tmp_path_factory):
-    import torch
-
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
-    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
-
-
-@pytest.fixture(scope="module")
 def small_photo(shared, tmp_path_factory):
-    from PIL import Image
-
-    path = tmp_path_factory.mktemp("photo") / "wine.png"
-    with Image.open(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png") as image:
-        image.convert("RGB").resize((48, 32), Image.Resampling.BOX).save(path)
-    return path
+    return resized_photo(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png",
+                         tmp_path_factory.mktemp("photo") / "wine.png")
 
 
-def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, tiny_weights, small_photo):
+def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, tiny_upscaler_weights, small_photo):
     # a ComfyUI workflow's seed >= 2^63 was refused by `flowlift upscale --seed` ("seed must be in [0, 2^63)")
     import json
 
@@ -417,9 +402,10 @@ def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, 
 
     taef2 = str(shared / "models" / "taef2")
     out = tmp_path / "out.png"
-    argv = ["upscale", str(small_photo), "-o", str(out), "--seed", str(SEED_MAX), "--upscaler", str(tiny_weights)]
+    argv = ["upscale", str(small_photo), "-o", str(out), "--seed", str(SEED_MAX),
+            "--upscaler", str(tiny_upscaler_weights)]
     assert main([*argv, "--vae", taef2, "--device", "cpu", "--no-progress"]) == 0
-    pipeline = FlowUpscalerPipeline(str(tiny_weights), taef2, device="cpu", dtype=torch.float32)
+    pipeline = FlowUpscalerPipeline(str(tiny_upscaler_weights), taef2, device="cpu", dtype=torch.float32)
     with Image.open(small_photo) as image:
         expected = pipeline.upscale_image(image.convert("RGB"), 1, seed=SEED_MAX)
         other = pipeline.upscale_image(image.convert("RGB"), 1, seed=SEED_MAX - 1)
@@ -430,7 +416,7 @@ def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, 
     assert not np.array_equal(got, np.asarray(other))  # the seed reached the noise
 
 
-def test_app_keeps_seeds_exact(tmp_path, shared, tiny_weights, small_photo):
+def test_app_keeps_seeds_exact(tmp_path, shared, tiny_upscaler_weights, small_photo):
     # through float(), seeds 2^53 and 2^53 + 1 were the same seed and gave the same image
     import json
 
@@ -439,7 +425,7 @@ def test_app_keeps_seeds_exact(tmp_path, shared, tiny_weights, small_photo):
 
     from flowlift.app.service import AppConfig, AppService
 
-    config = AppConfig(upscaler=str(tiny_weights), vaes=[str(shared / "models" / "taef2")], device="cpu",
+    config = AppConfig(upscaler=str(tiny_upscaler_weights), vaes=[str(shared / "models" / "taef2")], device="cpu",
                        work_dir=tmp_path / "work")  # fmt: skip
     service = AppService(config)
     try:

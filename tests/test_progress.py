@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
+from builders import kodak_crops
 from flowlift import console
 from flowlift.errors import FlowliftError
 
@@ -136,11 +136,7 @@ def test_nested_bars_share_one_line(monkeypatch):
 
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory, shared) -> Path:
-    folder = tmp_path_factory.mktemp("photos")
-    for name in ("kodim03", "kodim07", "kodim23"):
-        with Image.open(shared / "images" / "kodak" / f"{name}.png") as im:
-            im.convert("RGB").crop((300, 200, 436, 304)).save(folder / f"{name}.png")
-    return folder
+    return kodak_crops(shared, tmp_path_factory.mktemp("photos"))
 
 
 def test_eval_into_a_log_writes_progress_lines(photos, tmp_path):

@@ -22,6 +22,7 @@ import pytest
 import torch
 from PIL import Image
 
+from builders import resized_photo, save_tiny_unet
 from flowlift.commands.cli import main
 from flowlift.models.vae_names import NAMED_VAES, VAE_NAMES
 
@@ -77,20 +78,13 @@ def named_hub(hub_cache, monkeypatch):
 
 @pytest.fixture(scope="module")
 def upscaler(tmp_path_factory):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
-    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+    return save_tiny_unet(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
 
 
 @pytest.fixture(scope="module")
 def photo(tmp_path_factory, shared):
-    path = tmp_path_factory.mktemp("photo") / "photo.png"
-    image = Image.open(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png").convert("RGB")
-    image.resize((W, H), Image.Resampling.BOX).save(path)
-    return path
+    return resized_photo(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png",
+                         tmp_path_factory.mktemp("photo") / "photo.png", (W, H))
 
 
 def _run(capsys, *argv) -> tuple[int, str]:
