@@ -7,7 +7,7 @@
   terminal (a log, a scheduler, CI), one plain line every :func:`progress_interval` seconds (done/total,
   rate, time left) so a long job never looks hung; a piped log gets no ``\\r`` bars.
 * :func:`quiet_libraries` keeps third-party chatter (diffusers' "accelerate was not found" block,
-  "kept in float32" lines, huggingface_hub deprecation warnings, transformers notices) off stderr, so
+  "kept in float32" lines, huggingface_hub FutureWarnings, transformers notices) off stderr, so
   a run prints flowlift's own lines only; ``-v`` leaves the libraries' warnings visible.
 * :func:`warn_once` prints a ``flowlift CMD: warning: ...`` line at most once per process per key.
 * :func:`install_command` is the pip command that adds an optional extra to the flowlift that is running

@@ -151,7 +151,7 @@ def _report_reader_warnings(path: Path, caught: list[warnings.WarningMessage]) -
     """Turn what Pillow/numpy said while reading ``path`` into at most one :class:`FlowliftWarning`.
 
     Pillow's EXIF/metadata complaints are worth one line (the orientation or colour tags may be
-    wrong); everything else (numpy casts, deprecations) is noise the user cannot act on.
+    wrong); everything else (numpy casts, libraries' FutureWarnings) is noise the user cannot act on.
     """
     notes = []
     for warning in caught:
