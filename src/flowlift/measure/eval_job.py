@@ -20,7 +20,7 @@ from flowlift.devices import resolve_device_dtype
 from flowlift.errors import FlowliftError
 from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S
 from flowlift.knobs import SCALE
-from flowlift.measure.methods import spandrel_tiling
+from flowlift.measure.methods import SPANDREL_TILE, spandrel_tiling
 from flowlift.upscale.loading import DEFAULT_VAE
 
 if TYPE_CHECKING:
@@ -53,8 +53,8 @@ class EvalRequest:
     upscaler: str | None = None
     device: str = "auto"
     dtype: str = "auto"
-    tile: Any = None
-    tile_overlap: int | None = None
+    tile: Any = SPANDREL_TILE.default
+    tile_overlap: int | None = None  # None: the knob's default
     overwrite: bool = False
     cache: str | None = None
     no_cache: bool = False
