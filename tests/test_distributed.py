@@ -223,9 +223,8 @@ def test_scaleout_refusals_are_one_line_errors(tmp_path, capsys):
     # manifest, an existing folder's state comes from its files: tests/test_cli_upscale.py)
     assert main(["upscale"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 2 and err[0].startswith("flowlift status: error: ") and err[1].startswith(
-        "flowlift upscale: error: ")
-    assert "no such folder" in err[1]
+    assert len(err) == 2 and err[0].startswith("flowlift status: error: ") and "no such folder" in err[0]
+    assert err[1] == "flowlift upscale: error: give INPUT images"
 
 
 BARRIER_SCRIPT = """
