@@ -354,7 +354,7 @@ def test_sharded_upscale_equals_one_process_and_reports_the_corrupt_image(
     summaries = [line for line in result.stdout.splitlines() if " written, " in line]
     assert len(summaries) == 1, result.stdout  # one summary for the job (rank 0's, every rank counted), issue 39
     assert summaries[0].startswith("flowlift upscale: 8 written, 0 skipped, 1 failed (9 inputs) in "), summaries
-    assert any("--status" in line and "exits 1" in line for line in errors)  # says where the failure shows
+    assert any("`flowlift status " in line and "exits 1" in line for line in errors)  # says where the failure shows
     jobs = [r for r in Manifest(tmp_path / "two").records() if r["event"] == "job"]
     assert len(jobs) == 1  # one attempt of the group: no restart
     assert not processes_naming(str(tmp_path / "two"))
