@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
+from builders import save_tiny_unet
 from flowlift.commands.cli import main
 from tiny_flux2 import prompt_embeds, write_model_dir
 
@@ -305,12 +306,10 @@ def test_empirical_mu_out_of_range_is_refused_before_loading(capsys, tmp_path, e
 
 
 def test_hires_from_image_and_from_txt2img(capsys, tmp_path, model_dir, embeds_file, photo):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
 
     torch.manual_seed(0)
     upscaler = tmp_path / "flow_upscaler.safetensors"
-    save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32), upscaler)
+    save_tiny_unet(upscaler, seed=None, cond_dim=32)
     crop = tmp_path / "square.png"
     Image.open(photo).resize((64, 64)).save(crop)
     out = tmp_path / "hires.png"
@@ -430,12 +429,10 @@ def test_tile_options_in_every_mode_and_the_metadata(capsys, tmp_path, model_dir
 
 
 def test_hires_scale_8_refines_in_tiles(capsys, tmp_path, model_dir, embeds_file, photo):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
 
     torch.manual_seed(0)
     upscaler = tmp_path / "flow_upscaler.safetensors"
-    save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32), upscaler)
+    save_tiny_unet(upscaler, seed=None, cond_dim=32)
     crop = tmp_path / "small.png"
     Image.open(photo).resize((64, 64)).save(crop)
     out = tmp_path / "hires8.png"

@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
+from builders import save_tiny_unet
 from flowlift.commands.cli import main  # noqa: E402
 from flowlift.errors import FlowliftError  # noqa: E402
 from flowlift.flux2.latents import denormalize  # noqa: E402
@@ -263,13 +264,11 @@ def test_cli_hires_with_a_file_transformer_a_lora_and_a_budget(capsys, tmp_path,
     from PIL import Image
     from safetensors.torch import save_file
 
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
     from flux2_files import write_fp8
 
     torch.manual_seed(0)
     upscaler = tmp_path / "flow_upscaler.safetensors"
-    save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32), upscaler)
+    save_tiny_unet(upscaler, seed=None, cond_dim=32)
     embeds = tmp_path / "emb.safetensors"
     save_file({"prompt_embeds": EMB}, str(embeds))
     fp8 = tmp_path / "flux-2-tiny-fp8.safetensors"

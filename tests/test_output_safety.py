@@ -23,6 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
+from builders import save_tiny_unet
 from tiny_flux2 import prompt_embeds, write_model_dir
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -45,12 +46,7 @@ def _one_line(result: subprocess.CompletedProcess, command: str) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_weights(tmp_path_factory) -> Path:
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32, dropout=0.0)
-    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+    return save_tiny_unet(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors", cond_dim=32)
 
 
 @pytest.fixture(scope="module")
@@ -242,14 +238,12 @@ def test_every_writer_refuses_a_fifo(tmp_path):
     from flowlift.errors import FlowliftError
     from flowlift.files.atomic import atomic_write_text
     from flowlift.files.image_outputs import save_image_atomic
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
     from flowlift.training.shards import shard_name, write_shard
 
     writers = {
         "a.png": lambda p: save_image_atomic(Image.new("RGB", (4, 4)), p),
         "results.json": lambda p: atomic_write_text(p, "{}"),
-        "w.safetensors": lambda p: save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32), p),
+        "w.safetensors": lambda p: save_tiny_unet(p, seed=None, cond_dim=32),
         shard_name(0): lambda p: write_shard(p.parent, 0, 0, {"target": torch.zeros(1, 2)}, [{}]),
     }
     for name, write in writers.items():
