@@ -20,7 +20,7 @@ from builders import resized_photo
 from flowlift.errors import FlowliftError
 from flowlift.knobs import SEED, SEED_MAX, Knob, exact_int
 from flowlift.refine.settings import REFINE_KNOBS, TILE_KNOBS, SamplingSettings
-from flowlift.upscale.settings import COLOR_FIX_KNOBS, UPSCALE_KNOBS, MemoryPolicy
+from flowlift.upscale.settings import COLOR_FIX_KNOBS, UPSCALE_KNOBS
 
 #: (command, option) -> (table, knob name, the argparse default where the command resolves the knob's own
 #: default itself, or ``...`` for the knob's default).
@@ -376,6 +376,8 @@ def test_the_python_doors_take_only_integers(value, expected):
 
 
 def test_memory_policy_refuses_a_chunk_rows_that_is_not_a_positive_integer():
+    from flowlift.upscale.settings import MemoryPolicy
+
     with pytest.raises(FlowliftError, match="chunk_rows must be a positive integer"):
         MemoryPolicy(chunk_rows=0)
 

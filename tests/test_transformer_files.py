@@ -23,6 +23,7 @@ import torch
 from flowlift.errors import FlowliftError
 from flowlift.models.flux2_transformer_files import inspect_transformer_file
 from flowlift.refine.loading import load_transformer
+from flowlift.refine.settings import SamplingSettings
 from flux2_files import (
     bfl_state_dict,
     diffusers_state_from_bfl,
@@ -168,7 +169,7 @@ def test_refiner_runs_a_gguf_transformer_from_the_api(tmp_path):
     vae_dir = tmp_path / "vae"
     tiny_vae().save_pretrained(vae_dir)
     refiner = load_refiner(str(vae_dir), vae=str(vae_dir), transformer=str(path), device="cpu")
-    out = refiner.txt2img(height=32, width=32, steps=2, prompt_embeds=prompt_embeds())
+    out = refiner.txt2img(height=32, width=32, sampling=SamplingSettings(steps=2), prompt_embeds=prompt_embeds())
     assert torch.isfinite(out.images).all()
     assert out.parameters["transformer"] == str(path)
     assert "gguf (Q8_0" in out.parameters["transformer_file"] and out.parameters["offload"] == "none"

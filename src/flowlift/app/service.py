@@ -179,8 +179,8 @@ class AppService:
     def plan(sources: Sequence[Path], out_dir: Path, scale: int) -> Any:
         """``flowlift upscale``'s plan of the uploads (:func:`flowlift.upscale.plan.plan_files`): the same output
         names (by the scale the 16K cap lets run: a capped 8x is ``_x4``), sizes and refusals."""
+        from flowlift.limits import passes_for_scale
         from flowlift.upscale.plan import plan_files
-        from flowlift.upscale.sizes import passes_for_scale
 
         return plan_files(sources, out_dir, passes_for_scale(scale))
 

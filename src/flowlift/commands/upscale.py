@@ -147,8 +147,8 @@ def run(args: argparse.Namespace) -> int:
     """The options as one :class:`~flowlift.upscale.plan.UpscaleRequest`, planned and run by
     :func:`flowlift.upscale.plan.run_upscale`."""
     from flowlift.files.image_outputs import output_format
+    from flowlift.limits import passes_for_scale
     from flowlift.upscale.plan import UpscaleRequest, run_upscale
-    from flowlift.upscale.sizes import passes_for_scale
 
     if not args.inputs:
         raise FlowliftError("give INPUT images")
