@@ -228,6 +228,20 @@ def first_non_finite(state: Mapping[str, torch.Tensor]) -> str | None:
     return None
 
 
+def check_finite_result(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """``tensor`` itself, or one FlowliftError line ``"<what> gave NaN ..."`` when it holds NaN or Inf.
+
+    For a model's result before anything stores it: finite weights can still overflow (a file scaled by
+    1e30, float16 past 65504), and a writer would turn NaN into a black image, an all-NaN shard or a table
+    of NaN that is not even valid JSON. One reduction over the tensor.
+    """
+    if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        kind = "NaN" if bool(torch.isnan(tensor).any()) else "Inf"
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        raise FlowliftError(f"{what} gave {kind} (weights that overflow in {dtype}?); nothing was written")
+    return tensor
+
+
 def check_finite_state(state: Mapping[str, torch.Tensor], *, what: str, origin: str = "") -> None:
     """Raise one FlowliftError line when any floating tensor of ``state`` holds NaN or Inf."""
     bad = first_non_finite(state)
