@@ -23,7 +23,14 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 
 from flowlift.commands._options import HelpFormatter, OneLineParser
-from flowlift.console import add_console_options, format_warnings, quiet_libraries, set_command
+from flowlift.console import (
+    add_console_options,
+    format_warnings,
+    guard_standard_streams,
+    quiet_libraries,
+    set_command,
+    stdout_failure,
+)
 from flowlift.devices import reuse_freed_memory
 from flowlift.errors import FlowliftError
 from flowlift.version import __version__
@@ -62,6 +69,9 @@ def build_parser() -> OneLineParser:
         sub.set_defaults(_run=module.run, _long_running=getattr(module, "LONG_RUNNING", False))
     return parser
 
+
+#: The exit status after stdout's reader went away (``| head -1``): 128 + SIGPIPE, as a shell reports it.
+BROKEN_PIPE_STATUS = 141
 
 #: Whether SIGTERM interrupted the last command run in this process (else a KeyboardInterrupt is SIGINT).
 _stopped_by_sigterm = False
@@ -142,6 +152,31 @@ def _command_word(argv: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: this process's own) and return its exit status.
+
+    As the process's own command line, the standard streams are guarded first
+    (:func:`flowlift.console.guard_standard_streams`): a closed stderr or stdout writes nowhere, and a stdout
+    that breaks while the command runs does not stop it (no output is lost for a message that could not be
+    shown); the command then ends with 141 (128 + SIGPIPE) for a reader that went away (``| head -1``),
+    quietly, or one line and 1 for another failure (``> /dev/full``), unless it failed itself.
+    """
+    if argv is not None:
+        return _main(argv)
+    guard_standard_streams()
+    status = _main(None)
+    failure = stdout_failure()
+    if failure is None or status:
+        return status
+    if isinstance(failure, BrokenPipeError):
+        return BROKEN_PIPE_STATUS
+    command = _command_word(sys.argv[1:])
+    reason = getattr(failure, "strerror", None) or str(failure) or type(failure).__name__
+    print(f"flowlift{' ' + command if command else ''}: error: cannot write to standard output: {reason}",
+          file=sys.stderr)  # fmt: skip
+    return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     owns_process = argv is None
     command = _command_word(sys.argv[1:] if argv is None else argv)
     try:
