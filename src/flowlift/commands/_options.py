@@ -112,7 +112,7 @@ def add_output_option(parser: argparse.ArgumentParser, help: str, *, required: b
                       old: str | None = None) -> argparse.Action:  # fmt: skip
     """``-o/--output``, the one spelling of every command's output (``old``: a former spelling kept for a release).
     ``required`` is checked after parsing, so that the old spelling satisfies it too."""
-    action = parser.add_argument("-o", "--output", metavar=metavar, help=help)
+    action = parser.add_argument("-o", "--output", type=name_or_path, metavar=metavar, help=help)
     if old is not None:
         add_deprecated_spelling(parser, old, action)
     if required:
@@ -125,6 +125,7 @@ def add_vae_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, ow
                    **kwargs: Any) -> argparse.Action:  # fmt: skip
     """``--vae`` with the one help text (:data:`VAE_HELP`), ``own`` appended (what only this command does with it)."""
     kwargs.setdefault("metavar", vae_metavar())
+    kwargs.setdefault("type", name_or_path)
     return parser.add_argument("--vae", help=VAE_HELP + (f"; {own}" if own else ""), **kwargs)
 
 
@@ -150,6 +151,14 @@ def add_device_options(
         default="auto",
         help=f"precision (default auto: bfloat16 on CUDA, {cpu}; float16 on the CPU is very slow)",
     )
+
+
+def name_or_path(text: str) -> str:
+    """A file, folder, model name or hub id: any text but an empty or blank one, which names nothing (an empty
+    ``-o`` would write into the working folder, an empty path read it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"an empty value names no file, folder or model, got {text!r}")
+    return text
 
 
 def finite_float(text: str) -> float:

@@ -56,6 +56,8 @@ def resolve_file(
     names the thing for error messages, e.g. ``"Flow Upscaler weights"``.
     """
     source_str = os.fspath(source)
+    if not str(source_str).strip():  # Path("") is the working folder: never read it for an empty name
+        raise FlowliftError(f"{what}: an empty name or path names nothing, got {source_str!r}")
     path = Path(source_str).expanduser()
     if path.is_file():
         return path

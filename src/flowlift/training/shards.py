@@ -121,6 +121,8 @@ def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any], overw
     raises one FlowliftError line instead of mixing two datasets. An empty ``dataset.json``, or one
     flowlift did not write where ``overwrite`` allows replacing it, is replaced (:func:`check_dataset_folder`).
     """
+    if not str(os.fspath(root)).strip():  # Path("") is the working folder: an empty name names no dataset
+        raise FlowliftError(f"the dataset folder is an empty name, got {os.fspath(root)!r}")
     root = Path(root)
     check_dataset_folder(root, overwrite)
     manifest = {"format": FORMAT, "version": VERSION, **manifest}
