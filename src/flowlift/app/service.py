@@ -95,9 +95,12 @@ class AppService:
         self.vae_labels = vae_labels(config.vaes)
 
     def vae_spec(self, vae: str | None) -> str:
-        """The configured VAE spec for a page label or a spec (API callers may pass either; None: the first)."""
-        if not vae:
+        """The configured VAE spec for a page label or a spec (API callers may pass either; None: the first).
+        An empty or blank name is refused, as the command line's ``--vae ''`` is: it names no VAE."""
+        if vae is None:
             return self.config.vaes[0]
+        if isinstance(vae, str) and not vae.strip():
+            raise FlowliftError(f"VAE: an empty name names no VAE; choose one of {', '.join(self.vae_labels)}")
         if vae in self.vae_labels:
             return self.vae_labels[vae]
         if vae in self.config.vaes:

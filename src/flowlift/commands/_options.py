@@ -87,13 +87,14 @@ VAE_HELP = vae_help()
 def add_output_option(parser: argparse.ArgumentParser, help: str, *, required: bool = False,
                       metavar: str = "OUT") -> argparse.Action:  # fmt: skip
     """``-o/--output``, the one spelling of every command's output."""
-    return parser.add_argument("-o", "--output", metavar=metavar, help=help, required=required)
+    return parser.add_argument("-o", "--output", type=name_or_path, metavar=metavar, help=help, required=required)
 
 
 def add_vae_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, own: str = "",
                    **kwargs: Any) -> argparse.Action:  # fmt: skip
     """``--vae`` with the one help text (:data:`VAE_HELP`), ``own`` appended (what only this command does with it)."""
     kwargs.setdefault("metavar", vae_metavar())
+    kwargs.setdefault("type", name_or_path)
     return parser.add_argument("--vae", help=VAE_HELP + (f"; {own}" if own else ""), **kwargs)
 
 
@@ -119,6 +120,14 @@ def add_device_options(
         default="auto",
         help=f"precision (default auto: bfloat16 on CUDA, {cpu}; float16 on the CPU is very slow)",
     )
+
+
+def name_or_path(text: str) -> str:
+    """A file, folder, model name or hub id: any text but an empty or blank one, which names nothing (an empty
+    ``-o`` would write into the working folder, an empty path read it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"an empty value names no file, folder or model, got {text!r}")
+    return text
 
 
 def finite_float(text: str) -> float:

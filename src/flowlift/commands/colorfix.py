@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowlift.commands._options import OUTPUT_FORMATS, add_knob, quality
+from flowlift.commands._options import OUTPUT_FORMATS, add_knob, name_or_path, quality
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH
 
 NAME = "colorfix"
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference", required=True, action="append", metavar="SOURCES",
                         help="the images they were upscaled from (files or folders), paired by name: "
                         "<stem> or <stem>_x<N> with <stem>")  # fmt: skip
-    parser.add_argument("-o", "--output", metavar="OUT",
+    parser.add_argument("-o", "--output", type=name_or_path, metavar="OUT",
                         help="output folder (default: next to each upscaled image); for one input, a file name")
     add_knob(parser, COLOR_FIX_STRENGTH, metavar="S")
     parser.add_argument("--format", choices=OUTPUT_FORMATS, default=None,

@@ -19,6 +19,7 @@ from flowlift.commands._options import (
     add_vae_option,
     examples,
     finite_float,
+    name_or_path,
     positive_int,
     quality,
     resolve_device_dtype,
@@ -67,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                  "flowlift dataset distill --teacher black-forest-labs/FLUX.2-klein-4B "
                                  "--prompts prompts.txt --num 20000 --vae flux2 -o data/distill"))
     _common(distill)
-    distill.add_argument("--teacher", required=True,
+    distill.add_argument("--teacher", type=name_or_path, required=True,
                          help="a FLUX.2 diffusers pipeline (folder or hub id) or a Flux2Transformer2DModel folder")
     distill.add_argument("--prompts", help="text file, one prompt per line (pipeline teachers); item i uses line i")
     distill.add_argument("--prompt-embeds", help="safetensors file with 'prompt_embeds' (L, D) (transformer teachers)")

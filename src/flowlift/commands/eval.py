@@ -24,6 +24,7 @@ from flowlift.commands._options import (
     add_output_option,
     add_vae_option,
     examples,
+    name_or_path,
     positive_int,
 )
 from flowlift.console import show_progress
@@ -68,8 +69,9 @@ def _box(text: str) -> tuple[int, int, int, int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG.rstrip() + "\n\n" + EXAMPLES
     parser.add_argument("outputs", nargs="*", help="output images or folders (paired with --reference by name)")
-    parser.add_argument("--reference", help="folder of the inputs the outputs were made from")
-    parser.add_argument("--ground-truth", help="folder of same-named ground-truth images (adds PSNR/SSIM)")
+    parser.add_argument("--reference", type=name_or_path, help="folder of the inputs the outputs were made from")
+    parser.add_argument("--ground-truth", type=name_or_path,
+                        help="folder of same-named ground-truth images (adds PSNR/SSIM)")  # fmt: skip
     parser.add_argument("--run", action="append", metavar="METHODS",
                         help="methods to run, comma-separated: lanczos, bicubic, latent-bicubic, vae-roundtrip, "
                         "flow, spandrel:PATH; flow takes options as flow:transplant=F, flow:color_fix=F, "
@@ -82,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "and the figure crops it")  # fmt: skip
     add_vae_option(parser, "the latent methods' (latent-bicubic, vae-roundtrip, flow), as for flowlift upscale",
                    default=DEFAULT_VAE)
-    parser.add_argument("--upscaler", default=None, metavar="PATH|REPO",
+    parser.add_argument("--upscaler", type=name_or_path, default=None, metavar="PATH|REPO",
                         help="Flow Upscaler weights for the flow method: file, folder or hub repo "
                         "(default TensorForger/FlowUpscaler, as for flowlift upscale)")  # fmt: skip
     add_device_options(parser, "VAE, upscaler and spandrel models")
@@ -94,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace files at the report's names that flowlift did not write (without it, only "
                         "flowlift's own reports and empty files are replaced)")  # fmt: skip
-    parser.add_argument("--cache", default=None, help="result cache folder (default OUT/cache)")
+    parser.add_argument("--cache", type=name_or_path, default=None, help="result cache folder (default OUT/cache)")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything, store nothing")
     parser.add_argument(
         "--save-outputs",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowlift.commands._options import examples
+from flowlift.commands._options import examples, name_or_path
 
 NAME = "status"
 HELP = "print the state of a batch job from its output folder (exit 0 when complete, else 1)"
@@ -21,7 +21,7 @@ EXAMPLES = examples(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("folder", metavar="OUT", help="the job's output folder")
+    parser.add_argument("folder", type=name_or_path, metavar="OUT", help="the job's output folder")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from flowlift.commands._options import add_output_option, add_vae_option, examples, knob_type
+from flowlift.commands._options import add_output_option, add_vae_option, examples, knob_type, name_or_path
 from flowlift.console import show_progress
 from flowlift.training.config import TRAIN_KNOBS
 
@@ -63,10 +63,12 @@ def _type(field: str):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = _config_default
-    parser.add_argument("--config", help="JSON or TOML file of training settings (default: none, built-in defaults)")
-    parser.add_argument("--data", help="dataset folder (from `flowlift dataset`)" + d("data"))
+    parser.add_argument("--config", type=name_or_path,
+                        help="JSON or TOML file of training settings (default: none, built-in defaults)")  # fmt: skip
+    parser.add_argument("--data", type=name_or_path, help="dataset folder (from `flowlift dataset`)" + d("data"))
     add_output_option(parser, "run folder: logs, checkpoints, final flow_upscaler.safetensors" + d("output"))
-    parser.add_argument("--init", help="fine-tune from this Flow Upscaler checkpoint (file, folder or hub id)"
+    parser.add_argument("--init", type=name_or_path,
+                        help="fine-tune from this Flow Upscaler checkpoint (file, folder or hub id)"
                         + d("init"))  # fmt: skip
     parser.add_argument("--steps", type=_type("steps"), help="total optimizer steps" + d("steps"))
     parser.add_argument("--batch-size", type=_type("batch_size"), help="samples per process per micro-batch"

@@ -20,6 +20,7 @@ from flowlift.commands._options import (
     add_knob,
     add_vae_option,
     examples,
+    name_or_path,
     positive_int,
     quality,
     resolve_device_dtype,
@@ -59,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o",
         "--output",
+        type=name_or_path,
         metavar="OUT",
         help="output folder (default: next to each input); for a single input, a file name with an image suffix",
     )
@@ -73,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_vae_option(parser, default=DEFAULT_VAE)
     parser.add_argument(
         "--upscaler",
+        type=name_or_path,
         default=None,
         metavar="PATH|REPO",
         help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
