@@ -91,9 +91,9 @@ def main() -> None:
 
     from flowlift.app.progress import StageCosts, produced_megapixels
     from flowlift.devices import resolve_device_dtype
+    from flowlift.limits import passes_for_scale
     from flowlift.upscale.outputs import UpscaleSettings, model_hashes
     from flowlift.upscale.pipeline import FlowUpscalerPipeline
-    from flowlift.upscale.sizes import passes_for_scale
 
     shared = Path(args.shared)
     source = Path(args.image or shared / "images" / "photos" / "Picture_0B_by_freespace.png")

@@ -1,9 +1,9 @@
 """One hires fix behind every door (issue 38): the web app, ``flowlift hires`` and the InvokeAI node chain give the
 same output for the same inputs and defaults, and the app and the command line name a capped 8x the same.
 
-The app and the command line both run :func:`flowlift.refine.hires.hires_fix` through refine's job; the InvokeAI
+The app and the command line both run :meth:`~flowlift.refine.refiner.Flux2Refiner.hires` through the job; the InvokeAI
 graph runs its two nodes' work (*Flow Upscale Latents*: ``raw_to_normalized`` -> ``upscale_latents`` ->
-``normalized_to_raw``; *Tiled FLUX.2 Denoise*: :func:`flowlift.refine.tiled_refine.tiled_refine_raw_latents`), the
+``normalized_to_raw``; *Tiled FLUX.2 Denoise*: :func:`flowlift.refine.loop.tiled_refine_raw_latents`), the
 plain functions the nodes' ``invoke`` calls, here in the main environment on a tiny FLUX.2 folder.
 """
 
@@ -66,11 +66,10 @@ def test_the_invokeai_node_chain_equals_the_hires_fix(model_dir, inputs, single_
     the hires fix's refined latents (float32 on the CPU; the chain's raw/normalized round trips cost ~1e-6)."""
     from flowlift.files.images import load_image, to_tensor
     from flowlift.invokeai.latents import normalized_to_raw, raw_to_normalized
-    from flowlift.refine.hires import hires_fix
     from flowlift.refine.loading import load_refiner
+    from flowlift.refine.loop import tiled_refine_raw_latents
     from flowlift.refine.request import HiresSettings
     from flowlift.refine.settings import REFINE_STRENGTH, SamplingSettings
-    from flowlift.refine.tiled_refine import tiled_refine_raw_latents
     from flowlift.refine.tiling import TileRequest
     from flowlift.upscale.latent_source import FlowUpscalerSource
     from flowlift.upscale.pipeline import FlowUpscalerPipeline
@@ -81,8 +80,7 @@ def test_the_invokeai_node_chain_equals_the_hires_fix(model_dir, inputs, single_
     sampling = SamplingSettings(steps=int(STEPS))
     weights = str(inputs / "flow_upscaler.safetensors")
     upscaler = FlowUpscalerSource(weights).load(refiner.vae, device="cpu", dtype=torch.float32)
-    cli = hires_fix(refiner, upscaler, HiresSettings(), images=images, sampling=sampling,
-                    conditioning={"prompt_embeds": embeds}).latents  # fmt: skip
+    cli = refiner.hires(upscaler, HiresSettings(), images=images, sampling=sampling, prompt_embeds=embeds).latents
 
     vae = refiner.vae  # the nodes get InvokeAI's FLUX.2 VAE: its raw latents and BatchNorm statistics
     raw = vae.encode_raw(images)

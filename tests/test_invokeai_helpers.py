@@ -190,8 +190,8 @@ def test_tiled_denoise_loop_with_the_model_object_invokeai_hands_it():
     # really run, change the result, and are named in the record
     import torch
 
+    from flowlift.refine.loop import tiled_refine_raw_latents, tiling_line
     from flowlift.refine.settings import SamplingSettings
-    from flowlift.refine.tiled_refine import tiled_refine_raw_latents, tiling_line
     from flowlift.refine.tiling import TileRequest
     from tiny_flux2 import prompt_embeds, tiny_transformer
 

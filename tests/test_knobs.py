@@ -209,7 +209,7 @@ def test_python_api_checks_have_the_knobs_domain():
         for value in outside:
             with pytest.raises(FlowliftError):
                 SamplingSettings(**{name: value})
-    with pytest.raises(FlowliftError, match="unknown sampler"):
+    with pytest.raises(FlowliftError, match="sampler must be one of euler, heun"):
         SamplingSettings(sampler="dpm++")
 
 

@@ -23,9 +23,10 @@ from flowlift.errors import FlowliftError  # noqa: E402
 from flowlift.flux2.latents import denormalize  # noqa: E402
 from flowlift.refine.loading import load_refiner  # noqa: E402
 from flowlift.refine.loras import apply_loras, parse_lora_spec  # noqa: E402
-from flowlift.refine.settings import SamplingSettings
+from flowlift.refine.request import HiresSettings  # noqa: E402
+from flowlift.refine.settings import SamplingSettings  # noqa: E402
 from flux2_files import bfl_lora_layers, write_comfyui_lora, write_kohya_lora, write_peft_lora  # noqa: E402
-from tiny_flux2 import TEXT_DIM, prompt_embeds, tiny_transformer, tiny_vae, write_model_dir  # noqa: E402
+from tiny_flux2 import TEXT_DIM, AsUpscaler, prompt_embeds, tiny_transformer, tiny_vae, write_model_dir  # noqa: E402
 
 H, W, STEPS, SEED = 64, 96, 3, 5
 EMB = prompt_embeds()
@@ -140,12 +141,9 @@ def test_hires_runs_the_lora_in_the_base_and_the_refine_pass(model_dir, peft_lor
         return torch.nn.functional.interpolate(latents, scale_factor=2, mode="nearest")
 
     out = refiner.hires(
-        upscale,
-        height=32,
-        width=32,
-        base_steps=3,
+        AsUpscaler(upscale),
+        HiresSettings(base_size=(32, 32), base_steps=3, refine_strength=0.5),
         sampling=SamplingSettings(steps=4),
-        refine_strength=0.5,
         prompt_embeds=EMB,
     )
     base_calls, refine_calls = 3, out.parameters["model_calls"]

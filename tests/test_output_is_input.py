@@ -90,7 +90,8 @@ def test_a_refine_never_replaces_its_input(tmp_path, monkeypatch, capsys, role, 
             argv += ["--outpaint", "16,0,16,0"]
     assert main(argv) == 2
     lines = _error_lines(capsys, "hires" if command == "hires" else "img2img")
-    assert len(lines) == 1 and f"is the input {flag}" in lines[0] and "no-such-model" not in lines[0], lines
+    named = "image" if flag == "--image" and command != "hires" else flag  # img2img's image: its positional argument
+    assert len(lines) == 1 and f"is the input {named}" in lines[0] and "no-such-model" not in lines[0], lines
     assert victim.read_bytes() == before
     assert sorted(p.name for p in victim.parent.iterdir()) == ["m.png", "r.png", "sub"]  # nothing else written
 

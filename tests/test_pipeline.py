@@ -179,9 +179,9 @@ def test_chunked_execution_matches_plain(unet, vae):
 
 
 def test_missing_weights_say_where_and_how(vae, tmp_path):
-    with pytest.raises(FlowliftError, match="flow_upscaler.safetensors.*--upscaler PATH"):
+    with pytest.raises(FlowliftError, match="flow_upscaler.safetensors.*upscaler PATH"):
         FlowUpscalerPipeline(tmp_path / "nothing-here", vae, device="cpu")
-    with pytest.raises(FlowliftError, match="HF_HUB_OFFLINE.*--upscaler PATH"):
+    with pytest.raises(FlowliftError, match="HF_HUB_OFFLINE.*upscaler PATH"):
         FlowUpscalerPipeline("TensorForger/NoSuchRepoCached", vae, device="cpu")
 
 

@@ -19,9 +19,10 @@ from flowlift.flux2.latents import denormalize, normalize, pack, patchify, unpac
 from flowlift.refine.canvas import latent_mask
 from flowlift.refine.loop import denoising_start_for, latent_noise, refine_latents
 from flowlift.refine.refiner import Flux2Refiner
+from flowlift.refine.request import HiresSettings
 from flowlift.refine.settings import SamplingSettings
+from tiny_flux2 import AsUpscaler, Spy, prompt_embeds, tiny_transformer, tiny_vae
 from tiny_flux2 import DiffusersHelpers as P
-from tiny_flux2 import Spy, prompt_embeds, tiny_transformer, tiny_vae
 
 H, W = 64, 96  # 8x12 latents, 4x6 = 24 tokens
 
@@ -201,7 +202,7 @@ def test_heun_is_honoured_in_img2img_and_inpaint(refiner, spy, image):
         assert len(spy.seen) == 2 * n - 1  # Heun: two evaluations per step, Euler on the last step to 0
         assert heun.parameters["sampler"] == "heun"
         assert not torch.allclose(heun.latents, euler.latents, atol=1e-4)
-    with pytest.raises(FlowliftError, match="unknown sampler"):
+    with pytest.raises(FlowliftError, match="sampler must be one of euler, heun"):
         refiner.img2img(image, strength=0.5, sampling=SamplingSettings(sampler="dpm++"), prompt_embeds=EMB)
 
 
@@ -359,10 +360,9 @@ def test_hires_chain_upscales_then_refines_at_low_strength(refiner, spy, vae, im
         return torch.nn.functional.interpolate(latents, scale_factor=2, mode="nearest")
 
     out = refiner.hires(
-        upscale,
+        AsUpscaler(upscale),
+        HiresSettings(scale=2, refine_strength=0.3),
         images=image,
-        scale=2,
-        refine_strength=0.3,
         sampling=SamplingSettings(steps=10, seed=4, mu="empirical", schedule="clipped"),
         prompt_embeds=EMB,
     )
@@ -378,10 +378,9 @@ def test_hires_chain_upscales_then_refines_at_low_strength(refiner, spy, vae, im
     torch.testing.assert_close(first, 0.3 * noise + 0.7 * up, rtol=0, atol=1e-5)
     with pytest.raises(FlowliftError, match="upscaler returned"):
         refiner.hires(
-            lambda z: z,
+            AsUpscaler(lambda z: z),
+            HiresSettings(scale=2, refine_strength=0.3),
             images=image,
-            scale=2,
-            refine_strength=0.3,
             sampling=SamplingSettings(steps=2),
             prompt_embeds=EMB,
         )
@@ -389,11 +388,8 @@ def test_hires_chain_upscales_then_refines_at_low_strength(refiner, spy, vae, im
 
 def test_hires_from_txt2img(refiner, spy):
     out = refiner.hires(
-        lambda z: torch.nn.functional.interpolate(z, scale_factor=2, mode="bilinear"),
-        height=32,
-        width=32,
-        base_steps=3,
-        refine_strength=0.25,
+        AsUpscaler(lambda z: torch.nn.functional.interpolate(z, scale_factor=2, mode="bilinear")),
+        HiresSettings(base_size=(32, 32), base_steps=3, refine_strength=0.25),
         sampling=SamplingSettings(steps=8, seed=0),
         prompt_embeds=EMB,
     )
@@ -412,7 +408,7 @@ def test_odd_sizes_are_padded_and_cropped_back(refiner, image):
 def test_bad_inputs(refiner, image):
     with pytest.raises(FlowliftError, match="strength"):
         refiner.img2img(image, strength=1.5, prompt_embeds=EMB)
-    with pytest.raises(FlowliftError, match="strength map"):
+    with pytest.raises(FlowliftError, match="strength_map"):
         refiner.img2img(image, strength=0.5, strength_map="cubic", prompt_embeds=EMB)
     with pytest.raises(FlowliftError, match="mask size"):
         refiner.img2img(image, strength=0.5, mask=torch.ones(1, 1, 8, 8), prompt_embeds=EMB)
@@ -520,8 +516,8 @@ def test_the_refiners_schedule_and_per_call_choices(transformer, vae, image):
     txt = refiner.txt2img(height=H, width=W, sampling=SamplingSettings(steps=4, seed=0), prompt_embeds=EMB)
     assert txt.parameters["mu_rule"] == "empirical" and "schedule" not in txt.parameters  # a full window
     hires = refiner.hires(
-        lambda z: torch.nn.functional.interpolate(z, scale_factor=2), height=32, width=32, base_steps=3,
-        sampling=SamplingSettings(steps=4, seed=0), prompt_embeds=EMB,
+        AsUpscaler(lambda z: torch.nn.functional.interpolate(z, scale_factor=2)),
+        HiresSettings(base_size=(32, 32), base_steps=3), sampling=SamplingSettings(steps=4, seed=0), prompt_embeds=EMB,
     )  # fmt: skip
     assert hires.parameters["base_mu"] == pytest.approx(_mu(4, 3), abs=1e-6)  # each pass its own size and steps
     assert hires.parameters["mu"] == pytest.approx(_mu(16, 4), abs=1e-6)
@@ -530,13 +526,13 @@ def test_the_refiners_schedule_and_per_call_choices(transformer, vae, image):
 def test_bad_schedule_choices_are_one_line_errors(refiner, transformer, vae, image):
     from flowlift.refine.loading import load_refiner
 
-    with pytest.raises(FlowliftError, match="unknown schedule 'linear'"):
+    with pytest.raises(FlowliftError, match="schedule must be one of respaced, clipped, got 'linear'"):
         Flux2Refiner(transformer, vae, schedule="linear")
-    with pytest.raises(FlowliftError, match="mu must be a number or 'empirical'"):
+    with pytest.raises(FlowliftError, match="mu must be in .* or empirical, got 'auto'"):
         Flux2Refiner(transformer, vae, mu="auto")
-    with pytest.raises(FlowliftError, match="mu must be a number"):
+    with pytest.raises(FlowliftError, match="mu must be in"):
         load_refiner("no/such-model-anywhere", mu=None)  # checked before any weights are looked for
-    with pytest.raises(FlowliftError, match="outside"):
+    with pytest.raises(FlowliftError, match=r"mu must be in \[0, 15\]"):  # the knob's range, at construction
         refiner.img2img(image, strength=0.5, sampling=SamplingSettings(steps=4, mu=-1.0), prompt_embeds=EMB)
     with pytest.raises(FlowliftError, match="finite"):
         refiner.img2img(

@@ -229,7 +229,7 @@ def test_load_refiner_plans_the_tiles_and_their_batch(model_dir, image):
     assert "32 px tiles, 4 per call" in out.parameters["memory_plan"]
     one = _img2img(load_refiner(str(model_dir), tiles=TileRequest.parse(size=32, overlap=16, batch=1)), image)
     assert torch.allclose(out.latents, one.latents, rtol=0, atol=1e-5)  # batched tiles: the same blend
-    with pytest.raises(FlowliftError, match="tile size must be"):
+    with pytest.raises(FlowliftError, match="tile_size must be"):
         load_refiner(str(model_dir), tiles=TileRequest.parse(size=33))  # checked before any weights load
 
 

@@ -18,6 +18,7 @@ from flowlift.flux2.img2img import gaussian_flow_velocity
 from flowlift.flux2.latents import patchify
 from flowlift.refine.loop import refine_latents
 from flowlift.refine.refiner import Flux2Refiner
+from flowlift.refine.request import HiresSettings
 from flowlift.refine.settings import DEFAULT_TILE_SIZE, SamplingSettings
 from flowlift.refine.tiled_velocity import TiledVelocity, partition_weights, tiled_for_frame
 from flowlift.refine.tiling import (
@@ -29,7 +30,7 @@ from flowlift.refine.tiling import (
     tile_layout,
     tile_starts,
 )
-from tiny_flux2 import Spy, prompt_embeds, tiny_transformer, tiny_vae
+from tiny_flux2 import AsUpscaler, Spy, prompt_embeds, tiny_transformer, tiny_vae
 
 S = 128  # px: 16x16 latents, 8x8 tokens
 EMB = prompt_embeds()
@@ -332,8 +333,8 @@ def test_hires_and_txt2img_tile_and_record_both_passes(vae):
     def upscale(latents):
         return torch.nn.functional.interpolate(latents, scale_factor=2, mode="nearest")
 
-    out = refiner.hires(upscale, height=48, width=96, base_steps=2, sampling=SamplingSettings(steps=3), scale=2,
-                        refine_strength=0.3, prompt_embeds=EMB)  # fmt: skip
+    settings = HiresSettings(base_size=(96, 48), base_steps=2, scale=2, refine_strength=0.3)
+    out = refiner.hires(AsUpscaler(upscale), settings, sampling=SamplingSettings(steps=3), prompt_embeds=EMB)
     assert out.images.shape[-2:] == (96, 192)
     assert out.parameters["base_tiles"] == {"size": [48, 64], "overlap": 32, "grid": [1, 2], "batch": 1}
     assert out.parameters["tiles"] == {"size": [64, 64], "overlap": 32, "grid": [2, 5], "batch": 1}

@@ -223,3 +223,15 @@ def write_klein_pipeline_with_text_encoder(root: Path) -> Path:
     }  # fmt: skip
     (root / "model_index.json").write_text(json.dumps(index, indent=2))
     return root
+
+
+class AsUpscaler:
+    """A latent function ``fn(latents)`` as the hires fix's upscaler (``upscale_latents``; its passes, seed and
+    colour knobs are recorded in ``seen``)."""
+
+    def __init__(self, fn):
+        self.fn, self.seen = fn, []
+
+    def upscale_latents(self, latents, num_passes, **knobs):
+        self.seen.append((num_passes, knobs))
+        return self.fn(latents)

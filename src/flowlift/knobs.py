@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,10 +149,10 @@ class Knob:
             at_most = "" if self.high is None else f" at most {self.high}"
             if self.high == SEED_MAX:
                 at_most += " (2^64 - 1)"
-            return FlowliftError(f"{label} must be a non-negative integer{at_most}, got {value!r}")
+            return FlowliftError(f"{label} must be a non-negative integer{at_most}, got {value!r}", field=label)
         if self.kind is float and _non_finite(value):  # say what is wrong with nan / inf, not only the range
-            return FlowliftError(f"{label} must be a finite number {self.describe()}, got {value!r}")
-        return FlowliftError(f"{label} must be {self.describe()}, got {value!r}")
+            return FlowliftError(f"{label} must be a finite number {self.describe()}, got {value!r}", field=label)
+        return FlowliftError(f"{label} must be {self.describe()}, got {value!r}", field=label)
 
     def check(self, value: Any, label: str | None = None, *, loose: bool = False) -> Any:
         """``value`` converted to this knob's type if it lies in the domain, else one FlowliftError line.
@@ -167,19 +168,20 @@ class Knob:
             if loose and self.kind is int:
                 value = exact_int(value, loose=True) if exact_int(value, loose=True) is not None else value
             if isinstance(value, bool) and self.kind is not bool or value not in self.choices:
-                raise FlowliftError(f"{label} must be one of {', '.join(map(str, self.choices))}, got {value!r}")
+                choices = ", ".join(map(str, self.choices))
+                raise FlowliftError(f"{label} must be one of {choices}, got {value!r}", field=label)
             return next(choice for choice in self.choices if choice == value)
         if self.kind is bool:
             if not isinstance(value, bool):
-                raise FlowliftError(f"{label} must be true or false, got {value!r}")
+                raise FlowliftError(f"{label} must be true or false, got {value!r}", field=label)
             return value
         if self.kind is str:
             if not isinstance(value, str) or not re.fullmatch(self.pattern, value.strip(), re.DOTALL):
-                raise FlowliftError(f"{label} must be {self.describe()}, got {value!r}")
+                raise FlowliftError(f"{label} must be {self.describe()}, got {value!r}", field=label)
             return value.strip()
         if self.kind is list:
             if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
-                raise FlowliftError(f"{label} must be {self.describe()}, got {value!r}")
+                raise FlowliftError(f"{label} must be {self.describe()}, got {value!r}", field=label)
             return list(value)
         if isinstance(value, str) and value.strip().lower() in self.words:
             return value.strip().lower()
@@ -194,7 +196,7 @@ class Knob:
             raise self._error(label, value)
         if self.multiple and number % self.multiple:
             unit = f" {self.unit}" if self.unit else ""
-            raise FlowliftError(f"{label} must be a multiple of {self.multiple}{unit}, got {value!r}")
+            raise FlowliftError(f"{label} must be a multiple of {self.multiple}{unit}, got {value!r}", field=label)
         return self.kind(number)
 
     def parse_text(self, text: str) -> Any:
@@ -291,9 +293,69 @@ def check_unit_interval(name: str, value: Any) -> float:
     return float(value)
 
 
+def check_path(name: str, value: Any, *, optional: bool = False) -> Any:
+    """``value`` if it names a file (a non-empty ``str`` or ``os.PathLike``; None too when ``optional``), else one line
+    naming ``name``: an empty name would quietly mean the working folder or a default."""
+    import os
+
+    if value is None and optional:
+        return None
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text.strip():
+        what = "a path" + (" or None" if optional else "")
+        raise FlowliftError(f"{name} must be {what}, got {value!r}", field=name)
+    return value
+
+
+def check_paths(name: str, value: Any) -> tuple[Any, ...]:
+    """A sequence of paths as a tuple, each :func:`check_path`; one ``str`` (or path) is one path, never its
+    characters."""
+    import os
+
+    if isinstance(value, (str, os.PathLike)):
+        value = (value,)
+    if not isinstance(value, (list, tuple)):
+        raise FlowliftError(f"{name} must be a path or a sequence of paths, got {value!r}", field=name)
+    return tuple(check_path(name, item) for item in value)
+
+
+def check_kind(name: str, value: Any, kind: type | tuple[type, ...], spelled: str, *, optional: bool = False) -> Any:
+    """``value`` if it is a ``kind`` (None too when ``optional``), else one line naming ``name`` and what it takes
+    (``spelled``: "a SamplingSettings"): a settings object's place never takes None, a string or a dict."""
+    if value is None and optional:
+        return value
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool)):
+        return value
+    raise FlowliftError(f"{name} must be {spelled}{' or None' if optional else ''}, got {value!r}", field=name)
+
+
+def check_positive(name: str, value: Any, *, integer: bool = False, optional: bool = False) -> Any:
+    """``value`` if it is a finite number above 0 (an exact integer >= 1 with ``integer``; None when ``optional``),
+    else one line naming ``name``: not bool, not text, not NaN."""
+    if value is None and optional:
+        return None
+    if integer:
+        number = exact_int(value)
+        if number is None or number < 1:
+            raise FlowliftError(f"{name} must be an integer >= 1, got {value!r}", field=name)
+        return number
+    number = _finite_real(value) if not isinstance(value, str) else None
+    if number is None or number <= 0:
+        raise FlowliftError(f"{name} must be a finite number above 0, got {value!r}", field=name)
+    return number
+
+
 def wrap_seed(value: int) -> int:
     """A seed derived by arithmetic (``seed + k``) brought back into [0, 2^64 - 1]: ``value mod 2^64``."""
     return int(value) % (SEED_MAX + 1)
+
+
+def labels(knobs: Iterable[Knob]) -> dict[str, str]:
+    """How the node packs, the web app and a command's value parsers say knobs in a line: ``tile_size`` -> ``tile
+    size`` (the words :meth:`flowlift.errors.FlowliftError.worded` puts in a knob's place; the command line's own
+    options are ``--tile-size``)."""
+    return {knob.name: knob.name.replace("_", " ") for knob in knobs}
 
 
 def table(*knobs: Knob) -> dict[str, Knob]:

@@ -26,6 +26,36 @@ from flowlift.upscale.settings import SCALE
 DEFAULT_SCALE = SCALE.default
 
 
+#: Request fields (as the Python API names them) whose option is named otherwise: field -> the option's ``dest``.
+#: Every knob is its own option (``tile_size`` -> ``--tile-size``), and so is every field named like its option.
+FIELD_DESTS = {
+    "prompt.text": "prompt", "prompt.embeds": "prompt_embeds", "prompt.negative": "negative_prompt",
+    "prompt.cfg_scale": "cfg_scale", "prompt.guidance": "guidance", "source.model": "model", "source.vae": "vae",
+    "source.transformer": "transformer", "source.loras": "lora", "source.device": "device", "source.dtype": "dtype",
+    "source.offload": "offload", "source.max_memory": "max_memory", "references": "reference",
+    "hires.upscaler": "upscaler", "hires.scale": "scale", "hires.refine_strength": "refine_strength",
+    "hires.base_steps": "base_steps", "hires.transplant_strength": "transplant_strength", "output_format": "format",
+    "settings.upscaler": "upscaler", "settings.vae": "vae", "vae_tiled": "vae_tiling", "hires_scale": "scale",
+}  # fmt: skip
+
+
+def option_words(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """How ``parser``'s command names each knob and request field in its errors: its option (``--tile-size``), a
+    positional by its metavar or name (``INPUT``, ``image``): what :meth:`flowlift.errors.FlowliftError.worded` puts
+    in a field's place."""
+    words: dict[str, str] = {}
+    for action in parser._actions:
+        longs = [flag for flag in action.option_strings if flag.startswith("--")]
+        if longs:
+            words.setdefault(action.dest, longs[0])
+        elif not action.option_strings and action.dest != argparse.SUPPRESS:
+            words.setdefault(action.dest, str(action.metavar or action.dest))
+    words.update({field: words[dest] for field, dest in FIELD_DESTS.items() if dest in words})
+    if "width" in words and "height" in words:
+        words["hires.base_size"] = words["base_size"] = f"{words['width']}/{words['height']}"
+    return words
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the examples epilog's line breaks and appends ``(default: X)`` to every option whose help
     does not already state its default (``none`` when it is unset; flags that are off unless given and

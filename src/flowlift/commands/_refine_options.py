@@ -122,7 +122,7 @@ def refiner_source(args: argparse.Namespace) -> Any:
 
 def tile_request(args: argparse.Namespace) -> Any:
     """The :class:`~flowlift.refine.tiling.TileRequest` of ``--tile-size --tile-overlap --tile-batch`` (each parsed
-    by its knob; the overlap against the tile is checked with the weights, before any load)."""
+    by its knob; the request checks the overlap against the tile when it is made)."""
     from flowlift.refine.tiling import TileRequest
 
     return TileRequest(args.tile_size, args.tile_overlap, args.tile_batch)

@@ -179,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     owns_process = argv is None
     command = _command_word(sys.argv[1:] if argv is None else argv)
+    parser = args = None
     try:
         # signals first, the parser (every command module) after: a signal during the imports stops the run too
         with _signals_interrupt():  # restored when an in-process caller returns
@@ -196,8 +197,11 @@ def _main(argv: Sequence[str] | None) -> int:
             with warnings.catch_warnings():  # restored when an in-process caller returns
                 warnings.showwarning = _one_line_warnings(args.command)
                 return int(args._run(args) or 0)
-    except FlowliftError as error:
-        print(f"flowlift {command}: error: {error}", file=sys.stderr)
+    except FlowliftError as error:  # a knob or field the capability named as Python does, said as this command does
+        from flowlift.commands._options import option_words
+
+        words = option_words(parser._chosen_command(args)) if error.fields and args is not None else {}
+        print(f"flowlift {command}: error: {error.worded(words)}", file=sys.stderr)
         return error.exit_status
     except KeyboardInterrupt:
         print(f"flowlift {command}: interrupted" if command else "flowlift: interrupted", file=sys.stderr)

@@ -56,8 +56,8 @@ from flowlift.knobs import SEED, Knob
 from flowlift.models.vae_loading import TAEF2_REPO
 from flowlift.models.vae_names import NATIVE_VAES
 from flowlift.models.weights import check_finite_result
+from flowlift.refine.loop import tiled_refine_raw_latents, tiling_line
 from flowlift.refine.settings import REFINE_STRENGTH, STEPS, TILE_BATCH, TILE_OVERLAP, TILE_SIZE, SamplingSettings
-from flowlift.refine.tiled_refine import tiled_refine_raw_latents, tiling_line
 from flowlift.refine.tiling import TileRequest
 from flowlift.upscale.colorfix_image import color_fix_image
 from flowlift.upscale.loading import DEFAULT_UPSCALER

@@ -121,19 +121,19 @@ def require_all(checks: Sequence[Callable[[], Any]]) -> list[Any]:
     its own fix). A single failure keeps its own message.
     """
     results: list[Any] = []
-    problems: list[str] = []
+    problems: dict[str, FlowliftError] = {}
     for check in checks:
         try:
             results.append(check())
         except FlowliftError as error:
-            problems.append(str(error))
+            problems.setdefault(str(error), error)  # the same spec asked twice is one problem
             results.append(None)
-    problems = list(dict.fromkeys(problems))  # the same spec asked twice is one problem
     if len(problems) == 1:
-        raise FlowliftError(problems[0])
+        raise next(iter(problems.values()))
     if problems:
-        parts = "; ".join(f"({i}) {problem}" for i, problem in enumerate(problems, 1))
-        raise FlowliftError(f"{len(problems)} weights are missing: {parts}")
+        parts = "; ".join(f"({i}) {error.template}" for i, error in enumerate(problems.values(), 1))
+        fields = tuple(name for error in problems.values() for name in error.fields)
+        raise FlowliftError(f"{len(problems)} weights are missing: {parts}", field=fields)
     return results
 
 

@@ -38,7 +38,7 @@ def outpaint_pads(height: int, width: int, left: int, top: int, right: int, bott
 
     The canvas ``(height + top + bottom) x (width + left + right)`` must stay within
     :data:`flowlift.limits.MAX_OUTPUT_SIDE` per side (the package's output cap), else one
-    FlowliftError line: ``--outpaint 0,0,1000000,0`` would otherwise try to allocate the canvas.
+    FlowliftError line: ``outpaint=(0, 0, 1000000, 0)`` would otherwise try to allocate the canvas.
     """
     from flowlift.limits import MAX_OUTPUT_SIDE
 

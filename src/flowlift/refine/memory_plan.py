@@ -1,7 +1,7 @@
 """One device-memory budget for a refine (img2img, inpaint, outpaint, hires): where the transformer lives, whether
 the VAE tiles, whether the transformer runs in tiles and how many per call.
 
-The same ``--max-memory`` the upscaler plans with (:mod:`flowlift.limits`: its size parser, its VAE
+The same ``max_memory`` the upscaler plans with (:mod:`flowlift.limits`: its size parser, its VAE
 decode estimates). :func:`plan_refine` is a pure function of sizes, dtypes and the budget. It tries the
 transformer's frames from most to least context (the whole frame when it is within FLUX.2's 4 MP, then tiles,
 :mod:`flowlift.refine.tiling`), within each the offload modes from fastest to leanest (``none``, ``model``,

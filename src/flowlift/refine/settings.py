@@ -2,7 +2,7 @@
 
 :data:`REFINE_KNOBS` is the table ``flowlift img2img``/``hires`` options, the web app's Refine tab and
 :class:`~flowlift.refine.refiner.Flux2Refiner`'s checks derive from (``tests/test_knobs.py`` holds them to
-it). No torch here: the commands' ``--help`` reads this module.
+it). No torch here: the commands' help reads this module.
 
 The tiled refine's knobs (``tile_size``, ``tile_overlap``, ``tile_batch``) are here too, with the constants
 their domains are made of; :mod:`flowlift.refine.tiling` adds the rule one knob cannot say alone (the overlap
@@ -40,6 +40,8 @@ REFINE_STRENGTH = Knob(
     high=1.0,
     step=0.01,
 )
+#: Outpaint's (and a bare inpaint's) strength when none is given: the new border starts from noise.
+OUTPAINT_STRENGTH = 1.0
 STRENGTH_MAP = Knob(
     "strength_map",
     str,
@@ -86,27 +88,42 @@ HIRES_SCALE = replace(
 )  # fmt: skip
 
 
-def check_hires_size(width: int, height: int, scale: int) -> None:
-    """One FlowliftError line unless a hires fix of a ``width x height`` base can run at exactly ``scale``.
+def check_txt2img_size(width: int, height: int, field: str = "size") -> None:
+    """One FlowliftError line naming ``field`` unless ``width x height`` is a txt2img size flowlift can write: both
+    sides positive integers, multiples of ``PIXEL_MULTIPLE`` (16: the VAE's 8x and the 2x2 patches), at most
+    ``MAX_OUTPUT_SIDE`` (16384 px). Checked where the request is made, before any model loads."""
+    sides = (width, height)
+    if not all(isinstance(side, int) and not isinstance(side, bool) for side in sides):
+        raise FlowliftError(f"{field} must be two integers (width, height) in px, got {sides!r}", field=field)
+    if min(sides) < PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height % PIXEL_MULTIPLE:
+        raise FlowliftError(f"{field} sides must be positive multiples of {PIXEL_MULTIPLE} px, got {width}x{height}",
+                            field=field)  # fmt: skip
+    if max(sides) > MAX_OUTPUT_SIDE:
+        raise FlowliftError(f"{field} {width}x{height} is over MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side",
+                            field=field)  # fmt: skip
 
-    The hires fix refines at ``scale`` times the base, so every Flow Upscaler pass must run: the base and
-    the result both within ``MAX_OUTPUT_SIDE`` (16384 px, where :func:`flowlift.upscale.sizes.planned_passes`
-    would drop a pass and leave the refine a smaller size than it was planned for), sides positive multiples
-    of ``PIXEL_MULTIPLE`` (16: the VAE's 8x and the 2x2 patches). Checked before any model runs.
+
+def check_hires_size(width: int, height: int, scale: int, field: str = "hires.base_size") -> None:
+    """One FlowliftError line (naming ``field``: the base size, or ``image``) unless a hires fix of a
+    ``width x height`` base can run at exactly ``scale``.
+
+    The hires fix refines at ``scale`` times the base, so every Flow Upscaler pass must run: the base
+    (:func:`check_txt2img_size`: positive multiples of ``PIXEL_MULTIPLE``, within ``MAX_OUTPUT_SIDE``) and the
+    result both within 16384 px, where :func:`flowlift.upscale.sizes.planned_passes` would drop a pass and leave the
+    refine a smaller size than it was planned for. The one size rule of the hires fix: the job checks it before any
+    model loads, :meth:`~flowlift.refine.refiner.Flux2Refiner.hires` for a direct caller.
     """
-    scale = HIRES_SCALE.check(scale, "hires scale")
-    if min(width, height) < PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height % PIXEL_MULTIPLE:
-        raise FlowliftError(f"hires base sides must be positive multiples of {PIXEL_MULTIPLE} px, got {width}x{height}")
+    scale = HIRES_SCALE.check(scale)
+    check_txt2img_size(width, height, field)
     side = max(width, height)
-    if side > MAX_OUTPUT_SIDE:
-        raise FlowliftError(f"a {width}x{height} hires base is over MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side")
     if side * scale > MAX_OUTPUT_SIDE:
         fits = [choice for choice in HIRES_SCALE.choices if side * choice <= MAX_OUTPUT_SIDE]
         most = MAX_OUTPUT_SIDE // min(HIRES_SCALE.choices)
         hint = f"use a scale of at most {max(fits)}" if fits else f"use a base of at most {most} px a side"
         raise FlowliftError(
-            f"hires at {scale}x of a {width}x{height} base would be {width * scale}x{height * scale}, over "
-            f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side (a pass would be dropped); {hint}"
+            f"{field}: hires at {scale}x of a {width}x{height} base would be {width * scale}x{height * scale}, over "
+            f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side (a pass would be dropped); {hint}",
+            field=field,
         )
 
 
@@ -126,7 +143,7 @@ TILE_SIZE = Knob(
     int,
     "auto",
     f"refine in overlapping tiles of this many pixels per side (a multiple of {PIXEL_MULTIPLE}): auto tiles at "
-    f"{DEFAULT_TILE_SIZE} px when the frame exceeds FLUX.2's 4 MP (or --max-memory needs it), off runs one "
+    f"{DEFAULT_TILE_SIZE} px when the frame exceeds FLUX.2's 4 MP (or the memory budget needs it), off runs one "
     "transformer call per step",
     low=MIN_TILE_SIZE,
     words=TILE_SIZE_WORDS,
@@ -149,7 +166,7 @@ TILE_BATCH = Knob(
     "tile_batch",
     int,
     "auto",
-    f"tiles per transformer call: auto = as many as --max-memory leaves room for (at most {MAX_AUTO_TILE_BATCH}; "
+    f"tiles per transformer call: auto = as many as the memory budget leaves room for (at most {MAX_AUTO_TILE_BATCH}; "
     "1 without a budget)",
     low=1,
     words=("auto",),
@@ -169,9 +186,9 @@ class SamplingSettings:
     """How one refine samples: steps, seed, sampler, and the schedule's ``mu`` and ``schedule``.
 
     ``mu``/``schedule`` ``None`` mean the refiner's own (set when it was made); ``steps`` None is the model's
-    (:attr:`~flowlift.refine.refiner.Flux2Refiner.default_steps`: 4 for a step-distilled Klein). ``steps``, ``seed`` and
-    ``sampler`` are checked against :data:`REFINE_KNOBS` when the object is made (one line before any work);
-    ``mu`` and ``schedule`` when the schedule is built, as ``"empirical"`` depends on the image size.
+    (:attr:`~flowlift.refine.refiner.Flux2Refiner.default_steps`: 4 for a step-distilled Klein). Every field is
+    checked by its knob of :data:`REFINE_KNOBS` when the object is made (one line before any work, the only check:
+    the loop trusts it); ``mu="empirical"``'s value depends on the image size and is checked per image.
     """
 
     steps: int | None = STEPS.default
@@ -181,9 +198,8 @@ class SamplingSettings:
     schedule: str | None = None
 
     def __post_init__(self) -> None:
-        if self.steps is not None:
-            object.__setattr__(self, "steps", STEPS.check(self.steps))
-        object.__setattr__(self, "seed", SEED.check(self.seed))
-        if self.sampler not in SAMPLER.choices:
-            raise FlowliftError(f"unknown sampler {self.sampler!r}; flowlift runs {', '.join(SAMPLER.choices)}")
-
+        checked = {"steps": STEPS, "seed": SEED, "sampler": SAMPLER, "mu": MU, "schedule": SCHEDULE}
+        for name, knob in checked.items():
+            value = getattr(self, name)
+            if value is not None or name in ("seed", "sampler"):
+                object.__setattr__(self, name, knob.check(value))

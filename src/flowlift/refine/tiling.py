@@ -3,7 +3,7 @@
 A frame larger than FLUX.2's specified maximum (4 megapixels, e.g. 2048x2048; the same for Klein) is refined in
 overlapping tiles: :class:`~flowlift.refine.tiled_velocity.TiledVelocity` runs the transformer on each tile with
 tile-local position ids and blends the velocities. This module holds what a front-end needs before any weights
-load (``--help`` imports no torch):
+load (a command's help imports no torch):
 
 * the knobs' checks: ``tile_size`` (px, ``"auto"`` or ``"off"``; default ``auto``), ``tile_overlap`` (px,
   default 128), ``tile_batch`` (tiles per transformer call, ``"auto"`` or a count) are declared once in
@@ -23,7 +23,6 @@ from typing import Any
 from flowlift.errors import FlowliftError
 from flowlift.limits import PIXEL_MULTIPLE
 from flowlift.refine.settings import (
-    DEFAULT_TILE_OVERLAP,
     DEFAULT_TILE_SIZE,
     MAX_UNTILED_PIXELS,
     TILE_BATCH,
@@ -33,44 +32,54 @@ from flowlift.refine.settings import (
 
 
 def parse_tile_size(value: int | str) -> int | str:
-    """``"auto"``, ``"off"``, or a tile side in pixels: :data:`TILE_SIZE`'s check (its range and 16-px grid)."""
-    return TILE_SIZE.check(value, "tile size", loose=True)
+    """``"auto"``, ``"off"``, or a tile side in pixels, given as text or a Python value: :data:`TILE_SIZE`'s check
+    (its range and 16-px grid)."""
+    return TILE_SIZE.check(value, loose=True)
 
 
 def parse_tile_overlap(value: int | str) -> int:
-    """An overlap in pixels: :data:`TILE_OVERLAP`'s check, its range and 16-px grid (less than the tile:
-    :func:`check_overlap`)."""
-    return TILE_OVERLAP.check(value, "tile overlap", loose=True)
+    """An overlap in pixels, given as text or a Python value: :data:`TILE_OVERLAP`'s check, its range and 16-px
+    grid (less than the tile: :func:`check_overlap`)."""
+    return TILE_OVERLAP.check(value, loose=True)
 
 
 def parse_tile_batch(value: int | str) -> int | str:
-    """``"auto"`` or the number of tiles per transformer call (1 or more): :data:`TILE_BATCH`'s check."""
-    return TILE_BATCH.check(value, "tile batch", loose=True)
+    """``"auto"`` or the number of tiles per transformer call (1 or more), given as text or a Python value:
+    :data:`TILE_BATCH`'s check."""
+    return TILE_BATCH.check(value, loose=True)
 
 
 def check_overlap(tile: int, overlap: int) -> None:
-    """Neighbours must advance: ``overlap < tile`` (one line otherwise)."""
+    """Neighbours must advance: ``overlap < tile`` (one line otherwise, naming ``tile_overlap``)."""
     if overlap >= tile:
         raise FlowliftError(
-            f"tile overlap {overlap} px must be smaller than the tile ({tile} px); give a smaller tile overlap"
+            f"tile_overlap {overlap} px must be smaller than the tile ({tile} px); give a smaller tile overlap",
+            field="tile_overlap",
         )
 
 
 @dataclass(frozen=True)
 class TileRequest:
-    """The three knobs as asked: ``size`` (px, ``auto`` or ``off``), ``overlap`` (px), ``batch`` (count or auto)."""
+    """The three knobs: ``size`` (px, ``auto`` or ``off``), ``overlap`` (px), ``batch`` (count or auto), each
+    checked by its knob when the request is made (a Python value: ``512``, not ``"512"``; :meth:`parse` takes text),
+    and the overlap against the tile (``auto``'s is 1024 px)."""
 
-    size: int | str = "auto"
-    overlap: int = DEFAULT_TILE_OVERLAP
-    batch: int | str = "auto"
+    size: int | str = TILE_SIZE.default
+    overlap: int = TILE_OVERLAP.default
+    batch: int | str = TILE_BATCH.default
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", TILE_SIZE.check(self.size))
+        object.__setattr__(self, "overlap", TILE_OVERLAP.check(self.overlap))
+        object.__setattr__(self, "batch", TILE_BATCH.check(self.batch))
+        if self.size != "off":
+            check_overlap(self.size if isinstance(self.size, int) else DEFAULT_TILE_SIZE, self.overlap)
 
     @classmethod
-    def parse(cls, size: int | str = "auto", overlap: int | str = DEFAULT_TILE_OVERLAP, batch: int | str = "auto"):
-        """Each knob checked against its domain, and the overlap against the tile (``auto``'s is 1024 px)."""
-        request = cls(parse_tile_size(size), parse_tile_overlap(overlap), parse_tile_batch(batch))
-        if request.size != "off":
-            check_overlap(request.size if isinstance(request.size, int) else DEFAULT_TILE_SIZE, request.overlap)
-        return request
+    def parse(cls, size: int | str = TILE_SIZE.default, overlap: int | str = TILE_OVERLAP.default,
+              batch: int | str = TILE_BATCH.default) -> TileRequest:  # fmt: skip
+        """The request of knobs given as text or Python values (the text doors: ``"512"``, ``" auto"``)."""
+        return cls(parse_tile_size(size), parse_tile_overlap(overlap), parse_tile_batch(batch))
 
     def replace(self, size=None, overlap=None, batch=None) -> TileRequest:
         """This request with the knobs given (not None) replaced, checked again."""

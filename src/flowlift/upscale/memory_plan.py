@@ -1,6 +1,6 @@
 """One device-memory budget for a whole upscale: parse it, estimate each stage's peak, plan how each runs.
 
-``max_memory`` (``--max-memory 6GB``) bounds the device peak of every stage of
+``max_memory`` (``6GB``) bounds the device peak of every stage of
 :class:`flowlift.upscale.pipeline.FlowUpscalerPipeline`: the UNet passes, the VAE decode and both colour stages.
 :func:`plan_upscale_memory` is a pure function of sizes, dtypes and the budget; it returns an
 :class:`UpscaleMemoryPlan` saying, per stage, how it runs:

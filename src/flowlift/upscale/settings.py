@@ -4,7 +4,7 @@
 options, the web app's Upscale tab and its checks, the ComfyUI and InvokeAI inputs, the checks of
 :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline`); :data:`COLOR_FIX_KNOBS` is stage 2 alone
 (``flowlift colorfix``, the colour-fix nodes). ``tests/test_knobs.py`` holds every front-end to them.
-No torch here: ``flowlift upscale --help`` reads this module.
+No torch here: the upscale command's help reads this module.
 """
 
 from __future__ import annotations
