@@ -69,14 +69,12 @@ def test_run_jobs_times_the_run_from_its_start_and_each_written_image(tmp_path, 
 # ------------------------------------------------------------------ 17. one progress convention
 
 
-def test_every_command_has_progress_options_and_none_lists_quiet():
+def test_every_command_has_progress_options_and_no_second_spelling():
     for name, parser in COMMANDS.items():
         options = {s for a in parser._actions for s in a.option_strings}
         assert {"--progress", "--no-progress", "-v"} <= options, name
-        assert "--quiet" not in parser.format_help(), f"{name} still documents --quiet next to --no-progress"
-        quiet = [a for a in parser._actions if "--quiet" in a.option_strings]  # old scripts keep working:
-        assert len(quiet) == 1 and quiet[0].dest == "progress" and quiet[0].const is False, name  # = --no-progress
-        assert quiet[0].help == argparse.SUPPRESS, name
+        progress = [a for a in parser._actions if a.dest == "progress"]
+        assert len(progress) == 1 and progress[0].option_strings == ["--progress", "--no-progress"], name
 
 
 def test_eval_vae_and_upscaler_default_like_upscale():

@@ -23,21 +23,6 @@ GIB = 2**30
 
 
 @pytest.fixture(scope="module")
-def unet():
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-
-    torch.manual_seed(0)
-    return FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0).eval()
-
-
-@pytest.fixture(scope="module")
-def vae(shared):
-    from flowlift.models.vae_loading import load_vae
-
-    return load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
 def photos(shared):
     names = ["Wine_by_Jakkub_Mede.png"]
     base = Image.open(shared / "images" / "photos" / names[0]).convert("RGB")

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from builders import resized_photo
 from flowlift.errors import FlowliftError
 from flowlift.knobs import SEED, SEED_MAX, Knob, exact_int
 from flowlift.refine.settings import REFINE_KNOBS, TILE_KNOBS, SamplingSettings
@@ -379,7 +380,7 @@ def test_the_python_doors_take_only_integers(value, expected):
 # ---------------------------------------------------------------------------------- settings objects
 
 
-def test_memory_policy_checks_its_fields():
+def test_memory_policy_refuses_a_chunk_rows_that_is_not_a_positive_integer():
     from flowlift.upscale.settings import MemoryPolicy
 
     with pytest.raises(FlowliftError, match="chunk_rows must be a positive integer"):
@@ -390,28 +391,12 @@ def test_memory_policy_checks_its_fields():
 
 
 @pytest.fixture(scope="module")
-def tiny_weights(tmp_path_factory):
-    import torch
-
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
-    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
-
-
-@pytest.fixture(scope="module")
 def small_photo(shared, tmp_path_factory):
-    from PIL import Image
-
-    path = tmp_path_factory.mktemp("photo") / "wine.png"
-    with Image.open(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png") as image:
-        image.convert("RGB").resize((48, 32), Image.Resampling.BOX).save(path)
-    return path
+    return resized_photo(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png",
+                         tmp_path_factory.mktemp("photo") / "wine.png")
 
 
-def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, tiny_weights, small_photo):
+def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, tiny_upscaler_weights, small_photo):
     # a ComfyUI workflow's seed >= 2^63 was refused by `flowlift upscale --seed` ("seed must be in [0, 2^63)")
     import json
 
@@ -424,9 +409,10 @@ def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, 
 
     taef2 = str(shared / "models" / "taef2")
     out = tmp_path / "out.png"
-    argv = ["upscale", str(small_photo), "-o", str(out), "--seed", str(SEED_MAX), "--upscaler", str(tiny_weights)]
-    assert main([*argv, "--vae", taef2, "--device", "cpu", "--quiet"]) == 0
-    pipeline = FlowUpscalerPipeline(str(tiny_weights), taef2, device="cpu", dtype=torch.float32)
+    argv = ["upscale", str(small_photo), "-o", str(out), "--seed", str(SEED_MAX),
+            "--upscaler", str(tiny_upscaler_weights)]
+    assert main([*argv, "--vae", taef2, "--device", "cpu", "--no-progress"]) == 0
+    pipeline = FlowUpscalerPipeline(str(tiny_upscaler_weights), taef2, device="cpu", dtype=torch.float32)
     with Image.open(small_photo) as image:
         expected = pipeline.upscale_image(image.convert("RGB"), 1, seed=SEED_MAX)
         other = pipeline.upscale_image(image.convert("RGB"), 1, seed=SEED_MAX - 1)
@@ -437,7 +423,7 @@ def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, 
     assert not np.array_equal(got, np.asarray(other))  # the seed reached the noise
 
 
-def test_app_keeps_seeds_exact(tmp_path, shared, tiny_weights, small_photo):
+def test_app_keeps_seeds_exact(tmp_path, shared, tiny_upscaler_weights, small_photo):
     # through float(), seeds 2^53 and 2^53 + 1 were the same seed and gave the same image
     import json
 
@@ -446,7 +432,7 @@ def test_app_keeps_seeds_exact(tmp_path, shared, tiny_weights, small_photo):
 
     from flowlift.app.service import AppConfig, AppService
 
-    config = AppConfig(upscaler=str(tiny_weights), vaes=[str(shared / "models" / "taef2")], device="cpu",
+    config = AppConfig(upscaler=str(tiny_upscaler_weights), vaes=[str(shared / "models" / "taef2")], device="cpu",
                        work_dir=tmp_path / "work")  # fmt: skip
     service = AppService(config)
     try:
@@ -584,15 +570,15 @@ VOCABULARY = {"output": ["-o", "--output"], "vae": ["--vae"], "color_fix_strengt
 def test_every_knob_has_one_name_on_every_command():
     """Issue 39: a test walks every parser and the knob tables and fails on a knob spelled two ways: one option
     per ``dest`` across all commands, the shared concepts spelled as :data:`VOCABULARY` says, every knob of the
-    tables under its own ``--name`` wherever it keeps its name, one ``--vae`` help text, no old spelling shown."""
+    tables under its own ``--name`` wherever it keeps its name, one ``--vae`` help text, no old spelling."""
     from flowlift.commands._options import VAE_HELP
 
     spellings: dict[str, dict[tuple[str, ...], list[str]]] = {}
     knobs = {**UPSCALE_KNOBS, **REFINE_KNOBS, "color_fix_strength": UPSCALE_KNOBS["color_fix_strength"]}
     for prog, parser in _command_parsers().items():
         for action in parser._actions:
-            if not action.option_strings or action.help == argparse.SUPPRESS:
-                continue  # positionals; hidden old spellings (one deprecation line when used)
+            if not action.option_strings:
+                continue  # positionals
             flags = tuple(action.option_strings)
             spellings.setdefault(action.dest, {}).setdefault(flags, []).append(prog)
             if action.dest in VOCABULARY:
@@ -605,19 +591,3 @@ def test_every_knob_has_one_name_on_every_command():
     twice = {dest: {flags: progs for flags, progs in seen.items()} for dest, seen in spellings.items() if len(seen) > 1}
     twice.pop("help", None)
     assert not twice, f"one setting spelled two ways: {twice}"
-
-
-@pytest.mark.parametrize(
-    "argv, old, new",
-    [(["bands", "/no/such.png", "--vae", "taef2", "--out", "o"], "--out", "-o/--output"),
-     (["dataset", "images", "/no/such.png", "-o", "o", "--vae", "taef2", "--crop", "64"], "--crop", "--crop-px"),
-     (["colorfix", "/no/such.png", "--reference", "r.png", "--strength", "0.5"], "--strength", "--color-fix-strength")],
-)  # fmt: skip
-def test_old_spellings_work_for_a_release_with_one_deprecation_line(argv, old, new, capsys, tmp_path, monkeypatch):
-    from flowlift.commands.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    main(argv)  # the inputs do not exist: the run stops at them, after parsing the old spelling
-    notes = [line for line in capsys.readouterr().err.splitlines() if "deprecated" in line]
-    assert notes == [f"flowlift {argv[0] if argv[0] != 'dataset' else 'dataset images'}: note: {old} is deprecated "
-                     f"and goes in the next release; use {new}"]  # fmt: skip

@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
+from builders import save_tiny_unet
 from flowlift.commands.cli import main  # noqa: E402
 from flowlift.errors import FlowliftError  # noqa: E402
 from flowlift.flux2.latents import denormalize  # noqa: E402
@@ -274,13 +275,11 @@ def test_cli_hires_with_a_file_transformer_a_lora_and_a_budget(capsys, tmp_path,
     from PIL import Image
     from safetensors.torch import save_file
 
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
     from flux2_files import write_fp8
 
     torch.manual_seed(0)
     upscaler = tmp_path / "flow_upscaler.safetensors"
-    save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32), upscaler)
+    save_tiny_unet(upscaler, seed=None, cond_dim=32)
     embeds = tmp_path / "emb.safetensors"
     save_file({"prompt_embeds": EMB}, str(embeds))
     fp8 = tmp_path / "flux-2-tiny-fp8.safetensors"
@@ -288,7 +287,7 @@ def test_cli_hires_with_a_file_transformer_a_lora_and_a_budget(capsys, tmp_path,
     out = tmp_path / "hires.png"
     argv = ["hires", "--width", "64", "--height", "64", "--base-steps", "2", "--scale", "2", "--upscaler", upscaler,
             "--model", model_dir, "--transformer", fp8, "--lora", f"{peft_lora}:0.5", "--max-memory", "256MB",
-            "--prompt-embeds", embeds, "--steps", "4", "--quiet", "-o", out]  # fmt: skip
+            "--prompt-embeds", embeds, "--steps", "4", "--no-progress", "-o", out]  # fmt: skip
     assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
     with Image.open(out) as img:
         assert img.size == (128, 128)

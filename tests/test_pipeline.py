@@ -19,21 +19,6 @@ from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, allowed_passes, pad_to_multi
 
 
 @pytest.fixture(scope="module")
-def unet():
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-
-    torch.manual_seed(0)
-    return FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0).eval()
-
-
-@pytest.fixture(scope="module")
-def vae(shared):
-    from flowlift.models.vae_loading import load_vae
-
-    return load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
 def pipe(unet, vae):
     return FlowUpscalerPipeline(unet, vae, device="cpu", dtype=torch.float32)
 

@@ -37,19 +37,8 @@ from tiny_flux2 import TEXT_DIM, tiny_transformer
 
 def wide_transformer(seed: int = 0):
     """Width 256 (2 heads of 128, FLUX.2's head size and rotary axes): rows long enough for Q4_K's 256 blocks."""
-    from diffusers import Flux2Transformer2DModel
-
-    torch.manual_seed(seed)
-    model = Flux2Transformer2DModel(
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=128,
-        num_attention_heads=2,
-        joint_attention_dim=256,
-        timestep_guidance_channels=256,
-        axes_dims_rope=(32, 32, 32, 32),
-    )
-    return model.eval().requires_grad_(False)
+    return tiny_transformer(seed=seed, guidance_embeds=True, text_dim=256, attention_head_dim=128,
+                            timestep_guidance_channels=256, axes_dims_rope=(32, 32, 32, 32))
 
 
 def fresh(model):

@@ -18,10 +18,9 @@ from __future__ import annotations
 import math
 import numbers
 import re
-import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from flowlift.errors import FlowliftError
 
@@ -373,37 +372,3 @@ def table(*knobs: Knob) -> dict[str, Knob]:
             raise ValueError(f"knob {knob.name} declared twice")
         found[knob.name] = knob
     return found
-
-
-Settings = TypeVar("Settings")
-
-
-def settings_or_deprecated_keywords(
-    given: Settings | None,
-    old: dict[str, Any],
-    make: Callable[..., Settings],
-    *,
-    where: str,
-    argument: str,
-    home: str,
-    stacklevel: int = 4,
-) -> Settings:
-    """A settings object, or for one release the keyword arguments it replaced, folded into one.
-
-    ``given`` itself (``make()``'s defaults when None) if ``old`` is empty; ``make(**old)`` with a
-    ``DeprecationWarning`` naming ``where``'s old keywords and the new ``argument`` (a class of module
-    ``home``); both at once is one :class:`FlowliftError`. The warning points at the caller of the public
-    function that called this one (``stacklevel`` 3 when the public function calls this one itself).
-    """
-    if not old:
-        return given if given is not None else make()
-    spelled = f"{argument}={make.__name__}(...)"
-    if given is not None:
-        raise FlowliftError(f"{where}: give {spelled} or {', '.join(old)}, not both")
-    warnings.warn(
-        f"{where}({', '.join(f'{name}=' for name in old)}) is deprecated and goes in the next release; pass "
-        f"{spelled} ({home})",
-        DeprecationWarning,
-        stacklevel=stacklevel,
-    )
-    return make(**old)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from flowlift.commands._options import add_device_options, add_knob, add_vae_option, finite_float
+from flowlift.commands._options import add_device_options, add_knob, add_vae_option, finite_float, name_or_path
 from flowlift.commands._refine_tiles import add_tile_arguments
 from flowlift.commands._refine_weights import add_weights_arguments
 from flowlift.knobs import SEED
@@ -32,6 +32,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model",
+        type=name_or_path,
         required=True,
         metavar="PATH|REPO",
         help="FLUX.2 Klein or dev weights: a diffusers folder or hub id (transformer/ and vae/ subfolders, "
@@ -77,7 +78,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_knob(sampling, STRENGTH_MAP)
     add_schedule_arguments(sampling)
     out = parser.add_argument_group("output")
-    out.add_argument("-o", "--output", metavar="PATH", help="output image (PNG keeps all parameters as metadata)")
+    out.add_argument("-o", "--output", type=name_or_path, metavar="PATH",
+                     help="output image (PNG keeps all parameters as metadata)")  # fmt: skip
     out.add_argument("--overwrite", action="store_true",
                      help="replace an existing image at the output path that flowlift did not write")  # fmt: skip
 

@@ -237,6 +237,8 @@ def load_transformer(model: str, *, dtype: torch.dtype, option: str = "source.mo
     from flowlift.models.flux2_transformer_folders import inspect_transformer_folder
     from flowlift.models.hub import looks_like_path
 
+    if not str(model).strip():  # Path("") is the working folder: an empty name names no model
+        raise FlowliftError(f"{option}: an empty name or path names no model, got {model!r}")
     path = Path(model).expanduser()
     if not path.exists() and looks_like_path(model):
         raise FlowliftError(f"{option} {model}: no such file or folder")
