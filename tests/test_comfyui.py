@@ -110,7 +110,7 @@ def test_the_inputs_have_the_knob_tables_domain_and_default(server):
     # the widest seed runs (so `flowlift upscale --seed` can reproduce any workflow); one past it is refused
     workflow = load_api_workflow("image_upscale_4x_taef2.json")
     (key,) = [key for key, node in workflow.items() if node["class_type"] == "FlowliftUpscaleImage"]
-    workflow[key]["inputs"].update(seed=2**64 - 1, scale="2x")
+    workflow[key]["inputs"].update(seed=2**64 - 1, scale=2.0)
     entry = server.wait(server.queue(workflow))
     assert entry["status"]["status_str"] == "success", entry["status"]
     # issue 36 class 10: ComfyUI's int() took 5.5 as 5 and true as 1; the seed rule of every door refuses them
@@ -130,7 +130,7 @@ def test_the_inputs_have_the_knob_tables_domain_and_default(server):
 def test_flux2_latent_workflow_equals_the_python_api(server):
     workflow = load_api_workflow("flux2_latent_upscale_4x.json")
     # 2x: the random full-size FLUX.2 VAE dominates this test's time on a CPU (4x chaining is checked with TAEF2)
-    workflow["5"]["inputs"] |= {"seed": 7, "scale": "2x"}
+    workflow["5"]["inputs"] |= {"seed": 7, "scale": 2.0}
     chunked = dict(workflow["5"], inputs=dict(workflow["5"]["inputs"], chunked="always"))
     workflow |= {
         "90": {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": "test/encoded"}},
@@ -193,7 +193,7 @@ def test_every_native_vae_has_a_loader_whose_workflows_equal_the_python_api(serv
     workflow = load_api_workflow("image_upscale_4x_taef2.json")
     folder = server.root / "models" / vae.comfy_folder
     workflow["2"] = {"class_type": vae.comfy_node, "inputs": {f"{vae.name}_name": NATIVE_FILES[vae.name]}}
-    workflow["4"]["inputs"].update(seed=3, scale="2x")
+    workflow["4"]["inputs"].update(seed=3, scale=2.0)
     workflow["5"]["inputs"]["filename_prefix"] = f"test/{vae.name}_upscale"
     workflow |= {
         "80": {"class_type": "VAEEncode", "inputs": {"pixels": ["1", 0], "vae": ["2", 0]}},
@@ -238,7 +238,7 @@ def test_bad_inputs_fail_with_one_line_and_the_server_keeps_serving(server):
         "2": {"class_type": "LoadLatent", "inputs": {"latent": "big_flux2.latent"}},
         "3": {
             "class_type": "FlowliftUpscaleLatent",
-            "inputs": {"upscaler": ["1", 0], "samples": ["2", 0], "scale": "2x", "seed": 0,
+            "inputs": {"upscaler": ["1", 0], "samples": ["2", 0], "scale": 2.0, "seed": 0,
                        "transplant_strength": 1.0, "chunked": "auto"},
         },
         "4": {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": "test/never"}},
@@ -273,7 +273,7 @@ def test_interrupt_stops_a_long_chunked_run_within_seconds(server):
         "2": {"class_type": "LoadLatent", "inputs": {"latent": "big_flux2.latent"}},
         "3": {
             "class_type": "FlowliftUpscaleLatent",
-            "inputs": {"upscaler": ["1", 0], "samples": ["2", 0], "scale": "8x", "seed": 0,
+            "inputs": {"upscaler": ["1", 0], "samples": ["2", 0], "scale": 8.0, "seed": 0,
                        "transplant_strength": 1.0, "chunked": "always"},
         },
         "4": {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": "test/interrupted"}},
@@ -307,7 +307,7 @@ def test_interrupt_stops_an_8x_image_upscale_within_seconds_in_every_stage(serve
         "3": {"class_type": "FlowliftUpscalerLoader", "inputs": {"upscaler_name": "flow_upscaler_b64.safetensors"}},
         "4": {
             "class_type": "FlowliftUpscaleImage",
-            "inputs": {"image": ["1", 0], "upscaler": ["3", 0], "vae": ["2", 0], "scale": "8x", "seed": 0,
+            "inputs": {"image": ["1", 0], "upscaler": ["3", 0], "vae": ["2", 0], "scale": 8.0, "seed": 0,
                        "transplant_strength": 1.0, "color_fix_strength": 1.0, "chunked": "auto"},
         },  # fmt: skip
         "5": {"class_type": "SaveImage", "inputs": {"images": ["4", 0], "filename_prefix": "test/interrupted"}},
@@ -354,7 +354,7 @@ def test_every_numeric_input_is_checked_and_nan_fails_the_node_with_one_line(ser
     latent = {key: taef2[key] for key in ("1", "2", "3")} | {
         "4": {"class_type": "VAEEncode", "inputs": {"pixels": ["1", 0], "vae": ["2", 0]}},
         "5": {"class_type": "FlowliftUpscaleLatent", "inputs": {
-            "upscaler": ["3", 0], "samples": ["4", 0], "scale": "2x", "seed": 0, "transplant_strength": 1.0,
+            "upscaler": ["3", 0], "samples": ["4", 0], "scale": 2.0, "seed": 0, "transplant_strength": 1.0,
             "chunked": "auto"}},
         "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": "test/nan"}},
     }

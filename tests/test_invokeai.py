@@ -172,7 +172,7 @@ def upscale_image_node(server: InvokeAIServer, image: str, **fields) -> dict:
     return {
         "type": "flowlift_upscale_image", "image": {"image_name": server.images[image]},
         "upscaler": str(server.models / "flow_upscaler.safetensors"), "taef2": str(server.shared_taef2),
-        "scale": "4x", "seed": 3, **fields,
+        "scale": 4.0, "seed": 3, **fields,
     }  # fmt: skip
 
 
@@ -239,22 +239,22 @@ def test_the_fields_have_the_knob_tables_domain_and_default(server):
             checked += 1
     assert checked == 10  # scale, seed, transplant, chunked twice; color_fix_strength; the colour fix's strength
     # the widest seed runs (a ComfyUI or `flowlift upscale` seed reproduces here); one past it is refused
-    item = server.run(graph({"up": upscale_image_node(server, "example.png", scale="2x", seed=2**64 - 1)}, []))
+    item = server.run(graph({"up": upscale_image_node(server, "example.png", scale=2.0, seed=2**64 - 1)}, []))
     assert item["status"] == "completed", item.get("error_message")
     with pytest.raises(AssertionError, match=r"(?s)HTTP 422: .*18446744073709551615"):  # the field's limit, named
-        server.enqueue(graph({"up": upscale_image_node(server, "example.png", scale="2x", seed=2**64)}, []))
+        server.enqueue(graph({"up": upscale_image_node(server, "example.png", scale=2.0, seed=2**64)}, []))
     # issue 36 class 10: pydantic's int took `true` as 1; every seed field has the rule of every JSON door
     rule = "seed must be a non-negative integer at most 18446744073709551615"
     for node_type in ("flowlift_upscale_image", "flowlift_upscale_latents", "flowlift_tiled_flux2_denoise"):
         for bad in (True, False, 5.5, -1, 2**64, "5.5", "x", None):
-            node = upscale_image_node(server, "example.png", scale="2x", seed=bad)
+            node = upscale_image_node(server, "example.png", scale=2.0, seed=bad)
             if node_type != "flowlift_upscale_image":
                 node = {"type": node_type, "seed": bad}
             with pytest.raises(AssertionError, match=rf"(?s)HTTP 422: .*{re.escape(rule)}") as caught:
                 server.enqueue(graph({"up": node}, []))
             assert f"got {bad!r}" in str(caught.value), (node_type, bad, str(caught.value)[:400])
     for good in ("5", 5.0):  # digits and whole floats are the integer they spell, as at the web API
-        item = server.run(graph({"up": upscale_image_node(server, "example.png", scale="2x", seed=good)}, []))
+        item = server.run(graph({"up": upscale_image_node(server, "example.png", scale=2.0, seed=good)}, []))
         assert item["status"] == "completed", item.get("error_message")
         assert item["session"]["graph"]["nodes"]["up"]["seed"] == 5, item["session"]["graph"]["nodes"]["up"]
 
@@ -262,7 +262,7 @@ def test_the_fields_have_the_knob_tables_domain_and_default(server):
 def test_image_node_equals_the_pipeline_and_keeps_alpha(server, shared):
     nodes = {
         "rgb": upscale_image_node(server, "example.png"),
-        "rgba": upscale_image_node(server, "example_rgba.png", scale="2x", seed=4),
+        "rgba": upscale_image_node(server, "example_rgba.png", scale=2.0, seed=4),
     }
     item = server.run(graph(nodes, []))
     got = server.image(server.output(item, "rgb")["image"]["image_name"])
@@ -297,7 +297,7 @@ def test_image_node_runs_mage_vae_from_its_flowlift_vae_field(server):
     """issue 37: the field that takes TAEF2 takes Mage-VAE too (a released-layout file, found by its tensor
     names), and the node equals the pipeline on it."""
     path = server.models / "mage_vae.safetensors"
-    item = server.run(graph({"up": upscale_image_node(server, "example.png", scale="2x", taef2=str(path))}, []))
+    item = server.run(graph({"up": upscale_image_node(server, "example.png", scale=2.0, taef2=str(path))}, []))
     got = server.image(server.output(item, "up")["image"]["image_name"])
     pipeline = FlowUpscalerPipeline(load_upscaler(server.models / "flow_upscaler.safetensors"), load_vae(path))
     pixels = torch.from_numpy(np.asarray(Image.open(server.inputs / "example.png"), np.float32) / 255)
@@ -310,7 +310,7 @@ def test_image_node_runs_mage_vae_from_its_flowlift_vae_field(server):
 
 def test_upscaler_loads_once_per_file_content_and_is_freed_with_the_cache(server, shared):
     path = server.models / "replaced_upscaler.safetensors"
-    node = {"up": upscale_image_node(server, "example.png", upscaler=str(path), scale="2x")}
+    node = {"up": upscale_image_node(server, "example.png", upscaler=str(path), scale=2.0)}
     first = server.run(graph(node, []))
     server.run(graph(node, []))
     assert count_loads(server, path.name) == 1, "the second run must reuse the cached upscaler"
@@ -360,7 +360,7 @@ def test_colour_fix_equals_flowlift_colorfix(server, tmp_path):
 
 def test_latent_and_image_nodes_on_invokeais_flux2_vae_equal_the_pipeline(server):
     upscaler = str(server.models / "flow_upscaler.safetensors")
-    latent_node = {"type": "flowlift_upscale_latents", "upscaler": upscaler, "scale": "2x", "seed": 7}
+    latent_node = {"type": "flowlift_upscale_latents", "upscaler": upscaler, "scale": 2.0, "seed": 7}
     nodes = {
         "image": {"type": "image", "image": {"image_name": server.images["example.png"]}},
         "vae": vae_loader(server.flux2_vae),
@@ -368,7 +368,7 @@ def test_latent_and_image_nodes_on_invokeais_flux2_vae_equal_the_pipeline(server
         "up": latent_node,
         "up_chunked": {**latent_node, "chunked": "always"},
         "decode": {"type": "flux2_vae_decode"},
-        "img": upscale_image_node(server, "example.png", scale="2x", seed=8),  # the image node on this VAE
+        "img": upscale_image_node(server, "example.png", scale=2.0, seed=8),  # the image node on this VAE
     }
     edges = [("vae", "vae", "img", "vae"), ("image", "image", "encode", "image"), ("vae", "vae", "encode", "vae"),
              ("encode", "latents", "up", "latents"), ("vae", "vae", "up", "vae"),
@@ -503,7 +503,7 @@ def test_bad_inputs_fail_only_their_item_with_one_line(server):
     nan = torch.randn(1, 32, 8, 8, generator=gen)
     nan[0, 3, 2, 2] = float("nan")
     nan = server.put_tensor(nan, "Tensor_flowlift_nan")
-    wide = graph({"up": upscale_image_node(server, "wide.png", scale="8x")}, [])
+    wide = graph({"up": upscale_image_node(server, "wide.png", scale=8.0)}, [])
     dotfile = server.models / ".profile"
 
     cases = {
@@ -548,11 +548,11 @@ def test_installed_models_are_preferred_over_server_paths(server):
     upscaler = server.install_model(server.models / "flow_upscaler.safetensors")
     taef2 = server.install_model(server.shared_taef2)
     print(f"installed as: upscaler {upscaler['type']}, TAEF2 {taef2['type']}")
-    installed = upscale_image_node(server, "example.png", scale="2x", seed=4,
+    installed = upscale_image_node(server, "example.png", scale=2.0, seed=4,
                                    upscaler=str(server.models / "missing.safetensors"), taef2="/nonexistent/taef2",
                                    upscaler_model={k: upscaler[k] for k in keys},
                                    taef2_model={k: taef2[k] for k in keys})  # fmt: skip
-    by_path = upscale_image_node(server, "example.png", scale="2x", seed=4)
+    by_path = upscale_image_node(server, "example.png", scale=2.0, seed=4)
     item = server.run(graph({"installed": installed, "path": by_path}, []))
     got = server.image_tensor(server.output(item, "installed")["image"]["image_name"])
     assert torch.equal(got, server.image_tensor(server.output(item, "path")["image"]["image_name"]))
@@ -562,7 +562,7 @@ def test_cancelling_a_running_item_stops_it(server):
     gen = torch.Generator().manual_seed(6)
     big = server.put_tensor(torch.randn(1, 32, 96, 96, generator=gen), "Tensor_flowlift_big")
     nodes = {"vae": vae_loader(server.flux2_vae),
-             "up": {"type": "flowlift_upscale_latents", "latents": {"latents_name": big}, "scale": "8x",
+             "up": {"type": "flowlift_upscale_latents", "latents": {"latents_name": big}, "scale": 8.0,
                     "upscaler": str(server.models / "flow_upscaler_b64.safetensors"), "chunked": "always"}}
     long_run = server.enqueue(graph(nodes, [("vae", "vae", "up", "vae")]))
     deadline = time.monotonic() + 120
