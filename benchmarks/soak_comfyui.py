@@ -74,14 +74,14 @@ def soak_prompt(index: int, prompts: int, size: tuple[int, int]) -> tuple[dict, 
     kind = KINDS[index % len(KINDS)]
     if kind == "upscale image 4x":
         work = {"9": {"class_type": "FlowliftUpscaleImage", "inputs": {
-            "image": ["1", 0], "upscaler": ["3", 0], "vae": ["2", 0], "scale": "4x", "seed": index,
+            "image": ["1", 0], "upscaler": ["3", 0], "vae": ["2", 0], "scale": 4.0, "seed": index,
             "transplant_strength": 1.0, "color_fix_strength": 1.0, "chunked": "auto"}}}
         return {"1": load, "2": taef2, "3": upscaler, **work, "10": save}, (4 * width, 4 * height)
     if kind == "upscale latent 2x":
         work = {
             "7": {"class_type": "VAEEncode", "inputs": {"pixels": ["1", 0], "vae": ["2", 0]}},
             "8": {"class_type": "FlowliftUpscaleLatent", "inputs": {
-                "upscaler": ["3", 0], "samples": ["7", 0], "scale": "2x", "seed": index,
+                "upscaler": ["3", 0], "samples": ["7", 0], "scale": 2.0, "seed": index,
                 "transplant_strength": 1.0, "chunked": "auto"}},
             "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["2", 0]}},
         }

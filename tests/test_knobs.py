@@ -286,7 +286,7 @@ def _comfyui_door(value):
     """ComfyUI's POST /prompt handler on one FlowliftUpscaleLatent node, then ComfyUI's own ``int()``."""
     from flowlift.comfyui.layouts import check_prompt_integers
 
-    request = {"prompt": {"5": {"class_type": "FlowliftUpscaleLatent", "inputs": {"seed": value, "scale": "2x"}}}}
+    request = {"prompt": {"5": {"class_type": "FlowliftUpscaleLatent", "inputs": {"seed": value, "scale": 2.0}}}}
     seen = check_prompt_integers(request)["prompt"]["5"]["inputs"]["seed"]
     if type(seen) is not int:
         assert isinstance(seen, str) and seen.startswith("FlowliftUpscaleLatent: seed must be"), seen

@@ -158,9 +158,10 @@ class FlowliftUpscaleLatent(io.ComfyNode):
     def execute(
         cls, upscaler: Any, samples: dict, scale: float, seed: int, transplant_strength: float, chunked: str
     ) -> io.NodeOutput:
-        checked = layouts.check_numbers("FlowliftUpscaleLatent", seed=seed, transplant_strength=transplant_strength)
+        checked = layouts.check_numbers("FlowliftUpscaleLatent", scale=scale, seed=seed,
+                                        transplant_strength=transplant_strength)  # fmt: skip
         latents = layouts.flux2_latents(samples, "FlowliftUpscaleLatent")
-        passes = latent_passes(scale)
+        passes = latent_passes(checked.pop("scale"))
         progress = Progress(passes)
         pipeline = make_pipeline(upscaler, None, chunked, progress)
         result = run_logging_warnings(
@@ -206,12 +207,13 @@ class FlowliftUpscaleImage(io.ComfyNode):
     ) -> io.NodeOutput:
         checked = layouts.check_numbers(
             "FlowliftUpscaleImage",
+            scale=scale,
             seed=seed,
             transplant_strength=transplant_strength,
             color_fix_strength=color_fix_strength,
         )
         images = layouts.image_to_nchw(image, "FlowliftUpscaleImage")
-        passes, size = image_plan(scale, images.shape[-1], images.shape[-2])
+        passes, size = image_plan(checked.pop("scale"), images.shape[-1], images.shape[-2])
         progress = Progress(passes + 3)  # encode, passes, decode, colour fix
         if isinstance(vae, FlowliftComfyVAE):
             flowlift_vae, also = vae.adapter, [vae.patcher]  # flowlift's own adapter (TAEF2: exact tiling by size)
