@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 import comfy_frontend as ui
-from comfy_server import PACK_NAME, WORKFLOWS, comfy_server
+from comfy_server import PACK_NAME, WORKFLOWS, session_server
 
 WINDOW = (3100, 1200)  # the widest template (the Klein tiled refine) is ~2900 px at 100%
 NAMES = sorted(path.stem for path in WORKFLOWS.glob("*.json"))
@@ -26,10 +26,9 @@ MIN_GAP = 10  # px between node boxes (title bars included) in the live graph
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, shared):
-    with comfy_server(tmp_path_factory.mktemp("comfy-ui"), shared) as comfy:
-        comfy.request("/settings/Comfy.TutorialCompleted", True)  # no template browser on the first visit
-        yield comfy
+def server(request, tmp_path_factory, shared):
+    """The session's ComfyUI 0.33 server with this pack (tests/comfy_server.py), shared by the pack's test modules."""
+    return session_server(request.config, tmp_path_factory, shared)
 
 
 @pytest.fixture(scope="module")

@@ -88,6 +88,22 @@ def test_requirements_txt_is_pyproject_minus_torch():
     assert project["tool"]["comfy"]["PublisherId"] and project["tool"]["comfy"]["DisplayName"]
 
 
+def test_pyproject_has_what_the_comfy_registry_reads():
+    """issue 45: [project] name, version and a Repository URL, [tool.comfy] PublisherId, DisplayName and an Icon
+    URL that names a square image of at most 400 px in this repository (on the Repository's main branch)."""
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    meta, comfy = project["project"], project["tool"]["comfy"]
+    assert meta["name"] == "flowlift" and re.fullmatch(r"\d+\.\d+\.\d+", meta["version"])
+    repository = meta["urls"]["Repository"]
+    assert re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+", repository), repository
+    assert re.fullmatch(r"[a-z][a-z0-9-]*", comfy["PublisherId"]) and comfy["DisplayName"]
+    owner_repo = repository.removeprefix("https://github.com/")
+    prefix = f"https://raw.githubusercontent.com/{owner_repo}/main/"
+    assert comfy["Icon"].startswith(prefix), comfy["Icon"]
+    with Image.open(REPO_ROOT / comfy["Icon"].removeprefix(prefix)) as icon:
+        assert icon.width == icon.height <= 400, icon.size
+
+
 # --------------------------------------------------------------------------------------------------
 # numeric inputs (issue 22: a NaN strength gave an all-black image with status success)
 
