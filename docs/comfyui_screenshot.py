@@ -75,8 +75,13 @@ SIDE_BY_SIDE, SAME_STAGE_AS = "flux2_hires_side_by_side", "flux2_klein_tiled_ref
 TRANSFORMER_LOADERS = ("UNETLoader", "CLIPLoader")
 THUMBNAIL_INPUT = 128  # px a side; 4x gives a 512 px thumbnail
 WINDOW = (2000, 1100)
+#: Nodes a template saves muted (the API format has no such state): the side-by-side template's PiD branch, whose
+#: weights few users have; muted, it opens without the frontend's missing-model errors and the rest runs. Ctrl+M on
+#: the selected nodes enables it.
+MUTED_NODES = {"flux2_hires_side_by_side": (17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30)}
+MUTED = 2  # LiteGraph's mode "never"
 #: Core nodes whose seed a template saves at "fixed" (flowlift's own nodes start there by themselves).
-FIXED_SEED_NODES = ("KSampler",)
+FIXED_SEED_NODES = ("KSampler", "SamplerCustom")
 UUID_NAMESPACE = uuid.UUID("5b0e5a4e-3c1f-4f53-9a3e-0f1ee7f10f7e")
 
 
@@ -156,7 +161,10 @@ def ui_workflow(driver, api: dict, name: str) -> dict:
     for node in graph["nodes"]:
         if node["type"] in FIXED_SEED_NODES:  # a template runs again as saved ("control after generate": fixed)
             values = node["widgets_values"]
-            values[values.index("randomize")] = "fixed"
+            node["widgets_values"] = ["fixed" if v in ("randomize", "increment", "decrement") else v for v in values]
+    for node in graph["nodes"]:
+        if node["id"] in MUTED_NODES.get(name, ()):
+            node["mode"] = MUTED
     graph["id"] = str(uuid.uuid5(UUID_NAMESPACE, name))  # a stable id per template (the API loader leaves zeros)
     graph["extra"] = {**graph.get("extra", {}), "ds": {"scale": 1, "offset": [0, 0]}}
     return graph
