@@ -58,6 +58,7 @@ return {
   links: [...graph.links.values()].map(link => [link.origin_id, link.target_id]),
   title_height: LiteGraph.NODE_TITLE_HEIGHT,
   scale: window.app.canvas.ds.scale,
+  visible: [...window.app.canvas.visible_area],
 };
 """
 
