@@ -1,10 +1,11 @@
-"""The node pack inside a real ComfyUI v0.8.0 server (../shared/comfyui), driven over its HTTP API.
+"""The node pack inside a real ComfyUI 0.33 server (../shared/comfyui-0.33), driven over its HTTP API.
 
-One server per module (tests/comfy_server.py): a temp copy of ComfyUI with this repository linked into
-custom_nodes/, random small models in its models/ folders, bound to 127.0.0.1 on a free port and stopped
-at the end. The API-format copies of the shipped workflows (example_workflows/api/) are what the tests
-post to /prompt; the results are read from ComfyUI's output folder and compared with flowlift's Python
-API on the same inputs. The UI-format workflows in the frontend: tests/test_comfyui_frontend.py.
+The session's server (tests/comfy_server.py, shared with the other ComfyUI test modules): a temp copy of ComfyUI
+with this repository linked into custom_nodes/, random small models in its models/ folders, bound to 127.0.0.1 on
+a free port and stopped at the end of the session. The API-format copies of the shipped workflows
+(example_workflows/api/) are what the tests post to /prompt; the results are read from ComfyUI's output folder and
+compared with flowlift's Python API on the same inputs. The UI-format workflows in the frontend:
+tests/test_comfyui_frontend.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from comfy_server import IMAGE_H, IMAGE_W, load_api_workflow, message, png_tensor, session_server
+from comfy_venv import COMFYUI_VERSION
 from flowlift.comfyui.layouts import NUMERIC_INPUTS
 from flowlift.flux2.latents import from_comfyui_latent, patchify
 from flowlift.models.upscaler_weights import load_upscaler
@@ -69,6 +71,8 @@ def server(request, tmp_path_factory, shared):
 
 
 def test_the_nodes_load_with_stable_ids_and_widget_order(server):
+    # the tests run on the minimum supported ComfyUI (docs/comfyui.md), not the v0.8.0 the pack left behind
+    assert server.request("/system_stats")["system"]["comfyui_version"] == COMFYUI_VERSION
     info = server.object_info
     missing = [n for n in NODE_IDS if n not in info]
     assert not missing, f"nodes missing from /object_info: {missing}\n{server.log_tail()}"
