@@ -62,6 +62,7 @@ SKIP: dict[str, str] = {
     "pip install -e .[pixel]": INSTALLS,
     "pip install -e .[text]": INSTALLS,
     "/path/to/ComfyUI/venv/bin/python -m pip install -r requirements.txt": HOST_APP,
+    "comfy node install flowlift": INSTALLS,
     "/path/to/invokeai/.venv/bin/python -m pip install kornia scikit-image numpy<2": HOST_APP,
     "ln -s $PWD /path/to/ComfyUI/custom_nodes/flowlift": HOST_APP,
     "ln -s $PWD $INVOKEAI_ROOT/nodes/flowlift": HOST_APP,
