@@ -152,6 +152,8 @@ SKIP: dict[str, str] = {
     "flowlift eval --dataset my-photos/ --scale 4 -o compare/ --vae taef2 --upscaler TensorForger/FlowUpscaler "
     "--run lanczos,latent-bicubic,flow,flow:color=off --run spandrel:4x-UltraSharp.pth:ultrasharp "
     "--run spandrel:4x-UltraSharp.pth:ultrasharp+colorfix": f"the pixel extra and 4x-UltraSharp.pth: {NEEDS_WEIGHTS}",
+    "flowlift eval --run lanczos,latent-bicubic,flow,sesqui:upscaler_Flux2.safetensors --dataset photos/ "
+    "--scale 1.5 --vae flux2 -o report/": NEEDS_WEIGHTS,
     "flowlift eval OUTPUTS --reference INPUTS [--ground-truth GT] [--box x,y,w,h] -o report/": SYNOPSIS,
     "flowlift eval OUT_DIR --reference IN_DIR [--ground-truth GT_DIR] [--box x,y,w,h] -o report/": SYNOPSIS,
     "flowlift eval OUT/outputs/lanczos --reference OUT/outputs/inputs --ground-truth OUT/outputs/ground-truth":
