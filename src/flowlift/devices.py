@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from flowlift.errors import FlowliftError
@@ -171,3 +173,21 @@ def reuse_freed_memory() -> bool:
     mallopt.restype = ctypes.c_int
     # mallopt answers 1 on success; the trim threshold is an int, so "unbounded" is its largest value.
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+@contextmanager
+def one_thread(device: torch.device | str) -> Iterator[None]:
+    """On the CPU, torch's intra-op threads set to 1 for the block (restored after, also on an error); elsewhere
+    nothing. For memory-bound element-wise work and reductions: a second OpenMP thread mostly waits at each
+    operation's barrier, and on a machine shared with other jobs it spins there (docs/cpu.md, issue 47)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if torch.device(device).type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -229,7 +229,7 @@ def lab_lowband_transplant(
     if strength == 0:
         return output.clamp_(0.0, 1.0) if inplace else output.to(torch.float32).clamp(0.0, 1.0)
 
-    from flowlift.upscale.colorfix_lab import one_thread
+    from flowlift.devices import one_thread
 
     with one_thread(output.device):
         return _lab_transplant(output, reference, strength, iterations, strip_pixels, inplace, on_strip)

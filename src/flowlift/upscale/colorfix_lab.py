@@ -9,17 +9,15 @@ thresholds and branches), written so that stage 2's full-resolution step takes f
   :func:`lab_delta_to_f` (``f_y += c_L / 116``, ``f_x += c_L / 116 + c_a / 500``, ``f_z += c_L / 116 - c_b / 200``),
   which commutes with the bilinear upsampling of the coarse correction;
 - each step runs on row strips small enough to stay in the CPU's caches, on the CPU in one thread
-  (:func:`one_thread`): these are short element-wise operations, where a second OpenMP thread mostly waits at
-  each operation's barrier, and on a machine shared with other jobs spins there: measured at 6 MP, 1.0-1.3
-  CPU-seconds in one thread against 4.4-12 with two (and more wall time too) at load 10.
+  (:func:`flowlift.devices.one_thread`): these are short element-wise operations, where a second OpenMP
+  thread mostly waits at each operation's barrier, and on a machine shared with other jobs spins there:
+  measured at 6 MP, 1.0-1.3 CPU-seconds in one thread against 4.4-12 with two (and more wall time too) at
+  load 10.
 
 The results equal kornia's to float32 rounding (``tests/test_colorfix.py``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -103,20 +101,6 @@ def lab_to_rgb(lab: torch.Tensor) -> torch.Tensor:
     light, a, b = lab.unbind(-3)
     fy = (light + 16.0) / 116.0
     return f_to_rgb_(torch.stack([a / 500.0 + fy, fy, fy - b / 200.0], dim=-3))
-
-
-@contextmanager
-def one_thread(device: torch.device) -> Iterator[None]:
-    """On the CPU, torch's intra-op threads set to 1 for the block (restored after); elsewhere nothing."""
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 class LabStep:
