@@ -21,7 +21,8 @@ command) and a 256x256 crop of it at 2x (256² -> 512²),
 with a random full-size Flow Upscaler UNet (seed 0). A peer row: Real-ESRGAN's RRDBNet x4 (23 RRDB blocks,
 64 features, growth 32: 16.7M parameters, the released x4plus size, random weights), written here from its
 published description, on the same 768x512 image (bfloat16 channels-last, whole frame), its FLOPs counted the
-same way.
+same way. Every child runs with torch's threads waiting passively, as the command line sets it
+(:func:`flowlift.devices.passive_thread_wait`); ``--env OMP_WAIT_POLICY=ACTIVE`` adds libgomp's spinning.
 
     PYTHONPATH=src python benchmarks/bench_floor.py --repeats 1
     PYTHONPATH=src python benchmarks/bench_floor.py --vaes taef2 --sizes 768x512 --no-peer --repeats 2
@@ -104,6 +105,9 @@ def staged(name, fn, numbered: bool = False):
 
 def command_child(argv: list[str]) -> None:
     """Run ``flowlift`` with ``argv`` in this process, its stages booked; print the table as JSON."""
+    from flowlift.devices import passive_thread_wait
+
+    passive_thread_wait()  # as cli.main() does when it is the process, before torch is imported below
     import flowlift.commands.cli as cli
     import flowlift.files.image_outputs as image_outputs
     import flowlift.files.images as images
@@ -299,6 +303,9 @@ def print_tables(summaries: dict[str, dict], peak: float, fp32_peak: float) -> N
 
 
 def main() -> None:
+    from flowlift.devices import passive_thread_wait
+
+    passive_thread_wait()  # every child (the calibration and the peer too) runs as the command does
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         return command_child(sys.argv[2:])
     if len(sys.argv) > 1 and sys.argv[1] == "--calibrate":
@@ -313,6 +320,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="768x512,256x256", help="comma-separated: 768x512, 256x256")
     parser.add_argument("--no-peer", action="store_true", help="skip the RRDBNet x4 row")
     parser.add_argument("--calibrate-seconds", type=float, default=2.0)
+    parser.add_argument("--env", metavar="VAR=VALUE", help="also run every command variant with VAR=VALUE set")
     args = parser.parse_args()
     args.device = "cpu"
     work = Path(args.work)
@@ -330,6 +338,11 @@ def main() -> None:
             argv = ["--child", "upscale", str(image), "--scale", scale, *vae_args, "--upscaler", str(weights),
                     "--device", "cpu", "-o", str(out), "--overwrite"]  # fmt: skip
             variants[f"--vae {vae}, {size} x{scale}"] = (argv, {**base_env, **vae_env})
+    if args.env:
+        var, _, value = args.env.partition("=")
+        for name, (argv, env) in list(variants.items()):
+            variants[f"{name}, {var}={value}"] = ([*argv[:-2], str(Path(argv[-2]).with_suffix(".env.png")), argv[-1]],
+                                                  {**env, var: value})  # fmt: skip
     if not args.no_peer:
         variants["peer: RRDBNet x4, 768x512 (bf16)"] = (["--peer", str(full)], base_env)
     cpu_model = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 from flowlift.commands._options import HelpFormatter, OneLineParser
 from flowlift.console import add_console_options, format_warnings, quiet_libraries, set_command
-from flowlift.devices import reuse_freed_memory
+from flowlift.devices import passive_thread_wait, reuse_freed_memory
 from flowlift.errors import FlowliftError
 from flowlift.version import __version__
 
@@ -129,6 +129,8 @@ def _one_line_warnings(command: str):
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     owns_process = argv is None
+    if owns_process:
+        passive_thread_wait()  # before anything imports torch
     args = parser.parse_args(argv)
     if getattr(args, "_run", None) is None:
         parser.print_help()
