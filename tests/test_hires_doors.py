@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from app_helpers import tiny_upscaler
+from builders import refine_inputs, save_tiny_unet
 from flowlift.app.service import AppConfig, AppService
 from flowlift.commands.cli import main
 from tiny_flux2 import prompt_embeds, write_model_dir
@@ -30,14 +30,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from safetensors.torch import save_file
-
-    folder = tmp_path_factory.mktemp("hires-in")
-    save_file({"prompt_embeds": prompt_embeds()}, str(folder / "prompt.safetensors"))
-    g = torch.Generator().manual_seed(4)
-    array = (torch.rand(64, 64, 3, generator=g) * 255).to(torch.uint8).numpy()
-    Image.fromarray(array, "RGB").save(folder / "square.png")
-    tiny_upscaler(folder / "flow_upscaler.safetensors")
+    folder = refine_inputs(tmp_path_factory.mktemp("hires-in"), "square.png", (64, 64), seed=4)
+    save_tiny_unet(folder / "flow_upscaler.safetensors")
     return folder
 
 
@@ -58,7 +52,7 @@ def test_the_apps_hires_fix_equals_the_command_lines(model_dir, inputs, tmp_path
         service.close()
     out = tmp_path / "cli.png"
     argv = ["hires", "--image", "square.png", "--model", str(model_dir), "--prompt-embeds", "prompt.safetensors",
-            "--upscaler", "flow_upscaler.safetensors", "--steps", STEPS, "--quiet", "-o", str(out)]  # fmt: skip
+            "--upscaler", "flow_upscaler.safetensors", "--steps", STEPS, "--no-progress", "-o", str(out)]  # fmt: skip
     assert main(argv) == 0
     app_pixels, app_meta = _flowlift_text(app.output)
     cli_pixels, cli_meta = _flowlift_text(out)

@@ -76,7 +76,7 @@ def test_a_refine_never_replaces_its_input(tmp_path, monkeypatch, capsys, role, 
     monkeypatch.chdir(tmp_path)
     output = Path("dir") / victim.name if spelling == "relative" else spellings[spelling]
     before = victim.read_bytes()
-    common = ["--model", str(tmp_path / "no-such-model"), "--prompt", "a photo", "--steps", "1", "--quiet",
+    common = ["--model", str(tmp_path / "no-such-model"), "--prompt", "a photo", "--steps", "1", "--no-progress",
               "-o", str(output), *(["--overwrite"] if overwrite else [])]  # fmt: skip
     command, flag = role.split()
     if command == "hires":
@@ -101,7 +101,8 @@ def test_upscale_refuses_its_input_by_identity(tmp_path, capsys, spelling, share
     output = _spellings(tmp_path, image)[spelling]
     before = image.read_bytes()
     code = main(["upscale", str(image), "-o", str(output), "--overwrite", "--upscaler",
-                 str(tmp_path / "no.safetensors"), "--vae", str(shared / "models" / "taef2"), "--quiet"])  # fmt: skip
+                 str(tmp_path / "no.safetensors"), "--vae", str(shared / "models" / "taef2"),
+                 "--no-progress"])  # fmt: skip
     assert code in (1, 2)
     lines = _error_lines(capsys, "upscale")
     assert any("would overwrite the input" in line for line in lines), lines

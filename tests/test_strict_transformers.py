@@ -60,7 +60,7 @@ def _img2img(files: Path, out: Path, *model_args: str, limit_memory: bool = Fals
     config that allocates fails there instead of taking the machine)."""
     argv = [sys.executable, "-m", "flowlift", "img2img", str(files / "img.png"), *model_args,
             "--vae", str(files / "vae"), "--prompt-embeds", str(files / "emb.safetensors"), "--steps", "1",
-            "--quiet", "-o", str(out)]  # fmt: skip
+            "--no-progress", "-o", str(out)]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
     def cap() -> None:

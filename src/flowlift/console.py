@@ -7,7 +7,7 @@
   terminal (a log, a scheduler, CI), one plain line every :func:`progress_interval` seconds (done/total,
   rate, time left) so a long job never looks hung; a piped log gets no ``\\r`` bars.
 * :func:`quiet_libraries` keeps third-party chatter (diffusers' "accelerate was not found" block,
-  "kept in float32" lines, huggingface_hub deprecation warnings, transformers notices) off stderr, so
+  "kept in float32" lines, huggingface_hub FutureWarnings, transformers notices) off stderr, so
   a run prints flowlift's own lines only; ``-v`` leaves the libraries' warnings visible.
 * :func:`warn_once` prints a ``flowlift CMD: warning: ...`` line at most once per process per key.
 * :func:`install_command` is the pip command that adds an optional extra to the flowlift that is running
@@ -43,8 +43,7 @@ _command = {"name": ""}  # the subcommand running, for the ``flowlift CMD:`` of 
 
 def add_console_options(parser: argparse.ArgumentParser) -> None:
     """``-v/--verbose`` and ``--progress/--no-progress``, identical on every subcommand: the one convention
-    for progress bars. ``--quiet`` (which ``eval``, ``bands``, ``img2img`` and ``hires`` had, meaning "no
-    progress bars") is still accepted as a hidden alias of ``--no-progress`` so old scripts keep working."""
+    for progress bars."""
     group = parser.add_argument_group("console")
     group.add_argument(
         "-v",
@@ -59,12 +58,11 @@ def add_console_options(parser: argparse.ArgumentParser) -> None:
         help="draw progress bars (default: bars on a terminal; elsewhere one progress line every "
         f"{DEFAULT_PROGRESS_INTERVAL_S:.0f} s, or ${PROGRESS_INTERVAL_VARIABLE} seconds)",
     )
-    group.add_argument("--quiet", dest="progress", action="store_false", help=argparse.SUPPRESS)
 
 
 def show_progress(args: argparse.Namespace) -> bool | None:
     """The ``enabled`` of :func:`progress_bar`: True with ``--progress`` (a bar even off a terminal),
-    False with ``--no-progress`` (or its old spelling ``--quiet``), None otherwise (a bar on a terminal,
+    False with ``--no-progress``, None otherwise (a bar on a terminal,
     plain lines elsewhere)."""
     forced = getattr(args, "progress", None)
     return None if forced is None else bool(forced)

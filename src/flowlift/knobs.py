@@ -18,10 +18,8 @@ from __future__ import annotations
 import math
 import numbers
 import re
-import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from flowlift.errors import FlowliftError
 
@@ -245,9 +243,6 @@ def check_overwrite(value: Any) -> bool:
     return OVERWRITE.check(value)
 
 
-#: Passes per scale: each Flow Upscaler pass doubles both sides.
-SCALE_PASSES = {2: 1, 4: 2, 8: 3}
-
 #: The upscale factor, declared once for both of its owners: ``flowlift upscale --scale`` (the upscaler's table)
 #: and the hires fix's upscale (the refiner's ``hires_scale`` is this knob under its own name).
 SCALE = Knob(
@@ -255,9 +250,9 @@ SCALE = Knob(
     int,
     2,
     "upscale factor: 2x per pass (2 = one pass, 4 = two, 8 = three)",
-    choices=tuple(SCALE_PASSES),
+    choices=(2, 4, 8),  # each Flow Upscaler pass doubles both sides: flowlift.limits.passes_for_scale
     unit="x",
-    extra={"labels": tuple(f"{factor}x" for factor in SCALE_PASSES)},
+    extra={"labels": ("2x", "4x", "8x")},
 )
 #: Stage 1 of the colour fix, run after every upscale pass: the upscaler's and the hires fix's.
 TRANSPLANT_STRENGTH = Knob(
@@ -309,37 +304,3 @@ def table(*knobs: Knob) -> dict[str, Knob]:
             raise ValueError(f"knob {knob.name} declared twice")
         found[knob.name] = knob
     return found
-
-
-Settings = TypeVar("Settings")
-
-
-def settings_or_deprecated_keywords(
-    given: Settings | None,
-    old: dict[str, Any],
-    make: Callable[..., Settings],
-    *,
-    where: str,
-    argument: str,
-    home: str,
-    stacklevel: int = 4,
-) -> Settings:
-    """A settings object, or for one release the keyword arguments it replaced, folded into one.
-
-    ``given`` itself (``make()``'s defaults when None) if ``old`` is empty; ``make(**old)`` with a
-    ``DeprecationWarning`` naming ``where``'s old keywords and the new ``argument`` (a class of module
-    ``home``); both at once is one :class:`FlowliftError`. The warning points at the caller of the public
-    function that called this one (``stacklevel`` 3 when the public function calls this one itself).
-    """
-    if not old:
-        return given if given is not None else make()
-    spelled = f"{argument}={make.__name__}(...)"
-    if given is not None:
-        raise FlowliftError(f"{where}: give {spelled} or {', '.join(old)}, not both")
-    warnings.warn(
-        f"{where}({', '.join(f'{name}=' for name in old)}) is deprecated and goes in the next release; pass "
-        f"{spelled} ({home})",
-        DeprecationWarning,
-        stacklevel=stacklevel,
-    )
-    return make(**old)

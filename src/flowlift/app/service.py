@@ -179,8 +179,8 @@ class AppService:
     def plan(sources: Sequence[Path], out_dir: Path, scale: int) -> Any:
         """``flowlift upscale``'s plan of the uploads (:func:`flowlift.upscale.plan.plan_files`): the same output
         names (by the scale the 16K cap lets run: a capped 8x is ``_x4``), sizes and refusals."""
+        from flowlift.limits import passes_for_scale
         from flowlift.upscale.plan import plan_files
-        from flowlift.upscale.sizes import passes_for_scale
 
         return plan_files(sources, out_dir, passes_for_scale(scale))
 
@@ -196,7 +196,6 @@ class AppService:
         (folder / RESULT_MARKER).write_text("made by flowlift app; removed when old\n")
         return folder
 
-    _new_result_dir = new_result_dir  # the name older callers use
 
     def hires_upscaler(self, refiner: Any) -> Any:
         """The hires fix's Flow Upscaler on the refiner's VAE, device and dtype (made once; the UNet an upscale
@@ -322,7 +321,7 @@ class AppService:
                 scale, seed, transplant_strength, color_fix_strength, vae
             )
             check_upload(source, self.config.max_upload_mb)
-            folder = self._new_result_dir()
+            folder = self.new_result_dir()
             settings = self.settings(seed, transplant, color_fix, vae)
             plan = self.plan([source], folder, scale)
             (job,) = plan.jobs
@@ -360,7 +359,7 @@ class AppService:
             scale, seed, transplant, color_fix, vae = self._validate(
                 scale, seed, transplant_strength, color_fix_strength, vae
             )
-            folder = self._new_result_dir()
+            folder = self.new_result_dir()
             out_dir = folder / f"x{scale}"
             settings = self.settings(seed, transplant, color_fix, vae)
             planned = self.plan(sources, out_dir, scale)

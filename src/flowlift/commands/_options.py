@@ -67,9 +67,6 @@ class OneLineParser(argparse.ArgumentParser):
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             self._chosen_command(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
-        for dest, flags in getattr(parsed, "_required_options", {}).items():  # required, also under an old spelling
-            if getattr(parsed, dest, None) is None:
-                self._chosen_command(parsed).error(f"the following arguments are required: {flags}")
         return parsed
 
     def _chosen_command(self, parsed: argparse.Namespace) -> OneLineParser:
@@ -87,38 +84,10 @@ class OneLineParser(argparse.ArgumentParser):
 VAE_HELP = vae_help()
 
 
-class _DeprecatedSpelling(argparse.Action):
-    """An option's old spelling: stores into the new option's ``dest`` and says so in one line on stderr."""
-
-    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
-        self.new = new
-        super().__init__(*args, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
-        print(f"{parser.prog}: note: {option_string} is deprecated and goes in the next release; use {self.new}",
-              file=sys.stderr)  # fmt: skip
-        setattr(namespace, self.dest, values)
-
-
-def add_deprecated_spelling(parser: argparse.ArgumentParser | argparse._ArgumentGroup, old: str,
-                            action: argparse.Action) -> None:  # fmt: skip
-    """``old`` as a hidden spelling of ``action``'s option, for one release: the same value and type, one note line."""
-    parser.add_argument(old, dest=action.dest, type=action.type, metavar=action.metavar, help=argparse.SUPPRESS,
-                        default=argparse.SUPPRESS, action=_DeprecatedSpelling,
-                        new="/".join(action.option_strings))  # fmt: skip
-
-
-def add_output_option(parser: argparse.ArgumentParser, help: str, *, required: bool = False, metavar: str = "OUT",
-                      old: str | None = None) -> argparse.Action:  # fmt: skip
-    """``-o/--output``, the one spelling of every command's output (``old``: a former spelling kept for a release).
-    ``required`` is checked after parsing, so that the old spelling satisfies it too."""
-    action = parser.add_argument("-o", "--output", metavar=metavar, help=help)
-    if old is not None:
-        add_deprecated_spelling(parser, old, action)
-    if required:
-        required_options = dict(parser.get_default("_required_options") or {})
-        parser.set_defaults(_required_options={**required_options, "output": "-o/--output"})
-    return action
+def add_output_option(parser: argparse.ArgumentParser, help: str, *, required: bool = False,
+                      metavar: str = "OUT") -> argparse.Action:  # fmt: skip
+    """``-o/--output``, the one spelling of every command's output."""
+    return parser.add_argument("-o", "--output", metavar=metavar, help=help, required=required)
 
 
 def add_vae_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, own: str = "",

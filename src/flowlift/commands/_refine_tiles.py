@@ -15,7 +15,8 @@ from typing import Any
 
 from flowlift.commands._options import add_knob
 from flowlift.errors import FlowliftError
-from flowlift.refine.tiling import TILE_KNOBS, parse_tile_batch, parse_tile_overlap, parse_tile_size
+from flowlift.refine.settings import TILE_KNOBS
+from flowlift.refine.tiling import parse_tile_batch, parse_tile_overlap, parse_tile_size
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "tile_size": parse_tile_size,

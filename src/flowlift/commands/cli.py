@@ -108,7 +108,7 @@ def _signals_interrupt():
 def _one_line_warnings(command: str):
     """A ``warnings.showwarning`` that prints flowlift's own warnings as one line and drops third-party ones.
 
-    Third-party warnings (numpy casts, torch's pickle notes, library deprecations) tell the user
+    Third-party warnings (numpy casts, torch's pickle notes, libraries' FutureWarnings) tell the user
     nothing actionable; the ones flowlift raises (or re-raises as ``FlowliftWarning``) are about their
     data or settings and get ``flowlift CMD: warning: ...`` without a source line.
     """

@@ -3,8 +3,7 @@
 With a job manifest there (a ``torchrun`` job, :mod:`flowlift.jobs.manifest`) it is the manifest's
 account: the latest run and the latest record of every output; without one (a plain run) it is what
 the files show: done, partial, broken, missing (:mod:`flowlift.jobs.folder_status`). Exit status 0
-when the job is complete, 1 when it is not, 2 when OUT is not there. ``flowlift upscale --status OUT``
-is the older spelling of the same.
+when the job is complete, 1 when it is not, 2 when OUT is not there.
 """
 
 from __future__ import annotations

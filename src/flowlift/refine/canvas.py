@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
-from flowlift.refine.settings import PIXEL_MULTIPLE  # noqa: F401  (images on the 16-px grid; others edge-padded)
+from flowlift.limits import PIXEL_MULTIPLE
 
 
 def pad_to_multiple(images: torch.Tensor, multiple: int = PIXEL_MULTIPLE) -> tuple[torch.Tensor, tuple[int, int]]:

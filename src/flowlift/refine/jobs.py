@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from flowlift.errors import FlowliftError
+from flowlift.limits import PIXEL_MULTIPLE
 from flowlift.refine.request import LatentUpscaler, RefineRequest
-from flowlift.refine.settings import PIXEL_MULTIPLE as MULTIPLE  # the transformer's 16-px grid
 from flowlift.refine.settings import check_hires_size
 
 
@@ -74,7 +74,7 @@ def _check_mu(request: RefineRequest, height: int, width: int) -> None:
     steps = request.sampling.steps
     if steps is None:  # the model's, as the refiner will resolve it
         steps = model_default_steps(request.source.model, request.source.transformer)[0]
-    tokens = -(-height // MULTIPLE) * -(-width // MULTIPLE)
+    tokens = -(-height // PIXEL_MULTIPLE) * -(-width // PIXEL_MULTIPLE)
     try:
         resolve_mu("empirical", tokens, steps)
     except ValueError as error:
@@ -97,9 +97,10 @@ def _read_inputs(job: RefineJob) -> None:
         job.mask = to_tensor(mask_rgb.convert("L").convert("RGB"))[:, :1]
     job.references = [to_tensor(load_image(path)[0]) for path in request.references]
     for path, ref in zip(request.references, job.references, strict=True):
-        if ref.shape[-1] % MULTIPLE or ref.shape[-2] % MULTIPLE:
+        if ref.shape[-1] % PIXEL_MULTIPLE or ref.shape[-2] % PIXEL_MULTIPLE:
             raise FlowliftError(
-                f"--reference {path}: sides must be multiples of {MULTIPLE} px, got {ref.shape[-1]}x{ref.shape[-2]}"
+                f"--reference {path}: sides must be multiples of {PIXEL_MULTIPLE} px, "
+                f"got {ref.shape[-1]}x{ref.shape[-2]}"
             )
 
 
@@ -110,12 +111,14 @@ def _frame(job: RefineJob) -> tuple[int, int]:
 
     request = job.request
     if request.mode == "hires":
-        if job.rgb is not None and (job.rgb.width % MULTIPLE or job.rgb.height % MULTIPLE):
-            raise FlowliftError(f"{Path(request.image).name}: the hires fix needs sides that are multiples of "
-                                f"{MULTIPLE} px, got {job.rgb.width}x{job.rgb.height}; crop it first")  # fmt: skip
+        if job.rgb is not None and (job.rgb.width % PIXEL_MULTIPLE or job.rgb.height % PIXEL_MULTIPLE):
+            raise FlowliftError(
+                f"{Path(request.image).name}: the hires fix needs sides that are multiples of {PIXEL_MULTIPLE} px, "
+                f"got {job.rgb.width}x{job.rgb.height}; crop it first"
+            )
         width, height = (job.rgb.width, job.rgb.height) if job.rgb is not None else request.hires.base_size
-        if job.rgb is None and (width % MULTIPLE or height % MULTIPLE):
-            raise FlowliftError(f"--width/--height must be multiples of {MULTIPLE}, got {width}x{height}")
+        if job.rgb is None and (width % PIXEL_MULTIPLE or height % PIXEL_MULTIPLE):
+            raise FlowliftError(f"--width/--height must be multiples of {PIXEL_MULTIPLE}, got {width}x{height}")
         check_hires_size(width, height, request.hires.scale)  # the 16384 px cap on the base and the result
         return height * request.hires.scale, width * request.hires.scale
     if request.mode == "txt2img":
@@ -124,7 +127,7 @@ def _frame(job: RefineJob) -> tuple[int, int]:
     if job.pads is not None:
         left, top, right, bottom = outpaint_pads(job.rgb.height, job.rgb.width, *job.pads)  # the cap, before loading
         return job.rgb.height + top + bottom, job.rgb.width + left + right
-    return -(-job.rgb.height // MULTIPLE) * MULTIPLE, -(-job.rgb.width // MULTIPLE) * MULTIPLE
+    return -(-job.rgb.height // PIXEL_MULTIPLE) * PIXEL_MULTIPLE, -(-job.rgb.width // PIXEL_MULTIPLE) * PIXEL_MULTIPLE
 
 
 def _input_files(request: RefineRequest) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from flowlift.refine.loras import LoraSpec
 from flowlift.refine.memory_plan import RefineMemory
 from flowlift.refine.prompts import PromptEncoder, _first_line
 from flowlift.refine.refiner import Flux2Refiner
-from flowlift.refine.tiling import TileRequest, tiles_from
+from flowlift.refine.tiling import TileRequest
 
 #: Suffixes of single-file transformers (everything else is a folder or a hub id).
 TRANSFORMER_FILE_SUFFIXES = (".safetensors", ".gguf")
@@ -247,9 +247,6 @@ def load_transformer(model: str, *, dtype: torch.dtype, option: str = "--model")
     raise FlowliftError(f"{option} {model}: no such file or folder, and not a hub repo id (owner/name)")
 
 
-_MEMORY_KEYWORDS = ("offload", "max_memory", "image_size", "text_tokens")
-
-
 def load_refiner(
     model: str,
     *,
@@ -264,7 +261,6 @@ def load_refiner(
     mu: float | str = DEFAULT_MU,
     schedule: str = "respaced",
     tiles: TileRequest | None = None,
-    **deprecated: Any,
 ) -> Flux2Refiner:
     """A :class:`Flux2Refiner` from FLUX.2 Klein / dev weights.
 
@@ -282,21 +278,14 @@ def load_refiner(
     (:func:`flowlift.refine.prompts.embed_prompts`) and pass ``prompt_embeds``.
     ``mu`` and ``schedule`` are the refiner's schedule (:class:`Flux2Refiner`), checked before any weights load.
     ``tiles`` (:class:`~flowlift.refine.tiling.TileRequest`) is its tiling, also checked first; with ``max_memory``
-    the plan counts a tile's tokens instead of the frame's where it tiles. The old keywords ``offload``,
-    ``max_memory``, ``image_size``, ``text_tokens`` and ``tile_size``/``tile_overlap``/``tile_batch`` work for one
-    release, with a DeprecationWarning.
+    the plan counts a tile's tokens instead of the frame's where it tiles.
     """
-    from flowlift.knobs import settings_or_deprecated_keywords
     from flowlift.models.vae_loading import load_vae
     from flowlift.refine.loras import apply_loras
     from flowlift.refine.offload import OFFLOAD_MODES, Placement
 
-    tiling = tiles_from(tiles, deprecated, "load_refiner")
-    old = {name: deprecated.pop(name) for name in _MEMORY_KEYWORDS if name in deprecated}
-    if deprecated:
-        raise TypeError(f"load_refiner() got an unexpected keyword argument {next(iter(deprecated))!r}")
-    memory = settings_or_deprecated_keywords(memory, old, RefineMemory, where="load_refiner", argument="memory",
-                                             home="flowlift.refine.memory_plan", stacklevel=3)  # fmt: skip
+    tiling = tiles if tiles is not None else TileRequest()
+    memory = memory if memory is not None else RefineMemory()
     check_schedule(mu, schedule)
     offload = memory.offload
     if offload != "auto" and offload not in OFFLOAD_MODES:

@@ -26,7 +26,7 @@ from flowlift.flux2.latents import (
 from flowlift.flux2.sampling import SAMPLERS
 from flowlift.flux2.schedule import DEFAULT_MU, EMPIRICAL_MU, SCHEDULES, flux2_sigmas, resolve_mu
 from flowlift.knobs import SEED
-from flowlift.refine.settings import STRENGTH, STRENGTH_MAP, SamplingSettings, sampling_from
+from flowlift.refine.settings import STRENGTH, STRENGTH_MAP, SamplingSettings
 
 STRENGTH_MAPS = STRENGTH_MAP.choices
 
@@ -125,15 +125,13 @@ def refine_latents(
     mask: torch.Tensor | None = None,
     on_step: StepCallback | None = None,
     device: torch.device | str = "cpu",
-    **deprecated: Any,
 ) -> RefineResult:
     """Sample FLUX.2 latents: txt2img (no ``init_latents``), img2img, or inpaint (with ``mask``).
 
     * ``init_latents``: normalized (B, 32, H, W) latents, or *raw* VAE latents when ``bn_mean``/``bn_std``
       ([128]) are given -- then only they are normalized, never the noise blend.
     * ``sampling`` (:class:`~flowlift.refine.settings.SamplingSettings`: steps, seed, sampler, mu, schedule; its
-      ``mu``/``schedule`` None are 2.02 and ``respaced``; the old keywords ``steps=`` ... ``schedule=`` work for one
-      release, with a DeprecationWarning).
+      ``mu``/``schedule`` None are 2.02 and ``respaced``; None: the knobs' defaults).
     * ``sigmas = flux2_sigmas(steps, image_seq_len(H, W), denoising_start, denoising_end, mu=mu,
       schedule=schedule)``: the shifted schedule (``mu`` 2.02 or a number, or ``"empirical"`` from the full
       sequence length and step count), its window respaced to ``steps`` steps or clipped; ``t0 = sigmas[0]``.
@@ -147,9 +145,7 @@ def refine_latents(
     from flowlift.flux2.latents import check_latents
     from flowlift.knobs import check_count, check_unit_interval
 
-    sampling = sampling_from(sampling, deprecated, "refine_latents")
-    if deprecated:
-        raise TypeError(f"refine_latents() got an unexpected keyword argument {next(iter(deprecated))!r}")
+    sampling = sampling if sampling is not None else SamplingSettings()
     steps, seed, sampler = sampling.steps, sampling.seed, sampling.sampler
     mu = DEFAULT_MU if sampling.mu is None else sampling.mu
     schedule = "respaced" if sampling.schedule is None else sampling.schedule

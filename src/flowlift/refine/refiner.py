@@ -13,25 +13,15 @@ from typing import Any, Protocol
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR
+from flowlift.flux2.latents import VAE_SCALE_FACTOR
 from flowlift.flux2.schedule import DEFAULT_MU
-from flowlift.refine.canvas import PIXEL_MULTIPLE, latent_mask, outpaint_canvas, pad_to_multiple
+from flowlift.limits import LATENT_CHANNELS, PIXEL_MULTIPLE
+from flowlift.refine.canvas import latent_mask, outpaint_canvas, pad_to_multiple
 from flowlift.refine.loop import RefineResult, VelocityFn, _Progress, check_schedule, denoising_start_for
 from flowlift.refine.offload import Placement, place_transformer, with_transformer_on_device
 from flowlift.refine.parameters import RefineOutput, conditioning_parameters, output_parameters
-from flowlift.refine.settings import STEPS, SamplingSettings, check_hires_size, sampling_from
-from flowlift.refine.tiling import TileRequest, tiles_from
-
-_PLACEMENT_FIELDS = {"offload": "offload", "vae_tiled": "vae_tiled", "memory_plan": "plan"}
-
-
-def _placement_from(placement: Placement | None, deprecated: dict[str, Any]) -> Placement:
-    """``placement``, or for one release the keywords it replaced (``offload``, ``vae_tiled``, ``memory_plan``)."""
-    from flowlift.knobs import settings_or_deprecated_keywords
-
-    old = {_PLACEMENT_FIELDS[name]: deprecated.pop(name) for name in list(deprecated) if name in _PLACEMENT_FIELDS}
-    return settings_or_deprecated_keywords(placement, old, Placement, where="Flux2Refiner", argument="placement",
-                                           home="flowlift.refine.offload")  # fmt: skip
+from flowlift.refine.settings import STEPS, SamplingSettings, check_hires_size
+from flowlift.refine.tiling import TileRequest
 
 
 class RefineVAE(Protocol):
@@ -59,8 +49,6 @@ class Flux2Refiner:
     ``provenance`` (files, LoRAs with SHA-256 and scale, offload) joins every output's parameters. ``tiles``
     (:class:`~flowlift.refine.tiling.TileRequest`; every mode takes one too) runs the transformer in overlapping
     tiles (:mod:`flowlift.refine.tiled_velocity`): ``auto`` above FLUX.2's 4 MP or where the memory plan tiles.
-    The old keywords ``offload``/``vae_tiled``/``memory_plan`` and ``tile_size``/``tile_overlap``/``tile_batch``
-    work for one release, with a DeprecationWarning.
     """
 
     def __init__(
@@ -78,13 +66,10 @@ class Flux2Refiner:
         placement: Placement | None = None,
         provenance: dict[str, Any] | None = None,
         tiles: TileRequest | None = None,
-        **deprecated: Any,
     ) -> None:
         check_schedule(mu, schedule)
-        placement = _placement_from(placement, deprecated)
-        self.tiling = tiles_from(tiles, deprecated, "Flux2Refiner")
-        if deprecated:
-            raise TypeError(f"Flux2Refiner() got an unexpected keyword argument {next(iter(deprecated))!r}")
+        placement = placement if placement is not None else Placement()
+        self.tiling = tiles if tiles is not None else TileRequest()
         self.mu, self.schedule = mu, schedule
         self.device, self.dtype = torch.device(device), dtype
         self.placement = placement
@@ -101,8 +86,9 @@ class Flux2Refiner:
         #: sets 4 for a step-distilled Klein), else the knob's 28.
         self.default_steps = STEPS.default
 
-    def _with_steps(self, sampling: SamplingSettings) -> SamplingSettings:
-        """``sampling`` with ``steps`` None as the model's (:attr:`default_steps`)."""
+    def _with_steps(self, sampling: SamplingSettings | None) -> SamplingSettings:
+        """``sampling`` (None: the knobs' defaults) with ``steps`` None as the model's (:attr:`default_steps`)."""
+        sampling = sampling if sampling is not None else SamplingSettings()
         return sampling if sampling.steps is not None else replace(sampling, steps=self.default_steps)
 
     # -- conditioning
@@ -224,8 +210,8 @@ class Flux2Refiner:
         **conditioning: Any,
     ) -> RefineOutput:
         """Generate from pure noise (``denoising_start = 0``) at ``height x width`` (multiples of 16)."""
-        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.txt2img"))
-        tiles = tiles_from(tiles, conditioning, "Flux2Refiner.txt2img", base=self.tiling)
+        sampling = self._with_steps(sampling)
+        tiles = tiles if tiles is not None else self.tiling
         if height % PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height <= 0 or width <= 0:
             raise FlowliftError(f"txt2img size must be positive multiples of {PIXEL_MULTIPLE}, got {width}x{height}")
         den = self.denoiser(**conditioning)
@@ -255,8 +241,8 @@ class Flux2Refiner:
         Sides that are not multiples of 16 are edge-padded for the model and cropped back.
         ``strength`` 0 returns the VAE round trip of the input; 1 ignores the input (txt2img noise).
         """
-        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.img2img"))
-        tiles = tiles_from(tiles, conditioning, "Flux2Refiner.img2img", base=self.tiling)
+        sampling = self._with_steps(sampling)
+        tiles = tiles if tiles is not None else self.tiling
         start = denoising_start_for(strength, strength_map)
         h, w = images.shape[-2:]
         padded, _ = pad_to_multiple(images.to(self.device, torch.float32))
@@ -316,8 +302,8 @@ class Flux2Refiner:
         The border starts from an edge-replicated canvas; the original region's latents are the
         encoding of the original image alone and are kept exactly (mask 0) through every step.
         """
-        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.outpaint"))
-        tiles = tiles_from(tiles, conditioning, "Flux2Refiner.outpaint", base=self.tiling)
+        sampling = self._with_steps(sampling)
+        tiles = tiles if tiles is not None else self.tiling
         images = images.to(self.device, torch.float32)
         canvas, mask, pads = outpaint_canvas(images, left, top, right, bottom)
         start = denoising_start_for(strength, strength_map)
@@ -381,8 +367,8 @@ class Flux2Refiner:
         if images is not None or (height is not None and width is not None):
             base_h, base_w = images.shape[-2:] if images is not None else (height, width)
             check_hires_size(int(base_w), int(base_h), scale)  # the whole pass plan, before the base runs
-        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.hires"))
-        tiles = tiles_from(tiles, conditioning, "Flux2Refiner.hires", base=self.tiling)
+        sampling = self._with_steps(sampling)
+        tiles = tiles if tiles is not None else self.tiling
         start = denoising_start_for(refine_strength, strength_map)
         den = self.denoiser(**conditioning)
         params: dict[str, Any] = {}

@@ -124,8 +124,10 @@ class HiresSettings:
 
     @property
     def passes(self) -> int:
-        """The upscaler's 2x passes: ``log2(scale)``."""
-        return self.scale.bit_length() - 1
+        """The upscaler's 2x passes: :func:`flowlift.limits.passes_for_scale` (the one rule)."""
+        from flowlift.limits import passes_for_scale
+
+        return passes_for_scale(self.scale)
 
 
 @dataclass(frozen=True)

@@ -5,19 +5,18 @@
 it). No torch here: the commands' ``--help`` reads this module.
 
 The tiled refine's knobs (``tile_size``, ``tile_overlap``, ``tile_batch``) are here too, with the constants
-their domains are made of; :mod:`flowlift.refine.tiling` adds the rules one knob cannot say alone (a tile side on
-the 16-px grid, the overlap smaller than the tile) on top of :meth:`~flowlift.knobs.Knob.check`.
+their domains are made of; :mod:`flowlift.refine.tiling` adds the rule one knob cannot say alone (the overlap
+smaller than the tile) on top of :meth:`~flowlift.knobs.Knob.check`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.settings import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SAMPLERS, SCHEDULES
-from flowlift.knobs import SCALE, SEED, TRANSPLANT_STRENGTH, Knob, settings_or_deprecated_keywords, table  # noqa: F401
-from flowlift.limits import MAX_OUTPUT_SIDE
+from flowlift.knobs import SCALE, SEED, TRANSPLANT_STRENGTH, Knob, table  # noqa: F401  (TRANSPLANT_STRENGTH: the hires fix's)
+from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE
 
 #: The most steps a refine takes: far past where a flow model stops gaining (28-50), and a bound on what one
 #: request to the web app can ask for.
@@ -86,12 +85,6 @@ HIRES_SCALE = replace(
     help="hires fix: the Flow Upscaler's factor before the refine (2 = one pass, 4 = two, 8 = three)",
 )  # fmt: skip
 
-#: The transformer sees images on a 16-pixel grid: 8x VAE, then its 2x2 patches (declared once: the canvas's
-#: padding, the hires and reference checks, the tile knobs' ``multiple``).
-PIXEL_MULTIPLE = 16
-#: Tile sides and offsets lie on the same grid.
-TILE_MULTIPLE = PIXEL_MULTIPLE
-
 
 def check_hires_size(width: int, height: int, scale: int) -> None:
     """One FlowliftError line unless a hires fix of a ``width x height`` base can run at exactly ``scale``.
@@ -132,25 +125,25 @@ TILE_SIZE = Knob(
     "tile_size",
     int,
     "auto",
-    f"refine in overlapping tiles of this many pixels per side (a multiple of {TILE_MULTIPLE}): auto tiles at "
+    f"refine in overlapping tiles of this many pixels per side (a multiple of {PIXEL_MULTIPLE}): auto tiles at "
     f"{DEFAULT_TILE_SIZE} px when the frame exceeds FLUX.2's 4 MP (or --max-memory needs it), off runs one "
     "transformer call per step",
     low=MIN_TILE_SIZE,
     words=TILE_SIZE_WORDS,
     unit="px",
-    step=TILE_MULTIPLE,
-    multiple=TILE_MULTIPLE,
+    step=PIXEL_MULTIPLE,
+    multiple=PIXEL_MULTIPLE,
 )
 TILE_OVERLAP = Knob(
     "tile_overlap",
     int,
     DEFAULT_TILE_OVERLAP,
-    f"how far neighbouring tiles overlap (a multiple of {TILE_MULTIPLE}, less than the tile); their velocities "
+    f"how far neighbouring tiles overlap (a multiple of {PIXEL_MULTIPLE}, less than the tile); their velocities "
     "crossfade across it",
     low=0,
     unit="px",
-    step=TILE_MULTIPLE,
-    multiple=TILE_MULTIPLE,
+    step=PIXEL_MULTIPLE,
+    multiple=PIXEL_MULTIPLE,
 )
 TILE_BATCH = Knob(
     "tile_batch",
@@ -194,14 +187,3 @@ class SamplingSettings:
         if self.sampler not in SAMPLER.choices:
             raise FlowliftError(f"unknown sampler {self.sampler!r}; flowlift runs {', '.join(SAMPLER.choices)}")
 
-
-SAMPLING_FIELDS = ("steps", "seed", "sampler", "mu", "schedule")
-
-
-def sampling_from(sampling: SamplingSettings | None, legacy: dict[str, Any], where: str) -> SamplingSettings:
-    """The mode's :class:`SamplingSettings`: ``sampling`` itself, or (for one release) the old keyword arguments
-    ``steps/seed/sampler/mu/schedule`` popped from ``legacy``, with a DeprecationWarning. Both at once is an error."""
-    old = {name: legacy.pop(name) for name in SAMPLING_FIELDS if name in legacy}
-    return settings_or_deprecated_keywords(
-        sampling, old, SamplingSettings, where=where, argument="sampling", home="flowlift.refine.settings"
-    )

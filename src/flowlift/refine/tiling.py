@@ -21,18 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowlift.errors import FlowliftError
-from flowlift.refine.settings import (  # noqa: F401  (the constants' home; imported from here by the refiner)
+from flowlift.limits import PIXEL_MULTIPLE
+from flowlift.refine.settings import (
     DEFAULT_TILE_OVERLAP,
     DEFAULT_TILE_SIZE,
-    MAX_AUTO_TILE_BATCH,
     MAX_UNTILED_PIXELS,
-    MIN_TILE_SIZE,
     TILE_BATCH,
-    TILE_KNOBS,
-    TILE_MULTIPLE,
     TILE_OVERLAP,
     TILE_SIZE,
-    TILE_SIZE_WORDS,
 )
 
 
@@ -85,30 +81,6 @@ class TileRequest:
         )
 
 
-_TILE_KEYWORDS = {"tile_size": "size", "tile_overlap": "overlap", "tile_batch": "batch"}
-
-
-def tiles_from(tiles: TileRequest | None, deprecated: dict[str, Any], where: str,
-               base: TileRequest | None = None) -> TileRequest:  # fmt: skip
-    """The :class:`TileRequest` a call runs with: ``tiles`` itself, else ``base`` (the refiner's; None: the knobs'
-    defaults); for one release the old keywords ``tile_size``/``tile_overlap``/``tile_batch`` popped from
-    ``deprecated`` (those not None replace ``base``'s), with a DeprecationWarning. Both at once is an error."""
-    import warnings
-
-    old = {_TILE_KEYWORDS[name]: deprecated.pop(name) for name in list(deprecated) if name in _TILE_KEYWORDS}
-    if not old:
-        return tiles if tiles is not None else base if base is not None else TileRequest()
-    if tiles is not None:
-        raise FlowliftError(f"{where}: give tiles=TileRequest(...) or {', '.join(f'tile_{n}' for n in old)}, not both")
-    warnings.warn(
-        f"{where}({', '.join(f'tile_{name}=' for name in old)}) is deprecated and goes in the next release; pass "
-        "tiles=TileRequest(...) (flowlift.refine.tiling)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return (base if base is not None else TileRequest()).replace(**old)
-
-
 def exceeds_untiled_limit(height: int, width: int) -> bool:
     """True when a ``height x width`` px frame is above FLUX.2's 4 MP: ``height * width > 2048 * 2048``."""
     return height * width > MAX_UNTILED_PIXELS
@@ -143,14 +115,14 @@ def tile_starts(length: int, tile: int, overlap: int) -> list[int]:
     ``ceil(s)``, and ``s = u / (n - 1) <= (tile - overlap) / 16``, a whole number: every step is at most
     ``tile - overlap``, so each shared edge is at least ``overlap`` px wide.
     """
-    if length % TILE_MULTIPLE or tile % TILE_MULTIPLE:
-        raise FlowliftError(f"frame and tile sides must be multiples of {TILE_MULTIPLE} px, got {length} and {tile}")
+    if length % PIXEL_MULTIPLE or tile % PIXEL_MULTIPLE:
+        raise FlowliftError(f"frame and tile sides must be multiples of {PIXEL_MULTIPLE} px, got {length} and {tile}")
     if tile >= length:
         return [0]
     check_overlap(tile, overlap)
     count = -(-(length - overlap) // (tile - overlap))
-    units = (length - tile) // TILE_MULTIPLE
-    return [TILE_MULTIPLE * ((2 * k * units + count - 1) // (2 * (count - 1))) for k in range(count)]
+    units = (length - tile) // PIXEL_MULTIPLE
+    return [PIXEL_MULTIPLE * ((2 * k * units + count - 1) // (2 * (count - 1))) for k in range(count)]
 
 
 @dataclass(frozen=True)
