@@ -62,6 +62,7 @@ SKIP: dict[str, str] = {
     "pip install -e .[pixel]": INSTALLS,
     "pip install -e .[text]": INSTALLS,
     "/path/to/ComfyUI/venv/bin/python -m pip install -r requirements.txt": HOST_APP,
+    "comfy node install flowlift": INSTALLS,
     "/path/to/invokeai/.venv/bin/python -m pip install kornia scikit-image numpy<2": HOST_APP,
     "ln -s $PWD /path/to/ComfyUI/custom_nodes/flowlift": HOST_APP,
     "ln -s $PWD $INVOKEAI_ROOT/nodes/flowlift": HOST_APP,
@@ -72,6 +73,7 @@ SKIP: dict[str, str] = {
     "python -m pytest -q tests/test_tiled_refine.py tests/test_cli_refine.py -k tile tests/test_refine_memory.py":
         TEST_SUITE,
     "PYTHONPATH=src python benchmarks/bench_first_run.py --baseline ade227f --repeats 2": BENCHMARK,
+    "PYTHONPATH=src python benchmarks/bench_floor.py --repeats 1": BENCHMARK,
     "PYTHONPATH=src python benchmarks/bench_unet.py": BENCHMARK,
     "PYTHONPATH=src python benchmarks/bench_vae.py --tiling --sizes 1024 2048 --repeat 1": BENCHMARK,
     "PYTHONPATH=src python benchmarks/bench_vae.py --megapixels 1 4 16 --budget-s 480": BENCHMARK,

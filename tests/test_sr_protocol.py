@@ -76,7 +76,7 @@ def test_y_metrics_equal_an_independent_computation():
 def test_eval_reports_y_metrics_that_recompute_from_saved_outputs(photos, tmp_path, capsys):
     out_dir = tmp_path / "report"
     code = main(["eval", "--run", "lanczos,bicubic", "--dataset", str(photos), "--scale", "4", "--save-outputs",
-                 "--quiet", "-o", str(out_dir)])  # fmt: skip
+                 "--no-progress", "-o", str(out_dir)])  # fmt: skip
     assert code == 0
     printed = capsys.readouterr().out
     assert "PSNR-Y (dB)" in printed and "SSIM-Y" in printed
@@ -149,7 +149,7 @@ def test_unreachable_methods_are_skipped_with_their_reason():
 
 def _eval(args, tmp_path, name):
     out_dir = tmp_path / name
-    assert main(["eval", *args, "--quiet", "--device", "cpu", "-o", str(out_dir)]) == 0
+    assert main(["eval", *args, "--no-progress", "--device", "cpu", "-o", str(out_dir)]) == 0
     return out_dir, json.loads((out_dir / "results.json").read_text())
 
 
@@ -184,7 +184,7 @@ def test_eval_at_3x_skips_what_cannot_reach_it(photos, sesqui_file, flux2_vae_di
 
 
 def test_eval_sesqui_needs_the_flux2_vae_and_its_file(photos, sesqui_file, flux2_vae_dir, shared, tmp_path, capsys):
-    args = ["--dataset", str(photos), "--scale", "2", "--quiet", "--device", "cpu", "-o", str(tmp_path / "o")]
+    args = ["--dataset", str(photos), "--scale", "2", "--no-progress", "--device", "cpu", "-o", str(tmp_path / "o")]
     code = main(["eval", "--run", f"sesqui:{sesqui_file}", "--vae", str(shared / "models" / "taef2"), *args])
     err = capsys.readouterr().err
     assert code != 0 and "BN statistics" in err and len(err.strip().splitlines()) == 1

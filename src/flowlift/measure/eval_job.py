@@ -46,7 +46,7 @@ class EvalRequest:
     ground_truth: str | None = None
     run: Sequence[str] | None = None
     dataset: Sequence[str] | None = None
-    scale: float = SCALE.default
+    scale: int | float = SCALE.default  # whole or p/q (measure.inputs.check_scale)
     limit: int | None = None
     box: tuple[int, int, int, int] | None = None
     vae: str = DEFAULT_VAE

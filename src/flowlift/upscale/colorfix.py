@@ -26,8 +26,9 @@ from flowlift.errors import FlowliftError
 
 LOWFREQ_FACTOR = 8
 
-# Pixels per strip in stage 2 (about 48 MiB of fp32 temporaries per strip for 3 channels).
-_STRIP_PIXELS = 1 << 22
+# Pixels per strip in stage 2: small enough for the strip and its temporaries (~10 planes of 3 x 4 bytes a pixel)
+# to stay in the CPU's L2/L3 caches, large enough that the per-operation overhead stays small.
+_STRIP_PIXELS = 1 << 16
 
 
 def _solve_dtype(device: torch.device) -> torch.dtype:
@@ -250,18 +251,6 @@ def _upsample_strip(coarse: torch.Tensor, r0: int, r1: int, taps_h: tuple, taps_
     return rows[..., j0] * (1 - v1) + rows[..., j1] * v1
 
 
-def _rgb_to_lab(rgb: torch.Tensor) -> torch.Tensor:
-    from kornia.color import rgb_to_lab
-
-    return rgb_to_lab(rgb)
-
-
-def _lab_to_rgb(lab: torch.Tensor) -> torch.Tensor:
-    from kornia.color import lab_to_rgb
-
-    return lab_to_rgb(lab, clip=True)
-
-
 def _stage2_reference(output: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """Stage 2's shapes checked, and the reference on the low band's grid: itself when the output is an integer
     multiple of it (``True``), else per side the reference's size or half the output's where that is coarser, the
@@ -320,24 +309,85 @@ def lab_lowband_transplant(
     """
     batch, _, height, width = output.shape
     reference, integer = _stage2_reference(output, reference)
-    h, w = reference.shape[-2:]
-    s_h, s_w = height // h, width // w
-    device = output.device
     if inplace and output.dtype != torch.float32:
         raise ValueError("lab_lowband_transplant: inplace needs a float32 output tensor")
     check_strength(strength, "lab_lowband_transplant")
     if strength == 0:
         return output.clamp_(0.0, 1.0) if inplace else output.to(torch.float32).clamp(0.0, 1.0)
 
+    from flowlift.devices import one_thread
+
+    transplant = _lab_transplant if integer else _lab_transplant_any
+    with one_thread(output.device):
+        return transplant(output, reference, strength, iterations, strip_pixels, inplace, on_strip)
+
+
+def _lab_transplant(output, reference, strength, iterations, strip_pixels, inplace, on_strip) -> torch.Tensor:
+    """:func:`lab_lowband_transplant` after its checks."""
+    from flowlift.upscale.colorfix_lab import LabStep, rgb_to_lab
+
+    batch, _, height, width = output.shape
+    h, w = reference.shape[-2:]
+    s_h, s_w = height // h, width // w
+    device = output.device
+
     solve = _solve_dtype(device)
-    if integer:
-        bands_h, bands_w = integer_area_tridiagonal(h, s_h), integer_area_tridiagonal(w, s_w)
-    else:
-        bands_h, bands_w = box_linear_tridiagonal(h, height), box_linear_tridiagonal(w, width)
+    bands_h = integer_area_tridiagonal(h, s_h)
+    bands_w = integer_area_tridiagonal(w, s_w)
+    rows_per_strip = max(s_h, (strip_pixels // max(width, 1)) // s_h * s_h)
+
+    def strips():
+        for r0 in range(0, height, rows_per_strip):
+            if on_strip is not None:
+                on_strip()
+            yield r0, min(height, r0 + rows_per_strip)
+
+    def down_lab(coarse: torch.Tensor | None) -> torch.Tensor:
+        low = torch.empty(batch, 3, h, w, dtype=torch.float32, device=device)
+        step = LabStep(coarse, s_h, s_w)
+        for r0, r1 in strips():
+            low[:, :, r0 // s_h : r1 // s_h] = F.avg_pool2d(step(output, r0, r1), (s_h, s_w))
+        return rgb_to_lab(low)
+
+    reference_lab = rgb_to_lab(reference.to(device=device, dtype=torch.float32).clamp(0.0, 1.0))
+    current = down_lab(None)
+    target = current + float(strength) * (reference_lab - current)
+    coarse = torch.zeros(batch, 3, h, w, dtype=torch.float32, device=device)
+    for k in range(max(1, iterations)):
+        if k:
+            current = down_lab(coarse)
+        residual = (target - current).to(solve)
+        step = solve_tridiagonal(bands_w, solve_tridiagonal(bands_h, residual, dim=-2), dim=-1)
+        coarse = coarse + step.to(torch.float32)
+
+    # Each strip of the result depends only on the same strip of the output, so inplace is safe.
+    result = output if inplace else torch.empty(batch, 3, height, width, dtype=torch.float32, device=device)
+    step = LabStep(coarse, s_h, s_w)
+    for r0, r1 in strips():
+        result[:, :, r0:r1] = step(output, r0, r1)
+    return result
+
+
+def _lab_transplant_any(output, reference, strength, iterations, strip_pixels, inplace, on_strip) -> torch.Tensor:
+    """:func:`lab_lowband_transplant` off the integer ratios (``reference`` already on the low band's grid,
+    :func:`_stage2_reference`): the exact box-area ``D`` (:func:`box_taps`) and its tridiagonal ``D U``
+    (:func:`box_linear_tridiagonal`), the bilinear ``U`` from :func:`linear_taps`, the conversions of
+    :mod:`flowlift.upscale.colorfix_lab`."""
+    from flowlift.upscale.colorfix_lab import lab_to_rgb, rgb_to_lab
+
+    batch, _, height, width = output.shape
+    h, w = reference.shape[-2:]
+    s_h = height // h
+    device = output.device
+
+    solve = _solve_dtype(device)
+    bands_h, bands_w = box_linear_tridiagonal(h, height), box_linear_tridiagonal(w, width)
     taps_h = linear_taps(height, h, device)
     taps_w = linear_taps(width, w, device)
     rows_per_strip = max(s_h, (strip_pixels // max(width, 1)) // s_h * s_h)
     box_h = box_taps(h, height)
+    index_w, weight_w = (t.to(device) for t in box_taps(w, width))
+    weight_w = weight_w.to(torch.float32)
     coarse_rows = max(1, strip_pixels // max(width, 1) // (s_h + 1))  # coarse rows per strip off the integers
 
     def strip(r0: int, r1: int, coarse: torch.Tensor | None) -> torch.Tensor:
@@ -346,25 +396,20 @@ def lab_lowband_transplant(
         rgb = output[:, :, r0:r1].to(torch.float32).clamp(0.0, 1.0)
         if coarse is None:
             return rgb
-        lab = _rgb_to_lab(rgb) + _upsample_strip(coarse, r0, r1, taps_h, taps_w)
-        return _lab_to_rgb(lab).clamp_(0.0, 1.0)
+        lab = rgb_to_lab(rgb) + _upsample_strip(coarse, r0, r1, taps_h, taps_w)
+        return lab_to_rgb(lab).clamp_(0.0, 1.0)
 
     def down_lab(coarse: torch.Tensor | None) -> torch.Tensor:
         low = torch.empty(batch, 3, h, w, dtype=torch.float32, device=device)
-        if integer:
-            for r0 in range(0, height, rows_per_strip):
-                r1 = min(height, r0 + rows_per_strip)
-                low[:, :, r0 // s_h : r1 // s_h] = F.avg_pool2d(strip(r0, r1, coarse), (s_h, s_w))
-            return _rgb_to_lab(low)
         index, weight = box_h
         for c0 in range(0, h, coarse_rows):  # each strip holds whole row windows (neighbours share a row)
             c1 = min(h, c0 + coarse_rows)
             f0, f1 = int(index[c0, 0]), int(index[c1 - 1].max()) + 1
-            rows = box_downsample(strip(f0, f1, coarse), (f1 - f0, w))  # the width's windows
+            rows = (strip(f0, f1, coarse)[..., index_w] * weight_w).sum(-1)  # the width's windows
             low[:, :, c0:c1] = torch.matmul(_box_rows(index[c0:c1], weight[c0:c1], f0, f1).to(device), rows)
-        return _rgb_to_lab(low)
+        return rgb_to_lab(low)
 
-    reference_lab = _rgb_to_lab(reference.to(device=device, dtype=torch.float32).clamp(0.0, 1.0))
+    reference_lab = rgb_to_lab(reference.to(device=device, dtype=torch.float32).clamp(0.0, 1.0))
     current = down_lab(None)
     target = current + float(strength) * (reference_lab - current)
     coarse = torch.zeros(batch, 3, h, w, dtype=torch.float32, device=device)
