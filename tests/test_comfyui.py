@@ -232,7 +232,7 @@ def test_comfyuis_own_vae_objects_work_in_the_flowlift_nodes_as_flowlifts_loader
     vae_name, relative = COMFY_NATIVE_VAES[kind]
     workflow = load_api_workflow("image_upscale_4x_taef2.json")
     workflow["2"] = {"class_type": "VAELoader", "inputs": {"vae_name": vae_name}}
-    workflow["4"]["inputs"].update(seed=4, scale="2x")
+    workflow["4"]["inputs"].update(seed=4, scale=2.0)
     workflow["5"]["inputs"]["filename_prefix"] = f"test/comfy_{kind}_upscale"
     entry = server.run(workflow)
 
