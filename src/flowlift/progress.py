@@ -13,11 +13,11 @@ FLOPs), and is told what happens as it happens:
 :meth:`RunProgress.state` is what every door shows (:class:`ProgressState`: the stage, its steps, the share of the
 work done, the time since the run started and the time left). The time left is calibrated on *this* run only
 (never on earlier requests under other loads): with ``s_k`` the seconds per unit of work measured so far for stages
-of kind ``k`` (``s`` for all kinds together), the running stage's rest is ``w (1 - d/n) q - (t - t_d)`` (``q`` its
-own seconds per unit once a step of it is done, else ``s_k`` or ``s``; ``t_d`` the time of its last step, floored at
-0) and each stage to come adds ``w_j s_{k_j}`` (``s`` for a kind not yet run). The doors read the active run of
-their thread through :func:`active` (set by :func:`running`); code deep in a pipeline reports through
-:func:`report_stage` / :func:`report_step`, which do nothing when no run is active. Pure Python, no torch.
+of kind ``k`` (``s`` for all kinds together), the running stage's rest is ``max((n - d) q - (t - t_d), (n - d - 1) q)``
+once ``d`` of its ``n`` steps are done (``q`` its own seconds per step, ``t_d`` the time of its last step), else
+``max(w s_k - (t - t_0), 0)``, and each stage to come adds ``w_j s_{k_j}`` (``s`` for a kind not run yet). The doors
+read the active run of their thread through :func:`active` (set by :func:`running`); code deep in a pipeline reports
+through :func:`report_stage` / :func:`report_step`, which do nothing when no run is active. Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ class ProgressState:
     def line(self) -> str:
         """One progress line: ``kodim23.png: decode, tile 3/12 (62%) in 2 min 20 s, about 40 s left``."""
         line = f"{self.what()} ({100 * self.fraction:.0f}%) in {format_seconds(self.elapsed)}"
-        return line + (f", about {format_seconds(self.left)} left" if self.left is not None else "")
+        left = f"about {format_seconds(self.left)} left" if self.left is not None else "time left: measuring"
+        return f"{line}, {left}"
 
 
 def format_seconds(seconds: float) -> str:
@@ -183,6 +184,15 @@ class RunProgress:
                 self._running = following
         self._tell()
 
+    def drop(self, group: str) -> None:
+        """The stages of ``group`` not run yet are not going to run (an image failed or was skipped)."""
+        with self._lock:
+            prefix = f"{group}: "
+            self.stages = [s for s in self.stages if s.ended is not None or not s.name.startswith(prefix)]
+            if self._running is not None and self._running.name.startswith(prefix):
+                self._running = None
+        self._tell()
+
     def step(self, done: int, total: int) -> None:
         """``done`` of ``total`` steps (sampling steps, decode tiles) of the running stage are finished."""
         with self._lock:
@@ -272,7 +282,8 @@ class RunProgress:
             if stage is self._running and stage.started is not None:
                 if stage.done and stage.last_step is not None:  # its own speed so far
                     per_step = (stage.last_step - stage.started) / stage.done
-                    left += max(0.0, (stage.steps - stage.done) * per_step - (now - stage.last_step))
+                    rest = (stage.steps - stage.done) * per_step  # at least the steps after the one running
+                    left += max(rest - per_step, rest - (now - stage.last_step), 0.0)
                 else:
                     left += max(0.0, stage.work * rate(stage.kind) - (now - stage.started))
             else:
