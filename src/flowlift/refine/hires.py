@@ -40,6 +40,9 @@ def hires_fix(
     sampling = sampling if sampling is not None else SamplingSettings()
 
     def upscale(latents: Any) -> Any:
+        from flowlift.progress import report_stage
+
+        report_stage("upscale")  # the run's stage, for every door's progress (flowlift.progress)
         return upscaler.upscale_latents(latents, settings.passes, seed=sampling.seed,
                                         transplant_strength=settings.transplant_strength,
                                         color_fix=settings.color_fix)  # fmt: skip

@@ -15,6 +15,7 @@ import torch
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR
 from flowlift.flux2.schedule import DEFAULT_MU
+from flowlift.progress import report_stage
 from flowlift.refine.canvas import PIXEL_MULTIPLE, latent_mask, outpaint_canvas, pad_to_multiple
 from flowlift.refine.loop import RefineResult, VelocityFn, _Progress, check_schedule, denoising_start_for
 from flowlift.refine.offload import Placement, place_transformer, with_transformer_on_device
@@ -154,17 +155,20 @@ class Flux2Refiner:
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         """Images [0, 1] (sides multiples of 16) -> normalized latents."""
+        report_stage("encode")  # the run's stage, for every door's progress (flowlift.progress)
         return self.vae.encode(images.to(self.device), **self._tiling()).float()
 
     def _encode_init(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Init latents for img2img: raw + BN stats when the VAE exposes them, else normalized."""
         if hasattr(self.vae, "encode_raw") and getattr(self.vae, "bn_mean", None) is not None:
+            report_stage("encode")
             raw = self.vae.encode_raw(images.to(self.device), **self._tiling()).float()
             return raw, self.vae.bn_mean.to(self.device), self.vae.bn_std.to(self.device)
         return self.encode(images), None, None
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalized latents -> images clamped to [0, 1]."""
+        report_stage("decode")
         return self.vae.decode(latents, **self._tiling()).float().clamp(0.0, 1.0)
 
     def _tiling(self) -> dict[str, bool]:
