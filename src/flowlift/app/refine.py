@@ -151,8 +151,7 @@ def _refine(service: Any, path: str | Path | None, prompt: str | None, prompt_em
     refiner.progress = False
     steps = request.sampling.steps or refiner.default_steps
     run.plan(refine_stages(source.name, job.rgb.width * job.rgb.height / 1e6, job.frame[0] * job.frame[1] / 1e6,
-                           max(1, round(steps * job.strength)),
-                           request.mode == "hires"))  # fmt: skip
+                           steps, request.mode == "hires"))  # fmt: skip
     run.group = source.name
     try:
         upscaler = service.hires_upscaler(refiner) if request.mode == "hires" else None
