@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from flowlift.app.progress import describe, refine_stages, request_progress
+from flowlift.app.progress import describe, request_progress
 from flowlift.progress import running
+from flowlift.refine.stages import refine_stages
 from flowlift.upscale.stages import UpscaleStages, upscale_stages
 
 

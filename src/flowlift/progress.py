@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 #: The kind of a loading stage: never counted as work.
 LOAD = "load"
-#: A new estimate up to this factor above the last one counted down is not shown (the time left only falls).
+#: A new estimate up to this factor above the last one shown is held at the last (the time left only falls).
 RISE_SHOWN = 1.25
 
 
@@ -86,7 +86,10 @@ class ProgressState:
         return self.stage
 
     def line(self) -> str:
-        """One progress line: ``kodim23.png: decode, tile 3/12 (62%) in 2 min 20 s, about 40 s left``."""
+        """One progress line: ``kodim23.png: decode, tile 3/12 (62%) in 2 min 20 s, about 40 s left``; while models
+        load (or before the first stage): ``loading the Flow Upscaler (1.2 GB), 4.1 s so far``."""
+        if self.loading or self.stage is None:
+            return f"{self.what()}, {format_seconds(self.elapsed)} so far"
         line = f"{self.what()} ({100 * self.fraction:.0f}%) in {format_seconds(self.elapsed)}"
         left = f"about {format_seconds(self.left)} left" if self.left is not None else "time left: measuring"
         return f"{line}, {left}"
@@ -218,7 +221,9 @@ class RunProgress:
         """The run at ``now`` (default: the clock's now)."""
         with self._lock:
             now = self.clock() if now is None else now
-            stage = self._running
+            stage = self._running or next((s for s in self.stages if s.ended is None and s.kind != LOAD), None)
+            if stage is None and self.stages:  # every planned stage ran
+                stage = Stage(f"{self.group}: done" if self.group else "done", 0.0)
             total = sum(s.work for s in self.stages)
             done = sum(self._work_done(s) for s in self.stages)
             return ProgressState(
@@ -232,16 +237,13 @@ class RunProgress:
             )
 
     def _steady(self, now: float, left: float | None) -> float | None:
-        """The estimate as shown: it never rises by a little (a new stage's first step a bit slower than the last
-        one's) so it falls monotonically toward the end; a rise past :data:`RISE_SHOWN` (a real surprise, a stage
-        far slower than planned) is shown as it is."""
+        """The estimate as shown: it never rises by a little (a step a bit slower than the ones before, a new stage's
+        first moments) but holds, so it falls monotonically toward the end; a rise past :data:`RISE_SHOWN` times the
+        last shown (a real surprise, a stage far slower than planned) is shown as it is."""
         if left is None:
             return None
-        if self._shown is not None:
-            when, shown = self._shown
-            counted_down = max(0.0, shown - max(0.0, now - when))
-            if counted_down < left <= RISE_SHOWN * counted_down:
-                left = counted_down
+        if self._shown is not None and self._shown[1] < left <= RISE_SHOWN * self._shown[1]:
+            left = self._shown[1]
         self._shown = (now, left)
         return left
 

@@ -17,12 +17,6 @@ from flowlift.progress import ProgressState, RunProgress, format_seconds
 #: Progress reporter: ``progress(fraction_done, description)``.
 ProgressFn = Callable[[float, str], None]
 
-#: The stages of a refine and their planned seconds per megapixel (``steps``: per step; only the ratios matter,
-#: the request measures its own speed): FLUX.2 VAE encode and decode, a transformer step, the hires fix's
-#: Flow Upscaler passes (per megapixel of the upscaled latent's picture), writing the file.
-REFINE_SECONDS_PER_MP = {"encode": 2.82, "upscale": 4.17, "steps": 10.0, "decode": 3.61, "writing": 0.14}
-
-
 def describe(state: ProgressState) -> str:
     """The bar's words: what runs now and, once this request measured its speed, the time left."""
     left = f", about {format_seconds(state.left)} left" if state.left is not None else ""
@@ -34,16 +28,3 @@ def request_progress(report: ProgressFn) -> RunProgress:
     run = RunProgress()
     run.subscribe(lambda state: report(state.fraction, describe(state)))
     return run
-
-
-def refine_stages(name: str, input_mp: float, frame_mp: float, steps: int, upscale: bool) -> list[tuple[str, float]]:
-    """The stages of one refine of ``name`` (an ``input_mp`` megapixel image refined at ``frame_mp``), in order::
-
-        encode (input), [upscale (frame): the hires fix], steps (steps x frame), decode (frame), writing (frame)
-    """
-    cost = REFINE_SECONDS_PER_MP
-    stages = [("encode", input_mp * cost["encode"])]
-    stages += [("upscale", frame_mp * cost["upscale"])] if upscale else []
-    stages += [("steps", max(1, steps) * frame_mp * cost["steps"]), ("decode", frame_mp * cost["decode"]),
-               ("writing", frame_mp * cost["writing"])]  # fmt: skip
-    return [(f"{name}: {stage}", work) for stage, work in stages]

@@ -126,8 +126,8 @@ def refine_upload(service: Any, path: str | Path | None, prompt: str | None, pro
 
 def _refine(service: Any, path: str | Path | None, prompt: str | None, prompt_embeds: str | Path | None,
             form: RefineForm, run: Any) -> UpscaleResult:  # fmt: skip
-    from flowlift.app.progress import refine_stages
     from flowlift.refine.jobs import job_conditioning, job_metadata, plan_refine_job, refine_job, write_job
+    from flowlift.refine.stages import plan_job_stages
 
     if not path:
         raise FlowliftError("no image uploaded")
@@ -149,10 +149,7 @@ def _refine(service: Any, path: str | Path | None, prompt: str | None, prompt_em
     started = time.perf_counter()
     refiner = service.refiner(text_encoder=request.prompt.embeds is None)
     refiner.progress = False
-    steps = request.sampling.steps or refiner.default_steps
-    run.plan(refine_stages(source.name, job.rgb.width * job.rgb.height / 1e6, job.frame[0] * job.frame[1] / 1e6,
-                           steps, request.mode == "hires"))  # fmt: skip
-    run.group = source.name
+    plan_job_stages(run, job, request.sampling.steps or refiner.default_steps)
     try:
         upscaler = service.hires_upscaler(refiner) if request.mode == "hires" else None
         result = refine_job(job, refiner, conditioning, upscaler)

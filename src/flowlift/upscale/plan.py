@@ -198,8 +198,7 @@ class UpscaleStep:
             device=rank_device(str(request.device), env) if env.distributed else request.device,  # cuda:LOCAL_RANK
             memory=MemoryPolicy(chunked=request.chunked, vae_tiled=request.vae_tiled, max_memory=request.max_memory),
             compile=request.compile,
-        )
-        report_loading(None)
+        )  # the loading line stays until the first image's first stage begins
         step = cls(request, plan, pipeline)
         if request.batch_size > 1 and env.distributed:
             print(f"flowlift {COMMAND}: --batch-size is not applied under torchrun; images run one by one",
