@@ -72,7 +72,7 @@ def test_upscale_writes_the_cli_file_name_size_and_metadata(service, photo, shar
         assert app_png.size == (96, 64)
         assert app_png.tobytes() == cli_png.tobytes()
         assert app_png.text == cli_png.text
-        params = json.loads(app_png.text["flowlift.parameters"])
+        params = json.loads(app_png.text["flowlift"])
     assert params["seed"] == 7 and params["transplant_strength"] == 0.5 and params["color_fix_strength"] == 0.75
 
 
@@ -192,7 +192,7 @@ def test_batch_zip_has_cli_names_and_lists_failures(service, photo, tmp_path):
     with zipfile.ZipFile(result.zip_path) as archive:
         assert sorted(archive.namelist()) == ["a_x2.png", "b_x2.png"]
         with archive.open("b_x2.png") as member, Image.open(member) as png:
-            assert png.size == (96, 64) and "flowlift.parameters" in png.text
+            assert png.size == (96, 64) and "flowlift" in png.text
     summary = result.summary()
     assert "2 of 4 file(s)" in summary and "**failed:** broken.png" in summary
 

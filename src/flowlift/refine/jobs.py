@@ -287,8 +287,11 @@ def write_job(job: RefineJob, result: Any, metadata: dict[str, Any]) -> Any:
 
     alpha = None if job.pads is not None else job.alpha
     image = attach_alpha(tensor_to_pil(result.images[0]), alpha)
+    from flowlift.files.metadata import metadata_record
+
     source = os.fspath(job.request.image) if job.request.image is not None else None
-    save_image_atomic(image, job.output, {"flowlift": metadata}, source=source)
+    record = metadata_record(str(metadata.get("command", job.request.mode)), metadata)  # schema 1 (docs/metadata.md)
+    save_image_atomic(image, job.output, record, source=source)
     return image
 
 

@@ -48,32 +48,31 @@ class UpscaleSettings:
 def output_metadata(
     settings: UpscaleSettings, passes: int, source: Path, hashes: dict[str, str], pipeline: Any
 ) -> dict[str, object]:
-    """The output file's metadata: parameters, what ran, weight and source hashes."""
+    """The output file's metadata (:mod:`flowlift.files.metadata`, schema 1): the parameters, what ran, the input
+    and the weight files' hashes."""
     from flowlift.files.image_outputs import file_sha256
-    from flowlift.version import __version__
+    from flowlift.files.metadata import metadata_record
 
-    return {
-        "Software": f"flowlift {__version__} upscale",
-        "flowlift.parameters": {
-            "scale": 2**passes,
-            "passes": passes,
-            "seed": settings.seed,
-            "color_fix": settings.color_fix,
-            "transplant_strength": settings.transplant_strength,
-            "color_fix_strength": settings.color_fix_strength,
-            "resize_mode": settings.resize_mode,
-            "vae": settings.vae,
-            "upscaler": settings.upscaler or DEFAULT_UPSCALER,
-            "dtype": str(pipeline.dtype).removeprefix("torch."),  # what ran, not "auto"
-            "device": str(pipeline.device),
-        },
-        "flowlift.models": hashes,
-        "flowlift.source": {"name": source.name, "sha256": file_sha256(source)},
-    }
+    return metadata_record("upscale", {
+        "input": source.name,
+        "input_sha256": file_sha256(source),
+        "scale": 2**passes,
+        "passes": passes,
+        "seed": settings.seed,
+        "color_fix": settings.color_fix,
+        "transplant_strength": settings.transplant_strength,
+        "color_fix_strength": settings.color_fix_strength,
+        "resize_mode": settings.resize_mode,
+        "vae": settings.vae,
+        "upscaler": settings.upscaler or DEFAULT_UPSCALER,
+        "dtype": str(pipeline.dtype).removeprefix("torch."),  # what ran, not "auto"
+        "device": str(pipeline.device),
+        "models": hashes,
+    })  # fmt: skip
 
 
 def model_hashes(pipeline: Any) -> dict[str, dict[str, str]]:
-    """SHA-256 of every weight file behind ``pipeline`` by role: the PNG's ``flowlift.models``."""
+    """SHA-256 of every weight file behind ``pipeline`` by role: the metadata's ``models``."""
     from flowlift.files.image_outputs import file_sha256
 
     return {role: {p.name: file_sha256(p) for p in paths} for role, paths in pipeline.model_files().items() if paths}
