@@ -148,6 +148,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"flowlift {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if owns_process and args._long_running:
+            _skip_final_collection()
+
+
+def _skip_final_collection() -> None:
+    """Let a long-running command's process (``flowlift app`` with its models, Gradio and the web server loaded)
+    end within seconds: the interpreter's last garbage collection walked every object of them for 20-60 s after
+    ``interrupted`` (issue 48). The command has closed its files and servers; what is left is freed by the exit."""
+    import gc
+
+    gc.freeze()
 
 
 if __name__ == "__main__":

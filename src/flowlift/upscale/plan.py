@@ -185,12 +185,15 @@ class UpscaleStep:
         together, :func:`flowlift.upscale.outputs.batched_process`)."""
         from flowlift.jobs.distributed import rank_device
         from flowlift.progress import report_loading
+        from flowlift.upscale.loading import check_upscale_weights
         from flowlift.upscale.outputs import batched_process
         from flowlift.upscale.pipeline import FlowUpscalerPipeline
         from flowlift.upscale.settings import MemoryPolicy
         from flowlift.upscale.stages import loading_description
 
-        report_loading(loading_description(request.settings.upscaler or DEFAULT_UPSCALER, request.settings.vae))
+        upscaler = request.settings.upscaler or DEFAULT_UPSCALER
+        check_upscale_weights(upscaler, [request.settings.vae])  # every missing piece in one line, before any line
+        report_loading(loading_description(upscaler, request.settings.vae))
         pipeline = FlowUpscalerPipeline(
             request.settings.upscaler or DEFAULT_UPSCALER,
             request.settings.vae,
