@@ -145,8 +145,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FlowliftError as error:
         print(f"flowlift {args.command}: error: {error}", file=sys.stderr)
         return error.exit_status
-    except KeyboardInterrupt:
-        print(f"flowlift {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as stop:  # a command that stopped cleanly says where it stopped (train: how it resumes)
+        print(f"flowlift {args.command}: interrupted" + (f": {stop}" if str(stop) else ""), file=sys.stderr)
         return 130
     finally:
         if owns_process and args._long_running:
