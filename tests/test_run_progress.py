@@ -162,3 +162,17 @@ def test_reports_reach_the_active_run_only():
     assert stage_kind("x.png: pass 2/3") == "pass" and Stage("load x", 0.0, LOAD).kind == LOAD
     with pytest.raises(ValueError):
         Stage("bad", float("nan"))
+
+
+def test_a_stage_that_overruns_slows_the_estimate_of_the_rest():
+    """A stage without steps (an untiled decode) running 3x its estimate: the machine is slower than measured (another
+    process took a core), so the stages after it are estimated at the slower speed, not at the first stages'."""
+    clock = FakeClock()
+    run = RunProgress(clock=clock)
+    run.plan([("encode", 1.0), ("decode", 1.0), ("color fix", 1.0)])
+    run.begin("encode")
+    clock.now += 1.0
+    run.finished("encode")
+    assert run.state().left == pytest.approx(2.0)
+    clock.now += 3.0  # the decode, planned at 1 s, still running after 3 s
+    assert run.state().left == pytest.approx(2.0)  # the colour fix at (1 + 3) s / 2 units, not at 1 s per unit

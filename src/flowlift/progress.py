@@ -15,7 +15,8 @@ work done, the time since the run started and the time left). The time left is c
 (never on earlier requests under other loads): with ``s_k`` the seconds per unit of work measured so far for stages
 of kind ``k`` (``s`` for all kinds together), the running stage's rest is ``max((n - d) q - (t - t_d), (n - d - 1) q)``
 once ``d`` of its ``n`` steps are done (``q`` its own seconds per step, ``t_d`` the time of its last step), else
-``max(w s_k - (t - t_0), 0)``, and each stage to come adds ``w_j s_{k_j}`` (``s`` for a kind not run yet). The doors
+``max(w s_k - (t - t_0), 0)`` (one that overran that estimate counts in ``s_k`` and ``s`` as if it ended now: the
+machine is slower than measured), and each stage to come adds ``w_j s_{k_j}`` (``s`` for a kind not run yet). The doors
 read the active run of their thread through :func:`active` (set by :func:`running`); code deep in a pipeline reports
 through :func:`report_stage` / :func:`report_step`, which do nothing when no run is active. Pure Python, no torch.
 """
@@ -272,6 +273,13 @@ class RunProgress:
         kinds, (seconds, work) = self._measured()
         if work <= 0 or seconds <= 0:
             return None  # nothing measured on this run yet: no guess from elsewhere
+        running = self._running
+        if running is not None and running.started is not None and not running.done and running.work > 0:
+            spent = now - running.started  # a stage without steps that overran its estimate: the machine is slower
+            if spent > running.work * seconds / work:  # than measured so far, so count it as if it ended now
+                kind_seconds, kind_work = kinds.get(running.kind, (0.0, 0.0))
+                kinds[running.kind] = (kind_seconds + spent, kind_work + running.work)
+                seconds, work = seconds + spent, work + running.work
 
         def rate(kind: str) -> float:
             kind_seconds, kind_work = kinds.get(kind, (0.0, 0.0))
