@@ -12,10 +12,17 @@ import torch
 
 from flowlift.errors import FlowliftError
 
+#: Longest upstream message kept in one error line; a longer one is cut at a word boundary, with "...".
+UPSTREAM_WORDS_MAX = 300
+
 
 def _first_line(error: BaseException) -> str:
+    """The first line of an upstream library's error, cut (if at all) between words, never inside one."""
     lines = str(error).strip().splitlines()
-    return (lines[0][:200] if lines else "") or type(error).__name__
+    line = lines[0] if lines else ""
+    if len(line) > UPSTREAM_WORDS_MAX:
+        line = line[:UPSTREAM_WORDS_MAX].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
+    return line or type(error).__name__
 
 
 class PromptEncoder:
