@@ -44,10 +44,11 @@ _command_started: list[float] = []  # when it started (time.monotonic)
 _run_lines: list[Any] = []  # the runs whose lines :func:`run_lines` writes now (the loops' lines stay quiet)
 
 
-def add_console_options(parser: argparse.ArgumentParser) -> None:
+def add_console_options(parser: argparse.ArgumentParser, progress: bool = True) -> None:
     """``-v/--verbose`` and ``--progress/--no-progress``, identical on every subcommand: the one convention
-    for progress bars. ``--quiet`` (which ``eval``, ``bands``, ``img2img`` and ``hires`` had, meaning "no
-    progress bars") is still accepted as a hidden alias of ``--no-progress`` so old scripts keep working."""
+    for progress bars (``progress`` False: ``-v`` only, for a command that draws none). ``--quiet`` (which
+    ``eval``, ``bands``, ``img2img`` and ``hires`` had, meaning "no progress bars") is still accepted as a
+    hidden alias of ``--no-progress`` so old scripts keep working."""
     group = parser.add_argument_group("console")
     group.add_argument(
         "-v",
@@ -55,6 +56,8 @@ def add_console_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also show the libraries' own warnings and log lines (diffusers, transformers, huggingface_hub)",
     )
+    if not progress:  # a command that draws no progress (status, launch) offers no option for it
+        return
     group.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,

@@ -28,7 +28,7 @@ HELP = "fix the colour drift of images from any upscaler against their sources (
 EXAMPLES = (
     "examples:\n"
     "  flowlift colorfix esrgan-out/ --reference photos/ -o fixed/    # photo_x4.png pairs with photos/photo.png\n"
-    "  flowlift colorfix big.png --reference small.png --strength 0.5  # one file and its source: any names\n"
+    "  flowlift colorfix big.png --reference small.png --color-fix-strength 0.5  # one file and its source: any names\n"
     "  flowlift eval fixed/ --reference photos/ -o report/         # photo_x4_colorfix.png pairs with photo.png"
 )
 
@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quality", type=quality, default=None, metavar="Q",
                         help="JPEG/WebP quality 1-100 (default 95; WebP at 100 is lossless)")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs instead of skipping")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")  # fmt: skip
+    parser.add_argument("--device", default="auto",
+                        help="torch device: auto (CUDA when available, else cpu), cpu, cuda, cuda:N, mps")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
