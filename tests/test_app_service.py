@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -272,6 +273,24 @@ def test_vaes_are_shown_by_name_and_chosen_by_name_or_spec(service, photo, share
         assert first.tobytes() == second.tobytes()
     with pytest.raises(FlowliftError, match="choose one of taef2$"):
         service.upscale(photo, 2, 0, 1.0, 1.0, "flux2")
+    assert by_name.output.name == "parrots_x2.png"  # one VAE offered: the command line's name
+
+
+def test_results_of_two_vaes_are_named_apart(shared, weights, photo, tmp_path):
+    """Issue 48: a Mage and a TAEF2 result of one image were both ``<stem>_x2.png``. With several VAEs offered,
+    the result's name carries the VAE's page label."""
+    taef2 = str(shared / "models" / "taef2")
+    copy = tmp_path / "other" / "taef2"
+    shutil.copytree(taef2, copy)
+    service = AppService(AppConfig(upscaler=str(weights), vaes=[taef2, str(copy)], device="cpu",
+                                   work_dir=tmp_path / "work"))  # fmt: skip
+    try:
+        names = {label: service.upscale(photo, 2, 0, 1.0, 1.0, label).output.name for label in service.vae_labels}
+        archive = service.batch([photo], 2, 0, 1.0, 1.0, str(copy))
+    finally:
+        service.close()
+    assert names == {"models/taef2": "parrots_x2_models-taef2.png", "other/taef2": "parrots_x2_other-taef2.png"}
+    assert archive.written == ["parrots_x2_other-taef2.png"]
 
 
 def test_summaries_need_no_emoji_font(service, photo, tmp_path):

@@ -11,6 +11,7 @@ temporary path. :mod:`flowlift.app.page` is the Gradio page over this.
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 import threading
@@ -190,6 +191,14 @@ class AppService:
 
         return plan_files(sources, out_dir, passes_for_scale(scale))
 
+    def named_by_vae(self, out: Path | None, vae: str) -> Path | None:
+        """``flowlift upscale``'s output name, with the VAE's page label added when the page offers several
+        (``photo_x2_mage.png``, ``photo_x2_taef2.png``): two results of one image are never named alike."""
+        if out is None or len(self.config.vaes) < 2:
+            return out
+        label = next((name for name, spec in self.vae_labels.items() if spec == vae), Path(vae).name)
+        return out.with_name(f"{out.stem}_{re.sub(r'[^A-Za-z0-9._-]+', '-', label).strip('-')}{out.suffix}")
+
     def new_result_dir(self) -> Path:
         """A fresh result folder; old ones are pruned, but only those this app made (its marker inside):
         a ``work_dir`` given by the caller may hold folders of theirs named ``r-...``."""
@@ -329,7 +338,7 @@ class AppService:
             settings = self.settings(seed, transplant, color_fix, vae)
             plan = self.plan([source], folder, scale)
             (job,) = plan.jobs
-            out = job.output
+            out = self.named_by_vae(job.output, vae)
             if out is None:
                 raise FlowliftError(f"{source.name}: {strip_folders(job.note, [source.parent, folder])}")
             pipeline = self.pipeline(vae)
@@ -385,7 +394,7 @@ class AppService:
             pipeline = self.pipeline(vae)
             written: list[Path] = []
             errors: list[str] = []
-            for source, out, note in ((job.source, job.output, job.note) for job in plan):
+            for source, out, note in ((job.source, self.named_by_vae(job.output, vae), job.note) for job in plan):
                 if out is None:
                     errors.append(f"{source.name}: {strip_folders(note, [*(s.parent for s in sources), out_dir])}")
                     continue
