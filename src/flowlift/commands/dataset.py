@@ -198,6 +198,9 @@ def run(args: argparse.Namespace) -> int:
         if args.width % 32 or args.height % 32 or args.width <= 0 or args.height <= 0:
             raise FlowliftError(f"--width/--height must be positive multiples of 32, got {args.width}x{args.height}")
         check_dataset_folder(out, args.overwrite)  # the replace rule at every name, before any model loads
+        from flowlift.training.distill_checks import check_distill_inputs
+
+        check_distill_inputs(args.teacher, args.prompts, args.prompt_embeds, args.vae)  # all missing pieces at once
         teacher, source = load_teacher(args, device)
         vae = load_vae(args.vae, device=device, dtype=torch.float32)
         source["vae"] = args.vae
