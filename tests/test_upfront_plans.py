@@ -27,3 +27,39 @@ def test_a_decode_the_budget_cannot_hold_is_refused_before_the_encode(tmp_path, 
     with pytest.raises(FlowliftError, match=r"too small to decode a 2048x2048 image .*the tiled decode needs about"):
         pipeline.upscale_image(torch.rand(1, 3, 256, 256), num_passes=3, output_type="pt")
     assert encoded == [(1, 3, 64, 64)]  # the 256^2 input was never encoded
+
+
+def _released_sizes():
+    """Parameter bytes of the released architectures (built on the meta device: nothing allocated)."""
+    from flowlift.models.mage_vae import MageVAEConfig, MageVAEModel
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+
+    with torch.device("meta"):
+        unet, mage = FlowUpscalerUNet(), MageVAEModel(MageVAEConfig(), encoder=True)
+    return sum(p.numel() for p in unet.parameters()), sum(p.numel() for p in mage.parameters())
+
+
+def test_docs_vae_memory_example_is_what_the_command_prints():
+    """docs/vae.md's 16384² Mage example ("10GB refused, 11GB tiled" held only for a decoder-only count) is the
+    planner's own line for the whole run's weights in float32, and bfloat16 plans both budgets."""
+    from pathlib import Path
+
+    from flowlift.upscale.memory_plan import plan_upscale
+
+    unet, mage = _released_sizes()
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "vae.md").read_text()
+
+    def plan(budget: int, dtype: torch.dtype, size: int):
+        return plan_upscale(4096, 4096, 2, budget, base_channels=384, unet_dtype=dtype, vae_kind="mage",
+                            unet_weight_bytes=unet * size, vae_weight_bytes=mage * size, vae_dtype=dtype,
+                            spatial_factor=8)  # fmt: skip
+
+    for budget in (10 * 10**9, 11 * 10**9):
+        with pytest.raises(FlowliftError) as refused:
+            plan(budget, torch.float32, 4)
+        if budget == 11 * 10**9:
+            assert f"flowlift upscale: in4096.png: {refused.value}\n" in doc
+    assert plan(12 * 10**9, torch.float32, 4).vae_tiled
+    for budget in (10 * 10**9, 11 * 10**9):
+        decode = plan(budget, torch.bfloat16, 2).stage_peaks["decode"]
+        assert f"the tiled decode then needs {decode / 2**30:.2f} GiB" in doc
