@@ -98,9 +98,9 @@ def main() -> None:
     from PIL import Image
 
     from flowlift.devices import resolve_device_dtype
+    from flowlift.limits import passes_for_scale
     from flowlift.upscale.outputs import UpscaleSettings, model_hashes
     from flowlift.upscale.pipeline import FlowUpscalerPipeline
-    from flowlift.upscale.sizes import passes_for_scale
     from flowlift.upscale.stages import SECONDS_PER_MP
 
     shared = Path(args.shared)

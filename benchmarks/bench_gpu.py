@@ -40,9 +40,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from flowlift.limits import format_bytes, parse_memory  # noqa: E402
 from flowlift.models.upscaler_unet import FlowUpscalerUNet  # noqa: E402
 from flowlift.upscale.chunked.executor import ChunkedExecutor  # noqa: E402
-from flowlift.upscale.memory_plan import format_bytes, parse_memory  # noqa: E402
 from flowlift.upscale.unet_runner import CompiledUNet  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -275,9 +275,9 @@ def refine_rows(table: Table, args: argparse.Namespace, device: torch.device) ->
     """img2img (strength 0.5, 4 steps) per offload mode and per planned budget (module docstring)."""
     from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 
+    from flowlift.limits import model_bytes
     from flowlift.models.vae_loading import load_vae
-    from flowlift.refine.memory_plan import plan_refine, transformer_sizes
-    from flowlift.upscale.memory_plan import model_bytes
+    from flowlift.refine.memory_plan import VAESizes, plan_refine, transformer_sizes
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = TOY_TRANSFORMER if args.quick else KLEIN_4B
@@ -295,8 +295,8 @@ def refine_rows(table: Table, args: argparse.Namespace, device: torch.device) ->
     runs = [(side, mode, None) for side in args.refine_sides for mode in ("none", "model")]
     largest = args.refine_sides[-1]
     for budget in args.refine_budgets:  # largest budget first: once a plan picks group, the leaner ones do too
-        plan = plan_refine(largest, largest, parse_memory(budget), sizes, dtype=dtype, vae_bytes=model_bytes(vae),
-                           vae_dtype=dtype, text_tokens=emb.shape[1])  # fmt: skip
+        plan = plan_refine(largest, largest, parse_memory(budget), sizes, dtype=dtype,
+                           vae=VAESizes(bytes=model_bytes(vae), dtype=dtype), text_tokens=emb.shape[1])  # fmt: skip
         runs.append((largest, plan, budget))
     runs += [(side, "group", None) for side in args.refine_sides]  # last: group offloading's hooks stay on the model
     for side, how, budget in runs:
@@ -307,14 +307,15 @@ def refine_rows(table: Table, args: argparse.Namespace, device: torch.device) ->
 def _refine_row(table, group, transformer, vae, image, emb, device, dtype, how, budget) -> None:
     """One row: ``how`` is an offload mode or a :class:`~flowlift.refine.memory_plan.RefinePlan`."""
     from flowlift.errors import FlowliftError
+    from flowlift.refine.offload import Placement
     from flowlift.refine.refiner import Flux2Refiner
 
     plan = None if isinstance(how, str) else how
     offload = how if plan is None else plan.offload
     setting = f"offload {offload}" if plan is None else f"max_memory {budget}"
     try:
-        refiner = Flux2Refiner(transformer, vae, device=device, dtype=dtype, offload=offload,
-                               vae_tiled=None if plan is None else plan.vae_tiled)  # fmt: skip
+        placement = Placement(offload, None if plan is None else plan.vae_tiled)
+        refiner = Flux2Refiner(transformer, vae, device=device, dtype=dtype, placement=placement)
     except FlowliftError as error:  # group offload without accelerate
         table.add(group, setting, None, None, f"skipped: {error}")
         return

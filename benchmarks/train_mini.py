@@ -62,7 +62,7 @@ def main() -> int:
     from flowlift.files.images import list_images
     from flowlift.models.vae_loading import load_vae
     from flowlift.training.config import build_config
-    from flowlift.training.datasets import build_images_dataset
+    from flowlift.training.datasets import ShardWriting, build_images_dataset
     from flowlift.training.trainer import Trainer
     from flowlift.training.validation import evaluate_methods, load_validation_images, make_model_upscaler
 
@@ -78,7 +78,8 @@ def main() -> int:
     t0 = time.perf_counter()
     data = out / f"data-{args.crop_px}px-{args.crops_per_image}"
     manifest = build_images_dataset(data, train_images, vae, crop=args.crop_px, crops_per_image=args.crops_per_image,
-                                    seed=args.seed, shard_size=64, batch_size=8, device=device, progress=True)
+                                    seed=args.seed, batch_size=8,
+                                    writing=ShardWriting(shard_size=64, device=device, progress=True))
     t_data = time.perf_counter() - t0
     print(f"dataset: {manifest['num_items']} items of {manifest['target_shape']} from {len(train_images)} images "
           f"in {t_data:.0f}s (resumed builds skip finished shards)")

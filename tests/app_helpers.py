@@ -1,4 +1,4 @@
-"""Helpers for the ``flowlift app`` tests: a tiny upscaler, crafted bad files, ports and listening sockets."""
+"""Helpers for the ``flowlift app`` tests: crafted bad files, ports and listening sockets."""
 
 from __future__ import annotations
 
@@ -9,18 +9,6 @@ import zlib
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_upscaler(path: Path) -> Path:
-    """A small random Flow Upscaler checkpoint (the released architecture, narrow)."""
-    import torch
-
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
-    return save_upscaler(model, path)
 
 
 def bomb_png(path: Path, side: int = 30000) -> Path:

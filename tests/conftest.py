@@ -73,3 +73,46 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for where, command, reason in rows:
         terminalreporter.write_line(f"{where}: {command}")
         terminalreporter.write_line(f"    not run: {reason}")
+
+
+@pytest.fixture
+def fifo_alarm():
+    """A FIFO opened for reading or writing would block for ever: a test that puts one where a command
+    writes fails after 120 s instead (SIGALRM), then the previous handler is back."""
+    import signal
+
+    def _alarm(signum, frame):
+        raise TimeoutError("the command blocked (a FIFO was opened?)")
+
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(120)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(scope="module")
+def unet():
+    """The tiny Flow Upscaler (tests/builders.py's ``tiny_unet``, seed 0), one per module; a module's own ``unet``
+    fixture wins."""
+    from builders import tiny_unet
+
+    return tiny_unet(seed=0)
+
+
+@pytest.fixture(scope="module")
+def vae(shared):
+    """TAEF2 from ../shared on the CPU in float32, one per module; a module's own ``vae`` fixture wins."""
+    import torch
+
+    from flowlift.models.vae_loading import load_vae
+
+    return load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny_upscaler_weights(tmp_path_factory):
+    """The tiny Flow Upscaler (seed 0) saved as a weights file, one per module."""
+    from builders import save_tiny_unet
+
+    return save_tiny_unet(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")

@@ -4,7 +4,7 @@
 pipeline's transformer and VAE as InvokeAI's ``Flux2DiffusersModel`` does (bfloat16), the Qwen3 conditioning the
 server's ``flux2_klein_text_encoder`` stored (read as InvokeAI reads it: ``weights_only`` with its conditioning
 classes as the only allowed globals) and the raw latents of its ``flux2_vae_encode``, then runs
-``flowlift.refine.tiled_refine.tiled_refine_raw_latents`` with the test's settings and saves the refined raw
+``flowlift.refine.loop.tiled_refine_raw_latents`` with the test's settings and saves the refined raw
 latents to OUT (safetensors, key ``latents``).
 """
 
@@ -19,8 +19,8 @@ from invokeai.backend.stable_diffusion.diffusion.conditioning_data import Condit
 from safetensors.torch import save_file
 
 from flowlift.models.vae import Flux2VAE
+from flowlift.refine.loop import tiled_refine_raw_latents
 from flowlift.refine.settings import SamplingSettings
-from flowlift.refine.tiled_refine import tiled_refine_raw_latents
 from flowlift.refine.tiling import TileRequest
 
 #: The Klein test's refine settings (test_invokeai.py's node fields).

@@ -100,7 +100,7 @@ def bad_files(out_dir: Path, photo_dir: str) -> dict:
         path = out_dir / f"{case}.safetensors"
         save_file(files[case], path)
         args = ["eval", "--run", f"spandrel:{path}:bad", "--dataset", photo_dir, "--scale", "4",
-                "-o", str(out_dir / f"report-{case}-{tile}"), "--tile", tile, "--quiet"]  # fmt: skip
+                "-o", str(out_dir / f"report-{case}-{tile}"), "--tile", tile, "--no-progress"]  # fmt: skip
         err = io.StringIO()
         escaped = None
         with contextlib.redirect_stderr(err):

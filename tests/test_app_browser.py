@@ -33,8 +33,9 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as EC
 from selenium.webdriver.support.ui import WebDriverWait
 
-from app_helpers import free_port, is_loopback, listening_addresses, process_tree, subprocess_env, tiny_upscaler
+from app_helpers import free_port, is_loopback, listening_addresses, process_tree, subprocess_env
 from browser import headless_chromium
+from builders import save_tiny_unet
 
 # Screenshots hold the page's sRGB pixels unchanged.
 CHROMIUM_FLAGS = ("--force-color-profile=srgb",)
@@ -45,7 +46,7 @@ REQUEST_S = 180
 @pytest.fixture
 def app_server(shared, tmp_path):
     """``flowlift app`` in a subprocess on a free loopback port; stopped (and checked) at the end."""
-    weights = tiny_upscaler(tmp_path / "flow_upscaler.safetensors")
+    weights = save_tiny_unet(tmp_path / "flow_upscaler.safetensors")
     port = free_port()
     env = subprocess_env(tmp_path)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # a tiny model: threads only contend

@@ -12,7 +12,8 @@ from gradio_client import Client, handle_file
 from gradio_client.utils import Status
 from PIL import Image
 
-from app_helpers import free_port, is_loopback, listening_addresses, tiny_upscaler
+from app_helpers import free_port, is_loopback, listening_addresses
+from builders import save_tiny_unet
 from flowlift.app.page import build_app, launch
 from flowlift.app.service import AppConfig, AppService
 
@@ -21,7 +22,7 @@ from flowlift.app.service import AppConfig, AppService
 def server(shared, tmp_path, monkeypatch, single_thread_torch):
     monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "gradio"))
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
-    weights = tiny_upscaler(tmp_path / "flow_upscaler.safetensors")
+    weights = save_tiny_unet(tmp_path / "flow_upscaler.safetensors")
     config = AppConfig(
         upscaler=str(weights), vaes=[str(shared / "models" / "taef2")], device="cpu", work_dir=tmp_path / "work"
     )
@@ -135,7 +136,7 @@ def test_a_taken_port_is_one_error_line(capsys, tmp_path, monkeypatch, shared):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        weights = tiny_upscaler(tmp_path / "flow_upscaler.safetensors")  # found: the start-up weight check passes
+        weights = save_tiny_unet(tmp_path / "flow_upscaler.safetensors")  # found: the start-up weight check passes
         argv = ["app", "--port", str(port), "--upscaler", str(weights), "--vae", str(shared / "models" / "taef2")]
         runner = threading.Thread(target=lambda: outcome.append(main(argv)), daemon=True)
         runner.start()

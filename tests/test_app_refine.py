@@ -8,12 +8,12 @@ import pytest
 import torch
 from PIL import Image
 
-from app_helpers import tiny_upscaler
+from builders import refine_inputs, save_tiny_unet, tiny_unet
 from flowlift.app.refine_tab import refine
 from flowlift.app.service import AppConfig, AppService
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
-from tiny_flux2 import prompt_embeds, write_model_dir
+from tiny_flux2 import write_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -23,19 +23,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from safetensors.torch import save_file
-
-    folder = tmp_path_factory.mktemp("refine-in")
-    save_file({"prompt_embeds": prompt_embeds()}, str(folder / "prompt.safetensors"))
-    g = torch.Generator().manual_seed(0)
-    array = (torch.rand(48, 64, 3, generator=g) * 255).to(torch.uint8).numpy()
-    Image.fromarray(array, "RGB").save(folder / "photo.png")
-    return folder
+    return refine_inputs(tmp_path_factory.mktemp("refine-in"), "photo.png", (48, 64), seed=0)
 
 
 @pytest.fixture(scope="module")
 def service(model_dir, tmp_path_factory, single_thread_torch):
-    weights = tiny_upscaler(tmp_path_factory.mktemp("w") / "flow_upscaler.safetensors")
+    weights = save_tiny_unet(tmp_path_factory.mktemp("w") / "flow_upscaler.safetensors")
     service = AppService(AppConfig(upscaler=str(weights), vaes=["taef2"], device="cpu", model=str(model_dir)))
     yield service
     service.close()
@@ -53,7 +46,7 @@ def test_img2img_matches_the_cli(service, model_dir, inputs, monkeypatch, tmp_pa
     monkeypatch.chdir(inputs)  # the CLI records the paths as given: give bare names, as the app does
     out = tmp_path / "cli.png"
     argv = ["img2img", "photo.png", "--model", str(model_dir), "--prompt-embeds", "prompt.safetensors"]
-    assert main([*argv, "--strength", "0.6", "--steps", "6", "--seed", "3", "-o", str(out), "--quiet"]) == 0
+    assert main([*argv, "--strength", "0.6", "--steps", "6", "--seed", "3", "-o", str(out), "--no-progress"]) == 0
     cli_size, cli_meta = _flowlift_text(out)
     assert size == cli_size and app_meta == cli_meta
     assert (app_meta["mu"], app_meta["schedule"]) == (2.02, "respaced")  # the refiner's defaults, recorded
@@ -105,7 +98,7 @@ def test_tiled_img2img_matches_the_cli(service, model_dir, inputs, monkeypatch, 
         assert a.tobytes() != b.tobytes()  # the tiles changed the transformer's view
     monkeypatch.chdir(inputs)
     out = tmp_path / "cli.png"
-    argv = ["img2img", "photo.png", "--model", str(model_dir), "--prompt-embeds", "prompt.safetensors", "--quiet"]
+    argv = ["img2img", "photo.png", "--model", str(model_dir), "--prompt-embeds", "prompt.safetensors", "--no-progress"]
     argv += ["--strength", "0.6", "--steps", "3", "--seed", "5", "--tile-size", "32", "--tile-overlap", "16"]
     assert main([*argv, "-o", str(out)]) == 0
     assert _flowlift_text(out)[1] == meta
@@ -138,7 +131,7 @@ def test_every_tab_after_every_other_on_one_service(model_dir, inputs, shared, t
     import flowlift.devices
 
     monkeypatch.setattr(flowlift.devices, "cpu_has_native_bf16", lambda: True)
-    weights = tiny_upscaler(tmp_path / "flow_upscaler.safetensors")
+    weights = save_tiny_unet(tmp_path / "flow_upscaler.safetensors")
     taef2 = str(shared / "models" / "taef2")
     service = AppService(AppConfig(upscaler=str(weights), vaes=[taef2], device="cpu", model=str(model_dir),
                                    work_dir=tmp_path / "work"))  # fmt: skip
@@ -166,10 +159,9 @@ def test_every_tab_after_every_other_on_one_service(model_dir, inputs, shared, t
 
 def test_a_pipeline_never_converts_the_module_it_is_given(shared):
     # the root of 36.3: a second pipeline in another dtype (or device) works on a copy of a shared UNet
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
     from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
-    unet = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0).to(torch.bfloat16)
+    unet = tiny_unet().to(torch.bfloat16)
     taef2 = str(shared / "models" / "taef2")
     same = FlowUpscalerPipeline(unet, taef2, device="cpu", dtype=torch.bfloat16)
     assert same.upscaler is unet  # nothing to convert: shared, not copied

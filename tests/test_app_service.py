@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from app_helpers import bomb_png, tiny_upscaler
+from app_helpers import bomb_png
+from builders import resized_photo, save_tiny_unet
 from flowlift.app.results import check_upload, vae_labels
 from flowlift.app.service import AppConfig, AppService
 from flowlift.commands.cli import main
@@ -26,7 +27,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    return tiny_upscaler(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+    return save_tiny_unet(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +45,7 @@ def service(shared, weights, tmp_path_factory, single_thread_torch):
 
 @pytest.fixture(scope="module")
 def photo(shared, tmp_path_factory):
-    path = tmp_path_factory.mktemp("in") / "parrots.png"
-    with Image.open(shared / "images" / "kodak" / "kodim23.png") as image:
-        image.convert("RGB").resize((48, 32), Image.Resampling.BOX).save(path)
-    return path
+    return resized_photo(shared / "images" / "kodak" / "kodim23.png", tmp_path_factory.mktemp("in") / "parrots.png")
 
 
 def test_upscale_writes_the_cli_file_name_size_and_metadata(service, photo, shared, weights, tmp_path):

@@ -37,11 +37,11 @@ def _fake_parser(long_running: bool):
 @pytest.mark.parametrize("long_running", [True, False])
 def test_a_long_running_command_that_owns_its_process_skips_the_final_collection(monkeypatch, long_running):
     frozen: list[bool] = []
-    monkeypatch.setattr(cli, "build_parser", lambda: _fake_parser(long_running))
+    monkeypatch.setattr(cli, "build_parser", lambda: _fake_parser(long_running))  # _main(None): the process's own
     monkeypatch.setattr(cli, "reuse_freed_memory", lambda: None)
     monkeypatch.setattr("gc.freeze", lambda: frozen.append(True))
     monkeypatch.setattr(sys, "argv", ["flowlift", "app"])
-    assert cli.main() == 130  # the process's own command line: `flowlift app`, interrupted
+    assert cli._main(None) == 130  # the process's own command line: `flowlift app`, interrupted
     assert frozen == ([True] if long_running else [])
     assert cli.main(["app"]) == 130 and frozen == ([True] if long_running else [])  # an in-process caller: never
 

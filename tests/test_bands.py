@@ -91,18 +91,8 @@ def test_blocky_decoder_leaks_upwards_and_low_band_stays_low():
 
 
 def test_run_bands_with_a_vae_like_object(tmp_path):
-    class LinearVAE:
-        spatial_factor = FACTOR
-
-        def encode(self, images: torch.Tensor) -> torch.Tensor:
-            pooled = torch.nn.functional.avg_pool2d(images - 0.5, FACTOR)
-            return torch.cat([pooled, pooled[:, :1]], dim=1) * 4
-
-        def decode(self, latents: torch.Tensor) -> torch.Tensor:
-            return ideal_decoder(latents)
-
     images = [torch.rand(1, 3, 270, 390), torch.rand(1, 3, 256, 256)]
-    mean, per_image = B.run_bands(LinearVAE(), images, seed=5)
+    mean, per_image = B.run_bands(IdealVAE(), images, seed=5)
     assert len(per_image) == 2 and mean.shape == (5, 6)
     np.testing.assert_allclose(mean, (per_image[0] + per_image[1]) / 2)
     assert np.all(np.diag(mean) > 99.0)
@@ -141,7 +131,7 @@ def test_bands_cli_writes_table_json_heatmap(monkeypatch, shared, tmp_path, caps
     out = tmp_path / "bands"
     kodak = shared / "images" / "kodak"
     argv = ["bands", str(kodak / "kodim01.png"), str(kodak / "kodim02.png"), "--vae", "fake", "-o", str(out),
-            "--max-side", "256", "--quiet", "--full"]  # fmt: skip
+            "--max-side", "256", "--no-progress", "--full"]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "| 0-1/16 |" in printed and "Mage: same" in printed and "px > 1" in printed
@@ -193,7 +183,7 @@ def test_bands_records_bin_counts_and_warns_when_small(monkeypatch, shared, tmp_
     for side, warned in ((256, True), (512, False)):
         out = tmp_path / f"bands{side}"
         argv = ["bands", str(kodak / "kodim01.png"), "--vae", "fake", "-o", str(out), "--max-side", str(side),
-                "--quiet"]
+                "--no-progress"]
         assert main(argv) == 0
         err = capsys.readouterr().err
         assert ("warning:" in err and "latent FFT bins" in err) == warned, err

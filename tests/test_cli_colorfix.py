@@ -130,7 +130,7 @@ def test_colorfix_then_eval_chain_and_explicit_pairs_of_any_names(drifted_pair, 
                             capsys)  # fmt: skip
     assert code == 0 and lines == [], lines
     assert main(["eval", str(tmp_path / "fixed"), "--reference", str(tmp_path / "src"), "-o", str(tmp_path / "r1"),
-                 "--quiet"]) == 0  # fmt: skip
+                 "--no-progress"]) == 0  # fmt: skip
     first = json.loads((tmp_path / "r1" / "results.json").read_text())
     assert first["config"]["images"] == ["wine"] and first["images"]["outputs"]["wine"]["cast_max"] <= 0.05
 
@@ -141,7 +141,7 @@ def test_colorfix_then_eval_chain_and_explicit_pairs_of_any_names(drifted_pair, 
     assert code == 0 and lines == [], lines
     fixed = tmp_path / "esrgan result_colorfix.png"
     assert main(["eval", str(fixed), "--reference", str(tmp_path / "small.png"), "-o", str(tmp_path / "r2"),
-                 "--quiet"]) == 0  # fmt: skip
+                 "--no-progress"]) == 0  # fmt: skip
     second = json.loads((tmp_path / "r2" / "results.json").read_text())
     assert second["images"]["outputs"]["small"] == first["images"]["outputs"]["wine"]
     # a folder is not an explicit pair: names still decide there

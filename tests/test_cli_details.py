@@ -73,18 +73,16 @@ def test_run_jobs_times_the_run_from_its_start_and_each_written_image(tmp_path, 
 NO_PROGRESS = {"flowlift status", "flowlift launch"}
 
 
-def test_every_command_has_progress_options_and_none_lists_quiet():
+def test_every_command_has_progress_options_and_no_second_spelling():
     assert NO_PROGRESS <= set(COMMANDS)
     for name, parser in COMMANDS.items():
         options = {s for a in parser._actions for s in a.option_strings}
         if name in NO_PROGRESS:
-            assert "-v" in options and not {"--progress", "--no-progress", "--quiet"} & options, name
+            assert "-v" in options and not {"--progress", "--no-progress"} & options, name
             continue
         assert {"--progress", "--no-progress", "-v"} <= options, name
-        assert "--quiet" not in parser.format_help(), f"{name} still documents --quiet next to --no-progress"
-        quiet = [a for a in parser._actions if "--quiet" in a.option_strings]  # old scripts keep working:
-        assert len(quiet) == 1 and quiet[0].dest == "progress" and quiet[0].const is False, name  # = --no-progress
-        assert quiet[0].help == argparse.SUPPRESS, name
+        progress = [a for a in parser._actions if a.dest == "progress"]
+        assert len(progress) == 1 and progress[0].option_strings == ["--progress", "--no-progress"], name
 
 
 def test_eval_vae_and_upscaler_default_like_upscale():
@@ -205,10 +203,12 @@ def _pipeline():
     return FlowUpscalerPipeline(_ZeroVelocity(), _AverageVAE(), device="cpu", dtype=torch.float32)
 
 
-def _refine(**kwargs):
+def _refine(steps=2, seed=0, **kwargs):
     from flowlift.refine.loop import refine_latents
+    from flowlift.refine.settings import SamplingSettings
 
-    return refine_latents(lambda z, sigma: torch.zeros_like(z), **{"steps": 2, **kwargs})
+    sampling = SamplingSettings(steps=steps, seed=seed)
+    return refine_latents(lambda z, sigma: torch.zeros_like(z), sampling=sampling, **kwargs)
 
 
 def _color_fix(upscaled, reference, *args, **kwargs):
@@ -222,12 +222,18 @@ _BIG, _SMALL = Image.new("RGB", (32, 32)), Image.new("RGB", (16, 16))
 API_CASES = {
     "3-D latents": (lambda: _pipeline().upscale_latents(torch.zeros(32, 4, 4), 1), r"shape \(B, 32, h, w\)"),
     "16 channels": (lambda: _pipeline().upscale_latents(torch.zeros(1, 16, 4, 4), 1), r"shape \(B, 32, h, w\)"),
-    "int latents": (lambda: _pipeline().upscale_latents(torch.zeros(1, 32, 4, 4, dtype=torch.long), 1),
-                    "floating point"),
-    "bool latents": (lambda: _pipeline().upscale_latents(torch.zeros(1, 32, 4, 4, dtype=torch.bool), 1),
-                     "floating point"),
-    "NaN latents": (lambda: _pipeline().upscale_latents(torch.full((1, 32, 4, 4), float("nan")), 1),
-                    "input latents contain non-finite"),
+    "int latents": (
+        lambda: _pipeline().upscale_latents(torch.zeros(1, 32, 4, 4, dtype=torch.long), 1),
+        "floating point",
+    ),
+    "bool latents": (
+        lambda: _pipeline().upscale_latents(torch.zeros(1, 32, 4, 4, dtype=torch.bool), 1),
+        "floating point",
+    ),
+    "NaN latents": (
+        lambda: _pipeline().upscale_latents(torch.full((1, 32, 4, 4), float("nan")), 1),
+        "input latents contain non-finite",
+    ),
     "empty batch": (lambda: _pipeline().upscale_latents(torch.zeros(0, 32, 4, 4), 1), "empty"),
     "numpy latents": (lambda: _pipeline().upscale_latents(np.zeros((1, 32, 4, 4), np.float32), 1), "torch.Tensor"),
     "strength str": (lambda: _pipeline().upscale_latents(_LATENTS, 1, transplant_strength="1"), "transplant_strength"),
@@ -235,18 +241,23 @@ API_CASES = {
     "fix strength": (lambda: _color_fix(_BIG, _SMALL, "1"), "strength must be in"),
     "fix device": (lambda: _color_fix(_BIG, _SMALL, device="bogus"), "not a torch device"),
     "fix array": (lambda: _color_fix(np.zeros((32, 32, 3), np.float32), _SMALL), "uint8 HWC RGB"),
-    "refine 3-D": (lambda: _refine(init_latents=torch.zeros(32, 4, 4), denoising_start=0.5),
-                   r"shape \(B, 32, h, w\)"),
+    "refine 3-D": (lambda: _refine(init_latents=torch.zeros(32, 4, 4), denoising_start=0.5), r"shape \(B, 32, h, w\)"),
     "refine odd": (lambda: _refine(init_latents=torch.zeros(1, 32, 3, 4), denoising_start=0.5), "even height"),
-    "refine int": (lambda: _refine(init_latents=torch.zeros(1, 32, 4, 4, dtype=torch.int32), denoising_start=0.5),
-                   "floating point"),
-    "refine NaN": (lambda: _refine(init_latents=torch.full((1, 32, 4, 4), float("inf")), denoising_start=0.5),
-                   "non-finite"),
+    "refine int": (
+        lambda: _refine(init_latents=torch.zeros(1, 32, 4, 4, dtype=torch.int32), denoising_start=0.5),
+        "floating point",
+    ),
+    "refine NaN": (
+        lambda: _refine(init_latents=torch.full((1, 32, 4, 4), float("inf")), denoising_start=0.5),
+        "non-finite",
+    ),
     "refine shape": (lambda: _refine(shape=(1, 32, 4)), "four positive integers"),
     "refine steps": (lambda: _refine(shape=(1, 32, 4, 4), steps=1.5), "steps"),
     "refine seed": (lambda: _refine(shape=(1, 32, 4, 4), seed=-1), "seed"),
-    "refine mask": (lambda: _refine(init_latents=_LATENTS, denoising_start=0.5, mask=torch.zeros(1, 2, 4, 4)),
-                    "latent mask"),
+    "refine mask": (
+        lambda: _refine(init_latents=_LATENTS, denoising_start=0.5, mask=torch.zeros(1, 2, 4, 4)),
+        "latent mask",
+    ),
     "refine bn": (lambda: _refine(init_latents=_LATENTS, bn_mean=torch.zeros(128)), "bn_mean and bn_std"),
     "refine start": (lambda: _refine(init_latents=_LATENTS, denoising_start=float("nan")), "denoising_start"),
 }

@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
+from builders import save_tiny_unet
 from flowlift.commands.cli import main
 from tiny_flux2 import prompt_embeds, write_model_dir
 
@@ -116,7 +117,7 @@ def test_same_seed_same_output_and_cfg(capsys, tmp_path, model_dir, embeds_file,
             embeds_file,
             "--steps",
             "4",
-            "--quiet",
+            "--no-progress",
             "-o",
             out,
             *extra,
@@ -147,7 +148,7 @@ def test_inpaint_and_outpaint(capsys, tmp_path, model_dir, embeds_file, photo):
         embeds_file,
         "--steps",
         "3",
-        "--quiet",
+        "--no-progress",
         "-o",
         out,
     )
@@ -167,7 +168,7 @@ def test_inpaint_and_outpaint(capsys, tmp_path, model_dir, embeds_file, photo):
         embeds_file,
         "--steps",
         "3",
-        "--quiet",
+        "--no-progress",
         "-o",
         out,
     )
@@ -202,7 +203,7 @@ def test_bad_inputs_one_line_no_output(capsys, tmp_path, model_dir, embeds_file,
         model_dir,
         "--steps",
         "2",
-        "--quiet",
+        "--no-progress",
         *([] if "-o" in argv else ["-o", tmp_path / "never.png"]),
     )
     assert code == 2
@@ -217,7 +218,7 @@ def test_an_image_flowlift_did_not_write_is_replaced_only_with_overwrite(capsys,
     mine = tmp_path / "mine.png"
     Image.new("RGB", (5, 5), (1, 2, 3)).save(mine)
     kept = mine.read_bytes()
-    argv = ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "1", "--quiet"]
+    argv = ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "1", "--no-progress"]
     for command in (argv, ["hires", "--image", photo, *argv[2:]]):
         code, _, err = _run(capsys, *command, "-o", mine)
         assert code == 2 and "was not written by flowlift; use --overwrite" in err
@@ -229,11 +230,11 @@ def test_an_image_flowlift_did_not_write_is_replaced_only_with_overwrite(capsys,
 
 
 def test_prompt_text_needs_text_encoder_or_embeds(capsys, tmp_path, model_dir, photo):
-    code, _, err = _run(capsys, "img2img", photo, "--model", model_dir, "--quiet", "-o", tmp_path / "x.png")
+    code, _, err = _run(capsys, "img2img", photo, "--model", model_dir, "--no-progress", "-o", tmp_path / "x.png")
     assert code == 2 and "--prompt" in err
     # a text prompt without embeddings needs the pipeline's text encoder, which this folder lacks
     code, _, err = _run(
-        capsys, "img2img", photo, "--model", model_dir, "--prompt", "a cat", "--quiet", "-o", tmp_path / "x.png"
+        capsys, "img2img", photo, "--model", model_dir, "--prompt", "a cat", "--no-progress", "-o", tmp_path / "x.png"
     )
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "flowlift[text]" in err or "text encoder" in err
@@ -249,7 +250,7 @@ def test_bad_model_is_one_line(capsys, tmp_path, embeds_file, photo):
         tmp_path,
         "--prompt-embeds",
         embeds_file,
-        "--quiet",
+        "--no-progress",
         "-o",
         tmp_path / "x.png",
     )
@@ -271,7 +272,7 @@ def test_mu_and_schedule_options(capsys, tmp_path, model_dir, embeds_file, photo
     from flowlift.flux2.schedule import compute_empirical_mu, flux2_sigmas
 
     out = tmp_path / "empirical.png"
-    argv = ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "9", "--quiet"]
+    argv = ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "9", "--no-progress"]
     code, _, err = _run(capsys, *argv, "--strength", "0.5", "--mu", "empirical", "--schedule", "clipped", "-o", out)
     assert code == 0, err
     meta = _metadata(out)
@@ -298,19 +299,17 @@ def test_empirical_mu_out_of_range_is_refused_before_loading(capsys, tmp_path, e
     """hires 4x of a 2048 px base refines at 8192 px, where diffusers' formula gives mu 44.8."""
     code, _, err = _run(
         capsys, "hires", "--width", "2048", "--height", "2048", "--scale", "4", "--mu", "empirical",
-        "--model", tmp_path / "never-loaded", "--prompt-embeds", embeds_file, "--quiet", "-o", tmp_path / "x.png",
+        "--model", tmp_path / "never-loaded", "--prompt-embeds", embeds_file, "--no-progress", "-o", tmp_path / "x.png",
     )  # fmt: skip
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "--mu: mu='empirical' gives 44.8" in err and "8192x8192" in err
 
 
 def test_hires_from_image_and_from_txt2img(capsys, tmp_path, model_dir, embeds_file, photo):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
 
     torch.manual_seed(0)
     upscaler = tmp_path / "flow_upscaler.safetensors"
-    save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32), upscaler)
+    save_tiny_unet(upscaler, seed=None, cond_dim=32)
     crop = tmp_path / "square.png"
     Image.open(photo).resize((64, 64)).save(crop)
     out = tmp_path / "hires.png"
@@ -360,7 +359,7 @@ def test_hires_from_image_and_from_txt2img(capsys, tmp_path, model_dir, embeds_f
         embeds_file,
         "--steps",
         "4",
-        "--quiet",
+        "--no-progress",
         "-o",
         out,
     )
@@ -386,7 +385,7 @@ def test_alpha_channel_is_kept(capsys, tmp_path, model_dir, embeds_file, photo):
         embeds_file,
         "--steps",
         "2",
-        "--quiet",
+        "--no-progress",
         "-o",
         out,
     )
@@ -396,7 +395,7 @@ def test_alpha_channel_is_kept(capsys, tmp_path, model_dir, embeds_file, photo):
 
 
 def test_tile_options_in_every_mode_and_the_metadata(capsys, tmp_path, model_dir, embeds_file, photo):
-    base = ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "2", "--quiet"]
+    base = ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "2", "--no-progress"]
     tiles = ["--tile-size", "32", "--tile-overlap", "16"]
     runs = {
         "default": [],
@@ -430,18 +429,16 @@ def test_tile_options_in_every_mode_and_the_metadata(capsys, tmp_path, model_dir
 
 
 def test_hires_scale_8_refines_in_tiles(capsys, tmp_path, model_dir, embeds_file, photo):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
 
     torch.manual_seed(0)
     upscaler = tmp_path / "flow_upscaler.safetensors"
-    save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32), upscaler)
+    save_tiny_unet(upscaler, seed=None, cond_dim=32)
     crop = tmp_path / "small.png"
     Image.open(photo).resize((64, 64)).save(crop)
     out = tmp_path / "hires8.png"
     code, _, err = _run(
         capsys, "hires", "--image", crop, "--scale", "8", "--upscaler", upscaler, "--model", model_dir,
-        "--prompt-embeds", embeds_file, "--steps", "2", "--tile-size", "256", "--tile-overlap", "64", "--quiet",
+        "--prompt-embeds", embeds_file, "--steps", "2", "--tile-size", "256", "--tile-overlap", "64", "--no-progress",
         "-o", out,
     )  # fmt: skip
     assert code == 0, err

@@ -11,21 +11,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
+from builders import save_tiny_unet
 from flowlift.commands.cli import main
 from flowlift.files.image_outputs import file_sha256
 
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
-    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+    return save_tiny_unet(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +157,7 @@ def test_bad_arguments(tmp_path, capsys):
 
 
 def test_status_of_a_plain_run_comes_from_its_files(tmp_path, shared, weights, photo, capsys):
-    """Issue 21.11: without a manifest, --status reports done, partial, broken and missing from the files."""
+    """Issue 21.11: without a manifest, `flowlift status` reports done, partial, broken and missing from the files."""
     for name in ("a", "b", "c"):
         photo.save(tmp_path / f"{name}.png")
     assert main(["upscale", str(tmp_path / "a.png"), str(tmp_path / "b.png"), *_common(shared, weights)]) == 0
@@ -174,13 +169,13 @@ def test_status_of_a_plain_run_comes_from_its_files(tmp_path, shared, weights, p
     assert subprocess.run([sys.executable, "-c", killed, str(tmp_path / "c_x2.png")], env=env).returncode == -9
     (tmp_path / ".c_x2.k3j4h5l6.flowlift-partial").write_bytes(b"")  # a user's look-alike: not flowlift's debris
     capsys.readouterr()
-    assert main(["upscale", "--status", str(tmp_path)]) == 1
+    assert main(["status", str(tmp_path)]) == 1
     text = capsys.readouterr().out
     assert "no job manifest" in text and "1 done, 1 partial, 1 broken, 1 missing" in text, text
     assert "broken: b_x2.png (truncated" in text and "missing: c.png" in text and "not complete" in text
     assert main(["upscale", str(tmp_path), *_common(shared, weights)]) == 0  # the rerun finishes it
     capsys.readouterr()
-    assert main(["upscale", "--status", str(tmp_path)]) == 0
+    assert main(["status", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "3 done, 0 partial, 0 broken, 0 missing" in text and "complete" in text.splitlines()[-1]
 
@@ -197,17 +192,12 @@ def test_image_too_wide_for_any_pass_is_refused_in_one_line(tmp_path, shared, we
     assert not (tmp_path / "out" / "wide_x2.png").exists()
 
 
-def test_status_is_its_own_command_and_upscale_status_its_alias(tmp_path, capsys):
-    """Issue 29: `flowlift status OUT`; `flowlift upscale --status OUT` prints the same account, exits the
-    same, and adds one notice line on stderr."""
+def test_status_is_its_own_command(tmp_path, capsys):
+    """Issue 29: `flowlift status OUT` prints the account of the job in OUT and exits 1 while it is not complete."""
     Image.new("RGB", (8, 8), (10, 20, 30)).save(tmp_path / "a.png")  # a source with no output here: missing
     assert main(["status", str(tmp_path)]) == 1
     own = capsys.readouterr()
     assert "1 missing" in own.out and own.err == ""
-    assert main(["upscale", "--status", str(tmp_path)]) == 1
-    alias = capsys.readouterr()
-    assert alias.out == own.out
-    assert len(alias.err.splitlines()) == 1 and "flowlift status OUT" in alias.err
     assert main(["status", str(tmp_path / "absent")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("flowlift status: error: ") and "no such folder" in err and "\n" not in err

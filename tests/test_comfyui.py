@@ -30,6 +30,7 @@ from flowlift.models.vae_loading import load_vae
 from flowlift.models.vae_names import NATIVE_VAES
 from flowlift.upscale.colorfix import lab_lowband_transplant
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
+from flowlift.upscale.settings import MemoryPolicy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NODE_IDS = (
@@ -144,7 +145,7 @@ def test_flux2_latent_workflow_equals_the_python_api(server):
     encoded = load_file(str(server.output_file(entry, "90", "latents")))["latent_tensor"]
     assert encoded.shape == (1, 128, IMAGE_H // 16, IMAGE_W // 16)
     upscaler = load_upscaler(server.root / "models" / "latent_upscale_models" / "flow_upscaler.safetensors")
-    pipeline = FlowUpscalerPipeline(upscaler, vae=None, chunked=False)
+    pipeline = FlowUpscalerPipeline(upscaler, vae=None, memory=MemoryPolicy(chunked=False))
     expected = patchify(pipeline.upscale_latents(from_comfyui_latent({"samples": encoded}), 1, seed=7))
     for node, atol in (("91", 1e-5), ("93", 1e-4)):  # the chunked executor equals the plain pass to ~1e-5
         got = load_file(str(server.output_file(entry, node, "latents")))["latent_tensor"]

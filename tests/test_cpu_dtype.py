@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 import flowlift.devices as devices
+from builders import save_tiny_unet
 from flowlift.commands.cli import main
 from flowlift.devices import auto_dtype, cpu_has_native_bf16, resolve_device_dtype
 from flowlift.files.image_outputs import read_metadata
@@ -18,12 +19,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
-    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+    return save_tiny_unet(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from builders import save_tiny_unet
 from flowlift.errors import FlowliftError
 from flowlift.jobs.distributed import DistEnv, image_pixels, probe_and_gather, rank_device, shard_by_pixels
 from flowlift.jobs.manifest import MANIFEST_NAME, Manifest, format_status, image_record, job_status, latest_by_output
@@ -218,13 +219,12 @@ def test_scaleout_refusals_are_one_line_errors(tmp_path, capsys):
     for output in (None, str(tmp_path / "one.png")):  # no folder for the manifest
         with pytest.raises(FlowliftError, match="-o must name an output folder"):
             run_batch(jobs, lambda: None, command="upscale", output=output, env=DistEnv(0, 2, 0))
-    assert main(["upscale", "a.png", "--status", str(tmp_path)]) == 2
-    assert main(["upscale", "--status", str(tmp_path / "absent")]) == 2  # no folder there (without a
+    assert main(["status", str(tmp_path / "absent")]) == 2  # no folder there (without a
     # manifest, an existing folder's state comes from its files: tests/test_cli_upscale.py)
     assert main(["upscale"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 3 and all(line.startswith("flowlift upscale: error: ") for line in err)
-    assert "no such folder" in err[1]
+    assert len(err) == 2 and err[0].startswith("flowlift status: error: ") and "no such folder" in err[0]
+    assert err[1] == "flowlift upscale: error: give INPUT images"
 
 
 BARRIER_SCRIPT = """
@@ -282,7 +282,7 @@ def test_eval_run_sharded_equals_single_process(tmp_path, shared, photos, single
     from flowlift.commands.cli import main
 
     common = ["--run", "lanczos,vae-roundtrip", "--dataset", str(photos), "--scale", "2",
-              "--vae", str(shared / "models" / "taef2"), "--quiet"]  # fmt: skip
+              "--vae", str(shared / "models" / "taef2"), "--no-progress"]  # fmt: skip
     assert main(["eval", *common, "-o", str(tmp_path / "one")]) == 0
     result = run_torchrun(2, "eval", *common, "-o", str(tmp_path / "two"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -305,14 +305,7 @@ SIZES = [(48, 32), (64, 48), (48, 48), (80, 48), (48, 64), (96, 64), (64, 40), (
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    import torch
-
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
-    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+    return save_tiny_unet(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
 
 
 @pytest.fixture(scope="module")
@@ -361,7 +354,7 @@ def test_sharded_upscale_equals_one_process_and_reports_the_corrupt_image(
     summaries = [line for line in result.stdout.splitlines() if " written, " in line]
     assert len(summaries) == 1, result.stdout  # one summary for the job (rank 0's, every rank counted), issue 39
     assert summaries[0].startswith("flowlift upscale: 8 written, 0 skipped, 1 failed (9 inputs) in "), summaries
-    assert any("--status" in line and "exits 1" in line for line in errors)  # says where the failure shows
+    assert any("`flowlift status " in line and "exits 1" in line for line in errors)  # says where the failure shows
     jobs = [r for r in Manifest(tmp_path / "two").records() if r["event"] == "job"]
     assert len(jobs) == 1  # one attempt of the group: no restart
     assert not processes_naming(str(tmp_path / "two"))
@@ -382,7 +375,7 @@ def test_sharded_upscale_equals_one_process_and_reports_the_corrupt_image(
                 for rank in (0, 1)]  # fmt: skip
     assert abs(per_rank[0] - per_rank[1]) <= max(w * h for w, h in SIZES)
 
-    assert main(["upscale", "--status", str(tmp_path / "two")]) == 1  # not complete: one failed
+    assert main(["status", str(tmp_path / "two")]) == 1  # not complete: one failed
     status = capsys.readouterr().out
     assert "8 done, 0 skipped, 1 failed" in status and "corrupt.png" in status
 
@@ -589,5 +582,5 @@ def test_killed_rank_loses_only_its_image_in_flight_and_reruns_finish_the_job(
     assert all(third[name][0] == second[name][0] for name in second)
     assert all(third[name] == second[name] for name in second if name not in lost)
     assert done_counts() == {**before, **{name: before.get(name, 0) + 1 for name in lost}}
-    assert main(["upscale", "--status", str(out)]) == 0
+    assert main(["status", str(out)]) == 0
     assert capsys.readouterr().out.strip().endswith("complete")

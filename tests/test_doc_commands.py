@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from builders import fake_hub_cache
 from conftest import shared_dir
 from doc_commands import doc_commands
 
@@ -158,7 +159,6 @@ SKIP: dict[str, str] = {
         SYNOPSIS,
     "flowlift eval OUT --reference IN": SYNOPSIS,
     "flowlift status OUT": SYNOPSIS,
-    "flowlift upscale --status OUT": SYNOPSIS,
     "flowlift upscale --batch-size N": SYNOPSIS,
     "flowlift bands ../shared/images/kodak ../shared/images/photos --vae ../shared/models/taef2 -o bands/ [--full]":
         SYNOPSIS,
@@ -207,18 +207,6 @@ def small_shared(real: Path, root: Path) -> Path:
     (folder / "models").mkdir()
     (folder / "models" / "taef2").symlink_to(real / "models" / "taef2")
     return folder
-
-
-def fake_hub_cache(cache: Path, repo_id: str, files: dict[str, Path]) -> None:
-    """``files`` (name in the repo -> a file here) as huggingface_hub's cache holds a downloaded snapshot."""
-    commit = "0" * 40
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    for name, source in files.items():
-        target = repo / "snapshots" / commit / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.symlink_to(source)
 
 
 @pytest.fixture(scope="module")
@@ -313,15 +301,15 @@ def training_data(work: Path, shared: Path, stand) -> None:
     import torch
 
     from flowlift.models.vae_loading import load_vae
-    from flowlift.training.datasets import build_distill_dataset, build_images_dataset
+    from flowlift.training.datasets import ShardWriting, build_distill_dataset, build_images_dataset
 
     vae = load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
     images(work / "photos", ("kodim03",), size=(256, 256))
     # latents of 32x32: train's default crop (32 latent pixels) fits
     build_images_dataset(work / "data" / "photos", sorted((work / "photos").iterdir()), vae, crop=256,
-                         crops_per_image=2, progress=False)  # fmt: skip
+                         crops_per_image=2, writing=ShardWriting(progress=False))  # fmt: skip
     build_distill_dataset(work / "data" / "distill", lambda noise: 0.5 * noise, vae, num_items=2,
-                          latent_size=(32, 32), progress=False)  # fmt: skip
+                          latent_size=(32, 32), writing=ShardWriting(progress=False))  # fmt: skip
     images(work / "held_out", ("kodim23",), size=(256, 256))
 
 

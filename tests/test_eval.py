@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
+from builders import kodak_crops, save_tiny_unet
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 from flowlift.measure import cache as C
@@ -39,11 +40,7 @@ class BlockVAE:
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory, shared) -> Path:
     """Three small photos (Kodak crops, 136x104 -> cropped to 128x64 multiples of 64 at scale 4)."""
-    folder = tmp_path_factory.mktemp("photos")
-    for name in ("kodim03", "kodim07", "kodim23"):
-        with Image.open(shared / "images" / "kodak" / f"{name}.png") as im:
-            im.convert("RGB").crop((300, 200, 436, 304)).save(folder / f"{name}.png")
-    return folder
+    return kodak_crops(shared, tmp_path_factory.mktemp("photos"))
 
 
 def test_parse_methods():
@@ -205,7 +202,7 @@ def test_pairs_mode_identical_and_shifted(photos, tmp_path):
 def test_cli_pairs_and_errors(photos, tmp_path, capsys):
     out = tmp_path / "report"
     assert main(["eval", str(photos), "--reference", str(photos), "--ground-truth", str(photos),
-                 "-o", str(out), "--quiet"]) == 0  # fmt: skip
+                 "-o", str(out), "--no-progress"]) == 0  # fmt: skip
     printed = capsys.readouterr().out
     assert "| outputs | mean |" in printed and "SSIM gt" in printed
     assert sorted(p.name for p in out.iterdir()) == ["crops.png", "metrics.png", "results.json", "table.md"]
@@ -221,7 +218,7 @@ def test_cli_pairs_and_errors(photos, tmp_path, capsys):
         (["eval", "--run", "lanczos", "--dataset", str(photos), "--box", "0,0,999,999", "-o", str(bad)],
          "not inside"),
     ]:
-        assert main(argv + ["--quiet"]) == 2
+        assert main(argv + ["--no-progress"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and msg in err and "Traceback" not in err
         assert not bad.exists()
@@ -237,7 +234,7 @@ def test_pairs_that_are_not_an_integer_upscale_are_refused(tmp_path, capsys, out
         Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(tmp_path / folder / "a.png")
     report = tmp_path / "report"
     assert main(["eval", str(tmp_path / "outs"), "--reference", str(tmp_path / "refs"), "-o", str(report),
-                 "--quiet"]) == 2  # fmt: skip
+                 "--no-progress"]) == 2  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "not an integer multiple of the reference" in err and "Traceback" not in err
     assert f"{output[0]}x{output[1]}" in err and str(tmp_path / "outs" / "a.png") in err
@@ -280,7 +277,7 @@ def test_cli_run_with_vae_methods_and_cache(monkeypatch, photos, tmp_path, capsy
     weights.write_bytes(b"one")
     out = tmp_path / "run"
     argv = ["eval", "--run", "bicubic,latent-bicubic", "--run", "vae-roundtrip", "--dataset", str(photos),
-            "--scale", "4", "--vae", str(weights), "-o", str(out), "--quiet", "--limit", "2"]  # fmt: skip
+            "--scale", "4", "--vae", str(weights), "-o", str(out), "--no-progress", "--limit", "2"]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "| latent-bicubic | worst |" in printed and "cache: 0 reused, 6 computed" in printed
@@ -338,12 +335,7 @@ def test_latent_bicubic_interpolates_raw_latents_when_the_vae_has_statistics():
 
 def test_cli_flow_end_to_end_with_random_weights(shared, tmp_path, capsys):
     """The flow method through the real pipeline and TAEF2 (random tiny UNet: only the plumbing)."""
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    unet = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0).eval()
-    weights = save_upscaler(unet, tmp_path / "flow_upscaler.safetensors")
+    weights = save_tiny_unet(tmp_path / "flow_upscaler.safetensors")
     data = tmp_path / "data"
     data.mkdir()
     with Image.open(shared / "images" / "kodak" / "kodim23.png") as im:
@@ -351,7 +343,7 @@ def test_cli_flow_end_to_end_with_random_weights(shared, tmp_path, capsys):
     out = tmp_path / "flow"
     taef2 = str(shared / "models" / "taef2")
     argv = ["eval", "--run", "flow:transplant=0.5,flow:color=off", "--dataset", str(data), "--scale", "2",
-            "--vae", taef2, "--upscaler", str(weights), "-o", str(out), "--quiet"]  # fmt: skip
+            "--vae", taef2, "--upscaler", str(weights), "-o", str(out), "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "| flow:transplant=0.5 | mean |" in printed and "| flow:color=off | mean |" in printed

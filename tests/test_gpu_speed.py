@@ -12,27 +12,14 @@ import torch
 from PIL import Image
 
 from flowlift.errors import FlowliftError
+from flowlift.limits import parse_memory
 from flowlift.upscale import memory_plan as M
 from flowlift.upscale.chunked import budget as B
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
+from flowlift.upscale.settings import MemoryPolicy
 from flowlift.upscale.sizes import pass_generator
 
 GIB = 2**30
-
-
-@pytest.fixture(scope="module")
-def unet():
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-
-    torch.manual_seed(0)
-    return FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0).eval()
-
-
-@pytest.fixture(scope="module")
-def vae(shared):
-    from flowlift.models.vae_loading import load_vae
-
-    return load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -46,23 +33,23 @@ def photos(shared):
 
 
 def test_parse_memory_units_and_errors():
-    assert M.parse_memory("6GB") == 6 * 10**9
-    assert M.parse_memory("6 GiB") == 6 * GIB
-    assert M.parse_memory("512MiB") == 512 * 2**20
-    assert M.parse_memory("1.5g") == 1_500_000_000
-    assert M.parse_memory(3 * GIB) == 3 * GIB
+    assert parse_memory("6GB") == 6 * 10**9
+    assert parse_memory("6 GiB") == 6 * GIB
+    assert parse_memory("512MiB") == 512 * 2**20
+    assert parse_memory("1.5g") == 1_500_000_000
+    assert parse_memory(3 * GIB) == 3 * GIB
     for bad in ("six GB", "6XB", "-1GB", "12", True, ""):
         with pytest.raises(FlowliftError):
-            M.parse_memory(bad)
+            parse_memory(bad)
 
 
 def full_size_plan(budget: str, vae: str = "taef2"):
     """The issue's case: a 2048x1366 photo (model input 2048x1376) to x8, bf16, 59M-parameter UNet."""
-    return M.plan_upscale(
+    return M.plan_upscale_memory(
         1376,
         2048,
         3,
-        M.parse_memory(budget),
+        parse_memory(budget),
         unet_dtype=torch.bfloat16,
         unet_weight_bytes=118 << 20,
         vae_kind=vae,
@@ -146,7 +133,8 @@ def test_budgeted_pipeline_equals_plain(unet, vae, photos, monkeypatch):
     reference = plain.upscale_image(photos[0], num_passes=2, seed=5, output_type="pt")
     for want in ("chunked", "offload"):
         budget = budget_for(plain, (32, 48), 2, want)
-        pipe = FlowUpscalerPipeline(unet, vae, device="cpu", dtype=torch.float32, max_memory=budget)
+        memory = MemoryPolicy(max_memory=budget)
+        pipe = FlowUpscalerPipeline(unet, vae, device="cpu", dtype=torch.float32, memory=memory)
         out = pipe.upscale_image(photos[0], num_passes=2, seed=5, output_type="pt")
         assert pipe.last_plan.passes[-1].mode == want
         assert pipe.last_plan.passes[-1].strip_rows < 16  # strips, not the whole frame
@@ -154,7 +142,7 @@ def test_budgeted_pipeline_equals_plain(unet, vae, photos, monkeypatch):
 
 
 def test_colour_stage_on_the_host_equals_device(unet, vae, photos, monkeypatch):
-    pipe = FlowUpscalerPipeline(unet, vae, device="cpu", dtype=torch.float32, max_memory="10GB")
+    pipe = FlowUpscalerPipeline(unet, vae, device="cpu", dtype=torch.float32, memory=MemoryPolicy(max_memory="10GB"))
     reference = pipe.upscale_image(photos[0], num_passes=1, seed=2, output_type="pt")
     assert not pipe.last_plan.colour_on_host
     monkeypatch.setattr(M, "COLOUR_STRIP_BYTES", 10**12)  # stage 2 on the device can no longer fit

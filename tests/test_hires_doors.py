@@ -1,9 +1,9 @@
 """One hires fix behind every door (issue 38): the web app, ``flowlift hires`` and the InvokeAI node chain give the
 same output for the same inputs and defaults, and the app and the command line name a capped 8x the same.
 
-The app and the command line both run :func:`flowlift.refine.hires.hires_fix` through refine's job; the InvokeAI
+The app and the command line both run :meth:`~flowlift.refine.refiner.Flux2Refiner.hires` through the job; the InvokeAI
 graph runs its two nodes' work (*Flow Upscale Latents*: ``raw_to_normalized`` -> ``upscale_latents`` ->
-``normalized_to_raw``; *Tiled FLUX.2 Denoise*: :func:`flowlift.refine.tiled_refine.tiled_refine_raw_latents`), the
+``normalized_to_raw``; *Tiled FLUX.2 Denoise*: :func:`flowlift.refine.loop.tiled_refine_raw_latents`), the
 plain functions the nodes' ``invoke`` calls, here in the main environment on a tiny FLUX.2 folder.
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from app_helpers import tiny_upscaler
+from builders import refine_inputs, save_tiny_unet
 from flowlift.app.service import AppConfig, AppService
 from flowlift.commands.cli import main
 from tiny_flux2 import prompt_embeds, write_model_dir
@@ -30,14 +30,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from safetensors.torch import save_file
-
-    folder = tmp_path_factory.mktemp("hires-in")
-    save_file({"prompt_embeds": prompt_embeds()}, str(folder / "prompt.safetensors"))
-    g = torch.Generator().manual_seed(4)
-    array = (torch.rand(64, 64, 3, generator=g) * 255).to(torch.uint8).numpy()
-    Image.fromarray(array, "RGB").save(folder / "square.png")
-    tiny_upscaler(folder / "flow_upscaler.safetensors")
+    folder = refine_inputs(tmp_path_factory.mktemp("hires-in"), "square.png", (64, 64), seed=4)
+    save_tiny_unet(folder / "flow_upscaler.safetensors")
     return folder
 
 
@@ -58,7 +52,7 @@ def test_the_apps_hires_fix_equals_the_command_lines(model_dir, inputs, tmp_path
         service.close()
     out = tmp_path / "cli.png"
     argv = ["hires", "--image", "square.png", "--model", str(model_dir), "--prompt-embeds", "prompt.safetensors",
-            "--upscaler", "flow_upscaler.safetensors", "--steps", STEPS, "--quiet", "-o", str(out)]  # fmt: skip
+            "--upscaler", "flow_upscaler.safetensors", "--steps", STEPS, "--no-progress", "-o", str(out)]  # fmt: skip
     assert main(argv) == 0
     app_pixels, app_meta = _flowlift_text(app.output)
     cli_pixels, cli_meta = _flowlift_text(out)
@@ -72,11 +66,10 @@ def test_the_invokeai_node_chain_equals_the_hires_fix(model_dir, inputs, single_
     the hires fix's refined latents (float32 on the CPU; the chain's raw/normalized round trips cost ~1e-6)."""
     from flowlift.files.images import load_image, to_tensor
     from flowlift.invokeai.latents import normalized_to_raw, raw_to_normalized
-    from flowlift.refine.hires import hires_fix
     from flowlift.refine.loading import load_refiner
+    from flowlift.refine.loop import tiled_refine_raw_latents
     from flowlift.refine.request import HiresSettings
     from flowlift.refine.settings import REFINE_STRENGTH, SamplingSettings
-    from flowlift.refine.tiled_refine import tiled_refine_raw_latents
     from flowlift.refine.tiling import TileRequest
     from flowlift.upscale.latent_source import FlowUpscalerSource
     from flowlift.upscale.pipeline import FlowUpscalerPipeline
@@ -87,8 +80,7 @@ def test_the_invokeai_node_chain_equals_the_hires_fix(model_dir, inputs, single_
     sampling = SamplingSettings(steps=int(STEPS))
     weights = str(inputs / "flow_upscaler.safetensors")
     upscaler = FlowUpscalerSource(weights).load(refiner.vae, device="cpu", dtype=torch.float32)
-    cli = hires_fix(refiner, upscaler, HiresSettings(), images=images, sampling=sampling,
-                    conditioning={"prompt_embeds": embeds}).latents  # fmt: skip
+    cli = refiner.hires(upscaler, HiresSettings(), images=images, sampling=sampling, prompt_embeds=embeds).latents
 
     vae = refiner.vae  # the nodes get InvokeAI's FLUX.2 VAE: its raw latents and BatchNorm statistics
     raw = vae.encode_raw(images)
@@ -152,7 +144,7 @@ def test_the_app_and_the_command_line_take_the_models_default_steps(
     out = tmp_path / "cli.png"
     command = ["img2img", "square.png"] if mode == "img2img" else ["hires", "--image", "square.png", "--upscaler",
                                                                    "flow_upscaler.safetensors"]  # fmt: skip
-    argv = [*command, "--model", str(model), "--prompt-embeds", "prompt.safetensors", "--quiet", "-o", str(out)]
+    argv = [*command, "--model", str(model), "--prompt-embeds", "prompt.safetensors", "--no-progress", "-o", str(out)]
     assert main(argv) == 0
     app_pixels, app_meta = _flowlift_text(app.output)
     cli_pixels, cli_meta = _flowlift_text(out)

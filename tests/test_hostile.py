@@ -776,7 +776,7 @@ def test_a_live_writers_temporary_is_left_alone_and_removed_once_it_is_killed(tm
         assert temporary.is_file() and temporary_in_use(temporary)
         assert remove_stale_temporaries(tmp_path, before=time.time() + 60) == []  # older than the run, but locked
         assert temporary.is_file()
-        assert main(["upscale", "--status", str(tmp_path)]) == 1
+        assert main(["status", str(tmp_path)]) == 1
         assert f"being written now: {temporary.parent.name}" in capsys.readouterr().out
     finally:
         writer.kill()

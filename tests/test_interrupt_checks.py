@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from builders import tiny_unet
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
@@ -42,11 +43,7 @@ class Checks:
 
 @pytest.fixture(scope="module")
 def pipeline(shared):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-
-    torch.manual_seed(0)
-    unet = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0).eval()
-    return FlowUpscalerPipeline(unet, shared / "models" / "taef2", device="cpu", dtype=torch.float32)
+    return FlowUpscalerPipeline(tiny_unet(seed=0), shared / "models" / "taef2", device="cpu", dtype=torch.float32)
 
 
 def _image() -> torch.Tensor:

@@ -32,6 +32,7 @@ from flowlift.models.upscaler_weights import load_upscaler, save_upscaler
 from flowlift.models.vae import Flux2VAE
 from flowlift.models.vae_loading import load_vae
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
+from flowlift.upscale.settings import MemoryPolicy
 from flux2_files import write_single_file
 from invokeai_client import InvokeAIServer, graph, start_server, stop_server, wait_until_serving
 from invokeai_venv import invokeai_env, invokeai_python
@@ -384,7 +385,7 @@ def test_latent_and_image_nodes_on_invokeais_flux2_vae_equal_the_pipeline(server
     vae_as_invokeai_holds_it = Flux2VAE(file_vae.to(torch.bfloat16).float())
     bn = vae_as_invokeai_holds_it.model.bn
     bn_mean, bn_std = bn.running_mean.float(), bn_std_of(bn.running_var.float(), bn.eps)
-    pipeline = FlowUpscalerPipeline(load_upscaler(upscaler), vae=None, chunked=False)
+    pipeline = FlowUpscalerPipeline(load_upscaler(upscaler), vae=None, memory=MemoryPolicy(chunked=False))
     normalized = normalize(encoded.float(), bn_mean, bn_std)
     expected = denormalize(pipeline.upscale_latents(normalized, 1, seed=7), bn_mean, bn_std)
     for node in ("up", "up_chunked"):

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from builders import save_tiny_unet
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import normalize
 from flowlift.invokeai import files, latents
@@ -96,12 +97,7 @@ def test_a_model_of_several_files_gets_one_order_independent_digest(tmp_path):
 
 
 def _upscaler_file(folder):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32)
-    return save_upscaler(model, folder / "flow_upscaler.safetensors")
+    return save_tiny_unet(folder / "flow_upscaler.safetensors", cond_dim=32)
 
 
 def test_a_named_server_file_is_checked_before_a_byte_of_its_data_is_read(tmp_path, monkeypatch):
@@ -194,8 +190,8 @@ def test_tiled_denoise_loop_with_the_model_object_invokeai_hands_it():
     # really run, change the result, and are named in the record
     import torch
 
+    from flowlift.refine.loop import tiled_refine_raw_latents, tiling_line
     from flowlift.refine.settings import SamplingSettings
-    from flowlift.refine.tiled_refine import tiled_refine_raw_latents, tiling_line
     from flowlift.refine.tiling import TileRequest
     from tiny_flux2 import prompt_embeds, tiny_transformer
 

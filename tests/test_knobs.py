@@ -13,14 +13,14 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import warnings
 
 import pytest
 
+from builders import resized_photo
 from flowlift.errors import FlowliftError
 from flowlift.knobs import SEED, SEED_MAX, Knob, exact_int
 from flowlift.refine.settings import REFINE_KNOBS, TILE_KNOBS, SamplingSettings
-from flowlift.upscale.settings import COLOR_FIX_KNOBS, UPSCALE_KNOBS, MemoryPolicy
+from flowlift.upscale.settings import COLOR_FIX_KNOBS, UPSCALE_KNOBS
 
 #: (command, option) -> (table, knob name, the argparse default where the command resolves the knob's own
 #: default itself, or ``...`` for the knob's default).
@@ -209,7 +209,7 @@ def test_python_api_checks_have_the_knobs_domain():
         for value in outside:
             with pytest.raises(FlowliftError):
                 SamplingSettings(**{name: value})
-    with pytest.raises(FlowliftError, match="unknown sampler"):
+    with pytest.raises(FlowliftError, match="sampler must be one of euler, heun"):
         SamplingSettings(sampler="dpm++")
 
 
@@ -375,82 +375,23 @@ def test_the_python_doors_take_only_integers(value, expected):
 # ---------------------------------------------------------------------------------- settings objects
 
 
-def test_old_pipeline_memory_keywords_warn_and_mean_the_same_policy():
-    import torch
+def test_memory_policy_refuses_a_chunk_rows_that_is_not_a_positive_integer():
+    from flowlift.upscale.settings import MemoryPolicy
 
-    from flowlift.upscale.pipeline import FlowUpscalerPipeline
-
-    def velocity(sample, t, small):
-        return sample
-
-    with pytest.warns(DeprecationWarning, match=r"FlowUpscalerPipeline\(chunked=, max_memory=\) is deprecated") as seen:
-        old = FlowUpscalerPipeline(velocity, None, device="cpu", dtype=torch.float32, chunked=True, max_memory="2GB")
-    assert seen[0].filename == __file__  # the warning points at the caller's line
-    new = FlowUpscalerPipeline(
-        velocity, None, device="cpu", dtype=torch.float32, memory=MemoryPolicy(chunked=True, max_memory="2GB")
-    )
-    assert old.memory == new.memory and old.chunked is new.chunked is True and old.max_memory == new.max_memory
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new spelling warns about nothing
-        FlowUpscalerPipeline(velocity, None, device="cpu", dtype=torch.float32, memory=MemoryPolicy())
-    with pytest.raises(FlowliftError, match="not both"):
-        FlowUpscalerPipeline(velocity, None, memory=MemoryPolicy(), chunked=True)
-    with pytest.raises(TypeError, match="chunkd"):
-        FlowUpscalerPipeline(velocity, None, chunkd=True)
     with pytest.raises(FlowliftError, match="chunk_rows must be a positive integer"):
         MemoryPolicy(chunk_rows=0)
-
-
-def test_old_refiner_sampling_keywords_warn_and_give_the_same_result():
-    import torch
-
-    from flowlift.models.vae_loading import load_vae
-    from flowlift.refine.refiner import Flux2Refiner
-    from tiny_flux2 import prompt_embeds, tiny_transformer, tiny_vae
-
-    refiner = Flux2Refiner(tiny_transformer(), load_vae(tiny_vae(), device="cpu", dtype=torch.float32))
-    embeds = prompt_embeds()
-    image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    sampling = SamplingSettings(steps=3, seed=7, sampler="heun", mu=1.5, schedule="clipped")
-    new = refiner.img2img(image, strength=0.6, sampling=sampling, prompt_embeds=embeds)
-    legacy = r"Flux2Refiner.img2img\(steps=, seed=, sampler=, mu=, schedule=\)"
-    with pytest.warns(DeprecationWarning, match=legacy) as seen:
-        old = refiner.img2img(
-            image, strength=0.6, steps=3, seed=7, sampler="heun", mu=1.5, schedule="clipped", prompt_embeds=embeds
-        )
-    assert seen[0].filename == __file__  # the warning points at the caller's line
-    assert torch.equal(old.images, new.images) and old.parameters == new.parameters
-    assert new.parameters["seed"] == 7 and new.parameters["steps"] == 3 and new.parameters["schedule"] == "clipped"
-    with pytest.raises(FlowliftError, match="not both"):
-        refiner.img2img(image, strength=0.6, sampling=sampling, seed=1, prompt_embeds=embeds)
 
 
 # ------------------------------------------------------------------- the seed bugs of issue 29, end to end
 
 
 @pytest.fixture(scope="module")
-def tiny_weights(tmp_path_factory):
-    import torch
-
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
-    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
-
-
-@pytest.fixture(scope="module")
 def small_photo(shared, tmp_path_factory):
-    from PIL import Image
-
-    path = tmp_path_factory.mktemp("photo") / "wine.png"
-    with Image.open(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png") as image:
-        image.convert("RGB").resize((48, 32), Image.Resampling.BOX).save(path)
-    return path
+    return resized_photo(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png",
+                         tmp_path_factory.mktemp("photo") / "wine.png")
 
 
-def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, tiny_weights, small_photo):
+def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, tiny_upscaler_weights, small_photo):
     # a ComfyUI workflow's seed >= 2^63 was refused by `flowlift upscale --seed` ("seed must be in [0, 2^63)")
     import json
 
@@ -463,9 +404,10 @@ def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, 
 
     taef2 = str(shared / "models" / "taef2")
     out = tmp_path / "out.png"
-    argv = ["upscale", str(small_photo), "-o", str(out), "--seed", str(SEED_MAX), "--upscaler", str(tiny_weights)]
-    assert main([*argv, "--vae", taef2, "--device", "cpu", "--quiet"]) == 0
-    pipeline = FlowUpscalerPipeline(str(tiny_weights), taef2, device="cpu", dtype=torch.float32)
+    argv = ["upscale", str(small_photo), "-o", str(out), "--seed", str(SEED_MAX),
+            "--upscaler", str(tiny_upscaler_weights)]
+    assert main([*argv, "--vae", taef2, "--device", "cpu", "--no-progress"]) == 0
+    pipeline = FlowUpscalerPipeline(str(tiny_upscaler_weights), taef2, device="cpu", dtype=torch.float32)
     with Image.open(small_photo) as image:
         expected = pipeline.upscale_image(image.convert("RGB"), 1, seed=SEED_MAX)
         other = pipeline.upscale_image(image.convert("RGB"), 1, seed=SEED_MAX - 1)
@@ -476,7 +418,7 @@ def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, 
     assert not np.array_equal(got, np.asarray(other))  # the seed reached the noise
 
 
-def test_app_keeps_seeds_exact(tmp_path, shared, tiny_weights, small_photo):
+def test_app_keeps_seeds_exact(tmp_path, shared, tiny_upscaler_weights, small_photo):
     # through float(), seeds 2^53 and 2^53 + 1 were the same seed and gave the same image
     import json
 
@@ -485,7 +427,7 @@ def test_app_keeps_seeds_exact(tmp_path, shared, tiny_weights, small_photo):
 
     from flowlift.app.service import AppConfig, AppService
 
-    config = AppConfig(upscaler=str(tiny_weights), vaes=[str(shared / "models" / "taef2")], device="cpu",
+    config = AppConfig(upscaler=str(tiny_upscaler_weights), vaes=[str(shared / "models" / "taef2")], device="cpu",
                        work_dir=tmp_path / "work")  # fmt: skip
     service = AppService(config)
     try:
@@ -623,15 +565,15 @@ VOCABULARY = {"output": ["-o", "--output"], "vae": ["--vae"], "color_fix_strengt
 def test_every_knob_has_one_name_on_every_command():
     """Issue 39: a test walks every parser and the knob tables and fails on a knob spelled two ways: one option
     per ``dest`` across all commands, the shared concepts spelled as :data:`VOCABULARY` says, every knob of the
-    tables under its own ``--name`` wherever it keeps its name, one ``--vae`` help text, no old spelling shown."""
+    tables under its own ``--name`` wherever it keeps its name, one ``--vae`` help text, no old spelling."""
     from flowlift.commands._options import VAE_HELP
 
     spellings: dict[str, dict[tuple[str, ...], list[str]]] = {}
     knobs = {**UPSCALE_KNOBS, **REFINE_KNOBS, "color_fix_strength": UPSCALE_KNOBS["color_fix_strength"]}
     for prog, parser in _command_parsers().items():
         for action in parser._actions:
-            if not action.option_strings or action.help == argparse.SUPPRESS:
-                continue  # positionals; hidden old spellings (one deprecation line when used)
+            if not action.option_strings:
+                continue  # positionals
             flags = tuple(action.option_strings)
             spellings.setdefault(action.dest, {}).setdefault(flags, []).append(prog)
             if action.dest in VOCABULARY:
@@ -644,19 +586,3 @@ def test_every_knob_has_one_name_on_every_command():
     twice = {dest: {flags: progs for flags, progs in seen.items()} for dest, seen in spellings.items() if len(seen) > 1}
     twice.pop("help", None)
     assert not twice, f"one setting spelled two ways: {twice}"
-
-
-@pytest.mark.parametrize(
-    "argv, old, new",
-    [(["bands", "/no/such.png", "--vae", "taef2", "--out", "o"], "--out", "-o/--output"),
-     (["dataset", "images", "/no/such.png", "-o", "o", "--vae", "taef2", "--crop", "64"], "--crop", "--crop-px"),
-     (["colorfix", "/no/such.png", "--reference", "r.png", "--strength", "0.5"], "--strength", "--color-fix-strength")],
-)  # fmt: skip
-def test_old_spellings_work_for_a_release_with_one_deprecation_line(argv, old, new, capsys, tmp_path, monkeypatch):
-    from flowlift.commands.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    main(argv)  # the inputs do not exist: the run stops at them, after parsing the old spelling
-    notes = [line for line in capsys.readouterr().err.splitlines() if "deprecated" in line]
-    assert notes == [f"flowlift {argv[0] if argv[0] != 'dataset' else 'dataset images'}: note: {old} is deprecated "
-                     f"and goes in the next release; use {new}"]  # fmt: skip

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from builders import save_tiny_unet
 from conftest import shared_dir
 from flowlift.commands.cli import main
 
@@ -267,12 +268,10 @@ def tiny_upscale(tmp_path_factory):
     import torch
     from PIL import Image
 
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
 
     folder = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
-    weights = save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64), folder / "w.safetensors")
+    weights = save_tiny_unet(folder / "w.safetensors", seed=None)
     Image.new("RGB", (64, 48), (90, 40, 20)).save(folder / "a.png")
     shared = shared_dir() / "models" / "taef2"  # $FLOWLIFT_SHARED, else ../shared
     return ["upscale", str(folder / "a.png"), "--upscaler", str(weights), "--vae", str(shared), "--device", "cpu",

@@ -22,6 +22,7 @@ pytest.importorskip("peft")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from builders import save_tiny_unet
 from flowlift.errors import FlowliftError  # noqa: E402
 from flowlift.refine.loras import apply_loras  # noqa: E402
 from flux2_files import LORA_TARGETS, bfl_lora_layers, write_comfyui_lora, write_kohya_lora, write_peft_lora  # noqa: E402
@@ -176,8 +177,6 @@ def test_a_lora_of_another_width_names_the_released_model_it_was_made_for(tmp_pa
 def test_cli_refuses_a_lora_that_does_not_fit_in_one_line(cases, tmp_path, command):
     from PIL import Image
 
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
 
     model_dir = write_model_dir(tmp_path / "model")
     embeds = save(tmp_path / "emb.safetensors", {"prompt_embeds": prompt_embeds()}, None)
@@ -187,14 +186,14 @@ def test_cli_refuses_a_lora_that_does_not_fit_in_one_line(cases, tmp_path, comma
         args = ["img2img", str(tmp_path / "in.png"), "--steps", "1"]
     else:
         torch.manual_seed(0)
-        save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32), tmp_path / "up.safetensors")
+        save_tiny_unet(tmp_path / "up.safetensors", seed=None, cond_dim=32)
         args = ["hires", "--width", "64", "--height", "64", "--base-steps", "1", "--steps", "1",
                 "--upscaler", str(tmp_path / "up.safetensors")]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     for name in ("comfy-rank0", "other-width", "metadata-empty"):
         path, message = cases[name]
         argv = [sys.executable, "-m", "flowlift", *args, "--model", str(model_dir), "--prompt-embeds", str(embeds),
-                "--lora", str(path), "--quiet", "-o", str(out)]  # fmt: skip
+                "--lora", str(path), "--no-progress", "-o", str(out)]  # fmt: skip
         run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         lines = run.stderr.splitlines()
         assert run.returncode == 2 and len(lines) == 1, run.stderr

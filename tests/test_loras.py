@@ -17,13 +17,16 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
+from builders import save_tiny_unet
 from flowlift.commands.cli import main  # noqa: E402
 from flowlift.errors import FlowliftError  # noqa: E402
 from flowlift.flux2.latents import denormalize  # noqa: E402
 from flowlift.refine.loading import load_refiner  # noqa: E402
 from flowlift.refine.loras import apply_loras, parse_lora_spec  # noqa: E402
+from flowlift.refine.request import HiresSettings  # noqa: E402
+from flowlift.refine.settings import SamplingSettings  # noqa: E402
 from flux2_files import bfl_lora_layers, write_comfyui_lora, write_kohya_lora, write_peft_lora  # noqa: E402
-from tiny_flux2 import TEXT_DIM, prompt_embeds, tiny_transformer, tiny_vae, write_model_dir  # noqa: E402
+from tiny_flux2 import TEXT_DIM, AsUpscaler, prompt_embeds, tiny_transformer, tiny_vae, write_model_dir  # noqa: E402
 
 H, W, STEPS, SEED = 64, 96, 3, 5
 EMB = prompt_embeds()
@@ -57,7 +60,7 @@ def raw_latents(refiner, normalized):
 @pytest.mark.parametrize("scale", [1.0, 0.6])
 def test_peft_lora_equals_the_diffusers_klein_pipeline(model_dir, peft_lora, scale):
     refiner = load_refiner(str(model_dir), loras=[(peft_lora, scale)], device="cpu", mu="empirical")  # diffusers mu
-    ours = refiner.txt2img(height=H, width=W, steps=STEPS, seed=SEED, prompt_embeds=EMB)
+    ours = refiner.txt2img(height=H, width=W, sampling=SamplingSettings(steps=STEPS, seed=SEED), prompt_embeds=EMB)
 
     pipe = diffusers_pipeline()
     pipe.load_lora_weights(str(peft_lora), adapter_name="style")
@@ -73,7 +76,7 @@ def test_peft_lora_equals_the_diffusers_klein_pipeline(model_dir, peft_lora, sca
     ).images
     torch.testing.assert_close(raw_latents(refiner, ours.latents), reference, rtol=0, atol=1e-4)
     plain = load_refiner(str(model_dir), device="cpu", mu="empirical")
-    without = plain.txt2img(height=H, width=W, steps=STEPS, seed=SEED, prompt_embeds=EMB)
+    without = plain.txt2img(height=H, width=W, sampling=SamplingSettings(steps=STEPS, seed=SEED), prompt_embeds=EMB)
     assert (ours.latents - without.latents).abs().max() > 1e-2  # the LoRA changes the result
     record = ours.parameters["loras"]
     assert record == [{"path": str(peft_lora), "sha256": record[0]["sha256"], "scale": scale}]
@@ -83,8 +86,8 @@ def test_peft_lora_equals_the_diffusers_klein_pipeline(model_dir, peft_lora, sca
 def test_scale_zero_is_no_lora_bit_for_bit(model_dir, peft_lora):
     with_zero = load_refiner(str(model_dir), loras=[(peft_lora, 0.0)], device="cpu")
     plain = load_refiner(str(model_dir), device="cpu")
-    a = with_zero.txt2img(height=H, width=W, steps=STEPS, seed=SEED, prompt_embeds=EMB)
-    b = plain.txt2img(height=H, width=W, steps=STEPS, seed=SEED, prompt_embeds=EMB)
+    a = with_zero.txt2img(height=H, width=W, sampling=SamplingSettings(steps=STEPS, seed=SEED), prompt_embeds=EMB)
+    b = plain.txt2img(height=H, width=W, sampling=SamplingSettings(steps=STEPS, seed=SEED), prompt_embeds=EMB)
     assert torch.equal(a.latents, b.latents) and torch.equal(a.images, b.images)
 
 
@@ -137,7 +140,12 @@ def test_hires_runs_the_lora_in_the_base_and_the_refine_pass(model_dir, peft_lor
     def upscale(latents):  # a stand-in for the Flow Upscaler: nearest 2x in latent space
         return torch.nn.functional.interpolate(latents, scale_factor=2, mode="nearest")
 
-    out = refiner.hires(upscale, height=32, width=32, base_steps=3, steps=4, refine_strength=0.5, prompt_embeds=EMB)
+    out = refiner.hires(
+        AsUpscaler(upscale),
+        HiresSettings(base_size=(32, 32), base_steps=3, refine_strength=0.5),
+        sampling=SamplingSettings(steps=4),
+        prompt_embeds=EMB,
+    )
     base_calls, refine_calls = 3, out.parameters["model_calls"]
     assert refine_calls >= 1 and len(model_calls) == base_calls + refine_calls
     assert len(lora_calls) == len(model_calls)  # every call of both passes went through the LoRA
@@ -184,16 +192,20 @@ def test_bad_loras_are_one_line_and_leave_the_model_untouched(tmp_path, peft_lor
         "nan.safetensors": ({**good, first: torch.full_like(good[first], float("nan"))}, "NaN"),
         "int.safetensors": ({**good, first: good[first].to(torch.int16)}, "expected floating point"),
         "flux1.safetensors": (  # a FLUX.1 LoRA in kohya's names: per-block modulation FLUX.2 has not
-            {"lora_unet_double_blocks_0_img_mod_lin.lora_down.weight": r,
-             "lora_unet_double_blocks_0_img_mod_lin.lora_up.weight": torch.randn(192, 4)},
+            {
+                "lora_unet_double_blocks_0_img_mod_lin.lora_down.weight": r,
+                "lora_unet_double_blocks_0_img_mod_lin.lora_up.weight": torch.randn(192, 4),
+            },
             "match no layer",
         ),  # fmt: skip
         "elsewhere.safetensors": (
             {"transformer.nowhere.lora_A.weight": r, "transformer.nowhere.lora_B.weight": r.T.contiguous()},
             "match no layer of this FLUX.2 transformer: transformer.nowhere.lora_A.weight",
         ),
-        "text.safetensors": ({"lora_te1_layer.lora_down.weight": r, "lora_te1_layer.lora_up.weight": r.T.contiguous()},
-                             "match no layer"),  # fmt: skip
+        "text.safetensors": (
+            {"lora_te1_layer.lora_down.weight": r, "lora_te1_layer.lora_up.weight": r.T.contiguous()},
+            "match no layer",
+        ),  # fmt: skip
         "dora.safetensors": ({**good, first.replace("lora_A.weight", "dora_scale"): torch.ones(1, 32)}, "DoRA"),
     }
     for name, (tensors, message) in cases.items():
@@ -263,13 +275,11 @@ def test_cli_hires_with_a_file_transformer_a_lora_and_a_budget(capsys, tmp_path,
     from PIL import Image
     from safetensors.torch import save_file
 
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
     from flux2_files import write_fp8
 
     torch.manual_seed(0)
     upscaler = tmp_path / "flow_upscaler.safetensors"
-    save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32), upscaler)
+    save_tiny_unet(upscaler, seed=None, cond_dim=32)
     embeds = tmp_path / "emb.safetensors"
     save_file({"prompt_embeds": EMB}, str(embeds))
     fp8 = tmp_path / "flux-2-tiny-fp8.safetensors"
@@ -277,7 +287,7 @@ def test_cli_hires_with_a_file_transformer_a_lora_and_a_budget(capsys, tmp_path,
     out = tmp_path / "hires.png"
     argv = ["hires", "--width", "64", "--height", "64", "--base-steps", "2", "--scale", "2", "--upscaler", upscaler,
             "--model", model_dir, "--transformer", fp8, "--lora", f"{peft_lora}:0.5", "--max-memory", "256MB",
-            "--prompt-embeds", embeds, "--steps", "4", "--quiet", "-o", out]  # fmt: skip
+            "--prompt-embeds", embeds, "--steps", "4", "--no-progress", "-o", out]  # fmt: skip
     assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
     with Image.open(out) as img:
         assert img.size == (128, 128)

@@ -226,14 +226,14 @@ def test_the_encode_working_set_is_bounded_by_the_tile(vae):
 
 
 def test_the_planner_knows_a_mage_vae(vae):
-    from flowlift.upscale.memory_plan import vae_kind
+    from flowlift.limits import vae_kind
 
     assert vae_kind(vae) == "mage"
 
 
 def test_a_tiled_mage_decode_is_costed_with_its_stores():
     """Frame-sized terms: output, latent and its patchified copy per image, 4.5 values/px of one image."""
-    from flowlift.upscale.memory_plan import DECODE_TILE_BYTES, decode_peak_bytes
+    from flowlift.limits import DECODE_TILE_BYTES, decode_peak_bytes
 
     side = 16384
     pixels = side * side
@@ -249,15 +249,16 @@ def test_a_tiled_mage_decode_is_costed_with_its_stores():
 
 def test_the_planner_tiles_a_16k_mage_decode_within_its_stated_budget():
     from flowlift.errors import FlowliftError
-    from flowlift.upscale.memory_plan import decode_peak_bytes, plan_upscale
+    from flowlift.limits import decode_peak_bytes
+    from flowlift.upscale.memory_plan import plan_upscale_memory
 
     # A 4096x4096 input upscaled 4x: a 16384x16384 output (a 2048x2048 FLUX.2 latent).
     weights = 207 << 20  # the folded decoder in float32
     budget = 10 << 30
-    plan = plan_upscale(4096, 4096, 2, budget, vae_kind="mage", vae_weight_bytes=weights)
+    plan = plan_upscale_memory(4096, 4096, 2, budget, vae_kind="mage", vae_weight_bytes=weights)
     assert plan.vae_tiled
     latent = 4 * 32 * 2048 * 2048
     assert plan.stage_peaks["decode"] == weights + latent + decode_peak_bytes("mage", 16384, 16384, tiled=True)
     assert plan.stage_peaks["decode"] < budget
     with pytest.raises(FlowliftError, match="too small to decode a 16384x16384"):
-        plan_upscale(4096, 4096, 2, 8 << 30, vae_kind="mage", vae_weight_bytes=weights)
+        plan_upscale_memory(4096, 4096, 2, 8 << 30, vae_kind="mage", vae_weight_bytes=weights)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import mage_reference as ref
+from builders import fake_hub_cache, save_tiny_unet
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import patchify, unpatchify
 from flowlift.models.mage_vae import MageVAEConfig, MageVAEModel, dct_position_features, window_attention
@@ -311,17 +312,6 @@ def test_on_tile_reports_one_tile(vae):
 # --------------------------------------------------------------------------------------------------
 
 
-def _fake_hub_cache(cache: Path, repo_id: str, files: dict[str, bytes]) -> None:
-    commit = "0" * 40
-    repo_dir = cache / f"models--{repo_id.replace('/', '--')}"
-    (repo_dir / "refs").mkdir(parents=True)
-    (repo_dir / "refs" / "main").write_text(commit)
-    for name, data in files.items():
-        target = repo_dir / "snapshots" / commit / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-
-
 def test_a_mage_flow_repository_folder_loads_its_vae(tmp_path, released_file):
     repo = tmp_path / "Mage-Flow-Base"
     (repo / "vae").mkdir(parents=True)
@@ -335,7 +325,7 @@ def test_mage_spec_tries_the_repositories_in_order(tmp_path, monkeypatch, releas
     import huggingface_hub.constants
 
     cache = tmp_path / "hub"
-    _fake_hub_cache(cache, MAGE_REPOS[-1], {"vae/mage_vae.safetensors": released_file.read_bytes()})
+    fake_hub_cache(cache, MAGE_REPOS[-1], {"vae/mage_vae.safetensors": released_file.read_bytes()})
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     assert isinstance(load_vae("mage"), MageVAE)
     assert isinstance(load_vae(MAGE_REPOS[-1]), MageVAE)
@@ -398,10 +388,9 @@ def test_cli_upscale_with_a_mage_vae_file(tmp_path, released_file, capsys):
     import numpy as np
     from PIL import Image
 
-    from app_helpers import tiny_upscaler
     from flowlift.commands.cli import main
 
-    upscaler = tiny_upscaler(tmp_path / "flow_upscaler.safetensors")
+    upscaler = save_tiny_unet(tmp_path / "flow_upscaler.safetensors")
     rng = np.random.default_rng(0)
     Image.fromarray(rng.integers(0, 256, (40, 56, 3), dtype=np.uint8)).save(tmp_path / "photo.png")
     common = ["--upscaler", str(upscaler), "--device", "cpu", "--scale", "2"]

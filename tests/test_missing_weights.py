@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from builders import fake_hub_cache
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 from flowlift.models.hub import download_command
@@ -48,18 +49,6 @@ def _unreachable_env(cache: Path, offline: str) -> dict[str, str]:
     return env
 
 
-def _fake_hub_cache(cache: Path, repo_id: str, files: dict[str, bytes]) -> None:
-    """Lay out ``files`` as huggingface_hub's cache holds a downloaded snapshot."""
-    commit = "0" * 40
-    repo_dir = cache / f"models--{repo_id.replace('/', '--')}"
-    (repo_dir / "refs").mkdir(parents=True)
-    (repo_dir / "refs" / "main").write_text(commit)
-    for name, data in files.items():
-        target = repo_dir / "snapshots" / commit / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-
-
 def _timed(argv: list[str], env: dict[str, str], cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
     start = time.monotonic()
     run = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
@@ -86,8 +75,8 @@ def test_unreachable_hub_fails_within_seconds_naming_every_fix(tmp_path, offline
 def test_cached_weights_work_at_once_when_the_hub_is_unreachable(tmp_path):
     """The cache alone serves a command when the hub does not answer, without the retries' wait."""
     cache = tmp_path / "cache"
-    _fake_hub_cache(cache, "TensorForger/FlowUpscaler", {"flow_upscaler.safetensors": b"weights"})
-    _fake_hub_cache(cache, "madebyollin/taef2", {"taef2_encoder.pth": b"e", "taef2_decoder.pth": b"d"})
+    fake_hub_cache(cache, "TensorForger/FlowUpscaler", {"flow_upscaler.safetensors": b"weights"})
+    fake_hub_cache(cache, "madebyollin/taef2", {"taef2_encoder.pth": b"e", "taef2_decoder.pth": b"d"})
     code = (
         "from flowlift.upscale.loading import check_upscale_weights, resolve_upscaler_file;"
         "check_upscale_weights('TensorForger/FlowUpscaler', ['taef2']);"

@@ -76,7 +76,7 @@ def test_a_refine_never_replaces_its_input(tmp_path, monkeypatch, capsys, role, 
     monkeypatch.chdir(tmp_path)
     output = Path("dir") / victim.name if spelling == "relative" else spellings[spelling]
     before = victim.read_bytes()
-    common = ["--model", str(tmp_path / "no-such-model"), "--prompt", "a photo", "--steps", "1", "--quiet",
+    common = ["--model", str(tmp_path / "no-such-model"), "--prompt", "a photo", "--steps", "1", "--no-progress",
               "-o", str(output), *(["--overwrite"] if overwrite else [])]  # fmt: skip
     command, flag = role.split()
     if command == "hires":
@@ -90,7 +90,8 @@ def test_a_refine_never_replaces_its_input(tmp_path, monkeypatch, capsys, role, 
             argv += ["--outpaint", "16,0,16,0"]
     assert main(argv) == 2
     lines = _error_lines(capsys, "hires" if command == "hires" else "img2img")
-    assert len(lines) == 1 and f"is the input {flag}" in lines[0] and "no-such-model" not in lines[0], lines
+    named = "image" if flag == "--image" and command != "hires" else flag  # img2img's image: its positional argument
+    assert len(lines) == 1 and f"is the input {named}" in lines[0] and "no-such-model" not in lines[0], lines
     assert victim.read_bytes() == before
     assert sorted(p.name for p in victim.parent.iterdir()) == ["m.png", "r.png", "sub"]  # nothing else written
 
@@ -101,7 +102,8 @@ def test_upscale_refuses_its_input_by_identity(tmp_path, capsys, spelling, share
     output = _spellings(tmp_path, image)[spelling]
     before = image.read_bytes()
     code = main(["upscale", str(image), "-o", str(output), "--overwrite", "--upscaler",
-                 str(tmp_path / "no.safetensors"), "--vae", str(shared / "models" / "taef2"), "--quiet"])  # fmt: skip
+                 str(tmp_path / "no.safetensors"), "--vae", str(shared / "models" / "taef2"),
+                 "--no-progress"])  # fmt: skip
     assert code in (1, 2)
     lines = _error_lines(capsys, "upscale")
     assert any("would overwrite the input" in line for line in lines), lines

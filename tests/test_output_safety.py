@@ -23,6 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
+from builders import save_tiny_unet
 from tiny_flux2 import prompt_embeds, write_model_dir
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -45,12 +46,7 @@ def _one_line(result: subprocess.CompletedProcess, command: str) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_weights(tmp_path_factory) -> Path:
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32, dropout=0.0)
-    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+    return save_tiny_unet(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors", cond_dim=32)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +72,7 @@ def photo(tmp_path_factory) -> Path:
 
 
 def _img2img(photo: Path, model_dir: Path, embeds_file: Path, *extra) -> list:
-    return ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "1", "--quiet",
+    return ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "1", "--no-progress",
             *extra]  # fmt: skip
 
 
@@ -214,7 +210,7 @@ def test_a_fifo_or_link_at_an_output_name_is_never_replaced(tmp_path, shared, ti
         for command, argv in (
             ("img2img", _img2img(photo, model_dir, embeds_file, "-o", out / name, *flag)),
             ("hires", ["hires", "--image", square, "--scale", "2", "--upscaler", tiny_weights, "--model", model_dir,
-                       "--prompt-embeds", embeds_file, "--steps", "1", "--quiet", "-o", out / name, *flag]),
+                       "--prompt-embeds", embeds_file, "--steps", "1", "--no-progress", "-o", out / name, *flag]),
         ):  # fmt: skip
             result = _flowlift(*argv, cwd=tmp_path)
             assert result.returncode == 2, result.stderr
@@ -242,14 +238,12 @@ def test_every_writer_refuses_a_fifo(tmp_path):
     from flowlift.errors import FlowliftError
     from flowlift.files.atomic import atomic_write_text
     from flowlift.files.image_outputs import save_image_atomic
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
     from flowlift.training.shards import shard_name, write_shard
 
     writers = {
         "a.png": lambda p: save_image_atomic(Image.new("RGB", (4, 4)), p),
         "results.json": lambda p: atomic_write_text(p, "{}"),
-        "w.safetensors": lambda p: save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32), p),
+        "w.safetensors": lambda p: save_tiny_unet(p, seed=None, cond_dim=32),
         shard_name(0): lambda p: write_shard(p.parent, 0, 0, {"target": torch.zeros(1, 2)}, [{}]),
     }
     for name, write in writers.items():
@@ -318,7 +312,7 @@ def full_disk(request, tmp_path):
 
 
 def _refine_argv(command: str, photo: Path, model_dir: Path, embeds_file: Path, weights: Path, output) -> list:
-    common = ["--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "1", "--quiet"]
+    common = ["--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "1", "--no-progress"]
     if output is not None:
         common += ["-o", output]
     if command == "img2img":
@@ -375,7 +369,7 @@ def test_eval_and_dataset_on_a_full_disk_are_one_line_and_leave_no_partial_file(
     photos.mkdir()
     for index in range(2):
         Image.open(photo).rotate(90 * index).resize((64, 64)).save(photos / f"p{index}.png")
-    result = _flowlift("eval", photos, "--reference", photos, "-o", folder / "report", "--quiet", cwd=tmp_path,
+    result = _flowlift("eval", photos, "--reference", photos, "-o", folder / "report", "--no-progress", cwd=tmp_path,
                        preexec_fn=limit)  # fmt: skip
     assert result.returncode == 2, result.stderr
     line = _one_line(result, "eval")
@@ -436,12 +430,12 @@ def test_the_app_prunes_only_its_own_old_result_folders(tmp_path):
     users = tmp_path / "r-2024-holiday"
     users.mkdir()
     (users / "photo.jpg").write_bytes(b"the user's")
-    old = service._new_result_dir()  # the app's own, then left for two hours
+    old = service.new_result_dir()  # the app's own, then left for two hours
     (old / "a_x2.png").write_bytes(b"result")
     hours_ago = time.time() - 7200
     for path in (users, old):
         os.utime(path, (hours_ago, hours_ago))
-    fresh = service._new_result_dir()
+    fresh = service.new_result_dir()
     assert not old.exists() and fresh.is_dir()
     assert (users / "photo.jpg").read_bytes() == b"the user's"
 

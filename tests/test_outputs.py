@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image, ImageCms
 
+from builders import save_tiny_unet
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 from flowlift.files.image_outputs import SourceProfile, read_metadata, read_source_profile, save_image_atomic
@@ -222,12 +223,7 @@ def test_sixteen_bit_orientation_matches_pillows(tmp_path):
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
-    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+    return save_tiny_unet(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
 
 
 def _common(shared, weights) -> list[str]:

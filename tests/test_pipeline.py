@@ -10,25 +10,12 @@ import torch
 from PIL import Image
 
 from flowlift.errors import FlowliftError
+from flowlift.limits import passes_for_scale
 from flowlift.measure.metrics import drift_at_input_scale
 from flowlift.upscale.colorfix import LOWFREQ_FACTOR, area_downsample, lowband_grid
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
-from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, allowed_passes, pad_to_multiple, pass_generator, passes_for_scale
-
-
-@pytest.fixture(scope="module")
-def unet():
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-
-    torch.manual_seed(0)
-    return FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0).eval()
-
-
-@pytest.fixture(scope="module")
-def vae(shared):
-    from flowlift.models.vae_loading import load_vae
-
-    return load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
+from flowlift.upscale.settings import MemoryPolicy
+from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, allowed_passes, pad_to_multiple, pass_generator
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +51,11 @@ def test_constants():
     assert MAX_OUTPUT_SIDE == 16384 and LOWFREQ_FACTOR == 8
     assert FlowUpscalerPipeline.MAX_OUTPUT_SIDE == 16384 and FlowUpscalerPipeline.LOWFREQ_FACTOR == 8
     assert [passes_for_scale(s) for s in (2, 4, 8)] == [1, 2, 3]
-    with pytest.raises(FlowliftError):
-        passes_for_scale(3)
+    # the one rule is "the fewest 2x passes that reach the scale", so it also serves a scale between powers of two
+    assert [passes_for_scale(s) for s in (1.5, 3, 5, 6.0, 16)] == [1, 2, 3, 3, 4]
+    for bad in (1, 0, -2, float("nan"), float("inf"), True, "2"):
+        with pytest.raises(FlowliftError, match="scale must be a finite number above 1"):
+            passes_for_scale(bad)
 
 
 @pytest.mark.parametrize("passes", [1, 2, 3])
@@ -182,15 +172,16 @@ def test_max_output_side_drops_passes_with_a_warning():
 
 def test_chunked_execution_matches_plain(unet, vae):
     latents = torch.randn(1, 32, 6, 8, generator=torch.Generator().manual_seed(4))
-    plain = FlowUpscalerPipeline(unet, vae, device="cpu", chunked=False).upscale_latents(latents, 1, seed=2)
-    chunked = FlowUpscalerPipeline(unet, vae, device="cpu", chunked=True, chunk_rows=4)
+    plain_pipe = FlowUpscalerPipeline(unet, vae, device="cpu", memory=MemoryPolicy(chunked=False))
+    plain = plain_pipe.upscale_latents(latents, 1, seed=2)
+    chunked = FlowUpscalerPipeline(unet, vae, device="cpu", memory=MemoryPolicy(chunked=True, chunk_rows=4))
     torch.testing.assert_close(chunked.upscale_latents(latents, 1, seed=2), plain, atol=1e-4, rtol=0)
 
 
 def test_missing_weights_say_where_and_how(vae, tmp_path):
-    with pytest.raises(FlowliftError, match="flow_upscaler.safetensors.*--upscaler PATH"):
+    with pytest.raises(FlowliftError, match="flow_upscaler.safetensors.*upscaler PATH"):
         FlowUpscalerPipeline(tmp_path / "nothing-here", vae, device="cpu")
-    with pytest.raises(FlowliftError, match="HF_HUB_OFFLINE.*--upscaler PATH"):
+    with pytest.raises(FlowliftError, match="HF_HUB_OFFLINE.*upscaler PATH"):
         FlowUpscalerPipeline("TensorForger/NoSuchRepoCached", vae, device="cpu")
 
 
@@ -217,9 +208,11 @@ def test_bare_vae_module_is_wrapped(unet, vae):
 def test_latent_only_pipeline_with_strip_progress_and_memory_budget(unet):
     """vae=None upscales latents; on_strip sees every strip of chunked passes; a tiny budget chunks."""
     latents = torch.randn(1, 32, 8, 6, generator=torch.Generator().manual_seed(4))
-    plain = FlowUpscalerPipeline(unet, vae=None, chunked=False).upscale_latents(latents, 2, seed=9)
+    plain = FlowUpscalerPipeline(unet, vae=None, memory=MemoryPolicy(chunked=False)).upscale_latents(latents, 2, seed=9)
     seen: list[tuple[int, int]] = []
-    pipe = FlowUpscalerPipeline(unet, vae=None, chunk_budget_bytes=1, chunk_rows=3, on_strip=lambda *a: seen.append(a))
+    pipe = FlowUpscalerPipeline(
+        unet, vae=None, memory=MemoryPolicy(chunk_budget_bytes=1, chunk_rows=3), on_strip=lambda *a: seen.append(a)
+    )
     chunked = pipe.upscale_latents(latents, 2, seed=9)
     torch.testing.assert_close(chunked, plain, rtol=0, atol=1e-4)
     totals = sorted({total for _, total in seen})
@@ -230,7 +223,7 @@ def test_latent_only_pipeline_with_strip_progress_and_memory_budget(unet):
 
 def test_decode_tile_progress_reaches_the_caller(unet, vae, photo):
     """on_decode_tile sees every tile of the VAE's tiled decode; it only observes (same pixels)."""
-    tiled = FlowUpscalerPipeline(unet, vae, device="cpu", dtype=torch.float32, vae_tiled=True)
+    tiled = FlowUpscalerPipeline(unet, vae, device="cpu", dtype=torch.float32, memory=MemoryPolicy(vae_tiled=True))
     seen: list[tuple[int, int]] = []
     stages: list[str] = []
     hooked = tiled.upscale_image(

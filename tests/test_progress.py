@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
+from builders import kodak_crops
 from flowlift import console
 from flowlift.errors import FlowliftError
 
@@ -136,11 +136,7 @@ def test_nested_bars_share_one_line(monkeypatch):
 
 @pytest.fixture(scope="module")
 def photos(tmp_path_factory, shared) -> Path:
-    folder = tmp_path_factory.mktemp("photos")
-    for name in ("kodim03", "kodim07", "kodim23"):
-        with Image.open(shared / "images" / "kodak" / f"{name}.png") as im:
-            im.convert("RGB").crop((300, 200, 436, 304)).save(folder / f"{name}.png")
-    return folder
+    return kodak_crops(shared, tmp_path_factory.mktemp("photos"))
 
 
 def test_eval_into_a_log_writes_progress_lines(photos, tmp_path):
@@ -150,7 +146,7 @@ def test_eval_into_a_log_writes_progress_lines(photos, tmp_path):
            "HF_HUB_OFFLINE": "1"}  # fmt: skip
     with open(tmp_path / "out", "w") as out, open(tmp_path / "log", "w") as log:
         done = subprocess.run(
-            [sys.executable, "-m", "flowlift", "eval", str(photos), "--reference", str(photos), "--out",
+            [sys.executable, "-m", "flowlift", "eval", str(photos), "--reference", str(photos), "-o",
              str(tmp_path / "report")],
             stdout=out, stderr=log, stdin=subprocess.DEVNULL, env=env, timeout=300, cwd=tmp_path,
         )  # fmt: skip

@@ -19,8 +19,10 @@ from flowlift.flux2.latents import denormalize, normalize, pack, patchify, unpac
 from flowlift.refine.canvas import latent_mask
 from flowlift.refine.loop import denoising_start_for, latent_noise, refine_latents
 from flowlift.refine.refiner import Flux2Refiner
+from flowlift.refine.request import HiresSettings
+from flowlift.refine.settings import SamplingSettings
+from tiny_flux2 import AsUpscaler, Spy, prompt_embeds, tiny_transformer, tiny_vae
 from tiny_flux2 import DiffusersHelpers as P
-from tiny_flux2 import Spy, prompt_embeds, tiny_transformer, tiny_vae
 
 H, W = 64, 96  # 8x12 latents, 4x6 = 24 tokens
 
@@ -107,11 +109,8 @@ def test_img2img_runs_shifted_full_mu_schedule_with_sigma_timesteps(refiner, spy
         image,
         strength=strength,
         strength_map=strength_map,
-        steps=steps,
-        seed=3,
+        sampling=SamplingSettings(steps=steps, seed=3, mu="empirical", schedule="clipped"),
         prompt_embeds=EMB,
-        mu="empirical",
-        schedule="clipped",
     )
     ds = denoising_start_for(strength, strength_map)
     assert ds == pytest.approx(1 - strength if strength_map == "linear" else 1 - strength**0.2)
@@ -136,9 +135,7 @@ def test_mu_comes_from_full_schedule_not_the_clipped_one():
         lambda x, s: torch.zeros_like(x),
         init_latents=torch.zeros(1, 32, 8, 12),
         denoising_start=ds,
-        steps=steps,
-        mu="empirical",
-        schedule="clipped",
+        sampling=SamplingSettings(steps=steps, mu="empirical", schedule="clipped"),
     )
     np.testing.assert_allclose(res.sigmas, expected, atol=2e-6)
     clipped_wrong = [1 - ds] + [s for s in wrong_full if 0 < s < 1 - ds] + [0.0]
@@ -147,7 +144,7 @@ def test_mu_comes_from_full_schedule_not_the_clipped_one():
 
 def test_start_latents_normalize_only_the_init_and_keep_unit_noise(refiner, spy, vae, image):
     assert float(vae.bn_std.mean()) > 1.7  # FLUX.2-like: dividing noise by bn_std would be a big error
-    out = refiner.img2img(image, strength=0.7, steps=6, seed=11, prompt_embeds=EMB)
+    out = refiner.img2img(image, strength=0.7, sampling=SamplingSettings(steps=6, seed=11), prompt_embeds=EMB)
     t0 = out.parameters["t0"]
     assert t0 == pytest.approx(0.7)
     noise = latent_noise((1, 32, H // 8, W // 8), 11)
@@ -161,17 +158,24 @@ def test_start_latents_normalize_only_the_init_and_keep_unit_noise(refiner, spy,
 
 @pytest.mark.parametrize("mu", [2.02, "empirical"])
 def test_strength_one_is_txt2img_bit_for_bit(refiner, spy, image, mu):
-    a = refiner.img2img(image, strength=1.0, steps=5, seed=21, prompt_embeds=EMB, mu=mu)  # respaced: the default
-    b = refiner.txt2img(height=H, width=W, steps=5, seed=21, prompt_embeds=EMB, mu=mu)
+    sampling = SamplingSettings(steps=5, seed=21, mu=mu)  # respaced: the default
+    a = refiner.img2img(image, strength=1.0, sampling=sampling, prompt_embeds=EMB)
+    b = refiner.txt2img(height=H, width=W, sampling=sampling, prompt_embeds=EMB)
     assert torch.equal(a.latents, b.latents)
     assert torch.equal(a.images, b.images)
     assert a.parameters["sigmas"] == b.parameters["sigmas"] and len(b.parameters["sigmas"]) == 6
-    c = refiner.img2img(image, strength=1.0, strength_map="canvas", steps=5, seed=21, prompt_embeds=EMB, mu=mu)
+    c = refiner.img2img(
+        image,
+        strength=1.0,
+        strength_map="canvas",
+        sampling=SamplingSettings(steps=5, seed=21, mu=mu),
+        prompt_embeds=EMB,
+    )
     assert torch.equal(c.latents, b.latents)
 
 
 def test_strength_zero_returns_the_vae_round_trip(refiner, spy, vae, image):
-    out = refiner.img2img(image, strength=0.0, steps=5, seed=1, prompt_embeds=EMB)
+    out = refiner.img2img(image, strength=0.0, sampling=SamplingSettings(steps=5, seed=1), prompt_embeds=EMB)
     assert spy.seen == []
     assert torch.equal(out.images, vae.decode(vae.encode(image)).clamp(0, 1))
 
@@ -181,23 +185,31 @@ def test_heun_is_honoured_in_img2img_and_inpaint(refiner, spy, image):
     mask[..., 16:48, 32:80] = 1
     for kwargs in ({}, {"mask": mask}):
         spy.seen.clear()
-        euler = refiner.img2img(image, strength=0.8, steps=6, seed=2, sampler="euler", prompt_embeds=EMB, **kwargs)
+        euler = refiner.img2img(
+            image,
+            strength=0.8,
+            sampling=SamplingSettings(steps=6, seed=2, sampler="euler"),
+            prompt_embeds=EMB,
+            **kwargs,
+        )
         n = len(euler.parameters["sigmas"]) - 1
         assert len(spy.seen) == n
         spy.seen.clear()
-        heun = refiner.img2img(image, strength=0.8, steps=6, seed=2, sampler="heun", prompt_embeds=EMB, **kwargs)
+        heun = refiner.img2img(
+            image, strength=0.8, sampling=SamplingSettings(steps=6, seed=2, sampler="heun"), prompt_embeds=EMB, **kwargs
+        )
         assert heun.parameters["sigmas"] == euler.parameters["sigmas"]  # same shifted, clipped schedule
         assert len(spy.seen) == 2 * n - 1  # Heun: two evaluations per step, Euler on the last step to 0
         assert heun.parameters["sampler"] == "heun"
         assert not torch.allclose(heun.latents, euler.latents, atol=1e-4)
-    with pytest.raises(FlowliftError, match="unknown sampler"):
-        refiner.img2img(image, strength=0.5, sampler="dpm++", prompt_embeds=EMB)
+    with pytest.raises(FlowliftError, match="sampler must be one of euler, heun"):
+        refiner.img2img(image, strength=0.5, sampling=SamplingSettings(sampler="dpm++"), prompt_embeds=EMB)
 
 
 def test_inpaint_merge_uses_the_start_noise(refiner, spy, vae, image):
     mask = torch.zeros(1, 1, H, W)
     mask[..., 8:40, 24:72] = 1.0
-    out = refiner.inpaint(image, mask, strength=0.85, steps=7, seed=5, prompt_embeds=EMB)
+    out = refiner.inpaint(image, mask, strength=0.85, sampling=SamplingSettings(steps=7, seed=5), prompt_embeds=EMB)
     sigmas = out.parameters["sigmas"]
     noise = latent_noise((1, 32, H // 8, W // 8), 5)
     init = vae.encode(image)
@@ -215,7 +227,9 @@ def test_inpaint_merge_uses_the_start_noise(refiner, spy, vae, image):
 
 
 def test_outpaint_keeps_the_original_latents_exactly(refiner, spy, vae, image):
-    out = refiner.outpaint(image, left=16, right=10, bottom=16, steps=4, seed=9, prompt_embeds=EMB)
+    out = refiner.outpaint(
+        image, left=16, right=10, bottom=16, sampling=SamplingSettings(steps=4, seed=9), prompt_embeds=EMB
+    )
     p = out.parameters
     assert (p["left"], p["top"], p["right"], p["bottom"]) == (16, 0, 16, 16)  # rounded up to 16 px
     assert out.images.shape == (1, 3, H + 16, W + 32)
@@ -237,7 +251,9 @@ def test_txt2img_matches_the_diffusers_klein_loop(refiner, transformer):
     from diffusers.utils.torch_utils import randn_tensor
 
     steps, seed = 6, 123
-    out = refiner.txt2img(height=H, width=W, steps=steps, seed=seed, prompt_embeds=EMB, mu="empirical")
+    out = refiner.txt2img(
+        height=H, width=W, sampling=SamplingSettings(steps=steps, seed=seed, mu="empirical"), prompt_embeds=EMB
+    )
 
     sched = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="exponential")
     shape = (1, 128, H // 16, W // 16)
@@ -288,10 +304,7 @@ def test_gaussian_oracle_keeps_data_variance_at_every_strength(mu):
             bn_mean=bn_mean,
             bn_std=bn_std,
             denoising_start=1 - strength,
-            steps=steps,
-            seed=1,
-            sampler=sampler,
-            mu=mu,
+            sampling=SamplingSettings(steps=steps, seed=1, sampler=sampler, mu=mu),
         ).latents
 
     for strength in (0.3, 0.5, 0.75, 1.0):
@@ -316,12 +329,21 @@ def test_gaussian_oracle_keeps_data_variance_at_every_strength(mu):
 
 def test_cfg_and_reference_images_reach_the_model(refiner, spy, vae, image):
     neg = prompt_embeds(tokens=3, seed=4)
-    refiner.img2img(image, strength=0.5, steps=4, seed=0, prompt_embeds=EMB, negative_prompt_embeds=neg, cfg_scale=3.0)
+    refiner.img2img(
+        image,
+        strength=0.5,
+        sampling=SamplingSettings(steps=4, seed=0),
+        prompt_embeds=EMB,
+        negative_prompt_embeds=neg,
+        cfg_scale=3.0,
+    )
     encoders = [call["encoder_hidden_states"].shape[1] for call in spy.seen]
     assert encoders[:2] == [5, 3] and len(encoders) == 2 * (len(encoders) // 2)
     spy.seen.clear()
     ref = image[..., :32, :48]
-    out = refiner.img2img(image, strength=0.5, steps=4, seed=0, prompt_embeds=EMB, reference_images=[ref])
+    out = refiner.img2img(
+        image, strength=0.5, sampling=SamplingSettings(steps=4, seed=0), prompt_embeds=EMB, reference_images=[ref]
+    )
     call = spy.seen[0]
     n = (H // 16) * (W // 16)
     assert call["hidden_states"].shape[1] == n + 2 * 3
@@ -338,15 +360,11 @@ def test_hires_chain_upscales_then_refines_at_low_strength(refiner, spy, vae, im
         return torch.nn.functional.interpolate(latents, scale_factor=2, mode="nearest")
 
     out = refiner.hires(
-        upscale,
+        AsUpscaler(upscale),
+        HiresSettings(scale=2, refine_strength=0.3),
         images=image,
-        scale=2,
-        refine_strength=0.3,
-        steps=10,
-        seed=4,
+        sampling=SamplingSettings(steps=10, seed=4, mu="empirical", schedule="clipped"),
         prompt_embeds=EMB,
-        mu="empirical",
-        schedule="clipped",
     )
     assert calls == [(1, 32, H // 8, W // 8)]
     assert out.images.shape == (1, 3, 2 * H, 2 * W)
@@ -359,18 +377,20 @@ def test_hires_chain_upscales_then_refines_at_low_strength(refiner, spy, vae, im
     first = _model_inputs(spy, 2 * H // 8, 2 * W // 8)[0]
     torch.testing.assert_close(first, 0.3 * noise + 0.7 * up, rtol=0, atol=1e-5)
     with pytest.raises(FlowliftError, match="upscaler returned"):
-        refiner.hires(lambda z: z, images=image, scale=2, refine_strength=0.3, steps=2, prompt_embeds=EMB)
+        refiner.hires(
+            AsUpscaler(lambda z: z),
+            HiresSettings(scale=2, refine_strength=0.3),
+            images=image,
+            sampling=SamplingSettings(steps=2),
+            prompt_embeds=EMB,
+        )
 
 
 def test_hires_from_txt2img(refiner, spy):
     out = refiner.hires(
-        lambda z: torch.nn.functional.interpolate(z, scale_factor=2, mode="bilinear"),
-        height=32,
-        width=32,
-        base_steps=3,
-        refine_strength=0.25,
-        steps=8,
-        seed=0,
+        AsUpscaler(lambda z: torch.nn.functional.interpolate(z, scale_factor=2, mode="bilinear")),
+        HiresSettings(base_size=(32, 32), base_steps=3, refine_strength=0.25),
+        sampling=SamplingSettings(steps=8, seed=0),
         prompt_embeds=EMB,
     )
     assert out.images.shape == (1, 3, 64, 64)
@@ -380,7 +400,7 @@ def test_hires_from_txt2img(refiner, spy):
 
 def test_odd_sizes_are_padded_and_cropped_back(refiner, image):
     img = image[..., :50, :70]
-    out = refiner.img2img(img, strength=0.4, steps=3, seed=0, prompt_embeds=EMB)
+    out = refiner.img2img(img, strength=0.4, sampling=SamplingSettings(steps=3, seed=0), prompt_embeds=EMB)
     assert out.images.shape == (1, 3, 50, 70)
     assert out.latents.shape == (1, 32, 8, 10)
 
@@ -388,7 +408,7 @@ def test_odd_sizes_are_padded_and_cropped_back(refiner, image):
 def test_bad_inputs(refiner, image):
     with pytest.raises(FlowliftError, match="strength"):
         refiner.img2img(image, strength=1.5, prompt_embeds=EMB)
-    with pytest.raises(FlowliftError, match="strength map"):
+    with pytest.raises(FlowliftError, match="strength_map"):
         refiner.img2img(image, strength=0.5, strength_map="cubic", prompt_embeds=EMB)
     with pytest.raises(FlowliftError, match="mask size"):
         refiner.img2img(image, strength=0.5, mask=torch.ones(1, 1, 8, 8), prompt_embeds=EMB)
@@ -397,7 +417,7 @@ def test_bad_inputs(refiner, image):
     with pytest.raises(FlowliftError, match="multiples of 16"):
         refiner.txt2img(height=40, width=64, prompt_embeds=EMB)
     with pytest.raises(FlowliftError, match="steps"):
-        refiner.img2img(image, strength=0.5, steps=0, prompt_embeds=EMB)
+        refiner.img2img(image, strength=0.5, sampling=SamplingSettings(steps=0), prompt_embeds=EMB)
     assert math.isclose(denoising_start_for(0.5, "canvas"), 1 - 0.5**0.2)
 
 
@@ -409,7 +429,7 @@ def test_bfloat16_transformer_with_float32_sampling(transformer, vae, image):
     refiner = Flux2Refiner(spy, vae, device="cpu", dtype=torch.bfloat16)
     mask = torch.zeros(1, 1, H, W)
     mask[..., :32, :] = 1
-    out = refiner.img2img(image, strength=0.5, steps=4, seed=0, mask=mask, prompt_embeds=EMB)
+    out = refiner.img2img(image, strength=0.5, sampling=SamplingSettings(steps=4, seed=0), mask=mask, prompt_embeds=EMB)
     assert spy.seen[0]["hidden_states"].dtype == torch.bfloat16
     assert spy.seen[0]["timestep"].dtype == torch.bfloat16
     assert out.latents.dtype == torch.float32 and out.images.dtype == torch.float32
@@ -426,14 +446,16 @@ def test_prompt_text_goes_through_the_prompt_encoder(transformer, vae, image):
         return prompt_embeds(seed=len(seen))
 
     refiner = Flux2Refiner(Spy(transformer), vae, prompt_encoder=encoder)
-    out = refiner.img2img(image, strength=0.5, steps=3, prompt="a cat", cfg_scale=2.0)
+    out = refiner.img2img(image, strength=0.5, sampling=SamplingSettings(steps=3), prompt="a cat", cfg_scale=2.0)
     assert seen == ["a cat", ""]  # the negative prompt defaults to the empty prompt under CFG
     assert out.parameters["prompt"] == "a cat" and out.parameters["negative_prompt"] == ""
     seen.clear()
-    refiner.img2img(image, strength=0.5, steps=3, prompt="a cat", negative_prompt="blur", cfg_scale=2.0)
+    refiner.img2img(
+        image, strength=0.5, sampling=SamplingSettings(steps=3), prompt="a cat", negative_prompt="blur", cfg_scale=2.0
+    )
     assert seen == ["a cat", "blur"]
     seen.clear()
-    refiner.img2img(image, strength=0.5, steps=3, prompt="ignored", prompt_embeds=EMB)
+    refiner.img2img(image, strength=0.5, sampling=SamplingSettings(steps=3), prompt="ignored", prompt_embeds=EMB)
     assert seen == []  # given embeddings win; no encoder call
 
 
@@ -450,7 +472,7 @@ def test_default_schedule_runs_every_step_of_a_low_strength_window(refiner, spy,
     """mu 2.02 and the respaced window by default: strength 0.3 at 6 steps runs 6 model calls, on
     ``flux2_sigmas(6, seq, 0.7)``; ``schedule="clipped"`` runs only the full schedule's points below 0.3."""
     seq = (H // 16) * (W // 16)
-    out = refiner.img2img(image, strength=0.3, steps=6, seed=3, prompt_embeds=EMB)
+    out = refiner.img2img(image, strength=0.3, sampling=SamplingSettings(steps=6, seed=3), prompt_embeds=EMB)
     expected = _flux2_sigmas(6, seq, 0.7)
     assert len(expected) == 7 and expected[0] == pytest.approx(0.3) and expected[-1] == 0.0
     np.testing.assert_allclose(out.parameters["sigmas"], expected, atol=1e-6)
@@ -458,7 +480,9 @@ def test_default_schedule_runs_every_step_of_a_low_strength_window(refiner, spy,
     p = out.parameters
     assert (p["mu"], p["mu_rule"], p["schedule"], p["model_calls"]) == (2.02, "fixed", "respaced", 6)
     spy.seen.clear()
-    clipped = refiner.img2img(image, strength=0.3, steps=6, seed=3, prompt_embeds=EMB, schedule="clipped")
+    clipped = refiner.img2img(
+        image, strength=0.3, sampling=SamplingSettings(steps=6, seed=3, schedule="clipped"), prompt_embeds=EMB
+    )
     expected_clipped = _flux2_sigmas(6, seq, 0.7, schedule="clipped")
     assert len(expected_clipped) < 7 and clipped.parameters["schedule"] == "clipped"
     np.testing.assert_allclose(clipped.parameters["sigmas"], expected_clipped, atol=1e-6)
@@ -467,27 +491,33 @@ def test_default_schedule_runs_every_step_of_a_low_strength_window(refiner, spy,
     spy.seen.clear()
     mask = torch.zeros(1, 1, H, W)
     mask[..., 16:48, 32:80] = 1
-    heun = refiner.inpaint(image, mask, strength=0.3, steps=6, seed=3, sampler="heun", prompt_embeds=EMB)
+    heun = refiner.inpaint(
+        image, mask, strength=0.3, sampling=SamplingSettings(steps=6, seed=3, sampler="heun"), prompt_embeds=EMB
+    )
     assert heun.parameters["sigmas"] == out.parameters["sigmas"] and len(spy.seen) == 2 * 6 - 1
-    side = refiner.outpaint(image, right=16, strength=0.4, steps=5, seed=3, prompt_embeds=EMB)
+    side = refiner.outpaint(
+        image, right=16, strength=0.4, sampling=SamplingSettings(steps=5, seed=3), prompt_embeds=EMB
+    )
     assert len(side.parameters["sigmas"]) == 6 and side.parameters["schedule"] == "respaced"
 
 
 def test_the_refiners_schedule_and_per_call_choices(transformer, vae, image):
     refiner = Flux2Refiner(Spy(transformer), vae, mu="empirical", schedule="clipped")
     seq = (H // 16) * (W // 16)
-    out = refiner.img2img(image, strength=0.6, steps=9, seed=0, prompt_embeds=EMB)
+    out = refiner.img2img(image, strength=0.6, sampling=SamplingSettings(steps=9, seed=0), prompt_embeds=EMB)
     assert (out.parameters["mu_rule"], out.parameters["schedule"]) == ("empirical", "clipped")
     assert out.parameters["mu"] == pytest.approx(_mu(seq, 9), abs=1e-6)
     np.testing.assert_allclose(out.parameters["sigmas"], _expected_sigmas(9, seq, 0.4), atol=2e-6)
-    override = refiner.img2img(image, strength=0.6, steps=9, seed=0, prompt_embeds=EMB, mu=3.0, schedule="respaced")
+    override = refiner.img2img(
+        image, strength=0.6, sampling=SamplingSettings(steps=9, seed=0, mu=3.0, schedule="respaced"), prompt_embeds=EMB
+    )
     assert (override.parameters["mu"], override.parameters["mu_rule"]) == (3.0, "fixed")
     np.testing.assert_allclose(override.parameters["sigmas"], _flux2_sigmas(9, seq, 0.4, mu=3.0), atol=1e-6)
-    txt = refiner.txt2img(height=H, width=W, steps=4, seed=0, prompt_embeds=EMB)
+    txt = refiner.txt2img(height=H, width=W, sampling=SamplingSettings(steps=4, seed=0), prompt_embeds=EMB)
     assert txt.parameters["mu_rule"] == "empirical" and "schedule" not in txt.parameters  # a full window
     hires = refiner.hires(
-        lambda z: torch.nn.functional.interpolate(z, scale_factor=2), height=32, width=32, base_steps=3, steps=4,
-        seed=0, prompt_embeds=EMB,
+        AsUpscaler(lambda z: torch.nn.functional.interpolate(z, scale_factor=2)),
+        HiresSettings(base_size=(32, 32), base_steps=3), sampling=SamplingSettings(steps=4, seed=0), prompt_embeds=EMB,
     )  # fmt: skip
     assert hires.parameters["base_mu"] == pytest.approx(_mu(4, 3), abs=1e-6)  # each pass its own size and steps
     assert hires.parameters["mu"] == pytest.approx(_mu(16, 4), abs=1e-6)
@@ -496,17 +526,22 @@ def test_the_refiners_schedule_and_per_call_choices(transformer, vae, image):
 def test_bad_schedule_choices_are_one_line_errors(refiner, transformer, vae, image):
     from flowlift.refine.loading import load_refiner
 
-    with pytest.raises(FlowliftError, match="unknown schedule 'linear'"):
+    with pytest.raises(FlowliftError, match="schedule must be one of respaced, clipped, got 'linear'"):
         Flux2Refiner(transformer, vae, schedule="linear")
-    with pytest.raises(FlowliftError, match="mu must be a number or 'empirical'"):
+    with pytest.raises(FlowliftError, match="mu must be in .* or empirical, got 'auto'"):
         Flux2Refiner(transformer, vae, mu="auto")
-    with pytest.raises(FlowliftError, match="mu must be a number"):
+    with pytest.raises(FlowliftError, match="mu must be in"):
         load_refiner("no/such-model-anywhere", mu=None)  # checked before any weights are looked for
-    with pytest.raises(FlowliftError, match="outside"):
-        refiner.img2img(image, strength=0.5, steps=4, prompt_embeds=EMB, mu=-1.0)
+    with pytest.raises(FlowliftError, match=r"mu must be in \[0, 15\]"):  # the knob's range, at construction
+        refiner.img2img(image, strength=0.5, sampling=SamplingSettings(steps=4, mu=-1.0), prompt_embeds=EMB)
     with pytest.raises(FlowliftError, match="finite"):
-        refiner.img2img(image, strength=0.0, steps=4, prompt_embeds=EMB, mu=float("nan"))  # even with no step
+        refiner.img2img(
+            image, strength=0.0, sampling=SamplingSettings(steps=4, mu=float("nan")), prompt_embeds=EMB
+        )  # even with no step
     with pytest.raises(FlowliftError, match="empirical"):  # 24 tokens, 300 steps: diffusers' mu extrapolates below 0
         refine_latents(
-            lambda x, s: x, init_latents=torch.zeros(1, 32, 8, 12), denoising_start=0.5, steps=300, mu="empirical"
+            lambda x, s: x,
+            init_latents=torch.zeros(1, 32, 8, 12),
+            denoising_start=0.5,
+            sampling=SamplingSettings(steps=300, mu="empirical"),
         )

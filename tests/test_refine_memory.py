@@ -21,7 +21,16 @@ import torch
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 from flowlift.refine.loading import load_refiner
-from flowlift.refine.memory_plan import TransformerSizes, plan_refine, transformer_activation_bytes
+from flowlift.refine.memory_plan import (
+    RefineMemory,
+    TransformerSizes,
+    VAESizes,
+    plan_refine,
+    transformer_activation_bytes,
+)
+from flowlift.refine.offload import Placement
+from flowlift.refine.settings import SamplingSettings
+from flowlift.refine.tiling import TileRequest
 from tiny_flux2 import prompt_embeds, tiny_transformer, tiny_vae, write_model_dir
 
 H, W = 48, 64
@@ -40,13 +49,15 @@ def image():
 
 
 def _img2img(refiner, image):
-    return refiner.img2img(image, strength=0.6, steps=6, seed=3, sampler="heun", prompt_embeds=EMB)
+    return refiner.img2img(
+        image, strength=0.6, sampling=SamplingSettings(steps=6, seed=3, sampler="heun"), prompt_embeds=EMB
+    )
 
 
 def test_offloaded_equals_not_offloaded_bit_for_bit(model_dir, image, monkeypatch):
-    reference = _img2img(load_refiner(str(model_dir), offload="none"), image)
+    reference = _img2img(load_refiner(str(model_dir), memory=RefineMemory(offload="none")), image)
 
-    model = load_refiner(str(model_dir), offload="model")
+    model = load_refiner(str(model_dir), memory=RefineMemory(offload="model"))
     moves = []
     real_to = torch.nn.Module.to
 
@@ -64,8 +75,8 @@ def test_offloaded_equals_not_offloaded_bit_for_bit(model_dir, image, monkeypatc
 
 def test_group_offloaded_equals_not_offloaded_bit_for_bit(model_dir, image):
     pytest.importorskip("accelerate")  # diffusers' group offloading moves tensors with accelerate's helpers
-    reference = _img2img(load_refiner(str(model_dir), offload="none"), image)
-    group = load_refiner(str(model_dir), offload="group")
+    reference = _img2img(load_refiner(str(model_dir), memory=RefineMemory(offload="none")), image)
+    group = load_refiner(str(model_dir), memory=RefineMemory(offload="group"))
     hooked = [m for m in group.transformer.modules() if getattr(m, "_diffusers_hook", None) is not None]
     assert any(h._diffusers_hook.get_hook("group_offloading") is not None for h in hooked)
     out = _img2img(group, image)
@@ -74,7 +85,7 @@ def test_group_offloaded_equals_not_offloaded_bit_for_bit(model_dir, image):
     with pytest.raises(FlowliftError, match="group-offloaded"):
         from flowlift.refine.refiner import Flux2Refiner
 
-        Flux2Refiner(group.transformer, group.vae, offload="none")
+        Flux2Refiner(group.transformer, group.vae, placement=Placement(offload="none"))
 
 
 def test_the_planned_vae_tiling_reaches_the_vae(model_dir, image):
@@ -115,7 +126,7 @@ VAE_BYTES = int(0.17 * GB)
 
 
 def _plan(side, budget_gb, **kwargs):
-    return plan_refine(side, side, int(budget_gb * GB), KLEIN_4B, vae_bytes=VAE_BYTES, **kwargs)
+    return plan_refine(side, side, int(budget_gb * GB), KLEIN_4B, vae=VAESizes(bytes=VAE_BYTES), **kwargs)
 
 
 def test_plan_picks_the_fastest_fit_as_the_budget_shrinks():
@@ -141,7 +152,7 @@ def test_plan_too_small_is_one_line():
     assert "too small to refine a 2048x2048 image" in text and "group offload, a tiled VAE and 1024 px tiles" in text
     assert "\n" not in text
     with pytest.raises(FlowliftError, match="even group offload and a tiled VAE needs"):
-        _plan(2048, 3, tile_size="off")  # 3 GB plans 1024 px tiles (next test); untiled it is too small
+        _plan(2048, 3, tiles=TileRequest.parse("off"))  # 3 GB plans 1024 px tiles (next test); untiled it is too small
 
 
 # Klein 9B as a Q4_K_M GGUF: 8 + 24 blocks of width 4096; the largest (a double block) ~0.25 GB at ~4.5 bits
@@ -153,15 +164,15 @@ KLEIN_9B_BF16 = TransformerSizes(total_bytes=int(18.1 * GB), largest_block_bytes
 
 
 def test_plan_counts_a_tiles_tokens_so_12_gb_plans_a_4096_hires_fix():
+    from flowlift.limits import decode_peak_bytes
     from flowlift.refine.memory_plan import LATENT_FRAME_BUFFERS
-    from flowlift.upscale.memory_plan import decode_peak_bytes
 
     def plan(budget_gb, **kwargs):
-        return plan_refine(4096, 4096, int(budget_gb * GB), KLEIN_9B_Q4, vae_bytes=VAE_BYTES, **kwargs)
+        return plan_refine(4096, 4096, int(budget_gb * GB), KLEIN_9B_Q4, vae=VAESizes(bytes=VAE_BYTES), **kwargs)
 
     # untiled, one forward on 65536 + 512 tokens is 17.3 GB of activations: refused even with group offload
     with pytest.raises(FlowliftError, match="too small to refine a 4096x4096 image: even group offload and a tiled"):
-        plan(12, tile_size="off")
+        plan(12, tiles=TileRequest.parse("off"))
     tiled = plan(12)
     assert (tiled.offload, tiled.tile_size) == ("none", 1024)
     # the sampling stage, term by term: weights + VAE + k tiles' activations (4096 + 512 tokens each) + latents
@@ -176,16 +187,16 @@ def test_plan_counts_a_tiles_tokens_so_12_gb_plans_a_4096_hires_fix():
     assert tiled.tile_batch == min(4, (12 * GB - (sampling - tiled.tile_batch * tile_activations)) // tile_activations)
     assert f"1024 px tiles, {tiled.tile_batch} per call" in tiled.describe()
     assert plan(8).tile_batch == 1 and plan(8).offload == "none"  # 5.5 + 0.17 + 1.2 + 0.27 GB
-    assert plan(12, tile_batch=2).tile_batch == 2
-    assert plan(12, tile_size=512).tile_size == 512
+    assert plan(12, tiles=TileRequest.parse(batch=2)).tile_batch == 2
+    assert plan(12, tiles=TileRequest.parse(512)).tile_size == 512
     # a frame within 4 MP stays whole while it fits, and tiles only when nothing untiled does
-    whole = plan_refine(2048, 2048, 12 * GB, KLEIN_9B_Q4, vae_bytes=VAE_BYTES)
+    whole = plan_refine(2048, 2048, 12 * GB, KLEIN_9B_Q4, vae=VAESizes(bytes=VAE_BYTES))
     assert whole.tile_size is None and whole.tile_batch == 1
-    small = plan_refine(2048, 2048, int(3 * GB), KLEIN_4B, vae_bytes=VAE_BYTES)
+    small = plan_refine(2048, 2048, int(3 * GB), KLEIN_4B, vae=VAESizes(bytes=VAE_BYTES))
     assert (small.offload, small.tile_size) == ("group", 1024)
     # docs/refine.md's 24 GB and 12 GB rows for Klein 9B in bf16
-    card24 = plan_refine(4096, 4096, 23 * GB, KLEIN_9B_BF16, vae_bytes=VAE_BYTES)
-    card12 = plan_refine(4096, 4096, 11 * GB, KLEIN_9B_BF16, vae_bytes=VAE_BYTES)
+    card24 = plan_refine(4096, 4096, 23 * GB, KLEIN_9B_BF16, vae=VAESizes(bytes=VAE_BYTES))
+    card12 = plan_refine(4096, 4096, 11 * GB, KLEIN_9B_BF16, vae=VAESizes(bytes=VAE_BYTES))
     assert (card24.offload, card24.tile_size, card12.offload, card12.tile_size) == ("none", 1024, "group", 1024)
 
 
@@ -197,25 +208,29 @@ def test_activation_estimate_scales_with_tokens_width_and_dtype():
 
 
 def test_load_refiner_plans_from_max_memory(model_dir, image):
-    refiner = load_refiner(str(model_dir), max_memory="64MB", image_size=(H, W))
+    refiner = load_refiner(str(model_dir), memory=RefineMemory(max_memory="64MB", image_size=(H, W)))
     assert refiner.memory_plan is not None and refiner.offload == "none" and refiner.vae_tiled is False
     out = _img2img(refiner, image)
     assert "max_memory 61.0 MiB" in out.parameters["memory_plan"]
     with pytest.raises(FlowliftError, match="too small to refine"):
-        load_refiner(str(model_dir), max_memory="5MB", image_size=(H, W))
+        load_refiner(str(model_dir), memory=RefineMemory(max_memory="5MB", image_size=(H, W)))
 
 
 def test_load_refiner_plans_the_tiles_and_their_batch(model_dir, image):
-    refiner = load_refiner(str(model_dir), max_memory="64MB", image_size=(H, W), tile_size=32, tile_overlap=16)
+    refiner = load_refiner(
+        str(model_dir),
+        memory=RefineMemory(max_memory="64MB", image_size=(H, W)),
+        tiles=TileRequest.parse(size=32, overlap=16),
+    )
     plan = refiner.memory_plan
     assert plan.tile_size == 32 and plan.tile_batch == 4  # 6 tiles of a 64x48 frame; auto stops at 4
     out = _img2img(refiner, image)
     assert out.parameters["tiles"] == {"size": [32, 32], "overlap": 16, "grid": [2, 3], "batch": 4}
     assert "32 px tiles, 4 per call" in out.parameters["memory_plan"]
-    one = _img2img(load_refiner(str(model_dir), tile_size=32, tile_overlap=16, tile_batch=1), image)
+    one = _img2img(load_refiner(str(model_dir), tiles=TileRequest.parse(size=32, overlap=16, batch=1)), image)
     assert torch.allclose(out.latents, one.latents, rtol=0, atol=1e-5)  # batched tiles: the same blend
-    with pytest.raises(FlowliftError, match="tile size must be"):
-        load_refiner(str(model_dir), tile_size=33)  # checked before any weights load
+    with pytest.raises(FlowliftError, match="tile_size must be"):
+        load_refiner(str(model_dir), tiles=TileRequest.parse(size=33))  # checked before any weights load
 
 
 # --------------------------------------------------------------------------------------------- command line
@@ -340,6 +355,9 @@ def test_offload_modes_compose_with_fp8_gguf_and_a_lora(tmp_path, image):
         latents = {}
         for mode in ("none", "model", "group"):
             refiner = load_refiner(str(tmp_path / "vae"), vae=str(tmp_path / "vae"), transformer=str(path),
-                                   loras=[(tmp_path / "lora.safetensors", 0.7)], offload=mode)  # fmt: skip
-            latents[mode] = refiner.img2img(image, strength=0.6, steps=2, seed=3, prompt_embeds=EMB).latents
+                                   loras=[(tmp_path / "lora.safetensors", 0.7)],
+                                   memory=RefineMemory(offload=mode))  # fmt: skip
+            latents[mode] = refiner.img2img(
+                image, strength=0.6, sampling=SamplingSettings(steps=2, seed=3), prompt_embeds=EMB
+            ).latents
         assert torch.equal(latents["model"], latents["none"]) and torch.equal(latents["group"], latents["none"]), path

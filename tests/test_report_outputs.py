@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import stat
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
+from builders import put_kind, snapshot
 from flowlift.commands.cli import main
 from flowlift.files.image_outputs import is_flowlift_metadata, read_metadata
 from flowlift.files.own_files import safetensors_metadata
@@ -29,51 +28,7 @@ KINDS = ["link", "dangling link", "fifo", "folder", "foreign file", "empty file"
 SPECIAL = {"link", "dangling link", "fifo", "folder"}
 
 
-@pytest.fixture(autouse=True)
-def _no_hang():
-    """A FIFO opened for writing or reading would block for ever: fail the test instead."""
-    def _alarm(signum, frame):
-        raise TimeoutError("the command blocked (a FIFO was opened?)")
-
-    previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(120)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
-
-def _put(path: Path, kind: str, victim: Path, own: Path) -> str | None:
-    """Put ``kind`` at ``path``; the words of the refusal, or None when the command goes on."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if kind == "link":
-        path.symlink_to(victim)
-        return "is a symbolic link"
-    if kind == "dangling link":
-        path.symlink_to(victim.parent / "nowhere.txt")
-        return "is a symbolic link"
-    if kind == "fifo":
-        os.mkfifo(path)
-        return "is a FIFO"
-    if kind == "folder":
-        path.mkdir()
-        (path / "inside.txt").write_text("the user's")
-        return "is a folder"
-    if kind == "foreign file":
-        path.write_bytes(b"the user's own notes\n")
-        return "was not written by flowlift"
-    if kind == "empty file":
-        path.write_bytes(b"")
-        return None
-    shutil.copyfile(own, path)
-    return None
-
-
-def _snapshot(folder: Path) -> dict[str, object]:
-    found = {}
-    for entry in sorted(folder.rglob("*")):
-        info = os.lstat(entry)
-        found[str(entry.relative_to(folder))] = entry.read_bytes() if stat.S_ISREG(info.st_mode) else info.st_mode
-    return found
+pytestmark = pytest.mark.usefixtures("fifo_alarm")
 
 
 def _is_own(path: Path) -> bool:
@@ -103,9 +58,9 @@ def _case(tmp_path, capsys, monkeypatch, *, command, argv, out, name, kind, over
     (a model load, the measuring) to fail, for the cases that must be refused before it. True when it ran."""
     victim = tmp_path / "notes.txt"
     victim.write_text("my notes\n")
-    words = _put(out / name, kind, victim, own / name)
+    words = put_kind(out / name, kind, victim, own / name)
     refused = kind in SPECIAL or (kind == "foreign file" and not overwrite)
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     if refused:
         no_work(monkeypatch)
     code = main([*argv, *(["--overwrite"] if overwrite else [])])
@@ -115,7 +70,7 @@ def _case(tmp_path, capsys, monkeypatch, *, command, argv, out, name, kind, over
         assert words in line and Path(name).name in line, line
         if kind == "foreign file":
             assert "use --overwrite" in line
-        assert _snapshot(tmp_path) == before  # nothing written, nothing through a link, no FIFO opened
+        assert snapshot(tmp_path) == before  # nothing written, nothing through a link, no FIFO opened
         return False
     assert code == 0, capsys.readouterr().err
     assert _is_own(out / name)
@@ -148,7 +103,7 @@ def photos(tmp_path_factory, shared) -> Path:
 
 
 def _eval_argv(photos: Path, out: Path) -> list[str]:
-    return ["eval", "--run", "lanczos", "--dataset", str(photos), "--scale", "2", "--save-outputs", "--quiet",
+    return ["eval", "--run", "lanczos", "--dataset", str(photos), "--scale", "2", "--save-outputs", "--no-progress",
             "--output", str(out)]  # fmt: skip
 
 
@@ -193,7 +148,8 @@ def test_eval_of_pairs_applies_the_rule_to_its_reports(tmp_path, capsys, monkeyp
                                                        kind):  # fmt: skip
     out = tmp_path / "report"
     outputs = eval_reference / "outputs"
-    argv = ["eval", str(outputs / "lanczos"), "--reference", str(outputs / "inputs"), "--quiet", "--output", str(out)]
+    argv = ["eval", str(outputs / "lanczos"), "--reference", str(outputs / "inputs"), "--no-progress",
+            "--output", str(out)]
     _case(tmp_path, capsys, monkeypatch, command="eval", argv=argv, out=out, name=name, kind=kind, overwrite=False,
           own=eval_reference, no_work=_fail("flowlift.measure.evaluate.evaluate_pairs"))  # fmt: skip
 
@@ -209,11 +165,11 @@ def test_eval_folders_it_makes_must_be_real_folders(tmp_path, capsys, monkeypatc
         (out / folder).symlink_to(elsewhere, target_is_directory=True)
     else:
         (out / folder).write_text("the user's")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     _fail("flowlift.measure.evaluate.evaluate_methods")(monkeypatch)
     assert main(_eval_argv(photos, out)) == 2
     assert Path(folder).name in _one_line(capsys, "eval")
-    assert _snapshot(tmp_path) == before
+    assert snapshot(tmp_path) == before
 
 
 def test_a_second_eval_reuses_its_own_reports_and_cache(tmp_path, capsys, photos):
@@ -236,7 +192,7 @@ def fake_vae(monkeypatch):
 
 def _bands_argv(shared: Path, out: Path) -> list[str]:
     return ["bands", str(shared / "images" / "kodak" / "kodim01.png"), "--vae", "fake", "--max-side", "256",
-            "--quiet", "--output", str(out)]  # fmt: skip
+            "--no-progress", "--output", str(out)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -284,8 +240,8 @@ def crops(tmp_path_factory) -> Path:
 
 
 def _dataset_argv(shared: Path, crops: Path, out: Path) -> list[str]:
-    return ["dataset", "images", str(crops), "--crop", "32", "--crops-per-image", "1", "--shard-size", "1", "--vae",
-            str(shared / "models" / "taef2"), "--device", "cpu", "--quiet", "--output", str(out)]  # fmt: skip
+    return ["dataset", "images", str(crops), "--crop-px", "32", "--crops-per-image", "1", "--shard-size", "1", "--vae",
+            str(shared / "models" / "taef2"), "--device", "cpu", "--no-progress", "--output", str(out)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

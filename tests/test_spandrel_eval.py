@@ -62,7 +62,7 @@ def eval_report(venv_run, photos, model_checks) -> dict:
     result = venv_run(
         "-m", "flowlift", "eval",
         "--run", f"lanczos,spandrel:{model}:tiny,spandrel:{model}:tiny+colorfix",
-        "--dataset", str(photos), "--scale", "4", "-o", "report", "--quiet",
+        "--dataset", str(photos), "--scale", "4", "-o", "report", "--no-progress",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((venv_run.cwd / "report" / "results.json").read_text())

@@ -60,7 +60,7 @@ def _img2img(files: Path, out: Path, *model_args: str, limit_memory: bool = Fals
     config that allocates fails there instead of taking the machine)."""
     argv = [sys.executable, "-m", "flowlift", "img2img", str(files / "img.png"), *model_args,
             "--vae", str(files / "vae"), "--prompt-embeds", str(files / "emb.safetensors"), "--steps", "1",
-            "--quiet", "-o", str(out)]  # fmt: skip
+            "--no-progress", "-o", str(out)]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
     def cap() -> None:
@@ -117,7 +117,7 @@ def test_folders_load_as_strictly_as_files(files, case, monkeypatch):
     with pytest.raises(FlowliftError) as caught:
         load_transformer(str(folder), dtype=torch.float32)
     text = str(caught.value)
-    assert text.startswith(f"--model {folder}: ") and message in text and "\n" not in text, text
+    assert text.startswith(f"source.model {folder}: ") and message in text and "\n" not in text, text
     assert not built  # refused before diffusers built (allocated) anything
 
 
@@ -281,7 +281,8 @@ def test_a_cached_hub_transformer_is_checked_the_same_way(files, tmp_path, monke
     with pytest.raises(FlowliftError) as caught:
         load_transformer("owner/bad-flux2", dtype=torch.float32)
     text = str(caught.value)
-    assert text.startswith("--model owner/bad-flux2: ") and "num_layers is 200000, the weights hold 1" in text, text
+    assert text.startswith("source.model owner/bad-flux2: "), text
+    assert "num_layers is 200000, the weights hold 1" in text, text
 
 
 def test_a_distillation_teacher_folder_is_checked_the_same_way(files, tmp_path, shared, capsys):

@@ -18,9 +18,10 @@ from flowlift.flux2.img2img import gaussian_flow_velocity
 from flowlift.flux2.latents import patchify
 from flowlift.refine.loop import refine_latents
 from flowlift.refine.refiner import Flux2Refiner
+from flowlift.refine.request import HiresSettings
+from flowlift.refine.settings import DEFAULT_TILE_SIZE, SamplingSettings
 from flowlift.refine.tiled_velocity import TiledVelocity, partition_weights, tiled_for_frame
 from flowlift.refine.tiling import (
-    DEFAULT_TILE_SIZE,
     TileRequest,
     parse_tile_batch,
     parse_tile_overlap,
@@ -29,7 +30,7 @@ from flowlift.refine.tiling import (
     tile_layout,
     tile_starts,
 )
-from tiny_flux2 import Spy, prompt_embeds, tiny_transformer, tiny_vae
+from tiny_flux2 import AsUpscaler, Spy, prompt_embeds, tiny_transformer, tiny_vae
 
 S = 128  # px: 16x16 latents, 8x8 tokens
 EMB = prompt_embeds()
@@ -134,10 +135,10 @@ def test_untiled_above_4_mp_costs_one_warning_line():
 
 def test_a_tile_covering_the_frame_is_the_untiled_call_bit_for_bit(vae, image):
     refiner = Flux2Refiner(tiny_transformer(), vae)
-    common = dict(strength=0.6, steps=4, seed=3, sampler="heun", prompt_embeds=EMB)
-    off = refiner.img2img(image, tile_size="off", **common)
+    common = dict(strength=0.6, sampling=SamplingSettings(steps=4, seed=3, sampler="heun"), prompt_embeds=EMB)
+    off = refiner.img2img(image, tiles=refiner.tiling.replace(size="off"), **common)
     for size in (S, 2 * S, 4096):
-        out = refiner.img2img(image, tile_size=size, tile_overlap=64, **common)
+        out = refiner.img2img(image, tiles=refiner.tiling.replace(size=size, overlap=64), **common)
         assert torch.equal(out.latents, off.latents) and torch.equal(out.images, off.images)
         assert "tiles" not in out.parameters and out.parameters["tile_size"] == size
     # the combinator itself, on a one-tile layout
@@ -157,7 +158,8 @@ def test_a_pointwise_velocity_gives_the_untiled_result_for_any_tiles(sampler):
     h, w = 336, 208  # px
     init = torch.randn(1, 32, h // 8, w // 8, generator=torch.Generator().manual_seed(2))
     mask = (torch.rand(1, 1, h // 8, w // 8, generator=torch.Generator().manual_seed(3)) > 0.5).float()
-    run = dict(init_latents=init, denoising_start=0.3, steps=5, seed=4, sampler=sampler, mask=mask)
+    sampling = SamplingSettings(steps=5, seed=4, sampler=sampler)
+    run = dict(init_latents=init, denoising_start=0.3, sampling=sampling, mask=mask)
     reference = refine_latents(pointwise, **run).latents
     for tile, overlap in [(64, 0), (64, 16), (96, 32), (128, 48), (48, 32), (208, 16), (32, 16)]:
         tiled = TiledVelocity(pointwise, tile_layout(h, w, tile, overlap, batch=3))
@@ -172,10 +174,10 @@ def test_a_pointwise_velocity_gives_the_untiled_result_for_any_tiles(sampler):
 def test_two_by_two_tiles_run_with_tile_local_ids_and_are_recorded(vae, image):
     spy = Spy(tiny_transformer())
     refiner = Flux2Refiner(spy, vae)
-    common = dict(strength=0.6, steps=3, seed=3, prompt_embeds=EMB)
-    off = refiner.img2img(image, tile_size="off", **common)
+    common = dict(strength=0.6, sampling=SamplingSettings(steps=3, seed=3), prompt_embeds=EMB)
+    off = refiner.img2img(image, tiles=refiner.tiling.replace(size="off"), **common)
     spy.seen.clear()
-    out = refiner.img2img(image, tile_size=80, tile_overlap=32, **common)
+    out = refiner.img2img(image, tiles=refiner.tiling.replace(size=80, overlap=32), **common)
     assert out.parameters["tiles"] == {"size": [80, 80], "overlap": 32, "grid": [2, 2], "batch": 1}
     assert out.parameters["tile_size"] == 80 and out.parameters["model_calls"] == 3  # sampler steps
     assert len(spy.seen) == 3 * 4  # four tiles per step
@@ -190,12 +192,12 @@ def test_two_by_two_tiles_run_with_tile_local_ids_and_are_recorded(vae, image):
 
 def test_batched_tiles_equal_one_tile_per_call(vae, image):
     spy = Spy(tiny_transformer())
-    refiner = Flux2Refiner(spy, vae, tile_size=80, tile_overlap=32)
-    common = dict(strength=0.6, steps=2, seed=3, prompt_embeds=EMB)
-    single = refiner.img2img(image, tile_batch=1, **common)
+    refiner = Flux2Refiner(spy, vae, tiles=TileRequest.parse(size=80, overlap=32))
+    common = dict(strength=0.6, sampling=SamplingSettings(steps=2, seed=3), prompt_embeds=EMB)
+    single = refiner.img2img(image, tiles=refiner.tiling.replace(batch=1), **common)
     for batch, calls_per_step in [(4, 1), (3, 2), (8, 1)]:
         spy.seen.clear()
-        out = refiner.img2img(image, tile_batch=batch, **common)
+        out = refiner.img2img(image, tiles=refiner.tiling.replace(batch=batch), **common)
         assert len(spy.seen) == 2 * calls_per_step
         assert spy.seen[0]["hidden_states"].shape[0] == min(batch, 4)
         assert out.parameters["tiles"]["batch"] == min(batch, 4)  # what ran: 8 asked, 4 tiles in the frame
@@ -208,12 +210,12 @@ def test_several_images_run_one_tile_of_all_per_call_and_record_what_ran(vae, im
     tile_batch. It records what ran, the batch equals each image refined alone (1e-5: another batch size of the
     same matmuls), and an explicit tile_batch above 1 costs one warning line."""
     spy = Spy(tiny_transformer())
-    refiner = Flux2Refiner(spy, vae, tile_size=80, tile_overlap=32)
-    common = dict(strength=0.6, steps=2, seed=3, prompt_embeds=EMB)
+    refiner = Flux2Refiner(spy, vae, tiles=TileRequest.parse(size=80, overlap=32))
+    common = dict(strength=0.6, sampling=SamplingSettings(steps=2, seed=3), prompt_embeds=EMB)
     pair = torch.cat([image, image.flip(-1)])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = refiner.img2img(pair, tile_batch=requested, **common)
+        out = refiner.img2img(pair, tiles=refiner.tiling.replace(batch=requested), **common)
     assert [call["hidden_states"].shape[0] for call in spy.seen] == [2] * (2 * 4)  # one tile of both, 4 per step
     assert out.parameters["tiles"]["batch"] == 1
     ours = [str(w.message) for w in caught if issubclass(w.category, FlowliftWarning)]
@@ -222,7 +224,8 @@ def test_several_images_run_one_tile_of_all_per_call_and_record_what_ran(vae, im
                         "tile of all 2 (recorded as batch 1)"], ours  # fmt: skip
     else:
         assert not ours, ours
-    first = refiner.img2img(pair[:1], tile_batch=1, **common)  # its noise is the first half of the pair's
+    # its noise is the first half of the pair's
+    first = refiner.img2img(pair[:1], tiles=refiner.tiling.replace(batch=1), **common)
     assert torch.allclose(out.latents[:1], first.latents, rtol=0, atol=1e-5)
     # the velocity of both images at once is each image's alone, at any tiles per call asked
     denoiser = refiner.denoiser(prompt_embeds=EMB)
@@ -268,8 +271,8 @@ def test_reference_images_go_to_every_tile(vae, image):
     spy = Spy(tiny_transformer())
     refiner = Flux2Refiner(spy, vae)
     reference = torch.rand(1, 3, 32, 48, generator=torch.Generator().manual_seed(5))
-    refiner.img2img(image, strength=0.5, steps=2, prompt_embeds=EMB, reference_images=[reference], tile_size=80,
-                    tile_overlap=32, tile_batch=2)  # fmt: skip
+    refiner.img2img(image, strength=0.5, sampling=SamplingSettings(steps=2), prompt_embeds=EMB,
+                    reference_images=[reference], tiles=TileRequest.parse(80, 32, 2))  # fmt: skip
     ref_tokens = (32 // 16) * (48 // 16)
     assert len(spy.seen) == 2 * 2
     for call in spy.seen:
@@ -309,7 +312,12 @@ def test_seams_stay_at_the_untiled_level_with_overlap_and_rise_without(vae):
 
     def change(tile, overlap):
         fn = den if tile is None else TiledVelocity(den, tile_layout(side, side, tile, overlap))
-        return refine_latents(fn, init_latents=init, denoising_start=0.5, steps=4, seed=1).latents - init
+        return (
+            refine_latents(
+                fn, init_latents=init, denoising_start=0.5, sampling=SamplingSettings(steps=4, seed=1)
+            ).latents
+            - init
+        )
 
     untiled = seam_ratio(change(None, 0))
     overlapped = [seam_ratio(change(160, 64)), seam_ratio(change(192, 128))]
@@ -320,13 +328,13 @@ def test_seams_stay_at_the_untiled_level_with_overlap_and_rise_without(vae):
 
 def test_hires_and_txt2img_tile_and_record_both_passes(vae):
     spy = Spy(tiny_transformer())
-    refiner = Flux2Refiner(spy, vae, tile_size=64, tile_overlap=32)
+    refiner = Flux2Refiner(spy, vae, tiles=TileRequest.parse(size=64, overlap=32))
 
     def upscale(latents):
         return torch.nn.functional.interpolate(latents, scale_factor=2, mode="nearest")
 
-    out = refiner.hires(upscale, height=48, width=96, base_steps=2, steps=3, scale=2, refine_strength=0.3,
-                        prompt_embeds=EMB)  # fmt: skip
+    settings = HiresSettings(base_size=(96, 48), base_steps=2, scale=2, refine_strength=0.3)
+    out = refiner.hires(AsUpscaler(upscale), settings, sampling=SamplingSettings(steps=3), prompt_embeds=EMB)
     assert out.images.shape[-2:] == (96, 192)
     assert out.parameters["base_tiles"] == {"size": [48, 64], "overlap": 32, "grid": [1, 2], "batch": 1}
     assert out.parameters["tiles"] == {"size": [64, 64], "overlap": 32, "grid": [2, 5], "batch": 1}

@@ -8,6 +8,7 @@ import warnings
 import pytest
 from PIL import Image
 
+from builders import save_tiny_unet
 from flowlift.errors import FlowliftError
 from flowlift.training.config import TrainConfig
 
@@ -36,12 +37,10 @@ def test_init_contradicted_by_explicit_architecture_settings():
 def test_init_contradiction_is_an_error_before_training(tmp_path):
     import torch
 
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
     from flowlift.training.trainer import Trainer
 
     torch.manual_seed(0)
-    weights = save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64), tmp_path / "i.safetensors")
+    weights = save_tiny_unet(tmp_path / "i.safetensors", seed=None)
     config = TrainConfig(data=str(tmp_path), output=str(tmp_path / "run"), init=str(weights), base_channels=64,
                          warmup_steps=1)  # fmt: skip
     with pytest.raises(FlowliftError, match="base_channels 32 \\(not 64\\)"):

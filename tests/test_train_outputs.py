@@ -12,19 +12,18 @@ under checkpoints/, and nothing at all when the command then fails.
 from __future__ import annotations
 
 import os
-import signal
-import stat
 from pathlib import Path
 
 import pytest
 import torch
 
+from builders import TINY_UNET, put_kind, snapshot
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import append_text
-from test_hostile import TINY_UNET, _tiny_dataset
+from test_hostile import _tiny_dataset
 
-pytestmark = pytest.mark.usefixtures("single_thread_torch")
+pytestmark = pytest.mark.usefixtures("single_thread_torch", "fifo_alarm")
 #: Every fixed file name a run writes under --output.
 FILE_NAMES = ["config.json", "train_log.csv", "val.csv", "curves.png", "flow_upscaler.safetensors",
               "checkpoints/latest"]  # fmt: skip
@@ -35,19 +34,6 @@ TINY_SETS = [x for k, v in {**TINY_UNET, "dropout": 0.0, "crop": 0, "progress": 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     return _tiny_dataset(tmp_path_factory.mktemp("train") / "data", items=4, shard_size=2)
-
-
-@pytest.fixture(autouse=True)
-def _no_hang():
-    """A FIFO opened for writing would block for ever: fail the test instead."""
-    def _alarm(signum, frame):
-        raise TimeoutError("the run blocked (a FIFO was opened?)")
-
-    previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(120)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def _train(data: Path | str, output: Path, *extra: str, steps: int = 2) -> list[str]:
@@ -64,31 +50,9 @@ def _one_line(capsys) -> str:
 
 
 def _make(path: Path, kind: str, victim: Path) -> str:
-    """Put ``kind`` at ``path``; the words of the refusal."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if kind == "link":
-        path.symlink_to(victim)
-        return "is a symbolic link"
-    if kind == "dangling link":
-        path.symlink_to(victim.parent / "nowhere.txt")
-        return "is a symbolic link"
-    if kind == "fifo":
-        os.mkfifo(path)
-        return "is a FIFO"
-    if kind == "folder":
-        path.mkdir()
-        (path / "inside.txt").write_text("the user's")
-        return "is a folder"
-    path.write_text("the user's own notes\n")
-    return "was not written by flowlift train"
-
-
-def _snapshot(folder: Path) -> dict[str, object]:
-    found = {}
-    for entry in sorted(folder.rglob("*")):
-        info = os.lstat(entry)
-        found[str(entry.relative_to(folder))] = entry.read_bytes() if stat.S_ISREG(info.st_mode) else info.st_mode
-    return found
+    """Put ``kind`` at ``path``; the words of the refusal (train names itself in them)."""
+    words = put_kind(path, kind, victim)
+    return f"{words} train" if kind == "foreign file" else words
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
@@ -100,14 +64,14 @@ def test_a_special_or_foreign_file_at_any_fixed_name_is_one_line_before_any_work
     victim.write_text("my notes\n")
     out = tmp_path / "run"
     words = _make(out / name, kind, victim)
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     flag = ["--overwrite", "--resume", "none"] if overwrite else []
     if overwrite and kind == "foreign file":
         return  # replaced: see the next test (it needs real data)
     assert main(_train(tmp_path / "no-such-data", out, *flag)) == 2
     line = _one_line(capsys)
     assert words in line and name.split("/")[-1] in line and "no-such-data" not in line, line
-    assert _snapshot(tmp_path) == before  # nothing written, nothing through the link, the FIFO never opened
+    assert snapshot(tmp_path) == before  # nothing written, nothing through the link, the FIFO never opened
 
 
 @pytest.mark.parametrize("name", FILE_NAMES)
@@ -156,12 +120,12 @@ def test_checkpoints_folder_and_step_names_must_be_real_folders(tmp_path, capsys
         os.mkfifo(target)
     else:
         target.write_text("a file")
-    before = _snapshot(tmp_path)
+    before = snapshot(tmp_path)
     for flag in ([], ["--resume", "none", "--overwrite"]):
         assert main(_train(data, out, *flag)) == 2
         line = _one_line(capsys)
         assert target.name in line and "Traceback" not in line, line
-        assert _snapshot(tmp_path) == before and list(victim.iterdir()) == []
+        assert snapshot(tmp_path) == before and list(victim.iterdir()) == []
 
 
 def _run_with_neighbours(data: Path, out: Path, capsys) -> dict[str, object]:
@@ -173,7 +137,7 @@ def _run_with_neighbours(data: Path, out: Path, capsys) -> dict[str, object]:
     (root / "other-tool" / "epoch=3.ckpt").write_bytes(b"another tool's weights")
     (root / "epoch=1.ckpt").write_bytes(b"another tool's weights")
     (root / ".hidden-step-00000001.partial").mkdir()  # a look-alike that is no checkpoint folder
-    return {k: v for k, v in _snapshot(root).items() if not k.startswith("step-") and k != "latest"}
+    return {k: v for k, v in snapshot(root).items() if not k.startswith("step-") and k != "latest"}
 
 
 def test_resume_none_overwrite_removes_only_flowlifts_checkpoints(tmp_path, capsys, data):
@@ -182,7 +146,7 @@ def test_resume_none_overwrite_removes_only_flowlifts_checkpoints(tmp_path, caps
     old_latest = (out / "checkpoints" / "step-00000002" / "run_id").read_text()
     assert main(_train(data, out, "--resume", "none", "--overwrite", steps=1)) == 0, capsys.readouterr().err
     root = out / "checkpoints"
-    kept = {k: v for k, v in _snapshot(root).items() if not k.startswith("step-") and k != "latest"}
+    kept = {k: v for k, v in snapshot(root).items() if not k.startswith("step-") and k != "latest"}
     assert kept == neighbours  # the user's notes and the other tool's checkpoints, byte for byte
     assert sorted(p.name for p in root.glob("step-*")) == ["step-00000001"]  # the old run's step 2 is gone
     assert (root / "step-00000001" / "run_id").read_text() != old_latest
@@ -208,10 +172,10 @@ def test_resume_none_overwrite_removes_nothing_when_the_command_then_fails(tmp_p
                  str(tmp_path / "no-such-photo.png")]  # fmt: skip
     else:
         (out / "checkpoints" / "step-00000001" / "notes.txt").write_text("the user's")
-    before = _snapshot(out)
+    before = snapshot(out)
     assert main(_train(data_arg, out, "--resume", "none", "--overwrite", *extra, steps=1)) == 2
     _one_line(capsys)
-    assert _snapshot(out) == before
+    assert snapshot(out) == before
 
 
 @pytest.mark.parametrize("name", ["flow_upscaler.safetensors", "config.json", "curves.png"])
@@ -227,11 +191,11 @@ def test_an_output_is_never_an_input(tmp_path, capsys, data, name):
         given = ["--val-images", str(linked / name)]
     else:
         given = ["--init", str(linked / name)]
-    before = _snapshot(out)
+    before = snapshot(out)
     assert main(_train(data, out, "--resume", "none", "--overwrite", *given, steps=1)) == 2
     line = _one_line(capsys)
     assert "is the input --" in line, line
-    assert _snapshot(out) == before
+    assert snapshot(out) == before
 
 
 @pytest.mark.parametrize("kind", ["link", "dangling link", "fifo", "folder"])

@@ -39,14 +39,14 @@ def taef2_spec(shared):
 def dataset(tmp_path_factory, shared, taef2_spec):
     """8 items: 4 random 128px crops (16x16 target latents) from each of two Kodak images."""
     from flowlift.models.vae_loading import load_vae
-    from flowlift.training.datasets import build_images_dataset
+    from flowlift.training.datasets import ShardWriting, build_images_dataset
 
     root = tmp_path_factory.mktemp("train-data")
     vae = load_vae(taef2_spec, device="cpu", dtype=torch.float32)
     kodak = shared / "images" / "kodak"
+    writing = ShardWriting(shard_size=3, storage_dtype=torch.float32, progress=False)
     build_images_dataset(root, [kodak / "kodim08.png", kodak / "kodim21.png"], vae, crop=128,
-                         crops_per_image=4, shard_size=3, batch_size=4, storage_dtype=torch.float32,
-                         progress=False)
+                         crops_per_image=4, batch_size=4, writing=writing)
     return root
 
 

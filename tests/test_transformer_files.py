@@ -23,6 +23,7 @@ import torch
 from flowlift.errors import FlowliftError
 from flowlift.models.flux2_transformer_files import inspect_transformer_file
 from flowlift.refine.loading import load_transformer
+from flowlift.refine.settings import SamplingSettings
 from flux2_files import (
     bfl_state_dict,
     diffusers_state_from_bfl,
@@ -36,19 +37,8 @@ from tiny_flux2 import TEXT_DIM, tiny_transformer
 
 def wide_transformer(seed: int = 0):
     """Width 256 (2 heads of 128, FLUX.2's head size and rotary axes): rows long enough for Q4_K's 256 blocks."""
-    from diffusers import Flux2Transformer2DModel
-
-    torch.manual_seed(seed)
-    model = Flux2Transformer2DModel(
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=128,
-        num_attention_heads=2,
-        joint_attention_dim=256,
-        timestep_guidance_channels=256,
-        axes_dims_rope=(32, 32, 32, 32),
-    )
-    return model.eval().requires_grad_(False)
+    return tiny_transformer(seed=seed, guidance_embeds=True, text_dim=256, attention_head_dim=128,
+                            timestep_guidance_channels=256, axes_dims_rope=(32, 32, 32, 32))
 
 
 def fresh(model):
@@ -179,7 +169,7 @@ def test_refiner_runs_a_gguf_transformer_from_the_api(tmp_path):
     vae_dir = tmp_path / "vae"
     tiny_vae().save_pretrained(vae_dir)
     refiner = load_refiner(str(vae_dir), vae=str(vae_dir), transformer=str(path), device="cpu")
-    out = refiner.txt2img(height=32, width=32, steps=2, prompt_embeds=prompt_embeds())
+    out = refiner.txt2img(height=32, width=32, sampling=SamplingSettings(steps=2), prompt_embeds=prompt_embeds())
     assert torch.isfinite(out.images).all()
     assert out.parameters["transformer"] == str(path)
     assert "gguf (Q8_0" in out.parameters["transformer_file"] and out.parameters["offload"] == "none"

@@ -64,11 +64,14 @@ def test_the_python_api_checks_the_plan_before_the_base_runs():
         def __init__(self):  # nothing loaded: the plan must be refused before anything would run
             pass
 
+    from flowlift.refine.request import HiresSettings
+    from tiny_flux2 import AsUpscaler
+
     def never(latents):
         raise AssertionError("the upscaler ran")
 
     with pytest.raises(FlowliftError, match="over MAX_OUTPUT_SIDE"):
-        NoModels().hires(never, height=16, width=2064, scale=8)
+        NoModels().hires(AsUpscaler(never), HiresSettings(base_size=(2064, 16), scale=8))
 
 
 # ------------------------------------------------------------------------------------------ --device cpu:N

@@ -7,6 +7,7 @@ import torch
 from diffusers import AutoencoderKLFlux2
 from safetensors.torch import save_file
 
+from builders import fake_hub_cache
 from flowlift.errors import FlowliftError
 from flowlift.models.flux2_vae_convert import convert_original_flux2_vae, infer_flux2_config
 from flowlift.models.vae import TAEF2VAE, Flux2VAE, flux2_from_state_dict
@@ -264,31 +265,19 @@ def test_load_vae_specs(shared, tmp_path):
         load_vae(bad_config)
 
 
-def _fake_hub_cache(cache, repo_id: str, files: dict[str, bytes]) -> None:
-    """Lay out ``files`` as huggingface_hub's cache holds a downloaded snapshot."""
-    commit = "0" * 40
-    repo_dir = cache / f"models--{repo_id.replace('/', '--')}"
-    (repo_dir / "refs").mkdir(parents=True)
-    (repo_dir / "refs" / "main").write_text(commit)
-    for name, data in files.items():
-        target = repo_dir / "snapshots" / commit / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-
-
 def test_hub_specs_resolve_through_the_offline_cache(shared, tmp_path, monkeypatch, model):
     import huggingface_hub.constants
 
     cache = tmp_path / "hub"
     folder = shared / "models" / "taef2"
-    _fake_hub_cache(
+    fake_hub_cache(
         cache,
         "madebyollin/taef2",
         {n: (folder / n).read_bytes() for n in ("taef2_encoder.pth", "taef2_decoder.pth")},
     )
     model.save_pretrained(tmp_path / "klein" / "vae")
     klein = {f"vae/{p.name}": p.read_bytes() for p in (tmp_path / "klein" / "vae").iterdir()}
-    _fake_hub_cache(cache, "black-forest-labs/FLUX.2-klein-4B", klein)
+    fake_hub_cache(cache, "black-forest-labs/FLUX.2-klein-4B", klein)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     taef2 = load_vae("taef2")
     assert isinstance(taef2, TAEF2VAE) and taef2.model.encoder is not None

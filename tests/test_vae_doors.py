@@ -22,6 +22,7 @@ import pytest
 import torch
 from PIL import Image
 
+from builders import resized_photo, save_tiny_unet
 from flowlift.commands.cli import main
 from flowlift.models.vae_names import NAMED_VAES, VAE_NAMES
 
@@ -77,20 +78,13 @@ def named_hub(hub_cache, monkeypatch):
 
 @pytest.fixture(scope="module")
 def upscaler(tmp_path_factory):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    model = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
-    return save_upscaler(model, tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+    return save_tiny_unet(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
 
 
 @pytest.fixture(scope="module")
 def photo(tmp_path_factory, shared):
-    path = tmp_path_factory.mktemp("photo") / "photo.png"
-    image = Image.open(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png").convert("RGB")
-    image.resize((W, H), Image.Resampling.BOX).save(path)
-    return path
+    return resized_photo(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png",
+                         tmp_path_factory.mktemp("photo") / "photo.png", (W, H))
 
 
 def _run(capsys, *argv) -> tuple[int, str]:
@@ -165,7 +159,7 @@ def test_eval_vae_methods_take_every_named_vae(named_hub, photo, tmp_path, capsy
     shutil.copy(photo, dataset / "photo.png")
     out = tmp_path / "eval"
     code, err = _run(capsys, "eval", "--run", "vae-roundtrip,latent-bicubic", "--dataset", dataset, "--scale", "2",
-                     "--vae", name, "--device", "cpu", "--out", out)  # fmt: skip
+                     "--vae", name, "--device", "cpu", "-o", out)  # fmt: skip
     assert code == 0, err
     assert any(out.rglob("*.json")), list(out.rglob("*"))
 
@@ -173,8 +167,8 @@ def test_eval_vae_methods_take_every_named_vae(named_hub, photo, tmp_path, capsy
 @pytest.mark.parametrize("name", VAE_NAMES)
 def test_dataset_images_takes_every_named_vae(named_hub, shared, tmp_path, capsys, name):
     out = tmp_path / "data"
-    code, err = _run(capsys, "dataset", "images", shared / "images" / "kodak" / "kodim05.png", "--out", out,
-                     "--vae", name, "--crop", "64", "--crops-per-image", "1", "--device", "cpu",
+    code, err = _run(capsys, "dataset", "images", shared / "images" / "kodak" / "kodim05.png", "-o", out,
+                     "--vae", name, "--crop-px", "64", "--crops-per-image", "1", "--device", "cpu",
                      "--no-progress")  # fmt: skip
     assert code == 0, err
     manifest = json.loads((out / "dataset.json").read_text())

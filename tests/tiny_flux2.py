@@ -12,23 +12,25 @@ import torch
 TEXT_DIM = 32
 
 
-def tiny_transformer(*, guidance_embeds: bool = False, seed: int = 0, text_dim: int = TEXT_DIM):
-    """A 1+1-layer ``Flux2Transformer2DModel`` (2 heads of 16, rope axes 4x4) with random weights."""
+def tiny_transformer(*, guidance_embeds: bool = False, seed: int = 0, text_dim: int = TEXT_DIM, **config):
+    """A 1+1-layer ``Flux2Transformer2DModel`` (2 heads of 16, rope axes 4x4; ``config`` on top) with random
+    weights."""
     from diffusers import Flux2Transformer2DModel
 
     torch.manual_seed(seed)
-    model = Flux2Transformer2DModel(
-        patch_size=1,
-        in_channels=128,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=text_dim,
-        timestep_guidance_channels=32,
-        axes_dims_rope=(4, 4, 4, 4),
-        guidance_embeds=guidance_embeds,
-    )
+    model = Flux2Transformer2DModel(**{
+        "patch_size": 1,
+        "in_channels": 128,
+        "num_layers": 1,
+        "num_single_layers": 1,
+        "attention_head_dim": 16,
+        "num_attention_heads": 2,
+        "joint_attention_dim": text_dim,
+        "timestep_guidance_channels": 32,
+        "axes_dims_rope": (4, 4, 4, 4),
+        "guidance_embeds": guidance_embeds,
+        **config,
+    })
     return model.eval().requires_grad_(False)
 
 
@@ -221,3 +223,15 @@ def write_klein_pipeline_with_text_encoder(root: Path) -> Path:
     }  # fmt: skip
     (root / "model_index.json").write_text(json.dumps(index, indent=2))
     return root
+
+
+class AsUpscaler:
+    """A latent function ``fn(latents)`` as the hires fix's upscaler (``upscale_latents``; its passes, seed and
+    colour knobs are recorded in ``seen``)."""
+
+    def __init__(self, fn):
+        self.fn, self.seen = fn, []
+
+    def upscale_latents(self, latents, num_passes, **knobs):
+        self.seen.append((num_passes, knobs))
+        return self.fn(latents)

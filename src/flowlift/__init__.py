@@ -15,11 +15,44 @@ is docs/architecture.md.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import signal as _signal
+import sys as _sys
 
-from flowlift.errors import FlowliftError
-from flowlift.version import __version__
+
+def _is_the_program() -> bool:
+    """This process is the ``flowlift`` command: the console script (``argv[0]`` named flowlift) or
+    ``python [options] -m flowlift`` (or ``-m flowlift.commands.cli``); never a library import, a test runner
+    or a host such as ComfyUI."""
+    name = _sys.argv[0].replace("\\", "/").rsplit("/", 1)[-1] if _sys.argv and _sys.argv[0] else ""
+    if name.removesuffix(".exe").removesuffix("-script.py") == "flowlift":
+        return True
+    args = list(getattr(_sys, "orig_argv", ())[1:])
+    while args and args[0].startswith("-") and args[0] not in ("-c", "-"):
+        option = args.pop(0)
+        if option.startswith("-m"):
+            module = option[2:] or (args[0] if args else "")
+            return module in ("flowlift", "flowlift.commands.cli")
+        if option in ("-W", "-X") and args:
+            args.pop(0)  # the option's value
+    return False
+
+
+def _hold(signum: int, frame: object) -> None:
+    """SIGINT/SIGTERM before ``main()`` takes them over: remembered (``_hold.held``), and ``main()`` ends the
+    run with status 130 as its first act. Raising here instead would print a traceback from the middle of an
+    import, and an inherited SIG_IGN would lose the signal."""
+    _hold.held = signum  # type: ignore[attr-defined]
+
+
+if _is_the_program():  # flowlift's first line: signals are the run's from here on (see commands/cli.py)
+    _signal.signal(_signal.SIGINT, _hold)
+    _signal.signal(_signal.SIGTERM, _hold)
+
+import importlib  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
+
+from flowlift.errors import FlowliftError  # noqa: E402
+from flowlift.version import __version__  # noqa: E402
 
 #: Public name -> the module that defines it (imported on first access).
 _PUBLIC = {

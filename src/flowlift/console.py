@@ -7,7 +7,7 @@
   terminal (a log, a scheduler, CI), one plain line every :func:`progress_interval` seconds (done/total,
   rate, time left) so a long job never looks hung; a piped log gets no ``\\r`` bars.
 * :func:`quiet_libraries` keeps third-party chatter (diffusers' "accelerate was not found" block,
-  "kept in float32" lines, huggingface_hub deprecation warnings, transformers notices) off stderr, so
+  "kept in float32" lines, huggingface_hub FutureWarnings, transformers notices) off stderr, so
   a run prints flowlift's own lines only; ``-v`` leaves the libraries' warnings visible.
 * :func:`warn_once` prints a ``flowlift CMD: warning: ...`` line at most once per process per key.
 * :func:`install_command` is the pip command that adds an optional extra to the flowlift that is running
@@ -46,9 +46,7 @@ _run_lines: list[Any] = []  # the runs whose lines :func:`run_lines` writes now 
 
 def add_console_options(parser: argparse.ArgumentParser, progress: bool = True) -> None:
     """``-v/--verbose`` and ``--progress/--no-progress``, identical on every subcommand: the one convention
-    for progress bars (``progress`` False: ``-v`` only, for a command that draws none). ``--quiet`` (which
-    ``eval``, ``bands``, ``img2img`` and ``hires`` had, meaning "no progress bars") is still accepted as a
-    hidden alias of ``--no-progress`` so old scripts keep working."""
+    for progress bars (``progress`` False: ``-v`` only, for a command that draws none)."""
     group = parser.add_argument_group("console")
     group.add_argument(
         "-v",
@@ -65,12 +63,11 @@ def add_console_options(parser: argparse.ArgumentParser, progress: bool = True) 
         help="draw progress bars (default: bars on a terminal; elsewhere one progress line every "
         f"{DEFAULT_PROGRESS_INTERVAL_S:.0f} s, or ${PROGRESS_INTERVAL_VARIABLE} seconds)",
     )
-    group.add_argument("--quiet", dest="progress", action="store_false", help=argparse.SUPPRESS)
 
 
 def show_progress(args: argparse.Namespace) -> bool | None:
     """The ``enabled`` of :func:`progress_bar`: True with ``--progress`` (a bar even off a terminal),
-    False with ``--no-progress`` (or its old spelling ``--quiet``), None otherwise (a bar on a terminal,
+    False with ``--no-progress``, None otherwise (a bar on a terminal,
     plain lines elsewhere)."""
     forced = getattr(args, "progress", None)
     return None if forced is None else bool(forced)
@@ -137,6 +134,69 @@ def install_command(extra: str) -> str:
         where = "." if root == Path.cwd().resolve() else str(root)
         return f'pip install -e "{where}[{extra}]"'
     return f'pip install "flowlift[{extra}]"'
+
+
+class GuardedStream:
+    """A standard stream whose failure cannot fail the run: the first write or flush that raises (EPIPE when
+    the reader went away, ``| head -1``; ENOSPC, ``> /dev/full``; a closed stream) is kept in ``failure``, the
+    file descriptor is pointed at the null device (so the interpreter's own flush at exit fails no more:
+    Python's documented answer to SIGPIPE) and every later write goes nowhere. Everything else is the
+    stream's own."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.failure: OSError | ValueError | None = None
+
+    def write(self, text: str) -> int:
+        if self.failure is None:
+            try:
+                return self.stream.write(text)
+            except (OSError, ValueError) as error:
+                self._fail(error)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.failure is None:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError) as error:
+                self._fail(error)
+
+    def _fail(self, error: OSError | ValueError) -> None:
+        self.failure = error
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, self.stream.fileno())
+            finally:
+                os.close(null)
+        except (OSError, ValueError, AttributeError):  # no descriptor of its own (a test's stream): nothing to do
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def guard_standard_streams() -> None:
+    """For the process's own command line: a stdout or stderr closed when flowlift started (``>&-``, ``2>&-``:
+    Python makes them None) writes to the null device, and each is a :class:`GuardedStream`, so that no
+    message, progress line or warning that cannot be shown stops a run or loses its outputs."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is None:
+            stream = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - the process's stream until it exits
+        if not isinstance(stream, GuardedStream):
+            setattr(sys, name, GuardedStream(stream))
+
+
+def stdout_failure() -> OSError | ValueError | None:
+    """Why stdout stopped taking output during this run (flushed first), if it did; None when it never broke
+    or is not guarded (:func:`guard_standard_streams`)."""
+    stream = sys.stdout
+    if not isinstance(stream, GuardedStream):
+        return None
+    stream.flush()
+    return stream.failure
 
 
 def set_command(name: str) -> None:
@@ -257,6 +317,8 @@ def progress_bar(
     from tqdm.auto import tqdm
 
     file = sys.stderr if file is None else file
+    if file is None or getattr(file, "closed", False):  # stderr closed at start (`2>&-`): progress goes nowhere
+        file, enabled = _Discard(), False
     options = {"desc": desc, "total": total, "unit": unit, "initial": initial, "leave": leave}
     if enabled is None and not _is_terminal(file):
         return _progress_lines_class()(iterable, out=file, interval=progress_interval(), **options)

@@ -7,11 +7,38 @@ what flowlift warns about a user's input or output (shown as one line by the com
 """
 
 
+#: Where a message names its field: a character no path or argument can hold, put in the field's place by
+#: :class:`FlowliftError` (the Python words) or :meth:`FlowliftError.worded` (a door's).
+FIELD_MARK = "\0"
+
+
 class FlowliftError(Exception):
-    """A user-facing error whose message is one clear line; the command line exits with :attr:`exit_status`."""
+    """A user-facing error whose message is one clear line; the command line exits with :attr:`exit_status`.
+
+    ``field`` names the knob or request field the line is about, in the Python API's words (``tile_size``,
+    ``prompt.embeds``: the keyword a caller wrote); the message names it at its start, or where it holds
+    :data:`FIELD_MARK` (several fields: one mark each, in order; :attr:`fields`). Each door says it in its own
+    words: :meth:`worded` puts the door's name in its place (the command line its option, ``--tile-size``; the web
+    app its label), so the capabilities never spell a front-end's option.
+    """
 
     #: 2, a user error; a subclass for an outcome that is no user's mistake says otherwise.
     exit_status: int = 2
+
+    def __init__(self, message: str = "", *, field: str | tuple[str, ...] | None = None) -> None:
+        fields = (field,) if isinstance(field, str) else tuple(field or ())
+        if len(fields) == 1 and FIELD_MARK not in message and message.startswith(fields[0]):
+            message = FIELD_MARK + message[len(fields[0]) :]
+        self.fields, self.template = fields, message
+        self.field = fields[0] if fields else None
+        super().__init__(self.worded({}))
+
+    def worded(self, words: dict[str, str]) -> str:
+        """The message with each field (one a mark, in order) named as ``words`` maps it, else as Python does."""
+        text = self.template
+        for name in self.fields:
+            text = text.replace(FIELD_MARK, words.get(name, name), 1)
+        return text.replace(FIELD_MARK, "")
 
 
 class FlowliftWarning(UserWarning):

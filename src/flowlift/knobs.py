@@ -18,10 +18,9 @@ from __future__ import annotations
 import math
 import numbers
 import re
-import warnings
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from flowlift.errors import FlowliftError
 
@@ -150,10 +149,10 @@ class Knob:
             at_most = "" if self.high is None else f" at most {self.high}"
             if self.high == SEED_MAX:
                 at_most += " (2^64 - 1)"
-            return FlowliftError(f"{label} must be a non-negative integer{at_most}, got {value!r}")
+            return FlowliftError(f"{label} must be a non-negative integer{at_most}, got {value!r}", field=label)
         if self.kind is float and _non_finite(value):  # say what is wrong with nan / inf, not only the range
-            return FlowliftError(f"{label} must be a finite number {self.describe()}, got {value!r}")
-        return FlowliftError(f"{label} must be {self.describe()}, got {value!r}")
+            return FlowliftError(f"{label} must be a finite number {self.describe()}, got {value!r}", field=label)
+        return FlowliftError(f"{label} must be {self.describe()}, got {value!r}", field=label)
 
     def check(self, value: Any, label: str | None = None, *, loose: bool = False) -> Any:
         """``value`` converted to this knob's type if it lies in the domain, else one FlowliftError line.
@@ -169,19 +168,20 @@ class Knob:
             if loose and self.kind is int:
                 value = exact_int(value, loose=True) if exact_int(value, loose=True) is not None else value
             if isinstance(value, bool) and self.kind is not bool or value not in self.choices:
-                raise FlowliftError(f"{label} must be one of {', '.join(map(str, self.choices))}, got {value!r}")
+                choices = ", ".join(map(str, self.choices))
+                raise FlowliftError(f"{label} must be one of {choices}, got {value!r}", field=label)
             return next(choice for choice in self.choices if choice == value)
         if self.kind is bool:
             if not isinstance(value, bool):
-                raise FlowliftError(f"{label} must be true or false, got {value!r}")
+                raise FlowliftError(f"{label} must be true or false, got {value!r}", field=label)
             return value
         if self.kind is str:
             if not isinstance(value, str) or not re.fullmatch(self.pattern, value.strip(), re.DOTALL):
-                raise FlowliftError(f"{label} must be {self.describe()}, got {value!r}")
+                raise FlowliftError(f"{label} must be {self.describe()}, got {value!r}", field=label)
             return value.strip()
         if self.kind is list:
             if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
-                raise FlowliftError(f"{label} must be {self.describe()}, got {value!r}")
+                raise FlowliftError(f"{label} must be {self.describe()}, got {value!r}", field=label)
             return list(value)
         if isinstance(value, str) and value.strip().lower() in self.words:
             return value.strip().lower()
@@ -196,7 +196,7 @@ class Knob:
             raise self._error(label, value)
         if self.multiple and number % self.multiple:
             unit = f" {self.unit}" if self.unit else ""
-            raise FlowliftError(f"{label} must be a multiple of {self.multiple}{unit}, got {value!r}")
+            raise FlowliftError(f"{label} must be a multiple of {self.multiple}{unit}, got {value!r}", field=label)
         return self.kind(number)
 
     def parse_text(self, text: str) -> Any:
@@ -245,9 +245,6 @@ def check_overwrite(value: Any) -> bool:
     return OVERWRITE.check(value)
 
 
-#: Passes per scale: each Flow Upscaler pass doubles both sides.
-SCALE_PASSES = {2: 1, 4: 2, 8: 3}
-
 #: The upscale factor, declared once for both of its owners: ``flowlift upscale --scale`` (the upscaler's table)
 #: and the hires fix's upscale (the refiner's ``hires_scale`` is this knob under its own name).
 SCALE = Knob(
@@ -255,9 +252,9 @@ SCALE = Knob(
     int,
     2,
     "upscale factor: 2x per pass (2 = one pass, 4 = two, 8 = three)",
-    choices=tuple(SCALE_PASSES),
+    choices=(2, 4, 8),  # each Flow Upscaler pass doubles both sides: flowlift.limits.passes_for_scale
     unit="x",
-    extra={"labels": tuple(f"{factor}x" for factor in SCALE_PASSES)},
+    extra={"labels": ("2x", "4x", "8x")},
 )
 #: Stage 1 of the colour fix, run after every upscale pass: the upscaler's and the hires fix's.
 TRANSPLANT_STRENGTH = Knob(
@@ -296,9 +293,69 @@ def check_unit_interval(name: str, value: Any) -> float:
     return float(value)
 
 
+def check_path(name: str, value: Any, *, optional: bool = False) -> Any:
+    """``value`` if it names a file (a non-empty ``str`` or ``os.PathLike``; None too when ``optional``), else one line
+    naming ``name``: an empty name would quietly mean the working folder or a default."""
+    import os
+
+    if value is None and optional:
+        return None
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text.strip():
+        what = "a path" + (" or None" if optional else "")
+        raise FlowliftError(f"{name} must be {what}, got {value!r}", field=name)
+    return value
+
+
+def check_paths(name: str, value: Any) -> tuple[Any, ...]:
+    """A sequence of paths as a tuple, each :func:`check_path`; one ``str`` (or path) is one path, never its
+    characters."""
+    import os
+
+    if isinstance(value, (str, os.PathLike)):
+        value = (value,)
+    if not isinstance(value, (list, tuple)):
+        raise FlowliftError(f"{name} must be a path or a sequence of paths, got {value!r}", field=name)
+    return tuple(check_path(name, item) for item in value)
+
+
+def check_kind(name: str, value: Any, kind: type | tuple[type, ...], spelled: str, *, optional: bool = False) -> Any:
+    """``value`` if it is a ``kind`` (None too when ``optional``), else one line naming ``name`` and what it takes
+    (``spelled``: "a SamplingSettings"): a settings object's place never takes None, a string or a dict."""
+    if value is None and optional:
+        return value
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool)):
+        return value
+    raise FlowliftError(f"{name} must be {spelled}{' or None' if optional else ''}, got {value!r}", field=name)
+
+
+def check_positive(name: str, value: Any, *, integer: bool = False, optional: bool = False) -> Any:
+    """``value`` if it is a finite number above 0 (an exact integer >= 1 with ``integer``; None when ``optional``),
+    else one line naming ``name``: not bool, not text, not NaN."""
+    if value is None and optional:
+        return None
+    if integer:
+        number = exact_int(value)
+        if number is None or number < 1:
+            raise FlowliftError(f"{name} must be an integer >= 1, got {value!r}", field=name)
+        return number
+    number = _finite_real(value) if not isinstance(value, str) else None
+    if number is None or number <= 0:
+        raise FlowliftError(f"{name} must be a finite number above 0, got {value!r}", field=name)
+    return number
+
+
 def wrap_seed(value: int) -> int:
     """A seed derived by arithmetic (``seed + k``) brought back into [0, 2^64 - 1]: ``value mod 2^64``."""
     return int(value) % (SEED_MAX + 1)
+
+
+def labels(knobs: Iterable[Knob]) -> dict[str, str]:
+    """How the node packs, the web app and a command's value parsers say knobs in a line: ``tile_size`` -> ``tile
+    size`` (the words :meth:`flowlift.errors.FlowliftError.worded` puts in a knob's place; the command line's own
+    options are ``--tile-size``)."""
+    return {knob.name: knob.name.replace("_", " ") for knob in knobs}
 
 
 def table(*knobs: Knob) -> dict[str, Knob]:
@@ -309,37 +366,3 @@ def table(*knobs: Knob) -> dict[str, Knob]:
             raise ValueError(f"knob {knob.name} declared twice")
         found[knob.name] = knob
     return found
-
-
-Settings = TypeVar("Settings")
-
-
-def settings_or_deprecated_keywords(
-    given: Settings | None,
-    old: dict[str, Any],
-    make: Callable[..., Settings],
-    *,
-    where: str,
-    argument: str,
-    home: str,
-    stacklevel: int = 4,
-) -> Settings:
-    """A settings object, or for one release the keyword arguments it replaced, folded into one.
-
-    ``given`` itself (``make()``'s defaults when None) if ``old`` is empty; ``make(**old)`` with a
-    ``DeprecationWarning`` naming ``where``'s old keywords and the new ``argument`` (a class of module
-    ``home``); both at once is one :class:`FlowliftError`. The warning points at the caller of the public
-    function that called this one (``stacklevel`` 3 when the public function calls this one itself).
-    """
-    if not old:
-        return given if given is not None else make()
-    spelled = f"{argument}={make.__name__}(...)"
-    if given is not None:
-        raise FlowliftError(f"{where}: give {spelled} or {', '.join(old)}, not both")
-    warnings.warn(
-        f"{where}({', '.join(f'{name}=' for name in old)}) is deprecated and goes in the next release; pass "
-        f"{spelled} ({home})",
-        DeprecationWarning,
-        stacklevel=stacklevel,
-    )
-    return make(**old)

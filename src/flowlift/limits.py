@@ -1,7 +1,9 @@
 """The limits and the byte arithmetic that the upscaler and the refiner share, below both of them.
 
-The output cap (:data:`MAX_OUTPUT_SIDE`), the ``--max-memory`` size parser and the estimates both memory
-plans count with (a dtype's bytes, a model's bytes, a VAE decode's peak). Here rather than in
+The output cap (:data:`MAX_OUTPUT_SIDE`), the FLUX.2 latent geometry both work on (:data:`LATENT_CHANNELS`,
+the 16-px grid :data:`PIXEL_MULTIPLE`), the one scale -> passes rule (:func:`passes_for_scale`), the
+``--max-memory`` size parser and the estimates both memory plans count with (a dtype's bytes, a model's bytes, a
+VAE decode's peak). Here rather than in
 :mod:`flowlift.upscale` so that :mod:`flowlift.refine` and :mod:`flowlift.upscale` are siblings: neither
 imports the other. Nothing here imports torch at import time (the commands' ``--help`` reads this module).
 
@@ -18,19 +20,26 @@ from flowlift.errors import FlowliftError
 __all__ = [
     "DECODE_PLAIN_CHANNELS",
     "DECODE_TILE_BYTES",
+    "LATENT_CHANNELS",
     "MAX_OUTPUT_SIDE",
+    "PIXEL_MULTIPLE",
     "decode_peak_bytes",
     "dtype_bytes",
     "format_bytes",
     "model_bytes",
     "parse_memory",
+    "passes_for_scale",
     "vae_kind",
 ]
 
 #: The largest output side flowlift writes (16K): upscale passes stop before it, an outpaint canvas stays in it.
 MAX_OUTPUT_SIDE = 16384
-#: Latent channels of a FLUX.2 latent (what a decode reads).
-_LATENT_CHANNELS = 32
+#: Channels of a FLUX.2 latent (normalized, unpatchified, at 1/8 of the image's size): what every VAE here encodes
+#: to, the Flow Upscaler's samples, the transformer's latents before its 2x2 patches.
+LATENT_CHANNELS = 32
+#: The grid FLUX.2 images live on: the VAE's 8x times the 2x2 patches (the transformer's tokens, the Flow
+#: Upscaler's one 2x level). Image sides, tile sides and tile offsets are multiples of it.
+PIXEL_MULTIPLE = 16
 #: Mage-VAE, measured on the CPU in float32 (benchmarks/bench_vae.py, benchmarks/bench_mage_tiling.py,
 #: docs/vae.md): the whole-frame decode peak per output pixel in values (the per-pixel MLP's 32-wide features,
 #: their adaLN modulations, the MLP's hidden and output, RGB: 288-325 measured at 1 Mpx, contiguous and
@@ -56,6 +65,23 @@ _UNITS = {
     "": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
     "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
+
+
+def passes_for_scale(scale: float) -> int:
+    """The fewest 2x passes that reach ``scale``: the least ``n >= 1`` with ``2**n >= scale`` (2 -> 1, 4 -> 2,
+    8 -> 3). Every pass doubles both sides; a scale between two powers of two takes the larger (3 -> 2), and the
+    caller brings the result down to its size. Which scales a door offers is its knob's domain
+    (:data:`flowlift.knobs.SCALE`); anything not a finite number above 1 is one line here.
+    """
+    import math
+    import numbers
+
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 1:
+        raise FlowliftError(f"scale must be a finite number above 1, got {scale!r}")
+    passes = 1
+    while 2**passes < scale:
+        passes += 1
+    return passes
 
 
 def parse_memory(value: str | int | float) -> int:
@@ -108,9 +134,9 @@ def decode_peak_bytes(vae_kind: str, height: int, width: int, *, batch: int = 1,
     pixels = batch * height * width
     itemsize = 4 if dtype is None else dtype_bytes(dtype)
     if tiled:
-        tiled_bytes = pixels * itemsize * (3 + _LATENT_CHANNELS / 64) + DECODE_TILE_BYTES[kind]
+        tiled_bytes = pixels * itemsize * (3 + LATENT_CHANNELS / 64) + DECODE_TILE_BYTES[kind]
         if kind == "mage":
-            tiled_bytes += pixels * itemsize * _LATENT_CHANNELS / 64 + height * width * itemsize * MAGE_STORE_CHANNELS
+            tiled_bytes += pixels * itemsize * LATENT_CHANNELS / 64 + height * width * itemsize * MAGE_STORE_CHANNELS
         return int(tiled_bytes)
     return int(pixels * itemsize * (DECODE_PLAIN_CHANNELS[kind] + 3))
 

@@ -3,7 +3,7 @@
 The form (:class:`RefineForm`, every default from the knob tables) is checked in the tab's words, then becomes
 one :class:`~flowlift.refine.request.RefineRequest`, planned by :func:`flowlift.refine.jobs.plan_refine_job` and
 run by :func:`flowlift.refine.jobs.refine_job` on the service's loaded refiner (the hires fix through
-:func:`flowlift.refine.hires.hires_fix`, as the command line runs it) and written by
+:meth:`~flowlift.refine.refiner.Flux2Refiner.hires`, as the command line runs it) and written by
 :func:`flowlift.refine.jobs.write_job` with the CLI's metadata (the upload's name where the CLI records a path).
 The service is reached through its public methods only (:meth:`~flowlift.app.service.AppService.refiner`,
 ``hires_upscaler``, ``new_result_dir``).
@@ -19,9 +19,10 @@ from typing import Any
 from flowlift.app.progress import ProgressFn
 from flowlift.app.results import UpscaleResult, check_upload, logged_request, preview_pair, public_message
 from flowlift.errors import ITEM_ERRORS, FlowliftError
-from flowlift.knobs import SEED, Knob
+from flowlift.knobs import SEED, Knob, labels
 from flowlift.refine.settings import (
     HIRES_SCALE,
+    REFINE_KNOBS,
     REFINE_STRENGTH,
     SAMPLER,
     STEPS,
@@ -126,7 +127,7 @@ def refine_upload(service: Any, path: str | Path | None, prompt: str | None, pro
 
 def _refine(service: Any, path: str | Path | None, prompt: str | None, prompt_embeds: str | Path | None,
             form: RefineForm, run: Any) -> UpscaleResult:  # fmt: skip
-    from flowlift.refine.jobs import job_conditioning, job_metadata, plan_refine_job, refine_job, write_job
+    from flowlift.refine.jobs import job_conditioning, plan_refine_job, refine_job, write_job
     from flowlift.refine.stages import plan_job_stages
 
     if not path:
@@ -139,7 +140,10 @@ def _refine(service: Any, path: str | Path | None, prompt: str | None, prompt_em
         check_upload(embeds, service.config.max_upload_mb)
     elif not (prompt or "").strip():
         raise FlowliftError("give a prompt or a prompt-embeds file (.safetensors with 'prompt_embeds')")
-    request = _request(service, source, prompt, embeds, form)
+    try:
+        request = _request(service, source, prompt, embeds, form)
+    except FlowliftError as error:  # a knob the form got wrong, said as the page labels it
+        raise FlowliftError(error.worded(labels(REFINE_KNOBS.values()))) from None
     try:
         job = plan_refine_job(request)
         conditioning = job_conditioning(job)  # the embeddings file read; text goes to the refiner's encoder
@@ -154,7 +158,7 @@ def _refine(service: Any, path: str | Path | None, prompt: str | None, prompt_em
         upscaler = service.hires_upscaler(refiner) if request.mode == "hires" else None
         result = refine_job(job, refiner, conditioning, upscaler)
         run.begin("writing")
-        image = write_job(job, result, job_metadata(job, result, shown=lambda p: Path(p).name))
+        image = write_job(job, result, shown=lambda p: Path(p).name)
         run.finished("writing")
     except ITEM_ERRORS as error:
         raise FlowliftError(public_message(error, source)) from None

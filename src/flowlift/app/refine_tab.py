@@ -17,8 +17,9 @@ from flowlift.app.refine import MODES, mode_strength_default
 from flowlift.app.results import UpscaleResult, model_name
 from flowlift.app.service import AppService
 from flowlift.knobs import SEED
+from flowlift.limits import PIXEL_MULTIPLE
 from flowlift.refine.loading import model_default_steps
-from flowlift.refine.settings import SAMPLER, STEPS, STRENGTH, STRENGTH_MAP, TILE_MULTIPLE, TILE_OVERLAP, TILE_SIZE
+from flowlift.refine.settings import SAMPLER, STEPS, STRENGTH, STRENGTH_MAP, TILE_OVERLAP, TILE_SIZE
 
 MAX_STEPS = STEPS.high
 #: The tile size menu: the knob's words, then sides FLUX.2 is used at (any multiple of 16 may be typed in).
@@ -39,7 +40,7 @@ def _tile_controls(gr: Any) -> tuple[Any, Any]:
             allow_custom_value=True,
             label="Tile size (px)",
             info=f"auto: 1024 px tiles above FLUX.2's 4 MP; off: one transformer call; or a multiple of "
-            f"{TILE_MULTIPLE}, at least {TILE_SIZE.low}",
+            f"{PIXEL_MULTIPLE}, at least {TILE_SIZE.low}",
             elem_id="refine-tile-size",
         )
         tile_overlap = gr.Number(
@@ -49,7 +50,7 @@ def _tile_controls(gr: Any) -> tuple[Any, Any]:
             maximum=TILE_OVERLAP.high,
             step=TILE_OVERLAP.step,
             label="Tile overlap (px)",
-            info=f"a multiple of {TILE_MULTIPLE}, less than the tile; neighbours crossfade across it",
+            info=f"a multiple of {PIXEL_MULTIPLE}, less than the tile; neighbours crossfade across it",
             elem_id="refine-tile-overlap",
         )
     return tile_size, tile_overlap

@@ -94,9 +94,12 @@ class AppService:
         self.vae_labels = vae_labels(config.vaes)
 
     def vae_spec(self, vae: str | None) -> str:
-        """The configured VAE spec for a page label or a spec (API callers may pass either; None: the first)."""
-        if not vae:
+        """The configured VAE spec for a page label or a spec (API callers may pass either; None: the first).
+        An empty or blank name is refused, as the command line's ``--vae ''`` is: it names no VAE."""
+        if vae is None:
             return self.config.vaes[0]
+        if isinstance(vae, str) and not vae.strip():
+            raise FlowliftError(f"VAE: an empty name names no VAE; choose one of {', '.join(self.vae_labels)}")
         if vae in self.vae_labels:
             return self.vae_labels[vae]
         if vae in self.config.vaes:
@@ -186,8 +189,8 @@ class AppService:
     def plan(sources: Sequence[Path], out_dir: Path, scale: int) -> Any:
         """``flowlift upscale``'s plan of the uploads (:func:`flowlift.upscale.plan.plan_files`): the same output
         names (by the scale the 16K cap lets run: a capped 8x is ``_x4``), sizes and refusals."""
+        from flowlift.limits import passes_for_scale
         from flowlift.upscale.plan import plan_files
-        from flowlift.upscale.sizes import passes_for_scale
 
         return plan_files(sources, out_dir, passes_for_scale(scale))
 
@@ -211,7 +214,6 @@ class AppService:
         (folder / RESULT_MARKER).write_text("made by flowlift app; removed when old\n")
         return folder
 
-    _new_result_dir = new_result_dir  # the name older callers use
 
     def hires_upscaler(self, refiner: Any) -> Any:
         """The hires fix's Flow Upscaler on the refiner's VAE, device and dtype (made once; the UNet an upscale
@@ -334,7 +336,7 @@ class AppService:
                 scale, seed, transplant_strength, color_fix_strength, vae
             )
             check_upload(source, self.config.max_upload_mb)
-            folder = self._new_result_dir()
+            folder = self.new_result_dir()
             settings = self.settings(seed, transplant, color_fix, vae)
             plan = self.plan([source], folder, scale)
             (job,) = plan.jobs
@@ -377,7 +379,7 @@ class AppService:
             scale, seed, transplant, color_fix, vae = self._validate(
                 scale, seed, transplant_strength, color_fix_strength, vae
             )
-            folder = self._new_result_dir()
+            folder = self.new_result_dir()
             out_dir = folder / f"x{scale}"
             settings = self.settings(seed, transplant, color_fix, vae)
             planned = self.plan(sources, out_dir, scale)

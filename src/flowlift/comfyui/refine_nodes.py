@@ -19,8 +19,8 @@ from comfy_api.latest import io
 from flowlift.comfyui.loaders import CATEGORY
 from flowlift.comfyui.tiled_model import TiledModelFunction
 from flowlift.errors import FlowliftError
-from flowlift.knobs import Knob
-from flowlift.refine.settings import TILE_BATCH, TILE_OVERLAP, TILE_SIZE
+from flowlift.knobs import Knob, labels
+from flowlift.refine.settings import TILE_BATCH, TILE_KNOBS, TILE_OVERLAP, TILE_SIZE
 from flowlift.refine.tiling import TileRequest
 
 NODE_ID = "FlowliftTiledFlux2Refine"
@@ -67,7 +67,7 @@ class FlowliftTiledFlux2Refine(io.ComfyNode):
         try:
             request = TileRequest.parse(tile_size, tile_overlap, tile_batch)
         except FlowliftError as error:
-            raise FlowliftError(f"{TITLE}: {error}") from None
+            raise FlowliftError(f"{TITLE}: {error.worded(labels(TILE_KNOBS))}") from None
         base = getattr(model, "model", None)
         if not isinstance(base, comfy.model_base.Flux2):
             raise FlowliftError(f"{TITLE}: needs a FLUX.2 model, got {type(base).__name__}")

@@ -26,6 +26,8 @@ from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import PATCHIFIED_CHANNELS, patchify, unpatchify
 from flowlift.limits import vae_kind
 from flowlift.models.vae import TAEF2VAE
+from flowlift.models.vae_names import NAMED_VAES
+from flowlift.models.weights import check_finite_result
 
 #: ComfyUI FLUX.2 decodes above this many output pixels go through ComfyUI's tiled decode.
 TILED_DECODE_PIXELS = 2048 * 2048
@@ -84,7 +86,9 @@ class ComfyFlux2VAE:
 
 class FlowliftLatentModel(torch.nn.Module):
     """A flowlift VAE adapter speaking ComfyUI's FLUX.2 LATENT: ``encode`` [0, 1] NCHW -> (B, 128, H/16, W/16),
-    ``decode`` back. The adapter's own rule by size picks full frame or its exact tiling."""
+    ``decode`` back. The adapter's own rule by size picks full frame or its exact tiling. A result holding
+    NaN or Inf (weights that overflow) fails the node in one line: ComfyUI would pass an all-NaN LATENT on
+    and save a black image with status success."""
 
     def __init__(self, adapter: Any) -> None:
         super().__init__()
@@ -92,10 +96,13 @@ class FlowliftLatentModel(torch.nn.Module):
         self.adapter = adapter
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        return patchify(self.adapter.encode(images))
+        return patchify(check_finite_result(self.adapter.encode(images), f"VAE Encode: {self._name()}'s encoder"))
 
     def decode(self, samples: torch.Tensor) -> torch.Tensor:
-        return self.adapter.decode(unpatchify(samples))
+        return check_finite_result(self.adapter.decode(unpatchify(samples)), f"VAE Decode: {self._name()}'s decoder")
+
+    def _name(self) -> str:
+        return NAMED_VAES[vae_kind(self.adapter)].title
 
 
 class FlowliftComfyVAE(comfy.sd.VAE):

@@ -27,6 +27,36 @@ from flowlift.upscale.settings import SCALE
 DEFAULT_SCALE = SCALE.default
 
 
+#: Request fields (as the Python API names them) whose option is named otherwise: field -> the option's ``dest``.
+#: Every knob is its own option (``tile_size`` -> ``--tile-size``), and so is every field named like its option.
+FIELD_DESTS = {
+    "prompt.text": "prompt", "prompt.embeds": "prompt_embeds", "prompt.negative": "negative_prompt",
+    "prompt.cfg_scale": "cfg_scale", "prompt.guidance": "guidance", "source.model": "model", "source.vae": "vae",
+    "source.transformer": "transformer", "source.loras": "lora", "source.device": "device", "source.dtype": "dtype",
+    "source.offload": "offload", "source.max_memory": "max_memory", "references": "reference",
+    "hires.upscaler": "upscaler", "hires.scale": "scale", "hires.refine_strength": "refine_strength",
+    "hires.base_steps": "base_steps", "hires.transplant_strength": "transplant_strength", "output_format": "format",
+    "settings.upscaler": "upscaler", "settings.vae": "vae", "vae_tiled": "vae_tiling", "hires_scale": "scale",
+}  # fmt: skip
+
+
+def option_words(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """How ``parser``'s command names each knob and request field in its errors: its option (``--tile-size``), a
+    positional by its metavar or name (``INPUT``, ``image``): what :meth:`flowlift.errors.FlowliftError.worded` puts
+    in a field's place."""
+    words: dict[str, str] = {}
+    for action in parser._actions:
+        longs = [flag for flag in action.option_strings if flag.startswith("--")]
+        if longs:
+            words.setdefault(action.dest, longs[0])
+        elif not action.option_strings and action.dest != argparse.SUPPRESS:
+            words.setdefault(action.dest, str(action.metavar or action.dest))
+    words.update({field: words[dest] for field, dest in FIELD_DESTS.items() if dest in words})
+    if "width" in words and "height" in words:
+        words["hires.base_size"] = words["base_size"] = f"{words['width']}/{words['height']}"
+    return words
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the examples epilog's line breaks and appends ``(default: X)`` to every option whose help
     does not already state its default (``none`` when it is unset; flags that are off unless given and
@@ -68,9 +98,6 @@ class OneLineParser(argparse.ArgumentParser):
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
             self._chosen_command(parsed).error(f"unrecognized arguments: {' '.join(extras)}")
-        for dest, flags in getattr(parsed, "_required_options", {}).items():  # required, also under an old spelling
-            if getattr(parsed, dest, None) is None:
-                self._chosen_command(parsed).error(f"the following arguments are required: {flags}")
         return parsed
 
     def _chosen_command(self, parsed: argparse.Namespace) -> OneLineParser:
@@ -88,44 +115,17 @@ class OneLineParser(argparse.ArgumentParser):
 VAE_HELP = vae_help()
 
 
-class _DeprecatedSpelling(argparse.Action):
-    """An option's old spelling: stores into the new option's ``dest`` and says so in one line on stderr."""
-
-    def __init__(self, *args: Any, new: str, **kwargs: Any) -> None:
-        self.new = new
-        super().__init__(*args, **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
-        print(f"{parser.prog}: note: {option_string} is deprecated and goes in the next release; use {self.new}",
-              file=sys.stderr)  # fmt: skip
-        setattr(namespace, self.dest, values)
-
-
-def add_deprecated_spelling(parser: argparse.ArgumentParser | argparse._ArgumentGroup, old: str,
-                            action: argparse.Action) -> None:  # fmt: skip
-    """``old`` as a hidden spelling of ``action``'s option, for one release: the same value and type, one note line."""
-    parser.add_argument(old, dest=action.dest, type=action.type, metavar=action.metavar, help=argparse.SUPPRESS,
-                        default=argparse.SUPPRESS, action=_DeprecatedSpelling,
-                        new="/".join(action.option_strings))  # fmt: skip
-
-
-def add_output_option(parser: argparse.ArgumentParser, help: str, *, required: bool = False, metavar: str = "OUT",
-                      old: str | None = None) -> argparse.Action:  # fmt: skip
-    """``-o/--output``, the one spelling of every command's output (``old``: a former spelling kept for a release).
-    ``required`` is checked after parsing, so that the old spelling satisfies it too."""
-    action = parser.add_argument("-o", "--output", metavar=metavar, help=help)
-    if old is not None:
-        add_deprecated_spelling(parser, old, action)
-    if required:
-        required_options = dict(parser.get_default("_required_options") or {})
-        parser.set_defaults(_required_options={**required_options, "output": "-o/--output"})
-    return action
+def add_output_option(parser: argparse.ArgumentParser, help: str, *, required: bool = False,
+                      metavar: str = "OUT") -> argparse.Action:  # fmt: skip
+    """``-o/--output``, the one spelling of every command's output."""
+    return parser.add_argument("-o", "--output", type=name_or_path, metavar=metavar, help=help, required=required)
 
 
 def add_vae_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, own: str = "",
                    **kwargs: Any) -> argparse.Action:  # fmt: skip
     """``--vae`` with the one help text (:data:`VAE_HELP`), ``own`` appended (what only this command does with it)."""
     kwargs.setdefault("metavar", vae_metavar())
+    kwargs.setdefault("type", name_or_path)
     return parser.add_argument("--vae", help=VAE_HELP + (f"; {own}" if own else ""), **kwargs)
 
 
@@ -151,6 +151,14 @@ def add_device_options(
         default="auto",
         help=f"precision (default: auto, which is bfloat16 on CUDA, {cpu}; float16 on the CPU is very slow)",
     )
+
+
+def name_or_path(text: str) -> str:
+    """A file, folder, model name or hub id: any text but an empty or blank one, which names nothing (an empty
+    ``-o`` would write into the working folder, an empty path read it)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"an empty value names no file, folder or model, got {text!r}")
+    return text
 
 
 def finite_float(text: str) -> float:

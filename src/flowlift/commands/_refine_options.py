@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from flowlift.commands._options import add_device_options, add_knob, add_vae_option, finite_float
+from flowlift.commands._options import add_device_options, add_knob, add_vae_option, finite_float, name_or_path
 from flowlift.commands._refine_tiles import add_tile_arguments
 from flowlift.commands._refine_weights import add_weights_arguments
 from flowlift.knobs import SEED
@@ -32,6 +32,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model",
+        type=name_or_path,
         required=True,
         metavar="PATH|REPO",
         help="FLUX.2 Klein or dev weights: a diffusers folder or hub id (transformer/ and vae/ subfolders, "
@@ -77,8 +78,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_knob(sampling, STRENGTH_MAP)
     add_schedule_arguments(sampling)
     out = parser.add_argument_group("output")
-    out.add_argument("-o", "--output", metavar="PATH", help="output image (PNG keeps all parameters as metadata; "
-                     "default: beside the input, <stem>_img2img.png, <stem>_hires<N>x.png ..., by the command)")
+    out.add_argument("-o", "--output", type=name_or_path, metavar="PATH",
+                     help="output image (PNG keeps all parameters as metadata; default: beside the input, "
+                     "<stem>_img2img.png, <stem>_hires<N>x.png ..., by the command)")  # fmt: skip
     out.add_argument("--overwrite", action="store_true",
                      help="replace an existing image at the output path that flowlift did not write")  # fmt: skip
 
@@ -121,7 +123,7 @@ def refiner_source(args: argparse.Namespace) -> Any:
 
 def tile_request(args: argparse.Namespace) -> Any:
     """The :class:`~flowlift.refine.tiling.TileRequest` of ``--tile-size --tile-overlap --tile-batch`` (each parsed
-    by its knob; the overlap against the tile is checked with the weights, before any load)."""
+    by its knob; the request checks the overlap against the tile when it is made)."""
     from flowlift.refine.tiling import TileRequest
 
     return TileRequest(args.tile_size, args.tile_overlap, args.tile_batch)

@@ -15,7 +15,9 @@ from typing import Any
 
 from flowlift.commands._options import add_knob
 from flowlift.errors import FlowliftError
-from flowlift.refine.tiling import TILE_KNOBS, parse_tile_batch, parse_tile_overlap, parse_tile_size
+from flowlift.knobs import labels
+from flowlift.refine.settings import TILE_KNOBS
+from flowlift.refine.tiling import parse_tile_batch, parse_tile_overlap, parse_tile_size
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "tile_size": parse_tile_size,
@@ -32,7 +34,7 @@ def _option_type(name: str, parse: Callable[[Any], Any]) -> Callable[[str], Any]
         try:
             return parse(text)
         except FlowliftError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
+            raise argparse.ArgumentTypeError(error.worded(labels(TILE_KNOBS))) from None
 
     convert.__name__ = name  # argparse names the type in "invalid <name> value"
     return convert

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from flowlift.commands._options import name_or_path
+
 #: Mirrors flowlift.refine.offload.OFFLOAD_MODES plus "auto" (kept literal so --help does not import torch).
 OFFLOAD_CHOICES = ("auto", "none", "model", "group")
 
@@ -19,6 +21,7 @@ def add_weights_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("transformer files, LoRAs and memory")
     group.add_argument(
         "--transformer",
+        type=name_or_path,
         metavar="FILE|PATH|REPO",
         help="the transformer from elsewhere, as users have it: a BFL/ComfyUI single .safetensors (bf16/fp16/fp32, "
         "fp8 e4m3fn plain or scaled), a .gguf (city96 layout; flowlift[gguf]), a folder or a hub id; the VAE "

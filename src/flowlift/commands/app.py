@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowlift.commands._options import DEFAULT_VAE, add_device_options, add_vae_option
+from flowlift.commands._options import DEFAULT_VAE, add_device_options, add_vae_option, name_or_path
 
 NAME = "app"
 #: A server: its allocator keeps glibc's policy (and gives freed memory back after each request).
@@ -49,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--upscaler",
+        type=name_or_path,
         default=None,
         metavar="PATH|REPO",
         help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
@@ -61,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
+        type=name_or_path,
         default=None,
         metavar="PATH|REPO",
         help="FLUX.2 Klein/dev weights for the Refine tab (as for flowlift img2img); no Refine tab without it",

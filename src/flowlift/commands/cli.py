@@ -3,7 +3,9 @@
 Subcommands live beside this module in :mod:`flowlift.commands` (one module each) and are discovered
 at start-up.
 User errors (:class:`flowlift.errors.FlowliftError`) print one line and exit with status 2; SIGINT and
-SIGTERM stop any command with status 130. Run as the process's own command line (``argv`` not given),
+SIGTERM stop any command with status 130, from flowlift's first line on: ``flowlift/__init__.py`` holds a
+signal that comes before :func:`main` (while the modules import), and :func:`main` takes both signals
+over before it builds the parser. Run as the process's own command line (``argv`` not given),
 a one-shot command without ``--max-memory`` keeps freed memory for reuse
 (:func:`flowlift.devices.reuse_freed_memory`); an in-process caller's allocator is left alone.
 """
@@ -21,7 +23,14 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 
 from flowlift.commands._options import HelpFormatter, OneLineParser
-from flowlift.console import add_console_options, format_warnings, quiet_libraries, set_command
+from flowlift.console import (
+    add_console_options,
+    format_warnings,
+    guard_standard_streams,
+    quiet_libraries,
+    set_command,
+    stdout_failure,
+)
 from flowlift.devices import reuse_freed_memory
 from flowlift.errors import FlowliftError
 from flowlift.version import __version__
@@ -61,6 +70,9 @@ def build_parser() -> OneLineParser:
     return parser
 
 
+#: The exit status after stdout's reader went away (``| head -1``): 128 + SIGPIPE, as a shell reports it.
+BROKEN_PIPE_STATUS = 141
+
 #: Whether SIGTERM interrupted the last command run in this process (else a KeyboardInterrupt is SIGINT).
 _stopped_by_sigterm = False
 
@@ -99,6 +111,13 @@ def _signals_interrupt():
         signal.SIGTERM: signal.signal(signal.SIGTERM, interrupt),
     }
     try:
+        held = [getattr(handler, "held", None) for handler in previous.values()]  # flowlift/__init__.py's
+        if any(held):  # a signal since flowlift's first line, before this: the run ends before it begins
+            for handler in previous.values():
+                if hasattr(handler, "held"):
+                    del handler.held
+            _stopped_by_sigterm = signal.SIGTERM in held
+            raise KeyboardInterrupt
         yield
     finally:
         for signum, handler in previous.items():
@@ -108,7 +127,7 @@ def _signals_interrupt():
 def _one_line_warnings(command: str):
     """A ``warnings.showwarning`` that prints flowlift's own warnings as one line and drops third-party ones.
 
-    Third-party warnings (numpy casts, torch's pickle notes, library deprecations) tell the user
+    Third-party warnings (numpy casts, torch's pickle notes, libraries' FutureWarnings) tell the user
     nothing actionable; the ones flowlift raises (or re-raises as ``FlowliftWarning``) are about their
     data or settings and get ``flowlift CMD: warning: ...`` without a source line.
     """
@@ -126,30 +145,70 @@ def _one_line_warnings(command: str):
     return show
 
 
+def _command_word(argv: Sequence[str]) -> str:
+    """The subcommand as typed (the first word that is no option), for a line printed before parsing."""
+    word = next((a for a in argv if not a.startswith("-")), "")
+    return word if word.isidentifier() else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    """Run the command line ``argv`` (default: this process's own) and return its exit status.
+
+    As the process's own command line, the standard streams are guarded first
+    (:func:`flowlift.console.guard_standard_streams`): a closed stderr or stdout writes nowhere, and a stdout
+    that breaks while the command runs does not stop it (no output is lost for a message that could not be
+    shown); the command then ends with 141 (128 + SIGPIPE) for a reader that went away (``| head -1``),
+    quietly, or one line and 1 for another failure (``> /dev/full``), unless it failed itself.
+    """
+    if argv is not None:
+        return _main(argv)
+    guard_standard_streams()
+    status = _main(None)
+    failure = stdout_failure()
+    if failure is None or status:
+        return status
+    if isinstance(failure, BrokenPipeError):
+        return BROKEN_PIPE_STATUS
+    command = _command_word(sys.argv[1:])
+    reason = getattr(failure, "strerror", None) or str(failure) or type(failure).__name__
+    print(f"flowlift{' ' + command if command else ''}: error: cannot write to standard output: {reason}",
+          file=sys.stderr)  # fmt: skip
+    return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     owns_process = argv is None
-    args = parser.parse_args(argv)
-    if getattr(args, "_run", None) is None:
-        parser.print_help()
-        return 0
-    if owns_process and not args._long_running and getattr(args, "max_memory", None) is None:
-        reuse_freed_memory()
-    quiet_libraries(bool(getattr(args, "verbose", False)))
-    format_warnings(args.command)
-    set_command(args.command)  # progress lines off a terminal start `flowlift COMMAND:`
+    command = _command_word(sys.argv[1:] if argv is None else argv)
+    parser = args = None
     try:
-        with warnings.catch_warnings(), _signals_interrupt():  # both restored when an in-process caller returns
-            warnings.showwarning = _one_line_warnings(args.command)
-            return int(args._run(args) or 0)
-    except FlowliftError as error:
-        print(f"flowlift {args.command}: error: {error}", file=sys.stderr)
+        # signals first, the parser (every command module) after: a signal during the imports stops the run too
+        with _signals_interrupt():  # restored when an in-process caller returns
+            parser = build_parser()
+            args = parser.parse_args(argv)
+            if getattr(args, "_run", None) is None:
+                parser.print_help()
+                return 0
+            command = args.command
+            if owns_process and not args._long_running and getattr(args, "max_memory", None) is None:
+                reuse_freed_memory()
+            quiet_libraries(bool(getattr(args, "verbose", False)))
+            format_warnings(args.command)
+            set_command(args.command)  # progress lines off a terminal start `flowlift COMMAND:`
+            with warnings.catch_warnings():  # restored when an in-process caller returns
+                warnings.showwarning = _one_line_warnings(args.command)
+                return int(args._run(args) or 0)
+    except FlowliftError as error:  # a knob or field the capability named as Python does, said as this command does
+        from flowlift.commands._options import option_words
+
+        words = option_words(parser._chosen_command(args)) if error.fields and args is not None else {}
+        print(f"flowlift {command}: error: {error.worded(words)}", file=sys.stderr)
         return error.exit_status
     except KeyboardInterrupt as stop:  # a command that stopped cleanly says where it stopped (train: how it resumes)
-        print(f"flowlift {args.command}: interrupted" + (f": {stop}" if str(stop) else ""), file=sys.stderr)
+        said = f": {stop}" if str(stop) else ""
+        print(f"flowlift {command}: interrupted{said}" if command else "flowlift: interrupted", file=sys.stderr)
         return 130
     finally:
-        if owns_process and args._long_running:
+        if owns_process and getattr(args, "_long_running", False):
             _skip_final_collection()
 
 

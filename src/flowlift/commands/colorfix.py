@@ -1,6 +1,6 @@
 """``flowlift colorfix``: stage 2 of the colour fix for images made by any upscaler.
 
-    flowlift colorfix UPSCALED... --reference SOURCES [-o OUT] [--strength S]
+    flowlift colorfix UPSCALED... --reference SOURCES [-o OUT] [--color-fix-strength S]
 
 Each upscaled image is paired with the source image it was made from by name (the same stem, or
 ``<stem>_x<N>`` for ``<stem>``, as ``flowlift eval`` pairs them; one folder may hold both sides, and
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowlift.commands._options import OUTPUT_FORMATS, add_deprecated_spelling, add_knob, quality
+from flowlift.commands._options import OUTPUT_FORMATS, add_knob, name_or_path, quality
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH
 
 NAME = "colorfix"
@@ -38,10 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reference", required=True, action="append", metavar="SOURCES",
                         help="the images they were upscaled from (files or folders), paired by name: "
                         "<stem> or <stem>_x<N> with <stem>")  # fmt: skip
-    parser.add_argument("-o", "--output", metavar="OUT",
+    parser.add_argument("-o", "--output", type=name_or_path, metavar="OUT",
                         help="output folder (default: next to each upscaled image); for one input, a file name")
-    strength = add_knob(parser, COLOR_FIX_STRENGTH, metavar="S")
-    add_deprecated_spelling(parser, "--strength", strength)
+    add_knob(parser, COLOR_FIX_STRENGTH, metavar="S")
     parser.add_argument("--format", choices=OUTPUT_FORMATS, default=None,
                         help="output format (default: the suffix of -o FILE, else png); ICC profile and EXIF kept")
     parser.add_argument("--quality", type=quality, default=None, metavar="Q",

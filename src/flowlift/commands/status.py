@@ -3,15 +3,14 @@
 With a job manifest there (a ``torchrun`` job, :mod:`flowlift.jobs.manifest`) it is the manifest's
 account: the latest run and the latest record of every output; without one (a plain run) it is what
 the files show: done, partial, broken, missing (:mod:`flowlift.jobs.folder_status`). Exit status 0
-when the job is complete, 1 when it is not, 2 when OUT is not there. ``flowlift upscale --status OUT``
-is the older spelling of the same.
+when the job is complete, 1 when it is not, 2 when OUT is not there.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from flowlift.commands._options import examples
+from flowlift.commands._options import examples, name_or_path
 
 #: It draws no progress: no ``--progress/--no-progress`` option (flowlift.console.add_console_options).
 SHOWS_PROGRESS = False
@@ -24,7 +23,7 @@ EXAMPLES = examples(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("folder", metavar="OUT", help="the job's output folder")
+    parser.add_argument("folder", type=name_or_path, metavar="OUT", help="the job's output folder")
 
 
 def run(args: argparse.Namespace) -> int:

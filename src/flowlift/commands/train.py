@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from flowlift.commands._options import add_deprecated_spelling, add_output_option, add_vae_option, examples, knob_type
+from flowlift.commands._options import add_output_option, add_vae_option, examples, knob_type, name_or_path
 from flowlift.console import show_progress
 from flowlift.training.config import TRAIN_KNOBS
 
@@ -63,10 +63,12 @@ def _type(field: str):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = _config_default
-    parser.add_argument("--config", help="JSON or TOML file of training settings (default: none, built-in defaults)")
-    parser.add_argument("--data", help="dataset folder (from `flowlift dataset`)" + d("data"))
+    parser.add_argument("--config", type=name_or_path,
+                        help="JSON or TOML file of training settings (default: none, built-in defaults)")  # fmt: skip
+    parser.add_argument("--data", type=name_or_path, help="dataset folder (from `flowlift dataset`)" + d("data"))
     add_output_option(parser, "run folder: logs, checkpoints, final flow_upscaler.safetensors" + d("output"))
-    parser.add_argument("--init", help="fine-tune from this Flow Upscaler checkpoint (file, folder or hub id)"
+    parser.add_argument("--init", type=name_or_path,
+                        help="fine-tune from this Flow Upscaler checkpoint (file, folder or hub id)"
                         + d("init"))  # fmt: skip
     parser.add_argument("--steps", type=_type("steps"), help="total optimizer steps" + d("steps"))
     parser.add_argument("--batch-size", type=_type("batch_size"), help="samples per process per micro-batch"
@@ -74,10 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grad-accum", type=_type("grad_accum"), help="micro-batches per optimizer step"
                         + d("grad_accum"))  # fmt: skip
     parser.add_argument("--lr", type=_type("lr"), help="peak learning rate" + d("lr"))
-    crop = parser.add_argument("--crop-latent", dest="crop", type=_type("crop"), metavar="N",
-                               help="crop side in target-latent pixels, 1/8 of image pixels (multiple of 4; 0 = whole "
-                               "items)" + d("crop"))  # fmt: skip
-    add_deprecated_spelling(parser, "--crop", crop)
+    parser.add_argument("--crop-latent", dest="crop", type=_type("crop"), metavar="N",
+                        help="crop side in target-latent pixels, 1/8 of image pixels (multiple of 4; 0 = whole "
+                        "items)" + d("crop"))  # fmt: skip
     parser.add_argument("--resume", help="auto (latest checkpoint in --output), a checkpoint folder, or none"
                         + d("resume"))  # fmt: skip
     parser.add_argument("--device", help="auto (CUDA if available, else cpu), cpu, cuda, cuda:N" + d("device"))

@@ -10,7 +10,6 @@ the batch goes on; the exit status is 1 when any image failed.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from flowlift.commands._options import (
@@ -21,6 +20,7 @@ from flowlift.commands._options import (
     add_knob,
     add_vae_option,
     examples,
+    name_or_path,
     positive_int,
     quality,
     resolve_device_dtype,
@@ -60,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-o",
         "--output",
+        type=name_or_path,
         metavar="OUT",
         help="output folder (default: next to each input); for a single input, a file name with an image suffix",
     )
@@ -74,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_vae_option(parser, default=DEFAULT_VAE)
     parser.add_argument(
         "--upscaler",
+        type=name_or_path,
         default=None,
         metavar="PATH|REPO",
         help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
@@ -124,9 +126,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     from flowlift.jobs.distributed import add_barrier_timeout_argument
 
-    parser.add_argument("--status", metavar="OUT", help="print the state of the job in output folder OUT (its "
-                        "torchrun manifest, else what the files there show: done, partial, broken, missing), "
-                        "then exit")  # fmt: skip
     add_barrier_timeout_argument(parser)
 
 
@@ -148,27 +147,14 @@ def _check_output_option(output: str | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.status is None:
-        return _upscale(args)
-    from flowlift.jobs.folder_status import print_job_status
-
-    # the old spelling of `flowlift status OUT`: the same account and exit status, then one notice
-    if args.inputs:
-        raise FlowliftError("--status OUT reads the output folder; give no INPUT images with it")
-    code = print_job_status(args.status)
-    print(f"flowlift {NAME}: note: --status OUT is an alias of `flowlift status OUT`", file=sys.stderr)
-    return code
-
-
-def _upscale(args: argparse.Namespace) -> int:
     """The options as one :class:`~flowlift.upscale.plan.UpscaleRequest`, planned and run by
     :func:`flowlift.upscale.plan.run_upscale`."""
     from flowlift.files.image_outputs import output_format
+    from flowlift.limits import passes_for_scale
     from flowlift.upscale.plan import UpscaleRequest, run_upscale
-    from flowlift.upscale.sizes import passes_for_scale
 
     if not args.inputs:
-        raise FlowliftError("give INPUT images (or --status OUT)")
+        raise FlowliftError("give INPUT images")
     device, dtype = resolve_device_dtype(args.device, args.dtype, cpu_bf16=True)  # bad --device: one line, first
     _check_output_option(args.output)
     settings = settings_from_args(args)

@@ -23,8 +23,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from flowlift.errors import FlowliftError
-from flowlift.errors import FlowliftWarning as _FlowliftWarning
+from flowlift.errors import FlowliftError, FlowliftWarning
 from flowlift.files.atomic import is_temporary
 
 #: Formats the loader reads, by suffix: everything common that Pillow opens as a still or first frame
@@ -152,7 +151,7 @@ def _report_reader_warnings(path: Path, caught: list[warnings.WarningMessage]) -
     """Turn what Pillow/numpy said while reading ``path`` into at most one :class:`FlowliftWarning`.
 
     Pillow's EXIF/metadata complaints are worth one line (the orientation or colour tags may be
-    wrong); everything else (numpy casts, deprecations) is noise the user cannot act on.
+    wrong); everything else (numpy casts, libraries' FutureWarnings) is noise the user cannot act on.
     """
     notes = []
     for warning in caught:
@@ -164,7 +163,7 @@ def _report_reader_warnings(path: Path, caught: list[warnings.WarningMessage]) -
             if text not in notes:
                 notes.append(text)
     if notes:
-        warnings.warn(_FlowliftWarning(f"{path}: {'; '.join(notes)} (image read, metadata may be ignored)"),
+        warnings.warn(FlowliftWarning(f"{path}: {'; '.join(notes)} (image read, metadata may be ignored)"),
                       stacklevel=3)
 
 
@@ -356,15 +355,3 @@ def list_images(inputs: list[str], problems: list[tuple[str, str]] | None = None
             unique.append(p)
     return unique
 
-
-def __getattr__(name: str):
-    """``flowlift.files.images.FlowliftWarning``, the old home of :class:`flowlift.errors.FlowliftWarning`:
-    still there for this release, with a DeprecationWarning naming the new one."""
-    if name == "FlowliftWarning":
-        warnings.warn(
-            "flowlift.files.images.FlowliftWarning moved to flowlift.errors.FlowliftWarning; import it from there",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return _FlowliftWarning
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.limits import LATENT_CHANNELS
 
-LATENT_CHANNELS = 32
 PATCHIFIED_CHANNELS = 128
 VAE_SCALE_FACTOR = 8
 DEFAULT_BATCH_NORM_EPS = 1e-4

@@ -34,7 +34,7 @@ def check_output_cap(height: int, width: int, passes: int, what: str) -> None:
 
 
 def check_raw_latents(latents: Any, what: str) -> torch.Tensor:
-    """InvokeAI FLUX.2 latents as float32 (B, 32, h, w), h and w even; anything else is one error line.
+    """InvokeAI FLUX.2 latents as float32 (B, 32, h, w), h and w even, finite; anything else is one error line.
 
     The sides must be even because the BatchNorm statistics belong to 2x2 patches (an image side that
     is a multiple of 16, as FLUX2 Denoise makes them).
@@ -47,6 +47,8 @@ def check_raw_latents(latents: Any, what: str) -> torch.Tensor:
         )
     if not latents.is_floating_point():
         raise FlowliftError(f"{what} needs float latents, got {latents.dtype}")
+    if not bool(torch.isfinite(latents).all()):  # a VAE node whose weights overflow: all NaN, black later
+        raise FlowliftError(f"{what}: the input latents contain non-finite values (NaN/Inf)")
     height, width = latents.shape[-2:]
     if height % 2 or width % 2 or height == 0 or width == 0:
         raise FlowliftError(

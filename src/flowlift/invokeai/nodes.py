@@ -55,8 +55,9 @@ from flowlift.invokeai.progress import NodeProgress
 from flowlift.knobs import SEED, Knob
 from flowlift.models.vae_loading import TAEF2_REPO
 from flowlift.models.vae_names import NATIVE_VAES
+from flowlift.models.weights import check_finite_result
+from flowlift.refine.loop import tiled_refine_raw_latents, tiling_line
 from flowlift.refine.settings import REFINE_STRENGTH, STEPS, TILE_BATCH, TILE_OVERLAP, TILE_SIZE, SamplingSettings
-from flowlift.refine.tiled_refine import tiled_refine_raw_latents, tiling_line
 from flowlift.refine.tiling import TileRequest
 from flowlift.upscale.colorfix_image import color_fix_image
 from flowlift.upscale.loading import DEFAULT_UPSCALER
@@ -167,7 +168,7 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
                 raw_to_normalized(raw, vae.bn_mean, vae.bn_std), passes, seed=self.seed,
                 transplant_strength=self.transplant_strength, callback=progress.stage,
             )  # fmt: skip
-        upscaled = normalized_to_raw(latents.to("cpu"), vae.bn_mean, vae.bn_std)
+        upscaled = check_finite_result(normalized_to_raw(latents.to("cpu"), vae.bn_mean, vae.bn_std), what)
         name = context.tensors.save(tensor=upscaled)
         return LatentsOutput.build(latents_name=name, latents=upscaled, seed=self.seed)
 
@@ -337,6 +338,6 @@ class TiledFlux2DenoiseInvocation(BaseInvocation):
             )  # fmt: skip
         frame = (raw.shape[2] * VAE_SCALE_FACTOR, raw.shape[3] * VAE_SCALE_FACTOR)
         context.logger.info(f"flowlift: {what}: {tiling_line(frame, record)}")
-        refined = refined.to("cpu")
+        refined = check_finite_result(refined.to("cpu"), f"{what}: the transformer")
         name = context.tensors.save(tensor=refined)
         return LatentsOutput.build(latents_name=name, latents=refined, seed=self.seed)

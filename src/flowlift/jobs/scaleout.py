@@ -239,7 +239,7 @@ def _finish(share: BatchShare, result: BatchResult) -> int:
                 command,
                 None,
                 f"the ranks exit 0 so that torchrun does not restart the job for image failures; "
-                f"`flowlift status {manifest.path.parent}` (or `flowlift upscale --status`) exits 1 until they "
+                f"`flowlift status {manifest.path.parent}` exits 1 until they "
                 "are redone",
             )
         return 0

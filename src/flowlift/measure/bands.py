@@ -290,13 +290,18 @@ def run_bands(
     where sizes agree).
     """
     from flowlift.console import progress_bar
+    from flowlift.models.weights import check_finite_result
 
     factor = int(vae.spatial_factor)
     per_image = []
     with progress_bar(images, desc="bands", unit="img", enabled=progress) as bar:
-        for image in bar:
+        for number, image in enumerate(bar, 1):
             x = crop_to_multiple(image, 2 * factor).to(device=device, dtype=dtype)
             with torch.no_grad():
-                z = vae.encode(x)
-            per_image.append(band_response(vae.decode, z, factor, amplitude=amplitude, seed=seed, edges=edges))
+                z = check_finite_result(vae.encode(x), f"image {number}: the VAE's encoder")
+
+            def decode(latents: torch.Tensor, number: int = number) -> torch.Tensor:
+                return check_finite_result(vae.decode(latents), f"image {number}: the VAE's decoder")
+
+            per_image.append(band_response(decode, z, factor, amplitude=amplitude, seed=seed, edges=edges))
     return mean_rows(per_image), per_image

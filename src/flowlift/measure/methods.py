@@ -176,16 +176,17 @@ def latent_bicubic(vae, lowres: np.ndarray, scale: int, device, dtype) -> np.nda
 
     from flowlift.files.images import tensor_to_uint8, to_tensor
     from flowlift.flux2.latents import denormalize, normalize
+    from flowlift.models.weights import check_finite_result
 
     mean, std = getattr(vae, "bn_mean", None), getattr(vae, "bn_std", None)
     with torch.no_grad():
-        z = vae.encode(to_tensor(lowres, device=device, dtype=dtype))
+        z = check_finite_result(vae.encode(to_tensor(lowres, device=device, dtype=dtype)), "the VAE's encoder")
         if mean is not None and std is not None:
             z = denormalize(z, mean, std)
         z = torch.nn.functional.interpolate(z, scale_factor=scale, mode="bicubic", align_corners=False)
         if mean is not None and std is not None:
             z = normalize(z, mean, std)
-        return tensor_to_uint8(vae.decode(z).float())[0]
+        return tensor_to_uint8(check_finite_result(vae.decode(z), "the VAE's decoder").float())[0]
 
 
 def vae_roundtrip(vae, image: np.ndarray, device, dtype) -> np.ndarray:
@@ -193,9 +194,11 @@ def vae_roundtrip(vae, image: np.ndarray, device, dtype) -> np.ndarray:
     import torch
 
     from flowlift.files.images import tensor_to_uint8, to_tensor
+    from flowlift.models.weights import check_finite_result
 
     with torch.no_grad():
-        return tensor_to_uint8(vae.decode(vae.encode(to_tensor(image, device=device, dtype=dtype))).float())[0]
+        z = check_finite_result(vae.encode(to_tensor(image, device=device, dtype=dtype)), "the VAE's encoder")
+        return tensor_to_uint8(check_finite_result(vae.decode(z), "the VAE's decoder").float())[0]
 
 
 def flow_kwargs(spec: MethodSpec, scale: int) -> dict[str, Any]:

@@ -34,9 +34,9 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from flowlift.limits import LATENT_CHANNELS
 from flowlift.models.taef2_tiling import LocalOp, run_two_level
 
-LATENT_CHANNELS = 32
 WIDTH = 64
 SPATIAL_FACTOR = 8
 

@@ -26,6 +26,7 @@ from flowlift.models.vae_names import (
     NAMED_FLUX2,
     NAMED_MAGE,
     NAMED_TAEF2,
+    VAE_NAMES,
     NamedVAE,
     named_vae,
     unknown_vae_message,
@@ -65,7 +66,7 @@ def load_vae(spec: Any, device: torch.device | str = "cpu", dtype: torch.dtype =
         raise FlowliftError(
             f"VAE spec must be a name, path, hub repo id or module, got {type(spec).__name__}"
         )
-    text = os.fspath(spec)
+    text = _non_empty(spec)
     named = named_vae(text)
     if named is not None:
         return _from_dir(named_vae_folder(named), device, dtype)
@@ -77,6 +78,15 @@ def load_vae(spec: Any, device: torch.device | str = "cpu", dtype: torch.dtype =
     if looks_like_repo_id(text):
         return _from_hub(text, device, dtype)
     raise FlowliftError(unknown_vae_message(text))
+
+
+def _non_empty(spec: str | os.PathLike) -> str:
+    """The spec's text, unless it is empty or blank: that names no VAE (it would read the working folder)."""
+    text = os.fspath(spec)
+    if not str(text).strip():
+        raise FlowliftError(f"VAE: an empty name or path names no VAE, got {text!r}; give a name "
+                            f"({', '.join(VAE_NAMES)}), a file or folder, or a hub repo id")  # fmt: skip
+    return text
 
 
 def _from_module(module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:
@@ -220,7 +230,7 @@ def check_vae_spec(spec: Any) -> None:
     """
     if not isinstance(spec, (str, os.PathLike)):
         return
-    text = os.fspath(spec)
+    text = _non_empty(spec)
     named = named_vae(text)
     if named is not None:
         named_vae_folder(named)

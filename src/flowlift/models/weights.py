@@ -56,6 +56,8 @@ def resolve_file(
     names the thing for error messages, e.g. ``"Flow Upscaler weights"``.
     """
     source_str = os.fspath(source)
+    if not str(source_str).strip():  # Path("") is the working folder: never read it for an empty name
+        raise FlowliftError(f"{what}: an empty name or path names nothing, got {source_str!r}")
     path = Path(source_str).expanduser()
     if path.is_file():
         return path
@@ -119,19 +121,19 @@ def require_all(checks: Sequence[Callable[[], Any]]) -> list[Any]:
     its own fix). A single failure keeps its own message.
     """
     results: list[Any] = []
-    problems: list[str] = []
+    problems: dict[str, FlowliftError] = {}
     for check in checks:
         try:
             results.append(check())
         except FlowliftError as error:
-            problems.append(str(error))
+            problems.setdefault(str(error), error)  # the same spec asked twice is one problem
             results.append(None)
-    problems = list(dict.fromkeys(problems))  # the same spec asked twice is one problem
     if len(problems) == 1:
-        raise FlowliftError(problems[0])
+        raise next(iter(problems.values()))
     if problems:
-        parts = "; ".join(f"({i}) {problem}" for i, problem in enumerate(problems, 1))
-        raise FlowliftError(f"{len(problems)} weights are missing: {parts}")
+        parts = "; ".join(f"({i}) {error.template}" for i, error in enumerate(problems.values(), 1))
+        fields = tuple(name for error in problems.values() for name in error.fields)
+        raise FlowliftError(f"{len(problems)} weights are missing: {parts}", field=fields)
     return results
 
 
@@ -226,6 +228,20 @@ def first_non_finite(state: Mapping[str, torch.Tensor]) -> str | None:
             kind = "NaN" if bool(torch.isnan(tensor).any()) else "Inf"
             return f"{kind} in `{name}`"
     return None
+
+
+def check_finite_result(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """``tensor`` itself, or one FlowliftError line ``"<what> gave NaN ..."`` when it holds NaN or Inf.
+
+    For a model's result before anything stores it: finite weights can still overflow (a file scaled by
+    1e30, float16 past 65504), and a writer would turn NaN into a black image, an all-NaN shard or a table
+    of NaN that is not even valid JSON. One reduction over the tensor.
+    """
+    if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+        kind = "NaN" if bool(torch.isnan(tensor).any()) else "Inf"
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        raise FlowliftError(f"{what} gave {kind} (weights that overflow in {dtype}?); nothing was written")
+    return tensor
 
 
 def check_finite_state(state: Mapping[str, torch.Tensor], *, what: str, origin: str = "") -> None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
-from flowlift.refine.settings import PIXEL_MULTIPLE  # noqa: F401  (images on the 16-px grid; others edge-padded)
+from flowlift.limits import PIXEL_MULTIPLE
 
 
 def pad_to_multiple(images: torch.Tensor, multiple: int = PIXEL_MULTIPLE) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -38,7 +38,7 @@ def outpaint_pads(height: int, width: int, left: int, top: int, right: int, bott
 
     The canvas ``(height + top + bottom) x (width + left + right)`` must stay within
     :data:`flowlift.limits.MAX_OUTPUT_SIDE` per side (the package's output cap), else one
-    FlowliftError line: ``--outpaint 0,0,1000000,0`` would otherwise try to allocate the canvas.
+    FlowliftError line: ``outpaint=(0, 0, 1000000, 0)`` would otherwise try to allocate the canvas.
     """
     from flowlift.limits import MAX_OUTPUT_SIDE
 

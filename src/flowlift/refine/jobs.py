@@ -3,11 +3,11 @@
 :func:`plan_refine_job` decides everything that needs no weights, before any load: the device, the prompt's
 files and extras, the output (name, format, what is there), the input images read and checked (mask size,
 outpaint canvas under the 16K cap, references and hires inputs on the 16-px grid), the strength and the frame
-the memory plan is made for, and ``--mu empirical`` at that size. The plan (:class:`RefineJob`) is data.
+the memory plan is made for, and ``mu empirical`` at that size. The plan (:class:`RefineJob`) is data.
 
 :func:`run_refine` is the whole command: the plan, every weight found in one message
 (:func:`find_weights`), the prompts embedded before the transformer loads (:func:`load_for_job`), the mode run
-(:func:`refine_job`; hires through :func:`flowlift.refine.hires.hires_fix`), the result written with its
+(:func:`refine_job`; hires through :meth:`~flowlift.refine.refiner.Flux2Refiner.hires`), the result written with its
 metadata (:func:`write_job`). The web app runs the same plan and the same :func:`refine_job` on the refiner it
 keeps loaded. Nothing here prints: a front-end shows the result.
 """
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
+from flowlift.limits import PIXEL_MULTIPLE
 from flowlift.refine.request import LatentUpscaler, RefineRequest
-from flowlift.refine.settings import PIXEL_MULTIPLE as MULTIPLE  # the transformer's 16-px grid
 from flowlift.refine.settings import check_hires_size
 
 
@@ -51,7 +51,7 @@ def _check_prompt(request: RefineRequest) -> None:
     """The prompt's file is there; text to embed here needs the text encoder's extra."""
     prompt = request.prompt
     if prompt.embeds is not None and not Path(prompt.embeds).is_file():
-        raise FlowliftError(f"--prompt-embeds: file not found: {prompt.embeds}")
+        raise FlowliftError(f"prompt.embeds: file not found: {prompt.embeds}", field="prompt.embeds")
     if prompt.needs_text_encoder:
         import importlib.util
 
@@ -59,8 +59,9 @@ def _check_prompt(request: RefineRequest) -> None:
             from flowlift.console import install_command
 
             raise FlowliftError(
-                f"--prompt needs the FLUX.2 text encoder, in the text extra ({install_command('text')}); "
-                "or pass precomputed --prompt-embeds"
+                f"{FIELD_MARK} needs the FLUX.2 text encoder, in the text extra ({install_command('text')}); "
+                f"or pass precomputed {FIELD_MARK}",
+                field=("prompt.text", "prompt.embeds"),
             )
 
 
@@ -74,11 +75,11 @@ def _check_mu(request: RefineRequest, height: int, width: int) -> None:
     steps = request.sampling.steps
     if steps is None:  # the model's, as the refiner will resolve it
         steps = model_default_steps(request.source.model, request.source.transformer)[0]
-    tokens = -(-height // MULTIPLE) * -(-width // MULTIPLE)
+    tokens = -(-height // PIXEL_MULTIPLE) * -(-width // PIXEL_MULTIPLE)
     try:
         resolve_mu("empirical", tokens, steps)
     except ValueError as error:
-        raise FlowliftError(f"--mu: {error} ({width}x{height} px)") from None
+        raise FlowliftError(f"mu: {error} ({width}x{height} px)", field="mu") from None
 
 
 def _read_inputs(job: RefineJob) -> None:
@@ -92,14 +93,16 @@ def _read_inputs(job: RefineJob) -> None:
         mask_rgb, _ = load_image(request.mask)
         if mask_rgb.size != job.rgb.size:
             raise FlowliftError(
-                f"--mask is {mask_rgb.size[0]}x{mask_rgb.size[1]}, the image {job.rgb.size[0]}x{job.rgb.size[1]}"
+                f"mask is {mask_rgb.size[0]}x{mask_rgb.size[1]}, the image {job.rgb.size[0]}x{job.rgb.size[1]}",
+                field="mask",
             )
         job.mask = to_tensor(mask_rgb.convert("L").convert("RGB"))[:, :1]
     job.references = [to_tensor(load_image(path)[0]) for path in request.references]
     for path, ref in zip(request.references, job.references, strict=True):
-        if ref.shape[-1] % MULTIPLE or ref.shape[-2] % MULTIPLE:
+        if ref.shape[-1] % PIXEL_MULTIPLE or ref.shape[-2] % PIXEL_MULTIPLE:
+            got = f"{ref.shape[-1]}x{ref.shape[-2]}"
             raise FlowliftError(
-                f"--reference {path}: sides must be multiples of {MULTIPLE} px, got {ref.shape[-1]}x{ref.shape[-2]}"
+                f"references {path}: sides must be multiples of {PIXEL_MULTIPLE} px, got {got}", field="references"
             )
 
 
@@ -109,14 +112,10 @@ def _frame(job: RefineJob) -> tuple[int, int]:
     from flowlift.refine.canvas import outpaint_pads
 
     request = job.request
-    if request.mode == "hires":
-        if job.rgb is not None and (job.rgb.width % MULTIPLE or job.rgb.height % MULTIPLE):
-            raise FlowliftError(f"{Path(request.image).name}: the hires fix needs sides that are multiples of "
-                                f"{MULTIPLE} px, got {job.rgb.width}x{job.rgb.height}; crop it first")  # fmt: skip
+    if request.mode == "hires":  # the base size was checked with the request; an image's here, with the same rule
         width, height = (job.rgb.width, job.rgb.height) if job.rgb is not None else request.hires.base_size
-        if job.rgb is None and (width % MULTIPLE or height % MULTIPLE):
-            raise FlowliftError(f"--width/--height must be multiples of {MULTIPLE}, got {width}x{height}")
-        check_hires_size(width, height, request.hires.scale)  # the 16384 px cap on the base and the result
+        if job.rgb is not None:
+            check_hires_size(width, height, request.hires.scale, "image")
         return height * request.hires.scale, width * request.hires.scale
     if request.mode == "txt2img":
         width, height = request.size
@@ -124,59 +123,63 @@ def _frame(job: RefineJob) -> tuple[int, int]:
     if job.pads is not None:
         left, top, right, bottom = outpaint_pads(job.rgb.height, job.rgb.width, *job.pads)  # the cap, before loading
         return job.rgb.height + top + bottom, job.rgb.width + left + right
-    return -(-job.rgb.height // MULTIPLE) * MULTIPLE, -(-job.rgb.width // MULTIPLE) * MULTIPLE
+    return -(-job.rgb.height // PIXEL_MULTIPLE) * PIXEL_MULTIPLE, -(-job.rgb.width // PIXEL_MULTIPLE) * PIXEL_MULTIPLE
 
 
-def _input_files(request: RefineRequest) -> dict[str, Any]:
-    """Every file the request reads, by the option that names it: an output is never one of them (issue 36.2)."""
+def _output(request: RefineRequest) -> Path:
+    """The output (``request.output``, else ``<stem>_<suffix>.png`` beside the input), checked: it can be written
+    and destroys nothing, it is none of the files the request reads (issue 36.2, each named by its field), and a
+    file flowlift did not write needs ``overwrite``."""
+    from flowlift.files.image_outputs import check_single_output
+    from flowlift.files.naming import refined_output
+    from flowlift.files.output_paths import same_file_problem
     from flowlift.refine.loras import parse_lora_spec
+
+    image = os.fspath(request.image) if request.image is not None else None
+    output = Path(request.output) if request.output else refined_output(image, request.name_suffix)
 
     source, hires = request.source, request.hires
     upscaler = hires.upscaler.name if hires is not None and hires.upscaler is not None else None
-    files = {"--image": request.image, "--mask": request.mask, "--reference": list(request.references) or None,
-             "--prompt-embeds": request.prompt.embeds, "--model": source.model, "--transformer": source.transformer,
-             "--vae": source.vae, "--upscaler": upscaler,
-             "--lora": [parse_lora_spec(text)[0] for text in source.loras] or None}  # fmt: skip
-    return {role: path for role, path in files.items() if path is not None}
+    files = {"image": request.image, "mask": request.mask, "references": list(request.references) or None,
+             "prompt.embeds": request.prompt.embeds, "source.model": source.model,
+             "source.transformer": source.transformer, "source.vae": source.vae, "hires.upscaler": upscaler,
+             "source.loras": [parse_lora_spec(text)[0] for text in source.loras] or None}  # fmt: skip
+    for name, paths in files.items():
+        if paths is not None and (problem := same_file_problem(output, {FIELD_MARK: paths})):
+            raise FlowliftError(problem, field=name)
+    try:
+        check_single_output(output, request.overwrite, option=FIELD_MARK)
+    except FlowliftError as error:
+        raise FlowliftError(error.args[0], field="output") from None
+    return output
 
 
 def plan_refine_job(request: RefineRequest) -> RefineJob:
     """Everything of ``request`` that needs no weights, checked in the order a user meets it (see the module
     docstring); nothing is loaded or written."""
     from flowlift.devices import resolve_device_dtype
-    from flowlift.files.image_outputs import check_single_output
-    from flowlift.files.naming import refined_output
 
-    device, dtype = resolve_device_dtype(request.source.device, request.source.dtype)  # a bad --device: first
     _check_prompt(request)
-    image = os.fspath(request.image) if request.image is not None else None
-    output = Path(request.output) if request.output else refined_output(image, request.name_suffix)
-    check_single_output(output, request.overwrite, inputs=_input_files(request))
-    job = RefineJob(request, device, dtype, output, (0, 0), request.mode_strength, pads=request.outpaint)
+    job = RefineJob(request, None, None, _output(request), (0, 0), request.mode_strength, pads=request.outpaint)
     if request.image is not None:
         _read_inputs(job)
     job.frame = _frame(job)
     _check_mu(request, *job.frame)  # at the size the refine pass runs
+    job.device, job.dtype = resolve_device_dtype(request.source.device, request.source.dtype)
     return job
 
 
 def find_weights(job: RefineJob) -> list[Any]:
     """Every weight the job needs, found before any loads, all missing ones named in one message: what the
     :class:`~flowlift.refine.request.RefinerSource` names (:func:`~flowlift.refine.loading.check_refiner_source`),
-    the tiling knobs together, the transformer, the VAE, the text encoder when a prompt is embedded here, and
+    the transformer, the VAE, the text encoder when a prompt is embedded here, and
     (hires) the upscaler. Returns the LoRAs as ``(path, scale)`` pairs."""
     from flowlift.models.weights import require_all
     from flowlift.refine.loading import check_refiner_source, refiner_weight_checks
-    from flowlift.refine.tiling import TileRequest
 
     request = job.request
     source = request.source
     loras = check_refiner_source(source)
-    tiles = request.tiles
-    try:
-        TileRequest.parse(tiles.size, tiles.overlap, tiles.batch)  # each knob, and the overlap against the tile
-    except FlowliftError as error:
-        raise FlowliftError(f"--tile-overlap/--tile-size: {error}") from None
     checks = refiner_weight_checks(source.model, vae=source.vae, text_encoder=request.prompt.embeds is None,
                                    transformer=source.transformer)  # fmt: skip
     if request.mode == "hires" and request.hires.upscaler is not None:
@@ -235,23 +238,19 @@ def load_for_job(job: RefineJob, loras: Sequence[Any] = ()) -> tuple[Any, dict[s
 
 def refine_job(job: RefineJob, refiner: Any, conditioning: dict[str, Any],
                upscaler: LatentUpscaler | None = None) -> Any:  # fmt: skip
-    """Run the job's mode on ``refiner`` (hires: ``upscaler`` first, :func:`flowlift.refine.hires.hires_fix`);
-    the :class:`~flowlift.refine.parameters.RefineOutput`."""
+    """Run the job's mode on ``refiner`` (hires: :meth:`~flowlift.refine.refiner.Flux2Refiner.hires` on
+    ``upscaler``); the :class:`~flowlift.refine.parameters.RefineOutput`."""
     request = job.request
-    common = dict(strength_map=request.strength_map, sampling=request.sampling, tiles=request.tiles)
+    common = dict(strength_map=request.strength_map, sampling=request.sampling, tiles=request.tiles, **conditioning)
     if request.mode == "hires":
-        from flowlift.refine.hires import hires_fix
-
         if upscaler is None:
             raise FlowliftError("the hires fix needs an upscaler")
-        name = request.hires.upscaler.name if request.hires.upscaler is not None else None
-        return hires_fix(refiner, upscaler, request.hires, images=job.images, upscaler_name=name,
-                         conditioning=conditioning, **common)  # fmt: skip
+        return refiner.hires(upscaler, request.hires, images=job.images, **common)
     if request.mode == "txt2img":
         width, height = request.size
         return refiner.txt2img(height=height, width=width, sampling=request.sampling, tiles=request.tiles,
                                **conditioning)  # fmt: skip
-    common.update(reference_images=job.references, **conditioning)
+    common.update(reference_images=job.references)
     if job.pads is not None:
         left, top, right, bottom = job.pads
         return refiner.outpaint(job.images, left=left, top=top, right=right, bottom=bottom, strength=job.strength,
@@ -279,16 +278,17 @@ def job_metadata(job: RefineJob, result: Any, shown: Callable[[Any], Any] = os.f
     return {key: value for key, value in metadata.items() if value is not None}
 
 
-def write_job(job: RefineJob, result: Any, metadata: dict[str, Any]) -> Any:
-    """Write the result to the job's output (the input's alpha put back, resized with the image; outpaint has
-    none; ICC profile and EXIF of the input kept); returns the written Pillow image."""
+def write_job(job: RefineJob, result: Any, shown: Callable[[Any], Any] = os.fspath) -> Any:
+    """Write the result to the job's output with its :func:`job_metadata` (inputs named as ``shown`` names them;
+    the input's alpha put back, resized with the image; outpaint has none; ICC profile and EXIF of the input kept);
+    returns the written Pillow image."""
     from flowlift.files.image_outputs import save_image_atomic
     from flowlift.files.images import attach_alpha, tensor_to_pil
-
-    alpha = None if job.pads is not None else job.alpha
-    image = attach_alpha(tensor_to_pil(result.images[0]), alpha)
     from flowlift.files.metadata import metadata_record
 
+    metadata = job_metadata(job, result, shown)
+    alpha = None if job.pads is not None else job.alpha
+    image = attach_alpha(tensor_to_pil(result.images[0]), alpha)
     source = os.fspath(job.request.image) if job.request.image is not None else None
     record = metadata_record(str(metadata.get("command", job.request.mode)), metadata)  # schema 1 (docs/metadata.md)
     save_image_atomic(image, job.output, record, source=source)
@@ -316,13 +316,13 @@ def _run_refine(request: RefineRequest, run: Any) -> Path:
     refiner, conditioning = load_for_job(job, loras)
     upscaler = None
     if request.mode == "hires":
-        plan = refiner.memory_plan  # the upscaler gets what the transformer leaves of --max-memory
+        plan = refiner.memory_plan  # the upscaler gets what the transformer leaves of max_memory
         upscaler = request.hires.upscaler.load(refiner.vae, device=refiner.device, dtype=refiner.dtype,
                                                budget_bytes=plan.upscaler_budget_bytes if plan else None)  # fmt: skip
     run.loading(None)
     plan_job_stages(run, job, request.sampling.steps or refiner.default_steps)
     result = refine_job(job, refiner, conditioning, upscaler)
     run.begin("writing")
-    write_job(job, result, job_metadata(job, result))
+    write_job(job, result)
     run.finished("writing")
     return job.output

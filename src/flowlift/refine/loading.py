@@ -1,12 +1,14 @@
 """Loading FLUX.2 weights: the transformer from a diffusers folder, a hub id or one file (BFL/ComfyUI
 safetensors, fp8, GGUF), LoRAs on it, then the refiner placed in device memory as planned.
 
-Every way a ``--model`` / ``--transformer`` can be wrong (a missing path, a file that is not a FLUX.2
-transformer, a hub id that is not cached or cannot be fetched) ends here as one FlowliftError line.
+Every way a source's ``model`` / ``transformer`` can be wrong (a missing path, a file that is not a FLUX.2
+transformer, a hub id that is not cached or cannot be fetched) ends here as one FlowliftError line naming the field
+(``source.model``: :func:`names_source_fields`), which each door says in its own words.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -19,17 +21,36 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.flux2.schedule import DEFAULT_MU
 from flowlift.models.weights import looks_like_repo_id
-from flowlift.refine.loop import check_schedule
 from flowlift.refine.loras import LoraSpec
 from flowlift.refine.memory_plan import RefineMemory
 from flowlift.refine.prompts import PromptEncoder, _first_line
 from flowlift.refine.refiner import Flux2Refiner
-from flowlift.refine.tiling import TileRequest, tiles_from
+from flowlift.refine.settings import MU, SCHEDULE
+from flowlift.refine.tiling import TileRequest
 
 #: Suffixes of single-file transformers (everything else is a folder or a hub id).
 TRANSFORMER_FILE_SUFFIXES = (".safetensors", ".gguf")
+#: The :class:`~flowlift.refine.request.RefinerSource` fields a loading error can be about, as the API names them.
+SOURCE_FIELDS = ("source.model", "source.transformer", "source.vae", "source.loras", "source.offload",
+                 "source.max_memory")  # fmt: skip
+
+
+def names_source_fields(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` whose FlowliftError lines that begin with a source field (``source.model /x: ...``, also those
+    the model files' inspectors word with the name given them) carry that field, for a door to say in its words."""
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except FlowliftError as error:
+            name = next((name for name in SOURCE_FIELDS if str(error).startswith(name)), None)
+            if error.fields or name is None or type(error) is not FlowliftError:
+                raise
+            raise FlowliftError(str(error), field=name) from None
+
+    return run
 
 
 def _is_diffusers_folder(path: Path) -> bool:
@@ -52,7 +73,8 @@ def _hub_model_error(model: str, error: BaseException, option: str) -> FlowliftE
     )
 
 
-def check_model_part(model: str, part: str, option: str = "--model") -> None:
+@names_source_fields
+def check_model_part(model: str, part: str, option: str = "source.model") -> None:
     """Raise one line unless the ``part/`` subfolder (``transformer``, ``vae``, ``text_encoder``) of a hub id
     ``model`` can be had: in the cache when offline or the hub is unreachable, else on the hub (its small
     ``config.json`` is fetched, which proves the repository, the part and the access). A local diffusers folder
@@ -111,7 +133,7 @@ def refiner_weight_checks(
     from flowlift.models.vae_loading import check_vae_spec
 
     checks: list[Callable[[], object]] = [
-        lambda: check_model_part(transformer, "transformer", "--transformer")
+        lambda: check_model_part(transformer, "transformer", "source.transformer")
         if transformer is not None
         else check_model_part(model, "transformer")
     ]
@@ -124,7 +146,10 @@ def refiner_weight_checks(
     return checks
 
 
-def load_transformer_file(path: str | os.PathLike, *, dtype: torch.dtype, option: str = "--model") -> torch.nn.Module:
+@names_source_fields
+def load_transformer_file(
+    path: str | os.PathLike, *, dtype: torch.dtype, option: str = "source.model"
+) -> torch.nn.Module:
     """A ``Flux2Transformer2DModel`` from one BFL/ComfyUI ``.safetensors`` (float or fp8) or ``.gguf`` file.
 
     The config comes from the file's shapes (:func:`flowlift.models.flux2_transformer_files.inspect_transformer_file`;
@@ -215,7 +240,8 @@ def _cached_transformer_folder(repo_id: str) -> Path | None:
     return folder / "transformer" if (folder / "transformer" / "config.json").is_file() else None
 
 
-def load_transformer(model: str, *, dtype: torch.dtype, option: str = "--model") -> torch.nn.Module:
+@names_source_fields
+def load_transformer(model: str, *, dtype: torch.dtype, option: str = "source.model") -> torch.nn.Module:
     """A ``Flux2Transformer2DModel`` from a diffusers folder / hub id (``transformer/`` subfolder), a
     transformer folder (``config.json``), or a single BFL/ComfyUI ``.safetensors`` (float or fp8) or ``.gguf`` file
     (:func:`load_transformer_file`)."""
@@ -224,6 +250,8 @@ def load_transformer(model: str, *, dtype: torch.dtype, option: str = "--model")
     from flowlift.models.flux2_transformer_folders import inspect_transformer_folder
     from flowlift.models.hub import looks_like_path
 
+    if not str(model).strip():  # Path("") is the working folder: an empty name names no model
+        raise FlowliftError(f"{option}: an empty name or path names no model, got {model!r}")
     path = Path(model).expanduser()
     if not path.exists() and looks_like_path(model):
         raise FlowliftError(f"{option} {model}: no such file or folder")
@@ -253,16 +281,14 @@ def load_transformer(model: str, *, dtype: torch.dtype, option: str = "--model")
             )
     except FlowliftError:
         raise
-    except Exception as error:  # noqa: BLE001 - any loader failure is a bad --model to the user
+    except Exception as error:  # noqa: BLE001 - any loader failure is a bad model to the user
         if from_hub:
             raise _hub_model_error(model, error, option) from None
         raise FlowliftError(f"cannot load a FLUX.2 transformer from {model}: {_first_line(error)}") from None
     raise FlowliftError(f"{option} {model}: no such file or folder, and not a hub repo id (owner/name)")
 
 
-_MEMORY_KEYWORDS = ("offload", "max_memory", "image_size", "text_tokens")
-
-
+@names_source_fields
 def load_refiner(
     model: str,
     *,
@@ -274,10 +300,9 @@ def load_refiner(
     dtype: torch.dtype = torch.float32,
     text_encoder: bool = False,
     progress: bool | None = False,
-    mu: float | str = DEFAULT_MU,
-    schedule: str = "respaced",
+    mu: float | str = MU.default,
+    schedule: str = SCHEDULE.default,
     tiles: TileRequest | None = None,
-    **deprecated: Any,
 ) -> Flux2Refiner:
     """A :class:`Flux2Refiner` from FLUX.2 Klein / dev weights.
 
@@ -295,27 +320,20 @@ def load_refiner(
     (:func:`flowlift.refine.prompts.embed_prompts`) and pass ``prompt_embeds``.
     ``mu`` and ``schedule`` are the refiner's schedule (:class:`Flux2Refiner`), checked before any weights load.
     ``tiles`` (:class:`~flowlift.refine.tiling.TileRequest`) is its tiling, also checked first; with ``max_memory``
-    the plan counts a tile's tokens instead of the frame's where it tiles. The old keywords ``offload``,
-    ``max_memory``, ``image_size``, ``text_tokens`` and ``tile_size``/``tile_overlap``/``tile_batch`` work for one
-    release, with a DeprecationWarning.
+    the plan counts a tile's tokens instead of the frame's where it tiles.
     """
-    from flowlift.knobs import settings_or_deprecated_keywords
     from flowlift.models.vae_loading import load_vae
     from flowlift.refine.loras import apply_loras
     from flowlift.refine.offload import OFFLOAD_MODES, Placement
 
-    tiling = tiles_from(tiles, deprecated, "load_refiner")
-    old = {name: deprecated.pop(name) for name in _MEMORY_KEYWORDS if name in deprecated}
-    if deprecated:
-        raise TypeError(f"load_refiner() got an unexpected keyword argument {next(iter(deprecated))!r}")
-    memory = settings_or_deprecated_keywords(memory, old, RefineMemory, where="load_refiner", argument="memory",
-                                             home="flowlift.refine.memory_plan", stacklevel=3)  # fmt: skip
-    check_schedule(mu, schedule)
+    tiling = tiles if tiles is not None else TileRequest()
+    memory = memory if memory is not None else RefineMemory()
+    mu, schedule = MU.check(mu), SCHEDULE.check(schedule)
     offload = memory.offload
     if offload != "auto" and offload not in OFFLOAD_MODES:
         raise FlowliftError(f"offload must be auto or one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
     device = torch.device(device)
-    option = "--transformer" if transformer is not None else "--model"
+    option = "source.transformer" if transformer is not None else "source.model"
     module = load_transformer(transformer if transformer is not None else model, dtype=dtype, option=option)
     loaded_loras = apply_loras(module, loras)
     fp8_layers = store_fp8_layers(module, dtype=dtype)
@@ -367,6 +385,7 @@ def _plan(module, vae_adapter, memory: RefineMemory, dtype, vae_dtype, tiling: T
     )
 
 
+@names_source_fields
 def check_refiner_source(source: Any) -> list[LoraSpec]:
     """Everything a :class:`~flowlift.refine.request.RefinerSource` names, checked before any weights load (one
     FlowliftError line): the ``transformer`` file is what it claims (headers only) and its extra is installed, the
@@ -374,7 +393,6 @@ def check_refiner_source(source: Any) -> list[LoraSpec]:
     Returns the LoRAs as ``(path, scale)`` pairs."""
     import importlib.util
 
-    from flowlift.limits import parse_memory
     from flowlift.models.hub import looks_like_path
     from flowlift.refine.loras import parse_lora_spec
 
@@ -383,28 +401,24 @@ def check_refiner_source(source: Any) -> list[LoraSpec]:
         if path.is_file():
             from flowlift.models.flux2_transformer_files import inspect_transformer_file
 
-            info = inspect_transformer_file(path, option="--transformer")  # headers only: what it is
+            info = inspect_transformer_file(path, option="source.transformer")  # headers only: what it is
             if info.container == "gguf" and importlib.util.find_spec("accelerate") is None:
-                raise FlowliftError(f"--transformer {path}: GGUF needs the gguf extra (pip install 'flowlift[gguf]')")
+                extra = "pip install 'flowlift[gguf]'"
+                raise FlowliftError(f"source.transformer {path}: GGUF needs the gguf extra ({extra})")
         elif not path.exists() and looks_like_path(source.transformer):
-            raise FlowliftError(f"--transformer {source.transformer}: no such file or folder")
+            raise FlowliftError(f"source.transformer {source.transformer}: no such file or folder")
     loras = [parse_lora_spec(text) for text in source.loras]
     for lora, _ in loras:
         if not Path(lora).is_file():
-            raise FlowliftError(f"--lora {lora}: no such file")
+            raise FlowliftError(f"source.loras {lora}: no such file")
         if Path(lora).suffix.lower() != ".safetensors":
-            raise FlowliftError(f"--lora {lora}: LoRAs are read from .safetensors only")
+            raise FlowliftError(f"source.loras {lora}: LoRAs are read from .safetensors only")
     if loras and (importlib.util.find_spec("peft") is None or importlib.util.find_spec("transformers") is None):
         raise FlowliftError(
-            "--lora needs peft (pip install 'flowlift[lora]', from a checkout pip install -e '.[lora]')"
+            "source.loras need peft (pip install 'flowlift[lora]', from a checkout pip install -e '.[lora]')"
         )
     if source.offload == "group" and importlib.util.find_spec("accelerate") is None:
-        raise FlowliftError("--offload group needs accelerate (pip install 'flowlift[offload]')")
-    if source.max_memory is not None:
-        try:
-            parse_memory(source.max_memory)
-        except FlowliftError as error:
-            raise FlowliftError(f"--max-memory: {error}") from None
+        raise FlowliftError("source.offload group needs accelerate (pip install 'flowlift[offload]')")
     return loras
 
 

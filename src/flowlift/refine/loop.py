@@ -1,9 +1,14 @@
-"""The latent-level FLUX.2 loop, run the way the transformer was trained (``shared/seeds/000_*``).
+"""The latent-level FLUX.2 loop, run the way the transformer was trained (``shared/seeds/000_*``), tiled for its frame.
 
 Normalized start latents with unit-scale noise, the shifted schedule's window at the strength (respaced
 or clipped, with a fixed or the empirical mu) and the inpaint merge with the start noise, for any
 ``velocity_fn(x, sigma)``: it needs no transformer, VAE or prompt, so the tests drive it with an
-analytic Gaussian velocity. :class:`_Progress` shows its steps.
+analytic Gaussian velocity. With ``tiles`` (:class:`~flowlift.refine.tiling.TileRequest`) the velocity runs in
+overlapping tiles where the frame or the memory plan asks for them (:mod:`flowlift.refine.tiled_velocity`).
+Every door runs this one loop: :class:`~flowlift.refine.refiner.Flux2Refiner`'s modes, and
+:func:`tiled_refine_raw_latents` on a host application's raw FLUX.2 latents and its own transformer (InvokeAI's
+*Tiled FLUX.2 Denoise* node); :func:`tiling_line` words the tiling record for a log. :class:`_Progress` shows its
+steps.
 """
 
 from __future__ import annotations
@@ -15,18 +20,11 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.flux2.latents import (
-    LATENT_CHANNELS,
-    PATCHIFIED_CHANNELS,
-    image_seq_len,
-    normalize,
-    seeded_noise,
-    unpatchify,
-)
-from flowlift.flux2.sampling import SAMPLERS
-from flowlift.flux2.schedule import DEFAULT_MU, EMPIRICAL_MU, SCHEDULES, flux2_sigmas, resolve_mu
-from flowlift.knobs import SEED
-from flowlift.refine.settings import STRENGTH, STRENGTH_MAP, SamplingSettings, sampling_from
+from flowlift.flux2.latents import PATCHIFIED_CHANNELS, image_seq_len, normalize, seeded_noise, unpatchify
+from flowlift.flux2.schedule import flux2_sigmas, resolve_mu
+from flowlift.limits import LATENT_CHANNELS
+from flowlift.refine.settings import MU, SCHEDULE, STEPS, STRENGTH, STRENGTH_MAP, SamplingSettings
+from flowlift.refine.tiling import TileRequest
 
 STRENGTH_MAPS = STRENGTH_MAP.choices
 
@@ -34,7 +32,7 @@ VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
 StepCallback = Callable[[int, int, float], None]
 
 
-def denoising_start_for(strength: float, strength_map: str = "linear") -> float:
+def denoising_start_for(strength: float, strength_map: str = STRENGTH_MAP.default) -> float:
     """``denoising_start`` of an img2img ``strength`` in [0, 1].
 
     ``linear``: ``1 - strength``; ``canvas``: ``1 - strength ** 0.2`` (the canvas "optimized denoising"
@@ -47,28 +45,8 @@ def denoising_start_for(strength: float, strength_map: str = "linear") -> float:
         return float(linear_denoising_start(float(strength)))
     if strength_map == "canvas":
         return float(canvas_denoising_start(float(strength)))
-    raise FlowliftError(f"unknown strength map {strength_map!r}; choose one of {', '.join(STRENGTH_MAPS)}")
-
-
-def check_sampler(sampler: str) -> str:
-    """Return ``sampler`` if flowlift can run it on the shifted schedule, else one FlowliftError line."""
-    if sampler not in SAMPLERS:
-        raise FlowliftError(f"unknown sampler {sampler!r}; flowlift runs {', '.join(SAMPLERS)}")
-    return sampler
-
-
-def check_schedule(mu: float | str, schedule: str) -> None:
-    """One FlowliftError line unless ``schedule`` is respaced/clipped and ``mu`` a number in
-    :data:`~flowlift.flux2.schedule.MU_RANGE` or ``"empirical"`` (whose value is checked per image)."""
-    if schedule not in SCHEDULES:
-        raise FlowliftError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
-    if isinstance(mu, bool) or not isinstance(mu, str | int | float):
-        raise FlowliftError(f"mu must be a number or {EMPIRICAL_MU!r}, got {mu!r}")
-    if mu != EMPIRICAL_MU:
-        try:
-            resolve_mu(mu, 0, 1)
-        except ValueError as error:
-            raise FlowliftError(str(error)) from None
+    raise FlowliftError(f"strength_map must be one of {', '.join(STRENGTH_MAPS)}, got {strength_map!r}",
+                        field="strength_map")  # fmt: skip
 
 
 def _window_sigmas(
@@ -120,48 +98,43 @@ def refine_latents(
     bn_mean: torch.Tensor | None = None,
     bn_std: torch.Tensor | None = None,
     denoising_start: float = 0.0,
-    denoising_end: float = 1.0,
     sampling: SamplingSettings | None = None,
     mask: torch.Tensor | None = None,
     on_step: StepCallback | None = None,
     device: torch.device | str = "cpu",
-    **deprecated: Any,
+    tiles: TileRequest | None = None,
+    memory_plan: Any = None,
 ) -> RefineResult:
     """Sample FLUX.2 latents: txt2img (no ``init_latents``), img2img, or inpaint (with ``mask``).
 
     * ``init_latents``: normalized (B, 32, H, W) latents, or *raw* VAE latents when ``bn_mean``/``bn_std``
       ([128]) are given -- then only they are normalized, never the noise blend.
-    * ``sampling`` (:class:`~flowlift.refine.settings.SamplingSettings`: steps, seed, sampler, mu, schedule; its
-      ``mu``/``schedule`` None are 2.02 and ``respaced``; the old keywords ``steps=`` ... ``schedule=`` work for one
-      release, with a DeprecationWarning).
-    * ``sigmas = flux2_sigmas(steps, image_seq_len(H, W), denoising_start, denoising_end, mu=mu,
+    * ``sampling`` (:class:`~flowlift.refine.settings.SamplingSettings`: steps, seed, sampler, mu, schedule, each
+      checked by its knob when it was made; ``mu``/``schedule`` None are the knobs' 2.02 and ``respaced``; None: the
+      knobs' defaults).
+    * ``tiles`` (None: one call per step): the velocity tiled for the frame as the knobs and ``memory_plan`` (a
+      :class:`~flowlift.refine.memory_plan.RefinePlan`) decide; the result's ``tiling`` records it
+      (``tile_size`` as asked; ``tiles`` when they ran). A batch of several images runs one tile of all per call.
+    * ``sigmas = flux2_sigmas(steps, image_seq_len(H, W), denoising_start, 1, mu=mu,
       schedule=schedule)``: the shifted schedule (``mu`` 2.02 or a number, or ``"empirical"`` from the full
       sequence length and step count), its window respaced to ``steps`` steps or clipped; ``t0 = sigmas[0]``.
     * start: ``x = t0 * noise + (1 - t0) * normalize(init)`` (txt2img: ``x = noise``).
     * ``mask`` (1 or B, 1, H, W), 1 = regenerate: after each step the kept region is set to
       ``sigma_next * noise + (1 - sigma_next) * init`` with the *same* ``noise`` as the start.
     * ``sampler``: ``euler`` or ``heun`` on those sigmas, in every mode.
-    * ``denoising_start >= denoising_end`` (strength 0) runs no step and returns the normalized init.
+    * the window ends at sigma 0; ``denoising_start`` 1 (strength 0) runs no step and returns the normalized init.
     """
     from flowlift.flux2.img2img import InpaintMerger, denoise, prepare_start_latents
     from flowlift.flux2.latents import check_latents
-    from flowlift.knobs import check_count, check_unit_interval
+    from flowlift.knobs import check_unit_interval
 
-    sampling = sampling_from(sampling, deprecated, "refine_latents")
-    if deprecated:
-        raise TypeError(f"refine_latents() got an unexpected keyword argument {next(iter(deprecated))!r}")
-    steps, seed, sampler = sampling.steps, sampling.seed, sampling.sampler
-    mu = DEFAULT_MU if sampling.mu is None else sampling.mu
-    schedule = "respaced" if sampling.schedule is None else sampling.schedule
-    check_sampler(sampler)
-    check_schedule(mu, schedule)
-    if check_count("steps", steps) < 1:
-        raise FlowliftError(f"steps must be >= 1, got {steps}")
-    seed = SEED.check(seed)
+    sampling = sampling if sampling is not None else SamplingSettings()
+    steps = sampling.steps if sampling.steps is not None else STEPS.default
+    seed, sampler = sampling.seed, sampling.sampler
+    mu = MU.default if sampling.mu is None else sampling.mu
+    schedule = SCHEDULE.default if sampling.schedule is None else sampling.schedule
     denoising_start = check_unit_interval("denoising_start", denoising_start)
-    denoising_end = check_unit_interval("denoising_end", denoising_end)
-    if denoising_start > denoising_end:
-        raise FlowliftError(f"need 0 <= denoising_start <= denoising_end <= 1, got {denoising_start}, {denoising_end}")
+    denoising_end = 1.0  # every refine runs to the clean image
     if (bn_mean is None) != (bn_std is None):
         raise FlowliftError("refine_latents: give both bn_mean and bn_std, or neither")
     if init_latents is None:
@@ -171,11 +144,16 @@ def refine_latents(
         init_latents = init_latents.to(device=device, dtype=torch.float32)
         shape = tuple(init_latents.shape)
 
+    record: dict[str, Any] = {}
+    if tiles is not None and velocity_fn is not None:  # a batch of several images runs one tile of all per call
+        from flowlift.refine.tiled_velocity import tiled_for_frame
+
+        velocity_fn, record = tiled_for_frame(velocity_fn, shape[2:], tiles, memory_plan, images=shape[0])
     init_norm = None
     if init_latents is not None:
         init_norm = normalize(init_latents, bn_mean, bn_std) if bn_mean is not None else init_latents
     if denoising_start >= denoising_end:  # strength 0 (or an empty window): nothing to denoise
-        return RefineResult(latents=init_norm, sigmas=[], t0=1.0 - denoising_start)
+        return RefineResult(latents=init_norm, sigmas=[], t0=1.0 - denoising_start, tiling=record)
 
     noise = latent_noise(shape, seed, device=device)
     seq_len = image_seq_len(shape[2], shape[3])
@@ -207,7 +185,7 @@ def refine_latents(
     with torch.inference_mode():
         out = denoise(counted, x, sigmas, inpaint=merger, callback=callback, sampler=sampler)
     mu_rule = "empirical" if isinstance(mu, str) else "fixed"
-    return RefineResult(out, sigma_list, t0, calls, mu=mu_value, mu_rule=mu_rule, schedule=schedule)
+    return RefineResult(out, sigma_list, t0, calls, mu=mu_value, mu_rule=mu_rule, schedule=schedule, tiling=record)
 
 
 def _txt2img_shape(shape: Sequence[int] | None, denoising_start: float, mask: Any) -> tuple[int, ...]:
@@ -235,6 +213,51 @@ def _checked_mask(mask: Any, shape: tuple[int, ...], device: torch.device | str)
     if not bool(torch.isfinite(mask).all()):
         raise FlowliftError("refine_latents: the latent mask contains non-finite values (NaN/Inf)")
     return mask
+
+
+def tiled_refine_raw_latents(
+    transformer: torch.nn.Module,
+    raw_latents: torch.Tensor,
+    bn_mean: torch.Tensor,
+    bn_std: torch.Tensor,
+    prompt_embeds: torch.Tensor,
+    *,
+    strength: float,
+    sampling: SamplingSettings,
+    tiles: TileRequest,
+    device: torch.device | str,
+    on_step: Callable[..., Any] | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Refine raw FLUX.2 latents (B, 32, h, w) at img2img ``strength`` in tiles; (raw latents, tiling record).
+
+    The host's transformer (a diffusers ``Flux2Transformer2DModel``) becomes a
+    :class:`~flowlift.flux2.denoiser.Flux2Denoiser` on ``prompt_embeds`` (1, L, D); ``denoising_start = 1 -
+    strength`` (linear); the schedule is flowlift's (``mu`` 2.02, respaced, unless ``sampling`` says otherwise).
+    The record is the CLI's: ``tile_size`` as asked and ``tiles`` (size, overlap, grid, batch) when tiles ran.
+    """
+    from flowlift.flux2.denoiser import Flux2Denoiser
+    from flowlift.flux2.latents import denormalize
+
+    denoiser = Flux2Denoiser(transformer, prompt_embeds.to(device))
+    bn_mean, bn_std = bn_mean.to(device), bn_std.to(device)
+    result = refine_latents(denoiser, init_latents=raw_latents.to(device=device, dtype=torch.float32), bn_mean=bn_mean,
+                            bn_std=bn_std, denoising_start=denoising_start_for(strength), sampling=sampling,
+                            on_step=on_step, device=device, tiles=tiles)  # fmt: skip
+    return denormalize(result.latents, bn_mean, bn_std), result.tiling
+
+
+def tiling_line(frame: tuple[int, int], record: dict[str, Any]) -> str:
+    """The tiling ``record`` of a refine of a ``frame`` (h, w px) in one log line: the grid (rows x columns), the
+    tile (w x h px), the overlap and tiles per call, or that the frame ran in one transformer call."""
+    height, width = frame
+    tiles = record.get("tiles")
+    if tiles is None:
+        return f"{width}x{height} px refined untiled (tile size {record['tile_size']})"
+    (rows, cols), (tile_h, tile_w) = tiles["grid"], tiles["size"]
+    return (
+        f"{width}x{height} px refined in {rows}x{cols} tiles of {tile_w}x{tile_h} px, overlap {tiles['overlap']} px, "
+        f"{tiles['batch']} per call"
+    )
 
 
 class _Progress:

@@ -61,7 +61,7 @@ def parse_lora_spec(text: str) -> tuple[str, float]:
         except ValueError:
             return text, 1.0
         if scale != scale or scale in (float("inf"), float("-inf")):
-            raise FlowliftError(f"--lora {text}: the scale must be a finite number")
+            raise FlowliftError(f"source.loras {text}: the scale must be a finite number", field="source.loras")
         return path, scale
     return text, 1.0
 

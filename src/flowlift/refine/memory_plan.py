@@ -1,13 +1,13 @@
 """One device-memory budget for a refine (img2img, inpaint, outpaint, hires): where the transformer lives, whether
 the VAE tiles, whether the transformer runs in tiles and how many per call.
 
-The same ``--max-memory`` the upscaler plans with (:mod:`flowlift.limits`: its size parser, its VAE
+The same ``max_memory`` the upscaler plans with (:mod:`flowlift.limits`: its size parser, its VAE
 decode estimates). :func:`plan_refine` is a pure function of sizes, dtypes and the budget. It tries the
 transformer's frames from most to least context (the whole frame when it is within FLUX.2's 4 MP, then tiles,
 :mod:`flowlift.refine.tiling`), within each the offload modes from fastest to leanest (``none``, ``model``,
 ``group``, :mod:`flowlift.refine.offload`) and within each a whole-frame VAE before a tiled one (tiling the VAE
 costs far less time than offloading), and returns the first plan whose every stage fits; with ``tile_batch auto``
-it then puts as many tiles in one call as still fit (at most :data:`~flowlift.refine.tiling.MAX_AUTO_TILE_BATCH`):
+it then puts as many tiles in one call as still fit (at most :data:`~flowlift.refine.settings.MAX_AUTO_TILE_BATCH`):
 
 * sampling: the transformer's resident weights (all of them; with ``group`` the layers outside the blocks plus
   two blocks, the running one and the one being prefetched) + the VAE's weights + one forward's activations,
@@ -31,16 +31,10 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.limits import decode_peak_bytes, dtype_bytes, format_bytes
-from flowlift.refine.tiling import (
-    DEFAULT_TILE_SIZE,
-    MAX_AUTO_TILE_BATCH,
-    TileRequest,
-    exceeds_untiled_limit,
-    resolve_tile_size,
-    tile_count,
-    tiles_from,
-)
+from flowlift.flux2.latents import VAE_SCALE_FACTOR
+from flowlift.limits import LATENT_CHANNELS, PIXEL_MULTIPLE, decode_peak_bytes, dtype_bytes, format_bytes
+from flowlift.refine.settings import DEFAULT_TILE_SIZE, MAX_AUTO_TILE_BATCH
+from flowlift.refine.tiling import TileRequest, exceeds_untiled_limit, resolve_tile_size, tile_count
 
 #: One forward's activation peak in (tokens, width) frames of the compute dtype. Measured on the CPU (peak RSS,
 #: fp32, width 1024, 1+1 blocks, 1024-9216 image + 512 text tokens): 23.5-28.7 frames, flat in the token count
@@ -48,8 +42,6 @@ from flowlift.refine.tiling import (
 TRANSFORMER_PEAK_FRAMES = 32.0
 #: Text tokens when the prompt embeddings are not known yet (the FLUX.2 pipelines pad prompts to 512).
 DEFAULT_TEXT_TOKENS = 512
-#: Image side (pixels) of one latent token: 8x VAE, 2x2 patches.
-PIXELS_PER_TOKEN_SIDE = 16
 #: float32 (B, 32, h/8, w/8) frames the sampling loop holds: the latent, the start noise, the init, Heun's
 #: velocity and predictor, the tiled velocity's blend, the inpaint merge's re-noised init and its result.
 LATENT_FRAME_BUFFERS = 8
@@ -110,12 +102,13 @@ def transformer_activation_bytes(
 
 def latent_buffer_bytes(height: int, width: int, *, batch: int = 1) -> int:
     """The sampling loop's float32 latents: ``LATENT_FRAME_BUFFERS * batch * 32 * (height/8) * (width/8) * 4``."""
-    return LATENT_FRAME_BUFFERS * batch * 32 * -(-height // 8) * -(-width // 8) * 4
+    latent_h, latent_w = -(-height // VAE_SCALE_FACTOR), -(-width // VAE_SCALE_FACTOR)
+    return LATENT_FRAME_BUFFERS * batch * LATENT_CHANNELS * latent_h * latent_w * 4
 
 
 def tile_candidates(height: int, width: int, request: TileRequest) -> list[int | None]:
     """Transformer frames to try, most context first: None (the whole frame) while it is within 4 MP, then tiles
-    (``auto``: :data:`~flowlift.refine.tiling.DEFAULT_TILE_SIZE`; a number: that; ``off``: the whole frame only)."""
+    (``auto``: :data:`~flowlift.refine.settings.DEFAULT_TILE_SIZE`; a number: that; ``off``: the whole frame only)."""
     if request.size == "off":
         return [None]
     if isinstance(request.size, int):
@@ -126,7 +119,7 @@ def tile_candidates(height: int, width: int, request: TileRequest) -> list[int |
 
 def refine_tokens(height: int, width: int, *, text_tokens: int = DEFAULT_TEXT_TOKENS, reference_tokens: int = 0) -> int:
     """Tokens of one transformer call on a ``height x width`` image: image + text + reference tokens."""
-    side = PIXELS_PER_TOKEN_SIDE
+    side = PIXEL_MULTIPLE  # one latent token: 8x VAE, 2x2 patches
     return -(-height // side) * -(-width // side) + text_tokens + reference_tokens
 
 
@@ -152,9 +145,6 @@ class VAESizes:
     dtype: Any = torch.bfloat16
 
 
-_VAE_KEYWORDS = {"vae_kind": "kind", "vae_bytes": "bytes", "vae_dtype": "dtype"}
-
-
 def plan_refine(
     height: int,
     width: int,
@@ -168,24 +158,15 @@ def plan_refine(
     batch: int = 1,
     offload: str | None = None,
     tiles: TileRequest | None = None,
-    **deprecated: Any,
 ) -> RefinePlan:
     """The fastest plan for a refine whose largest image is ``height x width`` pixels within ``budget_bytes``.
 
     ``offload`` given: only that mode is considered (the VAE's tiling is still planned). ``tiles`` are the tiling
     knobs (:class:`~flowlift.refine.tiling.TileRequest`): ``auto`` keeps the frame whole when it is within 4 MP and
-    fits, else tiles it. Raises one FlowliftError line when nothing fits. The old keywords ``vae_kind``/
-    ``vae_bytes``/``vae_dtype`` and ``tile_size``/``tile_overlap``/``tile_batch`` work for one release, with a
-    DeprecationWarning.
+    fits, else tiles it. Raises one FlowliftError line when nothing fits.
     """
-    from flowlift.knobs import settings_or_deprecated_keywords
-
-    request = tiles_from(tiles, deprecated, "plan_refine")
-    old = {_VAE_KEYWORDS[name]: deprecated.pop(name) for name in list(deprecated) if name in _VAE_KEYWORDS}
-    if deprecated:
-        raise TypeError(f"plan_refine() got an unexpected keyword argument {next(iter(deprecated))!r}")
-    vae = settings_or_deprecated_keywords(vae, old, VAESizes, where="plan_refine", argument="vae",
-                                          home="flowlift.refine.memory_plan", stacklevel=3)  # fmt: skip
+    request = tiles if tiles is not None else TileRequest()
+    vae = vae if vae is not None else VAESizes()
     vae_kind, vae_bytes = vae.kind, vae.bytes
     vae = {
         tiled: decode_peak_bytes(vae_kind, height, width, batch=batch, dtype=vae.dtype, tiled=tiled)

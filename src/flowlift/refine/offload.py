@@ -1,4 +1,4 @@
-"""Where the FLUX.2 transformer's weights live while the refiner runs: ``--offload none|model|group``.
+"""Where the FLUX.2 transformer's weights live while the refiner runs: ``offload none|model|group``.
 
 * ``none``: on the device throughout.
 * ``model``: in host memory, moved whole to the device for each sampling loop and back after it, so the VAE, the
@@ -32,7 +32,7 @@ Run = TypeVar("Run", bound=Callable[..., Any])
 @dataclass(frozen=True)
 class Placement:
     """Where a refiner's models run, as one object: ``offload`` (:data:`OFFLOAD_MODES`: where the transformer
-    waits), ``vae_tiled`` (None: by size) and the ``--max-memory`` ``plan`` they came from
+    waits), ``vae_tiled`` (None: by size) and the ``max_memory`` ``plan`` they came from
     (:class:`~flowlift.refine.memory_plan.RefinePlan`; it also sizes the tiles), or None without a budget."""
 
     offload: str = "none"

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 
 #: Longest upstream message kept in one error line; a longer one is cut at a word boundary, with "...".
 UPSTREAM_WORDS_MAX = 300
@@ -41,7 +41,8 @@ class PromptEncoder:
 
             raise FlowliftError(
                 f"computing prompt embeddings needs the text extra ({install_command('text')}); "
-                "or pass precomputed --prompt-embeds"
+                f"or pass precomputed {FIELD_MARK}",
+                field="prompt.embeds",
             ) from None
         from diffusers import DiffusionPipeline
         from diffusers.utils import logging as diffusers_logging
@@ -55,7 +56,7 @@ class PromptEncoder:
             self.pipe = DiffusionPipeline.from_pretrained(
                 model, transformer=None, vae=None, torch_dtype=dtype, local_files_only=cache_only
             )
-        except Exception as error:  # noqa: BLE001 - any loader failure is a bad --model to the user
+        except Exception as error:  # noqa: BLE001 - any loader failure is a bad model to the user
             raise FlowliftError(f"cannot load the text encoder of {model}: {_first_line(error)}") from None
         finally:
             if bar:

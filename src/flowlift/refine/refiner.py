@@ -13,26 +13,47 @@ from typing import Any, Protocol
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR
-from flowlift.flux2.schedule import DEFAULT_MU
+from flowlift.flux2.latents import VAE_SCALE_FACTOR
+from flowlift.knobs import check_kind
+from flowlift.limits import LATENT_CHANNELS
 from flowlift.progress import report_stage
-from flowlift.refine.canvas import PIXEL_MULTIPLE, latent_mask, outpaint_canvas, pad_to_multiple
-from flowlift.refine.loop import RefineResult, VelocityFn, _Progress, check_schedule, denoising_start_for
+from flowlift.refine.canvas import latent_mask, outpaint_canvas, pad_to_multiple
+from flowlift.refine.loop import RefineResult, VelocityFn, _Progress, denoising_start_for, refine_latents
 from flowlift.refine.offload import Placement, place_transformer, with_transformer_on_device
 from flowlift.refine.parameters import RefineOutput, conditioning_parameters, output_parameters
-from flowlift.refine.settings import STEPS, SamplingSettings, check_hires_size, sampling_from
-from flowlift.refine.tiling import TileRequest, tiles_from
+from flowlift.refine.request import HiresSettings, LatentUpscaler
+from flowlift.refine.settings import (
+    MU,
+    OUTPAINT_STRENGTH,
+    SCHEDULE,
+    STEPS,
+    STRENGTH_MAP,
+    SamplingSettings,
+    check_hires_size,
+    check_txt2img_size,
+)
+from flowlift.refine.tiling import TileRequest
 
-_PLACEMENT_FIELDS = {"offload": "offload", "vae_tiled": "vae_tiled", "memory_plan": "plan"}
 
-
-def _placement_from(placement: Placement | None, deprecated: dict[str, Any]) -> Placement:
-    """``placement``, or for one release the keywords it replaced (``offload``, ``vae_tiled``, ``memory_plan``)."""
-    from flowlift.knobs import settings_or_deprecated_keywords
-
-    old = {_PLACEMENT_FIELDS[name]: deprecated.pop(name) for name in list(deprecated) if name in _PLACEMENT_FIELDS}
-    return settings_or_deprecated_keywords(placement, old, Placement, where="Flux2Refiner", argument="placement",
-                                           home="flowlift.refine.offload")  # fmt: skip
+def checked_images(images: Any, name: str = "images") -> torch.Tensor:
+    """``images`` (B, 3, H, W) as float32 in [0, 1], else one line naming ``name``: floats must be finite and lie in
+    [0, 1] (a [0, 255] float image is refused, not read as 255 times too bright); ``uint8`` is scaled by its range,
+    ``x / 255``; other dtypes are refused."""
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
+        got = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise FlowliftError(f"{name} must be a (B, 3, H, W) RGB tensor, got {got}", field=name)
+    if images.dtype == torch.uint8:
+        return images.float() / 255.0
+    if not images.is_floating_point():
+        raise FlowliftError(f"{name} must be float in [0, 1] or uint8, got {images.dtype}", field=name)
+    images = images.float()
+    if not bool(torch.isfinite(images).all()):
+        raise FlowliftError(f"{name} contain non-finite values (NaN/Inf)", field=name)
+    low, high = float(images.min()), float(images.max())
+    if low < 0.0 or high > 1.0:
+        raise FlowliftError(f"{name} must lie in [0, 1] (uint8 is scaled by 255), got values in [{low:g}, {high:g}]",
+                            field=name)  # fmt: skip
+    return images
 
 
 class RefineVAE(Protocol):
@@ -60,8 +81,6 @@ class Flux2Refiner:
     ``provenance`` (files, LoRAs with SHA-256 and scale, offload) joins every output's parameters. ``tiles``
     (:class:`~flowlift.refine.tiling.TileRequest`; every mode takes one too) runs the transformer in overlapping
     tiles (:mod:`flowlift.refine.tiled_velocity`): ``auto`` above FLUX.2's 4 MP or where the memory plan tiles.
-    The old keywords ``offload``/``vae_tiled``/``memory_plan`` and ``tile_size``/``tile_overlap``/``tile_batch``
-    work for one release, with a DeprecationWarning.
     """
 
     def __init__(
@@ -74,18 +93,15 @@ class Flux2Refiner:
         prompt_encoder: Callable[[str], torch.Tensor] | None = None,
         progress: bool | None = False,
         model_name: str = "",
-        mu: float | str = DEFAULT_MU,
-        schedule: str = "respaced",
+        mu: float | str = MU.default,
+        schedule: str = SCHEDULE.default,
         placement: Placement | None = None,
         provenance: dict[str, Any] | None = None,
         tiles: TileRequest | None = None,
-        **deprecated: Any,
     ) -> None:
-        check_schedule(mu, schedule)
-        placement = _placement_from(placement, deprecated)
-        self.tiling = tiles_from(tiles, deprecated, "Flux2Refiner")
-        if deprecated:
-            raise TypeError(f"Flux2Refiner() got an unexpected keyword argument {next(iter(deprecated))!r}")
+        mu, schedule = MU.check(mu), SCHEDULE.check(schedule)
+        placement = placement if placement is not None else Placement()
+        self.tiling = tiles if tiles is not None else TileRequest()
         self.mu, self.schedule = mu, schedule
         self.device, self.dtype = torch.device(device), dtype
         self.placement = placement
@@ -102,8 +118,9 @@ class Flux2Refiner:
         #: sets 4 for a step-distilled Klein), else the knob's 28.
         self.default_steps = STEPS.default
 
-    def _with_steps(self, sampling: SamplingSettings) -> SamplingSettings:
-        """``sampling`` with ``steps`` None as the model's (:attr:`default_steps`)."""
+    def _with_steps(self, sampling: SamplingSettings | None) -> SamplingSettings:
+        """``sampling`` (None: the knobs' defaults) with ``steps`` None as the model's (:attr:`default_steps`)."""
+        sampling = sampling if sampling is not None else SamplingSettings()
         return sampling if sampling.steps is not None else replace(sampling, steps=self.default_steps)
 
     # -- conditioning
@@ -115,7 +132,7 @@ class Flux2Refiner:
             return None
         if self.prompt_encoder is None:
             raise FlowliftError(
-                f"no text encoder loaded to embed the {what}; pass precomputed embeddings (--prompt-embeds)"
+                f"no text encoder loaded to embed the {what}; pass precomputed embeddings (prompt_embeds)"
             )
         return self.prompt_encoder(prompt).to(self.device, torch.float32)
 
@@ -181,35 +198,33 @@ class Flux2Refiner:
     def _run(
         self,
         mode: str,
-        velocity_fn: VelocityFn,
+        velocity_fn: VelocityFn | None,
         *,
         init: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None,
         shape: Sequence[int] | None,
         denoising_start: float,
         sampling: SamplingSettings,
         mask: torch.Tensor | None = None,
-        denoising_end: float = 1.0,
-        tiles: TileRequest | None = None,
+        tiles: TileRequest,
     ) -> RefineResult:
-        from flowlift.refine.tiled_refine import refine_tiled
-
-        resolved = replace(
-            sampling,
-            mu=self.mu if sampling.mu is None else sampling.mu,
-            schedule=self.schedule if sampling.schedule is None else sampling.schedule,
-        )
-        return refine_tiled(
+        """:func:`~flowlift.refine.loop.refine_latents` with this refiner's schedule where ``sampling`` gives none,
+        tiled for the frame as ``tiles`` and the memory plan say, on the refiner's device with its progress bar."""
+        latents, bn_mean, bn_std = init if init is not None else (None, None, None)
+        mu = self.mu if sampling.mu is None else sampling.mu
+        schedule = self.schedule if sampling.schedule is None else sampling.schedule
+        return refine_latents(
             velocity_fn,
-            init,
-            sampling=resolved,
-            tiles=tiles if tiles is not None else self.tiling,
-            denoising_start=denoising_start,
+            init_latents=latents,
             shape=shape,
-            memory_plan=self.memory_plan,
+            bn_mean=bn_mean,
+            bn_std=bn_std,
+            denoising_start=denoising_start,
+            sampling=replace(sampling, mu=mu, schedule=schedule),
             mask=mask,
-            denoising_end=denoising_end,
             on_step=_Progress(self.progress, mode),
             device=self.device,
+            tiles=tiles,
+            memory_plan=self.memory_plan,
         )
 
     def _parameters(self, mode: str, result: RefineResult, sampling: SamplingSettings, **kwargs: Any) -> dict[str, Any]:
@@ -228,10 +243,9 @@ class Flux2Refiner:
         **conditioning: Any,
     ) -> RefineOutput:
         """Generate from pure noise (``denoising_start = 0``) at ``height x width`` (multiples of 16)."""
-        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.txt2img"))
-        tiles = tiles_from(tiles, conditioning, "Flux2Refiner.txt2img", base=self.tiling)
-        if height % PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height <= 0 or width <= 0:
-            raise FlowliftError(f"txt2img size must be positive multiples of {PIXEL_MULTIPLE}, got {width}x{height}")
+        sampling = self._with_steps(sampling)
+        tiles = tiles if tiles is not None else self.tiling
+        check_txt2img_size(width, height)
         den = self.denoiser(**conditioning)
         shape = (batch, LATENT_CHANNELS, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
         result = self._run(
@@ -248,7 +262,7 @@ class Flux2Refiner:
         images: torch.Tensor,
         *,
         strength: float,
-        strength_map: str = "linear",
+        strength_map: str = STRENGTH_MAP.default,
         sampling: SamplingSettings | None = None,
         mask: torch.Tensor | None = None,
         tiles: TileRequest | None = None,
@@ -259,8 +273,9 @@ class Flux2Refiner:
         Sides that are not multiples of 16 are edge-padded for the model and cropped back.
         ``strength`` 0 returns the VAE round trip of the input; 1 ignores the input (txt2img noise).
         """
-        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.img2img"))
-        tiles = tiles_from(tiles, conditioning, "Flux2Refiner.img2img", base=self.tiling)
+        sampling = self._with_steps(sampling)
+        tiles = tiles if tiles is not None else self.tiling
+        images = checked_images(images)
         start = denoising_start_for(strength, strength_map)
         h, w = images.shape[-2:]
         padded, _ = pad_to_multiple(images.to(self.device, torch.float32))
@@ -296,7 +311,7 @@ class Flux2Refiner:
         return RefineOutput(out, result.latents, params)
 
     def inpaint(
-        self, images: torch.Tensor, mask: torch.Tensor, *, strength: float = 1.0, **kwargs: Any
+        self, images: torch.Tensor, mask: torch.Tensor, *, strength: float = OUTPAINT_STRENGTH, **kwargs: Any
     ) -> RefineOutput:
         """Regenerate where ``mask`` is 1 (soft masks blend); the rest is kept (re-noised with the same noise)."""
         return self.img2img(images, strength=strength, mask=mask, **kwargs)
@@ -309,8 +324,8 @@ class Flux2Refiner:
         top: int = 0,
         right: int = 0,
         bottom: int = 0,
-        strength: float = 1.0,
-        strength_map: str = "linear",
+        strength: float = OUTPAINT_STRENGTH,
+        strength_map: str = STRENGTH_MAP.default,
         sampling: SamplingSettings | None = None,
         tiles: TileRequest | None = None,
         **conditioning: Any,
@@ -320,9 +335,9 @@ class Flux2Refiner:
         The border starts from an edge-replicated canvas; the original region's latents are the
         encoding of the original image alone and are kept exactly (mask 0) through every step.
         """
-        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.outpaint"))
-        tiles = tiles_from(tiles, conditioning, "Flux2Refiner.outpaint", base=self.tiling)
-        images = images.to(self.device, torch.float32)
+        sampling = self._with_steps(sampling)
+        tiles = tiles if tiles is not None else self.tiling
+        images = checked_images(images).to(self.device)
         canvas, mask, pads = outpaint_canvas(images, left, top, right, bottom)
         start = denoising_start_for(strength, strength_map)
         lmask = latent_mask(mask)
@@ -359,79 +374,72 @@ class Flux2Refiner:
 
     def hires(
         self,
-        upscale: Callable[[torch.Tensor], torch.Tensor],
+        upscaler: LatentUpscaler,
+        settings: HiresSettings | None = None,
         *,
         images: torch.Tensor | None = None,
-        height: int | None = None,
-        width: int | None = None,
-        base_steps: int | None = None,
-        refine_strength: float = 0.3,
-        strength_map: str = "linear",
+        strength_map: str = STRENGTH_MAP.default,
         sampling: SamplingSettings | None = None,
-        scale: int = 2,
         tiles: TileRequest | None = None,
         **conditioning: Any,
     ) -> RefineOutput:
-        """The hires fix: base latents -> ``upscale`` (Flow Upscaler) -> refine at low strength -> decode.
+        """The hires fix: base latents -> ``upscaler`` (the Flow Upscaler) -> refine at low strength -> decode.
 
-        The base is ``images`` encoded, or a txt2img at ``height x width`` (``base_steps``; None: the model's).
-        ``upscale``
-        maps normalized latents to normalized latents ``scale`` times larger. The refine pass is img2img
-        on the upscaled normalized latents in the window below ``1 - refine_strength`` (``schedule``); both
-        passes shift with ``mu`` (for ``"empirical"``, each from its own size and step count) and tile as the
-        ``tile_*`` knobs say (the refine pass of a 4x or 8x fix is where tiles run). ``sampling`` is the refine
-        pass's; the txt2img base runs it with ``base_steps``.
+        The base is ``images`` (B, 3, H, W) encoded, or a txt2img of ``settings.base_size`` (width, height) at
+        ``settings.base_steps`` (None: the model's). ``upscaler.upscale_latents`` maps normalized latents to
+        normalized latents ``settings.scale`` times larger (:attr:`HiresSettings.passes` 2x passes, the sampling
+        seed, stage 1 at ``settings.transplant_strength``, ``settings.color_fix``). The refine pass is img2img on
+        them in the window below ``1 - settings.refine_strength``; both passes shift with ``mu`` (for
+        ``"empirical"``, each from its own size and step count) and tile as ``tiles`` say (the refine pass of a 4x
+        or 8x fix is where tiles run). ``sampling`` is the refine pass's; the txt2img base runs it with
+        ``base_steps``. The output's parameters are the refiner's plus the upscale's (``upscaler`` as the settings'
+        source names it, ``transplant_strength``, ``color_fix``), the same whichever front-end asked.
         """
-        if images is not None or (height is not None and width is not None):
-            base_h, base_w = images.shape[-2:] if images is not None else (height, width)
-            check_hires_size(int(base_w), int(base_h), scale)  # the whole pass plan, before the base runs
-        sampling = self._with_steps(sampling_from(sampling, conditioning, "Flux2Refiner.hires"))
-        tiles = tiles_from(tiles, conditioning, "Flux2Refiner.hires", base=self.tiling)
-        start = denoising_start_for(refine_strength, strength_map)
+        settings = check_kind("settings", settings, HiresSettings, "a HiresSettings", optional=True) or HiresSettings()
+        images = checked_images(images) if images is not None else None
+        width, height = (images.shape[-1], images.shape[-2]) if images is not None else settings.base_size
+        field = "images" if images is not None else "hires.base_size"
+        check_hires_size(int(width), int(height), settings.scale, field)  # the whole pass plan, before the base runs
+        sampling = self._with_steps(sampling)
+        tiles = tiles if tiles is not None else self.tiling
+        start = denoising_start_for(settings.refine_strength, strength_map)
         den = self.denoiser(**conditioning)
         params: dict[str, Any] = {}
         if images is not None:
-            h, w = images.shape[-2:]
-            if h % PIXEL_MULTIPLE or w % PIXEL_MULTIPLE:
-                raise FlowliftError(f"hires input sides must be multiples of {PIXEL_MULTIPLE} px, got {w}x{h}")
             base = self.encode(images.to(self.device, torch.float32))
             params["base"] = "image"
         else:
-            if height is None or width is None:
-                raise FlowliftError("hires needs an input image or a txt2img size")
-            base_steps = self.default_steps if base_steps is None else base_steps
+            base_steps = self.default_steps if settings.base_steps is None else settings.base_steps
             base_sampling = replace(sampling, steps=base_steps, schedule=None)  # a full window: no schedule choice
-            base_out = self.txt2img(
-                height=height, width=width, sampling=base_sampling, tiles=tiles, **conditioning,
-            )  # fmt: skip
+            base_out = self.txt2img(height=height, width=width, sampling=base_sampling, tiles=tiles, **conditioning)
             base = base_out.latents
             params.update(base="txt2img", base_steps=base_steps, height=height, width=width)
             params.update(base_mu=base_out.parameters["mu"])
             if "tiles" in base_out.parameters:
                 params["base_tiles"] = base_out.parameters["tiles"]
-        up = upscale(base).float().to(self.device)
-        expect = (base.shape[2] * scale, base.shape[3] * scale)
+        report_stage("upscale")  # the run's stage, for every door's progress (flowlift.progress)
+        up = upscaler.upscale_latents(base, settings.passes, seed=sampling.seed,
+                                      transplant_strength=settings.transplant_strength, color_fix=settings.color_fix)
+        up = up.float().to(self.device)
+        expect = (base.shape[2] * settings.scale, base.shape[3] * settings.scale)
         if tuple(up.shape[2:]) != expect:
             raise FlowliftError(f"the upscaler returned {tuple(up.shape[2:])} latents, expected {expect}")
-        result = self._run(
-            "hires refine",
-            den,
-            init=(up, None, None),
-            shape=None,
-            denoising_start=start,
-            sampling=sampling,
-            tiles=tiles,
-        )
+        result = self._run("hires refine", den, init=(up, None, None), shape=None, denoising_start=start,
+                           sampling=sampling, tiles=tiles)  # fmt: skip
+        upscale = settings.upscaler.name if settings.upscaler is not None else None
         params.update(
             self._parameters(
                 "hires",
                 result,
                 sampling,
-                scale=scale,
-                refine_strength=refine_strength,
+                scale=settings.scale,
+                refine_strength=settings.refine_strength,
                 strength_map=strength_map,
                 denoising_start=round(start, 6),
                 **conditioning_parameters(conditioning, den),
-            )
+            ),
+            upscaler=upscale,
+            transplant_strength=settings.transplant_strength,
+            color_fix=settings.color_fix,
         )
         return RefineOutput(self.decode(result.latents), result.latents, params)

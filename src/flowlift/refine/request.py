@@ -5,7 +5,7 @@ controls and the knob tables (:mod:`flowlift.refine.settings`), and :mod:`flowli
 
 * :class:`PromptRequest` -- the prompt as text or an embeddings file, the negative prompt, CFG and guidance;
 * :class:`RefinerSource` -- the weights (model, VAE, transformer, LoRAs) and where and how they run (device,
-  dtype, offload, ``--max-memory``);
+  dtype, offload, ``max_memory``);
 * :class:`~flowlift.refine.settings.SamplingSettings` and :class:`~flowlift.refine.tiling.TileRequest`, handed
   down as they are to the refiner;
 * :class:`HiresSettings` -- the hires fix's upscale (scale, the upscaler, its colour knobs) and refine strength.
@@ -22,15 +22,18 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flowlift.errors import FlowliftError
-from flowlift.knobs import COLOR_FIX, OVERWRITE
+from flowlift.knobs import COLOR_FIX, OVERWRITE, check_kind, check_path, check_paths, check_positive
 from flowlift.refine.settings import (
     HIRES_SCALE,
+    OUTPAINT_STRENGTH,
     REFINE_STRENGTH,
     STEPS,
     STRENGTH,
     STRENGTH_MAP,
     TRANSPLANT_STRENGTH,
     SamplingSettings,
+    check_hires_size,
+    check_txt2img_size,
 )
 from flowlift.refine.tiling import TileRequest
 
@@ -38,6 +41,8 @@ from flowlift.refine.tiling import TileRequest
 MODES = ("txt2img", "img2img", "inpaint", "outpaint", "hires")
 #: The txt2img (and hires base) size when none is given: FLUX.2's trained 1 MP.
 DEFAULT_SIZE = (1024, 1024)
+#: Where the transformer waits (``auto``: planned from ``max_memory``, else ``none``; :mod:`flowlift.refine.offload`).
+OFFLOADS = ("auto", "none", "model", "group")
 
 
 class LatentUpscaler(Protocol):
@@ -72,10 +77,14 @@ class PromptRequest:
     guidance: float | None = None
 
     def __post_init__(self) -> None:
+        check_kind("prompt.text", self.text, str, "text", optional=True)
+        check_path("prompt.embeds", self.embeds, optional=True)
+        check_kind("prompt.negative", self.negative, str, "text", optional=True)
         if self.text is None and self.embeds is None:
-            raise FlowliftError("give --prompt TEXT or --prompt-embeds FILE")
-        if self.cfg_scale <= 0:
-            raise FlowliftError(f"--cfg-scale must be > 0, got {self.cfg_scale}")
+            raise FlowliftError("prompt.text: give a prompt or its embeddings (prompt.embeds)", field="prompt.text")
+        object.__setattr__(self, "cfg_scale", check_positive("prompt.cfg_scale", self.cfg_scale))
+        if self.guidance is not None:
+            object.__setattr__(self, "guidance", check_positive("prompt.guidance", self.guidance))
 
     @property
     def needs_text_encoder(self) -> bool:
@@ -88,7 +97,8 @@ class RefinerSource:
     """The refiner's weights and how they run: ``model`` (a diffusers folder, hub id, transformer folder or single
     file), ``vae`` (a :func:`~flowlift.models.vae_loading.load_vae` spec; None: the model's), ``transformer`` from
     elsewhere (BFL/ComfyUI file, fp8, GGUF), ``loras`` (``FILE[:SCALE]`` texts), ``device``/``dtype`` as the
-    options say them (``auto``), ``offload`` (auto/none/model/group) and ``max_memory`` (``12GB``; None: no plan)."""
+    options say them (``auto``), ``offload`` (auto/none/model/group) and ``max_memory`` (``12GB``; None: no plan).
+    Every field is checked when the source is made; one ``loras`` string is one LoRA, never its characters."""
 
     model: str
     vae: str | None = None
@@ -98,6 +108,25 @@ class RefinerSource:
     dtype: str | None = "auto"
     offload: str = "auto"
     max_memory: str | None = None
+
+    def __post_init__(self) -> None:
+        from flowlift.limits import parse_memory
+
+        check_path("source.model", self.model)
+        check_path("source.vae", self.vae, optional=True)
+        check_path("source.transformer", self.transformer, optional=True)
+        loras = check_paths("source.loras", self.loras)
+        object.__setattr__(self, "loras", tuple(str(lora) for lora in loras))
+        check_kind("source.device", self.device, str, "a device name such as auto, cpu or cuda:0", optional=True)
+        check_kind("source.dtype", self.dtype, str, "a dtype name such as auto or bfloat16", optional=True)
+        if self.offload not in OFFLOADS:
+            raise FlowliftError(f"source.offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}",
+                                field="source.offload")  # fmt: skip
+        if self.max_memory is not None:
+            try:
+                parse_memory(self.max_memory)
+            except FlowliftError as error:
+                raise FlowliftError(f"source.{error}", field="source.max_memory") from None
 
 
 @dataclass(frozen=True)
@@ -112,20 +141,48 @@ class HiresSettings:
     base_steps: int | None = None
     base_size: tuple[int, int] = DEFAULT_SIZE
     transplant_strength: float = TRANSPLANT_STRENGTH.default
-    color_fix: bool = True
+    color_fix: bool = COLOR_FIX.default
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "scale", HIRES_SCALE.check(self.scale))
-        object.__setattr__(self, "refine_strength", REFINE_STRENGTH.check(self.refine_strength))
+        if self.upscaler is not None and not all(hasattr(self.upscaler, name) for name in ("find", "load", "name")):
+            raise FlowliftError(
+                f"upscaler must be a latent upscaler source (find, load, name: "
+                f"flowlift.upscale.latent_source.FlowUpscalerSource) or None, got {self.upscaler!r}",
+                field="upscaler",
+            )
+        object.__setattr__(self, "scale", HIRES_SCALE.check(self.scale, "scale"))
+        refine_strength = REFINE_STRENGTH.check(self.refine_strength, "refine_strength")
+        object.__setattr__(self, "refine_strength", refine_strength)
         if self.base_steps is not None:  # None: the model's (4 for a step-distilled Klein)
-            object.__setattr__(self, "base_steps", STEPS.check(self.base_steps))
-        object.__setattr__(self, "transplant_strength", TRANSPLANT_STRENGTH.check(self.transplant_strength))
-        object.__setattr__(self, "color_fix", COLOR_FIX.check(self.color_fix))
+            object.__setattr__(self, "base_steps", STEPS.check(self.base_steps, "base_steps"))
+        if not isinstance(self.base_size, (tuple, list)) or len(self.base_size) != 2:
+            raise FlowliftError(f"base_size must be (width, height) in px, got {self.base_size!r}",
+                                field="base_size")  # fmt: skip
+        object.__setattr__(self, "base_size", tuple(self.base_size))
+        check_txt2img_size(*self.base_size, "base_size")
+        transplant = TRANSPLANT_STRENGTH.check(self.transplant_strength, "transplant_strength")
+        object.__setattr__(self, "transplant_strength", transplant)
+        object.__setattr__(self, "color_fix", COLOR_FIX.check(self.color_fix, "color_fix"))
 
     @property
     def passes(self) -> int:
-        """The upscaler's 2x passes: ``log2(scale)``."""
-        return self.scale.bit_length() - 1
+        """The upscaler's 2x passes: :func:`flowlift.limits.passes_for_scale` (the one rule)."""
+        from flowlift.limits import passes_for_scale
+
+        return passes_for_scale(self.scale)
+
+
+def _borders(value: Any) -> tuple[int, int, int, int]:
+    """Outpaint borders (left, top, right, bottom px): four non-negative integers, not all 0, else one line."""
+    from flowlift.knobs import exact_int
+
+    borders = tuple(exact_int(side) for side in value) if isinstance(value, (tuple, list)) else ()
+    if len(borders) != 4 or any(side is None or side < 0 for side in borders):
+        raise FlowliftError(f"outpaint must be four non-negative pixel borders (L, T, R, B), got {value!r}",
+                            field="outpaint")  # fmt: skip
+    if not any(borders):
+        raise FlowliftError(f"outpaint borders {value!r} are all 0: nothing to paint (use img2img)", field="outpaint")
+    return borders  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -156,27 +213,64 @@ class RefineRequest:
     progress: bool = False
 
     def __post_init__(self) -> None:
+        """Every field checked, then the rules between them, before anything is read or loaded (one line each,
+        naming the field as the Python API spells it; a door says it in its own words)."""
         if self.mode not in MODES:
-            raise FlowliftError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+            raise FlowliftError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}", field="mode")
+        check_kind("prompt", self.prompt, PromptRequest, "a PromptRequest")
+        check_kind("source", self.source, RefinerSource, "a RefinerSource")
+        check_kind("sampling", self.sampling, SamplingSettings, "a SamplingSettings")
+        check_kind("tiles", self.tiles, TileRequest, "a TileRequest")
+        check_kind("hires", self.hires, HiresSettings, "a HiresSettings", optional=True)
+        check_path("image", self.image, optional=True)
+        check_path("mask", self.mask, optional=True)
+        check_path("output", self.output, optional=True)
+        object.__setattr__(self, "references", check_paths("references", self.references))
         object.__setattr__(self, "overwrite", OVERWRITE.check(self.overwrite))
-        if self.mode == "hires" and self.hires is None:
-            object.__setattr__(self, "hires", HiresSettings())
-        if self.mode == "inpaint" and self.mask is None:
-            raise FlowliftError("inpaint needs a mask")
-        if self.mask is not None and self.outpaint is not None:
-            raise FlowliftError("--mask and --outpaint are exclusive")
-        if self.mode in ("img2img", "inpaint", "outpaint") and self.image is None:
-            raise FlowliftError(f"{self.mode} needs an input image")
-        object.__setattr__(self, "strength_map", STRENGTH_MAP.check(self.strength_map, "strength map"))
+        object.__setattr__(self, "strength_map", STRENGTH_MAP.check(self.strength_map))
         if self.strength is not None:
             object.__setattr__(self, "strength", STRENGTH.check(self.strength))
+        check_kind("command", self.command, str, "text", optional=True)
+        check_kind("progress", self.progress, bool, "True, False", optional=True)
+        if self.outpaint is not None:
+            object.__setattr__(self, "outpaint", _borders(self.outpaint))
+        self._check_mode()
+
+    def _check_mode(self) -> None:
+        """What the mode needs: an image (img2img, inpaint, outpaint), a mask (inpaint), borders (outpaint), a size
+        within the cap (txt2img; hires from a txt2img base, times its scale), an upscaler source (hires)."""
+        if self.mode in ("img2img", "inpaint", "outpaint") and self.image is None:
+            raise FlowliftError(f"image: {self.mode} needs an input image", field="image")
+        if self.mode == "inpaint" and self.mask is None:
+            raise FlowliftError("mask: inpaint needs a mask", field="mask")
+        if self.mask is not None and self.mode not in ("inpaint", "img2img"):
+            raise FlowliftError(f"mask: {self.mode} takes no mask (mask and {self.mode} are exclusive)", field="mask")
+        if (self.outpaint is not None) != (self.mode == "outpaint"):
+            what = "outpaint needs its borders (L, T, R, B px)" if self.outpaint is None else f"{self.mode} has none"
+            raise FlowliftError(f"outpaint: {what}", field="outpaint")
+        if self.mode == "txt2img":
+            if not isinstance(self.size, (tuple, list)) or len(self.size) != 2:
+                raise FlowliftError(f"size must be (width, height) in px, got {self.size!r}", field="size")
+            object.__setattr__(self, "size", tuple(self.size))
+            check_txt2img_size(*self.size)
+        if self.mode == "hires":
+            hires = self.hires if self.hires is not None else HiresSettings()
+            object.__setattr__(self, "hires", hires)
+            if hires.upscaler is None:
+                raise FlowliftError(
+                    "hires.upscaler: the hires fix needs an upscaler source, e.g. "
+                    "flowlift.upscale.latent_source.FlowUpscalerSource() (the released Flow Upscaler)",
+                    field="hires.upscaler",
+                )
+            if self.image is None:
+                check_hires_size(*hires.base_size, hires.scale)
 
     @property
     def mode_strength(self) -> float:
         """The strength this mode runs at: the request's, else the knob's default (outpaint: 1, a new border)."""
         if self.strength is not None:
             return self.strength
-        return 1.0 if self.mode == "outpaint" else STRENGTH.default
+        return OUTPAINT_STRENGTH if self.mode == "outpaint" else STRENGTH.default
 
     @property
     def name_suffix(self) -> str:

@@ -2,22 +2,21 @@
 
 :data:`REFINE_KNOBS` is the table ``flowlift img2img``/``hires`` options, the web app's Refine tab and
 :class:`~flowlift.refine.refiner.Flux2Refiner`'s checks derive from (``tests/test_knobs.py`` holds them to
-it). No torch here: the commands' ``--help`` reads this module.
+it). No torch here: the commands' help reads this module.
 
 The tiled refine's knobs (``tile_size``, ``tile_overlap``, ``tile_batch``) are here too, with the constants
-their domains are made of; :mod:`flowlift.refine.tiling` adds the rules one knob cannot say alone (a tile side on
-the 16-px grid, the overlap smaller than the tile) on top of :meth:`~flowlift.knobs.Knob.check`.
+their domains are made of; :mod:`flowlift.refine.tiling` adds the rule one knob cannot say alone (the overlap
+smaller than the tile) on top of :meth:`~flowlift.knobs.Knob.check`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.settings import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SAMPLERS, SCHEDULES
-from flowlift.knobs import SCALE, SEED, TRANSPLANT_STRENGTH, Knob, settings_or_deprecated_keywords, table  # noqa: F401
-from flowlift.limits import MAX_OUTPUT_SIDE
+from flowlift.knobs import SCALE, SEED, TRANSPLANT_STRENGTH, Knob, table  # noqa: F401  (TRANSPLANT_STRENGTH: the hires fix's)
+from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE
 
 #: The most steps a refine takes: far past where a flow model stops gaining (28-50), and a bound on what one
 #: request to the web app can ask for.
@@ -41,6 +40,8 @@ REFINE_STRENGTH = Knob(
     high=1.0,
     step=0.01,
 )
+#: Outpaint's (and a bare inpaint's) strength when none is given: the new border starts from noise.
+OUTPAINT_STRENGTH = 1.0
 STRENGTH_MAP = Knob(
     "strength_map",
     str,
@@ -86,34 +87,43 @@ HIRES_SCALE = replace(
     help="hires fix: the Flow Upscaler's factor before the refine (2 = one pass, 4 = two, 8 = three)",
 )  # fmt: skip
 
-#: The transformer sees images on a 16-pixel grid: 8x VAE, then its 2x2 patches (declared once: the canvas's
-#: padding, the hires and reference checks, the tile knobs' ``multiple``).
-PIXEL_MULTIPLE = 16
-#: Tile sides and offsets lie on the same grid.
-TILE_MULTIPLE = PIXEL_MULTIPLE
+
+def check_txt2img_size(width: int, height: int, field: str = "size") -> None:
+    """One FlowliftError line naming ``field`` unless ``width x height`` is a txt2img size flowlift can write: both
+    sides positive integers, multiples of ``PIXEL_MULTIPLE`` (16: the VAE's 8x and the 2x2 patches), at most
+    ``MAX_OUTPUT_SIDE`` (16384 px). Checked where the request is made, before any model loads."""
+    sides = (width, height)
+    if not all(isinstance(side, int) and not isinstance(side, bool) for side in sides):
+        raise FlowliftError(f"{field} must be two integers (width, height) in px, got {sides!r}", field=field)
+    if min(sides) < PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height % PIXEL_MULTIPLE:
+        raise FlowliftError(f"{field} sides must be positive multiples of {PIXEL_MULTIPLE} px, got {width}x{height}",
+                            field=field)  # fmt: skip
+    if max(sides) > MAX_OUTPUT_SIDE:
+        raise FlowliftError(f"{field} {width}x{height} is over MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side",
+                            field=field)  # fmt: skip
 
 
-def check_hires_size(width: int, height: int, scale: int) -> None:
-    """One FlowliftError line unless a hires fix of a ``width x height`` base can run at exactly ``scale``.
+def check_hires_size(width: int, height: int, scale: int, field: str = "hires.base_size") -> None:
+    """One FlowliftError line (naming ``field``: the base size, or ``image``) unless a hires fix of a
+    ``width x height`` base can run at exactly ``scale``.
 
-    The hires fix refines at ``scale`` times the base, so every Flow Upscaler pass must run: the base and
-    the result both within ``MAX_OUTPUT_SIDE`` (16384 px, where :func:`flowlift.upscale.sizes.planned_passes`
-    would drop a pass and leave the refine a smaller size than it was planned for), sides positive multiples
-    of ``PIXEL_MULTIPLE`` (16: the VAE's 8x and the 2x2 patches). Checked before any model runs.
+    The hires fix refines at ``scale`` times the base, so every Flow Upscaler pass must run: the base
+    (:func:`check_txt2img_size`: positive multiples of ``PIXEL_MULTIPLE``, within ``MAX_OUTPUT_SIDE``) and the
+    result both within 16384 px, where :func:`flowlift.upscale.sizes.planned_passes` would drop a pass and leave the
+    refine a smaller size than it was planned for. The one size rule of the hires fix: the job checks it before any
+    model loads, :meth:`~flowlift.refine.refiner.Flux2Refiner.hires` for a direct caller.
     """
-    scale = HIRES_SCALE.check(scale, "hires scale")
-    if min(width, height) < PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height % PIXEL_MULTIPLE:
-        raise FlowliftError(f"hires base sides must be positive multiples of {PIXEL_MULTIPLE} px, got {width}x{height}")
+    scale = HIRES_SCALE.check(scale)
+    check_txt2img_size(width, height, field)
     side = max(width, height)
-    if side > MAX_OUTPUT_SIDE:
-        raise FlowliftError(f"a {width}x{height} hires base is over MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side")
     if side * scale > MAX_OUTPUT_SIDE:
         fits = [choice for choice in HIRES_SCALE.choices if side * choice <= MAX_OUTPUT_SIDE]
         most = MAX_OUTPUT_SIDE // min(HIRES_SCALE.choices)
         hint = f"use a scale of at most {max(fits)}" if fits else f"use a base of at most {most} px a side"
         raise FlowliftError(
-            f"hires at {scale}x of a {width}x{height} base would be {width * scale}x{height * scale}, over "
-            f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side (a pass would be dropped); {hint}"
+            f"{field}: hires at {scale}x of a {width}x{height} base would be {width * scale}x{height * scale}, over "
+            f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side (a pass would be dropped); {hint}",
+            field=field,
         )
 
 
@@ -132,31 +142,31 @@ TILE_SIZE = Knob(
     "tile_size",
     int,
     "auto",
-    f"refine in overlapping tiles of this many pixels per side (a multiple of {TILE_MULTIPLE}): auto tiles at "
-    f"{DEFAULT_TILE_SIZE} px when the frame exceeds FLUX.2's 4 MP (or --max-memory needs it), off runs one "
+    f"refine in overlapping tiles of this many pixels per side (a multiple of {PIXEL_MULTIPLE}): auto tiles at "
+    f"{DEFAULT_TILE_SIZE} px when the frame exceeds FLUX.2's 4 MP (or the memory budget needs it), off runs one "
     "transformer call per step",
     low=MIN_TILE_SIZE,
     words=TILE_SIZE_WORDS,
     unit="px",
-    step=TILE_MULTIPLE,
-    multiple=TILE_MULTIPLE,
+    step=PIXEL_MULTIPLE,
+    multiple=PIXEL_MULTIPLE,
 )
 TILE_OVERLAP = Knob(
     "tile_overlap",
     int,
     DEFAULT_TILE_OVERLAP,
-    f"how far neighbouring tiles overlap (a multiple of {TILE_MULTIPLE}, less than the tile); their velocities "
+    f"how far neighbouring tiles overlap (a multiple of {PIXEL_MULTIPLE}, less than the tile); their velocities "
     "crossfade across it",
     low=0,
     unit="px",
-    step=TILE_MULTIPLE,
-    multiple=TILE_MULTIPLE,
+    step=PIXEL_MULTIPLE,
+    multiple=PIXEL_MULTIPLE,
 )
 TILE_BATCH = Knob(
     "tile_batch",
     int,
     "auto",
-    f"tiles per transformer call: auto = as many as --max-memory leaves room for (at most {MAX_AUTO_TILE_BATCH}; "
+    f"tiles per transformer call: auto = as many as the memory budget leaves room for (at most {MAX_AUTO_TILE_BATCH}; "
     "1 without a budget)",
     low=1,
     words=("auto",),
@@ -176,9 +186,9 @@ class SamplingSettings:
     """How one refine samples: steps, seed, sampler, and the schedule's ``mu`` and ``schedule``.
 
     ``mu``/``schedule`` ``None`` mean the refiner's own (set when it was made); ``steps`` None is the model's
-    (:attr:`~flowlift.refine.refiner.Flux2Refiner.default_steps`: 4 for a step-distilled Klein). ``steps``, ``seed`` and
-    ``sampler`` are checked against :data:`REFINE_KNOBS` when the object is made (one line before any work);
-    ``mu`` and ``schedule`` when the schedule is built, as ``"empirical"`` depends on the image size.
+    (:attr:`~flowlift.refine.refiner.Flux2Refiner.default_steps`: 4 for a step-distilled Klein). Every field is
+    checked by its knob of :data:`REFINE_KNOBS` when the object is made (one line before any work, the only check:
+    the loop trusts it); ``mu="empirical"``'s value depends on the image size and is checked per image.
     """
 
     steps: int | None = STEPS.default
@@ -188,20 +198,8 @@ class SamplingSettings:
     schedule: str | None = None
 
     def __post_init__(self) -> None:
-        if self.steps is not None:
-            object.__setattr__(self, "steps", STEPS.check(self.steps))
-        object.__setattr__(self, "seed", SEED.check(self.seed))
-        if self.sampler not in SAMPLER.choices:
-            raise FlowliftError(f"unknown sampler {self.sampler!r}; flowlift runs {', '.join(SAMPLER.choices)}")
-
-
-SAMPLING_FIELDS = ("steps", "seed", "sampler", "mu", "schedule")
-
-
-def sampling_from(sampling: SamplingSettings | None, legacy: dict[str, Any], where: str) -> SamplingSettings:
-    """The mode's :class:`SamplingSettings`: ``sampling`` itself, or (for one release) the old keyword arguments
-    ``steps/seed/sampler/mu/schedule`` popped from ``legacy``, with a DeprecationWarning. Both at once is an error."""
-    old = {name: legacy.pop(name) for name in SAMPLING_FIELDS if name in legacy}
-    return settings_or_deprecated_keywords(
-        sampling, old, SamplingSettings, where=where, argument="sampling", home="flowlift.refine.settings"
-    )
+        checked = {"steps": STEPS, "seed": SEED, "sampler": SAMPLER, "mu": MU, "schedule": SCHEDULE}
+        for name, knob in checked.items():
+            value = getattr(self, name)
+            if value is not None or name in ("seed", "sampler"):
+                object.__setattr__(self, name, knob.check(value))

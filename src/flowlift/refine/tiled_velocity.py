@@ -172,7 +172,7 @@ def tiled_for_frame(
             warnings.warn(
                 FlowliftWarning(
                     f"refining {width}x{height} px ({height * width / 1e6:.1f} MP) in one transformer call, above "
-                    "FLUX.2's 4 MP maximum; --tile-size auto refines it in tiles"
+                    "FLUX.2's 4 MP maximum; tile_size auto refines it in tiles"
                 ),
                 stacklevel=3,
             )

@@ -3,7 +3,7 @@
 A frame larger than FLUX.2's specified maximum (4 megapixels, e.g. 2048x2048; the same for Klein) is refined in
 overlapping tiles: :class:`~flowlift.refine.tiled_velocity.TiledVelocity` runs the transformer on each tile with
 tile-local position ids and blends the velocities. This module holds what a front-end needs before any weights
-load (``--help`` imports no torch):
+load (a command's help imports no torch):
 
 * the knobs' checks: ``tile_size`` (px, ``"auto"`` or ``"off"``; default ``auto``), ``tile_overlap`` (px,
   default 128), ``tile_batch`` (tiles per transformer call, ``"auto"`` or a count) are declared once in
@@ -21,60 +21,65 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowlift.errors import FlowliftError
-from flowlift.refine.settings import (  # noqa: F401  (the constants' home; imported from here by the refiner)
-    DEFAULT_TILE_OVERLAP,
+from flowlift.limits import PIXEL_MULTIPLE
+from flowlift.refine.settings import (
     DEFAULT_TILE_SIZE,
-    MAX_AUTO_TILE_BATCH,
     MAX_UNTILED_PIXELS,
-    MIN_TILE_SIZE,
     TILE_BATCH,
-    TILE_KNOBS,
-    TILE_MULTIPLE,
     TILE_OVERLAP,
     TILE_SIZE,
-    TILE_SIZE_WORDS,
 )
 
 
 def parse_tile_size(value: int | str) -> int | str:
-    """``"auto"``, ``"off"``, or a tile side in pixels: :data:`TILE_SIZE`'s check (its range and 16-px grid)."""
-    return TILE_SIZE.check(value, "tile size", loose=True)
+    """``"auto"``, ``"off"``, or a tile side in pixels, given as text or a Python value: :data:`TILE_SIZE`'s check
+    (its range and 16-px grid)."""
+    return TILE_SIZE.check(value, loose=True)
 
 
 def parse_tile_overlap(value: int | str) -> int:
-    """An overlap in pixels: :data:`TILE_OVERLAP`'s check, its range and 16-px grid (less than the tile:
-    :func:`check_overlap`)."""
-    return TILE_OVERLAP.check(value, "tile overlap", loose=True)
+    """An overlap in pixels, given as text or a Python value: :data:`TILE_OVERLAP`'s check, its range and 16-px
+    grid (less than the tile: :func:`check_overlap`)."""
+    return TILE_OVERLAP.check(value, loose=True)
 
 
 def parse_tile_batch(value: int | str) -> int | str:
-    """``"auto"`` or the number of tiles per transformer call (1 or more): :data:`TILE_BATCH`'s check."""
-    return TILE_BATCH.check(value, "tile batch", loose=True)
+    """``"auto"`` or the number of tiles per transformer call (1 or more), given as text or a Python value:
+    :data:`TILE_BATCH`'s check."""
+    return TILE_BATCH.check(value, loose=True)
 
 
 def check_overlap(tile: int, overlap: int) -> None:
-    """Neighbours must advance: ``overlap < tile`` (one line otherwise)."""
+    """Neighbours must advance: ``overlap < tile`` (one line otherwise, naming ``tile_overlap``)."""
     if overlap >= tile:
         raise FlowliftError(
-            f"tile overlap {overlap} px must be smaller than the tile ({tile} px); give a smaller tile overlap"
+            f"tile_overlap {overlap} px must be smaller than the tile ({tile} px); give a smaller tile overlap",
+            field="tile_overlap",
         )
 
 
 @dataclass(frozen=True)
 class TileRequest:
-    """The three knobs as asked: ``size`` (px, ``auto`` or ``off``), ``overlap`` (px), ``batch`` (count or auto)."""
+    """The three knobs: ``size`` (px, ``auto`` or ``off``), ``overlap`` (px), ``batch`` (count or auto), each
+    checked by its knob when the request is made (a Python value: ``512``, not ``"512"``; :meth:`parse` takes text),
+    and the overlap against the tile (``auto``'s is 1024 px)."""
 
-    size: int | str = "auto"
-    overlap: int = DEFAULT_TILE_OVERLAP
-    batch: int | str = "auto"
+    size: int | str = TILE_SIZE.default
+    overlap: int = TILE_OVERLAP.default
+    batch: int | str = TILE_BATCH.default
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", TILE_SIZE.check(self.size))
+        object.__setattr__(self, "overlap", TILE_OVERLAP.check(self.overlap))
+        object.__setattr__(self, "batch", TILE_BATCH.check(self.batch))
+        if self.size != "off":
+            check_overlap(self.size if isinstance(self.size, int) else DEFAULT_TILE_SIZE, self.overlap)
 
     @classmethod
-    def parse(cls, size: int | str = "auto", overlap: int | str = DEFAULT_TILE_OVERLAP, batch: int | str = "auto"):
-        """Each knob checked against its domain, and the overlap against the tile (``auto``'s is 1024 px)."""
-        request = cls(parse_tile_size(size), parse_tile_overlap(overlap), parse_tile_batch(batch))
-        if request.size != "off":
-            check_overlap(request.size if isinstance(request.size, int) else DEFAULT_TILE_SIZE, request.overlap)
-        return request
+    def parse(cls, size: int | str = TILE_SIZE.default, overlap: int | str = TILE_OVERLAP.default,
+              batch: int | str = TILE_BATCH.default) -> TileRequest:  # fmt: skip
+        """The request of knobs given as text or Python values (the text doors: ``"512"``, ``" auto"``)."""
+        return cls(parse_tile_size(size), parse_tile_overlap(overlap), parse_tile_batch(batch))
 
     def replace(self, size=None, overlap=None, batch=None) -> TileRequest:
         """This request with the knobs given (not None) replaced, checked again."""
@@ -83,30 +88,6 @@ class TileRequest:
             self.overlap if overlap is None else overlap,
             self.batch if batch is None else batch,
         )
-
-
-_TILE_KEYWORDS = {"tile_size": "size", "tile_overlap": "overlap", "tile_batch": "batch"}
-
-
-def tiles_from(tiles: TileRequest | None, deprecated: dict[str, Any], where: str,
-               base: TileRequest | None = None) -> TileRequest:  # fmt: skip
-    """The :class:`TileRequest` a call runs with: ``tiles`` itself, else ``base`` (the refiner's; None: the knobs'
-    defaults); for one release the old keywords ``tile_size``/``tile_overlap``/``tile_batch`` popped from
-    ``deprecated`` (those not None replace ``base``'s), with a DeprecationWarning. Both at once is an error."""
-    import warnings
-
-    old = {_TILE_KEYWORDS[name]: deprecated.pop(name) for name in list(deprecated) if name in _TILE_KEYWORDS}
-    if not old:
-        return tiles if tiles is not None else base if base is not None else TileRequest()
-    if tiles is not None:
-        raise FlowliftError(f"{where}: give tiles=TileRequest(...) or {', '.join(f'tile_{n}' for n in old)}, not both")
-    warnings.warn(
-        f"{where}({', '.join(f'tile_{name}=' for name in old)}) is deprecated and goes in the next release; pass "
-        "tiles=TileRequest(...) (flowlift.refine.tiling)",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return (base if base is not None else TileRequest()).replace(**old)
 
 
 def exceeds_untiled_limit(height: int, width: int) -> bool:
@@ -143,14 +124,14 @@ def tile_starts(length: int, tile: int, overlap: int) -> list[int]:
     ``ceil(s)``, and ``s = u / (n - 1) <= (tile - overlap) / 16``, a whole number: every step is at most
     ``tile - overlap``, so each shared edge is at least ``overlap`` px wide.
     """
-    if length % TILE_MULTIPLE or tile % TILE_MULTIPLE:
-        raise FlowliftError(f"frame and tile sides must be multiples of {TILE_MULTIPLE} px, got {length} and {tile}")
+    if length % PIXEL_MULTIPLE or tile % PIXEL_MULTIPLE:
+        raise FlowliftError(f"frame and tile sides must be multiples of {PIXEL_MULTIPLE} px, got {length} and {tile}")
     if tile >= length:
         return [0]
     check_overlap(tile, overlap)
     count = -(-(length - overlap) // (tile - overlap))
-    units = (length - tile) // TILE_MULTIPLE
-    return [TILE_MULTIPLE * ((2 * k * units + count - 1) // (2 * (count - 1))) for k in range(count)]
+    units = (length - tile) // PIXEL_MULTIPLE
+    return [PIXEL_MULTIPLE * ((2 * k * units + count - 1) // (2 * (count - 1))) for k in range(count)]
 
 
 @dataclass(frozen=True)

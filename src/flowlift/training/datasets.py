@@ -201,17 +201,10 @@ class ShardWriting:
     part: tuple[int, int] = (0, 1)
 
 
-def _writing(writing: ShardWriting | None, deprecated: dict[str, Any], where: str) -> tuple:
-    """``writing``'s fields, or for one release the keywords it replaced (a DeprecationWarning)."""
-    from flowlift.knobs import settings_or_deprecated_keywords
-
-    names = ("shard_size", "storage_dtype", "device", "progress", "part")
-    old = {name: deprecated.pop(name) for name in names if name in deprecated}
-    if deprecated:
-        raise TypeError(f"{where}() got an unexpected keyword argument {next(iter(deprecated))!r}")
-    chosen = settings_or_deprecated_keywords(writing, old, ShardWriting, where=where, argument="writing",
-                                             home="flowlift.training.datasets")  # fmt: skip
-    return tuple(getattr(chosen, name) for name in names)
+def _writing(writing: ShardWriting | None) -> tuple:
+    """``writing``'s fields (:class:`ShardWriting`'s defaults when None)."""
+    chosen = writing if writing is not None else ShardWriting()
+    return chosen.shard_size, chosen.storage_dtype, chosen.device, chosen.progress, chosen.part
 
 
 def build_distill_dataset(
@@ -227,20 +220,18 @@ def build_distill_dataset(
     source: dict[str, Any] | None = None,
     writing: ShardWriting | None = None,
     overwrite: bool = False,
-    **deprecated: Any,
 ) -> dict[str, Any]:
     """Build (or resume) a distillation dataset of ``num_items`` items at ``latent_size`` (target).
 
     Item ``i``: ``noise = seeded_noise((32, H, W), item_seed(seed, i))``, ``target = teacher(noise)``,
     ``cond = encode(degrade(decode(target)))``. ``source`` describes the teacher in the manifest.
     ``part = (i, n)`` builds only shards ``k % n == i`` (run n processes/machines on one folder).
-    ``writing`` (:class:`ShardWriting`: shard size, storage dtype, device, progress, part; its old keywords work
-    for one release with a DeprecationWarning); ``overwrite`` lets files at its names that flowlift did not
-    write be replaced. Returns the manifest.
+    ``writing`` (:class:`ShardWriting`: shard size, storage dtype, device, progress, part); ``overwrite`` lets
+    files at its names that flowlift did not write be replaced. Returns the manifest.
     """
     from flowlift.flux2.latents import seeded_noise
 
-    shard_size, storage_dtype, device, progress, part = _writing(writing, deprecated, "build_distill_dataset")
+    shard_size, storage_dtype, device, progress, part = _writing(writing)
     degradation = degradation or Degradation()
     height, width = latent_size
     if height % 4 or width % 4 or height <= 0 or width <= 0:
@@ -343,7 +334,6 @@ def build_images_dataset(
     vae_name: str = "",
     writing: ShardWriting | None = None,
     overwrite: bool = False,
-    **deprecated: Any,
 ) -> dict[str, Any]:
     """Build (or resume) an images dataset: ``target = encode(crop)``, ``cond = encode(degrade(decode(target)))``.
 
@@ -351,7 +341,7 @@ def build_images_dataset(
     ``part = (i, n)`` builds only shards ``k % n == i``; ``writing`` and ``overwrite`` as
     :func:`build_distill_dataset` takes them. Returns the manifest.
     """
-    shard_size, storage_dtype, device, progress, part = _writing(writing, deprecated, "build_images_dataset")
+    shard_size, storage_dtype, device, progress, part = _writing(writing)
     from flowlift.files.images import load_image, to_tensor
 
     degradation = degradation or Degradation()

@@ -121,6 +121,8 @@ def prepare_dataset_dir(root: str | os.PathLike, manifest: dict[str, Any], overw
     raises one FlowliftError line instead of mixing two datasets. An empty ``dataset.json``, or one
     flowlift did not write where ``overwrite`` allows replacing it, is replaced (:func:`check_dataset_folder`).
     """
+    if not str(os.fspath(root)).strip():  # Path("") is the working folder: an empty name names no dataset
+        raise FlowliftError(f"the dataset folder is an empty name, got {os.fspath(root)!r}")
     root = Path(root)
     check_dataset_folder(root, overwrite)
     manifest = {"format": FORMAT, "version": VERSION, **manifest}
@@ -165,8 +167,13 @@ def write_shard(
     items: Sequence[dict[str, Any]],
     dtype: torch.dtype = torch.float16,
 ) -> Path:
-    """Write one shard atomically (temporary file + rename). ``tensors``: target, cond[, noise]."""
+    """Write one shard atomically (temporary file + rename). ``tensors``: target, cond[, noise].
+
+    A tensor holding NaN or Inf as stored (a VAE whose weights overflow, a value past float16's range) is
+    refused in one line and nothing is written: a shard of NaN would train to NaN."""
     from safetensors.torch import save_file
+
+    from flowlift.models.weights import first_non_finite
 
     count = len(items)
     for name, tensor in tensors.items():
@@ -181,6 +188,11 @@ def write_shard(
         "items": json.dumps(list(items)),
     }
     data = {k: v.detach().to("cpu", dtype).contiguous() for k, v in tensors.items()}
+    if bad := first_non_finite(data):
+        raise FlowliftError(
+            f"{path.name}: {bad} stored as {str(dtype).removeprefix('torch.')} (a VAE or teacher whose weights "
+            "overflow, or values past the storage dtype's range); nothing was written"
+        )
     with atomic_output(path) as tmp:
         save_file(data, str(tmp), metadata=metadata)
     return path

@@ -1,4 +1,4 @@
-"""Same-size inputs upscaled together: ``flowlift upscale --batch-size N``.
+"""Same-size inputs upscaled together: an :class:`~flowlift.upscale.plan.UpscaleRequest`'s ``batch_size``.
 
 :class:`SameSizeBatches` is a ``process(source, output)`` callback for :func:`flowlift.jobs.batch.run_jobs`
 (so resume, one-line failures and atomic outputs stay the batch module's). Before the run it groups

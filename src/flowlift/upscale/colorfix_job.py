@@ -47,7 +47,7 @@ def plan_colorfix(request: ColorFixRequest) -> tuple[list[Any], dict[Path, Path]
     """The jobs and each upscaled input's reference.
 
     Inputs pair with references by name (:func:`flowlift.files.naming.reference_of`), never with
-    themselves, so ``DIR --reference DIR`` fixes ``photo_x2.png`` against ``photo.png``; an input
+    themselves, so a folder given as both inputs and references fixes ``photo_x2.png`` against ``photo.png``; an input
     that pairs with nothing is skipped when it is itself a reference (a source given with its
     upscales), else refused in one line. Nothing is written.
     """
@@ -75,7 +75,7 @@ def plan_colorfix(request: ColorFixRequest) -> tuple[list[Any], dict[Path, Path]
         if p.resolve() in reference_files:
             jobs.append(Job.skip(p, "skipped, it is a reference"))
         else:
-            jobs.append(Job.refusal(p, f"no reference named {p.stem} or (for <stem>_x<N>) <stem> among --reference"))
+            jobs.append(Job.refusal(p, f"no reference named {p.stem} or (for <stem>_x<N>) <stem> among the references"))
     upscaled = [p for p in found if p in paired]
     fmt = request.output_format
     jobs += plan_jobs(upscaled, request.output, lambda path: colorfix_name(path.stem, fmt), IMAGE_SUFFIXES,

@@ -1,12 +1,9 @@
-"""What the public entry points accept, checked at the door: :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline`'s
-methods, :func:`~flowlift.upscale.colorfix_image.color_fix_image` and :func:`~flowlift.refine.loop.refine_latents`.
+"""What :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline` checks of its inputs beyond the knobs: finite
+values at every stage, and a Pillow input's alpha split off to be re-attached after the upscale.
 
-Seeds lie in [0, 2^64 - 1] (:data:`flowlift.knobs.SEED`), counts are non-negative integers, strengths
-real numbers in [0, 1], latents floating (B, 32, h, w) tensors (the package's normalized, unpatchified
-FLUX.2 layout) with finite values; a
-Pillow input's alpha is split off to be re-attached after the upscale. Each refusal is one
-:class:`~flowlift.errors.FlowliftError` line instead of a ``ValueError: not enough values to unpack``
-from deep inside.
+Seeds, counts and strengths are the knob checks (:func:`flowlift.knobs.check_seed`, :func:`~flowlift.knobs.check_count`,
+:func:`~flowlift.knobs.check_unit_interval`), latents :func:`flowlift.flux2.latents.check_latents`. Each refusal is one
+:class:`~flowlift.errors.FlowliftError` line instead of a ``ValueError: not enough values to unpack`` from deep inside.
 """
 
 from __future__ import annotations
@@ -16,17 +13,6 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.flux2.latents import (
-    check_latents,  # noqa: F401  (its home; imported from here too)
-)
-from flowlift.knobs import check_count, check_unit_interval  # noqa: F401  (their home; imported from here too)
-from flowlift.knobs import check_seed as _check_seed
-
-
-def check_seed(seed: Any) -> int | list[int]:
-    """A seed of :data:`flowlift.knobs.SEED` ([0, 2^64 - 1], exact), or a sequence of them (one per image of a
-    batch), else one line."""
-    return _check_seed(seed)
 
 
 def check_finite(tensor: torch.Tensor, stage: str, what: str = "latents") -> None:

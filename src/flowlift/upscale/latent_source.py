@@ -37,7 +37,7 @@ class FlowUpscalerSource:
         return resolve_upscaler_file(self.name)
 
     def load(self, vae: Any, *, device: Any, dtype: Any, budget_bytes: int | None = None) -> Any:
-        """A latent-only pipeline on ``vae`` (the refiner's), ``budget_bytes`` its ``--max-memory`` (None: by size)."""
+        """A latent-only pipeline on ``vae`` (the refiner's), ``budget_bytes`` its memory budget (None: by size)."""
         from flowlift.upscale.pipeline import FlowUpscalerPipeline
         from flowlift.upscale.settings import MemoryPolicy
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 
 if TYPE_CHECKING:  # torch is imported where it is used: the command line reads the defaults below
     import torch
@@ -59,10 +59,11 @@ def resolve_upscaler_file(source: str | os.PathLike) -> Path:
         return resolve_file(source, [UPSCALER_WEIGHTS_NAME], what="Flow Upscaler weights")
     except FlowliftError as error:
         if UPSCALER_WEIGHTS_NAME in str(error):
-            raise FlowliftError(f"{error} (CLI: --upscaler PATH)") from None
+            raise FlowliftError(f"{error} (or give {FIELD_MARK} PATH)", field="upscaler") from None
         raise FlowliftError(
             f"{error} (the Flow Upscaler is {UPSCALER_WEIGHTS_NAME} of the hub repo {DEFAULT_UPSCALER}, "
-            "or a local file/folder: CLI --upscaler PATH)"
+            f"or a local file/folder: give {FIELD_MARK} PATH)",
+            field="upscaler",
         ) from None
 
 
@@ -82,14 +83,15 @@ def upscale_weight_checks(upscaler: Any, vaes: Sequence[Any]) -> list[Callable[[
 
 def check_upscale_weights(upscaler: Any = DEFAULT_UPSCALER, vaes: Sequence[Any] = (DEFAULT_VAE,)) -> None:
     """Find the UNet and every VAE before any model loads; one :class:`FlowliftError` names all that are
-    missing, each with its fix (``hf download ...`` or ``--upscaler``/``--vae PATH``).
+    missing, each with its fix (``hf download ...`` or the ``upscaler``/``vae`` PATH to use).
 
     Hub ids are looked up in the cache at once when ``HF_HUB_OFFLINE`` is set or the hub does not answer
     (:func:`flowlift.models.hub.hub_offline_reason`); otherwise they are downloaded once, as the loaders would.
     """
     from flowlift.models.weights import require_all
 
-    require_all(upscale_weight_checks(upscaler, vaes))
+    checks = upscale_weight_checks(upscaler, vaes)
+    require_all(checks)
 
 
 def vae_spec_files(spec: str) -> list[Path]:

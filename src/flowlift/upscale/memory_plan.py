@@ -1,9 +1,9 @@
 """One device-memory budget for a whole upscale: parse it, estimate each stage's peak, plan how each runs.
 
-``max_memory`` (``--max-memory 6GB``) bounds the device peak of every stage of
+``max_memory`` (``6GB``) bounds the device peak of every stage of
 :class:`flowlift.upscale.pipeline.FlowUpscalerPipeline`: the UNet passes, the VAE decode and both colour stages.
-:func:`plan_upscale` is a pure function of sizes, dtypes and the budget; it returns an
-:class:`UpscalePlan` saying, per stage, how it runs:
+:func:`plan_upscale_memory` is a pure function of sizes, dtypes and the budget; it returns an
+:class:`UpscaleMemoryPlan` saying, per stage, how it runs:
 
 * each UNet pass: ``plain`` (whole-frame forward) when its estimated peak fits; else ``chunked``
   (:class:`flowlift.upscale.chunked.executor.ChunkedExecutor`, full-frame stores on the device, strips as tall as the
@@ -28,19 +28,10 @@ from dataclasses import dataclass, field
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.limits import (  # noqa: F401  (their home is the bottom floor; imported from here too)
-    DECODE_PLAIN_CHANNELS,
-    DECODE_TILE_BYTES,
-    decode_peak_bytes,
-    format_bytes,
-    model_bytes,
-    parse_memory,
-    vae_kind,
-)
+from flowlift.limits import LATENT_CHANNELS, decode_peak_bytes, dtype_bytes, format_bytes
 from flowlift.upscale.chunked.budget import (
     MIN_DEVICE_STRIP_ROWS,
     chunked_store_bytes,
-    dtype_bytes,
     frame_bytes,
     plain_peak_bytes,
     strip_bytes_per_row,
@@ -49,21 +40,14 @@ from flowlift.upscale.chunked.budget import (
 
 __all__ = [
     "UNetPassPlan",
-    "UpscalePlan",
+    "UpscaleMemoryPlan",
     "colour_stage_bytes",
-    "decode_peak_bytes",
-    "format_bytes",
-    "model_bytes",
-    "parse_memory",
     "pass_io_bytes",
     "plan_unet_pass",
-    "plan_upscale",
+    "plan_upscale_memory",
     "to_host_float32",
-    "vae_kind",
 ]
 
-#: Latent channels of a FLUX.2 latent (the UNet's sample channels).
-LATENT_CHANNELS = 32
 #: Stage 2's strips (a few float32 RGB/Lab strips of ~1M px) and coarse maps, plus the reference image.
 COLOUR_STRIP_BYTES = 64 << 20
 
@@ -102,7 +86,7 @@ class UNetPassPlan:
 
 
 @dataclass(frozen=True)
-class UpscalePlan:
+class UpscaleMemoryPlan:
     """Per-stage choices for one upscale under ``budget_bytes`` (see the module docstring)."""
 
     budget_bytes: int
@@ -160,7 +144,7 @@ def plan_unet_pass(
     return UNetPassPlan("offload", height, width, rows, fixed_bytes + (rows + 2) * per_row)
 
 
-def plan_upscale(
+def plan_upscale_memory(
     height: int,
     width: int,
     num_passes: int,
@@ -174,7 +158,7 @@ def plan_upscale(
     vae_dtype: torch.dtype = torch.float32,
     vae_weight_bytes: int = 0,
     spatial_factor: int = 8,
-) -> UpscalePlan:
+) -> UpscaleMemoryPlan:
     """Plan an upscale of a (batch, 3, height, width) model input by ``2**num_passes`` within a budget.
 
     Both models' weights stay on the device throughout and count against every stage. Pass ``p``'s
@@ -216,7 +200,7 @@ def plan_upscale(
     peaks["decode"] = decode
     # On the host path the device holds the decoder's output until it is copied out strip by strip.
     peaks["colour"] = weights + frame_bytes(batch, 3, out_h, out_w, vae_dtype) if colour_on_host else colour
-    return UpscalePlan(
+    return UpscaleMemoryPlan(
         budget_bytes=budget_bytes,
         passes=tuple(passes),
         vae_tiled=tiled,

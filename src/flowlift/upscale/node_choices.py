@@ -8,7 +8,8 @@ here, so the two packs cannot drift apart.
 from __future__ import annotations
 
 from flowlift.errors import FlowliftError
-from flowlift.upscale.settings import CHUNKED, SCALE, SCALE_PASSES
+from flowlift.limits import passes_for_scale
+from flowlift.upscale.settings import CHUNKED, SCALE
 
 #: The scale choices of the upscale nodes: 2x per pass ("2x", "4x", "8x").
 SCALES: tuple[str, ...] = tuple(SCALE.label(factor) for factor in SCALE.choices)
@@ -22,7 +23,7 @@ def passes_for(scale: str) -> int:
     """'2x' -> 1, '4x' -> 2, '8x' -> 3 passes."""
     if scale not in SCALES:
         raise FlowliftError(f"scale must be one of {', '.join(SCALES)}, got {scale!r}")
-    return SCALE_PASSES[SCALE.choices[SCALES.index(scale)]]
+    return passes_for_scale(SCALE.choices[SCALES.index(scale)])
 
 
 def chunked_flag(chunked: str) -> bool | None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flowlift.errors import FlowliftError
 from flowlift.upscale.loading import DEFAULT_UPSCALER, DEFAULT_VAE
 
 
@@ -33,6 +34,23 @@ class UpscaleSettings:
     vae: str = DEFAULT_VAE
     upscaler: str | None = None
     quality: int | None = None
+
+    def __post_init__(self) -> None:
+        """Every field checked by its knob when the settings are made (one line naming it)."""
+        from flowlift.knobs import COLOR_FIX, check_path, check_seed, exact_int
+        from flowlift.upscale.settings import COLOR_FIX_STRENGTH, RESIZE_MODE, TRANSPLANT_STRENGTH
+
+        object.__setattr__(self, "seed", check_seed(self.seed))
+        object.__setattr__(self, "color_fix", COLOR_FIX.check(self.color_fix))
+        object.__setattr__(self, "transplant_strength", TRANSPLANT_STRENGTH.check(self.transplant_strength))
+        object.__setattr__(self, "color_fix_strength", COLOR_FIX_STRENGTH.check(self.color_fix_strength))
+        object.__setattr__(self, "resize_mode", RESIZE_MODE.check(self.resize_mode))
+        check_path("vae", self.vae)
+        check_path("upscaler", self.upscaler, optional=True)
+        quality = exact_int(self.quality) if self.quality is not None else None
+        if self.quality is not None and (quality is None or not 1 <= quality <= 100):
+            raise FlowliftError(f"quality must be an integer in [1, 100] or None, got {self.quality!r}",
+                                field="quality")  # fmt: skip
 
     def pipeline_options(self) -> dict[str, Any]:
         """The :meth:`FlowUpscalerPipeline.upscale_image` keyword arguments these settings set."""
@@ -203,7 +221,7 @@ def batched_process(
     batch_size: int,
     overwrite: bool,
 ) -> Any:
-    """``--batch-size N``: same-size inputs through the pipeline together (:mod:`flowlift.upscale.batches`).
+    """``batch_size`` N: same-size inputs through the pipeline together (:mod:`flowlift.upscale.batches`).
 
     ``passes``: for every input, or a function of the input (e.g.
     :meth:`flowlift.upscale.plan.OutputSizes.passes_for`: the passes the cap lets run, the same for a

@@ -28,14 +28,12 @@ import torch
 
 from flowlift.devices import auto_dtype
 from flowlift.errors import FlowliftError
+from flowlift.flux2.latents import check_latents
+from flowlift.knobs import check_count, check_seed
+from flowlift.limits import model_bytes, parse_memory, vae_kind
+from flowlift.models.upscaler_unet import ONE_STEP_TIMESTEP
 from flowlift.upscale.colorfix import LOWFREQ_FACTOR, lab_lowband_transplant, latent_lowband_transplant
-from flowlift.upscale.inputs import (
-    check_count,
-    check_finite,
-    check_latents,
-    check_seed,
-    image_alpha,
-)
+from flowlift.upscale.inputs import check_finite, image_alpha
 from flowlift.upscale.interrupts import checked_modules, with_check
 from flowlift.upscale.loading import (
     DEFAULT_UPSCALER,
@@ -46,25 +44,15 @@ from flowlift.upscale.loading import (
     load_pipeline_vae,
     pipeline_model_files,
 )
-from flowlift.upscale.memory_plan import (
-    UNetPassPlan,
-    UpscalePlan,
-    model_bytes,
-    parse_memory,
-    plan_upscale,
-    to_host_float32,
-    vae_kind,
-)
+from flowlift.upscale.memory_plan import UNetPassPlan, UpscaleMemoryPlan, plan_upscale_memory, to_host_float32
 from flowlift.upscale.settings import (
     COLOR_FIX_STRENGTH,
     RESIZE_MODE,
     TRANSPLANT_STRENGTH,
     MemoryPolicy,
-    memory_policy,
 )
 from flowlift.upscale.sizes import (
     MAX_OUTPUT_SIDE,
-    SIZE_MULTIPLE,
     dropped_passes_message,
     image_seeds,
     output_scale,
@@ -74,8 +62,6 @@ from flowlift.upscale.sizes import (
     resample_to_multiple,
 )
 from flowlift.upscale.unet_runner import CompiledUNet, default_channels_last, velocity_model
-
-ONE_STEP_TIMESTEP = 1000.0
 
 
 class FlowUpscalerPipeline:
@@ -97,9 +83,7 @@ class FlowUpscalerPipeline:
     memory:
         A :class:`flowlift.upscale.settings.MemoryPolicy`: chunked UNet execution, VAE tiling, strip rows, the
         offload device, a ``max_memory`` budget for the whole upscale and the chunking budget, with one
-        precedence (its docstring). ``None``: every decision by size. The six old keyword arguments
-        (``chunked``, ``vae_tiled``, ``chunk_rows``, ``offload_device``, ``max_memory``,
-        ``chunk_budget_bytes``) still work for one release, with a DeprecationWarning.
+        precedence (its docstring). ``None``: every decision by size.
     compile:
         ``True`` (or a ``torch.compile`` mode string) runs the whole-frame UNet through
         :class:`flowlift.upscale.unet_runner.CompiledUNet`: one compiled graph per input shape, CUDA-graph
@@ -130,9 +114,8 @@ class FlowUpscalerPipeline:
         channels_last: bool | None = None,
         on_strip: Callable[[int, int], None] | None = None,
         check_interrupt: Callable[[], None] | None = None,
-        **deprecated: Any,
     ) -> None:
-        memory = memory_policy(memory, deprecated)
+        memory = memory if memory is not None else MemoryPolicy()
         param = first_parameter(upscaler) if not isinstance(upscaler, (str, os.PathLike)) else None
         if device is None:
             device = param.device if param is not None else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -167,7 +150,7 @@ class FlowUpscalerPipeline:
                 raise FlowliftError(f"compile needs the UNet as a torch module, got {type(self.upscaler).__name__}")
             mode = compile if isinstance(compile, str) else None
             self.compiled_upscaler = CompiledUNet(self.upscaler, mode=mode, channels_last=self.channels_last)
-        self.last_plan: UpscalePlan | None = None
+        self.last_plan: UpscaleMemoryPlan | None = None
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -220,12 +203,12 @@ class FlowUpscalerPipeline:
             on_strip=with_check(self.check_interrupt, self.on_strip),
         )
 
-    def plan_memory(self, height: int, width: int, num_passes: int, batch: int = 1) -> UpscalePlan | None:
-        """The :func:`flowlift.upscale.memory_plan.plan_upscale` plan for a (batch, 3, height, width) model input
+    def plan_memory(self, height: int, width: int, num_passes: int, batch: int = 1) -> UpscaleMemoryPlan | None:
+        """The :func:`flowlift.upscale.memory_plan.plan_upscale_memory` plan for a (batch, 3, height, width) model input
         under ``max_memory`` (None without a budget); a budget too small is a FlowliftError."""
         if self.max_memory is None:
             return None
-        return plan_upscale(
+        return plan_upscale_memory(
             height,
             width,
             num_passes,
@@ -275,8 +258,8 @@ class FlowUpscalerPipeline:
         RESIZE_MODE.check(resize_mode)
         original = to_tensor(image, device=self.device, dtype=torch.float32)
         if resize_mode == "pad":
-            return original, pad_to_multiple(original, SIZE_MULTIPLE)
-        return original, resample_to_multiple(original, SIZE_MULTIPLE)
+            return original, pad_to_multiple(original)
+        return original, resample_to_multiple(original)
 
     @torch.inference_mode()
     def encode_image(self, image: Any, resize_mode: str = "pad", return_size: bool = False) -> Any:

@@ -22,7 +22,7 @@ from typing import Any
 from flowlift.errors import FlowliftError
 from flowlift.jobs.batch import Job, Target, error_line, output_target, pending, plan_targets, report
 from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S, DistEnv
-from flowlift.knobs import OVERWRITE
+from flowlift.knobs import OVERWRITE, check_kind, check_path, check_paths, check_positive
 from flowlift.upscale.loading import DEFAULT_UPSCALER
 from flowlift.upscale.outputs import UpscaleSettings, output_name
 from flowlift.upscale.settings import RESIZE_MODE
@@ -58,7 +58,29 @@ class UpscaleRequest:
     progress: bool | None = False  # flowlift.console.progress_bar's enabled
 
     def __post_init__(self) -> None:
+        """Every field checked when the request is made (one line naming it; nothing is listed or loaded yet)."""
+        from flowlift.files.images import IMAGE_SUFFIXES
+        from flowlift.limits import parse_memory
+
+        inputs = check_paths("inputs", self.inputs)
+        if not inputs:
+            raise FlowliftError("inputs: give input images (files, folders or glob patterns)", field="inputs")
+        object.__setattr__(self, "inputs", tuple(str(item) for item in inputs))
+        check_path("output", self.output, optional=True)
+        object.__setattr__(self, "passes", check_positive("passes", self.passes, integer=True))
+        if not isinstance(self.output_format, str) or f".{self.output_format.lower()}" not in IMAGE_SUFFIXES:
+            raise FlowliftError(f"output_format must be an image format such as png, got {self.output_format!r}",
+                                field="output_format")  # fmt: skip
+        check_kind("settings", self.settings, UpscaleSettings, "an UpscaleSettings")
         object.__setattr__(self, "overwrite", OVERWRITE.check(self.overwrite))
+        object.__setattr__(self, "batch_size", check_positive("batch_size", self.batch_size, integer=True))
+        check_kind("chunked", self.chunked, bool, "True, False", optional=True)
+        check_kind("vae_tiled", self.vae_tiled, bool, "True, False", optional=True)
+        if self.max_memory is not None:
+            parse_memory(self.max_memory)
+        check_kind("compile", self.compile, (bool, str), "True, False or a torch.compile mode")
+        object.__setattr__(self, "barrier_timeout", check_positive("barrier_timeout", self.barrier_timeout))
+        check_kind("progress", self.progress, bool, "True, False", optional=True)
 
 
 class OutputSizes:
@@ -124,7 +146,7 @@ def format_limit_problem(out: Path, size: tuple[int, int] | None) -> str:
     limit = FORMAT_MAX_SIDE.get(out.suffix.lower())
     if limit is None or size is None or max(size) <= limit:
         return ""
-    return f"output {out} would be {size[0]}x{size[1]}, over {out.suffix} format's {limit} px limit; use --format png"
+    return f"output {out} would be {size[0]}x{size[1]}, over {out.suffix} format's {limit} px limit; write it as png"
 
 
 @dataclass
@@ -153,8 +175,7 @@ def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
     """List the inputs and plan one job per input (see the module docstring); nothing is written."""
     from flowlift.files.images import IMAGE_SUFFIXES, list_images
 
-    if not request.inputs:
-        raise FlowliftError("give INPUT images (or --status OUT)")
+    sizes = OutputSizes(request.passes, request.settings.resize_mode)  # named by the scale the cap lets run
     problems: list[tuple[str, str]] = []
     inputs = list_images(list(request.inputs), problems)
     if not inputs and not problems:
@@ -162,7 +183,6 @@ def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
     if not inputs and len(request.inputs) == 1 and not glob.has_magic(request.inputs[0]):
         item, message = problems[0]  # the one file asked for is not there: a user error (exit 2), not a batch
         raise FlowliftError(f"{item}: {message}")
-    sizes = OutputSizes(request.passes, request.settings.resize_mode)  # named by the scale the cap lets run
     single_file, folder = output_target(request.output, len(inputs), IMAGE_SUFFIXES)
     targets = [sizes.target(path, single_file, folder, request.output_format) for path in inputs]
     refused = [Job.refusal(Path(item), message) for item, message in problems]
@@ -181,7 +201,7 @@ class UpscaleStep:
 
     @classmethod
     def load(cls, request: UpscaleRequest, plan: UpscalePlan, env: DistEnv) -> Callable[[Path, Path], None]:
-        """The pipeline on this rank's device, and the step over it (``--batch-size N``: same-size inputs
+        """The pipeline on this rank's device, and the step over it (``batch_size`` N: same-size inputs
         together, :func:`flowlift.upscale.outputs.batched_process`)."""
         from flowlift.jobs.distributed import rank_device
         from flowlift.progress import report_loading

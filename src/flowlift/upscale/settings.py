@@ -4,24 +4,16 @@
 options, the web app's Upscale tab and its checks, the ComfyUI and InvokeAI inputs, the checks of
 :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline`); :data:`COLOR_FIX_KNOBS` is stage 2 alone
 (``flowlift colorfix``, the colour-fix nodes). ``tests/test_knobs.py`` holds every front-end to them.
-No torch here: ``flowlift upscale --help`` reads this module.
+No torch here: the upscale command's help reads this module.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from flowlift.errors import FlowliftError
-from flowlift.knobs import (  # noqa: F401  (SCALE_PASSES: its home is the bottom floor, shared with refine/)
-    SCALE,
-    SCALE_PASSES,
-    SEED,
-    TRANSPLANT_STRENGTH,
-    Knob,
-    settings_or_deprecated_keywords,
-    table,
-)
+from flowlift.knobs import SCALE, SEED, TRANSPLANT_STRENGTH, Knob, table
 
 COLOR_FIX_STRENGTH = Knob(
     "color_fix_strength",
@@ -62,7 +54,7 @@ class MemoryPolicy:
     1. ``chunked``, ``vae_tiled``, ``chunk_rows``, ``offload_device`` given explicitly always hold
        (``chunked``: True/False forces the exact row-strip executor on or off; ``vae_tiled`` is passed to the
        VAE's encode/decode; ``chunk_rows`` fixes the strip height; ``offload_device`` is where strips wait).
-    2. ``max_memory`` (bytes or ``"6GB"``): :func:`flowlift.upscale.memory_plan.plan_upscale` decides what
+    2. ``max_memory`` (bytes or ``"6GB"``): :func:`flowlift.upscale.memory_plan.plan_upscale_memory` decides what
        (1) left unset, for the whole upscale (UNet passes, VAE decode, both colour stages).
     3. ``chunk_budget_bytes`` (only without ``max_memory``): what the plain UNet forward may use before
        chunking switches on by itself (default: half the free CUDA memory, 1 GiB on the CPU).
@@ -85,20 +77,3 @@ class MemoryPolicy:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise FlowliftError(f"MemoryPolicy {name} must be a positive integer or None, got {value!r}")
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(item.name for item in fields(cls))
-
-
-def memory_policy(memory: MemoryPolicy | None, deprecated: dict[str, Any]) -> MemoryPolicy:
-    """The pipeline's :class:`MemoryPolicy`: ``memory``, or for one release the old keyword arguments
-    (``chunked=``, ``max_memory=`` ...) folded into one with a DeprecationWarning; both at once, or an unknown
-    keyword, is an error."""
-    unknown = sorted(set(deprecated) - set(MemoryPolicy.field_names()))
-    if unknown:
-        raise TypeError(f"FlowUpscalerPipeline() got unexpected keyword arguments: {', '.join(unknown)}")
-    return settings_or_deprecated_keywords(
-        memory, deprecated, MemoryPolicy, where="FlowUpscalerPipeline", argument="memory",
-        home="flowlift.upscale.settings",
-    )

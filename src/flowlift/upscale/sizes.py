@@ -1,12 +1,11 @@
 """Sizes, pass counts and per-pass noise streams of the Flow Upscaler (pure helpers, no models).
 
-Every 2x pass doubles both sides; inputs are brought to multiples of :data:`SIZE_MULTIPLE` (the VAE's
-8x downsampling times the UNet's one 2x level) and passes stop at :data:`MAX_OUTPUT_SIDE`.
+Every 2x pass doubles both sides; inputs are brought to multiples of :data:`~flowlift.limits.PIXEL_MULTIPLE`
+(the VAE's 8x downsampling times the UNet's one 2x level) and passes stop at :data:`MAX_OUTPUT_SIDE`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -14,15 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from flowlift.errors import FlowliftError
-from flowlift.limits import MAX_OUTPUT_SIDE
+from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE
 
-SIZE_MULTIPLE = 16
 RESIZE_MODES = ("pad", "resample")
 
 __all__ = [
     "MAX_OUTPUT_SIDE",
     "RESIZE_MODES",
-    "SIZE_MULTIPLE",
     "allowed_passes",
     "dropped_passes_message",
     "image_seeds",
@@ -31,7 +28,6 @@ __all__ = [
     "padded_size",
     "pass_generator",
     "pass_noise",
-    "passes_for_scale",
     "planned_passes",
     "prepared_size",
     "resample_to_multiple",
@@ -39,12 +35,12 @@ __all__ = [
 ]
 
 
-def padded_size(height: int, width: int, multiple: int = SIZE_MULTIPLE) -> tuple[int, int]:
+def padded_size(height: int, width: int, multiple: int = PIXEL_MULTIPLE) -> tuple[int, int]:
     """Smallest multiple of ``multiple`` at or above each side: ``ceil(side / m) * m``."""
     return -(-height // multiple) * multiple, -(-width // multiple) * multiple
 
 
-def pad_to_multiple(images: torch.Tensor, multiple: int = SIZE_MULTIPLE) -> torch.Tensor:
+def pad_to_multiple(images: torch.Tensor, multiple: int = PIXEL_MULTIPLE) -> torch.Tensor:
     """Pad (B, C, H, W) on the bottom and right to multiples of ``multiple``.
 
     Reflection padding (the image mirrored at its edge, no repeated edge row) where the image is
@@ -60,7 +56,7 @@ def pad_to_multiple(images: torch.Tensor, multiple: int = SIZE_MULTIPLE) -> torc
     return F.pad(images, (0, pad_w, 0, pad_h), mode=mode)
 
 
-def resample_to_multiple(images: torch.Tensor, multiple: int = SIZE_MULTIPLE) -> torch.Tensor:
+def resample_to_multiple(images: torch.Tensor, multiple: int = PIXEL_MULTIPLE) -> torch.Tensor:
     """Resize (B, C, H, W) in [0, 1] to the nearest multiples of ``multiple`` (at least one multiple).
 
     Bicubic with antialiasing, clamped back to [0, 1]; returned unchanged when already a multiple.
@@ -85,7 +81,7 @@ def allowed_passes(height: int, width: int, num_passes: int, max_side: int = MAX
     return passes
 
 
-def prepared_size(height: int, width: int, resize_mode: str = "pad", multiple: int = SIZE_MULTIPLE) -> tuple[int, int]:
+def prepared_size(height: int, width: int, resize_mode: str = "pad", multiple: int = PIXEL_MULTIPLE) -> tuple[int, int]:
     """The canvas the model computes on: padded up (``"pad"``) or resampled to the nearest multiple."""
     if resize_mode == "pad":
         return padded_size(height, width, multiple)
@@ -165,11 +161,3 @@ def pass_noise(seeds: Sequence[int], pass_index: int, shape: tuple[int, ...]) ->
 def output_scale(num_passes: int) -> int:
     """Scale factor of ``num_passes`` 2x passes."""
     return 2**num_passes
-
-
-def passes_for_scale(scale: int) -> int:
-    """Passes for a power-of-two scale (2 -> 1, 4 -> 2, 8 -> 3); anything else raises."""
-    passes = int(round(math.log2(scale))) if scale > 0 else -1
-    if passes < 1 or 2**passes != scale:
-        raise FlowliftError(f"scale must be a power of two >= 2 (2, 4, 8), got {scale}")
-    return passes

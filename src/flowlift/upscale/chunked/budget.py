@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from flowlift.limits import dtype_bytes  # noqa: F401  (its home is the bottom floor)
+from flowlift.limits import dtype_bytes
 
 __all__ = [
     "CHUNKED_STORE_FRAMES",

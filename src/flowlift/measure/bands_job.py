@@ -1,0 +1,146 @@
+"""``flowlift bands``'s job: how a VAE decoder maps latent frequency bands to pixel frequency bands.
+
+The command line turns its options into one :class:`BandsRequest` and calls :func:`run_bands_report`: each
+image is encoded, one latent band at a time is perturbed (``amplitude`` sigma, FFT mask), decoded, and the luma
+response spectrum integrated per pixel band (:func:`flowlift.measure.bands.run_bands`); the mean table (with the
+model card's Mage decoder figures alongside), ``bands.json``, ``bands.md`` and ``bands.png`` (heat map).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from flowlift.devices import resolve_device_dtype
+from flowlift.errors import FlowliftError
+
+__all__ = ["BandsRequest", "BandsResult", "report_recognisers", "run_bands_report"]
+
+COMMAND = "bands"
+
+
+@dataclass(frozen=True)
+class BandsRequest:
+    """Everything one ``flowlift bands`` run asks for: the images (files or folders), the VAE, the report
+    folder, the perturbation (``amplitude`` RMS in latent sigma; band k's noise seed is ``seed + k``), the
+    images' longest side (``max_side``, None: as they are) and count (``limit``), ``full`` (every pixel band
+    in the printed table, not only the two summaries); ``device``/``dtype`` as the command line spells them."""
+
+    images: Sequence[str]
+    vae: str
+    output: str | os.PathLike
+    amplitude: float = 0.1
+    seed: int = 0
+    max_side: int | None = None
+    limit: int | None = None
+    full: bool = False
+    overwrite: bool = False
+    device: str = "auto"
+    dtype: str = "auto"
+    progress: bool | None = False  # flowlift.console.progress_bar's enabled
+
+
+@dataclass(frozen=True)
+class BandsResult:
+    """What :func:`run_bands_report` made: the table (as the command prints it) and the files it wrote."""
+
+    table: str
+    paths: list[Path]
+
+
+def report_recognisers(out_dir: Path) -> dict:
+    """The files ``flowlift bands`` writes into ``out_dir``, with how flowlift's own is told."""
+    from flowlift.files.own_files import flowlift_image, json_report, markdown_report
+
+    return {
+        out_dir / "bands.json": json_report(COMMAND, {"vae", "band_edges", "mean_percent"}),
+        out_dir / "bands.md": markdown_report(COMMAND),
+        out_dir / "bands.png": flowlift_image,
+    }
+
+
+def run_bands_report(request: BandsRequest) -> BandsResult:
+    """Check the request and the report's names (the replace rule, before any image or model loads), measure
+    every image's band response (:func:`flowlift.measure.bands.run_bands`), write ``bands.json``, ``bands.md``
+    and ``bands.png`` into ``request.output``; the table to print and the paths written."""
+    import json
+
+    import numpy as np
+
+    from flowlift.files.atomic import atomic_write_bytes
+    from flowlift.files.images import list_images, load_image, to_tensor
+    from flowlift.measure import bands as B
+    from flowlift.measure import metrics as M
+    from flowlift.measure.cache import model_identity
+    from flowlift.models.vae_loading import load_vae
+
+    if not request.amplitude > 0:
+        raise FlowliftError(f"--amplitude must be > 0, got {request.amplitude}")
+    if request.max_side is not None and request.max_side < 64:
+        raise FlowliftError(f"--max-side must be >= 64, got {request.max_side}")
+    if request.limit is not None and request.limit < 1:
+        raise FlowliftError("--limit must be >= 1")
+    device, dtype = resolve_device_dtype(request.device, request.dtype)  # before anything is read
+    out_dir = Path(request.output)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FlowliftError(f"--output {out_dir} exists and is not a folder")
+    from flowlift.files.own_files import check_replaceable, markdown_stamp, stamp
+
+    check_replaceable(report_recognisers(out_dir), request.overwrite, COMMAND)  # before any image or model loads
+    paths = list_images(request.images)[: request.limit]
+    if not paths:
+        raise FlowliftError("no images given")
+    images = []
+    for p in paths:
+        a = np.asarray(load_image(p)[0])
+        h, w = a.shape[:2]
+        if request.max_side is not None and max(h, w) > request.max_side:
+            s = request.max_side / max(h, w)
+            a = np.rint(M.area_resize(a, (round(w * s), round(h * s))) * 255).astype(np.uint8)
+        images.append(to_tensor(a))
+    vae = load_vae(request.vae, device=device, dtype=dtype)
+    mean, per_image = B.run_bands(
+        vae, images, device=device, dtype=dtype, amplitude=request.amplitude, seed=request.seed,
+        progress=request.progress,
+    )
+    factor = int(vae.spatial_factor)
+    bins = {p.stem: B.latent_bin_counts(*B.latent_size(*im.shape[-2:], factor)) for p, im in zip(paths, images,
+                                                                                                   strict=True)}
+    sparse = {stem: counts for stem, counts in bins.items() if min(counts) < B.MIN_BINS_PER_BAND}
+    if sparse:
+        stem, counts = min(sparse.items(), key=lambda item: min(item[1]))
+        print(
+            f"flowlift bands: warning: {len(sparse)} image(s) too small for every band to hold "
+            f">= {B.MIN_BINS_PER_BAND} latent FFT bins (e.g. {stem}: {counts} per band, lowest first); "
+            f"their low-band rows are noise — use images of at least {64 * factor} px (--max-side)",
+            file=sys.stderr,
+        )
+    title = f"{Path(str(request.vae)).name}: latent->pixel band response, {len(images)} image(s)"
+    table = B.format_table(mean, full=request.full, reference=B.MAGE_REFERENCE)
+    full_table = B.format_table(mean, full=True)
+    payload = {
+        "flowlift": stamp(COMMAND),  # how a later run knows bands.json as flowlift's own
+        "vae": str(request.vae),
+        "vae_identity": model_identity(request.vae),
+        "spatial_factor": int(vae.spatial_factor),
+        "amplitude": request.amplitude,
+        "seed": request.seed,
+        "max_side": request.max_side,
+        "band_edges": list(B.BAND_EDGES),
+        "labels": B.band_labels(),
+        "columns": B.band_labels() + ["finer than latent Nyquist"],
+        "mean_percent": mean.tolist(),
+        "min_bins_per_band": B.MIN_BINS_PER_BAND,
+        "latent_bins_per_band": bins,
+        "images": {p.stem: m.tolist() for p, m in zip(paths, per_image, strict=True)},
+        "reference_mage_same_finer": [list(r) for r in B.MAGE_REFERENCE],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    B.heatmap_figure(mean, str(out_dir / "bands.png"), title)
+    markdown = f"{markdown_stamp(COMMAND)}{title}\n\n{table}\n\nFull rows (% per pixel band):\n\n{full_table}\n"
+    atomic_write_bytes(out_dir / "bands.md", markdown.encode())
+    atomic_write_bytes(out_dir / "bands.json", json.dumps(payload, indent=1).encode())
+    return BandsResult(table, [out_dir / "bands.json", out_dir / "bands.md", out_dir / "bands.png"])

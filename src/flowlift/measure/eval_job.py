@@ -1,0 +1,290 @@
+"""``flowlift eval``'s job: outputs measured against their inputs, or upscaling methods run on a dataset.
+
+The command line turns its options into one :class:`EvalRequest` and calls :func:`run_eval`, which checks
+everything it will write before any model loads or metric runs (the replace rule of
+:mod:`flowlift.files.own_files` at the reports, the saved outputs and the cache's entries; no report is one of
+the images measured), then measures (:func:`flowlift.measure.evaluate.evaluate_pairs` or
+:func:`~flowlift.measure.evaluate.evaluate_methods`; under ``torchrun`` each rank its pixel-balanced share,
+merged through the cache) and writes the report (:func:`flowlift.measure.report.write_report`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flowlift.devices import resolve_device_dtype
+from flowlift.errors import FlowliftError
+from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S
+from flowlift.knobs import SCALE
+from flowlift.measure.methods import SPANDREL_TILE, spandrel_tiling
+from flowlift.upscale.loading import DEFAULT_VAE
+
+if TYPE_CHECKING:
+    from flowlift.jobs.distributed import DistEnv
+    from flowlift.measure.evaluate import EvalReport
+
+__all__ = ["EvalRequest", "run_eval"]
+
+COMMAND = "eval"
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    """Everything one ``flowlift eval`` run asks for. Either ``outputs`` with ``reference`` (and optionally
+    ``ground_truth``): images already made, measured against their inputs; or ``run`` (method specs, e.g.
+    ``"lanczos,flow:seed=1"``) with ``dataset``: the methods run at ``scale`` on low-res inputs made from the
+    photos. ``device``/``dtype`` as the command line spells them (``"auto"``); ``upscaler=None`` is the
+    released weights; ``cache=None`` is ``output/cache``; ``tile``/``tile_overlap`` are the spandrel tiling."""
+
+    output: str | os.PathLike
+    outputs: Sequence[str] = ()
+    reference: str | None = None
+    ground_truth: str | None = None
+    run: Sequence[str] | None = None
+    dataset: Sequence[str] | None = None
+    scale: int = SCALE.default
+    limit: int | None = None
+    box: tuple[int, int, int, int] | None = None
+    vae: str = DEFAULT_VAE
+    upscaler: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    tile: Any = SPANDREL_TILE.default
+    tile_overlap: int | None = None  # None: the knob's default
+    overwrite: bool = False
+    cache: str | None = None
+    no_cache: bool = False
+    save_outputs: bool = False
+    figure_images: int = 3
+    barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT_S
+    progress: bool | None = False  # flowlift.console.progress_bar's enabled
+
+
+def run_eval(request: EvalRequest) -> tuple[EvalReport, dict[str, Path]] | None:
+    """Check the request (the replace rule at every name, before any model loads or metric runs), measure, write
+    the report into ``request.output``; the report and the paths written, or None on a rank other than 0 of a
+    sharded run (its share is in the cache)."""
+    from flowlift.files.output_paths import folder_problem
+    from flowlift.measure.evaluate import evaluate_pairs
+    from flowlift.measure.report import write_report
+
+    spandrel_tiling(request.tile, request.tile_overlap)  # with or without a spandrel method: a bad value is refused
+    out_dir = Path(request.output)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FlowliftError(f"--output {out_dir} exists and is not a folder")
+    if problem := folder_problem(out_dir):  # before any model loads or metric runs
+        raise FlowliftError(problem)
+    _check_reports_are_no_input(request, out_dir)
+    if request.run:
+        if request.outputs or request.reference:
+            raise FlowliftError("give either OUTPUTS --reference, or --run with --dataset, not both")
+        if not request.dataset:
+            raise FlowliftError("--run needs --dataset (a folder of photos)")
+        if request.limit is not None and request.limit < 1:
+            raise FlowliftError("--limit must be >= 1")
+        _check_replace_rule(request, out_dir)
+        from flowlift.jobs.distributed import DistEnv, process_group
+
+        env = DistEnv.from_environ()
+        with process_group(env, request.barrier_timeout):
+            report = _run_methods(request, env)
+        if report is None:  # a rank other than 0 of a sharded run: its share is in the cache
+            return None
+    else:
+        if request.save_outputs:
+            raise FlowliftError("--save-outputs goes with --run (OUTPUTS --reference are files already)")
+        if not request.outputs or not request.reference:
+            raise FlowliftError("give OUTPUTS and --reference INPUTS (or --run METHODS --dataset DIR)")
+        _check_replace_rule(request, out_dir)
+        report = evaluate_pairs(
+            request.outputs,
+            request.reference,
+            request.ground_truth,
+            box=request.box,
+            figure_images=request.figure_images,
+            progress=request.progress,
+        )
+    return report, write_report(report, out_dir)
+
+
+def _check_reports_are_no_input(request: EvalRequest, out_dir: Path) -> None:
+    """No report file is one of the images measured (issue 36.2: by identity, e.g. ``eval OUT ... -o OUT``)."""
+    from flowlift.files.images import list_images
+    from flowlift.files.output_paths import check_not_an_input
+    from flowlift.measure.report import report_paths
+
+    inputs: dict[str, list[Path]] = {}
+    roles = (("OUTPUTS", request.outputs), ("--reference", request.reference), ("--dataset", request.dataset))
+    for role, given in roles:
+        if given:
+            try:
+                inputs[role] = list_images([given] if isinstance(given, str) else list(given))
+            except FlowliftError:
+                pass  # a missing input is named by the measuring itself, in its own words
+    for path in report_paths(out_dir).values():
+        check_not_an_input(path, inputs)
+
+
+def _check_replace_rule(request: EvalRequest, out_dir: Path) -> None:
+    """The replace rule (:mod:`flowlift.files.own_files`) at every name the run writes, before any work:
+    the reports, with ``--save-outputs`` every output, input and ground-truth file, and the cache's entries."""
+    from flowlift.files.own_files import check_replaceable, flowlift_image, folder_refusal
+    from flowlift.measure.cache import ResultCache
+    from flowlift.measure.evaluate import saved_output_paths
+    from flowlift.measure.inputs import dataset_paths
+    from flowlift.measure.methods import method_folder, parse_methods
+    from flowlift.measure.report import report_recognisers
+
+    check_replaceable(report_recognisers(out_dir), request.overwrite, COMMAND)
+    if not request.run:
+        return
+    labels = [spec.label for spec in parse_methods(request.run)]
+    if request.save_outputs:
+        saved = out_dir / "outputs"
+        for folder in [saved] + [saved / name for name in ("inputs", "ground-truth", *map(method_folder, labels))]:
+            if refusal := folder_refusal(folder):
+                raise FlowliftError(refusal)
+        stems = [path.stem for path in dataset_paths(request.dataset, request.limit)]
+        names = saved_output_paths(saved, labels, stems, request.scale)
+        check_replaceable(dict.fromkeys(names, flowlift_image), request.overwrite, COMMAND)
+    if not request.no_cache:
+        root = Path(request.cache) if request.cache else out_dir / "cache"
+        if request.cache and os.path.isdir(root):
+            root = Path(os.path.realpath(root))  # a --cache given as a link to a folder is the user's choice
+        if problem := ResultCache(root).problems(labels, request.overwrite):
+            raise FlowliftError(problem)
+
+
+def _run_methods(request: EvalRequest, env: DistEnv) -> EvalReport | None:
+    import torch
+
+    from flowlift.jobs.distributed import rank_device
+    from flowlift.measure.cache import model_identity
+    from flowlift.measure.evaluate import evaluate_methods
+    from flowlift.measure.methods import flow_kwargs, make_method_fn, parse_methods
+
+    specs = parse_methods(request.run)
+    given, dtype = resolve_device_dtype(request.device, request.dtype)
+    # under torchrun each rank computes on its own cuda:LOCAL_RANK; cache keys and reports name the device given
+    device = torch.device(rank_device(str(given), env)) if env.distributed else given
+    needs_vae = any(s.needs_vae for s in specs)
+    needs_flow = any(s.name == "flow" for s in specs)
+    upscaler = request.upscaler
+    for s in specs:
+        if s.name == "flow":
+            flow_kwargs(s, request.scale)  # validates the scale before any work
+    if needs_vae:  # every weight found (or every missing one named, in one line) before any loads
+        from flowlift.models.weights import require_all
+        from flowlift.upscale.loading import DEFAULT_UPSCALER, upscale_weight_checks
+
+        if needs_flow:
+            upscaler = upscaler or DEFAULT_UPSCALER
+        require_all(upscale_weight_checks(upscaler if needs_flow else None, [request.vae]))
+    vae = pipeline = None
+    identities: dict = {}
+    if needs_vae:
+        from flowlift.models.vae_loading import load_vae
+
+        vae = load_vae(request.vae, device=device, dtype=dtype)
+        identities.update(
+            vae=model_identity(request.vae), device=str(given), dtype=str(dtype).removeprefix("torch."),
+            vae_spec=str(request.vae),
+        )
+        if getattr(vae, "approximate_decode", False):
+            identities["vae_note"] = "approximate decoder"
+    if needs_flow:
+        from flowlift.upscale.pipeline import FlowUpscalerPipeline
+
+        pipeline = FlowUpscalerPipeline(upscaler, vae, device=device, dtype=dtype)
+        identities.update(upscaler=model_identity(upscaler), upscaler_spec=str(upscaler))
+    pixel_models = _load_pixel_models(request, specs, device, dtype, identities, given)
+    fns = {
+        s.label: make_method_fn(
+            s, request.scale, vae=vae, pipeline=pipeline, device=device, dtype=dtype, pixel_models=pixel_models
+        )
+        for s in specs
+    }
+    cache_dir = None if request.no_cache else Path(request.cache) if request.cache else Path(request.output) / "cache"
+
+    def evaluate(indices=None):
+        return evaluate_methods(
+            specs,
+            request.dataset,
+            request.scale,
+            method_fns=fns,
+            identities=identities,
+            cache_dir=cache_dir,
+            box=request.box,
+            limit=request.limit,
+            figure_images=request.figure_images,
+            progress=request.progress if env.is_main else False,  # a launched eval: rank 0's progress only
+            save_outputs=Path(request.output) / "outputs" if request.save_outputs else None,
+            indices=indices,
+        )
+
+    if not env.distributed:
+        return evaluate()
+    return _run_sharded(request, env, evaluate, cache_dir)
+
+
+def _run_sharded(request: EvalRequest, env: DistEnv, evaluate, cache_dir) -> EvalReport | None:
+    """Each rank measures its pixel-balanced share into the shared cache; after the barrier rank 0
+    builds the report from the cache, exactly as a single process would on a second run (anything a
+    rank could not leave in the cache, e.g. a cache folder not shared between hosts, it computes)."""
+    from flowlift.jobs.distributed import finish, image_pixels, probe_and_gather, shard_by_pixels, total_counts
+    from flowlift.measure.inputs import dataset_paths
+
+    if cache_dir is None:
+        raise FlowliftError("a sharded eval --run merges the ranks' results through the cache; drop --no-cache")
+    paths = dataset_paths(request.dataset, request.limit)
+    pixels = probe_and_gather(env, paths, image_pixels)
+    share = evaluate(shard_by_pixels(pixels, env.world_size)[env.rank])
+    per_rank, reason = finish(env, {"computed": share.computed, "cached": share.cached}, request.barrier_timeout)
+    if not env.is_main:
+        return None
+    if per_rank is None:
+        raise FlowliftError(f"not every rank finished its share, no report written: {reason}")
+    report = evaluate()
+    totals = total_counts(per_rank)
+    report.computed += totals["computed"]
+    report.cached = totals["cached"]
+    report.config["world_size"] = env.world_size
+    return report
+
+
+def _load_pixel_models(request: EvalRequest, specs, device, dtype, identities: dict, given=None) -> dict:
+    """Load every spandrel model once (by path); record what identifies it in ``identities["spandrel"]``
+    (with the device ``given``, default ``device``: under torchrun the setting, not the rank's cuda:N)."""
+    given = device if given is None else given
+    from flowlift.measure.cache import model_identity
+    from flowlift.measure.methods import SPANDREL
+    from flowlift.measure.pixel_upscaler import load_pixel_upscaler
+
+    paths: dict[str, list[str]] = {}
+    for s in specs:
+        if s.name == SPANDREL:
+            paths.setdefault(dict(s.options)["path"], []).append(s.label)
+    if not paths:
+        return {}
+    tile, overlap = spandrel_tiling(request.tile, request.tile_overlap)
+    models = {}
+    info = identities.setdefault("spandrel", {})
+    for path, labels in paths.items():
+        model = load_pixel_upscaler(path, device, dtype, tile=tile, overlap=overlap)
+        models[path] = model
+        info[path] = {
+            "labels": ", ".join(labels),
+            "model": model_identity(path),
+            "architecture": model.architecture,
+            "native_scale": model.native_scale,
+            "tile": model.tile,
+            "overlap": model.overlap,
+            "device": str(given),  # as given, not the rank's cuda:N: one cache key for all ranks
+            "dtype": str(dtype).removeprefix("torch."),
+            "note": model.describe(request.scale),
+        }
+    return models

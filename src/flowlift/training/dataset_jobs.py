@@ -1,0 +1,226 @@
+"""``flowlift dataset``'s jobs: sharded training data for the Flow Upscaler.
+
+The command line turns its options into one :class:`DatasetRequest` and calls :func:`run_dataset`: with a
+:class:`TeacherSource`, a FLUX.2 teacher turns stored noise into target latents (flow distillation pairs:
+noise, target, conditioning; :func:`flowlift.training.datasets.build_distill_dataset`); with
+:class:`PhotoCrops`, the targets are VAE encodings of random crops of real photos
+(:func:`~flowlift.training.datasets.build_images_dataset`). Both resume an existing folder.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowlift.errors import FlowliftError
+from flowlift.training.datasets import (
+    PipelineTeacher,
+    ShardWriting,
+    Teacher,
+    TransformerTeacher,
+    build_distill_dataset,
+    build_images_dataset,
+    check_part,
+)
+from flowlift.training.degrade import Degradation
+
+__all__ = ["STORAGE_DTYPES", "DatasetRequest", "PhotoCrops", "TeacherSource", "load_teacher", "run_dataset"]
+
+#: The shards' tensor dtypes, by name.
+STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class TeacherSource:
+    """A distillation dataset's teacher: ``teacher`` a diffusers FLUX.2 pipeline (folder or hub id, with
+    ``prompts``: a text file, one prompt per line) or a ``Flux2Transformer2DModel`` folder (with
+    ``prompt_embeds``: a safetensors file holding ``prompt_embeds`` (L, D)); ``num`` items at ``width`` x
+    ``height`` pixels (multiples of 32), ``steps`` sampling steps, ``guidance``, the weights' ``dtype`` by
+    name (None: bfloat16 on CUDA, float32 on the CPU)."""
+
+    teacher: str
+    num: int
+    prompts: str | None = None
+    prompt_embeds: str | None = None
+    width: int = 1024
+    height: int = 1024
+    steps: int = 4
+    guidance: float | None = None
+    teacher_dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class PhotoCrops:
+    """An images dataset's source: ``crops_per_image`` random crops of ``crop_px`` pixels (a multiple of 32)
+    from each of ``inputs`` (files, folders, glob patterns), each flipped at random when ``flip``."""
+
+    inputs: Sequence[str]
+    crop_px: int = 512
+    crops_per_image: int = 4
+    flip: bool = True
+
+
+@dataclass(frozen=True)
+class DatasetRequest:
+    """Everything one ``flowlift dataset`` run asks for: the folder (``output``), the VAE, exactly one of
+    ``teacher`` and ``crops``, the conditioning's degradation (``filter``, ``jpeg_quality``, ``noise_std``:
+    :class:`~flowlift.training.degrade.Degradation`) and how the shards are written (``part = (i, n)``: only
+    shards ``k % n == i``; ``device`` already resolved)."""
+
+    output: str | os.PathLike
+    vae: str
+    teacher: TeacherSource | None = None
+    crops: PhotoCrops | None = None
+    overwrite: bool = False
+    seed: int = 0
+    shard_size: int = 256
+    batch_size: int = 4
+    storage_dtype: str = "float16"
+    device: Any = "cpu"
+    filter: str = "area"
+    jpeg_quality: int | None = None
+    noise_std: float = 0.0
+    part: tuple[int, int] = (0, 1)
+    progress: bool | None = False  # flowlift.console.progress_bar's enabled
+
+    def __post_init__(self) -> None:
+        if (self.teacher is None) == (self.crops is None):
+            raise FlowliftError("a dataset request takes exactly one of teacher= and crops=")
+
+
+def run_dataset(request: DatasetRequest) -> dict[str, Any]:
+    """Check the request and every name the dataset writes (the replace rule, before the teacher or the VAE
+    loads), then build (or resume) it: :func:`~flowlift.training.datasets.build_distill_dataset` with
+    ``request.teacher``, else :func:`~flowlift.training.datasets.build_images_dataset` with ``request.crops``.
+    Returns the manifest."""
+    from flowlift.models.vae_loading import load_vae
+
+    device, part = request.device, request.part
+    check_part(part)
+    degradation = Degradation(filter=request.filter, jpeg_quality=request.jpeg_quality, noise_std=request.noise_std)
+    storage = STORAGE_DTYPES[request.storage_dtype]
+    out = Path(request.output)
+    if out.exists() and not out.is_dir():
+        raise FlowliftError(f"--output {out} exists and is not a folder")
+    from flowlift.files.output_paths import folder_problem
+
+    if problem := folder_problem(out):  # before the teacher or the VAE loads
+        raise FlowliftError(problem)
+    from flowlift.training.shards import check_dataset_folder
+    if request.teacher is not None:
+        source = request.teacher
+        if source.width % 32 or source.height % 32 or source.width <= 0 or source.height <= 0:
+            raise FlowliftError(
+                f"--width/--height must be positive multiples of 32, got {source.width}x{source.height}"
+            )
+        check_dataset_folder(out, request.overwrite)  # the replace rule at every name, before any model loads
+        from flowlift.training.distill_checks import check_distill_inputs
+
+        check_distill_inputs(source.teacher, source.prompts, source.prompt_embeds, request.vae)  # all missing at once
+        teacher, described = load_teacher(source, device)
+        vae = load_vae(request.vae, device=device, dtype=torch.float32)
+        described["vae"] = request.vae
+        writing = ShardWriting(request.shard_size, storage, device, request.progress, part)
+        manifest = build_distill_dataset(
+            out, teacher, vae, num_items=source.num, latent_size=(source.height // 8, source.width // 8),
+            seed=request.seed, batch_size=request.batch_size, degradation=degradation, source=described,
+            writing=writing, overwrite=request.overwrite,
+        )
+    else:
+        from flowlift.files.images import list_images
+
+        crops = request.crops
+        paths = list_images(crops.inputs)
+        _check_outputs_are_no_input(out, paths)  # first: an input is refused, --overwrite or not
+        check_dataset_folder(out, request.overwrite)
+        vae = load_vae(request.vae, device=device, dtype=torch.float32)
+        manifest = build_images_dataset(
+            out, paths, vae, crop=crops.crop_px, crops_per_image=crops.crops_per_image, seed=request.seed,
+            batch_size=request.batch_size, flip=crops.flip, degradation=degradation, vae_name=request.vae,
+            writing=ShardWriting(request.shard_size, storage, device, request.progress, part),
+            overwrite=request.overwrite,
+        )
+    return manifest
+
+
+def load_teacher(source: TeacherSource, device: torch.device) -> tuple[Teacher, dict[str, Any]]:
+    """A teacher callable from ``source.teacher``: a diffusers pipeline or a bare FLUX.2 transformer; with what
+    describes it in the manifest."""
+    from flowlift.models.weights import looks_like_repo_id
+
+    dtype = _dtype(source.teacher_dtype, device)
+    path = Path(source.teacher)
+    is_pipeline = (path.is_dir() and (path / "model_index.json").is_file()) or looks_like_repo_id(source.teacher)
+    is_transformer = path.is_dir() and (path / "config.json").is_file() and not is_pipeline
+    if is_transformer:
+        if not source.prompt_embeds:
+            raise FlowliftError("a transformer teacher needs --prompt-embeds (a safetensors file with 'prompt_embeds')")
+        from diffusers import Flux2Transformer2DModel
+
+        from flowlift.models.weights import read_state_dict
+
+        embeds = read_state_dict(source.prompt_embeds, what="prompt embeddings")
+        if "prompt_embeds" not in embeds:
+            raise FlowliftError(f"{source.prompt_embeds} has no tensor named 'prompt_embeds'")
+        from flowlift.refine.prompts import check_prompt_embeds
+
+        check_prompt_embeds(embeds, origin=str(source.prompt_embeds))
+        from flowlift.models.flux2_transformer_folders import inspect_transformer_folder
+
+        inspect_transformer_folder(path, option="--teacher")  # as strictly as refine's folders, before building
+        try:
+            transformer = Flux2Transformer2DModel.from_pretrained(str(path), torch_dtype=dtype)
+        except Exception as error:  # noqa: BLE001 - diffusers raises many types for a bad folder
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise FlowliftError(f"cannot load the teacher transformer from {path}: {first}") from None
+        return TransformerTeacher(transformer, embeds["prompt_embeds"], num_steps=source.steps,
+                                  guidance=source.guidance, device=device, dtype=dtype), {
+            "teacher": str(path), "type": "transformer", "steps": source.steps, "guidance": source.guidance}
+    if is_pipeline:
+        if not source.prompts:
+            raise FlowliftError("a pipeline teacher needs --prompts (a text file, one prompt per line)")
+        prompts_path = Path(source.prompts)
+        if not prompts_path.is_file():
+            raise FlowliftError(f"prompts file not found: {prompts_path}")
+        prompts = [line.strip() for line in prompts_path.read_text().splitlines() if line.strip()]
+        from diffusers import DiffusionPipeline
+
+        try:
+            pipe = DiffusionPipeline.from_pretrained(source.teacher, torch_dtype=dtype).to(device)
+        except Exception as error:  # noqa: BLE001
+            first = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise FlowliftError(f"cannot load the teacher pipeline {source.teacher}: {first}") from None
+        pipe.set_progress_bar_config(disable=True)
+        return PipelineTeacher(pipe, prompts, num_steps=source.steps, guidance_scale=source.guidance), {
+            "teacher": source.teacher, "type": type(pipe).__name__, "steps": source.steps, "guidance": source.guidance,
+            "prompts": str(prompts_path)}
+    raise FlowliftError(
+        f"--teacher {source.teacher}: not a diffusers pipeline (model_index.json), a transformer folder "
+        "(config.json) or a hub repo id"
+    )
+
+
+def _dtype(name: str | None, device):
+    import torch
+
+    if name is None:
+        from flowlift.devices import auto_dtype
+
+        return auto_dtype(device)
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def _check_outputs_are_no_input(out: Path, inputs: list[Path]) -> None:
+    """No file the dataset writes (its manifest, its shards) is one of its input images (issue 36.2: by
+    identity; only a hard link can make them one, as the names differ)."""
+    from flowlift.files.output_paths import check_not_an_input
+
+    if not out.is_dir():
+        return
+    for path in [out / "dataset.json", *sorted(out.glob("shard-*.safetensors"))]:
+        check_not_an_input(path, {"INPUT": inputs})

@@ -1,0 +1,128 @@
+"""The tests' shared builders: the tiny Flow Upscaler, a hub cache laid out by hand, the kinds of thing a
+user may have left at an output's name. (Tiny FLUX.2 transformers and VAEs: tests/tiny_flux2.py; random
+Mage-VAE checkpoints: tests/mage_files.py.)"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import torch
+
+#: The tiny Flow Upscaler most tests run: a few MB, a few ms a step on a CPU.
+TINY_UNET = {"base_channels": 32, "time_dim": 32, "cond_dim": 64}
+
+
+def tiny_unet(seed: int | None = None, **config):
+    """A tiny :class:`~flowlift.models.upscaler_unet.FlowUpscalerUNet` (:data:`TINY_UNET`, ``config`` on top),
+    dropout off, in eval mode; ``seed`` seeds torch's global generator first (None: as it stands)."""
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    return FlowUpscalerUNet(**{**TINY_UNET, "dropout": 0.0, **config}).eval()
+
+
+def save_tiny_unet(path: Path, seed: int | None = 0, **config) -> Path:
+    """:func:`tiny_unet` saved as a Flow Upscaler weights file at ``path`` (the same bytes for the same seed)."""
+    from flowlift.models.upscaler_weights import save_upscaler
+
+    return save_upscaler(tiny_unet(seed, **config), path)
+
+
+def fake_hub_cache(cache: Path, repo_id: str, files: dict[str, bytes | Path]) -> None:
+    """Lay out ``files`` (name in the repository -> its bytes, or a file here to link to) as huggingface_hub's
+    cache holds a downloaded snapshot of ``repo_id``."""
+    commit = "0" * 40
+    repo_dir = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo_dir / "refs").mkdir(parents=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    for name, data in files.items():
+        target = repo_dir / "snapshots" / commit / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(data, Path):
+            target.symlink_to(data)
+        else:
+            target.write_bytes(data)
+
+
+#: What :func:`put_kind` can leave at a name, and the words of flowlift's refusal of it.
+KIND_WORDS = {
+    "link": "is a symbolic link",
+    "dangling link": "is a symbolic link",
+    "fifo": "is a FIFO",
+    "folder": "is a folder",
+    "foreign file": "was not written by flowlift",
+    "empty file": None,  # flowlift replaces an empty file
+    "own file": None,  # a copy of a file flowlift wrote
+}
+
+
+def put_kind(path: Path, kind: str, victim: Path, own: Path | None = None) -> str | None:
+    """Put ``kind`` (a key of :data:`KIND_WORDS`) at ``path``: a link to ``victim`` (the user's file), a
+    dangling link, a FIFO, a folder with a file of the user's, the user's own notes, an empty file, or a copy
+    of ``own``. Returns the words of the refusal, or None when the command goes on."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "link":
+        path.symlink_to(victim)
+    elif kind == "dangling link":
+        path.symlink_to(victim.parent / "nowhere.txt")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+        (path / "inside.txt").write_text("the user's")
+    elif kind == "foreign file":
+        path.write_bytes(b"the user's own notes\n")
+    elif kind == "empty file":
+        path.write_bytes(b"")
+    elif kind == "own file" and own is not None:
+        shutil.copyfile(own, path)
+    else:
+        raise ValueError(f"put_kind: no kind {kind!r} (or no own file to copy)")
+    return KIND_WORDS[kind]
+
+
+def snapshot(folder: Path) -> dict[str, object]:
+    """Every entry below ``folder``: a regular file's bytes, anything else's mode (links are not followed)."""
+    found = {}
+    for entry in sorted(folder.rglob("*")):
+        info = os.lstat(entry)
+        found[str(entry.relative_to(folder))] = entry.read_bytes() if stat.S_ISREG(info.st_mode) else info.st_mode
+    return found
+
+
+def resized_photo(source: Path, path: Path, size: tuple[int, int] = (48, 32)) -> Path:
+    """``source`` as RGB, box-resized to ``size`` (width, height), saved at ``path``."""
+    from PIL import Image
+
+    with Image.open(source) as image:
+        image.convert("RGB").resize(size, Image.Resampling.BOX).save(path)
+    return path
+
+
+def kodak_crops(shared: Path, folder: Path, names=("kodim03", "kodim07", "kodim23"), box=(300, 200, 436, 304)) -> Path:
+    """The ``box`` crop of each named Kodak image of ``shared``, saved as ``folder/<name>.png``; ``folder``."""
+    from PIL import Image
+
+    for name in names:
+        with Image.open(shared / "images" / "kodak" / f"{name}.png") as image:
+            image.convert("RGB").crop(box).save(folder / f"{name}.png")
+    return folder
+
+
+def refine_inputs(folder: Path, name: str, size: tuple[int, int], seed: int) -> Path:
+    """``folder`` with ``prompt.safetensors`` (the tiny FLUX.2's ``prompt_embeds``) and ``name``: a random RGB
+    image of ``size`` (height, width) drawn from ``seed``."""
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from tiny_flux2 import prompt_embeds
+
+    save_file({"prompt_embeds": prompt_embeds()}, str(folder / "prompt.safetensors"))
+    generator = torch.Generator().manual_seed(seed)
+    array = (torch.rand(*size, 3, generator=generator) * 255).to(torch.uint8).numpy()
+    Image.fromarray(array, "RGB").save(folder / name)
+    return folder

@@ -1,0 +1,206 @@
+"""Issue 43 items 4 and 5: one validation for every door, at construction.
+
+The request and settings objects of the Python API (``RefineRequest``, ``PromptRequest``, ``RefinerSource``,
+``SamplingSettings``, ``HiresSettings``, ``TileRequest``, ``UpscaleRequest``, ``UpscaleSettings``) check every field
+when they are made, through the knob tables: a hostile value is one FlowliftError line naming the field as the
+Python API spells it (never a command-line option, never an AttributeError from deep inside, never after a model
+loaded), and the refiner's image doors refuse a float image outside [0, 1] and scale uint8 by its range. Each case
+here was accepted (or failed late, or with the wrong words) before this change.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flowlift.errors import FlowliftError
+from flowlift.refine.request import HiresSettings, PromptRequest, RefineRequest, RefinerSource
+from flowlift.refine.settings import SamplingSettings
+from flowlift.refine.tiling import TileRequest
+from flowlift.upscale.outputs import UpscaleSettings
+from flowlift.upscale.plan import UpscaleRequest
+
+PROMPT = PromptRequest(text="a cat")
+SOURCE = RefinerSource(model="no/such-model")
+
+
+def _refine(**fields):
+    return RefineRequest(**{"mode": "img2img", "prompt": PROMPT, "source": SOURCE, "image": "in.png", **fields})
+
+
+def _refused(make, field, *words):
+    """``make()`` is one FlowliftError line about ``field``, in the Python API's words (no ``--option``)."""
+    with pytest.raises(FlowliftError) as caught:
+        make()
+    message = str(caught.value)
+    assert caught.value.field == field, (caught.value.field, message)
+    assert message.startswith(field) or field in message, message
+    assert "--" not in message and "\n" not in message, message
+    for word in words:
+        assert word in message, message
+    return message
+
+
+# ------------------------------------------------------------------------------- what a mode needs (43.4)
+
+
+def test_txt2img_over_the_16k_cap_is_refused_when_the_request_is_made():
+    _refused(lambda: RefineRequest(mode="txt2img", prompt=PROMPT, source=SOURCE, size=(16400, 16)), "size", "16384")
+    _refused(lambda: RefineRequest(mode="txt2img", prompt=PROMPT, source=SOURCE, size=(1000, 1024)), "size", "16")
+    _refused(lambda: RefineRequest(mode="txt2img", prompt=PROMPT, source=SOURCE, size=(1024.0, 1024)), "size")
+    assert RefineRequest(mode="txt2img", prompt=PROMPT, source=SOURCE, size=(16384, 16)).size == (16384, 16)
+
+
+def test_outpaint_needs_its_borders_and_borders_need_outpaint():
+    _refused(lambda: _refine(mode="outpaint"), "outpaint", "borders")
+    _refused(lambda: _refine(outpaint=(0, 0, 64, 0)), "outpaint")  # img2img with borders: not a silent img2img
+    _refused(lambda: _refine(mode="outpaint", outpaint=(0, 0, 0, 0)), "outpaint", "all 0")
+    _refused(lambda: _refine(mode="outpaint", outpaint=(0, -16, 0, 0)), "outpaint")
+    _refused(lambda: _refine(mode="outpaint", outpaint="0,0,64,0"), "outpaint")
+    assert _refine(mode="outpaint", outpaint=[0, 0, 64, 0]).outpaint == (0, 0, 64, 0)
+
+
+def test_the_default_hires_request_names_its_missing_upscaler_before_anything_loads():
+    """``RefineRequest(mode='hires')`` used to load the transformer, then fail with ``'NoneType' object has no
+    attribute 'load'``; the request itself now says what is missing."""
+    _refused(lambda: RefineRequest(mode="hires", prompt=PROMPT, source=SOURCE), "hires.upscaler", "FlowUpscalerSource")
+    from flowlift.upscale.latent_source import FlowUpscalerSource
+
+    hires = HiresSettings(upscaler=FlowUpscalerSource())
+    assert RefineRequest(mode="hires", prompt=PROMPT, source=SOURCE, hires=hires).hires.passes == 1
+    _refused(lambda: HiresSettings(upscaler="flow_upscaler.safetensors"), "upscaler")
+    big = HiresSettings(upscaler=FlowUpscalerSource(), scale=8, base_size=(4096, 4096))
+    _refused(lambda: RefineRequest(mode="hires", prompt=PROMPT, source=SOURCE, hires=big), "hires.base_size", "16384")
+
+
+# ------------------------------------------------------------------------- wrong types deep inside (43.5)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("prompt", None), ("prompt", "a cat"), ("source", "model"), ("sampling", None), ("sampling", {"steps": 4}),
+     ("tiles", None), ("tiles", "auto"), ("hires", "2x")],
+)  # fmt: skip
+def test_a_settings_object_place_takes_only_that_object(field, value):
+    _refused(lambda: _refine(**{field: value}), field, "must be a")
+
+
+def test_one_lora_string_is_one_path_and_paths_are_never_empty():
+    assert RefinerSource(model="m", loras="x.safetensors:0.5").loras == ("x.safetensors:0.5",)
+    assert _refine(references="ref.png").references == ("ref.png",)
+    _refused(lambda: RefinerSource(model="m", loras=[""]), "source.loras")
+    _refused(lambda: RefinerSource(model=""), "source.model")
+    _refused(lambda: RefinerSource(model="m", vae=""), "source.vae")
+    _refused(lambda: RefinerSource(model="m", max_memory="lots"), "source.max_memory")
+    _refused(lambda: RefinerSource(model="m", offload="gpu"), "source.offload")
+    _refused(lambda: _refine(output=""), "output")
+    _refused(lambda: _refine(image=3), "image")
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [(lambda: PromptRequest(text="a", cfg_scale=math.nan), "prompt.cfg_scale"),
+     (lambda: PromptRequest(text="a", cfg_scale=0), "prompt.cfg_scale"),
+     (lambda: PromptRequest(text="a", guidance=math.inf), "prompt.guidance"),
+     (lambda: PromptRequest(text=5), "prompt.text"),
+     (lambda: PromptRequest(), "prompt.text"),
+     (lambda: SamplingSettings(mu="auto"), "mu"),
+     (lambda: SamplingSettings(mu=math.nan), "mu"),
+     (lambda: SamplingSettings(schedule="linear"), "schedule"),
+     (lambda: SamplingSettings(steps=True), "steps"),
+     (lambda: TileRequest(size=40), "tile_size"),
+     (lambda: TileRequest(size="512"), "tile_size"),
+     (lambda: TileRequest(size=64, overlap=64), "tile_overlap"),
+     (lambda: TileRequest(batch=0), "tile_batch"),
+     (lambda: HiresSettings(base_size=(1000, 1000)), "base_size"),
+     (lambda: HiresSettings(base_size=None), "base_size"),
+     (lambda: HiresSettings(color_fix="no"), "color_fix"),
+     (lambda: _refine(strength=math.nan), "strength"),
+     (lambda: _refine(progress="yes"), "progress")],
+)  # fmt: skip
+def test_every_refine_field_is_checked_at_construction(make, field):
+    _refused(make, field)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "words"),
+    [({"batch_size": 0}, "batch_size", ">= 1"), ({"batch_size": 1.5}, "batch_size", ">= 1"),
+     ({"barrier_timeout": math.nan}, "barrier_timeout", "finite"), ({"barrier_timeout": 0}, "barrier_timeout", ""),
+     ({"passes": 0}, "passes", ">= 1"), ({"passes": "2"}, "passes", ""), ({"settings": None}, "settings", "must be"),
+     ({"settings": "fast"}, "settings", "must be"), ({"inputs": []}, "inputs", ""), ({"output": ""}, "output", ""),
+     ({"chunked": "no"}, "chunked", ""), ({"output_format": "bmp2"}, "output_format", "")],
+)  # fmt: skip
+def test_every_upscale_request_field_is_checked_at_construction(fields, field, words):
+    message = _refused(lambda: UpscaleRequest(**{"inputs": ["a.png"], **fields}), field, words)
+    assert "MAX_OUTPUT_SIDE" not in message  # passes=0 used to be answered with the output cap: a false reason
+
+
+def test_one_input_string_is_one_input_and_upscale_settings_check_their_knobs():
+    assert UpscaleRequest(inputs="photos/*.png").inputs == ("photos/*.png",)
+    for fields, field in [({"seed": -1}, "seed"), ({"color_fix": "no"}, "color_fix"), ({"vae": ""}, "vae"),
+                          ({"transplant_strength": 2.0}, "transplant_strength"), ({"quality": 0}, "quality"),
+                          ({"resize_mode": "crop"}, "resize_mode")]:  # fmt: skip
+        _refused(lambda fields=fields: UpscaleSettings(**fields), field)
+
+
+# ----------------------------------------------------------------------------- images at the refiner's doors
+
+
+@pytest.fixture(scope="module")
+def refiner():
+    from flowlift.models.vae_loading import load_vae
+    from flowlift.refine.refiner import Flux2Refiner
+    from tiny_flux2 import tiny_transformer, tiny_vae
+
+    return Flux2Refiner(tiny_transformer(), load_vae(tiny_vae(), device="cpu", dtype=torch.float32))
+
+
+def test_float_images_outside_0_1_are_refused_and_uint8_is_scaled_by_its_range(refiner):
+    from tiny_flux2 import prompt_embeds
+
+    class Doubling:
+        def upscale_latents(self, latents, passes, **_):
+            return torch.nn.functional.interpolate(latents, scale_factor=2**passes)
+
+    sampling = SamplingSettings(steps=2, seed=3)
+    pixels = torch.randint(0, 256, (1, 3, 32, 32), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    embeds = prompt_embeds()
+    common = dict(strength=0.5, sampling=sampling, prompt_embeds=embeds)
+    _refused(lambda: refiner.img2img(pixels.float(), **common), "images", "[0, 1]")  # a [0, 255] float image
+    _refused(lambda: refiner.img2img(pixels.float() / 255 * math.nan, **common), "images", "non-finite")
+    _refused(lambda: refiner.hires(Doubling(), HiresSettings(), images=pixels.float(), sampling=sampling,
+                                   prompt_embeds=embeds), "images", "[0, 1]")  # fmt: skip
+    _refused(lambda: refiner.outpaint(pixels.float(), right=16, sampling=sampling, prompt_embeds=embeds), "images")
+    as_uint8 = refiner.img2img(pixels, **common)
+    as_float = refiner.img2img(pixels.float() / 255, **common)
+    assert torch.equal(as_uint8.latents, as_float.latents)  # uint8 is scaled by its range, as documented
+
+
+# ------------------------------------------------------------------------------------------ words at the doors
+
+
+def test_the_python_api_says_keywords_and_the_command_line_says_its_options(tmp_path, capsys):
+    """The capabilities name the knob or field; the command line translates it to its option (``--tile-size``),
+    from its parser, so refine/ and upscale/ never spell an option."""
+    from flowlift.commands.cli import main
+
+    message = _refused(lambda: TileRequest(size=40), "tile_size")
+    assert message.startswith("tile_size must be")
+    missing = tmp_path / "missing.safetensors"
+    from flowlift.refine.jobs import plan_refine_job
+
+    request = _refine(image=None, mode="txt2img", prompt=PromptRequest(embeds=missing), output=tmp_path / "o.png")
+    _refused(lambda: plan_refine_job(request), "prompt.embeds", "file not found")
+    image = tmp_path / "in.png"
+    from PIL import Image
+
+    Image.new("RGB", (32, 32)).save(image)
+    code = main(["img2img", str(image), "--model", "no/such-model", "--prompt-embeds", str(missing),
+                 "-o", str(tmp_path / "out.png")])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == f"flowlift img2img: error: --prompt-embeds: file not found: {missing}", err
+    code = main(["img2img", str(image), "--model", "m", "--prompt", "x", "--max-memory", "lots"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("flowlift img2img: error: --max-memory must be a size like 6GB"), err

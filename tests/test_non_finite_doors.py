@@ -1,0 +1,167 @@
+"""Issue 43 class 2: a VAE whose finite weights overflow (a Mage-VAE file scaled by 1e30) never gets its NaN/Inf
+written, at any door that stores a VAE's result: ``dataset images`` shards, ``bands`` tables, ``eval``'s VAE
+methods and their cache, ComfyUI's VAE made from a flowlift VAE (what VAEEncode / VAEDecode run), and the
+InvokeAI latent nodes. Each refuses in one line, exits non-zero, and leaves no file of results behind.
+
+The same doors take the same file unscaled (the refusal is about the values, not the file).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flowlift.commands.cli import main
+from flowlift.errors import FlowliftError
+from flowlift.models.vae_loading import load_vae
+from mage_files import released_state, save_released
+
+SCALE = 1e30
+
+
+@pytest.fixture(scope="module")
+def vae_files(tmp_path_factory):
+    """(finite Mage-VAE file, the same weights times 1e30: finite, but every activation overflows)."""
+    folder = tmp_path_factory.mktemp("vae")
+    state = released_state()
+    good = save_released(folder / "mage.safetensors", state)
+    hot = save_released(folder / "mage-hot.safetensors", {k: v * SCALE if v.is_floating_point() else v
+                                                          for k, v in state.items()})  # fmt: skip
+    return good, hot
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("photos")
+    rng = np.random.default_rng(0)
+    for index in range(2):
+        Image.fromarray(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(folder / f"p{index}.png")
+    return folder
+
+
+def run(capsys, *argv) -> tuple[int, str]:
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def assert_one_line_refusal(code: int, err: str, command: str) -> None:
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"flowlift {command}: error: "), err
+    assert "NaN" in lines[0] or "Inf" in lines[0], err
+    assert "nothing was written" in lines[0] and "Traceback" not in err
+
+
+class TestDatasetShards:
+    def argv(self, photos, vae, out):
+        return ("dataset", "images", photos, "--vae", vae, "--crop-px", "64", "--crops-per-image", "1",
+                "--device", "cpu", "--no-progress", "-o", out)  # fmt: skip
+
+    def test_an_overflowing_vae_writes_no_shard(self, vae_files, photos, tmp_path, capsys):
+        out = tmp_path / "data"
+        code, err = run(capsys, *self.argv(photos, vae_files[1], out))
+        assert_one_line_refusal(code, err, "dataset")
+        assert "shard-00000.safetensors" in err
+        assert not list(out.glob("shard-*")) and not list(out.glob(".*"))  # no shard, no temporary
+
+    def test_float16_storage_past_its_range_is_refused_too(self, tmp_path):
+        from flowlift.training.shards import write_shard
+
+        tensors = {"target": torch.full((1, 32, 4, 4), 1e5), "cond": torch.zeros(1, 32, 2, 2)}
+        with pytest.raises(FlowliftError, match=r"Inf in `target` stored as float16"):
+            write_shard(tmp_path, 0, 0, tensors, [{"index": 0}], torch.float16)
+        assert list(tmp_path.iterdir()) == []
+        write_shard(tmp_path, 0, 0, tensors, [{"index": 0}], torch.float32)  # in range there: written
+
+    def test_the_finite_file_builds_its_shards(self, vae_files, photos, tmp_path, capsys):
+        out = tmp_path / "data"
+        code, err = run(capsys, *self.argv(photos, vae_files[0], out))
+        assert code == 0, err
+        assert list(out.glob("shard-*.safetensors"))
+
+
+class TestBandsTables:
+    def test_an_overflowing_vae_writes_no_table(self, vae_files, photos, tmp_path, capsys):
+        out = tmp_path / "bands"
+        code, err = run(capsys, "bands", photos, "--vae", vae_files[1], "--device", "cpu", "-o", out)
+        assert_one_line_refusal(code, err, "bands")
+        assert not out.exists() or list(out.iterdir()) == []
+
+    def test_the_finite_file_writes_valid_json(self, vae_files, photos, tmp_path, capsys):
+        import json
+
+        out = tmp_path / "bands"
+        code, err = run(capsys, "bands", photos, "--vae", vae_files[0], "--device", "cpu", "-o", out)
+        assert code == 0, err
+        text = (out / "bands.json").read_text()
+        json.loads(text, parse_constant=lambda name: pytest.fail(f"bands.json holds {name}"))
+        assert "nan" not in (out / "bands.md").read_text().lower()
+
+
+class TestEvalCache:
+    @pytest.mark.parametrize("method", ["vae-roundtrip", "latent-bicubic"])
+    def test_an_overflowing_vae_is_one_line_and_caches_nothing(self, vae_files, photos, tmp_path, capsys, method):
+        out = tmp_path / "report"
+        code, err = run(capsys, "eval", "--run", method, "--dataset", photos, "--scale", "2", "--vae", vae_files[1],
+                        "--device", "cpu", "--no-progress", "-o", out)  # fmt: skip
+        assert_one_line_refusal(code, err, "eval")
+        assert "the VAE's encoder" in err  # says which model gave it, not only that an image holds NaN
+        assert not out.exists() or not [p for p in out.rglob("*") if p.is_file()]
+
+
+def stub_comfy(monkeypatch) -> None:
+    """Just enough of ComfyUI's module names for :mod:`flowlift.comfyui.vae_adapters` to import; the class under
+    test (what ComfyUI's VAEEncode / VAEDecode call on a flowlift VAE) uses none of them."""
+    comfy = types.ModuleType("comfy")
+    parts = {name: types.ModuleType(f"comfy.{name}") for name in ("model_management", "model_patcher", "sd")}
+    parts["sd"].VAE = type("VAE", (), {})
+    monkeypatch.setitem(sys.modules, "comfy", comfy)
+    for name, module in parts.items():
+        setattr(comfy, name, module)
+        monkeypatch.setitem(sys.modules, f"comfy.{name}", module)
+    monkeypatch.delitem(sys.modules, "flowlift.comfyui.vae_adapters", raising=False)
+
+
+class TestComfyUIVAE:
+    def test_vae_encode_and_decode_refuse_an_overflowing_vae_in_one_line(self, vae_files, monkeypatch):
+        stub_comfy(monkeypatch)
+        from flowlift.comfyui.vae_adapters import FlowliftLatentModel
+
+        images = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+        good = FlowliftLatentModel(load_vae(vae_files[0]))
+        samples = good.encode(images)
+        assert samples.shape == (1, 128, 4, 4) and good.decode(samples).shape == (1, 3, 64, 64)
+        hot = FlowliftLatentModel(load_vae(vae_files[1]))
+        with pytest.raises(FlowliftError) as caught:
+            hot.encode(images)
+        assert str(caught.value).startswith("VAE Encode: Mage-VAE's encoder gave NaN") and "\n" not in str(caught.value)
+        with pytest.raises(FlowliftError, match=r"^VAE Decode: Mage-VAE's decoder gave (NaN|Inf)"):
+            hot.decode(samples)  # a finite LATENT from elsewhere: the decode itself overflows
+
+
+class TestInvokeAILatents:
+    def test_a_non_finite_latent_input_is_one_line(self):
+        from flowlift.invokeai.latents import check_raw_latents
+
+        for bad in (float("nan"), float("inf")):
+            latents = torch.zeros(1, 32, 8, 8)
+            latents[0, 3, 2, 2] = bad
+            with pytest.raises(FlowliftError) as caught:
+                check_raw_latents(latents, "Flow Upscale Latents (FLUX.2)")
+            assert "non-finite" in str(caught.value) and "\n" not in str(caught.value)
+
+    def test_the_image_nodes_native_vae_path_refuses_an_overflowing_vae(self, vae_files, tmp_path):
+        """Flow Upscale Image runs its native VAE through the pipeline, whose checks hold for this file."""
+        from flowlift.models.upscaler_unet import FlowUpscalerUNet
+        from flowlift.upscale.pipeline import FlowUpscalerPipeline
+
+        torch.manual_seed(0)
+        unet = FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0)
+        pipeline = FlowUpscalerPipeline(unet, load_vae(vae_files[1]), device="cpu", dtype=torch.float32)
+        with pytest.raises(FlowliftError, match=r"non-finite latents \(NaN/Inf\); nothing was written"):
+            pipeline.upscale_image(Image.new("RGB", (64, 64), (90, 120, 30)), 1, output_type="pil")
