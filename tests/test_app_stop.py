@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from app_helpers import tiny_upscaler
+from builders import save_tiny_unet as tiny_upscaler
 from flowlift.commands import cli
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image, PngImagePlugin
 
-from app_helpers import tiny_upscaler
+from builders import save_tiny_unet as tiny_upscaler
 from flowlift.app.service import AppConfig, AppService
 from flowlift.commands.cli import main
 from flowlift.files.image_outputs import read_metadata

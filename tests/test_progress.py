@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from builders import kodak_crops
 from flowlift import console
@@ -164,7 +165,7 @@ def test_upscale_into_a_log_names_what_loads_then_every_stage_and_its_time_left(
     clock running), and every later line names the image's stage and the time left (or that it is being measured,
     before this run has timed its first stage)."""
     sys.path.insert(0, str(REPO / "tests"))
-    from app_helpers import tiny_upscaler
+    from builders import save_tiny_unet as tiny_upscaler
 
     weights = tiny_upscaler(tmp_path / "flow_upscaler.safetensors")
     with Image.open(shared / "images" / "kodak" / "kodim23.png") as im:

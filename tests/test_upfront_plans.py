@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from app_helpers import tiny_upscaler
+from builders import save_tiny_unet as tiny_upscaler
 from flowlift.errors import FlowliftError
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 from flowlift.upscale.settings import MemoryPolicy
@@ -44,7 +44,7 @@ def test_docs_vae_memory_example_is_what_the_command_prints():
     planner's own line for the whole run's weights in float32, and bfloat16 plans both budgets."""
     from pathlib import Path
 
-    from flowlift.upscale.memory_plan import plan_upscale
+    from flowlift.upscale.memory_plan import plan_upscale_memory as plan_upscale
 
     unet, mage = _released_sizes()
     doc = (Path(__file__).resolve().parents[1] / "docs" / "vae.md").read_text()
