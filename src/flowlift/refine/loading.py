@@ -78,13 +78,14 @@ def check_model_part(model: str, part: str, option: str = "source.model") -> Non
     """Raise one line unless the ``part/`` subfolder (``transformer``, ``vae``, ``text_encoder``) of a hub id
     ``model`` can be had: in the cache when offline or the hub is unreachable, else on the hub (its small
     ``config.json`` is fetched, which proves the repository, the part and the access). A local diffusers folder
-    must have ``part/config.json`` (a text encoder asked for by ``--prompt`` is named with the fix, before the
-    transformer loads); other local paths pass: their layout is checked when they load."""
+    needs ``part/config.json``; other local paths pass: their layout is checked when they load."""
     from flowlift.models.hub import download_hint, hub_offline_reason, looks_like_path
 
     path = Path(model).expanduser()
     if path.is_dir() and _is_diffusers_folder(path) and not (path / part / "config.json").is_file():
-        raise FlowliftError(_missing_part(model, part, option))  # before any weights load, with the fix
+        from flowlift.refine.prompts import missing_part_line
+
+        raise FlowliftError(missing_part_line(model, part, option))  # before any weights load, with the fix
     if path.exists():
         return
     if looks_like_path(model) or not looks_like_repo_id(model):
@@ -111,16 +112,6 @@ def check_model_part(model: str, part: str, option: str = "source.model") -> Non
             f"{option} {model}: its {part}/ folder is not in the Hugging Face cache and {offline}; {hint} "
             "or pass a local folder"
         )
-
-
-def _missing_part(model: str, part: str, option: str) -> str:
-    """The one line for a local diffusers folder without ``part/``, naming the fix."""
-    if part == "text_encoder":
-        return (f"{option} {model}: --prompt needs the model's text encoder, and this folder has no text_encoder/ "
-                "(a folder with transformer/ and vae/ is enough only with --prompt-embeds); copy the model's "
-                "text_encoder/ and tokenizer/ folders into it (e.g. hf download REPO --include \"text_encoder/*\" "
-                f"\"tokenizer/*\" --local-dir {model}), or pass precomputed --prompt-embeds")  # fmt: skip
-    return f"{option} {model}: this diffusers folder has no {part}/ (with its config.json); copy the model's {part}/ in"
 
 
 def refiner_weight_checks(
