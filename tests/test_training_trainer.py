@@ -305,7 +305,7 @@ def test_a_stopped_run_says_where_and_how_it_resumes(dataset, tmp_path, monkeypa
     monkeypatch.setattr(trainer.StopRequest, "__enter__", stop_at_once)
     out = tmp_path / "run"
     argv = ["train", "--data", str(dataset), "--output", str(out), "--steps", "6", "--batch-size", "4",
-            "--crop", "16", "--set", "base_channels=32", "--set", "time_dim=64", "--set", "cond_dim=64",
+            "--crop-latent", "16", "--set", "base_channels=32", "--set", "time_dim=64", "--set", "cond_dim=64",
             "--no-progress"]  # fmt: skip
     assert main(argv) == 130
     line = capsys.readouterr().err.strip().splitlines()[-1]
