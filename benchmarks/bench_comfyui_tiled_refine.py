@@ -1,10 +1,10 @@
-"""Peak memory of a FLUX.2 refine in ComfyUI v0.8.0, untiled vs through Tiled FLUX.2 Refine, side by side.
+"""Peak memory of a FLUX.2 refine in ComfyUI 0.33, untiled vs through Tiled FLUX.2 Refine, side by side.
 
     python benchmarks/bench_comfyui_tiled_refine.py            # 4096x4096 px (a 256x256 ComfyUI latent)
     python benchmarks/bench_comfyui_tiled_refine.py --size 2048 --steps 2
 
 Each variant runs in its own fresh process of the ComfyUI test venv (tests/comfy_venv.py; ComfyUI imported from
-``../shared/comfyui``, ``--cpu``): the tiny FLUX.2 of the tests (ComfyUI's own FLUX.2 classes at width 64,
+``../shared/comfyui-0.33``, ``--cpu``): the tiny FLUX.2 of the tests (ComfyUI's own FLUX.2 classes at width 64,
 tests/comfy_test_nodes) and ComfyUI's own sampler (``comfy.sample.sample``: euler, simple, cfg 1, denoise 0.3)
 on a random latent, once with the model as loaded and once patched by the node (``tile_size auto``, 128 px
 overlap: a frame above 4 MP runs in 1024 px tiles). Reported per variant: the process's peak resident memory
@@ -95,7 +95,7 @@ def main() -> int:
             results[variant] = torch.load(out, weights_only=True)
     plain, tiled = rows
     difference = (results["plain"] - results["tiled"]).abs().max().item()
-    print(f"ComfyUI v0.8.0 --cpu, tiny FLUX.2 (width 64), {args.size}x{args.size} px, {args.steps} step(s), "
+    print(f"ComfyUI 0.33 --cpu, tiny FLUX.2 (width 64), {args.size}x{args.size} px, {args.steps} step(s), "
           f"torch threads {torch.get_num_threads()}")  # fmt: skip
     print("| run | peak RSS MiB | RSS before sampling MiB | added by sampling MiB | time s |")
     print("|---|---|---|---|---|")

@@ -2,7 +2,7 @@
 
     python benchmarks/soak_comfyui.py [--prompts 40]
 
-Starts the server of tests/comfy_server.py (ComfyUI v0.8.0 with this pack, small random upscalers, the
+Starts the server of tests/comfy_server.py (ComfyUI 0.33 with this pack, small random upscalers, the
 real TAEF2, bound to 127.0.0.1, stopped at the end) and sends the prompts one after another in a cycle
 over the three flowlift nodes: FlowliftUpscaleImage 4x with TAEF2 on a 192x128 Kodak crop,
 FlowliftUpscaleLatent 2x between TAEF2's VAEEncode and VAEDecode, and FlowliftColorFix on a drifted 2x.

@@ -1,6 +1,6 @@
 """Regenerate the ComfyUI assets: the UI-format workflows, their thumbnails and the docs screenshots.
 
-Everything is made by a real ComfyUI v0.8.0 server with this pack (tests/comfy_server.py: temp copy,
+Everything is made by a real ComfyUI 0.33 server with this pack (tests/comfy_server.py: temp copy,
 random models, loopback) and its own frontend in headless Chromium (tests/comfy_frontend.py)::
 
     python benchmarks/train_mini.py --out /tmp/train_mini
@@ -16,7 +16,10 @@ random models, loopback) and its own frontend in headless Chromium (tests/comfy_
    Upscaler trained for 600 steps on the CPU by flowlift's own trainer, on images other than the
    thumbnails' kodim05 and kodim23. The released FLUX.2 VAE's weights are not here, so TAEF2 (the
    same latent space) stands in for it in the FLUX.2 latent workflow's run. That workflow has no
-   stage 2 colour fix, and the small model's raw passes are soft, so its thumbnail is soft too.
+   stage 2 colour fix, and the small model's raw passes are soft, so its thumbnail is soft too. The
+   side-by-side template's thumbnail is two panels on the same input: the Flow Upscaler stage (the Klein
+   template's thumbnail: the same input and the same stage) and ComfyUI's latent bicubic 4x, both decoded by
+   TAEF2 (PiD's weights are not here).
 2. UI-format workflows, ``example_workflows/<name>.json``: each API copy loaded by the frontend
    (``app.loadApiJson``), every node sized so that its title and widgets are drawn whole at 100%
    (measured with the frontend's fonts), laid out left to right by :func:`layout_columns`, and written
@@ -63,14 +66,22 @@ THUMBNAIL_SOURCES = {
     "flux2_latent_upscale_4x": ("kodim23.png", (128, 0, 640, 512)),
     "color_fix": ("kodim15.png", (128, 0, 640, 512)),
     "flux2_klein_tiled_refine_4x": ("kodim13.png", (128, 0, 640, 512)),
+    "flux2_hires_side_by_side": ("kodim13.png", (128, 0, 640, 512)),
 }
+#: The template whose Flow Upscaler stage the side-by-side thumbnail shows (the same input and stage).
+SIDE_BY_SIDE, SAME_STAGE_AS = "flux2_hires_side_by_side", "flux2_klein_tiled_refine_4x"
 #: Workflows whose FLUX.2 transformer has no weights here (Klein, its Qwen3 text encoder): the thumbnail run is
 #: their flowlift stage alone on a Kodak image (TAEF2 encode -> the workflow's Flow Upscale Latent -> decode).
 TRANSFORMER_LOADERS = ("UNETLoader", "CLIPLoader")
 THUMBNAIL_INPUT = 128  # px a side; 4x gives a 512 px thumbnail
 WINDOW = (2000, 1100)
+#: Nodes a template saves muted (the API format has no such state): the side-by-side template's PiD branch, whose
+#: weights few users have; muted, it opens without the frontend's missing-model errors and the rest runs. Ctrl+M on
+#: the selected nodes enables it.
+MUTED_NODES = {"flux2_hires_side_by_side": (17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30)}
+MUTED = 2  # LiteGraph's mode "never"
 #: Core nodes whose seed a template saves at "fixed" (flowlift's own nodes start there by themselves).
-FIXED_SEED_NODES = ("KSampler",)
+FIXED_SEED_NODES = ("KSampler", "SamplerCustom")
 UUID_NAMESPACE = uuid.UUID("5b0e5a4e-3c1f-4f53-9a3e-0f1ee7f10f7e")
 
 
@@ -150,7 +161,10 @@ def ui_workflow(driver, api: dict, name: str) -> dict:
     for node in graph["nodes"]:
         if node["type"] in FIXED_SEED_NODES:  # a template runs again as saved ("control after generate": fixed)
             values = node["widgets_values"]
-            values[values.index("randomize")] = "fixed"
+            node["widgets_values"] = ["fixed" if v in ("randomize", "increment", "decrement") else v for v in values]
+    for node in graph["nodes"]:
+        if node["id"] in MUTED_NODES.get(name, ()):
+            node["mode"] = MUTED
     graph["id"] = str(uuid.uuid5(UUID_NAMESPACE, name))  # a stable id per template (the API loader leaves zeros)
     graph["extra"] = {**graph.get("extra", {}), "ds": {"scale": 1, "offset": [0, 0]}}
     return graph
@@ -196,6 +210,34 @@ def upscale_stage(api: dict) -> dict:
     }
 
 
+def bicubic_stage() -> dict:
+    """ComfyUI's latent bicubic 4x between TAEF2's encode (of a Load Image) and decode, saved."""
+    return {
+        "1": {"class_type": "LoadImage", "inputs": {"image": "example.png"}},
+        "3": {"class_type": "FlowliftTAEF2Loader", "inputs": {"taef2_name": "taef2_encoder.pth"}},
+        "4": {"class_type": "VAEEncode", "inputs": {"pixels": ["1", 0], "vae": ["3", 0]}},
+        "5": {"class_type": "LatentUpscaleBy", "inputs": {"samples": ["4", 0], "upscale_method": "bicubic",
+                                                          "scale_by": 4.0}},
+        "6": {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["3", 0]}},
+        "7": {"class_type": "SaveImage", "inputs": {"images": ["6", 0], "filename_prefix": "thumbnails/bicubic"}},
+    }  # fmt: skip
+
+
+def side_by_side_thumbnail(server, flow_upscaler: Path) -> Image.Image:
+    """The Flow Upscaler panel (``flow_upscaler``: the same input's Flow Upscaler stage) beside ComfyUI's latent
+    bicubic 4x run now, each cut to its middle half, with a white gap."""
+    workflow = bicubic_stage()
+    workflow["1"]["inputs"]["image"] = f"thumb_{SIDE_BY_SIDE}.png"
+    entry = server.run(workflow)
+    with Image.open(server.output_file(entry, "7")) as bicubic, Image.open(flow_upscaler) as flow:
+        panels = [image.convert("RGB") for image in (flow, bicubic)]
+    width, height = panels[0].size
+    out = Image.new("RGB", (width + 8, height), "white")
+    for i, panel in enumerate(panels):
+        out.paste(panel.crop((width // 4, 0, width // 4 + width // 2, height)), (i * (width // 2 + 8), 0))
+    return out
+
+
 def thumbnail_run(api: dict, name: str) -> tuple[dict, str]:
     """The API workflow pointed at the thumbnail inputs (TAEF2 for the FLUX.2 VAE; only the flowlift stage where
     the transformer has no weights here, :data:`TRANSFORMER_LOADERS`); returns it and its Save node."""
@@ -219,6 +261,8 @@ def main() -> None:
     parser.add_argument("--skip-thumbnails", action="store_true")
     parser.add_argument("--skip-workflows", action="store_true")
     parser.add_argument("--skip-screenshots", action="store_true")
+    parser.add_argument("--side-by-side-thumbnail", action="store_true",
+                        help="with --skip-thumbnails: still make the side-by-side one (from the committed Klein one)")
     args = parser.parse_args()
     apis = {path.stem: json.loads(path.read_text()) for path in sorted(API_WORKFLOWS.glob("*.json"))}
 
@@ -226,12 +270,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, comfy_server(Path(tmp), shared_dir(), write_files) as server:
         if not args.skip_thumbnails:
             for name, api in apis.items():
+                if name == SIDE_BY_SIDE:
+                    continue  # after the template whose stage it shows
                 workflow, save = thumbnail_run(api, name)
                 started = time.monotonic()
                 entry = server.run(workflow)
                 with Image.open(server.output_file(entry, save)) as image:
                     image.convert("RGB").save(WORKFLOWS / f"{name}.jpg", quality=88, optimize=True)
                 print(f"wrote {WORKFLOWS / f'{name}.jpg'} (run {time.monotonic() - started:.1f} s)")
+        if not args.skip_thumbnails or args.side_by_side_thumbnail:
+            image = side_by_side_thumbnail(server, WORKFLOWS / f"{SAME_STAGE_AS}.jpg")
+            image.save(WORKFLOWS / f"{SIDE_BY_SIDE}.jpg", quality=88, optimize=True)
+            print(f"wrote {WORKFLOWS / f'{SIDE_BY_SIDE}.jpg'}")
         server.request("/settings/Comfy.TutorialCompleted", True)  # no template browser on the first visit
         with ui.chromium(*WINDOW) as driver:
             ui.open_app(driver, server.url)

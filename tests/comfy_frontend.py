@@ -10,6 +10,7 @@ browser console's warnings and errors.
 from __future__ import annotations
 
 import contextlib
+import re
 import tempfile
 import time
 from collections.abc import Iterator
@@ -51,12 +52,13 @@ const graph = window.app.graph;
 return {
   nodes: graph._nodes.map(node => ({
     id: node.id, type: node.type, title: node.getTitle(), pos: [...node.pos], size: [...node.size],
-    bounding: [...node.boundingRect],
+    bounding: [...node.boundingRect], mode: node.mode,
     widgets: Object.fromEntries((node.widgets ?? []).filter(w => w.name).map(w => [w.name, w.value ?? null])),
   })),
   links: [...graph.links.values()].map(link => [link.origin_id, link.target_id]),
   title_height: LiteGraph.NODE_TITLE_HEIGHT,
   scale: window.app.canvas.ds.scale,
+  visible: [...window.app.canvas.visible_area],
 };
 """
 
@@ -142,6 +144,13 @@ def toasts(driver: WebDriver) -> list[str]:
     )
 
 
+def error_notices(driver: WebDriver) -> list[str]:
+    """The frontend's error notices on screen that are not toasts: frontend 1.49 checks a loaded workflow (missing
+    models, missing nodes) and shows "N errors found" in a side panel."""
+    text = driver.execute_script("return document.body.innerText")
+    return [line.strip() for line in text.splitlines() if re.search(r"\b\d+ errors? found\b", line)]
+
+
 def close_toasts(driver: WebDriver) -> None:
     driver.execute_script(
         "document.querySelectorAll('.p-toast-message .p-toast-close-button').forEach(b => b.click())"
@@ -158,7 +167,7 @@ def open_templates_of(driver: WebDriver, pack: str) -> list[str]:
         ".find(e => e.textContent.trim() === arguments[0])",
         f"the {pack!r} category in the Templates browser", PAGE_TIMEOUT_S, pack,
     )
-    category.click()
+    driver.execute_script("arguments[0].click()", category)  # a click event: the dialog's overlay may cover it
     return wait_for(
         driver,
         "const cards = Array.from(document.querySelectorAll('[data-testid^=template-workflow-]'))"
@@ -199,16 +208,26 @@ def open_template(driver: WebDriver, pack: str, name: str) -> None:
     time.sleep(0.5)  # the load's own follow-ups (size fixes, image previews) run in the next frames
 
 
+def node_id(value: object) -> object:
+    """A node id as the saved workflow writes it: frontend 1.49 holds some ids as strings of digits."""
+    return int(value) if isinstance(value, str) and value.isdigit() else value
+
+
 def measure_nodes(driver: WebDriver) -> list[dict]:
     """Per node of the loaded graph: its size, the frontend's minimum size, and the widths its title and
     widget texts need to be drawn whole (LiteGraph's fonts and margins)."""
-    return driver.execute_script(MEASURE_NODES_JS, WIDGET_CHROME_PX, TITLE_SLACK_PX)
+    return [{**m, "id": node_id(m["id"])} for m in driver.execute_script(MEASURE_NODES_JS, WIDGET_CHROME_PX,
+                                                                          TITLE_SLACK_PX)]
 
 
 def graph_state(driver: WebDriver) -> dict:
     """The loaded graph as the frontend holds it: nodes (pos, size, bounding box with title, widget
     values) and links (origin id, target id)."""
-    return driver.execute_script(GRAPH_JS)
+    state = driver.execute_script(GRAPH_JS)
+    for node in state["nodes"]:
+        node["id"] = node_id(node["id"])
+    state["links"] = [[node_id(origin), node_id(target)] for origin, target in state["links"]]
+    return state
 
 
 def show_at_100_percent(driver: WebDriver, left: int = 100, top: int = 110) -> tuple[int, int]:

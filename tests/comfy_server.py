@@ -1,10 +1,13 @@
-"""A real ComfyUI v0.8.0 server with this node pack, for the tests, the docs scripts and the soak benchmark.
+"""A real ComfyUI 0.33 server with this node pack, for the tests, the docs scripts and the soak benchmark.
 
-:func:`comfy_server` copies ``../shared/comfyui`` into a temp folder, links this repository into its
-``custom_nodes/``, writes random small models, the real TAEF2 and the test inputs into its folders
-(:func:`write_models_and_inputs`), starts it in the venv of ``tests/comfy_venv.py`` on a free
-127.0.0.1 port and stops its whole process group on the way out (bounded waits: nothing is left
-running). :class:`ComfyServer` is its HTTP client.
+:func:`comfy_server` copies ``../shared/comfyui-0.33`` into a temp folder, links this repository (and the
+test-only nodes of ``tests/comfy_test_nodes``) into its ``custom_nodes/``, writes random small models, a tiny
+FLUX.2 Klein single file, the real TAEF2 and the test inputs into its folders (:func:`write_models_and_inputs`),
+starts it in the venv of ``tests/comfy_venv.py`` on a free 127.0.0.1 port and stops its whole process group on
+the way out (bounded waits: nothing is left running). :class:`ComfyServer` is its HTTP client.
+
+:func:`session_server` is the one server the test modules share (one start per pytest session: a start
+costs a minute on a loaded 2-core machine); it is stopped when the session ends.
 """
 
 from __future__ import annotations
@@ -45,9 +48,16 @@ IMAGE_W, IMAGE_H = 48, 32
 BIG_W, BIG_H = 256, 192
 #: The tiled refine tests' FLUX.2 latent: 128x192 px (ComfyUI's layout, 16 px per latent pixel).
 REFINE_LATENT = (1, 128, 8, 12)
-#: The FLUX.2 Klein files the tiled refine template names (no weights here: empty stand-ins, never loaded).
-KLEIN_FILES = (("diffusion_models", "flux-2-klein-4b.safetensors"), ("text_encoders", "qwen_3_4b.safetensors"))
-#: Test-only nodes (the tiny FLUX.2 built from ComfyUI's own classes), linked in with ``test_nodes=True``.
+#: The Klein transformer the hires templates name: here a tiny random Klein (:func:`write_tiny_klein`) in
+#: ComfyUI's single-file layout, which ComfyUI's own UNETLoader detects and loads.
+KLEIN_UNET = "flux-2-klein-4b.safetensors"
+#: The text encoder they name: an empty stand-in, listed but never loaded (ComfyUI's Qwen3-4B text encoder has a
+#: fixed size, 36 layers of 2560, so no tiny one loads; the tests' conditioning comes from a test-only node).
+KLEIN_TEXT_ENCODER = "qwen_3_4b.safetensors"
+#: The tiny Klein: 2 heads of 128 (ComfyUI 0.33 takes heads = hidden // 128), one double and one single block, a
+#: text context 32 wide (ComfyUI takes it from ``txt_in``); the test-only conditioning node makes contexts this wide.
+TINY_KLEIN = {"hidden": 256, "double_blocks": 1, "single_blocks": 1, "context": 32}
+#: Test-only nodes (text conditioning for the tiny Klein, the tiled refine's reference), linked in with the pack.
 TEST_NODES = Path(__file__).resolve().parent / "comfy_test_nodes"
 
 
@@ -65,7 +75,7 @@ def random_upscaler(base: int, seed: int) -> FlowUpscalerUNet:
 def write_random_flux2_vae(path: Path) -> None:
     """A randomly initialised full-size FLUX.2 VAE in the single-file layout ComfyUI's VAELoader reads.
 
-    ComfyUI v0.8.0 builds the FLUX.2 VAE with fixed widths (128-256-512-512, two blocks per level), so the
+    ComfyUI builds the FLUX.2 VAE with fixed widths (128-256-512-512, two blocks per level), so the
     released architecture is also the smallest it loads.
     """
     from diffusers import AutoencoderKLFlux2
@@ -81,11 +91,37 @@ def write_random_flux2_vae(path: Path) -> None:
     save_file({k: v.to(torch.float16).contiguous() for k, v in state.items()}, str(path))
 
 
-def write_random_mage_vae(path: Path) -> None:
-    """A narrow random Mage-VAE in the released single-file layout (tests/mage_files.py)."""
+def write_random_mage_vae(path: Path, full_size: bool = False) -> None:
+    """A random Mage-VAE in the released single-file layout (tests/mage_files.py): narrow, or ``full_size`` (the
+    released architecture, the only one ComfyUI's own VAELoader builds), stored as float16."""
+    from flowlift.models.mage_vae import MageVAEConfig
     from mage_files import released_state, save_released
 
-    save_released(path, released_state())
+    if full_size:
+        save_released(path, released_state(MageVAEConfig(), seed=4), dtype=torch.float16)
+    else:
+        save_released(path, released_state())
+
+
+def write_tiny_klein(path: Path, seed: int = 0) -> None:
+    """A tiny random FLUX.2 Klein transformer (:data:`TINY_KLEIN`) as one file with Black Forest Labs' names, the
+    single-file layout ComfyUI's UNETLoader reads (no guidance embedder: Klein is distilled without one)."""
+    from diffusers import Flux2Transformer2DModel
+
+    from flux2_files import write_single_file
+
+    torch.manual_seed(seed)
+    model = Flux2Transformer2DModel(
+        patch_size=1, in_channels=128, num_layers=TINY_KLEIN["double_blocks"],
+        num_single_layers=TINY_KLEIN["single_blocks"], attention_head_dim=128,
+        num_attention_heads=TINY_KLEIN["hidden"] // 128, joint_attention_dim=TINY_KLEIN["context"],
+        timestep_guidance_channels=256, axes_dims_rope=(32, 32, 32, 32), guidance_embeds=False,
+    )  # fmt: skip
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # RMSNorm scales away from 1
+                param.normal_(1.0, 0.1)
+    write_single_file(model.eval(), path)
 
 
 def free_port() -> int:
@@ -175,10 +211,9 @@ def write_models_and_inputs(root: Path, shared: Path) -> None:
     (models / "latent_upscale_models" / "corrupt.safetensors").write_bytes(b"\x17not a safetensors file" * 8)
     for name in ("taef2_encoder.pth", "taef2_decoder.pth"):
         shutil.copy(shared / "models" / "taef2" / name, models / "vae_approx" / name)
-    write_random_mage_vae(models / "vae" / "mage_vae.safetensors")
-    for folder, name in KLEIN_FILES:  # listed so that the Klein template's loaders show their files; never loaded
-        (models / folder).mkdir(parents=True, exist_ok=True)
-        (models / folder / name).write_bytes(b"")
+    write_random_mage_vae(models / "vae" / "mage_vae.safetensors", full_size=True)
+    write_tiny_klein(models / "diffusion_models" / KLEIN_UNET)
+    (models / "text_encoders" / KLEIN_TEXT_ENCODER).write_bytes(b"")  # listed, never loaded
     source = Image.open(shared / "images" / "kodak" / "kodim23.png").convert("RGB")
     example = source.crop((300, 150, 300 + 4 * IMAGE_W, 150 + 4 * IMAGE_H)).resize((IMAGE_W, IMAGE_H), Image.LANCZOS)
     example.save(inputs / "example.png")
@@ -212,9 +247,9 @@ def comfy_server(
     shared: Path,
     write_files: Callable[[Path, Path], None] = write_models_and_inputs,
     env: dict[str, str] | None = None,
-    test_nodes: bool = False,
+    test_nodes: bool = True,
 ) -> Iterator[ComfyServer]:
-    """ComfyUI v0.8.0 in ``base/ComfyUI`` with this pack in custom_nodes/, serving on 127.0.0.1.
+    """ComfyUI 0.33 in ``base/ComfyUI`` with this pack in custom_nodes/, serving on 127.0.0.1.
 
     ``write_files(root, shared)`` fills its model and input folders while the server starts (ComfyUI lists
     folders when asked, not at start). ``test_nodes`` links the test-only nodes of :data:`TEST_NODES` in too.
@@ -224,7 +259,8 @@ def comfy_server(
     root = base / "ComfyUI"
     shutil.copytree(comfyui_dir(), root, ignore=shutil.ignore_patterns("tests", "tests-unit", "__pycache__"))
     models, inputs = root / "models", root / "input"
-    model_folders = [models / name for name in ("vae", "latent_upscale_models", "vae_approx")]
+    model_folders = [models / name for name in ("vae", "latent_upscale_models", "vae_approx", "diffusion_models",
+                                                "text_encoders")]
     for folder in (root / "custom_nodes", inputs, *model_folders):
         folder.mkdir(parents=True, exist_ok=True)
     os.symlink(REPO_ROOT, root / "custom_nodes" / PACK_NAME, target_is_directory=True)
@@ -264,3 +300,18 @@ def comfy_server(
         yield server
     finally:
         stop(process)
+
+
+_SESSION: dict[str, object] = {}
+
+
+def session_server(config: object, tmp_path_factory: object, shared: Path) -> ComfyServer:
+    """The ComfyUI server of this pytest session (started on first use, stopped when the session ends): every test
+    module of the pack shares it. The browser tests mark the tutorial as seen (no template browser on first visit)."""
+    if "server" not in _SESSION:
+        context = comfy_server(tmp_path_factory.mktemp("comfy"), shared)
+        server = context.__enter__()
+        config.add_cleanup(lambda: context.__exit__(None, None, None))
+        server.request("/settings/Comfy.TutorialCompleted", True)
+        _SESSION["server"] = server
+    return _SESSION["server"]

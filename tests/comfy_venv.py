@@ -1,4 +1,4 @@
-"""The ComfyUI test venv: ComfyUI v0.8.0's requirements next to flowlift's runtime dependencies, built once.
+"""The ComfyUI test venv: ComfyUI 0.33's requirements next to the pack's ``requirements.txt``, built once.
 
 ComfyUI needs torchvision (and spandrel), which must never enter the main environment (see
 ``../shared/README.md``), so tests that run a real ComfyUI server or spandrel use this separate venv.
@@ -12,9 +12,13 @@ ComfyUI needs torchvision (and spandrel), which must never enter the main enviro
 - ``python tests/comfy_venv.py`` builds it from the command line (CI does so before pytest, so the
   build shows as its own step).
 
+The build is the install a user of ComfyUI-Manager gets: ComfyUI's own requirements (torch pinned to the CPU
+build), then this pack's ``requirements.txt`` into the same environment, exactly as ComfyUI-Manager installs a
+node pack. torchaudio stays installed: the CPU shim makes its CUDA-linked extension count as absent.
+
 Location: ``$FLOWLIFT_COMFY_VENV`` if set, else ``~/.cache/flowlift/comfy-venv-<hash>``, the hash taken
-over ComfyUI's ``requirements.txt`` and this repository's runtime dependencies, so a change of either
-builds a fresh venv.
+over ComfyUI's ``requirements.txt`` and the pack's ``requirements.txt``, so a change of either builds a
+fresh venv.
 """
 
 from __future__ import annotations
@@ -45,9 +49,17 @@ def shared_dir() -> Path:
     return Path(os.environ.get("FLOWLIFT_SHARED", REPO_ROOT.parent / "shared")).resolve()
 
 
+#: The ComfyUI release the pack is tested on (the minimum supported version, docs/comfyui.md).
+COMFYUI_VERSION = "0.33.0"
+
+
 def comfyui_dir() -> Path:
-    """The read-only ComfyUI v0.8.0 snapshot in the shared folder."""
-    return shared_dir() / "comfyui"
+    """The read-only ComfyUI 0.33 snapshot in the shared folder."""
+    return shared_dir() / "comfyui-0.33"
+
+
+#: The file ComfyUI-Manager and the Comfy registry install into ComfyUI's environment.
+PACK_REQUIREMENTS = REPO_ROOT / "requirements.txt"
 
 
 def flowlift_runtime_dependencies() -> list[str]:
@@ -62,7 +74,7 @@ def venv_dir() -> Path:
     if override:
         return Path(override).expanduser().resolve()
     requirements = (comfyui_dir() / "requirements.txt").read_bytes()
-    key = hashlib.sha256(requirements + json.dumps(flowlift_runtime_dependencies()).encode()).hexdigest()[:12]
+    key = hashlib.sha256(requirements + PACK_REQUIREMENTS.read_bytes()).hexdigest()[:12]
     return Path.home() / ".cache" / "flowlift" / f"comfy-venv-{key}"
 
 
@@ -118,9 +130,8 @@ def _build(venv: Path) -> None:
     pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     # The torch pin keeps the CPU build (a bare "torch" requirement would pull a CUDA one on CPU machines).
     _run([*pip, TORCH_PIN, "-r", str(requirements), "requests"], "install ComfyUI's requirements")
-    # torchaudio's wheel is a CUDA build; through transformers it breaks `import diffusers`. ComfyUI starts without it.
-    _run([python, "-m", "pip", "uninstall", "--quiet", "-y", "torchaudio"], "uninstall torchaudio")
-    _run([*pip, TORCH_PIN, *flowlift_runtime_dependencies()], "install flowlift's runtime dependencies")
+    # ComfyUI-Manager's route: the pack's requirements.txt into ComfyUI's environment, its torch kept.
+    _run([*pip, TORCH_PIN, "-r", str(PACK_REQUIREMENTS)], "install the pack's requirements.txt")
 
 
 def comfy_python() -> Path:
@@ -129,13 +140,17 @@ def comfy_python() -> Path:
 
 
 def comfy_env(**extra: str) -> dict[str, str]:
-    """os.environ with the CPU shim and this checkout's src first on PYTHONPATH, HF_HUB_OFFLINE=1, plus ``extra``."""
+    """os.environ with the CPU shim and this checkout's src first on PYTHONPATH, HF_HUB_OFFLINE=1, one torch thread
+    (unless OMP_NUM_THREADS is set), plus ``extra``."""
     env = dict(os.environ)
     paths = [str(shared_dir() / "comfyui-cpu-shim"), str(REPO_ROOT / "src")]
     if env.get("PYTHONPATH"):
         paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["HF_HUB_OFFLINE"] = "1"
+    # One torch thread unless asked otherwise: the test models are tiny, and on a shared 2-core machine two threads
+    # contend (the tiny Klein's forward: 25 ms on one thread, 300-900 ms on two at load average 11).
+    env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
     return env
 

@@ -198,3 +198,53 @@ def test_both_stages_refuse_a_strength_outside_0_1_nan_included(strength):
         lab_lowband_transplant(torch.rand(1, 3, 16, 16), torch.rand(1, 3, 8, 8), strength)
     with pytest.raises(FlowliftError, match=r"latent_lowband_transplant: strength must be a number in \[0, 1\]"):
         latent_lowband_transplant(torch.rand(1, 32, 16, 16), torch.rand(1, 32, 8, 8), strength)
+
+
+def test_stage2_conversions_equal_kornias():
+    """colorfix_lab's sRGB <-> L*a*b* (white folded into the matrices, the correction added in f) is kornia's
+    rgb_to_lab / lab_to_rgb(clip=True) to float32 rounding, both branches of every piecewise function included."""
+    from kornia.color import lab_to_rgb as kornia_lab_to_rgb
+    from kornia.color import rgb_to_lab as kornia_rgb_to_lab
+
+    from flowlift.upscale.colorfix_lab import LabStep, lab_to_rgb, rgb_to_lab
+
+    gen = torch.Generator().manual_seed(0)
+    rgb = torch.rand(2, 3, 24, 20, generator=gen)
+    rgb[0, :, :4] = torch.rand(3, 4, 20, generator=gen) * 0.02  # the linear branches (dark: below 0.04045)
+    rgb[1, :, :2] = torch.tensor([0.0, 1.0, 0.5]).view(3, 1, 1)  # the gamut's corners
+    lab = kornia_rgb_to_lab(rgb)
+    assert (rgb_to_lab(rgb) - lab).abs().max() < 2e-4  # L*a*b* units (L in 0..100)
+    shifted = lab + torch.randn(lab.shape, generator=gen) * torch.tensor([8.0, 20.0, 20.0]).view(1, 3, 1, 1)
+    assert (lab_to_rgb(shifted.clone()) - kornia_lab_to_rgb(shifted, clip=True)).abs().max() < 2e-5
+    # T(c) strip by strip (the correction upsampled in f per strip) against kornia on the whole frame
+    coarse = torch.randn(2, 3, 6, 5, generator=gen) * 4
+    up = F.interpolate(coarse, scale_factor=4, mode="bilinear", align_corners=False)
+    expected = kornia_lab_to_rgb(kornia_rgb_to_lab(rgb) + up, clip=True)
+    step = LabStep(coarse, 4, 4)
+    strips = torch.cat([step(rgb, r0, min(24, r0 + 8)) for r0 in range(0, 24, 8)], dim=2)
+    assert (strips - expected).abs().max() < 2e-5
+
+
+def test_stage2_runs_in_one_cpu_thread_and_restores_the_count(monkeypatch):
+    """Stage 2's element-wise strips run in one intra-op thread on the CPU (no barrier spinning on a shared
+    machine); the caller's thread count is back afterwards, also when a strip callback raises."""
+    import flowlift.upscale.colorfix_lab as colorfix_lab
+
+    seen = []
+    step = colorfix_lab.LabStep.__call__
+    monkeypatch.setattr(colorfix_lab.LabStep, "__call__", lambda *a: seen.append(torch.get_num_threads()) or step(*a))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out, ref = torch.rand(1, 3, 32, 32), torch.rand(1, 3, 8, 8)
+        lab_lowband_transplant(out, ref)
+        assert set(seen) == {1} and torch.get_num_threads() == 2
+
+        def stop():
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            lab_lowband_transplant(out, ref, on_strip=stop)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -1,10 +1,11 @@
-"""The node pack inside a real ComfyUI v0.8.0 server (../shared/comfyui), driven over its HTTP API.
+"""The node pack inside a real ComfyUI 0.33 server (../shared/comfyui-0.33), driven over its HTTP API.
 
-One server per module (tests/comfy_server.py): a temp copy of ComfyUI with this repository linked into
-custom_nodes/, random small models in its models/ folders, bound to 127.0.0.1 on a free port and stopped
-at the end. The API-format copies of the shipped workflows (example_workflows/api/) are what the tests
-post to /prompt; the results are read from ComfyUI's output folder and compared with flowlift's Python
-API on the same inputs. The UI-format workflows in the frontend: tests/test_comfyui_frontend.py.
+The session's server (tests/comfy_server.py, shared with the other ComfyUI test modules): a temp copy of ComfyUI
+with this repository linked into custom_nodes/, random small models in its models/ folders, bound to 127.0.0.1 on
+a free port and stopped at the end of the session. The API-format copies of the shipped workflows
+(example_workflows/api/) are what the tests post to /prompt; the results are read from ComfyUI's output folder and
+compared with flowlift's Python API on the same inputs. The UI-format workflows in the frontend:
+tests/test_comfyui_frontend.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from comfy_server import IMAGE_H, IMAGE_W, comfy_server, load_api_workflow, message, png_tensor
+from comfy_server import IMAGE_H, IMAGE_W, load_api_workflow, message, png_tensor, session_server
+from comfy_venv import COMFYUI_VERSION
 from flowlift.comfyui.layouts import NUMERIC_INPUTS
 from flowlift.flux2.latents import from_comfyui_latent, patchify
 from flowlift.models.upscaler_weights import load_upscaler
@@ -60,10 +62,9 @@ def combo_options(spec: list) -> list:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, shared):
-    """ComfyUI v0.8.0 with this pack in custom_nodes/, serving on 127.0.0.1; stopped after the module."""
-    with comfy_server(tmp_path_factory.mktemp("comfy"), shared) as comfy:
-        yield comfy
+def server(request, tmp_path_factory, shared):
+    """The session's ComfyUI 0.33 server with this pack (tests/comfy_server.py), shared by the pack's test modules."""
+    return session_server(request.config, tmp_path_factory, shared)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -71,6 +72,8 @@ def server(tmp_path_factory, shared):
 
 
 def test_the_nodes_load_with_stable_ids_and_widget_order(server):
+    # the tests run on the minimum supported ComfyUI (docs/comfyui.md), not the v0.8.0 the pack left behind
+    assert server.request("/system_stats")["system"]["comfyui_version"] == COMFYUI_VERSION
     info = server.object_info
     missing = [n for n in NODE_IDS if n not in info]
     assert not missing, f"nodes missing from /object_info: {missing}\n{server.log_tail()}"
@@ -211,6 +214,58 @@ def test_every_native_vae_has_a_loader_whose_workflows_equal_the_python_api(serv
     assert (got - expected).abs().max().item() <= 1 / 255 + 1e-6
     round_trip = flowlift_vae.decode(flowlift_vae.encode(pixels)).clamp(0, 1)
     assert (png_tensor(server.output_file(entry, "82")) - round_trip).abs().max().item() <= 1 / 255 + 1e-6
+
+
+#: ComfyUI's own VAE loader on each VAE file flowlift also loads: (VAELoader's vae_name, the file under models/).
+COMFY_NATIVE_VAES = {
+    "flux2": ("flux2-vae.safetensors", "vae/flux2-vae.safetensors"),
+    "mage": ("mage_vae.safetensors", "vae/mage_vae.safetensors"),  # a full-size random Mage-VAE (ComfyUI's size)
+    "taef2": ("taef2", "vae_approx/taef2_encoder.pth"),
+}
+
+
+@pytest.mark.parametrize("kind", COMFY_NATIVE_VAES)
+def test_comfyuis_own_vae_objects_work_in_the_flowlift_nodes_as_flowlifts_loaders_do(server, kind):
+    """issue 45: the VAE objects of ComfyUI's own VAELoader (its FLUX.2 VAE, its Mage-Flow VAE, its TAEF2) go into
+    FlowliftUpscaleImage, and the result equals flowlift's own loader on the same file (FlowUpscalerPipeline over
+    ``load_vae``): to 1/255, the PNG's rounding, on top of float32 differences between the two implementations."""
+    vae_name, relative = COMFY_NATIVE_VAES[kind]
+    workflow = load_api_workflow("image_upscale_4x_taef2.json")
+    workflow["2"] = {"class_type": "VAELoader", "inputs": {"vae_name": vae_name}}
+    workflow["4"]["inputs"].update(seed=4, scale="2x")
+    workflow["5"]["inputs"]["filename_prefix"] = f"test/comfy_{kind}_upscale"
+    entry = server.run(workflow)
+
+    pixels = png_tensor(server.root / "input" / "example.png")
+    flowlift_vae = load_vae(server.root / "models" / relative)
+    upscaler = load_upscaler(server.root / "models" / "latent_upscale_models" / "flow_upscaler.safetensors")
+    expected = FlowUpscalerPipeline(upscaler, flowlift_vae).upscale_image(pixels, 1, seed=4, output_type="pt")
+    got = png_tensor(server.output_file(entry, "5"))
+    assert got.shape == (1, 3, 2 * IMAGE_H, 2 * IMAGE_W)
+    assert (got - expected).abs().max().item() <= 1 / 255 + 1e-5, kind
+
+
+def test_flowlifts_mage_loader_equals_comfyuis_on_the_same_file(server):
+    """The Mage-VAE file through ComfyUI's VAELoader and through FlowliftMageVAELoader (kept for flowlift's exact
+    tiled decode at 8K-16K): VAEEncode gives the same latent (1e-4) and VAEDecode the same image (1/255)."""
+    graph = {"1": {"class_type": "LoadImage", "inputs": {"image": "example.png"}}}
+    loaders = {"2": ("VAELoader", "vae_name"), "3": ("FlowliftMageVAELoader", "mage_name")}
+    for key, (loader, widget) in loaders.items():
+        graph |= {
+            key: {"class_type": loader, "inputs": {widget: "mage_vae.safetensors"}},
+            f"{key}0": {"class_type": "VAEEncode", "inputs": {"pixels": ["1", 0], "vae": [key, 0]}},
+            f"{key}1": {"class_type": "SaveLatent", "inputs": {"samples": [f"{key}0", 0], "filename_prefix": "m/l"}},
+            f"{key}2": {"class_type": "VAEDecode", "inputs": {"samples": ["20", 0], "vae": [key, 0]}},
+            f"{key}3": {"class_type": "SaveImage", "inputs": {"images": [f"{key}2", 0], "filename_prefix": "m/i"}},
+        }  # fmt: skip
+    entry = server.run(graph)
+    comfy_latent, flowlift_latent = (
+        load_file(str(server.output_file(entry, node, "latents")))["latent_tensor"] for node in ("21", "31")
+    )
+    assert comfy_latent.shape == (1, 128, IMAGE_H // 16, IMAGE_W // 16)
+    torch.testing.assert_close(flowlift_latent, comfy_latent, rtol=0, atol=1e-4)
+    comfy_image, flowlift_image = (png_tensor(server.output_file(entry, node)) for node in ("23", "33"))
+    assert (comfy_image - flowlift_image).abs().max().item() <= 1 / 255 + 1e-6
 
 
 def test_a_native_vae_loader_refuses_another_vae_in_one_line(server):
@@ -392,7 +447,7 @@ def test_soak_short_run_answers_every_prompt_with_a_valid_image(server, shared):
 
     # the verdict: growth beyond the allowance, more files or threads, failures and unanswered prompts count
     grown = dataclasses.replace(result, end=dataclasses.replace(
-        result.warm, rss=result.warm.rss + (200 << 20), open_files=result.warm.open_files + 1,
+        result.warm, rss=result.warm.rss + max(200 << 20, result.warm.rss // 5), open_files=result.warm.open_files + 1,
         threads=result.warm.threads + 1))
     assert [p.split(" ")[0] for p in soak.problems(grown)] == ["resident", "open", "threads"]
     flat = dataclasses.replace(result, end=result.warm)

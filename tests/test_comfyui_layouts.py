@@ -88,6 +88,22 @@ def test_requirements_txt_is_pyproject_minus_torch():
     assert project["tool"]["comfy"]["PublisherId"] and project["tool"]["comfy"]["DisplayName"]
 
 
+def test_pyproject_has_what_the_comfy_registry_reads():
+    """issue 45: [project] name, version and a Repository URL, [tool.comfy] PublisherId, DisplayName and an Icon
+    URL that names a square image of at most 400 px in this repository (on the Repository's main branch)."""
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    meta, comfy = project["project"], project["tool"]["comfy"]
+    assert meta["name"] == "flowlift" and re.fullmatch(r"\d+\.\d+\.\d+", meta["version"])
+    repository = meta["urls"]["Repository"]
+    assert re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+", repository), repository
+    assert re.fullmatch(r"[a-z][a-z0-9-]*", comfy["PublisherId"]) and comfy["DisplayName"]
+    owner_repo = repository.removeprefix("https://github.com/")
+    prefix = f"https://raw.githubusercontent.com/{owner_repo}/main/"
+    assert comfy["Icon"].startswith(prefix), comfy["Icon"]
+    with Image.open(REPO_ROOT / comfy["Icon"].removeprefix(prefix)) as icon:
+        assert icon.width == icon.height <= 400, icon.size
+
+
 # --------------------------------------------------------------------------------------------------
 # numeric inputs (issue 22: a NaN strength gave an all-black image with status success)
 
@@ -138,7 +154,7 @@ def api_copy(path: Path) -> dict:
 
 def test_every_ui_workflow_has_an_api_copy_with_the_same_graph():
     assert [p.name for p in UI_FILES] == sorted(p.name for p in (WORKFLOWS / "api").glob("*.json"))
-    assert len(UI_FILES) == 4
+    assert len(UI_FILES) == 5
     for path in UI_FILES:
         ui, api = json.loads(path.read_text()), api_copy(path)
         assert isinstance(ui["version"], (int, float)) and ui["version"] > 0, path.name
@@ -204,7 +220,7 @@ def test_ui_workflows_start_with_fixed_seeds():
                 values = node["widgets_values"]
                 assert values[widgets.index("seed") + 1] == "fixed", (path.name, node["type"], values)
                 found += 1
-    assert found == 3
+    assert found == 4  # the side-by-side template has one Flow Upscale Latent too
 
 
 def test_every_template_has_a_thumbnail_from_a_real_run():
@@ -219,3 +235,26 @@ def test_every_template_has_a_thumbnail_from_a_real_run():
         pixels[path.stem] = array.astype(np.float32)
     first, *others = pixels.values()
     assert all(o.shape != first.shape or np.abs(o - first).mean() > 10 for o in others)
+
+
+def test_the_side_by_side_template_opens_with_pids_branch_muted():
+    """PiD's weights are optional: its branch (everything only PiD's Save Image needs) is saved muted, so the template
+    opens without missing-model errors and the Flow Upscaler and bicubic paths run; Ctrl+M enables it."""
+    ui = json.loads((WORKFLOWS / "flux2_hires_side_by_side.json").read_text())
+    api = api_copy(WORKFLOWS / "flux2_hires_side_by_side.json")
+    needed: set[str] = set()
+
+    def inputs_of(key: str) -> None:
+        needed.add(key)
+        for value in api[key]["inputs"].values():
+            if isinstance(value, list):
+                inputs_of(str(value[0]))
+
+    saves = {key: "pid" in n["inputs"]["filename_prefix"] for key, n in api.items() if n["class_type"] == "SaveImage"}
+    for key in (k for k, is_pid in saves.items() if is_pid):
+        inputs_of(key)
+    pid, needed = needed, set()
+    for key in (k for k, is_pid in saves.items() if not is_pid):
+        inputs_of(key)
+    muted = {str(n["id"]) for n in ui["nodes"] if n.get("mode") == 2}
+    assert muted == pid - needed and "17" in muted, sorted(muted)

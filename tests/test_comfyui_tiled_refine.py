@@ -1,9 +1,11 @@
-"""Tiled FLUX.2 Refine (flowlift) on a real ComfyUI v0.8.0 server: the model patch under ComfyUI's own KSampler.
+"""Tiled FLUX.2 Refine (flowlift) on a real ComfyUI 0.33 server: the model patch under ComfyUI's own KSampler.
 
-One server for the module (tests/comfy_server.py) with the test-only nodes of tests/comfy_test_nodes: ComfyUI's
-own FLUX.2 model classes at a tiny width (its model detection accepts no FLUX.2 file narrower than the released
-hidden size 6144, see that module) and a random text conditioning. The latent is 128x192 px (8x12 in ComfyUI's
-layout); small tiles of 64 px with a 32 px overlap make a 3x5 grid.
+The session's server (tests/comfy_server.py) with the test-only nodes of tests/comfy_test_nodes. The model is a tiny
+FLUX.2 Klein single file (hidden 256: 2 heads of 128, one double and one single block) loaded by ComfyUI's own
+``UNETLoader``; its text conditioning comes from a test-only node (no tiny Qwen3 text encoder loads in ComfyUI).
+The latent is 128x192 px (8x12 in ComfyUI's layout); small tiles of 64 px with a 32 px overlap make a 3x5 grid.
+The whole hires graph (txt2img, Flow Upscale Latent, the patched KSampler, decode, save) is
+``test_the_klein_hires_template_runs_end_to_end_through_comfyuis_own_loaders``.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from comfy_server import REFINE_LATENT, comfy_server, message
+from comfy_server import KLEIN_UNET, REFINE_LATENT, load_api_workflow, message, png_tensor, session_server
+from flowlift.flux2.latents import from_comfyui_latent, patchify
+from flowlift.models.upscaler_weights import load_upscaler
 from flowlift.refine.settings import TILE_BATCH, TILE_OVERLAP, TILE_SIZE
+from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
 NODE = "FlowliftTiledFlux2Refine"
 TITLE = "Tiled FLUX.2 Refine (flowlift)"
@@ -25,9 +30,9 @@ FRAME_PX = (16 * REFINE_LATENT[2], 16 * REFINE_LATENT[3])  # (h, w)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, shared):
-    with comfy_server(tmp_path_factory.mktemp("comfy-tiled"), shared, test_nodes=True) as comfy:
-        yield comfy
+def server(request, tmp_path_factory, shared):
+    """The session's ComfyUI 0.33 server with this pack (tests/comfy_server.py), shared by the pack's test modules."""
+    return session_server(request.config, tmp_path_factory, shared)
 
 
 def tiled(model: list, tile_size: str, tile_overlap: int = 32, tile_batch: str = "auto") -> dict:
@@ -37,7 +42,7 @@ def tiled(model: list, tile_size: str, tile_overlap: int = 32, tile_batch: str =
 
 def ksampler(model: list, latent: list, cfg: float = 1.0) -> dict:
     return {"class_type": "KSampler", "inputs": {
-        "model": model, "positive": ["1", 1], "negative": ["1", 1], "latent_image": latent, "seed": 5, "steps": 2,
+        "model": model, "positive": ["c", 0], "negative": ["c", 0], "latent_image": latent, "seed": 5, "steps": 2,
         "cfg": cfg, "sampler_name": "euler", "scheduler": "simple", "denoise": 0.5}}  # fmt: skip
 
 
@@ -46,9 +51,11 @@ def save(samples: list, name: str) -> dict:
 
 
 def base_graph() -> dict:
+    """The tiny Klein through ComfyUI's UNETLoader ("1"), the refine latent ("2") and a text conditioning ("c")."""
     return {
-        "1": {"class_type": "FlowliftTestTinyFlux2", "inputs": {"seed": 3}},
+        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": KLEIN_UNET, "weight_dtype": "default"}},
         "2": {"class_type": "LoadLatent", "inputs": {"latent": "refine.latent"}},
+        "c": {"class_type": "FlowliftTestConditioning", "inputs": {"seed": 3}},
     }
 
 
@@ -105,7 +112,7 @@ def test_the_patched_model_equals_refine_cores_tiled_velocity_on_the_same_inputs
     cases = {"60": (1, False), "61": (1, True), "62": (2, True)}
     for node, (batch, reference) in cases.items():
         graph[node] = {"class_type": "FlowliftTestTiledReference", "inputs": {
-            "model": ["3", 0], "samples": ["2", 0], "conditioning": ["1", 1], "sigma": 0.6, "tile_size": 64,
+            "model": ["3", 0], "samples": ["2", 0], "conditioning": ["c", 0], "sigma": 0.6, "tile_size": 64,
             "tile_overlap": 32, "batch": batch, "reference_latent": reference}}  # fmt: skip
         graph[f"{node}s"] = save([node, 0], f"reference_{node}")
     entry = server.run(graph)
@@ -183,3 +190,56 @@ def test_cancel_stops_a_step_between_tiles(server):
     print(f"cancel honoured after {took:.2f} s")
     assert message(entry, "execution_interrupted")["node_type"] == "KSampler"
     assert "6" not in entry["outputs"] and took <= 5.0, took
+
+
+def test_the_klein_hires_template_runs_end_to_end_through_comfyuis_own_loaders(server):
+    """The shipped hires template's graph on a real FLUX.2 Klein file: UNETLoader -> EmptyFlux2LatentImage ->
+    KSampler (txt2img) -> Flow Upscale Latent 4x -> KSampler through Tiled FLUX.2 Refine (3x3 tiles) at low denoise
+    -> decode -> SaveImage. Only the text encoder is swapped for the test conditioning (no tiny Qwen3 loads)."""
+    workflow = load_api_workflow("flux2_klein_tiled_refine_4x.json")
+    assert [workflow[k]["class_type"] for k in ("1", "2", "3")] == ["UNETLoader", "CLIPLoader", "CLIPTextEncode"]
+    del workflow["2"]
+    workflow["3"] = {"class_type": "FlowliftTestConditioning", "inputs": {"seed": 1}}
+    workflow["4"]["inputs"] |= {"width": 64, "height": 64}
+    workflow["5"]["inputs"]["steps"] = workflow["9"]["inputs"]["steps"] = 2
+    workflow["8"]["inputs"] |= {"tile_size": "128", "tile_overlap": 64}
+    workflow |= {"90": save(["5", 0], "txt2img"), "91": save(["7", 0], "upscaled"), "92": save(["9", 0], "refined")}
+    entry = server.run(workflow)
+
+    generated, upscaled, refined = (saved(server, entry, node) for node in ("90", "91", "92"))
+    assert generated.shape == (1, 128, 4, 4) and upscaled.shape == refined.shape == (1, 128, 16, 16)
+    upscaler = load_upscaler(server.root / "models" / "latent_upscale_models" / "flow_upscaler.safetensors")
+    pipeline = FlowUpscalerPipeline(upscaler, vae=None)
+    expected = patchify(pipeline.upscale_latents(from_comfyui_latent({"samples": generated}), 2, seed=0))
+    torch.testing.assert_close(upscaled, expected, rtol=0, atol=1e-5)  # flowlift's upscale of the Klein latent
+    assert torch.isfinite(refined).all() and (refined - upscaled).abs().max() > 1e-2  # the refine changed it
+    assert "Tiled FLUX.2 Refine: 256x256 px in 3x3 tiles of 128x128 px, overlap 64 px" in server.log.read_text(
+        errors="replace"
+    )
+    image = png_tensor(server.output_file(entry, "12"))
+    assert image.shape == (1, 3, 256, 256) and image.std() > 0.01
+
+
+def test_the_side_by_side_template_runs_its_flow_upscaler_and_bicubic_paths_without_pids_weights(server):
+    """The comparison template as queued: ComfyUI 0.33 validates every output; only PiD's (its transformer and text
+    encoder are not here) is refused, naming those two files, and the Flow Upscaler and latent bicubic paths, each
+    refined by the tiled Klein, run to images of the same 4x size. Only the Klein text encoder is swapped for the
+    test conditioning (no tiny Qwen3 loads)."""
+    workflow = load_api_workflow("flux2_hires_side_by_side.json")
+    assert workflow["7"]["class_type"] == "CLIPLoader" and workflow["8"]["class_type"] == "CLIPTextEncode"
+    del workflow["7"]
+    workflow["8"] = {"class_type": "FlowliftTestConditioning", "inputs": {"seed": 2}}
+    for sampler in ("10", "14"):
+        workflow[sampler]["inputs"]["steps"] = 2
+    answer = server.request("/prompt", {"prompt": workflow, "client_id": "side-by-side"})
+    errors = answer["node_errors"]
+    missing = {(node, e["extra_info"]["input_name"]) for node, entry in errors.items() for e in entry["errors"]}
+    assert missing == {("17", "unet_name"), ("18", "clip_name")}, errors
+    assert {e["type"] for entry in errors.values() for e in entry["errors"]} == {"value_not_in_list"}, errors
+    entry = server.wait(answer["prompt_id"])
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    assert set(entry["outputs"]) == {"12", "16"}  # PiD's SaveImage (29) was not run
+    flow, bicubic = (png_tensor(server.output_file(entry, node)) for node in ("12", "16"))
+    source = png_tensor(server.root / "input" / "example.png")
+    assert flow.shape == bicubic.shape == (1, 3, 4 * source.shape[2], 4 * source.shape[3])
+    assert (flow - bicubic).abs().max() > 0.05  # two different upscalers

@@ -197,3 +197,34 @@ def test_narrow_images_upscale_in_bf16_like_float32(native_bf16, tmp_path, share
         pixels[dtype] = torch.tensor(list(Image.open(out).getdata()), dtype=torch.float32)
     assert read_metadata(tmp_path / "auto.png")["flowlift"]["dtype"] == "bfloat16"
     assert (pixels["auto"] - pixels["float32"]).abs().mean() < 4
+
+
+@pytest.mark.parametrize(
+    "code, preset, expected",
+    [
+        # the command line as its own process: set before torch is imported
+        ("import flowlift.commands.cli as c; sys.argv = ['flowlift']; c.main()", None, "PASSIVE"),
+        # an in-process caller of main(argv) keeps its own environment
+        ("import flowlift.commands.cli as c; c.main([])", None, None),
+        # a user's own setting wins
+        ("import flowlift.commands.cli as c; sys.argv = ['flowlift']; c.main()", "ACTIVE", "ACTIVE"),
+        # too late once torch (and libgomp) is loaded: nothing is set
+        ("import torch, flowlift.devices as d; assert not d.passive_thread_wait()", None, None),
+    ],
+)
+def test_command_line_makes_torch_threads_wait_passively(code, preset, expected):
+    """Issue 47: libgomp's spinning at barriers doubled a command's CPU time on a loaded machine; a command that is
+    its own process sets OMP_WAIT_POLICY=PASSIVE before torch loads, and nothing else changes the environment."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1] / "src")
+    probe = f"import os, sys\n{code}\nprint('POLICY', os.environ.get('OMP_WAIT_POLICY'))"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert f"POLICY {expected}" in run.stdout.splitlines()

@@ -62,6 +62,7 @@ SKIP: dict[str, str] = {
     "pip install -e .[pixel]": INSTALLS,
     "pip install -e .[text]": INSTALLS,
     "/path/to/ComfyUI/venv/bin/python -m pip install -r requirements.txt": HOST_APP,
+    "comfy node install flowlift": INSTALLS,
     "/path/to/invokeai/.venv/bin/python -m pip install kornia scikit-image numpy<2": HOST_APP,
     "ln -s $PWD /path/to/ComfyUI/custom_nodes/flowlift": HOST_APP,
     "ln -s $PWD $INVOKEAI_ROOT/nodes/flowlift": HOST_APP,
@@ -72,6 +73,7 @@ SKIP: dict[str, str] = {
     "python -m pytest -q tests/test_tiled_refine.py tests/test_cli_refine.py -k tile tests/test_refine_memory.py":
         TEST_SUITE,
     "PYTHONPATH=src python benchmarks/bench_first_run.py --baseline ade227f --repeats 2": BENCHMARK,
+    "PYTHONPATH=src python benchmarks/bench_floor.py --repeats 1": BENCHMARK,
     "PYTHONPATH=src python benchmarks/bench_unet.py": BENCHMARK,
     "PYTHONPATH=src python benchmarks/bench_vae.py --tiling --sizes 1024 2048 --repeat 1": BENCHMARK,
     "PYTHONPATH=src python benchmarks/bench_vae.py --megapixels 1 4 16 --budget-s 480": BENCHMARK,
@@ -153,6 +155,8 @@ SKIP: dict[str, str] = {
     "flowlift eval --dataset my-photos/ --scale 4 -o compare/ --vae taef2 --upscaler TensorForger/FlowUpscaler "
     "--run lanczos,latent-bicubic,flow,flow:color=off --run spandrel:4x-UltraSharp.pth:ultrasharp "
     "--run spandrel:4x-UltraSharp.pth:ultrasharp+colorfix": f"the pixel extra and 4x-UltraSharp.pth: {NEEDS_WEIGHTS}",
+    "flowlift eval --run lanczos,latent-bicubic,flow,sesqui:upscaler_Flux2.safetensors --dataset photos/ "
+    "--scale 1.5 --vae flux2 -o report/": NEEDS_WEIGHTS,
     "flowlift eval OUTPUTS --reference INPUTS [--ground-truth GT] [--box x,y,w,h] -o report/": SYNOPSIS,
     "flowlift eval OUT_DIR --reference IN_DIR [--ground-truth GT_DIR] [--box x,y,w,h] -o report/": SYNOPSIS,
     "flowlift eval OUT/outputs/lanczos --reference OUT/outputs/inputs --ground-truth OUT/outputs/ground-truth":

@@ -112,6 +112,22 @@ def test_load_strict_refuses_non_float_and_non_finite_for_any_module():
         load_strict(module, {**good, "bias": torch.tensor([0.0, float("inf")])}, what="test weights")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("where", [0, 4097, 99_999])
+def test_finite_check_finds_one_bad_value_anywhere_in_any_float_dtype(dtype, where):
+    """The one-read check (aminmax, isfinite where aminmax is missing) sees a single NaN or Inf at the start, inside a
+    vector block and at the end of a large tensor, in every float dtype a file may hold."""
+    from flowlift.models.weights import first_non_finite
+
+    for bad, kind in ((float("nan"), "NaN"), (float("inf"), "Inf"), (float("-inf"), "Inf")):
+        tensor = torch.linspace(-1, 1, 100_000).to(dtype)
+        assert first_non_finite({"a": torch.zeros(3), "w": tensor}) is None
+        if dtype == torch.float8_e4m3fn and kind == "Inf":
+            continue  # float8_e4m3fn has no infinity (it saturates to NaN)
+        tensor[where] = bad
+        assert first_non_finite({"a": torch.zeros(3), "w": tensor}) == f"{kind} in `w`"
+
+
 @pytest.mark.parametrize(
     "metadata, drop",
     [

@@ -118,11 +118,14 @@ def stub_comfy(monkeypatch) -> None:
     """Just enough of ComfyUI's module names for :mod:`flowlift.comfyui.vae_adapters` to import; the class under
     test (what ComfyUI's VAEEncode / VAEDecode call on a flowlift VAE) uses none of them."""
     comfy = types.ModuleType("comfy")
-    parts = {name: types.ModuleType(f"comfy.{name}") for name in ("model_management", "model_patcher", "sd")}
+    names = ("model_management", "model_patcher", "sd", "taesd", "taesd.taesd")
+    parts = {name: types.ModuleType(f"comfy.{name}") for name in names}
     parts["sd"].VAE = type("VAE", (), {})
+    parts["taesd.taesd"].TAESD = type("TAESD", (), {})
     monkeypatch.setitem(sys.modules, "comfy", comfy)
     for name, module in parts.items():
-        setattr(comfy, name, module)
+        parent, _, leaf = f"comfy.{name}".rpartition(".")
+        setattr(sys.modules[parent] if parent != "comfy" else comfy, leaf, module)
         monkeypatch.setitem(sys.modules, f"comfy.{name}", module)
     monkeypatch.delitem(sys.modules, "flowlift.comfyui.vae_adapters", raising=False)
 

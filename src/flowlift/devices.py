@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from flowlift.errors import FlowliftError
@@ -141,6 +143,29 @@ _M_MMAP_MAX = -4
 REUSE_FREED_MEMORY_ENV = "FLOWLIFT_REUSE_FREED_MEMORY"
 
 
+#: The OpenMP wait policy a command that is its own process gives torch's threads, unless the user set one.
+OMP_WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+
+
+def passive_thread_wait() -> bool:
+    """Have torch's OpenMP threads sleep, not spin, while they wait for work; True if set.
+
+    libgomp (torch's CPU OpenMP) spins a waiting thread for ~300,000 rounds at every barrier. On a machine
+    shared with other jobs the thread it waits for is often descheduled, so the spinning burns whole time
+    slices: measured on the 2-core AMD EPYC at load average 17-19, the 256² -> 512² command took 8.9 CPU-s
+    and 107 s wall spinning against 4.5 CPU-s and 35 s wall with ``OMP_WAIT_POLICY=PASSIVE`` (docs/cpu.md,
+    issue 47); the models' large convolutions wait little either way. Sets :data:`OMP_WAIT_POLICY_ENV` to
+    ``PASSIVE`` in the environment, which libgomp reads once, when torch is imported: so only when torch is
+    not imported yet and the variable is unset (a user's own setting wins). Inherited by child processes.
+    """
+    import sys
+
+    if "torch" in sys.modules or os.environ.get(OMP_WAIT_POLICY_ENV):
+        return False
+    os.environ[OMP_WAIT_POLICY_ENV] = "PASSIVE"
+    return True
+
+
 def reuse_freed_memory() -> bool:
     """Keep memory the process frees for its next allocations instead of handing it back; True if set.
 
@@ -171,3 +196,21 @@ def reuse_freed_memory() -> bool:
     mallopt.restype = ctypes.c_int
     # mallopt answers 1 on success; the trim threshold is an int, so "unbounded" is its largest value.
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+@contextmanager
+def one_thread(device: torch.device | str) -> Iterator[None]:
+    """On the CPU, torch's intra-op threads set to 1 for the block (restored after, also on an error); elsewhere
+    nothing. For memory-bound element-wise work and reductions: a second OpenMP thread mostly waits at each
+    operation's barrier, and on a machine shared with other jobs it spins there (docs/cpu.md, issue 47)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if torch.device(device).type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -1,17 +1,17 @@
-"""Test-only ComfyUI nodes (linked into the test server's custom_nodes/ by ``comfy_server(test_nodes=True)``).
+"""Test-only ComfyUI nodes (linked into the test server's custom_nodes/ next to the pack, tests/comfy_server.py).
 
-ComfyUI v0.8.0's model detection (``comfy/model_detection.py``) reads a FLUX.2 checkpoint with 48 heads and
-4 rope axes of 32 (head width 128) whatever its shapes, so the hidden size must be 48 * 128 = 6144, and it needs a
-``double_blocks.0`` block: no checkpoint it accepts is smaller than about 1.5 billion parameters. These nodes
-therefore build **ComfyUI's own FLUX.2 model class** (``comfy.supported_models.Flux2`` -> ``comfy.model_base.Flux2``
--> ``comfy.ldm.flux.model.Flux``, the classes a detected FLUX.2 file gets) from a tiny ``unet_config`` in the
-server's process, with seeded random weights, as ``comfy.sd.load_diffusion_model_state_dict`` does after
-detection.
+The FLUX.2 model of the tests is a tiny Klein single file loaded by ComfyUI's own ``UNETLoader`` (ComfyUI 0.33
+takes the heads as hidden // 128 and the blocks and context width from the weights). Its text conditioning cannot
+come from ``CLIPLoader``: ComfyUI's Klein text encoder is a Qwen3-4B of fixed size (36 layers of 2560, prompts
+padded to 512 tokens), so no tiny one loads. These nodes stand in for what cannot be made small:
 
-* ``FlowliftTestTinyFlux2``: seed -> (MODEL, CONDITIONING): the tiny FLUX.2 and a random text conditioning.
+* ``FlowliftTestConditioning``: seed -> CONDITIONING, a random text context as wide as the tiny Klein's (32), in
+  the layout ``CLIPTextEncode`` gives a FLUX.2 model (no pooled output).
 * ``FlowliftTestTiledReference``: a model patched by Tiled FLUX.2 Refine + a LATENT + sigma -> LATENT holding, on
   the batch axis, the patched model's prediction, flowlift's refine core (``TiledVelocity`` over the same model
   function, one tile per call) on the same inputs, and the unpatched prediction.
+* ``FlowliftTestTinyFlux2``: seed -> (MODEL, CONDITIONING), ComfyUI's FLUX.2 classes built in-process at width 64
+  (benchmarks/bench_comfyui_tiled_refine.py imports :func:`tiny_flux2` without a server).
 """
 
 from __future__ import annotations
@@ -68,6 +68,21 @@ class FlowliftTestTinyFlux2:
         return (tiny_flux2(seed), [[context, {"pooled_output": None}]])  # FLUX.2 has no pooled text
 
 
+class FlowliftTestConditioning:
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "build"
+    CATEGORY = "flowlift_test"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31})}}
+
+    def build(self, seed: int):
+        generator = torch.Generator().manual_seed(seed + 1)
+        context = torch.randn(1, TEXT_TOKENS, TINY_UNET_CONFIG["context_in_dim"], generator=generator)
+        return ([[context, {"pooled_output": None}]],)  # FLUX.2 has no pooled text
+
+
 class FlowliftTestTiledReference:
     RETURN_TYPES = ("LATENT",)
     FUNCTION = "compare"
@@ -106,6 +121,7 @@ class FlowliftTestTiledReference:
 
 
 NODE_CLASS_MAPPINGS = {
+    "FlowliftTestConditioning": FlowliftTestConditioning,
     "FlowliftTestTinyFlux2": FlowliftTestTinyFlux2,
     "FlowliftTestTiledReference": FlowliftTestTiledReference,
 }

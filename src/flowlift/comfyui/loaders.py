@@ -1,6 +1,9 @@
-"""The loader nodes (ComfyUI's V3 schema): the Flow Upscaler from models/latent_upscale_models, and one node
-per VAE flowlift runs itself (the ``native`` entries of :data:`flowlift.models.vae_names.NAMED_VAES`): TAEF2
-from models/vae_approx, Mage-VAE from models/vae. The FLUX.2 VAE is ComfyUI's own (VAELoader).
+"""The loader nodes (ComfyUI's V3 schema): the Flow Upscaler from models/latent_upscale_models (ComfyUI's own
+folder since it has latent upscalers; registered here only where a ComfyUI lacks it), and one node per VAE flowlift
+runs itself (the ``native`` entries of :data:`flowlift.models.vae_names.NAMED_VAES`): TAEF2 from models/vae_approx,
+Mage-VAE from models/vae. The FLUX.2 VAE is ComfyUI's own (VAELoader); ComfyUI 0.33's VAELoader also loads TAEF2
+and Mage-VAE, and FlowliftUpscaleImage takes those objects too: flowlift's loaders remain for what ComfyUI's do not
+do, flowlift's exact tiled encode/decode in bounded memory (Mage-VAE at 8K-16K; TAEF2 above 1 Mpx).
 
 All read through ComfyUI's folder helpers (so ``extra_model_paths.yaml`` folders count) and load with
 flowlift's strict loaders (one-line errors). A VAE added to the declaration gets its loader node here.
@@ -75,11 +78,13 @@ _LOADER_TEXT = {
               "Loads TAEF2 from models/vae_approx (taef2_encoder + taef2_decoder, either released key layout): a fast, "
               "approximate FLUX.2 VAE for VAEEncode/VAEDecode/VAEDecodeTiled and FlowliftUpscaleImage.",
               "a TAEF2 file; its encoder/decoder partner next to it is loaded with it"),
-    "mage": ("Load Mage-VAE (flowlift)",
-             "Loads Mage-VAE (Mage-Flow's VAE, as released: one .safetensors with student.dconv_encoder.* and "
-             "pipeline.* tensors) from models/vae: FLUX.2 latents for VAEEncode/VAEDecode and FlowliftUpscaleImage "
-             "at a fraction of the FLUX.2 VAE's cost. A decode-only file decodes only.",
-             "a Mage-VAE .safetensors file in models/vae"),
+    "mage": ("Load Mage-VAE for 8K-16K (flowlift)",
+             "For 8K-16K images: loads Mage-VAE (Mage-Flow's VAE, the released .safetensors with "
+             "student.dconv_encoder.* and pipeline.* tensors) from models/vae with flowlift's exact tiled encode and "
+             "decode, which keep memory bounded by a tile and equal the whole frame (ComfyUI's own tiled decode "
+             "blends overlaps instead). At smaller sizes ComfyUI's own VAELoader loads the same file with the same "
+             "results; use that. A decode-only file decodes only.",
+             "a Mage-VAE .safetensors file in models/vae (the same file ComfyUI's VAELoader loads)"),
 }  # fmt: skip
 
 

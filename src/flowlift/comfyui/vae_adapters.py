@@ -20,6 +20,7 @@ from typing import Any
 import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.sd
+import comfy.taesd.taesd
 import torch
 
 from flowlift.errors import FlowliftError
@@ -40,6 +41,11 @@ BYTES_PER_PIXEL = {"taef2": 64 * 6, "mage": 352}
 TAEF2_BYTES_PER_PIXEL = BYTES_PER_PIXEL["taef2"]
 
 
+def is_comfy_taef2(vae: Any) -> bool:
+    """Whether ``vae`` is ComfyUI's own TAEF2 (``VAELoader`` ``taef2``: its TAESD class at 128 latent channels)."""
+    return isinstance(getattr(vae, "first_stage_model", None), comfy.taesd.taesd.TAESD)
+
+
 class ComfyFlux2VAE:
     """flowlift's VAE interface over a ComfyUI FLUX.2 ``VAE`` (any VAE whose LATENT is (B, 128, H/16, W/16)).
 
@@ -51,9 +57,15 @@ class ComfyFlux2VAE:
     approximate_decode = False
     dtype = torch.float32
 
-    def __init__(self, vae: comfy.sd.VAE, device: torch.device, tile_above_pixels: int = TILED_DECODE_PIXELS):
+    def __init__(
+        self, vae: comfy.sd.VAE, device: torch.device, tile_above_pixels: int | None = TILED_DECODE_PIXELS
+    ) -> None:
         channels = getattr(vae, "latent_channels", None)
         ratio = vae.spacial_compression_encode() if hasattr(vae, "spacial_compression_encode") else None
+        if channels == PATCHIFIED_CHANNELS and is_comfy_taef2(vae):
+            # ComfyUI's own TAEF2 reports 1/8 but its FLUX.2 encoder patchifies to 1/16; its tiled decode would place
+            # tiles at 1/8, so it always decodes the whole frame (FlowliftTAEF2Loader's exact tiling bounds memory)
+            ratio, tile_above_pixels = 2 * self.spatial_factor, None
         if channels != PATCHIFIED_CHANNELS or ratio != 2 * self.spatial_factor:
             raise FlowliftError(
                 f"the Flow Upscaler needs a FLUX.2 VAE (128-channel latents at 1/16 size) or TAEF2, got a VAE with "
@@ -75,7 +87,8 @@ class ComfyFlux2VAE:
     def decode(self, latents: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
         samples = patchify(latents.to(torch.float32))
         pixels = samples.shape[-2] * samples.shape[-1] * (2 * self.spatial_factor) ** 2
-        if tiled if tiled is not None else pixels > self.tile_above_pixels:
+        whole = self.tile_above_pixels is None
+        if not whole and (tiled if tiled is not None else pixels > self.tile_above_pixels):
             images = self.vae.decode_tiled(
                 samples, tile_x=TILE_LATENT, tile_y=TILE_LATENT, overlap=TILE_OVERLAP_LATENT
             )
@@ -138,12 +151,16 @@ class FlowliftComfyVAE(comfy.sd.VAE):
         self.upscale_index_formula = None
         self.extra_1d_channel = None
         self.crop_input = True  # sides cropped to multiples of 16: what Mage-VAE needs, and TAEF2's LATENT
+        self.handles_tiling = False  # VAEDecodeTiled tiles with ComfyUI's own code
+        self.format_encoded = None
+        self.audio_sample_rate = 44100  # ComfyUI's default for every VAE (unused by image VAEs)
 
         self.first_stage_model = FlowliftLatentModel(adapter).eval()
         self.device = mm.vae_device()
         offload_device = mm.vae_offload_device()
         self.vae_dtype = mm.vae_dtype(self.device, self.working_dtypes)
         self.first_stage_model.to(self.vae_dtype)
+        mm.archive_model_dtypes(self.first_stage_model)  # what ComfyUI's VAE records before its patcher sees it
         self.output_device = mm.intermediate_device()
         self.patcher = comfy.model_patcher.ModelPatcher(
             self.first_stage_model, load_device=self.device, offload_device=offload_device

@@ -31,7 +31,7 @@ from flowlift.console import (
     set_command,
     stdout_failure,
 )
-from flowlift.devices import reuse_freed_memory
+from flowlift.devices import passive_thread_wait, reuse_freed_memory
 from flowlift.errors import FlowliftError
 from flowlift.version import __version__
 
@@ -180,6 +180,8 @@ def _main(argv: Sequence[str] | None) -> int:
     owns_process = argv is None
     command = _command_word(sys.argv[1:] if argv is None else argv)
     parser = args = None
+    if owns_process:
+        passive_thread_wait()  # before anything imports torch
     try:
         # signals first, the parser (every command module) after: a signal during the imports stops the run too
         with _signals_interrupt():  # restored when an in-process caller returns

@@ -28,6 +28,7 @@ from flowlift.commands._options import (
     positive_int,
 )
 from flowlift.console import show_progress
+from flowlift.measure.inputs import scale_argument
 from flowlift.measure.methods import SPANDREL_TILE, SPANDREL_TILE_OVERLAP
 
 EPILOG = """\
@@ -42,6 +43,11 @@ methods for --run:
                                         pip install -e ".[pixel]"); run at its native scale, tiled by
                                         memory, Lanczos-resized to --scale if that differs; +colorfix
                                         adds flowlift's stage-2 colour fix against the input
+  sesqui:PATH[:label]                   SesquiLSR (upscaler_Flux2.safetensors from the models/ folder of
+                                        github.com/LoganBooker/SesquiLSR) on the FLUX.2 VAE's raw latents;
+                                        --scale in (1, 2]
+--scale may be fractional (1.5, 1.25): the low-res inputs are then Lanczos-downsampled; a method that
+cannot reach the scale (flow off the powers of 2, sesqui past 2x) is skipped, its reason in the table.
 
 """
 
@@ -76,9 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="methods to run, comma-separated: lanczos, bicubic, latent-bicubic, vae-roundtrip, "
                         "flow, spandrel:PATH; flow takes options as flow:transplant=F, flow:color_fix=F, "
                         "flow:color=on|off, flow:seed=N (chained: flow:color=off:seed=1); spandrel models as "
-                        "spandrel:PATH:label or spandrel:PATH+colorfix (see below)")  # fmt: skip
+                        "spandrel:PATH:label or spandrel:PATH+colorfix; SesquiLSR as sesqui:PATH[:label] "
+                        "(see below)")  # fmt: skip
     parser.add_argument("--dataset", action="append", help="photos (files/folders) to build low-res inputs from")
-    parser.add_argument("--scale", type=positive_int, default=DEFAULT_SCALE, help="upscale factor for --run")
+    parser.add_argument("--scale", type=scale_argument, default=DEFAULT_SCALE,
+                        help="upscale factor for --run: above 1, at most 16, whole or p/q with q <= 16 (1.5)")
     parser.add_argument("--limit", type=positive_int, help="use only the first N dataset images")
     parser.add_argument("--box", type=_box, help="x,y,w,h in output pixels: grey levels are counted here, "
                         "and the figure crops it")  # fmt: skip

@@ -19,7 +19,8 @@ import numpy as np
 from flowlift.files.atomic import atomic_write_bytes
 from flowlift.files.own_files import flowlift_image, folder_refusal, json_object, replace_problem, software, stamp
 
-CACHE_VERSION = 1
+#: Bumped when the metrics change (2: psnr_y / ssim_y), so older entries are recomputed, not reported short.
+CACHE_VERSION = 2
 
 
 def array_digest(*arrays: np.ndarray | None) -> str:

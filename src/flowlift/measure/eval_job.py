@@ -46,7 +46,7 @@ class EvalRequest:
     ground_truth: str | None = None
     run: Sequence[str] | None = None
     dataset: Sequence[str] | None = None
-    scale: int = SCALE.default
+    scale: int | float = SCALE.default  # whole or p/q (measure.inputs.check_scale)
     limit: int | None = None
     box: tuple[int, int, int, int] | None = None
     vae: str = DEFAULT_VAE
@@ -165,18 +165,15 @@ def _run_methods(request: EvalRequest, env: DistEnv) -> EvalReport | None:
     from flowlift.jobs.distributed import rank_device
     from flowlift.measure.cache import model_identity
     from flowlift.measure.evaluate import evaluate_methods
-    from flowlift.measure.methods import flow_kwargs, make_method_fn, parse_methods
+    from flowlift.measure.methods import make_method_fn, parse_methods, unreachable
 
     specs = parse_methods(request.run)
     given, dtype = resolve_device_dtype(request.device, request.dtype)
     # under torchrun each rank computes on its own cuda:LOCAL_RANK; cache keys and reports name the device given
     device = torch.device(rank_device(str(given), env)) if env.distributed else given
-    needs_vae = any(s.needs_vae for s in specs)
-    needs_flow = any(s.name == "flow" for s in specs)
+    needs_vae = any(s.needs_vae and not unreachable(s, request.scale) for s in specs)
+    needs_flow = any(s.name == "flow" and not unreachable(s, request.scale) for s in specs)  # else skipped
     upscaler = request.upscaler
-    for s in specs:
-        if s.name == "flow":
-            flow_kwargs(s, request.scale)  # validates the scale before any work
     if needs_vae:  # every weight found (or every missing one named, in one line) before any loads
         from flowlift.models.weights import require_all
         from flowlift.upscale.loading import DEFAULT_UPSCALER, upscale_weight_checks

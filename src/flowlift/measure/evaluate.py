@@ -26,8 +26,16 @@ from flowlift.errors import FlowliftError
 from flowlift.files.naming import index_by_stem
 from flowlift.measure import metrics as M
 from flowlift.measure.cache import CACHE_VERSION, ResultCache, array_digest, cache_key
-from flowlift.measure.inputs import Box, dataset_paths, default_crop, input_crop, load_rgb, prepare_pair
-from flowlift.measure.methods import SPANDREL, MethodFn, MethodSpec, make_method_fn, method_folder
+from flowlift.measure.inputs import (
+    Box,
+    check_scale,
+    dataset_paths,
+    default_crop,
+    input_crop,
+    load_rgb,
+    prepare_pair,
+)
+from flowlift.measure.methods import SESQUI, SPANDREL, MethodFn, MethodSpec, make_method_fn, method_folder, unreachable
 
 
 def measure(
@@ -38,7 +46,7 @@ def measure(
 ) -> dict[str, float]:
     """All metrics of one output: A against ``reference`` (its input), B on the output (levels in
     ``box``), L1 / identical pixels when output and reference have the same size, C against
-    ``ground_truth`` when given."""
+    ``ground_truth`` when given (PSNR-Y / SSIM-Y with :func:`y_shave` px off each border)."""
     result = M.drift_at_input_scale(output, reference)
     result.update(M.detail(output, box))
     if output.shape == reference.shape:
@@ -49,8 +57,16 @@ def measure(
                 f"ground truth {ground_truth.shape[1]}x{ground_truth.shape[0]} and output "
                 f"{output.shape[1]}x{output.shape[0]} differ in size"
             )
-        result.update(M.fidelity(output, ground_truth))
+        result.update(M.fidelity(output, ground_truth, y_shave(output.shape, reference.shape)))
     return result
+
+
+def y_shave(output_shape: tuple[int, ...], input_shape: tuple[int, ...]) -> int:
+    """Border pixels PSNR-Y / SSIM-Y leave out: the upscale factor, rounded up (``ceil(max(H/h, W/w))``:
+    4 at 4x, 2 at 1.5x, 1 for a same-size output), the super-resolution field's ``crop_border = scale``."""
+    import math
+
+    return math.ceil(max(output_shape[0] / input_shape[0], output_shape[1] / input_shape[1]) - 1e-9)
 
 
 #: How the "worst" row picks a value: largest magnitude (sign kept), smallest or largest.
@@ -59,7 +75,7 @@ WORST_RULE = {
     "c_mean_change_pct": "abs", "dC": "abs", "c_p99_change": "abs", "l_std_change": "abs",
     "l_p5_change": "abs", "l_p95_change": "abs", "psnr_input": "min", "sharpness": "min",
     "hf_energy": "min", "levels": "min", "grey_sigma": "min", "l1": "max", "identical_pct": "min",
-    "psnr_gt": "min", "ssim_gt": "min",
+    "psnr_gt": "min", "ssim_gt": "min", "psnr_y": "min", "ssim_y": "min",
 }  # fmt: skip
 
 
@@ -204,7 +220,7 @@ def check_pair_sizes(pairs: Sequence[tuple[Path, Path]]) -> None:
 def evaluate_methods(
     methods: Sequence[MethodSpec],
     dataset: Sequence[str | Path],
-    scale: int,
+    scale: float,
     *,
     method_fns: dict[str, MethodFn] | None = None,
     identities: dict[str, Any] | None = None,
@@ -229,6 +245,10 @@ def evaluate_methods(
     include ``(ground truth)`` with the photos' own detail metrics. ``indices`` (positions in
     :func:`dataset_paths`) restricts the work to those images: one rank's share of a sharded run,
     whose results reach the merged report through the cache.
+
+    ``scale`` may be fractional (1.5; :func:`flowlift.measure.inputs.check_scale`). A method that cannot
+    reach it (:func:`flowlift.measure.methods.unreachable`) is not run: ``config["skipped"]`` holds its
+    reason and the table prints it.
     """
     from PIL import Image
 
@@ -236,8 +256,9 @@ def evaluate_methods(
     from flowlift.files.image_outputs import save_image_atomic
     from flowlift.files.own_files import flowlift_image
 
-    if scale < 2:
-        raise FlowliftError(f"--scale must be an integer >= 2, got {scale}")
+    scale = check_scale(scale)
+    skipped = {m.label: reason for m in methods if (reason := unreachable(m, scale))}
+    methods = [m for m in methods if m.label not in skipped]
     paths = dataset_paths(dataset, limit)
     if indices is not None:
         paths = [paths[i] for i in sorted(set(indices))]
@@ -250,6 +271,7 @@ def evaluate_methods(
             "dataset": [str(d) for d in dataset],
             "scale": scale,
             "methods": [m.label for m in methods],
+            "skipped": skipped,
             "box": box,
             "images": [p.stem for p in paths],
             **{k: v for k, v in identities.items()},
@@ -293,14 +315,38 @@ def evaluate_methods(
     return report
 
 
-def saved_output_paths(save_outputs: Path, labels: Sequence[str], stems: Sequence[str], scale: int) -> list[Path]:
+def saved_output_paths(save_outputs: Path, labels: Sequence[str], stems: Sequence[str], scale: float) -> list[Path]:
     """Every file ``evaluate_methods(save_outputs=...)`` writes for these methods and images."""
-    from flowlift.files.naming import upscaled_name
-
     paths = [save_outputs / folder / f"{stem}.png" for folder in ("inputs", "ground-truth") for stem in stems]
-    paths += [save_outputs / method_folder(label) / upscaled_name(stem, scale, "png") for label in labels
+    paths += [save_outputs / method_folder(label) / output_name(stem, scale) for label in labels
               for stem in stems]  # fmt: skip
     return paths
+
+
+def output_name(stem: str, scale: float) -> str:
+    """``<stem>_x<scale>.png`` (``_x4``, ``_x1.5``): a saved output's file name."""
+    from flowlift.files.naming import upscaled_name
+
+    return upscaled_name(stem, int(scale), "png") if float(scale).is_integer() else f"{stem}_x{scale:g}.png"
+
+
+def _sesqui_identity(path: str) -> str | None:
+    """The SesquiLSR file's digest (:func:`flowlift.measure.cache.model_identity`), hashed once per file version."""
+    import os
+
+    from flowlift.measure.cache import model_identity
+
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    key = (os.path.realpath(path), stat.st_mtime_ns, stat.st_size)
+    if key not in _SESQUI_IDENTITIES:
+        _SESQUI_IDENTITIES[key] = model_identity(path)
+    return _SESQUI_IDENTITIES[key]
+
+
+_SESQUI_IDENTITIES: dict[tuple[str, int, int], str | None] = {}
 
 
 def _method_result(
@@ -310,7 +356,7 @@ def _method_result(
     gt: np.ndarray,
     crop: Box,
     base: dict[str, Any],
-    scale: int,
+    scale: float,
     box: Box | None,
     identities: dict[str, Any],
     cache: ResultCache,
@@ -325,7 +371,6 @@ def _method_result(
     from PIL import Image
 
     from flowlift.files.image_outputs import save_image_atomic
-    from flowlift.files.naming import upscaled_name
     from flowlift.files.own_files import flowlift_image
 
     fields = {**base, "method": spec.name, "options": dict(spec.options)}
@@ -335,10 +380,12 @@ def _method_result(
         fields["upscaler"] = identities.get("upscaler")
     if spec.name == SPANDREL:
         fields.update(_spandrel_key_fields(identities, dict(spec.options)["path"], low.shape))
+    if spec.name == SESQUI:
+        fields["model"] = _sesqui_identity(dict(spec.options)["path"])
     key = cache_key(fields)
     saved = None
     if save_outputs is not None:
-        saved = Path(save_outputs) / method_folder(spec.label) / upscaled_name(name, scale, "png")
+        saved = Path(save_outputs) / method_folder(spec.label) / output_name(name, scale)
     hit = cache.load(spec.label, name, key) if saved is None or flowlift_image(saved) else None
     if hit is not None:
         metrics, crop_img = hit

@@ -20,21 +20,67 @@ INPUT_MULTIPLE = 16
 Box = tuple[int, int, int, int]
 
 
-def prepare_pair(photo: np.ndarray, scale: int, multiple: int = INPUT_MULTIPLE) -> tuple[np.ndarray, np.ndarray]:
+#: The largest ``eval --run`` scale, and the largest denominator of a fractional one (1.5 = 3/2, 3.75 = 15/4).
+MAX_SCALE = 16
+MAX_SCALE_DENOMINATOR = 16
+
+
+def check_scale(scale: float | str, *, allow_one: bool = False) -> int | float:
+    """An eval scale: a number in (1, 16] (``allow_one``: [1, 16]) that is ``p / q`` with ``q <= 16`` (2, 3, 1.5,
+    1.25, 3.75); an int when whole. Anything else is one FlowliftError line."""
+    from fractions import Fraction
+
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise FlowliftError(f"--scale must be a number, got {scale!r}") from None
+    if not (1 <= value if allow_one else 1 < value) or not value <= MAX_SCALE:  # NaN fails this too
+        raise FlowliftError(f"--scale must be above 1 and at most {MAX_SCALE}, got {scale}")
+    fraction = Fraction(value).limit_denominator(MAX_SCALE_DENOMINATOR)
+    if abs(float(fraction) - value) > 1e-9:
+        raise FlowliftError(f"--scale {scale} is not a fraction p/q with q <= {MAX_SCALE_DENOMINATOR} (e.g. 1.5, 1.25)")
+    return int(fraction) if fraction.denominator == 1 else float(fraction)
+
+
+def scale_argument(text: str) -> int | float:
+    """:func:`check_scale` as an argparse ``type`` (its line becomes argparse's message)."""
+    import argparse
+
+    try:
+        return check_scale(text)
+    except FlowliftError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def prepare_pair(photo: np.ndarray, scale: float, multiple: int = INPUT_MULTIPLE) -> tuple[np.ndarray, np.ndarray]:
     """``(ground_truth, lowres)`` from a uint8 photo.
 
-    The photo is centre-cropped to a multiple of ``multiple * scale`` (so the low-res input is a
-    multiple of ``multiple``), then area-downsampled by :func:`box_downscale_uint8` (the exact box
-    mean, rounded half to even in integer arithmetic).
+    Integer ``scale``: the photo is centre-cropped to a multiple of ``multiple * scale`` (so the low-res
+    input is a multiple of ``multiple``), then area-downsampled by :func:`box_downscale_uint8` (the exact
+    box mean, rounded half to even in integer arithmetic).
+
+    Fractional ``scale = p / q`` (:func:`check_scale`): the crop is a multiple of ``multiple * p`` and the
+    low-res input ``q / p`` of it (a multiple of ``multiple * q``), downsampled with Pillow's antialiased
+    ``LANCZOS`` -- the full-pipeline protocol of latent upscaler benchmarks (HR, Lanczos down, encode,
+    upscale, decode, compare with HR); both sides stay multiples of ``multiple``.
     """
+    from fractions import Fraction
+
+    scale = check_scale(scale, allow_one=True)
+    fraction = Fraction(scale).limit_denominator(MAX_SCALE_DENOMINATOR)
     h, w = photo.shape[:2]
-    step = multiple * scale
+    step = multiple * fraction.numerator
     nh, nw = h - h % step, w - w % step
     if nh == 0 or nw == 0:
-        raise FlowliftError(f"photo {w}x{h} is smaller than {step}x{step} (16 x scale)")
+        raise FlowliftError(f"photo {w}x{h} is smaller than {step}x{step} ({multiple} x the scale's numerator)")
     top, left = (h - nh) // 2, (w - nw) // 2
     gt = np.ascontiguousarray(photo[top : top + nh, left : left + nw])
-    return gt, box_downscale_uint8(gt, scale)
+    if fraction.denominator == 1:
+        return gt, box_downscale_uint8(gt, int(scale))
+    from PIL import Image
+
+    size = (nw // fraction.numerator * fraction.denominator, nh // fraction.numerator * fraction.denominator)
+    return gt, np.asarray(Image.fromarray(gt).resize(size, Image.Resampling.LANCZOS))
 
 
 def box_downscale_uint8(image: np.ndarray, factor: int) -> np.ndarray:

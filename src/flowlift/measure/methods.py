@@ -1,8 +1,13 @@
 """The methods ``flowlift eval --run`` compares: :func:`parse_methods` turns ``--run`` into :class:`MethodSpec`
 and :func:`make_method_fn` builds each one's ``fn(lowres, ground_truth) -> output``. ``lanczos`` / ``bicubic``
 (Pillow), ``latent-bicubic`` / ``vae-roundtrip`` (through the VAE; the latter is its ceiling for any latent
-upscaler), ``flow`` (the Flow Upscaler, e.g. ``flow:transplant=0.5:seed=1``) and
-``spandrel:PATH[:label][+colorfix]`` (a local pixel super-resolution model, :mod:`flowlift.measure.pixel_upscaler`).
+upscaler), ``flow`` (the Flow Upscaler, e.g. ``flow:transplant=0.5:seed=1``),
+``spandrel:PATH[:label][+colorfix]`` (a local pixel super-resolution model, :mod:`flowlift.measure.pixel_upscaler`)
+and ``sesqui:PATH[:label]`` (SesquiLSR, :mod:`flowlift.models.sesqui_lsr`, on the FLUX.2 VAE's raw latents).
+
+Scales may be fractional (1.5): every method makes an output of the ground truth's size. A method that cannot
+reach a scale (:func:`unreachable`: the Flow Upscaler off the powers of two, SesquiLSR past 2x) is skipped
+with that reason in the report.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ VAE_METHODS = ("latent-bicubic", "vae-roundtrip", "flow")
 METHODS = PIXEL_METHODS + VAE_METHODS
 #: ``spandrel:PATH[:label][+colorfix]``: a pixel super-resolution model file (see parse_spandrel_method).
 SPANDREL = "spandrel"
+#: ``sesqui:PATH[:label]``: SesquiLSR weights (a .safetensors file), run on the VAE's raw latents.
+SESQUI = "sesqui"
 COLORFIX_SUFFIX = "+colorfix"
 #: ``flow``'s options, each a knob of the tables (the upscaler's; ``color`` switches both colour stages).
 FLOW_OPTIONS = {
@@ -51,11 +58,13 @@ class MethodSpec:
         if self.name == SPANDREL:
             opts = dict(self.options)
             return f"{SPANDREL}:{opts['label']}" + (COLORFIX_SUFFIX if opts["colorfix"] else "")
+        if self.name == SESQUI:
+            return f"{SESQUI}:{dict(self.options)['label']}"
         return ":".join([self.name] + [f"{k}={v}" for k, v in self.options])
 
     @property
     def needs_vae(self) -> bool:
-        return self.name in VAE_METHODS
+        return self.name in VAE_METHODS or self.name == SESQUI
 
 
 def parse_methods(text: str | Sequence[str]) -> list[MethodSpec]:
@@ -70,8 +79,8 @@ def parse_methods(text: str | Sequence[str]) -> list[MethodSpec]:
         for part in (p.strip() for p in item.split(",")):
             if not part:
                 continue
-            if part.lower().startswith(SPANDREL + ":"):
-                spec = parse_spandrel_method(part)
+            if part.lower().startswith((SPANDREL + ":", SESQUI + ":")):
+                spec = parse_spandrel_method(part) if part.lower().startswith(SPANDREL) else parse_sesqui_method(part)
                 if spec.label in (s.label for s in specs):
                     raise FlowliftError(f"method {spec.label} given twice (give models distinct labels)")
                 specs.append(spec)
@@ -127,6 +136,43 @@ def parse_spandrel_method(text: str) -> MethodSpec:
     return MethodSpec(SPANDREL, (("colorfix", colorfix), ("label", label), ("path", path)))
 
 
+def parse_sesqui_method(text: str) -> MethodSpec:
+    """``sesqui:PATH[:label]`` -> a spec with options ``label`` and ``path``; ``PATH`` is a ``.safetensors``
+    file (the released FLUX.2 weights are ``upscaler_Flux2.safetensors``), the label defaults to its stem."""
+    body = text.strip()[len(SESQUI) + 1 :].strip()
+    path, label = body, ""
+    head, sep, tail = body.rpartition(":")
+    if sep and head.lower().endswith(".safetensors"):
+        path, label = head, tail.strip()
+    if not path.lower().endswith(".safetensors"):
+        raise FlowliftError(
+            f"method {text!r}: sesqui: takes a SesquiLSR .safetensors file, e.g. sesqui:upscaler_Flux2.safetensors"
+        )
+    label = label or Path(path).stem
+    if not re.fullmatch(r"[A-Za-z0-9_.=-]+", label):
+        raise FlowliftError(f"method {text!r}: label {label!r} may hold only letters, digits and _ . = -")
+    return MethodSpec(SESQUI, (("label", label), ("path", path)))
+
+
+def unreachable(spec: MethodSpec, scale: float) -> str | None:
+    """Why ``spec`` cannot make a ``scale`` x output (the report's skip note), or None when it can.
+
+    The Flow Upscaler doubles per pass (powers of two only); SesquiLSR reaches (1, 2] in one forward.
+    Pixel methods, latent bicubic and spandrel models (Lanczos from their native scale) reach any scale.
+    """
+    if spec.name == "flow" and not (float(scale).is_integer() and int(scale) & (int(scale) - 1) == 0):
+        return f"the Flow Upscaler runs 2x per pass: x{scale:g} is not a power of 2"
+    if spec.name == SESQUI and not 1 < scale <= 2:
+        return f"SesquiLSR reaches factors in [1, 2] in one forward, not x{scale:g}"
+    return None
+
+
+def output_size(lowres: np.ndarray, scale: float) -> tuple[int, int]:
+    """``(width, height)`` of a ``scale`` x output of the HWC ``lowres``: each side times ``scale``, rounded."""
+    h, w = lowres.shape[:2]
+    return int(round(w * scale)), int(round(h * scale))
+
+
 def spandrel_method_fn(model: Any, scale: int, colorfix: bool) -> MethodFn:
     """``fn(lowres, ground_truth)`` of a loaded :class:`flowlift.measure.pixel_upscaler.PixelUpscaler`: the
     model at ``scale`` (Lanczos from its native scale if they differ), then stage 2 against the
@@ -154,18 +200,17 @@ def _parse_flow_option(key: str, value: str) -> Any:
         raise FlowliftError(f"method flow: {key} must be a number: {knob.describe()}, got {value!r}") from None
 
 
-def pixel_upscale(lowres: np.ndarray, scale: int, method: str) -> np.ndarray:
-    """Pillow ``LANCZOS`` / ``BICUBIC`` resize of a uint8 HWC image by an integer ``scale``."""
+def pixel_upscale(lowres: np.ndarray, scale: float, method: str) -> np.ndarray:
+    """Pillow ``LANCZOS`` / ``BICUBIC`` resize of a uint8 HWC image by ``scale`` (:func:`output_size`)."""
     from PIL import Image
 
     resample = {"lanczos": Image.Resampling.LANCZOS, "bicubic": Image.Resampling.BICUBIC}[method]
-    h, w = lowres.shape[:2]
-    return np.asarray(Image.fromarray(lowres).resize((w * scale, h * scale), resample=resample))
+    return np.asarray(Image.fromarray(lowres).resize(output_size(lowres, scale), resample=resample))
 
 
-def latent_bicubic(vae, lowres: np.ndarray, scale: int, device, dtype) -> np.ndarray:
-    """Encode, ``torch.nn.functional.interpolate(mode="bicubic", align_corners=False)`` by
-    ``scale`` in latent space, decode; uint8 HWC out.
+def latent_bicubic(vae, lowres: np.ndarray, scale: float, device, dtype) -> np.ndarray:
+    """Encode, ``torch.nn.functional.interpolate(size, mode="bicubic", align_corners=False)`` to the
+    latents of the ``scale`` x output (:func:`output_size` / 8) in latent space, decode; uint8 HWC out.
 
     When the VAE has normalization statistics (``bn_mean`` / ``bn_std``, the FLUX.2 VAE) the
     interpolation runs on the raw latents (``denormalize``, interpolate, ``normalize``): the
@@ -183,10 +228,28 @@ def latent_bicubic(vae, lowres: np.ndarray, scale: int, device, dtype) -> np.nda
         z = check_finite_result(vae.encode(to_tensor(lowres, device=device, dtype=dtype)), "the VAE's encoder")
         if mean is not None and std is not None:
             z = denormalize(z, mean, std)
-        z = torch.nn.functional.interpolate(z, scale_factor=scale, mode="bicubic", align_corners=False)
+        width, height = output_size(lowres, scale)
+        size = (height // vae.spatial_factor, width // vae.spatial_factor)
+        z = torch.nn.functional.interpolate(z, size=size, mode="bicubic", align_corners=False)
         if mean is not None and std is not None:
             z = normalize(z, mean, std)
         return tensor_to_uint8(check_finite_result(vae.decode(z), "the VAE's decoder").float())[0]
+
+
+def sesqui_upscale(model, vae, lowres: np.ndarray, scale: float, device, dtype) -> np.ndarray:
+    """Encode, SesquiLSR to the latents of the ``scale`` x output on the raw latents
+    (:func:`flowlift.models.sesqui_lsr.sesqui_upscale_latents`, with the VAE's BN statistics), decode; uint8 HWC."""
+    import torch
+
+    from flowlift.files.images import tensor_to_uint8, to_tensor
+    from flowlift.models.sesqui_lsr import sesqui_upscale_latents
+
+    width, height = output_size(lowres, scale)
+    target = (height // vae.spatial_factor, width // vae.spatial_factor)
+    with torch.no_grad():
+        z = vae.encode(to_tensor(lowres, device=device, dtype=dtype))
+        z = sesqui_upscale_latents(model, z, target, vae.bn_mean, vae.bn_std)
+        return tensor_to_uint8(vae.decode(z).float())[0]
 
 
 def vae_roundtrip(vae, image: np.ndarray, device, dtype) -> np.ndarray:
@@ -218,7 +281,7 @@ def flow_kwargs(spec: MethodSpec, scale: int) -> dict[str, Any]:
 
 def make_method_fn(
     spec: MethodSpec,
-    scale: int,
+    scale: float,
     *,
     vae=None,
     pipeline=None,
@@ -227,7 +290,15 @@ def make_method_fn(
     pixel_models: dict[str, Any] | None = None,
 ) -> MethodFn:
     """``fn(lowres, ground_truth) -> output`` (uint8 HWC) for one method. ``pixel_models`` maps a
-    spandrel method's path to its loaded :class:`flowlift.measure.pixel_upscaler.PixelUpscaler`."""
+    spandrel method's path to its loaded :class:`flowlift.measure.pixel_upscaler.PixelUpscaler`; a SesquiLSR
+    method loads its weights here (3M parameters). A method :func:`unreachable` at ``scale`` gets a function
+    that raises its reason (``evaluate_methods`` skips it instead of calling it)."""
+    if reason := unreachable(spec, scale):
+
+        def skipped(low: np.ndarray, gt: np.ndarray) -> np.ndarray:
+            raise FlowliftError(f"method {spec.label} is skipped at this scale: {reason}")
+
+        return skipped
     if spec.name == SPANDREL:
         opts = dict(spec.options)
         model = (pixel_models or {}).get(opts["path"])
@@ -242,6 +313,8 @@ def make_method_fn(
         return lambda low, gt: latent_bicubic(vae, low, scale, device, dtype)
     if spec.name == "vae-roundtrip":
         return lambda low, gt: vae_roundtrip(vae, gt, device, dtype)
+    if spec.name == SESQUI:
+        return _sesqui_method_fn(spec, scale, vae, device, dtype)
     if pipeline is None:
         raise FlowliftError("method flow needs the Flow Upscaler weights (--upscaler)")
     kwargs = flow_kwargs(spec, scale)
@@ -258,6 +331,22 @@ def make_method_fn(
         return out
 
     return run_flow
+
+
+def _sesqui_method_fn(spec: MethodSpec, scale: float, vae, device: Any, dtype: Any) -> MethodFn:
+    """A SesquiLSR method's fn, its weights loaded (float32 unless ``dtype`` says otherwise); a VAE without the
+    FLUX.2 BN statistics (TAEF2, Mage-VAE) is one line before any work."""
+    import torch
+
+    from flowlift.models.sesqui_lsr import load_sesqui_lsr
+
+    if getattr(vae, "bn_mean", None) is None:
+        raise FlowliftError(
+            f"method {spec.label} works on raw FLUX.2 VAE latents and needs the FLUX.2 VAE (--vae flux2 or its "
+            "file): TAEF2 and Mage-VAE latents are already normalized and carry no BN statistics"
+        )
+    model = load_sesqui_lsr(dict(spec.options)["path"], device, dtype or torch.float32)
+    return lambda low, gt: sesqui_upscale(model, vae, low, scale, device, dtype)
 
 
 def method_folder(label: str) -> str:

@@ -139,8 +139,8 @@ class PixelUpscaler:
             )
         return out
 
-    def upscale(self, image: np.ndarray, scale: int) -> np.ndarray:
-        """uint8 HWC RGB in, uint8 HWC RGB out at ``scale`` times the size: the model at its native
+    def upscale(self, image: np.ndarray, scale: float) -> np.ndarray:
+        """uint8 HWC RGB in, uint8 HWC RGB out at ``scale`` times the size (rounded): the model at its native
         scale, then a Lanczos resize when ``scale`` differs. The last result is kept, so a method and
         its ``+colorfix`` variant run the model once."""
         from PIL import Image
@@ -152,8 +152,9 @@ class PixelUpscaler:
             return self._last[2]
         out = tensor_to_uint8(self.upscale_tensor(to_tensor(image)).float())[0]
         h, w = image.shape[:2]
-        if out.shape[:2] != (h * scale, w * scale):
-            out = np.asarray(Image.fromarray(out).resize((w * scale, h * scale), Image.Resampling.LANCZOS))
+        size = (int(round(w * scale)), int(round(h * scale)))
+        if out.shape[:2] != size[::-1]:
+            out = np.asarray(Image.fromarray(out).resize(size, Image.Resampling.LANCZOS))
         self._last = (digest, scale, out)
         return out
 

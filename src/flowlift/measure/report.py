@@ -39,6 +39,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("identical_pct", "identical %", "{:.2f}"),
     ("psnr_gt", "PSNR gt (dB)", "{:.2f}"),
     ("ssim_gt", "SSIM gt", "{:.4f}"),
+    ("psnr_y", "PSNR-Y (dB)", "{:.2f}"),
+    ("ssim_y", "SSIM-Y", "{:.4f}"),
 )
 
 
@@ -66,9 +68,12 @@ def markdown_table(report: EvalReport) -> str:
             lines.append("| " + " | ".join(cells) + " |")
     n = len(next(iter(report.results.values()), {}))
     notes = [f"{info['labels']}: {info['note']}" for info in (report.config.get("spandrel") or {}).values()]
+    notes += [f"{label}: skipped, {reason}" for label, reason in (report.config.get("skipped") or {}).items()]
     return (
         "\n".join(lines)
-        + f"\n\n{n} image(s); drift and PSNR in at input scale (INTER_AREA), Lab units.\n"
+        + f"\n\n{n} image(s); drift and PSNR in at input scale (INTER_AREA), Lab units"
+        + ("; PSNR-Y / SSIM-Y: BT.601 Y of 8-bit RGB, the scale in px off each border" if "psnr_y" in present else "")
+        + ".\n"
         + "".join(f"{note}\n" for note in notes)
     )
 

@@ -91,7 +91,8 @@ def mage_from_state_dict(
     # The meta skeleton takes the tensors as they are (no random init of ~140M parameters).
     skeleton.load_state_dict({_flowlift_name(k): v for k, v in tensors.items()}, strict=True, assign=True)
     model = skeleton.fold_t0()
-    return MageVAE(model.to(device=device, dtype=dtype), origin=origin)
+    # Channels-last in the same conversion (MageVAE keeps it so): one copy of the weights, not two.
+    return MageVAE(model.to(device=device, dtype=dtype, memory_format=torch.channels_last), origin=origin)
 
 
 class _Shapes(torch.nn.Module):

@@ -76,6 +76,18 @@ def _safetensors_metadata(path: Path) -> dict[str, str]:
         return {}
 
 
+def _placed(tensor: torch.Tensor, device: str | torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` on ``device``, floats in ``dtype``, in memory aligned as torch allocates it (64 bytes).
+
+    A file's tensor kept as it is (same dtype) may sit at any 8-byte offset of the file's buffer, and oneDNN's
+    kernels then take another path with other float rounding (1e-6 on a float32 forward): such a one is copied.
+    """
+    placed = tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor.to(device)
+    if placed.device.type == "cpu" and placed.data_ptr() % 64:
+        placed = placed.clone()
+    return placed
+
+
 def load_upscaler(
     source: str | os.PathLike = HUB_REPO_ID,
     device: str | torch.device = "cpu",
@@ -88,7 +100,13 @@ def load_upscaler(
     model is returned in ``dtype`` on ``device``. A file that does not fit raises one FlowliftError
     line naming the missing, unexpected and mis-shaped tensors.
     """
-    from flowlift.models.weights import dtype_mismatch, load_strict, read_state_dict, resolve_file, state_dict_mismatch
+    from flowlift.models.weights import (
+        dtype_mismatch,
+        load_strict,
+        read_state_dict,
+        resolve_file,
+        state_dict_mismatch,
+    )
 
     path = resolve_file(source, [WEIGHTS_NAME], what=WHAT)
     state = read_state_dict(path, what=WHAT)
@@ -100,9 +118,10 @@ def load_upscaler(
     problem = state_dict_mismatch(model, state) or dtype_mismatch(model, state)
     if problem:
         raise FlowliftError(f"{WHAT} from {path} does not match the architecture: {problem}")
-    model = model.to_empty(device="cpu")
-    load_strict(model, state, what=WHAT, origin=str(path))
-    return model.to(device=device, dtype=dtype).eval()
+    # One cast per tensor, straight into the model (no empty model filled by copy, then converted).
+    state = {k: _placed(v, device, dtype) for k, v in state.items()}
+    load_strict(model, state, what=WHAT, origin=str(path), assign=True)
+    return model.eval()
 
 
 def save_upscaler(model: FlowUpscalerUNet, path: str | os.PathLike) -> Path:

@@ -25,8 +25,9 @@ from flowlift.errors import FlowliftError
 
 LOWFREQ_FACTOR = 8
 
-# Pixels per strip in stage 2 (about 48 MiB of fp32 temporaries per strip for 3 channels).
-_STRIP_PIXELS = 1 << 22
+# Pixels per strip in stage 2: small enough for the strip and its temporaries (~10 planes of 3 x 4 bytes a pixel)
+# to stay in the CPU's L2/L3 caches, large enough that the per-operation overhead stays small.
+_STRIP_PIXELS = 1 << 16
 
 
 def _solve_dtype(device: torch.device) -> torch.dtype:
@@ -181,28 +182,6 @@ def solve_tridiagonal(bands: torch.Tensor, rhs: torch.Tensor, dim: int) -> torch
     return x.movedim(0, dim)
 
 
-def _upsample_strip(coarse: torch.Tensor, r0: int, r1: int, taps_h: tuple, taps_w: tuple) -> torch.Tensor:
-    """Rows ``r0:r1`` of the bilinear upsampling of ``coarse`` (B, C, h, w) to the full grid."""
-    i0, i1, w1 = (t[r0:r1] for t in taps_h)
-    w1 = w1.to(coarse.dtype).view(-1, 1)
-    rows = coarse[:, :, i0] * (1 - w1) + coarse[:, :, i1] * w1
-    j0, j1, v1 = taps_w
-    v1 = v1.to(coarse.dtype)
-    return rows[..., j0] * (1 - v1) + rows[..., j1] * v1
-
-
-def _rgb_to_lab(rgb: torch.Tensor) -> torch.Tensor:
-    from kornia.color import rgb_to_lab
-
-    return rgb_to_lab(rgb)
-
-
-def _lab_to_rgb(lab: torch.Tensor) -> torch.Tensor:
-    from kornia.color import lab_to_rgb
-
-    return lab_to_rgb(lab, clip=True)
-
-
 def lab_lowband_transplant(
     output: torch.Tensor,
     reference: torch.Tensor,
@@ -244,38 +223,46 @@ def lab_lowband_transplant(
             f"lab_lowband_transplant: output {height}x{width} is not an integer multiple of the "
             f"reference {h}x{w} (or the batch sizes differ)"
         )
-    s_h, s_w = height // h, width // w
-    device = output.device
     if inplace and output.dtype != torch.float32:
         raise ValueError("lab_lowband_transplant: inplace needs a float32 output tensor")
     check_strength(strength, "lab_lowband_transplant")
     if strength == 0:
         return output.clamp_(0.0, 1.0) if inplace else output.to(torch.float32).clamp(0.0, 1.0)
 
+    from flowlift.devices import one_thread
+
+    with one_thread(output.device):
+        return _lab_transplant(output, reference, strength, iterations, strip_pixels, inplace, on_strip)
+
+
+def _lab_transplant(output, reference, strength, iterations, strip_pixels, inplace, on_strip) -> torch.Tensor:
+    """:func:`lab_lowband_transplant` after its checks."""
+    from flowlift.upscale.colorfix_lab import LabStep, rgb_to_lab
+
+    batch, _, height, width = output.shape
+    h, w = reference.shape[-2:]
+    s_h, s_w = height // h, width // w
+    device = output.device
+
     solve = _solve_dtype(device)
     bands_h = integer_area_tridiagonal(h, s_h)
     bands_w = integer_area_tridiagonal(w, s_w)
-    taps_h = linear_taps(height, h, device)
-    taps_w = linear_taps(width, w, device)
     rows_per_strip = max(s_h, (strip_pixels // max(width, 1)) // s_h * s_h)
 
-    def strip(r0: int, r1: int, coarse: torch.Tensor | None) -> torch.Tensor:
-        if on_strip is not None:
-            on_strip()
-        rgb = output[:, :, r0:r1].to(torch.float32).clamp(0.0, 1.0)
-        if coarse is None:
-            return rgb
-        lab = _rgb_to_lab(rgb) + _upsample_strip(coarse, r0, r1, taps_h, taps_w)
-        return _lab_to_rgb(lab).clamp_(0.0, 1.0)
+    def strips():
+        for r0 in range(0, height, rows_per_strip):
+            if on_strip is not None:
+                on_strip()
+            yield r0, min(height, r0 + rows_per_strip)
 
     def down_lab(coarse: torch.Tensor | None) -> torch.Tensor:
         low = torch.empty(batch, 3, h, w, dtype=torch.float32, device=device)
-        for r0 in range(0, height, rows_per_strip):
-            r1 = min(height, r0 + rows_per_strip)
-            low[:, :, r0 // s_h : r1 // s_h] = F.avg_pool2d(strip(r0, r1, coarse), (s_h, s_w))
-        return _rgb_to_lab(low)
+        step = LabStep(coarse, s_h, s_w)
+        for r0, r1 in strips():
+            low[:, :, r0 // s_h : r1 // s_h] = F.avg_pool2d(step(output, r0, r1), (s_h, s_w))
+        return rgb_to_lab(low)
 
-    reference_lab = _rgb_to_lab(reference.to(device=device, dtype=torch.float32).clamp(0.0, 1.0))
+    reference_lab = rgb_to_lab(reference.to(device=device, dtype=torch.float32).clamp(0.0, 1.0))
     current = down_lab(None)
     target = current + float(strength) * (reference_lab - current)
     coarse = torch.zeros(batch, 3, h, w, dtype=torch.float32, device=device)
@@ -288,7 +275,7 @@ def lab_lowband_transplant(
 
     # Each strip of the result depends only on the same strip of the output, so inplace is safe.
     result = output if inplace else torch.empty(batch, 3, height, width, dtype=torch.float32, device=device)
-    for r0 in range(0, height, rows_per_strip):
-        r1 = min(height, r0 + rows_per_strip)
-        result[:, :, r0:r1] = strip(r0, r1, coarse)
+    step = LabStep(coarse, s_h, s_w)
+    for r0, r1 in strips():
+        result[:, :, r0:r1] = step(output, r0, r1)
     return result

@@ -1,0 +1,313 @@
+"""SesquiLSR: a ~3.1M-parameter latent upscaler for raw FLUX.2 VAE latents, any factor in [1, 2] per axis.
+
+Written from the published description of ``LatentUpscaler(in_channels=32)`` in the public repository
+``LoganBooker/SesquiLSR`` (MIT); the released weights are ``models/upscaler_Flux2.safetensors`` there (80
+tensors, not on the Hugging Face hub). Module names follow that file's tensor names.
+
+Architecture (``C`` = 32 latent channels, width ``W`` = 128; every 3x3/5x5 conv pads by reflection):
+
+* ``head_conv``: 3x3 conv C -> W/2 (no bias), Mish, 3x3 conv W/2 -> W.
+* ``in_blocks``: 8 :class:`GatedBlock` (expand 1.5, shrink 0.75).
+* ``upsample`` (:class:`ReassemblyHead`): ``pixel_shuffle(ps_expand(h), 2) + lift_mix(pixel_shuffle(
+  lift_expand(h), 2))`` (a 2x grid ``S``), one more gated block (``refine``), then a rank-2 separable
+  4-tap resampling from ``S`` to the target size whose taps a small MLP predicts per output row/column.
+* ``out_blocks``: 6 :class:`GatedBlock` (expand 2, shrink 1); ``tail_conv``: 1x1 W -> W/2, Mish,
+  3x3 W/2 -> C.
+* Output: ``tail + skip_conv(bicubic(x, target_size))`` (5x5 conv C -> C over the bicubic upsample,
+  ``align_corners=False``).
+
+The network works on *raw* latents (B, 32, h, w): the FLUX.2 VAE's output before its 2x2 patchify and BN
+normalization. flowlift's latents are normalized (:mod:`flowlift.flux2.latents`), so
+:func:`raw_from_latents` / :func:`latents_from_raw` convert with the FLUX.2 VAE's statistics
+(``vae.bn_mean`` / ``vae.bn_std``). TAEF2 and Mage-VAE encode straight into the normalized space and carry
+no statistics (``bn_mean is None``): their latents have no raw form of their own, so SesquiLSR runs with
+them only when the FLUX.2 VAE's statistics are passed in (:func:`sesqui_upscale_latents` refuses otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flowlift.errors import FlowliftError
+
+WHAT = "SesquiLSR weights"
+WEIGHTS_NAME = "upscaler_Flux2.safetensors"
+WHERE_TO_GET = f"get {WEIGHTS_NAME} from the models/ folder of https://github.com/LoganBooker/SesquiLSR"
+LATENT_CHANNELS = 32
+WIDTH = 128
+#: The smallest input side: the 3x3 and 5x5 reflection pads need a side longer than the pad.
+MIN_SIDE = 3
+MIN_FACTOR, MAX_FACTOR = 1.0, 2.0
+#: ``IRLayerNorm``'s variance floor and the taps' relative offsets around ``floor(position)``.
+NORM_EPS = 1e-6
+TAP_OFFSETS = (-1, 0, 1, 2)
+
+
+def reflect_conv(n_in: int, n_out: int, kernel: int, *, bias: bool) -> nn.Conv2d:
+    return nn.Conv2d(n_in, n_out, kernel, padding=kernel // 2, padding_mode="reflect", bias=bias)
+
+
+def gate_sizes(channels: int, expand: float, shrink: float, values_per_gate: int = 8) -> tuple[int, int, int]:
+    """``(value_ch, gate_ch, mid_ch)`` of a gated block: ``gate = ceil(expand * channels / (v + 1))`` rounded
+    up to a multiple of ``v`` (values per gate), ``value = gate * v``, ``mid = ceil(shrink * channels)``."""
+    gate = math.ceil(expand * channels / (values_per_gate + 1))
+    gate = math.ceil(gate / values_per_gate) * values_per_gate
+    return gate * values_per_gate, gate, math.ceil(channels * shrink)
+
+
+class ScaleOnlyNorm(nn.Module):
+    """Whole-sample normalization: ``((x - mean) / s) * weight`` with ``s = sqrt(var + 1e-6)`` over (C, H, W)
+    (population variance), no bias; also returns ``s`` so the block can scale its residual back."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = x.mean(dim=(1, 2, 3), keepdim=True)
+        spread = torch.sqrt((x - mean).square().mean(dim=(1, 2, 3), keepdim=True) + NORM_EPS)
+        return (x - mean) / spread * self.weight[None, :, None, None], spread
+
+
+class GatedBlock(nn.Module):
+    """A wide-activation residual block with lopsided gating.
+
+    ``y, s = norm(x)``; ``[v, g] = up(y)`` (1x1, values first); value channel ``i * 8 + j`` is
+    ``mish(v) * tanh(g_i / 2)``; ``x + mix(down(gated)) * s`` with ``down`` 1x1 and ``mix`` 3x3 (no biases).
+    """
+
+    def __init__(self, channels: int, expand: float, shrink: float) -> None:
+        super().__init__()
+        self.value_ch, self.gate_ch, mid = gate_sizes(channels, expand, shrink)
+        self.norm = ScaleOnlyNorm(channels)
+        self.up = nn.Conv2d(channels, self.value_ch + self.gate_ch, 1, bias=False)
+        self.down = nn.Conv2d(self.value_ch, mid, 1, bias=False)
+        self.mix = reflect_conv(mid, channels, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, spread = self.norm(x)
+        hidden = self.up(y)
+        values, gates = hidden[:, : self.value_ch], hidden[:, self.value_ch :]
+        gated = F.mish(values) * torch.tanh(gates * 0.5).repeat_interleave(self.value_ch // self.gate_ch, dim=1)
+        return x + self.mix(self.down(gated)) * spread
+
+
+class Frequencies(nn.Module):
+    """Holds ``freqs`` (4 values, ``2 ** linspace(0, 2, 4)`` in the released file): ``[sin(pi f t), cos(pi f t)]``."""
+
+    def __init__(self, count: int = 4, highest: float = 4.0) -> None:
+        super().__init__()
+        self.register_buffer("freqs", 2.0 ** torch.linspace(0.0, math.log2(highest), count))
+
+    def forward(self, t: torch.Tensor) -> torch.Tensor:
+        angle = t[:, None] * self.freqs.float() * math.pi
+        return torch.cat([angle.sin(), angle.cos()], dim=1)
+
+
+def resample_positions(n_src: int, n_out: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-pixel-centred source positions of ``n_out`` samples over ``n_src``: ``p = (i + 1/2) n_src/n_out - 1/2``
+    (float32); returns ``(p - b, b)`` with ``b = clamp(floor(p), 0, n_src - 1)``."""
+    p = (torch.arange(n_out, device=device, dtype=torch.float32) + 0.5) * (n_src / n_out) - 0.5
+    b = p.floor().long().clamp(0, n_src - 1)
+    return p - b.float(), b
+
+
+def separable_taps(x: torch.Tensor, base: torch.Tensor, weights: torch.Tensor, dim: int) -> torch.Tensor:
+    """Resample ``x`` (B, C, H, W) along ``dim`` (2 or 3): ``out[.., i] = sum_k w[c, i, k] x[.., b_i + o_k]``
+    with taps ``o = (-1, 0, 1, 2)``, indices clamped to the edge, ``weights`` (C, n_out, 4)."""
+    last = x.shape[dim] - 1
+    out = None
+    for k, offset in enumerate(TAP_OFFSETS):
+        picked = x.index_select(dim, (base + offset).clamp(0, last))
+        w = weights[:, :, k]
+        w = w[None, :, :, None] if dim == 2 else w[None, :, None, :]
+        out = picked * w if out is None else out + picked * w
+    return out
+
+
+class ReassemblyHead(nn.Module):
+    """2x by pixel shuffle, then a learned rank-2 separable resampling to the exact target size.
+
+    Taps of rank ``r``, axis ``a`` at output position ``i`` (source fraction ``f_i``, footprint
+    ``log2(n_src / n_out)``): ``base_taps[r, a] + d - mean_k(d)`` with
+    ``d = 0.2 tanh(filter_net([sin/cos(pi F f_i), footprint, axis_emb[a], rank_emb[r]]))`` per channel and tap;
+    the output is ``sum_r sigmoid(rank_gain[r]) * rows_r(columns_r(S))``.
+    """
+
+    def __init__(self, channels: int, rank: int = 2) -> None:
+        super().__init__()
+        self.channels, self.rank = channels, rank
+        lift = min(64, channels // 2)
+        self.ps_expand = nn.Conv2d(channels, channels * 4, 1, bias=True)
+        self.lift_expand = nn.Conv2d(channels, lift * 4, 1, bias=False)
+        self.lift_mix = reflect_conv(lift, channels, 3, bias=False)
+        self.refine = GatedBlock(channels, 2.0, 1.0)
+        self.base_taps = nn.Parameter(torch.zeros(rank, 2, channels, len(TAP_OFFSETS)))
+        self.pe = Frequencies()
+        self.axis_emb = nn.Embedding(2, 8)
+        self.rank_emb = nn.Embedding(rank, 8)
+        self.filter_net = nn.Sequential(
+            nn.Linear(2 * 4 + 1 + 8 + 8, 64), nn.Mish(), nn.Linear(64, channels * len(TAP_OFFSETS))
+        )
+        self.rank_gain = nn.Parameter(torch.zeros(rank))
+
+    def taps(self, frac: torch.Tensor, footprint: float, axis: int, rank: int) -> torch.Tensor:
+        """(C, n_out, 4) taps of one rank on one axis."""
+        n = frac.numel()
+        ids = torch.full((n,), axis, dtype=torch.long, device=frac.device)
+        rank_ids = torch.full((n,), rank, dtype=torch.long, device=frac.device)
+        cond = torch.cat(
+            [
+                self.pe(frac),
+                torch.full((n, 1), footprint, dtype=torch.float32, device=frac.device),
+                self.axis_emb(ids).float(),
+                self.rank_emb(rank_ids).float(),
+            ],
+            dim=1,
+        ).to(self.base_taps.dtype)
+        delta = 0.2 * torch.tanh(self.filter_net(cond).view(n, self.channels, len(TAP_OFFSETS)))
+        delta = delta - delta.mean(dim=2, keepdim=True)
+        return (delta + self.base_taps[rank, axis][None]).permute(1, 0, 2)
+
+    def forward(self, h: torch.Tensor, target_size: tuple[int, int]) -> torch.Tensor:
+        grid = F.pixel_shuffle(self.ps_expand(h), 2) + self.lift_mix(F.pixel_shuffle(self.lift_expand(h), 2))
+        grid = self.refine(grid)
+        (h_src, w_src), (h_out, w_out) = grid.shape[-2:], target_size
+        frac_y, base_y = resample_positions(h_src, h_out, grid.device)
+        frac_x, base_x = resample_positions(w_src, w_out, grid.device)
+        foot_y, foot_x = math.log2(max(h_src / h_out, 0.01)), math.log2(max(w_src / w_out, 0.01))
+        gains = torch.sigmoid(self.rank_gain)
+        out = None
+        for r in range(self.rank):
+            cols = separable_taps(grid, base_x, self.taps(frac_x, foot_x, 1, r).to(grid.dtype), 3)
+            rows = separable_taps(cols, base_y, self.taps(frac_y, foot_y, 0, r).to(grid.dtype), 2)
+            out = gains[r] * rows if out is None else out + gains[r] * rows
+        return out
+
+
+class SesquiLSR(nn.Module):
+    """The FLUX.2 SesquiLSR network: ``forward(raw_latents, target_size)`` -> raw latents at ``target_size``.
+
+    ``raw_latents`` are (B, 32, h, w) raw FLUX.2 VAE latents (before patchify and BN normalization), each
+    side at least :data:`MIN_SIDE`; ``target_size`` is ``(H, W)`` with ``H / h`` and ``W / w`` in [1, 2]
+    (the axes may differ). Anything else is one FlowliftError line.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        c, w = LATENT_CHANNELS, WIDTH
+        self.head_conv = nn.Sequential(
+            reflect_conv(c, w // 2, 3, bias=False), nn.Mish(), reflect_conv(w // 2, w, 3, bias=True)
+        )
+        self.in_blocks = nn.Sequential(*[GatedBlock(w, 1.5, 0.75) for _ in range(8)])
+        self.upsample = ReassemblyHead(w)
+        self.out_blocks = nn.Sequential(*[GatedBlock(w, 2.0, 1.0) for _ in range(6)])
+        self.tail_conv = nn.Sequential(
+            nn.Conv2d(w, w // 2, 1, bias=False), nn.Mish(), reflect_conv(w // 2, c, 3, bias=True)
+        )
+        self.skip_conv = reflect_conv(c, c, 5, bias=False)
+
+    def forward(self, raw_latents: torch.Tensor, target_size: tuple[int, int]) -> torch.Tensor:
+        target = check_target_size(tuple(raw_latents.shape), target_size)
+        h = self.out_blocks(self.upsample(self.in_blocks(self.head_conv(raw_latents)), target))
+        skip = F.interpolate(raw_latents, size=target, mode="bicubic", align_corners=False)
+        return self.tail_conv(h) + self.skip_conv(skip)
+
+
+def check_target_size(shape: tuple[int, ...], target_size: tuple[int, int]) -> tuple[int, int]:
+    """``target_size`` as two ints when (B, 32, h, w) ``shape`` can reach it (a factor in [1, 2] on each axis);
+    else one FlowliftError line."""
+    if len(shape) != 4 or shape[1] != LATENT_CHANNELS:
+        raise FlowliftError(f"SesquiLSR: raw latents must have shape (B, {LATENT_CHANNELS}, h, w), got {shape}")
+    h, w = shape[2], shape[3]
+    if min(h, w) < MIN_SIDE:
+        raise FlowliftError(f"SesquiLSR: latents of {h}x{w} are too small (each side at least {MIN_SIDE})")
+    try:
+        th, tw = (int(v) for v in target_size)
+    except (TypeError, ValueError):
+        raise FlowliftError(f"SesquiLSR: target_size must be (height, width) integers, got {target_size!r}") from None
+    if not (h <= th <= 2 * h and w <= tw <= 2 * w):
+        raise FlowliftError(
+            f"SesquiLSR: target {th}x{tw} from {h}x{w} latents is a factor of {th / h:g}x{tw / w:g}; "
+            f"each axis must be in [{MIN_FACTOR:g}, {MAX_FACTOR:g}]"
+        )
+    return th, tw
+
+
+def load_sesqui_lsr(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> SesquiLSR:
+    """Load a SesquiLSR FLUX.2 checkpoint (safetensors only) strictly, in eval mode, on ``device`` in ``dtype``.
+
+    Every tensor is checked before any memory is allocated (the network is built on the meta device): a
+    missing, extra or mis-shaped tensor, a non-float tensor or a NaN/Inf is one FlowliftError line naming it.
+    A missing file is one line saying where the released weights are.
+    """
+    from flowlift.models.weights import dtype_mismatch, load_strict, read_state_dict, state_dict_mismatch
+
+    path = Path(os.fspath(path)).expanduser()
+    if not path.is_file():
+        raise FlowliftError(f"{WHAT}: {path}: no such file; {WHERE_TO_GET}")
+    if path.suffix.lower() != ".safetensors":
+        raise FlowliftError(f"{WHAT}: {path} is not a .safetensors file (the released weights are {WEIGHTS_NAME})")
+    state = read_state_dict(path, what=WHAT)
+    with torch.device("meta"):
+        model = SesquiLSR()
+    problem = state_dict_mismatch(model, state) or dtype_mismatch(model, state)
+    if problem:
+        raise FlowliftError(f"{WHAT} from {path} do not match the FLUX.2 SesquiLSR network: {problem}")
+    model = model.to_empty(device="cpu")
+    load_strict(model, state, what=WHAT, origin=str(path))
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def raw_from_latents(latents: torch.Tensor, bn_mean: torch.Tensor, bn_std: torch.Tensor) -> torch.Tensor:
+    """flowlift's normalized latents -> raw FLUX.2 VAE latents: ``patchify``, ``z * bn_std + bn_mean`` per
+    patchified channel, ``unpatchify`` (:func:`flowlift.flux2.latents.denormalize`; even sides)."""
+    from flowlift.flux2.latents import denormalize
+
+    return denormalize(latents, bn_mean, bn_std)
+
+
+def latents_from_raw(raw_latents: torch.Tensor, bn_mean: torch.Tensor, bn_std: torch.Tensor) -> torch.Tensor:
+    """Raw FLUX.2 VAE latents -> flowlift's normalized latents: ``(z - bn_mean) / bn_std`` per patchified
+    channel (:func:`flowlift.flux2.latents.normalize`; even sides). Inverse of :func:`raw_from_latents`."""
+    from flowlift.flux2.latents import normalize
+
+    return normalize(raw_latents, bn_mean, bn_std)
+
+
+def sesqui_upscale_latents(
+    model: SesquiLSR,
+    latents: torch.Tensor,
+    target_size: tuple[int, int],
+    bn_mean: torch.Tensor | None,
+    bn_std: torch.Tensor | None,
+) -> torch.Tensor:
+    """flowlift's normalized latents (B, 32, h, w) -> normalized latents at ``target_size`` (even sides):
+    :func:`raw_from_latents`, the network in its dtype, :func:`latents_from_raw`, in float32 around it.
+
+    ``bn_mean`` / ``bn_std`` are the FLUX.2 VAE's ([128]); None (TAEF2, Mage-VAE) is one line.
+    """
+    if bn_mean is None or bn_std is None:
+        raise FlowliftError(
+            "SesquiLSR works on raw FLUX.2 VAE latents and needs the FLUX.2 VAE's BN statistics; this VAE "
+            "(TAEF2 or Mage-VAE) encodes straight into the normalized space and has none: use --vae flux2"
+        )
+    th, tw = check_target_size(tuple(latents.shape), target_size)
+    if th % 2 or tw % 2:
+        raise FlowliftError(f"SesquiLSR: target {th}x{tw} latents must have even sides (FLUX.2's 2x2 patches)")
+    param = next(model.parameters())
+    with torch.no_grad():
+        raw = raw_from_latents(latents.float(), bn_mean, bn_std)
+        out = model(raw.to(param.device, param.dtype), (th, tw)).float()
+        result = latents_from_raw(out, bn_mean.to(out.device), bn_std.to(out.device))
+    if not bool(torch.isfinite(result).all()):
+        raise FlowliftError("SesquiLSR produced non-finite latents (NaN/Inf)")
+    return result.to(latents.dtype)
