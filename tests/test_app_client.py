@@ -57,8 +57,8 @@ def test_upscale_endpoint_and_queue_with_gradio_client(server, shared, tmp_path)
     slider, download, info = client.predict(handle_file(str(source)), 2, 5, 1.0, 0.5, api_name="/upscale")
     with Image.open(download) as png:
         assert png.size == (128, 96) and png.format == "PNG"
-        params = json.loads(png.text["flowlift.parameters"])
-        assert json.loads(png.text["flowlift.source"])["name"] == "kodim03.png"
+        params = json.loads(png.text["flowlift"])
+        assert params["input"] == "kodim03.png"
     assert params["seed"] == 5 and params["color_fix_strength"] == 0.5 and params["scale"] == 2
     assert os.path.basename(download) == "kodim03_x2.png"
     assert len(slider) == 2 and "128x96" in info
@@ -116,7 +116,7 @@ def test_the_api_keeps_large_seeds_exact(server, shared, tmp_path):
     for seed in (2**53, 2**53 + 1, 2**64 - 1):
         _, download, _ = client.predict(handle_file(str(source)), 2, seed, 1.0, 1.0, api_name="/upscale")
         with Image.open(download) as png:
-            seeds.append(json.loads(png.text["flowlift.parameters"])["seed"])
+            seeds.append(json.loads(png.text["flowlift"])["seed"])
             pixels.append(png.tobytes())
     assert seeds == [2**53, 2**53 + 1, 2**64 - 1]
     assert pixels[0] != pixels[1]

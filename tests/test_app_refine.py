@@ -169,3 +169,20 @@ def test_a_pipeline_never_converts_the_module_it_is_given(shared):
         other = FlowUpscalerPipeline(unet, taef2, device="cpu", dtype=dtype)
         assert other.upscaler is not unet and {p.dtype for p in other.upscaler.parameters()} == {dtype}
         assert {p.dtype for p in unet.parameters()} == {torch.bfloat16}
+
+
+def test_the_refine_bar_names_each_stage_and_step(service, inputs):
+    """Issue 48: the Refine tab showed only Gradio's generic counter; its bar now names the stage and the step, with
+    the request's own time left, from the click on."""
+    reports: list[tuple[float, str]] = []
+    service.refine(inputs / "photo.png", None, inputs / "prompt.safetensors", "img2img", 0.5, steps=6,
+                   progress=lambda fraction, text: reports.append((fraction, text)))  # fmt: skip
+    texts = [text for _, text in reports]
+    assert texts[0] == "starting"
+    assert any(text.startswith("photo.png: encode") for text in texts)
+    steps = [text.split(", about ")[0] for text in texts if ": steps, step " in text]
+    assert steps[-1] == "photo.png: steps, step 6/6" and len(steps) == 6  # the respaced window: all 6
+    assert any(text.startswith("photo.png: decode") for text in texts)
+    assert all(" left" in text for text in texts if ": steps, step " in text)
+    fractions = [fraction for fraction, _ in reports]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0

@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -55,9 +56,10 @@ def test_upscale_writes_the_cli_file_name_size_and_metadata(service, photo, shar
     assert result.before.size == result.after.size == (96, 64)
     assert "96x64" in result.summary() and not result.warnings
     fractions = [f for f, _ in progress]
-    assert fractions == sorted(fractions) and 0 <= fractions[0] and fractions[-1] < 1
+    assert fractions == sorted(fractions) and 0 <= fractions[0] and fractions[-1] <= 1
+    assert progress[0] == (0.0, "starting")  # the bar from the click, before the models load (issue 48)
     stages = " ".join(d for _, d in progress)
-    for stage in ("encode", "pass 1/1", "decode", "color fix"):
+    for stage in ("parrots.png: encode", "pass 1/1", "decode", "color fix", "writing", " left"):
         assert stage in stages
 
     # the same request through the CLI gives the same pixels and the same metadata
@@ -69,7 +71,7 @@ def test_upscale_writes_the_cli_file_name_size_and_metadata(service, photo, shar
         assert app_png.size == (96, 64)
         assert app_png.tobytes() == cli_png.tobytes()
         assert app_png.text == cli_png.text
-        params = json.loads(app_png.text["flowlift.parameters"])
+        params = json.loads(app_png.text["flowlift"])
     assert params["seed"] == 7 and params["transplant_strength"] == 0.5 and params["color_fix_strength"] == 0.75
 
 
@@ -84,10 +86,10 @@ def test_the_time_shown_is_the_requests_own_loading_included(shared, weights, ph
     loading: list[float] = []
     original = AppService.pipeline
 
-    def timed(self, vae, progress=lambda fraction, text: None):
+    def timed(self, vae):
         began = time.monotonic()
         try:
-            return original(self, vae, progress)
+            return original(self, vae)
         finally:
             loading.append(time.monotonic() - began)
 
@@ -197,7 +199,7 @@ def test_batch_zip_has_cli_names_and_lists_failures(service, photo, tmp_path):
     with zipfile.ZipFile(result.zip_path) as archive:
         assert sorted(archive.namelist()) == ["a_x2.png", "b_x2.png"]
         with archive.open("b_x2.png") as member, Image.open(member) as png:
-            assert png.size == (96, 64) and "flowlift.parameters" in png.text
+            assert png.size == (96, 64) and "flowlift" in png.text
     summary = result.summary()
     assert "2 of 4 file(s)" in summary and "**failed:** broken.png" in summary
 
@@ -244,10 +246,11 @@ def test_decode_tiles_move_the_bar(service, photo, monkeypatch):
     monkeypatch.setattr(pipeline.vae.model, "decode_tiled", functools.partial(pipeline.vae.model.decode_tiled, tile=2))
     progress: list[tuple[float, str]] = []
     service.upscale(photo, 2, 0, progress=lambda f, d: progress.append((f, d)))
-    tiles = [d for _, d in progress if ": decode, tile " in d]
+    tiles = [d.split(", about ")[0] for _, d in progress if ": decode, tile " in d]
     assert len(tiles) > 1 and tiles[-1].endswith(f"tile {len(tiles)}/{len(tiles)}")  # 2x2-latent tiles of 12x8
+    assert all(", about " in d for _, d in progress if ": decode, tile " in d)  # each with this request's time left
     fractions = [f for f, _ in progress]
-    assert fractions == sorted(fractions) and fractions[-1] < 1
+    assert fractions == sorted(fractions) and fractions[-1] <= 1
 
 
 def test_a_dropped_file_is_checked_at_once(service, photo, tmp_path):
@@ -276,6 +279,24 @@ def test_vaes_are_shown_by_name_and_chosen_by_name_or_spec(service, photo, share
         assert first.tobytes() == second.tobytes()
     with pytest.raises(FlowliftError, match="choose one of taef2$"):
         service.upscale(photo, 2, 0, 1.0, 1.0, "flux2")
+    assert by_name.output.name == "parrots_x2.png"  # one VAE offered: the command line's name
+
+
+def test_results_of_two_vaes_are_named_apart(shared, weights, photo, tmp_path):
+    """Issue 48: a Mage and a TAEF2 result of one image were both ``<stem>_x2.png``. With several VAEs offered,
+    the result's name carries the VAE's page label."""
+    taef2 = str(shared / "models" / "taef2")
+    copy = tmp_path / "other" / "taef2"
+    shutil.copytree(taef2, copy)
+    service = AppService(AppConfig(upscaler=str(weights), vaes=[taef2, str(copy)], device="cpu",
+                                   work_dir=tmp_path / "work"))  # fmt: skip
+    try:
+        names = {label: service.upscale(photo, 2, 0, 1.0, 1.0, label).output.name for label in service.vae_labels}
+        archive = service.batch([photo], 2, 0, 1.0, 1.0, str(copy))
+    finally:
+        service.close()
+    assert names == {"models/taef2": "parrots_x2_models-taef2.png", "other/taef2": "parrots_x2_other-taef2.png"}
+    assert archive.written == ["parrots_x2_other-taef2.png"]
 
 
 def test_summaries_need_no_emoji_font(service, photo, tmp_path):

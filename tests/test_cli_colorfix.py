@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -43,8 +45,9 @@ def test_colorfix_command_pairs_x4_names_and_matches_stage2(drifted_pair, tmp_pa
     stage2 = tensor_to_uint8(lab_lowband_transplant(to_tensor(drifted), to_tensor(reference), 1.0))[0]
     assert np.array_equal(fixed, stage2)  # the pipeline's stage 2, to the bit
     assert drift_at_input_scale(fixed, reference)["cast_max"] <= 0.05
-    assert "colorfix" in info["Software"] and '"scale": 4' in info["flowlift.parameters"]
-    assert "wine.png" in info["flowlift.reference"] and "wine_x4.png" in info["flowlift.source"]
+    record = json.loads(info["flowlift"])
+    assert "colorfix" in info["Software"] and record["scale"] == 4 and record["command"] == "colorfix"
+    assert record["reference"] == "wine.png" and record["input"] == "wine_x4.png"
     # resume: a second run skips the existing output and leaves it untouched
     before = out_path.stat().st_mtime_ns
     code, lines = _colorfix([str(tmp_path / "up"), "--reference", str(tmp_path / "src"), "-o", str(tmp_path / "out")],

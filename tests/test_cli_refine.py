@@ -472,3 +472,33 @@ def test_steps_follow_the_model(capsys, tmp_path, embeds_file, photo):
     with pytest.raises(SystemExit):
         main(["img2img", "--help"])
     assert "the model's: 4 for a step-distilled Klein" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_local_folder_without_a_text_encoder_is_refused_before_the_transformer_loads(
+    capsys, tmp_path, model_dir, photo, monkeypatch
+):
+    """Issue 48: ``--prompt`` with a local folder holding transformer/ and vae/ only failed after the transformer
+    had loaded (131 s), in diffusers' words cut at 200 characters mid-word, naming no fix. Now it is one line before
+    any weights load, naming the folder, the missing part and the two ways out."""
+    pytest.importorskip("transformers")  # without the text extra, the extra is what is named (up front too)
+    from flowlift.refine import loading
+
+    def never(*_args, **_kwargs):
+        raise AssertionError("the transformer loaded before the missing text encoder was named")
+
+    monkeypatch.setattr(loading, "load_transformer", never)
+    code, _, err = _run(capsys, "img2img", photo, "--model", model_dir, "--prompt", "a cat", "-o", tmp_path / "x.png")
+    (line,) = err.strip().splitlines()
+    assert code == 2 and line.startswith(f"flowlift img2img: error: --model {model_dir}: --prompt needs the model's ")
+    assert "no text_encoder/" in line and "tokenizer/" in line and line.endswith("or pass precomputed --prompt-embeds")
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_an_upstream_message_is_never_cut_inside_a_word():
+    from flowlift.refine.prompts import UPSTREAM_WORDS_MAX, _first_line
+
+    words = " ".join(f"word{i:03d}" for i in range(100))  # 799 characters of whole words
+    line = _first_line(ValueError(words + "\nsecond line"))
+    assert line.endswith(" ...") and len(line) <= UPSTREAM_WORDS_MAX + 4
+    assert all(word.startswith("word") and len(word) == 7 for word in line.removesuffix(" ...").split())
+    assert _first_line(ValueError("short\nmore")) == "short" and _first_line(ValueError()) == "ValueError"

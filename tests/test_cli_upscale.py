@@ -80,12 +80,12 @@ def test_batch_with_bad_inputs_then_resume(tmp_path, shared, weights, photo, cap
             # colour pinned to the input's at input scale: not black, not clipped
             assert 40 < np.asarray(converted).mean() < 215
 
-    params = json.loads(text["flowlift.parameters"])
+    params = json.loads(text["flowlift"])
     assert params["scale"] == 2 and params["seed"] == 0 and params["color_fix"] is True
-    models = json.loads(text["flowlift.models"])
+    models = params["models"]
     assert models["upscaler"] == {"flow_upscaler.safetensors": file_sha256(weights)}
     assert set(models["vae"]) == {"taef2_encoder.pth", "taef2_decoder.pth"}
-    assert json.loads(text["flowlift.source"])["sha256"] == file_sha256(src / "good.png")
+    assert params["input_sha256"] == file_sha256(src / "good.png")
 
     # rerun: finished outputs are skipped (not rewritten), the bad inputs fail again
     stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}

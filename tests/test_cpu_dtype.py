@@ -76,7 +76,7 @@ def test_upscale_command_runs_what_auto_picks(native, native_bf16, tmp_path, sha
         out = tmp_path / f"{dtype}.png"
         assert main(["upscale", str(tmp_path / "in.png"), "-o", str(out), "--dtype", dtype, *common]) == 0
         outputs[dtype] = out
-    ran = {name: read_metadata(path)["flowlift.parameters"]["dtype"] for name, path in outputs.items()}
+    ran = {name: read_metadata(path)["flowlift"]["dtype"] for name, path in outputs.items()}
     assert ran == {"auto": "bfloat16" if native else "float32", "float32": "float32"}
     auto = torch.tensor(list(Image.open(outputs["auto"]).getdata()), dtype=torch.float32)
     fp32 = torch.tensor(list(Image.open(outputs["float32"]).getdata()), dtype=torch.float32)
@@ -195,7 +195,7 @@ def test_narrow_images_upscale_in_bf16_like_float32(native_bf16, tmp_path, share
         out = tmp_path / f"{dtype}.png"
         assert main(["upscale", str(tmp_path / "in.png"), "-o", str(out), "--dtype", dtype, *common]) == 0
         pixels[dtype] = torch.tensor(list(Image.open(out).getdata()), dtype=torch.float32)
-    assert read_metadata(tmp_path / "auto.png")["flowlift.parameters"]["dtype"] == "bfloat16"
+    assert read_metadata(tmp_path / "auto.png")["flowlift"]["dtype"] == "bfloat16"
     assert (pixels["auto"] - pixels["float32"]).abs().mean() < 4
 
 

@@ -88,6 +88,8 @@ SKIP: dict[str, str] = {
     "PYTHONPATH=src python benchmarks/bench_mage_tiling.py --check 768 --ops decode encode": BENCHMARK,
     "flowlift upscale kodim23.png --scale 4 --vae mage": "the released Mage-VAE (a full-size random stand-in is "
         "0.3 GB; tests/test_vae_doors.py runs --vae mage through a hub cache with a small random file)",
+    "flowlift upscale in4096.png --scale 4 --vae mage": "a 4096x4096 input to 16384x16384 with the released "
+        "Mage-VAE; the memory line it prints is tests/test_upfront_plans.py's (the planner, before any encode)",
     "flowlift train --config OUT/config.json -o OUT": "resumes an earlier run's folder OUT (a placeholder); "
         "tests/test_train_outputs.py runs it on a run it made",
     "PYTHONPATH=src python benchmarks/bench_tiled_refine.py": BENCHMARK,

@@ -112,3 +112,43 @@ def test_the_app_and_the_command_line_name_a_capped_8x_the_same(tmp_path):
     assert app_job.output.name == cli_job.output.name == "wide_x4.png"
     assert app_plan.sizes.passes_for(wide) == cli_plan.sizes.passes_for(wide) == 2
     assert app_job.expected_size == cli_job.expected_size == (16384, 64)
+
+
+@pytest.fixture(scope="module")
+def distilled_dir(tmp_path_factory):
+    """The tiny folder marked as a step-distilled Klein (model_index.json ``is_distilled``): 4 steps by default."""
+    root = write_model_dir(tmp_path_factory.mktemp("flux2-tiny-distilled"))
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline", "is_distilled": True}))
+    return root
+
+
+@pytest.mark.parametrize("mode", ["img2img", "hires fix 2x"])
+@pytest.mark.parametrize("distilled", [True, False], ids=["distilled", "base"])
+def test_the_app_and_the_command_line_take_the_models_default_steps(
+    mode, distilled, model_dir, distilled_dir, inputs, tmp_path, monkeypatch, single_thread_torch
+):
+    """Issue 48: the Refine tab ran 28 steps for every model while the commands ran the model's own (4 for a
+    step-distilled Klein). With no steps given, the app and the command line run the same steps and write the same
+    pixels and metadata, for a distilled and a non-distilled model, in img2img and the hires fix."""
+    from flowlift.app.refine_tab import model_default_steps
+
+    model = distilled_dir if distilled else model_dir
+    config = AppConfig(upscaler="flow_upscaler.safetensors", vaes=["taef2"], device="cpu", model=str(model),
+                       work_dir=tmp_path / "app")  # fmt: skip
+    monkeypatch.chdir(inputs)
+    service = AppService(config)
+    try:
+        app = service.refine(inputs / "square.png", None, inputs / "prompt.safetensors", mode)  # steps: the model's
+    finally:
+        service.close()
+    out = tmp_path / "cli.png"
+    command = ["img2img", "square.png"] if mode == "img2img" else ["hires", "--image", "square.png", "--upscaler",
+                                                                   "flow_upscaler.safetensors"]  # fmt: skip
+    argv = [*command, "--model", str(model), "--prompt-embeds", "prompt.safetensors", "--no-progress", "-o", str(out)]
+    assert main(argv) == 0
+    app_pixels, app_meta = _flowlift_text(app.output)
+    cli_pixels, cli_meta = _flowlift_text(out)
+    expected = 4 if distilled else 28
+    assert model_default_steps(str(model))[0] == expected  # what the tab's steps control starts at
+    assert app_meta["steps"] == cli_meta["steps"] == expected
+    assert app_meta == cli_meta and app_pixels == cli_pixels

@@ -925,7 +925,7 @@ def test_cap_dropped_passes_name_the_output_by_the_scale_produced_and_resume(sha
     assert "2100x16 image" in err and "scale 4" in err
     with Image.open(out / "wide_x4.png") as result:
         assert result.size == (8400, 64)
-        assert json.loads(result.text["flowlift.parameters"])["scale"] == 4
+        assert json.loads(result.text["flowlift"])["scale"] == 4
     assert main(argv) == 0  # the rerun finds it: planned from the header, not after the compute
     assert "skipped" in capsys.readouterr().err
 

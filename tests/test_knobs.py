@@ -417,7 +417,7 @@ def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, 
         expected = pipeline.upscale_image(image.convert("RGB"), 1, seed=SEED_MAX)
         other = pipeline.upscale_image(image.convert("RGB"), 1, seed=SEED_MAX - 1)
     with Image.open(out) as written:
-        assert json.loads(written.text["flowlift.parameters"])["seed"] == SEED_MAX
+        assert json.loads(written.text["flowlift"])["seed"] == SEED_MAX
         got = np.asarray(written.convert("RGB"))
     assert np.array_equal(got, np.asarray(expected))
     assert not np.array_equal(got, np.asarray(other))  # the seed reached the noise
@@ -440,7 +440,7 @@ def test_app_keeps_seeds_exact(tmp_path, shared, tiny_upscaler_weights, small_ph
         for seed in (2**53, 2**53 + 1, str(2**53 + 1), SEED_MAX):
             result = service.upscale(small_photo, 2, seed)
             with Image.open(result.output) as png:
-                seeds.append(json.loads(png.text["flowlift.parameters"])["seed"])
+                seeds.append(json.loads(png.text["flowlift"])["seed"])
                 pictures.append(np.asarray(png.convert("RGB")))
     finally:
         service.close()

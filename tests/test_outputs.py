@@ -252,8 +252,8 @@ def test_upscale_writes_one_line_per_file_keeps_the_profile_and_records_the_dtyp
         assert written.info.get("icc_profile") == icc and written.getexif().get(_MAKE) == "TestCam"
         assert written.size == (64, 96)  # EXIF orientation 6 applied: 32x48 displayed, x2
     meta = read_metadata(out / "tagged_x2.webp")
-    assert meta["flowlift.parameters"]["dtype"] == "float32" and meta["flowlift.parameters"]["device"] == "cpu"
-    assert len(meta["flowlift.models"]["upscaler"]["flow_upscaler.safetensors"]) == 64
+    assert meta["flowlift"]["dtype"] == "float32" and meta["flowlift"]["device"] == "cpu"
+    assert len(meta["flowlift"]["models"]["upscaler"]["flow_upscaler.safetensors"]) == 64
 
     # --progress forces the bars into a pipe; the rerun resumes and says so in its summary
     assert main([*argv, "--progress"]) == 0
@@ -297,7 +297,7 @@ def test_upscale_keeps_16_bits_where_the_format_can_and_says_so_where_not(tmp_pa
     assert "warning" not in capsys.readouterr().err
     for name in originals:
         out = tmp_path / "png" / f"{name}_x2.png"
-        assert _bit_depth(out) == 16 and read_metadata(out)["flowlift.parameters"]["scale"] == 2
+        assert _bit_depth(out) == 16 and read_metadata(out)["flowlift"]["scale"] == 2
         levels = load_image_16bit(out)[0]
         assert levels.shape == (64, 96, 3) and np.any(levels % 257)  # not 8-bit values scaled up
     tif = tmp_path / "rgb16_x2.tif"

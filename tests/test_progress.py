@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from builders import kodak_crops
 from flowlift import console
@@ -156,3 +157,37 @@ def test_eval_into_a_log_writes_progress_lines(photos, tmp_path):
     assert progress, text
     assert "\r" not in text
     assert "| outputs | mean |" in (tmp_path / "out").read_text()
+
+
+def test_upscale_into_a_log_names_what_loads_then_every_stage_and_its_time_left(tmp_path, shared):
+    """Issue 48: off a terminal the lines began with the image loop (2 min of silence while Mage loaded), counted
+    from the loop and, for one image, never gave a time left. Now the first line names what loads (the command's
+    clock running), and every later line names the image's stage and the time left (or that it is being measured,
+    before this run has timed its first stage)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from builders import save_tiny_unet as tiny_upscaler
+
+    weights = tiny_upscaler(tmp_path / "flow_upscaler.safetensors")
+    with Image.open(shared / "images" / "kodak" / "kodim23.png") as im:
+        im.convert("RGB").crop((0, 0, 96, 64)).save(tmp_path / "kodim23.png")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), console.PROGRESS_INTERVAL_VARIABLE: "0.02",
+           "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "log", "w") as log:
+        done = subprocess.run(
+            [sys.executable, "-m", "flowlift", "upscale", "kodim23.png", "--scale", "4", "--upscaler", str(weights),
+             "--vae", str(shared / "models" / "taef2"), "--device", "cpu", "-o", "big.png"],
+            stdout=out, stderr=log, stdin=subprocess.DEVNULL, env=env, timeout=300, cwd=tmp_path,
+        )  # fmt: skip
+    text = (tmp_path / "log").read_text()
+    assert done.returncode == 0, text
+    lines = [line for line in text.splitlines() if line.startswith("flowlift upscale: ")]
+    first = next(i for i, line in enumerate(lines) if "loading" in line)
+    assert re.match(r"flowlift upscale: loading the Flow Upscaler \(flow_upscaler\.safetensors, \d+ MB\) and VAE "
+                    r".*taef2 \(.*\), [\d.]+ s so far$", lines[first]), lines[first]  # fmt: skip
+    later = [line for line in lines[first:] if "loading" not in line]
+    stages = r"(encode|pass [12]/2|decode(, tile \d+/\d+)?|color fix|writing|done)"
+    duration = r"([\d.]+ s|\d+ min \d\d s)"
+    left = rf"(about {duration} left|time left: measuring)"
+    pattern = rf"flowlift upscale: kodim23\.png: {stages} \(\d+%\) in {duration}, {left}$"
+    assert later and all(re.match(pattern, line) for line in later), "\n".join(later)
+    assert any("about" in line for line in later) and "\r" not in text

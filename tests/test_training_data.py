@@ -352,3 +352,20 @@ def test_transformer_teacher_matches_a_diffusers_scheduler_loop():
             latents = scheduler.step(v, t, latents, return_dict=False)[0]
     reference = unpatchify(unpack(latents, 4, 6))
     assert torch.allclose(ours, reference, atol=1e-4), (ours - reference).abs().max()
+
+
+def test_dataset_distill_names_every_missing_piece_at_once(tmp_path, shared, capsys, monkeypatch):
+    """Issue 48: ``dataset distill`` named a missing prompts file, and the missing teacher weights only once that
+    was fixed. Now one line names both (and a missing VAE), before any model loads."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    out = tmp_path / "never"
+    code = cli_main(["dataset", "distill", "-o", str(out), "--vae", str(tmp_path / "no-vae.safetensors"),
+                     "--teacher", "nobody/no-such-teacher", "--prompts", str(tmp_path / "prompts.txt"),
+                     "--num", "2", "--no-progress"])  # fmt: skip
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not out.exists()
+    assert line.startswith("flowlift dataset: error: 3 things are missing: (1) --teacher nobody/no-such-teacher: ")
+    assert "hf download nobody/no-such-teacher" in line
+    assert f"(2) --prompts {tmp_path / 'prompts.txt'}: file not found" in line
+    assert "(3) " in line and "no-vae.safetensors" in line

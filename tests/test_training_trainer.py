@@ -287,3 +287,30 @@ def test_a_run_that_fails_closes_its_shard_files(dataset, tmp_path, monkeypatch)
     with pytest.raises(FlowliftError, match="this step failed"):
         Trainer(_config(dataset, tmp_path / "run")).run()
     assert len(readers) == 1 and not readers[0]._open
+
+
+def test_a_stopped_run_says_where_and_how_it_resumes(dataset, tmp_path, monkeypatch, capsys):
+    """Issue 48: ``train`` interrupted said only "interrupted". The first SIGINT/SIGTERM stops after the step with a
+    checkpoint; the one line names that checkpoint, the step, and how the same command resumes from it."""
+    from flowlift.commands.cli import main
+    from flowlift.training import trainer
+
+    entered = trainer.StopRequest.__enter__
+
+    def stop_at_once(self):  # as if SIGINT came during the first step
+        entered(self)
+        self.requested = True
+        return self
+
+    monkeypatch.setattr(trainer.StopRequest, "__enter__", stop_at_once)
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(dataset), "--output", str(out), "--steps", "6", "--batch-size", "4",
+            "--crop-latent", "16", "--set", "base_channels=32", "--set", "time_dim=64", "--set", "cond_dim=64",
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    where = out / "checkpoints" / "step-00000001"
+    assert where.is_dir()
+    assert line == (f"flowlift train: interrupted: training stopped after step 1 of 6; checkpoint {where} saved: the "
+                    f"same command resumes from it (--resume auto, the default, takes the latest in {out}; or "
+                    f"--resume {where})")  # fmt: skip

@@ -61,7 +61,7 @@ def test_a_fractional_scale_writes_exactly_that_size_with_the_inputs_low_band(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png", name]
     with Image.open(tmp_path / name) as result:
         assert result.size == size
-        params = json.loads(result.text["flowlift.parameters"])
+        params = json.loads(result.text["flowlift"])
         assert _cast(result.convert("RGB"), photo) <= 0.1  # colour and tone pinned at the final size
         assert params["scale"] == float(scale) and params["size"] == list(size) and params["passes"] == passes
     # without stage 2 the random UNet's cast shows: the test can fail
@@ -77,8 +77,8 @@ def test_long_side_and_size_name_the_output_by_its_size(tmp_path, shared, weight
     assert main(["upscale", str(tmp_path / "a.png"), "--size", "100x70", *_common(shared, weights)]) == 0
     with Image.open(tmp_path / "a_120x80.png") as long, Image.open(tmp_path / "a_100x70.png") as sized:
         assert long.size == (120, 80) and sized.size == (100, 70)
-        assert json.loads(long.text["flowlift.parameters"])["long_side"] == 120
-        assert json.loads(sized.text["flowlift.parameters"])["size"] == [100, 70]
+        assert json.loads(long.text["flowlift"])["long_side"] == 120
+        assert json.loads(sized.text["flowlift"])["size"] == [100, 70]
         assert _cast(sized.convert("RGB"), photo) <= 0.1  # a different factor per side: pinned all the same
 
 
@@ -94,7 +94,7 @@ def test_powers_of_two_are_the_plain_pipelines_pixels(tmp_path, shared, weights,
     with Image.open(tmp_path / f"a_x{scale}.png") as result:
         assert result.size == (48 * int(scale), 32 * int(scale))
         assert result.convert("RGB").tobytes() == plain.tobytes()  # pixel for pixel, no resample
-        assert json.loads(result.text["flowlift.parameters"])["scale"] == int(scale)
+        assert json.loads(result.text["flowlift"])["scale"] == int(scale)
 
 
 @pytest.mark.parametrize(("option", "line"), [

@@ -146,7 +146,8 @@ def test_upscale_takes_every_named_vae_end_to_end(named_hub, upscaler, photo, tm
     assert code == 0, err
     with Image.open(out) as image:
         assert image.size == (2 * W, 2 * H)
-        parameters, models = (json.loads(image.text[key]) for key in ("flowlift.parameters", "flowlift.models"))
+        parameters = json.loads(image.text["flowlift"])
+        models = parameters["models"]
     assert parameters["vae"] == name
     assert models["vae"], models  # the named VAE's cached files are hashed into the output (provenance)
 

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -24,7 +25,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -39,11 +40,13 @@ PROGRESS_INTERVAL_VARIABLE = "FLOWLIFT_PROGRESS_INTERVAL_S"
 
 _warned: set[str] = set()
 _command = {"name": ""}  # the subcommand running, for the ``flowlift CMD:`` of progress lines
+_command_started: list[float] = []  # when it started (time.monotonic)
+_run_lines: list[Any] = []  # the runs whose lines :func:`run_lines` writes now (the loops' lines stay quiet)
 
 
-def add_console_options(parser: argparse.ArgumentParser) -> None:
+def add_console_options(parser: argparse.ArgumentParser, progress: bool = True) -> None:
     """``-v/--verbose`` and ``--progress/--no-progress``, identical on every subcommand: the one convention
-    for progress bars."""
+    for progress bars (``progress`` False: ``-v`` only, for a command that draws none)."""
     group = parser.add_argument_group("console")
     group.add_argument(
         "-v",
@@ -51,6 +54,8 @@ def add_console_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also show the libraries' own warnings and log lines (diffusers, transformers, huggingface_hub)",
     )
+    if not progress:  # a command that draws no progress (status, launch) offers no option for it
+        return
     group.add_argument(
         "--progress",
         action=argparse.BooleanOptionalAction,
@@ -195,8 +200,59 @@ def stdout_failure() -> OSError | ValueError | None:
 
 
 def set_command(name: str) -> None:
-    """Name the subcommand this process runs: progress lines start ``flowlift NAME:``."""
+    """Name the subcommand this process runs: progress lines start ``flowlift NAME:``; its time counts from now."""
     _command["name"] = name
+    _command_started[:] = [time.monotonic()]
+
+
+def command_started() -> float | None:
+    """When the running subcommand started (:func:`time.monotonic`; None: no command named): a
+    :class:`flowlift.progress.RunProgress` made later still counts the command's whole time."""
+    return _command_started[0] if _command_started else None
+
+
+@contextlib.contextmanager
+def run_lines(run: Any, enabled: bool | None, file: TextIO | None = None) -> Iterator[None]:
+    """Off a terminal (``enabled`` None, ``file`` not a terminal), the lines of a
+    :class:`flowlift.progress.RunProgress`: one at once whenever a model starts loading, then one per
+    :func:`progress_interval` naming the stage, the share done, the time since the command started and the time
+    left; the loops' own progress lines stay quiet meanwhile (one line per interval). On a terminal the bars show
+    the run (nothing here); ``enabled`` False: nothing."""
+    file = sys.stderr if file is None else file
+    if enabled is not None or _is_terminal(file):
+        yield
+        return
+    interval = progress_interval()
+    stop = threading.Event()
+    prefix = f"flowlift {_command['name']}: " if _command["name"] else "flowlift: "
+    said = {"loading": None}
+
+    def write() -> None:
+        try:
+            print(prefix + run.state().line(), file=file, flush=True)
+        except (OSError, ValueError):  # a closed log: progress is not worth failing the run for
+            stop.set()
+
+    def on_report(state: Any) -> None:
+        if state.loading and state.loading != said["loading"]:
+            said["loading"] = state.loading
+            write()
+
+    def tick() -> None:
+        while not stop.wait(interval):
+            write()
+
+    run.subscribe(on_report)
+    ticker = threading.Thread(target=tick, name="flowlift-run-progress", daemon=True)
+    _run_lines.append(run)
+    ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        _run_lines.remove(run)
+        if ticker is not threading.current_thread():
+            ticker.join(timeout=1.0)
 
 
 def format_seconds(seconds: float) -> str:
@@ -334,7 +390,7 @@ def _progress_lines_class() -> type:
                 """Write a line when ``interval`` passed since the last one (at ``now``, monotonic)."""
                 with _open_lines_lock:
                     outer = bool(_open_lines) and _open_lines[0] is self
-                if not outer or now - self._last_line < self._interval:
+                if not outer or _run_lines or now - self._last_line < self._interval:
                     return False  # an inner bar's state is part of the outermost bar's line
                 self._last_line = now
                 try:

@@ -82,9 +82,12 @@ def _progress_adapter(progress: Any) -> Callable[[float, str], None]:
 
 
 #: Styles of the page's status lines (plain text marks: the page needs no emoji font).
+#: Gradio's own estimate is hidden (its ETA bar and "processing | 2.1/120.9s" timer come from the averages of earlier
+#: requests, issue 48): each request's bar is flowlift's, from the click (flowlift.app.progress).
 CSS = """
 .flowlift-error { color: var(--error-text-color, #b91c1c); font-weight: 600; }
 .flowlift-ok { color: var(--body-text-color-subdued, #4b5563); }
+.eta-bar, .progress-text { display: none !important; }
 """
 
 #: Sizes the detail crops in device pixels: at 100% one image pixel per screen pixel, also on a HiDPI

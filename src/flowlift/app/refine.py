@@ -44,12 +44,12 @@ def mode_strength_default(mode: str) -> float:
 @dataclass(frozen=True)
 class RefineForm:
     """The Refine tab's controls as sent (form and JSON values, checked by :func:`refine_upload`); ``strength`` None
-    is the mode's default (:func:`mode_strength_default`)."""
+    is the mode's default (:func:`mode_strength_default`), ``steps`` None the loaded model's."""
 
     mode: str = "img2img"
     strength: Any = None
     strength_map: str = STRENGTH_MAP.default
-    steps: Any = STEPS.default
+    steps: Any = None  # the model's (4 for a step-distilled Klein, else 28), as the command line's
     seed: Any = SEED.default
     sampler: str = SAMPLER.default
     tile_size: Any = TILE_SIZE.default
@@ -82,7 +82,8 @@ def _request(service: Any, source: Path, prompt: str | None, embeds: Path | None
     scale = MODES[form.mode]
     strength = _checked(REFINE_STRENGTH if scale else STRENGTH, mode_strength_default(form.mode)
                         if form.strength is None else form.strength)  # fmt: skip
-    sampling = SamplingSettings(steps=_checked(STEPS, form.steps), seed=_checked(SEED, form.seed),
+    steps = None if form.steps is None else _checked(STEPS, form.steps)  # None: the model's, as the CLI's
+    sampling = SamplingSettings(steps=steps, seed=_checked(SEED, form.seed),
                                 sampler=SAMPLER.check(form.sampler))  # fmt: skip
     hires = None
     if scale:
@@ -101,7 +102,7 @@ def _request(service: Any, source: Path, prompt: str | None, embeds: Path | None
         tiles=TileRequest.parse(form.tile_size, form.tile_overlap),
         hires=hires,
         command="hires" if scale else "img2img",
-        progress=True,  # the refiner's tqdm bar is what the page's progress follows
+        progress=False,  # the page's bar reads the request's run (flowlift.progress), not a tqdm bar
     )
     name = refined_output(source.name, request.name_suffix).name
     return replace(request, output=service.new_result_dir() / name)
@@ -111,16 +112,23 @@ def refine_upload(service: Any, path: str | Path | None, prompt: str | None, pro
                   form: RefineForm, progress: ProgressFn) -> UpscaleResult:  # fmt: skip
     """Refine one upload as ``form`` says; written as ``<stem>_img2img.png`` / ``<stem>_hires<N>x.png`` with the
     CLI's metadata. Logs the server's one line for the request whatever its outcome."""
-    with logged_request(service.config.log, "refine", Path(path).name if path else "-", str(form.mode)) as entry:
-        result = _refine(service, path, prompt, prompt_embeds, form, progress)
+    from flowlift.app.progress import request_progress
+    from flowlift.progress import running
+
+    run = request_progress(progress)  # from the click: the bar names each stage and step, loading included
+    run.loading(None)
+    with running(run), logged_request(service.config.log, "refine", Path(path).name if path else "-",
+                                      str(form.mode)) as entry:  # fmt: skip
+        result = _refine(service, path, prompt, prompt_embeds, form, run)
         (w0, h0), (w1, h1) = result.input_size, result.output_size
         entry.request = f"{form.mode} {w0}x{h0} -> {w1}x{h1}"
     return result
 
 
 def _refine(service: Any, path: str | Path | None, prompt: str | None, prompt_embeds: str | Path | None,
-            form: RefineForm, progress: ProgressFn) -> UpscaleResult:  # fmt: skip
+            form: RefineForm, run: Any) -> UpscaleResult:  # fmt: skip
     from flowlift.refine.jobs import job_conditioning, plan_refine_job, refine_job, write_job
+    from flowlift.refine.stages import plan_job_stages
 
     if not path:
         raise FlowliftError("no image uploaded")
@@ -143,12 +151,15 @@ def _refine(service: Any, path: str | Path | None, prompt: str | None, prompt_em
         raise FlowliftError(public_message(error, embeds if embeds is not None and embeds.name in str(error)
                                            else source)) from None  # fmt: skip
     started = time.perf_counter()
-    refiner = service.refiner(progress, text_encoder=request.prompt.embeds is None)
-    refiner.progress = True
+    refiner = service.refiner(text_encoder=request.prompt.embeds is None)
+    refiner.progress = False
+    plan_job_stages(run, job, request.sampling.steps or refiner.default_steps)
     try:
         upscaler = service.hires_upscaler(refiner) if request.mode == "hires" else None
         result = refine_job(job, refiner, conditioning, upscaler)
+        run.begin("writing")
         image = write_job(job, result, shown=lambda p: Path(p).name)
+        run.finished("writing")
     except ITEM_ERRORS as error:
         raise FlowliftError(public_message(error, source)) from None
     before, after = preview_pair(job.rgb, image)

@@ -3,8 +3,9 @@
 The Gradio controls over :meth:`flowlift.app.service.AppService.refine` (:mod:`flowlift.app.refine`: one
 :class:`~flowlift.refine.request.RefineRequest`, refine's own plan and hires composition), with the output names
 and PNG metadata of ``flowlift img2img`` / ``flowlift hires``. Every control's range and default is its knob's;
-the strength slider starts at the chosen mode's default. The per-step progress is the refiner's own tqdm bar,
-which the page follows (``gr.Progress(track_tqdm=True)``).
+the strength slider starts at the chosen mode's default and the steps at the loaded model's (4 for a step-distilled
+Klein, else 28: :func:`flowlift.refine.loading.model_default_steps`, as ``flowlift img2img``/``hires`` choose them).
+The bar names each stage and step with the time left (the request's :class:`~flowlift.progress.RunProgress`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from flowlift.app.results import UpscaleResult, model_name
 from flowlift.app.service import AppService
 from flowlift.knobs import SEED
 from flowlift.limits import PIXEL_MULTIPLE
+from flowlift.refine.loading import model_default_steps
 from flowlift.refine.settings import SAMPLER, STEPS, STRENGTH, STRENGTH_MAP, TILE_OVERLAP, TILE_SIZE
 
 MAX_STEPS = STEPS.high
@@ -56,10 +58,10 @@ def _tile_controls(gr: Any) -> tuple[Any, Any]:
 
 def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_error: Any, upload_path: Any) -> None:
     """The Refine tab and its ``refine`` endpoint (built inside the page's ``gr.Blocks``)."""
-    follow_tqdm = gr.Progress(track_tqdm=True)
+    stage_progress = gr.Progress()
 
     def run(image, prompt, embeds, mode, strength, strength_map, steps, seed, sampler, tile_size, tile_overlap,
-            progress=follow_tqdm):  # fmt: skip
+            progress=stage_progress):  # fmt: skip
         try:
             result = refine(
                 service,
@@ -110,12 +112,15 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
                     info="linear: 0.5 redraws the last half of the schedule; canvas: as canvas apps count it, "
                     "much stronger at the same number (0.5 redraws 87%)",
                 )
+                model_steps, why = model_default_steps(service.config.model) if service.config.model else (
+                    STEPS.default, "")  # fmt: skip
                 steps = gr.Number(
-                    value=STEPS.default,
+                    value=model_steps,
                     precision=0,
                     minimum=STEPS.low,
                     maximum=STEPS.high,
                     label="Steps of the full schedule",
+                    info=f"the model's default: {model_steps} ({why}), as flowlift img2img and hires choose it",
                 )
                 seed = gr.Number(value=SEED.default, precision=0, minimum=SEED.low, maximum=SEED.high, label="Seed")
                 sampler = gr.Radio(list(SAMPLER.choices), value=SAMPLER.default, label="Sampler")

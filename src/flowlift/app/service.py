@@ -11,6 +11,7 @@ temporary path. :mod:`flowlift.app.page` is the Gradio page over this.
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 import threading
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flowlift.app.progress import EtaProgress, ProgressFn, StageCosts, UpscaleProgress
+from flowlift.app.progress import ProgressFn, request_progress
 from flowlift.app.results import (
     BatchResult,
     UpscaleResult,
@@ -35,7 +36,7 @@ from flowlift.app.results import (
 )
 from flowlift.errors import ITEM_ERRORS, FlowliftError
 from flowlift.knobs import SEED
-from flowlift.refine.settings import SAMPLER, STEPS, STRENGTH_MAP, TILE_OVERLAP, TILE_SIZE
+from flowlift.refine.settings import SAMPLER, STRENGTH_MAP, TILE_OVERLAP, TILE_SIZE
 from flowlift.upscale.loading import DEFAULT_VAE
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH, SCALE, TRANSPLANT_STRENGTH
 
@@ -86,8 +87,6 @@ class AppService:
         self._hashes: dict[str, dict[str, dict[str, str]]] = {}
         self._refiner: Any = None
         self._hires_pipeline: Any = None
-        #: Seconds per megapixel of each upscale stage, per VAE, learned from finished requests (the time left).
-        self._stage_costs: dict[str, StageCosts] = {}
         self._own_work_dir = config.work_dir is None
         self.work_dir = Path(config.work_dir or tempfile.mkdtemp(prefix="flowlift-app-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -120,19 +119,23 @@ class AppService:
 
         return None if self.config.dtype == "auto" else getattr(torch, self.config.dtype)
 
-    def pipeline(self, vae: str, progress: ProgressFn = _no_progress) -> Any:
-        """The :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline` for ``vae`` (one of the configured VAEs)."""
+    def pipeline(self, vae: str) -> Any:
+        """The :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline` for ``vae`` (one of the configured VAEs); what
+        loads is reported to the request's run (:mod:`flowlift.progress`)."""
         if vae not in self.config.vaes:
             raise FlowliftError(f"VAE {vae!r} is not configured; choose one of {', '.join(self.vae_labels)}")
         with self._lock:
             if vae in self._pipelines:
                 return self._pipelines[vae]
+            from flowlift.progress import report_loading
             from flowlift.upscale.outputs import model_hashes
             from flowlift.upscale.pipeline import FlowUpscalerPipeline
+            from flowlift.upscale.stages import loading_description
 
             first = next(iter(self._pipelines.values()), None)
             label = next((name for name, spec in self.vae_labels.items() if spec == vae), vae)
-            progress(0.0, f"loading the Flow Upscaler and VAE {label} (once per server)")
+            what = loading_description(self.upscaler_source if first is None else first.upscaler, vae)
+            report_loading(f"{what.replace(f'VAE {vae}', f'VAE {label}')} (once per server)")  # no server paths
             if first is None:
                 pipe = FlowUpscalerPipeline(
                     self.upscaler_source, vae, dtype=self._torch_dtype(), device=self.config.device
@@ -142,26 +145,30 @@ class AppService:
                 pipe.upscaler_path = first.upscaler_path
             self._hashes[vae] = model_hashes(pipe)
             self._pipelines[vae] = pipe
+            report_loading(None)
             return pipe
 
-    def refiner(self, progress: ProgressFn = _no_progress, text_encoder: bool = False) -> Any:
-        """The FLUX.2 refiner of ``--model`` (loaded on first use; the text encoder only once a prompt needs it)."""
+    def refiner(self, text_encoder: bool = False) -> Any:
+        """The FLUX.2 refiner of ``--model`` (loaded on first use; the text encoder only once a prompt needs it); what
+        loads is reported to the request's run (:mod:`flowlift.progress`)."""
         if not self.config.model:
             raise FlowliftError("no FLUX.2 model configured; start the app with --model to refine")
         with self._lock:
             from flowlift.devices import resolve_device_dtype
+            from flowlift.progress import report_loading
 
             device, dtype = resolve_device_dtype(self.config.device or "auto", self.config.dtype)
             if self._refiner is None:
                 from flowlift.refine.loading import load_refiner
 
-                progress(0.0, "loading the FLUX.2 model (once per server)")
+                report_loading(f"the FLUX.2 model {Path(self.config.model).name} (once per server)")
                 self._refiner = load_refiner(self.config.model, vae=self.config.model_vae, device=device, dtype=dtype)
             if text_encoder and self._refiner.prompt_encoder is None:
                 from flowlift.refine.prompts import PromptEncoder
 
-                progress(0.0, "loading the FLUX.2 text encoder (once per server)")
+                report_loading(f"the FLUX.2 text encoder of {Path(self.config.model).name} (once per server)")
                 self._refiner.prompt_encoder = PromptEncoder(self.config.model, device=device, dtype=dtype)
+            report_loading(None)
             return self._refiner
 
     # -- the command line's settings and names ------------------------------------------------------
@@ -186,6 +193,14 @@ class AppService:
         from flowlift.upscale.plan import plan_files
 
         return plan_files(sources, out_dir, AskedSize(scale=scale))
+
+    def named_by_vae(self, out: Path | None, vae: str) -> Path | None:
+        """``flowlift upscale``'s output name, with the VAE's page label added when the page offers several
+        (``photo_x2_mage.png``, ``photo_x2_taef2.png``): two results of one image are never named alike."""
+        if out is None or len(self.config.vaes) < 2:
+            return out
+        label = next((name for name, spec in self.vae_labels.items() if spec == vae), Path(vae).name)
+        return out.with_name(f"{out.stem}_{re.sub(r'[^A-Za-z0-9._-]+', '-', label).strip('-')}{out.suffix}")
 
     def new_result_dir(self) -> Path:
         """A fresh result folder; old ones are pruned, but only those this app made (its marker inside):
@@ -220,7 +235,7 @@ class AppService:
         mode: str = "img2img",
         strength: Any = None,
         strength_map: str = STRENGTH_MAP.default,
-        steps: Any = STEPS.default,
+        steps: Any = None,
         seed: Any = SEED.default,
         sampler: str = SAMPLER.default,
         tile_size: Any = TILE_SIZE.default,
@@ -229,7 +244,8 @@ class AppService:
     ) -> UpscaleResult:
         """Refine one upload (the Refine tab, :mod:`flowlift.app.refine`): img2img or ``hires fix <N>x``, written as
         ``flowlift img2img`` / ``flowlift hires`` name it, with their metadata. ``strength`` None is the mode's
-        knob default (img2img ``strength``, the hires fix's ``refine_strength``)."""
+        knob default (img2img ``strength``, the hires fix's ``refine_strength``), ``steps`` None the model's (4 for a
+        step-distilled Klein, else 28), as ``flowlift img2img``/``hires`` choose them."""
         from flowlift.app.refine import RefineForm, refine_upload
 
         form = RefineForm(mode, strength, strength_map, steps, seed, sampler, tile_size, tile_overlap)
@@ -252,37 +268,29 @@ class AppService:
         )
 
     def _upscale_into(
-        self,
-        source: Path,
-        out: Path,
-        settings: Any,
-        sizes: Any,
-        pipeline: Any,
-        vae: str,
-        progress: ProgressFn,
-        base: float = 0.0,
-        span: float = 1.0,
+        self, source: Path, out: Path, settings: Any, sizes: Any, pipeline: Any, vae: str
     ) -> UpscaleResult:
         """``flowlift upscale``'s per-image step (:func:`~flowlift.upscale.outputs.upscale_file`) on one upload, as
-        ``sizes`` (the plan's :class:`~flowlift.upscale.plan.OutputSizes`) planned it."""
+        ``sizes`` (the plan's :class:`~flowlift.upscale.plan.OutputSizes`) planned it, its stages reported to the
+        request's run (:class:`~flowlift.upscale.stages.UpscaleStages`)."""
         from flowlift.files.images import image_size
+        from flowlift.progress import RunProgress, active
         from flowlift.upscale.outputs import upscale_file
+        from flowlift.upscale.stages import UpscaleStages
 
         passes = sizes.passes_for(source)  # the passes the 16K cap lets run, as named
 
         started = time.perf_counter()
         check_upload(source, self.config.max_upload_mb)
-        costs = self._stage_costs.setdefault(vae, StageCosts())  # each VAE (and machine) has its own speeds
+        stages = UpscaleStages(active() or RunProgress())
         try:
             width, height = image_size(source)
-            stages = UpscaleProgress(progress, source.name, passes, base, span, costs, width * height / 1e6)
-            stages.start()
-            image, result, notes = upscale_file(pipeline, settings, passes, source, out, self._hashes[vae],
-                                                stages.stage, stages.decode_tile, sizes.resample_to(source),
-                                                sizes.asked)  # fmt: skip
+            with stages.image(source.name, passes, width * height / 1e6):
+                image, result, notes = upscale_file(pipeline, settings, passes, source, out, self._hashes[vae],
+                                                    stages.stage, stages.decode_tile, sizes.resample_to(source),
+                                                    sizes.asked)  # fmt: skip
         except ITEM_ERRORS as error:
             raise FlowliftError(public_message(error, source)) from None
-        stages.finish()
         before, after = preview_pair(image, result)
         return UpscaleResult(out, before, after, image.size, result.size, time.perf_counter() - started, notes)
 
@@ -318,8 +326,12 @@ class AppService:
 
         Logs one line (``request_log_line``) whatever the outcome.
         """
-        eta = EtaProgress(progress)  # the request's clock: loading the models counts in its time
-        with logged_request(self.config.log, "upscale", Path(path).name if path else "-", f"x{scale}") as entry:
+        from flowlift.progress import running
+
+        run = request_progress(progress)  # the request's clock from the click: loading the models counts in its time
+        run.loading(None)  # the bar shows at once ("starting"), never another request's estimate
+        with running(run), logged_request(self.config.log, "upscale", Path(path).name if path else "-",
+                                          f"x{scale}") as entry:  # fmt: skip
             if not path:
                 raise FlowliftError("no image uploaded")
             source = Path(path)
@@ -331,12 +343,12 @@ class AppService:
             settings = self.settings(seed, transplant, color_fix, vae)
             plan = self.plan([source], folder, scale)
             (job,) = plan.jobs
-            out = job.output
+            out = self.named_by_vae(job.output, vae)
             if out is None:
                 raise FlowliftError(f"{source.name}: {strip_folders(job.note, [source.parent, folder])}")
-            pipeline = self.pipeline(vae, eta)
-            result = self._upscale_into(source, out, settings, plan.sizes, pipeline, vae, eta)
-            result.seconds = eta.elapsed  # the request's wall time, loading the models included
+            pipeline = self.pipeline(vae)
+            result = self._upscale_into(source, out, settings, plan.sizes, pipeline, vae)
+            result.seconds = run.state().elapsed  # the request's wall time, loading the models included
             entry.request = result.log_request()
         return result
 
@@ -355,10 +367,15 @@ class AppService:
         Logs one line for the whole batch.
         """
         from flowlift.files.atomic import atomic_output
+        from flowlift.files.images import image_size
+        from flowlift.progress import running
+        from flowlift.upscale.stages import UpscaleStages
 
         started = time.perf_counter()
-        eta = EtaProgress(progress)  # the request's clock: loading the models counts in its time
-        with logged_request(self.config.log, "batch", f"{len(paths or [])} file(s)", f"x{scale}") as entry:
+        run = request_progress(progress)  # the request's clock from the click: loading the models counts in its time
+        run.loading(None)
+        with running(run), logged_request(self.config.log, "batch", f"{len(paths or [])} file(s)",
+                                          f"x{scale}") as entry:  # fmt: skip
             if not paths:
                 raise FlowliftError("no files uploaded")
             sources = [Path(p) for p in paths]
@@ -370,16 +387,24 @@ class AppService:
             settings = self.settings(seed, transplant, color_fix, vae)
             planned = self.plan(sources, out_dir, scale)
             plan = planned.jobs
-            pipeline = self.pipeline(vae, eta)
+            expected = []
+            for job in plan:
+                if job.output is not None:
+                    try:
+                        width, height = image_size(job.source)
+                    except ITEM_ERRORS:
+                        continue  # its own step says what is wrong
+                    expected.append((job.source.name, planned.sizes.passes_for(job.source), width * height / 1e6))
+            UpscaleStages(run).expect(expected)  # every image's stages: the time left covers the whole batch
+            pipeline = self.pipeline(vae)
             written: list[Path] = []
             errors: list[str] = []
-            for index, (source, out, note) in enumerate((job.source, job.output, job.note) for job in plan):
+            for source, out, note in ((job.source, self.named_by_vae(job.output, vae), job.note) for job in plan):
                 if out is None:
                     errors.append(f"{source.name}: {strip_folders(note, [*(s.parent for s in sources), out_dir])}")
                     continue
                 try:
-                    share = (index / len(plan), 1 / len(plan))
-                    self._upscale_into(source, out, settings, planned.sizes, pipeline, vae, eta, *share)
+                    self._upscale_into(source, out, settings, planned.sizes, pipeline, vae)
                     written.append(out)
                 except ITEM_ERRORS as error:
                     errors.append(public_message(error, source))

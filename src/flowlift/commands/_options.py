@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from dataclasses import replace
 from typing import Any
@@ -59,10 +60,10 @@ def option_words(parser: argparse.ArgumentParser) -> dict[str, str]:
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the examples epilog's line breaks and appends ``(default: X)`` to every option whose help
     does not already state its default (``none`` when it is unset; flags that are off unless given and
-    required options need none)."""
+    required options need none); a help that states it is written ``(default: X ...)`` too: one notation."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
+        text = re.sub(r"\(default (?!:)", "(default: ", action.help or "")  # one notation: "(default: X)"
         if "default" in text.lower() or action.required or not action.option_strings or action.help is None:
             return text
         if isinstance(action, argparse._StoreConstAction) or action.default is argparse.SUPPRESS:
@@ -148,7 +149,7 @@ def add_device_options(
         "--dtype",
         choices=DTYPES,
         default="auto",
-        help=f"precision (default auto: bfloat16 on CUDA, {cpu}; float16 on the CPU is very slow)",
+        help=f"precision (default: auto, which is bfloat16 on CUDA, {cpu}; float16 on the CPU is very slow)",
     )
 
 

@@ -79,7 +79,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_schedule_arguments(sampling)
     out = parser.add_argument_group("output")
     out.add_argument("-o", "--output", type=name_or_path, metavar="PATH",
-                     help="output image (PNG keeps all parameters as metadata)")  # fmt: skip
+                     help="output image (PNG keeps all parameters as metadata; default: beside the input, "
+                     "<stem>_img2img.png, <stem>_hires<N>x.png ..., by the command)")  # fmt: skip
     out.add_argument("--overwrite", action="store_true",
                      help="replace an existing image at the output path that flowlift did not write")  # fmt: skip
 

@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "as for flowlift upscale)", action="append")
     add_device_options(parser, cpu_bf16=True)
     parser.add_argument(
-        "--max-upload-mb", type=_megabytes, default=50.0, metavar="MB", help="largest accepted upload (default 50)"
+        "--max-upload-mb", type=_megabytes, default=50.0, metavar="MB", help="largest accepted upload"
     )
     parser.add_argument(
         "--model",
@@ -67,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH|REPO",
         help="FLUX.2 Klein/dev weights for the Refine tab (as for flowlift img2img); no Refine tab without it",
     )
-    parser.add_argument("--model-vae", default=None, metavar="SPEC", help="VAE of --model (default: its vae/ folder)")
+    parser.add_argument("--model-vae", default=None, metavar="SPEC",
+                        help="the VAE the Refine tab encodes and decodes --model's latents with: flux2, mage, taef2, "
+                        "a weights file or a folder (default: --model's own vae/ folder)")  # fmt: skip
 
 
 def check_weights(args: argparse.Namespace) -> None:

@@ -65,7 +65,7 @@ def build_parser() -> OneLineParser:
         )
         module.add_arguments(sub)
         if not getattr(module, "NESTED_COMMANDS", False):  # nested ones add them to each of their own
-            add_console_options(sub)
+            add_console_options(sub, progress=getattr(module, "SHOWS_PROGRESS", True))
         sub.set_defaults(_run=module.run, _long_running=getattr(module, "LONG_RUNNING", False))
     return parser
 
@@ -205,9 +205,22 @@ def _main(argv: Sequence[str] | None) -> int:
         words = option_words(parser._chosen_command(args)) if error.fields and args is not None else {}
         print(f"flowlift {command}: error: {error.worded(words)}", file=sys.stderr)
         return error.exit_status
-    except KeyboardInterrupt:
-        print(f"flowlift {command}: interrupted" if command else "flowlift: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as stop:  # a command that stopped cleanly says where it stopped (train: how it resumes)
+        said = f": {stop}" if str(stop) else ""
+        print(f"flowlift {command}: interrupted{said}" if command else "flowlift: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if owns_process and getattr(args, "_long_running", False):
+            _skip_final_collection()
+
+
+def _skip_final_collection() -> None:
+    """Let a long-running command's process (``flowlift app`` with its models, Gradio and the web server loaded)
+    end within seconds: the interpreter's last garbage collection walked every object of them for 20-60 s after
+    ``interrupted`` (issue 48). The command has closed its files and servers; what is left is freed by the exit."""
+    import gc
+
+    gc.freeze()
 
 
 if __name__ == "__main__":

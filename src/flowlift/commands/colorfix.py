@@ -46,7 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quality", type=quality, default=None, metavar="Q",
                         help="JPEG/WebP quality 1-100 (default 95; WebP at 100 is lossless)")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs instead of skipping")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")  # fmt: skip
+    parser.add_argument("--device", default="auto",
+                        help="torch device: auto (CUDA when available, else cpu), cpu, cuda, cuda:N, mps")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+#: It draws no progress: no ``--progress/--no-progress`` option (flowlift.console.add_console_options).
+SHOWS_PROGRESS = False
 NAME = "launch"
 HELP = "run a flowlift command on many processes or machines (torchrun's agent); exit status is the job's"
 EXAMPLES = (

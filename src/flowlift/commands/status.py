@@ -12,6 +12,8 @@ import argparse
 
 from flowlift.commands._options import examples, name_or_path
 
+#: It draws no progress: no ``--progress/--no-progress`` option (flowlift.console.add_console_options).
+SHOWS_PROGRESS = False
 NAME = "status"
 HELP = "print the state of a batch job from its output folder (exit 0 when complete, else 1)"
 EXAMPLES = examples(

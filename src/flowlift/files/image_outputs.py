@@ -134,10 +134,14 @@ def read_metadata(path: str | os.PathLike) -> dict[str, object]:
     """flowlift's metadata of an output: PNG text chunks, the JSON in a JPEG/WebP EXIF UserComment, or
     the JSON in a TIFF ImageDescription.
 
-    JSON values are decoded; an image without flowlift metadata gives ``{}``.
+    JSON values are decoded; an image without flowlift metadata gives ``{}``. Every output reads with the same
+    keys (:mod:`flowlift.files.metadata`, schema 1: ``Software`` and the ``flowlift`` object), files of the older
+    layouts included.
     """
+    from flowlift.files.metadata import as_current
+
     with Image.open(path) as opened:
-        return _metadata_of(opened)
+        return as_current(_metadata_of(opened))
 
 
 def _metadata_of(opened: Image.Image) -> dict[str, object]:

@@ -336,7 +336,8 @@ def run_jobs(
     somebody else's file: one line, counted as failed); an :data:`ITEM_ERRORS` exception from
     ``process`` prints one line and the batch goes on. ``progress``: the ``enabled`` of
     :func:`flowlift.console.progress_bar` over the jobs (``None``: a bar on a terminal, plain lines
-    elsewhere). ``summary``: print the summary line (a rank of a launched job leaves it to rank 0).
+    elsewhere); a ``process`` with an ``expect(sources)`` method is told the sources it will get, in order,
+    before the first. ``summary``: print the summary line (a rank of a launched job leaves it to rank 0).
     ``started``: the :func:`time.perf_counter` the summary's total
     time counts from (default: now). ``debris_before``: the :func:`time.time` before which a temporary
     file in an output folder can be a killed run's (default: now; a job of several ranks passes a time
@@ -370,6 +371,9 @@ def run_jobs(
                 if state.action == "redo":
                     report(command, job.source, f"redoing {job.output}: {state.note}")
                 todo.append(job)
+    expect = getattr(process, "expect", None)
+    if callable(expect):  # the step plans its progress stages for exactly the images that will run
+        expect([job.source for job in todo])
     bar = progress_bar(todo, desc="images", unit="img", enabled=progress, file=sys.stderr)
     try:
         for job in bar:

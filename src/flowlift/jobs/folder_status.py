@@ -47,8 +47,9 @@ class FolderStatus:
 
 
 def _source_name(metadata: dict) -> str | None:
-    source = metadata.get("flowlift.source")
-    return source.get("name") if isinstance(source, dict) and isinstance(source.get("name"), str) else None
+    record = metadata.get("flowlift")  # read_metadata gives every layout as schema 1
+    name = record.get("input") if isinstance(record, dict) else None
+    return Path(name).name if isinstance(name, str) else None
 
 
 def folder_status(folder: str | os.PathLike) -> FolderStatus:

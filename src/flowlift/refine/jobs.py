@@ -285,25 +285,45 @@ def write_job(job: RefineJob, result: Any, shown: Callable[[Any], Any] = os.fspa
     returns the written Pillow image."""
     from flowlift.files.image_outputs import save_image_atomic
     from flowlift.files.images import attach_alpha, tensor_to_pil
+    from flowlift.files.metadata import metadata_record
 
     metadata = job_metadata(job, result, shown)
     alpha = None if job.pads is not None else job.alpha
     image = attach_alpha(tensor_to_pil(result.images[0]), alpha)
     source = os.fspath(job.request.image) if job.request.image is not None else None
-    save_image_atomic(image, job.output, {"flowlift": metadata}, source=source)
+    record = metadata_record(str(metadata.get("command", job.request.mode)), metadata)  # schema 1 (docs/metadata.md)
+    save_image_atomic(image, job.output, record, source=source)
     return image
 
 
 def run_refine(request: RefineRequest) -> Path:
     """The whole refine of ``request``: planned (:func:`plan_refine_job`), its weights found, loaded, run and
-    written; returns the output path."""
+    written; returns the output path. Its stages go to one :class:`~flowlift.progress.RunProgress` from the
+    command's start (off a terminal, :func:`flowlift.console.run_lines`: what loads, then each stage and step)."""
+    from flowlift.console import command_started, run_lines
+    from flowlift.progress import RunProgress, running
+
+    run = RunProgress(started=command_started())
+    with running(run), run_lines(run, request.progress):
+        return _run_refine(request, run)
+
+
+def _run_refine(request: RefineRequest, run: Any) -> Path:
+    from flowlift.refine.stages import plan_job_stages
+
     job = plan_refine_job(request)
     loras = find_weights(job)
+    run.loading(f"the FLUX.2 model {Path(request.source.model).name}")
     refiner, conditioning = load_for_job(job, loras)
     upscaler = None
     if request.mode == "hires":
         plan = refiner.memory_plan  # the upscaler gets what the transformer leaves of max_memory
         upscaler = request.hires.upscaler.load(refiner.vae, device=refiner.device, dtype=refiner.dtype,
                                                budget_bytes=plan.upscaler_budget_bytes if plan else None)  # fmt: skip
-    write_job(job, refine_job(job, refiner, conditioning, upscaler))
+    run.loading(None)
+    plan_job_stages(run, job, request.sampling.steps or refiner.default_steps)
+    result = refine_job(job, refiner, conditioning, upscaler)
+    run.begin("writing")
+    write_job(job, result)
+    run.finished("writing")
     return job.output

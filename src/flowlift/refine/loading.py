@@ -77,11 +77,15 @@ def _hub_model_error(model: str, error: BaseException, option: str) -> FlowliftE
 def check_model_part(model: str, part: str, option: str = "source.model") -> None:
     """Raise one line unless the ``part/`` subfolder (``transformer``, ``vae``, ``text_encoder``) of a hub id
     ``model`` can be had: in the cache when offline or the hub is unreachable, else on the hub (its small
-    ``config.json`` is fetched, which proves the repository, the part and the access). Local paths pass:
-    their layout is checked when they load."""
+    ``config.json`` is fetched, which proves the repository, the part and the access). A local diffusers folder
+    needs ``part/config.json``; other local paths pass: their layout is checked when they load."""
     from flowlift.models.hub import download_hint, hub_offline_reason, looks_like_path
 
     path = Path(model).expanduser()
+    if path.is_dir() and _is_diffusers_folder(path) and not (path / part / "config.json").is_file():
+        from flowlift.refine.prompts import missing_part_line
+
+        raise FlowliftError(missing_part_line(model, part, option))  # before any weights load, with the fix
     if path.exists():
         return
     if looks_like_path(model) or not looks_like_repo_id(model):

@@ -267,6 +267,11 @@ class _Progress:
         self.enabled, self.desc, self.bar = enabled, desc, None
 
     def __call__(self, i: int, total: int, sigma: float) -> None:
+        from flowlift.progress import report_stage, report_step
+
+        if i == 0:
+            report_stage("steps")  # the run's stage and steps, for every door's progress (flowlift.progress)
+        report_step(i + 1, total)
         if self.enabled is False:
             return
         if self.bar is None:

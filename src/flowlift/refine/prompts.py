@@ -12,10 +12,26 @@ import torch
 
 from flowlift.errors import FIELD_MARK, FlowliftError
 
+#: Longest upstream message kept in one error line; a longer one is cut at a word boundary, with "...".
+UPSTREAM_WORDS_MAX = 300
+
 
 def _first_line(error: BaseException) -> str:
+    """The first line of an upstream library's error, cut (if at all) between words, never inside one."""
     lines = str(error).strip().splitlines()
-    return (lines[0][:200] if lines else "") or type(error).__name__
+    line = lines[0] if lines else ""
+    if len(line) > UPSTREAM_WORDS_MAX:
+        line = line[:UPSTREAM_WORDS_MAX].rsplit(" ", 1)[0].rstrip(",;:") + " ..."
+    return line or type(error).__name__
+
+
+def missing_part_line(model: str, part: str, option: str) -> str:
+    """The one line for a local diffusers folder without ``part/``, naming the fix (issue 48: before any load)."""
+    fix = (f"copy the model's {part}/ folder into it" if part != "text_encoder" else "copy the model's text_encoder/ "
+           f"and tokenizer/ folders into it (e.g. hf download REPO --include \"text_encoder/*\" \"tokenizer/*\" "
+           f"--local-dir {model}), or pass precomputed --prompt-embeds")  # fmt: skip
+    what = "--prompt needs the model's text encoder, and " if part == "text_encoder" else ""
+    return f"{option} {model}: {what}this folder has no {part}/ (with its config.json); {fix}"
 
 
 class PromptEncoder:

@@ -16,6 +16,7 @@ from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
 from flowlift.knobs import check_kind
 from flowlift.limits import LATENT_CHANNELS
+from flowlift.progress import report_stage
 from flowlift.refine.canvas import latent_mask, outpaint_canvas, pad_to_multiple
 from flowlift.refine.loop import RefineResult, VelocityFn, _Progress, denoising_start_for, refine_latents
 from flowlift.refine.offload import Placement, place_transformer, with_transformer_on_device
@@ -173,17 +174,20 @@ class Flux2Refiner:
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         """Images [0, 1] (sides multiples of 16) -> normalized latents."""
+        report_stage("encode")  # the run's stage, for every door's progress (flowlift.progress)
         return self.vae.encode(images.to(self.device), **self._tiling()).float()
 
     def _encode_init(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Init latents for img2img: raw + BN stats when the VAE exposes them, else normalized."""
         if hasattr(self.vae, "encode_raw") and getattr(self.vae, "bn_mean", None) is not None:
+            report_stage("encode")
             raw = self.vae.encode_raw(images.to(self.device), **self._tiling()).float()
             return raw, self.vae.bn_mean.to(self.device), self.vae.bn_std.to(self.device)
         return self.encode(images), None, None
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalized latents -> images clamped to [0, 1]."""
+        report_stage("decode")
         return self.vae.decode(latents, **self._tiling()).float().clamp(0.0, 1.0)
 
     def _tiling(self) -> dict[str, bool]:
@@ -386,10 +390,9 @@ class Flux2Refiner:
         The base is ``images`` (B, 3, H, W) encoded, or a txt2img of ``settings.base_size`` (width, height) at
         ``settings.base_steps`` (None: the model's). ``upscaler.upscale_latents`` maps normalized latents to
         normalized latents ``settings.scale`` times larger (:attr:`HiresSettings.passes` 2x passes, the sampling
-        seed, stage 1 at ``settings.transplant_strength``, ``settings.color_fix``); a scale that is not a power of
-        two ends with ``upscaler.to_size`` (the fraction in latent space, SesquiLSR) at
-        :func:`~flowlift.refine.settings.hires_latent_size`. The refine pass is img2img on
-        them in the window below ``1 - settings.refine_strength``; both passes shift with ``mu`` (for
+        seed, stage 1 at ``settings.transplant_strength``, ``settings.color_fix``); any other scale ends with
+        ``upscaler.to_size`` (SesquiLSR) at :func:`~flowlift.refine.settings.hires_latent_size`. The refine pass is
+        img2img on them in the window below ``1 - settings.refine_strength``; both passes shift with ``mu`` (for
         ``"empirical"``, each from its own size and step count) and tile as ``tiles`` say (the refine pass of a 4x
         or 8x fix is where tiles run). ``sampling`` is the refine pass's; the txt2img base runs it with
         ``base_steps``. The output's parameters are the refiner's plus the upscale's (``upscaler`` as the settings'
@@ -417,11 +420,11 @@ class Flux2Refiner:
             params.update(base_mu=base_out.parameters["mu"])
             if "tiles" in base_out.parameters:
                 params["base_tiles"] = base_out.parameters["tiles"]
+        report_stage("upscale")  # the run's stage, for every door's progress (flowlift.progress)
         up = upscaler.upscale_latents(base, settings.passes, seed=sampling.seed, color_fix=settings.color_fix,
                                       transplant_strength=settings.transplant_strength) if settings.passes else base
         expect = hires_latent_size(base.shape[2], base.shape[3], settings.scale)
-        if not whole_passes(settings.scale):  # the fraction, in latent space
-            up = upscaler.to_size(up, expect)
+        up = up if whole_passes(settings.scale) else upscaler.to_size(up, expect)  # the fraction, in latent space
         up = up.float().to(self.device)
         if tuple(up.shape[2:]) != expect:
             raise FlowliftError(f"the upscaler returned {tuple(up.shape[2:])} latents, expected {expect}")

@@ -119,6 +119,9 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
                 f"--width/--height must be positive multiples of 32, got {source.width}x{source.height}"
             )
         check_dataset_folder(out, request.overwrite)  # the replace rule at every name, before any model loads
+        from flowlift.training.distill_checks import check_distill_inputs
+
+        check_distill_inputs(source.teacher, source.prompts, source.prompt_embeds, request.vae)  # all missing at once
         teacher, described = load_teacher(source, device)
         vae = load_vae(request.vae, device=device, dtype=torch.float32)
         described["vae"] = request.vae

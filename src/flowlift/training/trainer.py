@@ -48,6 +48,7 @@ from flowlift.files.atomic import append_text, atomic_write_text
 from flowlift.models.upscaler_unet import set_dropout_seeds
 from flowlift.training.checkpoints import (
     EMA_NAME,
+    checkpoint_dir,
     init_contradictions,
     load_checkpoint,
     resume_point,
@@ -301,7 +302,10 @@ class Trainer:
         run = _Run(dist, device, stream, model, ddp, ema, optimizer, scheduler, validator, channels_last)
         final_step, losses, stopped = self._loop(run, start_step)
         if stopped:
-            raise KeyboardInterrupt(f"training stopped after step {final_step}; checkpoint saved")
+            where = checkpoint_dir(self.output, final_step)
+            raise KeyboardInterrupt(f"training stopped after step {final_step} of {c.steps}; checkpoint {where} "
+                                    "saved: the same command resumes from it (--resume auto, the default, takes the "
+                                    f"latest in {self.output}; or --resume {where})")  # fmt: skip
         return self._summary(run, start_step, final_step, losses)
 
     def _optimizer(self, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:

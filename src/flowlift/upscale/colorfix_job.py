@@ -86,14 +86,11 @@ def plan_colorfix(request: ColorFixRequest) -> tuple[list[Any], dict[Path, Path]
 
 def _metadata(strength: float, source: Path, reference: Path, scale: int) -> dict[str, object]:
     from flowlift.files.image_outputs import file_sha256
-    from flowlift.version import __version__
+    from flowlift.files.metadata import metadata_record
 
-    return {
-        "Software": f"flowlift {__version__} {COMMAND}",
-        "flowlift.parameters": {"color_fix_strength": strength, "scale": scale},
-        "flowlift.source": {"name": source.name, "sha256": file_sha256(source)},
-        "flowlift.reference": {"name": reference.name, "sha256": file_sha256(reference)},
-    }
+    return metadata_record(COMMAND, {"input": source.name, "input_sha256": file_sha256(source),
+                                     "reference": reference.name, "reference_sha256": file_sha256(reference),
+                                     "color_fix_strength": strength, "scale": scale})  # fmt: skip
 
 
 def fix_file(request: ColorFixRequest, path: Path, reference: Path, out: Path) -> None:

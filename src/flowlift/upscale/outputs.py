@@ -72,35 +72,33 @@ def output_metadata(
     asked: Any = None,
     size: tuple[int, int] | None = None,
 ) -> dict[str, object]:
-    """The output file's metadata: parameters, what ran, weight and source hashes. ``asked`` (an
-    :class:`~flowlift.upscale.asked_size.AskedSize` that is not a power of two) and ``size`` (the output's
-    (width, height)): recorded as asked, beside the passes that ran before the resample to that size."""
+    """The output file's metadata (:mod:`flowlift.files.metadata`, schema 1): the parameters, what ran, the input
+    and the weight files' hashes. ``asked`` (an :class:`~flowlift.upscale.asked_size.AskedSize` that is not a power
+    of two) and ``size`` (the output's (width, height)): recorded as asked, beside the passes that ran."""
     from flowlift.files.image_outputs import file_sha256
-    from flowlift.version import __version__
+    from flowlift.files.metadata import metadata_record
 
     request = {"scale": 2**passes} if asked is None else {**asked.record(), "size": list(size)}
-    return {
-        "Software": f"flowlift {__version__} upscale",
-        "flowlift.parameters": {
-            **request,
-            "passes": passes,
-            "seed": settings.seed,
-            "color_fix": settings.color_fix,
-            "transplant_strength": settings.transplant_strength,
-            "color_fix_strength": settings.color_fix_strength,
-            "resize_mode": settings.resize_mode,
-            "vae": settings.vae,
-            "upscaler": settings.upscaler or DEFAULT_UPSCALER,
-            "dtype": str(pipeline.dtype).removeprefix("torch."),  # what ran, not "auto"
-            "device": str(pipeline.device),
-        },
-        "flowlift.models": hashes,
-        "flowlift.source": {"name": source.name, "sha256": file_sha256(source)},
-    }
+    return metadata_record("upscale", {
+        "input": source.name,
+        "input_sha256": file_sha256(source),
+        **request,
+        "passes": passes,
+        "seed": settings.seed,
+        "color_fix": settings.color_fix,
+        "transplant_strength": settings.transplant_strength,
+        "color_fix_strength": settings.color_fix_strength,
+        "resize_mode": settings.resize_mode,
+        "vae": settings.vae,
+        "upscaler": settings.upscaler or DEFAULT_UPSCALER,
+        "dtype": str(pipeline.dtype).removeprefix("torch."),  # what ran, not "auto"
+        "device": str(pipeline.device),
+        "models": hashes,
+    })  # fmt: skip
 
 
 def model_hashes(pipeline: Any) -> dict[str, dict[str, str]]:
-    """SHA-256 of every weight file behind ``pipeline`` by role: the PNG's ``flowlift.models``."""
+    """SHA-256 of every weight file behind ``pipeline`` by role: the metadata's ``models``."""
     from flowlift.files.image_outputs import file_sha256
 
     return {role: {p.name: file_sha256(p) for p in paths} for role, paths in pipeline.model_files().items() if paths}

@@ -392,6 +392,8 @@ class FlowUpscalerPipeline:
                       resize_mode, callback, on_decode_tile, output_size=None) -> torch.Tensor:  # fmt: skip
         """upscale_image's stages: encode, passes, decode, stage 2; float32 (B, 3, H, W) in [0, 1]."""
         passes = self.plan_passes(original.shape[-2], original.shape[-1], num_passes, resize_mode)
+        # the whole plan (passes and decode) before the encode: a budget the decode cannot meet is refused at once
+        self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0])
         latents = self._vae_call("encode", prepared.to(self._vae_dtype())).to(torch.float32)
         check_finite(latents, "the VAE encoder produced")
         if callback is not None:

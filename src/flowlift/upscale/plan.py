@@ -254,10 +254,16 @@ class UpscaleStep:
         """The pipeline on this rank's device, and the step over it (``batch_size`` N: same-size inputs
         together, :func:`flowlift.upscale.outputs.batched_process`)."""
         from flowlift.jobs.distributed import rank_device
+        from flowlift.progress import report_loading
+        from flowlift.upscale.loading import check_upscale_weights
         from flowlift.upscale.outputs import batched_process
         from flowlift.upscale.pipeline import FlowUpscalerPipeline
         from flowlift.upscale.settings import MemoryPolicy
+        from flowlift.upscale.stages import loading_description
 
+        upscaler = request.settings.upscaler or DEFAULT_UPSCALER
+        check_upscale_weights(upscaler, [request.settings.vae])  # every missing piece in one line, before any line
+        report_loading(loading_description(upscaler, request.settings.vae))
         pipeline = FlowUpscalerPipeline(
             request.settings.upscaler or DEFAULT_UPSCALER,
             request.settings.vae,
@@ -265,7 +271,7 @@ class UpscaleStep:
             device=rank_device(str(request.device), env) if env.distributed else request.device,  # cuda:LOCAL_RANK
             memory=MemoryPolicy(chunked=request.chunked, vae_tiled=request.vae_tiled, max_memory=request.max_memory),
             compile=request.compile,
-        )
+        )  # the loading line stays until the first image's first stage begins
         step = cls(request, plan, pipeline)
         if request.batch_size > 1 and env.distributed:
             print(f"flowlift {COMMAND}: --batch-size is not applied under torchrun; images run one by one",
@@ -276,28 +282,76 @@ class UpscaleStep:
                                    resample_to=plan.sizes.resample_to, asked=plan.sizes.asked)  # fmt: skip
         return step
 
+    def expect(self, sources: Sequence[Path]) -> None:
+        """The images the batch will run, in order (:func:`flowlift.jobs.batch.run_jobs` says once it knows which
+        are skipped): their stages are planned, so the time left covers the whole run."""
+        from flowlift.files.images import image_size
+        from flowlift.progress import active
+        from flowlift.upscale.stages import UpscaleStages
+
+        run = active()
+        if run is not None:
+            UpscaleStages(run).expect([(path.name, self.plan.sizes.passes_for(path), _megapixels(path, image_size))
+                                       for path in sources])  # fmt: skip
+
     def __call__(self, path: Path, out: Path) -> None:
         from tqdm import tqdm
 
         from flowlift.console import progress_bar
+        from flowlift.files.images import image_size
+        from flowlift.progress import RunProgress, active
         from flowlift.upscale.outputs import upscale_file
+        from flowlift.upscale.stages import UpscaleStages
 
         count = self.plan.sizes.passes_for(path)  # the passes the cap lets run, already said at planning
+        stages = UpscaleStages(active() or RunProgress())
         steps = progress_bar(total=count + 3, desc=path.name, unit="step", leave=False, enabled=self.request.progress,
                              file=sys.stderr)  # fmt: skip
-        with steps:
+
+        def on_stage(finished: str) -> None:
+            stages.stage(finished)
+            steps.update(1)
+            steps.set_postfix_str(_bar_note(stages.run), refresh=False)
+
+        with steps, stages.image(path.name, count, _megapixels(path, image_size)):
             _, _, notes = upscale_file(self.pipeline, self.request.settings, count, path, out, self.hashes,
-                                       on_stage=lambda _stage, bar=steps: bar.update(1),
+                                       on_stage=on_stage, on_decode_tile=stages.decode_tile,
                                        resample_to=self.plan.sizes.resample_to(path),
                                        asked=self.plan.sizes.asked)  # fmt: skip
         for note in notes:  # anything the pipeline warned about this image: one line, not a stack
             report(COMMAND, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
 
 
+def _megapixels(path: Path, image_size: Callable[[Path], tuple[int, int]]) -> float:
+    try:
+        width, height = image_size(path)
+    except Exception:  # noqa: BLE001 - a planning weight only: the image's own step reports what is wrong
+        return 1.0
+    return width * height / 1e6
+
+
+def _bar_note(run: Any) -> str:
+    """A terminal bar's note: the stage running and the run's time left (``decode, about 40 s left``)."""
+    from flowlift.progress import format_seconds
+
+    state = run.state()
+    what = state.what().rsplit(": ", 1)[-1]
+    return what + (f", about {format_seconds(state.left)} left" if state.left is not None else "")
+
+
 def run_upscale(request: UpscaleRequest) -> int:
     """Plan the request, say what the cap drops (once, before any work), then run this rank's share of
     the jobs (:func:`flowlift.jobs.scaleout.batch_share`), loading the models only when it has work;
     returns the exit status."""
+    from flowlift.console import command_started, run_lines
+    from flowlift.progress import RunProgress, running
+
+    run = RunProgress(started=command_started())  # the command's whole time, loading the models included
+    with running(run), run_lines(run, request.progress):
+        return _run_upscale(request)
+
+
+def _run_upscale(request: UpscaleRequest) -> int:
     from flowlift.jobs.scaleout import batch_share
 
     plan = plan_upscale(request)

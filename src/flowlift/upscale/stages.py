@@ -1,0 +1,104 @@
+"""An upscale's stages for :mod:`flowlift.progress`: what each stage weighs, what loads, and the pipeline's reports.
+
+Every door of the upscaler (the command line, the web app, a node) plans the same stages per image
+(:func:`upscale_stages`), names what it loads the same way (:func:`loading_description`) and turns the pipeline's
+callbacks into the run's stages with :class:`UpscaleStages`. The work of a stage is the megapixels it produces
+times a planned cost per megapixel (:data:`SECONDS_PER_MP`); only the ratios matter, the run measures its own speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from flowlift.progress import RunProgress
+
+#: Planned seconds per megapixel produced by each stage kind (the input's pixels for ``encode``, the pass's output
+#: for ``pass``, the result's for the rest), measured with the released UNet architecture, TAEF2 and float32 on a
+#: 2-core AMD EPYC (``benchmarks/bench_app_eta.py``). Only their ratios matter: :class:`~flowlift.progress.RunProgress`
+#: measures this run's own seconds per unit of work, so a GPU, bf16 or a loaded machine change the time left, not
+#: the ratios.
+SECONDS_PER_MP = {"encode": 2.82, "pass": 4.17, "decode": 3.61, "color fix": 0.57, "writing": 0.14}
+
+
+def upscale_stages(passes: int, input_megapixels: float) -> list[tuple[str, float]]:
+    """The stages of one upscale and their work: the megapixels each produces (pass ``i`` of ``n`` makes ``4**i``
+    input-sized pictures, the decode, colour fix and writing ``4**n``) times :data:`SECONDS_PER_MP`."""
+    out = 4.0**passes
+    produced = [("encode", 1.0)] + [(f"pass {i}/{passes}", 4.0**i) for i in range(1, passes + 1)]
+    produced += [("decode", out), ("color fix", out), ("writing", out)]
+    return [(name, count * input_megapixels * SECONDS_PER_MP[name.split(" ")[0] if name.startswith("pass ") else name])
+            for name, count in produced]  # fmt: skip
+
+
+def _size(paths: Sequence[Path]) -> str:
+    total = 0
+    for path in paths:
+        with contextlib.suppress(OSError):
+            total += Path(path).stat().st_size
+    if not total:
+        return ""
+    return f"{total / 1e9:.1f} GB" if total >= 1e8 else f"{total / 1e6:.0f} MB"
+
+
+def _described(what: str, paths: Sequence[Path]) -> str:
+    if not paths:
+        return what
+    names = ", ".join(dict.fromkeys(Path(p).name for p in paths[:2])) + (", ..." if len(paths) > 2 else "")
+    size = _size(paths)
+    return f"{what} ({names}{', ' + size if size else ''})"
+
+
+def loading_description(upscaler: Any, vae: Any) -> str:
+    """What an upscale loads, for the first progress line: ``the Flow Upscaler (flow_upscaler.safetensors, 1.2 GB)
+    and VAE mage (mage_vae.safetensors, 1.3 GB)``; objects (already loaded) and unresolvable specs are named only."""
+    from flowlift.upscale.loading import resolve_upscaler_file, vae_spec_files
+
+    unet, vae_files = [], []
+    if isinstance(upscaler, (str, os.PathLike)):
+        with contextlib.suppress(Exception):  # a description only: the loader names what is missing
+            unet = [resolve_upscaler_file(upscaler)]
+    if isinstance(vae, (str, os.PathLike)):
+        with contextlib.suppress(Exception):
+            vae_files = vae_spec_files(os.fspath(vae))
+    vae_name = f"VAE {os.fspath(vae)}" if isinstance(vae, (str, os.PathLike)) else "the VAE"
+    return f"{_described('the Flow Upscaler', unet)} and {_described(vae_name, vae_files)}"
+
+
+class UpscaleStages:
+    """The pipeline's callbacks as stages of ``run``: :meth:`image` plans (once) and opens one image's stages,
+    :meth:`stage` is ``upscale_image``'s ``callback`` (after each stage), :meth:`decode_tile` its ``on_decode_tile``.
+    An image that fails or is skipped is dropped from the plan, so the time left never counts it."""
+
+    def __init__(self, run: RunProgress) -> None:
+        self.run = run
+
+    def expect(self, images: Sequence[tuple[str, int, float]]) -> None:
+        """Plan ``(name, passes, input megapixels)`` images, in the order they will run."""
+        self.run.plan([(f"{name}: {stage}", work) for name, passes, megapixels in images
+                       for stage, work in upscale_stages(passes, megapixels)])  # fmt: skip
+
+    @contextlib.contextmanager
+    def image(self, name: str, passes: int, input_megapixels: float) -> Iterator[None]:
+        """The block that upscales and writes image ``name`` (planned here unless :meth:`expect` planned it)."""
+        if not any(stage.name == f"{name}: encode" and stage.ended is None for stage in self.run.stages):
+            self.expect([(name, passes, input_megapixels)])
+        self.run.group = name
+        self.run.begin("encode")
+        try:
+            yield
+        except BaseException:
+            self.run.drop(name)
+            raise
+        self.run.finished("writing")
+
+    def stage(self, finished: str) -> None:
+        self.run.finished(finished)
+
+    def decode_tile(self, done: int, total: int) -> None:
+        if self.run.state().stage != f"{self.run.group}: decode":
+            self.run.begin("decode")
+        self.run.step(done, total)

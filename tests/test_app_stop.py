@@ -1,0 +1,73 @@
+"""``flowlift app`` stops within seconds of Ctrl-C/SIGTERM once a request has loaded its models (issue 48).
+
+It printed ``flowlift app: interrupted`` at once and the process was gone 50-60 s later: the interpreter's final
+garbage collection walked every object of the loaded models, Gradio and the web server (a stack dump during the
+wait showed only "Garbage-collecting"). A long-running command that owns its process now freezes the collector
+when it returns (:func:`flowlift.commands.cli._skip_final_collection`), so the exit frees memory without walking it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from builders import save_tiny_unet as tiny_upscaler
+from flowlift.commands import cli
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from soak_app import STOP_S, start_server  # noqa: E402
+
+
+def _fake_parser(long_running: bool):
+    def interrupted(_args):
+        raise KeyboardInterrupt
+
+    parser = argparse.ArgumentParser(prog="flowlift")
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("app").set_defaults(_run=interrupted, _long_running=long_running)
+    return parser
+
+
+@pytest.mark.parametrize("long_running", [True, False])
+def test_a_long_running_command_that_owns_its_process_skips_the_final_collection(monkeypatch, long_running):
+    frozen: list[bool] = []
+    monkeypatch.setattr(cli, "build_parser", lambda: _fake_parser(long_running))  # _main(None): the process's own
+    monkeypatch.setattr(cli, "reuse_freed_memory", lambda: None)
+    monkeypatch.setattr("gc.freeze", lambda: frozen.append(True))
+    monkeypatch.setattr(sys, "argv", ["flowlift", "app"])
+    assert cli._main(None) == 130  # the process's own command line: `flowlift app`, interrupted
+    assert frozen == ([True] if long_running else [])
+    assert cli.main(["app"]) == 130 and frozen == ([True] if long_running else [])  # an in-process caller: never
+
+
+def test_the_app_exits_on_sigint_after_a_request_loaded_its_models(tmp_path, shared):
+    from gradio_client import Client, handle_file
+    from PIL import Image
+
+    weights = tiny_upscaler(tmp_path / "flow_upscaler.safetensors")
+    with Image.open(shared / "images" / "kodak" / "kodim03.png") as image:
+        image.convert("RGB").resize((64, 48)).save(tmp_path / "in.png")
+    server, url = start_server(weights, shared / "models" / "taef2", tmp_path)
+    try:
+        Client(url, verbose=False).predict(handle_file(str(tmp_path / "in.png")), 2, 0, 1.0, 1.0, api_name="/upscale")
+        began = time.monotonic()
+        server.send_signal(signal.SIGINT)
+        code = server.wait(timeout=STOP_S)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        server.log_file.seek(0)
+        log = server.log_file.read()
+        server.log_file.close()
+    assert code == 130, f"exit {code} ({STOP_S} s after SIGINT):\n{log}"
+    assert "flowlift app: interrupted" in log and "ok" in log
+    print(f"flowlift app exited {time.monotonic() - began:.1f} s after SIGINT")  # the figure, never asserted
