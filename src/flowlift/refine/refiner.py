@@ -424,8 +424,7 @@ class Flux2Refiner:
         up = upscaler.upscale_latents(base, settings.passes, seed=sampling.seed, color_fix=settings.color_fix,
                                       transplant_strength=settings.transplant_strength) if settings.passes else base
         expect = hires_latent_size(base.shape[2], base.shape[3], settings.scale)
-        up = up if whole_passes(settings.scale) else upscaler.to_size(up, expect)  # the fraction, in latent space
-        up = up.float().to(self.device)
+        up = (up if whole_passes(settings.scale) else upscaler.to_size(up, expect)).float().to(self.device)  # fraction
         if tuple(up.shape[2:]) != expect:
             raise FlowliftError(f"the upscaler returned {tuple(up.shape[2:])} latents, expected {expect}")
         result = self._run("hires refine", den, init=(up, None, None), shape=None, denoising_start=start,
