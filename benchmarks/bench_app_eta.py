@@ -120,10 +120,14 @@ def main() -> None:
         polls, total, seconds = run_request(pipeline, settings, passes, source, work / f"{label}.png", hashes)
         rows.append((label, worst_factor(polls, total), worst_factor(polls, total, 0.75), total, seconds))
     cpu = cpu_model()
-    print(f"{source.name} x{args.scale}, {device} {str(dtype).removeprefix('torch.')}, TAEF2, random full-size UNet, "
-          f"{os.cpu_count()} CPUs ({cpu}), torch {torch.__version__}")  # fmt: skip
-    print("| request | worst estimate / truth | in the last quarter | total | encode | passes | decode | colour fix "
-          "| writing |")  # fmt: skip
+    print(
+        f"{source.name} x{args.scale}, {device} {str(dtype).removeprefix('torch.')}, TAEF2, random full-size UNet, "
+        f"{os.cpu_count()} CPUs ({cpu}), torch {torch.__version__}"
+    )
+    print(
+        "| request | worst estimate / truth | in the last quarter | total | encode | passes | decode | colour fix "
+        "| writing |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for label, worst, last, total, seconds in rows:
         cells = " | ".join(f"{seconds.get(k, 0.0):.1f} s" for k in ("encode", "pass", "decode", "color fix", "writing"))

@@ -85,8 +85,12 @@ def cast_table(revision: str, images: str, width: int) -> None:
     from flowlift.measure.metrics import drift_at_input_scale
 
     root = Path(__file__).resolve().parents[1]
-    source = subprocess.run(["git", "-C", str(root), "show", f"{revision}:src/flowlift/upscale/colorfix.py"],
-                            capture_output=True, text=True, check=True).stdout  # fmt: skip
+    source = subprocess.run(
+        ["git", "-C", str(root), "show", f"{revision}:src/flowlift/upscale/colorfix.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     path = Path(tempfile.mkdtemp()) / "colorfix_old.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("colorfix_old", path)
@@ -111,9 +115,12 @@ def cast_table(revision: str, images: str, width: int) -> None:
         worst = max(worst, change)
         changed = int((results["new"] != results["old"]).any(axis=-1).sum())
         cells = ["/".join(f"{casts[k][c]:+.4f}" for c in ("cast_r", "cast_g", "cast_b")) for k in ("old", "new")]
-        print(f"| {file.name} | {cells[0]} | {cells[1]} | {change:.5f} | {changed} of {results['new'].shape[0] * results['new'].shape[1]} |", flush=True)  # noqa: E501
-    print(f"largest cast change over all images and channels: {worst:.5f}/255; "
-          f"stage 2 CPU time {cpu['old']:.1f} s ({revision}) vs {cpu['new']:.1f} s (this tree)")  # fmt: skip
+        pixels = results["new"].shape[0] * results["new"].shape[1]
+        print(f"| {file.name} | {cells[0]} | {cells[1]} | {change:.5f} | {changed} of {pixels} |", flush=True)
+    print(
+        f"largest cast change over all images and channels: {worst:.5f}/255; "
+        f"stage 2 CPU time {cpu['old']:.1f} s ({revision}) vs {cpu['new']:.1f} s (this tree)"
+    )
 
 
 def drift_table(photo_path: str) -> None:

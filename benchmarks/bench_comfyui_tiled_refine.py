@@ -57,8 +57,20 @@ def child(variant: str, size: int, steps: int, out: Path) -> None:
     noise = torch.randn((1, 128, side, side), generator=torch.Generator().manual_seed(2))
     before = rss_mib()
     started = time.perf_counter()
-    result = comfy.sample.sample(model, noise, steps, 1.0, "euler", "simple", conditioning, conditioning, latent,
-                                 denoise=0.3, disable_pbar=True, seed=2)  # fmt: skip
+    result = comfy.sample.sample(
+        model,
+        noise,
+        steps,
+        1.0,
+        "euler",
+        "simple",
+        conditioning,
+        conditioning,
+        latent,
+        denoise=0.3,
+        disable_pbar=True,
+        seed=2,
+    )
     seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     torch.save(result.contiguous(), out)
@@ -85,8 +97,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for variant in ("plain", "tiled"):
             out = Path(tmp) / f"{variant}.pt"
-            command = [str(python), __file__, "--child", variant, "--size", str(args.size),
-                       "--steps", str(args.steps), "--out", str(out)]  # fmt: skip
+            command = [
+                str(python),
+                __file__,
+                "--child",
+                variant,
+                "--size",
+                str(args.size),
+                "--steps",
+                str(args.steps),
+                "--out",
+                str(out),
+            ]
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3600)
             if done.returncode != 0:
                 print(done.stdout[-2000:], done.stderr[-4000:], file=sys.stderr)
@@ -95,16 +117,20 @@ def main() -> int:
             results[variant] = torch.load(out, weights_only=True)
     plain, tiled = rows
     difference = (results["plain"] - results["tiled"]).abs().max().item()
-    print(f"ComfyUI 0.33 --cpu, tiny FLUX.2 (width 64), {args.size}x{args.size} px, {args.steps} step(s), "
-          f"torch threads {torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"ComfyUI 0.33 --cpu, tiny FLUX.2 (width 64), {args.size}x{args.size} px, {args.steps} step(s), "
+        f"torch threads {torch.get_num_threads()}"
+    )
     print("| run | peak RSS MiB | RSS before sampling MiB | added by sampling MiB | time s |")
     print("|---|---|---|---|---|")
     for row, name in ((plain, "untiled (model as loaded)"), (tiled, "Tiled FLUX.2 Refine, tile_size auto")):
         added = row["peak"] - row["before"]
         print(f"| {name} | {row['peak']:.0f} | {row['before']:.0f} | {added:.0f} | {row['seconds']:.1f} |")
     added = (tiled["peak"] - tiled["before"]) / max(1e-9, plain["peak"] - plain["before"])
-    print(f"tiled / untiled: peak {tiled['peak'] / plain['peak']:.3f}x, added by sampling {added:.3f}x, "
-          f"time {tiled['seconds'] / plain['seconds']:.2f}x; max |difference| of the latents {difference:.3g}")
+    print(
+        f"tiled / untiled: peak {tiled['peak'] / plain['peak']:.3f}x, added by sampling {added:.3f}x, "
+        f"time {tiled['seconds'] / plain['seconds']:.2f}x; max |difference| of the latents {difference:.3g}"
+    )
     return 0
 
 

@@ -83,8 +83,10 @@ def taef2_report(shared: Path, repeats: int) -> None:
         print(f"TAEF2 bf16 vs fp32: encoder latents {tensor_error(out['fp32'][0], out['bf16'][0])}")
         print(f"TAEF2 bf16 vs fp32: 3072x2048 decode, {pixel_error(out['fp32'][1], out['bf16'][1])}")
         print(f"TAEF2 bf16 vs fp32: kodim23 round trip, {pixel_error(out['fp32'][2], out['bf16'][2])}")
-        print(f"TAEF2 fp32 round trip vs the original: {pixel_error(x, out['fp32'][2])}; "
-              f"bf16: {pixel_error(x, out['bf16'][2])}")  # fmt: skip
+        print(
+            f"TAEF2 fp32 round trip vs the original: {pixel_error(x, out['fp32'][2])}; "
+            f"bf16: {pixel_error(x, out['bf16'][2])}"
+        )
         vae = vaes[torch.bfloat16]
         zb = z_big.to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
         for tile in (64, 128):
@@ -105,19 +107,25 @@ def mage_report(shared: Path, repeats: int) -> None:
     state = MageVAEModel(MageVAEConfig()).fold_t0().state_dict()
     cl = torch.channels_last
     variants = {}
-    for name, dtype, layout in (("fp32 contiguous", torch.float32, torch.contiguous_format),
-                                ("fp32 channels-last", torch.float32, cl),
-                                ("bf16 contiguous", torch.bfloat16, torch.contiguous_format),
-                                ("bf16 channels-last", torch.bfloat16, cl)):  # fmt: skip
+    for name, dtype, layout in (
+        ("fp32 contiguous", torch.float32, torch.contiguous_format),
+        ("fp32 channels-last", torch.float32, cl),
+        ("bf16 contiguous", torch.bfloat16, torch.contiguous_format),
+        ("bf16 channels-last", torch.bfloat16, cl),
+    ):
         model = MageVAEModel(MageVAEConfig()).fold_t0()
         model.load_state_dict(state)
         variants[name] = (MageVAE(model.to(dtype=dtype, memory_format=layout)), dtype, layout)
     with torch.inference_mode():
         z32 = variants["fp32 contiguous"][0].encode(x)
-        inputs = {name: (x.to(dtype).contiguous(memory_format=layout), z32.to(dtype).contiguous(memory_format=layout))
-                  for name, (_, dtype, layout) in variants.items()}  # fmt: skip
-        outs = {name: (vae.encode(inputs[name][0]).float(), vae.decode(inputs[name][1]).float())
-                for name, (vae, _, _) in variants.items()}  # warm-up (oneDNN primitives) and the results  # fmt: skip
+        inputs = {
+            name: (x.to(dtype).contiguous(memory_format=layout), z32.to(dtype).contiguous(memory_format=layout))
+            for name, (_, dtype, layout) in variants.items()
+        }
+        outs = {
+            name: (vae.encode(inputs[name][0]).float(), vae.decode(inputs[name][1]).float())
+            for name, (vae, _, _) in variants.items()
+        }  # warm-up (oneDNN primitives) and the results
         times: dict[str, dict[str, list[float]]] = {name: {"encode": [], "decode": []} for name in variants}
         for _ in range(repeats):
             for name, (vae, _, _) in variants.items():
@@ -129,9 +137,11 @@ def mage_report(shared: Path, repeats: int) -> None:
     ref_z, ref_y = outs["fp32 contiguous"]
     for name in variants:
         enc, dec = (statistics.median(times[name][op]) for op in ("encode", "decode"))
-        print(f"Mage-VAE {name}: encode 768x512 {enc:.2f} CPU s ({base['encode'] / enc:.2f}x fp32 contiguous), "
-              f"decode {dec:.2f} CPU s ({base['decode'] / dec:.2f}x); latents {tensor_error(ref_z, outs[name][0])}; "
-              f"decode {pixel_error(ref_y, outs[name][1])}")  # fmt: skip
+        print(
+            f"Mage-VAE {name}: encode 768x512 {enc:.2f} CPU s ({base['encode'] / enc:.2f}x fp32 contiguous), "
+            f"decode {dec:.2f} CPU s ({base['decode'] / dec:.2f}x); latents {tensor_error(ref_z, outs[name][0])}; "
+            f"decode {pixel_error(ref_y, outs[name][1])}"
+        )
 
 
 def unet_report(size: tuple[int, int], repeats: int) -> None:
@@ -156,9 +166,10 @@ def unet_report(size: tuple[int, int], repeats: int) -> None:
         "fp32 channels-last": lambda: model_cl(
             noise.contiguous(memory_format=cl), t, cond.contiguous(memory_format=cl)
         ),
-        "bf16 channels-last": lambda: model_bf(noise.to(torch.bfloat16, memory_format=cl), t,
-                                               cond.to(torch.bfloat16, memory_format=cl)),
-    }  # fmt: skip
+        "bf16 channels-last": lambda: model_bf(
+            noise.to(torch.bfloat16, memory_format=cl), t, cond.to(torch.bfloat16, memory_format=cl)
+        ),
+    }
     times: dict[str, list[float]] = {name: [] for name in runs}
     outs = {}
     with torch.inference_mode():
@@ -199,8 +210,10 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     from flowlift.devices import cpu_has_native_bf16
 
-    print(f"{cpu}, {torch.get_num_threads()} threads, native bf16: {cpu_has_native_bf16()}, "
-          f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")  # fmt: skip
+    print(
+        f"{cpu}, {torch.get_num_threads()} threads, native bf16: {cpu_has_native_bf16()}, "
+        f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
     if not args.skip_taef2:
         taef2_report(Path(args.shared), args.repeats)
     if not args.skip_mage:

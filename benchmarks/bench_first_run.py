@@ -94,8 +94,9 @@ def vae_arguments(vae: str, args) -> tuple[list[str], dict[str, str]]:
 
 def exported_source(revision: str, work: Path) -> Path:
     """``src/`` of ``revision`` (``git archive``), extracted once under ``work``."""
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", revision], capture_output=True, text=True,
-                            check=True).stdout.strip()  # fmt: skip
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", revision], capture_output=True, text=True, check=True
+    ).stdout.strip()
     folder = work / f"rev-{commit[:12]}"
     if not (folder / "src" / "flowlift").is_dir():
         folder.mkdir(parents=True, exist_ok=True)
@@ -161,10 +162,27 @@ def run_variant(
 ) -> dict:
     env_extra = dict(env_extra)  # the variant's own dict stays whole for the next repeat
     vae_args, vae_env = vae_arguments(env_extra.pop("FLOWLIFT_BENCH_VAE", args.vae), args)
-    command = ["upscale", str(image), "--scale", "4", *vae_args,
-               "--upscaler", str(weights), "--device", args.device, "-o", str(out), "--overwrite", *extra]  # fmt: skip
-    env = {**os.environ, **vae_env, **env_extra,
-           "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    command = [
+        "upscale",
+        str(image),
+        "--scale",
+        "4",
+        *vae_args,
+        "--upscaler",
+        str(weights),
+        "--device",
+        args.device,
+        "-o",
+        str(out),
+        "--overwrite",
+        *extra,
+    ]
+    env = {
+        **os.environ,
+        **vae_env,
+        **env_extra,
+        "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
+    }
     if args.breakdown:
         argv = [sys.executable, str(Path(__file__).resolve()), "--child", *command]
     else:
@@ -183,8 +201,11 @@ def run_variant(
     for line in run.stdout.splitlines():
         if line.startswith("BREAKDOWN "):
             stages = json.loads(line.removeprefix("BREAKDOWN "))
-    print(f"  {name}: {wall:.1f} s wall, {cpu:.1f} s CPU (of which system {system:.1f} s), "
-          f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    print(
+        f"  {name}: {wall:.1f} s wall, {cpu:.1f} s CPU (of which system {system:.1f} s), "
+        f"load {load_before:.1f} -> {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     return {"wall": wall, "cpu": cpu, "system": system, "stages": stages}
 
 
@@ -239,8 +260,13 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     weights = random_checkpoint(work)
     image = shared / "images" / "kodak" / "kodim23.png"
-    variants = {f"this tree --vae {args.vae}" + (f" --dtype {args.dtype}" if args.dtype else ""):
-                (SRC, ["--dtype", args.dtype] if args.dtype else [], {})}  # fmt: skip
+    variants = {
+        f"this tree --vae {args.vae}" + (f" --dtype {args.dtype}" if args.dtype else ""): (
+            SRC,
+            ["--dtype", args.dtype] if args.dtype else [],
+            {},
+        )
+    }
     if args.baseline_dtype:
         variants[f"this tree --dtype {args.baseline_dtype}"] = (SRC, ["--dtype", args.baseline_dtype], {})
     if args.baseline_env:
@@ -250,10 +276,14 @@ def main() -> None:
         variants[f"this tree --vae {args.baseline_vae}"] = (SRC, [], {"FLOWLIFT_BENCH_VAE": args.baseline_vae})
     if args.baseline:
         variants[f"revision {args.baseline}"] = (exported_source(args.baseline, work), [], {})
-    cpu_model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                     "unknown CPU")  # fmt: skip
-    print(f"first command, kodim23 768x512 -> 3072x2048, random full-size UNet, --vae {args.vae}, {args.device}, "
-          f"{os.cpu_count()} CPUs ({cpu_model}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")  # fmt: skip
+    cpu_model = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        "unknown CPU",
+    )
+    print(
+        f"first command, kodim23 768x512 -> 3072x2048, random full-size UNet, --vae {args.vae}, {args.device}, "
+        f"{os.cpu_count()} CPUs ({cpu_model}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
     results: dict[str, list[dict]] = {name: [] for name in variants}
     for repeat in range(args.repeats):
         order = list(variants) if repeat % 2 == 0 else list(reversed(variants))  # alternate who goes first
@@ -266,8 +296,10 @@ def main() -> None:
         walls = [r["wall"] for r in results[name]]
         cpus = [r["cpu"] for r in results[name]]
         system = statistics.median(r["system"] for r in results[name])
-        line = (f"{name}: median {statistics.median(walls):.1f} s wall, {statistics.median(cpus):.1f} s CPU "
-                f"({system:.1f} s system)")  # fmt: skip
+        line = (
+            f"{name}: median {statistics.median(walls):.1f} s wall, {statistics.median(cpus):.1f} s CPU "
+            f"({system:.1f} s system)"
+        )
         if index:
             ratio = statistics.median(walls) / statistics.median([r["wall"] for r in results[first]])
             cpu_ratio = statistics.median(cpus) / statistics.median([r["cpu"] for r in results[first]])
@@ -275,8 +307,10 @@ def main() -> None:
                 r["wall"] / f["wall"] for r, f in zip(results[name], results[first], strict=True)
             )
             diff = pixel_difference(work / "out-0.png", work / f"out-{index}.png")
-            line += (f"; {ratio:.2f}x the wall time of '{first}' (paired runs: {paired:.2f}x), {cpu_ratio:.2f}x its "
-                     f"CPU time; pixels differ from it by at most {diff}/255")  # fmt: skip
+            line += (
+                f"; {ratio:.2f}x the wall time of '{first}' (paired runs: {paired:.2f}x), {cpu_ratio:.2f}x its "
+                f"CPU time; pixels differ from it by at most {diff}/255"
+            )
         print(line)
     if args.breakdown:
         print_breakdown(results)

@@ -237,8 +237,9 @@ def run_child(argv: list[str], env: dict, tag: str) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load = os.getloadavg()[0]
     start = time.perf_counter()
-    run = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv], capture_output=True, text=True,
-                         env=env)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), *argv], capture_output=True, text=True, env=env
+    )
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if run.returncode != 0:
@@ -280,8 +281,10 @@ def print_tables(summaries: dict[str, dict], peak: float, fp32_peak: float) -> N
     print("| variant | TFLOP | CPU-s (process) | floor CPU-s | CPU / floor | CPU - floor |")
     print("|---|---|---|---|---|---|")
     for name, s in summaries.items():
-        print(f"| {name} | {s['total_flop'] / 1e12:.3f} | {s['total_cpu']:.1f} | {s['floor']:.1f} | "
-              f"{s['total_cpu'] / s['floor']:.2f}x | {s['total_cpu'] - s['floor']:+.1f} |")  # fmt: skip
+        print(
+            f"| {name} | {s['total_flop'] / 1e12:.3f} | {s['total_cpu']:.1f} | {s['floor']:.1f} | "
+            f"{s['total_cpu'] / s['floor']:.2f}x | {s['total_cpu'] - s['floor']:+.1f} |"
+        )
     rows: list[str] = []
     for s in summaries.values():
         rows += [r for r in s["cpu"] if r not in rows]
@@ -335,19 +338,37 @@ def main() -> None:
             vae_args, vae_env = vae_arguments(vae, args)
             out = work / f"floor-{vae}-{size}.png"
             image, scale = images[size]
-            argv = ["--child", "upscale", str(image), "--scale", scale, *vae_args, "--upscaler", str(weights),
-                    "--device", "cpu", "-o", str(out), "--overwrite"]  # fmt: skip
+            argv = [
+                "--child",
+                "upscale",
+                str(image),
+                "--scale",
+                scale,
+                *vae_args,
+                "--upscaler",
+                str(weights),
+                "--device",
+                "cpu",
+                "-o",
+                str(out),
+                "--overwrite",
+            ]
             variants[f"--vae {vae}, {size} x{scale}"] = (argv, {**base_env, **vae_env})
     if args.env:
         var, _, value = args.env.partition("=")
         for name, (argv, env) in list(variants.items()):
-            variants[f"{name}, {var}={value}"] = ([*argv[:-2], str(Path(argv[-2]).with_suffix(".env.png")), argv[-1]],
-                                                  {**env, var: value})  # fmt: skip
+            variants[f"{name}, {var}={value}"] = (
+                [*argv[:-2], str(Path(argv[-2]).with_suffix(".env.png")), argv[-1]],
+                {**env, var: value},
+            )
     if not args.no_peer:
         variants["peer: RRDBNet x4, 768x512 (bf16)"] = (["--peer", str(full)], base_env)
     cpu_model = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
-    print(f"bench_floor: {os.cpu_count()} CPUs ({cpu_model}), torch threads default, "
-          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)  # fmt: skip
+    print(
+        f"bench_floor: {os.cpu_count()} CPUs ({cpu_model}), torch threads default, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        flush=True,
+    )
     results: dict[str, list[dict]] = {name: [] for name in variants}
     peaks: list[dict] = []
     loads: list[float] = []
@@ -362,8 +383,7 @@ def main() -> None:
     peak = statistics.median(p["bfloat16"] for p in peaks)
     fp32_peak = statistics.median(p["float32"] for p in peaks)
     rates = ", ".join(f"{p['bfloat16']:.0f}" for p in peaks)
-    print(f"calibrations (bf16 GFLOP per CPU-s): {rates}; "
-          f"load average {min(loads):.1f}-{max(loads):.1f}")  # fmt: skip
+    print(f"calibrations (bf16 GFLOP per CPU-s): {rates}; load average {min(loads):.1f}-{max(loads):.1f}")
     print_tables({name: summarize(runs, peak) for name, runs in results.items()}, peak, fp32_peak)
 
 

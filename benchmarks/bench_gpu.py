@@ -295,8 +295,15 @@ def refine_rows(table: Table, args: argparse.Namespace, device: torch.device) ->
     runs = [(side, mode, None) for side in args.refine_sides for mode in ("none", "model")]
     largest = args.refine_sides[-1]
     for budget in args.refine_budgets:  # largest budget first: once a plan picks group, the leaner ones do too
-        plan = plan_refine(largest, largest, parse_memory(budget), sizes, dtype=dtype,
-                           vae=VAESizes(bytes=model_bytes(vae), dtype=dtype), text_tokens=emb.shape[1])  # fmt: skip
+        plan = plan_refine(
+            largest,
+            largest,
+            parse_memory(budget),
+            sizes,
+            dtype=dtype,
+            vae=VAESizes(bytes=model_bytes(vae), dtype=dtype),
+            text_tokens=emb.shape[1],
+        )
         runs.append((largest, plan, budget))
     runs += [(side, "group", None) for side in args.refine_sides]  # last: group offloading's hooks stay on the model
     for side, how, budget in runs:

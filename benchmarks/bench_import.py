@@ -40,8 +40,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         base = Path(folder) / "baseline"
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(base), args.baseline],
-                       check=True)  # fmt: skip
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "add", "--detach", "-q", str(base), args.baseline], check=True
+        )
         try:
             print(f"| statement | {args.baseline} median s | this checkout median s | ratio |")
             print("|---|---|---|---|")

@@ -154,19 +154,25 @@ def cpu_table(args: argparse.Namespace) -> None:
                 wall, cpu = time.perf_counter() - start, time.process_time() - cpu
                 best = times.get((method, scale), (float("inf"), float("inf")))
                 times[(method, scale)] = (min(best[0], wall), min(best[1], cpu))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, CPU; input {args.pixels} px "
-          f"(latent {args.pixels // 8}x{args.pixels // 8}); min of {args.repeats} runs")  # fmt: skip
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, CPU; input {args.pixels} px "
+        f"(latent {args.pixels // 8}x{args.pixels // 8}); min of {args.repeats} runs"
+    )
     print()
-    print("| scale | method | forwards | wall ms / output MP | CPU ms / output MP | CPU time / Flow's | "
-          "peak RSS over pre-step (MiB) | GFLOPs (conv+matmul) |")  # fmt: skip
+    print(
+        "| scale | method | forwards | wall ms / output MP | CPU ms / output MP | CPU time / Flow's | "
+        "peak RSS over pre-step (MiB) | GFLOPs (conv+matmul) |"
+    )
     print("|---|---|---|---:|---:|---:|---:|---:|")
     for scale in SCALES:
         out_mp = (args.pixels * scale) ** 2 / 1e6
         for method in METHODS:
             if method == "flow":
                 passes = flow_passes(scale)
-                composed = f"{passes} pass" + ("es" if passes > 1 else "") + (
-                    "" if 2**passes == scale else f" ({2**passes:g}x) + bicubic down"
+                composed = (
+                    f"{passes} pass"
+                    + ("es" if passes > 1 else "")
+                    + ("" if 2**passes == scale else f" ({2**passes:g}x) + bicubic down")
                 )
             elif method == "sesqui":
                 composed = " + ".join(f"{f:g}x" for f in plan(scale))
@@ -176,8 +182,10 @@ def cpu_table(args: argparse.Namespace) -> None:
             ratio = times[(method, scale)][1] / times[("flow", scale)][1]
             memory = peak_memory(method, scale, args.pixels) if args.memory else float("nan")
             gflops = flops(method, scale, args.pixels) / 1e9
-            print(f"| {scale:g}x | {method} | {composed} | {wall:.0f} | {cpu:.0f} | {ratio:.4f} | {memory:.0f} | "
-                  f"{gflops:.2f} |")  # fmt: skip
+            print(
+                f"| {scale:g}x | {method} | {composed} | {wall:.0f} | {cpu:.0f} | {ratio:.4f} | {memory:.0f} | "
+                f"{gflops:.2f} |"
+            )
 
 
 def main() -> None:

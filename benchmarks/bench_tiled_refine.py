@@ -51,12 +51,18 @@ def build_model(device: str, width: int):
 
     torch.manual_seed(0)
     if device == "cpu":
-        config = dict(num_layers=1, num_single_layers=1, num_attention_heads=width // 128, joint_attention_dim=width,
-                      guidance_embeds=False)  # fmt: skip
+        config = dict(
+            num_layers=1,
+            num_single_layers=1,
+            num_attention_heads=width // 128,
+            joint_attention_dim=width,
+            guidance_embeds=False,
+        )
         dtype = torch.float32
     else:
-        config = dict(num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680,
-                      guidance_embeds=False)  # fmt: skip
+        config = dict(
+            num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680, guidance_embeds=False
+        )
         dtype = torch.bfloat16
     model = Flux2Transformer2DModel(attention_head_dim=128, timestep_guidance_channels=256, **config)
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False), config["joint_attention_dim"]
@@ -123,8 +129,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.one:
         side, tile = args.one
-        result = measure(args.device, args.width, side, tile or None, args.tile_overlap, args.tile_batch,
-                         args.text_tokens)  # fmt: skip
+        result = measure(
+            args.device, args.width, side, tile or None, args.tile_overlap, args.tile_batch, args.text_tokens
+        )
         print(json.dumps(result))
         return
     import torch
@@ -137,17 +144,33 @@ def main() -> None:
         if args.device == "cuda" and not torch.cuda.is_available():
             print(f"| {side}² | {how} | | | not measured yet | | not measured yet |")
             continue
-        cmd = [sys.executable, __file__, "--device", args.device, "--width", str(args.width),
-               "--tile-overlap", str(args.tile_overlap), "--tile-batch", str(args.tile_batch),
-               "--text-tokens", str(args.text_tokens),
-               "--one", str(side), str(tile or 0)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "--device",
+            args.device,
+            "--width",
+            str(args.width),
+            "--tile-overlap",
+            str(args.tile_overlap),
+            "--tile-batch",
+            str(args.tile_batch),
+            "--text-tokens",
+            str(args.text_tokens),
+            "--one",
+            str(side),
+            str(tile or 0),
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             print(f"| {side}² | {how} | | | failed: {done.stderr.strip().splitlines()[-1][:80]} | | |")
             continue
         r = json.loads(done.stdout.strip().splitlines()[-1])
-        print(f"| {side}² | {how} | {r['tiles']} | {r['tokens']} + {args.text_tokens} | {r['seconds']:.2f} | "
-              f"{r['seconds'] / r['tiles']:.2f} | {r['peak'] / 2**20:.0f} |", flush=True)  # fmt: skip
+        print(
+            f"| {side}² | {how} | {r['tiles']} | {r['tokens']} + {args.text_tokens} | {r['seconds']:.2f} | "
+            f"{r['seconds'] / r['tiles']:.2f} | {r['peak'] / 2**20:.0f} |",
+            flush=True,
+        )
     if args.device == "cpu":
         print("load average after the run (1, 5, 15 min): " + ", ".join(f"{v:.2f}" for v in os.getloadavg()))
 

@@ -89,8 +89,11 @@ def raw_passes(name: str):
             from diffusers import AutoencoderKLFlux2
 
             model = AutoencoderKLFlux2()
-            return (lambda x: model.encode(x).latent_dist.mode(), lambda z: model.decode(z).sample,
-                    lambda side: (1, 32, side // 8, side // 8))  # fmt: skip
+            return (
+                lambda x: model.encode(x).latent_dist.mode(),
+                lambda z: model.decode(z).sample,
+                lambda side: (1, 32, side // 8, side // 8),
+            )
         from flowlift.models.mage_vae import MageVAEConfig, MageVAEModel
 
         model = MageVAEModel(MageVAEConfig()).fold_t0()
@@ -104,8 +107,10 @@ def counted_macs(name: str, side: int) -> tuple[float, float]:
 
     encode, decode, latent_shape = raw_passes(name)
     counts = []
-    for fn, x in ((encode, torch.empty(1, 3, side, side, device="meta")),
-                  (decode, torch.empty(latent_shape(side), device="meta"))):  # fmt: skip
+    for fn, x in (
+        (encode, torch.empty(1, 3, side, side, device="meta")),
+        (decode, torch.empty(latent_shape(side), device="meta")),
+    ):
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             fn(x)
         counts.append(counter.get_total_flops() / 2 / side**2)
@@ -169,8 +174,25 @@ def reset_peak_mb() -> float:
 
 def measure(vae: str, size: int, op: str, args: argparse.Namespace, *, mode: str = "auto", weights: str = "") -> dict:
     """One measurement in a fresh process: its JSON, or ``{"error": why}`` (over budget, failed)."""
-    cmd = [sys.executable, __file__, "--worker", "--vae", vae, "--size", str(size), "--op", op, "--mode", mode,
-           "--repeat", str(args.repeat), "--dtype", args.dtype, "--weights", weights]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--vae",
+        vae,
+        "--size",
+        str(size),
+        "--op",
+        op,
+        "--mode",
+        mode,
+        "--repeat",
+        str(args.repeat),
+        "--dtype",
+        args.dtype,
+        "--weights",
+        weights,
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False, timeout=args.budget_s)
@@ -216,9 +238,11 @@ def compare(args: argparse.Namespace) -> None:
 
     sides = {mp: int(round((mp * 1024 * 1024) ** 0.5)) for mp in args.megapixels}
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    print(f"# {', '.join(TITLES[v] for v in args.vaes)}: full-size random weights, {args.dtype}, CPU: "
-          f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, repeat={args.repeat}, "
-          f"budget {args.budget_s:g} s per measurement, {when}")  # fmt: skip
+    print(
+        f"# {', '.join(TITLES[v] for v in args.vaes)}: full-size random weights, {args.dtype}, CPU: "
+        f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, repeat={args.repeat}, "
+        f"budget {args.budget_s:g} s per measurement, {when}"
+    )
     print(f"# load average at start {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("\n## MACs per image pixel (counted on the meta device)\n")
     print("| size | VAE | encode MAC/px | decode MAC/px | FLUX.2 VAE / this, encode | decode |")
@@ -227,8 +251,11 @@ def compare(args: argparse.Namespace) -> None:
         macs = {vae: counted_macs(vae, side) for vae in (*args.vaes, "flux2") if vae in VAES}
         for vae in args.vaes:
             enc, dec = macs[vae]
-            print(f"| {mp:g} MP | {TITLES[vae]} | {enc / 1e3:,.0f} K | {dec / 1e3:,.0f} K | "
-                  f"{macs['flux2'][0] / enc:.1f}x | {macs['flux2'][1] / dec:.1f}x |", flush=True)  # fmt: skip
+            print(
+                f"| {mp:g} MP | {TITLES[vae]} | {enc / 1e3:,.0f} K | {dec / 1e3:,.0f} K | "
+                f"{macs['flux2'][0] / enc:.1f}x | {macs['flux2'][1] / dec:.1f}x |",
+                flush=True,
+            )
     print("\n## CPU time and memory (each a fresh process; tiled=None: every VAE's own rule by size)\n")
     print("| size | op | VAE | wall s | CPU s | CPU vs FLUX.2 VAE | peak RSS MB | RSS before MB | load avg |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -241,8 +268,10 @@ def compare(args: argparse.Namespace) -> None:
                 if (vae, op) in out_of_budget:
                     row[vae] = {"error": "not tried (a smaller size was not measured)"}
                 elif need_gb > args.max_memory_gb:
-                    row[vae] = {"error": f"needs ~{need_gb:.0f} GB (flowlift's decode cost model), over "
-                                         f"--max-memory-gb {args.max_memory_gb:g} on this shared machine"}  # fmt: skip
+                    row[vae] = {
+                        "error": f"needs ~{need_gb:.0f} GB (flowlift's decode cost model), over "
+                        f"--max-memory-gb {args.max_memory_gb:g} on this shared machine"
+                    }
                 else:
                     row[vae] = measure(vae, side, op, args)
                 if "error" in row[vae]:
@@ -253,13 +282,18 @@ def compare(args: argparse.Namespace) -> None:
                 if "error" in result:
                     print(f"| {mp:g} MP | {op} | {TITLES[vae]} | not measured: {result['error']} | | | | | |")
                     continue
-                print(f"| {mp:g} MP | {op} | {TITLES[vae]} | {_cell(result, 'time_s', '.1f')} | "
-                      f"{_cell(result, 'cpu_s', '.1f')} | {ratio} | {_cell(result, 'peak_mb', '.0f')} | "
-                      f"{_cell(result, 'base_mb', '.0f')} | {os.getloadavg()[0]:.1f} |", flush=True)  # fmt: skip
+                print(
+                    f"| {mp:g} MP | {op} | {TITLES[vae]} | {_cell(result, 'time_s', '.1f')} | "
+                    f"{_cell(result, 'cpu_s', '.1f')} | {ratio} | {_cell(result, 'peak_mb', '.0f')} | "
+                    f"{_cell(result, 'base_mb', '.0f')} | {os.getloadavg()[0]:.1f} |",
+                    flush=True,
+                )
     if not torch.cuda.is_available():
         for vae in args.vaes:
-            print(f"| GPU | encode, decode | {TITLES[vae]} | not measured yet (no CUDA device on this machine) "
-                  "| | | | | |")  # fmt: skip
+            print(
+                f"| GPU | encode, decode | {TITLES[vae]} | not measured yet (no CUDA device on this machine) "
+                "| | | | | |"
+            )
     print(f"\n# load average at end {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
@@ -267,10 +301,14 @@ def tiling_table(args: argparse.Namespace) -> None:
     """The older table: TAEF2 (real weights) whole frame against its exact tiles."""
     import torch
 
-    print(f"# TAEF2 {args.dtype} on CPU ({os.cpu_count()} cores, torch {torch.__version__}, {cpu_name()}), "
-          f"repeat={args.repeat}, load average at start {os.getloadavg()[0]:.1f}")  # fmt: skip
-    print("| size | op | full wall s | tiled wall s | full CPU s | tiled CPU s | tiled/full CPU "
-          "| full peak MB | tiled peak MB | tiled/full peak |")  # fmt: skip
+    print(
+        f"# TAEF2 {args.dtype} on CPU ({os.cpu_count()} cores, torch {torch.__version__}, {cpu_name()}), "
+        f"repeat={args.repeat}, load average at start {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        "| size | op | full wall s | tiled wall s | full CPU s | tiled CPU s | tiled/full CPU "
+        "| full peak MB | tiled peak MB | tiled/full peak |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
         for op in args.ops:
@@ -279,9 +317,12 @@ def tiling_table(args: argparse.Namespace) -> None:
             if "error" in full or "error" in tiled:
                 print(f"| {size} | {op} | {full.get('error', '')} {tiled.get('error', '')} |")
                 continue
-            print(f"| {size} | {op} | {full['time_s']:.1f} | {tiled['time_s']:.1f} | {full['cpu_s']:.1f} | "
-                  f"{tiled['cpu_s']:.1f} | {tiled['cpu_s'] / full['cpu_s']:.2f}x | {full['peak_mb']:.0f} | "
-                  f"{tiled['peak_mb']:.0f} | {tiled['peak_mb'] / full['peak_mb']:.2f}x |", flush=True)  # fmt: skip
+            print(
+                f"| {size} | {op} | {full['time_s']:.1f} | {tiled['time_s']:.1f} | {full['cpu_s']:.1f} | "
+                f"{tiled['cpu_s']:.1f} | {tiled['cpu_s'] / full['cpu_s']:.2f}x | {full['peak_mb']:.0f} | "
+                f"{tiled['peak_mb']:.0f} | {tiled['peak_mb'] / full['peak_mb']:.2f}x |",
+                flush=True,
+            )
     print(f"# load average at end {os.getloadavg()[0]:.1f}")
 
 
@@ -293,8 +334,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs per measurement (best time is kept)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop a measurement after this long")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--max-memory-gb", type=float, default=8.0,
-                        help="skip a measurement whose decode is estimated to need more")  # fmt: skip
+    parser.add_argument(
+        "--max-memory-gb", type=float, default=8.0, help="skip a measurement whose decode is estimated to need more"
+    )
     parser.add_argument("--tiling", action="store_true", help="the TAEF2 full-vs-tiled table instead")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048], help="--tiling: image sides")
     parser.add_argument("--weights", default=str(DEFAULT_WEIGHTS), help="--tiling: TAEF2 weights")

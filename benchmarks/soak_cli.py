@@ -142,9 +142,7 @@ def check_outputs(inputs: list[Path], out: Path) -> list[str]:
     return bad
 
 
-def soak(
-    work: Path, images: int, *, vae: str, unet: str = "full", device: str = "cpu", echo=sys.stderr
-) -> SoakResult:
+def soak(work: Path, images: int, *, vae: str, unet: str = "full", device: str = "cpu", echo=sys.stderr) -> SoakResult:
     """Upscale ``images`` generated inputs under ``work`` with one ``flowlift upscale`` call; see the module."""
     from flowlift.commands.cli import main
 
@@ -155,8 +153,19 @@ def soak(
         for stale in out.iterdir():
             stale.unlink()
     result = SoakResult(images=images)
-    argv = ["upscale", str(inputs[0].parent), "-o", str(out), "--upscaler", str(weights), "--vae", vae,
-            "--device", device, "--no-progress"]  # fmt: skip
+    argv = [
+        "upscale",
+        str(inputs[0].parent),
+        "-o",
+        str(out),
+        "--upscaler",
+        str(weights),
+        "--vae",
+        vae,
+        "--device",
+        device,
+        "--no-progress",
+    ]
     start = time.perf_counter()
     with redirect_stdout(_WroteHook(result, echo)):
         result.exit_code = main(argv)
@@ -186,10 +195,14 @@ def main() -> int:
     if len(result.samples) == args.images:
         print(table_row("flowlift upscale (one process)", args.images, result.warm, result.end, extra))
     problems = result.problems()
-    print(f"outputs: {args.images - len(result.bad_outputs)} of {args.images} valid; "
-          f"{'; '.join(problems) if problems else 'flat'}")  # fmt: skip
-    print(f"command: PYTHONPATH=src python benchmarks/soak_cli.py --images {args.images} --unet {args.unet} "
-          f"--device {args.device}  ({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})")  # fmt: skip
+    print(
+        f"outputs: {args.images - len(result.bad_outputs)} of {args.images} valid; "
+        f"{'; '.join(problems) if problems else 'flat'}"
+    )
+    print(
+        f"command: PYTHONPATH=src python benchmarks/soak_cli.py --images {args.images} --unet {args.unet} "
+        f"--device {args.device}  ({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})"
+    )
     return 1 if problems else 0
 
 

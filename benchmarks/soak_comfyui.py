@@ -73,23 +73,47 @@ def soak_prompt(index: int, prompts: int, size: tuple[int, int]) -> tuple[dict, 
     save = {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": f"soak/{index:04d}"}}
     kind = KINDS[index % len(KINDS)]
     if kind == "upscale image 4x":
-        work = {"9": {"class_type": "FlowliftUpscaleImage", "inputs": {
-            "image": ["1", 0], "upscaler": ["3", 0], "vae": ["2", 0], "scale": 4.0, "seed": index,
-            "transplant_strength": 1.0, "color_fix_strength": 1.0, "chunked": "auto"}}}
+        work = {
+            "9": {
+                "class_type": "FlowliftUpscaleImage",
+                "inputs": {
+                    "image": ["1", 0],
+                    "upscaler": ["3", 0],
+                    "vae": ["2", 0],
+                    "scale": 4.0,
+                    "seed": index,
+                    "transplant_strength": 1.0,
+                    "color_fix_strength": 1.0,
+                    "chunked": "auto",
+                },
+            }
+        }
         return {"1": load, "2": taef2, "3": upscaler, **work, "10": save}, (4 * width, 4 * height)
     if kind == "upscale latent 2x":
         work = {
             "7": {"class_type": "VAEEncode", "inputs": {"pixels": ["1", 0], "vae": ["2", 0]}},
-            "8": {"class_type": "FlowliftUpscaleLatent", "inputs": {
-                "upscaler": ["3", 0], "samples": ["7", 0], "scale": 2.0, "seed": index,
-                "transplant_strength": 1.0, "chunked": "auto"}},
+            "8": {
+                "class_type": "FlowliftUpscaleLatent",
+                "inputs": {
+                    "upscaler": ["3", 0],
+                    "samples": ["7", 0],
+                    "scale": 2.0,
+                    "seed": index,
+                    "transplant_strength": 1.0,
+                    "chunked": "auto",
+                },
+            },
             "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["2", 0]}},
         }
         return {"1": load, "2": taef2, "3": upscaler, **work, "10": save}, (2 * width, 2 * height)
     drifted = {"class_type": "LoadImage", "inputs": {"image": "soak_2x.png"}}
     strength = 0.5 + 0.5 * index / max(1, prompts)  # a new value each prompt: never answered from the cache
-    work = {"9": {"class_type": "FlowliftColorFix", "inputs": {
-        "image": ["4", 0], "reference": ["1", 0], "strength": strength}}}
+    work = {
+        "9": {
+            "class_type": "FlowliftColorFix",
+            "inputs": {"image": ["4", 0], "reference": ["1", 0], "strength": strength},
+        }
+    }
     return {"1": load, "4": drifted, **work, "10": save}, (2 * width, 2 * height)
 
 
@@ -144,14 +168,18 @@ def soak(server: ComfyServer, shared: Path, prompts: int, size: tuple[int, int] 
 def problems(result: SoakResult) -> list[str]:
     """Everything that makes the run fail: unanswered or failed prompts, invalid outputs, growth."""
     unanswered = result.prompts - result.answered
-    return ([f"{unanswered} prompts unanswered"] if unanswered else []) + result.failures + flat_verdict(
-        result.warm, result.end
+    return (
+        ([f"{unanswered} prompts unanswered"] if unanswered else [])
+        + result.failures
+        + flat_verdict(result.warm, result.end)
     )
 
 
 def report_row(result: SoakResult) -> str:
-    extra = (f"{result.answered}/{result.prompts} answered, {result.valid} valid outputs, "
-             f"{result.seconds / max(1, result.prompts):.1f} s/prompt")
+    extra = (
+        f"{result.answered}/{result.prompts} answered, {result.valid} valid outputs, "
+        f"{result.seconds / max(1, result.prompts):.1f} s/prompt"
+    )
     return table_row("ComfyUI server, flowlift nodes", result.prompts, result.warm, result.end, extra)
 
 

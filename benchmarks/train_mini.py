@@ -72,26 +72,57 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     vae = load_vae(str(shared / "models" / "taef2"), device=device, dtype=torch.float32)
     held = [shared / "images" / "kodak" / name for name in HELD_OUT]
-    train_images = [p for p in list_images([str(shared / "images" / "kodak"), str(shared / "images" / "photos")])
-                    if p.name not in HELD_OUT]
+    train_images = [
+        p
+        for p in list_images([str(shared / "images" / "kodak"), str(shared / "images" / "photos")])
+        if p.name not in HELD_OUT
+    ]
 
     t0 = time.perf_counter()
     data = out / f"data-{args.crop_px}px-{args.crops_per_image}"
-    manifest = build_images_dataset(data, train_images, vae, crop=args.crop_px, crops_per_image=args.crops_per_image,
-                                    seed=args.seed, batch_size=8,
-                                    writing=ShardWriting(shard_size=64, device=device, progress=True))
+    manifest = build_images_dataset(
+        data,
+        train_images,
+        vae,
+        crop=args.crop_px,
+        crops_per_image=args.crops_per_image,
+        seed=args.seed,
+        batch_size=8,
+        writing=ShardWriting(shard_size=64, device=device, progress=True),
+    )
     t_data = time.perf_counter() - t0
-    print(f"dataset: {manifest['num_items']} items of {manifest['target_shape']} from {len(train_images)} images "
-          f"in {t_data:.0f}s (resumed builds skip finished shards)")
+    print(
+        f"dataset: {manifest['num_items']} items of {manifest['target_shape']} from {len(train_images)} images "
+        f"in {t_data:.0f}s (resumed builds skip finished shards)"
+    )
 
     run = out / f"run-{args.base_channels}"
-    config = build_config(None, dict(
-        data=str(data), output=str(run), crop=args.crop, steps=args.steps, batch_size=args.batch_size,
-        lr=args.lr, warmup_steps=min(50, args.steps // 10), min_lr_ratio=0.1, weight_decay=0.0,
-        ema_decay=0.995, base_channels=args.base_channels, time_dim=args.time_dim, cond_dim=args.cond_dim,
-        dropout=0.0, t_sampling="fixed", checkpoint_every=max(1, args.steps), log_every=25, seed=args.seed,
-        device=args.device, resume="none", progress=True,
-    ))
+    config = build_config(
+        None,
+        dict(
+            data=str(data),
+            output=str(run),
+            crop=args.crop,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            warmup_steps=min(50, args.steps // 10),
+            min_lr_ratio=0.1,
+            weight_decay=0.0,
+            ema_decay=0.995,
+            base_channels=args.base_channels,
+            time_dim=args.time_dim,
+            cond_dim=args.cond_dim,
+            dropout=0.0,
+            t_sampling="fixed",
+            checkpoint_every=max(1, args.steps),
+            log_every=25,
+            seed=args.seed,
+            device=args.device,
+            resume="none",
+            progress=True,
+        ),
+    )
     if args.skip_train:
         pass
     elif args.train_seconds > 0:
@@ -107,8 +138,10 @@ def main() -> int:
     last_step = int(log[-1]["step"])
     samples = last_step * args.batch_size
     speed = "existing run" if args.skip_train else f"{samples / t_train:.1f} samples/s incl. start-up, {t_train:.0f}s"
-    print(f"trained {last_step} steps x {args.batch_size} samples ({speed}); "
-          f"loss {float(log[0]['loss']):.4f} -> {float(log[-1]['loss']):.4f}")
+    print(
+        f"trained {last_step} steps x {args.batch_size} samples ({speed}); "
+        f"loss {float(log[0]['loss']):.4f} -> {float(log[-1]['loss']):.4f}"
+    )
 
     from flowlift.models.upscaler_weights import load_upscaler
 
@@ -126,23 +159,31 @@ def main() -> int:
     }
     results = evaluate_methods(images, vae, methods, include_baselines=True, references={"vae-roundtrip": roundtrip})
     t_total = time.perf_counter() - t0
-    header = f"| method | PSNR dB | SSIM | sharpness (gt {results['lanczos']['sharpness_gt']:.2f}) | " \
-             "drift cast_max /255 | drift dC |"
+    header = (
+        f"| method | PSNR dB | SSIM | sharpness (gt {results['lanczos']['sharpness_gt']:.2f}) | "
+        "drift cast_max /255 | drift dC |"
+    )
     print()
-    print(f"2x on {len(images)} held-out Kodak crops ({args.eval_size}px), model {args.base_channels}/"
-          f"{args.time_dim}/{args.cond_dim} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params), "
-          f"{last_step} steps, total {t_total:.0f}s")
+    print(
+        f"2x on {len(images)} held-out Kodak crops ({args.eval_size}px), model {args.base_channels}/"
+        f"{args.time_dim}/{args.cond_dim} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params), "
+        f"{last_step} steps, total {t_total:.0f}s"
+    )
     print(header)
     print("|---|---|---|---|---|---|")
     for name in ("model (color fix)", "model (raw)", "latent-bicubic", "lanczos", "vae-roundtrip"):
         r = results[name]
-        print(f"| {name} | {r['psnr']:.2f} | {r['ssim']:.4f} | {r['sharpness']:.2f} | {r['cast_max']:.2f} | "
-              f"{r['dC']:+.2f} |")
+        print(
+            f"| {name} | {r['psnr']:.2f} | {r['ssim']:.4f} | {r['sharpness']:.2f} | {r['cast_max']:.2f} | "
+            f"{r['dC']:+.2f} |"
+        )
     best = results["model (color fix)"]
     bic = results["latent-bicubic"]
     print()
-    print(f"beats latent-bicubic on PSNR: {best['psnr'] > bic['psnr']} ({best['psnr']:.2f} vs {bic['psnr']:.2f}); "
-          f"on sharpness: {best['sharpness'] > bic['sharpness']} ({best['sharpness']:.2f} vs {bic['sharpness']:.2f})")
+    print(
+        f"beats latent-bicubic on PSNR: {best['psnr'] > bic['psnr']} ({best['psnr']:.2f} vs {bic['psnr']:.2f}); "
+        f"on sharpness: {best['sharpness'] > bic['sharpness']} ({best['sharpness']:.2f} vs {bic['sharpness']:.2f})"
+    )
     return 0
 
 

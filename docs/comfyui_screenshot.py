@@ -118,8 +118,9 @@ def layout_columns(
     rank: dict[int, int] = {}
     for col in sorted(set(column.values()), reverse=True):  # consumers are ranked before their inputs
         members = [n for n in sizes if column[n] == col]
-        nearest = {n: min(((column[t], rank[t], s) for t, s in consumers[n]), default=(math.inf, 0, 0))
-                   for n in members}
+        nearest = {
+            n: min(((column[t], rank[t], s) for t, s in consumers[n]), default=(math.inf, 0, 0)) for n in members
+        }
         members.sort(key=lambda n: (nearest[n], n))
         rank.update({n: i for i, n in enumerate(members)})
 
@@ -261,8 +262,11 @@ def main() -> None:
     parser.add_argument("--skip-thumbnails", action="store_true")
     parser.add_argument("--skip-workflows", action="store_true")
     parser.add_argument("--skip-screenshots", action="store_true")
-    parser.add_argument("--side-by-side-thumbnail", action="store_true",
-                        help="with --skip-thumbnails: still make the side-by-side one (from the committed Klein one)")
+    parser.add_argument(
+        "--side-by-side-thumbnail",
+        action="store_true",
+        help="with --skip-thumbnails: still make the side-by-side one (from the committed Klein one)",
+    )
     args = parser.parse_args()
     apis = {path.stem: json.loads(path.read_text()) for path in sorted(API_WORKFLOWS.glob("*.json"))}
 
@@ -304,8 +308,9 @@ def main() -> None:
                     width, height = ui.show_at_100_percent(driver)
                     driver.set_window_size(max(WINDOW[0], width + 250), max(WINDOW[1], height + 300))  # all of it
                     time.sleep(1)
-                    out = DOCS / ("comfyui_workflow.png" if name == "flux2_latent_upscale_4x" else
-                                  f"comfyui_workflow_{name}.png")
+                    out = DOCS / (
+                        "comfyui_workflow.png" if name == "flux2_latent_upscale_4x" else f"comfyui_workflow_{name}.png"
+                    )
                     driver.save_screenshot(str(out))
                     driver.set_window_size(*WINDOW)
                     print(f"wrote {out}")

@@ -77,8 +77,9 @@ def _apt_install() -> None:
             return
         print(f"browser tests: {INSTALL_COMMAND} ...", file=sys.stderr, flush=True)
         for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *APT_PACKAGES]):
-            result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                    timeout=1200)  # fmt: skip
+            result = subprocess.run(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=1200
+            )
             if result.returncode != 0:
                 tail = "\n".join(result.stdout.splitlines()[-20:])
                 raise RuntimeError(f"{' '.join(command)} failed (exit {result.returncode}):\n{tail}")
@@ -91,11 +92,17 @@ def ensure_browser(*, allow_install: bool | None = None) -> tuple[str, str]:
     if found:
         return found
     if allow_install is None:
-        allow_install = (os.environ.get("FLOWLIFT_NO_APT") != "1" and hasattr(os, "geteuid")
-                         and os.geteuid() == 0 and shutil.which("apt-get") is not None)  # fmt: skip
+        allow_install = (
+            os.environ.get("FLOWLIFT_NO_APT") != "1"
+            and hasattr(os, "geteuid")
+            and os.geteuid() == 0
+            and shutil.which("apt-get") is not None
+        )
     if not allow_install:
-        raise BrowserMissing(f"headless Chromium missing: run `sudo {INSTALL_COMMAND}` (as root the tests install it "
-                             "themselves), or set FLOWLIFT_CHROMIUM and FLOWLIFT_CHROMEDRIVER")  # fmt: skip
+        raise BrowserMissing(
+            f"headless Chromium missing: run `sudo {INSTALL_COMMAND}` (as root the tests install it "
+            "themselves), or set FLOWLIFT_CHROMIUM and FLOWLIFT_CHROMEDRIVER"
+        )
     try:
         _apt_install()
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
@@ -112,8 +119,14 @@ def browser_paths() -> tuple[str, str]:
     return ensure_browser()
 
 
-def headless_chromium(width: int, height: int, *, profile_dir: str | os.PathLike[str] | None = None,
-                      extra_flags: tuple[str, ...] = (), console_log: bool = False) -> WebDriver:  # fmt: skip
+def headless_chromium(
+    width: int,
+    height: int,
+    *,
+    profile_dir: str | os.PathLike[str] | None = None,
+    extra_flags: tuple[str, ...] = (),
+    console_log: bool = False,
+) -> WebDriver:
     """A new headless Chromium of ``width`` x ``height`` through Debian's chromedriver (never Selenium Manager).
 
     ``profile_dir``: a fresh user-data folder (the caller removes it); ``console_log`` keeps the page's console

@@ -100,8 +100,9 @@ def chromium(width: int, height: int) -> Iterator[WebDriver]:
     """One headless Chromium (Debian's, through chromedriver; see tests/browser.py) with its console log kept;
     quit on exit."""
     with tempfile.TemporaryDirectory(prefix="flowlift-chromium-") as profile:
-        driver = headless_chromium(width, height, profile_dir=profile, extra_flags=("--hide-scrollbars",),
-                                   console_log=True)
+        driver = headless_chromium(
+            width, height, profile_dir=profile, extra_flags=("--hide-scrollbars",), console_log=True
+        )
         try:
             yield driver
         finally:
@@ -152,9 +153,7 @@ def error_notices(driver: WebDriver) -> list[str]:
 
 
 def close_toasts(driver: WebDriver) -> None:
-    driver.execute_script(
-        "document.querySelectorAll('.p-toast-message .p-toast-close-button').forEach(b => b.click())"
-    )
+    driver.execute_script("document.querySelectorAll('.p-toast-message .p-toast-close-button').forEach(b => b.click())")
 
 
 def open_templates_of(driver: WebDriver, pack: str) -> list[str]:
@@ -165,7 +164,9 @@ def open_templates_of(driver: WebDriver, pack: str) -> list[str]:
         driver,
         "return Array.from(document.querySelectorAll('[role=dialog] [role=button]'))"
         ".find(e => e.textContent.trim() === arguments[0])",
-        f"the {pack!r} category in the Templates browser", PAGE_TIMEOUT_S, pack,
+        f"the {pack!r} category in the Templates browser",
+        PAGE_TIMEOUT_S,
+        pack,
     )
     driver.execute_script("arguments[0].click()", category)  # a click event: the dialog's overlay may cover it
     return wait_for(
@@ -180,16 +181,18 @@ def open_templates_of(driver: WebDriver, pack: str) -> list[str]:
 def thumbnails_loaded(driver: WebDriver, sizes: dict[str, tuple[int, int]]) -> bool:
     """Every card of ``sizes`` (name -> its thumbnail's pixel size) shows that image, not the frontend's
     default picture (the frontend shows a fetched thumbnail through a blob: URL of its media cache)."""
-    return bool(driver.execute_script(
-        """
+    return bool(
+        driver.execute_script(
+            """
         return Object.entries(arguments[0]).every(([name, [width, height]]) => {
           const img = document.querySelector(`[data-testid="template-workflow-${name}"] img`);
           return img && img.complete && !img.src.includes('default-template')
             && img.naturalWidth === width && img.naturalHeight === height;
         });
         """,
-        sizes,
-    ))
+            sizes,
+        )
+    )
 
 
 def open_template(driver: WebDriver, pack: str, name: str) -> None:
@@ -216,8 +219,9 @@ def node_id(value: object) -> object:
 def measure_nodes(driver: WebDriver) -> list[dict]:
     """Per node of the loaded graph: its size, the frontend's minimum size, and the widths its title and
     widget texts need to be drawn whole (LiteGraph's fonts and margins)."""
-    return [{**m, "id": node_id(m["id"])} for m in driver.execute_script(MEASURE_NODES_JS, WIDGET_CHROME_PX,
-                                                                          TITLE_SLACK_PX)]
+    return [
+        {**m, "id": node_id(m["id"])} for m in driver.execute_script(MEASURE_NODES_JS, WIDGET_CHROME_PX, TITLE_SLACK_PX)
+    ]
 
 
 def graph_state(driver: WebDriver) -> dict:
@@ -246,7 +250,7 @@ def overlaps(boxes: dict[str, tuple[float, float, float, float]], gap: float = 0
     found = []
     for i, a in enumerate(names):
         ax, ay, aw, ah = boxes[a]
-        for b in names[i + 1:]:
+        for b in names[i + 1 :]:
             bx, by, bw, bh = boxes[b]
             if ax < bx + bw + gap and bx < ax + aw + gap and ay < by + bh + gap and by < ay + ah + gap:
                 found.append((a, b))

@@ -112,11 +112,17 @@ def write_tiny_klein(path: Path, seed: int = 0) -> None:
 
     torch.manual_seed(seed)
     model = Flux2Transformer2DModel(
-        patch_size=1, in_channels=128, num_layers=TINY_KLEIN["double_blocks"],
-        num_single_layers=TINY_KLEIN["single_blocks"], attention_head_dim=128,
-        num_attention_heads=TINY_KLEIN["hidden"] // 128, joint_attention_dim=TINY_KLEIN["context"],
-        timestep_guidance_channels=256, axes_dims_rope=(32, 32, 32, 32), guidance_embeds=False,
-    )  # fmt: skip
+        patch_size=1,
+        in_channels=128,
+        num_layers=TINY_KLEIN["double_blocks"],
+        num_single_layers=TINY_KLEIN["single_blocks"],
+        attention_head_dim=128,
+        num_attention_heads=TINY_KLEIN["hidden"] // 128,
+        joint_attention_dim=TINY_KLEIN["context"],
+        timestep_guidance_channels=256,
+        axes_dims_rope=(32, 32, 32, 32),
+        guidance_embeds=False,
+    )
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:  # RMSNorm scales away from 1
@@ -206,8 +212,10 @@ def write_models_and_inputs(root: Path, shared: Path) -> None:
     write_random_flux2_vae(models / "vae" / "flux2-vae.safetensors")
     save_upscaler(random_upscaler(16, seed=1), models / "latent_upscale_models" / "flow_upscaler.safetensors")
     save_upscaler(random_upscaler(64, seed=2), models / "latent_upscale_models" / "flow_upscaler_b64.safetensors")
-    shutil.copy(models / "latent_upscale_models" / "flow_upscaler.safetensors",
-                root.parent / "extra_models" / "latent_upscale_models" / "extra_upscaler.safetensors")
+    shutil.copy(
+        models / "latent_upscale_models" / "flow_upscaler.safetensors",
+        root.parent / "extra_models" / "latent_upscale_models" / "extra_upscaler.safetensors",
+    )
     (models / "latent_upscale_models" / "corrupt.safetensors").write_bytes(b"\x17not a safetensors file" * 8)
     for name in ("taef2_encoder.pth", "taef2_decoder.pth"):
         shutil.copy(shared / "models" / "taef2" / name, models / "vae_approx" / name)
@@ -259,8 +267,9 @@ def comfy_server(
     root = base / "ComfyUI"
     shutil.copytree(comfyui_dir(), root, ignore=shutil.ignore_patterns("tests", "tests-unit", "__pycache__"))
     models, inputs = root / "models", root / "input"
-    model_folders = [models / name for name in ("vae", "latent_upscale_models", "vae_approx", "diffusion_models",
-                                                "text_encoders")]
+    model_folders = [
+        models / name for name in ("vae", "latent_upscale_models", "vae_approx", "diffusion_models", "text_encoders")
+    ]
     for folder in (root / "custom_nodes", inputs, *model_folders):
         folder.mkdir(parents=True, exist_ok=True)
     os.symlink(REPO_ROOT, root / "custom_nodes" / PACK_NAME, target_is_directory=True)
@@ -269,8 +278,7 @@ def comfy_server(
     # A user's extra model folder: the pack must add to ComfyUI's folder entries, never replace them.
     (base / "extra_models" / "latent_upscale_models").mkdir(parents=True)
     (root / "extra_model_paths.yaml").write_text(
-        f"flowlift_test:\n    base_path: {base / 'extra_models'}\n"
-        "    latent_upscale_models: latent_upscale_models\n"
+        f"flowlift_test:\n    base_path: {base / 'extra_models'}\n    latent_upscale_models: latent_upscale_models\n"
     )
 
     port = free_port()
@@ -278,7 +286,11 @@ def comfy_server(
     command = [str(python), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--disable-auto-launch"]
     with open(log, "wb") as log_file:
         process = subprocess.Popen(
-            command, cwd=root, env=env or comfy_env(), stdout=log_file, stderr=subprocess.STDOUT,
+            command,
+            cwd=root,
+            env=env or comfy_env(),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     server = ComfyServer(root, port, process, log)

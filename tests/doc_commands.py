@@ -5,6 +5,7 @@ A command is a line (``\\`` continuations joined, ``# comments`` dropped, ``a &&
 ``flowlift SUBCOMMAND ARGS`` in the prose. Unlabelled fences hold output, trees and tables: not commands.
 ``python tests/doc_commands.py .`` lists them with their keys.
 """
+
 from __future__ import annotations
 
 import re
@@ -116,5 +117,6 @@ def doc_commands(root: Path) -> list[DocCommand]:
 
 if __name__ == "__main__":
     import sys
+
     for c in doc_commands(Path(sys.argv[1])):
         print(f"{c.where}\t{c.key}")

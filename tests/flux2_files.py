@@ -229,8 +229,14 @@ def bfl_lora_layers(transformer, *, rank: int = 4, seed: int = 5) -> dict[str, t
     shapes = {name.removesuffix(".weight"): v.shape for name, v in bfl_state_dict(transformer.state_dict()).items()}
     generator = torch.Generator().manual_seed(seed)
     layers = {}
-    for name in ("double_blocks.0.img_attn.qkv", "double_blocks.0.txt_attn.qkv", "double_blocks.0.img_mlp.0",
-                 "single_blocks.0.linear1", "single_blocks.0.linear2", "final_layer.linear"):  # fmt: skip
+    for name in (
+        "double_blocks.0.img_attn.qkv",
+        "double_blocks.0.txt_attn.qkv",
+        "double_blocks.0.img_mlp.0",
+        "single_blocks.0.linear1",
+        "single_blocks.0.linear2",
+        "final_layer.linear",
+    ):
         out_features, in_features = shapes[name]
         down = torch.randn(rank, in_features, generator=generator) / in_features**0.5
         up = torch.randn(out_features, rank, generator=generator) * 0.3

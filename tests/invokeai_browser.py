@@ -99,8 +99,11 @@ def load_workflow(driver: WebDriver, url: str, workflow: Path) -> tuple[list[str
     deadline = time.monotonic() + 60
     while True:  # the page's hidden "Load workflow from file" input
         try:
-            file_input = [i for i in driver.find_elements(By.CSS_SELECTOR, "input[type=file]")
-                          if "json" in (i.get_attribute("accept") or "")][0]  # fmt: skip
+            file_input = [
+                i
+                for i in driver.find_elements(By.CSS_SELECTOR, "input[type=file]")
+                if "json" in (i.get_attribute("accept") or "")
+            ][0]
             file_input.send_keys(str(workflow.resolve()))
             break
         except (StaleElementReferenceException, IndexError):

@@ -55,9 +55,15 @@ class InvokeAIServer:
         return [line for line in self.log.read_text(errors="replace").splitlines() if containing in line]
 
     def request(
-        self, method: str, path: str, payload: Any = None, *, body: bytes | None = None,
-        content_type: str = "application/json", timeout: float = 60,
-    ) -> Any:  # fmt: skip
+        self,
+        method: str,
+        path: str,
+        payload: Any = None,
+        *,
+        body: bytes | None = None,
+        content_type: str = "application/json",
+        timeout: float = 60,
+    ) -> Any:
         data = body if body is not None else (None if payload is None else json.dumps(payload).encode())
         req = urllib.request.Request(self.url + path, data=data, method=method, headers={"Content-Type": content_type})
         try:
@@ -79,9 +85,13 @@ class InvokeAIServer:
         image.save(buffer, format="PNG")
         boundary = uuid.uuid4().hex
         body = (
-            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
-            "Content-Type: image/png\r\n\r\n"
-        ).encode() + buffer.getvalue() + f"\r\n--{boundary}--\r\n".encode()
+            (
+                f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
+                "Content-Type: image/png\r\n\r\n"
+            ).encode()
+            + buffer.getvalue()
+            + f"\r\n--{boundary}--\r\n".encode()
+        )
         query = urllib.parse.urlencode({"image_category": "user", "is_intermediate": "false"})
         form = f"multipart/form-data; boundary={boundary}"
         answer = self.request("POST", f"/api/v1/images/upload?{query}", body=body, content_type=form)

@@ -36,9 +36,16 @@ def main(pipeline: Path, conditioning: Path, latents: Path, out: Path, tile: str
     raw = torch.load(latents, weights_only=True)
     with torch.no_grad():
         refined, _ = tiled_refine_raw_latents(
-            transformer.eval(), raw, vae.bn_mean, vae.bn_std, embeds, strength=STRENGTH,
-            sampling=SamplingSettings(steps=STEPS, seed=SEED), tiles=TileRequest.parse(tile, overlap), device="cpu",
-        )  # fmt: skip
+            transformer.eval(),
+            raw,
+            vae.bn_mean,
+            vae.bn_std,
+            embeds,
+            strength=STRENGTH,
+            sampling=SamplingSettings(steps=STEPS, seed=SEED),
+            tiles=TileRequest.parse(tile, overlap),
+            device="cpu",
+        )
     save_file({"latents": refined.contiguous()}, str(out))
 
 

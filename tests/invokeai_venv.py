@@ -88,8 +88,10 @@ def _build(venv: Path) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as constraints:
         constraints.write("\n".join(pins) + "\n")
     try:
-        _run([*pip, "-c", constraints.name, *flowlift_requirements(), *TEST_TOOLS],
-             "install flowlift's runtime dependencies under InvokeAI's pins")  # fmt: skip
+        _run(
+            [*pip, "-c", constraints.name, *flowlift_requirements(), *TEST_TOOLS],
+            "install flowlift's runtime dependencies under InvokeAI's pins",
+        )
     finally:
         os.unlink(constraints.name)
     # torchaudio's wheel is a CUDA build; through transformers it breaks `import diffusers` even with the shim.

@@ -99,8 +99,20 @@ def bad_files(out_dir: Path, photo_dir: str) -> dict:
     for case, tile in (("int8", "auto"), ("nan", "auto"), ("scunet", "auto"), ("scunet", "none")):
         path = out_dir / f"{case}.safetensors"
         save_file(files[case], path)
-        args = ["eval", "--run", f"spandrel:{path}:bad", "--dataset", photo_dir, "--scale", "4",
-                "-o", str(out_dir / f"report-{case}-{tile}"), "--tile", tile, "--no-progress"]  # fmt: skip
+        args = [
+            "eval",
+            "--run",
+            f"spandrel:{path}:bad",
+            "--dataset",
+            photo_dir,
+            "--scale",
+            "4",
+            "-o",
+            str(out_dir / f"report-{case}-{tile}"),
+            "--tile",
+            tile,
+            "--no-progress",
+        ]
         err = io.StringIO()
         escaped = None
         with contextlib.redirect_stderr(err):
@@ -109,8 +121,13 @@ def bad_files(out_dir: Path, photo_dir: str) -> dict:
             except BaseException as error:  # noqa: BLE001 - what escapes main would be a traceback
                 code, escaped = None, f"{type(error).__name__}: {error}"
         report = (out_dir / f"report-{case}-{tile}" / "results.json").exists()
-        result[f"{case}-{tile}"] = {"code": code, "err": err.getvalue().splitlines(), "escaped": escaped,
-                                    "report": report, "path": str(path)}  # fmt: skip
+        result[f"{case}-{tile}"] = {
+            "code": code,
+            "err": err.getvalue().splitlines(),
+            "escaped": escaped,
+            "report": report,
+            "path": str(path),
+        }
     return result
 
 

@@ -31,15 +31,18 @@ def users_file(tmp_path):
 
 
 def _refine(**fields):
-    return RefineRequest(mode="img2img", prompt=PromptRequest(text="a cat"), source=RefinerSource(model="m"),
-                         image="in.png", **fields)  # fmt: skip
+    return RefineRequest(
+        mode="img2img", prompt=PromptRequest(text="a cat"), source=RefinerSource(model="m"), image="in.png", **fields
+    )
 
 
 @pytest.mark.parametrize("value", NOT_BOOLS, ids=repr)
 def test_requests_refuse_a_non_bool_overwrite(value):
-    for build in (lambda: UpscaleRequest(inputs=["in.png"], overwrite=value),
-                  lambda: _refine(overwrite=value),
-                  lambda: ColorFixRequest(inputs=["a.png"], references=["b.png"], overwrite=value)):  # fmt: skip
+    for build in (
+        lambda: UpscaleRequest(inputs=["in.png"], overwrite=value),
+        lambda: _refine(overwrite=value),
+        lambda: ColorFixRequest(inputs=["a.png"], references=["b.png"], overwrite=value),
+    ):
         with pytest.raises(FlowliftError, match=r"^overwrite must be true or false, got"):
             build()
 

@@ -80,9 +80,17 @@ def test_the_default_hires_request_names_its_missing_upscaler_before_anything_lo
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("prompt", None), ("prompt", "a cat"), ("source", "model"), ("sampling", None), ("sampling", {"steps": 4}),
-     ("tiles", None), ("tiles", "auto"), ("hires", "2x")],
-)  # fmt: skip
+    [
+        ("prompt", None),
+        ("prompt", "a cat"),
+        ("source", "model"),
+        ("sampling", None),
+        ("sampling", {"steps": 4}),
+        ("tiles", None),
+        ("tiles", "auto"),
+        ("hires", "2x"),
+    ],
+)
 def test_a_settings_object_place_takes_only_that_object(field, value):
     _refused(lambda: _refine(**{field: value}), field, "must be a")
 
@@ -101,37 +109,48 @@ def test_one_lora_string_is_one_path_and_paths_are_never_empty():
 
 @pytest.mark.parametrize(
     ("make", "field"),
-    [(lambda: PromptRequest(text="a", cfg_scale=math.nan), "prompt.cfg_scale"),
-     (lambda: PromptRequest(text="a", cfg_scale=0), "prompt.cfg_scale"),
-     (lambda: PromptRequest(text="a", guidance=math.inf), "prompt.guidance"),
-     (lambda: PromptRequest(text=5), "prompt.text"),
-     (lambda: PromptRequest(), "prompt.text"),
-     (lambda: SamplingSettings(mu="auto"), "mu"),
-     (lambda: SamplingSettings(mu=math.nan), "mu"),
-     (lambda: SamplingSettings(schedule="linear"), "schedule"),
-     (lambda: SamplingSettings(steps=True), "steps"),
-     (lambda: TileRequest(size=40), "tile_size"),
-     (lambda: TileRequest(size="512"), "tile_size"),
-     (lambda: TileRequest(size=64, overlap=64), "tile_overlap"),
-     (lambda: TileRequest(batch=0), "tile_batch"),
-     (lambda: HiresSettings(base_size=(1000, 1000)), "base_size"),
-     (lambda: HiresSettings(base_size=None), "base_size"),
-     (lambda: HiresSettings(color_fix="no"), "color_fix"),
-     (lambda: _refine(strength=math.nan), "strength"),
-     (lambda: _refine(progress="yes"), "progress")],
-)  # fmt: skip
+    [
+        (lambda: PromptRequest(text="a", cfg_scale=math.nan), "prompt.cfg_scale"),
+        (lambda: PromptRequest(text="a", cfg_scale=0), "prompt.cfg_scale"),
+        (lambda: PromptRequest(text="a", guidance=math.inf), "prompt.guidance"),
+        (lambda: PromptRequest(text=5), "prompt.text"),
+        (lambda: PromptRequest(), "prompt.text"),
+        (lambda: SamplingSettings(mu="auto"), "mu"),
+        (lambda: SamplingSettings(mu=math.nan), "mu"),
+        (lambda: SamplingSettings(schedule="linear"), "schedule"),
+        (lambda: SamplingSettings(steps=True), "steps"),
+        (lambda: TileRequest(size=40), "tile_size"),
+        (lambda: TileRequest(size="512"), "tile_size"),
+        (lambda: TileRequest(size=64, overlap=64), "tile_overlap"),
+        (lambda: TileRequest(batch=0), "tile_batch"),
+        (lambda: HiresSettings(base_size=(1000, 1000)), "base_size"),
+        (lambda: HiresSettings(base_size=None), "base_size"),
+        (lambda: HiresSettings(color_fix="no"), "color_fix"),
+        (lambda: _refine(strength=math.nan), "strength"),
+        (lambda: _refine(progress="yes"), "progress"),
+    ],
+)
 def test_every_refine_field_is_checked_at_construction(make, field):
     _refused(make, field)
 
 
 @pytest.mark.parametrize(
     ("fields", "field", "words"),
-    [({"batch_size": 0}, "batch_size", ">= 1"), ({"batch_size": 1.5}, "batch_size", ">= 1"),
-     ({"barrier_timeout": math.nan}, "barrier_timeout", "finite"), ({"barrier_timeout": 0}, "barrier_timeout", ""),
-     ({"passes": 0}, "passes", ">= 1"), ({"passes": "2"}, "passes", ""), ({"settings": None}, "settings", "must be"),
-     ({"settings": "fast"}, "settings", "must be"), ({"inputs": []}, "inputs", ""), ({"output": ""}, "output", ""),
-     ({"chunked": "no"}, "chunked", ""), ({"output_format": "bmp2"}, "output_format", "")],
-)  # fmt: skip
+    [
+        ({"batch_size": 0}, "batch_size", ">= 1"),
+        ({"batch_size": 1.5}, "batch_size", ">= 1"),
+        ({"barrier_timeout": math.nan}, "barrier_timeout", "finite"),
+        ({"barrier_timeout": 0}, "barrier_timeout", ""),
+        ({"passes": 0}, "passes", ">= 1"),
+        ({"passes": "2"}, "passes", ""),
+        ({"settings": None}, "settings", "must be"),
+        ({"settings": "fast"}, "settings", "must be"),
+        ({"inputs": []}, "inputs", ""),
+        ({"output": ""}, "output", ""),
+        ({"chunked": "no"}, "chunked", ""),
+        ({"output_format": "bmp2"}, "output_format", ""),
+    ],
+)
 def test_every_upscale_request_field_is_checked_at_construction(fields, field, words):
     message = _refused(lambda: UpscaleRequest(**{"inputs": ["a.png"], **fields}), field, words)
     assert "MAX_OUTPUT_SIDE" not in message  # passes=0 used to be answered with the output cap: a false reason
@@ -139,9 +158,14 @@ def test_every_upscale_request_field_is_checked_at_construction(fields, field, w
 
 def test_one_input_string_is_one_input_and_upscale_settings_check_their_knobs():
     assert UpscaleRequest(inputs="photos/*.png").inputs == ("photos/*.png",)
-    for fields, field in [({"seed": -1}, "seed"), ({"color_fix": "no"}, "color_fix"), ({"vae": ""}, "vae"),
-                          ({"transplant_strength": 2.0}, "transplant_strength"), ({"quality": 0}, "quality"),
-                          ({"resize_mode": "crop"}, "resize_mode")]:  # fmt: skip
+    for fields, field in [
+        ({"seed": -1}, "seed"),
+        ({"color_fix": "no"}, "color_fix"),
+        ({"vae": ""}, "vae"),
+        ({"transplant_strength": 2.0}, "transplant_strength"),
+        ({"quality": 0}, "quality"),
+        ({"resize_mode": "crop"}, "resize_mode"),
+    ]:
         _refused(lambda fields=fields: UpscaleSettings(**fields), field)
 
 
@@ -170,8 +194,13 @@ def test_float_images_outside_0_1_are_refused_and_uint8_is_scaled_by_its_range(r
     common = dict(strength=0.5, sampling=sampling, prompt_embeds=embeds)
     _refused(lambda: refiner.img2img(pixels.float(), **common), "images", "[0, 1]")  # a [0, 255] float image
     _refused(lambda: refiner.img2img(pixels.float() / 255 * math.nan, **common), "images", "non-finite")
-    _refused(lambda: refiner.hires(Doubling(), HiresSettings(), images=pixels.float(), sampling=sampling,
-                                   prompt_embeds=embeds), "images", "[0, 1]")  # fmt: skip
+    _refused(
+        lambda: refiner.hires(
+            Doubling(), HiresSettings(), images=pixels.float(), sampling=sampling, prompt_embeds=embeds
+        ),
+        "images",
+        "[0, 1]",
+    )
     _refused(lambda: refiner.outpaint(pixels.float(), right=16, sampling=sampling, prompt_embeds=embeds), "images")
     as_uint8 = refiner.img2img(pixels, **common)
     as_float = refiner.img2img(pixels.float() / 255, **common)
@@ -197,8 +226,18 @@ def test_the_python_api_says_keywords_and_the_command_line_says_its_options(tmp_
     from PIL import Image
 
     Image.new("RGB", (32, 32)).save(image)
-    code = main(["img2img", str(image), "--model", "no/such-model", "--prompt-embeds", str(missing),
-                 "-o", str(tmp_path / "out.png")])  # fmt: skip
+    code = main(
+        [
+            "img2img",
+            str(image),
+            "--model",
+            "no/such-model",
+            "--prompt-embeds",
+            str(missing),
+            "-o",
+            str(tmp_path / "out.png"),
+        ]
+    )
     err = capsys.readouterr().err.strip()
     assert code == 2 and err == f"flowlift img2img: error: --prompt-embeds: file not found: {missing}", err
     code = main(["img2img", str(image), "--model", "m", "--prompt", "x", "--max-memory", "lots"])

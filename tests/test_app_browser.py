@@ -289,8 +289,9 @@ def test_upscale_in_a_real_browser(app_server, browser, shared, tmp_path):
         browser.find_element(By.CSS_SELECTOR, "#detail-zoom input[value='100%']").click()
         _wait_for_box(browser, "0,0,512,512")
         WebDriverWait(browser, 30).until(
-            lambda d: d.execute_script("return document.getElementById('detail-output').getBoundingClientRect().width")
-            == 256
+            lambda d: (
+                d.execute_script("return document.getElementById('detail-output').getBoundingClientRect().width") == 256
+            )
         )
         assert _check_detail(browser, result, small, 4) == (0, 0, 512, 512)
     finally:

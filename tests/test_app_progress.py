@@ -64,7 +64,8 @@ def test_stage_work_follows_the_pixels():
     refine = dict(refine_stages("p.png", 1.0, 4.0, 4, upscale=True))
     assert list(refine) == ["p.png: encode", "p.png: upscale", "p.png: steps", "p.png: decode", "p.png: writing"]
     assert dict(refine_stages("p.png", 1.0, 1.0, 8, upscale=False))["p.png: steps"] == pytest.approx(
-        2 * dict(refine_stages("p.png", 1.0, 1.0, 4, upscale=False))["p.png: steps"])
+        2 * dict(refine_stages("p.png", 1.0, 1.0, 4, upscale=False))["p.png: steps"]
+    )
 
 
 def test_describe_without_a_measurement_says_no_time():

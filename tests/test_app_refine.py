@@ -104,8 +104,12 @@ def test_tiled_img2img_matches_the_cli(service, model_dir, inputs, monkeypatch, 
     assert _flowlift_text(out)[1] == meta
     with Image.open(out) as cli_png, Image.open(tiled.output) as app_png:
         assert cli_png.tobytes() == app_png.tobytes()
-    for size, overlap, message in [("1000", 128, "multiple of 16"), ("64", 64, "smaller than the tile"),
-                                   ("big", 0, "tile size must be"), ("64", -16, "tile overlap must be")]:  # fmt: skip
+    for size, overlap, message in [
+        ("1000", 128, "multiple of 16"),
+        ("64", 64, "smaller than the tile"),
+        ("big", 0, "tile size must be"),
+        ("64", -16, "tile overlap must be"),
+    ]:
         with pytest.raises(FlowliftError, match=message):
             refine(*args, tile_size=size, tile_overlap=overlap)
 
@@ -123,8 +127,9 @@ def _every_ordered_pair(names: list[str]) -> list[str]:
     return circuit[::-1]
 
 
-def test_every_tab_after_every_other_on_one_service(model_dir, inputs, shared, tmp_path, monkeypatch,
-                                                    single_thread_torch):
+def test_every_tab_after_every_other_on_one_service(
+    model_dir, inputs, shared, tmp_path, monkeypatch, single_thread_torch
+):
     # issue 36.3: a hires fix converted the UNet the upscale tabs share to the refiner's dtype in place,
     # and every later Upscale / Batch request failed ("Input type (c10::BFloat16) and bias type (float)").
     # Upscale in bf16 (as on a CPU with native bf16) and refine in float32, so the dtypes differ here too.
@@ -133,8 +138,9 @@ def test_every_tab_after_every_other_on_one_service(model_dir, inputs, shared, t
     monkeypatch.setattr(flowlift.devices, "cpu_has_native_bf16", lambda: True)
     weights = save_tiny_unet(tmp_path / "flow_upscaler.safetensors")
     taef2 = str(shared / "models" / "taef2")
-    service = AppService(AppConfig(upscaler=str(weights), vaes=[taef2], device="cpu", model=str(model_dir),
-                                   work_dir=tmp_path / "work"))  # fmt: skip
+    service = AppService(
+        AppConfig(upscaler=str(weights), vaes=[taef2], device="cpu", model=str(model_dir), work_dir=tmp_path / "work")
+    )
     square = tmp_path / "square.png"
     Image.open(inputs / "photo.png").resize((64, 64)).save(square)
     embeds = inputs / "prompt.safetensors"
@@ -175,8 +181,15 @@ def test_the_refine_bar_names_each_stage_and_step(service, inputs):
     """Issue 48: the Refine tab showed only Gradio's generic counter; its bar now names the stage and the step, with
     the request's own time left, from the click on."""
     reports: list[tuple[float, str]] = []
-    service.refine(inputs / "photo.png", None, inputs / "prompt.safetensors", "img2img", 0.5, steps=6,
-                   progress=lambda fraction, text: reports.append((fraction, text)))  # fmt: skip
+    service.refine(
+        inputs / "photo.png",
+        None,
+        inputs / "prompt.safetensors",
+        "img2img",
+        0.5,
+        steps=6,
+        progress=lambda fraction, text: reports.append((fraction, text)),
+    )
     texts = [text for _, text in reports]
     assert texts[0] == "starting"
     assert any(text.startswith("photo.png: encode") for text in texts)

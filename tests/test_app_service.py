@@ -80,8 +80,9 @@ def test_the_time_shown_is_the_requests_own_loading_included(shared, weights, ph
     loads them; the time it shows covers that loading (measured around it on the same clock, no speed assumed)."""
     import time
 
-    config = AppConfig(upscaler=str(weights), vaes=[str(shared / "models" / "taef2")], device="cpu",
-                       work_dir=tmp_path / "work")  # fmt: skip
+    config = AppConfig(
+        upscaler=str(weights), vaes=[str(shared / "models" / "taef2")], device="cpu", work_dir=tmp_path / "work"
+    )
     fresh = AppService(config)
     loading: list[float] = []
     original = AppService.pipeline
@@ -288,8 +289,9 @@ def test_results_of_two_vaes_are_named_apart(shared, weights, photo, tmp_path):
     taef2 = str(shared / "models" / "taef2")
     copy = tmp_path / "other" / "taef2"
     shutil.copytree(taef2, copy)
-    service = AppService(AppConfig(upscaler=str(weights), vaes=[taef2, str(copy)], device="cpu",
-                                   work_dir=tmp_path / "work"))  # fmt: skip
+    service = AppService(
+        AppConfig(upscaler=str(weights), vaes=[taef2, str(copy)], device="cpu", work_dir=tmp_path / "work")
+    )
     try:
         names = {label: service.upscale(photo, 2, 0, 1.0, 1.0, label).output.name for label in service.vae_labels}
         archive = service.batch([photo], 2, 0, 1.0, 1.0, str(copy))
@@ -349,8 +351,9 @@ print(before, rss(), released)
 
 def _release_probe(mode: str) -> tuple[int, int, bool]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", RELEASE_PROBE, mode], capture_output=True, text=True, env=env,
-                            timeout=120, check=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", RELEASE_PROBE, mode], capture_output=True, text=True, env=env, timeout=120, check=True
+    )
     before, after, released = result.stdout.split()
     return int(before), int(after), released == "True"
 

@@ -119,8 +119,13 @@ def test_no_command_imports_another_command():
         parts = module.split(".")
         return len(parts) == 3 and parts[1] == "commands" and not parts[2].startswith("_") and parts[2] != "cli"
 
-    crossing = [f"{module} -> {target}" for module, targets in import_graph().items() if is_command(module)
-                for target in targets if is_command(target) and target != module]  # fmt: skip
+    crossing = [
+        f"{module} -> {target}"
+        for module, targets in import_graph().items()
+        if is_command(module)
+        for target in targets
+        if is_command(target) and target != module
+    ]
     assert not crossing, "commands importing other commands:\n" + "\n".join(sorted(crossing))
 
 
@@ -204,10 +209,15 @@ def test_functions_stay_readable():
 def test_the_function_limit_sees_methods_and_nested_functions(tmp_path):
     body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
     source = tmp_path / "sample.py"
-    source.write_text(f"class A:\n  def long(self):\n{body}\ndef outer():\n  def inner():\n{body}\n  return inner\n"
-                      "def short():\n    return 1\n")  # fmt: skip
-    assert long_functions(source) == {"A.long": MAX_FUNCTION_LINES + 1, "outer": MAX_FUNCTION_LINES + 4,
-                                      "outer.inner": MAX_FUNCTION_LINES + 1}  # fmt: skip
+    source.write_text(
+        f"class A:\n  def long(self):\n{body}\ndef outer():\n  def inner():\n{body}\n  return inner\n"
+        "def short():\n    return 1\n"
+    )
+    assert long_functions(source) == {
+        "A.long": MAX_FUNCTION_LINES + 1,
+        "outer": MAX_FUNCTION_LINES + 4,
+        "outer.inner": MAX_FUNCTION_LINES + 1,
+    }
 
 
 @pytest.mark.parametrize("statement", ["import flowlift", "import flowlift.commands.cli"])
@@ -274,9 +284,11 @@ def test_no_public_function_takes_more_than_twelve_parameters():
 def test_the_parameter_limit_counts_methods_and_keyword_only_parameters(tmp_path):
     source = tmp_path / "sample.py"
     many = ", ".join(f"p{i}" for i in range(MAX_PUBLIC_PARAMETERS))
-    source.write_text(f"def wide(a, {many}): pass\ndef fits({many}, *args, **kwargs): pass\n"
-                      f"def _private(a, {many}): pass\nclass A:\n  def __init__(self, {many}): pass\n"
-                      f"  def m(self, *, a, {many}): pass\n")  # fmt: skip
+    source.write_text(
+        f"def wide(a, {many}): pass\ndef fits({many}, *args, **kwargs): pass\n"
+        f"def _private(a, {many}): pass\nclass A:\n  def __init__(self, {many}): pass\n"
+        f"  def m(self, *, a, {many}): pass\n"
+    )
     assert wide_public_functions(source) == {"wide": MAX_PUBLIC_PARAMETERS + 1, "A.m": MAX_PUBLIC_PARAMETERS + 1}
 
 
@@ -286,8 +298,14 @@ def test_refine_and_upscale_are_siblings():
     ``flowlift.limits``, ``flowlift.knobs``, ``flux2/``; what composes both lives in a front-end)."""
     graph = import_graph()
     pairs = (("flowlift.refine", "flowlift.upscale"), ("flowlift.upscale", "flowlift.refine"))
-    crossing = [f"{module} -> {target}" for source, sink in pairs for module, targets in graph.items()
-                if module.startswith(source) for target in targets if target.startswith(sink)]  # fmt: skip
+    crossing = [
+        f"{module} -> {target}"
+        for source, sink in pairs
+        for module, targets in graph.items()
+        if module.startswith(source)
+        for target in targets
+        if target.startswith(sink)
+    ]
     assert not crossing, "refine/ and upscale/ importing each other:\n" + "\n".join(sorted(crossing))
 
 
@@ -295,6 +313,9 @@ def test_no_front_end_plans_jobs_itself():
     """Jobs are planned by the capability that owns them (``upscale/plan.py``, ``refine/jobs.py``): no front-end
     imports ``flowlift.jobs.batch``."""
     graph = import_graph()
-    direct = [f"{module} -> flowlift.jobs.batch" for module, targets in graph.items()
-              if layer_of(module)[1] in FRONT_ENDS and "flowlift.jobs.batch" in targets]  # fmt: skip
+    direct = [
+        f"{module} -> flowlift.jobs.batch"
+        for module, targets in graph.items()
+        if layer_of(module)[1] in FRONT_ENDS and "flowlift.jobs.batch" in targets
+    ]
     assert not direct, "front-ends importing flowlift.jobs.batch:\n" + "\n".join(sorted(direct))

@@ -130,8 +130,19 @@ def test_bands_cli_writes_table_json_heatmap(monkeypatch, shared, tmp_path, caps
     _fake_vae_module(monkeypatch, IdealVAE)
     out = tmp_path / "bands"
     kodak = shared / "images" / "kodak"
-    argv = ["bands", str(kodak / "kodim01.png"), str(kodak / "kodim02.png"), "--vae", "fake", "-o", str(out),
-            "--max-side", "256", "--no-progress", "--full"]  # fmt: skip
+    argv = [
+        "bands",
+        str(kodak / "kodim01.png"),
+        str(kodak / "kodim02.png"),
+        "--vae",
+        "fake",
+        "-o",
+        str(out),
+        "--max-side",
+        "256",
+        "--no-progress",
+        "--full",
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "| 0-1/16 |" in printed and "Mage: same" in printed and "px > 1" in printed
@@ -182,8 +193,17 @@ def test_bands_records_bin_counts_and_warns_when_small(monkeypatch, shared, tmp_
     kodak = shared / "images" / "kodak"
     for side, warned in ((256, True), (512, False)):
         out = tmp_path / f"bands{side}"
-        argv = ["bands", str(kodak / "kodim01.png"), "--vae", "fake", "-o", str(out), "--max-side", str(side),
-                "--no-progress"]
+        argv = [
+            "bands",
+            str(kodak / "kodim01.png"),
+            "--vae",
+            "fake",
+            "-o",
+            str(out),
+            "--max-side",
+            str(side),
+            "--no-progress",
+        ]
         assert main(argv) == 0
         err = capsys.readouterr().err
         assert ("warning:" in err and "latent FFT bins" in err) == warned, err

@@ -75,8 +75,10 @@ def test_planning_removes_nothing_and_the_run_clears_killed_runs_debris(tmp_path
     from flowlift.jobs.batch import Target, plan_targets
 
     source = _touch(tmp_path / "a.png")
-    killed = ("import os, signal, sys; from flowlift.files.atomic import atomic_output\n"
-              "with atomic_output(sys.argv[1]) as tmp:\n    os.kill(os.getpid(), signal.SIGKILL)")  # fmt: skip
+    killed = (
+        "import os, signal, sys; from flowlift.files.atomic import atomic_output\n"
+        "with atomic_output(sys.argv[1]) as tmp:\n    os.kill(os.getpid(), signal.SIGKILL)"
+    )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     assert subprocess.run([sys.executable, "-c", killed, str(tmp_path / "a_x2.png")], env=env).returncode == -9
     (debris,) = [path for path in tmp_path.iterdir() if path.name.startswith(".a_x2.")]  # a killed run's own

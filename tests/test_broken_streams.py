@@ -44,8 +44,9 @@ def setup(tmp_path_factory, shared):
         Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(inputs / f"in{index}.png")
         Image.fromarray(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(photos / f"in{index}.png")
     torch.manual_seed(0)
-    weights = save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0),
-                            root / "flow_upscaler.safetensors")  # fmt: skip
+    weights = save_upscaler(
+        FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0), root / "flow_upscaler.safetensors"
+    )
     mage = save_released(root / "mage.safetensors", released_state())
     upscale = ["--upscaler", weights, "--vae", shared / "models" / "taef2", "--device", "cpu", "--passes", "1"]
     done = root / "done"
@@ -62,21 +63,46 @@ def commands(setup, out: Path) -> dict[str, tuple[list, list[Path]]]:
         "train-print-config": (["train", "--print-config"], []),
         "eval": (["eval", setup["done"], "--reference", inputs, "-o", out], [out / "results.json", out / "table.md"]),
         "bands": (["bands", photos, "--vae", mage, "--device", "cpu", "-o", out], [out / "bands.json"]),
-        "dataset": (["dataset", "images", photos, "--vae", mage, "--crop-px", "64", "--crops-per-image", "1",
-                     "--device", "cpu", "-o", out], [out / "shard-00000.safetensors"]),  # fmt: skip
+        "dataset": (
+            [
+                "dataset",
+                "images",
+                photos,
+                "--vae",
+                mage,
+                "--crop-px",
+                "64",
+                "--crops-per-image",
+                "1",
+                "--device",
+                "cpu",
+                "-o",
+                out,
+            ],
+            [out / "shard-00000.safetensors"],
+        ),
     }
 
 
 def run(argv: list, stdout, *, close_stderr: bool = False) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    )
 
     def close_fd_2() -> None:
         os.close(2)
 
-    return subprocess.run([sys.executable, "-m", "flowlift", *map(str, argv)], stdout=stdout,
-                          stderr=None if close_stderr else subprocess.PIPE, env=env, timeout=600,
-                          preexec_fn=close_fd_2 if close_stderr else None)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "flowlift", *map(str, argv)],
+        stdout=stdout,
+        stderr=None if close_stderr else subprocess.PIPE,
+        env=env,
+        timeout=600,
+        preexec_fn=close_fd_2 if close_stderr else None,
+    )
 
 
 NAMES = ["upscale", "status", "train-print-config", "eval", "bands", "dataset"]
@@ -135,4 +161,3 @@ def test_progress_bar_given_no_stream_or_a_closed_one_writes_nowhere(capsys):
         finally:
             sys.stderr = saved
     assert capsys.readouterr().out == ""
-

@@ -52,8 +52,11 @@ def test_missing_browser_is_installed_with_apt(bare_path, tmp_path):
 
 
 def test_without_root_or_apt_one_message_names_the_command(bare_path, monkeypatch):
-    with pytest.raises(browser.BrowserMissing, match=r"^headless Chromium missing: run `sudo apt-get install -y "
-                       r"chromium chromium-driver`"):  # fmt: skip
+    with pytest.raises(
+        browser.BrowserMissing,
+        match=r"^headless Chromium missing: run `sudo apt-get install -y "
+        r"chromium chromium-driver`",
+    ):
         browser.ensure_browser(allow_install=False)
     monkeypatch.setenv("FLOWLIFT_NO_APT", "1")  # the default decision: refused when asked not to install
     with pytest.raises(browser.BrowserMissing, match="apt-get install -y chromium chromium-driver"):

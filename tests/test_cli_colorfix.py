@@ -35,8 +35,9 @@ def test_colorfix_command_pairs_x4_names_and_matches_stage2(drifted_pair, tmp_pa
     (tmp_path / "up").mkdir()
     Image.fromarray(reference).save(tmp_path / "src" / "wine.png")
     Image.fromarray(drifted).save(tmp_path / "up" / "wine_x4.png")
-    code, lines = _colorfix([str(tmp_path / "up"), "--reference", str(tmp_path / "src"), "-o", str(tmp_path / "out")],
-                            capsys)  # fmt: skip
+    code, lines = _colorfix(
+        [str(tmp_path / "up"), "--reference", str(tmp_path / "src"), "-o", str(tmp_path / "out")], capsys
+    )
     assert code == 0 and lines == [], lines
     out_path = tmp_path / "out" / "wine_x4_colorfix.png"
     with Image.open(out_path) as written:
@@ -50,8 +51,9 @@ def test_colorfix_command_pairs_x4_names_and_matches_stage2(drifted_pair, tmp_pa
     assert record["reference"] == "wine.png" and record["input"] == "wine_x4.png"
     # resume: a second run skips the existing output and leaves it untouched
     before = out_path.stat().st_mtime_ns
-    code, lines = _colorfix([str(tmp_path / "up"), "--reference", str(tmp_path / "src"), "-o", str(tmp_path / "out")],
-                            capsys)  # fmt: skip
+    code, lines = _colorfix(
+        [str(tmp_path / "up"), "--reference", str(tmp_path / "src"), "-o", str(tmp_path / "out")], capsys
+    )
     assert code == 0 and len(lines) == 1 and "skipped" in lines[0] and out_path.stat().st_mtime_ns == before
 
 
@@ -91,8 +93,9 @@ def test_colorfix_command_keeps_the_icc_profile(tmp_path, capsys):
     Image.fromarray(rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)).save(tmp_path / "a.png")
     Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(tmp_path / "a_x2.png", icc_profile=icc)
     out = tmp_path / "fixed.jpg"
-    code, lines = _colorfix([str(tmp_path / "a_x2.png"), "--reference", str(tmp_path / "a.png"), "-o", str(out)],
-                            capsys)  # fmt: skip
+    code, lines = _colorfix(
+        [str(tmp_path / "a_x2.png"), "--reference", str(tmp_path / "a.png"), "-o", str(out)], capsys
+    )
     assert code == 0 and lines == [], lines
     with Image.open(out) as written:
         assert written.format == "JPEG" and written.info.get("icc_profile") == icc
@@ -126,11 +129,24 @@ def test_colorfix_then_eval_chain_and_explicit_pairs_of_any_names(drifted_pair, 
         (tmp_path / folder).mkdir()
     Image.fromarray(reference).save(tmp_path / "src" / "wine.png")
     Image.fromarray(drifted).save(tmp_path / "up" / "wine_x4.png")  # an upscaler's output, as named by flowlift
-    code, lines = _colorfix([str(tmp_path / "up"), "--reference", str(tmp_path / "src"), "-o", str(tmp_path / "fixed")],
-                            capsys)  # fmt: skip
+    code, lines = _colorfix(
+        [str(tmp_path / "up"), "--reference", str(tmp_path / "src"), "-o", str(tmp_path / "fixed")], capsys
+    )
     assert code == 0 and lines == [], lines
-    assert main(["eval", str(tmp_path / "fixed"), "--reference", str(tmp_path / "src"), "-o", str(tmp_path / "r1"),
-                 "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                str(tmp_path / "fixed"),
+                "--reference",
+                str(tmp_path / "src"),
+                "-o",
+                str(tmp_path / "r1"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     first = json.loads((tmp_path / "r1" / "results.json").read_text())
     assert first["config"]["images"] == ["wine"] and first["images"]["outputs"]["wine"]["cast_max"] <= 0.05
 
@@ -140,8 +156,20 @@ def test_colorfix_then_eval_chain_and_explicit_pairs_of_any_names(drifted_pair, 
     code, lines = _colorfix([str(tmp_path / "esrgan result.png"), "--reference", str(tmp_path / "small.png")], capsys)
     assert code == 0 and lines == [], lines
     fixed = tmp_path / "esrgan result_colorfix.png"
-    assert main(["eval", str(fixed), "--reference", str(tmp_path / "small.png"), "-o", str(tmp_path / "r2"),
-                 "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                str(fixed),
+                "--reference",
+                str(tmp_path / "small.png"),
+                "-o",
+                str(tmp_path / "r2"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     second = json.loads((tmp_path / "r2" / "results.json").read_text())
     assert second["images"]["outputs"]["small"] == first["images"]["outputs"]["wine"]
     # a folder is not an explicit pair: names still decide there

@@ -40,8 +40,12 @@ COMMANDS = dict(_subparsers(build_parser()))
 def test_summary_line_gives_the_total_and_the_per_image_time():
     from flowlift.jobs.batch import BatchResult, format_seconds, summary_line
 
-    assert [format_seconds(s) for s in (0.4201, 12.34, 245.0, 7380.0)] == ["0.42 s", "12.3 s", "4 min 05 s",
-                                                                           "2 h 03 min"]  # fmt: skip
+    assert [format_seconds(s) for s in (0.4201, 12.34, 245.0, 7380.0)] == [
+        "0.42 s",
+        "12.3 s",
+        "4 min 05 s",
+        "2 h 03 min",
+    ]
     done = BatchResult(total=4, done=3, skipped=1, seconds=41.04, image_seconds=36.3)
     assert summary_line("upscale", done) == (
         "flowlift upscale: 3 written, 1 skipped, 0 failed (4 inputs) in 41.0 s, 12.1 s per image"
@@ -117,8 +121,9 @@ def test_app_without_gradio_names_the_install_command(capsys, monkeypatch):
     from flowlift.console import install_command
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gradio" else
-                        real_find_spec(name, *a))  # fmt: skip
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "gradio" else real_find_spec(name, *a)
+    )
     assert main(["app"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"flowlift app: error: the app needs Gradio 6: {install_command('app')}"
@@ -139,15 +144,22 @@ def test_import_flowlift_from_the_folder_above_a_checkout_named_flowlift(tmp_pat
         "print(flowlift.__path__[0]); print(sizes.__file__); print(FlowliftError.__module__, __version__);"
         "print(heavy)"
     )
-    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr
     package, sizes_file, names, heavy = run.stdout.splitlines()
     assert Path(package).resolve() == REPO_ROOT / "src" / "flowlift"
     assert Path(sizes_file).resolve() == REPO_ROOT / "src" / "flowlift" / "upscale" / "sizes.py"
     assert names.startswith("flowlift.errors ") and heavy == "[]"  # still torch-free
-    run = subprocess.run([sys.executable, "-m", "flowlift", "--version"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "flowlift", "--version"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0 and run.stdout.startswith("flowlift "), run.stderr
 
 
@@ -171,8 +183,18 @@ def test_colorfix_checks_the_device_before_any_work(tmp_path, capsys, device):
     Image.new("RGB", (16, 16), (90, 60, 30)).save(tmp_path / "photo.png")
     Image.new("RGB", (32, 32), (95, 60, 30)).save(tmp_path / "photo_x2.png")
     out = tmp_path / "out"
-    rc = main(["colorfix", str(tmp_path / "photo_x2.png"), "--reference", str(tmp_path / "photo.png"),
-               "-o", str(out), "--device", device])  # fmt: skip
+    rc = main(
+        [
+            "colorfix",
+            str(tmp_path / "photo_x2.png"),
+            "--reference",
+            str(tmp_path / "photo.png"),
+            "-o",
+            str(out),
+            "--device",
+            device,
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err and "AssertionError" not in err
     assert err.strip().splitlines() == [err.strip()] and err.startswith(f"flowlift colorfix: error: --device {device}:")
@@ -293,8 +315,13 @@ def _is_count(action: argparse.Action) -> bool:
 def test_every_count_option_of_every_command_refuses_a_negative_value():
     counts = [(name, action) for name, parser in COMMANDS.items() for action in parser._actions if _is_count(action)]
     names = {f"{name} {action.option_strings[-1]}" for name, action in counts}
-    assert {"flowlift eval --figure-images", "flowlift eval --limit", "flowlift upscale --batch-size",
-            "flowlift train --steps", "flowlift dataset images --crops-per-image"} <= names  # fmt: skip
+    assert {
+        "flowlift eval --figure-images",
+        "flowlift eval --limit",
+        "flowlift upscale --batch-size",
+        "flowlift train --steps",
+        "flowlift dataset images --crops-per-image",
+    } <= names
     for name, action in counts:
         option = f"{name} {action.option_strings[-1]}"
         if action.choices is not None:  # e.g. --scale {2,4,8}: argparse refuses anything else
@@ -307,8 +334,7 @@ def test_every_count_option_of_every_command_refuses_a_negative_value():
 
 def test_eval_figure_images_minus_one_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as caught:
-        main(["eval", str(tmp_path), "--reference", str(tmp_path), "-o", str(tmp_path / "r"),
-              "--figure-images", "-1"])  # fmt: skip
+        main(["eval", str(tmp_path), "--reference", str(tmp_path), "-o", str(tmp_path / "r"), "--figure-images", "-1"])
     assert caught.value.code == 2
     assert "argument --figure-images: must be >= 1, got -1" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()

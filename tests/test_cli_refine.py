@@ -211,8 +211,9 @@ def test_bad_inputs_one_line_no_output(capsys, tmp_path, model_dir, embeds_file,
     assert set(tmp_path.iterdir()) == before
 
 
-def test_an_image_flowlift_did_not_write_is_replaced_only_with_overwrite(capsys, tmp_path, model_dir, embeds_file,
-                                                                        photo):
+def test_an_image_flowlift_did_not_write_is_replaced_only_with_overwrite(
+    capsys, tmp_path, model_dir, embeds_file, photo
+):
     """Issue 22.1 in the refine commands: -o naming a user's picture is one line (exit 2), before any model
     loads; flowlift's own earlier result is replaced as before; --overwrite replaces the user's too."""
     mine = tmp_path / "mine.png"
@@ -285,8 +286,11 @@ def test_mu_and_schedule_options(capsys, tmp_path, model_dir, embeds_file, photo
     assert code == 0, err
     meta = _metadata(out)
     assert (meta["mu"], meta["mu_rule"], meta["schedule"]) == (3.5, "fixed", "respaced") and len(meta["sigmas"]) == 10
-    for bad, message in [("-1", "must be in [0, 15]"), ("15.5", "must be in [0, 15]"),
-                         ("auto", "must be in [0, 15] or empirical, got 'auto'")]:  # fmt: skip
+    for bad, message in [
+        ("-1", "must be in [0, 15]"),
+        ("15.5", "must be in [0, 15]"),
+        ("auto", "must be in [0, 15] or empirical, got 'auto'"),
+    ]:
         with pytest.raises(SystemExit) as exit_info:
             main([str(a) for a in argv] + ["--mu", bad])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -298,9 +302,24 @@ def test_mu_and_schedule_options(capsys, tmp_path, model_dir, embeds_file, photo
 def test_empirical_mu_out_of_range_is_refused_before_loading(capsys, tmp_path, embeds_file, photo):
     """hires 4x of a 2048 px base refines at 8192 px, where diffusers' formula gives mu 44.8."""
     code, _, err = _run(
-        capsys, "hires", "--width", "2048", "--height", "2048", "--scale", "4", "--mu", "empirical",
-        "--model", tmp_path / "never-loaded", "--prompt-embeds", embeds_file, "--no-progress", "-o", tmp_path / "x.png",
-    )  # fmt: skip
+        capsys,
+        "hires",
+        "--width",
+        "2048",
+        "--height",
+        "2048",
+        "--scale",
+        "4",
+        "--mu",
+        "empirical",
+        "--model",
+        tmp_path / "never-loaded",
+        "--prompt-embeds",
+        embeds_file,
+        "--no-progress",
+        "-o",
+        tmp_path / "x.png",
+    )
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "--mu: mu='empirical' gives 44.8" in err and "8192x8192" in err
 
@@ -437,10 +456,28 @@ def test_hires_scale_8_refines_in_tiles(capsys, tmp_path, model_dir, embeds_file
     Image.open(photo).resize((64, 64)).save(crop)
     out = tmp_path / "hires8.png"
     code, _, err = _run(
-        capsys, "hires", "--image", crop, "--scale", "8", "--upscaler", upscaler, "--model", model_dir,
-        "--prompt-embeds", embeds_file, "--steps", "2", "--tile-size", "256", "--tile-overlap", "64", "--no-progress",
-        "-o", out,
-    )  # fmt: skip
+        capsys,
+        "hires",
+        "--image",
+        crop,
+        "--scale",
+        "8",
+        "--upscaler",
+        upscaler,
+        "--model",
+        model_dir,
+        "--prompt-embeds",
+        embeds_file,
+        "--steps",
+        "2",
+        "--tile-size",
+        "256",
+        "--tile-overlap",
+        "64",
+        "--no-progress",
+        "-o",
+        out,
+    )
     assert code == 0, err
     with Image.open(out) as img:
         assert img.size == (512, 512)
@@ -465,8 +502,9 @@ def test_steps_follow_the_model(capsys, tmp_path, embeds_file, photo):
     assert code == 0, err
     meta = _metadata(out)
     assert meta["steps"] == 4 and meta["default_steps"] == "4 (model_index.json: is_distilled)"
-    code, _, err = _run(capsys, "img2img", photo, "--model", distilled, "--prompt-embeds", embeds_file, "--steps",
-                        "2", "-o", out)  # fmt: skip
+    code, _, err = _run(
+        capsys, "img2img", photo, "--model", distilled, "--prompt-embeds", embeds_file, "--steps", "2", "-o", out
+    )
     assert code == 0, err
     assert _metadata(out)["steps"] == 2
     with pytest.raises(SystemExit):

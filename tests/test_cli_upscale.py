@@ -165,8 +165,10 @@ def test_status_of_a_plain_run_comes_from_its_files(tmp_path, shared, weights, p
     assert main(["upscale", str(tmp_path / "a.png"), str(tmp_path / "b.png"), *_common(shared, weights)]) == 0
     damaged = (tmp_path / "b_x2.png").read_bytes()
     (tmp_path / "b_x2.png").write_bytes(damaged[: len(damaged) * 2 // 3])  # cut short since
-    killed = ("import os, signal, sys; from flowlift.files.atomic import atomic_output\n"
-              "with atomic_output(sys.argv[1]) as tmp:\n    os.kill(os.getpid(), signal.SIGKILL)")
+    killed = (
+        "import os, signal, sys; from flowlift.files.atomic import atomic_output\n"
+        "with atomic_output(sys.argv[1]) as tmp:\n    os.kill(os.getpid(), signal.SIGKILL)"
+    )
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     assert subprocess.run([sys.executable, "-c", killed, str(tmp_path / "c_x2.png")], env=env).returncode == -9
     (tmp_path / ".c_x2.k3j4h5l6.flowlift-partial").write_bytes(b"")  # a user's look-alike: not flowlift's debris

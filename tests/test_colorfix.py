@@ -194,8 +194,9 @@ def test_stage2_rejects_an_output_smaller_than_the_reference():
 def _exact_area(n_out: int, n_in: int) -> torch.Tensor:
     """An independent dense exact-area matrix: row j integrates [j r, (j + 1) r) of the input, r = n_in / n_out."""
     ratio = n_in / n_out
-    rows = [[max(0.0, min(p + 1, (j + 1) * ratio) - max(p, j * ratio)) / ratio for p in range(n_in)]
-            for j in range(n_out)]  # fmt: skip
+    rows = [
+        [max(0.0, min(p + 1, (j + 1) * ratio) - max(p, j * ratio)) / ratio for p in range(n_in)] for j in range(n_out)
+    ]
     return torch.tensor(rows, dtype=torch.float64)
 
 

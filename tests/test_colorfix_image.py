@@ -83,4 +83,3 @@ def test_integer_scale_infers_the_factor():
     assert integer_scale((6, 3), (2, 1)) == 3
     with pytest.raises(FlowliftError, match="strength"):
         color_fix_array(np.zeros((8, 8, 3), np.uint8), np.zeros((4, 4, 3), np.uint8), 1.5)
-

@@ -48,7 +48,14 @@ WIDGET_ORDER = {
     "FlowliftUpscalerLoader": ["upscaler_name"],
     "FlowliftUpscaleLatent": ["upscaler", "samples", "scale", "seed", "transplant_strength", "chunked"],
     "FlowliftUpscaleImage": [
-        "image", "upscaler", "vae", "scale", "seed", "transplant_strength", "color_fix_strength", "chunked"
+        "image",
+        "upscaler",
+        "vae",
+        "scale",
+        "seed",
+        "transplant_strength",
+        "color_fix_strength",
+        "chunked",
     ],
     "FlowliftColorFix": ["image", "reference", "strength"],
     "FlowliftTAEF2Loader": ["taef2_name"],
@@ -166,8 +173,12 @@ def test_taef2_workflows_equal_the_python_api(server, shared):
         "83": {
             "class_type": "VAEDecodeTiled",
             "inputs": {
-                "samples": ["80", 0], "vae": ["2", 0], "tile_size": 512, "overlap": 64,
-                "temporal_size": 64, "temporal_overlap": 8,
+                "samples": ["80", 0],
+                "vae": ["2", 0],
+                "tile_size": 512,
+                "overlap": 64,
+                "temporal_size": 64,
+                "temporal_overlap": 8,
             },
         },
         "84": {"class_type": "SaveImage", "inputs": {"images": ["83", 0], "filename_prefix": "test/taef2_tiled"}},
@@ -257,7 +268,7 @@ def test_flowlifts_mage_loader_equals_comfyuis_on_the_same_file(server):
             f"{key}1": {"class_type": "SaveLatent", "inputs": {"samples": [f"{key}0", 0], "filename_prefix": "m/l"}},
             f"{key}2": {"class_type": "VAEDecode", "inputs": {"samples": ["20", 0], "vae": [key, 0]}},
             f"{key}3": {"class_type": "SaveImage", "inputs": {"images": [f"{key}2", 0], "filename_prefix": "m/i"}},
-        }  # fmt: skip
+        }
     entry = server.run(graph)
     comfy_latent, flowlift_latent = (
         load_file(str(server.output_file(entry, node, "latents")))["latent_tensor"] for node in ("21", "31")
@@ -293,8 +304,14 @@ def test_bad_inputs_fail_with_one_line_and_the_server_keeps_serving(server):
         "2": {"class_type": "LoadLatent", "inputs": {"latent": "big_flux2.latent"}},
         "3": {
             "class_type": "FlowliftUpscaleLatent",
-            "inputs": {"upscaler": ["1", 0], "samples": ["2", 0], "scale": 2.0, "seed": 0,
-                       "transplant_strength": 1.0, "chunked": "auto"},
+            "inputs": {
+                "upscaler": ["1", 0],
+                "samples": ["2", 0],
+                "scale": 2.0,
+                "seed": 0,
+                "transplant_strength": 1.0,
+                "chunked": "auto",
+            },
         },
         "4": {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": "test/never"}},
     }
@@ -328,8 +345,14 @@ def test_interrupt_stops_a_long_chunked_run_within_seconds(server):
         "2": {"class_type": "LoadLatent", "inputs": {"latent": "big_flux2.latent"}},
         "3": {
             "class_type": "FlowliftUpscaleLatent",
-            "inputs": {"upscaler": ["1", 0], "samples": ["2", 0], "scale": 8.0, "seed": 0,
-                       "transplant_strength": 1.0, "chunked": "always"},
+            "inputs": {
+                "upscaler": ["1", 0],
+                "samples": ["2", 0],
+                "scale": 8.0,
+                "seed": 0,
+                "transplant_strength": 1.0,
+                "chunked": "always",
+            },
         },
         "4": {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": "test/interrupted"}},
     }
@@ -362,9 +385,17 @@ def test_interrupt_stops_an_8x_image_upscale_within_seconds_in_every_stage(serve
         "3": {"class_type": "FlowliftUpscalerLoader", "inputs": {"upscaler_name": "flow_upscaler_b64.safetensors"}},
         "4": {
             "class_type": "FlowliftUpscaleImage",
-            "inputs": {"image": ["1", 0], "upscaler": ["3", 0], "vae": ["2", 0], "scale": 8.0, "seed": 0,
-                       "transplant_strength": 1.0, "color_fix_strength": 1.0, "chunked": "auto"},
-        },  # fmt: skip
+            "inputs": {
+                "image": ["1", 0],
+                "upscaler": ["3", 0],
+                "vae": ["2", 0],
+                "scale": 8.0,
+                "seed": 0,
+                "transplant_strength": 1.0,
+                "color_fix_strength": 1.0,
+                "chunked": "auto",
+            },
+        },
         "5": {"class_type": "SaveImage", "inputs": {"images": ["4", 0], "filename_prefix": "test/interrupted"}},
     }
     worst = 0.0
@@ -408,13 +439,24 @@ def test_every_numeric_input_is_checked_and_nan_fails_the_node_with_one_line(ser
     taef2 = load_api_workflow("image_upscale_4x_taef2.json")
     latent = {key: taef2[key] for key in ("1", "2", "3")} | {
         "4": {"class_type": "VAEEncode", "inputs": {"pixels": ["1", 0], "vae": ["2", 0]}},
-        "5": {"class_type": "FlowliftUpscaleLatent", "inputs": {
-            "upscaler": ["3", 0], "samples": ["4", 0], "scale": 2.0, "seed": 0, "transplant_strength": 1.0,
-            "chunked": "auto"}},
+        "5": {
+            "class_type": "FlowliftUpscaleLatent",
+            "inputs": {
+                "upscaler": ["3", 0],
+                "samples": ["4", 0],
+                "scale": 2.0,
+                "seed": 0,
+                "transplant_strength": 1.0,
+                "chunked": "auto",
+            },
+        },
         "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": "test/nan"}},
     }
-    workflows = {"FlowliftUpscaleImage": (taef2, "4"), "FlowliftUpscaleLatent": (latent, "5"),
-                 "FlowliftColorFix": (load_api_workflow("color_fix.json"), "3")}
+    workflows = {
+        "FlowliftUpscaleImage": (taef2, "4"),
+        "FlowliftUpscaleLatent": (latent, "5"),
+        "FlowliftColorFix": (load_api_workflow("color_fix.json"), "3"),
+    }
     for node, inputs in NUMERIC_INPUTS.items():
         workflow, key = workflows[node]
         assert workflow[key]["class_type"] == node
@@ -446,9 +488,15 @@ def test_soak_short_run_answers_every_prompt_with_a_valid_image(server, shared):
     assert row.startswith("| ComfyUI server, flowlift nodes | 3 |") and "3/3 answered, 3 valid outputs" in row
 
     # the verdict: growth beyond the allowance, more files or threads, failures and unanswered prompts count
-    grown = dataclasses.replace(result, end=dataclasses.replace(
-        result.warm, rss=result.warm.rss + max(200 << 20, result.warm.rss // 5), open_files=result.warm.open_files + 1,
-        threads=result.warm.threads + 1))
+    grown = dataclasses.replace(
+        result,
+        end=dataclasses.replace(
+            result.warm,
+            rss=result.warm.rss + max(200 << 20, result.warm.rss // 5),
+            open_files=result.warm.open_files + 1,
+            threads=result.warm.threads + 1,
+        ),
+    )
     assert [p.split(" ")[0] for p in soak.problems(grown)] == ["resident", "open", "threads"]
     flat = dataclasses.replace(result, end=result.warm)
     assert soak.problems(flat) == []

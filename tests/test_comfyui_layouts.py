@@ -25,7 +25,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 WIDGET_ORDER = {
     "FlowliftUpscaleLatent": ["upscaler", "samples", "scale", "seed", "transplant_strength", "chunked"],
     "FlowliftUpscaleImage": [
-        "image", "upscaler", "vae", "scale", "seed", "transplant_strength", "color_fix_strength", "chunked"
+        "image",
+        "upscaler",
+        "vae",
+        "scale",
+        "seed",
+        "transplant_strength",
+        "color_fix_strength",
+        "chunked",
     ],
     "FlowliftColorFix": ["image", "reference", "strength"],
 }
@@ -205,8 +212,15 @@ def test_ui_workflows_have_nulls_only_where_the_frontend_schema_allows_them():
 def test_ui_workflows_are_laid_out_left_to_right_without_overlaps():
     for path in UI_FILES:
         ui = json.loads(path.read_text())
-        boxes = {f"{n['id']} {n['type']}": (n["pos"][0], n["pos"][1] - TITLE_HEIGHT, n["size"][0],
-                                            n["size"][1] + TITLE_HEIGHT) for n in ui["nodes"]}
+        boxes = {
+            f"{n['id']} {n['type']}": (
+                n["pos"][0],
+                n["pos"][1] - TITLE_HEIGHT,
+                n["size"][0],
+                n["size"][1] + TITLE_HEIGHT,
+            )
+            for n in ui["nodes"]
+        }
         assert not overlaps(boxes, gap=MIN_GAP), (path.name, overlaps(boxes, gap=MIN_GAP))
         nodes = {n["id"]: n for n in ui["nodes"]}
         for _link, origin, _slot, target, _tslot, _type in ui["links"]:

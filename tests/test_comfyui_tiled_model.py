@@ -85,8 +85,12 @@ def test_batched_latents_and_reference_latents_run_per_tile(caplog):
     assert lines == ["flowlift: Tiled FLUX.2 Refine: 192x128 px in 3x5 tiles of 64x64 px, overlap 32 px, 1 per call"]
     assert {c["batch"] for c in model.calls} == {2} and len(model.calls) == 15  # a batch of 2: one tile per call
     for item in range(2):  # each batch item equals its own tiled run
-        alone = call(TiledModelFunction(TileRequest.parse(64, 32)), FakeModel(), x[item : item + 1],
-                     ref_latents=[ref[0][item : item + 1]])  # fmt: skip
+        alone = call(
+            TiledModelFunction(TileRequest.parse(64, 32)),
+            FakeModel(),
+            x[item : item + 1],
+            ref_latents=[ref[0][item : item + 1]],
+        )
         torch.testing.assert_close(got[item : item + 1], alone, rtol=0, atol=1e-6)
 
 

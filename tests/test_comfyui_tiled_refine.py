@@ -36,14 +36,28 @@ def server(request, tmp_path_factory, shared):
 
 
 def tiled(model: list, tile_size: str, tile_overlap: int = 32, tile_batch: str = "auto") -> dict:
-    return {"class_type": NODE, "inputs": {"model": model, "tile_size": tile_size, "tile_overlap": tile_overlap,
-                                           "tile_batch": tile_batch}}  # fmt: skip
+    return {
+        "class_type": NODE,
+        "inputs": {"model": model, "tile_size": tile_size, "tile_overlap": tile_overlap, "tile_batch": tile_batch},
+    }
 
 
 def ksampler(model: list, latent: list, cfg: float = 1.0) -> dict:
-    return {"class_type": "KSampler", "inputs": {
-        "model": model, "positive": ["c", 0], "negative": ["c", 0], "latent_image": latent, "seed": 5, "steps": 2,
-        "cfg": cfg, "sampler_name": "euler", "scheduler": "simple", "denoise": 0.5}}  # fmt: skip
+    return {
+        "class_type": "KSampler",
+        "inputs": {
+            "model": model,
+            "positive": ["c", 0],
+            "negative": ["c", 0],
+            "latent_image": latent,
+            "seed": 5,
+            "steps": 2,
+            "cfg": cfg,
+            "sampler_name": "euler",
+            "scheduler": "simple",
+            "denoise": 0.5,
+        },
+    }
 
 
 def save(samples: list, name: str) -> dict:
@@ -76,20 +90,33 @@ def test_the_server_lists_the_node_with_model_in_and_out_and_the_knob_tables_til
     kind, options = required["tile_overlap"]
     assert kind == "INT" and options["tooltip"] == TILE_OVERLAP.help
     assert (options["default"], options["min"], options["step"]) == (
-        TILE_OVERLAP.default, TILE_OVERLAP.low, TILE_OVERLAP.step)  # fmt: skip
+        TILE_OVERLAP.default,
+        TILE_OVERLAP.low,
+        TILE_OVERLAP.step,
+    )
     assert options.get("max") == TILE_OVERLAP.high or TILE_OVERLAP.high is None
 
 
 def test_ksampler_through_the_patch_one_tile_is_bit_exact_small_tiles_run_and_differ(server):
     graph = base_graph() | {
-        "10": ksampler(["1", 0], ["2", 0]), "11": save(["10", 0], "plain"),
-        "20": tiled(["1", 0], "256"), "21": ksampler(["20", 0], ["2", 0]), "22": save(["21", 0], "one_tile"),
-        "30": tiled(["1", 0], "auto"), "31": ksampler(["30", 0], ["2", 0]), "32": save(["31", 0], "auto"),
-        "40": tiled(["1", 0], "64"), "41": ksampler(["40", 0], ["2", 0]), "42": save(["41", 0], "small"),
+        "10": ksampler(["1", 0], ["2", 0]),
+        "11": save(["10", 0], "plain"),
+        "20": tiled(["1", 0], "256"),
+        "21": ksampler(["20", 0], ["2", 0]),
+        "22": save(["21", 0], "one_tile"),
+        "30": tiled(["1", 0], "auto"),
+        "31": ksampler(["30", 0], ["2", 0]),
+        "32": save(["31", 0], "auto"),
+        "40": tiled(["1", 0], "64"),
+        "41": ksampler(["40", 0], ["2", 0]),
+        "42": save(["41", 0], "small"),
         # cond and uncond in one batch of 2 (cfg != 1), two tiles asked per call
-        "50": tiled(["1", 0], "64", tile_batch="2"), "51": ksampler(["50", 0], ["2", 0], cfg=2.0),
-        "52": save(["51", 0], "small_cfg"), "53": ksampler(["1", 0], ["2", 0], cfg=2.0), "54": save(["53", 0], "cfg"),
-    }  # fmt: skip
+        "50": tiled(["1", 0], "64", tile_batch="2"),
+        "51": ksampler(["50", 0], ["2", 0], cfg=2.0),
+        "52": save(["51", 0], "small_cfg"),
+        "53": ksampler(["1", 0], ["2", 0], cfg=2.0),
+        "54": save(["53", 0], "cfg"),
+    }
     entry = server.run(graph)
     plain = saved(server, entry, "11")
     assert plain.shape == REFINE_LATENT
@@ -111,9 +138,19 @@ def test_the_patched_model_equals_refine_cores_tiled_velocity_on_the_same_inputs
     graph = base_graph() | {"3": tiled(["1", 0], "64", tile_batch="2")}
     cases = {"60": (1, False), "61": (1, True), "62": (2, True)}
     for node, (batch, reference) in cases.items():
-        graph[node] = {"class_type": "FlowliftTestTiledReference", "inputs": {
-            "model": ["3", 0], "samples": ["2", 0], "conditioning": ["c", 0], "sigma": 0.6, "tile_size": 64,
-            "tile_overlap": 32, "batch": batch, "reference_latent": reference}}  # fmt: skip
+        graph[node] = {
+            "class_type": "FlowliftTestTiledReference",
+            "inputs": {
+                "model": ["3", 0],
+                "samples": ["2", 0],
+                "conditioning": ["c", 0],
+                "sigma": 0.6,
+                "tile_size": 64,
+                "tile_overlap": 32,
+                "batch": batch,
+                "reference_latent": reference,
+            },
+        }
         graph[f"{node}s"] = save([node, 0], f"reference_{node}")
     entry = server.run(graph)
     for node, (batch, _reference) in cases.items():
@@ -135,9 +172,10 @@ def test_a_bad_tile_knob_fails_that_prompt_with_one_line_and_the_next_prompt_run
     server, tile_size, tile_overlap, tile_batch, expected
 ):
     bad = base_graph() | {
-        "3": tiled(["1", 0], tile_size, tile_overlap, tile_batch), "4": ksampler(["3", 0], ["2", 0]),
+        "3": tiled(["1", 0], tile_size, tile_overlap, tile_batch),
+        "4": ksampler(["3", 0], ["2", 0]),
         "5": save(["4", 0], "never"),
-    }  # fmt: skip
+    }
     entry = server.wait(server.queue(bad))
     error = message(entry, "execution_error")
     assert entry["status"]["status_str"] == "error" and error["node_type"] == NODE
@@ -154,11 +192,15 @@ def test_an_inpaint_mask_is_kept_per_tile(server):
     graph = base_graph() | {
         "3": {"class_type": "SolidMask", "inputs": {"value": 0.0, "width": width, "height": height}},
         "4": {"class_type": "SolidMask", "inputs": {"value": 1.0, "width": width // 2, "height": height}},
-        "5": {"class_type": "MaskComposite", "inputs": {
-            "destination": ["3", 0], "source": ["4", 0], "x": 0, "y": 0, "operation": "add"}},
+        "5": {
+            "class_type": "MaskComposite",
+            "inputs": {"destination": ["3", 0], "source": ["4", 0], "x": 0, "y": 0, "operation": "add"},
+        },
         "6": {"class_type": "SetLatentNoiseMask", "inputs": {"samples": ["2", 0], "mask": ["5", 0]}},
-        "7": tiled(["1", 0], "64"), "8": ksampler(["7", 0], ["6", 0]), "9": save(["8", 0], "inpaint"),
-    }  # fmt: skip
+        "7": tiled(["1", 0], "64"),
+        "8": ksampler(["7", 0], ["6", 0]),
+        "9": save(["8", 0], "inpaint"),
+    }
     entry = server.run(graph)
     got = saved(server, entry, "9")
     source = load_file(str(server.root / "input" / "refine.latent"))["latent_tensor"]
@@ -173,8 +215,10 @@ def test_cancel_stops_a_step_between_tiles(server):
     # between steps would allow; the patch checks before every tile
     graph = base_graph() | {
         "3": {"class_type": "EmptyFlux2LatentImage", "inputs": {"width": 1536, "height": 1536, "batch_size": 1}},
-        "4": tiled(["1", 0], "64"), "5": ksampler(["4", 0], ["3", 0]), "6": save(["5", 0], "cancelled"),
-    }  # fmt: skip
+        "4": tiled(["1", 0], "64"),
+        "5": ksampler(["4", 0], ["3", 0]),
+        "6": save(["5", 0], "cancelled"),
+    }
     graph["5"]["inputs"] |= {"steps": 1, "denoise": 1.0}
     prompt_id = server.queue(graph)
     deadline = time.monotonic() + 60

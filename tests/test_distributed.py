@@ -38,8 +38,18 @@ def free_port() -> int:
 
 def rendezvous_options(nproc: int) -> list[str]:
     """One host, rendezvous on a free 127.0.0.1 port (the multi-host form of the options)."""
-    return ["--nnodes", "1", "--nproc_per_node", str(nproc), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", uuid.uuid4().hex]  # fmt: skip
+    return [
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        uuid.uuid4().hex,
+    ]
 
 
 def torchrun_command(
@@ -61,8 +71,12 @@ def run_torchrun(
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
         torchrun_command(nproc, *cli_args, options=options),
-        env=worker_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd,
-    )  # fmt: skip
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
 
 
 def processes_naming(marker: str, grace_s: float = 10.0) -> list[str]:
@@ -148,8 +162,16 @@ def test_manifest_concurrent_appends_stay_whole_lines(tmp_path):
     def writer(k: int) -> None:
         for i in range(100):
             manifest.write_record(
-                image_record(input_path=f"in/{k}-{i}.png", input_sha256="0" * 64, output=f"out/{k}-{i}.png",
-                             status="done", seconds=0.5, error=None, env=env, run="r")  # fmt: skip
+                image_record(
+                    input_path=f"in/{k}-{i}.png",
+                    input_sha256="0" * 64,
+                    output=f"out/{k}-{i}.png",
+                    status="done",
+                    seconds=0.5,
+                    error=None,
+                    env=env,
+                    run="r",
+                )
             )
 
     threads = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
@@ -164,8 +186,9 @@ def test_manifest_concurrent_appends_stay_whole_lines(tmp_path):
     assert len(latest_by_output(records)) == 400
     assert {r["rank"] for r in records} == {1}
     with pytest.raises(ValueError):
-        image_record(input_path="a", input_sha256=None, output=None, status="ok", seconds=0, error=None,
-                     env=env, run="r")  # fmt: skip
+        image_record(
+            input_path="a", input_sha256=None, output=None, status="ok", seconds=0, error=None, env=env, run="r"
+        )
 
 
 def test_job_status_counts_latest_records(tmp_path):
@@ -178,16 +201,34 @@ def test_job_status_counts_latest_records(tmp_path):
 
     def image(name, status, run, error=None):
         out = tmp_path / f"{name}_x2.png"
-        manifest.write_record(image_record(input_path=f"{name}.png", input_sha256=None, output=out, status=status,
-                                           seconds=1.0, error=error, env=env, run=run))  # fmt: skip
+        manifest.write_record(
+            image_record(
+                input_path=f"{name}.png",
+                input_sha256=None,
+                output=out,
+                status=status,
+                seconds=1.0,
+                error=error,
+                env=env,
+                run=run,
+            )
+        )
 
     manifest.write_record({"event": "job", "run": "r1", "inputs": 4, "todo": 4, "skipped": 0, "world_size": 2})
     image("a", "done", "r1")
     image("c", "failed", "r1", "c.png: truncated")
     image("d", "done", "r1")  # d's output is gone since
     (tmp_path / "e_x2.png").write_bytes(b"x")  # finished before any record: rank 0 records it while planning
-    planned = image_record(input_path="e.png", input_sha256=None, output=tmp_path / "e_x2.png", status="skipped",
-                           seconds=0, error=None, env=env, run="r1")  # fmt: skip
+    planned = image_record(
+        input_path="e.png",
+        input_sha256=None,
+        output=tmp_path / "e_x2.png",
+        status="skipped",
+        seconds=0,
+        error=None,
+        env=env,
+        run="r1",
+    )
     manifest.write_record({**planned, "plan": True})
     status = job_status(tmp_path)
     assert status.run == "r1" and status.run_counts["done"] == 2 and status.run_counts["failed"] == 1
@@ -281,8 +322,17 @@ def photos(tmp_path_factory, shared):
 def test_eval_run_sharded_equals_single_process(tmp_path, shared, photos, single_thread_torch):
     from flowlift.commands.cli import main
 
-    common = ["--run", "lanczos,vae-roundtrip", "--dataset", str(photos), "--scale", "2",
-              "--vae", str(shared / "models" / "taef2"), "--no-progress"]  # fmt: skip
+    common = [
+        "--run",
+        "lanczos,vae-roundtrip",
+        "--dataset",
+        str(photos),
+        "--scale",
+        "2",
+        "--vae",
+        str(shared / "models" / "taef2"),
+        "--no-progress",
+    ]
     assert main(["eval", *common, "-o", str(tmp_path / "one")]) == 0
     result = run_torchrun(2, "eval", *common, "-o", str(tmp_path / "two"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -321,8 +371,21 @@ def inputs(tmp_path_factory, shared):
 
 
 def upscale_args(inputs: Path, out: Path, shared: Path, weights: Path, *extra: str) -> list[str]:
-    return ["upscale", str(inputs), "-o", str(out), "--seed", "7", "--upscaler", str(weights),
-            "--vae", str(shared / "models" / "taef2"), "--device", "cpu", *extra]  # fmt: skip
+    return [
+        "upscale",
+        str(inputs),
+        "-o",
+        str(out),
+        "--seed",
+        "7",
+        "--upscaler",
+        str(weights),
+        "--vae",
+        str(shared / "models" / "taef2"),
+        "--device",
+        "cpu",
+        *extra,
+    ]
 
 
 def image_records(out: Path) -> list[dict]:
@@ -344,8 +407,9 @@ def test_sharded_upscale_equals_one_process_and_reports_the_corrupt_image(
 
     # --max-restarts 2, as the docs recommend: a failed image is the job's outcome, not a crash to
     # restart the group for (issue 22 item 13): every rank exits 0, torchrun prints no failure report
-    result = run_torchrun(2, *upscale_args(inputs, tmp_path / "two", shared, weights), cwd=tmp_path,
-                          options=("--max-restarts", "2"))  # fmt: skip
+    result = run_torchrun(
+        2, *upscale_args(inputs, tmp_path / "two", shared, weights), cwd=tmp_path, options=("--max-restarts", "2")
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("flowlift upscale:")]
@@ -370,9 +434,14 @@ def test_sharded_upscale_equals_one_process_and_reports_the_corrupt_image(
     assert failed["input"].endswith("corrupt.png") and failed["error"] and failed["output"].endswith("corrupt_x2.png")
     assert all(len(r["input_sha256"]) == 64 and r["seconds"] > 0 for r in done)
     # balanced by pixels: each rank's share is within one image of half the work
-    per_rank = [sum(w * h for (w, h), i in zip(SIZES, range(8), strict=True)
-                    if any(r["rank"] == rank and r["input"].endswith(f"img{i}.png") for r in done))
-                for rank in (0, 1)]  # fmt: skip
+    per_rank = [
+        sum(
+            w * h
+            for (w, h), i in zip(SIZES, range(8), strict=True)
+            if any(r["rank"] == rank and r["input"].endswith(f"img{i}.png") for r in done)
+        )
+        for rank in (0, 1)
+    ]
     assert abs(per_rank[0] - per_rank[1]) <= max(w * h for w, h in SIZES)
 
     assert main(["status", str(tmp_path / "two")]) == 1  # not complete: one failed
@@ -412,8 +481,12 @@ def test_launcher_exit_status_is_the_jobs_and_failed_images_are_not_restarted(tm
         shutil.copy(inputs / name, src / name)
     launched = subprocess.run(
         launcher_command(2, *upscale_args(src, out, shared, weights), options=("--max-restarts", "2")),
-        env=worker_env(), capture_output=True, text=True, timeout=180, cwd=tmp_path,
-    )  # fmt: skip
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
     assert launched.returncode == 1, launched.stderr[-3000:]
     assert "Traceback" not in launched.stderr and "ChildFailedError" not in launched.stderr, launched.stderr[-3000:]
     assert "flowlift upscale: 2 ranks: 2 done, 0 skipped, 1 failed of 3 image(s)" in launched.stderr
@@ -427,8 +500,12 @@ def test_launcher_exit_status_is_the_jobs_and_failed_images_are_not_restarted(tm
     (blocked / MANIFEST_NAME).mkdir(parents=True)
     refused = subprocess.run(
         launcher_command(2, *upscale_args(src, blocked, shared, weights), options=("--max-restarts", "2")),
-        env=worker_env(), capture_output=True, text=True, timeout=180, cwd=tmp_path,
-    )  # fmt: skip
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
     assert refused.returncode == 2, refused.stderr[-3000:]
     line = f"flowlift upscale: error: {blocked / MANIFEST_NAME} {FOLDER_AT_MANIFEST}"
     # one line per rank, once: no restart, no traceback (as text: two ranks' newlines may interleave)
@@ -459,8 +536,12 @@ def test_launcher_restarts_a_crashed_group_then_reports_each_crash_in_one_line(t
     attempts = tmp_path / "attempts.log"
     result = subprocess.run(
         [sys.executable, str(script), str(attempts), *rendezvous_options(1), "--max-restarts", "1"],
-        env=worker_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path,
-    )  # fmt: skip
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert result.returncode == 3, result.stderr[-3000:]  # jobs.launch.CRASHED: neither images nor a user error
     assert attempts.read_text().splitlines() == ["0 0", "0 1"]  # started again once
     ours = [line for line in result.stderr.splitlines() if line.startswith("flowlift launch:")]

@@ -53,6 +53,8 @@ MANY_RANKS = "8 processes on one machine (tests/test_distributed.py runs the sam
 CLUSTER = "two machines (--nnodes 2) or paths on a cluster's shared disk (/data/...)"
 
 #: key -> why the command is not run here.
+# A table, one documented command a row with its reason or scenario: kept as written.
+# fmt: off
 SKIP: dict[str, str] = {
     "pip install torch==2.13.0 -e .": INSTALLS,
     "pip install torch==2.13.0 -e .[test]": INSTALLS,
@@ -190,6 +192,7 @@ SKIP: dict[str, str] = {
     "flowlift status /data/out": CLUSTER,
     "flowlift train --config run.toml --set lr=5e-5": "run.toml is the user's own file (the docs show no content)",
 }
+# fmt: on
 
 # ------------------------------------------------------------------------------------------------ stand-ins
 
@@ -230,8 +233,11 @@ def stand_ins(tmp_path_factory, shared) -> dict[str, Path]:
     fake_hub_cache(cache, "TensorForger/FlowUpscaler", {"flow_upscaler.safetensors": upscaler})
     taef2 = shared / "models" / "taef2"
     fake_hub_cache(cache, "madebyollin/taef2", {n: taef2 / n for n in ("taef2_encoder.pth", "taef2_decoder.pth")})
-    fake_hub_cache(cache, "black-forest-labs/FLUX.2-klein-4B",
-                   {str(p.relative_to(klein)): p for p in klein.rglob("*") if p.is_file()})  # fmt: skip
+    fake_hub_cache(
+        cache,
+        "black-forest-labs/FLUX.2-klein-4B",
+        {str(p.relative_to(klein)): p for p in klein.rglob("*") if p.is_file()},
+    )
     bin_dir = root / "bin"
     bin_dir.mkdir()
     launcher = bin_dir / "flowlift"  # `flowlift` is this checkout's, whatever is installed
@@ -310,10 +316,22 @@ def training_data(work: Path, shared: Path, stand) -> None:
     vae = load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
     images(work / "photos", ("kodim03",), size=(256, 256))
     # latents of 32x32: train's default crop (32 latent pixels) fits
-    build_images_dataset(work / "data" / "photos", sorted((work / "photos").iterdir()), vae, crop=256,
-                         crops_per_image=2, writing=ShardWriting(progress=False))  # fmt: skip
-    build_distill_dataset(work / "data" / "distill", lambda noise: 0.5 * noise, vae, num_items=2,
-                          latent_size=(32, 32), writing=ShardWriting(progress=False))  # fmt: skip
+    build_images_dataset(
+        work / "data" / "photos",
+        sorted((work / "photos").iterdir()),
+        vae,
+        crop=256,
+        crops_per_image=2,
+        writing=ShardWriting(progress=False),
+    )
+    build_distill_dataset(
+        work / "data" / "distill",
+        lambda noise: 0.5 * noise,
+        vae,
+        num_items=2,
+        latent_size=(32, 32),
+        writing=ShardWriting(progress=False),
+    )
     images(work / "held_out", ("kodim23",), size=(256, 256))
 
 
@@ -330,11 +348,19 @@ def training(output: str) -> Scenario:
     """A training line as written: the data, the validation images and the VAE are checked, the model built and
     the loop started; then Ctrl-C twice, at two progress lines (the first asks for a stop after the step with a
     checkpoint, the second stops at once: one step of the full-size UNet at batch 16 is minutes on 2 busy cores)."""
-    return Scenario(prepare=training_data, interrupt_after=STEP_LINE, interrupts=2, exit_code=130,
-                    stdout=(r"flowlift train: \d+/\d+ step", r"flowlift train: interrupted"),
-                    files=(f"{output}/config.json",))  # fmt: skip
+    return Scenario(
+        prepare=training_data,
+        interrupt_after=STEP_LINE,
+        interrupts=2,
+        exit_code=130,
+        stdout=(r"flowlift train: \d+/\d+ step", r"flowlift train: interrupted"),
+        files=(f"{output}/config.json",),
+    )
+
 
 #: key -> how it runs here.
+# A table, one documented command a row with its reason or scenario: kept as written.
+# fmt: off
 RUN: dict[str, Scenario] = {
     # README, the first command: as written (a small kodim23 in the stand-in ../shared keeps it short)
     "flowlift upscale ../shared/images/kodak/kodim23.png --scale 4 --vae taef2 -o out/": Scenario(
@@ -381,11 +407,11 @@ RUN: dict[str, Scenario] = {
     # the teacher; stopped with Ctrl-C once the first items (steps) are done, as a user would (both resume)
     "flowlift dataset distill --teacher black-forest-labs/FLUX.2-klein-4B --prompts prompts.txt --num 20000 "
     "--vae taef2 -o data/distill": Scenario(prepare=prompts_file, interrupt_after=DISTILL_LINE, exit_code=130,
-        stdout=(r"flowlift dataset: interrupted",), files=("data/distill/dataset.json",)),  # fmt: skip
+        stdout=(r"flowlift dataset: interrupted",), files=("data/distill/dataset.json",)),
     "flowlift dataset distill --teacher black-forest-labs/FLUX.2-klein-4B --prompts prompts.txt --num 20000 "
     "--width 1024 --height 1024 --steps 4 --vae taef2 -o data/distill": Scenario(prepare=prompts_file,
         interrupt_after=DISTILL_LINE, exit_code=130, stdout=(r"flowlift dataset: interrupted",),
-        files=("data/distill/dataset.json",)),  # fmt: skip
+        files=("data/distill/dataset.json",)),
     # the training lines: as written (20000 steps), see training()
     "flowlift train --data data/distill -o runs/a --steps 20000 --batch-size 16 --vae taef2 --val-images held_out/ "
     "--val-every 1000": training("runs/a"),
@@ -393,6 +419,7 @@ RUN: dict[str, Scenario] = {
     "--val-images held_out/ --val-every 1000 --set ema_decay=0.9995": training("runs/a"),
     "flowlift train --data data/photos -o runs/ft --init TensorForger/FlowUpscaler": training("runs/ft"),
 }
+# fmt: on
 
 # ------------------------------------------------------------------------------------------------ the tests
 
@@ -419,9 +446,16 @@ def test_every_doc_command_is_run_or_skipped_with_a_reason():
 
 def run_documented(command: str, scenario: Scenario, work: Path, env: dict[str, str]) -> tuple[int, str, str]:
     """``bash -c COMMAND`` in ``work``; with ``interrupt_after``, Ctrl-C (SIGINT) once that line shows."""
-    process = subprocess.Popen(["bash", "-c", command], cwd=work, env=env, stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)  # fmt: skip
+    process = subprocess.Popen(
+        ["bash", "-c", command],
+        cwd=work,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     deadline = time.monotonic() + 600
     interrupts = scenario.interrupts if scenario.interrupt_after else 0

@@ -28,7 +28,7 @@ from PIL import Image
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-HOOK = '''
+HOOK = """
 import os, signal, sys
 
 _AT, _SIGNAL = os.environ["FLOWLIFT_TEST_SIGNAL_AT"], int(os.environ["FLOWLIFT_TEST_SIGNAL"])
@@ -43,7 +43,7 @@ class _SignalOnImport:
 
 
 sys.meta_path.insert(0, _SignalOnImport())
-'''
+"""
 
 #: What pip's console script ``flowlift`` holds (``[project.scripts]``: flowlift.commands.cli:main).
 CONSOLE_SCRIPT = """import sys
@@ -79,8 +79,9 @@ def job(tmp_path_factory, shared):
     for index in range(2):
         Image.new("RGB", (64, 48), (40 * index, 90, 60)).save(inputs / f"in{index}.png")
     torch.manual_seed(0)
-    weights = save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0),
-                            root / "flow_upscaler.safetensors")  # fmt: skip
+    weights = save_upscaler(
+        FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=64, dropout=0.0), root / "flow_upscaler.safetensors"
+    )
     options = ["--upscaler", str(weights), "--vae", str(shared / "models" / "taef2"), "--device", "cpu"]
     return root, inputs, options
 
@@ -89,16 +90,23 @@ def run(job, tmp_path, form: str, point: str | None, signum: int = signal.SIGINT
     root, inputs, options = job
     out = tmp_path / "out"
     path = os.pathsep.join([str(root / "hook"), str(SRC), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", FLOWLIFT_TEST_SIGNAL=str(int(signum)),
-               FLOWLIFT_TEST_SIGNAL_AT=POINTS.get(point, "no.such.module"), PYTHONPATH=path)  # fmt: skip
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        FLOWLIFT_TEST_SIGNAL=str(int(signum)),
+        FLOWLIFT_TEST_SIGNAL_AT=POINTS.get(point, "no.such.module"),
+        PYTHONPATH=path,
+    )
     entry = ["-m", "flowlift"] if form == "module" else [str(root / "flowlift")]
     argv = [sys.executable, *entry, "upscale", str(inputs), "-o", str(out), *options]
 
     def ignore_sigint() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env,
-                            preexec_fn=ignore_sigint if ignored else None)  # fmt: skip
+    result = subprocess.run(
+        argv, capture_output=True, text=True, timeout=300, env=env, preexec_fn=ignore_sigint if ignored else None
+    )
     outputs = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     return result, outputs
 

@@ -20,8 +20,10 @@ CLI_CASES = {
     "bands --vae": (["bands", "ins", "--vae", "", "-o", "b"], "--vae"),
     "dataset -o": (["dataset", "images", "ins", "--vae", "taef2", "-o", ""], "-o/--output"),
     "dataset --vae": (["dataset", "images", "ins", "--vae", " ", "-o", "d"], "--vae"),
-    "dataset --teacher": (["dataset", "distill", "--teacher", "", "--num", "1", "--vae", "taef2", "-o", "d"],
-                          "--teacher"),  # fmt: skip
+    "dataset --teacher": (
+        ["dataset", "distill", "--teacher", "", "--num", "1", "--vae", "taef2", "-o", "d"],
+        "--teacher",
+    ),
     "train -o": (["train", "--data", "d", "-o", ""], "-o/--output"),
     "train --data": (["train", "--data", "", "-o", "t"], "--data"),
     "train --init": (["train", "--data", "d", "--init", "", "-o", "t"], "--init"),
@@ -31,8 +33,10 @@ CLI_CASES = {
     "upscale --vae": (["upscale", "in.png", "--vae", ""], "--vae"),
     "upscale --upscaler": (["upscale", "in.png", "--upscaler", ""], "--upscaler"),
     "img2img --model": (["img2img", "--model", "", "--image", "in.png", "-o", "x.png"], "--model"),
-    "img2img --transformer": (["img2img", "--model", "m", "--transformer", "", "--image", "in.png", "-o", "x.png"],
-                              "--transformer"),  # fmt: skip
+    "img2img --transformer": (
+        ["img2img", "--model", "m", "--transformer", "", "--image", "in.png", "-o", "x.png"],
+        "--transformer",
+    ),
     "hires -o": (["hires", "--model", "m", "--prompt", "p", "-o", ""], "-o/--output"),
     "colorfix -o": (["colorfix", "up.png", "--reference", "in.png", "-o", ""], "-o/--output"),
 }

@@ -48,8 +48,7 @@ def test_parse_methods():
     assert [s.label for s in specs] == ["lanczos", "bicubic", "flow:seed=3:transplant=0.5", "vae-roundtrip"]
     assert [s.needs_vae for s in specs] == [False, False, True, True]
     kw = MT.flow_kwargs(specs[2], 4)
-    assert kw == {"num_passes": 2, "seed": 3, "color_fix": True, "transplant_strength": 0.5,
-                  "color_fix_strength": 1.0}  # fmt: skip
+    assert kw == {"num_passes": 2, "seed": 3, "color_fix": True, "transplant_strength": 0.5, "color_fix_strength": 1.0}
     assert MT.flow_kwargs(MT.parse_methods("flow:color=off:color_fix=0")[0], 2)["color_fix"] is False
     for bad, msg in [
         ("nearest", "unknown method"),
@@ -201,8 +200,22 @@ def test_pairs_mode_identical_and_shifted(photos, tmp_path):
 
 def test_cli_pairs_and_errors(photos, tmp_path, capsys):
     out = tmp_path / "report"
-    assert main(["eval", str(photos), "--reference", str(photos), "--ground-truth", str(photos),
-                 "-o", str(out), "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                str(photos),
+                "--reference",
+                str(photos),
+                "--ground-truth",
+                str(photos),
+                "-o",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "| outputs | mean |" in printed and "SSIM gt" in printed
     assert sorted(p.name for p in out.iterdir()) == ["crops.png", "metrics.png", "results.json", "table.md"]
@@ -215,8 +228,7 @@ def test_cli_pairs_and_errors(photos, tmp_path, capsys):
         (["eval", "--run", "sinc", "--dataset", str(photos), "-o", str(bad)], "unknown method"),
         (["eval", str(photos), "-o", str(bad)], "--reference"),
         (["eval", "--run", "lanczos", "--dataset", str(tmp_path / "none"), "-o", str(bad)], "no such"),
-        (["eval", "--run", "lanczos", "--dataset", str(photos), "--box", "0,0,999,999", "-o", str(bad)],
-         "not inside"),
+        (["eval", "--run", "lanczos", "--dataset", str(photos), "--box", "0,0,999,999", "-o", str(bad)], "not inside"),
     ]:
         assert main(argv + ["--no-progress"]) == 2
         err = capsys.readouterr().err.strip()
@@ -233,8 +245,12 @@ def test_pairs_that_are_not_an_integer_upscale_are_refused(tmp_path, capsys, out
         (tmp_path / folder).mkdir()
         Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(tmp_path / folder / "a.png")
     report = tmp_path / "report"
-    assert main(["eval", str(tmp_path / "outs"), "--reference", str(tmp_path / "refs"), "-o", str(report),
-                 "--no-progress"]) == 2  # fmt: skip
+    assert (
+        main(
+            ["eval", str(tmp_path / "outs"), "--reference", str(tmp_path / "refs"), "-o", str(report), "--no-progress"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "not an integer multiple of the reference" in err and "Traceback" not in err
     assert f"{output[0]}x{output[1]}" in err and str(tmp_path / "outs" / "a.png") in err
@@ -276,8 +292,24 @@ def test_cli_run_with_vae_methods_and_cache(monkeypatch, photos, tmp_path, capsy
     weights = tmp_path / "vae.safetensors"
     weights.write_bytes(b"one")
     out = tmp_path / "run"
-    argv = ["eval", "--run", "bicubic,latent-bicubic", "--run", "vae-roundtrip", "--dataset", str(photos),
-            "--scale", "4", "--vae", str(weights), "-o", str(out), "--no-progress", "--limit", "2"]  # fmt: skip
+    argv = [
+        "eval",
+        "--run",
+        "bicubic,latent-bicubic",
+        "--run",
+        "vae-roundtrip",
+        "--dataset",
+        str(photos),
+        "--scale",
+        "4",
+        "--vae",
+        str(weights),
+        "-o",
+        str(out),
+        "--no-progress",
+        "--limit",
+        "2",
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "| latent-bicubic | worst |" in printed and "cache: 0 reused, 6 computed" in printed
@@ -301,8 +333,9 @@ def test_flow_method_passes_its_knobs_to_the_pipeline():
     low = np.zeros((16, 32, 3), dtype=np.uint8)
     out = fn(low, np.zeros((64, 128, 3), dtype=np.uint8))
     assert out.shape == (64, 128, 3)
-    assert calls == [{"num_passes": 2, "seed": 7, "color_fix": True, "transplant_strength": 0.25,
-                      "color_fix_strength": 0.5}]  # fmt: skip
+    assert calls == [
+        {"num_passes": 2, "seed": 7, "color_fix": True, "transplant_strength": 0.25, "color_fix_strength": 0.5}
+    ]
     with pytest.raises(FlowliftError, match="not 4x"):
         fn(low, np.zeros((60, 128, 3), dtype=np.uint8))
     with pytest.raises(FlowliftError, match="--upscaler"):
@@ -342,8 +375,22 @@ def test_cli_flow_end_to_end_with_random_weights(shared, tmp_path, capsys):
         im.convert("RGB").crop((300, 200, 428, 328)).save(data / "k23.png")
     out = tmp_path / "flow"
     taef2 = str(shared / "models" / "taef2")
-    argv = ["eval", "--run", "flow:transplant=0.5,flow:color=off", "--dataset", str(data), "--scale", "2",
-            "--vae", taef2, "--upscaler", str(weights), "-o", str(out), "--no-progress"]  # fmt: skip
+    argv = [
+        "eval",
+        "--run",
+        "flow:transplant=0.5,flow:color=off",
+        "--dataset",
+        str(data),
+        "--scale",
+        "2",
+        "--vae",
+        taef2,
+        "--upscaler",
+        str(weights),
+        "-o",
+        str(out),
+        "--no-progress",
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "| flow:transplant=0.5 | mean |" in printed and "| flow:color=off | mean |" in printed

@@ -164,8 +164,17 @@ def test_img2img_checks_every_input_before_loading(tmp_path, photo, capsys, monk
 def test_hires_checks_the_upscaler_before_loading(tmp_path, capsys, no_model_loads):
     embeds = tmp_path / "e.safetensors"
     embeds.write_bytes(b"x")
-    argv = ["hires", "--model", str(tmp_path), "--prompt-embeds", str(embeds), "--upscaler", "models/fu.safetensors",
-            "-o", str(tmp_path / "o.png")]  # fmt: skip
+    argv = [
+        "hires",
+        "--model",
+        str(tmp_path),
+        "--prompt-embeds",
+        str(embeds),
+        "--upscaler",
+        "models/fu.safetensors",
+        "-o",
+        str(tmp_path / "o.png"),
+    ]
     assert main(argv) == 2
     assert "no such file" in capsys.readouterr().err
 
@@ -212,12 +221,22 @@ def test_library_noise_is_silenced_unless_verbose(monkeypatch, capsys):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("default")
             quiet_libraries(verbose=True)
-            warnings.warn_explicit("local_dir_use_symlinks is deprecated", FutureWarning, "x.py", 1,
-                                   module="huggingface_hub.utils._validators")  # fmt: skip
+            warnings.warn_explicit(
+                "local_dir_use_symlinks is deprecated",
+                FutureWarning,
+                "x.py",
+                1,
+                module="huggingface_hub.utils._validators",
+            )
             assert len(caught) == 1  # -v: the library's warning stays visible
             quiet_libraries(verbose=False)
-            warnings.warn_explicit("local_dir_use_symlinks is deprecated", FutureWarning, "x.py", 2,
-                                   module="huggingface_hub.utils._validators")  # fmt: skip
+            warnings.warn_explicit(
+                "local_dir_use_symlinks is deprecated",
+                FutureWarning,
+                "x.py",
+                2,
+                module="huggingface_hub.utils._validators",
+            )
             warnings.warn_explicit("flowlift's own", UserWarning, "y.py", 3, module="flowlift.files.images")
         assert [str(w.message) for w in caught] == ["local_dir_use_symlinks is deprecated", "flowlift's own"]
         capsys.readouterr()
@@ -273,8 +292,10 @@ def test_python_m_flowlift_is_the_flowlift_command():
     run = subprocess.run(
         # a user error of the whole run (a missing input alone is one failed image, exit 1: issue 14, item 8)
         [sys.executable, "-m", "flowlift", "upscale", str(SRC / "missing.png"), "--device", "bogus"],
-        capture_output=True, text=True, env=env,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert run.returncode == 2 and run.stderr.startswith("flowlift upscale: error:") and "Traceback" not in run.stderr
 
 

@@ -41,18 +41,38 @@ def _flowlift_text(path):
 
 
 def test_the_apps_hires_fix_equals_the_command_lines(model_dir, inputs, tmp_path, monkeypatch, single_thread_torch):
-    config = AppConfig(upscaler="flow_upscaler.safetensors", vaes=["taef2"], device="cpu", model=str(model_dir),
-                       work_dir=tmp_path / "app")  # fmt: skip
+    config = AppConfig(
+        upscaler="flow_upscaler.safetensors",
+        vaes=["taef2"],
+        device="cpu",
+        model=str(model_dir),
+        work_dir=tmp_path / "app",
+    )
     monkeypatch.chdir(inputs)  # both record the upscaler and the inputs by the names given: give the same
     service = AppService(config)
     try:
-        app = service.refine(inputs / "square.png", None, inputs / "prompt.safetensors", "hires fix 2x",
-                             steps=int(STEPS))  # fmt: skip
+        app = service.refine(
+            inputs / "square.png", None, inputs / "prompt.safetensors", "hires fix 2x", steps=int(STEPS)
+        )
     finally:
         service.close()
     out = tmp_path / "cli.png"
-    argv = ["hires", "--image", "square.png", "--model", str(model_dir), "--prompt-embeds", "prompt.safetensors",
-            "--upscaler", "flow_upscaler.safetensors", "--steps", STEPS, "--no-progress", "-o", str(out)]  # fmt: skip
+    argv = [
+        "hires",
+        "--image",
+        "square.png",
+        "--model",
+        str(model_dir),
+        "--prompt-embeds",
+        "prompt.safetensors",
+        "--upscaler",
+        "flow_upscaler.safetensors",
+        "--steps",
+        STEPS,
+        "--no-progress",
+        "-o",
+        str(out),
+    ]
     assert main(argv) == 0
     app_pixels, app_meta = _flowlift_text(app.output)
     cli_pixels, cli_meta = _flowlift_text(out)
@@ -87,13 +107,26 @@ def test_the_invokeai_node_chain_equals_the_hires_fix(model_dir, inputs, single_
     node_upscaler = FlowUpscalerPipeline(weights, vae=None, device="cpu", dtype=torch.float32)
     settings = HiresSettings()  # the Flow Upscale Latents node's defaults are the same knobs'
     upscaled = normalized_to_raw(
-        node_upscaler.upscale_latents(raw_to_normalized(raw, vae.bn_mean, vae.bn_std), settings.passes,
-                                      seed=sampling.seed, transplant_strength=settings.transplant_strength),
-        vae.bn_mean, vae.bn_std,
-    )  # fmt: skip
-    refined_raw, _ = tiled_refine_raw_latents(refiner.transformer, upscaled, vae.bn_mean, vae.bn_std, embeds,
-                                              strength=REFINE_STRENGTH.default, sampling=sampling,
-                                              tiles=TileRequest(), device="cpu")  # fmt: skip
+        node_upscaler.upscale_latents(
+            raw_to_normalized(raw, vae.bn_mean, vae.bn_std),
+            settings.passes,
+            seed=sampling.seed,
+            transplant_strength=settings.transplant_strength,
+        ),
+        vae.bn_mean,
+        vae.bn_std,
+    )
+    refined_raw, _ = tiled_refine_raw_latents(
+        refiner.transformer,
+        upscaled,
+        vae.bn_mean,
+        vae.bn_std,
+        embeds,
+        strength=REFINE_STRENGTH.default,
+        sampling=sampling,
+        tiles=TileRequest(),
+        device="cpu",
+    )
     node = raw_to_normalized(refined_raw, vae.bn_mean, vae.bn_std)
     assert node.shape == cli.shape == (1, 32, 16, 16)
     torch.testing.assert_close(node, cli, atol=1e-4, rtol=0)
@@ -133,8 +166,9 @@ def test_the_app_and_the_command_line_take_the_models_default_steps(
     from flowlift.app.refine_tab import model_default_steps
 
     model = distilled_dir if distilled else model_dir
-    config = AppConfig(upscaler="flow_upscaler.safetensors", vaes=["taef2"], device="cpu", model=str(model),
-                       work_dir=tmp_path / "app")  # fmt: skip
+    config = AppConfig(
+        upscaler="flow_upscaler.safetensors", vaes=["taef2"], device="cpu", model=str(model), work_dir=tmp_path / "app"
+    )
     monkeypatch.chdir(inputs)
     service = AppService(config)
     try:
@@ -142,8 +176,11 @@ def test_the_app_and_the_command_line_take_the_models_default_steps(
     finally:
         service.close()
     out = tmp_path / "cli.png"
-    command = ["img2img", "square.png"] if mode == "img2img" else ["hires", "--image", "square.png", "--upscaler",
-                                                                   "flow_upscaler.safetensors"]  # fmt: skip
+    command = (
+        ["img2img", "square.png"]
+        if mode == "img2img"
+        else ["hires", "--image", "square.png", "--upscaler", "flow_upscaler.safetensors"]
+    )
     argv = [*command, "--model", str(model), "--prompt-embeds", "prompt.safetensors", "--no-progress", "-o", str(out)]
     assert main(argv) == 0
     app_pixels, app_meta = _flowlift_text(app.output)

@@ -43,12 +43,38 @@ def square(tmp_path_factory):
 
 @pytest.mark.parametrize(("scale", "side", "passes"), [("1.5", 96, 0), ("3", 192, 1)])
 def test_hires_fractional_scale_runs_flow_passes_then_sesquilsr(
-    capsys, tmp_path, model_dir, embeds_file, upscaler, sesqui, square, scale, side, passes  # noqa: F811
+    capsys,
+    tmp_path,
+    model_dir,  # noqa: F811  (the fixture imported from test_cli_refine)
+    embeds_file,  # noqa: F811
+    upscaler,
+    sesqui,
+    square,
+    scale,
+    side,
+    passes,
 ):
     out = tmp_path / "hires.png"
-    code, _, err = _run(capsys, "hires", "--image", square, "--scale", scale, "--upscaler", upscaler,
-                        "--latent-upscaler", f"sesqui:{sesqui}", "--model", model_dir, "--prompt-embeds", embeds_file,
-                        "--steps", "2", "-o", out)  # fmt: skip
+    code, _, err = _run(
+        capsys,
+        "hires",
+        "--image",
+        square,
+        "--scale",
+        scale,
+        "--upscaler",
+        upscaler,
+        "--latent-upscaler",
+        f"sesqui:{sesqui}",
+        "--model",
+        model_dir,
+        "--prompt-embeds",
+        embeds_file,
+        "--steps",
+        "2",
+        "-o",
+        out,
+    )
     assert code == 0, err
     with Image.open(out) as image:
         assert image.size == (side, side)
@@ -58,8 +84,20 @@ def test_hires_fractional_scale_runs_flow_passes_then_sesquilsr(
 
 
 def test_hires_fractional_scale_without_the_option_is_one_line(capsys, tmp_path, square):
-    code, _, err = _run(capsys, "hires", "--image", square, "--scale", "1.5", "--model", tmp_path / "never-loaded",
-                        "--prompt", "p", "-o", tmp_path / "x.png")  # fmt: skip
+    code, _, err = _run(
+        capsys,
+        "hires",
+        "--image",
+        square,
+        "--scale",
+        "1.5",
+        "--model",
+        tmp_path / "never-loaded",
+        "--prompt",
+        "p",
+        "-o",
+        tmp_path / "x.png",
+    )
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "hires --scale 1.5 is not a whole number of 2x passes" in err and "--latent-upscaler sesqui:PATH" in err
     assert not (tmp_path / "x.png").exists()

@@ -200,8 +200,9 @@ def test_non_finite_prompt_embeddings_are_refused_at_load(tmp_path, kind):
     save_file({"prompt_embeds": embeds}, str(tmp_path / "p.safetensors"))
     with pytest.raises(FlowliftError, match=r"prompt embeddings .* contain (NaN|Inf) in `prompt_embeds`"):
         load_prompt_embeds(tmp_path / "p.safetensors")
-    save_file({"prompt_embeds": torch.zeros(1, 4, 8), "negative_prompt_embeds": embeds},
-              str(tmp_path / "n.safetensors"))
+    save_file(
+        {"prompt_embeds": torch.zeros(1, 4, 8), "negative_prompt_embeds": embeds}, str(tmp_path / "n.safetensors")
+    )
     with pytest.raises(FlowliftError, match="negative_prompt_embeds"):
         load_prompt_embeds(tmp_path / "n.safetensors")
     save_file({"prompt_embeds": torch.zeros(1, 4, 8, dtype=torch.int32)}, str(tmp_path / "i.safetensors"))
@@ -217,8 +218,20 @@ def test_cli_upscale_with_poisoned_weights_writes_nothing(shared, tiny_weights, 
     bad = _rewrite(tiny_weights, tmp_path / "flow_upscaler.safetensors", poison)
     Image.new("RGB", (32, 32), (120, 80, 40)).save(tmp_path / "a.png")
     out = tmp_path / "out"
-    rc = main(["upscale", str(tmp_path / "a.png"), "-o", str(out), "--upscaler", str(bad),
-               "--vae", str(shared / "models" / "taef2"), "--device", "cpu"])
+    rc = main(
+        [
+            "upscale",
+            str(tmp_path / "a.png"),
+            "-o",
+            str(out),
+            "--upscaler",
+            str(bad),
+            "--vae",
+            str(shared / "models" / "taef2"),
+            "--device",
+            "cpu",
+        ]
+    )
     assert rc == 2
     assert "contain NaN in `" in _one_error_line(capsys.readouterr().err, "upscale")
     assert not out.exists() or not any(out.iterdir())
@@ -236,8 +249,11 @@ def _hostile_images():
         poisoned = base.copy()
         poisoned[3, 4, 1] = value
         yield f"float with {kind}", poisoned, "NaN" if kind == "nan" else "Inf"
-        yield f"float32 tensor with {kind}", torch.from_numpy(poisoned).permute(2, 0, 1).float(), \
-            "NaN" if kind == "nan" else "Inf"
+        yield (
+            f"float32 tensor with {kind}",
+            torch.from_numpy(poisoned).permute(2, 0, 1).float(),
+            "NaN" if kind == "nan" else "Inf",
+        )
     for dtype in (np.int32, np.int64, np.int8, np.bool_):
         yield f"array {np.dtype(dtype).name}", (base * 200).astype(dtype), "must be uint8, uint16 or float"
     for dtype in (torch.int32, torch.int64, torch.bool):
@@ -245,8 +261,9 @@ def _hostile_images():
     yield "float tensor 0..255", torch.full((1, 3, 8, 8), 200.0), "must lie in"
 
 
-@pytest.mark.parametrize("label, image, message", list(_hostile_images()), ids=lambda x: x if isinstance(x, str)
-                         else None)
+@pytest.mark.parametrize(
+    "label, image, message", list(_hostile_images()), ids=lambda x: x if isinstance(x, str) else None
+)
 def test_to_tensor_refuses_images_outside_the_convention(label, image, message):
     from flowlift.files.images import to_tensor
 
@@ -297,8 +314,21 @@ def test_decompression_bomb_in_dataset_folder_is_one_line(tmp_path, shared, monk
         Image.new("RGB", size, (10, 20, 30)).save(tmp_path / f"img{size[0]}.png")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 64x64 > 2x the limit: Pillow's error
     monkeypatch.setattr(images, "MAX_INPUT_PIXELS", 1000)
-    rc = main(["dataset", "images", str(tmp_path), "--crop-px", "32", "--vae", str(shared / "models" / "taef2"),
-               "--device", "cpu", "-o", str(tmp_path / "data")])
+    rc = main(
+        [
+            "dataset",
+            "images",
+            str(tmp_path),
+            "--crop-px",
+            "32",
+            "--vae",
+            str(shared / "models" / "taef2"),
+            "--device",
+            "cpu",
+            "-o",
+            str(tmp_path / "data"),
+        ]
+    )
     assert rc == 2
     line = _one_error_line(capsys.readouterr().err, "dataset")
     assert "img40.png" in line or "img64.png" in line
@@ -309,8 +339,11 @@ def test_decompression_bomb_in_dataset_folder_is_one_line(tmp_path, shared, monk
 # options: bad devices, non-finite numbers
 
 
-BAD_DEVICES = ["bogus", "cuda:99", "meta"] + ([] if torch.cuda.is_available() else ["cuda"]) + (
-    [] if torch.backends.mps.is_available() else ["mps"])
+BAD_DEVICES = (
+    ["bogus", "cuda:99", "meta"]
+    + ([] if torch.cuda.is_available() else ["cuda"])
+    + ([] if torch.backends.mps.is_available() else ["mps"])
+)
 
 
 @pytest.mark.parametrize("device", BAD_DEVICES)
@@ -330,13 +363,34 @@ def _device_commands(tmp_path: Path, shared: Path, device: str) -> dict[str, lis
     taef2 = str(shared / "models" / "taef2")
     return {
         "upscale": ["upscale", str(image), "-o", str(tmp_path / "up"), "--vae", taef2, "--device", device],
-        "eval": ["eval", "--run", "lanczos", "--dataset", str(tmp_path), "--scale", "2", "--device", device,
-                 "-o", str(tmp_path / "ev")],
+        "eval": [
+            "eval",
+            "--run",
+            "lanczos",
+            "--dataset",
+            str(tmp_path),
+            "--scale",
+            "2",
+            "--device",
+            device,
+            "-o",
+            str(tmp_path / "ev"),
+        ],
         "bands": ["bands", str(image), "--vae", taef2, "--device", device, "-o", str(tmp_path / "bd")],
-        "dataset": ["dataset", "images", str(tmp_path), "--crop-px", "16", "--vae", taef2, "--device", device,
-                    "-o", str(tmp_path / "ds")],
-        "train": ["train", "--data", str(tmp_path / "nodata"), "--output", str(tmp_path / "run"),
-                  "--device", device],
+        "dataset": [
+            "dataset",
+            "images",
+            str(tmp_path),
+            "--crop-px",
+            "16",
+            "--vae",
+            taef2,
+            "--device",
+            device,
+            "-o",
+            str(tmp_path / "ds"),
+        ],
+        "train": ["train", "--data", str(tmp_path / "nodata"), "--output", str(tmp_path / "run"), "--device", device],
     }
 
 
@@ -379,8 +433,20 @@ def test_outpaint_canvas_is_capped_before_loading_anything(tmp_path, capsys):
     image = tmp_path / "a.png"
     Image.new("RGB", (64, 64)).save(image)
     save_file({"prompt_embeds": torch.zeros(1, 4, 8)}, str(tmp_path / "p.safetensors"))
-    rc = main(["img2img", str(image), "--model", str(tmp_path / "no-model"), "--prompt-embeds",
-               str(tmp_path / "p.safetensors"), "--outpaint", "0,0,20000,0", "-o", str(tmp_path / "o.png")])
+    rc = main(
+        [
+            "img2img",
+            str(image),
+            "--model",
+            str(tmp_path / "no-model"),
+            "--prompt-embeds",
+            str(tmp_path / "p.safetensors"),
+            "--outpaint",
+            "0,0,20000,0",
+            "-o",
+            str(tmp_path / "o.png"),
+        ]
+    )
     assert rc == 2
     assert "MAX_OUTPUT_SIDE" in _one_error_line(capsys.readouterr().err, "img2img")
 
@@ -405,12 +471,23 @@ def _tiny_dataset(root: Path, items: int = 5, shard_size: int = 2, noise: bool =
     from flowlift.training.shards import prepare_dataset_dir, write_shard
 
     generator = torch.Generator().manual_seed(0)
-    prepare_dataset_dir(root, {"kind": "test", "target_shape": [32, 8, 8], "cond_shape": [32, 4, 4],
-                               "shard_size": shard_size, "num_items": items, "has_noise": noise})
+    prepare_dataset_dir(
+        root,
+        {
+            "kind": "test",
+            "target_shape": [32, 8, 8],
+            "cond_shape": [32, 4, 4],
+            "shard_size": shard_size,
+            "num_items": items,
+            "has_noise": noise,
+        },
+    )
     for shard, first in enumerate(range(0, items, shard_size)):
         count = min(shard_size, items - first)
-        tensors = {"target": torch.randn(count, 32, 8, 8, generator=generator),
-                   "cond": torch.randn(count, 32, 4, 4, generator=generator)}
+        tensors = {
+            "target": torch.randn(count, 32, 8, 8, generator=generator),
+            "cond": torch.randn(count, 32, 4, 4, generator=generator),
+        }
         if noise:
             tensors["noise"] = torch.randn(count, 32, 8, 8, generator=generator)
         write_shard(root, shard, first, tensors, [{"i": first + i} for i in range(count)], torch.float32)
@@ -466,9 +543,24 @@ def _corrupt_shard(root: Path, how: str) -> None:
         raise AssertionError(how)
 
 
-CORRUPTIONS = ["truncated", "empty", "garbage", "header only", "mis-shaped", "count missing", "count absurd",
-               "count zero", "non-float", "no cond", "manifest is a list", "manifest garbage", "shard_size 0",
-               "shard_size string", "target_shape odd", "target_shape missing"]
+CORRUPTIONS = [
+    "truncated",
+    "empty",
+    "garbage",
+    "header only",
+    "mis-shaped",
+    "count missing",
+    "count absurd",
+    "count zero",
+    "non-float",
+    "no cond",
+    "manifest is a list",
+    "manifest garbage",
+    "shard_size 0",
+    "shard_size string",
+    "target_shape odd",
+    "target_shape missing",
+]
 
 
 @pytest.mark.parametrize("how", CORRUPTIONS)
@@ -482,8 +574,23 @@ def test_corrupt_dataset_is_one_line_naming_the_file(tmp_path, capsys, how):
     text = str(caught.value)
     assert "\n" not in text
     assert ("shard-00001" in text) if "manifest" not in how and "_" not in how else ("dataset.json" in text)
-    rc = main(["train", "--data", str(root), "--output", str(tmp_path / "run"), "--steps", "1", "--crop-latent", "0",
-               "--device", "cpu", "--set", "progress=false"])
+    rc = main(
+        [
+            "train",
+            "--data",
+            str(root),
+            "--output",
+            str(tmp_path / "run"),
+            "--steps",
+            "1",
+            "--crop-latent",
+            "0",
+            "--device",
+            "cpu",
+            "--set",
+            "progress=false",
+        ]
+    )
     assert rc == 2
     _one_error_line(capsys.readouterr().err, "train")
     assert not (tmp_path / "run").exists()
@@ -503,8 +610,19 @@ def test_non_finite_training_data_is_named_not_blamed_on_the_learning_rate(tmp_p
         tensors = {k: handle.get_tensor(k) for k in handle.keys()}
     tensors["cond"][1, 3, 2, 2] = NON_FINITE[kind]
     save_file(tensors, str(shard), metadata=meta)
-    config = build_config(None, dict(data=str(root), output=str(tmp_path / "run"), crop=0, steps=2, batch_size=4,
-                                     progress=False, **TINY_UNET, dropout=0.0))
+    config = build_config(
+        None,
+        dict(
+            data=str(root),
+            output=str(tmp_path / "run"),
+            crop=0,
+            steps=2,
+            batch_size=4,
+            progress=False,
+            **TINY_UNET,
+            dropout=0.0,
+        ),
+    )
     with pytest.raises(FlowliftError) as caught:
         Trainer(config).run()
     text = str(caught.value)
@@ -519,8 +637,21 @@ def test_non_finite_training_data_is_named_not_blamed_on_the_learning_rate(tmp_p
 def _train_config(data: Path, output: Path, **overrides):
     from flowlift.training.config import build_config
 
-    values = dict(data=str(data), output=str(output), crop=0, steps=4, batch_size=2, lr=1e-3, warmup_steps=1,
-                  checkpoint_every=1, keep_checkpoints=2, log_every=1, progress=False, **TINY_UNET, dropout=0.0)
+    values = dict(
+        data=str(data),
+        output=str(output),
+        crop=0,
+        steps=4,
+        batch_size=2,
+        lr=1e-3,
+        warmup_steps=1,
+        checkpoint_every=1,
+        keep_checkpoints=2,
+        log_every=1,
+        progress=False,
+        **TINY_UNET,
+        dropout=0.0,
+    )
     values.update(overrides)
     return build_config(None, values)
 
@@ -543,9 +674,24 @@ def test_resume_none_into_a_run_folder_is_refused_unless_overwrite(train_data, t
     with pytest.raises(FlowliftError, match="--overwrite"):
         Trainer(_train_config(train_data, run, steps=2, resume="none")).run()
     assert _steps(run) == ["step-00000002", "step-00000003"]
-    rc = main(["train", "--data", str(train_data), "--output", str(run), "--resume", "none", "--steps", "2",
-               "--set", "progress=false", "--set", "crop=0"] + [x for k, v in TINY_UNET.items()
-                                                               for x in ("--set", f"{k}={v}")])
+    rc = main(
+        [
+            "train",
+            "--data",
+            str(train_data),
+            "--output",
+            str(run),
+            "--resume",
+            "none",
+            "--steps",
+            "2",
+            "--set",
+            "progress=false",
+            "--set",
+            "crop=0",
+        ]
+        + [x for k, v in TINY_UNET.items() for x in ("--set", f"{k}={v}")]
+    )
     assert rc == 2 and "--overwrite" in _one_error_line(capsys.readouterr().err, "train")
     summary = Trainer(_train_config(train_data, run, steps=2, resume="none", overwrite=True)).run()
     assert summary["start_step"] == 0 and _steps(run) == ["step-00000001", "step-00000002"]
@@ -587,11 +733,11 @@ def test_pruning_touches_only_this_runs_checkpoints(train_data, tmp_path):
     shutil.copytree(other / "checkpoints" / "step-00000001", other / "checkpoints" / "step-00000100")
     shutil.copytree(other / "checkpoints" / "step-00000001", other / "checkpoints" / "step-00000200")
     (other / "checkpoints" / "step-00000200" / "run_id").unlink()
-    summary = Trainer(_train_config(train_data, other, steps=4,
-                                    resume=str(first / "checkpoints" / "step-00000002"))).run()
+    summary = Trainer(
+        _train_config(train_data, other, steps=4, resume=str(first / "checkpoints" / "step-00000002"))
+    ).run()
     assert summary["start_step"] == 2 and summary["step"] == 4
-    assert _steps(other) == ["step-00000001", "step-00000003", "step-00000004", "step-00000100",
-                             "step-00000200"]
+    assert _steps(other) == ["step-00000001", "step-00000003", "step-00000004", "step-00000100", "step-00000200"]
     assert (other / "checkpoints" / "latest").read_text() == "step-00000004"
 
 
@@ -651,8 +797,9 @@ def test_dropout_does_not_break_accumulation_equivalence(train_data, tmp_path):
     from flowlift.training.trainer import Trainer
 
     full = Trainer(_train_config(train_data, tmp_path / "full", steps=2, batch_size=4, dropout=0.3)).run()
-    accum = Trainer(_train_config(train_data, tmp_path / "accum", steps=2, batch_size=2, grad_accum=2,
-                                  dropout=0.3)).run()
+    accum = Trainer(
+        _train_config(train_data, tmp_path / "accum", steps=2, batch_size=2, grad_accum=2, dropout=0.3)
+    ).run()
     for (_, a), (_, b) in zip(full["losses"], accum["losses"], strict=True):
         assert a == pytest.approx(b, rel=1e-5)
 
@@ -678,8 +825,11 @@ def _killed_mid_write(target: Path, source_image: Path) -> list[Path]:
 
     src = Path(__file__).resolve().parents[1] / "src"
     before = set(target.parent.iterdir()) if target.parent.is_dir() else set()
-    result = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(target), str(src), str(source_image)],
-                            capture_output=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, str(target), str(src), str(source_image)],
+        capture_output=True,
+        timeout=60,
+    )
     assert result.returncode == -signal.SIGKILL
     debris = sorted(set(target.parent.iterdir()) - before)
     assert debris and not target.exists()
@@ -747,8 +897,18 @@ def test_killed_mid_write_then_resume(shared, tiny_weights, tmp_path, capsys, la
     debris = _killed_mid_write(out / "a_x2.png", src / "a.png")
     # and the older naming (.name.XXXX.partial.png), which image listings used to pick up
     (out / ".b_x2.k3j4h5l6.partial.png").write_bytes((src / "b.png").read_bytes()[:50])
-    argv = ["upscale", str(src), "--scale", "2", "--upscaler", str(tiny_weights),
-            "--vae", str(shared / "models" / "taef2"), "--device", "cpu"]
+    argv = [
+        "upscale",
+        str(src),
+        "--scale",
+        "2",
+        "--upscaler",
+        str(tiny_weights),
+        "--vae",
+        str(shared / "models" / "taef2"),
+        "--device",
+        "cpu",
+    ]
     if layout == "separate folder":
         argv += ["-o", str(out)]
     for _ in range(2):  # the run after the kill, and the resume after that
@@ -785,8 +945,9 @@ def test_a_live_writers_temporary_is_left_alone_and_removed_once_it_is_killed(tm
     from flowlift.files.atomic import remove_stale_temporaries, temporary_in_use
 
     src = Path(__file__).resolve().parents[1] / "src"
-    writer = subprocess.Popen([sys.executable, "-c", _LIVE_WRITER, str(tmp_path / "a_x2.png"), str(src)],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _LIVE_WRITER, str(tmp_path / "a_x2.png"), str(src)], stdout=subprocess.PIPE, text=True
+    )
     try:
         temporary = Path(writer.stdout.readline().strip())
         assert temporary.is_file() and temporary_in_use(temporary)
@@ -847,8 +1008,9 @@ class _VelocityFrom:
 def test_a_non_finite_pass_is_named_and_nothing_is_returned(kind, bad_pass):
     from flowlift.upscale.pipeline import FlowUpscalerPipeline
 
-    pipe = FlowUpscalerPipeline(_VelocityFrom(bad_pass, NON_FINITE[kind]), _AverageVAE(), device="cpu",
-                                dtype=torch.float32)
+    pipe = FlowUpscalerPipeline(
+        _VelocityFrom(bad_pass, NON_FINITE[kind]), _AverageVAE(), device="cpu", dtype=torch.float32
+    )
     with pytest.raises(FlowliftError, match=rf"pass {bad_pass} produced non-finite latents"):
         pipe.upscale_image(Image.new("RGB", (32, 16), (90, 120, 30)), num_passes=3)
 
@@ -910,12 +1072,10 @@ def test_the_cap_is_on_the_computed_canvas_and_the_warning_names_the_real_size()
 
 
 def _upscale(shared, weights, *argv) -> list[str]:
-    return ["upscale", *argv, "--upscaler", str(weights), "--vae", str(shared / "models" / "taef2"),
-            "--device", "cpu"]
+    return ["upscale", *argv, "--upscaler", str(weights), "--vae", str(shared / "models" / "taef2"), "--device", "cpu"]
 
 
-def test_cap_dropped_passes_name_the_output_by_the_scale_produced_and_resume(shared, tiny_weights, tmp_path,
-                                                                             capsys):
+def test_cap_dropped_passes_name_the_output_by_the_scale_produced_and_resume(shared, tiny_weights, tmp_path, capsys):
     Image.new("RGB", (2100, 16), (100, 150, 200)).save(tmp_path / "wide.png")
     out = tmp_path / "out"
     argv = _upscale(shared, tiny_weights, str(tmp_path / "wide.png"), "-o", str(out), "--passes", "4")
@@ -930,8 +1090,9 @@ def test_cap_dropped_passes_name_the_output_by_the_scale_produced_and_resume(sha
     assert "skipped" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("damage", ["empty", "garbage", "truncated", "cut mid-data", "another flowlift run",
-                                    "not an image"])
+@pytest.mark.parametrize(
+    "damage", ["empty", "garbage", "truncated", "cut mid-data", "another flowlift run", "not an image"]
+)
 def test_broken_existing_outputs_are_redone_not_skipped(shared, tiny_weights, tmp_path, capsys, damage):
     Image.new("RGB", (48, 32), (10, 200, 90)).save(tmp_path / "a.png")
     out = tmp_path / "out"
@@ -997,8 +1158,9 @@ def test_a_users_image_at_an_output_name_is_never_overwritten(shared, tiny_weigh
     else:
         user = _png_bytes((128, 96), (1, 2, 3), "JPEG" if suffix == ".jpg" else "PNG")
     (out / f"a_x2{suffix}").write_bytes(user)
-    argv = _upscale(shared, tiny_weights, str(tmp_path / "a.png"), str(tmp_path / "b.png"), "-o", str(out),
-                    "--format", fmt)  # fmt: skip
+    argv = _upscale(
+        shared, tiny_weights, str(tmp_path / "a.png"), str(tmp_path / "b.png"), "-o", str(out), "--format", fmt
+    )
     assert main(argv) == 1
     err = capsys.readouterr().err
     refused = [line for line in err.splitlines() if "was not written by flowlift" in line]
@@ -1043,8 +1205,9 @@ def test_colorfix_and_a_continued_job_refuse_a_users_image_too(tmp_path, capsys)
     out.mkdir()
     (out / "a_x2.png").write_bytes(user)
     Manifest(out).write_record({"event": "job", "run": "earlier", "inputs": 1, "todo": 1, "world_size": 2})
-    jobs = plan_jobs([tmp_path / "a.png"], str(out), lambda p: f"{p.stem}_x2.png", (".png",),
-                     expected_size=lambda p: (20, 24))  # fmt: skip
+    jobs = plan_jobs(
+        [tmp_path / "a.png"], str(out), lambda p: f"{p.stem}_x2.png", (".png",), expected_size=lambda p: (20, 24)
+    )
     assert run_batch(jobs, lambda: None, command="upscale", output=str(out), env=DistEnv()) == 1
     assert "was not written by flowlift" in capsys.readouterr().err
     assert (out / "a_x2.png").read_bytes() == user
@@ -1056,8 +1219,16 @@ def test_bad_paths_cost_one_line_each_and_the_batch_goes_on(shared, tiny_weights
     Image.new("RGB", (48, 32), (200, 100, 0)).save(tmp_path / "good.png")
     os.mkfifo(tmp_path / "pipe.png")
     (tmp_path / "folder.jpg").mkdir()
-    argv = _upscale(shared, tiny_weights, str(tmp_path / "good.png"), str(tmp_path / "missing.png"),
-                    str(tmp_path / "pipe.png"), str(tmp_path / "*.jpg"), "-o", str(tmp_path / "out"))
+    argv = _upscale(
+        shared,
+        tiny_weights,
+        str(tmp_path / "good.png"),
+        str(tmp_path / "missing.png"),
+        str(tmp_path / "pipe.png"),
+        str(tmp_path / "*.jpg"),
+        "-o",
+        str(tmp_path / "out"),
+    )
     rc = main(argv)
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err
@@ -1083,8 +1254,7 @@ def test_output_targets_are_checked_before_any_compute(shared, tiny_weights, tmp
     rc = main(_upscale(shared, tiny_weights, str(tmp_path / "a.png"), "-o", str(tmp_path / "blocker" / "out")))
     err = capsys.readouterr().err
     assert rc == 1 and "cannot write outputs into" in err
-    rc = main(_upscale(shared, tiny_weights, str(tmp_path / "wide.png"), "-o", str(tmp_path / "w"),
-                       "--format", "webp"))
+    rc = main(_upscale(shared, tiny_weights, str(tmp_path / "wide.png"), "-o", str(tmp_path / "w"), "--format", "webp"))
     err = capsys.readouterr().err
     assert rc == 1 and "16383 px limit" in err and "16384x32" in err
     assert not (tmp_path / "x.gif").exists()

@@ -83,8 +83,12 @@ def test_deep_manifest_lines_are_skipped_like_torn_ones(tmp_path):
     from flowlift.jobs.manifest import MANIFEST_NAME, Manifest
 
     good = [{"event": "job", "run": "r1"}, {"event": "summary", "run": "r1"}]
-    lines = [json.dumps(good[0]), *DEEP_TEXTS.values(), '{"event": ' + DEEP_TEXTS["list-5000"] + "}",
-             json.dumps(good[1])]  # fmt: skip
+    lines = [
+        json.dumps(good[0]),
+        *DEEP_TEXTS.values(),
+        '{"event": ' + DEEP_TEXTS["list-5000"] + "}",
+        json.dumps(good[1]),
+    ]
     (tmp_path / MANIFEST_NAME).write_text("\n".join(lines) + "\n")
     assert Manifest(tmp_path).records() == good
 
@@ -160,8 +164,9 @@ def _multi_frame(format_name: str) -> bytes:
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize(("format_name", "suffix"), [("GIF", ".gif"), ("TIFF", ".tif"), ("PNG", ".png"),
-                                                     ("WEBP", ".webp")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("format_name", "suffix"), [("GIF", ".gif"), ("TIFF", ".tif"), ("PNG", ".png"), ("WEBP", ".webp")]
+)
 def test_truncated_multi_frame_images_are_one_line_at_every_cut(tmp_path, format_name, suffix):
     from flowlift.files.images import image_size, load_image
 

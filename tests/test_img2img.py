@@ -39,8 +39,9 @@ def test_differs_from_normalizing_the_raw_mixture_by_exactly_the_noise_rescale(t
 def test_add_noise_false_and_no_bn_fallback():
     init = _raw_init()
     noise = seeded_noise(init.shape, 4)
-    assert torch.allclose(prepare_start_latents(init, noise, 0.7, BN_MEAN, BN_STD, add_noise=False),
-                          normalize(init, BN_MEAN, BN_STD))
+    assert torch.allclose(
+        prepare_start_latents(init, noise, 0.7, BN_MEAN, BN_STD, add_noise=False), normalize(init, BN_MEAN, BN_STD)
+    )
     assert torch.equal(prepare_start_latents(init, noise, 0.7), 0.7 * noise + 0.3 * init)
     assert torch.equal(prepare_start_latents(init, noise, 0.7, add_noise=False), init)
     with pytest.raises(ValueError):

@@ -54,8 +54,9 @@ def _run(pipeline, checks: Checks | None, *, chunked: bool = False) -> torch.Ten
     pipeline.check_interrupt, pipeline.chunked, pipeline.vae_tiled = checks, chunked, chunked
     pipeline.chunk_rows = 16 if chunked else None
     try:
-        return pipeline.upscale_image(_image(), 3, seed=1, output_type="pt",
-                                      callback=None if checks is None else checks.stage)  # fmt: skip
+        return pipeline.upscale_image(
+            _image(), 3, seed=1, output_type="pt", callback=None if checks is None else checks.stage
+        )
     finally:
         pipeline.check_interrupt = None
 

@@ -34,8 +34,9 @@ def tiny_weights(tmp_path_factory) -> Path:
     from flowlift.models.upscaler_weights import save_upscaler
 
     torch.manual_seed(0)
-    return save_upscaler(FlowUpscalerUNet(**TINY_UNET, dropout=0.0),
-                         tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")  # fmt: skip
+    return save_upscaler(
+        FlowUpscalerUNet(**TINY_UNET, dropout=0.0), tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors"
+    )
 
 
 class _Collected:
@@ -65,13 +66,33 @@ def _ignore_sigint() -> None:  # what a non-interactive shell does for a backgro
 def test_a_capped_job_stops_within_seconds_with_130_and_nothing_partial(shared, tiny_weights, tmp_path, signum):
     Image.new("RGB", (64, 48), (120, 90, 60)).save(tmp_path / "small.png")
     out = tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")  # fmt: skip
-    argv = [sys.executable, "-m", "flowlift", "upscale", "small.png", "--passes", "20", "-o", str(out),
-            "--upscaler", str(tiny_weights), "--vae", str(shared / "models" / "taef2"), "--device", "cpu",
-            "--progress"]  # fmt: skip
-    process = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               preexec_fn=_ignore_sigint)  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "flowlift",
+        "upscale",
+        "small.png",
+        "--passes",
+        "20",
+        "-o",
+        str(out),
+        "--upscaler",
+        str(tiny_weights),
+        "--vae",
+        str(shared / "models" / "taef2"),
+        "--device",
+        "cpu",
+        "--progress",
+    ]
+    process = subprocess.Popen(
+        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_ignore_sigint
+    )
     err = _Collected(process.stderr)
     _Collected(process.stdout)
     try:

@@ -48,19 +48,52 @@ NODE_TYPES = {
 }
 #: Saved workflows refer to these field names: a change here is a breaking change for users.
 FIELDS = {
-    "flowlift_upscale_latents": ["latents", "vae", "upscaler_model", "upscaler", "scale", "seed",
-                                 "transplant_strength", "chunked"],
+    "flowlift_upscale_latents": [
+        "latents",
+        "vae",
+        "upscaler_model",
+        "upscaler",
+        "scale",
+        "seed",
+        "transplant_strength",
+        "chunked",
+    ],
     "flowlift_upscale_image": [
-        "image", "vae", "taef2_model", "taef2", "upscaler_model", "upscaler", "scale", "seed", "transplant_strength",
-        "color_fix_strength", "chunked"
+        "image",
+        "vae",
+        "taef2_model",
+        "taef2",
+        "upscaler_model",
+        "upscaler",
+        "scale",
+        "seed",
+        "transplant_strength",
+        "color_fix_strength",
+        "chunked",
     ],
     "flowlift_color_fix": ["image", "reference", "strength"],
-    "flowlift_tiled_flux2_denoise": ["latents", "transformer", "positive_text_conditioning", "vae", "strength",
-                                     "num_steps", "seed", "tile_size", "tile_overlap", "tile_batch"],
+    "flowlift_tiled_flux2_denoise": [
+        "latents",
+        "transformer",
+        "positive_text_conditioning",
+        "vae",
+        "strength",
+        "num_steps",
+        "seed",
+        "tile_size",
+        "tile_overlap",
+        "tile_batch",
+    ],
 }
 #: The Tiled FLUX.2 Denoise node's fields -> their refine knobs (flowlift.refine.settings.REFINE_KNOBS).
-TILED_DENOISE_KNOBS = {"strength": "refine_strength", "num_steps": "steps", "seed": "seed", "tile_size": "tile_size",
-                       "tile_overlap": "tile_overlap", "tile_batch": "tile_batch"}
+TILED_DENOISE_KNOBS = {
+    "strength": "refine_strength",
+    "num_steps": "steps",
+    "seed": "seed",
+    "tile_size": "tile_size",
+    "tile_overlap": "tile_overlap",
+    "tile_batch": "tile_batch",
+}
 IMAGE_W, IMAGE_H = 48, 32
 KLEIN_W, KLEIN_H = 256, 128  # the tiled refine's frame: 64 px tiles really tile it
 ONE_LEVEL = 1 / 255 + 1e-6  # an 8-bit PNG's rounding
@@ -88,17 +121,25 @@ def write_models(folder: Path) -> None:
     from diffusers import Flux2Transformer2DModel
 
     torch.manual_seed(12)
-    single = Flux2Transformer2DModel(num_layers=1, num_single_layers=1, attention_head_dim=128, num_attention_heads=1,
-                                     joint_attention_dim=3 * QWEN3_WIDTH, guidance_embeds=False)  # fmt: skip
+    single = Flux2Transformer2DModel(
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=128,
+        num_attention_heads=1,
+        joint_attention_dim=3 * QWEN3_WIDTH,
+        guidance_embeds=False,
+    )
     write_single_file(single, folder / "klein-tiny-transformer.safetensors")
     # What InvokeAI's model probe identifies as an SD-1 VAE (4 latent channels); the nodes must refuse it
     # from its model config, before anything loads, so its other weights are left out.
     gen = torch.Generator().manual_seed(0)
     save_file(
-        {"encoder.conv_in.weight": torch.randn(8, 3, 3, 3, generator=gen),
-         "decoder.conv_in.weight": torch.randn(8, 4, 3, 3, generator=gen)},
+        {
+            "encoder.conv_in.weight": torch.randn(8, 3, 3, 3, generator=gen),
+            "decoder.conv_in.weight": torch.randn(8, 4, 3, 3, generator=gen),
+        },
         str(folder / "sd15-vae.safetensors"),
-    )  # fmt: skip
+    )
 
 
 def qwen3_tokenizer_files() -> Path:
@@ -151,7 +192,11 @@ def server(tmp_path_factory, shared):
         invoke.events = base / "events.jsonl"
         listener = subprocess.Popen(
             [str(invokeai_python()), str(REPO_ROOT / "tests" / "invokeai_events.py"), invoke.url, str(invoke.events)],
-            env=invokeai_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            env=invokeai_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         try:
             assert listener.stdout.readline().strip() == "subscribed", listener.stdout.read()
@@ -170,10 +215,14 @@ def vae_loader(config: dict) -> dict:
 
 def upscale_image_node(server: InvokeAIServer, image: str, **fields) -> dict:
     return {
-        "type": "flowlift_upscale_image", "image": {"image_name": server.images[image]},
-        "upscaler": str(server.models / "flow_upscaler.safetensors"), "taef2": str(server.shared_taef2),
-        "scale": 4.0, "seed": 3, **fields,
-    }  # fmt: skip
+        "type": "flowlift_upscale_image",
+        "image": {"image_name": server.images[image]},
+        "upscaler": str(server.models / "flow_upscaler.safetensors"),
+        "taef2": str(server.shared_taef2),
+        "scale": 4.0,
+        "seed": 3,
+        **fields,
+    }
 
 
 def error_line(item: dict) -> str:
@@ -268,8 +317,9 @@ def test_image_node_equals_the_pipeline_and_keeps_alpha(server, shared):
     got = server.image(server.output(item, "rgb")["image"]["image_name"])
     got_rgba = server.image(server.output(item, "rgba")["image"]["image_name"])
 
-    pipeline = FlowUpscalerPipeline(load_upscaler(server.models / "flow_upscaler.safetensors"),
-                                    load_vae(shared / "models" / "taef2"))  # fmt: skip
+    pipeline = FlowUpscalerPipeline(
+        load_upscaler(server.models / "flow_upscaler.safetensors"), load_vae(shared / "models" / "taef2")
+    )
     pixels = torch.from_numpy(np.asarray(Image.open(server.inputs / "example.png"), np.float32) / 255)
     expected = pipeline.upscale_image(pixels.permute(2, 0, 1)[None], 2, seed=3, output_type="pt")
     assert got.size == (4 * IMAGE_W, 4 * IMAGE_H) and got.mode == "RGB"
@@ -338,15 +388,29 @@ def test_upscaler_loads_once_per_file_content_and_is_freed_with_the_cache(server
 
 
 def test_colour_fix_equals_flowlift_colorfix(server, tmp_path):
-    nodes = {"fix": {"type": "flowlift_color_fix", "image": {"image_name": server.images["upscaled.png"]},
-                     "reference": {"image_name": server.images["example.png"]}}}  # fmt: skip
+    nodes = {
+        "fix": {
+            "type": "flowlift_color_fix",
+            "image": {"image_name": server.images["upscaled.png"]},
+            "reference": {"image_name": server.images["example.png"]},
+        }
+    }
     item = server.run(graph(nodes, []))
     got = server.image_tensor(server.output(item, "fix")["image"]["image_name"])
 
     upscaled = tmp_path / "example_x2.png"  # the CLI pairs <stem>_x<N> with <stem>
     shutil.copy(server.inputs / "upscaled.png", upscaled)
-    command = [sys.executable, "-m", "flowlift", "colorfix", str(upscaled),
-               "--reference", str(server.inputs / "example.png"), "-o", str(tmp_path / "fixed.png")]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "flowlift",
+        "colorfix",
+        str(upscaled),
+        "--reference",
+        str(server.inputs / "example.png"),
+        "-o",
+        str(tmp_path / "fixed.png"),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "src")}
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -370,10 +434,17 @@ def test_latent_and_image_nodes_on_invokeais_flux2_vae_equal_the_pipeline(server
         "decode": {"type": "flux2_vae_decode"},
         "img": upscale_image_node(server, "example.png", scale=2.0, seed=8),  # the image node on this VAE
     }
-    edges = [("vae", "vae", "img", "vae"), ("image", "image", "encode", "image"), ("vae", "vae", "encode", "vae"),
-             ("encode", "latents", "up", "latents"), ("vae", "vae", "up", "vae"),
-             ("encode", "latents", "up_chunked", "latents"), ("vae", "vae", "up_chunked", "vae"),
-             ("up", "latents", "decode", "latents"), ("vae", "vae", "decode", "vae")]  # fmt: skip
+    edges = [
+        ("vae", "vae", "img", "vae"),
+        ("image", "image", "encode", "image"),
+        ("vae", "vae", "encode", "vae"),
+        ("encode", "latents", "up", "latents"),
+        ("vae", "vae", "up", "vae"),
+        ("encode", "latents", "up_chunked", "latents"),
+        ("vae", "vae", "up_chunked", "vae"),
+        ("up", "latents", "decode", "latents"),
+        ("vae", "vae", "decode", "vae"),
+    ]
     item = server.run(graph(nodes, edges))
 
     encoded = server.tensor(server.output(item, "encode")["latents"]["latents_name"])
@@ -400,8 +471,9 @@ def test_latent_and_image_nodes_on_invokeais_flux2_vae_equal_the_pipeline(server
 
     got = server.image_tensor(server.output(item, "img")["image"]["image_name"])
     image_pipeline = FlowUpscalerPipeline(load_upscaler(upscaler), vae_as_invokeai_holds_it)
-    expected_image = image_pipeline.upscale_image(server.image_tensor(server.images["example.png"]), 1, seed=8,
-                                                  output_type="pt")  # fmt: skip
+    expected_image = image_pipeline.upscale_image(
+        server.image_tensor(server.images["example.png"]), 1, seed=8, output_type="pt"
+    )
     print(f"image node (FLUX.2 VAE) vs upscale_image: max |diff| = {255 * (got - expected_image).abs().max():.3f}/255")
     assert got.shape == (1, 3, 2 * IMAGE_H, 2 * IMAGE_W)
     assert (got - expected_image).abs().max().item() <= ONE_LEVEL
@@ -419,8 +491,9 @@ def test_tiled_denoise_runs_on_installed_klein_models(server, shared, tmp_path):
     identity = ("base", "type", "format", "variant")
     assert [server.klein[k] for k in identity] == ["flux2", "main", "diffusers", "klein_4b"]
     assert [server.klein_file[k] for k in identity] == ["flux2", "main", "checkpoint", "klein_4b"]
-    model, model_file = ({k: config[k] for k in ("key", "hash", "name", "base", "type")}
-                         for config in (server.klein, server.klein_file))  # fmt: skip
+    model, model_file = (
+        {k: config[k] for k in ("key", "hash", "name", "base", "type")} for config in (server.klein, server.klein_file)
+    )
     refine = {"type": "flowlift_tiled_flux2_denoise", "strength": 0.6, "num_steps": 2, "seed": 3}
     nodes = {
         "loader": {"type": "flux2_klein_model_loader", "model": model, "max_seq_len": 256},
@@ -434,19 +507,30 @@ def test_tiled_denoise_runs_on_installed_klein_models(server, shared, tmp_path):
         "file_tiled": {**refine, "tile_size": "64", "tile_overlap": 16},
         "decode": {"type": "flux2_vae_decode"},
     }
-    edges = [("loader", "qwen3_encoder", "prompt", "qwen3_encoder"), ("loader", "max_seq_len", "prompt", "max_seq_len"),
-             ("image", "image", "encode", "image"), ("loader", "vae", "encode", "vae"),
-             ("tiled", "latents", "decode", "latents"), ("loader", "vae", "decode", "vae")]  # fmt: skip
+    edges = [
+        ("loader", "qwen3_encoder", "prompt", "qwen3_encoder"),
+        ("loader", "max_seq_len", "prompt", "max_seq_len"),
+        ("image", "image", "encode", "image"),
+        ("loader", "vae", "encode", "vae"),
+        ("tiled", "latents", "decode", "latents"),
+        ("loader", "vae", "decode", "vae"),
+    ]
     for node, loader in (("tiled", "loader"), ("whole", "loader"), ("off", "loader"), ("file_tiled", "file_loader")):
-        edges += [("encode", "latents", node, "latents"), (loader, "transformer", node, "transformer"),
-                  ("prompt", "conditioning", node, "positive_text_conditioning"), (loader, "vae", node, "vae")]
+        edges += [
+            ("encode", "latents", node, "latents"),
+            (loader, "transformer", node, "transformer"),
+            ("prompt", "conditioning", node, "positive_text_conditioning"),
+            (loader, "vae", node, "vae"),
+        ]
     started = time.monotonic()
     item = server.run(graph(nodes, edges))
     print(f"Klein tiled refine graph: {time.monotonic() - started:.1f} s")
 
     encoded = server.tensor(server.output(item, "encode")["latents"]["latents_name"])
-    refined = {node: server.tensor(server.output(item, node)["latents"]["latents_name"])
-               for node in ("tiled", "whole", "off", "file_tiled")}  # fmt: skip
+    refined = {
+        node: server.tensor(server.output(item, node)["latents"]["latents_name"])
+        for node in ("tiled", "whole", "off", "file_tiled")
+    }
     assert encoded.shape == (1, 32, KLEIN_H // 8, KLEIN_W // 8)
     for node, latents in refined.items():
         assert latents.shape == encoded.shape and latents.dtype == torch.float32, node
@@ -461,13 +545,23 @@ def test_tiled_denoise_runs_on_installed_klein_models(server, shared, tmp_path):
     # the node equals flowlift's own loop on what the server held: the pipeline's weights as InvokeAI loads them,
     # the Qwen3 conditioning its text encoder node stored, the latents its VAE encode made
     (conditioning,) = (server.root / "outputs" / "conditioning").glob(
-        "tmp*/" + server.output(item, "prompt")["conditioning"]["conditioning_name"])  # fmt: skip
+        "tmp*/" + server.output(item, "prompt")["conditioning"]["conditioning_name"]
+    )
     (latents_file,) = (server.root / "outputs" / "tensors").glob(
-        "tmp*/" + server.output(item, "encode")["latents"]["latents_name"])  # fmt: skip
+        "tmp*/" + server.output(item, "encode")["latents"]["latents_name"]
+    )
     reference = tmp_path / "reference.safetensors"
     env = invokeai_env(PYTHONPATH=os.pathsep.join([str(shared / "comfyui-cpu-shim"), str(REPO_ROOT / "src")]))
-    command = [str(invokeai_python()), str(REPO_ROOT / "tests" / "invokeai_klein_reference.py"),
-               str(server.models / "klein-tiny"), str(conditioning), str(latents_file), str(reference), "64", "16"]
+    command = [
+        str(invokeai_python()),
+        str(REPO_ROOT / "tests" / "invokeai_klein_reference.py"),
+        str(server.models / "klein-tiny"),
+        str(conditioning),
+        str(latents_file),
+        str(reference),
+        "64",
+        "16",
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     expected = load_file(str(reference))["latents"]
@@ -481,8 +575,9 @@ def test_tiled_denoise_runs_on_installed_klein_models(server, shared, tmp_path):
     grid = tile_layout(KLEIN_H, KLEIN_W, 64, 16, 1).record()["grid"]
     assert grid[0] > 1 and grid[1] > 1, grid
     what = "flowlift: Tiled FLUX.2 Denoise (flowlift):"
-    tiled_lines = server.log_lines(f"{what} {KLEIN_W}x{KLEIN_H} px refined in {grid[0]}x{grid[1]} tiles of "
-                                   "64x64 px, overlap 16 px, 1 per call")  # fmt: skip
+    tiled_lines = server.log_lines(
+        f"{what} {KLEIN_W}x{KLEIN_H} px refined in {grid[0]}x{grid[1]} tiles of 64x64 px, overlap 16 px, 1 per call"
+    )
     assert len(tiled_lines) == 2, server.log_lines(what)  # the pipeline's transformer and the file's
     for asked in (str(KLEIN_W), "off"):
         assert server.log_lines(f"{what} {KLEIN_W}x{KLEIN_H} px refined untiled (tile size {asked})"), asked
@@ -493,8 +588,10 @@ def test_bad_inputs_fail_only_their_item_with_one_line(server):
     good = str(server.models / "flow_upscaler.safetensors")
 
     def latent_graph(latents_name: str, vae: dict, upscaler: str = good) -> dict:
-        nodes = {"vae": vae, "up": {"type": "flowlift_upscale_latents", "latents": {"latents_name": latents_name},
-                                    "upscaler": upscaler}}  # fmt: skip
+        nodes = {
+            "vae": vae,
+            "up": {"type": "flowlift_upscale_latents", "latents": {"latents_name": latents_name}, "upscaler": upscaler},
+        }
         return graph(nodes, [("vae", "vae", "up", "vae")])
 
     gen = torch.Generator().manual_seed(5)
@@ -507,18 +604,28 @@ def test_bad_inputs_fail_only_their_item_with_one_line(server):
     dotfile = server.models / ".profile"
 
     cases = {
-        "corrupt upscaler": (latent_graph(flux2, flux2_vae, str(server.models / "corrupt.safetensors")),
-                             ["cannot use", "corrupt.safetensors", "expected the Flow Upscaler's weights"]),
+        "corrupt upscaler": (
+            latent_graph(flux2, flux2_vae, str(server.models / "corrupt.safetensors")),
+            ["cannot use", "corrupt.safetensors", "expected the Flow Upscaler's weights"],
+        ),
         # issue 32.G: refused before a byte is read (the item queued behind must not wait for a 300 GB hash),
         # in the same words as a file that does not exist, telling nothing of what a file holds
-        "300 GB sparse upscaler": (latent_graph(flux2, flux2_vae, str(server.models / "big.safetensors")),
-                                   ["cannot use", "big.safetensors", "expected the Flow Upscaler's weights"]),
-        "dotfile upscaler": (latent_graph(flux2, flux2_vae, str(server.models / ".profile")),
-                             ["cannot use", ".profile", "expected the Flow Upscaler's weights"]),
-        "missing upscaler": (latent_graph(flux2, flux2_vae, str(server.models / "missing.safetensors")),
-                             ["cannot use", "missing.safetensors", "expected the Flow Upscaler's weights"]),
-        "dotfile TAEF2": (graph({"up": upscale_image_node(server, "example.png", taef2=str(dotfile))}, []),
-                          ["TAEF2: cannot use", ".profile", "expected TAEF2's weights"]),
+        "300 GB sparse upscaler": (
+            latent_graph(flux2, flux2_vae, str(server.models / "big.safetensors")),
+            ["cannot use", "big.safetensors", "expected the Flow Upscaler's weights"],
+        ),
+        "dotfile upscaler": (
+            latent_graph(flux2, flux2_vae, str(server.models / ".profile")),
+            ["cannot use", ".profile", "expected the Flow Upscaler's weights"],
+        ),
+        "missing upscaler": (
+            latent_graph(flux2, flux2_vae, str(server.models / "missing.safetensors")),
+            ["cannot use", "missing.safetensors", "expected the Flow Upscaler's weights"],
+        ),
+        "dotfile TAEF2": (
+            graph({"up": upscale_image_node(server, "example.png", taef2=str(dotfile))}, []),
+            ["TAEF2: cannot use", ".profile", "expected TAEF2's weights"],
+        ),
         "wrong latent channels": (latent_graph(sd, flux2_vae), ["needs FLUX.2 latents", "(1, 4, 8, 8)"]),
         "NaN latents": (latent_graph(nan, flux2_vae), ["non-finite", "NaN"]),
         "SD-1 VAE": (latent_graph(flux2, vae_loader(server.sd15_vae)), ["needs a FLUX.2 VAE", "sd-1"]),
@@ -536,8 +643,10 @@ def test_bad_inputs_fail_only_their_item_with_one_line(server):
     assert len(refusals) == 1, refusals  # corrupt, huge, a dotfile or missing: one and the same line
     item = server.wait(after, timeout=60)
     assert item["status"] == "completed", item.get("error_message")
-    sd_image = graph({"vae": vae_loader(server.sd15_vae), "up": upscale_image_node(server, "example.png")},
-                     [("vae", "vae", "up", "vae")])  # fmt: skip
+    sd_image = graph(
+        {"vae": vae_loader(server.sd15_vae), "up": upscale_image_node(server, "example.png")},
+        [("vae", "vae", "up", "vae")],
+    )
     assert "needs a FLUX.2 VAE" in error_line(server.wait(server.enqueue(sd_image)))
 
 
@@ -548,10 +657,16 @@ def test_installed_models_are_preferred_over_server_paths(server):
     upscaler = server.install_model(server.models / "flow_upscaler.safetensors")
     taef2 = server.install_model(server.shared_taef2)
     print(f"installed as: upscaler {upscaler['type']}, TAEF2 {taef2['type']}")
-    installed = upscale_image_node(server, "example.png", scale=2.0, seed=4,
-                                   upscaler=str(server.models / "missing.safetensors"), taef2="/nonexistent/taef2",
-                                   upscaler_model={k: upscaler[k] for k in keys},
-                                   taef2_model={k: taef2[k] for k in keys})  # fmt: skip
+    installed = upscale_image_node(
+        server,
+        "example.png",
+        scale=2.0,
+        seed=4,
+        upscaler=str(server.models / "missing.safetensors"),
+        taef2="/nonexistent/taef2",
+        upscaler_model={k: upscaler[k] for k in keys},
+        taef2_model={k: taef2[k] for k in keys},
+    )
     by_path = upscale_image_node(server, "example.png", scale=2.0, seed=4)
     item = server.run(graph({"installed": installed, "path": by_path}, []))
     got = server.image_tensor(server.output(item, "installed")["image"]["image_name"])
@@ -561,9 +676,16 @@ def test_installed_models_are_preferred_over_server_paths(server):
 def test_cancelling_a_running_item_stops_it(server):
     gen = torch.Generator().manual_seed(6)
     big = server.put_tensor(torch.randn(1, 32, 96, 96, generator=gen), "Tensor_flowlift_big")
-    nodes = {"vae": vae_loader(server.flux2_vae),
-             "up": {"type": "flowlift_upscale_latents", "latents": {"latents_name": big}, "scale": 8.0,
-                    "upscaler": str(server.models / "flow_upscaler_b64.safetensors"), "chunked": "always"}}
+    nodes = {
+        "vae": vae_loader(server.flux2_vae),
+        "up": {
+            "type": "flowlift_upscale_latents",
+            "latents": {"latents_name": big},
+            "scale": 8.0,
+            "upscaler": str(server.models / "flow_upscaler_b64.safetensors"),
+            "chunked": "always",
+        },
+    }
     long_run = server.enqueue(graph(nodes, [("vae", "vae", "up", "vae")]))
     deadline = time.monotonic() + 120
     while server.item(long_run)["status"] != "in_progress":
@@ -573,10 +695,19 @@ def test_cancelling_a_running_item_stops_it(server):
     assert server.item(long_run)["status"] == "in_progress", "the run ended before the cancel: make it longer"
     started = time.monotonic()
     server.cancel(long_run)
-    quick = server.enqueue(graph({"fix": {"type": "flowlift_color_fix",
-                                          "image": {"image_name": server.images["upscaled.png"]},
-                                          "reference": {"image_name": server.images["example.png"]},
-                                          "use_cache": False}}, []))  # fmt: skip
+    quick = server.enqueue(
+        graph(
+            {
+                "fix": {
+                    "type": "flowlift_color_fix",
+                    "image": {"image_name": server.images["upscaled.png"]},
+                    "reference": {"image_name": server.images["example.png"]},
+                    "use_cache": False,
+                }
+            },
+            [],
+        )
+    )
     item = server.wait(quick, timeout=60)
     took = time.monotonic() - started
     print(f"cancel: the next item completed {took:.2f} s after the cancel request")
@@ -591,11 +722,17 @@ def test_cancelling_a_running_item_stops_it(server):
 
 def test_workflows_validate_against_this_server(server):
     schemas = server.request("GET", "/openapi.json")["components"]["schemas"]
-    templates = {s["properties"]["type"]["default"]: s for s in schemas.values()
-                 if "properties" in s and "type" in s["properties"] and s.get("class") == "invocation"}  # fmt: skip
+    templates = {
+        s["properties"]["type"]["default"]: s
+        for s in schemas.values()
+        if "properties" in s and "type" in s["properties"] and s.get("class") == "invocation"
+    }
     files = sorted(WORKFLOWS.glob("*.json"))
-    assert [f.name for f in files] == ["flux2_klein_hires_fix.json", "flux2_klein_tiled_hires_fix_4x.json",
-                                       "image_upscale_4x.json"]
+    assert [f.name for f in files] == [
+        "flux2_klein_hires_fix.json",
+        "flux2_klein_tiled_hires_fix_4x.json",
+        "image_upscale_4x.json",
+    ]
     for file in files:
         workflow = json.loads(file.read_text())
         nodes = {node["id"]: node["data"] for node in workflow["nodes"]}
@@ -633,11 +770,17 @@ def test_the_core_passes_under_invokeais_pins(shared):
     """flowlift's floors (diffusers>=0.40...) are what InvokeAI's pins give: the core's diffusers-facing
     tests run in the InvokeAI venv."""
     modules = ["tests/test_vae.py", "tests/test_denoiser.py", "tests/test_schedule.py"]
-    env = invokeai_env(PYTHONPATH=os.pathsep.join([str(shared / "comfyui-cpu-shim"), str(REPO_ROOT / "src")]),
-                       FLOWLIFT_SHARED=str(shared))  # fmt: skip
+    env = invokeai_env(
+        PYTHONPATH=os.pathsep.join([str(shared / "comfyui-cpu-shim"), str(REPO_ROOT / "src")]),
+        FLOWLIFT_SHARED=str(shared),
+    )
     command = [str(invokeai_python()), "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules]
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    versions = subprocess.run([str(invokeai_python()), "-c", "import diffusers, numpy; print(diffusers.__version__, "
-                               "numpy.__version__)"], env=env, capture_output=True, text=True).stdout.split()
+    versions = subprocess.run(
+        [str(invokeai_python()), "-c", "import diffusers, numpy; print(diffusers.__version__, numpy.__version__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     assert versions[0] == "0.40.0" and versions[1].startswith("1."), versions

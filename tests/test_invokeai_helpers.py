@@ -117,10 +117,19 @@ def test_a_named_server_file_is_checked_before_a_byte_of_its_data_is_read(tmp_pa
     os.mkfifo(tmp_path / "pipe.safetensors")
     (tmp_path / "folder.safetensors").mkdir()
     os.symlink(tmp_path / ".bashrc", tmp_path / "link.safetensors")
-    sources = [big, tmp_path / ".bashrc", tmp_path / "garbage.safetensors", tmp_path / "cut.safetensors",
-               tmp_path / "listed.safetensors", tmp_path / "pipe.safetensors", tmp_path / "folder.safetensors",
-               tmp_path / "link.safetensors", tmp_path / "missing.safetensors", tmp_path / "nowhere" / "x.safetensors",
-               tmp_path / "empty-folder"]  # fmt: skip
+    sources = [
+        big,
+        tmp_path / ".bashrc",
+        tmp_path / "garbage.safetensors",
+        tmp_path / "cut.safetensors",
+        tmp_path / "listed.safetensors",
+        tmp_path / "pipe.safetensors",
+        tmp_path / "folder.safetensors",
+        tmp_path / "link.safetensors",
+        tmp_path / "missing.safetensors",
+        tmp_path / "nowhere" / "x.safetensors",
+        tmp_path / "empty-folder",
+    ]
     (tmp_path / "empty-folder").mkdir()
     monkeypatch.setattr(files, "file_digest", lambda *a: pytest.fail("a refused file was hashed"))
     lines = set()
@@ -203,8 +212,17 @@ def test_tiled_denoise_loop_with_the_model_object_invokeai_hands_it():
     def run(size, overlap=16):
         with torch.no_grad():
             tiles = TileRequest.parse(size, overlap)
-            return tiled_refine_raw_latents(transformer, raw, bn_mean, bn_std, prompt_embeds(), strength=0.6,
-                                            sampling=sampling, tiles=tiles, device="cpu")  # fmt: skip
+            return tiled_refine_raw_latents(
+                transformer,
+                raw,
+                bn_mean,
+                bn_std,
+                prompt_embeds(),
+                strength=0.6,
+                sampling=sampling,
+                tiles=tiles,
+                device="cpu",
+            )
 
     untiled, off_record = run("off")
     whole, whole_record = run(128)
@@ -233,10 +251,22 @@ def test_a_mage_vae_file_passes_its_own_check_and_other_sources_are_one_line(tmp
 
 @pytest.mark.parametrize(
     ("sent", "expected"),
-    [("5", 5), ("5.0", 5), ('"5"', 5), ("18446744073709551615", 2**64 - 1), ("true", None), ("false", None),
-     ("5.5", None), ("-1", None), ('"-1"', None), ("18446744073709551616", None), ('"5.5"', None), ("null", None),
-     ("[5]", None)],
-)  # fmt: skip
+    [
+        ("5", 5),
+        ("5.0", 5),
+        ('"5"', 5),
+        ("18446744073709551615", 2**64 - 1),
+        ("true", None),
+        ("false", None),
+        ("5.5", None),
+        ("-1", None),
+        ('"-1"', None),
+        ("18446744073709551616", None),
+        ('"5.5"', None),
+        ("null", None),
+        ("[5]", None),
+    ],
+)
 def test_the_seed_fields_take_the_seed_rule_before_pydantic(sent, expected):
     """Issue 36 class 10: the nodes' seed type (``Seed``) in a pydantic model with the knob's bounds, as
     ``knob_field`` declares it, fed the graph's JSON: pydantic's own int took ``true`` as 1."""
@@ -247,7 +277,7 @@ def test_the_seed_fields_take_the_seed_rule_before_pydantic(sent, expected):
     node = create_model("Node", seed=(latents.Seed, Field(default=SEED.default, ge=SEED.low, le=SEED.high)))
     if expected is None:
         with pytest.raises(ValidationError, match="seed must be a non-negative integer at most 18446744073709551615"):
-            node.model_validate_json('{"seed": ' + sent + '}')
+            node.model_validate_json('{"seed": ' + sent + "}")
     else:
-        got = node.model_validate_json('{"seed": ' + sent + '}').seed
+        got = node.model_validate_json('{"seed": ' + sent + "}").seed
         assert got == expected and type(got) is int

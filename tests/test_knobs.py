@@ -47,8 +47,11 @@ CLI_OPTIONS: dict[tuple[str, str], tuple[dict[str, Knob], str, object]] = {
     ("hires", "--sampler"): (REFINE_KNOBS, "sampler", ...),
     ("hires", "--mu"): (REFINE_KNOBS, "mu", ...),
     ("hires", "--schedule"): (REFINE_KNOBS, "schedule", ...),
-    **{(command, "--" + knob.name.replace("_", "-")): (REFINE_KNOBS, knob.name, ...)
-       for command in ("img2img", "hires") for knob in TILE_KNOBS},  # fmt: skip
+    **{
+        (command, "--" + knob.name.replace("_", "-")): (REFINE_KNOBS, knob.name, ...)
+        for command in ("img2img", "hires")
+        for knob in TILE_KNOBS
+    },
 }
 #: Knobs the node packs show but the command line spells otherwise (``--chunked/--no-chunked`` is a flag pair).
 NOT_ON_THE_COMMAND_LINE = {"chunked"}
@@ -115,12 +118,39 @@ def test_app_components_have_the_knobs_domain_and_default(tmp_path):
 
     service = AppService(AppConfig(upscaler="unused", vaes=["taef2"], model="unused", work_dir=tmp_path))
     fns = {fn.api_name: fn for fn in build_app(service).fns.values()}
-    upscale = dict(zip(["image", "scale", "seed", "transplant_strength", "color_fix_strength", "vae"],
-                       fns["upscale"].inputs, strict=True))  # fmt: skip
-    batch = dict(zip(["files", "scale", "seed", "transplant_strength", "color_fix_strength", "vae"],
-                     fns["batch"].inputs, strict=True))  # fmt: skip
-    refine = dict(zip(["image", "prompt", "embeds", "mode", "strength", "strength_map", "steps", "seed", "sampler",
-                       "tile_size", "tile_overlap"], fns["refine"].inputs, strict=True))  # fmt: skip
+    upscale = dict(
+        zip(
+            ["image", "scale", "seed", "transplant_strength", "color_fix_strength", "vae"],
+            fns["upscale"].inputs,
+            strict=True,
+        )
+    )
+    batch = dict(
+        zip(
+            ["files", "scale", "seed", "transplant_strength", "color_fix_strength", "vae"],
+            fns["batch"].inputs,
+            strict=True,
+        )
+    )
+    refine = dict(
+        zip(
+            [
+                "image",
+                "prompt",
+                "embeds",
+                "mode",
+                "strength",
+                "strength_map",
+                "steps",
+                "seed",
+                "sampler",
+                "tile_size",
+                "tile_overlap",
+            ],
+            fns["refine"].inputs,
+            strict=True,
+        )
+    )
     tile_size = refine.pop("tile_size")  # a menu of the knob's words and sides, any multiple of 16 typed in
     assert tile_size.value == REFINE_KNOBS["tile_size"].default and tile_size.allow_custom_value
     words = REFINE_KNOBS["tile_size"].words
@@ -240,8 +270,12 @@ def test_seed_2_64_is_one_error_line_exit_2_on_the_command_line(command, tmp_pat
 
     result = subprocess.run(
         [sys.executable, "-m", "flowlift", command, *needs[command], "--seed", str(2**64)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path, env=subprocess_env(tmp_path),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=subprocess_env(tmp_path),
+    )
     assert result.returncode == 2
     assert result.stderr.splitlines() == [  # the one line: no usage block above it
         f"flowlift {command}: error: argument --seed: must be a non-negative integer at most "
@@ -275,11 +309,31 @@ def test_seed_2_64_is_one_error_line_on_the_app_the_nodes_and_the_api(tmp_path):
 #: Seeds as a hostile client sends them (issue 36 class 10: ComfyUI took 5.5 as 5 and ``true`` as 1, InvokeAI
 #: ``true``), with what the JSON and text doors make of them (None: refused).
 SEED_VARIANTS = [
-    (5, 5), (0, 0), (2**64 - 1, 2**64 - 1), (2**53 + 1, 2**53 + 1), ("5", 5), (" 7 ", 7), (5.0, 5),
-    (5.5, None), (0.5, None), (True, None), (False, None), (-1, None), ("-1", None), (2**64, None),
-    (str(2**64), None), (2.0**64, None), (float("nan"), None), (float("inf"), None), ("5.5", None), ("x", None),
-    ("", None), (None, None), ([5], None), ({"seed": 5}, None),
-]  # fmt: skip
+    (5, 5),
+    (0, 0),
+    (2**64 - 1, 2**64 - 1),
+    (2**53 + 1, 2**53 + 1),
+    ("5", 5),
+    (" 7 ", 7),
+    (5.0, 5),
+    (5.5, None),
+    (0.5, None),
+    (True, None),
+    (False, None),
+    (-1, None),
+    ("-1", None),
+    (2**64, None),
+    (str(2**64), None),
+    (2.0**64, None),
+    (float("nan"), None),
+    (float("inf"), None),
+    ("5.5", None),
+    ("x", None),
+    ("", None),
+    (None, None),
+    ([5], None),
+    ({"seed": 5}, None),
+]
 
 
 def _comfyui_door(value):
@@ -306,13 +360,15 @@ def check_prompt_leaves_links_alone(link) -> bool:
 def test_the_comfyui_prompt_check_unwraps_values_and_ignores_other_nodes_and_bodies():
     from flowlift.comfyui.layouts import check_prompt_integers
 
-    request = {"prompt": {
-        "1": {"class_type": "FlowliftUpscaleImage", "inputs": {"seed": {"__value__": "9"}}},
-        "2": {"class_type": "FlowliftUpscaleImage", "inputs": {"seed": {"__value__": 9.5}}},
-        "3": {"class_type": "KSampler", "inputs": {"seed": 5.5}},  # not flowlift's: ComfyUI's rule
-        "4": {"class_type": "FlowliftColorFix", "inputs": {"strength": 0.5}},  # no INT input
-        "5": "not a node",
-    }}  # fmt: skip
+    request = {
+        "prompt": {
+            "1": {"class_type": "FlowliftUpscaleImage", "inputs": {"seed": {"__value__": "9"}}},
+            "2": {"class_type": "FlowliftUpscaleImage", "inputs": {"seed": {"__value__": 9.5}}},
+            "3": {"class_type": "KSampler", "inputs": {"seed": 5.5}},  # not flowlift's: ComfyUI's rule
+            "4": {"class_type": "FlowliftColorFix", "inputs": {"strength": 0.5}},  # no INT input
+            "5": "not a node",
+        }
+    }
     out = check_prompt_integers(request)["prompt"]
     assert out["1"]["inputs"]["seed"] == 9 and out["2"]["inputs"]["seed"].startswith("FlowliftUpscaleImage: seed")
     assert out["3"]["inputs"]["seed"] == 5.5 and out["4"]["inputs"]["strength"] == 0.5 and out["5"] == "not a node"
@@ -392,8 +448,9 @@ def test_memory_policy_refuses_a_chunk_rows_that_is_not_a_positive_integer():
 
 @pytest.fixture(scope="module")
 def small_photo(shared, tmp_path_factory):
-    return resized_photo(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png",
-                         tmp_path_factory.mktemp("photo") / "wine.png")
+    return resized_photo(
+        shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png", tmp_path_factory.mktemp("photo") / "wine.png"
+    )
 
 
 def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, tiny_upscaler_weights, small_photo):
@@ -409,8 +466,16 @@ def test_cli_seed_2_64_minus_1_runs_and_equals_the_python_api(tmp_path, shared, 
 
     taef2 = str(shared / "models" / "taef2")
     out = tmp_path / "out.png"
-    argv = ["upscale", str(small_photo), "-o", str(out), "--seed", str(SEED_MAX),
-            "--upscaler", str(tiny_upscaler_weights)]
+    argv = [
+        "upscale",
+        str(small_photo),
+        "-o",
+        str(out),
+        "--seed",
+        str(SEED_MAX),
+        "--upscaler",
+        str(tiny_upscaler_weights),
+    ]
     assert main([*argv, "--vae", taef2, "--device", "cpu", "--no-progress"]) == 0
     pipeline = FlowUpscalerPipeline(str(tiny_upscaler_weights), taef2, device="cpu", dtype=torch.float32)
     with Image.open(small_photo) as image:
@@ -432,8 +497,12 @@ def test_app_keeps_seeds_exact(tmp_path, shared, tiny_upscaler_weights, small_ph
 
     from flowlift.app.service import AppConfig, AppService
 
-    config = AppConfig(upscaler=str(tiny_upscaler_weights), vaes=[str(shared / "models" / "taef2")], device="cpu",
-                       work_dir=tmp_path / "work")  # fmt: skip
+    config = AppConfig(
+        upscaler=str(tiny_upscaler_weights),
+        vaes=[str(shared / "models" / "taef2")],
+        device="cpu",
+        work_dir=tmp_path / "work",
+    )
     service = AppService(config)
     try:
         pictures, seeds = [], []
@@ -497,8 +566,11 @@ def test_no_front_end_writes_a_knobs_default_as_a_literal():
     callee decides), never a number or word typed again: the app's hires fix once started at 0.5 this way."""
     import ast
 
-    literals = [f"{where}({name}={ast.unparse(default)})" for where, name, default in _front_end_knob_defaults()
-                if isinstance(default, ast.Constant) and default.value is not None]  # fmt: skip
+    literals = [
+        f"{where}({name}={ast.unparse(default)})"
+        for where, name, default in _front_end_knob_defaults()
+        if isinstance(default, ast.Constant) and default.value is not None
+    ]
     assert not literals, "front-end defaults retyped as literals: " + ", ".join(literals)
 
 
@@ -529,9 +601,12 @@ def test_the_apps_handlers_and_forms_default_to_the_knobs():
 
 @pytest.mark.parametrize(
     "argv, prefix",
-    [(["upscale", "x.png", "--color-fix", "0.5"], "--color-fix"), (["img2img", "x.png", "--model", "m", "--stre", "1"],
-     "--stre"), (["dataset", "images", "x.png", "-o", "o", "--vae", "taef2", "--cro", "64"], "--cro")],
-)  # fmt: skip
+    [
+        (["upscale", "x.png", "--color-fix", "0.5"], "--color-fix"),
+        (["img2img", "x.png", "--model", "m", "--stre", "1"], "--stre"),
+        (["dataset", "images", "x.png", "-o", "o", "--vae", "taef2", "--cro", "64"], "--cro"),
+    ],
+)
 def test_a_prefix_of_an_option_is_refused_on_every_command(argv, prefix, capsys):
     """Issue 39: ``--color-fix 0.5`` once ran as ``--color-fix-strength 0.5``; every parser, the subcommands' and
     their subcommands' too, refuses a prefix in one line (exit 2)."""
@@ -562,9 +637,15 @@ def _command_parsers():
 
 
 #: One name (and with it one unit) per knob: the concepts every command spells the same.
-VOCABULARY = {"output": ["-o", "--output"], "vae": ["--vae"], "color_fix_strength": ["--color-fix-strength"],
-              "seed": ["--seed"], "device": ["--device"], "dtype": ["--dtype"],
-              "overwrite": ["--overwrite"]}  # fmt: skip
+VOCABULARY = {
+    "output": ["-o", "--output"],
+    "vae": ["--vae"],
+    "color_fix_strength": ["--color-fix-strength"],
+    "seed": ["--seed"],
+    "device": ["--device"],
+    "dtype": ["--dtype"],
+    "overwrite": ["--overwrite"],
+}
 
 
 def test_every_knob_has_one_name_on_every_command():

@@ -47,10 +47,12 @@ def _free_port() -> int:
         (["--nproc-per-node", "100000"], "--nproc-per-node 100000 is more processes than this machine can start"),
         (["--master-port", "99999"], "--master-port must be a port number from 1 to 65535, got 99999"),
         (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:99999"], "port number of the rendezvous endpoint"),
-        (["--nnodes", "2", "--rdzv-endpoint", "nonexistent.invalid:29400"],
-         "the rendezvous host nonexistent.invalid does not resolve"),
+        (
+            ["--nnodes", "2", "--rdzv-endpoint", "nonexistent.invalid:29400"],
+            "the rendezvous host nonexistent.invalid does not resolve",
+        ),
     ],
-)  # fmt: skip
+)
 def test_options_torchrun_cannot_run_are_one_line(capsys, options, message):
     assert main(["launch", *options, "--", "upscale", "a.png"]) == 2
     err = capsys.readouterr().err.splitlines()
@@ -60,9 +62,25 @@ def test_options_torchrun_cannot_run_are_one_line(capsys, options, message):
 @pytest.mark.parametrize("backend", ["static", "c10d"])
 def test_a_rendezvous_nobody_joins_ends_within_its_join_timeout(tmp_path, backend):
     join_timeout = 3
-    argv = [sys.executable, "-m", "flowlift", "launch", "--nnodes", "2", "--rdzv-backend", backend,
-            "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", uuid.uuid4().hex,
-            "--rdzv-conf", f"join_timeout={join_timeout}", "--", "upscale", "a.png"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "flowlift",
+        "launch",
+        "--nnodes",
+        "2",
+        "--rdzv-backend",
+        backend,
+        "--rdzv-endpoint",
+        f"127.0.0.1:{_free_port()}",
+        "--rdzv-id",
+        uuid.uuid4().hex,
+        "--rdzv-conf",
+        f"join_timeout={join_timeout}",
+        "--",
+        "upscale",
+        "a.png",
+    ]
     process = subprocess.Popen(argv, env=_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     _, err = process.communicate(timeout=120)
     lines = err.splitlines()
@@ -73,8 +91,14 @@ def test_a_rendezvous_nobody_joins_ends_within_its_join_timeout(tmp_path, backen
 def _launch_time(tmp_path: Path) -> float:
     """Seconds from start to the refusal of a launch that imports torch and refuses at once (the baseline)."""
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "flowlift", "launch", "--nproc-per-node", "0", "--", "upscale", "a"],
-                         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "-m", "flowlift", "launch", "--nproc-per-node", "0", "--", "upscale", "a"],
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stderr
     return time.monotonic() - start
 
@@ -85,9 +109,28 @@ def test_the_join_timeout_bounds_the_wait(tmp_path):
     the start-up of both runs unevenly, and only the order of magnitude tells the two behaviours apart."""
     baseline = _launch_time(tmp_path)
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "flowlift", "launch", "--nnodes", "2", "--rdzv-endpoint",
-                          f"127.0.0.1:{_free_port()}", "--rdzv-conf", "join_timeout=4", "--", "upscale", "a.png"],
-                         env=_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flowlift",
+            "launch",
+            "--nnodes",
+            "2",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{_free_port()}",
+            "--rdzv-conf",
+            "join_timeout=4",
+            "--",
+            "upscale",
+            "a.png",
+        ],
+        env=_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     waited = time.monotonic() - start - baseline
     assert run.returncode == 2 and "the ranks could not meet" in run.stderr, run.stderr
     assert waited < 4 + 90, (waited, baseline)
@@ -98,10 +141,21 @@ def test_sigterm_to_one_rank_is_an_interrupted_job_not_a_crash(tmp_path):
     script.write_text(STOPPABLE)
     pids = tmp_path / "pids"
     pids.mkdir()
-    options = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-               f"127.0.0.1:{_free_port()}", "--rdzv-id", uuid.uuid4().hex]  # fmt: skip
-    process = subprocess.Popen([sys.executable, str(script), str(pids), *options], env=_env(), cwd=tmp_path,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    options = [
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{_free_port()}",
+        "--rdzv-id",
+        uuid.uuid4().hex,
+    ]
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(pids), *options], env=_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 120
         while not all((pids / f"{rank}.0").is_file() and (pids / f"{rank}.0").read_text() for rank in "01"):
@@ -181,7 +235,7 @@ def _gone(pids: list[int], grace_s: float = 15.0) -> list[int]:
         ("launcher", signal.SIGTERM, "flowlift launch: interrupted by SIGTERM"),
         ("launcher", signal.SIGINT, "flowlift launch: interrupted by SIGINT"),
     ],
-)  # fmt: skip
+)
 def test_a_signal_stops_the_whole_run_and_is_never_restarted(tmp_path, target, signum, line):
     """`--max-restarts` is for crashes: a rank stopped by SIGTERM/SIGINT/SIGKILL from outside, or the launcher
     stopped by a user, ends the run (exit 130, one line naming the signal), and every process exits."""
@@ -189,10 +243,27 @@ def test_a_signal_stops_the_whole_run_and_is_never_restarted(tmp_path, target, s
     script.write_text(STOPPABLE)
     starts = tmp_path / "starts"
     starts.mkdir()
-    options = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-               f"127.0.0.1:{_free_port()}", "--rdzv-id", uuid.uuid4().hex, "--max-restarts", "2"]  # fmt: skip
-    process = subprocess.Popen([sys.executable, str(script), str(starts), *options], env=_env(), cwd=tmp_path,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    options = [
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{_free_port()}",
+        "--rdzv-id",
+        uuid.uuid4().hex,
+        "--max-restarts",
+        "2",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(starts), *options],
+        env=_env(),
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     first = [starts / "0.0", starts / "1.0"]
     try:
         deadline = time.monotonic() + 120
@@ -226,13 +297,22 @@ def test_rdzv_conf_waits_outside_their_domain_are_one_line(capsys, key, value):
     assert len(err) == 1 and err[0].startswith(expected), err
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    (["--rdzv-conf", "keep_alive_max_attempt=0"], "--rdzv-conf keep_alive_max_attempt must be"),
-    (["--rdzv-conf", "is_host=maybe"], "--rdzv-conf is_host must be one of"),
-    (["--node-rank", "-1"], "--node-rank must be from 0 to 0"),
-    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400"], "--node-rank must be from 0 to 1"),
-    (["--nnodes", "1:3", "--node-rank", "-5", "--rdzv-endpoint", "127.0.0.1:29400"], "--node-rank must be from 0 to 2"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--rdzv-conf", "keep_alive_max_attempt=0"], "--rdzv-conf keep_alive_max_attempt must be"),
+        (["--rdzv-conf", "is_host=maybe"], "--rdzv-conf is_host must be one of"),
+        (["--node-rank", "-1"], "--node-rank must be from 0 to 0"),
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29400"],
+            "--node-rank must be from 0 to 1",
+        ),
+        (
+            ["--nnodes", "1:3", "--node-rank", "-5", "--rdzv-endpoint", "127.0.0.1:29400"],
+            "--node-rank must be from 0 to 2",
+        ),
+    ],
+)
 def test_other_launcher_values_torch_would_fail_on_late_are_one_line(capsys, options, message):
     assert main(["launch", *options, "--", "upscale", "a.png"]) == 2
     err = capsys.readouterr().err.splitlines()
@@ -242,8 +322,18 @@ def test_other_launcher_values_torch_would_fail_on_late_are_one_line(capsys, opt
 def test_good_rdzv_conf_values_are_normalised_and_kept():
     from flowlift.jobs.launch import launch_config
 
-    config = launch_config(["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-conf",
-                            "join_timeout=+7,is_host=YES,store_type=tcp", "--node-rank", "1"])  # fmt: skip
+    config = launch_config(
+        [
+            "--nnodes",
+            "2",
+            "--rdzv-endpoint",
+            "127.0.0.1:29400",
+            "--rdzv-conf",
+            "join_timeout=+7,is_host=YES,store_type=tcp",
+            "--node-rank",
+            "1",
+        ]
+    )
     assert config.rdzv_configs["join_timeout"] == "7" and config.rdzv_configs["is_host"] == "yes"
     assert config.rdzv_configs["store_type"] == "tcp"  # a key flowlift knows nothing of is passed on
 
@@ -268,14 +358,24 @@ def tiny_upscale(tmp_path_factory):
     import torch
     from PIL import Image
 
-
     folder = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
     weights = save_tiny_unet(folder / "w.safetensors", seed=None)
     Image.new("RGB", (64, 48), (90, 40, 20)).save(folder / "a.png")
     shared = shared_dir() / "models" / "taef2"  # $FLOWLIFT_SHARED, else ../shared
-    return ["upscale", str(folder / "a.png"), "--upscaler", str(weights), "--vae", str(shared), "--device", "cpu",
-            "--barrier-timeout", "4", "-o"]  # fmt: skip
+    return [
+        "upscale",
+        str(folder / "a.png"),
+        "--upscaler",
+        str(weights),
+        "--vae",
+        str(shared),
+        "--device",
+        "cpu",
+        "--barrier-timeout",
+        "4",
+        "-o",
+    ]
 
 
 def _launch_and_signal(tmp_path, command, signum, delay_s, rank=0):
@@ -311,7 +411,8 @@ def test_sigint_to_a_rank_still_starting_is_interrupted_without_a_traceback(tmp_
     assert code == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "crashed" not in err, err
     assert [line for line in err.splitlines() if line.startswith("flowlift launch")] == [
-        "flowlift launch: interrupted (rank 0 stopped by SIGINT)"], err  # fmt: skip
+        "flowlift launch: interrupted (rank 0 stopped by SIGINT)"
+    ], err
     assert _gone(ranks) == [], err
 
 
@@ -368,10 +469,27 @@ if __name__ == "__main__":
 def test_a_rank_suspended_before_the_end_barrier_ends_the_run_with_exit_1(tmp_path):
     script = tmp_path / "barrier.py"
     script.write_text(AT_THE_BARRIER)
-    options = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-               f"127.0.0.1:{_free_port()}", "--rdzv-id", uuid.uuid4().hex, "--max-restarts", "2"]  # fmt: skip
-    process = subprocess.Popen([sys.executable, str(script), str(tmp_path), *options], env=_env(), cwd=tmp_path,
-                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    options = [
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{_free_port()}",
+        "--rdzv-id",
+        uuid.uuid4().hex,
+        "--max-restarts",
+        "2",
+    ]
+    process = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), *options],
+        env=_env(),
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     ready, victim = tmp_path / "ready", None
     try:
         deadline = time.monotonic() + 120

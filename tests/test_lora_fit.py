@@ -36,9 +36,17 @@ def _other_width():
     from diffusers import Flux2Transformer2DModel
 
     torch.manual_seed(1)
-    return Flux2Transformer2DModel(patch_size=1, in_channels=128, num_layers=1, num_single_layers=1,
-                                   attention_head_dim=16, num_attention_heads=3, joint_attention_dim=32,
-                                   timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4)).eval()  # fmt: skip
+    return Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=128,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=3,
+        joint_attention_dim=32,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+    ).eval()
 
 
 #: (case, peft setting, value, piece of the message): each names the setting.
@@ -102,41 +110,65 @@ def _write_cases(root: Path) -> dict[str, tuple[Path, str]]:
     mod = "diffusion_model.double_blocks.0.img_mod.lin"  # FLUX.1's per-block modulation: no FLUX.2 layer
     with_config = lambda **change: {"lora_adapter_metadata": json.dumps({**config, **change})}  # noqa: E731
     states = {
-        "rank8": ({**good, a: torch.randn(8, 32) * 0.1, b: torch.randn(128, 8) * 0.1}, metadata,
-                  f"`{a}` is (8, 32), which does not fit the layer (32 in, 128 out, rank 4)"),
+        "rank8": (
+            {**good, a: torch.randn(8, 32) * 0.1, b: torch.randn(128, 8) * 0.1},
+            metadata,
+            f"`{a}` is (8, 32), which does not fit the layer (32 in, 128 out, rank 4)",
+        ),
         "in-features": ({**good, a: torch.randn(4, 33)}, metadata, f"`{a}` is (4, 33), which does not fit"),
         "out-features": ({**good, b: torch.randn(130, 4)}, metadata, f"`{b}` is (130, 4), which does not fit"),
         "peft-no-B": ({k: v for k, v in good.items() if k != b}, metadata, f"`{a}` has no lora_B.weight beside it"),
         "comfy-no-B": ({k: v for k, v in comfy.items() if k != cb}, None, f"`{ca}` has no lora_B.weight beside it"),
-        "kohya-no-up": ({k: v for k, v in kohya.items() if k != kd.replace("down", "up")}, None,
-                        f"`{kd}` has no lora_up.weight beside it"),
+        "kohya-no-up": (
+            {k: v for k, v in kohya.items() if k != kd.replace("down", "up")},
+            None,
+            f"`{kd}` has no lora_up.weight beside it",
+        ),
         "metadata-list": (good, {"lora_adapter_metadata": "[1]"}, "lora_adapter_metadata header is a JSON list"),
         "metadata-empty": (good, {"lora_adapter_metadata": "{}"}, "lora_adapter_metadata header has r None"),
         "metadata-rank": (good, with_config(**{"transformer.r": "x"}), "has r 'x'"),
         "metadata-alpha-nan": (good, with_config(**{"transformer.lora_alpha": float("nan")}), "lora_alpha nan"),
         "metadata-alpha-huge": (good, with_config(**{"transformer.lora_alpha": 1e30}), "lora_alpha 1e+30"),
         # issue 36 class 8: settings the fit check let through to peft (KeyError, TypeError, warnings, a hang)
-        **{f"metadata-{name}": (good, with_config(**{f"transformer.{key}": value}), message)
-           for name, key, value, message in ADAPTER_CONFIG_CASES},
+        **{
+            f"metadata-{name}": (good, with_config(**{f"transformer.{key}": value}), message)
+            for name, key, value, message in ADAPTER_CONFIG_CASES
+        },
         "metadata-deep": (good, {"lora_adapter_metadata": "[" * 100_000}, "is not JSON (JSON nested"),
-        "metadata-deep-value": (good, with_config(**{"transformer.rank_pattern": json.loads("[" * 70 + "]" * 70)}),
-                                "is not JSON (JSON nested more than 64"),
+        "metadata-deep-value": (
+            good,
+            with_config(**{"transformer.rank_pattern": json.loads("[" * 70 + "]" * 70)}),
+            "is not JSON (JSON nested more than 64",
+        ),
         "metadata-blob": (good, with_config(junk="x" * 20_000_000), "holds 2000"),
-        "metadata-no-transformer-keys": (good, {"lora_adapter_metadata": json.dumps(
-            {k.removeprefix("transformer."): v for k, v in config.items()})}, "has no transformer.* settings"),
-        "comfy-rank0": ({**comfy, ca: torch.zeros(0, 32), cb: torch.zeros(96, 0)}, None,
-                        "has down (0, 32) and up (96, 0) matrices"),
+        "metadata-no-transformer-keys": (
+            good,
+            {"lora_adapter_metadata": json.dumps({k.removeprefix("transformer."): v for k, v in config.items()})},
+            "has no transformer.* settings",
+        ),
+        "comfy-rank0": (
+            {**comfy, ca: torch.zeros(0, 32), cb: torch.zeros(96, 0)},
+            None,
+            "has down (0, 32) and up (96, 0) matrices",
+        ),
         "comfy-vector-alpha": ({**comfy, alpha: torch.ones(4)}, None, f"`{alpha}` holds 4 values"),
         "comfy-alpha-nan": ({**comfy, alpha: torch.tensor(float("nan"))}, None, f"contain NaN in `{alpha}`"),
         "comfy-alpha-huge": ({**comfy, alpha: torch.tensor(1e30)}, None, f"`{alpha}` is 1e+30 for rank 4"),
-        "kohya-alpha-huge": ({**kohya, kd.replace("lora_down.weight", "alpha"): torch.tensor(1e30)}, None,
-                             "is 1e+30 for rank 4"),
-        "comfy-unknown-layer": ({**comfy, f"{mod}.lora_A.weight": torch.randn(4, 32),
-                                 f"{mod}.lora_B.weight": torch.randn(192, 4)},
-                                None, "2 tensors: double_blocks.0.img_mod.lin.lora_A.weight, double_blocks.0.img_mod"),
-    }  # fmt: skip
-    cases = {name: (save(root / f"{name}.safetensors", state, meta), message)
-             for name, (state, meta, message) in states.items()}  # fmt: skip
+        "kohya-alpha-huge": (
+            {**kohya, kd.replace("lora_down.weight", "alpha"): torch.tensor(1e30)},
+            None,
+            "is 1e+30 for rank 4",
+        ),
+        "comfy-unknown-layer": (
+            {**comfy, f"{mod}.lora_A.weight": torch.randn(4, 32), f"{mod}.lora_B.weight": torch.randn(192, 4)},
+            None,
+            "2 tensors: double_blocks.0.img_mod.lin.lora_A.weight, double_blocks.0.img_mod",
+        ),
+    }
+    cases = {
+        name: (save(root / f"{name}.safetensors", state, meta), message)
+        for name, (state, meta, message) in states.items()
+    }
     cases["other-width"] = (root / "width48.safetensors", "the LoRA seems made for a FLUX.2 of width 48")
     return cases
 
@@ -177,7 +209,6 @@ def test_a_lora_of_another_width_names_the_released_model_it_was_made_for(tmp_pa
 def test_cli_refuses_a_lora_that_does_not_fit_in_one_line(cases, tmp_path, command):
     from PIL import Image
 
-
     model_dir = write_model_dir(tmp_path / "model")
     embeds = save(tmp_path / "emb.safetensors", {"prompt_embeds": prompt_embeds()}, None)
     out = tmp_path / "out.png"
@@ -187,13 +218,37 @@ def test_cli_refuses_a_lora_that_does_not_fit_in_one_line(cases, tmp_path, comma
     else:
         torch.manual_seed(0)
         save_tiny_unet(tmp_path / "up.safetensors", seed=None, cond_dim=32)
-        args = ["hires", "--width", "64", "--height", "64", "--base-steps", "1", "--steps", "1",
-                "--upscaler", str(tmp_path / "up.safetensors")]  # fmt: skip
+        args = [
+            "hires",
+            "--width",
+            "64",
+            "--height",
+            "64",
+            "--base-steps",
+            "1",
+            "--steps",
+            "1",
+            "--upscaler",
+            str(tmp_path / "up.safetensors"),
+        ]
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     for name in ("comfy-rank0", "other-width", "metadata-empty"):
         path, message = cases[name]
-        argv = [sys.executable, "-m", "flowlift", *args, "--model", str(model_dir), "--prompt-embeds", str(embeds),
-                "--lora", str(path), "--no-progress", "-o", str(out)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "flowlift",
+            *args,
+            "--model",
+            str(model_dir),
+            "--prompt-embeds",
+            str(embeds),
+            "--lora",
+            str(path),
+            "--no-progress",
+            "-o",
+            str(out),
+        ]
         run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         lines = run.stderr.splitlines()
         assert run.returncode == 2 and len(lines) == 1, run.stderr

@@ -161,8 +161,22 @@ def test_cli_lora_option_and_metadata(capsys, tmp_path, model_dir, peft_lora):
     photo = tmp_path / "photo.png"
     Image.new("RGB", (48, 32), (120, 80, 40)).save(photo)
     out = tmp_path / "out.png"
-    argv = ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds, "--lora", f"{peft_lora}:0.7",
-            "--strength", "0.6", "--steps", "4", "-o", out]  # fmt: skip
+    argv = [
+        "img2img",
+        photo,
+        "--model",
+        model_dir,
+        "--prompt-embeds",
+        embeds,
+        "--lora",
+        f"{peft_lora}:0.7",
+        "--strength",
+        "0.6",
+        "--steps",
+        "4",
+        "-o",
+        out,
+    ]
     assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
     with Image.open(out) as img:
         meta = json.loads(img.text["flowlift"])
@@ -197,7 +211,7 @@ def test_bad_loras_are_one_line_and_leave_the_model_untouched(tmp_path, peft_lor
                 "lora_unet_double_blocks_0_img_mod_lin.lora_up.weight": torch.randn(192, 4),
             },
             "match no layer",
-        ),  # fmt: skip
+        ),
         "elsewhere.safetensors": (
             {"transformer.nowhere.lora_A.weight": r, "transformer.nowhere.lora_B.weight": r.T.contiguous()},
             "match no layer of this FLUX.2 transformer: transformer.nowhere.lora_A.weight",
@@ -205,7 +219,7 @@ def test_bad_loras_are_one_line_and_leave_the_model_untouched(tmp_path, peft_lor
         "text.safetensors": (
             {"lora_te1_layer.lora_down.weight": r, "lora_te1_layer.lora_up.weight": r.T.contiguous()},
             "match no layer",
-        ),  # fmt: skip
+        ),
         "dora.safetensors": ({**good, first.replace("lora_A.weight", "dora_scale"): torch.ones(1, 32)}, "DoRA"),
     }
     for name, (tensors, message) in cases.items():
@@ -285,9 +299,34 @@ def test_cli_hires_with_a_file_transformer_a_lora_and_a_budget(capsys, tmp_path,
     fp8 = tmp_path / "flux-2-tiny-fp8.safetensors"
     write_fp8(tiny_transformer(), fp8, scale="comfyui", prefix="model.diffusion_model.")
     out = tmp_path / "hires.png"
-    argv = ["hires", "--width", "64", "--height", "64", "--base-steps", "2", "--scale", "2", "--upscaler", upscaler,
-            "--model", model_dir, "--transformer", fp8, "--lora", f"{peft_lora}:0.5", "--max-memory", "256MB",
-            "--prompt-embeds", embeds, "--steps", "4", "--no-progress", "-o", out]  # fmt: skip
+    argv = [
+        "hires",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--base-steps",
+        "2",
+        "--scale",
+        "2",
+        "--upscaler",
+        upscaler,
+        "--model",
+        model_dir,
+        "--transformer",
+        fp8,
+        "--lora",
+        f"{peft_lora}:0.5",
+        "--max-memory",
+        "256MB",
+        "--prompt-embeds",
+        embeds,
+        "--steps",
+        "4",
+        "--no-progress",
+        "-o",
+        out,
+    ]
     assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
     with Image.open(out) as img:
         assert img.size == (128, 128)

@@ -58,8 +58,21 @@ def test_every_writer_writes_one_layout(folder, tmp_path, monkeypatch, shared, s
     assert main(["colorfix", str(tmp_path / "up.png"), "--reference", "p.png", "-o", str(tmp_path / "fix.png")]) == 0
     refine = ["--model", "model", "--prompt-embeds", "prompt.safetensors", "--steps", "2", "--no-progress"]
     assert main(["img2img", "p.png", *refine, "-o", str(tmp_path / "i2i.png")]) == 0
-    assert main(["hires", "--image", "p.png", "--upscaler", "flow_upscaler.safetensors", *refine,
-                 "-o", str(tmp_path / "hires.png")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "hires",
+                "--image",
+                "p.png",
+                "--upscaler",
+                "flow_upscaler.safetensors",
+                *refine,
+                "-o",
+                str(tmp_path / "hires.png"),
+            ]
+        )
+        == 0
+    )
     records = {
         "upscale": _check(tmp_path / "up.png", "upscale"),
         "colorfix": _check(tmp_path / "fix.png", "colorfix"),
@@ -68,12 +81,20 @@ def test_every_writer_writes_one_layout(folder, tmp_path, monkeypatch, shared, s
     }
     assert records["upscale"]["input"] == "p.png" and records["upscale"]["scale"] == 2
     assert records["colorfix"]["reference"] == "p.png"
-    service = AppService(AppConfig(upscaler="flow_upscaler.safetensors", vaes=[taef2], device="cpu",
-                                   model=str(folder / "model"), work_dir=tmp_path / "app"))  # fmt: skip
+    service = AppService(
+        AppConfig(
+            upscaler="flow_upscaler.safetensors",
+            vaes=[taef2],
+            device="cpu",
+            model=str(folder / "model"),
+            work_dir=tmp_path / "app",
+        )
+    )
     try:
         app_up = _check(service.upscale(folder / "p.png", 2, 0).output, "upscale")
-        app_refine = _check(service.refine(folder / "p.png", None, folder / "prompt.safetensors", steps=2).output,
-                            "img2img")  # fmt: skip
+        app_refine = _check(
+            service.refine(folder / "p.png", None, folder / "prompt.safetensors", steps=2).output, "img2img"
+        )
     finally:
         service.close()
     assert app_up["input"] == app_refine["input"] == "p.png"
@@ -88,17 +109,28 @@ def _png(path, chunks):
 
 
 def test_files_of_both_older_layouts_read_with_the_same_keys(tmp_path):
-    upscale = _png(tmp_path / "old_up.png", {
-        "Software": "flowlift 0.1.0 upscale", "flowlift.parameters": {"scale": 4, "seed": 3},
-        "flowlift.models": {"upscaler": {"w.safetensors": "ab"}}, "flowlift.source": {"name": "a.png", "sha256": "cd"},
-    })  # fmt: skip
-    colorfix = _png(tmp_path / "old_fix.png", {
-        "Software": "flowlift 0.1.0 colorfix", "flowlift.parameters": {"scale": 4, "color_fix_strength": 1.0},
-        "flowlift.source": {"name": "a_x4.png", "sha256": "ef"},
-        "flowlift.reference": {"name": "a.png", "sha256": "cd"},
-    })  # fmt: skip
-    refine = _png(tmp_path / "old_refine.png", {"flowlift": {"flowlift": "0.1.0", "command": "img2img", "steps": 4,
-                                                             "input": "a.png", "input_sha256": "cd"}})  # fmt: skip
+    upscale = _png(
+        tmp_path / "old_up.png",
+        {
+            "Software": "flowlift 0.1.0 upscale",
+            "flowlift.parameters": {"scale": 4, "seed": 3},
+            "flowlift.models": {"upscaler": {"w.safetensors": "ab"}},
+            "flowlift.source": {"name": "a.png", "sha256": "cd"},
+        },
+    )
+    colorfix = _png(
+        tmp_path / "old_fix.png",
+        {
+            "Software": "flowlift 0.1.0 colorfix",
+            "flowlift.parameters": {"scale": 4, "color_fix_strength": 1.0},
+            "flowlift.source": {"name": "a_x4.png", "sha256": "ef"},
+            "flowlift.reference": {"name": "a.png", "sha256": "cd"},
+        },
+    )
+    refine = _png(
+        tmp_path / "old_refine.png",
+        {"flowlift": {"flowlift": "0.1.0", "command": "img2img", "steps": 4, "input": "a.png", "input_sha256": "cd"}},
+    )
     for path, command in ((upscale, "upscale"), (colorfix, "colorfix"), (refine, "img2img")):
         metadata = read_metadata(path)
         record = metadata["flowlift"]

@@ -140,8 +140,15 @@ def test_hires_names_the_transformer_vae_and_upscaler_before_loading(empty_cache
     monkeypatch.setattr(loading, "load_refiner", must_not_load)
     embeds = empty_cache / "e.safetensors"
     embeds.write_bytes(b"x")
-    argv = ["hires", "--model", "someone/flux2-not-cached", "--prompt-embeds", str(embeds),
-            "-o", str(empty_cache / "o.png")]  # fmt: skip
+    argv = [
+        "hires",
+        "--model",
+        "someone/flux2-not-cached",
+        "--prompt-embeds",
+        str(embeds),
+        "-o",
+        str(empty_cache / "o.png"),
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "3 weights are missing" in err, err
@@ -157,8 +164,17 @@ def test_app_checks_every_offered_vae_and_the_refiner_at_start_up(empty_cache, c
     monkeypatch.setattr(page, "build_app", must_not_build)
     weights = empty_cache / "flow_upscaler.safetensors"
     weights.write_bytes(b"found, not read at start-up")
-    argv = ["app", "--upscaler", str(weights), "--vae", "taef2", "--vae", str(empty_cache / "missing.safetensors"),
-            "--model", "someone/flux2-not-cached"]  # fmt: skip
+    argv = [
+        "app",
+        "--upscaler",
+        str(weights),
+        "--vae",
+        "taef2",
+        "--vae",
+        str(empty_cache / "missing.safetensors"),
+        "--model",
+        "someone/flux2-not-cached",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("flowlift app: error: 4 weights are missing") and len(err.splitlines()) == 1, err

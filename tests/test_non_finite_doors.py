@@ -30,8 +30,9 @@ def vae_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vae")
     state = released_state()
     good = save_released(folder / "mage.safetensors", state)
-    hot = save_released(folder / "mage-hot.safetensors", {k: v * SCALE if v.is_floating_point() else v
-                                                          for k, v in state.items()})  # fmt: skip
+    hot = save_released(
+        folder / "mage-hot.safetensors", {k: v * SCALE if v.is_floating_point() else v for k, v in state.items()}
+    )
     return good, hot
 
 
@@ -59,8 +60,22 @@ def assert_one_line_refusal(code: int, err: str, command: str) -> None:
 
 class TestDatasetShards:
     def argv(self, photos, vae, out):
-        return ("dataset", "images", photos, "--vae", vae, "--crop-px", "64", "--crops-per-image", "1",
-                "--device", "cpu", "--no-progress", "-o", out)  # fmt: skip
+        return (
+            "dataset",
+            "images",
+            photos,
+            "--vae",
+            vae,
+            "--crop-px",
+            "64",
+            "--crops-per-image",
+            "1",
+            "--device",
+            "cpu",
+            "--no-progress",
+            "-o",
+            out,
+        )
 
     def test_an_overflowing_vae_writes_no_shard(self, vae_files, photos, tmp_path, capsys):
         out = tmp_path / "data"
@@ -107,8 +122,23 @@ class TestEvalCache:
     @pytest.mark.parametrize("method", ["vae-roundtrip", "latent-bicubic"])
     def test_an_overflowing_vae_is_one_line_and_caches_nothing(self, vae_files, photos, tmp_path, capsys, method):
         out = tmp_path / "report"
-        code, err = run(capsys, "eval", "--run", method, "--dataset", photos, "--scale", "2", "--vae", vae_files[1],
-                        "--device", "cpu", "--no-progress", "-o", out)  # fmt: skip
+        code, err = run(
+            capsys,
+            "eval",
+            "--run",
+            method,
+            "--dataset",
+            photos,
+            "--scale",
+            "2",
+            "--vae",
+            vae_files[1],
+            "--device",
+            "cpu",
+            "--no-progress",
+            "-o",
+            out,
+        )
         assert_one_line_refusal(code, err, "eval")
         assert "the VAE's encoder" in err  # says which model gave it, not only that an image holds NaN
         assert not out.exists() or not [p for p in out.rglob("*") if p.is_file()]

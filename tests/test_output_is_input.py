@@ -76,12 +76,21 @@ def test_a_refine_never_replaces_its_input(tmp_path, monkeypatch, capsys, role, 
     monkeypatch.chdir(tmp_path)
     output = Path("dir") / victim.name if spelling == "relative" else spellings[spelling]
     before = victim.read_bytes()
-    common = ["--model", str(tmp_path / "no-such-model"), "--prompt", "a photo", "--steps", "1", "--no-progress",
-              "-o", str(output), *(["--overwrite"] if overwrite else [])]  # fmt: skip
+    common = [
+        "--model",
+        str(tmp_path / "no-such-model"),
+        "--prompt",
+        "a photo",
+        "--steps",
+        "1",
+        "--no-progress",
+        "-o",
+        str(output),
+        *(["--overwrite"] if overwrite else []),
+    ]
     command, flag = role.split()
     if command == "hires":
-        argv = ["hires", "--image", str(image), "--scale", "2", "--upscaler", str(tmp_path / "no.safetensors"),
-                *common]  # fmt: skip
+        argv = ["hires", "--image", str(image), "--scale", "2", "--upscaler", str(tmp_path / "no.safetensors"), *common]
     else:
         argv = ["img2img", str(image), *common]
         if flag == "--mask":
@@ -101,9 +110,20 @@ def test_upscale_refuses_its_input_by_identity(tmp_path, capsys, spelling, share
     image = _earlier_output(tmp_path / "dir" / "r.png")
     output = _spellings(tmp_path, image)[spelling]
     before = image.read_bytes()
-    code = main(["upscale", str(image), "-o", str(output), "--overwrite", "--upscaler",
-                 str(tmp_path / "no.safetensors"), "--vae", str(shared / "models" / "taef2"),
-                 "--no-progress"])  # fmt: skip
+    code = main(
+        [
+            "upscale",
+            str(image),
+            "-o",
+            str(output),
+            "--overwrite",
+            "--upscaler",
+            str(tmp_path / "no.safetensors"),
+            "--vae",
+            str(shared / "models" / "taef2"),
+            "--no-progress",
+        ]
+    )
     assert code in (1, 2)
     lines = _error_lines(capsys, "upscale")
     assert any("would overwrite the input" in line for line in lines), lines

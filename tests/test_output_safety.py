@@ -31,10 +31,22 @@ pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 
 def _flowlift(*argv, cwd: Path, timeout: float = 300, preexec_fn=None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")  # fmt: skip
-    return subprocess.run([sys.executable, "-m", "flowlift", *map(str, argv)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout, preexec_fn=preexec_fn)  # fmt: skip
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "flowlift", *map(str, argv)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=preexec_fn,
+    )
 
 
 def _one_line(result: subprocess.CompletedProcess, command: str) -> str:
@@ -72,8 +84,18 @@ def photo(tmp_path_factory) -> Path:
 
 
 def _img2img(photo: Path, model_dir: Path, embeds_file: Path, *extra) -> list:
-    return ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "1", "--no-progress",
-            *extra]  # fmt: skip
+    return [
+        "img2img",
+        photo,
+        "--model",
+        model_dir,
+        "--prompt-embeds",
+        embeds_file,
+        "--steps",
+        "1",
+        "--no-progress",
+        *extra,
+    ]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -96,8 +118,12 @@ def _users_lookalikes(folder: Path) -> dict[Path, bytes | None]:
 
     folder.mkdir(parents=True, exist_ok=True)
     made: dict[Path, bytes | None] = {}
-    for name in (".notes.v2.partial.txt", ".img_x2.k3j4h5l6.partial.png", ".img_x2.abcdefgh.flowlift-partial",
-                 ".img.abcdefgh.flowlift-partial"):  # fmt: skip
+    for name in (
+        ".notes.v2.partial.txt",
+        ".img_x2.k3j4h5l6.partial.png",
+        ".img_x2.abcdefgh.flowlift-partial",
+        ".img.abcdefgh.flowlift-partial",
+    ):
         (folder / name).write_bytes(b"notes " + name.encode())
         made[folder / name] = (folder / name).read_bytes()
     # folders with the temporary name: no origin, an origin that is not flowlift's, flowlift's origin
@@ -132,13 +158,15 @@ def _still_there(made: dict[Path, bytes | None]) -> None:
 
 
 @pytest.mark.parametrize("command", ["upscale", "img2img"])
-def test_the_temporary_sweep_never_removes_a_users_files(tmp_path, shared, tiny_weights, model_dir, embeds_file,
-                                                         photo, command):
+def test_the_temporary_sweep_never_removes_a_users_files(
+    tmp_path, shared, tiny_weights, model_dir, embeds_file, photo, command
+):
     """Issue 32.E: files and folders that merely look like temporaries stay; a killed run's temporary goes."""
     out = tmp_path / "out"
     made = _users_lookalikes(out)
-    killed = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(out / "img_x2.png"), str(SRC)],
-                            capture_output=True, timeout=60)  # fmt: skip
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, str(out / "img_x2.png"), str(SRC)], capture_output=True, timeout=60
+    )
     assert killed.returncode == -signal.SIGKILL
     debris = [p for p in out.iterdir() if p not in made]
     assert len(debris) == 1 and (debris[0] / "data").read_bytes() == b"half an image"
@@ -146,8 +174,20 @@ def test_the_temporary_sweep_never_removes_a_users_files(tmp_path, shared, tiny_
     os.utime(debris[0] / "data", (old, old))
     os.utime(debris[0] / "origin", (old, old))
     if command == "upscale":
-        argv = ["upscale", photo, "-o", out, "--scale", "2", "--upscaler", tiny_weights,
-                "--vae", shared / "models" / "taef2", "--device", "cpu"]  # fmt: skip
+        argv = [
+            "upscale",
+            photo,
+            "-o",
+            out,
+            "--scale",
+            "2",
+            "--upscaler",
+            tiny_weights,
+            "--vae",
+            shared / "models" / "taef2",
+            "--device",
+            "cpu",
+        ]
         written = out / "img_x2.png"
     else:
         written = out / "img_x2.png"
@@ -197,8 +237,9 @@ def _kept(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_a_fifo_or_link_at_an_output_name_is_never_replaced(tmp_path, shared, tiny_weights, model_dir, embeds_file,
-                                                            photo, overwrite):
+def test_a_fifo_or_link_at_an_output_name_is_never_replaced(
+    tmp_path, shared, tiny_weights, model_dir, embeds_file, photo, overwrite
+):
     """Issue 32.F: img2img, hires and upscale refuse a FIFO or a link at the output name, in one line
     (exit 2, or exit 1 for a batch's failed image), --overwrite or not; nothing is written."""
     out = tmp_path / "out"
@@ -209,9 +250,29 @@ def test_a_fifo_or_link_at_an_output_name_is_never_replaced(tmp_path, shared, ti
     for name, kind in kinds.items():
         for command, argv in (
             ("img2img", _img2img(photo, model_dir, embeds_file, "-o", out / name, *flag)),
-            ("hires", ["hires", "--image", square, "--scale", "2", "--upscaler", tiny_weights, "--model", model_dir,
-                       "--prompt-embeds", embeds_file, "--steps", "1", "--no-progress", "-o", out / name, *flag]),
-        ):  # fmt: skip
+            (
+                "hires",
+                [
+                    "hires",
+                    "--image",
+                    square,
+                    "--scale",
+                    "2",
+                    "--upscaler",
+                    tiny_weights,
+                    "--model",
+                    model_dir,
+                    "--prompt-embeds",
+                    embeds_file,
+                    "--steps",
+                    "1",
+                    "--no-progress",
+                    "-o",
+                    out / name,
+                    *flag,
+                ],
+            ),
+        ):
             result = _flowlift(*argv, cwd=tmp_path)
             assert result.returncode == 2, result.stderr
             assert f"exists and is {kind}" in _one_line(result, command)
@@ -220,9 +281,23 @@ def test_a_fifo_or_link_at_an_output_name_is_never_replaced(tmp_path, shared, ti
     (out / "link_x2.png").symlink_to(out / "target.png")
     for stem in ("pipe", "link"):
         Image.open(photo).save(tmp_path / f"{stem}.png")
-    result = _flowlift("upscale", tmp_path / "pipe.png", tmp_path / "link.png", "-o", out, "--scale", "2",
-                       "--upscaler", tiny_weights, "--vae", shared / "models" / "taef2", "--device", "cpu", *flag,
-                       cwd=tmp_path)  # fmt: skip
+    result = _flowlift(
+        "upscale",
+        tmp_path / "pipe.png",
+        tmp_path / "link.png",
+        "-o",
+        out,
+        "--scale",
+        "2",
+        "--upscaler",
+        tiny_weights,
+        "--vae",
+        shared / "models" / "taef2",
+        "--device",
+        "cpu",
+        *flag,
+        cwd=tmp_path,
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "pipe_x2.png exists and is a FIFO" in result.stderr
     assert "link_x2.png exists and is a symbolic link" in result.stderr
@@ -263,8 +338,10 @@ def _mount_tmpfs(folder: Path, options: str) -> bool:
     if os.geteuid() != 0:
         return False
     folder.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
-                          capture_output=True).returncode == 0  # fmt: skip
+    return (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True).returncode
+        == 0
+    )
 
 
 @pytest.fixture
@@ -321,8 +398,9 @@ def _refine_argv(command: str, photo: Path, model_dir: Path, embeds_file: Path, 
 
 
 @pytest.mark.parametrize("command", ["img2img", "hires"])
-def test_unwritable_refine_outputs_are_one_line_before_any_model_loads(tmp_path, read_only_folder, tiny_weights,
-                                                                       embeds_file, photo, command):
+def test_unwritable_refine_outputs_are_one_line_before_any_model_loads(
+    tmp_path, read_only_folder, tiny_weights, embeds_file, photo, command
+):
     """Issue 32.D: -o under a plain file, on a read-only file system, in /proc, or a default name over
     the 255-byte limit: exit 2, one line naming the output, before any model loads (the model folder
     given does not exist, so a later check would name it instead), nothing left."""
@@ -348,8 +426,9 @@ def test_unwritable_refine_outputs_are_one_line_before_any_model_loads(tmp_path,
 
 
 @pytest.mark.parametrize("command", ["img2img", "hires"])
-def test_a_full_disk_during_a_refine_is_one_line_and_leaves_nothing(tmp_path, full_disk, tiny_weights, model_dir,
-                                                                    embeds_file, photo, command):
+def test_a_full_disk_during_a_refine_is_one_line_and_leaves_nothing(
+    tmp_path, full_disk, tiny_weights, model_dir, embeds_file, photo, command
+):
     folder, limit = full_disk
     square = tmp_path / "square.png"
     Image.open(photo).resize((64, 64)).save(square)
@@ -369,14 +448,29 @@ def test_eval_and_dataset_on_a_full_disk_are_one_line_and_leave_no_partial_file(
     photos.mkdir()
     for index in range(2):
         Image.open(photo).rotate(90 * index).resize((64, 64)).save(photos / f"p{index}.png")
-    result = _flowlift("eval", photos, "--reference", photos, "-o", folder / "report", "--no-progress", cwd=tmp_path,
-                       preexec_fn=limit)  # fmt: skip
+    result = _flowlift(
+        "eval", photos, "--reference", photos, "-o", folder / "report", "--no-progress", cwd=tmp_path, preexec_fn=limit
+    )
     assert result.returncode == 2, result.stderr
     line = _one_line(result, "eval")
     assert "cannot write " in line and str(folder / "report") in line
-    result = _flowlift("dataset", "images", photos, "--crop-px", "64", "--crops-per-image", "2", "--vae",
-                       shared / "models" / "taef2", "--device", "cpu", "-o", folder / "data", cwd=tmp_path,
-                       preexec_fn=limit)  # fmt: skip
+    result = _flowlift(
+        "dataset",
+        "images",
+        photos,
+        "--crop-px",
+        "64",
+        "--crops-per-image",
+        "2",
+        "--vae",
+        shared / "models" / "taef2",
+        "--device",
+        "cpu",
+        "-o",
+        folder / "data",
+        cwd=tmp_path,
+        preexec_fn=limit,
+    )
     assert result.returncode == 2, result.stderr
     line = _one_line(result, "dataset")
     assert "cannot write " in line and str(folder / "data") in line
@@ -399,13 +493,24 @@ def test_a_checkpoint_write_removes_only_its_own_runs_partial_folders(tmp_path):
     ema = AveragedModel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    config = build_config(None, {"data": str(tmp_path / "data"), "output": str(tmp_path / "run"),
-                                 "base_channels": 32, "time_dim": 32, "cond_dim": 32})  # fmt: skip
+    config = build_config(
+        None,
+        {
+            "data": str(tmp_path / "data"),
+            "output": str(tmp_path / "run"),
+            "base_channels": 32,
+            "time_dim": 32,
+            "cond_dim": 32,
+        },
+    )
     root = tmp_path / "run" / "checkpoints"
     root.mkdir(parents=True)
     kept = {}
-    for name, run_id in (("step-00000002.partial", "mine"), (".step-00000002.aaaa.partial", None),
-                         (".step-00000002.bbbb.partial", "another run")):  # fmt: skip
+    for name, run_id in (
+        ("step-00000002.partial", "mine"),
+        (".step-00000002.aaaa.partial", None),
+        (".step-00000002.bbbb.partial", "another run"),
+    ):
         (root / name).mkdir()
         (root / name / "notes.txt").write_text("the user's")
         if run_id:
@@ -440,8 +545,9 @@ def test_the_app_prunes_only_its_own_old_result_folders(tmp_path):
     assert (users / "photo.jpg").read_bytes() == b"the user's"
 
 
-def test_a_regular_file_flowlift_did_not_write_is_replaced_only_with_overwrite(tmp_path, shared, tiny_weights,
-                                                                               model_dir, embeds_file, photo):
+def test_a_regular_file_flowlift_did_not_write_is_replaced_only_with_overwrite(
+    tmp_path, shared, tiny_weights, model_dir, embeds_file, photo
+):
     """Issue 32.F: a text file or a truncated picture without flowlift's metadata at an output name is the
     user's, in img2img as in upscale (it used to be redone as 'broken'); an empty file is replaced."""
     picture = (shared / "images" / "kodak" / "kodim23.png").read_bytes()
@@ -458,8 +564,21 @@ def test_a_regular_file_flowlift_did_not_write_is_replaced_only_with_overwrite(t
     for stem, content in (("notes", theirs["notes.png"]), ("cut", theirs["cut.png"])):
         Image.open(photo).save(tmp_path / f"{stem}.png")
         (out / f"{stem}_x2.png").write_bytes(content)
-    argv = ["upscale", tmp_path / "notes.png", tmp_path / "cut.png", "-o", out, "--scale", "2", "--upscaler",
-            tiny_weights, "--vae", shared / "models" / "taef2", "--device", "cpu"]  # fmt: skip
+    argv = [
+        "upscale",
+        tmp_path / "notes.png",
+        tmp_path / "cut.png",
+        "-o",
+        out,
+        "--scale",
+        "2",
+        "--upscaler",
+        tiny_weights,
+        "--vae",
+        shared / "models" / "taef2",
+        "--device",
+        "cpu",
+    ]
     result = _flowlift(*argv, cwd=tmp_path)
     assert result.returncode == 1 and result.stderr.count("was not written by flowlift") == 2, result.stderr
     assert (out / "notes_x2.png").read_bytes() == theirs["notes.png"]

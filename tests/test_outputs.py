@@ -141,8 +141,10 @@ def test_pairing_of_upscale_outputs_with_references(tmp_path):
         pair_by_stem([tmp_path / "kodim01_x2.png", tmp_path / "kodim01_x4.png"], refs)
     # flowlift colorfix's names pair with the source, not with the upscale they were fixed from
     pairs, unpaired = pair_by_stem([tmp_path / "kodim01_x2_colorfix.png", tmp_path / "kodim02_colorfix.png"], refs)
-    assert [(o.name, r.name) for o, r in pairs] == [("kodim01_x2_colorfix.png", "kodim01.png"),
-                                                     ("kodim02_colorfix.png", "kodim02.png")]  # fmt: skip
+    assert [(o.name, r.name) for o, r in pairs] == [
+        ("kodim01_x2_colorfix.png", "kodim01.png"),
+        ("kodim02_colorfix.png", "kodim02.png"),
+    ]
 
 
 def test_inspect_existing_tells_whole_truncated_and_flowlifts_own(tmp_path):
@@ -245,8 +247,11 @@ def test_upscale_writes_one_line_per_file_keeps_the_profile_and_records_the_dtyp
     lines = captured.out.splitlines()
     assert lines[:2] == [f"wrote {out / 'plain_x2.webp'}", f"wrote {out / 'tagged_x2.webp'}"] and len(lines) == 3
     # the summary gives the total and the per-image time (issue 21, item 15)
-    assert re.fullmatch(r"flowlift upscale: 2 written, 0 skipped, 0 failed \(2 inputs\) in [0-9][0-9 .minh]*s, "
-                        r"[0-9][0-9 .minh]*s per image", lines[2]), lines[2]  # fmt: skip
+    assert re.fullmatch(
+        r"flowlift upscale: 2 written, 0 skipped, 0 failed \(2 inputs\) in [0-9][0-9 .minh]*s, "
+        r"[0-9][0-9 .minh]*s per image",
+        lines[2],
+    ), lines[2]
     assert "\r" not in captured.err  # stderr is not a terminal: no progress bars
     with Image.open(out / "tagged_x2.webp") as written:
         assert written.info.get("icc_profile") == icc and written.getexif().get(_MAKE) == "TestCam"
@@ -303,8 +308,12 @@ def test_upscale_keeps_16_bits_where_the_format_can_and_says_so_where_not(tmp_pa
     tif = tmp_path / "rgb16_x2.tif"
     assert main(["upscale", str(tmp_path / "in" / "rgb16.png"), "-o", str(tif), *_common(shared, weights)]) == 0
     assert _bit_depth(tif) == 16 and read_metadata(tif)["Software"].endswith("upscale")
-    assert main(["upscale", str(tmp_path / "in"), "-o", str(tmp_path / "jpg"), "--format", "jpg",
-                 *_common(shared, weights)]) == 0  # fmt: skip
+    assert (
+        main(
+            ["upscale", str(tmp_path / "in"), "-o", str(tmp_path / "jpg"), "--format", "jpg", *_common(shared, weights)]
+        )
+        == 0
+    )
     warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warned) == 2 and all("16-bit" in line and "--format png" in line for line in warned), warned
     assert all(_bit_depth(p) == 8 for p in (tmp_path / "jpg").iterdir())
@@ -327,8 +336,19 @@ def test_colorfix_keeps_16_bits_too(tmp_path, capsys):
     out = tmp_path / "a_x2_colorfix.png"
     assert _bit_depth(out) == 16 and read_metadata(out)["Software"].endswith("colorfix")
     assert np.array_equal(load_image_16bit(out)[0], color_fix_array(big, small))
-    assert main(["colorfix", str(tmp_path / "a_x2.png"), "--reference", str(tmp_path / "a.png"), "-o",
-                 str(tmp_path / "fixed.jpg")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "colorfix",
+                str(tmp_path / "a_x2.png"),
+                "--reference",
+                str(tmp_path / "a.png"),
+                "-o",
+                str(tmp_path / "fixed.jpg"),
+            ]
+        )
+        == 0
+    )
     warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warned) == 1 and "16-bit" in warned[0] and _bit_depth(tmp_path / "fixed.jpg") == 8
 
@@ -363,15 +383,43 @@ def test_eval_reads_upscale_outputs_and_save_outputs_recomputes_the_same_numbers
         with Image.open(shared / "images" / "kodak" / f"{name}.png") as im:
             im.convert("RGB").crop((300, 200, 428, 296)).save(photos / f"{name}.png")
     out = tmp_path / "run"
-    assert main(["eval", "--run", "lanczos,bicubic", "--dataset", str(photos), "--scale", "2", "--save-outputs",
-                 "-o", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--run",
+                "lanczos,bicubic",
+                "--dataset",
+                str(photos),
+                "--scale",
+                "2",
+                "--save-outputs",
+                "-o",
+                str(out),
+            ]
+        )
+        == 0
+    )
     saved = out / "outputs"
     assert sorted(p.name for p in (saved / "lanczos").iterdir()) == ["kodim03_x2.png", "kodim23_x2.png"]
     run_results = json.loads((out / "results.json").read_text())
     capsys.readouterr()
     again = tmp_path / "again"
-    assert main(["eval", str(saved / "lanczos"), "--reference", str(saved / "inputs"), "--ground-truth",
-                 str(saved / "ground-truth"), "-o", str(again)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                str(saved / "lanczos"),
+                "--reference",
+                str(saved / "inputs"),
+                "--ground-truth",
+                str(saved / "ground-truth"),
+                "-o",
+                str(again),
+            ]
+        )
+        == 0
+    )
     pair_results = json.loads((again / "results.json").read_text())
 
     run_rows = run_results["images"]["lanczos"]

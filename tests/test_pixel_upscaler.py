@@ -65,8 +65,18 @@ def test_eval_refuses_a_whole_pickled_model_with_one_line(tmp_path, shared, caps
     from flowlift.commands.cli import main
 
     torch.save({"model": torch.nn.Linear(2, 2)}, tmp_path / "whole.pth")  # a pickled module, not a state dict
-    code = main(["eval", "--run", f"spandrel:{tmp_path / 'whole.pth'}", "--dataset", str(shared / "images" / "kodak"),
-                 "-o", str(tmp_path / "report"), "--no-progress"])  # fmt: skip
+    code = main(
+        [
+            "eval",
+            "--run",
+            f"spandrel:{tmp_path / 'whole.pth'}",
+            "--dataset",
+            str(shared / "images" / "kodak"),
+            "-o",
+            str(tmp_path / "report"),
+            "--no-progress",
+        ]
+    )
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "refused: this pickle needs more" in lines[0], lines
     assert not (tmp_path / "report" / "results.json").exists()

@@ -143,14 +143,32 @@ def photos(tmp_path_factory, shared) -> Path:
 def test_eval_into_a_log_writes_progress_lines(photos, tmp_path):
     """``flowlift eval ... >out 2>log``: neither stream a terminal, progress lines in the log at the interval
     (here a short one), then the table on stdout."""
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), console.PROGRESS_INTERVAL_VARIABLE: "0.001",
-           "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO / "src"),
+        console.PROGRESS_INTERVAL_VARIABLE: "0.001",
+        "HF_HUB_OFFLINE": "1",
+    }
     with open(tmp_path / "out", "w") as out, open(tmp_path / "log", "w") as log:
         done = subprocess.run(
-            [sys.executable, "-m", "flowlift", "eval", str(photos), "--reference", str(photos), "-o",
-             str(tmp_path / "report")],
-            stdout=out, stderr=log, stdin=subprocess.DEVNULL, env=env, timeout=300, cwd=tmp_path,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "flowlift",
+                "eval",
+                str(photos),
+                "--reference",
+                str(photos),
+                "-o",
+                str(tmp_path / "report"),
+            ],
+            stdout=out,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            timeout=300,
+            cwd=tmp_path,
+        )
     text = (tmp_path / "log").read_text()
     assert done.returncode == 0, text
     progress = [line for line in text.splitlines() if re.match(r"flowlift eval: \d/3 img \(\d+%\) in ", line)]
@@ -170,20 +188,47 @@ def test_upscale_into_a_log_names_what_loads_then_every_stage_and_its_time_left(
     weights = tiny_upscaler(tmp_path / "flow_upscaler.safetensors")
     with Image.open(shared / "images" / "kodak" / "kodim23.png") as im:
         im.convert("RGB").crop((0, 0, 96, 64)).save(tmp_path / "kodim23.png")
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), console.PROGRESS_INTERVAL_VARIABLE: "0.02",
-           "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO / "src"),
+        console.PROGRESS_INTERVAL_VARIABLE: "0.02",
+        "HF_HUB_OFFLINE": "1",
+    }
     with open(tmp_path / "out", "w") as out, open(tmp_path / "log", "w") as log:
         done = subprocess.run(
-            [sys.executable, "-m", "flowlift", "upscale", "kodim23.png", "--scale", "4", "--upscaler", str(weights),
-             "--vae", str(shared / "models" / "taef2"), "--device", "cpu", "-o", "big.png"],
-            stdout=out, stderr=log, stdin=subprocess.DEVNULL, env=env, timeout=300, cwd=tmp_path,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "flowlift",
+                "upscale",
+                "kodim23.png",
+                "--scale",
+                "4",
+                "--upscaler",
+                str(weights),
+                "--vae",
+                str(shared / "models" / "taef2"),
+                "--device",
+                "cpu",
+                "-o",
+                "big.png",
+            ],
+            stdout=out,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            timeout=300,
+            cwd=tmp_path,
+        )
     text = (tmp_path / "log").read_text()
     assert done.returncode == 0, text
     lines = [line for line in text.splitlines() if line.startswith("flowlift upscale: ")]
     first = next(i for i, line in enumerate(lines) if "loading" in line)
-    assert re.match(r"flowlift upscale: loading the Flow Upscaler \(flow_upscaler\.safetensors, \d+ MB\) and VAE "
-                    r".*taef2 \(.*\), [\d.]+ s so far$", lines[first]), lines[first]  # fmt: skip
+    assert re.match(
+        r"flowlift upscale: loading the Flow Upscaler \(flow_upscaler\.safetensors, \d+ MB\) and VAE "
+        r".*taef2 \(.*\), [\d.]+ s so far$",
+        lines[first],
+    ), lines[first]
     later = [line for line in lines[first:] if "loading" not in line]
     stages = r"(encode|pass [12]/2|decode(, tile \d+/\d+)?|color fix|writing|done)"
     duration = r"([\d.]+ s|\d+ min \d\d s)"

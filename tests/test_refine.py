@@ -517,8 +517,10 @@ def test_the_refiners_schedule_and_per_call_choices(transformer, vae, image):
     assert txt.parameters["mu_rule"] == "empirical" and "schedule" not in txt.parameters  # a full window
     hires = refiner.hires(
         AsUpscaler(lambda z: torch.nn.functional.interpolate(z, scale_factor=2)),
-        HiresSettings(base_size=(32, 32), base_steps=3), sampling=SamplingSettings(steps=4, seed=0), prompt_embeds=EMB,
-    )  # fmt: skip
+        HiresSettings(base_size=(32, 32), base_steps=3),
+        sampling=SamplingSettings(steps=4, seed=0),
+        prompt_embeds=EMB,
+    )
     assert hires.parameters["base_mu"] == pytest.approx(_mu(4, 3), abs=1e-6)  # each pass its own size and steps
     assert hires.parameters["mu"] == pytest.approx(_mu(16, 4), abs=1e-6)
 

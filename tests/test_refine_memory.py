@@ -120,8 +120,9 @@ def test_the_planned_vae_tiling_reaches_the_vae(model_dir, image):
 
 # ------------------------------------------------------------------------------------------------- the plan
 
-KLEIN_4B = TransformerSizes(total_bytes=int(7.75 * GB), largest_block_bytes=int(0.226 * GB),
-                            outside_blocks_bytes=int(0.5 * GB), width=3072)  # fmt: skip
+KLEIN_4B = TransformerSizes(
+    total_bytes=int(7.75 * GB), largest_block_bytes=int(0.226 * GB), outside_blocks_bytes=int(0.5 * GB), width=3072
+)
 VAE_BYTES = int(0.17 * GB)
 
 
@@ -156,11 +157,13 @@ def test_plan_too_small_is_one_line():
 
 
 # Klein 9B as a Q4_K_M GGUF: 8 + 24 blocks of width 4096; the largest (a double block) ~0.25 GB at ~4.5 bits
-KLEIN_9B_Q4 = TransformerSizes(total_bytes=int(5.5 * GB), largest_block_bytes=int(0.25 * GB),
-                               outside_blocks_bytes=int(0.3 * GB), width=4096)  # fmt: skip
+KLEIN_9B_Q4 = TransformerSizes(
+    total_bytes=int(5.5 * GB), largest_block_bytes=int(0.25 * GB), outside_blocks_bytes=int(0.3 * GB), width=4096
+)
 # the same in bf16: a double block is ~436M parameters
-KLEIN_9B_BF16 = TransformerSizes(total_bytes=int(18.1 * GB), largest_block_bytes=int(0.87 * GB),
-                                 outside_blocks_bytes=int(0.6 * GB), width=4096)  # fmt: skip
+KLEIN_9B_BF16 = TransformerSizes(
+    total_bytes=int(18.1 * GB), largest_block_bytes=int(0.87 * GB), outside_blocks_bytes=int(0.6 * GB), width=4096
+)
 
 
 def test_plan_counts_a_tiles_tokens_so_12_gb_plans_a_4096_hires_fix():
@@ -180,8 +183,11 @@ def test_plan_counts_a_tiles_tokens_so_12_gb_plans_a_4096_hires_fix():
     latents = LATENT_FRAME_BUFFERS * 32 * 512 * 512 * 4
     sampling = KLEIN_9B_Q4.total_bytes + VAE_BYTES + tiled.tile_batch * tile_activations + latents
     assert tiled.stage_peaks["sampling"] == sampling
-    coding = KLEIN_9B_Q4.total_bytes + VAE_BYTES + decode_peak_bytes("flux2", 4096, 4096, dtype=torch.bfloat16,
-                                                                     tiled=tiled.vae_tiled)  # fmt: skip
+    coding = (
+        KLEIN_9B_Q4.total_bytes
+        + VAE_BYTES
+        + decode_peak_bytes("flux2", 4096, 4096, dtype=torch.bfloat16, tiled=tiled.vae_tiled)
+    )
     assert tiled.stage_peaks["vae"] == coding and tiled.peak_bytes == max(sampling, coding) <= 12 * GB
     # tile_batch auto: as many tiles per call as fit, at most 4; one more would not fit (or the cap is reached)
     assert tiled.tile_batch == min(4, (12 * GB - (sampling - tiled.tile_batch * tile_activations)) // tile_activations)
@@ -323,8 +329,20 @@ def test_cli_frees_the_text_encoder_before_the_transformer_loads(capsys, tmp_pat
         importlib.util, "find_spec", lambda name, *a: object() if name == "transformers" else real_find_spec(name, *a)
     )
     out = tmp_path / "o.png"
-    argv = ["img2img", photo, "--model", model_dir, "--prompt", "a red door", "--cfg-scale", "2",
-            "--steps", "3", "-o", out]  # fmt: skip
+    argv = [
+        "img2img",
+        photo,
+        "--model",
+        model_dir,
+        "--prompt",
+        "a red door",
+        "--cfg-scale",
+        "2",
+        "--steps",
+        "3",
+        "-o",
+        out,
+    ]
     assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
     assert len(encoders) == 1 and alive_at_load == [[False]]  # one encoder for prompt and negative, freed first
     _, meta = _pixels_and_metadata(out)
@@ -354,9 +372,13 @@ def test_offload_modes_compose_with_fp8_gguf_and_a_lora(tmp_path, image):
     for path in files:
         latents = {}
         for mode in ("none", "model", "group"):
-            refiner = load_refiner(str(tmp_path / "vae"), vae=str(tmp_path / "vae"), transformer=str(path),
-                                   loras=[(tmp_path / "lora.safetensors", 0.7)],
-                                   memory=RefineMemory(offload=mode))  # fmt: skip
+            refiner = load_refiner(
+                str(tmp_path / "vae"),
+                vae=str(tmp_path / "vae"),
+                transformer=str(path),
+                loras=[(tmp_path / "lora.safetensors", 0.7)],
+                memory=RefineMemory(offload=mode),
+            )
             latents[mode] = refiner.img2img(
                 image, strength=0.6, sampling=SamplingSettings(steps=2, seed=3), prompt_embeds=EMB
             ).latents

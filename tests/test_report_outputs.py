@@ -103,8 +103,19 @@ def photos(tmp_path_factory, shared) -> Path:
 
 
 def _eval_argv(photos: Path, out: Path) -> list[str]:
-    return ["eval", "--run", "lanczos", "--dataset", str(photos), "--scale", "2", "--save-outputs", "--no-progress",
-            "--output", str(out)]  # fmt: skip
+    return [
+        "eval",
+        "--run",
+        "lanczos",
+        "--dataset",
+        str(photos),
+        "--scale",
+        "2",
+        "--save-outputs",
+        "--no-progress",
+        "--output",
+        str(out),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +127,15 @@ def eval_reference(tmp_path_factory, photos) -> Path:
 
 
 def _eval_names() -> list[str]:
-    names = ["results.json", "table.md", "metrics.png", "crops.png", "outputs/lanczos/kodim03_x2.png",
-             "outputs/inputs/kodim03.png", "outputs/ground-truth/kodim03.png"]  # fmt: skip
+    names = [
+        "results.json",
+        "table.md",
+        "metrics.png",
+        "crops.png",
+        "outputs/lanczos/kodim03_x2.png",
+        "outputs/inputs/kodim03.png",
+        "outputs/ground-truth/kodim03.png",
+    ]
     return names + ["cache entry .json", "cache entry .png"]
 
 
@@ -133,25 +151,55 @@ def _resolve(reference: Path, name: str) -> str:
 @pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", _eval_names())
-def test_eval_applies_the_replace_rule_at_every_name(tmp_path, capsys, monkeypatch, photos, eval_reference,
-                                                     name, kind, overwrite):  # fmt: skip
+def test_eval_applies_the_replace_rule_at_every_name(
+    tmp_path, capsys, monkeypatch, photos, eval_reference, name, kind, overwrite
+):
     name = _resolve(eval_reference, name)
     out = tmp_path / "report"
-    _case(tmp_path, capsys, monkeypatch, command="eval", argv=_eval_argv(photos, out), out=out, name=name,
-          kind=kind, overwrite=overwrite, own=eval_reference,
-          no_work=_fail("flowlift.measure.evaluate.evaluate_methods"))  # fmt: skip
+    _case(
+        tmp_path,
+        capsys,
+        monkeypatch,
+        command="eval",
+        argv=_eval_argv(photos, out),
+        out=out,
+        name=name,
+        kind=kind,
+        overwrite=overwrite,
+        own=eval_reference,
+        no_work=_fail("flowlift.measure.evaluate.evaluate_methods"),
+    )
 
 
 @pytest.mark.parametrize("kind", ["fifo", "foreign file"])
 @pytest.mark.parametrize("name", ["results.json", "table.md", "metrics.png"])
-def test_eval_of_pairs_applies_the_rule_to_its_reports(tmp_path, capsys, monkeypatch, photos, eval_reference, name,
-                                                       kind):  # fmt: skip
+def test_eval_of_pairs_applies_the_rule_to_its_reports(
+    tmp_path, capsys, monkeypatch, photos, eval_reference, name, kind
+):
     out = tmp_path / "report"
     outputs = eval_reference / "outputs"
-    argv = ["eval", str(outputs / "lanczos"), "--reference", str(outputs / "inputs"), "--no-progress",
-            "--output", str(out)]
-    _case(tmp_path, capsys, monkeypatch, command="eval", argv=argv, out=out, name=name, kind=kind, overwrite=False,
-          own=eval_reference, no_work=_fail("flowlift.measure.evaluate.evaluate_pairs"))  # fmt: skip
+    argv = [
+        "eval",
+        str(outputs / "lanczos"),
+        "--reference",
+        str(outputs / "inputs"),
+        "--no-progress",
+        "--output",
+        str(out),
+    ]
+    _case(
+        tmp_path,
+        capsys,
+        monkeypatch,
+        command="eval",
+        argv=argv,
+        out=out,
+        name=name,
+        kind=kind,
+        overwrite=False,
+        own=eval_reference,
+        no_work=_fail("flowlift.measure.evaluate.evaluate_pairs"),
+    )
 
 
 @pytest.mark.parametrize("kind", ["link", "file"])
@@ -191,8 +239,17 @@ def fake_vae(monkeypatch):
 
 
 def _bands_argv(shared: Path, out: Path) -> list[str]:
-    return ["bands", str(shared / "images" / "kodak" / "kodim01.png"), "--vae", "fake", "--max-side", "256",
-            "--no-progress", "--output", str(out)]  # fmt: skip
+    return [
+        "bands",
+        str(shared / "images" / "kodak" / "kodim01.png"),
+        "--vae",
+        "fake",
+        "--max-side",
+        "256",
+        "--no-progress",
+        "--output",
+        str(out),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +266,9 @@ def bands_reference(tmp_path_factory, shared) -> Path:
 @pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", ["bands.json", "bands.md", "bands.png"])
-def test_bands_applies_the_replace_rule_at_every_name(tmp_path, capsys, monkeypatch, shared, bands_reference, fake_vae,
-                                                      name, kind, overwrite):  # fmt: skip
+def test_bands_applies_the_replace_rule_at_every_name(
+    tmp_path, capsys, monkeypatch, shared, bands_reference, fake_vae, name, kind, overwrite
+):
     out = tmp_path / "bands"
 
     def no_model(patch) -> None:
@@ -219,8 +277,19 @@ def test_bands_applies_the_replace_rule_at_every_name(tmp_path, capsys, monkeypa
         patch.setattr(sys.modules["flowlift.models.vae_loading"], "load_vae", _fail_now, raising=False)
         patch.setattr("flowlift.files.images.load_image", _fail_now)
 
-    _case(tmp_path, capsys, monkeypatch, command="bands", argv=_bands_argv(shared, out), out=out, name=name,
-          kind=kind, overwrite=overwrite, own=bands_reference, no_work=no_model)  # fmt: skip
+    _case(
+        tmp_path,
+        capsys,
+        monkeypatch,
+        command="bands",
+        argv=_bands_argv(shared, out),
+        out=out,
+        name=name,
+        kind=kind,
+        overwrite=overwrite,
+        own=bands_reference,
+        no_work=no_model,
+    )
 
 
 def _fail_now(*args, **kwargs):
@@ -240,8 +309,24 @@ def crops(tmp_path_factory) -> Path:
 
 
 def _dataset_argv(shared: Path, crops: Path, out: Path) -> list[str]:
-    return ["dataset", "images", str(crops), "--crop-px", "32", "--crops-per-image", "1", "--shard-size", "1", "--vae",
-            str(shared / "models" / "taef2"), "--device", "cpu", "--no-progress", "--output", str(out)]  # fmt: skip
+    return [
+        "dataset",
+        "images",
+        str(crops),
+        "--crop-px",
+        "32",
+        "--crops-per-image",
+        "1",
+        "--shard-size",
+        "1",
+        "--vae",
+        str(shared / "models" / "taef2"),
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--output",
+        str(out),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -254,12 +339,23 @@ def dataset_reference(tmp_path_factory, shared, crops) -> Path:
 @pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", ["dataset.json", "shard-00001.safetensors"])
-def test_dataset_applies_the_replace_rule_at_every_name(tmp_path, capsys, monkeypatch, shared, crops,
-                                                        dataset_reference, name, kind, overwrite):  # fmt: skip
+def test_dataset_applies_the_replace_rule_at_every_name(
+    tmp_path, capsys, monkeypatch, shared, crops, dataset_reference, name, kind, overwrite
+):
     out = tmp_path / "data"
-    ran = _case(tmp_path, capsys, monkeypatch, command="dataset", argv=_dataset_argv(shared, crops, out), out=out,
-                name=name, kind=kind, overwrite=overwrite, own=dataset_reference,
-                no_work=_fail("flowlift.models.vae_loading.load_vae"))  # fmt: skip
+    ran = _case(
+        tmp_path,
+        capsys,
+        monkeypatch,
+        command="dataset",
+        argv=_dataset_argv(shared, crops, out),
+        out=out,
+        name=name,
+        kind=kind,
+        overwrite=overwrite,
+        own=dataset_reference,
+        no_work=_fail("flowlift.models.vae_loading.load_vae"),
+    )
     if ran:
         from flowlift.training.shards import ShardReader
 

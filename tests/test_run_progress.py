@@ -106,8 +106,12 @@ def test_time_left_when_the_last_stage_is_fast():
 
 def test_refine_steps_slow_at_the_end():
     """A refine: encode, 28 steps, then a long decode 1.2x slower per unit than the steps' speed predicts."""
-    stages = [("encode", 1.0, 7.0, 1), ("steps", 28.0, 28 * 6.0, 28), ("decode", 20.0, 20 * 7.2, 8),
-              ("writing", 0.2, 1.0, 1)]  # fmt: skip
+    stages = [
+        ("encode", 1.0, 7.0, 1),
+        ("steps", 28.0, 28 * 6.0, 28),
+        ("decode", 20.0, 20 * 7.2, 8),
+        ("writing", 0.2, 1.0, 1),
+    ]
     end, polls = drive(stages, load_s=120.0)
     check_last_quarter(end, polls)
 

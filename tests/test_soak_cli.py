@@ -14,10 +14,22 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_soak_cli_short_run_writes_every_output_valid_and_stays_flat(shared, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), FLOWLIFT_SHARED=str(shared), OMP_NUM_THREADS="1")
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "soak_cli.py"), "--images", "20", "--unet", "tiny",
-         "--work", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=900, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "soak_cli.py"),
+            "--images",
+            "20",
+            "--unet",
+            "tiny",
+            "--work",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+        check=False,
+    )
     assert "outputs: 20 of 20 valid" in run.stdout, run.stdout + run.stderr[-2000:]
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]  # flat: memory, open files, threads
     row = [line for line in run.stdout.splitlines() if line.startswith("| flowlift upscale (one process) | 20 |")]

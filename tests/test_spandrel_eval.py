@@ -30,9 +30,7 @@ def venv_run(shared, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("spandrel")
 
     def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
-        )
+        return subprocess.run([str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
     run.cwd = cwd
     return run
@@ -60,10 +58,19 @@ def model_checks(venv_run, photos) -> dict:
 def eval_report(venv_run, photos, model_checks) -> dict:
     model = venv_run.cwd / "models" / "esrgan.safetensors"
     result = venv_run(
-        "-m", "flowlift", "eval",
-        "--run", f"lanczos,spandrel:{model}:tiny,spandrel:{model}:tiny+colorfix",
-        "--dataset", str(photos), "--scale", "4", "-o", "report", "--no-progress",
-    )  # fmt: skip
+        "-m",
+        "flowlift",
+        "eval",
+        "--run",
+        f"lanczos,spandrel:{model}:tiny,spandrel:{model}:tiny+colorfix",
+        "--dataset",
+        str(photos),
+        "--scale",
+        "4",
+        "-o",
+        "report",
+        "--no-progress",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((venv_run.cwd / "report" / "results.json").read_text())
     report["stdout"] = result.stdout
@@ -102,7 +109,6 @@ def test_tiled_inference_matches_untiled(model_checks):
     print(f"tiled vs untiled, max |difference|: overlap 2: {tiling['2']:.3g}, overlap 16: {tiling['16']:.3g}")
     assert tiling["16"] <= 1e-6  # the tiny model's receptive field fits in 16 px: float noise only
     assert tiling["2"] <= 1e-3  # seams from cut context stay small
-
 
 
 def test_bad_model_files_are_one_line_naming_the_file_and_what_is_wrong(venv_run, photos):

@@ -75,8 +75,21 @@ def test_y_metrics_equal_an_independent_computation():
 
 def test_eval_reports_y_metrics_that_recompute_from_saved_outputs(photos, tmp_path, capsys):
     out_dir = tmp_path / "report"
-    code = main(["eval", "--run", "lanczos,bicubic", "--dataset", str(photos), "--scale", "4", "--save-outputs",
-                 "--no-progress", "-o", str(out_dir)])  # fmt: skip
+    code = main(
+        [
+            "eval",
+            "--run",
+            "lanczos,bicubic",
+            "--dataset",
+            str(photos),
+            "--scale",
+            "4",
+            "--save-outputs",
+            "--no-progress",
+            "-o",
+            str(out_dir),
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "PSNR-Y (dB)" in printed and "SSIM-Y" in printed
@@ -155,8 +168,11 @@ def _eval(args, tmp_path, name):
 
 def test_eval_runs_sesqui_beside_the_others_at_1_5x(photos, sesqui_file, flux2_vae_dir, tmp_path, capsys):
     run = f"lanczos,latent-bicubic,flow,sesqui:{sesqui_file}"
-    out_dir, data = _eval(["--run", run, "--dataset", str(photos), "--scale", "1.5", "--vae", str(flux2_vae_dir),
-                           "--save-outputs"], tmp_path, "r15")  # fmt: skip
+    out_dir, data = _eval(
+        ["--run", run, "--dataset", str(photos), "--scale", "1.5", "--vae", str(flux2_vae_dir), "--save-outputs"],
+        tmp_path,
+        "r15",
+    )
     table = capsys.readouterr().out
     assert data["config"]["methods"] == ["lanczos", "latent-bicubic", "sesqui:upscaler_Flux2"]
     assert "power of 2" in data["config"]["skipped"]["flow"] and "flow: skipped" in table
@@ -176,8 +192,20 @@ def test_eval_runs_sesqui_beside_the_others_at_1_5x(photos, sesqui_file, flux2_v
 
 
 def test_eval_at_3x_skips_what_cannot_reach_it(photos, sesqui_file, flux2_vae_dir, tmp_path, capsys):
-    _, data = _eval(["--run", f"lanczos,flow,sesqui:{sesqui_file}", "--dataset", str(photos), "--scale", "3",
-                     "--vae", str(flux2_vae_dir)], tmp_path, "r3")  # fmt: skip
+    _, data = _eval(
+        [
+            "--run",
+            f"lanczos,flow,sesqui:{sesqui_file}",
+            "--dataset",
+            str(photos),
+            "--scale",
+            "3",
+            "--vae",
+            str(flux2_vae_dir),
+        ],
+        tmp_path,
+        "r3",
+    )
     assert data["config"]["methods"] == ["lanczos"]
     assert set(data["config"]["skipped"]) == {"flow", "sesqui:upscaler_Flux2"}
     assert "sesqui:upscaler_Flux2: skipped, SesquiLSR reaches factors in [1, 2]" in capsys.readouterr().out

@@ -26,8 +26,15 @@ JOB = {"event": "job", "run": "r1", "inputs": 2, "todo": 2, "skipped": 0, "world
 
 
 def _image(name: str, folder: Path, status: str = "done") -> dict:
-    return {"event": "image", "input": f"{name}.png", "output": str(folder / f"{name}_x2.png"), "status": status,
-            "seconds": 1.0, "error": None, "run": "r1"}  # fmt: skip
+    return {
+        "event": "image",
+        "input": f"{name}.png",
+        "output": str(folder / f"{name}_x2.png"),
+        "status": status,
+        "seconds": 1.0,
+        "error": None,
+        "run": "r1",
+    }
 
 
 def _write_manifest(folder: Path, pieces: list[bytes]) -> Path:
@@ -82,8 +89,15 @@ def test_an_over_long_line_is_one_bad_line_read_in_bounded_chunks(tmp_path, caps
 
 def test_the_line_bound_holds_whatever_the_chunk(tmp_path):
     """No line longer than the bound is ever handed on (held whole), for chunk sizes around it."""
-    pieces = [_line(JOB), b"y" * 500 + b"\n", _line(_image("a", tmp_path)), b"z" * 99 + b"\n", b"\n",
-              _line(_image("b", tmp_path)), b"w" * 1000]  # fmt: skip
+    pieces = [
+        _line(JOB),
+        b"y" * 500 + b"\n",
+        _line(_image("a", tmp_path)),
+        b"z" * 99 + b"\n",
+        b"\n",
+        _line(_image("b", tmp_path)),
+        b"w" * 1000,
+    ]
     path = _write_manifest(tmp_path, pieces)
     for chunk in (1, 7, 64, 399, 400, 401, 4096):
         stream = RecordStream(path, max_line=400, chunk=chunk)
@@ -101,8 +115,9 @@ def test_the_line_bound_holds_whatever_the_chunk(tmp_path):
         assert stream.bad_lines == 3 and max(held) <= 400, chunk  # 500 y, 99 z (not JSON), 1000 w; blank skipped
 
 
-@pytest.mark.parametrize("junk", [b"[" * 100_000, b'{"event": ' * 50_000, b"\xff\xfe not utf-8", b"[1, 2]",
-                                  b'{"no event": 1}'])  # fmt: skip
+@pytest.mark.parametrize(
+    "junk", [b"[" * 100_000, b'{"event": ' * 50_000, b"\xff\xfe not utf-8", b"[1, 2]", b'{"no event": 1}']
+)
 def test_a_line_that_is_no_record_is_counted_not_a_traceback(tmp_path, capsys, junk):
     _write_manifest(tmp_path, [_line(JOB), junk + b"\n", _line(_image("a", tmp_path)), _line(_image("b", tmp_path))])
     assert main(["status", str(tmp_path)]) == 0
@@ -110,8 +125,17 @@ def test_a_line_that_is_no_record_is_counted_not_a_traceback(tmp_path, capsys, j
     assert "Traceback" not in captured.err and "1 line(s) of the manifest are no record" in captured.out
 
 
-@pytest.mark.parametrize("odd", [{"seconds": "soon"}, {"seconds": [1]}, {"run": {"x": 1}}, {"run": ["r1"]},
-                                 {"output": {"a": 1}}, {"status": ["done"]}])  # fmt: skip
+@pytest.mark.parametrize(
+    "odd",
+    [
+        {"seconds": "soon"},
+        {"seconds": [1]},
+        {"run": {"x": 1}},
+        {"run": ["r1"]},
+        {"output": {"a": 1}},
+        {"status": ["done"]},
+    ],
+)
 def test_records_corrupt_in_their_fields_are_no_traceback(tmp_path, capsys, odd):
     record = {**_image("a", tmp_path), **odd}
     job = {**JOB, "run": odd["run"]} if "run" in odd else JOB

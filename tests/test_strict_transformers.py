@@ -58,16 +58,31 @@ def _folder(files: Path, name: str, config: dict | None = None, change=None) -> 
 def _img2img(files: Path, out: Path, *model_args: str, limit_memory: bool = False) -> subprocess.CompletedProcess:
     """``flowlift img2img`` in a subprocess (address space capped at 6 GiB when ``limit_memory``: an unchecked
     config that allocates fails there instead of taking the machine)."""
-    argv = [sys.executable, "-m", "flowlift", "img2img", str(files / "img.png"), *model_args,
-            "--vae", str(files / "vae"), "--prompt-embeds", str(files / "emb.safetensors"), "--steps", "1",
-            "--no-progress", "-o", str(out)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "flowlift",
+        "img2img",
+        str(files / "img.png"),
+        *model_args,
+        "--vae",
+        str(files / "vae"),
+        "--prompt-embeds",
+        str(files / "emb.safetensors"),
+        "--steps",
+        "1",
+        "--no-progress",
+        "-o",
+        str(out),
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
 
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
 
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120,
-                          preexec_fn=cap if limit_memory else None)  # fmt: skip
+    return subprocess.run(
+        argv, env=env, capture_output=True, text=True, timeout=120, preexec_fn=cap if limit_memory else None
+    )
 
 
 def _one_line(run: subprocess.CompletedProcess, out: Path) -> str:
@@ -212,8 +227,11 @@ def _write_broken_files(files: Path, good_file: Path) -> dict[str, tuple[Path, s
     cases = {}
     half = files / "half.safetensors"
     half.write_bytes(good_file.read_bytes()[: good_file.stat().st_size // 2])
-    cases["truncated"] = (half, f"truncated (136188 of the 274816 bytes of tensor data its header declares; an "
-                                f"interrupted download?); fetch it again, e.g. `hf download OWNER/REPO {half.name}")
+    cases["truncated"] = (
+        half,
+        f"truncated (136188 of the 274816 bytes of tensor data its header declares; an "
+        f"interrupted download?); fetch it again, e.g. `hf download OWNER/REPO {half.name}",
+    )
     model = tiny_transformer()
     rows = files / "rows.safetensors"
     write_fp8(model, rows, scale="rows")
@@ -229,9 +247,16 @@ def _write_broken_files(files: Path, good_file: Path) -> dict[str, tuple[Path, s
     from diffusers import Flux2Transformer2DModel
 
     torch.manual_seed(0)
-    wide = Flux2Transformer2DModel(num_layers=1, num_single_layers=1, attention_head_dim=128, num_attention_heads=2,
-                                   joint_attention_dim=256, timestep_guidance_channels=256,
-                                   axes_dims_rope=(32, 32, 32, 32), out_channels=64)  # fmt: skip
+    wide = Flux2Transformer2DModel(
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=128,
+        num_attention_heads=2,
+        joint_attention_dim=256,
+        timestep_guidance_channels=256,
+        axes_dims_rope=(32, 32, 32, 32),
+        out_channels=64,
+    )
     write_gguf(wide, files / "out.gguf", "Q8_0")
     cases["gguf-output-projection"] = (files / "out.gguf", "maps 128 latent channels (img_in.weight) to 64")
     return cases
@@ -291,11 +316,33 @@ def test_a_distillation_teacher_folder_is_checked_the_same_way(files, tmp_path, 
     teacher = _folder(files, "teacher", {"num_single_layers": 0})
     save_file({"prompt_embeds": torch.randn(6, 32)}, str(tmp_path / "embeds.safetensors"))
     out = tmp_path / "distill"
-    argv = ["dataset", "distill", "-o", str(out), "--vae", str(shared / "models" / "taef2"),
-            "--teacher", str(teacher), "--prompt-embeds", str(tmp_path / "embeds.safetensors"), "--num", "2",
-            "--width", "64", "--height", "64", "--steps", "1", "--device", "cpu", "--no-progress"]  # fmt: skip
+    argv = [
+        "dataset",
+        "distill",
+        "-o",
+        str(out),
+        "--vae",
+        str(shared / "models" / "taef2"),
+        "--teacher",
+        str(teacher),
+        "--prompt-embeds",
+        str(tmp_path / "embeds.safetensors"),
+        "--num",
+        "2",
+        "--width",
+        "64",
+        "--height",
+        "64",
+        "--steps",
+        "1",
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"flowlift dataset: error: --teacher {teacher}: config.json does not match its weights: "
-                   "num_single_layers is 0, the weights hold 1"), err  # fmt: skip
+    assert err == (
+        f"flowlift dataset: error: --teacher {teacher}: config.json does not match its weights: "
+        "num_single_layers is 0, the weights hold 1"
+    ), err
     assert not (out / "dataset.json").exists()

@@ -55,9 +55,18 @@ def image():
 
 @pytest.mark.parametrize(
     "length,tile,overlap",
-    [(4096, 1024, 128), (8192, 1024, 128), (16384, 1024, 128), (1104, 1024, 128), (2048, 1024, 0), (128, 80, 32),
-     (3072, 768, 256), (1040, 1024, 0), (4096, 1024, 512)],
-)  # fmt: skip
+    [
+        (4096, 1024, 128),
+        (8192, 1024, 128),
+        (16384, 1024, 128),
+        (1104, 1024, 128),
+        (2048, 1024, 0),
+        (128, 80, 32),
+        (3072, 768, 256),
+        (1040, 1024, 0),
+        (4096, 1024, 512),
+    ],
+)
 def test_tiles_cover_the_frame_on_the_patch_grid(length, tile, overlap):
     starts = tile_starts(length, tile, overlap)
     assert starts[0] == 0 and starts[-1] + tile == length
@@ -90,9 +99,16 @@ def test_weights_sum_to_one_and_are_exactly_one_where_a_tile_is_alone():
 def test_knobs_domains_are_one_line_errors():
     assert parse_tile_size("auto") == "auto" and parse_tile_size("OFF") == "off" and parse_tile_size("1024") == 1024
     assert parse_tile_overlap("0") == 0 and parse_tile_batch("auto") == "auto" and parse_tile_batch(3) == 3
-    for bad, parse in [("1000", parse_tile_size), ("16", parse_tile_size), ("big", parse_tile_size),
-                       (True, parse_tile_size), ("-16", parse_tile_overlap), ("20", parse_tile_overlap),
-                       ("0", parse_tile_batch), ("many", parse_tile_batch)]:  # fmt: skip
+    for bad, parse in [
+        ("1000", parse_tile_size),
+        ("16", parse_tile_size),
+        ("big", parse_tile_size),
+        (True, parse_tile_size),
+        ("-16", parse_tile_overlap),
+        ("20", parse_tile_overlap),
+        ("0", parse_tile_batch),
+        ("many", parse_tile_batch),
+    ]:
         with pytest.raises(FlowliftError) as caught:
             parse(bad)
         assert "\n" not in str(caught.value)
@@ -220,8 +236,10 @@ def test_several_images_run_one_tile_of_all_per_call_and_record_what_ran(vae, im
     assert out.parameters["tiles"]["batch"] == 1
     ours = [str(w.message) for w in caught if issubclass(w.category, FlowliftWarning)]
     if isinstance(requested, int) and requested > 1:
-        assert ours == [f"tile batch {requested}: with 2 images in one batch each transformer call runs one "
-                        "tile of all 2 (recorded as batch 1)"], ours  # fmt: skip
+        assert ours == [
+            f"tile batch {requested}: with 2 images in one batch each transformer call runs one "
+            "tile of all 2 (recorded as batch 1)"
+        ], ours
     else:
         assert not ours, ours
     # its noise is the first half of the pair's
@@ -255,12 +273,14 @@ def test_edge_ramps_use_the_axis_length_to_refuse_layouts_that_do_not_span_it():
     from flowlift.refine.tiled_velocity import edge_ramps
 
     assert len(edge_ramps(40, [0, 12, 24], 16)) == 3
-    for length, starts, tile in [(48, [0, 12, 24], 16),  # the last tile ends before the axis
-                                 (32, [0, 12, 24], 16),  # and past it
-                                 (40, [4, 12, 24], 16),  # the first starts inside
-                                 (40, [0, 24, 12, 24], 16),  # out of order
-                                 (64, [0, 24, 48], 16),  # a gap between tiles
-                                 (40, [], 16)]:  # fmt: skip
+    for length, starts, tile in [
+        (48, [0, 12, 24], 16),  # the last tile ends before the axis
+        (32, [0, 12, 24], 16),  # and past it
+        (40, [4, 12, 24], 16),  # the first starts inside
+        (40, [0, 24, 12, 24], 16),  # out of order
+        (64, [0, 24, 48], 16),  # a gap between tiles
+        (40, [], 16),
+    ]:
         with pytest.raises(ValueError):
             edge_ramps(length, starts, tile)
         with pytest.raises(ValueError):
@@ -271,8 +291,14 @@ def test_reference_images_go_to_every_tile(vae, image):
     spy = Spy(tiny_transformer())
     refiner = Flux2Refiner(spy, vae)
     reference = torch.rand(1, 3, 32, 48, generator=torch.Generator().manual_seed(5))
-    refiner.img2img(image, strength=0.5, sampling=SamplingSettings(steps=2), prompt_embeds=EMB,
-                    reference_images=[reference], tiles=TileRequest.parse(80, 32, 2))  # fmt: skip
+    refiner.img2img(
+        image,
+        strength=0.5,
+        sampling=SamplingSettings(steps=2),
+        prompt_embeds=EMB,
+        reference_images=[reference],
+        tiles=TileRequest.parse(80, 32, 2),
+    )
     ref_tokens = (32 // 16) * (48 // 16)
     assert len(spy.seen) == 2 * 2
     for call in spy.seen:
@@ -306,8 +332,9 @@ def test_seams_stay_at_the_untiled_level_with_overlap_and_rise_without(vae):
     refiner = Flux2Refiner(transformer, vae)
     side = 256
     y, x = torch.meshgrid(torch.linspace(-1, 1, side // 8), torch.linspace(-1, 1, side // 8), indexing="ij")
-    init = torch.stack([x, y] * 16)[None] + 0.3 * torch.randn(1, 32, side // 8, side // 8,
-                                                              generator=torch.Generator().manual_seed(7))  # fmt: skip
+    init = torch.stack([x, y] * 16)[None] + 0.3 * torch.randn(
+        1, 32, side // 8, side // 8, generator=torch.Generator().manual_seed(7)
+    )
     den = refiner.denoiser(prompt_embeds=EMB)
 
     def change(tile, overlap):

@@ -41,8 +41,9 @@ def test_init_contradiction_is_an_error_before_training(tmp_path):
 
     torch.manual_seed(0)
     weights = save_tiny_unet(tmp_path / "i.safetensors", seed=None)
-    config = TrainConfig(data=str(tmp_path), output=str(tmp_path / "run"), init=str(weights), base_channels=64,
-                         warmup_steps=1)  # fmt: skip
+    config = TrainConfig(
+        data=str(tmp_path), output=str(tmp_path / "run"), init=str(weights), base_channels=64, warmup_steps=1
+    )
     with pytest.raises(FlowliftError, match="base_channels 32 \\(not 64\\)"):
         Trainer(config)._build_model()
 

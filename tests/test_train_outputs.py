@@ -25,10 +25,27 @@ from test_hostile import _tiny_dataset
 
 pytestmark = pytest.mark.usefixtures("single_thread_torch", "fifo_alarm")
 #: Every fixed file name a run writes under --output.
-FILE_NAMES = ["config.json", "train_log.csv", "val.csv", "curves.png", "flow_upscaler.safetensors",
-              "checkpoints/latest"]  # fmt: skip
-TINY_SETS = [x for k, v in {**TINY_UNET, "dropout": 0.0, "crop": 0, "progress": "false", "warmup_steps": 1,
-                            "checkpoint_every": 1, "log_every": 1}.items() for x in ("--set", f"{k}={v}")]  # fmt: skip
+FILE_NAMES = [
+    "config.json",
+    "train_log.csv",
+    "val.csv",
+    "curves.png",
+    "flow_upscaler.safetensors",
+    "checkpoints/latest",
+]
+TINY_SETS = [
+    x
+    for k, v in {
+        **TINY_UNET,
+        "dropout": 0.0,
+        "crop": 0,
+        "progress": "false",
+        "warmup_steps": 1,
+        "checkpoint_every": 1,
+        "log_every": 1,
+    }.items()
+    for x in ("--set", f"{k}={v}")
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +54,19 @@ def data(tmp_path_factory) -> Path:
 
 
 def _train(data: Path | str, output: Path, *extra: str, steps: int = 2) -> list[str]:
-    return ["train", "--data", str(data), "--output", str(output), "--steps", str(steps), "--batch-size", "2",
-            *TINY_SETS, *extra]  # fmt: skip
+    return [
+        "train",
+        "--data",
+        str(data),
+        "--output",
+        str(output),
+        "--steps",
+        str(steps),
+        "--batch-size",
+        "2",
+        *TINY_SETS,
+        *extra,
+    ]
 
 
 def _one_line(capsys) -> str:
@@ -58,8 +86,9 @@ def _make(path: Path, kind: str, victim: Path) -> str:
 @pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("kind", ["link", "dangling link", "fifo", "folder", "foreign file"])
 @pytest.mark.parametrize("name", FILE_NAMES)
-def test_a_special_or_foreign_file_at_any_fixed_name_is_one_line_before_any_work(tmp_path, capsys, name, kind,
-                                                                                 overwrite):
+def test_a_special_or_foreign_file_at_any_fixed_name_is_one_line_before_any_work(
+    tmp_path, capsys, name, kind, overwrite
+):
     victim = tmp_path / "notes.txt"
     victim.write_text("my notes\n")
     out = tmp_path / "run"
@@ -91,8 +120,13 @@ def test_a_foreign_file_is_replaced_only_with_overwrite_and_an_empty_one_always(
 def test_a_runs_own_files_are_replaced_on_resume_and_the_log_appends(tmp_path, capsys, data):
     out = tmp_path / "run"
     assert main(_train(data, out, steps=2)) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.json", "curves.png",
-                                                     "flow_upscaler.safetensors", "train_log.csv"]  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoints",
+        "config.json",
+        "curves.png",
+        "flow_upscaler.safetensors",
+        "train_log.csv",
+    ]
     from flowlift.files.image_outputs import read_metadata
 
     assert read_metadata(out / "curves.png")["Software"] == "flowlift train"
@@ -153,8 +187,10 @@ def test_resume_none_overwrite_removes_only_flowlifts_checkpoints(tmp_path, caps
     assert (root / "latest").read_text() == "step-00000001"
 
 
-@pytest.mark.parametrize("failure", ["missing data", "empty data", "missing init", "missing val images",
-                                     "a step folder with the user's file"])  # fmt: skip
+@pytest.mark.parametrize(
+    "failure",
+    ["missing data", "empty data", "missing init", "missing val images", "a step folder with the user's file"],
+)
 def test_resume_none_overwrite_removes_nothing_when_the_command_then_fails(tmp_path, capsys, data, shared, failure):
     out = tmp_path / "run"
     _run_with_neighbours(data, out, capsys)
@@ -168,8 +204,14 @@ def test_resume_none_overwrite_removes_nothing_when_the_command_then_fails(tmp_p
     elif failure == "missing init":
         extra = ["--init", str(tmp_path / "missing.safetensors")]
     elif failure == "missing val images":
-        extra = ["--val-every", "1", "--vae", str(shared / "models" / "taef2"), "--val-images",
-                 str(tmp_path / "no-such-photo.png")]  # fmt: skip
+        extra = [
+            "--val-every",
+            "1",
+            "--vae",
+            str(shared / "models" / "taef2"),
+            "--val-images",
+            str(tmp_path / "no-such-photo.png"),
+        ]
     else:
         (out / "checkpoints" / "step-00000001" / "notes.txt").write_text("the user's")
     before = snapshot(out)
@@ -230,8 +272,21 @@ def test_a_link_swapped_in_mid_run_is_refused_at_the_next_line(tmp_path, data, m
         real_append(self, row)
 
     monkeypatch.setattr(trainer_module.Trainer, "_append_log", swap_then_append)
-    config = build_config(None, dict(data=str(data), output=str(out), steps=3, batch_size=2, crop=0, progress=False,
-                                     log_every=1, warmup_steps=1, **TINY_UNET, dropout=0.0))  # fmt: skip
+    config = build_config(
+        None,
+        dict(
+            data=str(data),
+            output=str(out),
+            steps=3,
+            batch_size=2,
+            crop=0,
+            progress=False,
+            log_every=1,
+            warmup_steps=1,
+            **TINY_UNET,
+            dropout=0.0,
+        ),
+    )
     with pytest.raises(FlowliftError, match="is a symbolic link"):
         trainer_module.Trainer(config).run()
     assert victim.read_text() == "my notes\n"

@@ -87,10 +87,23 @@ def test_set_outside_the_domain_is_refused_even_by_print_config(capsys, name, va
     assert err.splitlines() == [err] and err.startswith(f"flowlift train: error: {name} must be")
 
 
-@pytest.mark.parametrize(("name", "value"), [("seed", "-1"), ("seed", str(2**64)), ("adam_beta1", "1"),
-                                             ("adam_eps", "-1"), ("base_channels", "0"), ("weight_decay", "-0.01"),
-                                             ("time_limit_s", "-1"), ("stop_after", "-3"), ("val_count", "-1"),
-                                             ("t_std", "-1"), ("t_std", "0"), ("time_dim", "7")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("seed", "-1"),
+        ("seed", str(2**64)),
+        ("adam_beta1", "1"),
+        ("adam_eps", "-1"),
+        ("base_channels", "0"),
+        ("weight_decay", "-0.01"),
+        ("time_limit_s", "-1"),
+        ("stop_after", "-3"),
+        ("val_count", "-1"),
+        ("t_std", "-1"),
+        ("t_std", "0"),
+        ("time_dim", "7"),
+    ],
+)
 def test_set_is_refused_before_any_work(tmp_path, capsys, name, value):
     out = tmp_path / "run"
     rc = main(["train", "--data", str(tmp_path / "data"), "--output", str(out), "--set", f"{name}={value}"])
@@ -123,8 +136,9 @@ def test_the_domain_edges_and_the_default_are_taken(name):
     knob = TRAIN_KNOBS[name]
     values = [knob.default]
     if knob.kind in (int, float):
-        values += [v for v, open_ in ((knob.low, knob.low_open), (knob.high, knob.high_open))
-                   if v is not None and not open_]  # fmt: skip
+        values += [
+            v for v, open_ in ((knob.low, knob.low_open), (knob.high, knob.high_open)) if v is not None and not open_
+        ]
     for value in values:
         config = apply_overrides(TrainConfig(), {name: value})
         assert getattr(config, name) == value

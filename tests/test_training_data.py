@@ -61,9 +61,17 @@ def _tiny_transformer():
 
     torch.manual_seed(0)
     return Flux2Transformer2DModel(
-        patch_size=1, in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, timestep_guidance_channels=32, mlp_ratio=2.0,
-        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+        patch_size=1,
+        in_channels=128,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        timestep_guidance_channels=32,
+        mlp_ratio=2.0,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=False,
     )
 
 
@@ -128,10 +136,37 @@ def test_dataset_distill_cli_with_tiny_flux2_transformer_teacher(tmp_path, taef2
     embeds = torch.randn(6, 32, generator=torch.Generator().manual_seed(3))
     save_file({"prompt_embeds": embeds}, str(tmp_path / "embeds.safetensors"))
     out = tmp_path / "distill"
-    argv = ["dataset", "distill", "-o", str(out), "--vae", str(shared / "models" / "taef2"),
-            "--teacher", str(tmp_path / "teacher"), "--prompt-embeds", str(tmp_path / "embeds.safetensors"),
-            "--num", "5", "--width", "128", "--height", "96", "--steps", "2", "--shard-size", "2",
-            "--batch-size", "2", "--storage-dtype", "float32", "--seed", "7", "--device", "cpu", "--no-progress"]
+    argv = [
+        "dataset",
+        "distill",
+        "-o",
+        str(out),
+        "--vae",
+        str(shared / "models" / "taef2"),
+        "--teacher",
+        str(tmp_path / "teacher"),
+        "--prompt-embeds",
+        str(tmp_path / "embeds.safetensors"),
+        "--num",
+        "5",
+        "--width",
+        "128",
+        "--height",
+        "96",
+        "--steps",
+        "2",
+        "--shard-size",
+        "2",
+        "--batch-size",
+        "2",
+        "--storage-dtype",
+        "float32",
+        "--seed",
+        "7",
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
     assert cli_main(argv) == 0
     manifest = json.loads((out / "dataset.json").read_text())
     assert manifest["kind"] == "distill" and manifest["has_noise"] and manifest["num_items"] == 5
@@ -175,10 +210,29 @@ def test_dataset_images_builder_encodes_recorded_crops(tmp_path, taef2, shared):
 
     out = tmp_path / "images"
     kodak = shared / "images" / "kodak"
-    argv = ["dataset", "images", str(kodak / "kodim05.png"), str(kodak / "kodim19.png"), "-o", str(out),
-            "--vae", str(shared / "models" / "taef2"), "--crop-px", "64", "--crops-per-image", "2",
-            "--shard-size", "3", "--batch-size", "3", "--storage-dtype", "float32", "--device", "cpu",
-            "--no-progress"]
+    argv = [
+        "dataset",
+        "images",
+        str(kodak / "kodim05.png"),
+        str(kodak / "kodim19.png"),
+        "-o",
+        str(out),
+        "--vae",
+        str(shared / "models" / "taef2"),
+        "--crop-px",
+        "64",
+        "--crops-per-image",
+        "2",
+        "--shard-size",
+        "3",
+        "--batch-size",
+        "3",
+        "--storage-dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
     assert cli_main(argv) == 0
     manifest = json.loads((out / "dataset.json").read_text())
     assert manifest["kind"] == "images" and not manifest["has_noise"] and manifest["num_items"] == 4
@@ -219,13 +273,38 @@ def test_dataset_images_builder_encodes_recorded_crops(tmp_path, taef2, shared):
 
 def test_dataset_cli_errors_are_one_line_and_leave_no_output(tmp_path, shared, capsys):
     out = tmp_path / "never"
-    code = cli_main(["dataset", "distill", "-o", str(out), "--vae", str(shared / "models" / "taef2"),
-                     "--teacher", str(tmp_path / "missing-teacher"), "--num", "2", "--no-progress"])
+    code = cli_main(
+        [
+            "dataset",
+            "distill",
+            "-o",
+            str(out),
+            "--vae",
+            str(shared / "models" / "taef2"),
+            "--teacher",
+            str(tmp_path / "missing-teacher"),
+            "--num",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert code == 2 and not out.exists()
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "teacher" in err[0]
-    code = cli_main(["dataset", "images", str(shared / "images" / "kodak" / "kodim01.png"), "-o", str(out),
-                     "--vae", str(shared / "models" / "taef2"), "--crop-px", "48", "--no-progress"])
+    code = cli_main(
+        [
+            "dataset",
+            "images",
+            str(shared / "images" / "kodak" / "kodim01.png"),
+            "-o",
+            str(out),
+            "--vae",
+            str(shared / "models" / "taef2"),
+            "--crop-px",
+            "48",
+            "--no-progress",
+        ]
+    )
     assert code == 2 and not out.exists()
 
 
@@ -234,10 +313,17 @@ def test_dataset_cli_errors_are_one_line_and_leave_no_output(tmp_path, shared, c
 
 
 def _synthetic_dataset(root, count=10, size=16, noise=True):
-    prepare_dataset_dir(root, {
-        "kind": "distill" if noise else "images", "target_shape": [32, size, size],
-        "cond_shape": [32, size // 2, size // 2], "shard_size": 4, "num_items": count, "has_noise": noise,
-    })
+    prepare_dataset_dir(
+        root,
+        {
+            "kind": "distill" if noise else "images",
+            "target_shape": [32, size, size],
+            "cond_shape": [32, size // 2, size // 2],
+            "shard_size": 4,
+            "num_items": count,
+            "has_noise": noise,
+        },
+    )
     base = torch.arange(count, dtype=torch.float32).view(count, 1, 1, 1)
     grid = torch.arange(size * size, dtype=torch.float32).view(1, 1, size, size)
     target = (base * 1000 + grid).expand(count, 32, size, size).clone()
@@ -247,8 +333,9 @@ def _synthetic_dataset(root, count=10, size=16, noise=True):
         tensors = {"target": target[sl], "cond": cond[sl]}
         if noise:
             tensors["noise"] = -target[sl]
-        write_shard(root, shard, sl.start, tensors, [{"index": i} for i in range(sl.start, sl.stop)],
-                    dtype=torch.float32)
+        write_shard(
+            root, shard, sl.start, tensors, [{"index": i} for i in range(sl.start, sl.stop)], dtype=torch.float32
+        )
     return target, cond
 
 
@@ -278,8 +365,19 @@ def test_stream_ranks_partition_the_global_batch_and_are_reproducible(tmp_path):
     _synthetic_dataset(tmp_path, noise=False)
     reader = ShardReader(tmp_path)
     single = ShardStream(reader, micro_batch=4, crop=4, seed=2, time_sampling=TimeSampling("logit_normal"))
-    ranks = [ShardStream(reader, micro_batch=1, crop=4, seed=2, rank=r, world_size=2, grad_accum=2,
-                         time_sampling=TimeSampling("logit_normal")) for r in range(2)]
+    ranks = [
+        ShardStream(
+            reader,
+            micro_batch=1,
+            crop=4,
+            seed=2,
+            rank=r,
+            world_size=2,
+            grad_accum=2,
+            time_sampling=TimeSampling("logit_normal"),
+        )
+        for r in range(2)
+    ]
     for step in (0, 3):
         whole = single.batch(step)
         parts = [ranks[r].batch(step, m) for m in range(2) for r in range(2)]
@@ -308,8 +406,9 @@ def test_pipeline_teacher_passes_patchified_noise_and_normalizes_raw_output():
     class FakeFlux2Pipeline:
         device = torch.device("cpu")
         transformer = SimpleNamespace(dtype=torch.float32)
-        vae = SimpleNamespace(bn=SimpleNamespace(running_mean=mean, running_var=var),
-                              config=SimpleNamespace(batch_norm_eps=1e-4))
+        vae = SimpleNamespace(
+            bn=SimpleNamespace(running_mean=mean, running_var=var), config=SimpleNamespace(batch_norm_eps=1e-4)
+        )
 
         def __call__(self, *, prompt, height, width, num_inference_steps, latents, output_type, return_dict):
             calls.append((prompt, height, width, num_inference_steps, tuple(latents.shape), output_type))
@@ -347,8 +446,15 @@ def test_transformer_teacher_matches_a_diffusers_scheduler_loop():
     txt_ids = torch.tensor([[0, 0, 0, l] for l in range(5)])[None]
     with torch.no_grad():
         for t in scheduler.timesteps:
-            v = transformer(hidden_states=latents, encoder_hidden_states=embeds[None], timestep=t.expand(1) / 1000,
-                            img_ids=img_ids, txt_ids=txt_ids, guidance=None, return_dict=False)[0]
+            v = transformer(
+                hidden_states=latents,
+                encoder_hidden_states=embeds[None],
+                timestep=t.expand(1) / 1000,
+                img_ids=img_ids,
+                txt_ids=txt_ids,
+                guidance=None,
+                return_dict=False,
+            )[0]
             latents = scheduler.step(v, t, latents, return_dict=False)[0]
     reference = unpatchify(unpack(latents, 4, 6))
     assert torch.allclose(ours, reference, atol=1e-4), (ours - reference).abs().max()
@@ -360,9 +466,23 @@ def test_dataset_distill_names_every_missing_piece_at_once(tmp_path, shared, cap
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     out = tmp_path / "never"
-    code = cli_main(["dataset", "distill", "-o", str(out), "--vae", str(tmp_path / "no-vae.safetensors"),
-                     "--teacher", "nobody/no-such-teacher", "--prompts", str(tmp_path / "prompts.txt"),
-                     "--num", "2", "--no-progress"])  # fmt: skip
+    code = cli_main(
+        [
+            "dataset",
+            "distill",
+            "-o",
+            str(out),
+            "--vae",
+            str(tmp_path / "no-vae.safetensors"),
+            "--teacher",
+            "nobody/no-such-teacher",
+            "--prompts",
+            str(tmp_path / "prompts.txt"),
+            "--num",
+            "2",
+            "--no-progress",
+        ]
+    )
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and not out.exists()
     assert line.startswith("flowlift dataset: error: 3 things are missing: (1) --teacher nobody/no-such-teacher: ")

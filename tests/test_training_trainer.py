@@ -45,15 +45,34 @@ def dataset(tmp_path_factory, shared, taef2_spec):
     vae = load_vae(taef2_spec, device="cpu", dtype=torch.float32)
     kodak = shared / "images" / "kodak"
     writing = ShardWriting(shard_size=3, storage_dtype=torch.float32, progress=False)
-    build_images_dataset(root, [kodak / "kodim08.png", kodak / "kodim21.png"], vae, crop=128,
-                         crops_per_image=4, batch_size=4, writing=writing)
+    build_images_dataset(
+        root,
+        [kodak / "kodim08.png", kodak / "kodim21.png"],
+        vae,
+        crop=128,
+        crops_per_image=4,
+        batch_size=4,
+        writing=writing,
+    )
     return root
 
 
 def _config(dataset, output, **overrides) -> TrainConfig:
-    values = dict(data=str(dataset), output=str(output), crop=16, steps=6, batch_size=4, lr=2e-3,
-                  warmup_steps=2, checkpoint_every=3, log_every=1, ema_decay=0.9, progress=False, resume="auto",
-                  **TINY)
+    values = dict(
+        data=str(dataset),
+        output=str(output),
+        crop=16,
+        steps=6,
+        batch_size=4,
+        lr=2e-3,
+        warmup_steps=2,
+        checkpoint_every=3,
+        log_every=1,
+        ema_decay=0.9,
+        progress=False,
+        resume="auto",
+        **TINY,
+    )
     values.update(overrides)
     return build_config(None, values)
 
@@ -104,7 +123,12 @@ def test_config_file_overrides_and_errors(tmp_path):
     path.write_text('data = "d"\noutput = "o"\nlr = 3e-4\nsteps = 50\nval_images = ["a.png"]\n')
     config = build_config(path, parse_assignments(["steps=7", "ema_warmup=false", "init=none"]))
     assert (config.lr, config.steps, config.ema_warmup, config.init, config.val_images) == (
-        3e-4, 7, False, None, ["a.png"])
+        3e-4,
+        7,
+        False,
+        None,
+        ["a.png"],
+    )
     (tmp_path / "run.json").write_text(json.dumps({"data": "d", "output": "o", "batch_size": 3}))
     assert build_config(tmp_path / "run.json").batch_size == 3
     with pytest.raises(FlowliftError, match="unknown training setting"):
@@ -147,8 +171,12 @@ def test_loss_falls_and_checkpoint_loads_strictly_into_pipeline(dataset, tmp_pat
     assert state.keys() == reference.keys()
     assert all(state[k].shape == reference[k].shape for k in state)
     ckpt = output / "checkpoints" / "step-00000024"
-    assert {p.name for p in ckpt.iterdir()} == {"flow_upscaler.safetensors", "model.safetensors", "train_state.pt",
-                                                "run_id"}
+    assert {p.name for p in ckpt.iterdir()} == {
+        "flow_upscaler.safetensors",
+        "model.safetensors",
+        "train_state.pt",
+        "run_id",
+    }
     assert _max_diff(state, _weights(ckpt / "flow_upscaler.safetensors")) == 0
     assert _max_diff(state, _weights(ckpt / "model.safetensors")) > 0  # EMA differs from raw weights
     torch.load(ckpt / "train_state.pt", weights_only=True)
@@ -203,21 +231,67 @@ def test_grad_accumulation_matches_the_full_batch(dataset, tmp_path):
     accum = Trainer(_config(dataset, tmp_path / "accum", steps=3, batch_size=2, grad_accum=2, resume="none")).run()
     for (_, a), (_, b) in zip(full["losses"], accum["losses"], strict=True):
         assert a == pytest.approx(b, rel=1e-4)
-    assert _max_diff(_weights(tmp_path / "full" / "flow_upscaler.safetensors"),
-                     _weights(tmp_path / "accum" / "flow_upscaler.safetensors")) < 2e-3
+    assert (
+        _max_diff(
+            _weights(tmp_path / "full" / "flow_upscaler.safetensors"),
+            _weights(tmp_path / "accum" / "flow_upscaler.safetensors"),
+        )
+        < 2e-3
+    )
 
 
 def test_ddp_two_gloo_processes_match_one_process_with_doubled_batch(dataset, tmp_path):
     # with dropout on: masks are per sample (SampleDropout), so the rank layout does not change them
     tiny = {**TINY, "dropout": 0.1}
-    common = ["--data", str(dataset), "--crop-latent", "16", "--steps", "3", "--lr", "2e-3", "--resume", "none",
-              "--set", "warmup_steps=1", "--set", "log_every=1", "--set", "progress=false",
-              "--set", "t_sampling=uniform"] + [x for k, v in tiny.items() for x in ("--set", f"{k}={v}")]
-    single = Trainer(_config(dataset, tmp_path / "one", steps=3, lr=2e-3, warmup_steps=1, resume="none",
-                             t_sampling="uniform", dropout=0.1)).run()
+    common = [
+        "--data",
+        str(dataset),
+        "--crop-latent",
+        "16",
+        "--steps",
+        "3",
+        "--lr",
+        "2e-3",
+        "--resume",
+        "none",
+        "--set",
+        "warmup_steps=1",
+        "--set",
+        "log_every=1",
+        "--set",
+        "progress=false",
+        "--set",
+        "t_sampling=uniform",
+    ] + [x for k, v in tiny.items() for x in ("--set", f"{k}={v}")]
+    single = Trainer(
+        _config(
+            dataset,
+            tmp_path / "one",
+            steps=3,
+            lr=2e-3,
+            warmup_steps=1,
+            resume="none",
+            t_sampling="uniform",
+            dropout=0.1,
+        )
+    ).run()
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "-m", "flowlift", "train", *common, "--batch-size", "2", "--output", str(tmp_path / "two")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "flowlift",
+        "train",
+        *common,
+        "--batch-size",
+        "2",
+        "--output",
+        str(tmp_path / "two"),
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world 2, global batch 4" in result.stdout
@@ -233,9 +307,19 @@ def test_finetune_from_a_checkpoint_and_validation_csv_plot(dataset, tmp_path, s
     base = tmp_path / "base"
     Trainer(_config(dataset, base, steps=8, lr=3e-3)).run()
     tuned = tmp_path / "tuned"
-    config = _config(dataset, tuned, steps=2, lr=1e-4, init=str(base / "flow_upscaler.safetensors"),
-                     val_every=2, val_images=[str(shared / "images" / "kodak" / "kodim15.png")], val_count=1,
-                     val_size=128, vae=taef2_spec, base_channels=384)  # size comes from the checkpoint
+    config = _config(
+        dataset,
+        tuned,
+        steps=2,
+        lr=1e-4,
+        init=str(base / "flow_upscaler.safetensors"),
+        val_every=2,
+        val_images=[str(shared / "images" / "kodak" / "kodim15.png")],
+        val_count=1,
+        val_size=128,
+        vae=taef2_spec,
+        base_channels=384,
+    )  # size comes from the checkpoint
     scratch = Trainer(_config(dataset, tmp_path / "scratch", steps=1, resume="none")).run()
     summary = Trainer(config).run()
     assert summary["losses"][0][1] < scratch["losses"][0][1]
@@ -257,8 +341,9 @@ def test_finetune_from_a_checkpoint_and_validation_csv_plot(dataset, tmp_path, s
 def test_bf16_autocast_and_channels_last_paths(dataset, tmp_path):
     """The GPU settings (bf16 autocast, channels-last) also run on the CPU and track fp32 closely."""
     fp32 = Trainer(_config(dataset, tmp_path / "fp32", steps=2, resume="none")).run()
-    bf16 = Trainer(_config(dataset, tmp_path / "bf16", steps=2, resume="none", mixed_precision="bf16",
-                           channels_last="yes")).run()
+    bf16 = Trainer(
+        _config(dataset, tmp_path / "bf16", steps=2, resume="none", mixed_precision="bf16", channels_last="yes")
+    ).run()
     for (_, a), (_, b) in zip(fp32["losses"], bf16["losses"], strict=True):
         assert b == pytest.approx(a, rel=0.05)
     from safetensors.torch import load_file
@@ -304,13 +389,32 @@ def test_a_stopped_run_says_where_and_how_it_resumes(dataset, tmp_path, monkeypa
 
     monkeypatch.setattr(trainer.StopRequest, "__enter__", stop_at_once)
     out = tmp_path / "run"
-    argv = ["train", "--data", str(dataset), "--output", str(out), "--steps", "6", "--batch-size", "4",
-            "--crop-latent", "16", "--set", "base_channels=32", "--set", "time_dim=64", "--set", "cond_dim=64",
-            "--no-progress"]  # fmt: skip
+    argv = [
+        "train",
+        "--data",
+        str(dataset),
+        "--output",
+        str(out),
+        "--steps",
+        "6",
+        "--batch-size",
+        "4",
+        "--crop-latent",
+        "16",
+        "--set",
+        "base_channels=32",
+        "--set",
+        "time_dim=64",
+        "--set",
+        "cond_dim=64",
+        "--no-progress",
+    ]
     assert main(argv) == 130
     line = capsys.readouterr().err.strip().splitlines()[-1]
     where = out / "checkpoints" / "step-00000001"
     assert where.is_dir()
-    assert line == (f"flowlift train: interrupted: training stopped after step 1 of 6; checkpoint {where} saved: the "
-                    f"same command resumes from it (--resume auto, the default, takes the latest in {out}; or "
-                    f"--resume {where})")  # fmt: skip
+    assert line == (
+        f"flowlift train: interrupted: training stopped after step 1 of 6; checkpoint {where} saved: the "
+        f"same command resumes from it (--resume auto, the default, takes the latest in {out}; or "
+        f"--resume {where})"
+    )

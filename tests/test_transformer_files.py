@@ -37,8 +37,14 @@ from tiny_flux2 import TEXT_DIM, tiny_transformer
 
 def wide_transformer(seed: int = 0):
     """Width 256 (2 heads of 128, FLUX.2's head size and rotary axes): rows long enough for Q4_K's 256 blocks."""
-    return tiny_transformer(seed=seed, guidance_embeds=True, text_dim=256, attention_head_dim=128,
-                            timestep_guidance_channels=256, axes_dims_rope=(32, 32, 32, 32))
+    return tiny_transformer(
+        seed=seed,
+        guidance_embeds=True,
+        text_dim=256,
+        attention_head_dim=128,
+        timestep_guidance_channels=256,
+        axes_dims_rope=(32, 32, 32, 32),
+    )
 
 
 def fresh(model):
@@ -65,8 +71,17 @@ def forward(model, *, text_dim: int, seed: int = 0, guidance: bool = False) -> t
         )[0]
 
 
-CONFIG_KEYS = ("in_channels", "num_layers", "num_single_layers", "attention_head_dim", "num_attention_heads",
-               "joint_attention_dim", "timestep_guidance_channels", "mlp_ratio", "guidance_embeds")  # fmt: skip
+CONFIG_KEYS = (
+    "in_channels",
+    "num_layers",
+    "num_single_layers",
+    "attention_head_dim",
+    "num_attention_heads",
+    "joint_attention_dim",
+    "timestep_guidance_channels",
+    "mlp_ratio",
+    "guidance_embeds",
+)
 
 
 @pytest.mark.parametrize("guidance", [False, True])

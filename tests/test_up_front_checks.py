@@ -21,24 +21,65 @@ def _one_line(capsys, argv) -> str:
 # ------------------------------------------------------------------------------------------ hires: the pass plan
 
 
-@pytest.mark.parametrize(("width", "height", "scale"), [
-    (16400, 16, 2), (16384, 16, 2), (16, 16384, 2), (8208, 16, 2), (4112, 64, 4), (2064, 16, 8), (16, 2064, 8),
-    (32768, 32768, 2),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("width", "height", "scale"),
+    [
+        (16400, 16, 2),
+        (16384, 16, 2),
+        (16, 16384, 2),
+        (8208, 16, 2),
+        (4112, 64, 4),
+        (2064, 16, 8),
+        (16, 2064, 8),
+        (32768, 32768, 2),
+    ],
+)
 def test_hires_txt2img_past_the_cap_is_refused_before_loading(capsys, tmp_path, width, height, scale):
-    err = _one_line(capsys, ["hires", "--width", width, "--height", height, "--scale", scale, "--prompt", "p",
-                             "--model", tmp_path / "never-loaded", "-o", tmp_path / "x.png"])  # fmt: skip
+    err = _one_line(
+        capsys,
+        [
+            "hires",
+            "--width",
+            width,
+            "--height",
+            height,
+            "--scale",
+            scale,
+            "--prompt",
+            "p",
+            "--model",
+            tmp_path / "never-loaded",
+            "-o",
+            tmp_path / "x.png",
+        ],
+    )
     assert "MAX_OUTPUT_SIDE=16384" in err and "never-loaded" not in err, err
     assert not (tmp_path / "x.png").exists()
 
 
-@pytest.mark.parametrize(("size", "scale", "hint"), [((2064, 16), 8, "at most 4"), ((16, 8208), 2, "at most 8192"),
-                                                     ((4112, 16), 4, "at most 2")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("size", "scale", "hint"),
+    [((2064, 16), 8, "at most 4"), ((16, 8208), 2, "at most 8192"), ((4112, 16), 4, "at most 2")],
+)
 def test_hires_image_past_the_cap_is_refused_before_loading(capsys, tmp_path, size, scale, hint):
     image = tmp_path / "strip.png"
     Image.new("RGB", size, (90, 40, 20)).save(image)
-    err = _one_line(capsys, ["hires", "--image", image, "--scale", scale, "--prompt", "p",
-                             "--model", tmp_path / "never-loaded", "-o", tmp_path / "x.png"])  # fmt: skip
+    err = _one_line(
+        capsys,
+        [
+            "hires",
+            "--image",
+            image,
+            "--scale",
+            scale,
+            "--prompt",
+            "p",
+            "--model",
+            tmp_path / "never-loaded",
+            "-o",
+            tmp_path / "x.png",
+        ],
+    )
     assert f"{size[0]}x{size[1]} base" in err and hint in err, err
 
 
@@ -100,9 +141,16 @@ def test_the_cpu_is_one_device_recorded_as_cpu(device):
     assert resolved == torch.device("cpu") and str(resolved) == "cpu" and resolved.index is None
 
 
-@pytest.mark.parametrize("command", [["upscale", "a.png"], ["bands", "a.png", "--vae", "v", "-o", "o"],
-                                     ["colorfix", "a.png", "--reference", "b.png"], ["app"],
-                                     ["train", "--data", "d", "--output", "o"]])  # fmt: skip
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["upscale", "a.png"],
+        ["bands", "a.png", "--vae", "v", "-o", "o"],
+        ["colorfix", "a.png", "--reference", "b.png"],
+        ["app"],
+        ["train", "--data", "d", "--output", "o"],
+    ],
+)
 @pytest.mark.parametrize("device", ["cpu:1", "cpu:5"])
 def test_every_door_refuses_cpu_n(capsys, tmp_path, monkeypatch, command, device):
     monkeypatch.chdir(tmp_path)
@@ -114,8 +162,15 @@ def test_every_door_refuses_cpu_n(capsys, tmp_path, monkeypatch, command, device
 # ------------------------------------------------------------------------------------------ eval --tile
 
 
-BAD_TILING = [("--tile", "-1"), ("--tile", "0"), ("--tile", "x"), ("--tile", "1.5"), ("--tile", "nan"),
-              ("--tile-overlap", "-1"), ("--tile-overlap", "y")]  # fmt: skip
+BAD_TILING = [
+    ("--tile", "-1"),
+    ("--tile", "0"),
+    ("--tile", "x"),
+    ("--tile", "1.5"),
+    ("--tile", "nan"),
+    ("--tile-overlap", "-1"),
+    ("--tile-overlap", "y"),
+]
 
 
 @pytest.mark.parametrize(("option", "value"), BAD_TILING)
@@ -128,8 +183,10 @@ def test_eval_tile_is_checked_without_any_spandrel_method(capsys, tmp_path, opti
 
 
 def test_eval_tile_must_exceed_twice_its_overlap_in_every_mode(capsys, tmp_path):
-    err = _one_line(capsys, ["eval", tmp_path, "--reference", tmp_path, "-o", tmp_path / "r", "--tile", "64",
-                             "--tile-overlap", "32"])  # fmt: skip
+    err = _one_line(
+        capsys,
+        ["eval", tmp_path, "--reference", tmp_path, "-o", tmp_path / "r", "--tile", "64", "--tile-overlap", "32"],
+    )
     assert "--tile 64 must exceed twice the --tile-overlap (32)" in err and not (tmp_path / "r").exists()
 
 
@@ -155,8 +212,14 @@ def _app_exits(tmp_path, *options: str) -> tuple[int, str]:
     pytest.importorskip("gradio")
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(repo / "src"), HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-m", "flowlift", "app", *options], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=90)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "flowlift", "app", *options],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
     return done.returncode, done.stderr.strip()
 
 

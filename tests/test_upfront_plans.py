@@ -17,8 +17,13 @@ from flowlift.upscale.settings import MemoryPolicy
 
 def test_a_decode_the_budget_cannot_hold_is_refused_before_the_encode(tmp_path, shared, single_thread_torch):
     weights = tiny_upscaler(tmp_path / "flow_upscaler.safetensors")
-    pipeline = FlowUpscalerPipeline(str(weights), str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32,
-                                    memory=MemoryPolicy(max_memory="400MB"))  # fmt: skip
+    pipeline = FlowUpscalerPipeline(
+        str(weights),
+        str(shared / "models" / "taef2"),
+        device="cpu",
+        dtype=torch.float32,
+        memory=MemoryPolicy(max_memory="400MB"),
+    )
     encoded: list[tuple[int, ...]] = []
     encode = pipeline.vae.encode
     pipeline.vae.encode = lambda x, **kwargs: encoded.append(tuple(x.shape)) or encode(x, **kwargs)
@@ -50,9 +55,19 @@ def test_docs_vae_memory_example_is_what_the_command_prints():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "vae.md").read_text()
 
     def plan(budget: int, dtype: torch.dtype, size: int):
-        return plan_upscale(4096, 4096, 2, budget, base_channels=384, unet_dtype=dtype, vae_kind="mage",
-                            unet_weight_bytes=unet * size, vae_weight_bytes=mage * size, vae_dtype=dtype,
-                            spatial_factor=8)  # fmt: skip
+        return plan_upscale(
+            4096,
+            4096,
+            2,
+            budget,
+            base_channels=384,
+            unet_dtype=dtype,
+            vae_kind="mage",
+            unet_weight_bytes=unet * size,
+            vae_weight_bytes=mage * size,
+            vae_dtype=dtype,
+            spatial_factor=8,
+        )
 
     for budget in (10 * 10**9, 11 * 10**9):
         with pytest.raises(FlowliftError) as refused:

@@ -31,16 +31,25 @@ def photo(shared):
 
 
 def _common(shared, weights) -> list[str]:
-    return ["--upscaler", str(weights), "--vae", str(shared / "models" / "taef2"), "--device", "cpu",
-            "--dtype", "float32"]  # fmt: skip
+    return [
+        "--upscaler",
+        str(weights),
+        "--vae",
+        str(shared / "models" / "taef2"),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    ]
 
 
 def _exact_area(n_out: int, n_in: int) -> np.ndarray:
     """Dense exact-area downsampling (row j integrates [j r, (j + 1) r), r = n_in / n_out): written here, not
     taken from flowlift, so the test does not check the code against itself."""
     ratio = n_in / n_out
-    return np.array([[max(0.0, min(p + 1, (j + 1) * ratio) - max(p, j * ratio)) / ratio for p in range(n_in)]
-                     for j in range(n_out)])  # fmt: skip
+    return np.array(
+        [[max(0.0, min(p + 1, (j + 1) * ratio) - max(p, j * ratio)) / ratio for p in range(n_in)] for j in range(n_out)]
+    )
 
 
 def _cast(result: Image.Image, source: Image.Image) -> float:
@@ -51,8 +60,9 @@ def _cast(result: Image.Image, source: Image.Image) -> float:
     return float(np.abs((back - np.asarray(source, dtype=np.float64)).mean(axis=(0, 1))).max())
 
 
-@pytest.mark.parametrize(("scale", "name", "size", "passes"), [("3", "a_x3.png", (144, 96), 2),
-                                                               ("1.5", "a_x1.5.png", (72, 48), 1)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("scale", "name", "size", "passes"), [("3", "a_x3.png", (144, 96), 2), ("1.5", "a_x1.5.png", (72, 48), 1)]
+)
 def test_a_fractional_scale_writes_exactly_that_size_with_the_inputs_low_band(
     tmp_path, shared, weights, photo, scale, name, size, passes
 ):
@@ -65,8 +75,21 @@ def test_a_fractional_scale_writes_exactly_that_size_with_the_inputs_low_band(
         assert _cast(result.convert("RGB"), photo) <= 0.1  # colour and tone pinned at the final size
         assert params["scale"] == float(scale) and params["size"] == list(size) and params["passes"] == passes
     # without stage 2 the random UNet's cast shows: the test can fail
-    assert main(["upscale", str(tmp_path / "a.png"), "--scale", scale, "--no-color-fix", "-o",
-                 str(tmp_path / "raw.png"), *_common(shared, weights)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "upscale",
+                str(tmp_path / "a.png"),
+                "--scale",
+                scale,
+                "--no-color-fix",
+                "-o",
+                str(tmp_path / "raw.png"),
+                *_common(shared, weights),
+            ]
+        )
+        == 0
+    )
     with Image.open(tmp_path / "raw.png") as raw:
         assert raw.size == size and _cast(raw.convert("RGB"), photo) > 0.5
 
@@ -97,16 +120,19 @@ def test_powers_of_two_are_the_plain_pipelines_pixels(tmp_path, shared, weights,
         assert json.loads(result.text["flowlift"])["scale"] == int(scale)
 
 
-@pytest.mark.parametrize(("option", "line"), [
-    (["--scale", "9"], "argument --scale: must be in [1, 8], got '9'"),
-    (["--scale", "0.5"], "argument --scale: must be in [1, 8], got '0.5'"),
-    (["--size", "40x20"], "size (40x20) is below the 48x32 input"),
-    (["--long-side", "20000"], "long_side must be an integer in [1, 16384], got 20000"),
-    (["--long-side", "40"], "long side 40 (40x27) is below the 48x32 input"),
-    (["--scale", "1.5", "--size", "90x60"], "not allowed with argument"),
-    (["--size", "400x100"], "size (400x100) is over 8x the 48x32 input"),
-    (["--size", "16400x300"], "size (16400x300) is over MAX_OUTPUT_SIDE=16384 px a side"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("option", "line"),
+    [
+        (["--scale", "9"], "argument --scale: must be in [1, 8], got '9'"),
+        (["--scale", "0.5"], "argument --scale: must be in [1, 8], got '0.5'"),
+        (["--size", "40x20"], "size (40x20) is below the 48x32 input"),
+        (["--long-side", "20000"], "long_side must be an integer in [1, 16384], got 20000"),
+        (["--long-side", "40"], "long side 40 (40x27) is below the 48x32 input"),
+        (["--scale", "1.5", "--size", "90x60"], "not allowed with argument"),
+        (["--size", "400x100"], "size (400x100) is over 8x the 48x32 input"),
+        (["--size", "16400x300"], "size (16400x300) is over MAX_OUTPUT_SIDE=16384 px a side"),
+    ],
+)
 def test_every_refusal_is_one_line_before_any_work(tmp_path, shared, photo, capsys, option, line):
     photo.save(tmp_path / "a.png")
     missing = tmp_path / "no-such-weights.safetensors"  # the refusal comes before any model is looked for

@@ -42,9 +42,7 @@ def pipeline_normalize(raw: torch.Tensor, model: AutoencoderKLFlux2) -> torch.Te
 
 def patchify_ref(latents: torch.Tensor) -> torch.Tensor:
     b, c, h, w = latents.shape
-    return (
-        latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, c * 4, h // 2, w // 2)
-    )
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, c * 4, h // 2, w // 2)
 
 
 def to_original_keys(state: dict[str, torch.Tensor], num_up_blocks: int) -> dict[str, torch.Tensor]:
@@ -76,18 +74,12 @@ def to_original_keys(state: dict[str, torch.Tensor], num_up_blocks: int) -> dict
             parts = new.split(".")
             i, kind = parts[2], parts[3]
             rest = ".".join(parts[5:]) if kind == "downsamplers" else ".".join(parts[4:])
-            new = (
-                f"encoder.down.{i}.downsample.{rest}"
-                if kind == "downsamplers"
-                else f"encoder.down.{i}.block.{rest}"
-            )
+            new = f"encoder.down.{i}.downsample.{rest}" if kind == "downsamplers" else f"encoder.down.{i}.block.{rest}"
         if new.startswith("decoder.up_blocks."):
             parts = new.split(".")
             k, kind = num_up_blocks - 1 - int(parts[2]), parts[3]
             rest = ".".join(parts[5:]) if kind == "upsamplers" else ".".join(parts[4:])
-            new = (
-                f"decoder.up.{k}.upsample.{rest}" if kind == "upsamplers" else f"decoder.up.{k}.block.{rest}"
-            )
+            new = f"decoder.up.{k}.upsample.{rest}" if kind == "upsamplers" else f"decoder.up.{k}.block.{rest}"
         out[new] = value
     return out
 
@@ -169,9 +161,7 @@ def test_single_file_with_other_group_count(images):
     model = tiny_flux2(norm_num_groups=8, seed=6)
     original = to_original_keys(model.state_dict(), num_up_blocks=4)
     vae = flux2_from_state_dict(original, norm_num_groups=8)
-    torch.testing.assert_close(
-        vae.decode(vae.encode(images)), load_vae(model).decode(load_vae(model).encode(images))
-    )
+    torch.testing.assert_close(vae.decode(vae.encode(images)), load_vae(model).decode(load_vae(model).encode(images)))
 
 
 def test_single_file_mismatches_are_clear_errors(tmp_path):
@@ -182,9 +172,7 @@ def test_single_file_mismatches_are_clear_errors(tmp_path):
         flux2_from_state_dict(extra)
     missing = dict(original)
     del missing["decoder.mid.attn_1.proj_out.weight"]
-    with pytest.raises(
-        FlowliftError, match="missing 1: decoder.mid_block.attentions.0.to_out.0.weight"
-    ) as info:
+    with pytest.raises(FlowliftError, match="missing 1: decoder.mid_block.attentions.0.to_out.0.weight") as info:
         flux2_from_state_dict(missing)
     assert "\n" not in str(info.value)
     misshaped = dict(original)

@@ -83,8 +83,9 @@ def upscaler(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def photo(tmp_path_factory, shared):
-    return resized_photo(shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png",
-                         tmp_path_factory.mktemp("photo") / "photo.png", (W, H))
+    return resized_photo(
+        shared / "images" / "photos" / "Wine_by_Jakkub_Mede.png", tmp_path_factory.mktemp("photo") / "photo.png", (W, H)
+    )
 
 
 def _run(capsys, *argv) -> tuple[int, str]:
@@ -158,8 +159,22 @@ def test_eval_vae_methods_take_every_named_vae(named_hub, photo, tmp_path, capsy
     dataset.mkdir()
     shutil.copy(photo, dataset / "photo.png")
     out = tmp_path / "eval"
-    code, err = _run(capsys, "eval", "--run", "vae-roundtrip,latent-bicubic", "--dataset", dataset, "--scale", "2",
-                     "--vae", name, "--device", "cpu", "-o", out)  # fmt: skip
+    code, err = _run(
+        capsys,
+        "eval",
+        "--run",
+        "vae-roundtrip,latent-bicubic",
+        "--dataset",
+        dataset,
+        "--scale",
+        "2",
+        "--vae",
+        name,
+        "--device",
+        "cpu",
+        "-o",
+        out,
+    )
     assert code == 0, err
     assert any(out.rglob("*.json")), list(out.rglob("*"))
 
@@ -167,9 +182,23 @@ def test_eval_vae_methods_take_every_named_vae(named_hub, photo, tmp_path, capsy
 @pytest.mark.parametrize("name", VAE_NAMES)
 def test_dataset_images_takes_every_named_vae(named_hub, shared, tmp_path, capsys, name):
     out = tmp_path / "data"
-    code, err = _run(capsys, "dataset", "images", shared / "images" / "kodak" / "kodim05.png", "-o", out,
-                     "--vae", name, "--crop-px", "64", "--crops-per-image", "1", "--device", "cpu",
-                     "--no-progress")  # fmt: skip
+    code, err = _run(
+        capsys,
+        "dataset",
+        "images",
+        shared / "images" / "kodak" / "kodim05.png",
+        "-o",
+        out,
+        "--vae",
+        name,
+        "--crop-px",
+        "64",
+        "--crops-per-image",
+        "1",
+        "--device",
+        "cpu",
+        "--no-progress",
+    )
     assert code == 0, err
     manifest = json.loads((out / "dataset.json").read_text())
     assert manifest["num_items"] == 1 and manifest["source"]["vae"] == name
@@ -187,8 +216,23 @@ def test_img2img_takes_every_named_vae(named_hub, tmp_path, capsys, name):
     image = tmp_path / "in.png"
     Image.fromarray((torch.rand(48, 64, 3) * 255).to(torch.uint8).numpy(), "RGB").save(image)
     out = tmp_path / "out.png"
-    code, err = _run(capsys, "img2img", image, "--model", model, "--vae", name, "--prompt-embeds", embeds,
-                     "--strength", "0.5", "--steps", "2", "-o", out)  # fmt: skip
+    code, err = _run(
+        capsys,
+        "img2img",
+        image,
+        "--model",
+        model,
+        "--vae",
+        name,
+        "--prompt-embeds",
+        embeds,
+        "--strength",
+        "0.5",
+        "--steps",
+        "2",
+        "-o",
+        out,
+    )
     assert code == 0, err
     with Image.open(out) as result:
         assert result.size == (64, 48)
@@ -198,8 +242,9 @@ def test_img2img_takes_every_named_vae(named_hub, tmp_path, capsys, name):
 def test_the_web_app_offers_and_runs_every_named_vae(named_hub, upscaler, photo, tmp_path, name):
     from flowlift.app.service import AppConfig, AppService
 
-    service = AppService(AppConfig(upscaler=str(upscaler), vaes=["taef2", name], device="cpu",
-                                   work_dir=tmp_path / "work"))  # fmt: skip
+    service = AppService(
+        AppConfig(upscaler=str(upscaler), vaes=["taef2", name], device="cpu", work_dir=tmp_path / "work")
+    )
     assert name in service.vae_labels
     result = service.upscale(str(photo), scale=2, vae=name)
     with Image.open(result.output) as image:
@@ -222,5 +267,8 @@ def test_the_memory_plan_costs_mage_vae_as_mage():
     assert vae_kind(MageVAE.__new__(MageVAE)) == "mage"
     whole = decode_peak_bytes("mage", 4096, 4096, tiled=False)
     assert decode_peak_bytes("mage", 4096, 4096, tiled=True) < whole  # its exact tiled decode is bounded
-    assert decode_peak_bytes("taef2", 4096, 4096, tiled=False) < whole < decode_peak_bytes("flux2", 4096, 4096,
-                                                                                           tiled=False)  # fmt: skip
+    assert (
+        decode_peak_bytes("taef2", 4096, 4096, tiled=False)
+        < whole
+        < decode_peak_bytes("flux2", 4096, 4096, tiled=False)
+    )

@@ -18,19 +18,21 @@ def tiny_transformer(*, guidance_embeds: bool = False, seed: int = 0, text_dim: 
     from diffusers import Flux2Transformer2DModel
 
     torch.manual_seed(seed)
-    model = Flux2Transformer2DModel(**{
-        "patch_size": 1,
-        "in_channels": 128,
-        "num_layers": 1,
-        "num_single_layers": 1,
-        "attention_head_dim": 16,
-        "num_attention_heads": 2,
-        "joint_attention_dim": text_dim,
-        "timestep_guidance_channels": 32,
-        "axes_dims_rope": (4, 4, 4, 4),
-        "guidance_embeds": guidance_embeds,
-        **config,
-    })
+    model = Flux2Transformer2DModel(
+        **{
+            "patch_size": 1,
+            "in_channels": 128,
+            "num_layers": 1,
+            "num_single_layers": 1,
+            "attention_head_dim": 16,
+            "num_attention_heads": 2,
+            "joint_attention_dim": text_dim,
+            "timestep_guidance_channels": 32,
+            "axes_dims_rope": (4, 4, 4, 4),
+            "guidance_embeds": guidance_embeds,
+            **config,
+        }
+    )
     return model.eval().requires_grad_(False)
 
 
@@ -142,11 +144,19 @@ def write_invokeai_klein_pipeline(root: Path, qwen3_tokenizer: Path) -> Path:
     tiny_transformer(text_dim=3 * QWEN3_WIDTH, seed=4).save_pretrained(root / "transformer")
     tiny_vae(seed=5).save_pretrained(root / "vae")
     torch.manual_seed(6)
-    encoder = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=QWEN3_VOCAB, hidden_size=QWEN3_WIDTH, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    ))  # fmt: skip
+    encoder = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=QWEN3_VOCAB,
+            hidden_size=QWEN3_WIDTH,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        )
+    )
     encoder.save_pretrained(root / "text_encoder")
     FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True).save_pretrained(root / "scheduler")
     (root / "tokenizer").mkdir()
@@ -155,11 +165,15 @@ def write_invokeai_klein_pipeline(root: Path, qwen3_tokenizer: Path) -> Path:
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         shutil.copyfile(qwen3_tokenizer / name, root / "tokenizer" / name)
     index = {
-        "_class_name": "Flux2KleinPipeline", "_diffusers_version": "0.40.0", "is_distilled": True,
+        "_class_name": "Flux2KleinPipeline",
+        "_diffusers_version": "0.40.0",
+        "is_distilled": True,
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Qwen3ForCausalLM"], "tokenizer": ["transformers", "Qwen2TokenizerFast"],
-        "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"],
-    }  # fmt: skip
+        "text_encoder": ["transformers", "Qwen3ForCausalLM"],
+        "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+        "transformer": ["diffusers", "Flux2Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLFlux2"],
+    }
     (root / "model_index.json").write_text(json.dumps(index, indent=2))
     return root
 
@@ -182,8 +196,12 @@ def write_tiny_tokenizer(folder: Path) -> Path:
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   additional_special_tokens=["<|im_start|>"])  # fmt: skip
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     fast.chat_template = _CHAT_TEMPLATE
     fast.save_pretrained(folder)
     config_path = folder / "tokenizer_config.json"
@@ -208,19 +226,31 @@ def write_klein_pipeline_with_text_encoder(root: Path) -> Path:
     tiny_transformer(text_dim=3 * QWEN3_WIDTH, seed=4).save_pretrained(root / "transformer")
     tiny_vae(seed=5).save_pretrained(root / "vae")
     torch.manual_seed(6)
-    encoder = Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=vocab_size, hidden_size=QWEN3_WIDTH, intermediate_size=32, num_hidden_layers=27,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=1024,
-        tie_word_embeddings=True,
-    ))  # fmt: skip
+    encoder = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=vocab_size,
+            hidden_size=QWEN3_WIDTH,
+            intermediate_size=32,
+            num_hidden_layers=27,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        )
+    )
     encoder.save_pretrained(root / "text_encoder")
     FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True).save_pretrained(root / "scheduler")
     index = {
-        "_class_name": "Flux2KleinPipeline", "_diffusers_version": "0.40.0", "is_distilled": True,
+        "_class_name": "Flux2KleinPipeline",
+        "_diffusers_version": "0.40.0",
+        "is_distilled": True,
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Qwen3ForCausalLM"], "tokenizer": ["transformers", "Qwen2TokenizerFast"],
-        "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"],
-    }  # fmt: skip
+        "text_encoder": ["transformers", "Qwen3ForCausalLM"],
+        "tokenizer": ["transformers", "Qwen2TokenizerFast"],
+        "transformer": ["diffusers", "Flux2Transformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKLFlux2"],
+    }
     (root / "model_index.json").write_text(json.dumps(index, indent=2))
     return root
 

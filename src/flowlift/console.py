@@ -374,8 +374,9 @@ def _progress_lines_class() -> type:
                 d = self.format_dict
                 prefix = f"flowlift {_command['name']}: " if _command["name"] else "flowlift: "
                 desc = "" if self.desc == _command["name"] else self.desc
-                line = progress_line(desc, d["n"], d["total"], d["elapsed"], d["unit"], d.get("postfix") or "",
-                                     d.get("initial") or 0)  # fmt: skip
+                line = progress_line(
+                    desc, d["n"], d["total"], d["elapsed"], d["unit"], d.get("postfix") or "", d.get("initial") or 0
+                )
                 with _open_lines_lock:
                     inner = [bar for bar in _open_lines if bar is not self]
                 for bar in inner:  # e.g. the steps of the image being done: a short note on the outer line

@@ -6,7 +6,6 @@ non-zero without a traceback; programming errors keep their tracebacks. :class:`
 what flowlift warns about a user's input or output (shown as one line by the command line).
 """
 
-
 #: Where a message names its field: a character no path or argument can hold, put in the field's place by
 #: :class:`FlowliftError` (the Python words) or :meth:`FlowliftError.worded` (a door's).
 FIELD_MARK = "\0"

@@ -62,9 +62,21 @@ DECODE_TILE_BYTES = {"taef2": 600 << 20, "flux2": 2 << 30, "mage": MAGE_TILE_BYT
 MAGE_STORE_CHANNELS = 3 * 384 / 256
 
 _UNITS = {
-    "": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-    "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}  # fmt: skip
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def passes_for_scale(scale: float, *, fraction_last: bool = False) -> int:
@@ -123,8 +135,7 @@ def dtype_bytes(dtype: Any) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def decode_peak_bytes(vae_kind: str, height: int, width: int, *, batch: int = 1, dtype: Any = None,
-                      tiled: bool) -> int:  # fmt: skip
+def decode_peak_bytes(vae_kind: str, height: int, width: int, *, batch: int = 1, dtype: Any = None, tiled: bool) -> int:
     """Device peak of decoding a (batch, 32, height/8, width/8) latent to a (batch, 3, height, width) image.
 
     Whole frame: ``b * h * w * itemsize * (DECODE_PLAIN_CHANNELS + 3)``. Tiled: the output image and

@@ -27,12 +27,28 @@ from flowlift.refine.tiling import tile_layout
 
 #: A FLUX.2 of ComfyUI's FLUX.2 family (the detected config's fixed entries) at width 64: 2 heads of 32.
 TINY_UNET_CONFIG = {
-    "image_model": "flux2", "in_channels": 128, "out_channels": 128, "vec_in_dim": None, "context_in_dim": 32,
-    "hidden_size": 64, "mlp_ratio": 3.0, "num_heads": 2, "depth": 1, "depth_single_blocks": 1,
-    "axes_dim": [8, 8, 8, 8], "theta": 2000, "patch_size": 1, "qkv_bias": False, "guidance_embed": False,
-    "txt_ids_dims": [3], "global_modulation": True, "mlp_silu_act": True, "ops_bias": False,
-    "default_ref_method": "index", "ref_index_scale": 10.0,
-}  # fmt: skip
+    "image_model": "flux2",
+    "in_channels": 128,
+    "out_channels": 128,
+    "vec_in_dim": None,
+    "context_in_dim": 32,
+    "hidden_size": 64,
+    "mlp_ratio": 3.0,
+    "num_heads": 2,
+    "depth": 1,
+    "depth_single_blocks": 1,
+    "axes_dim": [8, 8, 8, 8],
+    "theta": 2000,
+    "patch_size": 1,
+    "qkv_bias": False,
+    "guidance_embed": False,
+    "txt_ids_dims": [3],
+    "global_modulation": True,
+    "mlp_silu_act": True,
+    "ops_bias": False,
+    "default_ref_method": "index",
+    "ref_index_scale": 10.0,
+}
 TEXT_TOKENS = 8
 
 
@@ -90,12 +106,18 @@ class FlowliftTestTiledReference:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {
-            "model": ("MODEL",), "samples": ("LATENT",), "conditioning": ("CONDITIONING",),
-            "sigma": ("FLOAT", {"default": 0.5, "min": 0.0, "max": 1.0, "step": 0.01}),
-            "tile_size": ("INT", {"default": 64, "min": 32, "max": 4096}), "tile_overlap": ("INT", {"default": 32}),
-            "batch": ("INT", {"default": 1, "min": 1, "max": 4}), "reference_latent": ("BOOLEAN", {"default": False}),
-        }}  # fmt: skip
+        return {
+            "required": {
+                "model": ("MODEL",),
+                "samples": ("LATENT",),
+                "conditioning": ("CONDITIONING",),
+                "sigma": ("FLOAT", {"default": 0.5, "min": 0.0, "max": 1.0, "step": 0.01}),
+                "tile_size": ("INT", {"default": 64, "min": 32, "max": 4096}),
+                "tile_overlap": ("INT", {"default": 32}),
+                "batch": ("INT", {"default": 1, "min": 1, "max": 4}),
+                "reference_latent": ("BOOLEAN", {"default": False}),
+            }
+        }
 
     def compare(self, model, samples, conditioning, sigma, tile_size, tile_overlap, batch, reference_latent):
         mm.load_models_gpu([model])

@@ -281,9 +281,7 @@ def _batch_tab(gr: Any, service: AppService, on: SimpleNamespace, queue: dict) -
             batch_controls = _upscale_controls(gr, service, "batch")
             run_batch = gr.Button("Upscale all", variant="primary", elem_id="batch-button")
         with gr.Column():
-            archive = gr.File(
-                label="Zip of the outputs (names as flowlift upscale writes them)", elem_id="batch-zip"
-            )
+            archive = gr.File(label="Zip of the outputs (names as flowlift upscale writes them)", elem_id="batch-zip")
             report = gr.Markdown(elem_id="batch-report")
     run_batch.click(
         on.batch,
@@ -299,8 +297,14 @@ def _batch_tab(gr: Any, service: AppService, on: SimpleNamespace, queue: dict) -
 def _upscale_controls(gr: Any, service: AppService, prefix: str) -> list[Any]:
     """Scale, seed, both strengths and the VAE choice (the API's argument order). The strengths are
     labelled by what they do; the help line under each gives the stage and its maths."""
-    scale = gr.Number(value=SCALE.default, minimum=SCALE.low, maximum=SCALE.high, step=SCALE.step,
-                      label="Scale (1-8x; 2, 4, 8 are whole 2x passes)", elem_id=f"{prefix}-scale")  # fmt: skip
+    scale = gr.Number(
+        value=SCALE.default,
+        minimum=SCALE.low,
+        maximum=SCALE.high,
+        step=SCALE.step,
+        label="Scale (1-8x; 2, 4, 8 are whole 2x passes)",
+        elem_id=f"{prefix}-scale",
+    )
     seed = seed_number(gr, elem_id=f"{prefix}-seed")
     transplant = gr.Slider(
         TRANSPLANT_STRENGTH.low,

@@ -17,6 +17,7 @@ from flowlift.progress import ProgressState, RunProgress, format_seconds
 #: Progress reporter: ``progress(fraction_done, description)``.
 ProgressFn = Callable[[float, str], None]
 
+
 def describe(state: ProgressState) -> str:
     """The bar's words: what runs now and, once this request measured its speed, the time left."""
     left = f", about {format_seconds(state.left)} left" if state.left is not None else ""

@@ -80,15 +80,17 @@ def _request(service: Any, source: Path, prompt: str | None, embeds: Path | None
     if form.mode not in MODES:
         raise FlowliftError(f"mode must be one of {', '.join(MODES)}, got {form.mode!r}")
     scale = MODES[form.mode]
-    strength = _checked(REFINE_STRENGTH if scale else STRENGTH, mode_strength_default(form.mode)
-                        if form.strength is None else form.strength)  # fmt: skip
+    strength = _checked(
+        REFINE_STRENGTH if scale else STRENGTH,
+        mode_strength_default(form.mode) if form.strength is None else form.strength,
+    )
     steps = None if form.steps is None else _checked(STEPS, form.steps)  # None: the model's, as the CLI's
-    sampling = SamplingSettings(steps=steps, seed=_checked(SEED, form.seed),
-                                sampler=SAMPLER.check(form.sampler))  # fmt: skip
+    sampling = SamplingSettings(steps=steps, seed=_checked(SEED, form.seed), sampler=SAMPLER.check(form.sampler))
     hires = None
     if scale:
-        hires = HiresSettings(upscaler=FlowUpscalerSource(service.config.upscaler), scale=scale,
-                              refine_strength=strength)  # fmt: skip
+        hires = HiresSettings(
+            upscaler=FlowUpscalerSource(service.config.upscaler), scale=scale, refine_strength=strength
+        )
     config = service.config
     request = RefineRequest(
         mode="hires" if scale else "img2img",
@@ -108,8 +110,14 @@ def _request(service: Any, source: Path, prompt: str | None, embeds: Path | None
     return replace(request, output=service.new_result_dir() / name)
 
 
-def refine_upload(service: Any, path: str | Path | None, prompt: str | None, prompt_embeds: str | Path | None,
-                  form: RefineForm, progress: ProgressFn) -> UpscaleResult:  # fmt: skip
+def refine_upload(
+    service: Any,
+    path: str | Path | None,
+    prompt: str | None,
+    prompt_embeds: str | Path | None,
+    form: RefineForm,
+    progress: ProgressFn,
+) -> UpscaleResult:
     """Refine one upload as ``form`` says; written as ``<stem>_img2img.png`` / ``<stem>_hires<N>x.png`` with the
     CLI's metadata. Logs the server's one line for the request whatever its outcome."""
     from flowlift.app.progress import request_progress
@@ -117,16 +125,24 @@ def refine_upload(service: Any, path: str | Path | None, prompt: str | None, pro
 
     run = request_progress(progress)  # from the click: the bar names each stage and step, loading included
     run.loading(None)
-    with running(run), logged_request(service.config.log, "refine", Path(path).name if path else "-",
-                                      str(form.mode)) as entry:  # fmt: skip
+    with (
+        running(run),
+        logged_request(service.config.log, "refine", Path(path).name if path else "-", str(form.mode)) as entry,
+    ):
         result = _refine(service, path, prompt, prompt_embeds, form, run)
         (w0, h0), (w1, h1) = result.input_size, result.output_size
         entry.request = f"{form.mode} {w0}x{h0} -> {w1}x{h1}"
     return result
 
 
-def _refine(service: Any, path: str | Path | None, prompt: str | None, prompt_embeds: str | Path | None,
-            form: RefineForm, run: Any) -> UpscaleResult:  # fmt: skip
+def _refine(
+    service: Any,
+    path: str | Path | None,
+    prompt: str | None,
+    prompt_embeds: str | Path | None,
+    form: RefineForm,
+    run: Any,
+) -> UpscaleResult:
     from flowlift.refine.jobs import job_conditioning, plan_refine_job, refine_job, write_job
     from flowlift.refine.stages import plan_job_stages
 
@@ -148,8 +164,9 @@ def _refine(service: Any, path: str | Path | None, prompt: str | None, prompt_em
         job = plan_refine_job(request)
         conditioning = job_conditioning(job)  # the embeddings file read; text goes to the refiner's encoder
     except ITEM_ERRORS as error:
-        raise FlowliftError(public_message(error, embeds if embeds is not None and embeds.name in str(error)
-                                           else source)) from None  # fmt: skip
+        raise FlowliftError(
+            public_message(error, embeds if embeds is not None and embeds.name in str(error) else source)
+        ) from None
     started = time.perf_counter()
     refiner = service.refiner(text_encoder=request.prompt.embeds is None)
     refiner.progress = False

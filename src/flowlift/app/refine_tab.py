@@ -60,8 +60,20 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
     """The Refine tab and its ``refine`` endpoint (built inside the page's ``gr.Blocks``)."""
     stage_progress = gr.Progress()
 
-    def run(image, prompt, embeds, mode, strength, strength_map, steps, seed, sampler, tile_size, tile_overlap,
-            progress=stage_progress):  # fmt: skip
+    def run(
+        image,
+        prompt,
+        embeds,
+        mode,
+        strength,
+        strength_map,
+        steps,
+        seed,
+        sampler,
+        tile_size,
+        tile_overlap,
+        progress=stage_progress,
+    ):
         try:
             result = refine(
                 service,
@@ -112,8 +124,9 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
                     info="linear: 0.5 redraws the last half of the schedule; canvas: as canvas apps count it, "
                     "much stronger at the same number (0.5 redraws 87%)",
                 )
-                model_steps, why = model_default_steps(service.config.model) if service.config.model else (
-                    STEPS.default, "")  # fmt: skip
+                model_steps, why = (
+                    model_default_steps(service.config.model) if service.config.model else (STEPS.default, "")
+                )
                 steps = gr.Number(
                     value=model_steps,
                     precision=0,
@@ -130,8 +143,12 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
                 slider = gr.ImageSlider(label="Before / after", type="pil", format="png", elem_id="refine-slider")
                 download = gr.File(label="Full-resolution PNG", elem_id="refine-download")
                 info = gr.Markdown(elem_id="refine-info")
-        mode.change(lambda chosen: gr.update(value=mode_strength_default(chosen)), inputs=[mode], outputs=[strength],
-                    api_name=False)  # fmt: skip
+        mode.change(
+            lambda chosen: gr.update(value=mode_strength_default(chosen)),
+            inputs=[mode],
+            outputs=[strength],
+            api_name=False,
+        )
         button.click(
             run,
             inputs=[image, prompt, embeds, mode, strength, strength_map, steps, seed, sampler, tile_size, tile_overlap],

@@ -207,13 +207,16 @@ class AppService:
         a ``work_dir`` given by the caller may hold folders of theirs named ``r-...``."""
         now = time.time()
         for old in self.work_dir.glob("r-*"):
-            if (old.is_dir() and not old.is_symlink() and (old / RESULT_MARKER).is_file()
-                    and now - old.stat().st_mtime > RESULT_MAX_AGE_S):  # fmt: skip
+            if (
+                old.is_dir()
+                and not old.is_symlink()
+                and (old / RESULT_MARKER).is_file()
+                and now - old.stat().st_mtime > RESULT_MAX_AGE_S
+            ):
                 shutil.rmtree(old, ignore_errors=True)
         folder = Path(tempfile.mkdtemp(prefix="r-", dir=self.work_dir))
         (folder / RESULT_MARKER).write_text("made by flowlift app; removed when old\n")
         return folder
-
 
     def hires_upscaler(self, refiner: Any) -> Any:
         """The hires fix's Flow Upscaler on the refiner's VAE, device and dtype (made once; the UNet an upscale
@@ -286,9 +289,18 @@ class AppService:
         try:
             width, height = image_size(source)
             with stages.image(source.name, passes, width * height / 1e6):
-                image, result, notes = upscale_file(pipeline, settings, passes, source, out, self._hashes[vae],
-                                                    stages.stage, stages.decode_tile, sizes.resample_to(source),
-                                                    sizes.asked)  # fmt: skip
+                image, result, notes = upscale_file(
+                    pipeline,
+                    settings,
+                    passes,
+                    source,
+                    out,
+                    self._hashes[vae],
+                    stages.stage,
+                    stages.decode_tile,
+                    sizes.resample_to(source),
+                    sizes.asked,
+                )
         except ITEM_ERRORS as error:
             raise FlowliftError(public_message(error, source)) from None
         before, after = preview_pair(image, result)
@@ -330,8 +342,10 @@ class AppService:
 
         run = request_progress(progress)  # the request's clock from the click: loading the models counts in its time
         run.loading(None)  # the bar shows at once ("starting"), never another request's estimate
-        with running(run), logged_request(self.config.log, "upscale", Path(path).name if path else "-",
-                                          f"x{scale}") as entry:  # fmt: skip
+        with (
+            running(run),
+            logged_request(self.config.log, "upscale", Path(path).name if path else "-", f"x{scale}") as entry,
+        ):
             if not path:
                 raise FlowliftError("no image uploaded")
             source = Path(path)
@@ -374,8 +388,10 @@ class AppService:
         started = time.perf_counter()
         run = request_progress(progress)  # the request's clock from the click: loading the models counts in its time
         run.loading(None)
-        with running(run), logged_request(self.config.log, "batch", f"{len(paths or [])} file(s)",
-                                          f"x{scale}") as entry:  # fmt: skip
+        with (
+            running(run),
+            logged_request(self.config.log, "batch", f"{len(paths or [])} file(s)", f"x{scale}") as entry,
+        ):
             if not paths:
                 raise FlowliftError("no files uploaded")
             sources = [Path(p) for p in paths]

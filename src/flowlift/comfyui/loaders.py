@@ -74,18 +74,22 @@ class FlowliftUpscalerLoader(io.ComfyNode):
 
 #: What each loader node says about its VAE; the ids and widget names are in saved workflows (never change them).
 _LOADER_TEXT = {
-    "taef2": ("Load TAEF2 VAE (flowlift)",
-              "Loads TAEF2 from models/vae_approx (taef2_encoder + taef2_decoder, either released key layout): a fast, "
-              "approximate FLUX.2 VAE for VAEEncode/VAEDecode/VAEDecodeTiled and FlowliftUpscaleImage.",
-              "a TAEF2 file; its encoder/decoder partner next to it is loaded with it"),
-    "mage": ("Load Mage-VAE for 8K-16K (flowlift)",
-             "For 8K-16K images: loads Mage-VAE (Mage-Flow's VAE, the released .safetensors with "
-             "student.dconv_encoder.* and pipeline.* tensors) from models/vae with flowlift's exact tiled encode and "
-             "decode, which keep memory bounded by a tile and equal the whole frame (ComfyUI's own tiled decode "
-             "blends overlaps instead). At smaller sizes ComfyUI's own VAELoader loads the same file with the same "
-             "results; use that. A decode-only file decodes only.",
-             "a Mage-VAE .safetensors file in models/vae (the same file ComfyUI's VAELoader loads)"),
-}  # fmt: skip
+    "taef2": (
+        "Load TAEF2 VAE (flowlift)",
+        "Loads TAEF2 from models/vae_approx (taef2_encoder + taef2_decoder, either released key layout): a fast, "
+        "approximate FLUX.2 VAE for VAEEncode/VAEDecode/VAEDecodeTiled and FlowliftUpscaleImage.",
+        "a TAEF2 file; its encoder/decoder partner next to it is loaded with it",
+    ),
+    "mage": (
+        "Load Mage-VAE for 8K-16K (flowlift)",
+        "For 8K-16K images: loads Mage-VAE (Mage-Flow's VAE, the released .safetensors with "
+        "student.dconv_encoder.* and pipeline.* tensors) from models/vae with flowlift's exact tiled encode and "
+        "decode, which keep memory bounded by a tile and equal the whole frame (ComfyUI's own tiled decode "
+        "blends overlaps instead). At smaller sizes ComfyUI's own VAELoader loads the same file with the same "
+        "results; use that. A decode-only file decodes only.",
+        "a Mage-VAE .safetensors file in models/vae (the same file ComfyUI's VAELoader loads)",
+    ),
+}
 
 
 def _file_names(named: NamedVAE) -> list[str]:

@@ -125,7 +125,6 @@ class TiledModelFunction:
             log.info("flowlift: %s", tiling_line(frame, record))
         return patchify(tiled(unpatchify(x), timestep))
 
-
     def call_shape(self, latent_shape: Sequence[int]) -> list[int]:
         """The largest input one model call gets for a ComfyUI latent of ``latent_shape`` (B, 128, h, w): a tile
         (times the tiles stacked per call, which only a batch of one stacks) when the frame runs in tiles, else the

@@ -158,8 +158,9 @@ class FlowliftUpscaleLatent(io.ComfyNode):
     def execute(
         cls, upscaler: Any, samples: dict, scale: float, seed: int, transplant_strength: float, chunked: str
     ) -> io.NodeOutput:
-        checked = layouts.check_numbers("FlowliftUpscaleLatent", scale=scale, seed=seed,
-                                        transplant_strength=transplant_strength)  # fmt: skip
+        checked = layouts.check_numbers(
+            "FlowliftUpscaleLatent", scale=scale, seed=seed, transplant_strength=transplant_strength
+        )
         latents = layouts.flux2_latents(samples, "FlowliftUpscaleLatent")
         passes = latent_passes(checked.pop("scale"))
         progress = Progress(passes)
@@ -223,8 +224,9 @@ class FlowliftUpscaleImage(io.ComfyNode):
         if isinstance(flowlift_vae, ComfyFlux2VAE):
             flowlift_vae.device = pipeline.device  # decoded images meet the reference on the upscaler's device
         result = run_logging_warnings(
-            lambda: pipeline.upscale_image(images, passes, **checked, output_type="pt", callback=progress.stage,
-                                           output_size=size)  # fmt: skip
+            lambda: pipeline.upscale_image(
+                images, passes, **checked, output_type="pt", callback=progress.stage, output_size=size
+            )
         )
         return io.NodeOutput(layouts.nchw_to_image(result, mm.intermediate_device()))
 

@@ -89,9 +89,7 @@ class ComfyFlux2VAE:
         pixels = samples.shape[-2] * samples.shape[-1] * (2 * self.spatial_factor) ** 2
         whole = self.tile_above_pixels is None
         if not whole and (tiled if tiled is not None else pixels > self.tile_above_pixels):
-            images = self.vae.decode_tiled(
-                samples, tile_x=TILE_LATENT, tile_y=TILE_LATENT, overlap=TILE_OVERLAP_LATENT
-            )
+            images = self.vae.decode_tiled(samples, tile_x=TILE_LATENT, tile_y=TILE_LATENT, overlap=TILE_OVERLAP_LATENT)
         else:
             images = self.vae.decode(samples)
         return images.movedim(-1, 1).to(device=self.device, dtype=torch.float32)

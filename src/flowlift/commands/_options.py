@@ -30,14 +30,31 @@ DEFAULT_SCALE = SCALE.default
 #: Request fields (as the Python API names them) whose option is named otherwise: field -> the option's ``dest``.
 #: Every knob is its own option (``tile_size`` -> ``--tile-size``), and so is every field named like its option.
 FIELD_DESTS = {
-    "prompt.text": "prompt", "prompt.embeds": "prompt_embeds", "prompt.negative": "negative_prompt",
-    "prompt.cfg_scale": "cfg_scale", "prompt.guidance": "guidance", "source.model": "model", "source.vae": "vae",
-    "source.transformer": "transformer", "source.loras": "lora", "source.device": "device", "source.dtype": "dtype",
-    "source.offload": "offload", "source.max_memory": "max_memory", "references": "reference",
-    "hires.upscaler": "upscaler", "hires.scale": "scale", "hires.refine_strength": "refine_strength",
-    "hires.base_steps": "base_steps", "hires.transplant_strength": "transplant_strength", "output_format": "format",
-    "settings.upscaler": "upscaler", "settings.vae": "vae", "vae_tiled": "vae_tiling", "hires_scale": "scale",
-}  # fmt: skip
+    "prompt.text": "prompt",
+    "prompt.embeds": "prompt_embeds",
+    "prompt.negative": "negative_prompt",
+    "prompt.cfg_scale": "cfg_scale",
+    "prompt.guidance": "guidance",
+    "source.model": "model",
+    "source.vae": "vae",
+    "source.transformer": "transformer",
+    "source.loras": "lora",
+    "source.device": "device",
+    "source.dtype": "dtype",
+    "source.offload": "offload",
+    "source.max_memory": "max_memory",
+    "references": "reference",
+    "hires.upscaler": "upscaler",
+    "hires.scale": "scale",
+    "hires.refine_strength": "refine_strength",
+    "hires.base_steps": "base_steps",
+    "hires.transplant_strength": "transplant_strength",
+    "output_format": "format",
+    "settings.upscaler": "upscaler",
+    "settings.vae": "vae",
+    "vae_tiled": "vae_tiling",
+    "hires_scale": "scale",
+}
 
 
 def option_words(parser: argparse.ArgumentParser) -> dict[str, str]:
@@ -115,14 +132,16 @@ class OneLineParser(argparse.ArgumentParser):
 VAE_HELP = vae_help()
 
 
-def add_output_option(parser: argparse.ArgumentParser, help: str, *, required: bool = False,
-                      metavar: str = "OUT") -> argparse.Action:  # fmt: skip
+def add_output_option(
+    parser: argparse.ArgumentParser, help: str, *, required: bool = False, metavar: str = "OUT"
+) -> argparse.Action:
     """``-o/--output``, the one spelling of every command's output."""
     return parser.add_argument("-o", "--output", type=name_or_path, metavar=metavar, help=help, required=required)
 
 
-def add_vae_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, own: str = "",
-                   **kwargs: Any) -> argparse.Action:  # fmt: skip
+def add_vae_option(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, own: str = "", **kwargs: Any
+) -> argparse.Action:
     """``--vae`` with the one help text (:data:`VAE_HELP`), ``own`` appended (what only this command does with it)."""
     kwargs.setdefault("metavar", vae_metavar())
     kwargs.setdefault("type", name_or_path)
@@ -142,9 +161,10 @@ def add_device_options(
     native = "bfloat16 for the Flow Upscaler and TAEF2 on a CPU with native bf16 (AMX/AVX512-BF16), else float32"
     cpu = native if cpu_bf16 else "float32 on the CPU"
     parser.add_argument(
-        "--device", default="auto", help=f"torch device for the {what}: auto (default: CUDA if available, else cpu), "
-        "cpu, cuda, cuda:1, ..."
-    )  # fmt: skip
+        "--device",
+        default="auto",
+        help=f"torch device for the {what}: auto (default: CUDA if available, else cpu), cpu, cuda, cuda:1, ...",
+    )
     parser.add_argument(
         "--dtype",
         choices=DTYPES,

@@ -78,11 +78,19 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add_knob(sampling, STRENGTH_MAP)
     add_schedule_arguments(sampling)
     out = parser.add_argument_group("output")
-    out.add_argument("-o", "--output", type=name_or_path, metavar="PATH",
-                     help="output image (PNG keeps all parameters as metadata; default: beside the input, "
-                     "<stem>_img2img.png, <stem>_hires<N>x.png ..., by the command)")  # fmt: skip
-    out.add_argument("--overwrite", action="store_true",
-                     help="replace an existing image at the output path that flowlift did not write")  # fmt: skip
+    out.add_argument(
+        "-o",
+        "--output",
+        type=name_or_path,
+        metavar="PATH",
+        help="output image (PNG keeps all parameters as metadata; default: beside the input, "
+        "<stem>_img2img.png, <stem>_hires<N>x.png ..., by the command)",
+    )
+    out.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing image at the output path that flowlift did not write",
+    )
 
 
 # --------------------------------------------------------------------------------- schedule options
@@ -117,8 +125,9 @@ def refiner_source(args: argparse.Namespace) -> Any:
     --offload --max-memory``."""
     from flowlift.refine.request import RefinerSource
 
-    return RefinerSource(args.model, args.vae, args.transformer, tuple(args.lora), args.device, args.dtype,
-                         args.offload, args.max_memory)  # fmt: skip
+    return RefinerSource(
+        args.model, args.vae, args.transformer, tuple(args.lora), args.device, args.dtype, args.offload, args.max_memory
+    )
 
 
 def tile_request(args: argparse.Namespace) -> Any:

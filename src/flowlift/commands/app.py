@@ -54,12 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH|REPO",
         help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
     )
-    add_vae_option(parser, f"repeatable: the VAEs the page offers, the first the default (default {DEFAULT_VAE}, "
-                   "as for flowlift upscale)", action="append")
-    add_device_options(parser, cpu_bf16=True)
-    parser.add_argument(
-        "--max-upload-mb", type=_megabytes, default=50.0, metavar="MB", help="largest accepted upload"
+    add_vae_option(
+        parser,
+        f"repeatable: the VAEs the page offers, the first the default (default {DEFAULT_VAE}, as for flowlift upscale)",
+        action="append",
     )
+    add_device_options(parser, cpu_bf16=True)
+    parser.add_argument("--max-upload-mb", type=_megabytes, default=50.0, metavar="MB", help="largest accepted upload")
     parser.add_argument(
         "--model",
         type=name_or_path,
@@ -67,9 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH|REPO",
         help="FLUX.2 Klein/dev weights for the Refine tab (as for flowlift img2img); no Refine tab without it",
     )
-    parser.add_argument("--model-vae", default=None, metavar="SPEC",
-                        help="the VAE the Refine tab encodes and decodes --model's latents with: flux2, mage, taef2, "
-                        "a weights file or a folder (default: --model's own vae/ folder)")  # fmt: skip
+    parser.add_argument(
+        "--model-vae",
+        default=None,
+        metavar="SPEC",
+        help="the VAE the Refine tab encodes and decodes --model's latents with: flux2, mage, taef2, "
+        "a weights file or a folder (default: --model's own vae/ folder)",
+    )
 
 
 def check_weights(args: argparse.Namespace) -> None:

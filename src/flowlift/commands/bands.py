@@ -37,13 +37,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_option(parser, "folder for bands.json, bands.md, bands.png", required=True)
     parser.add_argument("--amplitude", type=finite_float, default=0.1, help="perturbation RMS in latent sigma (0.1)")
     parser.add_argument("--seed", type=seed_value, default=0, help="noise seed (band k uses seed + k)")
-    parser.add_argument("--max-side", type=positive_int, default=None,
-                        help="downscale images (INTER_AREA) so the long side is at most this")  # fmt: skip
+    parser.add_argument(
+        "--max-side",
+        type=positive_int,
+        default=None,
+        help="downscale images (INTER_AREA) so the long side is at most this",
+    )
     parser.add_argument("--limit", type=positive_int, default=None, help="use only the first N images")
     parser.add_argument("--full", action="store_true", help="print every pixel band, not only the two summaries")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace files at the report's names that flowlift did not write (without it, only "
-                        "flowlift's own reports and empty files are replaced)")  # fmt: skip
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace files at the report's names that flowlift did not write (without it, only "
+        "flowlift's own reports and empty files are replaced)",
+    )
     add_device_options(parser, "VAE")
 
 

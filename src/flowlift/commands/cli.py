@@ -171,8 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return BROKEN_PIPE_STATUS
     command = _command_word(sys.argv[1:])
     reason = getattr(failure, "strerror", None) or str(failure) or type(failure).__name__
-    print(f"flowlift{' ' + command if command else ''}: error: cannot write to standard output: {reason}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"flowlift{' ' + command if command else ''}: error: cannot write to standard output: {reason}", file=sys.stderr
+    )
     return 1
 
 

@@ -35,19 +35,38 @@ EXAMPLES = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="UPSCALED", help="upscaled image files, folders or glob patterns")
-    parser.add_argument("--reference", required=True, action="append", metavar="SOURCES",
-                        help="the images they were upscaled from (files or folders), paired by name: "
-                        "<stem> or <stem>_x<N> with <stem>")  # fmt: skip
-    parser.add_argument("-o", "--output", type=name_or_path, metavar="OUT",
-                        help="output folder (default: next to each upscaled image); for one input, a file name")
+    parser.add_argument(
+        "--reference",
+        required=True,
+        action="append",
+        metavar="SOURCES",
+        help="the images they were upscaled from (files or folders), paired by name: <stem> or <stem>_x<N> with <stem>",
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=name_or_path,
+        metavar="OUT",
+        help="output folder (default: next to each upscaled image); for one input, a file name",
+    )
     add_knob(parser, COLOR_FIX_STRENGTH, metavar="S")
-    parser.add_argument("--format", choices=OUTPUT_FORMATS, default=None,
-                        help="output format (default: the suffix of -o FILE, else png); ICC profile and EXIF kept")
-    parser.add_argument("--quality", type=quality, default=None, metavar="Q",
-                        help="JPEG/WebP quality 1-100 (default 95; WebP at 100 is lossless)")  # fmt: skip
+    parser.add_argument(
+        "--format",
+        choices=OUTPUT_FORMATS,
+        default=None,
+        help="output format (default: the suffix of -o FILE, else png); ICC profile and EXIF kept",
+    )
+    parser.add_argument(
+        "--quality",
+        type=quality,
+        default=None,
+        metavar="Q",
+        help="JPEG/WebP quality 1-100 (default 95; WebP at 100 is lossless)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs instead of skipping")
-    parser.add_argument("--device", default="auto",
-                        help="torch device: auto (CUDA when available, else cpu), cpu, cuda, cuda:N, mps")  # fmt: skip
+    parser.add_argument(
+        "--device", default="auto", help="torch device: auto (CUDA when available, else cpu), cpu, cuda, cuda:N, mps"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -76,34 +76,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG.rstrip() + "\n\n" + EXAMPLES
     parser.add_argument("outputs", nargs="*", help="output images or folders (paired with --reference by name)")
     parser.add_argument("--reference", type=name_or_path, help="folder of the inputs the outputs were made from")
-    parser.add_argument("--ground-truth", type=name_or_path,
-                        help="folder of same-named ground-truth images (adds PSNR/SSIM)")  # fmt: skip
-    parser.add_argument("--run", action="append", metavar="METHODS",
-                        help="methods to run, comma-separated: lanczos, bicubic, latent-bicubic, vae-roundtrip, "
-                        "flow, spandrel:PATH; flow takes options as flow:transplant=F, flow:color_fix=F, "
-                        "flow:color=on|off, flow:seed=N (chained: flow:color=off:seed=1); spandrel models as "
-                        "spandrel:PATH:label or spandrel:PATH+colorfix; SesquiLSR as sesqui:PATH[:label] "
-                        "(see below)")  # fmt: skip
+    parser.add_argument(
+        "--ground-truth", type=name_or_path, help="folder of same-named ground-truth images (adds PSNR/SSIM)"
+    )
+    parser.add_argument(
+        "--run",
+        action="append",
+        metavar="METHODS",
+        help="methods to run, comma-separated: lanczos, bicubic, latent-bicubic, vae-roundtrip, "
+        "flow, spandrel:PATH; flow takes options as flow:transplant=F, flow:color_fix=F, "
+        "flow:color=on|off, flow:seed=N (chained: flow:color=off:seed=1); spandrel models as "
+        "spandrel:PATH:label or spandrel:PATH+colorfix; SesquiLSR as sesqui:PATH[:label] "
+        "(see below)",
+    )
     parser.add_argument("--dataset", action="append", help="photos (files/folders) to build low-res inputs from")
-    parser.add_argument("--scale", type=scale_argument, default=DEFAULT_SCALE,
-                        help="upscale factor for --run: above 1, at most 16, whole or p/q with q <= 16 (1.5)")
+    parser.add_argument(
+        "--scale",
+        type=scale_argument,
+        default=DEFAULT_SCALE,
+        help="upscale factor for --run: above 1, at most 16, whole or p/q with q <= 16 (1.5)",
+    )
     parser.add_argument("--limit", type=positive_int, help="use only the first N dataset images")
-    parser.add_argument("--box", type=_box, help="x,y,w,h in output pixels: grey levels are counted here, "
-                        "and the figure crops it")  # fmt: skip
-    add_vae_option(parser, "the latent methods' (latent-bicubic, vae-roundtrip, flow), as for flowlift upscale",
-                   default=DEFAULT_VAE)
-    parser.add_argument("--upscaler", type=name_or_path, default=None, metavar="PATH|REPO",
-                        help="Flow Upscaler weights for the flow method: file, folder or hub repo "
-                        "(default TensorForger/FlowUpscaler, as for flowlift upscale)")  # fmt: skip
+    parser.add_argument(
+        "--box", type=_box, help="x,y,w,h in output pixels: grey levels are counted here, and the figure crops it"
+    )
+    add_vae_option(
+        parser,
+        "the latent methods' (latent-bicubic, vae-roundtrip, flow), as for flowlift upscale",
+        default=DEFAULT_VAE,
+    )
+    parser.add_argument(
+        "--upscaler",
+        type=name_or_path,
+        default=None,
+        metavar="PATH|REPO",
+        help="Flow Upscaler weights for the flow method: file, folder or hub repo "
+        "(default TensorForger/FlowUpscaler, as for flowlift upscale)",
+    )
     add_device_options(parser, "VAE, upscaler and spandrel models")
-    add_knob(parser, SPANDREL_TILE, metavar="PX|auto|none",
-             help=f"{SPANDREL_TILE.help}; {SPANDREL_TILE.describe()} (default auto)")  # fmt: skip
-    add_knob(parser, SPANDREL_TILE_OVERLAP, default=None, metavar="PX",
-             help=f"{SPANDREL_TILE_OVERLAP.help} (default {SPANDREL_TILE_OVERLAP.default})")  # fmt: skip
+    add_knob(
+        parser,
+        SPANDREL_TILE,
+        metavar="PX|auto|none",
+        help=f"{SPANDREL_TILE.help}; {SPANDREL_TILE.describe()} (default auto)",
+    )
+    add_knob(
+        parser,
+        SPANDREL_TILE_OVERLAP,
+        default=None,
+        metavar="PX",
+        help=f"{SPANDREL_TILE_OVERLAP.help} (default {SPANDREL_TILE_OVERLAP.default})",
+    )
     add_output_option(parser, "folder for results.json, table.md, metrics.png, crops.png", required=True)
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace files at the report's names that flowlift did not write (without it, only "
-                        "flowlift's own reports and empty files are replaced)")  # fmt: skip
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace files at the report's names that flowlift did not write (without it, only "
+        "flowlift's own reports and empty files are replaced)",
+    )
     parser.add_argument("--cache", type=name_or_path, default=None, help="result cache folder (default OUT/cache)")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything, store nothing")
     parser.add_argument(

@@ -28,12 +28,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     base = parser.add_argument_group("base image")
     base.add_argument("--image", help="start from this image instead of a txt2img generation")
     width, height = DEFAULT_SIZE
-    base.add_argument("--width", type=positive_int, default=width,
-                      help=f"txt2img width (multiple of 16; default {width})")  # fmt: skip
-    base.add_argument("--height", type=positive_int, default=height,
-                      help=f"txt2img height (multiple of 16; default {height})")  # fmt: skip
-    add_knob(base, STEPS, "--base-steps", default=None,
-             help=f"txt2img steps, {STEPS.describe()} (default: the model's, as --steps)")  # fmt: skip
+    base.add_argument(
+        "--width", type=positive_int, default=width, help=f"txt2img width (multiple of 16; default {width})"
+    )
+    base.add_argument(
+        "--height", type=positive_int, default=height, help=f"txt2img height (multiple of 16; default {height})"
+    )
+    add_knob(
+        base,
+        STEPS,
+        "--base-steps",
+        default=None,
+        help=f"txt2img steps, {STEPS.describe()} (default: the model's, as --steps)",
+    )
     up = parser.add_argument_group("upscale")
     add_knob(up, HIRES_SCALE, "--scale")
     up.add_argument(

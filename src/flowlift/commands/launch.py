@@ -36,12 +36,15 @@ TORCHRUN_OPTIONS = (
     (("--rdzv-endpoint",), "HOST:PORT", "rendezvous address, reachable from every machine (default: local)"),
     (("--rdzv-id",), "ID", "job id, the same on every machine (default: a fresh one)"),
     (("--rdzv-conf",), "K=V,...", "rendezvous settings, e.g. join_timeout=600 (default: torchrun's)"),
-    (("--max-restarts", "--max_restarts"), "N",
-     "restarts of the whole group after a crash (never for failed images or a stopped rank; default 0)"),
+    (
+        ("--max-restarts", "--max_restarts"),
+        "N",
+        "restarts of the whole group after a crash (never for failed images or a stopped rank; default 0)",
+    ),
     (("--node-rank",), "N", "this machine's rank, static rendezvous (default 0)"),
     (("--master-addr",), "HOST", "rank 0's machine, static rendezvous (default: torchrun's)"),
     (("--master-port",), "PORT", "rank 0's port, static rendezvous (default: torchrun's)"),
-)  # fmt: skip
+)
 #: Exit status of an interrupted command (SIGINT, SIGTERM).
 INTERRUPTED = 130
 #: Commands that are no distributed job (or would nest launchers).
@@ -83,8 +86,9 @@ def run(args: argparse.Namespace) -> int:
     if command[:1] == ["--"]:
         command = command[1:]
     if not command:
-        raise FlowliftError("give the flowlift command after --, e.g. flowlift launch --nproc-per-node 2 -- upscale "
-                            "photos/ -o out/")  # fmt: skip
+        raise FlowliftError(
+            "give the flowlift command after --, e.g. flowlift launch --nproc-per-node 2 -- upscale photos/ -o out/"
+        )
     if command[0] in NOT_LAUNCHED:
         raise FlowliftError(f"`flowlift {command[0]}` does not run under a launcher")
     build_parser().parse_args(command)  # a mistyped option: one error line and exit 2 here, before any rank starts

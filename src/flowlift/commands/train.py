@@ -63,36 +63,57 @@ def _type(field: str):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = _config_default
-    parser.add_argument("--config", type=name_or_path,
-                        help="JSON or TOML file of training settings (default: none, built-in defaults)")  # fmt: skip
+    parser.add_argument(
+        "--config", type=name_or_path, help="JSON or TOML file of training settings (default: none, built-in defaults)"
+    )
     parser.add_argument("--data", type=name_or_path, help="dataset folder (from `flowlift dataset`)" + d("data"))
     add_output_option(parser, "run folder: logs, checkpoints, final flow_upscaler.safetensors" + d("output"))
-    parser.add_argument("--init", type=name_or_path,
-                        help="fine-tune from this Flow Upscaler checkpoint (file, folder or hub id)"
-                        + d("init"))  # fmt: skip
+    parser.add_argument(
+        "--init",
+        type=name_or_path,
+        help="fine-tune from this Flow Upscaler checkpoint (file, folder or hub id)" + d("init"),
+    )
     parser.add_argument("--steps", type=_type("steps"), help="total optimizer steps" + d("steps"))
-    parser.add_argument("--batch-size", type=_type("batch_size"), help="samples per process per micro-batch"
-                        + d("batch_size"))  # fmt: skip
-    parser.add_argument("--grad-accum", type=_type("grad_accum"), help="micro-batches per optimizer step"
-                        + d("grad_accum"))  # fmt: skip
+    parser.add_argument(
+        "--batch-size", type=_type("batch_size"), help="samples per process per micro-batch" + d("batch_size")
+    )
+    parser.add_argument(
+        "--grad-accum", type=_type("grad_accum"), help="micro-batches per optimizer step" + d("grad_accum")
+    )
     parser.add_argument("--lr", type=_type("lr"), help="peak learning rate" + d("lr"))
-    parser.add_argument("--crop-latent", dest="crop", type=_type("crop"), metavar="N",
-                        help="crop side in target-latent pixels, 1/8 of image pixels (multiple of 4; 0 = whole "
-                        "items)" + d("crop"))  # fmt: skip
-    parser.add_argument("--resume", help="auto (latest checkpoint in --output), a checkpoint folder, or none"
-                        + d("resume"))  # fmt: skip
+    parser.add_argument(
+        "--crop-latent",
+        dest="crop",
+        type=_type("crop"),
+        metavar="N",
+        help="crop side in target-latent pixels, 1/8 of image pixels (multiple of 4; 0 = whole items)" + d("crop"),
+    )
+    parser.add_argument(
+        "--resume", help="auto (latest checkpoint in --output), a checkpoint folder, or none" + d("resume")
+    )
     parser.add_argument("--device", help="auto (CUDA if available, else cpu), cpu, cuda, cuda:N" + d("device"))
-    parser.add_argument("--overwrite", action="store_true", default=None,
-                        help="with --resume none: start a new run over the checkpoints already in --output")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=None,
+        help="with --resume none: start a new run over the checkpoints already in --output",
+    )
     add_vae_option(parser, "for validation" + d("vae"))
-    parser.add_argument("--val-images", nargs="+", help="held-out images (files, folders, globs) for validation"
-                        + d("val_images"))  # fmt: skip
-    parser.add_argument("--val-every", type=_type("val_every"),
-                        help="validate every K steps (0 = never)" + d("val_every"))  # fmt: skip
+    parser.add_argument(
+        "--val-images", nargs="+", help="held-out images (files, folders, globs) for validation" + d("val_images")
+    )
+    parser.add_argument(
+        "--val-every", type=_type("val_every"), help="validate every K steps (0 = never)" + d("val_every")
+    )
     parser.add_argument("--seed", type=_type("seed"), help="seed of data order, noise and initialisation" + d("seed"))
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="any other TrainConfig setting, e.g. --set ema_decay=0.9999 (repeatable; "
-                        "--print-config lists them all with their values)")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other TrainConfig setting, e.g. --set ema_decay=0.9999 (repeatable; "
+        "--print-config lists them all with their values)",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved settings and exit")
 
 

@@ -80,10 +80,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # --scale's default is applied in run(): a default here would hide "--scale 2 --passes 3" from the group
     add_knob(scale, SCALE, default=None, help=f"{SCALE.help} (default {DEFAULT_SCALE})")
     scale.add_argument("--passes", type=positive_int, metavar="N", help="number of 2x passes (scale 2**N)")
-    scale.add_argument("--long-side", type=positive_int, metavar="N",
-                       help="output long side in px, resampled after the passes (default: --scale 2)")  # fmt: skip
-    scale.add_argument("--size", type=size_value, metavar="WxH",
-                       help="output size in px, e.g. 3840x2560, resampled likewise (default: --scale 2)")  # fmt: skip
+    scale.add_argument(
+        "--long-side",
+        type=positive_int,
+        metavar="N",
+        help="output long side in px, resampled after the passes (default: --scale 2)",
+    )
+    scale.add_argument(
+        "--size",
+        type=size_value,
+        metavar="WxH",
+        help="output size in px, e.g. 3840x2560, resampled likewise (default: --scale 2)",
+    )
     add_knob(parser, SEED, metavar="SEED")
     parser.add_argument("--no-color-fix", action="store_true", help="switch both colour-drift stages off")
     add_knob(parser, TRANSPLANT_STRENGTH)

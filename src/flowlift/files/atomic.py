@@ -62,9 +62,14 @@ class OutputWriteError(FlowliftError, OSError):
     :class:`OSError` still for the callers that catch those."""
 
 
-_KINDS = ((stat_module.S_ISDIR, "a folder"), (stat_module.S_ISLNK, "a symbolic link"),
-          (stat_module.S_ISFIFO, "a FIFO"), (stat_module.S_ISSOCK, "a socket"),
-          (stat_module.S_ISCHR, "a character device"), (stat_module.S_ISBLK, "a block device"))  # fmt: skip
+_KINDS = (
+    (stat_module.S_ISDIR, "a folder"),
+    (stat_module.S_ISLNK, "a symbolic link"),
+    (stat_module.S_ISFIFO, "a FIFO"),
+    (stat_module.S_ISSOCK, "a socket"),
+    (stat_module.S_ISCHR, "a character device"),
+    (stat_module.S_ISBLK, "a block device"),
+)
 
 
 def replace_refusal(path: str | os.PathLike) -> str | None:
@@ -373,7 +378,7 @@ def append_text(path: str | os.PathLike, text: str) -> None:
     try:
         data = text.encode("utf-8")
         while data:
-            data = data[os.write(descriptor, data):]
+            data = data[os.write(descriptor, data) :]
     except OSError as error:
         raise OutputWriteError(f"cannot write {path}: {_write_failure(error)}") from error
     finally:

@@ -32,8 +32,15 @@ from flowlift.knobs import check_overwrite
 #: Formats outputs are written in (by the output name's suffix).
 OUTPUT_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 #: Suffix -> the format name ``--format`` uses.
-OUTPUT_FORMAT_OF_SUFFIX = {".png": "png", ".jpg": "jpg", ".jpeg": "jpg", ".webp": "webp", ".bmp": "bmp",
-                           ".tif": "tif", ".tiff": "tif"}  # fmt: skip
+OUTPUT_FORMAT_OF_SUFFIX = {
+    ".png": "png",
+    ".jpg": "jpg",
+    ".jpeg": "jpg",
+    ".webp": "webp",
+    ".bmp": "bmp",
+    ".tif": "tif",
+    ".tiff": "tif",
+}
 #: JPEG/WebP quality when none is given (WebP at 100 is written lossless).
 DEFAULT_QUALITY = 95
 #: zlib level of PNG outputs. Pillow's default (6) spends 3x the time of level 3 on a 6 MP output for files
@@ -365,8 +372,9 @@ def warn_alpha_dropped(path: str | os.PathLike) -> None:
 
     fmt = Path(path).suffix.lstrip(".").upper() or "this format"
     warnings.warn(
-        FlowliftWarning(f"{path}: {fmt} has no alpha channel, the transparency is dropped "
-                        "(use --format png|webp to keep it)"),
+        FlowliftWarning(
+            f"{path}: {fmt} has no alpha channel, the transparency is dropped (use --format png|webp to keep it)"
+        ),
         stacklevel=3,
     )
 
@@ -385,8 +393,9 @@ def input_hashes(paths: dict[str, str | None]) -> dict[str, str]:
     return {f"{key}_sha256": file_sha256(path) for key, path in paths.items() if path}
 
 
-def check_single_output(path: Path, overwrite: bool = False, option: str = "--output",
-                        inputs: dict[str, Any] | None = None) -> None:  # fmt: skip
+def check_single_output(
+    path: Path, overwrite: bool = False, option: str = "--output", inputs: dict[str, Any] | None = None
+) -> None:
     """One output image ``path`` (a refine's) can be written, and writing it destroys nothing of the user's.
 
     Writable in a format flowlift writes (name length, folder, what is there:

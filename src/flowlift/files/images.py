@@ -87,9 +87,7 @@ def _to_rgb_and_alpha(image: Image.Image) -> tuple[Image.Image, Image.Image | No
             raise FlowliftError("floating-point image holds NaN or Inf pixel values")
         grey = np.clip(np.round(values * 255.0), 0, 255).astype(np.uint8)
         return Image.fromarray(grey, "L").convert("RGB"), None
-    has_alpha = image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (
-        image.mode == "P" and "transparency" in image.info
-    )
+    has_alpha = image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (image.mode == "P" and "transparency" in image.info)
     if has_alpha:
         rgba = image.convert("RGBA")
         return rgba.convert("RGB"), rgba.getchannel("A")
@@ -163,8 +161,9 @@ def _report_reader_warnings(path: Path, caught: list[warnings.WarningMessage]) -
             if text not in notes:
                 notes.append(text)
     if notes:
-        warnings.warn(FlowliftWarning(f"{path}: {'; '.join(notes)} (image read, metadata may be ignored)"),
-                      stacklevel=3)
+        warnings.warn(
+            FlowliftWarning(f"{path}: {'; '.join(notes)} (image read, metadata may be ignored)"), stacklevel=3
+        )
 
 
 def image_size(path: str | os.PathLike) -> tuple[int, int]:
@@ -331,8 +330,13 @@ def list_images(inputs: list[str], problems: list[tuple[str, str]] | None = None
         path = Path(item).expanduser()
         if path.is_dir():
             # temporary files of a killed run (.name.XXXX.partial.png in older releases) are never inputs
-            found.extend(sorted(p for p in path.iterdir()
-                                if p.suffix.lower() in IMAGE_SUFFIXES and not is_temporary(p) and p.is_file()))
+            found.extend(
+                sorted(
+                    p
+                    for p in path.iterdir()
+                    if p.suffix.lower() in IMAGE_SUFFIXES and not is_temporary(p) and p.is_file()
+                )
+            )
         elif path.is_file():
             found.append(path)
         elif path.exists():
@@ -354,4 +358,3 @@ def list_images(inputs: list[str], problems: list[tuple[str, str]] | None = None
             seen.add(key)
             unique.append(p)
     return unique
-

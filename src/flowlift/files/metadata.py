@@ -63,7 +63,11 @@ def as_current(metadata: dict[str, object]) -> dict[str, object]:
     else:
         return metadata
     current = dict(metadata)
-    current["flowlift"] = {"schema": METADATA_SCHEMA, "flowlift": version, "command": command,
-                           **{key: value for key, value in fields.items() if value is not None}}  # fmt: skip
+    current["flowlift"] = {
+        "schema": METADATA_SCHEMA,
+        "flowlift": version,
+        "command": command,
+        **{key: value for key, value in fields.items() if value is not None},
+    }
     current.setdefault("Software", f"flowlift {version} {command}")
     return current

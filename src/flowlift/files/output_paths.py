@@ -58,8 +58,10 @@ def name_problem(path: str | os.PathLike) -> str | None:
     limit = name_limit(existing if existing.is_dir() else existing.parent)
     size = len(path.name.encode("utf-8", "surrogateescape"))
     if size > limit:
-        return (f"cannot write {path}: its file name is {size} bytes, over the file system's limit of {limit}; "
-                "choose a shorter -o")  # fmt: skip
+        return (
+            f"cannot write {path}: its file name is {size} bytes, over the file system's limit of {limit}; "
+            "choose a shorter -o"
+        )
     return None
 
 

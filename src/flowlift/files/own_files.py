@@ -116,8 +116,9 @@ def safetensors_metadata(path: Path) -> dict[str, str] | None:
     return metadata if isinstance(metadata, dict) else None
 
 
-def replace_problem(path: str | os.PathLike, recognise: Recogniser, overwrite: bool, command: str,
-                    option: str = "-o/--output") -> str | None:  # fmt: skip
+def replace_problem(
+    path: str | os.PathLike, recognise: Recogniser, overwrite: bool, command: str, option: str = "-o/--output"
+) -> str | None:
     """Why ``command`` must not replace ``path`` (see the module docstring), or None when it may.
 
     ``overwrite`` must be a bool (:func:`flowlift.knobs.check_overwrite`): ``"no"`` is refused, never read as yes."""
@@ -132,8 +133,9 @@ def replace_problem(path: str | os.PathLike, recognise: Recogniser, overwrite: b
             return None
     except OSError as error:
         return f"cannot read the existing {path}: {error.strerror or type(error).__name__}"
-    return (f"{path} exists and was not written by flowlift {command}; use --overwrite to replace it, "
-            f"or another {option}")  # fmt: skip
+    return (
+        f"{path} exists and was not written by flowlift {command}; use --overwrite to replace it, or another {option}"
+    )
 
 
 def folder_refusal(folder: str | os.PathLike) -> str | None:
@@ -144,8 +146,9 @@ def folder_refusal(folder: str | os.PathLike) -> str | None:
     return replace_refusal(folder) or f"{folder} exists and is not a folder; remove it or choose another output"
 
 
-def check_replaceable(names: Mapping[Path, Recogniser], overwrite: bool, command: str,
-                      option: str = "-o/--output") -> None:
+def check_replaceable(
+    names: Mapping[Path, Recogniser], overwrite: bool, command: str, option: str = "-o/--output"
+) -> None:
     """:func:`replace_problem` for every path of ``names`` (path -> recogniser): the first as one line."""
     overwrite = check_overwrite(overwrite)
     for path, recognise in names.items():

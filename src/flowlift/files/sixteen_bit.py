@@ -216,8 +216,14 @@ def save_image16_atomic(
     software = metadata.get("Software") if isinstance(metadata.get("Software"), str) else None
     with atomic_output(path) as temporary:
         tifffile.imwrite(
-            temporary, array, photometric="rgb", extrasamples=("unassalpha",) if alpha is not None else None,
-            compression="zlib", metadata=None, description=description, software=software or False,
+            temporary,
+            array,
+            photometric="rgb",
+            extrasamples=("unassalpha",) if alpha is not None else None,
+            compression="zlib",
+            metadata=None,
+            description=description,
+            software=software or False,
             iccprofile=profile.icc_profile or None,
-        )  # fmt: skip
+        )
     return path

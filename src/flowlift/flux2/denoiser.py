@@ -29,24 +29,20 @@ DEFAULT_DEV_GUIDANCE = 4.0
 REFERENCE_T_SCALE = 10
 
 
-def latent_position_ids(
-    height: int, width: int, t: int = 0, *, device: torch.device | str = "cpu"
-) -> torch.Tensor:
+def latent_position_ids(height: int, width: int, t: int = 0, *, device: torch.device | str = "cpu") -> torch.Tensor:
     """Position ids of a packed ``height x width`` token grid: ``(height*width, 4)`` int64 ``(t, i, j, 0)``.
 
     Row-major over ``(i, j)``, matching :func:`flowlift.flux2.latents.pack` and diffusers'
     ``Flux2Pipeline._prepare_latent_ids`` (t = 0) / ``_prepare_image_ids`` (t = 10 + 10*i).
     """
-    return torch.cartesian_prod(
-        torch.tensor([t]), torch.arange(height), torch.arange(width), torch.arange(1)
-    ).to(device)
+    return torch.cartesian_prod(torch.tensor([t]), torch.arange(height), torch.arange(width), torch.arange(1)).to(
+        device
+    )
 
 
 def text_position_ids(seq_len: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
     """Position ids of ``seq_len`` text tokens: ``(seq_len, 4)`` int64 rows ``(0, 0, 0, k)``."""
-    return torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(seq_len)).to(
-        device
-    )
+    return torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(seq_len)).to(device)
 
 
 def reference_position_ids(
@@ -103,9 +99,7 @@ class Flux2Denoiser:
         if negative_prompt_embeds is not None:
             _check_embeds("negative prompt embeddings", negative_prompt_embeds, joint_dim)
         if cfg_scale != 1.0 and negative_prompt_embeds is None:
-            raise FlowliftError(
-                f"cfg scale {cfg_scale} needs a negative prompt (use '' for the empty prompt)"
-            )
+            raise FlowliftError(f"cfg scale {cfg_scale} needs a negative prompt (use '' for the empty prompt)")
         if self.guidance_embeds:
             guidance = DEFAULT_DEV_GUIDANCE if guidance is None else float(guidance)
         elif guidance is not None:
@@ -131,9 +125,7 @@ class Flux2Denoiser:
         param = next(self.transformer.parameters(), None)
         return param.dtype if param is not None else torch.float32
 
-    def _reference_tokens(
-        self, device: torch.device, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _reference_tokens(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         tokens, grids = [], []
         for ref in self.reference_latents:
             if ref.ndim != 4 or ref.shape[1] != LATENT_CHANNELS or ref.shape[0] != 1:
@@ -144,22 +136,16 @@ class Flux2Denoiser:
         ids = reference_position_ids(grids, device=device)
         return torch.cat(tokens, dim=1).to(dtype), ids
 
-    def _forward(
-        self, tokens: torch.Tensor, ids: torch.Tensor, embeds: torch.Tensor, sigma: float
-    ) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, ids: torch.Tensor, embeds: torch.Tensor, sigma: float) -> torch.Tensor:
         batch = tokens.shape[0]
         device, dtype = tokens.device, tokens.dtype
         if embeds.shape[0] not in (1, batch):
-            raise FlowliftError(
-                f"prompt embeddings batch {embeds.shape[0]} does not match latents batch {batch}"
-            )
+            raise FlowliftError(f"prompt embeddings batch {embeds.shape[0]} does not match latents batch {batch}")
         embeds = embeds.to(device=device, dtype=dtype).expand(batch, -1, -1)
         # the timestep is sigma in [0, 1]: Flux2Transformer2DModel multiplies it by 1000 itself
         timestep = torch.full((batch,), float(sigma), device=device, dtype=dtype)
         guidance = (
-            torch.full((batch,), self.guidance, device=device, dtype=torch.float32)
-            if self.guidance_embeds
-            else None
+            torch.full((batch,), self.guidance, device=device, dtype=torch.float32) if self.guidance_embeds else None
         )
         self.calls += 1
         out = self.transformer(

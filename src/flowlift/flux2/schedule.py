@@ -131,9 +131,7 @@ def flux2_sigmas(
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     if not 0.0 <= denoising_start < denoising_end <= 1.0:
-        raise ValueError(
-            f"need 0 <= denoising_start < denoising_end <= 1, got {denoising_start} and {denoising_end}"
-        )
+        raise ValueError(f"need 0 <= denoising_start < denoising_end <= 1, got {denoising_start} and {denoising_end}")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     mu = resolve_mu(mu, image_seq_len, num_steps)

@@ -49,22 +49,28 @@ class WeightKind:
 _LIMITS = "readable, at most {mib} MiB, with a valid header"
 #: The Flow Upscaler is one safetensors file (the released model is well under 1 GiB; 4 GiB leaves room).
 UPSCALER_FILE = WeightKind(
-    "Flow Upscaler", (".safetensors",), 4 << 30,
+    "Flow Upscaler",
+    (".safetensors",),
+    4 << 30,
     f"expected the Flow Upscaler's weights: a .safetensors file (or a folder holding flow_upscaler.safetensors), "
     f"{_LIMITS.format(mib=4 << 10)}, or a Hugging Face repo id",
-)  # fmt: skip
-_TAEF2_EXPECTED = (f"expected TAEF2's weights: a folder holding taef2_encoder.pth and taef2_decoder.pth, or one "
-                   f".safetensors file, each {_LIMITS.format(mib=256)}, or a Hugging Face repo id")  # fmt: skip
+)
+_TAEF2_EXPECTED = (
+    f"expected TAEF2's weights: a folder holding taef2_encoder.pth and taef2_decoder.pth, or one "
+    f".safetensors file, each {_LIMITS.format(mib=256)}, or a Hugging Face repo id"
+)
 #: TAEF2 as a folder: two small .pth files (2.7 MB each).
 TAEF2_PTH = WeightKind("TAEF2", (".pth",), 256 << 20, _TAEF2_EXPECTED)
 #: TAEF2 as one file.
 TAEF2_SAFETENSORS = WeightKind("TAEF2", (".safetensors",), 256 << 20, _TAEF2_EXPECTED)
 #: Mage-VAE as released: one .safetensors file (~140M float32 parameters, ~0.6 GB; 2 GiB leaves room).
 MAGE_SAFETENSORS = WeightKind(
-    "Mage-VAE", (".safetensors",), 2 << 30,
+    "Mage-VAE",
+    (".safetensors",),
+    2 << 30,
     f"expected Mage-VAE's weights: one .safetensors file as released (student.dconv_encoder.* and pipeline.* "
     f"tensors), {_LIMITS.format(mib=2 << 10)}, 'mage' or a Hugging Face repo id",
-)  # fmt: skip
+)
 #: What a flowlift-run VAE source can be, by the declaration's name (flowlift.models.vae_names).
 NATIVE_VAE_FILES = {"taef2": (TAEF2_PTH, TAEF2_SAFETENSORS), "mage": (MAGE_SAFETENSORS, MAGE_SAFETENSORS)}
 
@@ -124,9 +130,14 @@ def _safetensors_header_fits(handle, size: int) -> bool:
             continue
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
         shape = entry.get("shape") if isinstance(entry, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(v, int) for v in offsets)
-                and 0 <= offsets[0] <= offsets[1] and isinstance(shape, list)
-                and all(isinstance(v, int) and v >= 0 for v in shape)):  # fmt: skip
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(v, int) for v in offsets)
+            and 0 <= offsets[0] <= offsets[1]
+            and isinstance(shape, list)
+            and all(isinstance(v, int) and v >= 0 for v in shape)
+        ):
             return False
         end = max(end, offsets[1])
     return 8 + length + end == size

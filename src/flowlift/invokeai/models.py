@@ -118,8 +118,10 @@ def _native_vae_files(spec: str, kind: str) -> list[Path]:
             return local_taef2_files(spec)
         return [check_weight_file(Path(spec).expanduser(), MAGE_SAFETENSORS, shown=spec)]
     check_vae_spec(spec)  # an uncached repo id offline: one line, before anything loads
-    files = [check_weight_file(p, file_kind if p.suffix == ".safetensors" else folder_kind, shown=spec)
-             for p in vae_spec_files(spec)]  # fmt: skip
+    files = [
+        check_weight_file(p, file_kind if p.suffix == ".safetensors" else folder_kind, shown=spec)
+        for p in vae_spec_files(spec)
+    ]
     if not files:
         raise refusal(folder_kind, spec)
     return files

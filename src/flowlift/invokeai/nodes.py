@@ -90,6 +90,7 @@ def knob_field(knob: Knob, description: str | None = None, **extra: Any) -> Any:
         kwargs["multiple_of"] = knob.multiple
     return InputField(description=description or knob.help[:1].upper() + knob.help[1:], **kwargs, **extra)
 
+
 UPSCALER_DESCRIPTION = (
     "Flow Upscaler weights when no installed model is chosen: a .safetensors file or folder on the InvokeAI "
     "server, or a Hugging Face repo id (downloaded once into the Hugging Face cache; HF_HUB_OFFLINE=1 is "
@@ -104,9 +105,13 @@ INSTALLED_DESCRIPTION = (
 def installed_model_field(what: str, field: str) -> ModelIdentifierField | None:
     """An optional model-manager pick (InvokeAI lists flowlift's files as 'unknown' models)."""
     return InputField(
-        default=None, title=f"{what} (installed)", description=INSTALLED_DESCRIPTION.format(what=what, field=field),
+        default=None,
+        title=f"{what} (installed)",
+        description=INSTALLED_DESCRIPTION.format(what=what, field=field),
         ui_model_type=ModelType.Unknown,
-    )  # fmt: skip
+    )
+
+
 SCALE_DESCRIPTION = (
     "Any factor in [1, 8]: 2 = 1 pass, 4 = 2, 8 = 3; the image node resamples any other factor from the fewest "
     "passes that reach it (outputs are capped at 16384 px a side)"
@@ -163,13 +168,21 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
         upscaler = load_upscaler_cached(context, source, progress.check_cancel)
         with on_device(upscaler, "the Flow Upscaler") as (unet, device, dtype):
             pipeline = FlowUpscalerPipeline(
-                unet, vae=None, device=device, dtype=dtype, memory=MemoryPolicy(chunked=chunked_flag(self.chunked)),
-                channels_last=False, on_strip=progress.strip,
-            )  # fmt: skip
+                unet,
+                vae=None,
+                device=device,
+                dtype=dtype,
+                memory=MemoryPolicy(chunked=chunked_flag(self.chunked)),
+                channels_last=False,
+                on_strip=progress.strip,
+            )
             latents = pipeline.upscale_latents(
-                raw_to_normalized(raw, vae.bn_mean, vae.bn_std), passes, seed=self.seed,
-                transplant_strength=self.transplant_strength, callback=progress.stage,
-            )  # fmt: skip
+                raw_to_normalized(raw, vae.bn_mean, vae.bn_std),
+                passes,
+                seed=self.seed,
+                transplant_strength=self.transplant_strength,
+                callback=progress.stage,
+            )
         upscaled = check_finite_result(normalized_to_raw(latents.to("cpu"), vae.bn_mean, vae.bn_std), what)
         name = context.tensors.save(tensor=upscaled)
         return LatentsOutput.build(latents_name=name, latents=upscaled, seed=self.seed)
@@ -237,15 +250,25 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
         ):
             vae = flux2_vae_adapter(module, what) if self.vae is not None else native_vae_adapter(module)
             pipeline = FlowUpscalerPipeline(
-                unet, vae, device=device, dtype=dtype, memory=MemoryPolicy(chunked=chunked_flag(self.chunked)),
-                channels_last=False, on_strip=progress.strip,
-            )  # fmt: skip
+                unet,
+                vae,
+                device=device,
+                dtype=dtype,
+                memory=MemoryPolicy(chunked=chunked_flag(self.chunked)),
+                channels_last=False,
+                on_strip=progress.strip,
+            )
             progress.begin("encode")
             result = pipeline.upscale_image(
-                image, passes, seed=self.seed, transplant_strength=self.transplant_strength,
-                color_fix_strength=self.color_fix_strength, output_type="pil", callback=progress.stage,
+                image,
+                passes,
+                seed=self.seed,
+                transplant_strength=self.transplant_strength,
+                color_fix_strength=self.color_fix_strength,
+                output_type="pil",
+                callback=progress.stage,
                 output_size=size,
-            )  # fmt: skip
+            )
         return ImageOutput.build(context.images.save(image=result))
 
 
@@ -302,13 +325,15 @@ class TiledFlux2DenoiseInvocation(BaseInvocation):
         title="Transformer", description="The FLUX.2 (Klein) transformer", input=Input.Connection
     )
     positive_text_conditioning: FluxConditioningField = InputField(
-        title="Positive Text Conditioning", description="The prompt, from a FLUX.2 text encoder node",
+        title="Positive Text Conditioning",
+        description="The prompt, from a FLUX.2 text encoder node",
         input=Input.Connection,
-    )  # fmt: skip
+    )
     vae: VAEField = InputField(
-        title="FLUX.2 VAE", description="The FLUX.2 VAE the latents belong to (for its BatchNorm statistics)",
+        title="FLUX.2 VAE",
+        description="The FLUX.2 VAE the latents belong to (for its BatchNorm statistics)",
         input=Input.Connection,
-    )  # fmt: skip
+    )
     strength: float = knob_field(REFINE_STRENGTH, "How much the refine changes the latents (img2img strength)")
     num_steps: int = knob_field(STEPS, "Steps of the full schedule (distilled Klein: 4)")
     seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
@@ -336,9 +361,17 @@ class TiledFlux2DenoiseInvocation(BaseInvocation):
                 progress.stage("refine step")
 
             refined, record = tiled_refine_raw_latents(
-                transformer, raw, vae.bn_mean, vae.bn_std, embeds, strength=self.strength, sampling=sampling,
-                tiles=tiles, device=device, on_step=on_step,
-            )  # fmt: skip
+                transformer,
+                raw,
+                vae.bn_mean,
+                vae.bn_std,
+                embeds,
+                strength=self.strength,
+                sampling=sampling,
+                tiles=tiles,
+                device=device,
+                on_step=on_step,
+            )
         frame = (raw.shape[2] * VAE_SCALE_FACTOR, raw.shape[3] * VAE_SCALE_FACTOR)
         context.logger.info(f"flowlift: {what}: {tiling_line(frame, record)}")
         refined = check_finite_result(refined.to("cpu"), f"{what}: the transformer")

@@ -243,7 +243,6 @@ def broadcast(env: DistEnv, value: Any) -> Any:
     return box[0]
 
 
-
 def agree(env: DistEnv, problem: str | None) -> None:
     """Raise :class:`FlowliftError` on every rank when any rank has a ``problem`` (one line each).
 

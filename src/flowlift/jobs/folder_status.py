@@ -133,8 +133,11 @@ def format_folder_status(status: FolderStatus) -> str:
     elif status.writing:
         lines.append("a run is writing here now")
     else:
-        lines.append("not complete: rerun the same command to finish" if status.done or status.missing
-                     else "no flowlift outputs here")  # fmt: skip
+        lines.append(
+            "not complete: rerun the same command to finish"
+            if status.done or status.missing
+            else "no flowlift outputs here"
+        )
     return "\n".join(lines)
 
 

@@ -88,8 +88,9 @@ def launch_config(options: Sequence[str]) -> Any:
         if args.master_port is None:
             args.master_port = 29500
         if not 0 <= args.node_rank < max_nodes:
-            raise ValueError(f"--node-rank must be from 0 to {max_nodes - 1} (--nnodes {args.nnodes}), got "
-                             f"{args.node_rank}")  # fmt: skip
+            raise ValueError(
+                f"--node-rank must be from 0 to {max_nodes - 1} (--nnodes {args.nnodes}), got {args.node_rank}"
+            )
         config, _command, _arguments = torchrun.config_from_args(args)
         check_rendezvous_settings(config.rdzv_configs)
         check_processes(config.nproc_per_node)
@@ -129,8 +130,13 @@ RDZV_KNOBS = table(
     _wait("read_timeout", "the c10d store's read timeout"),
     _wait("keep_alive_interval", "seconds between keep-alive heartbeats"),
     Knob("keep_alive_max_attempt", int, 3, "missed heartbeats before a node counts as dead", low=1, high=1000),
-    Knob("is_host", str, "true", "whether this node hosts the c10d store",
-         choices=("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n")),  # fmt: skip
+    Knob(
+        "is_host",
+        str,
+        "true",
+        "whether this node hosts the c10d store",
+        choices=("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n"),
+    ),
 )
 
 
@@ -229,19 +235,26 @@ def launch(
     except ChildFailedError as error:
         if suspended and set(error.failures) <= set(suspended):
             ranks = ", ".join(f"rank {rank}" for rank in sorted(error.failures))
-            print(f"{command}: {ranks} stayed suspended (SIGSTOP) after the other ranks ended, and was ended; "
-                  "the job did not finish (see their lines)", file=sys.stderr)  # fmt: skip
+            print(
+                f"{command}: {ranks} stayed suspended (SIGSTOP) after the other ranks ended, and was ended; "
+                "the job did not finish (see their lines)",
+                file=sys.stderr,
+            )
             return 1
         stops = {rank: stop_signal_name(failure.exitcode) for rank, failure in sorted(error.failures.items())}
         if all(stops.values()):
             # a rank stopped from outside (a user's kill, Ctrl-C, a scheduler, the OOM killer): not a crash
-            how = ", ".join(f"rank {rank} {'killed' if error.failures[rank].exitcode < 0 else 'stopped'} by {name}"
-                            for rank, name in stops.items())  # fmt: skip
+            how = ", ".join(
+                f"rank {rank} {'killed' if error.failures[rank].exitcode < 0 else 'stopped'} by {name}"
+                for rank, name in stops.items()
+            )
             print(f"{command}: interrupted ({how})", file=sys.stderr)
             return INTERRUPTED
         for rank, failure in sorted(error.failures.items()):
-            print(f"{command}: rank {rank} crashed ({_cause(failure)}); "
-                  f"{config.max_restarts} restart(s) did not help", file=sys.stderr)  # fmt: skip
+            print(
+                f"{command}: rank {rank} crashed ({_cause(failure)}); {config.max_restarts} restart(s) did not help",
+                file=sys.stderr,
+            )
         return CRASHED
     except SignalException as stop:  # the launcher itself was stopped: the agent has stopped the ranks
         print(f"{command}: interrupted by {signal.Signals(stop.sigval).name}", file=sys.stderr)

@@ -270,10 +270,7 @@ class JobStatus:
         """Every planned image of the latest run is recorded, none failed, every output present."""
         recorded = self.run_counts["done"] + self.run_counts["failed"]
         return (
-            self.todo is not None
-            and recorded >= self.todo
-            and not self.latest["failed"]
-            and not self.missing_outputs
+            self.todo is not None and recorded >= self.todo and not self.latest["failed"] and not self.missing_outputs
         )
 
 
@@ -363,7 +360,8 @@ def format_status(status: JobStatus) -> str:
     for output in status.missing_outputs:
         lines.append(f"  missing: {output}")
     if status.bad_lines:
-        lines.append(f"  {status.bad_lines} line(s) of the manifest are no record (torn, corrupt or over-long): "
-                     "skipped")  # fmt: skip
+        lines.append(
+            f"  {status.bad_lines} line(s) of the manifest are no record (torn, corrupt or over-long): skipped"
+        )
     lines.append("complete" if status.complete else "not complete: rerun the same command to finish")
     return "\n".join(lines)

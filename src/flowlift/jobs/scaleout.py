@@ -105,8 +105,15 @@ def run_batch(
     once, and only when this rank has work. A caller that builds its models itself uses
     :func:`batch_share` and :meth:`BatchShare.run` instead.
     """
-    with batch_share(jobs, command=command, output=output, overwrite=overwrite, barrier_timeout=barrier_timeout,
-                     env=env, progress=progress) as share:  # fmt: skip
+    with batch_share(
+        jobs,
+        command=command,
+        output=output,
+        overwrite=overwrite,
+        barrier_timeout=barrier_timeout,
+        env=env,
+        progress=progress,
+    ) as share:
         return share.run(make_process() if share.has_work else None)
 
 
@@ -132,13 +139,21 @@ def batch_share(
     if env.distributed and folder is None:
         raise FlowliftError("under torchrun, -o must name an output folder: the job manifest is kept there")
     if not env.distributed and (folder is None or not Manifest(folder).exists()):
-        yield BatchShare(jobs, command, overwrite, barrier_timeout, env, progress, started, opened,
-                         has_work=bool(pending(jobs, overwrite)))  # fmt: skip
+        yield BatchShare(
+            jobs,
+            command,
+            overwrite,
+            barrier_timeout,
+            env,
+            progress,
+            started,
+            opened,
+            has_work=bool(pending(jobs, overwrite)),
+        )
         return
     assert folder is not None
     with process_group(env, barrier_timeout):
-        yield _agreed_share(jobs, command, Manifest(folder), overwrite, barrier_timeout, env, progress, started,
-                            opened)  # fmt: skip
+        yield _agreed_share(jobs, command, Manifest(folder), overwrite, barrier_timeout, env, progress, started, opened)
 
 
 @dataclass
@@ -163,15 +178,29 @@ class BatchShare:
         ``process`` may be None only when the share has no work."""
         process = process if self.has_work and process is not None else _nothing_to_do
         if self.manifest is None:
-            result = run_jobs(self.jobs, process, command=self.command, overwrite=self.overwrite,
-                              progress=self.progress, started=self.started, debris_before=self.opened)  # fmt: skip
+            result = run_jobs(
+                self.jobs,
+                process,
+                command=self.command,
+                overwrite=self.overwrite,
+                progress=self.progress,
+                started=self.started,
+                debris_before=self.opened,
+            )
             return result.exit_code
         process = _recording(process, self.manifest, self.run_id, self.env) if self.has_work else process
         progress = self.progress if self.env.is_main else False  # one batch bar on a shared terminal: rank 0's
         # a launched job's one summary line is rank 0's, over every rank's counts (see _finish)
-        result = run_jobs(self.jobs, process, command=self.command, overwrite=self.overwrite, progress=progress,
-                          started=self.started, debris_before=self.opened,
-                          summary=not self.env.distributed)  # fmt: skip
+        result = run_jobs(
+            self.jobs,
+            process,
+            command=self.command,
+            overwrite=self.overwrite,
+            progress=progress,
+            started=self.started,
+            debris_before=self.opened,
+            summary=not self.env.distributed,
+        )
         return _finish(self, result)
 
 
@@ -202,28 +231,50 @@ def _agreed_share(
         mine = [job for i, job in enumerate(jobs) if i in share or not probes[i][1]]
     else:
         mine = [jobs[i] for i in sorted(share)]
-    return BatchShare(mine, command, overwrite, barrier_timeout, env, progress, started, opened,
-                      has_work=bool(share), manifest=manifest, run_id=run)  # fmt: skip
+    return BatchShare(
+        mine,
+        command,
+        overwrite,
+        barrier_timeout,
+        env,
+        progress,
+        started,
+        opened,
+        has_work=bool(share),
+        manifest=manifest,
+        run_id=run,
+    )
 
 
 def _finish(share: BatchShare, result: BatchResult) -> int:
     """The end-of-job barrier, the ranks' counts, rank 0's summary line and record; the exit status."""
     command, env, manifest, barrier_timeout = share.command, share.env, share.manifest, share.barrier_timeout
     assert manifest is not None
-    counts = {"total": result.total, "done": result.done, "skipped": result.skipped, "failed": result.failed,
-              "image_seconds": result.image_seconds}  # fmt: skip
+    counts = {
+        "total": result.total,
+        "done": result.done,
+        "skipped": result.skipped,
+        "failed": result.failed,
+        "image_seconds": result.image_seconds,
+    }
     per_rank, reason = finish(env, counts, barrier_timeout)
     if per_rank is None:
         # a rank that stopped early (a user error on it alone) ends the wait at once; a slow or hung one, the timeout
-        report(command, None, f"no summary: not every rank reached the end (waited up to {barrier_timeout:.0f} s: "
-                              f"{reason})")  # fmt: skip
+        report(
+            command,
+            None,
+            f"no summary: not every rank reached the end (waited up to {barrier_timeout:.0f} s: {reason})",
+        )
         return 1  # on every rank: the job's state is unknown
     totals = total_counts(per_rank)
     failed = int(totals["failed"])
     if env.is_main:
         if env.distributed:
-            job = BatchResult(**{k: int(totals[k]) for k in ("total", "done", "skipped", "failed")},
-                              seconds=time.perf_counter() - share.started, image_seconds=totals["image_seconds"])
+            job = BatchResult(
+                **{k: int(totals[k]) for k in ("total", "done", "skipped", "failed")},
+                seconds=time.perf_counter() - share.started,
+                image_seconds=totals["image_seconds"],
+            )
             print(summary_line(command, job), file=sys.stdout)
             report(
                 command,
@@ -231,8 +282,15 @@ def _finish(share: BatchShare, result: BatchResult) -> int:
                 f"{env.world_size} ranks: {totals['done']} done, {totals['skipped']} skipped, "
                 f"{failed} failed of {totals['total']} image(s)",
             )
-        manifest.write_record({"event": "summary", "run": share.run_id, "time": now_iso(), "world_size": env.world_size,
-                               **{k: int(totals[k]) for k in ("total", "done", "skipped", "failed")}})  # fmt: skip
+        manifest.write_record(
+            {
+                "event": "summary",
+                "run": share.run_id,
+                "time": now_iso(),
+                "world_size": env.world_size,
+                **{k: int(totals[k]) for k in ("total", "done", "skipped", "failed")},
+            }
+        )
     if failed and env.distributed and not outcome_is_returned():
         if env.is_main:
             report(
@@ -254,22 +312,44 @@ def _record_plan(manifest: Manifest, jobs: list[Job], todo: list[int], run: str,
     waiting = set(todo)
     states = {i: existing_output(job) for i, job in enumerate(jobs) if i not in waiting and job.output is not None}
     refused = sum(job.refused for job in jobs) + sum(state.action == "refuse" for state in states.values())
-    manifest.write_record({"event": "job", "run": run, "time": now_iso(), "world_size": env.world_size,
-                           "inputs": len(jobs), "todo": len(todo), "refused": refused,
-                           "skipped": len(jobs) - len(todo) - refused})  # fmt: skip
+    manifest.write_record(
+        {
+            "event": "job",
+            "run": run,
+            "time": now_iso(),
+            "world_size": env.world_size,
+            "inputs": len(jobs),
+            "todo": len(todo),
+            "refused": refused,
+            "skipped": len(jobs) - len(todo) - refused,
+        }
+    )
     latest = latest_by_output(manifest.records())
     for i, job in enumerate(jobs):
         if i in waiting or (job.output is None and not job.refused):
             continue
         if job.output is None or states[i].action == "refuse":
-            record = image_record(input_path=_absolute(job.source), input_sha256=None,
-                                  output=None if job.output is None else _absolute(job.output), status="failed",
-                                  seconds=0.0, error=job.note if job.output is None else states[i].note,
-                                  env=env, run=run)  # fmt: skip
+            record = image_record(
+                input_path=_absolute(job.source),
+                input_sha256=None,
+                output=None if job.output is None else _absolute(job.output),
+                status="failed",
+                seconds=0.0,
+                error=job.note if job.output is None else states[i].note,
+                env=env,
+                run=run,
+            )
         elif latest.get(_absolute(job.output), {}).get("status") not in ("done", "skipped"):
-            record = image_record(input_path=_absolute(job.source), input_sha256=_sha256(job.source),
-                                  output=_absolute(job.output), status="skipped", seconds=0.0, error=None,
-                                  env=env, run=run)  # fmt: skip
+            record = image_record(
+                input_path=_absolute(job.source),
+                input_sha256=_sha256(job.source),
+                output=_absolute(job.output),
+                status="skipped",
+                seconds=0.0,
+                error=None,
+                env=env,
+                run=run,
+            )
         else:
             continue
         manifest.write_record({**record, "plan": True})
@@ -283,14 +363,31 @@ def _recording(process: Process, manifest: Manifest, run: str, env: DistEnv) -> 
         try:
             process(source, output)
         except Exception as error:  # recorded, then handled by run_jobs (one line) or propagated
-            manifest.write_record(image_record(input_path=_absolute(source), input_sha256=_sha256(source),
-                                               output=_absolute(output), status="failed",
-                                               seconds=time.perf_counter() - start, error=error_line(error),
-                                               env=env, run=run))  # fmt: skip
+            manifest.write_record(
+                image_record(
+                    input_path=_absolute(source),
+                    input_sha256=_sha256(source),
+                    output=_absolute(output),
+                    status="failed",
+                    seconds=time.perf_counter() - start,
+                    error=error_line(error),
+                    env=env,
+                    run=run,
+                )
+            )
             raise
-        manifest.write_record(image_record(input_path=_absolute(source), input_sha256=_sha256(source),
-                                           output=_absolute(output), status="done", seconds=time.perf_counter() - start,
-                                           error=None, env=env, run=run))  # fmt: skip
+        manifest.write_record(
+            image_record(
+                input_path=_absolute(source),
+                input_sha256=_sha256(source),
+                output=_absolute(output),
+                status="done",
+                seconds=time.perf_counter() - start,
+                error=None,
+                env=env,
+                run=run,
+            )
+        )
 
     return recorded
 

@@ -103,12 +103,18 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
         images.append(to_tensor(a))
     vae = load_vae(request.vae, device=device, dtype=dtype)
     mean, per_image = B.run_bands(
-        vae, images, device=device, dtype=dtype, amplitude=request.amplitude, seed=request.seed,
+        vae,
+        images,
+        device=device,
+        dtype=dtype,
+        amplitude=request.amplitude,
+        seed=request.seed,
         progress=request.progress,
     )
     factor = int(vae.spatial_factor)
-    bins = {p.stem: B.latent_bin_counts(*B.latent_size(*im.shape[-2:], factor)) for p, im in zip(paths, images,
-                                                                                                   strict=True)}
+    bins = {
+        p.stem: B.latent_bin_counts(*B.latent_size(*im.shape[-2:], factor)) for p, im in zip(paths, images, strict=True)
+    }
     sparse = {stem: counts for stem, counts in bins.items() if min(counts) < B.MIN_BINS_PER_BAND}
     if sparse:
         stem, counts = min(sparse.items(), key=lambda item: min(item[1]))

@@ -47,8 +47,10 @@ def model_identity(spec: str | os.PathLike | None) -> str | None:
     path = Path(spec).expanduser()
     if not path.exists():
         return f"hub:{spec}"
-    files = [path] if path.is_file() else sorted(
-        p for p in path.rglob("*") if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.suffix == ".json")
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(p for p in path.rglob("*") if p.is_file() and (p.suffix in WEIGHT_SUFFIXES or p.suffix == ".json"))
     )
     digest = hashlib.sha256()
     for p in files:
@@ -145,8 +147,13 @@ def _own_entry_json(path: Path) -> bool:
     """A cache entry: a JSON object whose ``key`` begins with the 16 hex digits of its name, with metrics."""
     entry = json_object(path)
     match = _ENTRY_NAME.match(path.name)
-    return (entry is not None and match is not None and isinstance(entry.get("key"), str)
-            and entry["key"][:16] == match.group(1) and isinstance(entry.get("metrics"), dict))  # fmt: skip
+    return (
+        entry is not None
+        and match is not None
+        and isinstance(entry.get("key"), str)
+        and entry["key"][:16] == match.group(1)
+        and isinstance(entry.get("metrics"), dict)
+    )
 
 
 def _own_entry_png(path: Path) -> bool:

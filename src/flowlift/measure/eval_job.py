@@ -188,7 +188,9 @@ def _run_methods(request: EvalRequest, env: DistEnv) -> EvalReport | None:
 
         vae = load_vae(request.vae, device=device, dtype=dtype)
         identities.update(
-            vae=model_identity(request.vae), device=str(given), dtype=str(dtype).removeprefix("torch."),
+            vae=model_identity(request.vae),
+            device=str(given),
+            dtype=str(dtype).removeprefix("torch."),
             vae_spec=str(request.vae),
         )
         if getattr(vae, "approximate_decode", False):

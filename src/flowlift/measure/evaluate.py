@@ -71,12 +71,28 @@ def y_shave(output_shape: tuple[int, ...], input_shape: tuple[int, ...]) -> int:
 
 #: How the "worst" row picks a value: largest magnitude (sign kept), smallest or largest.
 WORST_RULE = {
-    "cast_r": "abs", "cast_g": "abs", "cast_b": "abs", "cast_max": "max",
-    "c_mean_change_pct": "abs", "dC": "abs", "c_p99_change": "abs", "l_std_change": "abs",
-    "l_p5_change": "abs", "l_p95_change": "abs", "psnr_input": "min", "sharpness": "min",
-    "hf_energy": "min", "levels": "min", "grey_sigma": "min", "l1": "max", "identical_pct": "min",
-    "psnr_gt": "min", "ssim_gt": "min", "psnr_y": "min", "ssim_y": "min",
-}  # fmt: skip
+    "cast_r": "abs",
+    "cast_g": "abs",
+    "cast_b": "abs",
+    "cast_max": "max",
+    "c_mean_change_pct": "abs",
+    "dC": "abs",
+    "c_p99_change": "abs",
+    "l_std_change": "abs",
+    "l_p5_change": "abs",
+    "l_p95_change": "abs",
+    "psnr_input": "min",
+    "sharpness": "min",
+    "hf_energy": "min",
+    "levels": "min",
+    "grey_sigma": "min",
+    "l1": "max",
+    "identical_pct": "min",
+    "psnr_gt": "min",
+    "ssim_gt": "min",
+    "psnr_y": "min",
+    "ssim_y": "min",
+}
 
 
 def summarize(per_image: dict[str, dict[str, float]]) -> tuple[dict[str, float], dict[str, float]]:
@@ -302,8 +318,9 @@ def evaluate_methods(
                     if not flowlift_image(target):  # missing, empty, or a foreign one --overwrite let through
                         save_image_atomic(Image.fromarray(array), target, {"flowlift": {"eval": folder, "image": name}})
             for spec in methods:
-                metrics, crop_img, cached = _method_result(spec, name, low, gt, crop, base, scale, box, identities,
-                                                           cache, method_fns, save_outputs)  # fmt: skip
+                metrics, crop_img, cached = _method_result(
+                    spec, name, low, gt, crop, base, scale, box, identities, cache, method_fns, save_outputs
+                )
                 report.cached += cached
                 report.computed += not cached
                 report.results[spec.label][name] = metrics
@@ -318,8 +335,7 @@ def evaluate_methods(
 def saved_output_paths(save_outputs: Path, labels: Sequence[str], stems: Sequence[str], scale: float) -> list[Path]:
     """Every file ``evaluate_methods(save_outputs=...)`` writes for these methods and images."""
     paths = [save_outputs / folder / f"{stem}.png" for folder in ("inputs", "ground-truth") for stem in stems]
-    paths += [save_outputs / method_folder(label) / output_name(stem, scale) for label in labels
-              for stem in stems]  # fmt: skip
+    paths += [save_outputs / method_folder(label) / output_name(stem, scale) for label in labels for stem in stems]
     return paths
 
 
@@ -393,10 +409,7 @@ def _method_result(
     fn = method_fns.get(spec.label) or make_method_fn(spec, scale)
     output = fn(low, gt)
     if output.shape != gt.shape or output.dtype != np.uint8:
-        raise FlowliftError(
-            f"method {spec.label} returned {output.shape} {output.dtype}, "
-            f"expected {gt.shape} uint8"
-        )
+        raise FlowliftError(f"method {spec.label} returned {output.shape} {output.dtype}, expected {gt.shape} uint8")
     metrics = measure(output, low, gt, box)
     if saved is not None:
         save_image_atomic(Image.fromarray(output), saved, {"flowlift": {**fields, "image": name}})

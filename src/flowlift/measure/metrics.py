@@ -281,9 +281,7 @@ def detail(image: Any, box: Box | None = None) -> dict[str, float]:
 
 def _check_same_size(a: np.ndarray, b: np.ndarray) -> None:
     if a.shape != b.shape:
-        raise FlowliftError(
-            f"images differ in size: {a.shape[1]}x{a.shape[0]} vs {b.shape[1]}x{b.shape[0]}"
-        )
+        raise FlowliftError(f"images differ in size: {a.shape[1]}x{a.shape[0]} vs {b.shape[1]}x{b.shape[0]}")
 
 
 def psnr(a: Any, b: Any) -> float:

@@ -151,8 +151,9 @@ def crops_figure(report: EvalReport, path: Path) -> None:
                 ax.imshow(crop, interpolation="nearest")
             if r == 0:
                 ax.set_title(column, fontsize=7)
-        axes[r][0].text(-0.05, 0.5, name, transform=axes[r][0].transAxes, rotation=90, ha="right",
-                        va="center", fontsize=7)  # fmt: skip
+        axes[r][0].text(
+            -0.05, 0.5, name, transform=axes[r][0].transAxes, rotation=90, ha="right", va="center", fontsize=7
+        )
     fig.tight_layout()
     _save_figure(fig, path)
     plt.close(fig)

@@ -92,8 +92,12 @@ def _config_problem(config: dict[str, Any], implied: dict[str, Any]) -> str | No
     if config.get("patch_size") != 1:
         return f"patch_size is {config.get('patch_size')!r}; FLUX.2 transformers take patchified latents (1)"
     axes = config.get("axes_dims_rope")
-    if not (isinstance(axes, (list, tuple)) and len(axes) == 4 and all(type(a) is int and a > 0 for a in axes)
-            and sum(axes) == implied["attention_head_dim"]):  # fmt: skip
+    if not (
+        isinstance(axes, (list, tuple))
+        and len(axes) == 4
+        and all(type(a) is int and a > 0 for a in axes)
+        and sum(axes) == implied["attention_head_dim"]
+    ):
         return f"axes_dims_rope is {axes!r}; FLUX.2 splits each head of {implied['attention_head_dim']} in 4 axes"
     return None
 

@@ -110,9 +110,7 @@ def original_key_to_diffusers(key: str, num_up_blocks: int) -> str | None:
     return None
 
 
-def convert_original_flux2_vae(
-    state: Mapping[str, torch.Tensor], *, origin: str = ""
-) -> dict[str, torch.Tensor]:
+def convert_original_flux2_vae(state: Mapping[str, torch.Tensor], *, origin: str = "") -> dict[str, torch.Tensor]:
     """Rename an original FLUX.2 VAE state dict to diffusers' ``AutoencoderKLFlux2`` layout.
 
     Attention projections stored as 1x1 convolutions ``(C, C, 1, 1)`` become linear ``(C, C)``.
@@ -133,9 +131,7 @@ def convert_original_flux2_vae(
             value = value[:, :, 0, 0]
         out[new] = value
     if unmapped:
-        shown = ", ".join(sorted(unmapped)[:5]) + (
-            f" (+{len(unmapped) - 5} more)" if len(unmapped) > 5 else ""
-        )
+        shown = ", ".join(sorted(unmapped)[:5]) + (f" (+{len(unmapped) - 5} more)" if len(unmapped) > 5 else "")
         where = f" {origin}" if origin else ""
         raise FlowliftError(f"FLUX.2 VAE single file{where}: {len(unmapped)} keys fit no known name: {shown}")
     return out
@@ -150,16 +146,11 @@ def infer_flux2_config(
     released FLUX.2 VAE's.
     """
     try:
-        n_down = 1 + max(
-            int(m.group(1)) for k in state if (m := re.match(r"encoder\.down_blocks\.(\d+)\.", k))
-        )
+        n_down = 1 + max(int(m.group(1)) for k in state if (m := re.match(r"encoder\.down_blocks\.(\d+)\.", k)))
         n_up = 1 + max(int(m.group(1)) for k in state if (m := re.match(r"decoder\.up_blocks\.(\d+)\.", k)))
-        block_out = tuple(
-            int(state[f"encoder.down_blocks.{i}.resnets.0.conv1.weight"].shape[0]) for i in range(n_down)
-        )
+        block_out = tuple(int(state[f"encoder.down_blocks.{i}.resnets.0.conv1.weight"].shape[0]) for i in range(n_down))
         dec_out = tuple(
-            int(state[f"decoder.up_blocks.{n_up - 1 - i}.resnets.0.conv1.weight"].shape[0])
-            for i in range(n_up)
+            int(state[f"decoder.up_blocks.{n_up - 1 - i}.resnets.0.conv1.weight"].shape[0]) for i in range(n_up)
         )
         layers = 1 + max(
             int(m.group(1)) for k in state if (m := re.match(r"encoder\.down_blocks\.0\.resnets\.(\d+)\.", k))
@@ -182,9 +173,7 @@ def infer_flux2_config(
             "batch_norm_eps": batch_norm_eps,
         }
     except (KeyError, ValueError, IndexError) as error:
-        raise FlowliftError(
-            f"FLUX.2 VAE: cannot infer the architecture from the weights (no {error})"
-        ) from None
+        raise FlowliftError(f"FLUX.2 VAE: cannot infer the architecture from the weights (no {error})") from None
     side = round((patch_channels // latent) ** 0.5)
     if side * side * latent != patch_channels:
         raise FlowliftError(f"FLUX.2 VAE: bn has {patch_channels} channels, not a square patch of {latent}")

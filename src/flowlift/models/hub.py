@@ -20,9 +20,24 @@ from collections.abc import Sequence
 
 #: Suffixes of files flowlift reads; a hub *repository* id never ends in one of them.
 FILE_SUFFIXES = (
-    ".safetensors", ".pth", ".pt", ".bin", ".ckpt", ".json", ".toml", ".txt",
-    ".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif", ".avif",
-)  # fmt: skip
+    ".safetensors",
+    ".pth",
+    ".pt",
+    ".bin",
+    ".ckpt",
+    ".json",
+    ".toml",
+    ".txt",
+    ".png",
+    ".jpg",
+    ".jpeg",
+    ".webp",
+    ".bmp",
+    ".tif",
+    ".tiff",
+    ".gif",
+    ".avif",
+)
 #: huggingface_hub release that ships the ``hf`` command (``huggingface-cli`` was removed in 1.0).
 HF_CLI_VERSION = (0, 34)
 

@@ -21,11 +21,22 @@ from flowlift.files.json_input import parse_json
 
 #: Bytes per element of each safetensors dtype, and the torch name flowlift reports it by.
 DTYPES = {
-    "F64": (8, "float64"), "F32": (4, "float32"), "F16": (2, "float16"), "BF16": (2, "bfloat16"),
-    "F8_E4M3": (1, "float8_e4m3fn"), "F8_E5M2": (1, "float8_e5m2"), "I64": (8, "int64"), "U64": (8, "uint64"),
-    "I32": (4, "int32"), "U32": (4, "uint32"), "I16": (2, "int16"), "U16": (2, "uint16"), "I8": (1, "int8"),
-    "U8": (1, "uint8"), "BOOL": (1, "bool"),
-}  # fmt: skip
+    "F64": (8, "float64"),
+    "F32": (4, "float32"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"),
+    "I64": (8, "int64"),
+    "U64": (8, "uint64"),
+    "I32": (4, "int32"),
+    "U32": (4, "uint32"),
+    "I16": (2, "int16"),
+    "U16": (2, "uint16"),
+    "I8": (1, "int8"),
+    "U8": (1, "uint8"),
+    "BOOL": (1, "bool"),
+}
 #: Headers larger than this are refused unread (safetensors' own limit is 100 MB).
 MAX_HEADER_BYTES = 100 << 20
 
@@ -81,8 +92,10 @@ def read_header(path: str | Path, *, what: str) -> Header:
         with open(path, "rb") as handle:
             length = int.from_bytes(handle.read(8), "little")
             if size >= 8 and size - 8 < length <= MAX_HEADER_BYTES and handle.read(1) == b"{":
-                raise FlowliftError(f"{what}: truncated inside its header ({size} bytes; an interrupted download?); "
-                                    f"{refetch_hint(path)}")  # fmt: skip
+                raise FlowliftError(
+                    f"{what}: truncated inside its header ({size} bytes; an interrupted download?); "
+                    f"{refetch_hint(path)}"
+                )
             handle.seek(8)
             if size < 8 or not 2 <= length <= min(size - 8, MAX_HEADER_BYTES):
                 raise ValueError(f"a header length of {length} bytes in a file of {size}")
@@ -90,8 +103,9 @@ def read_header(path: str | Path, *, what: str) -> Header:
     except (OSError, ValueError, UnicodeDecodeError) as error:
         raise FlowliftError(f"{what}: not a readable safetensors file ({str(error)[:160]})") from None
     if not isinstance(header, dict):
-        raise FlowliftError(f"{what}: not a readable safetensors file (its header is a {type(header).__name__}, "
-                            "not an object)")  # fmt: skip
+        raise FlowliftError(
+            f"{what}: not a readable safetensors file (its header is a {type(header).__name__}, not an object)"
+        )
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise FlowliftError(f"{what}: not a readable safetensors file (its __metadata__ is not a string map)")
@@ -104,8 +118,10 @@ def read_header(path: str | Path, *, what: str) -> Header:
     end = 0
     for begin, stop, name in sorted(spans):
         if begin != end:
-            raise FlowliftError(f"{what}: not a readable safetensors file (the data of `{name}` starts at byte "
-                                f"{begin}, not {end}: overlapping or missing tensor data)")  # fmt: skip
+            raise FlowliftError(
+                f"{what}: not a readable safetensors file (the data of `{name}` starts at byte "
+                f"{begin}, not {end}: overlapping or missing tensor data)"
+            )
         end = stop
     data = size - 8 - length
     if end > data:

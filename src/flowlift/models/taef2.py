@@ -68,9 +68,7 @@ class Block(nn.Module):
 
     def __init__(self, n: int, use_gn: bool = False) -> None:
         super().__init__()
-        self.conv = nn.Sequential(
-            _conv(n, n), nn.ReLU(inplace=True), _conv(n, n), nn.ReLU(inplace=True), _conv(n, n)
-        )
+        self.conv = nn.Sequential(_conv(n, n), nn.ReLU(inplace=True), _conv(n, n), nn.ReLU(inplace=True), _conv(n, n))
         self.pool: nn.Sequential | None = None
         if use_gn:
             self.pool = nn.Sequential(
@@ -92,25 +90,49 @@ def build_encoder() -> nn.Sequential:
     """The TAEF2 encoder as a Sequential whose indices are the released state-dict keys."""
     n = WIDTH
     return nn.Sequential(
-        _conv(3, n), Block(n),
-        _conv(n, n, stride=2, bias=False), Block(n), Block(n), Block(n),
-        _conv(n, n, stride=2, bias=False), Block(n), Block(n), Block(n),
-        _conv(n, n, stride=2, bias=False), Block(n, True), Block(n, True), Block(n, True),
+        _conv(3, n),
+        Block(n),
+        _conv(n, n, stride=2, bias=False),
+        Block(n),
+        Block(n),
+        Block(n),
+        _conv(n, n, stride=2, bias=False),
+        Block(n),
+        Block(n),
+        Block(n),
+        _conv(n, n, stride=2, bias=False),
+        Block(n, True),
+        Block(n, True),
+        Block(n, True),
         _conv(n, LATENT_CHANNELS),
-    )  # fmt: skip
+    )
 
 
 def build_decoder() -> nn.Sequential:
     """The TAEF2 decoder as a Sequential whose indices are the released state-dict keys."""
     n = WIDTH
     return nn.Sequential(
-        Clamp(), _conv(LATENT_CHANNELS, n), nn.ReLU(inplace=True),
-        Block(n, True), Block(n, True), Block(n, True),
-        nn.Upsample(scale_factor=2), _conv(n, n, bias=False), Block(n), Block(n), Block(n),
-        nn.Upsample(scale_factor=2), _conv(n, n, bias=False), Block(n), Block(n), Block(n),
-        nn.Upsample(scale_factor=2), _conv(n, n, bias=False), Block(n),
+        Clamp(),
+        _conv(LATENT_CHANNELS, n),
+        nn.ReLU(inplace=True),
+        Block(n, True),
+        Block(n, True),
+        Block(n, True),
+        nn.Upsample(scale_factor=2),
+        _conv(n, n, bias=False),
+        Block(n),
+        Block(n),
+        Block(n),
+        nn.Upsample(scale_factor=2),
+        _conv(n, n, bias=False),
+        Block(n),
+        Block(n),
+        Block(n),
+        nn.Upsample(scale_factor=2),
+        _conv(n, n, bias=False),
+        Block(n),
         _conv(n, 3),
-    )  # fmt: skip
+    )
 
 
 # Encoder: indices [0, 11) are local (image -> latent resolution); [11, 15) run on the whole frame.
@@ -182,9 +204,17 @@ class TAEF2(nn.Module):
         outs = []
         for image in images.split(1):
             x = run_two_level(
-                stem, [local_op(m) for m in stem], rest, [local_op(m) for m in rest], image,
-                band=band, band_unit=1, tile=tile, tile_unit=4, tile_first=True,
-            )  # fmt: skip
+                stem,
+                [local_op(m) for m in stem],
+                rest,
+                [local_op(m) for m in rest],
+                image,
+                band=band,
+                band_unit=1,
+                tile=tile,
+                tile_unit=4,
+                tile_first=True,
+            )
             outs.append(enc[ENCODER_LOCAL_END:](x))
         return torch.cat(outs)
 
@@ -223,7 +253,7 @@ class TAEF2(nn.Module):
                     tile_unit=SPATIAL_FACTOR,
                     tile_first=False,
                     on_tile=None if on_tile is None else _batch_tiles(on_tile, index, count),
-                )  # fmt: skip
+                )
             )
             del h
         return torch.cat(outs)

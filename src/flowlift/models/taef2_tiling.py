@@ -210,9 +210,7 @@ def run_two_level(
     for box, mid_box in bands:
         origin = (mid_box[0], mid_box[2])
         if tile_first:
-            mid = _assemble(
-                first_layers, first_ops, _tensor_provider(x), in_size, mid_box, tile, tile_unit, counter
-            )
+            mid = _assemble(first_layers, first_ops, _tensor_provider(x), in_size, mid_box, tile, tile_unit, counter)
             piece = run_region(second_layers, second_ops, _tensor_provider(mid, origin), mid_size, box)
         else:
             mid = run_region(first_layers, first_ops, _tensor_provider(x), in_size, mid_box)

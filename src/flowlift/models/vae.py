@@ -46,9 +46,7 @@ def _check_images(images: torch.Tensor, multiple: int) -> None:
         raise FlowliftError(f"VAE encode expects float images in [0, 1], got dtype {images.dtype}")
     h, w = images.shape[-2:]
     if h % multiple or w % multiple or h == 0 or w == 0:
-        raise FlowliftError(
-            f"VAE encode needs image sides that are multiples of {multiple}, got {h}x{w}; resize first"
-        )
+        raise FlowliftError(f"VAE encode needs image sides that are multiples of {multiple}, got {h}x{w}; resize first")
 
 
 def _check_latents(latents: torch.Tensor, multiple: int) -> None:
@@ -325,9 +323,7 @@ def flux2_from_state_dict(
     try:
         model = AutoencoderKLFlux2.from_config(dict(config))
     except Exception as error:  # noqa: BLE001 - a bad config file is a user error
-        raise FlowliftError(
-            f"FLUX.2 VAE config{' ' + origin if origin else ''} is invalid: {error}"
-        ) from None
+        raise FlowliftError(f"FLUX.2 VAE config{' ' + origin if origin else ''} is invalid: {error}") from None
     load_strict(model, state, what="FLUX.2 VAE weights", origin=origin)
     return Flux2VAE(model.to(device=device, dtype=dtype))
 

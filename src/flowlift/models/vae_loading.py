@@ -63,9 +63,7 @@ def load_vae(spec: Any, device: torch.device | str = "cpu", dtype: torch.dtype =
     if isinstance(spec, torch.nn.Module):
         return _from_module(spec, device, dtype)
     if not isinstance(spec, (str, os.PathLike)):
-        raise FlowliftError(
-            f"VAE spec must be a name, path, hub repo id or module, got {type(spec).__name__}"
-        )
+        raise FlowliftError(f"VAE spec must be a name, path, hub repo id or module, got {type(spec).__name__}")
     text = _non_empty(spec)
     named = named_vae(text)
     if named is not None:
@@ -84,8 +82,10 @@ def _non_empty(spec: str | os.PathLike) -> str:
     """The spec's text, unless it is empty or blank: that names no VAE (it would read the working folder)."""
     text = os.fspath(spec)
     if not str(text).strip():
-        raise FlowliftError(f"VAE: an empty name or path names no VAE, got {text!r}; give a name "
-                            f"({', '.join(VAE_NAMES)}), a file or folder, or a hub repo id")  # fmt: skip
+        raise FlowliftError(
+            f"VAE: an empty name or path names no VAE, got {text!r}; give a name "
+            f"({', '.join(VAE_NAMES)}), a file or folder, or a hub repo id"
+        )
     return text
 
 

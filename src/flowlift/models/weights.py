@@ -67,9 +67,7 @@ def resolve_file(
             for name in filenames:
                 if (folder / name).is_file():
                     return folder / name
-        raise FlowliftError(
-            f"{what}: none of {', '.join(filenames)} found in directory {path}"
-        )
+        raise FlowliftError(f"{what}: none of {', '.join(filenames)} found in directory {path}")
     from flowlift.models.hub import looks_like_path
 
     if looks_like_path(source_str):

@@ -141,10 +141,17 @@ def _output(request: RefineRequest) -> Path:
 
     source, hires = request.source, request.hires
     upscaler = hires.upscaler.name if hires is not None and hires.upscaler is not None else None
-    files = {"image": request.image, "mask": request.mask, "references": list(request.references) or None,
-             "prompt.embeds": request.prompt.embeds, "source.model": source.model,
-             "source.transformer": source.transformer, "source.vae": source.vae, "hires.upscaler": upscaler,
-             "source.loras": [parse_lora_spec(text)[0] for text in source.loras] or None}  # fmt: skip
+    files = {
+        "image": request.image,
+        "mask": request.mask,
+        "references": list(request.references) or None,
+        "prompt.embeds": request.prompt.embeds,
+        "source.model": source.model,
+        "source.transformer": source.transformer,
+        "source.vae": source.vae,
+        "hires.upscaler": upscaler,
+        "source.loras": [parse_lora_spec(text)[0] for text in source.loras] or None,
+    }
     for name, paths in files.items():
         if paths is not None and (problem := same_file_problem(output, {FIELD_MARK: paths})):
             raise FlowliftError(problem, field=name)
@@ -181,8 +188,9 @@ def find_weights(job: RefineJob) -> list[Any]:
     request = job.request
     source = request.source
     loras = check_refiner_source(source)
-    checks = refiner_weight_checks(source.model, vae=source.vae, text_encoder=request.prompt.embeds is None,
-                                   transformer=source.transformer)  # fmt: skip
+    checks = refiner_weight_checks(
+        source.model, vae=source.vae, text_encoder=request.prompt.embeds is None, transformer=source.transformer
+    )
     if request.mode == "hires" and request.hires.upscaler is not None:
         checks.append(request.hires.upscaler.find)
     require_all(checks)
@@ -231,14 +239,23 @@ def load_for_job(job: RefineJob, loras: Sequence[Any] = ()) -> tuple[Any, dict[s
     conditioning = job_conditioning(job, embed)
     tokens = conditioning["prompt_embeds"].shape[1]
     memory = RefineMemory(source.offload, source.max_memory, job.frame, tokens)
-    refiner = load_refiner(source.model, vae=source.vae, transformer=source.transformer, loras=loras, memory=memory,
-                           device=job.device, dtype=job.dtype, progress=job.request.progress,
-                           tiles=job.request.tiles)  # fmt: skip
+    refiner = load_refiner(
+        source.model,
+        vae=source.vae,
+        transformer=source.transformer,
+        loras=loras,
+        memory=memory,
+        device=job.device,
+        dtype=job.dtype,
+        progress=job.request.progress,
+        tiles=job.request.tiles,
+    )
     return refiner, conditioning
 
 
-def refine_job(job: RefineJob, refiner: Any, conditioning: dict[str, Any],
-               upscaler: LatentUpscaler | None = None) -> Any:  # fmt: skip
+def refine_job(
+    job: RefineJob, refiner: Any, conditioning: dict[str, Any], upscaler: LatentUpscaler | None = None
+) -> Any:
     """Run the job's mode on ``refiner`` (hires: :meth:`~flowlift.refine.refiner.Flux2Refiner.hires` on
     ``upscaler``); the :class:`~flowlift.refine.parameters.RefineOutput`."""
     request = job.request
@@ -249,13 +266,15 @@ def refine_job(job: RefineJob, refiner: Any, conditioning: dict[str, Any],
         return refiner.hires(upscaler, request.hires, images=job.images, **common)
     if request.mode == "txt2img":
         width, height = request.size
-        return refiner.txt2img(height=height, width=width, sampling=request.sampling, tiles=request.tiles,
-                               **conditioning)  # fmt: skip
+        return refiner.txt2img(
+            height=height, width=width, sampling=request.sampling, tiles=request.tiles, **conditioning
+        )
     common.update(reference_images=job.references)
     if job.pads is not None:
         left, top, right, bottom = job.pads
-        return refiner.outpaint(job.images, left=left, top=top, right=right, bottom=bottom, strength=job.strength,
-                                **common)  # fmt: skip
+        return refiner.outpaint(
+            job.images, left=left, top=top, right=right, bottom=bottom, strength=job.strength, **common
+        )
     return refiner.img2img(job.images, mask=job.mask, strength=job.strength, **common)
 
 
@@ -318,8 +337,12 @@ def _run_refine(request: RefineRequest, run: Any) -> Path:
     upscaler = None
     if request.mode == "hires":
         plan = refiner.memory_plan  # the upscaler gets what the transformer leaves of max_memory
-        upscaler = request.hires.upscaler.load(refiner.vae, device=refiner.device, dtype=refiner.dtype,
-                                               budget_bytes=plan.upscaler_budget_bytes if plan else None)  # fmt: skip
+        upscaler = request.hires.upscaler.load(
+            refiner.vae,
+            device=refiner.device,
+            dtype=refiner.dtype,
+            budget_bytes=plan.upscaler_budget_bytes if plan else None,
+        )
     run.loading(None)
     plan_job_stages(run, job, request.sampling.steps or refiner.default_steps)
     result = refine_job(job, refiner, conditioning, upscaler)

@@ -32,8 +32,14 @@ from flowlift.refine.tiling import TileRequest
 #: Suffixes of single-file transformers (everything else is a folder or a hub id).
 TRANSFORMER_FILE_SUFFIXES = (".safetensors", ".gguf")
 #: The :class:`~flowlift.refine.request.RefinerSource` fields a loading error can be about, as the API names them.
-SOURCE_FIELDS = ("source.model", "source.transformer", "source.vae", "source.loras", "source.offload",
-                 "source.max_memory")  # fmt: skip
+SOURCE_FIELDS = (
+    "source.model",
+    "source.transformer",
+    "source.vae",
+    "source.loras",
+    "source.offload",
+    "source.max_memory",
+)
 
 
 def names_source_fields(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -124,9 +130,11 @@ def refiner_weight_checks(
     from flowlift.models.vae_loading import check_vae_spec
 
     checks: list[Callable[[], object]] = [
-        lambda: check_model_part(transformer, "transformer", "source.transformer")
-        if transformer is not None
-        else check_model_part(model, "transformer")
+        lambda: (
+            check_model_part(transformer, "transformer", "source.transformer")
+            if transformer is not None
+            else check_model_part(model, "transformer")
+        )
     ]
     if vae is not None:
         checks.append(lambda: check_vae_spec(vae))
@@ -351,9 +359,19 @@ def load_refiner(
     steps, why = model_default_steps(model, transformer)
     provenance["default_steps"] = f"{steps} ({why})"
     refiner = Flux2Refiner(
-        module, vae_adapter, device=device, dtype=dtype, prompt_encoder=encoder, progress=progress,
-        model_name=str(model), mu=mu, schedule=schedule, placement=placement, provenance=provenance, tiles=tiling,
-    )  # fmt: skip
+        module,
+        vae_adapter,
+        device=device,
+        dtype=dtype,
+        prompt_encoder=encoder,
+        progress=progress,
+        model_name=str(model),
+        mu=mu,
+        schedule=schedule,
+        placement=placement,
+        provenance=provenance,
+        tiles=tiling,
+    )
     refiner.default_steps = steps
     return refiner
 

@@ -45,8 +45,9 @@ def denoising_start_for(strength: float, strength_map: str = STRENGTH_MAP.defaul
         return float(linear_denoising_start(float(strength)))
     if strength_map == "canvas":
         return float(canvas_denoising_start(float(strength)))
-    raise FlowliftError(f"strength_map must be one of {', '.join(STRENGTH_MAPS)}, got {strength_map!r}",
-                        field="strength_map")  # fmt: skip
+    raise FlowliftError(
+        f"strength_map must be one of {', '.join(STRENGTH_MAPS)}, got {strength_map!r}", field="strength_map"
+    )
 
 
 def _window_sigmas(
@@ -240,9 +241,17 @@ def tiled_refine_raw_latents(
 
     denoiser = Flux2Denoiser(transformer, prompt_embeds.to(device))
     bn_mean, bn_std = bn_mean.to(device), bn_std.to(device)
-    result = refine_latents(denoiser, init_latents=raw_latents.to(device=device, dtype=torch.float32), bn_mean=bn_mean,
-                            bn_std=bn_std, denoising_start=denoising_start_for(strength), sampling=sampling,
-                            on_step=on_step, device=device, tiles=tiles)  # fmt: skip
+    result = refine_latents(
+        denoiser,
+        init_latents=raw_latents.to(device=device, dtype=torch.float32),
+        bn_mean=bn_mean,
+        bn_std=bn_std,
+        denoising_start=denoising_start_for(strength),
+        sampling=sampling,
+        on_step=on_step,
+        device=device,
+        tiles=tiles,
+    )
     return denormalize(result.latents, bn_mean, bn_std), result.tiling
 
 

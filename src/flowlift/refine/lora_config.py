@@ -33,14 +33,33 @@ MAX_METADATA_BYTES = 1 << 20
 MAX_ALPHA_SCALE = 1e3
 #: Settings that describe the file or training and change nothing peft computes at inference.
 _DESCRIPTIVE = {
-    "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
-    "lora_dropout", "megatron_core", "qalora_group_size", "runtime_config", "ensure_weight_tying",
-}  # fmt: skip
+    "task_type",
+    "auto_mapping",
+    "peft_version",
+    "base_model_name_or_path",
+    "revision",
+    "inference_mode",
+    "lora_dropout",
+    "megatron_core",
+    "qalora_group_size",
+    "runtime_config",
+    "ensure_weight_tying",
+}
 #: Settings with a domain of their own (checked below); every other peft field must keep peft's default.
 _CHECKED = {
-    "peft_type", "r", "lora_alpha", "rank_pattern", "alpha_pattern", "target_modules", "use_dora", "use_rslora",
-    "lora_bias", "fan_in_fan_out", "bias", "init_lora_weights",
-}  # fmt: skip
+    "peft_type",
+    "r",
+    "lora_alpha",
+    "rank_pattern",
+    "alpha_pattern",
+    "target_modules",
+    "use_dora",
+    "use_rslora",
+    "lora_bias",
+    "fan_in_fan_out",
+    "bias",
+    "init_lora_weights",
+}
 #: ``init_lora_weights`` values that leave the base weights alone (PiSSA, OLoRA, LoftQ, EVA, CorDA rewrite them).
 _PLAIN_INITS = (True, False, "gaussian")
 #: A module path as diffusers writes it in ``target_modules`` and pattern keys (a pattern may start with ``^``):
@@ -70,8 +89,9 @@ def adapter_config(text: object, *, origin: str) -> dict[str, Any]:
     if not isinstance(text, str):
         raise FlowliftError(f"{what} is not text")
     if len(text) > MAX_METADATA_BYTES:
-        raise FlowliftError(f"{what} holds {len(text)} characters (a peft LoRA config is a few kB; at most "
-                            f"{MAX_METADATA_BYTES})")  # fmt: skip
+        raise FlowliftError(
+            f"{what} holds {len(text)} characters (a peft LoRA config is a few kB; at most {MAX_METADATA_BYTES})"
+        )
     try:
         metadata = parse_json(text)
     except ValueError as error:
@@ -116,8 +136,10 @@ def check_adapter_config(config: dict[str, Any], *, what: str) -> None:
         raise FlowliftError(f"{what} has bias {config['bias']!r:.80}; expected none, all or lora_only")
     init = config.get("init_lora_weights", True)
     if not any(init is plain or (isinstance(plain, str) and init == plain) for plain in _PLAIN_INITS):
-        raise FlowliftError(f"{what} has init_lora_weights {init!r:.80}, which rewrites the base weights or needs "
-                            "training data; flowlift applies plain LoRAs (true, false or gaussian)")  # fmt: skip
+        raise FlowliftError(
+            f"{what} has init_lora_weights {init!r:.80}, which rewrites the base weights or needs "
+            "training data; flowlift applies plain LoRAs (true, false or gaussian)"
+        )
     if config.get("peft_type", "LORA") not in ("LORA", None):
         raise FlowliftError(f"{what} has peft_type {config['peft_type']!r:.80}; expected LORA")
     _check_other_fields(config, what)
@@ -140,8 +162,10 @@ def _check_ranks_and_alphas(config: dict[str, Any], what: str) -> None:
     for label, value in [("lora_alpha", alpha), *((f"alpha_pattern {k}", v) for k, v in alphas.items())]:
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not number or not 0 < value <= MAX_ALPHA_SCALE * divisor:  # NaN fails the comparison too
-            raise FlowliftError(f"{what} has {label} {value!r:.80}; expected a positive finite number of at most "
-                                f"{MAX_ALPHA_SCALE:g} x the rank")  # fmt: skip
+            raise FlowliftError(
+                f"{what} has {label} {value!r:.80}; expected a positive finite number of at most "
+                f"{MAX_ALPHA_SCALE:g} x the rank"
+            )
 
 
 def _check_other_fields(config: dict[str, Any], what: str) -> None:
@@ -153,8 +177,10 @@ def _check_other_fields(config: dict[str, Any], what: str) -> None:
             raise FlowliftError(f"{what} has the setting {name!r:.80}, which is no field of peft's LoraConfig")
         default = defaults.get(name)
         if value != default and not (value in (None, {}, []) and default in (None, {}, [])):
-            raise FlowliftError(f"{what} has {name} {value!r:.80}; flowlift applies plain LoRAs, which leave it at "
-                                f"peft's default ({default!r})")  # fmt: skip
+            raise FlowliftError(
+                f"{what} has {name} {value!r:.80}; flowlift applies plain LoRAs, which leave it at "
+                f"peft's default ({default!r})"
+            )
 
 
 def targeted(module: str, targets: Iterable[str]) -> bool:
@@ -170,9 +196,12 @@ def check_targets(config: dict[str, Any], layers: Iterable[str], linear_modules:
     layers = set(layers)
     missed = sorted(layer for layer in layers if not targeted(layer, targets))
     if missed:
-        raise FlowliftError(f"{what} has target_modules that miss the layer {missed[0]} its tensors adapt "
-                            f"({len(missed)} layers missed)")  # fmt: skip
+        raise FlowliftError(
+            f"{what} has target_modules that miss the layer {missed[0]} its tensors adapt ({len(missed)} layers missed)"
+        )
     extra = sorted(module for module in linear_modules if module not in layers and targeted(module, targets))
     if extra:
-        raise FlowliftError(f"{what} has target_modules that also reach {extra[0]}, for which it holds no tensors "
-                            f"({len(extra)} such layers)")  # fmt: skip
+        raise FlowliftError(
+            f"{what} has target_modules that also reach {extra[0]}, for which it holds no tensors "
+            f"({len(extra)} such layers)"
+        )

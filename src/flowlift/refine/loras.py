@@ -250,9 +250,10 @@ def _made_for(converted: dict[str, torch.Tensor], width_here: int) -> str:
     widths = Counter(
         tensor.shape[1]
         for key, tensor in converted.items()
-        if key.endswith(".lora_A.weight") and tensor.ndim == 2
+        if key.endswith(".lora_A.weight")
+        and tensor.ndim == 2
         and key.removesuffix(".lora_A.weight").rsplit(".", 1)[-1] in ("to_q", "to_k", "to_v", "to_qkv_mlp_proj")
-    )  # fmt: skip
+    )
     if not widths:
         return "the LoRA seems made for another model"
     width = widths.most_common(1)[0][0]

@@ -27,9 +27,13 @@ def _first_line(error: BaseException) -> str:
 
 def missing_part_line(model: str, part: str, option: str) -> str:
     """The one line for a local diffusers folder without ``part/``, naming the fix (issue 48: before any load)."""
-    fix = (f"copy the model's {part}/ folder into it" if part != "text_encoder" else "copy the model's text_encoder/ "
-           f"and tokenizer/ folders into it (e.g. hf download REPO --include \"text_encoder/*\" \"tokenizer/*\" "
-           f"--local-dir {model}), or pass precomputed --prompt-embeds")  # fmt: skip
+    fix = (
+        f"copy the model's {part}/ folder into it"
+        if part != "text_encoder"
+        else "copy the model's text_encoder/ "
+        f'and tokenizer/ folders into it (e.g. hf download REPO --include "text_encoder/*" "tokenizer/*" '
+        f"--local-dir {model}), or pass precomputed --prompt-embeds"
+    )
     what = "--prompt needs the model's text encoder, and " if part == "text_encoder" else ""
     return f"{option} {model}: {what}this folder has no {part}/ (with its config.json); {fix}"
 

@@ -53,8 +53,9 @@ def checked_images(images: Any, name: str = "images") -> torch.Tensor:
         raise FlowliftError(f"{name} contain non-finite values (NaN/Inf)", field=name)
     low, high = float(images.min()), float(images.max())
     if low < 0.0 or high > 1.0:
-        raise FlowliftError(f"{name} must lie in [0, 1] (uint8 is scaled by 255), got values in [{low:g}, {high:g}]",
-                            field=name)  # fmt: skip
+        raise FlowliftError(
+            f"{name} must lie in [0, 1] (uint8 is scaled by 255), got values in [{low:g}, {high:g}]", field=name
+        )
     return images
 
 
@@ -251,9 +252,14 @@ class Flux2Refiner:
         den = self.denoiser(**conditioning)
         shape = (batch, LATENT_CHANNELS, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
         result = self._run(
-            "txt2img", den, init=None, shape=shape, denoising_start=0.0, sampling=sampling,
+            "txt2img",
+            den,
+            init=None,
+            shape=shape,
+            denoising_start=0.0,
+            sampling=sampling,
             tiles=tiles,
-        )  # fmt: skip
+        )
         params = self._parameters(
             "txt2img", result, sampling, height=height, width=width, **conditioning_parameters(conditioning, den)
         )
@@ -421,14 +427,30 @@ class Flux2Refiner:
             if "tiles" in base_out.parameters:
                 params["base_tiles"] = base_out.parameters["tiles"]
         report_stage("upscale")  # the run's stage, for every door's progress (flowlift.progress)
-        up = upscaler.upscale_latents(base, settings.passes, seed=sampling.seed, color_fix=settings.color_fix,
-                                      transplant_strength=settings.transplant_strength) if settings.passes else base
+        up = (
+            upscaler.upscale_latents(
+                base,
+                settings.passes,
+                seed=sampling.seed,
+                color_fix=settings.color_fix,
+                transplant_strength=settings.transplant_strength,
+            )
+            if settings.passes
+            else base
+        )
         expect = hires_latent_size(base.shape[2], base.shape[3], settings.scale)
         up = (up if whole_passes(settings.scale) else upscaler.to_size(up, expect)).float().to(self.device)  # fraction
         if tuple(up.shape[2:]) != expect:
             raise FlowliftError(f"the upscaler returned {tuple(up.shape[2:])} latents, expected {expect}")
-        result = self._run("hires refine", den, init=(up, None, None), shape=None, denoising_start=start,
-                           sampling=sampling, tiles=tiles)  # fmt: skip
+        result = self._run(
+            "hires refine",
+            den,
+            init=(up, None, None),
+            shape=None,
+            denoising_start=start,
+            sampling=sampling,
+            tiles=tiles,
+        )
         upscale = settings.upscaler.name if settings.upscaler is not None else None
         params.update(
             self._parameters(

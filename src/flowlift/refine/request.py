@@ -50,8 +50,9 @@ class LatentUpscaler(Protocol):
     """What the hires fix needs of an upscaler: normalized latents in, ``2**num_passes`` times larger out; for a
     scale that is not a power of two also ``to_size(latents, (h, w))``, the fraction in [1, 2] (SesquiLSR)."""
 
-    def upscale_latents(self, latents: Any, num_passes: int, *, seed: int, transplant_strength: float,
-                        color_fix: bool) -> Any: ...  # fmt: skip
+    def upscale_latents(
+        self, latents: Any, num_passes: int, *, seed: int, transplant_strength: float, color_fix: bool
+    ) -> Any: ...
 
 
 class LatentUpscalerSource(Protocol):
@@ -124,8 +125,9 @@ class RefinerSource:
         check_kind("source.device", self.device, str, "a device name such as auto, cpu or cuda:0", optional=True)
         check_kind("source.dtype", self.dtype, str, "a dtype name such as auto or bfloat16", optional=True)
         if self.offload not in OFFLOADS:
-            raise FlowliftError(f"source.offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}",
-                                field="source.offload")  # fmt: skip
+            raise FlowliftError(
+                f"source.offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}", field="source.offload"
+            )
         if self.max_memory is not None:
             try:
                 parse_memory(self.max_memory)
@@ -166,8 +168,7 @@ class HiresSettings:
         if self.base_steps is not None:  # None: the model's (4 for a step-distilled Klein)
             object.__setattr__(self, "base_steps", STEPS.check(self.base_steps, "base_steps"))
         if not isinstance(self.base_size, (tuple, list)) or len(self.base_size) != 2:
-            raise FlowliftError(f"base_size must be (width, height) in px, got {self.base_size!r}",
-                                field="base_size")  # fmt: skip
+            raise FlowliftError(f"base_size must be (width, height) in px, got {self.base_size!r}", field="base_size")
         object.__setattr__(self, "base_size", tuple(self.base_size))
         check_txt2img_size(*self.base_size, "base_size")
         transplant = TRANSPLANT_STRENGTH.check(self.transplant_strength, "transplant_strength")
@@ -189,8 +190,9 @@ def _borders(value: Any) -> tuple[int, int, int, int]:
 
     borders = tuple(exact_int(side) for side in value) if isinstance(value, (tuple, list)) else ()
     if len(borders) != 4 or any(side is None or side < 0 for side in borders):
-        raise FlowliftError(f"outpaint must be four non-negative pixel borders (L, T, R, B), got {value!r}",
-                            field="outpaint")  # fmt: skip
+        raise FlowliftError(
+            f"outpaint must be four non-negative pixel borders (L, T, R, B), got {value!r}", field="outpaint"
+        )
     if not any(borders):
         raise FlowliftError(f"outpaint borders {value!r} are all 0: nothing to paint (use img2img)", field="outpaint")
     return borders  # type: ignore[return-value]

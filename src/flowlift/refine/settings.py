@@ -84,10 +84,11 @@ SCHEDULE = Knob(
 )
 #: The hires fix's upscale factor: the upscale scale knob (:data:`flowlift.knobs.SCALE`) under the refiner's name.
 HIRES_SCALE = replace(
-    SCALE, name="hires_scale",
+    SCALE,
+    name="hires_scale",
     help="hires fix: the upscale before the refine (2 = one Flow pass, 4 = two, 8 = three; any other factor in "
     "[1, 8] needs --latent-upscaler sesqui:PATH for the fraction: 1.5 = SesquiLSR alone, 3 = one pass then 1.5x)",
-)  # fmt: skip
+)
 
 
 def whole_passes(scale: float) -> bool:
@@ -112,11 +113,13 @@ def check_txt2img_size(width: int, height: int, field: str = "size") -> None:
     if not all(isinstance(side, int) and not isinstance(side, bool) for side in sides):
         raise FlowliftError(f"{field} must be two integers (width, height) in px, got {sides!r}", field=field)
     if min(sides) < PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height % PIXEL_MULTIPLE:
-        raise FlowliftError(f"{field} sides must be positive multiples of {PIXEL_MULTIPLE} px, got {width}x{height}",
-                            field=field)  # fmt: skip
+        raise FlowliftError(
+            f"{field} sides must be positive multiples of {PIXEL_MULTIPLE} px, got {width}x{height}", field=field
+        )
     if max(sides) > MAX_OUTPUT_SIDE:
-        raise FlowliftError(f"{field} {width}x{height} is over MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side",
-                            field=field)  # fmt: skip
+        raise FlowliftError(
+            f"{field} {width}x{height} is over MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side", field=field
+        )
 
 
 def check_hires_size(width: int, height: int, scale: float, field: str = "hires.base_size") -> None:

@@ -18,13 +18,16 @@ SECONDS_PER_MP = {"encode": 2.82, "upscale": 4.17, "steps": 10.0, "decode": 3.61
 def refine_stages(name: str, input_mp: float, frame_mp: float, steps: int, upscale: bool) -> list[tuple[str, float]]:
     """The stages of one refine of ``name`` (an ``input_mp`` megapixel image refined at ``frame_mp``), in order::
 
-        encode (input), [upscale (frame): the hires fix], steps (steps x frame), decode (frame), writing (frame)
+    encode (input), [upscale (frame): the hires fix], steps (steps x frame), decode (frame), writing (frame)
     """
     cost = SECONDS_PER_MP
     stages = [("encode", input_mp * cost["encode"])]
     stages += [("upscale", frame_mp * cost["upscale"])] if upscale else []
-    stages += [("steps", max(1, steps) * frame_mp * cost["steps"]), ("decode", frame_mp * cost["decode"]),
-               ("writing", frame_mp * cost["writing"])]  # fmt: skip
+    stages += [
+        ("steps", max(1, steps) * frame_mp * cost["steps"]),
+        ("decode", frame_mp * cost["decode"]),
+        ("writing", frame_mp * cost["writing"]),
+    ]
     return [(f"{name}: {stage}", work) for stage, work in stages]
 
 

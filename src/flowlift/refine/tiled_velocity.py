@@ -184,10 +184,12 @@ def tiled_for_frame(
     if images > 1 and batch > 1:
         if isinstance(request.batch, int):
             warnings.warn(
-                FlowliftWarning(f"tile batch {batch}: with {images} images in one batch each transformer call runs "
-                                f"one tile of all {images} (recorded as batch 1)"),
+                FlowliftWarning(
+                    f"tile batch {batch}: with {images} images in one batch each transformer call runs "
+                    f"one tile of all {images} (recorded as batch 1)"
+                ),
                 stacklevel=3,
-            )  # fmt: skip
+            )
         batch = 1
     layout = tile_layout(height, width, tile, request.overlap, batch)
     record["tiles"] = layout.record()

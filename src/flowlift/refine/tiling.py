@@ -76,8 +76,12 @@ class TileRequest:
             check_overlap(self.size if isinstance(self.size, int) else DEFAULT_TILE_SIZE, self.overlap)
 
     @classmethod
-    def parse(cls, size: int | str = TILE_SIZE.default, overlap: int | str = TILE_OVERLAP.default,
-              batch: int | str = TILE_BATCH.default) -> TileRequest:  # fmt: skip
+    def parse(
+        cls,
+        size: int | str = TILE_SIZE.default,
+        overlap: int | str = TILE_OVERLAP.default,
+        batch: int | str = TILE_BATCH.default,
+    ) -> TileRequest:
         """The request of knobs given as text or Python values (the text doors: ``"512"``, ``" auto"``)."""
         return cls(parse_tile_size(size), parse_tile_overlap(overlap), parse_tile_batch(batch))
 

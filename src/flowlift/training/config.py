@@ -118,7 +118,7 @@ TRAIN_KNOBS: dict[str, Knob] = table(
         "released checkpoint to fine-tune (file, folder or hub id); none = scratch",
         pattern=_TEXT,
         optional=True,
-    ),  # fmt: skip
+    ),
     _knob("base_channels", int, "UNet width", low=1),
     _knob("time_dim", int, "sinusoidal time embedding width (sin and cos halves)", low=2, multiple=2),
     _knob("cond_dim", int, "conditioning vector width", low=1),
@@ -149,22 +149,18 @@ TRAIN_KNOBS: dict[str, Knob] = table(
         "auto (CUDA if available, else cpu), cpu, cuda, cuda:N",
         pattern=_DEVICE,
         extra={"spelled": "one of auto, cpu, cuda, cuda:N, mps"},
-    ),  # fmt: skip
+    ),
     _knob("mixed_precision", str, "auto (bf16 on CUDA), no or bf16", choices=("auto", "no", "bf16")),
     _knob("channels_last", str, "auto (on CUDA), yes or no", choices=("auto", "yes", "no")),
     _knob("log_every", int, "log the loss every K steps", low=1),
     _knob("checkpoint_every", int, "checkpoint every K steps", low=1),
     _knob("keep_checkpoints", int, "checkpoints kept", low=1),
-    _knob(
-        "resume", str, "auto (latest in output, if any), a checkpoint folder, or none", pattern=_TEXT, optional=True
-    ),  # fmt: skip
+    _knob("resume", str, "auto (latest in output, if any), a checkpoint folder, or none", pattern=_TEXT, optional=True),
     _knob("overwrite", bool, "with resume none: replace the output folder's checkpoints"),
-    _knob(
-        "stop_after", int, "end this invocation after this global step (none = at steps)", low=1, optional=True
-    ),  # fmt: skip
+    _knob("stop_after", int, "end this invocation after this global step (none = at steps)", low=1, optional=True),
     _knob(
         "time_limit_s", float, "end this invocation (with a checkpoint) after this long; 0 = none", low=0.0, unit="s"
-    ),  # fmt: skip
+    ),
     _knob("val_every", int, "validate every K steps (0 = never)", low=0),
     _knob("val_images", list, "held-out images (files, folders, globs) for validation"),
     _knob("val_count", int, "validation images used", low=1),

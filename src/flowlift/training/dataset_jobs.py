@@ -112,6 +112,7 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
     if problem := folder_problem(out):  # before the teacher or the VAE loads
         raise FlowliftError(problem)
     from flowlift.training.shards import check_dataset_folder
+
     if request.teacher is not None:
         source = request.teacher
         if source.width % 32 or source.height % 32 or source.width <= 0 or source.height <= 0:
@@ -127,9 +128,17 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
         described["vae"] = request.vae
         writing = ShardWriting(request.shard_size, storage, device, request.progress, part)
         manifest = build_distill_dataset(
-            out, teacher, vae, num_items=source.num, latent_size=(source.height // 8, source.width // 8),
-            seed=request.seed, batch_size=request.batch_size, degradation=degradation, source=described,
-            writing=writing, overwrite=request.overwrite,
+            out,
+            teacher,
+            vae,
+            num_items=source.num,
+            latent_size=(source.height // 8, source.width // 8),
+            seed=request.seed,
+            batch_size=request.batch_size,
+            degradation=degradation,
+            source=described,
+            writing=writing,
+            overwrite=request.overwrite,
         )
     else:
         from flowlift.files.images import list_images
@@ -140,8 +149,16 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
         check_dataset_folder(out, request.overwrite)
         vae = load_vae(request.vae, device=device, dtype=torch.float32)
         manifest = build_images_dataset(
-            out, paths, vae, crop=crops.crop_px, crops_per_image=crops.crops_per_image, seed=request.seed,
-            batch_size=request.batch_size, flip=crops.flip, degradation=degradation, vae_name=request.vae,
+            out,
+            paths,
+            vae,
+            crop=crops.crop_px,
+            crops_per_image=crops.crops_per_image,
+            seed=request.seed,
+            batch_size=request.batch_size,
+            flip=crops.flip,
+            degradation=degradation,
+            vae_name=request.vae,
             writing=ShardWriting(request.shard_size, storage, device, request.progress, part),
             overwrite=request.overwrite,
         )
@@ -178,9 +195,14 @@ def load_teacher(source: TeacherSource, device: torch.device) -> tuple[Teacher, 
         except Exception as error:  # noqa: BLE001 - diffusers raises many types for a bad folder
             first = str(error).splitlines()[0] if str(error) else type(error).__name__
             raise FlowliftError(f"cannot load the teacher transformer from {path}: {first}") from None
-        return TransformerTeacher(transformer, embeds["prompt_embeds"], num_steps=source.steps,
-                                  guidance=source.guidance, device=device, dtype=dtype), {
-            "teacher": str(path), "type": "transformer", "steps": source.steps, "guidance": source.guidance}
+        return TransformerTeacher(
+            transformer,
+            embeds["prompt_embeds"],
+            num_steps=source.steps,
+            guidance=source.guidance,
+            device=device,
+            dtype=dtype,
+        ), {"teacher": str(path), "type": "transformer", "steps": source.steps, "guidance": source.guidance}
     if is_pipeline:
         if not source.prompts:
             raise FlowliftError("a pipeline teacher needs --prompts (a text file, one prompt per line)")
@@ -197,8 +219,12 @@ def load_teacher(source: TeacherSource, device: torch.device) -> tuple[Teacher, 
             raise FlowliftError(f"cannot load the teacher pipeline {source.teacher}: {first}") from None
         pipe.set_progress_bar_config(disable=True)
         return PipelineTeacher(pipe, prompts, num_steps=source.steps, guidance_scale=source.guidance), {
-            "teacher": source.teacher, "type": type(pipe).__name__, "steps": source.steps, "guidance": source.guidance,
-            "prompts": str(prompts_path)}
+            "teacher": source.teacher,
+            "type": type(pipe).__name__,
+            "steps": source.steps,
+            "guidance": source.guidance,
+            "prompts": str(prompts_path),
+        }
     raise FlowliftError(
         f"--teacher {source.teacher}: not a diffusers pipeline (model_index.json), a transformer folder "
         "(config.json) or a hub repo id"

@@ -52,9 +52,7 @@ def check_part(part: tuple[int, int]) -> tuple[int, int]:
     return index, count
 
 
-def _shard_plan(
-    root: Path, num_items: int, shard_size: int, part: tuple[int, int]
-) -> tuple[list[int], int, int]:
+def _shard_plan(root: Path, num_items: int, shard_size: int, part: tuple[int, int]) -> tuple[list[int], int, int]:
     """(pending shards of this part, items of this part, items of this part already done)."""
     index_of_part, parts = check_part(part)
     mine = [k for k in range((num_items + shard_size - 1) // shard_size) if k % parts == index_of_part]
@@ -371,8 +369,14 @@ def build_images_dataset(
         "degradation": degradation.to_dict(),
         "seed": seed,
         "storage_dtype": str(storage_dtype).removeprefix("torch."),
-        "source": {"images": [str(p) for p in paths], "crop": crop, "crops_per_image": crops_per_image,
-                   "flip": flip, "vae": vae_name, "skipped": skipped},
+        "source": {
+            "images": [str(p) for p in paths],
+            "crop": crop,
+            "crops_per_image": crops_per_image,
+            "flip": flip,
+            "vae": vae_name,
+            "skipped": skipped,
+        },
     }
     prepare_dataset_dir(root, manifest, overwrite)
     pending, part_items, done_items = _shard_plan(root, len(items), shard_size, part)

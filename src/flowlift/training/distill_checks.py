@@ -33,8 +33,10 @@ def distill_problems(teacher: str, prompts: str | None, prompt_embeds: str | Non
     problems: list[str] = []
     kind = teacher_kind(teacher)
     if kind is None:
-        problems.append(f"--teacher {teacher}: not a diffusers pipeline (model_index.json), a transformer folder "
-                        "(config.json) or a hub repo id")  # fmt: skip
+        problems.append(
+            f"--teacher {teacher}: not a diffusers pipeline (model_index.json), a transformer folder "
+            "(config.json) or a hub repo id"
+        )
     elif kind == "pipeline" and not Path(teacher).expanduser().exists():
         try:
             check_model_part(teacher, "transformer", "--teacher")  # the cache (offline) or the hub

@@ -172,8 +172,10 @@ def _checkpoints_problem(config: TrainConfig, output: Path) -> str | None:
             return f"{entry} exists and is a file, not a checkpoint folder; remove it or choose another --output"
     fresh = (config.resume or "none").strip().lower() == "none"
     if fresh and config.overwrite and foreign:
-        return (f"{foreign[0]} is not a flowlift checkpoint (it holds other files); --resume none --overwrite "
-                "removes only flowlift's checkpoints: move it away, or choose another --output")  # fmt: skip
+        return (
+            f"{foreign[0]} is not a flowlift checkpoint (it holds other files); --resume none --overwrite "
+            "removes only flowlift's checkpoints: move it away, or choose another --output"
+        )
     return None
 
 

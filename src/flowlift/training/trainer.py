@@ -124,7 +124,6 @@ class StopRequest:
 # The trainer
 
 
-
 @dataclass
 class _Run:
     """What the steps of one training run share (built once by :meth:`Trainer._train`)."""
@@ -140,6 +139,7 @@ class _Run:
     validator: Any
     channels_last: bool
 
+
 class Trainer:
     """One training run described by a :class:`TrainConfig`. ``run()`` trains and returns a summary.
 
@@ -147,8 +147,9 @@ class Trainer:
     :class:`~flowlift.models.upscaler_unet.FlowUpscalerUNet` is built (or loaded from ``config.init``).
     """
 
-    def __init__(self, config: TrainConfig, model: torch.nn.Module | None = None, *,
-                 config_file: str | None = None) -> None:
+    def __init__(
+        self, config: TrainConfig, model: torch.nn.Module | None = None, *, config_file: str | None = None
+    ) -> None:
         config.validate()
         if config.steps < config.warmup_steps:
             warnings.warn(
@@ -222,15 +223,18 @@ class Trainer:
                 for name, tensor in reader.item(index).items():
                     if not bool(torch.isfinite(tensor).all()):
                         shard = reader.root / shard_name(index // reader.shard_size)
-                        return (f"non-finite gradient at step {step + 1}: the training data is non-finite "
-                                f"({shard}, item {index}, tensor '{name}' holds NaN/Inf); rebuild that shard")
+                        return (
+                            f"non-finite gradient at step {step + 1}: the training data is non-finite "
+                            f"({shard}, item {index}, tensor '{name}' holds NaN/Inf); rebuild that shard"
+                        )
         return f"non-finite gradient at step {step + 1} (the data of this step is finite); lower the learning rate"
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         c = self.config
-        preliminary = "cuda" if (c.device.startswith("cuda") or (c.device == "auto" and torch.cuda.is_available())) \
-            else "cpu"
+        preliminary = (
+            "cuda" if (c.device.startswith("cuda") or (c.device == "auto" and torch.cuda.is_available())) else "cpu"
+        )
         dist = init_distributed(preliminary)
         try:
             return self._run(dist)
@@ -303,9 +307,11 @@ class Trainer:
         final_step, losses, stopped = self._loop(run, start_step)
         if stopped:
             where = checkpoint_dir(self.output, final_step)
-            raise KeyboardInterrupt(f"training stopped after step {final_step} of {c.steps}; checkpoint {where} "
-                                    "saved: the same command resumes from it (--resume auto, the default, takes the "
-                                    f"latest in {self.output}; or --resume {where})")  # fmt: skip
+            raise KeyboardInterrupt(
+                f"training stopped after step {final_step} of {c.steps}; checkpoint {where} "
+                "saved: the same command resumes from it (--resume auto, the default, takes the "
+                f"latest in {self.output}; or --resume {where})"
+            )
         return self._summary(run, start_step, final_step, losses)
 
     def _optimizer(self, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:
@@ -360,12 +366,16 @@ class Trainer:
                     bar.update(1)
                     if dist.is_main and (done % c.log_every == 0 or last):
                         now = time.perf_counter()
-                        self._append_log({
-                            "step": done, "loss": f"{global_loss:.6g}", "lr": f"{lr:.6g}",
-                            "grad_norm": f"{grad_norm:.6g}",
-                            "samples_per_s": f"{window_samples / max(now - window_start, 1e-9):.4g}",
-                            "elapsed_s": f"{now - started:.2f}",
-                        })
+                        self._append_log(
+                            {
+                                "step": done,
+                                "loss": f"{global_loss:.6g}",
+                                "lr": f"{lr:.6g}",
+                                "grad_norm": f"{grad_norm:.6g}",
+                                "samples_per_s": f"{window_samples / max(now - window_start, 1e-9):.4g}",
+                                "elapsed_s": f"{now - started:.2f}",
+                            }
+                        )
                         bar.set_postfix(loss=f"{global_loss:.4f}")
                         window_start, window_samples = now, 0
                     self._after_step(run, done, last, stop.requested)
@@ -386,8 +396,9 @@ class Trainer:
             assert (fetched_step, fetched_micro) == (step, micro)
             batch = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items()}
             if run.channels_last:
-                batch = {k: (v.contiguous(memory_format=torch.channels_last) if v.ndim == 4 else v)
-                         for k, v in batch.items()}
+                batch = {
+                    k: (v.contiguous(memory_format=torch.channels_last) if v.ndim == 4 else v) for k, v in batch.items()
+                }
             torch.manual_seed(step_seed(c.seed, step, micro, dist.rank))  # custom models' own dropout
             set_dropout_seeds(model, [sample_seed(c.seed, p) for p in run.stream.positions(step, micro)])
             sync = micro == c.grad_accum - 1 or dist.world_size == 1
@@ -400,8 +411,9 @@ class Trainer:
         if c.grad_clip > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip))
         else:
-            grad_norm = float(torch.linalg.vector_norm(
-                torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])))
+            grad_norm = float(
+                torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+            )
         if not math.isfinite(grad_norm):
             raise FlowliftError(self._non_finite_message(run.stream, step))
         lr = run.optimizer.param_groups[0]["lr"]
@@ -415,8 +427,18 @@ class Trainer:
         c, dist = self.config, run.dist
         if done % c.checkpoint_every == 0 or last:
             if dist.is_main:
-                save_checkpoint(self.output, done, run.model, run.ema, run.optimizer, run.scheduler,
-                                run.stream.global_batch, dist.world_size, config=c, run_id=self.run_id)
+                save_checkpoint(
+                    self.output,
+                    done,
+                    run.model,
+                    run.ema,
+                    run.optimizer,
+                    run.scheduler,
+                    run.stream.global_batch,
+                    dist.world_size,
+                    config=c,
+                    run_id=self.run_id,
+                )
             dist.barrier()
         if c.val_every and (done % c.val_every == 0 or done == c.steps or last) and not stopping:
             if run.validator is not None:

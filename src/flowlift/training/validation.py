@@ -173,8 +173,15 @@ class Validator:
 
         vae = load_vae(config.vae, device=device, dtype=torch.float32)
         images = load_validation_images(config.val_images, config.val_count, config.val_size)
-        return cls(vae, images, device=device, output=output, seed=config.val_seed,
-                   color_fix=config.val_color_fix, start_step=start_step)
+        return cls(
+            vae,
+            images,
+            device=device,
+            output=output,
+            seed=config.val_seed,
+            color_fix=config.val_color_fix,
+            start_step=start_step,
+        )
 
     def evaluate(self, step: int, model: torch.nn.Module) -> dict[str, dict[str, float]]:
         was_training = model.training
@@ -229,8 +236,9 @@ def plot_curves(train_csv: Path, val_csv: Path | None, path: Path) -> Path:
             for method in METHODS:
                 rows = [r for r in val if r["method"] == method]
                 if rows:
-                    ax.plot([int(r["step"]) for r in rows], [float(r[key]) for r in rows], marker="o", ms=3,
-                            label=method)  # always marked: validation points are sparse
+                    ax.plot(
+                        [int(r["step"]) for r in rows], [float(r[key]) for r in rows], marker="o", ms=3, label=method
+                    )  # always marked: validation points are sparse
             if key == "sharpness":
                 ax.axhline(float(val[0]["sharpness_gt"]), color="k", ls=":", lw=1, label="ground truth")
             ax.set_xlabel("step")

@@ -78,8 +78,11 @@ class AskedSize:
             out = max(1, round(width * self.scale)), max(1, round(height * self.scale))
         elif self.long_side is not None:
             factor = self.long_side / max(width, height)
-            out = (self.long_side, max(1, round(height * factor))) if width >= height else (
-                max(1, round(width * factor)), self.long_side)  # fmt: skip
+            out = (
+                (self.long_side, max(1, round(height * factor)))
+                if width >= height
+                else (max(1, round(width * factor)), self.long_side)
+            )
         else:
             out = self.size
         spelled = self.spelled(width, height, out)
@@ -93,8 +96,13 @@ class AskedSize:
 
     def spelled(self, width: int, height: int, out: tuple[int, int]) -> str:
         """``scale 3 (3072x2048)``: the request as the user gave it and the size it means."""
-        given = (f"scale {self.scale:g}" if self.scale is not None else f"long side {self.long_side}"
-                 if self.long_side is not None else "size")  # fmt: skip
+        given = (
+            f"scale {self.scale:g}"
+            if self.scale is not None
+            else f"long side {self.long_side}"
+            if self.long_side is not None
+            else "size"
+        )
         return f"{given} ({out[0]}x{out[1]})"
 
     def passes_for(self, width: int, height: int) -> int:

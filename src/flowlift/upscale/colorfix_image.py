@@ -82,9 +82,15 @@ def color_fix_array(
 
     strength = check_unit_interval("colour fix strength", strength)
     for name, array in (("upscaled", upscaled), ("reference", reference)):
-        if not isinstance(array, np.ndarray) or array.ndim != 3 or array.shape[-1] != 3 or array.dtype not in (
-            np.uint8,
-            np.uint16,
+        if (
+            not isinstance(array, np.ndarray)
+            or array.ndim != 3
+            or array.shape[-1] != 3
+            or array.dtype
+            not in (
+                np.uint8,
+                np.uint16,
+            )
         ):
             got = f"{array.dtype} {array.shape}" if isinstance(array, np.ndarray) else type(array).__name__
             raise FlowliftError(f"colour fix: {name} must be a uint8 or uint16 HWC RGB array, got {got}")

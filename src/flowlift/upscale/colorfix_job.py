@@ -78,9 +78,14 @@ def plan_colorfix(request: ColorFixRequest) -> tuple[list[Any], dict[Path, Path]
             jobs.append(Job.refusal(p, f"no reference named {p.stem} or (for <stem>_x<N>) <stem> among the references"))
     upscaled = [p for p in found if p in paired]
     fmt = request.output_format
-    jobs += plan_jobs(upscaled, request.output, lambda path: colorfix_name(path.stem, fmt), IMAGE_SUFFIXES,
-                      expected_size=image_size,
-                      check_output=lambda path, out: check_not_an_input(out, {"reference": paired[path]}))  # fmt: skip
+    jobs += plan_jobs(
+        upscaled,
+        request.output,
+        lambda path: colorfix_name(path.stem, fmt),
+        IMAGE_SUFFIXES,
+        expected_size=image_size,
+        check_output=lambda path, out: check_not_an_input(out, {"reference": paired[path]}),
+    )
     return jobs, paired
 
 
@@ -88,9 +93,17 @@ def _metadata(strength: float, source: Path, reference: Path, scale: int) -> dic
     from flowlift.files.image_outputs import file_sha256
     from flowlift.files.metadata import metadata_record
 
-    return metadata_record(COMMAND, {"input": source.name, "input_sha256": file_sha256(source),
-                                     "reference": reference.name, "reference_sha256": file_sha256(reference),
-                                     "color_fix_strength": strength, "scale": scale})  # fmt: skip
+    return metadata_record(
+        COMMAND,
+        {
+            "input": source.name,
+            "input_sha256": file_sha256(source),
+            "reference": reference.name,
+            "reference_sha256": file_sha256(reference),
+            "color_fix_strength": strength,
+            "scale": scale,
+        },
+    )
 
 
 def fix_file(request: ColorFixRequest, path: Path, reference: Path, out: Path) -> None:
@@ -124,5 +137,6 @@ def run_colorfix(request: ColorFixRequest) -> int:
     from flowlift.jobs.batch import run_jobs
 
     jobs, paired = plan_colorfix(request)
-    return run_jobs(jobs, lambda path, out: fix_file(request, path, paired[path], out), command=COMMAND,
-                    overwrite=request.overwrite).exit_code  # fmt: skip
+    return run_jobs(
+        jobs, lambda path, out: fix_file(request, path, paired[path], out), command=COMMAND, overwrite=request.overwrite
+    ).exit_code

@@ -133,8 +133,9 @@ def _snapshot_weight_files(repos: list[str], patterns: Sequence[str]) -> list[Pa
             folder = Path(snapshot_download(repo, allow_patterns=list(patterns), local_files_only=True))
         except Exception:  # noqa: BLE001 - provenance is best effort; an uncached repo just has no files
             continue
-        found = sorted({p for pattern in patterns for p in folder.glob(pattern)
-                        if p.suffix in WEIGHT_SUFFIXES and p.is_file()})  # fmt: skip
+        found = sorted(
+            {p for pattern in patterns for p in folder.glob(pattern) if p.suffix in WEIGHT_SUFFIXES and p.is_file()}
+        )
         if found:
             return found
     return []

@@ -51,6 +51,7 @@ __all__ = [
 #: Stage 2's strips (a few float32 RGB/Lab strips of ~1M px) and coarse maps, plus the reference image.
 COLOUR_STRIP_BYTES = 64 << 20
 
+
 def pass_io_bytes(height: int, width: int, *, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
     """A pass's latent tensors besides the UNet's activations, and stage 1 (the latent colour fix).
 

@@ -49,8 +49,9 @@ class UpscaleSettings:
         check_path("upscaler", self.upscaler, optional=True)
         quality = exact_int(self.quality) if self.quality is not None else None
         if self.quality is not None and (quality is None or not 1 <= quality <= 100):
-            raise FlowliftError(f"quality must be an integer in [1, 100] or None, got {self.quality!r}",
-                                field="quality")  # fmt: skip
+            raise FlowliftError(
+                f"quality must be an integer in [1, 100] or None, got {self.quality!r}", field="quality"
+            )
 
     def pipeline_options(self) -> dict[str, Any]:
         """The :meth:`FlowUpscalerPipeline.upscale_image` keyword arguments these settings set."""
@@ -79,22 +80,25 @@ def output_metadata(
     from flowlift.files.metadata import metadata_record
 
     request = {"scale": 2**passes} if asked is None else {**asked.record(), "size": list(size)}
-    return metadata_record("upscale", {
-        "input": source.name,
-        "input_sha256": file_sha256(source),
-        **request,
-        "passes": passes,
-        "seed": settings.seed,
-        "color_fix": settings.color_fix,
-        "transplant_strength": settings.transplant_strength,
-        "color_fix_strength": settings.color_fix_strength,
-        "resize_mode": settings.resize_mode,
-        "vae": settings.vae,
-        "upscaler": settings.upscaler or DEFAULT_UPSCALER,
-        "dtype": str(pipeline.dtype).removeprefix("torch."),  # what ran, not "auto"
-        "device": str(pipeline.device),
-        "models": hashes,
-    })  # fmt: skip
+    return metadata_record(
+        "upscale",
+        {
+            "input": source.name,
+            "input_sha256": file_sha256(source),
+            **request,
+            "passes": passes,
+            "seed": settings.seed,
+            "color_fix": settings.color_fix,
+            "transplant_strength": settings.transplant_strength,
+            "color_fix_strength": settings.color_fix_strength,
+            "resize_mode": settings.resize_mode,
+            "vae": settings.vae,
+            "upscaler": settings.upscaler or DEFAULT_UPSCALER,
+            "dtype": str(pipeline.dtype).removeprefix("torch."),  # what ran, not "auto"
+            "device": str(pipeline.device),
+            "models": hashes,
+        },
+    )
 
 
 def model_hashes(pipeline: Any) -> dict[str, dict[str, str]]:
@@ -145,8 +149,9 @@ def read_source(source: Path, out: Path) -> SourcePixels:
         alpha = None
     deep = sixteen_bit_source(source, out)
     if deep is not None and (deep[0].shape[1], deep[0].shape[0]) != image.size:
-        warnings.warn(FlowliftWarning(f"{source}: its 16-bit samples do not match the image; written 8-bit"),
-                      stacklevel=2)  # fmt: skip
+        warnings.warn(
+            FlowliftWarning(f"{source}: its 16-bit samples do not match the image; written 8-bit"), stacklevel=2
+        )
         deep = None
     if deep is None:
         return SourcePixels(image, image, alpha)
@@ -261,8 +266,9 @@ def batched_process(
             warnings.simplefilter("always", UserWarning)
             count = passes(paths[0]) if callable(passes) else passes
             size = None if resample_to is None else resample_to(paths[0])  # same-size inputs: the same size out
-            result = pipeline.upscale_image(images, num_passes=count, output_type="pt", output_size=size,
-                                            **settings.pipeline_options())  # fmt: skip
+            result = pipeline.upscale_image(
+                images, num_passes=count, output_type="pt", output_size=size, **settings.pipeline_options()
+            )
         notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
         ran = None if size is None else count
         return [(result[i : i + 1], item, notes, ran) for i, item in enumerate(loaded)]

@@ -208,8 +208,9 @@ class FlowUpscalerPipeline:
             on_strip=with_check(self.check_interrupt, self.on_strip),
         )
 
-    def plan_memory(self, height: int, width: int, num_passes: int, batch: int = 1,
-                    final_size: tuple[int, int] | None = None) -> UpscaleMemoryPlan | None:  # fmt: skip
+    def plan_memory(
+        self, height: int, width: int, num_passes: int, batch: int = 1, final_size: tuple[int, int] | None = None
+    ) -> UpscaleMemoryPlan | None:
         """The :func:`flowlift.upscale.memory_plan.plan_upscale_memory` plan for a (batch, 3, height, width) model input
         (resampled to ``final_size`` (width, height) before stage 2, when given: its float32 frame is reserved out of
         the budget) under ``max_memory`` (None without a budget); a budget too small is a FlowliftError."""
@@ -374,12 +375,24 @@ class FlowUpscalerPipeline:
         seed = check_seed(seed)
         original, prepared = self.prepare_image(image, resize_mode)
         if output_size is not None and (output_size[0] < original.shape[-1] or output_size[1] < original.shape[-2]):
-            raise FlowliftError(f"output_size {output_size[0]}x{output_size[1]} is below the "
-                                f"{original.shape[-1]}x{original.shape[-2]} input")  # fmt: skip
+            raise FlowliftError(
+                f"output_size {output_size[0]}x{output_size[1]} is below the "
+                f"{original.shape[-1]}x{original.shape[-2]} input"
+            )
         with self._cancel_points():
-            result = self._image_stages(original, prepared, num_passes, seed, color_fix, transplant_strength,
-                                        color_fix_strength, resize_mode, callback, on_decode_tile,
-                                        output_size)  # fmt: skip
+            result = self._image_stages(
+                original,
+                prepared,
+                num_passes,
+                seed,
+                color_fix,
+                transplant_strength,
+                color_fix_strength,
+                resize_mode,
+                callback,
+                on_decode_tile,
+                output_size,
+            )
         if output_type == "pt":
             return result
         from flowlift.files.images import attach_alpha, tensor_to_pil
@@ -388,8 +401,20 @@ class FlowUpscalerPipeline:
         pictures = [attach_alpha(tensor_to_pil(result[i : i + 1]), alpha) for i in range(result.shape[0])]
         return pictures[0] if len(pictures) == 1 else pictures
 
-    def _image_stages(self, original, prepared, num_passes, seed, color_fix, transplant_strength, color_fix_strength,
-                      resize_mode, callback, on_decode_tile, output_size=None) -> torch.Tensor:  # fmt: skip
+    def _image_stages(
+        self,
+        original,
+        prepared,
+        num_passes,
+        seed,
+        color_fix,
+        transplant_strength,
+        color_fix_strength,
+        resize_mode,
+        callback,
+        on_decode_tile,
+        output_size=None,
+    ) -> torch.Tensor:
         """upscale_image's stages: encode, passes, decode, stage 2; float32 (B, 3, H, W) in [0, 1]."""
         passes = self.plan_passes(original.shape[-2], original.shape[-1], num_passes, resize_mode)
         # the whole plan (passes and decode) before the encode: a budget the decode cannot meet is refused at once
@@ -431,8 +456,9 @@ class FlowUpscalerPipeline:
             decoded = resample_to_size(decoded, output_size[1], output_size[0])
             reference, iterations = original, RESAMPLED_COLOUR_ITERATIONS
         if color_fix and color_fix_strength > 0:
-            result = lab_lowband_transplant(decoded, reference, color_fix_strength, iterations, inplace=True,
-                                            on_strip=self.check_interrupt)  # fmt: skip
+            result = lab_lowband_transplant(
+                decoded, reference, color_fix_strength, iterations, inplace=True, on_strip=self.check_interrupt
+            )
         else:
             result = decoded.clamp(0.0, 1.0)
         if callback is not None:

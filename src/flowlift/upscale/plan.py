@@ -28,8 +28,16 @@ from flowlift.upscale.loading import DEFAULT_UPSCALER
 from flowlift.upscale.outputs import UpscaleSettings, output_name
 from flowlift.upscale.settings import RESIZE_MODE
 
-__all__ = ["FORMAT_MAX_SIDE", "OutputSizes", "UpscalePlan", "UpscaleRequest", "UpscaleStep", "plan_files",
-           "plan_upscale", "run_upscale"]  # fmt: skip
+__all__ = [
+    "FORMAT_MAX_SIDE",
+    "OutputSizes",
+    "UpscalePlan",
+    "UpscaleRequest",
+    "UpscaleStep",
+    "plan_files",
+    "plan_upscale",
+    "run_upscale",
+]
 
 COMMAND = "upscale"
 #: Largest side each output format can store (WebP's 14-bit dimensions; JPEG's 16-bit).
@@ -77,8 +85,9 @@ class UpscaleRequest:
         check_path("output", self.output, optional=True)
         object.__setattr__(self, "passes", check_positive("passes", self.passes, integer=True, optional=True))
         if not isinstance(self.output_format, str) or f".{self.output_format.lower()}" not in IMAGE_SUFFIXES:
-            raise FlowliftError(f"output_format must be an image format such as png, got {self.output_format!r}",
-                                field="output_format")  # fmt: skip
+            raise FlowliftError(
+                f"output_format must be an image format such as png, got {self.output_format!r}", field="output_format"
+            )
         check_kind("settings", self.settings, UpscaleSettings, "an UpscaleSettings")
         object.__setattr__(self, "overwrite", OVERWRITE.check(self.overwrite))
         object.__setattr__(self, "batch_size", check_positive("batch_size", self.batch_size, integer=True))
@@ -212,8 +221,13 @@ class UpscalePlan:
         return [(source, note) for source, note in notes if note]
 
 
-def plan_files(sources: Sequence[Path], folder: Path, passes: int | AskedSize,
-               resize_mode: str = RESIZE_MODE.default, output_format: str = "png") -> UpscalePlan:  # fmt: skip
+def plan_files(
+    sources: Sequence[Path],
+    folder: Path,
+    passes: int | AskedSize,
+    resize_mode: str = RESIZE_MODE.default,
+    output_format: str = "png",
+) -> UpscalePlan:
     """The plan of named files into ``folder`` (the web app's uploads): the names, sizes and refusals of
     :func:`plan_upscale` (an output is named by the scale the 16K cap lets run: a capped 8x is ``_x4``), without
     listing inputs or interpreting ``-o``; nothing is written."""
@@ -274,12 +288,22 @@ class UpscaleStep:
         )  # the loading line stays until the first image's first stage begins
         step = cls(request, plan, pipeline)
         if request.batch_size > 1 and env.distributed:
-            print(f"flowlift {COMMAND}: --batch-size is not applied under torchrun; images run one by one",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"flowlift {COMMAND}: --batch-size is not applied under torchrun; images run one by one",
+                file=sys.stderr,
+            )
         elif request.batch_size > 1:
-            return batched_process(request.settings, pipeline, plan.jobs, plan.sizes.passes_for, step.hashes,
-                                   batch_size=request.batch_size, overwrite=request.overwrite,
-                                   resample_to=plan.sizes.resample_to, asked=plan.sizes.asked)  # fmt: skip
+            return batched_process(
+                request.settings,
+                pipeline,
+                plan.jobs,
+                plan.sizes.passes_for,
+                step.hashes,
+                batch_size=request.batch_size,
+                overwrite=request.overwrite,
+                resample_to=plan.sizes.resample_to,
+                asked=plan.sizes.asked,
+            )
         return step
 
     def expect(self, sources: Sequence[Path]) -> None:
@@ -291,8 +315,9 @@ class UpscaleStep:
 
         run = active()
         if run is not None:
-            UpscaleStages(run).expect([(path.name, self.plan.sizes.passes_for(path), _megapixels(path, image_size))
-                                       for path in sources])  # fmt: skip
+            UpscaleStages(run).expect(
+                [(path.name, self.plan.sizes.passes_for(path), _megapixels(path, image_size)) for path in sources]
+            )
 
     def __call__(self, path: Path, out: Path) -> None:
         from tqdm import tqdm
@@ -305,8 +330,9 @@ class UpscaleStep:
 
         count = self.plan.sizes.passes_for(path)  # the passes the cap lets run, already said at planning
         stages = UpscaleStages(active() or RunProgress())
-        steps = progress_bar(total=count + 3, desc=path.name, unit="step", leave=False, enabled=self.request.progress,
-                             file=sys.stderr)  # fmt: skip
+        steps = progress_bar(
+            total=count + 3, desc=path.name, unit="step", leave=False, enabled=self.request.progress, file=sys.stderr
+        )
 
         def on_stage(finished: str) -> None:
             stages.stage(finished)
@@ -314,10 +340,18 @@ class UpscaleStep:
             steps.set_postfix_str(_bar_note(stages.run), refresh=False)
 
         with steps, stages.image(path.name, count, _megapixels(path, image_size)):
-            _, _, notes = upscale_file(self.pipeline, self.request.settings, count, path, out, self.hashes,
-                                       on_stage=on_stage, on_decode_tile=stages.decode_tile,
-                                       resample_to=self.plan.sizes.resample_to(path),
-                                       asked=self.plan.sizes.asked)  # fmt: skip
+            _, _, notes = upscale_file(
+                self.pipeline,
+                self.request.settings,
+                count,
+                path,
+                out,
+                self.hashes,
+                on_stage=on_stage,
+                on_decode_tile=stages.decode_tile,
+                resample_to=self.plan.sizes.resample_to(path),
+                asked=self.plan.sizes.asked,
+            )
         for note in notes:  # anything the pipeline warned about this image: one line, not a stack
             report(COMMAND, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
 
@@ -359,7 +393,14 @@ def _run_upscale(request: UpscaleRequest) -> int:
     if env.is_main:  # the cap's note before any work (and once, not per rank), not after the image
         for source, note in plan.dropped_notes(request.overwrite):
             report(COMMAND, source, f"warning: {note}")
-    with batch_share(plan.jobs, command=COMMAND, output=request.output, overwrite=request.overwrite,
-                     barrier_timeout=request.barrier_timeout, env=env, progress=request.progress) as share:  # fmt: skip
+    with batch_share(
+        plan.jobs,
+        command=COMMAND,
+        output=request.output,
+        overwrite=request.overwrite,
+        barrier_timeout=request.barrier_timeout,
+        env=env,
+        progress=request.progress,
+    ) as share:
         step = UpscaleStep.load(request, plan, env) if share.has_work else None
         return share.run(step)

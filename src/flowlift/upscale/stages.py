@@ -30,8 +30,10 @@ def upscale_stages(passes: int, input_megapixels: float) -> list[tuple[str, floa
     out = 4.0**passes
     produced = [("encode", 1.0)] + [(f"pass {i}/{passes}", 4.0**i) for i in range(1, passes + 1)]
     produced += [("decode", out), ("color fix", out), ("writing", out)]
-    return [(name, count * input_megapixels * SECONDS_PER_MP[name.split(" ")[0] if name.startswith("pass ") else name])
-            for name, count in produced]  # fmt: skip
+    return [
+        (name, count * input_megapixels * SECONDS_PER_MP[name.split(" ")[0] if name.startswith("pass ") else name])
+        for name, count in produced
+    ]
 
 
 def _size(paths: Sequence[Path]) -> str:
@@ -78,8 +80,13 @@ class UpscaleStages:
 
     def expect(self, images: Sequence[tuple[str, int, float]]) -> None:
         """Plan ``(name, passes, input megapixels)`` images, in the order they will run."""
-        self.run.plan([(f"{name}: {stage}", work) for name, passes, megapixels in images
-                       for stage, work in upscale_stages(passes, megapixels)])  # fmt: skip
+        self.run.plan(
+            [
+                (f"{name}: {stage}", work)
+                for name, passes, megapixels in images
+                for stage, work in upscale_stages(passes, megapixels)
+            ]
+        )
 
     @contextlib.contextmanager
     def image(self, name: str, passes: int, input_megapixels: float) -> Iterator[None]:

@@ -204,9 +204,7 @@ class ChunkedExecutor:
         self.ref_width = sample.shape[3]
         self.last_chunk = self.strip_rows(sample.shape[0], sample.shape[2], sample.shape[3])
 
-    def count_strips(
-        self, sample: torch.Tensor, timestep: torch.Tensor | float, latents_small: torch.Tensor
-    ) -> int:
+    def count_strips(self, sample: torch.Tensor, timestep: torch.Tensor | float, latents_small: torch.Tensor) -> int:
         """Strips one forward on these inputs computes: the same layer walk with every strip skipped."""
         self._setup(sample)
         stores, self.stores = self.stores, None
