@@ -56,8 +56,8 @@ def _tile_controls(gr: Any) -> tuple[Any, Any]:
     return tile_size, tile_overlap
 
 
-def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_error: Any, upload_path: Any) -> None:
-    """The Refine tab and its ``refine`` endpoint (built inside the page's ``gr.Blocks``)."""
+def _handler(gr: Any, service: AppService, as_user_error: Any, upload_path: Any) -> Any:
+    """The ``refine`` endpoint's function: uploads to paths, the stage bar, any failure one visible message."""
     stage_progress = gr.Progress()
 
     def run(
@@ -94,6 +94,42 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
             raise as_user_error(gr, error) from None
         return (result.before, result.after), str(result.output), result.summary()
 
+    return run
+
+
+def _redraw_controls(gr: Any, service: AppService) -> tuple[Any, Any, Any]:
+    """Strength, how strength is counted, and the steps (the loaded model's default), from the knobs."""
+    strength = gr.Slider(
+        STRENGTH.low,
+        STRENGTH.high,
+        value=STRENGTH.default,
+        step=STRENGTH.step,
+        label="How much to redraw the image",
+        info="0 keeps it, 1 draws it anew from noise (hires fix: the redraw after the upscale). "
+        "Sampling starts at denoising_start = 1 - strength (linear) or 1 - strength**0.2 (canvas).",
+    )
+    strength_map = gr.Radio(
+        list(STRENGTH_MAP.choices),
+        value=STRENGTH_MAP.default,
+        label="How strength is counted",
+        info="linear: 0.5 redraws the last half of the schedule; canvas: as canvas apps count it, "
+        "much stronger at the same number (0.5 redraws 87%)",
+    )
+    model_steps, why = model_default_steps(service.config.model) if service.config.model else (STEPS.default, "")
+    steps = gr.Number(
+        value=model_steps,
+        precision=0,
+        minimum=STEPS.low,
+        maximum=STEPS.high,
+        label="Steps of the full schedule",
+        info=f"the model's default: {model_steps} ({why}), as flowlift img2img and hires choose it",
+    )
+    return strength, strength_map, steps
+
+
+def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_error: Any, upload_path: Any) -> None:
+    """The Refine tab and its ``refine`` endpoint (built inside the page's ``gr.Blocks``)."""
+    run = _handler(gr, service, as_user_error, upload_path)
     with gr.Tab("Refine", id="refine"):
         gr.Markdown(f"FLUX.2 model: `{html.escape(model_name(str(service.config.model)))}`")
         with gr.Row():
@@ -108,33 +144,7 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
                 prompt = gr.Textbox(label="Prompt (needs flowlift[text]; or give prompt embeddings below)", lines=2)
                 embeds = gr.File(label="Prompt embeddings (.safetensors with 'prompt_embeds')", elem_id="refine-embeds")
                 mode = gr.Radio(list(MODES), value="img2img", label="Mode")
-                strength = gr.Slider(
-                    STRENGTH.low,
-                    STRENGTH.high,
-                    value=STRENGTH.default,
-                    step=STRENGTH.step,
-                    label="How much to redraw the image",
-                    info="0 keeps it, 1 draws it anew from noise (hires fix: the redraw after the upscale). "
-                    "Sampling starts at denoising_start = 1 - strength (linear) or 1 - strength**0.2 (canvas).",
-                )
-                strength_map = gr.Radio(
-                    list(STRENGTH_MAP.choices),
-                    value=STRENGTH_MAP.default,
-                    label="How strength is counted",
-                    info="linear: 0.5 redraws the last half of the schedule; canvas: as canvas apps count it, "
-                    "much stronger at the same number (0.5 redraws 87%)",
-                )
-                model_steps, why = (
-                    model_default_steps(service.config.model) if service.config.model else (STEPS.default, "")
-                )
-                steps = gr.Number(
-                    value=model_steps,
-                    precision=0,
-                    minimum=STEPS.low,
-                    maximum=STEPS.high,
-                    label="Steps of the full schedule",
-                    info=f"the model's default: {model_steps} ({why}), as flowlift img2img and hires choose it",
-                )
+                strength, strength_map, steps = _redraw_controls(gr, service)
                 seed = gr.Number(value=SEED.default, precision=0, minimum=SEED.low, maximum=SEED.high, label="Seed")
                 sampler = gr.Radio(list(SAMPLER.choices), value=SAMPLER.default, label="Sampler")
                 tile_size, tile_overlap = _tile_controls(gr)
