@@ -9,6 +9,7 @@ Modules (nothing heavy is imported here):
 * :mod:`~flowlift.training.config` — :class:`TrainConfig`, loaded from a file plus overrides.
 * :mod:`~flowlift.training.trainer` — the rectified-flow trainer (AdamW, warm-up + cosine, EMA,
   accumulation, checkpoint/resume, DDP under ``torchrun``).
+* :mod:`~flowlift.training.loop_support` — beside the loop's steps: batches read ahead, the stop a signal asks for.
 * :mod:`~flowlift.training.objective` — the step's pure maths: flow-matching loss, learning-rate
   schedule, EMA, dropout seeds.
 * :mod:`~flowlift.training.checkpoints` — checkpoint folders: write, read, prune, pick the one to resume.

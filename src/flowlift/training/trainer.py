@@ -56,6 +56,7 @@ from flowlift.training.checkpoints import (
 )
 from flowlift.training.config import TrainConfig
 from flowlift.training.distributed import DistContext, init_distributed, pick_device
+from flowlift.training.loop_support import StopRequest, prefetched_batches
 from flowlift.training.objective import flow_matching_loss, make_ema, sample_seed, step_seed, warmup_cosine
 from flowlift.training.run_files import (
     CONFIG_NAME,
@@ -68,57 +69,6 @@ from flowlift.training.run_files import (
     run_inputs,
 )
 from flowlift.training.shards import ShardReader, ShardStream, TimeSampling, shard_name
-
-
-def prefetched_batches(stream: ShardStream, start_step: int, end_step: int, micro_batches: int, depth: int = 2):
-    """Yield ``(step, micro, batch)`` in order, reading up to ``depth`` batches ahead on one
-    background thread (the stream is a pure function of its arguments, so order and content are
-    exactly those of reading in the loop)."""
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
-
-    keys = ((step, micro) for step in range(start_step, end_step) for micro in range(micro_batches))
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="flowlift-data") as pool:
-        pending: deque = deque()
-        for key in keys:
-            pending.append((key, pool.submit(stream.batch, *key)))
-            if len(pending) > depth:
-                (step, micro), future = pending.popleft()
-                yield step, micro, future.result()
-        while pending:
-            (step, micro), future = pending.popleft()
-            yield step, micro, future.result()
-
-
-class StopRequest:
-    """SIGINT/SIGTERM during training: the first one asks the loop to stop after the current step
-    (with a checkpoint); a second one interrupts at once. Handlers are restored on exit."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __enter__(self) -> StopRequest:
-        import signal
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        import signal
-
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous.clear()
-
 
 # ----------------------------------------------------------------------------------------------
 # The trainer
