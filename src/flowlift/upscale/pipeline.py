@@ -17,9 +17,7 @@ weights file, a folder or a hub id; ``vae`` is any object with flowlift's VAE in
 
 from __future__ import annotations
 
-import inspect
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,8 +30,9 @@ from flowlift.flux2.latents import check_latents
 from flowlift.knobs import check_count, check_seed
 from flowlift.limits import model_bytes, parse_memory, vae_kind
 from flowlift.models.upscaler_unet import ONE_STEP_TIMESTEP
-from flowlift.upscale.colorfix import LOWFREQ_FACTOR, lab_lowband_transplant, latent_lowband_transplant
-from flowlift.upscale.inputs import check_finite, image_alpha
+from flowlift.upscale.colorfix import LOWFREQ_FACTOR, latent_lowband_transplant
+from flowlift.upscale.image_steps import as_output, finish_decoded, vae_call, vae_dtype
+from flowlift.upscale.inputs import check_finite
 from flowlift.upscale.interrupts import checked_modules, with_check
 from flowlift.upscale.loading import (
     DEFAULT_UPSCALER,
@@ -53,20 +52,13 @@ from flowlift.upscale.settings import (
 )
 from flowlift.upscale.sizes import (
     MAX_OUTPUT_SIDE,
-    dropped_passes_message,
+    capped_passes,
     image_seeds,
-    output_scale,
     pad_to_multiple,
     pass_noise,
-    planned_passes,
     resample_to_multiple,
-    resample_to_size,
 )
 from flowlift.upscale.unet_runner import CompiledUNet, default_channels_last, velocity_model
-
-#: Stage 2's iterations after a resample to an asked size (2 on the passes' own sizes, unchanged): each removes
-#: most of what clipping left (a random UNet's 1.5x / 3x: mean cast 0.12 / 0.26 levels at 2, 0.01 / 0.05 at 6).
-RESAMPLED_COLOUR_ITERATIONS = 6
 
 
 class FlowUpscalerPipeline:
@@ -164,13 +156,6 @@ class FlowUpscalerPipeline:
         """Image pixels per latent pixel (8 for FLUX.2 VAEs)."""
         return int(getattr(self.vae, "spatial_factor", 8))
 
-    def _vae_dtype(self) -> torch.dtype:
-        param = first_parameter(self.vae)
-        if param is not None and param.is_floating_point():
-            return param.dtype
-        dtype = getattr(self.vae, "dtype", None)
-        return dtype if isinstance(dtype, torch.dtype) else self.dtype
-
     def _vae_call(
         self,
         method: str,
@@ -178,19 +163,9 @@ class FlowUpscalerPipeline:
         tiled: bool | None = None,
         on_tile: Callable[[int, int], None] | None = None,
     ) -> torch.Tensor:
-        if self.vae is None:
-            raise FlowliftError("this pipeline was made without a VAE (vae=None): it upscales latents only")
-        fn = getattr(self.vae, method)
+        """:func:`flowlift.upscale.image_steps.vae_call`, tiled as the memory policy says unless ``tiled`` is given."""
         tiled = self.vae_tiled if tiled is None else tiled
-        kwargs: dict[str, Any] = {} if tiled is None else {"tiled": tiled}
-        on_tile = with_check(self.check_interrupt, on_tile)
-        if on_tile is None:
-            return fn(x, **kwargs)
-        if "on_tile" in inspect.signature(fn).parameters:
-            return fn(x, on_tile=on_tile, **kwargs)
-        result = fn(x, **kwargs)  # a VAE without tile progress: its decode counts as one tile
-        on_tile(1, 1)
-        return result
+        return vae_call(self.vae, method, x, tiled=tiled, on_tile=on_tile, check_interrupt=self.check_interrupt)
 
     def _velocity_model(self, sample_shape: tuple[int, ...], pass_plan: UNetPassPlan | None = None) -> Callable:
         """The UNet (compiled when asked), or a ChunkedExecutor around it, for this pass."""
@@ -227,31 +202,17 @@ class FlowUpscalerPipeline:
             unet_dtype=self.dtype,
             unet_weight_bytes=model_bytes(self.upscaler),
             vae_kind=vae_kind(self.vae),
-            vae_dtype=self._vae_dtype(),
+            vae_dtype=vae_dtype(self.vae, self.dtype),
             vae_weight_bytes=model_bytes(self.vae),
             spatial_factor=self.spatial_factor,
         )
 
     def plan_passes(self, image_height: int, image_width: int, num_passes: int, resize_mode: str = "pad") -> int:
-        """Passes that run for an input of this (real, unpadded) size; warns when the cap drops some.
-
-        The cap is on the computed canvas (:func:`flowlift.upscale.sizes.planned_passes`); the warning
-        names the input's own size and the output actually produced. When no pass fits at all although
-        some were asked for, the image is refused with one FlowliftError line.
-        """
+        """Passes that run for an input of this (real, unpadded) size under ``MAX_OUTPUT_SIDE``
+        (:func:`flowlift.upscale.sizes.capped_passes`: a warning when the cap drops some, one FlowliftError line
+        when none fits although some were asked for)."""
         num_passes = check_count("num_passes", num_passes)
-        passes = planned_passes(image_height, image_width, num_passes, resize_mode, self.MAX_OUTPUT_SIDE)
-        if passes < num_passes:
-            if passes == 0:
-                raise FlowliftError(
-                    f"Flow Upscaler: a {image_width}x{image_height} image cannot be upscaled: one 2x pass would "
-                    f"exceed MAX_OUTPUT_SIDE={self.MAX_OUTPUT_SIDE} px"
-                )
-            message = dropped_passes_message(
-                image_width, image_height, num_passes, passes, resize_mode, self.MAX_OUTPUT_SIDE
-            )
-            warnings.warn(message, UserWarning, stacklevel=3)
-        return passes
+        return capped_passes(image_height, image_width, num_passes, resize_mode, self.MAX_OUTPUT_SIDE, stacklevel=4)
 
     # -- the three steps ----------------------------------------------------------------------------
 
@@ -280,7 +241,7 @@ class FlowUpscalerPipeline:
         cropped from a padded result.
         """
         original, prepared = self.prepare_image(image, resize_mode)
-        latents = self._vae_call("encode", prepared.to(self._vae_dtype())).to(torch.float32)
+        latents = self._vae_call("encode", prepared.to(vae_dtype(self.vae, self.dtype))).to(torch.float32)
         if return_size:
             return latents, tuple(original.shape[-2:])
         return latents
@@ -393,13 +354,7 @@ class FlowUpscalerPipeline:
                 on_decode_tile,
                 output_size,
             )
-        if output_type == "pt":
-            return result
-        from flowlift.files.images import attach_alpha, tensor_to_pil
-
-        alpha = image_alpha(image)
-        pictures = [attach_alpha(tensor_to_pil(result[i : i + 1]), alpha) for i in range(result.shape[0])]
-        return pictures[0] if len(pictures) == 1 else pictures
+        return as_output(result, image, output_type)
 
     def _image_stages(
         self,
@@ -419,7 +374,7 @@ class FlowUpscalerPipeline:
         passes = self.plan_passes(original.shape[-2], original.shape[-1], num_passes, resize_mode)
         # the whole plan (passes and decode) before the encode: a budget the decode cannot meet is refused at once
         self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0])
-        latents = self._vae_call("encode", prepared.to(self._vae_dtype())).to(torch.float32)
+        latents = self._vae_call("encode", prepared.to(vae_dtype(self.vae, self.dtype))).to(torch.float32)
         check_finite(latents, "the VAE encoder produced")
         if callback is not None:
             callback("encode")
@@ -434,7 +389,9 @@ class FlowUpscalerPipeline:
         plan = self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0], output_size)
         self.last_plan = plan
         tiled = self.vae_tiled if self.vae_tiled is not None or plan is None else plan.vae_tiled
-        decoded = self._vae_call("decode", latents.to(self._vae_dtype()), tiled=tiled, on_tile=on_decode_tile)
+        decoded = self._vae_call(
+            "decode", latents.to(vae_dtype(self.vae, self.dtype)), tiled=tiled, on_tile=on_decode_tile
+        )
         del latents
         if plan is not None and plan.colour_on_host:  # stage 2 on the host: the device keeps no float32 frame
             decoded = to_host_float32(decoded)
@@ -443,24 +400,17 @@ class FlowUpscalerPipeline:
         check_finite(decoded, "the VAE decoder produced", what="pixels")
         if callback is not None:
             callback("decode")
-        scale = output_scale(passes)
-        reference = original if resize_mode == "pad" else prepared
-        height, width = reference.shape[-2] * scale, reference.shape[-1] * scale
-        if decoded.shape[-2] < height or decoded.shape[-1] < width:
-            raise FlowliftError(
-                f"VAE decoded {decoded.shape[-1]}x{decoded.shape[-2]}, expected at least {width}x{height}"
-            )
-        decoded = decoded[..., :height, :width]
-        iterations = 2
-        if output_size is not None:  # the asked size: stage 2 against the input itself, at that size
-            decoded = resample_to_size(decoded, output_size[1], output_size[0])
-            reference, iterations = original, RESAMPLED_COLOUR_ITERATIONS
-        if color_fix and color_fix_strength > 0:
-            result = lab_lowband_transplant(
-                decoded, reference, color_fix_strength, iterations, inplace=True, on_strip=self.check_interrupt
-            )
-        else:
-            result = decoded.clamp(0.0, 1.0)
+        result = finish_decoded(
+            decoded,
+            original,
+            prepared,
+            passes,
+            resize_mode,
+            color_fix=color_fix,
+            color_fix_strength=color_fix_strength,
+            output_size=output_size,
+            check_interrupt=self.check_interrupt,
+        )
         if callback is not None:
             callback("color fix")
         return result

@@ -6,6 +6,7 @@ Every 2x pass doubles both sides; inputs are brought to multiples of :data:`~flo
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,6 +22,7 @@ __all__ = [
     "MAX_OUTPUT_SIDE",
     "RESIZE_MODES",
     "allowed_passes",
+    "capped_passes",
     "dropped_passes_message",
     "image_seeds",
     "output_scale",
@@ -134,6 +136,27 @@ def dropped_passes_message(
         f"MAX_OUTPUT_SIDE={max_side} px; running {passes} pass(es) "
         f"({asked - passes} dropped, output {out_w}x{out_h}, scale {2**passes})"
     )
+
+
+def capped_passes(
+    height: int, width: int, num_passes: int, resize_mode: str, max_side: int, stacklevel: int = 2
+) -> int:
+    """:func:`planned_passes` for an input of this (real, unpadded) size, warning when the cap drops some.
+
+    The cap is on the computed canvas; the warning (:func:`dropped_passes_message`, at ``stacklevel`` counted from
+    this function) names the input's own size and the output actually produced. When no pass fits at all although
+    some were asked for, the image is refused with one FlowliftError line.
+    """
+    passes = planned_passes(height, width, num_passes, resize_mode, max_side)
+    if passes < num_passes:
+        if passes == 0:
+            raise FlowliftError(
+                f"Flow Upscaler: a {width}x{height} image cannot be upscaled: one 2x pass would "
+                f"exceed MAX_OUTPUT_SIDE={max_side} px"
+            )
+        message = dropped_passes_message(width, height, num_passes, passes, resize_mode, max_side)
+        warnings.warn(message, UserWarning, stacklevel=stacklevel)
+    return passes
 
 
 def upscaled_size(height: int, width: int, passes: int, resize_mode: str = "pad") -> tuple[int, int]:
