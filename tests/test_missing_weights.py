@@ -109,7 +109,7 @@ def empty_cache(tmp_path, monkeypatch):
 
 def test_every_missing_weight_is_named_in_one_message(empty_cache):
     from flowlift.models.weights import require_all
-    from flowlift.refine.loading import refiner_weight_checks
+    from flowlift.refine.source_checks import refiner_weight_checks
     from flowlift.upscale.loading import check_upscale_weights, upscale_weight_checks
 
     with pytest.raises(FlowliftError) as caught:

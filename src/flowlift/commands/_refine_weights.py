@@ -2,7 +2,7 @@
 files users have, their LoRAs, and fitting the refine pass in the device memory they have.
 
 Not a subcommand (the leading underscore keeps :mod:`flowlift.commands.cli` from listing it). What they name is
-checked before any weights load by :func:`flowlift.refine.loading.check_refiner_source`: files exist and are what
+checked before any weights load by :func:`flowlift.refine.source_checks.check_refiner_source`: files exist and are what
 they claim (headers only), the extras they need are installed, the budget parses.
 """
 

@@ -82,7 +82,7 @@ def check_weights(args: argparse.Namespace) -> None:
     ``flowlift img2img``): the upscaler, each offered VAE and, with ``--model``, the refiner's transformer
     and VAE. All missing ones are one error line (exit 2) instead of a page whose first click fails."""
     from flowlift.models.weights import require_all
-    from flowlift.refine.loading import refiner_weight_checks
+    from flowlift.refine.source_checks import refiner_weight_checks
     from flowlift.upscale.loading import DEFAULT_UPSCALER, upscale_weight_checks
 
     checks = upscale_weight_checks(args.upscaler or DEFAULT_UPSCALER, list(dict.fromkeys(args.vae or [DEFAULT_VAE])))

@@ -1,10 +1,13 @@
-"""Canvas geometry in pixels: the 16-pixel grid, edge padding, the latent mask and the outpaint canvas.
+"""Canvas geometry in pixels: the input images checked, the 16-pixel grid, edge padding, the latent mask and the
+outpaint canvas.
 
-Pure pixel geometry, no model: what img2img, inpaint and outpaint do to an image and its mask before the
-VAE sees them, and what the command line checks outpaint borders with before it loads any weights.
+Pure pixel geometry, no model: what img2img, inpaint, outpaint and the hires fix do to an image and its mask before
+the VAE sees them, and what the command line checks outpaint borders with before it loads any weights.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,28 @@ import torch.nn.functional as F
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
 from flowlift.limits import PIXEL_MULTIPLE
+
+
+def checked_images(images: Any, name: str = "images") -> torch.Tensor:
+    """``images`` (B, 3, H, W) as float32 in [0, 1], else one line naming ``name``: floats must be finite and lie in
+    [0, 1] (a [0, 255] float image is refused, not read as 255 times too bright); ``uint8`` is scaled by its range,
+    ``x / 255``; other dtypes are refused."""
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
+        got = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise FlowliftError(f"{name} must be a (B, 3, H, W) RGB tensor, got {got}", field=name)
+    if images.dtype == torch.uint8:
+        return images.float() / 255.0
+    if not images.is_floating_point():
+        raise FlowliftError(f"{name} must be float in [0, 1] or uint8, got {images.dtype}", field=name)
+    images = images.float()
+    if not bool(torch.isfinite(images).all()):
+        raise FlowliftError(f"{name} contain non-finite values (NaN/Inf)", field=name)
+    low, high = float(images.min()), float(images.max())
+    if low < 0.0 or high > 1.0:
+        raise FlowliftError(
+            f"{name} must lie in [0, 1] (uint8 is scaled by 255), got values in [{low:g}, {high:g}]", field=name
+        )
+    return images
 
 
 def pad_to_multiple(images: torch.Tensor, multiple: int = PIXEL_MULTIPLE) -> tuple[torch.Tensor, tuple[int, int]]:

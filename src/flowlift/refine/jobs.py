@@ -179,11 +179,11 @@ def plan_refine_job(request: RefineRequest) -> RefineJob:
 
 def find_weights(job: RefineJob) -> list[Any]:
     """Every weight the job needs, found before any loads, all missing ones named in one message: what the
-    :class:`~flowlift.refine.request.RefinerSource` names (:func:`~flowlift.refine.loading.check_refiner_source`),
+    :class:`~flowlift.refine.request.RefinerSource` names (:func:`~flowlift.refine.source_checks.check_refiner_source`),
     the transformer, the VAE, the text encoder when a prompt is embedded here, and
     (hires) the upscaler. Returns the LoRAs as ``(path, scale)`` pairs."""
     from flowlift.models.weights import require_all
-    from flowlift.refine.loading import check_refiner_source, refiner_weight_checks
+    from flowlift.refine.source_checks import check_refiner_source, refiner_weight_checks
 
     request = job.request
     source = request.source

@@ -1,7 +1,8 @@
 """The FLUX.2 refiner: txt2img, img2img, inpaint, outpaint, reference images and the hires fix.
 
 :class:`Flux2Refiner` puts the VAE and the prompt conditioning around :func:`flowlift.refine.loop.refine_latents`,
-one method per mode; :func:`flowlift.refine.loading.load_refiner` builds one from FLUX.2 Klein / dev weights.
+one method per mode (``hires`` from :class:`flowlift.refine.hires_fix.HiresFix`);
+:func:`flowlift.refine.loading.load_refiner` builds one from FLUX.2 Klein / dev weights.
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
-from flowlift.knobs import check_kind
 from flowlift.limits import LATENT_CHANNELS
 from flowlift.progress import report_stage
-from flowlift.refine.canvas import latent_mask, outpaint_canvas, pad_to_multiple
+from flowlift.refine.canvas import checked_images, latent_mask, outpaint_canvas, pad_to_multiple
+from flowlift.refine.hires_fix import HiresFix
 from flowlift.refine.loop import RefineResult, VelocityFn, _Progress, denoising_start_for, refine_latents
 from flowlift.refine.offload import Placement, place_transformer, with_transformer_on_device
 from flowlift.refine.parameters import RefineOutput, conditioning_parameters, output_parameters
-from flowlift.refine.request import HiresSettings, LatentUpscaler
 from flowlift.refine.settings import (
     MU,
     OUTPAINT_STRENGTH,
@@ -29,34 +29,9 @@ from flowlift.refine.settings import (
     STEPS,
     STRENGTH_MAP,
     SamplingSettings,
-    check_hires_size,
     check_txt2img_size,
-    hires_latent_size,
-    whole_passes,
 )
 from flowlift.refine.tiling import TileRequest
-
-
-def checked_images(images: Any, name: str = "images") -> torch.Tensor:
-    """``images`` (B, 3, H, W) as float32 in [0, 1], else one line naming ``name``: floats must be finite and lie in
-    [0, 1] (a [0, 255] float image is refused, not read as 255 times too bright); ``uint8`` is scaled by its range,
-    ``x / 255``; other dtypes are refused."""
-    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
-        got = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
-        raise FlowliftError(f"{name} must be a (B, 3, H, W) RGB tensor, got {got}", field=name)
-    if images.dtype == torch.uint8:
-        return images.float() / 255.0
-    if not images.is_floating_point():
-        raise FlowliftError(f"{name} must be float in [0, 1] or uint8, got {images.dtype}", field=name)
-    images = images.float()
-    if not bool(torch.isfinite(images).all()):
-        raise FlowliftError(f"{name} contain non-finite values (NaN/Inf)", field=name)
-    low, high = float(images.min()), float(images.max())
-    if low < 0.0 or high > 1.0:
-        raise FlowliftError(
-            f"{name} must lie in [0, 1] (uint8 is scaled by 255), got values in [{low:g}, {high:g}]", field=name
-        )
-    return images
 
 
 class RefineVAE(Protocol):
@@ -71,7 +46,7 @@ class RefineVAE(Protocol):
     def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
 
 
-class Flux2Refiner:
+class Flux2Refiner(HiresFix):
     """txt2img / img2img / inpaint / outpaint / hires on a FLUX.2 transformer and VAE.
 
     ``transformer`` is a diffusers ``Flux2Transformer2DModel`` (or a module with its forward signature);
@@ -377,96 +352,5 @@ class Flux2Refiner:
             strength_map=strength_map,
             denoising_start=round(start, 6),
             **(conditioning_parameters(conditioning, den) if den is not None else {}),
-        )
-        return RefineOutput(self.decode(result.latents), result.latents, params)
-
-    def hires(
-        self,
-        upscaler: LatentUpscaler,
-        settings: HiresSettings | None = None,
-        *,
-        images: torch.Tensor | None = None,
-        strength_map: str = STRENGTH_MAP.default,
-        sampling: SamplingSettings | None = None,
-        tiles: TileRequest | None = None,
-        **conditioning: Any,
-    ) -> RefineOutput:
-        """The hires fix: base latents -> ``upscaler`` (the Flow Upscaler) -> refine at low strength -> decode.
-
-        The base is ``images`` (B, 3, H, W) encoded, or a txt2img of ``settings.base_size`` (width, height) at
-        ``settings.base_steps`` (None: the model's). ``upscaler.upscale_latents`` maps normalized latents to
-        normalized latents ``settings.scale`` times larger (:attr:`HiresSettings.passes` 2x passes, the sampling
-        seed, stage 1 at ``settings.transplant_strength``, ``settings.color_fix``); any other scale ends with
-        ``upscaler.to_size`` (SesquiLSR) at :func:`~flowlift.refine.settings.hires_latent_size`. The refine pass is
-        img2img on them in the window below ``1 - settings.refine_strength``; both passes shift with ``mu`` (for
-        ``"empirical"``, each from its own size and step count) and tile as ``tiles`` say (the refine pass of a 4x
-        or 8x fix is where tiles run). ``sampling`` is the refine pass's; the txt2img base runs it with
-        ``base_steps``. The output's parameters are the refiner's plus the upscale's (``upscaler`` as the settings'
-        source names it, ``transplant_strength``, ``color_fix``), the same whichever front-end asked.
-        """
-        settings = check_kind("settings", settings, HiresSettings, "a HiresSettings", optional=True) or HiresSettings()
-        images = checked_images(images) if images is not None else None
-        width, height = (images.shape[-1], images.shape[-2]) if images is not None else settings.base_size
-        field = "images" if images is not None else "hires.base_size"
-        check_hires_size(int(width), int(height), settings.scale, field)  # the whole pass plan, before the base runs
-        sampling = self._with_steps(sampling)
-        tiles = tiles if tiles is not None else self.tiling
-        start = denoising_start_for(settings.refine_strength, strength_map)
-        den = self.denoiser(**conditioning)
-        params: dict[str, Any] = {}
-        if images is not None:
-            base = self.encode(images.to(self.device, torch.float32))
-            params["base"] = "image"
-        else:
-            base_steps = self.default_steps if settings.base_steps is None else settings.base_steps
-            base_sampling = replace(sampling, steps=base_steps, schedule=None)  # a full window: no schedule choice
-            base_out = self.txt2img(height=height, width=width, sampling=base_sampling, tiles=tiles, **conditioning)
-            base = base_out.latents
-            params.update(base="txt2img", base_steps=base_steps, height=height, width=width)
-            params.update(base_mu=base_out.parameters["mu"])
-            if "tiles" in base_out.parameters:
-                params["base_tiles"] = base_out.parameters["tiles"]
-        report_stage("upscale")  # the run's stage, for every door's progress (flowlift.progress)
-        up = (
-            upscaler.upscale_latents(
-                base,
-                settings.passes,
-                seed=sampling.seed,
-                color_fix=settings.color_fix,
-                transplant_strength=settings.transplant_strength,
-            )
-            if settings.passes
-            else base
-        )
-        expect = hires_latent_size(base.shape[2], base.shape[3], settings.scale)
-        up = (up if whole_passes(settings.scale) else upscaler.to_size(up, expect)).float().to(self.device)  # fraction
-        if tuple(up.shape[2:]) != expect:
-            raise FlowliftError(f"the upscaler returned {tuple(up.shape[2:])} latents, expected {expect}")
-        result = self._run(
-            "hires refine",
-            den,
-            init=(up, None, None),
-            shape=None,
-            denoising_start=start,
-            sampling=sampling,
-            tiles=tiles,
-        )
-        upscale = settings.upscaler.name if settings.upscaler is not None else None
-        params.update(
-            self._parameters(
-                "hires",
-                result,
-                sampling,
-                scale=settings.scale,
-                refine_strength=settings.refine_strength,
-                strength_map=strength_map,
-                denoising_start=round(start, 6),
-                **conditioning_parameters(conditioning, den),
-            ),
-            upscaler=upscale,
-            transplant_strength=settings.transplant_strength,
-            color_fix=settings.color_fix,
-            passes=settings.passes,
-            latent_upscaler=getattr(settings.upscaler, "latent_upscaler", None),  # the fraction's, if any
         )
         return RefineOutput(self.decode(result.latents), result.latents, params)

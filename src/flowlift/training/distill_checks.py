@@ -28,7 +28,7 @@ def teacher_kind(teacher: str) -> str | None:
 def distill_problems(teacher: str, prompts: str | None, prompt_embeds: str | None, vae: str) -> list[str]:
     """Every missing piece of a distill run, in the order a user fixes them (empty: nothing is missing)."""
     from flowlift.models.vae_loading import check_vae_spec
-    from flowlift.refine.loading import check_model_part
+    from flowlift.refine.source_checks import check_model_part
 
     problems: list[str] = []
     kind = teacher_kind(teacher)

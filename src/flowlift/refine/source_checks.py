@@ -1,0 +1,154 @@
+"""What a :class:`~flowlift.refine.request.RefinerSource` names, checked before any weights load.
+
+:func:`check_refiner_source` checks the files and extras it names (headers only), :func:`refiner_weight_checks`
+lists the lookups of every part a refiner needs (:func:`check_model_part`: cached, on the hub, or a local folder)
+for :func:`flowlift.models.weights.require_all`. A check's FlowliftError line names the field
+(``source.model``: :func:`names_source_fields`, which :mod:`flowlift.refine.loading` uses too), which each door says
+in its own words.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flowlift.errors import FlowliftError
+from flowlift.models.weights import looks_like_repo_id
+from flowlift.refine.loras import LoraSpec
+from flowlift.refine.prompts import _first_line
+
+#: The :class:`~flowlift.refine.request.RefinerSource` fields a loading error can be about, as the API names them.
+SOURCE_FIELDS = (
+    "source.model",
+    "source.transformer",
+    "source.vae",
+    "source.loras",
+    "source.offload",
+    "source.max_memory",
+)
+
+
+def names_source_fields(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` whose FlowliftError lines that begin with a source field (``source.model /x: ...``, also those
+    the model files' inspectors word with the name given them) carry that field, for a door to say in its words."""
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except FlowliftError as error:
+            name = next((name for name in SOURCE_FIELDS if str(error).startswith(name)), None)
+            if error.fields or name is None or type(error) is not FlowliftError:
+                raise
+            raise FlowliftError(str(error), field=name) from None
+
+    return run
+
+
+def _is_diffusers_folder(path: Path) -> bool:
+    return (path / "model_index.json").is_file() or (path / "transformer" / "config.json").is_file()
+
+
+@names_source_fields
+def check_model_part(model: str, part: str, option: str = "source.model") -> None:
+    """Raise one line unless the ``part/`` subfolder (``transformer``, ``vae``, ``text_encoder``) of a hub id
+    ``model`` can be had: in the cache when offline or the hub is unreachable, else on the hub (its small
+    ``config.json`` is fetched, which proves the repository, the part and the access). A local diffusers folder
+    needs ``part/config.json``; other local paths pass: their layout is checked when they load."""
+    from flowlift.models.hub import download_hint, hub_offline_reason, looks_like_path
+
+    path = Path(model).expanduser()
+    if path.is_dir() and _is_diffusers_folder(path) and not (path / part / "config.json").is_file():
+        from flowlift.refine.prompts import missing_part_line
+
+        raise FlowliftError(missing_part_line(model, part, option))  # before any weights load, with the fix
+    if path.exists():
+        return
+    if looks_like_path(model) or not looks_like_repo_id(model):
+        raise FlowliftError(f"{option} {model}: no such file or folder, and not a hub repo id (owner/name)")
+    from huggingface_hub import hf_hub_download, snapshot_download
+
+    offline = hub_offline_reason()
+    hint = download_hint(model, include=f"{part}/*")
+    if offline is None:
+        try:
+            hf_hub_download(model, f"{part}/config.json")
+        except Exception as error:  # noqa: BLE001 - missing, gated, misnamed: all "cannot get it"
+            raise FlowliftError(
+                f"{option} {model}: cannot get its {part}/ folder from the hub ({_first_line(error)}); {hint} "
+                "or pass a local folder"
+            ) from None
+        return
+    try:
+        folder = Path(snapshot_download(model, allow_patterns=[f"{part}/*"], local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached at all
+        folder = None
+    if folder is None or not (folder / part / "config.json").is_file():
+        raise FlowliftError(
+            f"{option} {model}: its {part}/ folder is not in the Hugging Face cache and {offline}; {hint} "
+            "or pass a local folder"
+        )
+
+
+def refiner_weight_checks(
+    model: str, *, vae: str | None = None, text_encoder: bool = False, transformer: str | None = None
+) -> list[Callable[[], object]]:
+    """The lookups a refiner from ``model`` needs (for :func:`flowlift.models.weights.require_all`): the
+    transformer (``transformer``, else the model's), the VAE (``vae``, else the model's ``vae/``) and, when
+    prompts are embedded here, the text encoder. Local paths are checked to exist; hub ids as
+    :func:`check_model_part` says."""
+    from flowlift.models.vae_loading import check_vae_spec
+
+    checks: list[Callable[[], object]] = [
+        lambda: (
+            check_model_part(transformer, "transformer", "source.transformer")
+            if transformer is not None
+            else check_model_part(model, "transformer")
+        )
+    ]
+    if vae is not None:
+        checks.append(lambda: check_vae_spec(vae))
+    else:
+        checks.append(lambda: check_model_part(model, "vae"))
+    if text_encoder:
+        checks.append(lambda: check_model_part(model, "text_encoder"))
+    return checks
+
+
+@names_source_fields
+def check_refiner_source(source: Any) -> list[LoraSpec]:
+    """Everything a :class:`~flowlift.refine.request.RefinerSource` names, checked before any weights load (one
+    FlowliftError line): the ``transformer`` file is what it claims (headers only) and its extra is installed, the
+    LoRAs are ``.safetensors`` files and peft is there, ``group`` offload has accelerate, the budget parses.
+    Returns the LoRAs as ``(path, scale)`` pairs."""
+    import importlib.util
+
+    from flowlift.models.hub import looks_like_path
+    from flowlift.refine.loras import parse_lora_spec
+
+    if source.transformer is not None:
+        path = Path(source.transformer).expanduser()
+        if path.is_file():
+            from flowlift.models.flux2_transformer_files import inspect_transformer_file
+
+            info = inspect_transformer_file(path, option="source.transformer")  # headers only: what it is
+            if info.container == "gguf" and importlib.util.find_spec("accelerate") is None:
+                extra = "pip install 'flowlift[gguf]'"
+                raise FlowliftError(f"source.transformer {path}: GGUF needs the gguf extra ({extra})")
+        elif not path.exists() and looks_like_path(source.transformer):
+            raise FlowliftError(f"source.transformer {source.transformer}: no such file or folder")
+    loras = [parse_lora_spec(text) for text in source.loras]
+    for lora, _ in loras:
+        if not Path(lora).is_file():
+            raise FlowliftError(f"source.loras {lora}: no such file")
+        if Path(lora).suffix.lower() != ".safetensors":
+            raise FlowliftError(f"source.loras {lora}: LoRAs are read from .safetensors only")
+    if loras and (importlib.util.find_spec("peft") is None or importlib.util.find_spec("transformers") is None):
+        raise FlowliftError(
+            "source.loras need peft (pip install 'flowlift[lora]', from a checkout pip install -e '.[lora]')"
+        )
+    if source.offload == "group" and importlib.util.find_spec("accelerate") is None:
+        raise FlowliftError("source.offload group needs accelerate (pip install 'flowlift[offload]')")
+    return loras
