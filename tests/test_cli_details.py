@@ -363,7 +363,7 @@ GOOD_AND_BAD = {
     "app": ([], ["--port", "x"]),
     "dataset images": (["a", "-o", "o", "--vae", "v"], ["--batch-size", "0"]),
     "dataset distill": (["-o", "o", "--vae", "v", "--teacher", "t", "--num", "1"], ["--num", "0"]),
-    "launch": (["--", "upscale", "x.png"], ["--scale", "3"]),  # the launched command's own parser
+    "launch": (["--", "upscale", "x.png"], ["--scale", "9"]),  # the launched command's own parser
 }
 
 
