@@ -30,6 +30,7 @@ from flowlift.commands._options import (
 from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
 from flowlift.knobs import SEED
+from flowlift.limits import passes_for_scale
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH, RESIZE_MODE, SCALE, TRANSPLANT_STRENGTH
 
 NAME = "upscale"
@@ -67,6 +68,18 @@ def settings_from_args(args: argparse.Namespace):
     )
 
 
+#: The most 2x passes one run asks for: those of the largest --scale.
+MAX_PASSES = passes_for_scale(SCALE.high)
+
+
+def _passes(text: str) -> int:
+    """``--passes N``: a positive integer up to :data:`MAX_PASSES` (more would ask past the largest scale)."""
+    passes = positive_int(text)
+    if passes > MAX_PASSES:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_PASSES} (scale {2**MAX_PASSES}), got {text}")
+    return passes
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="*", metavar="INPUT", help="image files, folders or glob patterns")
     parser.add_argument(
@@ -79,7 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scale = parser.add_mutually_exclusive_group()
     # --scale's default is applied in run(): a default here would hide "--scale 2 --passes 3" from the group
     add_knob(scale, SCALE, default=None, help=f"{SCALE.help} (default {DEFAULT_SCALE})")
-    scale.add_argument("--passes", type=positive_int, metavar="N", help="number of 2x passes (scale 2**N)")
+    scale.add_argument(
+        "--passes", type=_passes, metavar="N", help=f"number of 2x passes (scale 2**N), at most {MAX_PASSES}"
+    )
     scale.add_argument(
         "--long-side",
         type=positive_int,
