@@ -168,16 +168,16 @@ def stop_server(server: subprocess.Popen) -> tuple[int | None, str]:
 
 def check_answer(path: str, source_size: tuple[int, int], scale: int, seed: int) -> str | None:
     """Why the downloaded answer is not the requested upscale (None when it is)."""
-    import json
-
     from PIL import Image
+
+    from flowlift.files.image_outputs import read_metadata
 
     try:
         with Image.open(path) as png:
             png.load()
             if png.format != "PNG" or png.size != (source_size[0] * scale, source_size[1] * scale):
                 return f"{Path(path).name}: a {png.format} of {png.size}, expected a PNG of {scale}x {source_size}"
-            parameters = json.loads(png.text.get("flowlift.parameters", "{}"))
+        parameters = read_metadata(path).get("flowlift", {})
     except (OSError, ValueError) as error:
         return f"{Path(path).name}: unreadable answer ({error})"
     if parameters.get("seed") != seed or parameters.get("scale") != scale:

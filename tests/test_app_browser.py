@@ -30,6 +30,7 @@ import pytest
 from PIL import Image
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support import expected_conditions as EC
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -195,6 +196,14 @@ def _check_detail(driver, result: np.ndarray, source: np.ndarray, scale: int) ->
     return box
 
 
+def _set_scale(browser, scale: int) -> None:
+    """Type ``scale`` into the Upscale tab's number field as a person does (select, type, leave the field)."""
+    field = browser.find_element(By.CSS_SELECTOR, "#upscale-scale input")
+    field.send_keys(Keys.CONTROL, "a")
+    field.send_keys(str(scale), Keys.TAB)
+    WebDriverWait(browser, 10).until(lambda _: float(field.get_attribute("value")) == scale)
+
+
 def test_upscale_in_a_real_browser(app_server, browser, shared, tmp_path):
     source = tmp_path / "kodim23.png"
     with Image.open(shared / "images" / "kodak" / "kodim23.png") as image:
@@ -218,7 +227,7 @@ def test_upscale_in_a_real_browser(app_server, browser, shared, tmp_path):
     _upload(browser, source, "Ready: kodim23.png: 192x128 px")
     assert browser.find_element(By.ID, "upscale-button").is_enabled()
     assert browser.find_element(By.CSS_SELECTOR, "#upscale-vae input").get_attribute("value") == "taef2"
-    browser.find_element(By.CSS_SELECTOR, "#upscale-scale input[value='4']").click()
+    _set_scale(browser, 4)
     browser.find_element(By.ID, "upscale-button").click()
     bars: list[tuple[int, str, str]] = []  # (bars on the page, the panel holding one, its text) while it runs
     while not browser.find_elements(By.CSS_SELECTOR, "#upscale-download a[download='kodim23_x4.png']"):
@@ -300,7 +309,7 @@ def test_upscale_in_a_real_browser(app_server, browser, shared, tmp_path):
 
     # the server still serves, and logged one line per request (the corrupt file never was one)
     _upload(browser, second, "Ready: kodim03.png: 96x64 px")
-    browser.find_element(By.CSS_SELECTOR, "#upscale-scale input[value='2']").click()
+    _set_scale(browser, 2)
     browser.find_element(By.ID, "upscale-button").click()
     again = _fetch_png(_download_link(browser, "kodim03_x2.png").get_attribute("href"))
     assert again.size == (192, 128)
