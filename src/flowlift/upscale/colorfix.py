@@ -322,6 +322,31 @@ def lab_lowband_transplant(
         return transplant(output, reference, strength, iterations, strip_pixels, inplace, on_strip)
 
 
+def _fit_coarse(
+    down_lab: Callable[[torch.Tensor | None], torch.Tensor],
+    reference_lab: torch.Tensor,
+    strength: float,
+    iterations: int,
+    bands: tuple[torch.Tensor, torch.Tensor],
+    solve: torch.dtype,
+) -> torch.Tensor:
+    """The coarse Lab correction ``c`` whose upsample moves the output's low band ``strength`` of the way to the
+    reference's: ``target = L0 + strength (R - L0)`` with ``L0 = down(output)``, then ``iterations`` of
+    ``c += B_w^-1 B_h^-1 (target - down(output + up(c)))`` (``B``: the tridiagonal upsample-then-average operators
+    of height and width, ``bands``; ``down_lab(c)`` computes ``down(output + up(c))``, ``down_lab(None)`` ``L0``)."""
+    bands_h, bands_w = bands
+    current = down_lab(None)
+    target = current + float(strength) * (reference_lab - current)
+    coarse = torch.zeros_like(current, dtype=torch.float32)
+    for k in range(max(1, iterations)):
+        if k:
+            current = down_lab(coarse)
+        residual = (target - current).to(solve)
+        step = solve_tridiagonal(bands_w, solve_tridiagonal(bands_h, residual, dim=-2), dim=-1)
+        coarse = coarse + step.to(torch.float32)
+    return coarse
+
+
 def _lab_transplant(output, reference, strength, iterations, strip_pixels, inplace, on_strip) -> torch.Tensor:
     """:func:`lab_lowband_transplant` after its checks."""
     from flowlift.upscale.colorfix_lab import LabStep, rgb_to_lab
@@ -350,15 +375,7 @@ def _lab_transplant(output, reference, strength, iterations, strip_pixels, inpla
         return rgb_to_lab(low)
 
     reference_lab = rgb_to_lab(reference.to(device=device, dtype=torch.float32).clamp(0.0, 1.0))
-    current = down_lab(None)
-    target = current + float(strength) * (reference_lab - current)
-    coarse = torch.zeros(batch, 3, h, w, dtype=torch.float32, device=device)
-    for k in range(max(1, iterations)):
-        if k:
-            current = down_lab(coarse)
-        residual = (target - current).to(solve)
-        step = solve_tridiagonal(bands_w, solve_tridiagonal(bands_h, residual, dim=-2), dim=-1)
-        coarse = coarse + step.to(torch.float32)
+    coarse = _fit_coarse(down_lab, reference_lab, strength, iterations, (bands_h, bands_w), solve)
 
     # Each strip of the result depends only on the same strip of the output, so inplace is safe.
     result = output if inplace else torch.empty(batch, 3, height, width, dtype=torch.float32, device=device)
@@ -410,15 +427,7 @@ def _lab_transplant_any(output, reference, strength, iterations, strip_pixels, i
         return rgb_to_lab(low)
 
     reference_lab = rgb_to_lab(reference.to(device=device, dtype=torch.float32).clamp(0.0, 1.0))
-    current = down_lab(None)
-    target = current + float(strength) * (reference_lab - current)
-    coarse = torch.zeros(batch, 3, h, w, dtype=torch.float32, device=device)
-    for k in range(max(1, iterations)):
-        if k:
-            current = down_lab(coarse)
-        residual = (target - current).to(solve)
-        step = solve_tridiagonal(bands_w, solve_tridiagonal(bands_h, residual, dim=-2), dim=-1)
-        coarse = coarse + step.to(torch.float32)
+    coarse = _fit_coarse(down_lab, reference_lab, strength, iterations, (bands_h, bands_w), solve)
 
     # Each strip of the result depends only on the same strip of the output, so inplace is safe.
     result = output if inplace else torch.empty(batch, 3, height, width, dtype=torch.float32, device=device)
