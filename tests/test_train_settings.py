@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -122,9 +123,18 @@ def _flag_cases():
                         yield flag, str(value)
 
 
+def _option_of(dest: str) -> str:
+    """The long option ``flowlift train`` spells for the setting stored at ``dest`` (``crop``: ``--crop-latent``)."""
+    from flowlift.commands import train
+
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    return next(action.option_strings[-1] for action in parser._actions if action.dest == dest)
+
+
 @pytest.mark.parametrize(("flag", "value"), list(_flag_cases()))
 def test_each_dedicated_flag_takes_the_same_domain(capsys, flag, value):
-    option = "--" + flag.replace("_", "-")
+    option = _option_of(flag)
     with pytest.raises(SystemExit) as caught:
         main(["train", f"{option}={value}", "--print-config"])
     err = capsys.readouterr().err.strip()

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from flowlift.commands._options import add_output_option, add_vae_option, examples, knob_type, name_or_path
 from flowlift.console import show_progress
+from flowlift.errors import FlowliftError
 from flowlift.training.config import TRAIN_KNOBS
 
 NAME = "train"
@@ -117,8 +119,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", action="store_true", help="print the resolved settings and exit")
 
 
+def _settings(args: argparse.Namespace, overrides: dict) -> Any:
+    """The run's :class:`TrainConfig`: ``--print-config`` shows it as the files and overrides give it; a run
+    gets it whole and checked (:func:`~flowlift.training.config.build_config`)."""
+    from flowlift.training.config import TrainConfig, apply_overrides, build_config, load_config_file
+
+    if not args.print_config:
+        return build_config(args.config, overrides)
+    config = TrainConfig()
+    if args.config:
+        config = apply_overrides(config, load_config_file(args.config))
+    return apply_overrides(config, overrides)
+
+
 def run(args: argparse.Namespace) -> int:
-    from flowlift.training.config import build_config, parse_assignments
+    from flowlift.training.config import parse_assignments
 
     overrides: dict = {}
     for flag, field in _FLAGS.items():
@@ -127,19 +142,19 @@ def run(args: argparse.Namespace) -> int:
             overrides[field] = value
     if args.val_images:
         overrides["val_images"] = list(args.val_images)
-    overrides.update(parse_assignments(args.set))
+    assigned = parse_assignments(args.set)
+    overrides.update(assigned)
     if show_progress(args) is False:  # progress true (the default): a bar on a terminal, lines elsewhere
         overrides.setdefault("progress", False)
+    try:
+        config = _settings(args, overrides)
+    except FlowliftError as error:
+        if set(error.fields) & set(assigned):  # named as the user wrote it (--set crop=...), not as its flag
+            raise FlowliftError(str(error)) from None
+        raise
     if args.print_config:
-        from flowlift.training.config import TrainConfig, apply_overrides, load_config_file
-
-        config = TrainConfig()
-        if args.config:
-            config = apply_overrides(config, load_config_file(args.config))
-        config = apply_overrides(config, overrides)
         print(json.dumps(config.to_dict(), indent=2))
         return 0
-    config = build_config(args.config, overrides)
 
     from flowlift.training.trainer import Trainer
 
