@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import shutil
 import sys
 import types
 import weakref
@@ -284,8 +285,9 @@ def test_cli_offload_and_max_memory(capsys, tmp_path, model_dir, photo, embeds_f
         assert meta["offload"] == ("none" if name == "plan" else name)
     assert "VAE whole frame" in outputs["plan"][1]["memory_plan"]
     assert main([str(a) for a in [*base, "--max-memory", "5MB", "-o", tmp_path / "x.png"]]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "too small to refine a 64x48 image" in err and len(err.splitlines()) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in lines if ": error: " in line]  # the others are progress lines ("loading ...")
+    assert len(errors) == 1 and "too small to refine a 64x48 image" in errors[0] and errors[0] == lines[-1]
     assert not (tmp_path / "x.png").exists()
     assert main([str(a) for a in [*base, "--max-memory", "lots", "-o", tmp_path / "y.png"]]) == 2
     assert "--max-memory" in capsys.readouterr().err
@@ -329,11 +331,15 @@ def test_cli_frees_the_text_encoder_before_the_transformer_loads(capsys, tmp_pat
         importlib.util, "find_spec", lambda name, *a: object() if name == "transformers" else real_find_spec(name, *a)
     )
     out = tmp_path / "o.png"
+    model = tmp_path / "model"  # the tiny model with a text_encoder/ folder: the up-front check looks for it
+    shutil.copytree(model_dir, model)
+    (model / "text_encoder").mkdir()
+    (model / "text_encoder" / "config.json").write_text("{}")
     argv = [
         "img2img",
         photo,
         "--model",
-        model_dir,
+        model,
         "--prompt",
         "a red door",
         "--cfg-scale",
