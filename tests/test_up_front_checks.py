@@ -90,7 +90,9 @@ def test_hires_sizes_at_the_cap_pass_the_plan(width, height, scale):
     check_hires_size(width, height, scale)
 
 
-@pytest.mark.parametrize(("width", "height", "scale"), [(0, 16, 2), (8, 16, 2), (24, 16, 2), (16, 16, 9), (16, 16, 0.5)])
+@pytest.mark.parametrize(
+    ("width", "height", "scale"), [(0, 16, 2), (8, 16, 2), (24, 16, 2), (16, 16, 9), (16, 16, 0.5)]
+)
 def test_hires_plan_refuses_bad_sides_and_scales(width, height, scale):
     from flowlift.refine.settings import check_hires_size
 
