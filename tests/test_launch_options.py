@@ -408,12 +408,15 @@ def test_sigint_to_a_rank_still_starting_is_interrupted_without_a_traceback(tmp_
     """Ranks start with SIGINT blocked and take it once flowlift's entry runs: no KeyboardInterrupt traceback
     from inside Python's start-up or torch's import (or a "Fatal Python error", a crash to the agent)."""
     code, err, ranks = _launch_and_signal(tmp_path, tiny_upscale, signal.SIGINT, delay_s)
-    assert code == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "crashed" not in err, err
+    assert _gone(ranks) == [], err
+    if "ranks: 1 done, 0 skipped, 0 failed" in err:  # the tiny job had ended before the signal came:
+        assert code == 0, err  # its result stands, and the late SIGINT says nothing (issue 43: no traceback)
+        return
+    assert code == 130, err
     assert [line for line in err.splitlines() if line.startswith("flowlift launch")] == [
         "flowlift launch: interrupted (rank 0 stopped by SIGINT)"
     ], err
-    assert _gone(ranks) == [], err
 
 
 def test_a_rank_suspended_by_sigstop_ends_as_a_missed_barrier(tmp_path, tiny_upscale):

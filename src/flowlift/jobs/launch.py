@@ -346,10 +346,14 @@ def is_suspended(pid: int | None) -> bool:
 def _rank_entry(worker: Callable[..., Any], *args: Any) -> Any:
     """Each rank's entry point: SIGINT, blocked while the rank started (:func:`_stop_aware_agent`), is
     taken from here on, and ends the rank quietly with the shell's 130 until the command installs its own
-    handler (and after it puts this one back)."""
+    handler (and after it puts this one back); once the worker has returned or raised, SIGINT is ignored, so one
+    arriving while the rank exits cannot raise inside an exit callback (a traceback on a finished rank)."""
     signal.signal(signal.SIGINT, _end_quietly)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a SIGINT sent while starting arrives now
-    return worker(*args)
+    try:
+        return worker(*args)
+    finally:  # the rank's outcome is decided: a SIGINT during the interpreter's exit changes nothing, says nothing
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _end_quietly(signum: int, frame: object) -> None:
