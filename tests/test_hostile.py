@@ -193,7 +193,7 @@ def test_pickled_code_is_refused_without_advising_weights_only_false(tmp_path):
 
 @pytest.mark.parametrize("kind", sorted(NON_FINITE))
 def test_non_finite_prompt_embeddings_are_refused_at_load(tmp_path, kind):
-    from flowlift.refine.prompts import load_prompt_embeds
+    from flowlift.models.prompt_embeds import load_prompt_embeds
 
     embeds = torch.zeros(1, 4, 8)
     embeds[0, 2, 3] = NON_FINITE[kind]

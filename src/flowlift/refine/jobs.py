@@ -194,7 +194,7 @@ def job_conditioning(job: RefineJob, embed: Callable[[Sequence[str]], list[Any]]
     """The conditioning keywords of the job's prompt: its embeddings file read; texts embedded by ``embed`` (the
     command line's text encoder, freed before the transformer loads), or left as text for a refiner with its own
     prompt encoder (``embed`` None)."""
-    from flowlift.refine.prompts import load_prompt_embeds
+    from flowlift.models.prompt_embeds import load_prompt_embeds
 
     prompt = job.request.prompt
     embeds = negative = None

@@ -167,11 +167,7 @@ def plan_refine(
     """
     request = tiles if tiles is not None else TileRequest()
     vae = vae if vae is not None else VAESizes()
-    vae_kind, vae_bytes = vae.kind, vae.bytes
-    vae = {
-        tiled: decode_peak_bytes(vae_kind, height, width, batch=batch, dtype=vae.dtype, tiled=tiled)
-        for tiled in (False, True)
-    }
+    vae_bytes = vae.bytes
     resident_while_sampling = {
         "none": sizes.total_bytes,
         "model": sizes.total_bytes,
@@ -190,20 +186,24 @@ def plan_refine(
     first = request.batch if isinstance(request.batch, int) else 1
     candidates = [offload] if offload is not None else ["none", "model", "group"]
     tiles = tile_candidates(height, width, request)
+    most = {tile: min(MAX_AUTO_TILE_BATCH, tile_count(height, width, tile, request.overlap)) for tile in tiles if tile}
+    decode = {  # the VAE's peak at the frame, whole and tiled
+        tiled: decode_peak_bytes(vae.kind, height, width, batch=batch, dtype=vae.dtype, tiled=tiled)
+        for tiled in (False, True)
+    }
     leanest = None
     for tile in tiles:
         per_call = first if tile is not None else 1
         for mode in candidates:
             kept = sizes.total_bytes if mode == "none" else 0  # the transformer's weights during the VAE's stages
             for tiled in (False, True):
-                coding = kept + vae_bytes + vae[tiled]
+                coding = kept + vae_bytes + decode[tiled]
                 peak = max(sampling(mode, tile, per_call), coding)
                 leanest = peak if leanest is None else min(leanest, peak)
                 if peak > budget_bytes:
                     continue
                 if request.batch == "auto" and tile is not None and batch == 1:
-                    most = min(MAX_AUTO_TILE_BATCH, tile_count(height, width, tile, request.overlap))
-                    while per_call < most and max(sampling(mode, tile, per_call + 1), coding) <= budget_bytes:
+                    while per_call < most[tile] and max(sampling(mode, tile, per_call + 1), coding) <= budget_bytes:
                         per_call += 1
                 peak = max(sampling(mode, tile, per_call), coding)
                 return RefinePlan(
