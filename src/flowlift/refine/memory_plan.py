@@ -183,10 +183,12 @@ def plan_refine(
     def sampling(mode: str, tile: int | None, per_call: int) -> int:
         return resident_while_sampling[mode] + vae_bytes + activations(tile, per_call) + buffers
 
+    def most_per_call(tile: int) -> int:  # tile_batch auto: tiles in one call, at most
+        return min(MAX_AUTO_TILE_BATCH, tile_count(height, width, tile, request.overlap))
+
     first = request.batch if isinstance(request.batch, int) else 1
     candidates = [offload] if offload is not None else ["none", "model", "group"]
     tiles = tile_candidates(height, width, request)
-    most = {tile: min(MAX_AUTO_TILE_BATCH, tile_count(height, width, tile, request.overlap)) for tile in tiles if tile}
     decode = {  # the VAE's peak at the frame, whole and tiled
         tiled: decode_peak_bytes(vae.kind, height, width, batch=batch, dtype=vae.dtype, tiled=tiled)
         for tiled in (False, True)
@@ -203,7 +205,8 @@ def plan_refine(
                 if peak > budget_bytes:
                     continue
                 if request.batch == "auto" and tile is not None and batch == 1:
-                    while per_call < most[tile] and max(sampling(mode, tile, per_call + 1), coding) <= budget_bytes:
+                    most = most_per_call(tile)
+                    while per_call < most and max(sampling(mode, tile, per_call + 1), coding) <= budget_bytes:
                         per_call += 1
                 peak = max(sampling(mode, tile, per_call), coding)
                 return RefinePlan(

@@ -1,8 +1,8 @@
 """What a :class:`~flowlift.refine.request.RefinerSource` names, checked before any weights load.
 
-:func:`check_refiner_source` checks the files and extras it names (headers only), :func:`refiner_weight_checks`
-lists the lookups of every part a refiner needs (:func:`check_model_part`: cached, on the hub, or a local folder)
-for :func:`flowlift.models.weights.require_all`. A check's FlowliftError line names the field
+:func:`check_refiner_source` checks the files and extras it names (headers only), then runs the lookups of every
+part a refiner needs (:func:`refiner_weight_checks`: :func:`check_model_part` of each, cached, on the hub, or a local
+folder) in one :func:`flowlift.models.weights.require_all` at its end. A check's FlowliftError line names the field
 (``source.model``: :func:`names_source_fields`, which :mod:`flowlift.refine.loading` uses too), which each door says
 in its own words.
 """
