@@ -322,6 +322,7 @@ def run_refine(request: RefineRequest) -> Path:
 
 
 def _run_job(job: RefineJob, run: Any) -> Path:
+    """The planned ``job`` run under ``run``: its weights found, loaded, its mode run and the result written."""
     from flowlift.refine.stages import plan_job_stages
 
     request = job.request
