@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from flowlift.errors import FlowliftError
-from flowlift.jobs.batch import Job, Target, error_line, output_target, pending, plan_targets, report
+from flowlift.jobs.batch import Job, Target, error_line, plan_targets, report
 from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S, DistEnv
 from flowlift.knobs import OVERWRITE, check_kind, check_path, check_paths, check_positive
 from flowlift.upscale.asked_size import AskedSize
@@ -197,7 +197,8 @@ class OutputSizes:
         except FlowliftError as error:
             return Target(path, None, error_line(error))
         size = self.output_size(path)
-        return Target(path, out, format_limit_problem(out, size), expected_size=size)
+        note = self.dropped_note(path) or ""  # said before any work if the job runs
+        return Target(path, out, format_limit_problem(out, size), expected_size=size, warning=note)
 
 
 def format_limit_problem(out: Path, size: tuple[int, int] | None) -> str:
@@ -210,15 +211,13 @@ def format_limit_problem(out: Path, size: tuple[int, int] | None) -> str:
 
 @dataclass
 class UpscalePlan:
-    """The jobs of one run (inputs refused at listing first) and the per-input sizes they were planned with."""
+    """The jobs of one run (inputs refused at listing first; a job that runs fewer passes than asked, the 16K
+    cap, carries the line that says so as its ``warning``), the per-input sizes they were planned with, and the
+    output folder ``-o`` names (the job manifest's home; None without ``-o`` or for ``-o FILE``)."""
 
     jobs: list[Job]
     sizes: OutputSizes
-
-    def dropped_notes(self, overwrite: bool) -> list[tuple[Path, str]]:
-        """``(input, note)`` for every job that will run with fewer passes than asked (the 16K cap)."""
-        notes = ((job.source, self.sizes.dropped_note(job.source)) for job in pending(self.jobs, overwrite))
-        return [(source, note) for source, note in notes if note]
+    folder: Path | None = None
 
 
 def plan_files(
@@ -232,12 +231,13 @@ def plan_files(
     :func:`plan_upscale` (an output is named by the scale the 16K cap lets run: a capped 8x is ``_x4``), without
     listing inputs or interpreting ``-o``; nothing is written."""
     sizes = OutputSizes(passes, resize_mode)
-    return UpscalePlan(plan_targets([sizes.target(Path(path), None, folder, output_format) for path in sources]), sizes)
+    targets = [sizes.target(Path(path), None, folder, output_format) for path in sources]
+    return UpscalePlan(plan_targets(targets), sizes, folder)
 
 
 def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
     """List the inputs and plan one job per input (see the module docstring); nothing is written."""
-    from flowlift.files.images import IMAGE_SUFFIXES, list_images
+    from flowlift.files.images import IMAGE_SUFFIXES, list_images, output_target
 
     sizes = OutputSizes(request.asked, request.settings.resize_mode)  # named by the scale the cap lets run
     problems: list[tuple[str, str]] = []
@@ -250,7 +250,7 @@ def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
     single_file, folder = output_target(request.output, len(inputs), IMAGE_SUFFIXES)
     targets = [sizes.target(path, single_file, folder, request.output_format) for path in inputs]
     refused = [Job.refusal(Path(item), message) for item, message in problems]
-    return UpscalePlan(refused + plan_targets(targets), sizes)
+    return UpscalePlan(refused + plan_targets(targets), sizes, folder)
 
 
 class UpscaleStep:
@@ -390,17 +390,18 @@ def _run_upscale(request: UpscaleRequest) -> int:
 
     plan = plan_upscale(request)
     env = DistEnv.from_environ()
-    if env.is_main:  # the cap's note before any work (and once, not per rank), not after the image
-        for source, note in plan.dropped_notes(request.overwrite):
-            report(COMMAND, source, f"warning: {note}")
     with batch_share(
         plan.jobs,
         command=COMMAND,
-        output=request.output,
+        folder=plan.folder,
         overwrite=request.overwrite,
         barrier_timeout=request.barrier_timeout,
         env=env,
         progress=request.progress,
     ) as share:
+        if env.is_main:  # the cap's notes before any work (and once, not per rank), for the images that run
+            for job in share.todo:
+                if job.warning:
+                    report(COMMAND, job.source, f"warning: {job.warning}")
         step = UpscaleStep.load(request, plan, env) if share.has_work else None
         return share.run(step)
