@@ -131,14 +131,14 @@ def batch_share(
     if env.distributed and folder is None:
         raise FlowliftError("under torchrun, -o must name an output folder: the job manifest is kept there")
     manifest = None if folder is None else Manifest(folder)
-    if manifest is not None and (env.distributed or manifest.exists()):
-        with process_group(env, barrier_timeout):
-            yield _agreed_share(jobs, command, manifest, overwrite, barrier_timeout, env, progress, started, opened)
+    if manifest is None or not (env.distributed or manifest.exists()):  # exactly run_jobs: nothing new is written
+        todo = pending(jobs, overwrite)
+        yield BatchShare(
+            jobs, command, overwrite, barrier_timeout, env, progress, started, opened, has_work=bool(todo), todo=todo
+        )
         return
-    todo = pending(jobs, overwrite)
-    yield BatchShare(
-        jobs, command, overwrite, barrier_timeout, env, progress, started, opened, has_work=bool(todo), todo=todo
-    )
+    with process_group(env, barrier_timeout):
+        yield _agreed_share(jobs, command, manifest, overwrite, barrier_timeout, env, progress, started, opened)
 
 
 @dataclass

@@ -216,10 +216,10 @@ def save_result(
 
     picture = attach_alpha(tensor_to_pil(result), loaded.alpha)
     if passes is None:  # the passes' own size: named by what ran
-        done = max(0, round(math.log2(max(picture.size[0] / loaded.image.size[0], 1.0))))
-        metadata = output_metadata(settings, done, source, hashes, pipeline)
+        ran, asked = max(0, round(math.log2(max(picture.size[0] / loaded.image.size[0], 1.0)))), None
     else:  # resampled to an asked size: the request and the passes before the resample
-        metadata = output_metadata(settings, passes, source, hashes, pipeline, asked, picture.size)
+        ran = passes
+    metadata = output_metadata(settings, ran, source, hashes, pipeline, asked, picture.size)
     if loaded.sixteen_bit:
         alpha16 = None if loaded.alpha16 is None else resize_alpha16(loaded.alpha16, picture.size)
         save_image16_atomic(tensor_to_uint16(result), alpha16, out, metadata, source=source)

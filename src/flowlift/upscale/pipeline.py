@@ -37,10 +37,8 @@ from flowlift.upscale.interrupts import checked_modules, with_check
 from flowlift.upscale.loading import (
     DEFAULT_UPSCALER,
     DEFAULT_VAE,
-    check_upscale_weights,
     first_parameter,
-    load_pipeline_upscaler,
-    load_pipeline_vae,
+    load_pipeline_models,
     pipeline_model_files,
 )
 from flowlift.upscale.memory_plan import UNetPassPlan, UpscaleMemoryPlan, plan_upscale_memory, to_host_float32
@@ -131,13 +129,13 @@ class FlowUpscalerPipeline:
         self.chunk_budget_bytes = memory.chunk_budget_bytes
         self.on_strip = on_strip
         self.check_interrupt = check_interrupt
-        if isinstance(upscaler, (str, os.PathLike)):
-            check_upscale_weights(upscaler, [vae])  # both found (or both named as missing) before either loads
-        self.upscaler, self.upscaler_path = load_pipeline_upscaler(upscaler, self.device, self.dtype)
-        self.vae, self.vae_spec = (None, None) if vae is None else load_pipeline_vae(vae, self.device, self.dtype)
-        self.max_memory = None if memory.max_memory is None else parse_memory(memory.max_memory)
         if channels_last is None:
             channels_last = default_channels_last(self.device, self.dtype)
+        # both found (or both named as missing) before either loads
+        self.upscaler, self.upscaler_path, self.vae, self.vae_spec = load_pipeline_models(
+            upscaler, vae, self.device, self.dtype
+        )
+        self.max_memory = None if memory.max_memory is None else parse_memory(memory.max_memory)
         self.channels_last = bool(channels_last)
         if self.channels_last and isinstance(self.upscaler, torch.nn.Module):
             self.upscaler.to(memory_format=torch.channels_last)

@@ -277,12 +277,13 @@ class UpscaleStep:
 
         upscaler = request.settings.upscaler or DEFAULT_UPSCALER
         check_upscale_weights(upscaler, [request.settings.vae])  # every missing piece in one line, before any line
+        device = rank_device(str(request.device), env) if env.distributed else request.device  # cuda:LOCAL_RANK
         report_loading(loading_description(upscaler, request.settings.vae))
         pipeline = FlowUpscalerPipeline(
-            request.settings.upscaler or DEFAULT_UPSCALER,
+            upscaler,
             request.settings.vae,
             dtype=request.dtype,
-            device=rank_device(str(request.device), env) if env.distributed else request.device,  # cuda:LOCAL_RANK
+            device=device,
             memory=MemoryPolicy(chunked=request.chunked, vae_tiled=request.vae_tiled, max_memory=request.max_memory),
             compile=request.compile,
         )  # the loading line stays until the first image's first stage begins
@@ -374,31 +375,29 @@ def _bar_note(run: Any) -> str:
 
 
 def run_upscale(request: UpscaleRequest) -> int:
-    """Plan the request, say what the cap drops (once, before any work), then run this rank's share of
-    the jobs (:func:`flowlift.jobs.scaleout.batch_share`), loading the models only when it has work;
-    returns the exit status."""
+    """Plan the request (from the inputs' headers alone), then run this rank's share of the jobs
+    (:func:`flowlift.jobs.scaleout.batch_share`): say what the cap drops (once, before any work), load the
+    models only when the share has work, and run it; returns the exit status."""
     from flowlift.console import command_started, run_lines
+    from flowlift.jobs.scaleout import batch_share
     from flowlift.progress import RunProgress, running
 
     run = RunProgress(started=command_started())  # the command's whole time, loading the models included
-    with running(run), run_lines(run, request.progress):
-        return _run_upscale(request)
-
-
-def _run_upscale(request: UpscaleRequest) -> int:
-    from flowlift.jobs.scaleout import batch_share
-
     plan = plan_upscale(request)
     env = DistEnv.from_environ()
-    with batch_share(
-        plan.jobs,
-        command=COMMAND,
-        folder=plan.folder,
-        overwrite=request.overwrite,
-        barrier_timeout=request.barrier_timeout,
-        env=env,
-        progress=request.progress,
-    ) as share:
+    with (
+        running(run),
+        run_lines(run, request.progress),
+        batch_share(
+            plan.jobs,
+            command=COMMAND,
+            folder=plan.folder,
+            overwrite=request.overwrite,
+            barrier_timeout=request.barrier_timeout,
+            env=env,
+            progress=request.progress,
+        ) as share,
+    ):
         if env.is_main:  # the cap's notes before any work (and once, not per rank), for the images that run
             for job in share.todo:
                 if job.warning:
