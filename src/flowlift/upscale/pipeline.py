@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from flowlift.devices import auto_dtype
+from flowlift.devices import auto_dtype, default_channels_last
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import check_latents
 from flowlift.knobs import check_count, check_seed
@@ -56,7 +56,7 @@ from flowlift.upscale.sizes import (
     pass_noise,
     resample_to_multiple,
 )
-from flowlift.upscale.unet_runner import CompiledUNet, default_channels_last, velocity_model
+from flowlift.upscale.unet_runner import CompiledUNet, velocity_model
 
 
 class FlowUpscalerPipeline:
@@ -85,7 +85,7 @@ class FlowUpscalerPipeline:
         replay on CUDA, eager fallback with one warning when compilation fails.
     channels_last:
         Channels-last weights and inputs for the UNet (``None``: on CUDA and in bfloat16 on the CPU,
-        :func:`flowlift.upscale.unet_runner.default_channels_last`).
+        :func:`flowlift.devices.default_channels_last`).
     on_strip:
         ``on_strip(done, total)``, called after every strip of a chunked pass (progress; an exception
         it raises, e.g. a user's cancel, stops the pass). See
@@ -131,11 +131,11 @@ class FlowUpscalerPipeline:
         self.check_interrupt = check_interrupt
         if channels_last is None:
             channels_last = default_channels_last(self.device, self.dtype)
+        self.max_memory = None if memory.max_memory is None else parse_memory(memory.max_memory)
         # both found (or both named as missing) before either loads
         self.upscaler, self.upscaler_path, self.vae, self.vae_spec = load_pipeline_models(
             upscaler, vae, self.device, self.dtype
         )
-        self.max_memory = None if memory.max_memory is None else parse_memory(memory.max_memory)
         self.channels_last = bool(channels_last)
         if self.channels_last and isinstance(self.upscaler, torch.nn.Module):
             self.upscaler.to(memory_format=torch.channels_last)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -255,22 +256,27 @@ def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
 
 class UpscaleStep:
     """The per-image step of one run on its loaded pipeline: ``step(source, output)`` writes one output
-    (:func:`flowlift.upscale.outputs.upscale_file`). Built by :meth:`load` only when this rank has work."""
+    (:func:`flowlift.upscale.outputs.upscale_file`); with ``batch_size`` N, :meth:`compute` and :meth:`save` run
+    same-size inputs together (:class:`flowlift.jobs.same_size.SameSizeBatches`). Built by :meth:`load` only when
+    this rank has work."""
 
     def __init__(self, request: UpscaleRequest, plan: UpscalePlan, pipeline: Any) -> None:
         from flowlift.upscale.outputs import model_hashes
 
         self.request, self.plan, self.pipeline = request, plan, pipeline
         self.hashes = model_hashes(pipeline)
+        self.outputs = {job.source: job.output for job in plan.jobs if job.output is not None}
 
     @classmethod
-    def load(cls, request: UpscaleRequest, plan: UpscalePlan, env: DistEnv) -> Callable[[Path, Path], None]:
-        """The pipeline on this rank's device, and the step over it (``batch_size`` N: same-size inputs
-        together, :func:`flowlift.upscale.outputs.batched_process`)."""
+    def load(
+        cls, request: UpscaleRequest, plan: UpscalePlan, env: DistEnv, todo: Sequence[Job]
+    ) -> Callable[[Path, Path], None]:
+        """The pipeline on this rank's device, and the step over it; ``todo``: the jobs that need work
+        (:attr:`flowlift.jobs.scaleout.BatchShare.todo`), grouped by size with ``batch_size`` N."""
         from flowlift.jobs.distributed import rank_device
+        from flowlift.jobs.same_size import SameSizeBatches
         from flowlift.progress import report_loading
         from flowlift.upscale.loading import check_upscale_weights
-        from flowlift.upscale.outputs import batched_process
         from flowlift.upscale.pipeline import FlowUpscalerPipeline
         from flowlift.upscale.settings import MemoryPolicy
         from flowlift.upscale.stages import loading_description
@@ -294,18 +300,42 @@ class UpscaleStep:
                 file=sys.stderr,
             )
         elif request.batch_size > 1:
-            return batched_process(
-                request.settings,
-                pipeline,
-                plan.jobs,
-                plan.sizes.passes_for,
-                step.hashes,
-                batch_size=request.batch_size,
-                overwrite=request.overwrite,
-                resample_to=plan.sizes.resample_to,
-                asked=plan.sizes.asked,
-            )
+            return SameSizeBatches([job.source for job in todo], request.batch_size, step.compute, step.save)
         return step
+
+    def compute(self, paths: list[Path]) -> list[tuple[Any, Any, list[str], int | None]]:
+        """Same-size inputs through the pipeline at once (the passes the cap lets run are the same for all):
+        per input, its result, its :class:`~flowlift.upscale.outputs.SourcePixels`, the pipeline's warnings and
+        the passes that ran before a resample to an asked size (None without one)."""
+        import torch
+
+        from flowlift.files.images import to_tensor
+        from flowlift.upscale.outputs import read_source
+
+        loaded = [read_source(path, self.outputs[path]) for path in paths]
+        images = torch.cat([to_tensor(item.pixels) for item in loaded])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            count = self.plan.sizes.passes_for(paths[0])
+            size = self.plan.sizes.resample_to(paths[0])  # same-size inputs: the same size out
+            result = self.pipeline.upscale_image(
+                images, num_passes=count, output_type="pt", output_size=size, **self.request.settings.pipeline_options()
+            )
+        notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        ran = None if size is None else count
+        return [(result[i : i + 1], item, notes, ran) for i, item in enumerate(loaded)]
+
+    def save(self, path: Path, out: Path, item: tuple[Any, Any, list[str], int | None]) -> None:
+        """Write one result of :meth:`compute` (its warnings first, one line each)."""
+        from tqdm import tqdm
+
+        from flowlift.upscale.outputs import save_result
+
+        result, loaded, notes, ran = item
+        for note in notes:
+            report(COMMAND, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
+        settings = self.request.settings
+        save_result(self.pipeline, settings, path, out, loaded, result, self.hashes, ran, self.plan.sizes.asked)
 
     def expect(self, sources: Sequence[Path]) -> None:
         """The images the batch will run, in order (:func:`flowlift.jobs.batch.run_jobs` says once it knows which
@@ -402,5 +432,5 @@ def run_upscale(request: UpscaleRequest) -> int:
             for job in share.todo:
                 if job.warning:
                     report(COMMAND, job.source, f"warning: {job.warning}")
-        step = UpscaleStep.load(request, plan, env) if share.has_work else None
+        step = UpscaleStep.load(request, plan, env, share.todo) if share.has_work else None
         return share.run(step)
