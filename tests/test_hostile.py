@@ -1208,7 +1208,7 @@ def test_colorfix_and_a_continued_job_refuse_a_users_image_too(tmp_path, capsys)
     jobs = plan_jobs(
         [tmp_path / "a.png"], str(out), lambda p: f"{p.stem}_x2.png", (".png",), expected_size=lambda p: (20, 24)
     )
-    assert run_batch(jobs, lambda: None, command="upscale", output=str(out), env=DistEnv()) == 1
+    assert run_batch(jobs, lambda: None, command="upscale", folder=out, env=DistEnv()) == 1
     assert "was not written by flowlift" in capsys.readouterr().err
     assert (out / "a_x2.png").read_bytes() == user
     record = latest_by_output(Manifest(out).records())[os.path.abspath(out / "a_x2.png")]
