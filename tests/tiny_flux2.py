@@ -132,12 +132,10 @@ QWEN3_WIDTH = 16
 QWEN3_VOCAB = 151936  # Qwen3's vocabulary: the real tokenizer's ids (chat-template tokens near 151 650) index it
 
 
-def write_invokeai_klein_pipeline(root: Path, qwen3_tokenizer: Path) -> Path:
-    """A complete FLUX.2 Klein diffusers pipeline at ``root``, small and random, as InvokeAI 6.14.2 installs one
-    (``Main_Diffusers_Flux2_Config``: model_index.json naming ``Flux2KleinPipeline``) and its Klein model loader
-    splits it: transformer/ (context 3 x :data:`QWEN3_WIDTH`), text_encoder/ (a 2-layer ``Qwen3ForCausalLM``;
-    the Klein text encoder node's layers 9, 18, 27 clamp to its last), tokenizer/ (the real Qwen3 tokenizer:
-    ``qwen3_tokenizer`` is InvokeAI's vendored copy, tokenizer.json gzipped), vae/ and scheduler/."""
+def _write_klein_parts(root: Path, *, vocab_size: int, encoder_layers: int) -> None:
+    """A Klein pipeline's transformer/ (context 3 x :data:`QWEN3_WIDTH`), vae/, text_encoder/ (a random
+    ``Qwen3ForCausalLM`` of width :data:`QWEN3_WIDTH`, ``encoder_layers`` deep, over ``vocab_size`` tokens) and
+    scheduler/ under ``root``."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -146,10 +144,10 @@ def write_invokeai_klein_pipeline(root: Path, qwen3_tokenizer: Path) -> Path:
     torch.manual_seed(6)
     encoder = Qwen3ForCausalLM(
         Qwen3Config(
-            vocab_size=QWEN3_VOCAB,
+            vocab_size=vocab_size,
             hidden_size=QWEN3_WIDTH,
             intermediate_size=32,
-            num_hidden_layers=2,
+            num_hidden_layers=encoder_layers,
             num_attention_heads=2,
             num_key_value_heads=1,
             head_dim=8,
@@ -159,11 +157,10 @@ def write_invokeai_klein_pipeline(root: Path, qwen3_tokenizer: Path) -> Path:
     )
     encoder.save_pretrained(root / "text_encoder")
     FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True).save_pretrained(root / "scheduler")
-    (root / "tokenizer").mkdir()
-    with gzip.open(qwen3_tokenizer / "tokenizer.json.gz", "rb") as packed:
-        (root / "tokenizer" / "tokenizer.json").write_bytes(packed.read())
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copyfile(qwen3_tokenizer / name, root / "tokenizer" / name)
+
+
+def _write_klein_index(root: Path) -> None:
+    """The Klein pipeline's model_index.json under ``root``, naming each part's class."""
     index = {
         "_class_name": "Flux2KleinPipeline",
         "_diffusers_version": "0.40.0",
@@ -175,6 +172,22 @@ def write_invokeai_klein_pipeline(root: Path, qwen3_tokenizer: Path) -> Path:
         "vae": ["diffusers", "AutoencoderKLFlux2"],
     }
     (root / "model_index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_invokeai_klein_pipeline(root: Path, qwen3_tokenizer: Path) -> Path:
+    """A complete FLUX.2 Klein diffusers pipeline at ``root``, small and random, as InvokeAI 6.14.2 installs one
+    (``Main_Diffusers_Flux2_Config``: model_index.json naming ``Flux2KleinPipeline``) and its Klein model loader
+    splits it: transformer/ (context 3 x :data:`QWEN3_WIDTH`), text_encoder/ (a 2-layer ``Qwen3ForCausalLM``;
+    the Klein text encoder node's layers 9, 18, 27 clamp to its last), tokenizer/ (the real Qwen3 tokenizer:
+    ``qwen3_tokenizer`` is InvokeAI's vendored copy, tokenizer.json gzipped), vae/ and scheduler/."""
+
+    _write_klein_parts(root, vocab_size=QWEN3_VOCAB, encoder_layers=2)
+    (root / "tokenizer").mkdir()
+    with gzip.open(qwen3_tokenizer / "tokenizer.json.gz", "rb") as packed:
+        (root / "tokenizer" / "tokenizer.json").write_bytes(packed.read())
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copyfile(qwen3_tokenizer / name, root / "tokenizer" / name)
+    _write_klein_index(root)
     return root
 
 
@@ -216,42 +229,12 @@ def write_klein_pipeline_with_text_encoder(root: Path) -> Path:
     text prompts included): transformer/ (context 3 x :data:`QWEN3_WIDTH`), text_encoder/ (a 27-layer
     ``Qwen3ForCausalLM`` of width 16: the pipeline stacks hidden states 9, 18 and 27), tokenizer/
     (:func:`write_tiny_tokenizer`), vae/ and scheduler/."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
     tokenizer = write_tiny_tokenizer(root / "tokenizer")
     from transformers import AutoTokenizer
 
     vocab_size = len(AutoTokenizer.from_pretrained(tokenizer))
-    tiny_transformer(text_dim=3 * QWEN3_WIDTH, seed=4).save_pretrained(root / "transformer")
-    tiny_vae(seed=5).save_pretrained(root / "vae")
-    torch.manual_seed(6)
-    encoder = Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=vocab_size,
-            hidden_size=QWEN3_WIDTH,
-            intermediate_size=32,
-            num_hidden_layers=27,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            max_position_embeddings=1024,
-            tie_word_embeddings=True,
-        )
-    )
-    encoder.save_pretrained(root / "text_encoder")
-    FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True).save_pretrained(root / "scheduler")
-    index = {
-        "_class_name": "Flux2KleinPipeline",
-        "_diffusers_version": "0.40.0",
-        "is_distilled": True,
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-        "text_encoder": ["transformers", "Qwen3ForCausalLM"],
-        "tokenizer": ["transformers", "Qwen2TokenizerFast"],
-        "transformer": ["diffusers", "Flux2Transformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKLFlux2"],
-    }
-    (root / "model_index.json").write_text(json.dumps(index, indent=2))
+    _write_klein_parts(root, vocab_size=vocab_size, encoder_layers=27)
+    _write_klein_index(root)
     return root
 
 
