@@ -20,6 +20,7 @@ import pytest
 from PIL import Image
 
 from builders import save_tiny_unet
+from door_helpers import cpu_upscale_options
 from flowlift.errors import FlowliftError
 from flowlift.jobs.distributed import DistEnv, image_pixels, probe_and_gather, rank_device, shard_by_pixels
 from flowlift.jobs.manifest import MANIFEST_NAME, Manifest, format_status, image_record, job_status, latest_by_output
@@ -66,17 +67,15 @@ def worker_env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 
 
+def run_in_worker_env(command: list[str], *, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``command`` run to its end under :func:`worker_env` in ``cwd``, its output captured as text."""
+    return subprocess.run(command, env=worker_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
 def run_torchrun(
     nproc: int, *cli_args: str, cwd: Path, timeout: float = 120, options: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        torchrun_command(nproc, *cli_args, options=options),
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-    )
+    return run_in_worker_env(torchrun_command(nproc, *cli_args, options=options), cwd=cwd, timeout=timeout)
 
 
 def processes_naming(marker: str, grace_s: float = 10.0) -> list[str]:
@@ -296,7 +295,7 @@ def test_end_barrier_gathers_counts_or_times_out_naming_the_late_rank(tmp_path):
     script = tmp_path / "barrier.py"
     script.write_text(BARRIER_SCRIPT)
     command = torchrun_command(2, program=(str(script),))
-    done = subprocess.run(command, env=worker_env(), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = run_in_worker_env(command, cwd=tmp_path)
     lines = (done.stdout + done.stderr).splitlines()
     assert "on time, rank 0: [{'done': 1}, {'done': 2}] | " in lines, lines[-20:]
     assert "on time, rank 1: [{'done': 1}, {'done': 2}] | " in lines
@@ -380,12 +379,7 @@ def upscale_args(inputs: Path, out: Path, shared: Path, weights: Path, *extra: s
         str(out),
         "--seed",
         "7",
-        "--upscaler",
-        str(weights),
-        "--vae",
-        str(shared / "models" / "taef2"),
-        "--device",
-        "cpu",
+        *cpu_upscale_options(shared, weights),
         *extra,
     ]
 
@@ -481,13 +475,10 @@ def test_launcher_exit_status_is_the_jobs_and_failed_images_are_not_restarted(tm
     src.mkdir()
     for name in ("img0.png", "img1.png", "corrupt.png"):
         shutil.copy(inputs / name, src / name)
-    launched = subprocess.run(
+    launched = run_in_worker_env(
         launcher_command(2, *upscale_args(src, out, shared, weights), options=("--max-restarts", "2")),
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
         cwd=tmp_path,
+        timeout=180,
     )
     assert launched.returncode == 1, launched.stderr[-3000:]
     assert "Traceback" not in launched.stderr and "ChildFailedError" not in launched.stderr, launched.stderr[-3000:]
@@ -500,13 +491,10 @@ def test_launcher_exit_status_is_the_jobs_and_failed_images_are_not_restarted(tm
 
     blocked = tmp_path / "blocked"
     (blocked / MANIFEST_NAME).mkdir(parents=True)
-    refused = subprocess.run(
+    refused = run_in_worker_env(
         launcher_command(2, *upscale_args(src, blocked, shared, weights), options=("--max-restarts", "2")),
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
         cwd=tmp_path,
+        timeout=180,
     )
     assert refused.returncode == 2, refused.stderr[-3000:]
     line = f"flowlift upscale: error: {blocked / MANIFEST_NAME} {FOLDER_AT_MANIFEST}"
@@ -536,13 +524,8 @@ def test_launcher_restarts_a_crashed_group_then_reports_each_crash_in_one_line(t
     script = tmp_path / "crash.py"
     script.write_text(CRASH_SCRIPT)
     attempts = tmp_path / "attempts.log"
-    result = subprocess.run(
-        [sys.executable, str(script), str(attempts), *rendezvous_options(1), "--max-restarts", "1"],
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
+    result = run_in_worker_env(
+        [sys.executable, str(script), str(attempts), *rendezvous_options(1), "--max-restarts", "1"], cwd=tmp_path
     )
     assert result.returncode == 3, result.stderr[-3000:]  # jobs.launch.CRASHED: neither images nor a user error
     assert attempts.read_text().splitlines() == ["0 0", "0 1"]  # started again once

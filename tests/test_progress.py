@@ -19,6 +19,7 @@ import pytest
 from PIL import Image
 
 from builders import kodak_crops
+from door_helpers import cpu_upscale_options
 from flowlift import console
 from flowlift.errors import FlowliftError
 
@@ -135,33 +136,18 @@ def test_nested_bars_share_one_line(monkeypatch):
     assert log.getvalue().splitlines()[-1].endswith("; kodim23.png 2/7"), log.getvalue()
 
 
-@pytest.fixture(scope="module")
-def photos(tmp_path_factory, shared) -> Path:
-    return kodak_crops(shared, tmp_path_factory.mktemp("photos"))
-
-
-def test_eval_into_a_log_writes_progress_lines(photos, tmp_path):
-    """``flowlift eval ... >out 2>log``: neither stream a terminal, progress lines in the log at the interval
-    (here a short one), then the table on stdout."""
+def _run_with_progress_into_a_log(tmp_path: Path, interval: str, *args: str) -> str:
+    """``python -m flowlift ARGS >out 2>log`` in ``tmp_path`` with progress lines every ``interval`` seconds;
+    asserts it exits 0 and returns the log."""
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO / "src"),
-        console.PROGRESS_INTERVAL_VARIABLE: "0.001",
+        console.PROGRESS_INTERVAL_VARIABLE: interval,
         "HF_HUB_OFFLINE": "1",
     }
     with open(tmp_path / "out", "w") as out, open(tmp_path / "log", "w") as log:
         done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "flowlift",
-                "eval",
-                str(photos),
-                "--reference",
-                str(photos),
-                "-o",
-                str(tmp_path / "report"),
-            ],
+            [sys.executable, "-m", "flowlift", *args],
             stdout=out,
             stderr=log,
             stdin=subprocess.DEVNULL,
@@ -171,6 +157,27 @@ def test_eval_into_a_log_writes_progress_lines(photos, tmp_path):
         )
     text = (tmp_path / "log").read_text()
     assert done.returncode == 0, text
+    return text
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory, shared) -> Path:
+    return kodak_crops(shared, tmp_path_factory.mktemp("photos"))
+
+
+def test_eval_into_a_log_writes_progress_lines(photos, tmp_path):
+    """``flowlift eval ... >out 2>log``: neither stream a terminal, progress lines in the log at the interval
+    (here a short one), then the table on stdout."""
+    text = _run_with_progress_into_a_log(
+        tmp_path,
+        "0.001",
+        "eval",
+        str(photos),
+        "--reference",
+        str(photos),
+        "-o",
+        str(tmp_path / "report"),
+    )
     progress = [line for line in text.splitlines() if re.match(r"flowlift eval: \d/3 img \(\d+%\) in ", line)]
     assert progress, text
     assert "\r" not in text
@@ -188,40 +195,17 @@ def test_upscale_into_a_log_names_what_loads_then_every_stage_and_its_time_left(
     weights = tiny_upscaler(tmp_path / "flow_upscaler.safetensors")
     with Image.open(shared / "images" / "kodak" / "kodim23.png") as im:
         im.convert("RGB").crop((0, 0, 96, 64)).save(tmp_path / "kodim23.png")
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO / "src"),
-        console.PROGRESS_INTERVAL_VARIABLE: "0.02",
-        "HF_HUB_OFFLINE": "1",
-    }
-    with open(tmp_path / "out", "w") as out, open(tmp_path / "log", "w") as log:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "flowlift",
-                "upscale",
-                "kodim23.png",
-                "--scale",
-                "4",
-                "--upscaler",
-                str(weights),
-                "--vae",
-                str(shared / "models" / "taef2"),
-                "--device",
-                "cpu",
-                "-o",
-                "big.png",
-            ],
-            stdout=out,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            timeout=300,
-            cwd=tmp_path,
-        )
-    text = (tmp_path / "log").read_text()
-    assert done.returncode == 0, text
+    text = _run_with_progress_into_a_log(
+        tmp_path,
+        "0.02",
+        "upscale",
+        "kodim23.png",
+        "--scale",
+        "4",
+        *cpu_upscale_options(shared, weights),
+        "-o",
+        "big.png",
+    )
     lines = [line for line in text.splitlines() if line.startswith("flowlift upscale: ")]
     first = next(i for i, line in enumerate(lines) if "loading" in line)
     assert re.match(

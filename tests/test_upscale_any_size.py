@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from door_helpers import cpu_upscale_options
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 
@@ -31,16 +32,7 @@ def photo(shared):
 
 
 def _common(shared, weights) -> list[str]:
-    return [
-        "--upscaler",
-        str(weights),
-        "--vae",
-        str(shared / "models" / "taef2"),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-    ]
+    return [*cpu_upscale_options(shared, weights), "--dtype", "float32"]
 
 
 def _exact_area(n_out: int, n_in: int) -> np.ndarray:
