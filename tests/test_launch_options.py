@@ -22,6 +22,7 @@ import pytest
 
 from builders import save_tiny_unet
 from conftest import shared_dir
+from door_helpers import cpu_upscale_options
 from flowlift.commands.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,28 +60,18 @@ def test_options_torchrun_cannot_run_are_one_line(capsys, options, message):
     assert len(err) == 1 and err[0].startswith("flowlift launch: error: launcher options: ") and message in err[0], err
 
 
+def _launch_that_nobody_joins(join_timeout: int, *options: str) -> list[str]:
+    """``flowlift launch`` of ``upscale a.png`` as one of 2 nodes at a rendezvous on a free loopback port, with
+    ``join_timeout`` and ``options``: the other node never comes."""
+    rendezvous = ["--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", *options]
+    rendezvous += ["--rdzv-conf", f"join_timeout={join_timeout}"]
+    return [sys.executable, "-m", "flowlift", "launch", *rendezvous, "--", "upscale", "a.png"]
+
+
 @pytest.mark.parametrize("backend", ["static", "c10d"])
 def test_a_rendezvous_nobody_joins_ends_within_its_join_timeout(tmp_path, backend):
     join_timeout = 3
-    argv = [
-        sys.executable,
-        "-m",
-        "flowlift",
-        "launch",
-        "--nnodes",
-        "2",
-        "--rdzv-backend",
-        backend,
-        "--rdzv-endpoint",
-        f"127.0.0.1:{_free_port()}",
-        "--rdzv-id",
-        uuid.uuid4().hex,
-        "--rdzv-conf",
-        f"join_timeout={join_timeout}",
-        "--",
-        "upscale",
-        "a.png",
-    ]
+    argv = _launch_that_nobody_joins(join_timeout, "--rdzv-backend", backend, "--rdzv-id", uuid.uuid4().hex)
     process = subprocess.Popen(argv, env=_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     _, err = process.communicate(timeout=120)
     lines = err.splitlines()
@@ -110,21 +101,7 @@ def test_the_join_timeout_bounds_the_wait(tmp_path):
     baseline = _launch_time(tmp_path)
     start = time.monotonic()
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flowlift",
-            "launch",
-            "--nnodes",
-            "2",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{_free_port()}",
-            "--rdzv-conf",
-            "join_timeout=4",
-            "--",
-            "upscale",
-            "a.png",
-        ],
+        _launch_that_nobody_joins(4),
         env=_env(),
         cwd=tmp_path,
         capture_output=True,
@@ -136,26 +113,26 @@ def test_the_join_timeout_bounds_the_wait(tmp_path):
     assert waited < 4 + 90, (waited, baseline)
 
 
+def _start_script_on_two_ranks(script: Path, folder: Path, tmp_path: Path, *options: str) -> subprocess.Popen:
+    """``python SCRIPT FOLDER`` (a launcher) started in ``tmp_path`` on one node of 2 ranks meeting at a c10d
+    rendezvous on a free loopback port under a fresh id, then ``options``; its stderr piped."""
+    rendezvous = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d"]
+    rendezvous += ["--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", uuid.uuid4().hex]
+    return subprocess.Popen(
+        [sys.executable, str(script), str(folder), *rendezvous, *options],
+        env=_env(),
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def test_sigterm_to_one_rank_is_an_interrupted_job_not_a_crash(tmp_path):
     script = tmp_path / "stoppable.py"
     script.write_text(STOPPABLE)
     pids = tmp_path / "pids"
     pids.mkdir()
-    options = [
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{_free_port()}",
-        "--rdzv-id",
-        uuid.uuid4().hex,
-    ]
-    process = subprocess.Popen(
-        [sys.executable, str(script), str(pids), *options], env=_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True
-    )
+    process = _start_script_on_two_ranks(script, pids, tmp_path)
     try:
         deadline = time.monotonic() + 120
         while not all((pids / f"{rank}.0").is_file() and (pids / f"{rank}.0").read_text() for rank in "01"):
@@ -243,27 +220,7 @@ def test_a_signal_stops_the_whole_run_and_is_never_restarted(tmp_path, target, s
     script.write_text(STOPPABLE)
     starts = tmp_path / "starts"
     starts.mkdir()
-    options = [
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{_free_port()}",
-        "--rdzv-id",
-        uuid.uuid4().hex,
-        "--max-restarts",
-        "2",
-    ]
-    process = subprocess.Popen(
-        [sys.executable, str(script), str(starts), *options],
-        env=_env(),
-        cwd=tmp_path,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = _start_script_on_two_ranks(script, starts, tmp_path, "--max-restarts", "2")
     first = [starts / "0.0", starts / "1.0"]
     try:
         deadline = time.monotonic() + 120
@@ -362,16 +319,10 @@ def tiny_upscale(tmp_path_factory):
     torch.manual_seed(0)
     weights = save_tiny_unet(folder / "w.safetensors", seed=None)
     Image.new("RGB", (64, 48), (90, 40, 20)).save(folder / "a.png")
-    shared = shared_dir() / "models" / "taef2"  # $FLOWLIFT_SHARED, else ../shared
     return [
         "upscale",
         str(folder / "a.png"),
-        "--upscaler",
-        str(weights),
-        "--vae",
-        str(shared),
-        "--device",
-        "cpu",
+        *cpu_upscale_options(shared_dir(), weights),  # shared_dir(): $FLOWLIFT_SHARED, else ../shared
         "--barrier-timeout",
         "4",
         "-o",
@@ -472,27 +423,7 @@ if __name__ == "__main__":
 def test_a_rank_suspended_before_the_end_barrier_ends_the_run_with_exit_1(tmp_path):
     script = tmp_path / "barrier.py"
     script.write_text(AT_THE_BARRIER)
-    options = [
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{_free_port()}",
-        "--rdzv-id",
-        uuid.uuid4().hex,
-        "--max-restarts",
-        "2",
-    ]
-    process = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path), *options],
-        env=_env(),
-        cwd=tmp_path,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    process = _start_script_on_two_ranks(script, tmp_path, tmp_path, "--max-restarts", "2")
     ready, victim = tmp_path / "ready", None
     try:
         deadline = time.monotonic() + 120
