@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -197,12 +198,17 @@ def long_functions(path: Path) -> dict[str, int]:
     return found
 
 
-def test_functions_stay_readable():
-    long = {
-        f"{path.relative_to(PACKAGE)}:{name}": lines
+def in_every_module(find: Callable[[Path], dict[str, int]]) -> dict[str, int]:
+    """``{"module path:name": count}``: what ``find`` reports in each module of the package."""
+    return {
+        f"{path.relative_to(PACKAGE)}:{name}": count
         for path in sorted(PACKAGE.rglob("*.py"))
-        for name, lines in long_functions(path).items()
+        for name, count in find(path).items()
     }
+
+
+def test_functions_stay_readable():
+    long = in_every_module(long_functions)
     assert not long, f"functions past {MAX_FUNCTION_LINES} lines: split them into named steps: {long}"
 
 
@@ -273,11 +279,7 @@ def wide_public_functions(path: Path) -> dict[str, int]:
 
 
 def test_no_public_function_takes_more_than_twelve_parameters():
-    wide = {
-        f"{path.relative_to(PACKAGE)}:{name}": n
-        for path in sorted(PACKAGE.rglob("*.py"))
-        for name, n in wide_public_functions(path).items()
-    }
+    wide = in_every_module(wide_public_functions)
     assert not wide, f"public functions past {MAX_PUBLIC_PARAMETERS} parameters: pass a settings object: {wide}"
 
 
