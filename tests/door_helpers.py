@@ -4,8 +4,19 @@ one thing the tests would otherwise spell out again."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flowlift.training.config import TrainConfig
 
 
 def cpu_upscale_options(shared: Path, weights: Path) -> list[str]:
     """``flowlift upscale``'s options for a run on the CPU with the upscaler at ``weights`` and the shared TAEF2."""
     return ["--upscaler", str(weights), "--vae", str(shared / "models" / "taef2"), "--device", "cpu"]
+
+
+def quiet_train_config(data: Path, output: Path, **values: Any) -> TrainConfig:
+    """``flowlift train``'s config (no progress bar) reading ``data`` and writing ``output``, with ``values``."""
+    from flowlift.training.config import build_config
+
+    return build_config(None, {"data": str(data), "output": str(output), "progress": False, **values})

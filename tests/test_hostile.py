@@ -23,6 +23,7 @@ import torch
 from PIL import Image, PngImagePlugin
 from safetensors.torch import load_file, save_file
 
+from door_helpers import cpu_upscale_options, quiet_train_config
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 
@@ -218,20 +219,7 @@ def test_cli_upscale_with_poisoned_weights_writes_nothing(shared, tiny_weights, 
     bad = _rewrite(tiny_weights, tmp_path / "flow_upscaler.safetensors", poison)
     Image.new("RGB", (32, 32), (120, 80, 40)).save(tmp_path / "a.png")
     out = tmp_path / "out"
-    rc = main(
-        [
-            "upscale",
-            str(tmp_path / "a.png"),
-            "-o",
-            str(out),
-            "--upscaler",
-            str(bad),
-            "--vae",
-            str(shared / "models" / "taef2"),
-            "--device",
-            "cpu",
-        ]
-    )
+    rc = main(["upscale", str(tmp_path / "a.png"), "-o", str(out), *cpu_upscale_options(shared, bad)])
     assert rc == 2
     assert "contain NaN in `" in _one_error_line(capsys.readouterr().err, "upscale")
     assert not out.exists() or not any(out.iterdir())
@@ -635,25 +623,9 @@ def test_non_finite_training_data_is_named_not_blamed_on_the_learning_rate(tmp_p
 
 
 def _train_config(data: Path, output: Path, **overrides):
-    from flowlift.training.config import build_config
-
-    values = dict(
-        data=str(data),
-        output=str(output),
-        crop=0,
-        steps=4,
-        batch_size=2,
-        lr=1e-3,
-        warmup_steps=1,
-        checkpoint_every=1,
-        keep_checkpoints=2,
-        log_every=1,
-        progress=False,
-        **TINY_UNET,
-        dropout=0.0,
-    )
-    values.update(overrides)
-    return build_config(None, values)
+    steps = dict(crop=0, steps=4, batch_size=2, lr=1e-3, warmup_steps=1, log_every=1)
+    checkpoints = dict(checkpoint_every=1, keep_checkpoints=2)
+    return quiet_train_config(data, output, **{**steps, **checkpoints, **TINY_UNET, "dropout": 0.0, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -902,12 +874,7 @@ def test_killed_mid_write_then_resume(shared, tiny_weights, tmp_path, capsys, la
         str(src),
         "--scale",
         "2",
-        "--upscaler",
-        str(tiny_weights),
-        "--vae",
-        str(shared / "models" / "taef2"),
-        "--device",
-        "cpu",
+        *cpu_upscale_options(shared, tiny_weights),
     ]
     if layout == "separate folder":
         argv += ["-o", str(out)]
@@ -1072,7 +1039,7 @@ def test_the_cap_is_on_the_computed_canvas_and_the_warning_names_the_real_size()
 
 
 def _upscale(shared, weights, *argv) -> list[str]:
-    return ["upscale", *argv, "--upscaler", str(weights), "--vae", str(shared / "models" / "taef2"), "--device", "cpu"]
+    return ["upscale", *argv, *cpu_upscale_options(shared, weights)]
 
 
 def test_cap_dropped_passes_name_the_output_by_the_scale_produced_and_resume(shared, tiny_weights, tmp_path, capsys):

@@ -22,6 +22,8 @@ import pytest
 import torch
 from PIL import Image
 
+from door_helpers import cpu_upscale_options
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 TINY_UNET = {"base_channels": 32, "time_dim": 32, "cond_dim": 64}
 #: From the signal to the process's exit: the current kernel call plus clean-up, on a loaded machine.
@@ -83,12 +85,7 @@ def test_a_capped_job_stops_within_seconds_with_130_and_nothing_partial(shared, 
         "3",
         "-o",
         str(out),
-        "--upscaler",
-        str(tiny_weights),
-        "--vae",
-        str(shared / "models" / "taef2"),
-        "--device",
-        "cpu",
+        *cpu_upscale_options(shared, tiny_weights),
         "--progress",
     ]
     process = subprocess.Popen(

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from door_helpers import quiet_train_config
 from flowlift.commands.cli import main as cli_main
 from flowlift.errors import FlowliftError
 from flowlift.training.config import TrainConfig, build_config, parse_assignments
@@ -58,23 +59,9 @@ def dataset(tmp_path_factory, shared, taef2_spec):
 
 
 def _config(dataset, output, **overrides) -> TrainConfig:
-    values = dict(
-        data=str(dataset),
-        output=str(output),
-        crop=16,
-        steps=6,
-        batch_size=4,
-        lr=2e-3,
-        warmup_steps=2,
-        checkpoint_every=3,
-        log_every=1,
-        ema_decay=0.9,
-        progress=False,
-        resume="auto",
-        **TINY,
-    )
-    values.update(overrides)
-    return build_config(None, values)
+    steps = dict(crop=16, steps=6, batch_size=4, lr=2e-3, warmup_steps=2, log_every=1)
+    saving = dict(checkpoint_every=3, ema_decay=0.9, resume="auto")
+    return quiet_train_config(dataset, output, **{**steps, **saving, **TINY, **overrides})
 
 
 def _weights(path):
