@@ -20,3 +20,8 @@ def quiet_train_config(data: Path, output: Path, **values: Any) -> TrainConfig:
     from flowlift.training.config import build_config
 
     return build_config(None, {"data": str(data), "output": str(output), "progress": False, **values})
+
+
+def one_crop_dataset_args(images: Path | str, vae: Path | str) -> list[Path | str]:
+    """``flowlift dataset images IMAGES --vae VAE``: one 64 px crop an image, on the CPU (values kept as given)."""
+    return ["dataset", "images", images, "--vae", vae, "--crop-px", "64", "--crops-per-image", "1", "--device", "cpu"]

@@ -22,6 +22,7 @@ import pytest
 import torch
 from PIL import Image
 
+from door_helpers import one_crop_dataset_args
 from mage_files import released_state, save_released
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -64,21 +65,7 @@ def commands(setup, out: Path) -> dict[str, tuple[list, list[Path]]]:
         "eval": (["eval", setup["done"], "--reference", inputs, "-o", out], [out / "results.json", out / "table.md"]),
         "bands": (["bands", photos, "--vae", mage, "--device", "cpu", "-o", out], [out / "bands.json"]),
         "dataset": (
-            [
-                "dataset",
-                "images",
-                photos,
-                "--vae",
-                mage,
-                "--crop-px",
-                "64",
-                "--crops-per-image",
-                "1",
-                "--device",
-                "cpu",
-                "-o",
-                out,
-            ],
+            [*one_crop_dataset_args(photos, mage), "-o", out],
             [out / "shard-00000.safetensors"],
         ),
     }

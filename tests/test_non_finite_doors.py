@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+from door_helpers import one_crop_dataset_args
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 from flowlift.models.vae_loading import load_vae
@@ -60,22 +61,7 @@ def assert_one_line_refusal(code: int, err: str, command: str) -> None:
 
 class TestDatasetShards:
     def argv(self, photos, vae, out):
-        return (
-            "dataset",
-            "images",
-            photos,
-            "--vae",
-            vae,
-            "--crop-px",
-            "64",
-            "--crops-per-image",
-            "1",
-            "--device",
-            "cpu",
-            "--no-progress",
-            "-o",
-            out,
-        )
+        return (*one_crop_dataset_args(photos, vae), "--no-progress", "-o", out)
 
     def test_an_overflowing_vae_writes_no_shard(self, vae_files, photos, tmp_path, capsys):
         out = tmp_path / "data"

@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 
 from builders import resized_photo, save_tiny_unet
+from door_helpers import one_crop_dataset_args
 from flowlift.commands.cli import main
 from flowlift.models.vae_names import NAMED_VAES, VAE_NAMES
 
@@ -184,19 +185,9 @@ def test_dataset_images_takes_every_named_vae(named_hub, shared, tmp_path, capsy
     out = tmp_path / "data"
     code, err = _run(
         capsys,
-        "dataset",
-        "images",
-        shared / "images" / "kodak" / "kodim05.png",
+        *one_crop_dataset_args(shared / "images" / "kodak" / "kodim05.png", name),
         "-o",
         out,
-        "--vae",
-        name,
-        "--crop-px",
-        "64",
-        "--crops-per-image",
-        "1",
-        "--device",
-        "cpu",
         "--no-progress",
     )
     assert code == 0, err
