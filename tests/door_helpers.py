@@ -25,3 +25,8 @@ def quiet_train_config(data: Path, output: Path, **values: Any) -> TrainConfig:
 def one_crop_dataset_args(images: Path | str, vae: Path | str) -> list[Path | str]:
     """``flowlift dataset images IMAGES --vae VAE``: one 64 px crop an image, on the CPU (values kept as given)."""
     return ["dataset", "images", images, "--vae", vae, "--crop-px", "64", "--crops-per-image", "1", "--device", "cpu"]
+
+
+def taef2_distill_args(out: Path, shared: Path, teacher: Path) -> list[str]:
+    """``flowlift dataset distill -o OUT`` from the transformer folder ``teacher``, encoding with the shared TAEF2."""
+    return ["dataset", "distill", "-o", str(out), "--vae", str(shared / "models" / "taef2"), "--teacher", str(teacher)]

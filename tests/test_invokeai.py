@@ -36,7 +36,7 @@ from flowlift.upscale.settings import MemoryPolicy
 from flux2_files import write_single_file
 from invokeai_client import InvokeAIServer, graph, start_server, stop_server, wait_until_serving
 from invokeai_venv import invokeai_env, invokeai_python
-from tiny_flux2 import QWEN3_WIDTH, write_invokeai_klein_pipeline
+from tiny_flux2 import QWEN3_WIDTH, tiny_transformer, write_invokeai_klein_pipeline
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = REPO_ROOT / "example_workflows" / "invokeai"
@@ -118,16 +118,13 @@ def write_models(folder: Path) -> None:
     write_invokeai_klein_pipeline(folder / "klein-tiny", qwen3_tokenizer_files())
     # A Klein transformer as one BFL-named file (how Klein 4B/9B ship): InvokeAI's checkpoint loader rebuilds it
     # with 128-wide heads and diffusers' other defaults (rope axes 32x4, 256 timestep channels), so it has those.
-    from diffusers import Flux2Transformer2DModel
-
-    torch.manual_seed(12)
-    single = Flux2Transformer2DModel(
-        num_layers=1,
-        num_single_layers=1,
+    single = tiny_transformer(
+        seed=12,
+        text_dim=3 * QWEN3_WIDTH,
         attention_head_dim=128,
         num_attention_heads=1,
-        joint_attention_dim=3 * QWEN3_WIDTH,
-        guidance_embeds=False,
+        timestep_guidance_channels=256,
+        axes_dims_rope=(32, 32, 32, 32),
     )
     write_single_file(single, folder / "klein-tiny-transformer.safetensors")
     # What InvokeAI's model probe identifies as an SD-1 VAE (4 latent channels); the nodes must refuse it

@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from door_helpers import taef2_distill_args
 from flowlift.errors import FlowliftError
 from flowlift.refine.loading import load_transformer
 from flux2_files import bfl_state_dict, write_fp8, write_gguf, write_single_file
@@ -244,18 +245,13 @@ def _write_broken_files(files: Path, good_file: Path) -> dict[str, tuple[Path, s
     state["final_layer.linear.weight"] = torch.zeros(64, state["final_layer.linear.weight"].shape[1])
     save_file(state, str(files / "out.safetensors"))
     cases["output-projection"] = (files / "out.safetensors", "maps 128 latent channels (img_in.weight) to 64")
-    from diffusers import Flux2Transformer2DModel
-
-    torch.manual_seed(0)
-    wide = Flux2Transformer2DModel(
-        num_layers=1,
-        num_single_layers=1,
+    wide = tiny_transformer(
+        text_dim=256,
+        guidance_embeds=True,
         attention_head_dim=128,
-        num_attention_heads=2,
-        joint_attention_dim=256,
         timestep_guidance_channels=256,
-        axes_dims_rope=(32, 32, 32, 32),
         out_channels=64,
+        axes_dims_rope=(32, 32, 32, 32),
     )
     write_gguf(wide, files / "out.gguf", "Q8_0")
     cases["gguf-output-projection"] = (files / "out.gguf", "maps 128 latent channels (img_in.weight) to 64")
@@ -317,14 +313,7 @@ def test_a_distillation_teacher_folder_is_checked_the_same_way(files, tmp_path, 
     save_file({"prompt_embeds": torch.randn(6, 32)}, str(tmp_path / "embeds.safetensors"))
     out = tmp_path / "distill"
     argv = [
-        "dataset",
-        "distill",
-        "-o",
-        str(out),
-        "--vae",
-        str(shared / "models" / "taef2"),
-        "--teacher",
-        str(teacher),
+        *taef2_distill_args(out, shared, teacher),
         "--prompt-embeds",
         str(tmp_path / "embeds.safetensors"),
         "--num",
