@@ -431,16 +431,12 @@ def test_latent_and_image_nodes_on_invokeais_flux2_vae_equal_the_pipeline(server
         "decode": {"type": "flux2_vae_decode"},
         "img": upscale_image_node(server, "example.png", scale=2.0, seed=8),  # the image node on this VAE
     }
-    edges = [
-        ("vae", "vae", "img", "vae"),
+    edges = [("vae", "vae", node, "vae") for node in ("img", "encode", "up", "up_chunked", "decode")]
+    edges += [
         ("image", "image", "encode", "image"),
-        ("vae", "vae", "encode", "vae"),
         ("encode", "latents", "up", "latents"),
-        ("vae", "vae", "up", "vae"),
         ("encode", "latents", "up_chunked", "latents"),
-        ("vae", "vae", "up_chunked", "vae"),
         ("up", "latents", "decode", "latents"),
-        ("vae", "vae", "decode", "vae"),
     ]
     item = server.run(graph(nodes, edges))
 
@@ -600,25 +596,18 @@ def test_bad_inputs_fail_only_their_item_with_one_line(server):
     wide = graph({"up": upscale_image_node(server, "wide.png", scale=8.0)}, [])
     dotfile = server.models / ".profile"
 
+    # a 300 GB sparse file (issue 32.G) is refused before a byte is read (the item queued behind must not wait for
+    # its hash), in the same words as a file that does not exist, telling nothing of what a file holds
+    upscalers = {"corrupt": "corrupt.safetensors", "300 GB sparse": "big.safetensors", "dotfile": ".profile"}
+    upscalers["missing"] = "missing.safetensors"
     cases = {
-        "corrupt upscaler": (
-            latent_graph(flux2, flux2_vae, str(server.models / "corrupt.safetensors")),
-            ["cannot use", "corrupt.safetensors", "expected the Flow Upscaler's weights"],
-        ),
-        # issue 32.G: refused before a byte is read (the item queued behind must not wait for a 300 GB hash),
-        # in the same words as a file that does not exist, telling nothing of what a file holds
-        "300 GB sparse upscaler": (
-            latent_graph(flux2, flux2_vae, str(server.models / "big.safetensors")),
-            ["cannot use", "big.safetensors", "expected the Flow Upscaler's weights"],
-        ),
-        "dotfile upscaler": (
-            latent_graph(flux2, flux2_vae, str(server.models / ".profile")),
-            ["cannot use", ".profile", "expected the Flow Upscaler's weights"],
-        ),
-        "missing upscaler": (
-            latent_graph(flux2, flux2_vae, str(server.models / "missing.safetensors")),
-            ["cannot use", "missing.safetensors", "expected the Flow Upscaler's weights"],
-        ),
+        f"{kind} upscaler": (
+            latent_graph(flux2, flux2_vae, str(server.models / name)),
+            ["cannot use", name, "expected the Flow Upscaler's weights"],
+        )
+        for kind, name in upscalers.items()
+    }
+    cases |= {
         "dotfile TAEF2": (
             graph({"up": upscale_image_node(server, "example.png", taef2=str(dotfile))}, []),
             ["TAEF2: cannot use", ".profile", "expected TAEF2's weights"],
