@@ -10,6 +10,27 @@ if TYPE_CHECKING:
     from flowlift.training.config import TrainConfig
 
 
+#: The ComfyUI nodes' inputs in their saved order: saved workflows depend on it (a change is a breaking change
+#: for users).
+COMFY_WIDGET_ORDER = {
+    "FlowliftUpscalerLoader": ["upscaler_name"],
+    "FlowliftUpscaleLatent": ["upscaler", "samples", "scale", "seed", "transplant_strength", "chunked"],
+    "FlowliftUpscaleImage": [
+        "image",
+        "upscaler",
+        "vae",
+        "scale",
+        "seed",
+        "transplant_strength",
+        "color_fix_strength",
+        "chunked",
+    ],
+    "FlowliftColorFix": ["image", "reference", "strength"],
+    "FlowliftTAEF2Loader": ["taef2_name"],
+    "FlowliftMageVAELoader": ["mage_name"],
+}
+
+
 def cpu_upscale_options(shared: Path, weights: Path) -> list[str]:
     """``flowlift upscale``'s options for a run on the CPU with the upscaler at ``weights`` and the shared TAEF2."""
     return ["--upscaler", str(weights), "--vae", str(shared / "models" / "taef2"), "--device", "cpu"]

@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 
 from comfy_server import IMAGE_H, IMAGE_W, load_api_workflow, message, png_tensor, session_server
 from comfy_venv import COMFYUI_VERSION
+from door_helpers import COMFY_WIDGET_ORDER
 from flowlift.comfyui.layouts import NUMERIC_INPUTS
 from flowlift.flux2.latents import from_comfyui_latent, patchify
 from flowlift.models.upscaler_weights import load_upscaler
@@ -43,29 +44,64 @@ NODE_IDS = (
     "FlowliftTAEF2Loader",
     "FlowliftMageVAELoader",
 )
-#: Saved workflows depend on these: a change here is a breaking change for users.
-WIDGET_ORDER = {
-    "FlowliftUpscalerLoader": ["upscaler_name"],
-    "FlowliftUpscaleLatent": ["upscaler", "samples", "scale", "seed", "transplant_strength", "chunked"],
-    "FlowliftUpscaleImage": [
-        "image",
-        "upscaler",
-        "vae",
-        "scale",
-        "seed",
-        "transplant_strength",
-        "color_fix_strength",
-        "chunked",
-    ],
-    "FlowliftColorFix": ["image", "reference", "strength"],
-    "FlowliftTAEF2Loader": ["taef2_name"],
-    "FlowliftMageVAELoader": ["mage_name"],
-}
 
 
 def combo_options(spec: list) -> list:
     """A drop-down's choices in /object_info: ``["COMBO", {"options": [...]}]`` (V3 nodes) or ``[[...], {...}]``."""
     return spec[1]["options"] if spec[0] == "COMBO" else spec[0]
+
+
+#: The upscale nodes' knobs as the tests below set them (scale and chunking aside).
+LATENT_KNOBS = {"seed": 0, "transplant_strength": 1.0}
+IMAGE_KNOBS = {**LATENT_KNOBS, "color_fix_strength": 1.0, "chunked": "auto"}
+
+
+def upscale_latent_node(upscaler: list, samples: list, *, scale: float, chunked: str) -> dict:
+    """A FlowliftUpscaleLatent node on the outputs ``upscaler`` and ``samples`` (``[node id, output]``)."""
+    inputs = {"upscaler": upscaler, "samples": samples, "scale": scale, **LATENT_KNOBS, "chunked": chunked}
+    return {"class_type": "FlowliftUpscaleLatent", "inputs": inputs}
+
+
+def latent_file_workflow(upscaler_name: str, *, scale: float, chunked: str, prefix: str) -> dict:
+    """big_flux2.latent upscaled by the upscaler file ``upscaler_name`` (node "3") and saved under ``prefix``."""
+    return {
+        "1": {"class_type": "FlowliftUpscalerLoader", "inputs": {"upscaler_name": upscaler_name}},
+        "2": {"class_type": "LoadLatent", "inputs": {"latent": "big_flux2.latent"}},
+        "3": upscale_latent_node(["1", 0], ["2", 0], scale=scale, chunked=chunked),
+        "4": {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": prefix}},
+    }
+
+
+def assert_example_upscale_equals_the_api(
+    server, entry: dict, vae, *, passes: int, seed: int, atol: float = 1 / 255 + 1e-6
+) -> torch.Tensor:
+    """Node "5" of ``entry`` (example.png upscaled with flow_upscaler.safetensors) equals flowlift's Python API
+    over ``vae`` (``passes`` 2x passes, ``seed``) to ``atol`` (1/255: the PNG's rounding); returns example.png."""
+    pixels = png_tensor(server.root / "input" / "example.png")
+    upscaler = load_upscaler(server.root / "models" / "latent_upscale_models" / "flow_upscaler.safetensors")
+    expected = FlowUpscalerPipeline(upscaler, vae).upscale_image(pixels, passes, seed=seed, output_type="pt")
+    got = png_tensor(server.output_file(entry, "5"))
+    assert got.shape == (1, 3, 2**passes * IMAGE_H, 2**passes * IMAGE_W)
+    assert (got - expected).abs().max().item() <= atol
+    return pixels
+
+
+def queue_until_running(server, workflow: dict) -> str:
+    """Queues ``workflow`` and returns its prompt id once the server runs it (within 60 s)."""
+    prompt_id = server.queue(workflow)
+    deadline = time.monotonic() + 60
+    while not any(item[1] == prompt_id for item in server.request("/queue")["queue_running"]):
+        assert time.monotonic() < deadline, "the prompt never started"
+        time.sleep(0.1)
+    return prompt_id
+
+
+def interrupt_and_wait(server, prompt_id: str, *, timeout: float) -> tuple[dict, float]:
+    """Interrupts the running prompt; returns its history entry and the seconds it took to end."""
+    started = time.monotonic()
+    server.request("/interrupt", {})
+    entry = server.wait(prompt_id, timeout=timeout)
+    return entry, time.monotonic() - started
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +120,7 @@ def test_the_nodes_load_with_stable_ids_and_widget_order(server):
     info = server.object_info
     missing = [n for n in NODE_IDS if n not in info]
     assert not missing, f"nodes missing from /object_info: {missing}\n{server.log_tail()}"
-    for node, order in WIDGET_ORDER.items():
+    for node, order in COMFY_WIDGET_ORDER.items():
         assert info[node]["input_order"]["required"] == order, node
     # our files are listed through ComfyUI's own folders, extra_model_paths.yaml folders included
     names = combo_options(info["FlowliftUpscalerLoader"]["input"]["required"]["upscaler_name"])
@@ -185,13 +221,8 @@ def test_taef2_workflows_equal_the_python_api(server, shared):
     }
     entry = server.run(workflow)
 
-    pixels = png_tensor(server.root / "input" / "example.png")
     taef2 = load_vae(shared / "models" / "taef2")
-    upscaler = load_upscaler(server.root / "models" / "latent_upscale_models" / "flow_upscaler.safetensors")
-    expected = FlowUpscalerPipeline(upscaler, taef2).upscale_image(pixels, 2, seed=3, output_type="pt")
-    got = png_tensor(server.output_file(entry, "5"))
-    assert got.shape == (1, 3, 4 * IMAGE_H, 4 * IMAGE_W)
-    assert (got - expected).abs().max().item() <= 1 / 255 + 1e-6
+    pixels = assert_example_upscale_equals_the_api(server, entry, taef2, passes=2, seed=3)
     round_trip = taef2.decode(taef2.encode(pixels)).clamp(0, 1)
     assert (png_tensor(server.output_file(entry, "82")) - round_trip).abs().max().item() <= 1 / 255 + 1e-6
     assert png_tensor(server.output_file(entry, "84")).shape == pixels.shape
@@ -216,13 +247,8 @@ def test_every_native_vae_has_a_loader_whose_workflows_equal_the_python_api(serv
     }
     entry = server.run(workflow)
 
-    pixels = png_tensor(server.root / "input" / "example.png")
     flowlift_vae = load_vae(folder / NATIVE_FILES[vae.name])
-    upscaler = load_upscaler(server.root / "models" / "latent_upscale_models" / "flow_upscaler.safetensors")
-    expected = FlowUpscalerPipeline(upscaler, flowlift_vae).upscale_image(pixels, 1, seed=3, output_type="pt")
-    got = png_tensor(server.output_file(entry, "5"))
-    assert got.shape == (1, 3, 2 * IMAGE_H, 2 * IMAGE_W)
-    assert (got - expected).abs().max().item() <= 1 / 255 + 1e-6
+    pixels = assert_example_upscale_equals_the_api(server, entry, flowlift_vae, passes=1, seed=3)
     round_trip = flowlift_vae.decode(flowlift_vae.encode(pixels)).clamp(0, 1)
     assert (png_tensor(server.output_file(entry, "82")) - round_trip).abs().max().item() <= 1 / 255 + 1e-6
 
@@ -247,13 +273,8 @@ def test_comfyuis_own_vae_objects_work_in_the_flowlift_nodes_as_flowlifts_loader
     workflow["5"]["inputs"]["filename_prefix"] = f"test/comfy_{kind}_upscale"
     entry = server.run(workflow)
 
-    pixels = png_tensor(server.root / "input" / "example.png")
     flowlift_vae = load_vae(server.root / "models" / relative)
-    upscaler = load_upscaler(server.root / "models" / "latent_upscale_models" / "flow_upscaler.safetensors")
-    expected = FlowUpscalerPipeline(upscaler, flowlift_vae).upscale_image(pixels, 1, seed=4, output_type="pt")
-    got = png_tensor(server.output_file(entry, "5"))
-    assert got.shape == (1, 3, 2 * IMAGE_H, 2 * IMAGE_W)
-    assert (got - expected).abs().max().item() <= 1 / 255 + 1e-5, kind
+    assert_example_upscale_equals_the_api(server, entry, flowlift_vae, passes=1, seed=4, atol=1 / 255 + 1e-5)
 
 
 def test_flowlifts_mage_loader_equals_comfyuis_on_the_same_file(server):
@@ -299,22 +320,7 @@ def test_color_fix_equals_stage_2(server):
 
 
 def test_bad_inputs_fail_with_one_line_and_the_server_keeps_serving(server):
-    corrupt = {
-        "1": {"class_type": "FlowliftUpscalerLoader", "inputs": {"upscaler_name": "corrupt.safetensors"}},
-        "2": {"class_type": "LoadLatent", "inputs": {"latent": "big_flux2.latent"}},
-        "3": {
-            "class_type": "FlowliftUpscaleLatent",
-            "inputs": {
-                "upscaler": ["1", 0],
-                "samples": ["2", 0],
-                "scale": 2.0,
-                "seed": 0,
-                "transplant_strength": 1.0,
-                "chunked": "auto",
-            },
-        },
-        "4": {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": "test/never"}},
-    }
+    corrupt = latent_file_workflow("corrupt.safetensors", scale=2.0, chunked="auto", prefix="test/never")
     entry = server.wait(server.queue(corrupt))
     error = message(entry, "execution_error")
     assert entry["status"]["status_str"] == "error" and error["node_type"] == "FlowliftUpscalerLoader"
@@ -340,33 +346,13 @@ def test_bad_inputs_fail_with_one_line_and_the_server_keeps_serving(server):
 
 
 def test_interrupt_stops_a_long_chunked_run_within_seconds(server):
-    workflow = {
-        "1": {"class_type": "FlowliftUpscalerLoader", "inputs": {"upscaler_name": "flow_upscaler_b64.safetensors"}},
-        "2": {"class_type": "LoadLatent", "inputs": {"latent": "big_flux2.latent"}},
-        "3": {
-            "class_type": "FlowliftUpscaleLatent",
-            "inputs": {
-                "upscaler": ["1", 0],
-                "samples": ["2", 0],
-                "scale": 8.0,
-                "seed": 0,
-                "transplant_strength": 1.0,
-                "chunked": "always",
-            },
-        },
-        "4": {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": "test/interrupted"}},
-    }
-    prompt_id = server.queue(workflow)
-    deadline = time.monotonic() + 60
-    while not any(item[1] == prompt_id for item in server.request("/queue")["queue_running"]):
-        assert time.monotonic() < deadline, "the prompt never started"
-        time.sleep(0.1)
+    workflow = latent_file_workflow(
+        "flow_upscaler_b64.safetensors", scale=8.0, chunked="always", prefix="test/interrupted"
+    )
+    prompt_id = queue_until_running(server, workflow)
     time.sleep(3.0)  # well inside the first passes (the whole run takes far longer)
     assert not server.request(f"/history/{prompt_id}"), "the run finished before the interrupt: make it longer"
-    started = time.monotonic()
-    server.request("/interrupt", {})
-    entry = server.wait(prompt_id, timeout=60)
-    took = time.monotonic() - started
+    entry, took = interrupt_and_wait(server, prompt_id, timeout=60)
     print(f"interrupt honoured after {took:.2f} s")
     interrupted = message(entry, "execution_interrupted")
     assert interrupted["node_type"] == "FlowliftUpscaleLatent"
@@ -385,16 +371,7 @@ def test_interrupt_stops_an_8x_image_upscale_within_seconds_in_every_stage(serve
         "3": {"class_type": "FlowliftUpscalerLoader", "inputs": {"upscaler_name": "flow_upscaler_b64.safetensors"}},
         "4": {
             "class_type": "FlowliftUpscaleImage",
-            "inputs": {
-                "image": ["1", 0],
-                "upscaler": ["3", 0],
-                "vae": ["2", 0],
-                "scale": 8.0,
-                "seed": 0,
-                "transplant_strength": 1.0,
-                "color_fix_strength": 1.0,
-                "chunked": "auto",
-            },
+            "inputs": {"image": ["1", 0], "upscaler": ["3", 0], "vae": ["2", 0], **IMAGE_KNOBS, "scale": 8.0},
         },
         "5": {"class_type": "SaveImage", "inputs": {"images": ["4", 0], "filename_prefix": "test/interrupted"}},
     }
@@ -404,19 +381,12 @@ def test_interrupt_stops_an_8x_image_upscale_within_seconds_in_every_stage(serve
     for stage, delays in (("early", (3.0,)), ("late", (18.0, 11.0, 7.0))):
         for delay in delays:
             workflow["4"]["inputs"]["seed"] = int(delay * 10)  # a new prompt each time (ComfyUI caches finished nodes)
-            prompt_id = server.queue(workflow)
-            deadline = time.monotonic() + 60
-            while not any(item[1] == prompt_id for item in server.request("/queue")["queue_running"]):
-                assert time.monotonic() < deadline, "the prompt never started"
-                time.sleep(0.1)
+            prompt_id = queue_until_running(server, workflow)
             time.sleep(delay)
             if server.request(f"/history/{prompt_id}"):
                 assert stage == "late", "the run finished within 3 s: make it longer"
                 continue  # finished before the interrupt: try earlier
-            started = time.monotonic()
-            server.request("/interrupt", {})
-            entry = server.wait(prompt_id, timeout=120)
-            took = time.monotonic() - started
+            entry, took = interrupt_and_wait(server, prompt_id, timeout=120)
             worst = max(worst, took)
             print(f"interrupted {delay:.0f} s into an 8x image upscale: stopped after {took:.2f} s")
             assert message(entry, "execution_interrupted")["node_type"] == "FlowliftUpscaleImage"
@@ -439,17 +409,7 @@ def test_every_numeric_input_is_checked_and_nan_fails_the_node_with_one_line(ser
     taef2 = load_api_workflow("image_upscale_4x_taef2.json")
     latent = {key: taef2[key] for key in ("1", "2", "3")} | {
         "4": {"class_type": "VAEEncode", "inputs": {"pixels": ["1", 0], "vae": ["2", 0]}},
-        "5": {
-            "class_type": "FlowliftUpscaleLatent",
-            "inputs": {
-                "upscaler": ["3", 0],
-                "samples": ["4", 0],
-                "scale": 2.0,
-                "seed": 0,
-                "transplant_strength": 1.0,
-                "chunked": "auto",
-            },
-        },
+        "5": upscale_latent_node(["3", 0], ["4", 0], scale=2.0, chunked="auto"),
         "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": "test/nan"}},
     }
     workflows = {

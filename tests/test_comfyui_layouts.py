@@ -14,28 +14,14 @@ import torch
 from PIL import Image
 
 from comfy_frontend import overlaps
+from door_helpers import COMFY_WIDGET_ORDER
 from flowlift.comfyui import layouts as L
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import patchify
 from flowlift.upscale import node_choices as choices
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-#: The nodes' inputs in their saved order (tests/test_comfyui.py checks them on a real server), and which
-#: of them are widgets (the others are links).
-WIDGET_ORDER = {
-    "FlowliftUpscaleLatent": ["upscaler", "samples", "scale", "seed", "transplant_strength", "chunked"],
-    "FlowliftUpscaleImage": [
-        "image",
-        "upscaler",
-        "vae",
-        "scale",
-        "seed",
-        "transplant_strength",
-        "color_fix_strength",
-        "chunked",
-    ],
-    "FlowliftColorFix": ["image", "reference", "strength"],
-}
+#: Which of the nodes' inputs (door_helpers.COMFY_WIDGET_ORDER) are widgets (the others are links).
 WIDGET_INPUTS = {"scale", "seed", "transplant_strength", "color_fix_strength", "chunked", "strength"}
 
 
@@ -233,7 +219,7 @@ def test_ui_workflows_start_with_fixed_seeds():
     found = 0
     for path in UI_FILES:
         for node in json.loads(path.read_text())["nodes"]:
-            widgets = [name for name in WIDGET_ORDER.get(node["type"], []) if name in WIDGET_INPUTS]
+            widgets = [name for name in COMFY_WIDGET_ORDER.get(node["type"], []) if name in WIDGET_INPUTS]
             if "seed" in widgets:  # the frontend stores "control after generate" right after the seed
                 values = node["widgets_values"]
                 assert values[widgets.index("seed") + 1] == "fixed", (path.name, node["type"], values)
