@@ -142,15 +142,20 @@ def comfy_python() -> Path:
 def comfy_env(**extra: str) -> dict[str, str]:
     """os.environ with the CPU shim and this checkout's src first on PYTHONPATH, HF_HUB_OFFLINE=1, one torch thread
     (unless OMP_NUM_THREADS is set), plus ``extra``."""
-    env = dict(os.environ)
     paths = [str(shared_dir() / "comfyui-cpu-shim"), str(REPO_ROOT / "src")]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env["HF_HUB_OFFLINE"] = "1"
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
     # One torch thread unless asked otherwise: the test models are tiny, and on a shared 2-core machine two threads
     # contend (the tiny Klein's forward: 25 ms on one thread, 300-900 ms on two at load average 11).
-    env.setdefault("OMP_NUM_THREADS", "1")
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return offline_env(paths, **{**threads, **extra})
+
+
+def offline_env(pythonpath: list[str], **extra: str) -> dict[str, str]:
+    """os.environ with PYTHONPATH set to ``pythonpath`` alone and HF_HUB_OFFLINE=1, plus ``extra``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(pythonpath)
+    env["HF_HUB_OFFLINE"] = "1"
     env.update(extra)
     return env
 

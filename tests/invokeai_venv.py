@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from comfy_venv import built_venv, flowlift_runtime_dependencies, run_step, shared_dir, venv_python
+from comfy_venv import built_venv, flowlift_runtime_dependencies, offline_env, run_step, shared_dir, venv_python
 
 TORCH_PIN = "torch==2.13.0"
 INVOKEAI_PIN = "invokeai==6.14.2"
@@ -117,11 +117,7 @@ def invokeai_env(**extra: str) -> dict[str, str]:
     shim = shared_dir() / "comfyui-cpu-shim"
     if not shim.is_dir():
         raise FileNotFoundError(f"the CPU shim is missing: {shim} (set FLOWLIFT_SHARED to the shared/ folder)")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(shim)  # not inherited: no other checkout's src either
-    env["HF_HUB_OFFLINE"] = "1"
-    env.update(extra)
-    return env
+    return offline_env([str(shim)], **extra)  # PYTHONPATH not inherited: no other checkout's src either
 
 
 if __name__ == "__main__":

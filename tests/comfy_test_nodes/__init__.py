@@ -69,34 +69,36 @@ def tiny_flux2(seed: int) -> comfy.model_patcher.ModelPatcher:
     )
 
 
-class FlowliftTestTinyFlux2:
+def text_conditioning(seed: int) -> list:
+    """A random text conditioning (from ``seed + 1``) for the tiny FLUX.2: no pooled output (FLUX.2 has none)."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    context = torch.randn(1, TEXT_TOKENS, TINY_UNET_CONFIG["context_in_dim"], generator=generator)
+    return [[context, {"pooled_output": None}]]
+
+
+class _BuiltFromASeed:
+    """A test node whose one input is a seed: ``build(seed)`` makes its outputs."""
+
+    FUNCTION = "build"
+    CATEGORY = "flowlift_test"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31})}}
+
+
+class FlowliftTestTinyFlux2(_BuiltFromASeed):
     RETURN_TYPES = ("MODEL", "CONDITIONING")
-    FUNCTION = "build"
-    CATEGORY = "flowlift_test"
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31})}}
 
     def build(self, seed: int):
-        generator = torch.Generator().manual_seed(seed + 1)
-        context = torch.randn(1, TEXT_TOKENS, TINY_UNET_CONFIG["context_in_dim"], generator=generator)
-        return (tiny_flux2(seed), [[context, {"pooled_output": None}]])  # FLUX.2 has no pooled text
+        return (tiny_flux2(seed), text_conditioning(seed))
 
 
-class FlowliftTestConditioning:
+class FlowliftTestConditioning(_BuiltFromASeed):
     RETURN_TYPES = ("CONDITIONING",)
-    FUNCTION = "build"
-    CATEGORY = "flowlift_test"
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"seed": ("INT", {"default": 0, "min": 0, "max": 2**31})}}
 
     def build(self, seed: int):
-        generator = torch.Generator().manual_seed(seed + 1)
-        context = torch.randn(1, TEXT_TOKENS, TINY_UNET_CONFIG["context_in_dim"], generator=generator)
-        return ([[context, {"pooled_output": None}]],)  # FLUX.2 has no pooled text
+        return (text_conditioning(seed),)
 
 
 class FlowliftTestTiledReference:
