@@ -51,3 +51,8 @@ def one_crop_dataset_args(images: Path | str, vae: Path | str) -> list[Path | st
 def taef2_distill_args(out: Path, shared: Path, teacher: Path) -> list[str]:
     """``flowlift dataset distill -o OUT`` from the transformer folder ``teacher``, encoding with the shared TAEF2."""
     return ["dataset", "distill", "-o", str(out), "--vae", str(shared / "models" / "taef2"), "--teacher", str(teacher)]
+
+
+def classic_eval_args(photos: Path, scale: int) -> list[str]:
+    """``flowlift eval`` of Lanczos and bicubic at ``scale`` on the images in ``photos``, keeping the outputs."""
+    return ["eval", "--run", "lanczos,bicubic", "--dataset", str(photos), "--scale", str(scale), "--save-outputs"]

@@ -193,18 +193,8 @@ def test_bands_records_bin_counts_and_warns_when_small(monkeypatch, shared, tmp_
     kodak = shared / "images" / "kodak"
     for side, warned in ((256, True), (512, False)):
         out = tmp_path / f"bands{side}"
-        argv = [
-            "bands",
-            str(kodak / "kodim01.png"),
-            "--vae",
-            "fake",
-            "-o",
-            str(out),
-            "--max-side",
-            str(side),
-            "--no-progress",
-        ]
-        assert main(argv) == 0
+        options = ["--vae", "fake", "-o", str(out), "--max-side", str(side), "--no-progress"]
+        assert main(["bands", str(kodak / "kodim01.png"), *options]) == 0
         err = capsys.readouterr().err
         assert ("warning:" in err and "latent FFT bins" in err) == warned, err
         data = json.loads((out / "bands.json").read_text())

@@ -14,6 +14,7 @@ import torch
 from PIL import Image, ImageCms
 
 from builders import save_tiny_unet
+from door_helpers import classic_eval_args
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 from flowlift.files.image_outputs import SourceProfile, read_metadata, read_source_profile, save_image_atomic
@@ -383,23 +384,7 @@ def test_eval_reads_upscale_outputs_and_save_outputs_recomputes_the_same_numbers
         with Image.open(shared / "images" / "kodak" / f"{name}.png") as im:
             im.convert("RGB").crop((300, 200, 428, 296)).save(photos / f"{name}.png")
     out = tmp_path / "run"
-    assert (
-        main(
-            [
-                "eval",
-                "--run",
-                "lanczos,bicubic",
-                "--dataset",
-                str(photos),
-                "--scale",
-                "2",
-                "--save-outputs",
-                "-o",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert main([*classic_eval_args(photos, 2), "-o", str(out)]) == 0
     saved = out / "outputs"
     assert sorted(p.name for p in (saved / "lanczos").iterdir()) == ["kodim03_x2.png", "kodim23_x2.png"]
     run_results = json.loads((out / "results.json").read_text())

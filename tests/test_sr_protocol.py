@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from door_helpers import classic_eval_args
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 from flowlift.measure import metrics as M
@@ -75,21 +76,7 @@ def test_y_metrics_equal_an_independent_computation():
 
 def test_eval_reports_y_metrics_that_recompute_from_saved_outputs(photos, tmp_path, capsys):
     out_dir = tmp_path / "report"
-    code = main(
-        [
-            "eval",
-            "--run",
-            "lanczos,bicubic",
-            "--dataset",
-            str(photos),
-            "--scale",
-            "4",
-            "--save-outputs",
-            "--no-progress",
-            "-o",
-            str(out_dir),
-        ]
-    )
+    code = main([*classic_eval_args(photos, 4), "--no-progress", "-o", str(out_dir)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "PSNR-Y (dB)" in printed and "SSIM-Y" in printed
