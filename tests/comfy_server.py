@@ -16,8 +16,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -31,7 +29,9 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
+from app_helpers import free_port
 from comfy_venv import comfy_env, comfy_python, comfyui_dir
+from door_helpers import LocalServer, stop_process_group
 from flowlift.models.upscaler_unet import FlowUpscalerUNet
 from flowlift.models.upscaler_weights import save_upscaler
 
@@ -130,22 +130,12 @@ def write_tiny_klein(path: Path, seed: int = 0) -> None:
     write_single_file(model.eval(), path)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ComfyServer:
+class ComfyServer(LocalServer):
     """HTTP client of a test server, with the paths of its temp install."""
 
     def __init__(self, root: Path, port: int, process: subprocess.Popen, log: Path) -> None:
-        self.root, self.port, self.process, self.log = root, port, process, log
-        self.url = f"http://127.0.0.1:{port}"
+        super().__init__(root, port, process, log)
         self.object_info: dict = {}
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def fetch(self, path: str, timeout: float = 30) -> tuple[bytes, str]:
         """GET ``path``: (body, content type)."""
@@ -240,13 +230,7 @@ def write_models_and_inputs(root: Path, shared: Path) -> None:
 
 def stop(process: subprocess.Popen) -> None:
     """SIGTERM to the server's process group, SIGKILL after 20 s; nothing is left running."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=20)
+    stop_process_group(process, 20)
 
 
 @contextlib.contextmanager

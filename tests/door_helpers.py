@@ -3,6 +3,9 @@ one thing the tests would otherwise spell out again."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,3 +59,32 @@ def taef2_distill_args(out: Path, shared: Path, teacher: Path) -> list[str]:
 def classic_eval_args(photos: Path, scale: int) -> list[str]:
     """``flowlift eval`` of Lanczos and bicubic at ``scale`` on the images in ``photos``, keeping the outputs."""
     return ["eval", "--run", "lanczos,bicubic", "--dataset", str(photos), "--scale", str(scale), "--save-outputs"]
+
+
+class LocalServer:
+    """A test server started on 127.0.0.1:``port`` from its folder ``root``: its process and its log file."""
+
+    #: How many of the log's last lines :meth:`log_tail` gives by default.
+    TAIL_LINES = 40
+
+    def __init__(self, root: Path, port: int, process: subprocess.Popen, log: Path) -> None:
+        self.root, self.port, self.process, self.log = root, port, process, log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def log_tail(self, lines: int | None = None) -> str:
+        """The log's last ``lines`` lines (:data:`TAIL_LINES` by default)."""
+        count = self.TAIL_LINES if lines is None else lines
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-count:])
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float) -> int:
+    """SIGTERM to ``process``'s group, SIGKILL after ``grace_s``; returns its exit status (it has exited)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=grace_s)
+    assert process.poll() is not None
+    return process.returncode

@@ -12,8 +12,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -27,6 +25,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from app_helpers import free_port
+from door_helpers import LocalServer, stop_process_group
 from invokeai_venv import invokeai_env, invokeai_python
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -35,21 +35,10 @@ ITEM_TIMEOUT_S = 300
 FINISHED = ("completed", "failed", "canceled")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class InvokeAIServer:
+class InvokeAIServer(LocalServer):
     """HTTP client of the test server, with the paths of its root folder."""
 
-    def __init__(self, root: Path, port: int, process: subprocess.Popen, log: Path) -> None:
-        self.root, self.port, self.process, self.log = root, port, process, log
-        self.url = f"http://127.0.0.1:{port}"
-
-    def log_tail(self, lines: int = 60) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+    TAIL_LINES = 60
 
     def log_lines(self, containing: str) -> list[str]:
         return [line for line in self.log.read_text(errors="replace").splitlines() if containing in line]
@@ -215,12 +204,4 @@ def wait_until_serving(server: InvokeAIServer, timeout: float = START_TIMEOUT_S)
 
 def stop_server(process: subprocess.Popen) -> int:
     """SIGTERM to the server's process group, SIGKILL after 30 s; returns the exit status (it has exited)."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
-    assert process.poll() is not None
-    return process.returncode
+    return stop_process_group(process, 30)
