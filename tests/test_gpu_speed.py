@@ -11,6 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
+from door_helpers import UnusedVAE
 from flowlift.errors import FlowliftError
 from flowlift.limits import parse_memory
 from flowlift.upscale import memory_plan as M
@@ -171,20 +172,10 @@ def test_batch_equals_one_by_one(unet, vae, photos):
     assert (same_seed[1:] - alone).abs().max().item() <= 1e-4
     # a batch of one draws what a single image always drew: randn(1, ...) from the pass's stream
     expected = torch.randn((1, 32, 8, 12), generator=pass_generator(7, 0))
-    zero = FlowUpscalerPipeline(lambda s, t, c: torch.zeros_like(s), _NoVAE(), device="cpu", dtype=torch.float32)
+    zero = FlowUpscalerPipeline(lambda s, t, c: torch.zeros_like(s), UnusedVAE(), device="cpu", dtype=torch.float32)
     assert torch.equal(zero.upscale_latents(torch.zeros(1, 32, 4, 6), seed=7, color_fix=False), expected)
     with pytest.raises(FlowliftError, match="seeds"):
         pipe.upscale_latents(torch.zeros(2, 32, 4, 6), seed=[1, 2, 3])
-
-
-class _NoVAE:
-    spatial_factor = 8
-
-    def encode(self, images, tiled=None):
-        raise AssertionError("not used")
-
-    def decode(self, latents, tiled=None):
-        raise AssertionError("not used")
 
 
 # -- compiled UNet ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+from door_helpers import UnusedVAE
 from flowlift.errors import FlowliftError
 from flowlift.limits import passes_for_scale
 from flowlift.measure.metrics import drift_at_input_scale
@@ -35,16 +36,6 @@ class ZeroVelocity(torch.nn.Module):
 
     def forward(self, sample, timestep, latents_small):
         return torch.zeros_like(sample)
-
-
-class NoVAE:
-    spatial_factor = 8
-
-    def encode(self, images, tiled=None):
-        raise AssertionError("not used")
-
-    def decode(self, latents, tiled=None):
-        raise AssertionError("not used")
 
 
 def test_constants():
@@ -159,7 +150,7 @@ def test_alpha_is_resized_and_kept(pipe, photo):
 
 
 def test_max_output_side_drops_passes_with_a_warning():
-    pipe = FlowUpscalerPipeline(ZeroVelocity(), NoVAE(), device="cpu", dtype=torch.float32)
+    pipe = FlowUpscalerPipeline(ZeroVelocity(), UnusedVAE(), device="cpu", dtype=torch.float32)
     latents = torch.zeros(1, 32, 4, 1024)  # an 8192 px wide image: only one pass fits under 16384
     with pytest.warns(UserWarning, match="MAX_OUTPUT_SIDE=16384.*running 1 pass"):
         out = pipe.upscale_latents(latents, num_passes=3)
