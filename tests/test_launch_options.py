@@ -43,19 +43,19 @@ def _free_port() -> int:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (["--nproc-per-node", "0"], "--nproc-per-node must be at least 1, got 0"),
-        (["--nproc-per-node", "-1"], "--nproc-per-node must be at least 1, got -1"),
-        (["--nproc-per-node", "100000"], "--nproc-per-node 100000 is more processes than this machine can start"),
-        (["--master-port", "99999"], "--master-port must be a port number from 1 to 65535, got 99999"),
-        (["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:99999"], "port number of the rendezvous endpoint"),
+        ("--nproc-per-node 0", "--nproc-per-node must be at least 1, got 0"),
+        ("--nproc-per-node -1", "--nproc-per-node must be at least 1, got -1"),
+        ("--nproc-per-node 100000", "--nproc-per-node 100000 is more processes than this machine can start"),
+        ("--master-port 99999", "--master-port must be a port number from 1 to 65535, got 99999"),
+        ("--nnodes 2 --rdzv-endpoint 127.0.0.1:99999", "port number of the rendezvous endpoint"),
         (
-            ["--nnodes", "2", "--rdzv-endpoint", "nonexistent.invalid:29400"],
+            "--nnodes 2 --rdzv-endpoint nonexistent.invalid:29400",
             "the rendezvous host nonexistent.invalid does not resolve",
         ),
     ],
 )
 def test_options_torchrun_cannot_run_are_one_line(capsys, options, message):
-    assert main(["launch", *options, "--", "upscale", "a.png"]) == 2
+    assert main(["launch", *options.split(), "--", "upscale", "a.png"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("flowlift launch: error: launcher options: ") and message in err[0], err
 
