@@ -1,5 +1,6 @@
-"""Helpers the door tests share (command lines, subprocess runs, file kinds at a name): each one builds or does
-one thing the tests would otherwise spell out again."""
+"""Helpers the door tests share (command lines, configs, stand-ins, the test servers' process handling, shared
+checks): each one builds or does one thing the tests would otherwise spell out again. The model and file builders
+live in builders.py."""
 
 from __future__ import annotations
 
@@ -100,3 +101,19 @@ class UnusedVAE:
 
     def decode(self, latents, tiled=None):
         raise AssertionError("not used")
+
+
+def assert_refuses_misshapen_inputs(vae) -> None:
+    """``vae`` (a loaded flowlift VAE) refuses in one FlowliftError each: an image whose side is no multiple of 16,
+    latents whose side is no multiple of 2, and latents of 128 channels (it takes 32)."""
+    import pytest
+    import torch
+
+    from flowlift.errors import FlowliftError
+
+    with pytest.raises(FlowliftError, match="multiples of 16"):
+        vae.encode(torch.rand(1, 3, 24, 32))
+    with pytest.raises(FlowliftError, match="multiples of 2"):
+        vae.decode(torch.rand(1, 32, 3, 4))
+    with pytest.raises(FlowliftError, match="32"):
+        vae.decode(torch.rand(1, 128, 4, 4))
