@@ -168,8 +168,8 @@ def _allocations(fn) -> list[int]:
 
 
 #: Small tiles for the memory tests: 16-position tiles (two 8-position attention windows, see
-#: ``small_window``) and 4-position pixel tiles, so that the frame's stores outgrow every tile tensor.
-NARROW_PIXELS = MageTiling(tile=16, pixel_tile=4)
+#: ``small_window``) and 2-position pixel tiles, so that the frame's stores outgrow every tile tensor.
+NARROW_PIXELS = MageTiling(tile=16, pixel_tile=2)
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +262,22 @@ def test_the_planner_tiles_a_16k_mage_decode_within_its_stated_budget():
     assert plan.stage_peaks["decode"] < budget
     with pytest.raises(FlowliftError, match="too small to decode a 16384x16384"):
         plan_upscale_memory(4096, 4096, 2, 8 << 30, vae_kind="mage", vae_weight_bytes=weights)
+
+
+def test_a_kept_branch_equals_the_recomputed_one(vae):
+    """Frames of few tiles keep each DiCo block's branch between its two passes: the same numbers, half the conv1."""
+    z = torch.randn(1, 128, 70, 45)
+    decoder = vae.model.decoder
+    with torch.no_grad():
+        calls = _count_calls(decoder.blocks[0].conv1)
+        kept = decode_tiled(decoder, z, tiling=replace(SMALL, keep_tiles=6))
+        assert calls[0] == 6  # once per tile: the second pass reads the kept branch
+        recomputed = decode_tiled(decoder, z, tiling=replace(SMALL, keep_tiles=0))
+        assert calls[0] == 6 + 12
+    torch.testing.assert_close(kept, recomputed, rtol=0, atol=0)
+    assert relative(kept, decoder(z)) <= 1e-5
+    x = torch.rand(1, 3, 16 * 40, 16 * 50)
+    encoder = vae.model.encoder
+    with torch.no_grad():
+        both = [encode_tiled(encoder, x, tiling=replace(SMALL, keep_tiles=k)) for k in (4, 0)]
+    torch.testing.assert_close(both[0], both[1], rtol=0, atol=0)

@@ -133,13 +133,25 @@ def crop(x: torch.Tensor, inner: tuple[slice, slice]) -> torch.Tensor:
 
 
 def dico_gate(
-    block: DiCoBlock, source: Source, *, size: tuple[int, int], tile: int, progress: Progress
+    block: DiCoBlock,
+    source: Source,
+    *,
+    size: tuple[int, int],
+    tile: int,
+    progress: Progress,
+    kept: dict[Region, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """First pass of a DiCo block: ``channel_gate(mean_hw(a))`` from per-tile sums of its branch ``a``."""
+    """First pass of a DiCo block: ``channel_gate(mean_hw(a))`` from per-tile sums of its branch ``a``.
+
+    With ``kept`` (a dict), each tile's ``a`` is also kept there by region for the second pass.
+    """
     sums = None
     for region in tile_grid(*size, tile):
         grown, inner = with_halo(region, 1, *size)
-        part = channel_sums(crop(block.branch_pre_gate(source(grown)), inner))
+        a = crop(block.branch_pre_gate(source(grown)), inner)
+        if kept is not None:
+            kept[region] = a
+        part = channel_sums(a)
         sums = part if sums is None else sums + part
         progress.step()
     weight = block.ca[1].weight
@@ -155,15 +167,21 @@ def dico_pass(
     size: tuple[int, int],
     tile: int,
     progress: Progress,
+    keep: bool = False,
 ) -> None:
-    """A whole DiCo block: :func:`dico_gate`, then ``x + conv3(a * gate)`` and the MLP half per tile."""
-    gate = dico_gate(block, source, size=size, tile=tile, progress=progress)
+    """A whole DiCo block: :func:`dico_gate`, then ``x + conv3(a * gate)`` and the MLP half per tile.
 
-    def layer(x: torch.Tensor, inner: tuple[slice, slice], _: Region) -> torch.Tensor:
-        out = crop(x, inner) + block.conv3(crop(block.branch_pre_gate(x), inner) * gate)
-        return out + block.mlp_half(out)
+    ``keep``: the first pass keeps every tile's branch ``a`` (one more (C, h, w) of activations) and the second
+    reads it back instead of recomputing it from a haloed tile; the same numbers either way.
+    """
+    kept: dict[Region, torch.Tensor] | None = {} if keep else None
+    gate = dico_gate(block, source, size=size, tile=tile, progress=progress, kept=kept)
 
-    run_pass(layer, source, write, size=size, tile=tile, halo=1, progress=progress)
+    def layer(x: torch.Tensor, inner: tuple[slice, slice], region: Region) -> torch.Tensor:
+        a = kept.pop(region) if kept is not None else crop(block.branch_pre_gate(x), inner)
+        return block.finish(crop(x, inner), a, gate)
+
+    run_pass(layer, source, write, size=size, tile=tile, halo=0 if keep else 1, progress=progress)
 
 
 def dico_run(
@@ -177,17 +195,19 @@ def dico_run(
     size: tuple[int, int],
     tile: int,
     progress: Progress,
+    keep: bool = False,
 ) -> None:
     """Run ``blocks`` in turn from ``source``; the last block's output tiles go to ``final(region, y)``.
 
     Intermediate outputs alternate between two stores: those of ``pool`` that ``source`` is not reading
     (``reading``), else ones made by ``new_store()`` when first needed. No blocks: ``final`` gets the input.
+    ``keep``: see :func:`dico_pass`.
     """
     if not blocks:
         run_pass(lambda x, _i, _r: x, source, final, size=size, tile=tile, halo=0, progress=progress)
         return
     stores = list(pool)
-    kw = {"size": size, "tile": tile, "progress": progress}
+    kw = {"size": size, "tile": tile, "progress": progress, "keep": keep}
     for block in blocks[:-1]:
         target = next((s for s in stores if s is not reading), None)
         if target is None:
