@@ -133,27 +133,19 @@ def crop(x: torch.Tensor, inner: tuple[slice, slice]) -> torch.Tensor:
 
 
 def dico_gate(
-    block: DiCoBlock,
-    source: Source,
-    *,
-    size: tuple[int, int],
-    tile: int,
-    progress: Progress,
-    kept: dict[Region, torch.Tensor] | None = None,
+    block: DiCoBlock, source: Source, *, size: tuple[int, int], tile: int, progress: Progress
 ) -> torch.Tensor:
-    """First pass of a DiCo block: ``channel_gate(mean_hw(a))`` from per-tile sums of its branch ``a``.
-
-    With ``kept`` (a dict), each tile's ``a`` is also kept there by region for the second pass.
-    """
+    """First pass of a DiCo block: ``channel_gate(mean_hw(a))`` from per-tile sums of its branch ``a``."""
     sums = None
     for region in tile_grid(*size, tile):
         grown, inner = with_halo(region, 1, *size)
-        a = crop(block.branch_pre_gate(source(grown)), inner)
-        if kept is not None:
-            kept[region] = a
-        part = channel_sums(a)
+        part = channel_sums(crop(block.branch_pre_gate(source(grown)), inner))
         sums = part if sums is None else sums + part
         progress.step()
+    return _gate(block, sums, size)
+
+
+def _gate(block: DiCoBlock, sums: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     weight = block.ca[1].weight
     means = (sums / (size[0] * size[1])).to(weight.device, weight.dtype)[None, :, None, None]
     return channel_gate(means, block.ca[1])
@@ -167,21 +159,44 @@ def dico_pass(
     size: tuple[int, int],
     tile: int,
     progress: Progress,
-    keep: bool = False,
 ) -> None:
-    """A whole DiCo block: :func:`dico_gate`, then ``x + conv3(a * gate)`` and the MLP half per tile.
+    """A whole DiCo block: :func:`dico_gate`, then ``x + conv3(a * gate)`` and the MLP half per tile."""
+    gate = dico_gate(block, source, size=size, tile=tile, progress=progress)
 
-    ``keep``: the first pass keeps every tile's branch ``a`` (one more (C, h, w) of activations) and the second
-    reads it back instead of recomputing it from a haloed tile; the same numbers either way.
-    """
-    kept: dict[Region, torch.Tensor] | None = {} if keep else None
-    gate = dico_gate(block, source, size=size, tile=tile, progress=progress, kept=kept)
+    def layer(x: torch.Tensor, inner: tuple[slice, slice], _: Region) -> torch.Tensor:
+        return block.finish(crop(x, inner), crop(block.branch_pre_gate(x), inner), gate)
 
-    def layer(x: torch.Tensor, inner: tuple[slice, slice], region: Region) -> torch.Tensor:
-        a = kept.pop(region) if kept is not None else crop(block.branch_pre_gate(x), inner)
-        return block.finish(crop(x, inner), a, gate)
+    run_pass(layer, source, write, size=size, tile=tile, halo=1, progress=progress)
 
-    run_pass(layer, source, write, size=size, tile=tile, halo=0 if keep else 1, progress=progress)
+
+def band_rows(size: tuple[int, int], positions: int, multiple: int = 1) -> int:
+    """Rows of a full-width band of at most ``positions`` positions (at least one row), rounded down to a
+    multiple of ``multiple`` where that leaves at least one multiple."""
+    rows = max(1, positions // size[1])
+    return rows - rows % multiple if rows >= multiple else rows
+
+
+def dico_whole(
+    block: DiCoBlock,
+    source: Source,
+    write: Callable[[Region, torch.Tensor], None],
+    *,
+    size: tuple[int, int],
+    band: int,
+    progress: Progress,
+) -> None:
+    """A DiCo block on the whole frame of a small frame: its branch ``a`` once (no halo, no recompute), the
+    gate from its float64 sums, then ``x + conv3(a * gate)`` and the pointwise MLP half in full-width bands of
+    ``band`` rows (so its 4C-wide hidden stays band-sized). One step for the branch, one per band."""
+    h, w = size
+    x = source((0, h, 0, w))
+    a = block.branch_pre_gate(x)
+    gate = _gate(block, channel_sums(a), size)
+    progress.step()
+    for r0 in range(0, h, band):
+        r1 = min(r0 + band, h)
+        write((r0, r1, 0, w), block.finish(x[:, :, r0:r1], a[:, :, r0:r1], gate))
+        progress.step()
 
 
 def dico_run(
@@ -195,24 +210,26 @@ def dico_run(
     size: tuple[int, int],
     tile: int,
     progress: Progress,
-    keep: bool = False,
+    band: int | None = None,
 ) -> None:
     """Run ``blocks`` in turn from ``source``; the last block's output tiles go to ``final(region, y)``.
 
     Intermediate outputs alternate between two stores: those of ``pool`` that ``source`` is not reading
     (``reading``), else ones made by ``new_store()`` when first needed. No blocks: ``final`` gets the input.
-    ``keep``: see :func:`dico_pass`.
+    ``band``: each block runs whole-frame (:func:`dico_whole`, its MLP half in bands of ``band`` rows)
+    instead of as two tiled passes (:func:`dico_pass`).
     """
     if not blocks:
         run_pass(lambda x, _i, _r: x, source, final, size=size, tile=tile, halo=0, progress=progress)
         return
     stores = list(pool)
-    kw = {"size": size, "tile": tile, "progress": progress, "keep": keep}
+    kw = {"size": size, "progress": progress, **({"tile": tile} if band is None else {"band": band})}
+    run = dico_pass if band is None else dico_whole
     for block in blocks[:-1]:
         target = next((s for s in stores if s is not reading), None)
         if target is None:
             target = new_store()
             stores.append(target)
-        dico_pass(block, source, store_writer(target), **kw)
+        run(block, source, store_writer(target), **kw)
         reading, source = target, store_source(target)
-    dico_pass(blocks[-1], source, final, **kw)
+    run(blocks[-1], source, final, **kw)

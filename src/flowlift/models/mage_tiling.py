@@ -48,6 +48,7 @@ from flowlift.models.mage_passes import (
     Progress,
     Region,
     TileCallback,
+    band_rows,
     crop,
     dico_run,
     run_pass,
@@ -74,19 +75,24 @@ class MageTiling:
 
     ``tile``: the 1/16-resolution passes; a multiple of the attention window (32) so tiles hold whole
     windows. ``pixel_tile``: the per-pixel path, whose activations are 256 pixels x 32-288 features per
-    position, so it takes smaller tiles. ``keep_tiles``: frames of at most this many tiles keep each DiCo
-    block's branch between its two passes instead of recomputing it (:func:`~flowlift.models.mage_passes.
-    dico_pass`): at most ``keep_tiles`` haloed ``(C, t + 2, t + 2)`` tensors more, for a fifth less work
-    per block (the 3072x2048 output of a 4x upscale of a 768x512 image is two 128-position tiles).
+    position, so it takes smaller tiles. ``whole_tiles``: a frame of at most this many tiles' area
+    (``whole_tiles * tile**2`` positions) runs each DiCo block whole-frame, its pointwise MLP half in
+    full-width bands of at most ``tile**2`` positions (:func:`~flowlift.models.mage_passes.dico_whole`):
+    no halo copies, no recomputed branch (a fifth of a block's work), for tensors of up to
+    ``whole_tiles * C * tile**2`` values (the 3072x2048 output of a 4x upscale of a 768x512 image is
+    two 128-position tiles' area).
     """
 
     tile: int = 128
     pixel_tile: int = 32
-    keep_tiles: int = 2
+    whole_tiles: int = 2
 
-    def keeps(self, height: int, width: int) -> bool:
-        """Whether a (height, width) frame at 1/16 keeps its DiCo branches (:attr:`keep_tiles`)."""
-        return len(tile_grid(height, width, self.tile)) <= self.keep_tiles
+    def dico_band(self, height: int, width: int) -> int | None:
+        """Rows of the DiCo MLP bands of a (height, width) frame at 1/16 when it runs its DiCo blocks
+        whole-frame (:attr:`whole_tiles`), else None (two tiled passes per block)."""
+        if height * width > self.whole_tiles * self.tile**2:
+            return None
+        return band_rows((height, width), self.tile**2, self.pixel_tile)
 
     def check(self, window: int = 1) -> None:
         if self.tile <= 0 or self.tile % window:
@@ -98,16 +104,16 @@ class MageTiling:
 def decode_tile_numel(config: MageVAEConfig, tiling: MageTiling) -> int:
     """Elements of the largest tensor one tile of the decode allocates (the frame's stores aside).
 
-    ``max((t + 2)**2 * max(4C, 128), (t / d)**2 * d**4, p**2 * 256 * 3kc)``: a haloed 1/16 tile through
+    ``max((t + 2)**2 * max(4C, 128), (t / d)**2 * d**4, p**2 * 256 * 3c)``: a haloed 1/16 tile through
     the DiCo MLP (or the latent's 128 channels), the softmax weights of a tile's ``(t / d)**2``
     attention windows of ``d**2`` positions each, and a pixel tile's adaLN output (shift, scale, gate
-    of the ``c`` per-pixel features of all ``k`` blocks, for each of its 256 pixels per position).
+    of the ``c`` per-pixel features for each of its 256 pixels per position).
     """
     grown = (tiling.tile + 2) ** 2
     ffn = int(config.mlp_ratio * config.hidden)
     window = config.attention_window
     attention = (-(-tiling.tile // window)) ** 2 * window**4
-    pixels = tiling.pixel_tile**2 * MAGE_PATCH**2 * 3 * config.pixel_blocks * config.pixel_width
+    pixels = tiling.pixel_tile**2 * MAGE_PATCH**2 * 3 * config.pixel_width
     return max(grown * max(ffn, config.hidden, MAGE_LATENT_CHANNELS), attention, pixels)
 
 
@@ -125,11 +131,27 @@ def encode_tile_numel(config: MageVAEConfig, tiling: MageTiling) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
+def final_regions(height: int, width: int, tiling: MageTiling, blocks: int) -> list[Region]:
+    """The regions a chain of ``blocks`` DiCo blocks writes its output in: tiles, or whole-frame bands."""
+    band = tiling.dico_band(height, width)
+    if band is None or not blocks:
+        return tile_grid(height, width, tiling.tile)
+    return [(r0, min(r0 + band, height), 0, width) for r0 in range(0, height, band)]
+
+
+def dico_steps(height: int, width: int, tiling: MageTiling, blocks: int) -> int:
+    """Tile steps of a chain of ``blocks`` DiCo blocks: two passes over the tiles per block, or (whole-frame)
+    one for the branch and one per band; a chain of none copies its input, one step per tile."""
+    if not blocks:
+        return len(tile_grid(height, width, tiling.tile))
+    if tiling.dico_band(height, width) is None:
+        return 2 * blocks * len(tile_grid(height, width, tiling.tile))
+    return blocks * (1 + len(final_regions(height, width, tiling, blocks)))
+
+
 def encode_steps(encoder: MageEncoder, height: int, width: int, tiling: MageTiling) -> int:
-    """Tile steps of one sample's tiled encode (two per DiCo block, at least one per stage)."""
-    tiles = len(tile_grid(height, width, tiling.tile))
-    head = max(1, 2 * len(encoder.head_blocks))
-    return (head + max(1, 2 * len(encoder.blocks))) * tiles
+    """Tile steps of one sample's tiled encode (:func:`dico_steps` of the head blocks, then of the blocks)."""
+    return sum(dico_steps(height, width, tiling, len(b)) for b in (encoder.head_blocks, encoder.blocks))
 
 
 def encode_tiled(
@@ -147,7 +169,7 @@ def encode_tiled(
     h, w = height // MAGE_PATCH, width // MAGE_PATCH
     out = torch.empty(b, MAGE_LATENT_CHANNELS, h, w, device=x.device, dtype=x.dtype)
     progress = Progress(b * encode_steps(encoder, h, w, tiling), on_tile)
-    kw = {"size": (h, w), "tile": tiling.tile, "progress": progress, "keep": tiling.keeps(h, w)}
+    kw = {"size": (h, w), "tile": tiling.tile, "progress": progress, "band": tiling.dico_band(h, w)}
     for i in range(b):
         image = x[i : i + 1]
 
@@ -202,9 +224,9 @@ def decode_steps(decoder: MageDecoder, height: int, width: int, tiling: MageTili
     """Tile steps of one sample's tiled decode: the 1/16 passes times their tiles, plus the pixel tiles."""
     cod = decoder.y_embedder.decoder
     passes = 2 + sum(2 if isinstance(b, ResnetBlock) else 1 for b in cod.block)  # + conv_in, conv_out
-    passes += max(1, 2 * len(decoder.blocks))
-    grid = tile_grid(height, width, tiling.tile)
-    return passes * len(grid) + sum(len(sub_grid(r, tiling.pixel_tile)) for r in grid)
+    blocks = len(decoder.blocks)
+    steps = passes * len(tile_grid(height, width, tiling.tile)) + dico_steps(height, width, tiling, blocks)
+    return steps + sum(len(sub_grid(r, tiling.pixel_tile)) for r in final_regions(height, width, tiling, blocks))
 
 
 def decode_tiled(
@@ -223,7 +245,6 @@ def decode_tiled(
     out = torch.empty(b, 3, h * MAGE_PATCH, w * MAGE_PATCH, device=z.device, dtype=z.dtype)
     progress = Progress(b * decode_steps(decoder, h, w, tiling), on_tile)
     kw = {"size": (h, w), "tile": tiling.tile, "progress": progress}
-    keep = tiling.keeps(h, w)
     channels = decoder.s_embedder.proj2.out_channels
     for i in range(b):
         stream, cond, tokens = (torch.empty(1, channels, h, w, device=z.device, dtype=z.dtype) for _ in range(3))
@@ -236,7 +257,7 @@ def decode_tiled(
             new_store=_no_store,
             pool=[stream, tokens],
             reading=tokens,
-            keep=keep,
+            band=tiling.dico_band(h, w),
             **kw,
         )
     return out

@@ -521,10 +521,13 @@ class PixelMLP(nn.Module):
             raise RuntimeError("PixelMLP: call MageVAEModel.fold_t0() after loading, before running")
         px = x.shape[-1]
         cond = pointwise_linear(tokens, self.cond_embed).reshape(-1, px)  # position-major: (n * 256, c)
-        mod = pointwise_linear(F.silu(cond, inplace=True), self.modulation)
+        cond = rows_as_image(F.silu(cond, inplace=True))
+        weight, bias = self.modulation.weight[:, :, None, None], self.modulation.bias
         for i, block in enumerate(self.res_blocks):
-            shift, scale, gate = mod[:, 3 * px * i : 3 * px * (i + 1)].chunk(3, dim=-1)
-            x = block(x, shift, scale, gate)
+            # Each block's slice of the layer just before it: a 3c-wide tensor, not all blocks' 9c at once.
+            rows = slice(3 * px * i, 3 * px * (i + 1))
+            mod = F.conv2d(cond, weight[rows], bias[rows]).permute(0, 2, 3, 1).reshape(-1, 3 * px)
+            x = block(x, *mod.chunk(3, dim=-1))
         return x
 
 
