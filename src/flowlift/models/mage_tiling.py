@@ -74,13 +74,13 @@ class MageTiling:
     """Tile sides in codec positions (1 position = 16x16 pixels).
 
     ``tile``: the 1/16-resolution passes; a multiple of the attention window (32) so tiles hold whole
-    windows. ``pixel_tile``: the per-pixel path, whose activations are 256 pixels x 32-288 features per
+    windows. ``pixel_tile``: the per-pixel path, whose activations are 256 pixels x 32-96 features per
     position, so it takes smaller tiles. ``whole_tiles``: a frame of at most this many tiles' area
     (``whole_tiles * tile**2`` positions) runs each DiCo block whole-frame, its pointwise MLP half in
-    full-width bands of at most ``tile**2`` positions (:func:`~flowlift.models.mage_passes.dico_whole`):
-    no halo copies, no recomputed branch (a fifth of a block's work), for tensors of up to
-    ``whole_tiles * C * tile**2`` values (the 3072x2048 output of a 4x upscale of a 768x512 image is
-    two 128-position tiles' area).
+    full-width bands of at most ``tile**2`` positions (:func:`~flowlift.models.mage_passes.dico_whole`),
+    and the decoder's 3x3 convolution passes whole-frame: no halo copies, no recomputed branch (a
+    fifth of a block's work), for tensors of up to ``whole_tiles * C * tile**2`` values (the 3072x2048
+    output of a 4x upscale of a 768x512 image is two 128-position tiles' area).
     """
 
     tile: int = 128
@@ -93,6 +93,11 @@ class MageTiling:
         if height * width > self.whole_tiles * self.tile**2:
             return None
         return band_rows((height, width), self.tile**2, self.pixel_tile)
+
+    def conv_tile(self, height: int, width: int) -> int:
+        """Tile side of the decoder's 3x3 convolution passes: the whole frame where :meth:`dico_band` runs
+        the DiCo blocks whole-frame (no halo copies), else :attr:`tile`."""
+        return self.tile if self.dico_band(height, width) is None else max(height, width, 1)
 
     def check(self, window: int = 1) -> None:
         if self.tile <= 0 or self.tile % window:
@@ -223,9 +228,11 @@ def sub_grid(region: Region, side: int) -> list[Region]:
 def decode_steps(decoder: MageDecoder, height: int, width: int, tiling: MageTiling) -> int:
     """Tile steps of one sample's tiled decode: the 1/16 passes times their tiles, plus the pixel tiles."""
     cod = decoder.y_embedder.decoder
-    passes = 2 + sum(2 if isinstance(b, ResnetBlock) else 1 for b in cod.block)  # + conv_in, conv_out
+    convs = 2 + sum(2 for b in cod.block if isinstance(b, ResnetBlock))  # + conv_in, conv_out
+    attention = sum(1 for b in cod.block if not isinstance(b, ResnetBlock))
     blocks = len(decoder.blocks)
-    steps = passes * len(tile_grid(height, width, tiling.tile)) + dico_steps(height, width, tiling, blocks)
+    steps = convs * len(tile_grid(height, width, tiling.conv_tile(height, width)))
+    steps += attention * len(tile_grid(height, width, tiling.tile)) + dico_steps(height, width, tiling, blocks)
     return steps + sum(len(sub_grid(r, tiling.pixel_tile)) for r in final_regions(height, width, tiling, blocks))
 
 
@@ -248,7 +255,7 @@ def decode_tiled(
     channels = decoder.s_embedder.proj2.out_channels
     for i in range(b):
         stream, cond, tokens = (torch.empty(1, channels, h, w, device=z.device, dtype=z.dtype) for _ in range(3))
-        _cod_passes(decoder, z[i : i + 1], stream, cond, tokens, **kw)
+        _cod_passes(decoder, z[i : i + 1], stream, cond, tokens, conv_tile=tiling.conv_tile(h, w), **kw)
         pixels = _pixel_writer(decoder, cond, out[i : i + 1], tiling.pixel_tile, progress)
         dico_run(
             decoder.blocks,
@@ -268,15 +275,25 @@ def _no_store() -> torch.Tensor:
 
 
 def _cod_passes(
-    decoder: MageDecoder, z: torch.Tensor, a: torch.Tensor, spare: torch.Tensor, tokens: torch.Tensor, **kw
+    decoder: MageDecoder,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    spare: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    conv_tile: int,
+    **kw,
 ) -> None:
     """The CoD decoder over tiles: the conditioning ends in ``spare``, ``tokens_in`` of it in ``tokens``.
 
     ``a`` holds the residual stream (attention blocks and ResNet skips update it in place, tile by
     tile, which is safe because those writes read only their own tile); each ResNet's middle goes to
-    ``spare``. Every pass gathers the GroupNorm sums of what it writes, for the next pass.
+    ``spare``. Every pass gathers the GroupNorm sums of what it writes, for the next pass. The
+    convolution passes take tiles of ``conv_tile`` (the whole frame of a small one), the attention
+    passes ``kw["tile"]``.
     """
     cod = decoder.y_embedder.decoder
+    attention_kw, kw = kw, {**kw, "tile": conv_tile}
     sums = GroupSums(a.shape[1])
     run_pass(lambda x, inner, _: crop(cod.conv_in(x), inner), store_source(z), store_writer(a, sums), halo=1, **kw)
     for block in cod.block:
@@ -289,7 +306,7 @@ def _cod_passes(
             second = _gn_conv(block.norm2, block.conv2, middle.finish(a.device))
             run_pass(_plus_skip(second, a), store_source(spare), store_writer(a, sums), halo=1, **kw)
         elif isinstance(block, WindowAttentionBlock):
-            run_pass(_attention(block, stats), store_source(a), store_writer(a, sums), halo=0, **kw)
+            run_pass(_attention(block, stats), store_source(a), store_writer(a, sums), halo=0, **attention_kw)
         else:
             raise TypeError(f"Mage tiling: unexpected CoD block {type(block).__name__}")
 

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import skip_init
 
 #: Latent channels of the codec (FLUX.2's patchified latent) and its downsampling factor.
 MAGE_LATENT_CHANNELS = 128
@@ -193,7 +194,9 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
         t = t.reshape(b, c, rows, window, cols, window).permute(0, 2, 4, 3, 5, 1)
         return t.reshape(b * rows * cols, window * window, c)
 
-    out = F.scaled_dot_product_attention(to_windows(q), to_windows(k), to_windows(v))
+    # (cells, 1 head, window², C): the 4-D form takes torch's fused CPU kernel, not the one that materializes
+    # every window's (window², window²) softmax weights.
+    out = F.scaled_dot_product_attention(*(to_windows(t).unsqueeze(1) for t in (q, k, v)))
     out = out.reshape(b, rows, cols, window, window, c).permute(0, 5, 1, 3, 2, 4)
     return out.reshape(b, c, rows * window, cols * window)[:, :, :h, :w]
 
@@ -510,7 +513,7 @@ class PixelMLP(nn.Module):
         bias = torch.cat([layer.bias.clone() for layer in layers])
         for i in range(len(layers)):
             bias[(3 * i + 1) * px : (3 * i + 2) * px] += 1
-        self.modulation = nn.Linear(px, weight.shape[0], device=weight.device, dtype=weight.dtype)
+        self.modulation = skip_init(nn.Linear, px, weight.shape[0], device=weight.device, dtype=weight.dtype)
         self.modulation.weight.copy_(weight)
         self.modulation.bias.copy_(bias)
         for block in self.res_blocks:
@@ -587,7 +590,7 @@ class MageDecoder(nn.Module):
         const = dct @ w_x[:, 3 + px :].t() + linear.bias.to(f64)  # (256, c)
         weight = torch.matmul(a, w_y).reshape(p2 * px, c)
         bias = (b_y @ a.t() + const @ w_in.t() + proj.bias.to(f64)).reshape(p2 * px)
-        self.pixel_embed = nn.Conv2d(c, p2 * px, 1, device=y.weight.device, dtype=y.weight.dtype)
+        self.pixel_embed = skip_init(nn.Conv2d, c, p2 * px, 1, device=y.weight.device, dtype=y.weight.dtype)
         self.pixel_embed.weight.copy_(weight[:, :, None, None])
         self.pixel_embed.bias.copy_(bias)
         self.y_embedder_x = self.x_embedder = self.dec_net.input_proj = None
