@@ -72,7 +72,7 @@ class GroupSums:
 
 def channel_sums(x: torch.Tensor) -> torch.Tensor:
     """Per-channel float64 sums of a (1, C, h, w) tile, for the frame mean ``sum / (H W)``."""
-    return x.double().sum(dim=(0, 2, 3)).cpu()
+    return x.sum(dim=(0, 2, 3), dtype=torch.float64).cpu()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -179,7 +179,7 @@ def encode_tiled(
         image = x[i : i + 1]
 
         def new_store(channels: int) -> Callable[[], torch.Tensor]:
-            return lambda: torch.empty(1, channels, h, w, device=x.device, dtype=x.dtype)
+            return lambda: _store(x, channels, h, w)
 
         def patches(r: Region, image: torch.Tensor = image) -> torch.Tensor:
             p = MAGE_PATCH
@@ -203,6 +203,13 @@ def encode_tiled(
             **kw,
         )
     return out
+
+
+def _store(like: torch.Tensor, channels: int, h: int, w: int) -> torch.Tensor:
+    """A (1, channels, h, w) store in ``like``'s layout: channels-last when the input is (as
+    :class:`~flowlift.models.vae.MageVAE` runs it), so tiles go in and out without transposing copies."""
+    layout = torch.channels_last if like.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+    return torch.empty(1, channels, h, w, device=like.device, dtype=like.dtype, memory_format=layout)
 
 
 def _writer(store: torch.Tensor, pointwise: Callable[[torch.Tensor], torch.Tensor]):
@@ -254,7 +261,7 @@ def decode_tiled(
     kw = {"size": (h, w), "tile": tiling.tile, "progress": progress}
     channels = decoder.s_embedder.proj2.out_channels
     for i in range(b):
-        stream, cond, tokens = (torch.empty(1, channels, h, w, device=z.device, dtype=z.dtype) for _ in range(3))
+        stream, cond, tokens = (_store(z, channels, h, w) for _ in range(3))
         _cod_passes(decoder, z[i : i + 1], stream, cond, tokens, conv_tile=tiling.conv_tile(h, w), **kw)
         pixels = _pixel_writer(decoder, cond, out[i : i + 1], tiling.pixel_tile, progress)
         dico_run(
