@@ -52,7 +52,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import skip_init
 
 #: Latent channels of the codec (FLUX.2's patchified latent) and its downsampling factor.
 MAGE_LATENT_CHANNELS = 128
@@ -486,6 +485,14 @@ def pointwise_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
     return y.permute(0, 2, 3, 1).reshape(*x.shape[:-1], linear.out_features)
 
 
+def _linear_from(weight: torch.Tensor, bias: torch.Tensor) -> nn.Linear:
+    """An ``nn.Linear`` holding these tensors (made on meta: no random init)."""
+    with torch.device("meta"):
+        layer = nn.Linear(weight.shape[1], weight.shape[0])
+    layer.weight, layer.bias = nn.Parameter(weight, weight.requires_grad), nn.Parameter(bias, bias.requires_grad)
+    return layer
+
+
 class PixelMLP(nn.Module):
     """``dec_net``: per-pixel features (N, c) conditioned on tokens (n, C), ``N = 256 n`` -> (N, c) in place.
 
@@ -513,9 +520,7 @@ class PixelMLP(nn.Module):
         bias = torch.cat([layer.bias.clone() for layer in layers])
         for i in range(len(layers)):
             bias[(3 * i + 1) * px : (3 * i + 2) * px] += 1
-        self.modulation = skip_init(nn.Linear, px, weight.shape[0], device=weight.device, dtype=weight.dtype)
-        self.modulation.weight.copy_(weight)
-        self.modulation.bias.copy_(bias)
+        self.modulation = _linear_from(weight, bias)
         for block in self.res_blocks:
             block.adaLN_modulation = None
 
@@ -590,9 +595,11 @@ class MageDecoder(nn.Module):
         const = dct @ w_x[:, 3 + px :].t() + linear.bias.to(f64)  # (256, c)
         weight = torch.matmul(a, w_y).reshape(p2 * px, c)
         bias = (b_y @ a.t() + const @ w_in.t() + proj.bias.to(f64)).reshape(p2 * px)
-        self.pixel_embed = skip_init(nn.Conv2d, c, p2 * px, 1, device=y.weight.device, dtype=y.weight.dtype)
-        self.pixel_embed.weight.copy_(weight[:, :, None, None])
-        self.pixel_embed.bias.copy_(bias)
+        dtype = y.weight.dtype
+        with torch.device("meta"):  # no random init of 3M parameters
+            self.pixel_embed = nn.Conv2d(c, p2 * px, 1)
+        self.pixel_embed.weight = nn.Parameter(weight[:, :, None, None].to(dtype), y.weight.requires_grad)
+        self.pixel_embed.bias = nn.Parameter(bias.to(dtype), y.bias.requires_grad)
         self.y_embedder_x = self.x_embedder = self.dec_net.input_proj = None
         final = self.final_layer.linear
         final.weight.copy_((final.weight.to(f64) * self.final_layer.norm.weight.to(f64)).to(final.weight.dtype))
