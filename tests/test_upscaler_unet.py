@@ -248,3 +248,16 @@ def test_resblock_inference_path_keeps_its_input_and_the_autograd_paths_values(d
             plain.float() - reference
         ).abs().max().item() + 0.02 * scale
     assert (fast.float() - reference.detach()).abs().max().item() < 0.05 * reference.abs().max().item()
+
+
+def test_unet_inference_equals_its_autograd_path_in_float32_and_keeps_its_inputs():
+    """The whole UNet without autograd (residual blocks and FiLMs in place) is its autograd path bit for bit in
+    float32, and its inputs are untouched."""
+    torch.manual_seed(0)
+    model = U.FlowUpscalerUNet(base_channels=32, time_dim=16, cond_dim=32).eval().requires_grad_(False)
+    sample, small = torch.randn(1, 32, 16, 24), torch.randn(1, 32, 8, 12)
+    kept = sample.clone(), small.clone()
+    with torch.inference_mode():
+        fast = model(sample, 1000.0, small)
+    assert torch.equal(sample, kept[0]) and torch.equal(small, kept[1])
+    assert torch.equal(fast, model(sample, 1000.0, small))  # grad enabled: the out-of-place path

@@ -278,8 +278,11 @@ class FiLMCond(nn.Module):
         self.cond_proj = nn.Sequential(nn.SiLU(), nn.Conv2d(channels, 2 * channels, 1))
 
     def forward(self, x: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        """``x`` modulated; without autograd ``x`` itself, modulated in place (the same values)."""
         scale, shift = self.cond_proj(feature).chunk(2, dim=1)
-        return film(x, scale, shift)
+        if torch.is_grad_enabled():
+            return film(x, scale, shift)
+        return x.mul_(1 + scale).add_(shift)
 
 
 class TimeConditioning(nn.Module):
