@@ -367,13 +367,11 @@ def _lab_transplant(output, reference, strength, iterations, strip_pixels, inpla
                 on_strip()
             yield r0, min(height, r0 + rows_per_strip)
 
-    # With inplace, the first corrected step leaves f(clamp(output)) in the output's memory: every later step
-    # (and the result) starts from it instead of converting the output again (the same values: one sRGB -> f
-    # conversion per pixel instead of one per iteration). Each strip depends only on the same strip.
+    # With inplace, the first corrected step leaves f(clamp(output)) in the output's memory and every later step
+    # starts from it (the same values, one sRGB -> f conversion per pixel). Each strip depends only on itself.
     holds_f = False
 
     def corrected(step: LabStep, r0: int, r1: int) -> torch.Tensor:
-        nonlocal holds_f
         if holds_f:
             return step.from_f(output[:, :, r0:r1], r0, r1)
         return step(output, r0, r1, keep_f=output[:, :, r0:r1] if inplace else None)
