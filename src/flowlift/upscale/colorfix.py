@@ -367,21 +367,32 @@ def _lab_transplant(output, reference, strength, iterations, strip_pixels, inpla
                 on_strip()
             yield r0, min(height, r0 + rows_per_strip)
 
+    # With inplace, the first corrected step leaves f(clamp(output)) in the output's memory and every later step
+    # starts from it (the same values, one sRGB -> f conversion per pixel). Each strip depends only on itself.
+    holds_f = False
+
+    def corrected(step: LabStep, r0: int, r1: int) -> torch.Tensor:
+        if holds_f:
+            return step.from_f(output[:, :, r0:r1], r0, r1)
+        return step(output, r0, r1, keep_f=output[:, :, r0:r1] if inplace else None)
+
     def down_lab(coarse: torch.Tensor | None) -> torch.Tensor:
+        nonlocal holds_f
         low = torch.empty(batch, 3, h, w, dtype=torch.float32, device=device)
         step = LabStep(coarse, s_h, s_w)
         for r0, r1 in strips():
-            low[:, :, r0 // s_h : r1 // s_h] = F.avg_pool2d(step(output, r0, r1), (s_h, s_w))
+            rgb = step(output, r0, r1) if coarse is None else corrected(step, r0, r1)
+            low[:, :, r0 // s_h : r1 // s_h] = F.avg_pool2d(rgb, (s_h, s_w))
+        holds_f = holds_f or (inplace and coarse is not None)
         return rgb_to_lab(low)
 
     reference_lab = rgb_to_lab(reference.to(device=device, dtype=torch.float32).clamp(0.0, 1.0))
     coarse = _fit_coarse(down_lab, reference_lab, strength, iterations, (bands_h, bands_w), solve)
 
-    # Each strip of the result depends only on the same strip of the output, so inplace is safe.
     result = output if inplace else torch.empty(batch, 3, height, width, dtype=torch.float32, device=device)
     step = LabStep(coarse, s_h, s_w)
     for r0, r1 in strips():
-        result[:, :, r0:r1] = step(output, r0, r1)
+        result[:, :, r0:r1] = corrected(step, r0, r1)
     return result
 
 
