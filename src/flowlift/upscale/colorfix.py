@@ -285,8 +285,8 @@ def lab_lowband_transplant(
     """Stage 2: pin the output's colour and tone below the reference's Nyquist, in CIE L*a*b*.
 
     ``output`` (B, 3, H, W) and ``reference`` (B, 3, h, w) are RGB in [0, 1] with ``H >= h`` and ``W >= w``
-    (integer multiples ``H = s_h h``, ``W = s_w w`` from the 2x passes, or any larger size: ``flowlift upscale
-    --scale 3``'s resampled output). Off the integer ratios the low band's grid ``h x w`` is per side the
+    (integer multiples ``H = s_h h``, ``W = s_w w`` from the 2x passes, or any larger size: a ``scale=3``
+    upscale's resampled output). Off the integer ratios the low band's grid ``h x w`` is per side the
     reference's, or half the output's where that is smaller (``min(h, H // 2)``; the reference is area-downsampled
     to it): a grid within 2x of the output would make ``A`` ill-conditioned (``H = h + 1``: the correction is
     nearly the whole image). With ``D`` the area downsample to ``h x w`` (in RGB: the block mean for
