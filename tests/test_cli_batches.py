@@ -35,7 +35,7 @@ def test_batch_size_groups_same_size_inputs_and_matches_one_by_one(tmp_path, sha
     single, batched = tmp_path / "one", tmp_path / "batched"
     assert main(["upscale", str(src), "-o", str(single), *_common(shared, weights)]) == 1
     capsys.readouterr()
-    from flowlift.upscale.batches import SameSizeBatches
+    from flowlift.jobs.same_size import SameSizeBatches
 
     runs: list[int] = []
     original = SameSizeBatches.__call__

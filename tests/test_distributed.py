@@ -253,13 +253,15 @@ def test_job_status_counts_latest_records(tmp_path):
 
 def test_scaleout_refusals_are_one_line_errors(tmp_path, capsys):
     from flowlift.commands.cli import main
+    from flowlift.files.images import IMAGE_SUFFIXES, output_target
     from flowlift.jobs.batch import Job
     from flowlift.jobs.scaleout import run_batch
 
     jobs = [Job(tmp_path / "a.png", tmp_path / "a_x2.png")]
     for output in (None, str(tmp_path / "one.png")):  # no folder for the manifest
+        folder = output_target(output, 1, IMAGE_SUFFIXES)[1]
         with pytest.raises(FlowliftError, match="-o must name an output folder"):
-            run_batch(jobs, lambda: None, command="upscale", output=output, env=DistEnv(0, 2, 0))
+            run_batch(jobs, lambda: None, command="upscale", folder=folder, env=DistEnv(0, 2, 0))
     assert main(["status", str(tmp_path / "absent")]) == 2  # no folder there (without a
     # manifest, an existing folder's state comes from its files: tests/test_cli_upscale.py)
     assert main(["upscale"]) == 2

@@ -193,7 +193,7 @@ def test_pickled_code_is_refused_without_advising_weights_only_false(tmp_path):
 
 @pytest.mark.parametrize("kind", sorted(NON_FINITE))
 def test_non_finite_prompt_embeddings_are_refused_at_load(tmp_path, kind):
-    from flowlift.refine.prompts import load_prompt_embeds
+    from flowlift.models.prompt_embeds import load_prompt_embeds
 
     embeds = torch.zeros(1, 4, 8)
     embeds[0, 2, 3] = NON_FINITE[kind]
@@ -1208,7 +1208,7 @@ def test_colorfix_and_a_continued_job_refuse_a_users_image_too(tmp_path, capsys)
     jobs = plan_jobs(
         [tmp_path / "a.png"], str(out), lambda p: f"{p.stem}_x2.png", (".png",), expected_size=lambda p: (20, 24)
     )
-    assert run_batch(jobs, lambda: None, command="upscale", output=str(out), env=DistEnv()) == 1
+    assert run_batch(jobs, lambda: None, command="upscale", folder=out, env=DistEnv()) == 1
     assert "was not written by flowlift" in capsys.readouterr().err
     assert (out / "a_x2.png").read_bytes() == user
     record = latest_by_output(Manifest(out).records())[os.path.abspath(out / "a_x2.png")]

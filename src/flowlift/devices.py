@@ -65,6 +65,15 @@ def auto_dtype(device: torch.device, *, cpu_bf16: bool = False) -> torch.dtype:
     return torch.float32
 
 
+def default_channels_last(device: torch.device, dtype: torch.dtype) -> bool:
+    """Channels-last UNet weights and inputs: on CUDA, and on the CPU in bfloat16 (oneDNN's fast bf16
+    convolutions want NHWC; measured in docs/cpu.md). CPU float32 keeps the contiguous layout the
+    results were made with."""
+    import torch
+
+    return device.type == "cuda" or (device.type == "cpu" and dtype == torch.bfloat16)
+
+
 def resolve_device(setting: str | torch.device | None) -> torch.device:
     """``None``/``"auto"`` -> CUDA if available else CPU; otherwise the named device, checked to exist.
 

@@ -72,6 +72,22 @@ def names_image_file(output: str | os.PathLike | None, suffixes: Sequence[str] =
     return target.suffix.lower() in suffixes and not target.is_dir()
 
 
+def output_target(output: str | None, count: int, image_suffixes: Sequence[str]) -> tuple[Path | None, Path | None]:
+    """Interpret ``-o``: ``(single output file, None)``, ``(None, output folder)`` or ``(None, None)``.
+
+    A path with an image suffix that is not an existing folder names one output file
+    (:func:`names_image_file`), which is only valid for a single input.
+    """
+    if not output:
+        return None, None
+    target = Path(output).expanduser()
+    if names_image_file(target, image_suffixes):
+        if count != 1:
+            raise FlowliftError(f"-o {target} names one file but {count} inputs were given; pass a folder")
+        return target, None
+    return None, target
+
+
 def _to_rgb_and_alpha(image: Image.Image) -> tuple[Image.Image, Image.Image | None]:
     """Convert any Pillow mode to 8-bit RGB, splitting off alpha (palette transparency included)."""
     if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):

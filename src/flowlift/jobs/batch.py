@@ -45,7 +45,6 @@ from pathlib import Path
 
 from flowlift.console import format_seconds
 from flowlift.errors import ITEM_ERRORS as _ITEM_ERRORS
-from flowlift.errors import FlowliftError
 from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
 from flowlift.files.output_paths import folder_problem, same_file
 from flowlift.knobs import check_overwrite
@@ -60,7 +59,6 @@ __all__ = [
     "existing_output",
     "folder_problem",
     "format_seconds",
-    "output_target",
     "pending",
     "plan_jobs",
     "plan_targets",
@@ -81,7 +79,8 @@ class Job:
 
     ``refused``: an input without an output for a reason that counts as a failure (a missing file, an
     output that would replace its input); without it, an input with no output is skipped (a previous
-    result, a reference).
+    result, a reference). ``warning``: what the planner has to say about a job that runs (said once, before
+    any work, by the command; e.g. passes that a size cap drops).
     """
 
     source: Path
@@ -89,6 +88,7 @@ class Job:
     note: str = ""
     expected_size: tuple[int, int] | None = None  # (width, height) of a complete output, when known
     refused: bool = False
+    warning: str = ""
 
     @classmethod
     def refusal(cls, source: Path, note: str) -> Job:
@@ -108,13 +108,15 @@ class Target:
     ``output`` is None when the caller could not plan one (``problem`` says why: the input is refused).
     A ``problem`` beside an output refuses that output too, but only after the planner's own rules
     (a previous result is still skipped, an unwritable folder is still named first).
-    ``expected_size``: the (width, height) of a complete output (for :func:`existing_output`).
+    ``expected_size``: the (width, height) of a complete output (for :func:`existing_output`); ``warning``:
+    the job's :attr:`Job.warning`.
     """
 
     source: Path
     output: Path | None
     problem: str = ""
     expected_size: tuple[int, int] | None = None
+    warning: str = ""
 
 
 @dataclass
@@ -137,24 +139,6 @@ class BatchResult:
         return 1 if self.failed else 0
 
 
-def output_target(output: str | None, count: int, image_suffixes: Sequence[str]) -> tuple[Path | None, Path | None]:
-    """Interpret ``-o``: ``(single output file, None)``, ``(None, output folder)`` or ``(None, None)``.
-
-    A path with an image suffix that is not an existing folder names one output file
-    (:func:`flowlift.files.images.names_image_file`), which is only valid for a single input.
-    """
-    from flowlift.files.images import names_image_file
-
-    if not output:
-        return None, None
-    target = Path(output).expanduser()
-    if names_image_file(target, image_suffixes):
-        if count != 1:
-            raise FlowliftError(f"-o {target} names one file but {count} inputs were given; pass a folder")
-        return target, None
-    return None, target
-
-
 def plan_jobs(
     inputs: Sequence[Path],
     output: str | None,
@@ -172,6 +156,8 @@ def plan_jobs(
     :data:`ITEM_ERRORS` exception from any of the three refuses that input alone, with its message as
     the note. The rules that follow are :func:`plan_targets`'.
     """
+    from flowlift.files.images import output_target
+
     single_file, out_dir = output_target(output, len(inputs), image_suffixes)
     targets = []
     for path in inputs:
@@ -231,7 +217,7 @@ def plan_targets(targets: Sequence[Target]) -> list[Job]:
                 jobs.append(Job.refusal(path, problem))
                 continue
             taken[key] = path
-            jobs.append(Job(path, out, expected_size=target.expected_size))
+            jobs.append(Job(path, out, expected_size=target.expected_size, warning=target.warning))
     return jobs
 
 

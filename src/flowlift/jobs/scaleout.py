@@ -42,7 +42,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from flowlift.errors import FlowliftError
@@ -79,21 +79,12 @@ def _nothing_to_do(source: Path, output: Path) -> None:
     raise AssertionError(f"no job was pending, yet {source} -> {output} was run")
 
 
-def manifest_folder(output: str | None) -> Path | None:
-    """The folder ``-o`` names (the manifest's home), or ``None`` (no ``-o``, or ``-o FILE``)."""
-    from flowlift.files.images import names_image_file
-
-    if not output or names_image_file(output):
-        return None
-    return Path(output).expanduser()
-
-
 def run_batch(
     jobs: Sequence[Job],
     make_process: Callable[[], Process],
     *,
     command: str,
-    output: str | None,
+    folder: Path | None,
     overwrite: bool = False,
     barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT_S,
     env: DistEnv | None = None,
@@ -108,7 +99,7 @@ def run_batch(
     with batch_share(
         jobs,
         command=command,
-        output=output,
+        folder=folder,
         overwrite=overwrite,
         barrier_timeout=barrier_timeout,
         env=env,
@@ -122,44 +113,39 @@ def batch_share(
     jobs: Sequence[Job],
     *,
     command: str,
-    output: str | None,
+    folder: Path | None,
     overwrite: bool = False,
     barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT_S,
     env: DistEnv | None = None,
     progress: bool | None = None,
 ) -> Iterator[BatchShare]:
     """This rank's share of ``jobs``, planned and agreed with the other ranks (steps 1 and 2 of the
-    module docstring), inside the process group when there is one. The caller builds its models only
-    when :attr:`BatchShare.has_work`, then runs the share with :meth:`BatchShare.run`."""
+    module docstring), inside the process group when there is one. ``folder``: the output folder that
+    ``-o`` names (the manifest's home; ``None`` without ``-o`` or for ``-o FILE``,
+    :func:`flowlift.files.images.output_target`). The caller builds its models only when
+    :attr:`BatchShare.has_work`, then runs the share with :meth:`BatchShare.run`."""
     started = time.perf_counter()  # the summary's total time includes loading the models
     opened = time.time()  # before any rank of this run writes (they first agree on the plan): the debris cutoff
     env = DistEnv.from_environ() if env is None else env
     jobs = list(jobs)
-    folder = manifest_folder(output)
     if env.distributed and folder is None:
         raise FlowliftError("under torchrun, -o must name an output folder: the job manifest is kept there")
-    if not env.distributed and (folder is None or not Manifest(folder).exists()):
+    manifest = None if folder is None else Manifest(folder)
+    if manifest is None or not (env.distributed or manifest.exists()):  # exactly run_jobs: nothing new is written
+        todo = pending(jobs, overwrite)
         yield BatchShare(
-            jobs,
-            command,
-            overwrite,
-            barrier_timeout,
-            env,
-            progress,
-            started,
-            opened,
-            has_work=bool(pending(jobs, overwrite)),
+            jobs, command, overwrite, barrier_timeout, env, progress, started, opened, has_work=bool(todo), todo=todo
         )
         return
-    assert folder is not None
     with process_group(env, barrier_timeout):
-        yield _agreed_share(jobs, command, Manifest(folder), overwrite, barrier_timeout, env, progress, started, opened)
+        yield _agreed_share(jobs, command, manifest, overwrite, barrier_timeout, env, progress, started, opened)
 
 
 @dataclass
 class BatchShare:
     """What this rank runs of a batch: ``jobs`` (its share, and on rank 0 the ones nobody processes, to
-    report them once), whether any of them needs work, and the job manifest when the run keeps one."""
+    report them once), whether any of them needs work, the job manifest when the run keeps one, and
+    ``todo``: the jobs of the whole batch (every rank's) that need work, in order."""
 
     jobs: list[Job]
     command: str
@@ -172,6 +158,7 @@ class BatchShare:
     has_work: bool
     manifest: Manifest | None = None
     run_id: str = ""
+    todo: list[Job] = field(default_factory=list)
 
     def run(self, process: Process | None) -> int:
         """Run ``process(source, output)`` over the share (steps 3 and 4); returns the exit status.
@@ -243,6 +230,7 @@ def _agreed_share(
         has_work=bool(share),
         manifest=manifest,
         run_id=run,
+        todo=[jobs[i] for i in todo],
     )
 
 
@@ -308,11 +296,13 @@ def _record_plan(manifest: Manifest, jobs: list[Job], todo: list[int], run: str,
     """The ``job`` record, a failed record per refused input (and per output path that holds somebody
     else's image), and a ``skipped`` record for each finished output the manifest does not record as
     done (e.g. written just before a kill); the image records carry ``plan: true`` (the loop did not
-    produce them)."""
+    produce them). The facts are gathered first (what the manifest knows, the outputs' states), then
+    the records are written."""
     waiting = set(todo)
+    latest = latest_by_output(manifest.records())
     states = {i: existing_output(job) for i, job in enumerate(jobs) if i not in waiting and job.output is not None}
     refused = sum(job.refused for job in jobs) + sum(state.action == "refuse" for state in states.values())
-    manifest.write_record(
+    records: list[dict] = [
         {
             "event": "job",
             "run": run,
@@ -323,36 +313,44 @@ def _record_plan(manifest: Manifest, jobs: list[Job], todo: list[int], run: str,
             "refused": refused,
             "skipped": len(jobs) - len(todo) - refused,
         }
-    )
-    latest = latest_by_output(manifest.records())
+    ]
     for i, job in enumerate(jobs):
         if i in waiting or (job.output is None and not job.refused):
             continue
         if job.output is None or states[i].action == "refuse":
-            record = image_record(
-                input_path=_absolute(job.source),
-                input_sha256=None,
-                output=None if job.output is None else _absolute(job.output),
-                status="failed",
-                seconds=0.0,
-                error=job.note if job.output is None else states[i].note,
-                env=env,
-                run=run,
+            records.append(
+                {
+                    **image_record(
+                        input_path=_absolute(job.source),
+                        input_sha256=None,
+                        output=None if job.output is None else _absolute(job.output),
+                        status="failed",
+                        seconds=0.0,
+                        error=job.note if job.output is None else states[i].note,
+                        env=env,
+                        run=run,
+                    ),
+                    "plan": True,
+                }
             )
         elif latest.get(_absolute(job.output), {}).get("status") not in ("done", "skipped"):
-            record = image_record(
-                input_path=_absolute(job.source),
-                input_sha256=_sha256(job.source),
-                output=_absolute(job.output),
-                status="skipped",
-                seconds=0.0,
-                error=None,
-                env=env,
-                run=run,
+            records.append(
+                {
+                    **image_record(
+                        input_path=_absolute(job.source),
+                        input_sha256=_sha256(job.source),
+                        output=_absolute(job.output),
+                        status="skipped",
+                        seconds=0.0,
+                        error=None,
+                        env=env,
+                        run=run,
+                    ),
+                    "plan": True,
+                }
             )
-        else:
-            continue
-        manifest.write_record({**record, "plan": True})
+    for record in records:
+        manifest.write_record(record)
 
 
 def _recording(process: Process, manifest: Manifest, run: str, env: DistEnv) -> Process:

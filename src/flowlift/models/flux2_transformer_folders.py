@@ -131,3 +131,14 @@ def inspect_transformer_folder(folder: str | Path, *, option: str = "--model") -
         raise FlowliftError(f"{what}: config.json does not match its weights: {problem}")
     _check_fills_model(folder, option, shapes, "diffusers", {**full, "out_channels": full.get("out_channels")})
     return full
+
+
+def cached_transformer_folder(repo_id: str) -> Path | None:
+    """The ``transformer/`` folder of a hub id in the Hugging Face cache, when it is there (nothing is fetched)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=["transformer/*"], local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached: diffusers fetches it (or says why it cannot)
+        return None
+    return folder / "transformer" if (folder / "transformer" / "config.json").is_file() else None

@@ -178,30 +178,23 @@ def plan_refine_job(request: RefineRequest) -> RefineJob:
 
 
 def find_weights(job: RefineJob) -> list[Any]:
-    """Every weight the job needs, found before any loads, all missing ones named in one message: what the
-    :class:`~flowlift.refine.request.RefinerSource` names (:func:`~flowlift.refine.source_checks.check_refiner_source`),
-    the transformer, the VAE, the text encoder when a prompt is embedded here, and
-    (hires) the upscaler. Returns the LoRAs as ``(path, scale)`` pairs."""
-    from flowlift.models.weights import require_all
-    from flowlift.refine.source_checks import check_refiner_source, refiner_weight_checks
+    """Every weight the job needs, found before any loads, all missing ones named in one message
+    (:func:`~flowlift.refine.source_checks.check_refiner_source`): what the
+    :class:`~flowlift.refine.request.RefinerSource` names, the transformer, the VAE, the text encoder when a prompt
+    is embedded here, and (hires) the upscaler. Returns the LoRAs as ``(path, scale)`` pairs."""
+    from flowlift.refine.source_checks import check_refiner_source
 
     request = job.request
-    source = request.source
-    loras = check_refiner_source(source)
-    checks = refiner_weight_checks(
-        source.model, vae=source.vae, text_encoder=request.prompt.embeds is None, transformer=source.transformer
-    )
-    if request.mode == "hires" and request.hires.upscaler is not None:
-        checks.append(request.hires.upscaler.find)
-    require_all(checks)
-    return loras
+    upscaler = request.hires.upscaler if request.mode == "hires" else None
+    also = [upscaler.find] if upscaler is not None else []
+    return check_refiner_source(request.source, text_encoder=request.prompt.embeds is None, also=also)
 
 
 def job_conditioning(job: RefineJob, embed: Callable[[Sequence[str]], list[Any]] | None = None) -> dict[str, Any]:
     """The conditioning keywords of the job's prompt: its embeddings file read; texts embedded by ``embed`` (the
     command line's text encoder, freed before the transformer loads), or left as text for a refiner with its own
     prompt encoder (``embed`` None)."""
-    from flowlift.refine.prompts import load_prompt_embeds
+    from flowlift.models.prompt_embeds import load_prompt_embeds
 
     prompt = job.request.prompt
     embeds = negative = None
@@ -322,15 +315,17 @@ def run_refine(request: RefineRequest) -> Path:
     from flowlift.console import command_started, run_lines
     from flowlift.progress import RunProgress, running
 
+    job = plan_refine_job(request)  # no stage of the run: refused (or planned) before any line is shown
     run = RunProgress(started=command_started())
     with running(run), run_lines(run, request.progress):
-        return _run_refine(request, run)
+        return _run_job(job, run)
 
 
-def _run_refine(request: RefineRequest, run: Any) -> Path:
+def _run_job(job: RefineJob, run: Any) -> Path:
+    """The planned ``job`` run under ``run``: its weights found, loaded, its mode run and the result written."""
     from flowlift.refine.stages import plan_job_stages
 
-    job = plan_refine_job(request)
+    request = job.request
     loras = find_weights(job)
     run.loading(f"the FLUX.2 model {Path(request.source.model).name}")
     refiner, conditioning = load_for_job(job, loras)

@@ -133,17 +133,6 @@ def store_fp8_layers(transformer: torch.nn.Module, *, dtype: torch.dtype) -> int
     return len(fp8)
 
 
-def _cached_transformer_folder(repo_id: str) -> Path | None:
-    """The ``transformer/`` folder of a hub id in the Hugging Face cache, when it is there (nothing is fetched)."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = Path(snapshot_download(repo_id, allow_patterns=["transformer/*"], local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached: diffusers fetches it (or says why it cannot)
-        return None
-    return folder / "transformer" if (folder / "transformer" / "config.json").is_file() else None
-
-
 @names_source_fields
 def load_transformer(model: str, *, dtype: torch.dtype, option: str = "source.model") -> torch.nn.Module:
     """A ``Flux2Transformer2DModel`` from a diffusers folder / hub id (``transformer/`` subfolder), a
@@ -151,7 +140,7 @@ def load_transformer(model: str, *, dtype: torch.dtype, option: str = "source.mo
     (:func:`load_transformer_file`)."""
     from diffusers import Flux2Transformer2DModel
 
-    from flowlift.models.flux2_transformer_folders import inspect_transformer_folder
+    from flowlift.models.flux2_transformer_folders import cached_transformer_folder, inspect_transformer_folder
     from flowlift.models.hub import looks_like_path
 
     if not str(model).strip():  # Path("") is the working folder: an empty name names no model
@@ -173,7 +162,7 @@ def load_transformer(model: str, *, dtype: torch.dtype, option: str = "source.mo
             )
         if path.is_dir():
             inspect_transformer_folder(path / "transformer", option=option)
-        cached = _cached_transformer_folder(model) if from_hub else None
+        cached = cached_transformer_folder(model) if from_hub else None
         if cached is not None:  # what diffusers would load from the cache, checked the same way
             inspect_transformer_folder(cached, option=f"{option} {model}:")
         if path.is_dir() or from_hub:
@@ -239,11 +228,11 @@ def load_refiner(
     device = torch.device(device)
     option = "source.transformer" if transformer is not None else "source.model"
     module = load_transformer(transformer if transformer is not None else model, dtype=dtype, option=option)
-    loaded_loras = apply_loras(module, loras)
-    fp8_layers = store_fp8_layers(module, dtype=dtype)
     # the FLUX.2 VAE overflows in float16; bfloat16 and float32 are fine
     vae_dtype = torch.float32 if dtype == torch.float16 else dtype
     vae_adapter = load_vae(vae or model, device=device, dtype=vae_dtype)
+    loaded_loras = apply_loras(module, loras)
+    fp8_layers = store_fp8_layers(module, dtype=dtype)
     plan = None
     if memory.max_memory is not None:
         plan = _plan(module, vae_adapter, memory, dtype, vae_dtype, tiling)
@@ -285,12 +274,13 @@ def _plan(module, vae_adapter, memory: RefineMemory, dtype, vae_dtype, tiling: T
     from flowlift.limits import model_bytes, parse_memory, vae_kind
     from flowlift.refine.memory_plan import DEFAULT_TEXT_TOKENS, VAESizes, plan_refine, transformer_sizes
 
+    sizes = transformer_sizes(module)
     height, width = memory.image_size
     return plan_refine(
         height,
         width,
         parse_memory(memory.max_memory),
-        transformer_sizes(module),
+        sizes,
         dtype=dtype,
         vae=VAESizes(vae_kind(vae_adapter), model_bytes(vae_adapter), vae_dtype),
         text_tokens=memory.text_tokens or DEFAULT_TEXT_TOKENS,

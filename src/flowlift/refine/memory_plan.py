@@ -167,11 +167,7 @@ def plan_refine(
     """
     request = tiles if tiles is not None else TileRequest()
     vae = vae if vae is not None else VAESizes()
-    vae_kind, vae_bytes = vae.kind, vae.bytes
-    vae = {
-        tiled: decode_peak_bytes(vae_kind, height, width, batch=batch, dtype=vae.dtype, tiled=tiled)
-        for tiled in (False, True)
-    }
+    vae_bytes = vae.bytes
     resident_while_sampling = {
         "none": sizes.total_bytes,
         "model": sizes.total_bytes,
@@ -187,22 +183,29 @@ def plan_refine(
     def sampling(mode: str, tile: int | None, per_call: int) -> int:
         return resident_while_sampling[mode] + vae_bytes + activations(tile, per_call) + buffers
 
+    def most_per_call(tile: int) -> int:  # tile_batch auto: tiles in one call, at most
+        return min(MAX_AUTO_TILE_BATCH, tile_count(height, width, tile, request.overlap))
+
     first = request.batch if isinstance(request.batch, int) else 1
     candidates = [offload] if offload is not None else ["none", "model", "group"]
     tiles = tile_candidates(height, width, request)
+    decode = {  # the VAE's peak at the frame, whole and tiled
+        tiled: decode_peak_bytes(vae.kind, height, width, batch=batch, dtype=vae.dtype, tiled=tiled)
+        for tiled in (False, True)
+    }
     leanest = None
     for tile in tiles:
         per_call = first if tile is not None else 1
         for mode in candidates:
             kept = sizes.total_bytes if mode == "none" else 0  # the transformer's weights during the VAE's stages
             for tiled in (False, True):
-                coding = kept + vae_bytes + vae[tiled]
+                coding = kept + vae_bytes + decode[tiled]
                 peak = max(sampling(mode, tile, per_call), coding)
                 leanest = peak if leanest is None else min(leanest, peak)
                 if peak > budget_bytes:
                     continue
                 if request.batch == "auto" and tile is not None and batch == 1:
-                    most = min(MAX_AUTO_TILE_BATCH, tile_count(height, width, tile, request.overlap))
+                    most = most_per_call(tile)
                     while per_call < most and max(sampling(mode, tile, per_call + 1), coding) <= budget_bytes:
                         per_call += 1
                 peak = max(sampling(mode, tile, per_call), coding)

@@ -1,6 +1,7 @@
-"""Prompt conditioning: prompt strings to FLUX.2 embeddings, or precomputed embeddings read and checked.
+"""Prompt conditioning: prompt strings to FLUX.2 embeddings with the model's text encoder.
 
-Either way the refiner gets float32 ``prompt_embeds`` (and optional ``negative_prompt_embeds``) it can trust.
+Precomputed embeddings are read and checked by :mod:`flowlift.models.prompt_embeds`; either way the refiner gets
+float32 ``prompt_embeds`` (and optional ``negative_prompt_embeds``) it can trust.
 """
 
 from __future__ import annotations
@@ -113,37 +114,3 @@ def embed_prompts(
     finally:
         encoder.close()
         del encoder
-
-
-def check_prompt_embeds(state: dict[str, torch.Tensor], *, origin: str) -> None:
-    """Refuse prompt embeddings that are not floating point or hold NaN/Inf (checked once, at load).
-
-    Non-finite embeddings propagate through every attention layer and decode to a black image.
-    """
-    from flowlift.models.weights import check_finite_state
-
-    for name in ("prompt_embeds", "negative_prompt_embeds"):
-        tensor = state.get(name)
-        if tensor is not None and not tensor.is_floating_point():
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            raise FlowliftError(f"prompt embeddings ({origin}): `{name}` has dtype {dtype}, expected floating point")
-    check_finite_state(state, what="prompt embeddings", origin=origin)
-
-
-def load_prompt_embeds(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Read ``prompt_embeds`` (and optional ``negative_prompt_embeds``) from a safetensors/.pt file."""
-    from flowlift.models.weights import read_state_dict
-
-    state = read_state_dict(path, what="prompt embeddings")
-    if "prompt_embeds" not in state:
-        raise FlowliftError(f"prompt embeddings: {path} has no 'prompt_embeds' tensor (keys: {', '.join(state)})")
-    check_prompt_embeds(state, origin=str(path))
-    embeds = state["prompt_embeds"].float()
-    if embeds.ndim == 2:
-        embeds = embeds[None]
-    negative = state.get("negative_prompt_embeds")
-    if negative is not None:
-        negative = negative.float()
-        if negative.ndim == 2:
-            negative = negative[None]
-    return embeds, negative

@@ -1,8 +1,8 @@
 """What a :class:`~flowlift.refine.request.RefinerSource` names, checked before any weights load.
 
-:func:`check_refiner_source` checks the files and extras it names (headers only), :func:`refiner_weight_checks`
-lists the lookups of every part a refiner needs (:func:`check_model_part`: cached, on the hub, or a local folder)
-for :func:`flowlift.models.weights.require_all`. A check's FlowliftError line names the field
+:func:`check_refiner_source` checks the files and extras it names (headers only), then runs the lookups of every
+part a refiner needs (:func:`refiner_weight_checks`: :func:`check_model_part` of each, cached, on the hub, or a local
+folder) in one :func:`flowlift.models.weights.require_all` at its end. A check's FlowliftError line names the field
 (``source.model``: :func:`names_source_fields`, which :mod:`flowlift.refine.loading` uses too), which each door says
 in its own words.
 """
@@ -10,7 +10,7 @@ in its own words.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,33 +101,39 @@ def refiner_weight_checks(
     :func:`check_model_part` says."""
     from flowlift.models.vae_loading import check_vae_spec
 
-    checks: list[Callable[[], object]] = [
-        lambda: (
-            check_model_part(transformer, "transformer", "source.transformer")
-            if transformer is not None
-            else check_model_part(model, "transformer")
-        )
+    parts = [
+        (transformer, "transformer", "source.transformer")
+        if transformer is not None
+        else (model, "transformer", "source.model")
     ]
+    parts += [(model, "vae", "source.model")] if vae is None else []
+    parts += [(model, "text_encoder", "source.model")] if text_encoder else []
+    checks: list[Callable[[], object]] = [functools.partial(check_model_part, *part) for part in parts]
     if vae is not None:
-        checks.append(lambda: check_vae_spec(vae))
-    else:
-        checks.append(lambda: check_model_part(model, "vae"))
-    if text_encoder:
-        checks.append(lambda: check_model_part(model, "text_encoder"))
+        checks.insert(1, lambda: check_vae_spec(vae))
     return checks
 
 
 @names_source_fields
-def check_refiner_source(source: Any) -> list[LoraSpec]:
+def check_refiner_source(
+    source: Any, *, text_encoder: bool = False, also: Sequence[Callable[[], object]] = ()
+) -> list[LoraSpec]:
     """Everything a :class:`~flowlift.refine.request.RefinerSource` names, checked before any weights load (one
     FlowliftError line): the ``transformer`` file is what it claims (headers only) and its extra is installed, the
-    LoRAs are ``.safetensors`` files and peft is there, ``group`` offload has accelerate, the budget parses.
+    LoRAs are ``.safetensors`` files and peft is there, ``group`` offload has accelerate, the budget parses; then
+    every weight a refiner needs (:func:`refiner_weight_checks`, the text encoder with ``text_encoder``) and those
+    ``also`` finds, all missing ones named in one message (:func:`flowlift.models.weights.require_all`).
     Returns the LoRAs as ``(path, scale)`` pairs."""
     import importlib.util
 
     from flowlift.models.hub import looks_like_path
+    from flowlift.models.weights import require_all
     from flowlift.refine.loras import parse_lora_spec
 
+    loras = [parse_lora_spec(text) for text in source.loras]
+    lookups = refiner_weight_checks(
+        source.model, vae=source.vae, text_encoder=text_encoder, transformer=source.transformer
+    )
     if source.transformer is not None:
         path = Path(source.transformer).expanduser()
         if path.is_file():
@@ -139,7 +145,6 @@ def check_refiner_source(source: Any) -> list[LoraSpec]:
                 raise FlowliftError(f"source.transformer {path}: GGUF needs the gguf extra ({extra})")
         elif not path.exists() and looks_like_path(source.transformer):
             raise FlowliftError(f"source.transformer {source.transformer}: no such file or folder")
-    loras = [parse_lora_spec(text) for text in source.loras]
     for lora, _ in loras:
         if not Path(lora).is_file():
             raise FlowliftError(f"source.loras {lora}: no such file")
@@ -151,4 +156,5 @@ def check_refiner_source(source: Any) -> list[LoraSpec]:
         )
     if source.offload == "group" and importlib.util.find_spec("accelerate") is None:
         raise FlowliftError("source.offload group needs accelerate (pip install 'flowlift[offload]')")
+    require_all([*lookups, *also])
     return loras

@@ -184,7 +184,7 @@ def load_teacher(source: TeacherSource, device: torch.device) -> tuple[Teacher, 
         embeds = read_state_dict(source.prompt_embeds, what="prompt embeddings")
         if "prompt_embeds" not in embeds:
             raise FlowliftError(f"{source.prompt_embeds} has no tensor named 'prompt_embeds'")
-        from flowlift.refine.prompts import check_prompt_embeds
+        from flowlift.models.prompt_embeds import check_prompt_embeds
 
         check_prompt_embeds(embeds, origin=str(source.prompt_embeds))
         from flowlift.models.flux2_transformer_folders import inspect_transformer_folder

@@ -3,8 +3,9 @@
 :func:`resolve_upscaler_file` turns a file, folder or hub id into the UNet's safetensors file (or one
 error line saying how to get it); :func:`check_upscale_weights` finds the UNet and every VAE an upscale
 will use before any model loads and names every missing one in one message (the command line, the
-web app at start-up and the pipeline all call it); :func:`load_pipeline_upscaler` / :func:`load_pipeline_vae` turn what
-a user passed (a module, an object, a spec) into a model on the pipeline's device;
+web app at start-up and the pipeline all call it); :func:`load_pipeline_models` turns what
+a user passed (a module, an object, a spec) into the two models on the pipeline's device, finding every weight
+first;
 :func:`pipeline_model_files` lists the weight files behind both so outputs can record their hashes.
 """
 
@@ -33,8 +34,7 @@ __all__ = [
     "UPSCALER_WEIGHTS_NAME",
     "check_upscale_weights",
     "first_parameter",
-    "load_pipeline_upscaler",
-    "load_pipeline_vae",
+    "load_pipeline_models",
     "pipeline_model_files",
     "resolve_upscaler_file",
     "upscale_weight_checks",
@@ -164,52 +164,47 @@ def _placed(param: Any, device: torch.device, dtype: torch.dtype) -> bool:
     return on_device and (not param.is_floating_point() or param.dtype == dtype)
 
 
-def load_pipeline_upscaler(upscaler: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, Path | None]:
-    """(UNet callable on ``device`` in ``dtype``, its weights file or None).
+def load_pipeline_models(
+    upscaler: Any, vae: Any, device: torch.device, dtype: torch.dtype
+) -> tuple[Any, Path | None, Any, str | None]:
+    """(UNet callable, its weights file or None, VAE or None, its spec string or None), on ``device``.
 
-    A path or hub id is resolved and loaded; a module already on ``device`` in ``dtype`` is used as it
-    is, one elsewhere or in another dtype is *copied* there (issue 36.3: ``Module.to`` converts in place,
-    so a UNet shared by several pipelines, like the web app's upscale and hires fix ones, would change
-    dtype under the others); any other callable is used as it is.
+    Every weight is found first and only then does anything load: a UNet given as a path or hub id is
+    resolved once, together with the VAE spec (:func:`upscale_weight_checks`: a missing UNet and VAE are
+    named in one line), and loaded from that file. A UNet module already on ``device`` in ``dtype`` is used
+    as it is, one elsewhere or in another dtype is *copied* there (issue 36.3: ``Module.to`` converts in
+    place, so a UNet shared by several pipelines, like the web app's upscale and hires fix ones, would change
+    dtype under the others); any other callable is used as it is. A VAE spec (``taef2``, ``flux2``, path, repo
+    id) goes through :func:`flowlift.models.vae_loading.load_vae` in ``dtype``; a bare TAEF2 / diffusers
+    ``AutoencoderKLFlux2`` module is wrapped keeping its own dtype; an object with the interface is used as
+    it is; ``None`` is no VAE (a latent-only pipeline).
     """
-    path: Path | None = None
-    if isinstance(upscaler, (str, os.PathLike)):
-        path = resolve_upscaler_file(upscaler)
-        from flowlift.models.upscaler_weights import load_upscaler
+    import torch
 
+    from flowlift.models.upscaler_weights import load_upscaler
+    from flowlift.models.vae_loading import load_vae
+    from flowlift.models.weights import require_all
+
+    named = isinstance(upscaler, (str, os.PathLike))
+    param = None if named else first_parameter(upscaler)
+    misplaced = param is not None and not _placed(param, device, dtype)
+    vae_param = first_parameter(vae) if isinstance(vae, torch.nn.Module) else None
+    checks = upscale_weight_checks(upscaler, [vae]) if named else []
+    path: Path | None = require_all(checks)[0] if named else None
+    if path is not None:
         upscaler = load_upscaler(path, device=device, dtype=dtype)
-    elif (param := first_parameter(upscaler)) is not None and not _placed(param, device, dtype):
+    elif misplaced:
         import copy
 
         upscaler = copy.deepcopy(upscaler).to(device=device, dtype=dtype)
     if not callable(upscaler):
         raise FlowliftError(f"upscaler must be callable like the Flow Upscaler UNet, got {type(upscaler).__name__}")
-    return upscaler, path
-
-
-def load_pipeline_vae(vae: Any, device: torch.device, dtype: torch.dtype) -> tuple[Any, str | None]:
-    """(VAE with ``encode``/``decode``, its spec string or None).
-
-    A spec (``taef2``, ``flux2``, path, repo id) goes through :func:`flowlift.models.vae_loading.load_vae` in
-    ``dtype``; a bare TAEF2 / diffusers ``AutoencoderKLFlux2`` module is wrapped keeping its own dtype;
-    an object with the interface is used as it is.
-    """
-    import torch
-
     spec: str | None = None
     if isinstance(vae, (str, os.PathLike)):
         spec = os.fspath(vae)
-        from flowlift.models.vae_loading import load_vae
-
         vae = load_vae(spec, device=device, dtype=dtype)
-    elif isinstance(vae, torch.nn.Module):
-        # A bare TAEF2 or diffusers AutoencoderKLFlux2 (as in the model card's example): wrap it
-        # in the package's VAE interface, keeping its own dtype.
-        from flowlift.models.vae_loading import load_vae
-
-        vae_param = first_parameter(vae)
-        vae_dtype = vae_param.dtype if vae_param is not None else dtype
-        vae = load_vae(vae, device=device, dtype=vae_dtype)
-    if not (callable(getattr(vae, "encode", None)) and callable(getattr(vae, "decode", None))):
+    elif isinstance(vae, torch.nn.Module):  # a bare TAEF2 or diffusers AutoencoderKLFlux2 (the model card's example)
+        vae = load_vae(vae, device=device, dtype=vae_param.dtype if vae_param is not None else dtype)
+    if vae is not None and not (callable(getattr(vae, "encode", None)) and callable(getattr(vae, "decode", None))):
         raise FlowliftError(f"vae must have encode() and decode(), got {type(vae).__name__}")
-    return vae, spec
+    return upscaler, path, vae, spec

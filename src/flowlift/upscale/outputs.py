@@ -10,7 +10,6 @@ profile and EXIF.
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -216,10 +215,10 @@ def save_result(
 
     picture = attach_alpha(tensor_to_pil(result), loaded.alpha)
     if passes is None:  # the passes' own size: named by what ran
-        done = max(0, round(math.log2(max(picture.size[0] / loaded.image.size[0], 1.0))))
-        metadata = output_metadata(settings, done, source, hashes, pipeline)
+        ran, asked = max(0, round(math.log2(max(picture.size[0] / loaded.image.size[0], 1.0)))), None
     else:  # resampled to an asked size: the request and the passes before the resample
-        metadata = output_metadata(settings, passes, source, hashes, pipeline, asked, picture.size)
+        ran = passes
+    metadata = output_metadata(settings, ran, source, hashes, pipeline, asked, picture.size)
     if loaded.sixteen_bit:
         alpha16 = None if loaded.alpha16 is None else resize_alpha16(loaded.alpha16, picture.size)
         save_image16_atomic(tensor_to_uint16(result), alpha16, out, metadata, source=source)
@@ -232,53 +231,3 @@ def save_result(
         quality=settings.quality,
     )
     return picture
-
-
-def batched_process(
-    settings: UpscaleSettings,
-    pipeline: Any,
-    jobs: list,
-    passes: int | Callable[[Path], int],
-    hashes: dict,
-    *,
-    batch_size: int,
-    overwrite: bool,
-    resample_to: Callable[[Path], tuple[int, int] | None] | None = None,
-    asked: Any = None,
-) -> Any:
-    """``batch_size`` N: same-size inputs through the pipeline together (:mod:`flowlift.upscale.batches`).
-
-    ``passes``: for every input, or a function of the input (e.g.
-    :meth:`flowlift.upscale.plan.OutputSizes.passes_for`: the passes the cap lets run, the same for a
-    group of same-size inputs).
-    """
-    import torch
-    from tqdm import tqdm
-
-    from flowlift.files.images import to_tensor
-    from flowlift.jobs.batch import pending, report
-    from flowlift.upscale.batches import SameSizeBatches
-
-    def compute(paths: list[Path]) -> list[tuple[Any, SourcePixels, list[str], int | None]]:
-        loaded = [read_source(path, job_output[path]) for path in paths]
-        images = torch.cat([to_tensor(item.pixels) for item in loaded])
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", UserWarning)
-            count = passes(paths[0]) if callable(passes) else passes
-            size = None if resample_to is None else resample_to(paths[0])  # same-size inputs: the same size out
-            result = pipeline.upscale_image(
-                images, num_passes=count, output_type="pt", output_size=size, **settings.pipeline_options()
-            )
-        notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-        ran = None if size is None else count
-        return [(result[i : i + 1], item, notes, ran) for i, item in enumerate(loaded)]
-
-    def save(path: Path, out: Path, item: tuple[Any, SourcePixels, list[str], int | None]) -> None:
-        result, loaded, notes, ran = item
-        for note in notes:
-            report("upscale", path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
-        save_result(pipeline, settings, path, out, loaded, result, hashes, ran, asked)
-
-    job_output = {job.source: job.output for job in jobs if job.output is not None}
-    todo = [job.source for job in pending(jobs, overwrite)]
-    return SameSizeBatches(todo, batch_size, compute, save)

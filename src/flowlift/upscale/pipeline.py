@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from flowlift.devices import auto_dtype
+from flowlift.devices import auto_dtype, default_channels_last
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import check_latents
 from flowlift.knobs import check_count, check_seed
@@ -37,10 +37,8 @@ from flowlift.upscale.interrupts import checked_modules, with_check
 from flowlift.upscale.loading import (
     DEFAULT_UPSCALER,
     DEFAULT_VAE,
-    check_upscale_weights,
     first_parameter,
-    load_pipeline_upscaler,
-    load_pipeline_vae,
+    load_pipeline_models,
     pipeline_model_files,
 )
 from flowlift.upscale.memory_plan import UNetPassPlan, UpscaleMemoryPlan, plan_upscale_memory, to_host_float32
@@ -58,7 +56,7 @@ from flowlift.upscale.sizes import (
     pass_noise,
     resample_to_multiple,
 )
-from flowlift.upscale.unet_runner import CompiledUNet, default_channels_last, velocity_model
+from flowlift.upscale.unet_runner import CompiledUNet, velocity_model
 
 
 class FlowUpscalerPipeline:
@@ -87,7 +85,7 @@ class FlowUpscalerPipeline:
         replay on CUDA, eager fallback with one warning when compilation fails.
     channels_last:
         Channels-last weights and inputs for the UNet (``None``: on CUDA and in bfloat16 on the CPU,
-        :func:`flowlift.upscale.unet_runner.default_channels_last`).
+        :func:`flowlift.devices.default_channels_last`).
     on_strip:
         ``on_strip(done, total)``, called after every strip of a chunked pass (progress; an exception
         it raises, e.g. a user's cancel, stops the pass). See
@@ -131,13 +129,13 @@ class FlowUpscalerPipeline:
         self.chunk_budget_bytes = memory.chunk_budget_bytes
         self.on_strip = on_strip
         self.check_interrupt = check_interrupt
-        if isinstance(upscaler, (str, os.PathLike)):
-            check_upscale_weights(upscaler, [vae])  # both found (or both named as missing) before either loads
-        self.upscaler, self.upscaler_path = load_pipeline_upscaler(upscaler, self.device, self.dtype)
-        self.vae, self.vae_spec = (None, None) if vae is None else load_pipeline_vae(vae, self.device, self.dtype)
-        self.max_memory = None if memory.max_memory is None else parse_memory(memory.max_memory)
         if channels_last is None:
             channels_last = default_channels_last(self.device, self.dtype)
+        self.max_memory = None if memory.max_memory is None else parse_memory(memory.max_memory)
+        # both found (or both named as missing) before either loads
+        self.upscaler, self.upscaler_path, self.vae, self.vae_spec = load_pipeline_models(
+            upscaler, vae, self.device, self.dtype
+        )
         self.channels_last = bool(channels_last)
         if self.channels_last and isinstance(self.upscaler, torch.nn.Module):
             self.upscaler.to(memory_format=torch.channels_last)
@@ -326,7 +324,7 @@ class FlowUpscalerPipeline:
         ``"color fix"``) and ``on_decode_tile(done, total)`` after each tile of the VAE decode (one for
         an untiled decode); both only report progress (an exception they raise stops the run).
         ``output_size`` (width, height) at or above the input's: the decoded frame is resampled to exactly that
-        size (:func:`flowlift.upscale.sizes.resample_to_size`) and stage 2 pins it to the input (``--scale 3``:
+        size (:func:`flowlift.upscale.sizes.resample_to_size`) and stage 2 pins it to the input (``scale=3``:
         ``num_passes=2``, then down to 3x); None is the passes' own size.
         """
         if output_type not in ("pil", "pt"):

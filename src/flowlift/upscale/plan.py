@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import glob
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flowlift.errors import FlowliftError
-from flowlift.jobs.batch import Job, Target, error_line, output_target, pending, plan_targets, report
+from flowlift.jobs.batch import Job, Target, error_line, plan_targets, report
 from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S, DistEnv
 from flowlift.knobs import OVERWRITE, check_kind, check_path, check_paths, check_positive
 from flowlift.upscale.asked_size import AskedSize
@@ -197,7 +198,8 @@ class OutputSizes:
         except FlowliftError as error:
             return Target(path, None, error_line(error))
         size = self.output_size(path)
-        return Target(path, out, format_limit_problem(out, size), expected_size=size)
+        note = self.dropped_note(path) or ""  # said before any work if the job runs
+        return Target(path, out, format_limit_problem(out, size), expected_size=size, warning=note)
 
 
 def format_limit_problem(out: Path, size: tuple[int, int] | None) -> str:
@@ -210,15 +212,13 @@ def format_limit_problem(out: Path, size: tuple[int, int] | None) -> str:
 
 @dataclass
 class UpscalePlan:
-    """The jobs of one run (inputs refused at listing first) and the per-input sizes they were planned with."""
+    """The jobs of one run (inputs refused at listing first; a job that runs fewer passes than asked, the 16K
+    cap, carries the line that says so as its ``warning``), the per-input sizes they were planned with, and the
+    output folder ``-o`` names (the job manifest's home; None without ``-o`` or for ``-o FILE``)."""
 
     jobs: list[Job]
     sizes: OutputSizes
-
-    def dropped_notes(self, overwrite: bool) -> list[tuple[Path, str]]:
-        """``(input, note)`` for every job that will run with fewer passes than asked (the 16K cap)."""
-        notes = ((job.source, self.sizes.dropped_note(job.source)) for job in pending(self.jobs, overwrite))
-        return [(source, note) for source, note in notes if note]
+    folder: Path | None = None
 
 
 def plan_files(
@@ -232,12 +232,13 @@ def plan_files(
     :func:`plan_upscale` (an output is named by the scale the 16K cap lets run: a capped 8x is ``_x4``), without
     listing inputs or interpreting ``-o``; nothing is written."""
     sizes = OutputSizes(passes, resize_mode)
-    return UpscalePlan(plan_targets([sizes.target(Path(path), None, folder, output_format) for path in sources]), sizes)
+    targets = [sizes.target(Path(path), None, folder, output_format) for path in sources]
+    return UpscalePlan(plan_targets(targets), sizes, folder)
 
 
 def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
     """List the inputs and plan one job per input (see the module docstring); nothing is written."""
-    from flowlift.files.images import IMAGE_SUFFIXES, list_images
+    from flowlift.files.images import IMAGE_SUFFIXES, list_images, output_target
 
     sizes = OutputSizes(request.asked, request.settings.resize_mode)  # named by the scale the cap lets run
     problems: list[tuple[str, str]] = []
@@ -250,39 +251,45 @@ def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
     single_file, folder = output_target(request.output, len(inputs), IMAGE_SUFFIXES)
     targets = [sizes.target(path, single_file, folder, request.output_format) for path in inputs]
     refused = [Job.refusal(Path(item), message) for item, message in problems]
-    return UpscalePlan(refused + plan_targets(targets), sizes)
+    return UpscalePlan(refused + plan_targets(targets), sizes, folder)
 
 
 class UpscaleStep:
     """The per-image step of one run on its loaded pipeline: ``step(source, output)`` writes one output
-    (:func:`flowlift.upscale.outputs.upscale_file`). Built by :meth:`load` only when this rank has work."""
+    (:func:`flowlift.upscale.outputs.upscale_file`); with ``batch_size`` N, :meth:`compute` and :meth:`save` run
+    same-size inputs together (:class:`flowlift.jobs.same_size.SameSizeBatches`). Built by :meth:`load` only when
+    this rank has work."""
 
     def __init__(self, request: UpscaleRequest, plan: UpscalePlan, pipeline: Any) -> None:
         from flowlift.upscale.outputs import model_hashes
 
         self.request, self.plan, self.pipeline = request, plan, pipeline
         self.hashes = model_hashes(pipeline)
+        self.outputs = {job.source: job.output for job in plan.jobs if job.output is not None}
 
     @classmethod
-    def load(cls, request: UpscaleRequest, plan: UpscalePlan, env: DistEnv) -> Callable[[Path, Path], None]:
-        """The pipeline on this rank's device, and the step over it (``batch_size`` N: same-size inputs
-        together, :func:`flowlift.upscale.outputs.batched_process`)."""
+    def load(
+        cls, request: UpscaleRequest, plan: UpscalePlan, env: DistEnv, todo: Sequence[Job]
+    ) -> Callable[[Path, Path], None]:
+        """The pipeline on this rank's device, and the step over it; ``todo``: the jobs that need work
+        (:attr:`flowlift.jobs.scaleout.BatchShare.todo`), grouped by size with ``batch_size`` N."""
         from flowlift.jobs.distributed import rank_device
+        from flowlift.jobs.same_size import SameSizeBatches
         from flowlift.progress import report_loading
         from flowlift.upscale.loading import check_upscale_weights
-        from flowlift.upscale.outputs import batched_process
         from flowlift.upscale.pipeline import FlowUpscalerPipeline
         from flowlift.upscale.settings import MemoryPolicy
         from flowlift.upscale.stages import loading_description
 
         upscaler = request.settings.upscaler or DEFAULT_UPSCALER
         check_upscale_weights(upscaler, [request.settings.vae])  # every missing piece in one line, before any line
+        device = rank_device(str(request.device), env) if env.distributed else request.device  # cuda:LOCAL_RANK
         report_loading(loading_description(upscaler, request.settings.vae))
         pipeline = FlowUpscalerPipeline(
-            request.settings.upscaler or DEFAULT_UPSCALER,
+            upscaler,
             request.settings.vae,
             dtype=request.dtype,
-            device=rank_device(str(request.device), env) if env.distributed else request.device,  # cuda:LOCAL_RANK
+            device=device,
             memory=MemoryPolicy(chunked=request.chunked, vae_tiled=request.vae_tiled, max_memory=request.max_memory),
             compile=request.compile,
         )  # the loading line stays until the first image's first stage begins
@@ -293,18 +300,42 @@ class UpscaleStep:
                 file=sys.stderr,
             )
         elif request.batch_size > 1:
-            return batched_process(
-                request.settings,
-                pipeline,
-                plan.jobs,
-                plan.sizes.passes_for,
-                step.hashes,
-                batch_size=request.batch_size,
-                overwrite=request.overwrite,
-                resample_to=plan.sizes.resample_to,
-                asked=plan.sizes.asked,
-            )
+            return SameSizeBatches([job.source for job in todo], request.batch_size, step.compute, step.save)
         return step
+
+    def compute(self, paths: list[Path]) -> list[tuple[Any, Any, list[str], int | None]]:
+        """Same-size inputs through the pipeline at once (the passes the cap lets run are the same for all):
+        per input, its result, its :class:`~flowlift.upscale.outputs.SourcePixels`, the pipeline's warnings and
+        the passes that ran before a resample to an asked size (None without one)."""
+        import torch
+
+        from flowlift.files.images import to_tensor
+        from flowlift.upscale.outputs import read_source
+
+        loaded = [read_source(path, self.outputs[path]) for path in paths]
+        images = torch.cat([to_tensor(item.pixels) for item in loaded])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            count = self.plan.sizes.passes_for(paths[0])
+            size = self.plan.sizes.resample_to(paths[0])  # same-size inputs: the same size out
+            result = self.pipeline.upscale_image(
+                images, num_passes=count, output_type="pt", output_size=size, **self.request.settings.pipeline_options()
+            )
+        notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        ran = None if size is None else count
+        return [(result[i : i + 1], item, notes, ran) for i, item in enumerate(loaded)]
+
+    def save(self, path: Path, out: Path, item: tuple[Any, Any, list[str], int | None]) -> None:
+        """Write one result of :meth:`compute` (its warnings first, one line each)."""
+        from tqdm import tqdm
+
+        from flowlift.upscale.outputs import save_result
+
+        result, loaded, notes, ran = item
+        for note in notes:
+            report(COMMAND, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
+        settings = self.request.settings
+        save_result(self.pipeline, settings, path, out, loaded, result, self.hashes, ran, self.plan.sizes.asked)
 
     def expect(self, sources: Sequence[Path]) -> None:
         """The images the batch will run, in order (:func:`flowlift.jobs.batch.run_jobs` says once it knows which
@@ -374,33 +405,32 @@ def _bar_note(run: Any) -> str:
 
 
 def run_upscale(request: UpscaleRequest) -> int:
-    """Plan the request, say what the cap drops (once, before any work), then run this rank's share of
-    the jobs (:func:`flowlift.jobs.scaleout.batch_share`), loading the models only when it has work;
-    returns the exit status."""
+    """Plan the request (from the inputs' headers alone), then run this rank's share of the jobs
+    (:func:`flowlift.jobs.scaleout.batch_share`): say what the cap drops (once, before any work), load the
+    models only when the share has work, and run it; returns the exit status."""
     from flowlift.console import command_started, run_lines
+    from flowlift.jobs.scaleout import batch_share
     from flowlift.progress import RunProgress, running
 
     run = RunProgress(started=command_started())  # the command's whole time, loading the models included
-    with running(run), run_lines(run, request.progress):
-        return _run_upscale(request)
-
-
-def _run_upscale(request: UpscaleRequest) -> int:
-    from flowlift.jobs.scaleout import batch_share
-
     plan = plan_upscale(request)
     env = DistEnv.from_environ()
-    if env.is_main:  # the cap's note before any work (and once, not per rank), not after the image
-        for source, note in plan.dropped_notes(request.overwrite):
-            report(COMMAND, source, f"warning: {note}")
-    with batch_share(
-        plan.jobs,
-        command=COMMAND,
-        output=request.output,
-        overwrite=request.overwrite,
-        barrier_timeout=request.barrier_timeout,
-        env=env,
-        progress=request.progress,
-    ) as share:
-        step = UpscaleStep.load(request, plan, env) if share.has_work else None
+    with (
+        running(run),
+        run_lines(run, request.progress),
+        batch_share(
+            plan.jobs,
+            command=COMMAND,
+            folder=plan.folder,
+            overwrite=request.overwrite,
+            barrier_timeout=request.barrier_timeout,
+            env=env,
+            progress=request.progress,
+        ) as share,
+    ):
+        if env.is_main:  # the cap's notes before any work (and once, not per rank), for the images that run
+            for job in share.todo:
+                if job.warning:
+                    report(COMMAND, job.source, f"warning: {job.warning}")
+        step = UpscaleStep.load(request, plan, env, share.todo) if share.has_work else None
         return share.run(step)

@@ -173,10 +173,3 @@ def velocity_model(
     if chunk_rows is not None:
         kwargs["chunk"] = chunk_rows
     return ChunkedExecutor(upscaler, **kwargs)
-
-
-def default_channels_last(device: torch.device, dtype: torch.dtype) -> bool:
-    """Channels-last UNet weights and inputs: on CUDA, and on the CPU in bfloat16 (oneDNN's fast bf16
-    convolutions want NHWC; measured in docs/cpu.md). CPU float32 keeps the contiguous layout the
-    results were made with."""
-    return device.type == "cuda" or (device.type == "cpu" and dtype == torch.bfloat16)

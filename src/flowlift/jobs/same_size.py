@@ -1,15 +1,16 @@
-"""Same-size inputs upscaled together: an :class:`~flowlift.upscale.plan.UpscaleRequest`'s ``batch_size``.
+"""Same-size inputs computed together: a batch's ``batch_size`` (``flowlift upscale --batch-size``).
 
 :class:`SameSizeBatches` is a ``process(source, output)`` callback for :func:`flowlift.jobs.batch.run_jobs`
 (so resume, one-line failures and atomic outputs stay the batch module's). Before the run it groups
 the pending inputs by image size (read from the file header, EXIF orientation applied) into groups of
 at most ``batch_size`` in input order. When ``run_jobs`` reaches an input whose result is not ready,
-its whole group is computed at once and the other members' results wait until their turn (so at most
-a few groups of results are held). A group that fails as a whole is retried one image at a time, so
-one bad input still costs only its own line.
+its whole group is computed at once (the caller's ``compute``) and the other members' results wait until
+their turn (so at most a few groups of results are held). A group that fails as a whole is retried one
+image at a time, so one bad input still costs only its own line.
 
-Every image gets the same noise in a group as alone (:func:`flowlift.upscale.sizes.pass_noise`), so
-a batch equals one-by-one runs to float rounding.
+Like the rest of :mod:`flowlift.jobs` it knows nothing of what is done to an image; the upscaler gives every
+image the same noise in a group as alone (:func:`flowlift.upscale.sizes.pass_noise`), so there a batch
+equals one-by-one runs to float rounding.
 """
 
 from __future__ import annotations
