@@ -285,3 +285,24 @@ def test_a_frame_of_few_tiles_runs_its_dico_blocks_whole(vae):
     with torch.no_grad():
         encoded = [encode_tiled(encoder, x, tiling=replace(SMALL, whole_tiles=k)) for k in (2, 0)]
         assert relative(encoded[0], encoder(x)) <= 1e-5 and relative(encoded[1], encoder(x)) <= 1e-5
+
+
+def test_the_stores_take_the_channels_last_layout_of_the_input(vae):
+    """A channels-last latent (as MageVAE.decode passes it) gets channels-last (C, h, w) stores: an NCHW store
+    made every tile read and write a transposing copy."""
+    decoder = vae.model.decoder
+    h, w = 40, 50
+    z = torch.randn(1, 128, h, w).contiguous(memory_format=torch.channels_last)
+    stores: list[torch.Tensor] = []
+
+    class Stores(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and tuple(out.shape) == (1, NARROW.hidden, h, w) and "empty" in str(func):
+                stores.append(out)
+            return out
+
+    with torch.no_grad(), Stores():
+        decode_tiled(decoder, z, tiling=SMALL)
+    assert len(stores) == 3
+    assert all(s.is_contiguous(memory_format=torch.channels_last) for s in stores)
