@@ -126,3 +126,16 @@ def refine_inputs(folder: Path, name: str, size: tuple[int, int], seed: int) -> 
     array = (torch.rand(*size, 3, generator=generator) * 255).to(torch.uint8).numpy()
     Image.fromarray(array, "RGB").save(folder / name)
     return folder
+
+
+def command_line(*words: object, **options: object) -> list[str]:
+    """A command line as strings: ``words`` as they stand, then each option as ``--its-name value`` (``_`` in a
+    name becomes ``-``; a one-letter name is ``-o``); True is the bare flag, None or False leaves it out."""
+    line = [str(word) for word in words]
+    for name, value in options.items():
+        if value is None or value is False:
+            continue
+        line.append(f"-{name}" if len(name) == 1 else f"--{name.replace('_', '-')}")
+        if value is not True:
+            line.append(str(value))
+    return line

@@ -26,15 +26,10 @@ from flowlift.refine.loras import apply_loras, parse_lora_spec  # noqa: E402
 from flowlift.refine.request import HiresSettings  # noqa: E402
 from flowlift.refine.settings import SamplingSettings  # noqa: E402
 from flux2_files import bfl_lora_layers, write_comfyui_lora, write_kohya_lora, write_peft_lora  # noqa: E402
-from tiny_flux2 import TEXT_DIM, AsUpscaler, prompt_embeds, tiny_transformer, tiny_vae, write_model_dir  # noqa: E402
+from tiny_flux2 import TEXT_DIM, AsUpscaler, prompt_embeds, tiny_transformer, tiny_vae  # noqa: E402
 
 H, W, STEPS, SEED = 64, 96, 3, 5
 EMB = prompt_embeds()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model_dir(tmp_path_factory.mktemp("flux2-tiny"))
 
 
 @pytest.fixture(scope="module")

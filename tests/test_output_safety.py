@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from builders import save_tiny_unet
-from tiny_flux2 import prompt_embeds, write_model_dir
+from tiny_flux2 import prompt_embeds
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
@@ -59,11 +59,6 @@ def _one_line(result: subprocess.CompletedProcess, command: str) -> str:
 @pytest.fixture(scope="module")
 def tiny_weights(tmp_path_factory) -> Path:
     return save_tiny_unet(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors", cond_dim=32)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("flux2-tiny"))
 
 
 @pytest.fixture(scope="module")
