@@ -139,3 +139,11 @@ def command_line(*words: object, **options: object) -> list[str]:
         if value is not True:
             line.append(str(value))
     return line
+
+
+def one_error_line(stderr: str, command: str) -> str:
+    """The one ``flowlift <command>: error:`` line of ``stderr``, which must hold exactly one and no traceback."""
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith(f"flowlift {command}: error:")]
+    assert len(lines) == 1, stderr
+    return lines[0]

@@ -31,24 +31,6 @@ from tiny_flux2 import prompt_embeds, tiny_transformer, write_model_dir  # noqa:
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _other_width():
-    """The tiny transformer with 3 heads instead of 2: width 48, like a Klein 4B LoRA met by a Klein 9B."""
-    from diffusers import Flux2Transformer2DModel
-
-    torch.manual_seed(1)
-    return Flux2Transformer2DModel(
-        patch_size=1,
-        in_channels=128,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=3,
-        joint_attention_dim=32,
-        timestep_guidance_channels=32,
-        axes_dims_rope=(4, 4, 4, 4),
-    ).eval()
-
-
 #: (case, peft setting, value, piece of the message): each names the setting.
 ADAPTER_CONFIG_CASES = [
     ("targets-empty", "target_modules", [], "has target_modules an empty list"),
@@ -100,7 +82,8 @@ def _write_cases(root: Path) -> dict[str, tuple[Path, str]]:
     comfy = load_file(str(root / "comfy.safetensors"))
     write_kohya_lora(layers, root / "kohya.safetensors")
     kohya = load_file(str(root / "kohya.safetensors"))
-    write_peft_lora(_other_width(), root / "width48.safetensors")
+    # the tiny transformer with 3 heads instead of 2: width 48, like a Klein 4B LoRA met by a Klein 9B
+    write_peft_lora(tiny_transformer(seed=1, num_attention_heads=3, guidance_embeds=True), root / "width48.safetensors")
 
     a = "transformer.proj_out.lora_A.weight"
     b = a.replace("lora_A", "lora_B")
