@@ -147,3 +147,21 @@ def one_error_line(stderr: str, command: str) -> str:
     lines = [line for line in stderr.splitlines() if line.startswith(f"flowlift {command}: error:")]
     assert len(lines) == 1, stderr
     return lines[0]
+
+
+def transformer_forward(model, *, text_dim: int, seed: int = 0, guidance: bool = False) -> torch.Tensor:
+    """One no-grad call of a tiny FLUX.2 transformer on seeded random tokens: a 4x6 image grid (128 channels), 5
+    text tokens of ``text_dim``, timestep 0.6, guidance 4 when ``guidance``; its output."""
+    g = torch.Generator().manual_seed(seed)
+    img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(4), torch.arange(6), torch.arange(1))[None]
+    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(5))[None]
+    with torch.no_grad():
+        return model(
+            hidden_states=torch.randn(1, 24, 128, generator=g),
+            encoder_hidden_states=torch.randn(1, 5, text_dim, generator=g),
+            timestep=torch.tensor([0.6]),
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=torch.tensor([4.0]) if guidance else None,
+            return_dict=False,
+        )[0]

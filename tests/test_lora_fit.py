@@ -22,7 +22,7 @@ pytest.importorskip("peft")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from builders import save_tiny_unet
+from builders import command_line, save_tiny_unet
 from flowlift.errors import FlowliftError  # noqa: E402
 from flowlift.refine.loras import apply_loras  # noqa: E402
 from flux2_files import LORA_TARGETS, bfl_lora_layers, write_comfyui_lora, write_kohya_lora, write_peft_lora  # noqa: E402
@@ -199,39 +199,13 @@ def test_cli_refuses_a_lora_that_does_not_fit_in_one_line(cases, tmp_path, comma
         Image.new("RGB", (64, 48), (90, 100, 110)).save(tmp_path / "in.png")
         args = ["img2img", str(tmp_path / "in.png"), "--steps", "1"]
     else:
-        torch.manual_seed(0)
-        save_tiny_unet(tmp_path / "up.safetensors", seed=None, cond_dim=32)
-        args = [
-            "hires",
-            "--width",
-            "64",
-            "--height",
-            "64",
-            "--base-steps",
-            "1",
-            "--steps",
-            "1",
-            "--upscaler",
-            str(tmp_path / "up.safetensors"),
-        ]
+        upscaler = save_tiny_unet(tmp_path / "up.safetensors", seed=0, cond_dim=32)
+        args = command_line("hires", width="64", height="64", base_steps="1", steps="1", upscaler=upscaler)
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     for name in ("comfy-rank0", "other-width", "metadata-empty"):
         path, message = cases[name]
-        argv = [
-            sys.executable,
-            "-m",
-            "flowlift",
-            *args,
-            "--model",
-            str(model_dir),
-            "--prompt-embeds",
-            str(embeds),
-            "--lora",
-            str(path),
-            "--no-progress",
-            "-o",
-            str(out),
-        ]
+        options = command_line(model=model_dir, prompt_embeds=embeds, lora=path, no_progress=True, o=out)
+        argv = [sys.executable, "-m", "flowlift", *args, *options]
         run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         lines = run.stderr.splitlines()
         assert run.returncode == 2 and len(lines) == 1, run.stderr
