@@ -165,3 +165,12 @@ def transformer_forward(model, *, text_dim: int, seed: int = 0, guidance: bool =
             guidance=torch.tensor([4.0]) if guidance else None,
             return_dict=False,
         )[0]
+
+
+def forbid_call(monkeypatch, target: str, message: str) -> None:
+    """Make ``target`` (a dotted ``module.attribute``) raise ``AssertionError(message)`` if anything calls it."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError(message)
+
+    monkeypatch.setattr(target, forbidden)
