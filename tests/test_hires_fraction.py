@@ -58,7 +58,7 @@ def test_hires_fractional_scale_without_the_option_is_one_line(capsys, tmp_path,
     never = {"model": tmp_path / "never-loaded", "prompt": "p"}
     code, _, err = _run(capsys, "hires", image=square, scale="1.5", **never, o=tmp_path / "x.png")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
-    assert "hires --scale 1.5 is not a whole number of 2x passes" in err and "--latent-upscaler sesqui:PATH" in err
+    assert "--scale 1.5 is not a whole number of 2x passes" in err and "--latent-upscaler sesqui:PATH" in err
     assert not (tmp_path / "x.png").exists()
 
 
@@ -72,5 +72,5 @@ def test_hires_passes_and_sizes_follow_the_one_rule():
     assert [HiresSettings(scale=s).passes for s in (2, 4, 8)] == [1, 2, 3]  # no option needed for whole passes
     assert hires_latent_size(128, 126, 1.5) == (192, 190) and hires_latent_size(126, 64, 3) == (378, 192)
     assert hires_latent_size(128, 64, 4) == (512, 256)
-    with pytest.raises(FlowliftError, match="--latent-upscaler must be sesqui:PATH"):
+    with pytest.raises(FlowliftError, match="latent_upscaler must be sesqui:PATH"):
         FlowUpscalerSource(latent_upscaler="bicubic")
