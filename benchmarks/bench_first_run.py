@@ -130,6 +130,7 @@ def breakdown_child(argv: list[str]) -> None:
     import flowlift.models.upscaler_unet as unet
     import flowlift.models.vae as vae
     import flowlift.upscale.chunked.executor as executor
+    import flowlift.upscale.image_steps as image_steps
     import flowlift.upscale.outputs as outputs
     import flowlift.upscale.pipeline as pipeline
 
@@ -139,7 +140,7 @@ def breakdown_child(argv: list[str]) -> None:
     vae.TAEF2VAE.encode = _timed(table, "encode (TAEF2)", vae.TAEF2VAE.encode)
     vae.TAEF2VAE.decode = _timed(table, "decode (TAEF2)", vae.TAEF2VAE.decode)
     pipeline.latent_lowband_transplant = _timed(table, "stage 1", pipeline.latent_lowband_transplant)
-    pipeline.lab_lowband_transplant = _timed(table, "stage 2", pipeline.lab_lowband_transplant)
+    image_steps.lab_lowband_transplant = _timed(table, "stage 2", image_steps.lab_lowband_transplant)
     pipeline.FlowUpscalerPipeline.__init__ = _timed(table, "loading weights", pipeline.FlowUpscalerPipeline.__init__)
     outputs.model_hashes = _timed(table, "weight hashes", outputs.model_hashes)
     images.tensor_to_pil = _timed(table, "to 8-bit image", images.tensor_to_pil)

@@ -113,6 +113,7 @@ def command_child(argv: list[str]) -> None:
     import flowlift.files.images as images
     import flowlift.models.upscaler_unet as unet
     import flowlift.models.vae as vae
+    import flowlift.upscale.image_steps as image_steps
     import flowlift.upscale.outputs as outputs
     import flowlift.upscale.pipeline as pipeline
 
@@ -122,7 +123,7 @@ def command_child(argv: list[str]) -> None:
         cls.encode = staged("encode", cls.encode)
         cls.decode = staged("decode", cls.decode)
     pipeline.latent_lowband_transplant = staged("stage 1 colour fix", pipeline.latent_lowband_transplant)
-    pipeline.lab_lowband_transplant = staged("stage 2 colour fix", pipeline.lab_lowband_transplant)
+    image_steps.lab_lowband_transplant = staged("stage 2 colour fix", image_steps.lab_lowband_transplant)
     pipeline.FlowUpscalerPipeline.__init__ = staged("loading weights", pipeline.FlowUpscalerPipeline.__init__)
     outputs.model_hashes = staged("weight hashes", outputs.model_hashes)
     outputs.read_source = staged("reading the input", outputs.read_source)

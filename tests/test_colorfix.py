@@ -186,6 +186,20 @@ def test_stage2_strips_do_not_change_the_result(synthetic_drift):
     torch.testing.assert_close(inplace, whole, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("iterations", [1, 2, 6])
+def test_stage2_in_place_equals_a_new_tensor_bit_for_bit(synthetic_drift, iterations):
+    """In place, stage 2 keeps f(clamp(output)) in the output's memory after its first corrected step and starts
+    every later one from it (issue 47): the same values as converting the output at every step, to the bit,
+    out-of-range pixels included, whatever the iterations and the strips."""
+    reference, drifted = synthetic_drift
+    out = (drifted[..., :96, :160] * 1.3 - 0.15).contiguous()
+    ref = reference[..., :24, :40]
+    fresh = lab_lowband_transplant(out, ref, 0.8, iterations, strip_pixels=160 * 12)
+    target = out.clone()
+    assert lab_lowband_transplant(target, ref, 0.8, iterations, strip_pixels=160 * 12, inplace=True) is target
+    assert torch.equal(target, fresh)
+
+
 def test_stage2_rejects_an_output_smaller_than_the_reference():
     with pytest.raises(ValueError, match="smaller than the reference"):
         lab_lowband_transplant(torch.rand(1, 3, 30, 40), torch.rand(1, 3, 32, 10))
@@ -263,7 +277,9 @@ def test_stage2_runs_in_one_cpu_thread_and_restores_the_count(monkeypatch):
 
     seen = []
     step = colorfix_lab.LabStep.__call__
-    monkeypatch.setattr(colorfix_lab.LabStep, "__call__", lambda *a: seen.append(torch.get_num_threads()) or step(*a))
+    monkeypatch.setattr(
+        colorfix_lab.LabStep, "__call__", lambda *a, **k: seen.append(torch.get_num_threads()) or step(*a, **k)
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -4,6 +4,7 @@ elsewhere; channels-last equals the contiguous layout to float rounding."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -130,21 +131,23 @@ def test_taef2_channels_last_equals_contiguous(shared, single_thread_torch):
     assert (channels_last - contiguous).abs().max().item() < 1e-5
 
 
-def test_png_outputs_are_written_at_the_chosen_zlib_level(tmp_path, shared):
-    """The first command's 6 MP PNG spent a third of the time at level 3 (docs/cpu.md): the writer uses it."""
+def test_png_outputs_are_written_at_the_chosen_zlib_level_and_strategy(tmp_path, shared):
+    """The first command's 6 MP PNG spent a third of the time at level 3 (docs/cpu.md), and less again with zlib's
+    RLE strategy, for a smaller file: the writer uses both, and the pixels read back are the picture's own."""
     import io
 
-    from flowlift.files.image_outputs import PNG_COMPRESS_LEVEL, save_image_atomic
+    from flowlift.files.image_outputs import PNG_COMPRESS_LEVEL, PNG_ZLIB_STRATEGY, save_image_atomic
 
     image = Image.open(shared / "images" / "kodak" / "kodim23.png").convert("RGB").crop((0, 0, 96, 64))
     written = save_image_atomic(image, tmp_path / "out.png").read_bytes()
     expected = {}
-    for level in (PNG_COMPRESS_LEVEL, 6):
+    for level, strategy in ((PNG_COMPRESS_LEVEL, PNG_ZLIB_STRATEGY), (6, -1), (PNG_COMPRESS_LEVEL, -1)):
         buffer = io.BytesIO()
-        image.save(buffer, format="PNG", compress_level=level)
-        expected[level] = buffer.getvalue()
-    assert PNG_COMPRESS_LEVEL == 3 and expected[3] != expected[6]
-    assert written == expected[PNG_COMPRESS_LEVEL]
+        image.save(buffer, format="PNG", compress_level=level, compress_type=strategy)
+        expected[level, strategy] = buffer.getvalue()
+    assert (PNG_COMPRESS_LEVEL, PNG_ZLIB_STRATEGY) == (3, 3) and len(set(expected.values())) == 3
+    assert written == expected[PNG_COMPRESS_LEVEL, PNG_ZLIB_STRATEGY]
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(written))), np.asarray(image))
 
 
 # ------------------------------------------------ issue 36, class 11: narrow images in bfloat16 on the CPU

@@ -262,3 +262,47 @@ def test_the_planner_tiles_a_16k_mage_decode_within_its_stated_budget():
     assert plan.stage_peaks["decode"] < budget
     with pytest.raises(FlowliftError, match="too small to decode a 16384x16384"):
         plan_upscale_memory(4096, 4096, 2, 8 << 30, vae_kind="mage", vae_weight_bytes=weights)
+
+
+def test_a_frame_of_few_tiles_runs_its_dico_blocks_whole(vae):
+    """Up to ``whole_tiles`` tiles' area, each DiCo block runs once over the frame (its MLP half in bands):
+    conv1 once per block, not twice per tile; the same image as the tiled passes and the whole frame."""
+    z = torch.randn(1, 128, 70, 45)
+    decoder = vae.model.decoder
+    whole_frame, tiled_passes = replace(SMALL, whole_tiles=4), replace(SMALL, whole_tiles=0)
+    assert whole_frame.dico_band(70, 45) == 16 and tiled_passes.dico_band(70, 45) is None
+    calls, seen = _count_calls(decoder.blocks[0].conv1), []
+    with torch.no_grad():
+        banded = decode_tiled(decoder, z, lambda done, total: seen.append(total), tiling=whole_frame)
+        assert calls[0] == 1
+        tiled = decode_tiled(decoder, z, tiling=tiled_passes)
+        assert calls[0] == 1 + 2 * 6
+        whole = decoder(z)
+    assert len(seen) == seen[-1] == decode_steps(decoder, 70, 45, whole_frame)
+    assert relative(banded, whole) <= 1e-5 and relative(tiled, whole) <= 1e-5
+    x = torch.rand(1, 3, 16 * 40, 16 * 50)
+    encoder = vae.model.encoder
+    with torch.no_grad():
+        encoded = [encode_tiled(encoder, x, tiling=replace(SMALL, whole_tiles=k)) for k in (2, 0)]
+        assert relative(encoded[0], encoder(x)) <= 1e-5 and relative(encoded[1], encoder(x)) <= 1e-5
+
+
+def test_the_stores_take_the_channels_last_layout_of_the_input(vae):
+    """A channels-last latent (as MageVAE.decode passes it) gets channels-last (C, h, w) stores: an NCHW store
+    made every tile read and write a transposing copy."""
+    decoder = vae.model.decoder
+    h, w = 40, 50
+    z = torch.randn(1, 128, h, w).contiguous(memory_format=torch.channels_last)
+    stores: list[torch.Tensor] = []
+
+    class Stores(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and tuple(out.shape) == (1, NARROW.hidden, h, w) and "empty" in str(func):
+                stores.append(out)
+            return out
+
+    with torch.no_grad(), Stores():
+        decode_tiled(decoder, z, tiling=SMALL)
+    assert len(stores) == 3
+    assert all(s.is_contiguous(memory_format=torch.channels_last) for s in stores)

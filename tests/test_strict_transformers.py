@@ -245,13 +245,13 @@ def _write_broken_files(files: Path, good_file: Path) -> dict[str, tuple[Path, s
     state["final_layer.linear.weight"] = torch.zeros(64, state["final_layer.linear.weight"].shape[1])
     save_file(state, str(files / "out.safetensors"))
     cases["output-projection"] = (files / "out.safetensors", "maps 128 latent channels (img_in.weight) to 64")
-    wide = tiny_transformer(
-        text_dim=256,
+    wide = tiny_transformer(  # diffusers' defaults but for these: 2 heads of 128, the output projection to 64
         guidance_embeds=True,
+        text_dim=256,
         attention_head_dim=128,
         timestep_guidance_channels=256,
+        axes_dims_rope=(32,) * 4,
         out_channels=64,
-        axes_dims_rope=(32, 32, 32, 32),
     )
     write_gguf(wide, files / "out.gguf", "Q8_0")
     cases["gguf-output-projection"] = (files / "out.gguf", "maps 128 latent channels (img_in.weight) to 64")

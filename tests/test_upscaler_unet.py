@@ -211,3 +211,53 @@ def test_too_small_input_for_a_narrow_model_is_one_clear_error():
     wide = U.FlowUpscalerUNet(base_channels=384).eval()
     with torch.no_grad():
         assert wide(torch.randn(1, 32, 4, 4), torch.tensor([1000.0]), torch.randn(1, 32, 2, 2)).shape == (1, 32, 4, 4)
+
+
+# ------------------------------------------------ issue 47: the residual block's element-wise steps in place
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_resblock_inference_path_keeps_its_input_and_the_autograd_paths_values(dtype, batch):
+    """Without autograd the block works in place on its own intermediates (and, in a half dtype with one FiLM row,
+    folds the FiLM into norm2's affine map): its input is untouched, float32 (and a batch's unfolded path) is bit
+    for bit the autograd path's, and the fold stays within bfloat16 rounding of float32."""
+    torch.manual_seed(0)
+    block = U.ResBlock(64, 96, 32).eval()
+    with torch.no_grad():
+        for norm in (block.norm1, block.norm2):
+            norm.weight.normal_(1.0, 0.3)
+            norm.bias.normal_(0.0, 0.3)
+    x32 = torch.randn(batch, 64, 12, 20)
+    cond = torch.randn(batch if batch == 1 else 1, 32).expand(batch, 32) * 3
+    reference = block(x32, cond)  # grad enabled: the autograd path in float32, which still differentiates
+    reference.square().mean().backward()
+    assert block.conv1.weight.grad is not None and torch.isfinite(block.conv1.weight.grad).all()
+    model = block.to(dtype).to(memory_format=torch.channels_last)
+    x = x32.to(dtype).contiguous(memory_format=torch.channels_last)
+    kept = x.clone()
+    with torch.inference_mode():
+        fast = model(x, cond.to(dtype))
+    plain = model(x, cond.to(dtype))  # the autograd path in this dtype
+    assert torch.equal(x, kept)
+    if dtype == torch.float32 or batch > 1:
+        assert torch.equal(fast, plain)
+    else:
+        scale = reference.abs().max().item()
+        assert (fast.float() - reference).abs().max().item() <= (
+            plain.float() - reference
+        ).abs().max().item() + 0.02 * scale
+    assert (fast.float() - reference.detach()).abs().max().item() < 0.05 * reference.abs().max().item()
+
+
+def test_unet_inference_equals_its_autograd_path_in_float32_and_keeps_its_inputs():
+    """The whole UNet without autograd (residual blocks and FiLMs in place) is its autograd path bit for bit in
+    float32, and its inputs are untouched."""
+    torch.manual_seed(0)
+    model = U.FlowUpscalerUNet(base_channels=32, time_dim=16, cond_dim=32).eval().requires_grad_(False)
+    sample, small = torch.randn(1, 32, 16, 24), torch.randn(1, 32, 8, 12)
+    kept = sample.clone(), small.clone()
+    with torch.inference_mode():
+        fast = model(sample, 1000.0, small)
+    assert torch.equal(sample, kept[0]) and torch.equal(small, kept[1])
+    assert torch.equal(fast, model(sample, 1000.0, small))  # grad enabled: the out-of-place path

@@ -45,6 +45,7 @@ FIELD_DESTS = {
     "source.max_memory": "max_memory",
     "references": "reference",
     "hires.upscaler": "upscaler",
+    "upscaler.latent_upscaler": "latent_upscaler",
     "hires.scale": "scale",
     "hires.refine_strength": "refine_strength",
     "hires.base_steps": "base_steps",

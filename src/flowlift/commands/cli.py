@@ -211,14 +211,15 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"flowlift {command}: interrupted{said}" if command else "flowlift: interrupted", file=sys.stderr)
         return 130
     finally:
-        if owns_process and getattr(args, "_long_running", False):
+        if owns_process:
             _skip_final_collection()
 
 
 def _skip_final_collection() -> None:
-    """Let a long-running command's process (``flowlift app`` with its models, Gradio and the web server loaded)
-    end within seconds: the interpreter's last garbage collection walked every object of them for 20-60 s after
-    ``interrupted`` (issue 48). The command has closed its files and servers; what is left is freed by the exit."""
+    """Let the command's process end without the interpreter's last garbage collections walking every object it
+    loaded: ``flowlift app`` (models, Gradio and the web server) took 20-60 s after ``interrupted`` (issue 48); a
+    one-shot command spent 0.3-0.4 CPU-seconds on torch's objects alone (issue 47, docs/cpu.md). The command has
+    closed its files and servers; what is left is freed by the exit."""
     import gc
 
     gc.freeze()

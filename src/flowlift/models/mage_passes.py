@@ -72,7 +72,7 @@ class GroupSums:
 
 def channel_sums(x: torch.Tensor) -> torch.Tensor:
     """Per-channel float64 sums of a (1, C, h, w) tile, for the frame mean ``sum / (H W)``."""
-    return x.double().sum(dim=(0, 2, 3)).cpu()
+    return x.sum(dim=(0, 2, 3), dtype=torch.float64).cpu()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -142,6 +142,10 @@ def dico_gate(
         part = channel_sums(crop(block.branch_pre_gate(source(grown)), inner))
         sums = part if sums is None else sums + part
         progress.step()
+    return _gate(block, sums, size)
+
+
+def _gate(block: DiCoBlock, sums: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     weight = block.ca[1].weight
     means = (sums / (size[0] * size[1])).to(weight.device, weight.dtype)[None, :, None, None]
     return channel_gate(means, block.ca[1])
@@ -160,10 +164,39 @@ def dico_pass(
     gate = dico_gate(block, source, size=size, tile=tile, progress=progress)
 
     def layer(x: torch.Tensor, inner: tuple[slice, slice], _: Region) -> torch.Tensor:
-        out = crop(x, inner) + block.conv3(crop(block.branch_pre_gate(x), inner) * gate)
-        return out + block.mlp_half(out)
+        return block.finish(crop(x, inner), crop(block.branch_pre_gate(x), inner), gate)
 
     run_pass(layer, source, write, size=size, tile=tile, halo=1, progress=progress)
+
+
+def band_rows(size: tuple[int, int], positions: int, multiple: int = 1) -> int:
+    """Rows of a full-width band of at most ``positions`` positions (at least one row), rounded down to a
+    multiple of ``multiple`` where that leaves at least one multiple."""
+    rows = max(1, positions // size[1])
+    return rows - rows % multiple if rows >= multiple else rows
+
+
+def dico_whole(
+    block: DiCoBlock,
+    source: Source,
+    write: Callable[[Region, torch.Tensor], None],
+    *,
+    size: tuple[int, int],
+    band: int,
+    progress: Progress,
+) -> None:
+    """A DiCo block on the whole frame of a small frame: its branch ``a`` once (no halo, no recompute), the
+    gate from its float64 sums, then ``x + conv3(a * gate)`` and the pointwise MLP half in full-width bands of
+    ``band`` rows (so its 4C-wide hidden stays band-sized). One step for the branch, one per band."""
+    h, w = size
+    x = source((0, h, 0, w))
+    a = block.branch_pre_gate(x)
+    gate = _gate(block, channel_sums(a), size)
+    progress.step()
+    for r0 in range(0, h, band):
+        r1 = min(r0 + band, h)
+        write((r0, r1, 0, w), block.finish(x[:, :, r0:r1], a[:, :, r0:r1], gate))
+        progress.step()
 
 
 def dico_run(
@@ -177,22 +210,26 @@ def dico_run(
     size: tuple[int, int],
     tile: int,
     progress: Progress,
+    band: int | None = None,
 ) -> None:
     """Run ``blocks`` in turn from ``source``; the last block's output tiles go to ``final(region, y)``.
 
     Intermediate outputs alternate between two stores: those of ``pool`` that ``source`` is not reading
     (``reading``), else ones made by ``new_store()`` when first needed. No blocks: ``final`` gets the input.
+    ``band``: each block runs whole-frame (:func:`dico_whole`, its MLP half in bands of ``band`` rows)
+    instead of as two tiled passes (:func:`dico_pass`).
     """
     if not blocks:
         run_pass(lambda x, _i, _r: x, source, final, size=size, tile=tile, halo=0, progress=progress)
         return
     stores = list(pool)
-    kw = {"size": size, "tile": tile, "progress": progress}
+    kw = {"size": size, "progress": progress, **({"tile": tile} if band is None else {"band": band})}
+    run = dico_pass if band is None else dico_whole
     for block in blocks[:-1]:
         target = next((s for s in stores if s is not reading), None)
         if target is None:
             target = new_store()
             stores.append(target)
-        dico_pass(block, source, store_writer(target), **kw)
+        run(block, source, store_writer(target), **kw)
         reading, source = target, store_source(target)
-    dico_pass(blocks[-1], source, final, **kw)
+    run(blocks[-1], source, final, **kw)

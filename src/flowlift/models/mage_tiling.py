@@ -48,6 +48,7 @@ from flowlift.models.mage_passes import (
     Progress,
     Region,
     TileCallback,
+    band_rows,
     crop,
     dico_run,
     run_pass,
@@ -74,11 +75,29 @@ class MageTiling:
 
     ``tile``: the 1/16-resolution passes; a multiple of the attention window (32) so tiles hold whole
     windows. ``pixel_tile``: the per-pixel path, whose activations are 256 pixels x 32-96 features per
-    position, so it takes smaller tiles.
+    position, so it takes smaller tiles. ``whole_tiles``: a frame of at most this many tiles' area
+    (``whole_tiles * tile**2`` positions) runs each DiCo block whole-frame, its pointwise MLP half in
+    full-width bands of at most ``tile**2`` positions (:func:`~flowlift.models.mage_passes.dico_whole`),
+    and the decoder's 3x3 convolution passes whole-frame: no halo copies, no recomputed branch (a
+    fifth of a block's work), for tensors of up to ``whole_tiles * C * tile**2`` values (the 3072x2048
+    output of a 4x upscale of a 768x512 image is two 128-position tiles' area).
     """
 
     tile: int = 128
     pixel_tile: int = 32
+    whole_tiles: int = 2
+
+    def dico_band(self, height: int, width: int) -> int | None:
+        """Rows of the DiCo MLP bands of a (height, width) frame at 1/16 when it runs its DiCo blocks
+        whole-frame (:attr:`whole_tiles`), else None (two tiled passes per block)."""
+        if height * width > self.whole_tiles * self.tile**2:
+            return None
+        return band_rows((height, width), self.tile**2, self.pixel_tile)
+
+    def conv_tile(self, height: int, width: int) -> int:
+        """Tile side of the decoder's 3x3 convolution passes: the whole frame where :meth:`dico_band` runs
+        the DiCo blocks whole-frame (no halo copies), else :attr:`tile`."""
+        return self.tile if self.dico_band(height, width) is None else max(height, width, 1)
 
     def check(self, window: int = 1) -> None:
         if self.tile <= 0 or self.tile % window:
@@ -117,11 +136,27 @@ def encode_tile_numel(config: MageVAEConfig, tiling: MageTiling) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
+def final_regions(height: int, width: int, tiling: MageTiling, blocks: int) -> list[Region]:
+    """The regions a chain of ``blocks`` DiCo blocks writes its output in: tiles, or whole-frame bands."""
+    band = tiling.dico_band(height, width)
+    if band is None or not blocks:
+        return tile_grid(height, width, tiling.tile)
+    return [(r0, min(r0 + band, height), 0, width) for r0 in range(0, height, band)]
+
+
+def dico_steps(height: int, width: int, tiling: MageTiling, blocks: int) -> int:
+    """Tile steps of a chain of ``blocks`` DiCo blocks: two passes over the tiles per block, or (whole-frame)
+    one for the branch and one per band; a chain of none copies its input, one step per tile."""
+    if not blocks:
+        return len(tile_grid(height, width, tiling.tile))
+    if tiling.dico_band(height, width) is None:
+        return 2 * blocks * len(tile_grid(height, width, tiling.tile))
+    return blocks * (1 + len(final_regions(height, width, tiling, blocks)))
+
+
 def encode_steps(encoder: MageEncoder, height: int, width: int, tiling: MageTiling) -> int:
-    """Tile steps of one sample's tiled encode (two per DiCo block, at least one per stage)."""
-    tiles = len(tile_grid(height, width, tiling.tile))
-    head = max(1, 2 * len(encoder.head_blocks))
-    return (head + max(1, 2 * len(encoder.blocks))) * tiles
+    """Tile steps of one sample's tiled encode (:func:`dico_steps` of the head blocks, then of the blocks)."""
+    return sum(dico_steps(height, width, tiling, len(b)) for b in (encoder.head_blocks, encoder.blocks))
 
 
 def encode_tiled(
@@ -139,12 +174,12 @@ def encode_tiled(
     h, w = height // MAGE_PATCH, width // MAGE_PATCH
     out = torch.empty(b, MAGE_LATENT_CHANNELS, h, w, device=x.device, dtype=x.dtype)
     progress = Progress(b * encode_steps(encoder, h, w, tiling), on_tile)
-    kw = {"size": (h, w), "tile": tiling.tile, "progress": progress}
+    kw = {"size": (h, w), "tile": tiling.tile, "progress": progress, "band": tiling.dico_band(h, w)}
     for i in range(b):
         image = x[i : i + 1]
 
         def new_store(channels: int) -> Callable[[], torch.Tensor]:
-            return lambda: torch.empty(1, channels, h, w, device=x.device, dtype=x.dtype)
+            return lambda: _store(x, channels, h, w)
 
         def patches(r: Region, image: torch.Tensor = image) -> torch.Tensor:
             p = MAGE_PATCH
@@ -170,6 +205,13 @@ def encode_tiled(
     return out
 
 
+def _store(like: torch.Tensor, channels: int, h: int, w: int) -> torch.Tensor:
+    """A (1, channels, h, w) store in ``like``'s layout: channels-last when the input is (as
+    :class:`~flowlift.models.vae.MageVAE` runs it), so tiles go in and out without transposing copies."""
+    layout = torch.channels_last if like.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+    return torch.empty(1, channels, h, w, device=like.device, dtype=like.dtype, memory_format=layout)
+
+
 def _writer(store: torch.Tensor, pointwise: Callable[[torch.Tensor], torch.Tensor]):
     """Writes ``pointwise(y)`` of each tile into ``store``."""
 
@@ -193,10 +235,12 @@ def sub_grid(region: Region, side: int) -> list[Region]:
 def decode_steps(decoder: MageDecoder, height: int, width: int, tiling: MageTiling) -> int:
     """Tile steps of one sample's tiled decode: the 1/16 passes times their tiles, plus the pixel tiles."""
     cod = decoder.y_embedder.decoder
-    passes = 2 + sum(2 if isinstance(b, ResnetBlock) else 1 for b in cod.block)  # + conv_in, conv_out
-    passes += max(1, 2 * len(decoder.blocks))
-    grid = tile_grid(height, width, tiling.tile)
-    return passes * len(grid) + sum(len(sub_grid(r, tiling.pixel_tile)) for r in grid)
+    convs = 2 + sum(2 for b in cod.block if isinstance(b, ResnetBlock))  # + conv_in, conv_out
+    attention = sum(1 for b in cod.block if not isinstance(b, ResnetBlock))
+    blocks = len(decoder.blocks)
+    steps = convs * len(tile_grid(height, width, tiling.conv_tile(height, width)))
+    steps += attention * len(tile_grid(height, width, tiling.tile)) + dico_steps(height, width, tiling, blocks)
+    return steps + sum(len(sub_grid(r, tiling.pixel_tile)) for r in final_regions(height, width, tiling, blocks))
 
 
 def decode_tiled(
@@ -217,8 +261,8 @@ def decode_tiled(
     kw = {"size": (h, w), "tile": tiling.tile, "progress": progress}
     channels = decoder.s_embedder.proj2.out_channels
     for i in range(b):
-        stream, cond, tokens = (torch.empty(1, channels, h, w, device=z.device, dtype=z.dtype) for _ in range(3))
-        _cod_passes(decoder, z[i : i + 1], stream, cond, tokens, **kw)
+        stream, cond, tokens = (_store(z, channels, h, w) for _ in range(3))
+        _cod_passes(decoder, z[i : i + 1], stream, cond, tokens, conv_tile=tiling.conv_tile(h, w), **kw)
         pixels = _pixel_writer(decoder, cond, out[i : i + 1], tiling.pixel_tile, progress)
         dico_run(
             decoder.blocks,
@@ -227,6 +271,7 @@ def decode_tiled(
             new_store=_no_store,
             pool=[stream, tokens],
             reading=tokens,
+            band=tiling.dico_band(h, w),
             **kw,
         )
     return out
@@ -237,15 +282,25 @@ def _no_store() -> torch.Tensor:
 
 
 def _cod_passes(
-    decoder: MageDecoder, z: torch.Tensor, a: torch.Tensor, spare: torch.Tensor, tokens: torch.Tensor, **kw
+    decoder: MageDecoder,
+    z: torch.Tensor,
+    a: torch.Tensor,
+    spare: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    conv_tile: int,
+    **kw,
 ) -> None:
     """The CoD decoder over tiles: the conditioning ends in ``spare``, ``tokens_in`` of it in ``tokens``.
 
     ``a`` holds the residual stream (attention blocks and ResNet skips update it in place, tile by
     tile, which is safe because those writes read only their own tile); each ResNet's middle goes to
-    ``spare``. Every pass gathers the GroupNorm sums of what it writes, for the next pass.
+    ``spare``. Every pass gathers the GroupNorm sums of what it writes, for the next pass. The
+    convolution passes take tiles of ``conv_tile`` (the whole frame of a small one), the attention
+    passes ``kw["tile"]``.
     """
     cod = decoder.y_embedder.decoder
+    attention_kw, kw = kw, {**kw, "tile": conv_tile}
     sums = GroupSums(a.shape[1])
     run_pass(lambda x, inner, _: crop(cod.conv_in(x), inner), store_source(z), store_writer(a, sums), halo=1, **kw)
     for block in cod.block:
@@ -258,7 +313,7 @@ def _cod_passes(
             second = _gn_conv(block.norm2, block.conv2, middle.finish(a.device))
             run_pass(_plus_skip(second, a), store_source(spare), store_writer(a, sums), halo=1, **kw)
         elif isinstance(block, WindowAttentionBlock):
-            run_pass(_attention(block, stats), store_source(a), store_writer(a, sums), halo=0, **kw)
+            run_pass(_attention(block, stats), store_source(a), store_writer(a, sums), halo=0, **attention_kw)
         else:
             raise TypeError(f"Mage tiling: unexpected CoD block {type(block).__name__}")
 
@@ -274,7 +329,7 @@ def _gn_conv(norm, conv, stats) -> Callable[[torch.Tensor, tuple[slice, slice], 
     mean, inv_std = stats
 
     def layer(x: torch.Tensor, inner: tuple[slice, slice], _: Region) -> torch.Tensor:
-        return crop(conv(F.silu(group_norm_apply(x, mean, inv_std, norm.weight, norm.bias))), inner)
+        return crop(conv(F.silu(group_norm_apply(x, mean, inv_std, norm.weight, norm.bias), inplace=True)), inner)
 
     return layer
 
@@ -305,11 +360,12 @@ def _pixel_writer(decoder: MageDecoder, cond: torch.Tensor, out: torch.Tensor, s
 
     def write(region: Region, tokens: torch.Tensor) -> None:
         for r in sub_grid(region, side):
-            rows, cols, dr, dc = r[1] - r[0], r[3] - r[2], r[0] - region[0], r[2] - region[2]
-            flat = tokens[:, :, dr : dr + rows, dc : dc + cols].permute(0, 2, 3, 1).reshape(rows * cols, -1)
-            features = decoder.pixel_features(cond[:, :, r[0] : r[1], r[2] : r[3]])
-            pixels = decoder.pixels_out(decoder.dec_net(features, flat), 1, rows, cols)
-            out[:, :, r[0] * p : r[1] * p, r[2] * p : r[3] * p] = pixels
+            dr, dc = r[0] - region[0], r[2] - region[2]
+            decoder.pixels(
+                cond[:, :, r[0] : r[1], r[2] : r[3]],
+                tokens[:, :, dr : dr + r[1] - r[0], dc : dc + r[3] - r[2]],
+                out[:, :, r[0] * p : r[1] * p, r[2] * p : r[3] * p],
+            )
             progress.step()
 
     return write

@@ -154,12 +154,18 @@ def group_norm_apply(
 ) -> torch.Tensor:
     """``(x - mean_g) * inv_std_g * weight_c + bias_c`` with group statistics from :func:`group_norm_statistics`.
 
-    Pointwise given the statistics, so it runs on any tile of the frame.
+    Pointwise given the statistics, so it runs on any tile of the frame. As ``x * scale_c + shift_c`` with
+    ``scale = inv_std * weight`` and ``shift = bias - mean * scale`` in float32, rounded once to x's dtype;
+    for one sample that is an inference-mode batch norm with mean 0, variance 1 and epsilon 0 (one pass
+    over x, in its layout, where the plain formula takes four).
     """
     b, c = x.shape[:2]
     groups = mean.shape[1]
     scale = inv_std.repeat_interleave(c // groups, dim=1) * weight.float()  # (B, C)
     shift = bias.float() - mean.repeat_interleave(c // groups, dim=1) * scale
+    if b == 1:
+        zero, one = torch.zeros_like(scale[0]), torch.ones_like(scale[0])
+        return F.batch_norm(x, zero, one, scale[0], shift[0], False, 0.0, 0.0)
     return (x.float() * scale[:, :, None, None] + shift[:, :, None, None]).to(x.dtype)
 
 
@@ -187,7 +193,9 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
         t = t.reshape(b, c, rows, window, cols, window).permute(0, 2, 4, 3, 5, 1)
         return t.reshape(b * rows * cols, window * window, c)
 
-    out = F.scaled_dot_product_attention(to_windows(q), to_windows(k), to_windows(v))
+    # (cells, 1 head, window², C): the 4-D form takes torch's fused CPU kernel, not the one that materializes
+    # every window's (window², window²) softmax weights.
+    out = F.scaled_dot_product_attention(*(to_windows(t).unsqueeze(1) for t in (q, k, v)))
     out = out.reshape(b, rows, cols, window, window, c).permute(0, 5, 1, 3, 2, 4)
     return out.reshape(b, c, rows * window, cols * window)[:, :, :h, :w]
 
@@ -282,10 +290,11 @@ class DiCoBlock(nn.Module):
         _fold_output_scale(self.conv5, gate2)
         self.adaLN_modulation = None
 
-    def attention_half(self, x: torch.Tensor) -> torch.Tensor:
-        """The block's first residual branch, split around its one global operation."""
-        a = self.branch_pre_gate(x)
-        return self.conv3(a * channel_gate(channel_means(a), self.ca[1]))
+    def gated_conv3(self, a: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``conv3(a * gate)``; for one sample as ``(W3 diag(gate)) a + b3``, the gate folded into the weight."""
+        if gate.shape[0] != 1:
+            return self.conv3(a * gate)
+        return F.conv2d(a, self.conv3.weight * gate.reshape(1, -1, 1, 1), self.conv3.bias)
 
     def branch_pre_gate(self, x: torch.Tensor) -> torch.Tensor:
         """``gelu(dwconv(conv1(norm1(x))))``: local (a 3x3 halo); its channel means feed the gate."""
@@ -295,11 +304,16 @@ class DiCoBlock(nn.Module):
         """The second residual branch, pointwise."""
         return self.conv5(F.gelu(self.conv4(layer_norm_2d(x, self.norm2.weight, self.norm2.bias))))
 
+    def finish(self, x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The block from its branch ``a`` and gate: ``y = x + conv3(a * gate)``, then ``y + mlp_half(y)``."""
+        y = self.gated_conv3(a, gate).add_(x)
+        return self.mlp_half(y).add_(y)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.adaLN_modulation is not None:
             raise RuntimeError("DiCoBlock: call MageVAEModel.fold_t0() after loading, before running")
-        x = x + self.attention_half(x)
-        return x + self.mlp_half(x)
+        a = self.branch_pre_gate(x)
+        return self.finish(x, a, channel_gate(channel_means(a), self.ca[1]))
 
 
 def _fold_input_affine(conv: nn.Conv2d, scale: torch.Tensor, shift: torch.Tensor) -> None:
@@ -326,8 +340,8 @@ class ResnetBlock(nn.Module):
         self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv1(F.silu(group_norm(x, self.norm1)))
-        return x + self.conv2(F.silu(group_norm(h, self.norm2)))
+        h = self.conv1(F.silu(group_norm(x, self.norm1), inplace=True))
+        return self.conv2(F.silu(group_norm(h, self.norm2), inplace=True)).add_(x)
 
 
 class WindowAttentionBlock(nn.Module):
@@ -366,7 +380,7 @@ class CoDDecoder(nn.Module):
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         h = self.block(self.conv_in(z))
-        return self.conv_out(F.silu(group_norm(h, self.norm_out)))
+        return self.conv_out(F.silu(group_norm(h, self.norm_out), inplace=True))
 
 
 class _Holder(nn.Module):
@@ -435,34 +449,93 @@ class MageEncoder(nn.Module):
 
 
 class PixelResBlock(nn.Module):
-    """Per-pixel ``x + gate * mlp(LN(x) * (1 + scale) + shift)``, (shift, scale, gate) = Linear(SiLU(cond))."""
+    """Per-pixel ``x + gate * mlp(LN(x) * (1 + scale) + shift)``, (shift, scale, gate) = Linear(SiLU(cond)).
+
+    After :meth:`PixelMLP.fold` the three blocks' ``adaLN_modulation`` live in ``PixelMLP.modulation`` (one
+    linear layer for all three, the ``1 +`` in its bias) and are None here.
+    """
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.in_ln = nn.LayerNorm(channels, eps=NORM_EPS)
         self.mlp = nn.Sequential(nn.Linear(channels, channels), nn.SiLU(), nn.Linear(channels, channels))
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 3 * channels))
+        self.adaLN_modulation: nn.Sequential | None = nn.Sequential(nn.SiLU(), nn.Linear(channels, 3 * channels))
 
-    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        shift, scale, gate = self.adaLN_modulation(cond).chunk(3, dim=-1)
-        return x + gate * self.mlp(self.in_ln(x) * (1 + scale) + shift)
+    def forward(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``x + gate * mlp(LN(x) * scale + shift)`` on (N, c) rows, ``scale`` already ``1 + scale``; in place on x."""
+        h = F.layer_norm(x, x.shape[-1:], self.in_ln.weight, self.in_ln.bias, NORM_EPS)
+        h = pointwise_linear(torch.addcmul(shift, h, scale), self.mlp[0])
+        h = pointwise_linear(F.silu(h, inplace=True), self.mlp[2])
+        return x.addcmul_(gate, h)
+
+
+def rows_as_image(x: torch.Tensor) -> torch.Tensor:
+    """An (N, K) matrix as the channels-last (1, K, N, 1) image it is in memory (a view when contiguous)."""
+    return x.contiguous().view(1, x.shape[0], 1, x.shape[1]).permute(0, 3, 1, 2)
+
+
+def pointwise_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """``linear(x)`` over the last dim of a contiguous x, run as a 1x1 convolution on channels-last rows.
+
+    The same sums as ``F.linear``; oneDNN fuses the bias into the convolution, where ``F.linear`` copies it into
+    the output first (on the CPU in bf16 the 32-wide per-pixel layers run 1.2-1.4x faster so).
+    """
+    k = x.shape[-1]
+    y = F.conv2d(rows_as_image(x.reshape(-1, k)), linear.weight[:, :, None, None], linear.bias)
+    return y.permute(0, 2, 3, 1).reshape(*x.shape[:-1], linear.out_features)
+
+
+def _linear_from(weight: torch.Tensor, bias: torch.Tensor) -> nn.Linear:
+    """An ``nn.Linear`` holding these tensors (made on meta: no random init)."""
+    with torch.device("meta"):
+        layer = nn.Linear(weight.shape[1], weight.shape[0])
+    layer.weight, layer.bias = nn.Parameter(weight, weight.requires_grad), nn.Parameter(bias, bias.requires_grad)
+    return layer
 
 
 class PixelMLP(nn.Module):
-    """``dec_net``: per-pixel features (N, P², c) conditioned on tokens (N, C) -> (N, P², c)."""
+    """``dec_net``: per-pixel features (N, c) conditioned on tokens (n, C), ``N = 256 n`` -> (N, c) in place.
+
+    ``input_proj`` is folded into the decoder's ``pixel_embed`` (:meth:`MageDecoder.fold_pixels`), so the
+    features arrive projected; the blocks' modulations are one linear layer (:meth:`fold`).
+    """
 
     def __init__(self, config: MageVAEConfig) -> None:
         super().__init__()
         px = config.pixel_width
         self.cond_embed = nn.Linear(config.hidden, MAGE_PATCH * MAGE_PATCH * px)
-        self.input_proj = nn.Linear(px, px)
+        self.input_proj: nn.Linear | None = nn.Linear(px, px)
         self.res_blocks = nn.ModuleList(PixelResBlock(px) for _ in range(config.pixel_blocks))
+        self.modulation: nn.Linear | None = None
+
+    @torch.no_grad()
+    def fold(self) -> None:
+        """One ``modulation`` Linear(c -> 9c) from the blocks' three ``adaLN_modulation`` layers (they all read
+        ``SiLU(cond)``), ``+ 1`` added to the bias of each ``scale``; the blocks' layers are dropped."""
+        if self.modulation is not None:
+            return
+        layers = [block.adaLN_modulation[1] for block in self.res_blocks]
+        px = layers[0].in_features
+        weight = torch.cat([layer.weight for layer in layers])
+        bias = torch.cat([layer.bias.clone() for layer in layers])
+        for i in range(len(layers)):
+            bias[(3 * i + 1) * px : (3 * i + 2) * px] += 1
+        self.modulation = _linear_from(weight, bias)
+        for block in self.res_blocks:
+            block.adaLN_modulation = None
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.input_proj(x)
-        cond = self.cond_embed(tokens).reshape(tokens.shape[0], MAGE_PATCH * MAGE_PATCH, -1)  # position-major
-        for block in self.res_blocks:
-            x = block(x, cond)
+        if self.modulation is None:
+            raise RuntimeError("PixelMLP: call MageVAEModel.fold_t0() after loading, before running")
+        px = x.shape[-1]
+        cond = pointwise_linear(tokens, self.cond_embed).reshape(-1, px)  # position-major: (n * 256, c)
+        cond = rows_as_image(F.silu(cond, inplace=True))
+        weight, bias = self.modulation.weight[:, :, None, None], self.modulation.bias
+        for i, block in enumerate(self.res_blocks):
+            # Each block's slice of the layer just before it: a 3c-wide tensor, not all blocks' 9c at once.
+            rows = slice(3 * px * i, 3 * px * (i + 1))
+            mod = F.conv2d(cond, weight[rows], bias[rows]).permute(0, 2, 3, 1).reshape(-1, 3 * px)
+            x = block(x, *mod.chunk(3, dim=-1))
         return x
 
 
@@ -471,6 +544,14 @@ class MageDecoder(nn.Module):
 
     ``s_embedder.proj1`` (the noise's patch embedding) and the noise channels of ``x_embedder`` act on
     the zero noise only, so they are loaded but never computed.
+
+    **The per-pixel fold** (:meth:`fold_pixels`, run by :meth:`MageVAEModel.fold_t0`): the features
+    ``input_proj(x_embedder([0, y_embedder_x(cond), dct]))`` are affine in ``cond`` per pixel position ``p``::
+
+        x0[p] = W_in (W_xy (W_y[p] cond + b_y[p]) + W_xd dct[p] + b_x) + b_in = W'[p] cond + b'[p]
+
+    so one 1x1 convolution ``pixel_embed`` (C -> 256 c, position-major) computes them; ``y_embedder_x``,
+    ``x_embedder`` and ``input_proj`` are dropped. The final RMSNorm's weight folds into ``final_layer.linear``.
     """
 
     def __init__(self, config: MageVAEConfig) -> None:
@@ -478,9 +559,10 @@ class MageDecoder(nn.Module):
         c, px, p2 = config.hidden, config.pixel_width, MAGE_PATCH * MAGE_PATCH
         self.dct_freqs = config.dct_freqs
         self.t_embedder: TimestepEmbedder | None = TimestepEmbedder(c, config.timestep_features)
-        self.y_embedder_x = nn.Conv2d(c, px * p2, 1)
-        self.x_embedder = _Holder()
+        self.y_embedder_x: nn.Conv2d | None = nn.Conv2d(c, px * p2, 1)
+        self.x_embedder: _Holder | None = _Holder()
         self.x_embedder.embedder = nn.Sequential(nn.Linear(3 + px + config.dct_freqs**2, px))
+        self.pixel_embed: nn.Conv2d | None = None
         self.s_embedder = _Holder()
         self.s_embedder.proj1 = nn.Conv2d(3, MAGE_LATENT_CHANNELS, MAGE_PATCH, stride=MAGE_PATCH, bias=False)
         self.s_embedder.proj2 = nn.Conv2d(MAGE_LATENT_CHANNELS + c, c, 1)
@@ -495,31 +577,58 @@ class MageDecoder(nn.Module):
         self.y_embedder = _Holder()
         self.y_embedder.decoder = CoDDecoder(c, config.attention_window)
 
+    @torch.no_grad()
+    def fold_pixels(self) -> None:
+        """The per-pixel fold (see the class); computed in float64, stored in the weights' dtype."""
+        if self.pixel_embed is not None:
+            return
+        y, linear, proj = self.y_embedder_x, self.x_embedder.embedder[0], self.dec_net.input_proj
+        p2 = MAGE_PATCH * MAGE_PATCH
+        px, c = y.out_channels // p2, y.in_channels
+        f64 = torch.float64
+        w_y = y.weight.to(f64).reshape(px, p2, c).transpose(0, 1)  # (256, c_out, C): position-major
+        b_y = y.bias.to(f64).reshape(px, p2).t()  # (256, c)
+        dct = dct_position_features(MAGE_PATCH, self.dct_freqs, device=y.weight.device, dtype=f64)
+        w_x = linear.weight.to(f64)
+        w_in = proj.weight.to(f64)
+        a = w_in @ w_x[:, 3 : 3 + px]  # (c, c)
+        const = dct @ w_x[:, 3 + px :].t() + linear.bias.to(f64)  # (256, c)
+        weight = torch.matmul(a, w_y).reshape(p2 * px, c)
+        bias = (b_y @ a.t() + const @ w_in.t() + proj.bias.to(f64)).reshape(p2 * px)
+        dtype = y.weight.dtype
+        with torch.device("meta"):  # no random init of 3M parameters
+            self.pixel_embed = nn.Conv2d(c, p2 * px, 1)
+        self.pixel_embed.weight = nn.Parameter(weight[:, :, None, None].to(dtype), y.weight.requires_grad)
+        self.pixel_embed.bias = nn.Parameter(bias.to(dtype), y.bias.requires_grad)
+        self.y_embedder_x = self.x_embedder = self.dec_net.input_proj = None
+        final = self.final_layer.linear
+        final.weight.copy_((final.weight.to(f64) * self.final_layer.norm.weight.to(f64)).to(final.weight.dtype))
+        del self.final_layer.norm
+        self.dec_net.fold()
+
     def tokens_in(self, cond: torch.Tensor) -> torch.Tensor:
         """``s_embedder(0, cond) = proj2([proj1(0), cond]) = W2[:, 128:] cond + b2``."""
         proj2 = self.s_embedder.proj2
         return F.conv2d(cond, proj2.weight[:, MAGE_LATENT_CHANNELS:], proj2.bias)
 
-    def pixel_features(self, cond: torch.Tensor) -> torch.Tensor:
-        """``x_embedder([0, y_embedder_x(cond), dct])`` per pixel: (B, C, h, w) -> (B*h*w, 256, c).
+    def pixels(self, cond: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The per-pixel path of one sample: cond and tokens (1, C, h, w) -> ``out`` (1, 3, 16h, 16w), written.
 
-        The zero-noise columns of the linear layer drop out; the DCT part is one (256, c) constant.
+        ``pixel_embed`` (the folded features), ``dec_net``, RMSNorm and ``final_layer.linear`` (its weight
+        folded in), then the 16x16 fold straight into ``out`` (which may be a view of a larger image).
         """
-        b, _, h, w = cond.shape
-        p2 = MAGE_PATCH * MAGE_PATCH
-        linear = self.x_embedder.embedder[0]
-        px = self.y_embedder_x.out_channels // p2
-        y = self.y_embedder_x(cond)  # (B, px * 256, h, w), channel-major: k * 256 + position
-        y = y.reshape(b, px, p2, h * w).permute(0, 3, 2, 1).reshape(b * h * w, p2, px)
-        dct = dct_position_features(MAGE_PATCH, self.dct_freqs, device=cond.device, dtype=cond.dtype)
-        constant = F.linear(dct, linear.weight[:, 3 + px :], linear.bias)  # (256, c)
-        return F.linear(y, linear.weight[:, 3 : 3 + px]) + constant
-
-    def pixels_out(self, x: torch.Tensor, b: int, h: int, w: int) -> torch.Tensor:
-        """RMSNorm, linear to RGB and fold: (B*h*w, 256, c) -> (B, 3, 16h, 16w)."""
-        rgb = self.final_layer.linear(rms_norm(x, self.final_layer.norm.weight))  # (B*h*w, 256, 3)
-        rgb = rgb.reshape(b, h, w, MAGE_PATCH, MAGE_PATCH, 3).permute(0, 5, 1, 3, 2, 4)
-        return rgb.reshape(b, 3, h * MAGE_PATCH, w * MAGE_PATCH)
+        if self.pixel_embed is None:
+            raise RuntimeError("MageDecoder: call MageVAEModel.fold_t0() after loading, before running")
+        _, _, h, w = cond.shape
+        px = self.pixel_embed.out_channels // (MAGE_PATCH * MAGE_PATCH)
+        x = self.pixel_embed(cond.contiguous(memory_format=torch.channels_last))  # (1, 256 c, h, w)
+        x = x.permute(0, 2, 3, 1).reshape(-1, px)  # (h w 256, c): a view of the channels-last output
+        flat = tokens.permute(0, 2, 3, 1).reshape(h * w, -1)
+        x = self.dec_net(x, flat)
+        rgb = pointwise_linear(F.rms_norm(x, (px,), None, NORM_EPS), self.final_layer.linear)
+        p = MAGE_PATCH
+        out.view(1, 3, h, p, w, p).copy_(rgb.view(1, h, w, p, p, 3).permute(0, 5, 1, 3, 2, 4))
+        return out
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         b, _, h, w = z.shape
@@ -527,9 +636,10 @@ class MageDecoder(nn.Module):
         s = self.tokens_in(cond)
         for block in self.blocks:
             s = block(s)
-        tokens = s.permute(0, 2, 3, 1).reshape(b * h * w, -1)
-        x = self.dec_net(self.pixel_features(cond), tokens)
-        return self.pixels_out(x, b, h, w)
+        out = torch.empty(b, 3, h * MAGE_PATCH, w * MAGE_PATCH, device=z.device, dtype=z.dtype)
+        for i in range(b):
+            self.pixels(cond[i : i + 1], s[i : i + 1], out[i : i + 1])
+        return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -558,6 +668,8 @@ class MageVAEModel(nn.Module):
             for block in part.blocks:
                 block.fold_modulation(c)
             part.t_embedder = None
+        if self.decoder is not None:
+            self.decoder.fold_pixels()
         self.folded = True
         return self
 

@@ -50,6 +50,7 @@ def mage_from_state_dict(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     config: Any = None,
+    owned: bool = False,
 ) -> MageVAE:
     """Build a :class:`MageVAE` from a state dict in the released layout, strictly.
 
@@ -57,7 +58,8 @@ def mage_from_state_dict(
     tensor must be one of the architecture's (named in the released spelling when it is not, is
     missing or has another shape). No ``student.dconv_encoder.*`` tensor at all gives a decode-only
     VAE; no ``pipeline.*`` tensor is an error (flowlift needs the decoder). Weights load in float32,
-    the t = 0 adaLN fold runs in float32, then the model moves to ``device`` / ``dtype``.
+    the t = 0 adaLN fold runs in float32, then the model moves to ``device`` / ``dtype``. ``owned``: the
+    caller gives ``state``'s tensors away (they may be changed in place), which saves copying float32 ones.
     """
     from flowlift.models.mage_vae import MageVAEConfig, MageVAEModel, infer_config
     from flowlift.models.weights import check_finite_state, state_dict_mismatch
@@ -85,8 +87,9 @@ def mage_from_state_dict(
     if problem:
         raise FlowliftError(f"Mage-VAE weights{source} do not match the architecture: {problem}")
     # Float32 copies: the t = 0 fold below works in place and must not change the caller's tensors (and
-    # the finiteness check is several times faster on float32 than on a bf16 file's tensors).
-    tensors = {k: v.to(torch.float32, copy=True) for k, v in kept.items()}
+    # the finiteness check is several times faster on float32 than on a bf16 file's tensors); tensors the
+    # caller hands over (``owned``, e.g. just read from a file) are used as they are when already float32.
+    tensors = {k: v.to(torch.float32, copy=not owned) for k, v in kept.items()}
     check_finite_state(tensors, what="Mage-VAE weights", origin=origin)
     # The meta skeleton takes the tensors as they are (no random init of ~140M parameters).
     skeleton.load_state_dict({_flowlift_name(k): v for k, v in tensors.items()}, strict=True, assign=True)

@@ -134,7 +134,7 @@ def _from_file(path: Path, device: torch.device | str, dtype: torch.dtype) -> An
                 f"VAE: {path} is a pickled Mage-VAE checkpoint; flowlift reads Mage-VAE only as the released "
                 ".safetensors file (student.dconv_encoder.* and pipeline.* tensors)"
             )
-        return mage_from_state_dict(state, origin=str(path), device=device, dtype=dtype)
+        return mage_from_state_dict(state, origin=str(path), device=device, dtype=dtype, owned=True)
     raise FlowliftError(
         f"VAE: {path} is neither a TAEF2, a FLUX.2 VAE nor a Mage-VAE checkpoint (unrecognised keys); "
         f"flowlift reads {READABLE_LAYOUTS}"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.knobs import COLOR_FIX, OVERWRITE, check_kind, check_path, check_paths, check_positive
 from flowlift.refine.settings import (
     HIRES_SCALE,
@@ -159,9 +159,9 @@ class HiresSettings:
         object.__setattr__(self, "scale", HIRES_SCALE.check(self.scale, "scale"))
         if not whole_passes(self.scale) and getattr(self.upscaler, "latent_upscaler", None) is None:
             raise FlowliftError(
-                f"hires --scale {self.scale:g} is not a whole number of 2x passes (2, 4, 8): give --latent-upscaler "
+                f"{FIELD_MARK} {self.scale:g} is not a whole number of 2x passes (2, 4, 8): give {FIELD_MARK} "
                 "sesqui:PATH (SesquiLSR's FLUX.2 weights, upscaler_Flux2.safetensors) for the fraction",
-                field="scale",
+                field=("scale", "upscaler.latent_upscaler"),
             )
         refine_strength = REFINE_STRENGTH.check(self.refine_strength, "refine_strength")
         object.__setattr__(self, "refine_strength", refine_strength)

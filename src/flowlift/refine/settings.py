@@ -87,7 +87,8 @@ HIRES_SCALE = replace(
     SCALE,
     name="hires_scale",
     help="hires fix: the upscale before the refine (2 = one Flow pass, 4 = two, 8 = three; any other factor in "
-    "[1, 8] needs --latent-upscaler sesqui:PATH for the fraction: 1.5 = SesquiLSR alone, 3 = one pass then 1.5x)",
+    "[1, 8] needs a latent upscaler for the fraction, SesquiLSR's sesqui:PATH: 1.5 = SesquiLSR alone, "
+    "3 = one pass then 1.5x)",
 )
 
 

@@ -1,6 +1,6 @@
 """The size an upscale is asked for, in one of three spellings: :class:`AskedSize`.
 
-``--scale 3`` (any factor in [1, 8], :data:`flowlift.knobs.SCALE`), ``--long-side 3840`` or ``--size 3840x2560``.
+``scale=3`` (any factor in [1, 8], :data:`flowlift.knobs.SCALE`), ``long_side=3840`` or ``size=(3840, 2560)``.
 Per input it gives the exact output size, the passes that reach it (the one rule,
 :func:`flowlift.limits.passes_for_scale`, on the larger of the two side factors) and the name part of the output
 (``x3``, ``x1.5``, ``3840x2560``); a request it cannot meet (over 8x, over the 16384 px cap, a size below the input)
@@ -59,7 +59,7 @@ class AskedSize:
 
     @classmethod
     def of_passes(cls, passes: int) -> AskedSize:
-        """``--passes N``: the scale ``2**N``."""
+        """``passes`` whole 2x passes: the scale ``2**passes``."""
         return cls(scale=float(2**passes))
 
     @property

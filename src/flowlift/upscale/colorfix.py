@@ -285,8 +285,8 @@ def lab_lowband_transplant(
     """Stage 2: pin the output's colour and tone below the reference's Nyquist, in CIE L*a*b*.
 
     ``output`` (B, 3, H, W) and ``reference`` (B, 3, h, w) are RGB in [0, 1] with ``H >= h`` and ``W >= w``
-    (integer multiples ``H = s_h h``, ``W = s_w w`` from the 2x passes, or any larger size: ``flowlift upscale
-    --scale 3``'s resampled output). Off the integer ratios the low band's grid ``h x w`` is per side the
+    (integer multiples ``H = s_h h``, ``W = s_w w`` from the 2x passes, or any larger size: a ``scale=3``
+    upscale's resampled output). Off the integer ratios the low band's grid ``h x w`` is per side the
     reference's, or half the output's where that is smaller (``min(h, H // 2)``; the reference is area-downsampled
     to it): a grid within 2x of the output would make ``A`` ill-conditioned (``H = h + 1``: the correction is
     nearly the whole image). With ``D`` the area downsample to ``h x w`` (in RGB: the block mean for
@@ -367,21 +367,32 @@ def _lab_transplant(output, reference, strength, iterations, strip_pixels, inpla
                 on_strip()
             yield r0, min(height, r0 + rows_per_strip)
 
+    # With inplace, the first corrected step leaves f(clamp(output)) in the output's memory and every later step
+    # starts from it (the same values, one sRGB -> f conversion per pixel). Each strip depends only on itself.
+    holds_f = False
+
+    def corrected(step: LabStep, r0: int, r1: int) -> torch.Tensor:
+        if holds_f:
+            return step.from_f(output[:, :, r0:r1], r0, r1)
+        return step(output, r0, r1, keep_f=output[:, :, r0:r1] if inplace else None)
+
     def down_lab(coarse: torch.Tensor | None) -> torch.Tensor:
+        nonlocal holds_f
         low = torch.empty(batch, 3, h, w, dtype=torch.float32, device=device)
         step = LabStep(coarse, s_h, s_w)
         for r0, r1 in strips():
-            low[:, :, r0 // s_h : r1 // s_h] = F.avg_pool2d(step(output, r0, r1), (s_h, s_w))
+            rgb = step(output, r0, r1) if coarse is None else corrected(step, r0, r1)
+            low[:, :, r0 // s_h : r1 // s_h] = F.avg_pool2d(rgb, (s_h, s_w))
+        holds_f = holds_f or (inplace and coarse is not None)
         return rgb_to_lab(low)
 
     reference_lab = rgb_to_lab(reference.to(device=device, dtype=torch.float32).clamp(0.0, 1.0))
     coarse = _fit_coarse(down_lab, reference_lab, strength, iterations, (bands_h, bands_w), solve)
 
-    # Each strip of the result depends only on the same strip of the output, so inplace is safe.
     result = output if inplace else torch.empty(batch, 3, height, width, dtype=torch.float32, device=device)
     step = LabStep(coarse, s_h, s_w)
     for r0, r1 in strips():
-        result[:, :, r0:r1] = step(output, r0, r1)
+        result[:, :, r0:r1] = corrected(step, r0, r1)
     return result
 
 

@@ -116,15 +116,29 @@ class LabStep:
         self.delta_f = None if coarse is None else lab_delta_to_f(coarse.to(torch.float32))
         self.s_h, self.s_w = s_h, s_w
 
-    def __call__(self, output: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
-        """Rows ``r0:r1`` (multiples of ``s_h``) of ``T(c)`` for ``output`` (B, 3, H, W); a new float32 tensor."""
+    def __call__(self, output: torch.Tensor, r0: int, r1: int, keep_f: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``r0:r1`` (multiples of ``s_h``) of ``T(c)`` for ``output`` (B, 3, H, W); a new float32 tensor.
+
+        ``keep_f`` (float32, the strip's shape, with a correction only): also store ``f(clamp(output))`` of the
+        strip there, for :meth:`from_f` in a later step (stage 2 keeps it in the output's own memory).
+        """
         rgb = output[:, :, r0:r1].to(torch.float32).clamp(0.0, 1.0)
         if self.delta_f is None:
             return rgb
+        f = rgb_to_f(rgb, self.forward)
+        if keep_f is not None:
+            keep_f.copy_(f)
+        return f_to_rgb_(f.add_(self._up(r0, r1)), self.inverse)
+
+    def from_f(self, f: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``r0:r1`` of ``T(c)`` from the strip's ``f(clamp(output))`` (kept by :meth:`__call__`; not
+        modified): the same values as ``self(output, r0, r1)``, without converting the output again."""
+        return f_to_rgb_(f + self._up(r0, r1), self.inverse)
+
+    def _up(self, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``r0:r1`` of ``U delta_f``, from the coarse rows they need (one halo row each side)."""
         s_h, s_w = self.s_h, self.s_w
         c0, c1 = max(0, r0 // s_h - 1), min(self.delta_f.shape[-2], r1 // s_h + 1)
-        up = torch.nn.functional.interpolate(
+        return torch.nn.functional.interpolate(
             self.delta_f[:, :, c0:c1], scale_factor=(s_h, s_w), mode="bilinear", align_corners=False
         )[:, :, r0 - c0 * s_h : r1 - c0 * s_h]
-        f = rgb_to_f(rgb, self.forward).add_(up)
-        return f_to_rgb_(f, self.inverse)

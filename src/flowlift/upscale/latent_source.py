@@ -70,7 +70,9 @@ def sesqui_path(spec: str) -> Path:
     """``"sesqui:PATH"`` -> PATH (the only latent upscaler for fractions today), else one line."""
     kind, _, path = str(spec).partition(":")
     if kind != "sesqui" or not path:
-        raise FlowliftError(f"--latent-upscaler must be sesqui:PATH (SesquiLSR's FLUX.2 weights), got {spec!r}")
+        raise FlowliftError(
+            f"latent_upscaler must be sesqui:PATH (SesquiLSR's FLUX.2 weights), got {spec!r}", field="latent_upscaler"
+        )
     return Path(path).expanduser()
 
 

@@ -324,7 +324,7 @@ class FlowUpscalerPipeline:
         ``"color fix"``) and ``on_decode_tile(done, total)`` after each tile of the VAE decode (one for
         an untiled decode); both only report progress (an exception they raise stops the run).
         ``output_size`` (width, height) at or above the input's: the decoded frame is resampled to exactly that
-        size (:func:`flowlift.upscale.sizes.resample_to_size`) and stage 2 pins it to the input (``--scale 3``:
+        size (:func:`flowlift.upscale.sizes.resample_to_size`) and stage 2 pins it to the input (``scale=3``:
         ``num_passes=2``, then down to 3x); None is the passes' own size.
         """
         if output_type not in ("pil", "pt"):

@@ -77,7 +77,7 @@ def resample_to_multiple(images: torch.Tensor, multiple: int = PIXEL_MULTIPLE) -
 
 def resample_to_size(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """(B, C, H, W) in [0, 1] resampled to exactly ``height x width``, clamped to [0, 1]: the last step of an
-    upscale whose size is not the passes' own (``--scale 3``: four times, then down to three).
+    upscale whose size is not the passes' own (``scale=3``: four times, then down to three).
 
     torch's bicubic (Keys, a = -0.75) with ``antialias=True``: downscaling widens the kernel by the factor (the
     same separable filter as Pillow's BICUBIC), so the 2^n frame is averaged, not aliased, into the asked size.
