@@ -126,3 +126,51 @@ def refine_inputs(folder: Path, name: str, size: tuple[int, int], seed: int) -> 
     array = (torch.rand(*size, 3, generator=generator) * 255).to(torch.uint8).numpy()
     Image.fromarray(array, "RGB").save(folder / name)
     return folder
+
+
+def command_line(*words: object, **options: object) -> list[str]:
+    """A command line as strings: ``words`` as they stand, then each option as ``--its-name value`` (``_`` in a
+    name becomes ``-``; a one-letter name is ``-o``); True is the bare flag, None or False leaves it out."""
+    line = [str(word) for word in words]
+    for name, value in options.items():
+        if value is None or value is False:
+            continue
+        line.append(f"-{name}" if len(name) == 1 else f"--{name.replace('_', '-')}")
+        if value is not True:
+            line.append(str(value))
+    return line
+
+
+def one_error_line(stderr: str, command: str) -> str:
+    """The one ``flowlift <command>: error:`` line of ``stderr``, which must hold exactly one and no traceback."""
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith(f"flowlift {command}: error:")]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def transformer_forward(model, *, text_dim: int, seed: int = 0, guidance: bool = False) -> torch.Tensor:
+    """One no-grad call of a tiny FLUX.2 transformer on seeded random tokens: a 4x6 image grid (128 channels), 5
+    text tokens of ``text_dim``, timestep 0.6, guidance 4 when ``guidance``; its output."""
+    g = torch.Generator().manual_seed(seed)
+    img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(4), torch.arange(6), torch.arange(1))[None]
+    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(5))[None]
+    with torch.no_grad():
+        return model(
+            hidden_states=torch.randn(1, 24, 128, generator=g),
+            encoder_hidden_states=torch.randn(1, 5, text_dim, generator=g),
+            timestep=torch.tensor([0.6]),
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=torch.tensor([4.0]) if guidance else None,
+            return_dict=False,
+        )[0]
+
+
+def forbid_call(monkeypatch, target: str, message: str) -> None:
+    """Make ``target`` (a dotted ``module.attribute``) raise ``AssertionError(message)`` if anything calls it."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError(message)
+
+    monkeypatch.setattr(target, forbidden)

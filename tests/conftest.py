@@ -116,3 +116,12 @@ def tiny_upscaler_weights(tmp_path_factory):
     from builders import save_tiny_unet
 
     return save_tiny_unet(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny FLUX.2 model folder in the diffusers layout (transformer/, vae/, random weights), one per module; a
+    module's own ``model_dir`` fixture wins."""
+    from tiny_flux2 import write_model_dir
+
+    return write_model_dir(tmp_path_factory.mktemp("flux2-tiny"))

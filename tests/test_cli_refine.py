@@ -8,17 +8,11 @@ import pytest
 import torch
 from PIL import Image
 
-from builders import save_tiny_unet
+from builders import command_line, save_tiny_unet
 from flowlift.commands.cli import main
 from tiny_flux2 import prompt_embeds, write_model_dir
 
 W, H = 64, 48
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A diffusers-layout model folder: transformer/ and vae/ subfolders with tiny random weights."""
-    return write_model_dir(tmp_path_factory.mktemp("flux2-tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +33,29 @@ def photo(tmp_path_factory):
     return path
 
 
-def _run(capsys, *argv):
-    code = main([str(a) for a in argv])
+@pytest.fixture(scope="module")
+def tiny_model(model_dir, embeds_file):
+    """The options that point a refine command at the tiny model folder and its prompt embeddings."""
+    return {"model": model_dir, "prompt_embeds": embeds_file}
+
+
+@pytest.fixture(scope="module")
+def upscaler(tmp_path_factory):
+    """A tiny Flow Upscaler for FLUX.2 latents (cond_dim 32), seed 0."""
+    return save_tiny_unet(tmp_path_factory.mktemp("flow") / "flow_upscaler.safetensors", seed=0, cond_dim=32)
+
+
+@pytest.fixture(scope="module")
+def square_photo(tmp_path_factory, photo):
+    """:func:`photo` resized to 64x64."""
+    path = tmp_path_factory.mktemp("square") / "square.png"
+    Image.open(photo).resize((64, 64)).save(path)
+    return path
+
+
+def _run(capsys, *words, **options):
+    """``flowlift`` with :func:`~builders.command_line`'s words and options: (exit code, stdout, stderr)."""
+    code = main(command_line(*words, **options))
     out = capsys.readouterr()
     return code, out.out, out.err
 
@@ -50,29 +65,11 @@ def _metadata(path):
         return json.loads(img.text["flowlift"])
 
 
-def test_img2img_writes_png_with_all_parameters(capsys, tmp_path, model_dir, embeds_file, photo):
+def test_img2img_writes_png_with_all_parameters(capsys, tmp_path, model_dir, tiny_model, photo):
     out = tmp_path / "out.png"
+    sampling = {"strength": "0.6", "steps": "6", "seed": "7", "sampler": "heun"}
     code, stdout, stderr = _run(
-        capsys,
-        "img2img",
-        photo,
-        "--model",
-        model_dir,
-        "--prompt-embeds",
-        embeds_file,
-        "--prompt",
-        "a cat",
-        "--strength",
-        "0.6",
-        "--steps",
-        "6",
-        "--seed",
-        "7",
-        "--sampler",
-        "heun",
-        "--progress",
-        "-o",
-        out,
+        capsys, "img2img", photo, **tiny_model, prompt="a cat", **sampling, progress=True, o=out
     )
     assert code == 0, stderr
     assert "img2img" in stderr and "step" in stderr  # the per-step progress bar, forced with --progress
@@ -103,74 +100,32 @@ def test_img2img_writes_png_with_all_parameters(capsys, tmp_path, model_dir, emb
     assert len(meta["input_sha256"]) == 64 and len(meta["prompt_embeds_sha256"]) == 64
 
 
-def test_same_seed_same_output_and_cfg(capsys, tmp_path, model_dir, embeds_file, photo):
+def test_same_seed_same_output_and_cfg(capsys, tmp_path, tiny_model, photo):
     outs = []
-    for i, extra in enumerate(([], [], ["--cfg-scale", "3"])):
+    for i, extra in enumerate(({}, {}, {"cfg_scale": "3"})):
         out = tmp_path / f"o{i}.png"
-        code, _, err = _run(
-            capsys,
-            "img2img",
-            photo,
-            "--model",
-            model_dir,
-            "--prompt-embeds",
-            embeds_file,
-            "--steps",
-            "4",
-            "--no-progress",
-            "-o",
-            out,
-            *extra,
-        )
+        code, _, err = _run(capsys, "img2img", photo, **tiny_model, steps="4", no_progress=True, o=out, **extra)
         assert code == 0, err
         outs.append(Image.open(out).tobytes())
     assert outs[0] == outs[1] and outs[0] != outs[2]
     assert _metadata(tmp_path / "o2.png")["cfg_scale"] == 3.0
 
 
-def test_inpaint_and_outpaint(capsys, tmp_path, model_dir, embeds_file, photo):
+def test_inpaint_and_outpaint(capsys, tmp_path, tiny_model, photo):
     mask = tmp_path / "mask.png"
     m = Image.new("L", (W, H), 0)
     m.paste(255, (16, 16, 48, 32))
     m.save(mask)
     out = tmp_path / "inpaint.png"
     code, _, err = _run(
-        capsys,
-        "img2img",
-        photo,
-        "--mask",
-        mask,
-        "--strength",
-        "1",
-        "--model",
-        model_dir,
-        "--prompt-embeds",
-        embeds_file,
-        "--steps",
-        "3",
-        "--no-progress",
-        "-o",
-        out,
+        capsys, "img2img", photo, mask=mask, strength="1", **tiny_model, steps="3", no_progress=True, o=out
     )
     assert code == 0, err
     meta = _metadata(out)
     assert meta["mode"] == "inpaint" and meta["mask"] == str(mask)
     out = tmp_path / "outpaint.png"
     code, _, err = _run(
-        capsys,
-        "img2img",
-        photo,
-        "--outpaint",
-        "16,0,10,0",
-        "--model",
-        model_dir,
-        "--prompt-embeds",
-        embeds_file,
-        "--steps",
-        "3",
-        "--no-progress",
-        "-o",
-        out,
+        capsys, "img2img", photo, outpaint="16,0,10,0", **tiny_model, steps="3", no_progress=True, o=out
     )
     assert code == 0, err
     with Image.open(out) as img:
@@ -195,17 +150,8 @@ def test_bad_inputs_one_line_no_output(capsys, tmp_path, model_dir, embeds_file,
     if "--prompt-embeds" not in argv:
         argv += ["--prompt-embeds", str(embeds_file)]
     before = set(tmp_path.iterdir())
-    code, _, err = _run(
-        capsys,
-        "img2img",
-        *argv,
-        "--model",
-        model_dir,
-        "--steps",
-        "2",
-        "--no-progress",
-        *([] if "-o" in argv else ["-o", tmp_path / "never.png"]),
-    )
+    never = None if "-o" in argv else tmp_path / "never.png"
+    code, _, err = _run(capsys, "img2img", *argv, model=model_dir, steps="2", no_progress=True, o=never)
     assert code == 2
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert set(tmp_path.iterdir()) == before
@@ -244,16 +190,7 @@ def test_prompt_text_needs_text_encoder_or_embeds(capsys, tmp_path, model_dir, p
 
 def test_bad_model_is_one_line(capsys, tmp_path, embeds_file, photo):
     code, _, err = _run(
-        capsys,
-        "img2img",
-        photo,
-        "--model",
-        tmp_path,
-        "--prompt-embeds",
-        embeds_file,
-        "--no-progress",
-        "-o",
-        tmp_path / "x.png",
+        capsys, "img2img", photo, model=tmp_path, prompt_embeds=embeds_file, no_progress=True, o=tmp_path / "x.png"
     )
     assert code == 2 and "FLUX.2 transformer" in err and len(err.strip().splitlines()) == 1
 
@@ -301,57 +238,17 @@ def test_mu_and_schedule_options(capsys, tmp_path, model_dir, embeds_file, photo
 
 def test_empirical_mu_out_of_range_is_refused_before_loading(capsys, tmp_path, embeds_file, photo):
     """hires 4x of a 2048 px base refines at 8192 px, where diffusers' formula gives mu 44.8."""
-    code, _, err = _run(
-        capsys,
-        "hires",
-        "--width",
-        "2048",
-        "--height",
-        "2048",
-        "--scale",
-        "4",
-        "--mu",
-        "empirical",
-        "--model",
-        tmp_path / "never-loaded",
-        "--prompt-embeds",
-        embeds_file,
-        "--no-progress",
-        "-o",
-        tmp_path / "x.png",
-    )
+    base = {"width": "2048", "height": "2048", "scale": "4", "mu": "empirical"}
+    never = {"model": tmp_path / "never-loaded", "prompt_embeds": embeds_file}
+    code, _, err = _run(capsys, "hires", **base, **never, no_progress=True, o=tmp_path / "x.png")
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "--mu: mu='empirical' gives 44.8" in err and "8192x8192" in err
 
 
-def test_hires_from_image_and_from_txt2img(capsys, tmp_path, model_dir, embeds_file, photo):
-
-    torch.manual_seed(0)
-    upscaler = tmp_path / "flow_upscaler.safetensors"
-    save_tiny_unet(upscaler, seed=None, cond_dim=32)
-    crop = tmp_path / "square.png"
-    Image.open(photo).resize((64, 64)).save(crop)
+def test_hires_from_image_and_from_txt2img(capsys, tmp_path, tiny_model, upscaler, square_photo):
     out = tmp_path / "hires.png"
-    code, _, err = _run(
-        capsys,
-        "hires",
-        "--image",
-        crop,
-        "--scale",
-        "2",
-        "--upscaler",
-        upscaler,
-        "--refine-strength",
-        "0.4",
-        "--model",
-        model_dir,
-        "--prompt-embeds",
-        embeds_file,
-        "--steps",
-        "8",
-        "-o",
-        out,
-    )
+    hires = {"image": square_photo, "scale": "2", "upscaler": upscaler}
+    code, _, err = _run(capsys, "hires", **hires, refine_strength="0.4", **tiny_model, steps="8", o=out)
     assert code == 0, err
     with Image.open(out) as img:
         assert img.size == (128, 128)
@@ -359,55 +256,21 @@ def test_hires_from_image_and_from_txt2img(capsys, tmp_path, model_dir, embeds_f
     assert meta["command"] == "hires" and meta["scale"] == 2 and meta["refine_strength"] == 0.4
     assert meta["sigmas"][0] == pytest.approx(0.4) and meta["base"] == "image"
     out = tmp_path / "gen.png"
-    code, _, err = _run(
-        capsys,
-        "hires",
-        "--width",
-        "64",
-        "--height",
-        "64",
-        "--base-steps",
-        "2",
-        "--scale",
-        "4",
-        "--upscaler",
-        upscaler,
-        "--model",
-        model_dir,
-        "--prompt-embeds",
-        embeds_file,
-        "--steps",
-        "4",
-        "--no-progress",
-        "-o",
-        out,
-    )
+    base = {"width": "64", "height": "64", "base_steps": "2", "scale": "4", "upscaler": upscaler}
+    code, _, err = _run(capsys, "hires", **base, **tiny_model, steps="4", no_progress=True, o=out)
     assert code == 0, err
     with Image.open(out) as img:
         assert img.size == (256, 256)
     assert _metadata(out)["base"] == "txt2img"
 
 
-def test_alpha_channel_is_kept(capsys, tmp_path, model_dir, embeds_file, photo):
+def test_alpha_channel_is_kept(capsys, tmp_path, tiny_model, photo):
     rgba = tmp_path / "rgba.png"
     img = Image.open(photo).convert("RGBA")
     img.putalpha(Image.new("L", img.size, 128))
     img.save(rgba)
     out = tmp_path / "rgba_out.png"
-    code, _, err = _run(
-        capsys,
-        "img2img",
-        rgba,
-        "--model",
-        model_dir,
-        "--prompt-embeds",
-        embeds_file,
-        "--steps",
-        "2",
-        "--no-progress",
-        "-o",
-        out,
-    )
+    code, _, err = _run(capsys, "img2img", rgba, **tiny_model, steps="2", no_progress=True, o=out)
     assert code == 0, err
     with Image.open(out) as result:
         assert result.mode == "RGBA" and result.getchannel("A").getextrema() == (128, 128)
@@ -447,37 +310,11 @@ def test_tile_options_in_every_mode_and_the_metadata(capsys, tmp_path, model_dir
     assert not (tmp_path / "x.png").exists()
 
 
-def test_hires_scale_8_refines_in_tiles(capsys, tmp_path, model_dir, embeds_file, photo):
-
-    torch.manual_seed(0)
-    upscaler = tmp_path / "flow_upscaler.safetensors"
-    save_tiny_unet(upscaler, seed=None, cond_dim=32)
-    crop = tmp_path / "small.png"
-    Image.open(photo).resize((64, 64)).save(crop)
+def test_hires_scale_8_refines_in_tiles(capsys, tmp_path, tiny_model, upscaler, square_photo):
     out = tmp_path / "hires8.png"
-    code, _, err = _run(
-        capsys,
-        "hires",
-        "--image",
-        crop,
-        "--scale",
-        "8",
-        "--upscaler",
-        upscaler,
-        "--model",
-        model_dir,
-        "--prompt-embeds",
-        embeds_file,
-        "--steps",
-        "2",
-        "--tile-size",
-        "256",
-        "--tile-overlap",
-        "64",
-        "--no-progress",
-        "-o",
-        out,
-    )
+    hires = {"image": square_photo, "scale": "8", "upscaler": upscaler}
+    tiles = {"tile_size": "256", "tile_overlap": "64"}
+    code, _, err = _run(capsys, "hires", **hires, **tiny_model, steps="2", **tiles, no_progress=True, o=out)
     assert code == 0, err
     with Image.open(out) as img:
         assert img.size == (512, 512)

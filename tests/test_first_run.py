@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+from builders import command_line
 from flowlift.commands.cli import build_parser, main
 from flowlift.errors import FlowliftError
 
@@ -164,17 +165,9 @@ def test_img2img_checks_every_input_before_loading(tmp_path, photo, capsys, monk
 def test_hires_checks_the_upscaler_before_loading(tmp_path, capsys, no_model_loads):
     embeds = tmp_path / "e.safetensors"
     embeds.write_bytes(b"x")
-    argv = [
-        "hires",
-        "--model",
-        str(tmp_path),
-        "--prompt-embeds",
-        str(embeds),
-        "--upscaler",
-        "models/fu.safetensors",
-        "-o",
-        str(tmp_path / "o.png"),
-    ]
+    argv = command_line(
+        "hires", model=tmp_path, prompt_embeds=embeds, upscaler="models/fu.safetensors", o=tmp_path / "o.png"
+    )
     assert main(argv) == 2
     assert "no such file" in capsys.readouterr().err
 

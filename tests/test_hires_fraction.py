@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from flowlift.errors import FlowliftError
 from sesqui_reference import random_state
-from test_cli_refine import _run, embeds_file, model_dir  # noqa: F401  (fixtures)
+from test_cli_refine import _run, embeds_file, tiny_model, upscaler  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="module")
@@ -21,16 +21,6 @@ def sesqui(tmp_path_factory):
     path = tmp_path_factory.mktemp("sesqui") / "upscaler_Flux2.safetensors"
     save_file(random_state(0), str(path))
     return path
-
-
-@pytest.fixture(scope="module")
-def upscaler(tmp_path_factory):
-    from flowlift.models.upscaler_unet import FlowUpscalerUNet
-    from flowlift.models.upscaler_weights import save_upscaler
-
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("flow") / "flow_upscaler.safetensors"
-    return save_upscaler(FlowUpscalerUNet(base_channels=32, time_dim=32, cond_dim=32), path)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +35,8 @@ def square(tmp_path_factory):
 def test_hires_fractional_scale_runs_flow_passes_then_sesquilsr(
     capsys,
     tmp_path,
-    model_dir,  # noqa: F811  (the fixture imported from test_cli_refine)
-    embeds_file,  # noqa: F811
-    upscaler,
+    tiny_model,  # noqa: F811  (the fixtures imported from test_cli_refine)
+    upscaler,  # noqa: F811
     sesqui,
     square,
     scale,
@@ -55,26 +44,8 @@ def test_hires_fractional_scale_runs_flow_passes_then_sesquilsr(
     passes,
 ):
     out = tmp_path / "hires.png"
-    code, _, err = _run(
-        capsys,
-        "hires",
-        "--image",
-        square,
-        "--scale",
-        scale,
-        "--upscaler",
-        upscaler,
-        "--latent-upscaler",
-        f"sesqui:{sesqui}",
-        "--model",
-        model_dir,
-        "--prompt-embeds",
-        embeds_file,
-        "--steps",
-        "2",
-        "-o",
-        out,
-    )
+    hires = {"image": square, "scale": scale, "upscaler": upscaler, "latent_upscaler": f"sesqui:{sesqui}"}
+    code, _, err = _run(capsys, "hires", **hires, **tiny_model, steps="2", o=out)
     assert code == 0, err
     with Image.open(out) as image:
         assert image.size == (side, side)
@@ -84,20 +55,8 @@ def test_hires_fractional_scale_runs_flow_passes_then_sesquilsr(
 
 
 def test_hires_fractional_scale_without_the_option_is_one_line(capsys, tmp_path, square):
-    code, _, err = _run(
-        capsys,
-        "hires",
-        "--image",
-        square,
-        "--scale",
-        "1.5",
-        "--model",
-        tmp_path / "never-loaded",
-        "--prompt",
-        "p",
-        "-o",
-        tmp_path / "x.png",
-    )
+    never = {"model": tmp_path / "never-loaded", "prompt": "p"}
+    code, _, err = _run(capsys, "hires", image=square, scale="1.5", **never, o=tmp_path / "x.png")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert "--scale 1.5 is not a whole number of 2x passes" in err and "--latent-upscaler sesqui:PATH" in err
     assert not (tmp_path / "x.png").exists()

@@ -116,14 +116,18 @@ def test_strength_one_is_txt2img_bit_for_bit(mu):
     assert torch.equal(txt2img, img2img)
 
 
-def test_inpaint_merge_keeps_known_region_on_the_trajectory_and_exact_at_the_end():
+def _square_hole(init_seed: int, noise_seed: int):
+    """Seeded (1, 32, 8, 8) init and noise latents, a mask open over [2:6, 2:6], and their InpaintMerger."""
     shape = (1, 32, 8, 8)
-    init = seeded_noise(shape, 11)
-    noise = seeded_noise(shape, 12)
+    init, noise = seeded_noise(shape, init_seed), seeded_noise(shape, noise_seed)
     mask = torch.zeros(1, 1, 8, 8)
     mask[..., 2:6, 2:6] = 1
-    merger = InpaintMerger(init, mask, noise)
-    x = seeded_noise(shape, 13)
+    return init, noise, mask, InpaintMerger(init, mask, noise)
+
+
+def test_inpaint_merge_keeps_known_region_on_the_trajectory_and_exact_at_the_end():
+    init, noise, mask, merger = _square_hole(11, 12)
+    x = seeded_noise(init.shape, 13)
     merged = merger.merge(x, 0.4)
     assert torch.equal(merged[..., 2:6, 2:6], x[..., 2:6, 2:6])
     assert torch.allclose(merged[..., 0, :], (0.4 * noise + 0.6 * init)[..., 0, :])
@@ -137,12 +141,7 @@ def test_inpaint_merge_keeps_known_region_on_the_trajectory_and_exact_at_the_end
 def test_heun_corrector_input_is_merged(sampler):
     """Every model call -- Euler's, Heun's predictor and corrector -- sees the kept region at
     ``sigma * noise + (1 - sigma) * init`` (Heun's corrector input used to be the unmerged Euler guess)."""
-    shape = (1, 32, 8, 8)
-    init = seeded_noise(shape, 31)
-    noise = seeded_noise(shape, 32)
-    mask = torch.zeros(1, 1, 8, 8)
-    mask[..., 2:6, 2:6] = 1
-    merger = InpaintMerger(init, mask, noise)
+    init, noise, mask, merger = _square_hole(31, 32)
     sigmas = flux2_sigmas(20, 16, denoising_start=0.3)
     steps = len(sigmas) - 1
     assert steps >= 3
@@ -154,7 +153,7 @@ def test_heun_corrector_input_is_merged(sampler):
 
     start = float(sigmas[0])
     denoise(velocity, start * noise + (1 - start) * init, sigmas, merger, sampler=sampler)
-    kept = mask.expand(shape) == 0
+    kept = mask.expand(init.shape) == 0
     assert len(calls) == (steps if sampler == "euler" else 2 * steps - 1)
     for z, s in calls:
         expected = s * noise + (1 - s) * init

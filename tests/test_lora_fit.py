@@ -22,31 +22,13 @@ pytest.importorskip("peft")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from builders import save_tiny_unet
+from builders import command_line, save_tiny_unet
 from flowlift.errors import FlowliftError  # noqa: E402
 from flowlift.refine.loras import apply_loras  # noqa: E402
 from flux2_files import LORA_TARGETS, bfl_lora_layers, write_comfyui_lora, write_kohya_lora, write_peft_lora  # noqa: E402
 from tiny_flux2 import prompt_embeds, tiny_transformer, write_model_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _other_width():
-    """The tiny transformer with 3 heads instead of 2: width 48, like a Klein 4B LoRA met by a Klein 9B."""
-    from diffusers import Flux2Transformer2DModel
-
-    torch.manual_seed(1)
-    return Flux2Transformer2DModel(
-        patch_size=1,
-        in_channels=128,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=3,
-        joint_attention_dim=32,
-        timestep_guidance_channels=32,
-        axes_dims_rope=(4, 4, 4, 4),
-    ).eval()
 
 
 #: (case, peft setting, value, piece of the message): each names the setting.
@@ -100,7 +82,8 @@ def _write_cases(root: Path) -> dict[str, tuple[Path, str]]:
     comfy = load_file(str(root / "comfy.safetensors"))
     write_kohya_lora(layers, root / "kohya.safetensors")
     kohya = load_file(str(root / "kohya.safetensors"))
-    write_peft_lora(_other_width(), root / "width48.safetensors")
+    # the tiny transformer with 3 heads instead of 2: width 48, like a Klein 4B LoRA met by a Klein 9B
+    write_peft_lora(tiny_transformer(seed=1, num_attention_heads=3, guidance_embeds=True), root / "width48.safetensors")
 
     a = "transformer.proj_out.lora_A.weight"
     b = a.replace("lora_A", "lora_B")
@@ -216,39 +199,13 @@ def test_cli_refuses_a_lora_that_does_not_fit_in_one_line(cases, tmp_path, comma
         Image.new("RGB", (64, 48), (90, 100, 110)).save(tmp_path / "in.png")
         args = ["img2img", str(tmp_path / "in.png"), "--steps", "1"]
     else:
-        torch.manual_seed(0)
-        save_tiny_unet(tmp_path / "up.safetensors", seed=None, cond_dim=32)
-        args = [
-            "hires",
-            "--width",
-            "64",
-            "--height",
-            "64",
-            "--base-steps",
-            "1",
-            "--steps",
-            "1",
-            "--upscaler",
-            str(tmp_path / "up.safetensors"),
-        ]
+        upscaler = save_tiny_unet(tmp_path / "up.safetensors", seed=0, cond_dim=32)
+        args = command_line("hires", width="64", height="64", base_steps="1", steps="1", upscaler=upscaler)
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     for name in ("comfy-rank0", "other-width", "metadata-empty"):
         path, message = cases[name]
-        argv = [
-            sys.executable,
-            "-m",
-            "flowlift",
-            *args,
-            "--model",
-            str(model_dir),
-            "--prompt-embeds",
-            str(embeds),
-            "--lora",
-            str(path),
-            "--no-progress",
-            "-o",
-            str(out),
-        ]
+        options = command_line(model=model_dir, prompt_embeds=embeds, lora=path, no_progress=True, o=out)
+        argv = [sys.executable, "-m", "flowlift", *args, *options]
         run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         lines = run.stderr.splitlines()
         assert run.returncode == 2 and len(lines) == 1, run.stderr

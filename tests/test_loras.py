@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from builders import save_tiny_unet
+from builders import command_line, save_tiny_unet, transformer_forward
 from flowlift.commands.cli import main  # noqa: E402
 from flowlift.errors import FlowliftError  # noqa: E402
 from flowlift.flux2.latents import denormalize  # noqa: E402
@@ -26,15 +26,10 @@ from flowlift.refine.loras import apply_loras, parse_lora_spec  # noqa: E402
 from flowlift.refine.request import HiresSettings  # noqa: E402
 from flowlift.refine.settings import SamplingSettings  # noqa: E402
 from flux2_files import bfl_lora_layers, write_comfyui_lora, write_kohya_lora, write_peft_lora  # noqa: E402
-from tiny_flux2 import TEXT_DIM, AsUpscaler, prompt_embeds, tiny_transformer, tiny_vae, write_model_dir  # noqa: E402
+from tiny_flux2 import TEXT_DIM, AsUpscaler, prompt_embeds, tiny_transformer, tiny_vae  # noqa: E402
 
 H, W, STEPS, SEED = 64, 96, 3, 5
 EMB = prompt_embeds()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return write_model_dir(tmp_path_factory.mktemp("flux2-tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -91,21 +86,6 @@ def test_scale_zero_is_no_lora_bit_for_bit(model_dir, peft_lora):
     assert torch.equal(a.latents, b.latents) and torch.equal(a.images, b.images)
 
 
-def _forward(transformer):
-    g = torch.Generator().manual_seed(0)
-    img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(4), torch.arange(6), torch.arange(1))[None]
-    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(5))[None]
-    with torch.no_grad():
-        return transformer(
-            hidden_states=torch.randn(1, 24, 128, generator=g),
-            encoder_hidden_states=torch.randn(1, 5, TEXT_DIM, generator=g),
-            timestep=torch.tensor([0.6]),
-            img_ids=img_ids,
-            txt_ids=txt_ids,
-            return_dict=False,
-        )[0]
-
-
 @pytest.mark.parametrize("layout", ["kohya", "comfyui", "comfyui-down-up"])
 def test_kohya_and_comfyui_formats_equal_diffusers_conversion(tmp_path, layout):
     layers = bfl_lora_layers(tiny_transformer())
@@ -125,9 +105,9 @@ def test_kohya_and_comfyui_formats_equal_diffusers_conversion(tmp_path, layout):
     pipe = diffusers_pipeline()
     pipe.load_lora_weights(str(reference_file), adapter_name="x")
     pipe.set_adapters(["x"], [0.8])
-    expected = _forward(pipe.transformer)
-    torch.testing.assert_close(_forward(ours), expected, rtol=0, atol=1e-5)
-    assert (expected - _forward(tiny_transformer())).abs().max() > 1e-2
+    expected = transformer_forward(pipe.transformer, text_dim=TEXT_DIM)
+    torch.testing.assert_close(transformer_forward(ours, text_dim=TEXT_DIM), expected, rtol=0, atol=1e-5)
+    assert (expected - transformer_forward(tiny_transformer(), text_dim=TEXT_DIM)).abs().max() > 1e-2
 
 
 def test_hires_runs_the_lora_in_the_base_and_the_refine_pass(model_dir, peft_lora):
@@ -161,23 +141,9 @@ def test_cli_lora_option_and_metadata(capsys, tmp_path, model_dir, peft_lora):
     photo = tmp_path / "photo.png"
     Image.new("RGB", (48, 32), (120, 80, 40)).save(photo)
     out = tmp_path / "out.png"
-    argv = [
-        "img2img",
-        photo,
-        "--model",
-        model_dir,
-        "--prompt-embeds",
-        embeds,
-        "--lora",
-        f"{peft_lora}:0.7",
-        "--strength",
-        "0.6",
-        "--steps",
-        "4",
-        "-o",
-        out,
-    ]
-    assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
+    lora = {"lora": f"{peft_lora}:0.7", "strength": "0.6", "steps": "4"}
+    argv = command_line("img2img", photo, model=model_dir, prompt_embeds=embeds, **lora, o=out)
+    assert main(argv) == 0, capsys.readouterr().err
     with Image.open(out) as img:
         meta = json.loads(img.text["flowlift"])
     assert meta["loras"][0]["path"] == str(peft_lora) and meta["loras"][0]["scale"] == 0.7
@@ -281,7 +247,13 @@ def test_lora_on_fp8_and_gguf_files_equals_the_lora_on_their_dequantized_folders
             state = {n: dequantize_gguf_tensor(p).float() for n, p in loaded.state_dict().items() if "lora_" not in n}
             folder = same_model_with(model, {n.replace(".base_layer", ""): v for n, v in state.items()})
         apply_loras(folder, [(peft_lora, 0.8)])
-        torch.testing.assert_close(_forward(loaded), _forward(folder), rtol=0, atol=1e-6, msg=kind)
+        torch.testing.assert_close(
+            transformer_forward(loaded, text_dim=TEXT_DIM),
+            transformer_forward(folder, text_dim=TEXT_DIM),
+            rtol=0,
+            atol=1e-6,
+            msg=kind,
+        )
 
 
 def test_cli_hires_with_a_file_transformer_a_lora_and_a_budget(capsys, tmp_path, model_dir, peft_lora):
@@ -291,43 +263,16 @@ def test_cli_hires_with_a_file_transformer_a_lora_and_a_budget(capsys, tmp_path,
 
     from flux2_files import write_fp8
 
-    torch.manual_seed(0)
-    upscaler = tmp_path / "flow_upscaler.safetensors"
-    save_tiny_unet(upscaler, seed=None, cond_dim=32)
+    upscaler = save_tiny_unet(tmp_path / "flow_upscaler.safetensors", seed=0, cond_dim=32)
     embeds = tmp_path / "emb.safetensors"
     save_file({"prompt_embeds": EMB}, str(embeds))
     fp8 = tmp_path / "flux-2-tiny-fp8.safetensors"
     write_fp8(tiny_transformer(), fp8, scale="comfyui", prefix="model.diffusion_model.")
     out = tmp_path / "hires.png"
-    argv = [
-        "hires",
-        "--width",
-        "64",
-        "--height",
-        "64",
-        "--base-steps",
-        "2",
-        "--scale",
-        "2",
-        "--upscaler",
-        upscaler,
-        "--model",
-        model_dir,
-        "--transformer",
-        fp8,
-        "--lora",
-        f"{peft_lora}:0.5",
-        "--max-memory",
-        "256MB",
-        "--prompt-embeds",
-        embeds,
-        "--steps",
-        "4",
-        "--no-progress",
-        "-o",
-        out,
-    ]
-    assert main([str(a) for a in argv]) == 0, capsys.readouterr().err
+    base = {"width": "64", "height": "64", "base_steps": "2", "scale": "2", "upscaler": upscaler}
+    transformer = {"model": model_dir, "transformer": fp8, "lora": f"{peft_lora}:0.5", "max_memory": "256MB"}
+    argv = command_line("hires", **base, **transformer, prompt_embeds=embeds, steps="4", no_progress=True, o=out)
+    assert main(argv) == 0, capsys.readouterr().err
     with Image.open(out) as img:
         assert img.size == (128, 128)
         meta = json.loads(img.text["flowlift"])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from builders import fake_hub_cache
+from builders import command_line, fake_hub_cache, forbid_call
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 from flowlift.models.hub import download_command
@@ -132,23 +132,10 @@ def test_every_missing_weight_is_named_in_one_message(empty_cache):
 
 
 def test_hires_names_the_transformer_vae_and_upscaler_before_loading(empty_cache, capsys, monkeypatch):
-    import flowlift.refine.loading as loading
-
-    def must_not_load(*args, **kwargs):
-        raise AssertionError("a model was loaded before every weight was found")
-
-    monkeypatch.setattr(loading, "load_refiner", must_not_load)
+    forbid_call(monkeypatch, "flowlift.refine.loading.load_refiner", "a model was loaded before every weight was found")
     embeds = empty_cache / "e.safetensors"
     embeds.write_bytes(b"x")
-    argv = [
-        "hires",
-        "--model",
-        "someone/flux2-not-cached",
-        "--prompt-embeds",
-        str(embeds),
-        "-o",
-        str(empty_cache / "o.png"),
-    ]
+    argv = command_line("hires", model="someone/flux2-not-cached", prompt_embeds=embeds, o=empty_cache / "o.png")
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "3 weights are missing" in err, err
@@ -156,25 +143,11 @@ def test_hires_names_the_transformer_vae_and_upscaler_before_loading(empty_cache
 
 
 def test_app_checks_every_offered_vae_and_the_refiner_at_start_up(empty_cache, capsys, monkeypatch):
-    import flowlift.app.page as page
-
-    def must_not_build(*args, **kwargs):
-        raise AssertionError("the page was built although weights are missing")
-
-    monkeypatch.setattr(page, "build_app", must_not_build)
+    forbid_call(monkeypatch, "flowlift.app.page.build_app", "the page was built although weights are missing")
     weights = empty_cache / "flow_upscaler.safetensors"
     weights.write_bytes(b"found, not read at start-up")
-    argv = [
-        "app",
-        "--upscaler",
-        str(weights),
-        "--vae",
-        "taef2",
-        "--vae",
-        str(empty_cache / "missing.safetensors"),
-        "--model",
-        "someone/flux2-not-cached",
-    ]
+    vaes = ["--vae", "taef2", "--vae", empty_cache / "missing.safetensors"]
+    argv = command_line("app", *vaes, upscaler=weights, model="someone/flux2-not-cached")
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("flowlift app: error: 4 weights are missing") and len(err.splitlines()) == 1, err

@@ -23,8 +23,8 @@ import pytest
 import torch
 from PIL import Image
 
-from builders import save_tiny_unet
-from tiny_flux2 import prompt_embeds, write_model_dir
+from builders import command_line, one_error_line, save_tiny_unet
+from tiny_flux2 import prompt_embeds
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
@@ -50,20 +50,12 @@ def _flowlift(*argv, cwd: Path, timeout: float = 300, preexec_fn=None) -> subpro
 
 
 def _one_line(result: subprocess.CompletedProcess, command: str) -> str:
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith(f"flowlift {command}: error:")]
-    assert len(lines) == 1, result.stderr
-    return lines[0]
+    return one_error_line(result.stderr, command)
 
 
 @pytest.fixture(scope="module")
 def tiny_weights(tmp_path_factory) -> Path:
     return save_tiny_unet(tmp_path_factory.mktemp("weights") / "flow_upscaler.safetensors", cond_dim=32)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return write_model_dir(tmp_path_factory.mktemp("flux2-tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -83,19 +75,20 @@ def photo(tmp_path_factory) -> Path:
     return path
 
 
-def _img2img(photo: Path, model_dir: Path, embeds_file: Path, *extra) -> list:
-    return [
-        "img2img",
-        photo,
-        "--model",
-        model_dir,
-        "--prompt-embeds",
-        embeds_file,
-        "--steps",
-        "1",
-        "--no-progress",
-        *extra,
-    ]
+def _refine_argv(command: str, photo: Path, model_dir: Path, embeds_file: Path, weights: Path, output) -> list:
+    """``img2img`` of ``photo``, or ``hires --scale 2`` of it with the Flow Upscaler ``weights``: one step, no
+    progress, into ``output`` (None: the default name)."""
+    common = command_line(model=model_dir, prompt_embeds=embeds_file, steps="1", no_progress=True, o=output)
+    if command == "img2img":
+        return ["img2img", photo, *common]
+    return ["hires", "--image", photo, "--scale", "2", "--upscaler", weights, *common]
+
+
+def _upscale_argv(shared: Path, weights: Path, *inputs: Path, out: Path) -> list:
+    """``upscale`` of ``inputs`` 2x into the folder ``out`` with the Flow Upscaler ``weights`` and TAEF2, on the CPU."""
+    return command_line(
+        "upscale", *inputs, o=out, scale="2", upscaler=weights, vae=shared / "models" / "taef2", device="cpu"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,24 +167,11 @@ def test_the_temporary_sweep_never_removes_a_users_files(
     os.utime(debris[0] / "data", (old, old))
     os.utime(debris[0] / "origin", (old, old))
     if command == "upscale":
-        argv = [
-            "upscale",
-            photo,
-            "-o",
-            out,
-            "--scale",
-            "2",
-            "--upscaler",
-            tiny_weights,
-            "--vae",
-            shared / "models" / "taef2",
-            "--device",
-            "cpu",
-        ]
+        argv = _upscale_argv(shared, tiny_weights, photo, out=out)
         written = out / "img_x2.png"
     else:
         written = out / "img_x2.png"
-        argv = _img2img(photo, model_dir, embeds_file, "-o", written)
+        argv = _refine_argv("img2img", photo, model_dir, embeds_file, tiny_weights, written)
     result = _flowlift(*argv, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert written.is_file()
@@ -248,31 +228,8 @@ def test_a_fifo_or_link_at_an_output_name_is_never_replaced(
     square = tmp_path / "square.png"
     Image.open(photo).resize((32, 32)).save(square)
     for name, kind in kinds.items():
-        for command, argv in (
-            ("img2img", _img2img(photo, model_dir, embeds_file, "-o", out / name, *flag)),
-            (
-                "hires",
-                [
-                    "hires",
-                    "--image",
-                    square,
-                    "--scale",
-                    "2",
-                    "--upscaler",
-                    tiny_weights,
-                    "--model",
-                    model_dir,
-                    "--prompt-embeds",
-                    embeds_file,
-                    "--steps",
-                    "1",
-                    "--no-progress",
-                    "-o",
-                    out / name,
-                    *flag,
-                ],
-            ),
-        ):
+        for command, image in (("img2img", photo), ("hires", square)):
+            argv = [*_refine_argv(command, image, model_dir, embeds_file, tiny_weights, out / name), *flag]
             result = _flowlift(*argv, cwd=tmp_path)
             assert result.returncode == 2, result.stderr
             assert f"exists and is {kind}" in _one_line(result, command)
@@ -281,23 +238,8 @@ def test_a_fifo_or_link_at_an_output_name_is_never_replaced(
     (out / "link_x2.png").symlink_to(out / "target.png")
     for stem in ("pipe", "link"):
         Image.open(photo).save(tmp_path / f"{stem}.png")
-    result = _flowlift(
-        "upscale",
-        tmp_path / "pipe.png",
-        tmp_path / "link.png",
-        "-o",
-        out,
-        "--scale",
-        "2",
-        "--upscaler",
-        tiny_weights,
-        "--vae",
-        shared / "models" / "taef2",
-        "--device",
-        "cpu",
-        *flag,
-        cwd=tmp_path,
-    )
+    argv = _upscale_argv(shared, tiny_weights, tmp_path / "pipe.png", tmp_path / "link.png", out=out)
+    result = _flowlift(*argv, *flag, cwd=tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "pipe_x2.png exists and is a FIFO" in result.stderr
     assert "link_x2.png exists and is a symbolic link" in result.stderr
@@ -386,15 +328,6 @@ def full_disk(request, tmp_path):
             resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
 
         yield folder, limit
-
-
-def _refine_argv(command: str, photo: Path, model_dir: Path, embeds_file: Path, weights: Path, output) -> list:
-    common = ["--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "1", "--no-progress"]
-    if output is not None:
-        common += ["-o", output]
-    if command == "img2img":
-        return ["img2img", photo, *common]
-    return ["hires", "--image", photo, "--scale", "2", "--upscaler", weights, *common]
 
 
 @pytest.mark.parametrize("command", ["img2img", "hires"])
@@ -556,29 +489,18 @@ def test_a_regular_file_flowlift_did_not_write_is_replaced_only_with_overwrite(
     out.mkdir()
     for name, content in theirs.items():
         (out / name).write_bytes(content)
-        result = _flowlift(*_img2img(photo, model_dir, embeds_file, "-o", out / name), cwd=tmp_path)
+        result = _flowlift(
+            *_refine_argv("img2img", photo, model_dir, embeds_file, tiny_weights, out / name), cwd=tmp_path
+        )
         assert result.returncode == 2 and "was not written by flowlift" in _one_line(result, "img2img")
         assert (out / name).read_bytes() == content
     (out / "empty.png").write_bytes(b"")
-    assert _flowlift(*_img2img(photo, model_dir, embeds_file, "-o", out / "empty.png"), cwd=tmp_path).returncode == 0
+    argv = _refine_argv("img2img", photo, model_dir, embeds_file, tiny_weights, out / "empty.png")
+    assert _flowlift(*argv, cwd=tmp_path).returncode == 0
     for stem, content in (("notes", theirs["notes.png"]), ("cut", theirs["cut.png"])):
         Image.open(photo).save(tmp_path / f"{stem}.png")
         (out / f"{stem}_x2.png").write_bytes(content)
-    argv = [
-        "upscale",
-        tmp_path / "notes.png",
-        tmp_path / "cut.png",
-        "-o",
-        out,
-        "--scale",
-        "2",
-        "--upscaler",
-        tiny_weights,
-        "--vae",
-        shared / "models" / "taef2",
-        "--device",
-        "cpu",
-    ]
+    argv = _upscale_argv(shared, tiny_weights, tmp_path / "notes.png", tmp_path / "cut.png", out=out)
     result = _flowlift(*argv, cwd=tmp_path)
     assert result.returncode == 1 and result.stderr.count("was not written by flowlift") == 2, result.stderr
     assert (out / "notes_x2.png").read_bytes() == theirs["notes.png"]

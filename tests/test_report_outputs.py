@@ -11,6 +11,7 @@ is left at the name is flowlift's own.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import stat
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from builders import put_kind, snapshot
+from builders import command_line, one_error_line, put_kind, snapshot
 from flowlift.commands.cli import main
 from flowlift.files.image_outputs import is_flowlift_metadata, read_metadata
 from flowlift.files.own_files import safetensors_metadata
@@ -46,14 +47,10 @@ def _is_own(path: Path) -> bool:
 
 
 def _one_line(capsys, command: str) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith(f"flowlift {command}: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
+    return one_error_line(capsys.readouterr().err, command)
 
 
-def _case(tmp_path, capsys, monkeypatch, *, command, argv, out, name, kind, overwrite, own, no_work) -> bool:
+def _case(tmp_path, capsys, monkeypatch, command, argv, out, name, kind, overwrite, *, own, no_work) -> bool:
     """Run one (name, kind, --overwrite) case of ``command``; ``no_work`` patches the first step of work
     (a model load, the measuring) to fail, for the cases that must be refused before it. True when it ran."""
     victim = tmp_path / "notes.txt"
@@ -76,6 +73,12 @@ def _case(tmp_path, capsys, monkeypatch, *, command, argv, out, name, kind, over
     assert _is_own(out / name)
     assert victim.read_text() == "my notes\n"
     return True
+
+
+@pytest.fixture
+def replace_case(tmp_path, capsys, monkeypatch):
+    """:func:`_case` in this test's folder, with its captured output and monkeypatch."""
+    return functools.partial(_case, tmp_path, capsys, monkeypatch)
 
 
 def _fail(what: str):
@@ -103,19 +106,9 @@ def photos(tmp_path_factory, shared) -> Path:
 
 
 def _eval_argv(photos: Path, out: Path) -> list[str]:
-    return [
-        "eval",
-        "--run",
-        "lanczos",
-        "--dataset",
-        str(photos),
-        "--scale",
-        "2",
-        "--save-outputs",
-        "--no-progress",
-        "--output",
-        str(out),
-    ]
+    return command_line(
+        "eval", run="lanczos", dataset=photos, scale="2", save_outputs=True, no_progress=True, output=out
+    )
 
 
 @pytest.fixture(scope="module")
@@ -152,54 +145,22 @@ def _resolve(reference: Path, name: str) -> str:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", _eval_names())
 def test_eval_applies_the_replace_rule_at_every_name(
-    tmp_path, capsys, monkeypatch, photos, eval_reference, name, kind, overwrite
+    tmp_path, replace_case, photos, eval_reference, name, kind, overwrite
 ):
     name = _resolve(eval_reference, name)
     out = tmp_path / "report"
-    _case(
-        tmp_path,
-        capsys,
-        monkeypatch,
-        command="eval",
-        argv=_eval_argv(photos, out),
-        out=out,
-        name=name,
-        kind=kind,
-        overwrite=overwrite,
-        own=eval_reference,
-        no_work=_fail("flowlift.measure.evaluate.evaluate_methods"),
-    )
+    refuse = _fail("flowlift.measure.evaluate.evaluate_methods")
+    replace_case("eval", _eval_argv(photos, out), out, name, kind, overwrite, own=eval_reference, no_work=refuse)
 
 
 @pytest.mark.parametrize("kind", ["fifo", "foreign file"])
 @pytest.mark.parametrize("name", ["results.json", "table.md", "metrics.png"])
-def test_eval_of_pairs_applies_the_rule_to_its_reports(
-    tmp_path, capsys, monkeypatch, photos, eval_reference, name, kind
-):
+def test_eval_of_pairs_applies_the_rule_to_its_reports(tmp_path, replace_case, photos, eval_reference, name, kind):
     out = tmp_path / "report"
     outputs = eval_reference / "outputs"
-    argv = [
-        "eval",
-        str(outputs / "lanczos"),
-        "--reference",
-        str(outputs / "inputs"),
-        "--no-progress",
-        "--output",
-        str(out),
-    ]
-    _case(
-        tmp_path,
-        capsys,
-        monkeypatch,
-        command="eval",
-        argv=argv,
-        out=out,
-        name=name,
-        kind=kind,
-        overwrite=False,
-        own=eval_reference,
-        no_work=_fail("flowlift.measure.evaluate.evaluate_pairs"),
-    )
+    argv = command_line("eval", outputs / "lanczos", reference=outputs / "inputs", no_progress=True, output=out)
+    refuse = _fail("flowlift.measure.evaluate.evaluate_pairs")
+    replace_case("eval", argv, out, name, kind, False, own=eval_reference, no_work=refuse)
 
 
 @pytest.mark.parametrize("kind", ["link", "file"])
@@ -239,17 +200,8 @@ def fake_vae(monkeypatch):
 
 
 def _bands_argv(shared: Path, out: Path) -> list[str]:
-    return [
-        "bands",
-        str(shared / "images" / "kodak" / "kodim01.png"),
-        "--vae",
-        "fake",
-        "--max-side",
-        "256",
-        "--no-progress",
-        "--output",
-        str(out),
-    ]
+    photo = shared / "images" / "kodak" / "kodim01.png"
+    return command_line("bands", photo, vae="fake", max_side="256", no_progress=True, output=out)
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +219,7 @@ def bands_reference(tmp_path_factory, shared) -> Path:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", ["bands.json", "bands.md", "bands.png"])
 def test_bands_applies_the_replace_rule_at_every_name(
-    tmp_path, capsys, monkeypatch, shared, bands_reference, fake_vae, name, kind, overwrite
+    tmp_path, replace_case, shared, bands_reference, fake_vae, name, kind, overwrite
 ):
     out = tmp_path / "bands"
 
@@ -277,19 +229,7 @@ def test_bands_applies_the_replace_rule_at_every_name(
         patch.setattr(sys.modules["flowlift.models.vae_loading"], "load_vae", _fail_now, raising=False)
         patch.setattr("flowlift.files.images.load_image", _fail_now)
 
-    _case(
-        tmp_path,
-        capsys,
-        monkeypatch,
-        command="bands",
-        argv=_bands_argv(shared, out),
-        out=out,
-        name=name,
-        kind=kind,
-        overwrite=overwrite,
-        own=bands_reference,
-        no_work=no_model,
-    )
+    replace_case("bands", _bands_argv(shared, out), out, name, kind, overwrite, own=bands_reference, no_work=no_model)
 
 
 def _fail_now(*args, **kwargs):
@@ -309,24 +249,9 @@ def crops(tmp_path_factory) -> Path:
 
 
 def _dataset_argv(shared: Path, crops: Path, out: Path) -> list[str]:
-    return [
-        "dataset",
-        "images",
-        str(crops),
-        "--crop-px",
-        "32",
-        "--crops-per-image",
-        "1",
-        "--shard-size",
-        "1",
-        "--vae",
-        str(shared / "models" / "taef2"),
-        "--device",
-        "cpu",
-        "--no-progress",
-        "--output",
-        str(out),
-    ]
+    crop = {"crop_px": "32", "crops_per_image": "1", "shard_size": "1"}
+    vae = {"vae": shared / "models" / "taef2", "device": "cpu"}
+    return command_line("dataset", "images", crops, **crop, **vae, no_progress=True, output=out)
 
 
 @pytest.fixture(scope="module")
@@ -340,21 +265,12 @@ def dataset_reference(tmp_path_factory, shared, crops) -> Path:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", ["dataset.json", "shard-00001.safetensors"])
 def test_dataset_applies_the_replace_rule_at_every_name(
-    tmp_path, capsys, monkeypatch, shared, crops, dataset_reference, name, kind, overwrite
+    tmp_path, replace_case, shared, crops, dataset_reference, name, kind, overwrite
 ):
     out = tmp_path / "data"
-    ran = _case(
-        tmp_path,
-        capsys,
-        monkeypatch,
-        command="dataset",
-        argv=_dataset_argv(shared, crops, out),
-        out=out,
-        name=name,
-        kind=kind,
-        overwrite=overwrite,
-        own=dataset_reference,
-        no_work=_fail("flowlift.models.vae_loading.load_vae"),
+    refuse = _fail("flowlift.models.vae_loading.load_vae")
+    ran = replace_case(
+        "dataset", _dataset_argv(shared, crops, out), out, name, kind, overwrite, own=dataset_reference, no_work=refuse
     )
     if ran:
         from flowlift.training.shards import ShardReader

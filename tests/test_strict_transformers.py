@@ -244,17 +244,12 @@ def _write_broken_files(files: Path, good_file: Path) -> dict[str, tuple[Path, s
     state["final_layer.linear.weight"] = torch.zeros(64, state["final_layer.linear.weight"].shape[1])
     save_file(state, str(files / "out.safetensors"))
     cases["output-projection"] = (files / "out.safetensors", "maps 128 latent channels (img_in.weight) to 64")
-    from diffusers import Flux2Transformer2DModel
-
-    torch.manual_seed(0)
-    wide = Flux2Transformer2DModel(
-        num_layers=1,
-        num_single_layers=1,
+    wide = tiny_transformer(  # diffusers' defaults but for these: 2 heads of 128, the output projection to 64
+        guidance_embeds=True,
+        text_dim=256,
         attention_head_dim=128,
-        num_attention_heads=2,
-        joint_attention_dim=256,
         timestep_guidance_channels=256,
-        axes_dims_rope=(32, 32, 32, 32),
+        axes_dims_rope=(32,) * 4,
         out_channels=64,
     )
     write_gguf(wide, files / "out.gguf", "Q8_0")

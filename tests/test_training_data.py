@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from builders import command_line
 from flowlift.commands.cli import main as cli_main
 from flowlift.errors import FlowliftError
 from flowlift.training.degrade import Degradation, conditioning_latents, degrade_images, downscale
@@ -23,6 +24,7 @@ from flowlift.training.shards import (
     prepare_dataset_dir,
     write_shard,
 )
+from tiny_flux2 import tiny_transformer
 
 # Tiny models: single-threaded torch for this module (conftest.single_thread_torch).
 pytestmark = pytest.mark.usefixtures("single_thread_torch")
@@ -54,25 +56,6 @@ def _read_shards(root):
         with safe_open(str(path), framework="pt") as f:
             out[path.name] = ({k: f.get_tensor(k) for k in f.keys()}, f.metadata())
     return out
-
-
-def _tiny_transformer():
-    from diffusers import Flux2Transformer2DModel
-
-    torch.manual_seed(0)
-    return Flux2Transformer2DModel(
-        patch_size=1,
-        in_channels=128,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        timestep_guidance_channels=32,
-        mlp_ratio=2.0,
-        axes_dims_rope=(4, 4, 4, 4),
-        guidance_embeds=False,
-    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -131,42 +114,17 @@ def test_dataset_distill_cli_with_tiny_flux2_transformer_teacher(tmp_path, taef2
     from flowlift.flux2.latents import seeded_noise
     from flowlift.training.datasets import TransformerTeacher, item_seed
 
-    transformer = _tiny_transformer()
+    transformer = tiny_transformer(mlp_ratio=2.0)
     transformer.save_pretrained(tmp_path / "teacher")
     embeds = torch.randn(6, 32, generator=torch.Generator().manual_seed(3))
     save_file({"prompt_embeds": embeds}, str(tmp_path / "embeds.safetensors"))
     out = tmp_path / "distill"
-    argv = [
-        "dataset",
-        "distill",
-        "-o",
-        str(out),
-        "--vae",
-        str(shared / "models" / "taef2"),
-        "--teacher",
-        str(tmp_path / "teacher"),
-        "--prompt-embeds",
-        str(tmp_path / "embeds.safetensors"),
-        "--num",
-        "5",
-        "--width",
-        "128",
-        "--height",
-        "96",
-        "--steps",
-        "2",
-        "--shard-size",
-        "2",
-        "--batch-size",
-        "2",
-        "--storage-dtype",
-        "float32",
-        "--seed",
-        "7",
-        "--device",
-        "cpu",
-        "--no-progress",
-    ]
+    files = {"vae": shared / "models" / "taef2", "teacher": tmp_path / "teacher"}
+    sizes = {"num": "5", "width": "128", "height": "96", "steps": "2", "shard_size": "2", "batch_size": "2"}
+    argv = command_line(
+        "dataset", "distill", "-o", out, **files, prompt_embeds=tmp_path / "embeds.safetensors", **sizes
+    )
+    argv += command_line(storage_dtype="float32", seed="7", device="cpu", no_progress=True)
     assert cli_main(argv) == 0
     manifest = json.loads((out / "dataset.json").read_text())
     assert manifest["kind"] == "distill" and manifest["has_noise"] and manifest["num_items"] == 5
@@ -210,29 +168,10 @@ def test_dataset_images_builder_encodes_recorded_crops(tmp_path, taef2, shared):
 
     out = tmp_path / "images"
     kodak = shared / "images" / "kodak"
-    argv = [
-        "dataset",
-        "images",
-        str(kodak / "kodim05.png"),
-        str(kodak / "kodim19.png"),
-        "-o",
-        str(out),
-        "--vae",
-        str(shared / "models" / "taef2"),
-        "--crop-px",
-        "64",
-        "--crops-per-image",
-        "2",
-        "--shard-size",
-        "3",
-        "--batch-size",
-        "3",
-        "--storage-dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--no-progress",
-    ]
+    photos = [kodak / "kodim05.png", kodak / "kodim19.png"]
+    crops = {"crop_px": "64", "crops_per_image": "2", "shard_size": "3", "batch_size": "3"}
+    argv = command_line("dataset", "images", *photos, "-o", out, vae=shared / "models" / "taef2", **crops)
+    argv += command_line(storage_dtype="float32", device="cpu", no_progress=True)
     assert cli_main(argv) == 0
     manifest = json.loads((out / "dataset.json").read_text())
     assert manifest["kind"] == "images" and not manifest["has_noise"] and manifest["num_items"] == 4
@@ -273,38 +212,16 @@ def test_dataset_images_builder_encodes_recorded_crops(tmp_path, taef2, shared):
 
 def test_dataset_cli_errors_are_one_line_and_leave_no_output(tmp_path, shared, capsys):
     out = tmp_path / "never"
+    taef2_dir = shared / "models" / "taef2"
+    missing = tmp_path / "missing-teacher"
     code = cli_main(
-        [
-            "dataset",
-            "distill",
-            "-o",
-            str(out),
-            "--vae",
-            str(shared / "models" / "taef2"),
-            "--teacher",
-            str(tmp_path / "missing-teacher"),
-            "--num",
-            "2",
-            "--no-progress",
-        ]
+        command_line("dataset", "distill", "-o", out, vae=taef2_dir, teacher=missing, num="2", no_progress=True)
     )
     assert code == 2 and not out.exists()
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "teacher" in err[0]
-    code = cli_main(
-        [
-            "dataset",
-            "images",
-            str(shared / "images" / "kodak" / "kodim01.png"),
-            "-o",
-            str(out),
-            "--vae",
-            str(shared / "models" / "taef2"),
-            "--crop-px",
-            "48",
-            "--no-progress",
-        ]
-    )
+    photo = shared / "images" / "kodak" / "kodim01.png"
+    code = cli_main(command_line("dataset", "images", photo, "-o", out, vae=taef2_dir, crop_px="48", no_progress=True))
     assert code == 2 and not out.exists()
 
 
@@ -365,19 +282,8 @@ def test_stream_ranks_partition_the_global_batch_and_are_reproducible(tmp_path):
     _synthetic_dataset(tmp_path, noise=False)
     reader = ShardReader(tmp_path)
     single = ShardStream(reader, micro_batch=4, crop=4, seed=2, time_sampling=TimeSampling("logit_normal"))
-    ranks = [
-        ShardStream(
-            reader,
-            micro_batch=1,
-            crop=4,
-            seed=2,
-            rank=r,
-            world_size=2,
-            grad_accum=2,
-            time_sampling=TimeSampling("logit_normal"),
-        )
-        for r in range(2)
-    ]
+    per_rank = {"micro_batch": 1, "crop": 4, "seed": 2, "world_size": 2, "grad_accum": 2}
+    ranks = [ShardStream(reader, **per_rank, rank=r, time_sampling=TimeSampling("logit_normal")) for r in range(2)]
     for step in (0, 3):
         whole = single.batch(step)
         parts = [ranks[r].batch(step, m) for m in range(2) for r in range(2)]
@@ -431,7 +337,7 @@ def test_transformer_teacher_matches_a_diffusers_scheduler_loop():
     from flowlift.flux2.schedule import compute_empirical_mu
     from flowlift.training.datasets import TransformerTeacher
 
-    transformer = _tiny_transformer().eval()
+    transformer = tiny_transformer(mlp_ratio=2.0)
     embeds = torch.randn(5, 32, generator=torch.Generator().manual_seed(4))
     noise = torch.randn(1, 32, 8, 12, generator=torch.Generator().manual_seed(5))
     steps = 3
@@ -466,22 +372,11 @@ def test_dataset_distill_names_every_missing_piece_at_once(tmp_path, shared, cap
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     out = tmp_path / "never"
+    missing = {"vae": tmp_path / "no-vae.safetensors", "teacher": "nobody/no-such-teacher"}
     code = cli_main(
-        [
-            "dataset",
-            "distill",
-            "-o",
-            str(out),
-            "--vae",
-            str(tmp_path / "no-vae.safetensors"),
-            "--teacher",
-            "nobody/no-such-teacher",
-            "--prompts",
-            str(tmp_path / "prompts.txt"),
-            "--num",
-            "2",
-            "--no-progress",
-        ]
+        command_line(
+            "dataset", "distill", "-o", out, **missing, prompts=tmp_path / "prompts.txt", num="2", no_progress=True
+        )
     )
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and not out.exists()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from builders import transformer_forward
 from flowlift.errors import FlowliftError
 from flowlift.models.flux2_transformer_files import inspect_transformer_file
 from flowlift.refine.loading import load_transformer
@@ -55,22 +56,6 @@ def fresh(model):
     return model
 
 
-def forward(model, *, text_dim: int, seed: int = 0, guidance: bool = False) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(4), torch.arange(6), torch.arange(1))[None]
-    txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(5))[None]
-    with torch.no_grad():
-        return model(
-            hidden_states=torch.randn(1, 24, 128, generator=g),
-            encoder_hidden_states=torch.randn(1, 5, text_dim, generator=g),
-            timestep=torch.tensor([0.6]),
-            img_ids=img_ids,
-            txt_ids=txt_ids,
-            guidance=torch.tensor([4.0]) if guidance else None,
-            return_dict=False,
-        )[0]
-
-
 CONFIG_KEYS = (
     "in_channels",
     "num_layers",
@@ -101,8 +86,8 @@ def test_single_file_config_from_shapes_and_outputs_equal_the_folder(tmp_path, g
     loaded = fresh(load_transformer(str(path), dtype=torch.float32))
     model.save_pretrained(tmp_path / "folder")
     from_folder = fresh(load_transformer(str(tmp_path / "folder"), dtype=torch.float32))
-    expected = forward(from_folder, text_dim=TEXT_DIM, guidance=guidance)
-    assert torch.equal(forward(loaded, text_dim=TEXT_DIM, guidance=guidance), expected)
+    expected = transformer_forward(from_folder, text_dim=TEXT_DIM, guidance=guidance)
+    assert torch.equal(transformer_forward(loaded, text_dim=TEXT_DIM, guidance=guidance), expected)
 
 
 def fp8_matrices(model) -> dict[str, torch.dtype]:
@@ -120,8 +105,8 @@ def test_plain_fp8_is_stored_fp8_and_equals_its_dequantized_folder(tmp_path):
     assert set(fp8_matrices(loaded).values()) == {torch.float8_e4m3fn}  # at rest: fp8
     assert all(p.dtype == torch.float32 for n, p in loaded.named_parameters() if p.ndim == 1)
     folder = same_model_with(model, diffusers_state_from_bfl(meant))
-    out = forward(loaded, text_dim=TEXT_DIM)
-    assert torch.equal(out, forward(folder, text_dim=TEXT_DIM))
+    out = transformer_forward(loaded, text_dim=TEXT_DIM)
+    assert torch.equal(out, transformer_forward(folder, text_dim=TEXT_DIM))
     assert set(fp8_matrices(loaded).values()) == {torch.float8_e4m3fn}  # and again after the forward
     # the file's own rounding against the float32 weights it was made from
     original = model.state_dict()
@@ -140,7 +125,7 @@ def test_scaled_fp8_is_dequantized_exactly(tmp_path, scale):
     with pytest.warns(UserWarning, match="scaled fp8 layers dequantized to float32"):
         loaded = load_transformer(str(path), dtype=torch.float32)
     folder = same_model_with(model, diffusers_state_from_bfl(meant))
-    assert torch.equal(forward(loaded, text_dim=TEXT_DIM), forward(folder, text_dim=TEXT_DIM))
+    assert torch.equal(transformer_forward(loaded, text_dim=TEXT_DIM), transformer_forward(folder, text_dim=TEXT_DIM))
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
@@ -162,14 +147,14 @@ def test_gguf_stays_quantized_and_equals_its_dequantized_folder(tmp_path, kind):
 
     # 1. the folder of the weights as diffusers dequantizes them: bit for bit
     dequantized = {n: dequantize_gguf_tensor(p).float() for n, p in loaded.state_dict().items()}
-    out = forward(loaded, text_dim=256)
-    assert torch.equal(out, forward(same_model_with(model, dequantized), text_dim=256))
+    out = transformer_forward(loaded, text_dim=256)
+    assert torch.equal(out, transformer_forward(same_model_with(model, dequantized), text_dim=256))
     # 2. those weights against gguf-py's float32 dequantization: float16 rounding of the block terms
     reference = diffusers_state_from_bfl(meant)
     for name, value in dequantized.items():
         assert (value - reference[name]).abs().max() <= 2**-8 * reference[name].abs().max(), name
     # 3. so the outputs agree within a small fraction of their scale
-    expected = forward(same_model_with(model, reference), text_dim=256)
+    expected = transformer_forward(same_model_with(model, reference), text_dim=256)
     assert (out - expected).abs().max() <= 2e-3 * expected.abs().max()
 
 

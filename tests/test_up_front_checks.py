@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
+from builders import command_line
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 
@@ -35,24 +36,8 @@ def _one_line(capsys, argv) -> str:
     ],
 )
 def test_hires_txt2img_past_the_cap_is_refused_before_loading(capsys, tmp_path, width, height, scale):
-    err = _one_line(
-        capsys,
-        [
-            "hires",
-            "--width",
-            width,
-            "--height",
-            height,
-            "--scale",
-            scale,
-            "--prompt",
-            "p",
-            "--model",
-            tmp_path / "never-loaded",
-            "-o",
-            tmp_path / "x.png",
-        ],
-    )
+    never = {"prompt": "p", "model": tmp_path / "never-loaded", "o": tmp_path / "x.png"}
+    err = _one_line(capsys, command_line("hires", width=width, height=height, scale=scale, **never))
     assert "MAX_OUTPUT_SIDE=16384" in err and "never-loaded" not in err, err
     assert not (tmp_path / "x.png").exists()
 
@@ -64,22 +49,8 @@ def test_hires_txt2img_past_the_cap_is_refused_before_loading(capsys, tmp_path, 
 def test_hires_image_past_the_cap_is_refused_before_loading(capsys, tmp_path, size, scale, hint):
     image = tmp_path / "strip.png"
     Image.new("RGB", size, (90, 40, 20)).save(image)
-    err = _one_line(
-        capsys,
-        [
-            "hires",
-            "--image",
-            image,
-            "--scale",
-            scale,
-            "--prompt",
-            "p",
-            "--model",
-            tmp_path / "never-loaded",
-            "-o",
-            tmp_path / "x.png",
-        ],
-    )
+    never = {"prompt": "p", "model": tmp_path / "never-loaded", "o": tmp_path / "x.png"}
+    err = _one_line(capsys, command_line("hires", image=image, scale=scale, **never))
     assert f"{size[0]}x{size[1]} base" in err and hint in err, err
 
 
