@@ -203,11 +203,14 @@ def _from_dir(path: Path, device: torch.device | str, dtype: torch.dtype) -> Any
 
 
 def _snapshot(repo_id: str, patterns: list[str]) -> Path:
-    from huggingface_hub import snapshot_download
-
-    from flowlift.models.hub import download_hint, hub_offline_reason
+    from flowlift.models.hub import cached_snapshot, download_hint, hub_offline_reason
 
     offline = hub_offline_reason()  # offline or unreachable: the cache only, at once, instead of ~25 s of retries
+    cached = cached_snapshot(repo_id) if offline else None  # no hub client imported for a cached repository
+    if cached is not None:
+        return Path(cached)
+    from huggingface_hub import snapshot_download
+
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline is not None))
     except Exception as error:  # noqa: BLE001 - any hub failure is "not available" to the user

@@ -126,13 +126,13 @@ def vae_spec_files(spec: str) -> list[Path]:
 
 def _snapshot_weight_files(repos: list[str], patterns: Sequence[str]) -> list[Path]:
     """The weight files matching ``patterns`` in the cached snapshot of the first of ``repos`` that has any."""
-    from huggingface_hub import snapshot_download
+    from flowlift.models.hub import cached_snapshot
 
     for repo in repos:
-        try:
-            folder = Path(snapshot_download(repo, allow_patterns=list(patterns), local_files_only=True))
-        except Exception:  # noqa: BLE001 - provenance is best effort; an uncached repo just has no files
+        cached = cached_snapshot(repo)  # the cache only, as the loading found it
+        if cached is None:
             continue
+        folder = Path(cached)
         found = sorted(
             {p for pattern in patterns for p in folder.glob(pattern) if p.suffix in WEIGHT_SUFFIXES and p.is_file()}
         )
