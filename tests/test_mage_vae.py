@@ -333,6 +333,53 @@ def test_mage_spec_tries_the_repositories_in_order(tmp_path, monkeypatch, releas
     assert [p.name for p in vae_spec_files("mage")] == ["mage_vae.safetensors"]  # provenance: the file hashed
 
 
+def test_a_cached_mage_loads_offline_without_the_hub_client(tmp_path, released_file):
+    """Offline, a cached snapshot is found from the cache's layout: check, load and provenance import no
+    ``huggingface_hub.hf_api`` / ``_snapshot_download`` (~0.3 CPU-s of a command's start)."""
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "hub"
+    fake_hub_cache(cache, MAGE_REPOS[1], {"vae/mage_vae.safetensors": released_file.read_bytes()})
+    script = (
+        "import sys\n"
+        "from flowlift.models.vae_loading import check_vae_spec, load_vae\n"
+        "from flowlift.upscale.loading import vae_spec_files\n"
+        "check_vae_spec('mage'); vae = load_vae('mage')\n"
+        "print([p.name for p in vae_spec_files('mage')], type(vae).__name__)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('huggingface_hub.')))\n"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's flowlift, not an installed one
+    path = os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    files, modules = done.stdout.splitlines()
+    assert files == "['mage_vae.safetensors'] MageVAE"
+    assert "hf_api" not in modules and "_snapshot_download" not in modules and "file_download" not in modules
+
+
+def test_the_cache_lookup_answers_as_snapshot_download(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    from huggingface_hub import snapshot_download
+
+    from flowlift.models.hub import cached_snapshot
+
+    cache = tmp_path / "hub"
+    fake_hub_cache(cache, "owner/cached", {"vae/a.json": b"{}"})
+    (cache / "models--owner--no-snapshot" / "refs").mkdir(parents=True)
+    (cache / "models--owner--no-snapshot" / "refs" / "main").write_text("1" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    found = snapshot_download("owner/cached", local_files_only=True)
+    assert cached_snapshot("owner/cached") == found
+    assert cached_snapshot("owner/cached", "0" * 40) == found  # a commit is its own snapshot
+    for repo, revision in (("owner/missing", "main"), ("owner/no-snapshot", "main"), ("owner/cached", "dev")):
+        assert cached_snapshot(repo, revision) is None
+        with pytest.raises(Exception):  # noqa: B017 - huggingface_hub's own "not cached" error
+            snapshot_download(repo, revision=revision, local_files_only=True)
+
+
 def test_mage_spec_without_cache_is_one_line_with_the_download_command(tmp_path, monkeypatch):
     import huggingface_hub.constants
 

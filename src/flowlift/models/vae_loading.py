@@ -206,18 +206,21 @@ def _snapshot(repo_id: str, patterns: list[str]) -> Path:
     from flowlift.models.hub import cached_snapshot, download_hint, hub_offline_reason
 
     offline = hub_offline_reason()  # offline or unreachable: the cache only, at once, instead of ~25 s of retries
-    cached = cached_snapshot(repo_id) if offline else None  # no hub client imported for a cached repository
-    if cached is not None:
-        return Path(cached)
-    from huggingface_hub import snapshot_download
+    found, hint = None, f"it is not in the Hugging Face cache and {offline}"
+    if offline:  # the cache's own layout: no hub client imported (~0.3 CPU-s)
+        found = cached_snapshot(repo_id)
+    else:
+        from huggingface_hub import snapshot_download
 
-    try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline is not None))
-    except Exception as error:  # noqa: BLE001 - any hub failure is "not available" to the user
-        hint = f"it is not in the Hugging Face cache and {offline}" if offline else type(error).__name__
+        try:
+            found = snapshot_download(repo_id, allow_patterns=patterns)
+        except Exception as error:  # noqa: BLE001 - any hub failure is "not available" to the user
+            hint = type(error).__name__
+    if found is None:
         raise FlowliftError(
             f"VAE: cannot get {repo_id} ({hint}); {download_hint(repo_id)} or pass a local path (CLI: --vae PATH)"
-        ) from None
+        )
+    return Path(found)
 
 
 #: Only what a VAE can be: never a repository's (large) transformer or text-encoder files.
