@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.knobs import LATENT_UPSCALER
 from flowlift.upscale.loading import DEFAULT_UPSCALER
 
 
@@ -43,11 +44,7 @@ class FlowUpscalerSource:
         from flowlift.upscale.loading import resolve_upscaler_file
 
         if self.latent_upscaler is not None:
-            path = sesqui_path(self.latent_upscaler)
-            if not path.is_file():
-                from flowlift.models.sesqui_lsr import load_sesqui_lsr
-
-                load_sesqui_lsr(path)  # its one line: no such file, and where the released weights are
+            find_sesqui(self.latent_upscaler)
         return resolve_upscaler_file(self.name)
 
     def load(self, vae: Any, *, device: Any, dtype: Any, budget_bytes: int | None = None) -> Any:
@@ -67,13 +64,34 @@ class FlowUpscalerSource:
 
 
 def sesqui_path(spec: str) -> Path:
-    """``"sesqui:PATH"`` -> PATH (the only latent upscaler for fractions today), else one line."""
-    kind, _, path = str(spec).partition(":")
-    if kind != "sesqui" or not path:
-        raise FlowliftError(
-            f"latent_upscaler must be sesqui:PATH (SesquiLSR's FLUX.2 weights), got {spec!r}", field="latent_upscaler"
-        )
-    return Path(path).expanduser()
+    """``"sesqui:PATH"`` -> PATH (the only latent upscaler for fractions today), else one line
+    (:data:`flowlift.knobs.LATENT_UPSCALER`)."""
+    checked = LATENT_UPSCALER.check(spec)
+    if checked is None:
+        raise FlowliftError("latent_upscaler must be sesqui:PATH, got None", field="latent_upscaler")
+    return Path(checked.partition(":")[2].strip()).expanduser()
+
+
+def find_sesqui(spec: str) -> Path:
+    """``"sesqui:PATH"``'s file, or its one line: no such file, and where the released weights are."""
+    path = sesqui_path(spec)
+    if not path.is_file():
+        from flowlift.models.sesqui_lsr import load_sesqui_lsr
+
+        load_sesqui_lsr(path)  # raises the loader's line for a missing file
+    return path
+
+
+def load_fraction_upscaler(spec: str, vae: Any, device: Any) -> Any:
+    """SesquiLSR for ``flowlift upscale``'s fraction (:mod:`flowlift.upscale.latent_fraction`) on ``device`` in
+    float32, after checking that ``vae`` has the FLUX.2 VAE's BN statistics (TAEF2/Mage-VAE: one line, before the
+    weights load)."""
+    from flowlift.models.sesqui_lsr import load_sesqui_lsr
+    from flowlift.upscale.latent_fraction import check_statistics
+
+    path = find_sesqui(spec)
+    check_statistics(vae)
+    return load_sesqui_lsr(path, device=device, dtype=torch.float32)
 
 
 class FractionalUpscaler:
