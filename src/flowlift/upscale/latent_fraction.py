@@ -6,16 +6,20 @@ The rule, per input of ``reference`` px (the original for ``resize_mode="pad"``,
 
 * a power-of-two scale (2, 4, 8, or ``passes``) is the passes' own output: SesquiLSR does not run (the option is
   still checked: its file, the VAE), the output is the one without the option, byte for byte;
-* any other size runs ``passes_for_scale(scale, fraction_last=True)`` passes (3 -> 1, 1.5 -> 0, 6 -> 2), then
-  SesquiLSR resizes the latents to :func:`fraction_latent_size`: per side ``2 * ceil(prepared * out / (16 *
-  reference))``, the smallest even latent size (SesquiLSR's 2x2 patches) whose decoded frame covers the asked size;
-* the decoded frame's content, ``reference * 8 * t / prepared`` px per side (:func:`content_size`), is cropped and
-  resampled to exactly ``out`` (antialiased bicubic, by under 16 px: only where the asked size is not on the
-  16-px latent grid or the input was padded; none when it is), then stage 2 against the input as always.
+* any other size runs the passes below the smaller side factor of the content (:func:`fraction_passes`:
+  :func:`~flowlift.limits.passes_for_scale` with ``fraction_last``: 3 -> 1, 1.5 -> 0, 6 -> 2), then SesquiLSR
+  resizes the latents to :func:`fraction_latent_size`: per side ``2 * ceil(prepared * out / (16 * reference))``,
+  the smallest even latent size (the FLUX.2 VAE's BN statistics are per 2x2 patch) whose decoded frame covers the
+  asked size, kept within SesquiLSR's [1, 2] of the passes' latents;
+* the decoded frame's content, ``round(reference * 8 * t / prepared)`` px per side (:func:`content_size`), is
+  cropped and resampled to exactly ``out`` (antialiased bicubic, by under 16 px: only where the asked size is off
+  the 16-px latent grid, the input was padded, or ``"resample"``'s canvas is not the input's size; nothing when the
+  content is the asked size), then stage 2 against the input as always.
 
-Each side's latent factor ``t / (prepared * 2**passes / 8)`` is in [1, 2] by construction for a scale (the passes
-stop below it, and ``2 * ceil(x / 2) <= 2 * latent`` for ``x <= 2 * latent``); a ``size`` whose aspect differs
-from the input's can ask one side below the passes' size: one line (:func:`check_fraction`). No torch here.
+For a scale or a long side both side factors lie between the same powers of two, so the passes leave each side
+1-2x by construction (``2 * ceil(x / 2) <= 2 * latent`` for ``x <= 2 * latent``); a ``size`` whose aspect is not
+the input's, where SesquiLSR's range leaves the content more than :data:`CONTENT_SLACK` px off, is one line
+(:func:`check_fraction`), as is a fraction whose passes the 16K cap would drop. No torch here.
 """
 
 from __future__ import annotations
@@ -43,12 +47,24 @@ def content_size(prepared: tuple[int, int], reference: tuple[int, int], latent: 
     return tuple(round(r * 8 * t / p) for p, r, t in zip(prepared, reference, latent, strict=True))
 
 
-def check_fraction(passes_latent: tuple[int, int], target: tuple[int, int], spelled: str = "the asked size") -> None:
-    """One FlowliftError line (naming the latent upscaler) unless each side of ``target`` is 1-2x
-    ``passes_latent`` (both (height, width) latents): SesquiLSR's range."""
-    factors = [t / s for t, s in zip(target, passes_latent, strict=True)]
-    if all(1.0 <= factor <= 2.0 for factor in factors):
+#: How far (px a side) the decoded content may differ from the asked size before the pixel resample: the even
+#: latent grid's rounding (under 16 px), or a resampled canvas's (``resize_mode="resample"``: up to 8 px a side).
+CONTENT_SLACK = 16
+
+
+def check_fraction(
+    passes_latent: tuple[int, int],
+    target: tuple[int, int],
+    content: tuple[int, int],
+    out: tuple[int, int],
+    spelled: str,
+) -> None:
+    """One FlowliftError line (naming the latent upscaler) when SesquiLSR's range (each side of ``target`` 1-2x
+    ``passes_latent``, both (height, width) latents) leaves the decoded ``content`` (height, width) more than
+    :data:`CONTENT_SLACK` px from ``out`` (width, height): a size whose aspect is not the input's."""
+    if all(abs(c - o) <= CONTENT_SLACK for c, o in zip(content, (out[1], out[0]), strict=True)):
         return
+    factors = [t / s for t, s in zip(target, passes_latent, strict=True)]
     raise FlowliftError(
         f"latent_upscaler: {spelled} needs SesquiLSR at {factors[1]:.3g}x by {factors[0]:.3g}x (width by height) "
         f"after the Flow passes, outside its [1, 2]; ask for a size with the input's aspect, or drop the latent "
@@ -64,20 +80,37 @@ def fraction_plan(
     ``prepared`` canvas of ``reference`` px asked to ``out`` (width, height); None when the passes' own latents are
     already that size (a factor of exactly 1: nothing to do). A side outside [1, 2] is one line."""
     prepared, reference = tuple(prepared), tuple(reference)
-    target = fraction_latent_size(prepared, reference, out)
+    wanted = fraction_latent_size(prepared, reference, out)
     latent = tuple(side * 2**passes // 8 for side in prepared)
-    if target == latent:
+    target = tuple(min(max(t, s), 2 * s) for t, s in zip(wanted, latent, strict=True))  # SesquiLSR's [1, 2]
+    content = content_size(prepared, reference, target)
+    if target == latent and content == (out[1], out[0]):
         return None
-    check_fraction(latent, target, f"{out[0]}x{out[1]} after {passes} pass(es)")
-    return target, content_size(prepared, reference, target)
+    check_fraction(latent, wanted, content, out, f"{out[0]}x{out[1]} after {passes} pass(es)")
+    return target, content
 
 
-def check_header_fraction(height: int, width: int, passes: int, resize_mode: str, out: tuple[int, int]) -> None:
-    """:func:`fraction_plan` for a ``height x width`` input (its header) at planning: one line before any work."""
-    from flowlift.upscale.sizes import prepared_size
+def fraction_passes(height: int, width: int, resize_mode: str, out: tuple[int, int]) -> int:
+    """The passes before SesquiLSR for a ``height x width`` input (its header) asked to ``out`` (width, height),
+    checked by :func:`fraction_plan` at planning (one line before any work): the passes below the smaller side
+    factor of the content (the input for ``"pad"``, the resampled canvas for ``"resample"``), so each side is left
+    1-2x (:func:`~flowlift.limits.passes_for_scale` with ``fraction_last``: 3 -> 1, 1.5 -> 0; 31x1 at 1.5 is 46x2,
+    1.48x by 2x: no pass)."""
+    from flowlift.limits import MAX_OUTPUT_SIDE, passes_for_scale
+    from flowlift.upscale.sizes import planned_passes, prepared_size
 
     prepared = prepared_size(height, width, resize_mode)
-    fraction_plan(prepared, (height, width) if resize_mode == "pad" else prepared, passes, out)
+    reference = (height, width) if resize_mode == "pad" else prepared
+    factor = min(out[1] / reference[0], out[0] / reference[1])
+    passes = passes_for_scale(factor, fraction_last=True) if factor >= 1 else 0
+    if planned_passes(height, width, passes, resize_mode) < passes:  # the 16K cap on the canvas: no fewer passes
+        raise FlowliftError(
+            f"latent_upscaler: {out[0]}x{out[1]} needs {passes} 2x passes before SesquiLSR, and their canvas is over "
+            f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px; drop the latent upscaler to resample in pixels",
+            field=FIELD,
+        )
+    fraction_plan(prepared, reference, passes, out)
+    return passes
 
 
 def check_statistics(vae: object) -> None:

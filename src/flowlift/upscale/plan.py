@@ -151,7 +151,7 @@ class OutputSizes:
         return self._cache[path]
 
     def _sized(self, path: Path, width: int, height: int) -> tuple[int, tuple[int, int], str | None, Any]:
-        from flowlift.upscale.latent_fraction import check_header_fraction
+        from flowlift.upscale.latent_fraction import fraction_passes
         from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, dropped_passes_message, planned_passes, upscaled_size
 
         try:
@@ -159,14 +159,14 @@ class OutputSizes:
         except FlowliftError as error:
             raise FlowliftError(f"{path}: {error}") from None
         fraction = self.fraction_last and target is not None
-        asked = self.asked.passes if target is None else self.asked.passes_for(width, height, fraction_last=fraction)
+        try:  # SesquiLSR for the fraction: its passes, each side left 1-2x (else one line, before any work)
+            asked = fraction_passes(height, width, self.resize_mode, target) if fraction else None
+        except FlowliftError as error:
+            raise FlowliftError(f"{path}: {error.template}", field=error.field) from None
+        if asked is None:
+            asked = self.asked.passes if target is None else self.asked.passes_for(width, height)
         run = planned_passes(height, width, asked, self.resize_mode, MAX_OUTPUT_SIDE)
-        if fraction:  # SesquiLSR's factor on each side, in [1, 2], before any work
-            try:
-                check_header_fraction(height, width, run, self.resize_mode, target)
-            except FlowliftError as error:
-                raise FlowliftError(f"{path}: {error.template}", field=error.field) from None
-        elif run == 0:
+        if run == 0 and not fraction:
             raise FlowliftError(
                 f"{path}: a {width}x{height} image cannot be upscaled: one 2x pass would exceed "
                 f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px"
