@@ -24,7 +24,11 @@ the input's, where SesquiLSR's range leaves the content more than :data:`CONTENT
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from flowlift.errors import FlowliftError
+from flowlift.knobs import LATENT_UPSCALER
 
 #: The field a refusal of the latent upscaler names (each door words it: ``--latent-upscaler``, the app's label).
 FIELD = "latent_upscaler"
@@ -122,3 +126,35 @@ def check_statistics(vae: object) -> None:
             "this VAE (TAEF2 or Mage-VAE) has none: use the FLUX.2 VAE (flux2) or drop the latent upscaler",
             field=FIELD,
         )
+
+
+def sesqui_path(spec: str) -> Path:
+    """``"sesqui:PATH"`` -> PATH (the only latent upscaler for fractions today), else one line
+    (:data:`flowlift.knobs.LATENT_UPSCALER`)."""
+    checked = LATENT_UPSCALER.check(spec)
+    if checked is None:
+        raise FlowliftError("latent_upscaler must be sesqui:PATH, got None", field="latent_upscaler")
+    return Path(checked.partition(":")[2].strip()).expanduser()
+
+
+def find_sesqui(spec: str) -> Path:
+    """``"sesqui:PATH"``'s file, or its one line: no such file, and where the released weights are."""
+    path = sesqui_path(spec)
+    if not path.is_file():
+        from flowlift.models.sesqui_lsr import load_sesqui_lsr
+
+        load_sesqui_lsr(path)  # raises the loader's line for a missing file
+    return path
+
+
+def load_fraction_upscaler(spec: str, vae: Any, device: Any) -> Any:
+    """SesquiLSR for ``flowlift upscale``'s fraction (:mod:`flowlift.upscale.latent_fraction`) on ``device`` in
+    float32, after checking that ``vae`` has the FLUX.2 VAE's BN statistics (TAEF2/Mage-VAE: one line, before the
+    weights load)."""
+    import torch
+
+    from flowlift.models.sesqui_lsr import load_sesqui_lsr
+
+    path = find_sesqui(spec)
+    check_statistics(vae)
+    return load_sesqui_lsr(path, device=device, dtype=torch.float32)

@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from flowlift.errors import FlowliftError
-from flowlift.knobs import LATENT_UPSCALER
+from flowlift.upscale.latent_fraction import find_sesqui, sesqui_path
 from flowlift.upscale.loading import DEFAULT_UPSCALER
 
 
@@ -61,37 +60,6 @@ class FlowUpscalerSource:
 
         sesqui = load_sesqui_lsr(sesqui_path(self.latent_upscaler), device=pipeline.device, dtype=torch.float32)
         return FractionalUpscaler(pipeline, sesqui, vae, self.latent_upscaler)
-
-
-def sesqui_path(spec: str) -> Path:
-    """``"sesqui:PATH"`` -> PATH (the only latent upscaler for fractions today), else one line
-    (:data:`flowlift.knobs.LATENT_UPSCALER`)."""
-    checked = LATENT_UPSCALER.check(spec)
-    if checked is None:
-        raise FlowliftError("latent_upscaler must be sesqui:PATH, got None", field="latent_upscaler")
-    return Path(checked.partition(":")[2].strip()).expanduser()
-
-
-def find_sesqui(spec: str) -> Path:
-    """``"sesqui:PATH"``'s file, or its one line: no such file, and where the released weights are."""
-    path = sesqui_path(spec)
-    if not path.is_file():
-        from flowlift.models.sesqui_lsr import load_sesqui_lsr
-
-        load_sesqui_lsr(path)  # raises the loader's line for a missing file
-    return path
-
-
-def load_fraction_upscaler(spec: str, vae: Any, device: Any) -> Any:
-    """SesquiLSR for ``flowlift upscale``'s fraction (:mod:`flowlift.upscale.latent_fraction`) on ``device`` in
-    float32, after checking that ``vae`` has the FLUX.2 VAE's BN statistics (TAEF2/Mage-VAE: one line, before the
-    weights load)."""
-    from flowlift.models.sesqui_lsr import load_sesqui_lsr
-    from flowlift.upscale.latent_fraction import check_statistics
-
-    path = find_sesqui(spec)
-    check_statistics(vae)
-    return load_sesqui_lsr(path, device=device, dtype=torch.float32)
 
 
 class FractionalUpscaler:

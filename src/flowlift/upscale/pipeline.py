@@ -35,8 +35,7 @@ from flowlift.upscale.colorfix import LOWFREQ_FACTOR, latent_lowband_transplant
 from flowlift.upscale.image_steps import as_output, finish_decoded, vae_call, vae_dtype
 from flowlift.upscale.inputs import check_finite
 from flowlift.upscale.interrupts import checked_modules, with_check
-from flowlift.upscale.latent_fraction import fraction_plan
-from flowlift.upscale.latent_source import find_sesqui, load_fraction_upscaler
+from flowlift.upscale.latent_fraction import find_sesqui, fraction_plan, load_fraction_upscaler
 from flowlift.upscale.loading import (
     DEFAULT_UPSCALER,
     DEFAULT_VAE,
