@@ -13,6 +13,7 @@ import argparse
 import math
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -182,12 +183,20 @@ def name_or_path(text: str) -> str:
     return text
 
 
+def number(text: str, kind: type[int] | type[float] = float, wrong: str | None = None) -> Any:
+    """``kind(text)`` for an option's ``type``, or argparse's one line: ``not an integer: 'x'`` / ``not a number:
+    'x'`` (``wrong``: the option's own line instead)."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            wrong or f"not {'an integer' if kind is int else 'a number'}: {text!r}"
+        ) from None
+
+
 def finite_float(text: str) -> float:
     """A float option that refuses ``nan``, ``inf`` and ``-inf`` (``float()`` accepts all three)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    value = number(text)
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     return value
@@ -198,35 +207,29 @@ OUTPUT_FORMATS = ("png", "jpg", "webp")
 
 
 def unit_interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    """A fraction: a number in [0, 1]."""
+    value = number(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
     return value
 
 
-def positive_int(text: str) -> int:
-    """A count of at least one (images, steps, passes, pixels): an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An option's ``type``: an integer >= ``low`` (``must be >= 1, got -1``)."""
+
+    def parse(text: str) -> int:
+        value = number(text, int)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """A count that may be 0 (``--tile-overlap``, ``--val-every 0`` = never): an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+#: A count of at least one (images, steps, passes, pixels): an integer >= 1.
+positive_int = int_at_least(1)
+#: A count that may be 0 (``--tile-overlap``, ``--val-every 0`` = never): an integer >= 0.
+non_negative_int = int_at_least(0)
 
 
 def knob_type(knob: Knob):
@@ -267,10 +270,7 @@ seed_value = knob_type(SEED)
 
 def quality(text: str) -> int:
     """``--quality`` for JPEG/WebP: an integer in 1..100."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    value = number(text, int)
     if not 1 <= value <= 100:
         raise argparse.ArgumentTypeError(f"must be in 1..100, got {value}")
     return value
