@@ -376,12 +376,7 @@ class FlowUpscalerPipeline:
         if callback is not None:
             callback("encode")
         latents = self.upscale_latents(
-            latents,
-            passes,
-            seed=stages.seed,
-            transplant_strength=stages.transplant_strength,
-            color_fix=stages.color_fix,
-            callback=callback,
+            latents, passes, stages.seed, stages.transplant_strength, stages.color_fix, callback
         )
         plan = self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0], stages.output_size)
         self.last_plan = plan
