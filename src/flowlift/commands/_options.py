@@ -21,7 +21,7 @@ from flowlift.devices import DTYPES, resolve_device_dtype  # noqa: F401  (import
 from flowlift.errors import FlowliftError
 from flowlift.knobs import SEED, Knob
 from flowlift.models.vae_names import vae_help, vae_metavar
-from flowlift.upscale.loading import DEFAULT_VAE  # noqa: F401  (the one default, shared with the Python API)
+from flowlift.upscale.loading import DEFAULT_UPSCALER, DEFAULT_VAE  # noqa: F401  (the one default, shared with the Python API)
 from flowlift.upscale.settings import SCALE
 
 #: One 2x pass: the upscaler's native step (``upscale``, ``eval --run``, ``hires``): the knob's default.
@@ -148,6 +148,44 @@ def add_vae_option(
     kwargs.setdefault("metavar", vae_metavar())
     kwargs.setdefault("type", name_or_path)
     return parser.add_argument("--vae", help=VAE_HELP + (f"; {own}" if own else ""), **kwargs)
+
+
+def add_upscaler_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, own: str = "") -> argparse.Action:
+    """``--upscaler``, the Flow Upscaler's weights, with the one help text (``own``: what only this command does)."""
+    return parser.add_argument(
+        "--upscaler",
+        type=name_or_path,
+        default=None,
+        metavar="PATH|REPO",
+        help=f"Flow Upscaler weights{own}: file, folder or hub repo (default {DEFAULT_UPSCALER})",
+    )
+
+
+def add_image_format_options(parser: argparse.ArgumentParser) -> None:
+    """``--format`` and ``--quality`` of the commands that write images (upscale, colorfix)."""
+    parser.add_argument(
+        "--format",
+        choices=OUTPUT_FORMATS,
+        default=None,
+        help="output format (default: the suffix of -o FILE, else png); ICC profile and EXIF are kept in all three",
+    )
+    parser.add_argument(
+        "--quality",
+        type=quality,
+        default=None,
+        metavar="Q",
+        help="JPEG/WebP quality 1-100 (default 95; WebP at 100 is lossless)",
+    )
+
+
+def add_report_overwrite_option(parser: argparse.ArgumentParser) -> None:
+    """``--overwrite`` of the commands that write a report folder (eval, bands)."""
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace files at the report's names that flowlift did not write (without it, only "
+        "flowlift's own reports and empty files are replaced)",
+    )
 
 
 def examples(*lines: str) -> str:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from flowlift.commands._options import add_knob, examples, name_or_path, positive_int, sampling_from_args
+from flowlift.commands._options import (
+    add_knob,
+    add_upscaler_option,
+    examples,
+    positive_int,
+    sampling_from_args,
+)
 from flowlift.commands._refine_options import add_model_arguments, prompt_request, refiner_source, tile_request
 from flowlift.console import show_progress
 from flowlift.refine.request import DEFAULT_SIZE
@@ -43,12 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     up = parser.add_argument_group("upscale")
     add_knob(up, HIRES_SCALE, "--scale")
-    up.add_argument(
-        "--upscaler",
-        type=name_or_path,
-        metavar="PATH|REPO",
-        help="Flow Upscaler weights (file, folder or hub id; default TensorForger/FlowUpscaler)",
-    )
+    add_upscaler_option(up)
     up.add_argument(
         "--latent-upscaler",
         metavar="sesqui:PATH",
