@@ -21,7 +21,10 @@ from flowlift.devices import DTYPES, resolve_device_dtype  # noqa: F401  (import
 from flowlift.errors import FlowliftError
 from flowlift.knobs import SEED, Knob
 from flowlift.models.vae_names import vae_help, vae_metavar
-from flowlift.upscale.loading import DEFAULT_UPSCALER, DEFAULT_VAE  # noqa: F401  (the one default, shared with the Python API)
+from flowlift.upscale.loading import (
+    DEFAULT_UPSCALER,
+    DEFAULT_VAE,  # noqa: F401  (the one default, shared with the Python API)
+)
 from flowlift.upscale.settings import SCALE
 
 #: One 2x pass: the upscaler's native step (``upscale``, ``eval --run``, ``hires``): the knob's default.
