@@ -77,6 +77,21 @@ def test_a_fraction_runs_sesquilsr_after_the_passes_to_exactly_the_asked_size(
     assert meta["latent_upscaler"] == f"sesqui:{sesqui}" and meta["passes"] == passes and meta["size"] == list(size)
 
 
+@pytest.mark.parametrize("mode", ["pad", "resample"])
+def test_an_input_off_the_16_px_grid_gets_exactly_the_asked_size(capsys, tmp_path, upscaler, flux2_vae, sesqui, mode):
+    # 50x30 at 2.5: one pass, then SesquiLSR to the even latent size covering 125x75, cropped and resampled to it
+    photo = tmp_path / "odd.png"
+    g = torch.Generator().manual_seed(1)
+    Image.fromarray((torch.rand(30, 50, 3, generator=g) * 255).to(torch.uint8).numpy(), "RGB").save(photo)
+    out = tmp_path / "x.png"
+    options = ("--scale", "2.5", "--resize-mode", mode, "--latent-upscaler", f"sesqui:{sesqui}")
+    code, err = _upscale(capsys, photo, out, *_models(upscaler, flux2_vae), *options)
+    assert code == 0, err
+    with Image.open(out) as image:
+        assert image.size == (125, 75)
+        assert json.loads(image.text["flowlift"])["passes"] == 1
+
+
 def _by_hand(photo, upscaler, vae_folder, sesqui, passes, latent, content, out_size):
     """Flow passes -> SesquiLSR -> decode -> crop -> resample -> stage 2, composed from the pieces."""
     from flowlift.files.images import to_tensor
