@@ -105,11 +105,10 @@ class AskedSize:
         )
         return f"{given} ({out[0]}x{out[1]})"
 
-    def passes_for(self, width: int, height: int, *, fraction_last: bool = False) -> int:
-        """The fewest 2x passes that reach :meth:`target` (:func:`~flowlift.limits.passes_for_scale`); with
-        ``fraction_last`` (a latent upscaler does the fraction) one fewer off the powers of two: 3 -> 1, 1.5 -> 0."""
+    def passes_for(self, width: int, height: int) -> int:
+        """The fewest 2x passes that reach :meth:`target` (:func:`~flowlift.limits.passes_for_scale`)."""
         out = self.target(width, height)
-        return passes_for_scale(max(out[0] / width, out[1] / height), fraction_last=fraction_last)
+        return passes_for_scale(max(out[0] / width, out[1] / height))
 
     def named_by(self, out: tuple[int, int]) -> float | tuple[int, int]:
         """What the output name carries (:func:`flowlift.files.naming.upscaled_name`): the scale (``_x3``,

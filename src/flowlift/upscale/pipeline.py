@@ -354,7 +354,7 @@ class FlowUpscalerPipeline:
         size (:func:`flowlift.upscale.sizes.resample_to_size`) and stage 2 pins it to the input (``scale=3``:
         ``num_passes=2``, then down to 3x); None is the passes' own size. A pipeline made with ``latent_upscaler``
         resizes the latents to it with SesquiLSR instead (``scale=3``: ``num_passes=1``, then 1.5x in latent space;
-        :func:`flowlift.limits.passes_for_scale` with ``fraction_last=True``).
+        :func:`flowlift.upscale.latent_fraction.fraction_passes`).
         """
         if output_type not in ("pil", "pt"):
             raise FlowliftError(f"output_type must be 'pil' or 'pt', got {output_type!r}")
