@@ -19,17 +19,18 @@ from flowlift.commands._options import (
     DEFAULT_VAE,
     OUTPUT_FORMATS,
     add_device_options,
+    add_image_format_options,
     add_knob,
+    add_upscaler_option,
     add_vae_option,
     examples,
     name_or_path,
     positive_int,
-    quality,
     resolve_device_dtype,
 )
 from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
-from flowlift.knobs import SEED
+from flowlift.knobs import LATENT_UPSCALER, SEED
 from flowlift.limits import passes_for_scale
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH, RESIZE_MODE, SCALE, TRANSPLANT_STRENGTH
 
@@ -65,6 +66,7 @@ def settings_from_args(args: argparse.Namespace):
         vae=args.vae,
         upscaler=args.upscaler,
         quality=args.quality,
+        latent_upscaler=args.latent_upscaler,
     )
 
 
@@ -112,27 +114,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_knob(parser, TRANSPLANT_STRENGTH)
     add_knob(parser, COLOR_FIX_STRENGTH)
     add_vae_option(parser, default=DEFAULT_VAE)
-    parser.add_argument(
-        "--upscaler",
-        type=name_or_path,
-        default=None,
-        metavar="PATH|REPO",
-        help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
+    add_upscaler_option(parser)
+    add_knob(
+        parser,
+        LATENT_UPSCALER,
+        metavar="sesqui:PATH",
+        help=f"{LATENT_UPSCALER.help}, instead of the pixel resample; 2, 4, 8 do not run it (default: none)",
     )
     add_device_options(parser, cpu_bf16=True)
-    parser.add_argument(
-        "--format",
-        choices=OUTPUT_FORMATS,
-        default=None,
-        help="output format (default: the suffix of -o FILE, else png); ICC profile and EXIF are kept in all three",
-    )
-    parser.add_argument(
-        "--quality",
-        type=quality,
-        default=None,
-        metavar="Q",
-        help="JPEG/WebP quality 1-100 (default 95; WebP at 100 is lossless)",
-    )
+    add_image_format_options(parser)
     add_knob(parser, RESIZE_MODE)
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs instead of skipping")
     parser.add_argument(
