@@ -105,17 +105,20 @@ def subpixel_weights(weight: torch.Tensor) -> torch.Tensor:
     return kernels.reshape(4 * weight.shape[0], weight.shape[1], 2, 2).to(weight.dtype)
 
 
-def upsample_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def upsample_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: torch.Tensor | None = None
+) -> torch.Tensor:
     """``conv3x3(nearest2x(x), weight, bias, padding=1)`` computed on the low-resolution grid.
 
     One 2x2 convolution with padding 1 and the :func:`subpixel_weights` gives ``Y`` (B, 4 O, h + 1, w + 1);
     phase ``(a, b)``'s pixels are ``out[:, :, 2i + a, 2j + b] = Y[:, phase, i + a, j + b]``. The same sums
     with 4/9 of the multiply-adds and no upsampled copy of ``x``; zero padding at the border of ``x`` is the
     upsampled frame's padding, so a tile of ``x`` gives the tile of the output, as the two layers do.
+    ``kernels``: the sub-pixel kernels when already made (else from ``weight``).
     """
     b, _, h, w = x.shape
     o = weight.shape[0]
-    kernels = subpixel_weights(weight).to(x.dtype)
+    kernels = (subpixel_weights(weight) if kernels is None else kernels).to(x.dtype)
     y = F.conv2d(x, kernels, None if bias is None else bias.to(x.dtype).repeat(4), 1, 1)
     channels_last = x.shape[1] > 1 and x.stride(1) == 1
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -129,7 +132,9 @@ class UpConv(nn.Module):
     """A decoder's ``Upsample(2)`` and the 3x3 conv after it as one layer, sharing the conv's parameters.
 
     In float32 the two layers as they are (the same bits as the released model's forward); in a half
-    dtype :func:`upsample_conv` (4/9 of the multiply-adds, the sub-pixel kernels rounded once).
+    dtype :func:`upsample_conv` (4/9 of the multiply-adds) with the conv's ``subpixel_weight`` buffer
+    (:meth:`TAEF2.refresh_subpixel_weights`: made from the weights as loaded, so a float32 file's kernels
+    are rounded to the half dtype once, like every other weight) where it is there in ``x``'s dtype.
     """
 
     def __init__(self, conv: nn.Conv2d) -> None:
@@ -139,9 +144,13 @@ class UpConv(nn.Module):
         self.conv = conv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        conv = self.conv
         if x.dtype == torch.float32:
-            return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
-        return upsample_conv(x, self.conv.weight, self.conv.bias)
+            return conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+        kernels = getattr(conv, "subpixel_weight", None)
+        if kernels is not None and (kernels.dtype != x.dtype or kernels.device != x.device):
+            kernels = None
+        return upsample_conv(x, conv.weight, conv.bias, kernels)
 
 
 def fuse_upsample_convs(layers: list[nn.Module]) -> list[nn.Module]:
@@ -255,6 +264,20 @@ class TAEF2(nn.Module):
             raise ValueError("TAEF2 needs an encoder, a decoder or both")
         self.encoder = build_encoder() if encoder else None
         self.decoder = build_decoder() if decoder else None
+        if self.decoder is not None:
+            self.refresh_subpixel_weights()
+            self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh_subpixel_weights())
+
+    @torch.no_grad()
+    def refresh_subpixel_weights(self) -> None:
+        """Give every decoder conv after an upsampling a ``subpixel_weight`` buffer (:func:`subpixel_weights`).
+
+        Not persistent (the state dict is the released one); made at construction and after every
+        ``load_state_dict``, in the weights' dtype, and cast with the module by ``.to(dtype)``.
+        """
+        for layer in fuse_upsample_convs(list(self._need(self.decoder, "decoder"))):
+            if isinstance(layer, UpConv):
+                layer.conv.register_buffer("subpixel_weight", subpixel_weights(layer.conv.weight), persistent=False)
 
     # Full frame -------------------------------------------------------------------------------
     def encode_full(self, images: torch.Tensor) -> torch.Tensor:
