@@ -27,8 +27,10 @@ from flowlift.errors import FlowliftError
 LOWFREQ_FACTOR = 8
 
 # Pixels per strip in stage 2: small enough for the strip and its temporaries (~10 planes of 3 x 4 bytes a pixel)
-# to stay in the CPU's L2/L3 caches, large enough that the per-operation overhead stays small.
-_STRIP_PIXELS = 1 << 16
+# to stay in the CPU's L2/L3 caches, large enough that the per-operation overhead and the upsampled halo rows
+# (one coarse row each side) stay small. 128K pixels: 3% less CPU than 64K at 6 MP, the same result bit for bit
+# (each strip's rows are computed alike whatever the strip's size; issue 47).
+_STRIP_PIXELS = 1 << 17
 
 
 def _solve_dtype(device: torch.device) -> torch.dtype:
