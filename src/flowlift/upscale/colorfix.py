@@ -26,10 +26,8 @@ from flowlift.errors import FlowliftError
 
 LOWFREQ_FACTOR = 8
 
-# Pixels per strip in stage 2: small enough for the strip and its temporaries (~10 planes of 3 x 4 bytes a pixel)
-# to stay in the CPU's L2/L3 caches, large enough that the per-operation overhead and the upsampled halo rows
-# (one coarse row each side) stay small. 128K pixels: 3% less CPU than 64K at 6 MP, the same result bit for bit
-# (each strip's rows are computed alike whatever the strip's size; issue 47).
+# Pixels per strip in stage 2: the strip and its temporaries stay in the CPU's caches, the per-operation overhead
+# and the upsampled halo rows stay small; 128K: 3% less CPU than 64K at 6 MP, the same bits (issue 47).
 _STRIP_PIXELS = 1 << 17
 
 
@@ -225,8 +223,8 @@ def solve_tridiagonal(bands: torch.Tensor, rhs: torch.Tensor, dim: int) -> torch
     """Solve ``A x = rhs`` along ``dim`` for tridiagonal ``A`` given as ``(n, 3)`` (sub, diag, super).
 
     Thomas algorithm, vectorised over all other dimensions; ``A`` must be diagonally dominant
-    (``D U`` is: diagonal >= 3/4, off-diagonals <= 1/8). Returns a tensor like ``rhs``. The rows along ``dim`` are
-    made contiguous and taken apart once (``unbind``): the recurrence is one or two torch calls per row.
+    (``D U`` is: diagonal >= 3/4, off-diagonals <= 1/8). Returns a tensor like ``rhs``. The rows along ``dim``,
+    made contiguous, are taken apart once (``unbind``): one or two torch calls per row.
     """
     x = rhs.movedim(dim, 0).clone(memory_format=torch.contiguous_format)
     rows = x.unbind(0)
