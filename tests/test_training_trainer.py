@@ -290,6 +290,36 @@ def test_ddp_two_gloo_processes_match_one_process_with_doubled_batch(dataset, tm
     assert _max_diff(one_w, two_w) < 2e-3
 
 
+@pytest.mark.parametrize("asked", [True, False])
+def test_a_rank_that_ran_ddp_ends_without_the_native_teardown(asked):
+    """CI, stop 50: a finished DDP rank aborted in the interpreter's teardown (SIGABRT, "terminate called without
+    an active exception"): torch keeps the gloo group's threads past destroy_process_group once DDP ran, and the
+    C++ static destructors met them. A rank that asked (training's DistContext.close) ends with os._exit once the
+    command returned: its exit status, its unflushed output and its atexit handlers kept, nothing after that run."""
+    probe = "\n".join(
+        [
+            "import atexit, sys",
+            "import flowlift.commands.cli as cli, flowlift.devices as devices",
+            "atexit.register(lambda: print('atexit ran'))",
+            "class Teardown:",
+            "    def __del__(self): print('teardown ran')",
+            "kept_until_teardown = Teardown()",
+            "def command(argv):",
+            f"    if {asked}: devices.end_before_native_teardown()",
+            "    sys.stdout.write('summary line, not flushed ')",
+            "    return 3",
+            "cli._main = command",
+            "sys.argv = ['flowlift', 'train']",
+            "sys.exit(cli.main())",
+        ]
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr
+    assert result.stdout.startswith("summary line, not flushed atexit ran")
+    assert ("teardown ran" in result.stdout) is not asked
+
+
 def test_finetune_from_a_checkpoint_and_validation_csv_plot(dataset, tmp_path, shared, taef2_spec):
     base = tmp_path / "base"
     Trainer(_config(dataset, base, steps=8, lr=3e-3)).run()

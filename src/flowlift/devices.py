@@ -249,3 +249,39 @@ def non_finite_kind(tensor: torch.Tensor) -> str | None:
         if math.isfinite(low) and math.isfinite(high):
             return None
         return "NaN" if bool(torch.isnan(tensor).any()) else "Inf"
+
+
+#: Set by :func:`end_before_native_teardown`; read once the command has returned (``flowlift.commands.cli.main``).
+_native_teardown_unsafe = False
+
+
+def end_before_native_teardown() -> None:
+    """Have this process end, once its command has returned, without running the C++ libraries' teardown.
+
+    After a ``DistributedDataParallel`` model, torch 2.13 keeps the gloo process group's worker threads
+    (``pt_gloo_runloop``, ``gloo_tcp_loop``) running past ``destroy_process_group`` (DDP imports
+    ``torch._dynamo``, and after that import the group is held from C++: measured, no Python object holds
+    it). The interpreter's exit then tears those threads down in static destructors, which can abort the
+    rank (SIGABRT, "terminate called without an active exception") after its work is done, so that
+    ``torchrun`` reports a finished training run as failed. The command has written and closed its files by
+    then; :func:`end_process` runs the ``atexit`` handlers, flushes the streams and leaves with ``os._exit``.
+    """
+    global _native_teardown_unsafe
+    _native_teardown_unsafe = True
+
+
+def end_process(status: int) -> int:
+    """``status`` back to the caller, or, after :func:`end_before_native_teardown`, the process ended with it."""
+    if not _native_teardown_unsafe:
+        return status
+    import atexit
+    import sys
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream has nothing left to write
+            pass
+    os._exit(status)

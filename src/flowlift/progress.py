@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from flowlift.console import format_seconds
+
 #: The kind of a loading stage: never counted as work.
 LOAD = "load"
 #: A new estimate up to this factor above the last one shown is held at the last (the time left only falls).
@@ -94,18 +96,6 @@ class ProgressState:
         line = f"{self.what()} ({100 * self.fraction:.0f}%) in {format_seconds(self.elapsed)}"
         left = f"about {format_seconds(self.left)} left" if self.left is not None else "time left: measuring"
         return f"{line}, {left}"
-
-
-def format_seconds(seconds: float) -> str:
-    """A duration for people: ``0.42 s``, ``12.3 s``, ``4 min 05 s``, ``2 h 03 min``."""
-    if seconds < 1:
-        return f"{seconds:.2f} s"
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    whole = int(round(seconds))
-    if whole < 3600:
-        return f"{whole // 60} min {whole % 60:02d} s"
-    return f"{whole // 3600} h {whole % 3600 // 60:02d} min"
 
 
 @dataclass

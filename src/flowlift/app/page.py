@@ -27,11 +27,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from flowlift.app.controls import image_input, knob_number, knob_slider, result_column, seed_number
 from flowlift.app.detail import INPUT_FILTERS, ZOOMS, detail_html, detail_view, overview_to_output
 from flowlift.app.results import PREVIEW_MAX_SIDE
 from flowlift.app.service import AppService
 from flowlift.errors import FlowliftError
-from flowlift.knobs import SEED
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH, SCALE, TRANSPLANT_STRENGTH
 
 #: Fonts the browser has already: the default theme would fetch web fonts from the internet.
@@ -208,25 +208,14 @@ def _upscale_tab(gr: Any, service: AppService, on: SimpleNamespace, queue: dict,
     """The Upscale tab: one image in, the before/after slider, the download and the 1:1 detail."""
     with gr.Row():
         with gr.Column():
-            image = gr.Image(
-                label="Image (drop, paste or click to upload)",
-                type="filepath",
-                image_mode=None,
-                sources=["upload", "clipboard"],
-                elem_id="upscale-input",
-            )
+            image = image_input(gr, "Image (drop, paste or click to upload)", "upscale-input")
             upload_status = gr.Markdown(elem_id="upscale-upload-status")
             controls = _upscale_controls(gr, service, "upscale")
             run = gr.Button("Upscale", variant="primary", elem_id="upscale-button")
         with gr.Column():
-            slider = gr.ImageSlider(
-                label=f"Before (input, Lanczos-resized) / after; preview up to {PREVIEW_MAX_SIDE} px",
-                type="pil",
-                format="png",
-                elem_id="upscale-slider",
+            slider, download, info = result_column(
+                gr, "upscale", f"Before (input, Lanczos-resized) / after; preview up to {PREVIEW_MAX_SIDE} px"
             )
-            download = gr.File(label="Full-resolution PNG", elem_id="upscale-download")
-            info = gr.Markdown(elem_id="upscale-info")
     shown = gr.State(None)
     with gr.Column(elem_id="upscale-detail"):
         gr.Markdown(
@@ -297,30 +286,19 @@ def _batch_tab(gr: Any, service: AppService, on: SimpleNamespace, queue: dict) -
 def _upscale_controls(gr: Any, service: AppService, prefix: str) -> list[Any]:
     """Scale, seed, both strengths and the VAE choice (the API's argument order). The strengths are
     labelled by what they do; the help line under each gives the stage and its maths."""
-    scale = gr.Number(
-        value=SCALE.default,
-        minimum=SCALE.low,
-        maximum=SCALE.high,
-        step=SCALE.step,
-        label="Scale (1-8x; 2, 4, 8 are whole 2x passes)",
-        elem_id=f"{prefix}-scale",
-    )
+    scale = knob_number(gr, SCALE, label="Scale (1-8x; 2, 4, 8 are whole 2x passes)", elem_id=f"{prefix}-scale")
     seed = seed_number(gr, elem_id=f"{prefix}-seed")
-    transplant = gr.Slider(
-        TRANSPLANT_STRENGTH.low,
-        TRANSPLANT_STRENGTH.high,
-        value=TRANSPLANT_STRENGTH.default,
-        step=TRANSPLANT_STRENGTH.step,
+    transplant = knob_slider(
+        gr,
+        TRANSPLANT_STRENGTH,
         label="Keep the input's broad shapes and shading",
         info="Stage 1, after every 2x pass: this share of the coarse band (below 1/8 of the latent "
         "resolution) is set to the input's. 1 = exactly the input's; 0 = the model's own.",
         elem_id=f"{prefix}-transplant",
     )
-    color_fix = gr.Slider(
-        COLOR_FIX_STRENGTH.low,
-        COLOR_FIX_STRENGTH.high,
-        value=COLOR_FIX_STRENGTH.default,
-        step=COLOR_FIX_STRENGTH.step,
+    color_fix = knob_slider(
+        gr,
+        COLOR_FIX_STRENGTH,
         label="Match the input's colours and brightness",
         info="Stage 2, after decoding: 1 = averaged over each input pixel, the result's L*a*b* colour equals "
         "the input's; 0.5 leaves half the difference; 0 = no correction. Fine detail is not touched.",
@@ -329,11 +307,6 @@ def _upscale_controls(gr: Any, service: AppService, prefix: str) -> list[Any]:
     labels = list(service.vae_labels)
     vae = gr.Dropdown(labels, value=labels[0], label="VAE", interactive=len(labels) > 1, elem_id=f"{prefix}-vae")
     return [scale, seed, transplant, color_fix, vae]
-
-
-def seed_number(gr: Any, **kwargs: Any) -> Any:
-    """The seed field of every tab, from :data:`flowlift.knobs.SEED` (its default and range)."""
-    return gr.Number(value=SEED.default, precision=0, minimum=SEED.low, maximum=SEED.high, label="Seed", **kwargs)
 
 
 def start_lines(local_url: str, share_url: str | None, host: str) -> list[str]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from flowlift.progress import ProgressState, RunProgress, format_seconds
+from flowlift.console import format_seconds
+from flowlift.progress import ProgressState, RunProgress
 
 #: Progress reporter: ``progress(fraction_done, description)``.
 ProgressFn = Callable[[float, str], None]

@@ -13,10 +13,10 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from flowlift.app.controls import image_input, knob_number, knob_slider, result_column, seed_number
 from flowlift.app.refine import MODES, mode_strength_default
 from flowlift.app.results import UpscaleResult, model_name
 from flowlift.app.service import AppService
-from flowlift.knobs import SEED
 from flowlift.limits import PIXEL_MULTIPLE
 from flowlift.refine.loading import model_default_steps
 from flowlift.refine.settings import SAMPLER, STEPS, STRENGTH, STRENGTH_MAP, TILE_OVERLAP, TILE_SIZE
@@ -43,12 +43,9 @@ def _tile_controls(gr: Any) -> tuple[Any, Any]:
             f"{PIXEL_MULTIPLE}, at least {TILE_SIZE.low}",
             elem_id="refine-tile-size",
         )
-        tile_overlap = gr.Number(
-            value=TILE_OVERLAP.default,
-            precision=0,
-            minimum=TILE_OVERLAP.low,
-            maximum=TILE_OVERLAP.high,
-            step=TILE_OVERLAP.step,
+        tile_overlap = knob_number(
+            gr,
+            TILE_OVERLAP,
             label="Tile overlap (px)",
             info=f"a multiple of {PIXEL_MULTIPLE}, less than the tile; neighbours crossfade across it",
             elem_id="refine-tile-overlap",
@@ -99,11 +96,9 @@ def _handler(gr: Any, service: AppService, as_user_error: Any, upload_path: Any)
 
 def _redraw_controls(gr: Any, service: AppService) -> tuple[Any, Any, Any]:
     """Strength, how strength is counted, and the steps (the loaded model's default), from the knobs."""
-    strength = gr.Slider(
-        STRENGTH.low,
-        STRENGTH.high,
-        value=STRENGTH.default,
-        step=STRENGTH.step,
+    strength = knob_slider(
+        gr,
+        STRENGTH,
         label="How much to redraw the image",
         info="0 keeps it, 1 draws it anew from noise (hires fix: the redraw after the upscale). "
         "Sampling starts at denoising_start = 1 - strength (linear) or 1 - strength**0.2 (canvas).",
@@ -134,25 +129,17 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
         gr.Markdown(f"FLUX.2 model: `{html.escape(model_name(str(service.config.model)))}`")
         with gr.Row():
             with gr.Column():
-                image = gr.Image(
-                    label="Image",
-                    type="filepath",
-                    image_mode=None,
-                    sources=["upload", "clipboard"],
-                    elem_id="refine-input",
-                )
+                image = image_input(gr, "Image", "refine-input")
                 prompt = gr.Textbox(label="Prompt (needs flowlift[text]; or give prompt embeddings below)", lines=2)
                 embeds = gr.File(label="Prompt embeddings (.safetensors with 'prompt_embeds')", elem_id="refine-embeds")
                 mode = gr.Radio(list(MODES), value="img2img", label="Mode")
                 strength, strength_map, steps = _redraw_controls(gr, service)
-                seed = gr.Number(value=SEED.default, precision=0, minimum=SEED.low, maximum=SEED.high, label="Seed")
+                seed = seed_number(gr)
                 sampler = gr.Radio(list(SAMPLER.choices), value=SAMPLER.default, label="Sampler")
                 tile_size, tile_overlap = _tile_controls(gr)
                 button = gr.Button("Refine", variant="primary", elem_id="refine-button")
             with gr.Column():
-                slider = gr.ImageSlider(label="Before / after", type="pil", format="png", elem_id="refine-slider")
-                download = gr.File(label="Full-resolution PNG", elem_id="refine-download")
-                info = gr.Markdown(elem_id="refine-info")
+                slider, download, info = result_column(gr, "refine", "Before / after")
         mode.change(
             lambda chosen: gr.update(value=mode_strength_default(chosen)),
             inputs=[mode],

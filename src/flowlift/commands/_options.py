@@ -13,6 +13,7 @@ import argparse
 import math
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -20,7 +21,10 @@ from flowlift.devices import DTYPES, resolve_device_dtype  # noqa: F401  (import
 from flowlift.errors import FlowliftError
 from flowlift.knobs import SEED, Knob
 from flowlift.models.vae_names import vae_help, vae_metavar
-from flowlift.upscale.loading import DEFAULT_VAE  # noqa: F401  (the one default, shared with the Python API)
+from flowlift.upscale.loading import (
+    DEFAULT_UPSCALER,
+    DEFAULT_VAE,  # noqa: F401  (the one default, shared with the Python API)
+)
 from flowlift.upscale.settings import SCALE
 
 #: One 2x pass: the upscaler's native step (``upscale``, ``eval --run``, ``hires``): the knob's default.
@@ -149,6 +153,44 @@ def add_vae_option(
     return parser.add_argument("--vae", help=VAE_HELP + (f"; {own}" if own else ""), **kwargs)
 
 
+def add_upscaler_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, own: str = "") -> argparse.Action:
+    """``--upscaler``, the Flow Upscaler's weights, with the one help text (``own``: what only this command does)."""
+    return parser.add_argument(
+        "--upscaler",
+        type=name_or_path,
+        default=None,
+        metavar="PATH|REPO",
+        help=f"Flow Upscaler weights{own}: file, folder or hub repo (default {DEFAULT_UPSCALER})",
+    )
+
+
+def add_image_format_options(parser: argparse.ArgumentParser) -> None:
+    """``--format`` and ``--quality`` of the commands that write images (upscale, colorfix)."""
+    parser.add_argument(
+        "--format",
+        choices=OUTPUT_FORMATS,
+        default=None,
+        help="output format (default: the suffix of -o FILE, else png); ICC profile and EXIF are kept in all three",
+    )
+    parser.add_argument(
+        "--quality",
+        type=quality,
+        default=None,
+        metavar="Q",
+        help="JPEG/WebP quality 1-100 (default 95; WebP at 100 is lossless)",
+    )
+
+
+def add_report_overwrite_option(parser: argparse.ArgumentParser) -> None:
+    """``--overwrite`` of the commands that write a report folder (eval, bands)."""
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace files at the report's names that flowlift did not write (without it, only "
+        "flowlift's own reports and empty files are replaced)",
+    )
+
+
 def examples(*lines: str) -> str:
     """An epilog of example command lines: ``examples:`` and one indented line each."""
     return "examples:\n" + "\n".join(f"  {line}" for line in lines)
@@ -182,12 +224,20 @@ def name_or_path(text: str) -> str:
     return text
 
 
+def number(text: str, kind: type[int] | type[float] = float, wrong: str | None = None) -> Any:
+    """``kind(text)`` for an option's ``type``, or argparse's one line: ``not an integer: 'x'`` / ``not a number:
+    'x'`` (``wrong``: the option's own line instead)."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            wrong or f"not {'an integer' if kind is int else 'a number'}: {text!r}"
+        ) from None
+
+
 def finite_float(text: str) -> float:
     """A float option that refuses ``nan``, ``inf`` and ``-inf`` (``float()`` accepts all three)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    value = number(text)
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
     return value
@@ -198,35 +248,29 @@ OUTPUT_FORMATS = ("png", "jpg", "webp")
 
 
 def unit_interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    """A fraction: a number in [0, 1]."""
+    value = number(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
     return value
 
 
-def positive_int(text: str) -> int:
-    """A count of at least one (images, steps, passes, pixels): an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An option's ``type``: an integer >= ``low`` (``must be >= 1, got -1``)."""
+
+    def parse(text: str) -> int:
+        value = number(text, int)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """A count that may be 0 (``--tile-overlap``, ``--val-every 0`` = never): an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+#: A count of at least one (images, steps, passes, pixels): an integer >= 1.
+positive_int = int_at_least(1)
+#: A count that may be 0 (``--tile-overlap``, ``--val-every 0`` = never): an integer >= 0.
+non_negative_int = int_at_least(0)
 
 
 def knob_type(knob: Knob):
@@ -267,10 +311,7 @@ seed_value = knob_type(SEED)
 
 def quality(text: str) -> int:
     """``--quality`` for JPEG/WebP: an integer in 1..100."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    value = number(text, int)
     if not 1 <= value <= 100:
         raise argparse.ArgumentTypeError(f"must be in 1..100, got {value}")
     return value

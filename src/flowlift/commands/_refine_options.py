@@ -11,9 +11,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from flowlift.commands._options import add_device_options, add_knob, add_vae_option, finite_float, name_or_path
+from flowlift.commands._options import (
+    add_device_options,
+    add_knob,
+    add_vae_option,
+    finite_float,
+    name_or_path,
+    sampling_from_args,
+)
 from flowlift.commands._refine_tiles import add_tile_arguments
 from flowlift.commands._refine_weights import add_weights_arguments
+from flowlift.console import show_progress
 from flowlift.knobs import SEED
 from flowlift.refine.settings import DISTILLED_STEPS, MU, SAMPLER, SCHEDULE, STEPS, STRENGTH_MAP
 
@@ -136,3 +144,19 @@ def tile_request(args: argparse.Namespace) -> Any:
     from flowlift.refine.tiling import TileRequest
 
     return TileRequest(args.tile_size, args.tile_overlap, args.tile_batch)
+
+
+def request_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~flowlift.refine.request.RefineRequest` fields that ``img2img`` and ``hires`` fill from the same
+    options: the prompt, the model, the image and its output, the strength map, the sampling, the tiles, the bar."""
+    return {
+        "prompt": prompt_request(args),
+        "source": refiner_source(args),
+        "image": args.image,
+        "output": args.output,
+        "overwrite": args.overwrite,
+        "strength_map": args.strength_map,
+        "sampling": sampling_from_args(args),
+        "tiles": tile_request(args),
+        "progress": show_progress(args),
+    }

@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import argparse
 
-from flowlift.commands._options import DEFAULT_VAE, add_device_options, add_vae_option, name_or_path
+from flowlift.commands._options import (
+    DEFAULT_VAE,
+    add_device_options,
+    add_upscaler_option,
+    add_vae_option,
+    name_or_path,
+    number,
+)
 
 NAME = "app"
 #: A server: its allocator keeps glibc's policy (and gives freed memory back after each request).
@@ -22,20 +29,14 @@ EXAMPLES = """examples:
 
 
 def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a port number in 1..65535, got {text!r}") from None
+    value = number(text, int, f"must be a port number in 1..65535, got {text!r}")
     if not 0 < value < 65536:
         raise argparse.ArgumentTypeError(f"must be in 1..65535, got {text}")
     return value
 
 
 def _megabytes(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of megabytes > 0, got {text!r}") from None
+    value = number(text, float, f"must be a number of megabytes > 0, got {text!r}")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
@@ -47,13 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--share", action="store_true", help="also open a public *.gradio.live link (off unless given explicitly)"
     )
-    parser.add_argument(
-        "--upscaler",
-        type=name_or_path,
-        default=None,
-        metavar="PATH|REPO",
-        help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
-    )
+    add_upscaler_option(parser)
     add_vae_option(
         parser,
         f"repeatable: the VAEs the page offers, the first the default (default {DEFAULT_VAE}, as for flowlift upscale)",

@@ -15,6 +15,7 @@ import argparse
 from flowlift.commands._options import (
     add_device_options,
     add_output_option,
+    add_report_overwrite_option,
     add_vae_option,
     examples,
     finite_float,
@@ -45,12 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--limit", type=positive_int, default=None, help="use only the first N images")
     parser.add_argument("--full", action="store_true", help="print every pixel band, not only the two summaries")
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace files at the report's names that flowlift did not write (without it, only "
-        "flowlift's own reports and empty files are replaced)",
-    )
+    add_report_overwrite_option(parser)
     add_device_options(parser, "VAE")
 
 

@@ -32,7 +32,7 @@ from flowlift.console import (
     set_command,
     stdout_failure,
 )
-from flowlift.devices import passive_thread_wait, reuse_freed_memory
+from flowlift.devices import end_process, passive_thread_wait, reuse_freed_memory
 from flowlift.errors import FlowliftError
 from flowlift.version import __version__
 
@@ -167,15 +167,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = _main(None)
     failure = stdout_failure()
     if failure is None or status:
-        return status
+        return end_process(status)
     if isinstance(failure, BrokenPipeError):
-        return BROKEN_PIPE_STATUS
+        return end_process(BROKEN_PIPE_STATUS)
     command = _command_word(sys.argv[1:])
     reason = getattr(failure, "strerror", None) or str(failure) or type(failure).__name__
     print(
         f"flowlift{' ' + command if command else ''}: error: cannot write to standard output: {reason}", file=sys.stderr
     )
-    return 1
+    return end_process(1)
 
 
 def _main(argv: Sequence[str] | None) -> int:

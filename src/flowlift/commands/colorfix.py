@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowlift.commands._options import OUTPUT_FORMATS, add_knob, name_or_path, quality
+from flowlift.commands._options import add_image_format_options, add_knob, name_or_path
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH
 
 NAME = "colorfix"
@@ -50,19 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output folder (default: next to each upscaled image); for one input, a file name",
     )
     add_knob(parser, COLOR_FIX_STRENGTH, metavar="S")
-    parser.add_argument(
-        "--format",
-        choices=OUTPUT_FORMATS,
-        default=None,
-        help="output format (default: the suffix of -o FILE, else png); ICC profile and EXIF kept",
-    )
-    parser.add_argument(
-        "--quality",
-        type=quality,
-        default=None,
-        metavar="Q",
-        help="JPEG/WebP quality 1-100 (default 95; WebP at 100 is lossless)",
-    )
+    add_image_format_options(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs instead of skipping")
     parser.add_argument(
         "--device", default="auto", help="torch device: auto (CUDA when available, else cpu), cpu, cuda, cuda:N, mps"

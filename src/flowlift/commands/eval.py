@@ -22,6 +22,8 @@ from flowlift.commands._options import (
     add_device_options,
     add_knob,
     add_output_option,
+    add_report_overwrite_option,
+    add_upscaler_option,
     add_vae_option,
     examples,
     name_or_path,
@@ -105,14 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the latent methods' (latent-bicubic, vae-roundtrip, flow), as for flowlift upscale",
         default=DEFAULT_VAE,
     )
-    parser.add_argument(
-        "--upscaler",
-        type=name_or_path,
-        default=None,
-        metavar="PATH|REPO",
-        help="Flow Upscaler weights for the flow method: file, folder or hub repo "
-        "(default TensorForger/FlowUpscaler, as for flowlift upscale)",
-    )
+    add_upscaler_option(parser, " for the flow method")
     add_device_options(parser, "VAE, upscaler and spandrel models")
     add_knob(
         parser,
@@ -128,12 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"{SPANDREL_TILE_OVERLAP.help} (default {SPANDREL_TILE_OVERLAP.default})",
     )
     add_output_option(parser, "folder for results.json, table.md, metrics.png, crops.png", required=True)
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace files at the report's names that flowlift did not write (without it, only "
-        "flowlift's own reports and empty files are replaced)",
-    )
+    add_report_overwrite_option(parser)
     parser.add_argument("--cache", type=name_or_path, default=None, help="result cache folder (default OUT/cache)")
     parser.add_argument("--no-cache", action="store_true", help="recompute everything, store nothing")
     parser.add_argument(

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 
-from flowlift.commands._options import add_knob, examples, name_or_path, positive_int, sampling_from_args
-from flowlift.commands._refine_options import add_model_arguments, prompt_request, refiner_source, tile_request
-from flowlift.console import show_progress
+from flowlift.commands._options import (
+    add_knob,
+    add_upscaler_option,
+    examples,
+    positive_int,
+)
+from flowlift.commands._refine_options import add_model_arguments, request_fields
 from flowlift.refine.request import DEFAULT_SIZE
 from flowlift.refine.settings import HIRES_SCALE, REFINE_STRENGTH, STEPS, TRANSPLANT_STRENGTH
 
@@ -43,12 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     up = parser.add_argument_group("upscale")
     add_knob(up, HIRES_SCALE, "--scale")
-    up.add_argument(
-        "--upscaler",
-        type=name_or_path,
-        metavar="PATH|REPO",
-        help="Flow Upscaler weights (file, folder or hub id; default TensorForger/FlowUpscaler)",
-    )
+    add_upscaler_option(up)
     up.add_argument(
         "--latent-upscaler",
         metavar="sesqui:PATH",
@@ -78,14 +77,7 @@ def run(args: argparse.Namespace) -> int:
 
     request = RefineRequest(
         mode="hires",
-        prompt=prompt_request(args),
-        source=refiner_source(args),
-        image=args.image,
-        output=args.output,
-        overwrite=args.overwrite,
-        strength_map=args.strength_map,
-        sampling=sampling_from_args(args),
-        tiles=tile_request(args),
+        **request_fields(args),
         hires=HiresSettings(
             upscaler=FlowUpscalerSource(args.upscaler, latent_upscaler=args.latent_upscaler),
             scale=args.scale,
@@ -96,7 +88,6 @@ def run(args: argparse.Namespace) -> int:
             color_fix=not args.no_color_fix,
         ),
         command=NAME,
-        progress=show_progress(args),
     )
     print(f"wrote {run_refine(request)}")
     return 0

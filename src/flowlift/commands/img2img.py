@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowlift.commands._options import add_knob, examples, sampling_from_args
+from flowlift.commands._options import add_knob, examples
 from flowlift.commands._refine_options import (  # noqa: F401  (the choices, read here by tests and scripts)
     DEFAULT_MU,
     MU_RANGE,
@@ -12,11 +12,8 @@ from flowlift.commands._refine_options import (  # noqa: F401  (the choices, rea
     SCHEDULES,
     STRENGTH_MAPS,
     add_model_arguments,
-    prompt_request,
-    refiner_source,
-    tile_request,
+    request_fields,
 )
-from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
 from flowlift.refine.settings import STRENGTH
 
@@ -78,20 +75,12 @@ def run(args: argparse.Namespace) -> int:
     pads = parse_outpaint(args.outpaint) if args.outpaint else None
     request = RefineRequest(
         mode="outpaint" if pads else "inpaint" if args.mask else "img2img",
-        prompt=prompt_request(args),
-        source=refiner_source(args),
-        image=args.image,
+        **request_fields(args),
         mask=args.mask,
         outpaint=pads,
         references=tuple(args.reference),
-        output=args.output,
-        overwrite=args.overwrite,
         strength=args.strength,
-        strength_map=args.strength_map,
-        sampling=sampling_from_args(args),
-        tiles=tile_request(args),
         command=NAME,
-        progress=show_progress(args),
     )
     print(f"wrote {run_refine(request)}")
     return 0

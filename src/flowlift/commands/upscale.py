@@ -19,12 +19,13 @@ from flowlift.commands._options import (
     DEFAULT_VAE,
     OUTPUT_FORMATS,
     add_device_options,
+    add_image_format_options,
     add_knob,
+    add_upscaler_option,
     add_vae_option,
     examples,
     name_or_path,
     positive_int,
-    quality,
     resolve_device_dtype,
 )
 from flowlift.console import show_progress
@@ -112,27 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_knob(parser, TRANSPLANT_STRENGTH)
     add_knob(parser, COLOR_FIX_STRENGTH)
     add_vae_option(parser, default=DEFAULT_VAE)
-    parser.add_argument(
-        "--upscaler",
-        type=name_or_path,
-        default=None,
-        metavar="PATH|REPO",
-        help="Flow Upscaler weights: file, folder or hub repo (default TensorForger/FlowUpscaler)",
-    )
+    add_upscaler_option(parser)
     add_device_options(parser, cpu_bf16=True)
-    parser.add_argument(
-        "--format",
-        choices=OUTPUT_FORMATS,
-        default=None,
-        help="output format (default: the suffix of -o FILE, else png); ICC profile and EXIF are kept in all three",
-    )
-    parser.add_argument(
-        "--quality",
-        type=quality,
-        default=None,
-        metavar="Q",
-        help="JPEG/WebP quality 1-100 (default 95; WebP at 100 is lossless)",
-    )
+    add_image_format_options(parser)
     add_knob(parser, RESIZE_MODE)
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs instead of skipping")
     parser.add_argument(

@@ -117,6 +117,28 @@ def _to_rgb_and_alpha(image: Image.Image) -> tuple[Image.Image, Image.Image | No
 DECODE_ERRORS = (OSError, SyntaxError, ValueError, IndexError, EOFError, struct.error)
 
 
+#: Everything reading an image may raise that is the file's fault (a decompression bomb, damaged bytes).
+_READ_ERRORS = (Image.DecompressionBombError, Image.DecompressionBombWarning, *DECODE_ERRORS)
+
+
+def _read_error(path: Path, error: BaseException) -> FlowliftError:
+    """The one line for what reading ``path`` raised (one of :data:`_READ_ERRORS`)."""
+    if isinstance(error, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
+        return FlowliftError(f"{path}: refused as a decompression bomb ({error})")
+    if isinstance(error, UnidentifiedImageError):
+        return FlowliftError(f"{path}: not an image file Pillow can read")
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return FlowliftError(f"{path}: unreadable or truncated image ({message})")
+
+
+def _check_pixels(path: Path, width: int, height: int) -> None:
+    """One FlowliftError line for an image over :data:`MAX_INPUT_PIXELS` (the decompression-bomb guard)."""
+    if width * height > MAX_INPUT_PIXELS:
+        raise FlowliftError(
+            f"{path}: {width}x{height} exceeds the {MAX_INPUT_PIXELS} pixel limit (decompression-bomb guard)"
+        )
+
+
 def _frame_count(opened: Image.Image) -> int:
     """How many frames ``opened`` holds. Pillow counts them by seeking through the file, so a damaged
     later frame fails here; it raises ValueError then (a file cut short is refused, not half-read)."""
@@ -140,25 +162,15 @@ def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None
                 frames = _frame_count(opened)
                 if frames > 1 and opened.format != "MPO":  # MPO: a JPEG with a preview/depth frame attached
                     warnings.warn(f"{path}: has {frames} frames, only the first is used", UserWarning, stacklevel=2)
-                width, height = opened.size
-                if width * height > MAX_INPUT_PIXELS:
-                    raise FlowliftError(
-                        f"{path}: {width}x{height} exceeds the {MAX_INPUT_PIXELS} pixel limit "
-                        "(decompression-bomb guard)"
-                    )
+                _check_pixels(path, *opened.size)
                 opened.load()
                 image = ImageOps.exif_transpose(opened)
                 rgb, alpha = _to_rgb_and_alpha(image)
     except FlowliftError as error:
         text = str(error)
         raise FlowliftError(text if text.startswith(str(path)) else f"{path}: {text}") from None
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
-        raise FlowliftError(f"{path}: refused as a decompression bomb ({error})") from None
-    except UnidentifiedImageError:
-        raise FlowliftError(f"{path}: not an image file Pillow can read") from None
-    except DECODE_ERRORS as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise FlowliftError(f"{path}: unreadable or truncated image ({message})") from None
+    except _READ_ERRORS as error:
+        raise _read_error(path, error) from None
     _report_reader_warnings(path, caught)
     return rgb, alpha
 
@@ -200,17 +212,9 @@ def image_size(path: str | os.PathLike) -> tuple[int, int]:
             with Image.open(path) as opened:
                 width, height = opened.size
                 orientation = opened.getexif().get(0x0112, 1)
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
-        raise FlowliftError(f"{path}: refused as a decompression bomb ({error})") from None
-    except UnidentifiedImageError:
-        raise FlowliftError(f"{path}: not an image file Pillow can read") from None
-    except DECODE_ERRORS as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise FlowliftError(f"{path}: unreadable or truncated image ({message})") from None
-    if width * height > MAX_INPUT_PIXELS:
-        raise FlowliftError(
-            f"{path}: {width}x{height} exceeds the {MAX_INPUT_PIXELS} pixel limit (decompression-bomb guard)"
-        )
+    except _READ_ERRORS as error:
+        raise _read_error(path, error) from None
+    _check_pixels(path, width, height)
     return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
 
 

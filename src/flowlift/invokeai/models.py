@@ -55,6 +55,30 @@ def _announce_free(model: torch.nn.Module, what: str) -> None:
     weakref.finalize(model, log.info, f"flowlift: {what} freed")
 
 
+def _load_cached(
+    context: InvocationContext,
+    kind: str,
+    name: str,
+    title: str,
+    digest: str,
+    read: Callable[[torch.dtype], torch.nn.Module],
+) -> Any:
+    """InvokeAI's loaded model (not yet locked) under :func:`~flowlift.invokeai.files.cache_key` (``kind``, the files'
+    ``digest``, flowlift's dtype, ``name``); on a cache miss ``read(dtype)`` builds it on the CPU, logged as
+    ``<title> (sha256 <12 hex>, <dtype>)`` when it loads and when it is freed."""
+    dtype = model_dtype(context)
+    variant = str(dtype).removeprefix("torch.")
+    what = f"{title} (sha256 {digest[:12]}, {variant})"
+
+    def load(_key: Path) -> torch.nn.Module:
+        log.info(f"flowlift: loading {what}")
+        model = read(dtype)
+        _announce_free(model, what)
+        return model
+
+    return context.models.load_local_model(cache_key(kind, digest, variant, name), loader=load)
+
+
 def load_upscaler_cached(context: InvocationContext, source: str, should_stop: Callable[[], None]) -> Any:
     """The Flow Upscaler from ``source`` (file, folder, hub id) as InvokeAI's loaded model (not yet locked).
 
@@ -70,20 +94,14 @@ def load_upscaler_cached(context: InvocationContext, source: str, should_stop: C
     else:  # a hub repo id: its file in the Hugging Face cache (or downloaded once), checked the same way
         path = check_weight_file(resolve_upscaler_file(source), UPSCALER_FILE, shown=source)
     digest = file_digest(path, should_stop)
-    dtype = model_dtype(context)
-    what = f"Flow Upscaler {source} (sha256 {digest[:12]}, {str(dtype).removeprefix('torch.')})"
 
-    def load(_key: Path) -> torch.nn.Module:
-        log.info(f"flowlift: loading {what}")
+    def read(dtype: torch.dtype) -> torch.nn.Module:
         try:
-            model = load_upscaler(path, device="cpu", dtype=dtype)
+            return load_upscaler(path, device="cpu", dtype=dtype)
         except FlowliftError:
             raise refusal(UPSCALER_FILE, source) from None  # its tensors are not the Flow Upscaler's
-        _announce_free(model, what)
-        return model
 
-    key = cache_key("upscaler", digest, str(dtype).removeprefix("torch."), path.name)
-    return context.models.load_local_model(key, loader=load)
+    return _load_cached(context, "upscaler", path.name, f"Flow Upscaler {source}", digest, read)
 
 
 def _vae_kind_of_source(spec: str) -> str:
@@ -143,11 +161,8 @@ def load_native_vae_cached(context: InvocationContext, source: str, should_stop:
     title = NAMED_VAES[kind].title
     files = _native_vae_files(spec, kind)
     digest = files_digest(files, should_stop)
-    dtype = model_dtype(context)
-    what = f"{title} {spec} (sha256 {digest[:12]}, {str(dtype).removeprefix('torch.')})"
 
-    def load(_key: Path) -> torch.nn.Module:
-        log.info(f"flowlift: loading {what}")
+    def read(dtype: torch.dtype) -> torch.nn.Module:
         try:
             vae = load_vae(spec, device="cpu", dtype=dtype)
         except FlowliftError:
@@ -157,16 +172,9 @@ def load_native_vae_cached(context: InvocationContext, source: str, should_stop:
                 f"{title}: {spec} is a full FLUX.2 VAE, not {title}; install it in InvokeAI's model manager and "
                 "connect it to the vae input instead"
             )
-        _announce_free(vae.model, what)
         return vae.model
 
-    key = cache_key(kind, digest, str(dtype).removeprefix("torch."), kind)
-    return context.models.load_local_model(key, loader=load)
-
-
-def load_taef2_cached(context: InvocationContext, source: str, should_stop: Callable[[], None]) -> Any:
-    """TAEF2 from ``source``: :func:`load_native_vae_cached` (kept under the name the TAEF2-only version had)."""
-    return load_native_vae_cached(context, source, should_stop)
+    return _load_cached(context, kind, kind, f"{title} {spec}", digest, read)
 
 
 def native_vae_adapter(module: torch.nn.Module) -> Any:

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from invokeai.app.services.session_processor.session_processor_common import CanceledException
 from invokeai.invocation_api import InvocationContext
 
-from flowlift.progress import RunProgress, format_seconds
+from flowlift.console import format_seconds
+from flowlift.progress import RunProgress
 
 
 class NodeProgress:

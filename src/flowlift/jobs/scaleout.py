@@ -358,34 +358,27 @@ def _recording(process: Process, manifest: Manifest, run: str, env: DistEnv) -> 
 
     def recorded(source: Path, output: Path) -> None:
         start = time.perf_counter()
-        try:
-            process(source, output)
-        except Exception as error:  # recorded, then handled by run_jobs (one line) or propagated
+
+        def record(status: str, error: str | None) -> None:
             manifest.write_record(
                 image_record(
                     input_path=_absolute(source),
                     input_sha256=_sha256(source),
                     output=_absolute(output),
-                    status="failed",
+                    status=status,
                     seconds=time.perf_counter() - start,
-                    error=error_line(error),
+                    error=error,
                     env=env,
                     run=run,
                 )
             )
+
+        try:
+            process(source, output)
+        except Exception as error:  # recorded, then handled by run_jobs (one line) or propagated
+            record("failed", error_line(error))
             raise
-        manifest.write_record(
-            image_record(
-                input_path=_absolute(source),
-                input_sha256=_sha256(source),
-                output=_absolute(output),
-                status="done",
-                seconds=time.perf_counter() - start,
-                error=None,
-                env=env,
-                run=run,
-            )
-        )
+        record("done", None)
 
     return recorded
 

@@ -205,6 +205,35 @@ def _writing(writing: ShardWriting | None) -> tuple:
     return chosen.shard_size, chosen.storage_dtype, chosen.device, chosen.progress, chosen.part
 
 
+def _manifest(
+    kind: str,
+    latent_size: tuple[int, int],
+    num_items: int,
+    has_noise: bool,
+    degradation: Degradation,
+    seed: int,
+    shard_size: int,
+    storage_dtype: Any,
+    source: dict[str, Any],
+) -> dict[str, Any]:
+    """A dataset folder's manifest (``dataset.json``): its items' target latents (32, H, W) at ``latent_size``, their
+    conditions at ``1 / degradation.factor`` of it, how they are stored and where they come from."""
+    height, width = latent_size
+    factor = degradation.factor
+    return {
+        "kind": kind,
+        "target_shape": [LATENT_CHANNELS, height, width],
+        "cond_shape": [LATENT_CHANNELS, height // factor, width // factor],
+        "shard_size": shard_size,
+        "num_items": num_items,
+        "has_noise": has_noise,
+        "degradation": degradation.to_dict(),
+        "seed": seed,
+        "storage_dtype": str(storage_dtype).removeprefix("torch."),
+        "source": source,
+    }
+
+
 def build_distill_dataset(
     root: str | os.PathLike,
     teacher: Teacher,
@@ -236,20 +265,9 @@ def build_distill_dataset(
         raise FlowliftError(f"latent size must be positive multiples of 4, got {height}x{width}")
     if num_items < 1 or shard_size < 1 or batch_size < 1:
         raise FlowliftError("number of items, shard size and batch size must be >= 1")
-    factor = degradation.factor
     root = Path(root)
-    manifest = {
-        "kind": "distill",
-        "target_shape": [LATENT_CHANNELS, height, width],
-        "cond_shape": [LATENT_CHANNELS, height // factor, width // factor],
-        "shard_size": shard_size,
-        "num_items": num_items,
-        "has_noise": True,
-        "degradation": degradation.to_dict(),
-        "seed": seed,
-        "storage_dtype": str(storage_dtype).removeprefix("torch."),
-        "source": source or {"teacher": type(teacher).__name__},
-    }
+    source = source or {"teacher": type(teacher).__name__}
+    manifest = _manifest("distill", latent_size, num_items, True, degradation, seed, shard_size, storage_dtype, source)
     prepare_dataset_dir(root, manifest, overwrite)
     pending, part_items, done_items = _shard_plan(root, num_items, shard_size, part)
     with _progress(part_items, done_items, "distill", progress) as bar:
@@ -357,27 +375,18 @@ def build_images_dataset(
     if not items:
         raise FlowliftError(f"no image is at least {crop}x{crop} pixels")
     side = crop // VAE_SCALE_FACTOR
-    factor = degradation.factor
     root = Path(root)
-    manifest = {
-        "kind": "images",
-        "target_shape": [LATENT_CHANNELS, side, side],
-        "cond_shape": [LATENT_CHANNELS, side // factor, side // factor],
-        "shard_size": shard_size,
-        "num_items": len(items),
-        "has_noise": False,
-        "degradation": degradation.to_dict(),
-        "seed": seed,
-        "storage_dtype": str(storage_dtype).removeprefix("torch."),
-        "source": {
-            "images": [str(p) for p in paths],
-            "crop": crop,
-            "crops_per_image": crops_per_image,
-            "flip": flip,
-            "vae": vae_name,
-            "skipped": skipped,
-        },
+    source = {
+        "images": [str(p) for p in paths],
+        "crop": crop,
+        "crops_per_image": crops_per_image,
+        "flip": flip,
+        "vae": vae_name,
+        "skipped": skipped,
     }
+    manifest = _manifest(
+        "images", (side, side), len(items), False, degradation, seed, shard_size, storage_dtype, source
+    )
     prepare_dataset_dir(root, manifest, overwrite)
     pending, part_items, done_items = _shard_plan(root, len(items), shard_size, part)
     cache: dict[str, torch.Tensor] = {}

@@ -37,6 +37,10 @@ class DistContext:
     def close(self) -> None:
         if self.initialized_here and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        if self.world_size > 1:  # the group's threads outlive it once DDP ran (devices.end_before_native_teardown)
+            from flowlift.devices import end_before_native_teardown
+
+            end_before_native_teardown()
 
 
 def init_distributed(device_kind: str) -> DistContext:

@@ -32,7 +32,7 @@ from flowlift.errors import FlowliftError
 from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
 from flowlift.files.json_input import parse_json
 from flowlift.files.output_paths import folder_problem, same_file, same_file_problem
-from flowlift.files.own_files import replace_problem
+from flowlift.files.own_files import replace_problem, safetensors_metadata
 from flowlift.training.checkpoints import EMA_NAME, RAW_NAME, RUN_ID_NAME, STATE_NAME
 from flowlift.training.config import TrainConfig
 from flowlift.training.validation import CURVES_SOFTWARE, is_val_log
@@ -86,20 +86,8 @@ def is_curves(path: Path) -> bool:
 
 def is_upscaler_weights(path: Path) -> bool:
     """A safetensors file whose metadata names the Flow Upscaler's architecture (what ``save_upscaler`` writes)."""
-    head = _head(path, 8)
-    if len(head) < 8:
-        return False
-    size = int.from_bytes(head, "little")
-    if not 2 <= size <= 100 << 20:
-        return False
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(8)
-            header = parse_json(handle.read(size))
-    except ValueError:
-        return False
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    return isinstance(metadata, dict) and {"base_channels", "time_dim", "cond_dim"} <= set(metadata)
+    metadata = safetensors_metadata(path)
+    return metadata is not None and {"base_channels", "time_dim", "cond_dim"} <= set(metadata)
 
 
 def is_latest_pointer(path: Path) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,19 @@ from flowlift.upscale.sizes import (
     resample_to_multiple,
 )
 from flowlift.upscale.unet_runner import CompiledUNet, velocity_model
+
+
+@dataclass(frozen=True)
+class _ImageStages:
+    """The settings :meth:`FlowUpscalerPipeline.upscale_image` hands its stages as one (its parameters, checked)."""
+
+    num_passes: int
+    seed: int | Sequence[int]
+    color_fix: bool
+    transplant_strength: float
+    color_fix_strength: float
+    resize_mode: str
+    output_size: tuple[int, int] | None
 
 
 class FlowUpscalerPipeline:
@@ -338,38 +352,23 @@ class FlowUpscalerPipeline:
                 f"output_size {output_size[0]}x{output_size[1]} is below the "
                 f"{original.shape[-1]}x{original.shape[-2]} input"
             )
+        stages = _ImageStages(
+            num_passes, seed, color_fix, transplant_strength, color_fix_strength, resize_mode, output_size
+        )
         with self._cancel_points():
-            result = self._image_stages(
-                original,
-                prepared,
-                num_passes,
-                seed,
-                color_fix,
-                transplant_strength,
-                color_fix_strength,
-                resize_mode,
-                callback,
-                on_decode_tile,
-                output_size,
-            )
+            result = self._image_stages(original, prepared, stages, callback, on_decode_tile)
         return as_output(result, image, output_type)
 
     def _image_stages(
         self,
-        original,
-        prepared,
-        num_passes,
-        seed,
-        color_fix,
-        transplant_strength,
-        color_fix_strength,
-        resize_mode,
-        callback,
-        on_decode_tile,
-        output_size=None,
+        original: torch.Tensor,
+        prepared: torch.Tensor,
+        stages: _ImageStages,
+        callback: Callable[[str], None] | None,
+        on_decode_tile: Callable[[int, int], None] | None,
     ) -> torch.Tensor:
         """upscale_image's stages: encode, passes, decode, stage 2; float32 (B, 3, H, W) in [0, 1]."""
-        passes = self.plan_passes(original.shape[-2], original.shape[-1], num_passes, resize_mode)
+        passes = self.plan_passes(original.shape[-2], original.shape[-1], stages.num_passes, stages.resize_mode)
         # the whole plan (passes and decode) before the encode: a budget the decode cannot meet is refused at once
         self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0])
         latents = self._vae_call("encode", prepared.to(vae_dtype(self.vae, self.dtype))).to(torch.float32)
@@ -377,14 +376,9 @@ class FlowUpscalerPipeline:
         if callback is not None:
             callback("encode")
         latents = self.upscale_latents(
-            latents,
-            passes,
-            seed=seed,
-            transplant_strength=transplant_strength,
-            color_fix=color_fix,
-            callback=callback,
+            latents, passes, stages.seed, stages.transplant_strength, stages.color_fix, callback
         )
-        plan = self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0], output_size)
+        plan = self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0], stages.output_size)
         self.last_plan = plan
         tiled = self.vae_tiled if self.vae_tiled is not None or plan is None else plan.vae_tiled
         decoded = self._vae_call(
@@ -403,10 +397,10 @@ class FlowUpscalerPipeline:
             original,
             prepared,
             passes,
-            resize_mode,
-            color_fix=color_fix,
-            color_fix_strength=color_fix_strength,
-            output_size=output_size,
+            stages.resize_mode,
+            color_fix=stages.color_fix,
+            color_fix_strength=stages.color_fix_strength,
+            output_size=stages.output_size,
             check_interrupt=self.check_interrupt,
         )
         if callback is not None:

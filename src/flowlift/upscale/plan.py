@@ -397,7 +397,7 @@ def _megapixels(path: Path, image_size: Callable[[Path], tuple[int, int]]) -> fl
 
 def _bar_note(run: Any) -> str:
     """A terminal bar's note: the stage running and the run's time left (``decode, about 40 s left``)."""
-    from flowlift.progress import format_seconds
+    from flowlift.console import format_seconds
 
     state = run.state()
     what = state.what().rsplit(": ", 1)[-1]
