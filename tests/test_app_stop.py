@@ -66,6 +66,13 @@ def test_a_command_that_owns_its_process_runs_with_the_collector_on_and_the_impo
     finally:
         gc.unfreeze()  # this test process's objects back to the collector
     assert gc.isenabled() and seen[0][0] and seen[0][1] > 0
+    monkeypatch.setattr(sys, "argv", ["flowlift", "--help"])  # ends before torch's import: the collector is back on
+    try:
+        with pytest.raises(SystemExit):  # argparse's --help
+            cli._main(None)
+    finally:
+        gc.unfreeze()
+    assert gc.isenabled()
 
 
 def test_the_app_exits_on_sigint_after_a_request_loaded_its_models(tmp_path, shared):

@@ -217,6 +217,7 @@ def _main(argv: Sequence[str] | None) -> int:
     finally:
         if owns_process:
             _skip_final_collection()
+            gc.enable()  # also where the run ended before torch's import (--help, a parse error)
 
 
 def _import_torch_frozen() -> None:
