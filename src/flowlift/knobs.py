@@ -273,6 +273,20 @@ TRANSPLANT_STRENGTH = Knob(
     step=0.05,
 )
 
+#: The latent upscaler for the fraction of a scale that is not 2, 4 or 8, in latent space after the Flow passes:
+#: ``sesqui:PATH`` (SesquiLSR's FLUX.2 weights, any factor in [1, 2]); None: ``hires`` refuses such a scale,
+#: ``upscale`` resamples in pixels. The FLUX.2 VAE only (it works on raw latents: the VAE's BN statistics).
+LATENT_UPSCALER = Knob(
+    "latent_upscaler",
+    str,
+    None,
+    "the fraction of a scale that is not 2, 4 or 8 (1.5; 3 = one pass then 1.5x) in latent space: SesquiLSR "
+    "FLUX.2 weights (upscaler_Flux2.safetensors from LoganBooker/SesquiLSR's models/; needs the FLUX.2 VAE)",
+    pattern=r"sesqui:.+",
+    optional=True,
+    extra={"spelled": "sesqui:PATH"},
+)
+
 
 def check_seed(seed: Any) -> int | list[int]:
     """A seed in [0, 2^64 - 1] (exact), or a sequence of them (one per image of a batch), else one line."""

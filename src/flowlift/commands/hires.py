@@ -11,6 +11,7 @@ from flowlift.commands._options import (
     positive_int,
 )
 from flowlift.commands._refine_options import add_model_arguments, request_fields
+from flowlift.knobs import LATENT_UPSCALER
 from flowlift.refine.request import DEFAULT_SIZE
 from flowlift.refine.settings import HIRES_SCALE, REFINE_STRENGTH, STEPS, TRANSPLANT_STRENGTH
 
@@ -48,12 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     up = parser.add_argument_group("upscale")
     add_knob(up, HIRES_SCALE, "--scale")
     add_upscaler_option(up)
-    up.add_argument(
-        "--latent-upscaler",
-        metavar="sesqui:PATH",
-        help="the fraction of a --scale that is not 2, 4 or 8 (1.5; 3 = one pass then 1.5x) in latent space: SesquiLSR "
-        "FLUX.2 weights (upscaler_Flux2.safetensors from LoganBooker/SesquiLSR's models/; needs the FLUX.2 VAE; "
-        "default: none, so only 2, 4, 8)",
+    add_knob(
+        up, LATENT_UPSCALER, metavar="sesqui:PATH", help=f"{LATENT_UPSCALER.help} (default: none, so only 2, 4, 8)"
     )
     add_knob(up, TRANSPLANT_STRENGTH)
     up.add_argument("--no-color-fix", action="store_true", help="switch the upscaler's colour fix off")

@@ -30,7 +30,7 @@ from flowlift.commands._options import (
 )
 from flowlift.console import show_progress
 from flowlift.errors import FlowliftError
-from flowlift.knobs import SEED
+from flowlift.knobs import LATENT_UPSCALER, SEED
 from flowlift.limits import passes_for_scale
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH, RESIZE_MODE, SCALE, TRANSPLANT_STRENGTH
 
@@ -66,6 +66,7 @@ def settings_from_args(args: argparse.Namespace):
         vae=args.vae,
         upscaler=args.upscaler,
         quality=args.quality,
+        latent_upscaler=args.latent_upscaler,
     )
 
 
@@ -114,6 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_knob(parser, COLOR_FIX_STRENGTH)
     add_vae_option(parser, default=DEFAULT_VAE)
     add_upscaler_option(parser)
+    add_knob(
+        parser,
+        LATENT_UPSCALER,
+        metavar="sesqui:PATH",
+        help=f"{LATENT_UPSCALER.help}, instead of the pixel resample; 2, 4, 8 do not run it (default: none)",
+    )
     add_device_options(parser, cpu_bf16=True)
     add_image_format_options(parser)
     add_knob(parser, RESIZE_MODE)

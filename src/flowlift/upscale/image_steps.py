@@ -71,16 +71,18 @@ def finish_decoded(
     color_fix_strength: float,
     output_size: tuple[int, int] | None,
     check_interrupt: Callable[[], None] | None,
+    content: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The decoded float32 frame -> the result, float32 (B, 3, H, W) in [0, 1].
 
     Cropped to ``2**passes`` times ``original`` (``resize_mode="pad"``) or ``prepared`` (``"resample"``); with
     ``output_size`` (width, height) resampled to exactly that size, stage 2 then pinning it to ``original`` in
     :data:`RESAMPLED_COLOUR_ITERATIONS` iterations (2 otherwise); without ``color_fix`` (or at strength 0) clamped.
+    ``content`` (height, width): the crop instead, for latents SesquiLSR resized (upscale/latent_fraction.py).
     """
     scale = output_scale(passes)
     reference = original if resize_mode == "pad" else prepared
-    height, width = reference.shape[-2] * scale, reference.shape[-1] * scale
+    height, width = content or (reference.shape[-2] * scale, reference.shape[-1] * scale)
     if decoded.shape[-2] < height or decoded.shape[-1] < width:
         raise FlowliftError(f"VAE decoded {decoded.shape[-1]}x{decoded.shape[-2]}, expected at least {width}x{height}")
     decoded = decoded[..., :height, :width]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from flowlift.errors import FlowliftError
+from flowlift.upscale.latent_fraction import find_sesqui, sesqui_path
 from flowlift.upscale.loading import DEFAULT_UPSCALER
 
 
@@ -43,11 +43,7 @@ class FlowUpscalerSource:
         from flowlift.upscale.loading import resolve_upscaler_file
 
         if self.latent_upscaler is not None:
-            path = sesqui_path(self.latent_upscaler)
-            if not path.is_file():
-                from flowlift.models.sesqui_lsr import load_sesqui_lsr
-
-                load_sesqui_lsr(path)  # its one line: no such file, and where the released weights are
+            find_sesqui(self.latent_upscaler)
         return resolve_upscaler_file(self.name)
 
     def load(self, vae: Any, *, device: Any, dtype: Any, budget_bytes: int | None = None) -> Any:
@@ -64,16 +60,6 @@ class FlowUpscalerSource:
 
         sesqui = load_sesqui_lsr(sesqui_path(self.latent_upscaler), device=pipeline.device, dtype=torch.float32)
         return FractionalUpscaler(pipeline, sesqui, vae, self.latent_upscaler)
-
-
-def sesqui_path(spec: str) -> Path:
-    """``"sesqui:PATH"`` -> PATH (the only latent upscaler for fractions today), else one line."""
-    kind, _, path = str(spec).partition(":")
-    if kind != "sesqui" or not path:
-        raise FlowliftError(
-            f"latent_upscaler must be sesqui:PATH (SesquiLSR's FLUX.2 weights), got {spec!r}", field="latent_upscaler"
-        )
-    return Path(path).expanduser()
 
 
 class FractionalUpscaler:

@@ -33,10 +33,11 @@ class UpscaleSettings:
     vae: str = DEFAULT_VAE
     upscaler: str | None = None
     quality: int | None = None
+    latent_upscaler: str | None = None  # "sesqui:PATH": the fraction of an asked size in latent space
 
     def __post_init__(self) -> None:
         """Every field checked by its knob when the settings are made (one line naming it)."""
-        from flowlift.knobs import COLOR_FIX, check_path, check_seed, exact_int
+        from flowlift.knobs import COLOR_FIX, LATENT_UPSCALER, check_path, check_seed, exact_int
         from flowlift.upscale.settings import COLOR_FIX_STRENGTH, RESIZE_MODE, TRANSPLANT_STRENGTH
 
         object.__setattr__(self, "seed", check_seed(self.seed))
@@ -46,6 +47,7 @@ class UpscaleSettings:
         object.__setattr__(self, "resize_mode", RESIZE_MODE.check(self.resize_mode))
         check_path("vae", self.vae)
         check_path("upscaler", self.upscaler, optional=True)
+        object.__setattr__(self, "latent_upscaler", LATENT_UPSCALER.check(self.latent_upscaler))
         quality = exact_int(self.quality) if self.quality is not None else None
         if self.quality is not None and (quality is None or not 1 <= quality <= 100):
             raise FlowliftError(
@@ -79,6 +81,8 @@ def output_metadata(
     from flowlift.files.metadata import metadata_record
 
     request = {"scale": 2**passes} if asked is None else {**asked.record(), "size": list(size)}
+    latent = getattr(pipeline, "latent_upscaler", None) if asked is not None else None  # ran for the fraction
+    request.update({"latent_upscaler": latent} if latent is not None else {})
     return metadata_record(
         "upscale",
         {

@@ -30,11 +30,13 @@ from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import check_latents
 from flowlift.knobs import check_count, check_seed
 from flowlift.limits import model_bytes, parse_memory, vae_kind
+from flowlift.models.sesqui_lsr import sesqui_upscale_latents
 from flowlift.models.upscaler_unet import ONE_STEP_TIMESTEP
 from flowlift.upscale.colorfix import LOWFREQ_FACTOR, latent_lowband_transplant
 from flowlift.upscale.image_steps import as_output, finish_decoded, vae_call, vae_dtype
 from flowlift.upscale.inputs import check_finite
 from flowlift.upscale.interrupts import checked_modules, with_check
+from flowlift.upscale.latent_fraction import find_sesqui, fraction_plan, load_fraction_upscaler
 from flowlift.upscale.loading import (
     DEFAULT_UPSCALER,
     DEFAULT_VAE,
@@ -100,6 +102,10 @@ class FlowUpscalerPipeline:
     channels_last:
         Channels-last weights and inputs for the UNet (``None``: on CUDA and in bfloat16 on the CPU,
         :func:`flowlift.devices.default_channels_last`).
+    latent_upscaler:
+        ``"sesqui:PATH"``: SesquiLSR's FLUX.2 weights for the fraction of an ``output_size`` in latent space, after
+        the passes and before the decode, instead of the pixel resample (:mod:`flowlift.upscale.latent_fraction`;
+        the FLUX.2 VAE only: TAEF2/Mage-VAE are one line). None: the pixel resample.
     on_strip:
         ``on_strip(done, total)``, called after every strip of a chunked pass (progress; an exception
         it raises, e.g. a user's cancel, stops the pass). See
@@ -123,6 +129,7 @@ class FlowUpscalerPipeline:
         channels_last: bool | None = None,
         on_strip: Callable[[int, int], None] | None = None,
         check_interrupt: Callable[[], None] | None = None,
+        latent_upscaler: str | None = None,
     ) -> None:
         memory = memory if memory is not None else MemoryPolicy()
         param = first_parameter(upscaler) if not isinstance(upscaler, (str, os.PathLike)) else None
@@ -146,9 +153,15 @@ class FlowUpscalerPipeline:
         if channels_last is None:
             channels_last = default_channels_last(self.device, self.dtype)
         self.max_memory = None if memory.max_memory is None else parse_memory(memory.max_memory)
+        if latent_upscaler is not None:
+            find_sesqui(latent_upscaler)  # a malformed spec or a missing file: one line before anything loads
         # both found (or both named as missing) before either loads
         self.upscaler, self.upscaler_path, self.vae, self.vae_spec = load_pipeline_models(
             upscaler, vae, self.device, self.dtype
+        )
+        self.latent_upscaler = latent_upscaler
+        self.sesqui = (
+            None if latent_upscaler is None else load_fraction_upscaler(latent_upscaler, self.vae, self.device)
         )
         self.channels_last = bool(channels_last)
         if self.channels_last and isinstance(self.upscaler, torch.nn.Module):
@@ -339,7 +352,9 @@ class FlowUpscalerPipeline:
         an untiled decode); both only report progress (an exception they raise stops the run).
         ``output_size`` (width, height) at or above the input's: the decoded frame is resampled to exactly that
         size (:func:`flowlift.upscale.sizes.resample_to_size`) and stage 2 pins it to the input (``scale=3``:
-        ``num_passes=2``, then down to 3x); None is the passes' own size.
+        ``num_passes=2``, then down to 3x); None is the passes' own size. A pipeline made with ``latent_upscaler``
+        resizes the latents to it with SesquiLSR instead (``scale=3``: ``num_passes=1``, then 1.5x in latent space;
+        :func:`flowlift.upscale.latent_fraction.fraction_passes`).
         """
         if output_type not in ("pil", "pt"):
             raise FlowliftError(f"output_type must be 'pil' or 'pt', got {output_type!r}")
@@ -369,8 +384,13 @@ class FlowUpscalerPipeline:
     ) -> torch.Tensor:
         """upscale_image's stages: encode, passes, decode, stage 2; float32 (B, 3, H, W) in [0, 1]."""
         passes = self.plan_passes(original.shape[-2], original.shape[-1], stages.num_passes, stages.resize_mode)
+        fraction = None  # with a latent upscaler: SesquiLSR's latent size and the decoded content (h, w)
+        if self.sesqui is not None and stages.output_size is not None:
+            reference = original if stages.resize_mode == "pad" else prepared
+            fraction = fraction_plan(prepared.shape[-2:], reference.shape[-2:], passes, stages.output_size)
+        planned = passes + (fraction is not None)  # SesquiLSR's decode: at most one more 2x, planned as one
         # the whole plan (passes and decode) before the encode: a budget the decode cannot meet is refused at once
-        self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0])
+        self.plan_memory(prepared.shape[-2], prepared.shape[-1], planned, prepared.shape[0])
         latents = self._vae_call("encode", prepared.to(vae_dtype(self.vae, self.dtype))).to(torch.float32)
         check_finite(latents, "the VAE encoder produced")
         if callback is not None:
@@ -378,7 +398,9 @@ class FlowUpscalerPipeline:
         latents = self.upscale_latents(
             latents, passes, stages.seed, stages.transplant_strength, stages.color_fix, callback
         )
-        plan = self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0], stages.output_size)
+        if fraction is not None:  # the fraction in latent space: normalized -> raw -> SesquiLSR -> normalized
+            latents = sesqui_upscale_latents(self.sesqui, latents, fraction[0], self.vae.bn_mean, self.vae.bn_std)
+        plan = self.plan_memory(prepared.shape[-2], prepared.shape[-1], planned, prepared.shape[0], stages.output_size)
         self.last_plan = plan
         tiled = self.vae_tiled if self.vae_tiled is not None or plan is None else plan.vae_tiled
         decoded = self._vae_call(
@@ -402,6 +424,7 @@ class FlowUpscalerPipeline:
             color_fix_strength=stages.color_fix_strength,
             output_size=stages.output_size,
             check_interrupt=self.check_interrupt,
+            content=None if fraction is None else fraction[1],
         )
         if callback is not None:
             callback("color fix")

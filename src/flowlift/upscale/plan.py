@@ -123,11 +123,14 @@ class OutputSizes:
     ``asked``: an :class:`~flowlift.upscale.asked_size.AskedSize` (or a number of passes, the scale ``2**N``). A
     power-of-two scale is the passes' own output, the cap dropping whole passes (named by the scale that ran);
     any other request is its exact size, refused in one line when over 8x, over the cap or below the input.
+    ``fraction_last`` (a latent upscaler, :mod:`flowlift.upscale.latent_fraction`): such a request runs one pass
+    fewer and leaves the fraction to SesquiLSR, refused in one line when a side falls outside its [1, 2].
     """
 
-    def __init__(self, asked: AskedSize | int, resize_mode: str) -> None:
+    def __init__(self, asked: AskedSize | int, resize_mode: str, fraction_last: bool = False) -> None:
         self.asked = asked if isinstance(asked, AskedSize) else AskedSize.of_passes(asked)
         self.resize_mode = resize_mode
+        self.fraction_last = fraction_last
         self._cache: dict[Path, tuple[int, tuple[int, int] | None, str | None, Any]] = {}
 
     @property
@@ -148,15 +151,22 @@ class OutputSizes:
         return self._cache[path]
 
     def _sized(self, path: Path, width: int, height: int) -> tuple[int, tuple[int, int], str | None, Any]:
+        from flowlift.upscale.latent_fraction import fraction_passes
         from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, dropped_passes_message, planned_passes, upscaled_size
 
         try:
             target = None if self.asked.power_of_two else self.asked.target(width, height)
         except FlowliftError as error:
             raise FlowliftError(f"{path}: {error}") from None
-        asked = self.asked.passes if target is None else self.asked.passes_for(width, height)
+        fraction = self.fraction_last and target is not None
+        try:  # SesquiLSR for the fraction: its passes, each side left 1-2x (else one line, before any work)
+            asked = fraction_passes(height, width, self.resize_mode, target) if fraction else None
+        except FlowliftError as error:
+            raise FlowliftError(f"{path}: {error.template}", field=error.field) from None
+        if asked is None:
+            asked = self.asked.passes if target is None else self.asked.passes_for(width, height)
         run = planned_passes(height, width, asked, self.resize_mode, MAX_OUTPUT_SIDE)
-        if run == 0:
+        if run == 0 and not fraction:
             raise FlowliftError(
                 f"{path}: a {width}x{height} image cannot be upscaled: one 2x pass would exceed "
                 f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px"
@@ -240,7 +250,8 @@ def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
     """List the inputs and plan one job per input (see the module docstring); nothing is written."""
     from flowlift.files.images import IMAGE_SUFFIXES, list_images, output_target
 
-    sizes = OutputSizes(request.asked, request.settings.resize_mode)  # named by the scale the cap lets run
+    fraction_last = request.settings.latent_upscaler is not None  # SesquiLSR for the fraction
+    sizes = OutputSizes(request.asked, request.settings.resize_mode, fraction_last)  # named by what the cap lets run
     problems: list[tuple[str, str]] = []
     inputs = list_images(list(request.inputs), problems)
     if not inputs and not problems:
@@ -292,6 +303,7 @@ class UpscaleStep:
             device=device,
             memory=MemoryPolicy(chunked=request.chunked, vae_tiled=request.vae_tiled, max_memory=request.max_memory),
             compile=request.compile,
+            latent_upscaler=request.settings.latent_upscaler,
         )  # the loading line stays until the first image's first stage begins
         step = cls(request, plan, pipeline)
         if request.batch_size > 1 and env.distributed:

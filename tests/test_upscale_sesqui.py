@@ -1,0 +1,247 @@
+"""``flowlift upscale --latent-upscaler sesqui:PATH`` (issue 46.3, its upscale half): Flow passes for the powers of
+two, SesquiLSR for the fraction in latent space, then the decode and stage 2 against the input at the final size; a
+tiny random FLUX.2 VAE (with BN statistics), a tiny Flow Upscaler for 32-channel latents and a random SesquiLSR file
+in the released layout. The rule (upscale/latent_fraction.py): SesquiLSR to the smallest even latent size covering
+the asked size, the decoded content cropped and resampled to it; 2, 4, 8 run no SesquiLSR and are byte for byte
+the run without the option; TAEF2 with the option, a missing file, a side outside [1, 2]: one line, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from builders import one_error_line, save_tiny_unet
+from flowlift.commands.cli import main
+from flowlift.errors import FlowliftError
+from sesqui_reference import random_state
+
+
+@pytest.fixture(scope="module")
+def sesqui(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sesqui") / "upscaler_Flux2.safetensors"
+    save_file(random_state(0), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def flux2_vae(tmp_path_factory):
+    """A tiny random FLUX.2 VAE folder (diffusers layout, BN statistics like the real one's)."""
+    from tiny_flux2 import tiny_vae
+
+    folder = tmp_path_factory.mktemp("vae") / "vae"
+    tiny_vae().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def upscaler(tmp_path_factory):
+    """A tiny Flow Upscaler for FLUX.2 latents (cond_dim 32), seed 0."""
+    return save_tiny_unet(tmp_path_factory.mktemp("flow") / "flow_upscaler.safetensors", seed=0, cond_dim=32)
+
+
+@pytest.fixture(scope="module")
+def photo(tmp_path_factory):
+    """48x32 random RGB (multiples of 16: nothing padded)."""
+    path = tmp_path_factory.mktemp("img") / "a.png"
+    g = torch.Generator().manual_seed(0)
+    Image.fromarray((torch.rand(32, 48, 3, generator=g) * 255).to(torch.uint8).numpy(), "RGB").save(path)
+    return path
+
+
+def _upscale(capsys, photo, out, *options):
+    code = main(["upscale", str(photo), "-o", str(out), "--device", "cpu", "--dtype", "float32", *options])
+    return code, capsys.readouterr().err
+
+
+def _models(upscaler, vae):
+    return ["--upscaler", str(upscaler), "--vae", str(vae)]
+
+
+@pytest.mark.parametrize(("scale", "size", "passes"), [("3", (144, 96), 1), ("1.5", (72, 48), 0)])
+def test_a_fraction_runs_sesquilsr_after_the_passes_to_exactly_the_asked_size(
+    capsys, tmp_path, photo, upscaler, flux2_vae, sesqui, scale, size, passes
+):
+    out = tmp_path / "x.png"
+    code, err = _upscale(
+        capsys, photo, out, "--scale", scale, *_models(upscaler, flux2_vae), "--latent-upscaler", f"sesqui:{sesqui}"
+    )
+    assert code == 0, err
+    with Image.open(out) as image:
+        assert image.size == size
+        meta = json.loads(image.text["flowlift"])
+    assert meta["latent_upscaler"] == f"sesqui:{sesqui}" and meta["passes"] == passes and meta["size"] == list(size)
+
+
+@pytest.mark.parametrize("mode", ["pad", "resample"])
+def test_an_input_off_the_16_px_grid_gets_exactly_the_asked_size(capsys, tmp_path, upscaler, flux2_vae, sesqui, mode):
+    # 50x30 at 2.5: one pass, then SesquiLSR to the even latent size covering 125x75, cropped and resampled to it
+    photo = tmp_path / "odd.png"
+    g = torch.Generator().manual_seed(1)
+    Image.fromarray((torch.rand(30, 50, 3, generator=g) * 255).to(torch.uint8).numpy(), "RGB").save(photo)
+    out = tmp_path / "x.png"
+    options = ("--scale", "2.5", "--resize-mode", mode, "--latent-upscaler", f"sesqui:{sesqui}")
+    code, err = _upscale(capsys, photo, out, *_models(upscaler, flux2_vae), *options)
+    assert code == 0, err
+    with Image.open(out) as image:
+        assert image.size == (125, 75)
+        assert json.loads(image.text["flowlift"])["passes"] == 1
+
+
+def _by_hand(photo, upscaler, vae_folder, sesqui, passes, latent, content, out_size):
+    """Flow passes -> SesquiLSR -> decode -> crop -> resample -> stage 2, composed from the pieces."""
+    from flowlift.files.images import to_tensor
+    from flowlift.models.sesqui_lsr import load_sesqui_lsr, sesqui_upscale_latents
+    from flowlift.upscale.colorfix import lab_lowband_transplant
+    from flowlift.upscale.image_steps import RESAMPLED_COLOUR_ITERATIONS
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+    from flowlift.upscale.sizes import resample_to_size
+
+    plain = FlowUpscalerPipeline(str(upscaler), str(vae_folder), device="cpu", dtype=torch.float32)
+    image = to_tensor(Image.open(photo).convert("RGB"))
+    with torch.inference_mode():
+        z = plain.upscale_latents(plain.encode_image(image), passes, seed=0)
+        z = sesqui_upscale_latents(load_sesqui_lsr(sesqui), z, latent, plain.vae.bn_mean, plain.vae.bn_std)
+        decoded = plain.vae.decode(z).float()[..., : content[0], : content[1]]
+        decoded = resample_to_size(decoded, out_size[1], out_size[0])
+        return lab_lowband_transplant(decoded, image, 1.0, RESAMPLED_COLOUR_ITERATIONS)
+
+
+@pytest.mark.parametrize(
+    # (output size, passes, SesquiLSR's latent (h, w), the decoded content (h, w)): 3x = one pass (8x12 latents)
+    # then 1.5x to 12x18 (144x96 exactly); 1.5x: 4x6 -> 6x10 (the even latent side covering 72 px is 10: 80 px,
+    # resampled to 72)
+    ("out_size", "passes", "latent", "content"),
+    [((144, 96), 1, (12, 18), (96, 144)), ((72, 48), 0, (6, 10), (48, 80))],
+)
+def test_the_api_equals_the_pieces_composed_by_hand(
+    photo, upscaler, flux2_vae, sesqui, out_size, passes, latent, content
+):
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+
+    pipeline = FlowUpscalerPipeline(
+        str(upscaler), str(flux2_vae), device="cpu", dtype=torch.float32, latent_upscaler=f"sesqui:{sesqui}"
+    )
+    result = pipeline.upscale_image(
+        Image.open(photo).convert("RGB"), num_passes=passes, output_type="pt", output_size=out_size
+    )
+    expected = _by_hand(photo, upscaler, flux2_vae, sesqui, passes, latent, content, out_size)
+    assert result.shape == expected.shape == (1, 3, out_size[1], out_size[0])
+    # float32: the decoded frames agree to ~4e-6; stage 2's six clipped iterations carry that to <= ~7e-5
+    assert torch.allclose(result, expected, atol=2e-4, rtol=0), (result - expected).abs().max()
+    # and not the pixel resample's result: SesquiLSR ran
+    pixel = FlowUpscalerPipeline(str(upscaler), str(flux2_vae), device="cpu", dtype=torch.float32)
+    other = pixel.upscale_image(
+        Image.open(photo).convert("RGB"), num_passes=passes + 1, output_type="pt", output_size=out_size
+    )
+    assert (other - result).abs().max() > 1e-3
+
+
+def test_scale_2_with_the_option_is_byte_for_byte_the_run_without(capsys, tmp_path, photo, upscaler, flux2_vae, sesqui):
+    models = _models(upscaler, flux2_vae)
+    code, err = _upscale(capsys, photo, tmp_path / "plain.png", "--scale", "2", *models)
+    assert code == 0, err
+    code, err = _upscale(
+        capsys, photo, tmp_path / "with.png", "--scale", "2", *models, "--latent-upscaler", f"sesqui:{sesqui}"
+    )
+    assert code == 0, err
+    assert (tmp_path / "with.png").read_bytes() == (tmp_path / "plain.png").read_bytes()
+
+
+def test_taef2_with_the_option_is_one_line_and_writes_nothing(capsys, tmp_path, shared, photo, upscaler, sesqui):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    taef2 = shared / "models" / "taef2"
+    code, err = _upscale(
+        capsys,
+        photo,
+        folder / "x.png",
+        "--scale",
+        "3",
+        *_models(upscaler, taef2),
+        "--latent-upscaler",
+        f"sesqui:{sesqui}",
+    )
+    line = one_error_line(err, "upscale")
+    assert code == 2 and "--latent-upscaler" in line and "BN statistics" in line, err
+    assert list(folder.iterdir()) == []
+
+
+def test_a_missing_sesqui_file_is_one_line_pointing_at_the_models_folder(capsys, tmp_path, photo, upscaler, flux2_vae):
+    code, err = _upscale(
+        capsys,
+        photo,
+        tmp_path / "x.png",
+        "--scale",
+        "3",
+        *_models(upscaler, flux2_vae),
+        "--latent-upscaler",
+        f"sesqui:{tmp_path / 'nope.safetensors'}",
+    )
+    line = one_error_line(err, "upscale")
+    assert code == 2 and "models/" in line, err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_a_size_that_needs_sesquilsr_outside_1_to_2_is_one_line_before_any_work(
+    capsys, tmp_path, photo, upscaler, sesqui
+):
+    # 48x32 -> 144x32: 3x wide, 1x high; after one pass the height would need SesquiLSR at 0.5x
+    never = ["--upscaler", str(tmp_path / "never.safetensors"), "--vae", str(tmp_path / "never-vae")]
+    code, err = _upscale(
+        capsys, photo, tmp_path / "x.png", "--size", "144x32", *never, "--latent-upscaler", f"sesqui:{sesqui}"
+    )
+    line = one_error_line(err, "upscale")
+    assert code == 2 and "--latent-upscaler" in line and "outside its [1, 2]" in line, err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_one_knob_for_both_commands_and_the_settings():
+    from flowlift.knobs import LATENT_UPSCALER
+    from flowlift.upscale.outputs import UpscaleSettings
+    from test_knobs import action_of, parser_of
+
+    for command in ("upscale", "hires"):
+        action = action_of(parser_of(command), "--latent-upscaler")
+        assert action.default is None and action.type("sesqui:a.safetensors") == "sesqui:a.safetensors"
+        assert action.type.__name__ == LATENT_UPSCALER.name
+    assert UpscaleSettings(latent_upscaler="sesqui:a.safetensors").latent_upscaler == "sesqui:a.safetensors"
+    with pytest.raises(FlowliftError, match="latent_upscaler must be sesqui:PATH") as caught:
+        UpscaleSettings(latent_upscaler="bicubic")
+    assert caught.value.field == "latent_upscaler"
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.01, 1.5, 1.99, 2.01, 3.0, 3.75, 5.5, 6.0, 7.9, 8.0])
+@pytest.mark.parametrize("mode", ["pad", "resample"])
+def test_the_fraction_left_to_sesquilsr_is_within_1_to_2_by_construction(scale, mode):
+    """Any scale, any input size, either resize mode: the planned passes leave each side 1-2x to SesquiLSR
+    (fraction_passes raises its one line otherwise), on an even latent grid whose decoded frame covers the size."""
+    from flowlift.upscale.asked_size import AskedSize
+    from flowlift.upscale.latent_fraction import fraction_passes, fraction_plan
+    from flowlift.upscale.sizes import prepared_size
+
+    asked = AskedSize(scale=scale)
+    for width, height in [(48, 32), (33, 17), (100, 7), (1, 1), (1000, 999), (31, 1), (2000, 1500)]:
+        out = asked.target(width, height)
+        if mode == "resample" and min(width, height) < 16:  # a canvas of 16 px for 7: its aspect is not the input's
+            try:
+                fraction_passes(height, width, mode, out)
+            except FlowliftError as error:
+                assert error.field == "latent_upscaler"
+            continue
+        passes = fraction_passes(height, width, mode, out)
+        assert 2**passes <= scale * 1.5 and 2 ** (passes + 1) >= scale / 1.5  # the passes that reach it, less one
+        prepared = prepared_size(height, width, mode)
+        plan = fraction_plan(prepared, (height, width) if mode == "pad" else prepared, passes, out)
+        if plan is not None:
+            latent, content = plan
+            assert all(
+                0 <= c - o < 16 if mode == "pad" else abs(c - o) <= 16 for c, o in zip(content, out[::-1], strict=True)
+            )
+            assert all(side % 2 == 0 for side in latent)
+            factors = [t / (p * 2**passes / 8) for t, p in zip(latent, prepared, strict=True)]
+            assert all(1 <= factor <= 2 for factor in factors)
