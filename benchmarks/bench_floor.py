@@ -105,9 +105,12 @@ def staged(name, fn, numbered: bool = False):
 
 def command_child(argv: list[str]) -> None:
     """Run ``flowlift`` with ``argv`` in this process, its stages booked; print the table as JSON."""
+    import gc
+
     from flowlift.devices import passive_thread_wait
 
     passive_thread_wait()  # as cli.main() does when it is the process, before torch is imported below
+    gc.disable()  # as cli.main() does until torch is imported (then it freezes what was imported, and turns it on)
     import flowlift.commands.cli as cli
     import flowlift.files.image_outputs as image_outputs
     import flowlift.files.images as images

@@ -10,6 +10,7 @@ every command does (a one-shot command's exit walked torch's objects for 0.3-0.4
 from __future__ import annotations
 
 import argparse
+import gc
 import signal
 import subprocess
 import sys
@@ -43,8 +44,35 @@ def test_a_command_that_owns_its_process_skips_the_final_collection(monkeypatch,
     monkeypatch.setattr("gc.freeze", lambda: frozen.append(True))
     monkeypatch.setattr(sys, "argv", ["flowlift", "app"])
     assert cli._main(None) == 130  # the process's own command line: `flowlift app`, interrupted
-    assert frozen == [True]  # long-running or one-shot alike
-    assert cli.main(["app"]) == 130 and frozen == [True]  # an in-process caller: never
+    assert frozen == [True, True]  # after torch's import and at the end; long-running or one-shot alike
+    assert gc.isenabled()
+    assert cli.main(["app"]) == 130 and frozen == [True, True]  # an in-process caller: never
+
+
+def test_a_command_that_owns_its_process_runs_with_the_collector_on_and_the_imports_frozen(monkeypatch):
+    """Issue 47: torch is imported with the collector off, then frozen; the command itself runs with it on."""
+    seen: list[tuple[bool, int]] = []
+
+    def record(_args):
+        seen.append((gc.isenabled(), gc.get_freeze_count()))
+
+    parser = argparse.ArgumentParser(prog="flowlift")
+    parser.add_subparsers(dest="command").add_parser("status").set_defaults(_run=record, _long_running=False)
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setattr(cli, "reuse_freed_memory", lambda: None)
+    monkeypatch.setattr(sys, "argv", ["flowlift", "status"])
+    try:
+        assert cli._main(None) == 0
+    finally:
+        gc.unfreeze()  # this test process's objects back to the collector
+    assert gc.isenabled() and seen[0][0] and seen[0][1] > 0
+    monkeypatch.setattr(sys, "argv", ["flowlift", "--help"])  # ends before torch's import: the collector is back on
+    try:
+        with pytest.raises(SystemExit):  # argparse's --help
+            cli._main(None)
+    finally:
+        gc.unfreeze()
+    assert gc.isenabled()
 
 
 def test_the_app_exits_on_sigint_after_a_request_loaded_its_models(tmp_path, shared):

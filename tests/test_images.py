@@ -1,5 +1,6 @@
 import io
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -93,15 +94,24 @@ def test_atomic_save_with_metadata(tmp_path):
     assert len(file_sha256(out)) == 64
 
 
-def test_atomic_save_leaves_nothing_on_failure(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["y.png", "y.jpg", "y.tif"])
+def test_atomic_save_leaves_nothing_on_failure(tmp_path, monkeypatch, name):
+    """Pillow's writer (JPEG, TIFF) and the PNG bytes written by flowlift (OpenCV's encoding) both fail whole."""
+
     def broken_save(self, fp, format=None, **params):
         with open(fp, "wb") as handle:
             handle.write(b"partial")
         raise OSError("disk full")
 
+    def broken_write(self, data):
+        with open(self, "wb") as handle:
+            handle.write(data[:10])
+        raise OSError("disk full")
+
     monkeypatch.setattr(Image.Image, "save", broken_save)
+    monkeypatch.setattr(Path, "write_bytes", broken_write)
     with pytest.raises(OSError):
-        save_image_atomic(Image.fromarray(_gradient()), tmp_path / "y.png")
+        save_image_atomic(Image.fromarray(_gradient()), tmp_path / name)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -225,6 +225,32 @@ def one_thread(device: torch.device | str) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def non_finite_kind(tensor: torch.Tensor) -> str | None:
+    """``"NaN"`` or ``"Inf"`` when ``tensor`` holds one, else None (integer and empty tensors: None).
+
+    One read and no temporaries where ``isfinite(t).all()`` reads twice and writes a bool copy: ``aminmax`` (a NaN
+    propagates into both ends, an Inf is one of them), in one CPU thread (a memory-bound reduction; docs/cpu.md,
+    issue 47). Only a failing tensor is read again, to name the kind. Dtypes without ``aminmax`` (float8) are
+    checked in float32.
+    """
+    import math
+
+    import torch
+
+    if not tensor.is_floating_point() or not tensor.numel():
+        return None
+    tensor = tensor.detach()
+    with one_thread(tensor.device):
+        try:
+            low, high = (float(v) for v in torch.aminmax(tensor))
+        except (NotImplementedError, RuntimeError):
+            tensor = tensor.float()
+            low, high = (float(v) for v in torch.aminmax(tensor))
+        if math.isfinite(low) and math.isfinite(high):
+            return None
+        return "NaN" if bool(torch.isnan(tensor).any()) else "Inf"
+
+
 #: Set by :func:`end_before_native_teardown`; read once the command has returned (``flowlift.commands.cli.main``).
 _native_teardown_unsafe = False
 

@@ -12,6 +12,7 @@ a one-shot command without ``--max-memory`` keeps freed memory for reuse
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import pkgutil
@@ -183,6 +184,7 @@ def _main(argv: Sequence[str] | None) -> int:
     parser = args = None
     if owns_process:
         passive_thread_wait()  # before anything imports torch
+        gc.disable()  # until the imports are done (_import_torch_frozen)
     try:
         # signals first, the parser (every command module) after: a signal during the imports stops the run too
         with _signals_interrupt():  # restored when an in-process caller returns
@@ -194,6 +196,8 @@ def _main(argv: Sequence[str] | None) -> int:
             command = args.command
             if owns_process and not args._long_running and getattr(args, "max_memory", None) is None:
                 reuse_freed_memory()
+            if owns_process:
+                _import_torch_frozen()
             quiet_libraries(bool(getattr(args, "verbose", False)))
             format_warnings(args.command)
             set_command(args.command)  # progress lines off a terminal start `flowlift COMMAND:`
@@ -213,6 +217,21 @@ def _main(argv: Sequence[str] | None) -> int:
     finally:
         if owns_process:
             _skip_final_collection()
+            gc.enable()  # also where the run ended before torch's import (--help, a parse error)
+
+
+def _import_torch_frozen() -> None:
+    """Import torch (every command computes with it) with the garbage collector off, then move everything imported
+    so far out of its reach (``gc.freeze``) and turn it back on. Importing torch makes ~170,000 objects and none of
+    them is garbage: with the collector on, its passes over them cost ~0.1 CPU-second of the import, and every full
+    collection while the command runs walks them again (issue 47, docs/cpu.md). Only where the process is the
+    command's own, after :func:`flowlift.devices.reuse_freed_memory`."""
+    try:
+        import torch  # noqa: F401
+
+        gc.freeze()
+    finally:
+        gc.enable()
 
 
 def _skip_final_collection() -> None:
@@ -220,8 +239,6 @@ def _skip_final_collection() -> None:
     loaded: ``flowlift app`` (models, Gradio and the web server) took 20-60 s after ``interrupted`` (issue 48); a
     one-shot command spent 0.3-0.4 CPU-seconds on torch's objects alone (issue 47, docs/cpu.md). The command has
     closed its files and servers; what is left is freed by the exit."""
-    import gc
-
     gc.freeze()
 
 

@@ -59,6 +59,8 @@ def _readable_suffixes() -> tuple[str, ...]:
 
 
 IMAGE_SUFFIXES = _readable_suffixes()
+#: Pixels per row strip of :func:`tensor_to_uint8` (its float32 temporaries stay in the CPU's caches).
+_UINT8_STRIP_PIXELS = 1 << 16
 #: Pillow's own limit (~89 Mpx) would be raised to a warning only; flowlift refuses anything larger.
 MAX_INPUT_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
 
@@ -234,11 +236,12 @@ def _check_float_range(tensor: torch.Tensor, what: str) -> torch.Tensor:
     """
     if tensor.numel() == 0:
         raise FlowliftError(f"{what} is empty (shape {tuple(tensor.shape)})")
+    from flowlift.devices import non_finite_kind
+
     values = tensor.detach().float()
-    if not bool(torch.isfinite(values).all()):
-        kind = "NaN" if bool(torch.isnan(values).any()) else "Inf"
+    if kind := non_finite_kind(values):
         raise FlowliftError(f"{what} contains {kind} pixel values")
-    low, high = float(values.min()), float(values.max())
+    low, high = (float(v) for v in torch.aminmax(values))
     if low < -FLOAT_RANGE_TOLERANCE or high > 1.0 + FLOAT_RANGE_TOLERANCE:
         raise FlowliftError(
             f"{what} has values in [{low:.4g}, {high:.4g}]; float images must lie in [0, 1] "
@@ -300,16 +303,31 @@ def to_tensor(
 
 
 def tensor_to_uint8(images: torch.Tensor) -> np.ndarray:
-    """(B, 3, H, W) or (3, H, W) float in [0, 1] -> uint8 (B, H, W, 3), clamped and rounded."""
+    """(B, 3, H, W) or (3, H, W) float in [0, 1] -> uint8 (B, H, W, 3), clamped and rounded (``round(255 x)``).
+
+    Row strips of :data:`_UINT8_STRIP_PIXELS`, in one CPU thread: each strip is scaled and rounded in float32 while
+    it is in the caches and written straight into the interleaved (H, W, 3) array a Pillow image or a PNG encoder
+    takes (no full-size float temporaries, no transposing copy afterwards; docs/cpu.md, issue 47).
+    """
+    from flowlift.devices import non_finite_kind, one_thread
+
     if images.ndim == 3:
         images = images[None]
-    values = images.detach().float()
-    if not bool(torch.isfinite(values).all()):
+    values = images.detach()
+    if kind := non_finite_kind(values):
         # clamp keeps NaN and the uint8 cast turns it into 0: a black image that looks like a result
-        kind = "NaN" if bool(torch.isnan(values).any()) else "Inf"
         raise FlowliftError(f"the image to write contains {kind} pixel values; nothing was written")
-    array = values.clamp(0, 1).mul(255.0).round().to(torch.uint8)
-    return array.permute(0, 2, 3, 1).cpu().numpy()
+    if values.device.type != "cpu":  # on the device, whole: one transfer of the 8-bit result
+        scaled = values.float().clamp(0, 1).mul(255.0).round().to(torch.uint8)
+        return scaled.permute(0, 2, 3, 1).contiguous().cpu().numpy()
+    batch, channels, height, width = values.shape
+    out = torch.empty(batch, height, width, channels, dtype=torch.uint8)
+    rows = max(1, _UINT8_STRIP_PIXELS // max(width, 1))
+    with one_thread(values.device):
+        for r0 in range(0, height, rows):
+            strip = values[:, :, r0 : r0 + rows].to(torch.float32, copy=True)
+            out[:, r0 : r0 + rows].permute(0, 3, 1, 2).copy_(strip.clamp_(0, 1).mul_(255.0).round_())
+    return out.numpy()
 
 
 def tensor_to_pil(image: torch.Tensor) -> Image.Image:

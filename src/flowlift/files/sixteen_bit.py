@@ -17,9 +17,7 @@ JPEG, WebP and BMP hold 8 bits per sample: :data:`SIXTEEN_BIT_SUFFIXES` says whi
 from __future__ import annotations
 
 import os
-import struct
 import warnings
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -31,11 +29,10 @@ from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_output
 from flowlift.files.image_outputs import SourceProfile, metadata_json, metadata_text, read_source_profile
 from flowlift.files.images import DECODE_ERRORS
+from flowlift.files.png_encoder import encode_png
 
 #: Output suffixes written with 16 bits per sample when the source had them.
 SIXTEEN_BIT_SUFFIXES = (".png", ".tif", ".tiff")
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-_ICC_KEYWORD = b"ICC profile"
 
 
 def has_16bit_samples(path: str | os.PathLike) -> bool:
@@ -145,41 +142,6 @@ def resize_alpha16(alpha: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     return np.clip(np.round(np.asarray(resized)), 0, 65535).astype(np.uint16)
 
 
-def _png_chunk(kind: bytes, data: bytes) -> bytes:
-    """``length, type, data, CRC-32(type + data)``: one PNG chunk (PNG spec, section 5.3)."""
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-
-def _text_chunk(key: str, text: str) -> bytes:
-    """tEXt when both fit Latin-1, else iTXt (UTF-8, uncompressed), as Pillow's ``PngInfo.add_text``."""
-    try:
-        return _png_chunk(b"tEXt", key.encode("latin-1") + b"\0" + text.encode("latin-1"))
-    except UnicodeEncodeError:
-        return _png_chunk(b"iTXt", key.encode("latin-1", "replace") + b"\0\0\0\0\0" + text.encode("utf-8"))
-
-
-def _png16_bytes(array: np.ndarray, icc: bytes | None, exif: bytes | None, metadata: Mapping[str, object]) -> bytes:
-    """OpenCV's 16-bit PNG of ``array`` (RGB or RGBA) with iCCP, eXIf and text chunks after IHDR."""
-    import cv2
-
-    bgr = array[..., [2, 1, 0, 3]] if array.shape[-1] == 4 else array[..., ::-1]
-    ok, encoded = cv2.imencode(".png", np.ascontiguousarray(bgr))
-    if not ok:
-        raise FlowliftError("OpenCV could not encode the 16-bit PNG")
-    data = encoded.tobytes()
-    ihdr_end = len(_PNG_SIGNATURE) + 8 + 13 + 4
-    if not data.startswith(_PNG_SIGNATURE) or data[12:16] != b"IHDR":
-        raise FlowliftError("OpenCV wrote an unexpected PNG layout")
-    extra = b""
-    if icc:
-        extra += _png_chunk(b"iCCP", _ICC_KEYWORD + b"\0\0" + zlib.compress(icc))
-    if exif:
-        extra += _png_chunk(b"eXIf", exif[6:] if exif.startswith(b"Exif\0\0") else exif)
-    for key, value in metadata.items():
-        extra += _text_chunk(str(key), metadata_text(value))
-    return data[:ihdr_end] + extra + data[ihdr_end:]
-
-
 def save_image16_atomic(
     rgb: np.ndarray,
     alpha: np.ndarray | None,
@@ -206,7 +168,8 @@ def save_image16_atomic(
     path.parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".png":
         exif = profile.exif.tobytes() if profile.exif is not None else None
-        data = _png16_bytes(array, profile.icc_profile, exif, metadata)
+        texts = {str(key): metadata_text(value) for key, value in metadata.items()}
+        data = encode_png(array, profile.icc_profile, exif, texts)
         with atomic_output(path) as temporary:
             temporary.write_bytes(data)
         return path

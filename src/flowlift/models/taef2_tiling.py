@@ -27,19 +27,20 @@ CROP_SLACK = 0.125
 @dataclass(frozen=True)
 class LocalOp:
     """One spatially local layer: ``kind`` is ``"same"`` (stride-1 convs of total ``radius``),
-    ``"down"`` (3x3 conv, stride 2, padding 1) or ``"up"`` (nearest 2x)."""
+    ``"down"`` (3x3 conv, stride 2, padding 1), ``"up"`` (nearest 2x) or ``"upconv"`` (nearest 2x, then
+    a 3x3 conv with padding 1, as one layer)."""
 
     kind: str
     radius: int = 0
 
 
 def output_size(op: LocalOp, n_in: int) -> int:
-    """Length of an axis after ``op``: same ``n``, down ``floor((n - 1) / 2) + 1``, up ``2n``."""
+    """Length of an axis after ``op``: same ``n``, down ``floor((n - 1) / 2) + 1``, up and upconv ``2n``."""
     if op.kind == "same":
         return n_in
     if op.kind == "down":
         return (n_in - 1) // 2 + 1
-    if op.kind == "up":
+    if op.kind in ("up", "upconv"):
         return 2 * n_in
     raise ValueError(f"unknown op kind {op.kind!r}")
 
@@ -50,7 +51,8 @@ def input_interval(op: LocalOp, a: int, b: int, n_in: int) -> tuple[int, int]:
     * same, radius r: ``[a - r, b + r)`` — each 3x3 conv reads one row either side;
     * down: ``[2a - 2, 2b)`` — output ``j`` reads ``2j-1 .. 2j+1``; ``c`` is kept even so the tile's
       stride phase equals the full frame's (row ``2a - 2`` is then only padding for row ``a``);
-    * up: ``[floor(a / 2), ceil(b / 2))``.
+    * up: ``[floor(a / 2), ceil(b / 2))``;
+    * upconv: the conv's rows ``[a - 1, b + 1)`` (clipped to the ``2 n_in`` upsampled rows), then up.
 
     Clipped to ``[0, n_in)``: at the frame border the tile's zero padding is the frame's padding.
     """
@@ -60,6 +62,8 @@ def input_interval(op: LocalOp, a: int, b: int, n_in: int) -> tuple[int, int]:
         c, d = 2 * a - 2, 2 * b
     elif op.kind == "up":
         c, d = a // 2, -(-b // 2)
+    elif op.kind == "upconv":
+        c, d = max(a - 1, 0) // 2, -(-min(b + 1, 2 * n_in) // 2)
     else:
         raise ValueError(f"unknown op kind {op.kind!r}")
     return max(c, 0), min(d, n_in)
@@ -71,7 +75,7 @@ def produced_interval(op: LocalOp, c: int, d: int) -> tuple[int, int]:
         return c, d
     if op.kind == "down":
         return c // 2, c // 2 + (d - c - 1) // 2 + 1
-    if op.kind == "up":
+    if op.kind in ("up", "upconv"):
         return 2 * c, 2 * d
     raise ValueError(f"unknown op kind {op.kind!r}")
 

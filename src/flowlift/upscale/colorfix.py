@@ -26,9 +26,9 @@ from flowlift.errors import FlowliftError
 
 LOWFREQ_FACTOR = 8
 
-# Pixels per strip in stage 2: small enough for the strip and its temporaries (~10 planes of 3 x 4 bytes a pixel)
-# to stay in the CPU's L2/L3 caches, large enough that the per-operation overhead stays small.
-_STRIP_PIXELS = 1 << 16
+# Pixels per strip in stage 2: the strip and its temporaries stay in the CPU's caches, the per-operation overhead
+# and the upsampled halo rows stay small; 128K: 3% less CPU than 64K at 6 MP, the same bits (issue 47).
+_STRIP_PIXELS = 1 << 17
 
 
 def _solve_dtype(device: torch.device) -> torch.dtype:
@@ -223,21 +223,23 @@ def solve_tridiagonal(bands: torch.Tensor, rhs: torch.Tensor, dim: int) -> torch
     """Solve ``A x = rhs`` along ``dim`` for tridiagonal ``A`` given as ``(n, 3)`` (sub, diag, super).
 
     Thomas algorithm, vectorised over all other dimensions; ``A`` must be diagonally dominant
-    (``D U`` is: diagonal >= 3/4, off-diagonals <= 1/8). Returns a tensor like ``rhs``.
+    (``D U`` is: diagonal >= 3/4, off-diagonals <= 1/8). Returns a tensor like ``rhs``. The rows along ``dim``,
+    made contiguous, are taken apart once (``unbind``): one or two torch calls per row.
     """
-    x = rhs.movedim(dim, 0).clone()
-    n = x.shape[0]
+    x = rhs.movedim(dim, 0).clone(memory_format=torch.contiguous_format)
+    rows = x.unbind(0)
+    n = len(rows)
     sub, diag, sup = (bands[:, k].tolist() for k in range(3))
     c_prime = [0.0] * n
     m = diag[0]
     c_prime[0] = sup[0] / m
-    x[0].div_(m)
+    rows[0].div_(m)
     for i in range(1, n):
         m = diag[i] - sub[i] * c_prime[i - 1]
         c_prime[i] = sup[i] / m
-        x[i].sub_(x[i - 1], alpha=sub[i]).div_(m)
+        rows[i].sub_(rows[i - 1], alpha=sub[i]).div_(m)
     for i in range(n - 2, -1, -1):
-        x[i].sub_(x[i + 1], alpha=c_prime[i])
+        rows[i].sub_(rows[i + 1], alpha=c_prime[i])
     return x.movedim(0, dim)
 
 

@@ -16,8 +16,11 @@ from flowlift.errors import FlowliftError
 
 
 def check_finite(tensor: torch.Tensor, stage: str, what: str = "latents") -> None:
-    """Raise ``"<stage> non-finite <what> (NaN/Inf)"`` unless every value is finite (one reduction)."""
-    if not bool(torch.isfinite(tensor).all()):
+    """Raise ``"<stage> non-finite <what> (NaN/Inf)"`` unless every value is finite (one read,
+    :func:`flowlift.devices.non_finite_kind`)."""
+    from flowlift.devices import non_finite_kind
+
+    if non_finite_kind(tensor) is not None:
         raise FlowliftError(f"Flow Upscaler: {stage} non-finite {what} (NaN/Inf); nothing was written")
 
 
