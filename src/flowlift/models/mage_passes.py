@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from flowlift.models.mage_vae import GROUPS, NORM_EPS, DiCoBlock, channel_gate, serial
+from flowlift.models.mage_vae import GROUPS, NORM_EPS, DiCoBlock, channel_gate
 
 #: A tile in codec (1/16) coordinates: rows ``[r0, r1)``, columns ``[c0, c1)``.
 Region = tuple[int, int, int, int]
@@ -124,8 +124,7 @@ def store_writer(store: torch.Tensor, sums: GroupSums | None = None) -> Callable
     """Writes a tile into ``store`` (and adds it to ``sums``, the next GroupNorm's statistics)."""
 
     def write(r: Region, y: torch.Tensor) -> None:
-        with serial(y):  # a copy: memory-bound
-            store[:, :, r[0] : r[1], r[2] : r[3]] = y
+        store[:, :, r[0] : r[1], r[2] : r[3]] = y
         if sums is not None:
             sums.add(y)
 

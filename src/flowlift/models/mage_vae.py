@@ -120,24 +120,8 @@ def infer_config(shapes: dict[str, tuple[int, ...]]) -> MageVAEConfig:
 
 def layer_norm_2d(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """LayerNorm over channels at every pixel of (B, C, H, W): ``(x - mean_c) / sqrt(var_c + 1e-6) * w + b``."""
-    with serial(x):
-        y = F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), weight, bias, NORM_EPS)
+    y = F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), weight, bias, NORM_EPS)
     return y.permute(0, 3, 1, 2)
-
-
-def serial(x: torch.Tensor):
-    """One CPU thread for the element-wise work on ``x`` (a context; elsewhere nothing): it is memory-bound, so a
-    second OpenMP thread mostly waits at each operation's barrier (bf16 GELU, LayerNorm, adds on Mage's
-    feature maps: about half the CPU time in one thread, docs/cpu.md). The convolutions keep every thread."""
-    from flowlift.devices import one_thread
-
-    return one_thread(x.device)
-
-
-def gelu_serial(x: torch.Tensor) -> torch.Tensor:
-    """``gelu(x)`` (exact, erf) in one CPU thread (:func:`serial`)."""
-    with serial(x):
-        return F.gelu(x)
 
 
 def channel_means(x: torch.Tensor) -> torch.Tensor:
@@ -314,20 +298,16 @@ class DiCoBlock(nn.Module):
 
     def branch_pre_gate(self, x: torch.Tensor) -> torch.Tensor:
         """``gelu(dwconv(conv1(norm1(x))))``: local (a 3x3 halo); its channel means feed the gate."""
-        return gelu_serial(self.conv2(self.conv1(layer_norm_2d(x, self.norm1.weight, self.norm1.bias))))
+        return F.gelu(self.conv2(self.conv1(layer_norm_2d(x, self.norm1.weight, self.norm1.bias))))
 
     def mlp_half(self, x: torch.Tensor) -> torch.Tensor:
         """The second residual branch, pointwise."""
-        return self.conv5(gelu_serial(self.conv4(layer_norm_2d(x, self.norm2.weight, self.norm2.bias))))
+        return self.conv5(F.gelu(self.conv4(layer_norm_2d(x, self.norm2.weight, self.norm2.bias))))
 
     def finish(self, x: torch.Tensor, a: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """The block from its branch ``a`` and gate: ``y = x + conv3(a * gate)``, then ``y + mlp_half(y)``."""
-        y = self.gated_conv3(a, gate)
-        with serial(y):
-            y.add_(x)
-        h = self.mlp_half(y)
-        with serial(h):
-            return h.add_(y)
+        y = self.gated_conv3(a, gate).add_(x)
+        return self.mlp_half(y).add_(y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.adaLN_modulation is not None:
@@ -657,10 +637,6 @@ class MageDecoder(nn.Module):
         """
         if self.pixel_embed is None:
             raise RuntimeError("MageDecoder: call MageVAEModel.fold_t0() after loading, before running")
-        with serial(out):  # 32-wide rows: element-wise work and narrow layers, cheapest in one thread
-            return self._pixels(cond, tokens, out)
-
-    def _pixels(self, cond: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         _, _, h, w = cond.shape
         px = self.pixel_embed.out_channels // (MAGE_PATCH * MAGE_PATCH)
         x = self.pixel_embed(cond.contiguous(memory_format=torch.channels_last))  # (1, 256 c, h, w)
