@@ -9,6 +9,7 @@ Also :func:`released_layout`, the 80 tensor names and shapes of ``models/upscale
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -167,3 +168,12 @@ def reference_forward(s: dict[str, torch.Tensor], x: torch.Tensor, target_size: 
     h = _conv(_mish(_conv(h, s["tail_conv.0.weight"])), s["tail_conv.2.weight"], s["tail_conv.2.bias"])
     skip = _conv(F.interpolate(x, size=(th, tw), mode="bicubic", align_corners=False), s["skip_conv.weight"])
     return h + skip
+
+
+def save_random_sesqui(folder: Path | str) -> Path:
+    """:func:`random_state` (seed 0) saved as ``folder/upscaler_Flux2.safetensors``, the released file's name."""
+    from safetensors.torch import save_file
+
+    path = Path(folder) / "upscaler_Flux2.safetensors"
+    save_file(random_state(0), str(path))
+    return path

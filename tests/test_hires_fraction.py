@@ -9,18 +9,15 @@ import json
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import save_file
 
 from flowlift.errors import FlowliftError
-from sesqui_reference import random_state
+from sesqui_reference import save_random_sesqui
 from test_cli_refine import _run, embeds_file, tiny_model, upscaler  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="module")
 def sesqui(tmp_path_factory):
-    path = tmp_path_factory.mktemp("sesqui") / "upscaler_Flux2.safetensors"
-    save_file(random_state(0), str(path))
-    return path
+    return save_random_sesqui(tmp_path_factory.mktemp("sesqui"))
 
 
 @pytest.fixture(scope="module")
