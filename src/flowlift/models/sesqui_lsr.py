@@ -267,6 +267,18 @@ def load_sesqui_lsr(
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+def require_bn_statistics(vae: object) -> None:
+    """One line unless ``vae`` carries the FLUX.2 VAE's BN statistics, which SesquiLSR's raw latents need: TAEF2
+    and Mage-VAE have none. Checked before SesquiLSR's weights load; the refusal names the ``latent_upscaler``
+    field, which each door words as its own (``--latent-upscaler``)."""
+    if getattr(vae, "bn_mean", None) is None or getattr(vae, "bn_std", None) is None:
+        raise FlowliftError(
+            "latent_upscaler: SesquiLSR works on raw FLUX.2 VAE latents and needs the FLUX.2 VAE's BN statistics; "
+            "this VAE (TAEF2 or Mage-VAE) has none: use the FLUX.2 VAE (flux2) or drop the latent upscaler",
+            field="latent_upscaler",
+        )
+
+
 def raw_from_latents(latents: torch.Tensor, bn_mean: torch.Tensor, bn_std: torch.Tensor) -> torch.Tensor:
     """flowlift's normalized latents -> raw FLUX.2 VAE latents: ``patchify``, ``z * bn_std + bn_mean`` per
     patchified channel, ``unpatchify`` (:func:`flowlift.flux2.latents.denormalize`; even sides)."""

@@ -25,7 +25,6 @@ the input's, where SesquiLSR's range leaves the content more than :data:`CONTENT
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from flowlift.errors import FlowliftError
 from flowlift.knobs import LATENT_UPSCALER
@@ -117,17 +116,6 @@ def fraction_passes(height: int, width: int, resize_mode: str, out: tuple[int, i
     return passes
 
 
-def check_statistics(vae: object) -> None:
-    """One line unless ``vae`` carries the FLUX.2 VAE's BN statistics (SesquiLSR's raw latents): TAEF2 and
-    Mage-VAE have none."""
-    if getattr(vae, "bn_mean", None) is None or getattr(vae, "bn_std", None) is None:
-        raise FlowliftError(
-            "latent_upscaler: SesquiLSR works on raw FLUX.2 VAE latents and needs the FLUX.2 VAE's BN statistics; "
-            "this VAE (TAEF2 or Mage-VAE) has none: use the FLUX.2 VAE (flux2) or drop the latent upscaler",
-            field=FIELD,
-        )
-
-
 def sesqui_path(spec: str) -> Path:
     """``"sesqui:PATH"`` -> PATH (the only latent upscaler for fractions today), else one line
     (:data:`flowlift.knobs.LATENT_UPSCALER`)."""
@@ -145,16 +133,3 @@ def find_sesqui(spec: str) -> Path:
 
         load_sesqui_lsr(path)  # raises the loader's line for a missing file
     return path
-
-
-def load_fraction_upscaler(spec: str, vae: Any, device: Any) -> Any:
-    """SesquiLSR for ``flowlift upscale``'s fraction (:mod:`flowlift.upscale.latent_fraction`) on ``device`` in
-    float32, after checking that ``vae`` has the FLUX.2 VAE's BN statistics (TAEF2/Mage-VAE: one line, before the
-    weights load)."""
-    import torch
-
-    from flowlift.models.sesqui_lsr import load_sesqui_lsr
-
-    path = find_sesqui(spec)
-    check_statistics(vae)
-    return load_sesqui_lsr(path, device=device, dtype=torch.float32)

@@ -30,13 +30,13 @@ from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import check_latents
 from flowlift.knobs import check_count, check_seed
 from flowlift.limits import model_bytes, parse_memory, vae_kind
-from flowlift.models.sesqui_lsr import sesqui_upscale_latents
+from flowlift.models.sesqui_lsr import load_sesqui_lsr, require_bn_statistics, sesqui_upscale_latents
 from flowlift.models.upscaler_unet import ONE_STEP_TIMESTEP
 from flowlift.upscale.colorfix import LOWFREQ_FACTOR, latent_lowband_transplant
 from flowlift.upscale.image_steps import as_output, finish_decoded, vae_call, vae_dtype
 from flowlift.upscale.inputs import check_finite
 from flowlift.upscale.interrupts import checked_modules, with_check
-from flowlift.upscale.latent_fraction import find_sesqui, fraction_plan, load_fraction_upscaler
+from flowlift.upscale.latent_fraction import find_sesqui, fraction_plan
 from flowlift.upscale.loading import (
     DEFAULT_UPSCALER,
     DEFAULT_VAE,
@@ -153,16 +153,17 @@ class FlowUpscalerPipeline:
         if channels_last is None:
             channels_last = default_channels_last(self.device, self.dtype)
         self.max_memory = None if memory.max_memory is None else parse_memory(memory.max_memory)
-        if latent_upscaler is not None:
-            find_sesqui(latent_upscaler)  # a malformed spec or a missing file: one line before anything loads
+        # a malformed spec or a missing SesquiLSR file: one line before anything loads
+        sesqui_file = None if latent_upscaler is None else find_sesqui(latent_upscaler)
         # both found (or both named as missing) before either loads
         self.upscaler, self.upscaler_path, self.vae, self.vae_spec = load_pipeline_models(
             upscaler, vae, self.device, self.dtype
         )
         self.latent_upscaler = latent_upscaler
-        self.sesqui = (
-            None if latent_upscaler is None else load_fraction_upscaler(latent_upscaler, self.vae, self.device)
-        )
+        self.sesqui = None
+        if sesqui_file is not None:  # SesquiLSR for the fraction, in float32, on the pipeline's device
+            require_bn_statistics(self.vae)  # TAEF2/Mage-VAE: one line, before its weights load
+            self.sesqui = load_sesqui_lsr(sesqui_file, device=self.device, dtype=torch.float32)
         self.channels_last = bool(channels_last)
         if self.channels_last and isinstance(self.upscaler, torch.nn.Module):
             self.upscaler.to(memory_format=torch.channels_last)
