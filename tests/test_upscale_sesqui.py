@@ -74,6 +74,21 @@ def test_a_fraction_runs_sesquilsr_after_the_passes_to_exactly_the_asked_size(
     assert meta["latent_upscaler"] == f"sesqui:{sesqui}" and meta["passes"] == passes and meta["size"] == list(size)
 
 
+@pytest.mark.parametrize(("size", "recorded"), [("96x64", False), ("72x48", True)])
+def test_the_metadata_names_sesquilsr_only_where_it_ran(
+    capsys, tmp_path, photo, upscaler, flux2_vae, sesqui, size, recorded
+):
+    # 96x64 is exactly one pass of the 48x32 input: SesquiLSR has nothing to do and the record must not claim it
+    out = tmp_path / "x.png"
+    options = ("--size", size, "--latent-upscaler", f"sesqui:{sesqui}")
+    code, err = _upscale(capsys, photo, out, *_models(upscaler, flux2_vae), *options)
+    assert code == 0, err
+    with Image.open(out) as image:
+        assert image.size == tuple(int(side) for side in size.split("x"))
+        meta = json.loads(image.text["flowlift"])
+    assert ("latent_upscaler" in meta) is recorded
+
+
 @pytest.mark.parametrize("mode", ["pad", "resample"])
 def test_an_input_off_the_16_px_grid_gets_exactly_the_asked_size(capsys, tmp_path, upscaler, flux2_vae, sesqui, mode):
     # 50x30 at 2.5: one pass, then SesquiLSR to the even latent size covering 125x75, cropped and resampled to it

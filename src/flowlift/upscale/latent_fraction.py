@@ -93,6 +93,17 @@ def fraction_plan(
     return target, content
 
 
+def fraction_runs(height: int, width: int, resize_mode: str, passes: int, out: tuple[int, int]) -> bool:
+    """Whether SesquiLSR has work for a ``height x width`` input asked to ``out`` (width, height) after ``passes``
+    passes: the pipeline's own test (:func:`fraction_plan` is not None), for the record of what ran (an asked size
+    of exactly 2^passes times the input leaves it nothing to do)."""
+    from flowlift.upscale.sizes import prepared_size
+
+    prepared = prepared_size(height, width, resize_mode)
+    reference = (height, width) if resize_mode == "pad" else prepared
+    return fraction_plan(prepared, reference, passes, out) is not None
+
+
 def fraction_passes(height: int, width: int, resize_mode: str, out: tuple[int, int]) -> int:
     """The passes before SesquiLSR for a ``height x width`` input (its header) asked to ``out`` (width, height),
     checked by :func:`fraction_plan` at planning (one line before any work): the passes below the smaller side

@@ -73,16 +73,17 @@ def output_metadata(
     pipeline: Any,
     asked: Any = None,
     size: tuple[int, int] | None = None,
+    latent_upscaler: str | None = None,
 ) -> dict[str, object]:
     """The output file's metadata (:mod:`flowlift.files.metadata`, schema 1): the parameters, what ran, the input
     and the weight files' hashes. ``asked`` (an :class:`~flowlift.upscale.asked_size.AskedSize` that is not a power
-    of two) and ``size`` (the output's (width, height)): recorded as asked, beside the passes that ran."""
+    of two) and ``size`` (the output's (width, height)): recorded as asked, beside the passes that ran;
+    ``latent_upscaler`` where it ran for the fraction."""
     from flowlift.files.image_outputs import file_sha256
     from flowlift.files.metadata import metadata_record
 
     request = {"scale": 2**passes} if asked is None else {**asked.record(), "size": list(size)}
-    latent = getattr(pipeline, "latent_upscaler", None) if asked is not None else None  # ran for the fraction
-    request.update({"latent_upscaler": latent} if latent is not None else {})
+    request.update({"latent_upscaler": latent_upscaler} if latent_upscaler is not None else {})
     return metadata_record(
         "upscale",
         {
@@ -222,7 +223,13 @@ def save_result(
         ran, asked = max(0, round(math.log2(max(picture.size[0] / loaded.image.size[0], 1.0)))), None
     else:  # resampled to an asked size: the request and the passes before the resample
         ran = passes
-    metadata = output_metadata(settings, ran, source, hashes, pipeline, asked, picture.size)
+    latent = getattr(pipeline, "latent_upscaler", None) if asked is not None else None
+    if latent is not None:  # recorded only where SesquiLSR had a fraction to do
+        from flowlift.upscale.latent_fraction import fraction_runs
+
+        width, height = loaded.image.size
+        latent = latent if fraction_runs(height, width, settings.resize_mode, ran, picture.size) else None
+    metadata = output_metadata(settings, ran, source, hashes, pipeline, asked, picture.size, latent)
     if loaded.sixteen_bit:
         alpha16 = None if loaded.alpha16 is None else resize_alpha16(loaded.alpha16, picture.size)
         save_image16_atomic(tensor_to_uint16(result), alpha16, out, metadata, source=source)
