@@ -504,12 +504,14 @@ def layer_norm_rows(x: torch.Tensor, center: torch.Tensor) -> torch.Tensor:
     """Affine-free LayerNorm of contiguous (N, c) rows: ``y / sqrt(mean(y**2) + 1e-6)`` with ``y = x - mean(x)``.
 
     ``y`` from a 1x1 convolution with ``center`` (:func:`centering_weight`), the per-row ``1 / rms(y)`` from
-    ``vector_norm`` in float32 (rounded to x's dtype), one multiply in place: on the 2-core AMD EPYC in bf16,
-    over 262144 rows of 32, ~9 ms where ``F.layer_norm`` takes ~12 (its per-row reductions over 32 values).
+    ``vector_norm`` in x's dtype (torch accumulates a bf16 norm in float32 and rounds it once; asking for a
+    float32 result converts all of y first), then one multiply in place. On the 2-core AMD EPYC in bf16 over
+    262144 rows of 32: 6.9 ms where ``F.layer_norm`` takes 12.0 (its per-row reductions over 32 values) and
+    the float32 norm 10.5; the decode's bf16 PSNR against float32 58.17 -> 58.10 dB for the float32 norm.
     """
     c = x.shape[-1]
     y = image_as_rows(F.conv2d(rows_as_image(x), center))
-    r = torch.linalg.vector_norm(y, dim=-1, keepdim=True, dtype=torch.float32)
+    r = torch.linalg.vector_norm(y, dim=-1, keepdim=True).float()
     return y.mul_(torch.rsqrt(r.square_().div_(c).add_(NORM_EPS)).to(y.dtype))
 
 
