@@ -195,11 +195,35 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
         t = t.reshape(b, c, rows, window, cols, window).permute(0, 2, 4, 3, 5, 1)
         return t.reshape(b * rows * cols, window * window, c)
 
-    # (cells, 1 head, window², C): the 4-D form takes torch's fused CPU kernel, not the one that materializes
-    # every window's (window², window²) softmax weights.
-    out = F.scaled_dot_product_attention(*(to_windows(t).unsqueeze(1) for t in (q, k, v)))
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        out = attention_float32_scores(*(to_windows(t) for t in (q, k, v)))
+    else:
+        # (cells, 1 head, window², C): the 4-D form takes torch's fused CPU kernel, not the one that
+        # materializes every window's (window², window²) softmax weights.
+        out = F.scaled_dot_product_attention(*(to_windows(t).unsqueeze(1) for t in (q, k, v)))
     out = out.reshape(b, rows, cols, window, window, c).permute(0, 5, 1, 3, 2, 4)
     return out.reshape(b, c, rows * window, cols * window)[:, :, :h, :w]
+
+
+#: Windows per step of :func:`attention_float32_scores` (2 windows of 1024 positions: 8 MiB of float32 scores).
+SCORE_CHUNK = 2
+
+
+def attention_float32_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(C)) v`` per window, q, k, v (cells, n, C) in bf16 -> (cells, n, C) in bf16.
+
+    The scores and the softmax in float32 (q and k converted, so the products are exact and summed in float32,
+    as torch's fused kernel does), the weights rounded to bf16 for the product with v; :data:`SCORE_CHUNK`
+    windows at a time. On the 2-core AMD EPYC, 16 windows of 1024 x 384: 220 against 280 ms for torch's fused
+    SDPA kernel, relative error vs float32 2.3e-3 against 2.2e-3 (bf16 scores were faster still but doubled it).
+    """
+    out = torch.empty_like(q)
+    scale = q.shape[-1] ** -0.5
+    for i in range(0, q.shape[0], SCORE_CHUNK):
+        part = slice(i, i + SCORE_CHUNK)
+        scores = torch.bmm(q[part].float(), k[part].float().transpose(1, 2)).mul_(scale)
+        torch.bmm(torch.softmax(scores, -1).to(v.dtype), v[part], out=out[part])
+    return out
 
 
 def timestep_features(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
