@@ -86,9 +86,9 @@ def mage_from_state_dict(
         problem = f"`{bad}` has dtype {str(kept[bad].dtype).removeprefix('torch.')}, expected floating point"
     if problem:
         raise FlowliftError(f"Mage-VAE weights{source} do not match the architecture: {problem}")
-    # Float32 copies: the t = 0 fold below works in place and must not change the caller's tensors (and
-    # the finiteness check is several times faster on float32 than on a bf16 file's tensors); tensors the
-    # caller hands over (``owned``, e.g. just read from a file) are used as they are when already float32.
+    # Float32 copies: the model must not share memory with the caller's tensors (and the finiteness check is
+    # several times faster on float32 than on a bf16 file's tensors); tensors the caller hands over (``owned``,
+    # e.g. just read from a file) are used as they are when already float32. The t = 0 fold writes new tensors.
     tensors = {k: v.to(torch.float32, copy=not owned) for k, v in kept.items()}
     check_finite_state(tensors, what="Mage-VAE weights", origin=origin)
     # The meta skeleton takes the tensors as they are (no random init of ~140M parameters).

@@ -1,0 +1,99 @@
+"""flowlift.models.fused_conv: a conv and its activation (and residual add) in one oneDNN pass, bf16 CPU only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flowlift.models import fused_conv
+from flowlift.models.fused_conv import conv_act, conv_add_act, fusable
+
+BF16 = torch.bfloat16
+CL = torch.channels_last
+HAS_FUSED_OP = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
+
+
+def _conv(cin: int, cout: int, k: int, groups: int = 1, dtype: torch.dtype = BF16) -> nn.Conv2d:
+    torch.manual_seed(cin * 7 + cout + k)
+    conv = nn.Conv2d(cin, cout, k, padding=k // 2, groups=groups)
+    return conv.to(dtype).to(memory_format=CL).requires_grad_(False)
+
+
+def _input(c: int, dtype: torch.dtype = BF16, h: int = 21, w: int = 17) -> torch.Tensor:
+    return torch.randn(1, c, h, w, generator=torch.Generator().manual_seed(c)).to(dtype).contiguous(memory_format=CL)
+
+
+def _float32(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    k = conv.kernel_size[0]
+    return F.conv2d(x.float(), conv.weight.float(), conv.bias.float(), 1, k // 2, 1, conv.groups)
+
+
+@pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+@pytest.mark.parametrize(
+    ("cin", "cout", "k", "groups"), [(64, 64, 3, 1), (384, 1536, 1, 1), (48, 48, 3, 48), (64, 3, 3, 1)]
+)
+def test_bf16_relu_is_the_unfused_pair_bit_for_bit(cin, cout, k, groups):
+    conv, x = _conv(cin, cout, k, groups), _input(cin)
+    assert fusable(x, conv)
+    assert torch.equal(conv_act(x, conv, "relu"), torch.relu(conv(x)))
+
+
+@pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+@pytest.mark.parametrize(("cin", "cout", "k", "groups"), [(384, 1536, 1, 1), (48, 48, 3, 48)])
+def test_bf16_gelu_rounds_once_so_it_is_nearer_float32_than_the_unfused_pair(cin, cout, k, groups):
+    conv, x = _conv(cin, cout, k, groups), _input(cin)
+    fused, unfused, exact = conv_act(x, conv, "gelu"), F.gelu(conv(x)), F.gelu(_float32(conv, x))
+    assert fused.dtype == BF16 and fused.is_contiguous(memory_format=CL)
+    # One rounding of the float32 result: within half a bf16 step (2^-8 relative) of it.
+    assert ((fused.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+    assert (fused.float() - exact).abs().mean() < (unfused.float() - exact).abs().mean()
+
+
+@pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_bf16_residual_add_is_the_float32_sum_rounded_once(activation):
+    conv, x = _conv(64, 64, 3), _input(64)
+    other = _input(64, h=21, w=17).mul_(3)
+    before = other.clone()
+    exact = _float32(conv, x) + other.float()
+    exact = exact if activation is None else exact.relu()
+    fused = conv_add_act(x, conv, other, activation)
+    assert torch.equal(other, before)  # the residual is read, never written
+    assert ((fused.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+    # views of a larger frame (a tile and its halo) and a plain-layout residual give the same
+    tile = conv_add_act(x[:, :, 2:19, 3:15], conv, other[:, :, 2:19, 3:15].contiguous(), activation)
+    exact_tile = _float32(conv, x[:, :, 2:19, 3:15]) + other[:, :, 2:19, 3:15].float()
+    exact_tile = exact_tile if activation is None else exact_tile.relu()
+    assert ((tile.float() - exact_tile).abs() <= exact_tile.abs() * 2**-8 + 1e-6).all()
+
+
+def test_float32_is_never_fused_and_equals_the_layers():
+    conv, x = _conv(64, 64, 3, dtype=torch.float32), _input(64, torch.float32)
+    other = _input(64, torch.float32)
+    assert not fusable(x, conv)
+    assert torch.equal(conv_act(x, conv, "gelu"), F.gelu(conv(x)))
+    assert torch.equal(conv_act(x, conv, "relu"), torch.relu(conv(x)))
+    assert torch.equal(conv_add_act(x, conv, other, "relu"), torch.relu(conv(x) + other))
+    assert torch.equal(conv_add_act(x, conv, other, None), conv(x) + other)
+
+
+def test_without_the_fused_op_bf16_runs_the_layers(monkeypatch):
+    monkeypatch.setattr(fused_conv, "_WORKS", {BF16: False})
+    conv, x, other = _conv(64, 64, 3), _input(64), _input(64)
+    assert not fusable(x, conv)
+    assert torch.equal(conv_act(x, conv, "gelu"), F.gelu(conv(x)))
+    assert torch.equal(conv_add_act(x, conv, other, "relu"), torch.relu(conv(x) + other))
+
+
+def test_a_grouped_conv_takes_no_fused_add():
+    conv, x, other = _conv(48, 48, 3, groups=48), _input(48), _input(48)
+    assert torch.equal(conv_add_act(x, conv, other, "relu"), torch.relu(conv(x) + other))
+
+
+def test_reflect_padding_is_never_fused():
+    conv, x = _conv(16, 16, 3), _input(16)
+    conv.padding_mode = "reflect"
+    assert not fusable(x, conv)
+    assert torch.equal(conv_act(x, conv, "relu"), torch.relu(conv(x)))
