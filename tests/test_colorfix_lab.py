@@ -102,3 +102,17 @@ def test_stage2_keeps_a_nan_visible():
     out = torch.rand(1, 3, 32, 32)
     out[0, 1, 5, 7] = float("nan")
     assert torch.isnan(lab_lowband_transplant(out, torch.rand(1, 3, 8, 8))).any()
+
+
+@pytest.mark.parametrize("iterations", [1, 2, 3])
+def test_stage2_in_place_equals_a_new_tensor(iterations):
+    """In place, ``f`` is kept in the output's memory and the result written over it strip by strip: the same bits
+    as into a new tensor, at every iteration count (the first corrected step is then the last one too)."""
+    gen = torch.Generator().manual_seed(3)
+    out = torch.rand(1, 3, 96, 80, generator=gen) * 1.1 - 0.05
+    reference = torch.rand(1, 3, 24, 20, generator=gen)
+    expected = lab_lowband_transplant(out, reference, 1.0, iterations, strip_pixels=1000)
+    frame = out.clone()
+    result = lab_lowband_transplant(frame, reference, 1.0, iterations, strip_pixels=1000, inplace=True)
+    assert result.data_ptr() == frame.data_ptr()
+    assert torch.equal(result, expected)

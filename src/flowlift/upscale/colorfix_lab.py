@@ -63,8 +63,10 @@ def above(
 
 
 def affine(x: torch.Tensor, scale: float, offset: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``scale x + offset`` in one pass (``torch.add(offset, x, alpha=scale)``), into ``out`` or ``x``'s memory."""
-    bias = torch.tensor(offset, dtype=x.dtype, device=x.device)
+    """``scale x + offset`` in one pass (``torch.add(offset, x, alpha=scale)``), into ``out`` or ``x``'s memory.
+
+    ``offset`` is a 0-dim CPU tensor, which torch takes as a scalar with a tensor on any device (no copy to it)."""
+    bias = torch.tensor(offset, dtype=x.dtype)
     return torch.add(bias, x, alpha=scale, out=x if out is None else out)
 
 
