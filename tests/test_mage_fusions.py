@@ -123,6 +123,55 @@ def test_the_decoder_in_bf16_stays_near_its_float32_decode():
     assert relative(out, expected) <= 1e-2
 
 
+def _released_pixel_mlp(unfolded: dict[str, torch.Tensor], x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The per-pixel MLP as the released layers compute it, one op after another on (N, c) rows: ``cond =
+    SiLU(cond_embed(tokens))`` position-major, then per block ``x + gate * mlp(LN(x) (1 + scale) + shift)``."""
+
+    def rows_conv(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        image = rows.contiguous().view(1, rows.shape[0], 1, rows.shape[1]).permute(0, 3, 1, 2)
+        return F.conv2d(image, weight[:, :, None, None], bias).permute(0, 2, 3, 1).reshape(rows.shape[0], -1)
+
+    px = x.shape[-1]
+    flat = tokens.permute(0, 2, 3, 1).reshape(-1, tokens.shape[1])
+    cond = F.silu(rows_conv(flat, unfolded["cond_embed.weight"], unfolded["cond_embed.bias"]).reshape(-1, px))
+    x = x.clone()
+    for i in range(NARROW.pixel_blocks):
+        p = f"res_blocks.{i}."
+        bias = unfolded[p + "adaLN_modulation.1.bias"].clone()
+        bias[px : 2 * px] += 1
+        shift, scale, gate = rows_conv(cond, unfolded[p + "adaLN_modulation.1.weight"], bias).chunk(3, dim=-1)
+        h = F.layer_norm(x, (px,), unfolded[p + "in_ln.weight"], unfolded[p + "in_ln.bias"], NORM_EPS)
+        h = rows_conv(torch.addcmul(shift, h, scale), unfolded[p + "mlp.0.weight"], unfolded[p + "mlp.0.bias"])
+        h = rows_conv(F.silu(h), unfolded[p + "mlp.2.weight"], unfolded[p + "mlp.2.bias"])
+        x.addcmul_(gate, h)
+    return x
+
+
+def test_the_float32_per_pixel_path_is_the_released_layers_bit_for_bit():
+    """Float32 keeps the released sums (the LayerNorm with its affine, one modulation layer per block): the
+    folded half-precision form reorders them, so float32 must not take it (issue 47: float32 pixels unchanged)."""
+    state = released_state(NARROW, seed=7, encoder=False)
+    unfolded = {k.removeprefix("pipeline.dec_net."): v for k, v in state.items() if k.startswith("pipeline.dec_net.")}
+    net = mage_from_state_dict(state).model.decoder.dec_net
+    generator = torch.Generator().manual_seed(8)
+    tokens = torch.randn(1, NARROW.hidden, 3, 5, generator=generator).contiguous(memory_format=CL)
+    x = torch.randn(3 * 5 * 256, NARROW.pixel_width, generator=generator)
+    with torch.no_grad():
+        assert torch.equal(net(x.clone(), tokens), _released_pixel_mlp(unfolded, x, tokens))
+
+
+def test_float32_group_statistics_are_torchs_sums_bit_for_bit():
+    """A float32 tile's GroupNorm sums and channel sums are torch's own over the tile, as before the chunked
+    (half-precision) form: the float32 decode's statistics, and so its pixels, unchanged."""
+    torch.manual_seed(9)
+    x = (torch.randn(1, 64, 50, 2 * CHUNK_ROWS // 50 + 3) + 2).contiguous(memory_format=CL)
+    sums = GroupSums(64)
+    sums.add(x)
+    grouped = x.reshape(32, -1)
+    assert torch.equal(sums.s1, grouped.sum(1).double()) and torch.equal(sums.s2, grouped.square().sum(1).double())
+    assert torch.equal(channel_sums(x), x.sum(dim=(0, 2, 3), dtype=torch.float32).double())
+
+
 @pytest.mark.parametrize("layout", [CL, torch.contiguous_format])
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_the_chunked_statistics_are_the_float64_sums(layout, dtype):

@@ -46,8 +46,9 @@ def with_halo(region: Region, halo: int, height: int, width: int) -> tuple[Regio
 class GroupSums:
     """Per-group ``sum x`` and ``sum x**2`` of one sample, accumulated over tiles in float64.
 
-    Each tile's per-channel sums are float32 sums of chunks (:func:`channel_moments`; relative error ~1e-7
-    of ``sum |x|``, far below bfloat16's rounding and the tests' tolerances), added in float64. ``finish()``
+    Each tile's sums are torch's float32 sums of each group for a float32 tile, float32 sums of chunks
+    (:func:`channel_moments`) for a half one (relative error ~1e-7 of ``sum |x|`` either way, far below
+    bfloat16's rounding and the tests' tolerances), added in float64. ``finish()``
     gives GroupNorm's statistics: ``mean = S1 / n``, ``inv_std = 1 / sqrt(S2 / n - mean**2 + 1e-6)`` (biased
     variance), as :func:`~flowlift.models.mage_vae.group_norm_statistics`.
     """
@@ -60,9 +61,14 @@ class GroupSums:
         self.per_group = channels // groups
 
     def add(self, x: torch.Tensor) -> None:
-        s1, s2 = channel_moments(x)
-        self.s1 += s1.reshape(self.groups, -1).sum(1)
-        self.s2 += s2.reshape(self.groups, -1).sum(1)
+        if torch.finfo(x.dtype).bits >= 32:  # float32: torch's sums of each group, as released (bit for bit)
+            grouped = x.reshape(self.groups, -1).float()
+            self.s1 += grouped.sum(1).double().cpu()
+            self.s2 += grouped.square().sum(1).double().cpu()  # not in place: float32 x is a view
+        else:
+            s1, s2 = channel_moments(x)
+            self.s1 += s1.reshape(self.groups, -1).sum(1)
+            self.s2 += s2.reshape(self.groups, -1).sum(1)
         self.count += x.numel() // self.groups
 
     def finish(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,8 +107,11 @@ def channel_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def channel_sums(x: torch.Tensor) -> torch.Tensor:
-    """Per-channel sums of a (1, C, h, w) tile, for the frame mean ``sum / (H W)``: float32 sums of float32
-    chunks of :data:`CHUNK_ROWS` positions (relative error ~1e-7), in float64 for the sum over tiles."""
+    """Per-channel sums of a (1, C, h, w) tile, for the frame mean ``sum / (H W)``, in float64 for the sum over
+    tiles: torch's float32 sums of a float32 tile, float32 sums of float32 chunks of :data:`CHUNK_ROWS`
+    positions of a half one (relative error ~1e-7 either way)."""
+    if torch.finfo(x.dtype).bits >= 32:  # float32: torch's sums over the tile, as before (bit for bit)
+        return x.sum(dim=(0, 2, 3), dtype=torch.float32).double().cpu()
     total = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
     for chunk in _channel_rows(x).split(CHUNK_ROWS):
         total += chunk.float().sum(0)

@@ -489,14 +489,14 @@ class MageEncoder(nn.Module):
 class PixelResBlock(nn.Module):
     """Per-pixel ``x + gate * mlp(LN(x) * (1 + scale) + shift)``, (shift, scale, gate) = Linear(SiLU(cond)).
 
-    After :meth:`PixelMLP.fold` the three blocks' ``adaLN_modulation`` live in ``PixelMLP.modulation`` (one
-    linear layer for all three, the LayerNorm's affine and the ``1 +`` folded in) and are None here, as is
-    ``in_ln``; ``mlp``'s layers are 1x1 convolutions (``lin1``, ``lin2``) on channels-last rows.
+    After :meth:`PixelMLP.fold` the three blocks' ``adaLN_modulation`` live in ``PixelMLP.modulation`` (the
+    ``1 +`` in its bias) and, with the LayerNorm's affine folded in too, ``PixelMLP.modulation_ln``; they are
+    None here, and ``mlp``'s layers are 1x1 convolutions (``lin1``, ``lin2``) on channels-last rows.
     """
 
     def __init__(self, channels: int) -> None:
         super().__init__()
-        self.in_ln: nn.LayerNorm | None = nn.LayerNorm(channels, eps=NORM_EPS)
+        self.in_ln = nn.LayerNorm(channels, eps=NORM_EPS)
         self.mlp: nn.Sequential | None = nn.Sequential(
             nn.Linear(channels, channels), nn.SiLU(), nn.Linear(channels, channels)
         )
@@ -504,12 +504,20 @@ class PixelResBlock(nn.Module):
         self.lin1: nn.Conv2d | None = None
         self.lin2: nn.Conv2d | None = None
 
-    def forward(
+    def forward(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The released sums (float32 and wider, bit for bit): ``x + gate * mlp(LN(x) * scale + shift)`` on
+        contiguous (N, c) rows, ``scale`` already ``1 + scale`` (``PixelMLP.modulation``); in place on x."""
+        h = F.layer_norm(x, x.shape[-1:], self.in_ln.weight, self.in_ln.bias, NORM_EPS)
+        h = conv_rows(torch.addcmul(shift, h, scale), self.lin1)
+        h = conv_rows(F.silu(h, inplace=True), self.lin2)
+        return x.addcmul_(gate, h)
+
+    def forward_folded(
         self, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, gate: torch.Tensor, center: torch.Tensor
     ) -> torch.Tensor:
-        """``x + gate * mlp(n(x) * scale + shift)`` on contiguous (N, c) rows, in place on x; ``n(x)`` the plain
-        (affine-free) LayerNorm, ``scale``/``shift`` the folded modulation's (:meth:`PixelMLP.fold`), ``center``
-        the :func:`centering_weight`. As :func:`layer_norm_rows` then one ``addcmul``, the SiLU in ``lin1``'s pass
+        """The half-precision form of :meth:`forward`: ``x + gate * mlp(n(x) * scale + shift)``, ``n(x)`` the
+        plain (affine-free) LayerNorm, ``scale``/``shift`` from ``PixelMLP.modulation_ln``, ``center`` the
+        :func:`centering_weight`. As :func:`layer_norm_rows` then one ``addcmul``, the SiLU in ``lin1``'s pass
         (:func:`~flowlift.models.fused_conv.conv_act`, bf16 on the CPU)."""
         h = torch.addcmul(shift, layer_norm_rows(x, center), scale)
         h = conv_act(rows_as_image(h), self.lin1, "swish")
@@ -547,6 +555,13 @@ def image_as_rows(x: torch.Tensor) -> torch.Tensor:
 def rows_as_image(x: torch.Tensor) -> torch.Tensor:
     """An (N, K) matrix as the channels-last (1, K, N, 1) image it is in memory (a view when contiguous)."""
     return x.contiguous().view(1, x.shape[0], 1, x.shape[1]).permute(0, 3, 1, 2)
+
+
+def conv_rows(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+    """A 1x1 ``conv`` over (N, K) rows (a linear layer on each row), run on their channels-last image: the same
+    sums as ``F.linear``, where oneDNN adds the bias in the convolution (``F.linear`` copies it into the output
+    first; on the CPU in bf16 the 32-wide per-pixel layers run 1.2-1.4x faster so)."""
+    return image_as_rows(F.conv2d(rows_as_image(x), conv.weight, conv.bias))
 
 
 def rms_norm_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
@@ -588,7 +603,8 @@ class PixelMLP(nn.Module):
     """``dec_net``: per-pixel features (N, c) conditioned on tokens (n, C), ``N = 256 n`` -> (N, c) in place.
 
     ``input_proj`` is folded into the decoder's ``pixel_embed`` (:meth:`MageDecoder.fold_pixels`), so the
-    features arrive projected; the blocks' modulations are one linear layer (:meth:`fold`).
+    features arrive projected; the blocks' modulations are one layer (:meth:`fold`). Float32 (and wider) runs
+    the released sums bit for bit; bfloat16 and float16 the folded form (:meth:`forward`).
     """
 
     def __init__(self, config: MageVAEConfig) -> None:
@@ -598,56 +614,83 @@ class PixelMLP(nn.Module):
         self.input_proj: nn.Linear | None = nn.Linear(px, px)
         self.res_blocks = nn.ModuleList(PixelResBlock(px) for _ in range(config.pixel_blocks))
         self.modulation: nn.Conv2d | None = None
+        self.modulation_ln: nn.Conv2d | None = None
         self.cond_conv: nn.Conv2d | None = None
 
     @torch.no_grad()
     def fold(self) -> None:
-        """One 1x1 ``modulation`` (c -> 9c) from the blocks' three ``adaLN_modulation`` layers (they all read
-        ``SiLU(cond)``), each block's rows ordered (scale, shift, gate) with its LayerNorm's affine (weight
-        ``g``, bias ``b``) folded in, in float64::
+        """The blocks' three ``adaLN_modulation`` layers (they all read ``SiLU(cond)``) as two 1x1 layers (c -> 9c):
+
+        * ``modulation``: the layers stacked, (shift, scale, gate) per block, ``+ 1`` added to each scale's bias;
+        * ``modulation_ln``: (scale, shift, gate) per block with its LayerNorm's affine (weight ``g``, bias
+          ``b``) folded in, in float64::
 
             LN(x) (1 + s) + t = n(x) (g (1 + s)) + (b (1 + s) + t),   n(x) the plain LayerNorm
 
-        and ``s``, ``t`` are linear in ``SiLU(cond)``: ``scale' = diag(g) W_s c + g (1 + b_s)``, ``shift' =
-        (diag(b) W_s + W_t) c + b (1 + b_s) + b_t``. The blocks' linear layers become 1x1 convolutions, and so
-        does ``cond_embed`` (``cond_conv``); the blocks' ``adaLN_modulation`` and ``in_ln`` are dropped.
+          and ``s``, ``t`` are linear in ``SiLU(cond)``: ``scale' = diag(g) W_s c + g (1 + b_s)``, ``shift' =
+          (diag(b) W_s + W_t) c + b (1 + b_s) + b_t``.
+
+        The blocks' linear layers become 1x1 convolutions, and so does ``cond_embed`` (``cond_conv``); the
+        blocks' ``adaLN_modulation`` are dropped.
         """
         if self.modulation is not None:
             return
-        f64, weights, biases = torch.float64, [], []
+        f64, released, released_bias, weights, biases = torch.float64, [], [], [], []
         for block in self.res_blocks:
             layer, norm = block.adaLN_modulation[1], block.in_ln
+            px = layer.in_features
+            bias = layer.bias.clone()
+            bias[px : 2 * px] += 1
+            released, released_bias = released + [layer.weight], released_bias + [bias]
             w_t, w_s, w_g = layer.weight.to(f64).chunk(3)
             b_t, b_s, b_g = layer.bias.to(f64).chunk(3)
             g, b = norm.weight.to(f64), norm.bias.to(f64)
             weights += [g[:, None] * w_s, b[:, None] * w_s + w_t, w_g]
             biases += [g * (1 + b_s), b * (1 + b_s) + b_t, b_g]
             block.lin1, block.lin2 = _conv_from(block.mlp[0]), _conv_from(block.mlp[2])
-            block.adaLN_modulation = block.in_ln = block.mlp = None
+            block.adaLN_modulation = block.mlp = None
         dtype = self.cond_embed.weight.dtype
-        self.modulation = _conv_from(_linear_from(torch.cat(weights).to(dtype), torch.cat(biases).to(dtype)))
+        self.modulation = _conv_from(_linear_from(torch.cat(released), torch.cat(released_bias)))
+        self.modulation_ln = _conv_from(_linear_from(torch.cat(weights).to(dtype), torch.cat(biases).to(dtype)))
         self.cond_conv, self.cond_embed = _conv_from(self.cond_embed), None
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Features x (N, c), contiguous, updated in place; tokens (1, C, h, w) channels-last, ``N = 256 h w``.
-
-        ``SiLU(cond_embed(tokens))`` in one pass (:func:`~flowlift.models.fused_conv.conv_act`), viewed as one
-        row per pixel (position-major), then each block's scale, shift and gate as three c-wide 1x1 convolutions
-        of it (contiguous rows: the element-wise passes over strided thirds of one 3c-wide output ran ~1.8x
-        slower)."""
+        """Features x (N, c), contiguous, updated in place; tokens (1, C, h, w) channels-last, ``N = 256 h w``."""
         if self.modulation is None:
             raise RuntimeError("PixelMLP: call MageVAEModel.fold_t0() after loading, before running")
+        if torch.finfo(x.dtype).bits >= 32:
+            return self._released(x, tokens)
+        return self._folded(x, tokens)
+
+    def _released(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The released sums: ``SiLU(cond_embed(tokens))`` one row per pixel (position-major), each block's
+        (shift, scale, gate) from its 3c-wide slice of ``modulation``, then :meth:`PixelResBlock.forward`."""
+        px = x.shape[-1]
+        flat = tokens.permute(0, 2, 3, 1).reshape(-1, tokens.shape[1])
+        cond = rows_as_image(F.silu(conv_rows(flat, self.cond_conv).reshape(-1, px), inplace=True))
+        weight, bias = self.modulation.weight, self.modulation.bias
+        for i, block in enumerate(self.res_blocks):
+            rows = slice(3 * px * i, 3 * px * (i + 1))
+            mod = image_as_rows(F.conv2d(cond, weight[rows], bias[rows]))
+            x = block(x, *mod.chunk(3, dim=-1))
+        return x
+
+    def _folded(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The half-precision form: ``SiLU(cond_embed(tokens))`` in one pass
+        (:func:`~flowlift.models.fused_conv.conv_act`), then each block's scale, shift and gate as three c-wide
+        1x1 convolutions of ``modulation_ln`` (contiguous rows: the element-wise passes over strided thirds of
+        one 3c-wide output ran ~1.8x slower) and :meth:`PixelResBlock.forward_folded`."""
         px = x.shape[-1]
         cond = conv_act(tokens.contiguous(memory_format=torch.channels_last), self.cond_conv, "swish")
         cond = rows_as_image(cond.permute(0, 2, 3, 1).reshape(-1, px))  # position-major: (1, c, n * 256, 1)
-        weight, bias = self.modulation.weight, self.modulation.bias
+        weight, bias = self.modulation_ln.weight, self.modulation_ln.bias
         center = centering_weight(px, device=x.device, dtype=x.dtype)
         for i, block in enumerate(self.res_blocks):
             mod = [
                 image_as_rows(F.conv2d(cond, weight[k * px : (k + 1) * px], bias[k * px : (k + 1) * px]))
                 for k in range(3 * i, 3 * i + 3)
             ]
-            x = block(x, *mod, center)
+            x = block.forward_folded(x, *mod, center)
         return x
 
 
