@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flowlift.limits import LATENT_CHANNELS
+from flowlift.models.fused_conv import conv_act, conv_add_act
 from flowlift.models.taef2_tiling import LocalOp, run_two_level
 
 WIDTH = 64
@@ -65,7 +66,11 @@ class Clamp(nn.Module):
 
 
 class Block(nn.Module):
-    """``relu(conv(x') + x')`` with ``x' = x + pool(x)`` for GN blocks, ``x' = x`` otherwise."""
+    """``relu(conv(x') + x')`` with ``x' = x + pool(x)`` for GN blocks, ``x' = x`` otherwise.
+
+    The convs run with their ReLUs, and the last with the residual add, in one pass each
+    (:mod:`flowlift.models.fused_conv`: bf16 on the CPU; float32 runs the released layers, bit for bit).
+    """
 
     def __init__(self, n: int, use_gn: bool = False) -> None:
         super().__init__()
@@ -82,9 +87,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pool is not None:
             x = x + self.pool(x)
-        y = self.conv(x)
-        y += x
-        return torch.relu_(y)
+        convs = self.conv
+        y = conv_act(conv_act(x, convs[0], "relu"), convs[2], "relu")
+        return conv_add_act(y, convs[4], x, "relu")
 
 
 #: Rows of the 3x3 kernel that reach each 2x2 sub-pixel tap: ``SUBPIXEL_ROWS[a][k][d]`` is 1 where output
@@ -163,6 +168,18 @@ def fuse_upsample_convs(layers: list[nn.Module]) -> list[nn.Module]:
         else:
             fused.append(layer)
     return fused
+
+
+def run_layers(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """``layers`` applied in turn to ``x``, a conv followed by a ReLU as one fused layer (:func:`conv_act`)."""
+    i = 0
+    while i < len(layers):
+        layer = layers[i]
+        if isinstance(layer, nn.Conv2d) and i + 1 < len(layers) and isinstance(layers[i + 1], nn.ReLU):
+            x, i = conv_act(x, layer, "relu"), i + 2
+        else:
+            x, i = layer(x), i + 1
+    return x
 
 
 def _nearest2x(layer: nn.Upsample) -> bool:
@@ -286,10 +303,7 @@ class TAEF2(nn.Module):
 
     def decode_full(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents (B, 32, h, w) -> images (B, 3, 8h, 8w), unclamped, in one pass (with :class:`UpConv` layers)."""
-        x = latents
-        for layer in fuse_upsample_convs(list(self._need(self.decoder, "decoder"))):
-            x = layer(x)
-        return x
+        return run_layers(fuse_upsample_convs(list(self._need(self.decoder, "decoder"))), latents)
 
     # Tiled -------------------------------------------------------------------------------------
     def encode_tiled(
@@ -341,7 +355,7 @@ class TAEF2(nn.Module):
         outs = []
         count = latents.shape[0]
         for index, latent in enumerate(latents.split(1)):
-            h = dec[:DECODER_LOCAL_START](latent)
+            h = run_layers(list(dec[:DECODER_LOCAL_START]), latent)
             outs.append(
                 run_two_level(
                     mid,
