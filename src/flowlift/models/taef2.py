@@ -61,6 +61,14 @@ DEFAULT_ENCODE_BAND = 128
 DEFAULT_ENCODE_TILE = 64
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when dense (contiguous or channels-last), else a dense copy in its layout (a crop's view)."""
+    if x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last):
+        return x
+    channels_last = x.shape[1] > 1 and x.stride(1) == 1
+    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
 def _conv(n_in: int, n_out: int, *, stride: int = 1, bias: bool = True) -> nn.Conv2d:
     return nn.Conv2d(n_in, n_out, 3, stride=stride, padding=1, bias=bias)
 
@@ -94,6 +102,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pool is not None:
             x = x + self.pool(x)
+        x = _dense(x)  # a tile's crop: copied once here, not by the first conv and again by the residual add
         convs = self.conv
         y = conv_act(conv_act(x, convs[0], "relu"), convs[2], "relu")
         return conv_add_act(y, convs[4], x, "relu")
