@@ -102,12 +102,24 @@ class _CountedPointwise:
         return getattr(self.packet, name)
 
 
+class _CountedPointwiseInPlace(_CountedPointwise):
+    """``torch.ops.mkldnn._convolution_pointwise_`` (``.binary(other, input, weight, ...)``: the add written over
+    ``other``, flowlift.models.taef2_layers.conv_add_relu_into) counted alike."""
+
+    def binary(self, other, input, weight, *args):
+        return self._counted(self.packet.binary(other, input, weight, *args), weight)
+
+
 def _count_fused_convs() -> None:
     import torch
 
-    op = getattr(torch.ops.mkldnn, "_convolution_pointwise", None)
-    if op is not None and not isinstance(op, _CountedPointwise):
-        torch.ops.mkldnn._convolution_pointwise = _CountedPointwise(op)
+    for name, counted in (
+        ("_convolution_pointwise", _CountedPointwise),
+        ("_convolution_pointwise_", _CountedPointwiseInPlace),
+    ):
+        op = getattr(torch.ops.mkldnn, name, None)
+        if op is not None and not isinstance(op, _CountedPointwise):
+            setattr(torch.ops.mkldnn, name, counted(op))
 
 
 def _switch(stage: str) -> str:

@@ -12,11 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flowlift.models.fused_conv import conv_add_act, fusable
 from flowlift.models.taef2 import TAEF2, Block, local_op
 from flowlift.models.taef2_layers import (
     PairConv,
     UpConv,
     conv3x3_by_pixel_pairs,
+    conv_add_relu_into,
     fuse_decoder_layers,
     pixel_pair_weights,
     run_layers,
@@ -154,3 +156,48 @@ def test_decoder_runs_its_last_conv_as_a_pair_conv():
     assert local_op(layers[-1]) == LocalOp("same", 1)
     with pytest.raises(ValueError, match="PairConv"):
         PairConv(dec[1])  # 32 -> 64: not a conv with few outputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("use_gn", [False, True])
+def test_block_forward_leaves_its_input_and_consume_gives_the_same_bits(dtype, use_gn):
+    block = _block(use_gn, dtype)
+    x = torch.randn(1, 16, 21, 18, generator=torch.Generator().manual_seed(11)).to(dtype)
+    x = x.contiguous(memory_format=CL)
+    before = x.clone()
+    with torch.no_grad():
+        out = block(x)
+        assert torch.equal(x, before)  # forward never writes over its input
+        consumed = block.consume(x)
+    assert torch.equal(consumed, out)
+    if dtype == BF16 and not use_gn and fusable(x, block.conv[4]):
+        assert consumed.data_ptr() == x.data_ptr()  # the residual add was done in place, over x
+    elif dtype == torch.float32:
+        assert torch.equal(x, before)  # float32 runs the released layers: nothing in place
+
+
+def test_conv_add_relu_into_falls_back_for_a_view_and_leaves_it():
+    conv = _block(False, BF16).conv[4]
+    x = torch.randn(1, 16, 9, 11).to(BF16).contiguous(memory_format=CL)
+    base = torch.randn(1, 16, 12, 14).to(BF16).contiguous(memory_format=CL)
+    other = base[:, :, 1:10, 2:13]  # a crop: not dense, so not written over
+    before = base.clone()
+    with torch.no_grad():
+        out = conv_add_relu_into(x, conv, other)
+        assert torch.equal(base, before)
+        assert torch.equal(out, conv_add_act(x, conv, other.contiguous(memory_format=CL), "relu"))
+
+
+def test_bf16_tiled_encode_and_decode_equal_the_whole_frame_and_leave_their_inputs():
+    """Bands share their halos: a layer writing over a band's input would change the next band."""
+    torch.manual_seed(12)
+    model = TAEF2().to(BF16).eval().to(memory_format=CL)
+    # Full-width bands too: their crops are row ranges, dense views of the shared tensor.
+    for width, latent_width in ((136, 19), (64, 8)):
+        images = torch.rand(1, 3, 200, width).to(BF16).contiguous(memory_format=CL)
+        latents = torch.randn(1, 32, 23, latent_width).to(BF16).contiguous(memory_format=CL)
+        images_before, latents_before = images.clone(), latents.clone()
+        with torch.no_grad():
+            assert torch.equal(model.encode_tiled(images, band=9, tile=4), model.encode_full(images))
+            assert torch.equal(model.decode_tiled(latents, band=9, tile=5), model.decode_full(latents))
+        assert torch.equal(images, images_before) and torch.equal(latents, latents_before)

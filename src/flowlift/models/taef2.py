@@ -39,6 +39,7 @@ from flowlift.models.fused_conv import conv_act, conv_add_act
 from flowlift.models.taef2_layers import (
     PairConv,
     UpConv,
+    conv_add_relu_into,
     fuse_decoder_layers,
     fuse_upsample_convs,
     run_layers,
@@ -100,12 +101,21 @@ class Block(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, owned=False)
+
+    def consume(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward`, free to write its result over ``x``'s memory (bf16 fused: the residual add done in
+        place, no new output buffer); for a caller that reads ``x`` no more (TAEF2's own layer chains)."""
+        return self._run(x, owned=True)
+
+    def _run(self, x: torch.Tensor, owned: bool) -> torch.Tensor:
         if self.pool is not None:
-            x = x + self.pool(x)
-        x = _dense(x)  # a tile's crop: copied once here, not by the first conv and again by the residual add
+            x, owned = x + self.pool(x), True
+        dense = _dense(x)  # a tile's crop: copied once here, not by the first conv and again by the residual add
+        owned = owned or dense is not x
         convs = self.conv
-        y = conv_act(conv_act(x, convs[0], "relu"), convs[2], "relu")
-        return conv_add_act(y, convs[4], x, "relu")
+        y = conv_act(conv_act(dense, convs[0], "relu"), convs[2], "relu")
+        return conv_add_relu_into(y, convs[4], dense) if owned else conv_add_act(y, convs[4], dense, "relu")
 
 
 def build_encoder() -> nn.Sequential:
@@ -223,7 +233,7 @@ class TAEF2(nn.Module):
     # Full frame -------------------------------------------------------------------------------
     def encode_full(self, images: torch.Tensor) -> torch.Tensor:
         """Images [0, 1] (B, 3, H, W) -> latents (B, 32, H/8, W/8) in one pass."""
-        return self._need(self.encoder, "encoder")(images)
+        return run_layers(list(self._need(self.encoder, "encoder")), images)
 
     def decode_full(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents (B, 32, h, w) -> images (B, 3, 8h, 8w), unclamped, in one pass (:func:`fuse_decoder_layers`)."""

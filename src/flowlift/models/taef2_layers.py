@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowlift.models.fused_conv import conv_act
+from flowlift.models.fused_conv import conv_act, conv_add_act, fusable
+from flowlift.models.taef2_tiling import call_layer
 
 #: Rows of the 3x3 kernel that reach each 2x2 sub-pixel tap: ``SUBPIXEL_ROWS[a][k][d]`` is 1 where output
 #: phase ``a`` (even/odd row) reads kernel row ``d`` (0..2) through low-resolution tap ``k`` (0..1).
@@ -96,15 +97,42 @@ def fuse_upsample_convs(layers: list[nn.Module]) -> list[nn.Module]:
 
 
 def run_layers(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
-    """``layers`` applied in turn to ``x``, a conv followed by a ReLU as one fused layer (:func:`conv_act`)."""
+    """``layers`` applied in turn to ``x``, a conv followed by a ReLU as one fused layer (:func:`conv_act`).
+
+    Every layer after the first reads a tensor the chain made and no one else holds, so a layer with a
+    ``consume`` method (a TAEF2 ``Block``) is called through it and may write its result over its input.
+    """
     i = 0
     while i < len(layers):
         layer = layers[i]
         if isinstance(layer, nn.Conv2d) and i + 1 < len(layers) and isinstance(layers[i + 1], nn.ReLU):
             x, i = conv_act(x, layer, "relu"), i + 2
         else:
-            x, i = layer(x), i + 1
+            x, i = call_layer(layer, x, owned=i > 0), i + 1
     return x
+
+
+def conv_add_relu_into(x: torch.Tensor, conv: nn.Conv2d, other: torch.Tensor) -> torch.Tensor:
+    """``relu(conv(x) + other)`` written over ``other`` in one oneDNN pass (the sum rounded once, as
+    :func:`~flowlift.models.fused_conv.conv_add_act`'s, to the bit) where it is fusable, ``conv`` keeps the
+    size (3x3, padding 1, stride 1) and ``other`` is dense in ``x``'s layout; elsewhere, float32 above all,
+    :func:`~flowlift.models.fused_conv.conv_add_act` (a new tensor, ``other`` unchanged). The caller gives up
+    ``other``: 4% less time than a new output on a 526x526 64-channel bf16 tile (no buffer to fill afresh).
+    """
+    op = getattr(torch.ops.mkldnn, "_convolution_pointwise_", None)
+    layout = torch.channels_last if x.shape[1] > 1 and x.stride(1) == 1 else torch.contiguous_format
+    if (
+        op is None
+        or not fusable(x, conv)
+        or (conv.kernel_size, conv.padding, conv.stride, conv.dilation, conv.groups)
+        != ((3, 3), (1, 1), (1, 1), (1, 1), 1)
+        or other.dtype != x.dtype
+        or other.shape != (x.shape[0], conv.out_channels, *x.shape[2:])
+        or not (x.is_contiguous(memory_format=layout) and other.is_contiguous(memory_format=layout))
+    ):
+        return conv_add_act(x, conv, other, "relu")
+    geometry = [1, 1], [1, 1], [1, 1], 1
+    return op.binary(other, x, conv.weight, conv.bias, *geometry, "add", None, "relu", [], "")
 
 
 def _nearest2x(layer: nn.Upsample) -> bool:
