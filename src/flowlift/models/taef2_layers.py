@@ -189,7 +189,7 @@ class PairConv(nn.Module):
         self.conv = conv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 or x.device.type != "cpu":
+        if x.dtype not in (torch.bfloat16, torch.float16) or x.device.type != "cpu":
             return self.conv(x)
         return conv3x3_by_pixel_pairs(x, self.conv.weight, self.conv.bias)
 
