@@ -78,6 +78,7 @@ def cast_table(revision: str, images: str, width: int) -> None:
     """Stage 2 of ``revision`` and of this tree on every image: residual casts and 8-bit differences."""
     import importlib.util
     import subprocess
+    import sys
     import tempfile
     from pathlib import Path
 
@@ -85,13 +86,25 @@ def cast_table(revision: str, images: str, width: int) -> None:
     from flowlift.measure.metrics import drift_at_input_scale
 
     root = Path(__file__).resolve().parents[1]
-    source = subprocess.run(
-        ["git", "-C", str(root), "show", f"{revision}:src/flowlift/upscale/colorfix.py"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / "colorfix_old.py"
+
+    def show(name: str) -> str | None:
+        shown = subprocess.run(
+            ["git", "-C", str(root), "show", f"{revision}:src/flowlift/upscale/{name}.py"],
+            capture_output=True,
+            text=True,
+        )
+        return shown.stdout if shown.returncode == 0 else None
+
+    # the revision's colorfix.py with its own colorfix_lab.py (where it had one), not this tree's
+    folder = Path(tempfile.mkdtemp())
+    source, lab = show("colorfix"), show("colorfix_lab")
+    if source is None:
+        raise SystemExit(f"{revision} has no src/flowlift/upscale/colorfix.py")
+    if lab is not None:
+        (folder / "colorfix_lab_old.py").write_text(lab)
+        source = source.replace("from flowlift.upscale.colorfix_lab import", "from colorfix_lab_old import")
+        sys.path.insert(0, str(folder))
+    path = folder / "colorfix_old.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("colorfix_old", path)
     old = importlib.util.module_from_spec(spec)

@@ -351,7 +351,7 @@ def _fit_coarse(
 
 def _lab_transplant(output, reference, strength, iterations, strip_pixels, inplace, on_strip) -> torch.Tensor:
     """:func:`lab_lowband_transplant` after its checks."""
-    from flowlift.upscale.colorfix_lab import LabStep, rgb_to_lab
+    from flowlift.upscale.colorfix_lab import LabStep, block_mean, rgb_to_lab
 
     batch, _, height, width = output.shape
     h, w = reference.shape[-2:]
@@ -373,10 +373,10 @@ def _lab_transplant(output, reference, strength, iterations, strip_pixels, inpla
     # starts from it (the same values, one sRGB -> f conversion per pixel). Each strip depends only on itself.
     holds_f = False
 
-    def corrected(step: LabStep, r0: int, r1: int) -> torch.Tensor:
+    def corrected(step: LabStep, r0: int, r1: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if holds_f:
-            return step.from_f(output[:, :, r0:r1], r0, r1)
-        return step(output, r0, r1, keep_f=output[:, :, r0:r1] if inplace else None)
+            return step.from_f(output[:, :, r0:r1], r0, r1, out=out)
+        return step(output, r0, r1, keep_f=output[:, :, r0:r1] if inplace else None, out=out)
 
     def down_lab(coarse: torch.Tensor | None) -> torch.Tensor:
         nonlocal holds_f
@@ -384,7 +384,7 @@ def _lab_transplant(output, reference, strength, iterations, strip_pixels, inpla
         step = LabStep(coarse, s_h, s_w)
         for r0, r1 in strips():
             rgb = step(output, r0, r1) if coarse is None else corrected(step, r0, r1)
-            low[:, :, r0 // s_h : r1 // s_h] = F.avg_pool2d(rgb, (s_h, s_w))
+            block_mean(rgb, s_h, s_w, out=low[:, :, r0 // s_h : r1 // s_h])
         holds_f = holds_f or (inplace and coarse is not None)
         return rgb_to_lab(low)
 
@@ -394,7 +394,7 @@ def _lab_transplant(output, reference, strength, iterations, strip_pixels, inpla
     result = output if inplace else torch.empty(batch, 3, height, width, dtype=torch.float32, device=device)
     step = LabStep(coarse, s_h, s_w)
     for r0, r1 in strips():
-        result[:, :, r0:r1] = corrected(step, r0, r1)
+        corrected(step, r0, r1, out=result[:, :, r0:r1])
     return result
 
 
