@@ -88,6 +88,7 @@ SKIP: dict[str, str] = {
         BENCHMARK,
     "PYTHONPATH=src python benchmarks/bench_mage_tiling.py --sizes --strips 2560x2560 --ops decode": BENCHMARK,
     "PYTHONPATH=src python benchmarks/bench_mage_tiling.py --check 768 --ops decode encode": BENCHMARK,
+    "PYTHONPATH=src python benchmarks/bench_mage_decode.py --size 3072x2048": BENCHMARK,
     "flowlift upscale kodim23.png --scale 4 --vae mage": "the released Mage-VAE (a full-size random stand-in is "
         "0.3 GB; tests/test_vae_doors.py runs --vae mage through a hub cache with a small random file)",
     "flowlift upscale in4096.png --scale 4 --vae mage": "a 4096x4096 input to 16384x16384 with the released "

@@ -61,9 +61,10 @@ def test_full_size_parameter_counts_before_and_after_the_fold():
     assert count(model.decoder.y_embedder.decoder) == 10_924_800  # the CoD decoder
     model.fold_t0()
     # The fold drops both timestep MLPs and all 42 DiCo adaLN layers (~37.7M parameters), and the per-pixel
-    # fold x_embedder, input_proj and the RMSNorm weight (4,288: y_embedder_x becomes pixel_embed, same size).
+    # fold x_embedder, input_proj and the RMSNorm weight (4,288: y_embedder_x becomes pixel_embed, same size),
+    # and the three per-pixel LayerNorms' affines (192, folded into the per-pixel modulation).
     assert count(model.encoder) == 48_547_456
-    assert count(model.decoder) == 51_751_555
+    assert count(model.decoder) == 51_751_363
     assert model.encoder.t_embedder is None and all(b.adaLN_modulation is None for b in model.decoder.blocks)
 
 
@@ -263,7 +264,7 @@ def test_a_full_size_file_loads_and_decodes_as_the_reference(tmp_path):
     path = save_released(tmp_path / "mage_vae_decoder.safetensors", full, torch.bfloat16)
     loaded = load_vae(path)
     assert not loaded.has_encoder
-    assert sum(p.numel() for p in loaded.model.parameters()) == 51_751_555
+    assert sum(p.numel() for p in loaded.model.parameters()) == 51_751_363
     as_stored = {k: v.to(torch.bfloat16).float() for k, v in full.items()}
     codes = torch.randn(1, 128, 2, 3)
     expected = (ref.decode(as_stored, codes) + 1) / 2

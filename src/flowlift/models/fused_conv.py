@@ -29,6 +29,7 @@ from torch import nn
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": lambda t: torch.relu_(t),
     "gelu": F.gelu,  # the exact (erf) GELU: oneDNN's "gelu" with algorithm "none"
+    "swish": lambda t: F.silu(t, inplace=True),  # SiLU, x * sigmoid(x): oneDNN's "swish" with alpha 1
 }
 
 _FUSED_DTYPES = (torch.bfloat16,)

@@ -1,0 +1,172 @@
+"""Mage-VAE's CPU reformulations (issue 47): the DiCo blocks' GELUs fused into their convolutions, the per-pixel
+LayerNorm as a centering convolution and a row norm (its affine folded into the modulation), the SiLUs fused
+into the per-pixel layers, and the tiled executor's chunked statistics. Each: float32 the same maths (bit for bit
+where nothing was reordered), bf16 within a stated distance of float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flowlift.models.mage_vae as mage_vae
+from flowlift.models.fused_conv import conv_act, fusable
+from flowlift.models.mage_passes import CHUNK_ROWS, GroupSums, channel_moments, channel_sums
+from flowlift.models.mage_vae import NORM_EPS, DiCoBlock, centering_weight, layer_norm_2d, layer_norm_rows
+from flowlift.models.mage_vae_files import mage_from_state_dict
+from mage_files import NARROW, released_state
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+
+BF16 = torch.bfloat16
+CL = torch.channels_last
+HAS_FUSED_OP = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _block(dtype: torch.dtype) -> DiCoBlock:
+    torch.manual_seed(0)
+    block = DiCoBlock(64, 4.0, modulated=False).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.mul_(2.0)  # GELUs away from their linear middle
+    return block.to(dtype=dtype, memory_format=CL)
+
+
+def _unfused(block: DiCoBlock, x: torch.Tensor) -> torch.Tensor:
+    """The block as released: every layer, then its GELU, one op after another."""
+    a = F.gelu(block.conv2(block.conv1(layer_norm_2d(x, block.norm1.weight, block.norm1.bias))))
+    gate = torch.sigmoid(block.ca[1](a.mean(dim=(2, 3), keepdim=True)))
+    y = F.conv2d(a, block.conv3.weight * gate.reshape(1, -1, 1, 1), block.conv3.bias).add_(x)
+    return block.conv5(F.gelu(block.conv4(layer_norm_2d(y, block.norm2.weight, block.norm2.bias)))).add_(y)
+
+
+def _frame(c: int, dtype: torch.dtype) -> torch.Tensor:
+    x = torch.randn(1, c, 13, 19, generator=torch.Generator().manual_seed(1))
+    return x.to(dtype).contiguous(memory_format=CL)
+
+
+def test_a_float32_dico_block_is_the_unfused_layers_bit_for_bit():
+    block, x = _block(torch.float32), _frame(64, torch.float32)
+    with torch.no_grad():
+        assert torch.equal(block(x), _unfused(block, x))
+
+
+@pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+def test_a_bf16_dico_block_runs_both_gelus_fused_and_stays_near_float32(monkeypatch):
+    block, x = _block(BF16), _frame(64, BF16)
+    assert fusable(x, block.conv2) and fusable(x, block.conv4)
+    fused = []
+
+    def counting(t, conv, activation):
+        fused.append((conv, activation))
+        return conv_act(t, conv, activation)
+
+    monkeypatch.setattr(mage_vae, "conv_act", counting)
+    with torch.no_grad():
+        out = block(x)
+        exact = _unfused(_block(torch.float32), x.float())
+        unfused = _unfused(block, x)
+    assert fused == [(block.conv2, "gelu"), (block.conv4, "gelu")]
+    # bf16 against float32 (measured 5.3e-3 relative; the unfused bf16 layers 5.4e-3; a ReLU in place of a
+    # GELU 6.6e-2): one rounding fewer per GELU, never farther from float32 than the unfused layers.
+    assert relative(out, exact) <= 1e-2
+    assert relative(out, exact) <= 1.05 * relative(unfused, exact)
+
+
+def test_the_row_layer_norm_is_layer_norm():
+    """float32: F.layer_norm to float32 rounding; bf16 (one rounding of y, of the row norm and of the product):
+    within 2^-6 of the float32 result, relative to each row's unit scale."""
+    torch.manual_seed(2)
+    x = torch.randn(4096, 32) * 3 + 1.5  # a mean far from 0: the centering must take it out before the norm
+    center = centering_weight(32, device=x.device, dtype=torch.float32)
+    expected = F.layer_norm(x, (32,), None, None, NORM_EPS)
+    torch.testing.assert_close(layer_norm_rows(x, center), expected, rtol=0, atol=2e-6)
+    bf = layer_norm_rows(x.to(BF16), centering_weight(32, device=x.device, dtype=BF16))
+    assert bf.dtype == BF16 and float((bf.float() - expected).abs().max()) <= 2**-6 * 4
+    assert relative(bf, expected) <= 5e-3
+
+
+def test_the_centering_weight_is_exact_in_bf16_for_the_released_width():
+    w = centering_weight(32, device=torch.device("cpu"), dtype=BF16)[:, :, 0, 0].double()
+    assert torch.equal(w, torch.eye(32, dtype=torch.float64) - 1 / 32)
+
+
+@pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+def test_the_fused_swish_is_silu_rounded_once():
+    torch.manual_seed(3)
+    conv = torch.nn.Conv2d(32, 32, 1).to(BF16).to(memory_format=CL).requires_grad_(False)
+    x = torch.randn(1, 32, 4096, 1).to(BF16).contiguous(memory_format=CL) * 2
+    exact = F.silu(F.conv2d(x.float(), conv.weight.float(), conv.bias.float()))
+    fused = conv_act(x, conv, "swish")
+    assert fused.dtype == BF16
+    assert ((fused.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+    conv32 = conv.float()
+    x32 = x.float()
+    assert torch.equal(conv_act(x32, conv32, "swish"), F.silu(conv32(x32)))
+
+
+def test_the_decoder_in_bf16_stays_near_its_float32_decode():
+    """The whole narrow decoder (DiCo blocks, the per-pixel path with its row LayerNorm, fused SiLUs and folded
+    modulation) in bf16 channels-last against float32: measured 2.7e-3 relative (a GELU fused where the SiLU
+    belongs: 2.8e-2)."""
+    state = released_state(NARROW, seed=4)
+    vae, vae_bf16 = mage_from_state_dict(state), mage_from_state_dict(state, dtype=BF16)
+    z = torch.randn(1, 32, 12, 20, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = vae.decode(z)
+        out = vae_bf16.decode(z.to(BF16))
+    assert out.dtype == BF16
+    assert relative(out, expected) <= 1e-2
+
+
+@pytest.mark.parametrize("layout", [CL, torch.contiguous_format])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_the_chunked_statistics_are_the_float64_sums(layout, dtype):
+    """Per-channel sums and sums of squares over more rows than one chunk, in either layout; GroupSums folds
+    them into GroupNorm's statistics as group_norm_statistics computes them."""
+    torch.manual_seed(6)
+    x = (torch.randn(1, 64, 50, 2 * CHUNK_ROWS // 50 + 3) + 2).to(dtype).contiguous(memory_format=layout)
+    values = x.double()
+    s1, s2 = channel_moments(x)
+    torch.testing.assert_close(s1, values.sum((0, 2, 3)), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s2, values.square().sum((0, 2, 3)), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(channel_sums(x), values.sum((0, 2, 3)), rtol=1e-6, atol=1e-6)
+    sums = GroupSums(64)
+    sums.add(x)
+    mean, inv_std = sums.finish(torch.device("cpu"))
+    expected_mean, expected_inv_std = mage_vae.group_norm_statistics(x.float())
+    torch.testing.assert_close(mean, expected_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(inv_std, expected_inv_std, rtol=1e-4, atol=1e-6)
+
+
+def _sdpa_windows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """Window attention through torch's fused SDPA kernel in the inputs' dtype (the edge windows replicate-padded)."""
+    b, c, h, w = q.shape
+    rows, cols = -(-h // window), -(-w // window)
+
+    def cells(t: torch.Tensor) -> torch.Tensor:
+        t = F.pad(t, (0, -w % window, 0, -h % window), mode="replicate")
+        t = t.reshape(b, c, rows, window, cols, window).permute(0, 2, 4, 3, 5, 1)
+        return t.reshape(-1, 1, window * window, c)
+
+    out = F.scaled_dot_product_attention(cells(q), cells(k), cells(v))
+    out = out.reshape(b, rows, cols, window, window, c).permute(0, 5, 1, 3, 2, 4)
+    return out.reshape(b, c, rows * window, cols * window)[:, :, :h, :w]
+
+
+def test_bf16_window_attention_takes_float32_scores_and_float32_the_fused_kernel():
+    """bf16 on the CPU: scores and softmax in float32, ``SCORE_CHUNK`` windows at a time, about as far from
+    float32 as torch's fused bf16 kernel (here 5.2e-3 against 5.0e-3; bf16 scores from ``bmm``: 8.7e-3, caught).
+    float32: torch's fused kernel, bit for bit as before."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 36, 20, 44, generator=g) * 2 for _ in range(3))  # 3 x 6 windows of 8, edges padded
+    exact = mage_vae.window_attention(q, k, v, 8)
+    assert torch.equal(exact, _sdpa_windows(q, k, v, 8))
+    low = [t.to(BF16) for t in (q, k, v)]
+    out = mage_vae.window_attention(*low, 8)
+    assert out.dtype == BF16 and out.shape == exact.shape
+    assert relative(out, exact) <= 1.25 * relative(_sdpa_windows(*low, 8), exact)
