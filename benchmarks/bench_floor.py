@@ -77,6 +77,49 @@ def install_flop_counters() -> None:
         return out
 
     F.conv2d, F.linear, F.scaled_dot_product_attention = counted_conv2d, counted_linear, counted_sdpa
+    _count_fused_convs()
+
+
+class _CountedPointwise:
+    """``torch.ops.mkldnn._convolution_pointwise`` (and its ``.binary``: flowlift.models.fused_conv's convs
+    with their activation and add) with each call's FLOPs added to the current stage, as ``F.conv2d``'s."""
+
+    def __init__(self, packet) -> None:
+        self.packet = packet
+
+    @staticmethod
+    def _counted(out, weight):
+        _count(2.0 * out.numel() * weight.shape[1] * weight.shape[2] * weight.shape[3])
+        return out
+
+    def __call__(self, input, weight, *args):
+        return self._counted(self.packet(input, weight, *args), weight)
+
+    def binary(self, input, other, weight, *args):
+        return self._counted(self.packet.binary(input, other, weight, *args), weight)
+
+    def __getattr__(self, name):
+        return getattr(self.packet, name)
+
+
+class _CountedPointwiseInPlace(_CountedPointwise):
+    """``torch.ops.mkldnn._convolution_pointwise_`` (``.binary(other, input, weight, ...)``: the add written over
+    ``other``, flowlift.models.taef2_layers.conv_add_relu_into) counted alike."""
+
+    def binary(self, other, input, weight, *args):
+        return self._counted(self.packet.binary(other, input, weight, *args), weight)
+
+
+def _count_fused_convs() -> None:
+    import torch
+
+    for name, counted in (
+        ("_convolution_pointwise", _CountedPointwise),
+        ("_convolution_pointwise_", _CountedPointwiseInPlace),
+    ):
+        op = getattr(torch.ops.mkldnn, name, None)
+        if op is not None and not isinstance(op, _CountedPointwise):
+            setattr(torch.ops.mkldnn, name, counted(op))
 
 
 def _switch(stage: str) -> str:

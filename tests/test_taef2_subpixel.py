@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from flowlift.models.taef2 import TAEF2, UpConv, fuse_upsample_convs, local_op, subpixel_weights, upsample_conv
+from flowlift.models.taef2 import TAEF2, local_op
+from flowlift.models.taef2_layers import UpConv, fuse_upsample_convs, subpixel_weights, upsample_conv
 from flowlift.models.taef2_tiling import LocalOp, input_interval, output_size, produced_interval
 
 

@@ -32,10 +32,19 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from flowlift.limits import LATENT_CHANNELS
+from flowlift.models.fused_conv import conv_act, conv_add_act
+from flowlift.models.taef2_layers import (
+    PairConv,
+    UpConv,
+    conv_add_relu_into,
+    fuse_decoder_layers,
+    fuse_upsample_convs,
+    run_layers,
+    subpixel_weights,
+)
 from flowlift.models.taef2_tiling import LocalOp, run_two_level
 
 WIDTH = 64
@@ -53,6 +62,14 @@ DEFAULT_ENCODE_BAND = 128
 DEFAULT_ENCODE_TILE = 64
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when dense (contiguous or channels-last), else a dense copy in its layout (a crop's view)."""
+    if x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last):
+        return x
+    channels_last = x.shape[1] > 1 and x.stride(1) == 1
+    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
 def _conv(n_in: int, n_out: int, *, stride: int = 1, bias: bool = True) -> nn.Conv2d:
     return nn.Conv2d(n_in, n_out, 3, stride=stride, padding=1, bias=bias)
 
@@ -65,7 +82,11 @@ class Clamp(nn.Module):
 
 
 class Block(nn.Module):
-    """``relu(conv(x') + x')`` with ``x' = x + pool(x)`` for GN blocks, ``x' = x`` otherwise."""
+    """``relu(conv(x') + x')`` with ``x' = x + pool(x)`` for GN blocks, ``x' = x`` otherwise.
+
+    The convs run with their ReLUs, and the last with the residual add, in one pass each
+    (:mod:`flowlift.models.fused_conv`: bf16 on the CPU; float32 runs the released layers, bit for bit).
+    """
 
     def __init__(self, n: int, use_gn: bool = False) -> None:
         super().__init__()
@@ -80,93 +101,21 @@ class Block(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(x, owned=False)
+
+    def consume(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward`, free to write its result over ``x``'s memory (bf16 fused: the residual add done in
+        place, no new output buffer); for a caller that reads ``x`` no more (TAEF2's own layer chains)."""
+        return self._run(x, owned=True)
+
+    def _run(self, x: torch.Tensor, owned: bool) -> torch.Tensor:
         if self.pool is not None:
-            x = x + self.pool(x)
-        y = self.conv(x)
-        y += x
-        return torch.relu_(y)
-
-
-#: Rows of the 3x3 kernel that reach each 2x2 sub-pixel tap: ``SUBPIXEL_ROWS[a][k][d]`` is 1 where output
-#: phase ``a`` (even/odd row) reads kernel row ``d`` (0..2) through low-resolution tap ``k`` (0..1).
-SUBPIXEL_ROWS = ((1.0, 0.0, 0.0), (0.0, 1.0, 1.0)), ((1.0, 1.0, 0.0), (0.0, 0.0, 1.0))
-
-
-def subpixel_weights(weight: torch.Tensor) -> torch.Tensor:
-    """The 3x3 kernel of a conv after a nearest 2x upsampling as four 2x2 kernels on the low-resolution grid.
-
-    Output pixel ``(2i + a, 2j + b)`` reads upsampled rows ``2i + a - 1 .. 2i + a + 1``, i.e. low-resolution
-    rows ``i - 1, i`` (``a = 0``: kernel rows 0 | 1 + 2) or ``i, i + 1`` (``a = 1``: rows 0 + 1 | 2); columns
-    alike. ``K[a, b] = R_a w R_b^T`` with ``R`` = :data:`SUBPIXEL_ROWS`, summed in float64 and rounded once:
-    (O, I, 3, 3) -> (4 O, I, 2, 2), phase-major (``a``, then ``b``), in ``weight``'s dtype.
-    """
-    rows = torch.tensor(SUBPIXEL_ROWS, dtype=torch.float64, device=weight.device)
-    kernels = torch.einsum("ayd,oide,bze->aboiyz", rows, weight.double(), rows)
-    return kernels.reshape(4 * weight.shape[0], weight.shape[1], 2, 2).to(weight.dtype)
-
-
-def upsample_conv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``conv3x3(nearest2x(x), weight, bias, padding=1)`` computed on the low-resolution grid.
-
-    One 2x2 convolution with padding 1 and the :func:`subpixel_weights` gives ``Y`` (B, 4 O, h + 1, w + 1);
-    phase ``(a, b)``'s pixels are ``out[:, :, 2i + a, 2j + b] = Y[:, phase, i + a, j + b]``. The same sums
-    with 4/9 of the multiply-adds and no upsampled copy of ``x``; zero padding at the border of ``x`` is the
-    upsampled frame's padding, so a tile of ``x`` gives the tile of the output, as the two layers do.
-    ``kernels``: the sub-pixel kernels when already made (else from ``weight``).
-    """
-    b, _, h, w = x.shape
-    o = weight.shape[0]
-    kernels = (subpixel_weights(weight) if kernels is None else kernels).to(x.dtype)
-    y = F.conv2d(x, kernels, None if bias is None else bias.to(x.dtype).repeat(4), 1, 1)
-    channels_last = x.shape[1] > 1 and x.stride(1) == 1
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    out = torch.empty((b, o, 2 * h, 2 * w), dtype=y.dtype, device=y.device, memory_format=fmt)
-    for phase, (a, c) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
-        out[:, :, a::2, c::2] = y[:, phase * o : (phase + 1) * o, a : a + h, c : c + w]
-    return out
-
-
-class UpConv(nn.Module):
-    """A decoder's ``Upsample(2)`` and the 3x3 conv after it as one layer, sharing the conv's parameters.
-
-    In float32 the two layers as they are (the same bits as the released model's forward); in a half
-    dtype :func:`upsample_conv` (4/9 of the multiply-adds) with the conv's ``subpixel_weight`` buffer
-    (:meth:`TAEF2.refresh_subpixel_weights`: made from the weights as loaded, so a float32 file's kernels
-    are rounded to the half dtype once, like every other weight) where it is there in ``x``'s dtype.
-    """
-
-    def __init__(self, conv: nn.Conv2d) -> None:
-        super().__init__()
-        if conv.kernel_size != (3, 3) or conv.padding != (1, 1) or conv.stride != (1, 1):
-            raise ValueError(f"UpConv needs a 3x3 conv with padding 1, got {conv}")
-        self.conv = conv
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        conv = self.conv
-        if x.dtype == torch.float32:
-            return conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
-        kernels = getattr(conv, "subpixel_weight", None)
-        if kernels is not None and (kernels.dtype != x.dtype or kernels.device != x.device):
-            kernels = None
-        return upsample_conv(x, conv.weight, conv.bias, kernels)
-
-
-def fuse_upsample_convs(layers: list[nn.Module]) -> list[nn.Module]:
-    """``layers`` with every nearest ``Upsample(2)`` followed by a 3x3 conv replaced by one :class:`UpConv`."""
-    fused: list[nn.Module] = []
-    for layer in layers:
-        previous = fused[-1] if fused else None
-        if isinstance(layer, nn.Conv2d) and isinstance(previous, nn.Upsample) and _nearest2x(previous):
-            fused[-1] = UpConv(layer)
-        else:
-            fused.append(layer)
-    return fused
-
-
-def _nearest2x(layer: nn.Upsample) -> bool:
-    return layer.mode == "nearest" and layer.size is None and float(layer.scale_factor) == 2.0
+            x, owned = x + self.pool(x), True
+        dense = _dense(x)  # a tile's crop: copied once here, not by the first conv and again by the residual add
+        owned = owned or dense is not x
+        convs = self.conv
+        y = conv_act(conv_act(dense, convs[0], "relu"), convs[2], "relu")
+        return conv_add_relu_into(y, convs[4], dense) if owned else conv_add_act(y, convs[4], dense, "relu")
 
 
 def build_encoder() -> nn.Sequential:
@@ -244,6 +193,8 @@ def local_op(layer: nn.Module) -> LocalOp:
         return LocalOp("up")
     if isinstance(layer, UpConv):
         return LocalOp("upconv")
+    if isinstance(layer, PairConv):
+        return LocalOp("same", 1)
     if isinstance(layer, (nn.ReLU, Clamp)):
         return LocalOp("same", 0)
     raise ValueError(f"no local op for {type(layer).__name__}")
@@ -282,14 +233,11 @@ class TAEF2(nn.Module):
     # Full frame -------------------------------------------------------------------------------
     def encode_full(self, images: torch.Tensor) -> torch.Tensor:
         """Images [0, 1] (B, 3, H, W) -> latents (B, 32, H/8, W/8) in one pass."""
-        return self._need(self.encoder, "encoder")(images)
+        return run_layers(list(self._need(self.encoder, "encoder")), images)
 
     def decode_full(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents (B, 32, h, w) -> images (B, 3, 8h, 8w), unclamped, in one pass (with :class:`UpConv` layers)."""
-        x = latents
-        for layer in fuse_upsample_convs(list(self._need(self.decoder, "decoder"))):
-            x = layer(x)
-        return x
+        """Latents (B, 32, h, w) -> images (B, 3, 8h, 8w), unclamped, in one pass (:func:`fuse_decoder_layers`)."""
+        return run_layers(fuse_decoder_layers(list(self._need(self.decoder, "decoder"))), latents)
 
     # Tiled -------------------------------------------------------------------------------------
     def encode_tiled(
@@ -336,12 +284,12 @@ class TAEF2(nn.Module):
         total)`` is called after every 8x tile, counted over the whole batch (progress only).
         """
         dec = self._need(self.decoder, "decoder")
-        mid = fuse_upsample_convs(list(dec[DECODER_LOCAL_START:DECODER_LAST_STAGE_START]))
-        last = fuse_upsample_convs(list(dec[DECODER_LAST_STAGE_START:]))
+        mid = fuse_decoder_layers(list(dec[DECODER_LOCAL_START:DECODER_LAST_STAGE_START]))
+        last = fuse_decoder_layers(list(dec[DECODER_LAST_STAGE_START:]))
         outs = []
         count = latents.shape[0]
         for index, latent in enumerate(latents.split(1)):
-            h = dec[:DECODER_LOCAL_START](latent)
+            h = run_layers(list(dec[:DECODER_LOCAL_START]), latent)
             outs.append(
                 run_two_level(
                     mid,

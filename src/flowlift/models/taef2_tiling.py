@@ -135,7 +135,7 @@ def run_region(
     x = provider(have_r[0], have_r[1], have_c[0], have_c[1])
     last = len(ops) - 1
     for i, (layer, op) in enumerate(zip(layers, ops, strict=True)):
-        x = layer(x)
+        x = call_layer(layer, x, owned=i > 0)  # after the first, the chain's own tensors: a layer may write over them
         have_r, have_c = produced_interval(op, *have_r), produced_interval(op, *have_c)
         need_r, need_c = rows[i + 1], cols[i + 1]
         if (have_r, have_c) == (need_r, need_c):
@@ -153,6 +153,13 @@ def run_region(
             ]
             have_r, have_c = need_r, need_c
     return x
+
+
+def call_layer(layer: nn.Module, x: torch.Tensor, *, owned: bool) -> torch.Tensor:
+    """``layer(x)``, or ``layer.consume(x)`` where the layer has one and ``owned`` (no one reads ``x`` after:
+    the layer may write its result over it)."""
+    consume = getattr(layer, "consume", None) if owned else None
+    return layer(x) if consume is None else consume(x)
 
 
 def _chain_out_size(ops: Sequence[LocalOp], size: tuple[int, int]) -> tuple[int, int]:
