@@ -97,3 +97,29 @@ def test_reflect_padding_is_never_fused():
     conv.padding_mode = "reflect"
     assert not fusable(x, conv)
     assert torch.equal(conv_act(x, conv, "relu"), torch.relu(conv(x)))
+
+
+@pytest.mark.parametrize(("cin", "cout", "k", "groups"), [(64, 64, 3, 1), (384, 1536, 1, 1), (48, 48, 3, 48)])
+def test_torchs_flop_counter_counts_a_fused_conv_as_the_conv(cin, cout, k, groups):
+    """FlopCounterMode sees the fused ops (an uncounted fused model would read as a fraction of its work)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    conv, x = _conv(cin, cout, k, groups), _input(cin)
+    fusable(x, conv)  # the one-time probe, outside the counters
+    with torch.no_grad():
+        with FlopCounterMode(display=False) as plain:
+            conv(x)
+        with FlopCounterMode(display=False) as fused:
+            conv_act(x, conv, "relu")
+        with FlopCounterMode(display=False) as added:
+            conv_add_act(x, conv, _input(cout), None)
+    assert plain.get_total_flops() > 0
+    assert fused.get_total_flops() == plain.get_total_flops() == added.get_total_flops()
+    if fusable(x, conv) and groups == 1:  # the in-place add (TAEF2's Block writes over its own input)
+        other = _input(cout)
+        with torch.no_grad(), FlopCounterMode(display=False) as in_place:
+            geometry = (list(conv.padding), list(conv.stride), list(conv.dilation), conv.groups)
+            torch.ops.mkldnn._convolution_pointwise_.binary(
+                other, x, conv.weight, conv.bias, *geometry, "add", None, "relu", [], ""
+            )
+        assert in_place.get_total_flops() == plain.get_total_flops()

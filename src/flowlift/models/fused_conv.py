@@ -105,4 +105,32 @@ def conv_add_act(x: torch.Tensor, conv: nn.Conv2d, other: torch.Tensor, activati
     )
 
 
+def _register_flop_formulas() -> None:
+    """Have torch's ``FlopCounterMode`` count the fused convolutions as it counts ``F.conv2d`` (the same
+    multiply-adds; uncounted, a fused model would read as a fraction of its work). One formula per op packet:
+    ``_convolution_pointwise`` (``(x, weight, ...)``; its ``.binary`` overload ``(x, other, weight, ...)``) and
+    the in-place ``_convolution_pointwise_`` (``.binary``: ``(other, x, weight, ...)``). Costs ~1 ms at import."""
+    from torch.utils.flop_counter import conv_flop_count, flop_registry, register_flop_formula
+
+    mkldnn = torch.ops.mkldnn
+    if not hasattr(mkldnn, "_convolution_pointwise"):
+        return
+
+    def pointwise(*args, out_shape=None, **_):
+        x, weight = (args[0], args[1]) if len(args) == 10 else (args[0], args[2])  # default | binary
+        return conv_flop_count(x, weight, out_shape, transposed=False)
+
+    def pointwise_inplace(_other, x, weight, *_, out_shape=None, **__):
+        return conv_flop_count(x, weight, out_shape, transposed=False)
+
+    for packet, formula in (
+        (mkldnn._convolution_pointwise, pointwise),
+        (mkldnn._convolution_pointwise_, pointwise_inplace),
+    ):
+        if packet not in flop_registry:  # once per process (a reloaded module finds its own formula)
+            register_flop_formula(packet)(formula)
+
+
+_register_flop_formulas()
+
 __all__ = ["ACTIVATIONS", "conv_act", "conv_add_act", "fusable"]
