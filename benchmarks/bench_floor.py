@@ -3,10 +3,12 @@
 Issue 47. Each variant runs ``flowlift upscale IMAGE --scale 4`` as the command line does, in a fresh interpreter,
 with timers and FLOP counters wrapped around its stages from outside (the command's own code runs unchanged):
 
-- **FLOPs** counted at every ``F.conv2d``, ``F.linear`` and ``F.scaled_dot_product_attention`` call (a
-  convolution is ``2 * output elements * in-channels-per-group * kh * kw``; a linear layer ``2 * output elements *
-  in-features``; attention ``2 * B * heads * L * S * (E + Ev)``): the models' multiply-adds, what the matrix
-  units do; element-wise work (norms, activations, the colour fix) counts zero.
+- **FLOPs** counted at every ``F.conv2d``, ``F.linear``, ``F.scaled_dot_product_attention`` and ``torch.bmm``
+  call and every fused convolution (``torch.ops.mkldnn._convolution_pointwise`` and its in-place form, as
+  ``F.conv2d``) (a convolution is ``2 * output elements * in-channels-per-group * kh * kw``; a linear layer
+  ``2 * output elements * in-features``; attention ``2 * B * heads * L * S * (E + Ev)``; a batched product
+  ``2 * b * n * m * k``): the models' multiply-adds, what the matrix units do; element-wise work (norms,
+  activations, the colour fix) counts zero.
 - **CPU time** of each stage (``time.process_time``: user + system of every thread of the process, which a
   loaded machine inflates far less than the wall time), exclusive of the stages called inside it; the whole
   command's is the child's ``getrusage`` (interpreter start-up included).
@@ -54,8 +56,9 @@ def _count(flop: float) -> None:
 
 
 def install_flop_counters() -> None:
-    """Wrap ``F.conv2d``, ``F.linear`` and ``F.scaled_dot_product_attention`` (looked up at call time by torch's
-    modules and flowlift's) to add each call's FLOPs to the current stage."""
+    """Wrap ``F.conv2d``, ``F.linear``, ``F.scaled_dot_product_attention``, oneDNN's fused convolutions and
+    ``torch.bmm`` (looked up at call time by torch's modules and flowlift's) to add each call's FLOPs to the
+    current stage."""
     import torch.nn.functional as F
 
     conv2d, linear, sdpa = F.conv2d, F.linear, F.scaled_dot_product_attention
@@ -78,6 +81,22 @@ def install_flop_counters() -> None:
 
     F.conv2d, F.linear, F.scaled_dot_product_attention = counted_conv2d, counted_linear, counted_sdpa
     _count_fused_convs()
+    _count_bmm()
+
+
+def _count_bmm() -> None:
+    """``torch.bmm`` (Mage-VAE's bf16 window attention computes its scores and weighted sums with it): ``2 * b *
+    n * m * k`` for (b, n, k) @ (b, k, m)."""
+    import torch
+
+    bmm = torch.bmm
+
+    def counted_bmm(a, b, *args, **kwargs):
+        out = bmm(a, b, *args, **kwargs)
+        _count(2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2])
+        return out
+
+    torch.bmm = counted_bmm
 
 
 class _CountedPointwise:
