@@ -123,3 +123,15 @@ def test_torchs_flop_counter_counts_a_fused_conv_as_the_conv(cin, cout, k, group
                 other, x, conv.weight, conv.bias, *geometry, "add", None, "relu", [], ""
             )
         assert in_place.get_total_flops() == plain.get_total_flops()
+
+
+def test_a_conv_that_needs_a_gradient_runs_the_layers_and_backpropagates():
+    """The fused op has no backward: with autograd recording for the input or the weights, the layers run."""
+    conv, x = _conv(16, 16, 3), _input(16)
+    conv.requires_grad_(True)
+    assert not fusable(x, conv)
+    y = conv_add_act(x, conv, _input(16), "relu")
+    conv_act(x, conv, "gelu").float().sum().add(y.float().sum()).backward()
+    assert conv.weight.grad is not None and torch.isfinite(conv.weight.grad.float()).all()
+    with torch.no_grad():
+        assert fusable(x, conv) == (HAS_FUSED_OP and fused_conv._fused_op_works(BF16))

@@ -6,8 +6,9 @@ element-wise passes over the output, which on a wide, cheap layer cost as much a
 channels-last, take 119 ms against 92 ms when oneDNN applies the GELU to its float32 sums before rounding
 (``torch.ops.mkldnn._convolution_pointwise``, the fused kernel torch's own compiler emits). docs/cpu.md, issue 47.
 
-**When**: a bfloat16 input on the CPU, the conv's padding zeros (``padding_mode="zeros"``), and oneDNN's fused
-op present and working in this torch (probed once on a tiny input). Everything else, float32 above all, runs
+**When**: a bfloat16 input on the CPU, the conv's padding zeros (``padding_mode="zeros"``), nothing that needs a
+gradient (the fused op has no backward), and oneDNN's fused op present and working in this torch (probed once
+on a tiny input). Everything else, float32 above all, runs
 the unfused layers: float32 results stay the released model's bit for bit.
 
 **Exactness in bfloat16**: the fused op rounds once, after the activation and the add, where the unfused
@@ -71,6 +72,7 @@ def fusable(x: torch.Tensor, conv: nn.Conv2d) -> bool:
         and conv.padding_mode == "zeros"
         and isinstance(conv.padding, tuple)
         and conv.weight.dtype == x.dtype
+        and not (torch.is_grad_enabled() and (x.requires_grad or conv.weight.requires_grad))  # no backward
         and _fused_op_works(x.dtype)
     )
 
