@@ -135,3 +135,18 @@ def test_a_conv_that_needs_a_gradient_runs_the_layers_and_backpropagates():
     assert conv.weight.grad is not None and torch.isfinite(conv.weight.grad.float()).all()
     with torch.no_grad():
         assert fusable(x, conv) == (HAS_FUSED_OP and fused_conv._fused_op_works(BF16))
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "swish"])
+def test_a_nan_or_inf_stays_non_finite_through_every_activation(activation):
+    """oneDNN's ReLU is max(x, 0), which turns NaN into 0: a model's NaN would vanish into a plausible image
+    (issue 43's class). The ReLU is never fused; GELU and SiLU keep non-finite values non-finite, as torch's."""
+    conv, x = _conv(16, 16, 3), _input(16)
+    x[0, :, 4, 4] = float("nan")
+    x[0, :, 10, 10] = float("inf")
+    with torch.no_grad():
+        out = conv_act(x, conv, activation)
+        added = conv_add_act(x, conv, _input(16), activation)
+    for y in (out, added):
+        assert not torch.isfinite(y[0, :, 3:6, 3:6]).all(1).any()  # every pixel that reads the NaN
+        assert not torch.isfinite(y[0, :, 9:12, 9:12]).all(1).any()

@@ -203,3 +203,30 @@ def test_bf16_tiled_encode_and_decode_equal_the_whole_frame_and_leave_their_inpu
             assert torch.equal(model.encode_tiled(images, band=9, tile=4), model.encode_full(images))
             assert torch.equal(model.decode_tiled(latents, band=9, tile=5), model.decode_full(latents))
         assert torch.equal(images, images_before) and torch.equal(latents, latents_before)
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_bf16_overflowing_weights_give_non_finite_output_not_a_plausible_image(tiled):
+    """Issue 43's class at TAEF2: finite weights that overflow (x 1e30) must give NaN/Inf, which the pipeline
+    refuses; oneDNN's fused ReLU (max with 0) turned the NaN into 0 and the bf16 decode came out finite."""
+    torch.manual_seed(11)
+    model = TAEF2().eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1e30)
+    model = model.to(dtype=torch.bfloat16, memory_format=CL)
+    model.refresh_subpixel_weights()
+    latents = torch.randn(1, 32, 8, 8).bfloat16().contiguous(memory_format=CL)
+    images = torch.rand(1, 3, 64, 64).bfloat16().contiguous(memory_format=CL)
+    with torch.no_grad():
+        decoded = model.decode_tiled(latents, band=4, tile=2) if tiled else model.decode_full(latents)
+        encoded = model.encode_tiled(images, band=4, tile=2) if tiled else model.encode_full(images)
+    assert not torch.isfinite(decoded).all() and not torch.isfinite(encoded).all()
+
+
+def test_a_nan_reaching_a_block_stays_nan_in_bf16():
+    block = _block(False, torch.bfloat16)
+    x = torch.randn(1, block.conv[0].in_channels, 9, 9).bfloat16().contiguous(memory_format=CL)
+    x[0, :, 4, 4] = float("nan")
+    with torch.no_grad():
+        assert torch.isnan(block(x)).any() and torch.isnan(block.consume(x.clone())).any()

@@ -97,7 +97,8 @@ def fuse_upsample_convs(layers: list[nn.Module]) -> list[nn.Module]:
 
 
 def run_layers(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
-    """``layers`` applied in turn to ``x``, a conv followed by a ReLU as one fused layer (:func:`conv_act`).
+    """``layers`` applied in turn to ``x``, a conv followed by a ReLU as one step (:func:`conv_act`: the ReLU in
+    place on the conv's output, never inside oneDNN's pass, which would turn NaN into 0).
 
     Every layer after the first reads a tensor the chain made and no one else holds, so a layer with a
     ``consume`` method (a TAEF2 ``Block``) is called through it and may write its result over its input.
@@ -113,8 +114,9 @@ def run_layers(layers: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
 
 
 def conv_add_relu_into(x: torch.Tensor, conv: nn.Conv2d, other: torch.Tensor) -> torch.Tensor:
-    """``relu(conv(x) + other)`` written over ``other`` in one oneDNN pass (the sum rounded once, as
-    :func:`~flowlift.models.fused_conv.conv_add_act`'s, to the bit) where it is fusable, ``conv`` keeps the
+    """``relu(conv(x) + other)`` written over ``other``: the add in the conv's oneDNN pass (the sum rounded once,
+    as :func:`~flowlift.models.fused_conv.conv_add_act`'s, to the bit), the ReLU in place after it, where it is
+    fusable, ``conv`` keeps the
     size (3x3, padding 1, stride 1) and ``other`` is dense in ``x``'s layout; elsewhere, float32 above all,
     :func:`~flowlift.models.fused_conv.conv_add_act` (a new tensor, ``other`` unchanged). The caller gives up
     ``other``: 4% less time than a new output on a 526x526 64-channel bf16 tile (no buffer to fill afresh).
@@ -132,7 +134,8 @@ def conv_add_relu_into(x: torch.Tensor, conv: nn.Conv2d, other: torch.Tensor) ->
     ):
         return conv_add_act(x, conv, other, "relu")
     geometry = [1, 1], [1, 1], [1, 1], 1
-    return op.binary(other, x, conv.weight, conv.bias, *geometry, "add", None, "relu", [], "")
+    # The add in the conv's pass, the ReLU after it in place: oneDNN's ReLU would turn NaN into 0 (fused_conv).
+    return torch.relu_(op.binary(other, x, conv.weight, conv.bias, *geometry, "add", None, None, [], None))
 
 
 def _nearest2x(layer: nn.Upsample) -> bool:
