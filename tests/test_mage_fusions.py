@@ -219,3 +219,21 @@ def test_bf16_window_attention_takes_float32_scores_and_float32_the_fused_kernel
     out = mage_vae.window_attention(*low, 8)
     assert out.dtype == BF16 and out.shape == exact.shape
     assert relative(out, exact) <= 1.25 * relative(_sdpa_windows(*low, 8), exact)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
+def test_folding_into_the_target_dtype_is_folding_then_converting_bit_for_bit(dtype):
+    """``fold_t0(dtype)`` stores the folded DiCo weights in ``dtype`` directly (no float32 copy): the same
+    values as folding in float32 and converting after, for every parameter of both sides."""
+    config = NARROW
+    torch.manual_seed(4)
+    plain, direct = mage_vae.MageVAEModel(config), mage_vae.MageVAEModel(config)
+    direct.load_state_dict(plain.state_dict())
+    expected = plain.fold_t0().to(dtype).state_dict()
+    got = direct.fold_t0(dtype).to(dtype).state_dict()
+    assert expected.keys() == got.keys()
+    for name, value in expected.items():
+        assert got[name].dtype == dtype and torch.equal(got[name], value), name
+    # The large folded layers come out already in dtype, so the conversion after has nothing to copy.
+    fresh = mage_vae.MageVAEModel(config).fold_t0(dtype)
+    assert all(b.conv1.weight.dtype == dtype and b.conv5.weight.dtype == dtype for b in fresh.decoder.blocks)

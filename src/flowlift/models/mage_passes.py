@@ -78,7 +78,7 @@ class GroupSums:
         return mean.float()[None].to(device), inv_std.float()[None].to(device)
 
 
-#: Rows (positions) per float32 chunk of :func:`channel_moments` / :func:`channel_sums`: 4096 x 384 channels is
+#: Rows (positions) per float32 chunk of :func:`channel_moments`: 4096 x 384 channels is
 #: 6 MiB in float32, so each chunk is converted and reduced while in cache.
 CHUNK_ROWS = 4096
 
@@ -108,14 +108,10 @@ def channel_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def channel_sums(x: torch.Tensor) -> torch.Tensor:
     """Per-channel sums of a (1, C, h, w) tile, for the frame mean ``sum / (H W)``, in float64 for the sum over
-    tiles: torch's float32 sums of a float32 tile, float32 sums of float32 chunks of :data:`CHUNK_ROWS`
-    positions of a half one (relative error ~1e-7 either way)."""
-    if torch.finfo(x.dtype).bits >= 32:  # float32: torch's sums over the tile, as before (bit for bit)
-        return x.sum(dim=(0, 2, 3), dtype=torch.float32).double().cpu()
-    total = torch.zeros(x.shape[1], dtype=torch.float32, device=x.device)
-    for chunk in _channel_rows(x).split(CHUNK_ROWS):
-        total += chunk.float().sum(0)
-    return total.cpu().double()
+    tiles: torch's float32 sums over the tile at every dtype (bit for bit the released float32 sums; for a half
+    tile torch converts and adds in one pass: relative error ~1e-7, and on the 2-core AMD EPYC 6.3 ms at 128x192
+    positions x 384 in bf16 where float32 chunks took 11.4)."""
+    return x.sum(dim=(0, 2, 3), dtype=torch.float32).double().cpu()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -305,15 +305,16 @@ class DiCoBlock(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 6 * channels)) if modulated else None
 
     @torch.no_grad()
-    def fold_modulation(self, c: torch.Tensor) -> None:
-        """Fold ``adaLN_modulation(c)`` (c: (1, C), the t = 0 embedding) into conv1/conv3/conv4/conv5."""
+    def fold_modulation(self, c: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Fold ``adaLN_modulation(c)`` (c: (1, C), the t = 0 embedding) into conv1/conv3/conv4/conv5; the
+        folded weights stored in ``dtype`` (default: theirs)."""
         if self.adaLN_modulation is None:
             return
         shift1, scale1, gate1, shift2, scale2, gate2 = self.adaLN_modulation(c)[0].chunk(6)
-        _fold_input_affine(self.conv1, 1 + scale1, shift1)
-        _fold_output_scale(self.conv3, gate1)
-        _fold_input_affine(self.conv4, 1 + scale2, shift2)
-        _fold_output_scale(self.conv5, gate2)
+        _fold_input_affine(self.conv1, 1 + scale1, shift1, dtype)
+        _fold_output_scale(self.conv3, gate1, dtype)
+        _fold_input_affine(self.conv4, 1 + scale2, shift2, dtype)
+        _fold_output_scale(self.conv5, gate2, dtype)
         self.adaLN_modulation = None
 
     def gated_conv3(self, a: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -347,16 +348,25 @@ class DiCoBlock(nn.Module):
         return self.finish(x, a, channel_gate(channel_means(a), self.ca[1]))
 
 
-def _fold_input_affine(conv: nn.Conv2d, scale: torch.Tensor, shift: torch.Tensor) -> None:
+def _fold_input_affine(conv: nn.Conv2d, scale: torch.Tensor, shift: torch.Tensor, dtype: torch.dtype | None) -> None:
     """conv1x1(x * scale + shift) == conv'(x): W' = W diag(scale), b' = b + W shift."""
     w = conv.weight[:, :, 0, 0]
     bias = conv.bias + w.float().matmul(shift.float()).to(conv.bias.dtype)
-    _replace(conv, conv.weight * scale.to(conv.weight.dtype)[None, :, None, None], bias)
+    _replace(conv, _product(conv.weight, scale.to(conv.weight.dtype)[None, :, None, None], dtype), bias)
 
 
-def _fold_output_scale(conv: nn.Conv2d, gate: torch.Tensor) -> None:
+def _fold_output_scale(conv: nn.Conv2d, gate: torch.Tensor, dtype: torch.dtype | None) -> None:
     """gate * conv1x1(x) == conv'(x): W' = diag(gate) W, b' = gate * b."""
-    _replace(conv, conv.weight * gate.to(conv.weight.dtype)[:, None, None, None], conv.bias * gate.to(conv.bias.dtype))
+    weight = _product(conv.weight, gate.to(conv.weight.dtype)[:, None, None, None], dtype)
+    _replace(conv, weight, conv.bias * gate.to(conv.bias.dtype))
+
+
+def _product(weight: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``weight * factor`` computed in their dtype and stored in ``dtype``: the same values as
+    ``(weight * factor).to(dtype)`` without the intermediate tensor (the weights' float32 products rounded
+    once more)."""
+    out = torch.empty(weight.shape, dtype=dtype or weight.dtype, device=weight.device)
+    return torch.mul(weight, factor, out=out)
 
 
 def _replace(conv: nn.Conv2d, weight: torch.Tensor, bias: torch.Tensor) -> None:
@@ -813,15 +823,17 @@ class MageVAEModel(nn.Module):
         self.folded = False
 
     @torch.no_grad()
-    def fold_t0(self) -> MageVAEModel:
-        """Fold every DiCo block's t = 0 adaLN modulation into its convolutions; drop the timestep MLPs."""
+    def fold_t0(self, dtype: torch.dtype | None = None) -> MageVAEModel:
+        """Fold every DiCo block's t = 0 adaLN modulation into its convolutions; drop the timestep MLPs. The
+        folded DiCo weights are stored in ``dtype`` (default: the weights' own), for a model about to move to
+        it: the large folded layers then skip a float32 copy and its conversion."""
         for part in (self.encoder, self.decoder):
             if part is None or part.t_embedder is None:
                 continue
             embedder = part.t_embedder
             c = embedder(torch.zeros(1, device=embedder.mlp[0].weight.device))
             for block in part.blocks:
-                block.fold_modulation(c)
+                block.fold_modulation(c, dtype)
             part.t_embedder = None
         if self.decoder is not None:
             self.decoder.fold_pixels()

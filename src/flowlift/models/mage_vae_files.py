@@ -93,7 +93,7 @@ def mage_from_state_dict(
     check_finite_state(tensors, what="Mage-VAE weights", origin=origin)
     # The meta skeleton takes the tensors as they are (no random init of ~140M parameters).
     skeleton.load_state_dict({_flowlift_name(k): v for k, v in tensors.items()}, strict=True, assign=True)
-    model = skeleton.fold_t0()
+    model = skeleton.fold_t0(dtype)
     # Channels-last in the same conversion (MageVAE keeps it so): one copy of the weights, not two.
     return MageVAE(model.to(device=device, dtype=dtype, memory_format=torch.channels_last), origin=origin)
 
