@@ -139,8 +139,9 @@ def test_a_conv_that_needs_a_gradient_runs_the_layers_and_backpropagates():
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "swish"])
 def test_a_nan_or_inf_stays_non_finite_through_every_activation(activation):
-    """oneDNN's ReLU is max(x, 0), which turns NaN into 0: a model's NaN would vanish into a plausible image
-    (issue 43's class). The ReLU is never fused; GELU and SiLU keep non-finite values non-finite, as torch's."""
+    """oneDNN's plain ReLU is max(x, 0), which turns NaN into 0: a model's NaN would vanish into a plausible image
+    (issue 43's class). The ReLU runs as oneDNN's leaky ReLU with a 2**-149 slope, which keeps NaN; GELU and
+    SiLU keep non-finite values non-finite, as torch's."""
     conv, x = _conv(16, 16, 3), _input(16)
     x[0, :, 4, 4] = float("nan")
     x[0, :, 10, 10] = float("inf")
@@ -150,3 +151,40 @@ def test_a_nan_or_inf_stays_non_finite_through_every_activation(activation):
     for y in (out, added):
         assert not torch.isfinite(y[0, :, 3:6, 3:6]).all(1).any()  # every pixel that reads the NaN
         assert not torch.isfinite(y[0, :, 9:12, 9:12]).all(1).any()
+
+
+@pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+def test_the_bf16_relu_runs_in_the_convolutions_pass(monkeypatch):
+    """The ReLU is fused (oneDNN's leaky ReLU): torch's separate ReLU pass is not called, and the result is
+    ``relu`` bit for bit (a zero may come out as -0.0, which equals 0.0)."""
+    conv, x = _conv(64, 64, 3), _input(64)
+    expected = torch.relu(conv(x))
+
+    def separate(_):
+        raise AssertionError("the ReLU ran as a separate pass")
+
+    monkeypatch.setitem(fused_conv.ACTIVATIONS, "relu", separate)
+    assert torch.equal(conv_act(x, conv, "relu"), expected)
+
+
+@pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+def test_the_fused_relu_is_exact_for_large_negative_sums():
+    """The slope's products round to a bfloat16 zero for every sum down to -32768 (the design's bound)."""
+    conv = nn.Conv2d(1, 1, 1).to(BF16).to(memory_format=CL).requires_grad_(False)
+    with torch.no_grad():
+        conv.weight.fill_(1.0)
+        conv.bias.zero_()
+    values = torch.tensor([-32768.0, -1000.0, -1.0, -1e-30, -0.0, 0.0, 1e-30, 3.0, 60000.0])
+    x = values.to(BF16).reshape(1, 1, 1, -1).contiguous(memory_format=CL)
+    assert torch.equal(conv_act(x, conv, "relu"), torch.relu(x))
+
+
+def test_without_a_nan_keeping_fused_relu_bf16_runs_torchs_relu(monkeypatch):
+    """Where the probe finds the fused ReLU dropping a NaN (or unequal to relu), torch's ReLU runs after the conv."""
+    monkeypatch.setattr(fused_conv, "_probe_relu", lambda dtype: False)
+    monkeypatch.setattr(fused_conv, "_RELU_WORKS", {})
+    conv, x = _conv(16, 16, 3), _input(16)
+    x[0, :, 4, 4] = float("nan")
+    with torch.no_grad():
+        out = conv_act(x, conv, "relu")
+    assert torch.equal(out.isnan(), torch.relu(conv(x)).isnan()) and out.isnan().any()

@@ -16,11 +16,16 @@ path rounds the convolution's output, then the activation's (and the sum's): ``g
 residual add are the same maths rounded once instead of two or three times (closer to float32; the models'
 bf16 error vs float32 is stated in docs/cpu.md).
 
-**ReLU is never fused**: oneDNN's ReLU is ``max(x, 0)``, which turns a NaN into 0, so a NaN or Inf made inside
-a model (finite weights that overflow, issue 43) would vanish into a plausible image. A ReLU runs as torch's
-own in-place pass after the (fused) convolution and add: NaN stays NaN. (Measured: a fused ReLU saved nothing
-on TAEF2's 64-channel convolutions, 22.4 against 22.3 ms on a 256x256 tile.) GELU and SiLU keep NaN and Inf
-non-finite, as torch's.
+**The ReLU as oneDNN's leaky ReLU**: oneDNN's plain ReLU is ``max(x, 0)``, which turns a NaN into 0, so a NaN or
+Inf made inside a model (finite weights that overflow, issue 43) would vanish into a plausible image. Its leaky
+ReLU, ``x > 0 ? x : slope * x``, keeps NaN (the comparison fails, ``slope * NaN`` is NaN) and keeps -Inf; with
+the smallest float32 as the slope (:data:`RELU_SLOPE`, 2**-149) every negative sum down to -32768 gives a product
+below bfloat16's smallest subnormal, which rounds to zero: the fused ReLU equals ``relu`` in bfloat16 up to the
+sign of a zero (below -32768, a negative value under 1e-40 in magnitude where relu gives 0). The probe checks
+both on this torch (a NaN must come out NaN) and falls back to torch's own ReLU after the convolution when either
+fails. A ReLU after a fused residual add runs as torch's in-place pass (oneDNN takes only its plain ReLU after an add).
+On TAEF2's decode the ReLUs after the convolutions were 0.3 CPU-s of separate passes (docs/cpu.md, issue 47).
+GELU and SiLU keep NaN and Inf non-finite, as torch's.
 """
 
 from __future__ import annotations
@@ -31,18 +36,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: The activations this module applies, each in its unfused form (oneDNN's name is the same); all but the ReLU
-#: run in the convolution's pass where :func:`fusable` (:data:`FUSED_ACTIVATIONS`).
+#: The activations this module applies, each in its unfused form (oneDNN's name is the same but for the ReLU,
+#: which runs as its leaky ReLU with :data:`RELU_SLOPE`); they run in the convolution's pass where :func:`fusable`.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": lambda t: torch.relu_(t),
     "gelu": F.gelu,  # the exact (erf) GELU: oneDNN's "gelu" with algorithm "none"
     "swish": lambda t: F.silu(t, inplace=True),  # SiLU, x * sigmoid(x): oneDNN's "swish" with alpha 1
 }
 
-#: Activations oneDNN applies in the convolution's pass: not the ReLU (it would turn NaN into 0: see above).
-FUSED_ACTIVATIONS = frozenset({"gelu", "swish"})
+#: Activations oneDNN applies in the convolution's pass (the ReLU as its leaky ReLU, see above).
+FUSED_ACTIVATIONS = frozenset({"gelu", "swish", "relu"})
+#: The fused ReLU's negative slope: the smallest float32, so ``slope * x`` rounds to a bfloat16 zero for every
+#: ``|x| <= 32768`` while ``slope * NaN`` stays NaN (oneDNN's zero-slope ReLU is ``max(x, 0)``: NaN -> 0).
+RELU_SLOPE = 2.0**-149
 _FUSED_DTYPES = (torch.bfloat16,)
 _WORKS: dict[torch.dtype, bool] = {}
+_RELU_WORKS: dict[torch.dtype, bool] = {}
 
 
 def _fused_op_works(dtype: torch.dtype) -> bool:
@@ -50,6 +59,33 @@ def _fused_op_works(dtype: torch.dtype) -> bool:
     if dtype not in _WORKS:
         _WORKS[dtype] = _probe(dtype)
     return _WORKS[dtype]
+
+
+def _fused_relu_works(dtype: torch.dtype) -> bool:
+    """Whether the fused (leaky) ReLU equals ``relu`` and keeps a NaN here in ``dtype`` (probed once)."""
+    if dtype not in _RELU_WORKS:
+        _RELU_WORKS[dtype] = _fused_op_works(dtype) and _probe_relu(dtype)
+    return _RELU_WORKS[dtype]
+
+
+def _probe_relu(dtype: torch.dtype) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 5, 5, generator=generator).to(dtype).contiguous(memory_format=torch.channels_last)
+    weight = (torch.randn(16, 16, 3, 3, generator=generator) / 12).to(dtype)
+    bias = torch.randn(16, generator=generator).to(dtype)
+    geometry = ([1, 1], [1, 1], [1, 1], 1)
+    try:
+        fused = _fused_relu(x, weight, bias, geometry)
+        unfused = torch.relu(torch.ops.mkldnn._convolution_pointwise(x, weight, bias, *geometry, "none", [], ""))
+        x[0, :, 2, 2] = float("nan")
+        poisoned = _fused_relu(x, weight, bias, geometry)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool(torch.equal(fused, unfused)) and bool(poisoned[0, :, 1:4, 1:4].isnan().all())
+
+
+def _fused_relu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, geometry: tuple) -> torch.Tensor:
+    return torch.ops.mkldnn._convolution_pointwise(x, weight, bias, *geometry, "leaky_relu", [RELU_SLOPE], "")
 
 
 def _probe(dtype: torch.dtype) -> bool:
@@ -95,9 +131,14 @@ def _algorithm(activation: str) -> str:
 
 def conv_act(x: torch.Tensor, conv: nn.Conv2d, activation: str) -> torch.Tensor:
     """``activation(conv(x))``, fused where :func:`fusable` and the activation is one of :data:`FUSED_ACTIVATIONS`
-    (``activation``: a key of :data:`ACTIVATIONS`; a ReLU runs after the convolution, in place)."""
+    (``activation``: a key of :data:`ACTIVATIONS`; the ReLU as oneDNN's leaky ReLU with :data:`RELU_SLOPE` where
+    the probe found it equal to ``relu`` and NaN-keeping, else torch's, in place after the convolution)."""
     if activation not in FUSED_ACTIVATIONS or not fusable(x, conv):
         return ACTIVATIONS[activation](conv(x))
+    if activation == "relu":
+        if not _fused_relu_works(x.dtype):
+            return ACTIVATIONS[activation](conv(x))
+        return _fused_relu(x, conv.weight, conv.bias, _geometry(conv))
     return torch.ops.mkldnn._convolution_pointwise(
         x, conv.weight, conv.bias, *_geometry(conv), activation, [], _algorithm(activation)
     )
@@ -146,4 +187,4 @@ def _register_flop_formulas() -> None:
 
 _register_flop_formulas()
 
-__all__ = ["ACTIVATIONS", "FUSED_ACTIVATIONS", "conv_act", "conv_add_act", "fusable"]
+__all__ = ["ACTIVATIONS", "FUSED_ACTIVATIONS", "RELU_SLOPE", "conv_act", "conv_add_act", "fusable"]
