@@ -134,7 +134,8 @@ def conv_add_relu_into(x: torch.Tensor, conv: nn.Conv2d, other: torch.Tensor) ->
     ):
         return conv_add_act(x, conv, other, "relu")
     geometry = [1, 1], [1, 1], [1, 1], 1
-    # The add in the conv's pass, the ReLU after it in place: oneDNN's ReLU would turn NaN into 0 (fused_conv).
+    # The add in the conv's pass, the ReLU after it in place: after an add oneDNN takes only its plain ReLU,
+    # which turns NaN into 0 (fused_conv).
     return torch.relu_(op.binary(other, x, conv.weight, conv.bias, *geometry, "add", None, None, [], None))
 
 
