@@ -61,28 +61,48 @@ def random_checkpoint(folder: Path) -> Path:
 
 
 def random_mage_hub(folder: Path) -> Path:
-    """A private hub cache whose first ``mage`` repository holds a random full-size Mage-VAE (released layout)."""
+    """A private hub cache whose first ``mage`` repository holds a random full-size Mage-VAE in the released layout
+    and size: its encoder and decoder, and the FLUX.2-VAE encoder side the released file also holds and flowlift
+    skips (``pipeline.y_embedder.encoder.*``: the FLUX.2 VAE's encoder, ``quant_conv`` and ``bn``, 111 tensors of
+    34.4M parameters, as diffusers' ``AutoencoderKLFlux2`` makes them), so that reading and hashing it costs what
+    the released file's does (688 MB in float32)."""
     import torch
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
     from flowlift.models.mage_vae import MageVAEConfig, MageVAEModel
-    from flowlift.models.mage_vae_files import MAGE_DECODER_PREFIX, MAGE_ENCODER_PREFIX
+    from flowlift.models.mage_vae_files import MAGE_DECODER_PREFIX, MAGE_ENCODER_PREFIX, MAGE_SKIPPED_PREFIXES
     from flowlift.models.vae_names import NAMED_MAGE
 
     cache = folder / "hub"
     repo = cache / f"models--{NAMED_MAGE.repos[0].replace('/', '--')}"
     target = repo / "snapshots" / ("0" * 40) / "vae" / "mage_vae.safetensors"
-    if not target.is_file():
-        torch.manual_seed(0)
-        state = MageVAEModel(MageVAEConfig()).state_dict()  # unfolded, as released
-        prefixes = {"encoder": MAGE_ENCODER_PREFIX, "decoder": MAGE_DECODER_PREFIX}
-        released = {prefixes[k.split(".", 1)[0]] + k.split(".", 1)[1]: v.contiguous() for k, v in state.items()}
-        target.parent.mkdir(parents=True, exist_ok=True)
-        (repo / "refs").mkdir(parents=True, exist_ok=True)
-        (repo / "refs" / "main").write_text("0" * 40)
-        save_file(released, str(target.with_suffix(".partial")))
-        target.with_suffix(".partial").rename(target)
+    if target.is_file():
+        with safe_open(str(target), "pt") as handle:
+            if any(k.startswith(MAGE_SKIPPED_PREFIXES[0]) for k in handle.keys()):
+                return cache
+    torch.manual_seed(0)
+    state = MageVAEModel(MageVAEConfig()).state_dict()  # unfolded, as released
+    prefixes = {"encoder": MAGE_ENCODER_PREFIX, "decoder": MAGE_DECODER_PREFIX}
+    released = {prefixes[k.split(".", 1)[0]] + k.split(".", 1)[1]: v.contiguous() for k, v in state.items()}
+    released.update(_flux2_encoder_side(MAGE_SKIPPED_PREFIXES[0]))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    save_file(released, str(target.with_suffix(".partial")))
+    target.with_suffix(".partial").rename(target)
     return cache
+
+
+def _flux2_encoder_side(prefix: str) -> dict:
+    """Random float32 tensors shaped as the FLUX.2 VAE's encoder, ``quant_conv`` and ``bn`` (diffusers' names)."""
+    import torch
+    from diffusers import AutoencoderKLFlux2
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in AutoencoderKLFlux2().state_dict().items() if not k.startswith("decoder.")}
+    shapes = {k: v for k, v in shapes.items() if not k.startswith("post_quant_conv.")}
+    return {prefix + k: torch.randn(shape) * 0.02 for k, shape in shapes.items()}
 
 
 def vae_arguments(vae: str, args) -> tuple[list[str], dict[str, str]]:
