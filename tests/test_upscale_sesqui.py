@@ -72,6 +72,7 @@ def test_a_fraction_runs_sesquilsr_after_the_passes_to_exactly_the_asked_size(
         assert image.size == size
         meta = json.loads(image.text["flowlift"])
     assert meta["latent_upscaler"] == f"sesqui:{sesqui}" and meta["passes"] == passes and meta["size"] == list(size)
+    assert f"and SesquiLSR ({sesqui.name}, " in err  # the loading line names all three models it loads
 
 
 @pytest.mark.parametrize(("size", "recorded"), [("96x64", False), ("72x48", True)])

@@ -295,7 +295,7 @@ class UpscaleStep:
         upscaler = request.settings.upscaler or DEFAULT_UPSCALER
         check_upscale_weights(upscaler, [request.settings.vae])  # every missing piece in one line, before any line
         device = rank_device(str(request.device), env) if env.distributed else request.device  # cuda:LOCAL_RANK
-        report_loading(loading_description(upscaler, request.settings.vae))
+        report_loading(loading_description(upscaler, request.settings.vae, request.settings.latent_upscaler))
         pipeline = FlowUpscalerPipeline(
             upscaler,
             request.settings.vae,

@@ -54,20 +54,29 @@ def _described(what: str, paths: Sequence[Path]) -> str:
     return f"{what} ({names}{', ' + size if size else ''})"
 
 
-def loading_description(upscaler: Any, vae: Any) -> str:
+def loading_description(upscaler: Any, vae: Any, latent_upscaler: str | None = None) -> str:
     """What an upscale loads, for the first progress line: ``the Flow Upscaler (flow_upscaler.safetensors, 1.2 GB)
-    and VAE mage (mage_vae.safetensors, 1.3 GB)``; objects (already loaded) and unresolvable specs are named only."""
+    and VAE mage (mage_vae.safetensors, 1.3 GB)``, with ``latent_upscaler`` (``sesqui:PATH``) ``the Flow Upscaler
+    (...), VAE mage (...) and SesquiLSR (sesqui.safetensors, 12 MB)``; objects (already loaded) and unresolvable
+    specs are named only."""
+    from flowlift.upscale.latent_fraction import sesqui_path
     from flowlift.upscale.loading import resolve_upscaler_file, vae_spec_files
 
-    unet, vae_files = [], []
+    unet, vae_files, sesqui_files = [], [], []
     if isinstance(upscaler, (str, os.PathLike)):
         with contextlib.suppress(Exception):  # a description only: the loader names what is missing
             unet = [resolve_upscaler_file(upscaler)]
     if isinstance(vae, (str, os.PathLike)):
         with contextlib.suppress(Exception):
             vae_files = vae_spec_files(os.fspath(vae))
+    if latent_upscaler is not None:
+        with contextlib.suppress(Exception):
+            sesqui_files = [path] if (path := sesqui_path(latent_upscaler)).is_file() else []
     vae_name = f"VAE {os.fspath(vae)}" if isinstance(vae, (str, os.PathLike)) else "the VAE"
-    return f"{_described('the Flow Upscaler', unet)} and {_described(vae_name, vae_files)}"
+    parts = [_described("the Flow Upscaler", unet), _described(vae_name, vae_files)]
+    if latent_upscaler is not None:
+        parts.append(_described("SesquiLSR", sesqui_files))
+    return f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
 class UpscaleStages:
