@@ -69,6 +69,7 @@ def _fused_relu_works(dtype: torch.dtype) -> bool:
 
 
 def _probe_relu(dtype: torch.dtype) -> bool:
+    """The fused ReLU on a tiny input equals torch's ReLU of the conv, and a NaN in the input comes out NaN."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(1, 16, 5, 5, generator=generator).to(dtype).contiguous(memory_format=torch.channels_last)
     weight = (torch.randn(16, 16, 3, 3, generator=generator) / 12).to(dtype)
@@ -133,11 +134,10 @@ def conv_act(x: torch.Tensor, conv: nn.Conv2d, activation: str) -> torch.Tensor:
     """``activation(conv(x))``, fused where :func:`fusable` and the activation is one of :data:`FUSED_ACTIVATIONS`
     (``activation``: a key of :data:`ACTIVATIONS`; the ReLU as oneDNN's leaky ReLU with :data:`RELU_SLOPE` where
     the probe found it equal to ``relu`` and NaN-keeping, else torch's, in place after the convolution)."""
-    if activation not in FUSED_ACTIVATIONS or not fusable(x, conv):
+    fused = activation in FUSED_ACTIVATIONS and fusable(x, conv)
+    if not fused or (activation == "relu" and not _fused_relu_works(x.dtype)):
         return ACTIVATIONS[activation](conv(x))
     if activation == "relu":
-        if not _fused_relu_works(x.dtype):
-            return ACTIVATIONS[activation](conv(x))
         return _fused_relu(x, conv.weight, conv.bias, _geometry(conv))
     return torch.ops.mkldnn._convolution_pointwise(
         x, conv.weight, conv.bias, *_geometry(conv), activation, [], _algorithm(activation)
