@@ -170,6 +170,9 @@ def test_float32_group_statistics_are_torchs_sums_bit_for_bit():
     grouped = x.reshape(32, -1)
     assert torch.equal(sums.s1, grouped.sum(1).double()) and torch.equal(sums.s2, grouped.square().sum(1).double())
     assert torch.equal(channel_sums(x), x.sum(dim=(0, 2, 3), dtype=torch.float32).double())
+    before = x.clone()
+    channel_moments(x)  # squares a float32 copy in place, never the tile's own values
+    assert torch.equal(x, before)
 
 
 @pytest.mark.parametrize("layout", [CL, torch.contiguous_format])
