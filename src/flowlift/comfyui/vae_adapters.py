@@ -8,7 +8,7 @@
   :mod:`flowlift.models.vae_names`: TAEF2, Mage-VAE) as a ComfyUI ``VAE`` (a subclass of ``comfy.sd.VAE``),
   so that VAEEncode / VAEDecode / VAEDecodeTiled accept it, in ComfyUI's FLUX.2 LATENT layout (128
   channels, patchified, normalized — both encoders already output normalized latents, so no BN
-  statistics are involved, for Mage-VAE as for TAEF2). :class:`TAEF2ComfyVAE` is its TAEF2 name.
+  statistics are involved, for Mage-VAE as for TAEF2).
 
 Needs ComfyUI (``comfy``) on the import path.
 """
@@ -26,7 +26,6 @@ import torch
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import PATCHIFIED_CHANNELS, patchify, unpatchify
 from flowlift.limits import vae_kind
-from flowlift.models.vae import TAEF2VAE
 from flowlift.models.vae_names import NAMED_VAES
 from flowlift.models.weights import check_finite_result
 
@@ -169,12 +168,3 @@ class FlowliftComfyVAE(comfy.sd.VAE):
     def adapter(self) -> Any:
         """flowlift's adapter (exact tiling where it has one); load ``self.patcher`` first to have it on the device."""
         return self.first_stage_model.adapter
-
-    @property
-    def taef2(self) -> TAEF2VAE:
-        """The adapter, under the name the TAEF2-only version of this class gave it."""
-        return self.adapter
-
-
-#: The TAEF2-only name of :class:`FlowliftComfyVAE` (kept: code outside the pack may check for it).
-TAEF2ComfyVAE = FlowliftComfyVAE
