@@ -34,6 +34,7 @@ from comfy_venv import comfy_env, comfy_python, comfyui_dir
 from door_helpers import LocalServer, stop_process_group
 from flowlift.models.upscaler_unet import FlowUpscalerUNet
 from flowlift.models.upscaler_weights import save_upscaler
+from sesqui_reference import save_random_sesqui
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = REPO_ROOT / "example_workflows"
@@ -207,6 +208,7 @@ def write_models_and_inputs(root: Path, shared: Path) -> None:
         root.parent / "extra_models" / "latent_upscale_models" / "extra_upscaler.safetensors",
     )
     (models / "latent_upscale_models" / "corrupt.safetensors").write_bytes(b"\x17not a safetensors file" * 8)
+    save_random_sesqui(models / "latent_upscale_models")  # upscaler_Flux2.safetensors, SesquiLSR's released name
     for name in ("taef2_encoder.pth", "taef2_decoder.pth"):
         shutil.copy(shared / "models" / "taef2" / name, models / "vae_approx" / name)
     write_random_mage_vae(models / "vae" / "mage_vae.safetensors", full_size=True)

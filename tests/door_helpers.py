@@ -33,6 +33,8 @@ COMFY_WIDGET_ORDER = {
     "FlowliftTAEF2Loader": ["taef2_name"],
     "FlowliftMageVAELoader": ["mage_name"],
 }
+#: The nodes' optional inputs, in their saved order (absent from a saved workflow: their default).
+COMFY_OPTIONAL_INPUTS = {"FlowliftUpscaleImage": ["latent_upscaler"]}
 
 
 def cpu_upscale_options(shared: Path, weights: Path) -> list[str]:

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from comfy_server import IMAGE_H, IMAGE_W, load_api_workflow, message, png_tensor, session_server
 from comfy_venv import COMFYUI_VERSION
-from door_helpers import COMFY_WIDGET_ORDER
+from door_helpers import COMFY_OPTIONAL_INPUTS, COMFY_WIDGET_ORDER
 from flowlift.comfyui.layouts import NUMERIC_INPUTS
 from flowlift.flux2.latents import from_comfyui_latent, patchify
 from flowlift.models.upscaler_weights import load_upscaler
@@ -122,6 +122,9 @@ def test_the_nodes_load_with_stable_ids_and_widget_order(server):
     assert not missing, f"nodes missing from /object_info: {missing}\n{server.log_tail()}"
     for node, order in COMFY_WIDGET_ORDER.items():
         assert info[node]["input_order"]["required"] == order, node
+        assert info[node]["input_order"].get("optional", []) == COMFY_OPTIONAL_INPUTS.get(node, []), node
+    sesqui_names = combo_options(info["FlowliftUpscaleImage"]["input"]["optional"]["latent_upscaler"])
+    assert sesqui_names[0] == "none" and "upscaler_Flux2.safetensors" in sesqui_names  # models/latent_upscale_models
     # our files are listed through ComfyUI's own folders, extra_model_paths.yaml folders included
     names = combo_options(info["FlowliftUpscalerLoader"]["input"]["required"]["upscaler_name"])
     assert {"flow_upscaler.safetensors", "corrupt.safetensors", "extra_upscaler.safetensors"} <= set(names)
@@ -275,6 +278,59 @@ def test_comfyuis_own_vae_objects_work_in_the_flowlift_nodes_as_flowlifts_loader
 
     flowlift_vae = load_vae(server.root / "models" / relative)
     assert_example_upscale_equals_the_api(server, entry, flowlift_vae, passes=1, seed=4, atol=1 / 255 + 1e-5)
+
+
+def sesqui_workflow(vae: dict, scale: float, prefix: str, latent_upscaler: str = "upscaler_Flux2.safetensors") -> dict:
+    """example.png through FlowliftUpscaleImage at ``scale`` with the VAE node ``vae`` and ``latent_upscaler``."""
+    workflow = load_api_workflow("image_upscale_4x_taef2.json")
+    workflow["2"] = vae
+    workflow["4"]["inputs"].update(seed=5, scale=scale, latent_upscaler=latent_upscaler)
+    workflow["5"]["inputs"]["filename_prefix"] = prefix
+    return workflow
+
+
+@pytest.mark.parametrize("scale", [3.0, 1.5])
+def test_the_image_node_runs_sesquilsr_for_the_fraction_as_the_python_api_does(server, scale):
+    """issue 46.3: FlowliftUpscaleImage's latent upscaler (a SesquiLSR file of models/latent_upscale_models) with
+    ComfyUI's own FLUX.2 VAE does the fraction in latent space, its BN statistics read from ComfyUI's module: the
+    image equals FlowUpscalerPipeline(latent_upscaler="sesqui:PATH") over flowlift's loader of the same VAE file
+    (3x: one pass then SesquiLSR 1.5x; 1.5x: SesquiLSR alone, then the crop's resample), to 1/255 on top of the two
+    VAEs' float32 differences, and is not the pixel resample's image. ComfyUI's VAE.decode clamps to [0, 1], so the
+    expected run's decode is clamped too (the random VAE overshoots: unclamped, the 1.5x resample is 2.9/255 off)."""
+    flux2 = {"class_type": "VAELoader", "inputs": {"vae_name": "flux2-vae.safetensors"}}
+    tag = f"{scale:g}".replace(".", "_")
+    resampling = sesqui_workflow(flux2, scale, f"test/resampled_{tag}", latent_upscaler="none")
+    resampling["5"]["inputs"]["images"] = ["40", 0]
+    entry = server.run(
+        sesqui_workflow(flux2, scale, f"test/sesqui_{tag}") | {"40": resampling["4"], "50": resampling["5"]}
+    )
+    models = server.root / "models"
+    pixels = png_tensor(server.root / "input" / "example.png")
+    size = (round(IMAGE_W * scale), round(IMAGE_H * scale))
+    vae = load_vae(models / "vae" / "flux2-vae.safetensors")
+    decode = vae.decode
+    vae.decode = lambda latents, **kw: decode(latents, **kw).clamp(0, 1)  # as ComfyUI's VAE.decode returns it
+    pipeline = FlowUpscalerPipeline(
+        load_upscaler(models / "latent_upscale_models" / "flow_upscaler.safetensors"),
+        vae,
+        latent_upscaler=f"sesqui:{models / 'latent_upscale_models' / 'upscaler_Flux2.safetensors'}",
+    )
+    expected = pipeline.upscale_image(pixels, int(scale >= 2), seed=5, output_type="pt", output_size=size)
+    got = png_tensor(server.output_file(entry, "5"))
+    assert got.shape == (1, 3, size[1], size[0]) == expected.shape
+    assert (got - expected).abs().max().item() <= 1 / 255 + 1e-5
+    resampled = png_tensor(server.output_file(entry, "50"))
+    assert resampled.shape == got.shape and (resampled - got).abs().max().item() > 4 / 255
+
+
+def test_a_latent_upscaler_without_the_flux2_vae_is_one_line(server):
+    """SesquiLSR needs the FLUX.2 VAE's BN statistics: with TAEF2 the node fails in one line naming the fix."""
+    entry = server.wait(
+        server.queue(sesqui_workflow({"class_type": "VAELoader", "inputs": {"vae_name": "taef2"}}, 3.0, "n/o"))
+    )
+    assert entry["status"]["status_str"] == "error"
+    text = message(entry, "execution_error")["exception_message"].strip()
+    assert text.splitlines() == [text] and "latent_upscaler" in text and "FLUX.2 VAE" in text, text
 
 
 def test_flowlifts_mage_loader_equals_comfyuis_on_the_same_file(server):

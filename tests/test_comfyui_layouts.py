@@ -36,6 +36,13 @@ def test_scale_and_chunking_widgets():
         choices.latent_passes(3)
 
 
+def test_with_a_latent_upscaler_the_image_nodes_plan_the_passes_below_the_fraction():
+    # issue 46.3: the packs' image nodes plan as `flowlift upscale --latent-upscaler` does: the passes below the
+    # factor, SesquiLSR after them (1.5x: none; 3x: one then 1.5x; 6x: two), the powers of two unchanged
+    plan = [choices.image_plan(s, 48, 32, fraction_last=True) for s in (1.5, 3, 6, 2, 4, 8)]
+    assert plan == [(0, (72, 48)), (1, (144, 96)), (2, (288, 192)), (1, None), (2, None), (3, None)]
+
+
 @pytest.mark.parametrize("channels", [4, 16, 32])
 def test_non_flux2_latent_is_one_clear_error(channels):
     with pytest.raises(FlowliftError, match=r"needs a FLUX.2 LATENT \(batch, 128, h, w\)") as info:

@@ -17,14 +17,15 @@ from typing import Any
 import comfy.model_management as mm
 import comfy.model_patcher
 import comfy.utils
+import folder_paths
 import torch
 from comfy_api.latest import io
 
 from flowlift.comfyui import layouts
-from flowlift.comfyui.loaders import CATEGORY, NATIVE_TITLES, UPSCALER, VAE_TOOLTIP
+from flowlift.comfyui.loaders import CATEGORY, NATIVE_TITLES, UPSCALER, UPSCALER_FOLDER, VAE_TOOLTIP
 from flowlift.comfyui.vae_adapters import ComfyFlux2VAE, FlowliftComfyVAE
 from flowlift.errors import FlowliftError
-from flowlift.knobs import SEED, Knob
+from flowlift.knobs import LATENT_UPSCALER, SEED, Knob
 from flowlift.upscale.chunked.budget import CUDA_BUDGET_FRACTION
 from flowlift.upscale.colorfix import lab_lowband_transplant
 from flowlift.upscale.node_choices import chunked_flag, image_plan, latent_passes
@@ -85,8 +86,10 @@ def make_pipeline(
     chunked: str,
     progress: Progress,
     also: Sequence[comfy.model_patcher.ModelPatcher] = (),
+    latent_upscaler: str | None = None,
 ) -> FlowUpscalerPipeline:
-    """The flowlift pipeline over the loaded upscaler; chunking decided by ComfyUI's free memory."""
+    """The flowlift pipeline over the loaded upscaler; chunking decided by ComfyUI's free memory; SesquiLSR for the
+    fraction of a size where ``latent_upscaler`` names it (``sesqui:PATH``)."""
     unet = loaded_upscaler(model, also)
     param = next(unet.parameters())
     device = param.device
@@ -99,6 +102,7 @@ def make_pipeline(
         memory=MemoryPolicy(chunked=chunked_flag(chunked), chunk_budget_bytes=budget),
         on_strip=progress.strip,
         check_interrupt=mm.throw_exception_if_processing_interrupted,  # before every layer, strip and tile
+        latent_upscaler=latent_upscaler,
     )
 
 
@@ -171,8 +175,33 @@ class FlowliftUpscaleLatent(io.ComfyNode):
         return io.NodeOutput(layouts.upscaled_latent_dict(samples, result, mm.intermediate_device()))
 
 
+#: The latent upscaler widget's "no latent upscaler" choice: the fraction of a size is resampled in pixels.
+NO_LATENT_UPSCALER = "none"
+
+
+def latent_upscaler_input() -> io.Input:
+    """The image node's optional latent upscaler: ``none`` or a SesquiLSR file of models/latent_upscale_models (the
+    folder the Flow Upscaler's files share), the help from :data:`flowlift.knobs.LATENT_UPSCALER`."""
+    return io.Combo.Input(
+        "latent_upscaler",
+        options=[NO_LATENT_UPSCALER, *folder_paths.get_filename_list(UPSCALER_FOLDER)],
+        default=NO_LATENT_UPSCALER,
+        tooltip=f"{LATENT_UPSCALER.help}, in models/{UPSCALER_FOLDER}; none: the fraction is resampled in pixels. "
+        "2, 4 and 8 do not run it",
+        optional=True,
+    )
+
+
+def latent_upscaler_spec(name: str) -> str | None:
+    """The pipeline's ``latent_upscaler`` for the widget's choice: None for ``none``, else ``sesqui:PATH``."""
+    if name == NO_LATENT_UPSCALER:
+        return None
+    return f"sesqui:{folder_paths.get_full_path_or_raise(UPSCALER_FOLDER, name)}"
+
+
 class FlowliftUpscaleImage(io.ComfyNode):
-    """IMAGE -> 2x/4x/8x IMAGE: encode, Flow Upscaler passes, decode, both colour stages."""
+    """IMAGE -> IMAGE at any scale in [1, 8]: encode, Flow Upscaler passes, decode (then the resample to the size,
+    or SesquiLSR before the decode with a latent upscaler), both colour stages."""
 
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -182,7 +211,8 @@ class FlowliftUpscaleImage(io.ComfyNode):
             category=CATEGORY,
             description=f"Upscales an image with the Flow Upscaler through a FLUX.2 VAE, {NATIVE_TITLES}, with both "
             f"colour-drift corrections; outputs are capped at {MAX_OUTPUT_SIDE} px a side (passes beyond are "
-            "dropped with a warning).",
+            "dropped with a warning). A scale off 2, 4, 8 is resampled in pixels, or with a latent upscaler "
+            "(SesquiLSR, the FLUX.2 VAE only) resized in latent space before the decode.",
             inputs=[
                 io.Image.Input("image"),
                 UPSCALER.Input("upscaler"),
@@ -190,6 +220,7 @@ class FlowliftUpscaleImage(io.ComfyNode):
                 *upscaler_inputs(),
                 knob_input("color_fix_strength", COLOR_FIX_STRENGTH),
                 knob_input("chunked", CHUNKED),
+                latent_upscaler_input(),
             ],
             outputs=[io.Image.Output()],
         )
@@ -205,6 +236,7 @@ class FlowliftUpscaleImage(io.ComfyNode):
         transplant_strength: float,
         color_fix_strength: float,
         chunked: str,
+        latent_upscaler: str = NO_LATENT_UPSCALER,
     ) -> io.NodeOutput:
         checked = layouts.check_numbers(
             "FlowliftUpscaleImage",
@@ -214,13 +246,16 @@ class FlowliftUpscaleImage(io.ComfyNode):
             color_fix_strength=color_fix_strength,
         )
         images = layouts.image_to_nchw(image, "FlowliftUpscaleImage")
-        passes, size = image_plan(checked.pop("scale"), images.shape[-1], images.shape[-2])
+        spec = latent_upscaler_spec(latent_upscaler)
+        passes, size = image_plan(
+            checked.pop("scale"), images.shape[-1], images.shape[-2], fraction_last=spec is not None
+        )
         progress = Progress(passes + 3)  # encode, passes, decode, colour fix
         if isinstance(vae, FlowliftComfyVAE):
             flowlift_vae, also = vae.adapter, [vae.patcher]  # flowlift's own adapter (TAEF2: exact tiling by size)
         else:  # ComfyUI's VAE loads itself when it encodes and decodes
             flowlift_vae, also = ComfyFlux2VAE(vae, mm.get_torch_device()), []
-        pipeline = make_pipeline(upscaler, flowlift_vae, chunked, progress, also)
+        pipeline = make_pipeline(upscaler, flowlift_vae, chunked, progress, also, latent_upscaler=spec)
         if isinstance(flowlift_vae, ComfyFlux2VAE):
             flowlift_vae.device = pipeline.device  # decoded images meet the reference on the upscaler's device
         result = run_logging_warnings(

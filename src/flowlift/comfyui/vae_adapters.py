@@ -25,6 +25,7 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import PATCHIFIED_CHANNELS, patchify, unpatchify
+from flowlift.flux2.latents import bn_std as batch_norm_std
 from flowlift.limits import vae_kind
 from flowlift.models.vae_names import NAMED_VAES
 from flowlift.models.weights import check_finite_result
@@ -78,6 +79,21 @@ class ComfyFlux2VAE:
     def model(self) -> torch.nn.Module | None:
         """ComfyUI's VAE module (the pipeline checks for interruption before each of its layers)."""
         return getattr(self.vae, "first_stage_model", None)
+
+    @property
+    def bn_mean(self) -> torch.Tensor | None:
+        """The FLUX.2 VAE's BatchNorm mean ([128] float32 on the CPU) from ComfyUI's own module, the statistics its
+        LATENT is normalized with; None for a VAE without them (ComfyUI's TAEF2): SesquiLSR's raw latents."""
+        bn = getattr(self.model, "bn", None)
+        return None if bn is None else bn.running_mean.detach().to("cpu", torch.float32).clone()
+
+    @property
+    def bn_std(self) -> torch.Tensor | None:
+        """``sqrt(running_var + eps)`` of the same BatchNorm, with ComfyUI's own ``bn_eps`` (None without one)."""
+        bn = getattr(self.model, "bn", None)
+        if bn is None:
+            return None
+        return batch_norm_std(bn.running_var.detach().to("cpu", torch.float32), self.model.bn_eps)
 
     def encode(self, images: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
         samples = self.vae.encode(images.movedim(1, -1))

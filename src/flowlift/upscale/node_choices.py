@@ -15,14 +15,23 @@ from flowlift.upscale.settings import CHUNKED
 CHUNKING: tuple[str, ...] = CHUNKED.choices
 
 
-def image_plan(scale: float, width: int, height: int) -> tuple[int, tuple[int, int] | None]:
+def image_plan(
+    scale: float, width: int, height: int, *, fraction_last: bool = False
+) -> tuple[int, tuple[int, int] | None]:
     """An image node's ``(passes, output_size)`` for a ``width x height`` image: 2, 4, 8 -> (1/2/3, None), the
     passes' own output; any other factor in [1, 8] -> the fewest passes that reach it and the exact (width, height)
-    to resample to (:class:`~flowlift.upscale.asked_size.AskedSize`, its refusals in one line)."""
+    to resample to (:class:`~flowlift.upscale.asked_size.AskedSize`, its refusals in one line). ``fraction_last``
+    (a latent upscaler chosen): the passes below the factor instead, SesquiLSR doing the rest in latent space
+    (:func:`~flowlift.upscale.latent_fraction.fraction_passes`, the rule ``flowlift upscale`` plans with)."""
     asked = AskedSize(scale=scale)
     if asked.power_of_two:
         return asked.passes, None
-    return asked.passes_for(width, height), asked.target(width, height)
+    size = asked.target(width, height)
+    if fraction_last:
+        from flowlift.upscale.latent_fraction import fraction_passes
+
+        return fraction_passes(height, width, "pad", size), size
+    return asked.passes_for(width, height), size
 
 
 def latent_passes(scale: float) -> int:
