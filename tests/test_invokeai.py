@@ -36,6 +36,7 @@ from flowlift.upscale.settings import MemoryPolicy
 from flux2_files import write_single_file
 from invokeai_client import InvokeAIServer, graph, start_server, stop_server, wait_until_serving
 from invokeai_venv import invokeai_env, invokeai_python
+from sesqui_reference import save_random_sesqui
 from tiny_flux2 import QWEN3_WIDTH, tiny_transformer, write_invokeai_klein_pipeline
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -70,6 +71,8 @@ FIELDS = {
         "transplant_strength",
         "color_fix_strength",
         "chunked",
+        "latent_upscaler_model",
+        "latent_upscaler",
     ],
     "flowlift_color_fix": ["image", "reference", "strength"],
     "flowlift_tiled_flux2_denoise": [
@@ -110,6 +113,7 @@ def write_models(folder: Path) -> None:
     save_upscaler(random_upscaler(16, seed=3), folder / "replaced_upscaler.safetensors")
     save_upscaler(random_upscaler(64, seed=2), folder / "flow_upscaler_b64.safetensors")
     (folder / "corrupt.safetensors").write_bytes(b"\x17not a safetensors file" * 8)
+    save_random_sesqui(folder)  # upscaler_Flux2.safetensors, SesquiLSR's released name
     with open(folder / "big.safetensors", "wb") as handle:  # issue 32.G: 300 GB, sparse (no disk used)
         handle.truncate(300 << 30)
     (folder / ".profile").write_text("# a dotfile of the server user's\nexport TOKEN=secret\n")
@@ -470,6 +474,38 @@ def test_latent_and_image_nodes_on_invokeais_flux2_vae_equal_the_pipeline(server
     print(f"image node (FLUX.2 VAE) vs upscale_image: max |diff| = {255 * (got - expected_image).abs().max():.3f}/255")
     assert got.shape == (1, 3, 2 * IMAGE_H, 2 * IMAGE_W)
     assert (got - expected_image).abs().max().item() <= ONE_LEVEL
+
+
+def test_the_image_node_runs_sesquilsr_for_the_fraction_on_the_flux2_vae(server):
+    """issue 46.3: the image node's latent upscaler (``sesqui:PATH``) with InvokeAI's FLUX.2 VAE: 3x is one Flow pass
+    then SesquiLSR 1.5x in latent space, equal to FlowUpscalerPipeline(latent_upscaler=...) over the VAE as InvokeAI
+    holds it, and not the pixel resample's image; with the TAEF2 field instead it is one line naming the fix."""
+    sesqui = f"sesqui:{server.models / 'upscaler_Flux2.safetensors'}"
+    nodes = {
+        "vae": vae_loader(server.flux2_vae),
+        "sesqui": upscale_image_node(server, "example.png", scale=3.0, seed=9, latent_upscaler=sesqui),
+        "pixels": upscale_image_node(server, "example.png", scale=3.0, seed=9),
+    }
+    item = server.run(graph(nodes, [("vae", "vae", "sesqui", "vae"), ("vae", "vae", "pixels", "vae")]))
+    got = server.image_tensor(server.output(item, "sesqui")["image"]["image_name"])
+    resampled = server.image_tensor(server.output(item, "pixels")["image"]["image_name"])
+
+    file_vae = load_vae(server.models / "flux2-vae.safetensors").model  # bfloat16-rounded, as InvokeAI loads it
+    pipeline = FlowUpscalerPipeline(
+        load_upscaler(server.models / "flow_upscaler.safetensors"),
+        Flux2VAE(file_vae.to(torch.bfloat16).float()),
+        latent_upscaler=sesqui,
+    )
+    pixels = server.image_tensor(server.images["example.png"])
+    expected = pipeline.upscale_image(pixels, 1, seed=9, output_type="pt", output_size=(3 * IMAGE_W, 3 * IMAGE_H))
+    print(f"image node (SesquiLSR) vs upscale_image: max |diff| = {255 * (got - expected).abs().max():.3f}/255")
+    assert got.shape == (1, 3, 3 * IMAGE_H, 3 * IMAGE_W) == resampled.shape
+    assert (got - expected).abs().max().item() <= ONE_LEVEL
+    assert (got - resampled).abs().max().item() > 4 / 255  # the fraction ran in latent space, not in pixels
+
+    taef2 = graph({"up": upscale_image_node(server, "example.png", scale=3.0, latent_upscaler=sesqui)}, [])
+    text = error_line(server.wait(server.enqueue(taef2)))
+    assert "latent_upscaler" in text and "FLUX.2 VAE" in text, text
 
 
 def test_tiled_denoise_runs_on_installed_klein_models(server, shared, tmp_path):

@@ -52,7 +52,7 @@ from flowlift.invokeai.models import (
     on_device,
 )
 from flowlift.invokeai.progress import NodeProgress
-from flowlift.knobs import SEED, Knob
+from flowlift.knobs import LATENT_UPSCALER, SEED, Knob
 from flowlift.models.vae_loading import TAEF2_REPO
 from flowlift.models.vae_names import NATIVE_VAES
 from flowlift.models.weights import check_finite_result
@@ -188,17 +188,33 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
         return LatentsOutput.build(latents_name=name, latents=upscaled, seed=self.seed)
 
 
+LATENT_UPSCALER_DESCRIPTION = (
+    f"The fraction of a scale off 2, 4, 8 in latent space before the decode, instead of the pixel resample: "
+    f"{LATENT_UPSCALER.help}; spelled sesqui:PATH (a file on the InvokeAI server). Empty: the pixel resample"
+)
+
+
+def latent_upscaler_spec(context: InvocationContext, field: ModelIdentifierField | None, text: str) -> str | None:
+    """The pipeline's ``latent_upscaler``: the installed SesquiLSR (``sesqui:`` its file) when ``field`` names one,
+    else the text field's ``sesqui:PATH`` (checked by the knob when the pipeline is made), None when empty."""
+    if field is not None:
+        return f"sesqui:{installed_model_path(context, field, '')}"
+    return text.strip() or None
+
+
 @invocation(
     "flowlift_upscale_image",
     title="Flow Upscale Image (FLUX.2)",
     tags=["flowlift", "upscale", "image", "flux2", *(vae.name for vae in NATIVE_VAES)],
     category=CATEGORY,
-    version="1.1.0",  # 1.1.0: the installed-model fields (issue 32.G)
+    version="1.2.0",  # 1.1.0: the installed-model fields (issue 32.G); 1.2.0: the latent upscaler (issue 46.3)
     use_cache=False,  # the result depends on the weight files' content, which the node cache cannot see
 )
 class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
-    """Upscales an image 2x/4x/8x through the whole Flow Upscaler pipeline: encode, passes, decode, both
-    colour-drift corrections. Exactly 2^n times the input's size; an alpha channel is resized beside it."""
+    """Upscales an image by any factor in [1, 8] through the whole Flow Upscaler pipeline: encode, passes, decode,
+    both colour-drift corrections; off 2, 4, 8 the fewest passes that reach the size, then the pixel resample, or
+    SesquiLSR in latent space before the decode (the latent upscaler, with the FLUX.2 VAE). An alpha channel is
+    resized beside it."""
 
     image: ImageField = InputField(description="The image to upscale")
     vae: VAEField | None = InputField(
@@ -226,12 +242,15 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
         "Stage 2 colour fix: how much of the input's colour and tone (L*a*b* low band) to restore",
     )
     chunked: Chunking = knob_field(CHUNKED, CHUNKED_DESCRIPTION)
+    latent_upscaler_model: ModelIdentifierField | None = installed_model_field("SesquiLSR", "Latent upscaler")
+    latent_upscaler: str = InputField(default="", title="Latent upscaler", description=LATENT_UPSCALER_DESCRIPTION)
 
     @torch.no_grad()
     def invoke(self, context: InvocationContext) -> ImageOutput:
         what = "Flow Upscale Image (FLUX.2)"
         image = context.images.get_pil(self.image.image_name)
-        passes, size = image_plan(self.scale, image.width, image.height)
+        spec = latent_upscaler_spec(context, self.latent_upscaler_model, self.latent_upscaler)
+        passes, size = image_plan(self.scale, image.width, image.height, fraction_last=spec is not None)
         check_output_cap(image.height, image.width, passes, what)
         if self.vae is not None:
             check_flux2_vae_field(context, self.vae, what)
@@ -257,6 +276,7 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
                 memory=MemoryPolicy(chunked=chunked_flag(self.chunked)),
                 channels_last=False,
                 on_strip=progress.strip,
+                latent_upscaler=spec,
             )
             progress.begin("encode")
             result = pipeline.upscale_image(
