@@ -87,10 +87,10 @@ def test_the_time_shown_is_the_requests_own_loading_included(shared, weights, ph
     loading: list[float] = []
     original = AppService.pipeline
 
-    def timed(self, vae):
+    def timed(self, vae, latent=False):
         began = time.monotonic()
         try:
-            return original(self, vae)
+            return original(self, vae, latent)
         finally:
             loading.append(time.monotonic() - began)
 

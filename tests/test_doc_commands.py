@@ -174,6 +174,8 @@ SKIP: dict[str, str] = {
     "flowlift upscale --dtype auto": FRAGMENT,
     "flowlift upscale --compile": FRAGMENT,
     "flowlift upscale --vae mage_vae.safetensors": FRAGMENT,
+    "flowlift upscale --latent-upscaler": FRAGMENT,
+    "flowlift app --latent-upscaler sesqui:PATH": FRAGMENT,
     "flowlift img2img --tile-size/--tile-overlap/ --tile-batch": FRAGMENT,
     "flowlift img2img --reference": FRAGMENT,
     "flowlift upscale photo.png --scale 2 --vae mage -o out/":

@@ -120,14 +120,14 @@ def test_app_components_have_the_knobs_domain_and_default(tmp_path):
     fns = {fn.api_name: fn for fn in build_app(service).fns.values()}
     upscale = dict(
         zip(
-            ["image", "scale", "seed", "transplant_strength", "color_fix_strength", "vae"],
+            ["image", "scale", "seed", "transplant_strength", "color_fix_strength", "vae", "latent_upscaler"],
             fns["upscale"].inputs,
             strict=True,
         )
     )
     batch = dict(
         zip(
-            ["files", "scale", "seed", "transplant_strength", "color_fix_strength", "vae"],
+            ["files", "scale", "seed", "transplant_strength", "color_fix_strength", "vae", "latent_upscaler"],
             fns["batch"].inputs,
             strict=True,
         )
@@ -167,6 +167,13 @@ def test_app_components_have_the_knobs_domain_and_default(tmp_path):
                 assert [choice[1] for choice in component.choices] == list(knob.choices), name
             else:
                 assert (component.minimum, component.maximum) == (knob.low, knob.high), name
+    # the latent upscaler's box: off, and shown only where the app was started with --latent-upscaler
+    assert [(c["latent_upscaler"].value, c["latent_upscaler"].visible) for c in (upscale, batch)] == [
+        (False, False)
+    ] * 2
+    offered = AppService(AppConfig(upscaler="unused", vaes=["flux2"], latent_upscaler="sesqui:x", work_dir=tmp_path))
+    boxes = [fn.inputs[-1] for fn in build_app(offered).fns.values() if fn.api_name in ("upscale", "batch")]
+    assert [(box.value, box.visible) for box in boxes] == [(False, True)] * 2
     presets = list(REFINE_KNOBS["hires_scale"].extra["presets"])
     assert presets == [2, 4, 8]  # the Refine tab's "hires fix 2x/4x/8x" modes
     from flowlift.app.refine_tab import MODES
@@ -390,7 +397,7 @@ def test_one_seed_rule_at_every_json_and_text_door(tmp_path, value, expected):
             raise FlowliftError(str(error)) from None
 
     doors = {
-        "web API": lambda v: service._validate(2, v, 1.0, 1.0, None)[1],
+        "web API": lambda v: service._validate(2, v, 1.0, 1.0, None, False)[1],
         "ComfyUI /prompt": _comfyui_door,
         "InvokeAI graph": invokeai,
         "knob (loose)": lambda v: SEED.check(v, loose=True),

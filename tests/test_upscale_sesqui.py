@@ -258,3 +258,59 @@ def test_the_fraction_left_to_sesquilsr_is_within_1_to_2_by_construction(scale, 
             assert all(side % 2 == 0 for side in latent)
             factors = [t / (p * 2**passes / 8) for t, p in zip(latent, prepared, strict=True)]
             assert all(1 <= factor <= 2 for factor in factors)
+
+
+def test_the_app_offers_sesquilsr_and_writes_what_the_command_writes(
+    capsys, tmp_path, shared, photo, upscaler, flux2_vae, sesqui
+):
+    """issue 46.3 at the web app: started with ``--latent-upscaler``, a request that asks for it (the Upscale and Batch
+    tabs' box, the API's ``latent_upscaler``) writes the file ``flowlift upscale --latent-upscaler`` writes, pixels
+    and metadata; without it the same scale is the pixel resample. TAEF2, a non-boolean, or a request for it on an
+    app started without the option: one line each."""
+    from flowlift.app.service import AppConfig, AppService
+
+    spec = f"sesqui:{sesqui}"
+    taef2 = str(shared / "models" / "taef2")
+    vaes = [str(flux2_vae), taef2]
+    config = AppConfig(
+        str(upscaler), vaes, device="cpu", dtype="float32", work_dir=tmp_path / "w", latent_upscaler=spec
+    )
+    service = AppService(config)
+    try:
+        latent = service.upscale(photo, 3, 4, 1.0, 1.0, str(flux2_vae), True)
+        pixels = service.upscale(photo, 3, 4, 1.0, 1.0, str(flux2_vae), False)
+        code, err = _upscale(
+            capsys, photo, tmp_path / "cli.png", "--scale", "3", "--seed", "4", *_models(upscaler, flux2_vae)
+        )
+        assert code == 0, err
+        code, err = _upscale(
+            capsys,
+            photo,
+            tmp_path / "cli_sesqui.png",
+            "--scale",
+            "3",
+            "--seed",
+            "4",
+            "--latent-upscaler",
+            spec,
+            *_models(upscaler, flux2_vae),
+        )
+        assert code == 0, err
+        for result, cli in ((latent, "cli_sesqui.png"), (pixels, "cli.png")):
+            with Image.open(result.output) as app_png, Image.open(tmp_path / cli) as cli_png:
+                assert app_png.size == (144, 96) and app_png.tobytes() == cli_png.tobytes()
+                assert app_png.text == cli_png.text
+        with Image.open(latent.output) as a, Image.open(pixels.output) as b:
+            assert a.tobytes() != b.tobytes() and json.loads(a.text["flowlift"])["latent_upscaler"] == spec
+        with pytest.raises(FlowliftError, match=r"latent_upscaler: .*FLUX\.2 VAE"):
+            service.upscale(photo, 3, 4, 1.0, 1.0, taef2, True)
+        with pytest.raises(FlowliftError, match="latent upscaler must be true or false, got 'false'"):
+            service.batch([photo], 3, 4, 1.0, 1.0, str(flux2_vae), "false")
+    finally:
+        service.close()
+    plain = AppService(AppConfig(str(upscaler), vaes, device="cpu", work_dir=tmp_path / "p"))
+    try:
+        with pytest.raises(FlowliftError, match="start the app with --latent-upscaler sesqui:PATH"):
+            plain.upscale(photo, 3, 4, 1.0, 1.0, str(flux2_vae), True)
+    finally:
+        plain.close()

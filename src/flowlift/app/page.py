@@ -147,7 +147,16 @@ def _handlers(gr: Any, service: AppService) -> SimpleNamespace:
     """The page's event handlers over ``service``: every failure a visible message, the server up."""
     stage_progress = gr.Progress()
 
-    def upscale(image, scale, seed, transplant_strength, color_fix_strength, vae=None, progress=stage_progress):
+    def upscale(
+        image,
+        scale,
+        seed,
+        transplant_strength,
+        color_fix_strength,
+        vae=None,
+        latent_upscaler=False,
+        progress=stage_progress,
+    ):
         source = upload_path(image)
         try:
             result = service.upscale(
@@ -157,6 +166,7 @@ def _handlers(gr: Any, service: AppService) -> SimpleNamespace:
                 transplant_strength,
                 color_fix_strength,
                 vae,
+                latent_upscaler,
                 progress=_progress_adapter(progress),
             )
         except Exception as error:  # noqa: BLE001 - every failure becomes a visible message, the server stays up
@@ -191,11 +201,27 @@ def _handlers(gr: Any, service: AppService) -> SimpleNamespace:
 
     pick_region.__annotations__["evt"] = gr.SelectData  # Gradio finds the event by class; annotations are strings here
 
-    def batch(files, scale, seed, transplant_strength, color_fix_strength, vae=None, progress=stage_progress):
+    def batch(
+        files,
+        scale,
+        seed,
+        transplant_strength,
+        color_fix_strength,
+        vae=None,
+        latent_upscaler=False,
+        progress=stage_progress,
+    ):
         try:
             paths = [upload_path(f) for f in (files or [])]
             result = service.batch(
-                paths, scale, seed, transplant_strength, color_fix_strength, vae, progress=_progress_adapter(progress)
+                paths,
+                scale,
+                seed,
+                transplant_strength,
+                color_fix_strength,
+                vae,
+                latent_upscaler,
+                progress=_progress_adapter(progress),
             )
         except Exception as error:  # noqa: BLE001
             raise _as_user_error(gr, error) from None
@@ -284,8 +310,9 @@ def _batch_tab(gr: Any, service: AppService, on: SimpleNamespace, queue: dict) -
 
 
 def _upscale_controls(gr: Any, service: AppService, prefix: str) -> list[Any]:
-    """Scale, seed, both strengths and the VAE choice (the API's argument order). The strengths are
-    labelled by what they do; the help line under each gives the stage and its maths."""
+    """Scale, seed, both strengths, the VAE choice and the latent upscaler (the API's argument order). The strengths
+    are labelled by what they do; the help line under each gives the stage and its maths. The latent upscaler's box
+    shows only where the app was started with ``--latent-upscaler`` (hidden, it is always off)."""
     scale = knob_number(gr, SCALE, label="Scale (1-8x; 2, 4, 8 are whole 2x passes)", elem_id=f"{prefix}-scale")
     seed = seed_number(gr, elem_id=f"{prefix}-seed")
     transplant = knob_slider(
@@ -306,7 +333,15 @@ def _upscale_controls(gr: Any, service: AppService, prefix: str) -> list[Any]:
     )
     labels = list(service.vae_labels)
     vae = gr.Dropdown(labels, value=labels[0], label="VAE", interactive=len(labels) > 1, elem_id=f"{prefix}-vae")
-    return [scale, seed, transplant, color_fix, vae]
+    latent = gr.Checkbox(
+        value=False,
+        label="SesquiLSR for the fraction (FLUX.2 VAE)",
+        info="A scale off 2, 4, 8 (1.5, 3, 6): the passes below it, then SesquiLSR resizes the latents before the "
+        "decode, instead of resampling the pixels afterwards. 2, 4, 8 do not run it.",
+        visible=service.config.latent_upscaler is not None,
+        elem_id=f"{prefix}-latent-upscaler",
+    )
+    return [scale, seed, transplant, color_fix, vae, latent]
 
 
 def start_lines(local_url: str, share_url: str | None, host: str) -> list[str]:

@@ -35,7 +35,7 @@ from flowlift.app.results import (
     vae_labels,
 )
 from flowlift.errors import ITEM_ERRORS, FlowliftError
-from flowlift.knobs import SEED
+from flowlift.knobs import LATENT_UPSCALER, SEED
 from flowlift.refine.settings import SAMPLER, STRENGTH_MAP, TILE_OVERLAP, TILE_SIZE
 from flowlift.upscale.loading import DEFAULT_VAE
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH, SCALE, TRANSPLANT_STRENGTH
@@ -62,6 +62,8 @@ class AppConfig:
     max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB
     model: str | None = None
     model_vae: str | None = None
+    #: ``sesqui:PATH`` (``--latent-upscaler``): SesquiLSR for the fraction of a scale, where a request asks for it.
+    latent_upscaler: str | None = None
     work_dir: Path | None = None
     #: Where the one line per request goes (stderr by default).
     log: Callable[[str], None] = log_to_stderr
@@ -70,6 +72,7 @@ class AppConfig:
         self.vaes = list(dict.fromkeys(self.vaes)) or [DEFAULT_VAE]
         if self.max_upload_mb <= 0:
             raise FlowliftError(f"--max-upload-mb must be > 0, got {self.max_upload_mb}")
+        self.latent_upscaler = LATENT_UPSCALER.check(self.latent_upscaler)
 
 
 class AppService:
@@ -119,14 +122,16 @@ class AppService:
 
         return None if self.config.dtype == "auto" else getattr(torch, self.config.dtype)
 
-    def pipeline(self, vae: str) -> Any:
-        """The :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline` for ``vae`` (one of the configured VAEs); what
-        loads is reported to the request's run (:mod:`flowlift.progress`)."""
+    def pipeline(self, vae: str, latent: bool = False) -> Any:
+        """The :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline` for ``vae`` (one of the configured VAEs), with
+        the configured latent upscaler when ``latent``; what loads is reported to the request's run
+        (:mod:`flowlift.progress`)."""
         if vae not in self.config.vaes:
             raise FlowliftError(f"VAE {vae!r} is not configured; choose one of {', '.join(self.vae_labels)}")
+        key = (vae, latent)
         with self._lock:
-            if vae in self._pipelines:
-                return self._pipelines[vae]
+            if key in self._pipelines:
+                return self._pipelines[key]
             from flowlift.progress import report_loading
             from flowlift.upscale.outputs import model_hashes
             from flowlift.upscale.pipeline import FlowUpscalerPipeline
@@ -134,17 +139,30 @@ class AppService:
 
             first = next(iter(self._pipelines.values()), None)
             label = next((name for name, spec in self.vae_labels.items() if spec == vae), vae)
-            what = loading_description(self.upscaler_source if first is None else first.upscaler, vae)
+            latent_upscaler = self.config.latent_upscaler if latent else None
+            what = loading_description(self.upscaler_source if first is None else first.upscaler, vae, latent_upscaler)
             report_loading(f"{what.replace(f'VAE {vae}', f'VAE {label}')} (once per server)")  # no server paths
+            sibling = self._pipelines.get((vae, not latent))  # the same VAE without/with SesquiLSR: shared
             if first is None:
                 pipe = FlowUpscalerPipeline(
-                    self.upscaler_source, vae, dtype=self._torch_dtype(), device=self.config.device
+                    self.upscaler_source,
+                    vae,
+                    dtype=self._torch_dtype(),
+                    device=self.config.device,
+                    latent_upscaler=latent_upscaler,
                 )
-            else:  # share the UNet already in memory
-                pipe = FlowUpscalerPipeline(first.upscaler, vae, dtype=first.dtype, device=first.device)
+            else:  # share the UNet (and the VAE) already in memory
+                pipe = FlowUpscalerPipeline(
+                    first.upscaler,
+                    vae if sibling is None else sibling.vae,
+                    dtype=first.dtype,
+                    device=first.device,
+                    latent_upscaler=latent_upscaler,
+                )
                 pipe.upscaler_path = first.upscaler_path
-            self._hashes[vae] = model_hashes(pipe)
-            self._pipelines[vae] = pipe
+                pipe.vae_spec = vae  # the files behind it, for the metadata's hashes
+            self._hashes[key] = model_hashes(pipe) if sibling is None else self._hashes[(vae, not latent)]
+            self._pipelines[key] = pipe
             report_loading(None)
             return pipe
 
@@ -173,7 +191,7 @@ class AppService:
 
     # -- the command line's settings and names ------------------------------------------------------
 
-    def settings(self, seed: int, transplant: float, color_fix: float, vae: str) -> Any:
+    def settings(self, seed: int, transplant: float, color_fix: float, vae: str, latent: bool = False) -> Any:
         """The :class:`~flowlift.upscale.outputs.UpscaleSettings` of a request (``flowlift upscale``'s)."""
         from flowlift.upscale.outputs import UpscaleSettings
 
@@ -183,16 +201,18 @@ class AppService:
             color_fix_strength=color_fix,
             vae=vae,
             upscaler=self.config.upscaler,
+            latent_upscaler=self.config.latent_upscaler if latent else None,
         )
 
     @staticmethod
-    def plan(sources: Sequence[Path], out_dir: Path, scale: float) -> Any:
+    def plan(sources: Sequence[Path], out_dir: Path, scale: float, latent: bool = False) -> Any:
         """``flowlift upscale``'s plan of the uploads (:func:`flowlift.upscale.plan.plan_files`): the same output
-        names (by the scale the 16K cap lets run: a capped 8x is ``_x4``; ``_x1.5``), sizes and refusals."""
+        names (by the scale the 16K cap lets run: a capped 8x is ``_x4``; ``_x1.5``), sizes and refusals; with
+        ``latent``, the passes below the fraction SesquiLSR does (as ``--latent-upscaler`` plans them)."""
         from flowlift.upscale.asked_size import AskedSize
         from flowlift.upscale.plan import plan_files
 
-        return plan_files(sources, out_dir, AskedSize(scale=scale))
+        return plan_files(sources, out_dir, AskedSize(scale=scale), fraction_last=latent)
 
     def named_by_vae(self, out: Path | None, vae: str) -> Path | None:
         """``flowlift upscale``'s output name, with the VAE's page label added when the page offers several
@@ -256,7 +276,7 @@ class AppService:
 
     # -- handlers ------------------------------------------------------------------------------------
 
-    def _validate(self, scale: Any, seed: Any, transplant: Any, color_fix: Any, vae: Any) -> tuple:
+    def _validate(self, scale: Any, seed: Any, transplant: Any, color_fix: Any, vae: Any, latent: Any = False) -> tuple:
         """A request's settings checked against the knob table (:data:`flowlift.upscale.settings.UPSCALE_KNOBS`).
 
         JSON and form values are parsed exactly (``loose``: integers, digit strings, whole floats up to
@@ -268,10 +288,22 @@ class AppService:
             TRANSPLANT_STRENGTH.check(transplant, "transplant strength", loose=True),
             COLOR_FIX_STRENGTH.check(color_fix, "colour-fix strength", loose=True),
             self.vae_spec(vae),
+            self.latent_choice(latent),
         )
 
+    def latent_choice(self, latent: Any) -> bool:
+        """Whether a request runs the configured latent upscaler: ``true`` or ``false`` only (a JSON door: the
+        string "false" is not a yes), and ``true`` only where the app was started with ``--latent-upscaler``."""
+        if not isinstance(latent, bool):
+            raise FlowliftError(f"latent upscaler must be true or false, got {latent!r}")
+        if latent and self.config.latent_upscaler is None:
+            raise FlowliftError(
+                "latent upscaler: none configured; start the app with --latent-upscaler sesqui:PATH to offer SesquiLSR"
+            )
+        return latent
+
     def _upscale_into(
-        self, source: Path, out: Path, settings: Any, sizes: Any, pipeline: Any, vae: str
+        self, source: Path, out: Path, settings: Any, sizes: Any, pipeline: Any, key: tuple[str, bool]
     ) -> UpscaleResult:
         """``flowlift upscale``'s per-image step (:func:`~flowlift.upscale.outputs.upscale_file`) on one upload, as
         ``sizes`` (the plan's :class:`~flowlift.upscale.plan.OutputSizes`) planned it, its stages reported to the
@@ -295,7 +327,7 @@ class AppService:
                     passes,
                     source,
                     out,
-                    self._hashes[vae],
+                    self._hashes[key],
                     stages.stage,
                     stages.decode_tile,
                     sizes.resample_to(source),
@@ -332,9 +364,11 @@ class AppService:
         transplant_strength: Any = TRANSPLANT_STRENGTH.default,
         color_fix_strength: Any = COLOR_FIX_STRENGTH.default,
         vae: str | None = None,
+        latent_upscaler: Any = False,
         progress: ProgressFn = _no_progress,
     ) -> UpscaleResult:
-        """Upscale one uploaded file into ``<stem>_x<scale>.png`` (the CLI's name and metadata).
+        """Upscale one uploaded file into ``<stem>_x<scale>.png`` (the CLI's name and metadata); ``latent_upscaler``
+        True runs the configured SesquiLSR for the fraction of the scale (``flowlift upscale --latent-upscaler``).
 
         Logs one line (``request_log_line``) whatever the outcome.
         """
@@ -349,19 +383,19 @@ class AppService:
             if not path:
                 raise FlowliftError("no image uploaded")
             source = Path(path)
-            scale, seed, transplant, color_fix, vae = self._validate(
-                scale, seed, transplant_strength, color_fix_strength, vae
+            scale, seed, transplant, color_fix, vae, latent = self._validate(
+                scale, seed, transplant_strength, color_fix_strength, vae, latent_upscaler
             )
             check_upload(source, self.config.max_upload_mb)
             folder = self.new_result_dir()
-            settings = self.settings(seed, transplant, color_fix, vae)
-            plan = self.plan([source], folder, scale)
+            settings = self.settings(seed, transplant, color_fix, vae, latent)
+            plan = self.plan([source], folder, scale, latent)
             (job,) = plan.jobs
             out = self.named_by_vae(job.output, vae)
             if out is None:
                 raise FlowliftError(f"{source.name}: {strip_folders(job.note, [source.parent, folder])}")
-            pipeline = self.pipeline(vae)
-            result = self._upscale_into(source, out, settings, plan.sizes, pipeline, vae)
+            pipeline = self.pipeline(vae, latent)
+            result = self._upscale_into(source, out, settings, plan.sizes, pipeline, (vae, latent))
             result.seconds = run.state().elapsed  # the request's wall time, loading the models included
             entry.request = result.log_request()
         return result
@@ -374,6 +408,7 @@ class AppService:
         transplant_strength: Any = TRANSPLANT_STRENGTH.default,
         color_fix_strength: Any = COLOR_FIX_STRENGTH.default,
         vae: str | None = None,
+        latent_upscaler: Any = False,
         progress: ProgressFn = _no_progress,
     ) -> BatchResult:
         """Upscale every file into one zip (CLI names); a failing file is listed and the rest go on.
@@ -395,13 +430,13 @@ class AppService:
             if not paths:
                 raise FlowliftError("no files uploaded")
             sources = [Path(p) for p in paths]
-            scale, seed, transplant, color_fix, vae = self._validate(
-                scale, seed, transplant_strength, color_fix_strength, vae
+            scale, seed, transplant, color_fix, vae, latent = self._validate(
+                scale, seed, transplant_strength, color_fix_strength, vae, latent_upscaler
             )
             folder = self.new_result_dir()
             out_dir = folder / f"x{scale:g}"
-            settings = self.settings(seed, transplant, color_fix, vae)
-            planned = self.plan(sources, out_dir, scale)
+            settings = self.settings(seed, transplant, color_fix, vae, latent)
+            planned = self.plan(sources, out_dir, scale, latent)
             plan = planned.jobs
             expected = []
             for job in plan:
@@ -412,7 +447,7 @@ class AppService:
                         continue  # its own step says what is wrong
                     expected.append((job.source.name, planned.sizes.passes_for(job.source), width * height / 1e6))
             UpscaleStages(run).expect(expected)  # every image's stages: the time left covers the whole batch
-            pipeline = self.pipeline(vae)
+            pipeline = self.pipeline(vae, latent)
             written: list[Path] = []
             errors: list[str] = []
             for source, out, note in ((job.source, self.named_by_vae(job.output, vae), job.note) for job in plan):
@@ -420,7 +455,7 @@ class AppService:
                     errors.append(f"{source.name}: {strip_folders(note, [*(s.parent for s in sources), out_dir])}")
                     continue
                 try:
-                    self._upscale_into(source, out, settings, planned.sizes, pipeline, vae)
+                    self._upscale_into(source, out, settings, planned.sizes, pipeline, (vae, latent))
                     written.append(out)
                 except ITEM_ERRORS as error:
                     errors.append(public_message(error, source))

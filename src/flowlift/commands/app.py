@@ -12,11 +12,13 @@ import argparse
 from flowlift.commands._options import (
     DEFAULT_VAE,
     add_device_options,
+    add_knob,
     add_upscaler_option,
     add_vae_option,
     name_or_path,
     number,
 )
+from flowlift.knobs import LATENT_UPSCALER
 
 NAME = "app"
 #: A server: its allocator keeps glibc's policy (and gives freed memory back after each request).
@@ -25,6 +27,7 @@ HELP = "serve a local web page (Gradio) for upscaling, batches and, with --model
 EXAMPLES = """examples:
   flowlift app                                   # http://127.0.0.1:7860, upscaling with the released weights
   flowlift app --vae taef2 --vae flux2 --upscaler flow_upscaler.safetensors
+  flowlift app --vae flux2 --latent-upscaler sesqui:upscaler_Flux2.safetensors   # SesquiLSR for 1.5x, 3x...
   flowlift app --model black-forest-labs/FLUX.2-klein-4B   # adds the Refine tab"""
 
 
@@ -54,6 +57,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"repeatable: the VAEs the page offers, the first the default (default {DEFAULT_VAE}, as for flowlift upscale)",
         action="append",
     )
+    add_knob(
+        parser,
+        LATENT_UPSCALER,
+        metavar="sesqui:PATH",
+        help=f"{LATENT_UPSCALER.help}: the Upscale and Batch tabs offer it for a scale off 2, 4, 8 (default: none)",
+    )
     add_device_options(parser, cpu_bf16=True)
     parser.add_argument("--max-upload-mb", type=_megabytes, default=50.0, metavar="MB", help="largest accepted upload")
     parser.add_argument(
@@ -81,6 +90,10 @@ def check_weights(args: argparse.Namespace) -> None:
     from flowlift.upscale.loading import DEFAULT_UPSCALER, upscale_weight_checks
 
     checks = upscale_weight_checks(args.upscaler or DEFAULT_UPSCALER, list(dict.fromkeys(args.vae or [DEFAULT_VAE])))
+    if args.latent_upscaler:
+        from flowlift.upscale.latent_fraction import find_sesqui
+
+        checks.append(lambda: find_sesqui(args.latent_upscaler))
     if args.model:
         checks += refiner_weight_checks(args.model, vae=args.model_vae)
     require_all(checks)
@@ -111,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         max_upload_mb=args.max_upload_mb,
         model=args.model,
         model_vae=args.model_vae,
+        latent_upscaler=args.latent_upscaler,
     )
     service = AppService(config)
     try:

@@ -237,11 +237,13 @@ def plan_files(
     passes: int | AskedSize,
     resize_mode: str = RESIZE_MODE.default,
     output_format: str = "png",
+    fraction_last: bool = False,
 ) -> UpscalePlan:
     """The plan of named files into ``folder`` (the web app's uploads): the names, sizes and refusals of
     :func:`plan_upscale` (an output is named by the scale the 16K cap lets run: a capped 8x is ``_x4``), without
-    listing inputs or interpreting ``-o``; nothing is written."""
-    sizes = OutputSizes(passes, resize_mode)
+    listing inputs or interpreting ``-o``; nothing is written. ``fraction_last``: a latent upscaler does the
+    fraction (:class:`OutputSizes`)."""
+    sizes = OutputSizes(passes, resize_mode, fraction_last)
     targets = [sizes.target(Path(path), None, folder, output_format) for path in sources]
     return UpscalePlan(plan_targets(targets), sizes, folder)
 
