@@ -60,8 +60,8 @@ def test_hires_fractional_scale_without_the_option_is_one_line(capsys, tmp_path,
 
 
 def test_hires_passes_and_sizes_follow_the_one_rule():
+    from flowlift.limits import hires_latent_size
     from flowlift.refine.request import HiresSettings
-    from flowlift.refine.settings import hires_latent_size
     from flowlift.upscale.latent_source import FlowUpscalerSource
 
     source = FlowUpscalerSource(latent_upscaler="sesqui:x.safetensors")

@@ -58,6 +58,8 @@ FIELDS = {
         "seed",
         "transplant_strength",
         "chunked",
+        "latent_upscaler_model",
+        "latent_upscaler",
     ],
     "flowlift_upscale_image": [
         "image",
@@ -506,6 +508,52 @@ def test_the_image_node_runs_sesquilsr_for_the_fraction_on_the_flux2_vae(server)
     taef2 = graph({"up": upscale_image_node(server, "example.png", scale=3.0, latent_upscaler=sesqui)}, [])
     text = error_line(server.wait(server.enqueue(taef2)))
     assert "latent_upscaler" in text and "FLUX.2 VAE" in text, text
+
+
+def test_the_latents_node_runs_sesquilsr_to_the_hires_fixs_size(server):
+    """issue 46.3: Flow Upscale Latents with a latent upscaler does any factor: 3x is one Flow pass, then SesquiLSR to
+    the size ``flowlift hires --scale 3 --latent-upscaler`` refines at (hires_latent_size: 4x6 -> 12x18), equal to
+    the same steps in Python on the VAE as InvokeAI holds it; without one, 3x stays one line."""
+    from flowlift.limits import hires_latent_size
+    from flowlift.models.sesqui_lsr import load_sesqui_lsr, sesqui_upscale_latents
+
+    sesqui_file = server.models / "upscaler_Flux2.safetensors"
+    upscaler = str(server.models / "flow_upscaler.safetensors")
+    latent_node = {"type": "flowlift_upscale_latents", "upscaler": upscaler, "scale": 3.0, "seed": 6}
+    nodes = {
+        "image": {"type": "image", "image": {"image_name": server.images["example.png"]}},
+        "vae": vae_loader(server.flux2_vae),
+        "encode": {"type": "flux2_vae_encode"},
+        "up": {**latent_node, "latent_upscaler": f"sesqui:{sesqui_file}"},
+    }
+    edges = [("vae", "vae", "encode", "vae"), ("vae", "vae", "up", "vae"), ("image", "image", "encode", "image")]
+    item = server.run(graph(nodes, [*edges, ("encode", "latents", "up", "latents")]))
+    encoded = server.tensor(server.output(item, "encode")["latents"]["latents_name"])
+    got = server.tensor(server.output(item, "up")["latents"]["latents_name"])
+
+    bn = Flux2VAE(load_vae(server.models / "flux2-vae.safetensors").model.to(torch.bfloat16).float()).model.bn
+    bn_mean, bn_std = bn.running_mean.float(), bn_std_of(bn.running_var.float(), bn.eps)
+    size = hires_latent_size(IMAGE_H // 8, IMAGE_W // 8, 3.0)
+    pipeline = FlowUpscalerPipeline(load_upscaler(upscaler), vae=None, memory=MemoryPolicy(chunked=False))
+    passed = pipeline.upscale_latents(normalize(encoded.float(), bn_mean, bn_std), 1, seed=6)
+    expected = denormalize(
+        sesqui_upscale_latents(load_sesqui_lsr(sesqui_file), passed, size, bn_mean, bn_std), bn_mean, bn_std
+    )
+    assert got.shape == (1, 32, *size) == (1, 32, 3 * IMAGE_H // 8, 3 * IMAGE_W // 8)
+    print(f"latent node (SesquiLSR) vs the steps: max |diff| = {(got - expected).abs().max().item():.2e}")
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+    plain = graph(
+        {
+            "vae": vae_loader(server.flux2_vae),
+            "up": {
+                **latent_node,
+                "latents": {"latents_name": server.output(item, "encode")["latents"]["latents_name"]},
+            },
+        },
+        [("vae", "vae", "up", "vae")],
+    )
+    assert "a latent upscale runs whole 2x passes" in error_line(server.wait(server.enqueue(plain)))
 
 
 def test_tiled_denoise_runs_on_installed_klein_models(server, shared, tmp_path):

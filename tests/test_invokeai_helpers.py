@@ -62,6 +62,19 @@ def test_scales_chunking_and_the_cap():
         latents.check_output_cap(16, 2049, 3, "node")
 
 
+def test_the_latents_node_plans_a_fraction_as_the_hires_fix_does():
+    # issue 46.3: with a latent upscaler the passes below the factor, then the hires fix's even latent size
+    plan = [choices.latent_plan(s, 64, 96, fraction_last=True) for s in (1.5, 3, 6, 4)]
+    assert plan == [(0, (96, 144)), (1, (192, 288)), (2, (384, 576)), (2, None)]
+    with pytest.raises(FlowliftError, match=r"got 3; choose a latent upscaler \(SesquiLSR\)"):
+        choices.latent_plan(3, 64, 96)
+    latents.check_output_cap(1024, 1024, 3, "node", (2048, 2048))  # 16384 px exactly: allowed
+    with pytest.raises(
+        FlowliftError, match=r"node: the scale on 11000x16 px would make 16512x24 px, over the 16384 px"
+    ):
+        latents.check_output_cap(16, 11000, 0, "node", (3, 2064))
+
+
 def test_a_weight_file_is_hashed_once_per_version_on_disk(tmp_path, monkeypatch):
     path = tmp_path / "weights.safetensors"
     path.write_bytes(b"first version")

@@ -191,10 +191,10 @@ def test_app_request_checks_have_the_knobs_domain(tmp_path):
         inside, outside = edge_values(UPSCALE_KNOBS[name])
         for value in inside:
             values = [*good[:index], value, *good[index + 1 :]]
-            assert service._validate(*values, None)[index] == value
+            assert service.validate(*values, None)[index] == value
         for value in outside:
             with pytest.raises(FlowliftError):
-                service._validate(*[*good[:index], value, *good[index + 1 :]], None)
+                service.validate(*[*good[:index], value, *good[index + 1 :]], None)
 
 
 def test_comfyui_numeric_checks_are_the_knobs():
@@ -301,8 +301,8 @@ def test_seed_2_64_is_one_error_line_on_the_app_the_nodes_and_the_api(tmp_path):
     service = AppService(AppConfig(upscaler="unused", vaes=["taef2"], work_dir=tmp_path))
     pipe = FlowUpscalerPipeline(lambda sample, t, small: sample, None, device="cpu", dtype=torch.float32)
     doors = [
-        lambda: service._validate(2, 2**64, 1.0, 1.0, None),
-        lambda: service._validate(2, str(2**64), 1.0, 1.0, None),
+        lambda: service.validate(2, 2**64, 1.0, 1.0, None),
+        lambda: service.validate(2, str(2**64), 1.0, 1.0, None),
         lambda: check_numbers("FlowliftUpscaleLatent", seed=2**64),
         lambda: pipe.upscale_latents(torch.zeros(1, 32, 2, 2), 1, seed=2**64),
         lambda: SamplingSettings(seed=2**64),
@@ -397,7 +397,7 @@ def test_one_seed_rule_at_every_json_and_text_door(tmp_path, value, expected):
             raise FlowliftError(str(error)) from None
 
     doors = {
-        "web API": lambda v: service._validate(2, v, 1.0, 1.0, None, False)[1],
+        "web API": lambda v: service.validate(2, v, 1.0, 1.0, None, False)[1],
         "ComfyUI /prompt": _comfyui_door,
         "InvokeAI graph": invokeai,
         "knob (loose)": lambda v: SEED.check(v, loose=True),

@@ -12,6 +12,7 @@ Sizes: image sizes are pixels; ``frame = b * h * w``; ``itemsize`` is a dtype's 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -99,6 +100,21 @@ def passes_for_scale(scale: float, *, fraction_last: bool = False) -> int:
     if fraction_last and 2**passes != scale:
         passes -= 1
     return passes
+
+
+def whole_passes(scale: float) -> bool:
+    """Whether ``scale`` is 2, 4 or 8 (a whole number of 2x passes, no fraction left)."""
+    return scale >= 2 and math.log2(scale).is_integer()
+
+
+def hires_latent_size(height: int, width: int, scale: float) -> tuple[int, int]:
+    """The latent (height, width) of ``height x width`` latents at ``scale``: the size a hires fix refines at and
+    InvokeAI's Flow Upscale Latents makes. ``scale`` times for 2, 4, 8; for any other factor
+    ``floor(side * scale / 2 + 1/2) * 2`` (even latent sides, halves up: the image on the 16-px grid that FLUX.2's
+    2x2 patches need, so 1.5x of 1008 px is 1520 px)."""
+    if whole_passes(scale):
+        return height * int(scale), width * int(scale)
+    return (max(2, math.floor(height * scale / 2 + 0.5) * 2), max(2, math.floor(width * scale / 2 + 0.5) * 2))
 
 
 def parse_memory(value: str | int | float) -> int:

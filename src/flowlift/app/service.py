@@ -16,7 +16,6 @@ import shutil
 import tempfile
 import threading
 import time
-import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,7 +275,7 @@ class AppService:
 
     # -- handlers ------------------------------------------------------------------------------------
 
-    def _validate(self, scale: Any, seed: Any, transplant: Any, color_fix: Any, vae: Any, latent: Any = False) -> tuple:
+    def validate(self, scale: Any, seed: Any, transplant: Any, color_fix: Any, vae: Any, latent: Any = False) -> tuple:
         """A request's settings checked against the knob table (:data:`flowlift.upscale.settings.UPSCALE_KNOBS`).
 
         JSON and form values are parsed exactly (``loose``: integers, digit strings, whole floats up to
@@ -302,7 +301,7 @@ class AppService:
             )
         return latent
 
-    def _upscale_into(
+    def upscale_into(
         self, source: Path, out: Path, settings: Any, sizes: Any, pipeline: Any, key: tuple[str, bool]
     ) -> UpscaleResult:
         """``flowlift upscale``'s per-image step (:func:`~flowlift.upscale.outputs.upscale_file`) on one upload, as
@@ -383,7 +382,7 @@ class AppService:
             if not path:
                 raise FlowliftError("no image uploaded")
             source = Path(path)
-            scale, seed, transplant, color_fix, vae, latent = self._validate(
+            scale, seed, transplant, color_fix, vae, latent = self.validate(
                 scale, seed, transplant_strength, color_fix_strength, vae, latent_upscaler
             )
             check_upload(source, self.config.max_upload_mb)
@@ -395,7 +394,7 @@ class AppService:
             if out is None:
                 raise FlowliftError(f"{source.name}: {strip_folders(job.note, [source.parent, folder])}")
             pipeline = self.pipeline(vae, latent)
-            result = self._upscale_into(source, out, settings, plan.sizes, pipeline, (vae, latent))
+            result = self.upscale_into(source, out, settings, plan.sizes, pipeline, (vae, latent))
             result.seconds = run.state().elapsed  # the request's wall time, loading the models included
             entry.request = result.log_request()
         return result
@@ -411,65 +410,12 @@ class AppService:
         latent_upscaler: Any = False,
         progress: ProgressFn = _no_progress,
     ) -> BatchResult:
-        """Upscale every file into one zip (CLI names); a failing file is listed and the rest go on.
+        """Upscale every file into one zip (CLI names); a failing file is listed and the rest go on
+        (:func:`flowlift.app.batch.batch_uploads`). Logs one line for the whole batch."""
+        from flowlift.app.batch import batch_uploads
 
-        Logs one line for the whole batch.
-        """
-        from flowlift.files.atomic import atomic_output
-        from flowlift.files.images import image_size
-        from flowlift.progress import running
-        from flowlift.upscale.stages import UpscaleStages
-
-        started = time.perf_counter()
-        run = request_progress(progress)  # the request's clock from the click: loading the models counts in its time
-        run.loading(None)
-        with (
-            running(run),
-            logged_request(self.config.log, "batch", f"{len(paths or [])} file(s)", f"x{scale}") as entry,
-        ):
-            if not paths:
-                raise FlowliftError("no files uploaded")
-            sources = [Path(p) for p in paths]
-            scale, seed, transplant, color_fix, vae, latent = self._validate(
-                scale, seed, transplant_strength, color_fix_strength, vae, latent_upscaler
-            )
-            folder = self.new_result_dir()
-            out_dir = folder / f"x{scale:g}"
-            settings = self.settings(seed, transplant, color_fix, vae, latent)
-            planned = self.plan(sources, out_dir, scale, latent)
-            plan = planned.jobs
-            expected = []
-            for job in plan:
-                if job.output is not None:
-                    try:
-                        width, height = image_size(job.source)
-                    except ITEM_ERRORS:
-                        continue  # its own step says what is wrong
-                    expected.append((job.source.name, planned.sizes.passes_for(job.source), width * height / 1e6))
-            UpscaleStages(run).expect(expected)  # every image's stages: the time left covers the whole batch
-            pipeline = self.pipeline(vae, latent)
-            written: list[Path] = []
-            errors: list[str] = []
-            for source, out, note in ((job.source, self.named_by_vae(job.output, vae), job.note) for job in plan):
-                if out is None:
-                    errors.append(f"{source.name}: {strip_folders(note, [*(s.parent for s in sources), out_dir])}")
-                    continue
-                try:
-                    self._upscale_into(source, out, settings, planned.sizes, pipeline, (vae, latent))
-                    written.append(out)
-                except ITEM_ERRORS as error:
-                    errors.append(public_message(error, source))
-            zip_path = None
-            if written:
-                zip_path = folder / f"flowlift_x{scale:g}.zip"
-                with atomic_output(zip_path) as temporary, zipfile.ZipFile(temporary, "w") as archive:
-                    for out in written:  # PNGs are compressed already
-                        archive.write(out, out.name, compress_type=zipfile.ZIP_STORED)
-            progress(1.0, "done")
-            result = BatchResult(zip_path, [p.name for p in written], errors, time.perf_counter() - started)
-            if result.errors:
-                entry.outcome = f"{len(result.written)} ok, {len(result.errors)} failed"
-        return result
+        values = (scale, seed, transplant_strength, color_fix_strength, vae, latent_upscaler)
+        return batch_uploads(self, paths, values, progress)
 
     def close(self) -> None:
         """Remove the result files this service created."""

@@ -19,16 +19,22 @@ from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR, denormaliz
 from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, planned_passes, upscaled_size
 
 
-def check_output_cap(height: int, width: int, passes: int, what: str) -> None:
-    """One error line when ``passes`` 2x passes on a ``width x height`` image would pass the 16K cap.
+def check_output_cap(
+    height: int, width: int, passes: int, what: str, latent_size: tuple[int, int] | None = None
+) -> None:
+    """One error line when ``passes`` 2x passes on a ``width x height`` image, or the latent (height, width)
+    ``latent_size`` a latent upscaler then makes, would pass the 16K cap.
 
     flowlift's command line drops the passes beyond the cap with a warning; in a node graph the nodes
     after this one are sized for the scale asked for, so a smaller result would be wrong: refuse instead.
     """
-    if planned_passes(height, width, passes, "pad", MAX_OUTPUT_SIDE) < passes:
-        out_h, out_w = upscaled_size(height, width, passes, "pad")
+    out_h, out_w = upscaled_size(height, width, passes, "pad")
+    if latent_size is not None:
+        out_h, out_w = (VAE_SCALE_FACTOR * side for side in latent_size)
+    if planned_passes(height, width, passes, "pad", MAX_OUTPUT_SIDE) < passes or max(out_h, out_w) > MAX_OUTPUT_SIDE:
+        factor = f"{2**passes}x" if latent_size is None else "the scale"
         raise FlowliftError(
-            f"{what}: {2**passes}x on {width}x{height} px would make {out_w}x{out_h} px, over the "
+            f"{what}: {factor} on {width}x{height} px would make {out_w}x{out_h} px, over the "
             f"{MAX_OUTPUT_SIDE} px cap per side (MAX_OUTPUT_SIDE); choose a smaller scale"
         )
 

@@ -60,8 +60,10 @@ from flowlift.refine.loop import tiled_refine_raw_latents, tiling_line
 from flowlift.refine.settings import REFINE_STRENGTH, STEPS, TILE_BATCH, TILE_OVERLAP, TILE_SIZE, SamplingSettings
 from flowlift.refine.tiling import TileRequest
 from flowlift.upscale.colorfix_image import color_fix_image
+from flowlift.upscale.latent_fraction import find_sesqui
+from flowlift.upscale.latent_source import FractionalUpscaler
 from flowlift.upscale.loading import DEFAULT_UPSCALER
-from flowlift.upscale.node_choices import CHUNKING, chunked_flag, image_plan, latent_passes
+from flowlift.upscale.node_choices import CHUNKING, chunked_flag, image_plan, latent_plan
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 from flowlift.upscale.settings import (
     CHUNKED,
@@ -126,18 +128,33 @@ CHUNKED_DESCRIPTION = (
 )
 
 
+LATENT_UPSCALER_DESCRIPTION = (
+    f"The fraction of a scale off 2, 4, 8 in latent space before the decode, instead of the pixel resample: "
+    f"{LATENT_UPSCALER.help}; spelled sesqui:PATH (a file on the InvokeAI server). Empty: the pixel resample"
+)
+
+
+def latent_upscaler_spec(context: InvocationContext, field: ModelIdentifierField | None, text: str) -> str | None:
+    """The pipeline's ``latent_upscaler``: the installed SesquiLSR (``sesqui:`` its file) when ``field`` names one,
+    else the text field's ``sesqui:PATH`` (checked by the knob when the pipeline is made), None when empty."""
+    if field is not None:
+        return f"sesqui:{installed_model_path(context, field, '')}"
+    return text.strip() or None
+
+
 @invocation(
     "flowlift_upscale_latents",
     title="Flow Upscale Latents (FLUX.2)",
     tags=["flowlift", "upscale", "latents", "flux2", "klein", "hires"],
     category=CATEGORY,
-    version="1.1.0",  # 1.1.0: the installed-model fields (issue 32.G)
+    version="1.2.0",  # 1.1.0: the installed-model fields (issue 32.G); 1.2.0: the latent upscaler (issue 46.3)
     use_cache=False,  # the result depends on the weight file's content, which the node cache cannot see
 )
 class FlowUpscaleLatentsInvocation(BaseInvocation):
     """Upscales FLUX.2 latents 2x/4x/8x with the Flow Upscaler (one Euler step per 2x pass, stage 1 colour
-    fix). In and out: InvokeAI's raw FLUX.2 latents, so FLUX2 Denoise (img2img, the hires fix) and
-    Latents to Image - FLUX2 take the result directly."""
+    fix), and with a latent upscaler (SesquiLSR) any factor in [1, 8]: the passes below it, then SesquiLSR to the
+    size ``flowlift hires --latent-upscaler`` refines at. In and out: InvokeAI's raw FLUX.2 latents, so FLUX2
+    Denoise (img2img, the hires fix) and Latents to Image - FLUX2 take the result directly."""
 
     latents: LatentsField = InputField(
         description="FLUX.2 latents (Image to Latents - FLUX2, FLUX2 Denoise)", input=Input.Connection
@@ -153,17 +170,22 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
     seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
     transplant_strength: float = knob_field(TRANSPLANT_STRENGTH, TRANSPLANT_DESCRIPTION)
     chunked: Chunking = knob_field(CHUNKED, CHUNKED_DESCRIPTION)
+    latent_upscaler_model: ModelIdentifierField | None = installed_model_field("SesquiLSR", "Latent upscaler")
+    latent_upscaler: str = InputField(default="", title="Latent upscaler", description=LATENT_UPSCALER_DESCRIPTION)
 
     @torch.no_grad()
     def invoke(self, context: InvocationContext) -> LatentsOutput:
         what = "Flow Upscale Latents (FLUX.2)"
         raw = check_raw_latents(context.tensors.load(self.latents.latents_name), what)
-        passes = latent_passes(self.scale)
-        check_output_cap(raw.shape[-2] * VAE_SCALE_FACTOR, raw.shape[-1] * VAE_SCALE_FACTOR, passes, what)
+        spec = latent_upscaler_spec(context, self.latent_upscaler_model, self.latent_upscaler)
+        passes, size = latent_plan(self.scale, raw.shape[-2], raw.shape[-1], fraction_last=spec is not None)
+        check_output_cap(raw.shape[-2] * VAE_SCALE_FACTOR, raw.shape[-1] * VAE_SCALE_FACTOR, passes, what, size)
+        if size is not None:
+            find_sesqui(spec)  # a wrong spec or a missing file: one line before anything loads
         check_flux2_vae_field(context, self.vae, what)
         with context.models.load(self.vae.vae).model_in_ram() as vae_module:
             vae = flux2_vae_adapter(vae_module, what)
-        progress = NodeProgress(context, what, passes)
+        progress = NodeProgress(context, what, passes + (size is not None))
         source = installed_model_path(context, self.upscaler_model, self.upscaler)
         upscaler = load_upscaler_cached(context, source, progress.check_cancel)
         with on_device(upscaler, "the Flow Upscaler") as (unet, device, dtype):
@@ -176,30 +198,21 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
                 channels_last=False,
                 on_strip=progress.strip,
             )
-            latents = pipeline.upscale_latents(
-                raw_to_normalized(raw, vae.bn_mean, vae.bn_std),
-                passes,
-                seed=self.seed,
-                transplant_strength=self.transplant_strength,
-                callback=progress.stage,
-            )
+            latents = raw_to_normalized(raw, vae.bn_mean, vae.bn_std)
+            if passes:
+                latents = pipeline.upscale_latents(
+                    latents,
+                    passes,
+                    seed=self.seed,
+                    transplant_strength=self.transplant_strength,
+                    callback=progress.stage,
+                )
+            if size is not None:  # the fraction: SesquiLSR, as the hires fix runs it
+                latents = FractionalUpscaler.loading(pipeline, vae, spec).to_size(latents, size)
+                progress.stage("SesquiLSR")
         upscaled = check_finite_result(normalized_to_raw(latents.to("cpu"), vae.bn_mean, vae.bn_std), what)
         name = context.tensors.save(tensor=upscaled)
         return LatentsOutput.build(latents_name=name, latents=upscaled, seed=self.seed)
-
-
-LATENT_UPSCALER_DESCRIPTION = (
-    f"The fraction of a scale off 2, 4, 8 in latent space before the decode, instead of the pixel resample: "
-    f"{LATENT_UPSCALER.help}; spelled sesqui:PATH (a file on the InvokeAI server). Empty: the pixel resample"
-)
-
-
-def latent_upscaler_spec(context: InvocationContext, field: ModelIdentifierField | None, text: str) -> str | None:
-    """The pipeline's ``latent_upscaler``: the installed SesquiLSR (``sesqui:`` its file) when ``field`` names one,
-    else the text field's ``sesqui:PATH`` (checked by the knob when the pipeline is made), None when empty."""
-    if field is not None:
-        return f"sesqui:{installed_model_path(context, field, '')}"
-    return text.strip() or None
 
 
 @invocation(

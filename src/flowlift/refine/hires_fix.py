@@ -15,18 +15,13 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.knobs import check_kind
+from flowlift.limits import hires_latent_size, whole_passes
 from flowlift.progress import report_stage
 from flowlift.refine.canvas import checked_images
 from flowlift.refine.loop import denoising_start_for
 from flowlift.refine.parameters import RefineOutput, conditioning_parameters
 from flowlift.refine.request import HiresSettings, LatentUpscaler
-from flowlift.refine.settings import (
-    STRENGTH_MAP,
-    SamplingSettings,
-    check_hires_size,
-    hires_latent_size,
-    whole_passes,
-)
+from flowlift.refine.settings import STRENGTH_MAP, SamplingSettings, check_hires_size
 from flowlift.refine.tiling import TileRequest
 
 
@@ -50,7 +45,7 @@ class HiresFix:
         ``settings.base_steps`` (None: the model's). ``upscaler.upscale_latents`` maps normalized latents to
         normalized latents ``settings.scale`` times larger (:attr:`HiresSettings.passes` 2x passes, the sampling
         seed, stage 1 at ``settings.transplant_strength``, ``settings.color_fix``); any other scale ends with
-        ``upscaler.to_size`` (SesquiLSR) at :func:`~flowlift.refine.settings.hires_latent_size`. The refine pass is
+        ``upscaler.to_size`` (SesquiLSR) at :func:`~flowlift.limits.hires_latent_size`. The refine pass is
         img2img on them in the window below ``1 - settings.refine_strength``; both passes shift with ``mu`` (for
         ``"empirical"``, each from its own size and step count) and tile as ``tiles`` say (the refine pass of a 4x
         or 8x fix is where tiles run). ``sampling`` is the refine pass's; the txt2img base runs it with

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from flowlift.errors import FIELD_MARK, FlowliftError
-from flowlift.limits import PIXEL_MULTIPLE
+from flowlift.limits import PIXEL_MULTIPLE, hires_latent_size
 from flowlift.refine.request import LatentUpscaler, RefineRequest
-from flowlift.refine.settings import check_hires_size, hires_latent_size
+from flowlift.refine.settings import check_hires_size
 
 
 @dataclass

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.knobs import COLOR_FIX, OVERWRITE, check_kind, check_path, check_paths, check_positive
+from flowlift.limits import whole_passes
 from flowlift.refine.settings import (
     HIRES_SCALE,
     OUTPAINT_STRENGTH,
@@ -34,7 +35,6 @@ from flowlift.refine.settings import (
     SamplingSettings,
     check_hires_size,
     check_txt2img_size,
-    whole_passes,
 )
 from flowlift.refine.tiling import TileRequest
 

@@ -11,13 +11,12 @@ smaller than the tile) on top of :meth:`~flowlift.knobs.Knob.check`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.settings import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SAMPLERS, SCHEDULES
 from flowlift.knobs import SCALE, SEED, TRANSPLANT_STRENGTH, Knob, table  # noqa: F401  (TRANSPLANT_STRENGTH: the hires fix's)
-from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE
+from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE, hires_latent_size
 
 #: The most steps a refine takes: far past where a flow model stops gaining (28-50), and a bound on what one
 #: request to the web app can ask for.
@@ -90,20 +89,6 @@ HIRES_SCALE = replace(
     "[1, 8] needs a latent upscaler for the fraction, SesquiLSR's sesqui:PATH: 1.5 = SesquiLSR alone, "
     "3 = one pass then 1.5x)",
 )
-
-
-def whole_passes(scale: float) -> bool:
-    """Whether ``scale`` is 2, 4 or 8 (a whole number of 2x passes, no fraction left)."""
-    return scale >= 2 and math.log2(scale).is_integer()
-
-
-def hires_latent_size(height: int, width: int, scale: float) -> tuple[int, int]:
-    """The latent (height, width) a hires fix of ``height x width`` latents refines at: ``scale`` times for 2, 4,
-    8; for any other factor ``floor(side * scale / 2 + 1/2) * 2`` (even latent sides, halves up: the image on the
-    16-px grid that FLUX.2's 2x2 patches need, so 1.5x of 1008 px is 1520 px)."""
-    if whole_passes(scale):
-        return height * int(scale), width * int(scale)
-    return (max(2, math.floor(height * scale / 2 + 0.5) * 2), max(2, math.floor(width * scale / 2 + 0.5) * 2))
 
 
 def check_txt2img_size(width: int, height: int, field: str = "size") -> None:

@@ -56,10 +56,7 @@ class FlowUpscalerSource:
         pipeline = FlowUpscalerPipeline(weights, vae, device=device, dtype=dtype, memory=memory)
         if self.latent_upscaler is None:
             return pipeline
-        from flowlift.models.sesqui_lsr import load_sesqui_lsr
-
-        sesqui = load_sesqui_lsr(sesqui_path(self.latent_upscaler), device=pipeline.device, dtype=torch.float32)
-        return FractionalUpscaler(pipeline, sesqui, vae, self.latent_upscaler)
+        return FractionalUpscaler.loading(pipeline, vae, self.latent_upscaler)
 
 
 class FractionalUpscaler:
@@ -69,6 +66,14 @@ class FractionalUpscaler:
 
     def __init__(self, pipeline: Any, sesqui: Any, vae: Any, spec: str) -> None:
         self.pipeline, self.sesqui, self.vae, self.latent_upscaler = pipeline, sesqui, vae, spec
+
+    @classmethod
+    def loading(cls, pipeline: Any, vae: Any, spec: str) -> FractionalUpscaler:
+        """``pipeline`` (latent-only) with SesquiLSR loaded from ``spec``'s file in float32 on the pipeline's device."""
+        from flowlift.models.sesqui_lsr import load_sesqui_lsr
+
+        sesqui = load_sesqui_lsr(find_sesqui(spec), device=pipeline.device, dtype=torch.float32)
+        return cls(pipeline, sesqui, vae, spec)
 
     def upscale_latents(self, latents: Any, num_passes: int, **options: Any) -> Any:
         return self.pipeline.upscale_latents(latents, num_passes, **options)

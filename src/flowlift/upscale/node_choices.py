@@ -8,6 +8,7 @@ pipeline's arguments here, so the two packs cannot drift apart.
 from __future__ import annotations
 
 from flowlift.errors import FlowliftError
+from flowlift.limits import hires_latent_size, passes_for_scale
 from flowlift.upscale.asked_size import AskedSize
 from flowlift.upscale.settings import CHUNKED
 
@@ -44,6 +45,26 @@ def latent_passes(scale: float) -> int:
             "any other factor"
         )
     return asked.passes
+
+
+def latent_plan(
+    scale: float, height: int, width: int, *, fraction_last: bool = False
+) -> tuple[int, tuple[int, int] | None]:
+    """A latent node's ``(passes, size)`` for ``height x width`` latents: 2, 4, 8 -> (1/2/3, None), whole passes;
+    with a latent upscaler (``fraction_last``) any other factor in [1, 8] -> the passes below it and the latent
+    (height, width) SesquiLSR resizes to, the hires fix's rule (:func:`~flowlift.limits.passes_for_scale` with
+    ``fraction_last``, :func:`~flowlift.limits.hires_latent_size`: even sides, so 1.5x of 64x96 is 96x144);
+    without one, any other factor is one line naming the latent upscaler."""
+    asked = AskedSize(scale=scale)
+    if asked.power_of_two:
+        return asked.passes, None
+    if not fraction_last:
+        raise FlowliftError(
+            f"a latent upscale runs whole 2x passes (scale 2, 4 or 8), got {asked.scale:g}; choose a latent upscaler "
+            "(SesquiLSR) for any other factor, or upscale the image",
+            field="latent_upscaler",
+        )
+    return passes_for_scale(asked.scale, fraction_last=True), hires_latent_size(height, width, asked.scale)
 
 
 def chunked_flag(chunked: str) -> bool | None:
