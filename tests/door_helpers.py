@@ -34,7 +34,10 @@ COMFY_WIDGET_ORDER = {
     "FlowliftMageVAELoader": ["mage_name"],
 }
 #: The nodes' optional inputs, in their saved order (absent from a saved workflow: their default).
-COMFY_OPTIONAL_INPUTS = {"FlowliftUpscaleImage": ["latent_upscaler"]}
+COMFY_OPTIONAL_INPUTS = {
+    "FlowliftUpscaleLatent": ["latent_upscaler", "vae"],
+    "FlowliftUpscaleImage": ["latent_upscaler"],
+}
 
 
 def cpu_upscale_options(shared: Path, weights: Path) -> list[str]:

@@ -333,6 +333,42 @@ def test_a_latent_upscaler_without_the_flux2_vae_is_one_line(server):
     assert text.splitlines() == [text] and "latent_upscaler" in text and "FLUX.2 VAE" in text, text
 
 
+def test_the_latent_node_runs_sesquilsr_to_the_hires_fixs_size(server):
+    """issue 46.3: FlowliftUpscaleLatent with a latent upscaler and ComfyUI's FLUX.2 VAE on its ``vae`` input takes
+    any factor: 3x of big_flux2.latent (96x96 latents) is one pass, then SesquiLSR to 288x288, the size
+    ``flowlift hires --scale 3 --latent-upscaler`` refines at, equal to the same steps in Python with the statistics
+    of flowlift's loader of the same file; without the VAE, or without a latent upscaler, 3x is one line."""
+    from flowlift.limits import hires_latent_size
+    from flowlift.models.sesqui_lsr import load_sesqui_lsr, sesqui_upscale_latents
+
+    workflow = latent_file_workflow("flow_upscaler.safetensors", scale=3.0, chunked="auto", prefix="test/sesqui_latent")
+    workflow["3"]["inputs"] |= {"latent_upscaler": "upscaler_Flux2.safetensors", "vae": ["5", 0]}
+    workflow["5"] = {"class_type": "VAELoader", "inputs": {"vae_name": "flux2-vae.safetensors"}}
+    entry = server.run(workflow)
+    got = load_file(str(server.output_file(entry, "4", "latents")))["latent_tensor"]
+
+    models = server.root / "models"
+    vae = load_vae(models / "vae" / "flux2-vae.safetensors")
+    big = load_file(str(server.root / "input" / "big_flux2.latent"))["latent_tensor"]
+    latents = from_comfyui_latent({"samples": big})
+    size = hires_latent_size(*latents.shape[-2:], 3.0)
+    pipeline = FlowUpscalerPipeline(load_upscaler(models / "latent_upscale_models" / "flow_upscaler.safetensors"), None)
+    passed = pipeline.upscale_latents(latents, 1, **LATENT_KNOBS)
+    sesqui = load_sesqui_lsr(models / "latent_upscale_models" / "upscaler_Flux2.safetensors")
+    expected = patchify(sesqui_upscale_latents(sesqui, passed, size, vae.bn_mean, vae.bn_std))
+    assert size == (288, 288) and got.shape == expected.shape == (1, 128, 144, 144)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+
+    for change, words in (({"vae": None}, "connect the FLUX.2 VAE"), ({"latent_upscaler": "none"}, "got 3; choose")):
+        refused = latent_file_workflow("flow_upscaler.safetensors", scale=3.0, chunked="auto", prefix="n/o")
+        refused["3"]["inputs"] |= {"latent_upscaler": "upscaler_Flux2.safetensors", "vae": ["5", 0], **change}
+        refused["3"]["inputs"] = {k: v for k, v in refused["3"]["inputs"].items() if v is not None}
+        refused["5"] = workflow["5"]
+        failed = server.wait(server.queue(refused))
+        text = message(failed, "execution_error")["exception_message"].strip()
+        assert failed["status"]["status_str"] == "error" and text.splitlines() == [text] and words in text, text
+
+
 def test_flowlifts_mage_loader_equals_comfyuis_on_the_same_file(server):
     """The Mage-VAE file through ComfyUI's VAELoader and through FlowliftMageVAELoader (kept for flowlift's exact
     tiled decode at 8K-16K): VAEEncode gives the same latent (1e-4) and VAEDecode the same image (1/255)."""

@@ -28,12 +28,12 @@ WIDGET_INPUTS = {"scale", "seed", "transplant_strength", "color_fix_strength", "
 def test_scale_and_chunking_widgets():
     assert [choices.image_plan(s, 48, 32) for s in (2, 4, 8)] == [(1, None), (2, None), (3, None)]
     assert choices.image_plan(3, 48, 32) == (2, (144, 96)) and choices.image_plan(1.5, 48, 32) == (1, (72, 48))
-    assert [choices.latent_passes(s) for s in (2.0, 4, 8)] == [1, 2, 3]
+    assert [choices.latent_plan(s, 4, 6) for s in (2.0, 4, 8)] == [(1, None), (2, None), (3, None)]
     assert [choices.chunked_flag(c) for c in choices.CHUNKING] == [None, True, False]
     with pytest.raises(FlowliftError, match=r"scale must be in \[1, 8\]"):
         choices.image_plan(9, 48, 32)
     with pytest.raises(FlowliftError, match="a latent upscale runs whole 2x passes"):
-        choices.latent_passes(3)
+        choices.latent_plan(3, 4, 6)
 
 
 def test_with_a_latent_upscaler_the_image_nodes_plan_the_passes_below_the_fraction():
@@ -65,6 +65,10 @@ def test_latent_round_trip_keeps_batch_index_and_resizes_the_mask():
     assert out["noise_mask"].shape == (2, 1, 256, 384)
     assert out["noise_mask"][:, :, :120].min() == 1 and out["noise_mask"][:, :, 136:].max() == 0
     assert latent["samples"] is samples  # the input dict is not modified
+    # a latent upscaler's 1.5x (8x12 -> 12x18 latents): the mask's sides scale alike (64x96 -> 96x144)
+    fraction = L.upscaled_latent_dict(latent, torch.randn(2, 32, 12, 18), "cpu")
+    assert fraction["noise_mask"].shape == (2, 1, 96, 144)
+    assert fraction["noise_mask"][:, :, :44].min() == 1 and fraction["noise_mask"][:, :, 52:].max() == 0
 
 
 def test_image_layouts_and_reference_matching():

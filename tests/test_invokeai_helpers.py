@@ -52,9 +52,9 @@ def test_raw_latents_pass_as_float32():
 
 
 def test_scales_chunking_and_the_cap():
-    assert [choices.latent_passes(s) for s in (2, 4, 8)] == [1, 2, 3]
+    assert [choices.latent_plan(s, 4, 6)[0] for s in (2, 4, 8)] == [1, 2, 3]
     assert [choices.chunked_flag(c) for c in choices.CHUNKING] == [None, True, False]
-    for bad in (lambda: choices.latent_passes(1.5), lambda: choices.chunked_flag("sometimes")):
+    for bad in (lambda: choices.latent_plan(1.5, 4, 6), lambda: choices.chunked_flag("sometimes")):
         with pytest.raises(FlowliftError):
             bad()
     latents.check_output_cap(2048, 2048, 3, "node")  # 16384 px exactly: allowed

@@ -218,7 +218,7 @@ def test_node_pack_choices_are_the_knobs():
 
     scale = UPSCALE_KNOBS["scale"]  # a number in [1, 8] on both packs: the image node resamples, latents whole passes
     assert (scale.low, scale.high, scale.kind) == (1.0, 8.0, float)
-    assert [node_choices.latent_passes(factor) for factor in scale.extra["presets"]] == [1, 2, 3]
+    assert [node_choices.latent_plan(factor, 4, 6)[0] for factor in scale.extra["presets"]] == [1, 2, 3]
     assert node_choices.image_plan(scale.low, 48, 32) == (1, (48, 32))
     for outside in (scale.low - 0.001, scale.high + 0.001, float("nan")):
         with pytest.raises(FlowliftError):

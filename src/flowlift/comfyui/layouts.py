@@ -127,16 +127,17 @@ def flux2_latents(latent: Any, what: str) -> torch.Tensor:
 
 def upscaled_latent_dict(latent: dict, latents: torch.Tensor, device: torch.device | str) -> dict:
     """The output LATENT: ``latent``'s other entries kept (``batch_index`` ...), ``samples`` replaced by
-    ``latents`` patchified, and a ``noise_mask`` resized by the same factor as the latent (bilinear)."""
+    ``latents`` patchified, and a ``noise_mask`` resized by the same factor per side as the latent (bilinear; a
+    latent upscaler's factor need not be whole: the mask's sides scale as the latent's, rounded)."""
     out = dict(latent)
     old = latent["samples"]
     samples = patchify(latents).to(device=device, dtype=torch.float32)
     out["samples"] = samples
     mask = latent.get("noise_mask")
     if isinstance(mask, torch.Tensor):
-        factor = samples.shape[-1] // old.shape[-1]
         shaped = mask.reshape(-1, 1, *mask.shape[-2:]).to(torch.float32)
-        size = (shaped.shape[-2] * factor, shaped.shape[-1] * factor)
+        sides = zip(shaped.shape[-2:], samples.shape[-2:], old.shape[-2:], strict=True)
+        size = tuple(round(m * new / was) for m, new, was in sides)
         out["noise_mask"] = F.interpolate(shaped, size=size, mode="bilinear", align_corners=False).to(
             device=device, dtype=mask.dtype if mask.is_floating_point() else torch.float32
         )

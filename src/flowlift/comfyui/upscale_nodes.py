@@ -26,9 +26,11 @@ from flowlift.comfyui.loaders import CATEGORY, NATIVE_TITLES, UPSCALER, UPSCALER
 from flowlift.comfyui.vae_adapters import ComfyFlux2VAE, FlowliftComfyVAE
 from flowlift.errors import FlowliftError
 from flowlift.knobs import LATENT_UPSCALER, SEED, Knob
+from flowlift.models.sesqui_lsr import require_bn_statistics
 from flowlift.upscale.chunked.budget import CUDA_BUDGET_FRACTION
 from flowlift.upscale.colorfix import lab_lowband_transplant
-from flowlift.upscale.node_choices import chunked_flag, image_plan, latent_passes
+from flowlift.upscale.latent_source import FractionalUpscaler
+from flowlift.upscale.node_choices import chunked_flag, image_plan, latent_plan
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 from flowlift.upscale.settings import (
     CHUNKED,
@@ -138,6 +140,30 @@ def upscaler_inputs() -> list[io.Input]:
     ]
 
 
+#: The latent upscaler widget's "no latent upscaler" choice: the fraction of a size is resampled in pixels.
+NO_LATENT_UPSCALER = "none"
+
+
+def latent_upscaler_input(without: str) -> io.Input:
+    """An upscale node's optional latent upscaler: ``none`` (``without`` says what the node does then) or a SesquiLSR
+    file of models/latent_upscale_models (the folder the Flow Upscaler's files share), the help from
+    :data:`flowlift.knobs.LATENT_UPSCALER`."""
+    return io.Combo.Input(
+        "latent_upscaler",
+        options=[NO_LATENT_UPSCALER, *folder_paths.get_filename_list(UPSCALER_FOLDER)],
+        default=NO_LATENT_UPSCALER,
+        tooltip=f"{LATENT_UPSCALER.help}, in models/{UPSCALER_FOLDER}; none: {without}. 2, 4 and 8 do not run it",
+        optional=True,
+    )
+
+
+def latent_upscaler_spec(name: str) -> str | None:
+    """The pipeline's ``latent_upscaler`` for the widget's choice: None for ``none``, else ``sesqui:PATH``."""
+    if name == NO_LATENT_UPSCALER:
+        return None
+    return f"sesqui:{folder_paths.get_full_path_or_raise(UPSCALER_FOLDER, name)}"
+
+
 class FlowliftUpscaleLatent(io.ComfyNode):
     """FLUX.2 LATENT -> 2x/4x/8x LATENT with the Flow Upscaler (stage 1 colour fix in latent space)."""
 
@@ -148,55 +174,67 @@ class FlowliftUpscaleLatent(io.ComfyNode):
             display_name="Flow Upscale Latent (flowlift)",
             category=CATEGORY,
             description="Upscales a FLUX.2 LATENT 2x per pass with the Flow Upscaler; equals flowlift's "
-            "FlowUpscalerPipeline.upscale_latents for the same seed.",
+            "FlowUpscalerPipeline.upscale_latents for the same seed. With a latent upscaler (SesquiLSR) and the "
+            "FLUX.2 VAE connected any scale in [1, 8]: the passes below it, then SesquiLSR to the size flowlift's "
+            "hires fix refines at.",
             inputs=[
                 UPSCALER.Input("upscaler"),
                 io.Latent.Input("samples"),
                 *upscaler_inputs(),
                 knob_input("chunked", CHUNKED),
+                latent_upscaler_input("only 2, 4 and 8"),
+                io.Vae.Input(
+                    "vae", optional=True, tooltip="the FLUX.2 VAE (VAELoader): its BatchNorm statistics, for SesquiLSR"
+                ),
             ],
             outputs=[io.Latent.Output()],
         )
 
     @classmethod
     def execute(
-        cls, upscaler: Any, samples: dict, scale: float, seed: int, transplant_strength: float, chunked: str
+        cls,
+        upscaler: Any,
+        samples: dict,
+        scale: float,
+        seed: int,
+        transplant_strength: float,
+        chunked: str,
+        latent_upscaler: str = NO_LATENT_UPSCALER,
+        vae: Any = None,
     ) -> io.NodeOutput:
         checked = layouts.check_numbers(
             "FlowliftUpscaleLatent", scale=scale, seed=seed, transplant_strength=transplant_strength
         )
         latents = layouts.flux2_latents(samples, "FlowliftUpscaleLatent")
-        passes = latent_passes(checked.pop("scale"))
-        progress = Progress(passes)
+        spec = latent_upscaler_spec(latent_upscaler)
+        fraction = spec is not None
+        passes, size = latent_plan(checked.pop("scale"), *latents.shape[-2:], fraction_last=fraction)
+        statistics = latent_statistics(vae) if size is not None else None  # before any work: one line without
+        progress = Progress(passes + (size is not None))
         pipeline = make_pipeline(upscaler, None, chunked, progress)
-        result = run_logging_warnings(
-            lambda: pipeline.upscale_latents(latents, passes, **checked, callback=progress.stage)
-        )
+        result = latents
+        if passes:
+            result = run_logging_warnings(
+                lambda: pipeline.upscale_latents(latents, passes, **checked, callback=progress.stage)
+            )
+        if size is not None:  # the fraction: SesquiLSR, as flowlift's hires fix runs it
+            result = FractionalUpscaler.loading(pipeline, statistics, spec).to_size(result, size)
+            progress.stage()
         return io.NodeOutput(layouts.upscaled_latent_dict(samples, result, mm.intermediate_device()))
 
 
-#: The latent upscaler widget's "no latent upscaler" choice: the fraction of a size is resampled in pixels.
-NO_LATENT_UPSCALER = "none"
-
-
-def latent_upscaler_input() -> io.Input:
-    """The image node's optional latent upscaler: ``none`` or a SesquiLSR file of models/latent_upscale_models (the
-    folder the Flow Upscaler's files share), the help from :data:`flowlift.knobs.LATENT_UPSCALER`."""
-    return io.Combo.Input(
-        "latent_upscaler",
-        options=[NO_LATENT_UPSCALER, *folder_paths.get_filename_list(UPSCALER_FOLDER)],
-        default=NO_LATENT_UPSCALER,
-        tooltip=f"{LATENT_UPSCALER.help}, in models/{UPSCALER_FOLDER}; none: the fraction is resampled in pixels. "
-        "2, 4 and 8 do not run it",
-        optional=True,
-    )
-
-
-def latent_upscaler_spec(name: str) -> str | None:
-    """The pipeline's ``latent_upscaler`` for the widget's choice: None for ``none``, else ``sesqui:PATH``."""
-    if name == NO_LATENT_UPSCALER:
-        return None
-    return f"sesqui:{folder_paths.get_full_path_or_raise(UPSCALER_FOLDER, name)}"
+def latent_statistics(vae: Any) -> ComfyFlux2VAE:
+    """The FLUX.2 VAE's BatchNorm statistics a latent upscaler needs, from the ``vae`` input (ComfyUI's FLUX.2 VAE);
+    one line when it is not connected or has none (TAEF2, Mage-VAE)."""
+    if vae is None:
+        raise FlowliftError(
+            "latent_upscaler: SesquiLSR on a LATENT needs the FLUX.2 VAE's BatchNorm statistics: connect the FLUX.2 "
+            "VAE (VAELoader) to the node's vae input",
+            field="latent_upscaler",
+        )
+    statistics = ComfyFlux2VAE(vae, mm.get_torch_device())
+    require_bn_statistics(statistics)
+    return statistics
 
 
 class FlowliftUpscaleImage(io.ComfyNode):
@@ -220,7 +258,7 @@ class FlowliftUpscaleImage(io.ComfyNode):
                 *upscaler_inputs(),
                 knob_input("color_fix_strength", COLOR_FIX_STRENGTH),
                 knob_input("chunked", CHUNKED),
-                latent_upscaler_input(),
+                latent_upscaler_input("the fraction is resampled in pixels"),
             ],
             outputs=[io.Image.Output()],
         )

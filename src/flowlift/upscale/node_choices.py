@@ -35,18 +35,6 @@ def image_plan(
     return asked.passes_for(width, height), size
 
 
-def latent_passes(scale: float) -> int:
-    """A latent node's passes: 2 -> 1, 4 -> 2, 8 -> 3; a factor that is not a power of two has no latent size of
-    whole 2x passes: one line (the image node resamples it)."""
-    asked = AskedSize(scale=scale)
-    if not asked.power_of_two:
-        raise FlowliftError(
-            f"a latent upscale runs whole 2x passes (scale 2, 4 or 8), got {asked.scale:g}; upscale the image for "
-            "any other factor"
-        )
-    return asked.passes
-
-
 def latent_plan(
     scale: float, height: int, width: int, *, fraction_last: bool = False
 ) -> tuple[int, tuple[int, int] | None]:
