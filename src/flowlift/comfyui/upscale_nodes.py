@@ -165,7 +165,8 @@ def latent_upscaler_spec(name: str) -> str | None:
 
 
 class FlowliftUpscaleLatent(io.ComfyNode):
-    """FLUX.2 LATENT -> 2x/4x/8x LATENT with the Flow Upscaler (stage 1 colour fix in latent space)."""
+    """FLUX.2 LATENT -> 2x/4x/8x LATENT with the Flow Upscaler (stage 1 colour fix in latent space); any factor in
+    [1, 8] with a latent upscaler and the FLUX.2 VAE's statistics (SesquiLSR for the fraction)."""
 
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -207,8 +208,7 @@ class FlowliftUpscaleLatent(io.ComfyNode):
         )
         latents = layouts.flux2_latents(samples, "FlowliftUpscaleLatent")
         spec = latent_upscaler_spec(latent_upscaler)
-        fraction = spec is not None
-        passes, size = latent_plan(checked.pop("scale"), *latents.shape[-2:], fraction_last=fraction)
+        passes, size = latent_plan(checked.pop("scale"), *latents.shape[-2:], fraction_last=spec is not None)
         statistics = latent_statistics(vae) if size is not None else None  # before any work: one line without
         progress = Progress(passes + (size is not None))
         pipeline = make_pipeline(upscaler, None, chunked, progress)
