@@ -175,6 +175,7 @@ SKIP: dict[str, str] = {
     "flowlift upscale --compile": FRAGMENT,
     "flowlift upscale --vae mage_vae.safetensors": FRAGMENT,
     "flowlift upscale --latent-upscaler": FRAGMENT,
+    "flowlift hires --latent-upscaler": FRAGMENT,
     "flowlift app --latent-upscaler sesqui:PATH": FRAGMENT,
     "flowlift img2img --tile-size/--tile-overlap/ --tile-batch": FRAGMENT,
     "flowlift img2img --reference": FRAGMENT,
