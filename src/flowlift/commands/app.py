@@ -27,7 +27,6 @@ HELP = "serve a local web page (Gradio) for upscaling, batches and, with --model
 EXAMPLES = """examples:
   flowlift app                                   # http://127.0.0.1:7860, upscaling with the released weights
   flowlift app --vae taef2 --vae flux2 --upscaler flow_upscaler.safetensors
-  flowlift app --vae flux2 --latent-upscaler sesqui:upscaler_Flux2.safetensors   # SesquiLSR for 1.5x, 3x...
   flowlift app --model black-forest-labs/FLUX.2-klein-4B   # adds the Refine tab"""
 
 
