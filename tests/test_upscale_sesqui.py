@@ -8,6 +8,7 @@ the run without the option; TAEF2 with the option, a missing file, a side outsid
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -72,6 +73,8 @@ def test_a_fraction_runs_sesquilsr_after_the_passes_to_exactly_the_asked_size(
         assert image.size == size
         meta = json.loads(image.text["flowlift"])
     assert meta["latent_upscaler"] == f"sesqui:{sesqui}" and meta["passes"] == passes and meta["size"] == list(size)
+    # its weights recorded as the upscaler's and the VAE's are: by their SHA-256
+    assert meta["models"]["latent_upscaler"] == {sesqui.name: hashlib.sha256(sesqui.read_bytes()).hexdigest()}
     assert f"and SesquiLSR ({sesqui.name}, " in err  # the loading line names all three models it loads
 
 
@@ -87,7 +90,7 @@ def test_the_metadata_names_sesquilsr_only_where_it_ran(
     with Image.open(out) as image:
         assert image.size == tuple(int(side) for side in size.split("x"))
         meta = json.loads(image.text["flowlift"])
-    assert ("latent_upscaler" in meta) is recorded
+    assert ("latent_upscaler" in meta) is recorded and ("latent_upscaler" in meta["models"]) is recorded
 
 
 @pytest.mark.parametrize("mode", ["pad", "resample"])

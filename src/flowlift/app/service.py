@@ -160,7 +160,7 @@ class AppService:
                 )
                 pipe.upscaler_path = first.upscaler_path
                 pipe.vae_spec = vae  # the files behind it, for the metadata's hashes
-            self._hashes[key] = model_hashes(pipe) if sibling is None else self._hashes[(vae, not latent)]
+            self._hashes[key] = model_hashes(pipe)  # with SesquiLSR's file where it has one
             self._pipelines[key] = pipe
             report_loading(None)
             return pipe

@@ -78,7 +78,7 @@ def output_metadata(
     """The output file's metadata (:mod:`flowlift.files.metadata`, schema 1): the parameters, what ran, the input
     and the weight files' hashes. ``asked`` (an :class:`~flowlift.upscale.asked_size.AskedSize` that is not a power
     of two) and ``size`` (the output's (width, height)): recorded as asked, beside the passes that ran;
-    ``latent_upscaler`` where it ran for the fraction."""
+    ``latent_upscaler`` where it ran for the fraction (its file's hash in ``models`` then, and only then)."""
     from flowlift.files.image_outputs import file_sha256
     from flowlift.files.metadata import metadata_record
 
@@ -100,7 +100,7 @@ def output_metadata(
             "upscaler": settings.upscaler or DEFAULT_UPSCALER,
             "dtype": str(pipeline.dtype).removeprefix("torch."),  # what ran, not "auto"
             "device": str(pipeline.device),
-            "models": hashes,
+            "models": {role: files for role, files in hashes.items() if role != "latent_upscaler" or latent_upscaler},
         },
     )
 

@@ -161,6 +161,7 @@ class FlowUpscalerPipeline:
         )
         self.latent_upscaler = latent_upscaler
         self.sesqui = None
+        self.sesqui_file = sesqui_file  # its hash goes into an output's metadata where SesquiLSR ran
         if sesqui_file is not None:  # SesquiLSR for the fraction, in float32, on the pipeline's device
             require_bn_statistics(self.vae)  # TAEF2/Mage-VAE: one line, before its weights load
             self.sesqui = load_sesqui_lsr(sesqui_file, device=self.device, dtype=torch.float32)
@@ -434,9 +435,13 @@ class FlowUpscalerPipeline:
     # -- provenance ---------------------------------------------------------------------------------
 
     def model_files(self) -> dict[str, list[Path]]:
-        """Weight files behind this pipeline, for provenance: ``{"upscaler": [...], "vae": [...]}``.
+        """Weight files behind this pipeline, for provenance: ``{"upscaler": [...], "vae": [...]}``, and
+        ``"latent_upscaler"`` with SesquiLSR's file when the pipeline has one.
 
         The VAE's files come from its ``weight_files`` attribute when it has one, else from a local
         spec (file or folder), else from the Hugging Face cache for ``taef2`` / ``flux2`` / repo ids.
         """
-        return pipeline_model_files(self.upscaler_path, self.vae, self.vae_spec)
+        files = pipeline_model_files(self.upscaler_path, self.vae, self.vae_spec)
+        if self.sesqui_file is not None:
+            files["latent_upscaler"] = [self.sesqui_file]
+        return files
