@@ -129,8 +129,9 @@ CHUNKED_DESCRIPTION = (
 
 
 LATENT_UPSCALER_DESCRIPTION = (
-    f"The fraction of a scale off 2, 4, 8 in latent space before the decode, instead of the pixel resample: "
-    f"{LATENT_UPSCALER.help}; spelled sesqui:PATH (a file on the InvokeAI server). Empty: the pixel resample"
+    f"Used instead of the installed SesquiLSR field when none is chosen: {LATENT_UPSCALER.help}; spelled sesqui:PATH "
+    "(a file on the InvokeAI server). Empty: none (the image node resamples a fraction in pixels, the latents node "
+    "takes 2, 4 and 8 only)"
 )
 
 
