@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,7 +265,7 @@ def test_the_fraction_left_to_sesquilsr_is_within_1_to_2_by_construction(scale, 
 
 
 def test_the_app_offers_sesquilsr_and_writes_what_the_command_writes(
-    capsys, tmp_path, shared, photo, upscaler, flux2_vae, sesqui
+    capsys, tmp_path, shared, photo, upscaler, flux2_vae, sesqui, monkeypatch
 ):
     """issue 46.3 at the web app: started with ``--latent-upscaler``, a request that asks for it (the Upscale and Batch
     tabs' box, the API's ``latent_upscaler``) writes the file ``flowlift upscale --latent-upscaler`` writes, pixels
@@ -278,10 +279,19 @@ def test_the_app_offers_sesquilsr_and_writes_what_the_command_writes(
     config = AppConfig(
         str(upscaler), vaes, device="cpu", dtype="float32", work_dir=tmp_path / "w", latent_upscaler=spec
     )
+    import flowlift.files.image_outputs as image_outputs
+
+    hashed: list[str] = []
+    real_sha256 = image_outputs.file_sha256
+    monkeypatch.setattr(image_outputs, "file_sha256", lambda path: hashed.append(Path(path).name) or real_sha256(path))
     service = AppService(config)
     try:
         latent = service.upscale(photo, 3, 4, 1.0, 1.0, str(flux2_vae), True)
         pixels = service.upscale(photo, 3, 4, 1.0, 1.0, str(flux2_vae), False)
+        # the two pipelines share the UNet's and the VAE's files: each weight file is read for its hash once
+        weights = [name for name in hashed if name.endswith(".safetensors")]
+        assert sorted(weights) == sorted(set(weights)) and {upscaler.name, sesqui.name} <= set(weights)
+        monkeypatch.undo()
         code, err = _upscale(
             capsys, photo, tmp_path / "cli.png", "--scale", "3", "--seed", "4", *_models(upscaler, flux2_vae)
         )

@@ -85,8 +85,10 @@ class AppService:
     def __init__(self, config: AppConfig) -> None:
         self.config = config
         self._lock = threading.Lock()
-        self._pipelines: dict[str, Any] = {}
-        self._hashes: dict[str, dict[str, dict[str, str]]] = {}
+        self._pipelines: dict[tuple[str, bool], Any] = {}
+        self._hashes: dict[tuple[str, bool], dict[str, dict[str, str]]] = {}
+        #: Weight files hashed so far (pipelines share the UNet and a VAE's files): each is read once per server.
+        self._file_digests: dict[Path, str] = {}
         self._refiner: Any = None
         self._hires_pipeline: Any = None
         self._own_work_dir = config.work_dir is None
@@ -160,10 +162,18 @@ class AppService:
                 )
                 pipe.upscaler_path = first.upscaler_path
                 pipe.vae_spec = vae  # the files behind it, for the metadata's hashes
-            self._hashes[key] = model_hashes(pipe)  # with SesquiLSR's file where it has one
+            self._hashes[key] = model_hashes(pipe, self._file_sha256)  # SesquiLSR's file too, where it has one
             self._pipelines[key] = pipe
             report_loading(None)
             return pipe
+
+    def _file_sha256(self, path: Path) -> str:
+        """A weight file's SHA-256, read once per server (the lock is held: pipelines are made one at a time)."""
+        from flowlift.files.image_outputs import file_sha256
+
+        if path not in self._file_digests:
+            self._file_digests[path] = file_sha256(path)
+        return self._file_digests[path]
 
     def refiner(self, text_encoder: bool = False) -> Any:
         """The FLUX.2 refiner of ``--model`` (loaded on first use; the text encoder only once a prompt needs it); what
