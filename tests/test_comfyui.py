@@ -330,7 +330,7 @@ def test_a_latent_upscaler_without_the_flux2_vae_is_one_line(server):
     )
     assert entry["status"]["status_str"] == "error"
     text = message(entry, "execution_error")["exception_message"].strip()
-    assert text.splitlines() == [text] and "latent_upscaler" in text and "FLUX.2 VAE" in text, text
+    assert text.splitlines() == [text] and "latent_upscaler" in text and "set vae to the FLUX.2 VAE" in text, text
 
 
 def test_the_latent_node_runs_sesquilsr_to_the_hires_fixs_size(server):

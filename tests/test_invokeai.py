@@ -507,7 +507,7 @@ def test_the_image_node_runs_sesquilsr_for_the_fraction_on_the_flux2_vae(server)
 
     taef2 = graph({"up": upscale_image_node(server, "example.png", scale=3.0, latent_upscaler=sesqui)}, [])
     text = error_line(server.wait(server.enqueue(taef2)))
-    assert "latent_upscaler" in text and "FLUX.2 VAE" in text, text
+    assert "latent_upscaler" in text and "set vae to the FLUX.2 VAE" in text, text
 
 
 def test_the_latents_node_runs_sesquilsr_to_the_hires_fixs_size(server):

@@ -184,7 +184,9 @@ def test_taef2_with_the_option_is_one_line_and_writes_nothing(capsys, tmp_path, 
         f"sesqui:{sesqui}",
     )
     line = one_error_line(err, "upscale")
-    assert code == 2 and "--latent-upscaler" in line and "BN statistics" in line, err
+    assert code == 2 and line.startswith("flowlift upscale: error: --latent-upscaler: "), err
+    assert "BN statistics" in line, err
+    assert "set --vae to the FLUX.2 VAE" in line, err  # the fix, in the command line's words
     assert list(folder.iterdir()) == []
 
 
@@ -271,6 +273,7 @@ def test_the_app_offers_sesquilsr_and_writes_what_the_command_writes(
     tabs' box, the API's ``latent_upscaler``) writes the file ``flowlift upscale --latent-upscaler`` writes, pixels
     and metadata; without it the same scale is the pixel resample. TAEF2, a non-boolean, or a request for it on an
     app started without the option: one line each."""
+    from flowlift.app.results import first_line
     from flowlift.app.service import AppConfig, AppService
 
     spec = f"sesqui:{sesqui}"
@@ -315,8 +318,10 @@ def test_the_app_offers_sesquilsr_and_writes_what_the_command_writes(
                 assert app_png.text == cli_png.text
         with Image.open(latent.output) as a, Image.open(pixels.output) as b:
             assert a.tobytes() != b.tobytes() and json.loads(a.text["flowlift"])["latent_upscaler"] == spec
-        with pytest.raises(FlowliftError, match=r"latent_upscaler: .*FLUX\.2 VAE"):
+        with pytest.raises(FlowliftError, match=r"latent_upscaler: .*FLUX\.2 VAE") as refused:
             service.upscale(photo, 3, 4, 1.0, 1.0, taef2, True)
+        shown = first_line(refused.value)  # the page's line names the fields as the page does
+        assert shown.startswith("latent upscaler: ") and "set VAE to the FLUX.2 VAE" in shown, shown
         with pytest.raises(FlowliftError, match="latent upscaler must be true or false, got 'false'"):
             service.batch([photo], 3, 4, 1.0, 1.0, str(flux2_vae), "false")
     finally:

@@ -29,7 +29,7 @@ from typing import Any
 
 from flowlift.app.controls import image_input, knob_number, knob_slider, result_column, seed_number
 from flowlift.app.detail import INPUT_FILTERS, ZOOMS, detail_html, detail_view, overview_to_output
-from flowlift.app.results import PREVIEW_MAX_SIDE
+from flowlift.app.results import PREVIEW_MAX_SIDE, first_line
 from flowlift.app.service import AppService
 from flowlift.errors import FlowliftError
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH, SCALE, TRANSPLANT_STRENGTH
@@ -66,7 +66,7 @@ def _user_text(error: BaseException) -> str:
     """The first line of an error for the page (unescaped); the server logs unexpected errors in full."""
     if not isinstance(error, FlowliftError):
         traceback.print_exception(error, file=sys.stderr)
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
+    return first_line(error)
 
 
 def _as_user_error(gr: Any, error: BaseException) -> Exception:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from flowlift.errors import FlowliftError
+from flowlift.knobs import LATENT_UPSCALER, labels
 
 #: Longest side of the before/after preview sent to the browser (the download is full resolution).
 PREVIEW_MAX_SIDE = 2048
@@ -144,13 +145,19 @@ def check_upload(path: str | Path, max_upload_mb: float) -> Path:
 
 def public_message(error: BaseException, path: Path) -> str:
     """An error's first line with the server-side folder of ``path`` cut off (only the file name stays)."""
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    text = text.replace(str(path), path.name)
+    text = first_line(error).replace(str(path), path.name)
     return text if text.startswith(path.name) else f"{path.name}: {text}"
 
 
+#: How the page names the fields an upscale's error line is about (a capability names them as Python does):
+#: the knobs as the app's value checks say them, the VAE by its dropdown's label.
+APP_WORDS = {**labels([LATENT_UPSCALER]), "vae": "VAE"}
+
+
 def first_line(error: BaseException) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
+    """An error's first line as the page shows it (fields in :data:`APP_WORDS`), else the exception's type."""
+    text = error.worded(APP_WORDS) if isinstance(error, FlowliftError) else str(error)
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def strip_folders(text: str, folders: Sequence[Path]) -> str:

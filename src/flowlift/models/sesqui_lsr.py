@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 
 WHAT = "SesquiLSR weights"
 WEIGHTS_NAME = "upscaler_Flux2.safetensors"
@@ -269,13 +269,13 @@ def load_sesqui_lsr(
 
 def require_bn_statistics(vae: object) -> None:
     """One line unless ``vae`` carries the FLUX.2 VAE's BN statistics, which SesquiLSR's raw latents need: TAEF2
-    and Mage-VAE have none. Checked before SesquiLSR's weights load; the refusal names the ``latent_upscaler``
-    field, which each door words as its own (``--latent-upscaler``)."""
+    and Mage-VAE have none. Checked before SesquiLSR's weights load; the refusal names the ``latent_upscaler`` and
+    ``vae`` fields, which each door words as its own (``--latent-upscaler`` and ``--vae`` on the command line)."""
     if getattr(vae, "bn_mean", None) is None or getattr(vae, "bn_std", None) is None:
         raise FlowliftError(
-            "latent_upscaler: SesquiLSR works on raw FLUX.2 VAE latents and needs the FLUX.2 VAE's BN statistics; "
-            "this VAE (TAEF2 or Mage-VAE) has none: use the FLUX.2 VAE (flux2) or drop the latent upscaler",
-            field="latent_upscaler",
+            f"{FIELD_MARK}: SesquiLSR works on raw FLUX.2 VAE latents and needs the FLUX.2 VAE's BN statistics, "
+            f"which this VAE (TAEF2 or Mage-VAE) lacks: set {FIELD_MARK} to the FLUX.2 VAE or drop the latent upscaler",
+            field=("latent_upscaler", "vae"),
         )
 
 

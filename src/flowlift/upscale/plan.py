@@ -162,7 +162,7 @@ class OutputSizes:
         try:  # SesquiLSR for the fraction: its passes, each side left 1-2x (else one line, before any work)
             asked = fraction_passes(height, width, self.resize_mode, target) if fraction else None
         except FlowliftError as error:
-            raise FlowliftError(f"{path}: {error.template}", field=error.field) from None
+            raise FlowliftError(f"{path}: {error.template}", field=error.fields) from None
         if asked is None:
             asked = self.asked.passes if target is None else self.asked.passes_for(width, height)
         run = planned_passes(height, width, asked, self.resize_mode, MAX_OUTPUT_SIDE)
