@@ -11,7 +11,17 @@ from __future__ import annotations
 
 import pytest
 
-from flowlift.progress import LOAD, RunProgress, Stage, active, report_stage, report_step, running, stage_kind
+from flowlift.progress import (
+    LOAD,
+    RunProgress,
+    Stage,
+    StageParts,
+    active,
+    report_stage,
+    report_step,
+    running,
+    stage_kind,
+)
 
 
 class FakeClock:
@@ -180,3 +190,24 @@ def test_a_stage_that_overruns_slows_the_estimate_of_the_rest():
     assert run.state().left == pytest.approx(2.0)
     clock.now += 3.0  # the decode, planned at 1 s, still running after 3 s
     assert run.state().left == pytest.approx(2.0)  # the colour fix at (1 + 3) s / 2 units, not at 1 s per unit
+
+
+def test_stage_parts_show_the_share_of_the_planned_work_not_of_the_parts():
+    """A node's bar (ComfyUI's and InvokeAI's) over weighted parts: after the encode of a 4x upscale the bar is at
+    the encode's share of the work, strips move within the running part, a callback past the last part stays at
+    1, and work of the wrong length (or none) weighs the parts equally."""
+    parts = StageParts(3, [1.0, 4.0, 16.0])
+    assert parts.fraction == 0.0 and parts.name(parts.done) == "stage 1/3"
+    parts.finished()
+    assert parts.fraction == pytest.approx(1 / 21)
+    parts.strip(1, 2)
+    assert parts.fraction == pytest.approx(3 / 21)
+    parts.finished()
+    assert parts.fraction == pytest.approx(5 / 21) and parts.name(parts.done) == "stage 3/3"
+    parts.finished()
+    parts.finished()  # a stage the plan did not count: the bar stays full
+    assert parts.fraction == pytest.approx(1.0)
+    for work in (None, [1.0, 2.0, 3.0]):
+        equal = StageParts(2, work)
+        equal.finished()
+        assert equal.fraction == pytest.approx(0.5)

@@ -291,6 +291,37 @@ class RunProgress:
         return left
 
 
+class StageParts:
+    """A node's run as ``count`` parts (its stages: encode, each pass, decode, colour fix) weighted by ``work``
+    (planned costs, e.g. :func:`flowlift.upscale.stages.upscale_stages`; default: equal), kept in a
+    :class:`RunProgress` as ``stage i/n``; the first part runs from the start. A node pack's bar shows
+    :attr:`fraction` (its share of the work, not of the parts: a 4x upscale's second pass is 4x the first's)."""
+
+    def __init__(self, count: int, work: Sequence[float] | None = None) -> None:
+        self.count = max(1, count)
+        self.done = 0
+        weights = list(work) if work is not None and len(work) == self.count else [1.0] * self.count
+        self.run = RunProgress()
+        self.run.plan([(self.name(i), weight) for i, weight in enumerate(weights)])
+        self.run.begin(self.name(0))
+
+    def name(self, index: int) -> str:
+        return f"stage {index + 1}/{self.count}"
+
+    def strip(self, done: int, total: int) -> None:
+        """``done`` of ``total`` strips (or tiles) of the running part are finished."""
+        self.run.step(done, max(1, total))
+
+    def finished(self) -> None:
+        """The running part is done (a pipeline's "after each stage" callback); the next one starts."""
+        self.run.finished(self.name(min(self.done, self.count - 1)))
+        self.done += 1
+
+    @property
+    def fraction(self) -> float:
+        return self.run.state().fraction
+
+
 _active: contextvars.ContextVar[RunProgress | None] = contextvars.ContextVar("flowlift_progress", default=None)
 
 

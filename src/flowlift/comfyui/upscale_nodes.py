@@ -27,6 +27,7 @@ from flowlift.comfyui.vae_adapters import ComfyFlux2VAE, FlowliftComfyVAE
 from flowlift.errors import FlowliftError
 from flowlift.knobs import LATENT_UPSCALER, SEED, Knob
 from flowlift.models.sesqui_lsr import require_bn_statistics
+from flowlift.progress import StageParts
 from flowlift.upscale.chunked.budget import CUDA_BUDGET_FRACTION
 from flowlift.upscale.colorfix import lab_lowband_transplant
 from flowlift.upscale.latent_source import FractionalUpscaler
@@ -41,34 +42,38 @@ from flowlift.upscale.settings import (
     MemoryPolicy,
 )
 from flowlift.upscale.sizes import MAX_OUTPUT_SIDE
+from flowlift.upscale.stages import upscale_stages
 
 log = logging.getLogger("flowlift")
 
 
 class Progress:
-    """ComfyUI's progress bar over a run's stages (encode, each pass, decode, colour fix) and the strips
-    of chunked passes. Every report is also a cancel point (ComfyUI's interrupt raises from here)."""
+    """ComfyUI's progress bar over a run's stages (encode, each pass, decode, colour fix) and the strips of chunked
+    passes, as the share of the run's planned work (:class:`flowlift.progress.StageParts`, ``work``: the stages'
+    relative weights, default equal). Every report is also a cancel point (ComfyUI's interrupt raises from here)."""
 
-    UNITS = 100  # bar units per stage: strips move it by whole percents (at most 100 UI messages a stage)
+    UNITS = 100  # bar units per stage: at most 100 UI messages a stage
 
-    def __init__(self, stages: int) -> None:
-        self.bar = comfy.utils.ProgressBar(max(1, stages) * self.UNITS)
-        self.stages_done = 0
+    def __init__(self, stages: int, work: Sequence[float] | None = None) -> None:
+        self.parts = StageParts(stages, work)
+        self.bar = comfy.utils.ProgressBar(self.parts.count * self.UNITS)
         self.shown = -1
 
-    def _show(self, value: int) -> None:
+    def _show(self) -> None:
+        value = round(self.parts.fraction * self.parts.count * self.UNITS)
         if value != self.shown:
             self.shown = value
             self.bar.update_absolute(value)
 
     def strip(self, done: int, total: int) -> None:
         mm.throw_exception_if_processing_interrupted()
-        self._show(self.stages_done * self.UNITS + (self.UNITS * done) // max(1, total))
+        self.parts.strip(done, total)
+        self._show()
 
     def stage(self, _what: str = "") -> None:
         mm.throw_exception_if_processing_interrupted()
-        self.stages_done += 1
-        self._show(self.stages_done * self.UNITS)
+        self.parts.finished()
+        self._show()
 
 
 def loaded_upscaler(
@@ -288,7 +293,9 @@ class FlowliftUpscaleImage(io.ComfyNode):
         passes, size = image_plan(
             checked.pop("scale"), images.shape[-1], images.shape[-2], fraction_last=spec is not None
         )
-        progress = Progress(passes + 3)  # encode, passes, decode, colour fix
+        megapixels = images.shape[0] * images.shape[-1] * images.shape[-2] / 1e6
+        # encode, passes, decode, colour fix, weighed as every door weighs them
+        progress = Progress(passes + 3, [w for _, w in upscale_stages(passes, megapixels)][:-1])
         if isinstance(vae, FlowliftComfyVAE):
             flowlift_vae, also = vae.adapter, [vae.patcher]  # flowlift's own adapter (TAEF2: exact tiling by size)
         else:  # ComfyUI's VAE loads itself when it encodes and decodes

@@ -17,12 +17,12 @@ from invokeai.app.services.session_processor.session_processor_common import Can
 from invokeai.invocation_api import InvocationContext
 
 from flowlift.console import format_seconds
-from flowlift.progress import RunProgress
+from flowlift.progress import StageParts
 
 
 class NodeProgress:
     """``stages`` parts of one progress bar titled ``title`` (``work``: their relative weights, default equal);
-    strips move it within the current part. The parts are the stages of a :class:`flowlift.progress.RunProgress`
+    strips move it within the current part. The parts are the stages of a :class:`flowlift.progress.StageParts`
     (the one progress model of every door): each event names the stage and, once this run measured its speed,
     the time left."""
 
@@ -33,17 +33,9 @@ class NodeProgress:
     ) -> None:
         self.context = context
         self.title = title
-        self.stages = max(1, stages)
-        self.done = 0
+        self.parts = StageParts(stages, work)
         self.last_step = -1
-        weights = list(work) if work is not None and len(work) == self.stages else [1.0] * self.stages
-        self.run = RunProgress()
-        self.run.plan([(self._name(i), weight) for i, weight in enumerate(weights)])
-        self.run.begin(self._name(0))
         self.check_cancel()
-
-    def _name(self, index: int) -> str:
-        return f"stage {index + 1}/{self.stages}"
 
     def check_cancel(self) -> None:
         """Stop here (InvokeAI's CanceledException) when the queue item was cancelled."""
@@ -51,8 +43,8 @@ class NodeProgress:
             raise CanceledException
 
     def _signal(self, message: str) -> None:
-        state = self.run.state()
-        step = int(self.STEPS * self.stages * state.fraction)
+        state = self.parts.run.state()
+        step = int(self.STEPS * self.parts.count * state.fraction)
         if step != self.last_step:
             self.last_step = step
             left = f", about {format_seconds(state.left)} left" if state.left is not None else ""
@@ -66,12 +58,11 @@ class NodeProgress:
     def strip(self, done: int, total: int) -> None:
         """After each row strip of a chunked pass (the executor's ``on_strip``)."""
         self.check_cancel()
-        self.run.step(done, max(1, total))
-        self._signal(f"stage {self.done + 1}/{self.stages}, strip {done}/{total}")
+        self.parts.strip(done, total)
+        self._signal(f"{self.parts.name(self.parts.done)}, strip {done}/{total}")
 
     def stage(self, finished: str = "") -> None:
         """After each stage (the pipeline's ``callback``)."""
-        self.run.finished(self._name(min(self.done, self.stages - 1)))
-        self.done += 1
+        self.parts.finished()
         self.check_cancel()
         self._signal(f"{finished} done" if finished else "working")
