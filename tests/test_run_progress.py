@@ -211,3 +211,13 @@ def test_stage_parts_show_the_share_of_the_planned_work_not_of_the_parts():
         equal = StageParts(2, work)
         equal.finished()
         assert equal.fraction == pytest.approx(0.5)
+
+
+def test_an_image_nodes_stages_are_the_upscale_stages_the_host_does_not_write():
+    """ComfyUI's and InvokeAI's image nodes weigh encode, the passes, decode and colour fix as every door does; the
+    host writes the image, so no writing stage: a 4x upscale's bar has 5 parts, the second pass 4x the first."""
+    from flowlift.upscale import stages
+
+    work = stages.node_stage_work(2, 0.39)
+    assert work == [w for name, w in stages.upscale_stages(2, 0.39) if name != "writing"] and len(work) == 5
+    assert work[2] == pytest.approx(4 * work[1])

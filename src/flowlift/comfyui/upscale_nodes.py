@@ -42,7 +42,7 @@ from flowlift.upscale.settings import (
     MemoryPolicy,
 )
 from flowlift.upscale.sizes import MAX_OUTPUT_SIDE
-from flowlift.upscale.stages import upscale_stages
+from flowlift.upscale.stages import node_stage_work
 
 log = logging.getLogger("flowlift")
 
@@ -295,7 +295,7 @@ class FlowliftUpscaleImage(io.ComfyNode):
         )
         megapixels = images.shape[0] * images.shape[-1] * images.shape[-2] / 1e6
         # encode, passes, decode, colour fix, weighed as every door weighs them
-        progress = Progress(passes + 3, [w for _, w in upscale_stages(passes, megapixels)][:-1])
+        progress = Progress(passes + 3, node_stage_work(passes, megapixels))
         if isinstance(vae, FlowliftComfyVAE):
             flowlift_vae, also = vae.adapter, [vae.patcher]  # flowlift's own adapter (TAEF2: exact tiling by size)
         else:  # ComfyUI's VAE loads itself when it encodes and decodes

@@ -73,7 +73,7 @@ from flowlift.upscale.settings import (
     TRANSPLANT_STRENGTH,
     MemoryPolicy,
 )
-from flowlift.upscale.stages import upscale_stages
+from flowlift.upscale.stages import node_stage_work
 
 CATEGORY = "flowlift"
 #: The flowlift-run VAEs' names, for the image node's field (from the one declaration, flowlift.models.vae_names).
@@ -269,7 +269,7 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
         if self.vae is not None:
             check_flux2_vae_field(context, self.vae, what)
         megapixels = image.width * image.height / 1e6  # encode, passes, decode, colour fix, weighed as every door
-        progress = NodeProgress(context, what, passes + 3, [w for _, w in upscale_stages(passes, megapixels)][:-1])
+        progress = NodeProgress(context, what, passes + 3, node_stage_work(passes, megapixels))
         source = installed_model_path(context, self.upscaler_model, self.upscaler)
         upscaler = load_upscaler_cached(context, source, progress.check_cancel)
         if self.vae is not None:

@@ -36,6 +36,12 @@ def upscale_stages(passes: int, input_megapixels: float) -> list[tuple[str, floa
     ]
 
 
+def node_stage_work(passes: int, input_megapixels: float) -> list[float]:
+    """The work of an image node's stages (encode, the passes, decode, colour fix; the host writes the image), in
+    :func:`upscale_stages`' units: the weights of ComfyUI's and InvokeAI's progress bars."""
+    return [work for name, work in upscale_stages(passes, input_megapixels) if name != "writing"]
+
+
 def _size(paths: Sequence[Path]) -> str:
     total = 0
     for path in paths:
