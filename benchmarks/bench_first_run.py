@@ -3,14 +3,15 @@
 The released weights are not needed for a timing (time does not depend on weight values): a random
 full-size Flow Upscaler checkpoint (the released architecture, default init, fixed seed) is written
 once, and the command runs as a user runs it, in a fresh process, with the real TAEF2 from
-``../shared/models/taef2``. Reports the wall time of the whole command (start-up, loading, two passes,
-decode, both colour stages, writing the PNG), its CPU time (user + system, which a busy machine inflates
-far less than the wall time) and the load average while it ran.
+``../shared/models/taef2``, both in a private Hugging Face cache under ``--work`` laid out as a download leaves
+them (:func:`hub_cache`, ``HF_HUB_OFFLINE=1``; ``--weights paths`` passes the files as local paths instead).
+Reports the wall time of the whole command (start-up, loading, two passes, decode, both colour stages, writing
+the PNG), its CPU time (user + system, which a busy machine inflates far less than the wall time) and the load
+average while it ran.
 
-``--vae mage`` runs ``--vae mage`` itself (the name, resolved through a private Hugging Face cache under
-``--work`` holding a random full-size Mage-VAE in the released single-file layout, ``HF_HUB_OFFLINE=1``);
-``--vae taef2`` (the default) the real TAEF2 folder. ``--baseline-vae VAE`` also runs this tree with the other
-VAE, alternating, so the two VAEs' first commands are measured side by side.
+``--vae mage`` runs ``--vae mage`` (a random full-size Mage-VAE in the released single-file layout, in the same
+cache); ``--vae taef2`` is the default. ``--baseline-vae VAE`` also runs this tree with the other VAE,
+alternating, so the two VAEs' first commands are measured side by side.
 
 ``--baseline REV`` runs the same command from revision REV (its ``src/`` exported with ``git archive``),
 ``--baseline-dtype DTYPE`` this tree with ``--dtype DTYPE`` and ``--baseline-env VAR=VALUE`` this tree with
@@ -60,37 +61,72 @@ def random_checkpoint(folder: Path) -> Path:
     return path
 
 
-def random_mage_hub(folder: Path) -> Path:
-    """A private hub cache whose first ``mage`` repository holds a random full-size Mage-VAE in the released layout
-    and size: its encoder and decoder, and the FLUX.2-VAE encoder side the released file also holds and flowlift
-    skips (``pipeline.y_embedder.encoder.*``: the FLUX.2 VAE's encoder, ``quant_conv`` and ``bn``, 111 tensors of
-    34.4M parameters, as diffusers' ``AutoencoderKLFlux2`` makes them), so that reading and hashing it costs what
-    the released file's does (688 MB in float32)."""
+def random_mage_file(folder: Path) -> Path:
+    """A random full-size Mage-VAE in the released layout and size, ``folder/mage_vae.safetensors``: its encoder and
+    decoder, and the FLUX.2-VAE encoder side the released file also holds and flowlift skips
+    (``pipeline.y_embedder.encoder.*``: the FLUX.2 VAE's encoder, ``quant_conv`` and ``bn``, 111 tensors of
+    34.4M parameters, as diffusers' ``AutoencoderKLFlux2`` makes them), so that reading it costs what the released
+    file's does (688 MB in float32)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from flowlift.models.mage_vae import MageVAEConfig, MageVAEModel
     from flowlift.models.mage_vae_files import MAGE_DECODER_PREFIX, MAGE_ENCODER_PREFIX, MAGE_SKIPPED_PREFIXES
-    from flowlift.models.vae_names import NAMED_MAGE
 
-    cache = folder / "hub"
-    repo = cache / f"models--{NAMED_MAGE.repos[0].replace('/', '--')}"
-    target = repo / "snapshots" / ("0" * 40) / "vae" / "mage_vae.safetensors"
+    target = folder / "mage_vae.safetensors"
     if target.is_file():
         with safe_open(str(target), "pt") as handle:
             if any(k.startswith(MAGE_SKIPPED_PREFIXES[0]) for k in handle.keys()):
-                return cache
+                return target
     torch.manual_seed(0)
     state = MageVAEModel(MageVAEConfig()).state_dict()  # unfolded, as released
     prefixes = {"encoder": MAGE_ENCODER_PREFIX, "decoder": MAGE_DECODER_PREFIX}
     released = {prefixes[k.split(".", 1)[0]] + k.split(".", 1)[1]: v.contiguous() for k, v in state.items()}
     released.update(_flux2_encoder_side(MAGE_SKIPPED_PREFIXES[0]))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    (repo / "refs").mkdir(parents=True, exist_ok=True)
-    (repo / "refs" / "main").write_text("0" * 40)
     save_file(released, str(target.with_suffix(".partial")))
     target.with_suffix(".partial").rename(target)
+    return target
+
+
+def hub_cache(folder: Path, shared: Path) -> Path:
+    """A private Hugging Face cache, ``folder/hub``, holding the first command's three models where a user's
+    downloads put them: the random Flow Upscaler (:func:`random_checkpoint`) as ``TensorForger/FlowUpscaler``,
+    the real TAEF2 as ``madebyollin/taef2`` and the random Mage-VAE (:func:`random_mage_file`) under Mage-VAE's
+    first repository. Laid out as huggingface_hub writes a download: each file a blob named by its SHA-256 (the
+    etag of an LFS file), hard-linked to the file here, and a snapshot entry linking to it."""
+    import hashlib
+
+    from flowlift.models.vae_names import NAMED_MAGE, NAMED_TAEF2
+    from flowlift.upscale.loading import DEFAULT_UPSCALER, UPSCALER_WEIGHTS_NAME
+
+    cache = folder / "hub"
+    taef2 = shared / "models" / "taef2"
+    files = {
+        (DEFAULT_UPSCALER, UPSCALER_WEIGHTS_NAME): random_checkpoint(folder),
+        (NAMED_TAEF2.repos[0], "taef2_encoder.pth"): taef2 / "taef2_encoder.pth",
+        (NAMED_TAEF2.repos[0], "taef2_decoder.pth"): taef2 / "taef2_decoder.pth",
+        (NAMED_MAGE.repos[0], "vae/mage_vae.safetensors"): random_mage_file(folder),
+    }
+    commit = "0" * 40
+    for (repo_id, name), source in files.items():
+        repo = cache / f"models--{repo_id.replace('/', '--')}"
+        entry = repo / "snapshots" / commit / name
+        if entry.is_symlink() and entry.resolve().is_file() and entry.resolve().stat().st_ino == source.stat().st_ino:
+            continue
+        with open(source, "rb") as handle:
+            blob = repo / "blobs" / hashlib.file_digest(handle, "sha256").hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.unlink(missing_ok=True)
+        try:
+            os.link(source, blob)
+        except OSError:  # another file system (the shared folder): a copy
+            blob.write_bytes(source.read_bytes())
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        entry.unlink(missing_ok=True)
+        entry.symlink_to(os.path.relpath(blob, entry.parent))
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
     return cache
 
 
@@ -105,11 +141,25 @@ def _flux2_encoder_side(prefix: str) -> dict:
     return {prefix + k: torch.randn(shape) * 0.02 for k, shape in shapes.items()}
 
 
-def vae_arguments(vae: str, args) -> tuple[list[str], dict[str, str]]:
-    """The command's ``--vae`` and the environment it needs: the real TAEF2 folder, or ``--vae mage`` itself."""
-    if vae == "taef2":
-        return ["--vae", str(Path(args.shared) / "models" / "taef2")], {}
-    return ["--vae", "mage"], {"HF_HUB_CACHE": str(random_mage_hub(Path(args.work))), "HF_HUB_OFFLINE": "1"}
+def add_weights_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--weights",
+        choices=["hub", "paths"],
+        default="hub",
+        help="the models from a private hub cache as downloads leave them (default), or as local paths",
+    )
+
+
+def model_arguments(vae: str, args) -> tuple[list[str], dict[str, str]]:
+    """The command's model arguments and the environment they need. ``--weights hub`` (the default): ``--vae
+    taef2`` or ``--vae mage`` and the default upscaler, all three from :func:`hub_cache` (``HF_HUB_OFFLINE=1``), as
+    a user's first command finds them after downloading; ``--weights paths``: the same files as local paths (the
+    real TAEF2 folder, the Mage-VAE and UNet files under ``--work``), which flowlift reads and hashes itself."""
+    work, shared = Path(args.work), Path(args.shared)
+    if args.weights == "hub":
+        return ["--vae", vae], {"HF_HUB_CACHE": str(hub_cache(work, shared)), "HF_HUB_OFFLINE": "1"}
+    spec = shared / "models" / "taef2" if vae == "taef2" else random_mage_file(work)
+    return ["--vae", str(spec), "--upscaler", str(random_checkpoint(work))], {}
 
 
 def exported_source(revision: str, work: Path) -> Path:
@@ -178,19 +228,15 @@ def breakdown_child(argv: list[str]) -> None:
 # -- the parent -----------------------------------------------------------------------------------------
 
 
-def run_variant(
-    name: str, src: Path, extra: list[str], env_extra: dict, args, image: Path, weights: Path, out: Path
-) -> dict:
+def run_variant(name: str, src: Path, extra: list[str], env_extra: dict, args, image: Path, out: Path) -> dict:
     env_extra = dict(env_extra)  # the variant's own dict stays whole for the next repeat
-    vae_args, vae_env = vae_arguments(env_extra.pop("FLOWLIFT_BENCH_VAE", args.vae), args)
+    model_args, model_env = model_arguments(env_extra.pop("FLOWLIFT_BENCH_VAE", args.vae), args)
     command = [
         "upscale",
         str(image),
         "--scale",
         "4",
-        *vae_args,
-        "--upscaler",
-        str(weights),
+        *model_args,
         "--device",
         args.device,
         "-o",
@@ -200,7 +246,7 @@ def run_variant(
     ]
     env = {
         **os.environ,
-        **vae_env,
+        **model_env,
         **env_extra,
         "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
     }
@@ -275,11 +321,11 @@ def main() -> None:
     parser.add_argument("--vae", default="taef2", choices=["taef2", "mage"], help="the command's VAE")
     parser.add_argument("--baseline-vae", choices=["taef2", "mage"], help="also run this tree with this VAE")
     parser.add_argument("--breakdown", action="store_true", help="time each stage in-process")
+    add_weights_argument(parser)
     args = parser.parse_args()
     shared = Path(args.shared)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    weights = random_checkpoint(work)
     image = shared / "images" / "kodak" / "kodim23.png"
     variants = {
         f"this tree --vae {args.vae}" + (f" --dtype {args.dtype}" if args.dtype else ""): (
@@ -311,7 +357,7 @@ def main() -> None:
         for name in order:
             src, extra, env_extra = variants[name]
             out = work / f"out-{list(variants).index(name)}.png"
-            results[name].append(run_variant(name, src, extra, env_extra, args, image, weights, out))
+            results[name].append(run_variant(name, src, extra, env_extra, args, image, out))
     first = list(variants)[0]
     for index, name in enumerate(variants):
         walls = [r["wall"] for r in results[name]]

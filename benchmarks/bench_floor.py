@@ -17,10 +17,12 @@ with timers and FLOP counters wrapped around its stages from outside (the comman
   The floor is the counted FLOPs at that peak, in CPU-seconds; a stage's "% of peak" is its GFLOP per
   CPU-second over the peak's.
 
-Variants: ``--vae taef2`` (the real ``../shared/models/taef2``) and ``--vae mage`` (a random full-size Mage-VAE
-in the released layout, through ``--vae mage`` itself), on the whole kodim23 768x512 at 4x (the README's first
-command) and a 256x256 crop of it at 2x (256² -> 512²),
-with a random full-size Flow Upscaler UNet (seed 0). A peer row: Real-ESRGAN's RRDBNet x4 (23 RRDB blocks,
+Variants: ``--vae taef2`` (the real TAEF2 of ``../shared/models/taef2``) and ``--vae mage`` (a random full-size
+Mage-VAE in the released layout), on the whole kodim23 768x512 at 4x (the README's first command) and a 256x256
+crop of it at 2x (256² -> 512²), with a random full-size Flow Upscaler UNet (seed 0); the command names the VAE
+and takes the default upscaler, all three from a private hub cache laid out as huggingface_hub leaves a download
+(``bench_first_run.hub_cache``; ``--weights paths`` gives the same files as local paths instead).
+A peer row: Real-ESRGAN's RRDBNet x4 (23 RRDB blocks,
 64 features, growth 32: 16.7M parameters, the released x4plus size, random weights), written here from its
 published description, on the same 768x512 image (bfloat16 channels-last, whole frame), its FLOPs counted the
 same way. Every child runs with torch's threads waiting passively, as the command line sets it
@@ -44,7 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_first_run import ROOT, SRC, random_checkpoint, vae_arguments  # noqa: E402
+from bench_first_run import ROOT, SRC, add_weights_argument, model_arguments  # noqa: E402
 
 # -- counters (in the child) ------------------------------------------------------------------------------
 
@@ -390,18 +392,18 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="skip the RRDBNet x4 row")
     parser.add_argument("--calibrate-seconds", type=float, default=2.0)
     parser.add_argument("--env", metavar="VAR=VALUE", help="also run every command variant with VAR=VALUE set")
+    add_weights_argument(parser)
     args = parser.parse_args()
     args.device = "cpu"
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    weights = random_checkpoint(work)
     full = Path(args.shared) / "images" / "kodak" / "kodim23.png"
     images = {"768x512": (full, "4"), "256x256": (crop_256(full, work), "2")}  # the first command; 256² -> 512²
     base_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     variants: dict[str, tuple[list[str], dict]] = {}
     for size in args.sizes.split(","):
         for vae in args.vaes.split(","):
-            vae_args, vae_env = vae_arguments(vae, args)
+            model_args, model_env = model_arguments(vae, args)
             out = work / f"floor-{vae}-{size}.png"
             image, scale = images[size]
             argv = [
@@ -410,16 +412,14 @@ def main() -> None:
                 str(image),
                 "--scale",
                 scale,
-                *vae_args,
-                "--upscaler",
-                str(weights),
+                *model_args,
                 "--device",
                 "cpu",
                 "-o",
                 str(out),
                 "--overwrite",
             ]
-            variants[f"--vae {vae}, {size} x{scale}"] = (argv, {**base_env, **vae_env})
+            variants[f"--vae {vae}, {size} x{scale}"] = (argv, {**base_env, **model_env})
     if args.env:
         var, _, value = args.env.partition("=")
         for name, (argv, env) in list(variants.items()):

@@ -33,8 +33,8 @@ def save_tiny_unet(path: Path, seed: int | None = 0, **config) -> Path:
 
 
 def fake_hub_cache(cache: Path, repo_id: str, files: dict[str, bytes | Path]) -> None:
-    """Lay out ``files`` (name in the repository -> its bytes, or a file here to link to) as huggingface_hub's
-    cache holds a downloaded snapshot of ``repo_id``."""
+    """Lay out ``files`` (name in the repository -> its bytes, or a file here to copy) as huggingface_hub's
+    cache holds a downloaded snapshot of ``repo_id`` (:func:`as_hub_blobs`)."""
     commit = "0" * 40
     repo_dir = cache / f"models--{repo_id.replace('/', '--')}"
     (repo_dir / "refs").mkdir(parents=True)
@@ -42,10 +42,32 @@ def fake_hub_cache(cache: Path, repo_id: str, files: dict[str, bytes | Path]) ->
     for name, data in files.items():
         target = repo_dir / "snapshots" / commit / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(data, Path):
-            target.symlink_to(data)
+        target.write_bytes(data.read_bytes() if isinstance(data, Path) else data)
+    as_hub_blobs(repo_dir)
+
+
+#: Files the hub stores with git LFS (its default ``.gitattributes``), whose cache blobs are named by SHA-256.
+LFS_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
+
+
+def as_hub_blobs(repo_dir: Path) -> None:
+    """Move every file of ``repo_dir``'s snapshots into ``blobs/`` and link it back, as huggingface_hub's cache
+    does: an LFS file's blob is named by the SHA-256 of its content, any other by its git blob hash."""
+    import hashlib
+
+    blobs = repo_dir / "blobs"
+    blobs.mkdir(exist_ok=True)
+    for file in sorted(p for p in (repo_dir / "snapshots").rglob("*") if p.is_file() and not p.is_symlink()):
+        data = file.read_bytes()
+        if file.suffix in LFS_SUFFIXES:
+            etag = hashlib.sha256(data).hexdigest()
         else:
-            target.write_bytes(data)
+            etag = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        if not (blobs / etag).exists():
+            file.rename(blobs / etag)
+        else:
+            file.unlink()
+        file.symlink_to(os.path.relpath(blobs / etag, file.parent))
 
 
 #: What :func:`put_kind` can leave at a name, and the words of flowlift's refusal of it.

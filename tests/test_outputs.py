@@ -417,3 +417,35 @@ def test_eval_reads_upscale_outputs_and_save_outputs_recomputes_the_same_numbers
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     assert "--save-outputs" in capsys.readouterr().out
+
+
+def test_a_hub_cached_weight_file_is_hashed_by_its_blob_name_and_any_other_file_by_its_content(tmp_path):
+    """The provenance's weight hashes (issue 47): a file in huggingface_hub's cache is an LFS blob named by the
+    SHA-256 of its content, so its name is the hash and the file is not read again; everything else is read."""
+    import hashlib
+
+    from builders import fake_hub_cache
+    from flowlift.files.image_outputs import file_sha256
+    from flowlift.models.hub import cached_blob_sha256, weight_file_sha256
+
+    data = b"weights" * 1000
+    cache = tmp_path / "hub"
+    fake_hub_cache(cache, "owner/model", {"vae/w.safetensors": data, "config.json": b"{}"})
+    snapshot = cache / "models--owner--model" / "snapshots" / ("0" * 40)
+    linked, config = snapshot / "vae" / "w.safetensors", snapshot / "config.json"
+    assert linked.is_symlink() and cached_blob_sha256(linked) == hashlib.sha256(data).hexdigest()
+    assert weight_file_sha256(linked) == file_sha256(linked) == hashlib.sha256(data).hexdigest()
+    assert cached_blob_sha256(linked.resolve()) == hashlib.sha256(data).hexdigest()  # the blob's own path too
+    assert cached_blob_sha256(config) is None  # a plain git file's blob is named by its 40-hex git hash
+    # The name is what is trusted: a blob is not read (a blob changed after its download keeps its recorded hash).
+    forged = cache / "models--owner--model" / "blobs" / ("ab" * 32)
+    forged.write_bytes(b"other")
+    assert weight_file_sha256(forged) == "ab" * 32
+    # Outside a repository's blobs/ folder a 64-hex name means nothing: the file is read.
+    for folder in (tmp_path / "blobs", tmp_path / "models--owner--model" / "elsewhere"):
+        folder.mkdir(parents=True)
+        (folder / ("ab" * 32)).write_bytes(b"other")
+        assert weight_file_sha256(folder / ("ab" * 32)) == hashlib.sha256(b"other").hexdigest()
+    plain = tmp_path / "w.safetensors"
+    plain.write_bytes(data)
+    assert cached_blob_sha256(plain) is None and weight_file_sha256(plain) == hashlib.sha256(data).hexdigest()

@@ -14,6 +14,7 @@ released single-file layout under ``vae/`` (tests/mage_files.py).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 import torch
 from PIL import Image
 
-from builders import resized_photo, save_tiny_unet
+from builders import as_hub_blobs, resized_photo, save_tiny_unet
 from door_helpers import one_crop_dataset_args
 from flowlift.commands.cli import main
 from flowlift.models.vae_names import NAMED_VAES, VAE_NAMES
@@ -57,6 +58,7 @@ def write_named_vae(cache: Path, name: str, shared: Path) -> None:
         save_released(folder / "vae" / "mage_vae.safetensors", released_state())
     else:
         raise AssertionError(f"no test checkpoint for the VAE {name!r}: add one here")
+    as_hub_blobs(folder.parent.parent)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +153,11 @@ def test_upscale_takes_every_named_vae_end_to_end(named_hub, upscaler, photo, tm
         parameters = json.loads(image.text["flowlift"])
         models = parameters["models"]
     assert parameters["vae"] == name
-    assert models["vae"], models  # the named VAE's cached files are hashed into the output (provenance)
+    # the named VAE's cached files are in the output's provenance, each with its content's SHA-256 (the name of its
+    # blob in the hub cache, not read again: models.hub.cached_blob_sha256)
+    snapshot = named_hub / f"models--{NAMED_VAES[name].repos[0].replace('/', '--')}" / "snapshots" / COMMIT
+    weights = {p.name: p for p in snapshot.rglob("*") if p.suffix in (".safetensors", ".pth")}
+    assert models["vae"] == {n: hashlib.sha256(p.read_bytes()).hexdigest() for n, p in weights.items()}, models
 
 
 @pytest.mark.parametrize("name", VAE_NAMES)

@@ -168,11 +168,11 @@ class AppService:
             return pipe
 
     def _file_sha256(self, path: Path) -> str:
-        """A weight file's SHA-256, read once per server (the lock is held: pipelines are made one at a time)."""
-        from flowlift.files.image_outputs import file_sha256
+        """A weight file's SHA-256, found once per server (the lock is held: pipelines are made one at a time)."""
+        from flowlift.models.hub import weight_file_sha256
 
         if path not in self._file_digests:
-            self._file_digests[path] = file_sha256(path)
+            self._file_digests[path] = weight_file_sha256(path)
         return self._file_digests[path]
 
     def refiner(self, text_encoder: bool = False) -> Any:

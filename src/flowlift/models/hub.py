@@ -9,11 +9,14 @@
 * :func:`hub_offline_reason` says whether hub lookups must stay in the local cache: ``HF_HUB_OFFLINE``,
   or one quick request to the endpoint that gets no answer. Without it, a machine without network
   waits ~25 s per file while huggingface_hub retries its connection with back-off, then fails anyway.
+* :func:`weight_file_sha256` is a weight file's SHA-256 for an output's provenance; for a hub-cached file
+  :func:`cached_blob_sha256` reads it from the name the cache stores it under, without reading the file.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -177,3 +180,38 @@ def cached_snapshot(repo_id: str, revision: str = "main") -> str | None:
             return None
     folder = os.path.join(storage, "snapshots", commit)
     return folder if commit and os.path.isdir(folder) else None
+
+
+#: A blob of the hub cache named by a SHA-256: an LFS file (a plain git file's blob is named by its 40-hex git hash).
+_SHA256_NAME = re.compile(r"[0-9a-f]{64}")
+#: The folders of cached repositories: ``models--owner--name`` (datasets and spaces alike).
+_REPO_FOLDER_PREFIXES = ("models--", "datasets--", "spaces--")
+
+
+def cached_blob_sha256(path: str | os.PathLike) -> str | None:
+    """The SHA-256 of a file in huggingface_hub's cache, from the cache's own layout, or None for any other file.
+
+    The hub cache stores each downloaded file once, as ``<cache>/models--<owner>--<name>/blobs/<etag>``, and a
+    snapshot's file is a link to that blob; an LFS file's etag is the SHA-256 of its content (huggingface_hub's
+    ``REGEX_SHA256``; the hub's LFS pointer and its file page show the same value). So a weight file whose real
+    path is such a blob has its SHA-256 in its name, and hashing it again costs a full read for nothing (Mage-VAE's
+    690 MB: 0.5 CPU-s per command, issue 47). What this trusts is the cache: a blob changed in place after the
+    download would keep its name (``hf cache verify`` checks blobs against the hub). Files that are not blobs
+    (a local path, a ``--local-dir`` download, a cache without links, where huggingface_hub copies files into
+    the snapshot) and blobs named by a git hash return None: the caller hashes those.
+    """
+    real = os.path.realpath(path)
+    blobs, name = os.path.split(real)
+    repo_folder, folder = os.path.split(blobs)
+    if folder != "blobs" or not os.path.basename(repo_folder).startswith(_REPO_FOLDER_PREFIXES):
+        return None
+    return name if _SHA256_NAME.fullmatch(name) and os.path.isfile(real) else None
+
+
+def weight_file_sha256(path: str | os.PathLike) -> str:
+    """A weight file's SHA-256 for an output's provenance: the name huggingface_hub's cache stores it under when
+    it is a cached LFS file (:func:`cached_blob_sha256`), else read and hashed
+    (:func:`~flowlift.files.image_outputs.file_sha256`)."""
+    from flowlift.files.image_outputs import file_sha256
+
+    return cached_blob_sha256(path) or file_sha256(path)

@@ -316,7 +316,7 @@ def apply_loras(transformer: torch.nn.Module, loras: Sequence[LoraSpec]) -> list
 
     if not USE_PEFT_BACKEND:
         raise FlowliftError("LoRAs need peft (pip install 'flowlift[lora]', from a checkout pip install -e '.[lora]')")
-    from flowlift.files.image_outputs import file_sha256
+    from flowlift.models.hub import weight_file_sha256
 
     prepared = []
     for index, (path, scale) in enumerate(loras):
@@ -334,6 +334,6 @@ def apply_loras(transformer: torch.nn.Module, loras: Sequence[LoraSpec]) -> list
             transformer.load_lora_adapter(converted, prefix="transformer", adapter_name=adapter, metadata=metadata)
         if warned:
             raise FlowliftError(f"LoRA {path}: {warned[0].splitlines()[0][:300]}")
-        loaded.append(LoadedLora(path, file_sha256(path), scale, adapter))
+        loaded.append(LoadedLora(path, weight_file_sha256(path), scale, adapter))
     transformer.set_adapters([lora.adapter for lora in loaded], weights=[lora.scale for lora in loaded])
     return loaded

@@ -107,11 +107,11 @@ def output_metadata(
 
 def model_hashes(pipeline: Any, hash_file: Callable[[Path], str] | None = None) -> dict[str, dict[str, str]]:
     """SHA-256 of every weight file behind ``pipeline`` by role: the metadata's ``models``. ``hash_file`` (default
-    :func:`~flowlift.files.image_outputs.file_sha256`) lets a caller that holds several pipelines over the same files
+    :func:`~flowlift.models.hub.weight_file_sha256`) lets a caller that holds several pipelines over the same files
     (the web app) hash each file once."""
-    from flowlift.files.image_outputs import file_sha256
+    from flowlift.models.hub import weight_file_sha256
 
-    digest = hash_file or file_sha256
+    digest = hash_file or weight_file_sha256
     return {role: {p.name: digest(p) for p in paths} for role, paths in pipeline.model_files().items() if paths}
 
 
