@@ -330,3 +330,57 @@ def test_eval_run_help_wraps_between_words(monkeypatch):
     text = commands["flowlift eval"].format_help()
     for token in ("flow:transplant=F,", "flow:color_fix=F,", "flow:color=on|off,", "flow:seed=N"):
         assert token in text, token
+
+
+def test_the_first_commands_weights_are_found_offline_without_the_hub_download_client(tmp_path, shared):
+    """Offline, the README's first command finds the Flow Upscaler and TAEF2 in the hub cache from its layout
+    (``models.hub.cached_file``, the answers of ``try_to_load_from_cache``), and its provenance reads their SHA-256
+    from their blobs' names: no ``huggingface_hub.file_download`` import (~0.15 CPU-s) and no second read."""
+    import hashlib
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    from builders import fake_hub_cache, save_tiny_unet
+    from flowlift.models.hub import cached_file
+
+    cache = tmp_path / "hub"
+    unet = save_tiny_unet(tmp_path / "flow_upscaler.safetensors")
+    taef2 = {name: shared / "models" / "taef2" / name for name in ("taef2_encoder.pth", "taef2_decoder.pth")}
+    fake_hub_cache(cache, "TensorForger/FlowUpscaler", {"flow_upscaler.safetensors": unet})
+    fake_hub_cache(cache, "madebyollin/taef2", {**taef2, "sub/config.json": b"{}"})
+    original = constants.HF_HUB_CACHE
+    constants.HF_HUB_CACHE = str(cache)
+    try:
+        for repo, name, revision in [
+            ("TensorForger/FlowUpscaler", "flow_upscaler.safetensors", "main"),
+            ("madebyollin/taef2", "sub/config.json", "main"),
+            ("madebyollin/taef2", "taef2_encoder.pth", "0" * 40),
+            ("madebyollin/taef2", "missing.pth", "main"),
+            ("madebyollin/taef2", "taef2_encoder.pth", "dev"),
+            ("owner/absent", "flow_upscaler.safetensors", "main"),
+        ]:
+            expected = try_to_load_from_cache(repo, name, revision=revision)
+            assert cached_file(repo, name, revision) == (expected if isinstance(expected, str) else None), name
+    finally:
+        constants.HF_HUB_CACHE = original
+    script = (
+        "import sys\n"
+        "from flowlift.models.vae_loading import load_vae\n"
+        "from flowlift.upscale.loading import DEFAULT_UPSCALER, resolve_upscaler_file, vae_spec_files\n"
+        "from flowlift.upscale.outputs import model_hashes\n"
+        "class Pipeline:\n"
+        "    def model_files(self):\n"
+        "        return {'upscaler': [resolve_upscaler_file(DEFAULT_UPSCALER)], 'vae': vae_spec_files('taef2')}\n"
+        "load_vae('taef2')\n"
+        "print(sorted((n, h) for files in model_hashes(Pipeline()).values() for n, h in files.items()))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('huggingface_hub.')))\n"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's flowlift, not an installed one
+    path = os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    hashes, modules = done.stdout.splitlines()
+    files = {"flow_upscaler.safetensors": unet, **taef2}
+    assert hashes == str(sorted((n, hashlib.sha256(p.read_bytes()).hexdigest()) for n, p in files.items()))
+    assert "file_download" not in modules and "hf_api" not in modules, modules

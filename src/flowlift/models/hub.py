@@ -182,6 +182,18 @@ def cached_snapshot(repo_id: str, revision: str = "main") -> str | None:
     return folder if commit and os.path.isdir(folder) else None
 
 
+def cached_file(repo_id: str, filename: str, revision: str = "main") -> str | None:
+    """The cached copy of ``filename`` (a path inside the repository) of model repository ``repo_id`` at
+    ``revision``, or None: what ``huggingface_hub.try_to_load_from_cache`` answers for a cached file, read from
+    the layout as :func:`cached_snapshot` reads it, without importing huggingface_hub's download client (~0.15
+    CPU-s of every offline command, issue 47); never a request."""
+    folder = cached_snapshot(repo_id, revision)
+    if folder is None:
+        return None
+    path = os.path.join(folder, *filename.split("/"))
+    return path if os.path.isfile(path) else None
+
+
 #: A blob of the hub cache named by a SHA-256: an LFS file (a plain git file's blob is named by its 40-hex git hash).
 _SHA256_NAME = re.compile(r"[0-9a-f]{64}")
 #: The folders of cached repositories: ``models--owner--name`` (datasets and spaces alike).

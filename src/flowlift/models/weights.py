@@ -80,25 +80,26 @@ def resolve_file(
 def _hub_download(
     repo_id: str, filenames: Sequence[str], *, what: str, subfolder: str | None, revision: str | None
 ) -> Path:
-    # Imported here: huggingface_hub is cheap, but nothing at import time should touch the network.
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    from flowlift.models.hub import download_hint, hub_offline_reason
+    from flowlift.models.hub import cached_file, download_hint, hub_offline_reason
 
     offline = hub_offline_reason()  # offline or unreachable: the cache only, at once, instead of ~25 s of retries
-    last_error: Exception | None = None
-    for name in filenames:
-        try:
-            return Path(
-                hf_hub_download(
-                    repo_id, name, subfolder=subfolder, revision=revision, local_files_only=offline is not None
-                )
-            )
-        except (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError, OSError) as error:
-            last_error = error
-            continue
     prefix = f"{subfolder}/" if subfolder else ""
+    last_error: Exception | None = None
+    if offline is not None:  # the cache's layout, without huggingface_hub's download client
+        found = next((p for name in filenames if (p := cached_file(repo_id, prefix + name, revision or "main"))), None)
+        if found is not None:
+            return Path(found)
+    else:
+        # Imported here: huggingface_hub is cheap, but nothing at import time should touch the network.
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+        for name in filenames:
+            try:
+                return Path(hf_hub_download(repo_id, name, subfolder=subfolder, revision=revision))
+            except (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError, OSError) as error:
+                last_error = error
+                continue
     where = f"{prefix}{filenames[0]} of {repo_id}" if len(filenames) == 1 else f"{repo_id} ({', '.join(filenames)})"
     if offline is not None:
         raise FlowliftError(

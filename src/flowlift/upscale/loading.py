@@ -108,17 +108,10 @@ def vae_spec_files(spec: str) -> list[Path]:
     if named is not None and not named.files:  # a folder of one checkpoint: whatever its snapshot holds
         return _snapshot_weight_files(repos, named.patterns)
     names = list(dict.fromkeys(name for vae in NAMED_VAES.values() for name in vae.files))
-    from huggingface_hub import try_to_load_from_cache
+    from flowlift.models.hub import cached_file
 
     for repo in repos:
-        found = []
-        for name in names:
-            try:
-                cached = try_to_load_from_cache(repo, name)
-            except Exception:  # noqa: BLE001 - provenance is best effort; an odd id just has no files
-                cached = None
-            if isinstance(cached, str):
-                found.append(Path(cached))
+        found = [Path(cached) for name in names if (cached := cached_file(repo, name))]
         if found:
             return found
     return []
