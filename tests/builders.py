@@ -46,6 +46,20 @@ def fake_hub_cache(cache: Path, repo_id: str, files: dict[str, bytes | Path]) ->
     as_hub_blobs(repo_dir)
 
 
+def run_offline_with_hub_cache(script: str, cache: Path) -> list[str]:
+    """Run ``script`` in a fresh interpreter on this checkout's flowlift (not an installed one), offline, with
+    ``cache`` as the Hugging Face cache; return its output lines (its stderr in the failure when it fails)."""
+    import subprocess
+    import sys
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    path = os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
 #: Files the hub stores with git LFS (its default ``.gitattributes``), whose cache blobs are named by SHA-256.
 LFS_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
 

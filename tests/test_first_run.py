@@ -340,7 +340,7 @@ def test_the_first_commands_weights_are_found_offline_without_the_hub_download_c
 
     from huggingface_hub import constants, try_to_load_from_cache
 
-    from builders import fake_hub_cache, save_tiny_unet
+    from builders import fake_hub_cache, run_offline_with_hub_cache, save_tiny_unet
     from flowlift.models.hub import cached_file
 
     cache = tmp_path / "hub"
@@ -375,12 +375,7 @@ def test_the_first_commands_weights_are_found_offline_without_the_hub_download_c
         "print(sorted((n, h) for files in model_hashes(Pipeline()).values() for n, h in files.items()))\n"
         "print(sorted(m for m in sys.modules if m.startswith('huggingface_hub.')))\n"
     )
-    src = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's flowlift, not an installed one
-    path = os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    hashes, modules = done.stdout.splitlines()
+    hashes, modules = run_offline_with_hub_cache(script, cache)
     files = {"flow_upscaler.safetensors": unet, **taef2}
     assert hashes == str(sorted((n, hashlib.sha256(p.read_bytes()).hexdigest()) for n, p in files.items()))
     assert "file_download" not in modules and "hf_api" not in modules, modules

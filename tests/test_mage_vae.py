@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mage_reference as ref
-from builders import fake_hub_cache, save_tiny_unet
+from builders import fake_hub_cache, run_offline_with_hub_cache, save_tiny_unet
 from door_helpers import assert_refuses_misshapen_inputs
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import patchify, unpatchify
@@ -341,9 +341,6 @@ def test_mage_spec_tries_the_repositories_in_order(tmp_path, monkeypatch, releas
 def test_a_cached_mage_loads_offline_without_the_hub_client(tmp_path, released_file):
     """Offline, a cached snapshot is found from the cache's layout: check, load and provenance import no
     ``huggingface_hub.hf_api`` / ``_snapshot_download`` (~0.3 CPU-s of a command's start)."""
-    import os
-    import subprocess
-    import sys
 
     cache = tmp_path / "hub"
     fake_hub_cache(cache, MAGE_REPOS[1], {"vae/mage_vae.safetensors": released_file.read_bytes()})
@@ -355,12 +352,7 @@ def test_a_cached_mage_loads_offline_without_the_hub_client(tmp_path, released_f
         "print([p.name for p in vae_spec_files('mage')], type(vae).__name__)\n"
         "print(sorted(m for m in sys.modules if m.startswith('huggingface_hub.')))\n"
     )
-    src = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's flowlift, not an installed one
-    path = os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": path}
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    files, modules = done.stdout.splitlines()
+    files, modules = run_offline_with_hub_cache(script, cache)
     assert files == "['mage_vae.safetensors'] MageVAE"
     assert "hf_api" not in modules and "_snapshot_download" not in modules and "file_download" not in modules
 
