@@ -332,7 +332,7 @@ def test_eval_run_help_wraps_between_words(monkeypatch):
         assert token in text, token
 
 
-def test_the_first_commands_weights_are_found_offline_without_the_hub_download_client(tmp_path, shared):
+def test_the_first_commands_weights_are_found_offline_without_the_hub_download_client(tmp_path, shared, monkeypatch):
     """Offline, the README's first command finds the Flow Upscaler and TAEF2 in the hub cache from its layout
     (``models.hub.cached_file``, the answers of ``try_to_load_from_cache``), and its provenance reads their SHA-256
     from their blobs' names: no ``huggingface_hub.file_download`` import (~0.15 CPU-s) and no second read."""
@@ -348,21 +348,17 @@ def test_the_first_commands_weights_are_found_offline_without_the_hub_download_c
     taef2 = {name: shared / "models" / "taef2" / name for name in ("taef2_encoder.pth", "taef2_decoder.pth")}
     fake_hub_cache(cache, "TensorForger/FlowUpscaler", {"flow_upscaler.safetensors": unet})
     fake_hub_cache(cache, "madebyollin/taef2", {**taef2, "sub/config.json": b"{}"})
-    original = constants.HF_HUB_CACHE
-    constants.HF_HUB_CACHE = str(cache)
-    try:
-        for repo, name, revision in [
-            ("TensorForger/FlowUpscaler", "flow_upscaler.safetensors", "main"),
-            ("madebyollin/taef2", "sub/config.json", "main"),
-            ("madebyollin/taef2", "taef2_encoder.pth", "0" * 40),
-            ("madebyollin/taef2", "missing.pth", "main"),
-            ("madebyollin/taef2", "taef2_encoder.pth", "dev"),
-            ("owner/absent", "flow_upscaler.safetensors", "main"),
-        ]:
-            expected = try_to_load_from_cache(repo, name, revision=revision)
-            assert cached_file(repo, name, revision) == (expected if isinstance(expected, str) else None), name
-    finally:
-        constants.HF_HUB_CACHE = original
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    for repo, name, revision in [
+        ("TensorForger/FlowUpscaler", "flow_upscaler.safetensors", "main"),
+        ("madebyollin/taef2", "sub/config.json", "main"),
+        ("madebyollin/taef2", "taef2_encoder.pth", "0" * 40),
+        ("madebyollin/taef2", "missing.pth", "main"),
+        ("madebyollin/taef2", "taef2_encoder.pth", "dev"),
+        ("owner/absent", "flow_upscaler.safetensors", "main"),
+    ]:
+        expected = try_to_load_from_cache(repo, name, revision=revision)
+        assert cached_file(repo, name, revision) == (expected if isinstance(expected, str) else None), name
     script = (
         "import sys\n"
         "from flowlift.models.vae_loading import load_vae\n"
