@@ -322,7 +322,7 @@ def test_hires_scale_8_refines_in_tiles(capsys, tmp_path, tiny_model, upscaler, 
     assert meta["scale"] == 8 and meta["tiles"] == {"size": [256, 256], "overlap": 64, "grid": [3, 3], "batch": 1}
 
 
-def test_steps_follow_the_model(capsys, tmp_path, embeds_file, photo):
+def test_steps_follow_the_model(capsys, tmp_path, embeds_file, photo, monkeypatch):
     """Issue 39: ``--steps`` left out is the model's: 4 for a step-distilled Klein (its model_index.json says
     ``is_distilled``, or a Klein file name without ``base``), 28 for base and dev; the metadata says which."""
     from flowlift.refine.loading import model_default_steps
@@ -334,6 +334,16 @@ def test_steps_follow_the_model(capsys, tmp_path, embeds_file, photo):
     assert model_default_steps(str(tmp_path / "nowhere"), "flux-2-klein-4b.safetensors")[0] == 4
     assert model_default_steps(str(tmp_path / "nowhere"), "flux-2-klein-base-4b.safetensors")[0] == 28
     assert model_default_steps("black-forest-labs/FLUX.2-dev-not-cached")[0] == 28
+    # a hub id read from the Hugging Face cache (its model_index.json, through models.hub.cached_file)
+    import huggingface_hub.constants as hub_constants
+
+    from builders import fake_hub_cache
+
+    fake_hub_cache(
+        tmp_path / "hub", "owner/klein-cached", {"model_index.json": json.dumps({"is_distilled": True}).encode()}
+    )
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert model_default_steps("owner/klein-cached")[0] == 4
     out = tmp_path / "out.png"
     code, _, err = _run(capsys, "img2img", photo, "--model", distilled, "--prompt-embeds", embeds_file, "-o", out)
     assert code == 0, err

@@ -90,7 +90,7 @@ def _hub_download(
         if found is not None:
             return Path(found)
     else:
-        # Imported here: huggingface_hub is cheap, but nothing at import time should touch the network.
+        # Imported here, online only: its download client costs ~0.15 CPU-s, and importing must not touch the network.
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
 

@@ -312,10 +312,10 @@ def _model_index(model: str) -> dict[str, Any] | None:
     """``model_index.json`` of a local diffusers folder, or of a hub id in the Hugging Face cache; None without one."""
     path = Path(model).expanduser() / "model_index.json"
     if not path.is_file() and not Path(model).expanduser().exists() and looks_like_repo_id(model):
-        from huggingface_hub import try_to_load_from_cache
+        from flowlift.models.hub import cached_file
 
-        cached = try_to_load_from_cache(model, "model_index.json")
-        path = Path(cached) if isinstance(cached, str) else path
+        cached = cached_file(model, "model_index.json")
+        path = Path(cached) if cached is not None else path
     try:
         index = json.loads(path.read_text())
     except (OSError, ValueError):
