@@ -201,6 +201,21 @@ def test_non_float_and_non_finite_tensors_are_refused(tmp_path, state):
     assert "NaN" in _error(tmp_path, poisoned) and key in _error(tmp_path, poisoned)
 
 
+def test_loading_gives_the_caller_its_threads_back(state):
+    """The loader's copies, fold and conversion run in one CPU thread (``devices.one_thread``); the caller's
+    thread count is back after a load and after a refused one."""
+    key = "pipeline.final_layer.linear.bias"
+    torch.set_num_threads(2)
+    try:
+        mage_from_state_dict(state, dtype=torch.bfloat16)
+        assert torch.get_num_threads() == 2
+        with pytest.raises(FlowliftError, match="NaN"):
+            mage_from_state_dict({**state, key: torch.tensor([0.0, float("nan"), 0.0])})
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_the_flux2_encoder_group_is_skipped_and_only_it(tmp_path, state):
     assert all(k in state for k in SKIPPED)  # the fixture carries it, with arbitrary shapes
     without = {k: v for k, v in state.items() if k not in SKIPPED}

@@ -61,6 +61,7 @@ def mage_from_state_dict(
     the t = 0 adaLN fold runs in float32, then the model moves to ``device`` / ``dtype``. ``owned``: the
     caller gives ``state``'s tensors away (they may be changed in place), which saves copying float32 ones.
     """
+    from flowlift.devices import one_thread
     from flowlift.models.mage_vae import MageVAEConfig, MageVAEModel, infer_config
     from flowlift.models.weights import check_finite_state, state_dict_mismatch
 
@@ -89,13 +90,20 @@ def mage_from_state_dict(
     # Float32 copies: the model must not share memory with the caller's tensors (and the finiteness check is
     # several times faster on float32 than on a bf16 file's tensors); tensors the caller hands over (``owned``,
     # e.g. just read from a file) are used as they are when already float32. The t = 0 fold writes new tensors.
-    tensors = {k: v.to(torch.float32, copy=not owned) for k, v in kept.items()}
+    with one_thread("cpu"):
+        tensors = {k: v.to(torch.float32, copy=not owned) for k, v in kept.items()}
     check_finite_state(tensors, what="Mage-VAE weights", origin=origin)
     # The meta skeleton takes the tensors as they are (no random init of ~140M parameters).
     skeleton.load_state_dict({_flowlift_name(k): v for k, v in tensors.items()}, strict=True, assign=True)
-    model = skeleton.fold_t0(dtype)
-    # Channels-last in the same conversion (MageVAE keeps it so): one copy of the weights, not two.
-    return MageVAE(model.to(device=device, dtype=dtype, memory_format=torch.channels_last), origin=origin)
+    # The fold and the conversion in one CPU thread, like the copies above and the finiteness check: they
+    # read ~550 MB and write ~280 MB once, memory- and page-fault-bound work that a second OpenMP thread does
+    # not speed up but pays for (its waits, its faults): on the 2-core AMD EPYC the command's loading took
+    # 0.63-0.72 against 0.76-0.80 CPU-s so, ~0.1 s more wall time (docs/cpu.md, issue 47).
+    with one_thread("cpu"):
+        model = skeleton.fold_t0(dtype)
+        # Channels-last in the same conversion (MageVAE keeps it so): one copy of the weights, not two.
+        model = model.to(device=device, dtype=dtype, memory_format=torch.channels_last)
+    return MageVAE(model, origin=origin)
 
 
 class _Shapes(torch.nn.Module):
