@@ -63,9 +63,10 @@ def test_full_size_parameter_counts_before_and_after_the_fold():
     # The fold drops both timestep MLPs and all 42 DiCo adaLN layers (~37.7M parameters), and the per-pixel
     # fold x_embedder, input_proj and the RMSNorm weight (4,288: y_embedder_x becomes pixel_embed, same size);
     # the per-pixel modulation is kept twice (9,504 more): as released for float32, with the three LayerNorms'
-    # affines folded in for half dtypes.
+    # affines folded in for half dtypes; so are the two attention blocks' projections (591,360 more: q and k
+    # as one 1x1 convolution, v and proj_out as another, for half dtypes).
     assert count(model.encoder) == 48_547_456
-    assert count(model.decoder) == 51_761_059
+    assert count(model.decoder) == 51_761_059 + 2 * 2 * (384 * 384 + 384)
     assert model.encoder.t_embedder is None and all(b.adaLN_modulation is None for b in model.decoder.blocks)
 
 
@@ -280,7 +281,7 @@ def test_a_full_size_file_loads_and_decodes_as_the_reference(tmp_path):
     path = save_released(tmp_path / "mage_vae_decoder.safetensors", full, torch.bfloat16)
     loaded = load_vae(path)
     assert not loaded.has_encoder
-    assert sum(p.numel() for p in loaded.model.parameters()) == 51_761_059
+    assert sum(p.numel() for p in loaded.model.parameters()) == 51_761_059 + 2 * 2 * (384 * 384 + 384)  # + folds
     as_stored = {k: v.to(torch.bfloat16).float() for k, v in full.items()}
     codes = torch.randn(1, 128, 2, 3)
     expected = (ref.decode(as_stored, codes) + 1) / 2

@@ -65,7 +65,6 @@ from flowlift.models.mage_vae import (
     ResnetBlock,
     WindowAttentionBlock,
     group_norm_apply,
-    window_attention,
 )
 
 
@@ -348,8 +347,7 @@ def _attention(block: WindowAttentionBlock, stats):
     mean, inv_std = stats
 
     def layer(x: torch.Tensor, inner: tuple[slice, slice], _: Region) -> torch.Tensor:
-        h = group_norm_apply(x, mean, inv_std, block.norm.weight, block.norm.bias)
-        return x + block.proj_out(window_attention(block.q(h), block.k(h), block.v(h), block.window))
+        return x + block.attend(group_norm_apply(x, mean, inv_std, block.norm.weight, block.norm.bias))
 
     return layer
 

@@ -393,7 +393,16 @@ class ResnetBlock(nn.Module):
 
 
 class WindowAttentionBlock(nn.Module):
-    """``x + proj_out(window_attention(q(GN(x)), k(GN(x)), v(GN(x))))`` with 1x1 projections."""
+    """``x + proj_out(window_attention(q(GN(x)), k(GN(x)), v(GN(x))))`` with 1x1 projections.
+
+    **The projections folded** (:meth:`fold`, for half dtypes): with ``h`` the normalized input, a query
+    ``q_i = W_q h_i + b_q`` and a key ``k_j = W_k h_j + b_k`` score ``q_i . k_j = (W_k^T W_q h_i + W_k^T b_q) . h_j
+    + (q_i . b_k)``, and the last term is the same for every key of a query, which its softmax ignores; the
+    weights ``P_ij`` of a query sum to 1, so ``proj_out(sum_j P_ij v_j) = (W_o W_v) sum_j P_ij h_j + (W_o b_v +
+    b_o)``. Two 1x1 convolutions instead of four: ``qk`` (``W_k^T W_q``, ``W_k^T b_q``) gives the queries that
+    score the normalized input itself, and ``vo`` (``W_o W_v``, ``W_o b_v + b_o``) maps the weighted sums of the
+    normalized input to the output. Float32 (and wider) keeps the released four.
+    """
 
     def __init__(self, channels: int, window: int) -> None:
         super().__init__()
@@ -403,10 +412,28 @@ class WindowAttentionBlock(nn.Module):
         self.k = nn.Conv2d(channels, channels, 1)
         self.v = nn.Conv2d(channels, channels, 1)
         self.proj_out = nn.Conv2d(channels, channels, 1)
+        self.qk: nn.Conv2d | None = None
+        self.vo: nn.Conv2d | None = None
+
+    @torch.no_grad()
+    def fold(self) -> None:
+        """Make ``qk`` and ``vo`` (see the class), computed in float64, stored in the weights' dtype."""
+        f64 = torch.float64
+        w_q, w_k, w_v, w_o = (c.weight[:, :, 0, 0].to(f64) for c in (self.q, self.k, self.v, self.proj_out))
+        dtype = self.q.weight.dtype
+        qk = (w_k.t() @ w_q, w_k.t() @ self.q.bias.to(f64))
+        vo = (w_o @ w_v, w_o @ self.v.bias.to(f64) + self.proj_out.bias.to(f64))
+        self.qk, self.vo = (_conv_from(_linear_from(w.to(dtype), b.to(dtype))) for w, b in (qk, vo))
+
+    def attend(self, h: torch.Tensor) -> torch.Tensor:
+        """``proj_out(window_attention(q(h), k(h), v(h)))`` of the normalized input ``h``: the released four
+        projections in float32 and wider (and before :meth:`fold`), else the folded two."""
+        if self.qk is None or self.vo is None or torch.finfo(h.dtype).bits >= 32:
+            return self.proj_out(window_attention(self.q(h), self.k(h), self.v(h), self.window))
+        return self.vo(window_attention(self.qk(h), h, h, self.window))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = group_norm(x, self.norm)
-        return x + self.proj_out(window_attention(self.q(h), self.k(h), self.v(h), self.window))
+        return x + self.attend(group_norm(x, self.norm))
 
 
 class CoDDecoder(nn.Module):
@@ -826,7 +853,9 @@ class MageVAEModel(nn.Module):
     def fold_t0(self, dtype: torch.dtype | None = None) -> MageVAEModel:
         """Fold every DiCo block's t = 0 adaLN modulation into its convolutions; drop the timestep MLPs. The
         folded DiCo weights are stored in ``dtype`` (default: the weights' own), for a model about to move to
-        it: the large folded layers then skip a float32 copy and its conversion."""
+        it: the large folded layers then skip a float32 copy and its conversion. The decoder's per-pixel path
+        (:meth:`MageDecoder.fold_pixels`) and its attention projections (:meth:`WindowAttentionBlock.fold`,
+        used in half dtypes) are folded too."""
         for part in (self.encoder, self.decoder):
             if part is None or part.t_embedder is None:
                 continue
@@ -837,6 +866,9 @@ class MageVAEModel(nn.Module):
             part.t_embedder = None
         if self.decoder is not None:
             self.decoder.fold_pixels()
+            for block in self.decoder.y_embedder.decoder.block:
+                if isinstance(block, WindowAttentionBlock):
+                    block.fold()
         self.folded = True
         return self
 
