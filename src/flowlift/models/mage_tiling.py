@@ -343,7 +343,8 @@ def _plus_skip(layer, store: torch.Tensor):
 
 
 def _attention(block: WindowAttentionBlock, stats):
-    """``x + proj_out(window_attention(qkv(GN(x))))`` on a tile of whole windows (halo 0)."""
+    """``x + block.attend(GN(x))`` (its four projections, folded into two in half dtypes) on a tile of whole
+    windows (halo 0)."""
     mean, inv_std = stats
 
     def layer(x: torch.Tensor, inner: tuple[slice, slice], _: Region) -> torch.Tensor:
