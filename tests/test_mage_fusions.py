@@ -270,6 +270,23 @@ def test_the_folded_attention_projections_are_the_released_four():
         assert torch.equal(block.attend(h.float()), released(block, h.float()))
 
 
+def test_the_pixel_fold_by_positions_is_the_fold_at_once_bit_for_bit():
+    """``MageDecoder.fold_pixels`` multiplies ``A = W_in W_xy`` into ``W_y[p]`` a few positions at a time
+    (``PIXEL_FOLD_POSITIONS``): the same float64 products, rounded once to the weights' dtype, as all 256 in
+    one ``matmul``."""
+    torch.manual_seed(3)
+    decoder = mage_vae.MageVAEModel(NARROW, encoder=False).decoder
+    y, w_x, w_in = decoder.y_embedder_x, decoder.x_embedder.embedder[0].weight, decoder.dec_net.input_proj.weight
+    px, c = NARROW.pixel_width, NARROW.hidden
+    f64 = torch.float64
+    a = w_in.to(f64) @ w_x.to(f64)[:, 3 : 3 + px]
+    w_y = y.weight.to(f64).reshape(px, 256, c).transpose(0, 1)
+    expected = torch.matmul(a, w_y).reshape(256 * px, c).to(y.weight.dtype)
+    decoder.fold_pixels()
+    assert mage_vae.PIXEL_FOLD_POSITIONS < 256
+    assert torch.equal(decoder.pixel_embed.weight[:, :, 0, 0], expected)
+
+
 @pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
 def test_folding_into_the_target_dtype_is_folding_then_converting_bit_for_bit(dtype):
     """``fold_t0(dtype)`` stores the folded DiCo weights in ``dtype`` directly (no float32 copy): the same

@@ -61,6 +61,8 @@ MAGE_PATCH = 16
 #: Every norm of the codec uses this epsilon; the CoD decoder's GroupNorms have 32 groups.
 NORM_EPS = 1e-6
 GROUPS = 32
+#: Pixel positions per step of :meth:`MageDecoder.fold_pixels` (16 of the 256: 1.5 MB of float64 at a time).
+PIXEL_FOLD_POSITIONS = 16
 
 
 @dataclass(frozen=True)
@@ -777,20 +779,25 @@ class MageDecoder(nn.Module):
         y, linear, proj = self.y_embedder_x, self.x_embedder.embedder[0], self.dec_net.input_proj
         p2 = MAGE_PATCH * MAGE_PATCH
         px, c = y.out_channels // p2, y.in_channels
-        f64 = torch.float64
-        w_y = y.weight.to(f64).reshape(px, p2, c).transpose(0, 1)  # (256, c_out, C): position-major
+        f64, dtype = torch.float64, y.weight.dtype
         b_y = y.bias.to(f64).reshape(px, p2).t()  # (256, c)
         dct = dct_position_features(MAGE_PATCH, self.dct_freqs, device=y.weight.device, dtype=f64)
         w_x = linear.weight.to(f64)
         w_in = proj.weight.to(f64)
         a = w_in @ w_x[:, 3 : 3 + px]  # (c, c)
         const = dct @ w_x[:, 3 + px :].t() + linear.bias.to(f64)  # (256, c)
-        weight = torch.matmul(a, w_y).reshape(p2 * px, c)
         bias = (b_y @ a.t() + const @ w_in.t() + proj.bias.to(f64)).reshape(p2 * px)
-        dtype = y.weight.dtype
+        # W'[p] = A W_y[p] for each position (position-major rows), PIXEL_FOLD_POSITIONS positions at a time: the
+        # float64 products stay in the cache (all at once they were 75 MB of fresh float64 temporaries).
+        w_y = y.weight.reshape(px, p2, c)  # W_y[p] = w_y[:, p]
+        weight = torch.empty(p2, px, c, dtype=dtype, device=y.weight.device)
+        for p0 in range(0, p2, PIXEL_FOLD_POSITIONS):
+            part = w_y[:, p0 : p0 + PIXEL_FOLD_POSITIONS].to(f64).transpose(0, 1)
+            weight[p0 : p0 + PIXEL_FOLD_POSITIONS] = torch.matmul(a, part)
         with torch.device("meta"):  # no random init of 3M parameters
             self.pixel_embed = nn.Conv2d(c, p2 * px, 1)
-        self.pixel_embed.weight = nn.Parameter(weight[:, :, None, None].to(dtype), y.weight.requires_grad)
+        weight = weight.reshape(p2 * px, c, 1, 1)
+        self.pixel_embed.weight = nn.Parameter(weight, y.weight.requires_grad)
         self.pixel_embed.bias = nn.Parameter(bias.to(dtype), y.bias.requires_grad)
         self.y_embedder_x = self.x_embedder = self.dec_net.input_proj = None
         final = self.final_layer.linear
