@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from flowlift.models.mage_vae import GROUPS, NORM_EPS, DiCoBlock, channel_gate
+from flowlift.models.mage_vae import GROUPS, NORM_EPS, DiCoBlock, channel_gate, keeps_released_sums
 
 #: A tile in codec (1/16) coordinates: rows ``[r0, r1)``, columns ``[c0, c1)``.
 Region = tuple[int, int, int, int]
@@ -61,7 +61,7 @@ class GroupSums:
         self.per_group = channels // groups
 
     def add(self, x: torch.Tensor) -> None:
-        if torch.finfo(x.dtype).bits >= 32:  # float32: torch's sums of each group, as released (bit for bit)
+        if keeps_released_sums(x.dtype):  # float32: torch's sums of each group, as released (bit for bit)
             grouped = x.reshape(self.groups, -1).float()
             self.s1 += grouped.sum(1).double().cpu()
             self.s2 += grouped.square().sum(1).double().cpu()  # not in place: float32 x is a view
@@ -102,7 +102,7 @@ def channel_moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel ``sum x`` and ``sum x**2`` of a (1, C, h, w) tile, float64 on the CPU. A half tile: ``n mean``
     and ``n (var + mean**2)`` from :func:`channel_mean_var`, the products in float64; a float32 (or wider) one (the
     executor takes torch's own group sums there): float64 sums."""
-    if torch.finfo(x.dtype).bits >= 32:
+    if keeps_released_sums(x.dtype):
         values = x.double()
         return values.sum((0, 2, 3)).cpu(), values.square().sum((0, 2, 3)).cpu()
     n = x.numel() // x.shape[1]
@@ -115,7 +115,7 @@ def channel_sums(x: torch.Tensor) -> torch.Tensor:
     tiles. A float32 (or wider) tile: torch's float32 sum over the tile, bit for bit the released sums. A half
     tile: ``n mean`` from :func:`channel_mean_var` (torch's float32-typed ``sum`` of a half tensor converts all of
     it to float32 first)."""
-    if torch.finfo(x.dtype).bits >= 32:
+    if keeps_released_sums(x.dtype):
         return x.sum(dim=(0, 2, 3), dtype=torch.float32).double().cpu()
     return (x.numel() // x.shape[1]) * channel_mean_var(x)[0].double().cpu()
 

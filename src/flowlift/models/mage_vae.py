@@ -122,6 +122,13 @@ def infer_config(shapes: dict[str, tuple[int, ...]]) -> MageVAEConfig:
 # --------------------------------------------------------------------------------------------------
 
 
+def keeps_released_sums(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` runs the released sums bit for bit (float32 and wider: issue 47's "float32 pixels
+    unchanged"); half dtypes take the folded and reordered forms (per-pixel modulation, attention projections,
+    tile statistics), each within a stated distance of float32."""
+    return torch.finfo(dtype).bits >= 32
+
+
 def layer_norm_2d(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     """LayerNorm over channels at every pixel of (B, C, H, W): ``(x - mean_c) / sqrt(var_c + 1e-6) * w + b``."""
     y = F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), weight, bias, NORM_EPS)
@@ -430,7 +437,7 @@ class WindowAttentionBlock(nn.Module):
     def attend(self, h: torch.Tensor) -> torch.Tensor:
         """``proj_out(window_attention(q(h), k(h), v(h)))`` of the normalized input ``h``: the released four
         projections in float32 and wider (and before :meth:`fold`), else the folded two."""
-        if self.qk is None or self.vo is None or torch.finfo(h.dtype).bits >= 32:
+        if self.qk is None or self.vo is None or keeps_released_sums(h.dtype):
             return self.proj_out(window_attention(self.q(h), self.k(h), self.v(h), self.window))
         return self.vo(window_attention(self.qk(h), h, h, self.window))
 
@@ -697,7 +704,7 @@ class PixelMLP(nn.Module):
         """Features x (N, c), contiguous, updated in place; tokens (1, C, h, w) channels-last, ``N = 256 h w``."""
         if self.modulation is None:
             raise RuntimeError("PixelMLP: call MageVAEModel.fold_t0() after loading, before running")
-        if torch.finfo(x.dtype).bits >= 32:
+        if keeps_released_sums(x.dtype):
             return self._released(x, tokens)
         return self._folded(x, tokens)
 
