@@ -1,10 +1,11 @@
-"""Mage-VAE's decode as the upscale command runs it (the exact tiled executor, channels-last, one process):
-CPU time per dtype and the bf16 output's distance from float32's.
+"""Mage-VAE's decode as the upscale command runs it (the exact tiled executor, channels-last, one process, the
+image in [0, 1] float32 as ``MageVAE.decode`` asks it): CPU time per dtype and the bf16 image's distance from
+float32's.
 
 A random full-size decoder (seed 0, t = 0 folded; no released weights here) decodes a random latent (seed 1)
 of the output size / 16, in bfloat16 then float32. Printed: CPU seconds of each decode (``time.process_time``
-of the whole process, so both cores count), and bf16 against float32 on the image in [0, 1]: PSNR, max and
-RMS difference. ``--save DIR`` keeps the float32 image (``mage_decode_float32.pt``) and ``--against FILE``
+of the whole process, so both cores count), and bf16 against float32 on the image clamped to [0, 1]: PSNR, max
+and RMS difference. ``--save DIR`` keeps the float32 image (``mage_decode_float32.pt``) and ``--against FILE``
 compares this tree's float32 image with one another tree saved (max difference, 8-bit values that differ).
 Run from the repository root (docs/cpu.md, issue 47)::
 
@@ -48,9 +49,9 @@ def main() -> None:
         decoder = model.to(dtype=dtype, memory_format=torch.channels_last).decoder
         with torch.no_grad():
             start = time.process_time()
-            out = decode_tiled(decoder, z.to(dtype).contiguous(memory_format=torch.channels_last))
+            out = decode_tiled(decoder, z.to(dtype).contiguous(memory_format=torch.channels_last), unit_range=True)
             seconds = time.process_time() - start
-        images[dtype] = ((out.float() + 1) / 2).clamp(0, 1)
+        images[dtype] = out.clamp(0, 1)
         print(f"decode {width}x{height} {str(dtype)[6:]}: {seconds:.2f} CPU-s", flush=True)
     bf16, fp32 = images[torch.bfloat16], images[torch.float32]
     diff = bf16 - fp32

@@ -242,6 +242,9 @@ def test_a_tiled_mage_decode_is_costed_with_its_stores():
     # A batch of two: twice the images and latents, but the stores of one sample only.
     two = decode_peak_bytes("mage", side, side, batch=2, tiled=True)
     assert two - one == int(4 * pixels * 4)
+    # bf16: the image stays float32 (MageVAE.decode keeps the float32 pixels its last layer computes).
+    half = decode_peak_bytes("mage", side, side, dtype=torch.bfloat16, tiled=True)
+    assert half == int(pixels * (4 * 3 + 2 * (0.5 + 0.5 + 4.5)) + DECODE_TILE_BYTES["mage"])
     # Not the FLUX.2 VAE's figures any more (which are the default for unknown kinds).
     assert one != decode_peak_bytes("flux2", side, side, tiled=True)
     assert decode_peak_bytes("mage", side, side, tiled=False) != decode_peak_bytes("flux2", side, side, tiled=False)
@@ -306,3 +309,16 @@ def test_the_stores_take_the_channels_last_layout_of_the_input(vae):
         decode_tiled(decoder, z, tiling=SMALL)
     assert len(stores) == 3
     assert all(s.is_contiguous(memory_format=torch.channels_last) for s in stores)
+
+
+def test_the_colour_stage_after_a_bf16_mage_decode_is_costed_on_its_float32_image():
+    """MageVAE.decode hands back float32 pixels in any dtype (issue 47): stage 2 on the device holds that image
+    and no other copy (less than the decode itself held, so it never needs the host path)."""
+    from flowlift.upscale.memory_plan import colour_stage_bytes, plan_upscale_memory
+
+    weights, bf16 = 207 << 20, torch.bfloat16
+    roomy = plan_upscale_memory(1024, 1024, 2, 64 << 30, vae_kind="mage", vae_dtype=bf16, vae_weight_bytes=weights)
+    assert not roomy.colour_on_host
+    assert roomy.stage_peaks["colour"] == weights + colour_stage_bytes(4096, 4096, vae_dtype=torch.float32)
+    assert colour_stage_bytes(4096, 4096, vae_dtype=torch.float32) < colour_stage_bytes(4096, 4096, vae_dtype=bf16)
+    assert roomy.stage_peaks["colour"] < roomy.stage_peaks["decode"]

@@ -25,6 +25,7 @@ __all__ = [
     "MAX_OUTPUT_SIDE",
     "PIXEL_MULTIPLE",
     "decode_peak_bytes",
+    "decoded_image_dtype",
     "dtype_bytes",
     "format_bytes",
     "model_bytes",
@@ -151,26 +152,36 @@ def dtype_bytes(dtype: Any) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def decoded_image_dtype(vae_kind: str, dtype: Any = None) -> Any:
+    """The dtype a VAE of ``vae_kind`` running in ``dtype`` (None: float32) hands its decoded image back in:
+    float32 for Mage-VAE, whose last layer computes the pixels in float32 and keeps them
+    (:meth:`flowlift.models.vae.MageVAE.decode`), else ``dtype``."""
+    import torch
+
+    return torch.float32 if vae_kind == "mage" or dtype is None else dtype
+
+
 def decode_peak_bytes(vae_kind: str, height: int, width: int, *, batch: int = 1, dtype: Any = None, tiled: bool) -> int:
     """Device peak of decoding a (batch, 32, height/8, width/8) latent to a (batch, 3, height, width) image.
 
-    Whole frame: ``b * h * w * itemsize * (DECODE_PLAIN_CHANNELS + 3)``. Tiled: the output image and
-    the latent plus one tile's working set, ``b * h * w * itemsize * (3 + 32/64) + DECODE_TILE_BYTES``;
-    for Mage-VAE also the patchified latent (``b * h * w * itemsize * 32/64``) and one sample's
-    stores, ``h * w * itemsize * MAGE_STORE_CHANNELS``: its exact executor is bounded by the tile
+    Whole frame: ``b * h * w * (itemsize * DECODE_PLAIN_CHANNELS + 3 * image_itemsize)``. Tiled: the output
+    image and the latent plus one tile's working set, ``b * h * w * (3 * image_itemsize + itemsize * 32/64) +
+    DECODE_TILE_BYTES``; for Mage-VAE also the patchified latent (``b * h * w * itemsize * 32/64``) and one
+    sample's stores, ``h * w * itemsize * MAGE_STORE_CHANNELS``: its exact executor is bounded by the tile
     *plus* 4.5 values per pixel of one image (its global GroupNorm / channel means need the
-    1/16-resolution activations of the whole frame). Unknown VAEs are costed like the FLUX.2 VAE (the
-    larger one); ``dtype`` None is float32.
+    1/16-resolution activations of the whole frame). The image in :func:`decoded_image_dtype` (Mage-VAE's
+    in float32). Unknown VAEs are costed like the FLUX.2 VAE (the larger one); ``dtype`` None is float32.
     """
     kind = vae_kind if vae_kind in DECODE_PLAIN_CHANNELS else "flux2"
     pixels = batch * height * width
     itemsize = 4 if dtype is None else dtype_bytes(dtype)
+    image = pixels * 3 * dtype_bytes(decoded_image_dtype(kind, dtype))
     if tiled:
-        tiled_bytes = pixels * itemsize * (3 + LATENT_CHANNELS / 64) + DECODE_TILE_BYTES[kind]
+        tiled_bytes = image + pixels * itemsize * LATENT_CHANNELS / 64 + DECODE_TILE_BYTES[kind]
         if kind == "mage":
             tiled_bytes += pixels * itemsize * LATENT_CHANNELS / 64 + height * width * itemsize * MAGE_STORE_CHANNELS
         return int(tiled_bytes)
-    return int(pixels * itemsize * (DECODE_PLAIN_CHANNELS[kind] + 3))
+    return int(image + pixels * itemsize * DECODE_PLAIN_CHANNELS[kind])
 
 
 def model_bytes(model: object) -> int:

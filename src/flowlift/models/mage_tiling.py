@@ -65,6 +65,7 @@ from flowlift.models.mage_vae import (
     ResnetBlock,
     WindowAttentionBlock,
     group_norm_apply,
+    image_dtype,
 )
 
 
@@ -243,9 +244,15 @@ def decode_steps(decoder: MageDecoder, height: int, width: int, tiling: MageTili
 
 
 def decode_tiled(
-    decoder: MageDecoder, z: torch.Tensor, on_tile: TileCallback | None = None, *, tiling: MageTiling | None = None
+    decoder: MageDecoder,
+    z: torch.Tensor,
+    on_tile: TileCallback | None = None,
+    *,
+    tiling: MageTiling | None = None,
+    unit_range: bool = False,
 ) -> torch.Tensor:
-    """Codec latents (B, 128, h, w) -> image (B, 3, 16h, 16w) in about [-1, 1], equal to ``decoder(z)``.
+    """Codec latents (B, 128, h, w) -> image (B, 3, 16h, 16w) in about [-1, 1], equal to ``decoder(z)``
+    (``unit_range``: as ``(x + 1) / 2`` in float32, equal to ``decoder(z, unit_range=True)``).
 
     The hook of :class:`flowlift.models.vae.MageVAE` (``tiled_decoder``); one sample at a time, with
     three (C, h, w) stores: ``stream`` (the CoD residual stream, then a DiCo buffer), ``cond`` (the
@@ -255,14 +262,14 @@ def decode_tiled(
     tiling = tiling or MageTiling()
     tiling.check(decoder.y_embedder.decoder.window)
     b, _, h, w = z.shape
-    out = torch.empty(b, 3, h * MAGE_PATCH, w * MAGE_PATCH, device=z.device, dtype=z.dtype)
+    out = torch.empty(b, 3, h * MAGE_PATCH, w * MAGE_PATCH, device=z.device, dtype=image_dtype(z, unit_range))
     progress = Progress(b * decode_steps(decoder, h, w, tiling), on_tile)
     kw = {"size": (h, w), "tile": tiling.tile, "progress": progress}
     channels = decoder.s_embedder.proj2.out_channels
     for i in range(b):
         stream, cond, tokens = (_store(z, channels, h, w) for _ in range(3))
         _cod_passes(decoder, z[i : i + 1], stream, cond, tokens, conv_tile=tiling.conv_tile(h, w), **kw)
-        pixels = _pixel_writer(decoder, cond, out[i : i + 1], tiling.pixel_tile, progress)
+        pixels = _pixel_writer(decoder, cond, out[i : i + 1], tiling.pixel_tile, progress, unit_range)
         dico_run(
             decoder.blocks,
             store_source(tokens),
@@ -353,7 +360,9 @@ def _attention(block: WindowAttentionBlock, stats):
     return layer
 
 
-def _pixel_writer(decoder: MageDecoder, cond: torch.Tensor, out: torch.Tensor, side: int, progress: Progress):
+def _pixel_writer(
+    decoder: MageDecoder, cond: torch.Tensor, out: torch.Tensor, side: int, progress: Progress, unit_range: bool
+):
     """The last DiCo block's output tiles -> the per-pixel path on sub-tiles of ``side`` -> ``out``."""
     p = MAGE_PATCH
 
@@ -364,6 +373,7 @@ def _pixel_writer(decoder: MageDecoder, cond: torch.Tensor, out: torch.Tensor, s
                 cond[:, :, r[0] : r[1], r[2] : r[3]],
                 tokens[:, :, dr : dr + r[1] - r[0], dc : dc + r[3] - r[2]],
                 out[:, :, r[0] * p : r[1] * p, r[2] * p : r[3] * p],
+                unit_range=unit_range,
             )
             progress.step()
 

@@ -611,20 +611,27 @@ def conv_rows(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
 
 
 def rms_norm_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """``linear(rms_norm(x))`` over the last dim of a contiguous x, as ``s * (W x) + b`` with the per-row
-    ``s = 1 / sqrt(mean(x**2) + 1e-6)`` (float32, from ``vector_norm``) applied to the narrow output rather
-    than to x: no normalized copy of x (the final layer's 3-wide output of 32-wide rows: 2.3x faster in bf16).
+    """``linear(rms_norm(x))`` over the last dim of a contiguous x, in float32, as ``s * (W x) + b`` with the
+    per-row ``s = 1 / sqrt(mean(x**2) + 1e-6)`` applied to the narrow output rather than to x: no normalized
+    copy of x (the final layer's 3-wide output of 32-wide rows: 2.3x faster in bf16).
+
+    The norm from ``vector_norm`` in x's dtype (a half norm is accumulated in float32 and rounded once; asking
+    for a float32 result converts all of x first), then ``s`` and the sum in float32, not rounded back to x's
+    dtype: the caller stores it (the decoder's float32 image, :meth:`MageDecoder.pixels`). In bf16 that is one
+    rounding of the image traded for one of the norm: on the 2-core AMD EPYC 0.19 against 0.41 CPU-s per
+    3072x2048 decode for the final layer and the image's conversion, and the decode 58.16 dB from float32's
+    where it was 58.10 (docs/cpu.md, issue 47). Float32 x: the same sums as before, bit for bit.
     """
     k = x.shape[-1]
     rows = x.reshape(-1, k)
-    s = torch.linalg.vector_norm(rows, dim=-1, keepdim=True, dtype=torch.float32)
+    s = torch.linalg.vector_norm(rows, dim=-1, keepdim=True).float()
     s = torch.rsqrt(s.square_().div_(k).add_(NORM_EPS))
     y = (
         F.conv2d(rows_as_image(rows), linear.weight[:, :, None, None])
         .permute(0, 2, 3, 1)
         .reshape(-1, linear.out_features)
     )
-    out = torch.addcmul(linear.bias.float(), y.float(), s).to(x.dtype)
+    out = torch.addcmul(linear.bias.float(), y.float(), s)
     return out.reshape(*x.shape[:-1], linear.out_features)
 
 
@@ -818,11 +825,15 @@ class MageDecoder(nn.Module):
         proj2 = self.s_embedder.proj2
         return F.conv2d(cond, proj2.weight[:, MAGE_LATENT_CHANNELS:], proj2.bias)
 
-    def pixels(self, cond: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def pixels(
+        self, cond: torch.Tensor, tokens: torch.Tensor, out: torch.Tensor, *, unit_range: bool = False
+    ) -> torch.Tensor:
         """The per-pixel path of one sample: cond and tokens (1, C, h, w) -> ``out`` (1, 3, 16h, 16w), written.
 
         ``pixel_embed`` (the folded features), ``dec_net``, RMSNorm and ``final_layer.linear`` (its weight
-        folded in), then the 16x16 fold straight into ``out`` (which may be a view of a larger image).
+        folded in) in float32 (:func:`rms_norm_linear`), ``unit_range``: as ``(x + 1) / 2`` (flowlift's [0, 1]
+        images), then the 16x16 fold straight into ``out`` (which may be a view of a larger image), rounded to
+        its dtype there.
         """
         if self.pixel_embed is None:
             raise RuntimeError("MageDecoder: call MageVAEModel.fold_t0() after loading, before running")
@@ -832,20 +843,30 @@ class MageDecoder(nn.Module):
         x = x.permute(0, 2, 3, 1).reshape(-1, px)  # (h w 256, c): a view of the channels-last output
         x = self.dec_net(x, tokens)
         rgb = rms_norm_linear(x, self.final_layer.linear)
+        if unit_range:
+            rgb = rgb.add_(1).div_(2)
         p = MAGE_PATCH
         out.view(1, 3, h, p, w, p).copy_(rgb.view(1, h, w, p, p, 3).permute(0, 5, 1, 3, 2, 4))
         return out
 
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, *, unit_range: bool = False) -> torch.Tensor:
+        """Latent (B, 128, h, w) -> the image (B, 3, 16h, 16w): in about [-1, 1] and z's dtype, or with
+        ``unit_range`` as ``(x + 1) / 2`` in float32 (:meth:`pixels`)."""
         b, _, h, w = z.shape
         cond = self.y_embedder.decoder(z)
         s = self.tokens_in(cond)
         for block in self.blocks:
             s = block(s)
-        out = torch.empty(b, 3, h * MAGE_PATCH, w * MAGE_PATCH, device=z.device, dtype=z.dtype)
+        out = torch.empty(b, 3, h * MAGE_PATCH, w * MAGE_PATCH, device=z.device, dtype=image_dtype(z, unit_range))
         for i in range(b):
-            self.pixels(cond[i : i + 1], s[i : i + 1], out[i : i + 1])
+            self.pixels(cond[i : i + 1], s[i : i + 1], out[i : i + 1], unit_range=unit_range)
         return out
+
+
+def image_dtype(z: torch.Tensor, unit_range: bool) -> torch.dtype:
+    """The decoded image's dtype: float32 for ``unit_range`` (flowlift's [0, 1] images, stored without a rounding
+    to a half dtype), else the latent's."""
+    return torch.float32 if unit_range else z.dtype
 
 
 # --------------------------------------------------------------------------------------------------

@@ -346,8 +346,9 @@ class MageVAE(_ModuleVAE):
 
     ``tiled``: where :meth:`_use_tiles` says so (``None``: above ``auto_tile_pixels``), encode and
     decode run :attr:`tiled_encoder` / :attr:`tiled_decoder`, called as ``fn(module, x) -> y`` (the
-    decoder's also with ``on_tile=``); by default the exact, bounded-memory executors of
-    :mod:`flowlift.models.mage_tiling` (tile sides: :attr:`tiling`). A hook set to None: whole frame.
+    decoder's as ``fn(module, x, unit_range=True)`` -> the image in [0, 1], float32, also with ``on_tile=``);
+    by default the exact, bounded-memory executors of :mod:`flowlift.models.mage_tiling` (tile sides:
+    :attr:`tiling`). A hook set to None: whole frame.
     """
 
     spatial_factor = 8
@@ -418,7 +419,9 @@ class MageVAE(_ModuleVAE):
     def decode(
         self, latents: torch.Tensor, *, tiled: bool | None = None, on_tile: TileCallback | None = None
     ) -> torch.Tensor:
-        """Normalized latents (B, 32, h, w), even sides -> images (B, 3, 8h, 8w), about [0, 1], unclamped.
+        """Normalized latents (B, 32, h, w), even sides -> images (B, 3, 8h, 8w), about [0, 1], unclamped,
+        float32 whatever the latents' dtype: the decoder's last layer computes the pixels in float32 and they
+        are kept so (rounding them to a half dtype would only lose precision; ``limits.decoded_image_dtype``).
 
         ``on_tile(done, total)`` after every decoded tile (a whole-frame decode is one tile).
         """
@@ -429,15 +432,14 @@ class MageVAE(_ModuleVAE):
         _check_latents(latents, 2)
         z = patchify(latents.to(self.device, self.dtype)).contiguous(memory_format=torch.channels_last)
         pixels = latents.shape[-2] * latents.shape[-1] * self.spatial_factor**2
+        # The decoder writes (x + 1) / 2 in float32 tile by tile: no copy of the frame in another dtype.
         if self.tiled_decoder is not None and self._use_tiles(tiled, pixels):
-            x = self.tiled_decoder(self.model.decoder, z, **({} if on_tile is None else {"on_tile": on_tile}))
-        else:
-            x = self.model.decoder(z)
-            if on_tile is not None:
-                on_tile(1, 1)
-        # In place on the decoder's own output: a 268 MP frame would otherwise be copied twice more.
-        x = x.float().add_(1).div_(2)
-        return x.to(_out_dtype(latents)).contiguous()
+            progress = {} if on_tile is None else {"on_tile": on_tile}
+            return self.tiled_decoder(self.model.decoder, z, unit_range=True, **progress)
+        x = self.model.decoder(z, unit_range=True)
+        if on_tile is not None:
+            on_tile(1, 1)
+        return x
 
     def __repr__(self) -> str:
         parts = [p for p in ("encoder", "decoder") if getattr(self.model, p) is not None]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.limits import LATENT_CHANNELS, decode_peak_bytes, dtype_bytes, format_bytes
+from flowlift.limits import LATENT_CHANNELS, decode_peak_bytes, decoded_image_dtype, dtype_bytes, format_bytes
 from flowlift.upscale.chunked.budget import (
     MIN_DEVICE_STRIP_ROWS,
     chunked_store_bytes,
@@ -195,12 +195,13 @@ def plan_upscale_memory(
             f"max_memory {format_bytes(budget_bytes)} is too small to decode a {out_w}x{out_h} image "
             f"(batch {batch}): the tiled decode needs about {format_bytes(decode)}"
         )
-    colour = weights + colour_stage_bytes(out_h, out_w, batch=batch, vae_dtype=vae_dtype)
+    image_dtype = decoded_image_dtype(vae_kind, vae_dtype)
+    colour = weights + colour_stage_bytes(out_h, out_w, batch=batch, vae_dtype=image_dtype)
     colour_on_host = colour > budget_bytes
     peaks = {f"pass {i + 1}": p.peak_bytes for i, p in enumerate(passes)}
     peaks["decode"] = decode
     # On the host path the device holds the decoder's output until it is copied out strip by strip.
-    peaks["colour"] = weights + frame_bytes(batch, 3, out_h, out_w, vae_dtype) if colour_on_host else colour
+    peaks["colour"] = weights + frame_bytes(batch, 3, out_h, out_w, image_dtype) if colour_on_host else colour
     return UpscaleMemoryPlan(
         budget_bytes=budget_bytes,
         passes=tuple(passes),
