@@ -12,7 +12,7 @@ from PIL import Image
 import flowlift.devices as devices
 from builders import save_tiny_unet
 from flowlift.commands.cli import main
-from flowlift.devices import auto_dtype, cpu_has_native_bf16, resolve_device_dtype
+from flowlift.devices import auto_dtype, cpu_has_native_bf16, cpu_subnormals_at_full_speed, resolve_device_dtype
 from flowlift.files.image_outputs import read_metadata
 
 CPU = torch.device("cpu")
@@ -64,6 +64,21 @@ def test_detection_reads_torchs_cpu_features_and_falls_back_to_cpuinfo(monkeypat
     assert cpu_has_native_bf16(str(tmp_path / "missing")) is False
     monkeypatch.setenv("FLOWLIFT_CPU_BF16", "0")
     assert cpu_has_native_bf16(str(info)) is False
+
+
+def test_subnormal_speed_is_read_from_the_cpu_vendor(tmp_path, monkeypatch):
+    """AMD's CPUs count as producing subnormals at full speed, Intel's and unknown ones as slow."""
+    import platform
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx512_bf16\n")
+    assert cpu_subnormals_at_full_speed(str(info)) is True
+    info.write_text("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu amx_bf16\n")
+    assert cpu_subnormals_at_full_speed(str(info)) is False
+    monkeypatch.setattr(platform, "processor", lambda: "AMD64 Family 25 Model 17 Stepping 1, AuthenticAMD")
+    assert cpu_subnormals_at_full_speed(str(tmp_path / "missing")) is True  # Windows: no cpuinfo
+    monkeypatch.setattr(platform, "processor", lambda: "")
+    assert cpu_subnormals_at_full_speed(str(tmp_path / "missing")) is False
 
 
 @pytest.mark.parametrize("native", [False, True])

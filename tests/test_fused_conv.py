@@ -153,7 +153,15 @@ def test_a_nan_or_inf_stays_non_finite_through_every_activation(activation):
         assert not torch.isfinite(y[0, :, 9:12, 9:12]).all(1).any()
 
 
+@pytest.fixture
+def subnormals_at_full_speed(monkeypatch):
+    """This CPU counted as one whose subnormal products are cheap (an AMD's), whatever runs the tests."""
+    monkeypatch.setattr(fused_conv, "cpu_subnormals_at_full_speed", lambda: True)
+    monkeypatch.setattr(fused_conv, "_RELU_WORKS", {})
+
+
 @pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+@pytest.mark.usefixtures("subnormals_at_full_speed")
 def test_the_bf16_relu_runs_in_the_convolutions_pass(monkeypatch):
     """The ReLU is fused (oneDNN's leaky ReLU): torch's separate ReLU pass is not called, and the result is
     ``relu`` bit for bit (a zero may come out as -0.0, which equals 0.0)."""
@@ -168,6 +176,7 @@ def test_the_bf16_relu_runs_in_the_convolutions_pass(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+@pytest.mark.usefixtures("subnormals_at_full_speed")
 def test_the_fused_relu_is_exact_for_large_negative_sums():
     """The slope's products round to a bfloat16 zero for every sum down to -32768 (the design's bound)."""
     conv = nn.Conv2d(1, 1, 1).to(BF16).to(memory_format=CL).requires_grad_(False)
@@ -177,6 +186,23 @@ def test_the_fused_relu_is_exact_for_large_negative_sums():
     values = torch.tensor([-32768.0, -1000.0, -1.0, -1e-30, -0.0, 0.0, 1e-30, 3.0, 60000.0])
     x = values.to(BF16).reshape(1, 1, 1, -1).contiguous(memory_format=CL)
     assert torch.equal(conv_act(x, conv, "relu"), torch.relu(x))
+
+
+@pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+def test_where_subnormal_products_are_slow_the_relu_runs_after_the_fused_convolution(monkeypatch):
+    """On an Intel CPU the leaky ReLU's subnormal products each take a microcode assist (TAEF2's decode at 1.45x
+    its CPU time): the convolution runs fused as before, torch's ReLU after it, and the values are the same."""
+    monkeypatch.setattr(fused_conv, "cpu_subnormals_at_full_speed", lambda: False)
+    monkeypatch.setattr(fused_conv, "_RELU_WORKS", {})
+    conv, x = _conv(64, 64, 3), _input(64)
+    with torch.no_grad():
+        expected = torch.relu(conv(x))
+    calls = []
+    monkeypatch.setitem(fused_conv.ACTIVATIONS, "relu", lambda t: calls.append(t) or torch.relu_(t))
+    monkeypatch.setattr(fused_conv, "_fused_relu", lambda *args: pytest.fail("the subnormal-slope ReLU ran"))
+    with torch.no_grad():
+        assert torch.equal(conv_act(x, conv, "relu"), expected)
+    assert len(calls) == 1
 
 
 def test_without_a_nan_keeping_fused_relu_bf16_runs_torchs_relu(monkeypatch):

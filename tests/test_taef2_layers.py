@@ -190,17 +190,32 @@ def test_conv_add_relu_into_falls_back_for_a_view_and_leaves_it():
         assert torch.equal(out, conv_add_act(x, conv, other.contiguous(memory_format=CL), "relu"))
 
 
+def _error(x: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    difference = x.float() - reference
+    return difference.abs().max().item(), difference.pow(2).mean().sqrt().item()
+
+
 def test_bf16_tiled_encode_and_decode_equal_the_whole_frame_and_leave_their_inputs():
-    """Bands share their halos: a layer writing over a band's input would change the next band."""
+    """Bands share their halos: a layer writing over a band's input would change the next band.
+
+    The decode is the whole frame's bit for bit. The encode is within the whole frame's own bf16 error of float32:
+    oneDNN's AMX kernels (Intel Xeon) sum its stem's stride-2 convolution in an order that depends on the tile's
+    size (one bf16 step apart here and there; AVX512-BF16 on AMD Zen 4 gave equal bits), where a wrong halo
+    would be an error of the activations' own size."""
     torch.manual_seed(12)
     model = TAEF2().to(BF16).eval().to(memory_format=CL)
+    reference = TAEF2().eval()
+    reference.load_state_dict({name: value.float() for name, value in model.state_dict().items()})
     # Full-width bands too: their crops are row ranges, dense views of the shared tensor.
     for width, latent_width in ((136, 19), (64, 8)):
         images = torch.rand(1, 3, 200, width).to(BF16).contiguous(memory_format=CL)
         latents = torch.randn(1, 32, 23, latent_width).to(BF16).contiguous(memory_format=CL)
         images_before, latents_before = images.clone(), latents.clone()
         with torch.no_grad():
-            assert torch.equal(model.encode_tiled(images, band=9, tile=4), model.encode_full(images))
+            expected = reference.encode_full(images.float())
+            whole_max, whole_rms = _error(model.encode_full(images), expected)
+            tiled_max, tiled_rms = _error(model.encode_tiled(images, band=9, tile=4), expected)
+            assert tiled_max <= 1.25 * whole_max and tiled_rms <= 1.1 * whole_rms
             assert torch.equal(model.decode_tiled(latents, band=9, tile=5), model.decode_full(latents))
         assert torch.equal(images, images_before) and torch.equal(latents, latents_before)
 

@@ -49,6 +49,30 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return any(name in flags for name in NATIVE_BF16_FEATURES)
 
 
+#: The CPU vendor (``/proc/cpuinfo``'s ``vendor_id``) whose floating-point units produce subnormal float32 results at
+#: full speed, as measured for this project (docs/cpu.md, issue 47): AMD's.
+SUBNORMALS_AT_FULL_SPEED_VENDOR = "AuthenticAMD"
+
+
+def cpu_subnormals_at_full_speed(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies into subnormal (denormal) float32 results at full speed.
+
+    AMD's do (:data:`SUBNORMALS_AT_FULL_SPEED_VENDOR`); Intel's take a microcode assist for every such result
+    unless flush-to-zero is on (torch leaves it off), which made oneDNN's ReLU with a subnormal slope
+    (:mod:`flowlift.models.fused_conv`) run TAEF2's whole decode at 1.45x its CPU time on an Intel Xeon with
+    AMX. Read from the ``vendor_id`` line of ``cpuinfo`` (Linux), else from ``platform.processor()`` (Windows
+    names the vendor there); a CPU whose vendor is not found counts as slow (the unfused path is right on any).
+    """
+    import platform
+
+    try:
+        with open(cpuinfo, encoding="ascii", errors="replace") as info:
+            vendor = next((line.split(":", 1)[1].strip() for line in info if line.startswith("vendor_id")), "")
+    except OSError:
+        vendor = ""
+    return SUBNORMALS_AT_FULL_SPEED_VENDOR in (vendor or platform.processor())
+
+
 def auto_dtype(device: torch.device, *, cpu_bf16: bool = False) -> torch.dtype:
     """The dtype ``--dtype auto`` means on ``device``: the one rule every front-end and pipeline uses.
 

@@ -24,7 +24,12 @@ below bfloat16's smallest subnormal, which rounds to zero: the fused ReLU equals
 sign of a zero (below -32768, a negative value under 1e-40 in magnitude where relu gives 0). The probe checks
 both on this torch (a NaN must come out NaN) and falls back to torch's own ReLU after the convolution when either
 fails. A ReLU after a fused residual add runs as torch's in-place pass (oneDNN takes only its plain ReLU after an add).
-On TAEF2's decode the ReLUs after the convolutions were 0.3 CPU-s of separate passes (docs/cpu.md, issue 47).
+On TAEF2's decode the ReLUs after the convolutions were 0.3 CPU-s of separate passes on a 2-core AMD EPYC (docs/cpu.md,
+issue 47). **Only where subnormal products are cheap**: every element's product with the slope is a float32
+subnormal, which an Intel CPU computes through a microcode assist (flush-to-zero is off): on an Intel Xeon with AMX
+the fused ReLU made TAEF2's 3072x2048 decode take 20.8 CPU-s against 14.3 with torch's ReLU after the convolution,
+so the fusion runs on the CPUs :func:`~flowlift.devices.cpu_subnormals_at_full_speed` names (AMD's), torch's ReLU
+elsewhere; both give the same values.
 GELU and SiLU keep NaN and Inf non-finite, as torch's.
 """
 
@@ -35,6 +40,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from flowlift.devices import cpu_subnormals_at_full_speed
 
 #: The activations this module applies, each in its unfused form (oneDNN's name is the same but for the ReLU,
 #: which runs as its leaky ReLU with :data:`RELU_SLOPE`); they run in the convolution's pass where :func:`fusable`.
@@ -62,9 +69,9 @@ def _fused_op_works(dtype: torch.dtype) -> bool:
 
 
 def _fused_relu_works(dtype: torch.dtype) -> bool:
-    """Whether the fused (leaky) ReLU equals ``relu`` and keeps a NaN here in ``dtype`` (probed once)."""
+    """Whether the fused (leaky) ReLU runs at speed here, equals ``relu`` and keeps a NaN in ``dtype`` (once)."""
     if dtype not in _RELU_WORKS:
-        _RELU_WORKS[dtype] = _fused_op_works(dtype) and _probe_relu(dtype)
+        _RELU_WORKS[dtype] = cpu_subnormals_at_full_speed() and _fused_op_works(dtype) and _probe_relu(dtype)
     return _RELU_WORKS[dtype]
 
 
