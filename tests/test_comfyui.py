@@ -104,6 +104,14 @@ def interrupt_and_wait(server, prompt_id: str, *, timeout: float) -> tuple[dict,
     return entry, time.monotonic() - started
 
 
+def finished_as_the_interrupt_arrived(entry: dict, sent: float) -> bool:
+    """The run succeeded within a second of the interrupt being sent (``sent``: ``time.time()``; the server
+    stamps its messages in epoch milliseconds on the same clock): it was finishing anyway. An ignored interrupt
+    leaves a longer run, which the caller's next, earlier try catches."""
+    done = [data["timestamp"] for name, data in entry["status"]["messages"] if name == "execution_success"]
+    return bool(done) and done[0] / 1000 - sent < 1.0
+
+
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory, shared):
     """The session's ComfyUI 0.33 server with this pack (tests/comfy_server.py), shared by the pack's test modules."""
@@ -478,7 +486,10 @@ def test_interrupt_stops_an_8x_image_upscale_within_seconds_in_every_stage(serve
             if server.request(f"/history/{prompt_id}"):
                 assert stage == "late", "the run finished within 3 s: make it longer"
                 continue  # finished before the interrupt: try earlier
+            sent = time.time()
             entry, took = interrupt_and_wait(server, prompt_id, timeout=120)
+            if stage == "late" and finished_as_the_interrupt_arrived(entry, sent):
+                continue  # its last layer ended with the request in flight: no evidence either way, try earlier
             worst = max(worst, took)
             print(f"interrupted {delay:.0f} s into an 8x image upscale: stopped after {took:.2f} s")
             assert message(entry, "execution_interrupted")["node_type"] == "FlowliftUpscaleImage"
