@@ -23,7 +23,7 @@ from flowlift.models.taef2_layers import (
     pixel_pair_weights,
     run_layers,
 )
-from flowlift.models.taef2_tiling import LocalOp
+from flowlift.models.taef2_tiling import LocalOp, run_two_level
 
 BF16 = torch.bfloat16
 CL = torch.channels_last
@@ -245,3 +245,30 @@ def test_a_nan_reaching_a_block_stays_nan_in_bf16():
     x[0, :, 4, 4] = float("nan")
     with torch.no_grad():
         assert torch.isnan(block(x)).any() and torch.isnan(block.consume(x.clone())).any()
+
+
+def test_an_amx_cpu_decodes_bf16_in_tiles_near_its_l2_and_equal_bits(monkeypatch):
+    """AMX computes TAEF2's 64-channel convolutions faster than memory feeds them: bf16 on such a CPU decodes in
+    16-latent-pixel tiles (64-pixel bands); float32 and other CPUs keep the defaults. Same values either way."""
+    from flowlift.models import taef2
+
+    bf16 = torch.zeros(1, 32, 4, 4, dtype=BF16)
+    monkeypatch.setattr(taef2, "cpu_has_feature", lambda name: name == "amx_bf16")
+    assert taef2.decode_tiling(bf16) == (taef2.AMX_DECODE_BAND, taef2.AMX_DECODE_TILE) == (64, 16)
+    assert taef2.decode_tiling(bf16.float()) == (taef2.DEFAULT_DECODE_BAND, taef2.DEFAULT_DECODE_TILE)
+    torch.manual_seed(13)
+    model = TAEF2(encoder=False).to(BF16).eval().to(memory_format=CL)
+    latents = torch.randn(1, 32, 40, 36).to(BF16).contiguous(memory_format=CL)
+    seen = []
+
+    def recording(*args, band, tile, **kwargs):
+        seen.append((band, tile))
+        return run_two_level(*args, band=band, tile=tile, **kwargs)
+
+    monkeypatch.setattr(taef2, "run_two_level", recording)
+    with torch.no_grad():
+        on_amx = model.decode_tiled(latents)
+        monkeypatch.setattr(taef2, "cpu_has_feature", lambda name: False)
+        elsewhere = model.decode_tiled(latents)
+    assert seen == [(64, 16), (128, 64)]
+    assert torch.equal(on_amx, elsewhere)

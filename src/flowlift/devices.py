@@ -33,20 +33,26 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     ``FLOWLIFT_CPU_BF16=0`` answers False on any CPU (the test suite sets it, so that every machine runs
     the same float32 reference path; a user's per-command way is ``--dtype float32``).
     """
-    import torch
-
     if os.environ.get(CPU_BF16_ENV, "").strip() == "0":
         return False
+    return any(cpu_has_feature(name, cpuinfo) for name in NATIVE_BF16_FEATURES)
+
+
+def cpu_has_feature(name: str, cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has the feature ``name`` (e.g. ``amx_bf16``): asked of torch
+    (``torch.cpu.get_capabilities()``, the features its kernels dispatch on), else of the ``flags`` line of
+    ``cpuinfo`` (Linux); False where neither says."""
+    import torch
+
     capabilities = getattr(torch.cpu, "get_capabilities", None)
     if callable(capabilities):
-        found = capabilities()
-        return any(bool(found.get(name)) for name in NATIVE_BF16_FEATURES)
+        return bool(capabilities().get(name))
     try:
         with open(cpuinfo, encoding="ascii", errors="replace") as info:
             flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
     except OSError:
         return False
-    return any(name in flags for name in NATIVE_BF16_FEATURES)
+    return name in flags
 
 
 #: The CPU vendor (``/proc/cpuinfo``'s ``vendor_id``) whose floating-point units produce subnormal float32 results at

@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from flowlift.devices import cpu_has_feature
 from flowlift.limits import LATENT_CHANNELS
 from flowlift.models.fused_conv import conv_act, conv_add_act
 from flowlift.models.taef2_layers import (
@@ -55,6 +56,24 @@ SPATIAL_FACTOR = 8
 #: 2048 px these defaults recompute ~5% extra convolution work (halos).
 DEFAULT_DECODE_BAND = 128
 DEFAULT_DECODE_TILE = 64
+#: Decode tiling on a CPU with AMX tiles, in bfloat16: AMX computes a 64-channel 3x3 convolution faster than
+#: memory feeds it, so the 8x stage's tiles are kept near the L2's size (a 16x16 latent tile is 128x128 pixels,
+#: 2 MB per bf16 activation). On an Intel Xeon with AMX the 3072x2048 decode took 13.1-13.5 CPU-s against
+#: 15.3-15.5 with the defaults (docs/cpu.md, issue 47); where the convolutions are compute-bound (AVX512-BF16, float32)
+#: the defaults' smaller halos win.
+AMX_DECODE_BAND = 64
+AMX_DECODE_TILE = 16
+
+
+def decode_tiling(latents: torch.Tensor) -> tuple[int, int]:
+    """The (band, tile) :meth:`TAEF2.decode_tiled` uses for ``latents`` by default: :data:`AMX_DECODE_BAND` and
+    :data:`AMX_DECODE_TILE` for bfloat16 on a CPU with ``amx_bf16``, else :data:`DEFAULT_DECODE_BAND` and
+    :data:`DEFAULT_DECODE_TILE`."""
+    if latents.device.type == "cpu" and latents.dtype == torch.bfloat16 and cpu_has_feature("amx_bf16"):
+        return AMX_DECODE_BAND, AMX_DECODE_TILE
+    return DEFAULT_DECODE_BAND, DEFAULT_DECODE_TILE
+
+
 #: Default encode tiling, in latent pixels: bands through the 1/2..1/8 stages, tiles through the
 #: full-resolution stem (conv, Block, stride-2 conv). The encoder's receptive field is wide (a band
 #: needs 30 px of halo at 1/2 resolution), so at 2048 px these recompute ~14% extra work.
@@ -272,17 +291,21 @@ class TAEF2(nn.Module):
         self,
         latents: torch.Tensor,
         *,
-        band: int = DEFAULT_DECODE_BAND,
-        tile: int = DEFAULT_DECODE_TILE,
+        band: int | None = None,
+        tile: int | None = None,
         on_tile: Callable[[int, int], None] | None = None,
     ) -> torch.Tensor:
         """:meth:`decode_full` with bounded memory, equal up to float summation order.
 
         Per latent: the latent-resolution part (indices 0..5, with the GroupNorms) on the whole
         frame, the 2x and 4x stages (6..15) in bands of ``band x band`` latent pixels, and the 8x
-        stage (16..19) in tiles of ``tile x tile`` latent pixels inside each band. ``on_tile(done,
-        total)`` is called after every 8x tile, counted over the whole batch (progress only).
+        stage (16..19) in tiles of ``tile x tile`` latent pixels inside each band (either left out:
+        :func:`decode_tiling`'s). ``on_tile(done, total)`` is called after every 8x tile, counted over
+        the whole batch (progress only).
         """
+        default_band, default_tile = decode_tiling(latents)
+        band = default_band if band is None else band
+        tile = default_tile if tile is None else tile
         dec = self._need(self.decoder, "decoder")
         mid = fuse_decoder_layers(list(dec[DECODER_LOCAL_START:DECODER_LAST_STAGE_START]))
         last = fuse_decoder_layers(list(dec[DECODER_LAST_STAGE_START:]))
