@@ -46,6 +46,32 @@ def test_executor_equals_plain_forward_for_any_chunk(batch, height, width, chunk
         assert (out - reference).abs().max().item() <= 1e-4, chunk
 
 
+def test_a_channels_last_model_runs_channels_last_frames_and_equals_its_plain_forward(monkeypatch):
+    """A bf16 CPU model is channels-last: its frames follow, so a strip is a dense channels-last row range (NCHW
+    frames made every strip a transposing copy and every convolution a reorder: 2x the plain pass's CPU time)."""
+    model = small_model()
+    assert E._model_memory_format(model) == torch.contiguous_format
+    model = model.to(torch.bfloat16).to(memory_format=torch.channels_last)
+    assert E._model_memory_format(model) == torch.channels_last
+    sample, timestep, small = (t.to(torch.bfloat16) for t in inputs(2, 20, 28))
+    made = []
+    empty = torch.empty
+
+    def recording(*args, **kwargs):
+        frame = empty(*args, **kwargs)
+        made.append(frame)
+        return frame
+
+    monkeypatch.setattr(E.torch, "empty", recording)
+    out = E.ChunkedExecutor(model, chunk=3)(sample, timestep, small)
+    monkeypatch.undo()
+    frames = [f for f in made if f.dim() == 4 and f.shape[1] > 1 and f.shape[2] * f.shape[3] > 1]
+    assert frames and all(f.is_contiguous(memory_format=torch.channels_last) for f in frames)
+    with torch.no_grad():
+        reference = model(sample, timestep, small)
+    assert (out.float() - reference.float()).abs().max().item() <= 0.05 * reference.float().abs().max().item()
+
+
 def test_executor_reproduces_golden_vectors(shared):
     path = shared / "golden" / "flow_upscaler_base64.safetensors"
     with safe_open(str(path), framework="pt") as handle:

@@ -107,6 +107,17 @@ def concat_stats(parts: list[Frame]) -> ChannelStats:
     return stats
 
 
+def _model_memory_format(model: torch.nn.Module) -> torch.memory_format:
+    """Channels-last when the model's first 3x3 convolution holds its weight channels-last (a 1x1 weight is
+    both layouts at once), else contiguous."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Conv2d) and module.weight.shape[-2:] == (3, 3):
+            if module.weight.is_contiguous(memory_format=torch.channels_last) and not module.weight.is_contiguous():
+                return torch.channels_last
+            break
+    return torch.contiguous_format
+
+
 class ChunkedExecutor:
     """Runs a :class:`FlowUpscalerUNet` exactly, in row strips, with bounded memory.
 
@@ -199,6 +210,10 @@ class ChunkedExecutor:
     def _setup(self, sample: torch.Tensor) -> None:
         param = self.model.in_conv.weight
         self.device, self.dtype = param.device, param.dtype
+        # Frames in the model's own layout: a channels-last model's strips are then dense channels-last row
+        # ranges; contiguous frames made every strip a transposing copy each way and oneDNN reorder every
+        # convolution's input (the bf16 pass took twice the plain forward's CPU time, docs/cpu.md).
+        self.memory_format = _model_memory_format(self.model)
         self.store_device = self.offload_device or self.device
         self.acc_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self.ref_width = sample.shape[3]
@@ -337,7 +352,9 @@ class ChunkedExecutor:
             if stores is not None and device is None:
                 into = stores.empty(shape)
             else:
-                into = torch.empty(shape, dtype=self.dtype, device=device or self.device)
+                into = torch.empty(
+                    shape, dtype=self.dtype, device=device or self.device, memory_format=self.memory_format
+                )
         offloaded = stores is not None and device is None
         step = self._rows(shape[3])
         collected: ChannelStats | None = None
