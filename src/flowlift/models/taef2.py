@@ -59,8 +59,8 @@ DEFAULT_DECODE_TILE = 64
 #: Decode tiling on a CPU with AMX tiles, in bfloat16: AMX computes a 64-channel 3x3 convolution faster than
 #: memory feeds it, so the 8x stage's tiles are kept near the L2's size (a 16x16 latent tile is 128x128 pixels,
 #: 2 MB per bf16 activation). On an Intel Xeon with AMX the 3072x2048 decode took 13.1-13.5 CPU-s against
-#: 15.3-15.5 with the defaults (docs/cpu.md, issue 47); where the convolutions are compute-bound (AVX512-BF16, float32)
-#: the defaults' smaller halos win.
+#: 15.3-15.5 with the defaults (docs/cpu.md, issue 47). Float32 and CPUs without AMX keep the defaults, whose
+#: smaller halos were measured best on AVX512-BF16 (the 2-core AMD EPYC); these tiles were not timed there.
 AMX_DECODE_BAND = 64
 AMX_DECODE_TILE = 16
 
