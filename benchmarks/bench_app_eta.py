@@ -35,7 +35,7 @@ def run_request(pipeline, settings, passes, source, out, hashes):  # noqa: ANN00
     from flowlift.files.images import image_size
     from flowlift.progress import RunProgress
     from flowlift.upscale.outputs import upscale_file
-    from flowlift.upscale.stages import UpscaleStages
+    from flowlift.upscale.stages import PlannedImage, UpscaleStages
 
     run = RunProgress()
     polls: list[tuple[float, float | None]] = []
@@ -50,7 +50,7 @@ def run_request(pipeline, settings, passes, source, out, hashes):  # noqa: ANN00
     poller.start()
     width, height = image_size(source)
     stages = UpscaleStages(run)
-    with stages.image(source.name, passes, width * height / 1e6):
+    with stages.image(PlannedImage(source.name, passes, width * height / 1e6)):
         upscale_file(pipeline, settings, passes, source, out, hashes, stages.stage, stages.decode_tile)
     stop.set()
     poller.join()

@@ -8,7 +8,7 @@ import pytest
 from flowlift.app.progress import describe, request_progress
 from flowlift.progress import running
 from flowlift.refine.stages import refine_stages
-from flowlift.upscale.stages import UpscaleStages, upscale_stages
+from flowlift.upscale.stages import PlannedImage, UpscaleStages, upscale_stages
 
 
 class FakeClock:
@@ -29,7 +29,7 @@ def test_a_request_reports_at_once_then_names_every_stage_and_tile():
     run.loading("the Flow Upscaler (flow_upscaler.safetensors, 2 MB) and VAE taef2 (once per server)")
     assert reports[-1][1].startswith("loading the Flow Upscaler")
     stages = UpscaleStages(run)
-    with running(run), stages.image("photo.png", 1, 0.5):
+    with running(run), stages.image(PlannedImage("photo.png", 1, 0.5)):
         clock.now = 2.0
         stages.stage("encode")
         clock.now = 6.0
@@ -51,8 +51,8 @@ def test_a_request_reports_at_once_then_names_every_stage_and_tile():
 def test_a_failed_image_leaves_the_plan():
     run = request_progress(lambda fraction, text: None)
     stages = UpscaleStages(run)
-    stages.expect([("a.png", 1, 1.0), ("b.png", 1, 1.0)])
-    with pytest.raises(ValueError), stages.image("a.png", 1, 1.0):
+    stages.expect([PlannedImage("a.png", 1, 1.0), PlannedImage("b.png", 1, 1.0)])
+    with pytest.raises(ValueError), stages.image(PlannedImage("a.png", 1, 1.0)):
         raise ValueError("broken")
     assert {stage.name.split(":")[0] for stage in run.stages} == {"b.png"}
 

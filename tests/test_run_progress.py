@@ -221,3 +221,71 @@ def test_an_image_nodes_stages_are_the_upscale_stages_the_host_does_not_write():
     work = stages.node_stage_work(2, 0.39)
     assert work == [w for name, w in stages.upscale_stages(2, 0.39) if name != "writing"] and len(work) == 5
     assert work[2] == pytest.approx(4 * work[1])
+
+
+def test_an_asked_size_plans_each_stage_at_the_pixels_it_makes():
+    """Any output size (scale 3, a long side, a size): the passes make their 4**i, the decode the passes' output, the
+    colour fix and the writing the asked size; with SesquiLSR sizing the latents the decode makes the asked size and
+    carries SesquiLSR's own work (it runs between the last pass's report and the decode's). Before, every stage
+    after the passes was planned at the passes' output: a 3x through SesquiLSR planned its decode at 4 input
+    megapixels where it decodes 9, and its time left fell short by the SesquiLSR and most of the decode."""
+    from flowlift.upscale.stages import LATENT_UPSCALER_PER_PASS, SECONDS_PER_MP, upscale_stages
+
+    pixels = dict(upscale_stages(2, 1.0, 9.0))  # 3x in pixels: 2 passes (4x), resampled down to 9 input MP
+    assert pixels["pass 2/2"] == pytest.approx(4 * pixels["pass 1/2"])
+    assert pixels["decode"] == pytest.approx(16 * SECONDS_PER_MP["decode"])
+    assert pixels["color fix"] == pytest.approx(9 * SECONDS_PER_MP["color fix"])
+    assert pixels["writing"] == pytest.approx(9 * SECONDS_PER_MP["writing"])
+    latent = dict(upscale_stages(1, 1.0, 9.0, latent_fraction=True))  # 3x through SesquiLSR: 1 pass, then 1.5x
+    assert list(latent) == ["encode", "pass 1/1", "decode", "color fix", "writing"]
+    sesqui = 9 * LATENT_UPSCALER_PER_PASS * SECONDS_PER_MP["pass"]
+    assert sesqui > 0 and latent["decode"] == pytest.approx(9 * SECONDS_PER_MP["decode"] + sesqui)
+    assert dict(upscale_stages(2, 1.0)) == dict(upscale_stages(2, 1.0, 16.0))  # a power of two: as before
+
+
+def test_the_commands_plan_reads_the_output_size_and_the_latent_upscaler_from_the_header(tmp_path):
+    """``OutputSizes.planned_image`` (the command line's and the app's plan): the passes that run, the input's and the
+    output's megapixels, and whether SesquiLSR has work, from the image's header; an unreadable one plans 1 MP."""
+    from PIL import Image
+
+    from flowlift.upscale.asked_size import AskedSize
+    from flowlift.upscale.output_sizes import OutputSizes
+
+    path = tmp_path / "p.png"
+    Image.new("RGB", (64, 48)).save(path)
+    two = OutputSizes(1, "pad").planned_image(path)
+    assert (two.passes, two.input_megapixels, two.output_megapixels, two.latent_fraction) == (
+        1,
+        pytest.approx(64 * 48 / 1e6),
+        pytest.approx(128 * 96 / 1e6),
+        False,
+    )
+    pixels = OutputSizes(AskedSize(scale=3), "pad").planned_image(path)
+    assert (pixels.passes, pixels.output_megapixels, pixels.latent_fraction) == (2, pytest.approx(0.027648), False)
+    latent = OutputSizes(AskedSize(scale=3), "pad", fraction_last=True).planned_image(path)
+    assert (latent.passes, latent.output_megapixels, latent.latent_fraction) == (1, pytest.approx(0.027648), True)
+    assert latent.stages()[-3][0] == "decode" and latent.stages()[-3][1] > pixels.stages()[-3][1] * 9 / 16
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    assert OutputSizes(1, "pad").planned_image(broken).input_megapixels == 1.0
+
+
+def test_the_node_packs_weigh_their_parts_as_the_command_plans_them():
+    """ComfyUI's and InvokeAI's nodes take their bars' weights from ``flowlift.upscale.node_choices``: an image node
+    asked for 3x through SesquiLSR plans its decode at the asked size with SesquiLSR's work; a latent node's passes
+    weigh 1 : 4 (not equally: its bar stood at half after the first of two passes, a fifth of the work), then
+    SesquiLSR's part on the megapixels its latents decode to."""
+    from flowlift.upscale import node_choices, stages
+
+    passes, size = node_choices.image_plan(3.0, 64, 48, fraction_last=True)
+    image = node_choices.image_stage_work(passes, size, 64, 48, 2, fraction_last=True)
+    planned = stages.PlannedImage("x", passes, 2 * 64 * 48 / 1e6, 2 * 192 * 144 / 1e6, latent_fraction=True)
+    assert passes == 1 and image == pytest.approx([w for name, w in planned.stages() if name != "writing"])
+    assert node_choices.image_stage_work(2, None, 64, 48) == stages.node_stage_work(2, 64 * 48 / 1e6)
+    whole = node_choices.latent_stage_work(2, None, 32, 48)
+    assert len(whole) == 2 and whole[1] == pytest.approx(4 * whole[0])
+    passes, size = node_choices.latent_plan(3.0, 32, 48, fraction_last=True)
+    parts = node_choices.latent_stage_work(passes, size, 32, 48)
+    assert (passes, size, len(parts)) == (1, (96, 144), 2)
+    fraction_mp = 96 * 144 * 64 / 1e6
+    assert parts[1] == pytest.approx(fraction_mp * stages.LATENT_UPSCALER_PER_PASS * stages.SECONDS_PER_MP["pass"])

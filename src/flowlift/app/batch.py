@@ -72,10 +72,10 @@ def _expect_stages(run: Any, planned: Any) -> None:
         if job.output is None:
             continue
         try:
-            width, height = image_size(job.source)
+            image_size(job.source)
         except ITEM_ERRORS:
             continue
-        expected.append((job.source.name, planned.sizes.passes_for(job.source), width * height / 1e6))
+        expected.append(planned.sizes.planned_image(job.source))
     UpscaleStages(run).expect(expected)
 
 

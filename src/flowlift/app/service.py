@@ -315,8 +315,8 @@ class AppService:
         self, source: Path, out: Path, settings: Any, sizes: Any, pipeline: Any, key: tuple[str, bool]
     ) -> UpscaleResult:
         """``flowlift upscale``'s per-image step (:func:`~flowlift.upscale.outputs.upscale_file`) on one upload, as
-        ``sizes`` (the plan's :class:`~flowlift.upscale.plan.OutputSizes`) planned it, its stages reported to the
-        request's run (:class:`~flowlift.upscale.stages.UpscaleStages`)."""
+        ``sizes`` (the plan's :class:`~flowlift.upscale.output_sizes.OutputSizes`) planned it, its stages reported to
+        the request's run (:class:`~flowlift.upscale.stages.UpscaleStages`)."""
         from flowlift.files.images import image_size
         from flowlift.progress import RunProgress, active
         from flowlift.upscale.outputs import upscale_file
@@ -328,8 +328,8 @@ class AppService:
         check_upload(source, self.config.max_upload_mb)
         stages = UpscaleStages(active() or RunProgress())
         try:
-            width, height = image_size(source)
-            with stages.image(source.name, passes, width * height / 1e6):
+            image_size(source)  # an unreadable upload: its one line here, before any stage
+            with stages.image(sizes.planned_image(source)):
                 image, result, notes = upscale_file(
                     pipeline,
                     settings,

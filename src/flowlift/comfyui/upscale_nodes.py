@@ -31,7 +31,13 @@ from flowlift.progress import StageParts
 from flowlift.upscale.chunked.budget import CUDA_BUDGET_FRACTION
 from flowlift.upscale.colorfix import lab_lowband_transplant
 from flowlift.upscale.latent_source import FractionalUpscaler
-from flowlift.upscale.node_choices import chunked_flag, image_plan, latent_plan
+from flowlift.upscale.node_choices import (
+    chunked_flag,
+    image_plan,
+    image_stage_work,
+    latent_plan,
+    latent_stage_work,
+)
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 from flowlift.upscale.settings import (
     CHUNKED,
@@ -42,7 +48,6 @@ from flowlift.upscale.settings import (
     MemoryPolicy,
 )
 from flowlift.upscale.sizes import MAX_OUTPUT_SIDE
-from flowlift.upscale.stages import node_stage_work
 
 log = logging.getLogger("flowlift")
 
@@ -215,7 +220,7 @@ class FlowliftUpscaleLatent(io.ComfyNode):
         spec = latent_upscaler_spec(latent_upscaler)
         passes, size = latent_plan(checked.pop("scale"), *latents.shape[-2:], fraction_last=spec is not None)
         statistics = latent_statistics(vae) if size is not None else None  # before any work: one line without
-        progress = Progress(passes + (size is not None))
+        progress = Progress(passes + (size is not None), latent_stage_work(passes, size, *latents.shape[-2:]))
         pipeline = make_pipeline(upscaler, None, chunked, progress)
         result = latents
         if passes:
@@ -293,9 +298,9 @@ class FlowliftUpscaleImage(io.ComfyNode):
         passes, size = image_plan(
             checked.pop("scale"), images.shape[-1], images.shape[-2], fraction_last=spec is not None
         )
-        megapixels = images.shape[0] * images.shape[-1] * images.shape[-2] / 1e6
+        batch, height, width = images.shape[0], *images.shape[-2:]
         # encode, passes, decode, colour fix, weighed as every door weighs them
-        progress = Progress(passes + 3, node_stage_work(passes, megapixels))
+        progress = Progress(passes + 3, image_stage_work(passes, size, width, height, batch, fraction_last=bool(spec)))
         if isinstance(vae, FlowliftComfyVAE):
             flowlift_vae, also = vae.adapter, [vae.patcher]  # flowlift's own adapter (TAEF2: exact tiling by size)
         else:  # ComfyUI's VAE loads itself when it encodes and decodes

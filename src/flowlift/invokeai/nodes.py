@@ -63,7 +63,14 @@ from flowlift.upscale.colorfix_image import color_fix_image
 from flowlift.upscale.latent_fraction import find_sesqui
 from flowlift.upscale.latent_source import FractionalUpscaler
 from flowlift.upscale.loading import DEFAULT_UPSCALER
-from flowlift.upscale.node_choices import CHUNKING, chunked_flag, image_plan, latent_plan
+from flowlift.upscale.node_choices import (
+    CHUNKING,
+    chunked_flag,
+    image_plan,
+    image_stage_work,
+    latent_plan,
+    latent_stage_work,
+)
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 from flowlift.upscale.settings import (
     CHUNKED,
@@ -73,7 +80,6 @@ from flowlift.upscale.settings import (
     TRANSPLANT_STRENGTH,
     MemoryPolicy,
 )
-from flowlift.upscale.stages import node_stage_work
 
 CATEGORY = "flowlift"
 #: The flowlift-run VAEs' names, for the image node's field (from the one declaration, flowlift.models.vae_names).
@@ -186,7 +192,8 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
         check_flux2_vae_field(context, self.vae, what)
         with context.models.load(self.vae.vae).model_in_ram() as vae_module:
             vae = flux2_vae_adapter(vae_module, what)
-        progress = NodeProgress(context, what, passes + (size is not None))
+        work = latent_stage_work(passes, size, raw.shape[-2], raw.shape[-1])
+        progress = NodeProgress(context, what, passes + (size is not None), work)
         source = installed_model_path(context, self.upscaler_model, self.upscaler)
         upscaler = load_upscaler_cached(context, source, progress.check_cancel)
         with on_device(upscaler, "the Flow Upscaler") as (unet, device, dtype):
@@ -268,8 +275,9 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
         check_output_cap(image.height, image.width, passes, what)
         if self.vae is not None:
             check_flux2_vae_field(context, self.vae, what)
-        megapixels = image.width * image.height / 1e6  # encode, passes, decode, colour fix, weighed as every door
-        progress = NodeProgress(context, what, passes + 3, node_stage_work(passes, megapixels))
+        # encode, passes, decode, colour fix, weighed as every door weighs them
+        work = image_stage_work(passes, size, image.width, image.height, fraction_last=spec is not None)
+        progress = NodeProgress(context, what, passes + 3, work)
         source = installed_model_path(context, self.upscaler_model, self.upscaler)
         upscaler = load_upscaler_cached(context, source, progress.check_cancel)
         if self.vae is not None:

@@ -55,6 +55,33 @@ def latent_plan(
     return passes_for_scale(asked.scale, fraction_last=True), hires_latent_size(height, width, asked.scale)
 
 
+def image_stage_work(
+    passes: int, size: tuple[int, int] | None, width: int, height: int, batch: int = 1, *, fraction_last: bool = False
+) -> list[float]:
+    """An image node's progress weights for ``batch`` images of ``width x height`` planned by :func:`image_plan`
+    (``passes``, ``size``: the (width, height) asked, None for the passes' own output), with SesquiLSR's work where
+    ``fraction_last`` and it has some: :func:`~flowlift.upscale.stages.node_stage_work`, as every door plans."""
+    from flowlift.upscale.latent_fraction import fraction_runs
+    from flowlift.upscale.stages import node_stage_work
+
+    megapixels = batch * width * height / 1e6
+    if size is None:
+        return node_stage_work(passes, megapixels)
+    fraction = fraction_last and fraction_runs(height, width, "pad", passes, size)
+    return node_stage_work(passes, megapixels, batch * size[0] * size[1] / 1e6, latent_fraction=fraction)
+
+
+def latent_stage_work(passes: int, size: tuple[int, int] | None, height: int, width: int) -> list[float]:
+    """A latent node's progress weights for ``height x width`` latents planned by :func:`latent_plan` (``passes``,
+    ``size``: SesquiLSR's latent (height, width), None when it does not run), in image megapixels (8 px a latent):
+    :func:`~flowlift.upscale.stages.latent_node_stage_work`."""
+    from flowlift.upscale.stages import latent_node_stage_work
+
+    per_latent = 64 / 1e6
+    fraction = None if size is None else size[0] * size[1] * per_latent
+    return latent_node_stage_work(passes, height * width * per_latent, fraction)
+
+
 def chunked_flag(chunked: str) -> bool | None:
     """The pipeline's ``chunked`` argument: 'auto' -> None (decided by size), 'always' -> True, 'never' -> False."""
     if chunked not in CHUNKING:

@@ -21,17 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from flowlift.errors import FlowliftError
-from flowlift.jobs.batch import Job, Target, error_line, plan_targets, report
+from flowlift.jobs.batch import Job, plan_targets, report
 from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S, DistEnv
 from flowlift.knobs import OVERWRITE, check_kind, check_path, check_paths, check_positive
 from flowlift.upscale.asked_size import AskedSize
 from flowlift.upscale.loading import DEFAULT_UPSCALER
-from flowlift.upscale.outputs import UpscaleSettings, output_name
+from flowlift.upscale.output_sizes import OutputSizes
+from flowlift.upscale.outputs import UpscaleSettings
 from flowlift.upscale.settings import RESIZE_MODE
 
 __all__ = [
-    "FORMAT_MAX_SIDE",
-    "OutputSizes",
     "UpscalePlan",
     "UpscaleRequest",
     "UpscaleStep",
@@ -41,8 +40,6 @@ __all__ = [
 ]
 
 COMMAND = "upscale"
-#: Largest side each output format can store (WebP's 14-bit dimensions; JPEG's 16-bit).
-FORMAT_MAX_SIDE = {".webp": 16383, ".jpg": 65535, ".jpeg": 65535}
 
 
 @dataclass(frozen=True)
@@ -113,111 +110,6 @@ class UpscaleRequest:
         if self.long_side is None and self.size is None:
             return AskedSize(scale=2.0 if self.scale is None else self.scale)
         return AskedSize(scale=self.scale, long_side=self.long_side, size=self.size)
-
-
-class OutputSizes:
-    """Per input, from its header only: the passes that will run (the cap may drop some), what the output is
-    named by, the (width, height) a complete output has, whether the decoded frame is resampled to it, and the
-    line that says when the cap dropped passes (so that the command prints it before any work).
-
-    ``asked``: an :class:`~flowlift.upscale.asked_size.AskedSize` (or a number of passes, the scale ``2**N``). A
-    power-of-two scale is the passes' own output, the cap dropping whole passes (named by the scale that ran);
-    any other request is its exact size, refused in one line when over 8x, over the cap or below the input.
-    ``fraction_last`` (a latent upscaler, :mod:`flowlift.upscale.latent_fraction`): such a request runs one pass
-    fewer and leaves the fraction to SesquiLSR, refused in one line when a side falls outside its [1, 2].
-    """
-
-    def __init__(self, asked: AskedSize | int, resize_mode: str, fraction_last: bool = False) -> None:
-        self.asked = asked if isinstance(asked, AskedSize) else AskedSize.of_passes(asked)
-        self.resize_mode = resize_mode
-        self.fraction_last = fraction_last
-        self._cache: dict[Path, tuple[int, tuple[int, int] | None, str | None, Any]] = {}
-
-    @property
-    def passes(self) -> int:
-        """The passes of a power-of-two request (0 for any other: those depend on the input)."""
-        return self.asked.passes
-
-    def _plan(self, path: Path) -> tuple[int, tuple[int, int] | None, str | None, Any]:
-        from flowlift.files.images import image_size
-
-        if path not in self._cache:
-            try:
-                width, height = image_size(path)
-            except FlowliftError:  # unreadable: named by the request, it fails in its own step (one line)
-                self._cache[path] = max(1, self.passes), None, None, self.asked.named_by(self.asked.size or (0, 0))
-                return self._cache[path]
-            self._cache[path] = self._sized(path, width, height)
-        return self._cache[path]
-
-    def _sized(self, path: Path, width: int, height: int) -> tuple[int, tuple[int, int], str | None, Any]:
-        from flowlift.upscale.latent_fraction import fraction_passes
-        from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, dropped_passes_message, planned_passes, upscaled_size
-
-        try:
-            target = None if self.asked.power_of_two else self.asked.target(width, height)
-        except FlowliftError as error:
-            raise FlowliftError(f"{path}: {error}") from None
-        fraction = self.fraction_last and target is not None
-        try:  # SesquiLSR for the fraction: its passes, each side left 1-2x (else one line, before any work)
-            asked = fraction_passes(height, width, self.resize_mode, target) if fraction else None
-        except FlowliftError as error:
-            raise FlowliftError(f"{path}: {error.template}", field=error.fields) from None
-        if asked is None:
-            asked = self.asked.passes if target is None else self.asked.passes_for(width, height)
-        run = planned_passes(height, width, asked, self.resize_mode, MAX_OUTPUT_SIDE)
-        if run == 0 and not fraction:
-            raise FlowliftError(
-                f"{path}: a {width}x{height} image cannot be upscaled: one 2x pass would exceed "
-                f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px"
-            )
-        note = None
-        if run < asked:
-            note = dropped_passes_message(width, height, asked, run, self.resize_mode)
-            if target is not None:
-                note += f"; then resampled up to the asked {target[0]}x{target[1]}"
-        if target is None:
-            out_h, out_w = upscaled_size(height, width, run, self.resize_mode)
-            return run, (out_w, out_h), note, 2**run
-        return run, target, note, self.asked.named_by(target)
-
-    def passes_for(self, path: Path) -> int:
-        """The passes that run for ``path``: the requested ones, fewer when the cap drops some."""
-        return self._plan(path)[0]
-
-    def named_by(self, path: Path) -> float | tuple[int, int]:
-        """What ``path``'s output name carries: the scale that runs (``_x4``, ``_x1.5``) or the size (``_WxH``)."""
-        return self._plan(path)[3]
-
-    def output_size(self, path: Path) -> tuple[int, int] | None:
-        return self._plan(path)[1]
-
-    def resample_to(self, path: Path) -> tuple[int, int] | None:
-        """The (width, height) the decoded frame is resampled to (the asked size), None for a power of two."""
-        return None if self.asked.power_of_two else self._plan(path)[1]
-
-    def dropped_note(self, path: Path) -> str | None:
-        """``Flow Upscaler: 20 pass(es) on a 64x48 image would exceed ...`` when the cap drops passes, else None."""
-        return self._plan(path)[2]
-
-    def target(self, path: Path, single_file: Path | None, folder: Path | None, output_format: str) -> Target:
-        """Where ``path``'s output goes (``single_file``, else ``<folder or next to it>/<stem>_x<N>.<format>``),
-        the size it must have, or why it has none (unreadable header, over the cap or the format's limit)."""
-        try:
-            out = single_file or (folder or path.parent) / output_name(path, self.named_by(path), output_format)
-        except FlowliftError as error:
-            return Target(path, None, error_line(error))
-        size = self.output_size(path)
-        note = self.dropped_note(path) or ""  # said before any work if the job runs
-        return Target(path, out, format_limit_problem(out, size), expected_size=size, warning=note)
-
-
-def format_limit_problem(out: Path, size: tuple[int, int] | None) -> str:
-    """Why ``out``'s format cannot hold an image of ``size`` (``""`` when it can)."""
-    limit = FORMAT_MAX_SIDE.get(out.suffix.lower())
-    if limit is None or size is None or max(size) <= limit:
-        return ""
-    return f"output {out} would be {size[0]}x{size[1]}, over {out.suffix} format's {limit} px limit; write it as png"
 
 
 @dataclass
@@ -354,21 +246,17 @@ class UpscaleStep:
     def expect(self, sources: Sequence[Path]) -> None:
         """The images the batch will run, in order (:func:`flowlift.jobs.batch.run_jobs` says once it knows which
         are skipped): their stages are planned, so the time left covers the whole run."""
-        from flowlift.files.images import image_size
         from flowlift.progress import active
         from flowlift.upscale.stages import UpscaleStages
 
         run = active()
         if run is not None:
-            UpscaleStages(run).expect(
-                [(path.name, self.plan.sizes.passes_for(path), _megapixels(path, image_size)) for path in sources]
-            )
+            UpscaleStages(run).expect([self.plan.sizes.planned_image(path) for path in sources])
 
     def __call__(self, path: Path, out: Path) -> None:
         from tqdm import tqdm
 
         from flowlift.console import progress_bar
-        from flowlift.files.images import image_size
         from flowlift.progress import RunProgress, active
         from flowlift.upscale.outputs import upscale_file
         from flowlift.upscale.stages import UpscaleStages
@@ -384,7 +272,7 @@ class UpscaleStep:
             steps.update(1)
             steps.set_postfix_str(_bar_note(stages.run), refresh=False)
 
-        with steps, stages.image(path.name, count, _megapixels(path, image_size)):
+        with steps, stages.image(self.plan.sizes.planned_image(path)):
             _, _, notes = upscale_file(
                 self.pipeline,
                 self.request.settings,
@@ -399,14 +287,6 @@ class UpscaleStep:
             )
         for note in notes:  # anything the pipeline warned about this image: one line, not a stack
             report(COMMAND, path, f"warning: {note}", write=lambda line: tqdm.write(line, file=sys.stderr))
-
-
-def _megapixels(path: Path, image_size: Callable[[Path], tuple[int, int]]) -> float:
-    try:
-        width, height = image_size(path)
-    except Exception:  # noqa: BLE001 - a planning weight only: the image's own step reports what is wrong
-        return 1.0
-    return width * height / 1e6
 
 
 def _bar_note(run: Any) -> str:

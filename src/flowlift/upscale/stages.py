@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,24 +23,72 @@ from flowlift.progress import RunProgress
 #: measures this run's own seconds per unit of work, so a GPU, bf16 or a loaded machine change the time left, not
 #: the ratios.
 SECONDS_PER_MP = {"encode": 2.82, "pass": 4.17, "decode": 3.61, "color fix": 0.57, "writing": 0.14}
+#: SesquiLSR's CPU time per megapixel it makes, as a share of a Flow pass's: 0.31 at 1.5x, 0.22 at 2x (float32,
+#: 512-px input, ``benchmarks/bench_latent_upscalers.py --pixels 512``, a 2-core Intel Xeon; docs/upscale.md).
+LATENT_UPSCALER_PER_PASS = 0.3
 
 
-def upscale_stages(passes: int, input_megapixels: float) -> list[tuple[str, float]]:
-    """The stages of one upscale and their work: the megapixels each produces (pass ``i`` of ``n`` makes ``4**i``
-    input-sized pictures, the decode, colour fix and writing ``4**n``) times :data:`SECONDS_PER_MP`."""
-    out = 4.0**passes
-    produced = [("encode", 1.0)] + [(f"pass {i}/{passes}", 4.0**i) for i in range(1, passes + 1)]
-    produced += [("decode", out), ("color fix", out), ("writing", out)]
-    return [
-        (name, count * input_megapixels * SECONDS_PER_MP[name.split(" ")[0] if name.startswith("pass ") else name])
-        for name, count in produced
+@dataclass(frozen=True)
+class PlannedImage:
+    """One image's upscale as planned from its header: ``name``, the ``passes`` that run, the input's megapixels,
+    the output's (the asked size; None: the passes' own output, ``4**passes`` times the input) and whether SesquiLSR
+    sizes its latents to the output before the decode (``latent_fraction``)."""
+
+    name: str
+    passes: int
+    input_megapixels: float
+    output_megapixels: float | None = None
+    latent_fraction: bool = False
+
+    def stages(self) -> list[tuple[str, float]]:
+        """:func:`upscale_stages` of this image."""
+        return upscale_stages(
+            self.passes, self.input_megapixels, self.output_megapixels, latent_fraction=self.latent_fraction
+        )
+
+
+def upscale_stages(
+    passes: int, input_megapixels: float, output_megapixels: float | None = None, *, latent_fraction: bool = False
+) -> list[tuple[str, float]]:
+    """The stages of one upscale and their work: the megapixels each produces times :data:`SECONDS_PER_MP`.
+
+    Pass ``i`` of ``n`` makes ``4**i`` input-sized pictures. The decode makes the passes' ``4**n``, or with
+    ``latent_fraction`` the output's (SesquiLSR sized the latents to it) plus SesquiLSR's own work on as many
+    megapixels (it runs after the last pass's report and before the decode's: within the decode stage). The colour
+    fix and the writing make the output's megapixels (``output_megapixels``, the asked size; default the passes'
+    ``4**n`` times the input: a power-of-two scale).
+    """
+    passes_out = 4.0**passes * input_megapixels
+    output = passes_out if output_megapixels is None else output_megapixels
+    decode = SECONDS_PER_MP["decode"] * passes_out
+    if latent_fraction:
+        decode = (SECONDS_PER_MP["decode"] + SECONDS_PER_MP["pass"] * LATENT_UPSCALER_PER_PASS) * output
+    stages = [("encode", SECONDS_PER_MP["encode"] * input_megapixels)]
+    stages += [(f"pass {i}/{passes}", SECONDS_PER_MP["pass"] * 4.0**i * input_megapixels) for i in range(1, passes + 1)]
+    return stages + [
+        ("decode", decode),
+        ("color fix", SECONDS_PER_MP["color fix"] * output),
+        ("writing", SECONDS_PER_MP["writing"] * output),
     ]
 
 
-def node_stage_work(passes: int, input_megapixels: float) -> list[float]:
+def node_stage_work(
+    passes: int, input_megapixels: float, output_megapixels: float | None = None, *, latent_fraction: bool = False
+) -> list[float]:
     """The work of an image node's stages (encode, the passes, decode, colour fix; the host writes the image), in
     :func:`upscale_stages`' units: the weights of ComfyUI's and InvokeAI's progress bars."""
-    return [work for name, work in upscale_stages(passes, input_megapixels) if name != "writing"]
+    stages = upscale_stages(passes, input_megapixels, output_megapixels, latent_fraction=latent_fraction)
+    return [work for name, work in stages if name != "writing"]
+
+
+def latent_node_stage_work(passes: int, input_megapixels: float, fraction_megapixels: float | None) -> list[float]:
+    """The work of a latent node's stages (each pass, then SesquiLSR when ``fraction_megapixels``, the megapixels
+    its latents decode to, is not None), in :func:`upscale_stages`' units: pass ``i`` makes ``4**i`` times the
+    input's (``input_megapixels``: the megapixels the input latents decode to)."""
+    work = [SECONDS_PER_MP["pass"] * 4.0**i * input_megapixels for i in range(1, passes + 1)]
+    if fraction_megapixels is not None:
+        work.append(SECONDS_PER_MP["pass"] * LATENT_UPSCALER_PER_PASS * fraction_megapixels)
+    return work
 
 
 def _size(paths: Sequence[Path]) -> str:
@@ -93,21 +142,16 @@ class UpscaleStages:
     def __init__(self, run: RunProgress) -> None:
         self.run = run
 
-    def expect(self, images: Sequence[tuple[str, int, float]]) -> None:
-        """Plan ``(name, passes, input megapixels)`` images, in the order they will run."""
-        self.run.plan(
-            [
-                (f"{name}: {stage}", work)
-                for name, passes, megapixels in images
-                for stage, work in upscale_stages(passes, megapixels)
-            ]
-        )
+    def expect(self, images: Sequence[PlannedImage]) -> None:
+        """Plan ``images``, in the order they will run."""
+        self.run.plan([(f"{image.name}: {stage}", work) for image in images for stage, work in image.stages()])
 
     @contextlib.contextmanager
-    def image(self, name: str, passes: int, input_megapixels: float) -> Iterator[None]:
-        """The block that upscales and writes image ``name`` (planned here unless :meth:`expect` planned it)."""
+    def image(self, planned: PlannedImage) -> Iterator[None]:
+        """The block that upscales and writes image ``planned.name`` (planned here unless :meth:`expect` planned it)."""
+        name = planned.name
         if not any(stage.name == f"{name}: encode" and stage.ended is None for stage in self.run.stages):
-            self.expect([(name, passes, input_megapixels)])
+            self.expect([planned])
         self.run.group = name
         self.run.begin("encode")
         try:
