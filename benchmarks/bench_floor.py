@@ -15,7 +15,9 @@ with timers and FLOP counters wrapped around its stages from outside (the comman
 - **The peak**: a calibration kernel in the same run, alternating with the commands: the UNet's main convolution
   (384 -> 384 channels, 3x3, on a 64x96 map, channels-last) in bfloat16 and in float32, timed the same way.
   The floor is the counted FLOPs at that peak, in CPU-seconds; a stage's "% of peak" is its GFLOP per
-  CPU-second over the peak's.
+  CPU-second over the peak's. Where the machine's speed drifts between commands (a shared host), each run's
+  own ratio is also given: its CPU time over the floor at the mean of the two calibrations either side of it;
+  and Mage-VAE's CPU time over TAEF2's repeat by repeat, the two commands running next to each other.
 
 Variants: ``--vae taef2`` (the real TAEF2 of ``../shared/models/taef2``) and ``--vae mage`` (a random full-size
 Mage-VAE in the released layout), on the whole kodim23 768x512 at 4x (the README's first command) and a 256x256
@@ -330,8 +332,10 @@ def crop_256(source: Path, work: Path) -> Path:
     return path
 
 
-def summarize(runs: list[dict], peak: float) -> dict:
-    """Median CPU time per stage, the FLOPs (the same every run), the whole process's CPU time and the floor."""
+def summarize(runs: list[dict], peak: float, peaks: list[dict]) -> dict:
+    """Median CPU time per stage, the FLOPs (the same every run), the whole process's CPU time and the floor; and
+    each run's own ratio to the floor at the mean of the two calibrations around it (``run["between"]``: their
+    indices in ``peaks``), which follows the machine's drift from one command to the next."""
     stages: list[str] = []
     for run in runs:
         stages += [s for s in run["result"]["cpu"] if s not in stages]
@@ -340,18 +344,47 @@ def summarize(runs: list[dict], peak: float) -> dict:
     total_cpu = statistics.median(r["cpu"] for r in runs)
     total_flop = sum(flop.values())
     floor = total_flop / peak / 1e9
-    return {"cpu": cpu, "flop": flop, "total_cpu": total_cpu, "total_flop": total_flop, "floor": floor}
+    ratios = []
+    for run in runs:
+        local_peak = statistics.mean(peaks[i]["bfloat16"] for i in run["between"])
+        ratios.append(run["cpu"] / (total_flop / local_peak / 1e9))
+    return {
+        "cpu": cpu,
+        "flop": flop,
+        "total_cpu": total_cpu,
+        "total_flop": total_flop,
+        "floor": floor,
+        "local_ratios": ratios,
+    }
+
+
+def paired_ratios(results: dict[str, list[dict]]) -> list[str]:
+    """Mage-VAE's CPU time over TAEF2's, repeat by repeat, for each size that ran both: the two commands run next to
+    each other in every repeat (the order mirrors), so each ratio sees one state of the machine."""
+    lines = []
+    for name, runs in results.items():
+        if not name.startswith("--vae taef2, "):
+            continue
+        mage = results.get(name.replace("--vae taef2, ", "--vae mage, ", 1))
+        if not mage:
+            continue
+        ratios = [m["cpu"] / t["cpu"] for m, t in zip(mage, runs, strict=True)]
+        cells = ", ".join(f"{r:.2f}" for r in ratios)
+        size = name.removeprefix("--vae taef2, ")
+        lines.append(f"- {size}: Mage-VAE / TAEF2 CPU time {cells} (median {statistics.median(ratios):.2f})")
+    return lines
 
 
 def print_tables(summaries: dict[str, dict], peak: float, fp32_peak: float) -> None:
     names = list(summaries)
     print(f"\npeak (calibration, median): bfloat16 {peak:.0f}, float32 {fp32_peak:.0f} GFLOP per CPU-second\n")
-    print("| variant | TFLOP | CPU-s (process) | floor CPU-s | CPU / floor | CPU - floor |")
-    print("|---|---|---|---|---|---|")
+    print("| variant | TFLOP | CPU-s (process) | floor CPU-s | CPU / floor | CPU - floor | each run / its own floor |")
+    print("|---|---|---|---|---|---|---|")
     for name, s in summaries.items():
+        local = ", ".join(f"{r:.2f}x" for r in s["local_ratios"])
         print(
             f"| {name} | {s['total_flop'] / 1e12:.3f} | {s['total_cpu']:.1f} | {s['floor']:.1f} | "
-            f"{s['total_cpu'] / s['floor']:.2f}x | {s['total_cpu'] - s['floor']:+.1f} |"
+            f"{s['total_cpu'] / s['floor']:.2f}x | {s['total_cpu'] - s['floor']:+.1f} | {local} |"
         )
     rows: list[str] = []
     for s in summaries.values():
@@ -443,6 +476,7 @@ def main() -> None:
         for name in order:
             peaks.append(run_child(["--calibrate", str(args.calibrate_seconds)], base_env, "calibration")["result"])
             run = run_child(variants[name][0], variants[name][1], name)
+            run["between"] = (len(peaks) - 1, len(peaks))  # the calibrations just before and just after it
             loads += list(run["load"])
             results[name].append(run)
     peaks.append(run_child(["--calibrate", str(args.calibrate_seconds)], base_env, "calibration")["result"])
@@ -450,7 +484,8 @@ def main() -> None:
     fp32_peak = statistics.median(p["float32"] for p in peaks)
     rates = ", ".join(f"{p['bfloat16']:.0f}" for p in peaks)
     print(f"calibrations (bf16 GFLOP per CPU-s): {rates}; load average {min(loads):.1f}-{max(loads):.1f}")
-    print_tables({name: summarize(runs, peak) for name, runs in results.items()}, peak, fp32_peak)
+    print_tables({name: summarize(runs, peak, peaks) for name, runs in results.items()}, peak, fp32_peak)
+    print("\n" + "\n".join(paired_ratios(results)))
 
 
 if __name__ == "__main__":
