@@ -3,13 +3,14 @@
 Runs the per-image step every door runs (``upscale_file`` with the pipeline's stage and decode-tile callbacks
 through :class:`~flowlift.upscale.stages.UpscaleStages` into a :class:`~flowlift.progress.RunProgress`, whose time
 left is calibrated on that run alone) on one photo, with a random full-size Flow Upscaler checkpoint (time does not
-depend on weight values) and the real TAEF2 from ``../shared/models/taef2``. The request runs twice (the first also
-pays the one-off kernel set-up, as a first request does); a poller reads the estimate every 0.1 s. The table gives
-the worst factor between the estimate and the truth (1.0 is exact) over the whole run once an estimate exists, and
-over its last quarter, and the stage times. ``--json`` prints the measured seconds per megapixel (what
+depend on weight values) and the real TAEF2 from ``../shared/models/taef2``, planned as the command plans it
+(``OutputSizes``: any ``--scale`` in [1, 8], e.g. 3 is two passes resampled down). The request runs twice (the first
+also pays the one-off kernel set-up, as a first request does); a poller reads the estimate every 0.1 s. The table
+gives the worst factor between the estimate and the truth (1.0 is exact) over the whole run once an estimate exists,
+and over its last quarter, and the stage times. ``--json`` prints the measured seconds per megapixel (what
 ``flowlift.upscale.stages.SECONDS_PER_MP`` holds).
 
-    PYTHONPATH=src python benchmarks/bench_app_eta.py [--image PATH] [--scale 2] [--device cpu] [--dtype auto]
+    PYTHONPATH=src python benchmarks/bench_app_eta.py [--image PATH] [--scale 2|3|4...] [--device cpu] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -27,15 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_first_run import random_checkpoint  # noqa: E402
 
 
-def run_request(pipeline, settings, passes, source, out, hashes):  # noqa: ANN001, ANN201
-    """One upload as the doors run it; returns (polls [(seconds since start, time left or None)], total, stage
-    seconds by kind)."""
+def run_request(pipeline, settings, sizes, source, out, hashes):  # noqa: ANN001, ANN201
+    """One upload as the doors run it (``sizes``: the plan's ``OutputSizes``); returns (polls [(seconds since start,
+    time left or None)], total, stage seconds by kind)."""
     import threading
 
-    from flowlift.files.images import image_size
     from flowlift.progress import RunProgress
     from flowlift.upscale.outputs import upscale_file
-    from flowlift.upscale.stages import PlannedImage, UpscaleStages
+    from flowlift.upscale.stages import UpscaleStages
 
     run = RunProgress()
     polls: list[tuple[float, float | None]] = []
@@ -48,10 +48,20 @@ def run_request(pipeline, settings, passes, source, out, hashes):  # noqa: ANN00
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
-    width, height = image_size(source)
     stages = UpscaleStages(run)
-    with stages.image(PlannedImage(source.name, passes, width * height / 1e6)):
-        upscale_file(pipeline, settings, passes, source, out, hashes, stages.stage, stages.decode_tile)
+    with stages.image(sizes.planned_image(source)):
+        upscale_file(
+            pipeline,
+            settings,
+            sizes.passes_for(source),
+            source,
+            out,
+            hashes,
+            stages.stage,
+            stages.decode_tile,
+            sizes.resample_to(source),
+            sizes.asked,
+        )
     stop.set()
     poller.join()
     total = run.state().elapsed
@@ -89,16 +99,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shared", default=os.environ.get("FLOWLIFT_SHARED", str(ROOT.parent / "shared")))
     parser.add_argument("--image", default=None, help="default: the 1024x693 photo Picture_0B")
-    parser.add_argument("--scale", type=int, default=2, choices=(2, 4, 8))
+    parser.add_argument("--scale", type=float, default=2.0, help="any factor in [1, 8] (3: two passes, resampled)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--json", action="store_true", help="print the measured seconds per megapixel")
     args = parser.parse_args()
     import torch
-    from PIL import Image
 
     from flowlift.devices import resolve_device_dtype
-    from flowlift.limits import passes_for_scale
+    from flowlift.upscale.asked_size import AskedSize
+    from flowlift.upscale.output_sizes import OutputSizes
     from flowlift.upscale.outputs import UpscaleSettings, model_hashes
     from flowlift.upscale.pipeline import FlowUpscalerPipeline
     from flowlift.upscale.stages import SECONDS_PER_MP
@@ -112,16 +122,14 @@ def main() -> None:
     pipeline = FlowUpscalerPipeline(str(weights), vae, device=device, dtype=dtype)
     settings = UpscaleSettings(seed=0, vae=vae, upscaler=str(weights))
     hashes = model_hashes(pipeline)
-    passes = passes_for_scale(args.scale)
-    width, height = Image.open(source).size
-    megapixels = width * height / 1e6
+    sizes = OutputSizes(AskedSize(scale=args.scale), "pad")
     rows = []
     for label in ("first", "second"):
-        polls, total, seconds = run_request(pipeline, settings, passes, source, work / f"{label}.png", hashes)
+        polls, total, seconds = run_request(pipeline, settings, sizes, source, work / f"{label}.png", hashes)
         rows.append((label, worst_factor(polls, total), worst_factor(polls, total, 0.75), total, seconds))
     cpu = cpu_model()
     print(
-        f"{source.name} x{args.scale}, {device} {str(dtype).removeprefix('torch.')}, TAEF2, random full-size UNet, "
+        f"{source.name} x{args.scale:g}, {device} {str(dtype).removeprefix('torch.')}, TAEF2, random full-size UNet, "
         f"{os.cpu_count()} CPUs ({cpu}), torch {torch.__version__}"
     )
     print(
@@ -133,10 +141,8 @@ def main() -> None:
         cells = " | ".join(f"{seconds.get(k, 0.0):.1f} s" for k in ("encode", "pass", "decode", "color fix", "writing"))
         print(f"| {label} | {worst:.2f}x | {last:.2f}x | {total:.1f} s | {cells} |")
     if args.json:
-        from flowlift.upscale.stages import upscale_stages
-
         produced: dict[str, float] = {}
-        for name, work in upscale_stages(passes, megapixels):
+        for name, work in sizes.planned_image(source).stages():
             kind = "pass" if name.startswith("pass ") else name
             produced[kind] = produced.get(kind, 0.0) + work / SECONDS_PER_MP[kind]
         print(json.dumps({kind: round(rows[-1][4].get(kind, 0.0) / mp, 4) for kind, mp in produced.items()}, indent=1))
