@@ -41,6 +41,7 @@ class OutputSizes:
         self.resize_mode = resize_mode
         self.fraction_last = fraction_last
         self._cache: dict[Path, tuple[int, tuple[int, int] | None, str | None, Any]] = {}
+        self._input: dict[Path, tuple[int, int] | None] = {}  # each header's (width, height), None: unreadable
 
     @property
     def passes(self) -> int:
@@ -54,8 +55,10 @@ class OutputSizes:
             try:
                 width, height = image_size(path)
             except FlowliftError:  # unreadable: named by the request, it fails in its own step (one line)
+                self._input[path] = None
                 self._cache[path] = max(1, self.passes), None, None, self.asked.named_by(self.asked.size or (0, 0))
                 return self._cache[path]
+            self._input[path] = width, height
             self._cache[path] = self._sized(path, width, height)
         return self._cache[path]
 
@@ -98,17 +101,13 @@ class OutputSizes:
         """``path``'s upscale as its stages are planned (:class:`~flowlift.upscale.stages.PlannedImage`): the passes
         that run, the input's and the output's megapixels, whether SesquiLSR sizes the latents (a header that cannot
         be read: 1 megapixel, a planning weight only: its own step says what is wrong)."""
-        from flowlift.files.images import image_size
         from flowlift.upscale.latent_fraction import fraction_runs
         from flowlift.upscale.stages import PlannedImage
 
         passes, out, _, _ = self._plan(path)
-        try:
-            width, height = image_size(path)
-        except Exception:  # noqa: BLE001 - a planning weight only (see above)
+        if out is None or self._input[path] is None:
             return PlannedImage(path.name, passes, 1.0)
-        if out is None:
-            return PlannedImage(path.name, passes, width * height / 1e6)
+        width, height = self._input[path]
         fraction = (
             self.fraction_last
             and not self.asked.power_of_two
