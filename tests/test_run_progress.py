@@ -225,21 +225,28 @@ def test_an_image_nodes_stages_are_the_upscale_stages_the_host_does_not_write():
 
 def test_an_asked_size_plans_each_stage_at_the_pixels_it_makes():
     """Any output size (scale 3, a long side, a size): the passes make their 4**i, the decode the passes' output, the
-    colour fix and the writing the asked size; with SesquiLSR sizing the latents the decode makes the asked size and
-    carries SesquiLSR's own work (it runs between the last pass's report and the decode's). Before, every stage
-    after the passes was planned at the passes' output: a 3x through SesquiLSR planned its decode at 4 input
-    megapixels where it decodes 9, and its time left fell short by the SesquiLSR and most of the decode."""
-    from flowlift.upscale.stages import LATENT_UPSCALER_PER_PASS, SECONDS_PER_MP, upscale_stages
+    colour fix (after resampling the decoded frame) and the writing the asked size; with SesquiLSR sizing the
+    latents the decode makes the asked size and carries SesquiLSR's own work (it runs between the last pass's
+    report and the decode's). Before, every stage after the passes was planned at the passes' output: a 3x through
+    SesquiLSR planned its decode at 4 input megapixels where it decodes 9, and its time left fell short by the
+    SesquiLSR and most of the decode."""
+    from flowlift.upscale.stages import (
+        LATENT_UPSCALER_PER_PASS,
+        RESAMPLE_SECONDS_PER_MP,
+        SECONDS_PER_MP,
+        upscale_stages,
+    )
 
     pixels = dict(upscale_stages(2, 1.0, 9.0))  # 3x in pixels: 2 passes (4x), resampled down to 9 input MP
     assert pixels["pass 2/2"] == pytest.approx(4 * pixels["pass 1/2"])
     assert pixels["decode"] == pytest.approx(16 * SECONDS_PER_MP["decode"])
-    assert pixels["color fix"] == pytest.approx(9 * SECONDS_PER_MP["color fix"])
+    assert pixels["color fix"] == pytest.approx(9 * SECONDS_PER_MP["color fix"] + 16 * RESAMPLE_SECONDS_PER_MP)
     assert pixels["writing"] == pytest.approx(9 * SECONDS_PER_MP["writing"])
     latent = dict(upscale_stages(1, 1.0, 9.0, latent_fraction=True))  # 3x through SesquiLSR: 1 pass, then 1.5x
     assert list(latent) == ["encode", "pass 1/1", "decode", "color fix", "writing"]
     sesqui = 9 * LATENT_UPSCALER_PER_PASS * SECONDS_PER_MP["pass"]
     assert sesqui > 0 and latent["decode"] == pytest.approx(9 * SECONDS_PER_MP["decode"] + sesqui)
+    assert latent["color fix"] == pytest.approx(9 * SECONDS_PER_MP["color fix"])  # SesquiLSR sized it: no resample
     assert dict(upscale_stages(2, 1.0)) == dict(upscale_stages(2, 1.0, 16.0))  # a power of two: as before
 
 

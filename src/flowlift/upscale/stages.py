@@ -19,10 +19,14 @@ from flowlift.progress import RunProgress
 
 #: Planned seconds per megapixel produced by each stage kind (the input's pixels for ``encode``, the pass's output
 #: for ``pass``, the result's for the rest), measured with the released UNet architecture, TAEF2 and float32 on a
-#: 2-core AMD EPYC (``benchmarks/bench_app_eta.py``). Only their ratios matter: :class:`~flowlift.progress.RunProgress`
-#: measures this run's own seconds per unit of work, so a GPU, bf16 or a loaded machine change the time left, not
-#: the ratios.
-SECONDS_PER_MP = {"encode": 2.82, "pass": 4.17, "decode": 3.61, "color fix": 0.57, "writing": 0.14}
+#: 2-core Intel Xeon (``benchmarks/bench_app_eta.py --dtype float32 --json``, 2x of a 1024x693 photo, 2026-12-06).
+#: Only their ratios matter: :class:`~flowlift.progress.RunProgress` measures this run's own seconds per unit of
+#: work, so a GPU, bf16 or a loaded machine change the time left, not the ratios.
+SECONDS_PER_MP = {"encode": 3.07, "pass": 4.09, "decode": 3.42, "color fix": 0.14, "writing": 0.08}
+#: The colour-fix stage's resample of a decoded frame to an asked size (antialiased bicubic), per megapixel of that
+#: frame: its 3x run's colour-fix stage (2.0-2.1 s for a 6.39 MP result from an 11.35 MP frame) less the colour fix
+#: at the 2x rate (0.9 s), over the frame (same bench, ``--scale 3``).
+RESAMPLE_SECONDS_PER_MP = 0.10
 #: SesquiLSR's CPU time per megapixel it makes, as a share of a Flow pass's: 0.31 at 1.5x, 0.22 at 2x (float32,
 #: 512-px input, ``benchmarks/bench_latent_upscalers.py --pixels 512``, a 2-core Intel Xeon; docs/upscale.md).
 LATENT_UPSCALER_PER_PASS = 0.3
@@ -56,20 +60,20 @@ def upscale_stages(
     ``latent_fraction`` the output's (SesquiLSR sized the latents to it) plus SesquiLSR's own work on as many
     megapixels (it runs after the last pass's report and before the decode's: within the decode stage). The colour
     fix and the writing make the output's megapixels (``output_megapixels``, the asked size; default the passes'
-    ``4**n`` times the input: a power-of-two scale).
+    ``4**n`` times the input: a power-of-two scale); without ``latent_fraction`` an asked size is a resample of the
+    decoded frame first, in the colour-fix stage (:data:`RESAMPLE_SECONDS_PER_MP` of that frame).
     """
     passes_out = 4.0**passes * input_megapixels
     output = passes_out if output_megapixels is None else output_megapixels
     decode = SECONDS_PER_MP["decode"] * passes_out
+    colour = SECONDS_PER_MP["color fix"] * output
     if latent_fraction:
         decode = (SECONDS_PER_MP["decode"] + SECONDS_PER_MP["pass"] * LATENT_UPSCALER_PER_PASS) * output
+    elif output != passes_out:
+        colour += RESAMPLE_SECONDS_PER_MP * passes_out
     stages = [("encode", SECONDS_PER_MP["encode"] * input_megapixels)]
     stages += [(f"pass {i}/{passes}", SECONDS_PER_MP["pass"] * 4.0**i * input_megapixels) for i in range(1, passes + 1)]
-    return stages + [
-        ("decode", decode),
-        ("color fix", SECONDS_PER_MP["color fix"] * output),
-        ("writing", SECONDS_PER_MP["writing"] * output),
-    ]
+    return stages + [("decode", decode), ("color fix", colour), ("writing", SECONDS_PER_MP["writing"] * output)]
 
 
 def node_stage_work(
