@@ -111,7 +111,6 @@ def main() -> None:
     from flowlift.upscale.output_sizes import OutputSizes
     from flowlift.upscale.outputs import UpscaleSettings, model_hashes
     from flowlift.upscale.pipeline import FlowUpscalerPipeline
-    from flowlift.upscale.stages import SECONDS_PER_MP
 
     shared = Path(args.shared)
     source = Path(args.image or shared / "images" / "photos" / "Picture_0B_by_freespace.png")
@@ -141,10 +140,17 @@ def main() -> None:
         cells = " | ".join(f"{seconds.get(k, 0.0):.1f} s" for k in ("encode", "pass", "decode", "color fix", "writing"))
         print(f"| {label} | {worst:.2f}x | {last:.2f}x | {total:.1f} s | {cells} |")
     if args.json:
-        produced: dict[str, float] = {}
-        for name, work in sizes.planned_image(source).stages():
-            kind = "pass" if name.startswith("pass ") else name
-            produced[kind] = produced.get(kind, 0.0) + work / SECONDS_PER_MP[kind]
+        # the megapixels each stage kind makes (the colour fix's and the writing's: the result's; an asked size's
+        # resample is timed within the colour fix, so its rate is SECONDS_PER_MP's only for a power of two)
+        planned = sizes.planned_image(source)
+        inputs, result = planned.input_megapixels, planned.output_megapixels
+        produced = {
+            "encode": inputs,
+            "pass": sum(4.0**i * inputs for i in range(1, planned.passes + 1)),
+            "decode": 4.0**planned.passes * inputs,
+            "color fix": result,
+            "writing": result,
+        }
         print(json.dumps({kind: round(rows[-1][4].get(kind, 0.0) / mp, 4) for kind, mp in produced.items()}, indent=1))
 
 
