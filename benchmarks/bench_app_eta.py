@@ -126,6 +126,7 @@ def main() -> None:
     for label in ("first", "second"):
         polls, total, seconds = run_request(pipeline, settings, sizes, source, work / f"{label}.png", hashes)
         rows.append((label, worst_factor(polls, total), worst_factor(polls, total, 0.75), total, seconds))
+        print(f"  {label} request: {total:.1f} s", file=sys.stderr, flush=True)  # how far, when stdout is a file
     cpu = cpu_model()
     print(
         f"{source.name} x{args.scale:g}, {device} {str(dtype).removeprefix('torch.')}, TAEF2, random full-size UNet, "

@@ -274,7 +274,9 @@ def test_the_commands_plan_reads_the_output_size_and_the_latent_upscaler_from_th
     assert latent.stages()[-3][0] == "decode" and latent.stages()[-3][1] > pixels.stages()[-3][1] * 9 / 16
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not a png")
-    assert OutputSizes(1, "pad").planned_image(broken).input_megapixels == 1.0
+    unreadable = OutputSizes(1, "pad")
+    assert unreadable.planned_image(broken).input_megapixels == 1.0 and unreadable.input_size(broken) is None
+    assert OutputSizes(1, "pad").input_size(path) == (64, 48)
 
 
 def test_the_node_packs_weigh_their_parts_as_the_command_plans_them():

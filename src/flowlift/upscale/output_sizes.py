@@ -97,6 +97,11 @@ class OutputSizes:
         """The passes that run for ``path``: the requested ones, fewer when the cap drops some."""
         return self._plan(path)[0]
 
+    def input_size(self, path: Path) -> tuple[int, int] | None:
+        """``path``'s (width, height) from its header, None when it cannot be read (read once, with the plan)."""
+        self._plan(path)
+        return self._input[path]
+
     def planned_image(self, path: Path) -> PlannedImage:
         """``path``'s upscale as its stages are planned (:class:`~flowlift.upscale.stages.PlannedImage`): the passes
         that run, the input's and the output's megapixels, whether SesquiLSR sizes the latents (a header that cannot
@@ -105,9 +110,10 @@ class OutputSizes:
         from flowlift.upscale.stages import PlannedImage
 
         passes, out, _, _ = self._plan(path)
-        if out is None or self._input[path] is None:
+        size = self._input[path]
+        if out is None or size is None:
             return PlannedImage(path.name, passes, 1.0)
-        width, height = self._input[path]
+        width, height = size
         fraction = (
             self.fraction_last
             and not self.asked.power_of_two
