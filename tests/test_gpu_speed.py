@@ -52,10 +52,9 @@ def full_size_plan(budget: str, vae: str = "taef2"):
         3,
         parse_memory(budget),
         unet_dtype=torch.bfloat16,
-        unet_weight_bytes=118 << 20,
         vae_kind=vae,
         vae_dtype=torch.bfloat16,
-        vae_weight_bytes=(2 << 20) if vae == "taef2" else (168 << 20),
+        weight_bytes=(118 << 20) + ((2 << 20) if vae == "taef2" else (168 << 20)),
     )
 
 

@@ -258,13 +258,13 @@ def test_the_planner_tiles_a_16k_mage_decode_within_its_stated_budget():
     # A 4096x4096 input upscaled 4x: a 16384x16384 output (a 2048x2048 FLUX.2 latent).
     weights = 207 << 20  # the folded decoder in float32
     budget = 10 << 30
-    plan = plan_upscale_memory(4096, 4096, 2, budget, vae_kind="mage", vae_weight_bytes=weights)
+    plan = plan_upscale_memory(4096, 4096, 2, budget, vae_kind="mage", weight_bytes=weights)
     assert plan.vae_tiled
     latent = 4 * 32 * 2048 * 2048
     assert plan.stage_peaks["decode"] == weights + latent + decode_peak_bytes("mage", 16384, 16384, tiled=True)
     assert plan.stage_peaks["decode"] < budget
     with pytest.raises(FlowliftError, match="too small to decode a 16384x16384"):
-        plan_upscale_memory(4096, 4096, 2, 8 << 30, vae_kind="mage", vae_weight_bytes=weights)
+        plan_upscale_memory(4096, 4096, 2, 8 << 30, vae_kind="mage", weight_bytes=weights)
 
 
 def test_a_frame_of_few_tiles_runs_its_dico_blocks_whole(vae):
@@ -317,7 +317,7 @@ def test_the_colour_stage_after_a_bf16_mage_decode_is_costed_on_its_float32_imag
     from flowlift.upscale.memory_plan import colour_stage_bytes, plan_upscale_memory
 
     weights, bf16 = 207 << 20, torch.bfloat16
-    roomy = plan_upscale_memory(1024, 1024, 2, 64 << 30, vae_kind="mage", vae_dtype=bf16, vae_weight_bytes=weights)
+    roomy = plan_upscale_memory(1024, 1024, 2, 64 << 30, vae_kind="mage", vae_dtype=bf16, weight_bytes=weights)
     assert not roomy.colour_on_host
     assert roomy.stage_peaks["colour"] == weights + colour_stage_bytes(4096, 4096, vae_dtype=torch.float32)
     assert colour_stage_bytes(4096, 4096, vae_dtype=torch.float32) < colour_stage_bytes(4096, 4096, vae_dtype=bf16)

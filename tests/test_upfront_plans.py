@@ -63,8 +63,7 @@ def test_docs_vae_memory_example_is_what_the_command_prints():
             base_channels=384,
             unet_dtype=dtype,
             vae_kind="mage",
-            unet_weight_bytes=unet * size,
-            vae_weight_bytes=mage * size,
+            weight_bytes=(unet + mage) * size,
             vae_dtype=dtype,
             spatial_factor=8,
         )

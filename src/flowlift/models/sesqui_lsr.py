@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -70,9 +72,19 @@ class ScaleOnlyNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(channels))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mean = x.mean(dim=(1, 2, 3), keepdim=True)
-        spread = torch.sqrt((x - mean).square().mean(dim=(1, 2, 3), keepdim=True) + NORM_EPS)
-        return (x - mean) / spread * self.weight[None, :, None, None], spread
+        mean, spread = sample_statistics(x)
+        return self.apply_statistics(x, mean, spread), spread
+
+    def apply_statistics(self, x: torch.Tensor, mean: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+        """``(x - mean) / spread * weight`` with the sample's (B, 1, 1, 1) statistics given (any rows of it)."""
+        return (x - mean) / spread * self.weight[None, :, None, None]
+
+
+def sample_statistics(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's ``mean`` and ``spread = sqrt(var + 1e-6)`` over (C, H, W), population variance: (B, 1, 1, 1)."""
+    mean = x.mean(dim=(1, 2, 3), keepdim=True)
+    spread = torch.sqrt((x - mean).square().mean(dim=(1, 2, 3), keepdim=True) + NORM_EPS)
+    return mean, spread
 
 
 class GatedBlock(nn.Module):
@@ -91,8 +103,11 @@ class GatedBlock(nn.Module):
         self.mix = reflect_conv(mid, channels, 3, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y, spread = self.norm(x)
-        hidden = self.up(y)
+        return self.with_statistics(x, *sample_statistics(x))
+
+    def with_statistics(self, x: torch.Tensor, mean: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
+        """The block on ``x`` (the whole frame, or rows of it with a halo) normalized by the frame's statistics."""
+        hidden = self.up(self.norm.apply_statistics(x, mean, spread))
         values, gates = hidden[:, : self.value_ch], hidden[:, self.value_ch :]
         gated = F.mish(values) * torch.tanh(gates * 0.5).repeat_interleave(self.value_ch // self.gate_ch, dim=1)
         return x + self.mix(self.down(gated)) * spread
@@ -176,19 +191,62 @@ class ReassemblyHead(nn.Module):
         return (delta + self.base_taps[rank, axis][None]).permute(1, 0, 2)
 
     def forward(self, h: torch.Tensor, target_size: tuple[int, int]) -> torch.Tensor:
-        grid = F.pixel_shuffle(self.ps_expand(h), 2) + self.lift_mix(F.pixel_shuffle(self.lift_expand(h), 2))
-        grid = self.refine(grid)
-        (h_src, w_src), (h_out, w_out) = grid.shape[-2:], target_size
-        frac_y, base_y = resample_positions(h_src, h_out, grid.device)
-        frac_x, base_x = resample_positions(w_src, w_out, grid.device)
+        grid = self.refine(self.expand(h))
+        return self.resample_rows(grid, self.resampling(tuple(grid.shape[-2:]), target_size))
+
+    def expand(self, h: torch.Tensor) -> torch.Tensor:
+        """The 2x grid before ``refine``: ``pixel_shuffle(ps_expand(h)) + lift_mix(pixel_shuffle(lift_expand(h)))``."""
+        return F.pixel_shuffle(self.ps_expand(h), 2) + self.lift_mix(F.pixel_shuffle(self.lift_expand(h), 2))
+
+    def resampling(self, grid_size: tuple[int, int], target_size: tuple[int, int]) -> list[ResampleRank]:
+        """Each rank's gain and taps (float32; the grid's dtype at use) from a ``grid_size`` grid to
+        ``target_size``, both (height, width)."""
+        (h_src, w_src), (h_out, w_out) = grid_size, target_size
+        device = self.base_taps.device
+        frac_y, base_y = resample_positions(h_src, h_out, device)
+        frac_x, base_x = resample_positions(w_src, w_out, device)
         foot_y, foot_x = math.log2(max(h_src / h_out, 0.01)), math.log2(max(w_src / w_out, 0.01))
         gains = torch.sigmoid(self.rank_gain)
+        return [
+            ResampleRank(gains[r], base_x, self.taps(frac_x, foot_x, 1, r), base_y, self.taps(frac_y, foot_y, 0, r))
+            for r in range(self.rank)
+        ]
+
+    def resample_rows(
+        self, grid: torch.Tensor, ranks: list[ResampleRank], rows: tuple[int, int] | None = None, first: int = 0
+    ) -> torch.Tensor:
+        """``sum_r gain_r * rows_r(columns_r(grid))`` at the target's output rows ``rows`` (all of them by
+        default); ``grid`` may be a band of the grid starting at row ``first`` that holds every source row those
+        output rows read (:func:`source_rows`)."""
         out = None
-        for r in range(self.rank):
-            cols = separable_taps(grid, base_x, self.taps(frac_x, foot_x, 1, r).to(grid.dtype), 3)
-            rows = separable_taps(cols, base_y, self.taps(frac_y, foot_y, 0, r).to(grid.dtype), 2)
-            out = gains[r] * rows if out is None else out + gains[r] * rows
+        for rank in ranks:
+            base_y, taps_y = rank.base_y, rank.taps_y
+            if rows is not None:
+                base_y, taps_y = base_y[rows[0] : rows[1]] - first, taps_y[:, rows[0] : rows[1]]
+            cols = separable_taps(grid, rank.base_x, rank.taps_x.to(grid.dtype), 3)
+            resampled = separable_taps(cols, base_y, taps_y.to(grid.dtype), 2)
+            out = rank.gain * resampled if out is None else out + rank.gain * resampled
         return out
+
+
+@dataclass(frozen=True)
+class ResampleRank:
+    """One rank of :class:`ReassemblyHead`'s resampling: its gain, and per axis the base rows/columns and taps."""
+
+    gain: torch.Tensor
+    base_x: torch.Tensor
+    taps_x: torch.Tensor
+    base_y: torch.Tensor
+    taps_y: torch.Tensor
+
+
+def source_rows(base_y: torch.Tensor, rows: tuple[int, int], grid_height: int) -> tuple[int, int]:
+    """The grid rows ``[first, end)`` that output rows ``rows`` of a resampling read: their bases plus the taps'
+    offsets, clamped to the grid as :func:`separable_taps` clamps them."""
+    bases = base_y[rows[0] : rows[1]]
+    first = max(int(bases.min()) + TAP_OFFSETS[0], 0)
+    end = min(int(bases.max()) + TAP_OFFSETS[-1], grid_height - 1) + 1
+    return first, end
 
 
 class SesquiLSR(nn.Module):
@@ -301,11 +359,15 @@ def sesqui_upscale_latents(
     target_size: tuple[int, int],
     bn_mean: torch.Tensor | None,
     bn_std: torch.Tensor | None,
+    *,
+    forward: Callable[[SesquiLSR, torch.Tensor, tuple[int, int]], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """flowlift's normalized latents (B, 32, h, w) -> normalized latents at ``target_size`` (even sides):
     :func:`raw_from_latents`, the network in its dtype, :func:`latents_from_raw`, in float32 around it.
 
-    ``bn_mean`` / ``bn_std`` are the FLUX.2 VAE's ([128]); None (TAEF2, Mage-VAE) is one line.
+    ``bn_mean`` / ``bn_std`` are the FLUX.2 VAE's ([128]); None (TAEF2, Mage-VAE) is one line. ``forward(model,
+    raw, target_size)`` runs the network (default: whole-frame; :func:`flowlift.models.sesqui_bands.sesqui_banded`
+    in bands, for a memory budget).
     """
     if bn_mean is None or bn_std is None:
         raise FlowliftError(
@@ -318,7 +380,8 @@ def sesqui_upscale_latents(
     param = next(model.parameters())
     with torch.no_grad():
         raw = raw_from_latents(latents.float(), bn_mean, bn_std)
-        out = model(raw.to(param.device, param.dtype), (th, tw)).float()
+        raw = raw.to(param.device, param.dtype)
+        out = (model(raw, (th, tw)) if forward is None else forward(model, raw, (th, tw))).float()
         result = latents_from_raw(out, bn_mean.to(out.device), bn_std.to(out.device))
     if not bool(torch.isfinite(result).all()):
         raise FlowliftError("SesquiLSR produced non-finite latents (NaN/Inf)")

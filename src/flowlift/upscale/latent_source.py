@@ -79,8 +79,16 @@ class FractionalUpscaler:
         return self.pipeline.upscale_latents(latents, num_passes, **options)
 
     def to_size(self, latents: Any, size: tuple[int, int]) -> Any:
-        """Normalized latents (B, 32, h, w) -> normalized latents of latent ``size`` (h, w), each side 1-2x."""
-        from flowlift.models.sesqui_lsr import sesqui_upscale_latents
+        """Normalized latents (B, 32, h, w) -> normalized latents of latent ``size`` (h, w), each side 1-2x; under
+        the pipeline's ``max_memory`` whole-frame or in bands, as its plan for SesquiLSR says
+        (:func:`flowlift.upscale.memory_plan.plan_latent_upscaler`, every model's weights off the budget)."""
+        from flowlift.limits import model_bytes
+        from flowlift.models.sesqui_bands import sesqui_to_size
+        from flowlift.upscale.memory_plan import plan_latent_upscaler
 
         bn_mean, bn_std = getattr(self.vae, "bn_mean", None), getattr(self.vae, "bn_std", None)
-        return sesqui_upscale_latents(self.sesqui, latents, size, bn_mean, bn_std)
+        rows, budget = None, self.pipeline.max_memory
+        if budget is not None:
+            weights = sum(model_bytes(m) for m in (self.pipeline.upscaler, self.pipeline.vae, self.sesqui))
+            rows, _ = plan_latent_upscaler(tuple(latents.shape[-2:]), tuple(size), budget, latents.shape[0], weights)
+        return sesqui_to_size(self.sesqui, latents, size, bn_mean, bn_std, rows)

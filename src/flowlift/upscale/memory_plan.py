@@ -8,7 +8,9 @@
 * each UNet pass: ``plain`` (whole-frame forward) when its estimated peak fits; else ``chunked``
   (:class:`flowlift.upscale.chunked.executor.ChunkedExecutor`, full-frame stores on the device, strips as tall as the
   rest of the budget allows); else ``offload`` (stores in pinned host memory, strips from the budget);
-* the VAE decode: whole frame when it fits, else tiled;
+* SesquiLSR (a fraction of the asked size in latent space, after the passes): whole frame when it fits, else in
+  bands of rows (:func:`flowlift.models.sesqui_bands.sesqui_banded`, two stored frames);
+* the VAE decode (of the passes' frame, or SesquiLSR's): whole frame when it fits, else tiled;
 * stage 2 (the pixel colour fix): on the device when the float32 image fits next to the decoder's
   output, else on the host (the decoded image is copied out in strips and the device copy freed).
 
@@ -29,6 +31,7 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.limits import LATENT_CHANNELS, decode_peak_bytes, decoded_image_dtype, dtype_bytes, format_bytes
+from flowlift.models.sesqui_bands import banded_peak_bytes, rows_for_budget, whole_peak_bytes
 from flowlift.upscale.chunked.budget import (
     MIN_DEVICE_STRIP_ROWS,
     chunked_store_bytes,
@@ -43,6 +46,7 @@ __all__ = [
     "UpscaleMemoryPlan",
     "colour_stage_bytes",
     "pass_io_bytes",
+    "plan_latent_upscaler",
     "plan_unet_pass",
     "plan_upscale_memory",
     "to_host_float32",
@@ -96,13 +100,21 @@ class UpscaleMemoryPlan:
     colour_on_host: bool
     peak_bytes: int
     stage_peaks: dict[str, int] = field(default_factory=dict)
+    #: SesquiLSR (a fraction in latent space): ``"whole frame"`` or ``"bands"`` of ``latent_upscaler_rows``
+    #: rows (:func:`flowlift.models.sesqui_bands.sesqui_banded`); ``""`` where it does not run.
+    latent_upscaler: str = ""
+    latent_upscaler_rows: int | None = None
 
     def describe(self) -> str:
         """One line: the choices and the estimated peak against the budget."""
         unet = ", ".join(p.mode if p.strip_rows is None else f"{p.mode}({p.strip_rows} rows)" for p in self.passes)
+        sesqui = self.latent_upscaler
+        if self.latent_upscaler_rows is not None:
+            sesqui = f"{self.latent_upscaler_rows}-row bands"
         return (
             f"max_memory {format_bytes(self.budget_bytes)}: UNet {unet or 'no passes'}; "
-            f"VAE decode {'tiled' if self.vae_tiled else 'whole frame'}; "
+            + (f"SesquiLSR {sesqui}; " if sesqui else "")
+            + f"VAE decode {'tiled' if self.vae_tiled else 'whole frame'}; "
             f"colour fix on the {'host' if self.colour_on_host else 'device'}; "
             f"estimated peak {format_bytes(self.peak_bytes)}"
         )
@@ -154,38 +166,46 @@ def plan_upscale_memory(
     batch: int = 1,
     base_channels: int = 384,
     unet_dtype: torch.dtype = torch.float32,
-    unet_weight_bytes: int = 0,
+    weight_bytes: int = 0,
     vae_kind: str = "flux2",
     vae_dtype: torch.dtype = torch.float32,
-    vae_weight_bytes: int = 0,
     spatial_factor: int = 8,
+    latent_fraction: tuple[int, int] | None = None,
 ) -> UpscaleMemoryPlan:
     """Plan an upscale of a (batch, 3, height, width) model input by ``2**num_passes`` within a budget.
 
-    Both models' weights stay on the device throughout and count against every stage. Pass ``p``'s
-    sample is the input latent times ``2**(p+1)``. The decode is whole-frame when
-    :func:`decode_peak_bytes` fits, else tiled; stage 2 runs on the device when the decode's output
-    and its float32 copy fit (:func:`colour_stage_bytes`), else on the host. Raises a FlowliftError
-    line when some stage cannot fit at all.
+    Every model's weights (``weight_bytes``: the UNet's, the VAE's, SesquiLSR's) stay on the device throughout and
+    count against every stage. Pass ``p``'s
+    sample is the input latent times ``2**(p+1)``. With ``latent_fraction`` (a (height, width) latent within 2x
+    of the passes' output), SesquiLSR resizes the passes' latents to it (:func:`plan_latent_upscaler`) and the
+    decode makes its frame. The decode is whole-frame when :func:`decode_peak_bytes` fits, else tiled; stage 2
+    runs on the device when the decode's output and its float32 copy fit (:func:`colour_stage_bytes`), else on
+    the host. Raises a FlowliftError line when some stage cannot fit at all.
     """
-    weights = unet_weight_bytes + vae_weight_bytes
-    if budget_bytes <= weights:
+    if budget_bytes <= weight_bytes:
         raise FlowliftError(
-            f"max_memory {format_bytes(budget_bytes)} does not even hold the model weights ({format_bytes(weights)})"
+            f"max_memory {format_bytes(budget_bytes)} does not even hold the model weights "
+            f"({format_bytes(weight_bytes)})"
         )
     latent_h, latent_w = height // spatial_factor, width // spatial_factor
     passes = []
     for index in range(num_passes):
         h, w = latent_h * 2 ** (index + 1), latent_w * 2 ** (index + 1)
-        fixed = weights + pass_io_bytes(h, w, batch=batch, dtype=unet_dtype)
+        fixed = weight_bytes + pass_io_bytes(h, w, batch=batch, dtype=unet_dtype)
         passes.append(
             plan_unet_pass(
                 h, w, budget_bytes, batch=batch, base_channels=base_channels, dtype=unet_dtype, fixed_bytes=fixed
             )
         )
     out_h, out_w = height * 2**num_passes, width * 2**num_passes
+    sesqui, sesqui_rows, sesqui_peak = "", None, 0
+    if latent_fraction is not None:
+        passed = (out_h // spatial_factor, out_w // spatial_factor)
+        sesqui_rows, sesqui_peak = plan_latent_upscaler(passed, latent_fraction, budget_bytes, batch, weight_bytes)
+        sesqui = "whole frame" if sesqui_rows is None else "bands"
+        out_h, out_w = latent_fraction[0] * spatial_factor, latent_fraction[1] * spatial_factor
     latent_bytes = frame_bytes(batch, LATENT_CHANNELS, out_h // spatial_factor, out_w // spatial_factor, torch.float32)
-    decode_fixed = weights + latent_bytes
+    decode_fixed = weight_bytes + latent_bytes
     sizes = {"batch": batch, "dtype": vae_dtype}
     whole = decode_fixed + decode_peak_bytes(vae_kind, out_h, out_w, tiled=False, **sizes)
     tiled = whole > budget_bytes
@@ -196,12 +216,14 @@ def plan_upscale_memory(
             f"(batch {batch}): the tiled decode needs about {format_bytes(decode)}"
         )
     image_dtype = decoded_image_dtype(vae_kind, vae_dtype)
-    colour = weights + colour_stage_bytes(out_h, out_w, batch=batch, vae_dtype=image_dtype)
+    colour = weight_bytes + colour_stage_bytes(out_h, out_w, batch=batch, vae_dtype=image_dtype)
     colour_on_host = colour > budget_bytes
     peaks = {f"pass {i + 1}": p.peak_bytes for i, p in enumerate(passes)}
+    if sesqui:
+        peaks["latent upscaler"] = sesqui_peak
     peaks["decode"] = decode
     # On the host path the device holds the decoder's output until it is copied out strip by strip.
-    peaks["colour"] = weights + frame_bytes(batch, 3, out_h, out_w, image_dtype) if colour_on_host else colour
+    peaks["colour"] = weight_bytes + frame_bytes(batch, 3, out_h, out_w, image_dtype) if colour_on_host else colour
     return UpscaleMemoryPlan(
         budget_bytes=budget_bytes,
         passes=tuple(passes),
@@ -209,7 +231,36 @@ def plan_upscale_memory(
         colour_on_host=colour_on_host,
         peak_bytes=max(peaks.values()),
         stage_peaks=peaks,
+        latent_upscaler=sesqui,
+        latent_upscaler_rows=sesqui_rows,
     )
+
+
+def plan_latent_upscaler(
+    passed: tuple[int, int], target: tuple[int, int], budget_bytes: int, batch: int, fixed_bytes: int
+) -> tuple[int | None, int]:
+    """How SesquiLSR resizes the passes' ``passed`` (height, width) latents to ``target`` within ``budget_bytes``:
+    ``(None, peak)`` whole-frame when :func:`~flowlift.models.sesqui_bands.whole_peak_bytes` fits, else
+    ``(rows, peak)`` in bands of the most rows that fit (:func:`~flowlift.models.sesqui_bands.rows_for_budget`).
+
+    ``fixed_bytes`` (the weights) and the latents around the network (the passes' float32 output and its raw
+    copy, the network's output and the normalized result: ``2 * b * 32 * 4 * (hw + th tw)`` bytes) come off the
+    budget first; a remainder that holds no band of one row is a FlowliftError line.
+    """
+    (h, w), (th, tw) = passed, target
+    fixed = fixed_bytes + 2 * frame_bytes(batch, LATENT_CHANNELS, h, w, torch.float32)
+    fixed += 2 * frame_bytes(batch, LATENT_CHANNELS, th, tw, torch.float32)
+    whole = fixed + whole_peak_bytes(batch, h, w)
+    if whole <= budget_bytes:
+        return None, whole
+    rows = rows_for_budget(budget_bytes - fixed, batch, h, w, target)
+    if rows < 1:
+        need = fixed + banded_peak_bytes(batch, h, w, target, 1)
+        raise FlowliftError(
+            f"max_memory {format_bytes(budget_bytes)} is too small for SesquiLSR from {w}x{h} to {tw}x{th} latents "
+            f"(batch {batch}): even in one-row bands it needs about {format_bytes(need)}"
+        )
+    return rows, fixed + banded_peak_bytes(batch, h, w, target, rows)
 
 
 def to_host_float32(images: torch.Tensor, strip_rows: int = 256) -> torch.Tensor:

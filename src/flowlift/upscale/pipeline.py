@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,8 @@ from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import check_latents
 from flowlift.knobs import check_count, check_seed
 from flowlift.limits import model_bytes, parse_memory, vae_kind
-from flowlift.models.sesqui_lsr import load_sesqui_lsr, require_bn_statistics, sesqui_upscale_latents
+from flowlift.models.sesqui_bands import sesqui_to_size
+from flowlift.models.sesqui_lsr import load_sesqui_lsr, require_bn_statistics
 from flowlift.models.upscaler_unet import ONE_STEP_TIMESTEP
 from flowlift.upscale.colorfix import LOWFREQ_FACTOR, latent_lowband_transplant
 from flowlift.upscale.image_steps import as_output, finish_decoded, vae_call, vae_dtype
@@ -49,6 +49,7 @@ from flowlift.upscale.settings import (
     COLOR_FIX_STRENGTH,
     RESIZE_MODE,
     TRANSPLANT_STRENGTH,
+    ImageStages,
     MemoryPolicy,
 )
 from flowlift.upscale.sizes import (
@@ -60,19 +61,6 @@ from flowlift.upscale.sizes import (
     resample_to_multiple,
 )
 from flowlift.upscale.unet_runner import CompiledUNet, velocity_model
-
-
-@dataclass(frozen=True)
-class _ImageStages:
-    """The settings :meth:`FlowUpscalerPipeline.upscale_image` hands its stages as one (its parameters, checked)."""
-
-    num_passes: int
-    seed: int | Sequence[int]
-    color_fix: bool
-    transplant_strength: float
-    color_fix_strength: float
-    resize_mode: str
-    output_size: tuple[int, int] | None
 
 
 class FlowUpscalerPipeline:
@@ -211,11 +199,18 @@ class FlowUpscalerPipeline:
         )
 
     def plan_memory(
-        self, height: int, width: int, num_passes: int, batch: int = 1, final_size: tuple[int, int] | None = None
+        self,
+        height: int,
+        width: int,
+        num_passes: int,
+        batch: int = 1,
+        final_size: tuple[int, int] | None = None,
+        latent_fraction: tuple[int, int] | None = None,
     ) -> UpscaleMemoryPlan | None:
         """The :func:`flowlift.upscale.memory_plan.plan_upscale_memory` plan for a (batch, 3, height, width) model input
         (resampled to ``final_size`` (width, height) before stage 2, when given: its float32 frame is reserved out of
-        the budget) under ``max_memory`` (None without a budget); a budget too small is a FlowliftError."""
+        the budget; SesquiLSR to the ``latent_fraction`` (height, width) latent after the passes, when given) under
+        ``max_memory`` (None without a budget); a budget too small is a FlowliftError."""
         if self.max_memory is None:
             return None
         final = 0 if final_size is None else batch * 3 * final_size[0] * final_size[1] * 4  # the resampled frame
@@ -227,11 +222,11 @@ class FlowUpscalerPipeline:
             batch=batch,
             base_channels=int(getattr(self.upscaler, "config", {}).get("base_channels", 384)),
             unet_dtype=self.dtype,
-            unet_weight_bytes=model_bytes(self.upscaler),
             vae_kind=vae_kind(self.vae),
             vae_dtype=vae_dtype(self.vae, self.dtype),
-            vae_weight_bytes=model_bytes(self.vae),
+            weight_bytes=sum(model_bytes(m) for m in (self.upscaler, self.vae, self.sesqui)),
             spatial_factor=self.spatial_factor,
+            latent_fraction=latent_fraction,
         )
 
     def plan_passes(self, image_height: int, image_width: int, num_passes: int, resize_mode: str = "pad") -> int:
@@ -369,7 +364,7 @@ class FlowUpscalerPipeline:
                 f"output_size {output_size[0]}x{output_size[1]} is below the "
                 f"{original.shape[-1]}x{original.shape[-2]} input"
             )
-        stages = _ImageStages(
+        stages = ImageStages(
             num_passes, seed, color_fix, transplant_strength, color_fix_strength, resize_mode, output_size
         )
         with self._cancel_points():
@@ -380,7 +375,7 @@ class FlowUpscalerPipeline:
         self,
         original: torch.Tensor,
         prepared: torch.Tensor,
-        stages: _ImageStages,
+        stages: ImageStages,
         callback: Callable[[str], None] | None,
         on_decode_tile: Callable[[int, int], None] | None,
     ) -> torch.Tensor:
@@ -390,9 +385,11 @@ class FlowUpscalerPipeline:
         if self.sesqui is not None and stages.output_size is not None:
             reference = original if stages.resize_mode == "pad" else prepared
             fraction = fraction_plan(prepared.shape[-2:], reference.shape[-2:], passes, stages.output_size)
-        planned = passes + (fraction is not None)  # SesquiLSR's decode: at most one more 2x, planned as one
-        # the whole plan (passes and decode) before the encode: a budget the decode cannot meet is refused at once
-        self.plan_memory(prepared.shape[-2], prepared.shape[-1], planned, prepared.shape[0])
+        target = None if fraction is None else fraction[0]
+        # the whole plan (passes, SesquiLSR, decode) before the encode: a budget a stage cannot meet is refused at once
+        size = stages.output_size
+        plan = self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0], size, target)
+        self.last_plan = plan
         latents = self._vae_call("encode", prepared.to(vae_dtype(self.vae, self.dtype))).to(torch.float32)
         check_finite(latents, "the VAE encoder produced")
         if callback is not None:
@@ -401,9 +398,8 @@ class FlowUpscalerPipeline:
             latents, passes, stages.seed, stages.transplant_strength, stages.color_fix, callback
         )
         if fraction is not None:  # the fraction in latent space: normalized -> raw -> SesquiLSR -> normalized
-            latents = sesqui_upscale_latents(self.sesqui, latents, fraction[0], self.vae.bn_mean, self.vae.bn_std)
-        plan = self.plan_memory(prepared.shape[-2], prepared.shape[-1], planned, prepared.shape[0], stages.output_size)
-        self.last_plan = plan
+            rows = None if plan is None else plan.latent_upscaler_rows
+            latents = sesqui_to_size(self.sesqui, latents, target, self.vae.bn_mean, self.vae.bn_std, rows)
         tiled = self.vae_tiled if self.vae_tiled is not None or plan is None else plan.vae_tiled
         decoded = self._vae_call(
             "decode", latents.to(vae_dtype(self.vae, self.dtype)), tiled=tiled, on_tile=on_decode_tile

@@ -1,4 +1,5 @@
-"""The Flow Upscaler's knobs, declared once, and its memory settings as one :class:`MemoryPolicy`.
+"""The Flow Upscaler's knobs, declared once, its memory settings as one :class:`MemoryPolicy`, and what an image's
+stages share as one :class:`ImageStages`.
 
 :data:`UPSCALE_KNOBS` is the table every front-end derives its controls from (``flowlift upscale``'s
 options, the web app's Upscale tab and its checks, the ComfyUI and InvokeAI inputs, the checks of
@@ -9,6 +10,7 @@ No torch here: the upscale command's help reads this module.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -77,3 +79,17 @@ class MemoryPolicy:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise FlowliftError(f"MemoryPolicy {name} must be a positive integer or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ImageStages:
+    """What :meth:`flowlift.upscale.pipeline.FlowUpscalerPipeline.upscale_image` hands its stages as one: its
+    parameters, checked."""
+
+    num_passes: int
+    seed: int | Sequence[int]
+    color_fix: bool
+    transplant_strength: float
+    color_fix_strength: float
+    resize_mode: str
+    output_size: tuple[int, int] | None
