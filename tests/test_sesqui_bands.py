@@ -147,7 +147,7 @@ def test_the_pipeline_under_a_budget_that_forces_bands_gives_the_unbudgeted_imag
     # the decode's estimates are the real FLUX.2 VAE's (a tiled decode holds ~2 GB whatever the frame): for the tiny
     # one, 16 float32 values per pixel, so that a budget around SesquiLSR's plan fits the other stages
     monkeypatch.setattr(memory_plan, "decode_peak_bytes", lambda kind, h, w, *, batch=1, dtype=None, tiled: 64 * h * w)
-    # 3x: one pass to 16x24 latents, SesquiLSR to 24x36; a budget just under its whole-frame plan
+    # 3x: one pass to 16x24 latents, SesquiLSR to 24x36; a budget under its whole-frame plan
     weights = sum(model_bytes(m) for m in (plain.upscaler, plain.vae, plain.sesqui))
     whole = plan_latent_upscaler((16, 24), (24, 36), 10**12, 1, weights)[1]
     budgeted, result = run(whole - 1)
@@ -157,6 +157,9 @@ def test_the_pipeline_under_a_budget_that_forces_bands_gives_the_unbudgeted_imag
     assert f"SesquiLSR {plan.latent_upscaler_rows}-row bands" in plan.describe()
     assert result.shape == expected.shape == (1, 3, 192, 288)
     assert (result - expected).abs().max() <= 1e-4, (result - expected).abs().max()
+    # a budget under SesquiLSR's two stored frames (the pipeline keeps the resampled float32 frame off it): one line
+    with pytest.raises(FlowliftError, match=r"too small for SesquiLSR from 24x16 to 36x24 latents"):
+        run(weights + 3 * 288 * 192 * 4 + 2**20)
 
 
 def test_the_hires_fractions_budget_runs_sesquilsr_in_bands_or_refuses(tmp_path, monkeypatch, model):
