@@ -125,16 +125,27 @@ def test_the_decode_is_planned_at_sesquilsrs_size_not_one_more_pass():
     assert plain.latent_upscaler == "" and "SesquiLSR" not in plain.describe()
 
 
-def test_the_pipeline_under_a_budget_that_forces_bands_gives_the_unbudgeted_image(tmp_path, monkeypatch):
-    from flowlift.upscale.pipeline import FlowUpscalerPipeline
-    from flowlift.upscale.settings import MemoryPolicy
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """A tiny FLUX.2 VAE folder (BN statistics), a tiny Flow Upscaler and a random SesquiLSR file: their paths."""
     from tiny_flux2 import tiny_vae
 
-    vae = tmp_path / "vae"
-    tiny_vae().save_pretrained(vae)
-    unet = save_tiny_unet(tmp_path / "flow_upscaler.safetensors", seed=0, cond_dim=32)
-    spec = f"sesqui:{save_random_sesqui(tmp_path)}"
-    image = Image.fromarray((torch.rand(64, 96, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy())
+    folder = tmp_path_factory.mktemp("models")
+    tiny_vae().save_pretrained(folder / "vae")
+    unet = save_tiny_unet(folder / "flow_upscaler.safetensors", seed=0, cond_dim=32)
+    return str(unet), str(folder / "vae"), f"sesqui:{save_random_sesqui(folder)}"
+
+
+def _photo():
+    return Image.fromarray((torch.rand(64, 96, 3, generator=torch.Generator().manual_seed(0)) * 255).byte().numpy())
+
+
+def test_the_pipeline_under_a_budget_that_forces_bands_gives_the_unbudgeted_image(tiny_models, monkeypatch):
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+    from flowlift.upscale.settings import MemoryPolicy
+
+    unet, vae, spec = tiny_models
+    image = _photo()
 
     def run(max_memory):
         pipeline = FlowUpscalerPipeline(
@@ -160,6 +171,45 @@ def test_the_pipeline_under_a_budget_that_forces_bands_gives_the_unbudgeted_imag
     # a budget under SesquiLSR's two stored frames (the pipeline keeps the resampled float32 frame off it): one line
     with pytest.raises(FlowliftError, match=r"too small for SesquiLSR from 24x16 to 36x24 latents"):
         run(weights + 3 * 288 * 192 * 4 + 2**20)
+
+
+def test_without_max_memory_sesquilsr_bands_by_size_as_the_unet_chunks(tiny_models, monkeypatch):
+    from flowlift.models import sesqui_bands
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+    from flowlift.upscale.settings import MemoryPolicy
+
+    unet, vae, spec = tiny_models
+    banded_rows = []
+    real = sesqui_bands.sesqui_banded
+    monkeypatch.setattr(sesqui_bands, "sesqui_banded", lambda *a, rows: banded_rows.append(rows) or real(*a, rows=rows))
+
+    def run(memory):
+        pipeline = FlowUpscalerPipeline(
+            unet, vae, device="cpu", dtype=torch.float32, latent_upscaler=spec, memory=memory
+        )
+        return pipeline.upscale_image(_photo(), num_passes=1, output_type="pt", output_size=(288, 192))
+
+    expected = run(None)  # the CPU's default budget (1 GiB) holds this whole frame
+    assert banded_rows == []
+    # a chunking budget (ComfyUI's nodes pass a share of the free memory) under its whole frame: bands, never a refusal
+    result = run(MemoryPolicy(chunk_budget_bytes=whole_peak_bytes(1, 16, 24) // 2))
+    assert banded_rows == [16]  # the fewest rows worth running (the budget would allow fewer)
+    # float32: SesquiLSR's bands within ~5e-7, carried by stage 2's clipped iterations to ~1e-4
+    assert (result - expected).abs().max() <= 2e-4, (result - expected).abs().max()
+
+
+def test_rows_by_size_whole_while_it_fits_else_at_least_16_rows():
+    from flowlift.upscale.memory_plan import MIN_LATENT_UPSCALER_ROWS, latent_upscaler_rows_by_size
+
+    target = (384, 384)
+    assert latent_upscaler_rows_by_size((256, 256), target, 1, "cpu", whole_peak_bytes(1, 256, 256)) is None
+    roomy = latent_upscaler_rows_by_size((256, 256), target, 1, "cpu", whole_peak_bytes(1, 256, 256) - 1)
+    assert MIN_LATENT_UPSCALER_ROWS < roomy < 512
+    assert latent_upscaler_rows_by_size((256, 256), target, 1, "cpu", 1) == MIN_LATENT_UPSCALER_ROWS
+    assert latent_upscaler_rows_by_size((4, 6), (6, 9), 1, "cpu", 1) == 8  # never more rows than the grid has
+    # the CPU's default budget is the UNet's (1 GiB): a 1.5x fraction to 2160x1440 px whole, to 8K in bands
+    assert latent_upscaler_rows_by_size((120, 180), (180, 270), 1, "cpu") is None
+    assert latent_upscaler_rows_by_size((360, 640), (540, 960), 1, "cpu") is not None
 
 
 def test_the_hires_fractions_budget_runs_sesquilsr_in_bands_or_refuses(tmp_path, monkeypatch, model):

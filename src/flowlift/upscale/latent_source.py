@@ -79,16 +79,13 @@ class FractionalUpscaler:
         return self.pipeline.upscale_latents(latents, num_passes, **options)
 
     def to_size(self, latents: Any, size: tuple[int, int]) -> Any:
-        """Normalized latents (B, 32, h, w) -> normalized latents of latent ``size`` (h, w), each side 1-2x; under
-        the pipeline's ``max_memory`` whole-frame or in bands, as its plan for SesquiLSR says
-        (:func:`flowlift.upscale.memory_plan.plan_latent_upscaler`, every model's weights off the budget)."""
-        from flowlift.limits import model_bytes
+        """Normalized latents (B, 32, h, w) -> normalized latents of latent ``size`` (h, w), each side 1-2x;
+        whole-frame or in bands as the pipeline's memory settings say
+        (:func:`flowlift.upscale.memory_plan.latent_upscaler_rows`)."""
         from flowlift.models.sesqui_bands import sesqui_to_size
-        from flowlift.upscale.memory_plan import plan_latent_upscaler
+        from flowlift.upscale.memory_plan import latent_upscaler_rows
 
         bn_mean, bn_std = getattr(self.vae, "bn_mean", None), getattr(self.vae, "bn_std", None)
-        rows, budget = None, self.pipeline.max_memory
-        if budget is not None:
-            weights = sum(model_bytes(m) for m in (self.pipeline.upscaler, self.pipeline.vae, self.sesqui))
-            rows, _ = plan_latent_upscaler(tuple(latents.shape[-2:]), tuple(size), budget, latents.shape[0], weights)
+        passed, batch = tuple(latents.shape[-2:]), latents.shape[0]
+        rows = latent_upscaler_rows(self.pipeline, self.sesqui, passed, tuple(size), batch)
         return sesqui_to_size(self.sesqui, latents, size, bn_mean, bn_std, rows)

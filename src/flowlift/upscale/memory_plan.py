@@ -26,15 +26,24 @@ a pass's *output* (the noise sample), image sizes are pixels.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.limits import LATENT_CHANNELS, decode_peak_bytes, decoded_image_dtype, dtype_bytes, format_bytes
+from flowlift.limits import (
+    LATENT_CHANNELS,
+    decode_peak_bytes,
+    decoded_image_dtype,
+    dtype_bytes,
+    format_bytes,
+    model_bytes,
+)
 from flowlift.models.sesqui_bands import banded_peak_bytes, rows_for_budget, whole_peak_bytes
 from flowlift.upscale.chunked.budget import (
     MIN_DEVICE_STRIP_ROWS,
     chunked_store_bytes,
+    default_budget_bytes,
     frame_bytes,
     plain_peak_bytes,
     strip_bytes_per_row,
@@ -46,12 +55,17 @@ __all__ = [
     "UpscaleMemoryPlan",
     "colour_stage_bytes",
     "pass_io_bytes",
+    "latent_upscaler_rows",
+    "latent_upscaler_rows_by_size",
     "plan_latent_upscaler",
     "plan_unet_pass",
     "plan_upscale_memory",
     "to_host_float32",
 ]
 
+#: The shortest SesquiLSR bands :func:`latent_upscaler_rows_by_size` picks (16 rows cost ~1.15x the whole frame's CPU
+#: time; 4 rows 1.5-1.8x): without ``max_memory`` the budget is a default, not worth a slower run.
+MIN_LATENT_UPSCALER_ROWS = 16
 #: Stage 2's strips (a few float32 RGB/Lab strips of ~1M px) and coarse maps, plus the reference image.
 COLOUR_STRIP_BYTES = 64 << 20
 
@@ -261,6 +275,43 @@ def plan_latent_upscaler(
             f"(batch {batch}): even in one-row bands it needs about {format_bytes(need)}"
         )
     return rows, fixed + banded_peak_bytes(batch, h, w, target, rows)
+
+
+def latent_upscaler_rows_by_size(
+    passed: tuple[int, int],
+    target: tuple[int, int],
+    batch: int,
+    device: str | torch.device,
+    budget_bytes: int | None = None,
+) -> int | None:
+    """Without ``max_memory``, SesquiLSR by size as the UNet is chunked: whole-frame (None) while its estimated
+    peak fits the chunking budget (``budget_bytes``, else a fraction of a CUDA device's free memory or 1 GiB:
+    :func:`~flowlift.upscale.chunked.budget.default_budget_bytes`), else bands of the most rows that fit, at least
+    :data:`MIN_LATENT_UPSCALER_ROWS` (never a refusal: that budget is no promise)."""
+    (h, w), budget = passed, default_budget_bytes(device, budget_bytes)
+    if whole_peak_bytes(batch, h, w) <= budget:
+        return None
+    return min(max(rows_for_budget(budget, batch, h, w, target), MIN_LATENT_UPSCALER_ROWS), 2 * h)
+
+
+def latent_upscaler_rows(
+    pipeline: Any,
+    sesqui: Any,
+    passed: tuple[int, int],
+    target: tuple[int, int],
+    batch: int,
+    plan: UpscaleMemoryPlan | None = None,
+) -> int | None:
+    """SesquiLSR's band rows (None: the whole frame) from ``passed`` to ``target`` latents under a
+    :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline`'s memory settings: with its ``max_memory`` the plan's
+    (``plan``, else :func:`plan_latent_upscaler` for ``sesqui`` beside the pipeline's models), else by size within
+    its chunking budget (:func:`latent_upscaler_rows_by_size`)."""
+    if pipeline.max_memory is None:
+        return latent_upscaler_rows_by_size(passed, target, batch, pipeline.device, pipeline.chunk_budget_bytes)
+    if plan is not None:
+        return plan.latent_upscaler_rows
+    weights = sum(model_bytes(m) for m in (pipeline.upscaler, pipeline.vae, sesqui))
+    return plan_latent_upscaler(passed, target, pipeline.max_memory, batch, weights)[0]
 
 
 def to_host_float32(images: torch.Tensor, strip_rows: int = 256) -> torch.Tensor:

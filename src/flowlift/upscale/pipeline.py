@@ -44,7 +44,13 @@ from flowlift.upscale.loading import (
     load_pipeline_models,
     pipeline_model_files,
 )
-from flowlift.upscale.memory_plan import UNetPassPlan, UpscaleMemoryPlan, plan_upscale_memory, to_host_float32
+from flowlift.upscale.memory_plan import (
+    UNetPassPlan,
+    UpscaleMemoryPlan,
+    latent_upscaler_rows,
+    plan_upscale_memory,
+    to_host_float32,
+)
 from flowlift.upscale.settings import (
     COLOR_FIX_STRENGTH,
     RESIZE_MODE,
@@ -398,7 +404,7 @@ class FlowUpscalerPipeline:
             latents, passes, stages.seed, stages.transplant_strength, stages.color_fix, callback
         )
         if fraction is not None:  # the fraction in latent space: normalized -> raw -> SesquiLSR -> normalized
-            rows = None if plan is None else plan.latent_upscaler_rows
+            rows = latent_upscaler_rows(self, self.sesqui, tuple(latents.shape[-2:]), target, latents.shape[0], plan)
             latents = sesqui_to_size(self.sesqui, latents, target, self.vae.bn_mean, self.vae.bn_std, rows)
         tiled = self.vae_tiled if self.vae_tiled is not None or plan is None else plan.vae_tiled
         decoded = self._vae_call(

@@ -21,6 +21,7 @@ __all__ = [
     "PLAIN_PEAK_FRAMES",
     "STRIP_ROW_FRAMES",
     "chunked_store_bytes",
+    "default_budget_bytes",
     "default_chunk",
     "frame_bytes",
     "plain_peak_bytes",
@@ -129,15 +130,20 @@ def should_chunk(
     """
     if force is not None:
         return bool(force)
-    device = torch.device(device)
-    if budget_bytes is None:
-        if device.type == "cuda" and torch.cuda.is_available():
-            free, _ = torch.cuda.mem_get_info(device)
-            budget_bytes = int(free * CUDA_BUDGET_FRACTION)
-        else:
-            budget_bytes = DEFAULT_CPU_BUDGET_BYTES
     need = plain_peak_bytes(height, width, batch=batch, base_channels=base_channels, dtype=dtype)
-    return need > budget_bytes
+    return need > default_budget_bytes(device, budget_bytes)
+
+
+def default_budget_bytes(device: str | torch.device, budget_bytes: int | None = None) -> int:
+    """What a stage may hold without a ``max_memory`` plan: ``budget_bytes`` when given, else
+    ``CUDA_BUDGET_FRACTION`` of a CUDA device's free memory, else ``DEFAULT_CPU_BUDGET_BYTES``."""
+    if budget_bytes is not None:
+        return budget_bytes
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_BUDGET_FRACTION)
+    return DEFAULT_CPU_BUDGET_BYTES
 
 
 def default_chunk(width: int) -> int:
