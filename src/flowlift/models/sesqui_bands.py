@@ -1,9 +1,9 @@
 """SesquiLSR in row bands: the network of :mod:`flowlift.models.sesqui_lsr` with two 128-channel frames stored
-and every other activation made a band of rows at a time, for ``--max-memory``.
+and every other activation made a band of rows at a time, for a memory budget (``--max-memory``, or the size).
 
-Whole-frame, SesquiLSR's peak is its 2x grid's ``refine`` block (and an ``out_block`` at a 2x target): ~1,350
+Whole-frame, SesquiLSR's peak is its 2x grid's ``refine`` block (and an ``out_block`` at a 2x target): 1,200-1,450
 float32 values per grid position (the 128-channel stream, the normalized copy, the 288-channel expansion, its
-gated and activated halves), 5.4 KB; a 1.5x fraction to an 8K frame (1024x1024 latents from 683x683) is ~10 GB.
+gated and activated halves), ~5 KB; a 1.5x fraction to an 8K frame (1024x1024 latents from 683x683) is ~10 GB.
 Here each stage reads one frame and writes the other (:func:`run_rows`):
 
 * the local layers (``head_conv``, the grid's ``expand``, ``tail_conv``, ``skip_conv``) on bands of ``rows`` rows

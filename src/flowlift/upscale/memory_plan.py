@@ -63,8 +63,9 @@ __all__ = [
     "to_host_float32",
 ]
 
-#: The shortest SesquiLSR bands :func:`latent_upscaler_rows_by_size` picks (16 rows cost ~1.15x the whole frame's CPU
-#: time; 4 rows 1.5-1.8x): without ``max_memory`` the budget is a default, not worth a slower run.
+#: The shortest SesquiLSR bands :func:`latent_upscaler_rows_by_size` picks (16 rows cost 1.03x the whole frame's CPU
+#: time, 4 rows 1.56x: benchmarks/bench_sesqui_bands.py): without ``max_memory`` the budget is a default, not worth
+#: a slower run.
 MIN_LATENT_UPSCALER_ROWS = 16
 #: Stage 2's strips (a few float32 RGB/Lab strips of ~1M px) and coarse maps, plus the reference image.
 COLOUR_STRIP_BYTES = 64 << 20
