@@ -75,16 +75,16 @@ def rows_for_budget(budget_bytes: int, batch: int, height: int, width: int, targ
 
 def frame_statistics(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each sample's ``mean`` and ``spread = sqrt(var + 1e-6)`` over (C, H, W), as
-    :func:`~flowlift.models.sesqui_lsr.sample_statistics`, summed over bands of ``rows`` rows in float64
-    (``var = sum((x - mean)**2) / n``, two passes): (B, 1, 1, 1) in x's dtype."""
-    count = x[0].numel()
-    total = x.new_zeros(x.shape[0], dtype=torch.float64)
+    :func:`~flowlift.models.sesqui_lsr.sample_statistics`, summed over bands of ``rows`` rows in float64 (float32
+    on MPS, which has no float64) as ``var = sum((x - mean)**2) / n``, two passes: (B, 1, 1, 1) in x's dtype."""
+    count, accumulate = x[0].numel(), torch.float32 if x.device.type == "mps" else torch.float64
+    total = x.new_zeros(x.shape[0], dtype=accumulate)
     for a in range(0, x.shape[-2], rows):
-        total += x[:, :, a : a + rows].sum(dim=(1, 2, 3), dtype=torch.float64)
+        total += x[:, :, a : a + rows].sum(dim=(1, 2, 3), dtype=accumulate)
     mean = (total / count).to(x.dtype).view(-1, 1, 1, 1)
-    squares = x.new_zeros(x.shape[0], dtype=torch.float64)
+    squares = x.new_zeros(x.shape[0], dtype=accumulate)
     for a in range(0, x.shape[-2], rows):
-        squares += (x[:, :, a : a + rows] - mean).square().sum(dim=(1, 2, 3), dtype=torch.float64)
+        squares += (x[:, :, a : a + rows] - mean).square().sum(dim=(1, 2, 3), dtype=accumulate)
     spread = torch.sqrt(squares / count + NORM_EPS).to(x.dtype).view(-1, 1, 1, 1)
     return mean, spread
 
