@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.flux2.latents import VAE_SCALE_FACTOR
 from flowlift.knobs import check_kind
 from flowlift.limits import hires_latent_size, whole_passes
 from flowlift.progress import report_stage
@@ -57,6 +58,11 @@ class HiresFix:
         width, height = (images.shape[-1], images.shape[-2]) if images is not None else settings.base_size
         field = "images" if images is not None else "hires.base_size"
         check_hires_size(int(width), int(height), settings.scale, field)  # the whole pass plan, before the base runs
+        base_latent = (int(height) // VAE_SCALE_FACTOR, int(width) // VAE_SCALE_FACTOR)
+        check_memory = getattr(upscaler, "check_memory", None)  # and the upscaler's memory plan, where it has one
+        if check_memory is not None:
+            fraction = None if whole_passes(settings.scale) else hires_latent_size(*base_latent, settings.scale)
+            check_memory(base_latent, settings.passes, fraction, 1 if images is None else images.shape[0])
         sampling = self._with_steps(sampling)
         tiles = tiles if tiles is not None else self.tiling
         start = denoising_start_for(settings.refine_strength, strength_map)

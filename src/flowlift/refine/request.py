@@ -48,7 +48,9 @@ OFFLOADS = ("auto", "none", "model", "group")
 
 class LatentUpscaler(Protocol):
     """What the hires fix needs of an upscaler: normalized latents in, ``2**num_passes`` times larger out; for a
-    scale that is not a power of two also ``to_size(latents, (h, w))``, the fraction in [1, 2] (SesquiLSR)."""
+    scale that is not a power of two also ``to_size(latents, (h, w))``, the fraction in [1, 2] (SesquiLSR). One that
+    plans its memory may also have ``check_memory(latent_size, num_passes, target, batch)``, which the hires fix calls
+    before its base pass: a budget the upscaler would refuse is one line before any work."""
 
     def upscale_latents(
         self, latents: Any, num_passes: int, *, seed: int, transplant_strength: float, color_fix: bool

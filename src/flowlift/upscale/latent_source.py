@@ -55,16 +55,17 @@ class FlowUpscalerSource:
         memory = MemoryPolicy(max_memory=budget_bytes)
         pipeline = FlowUpscalerPipeline(weights, vae, device=device, dtype=dtype, memory=memory)
         if self.latent_upscaler is None:
-            return pipeline
+            return FractionalUpscaler(pipeline, None, vae, None)
         return FractionalUpscaler.loading(pipeline, vae, self.latent_upscaler)
 
 
 class FractionalUpscaler:
-    """The Flow Upscaler's whole 2x passes (``upscale_latents``) and SesquiLSR for the fraction (``to_size``):
-    normalized -> raw with the VAE's BN statistics -> SesquiLSR to the size -> normalized
-    (:func:`flowlift.models.sesqui_lsr.sesqui_upscale_latents`; TAEF2/Mage-VAE have no statistics: one line)."""
+    """The Flow Upscaler's whole 2x passes (``upscale_latents``) and, with SesquiLSR (``sesqui``; None: passes only),
+    the fraction (``to_size``): normalized -> raw with the VAE's BN statistics -> SesquiLSR to the size -> normalized
+    (:func:`flowlift.models.sesqui_lsr.sesqui_upscale_latents`; TAEF2/Mage-VAE have no statistics: one line).
+    ``check_memory`` refuses before any work what they would refuse under the pipeline's ``max_memory``."""
 
-    def __init__(self, pipeline: Any, sesqui: Any, vae: Any, spec: str) -> None:
+    def __init__(self, pipeline: Any, sesqui: Any, vae: Any, spec: str | None) -> None:
         self.pipeline, self.sesqui, self.vae, self.latent_upscaler = pipeline, sesqui, vae, spec
 
     @classmethod
@@ -78,13 +79,32 @@ class FractionalUpscaler:
     def upscale_latents(self, latents: Any, num_passes: int, **options: Any) -> Any:
         return self.pipeline.upscale_latents(latents, num_passes, **options)
 
+    def check_memory(
+        self, latent_size: tuple[int, int], num_passes: int, target: tuple[int, int] | None, batch: int = 1
+    ) -> None:
+        """One FlowliftError line now when the pipeline's ``max_memory`` cannot hold ``num_passes`` passes from
+        ``latent_size`` (h, w) latents, or SesquiLSR from their output to ``target`` (None: no fraction): what
+        :meth:`upscale_latents` and :meth:`to_size` would refuse, said before a hires fix's base pass runs."""
+        from flowlift.upscale.memory_plan import latent_upscaler_rows
+
+        pipeline = self.pipeline
+        if pipeline.max_memory is None:
+            return
+        (h, w), factor = latent_size, pipeline.spatial_factor
+        pipeline.plan_memory(h * factor, w * factor, num_passes, batch, latents_only=True)  # as upscale_latents plans
+        if target is not None and self.sesqui is not None:
+            latent_upscaler_rows(pipeline, self.sesqui, (h * 2**num_passes, w * 2**num_passes), tuple(target), batch)
+
     def to_size(self, latents: Any, size: tuple[int, int]) -> Any:
         """Normalized latents (B, 32, h, w) -> normalized latents of latent ``size`` (h, w), each side 1-2x;
         whole-frame or in bands as the pipeline's memory settings say
         (:func:`flowlift.upscale.memory_plan.latent_upscaler_rows`)."""
+        from flowlift.errors import FlowliftError
         from flowlift.models.sesqui_bands import sesqui_to_size
         from flowlift.upscale.memory_plan import latent_upscaler_rows
 
+        if self.sesqui is None:
+            raise FlowliftError(f"a fraction of 2x ({size[0]}x{size[1]} latents) needs a latent upscaler (SesquiLSR)")
         bn_mean, bn_std = getattr(self.vae, "bn_mean", None), getattr(self.vae, "bn_std", None)
         passed, batch = tuple(latents.shape[-2:]), latents.shape[0]
         rows = latent_upscaler_rows(self.pipeline, self.sesqui, passed, tuple(size), batch)

@@ -126,12 +126,15 @@ class UpscaleMemoryPlan:
         sesqui = self.latent_upscaler
         if self.latent_upscaler_rows is not None:
             sesqui = f"{self.latent_upscaler_rows}-row bands"
+        image = (
+            f"VAE decode {'tiled' if self.vae_tiled else 'whole frame'}; "
+            f"colour fix on the {'host' if self.colour_on_host else 'device'}; "
+        )
         return (
             f"max_memory {format_bytes(self.budget_bytes)}: UNet {unet or 'no passes'}; "
             + (f"SesquiLSR {sesqui}; " if sesqui else "")
-            + f"VAE decode {'tiled' if self.vae_tiled else 'whole frame'}; "
-            f"colour fix on the {'host' if self.colour_on_host else 'device'}; "
-            f"estimated peak {format_bytes(self.peak_bytes)}"
+            + (image if "decode" in self.stage_peaks else "")
+            + f"estimated peak {format_bytes(self.peak_bytes)}"
         )
 
 
@@ -182,7 +185,7 @@ def plan_upscale_memory(
     base_channels: int = 384,
     unet_dtype: torch.dtype = torch.float32,
     weight_bytes: int = 0,
-    vae_kind: str = "flux2",
+    vae_kind: str | None = "flux2",
     vae_dtype: torch.dtype = torch.float32,
     spatial_factor: int = 8,
     latent_fraction: tuple[int, int] | None = None,
@@ -190,7 +193,8 @@ def plan_upscale_memory(
     """Plan an upscale of a (batch, 3, height, width) model input by ``2**num_passes`` within a budget.
 
     Every model's weights (``weight_bytes``: the UNet's, the VAE's, SesquiLSR's) stay on the device throughout and
-    count against every stage. Pass ``p``'s
+    count against every stage. ``vae_kind`` None plans latents only (no decode, no stage 2: the latent doors' and
+    the hires fix's upscale, which decodes with its own plan). Pass ``p``'s
     sample is the input latent times ``2**(p+1)``. With ``latent_fraction`` (a (height, width) latent within 2x
     of the passes' output), SesquiLSR resizes the passes' latents to it (:func:`plan_latent_upscaler`) and the
     decode makes its frame. The decode is whole-frame when :func:`decode_peak_bytes` fits, else tiled; stage 2
@@ -219,6 +223,12 @@ def plan_upscale_memory(
         sesqui_rows, sesqui_peak = plan_latent_upscaler(passed, latent_fraction, budget_bytes, batch, weight_bytes)
         sesqui = "whole frame" if sesqui_rows is None else "bands"
         out_h, out_w = latent_fraction[0] * spatial_factor, latent_fraction[1] * spatial_factor
+    peaks = {f"pass {i + 1}": p.peak_bytes for i, p in enumerate(passes)}
+    if sesqui:
+        peaks["latent upscaler"] = sesqui_peak
+    if vae_kind is None:
+        peak = max(peaks.values(), default=weight_bytes)
+        return UpscaleMemoryPlan(budget_bytes, tuple(passes), False, False, peak, peaks, sesqui, sesqui_rows)
     latent_bytes = frame_bytes(batch, LATENT_CHANNELS, out_h // spatial_factor, out_w // spatial_factor, torch.float32)
     decode_fixed = weight_bytes + latent_bytes
     sizes = {"batch": batch, "dtype": vae_dtype}
@@ -233,9 +243,6 @@ def plan_upscale_memory(
     image_dtype = decoded_image_dtype(vae_kind, vae_dtype)
     colour = weight_bytes + colour_stage_bytes(out_h, out_w, batch=batch, vae_dtype=image_dtype)
     colour_on_host = colour > budget_bytes
-    peaks = {f"pass {i + 1}": p.peak_bytes for i, p in enumerate(passes)}
-    if sesqui:
-        peaks["latent upscaler"] = sesqui_peak
     peaks["decode"] = decode
     # On the host path the device holds the decoder's output until it is copied out strip by strip.
     peaks["colour"] = weight_bytes + frame_bytes(batch, 3, out_h, out_w, image_dtype) if colour_on_host else colour

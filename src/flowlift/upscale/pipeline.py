@@ -212,10 +212,11 @@ class FlowUpscalerPipeline:
         batch: int = 1,
         final_size: tuple[int, int] | None = None,
         latent_fraction: tuple[int, int] | None = None,
+        latents_only: bool = False,
     ) -> UpscaleMemoryPlan | None:
         """The :func:`flowlift.upscale.memory_plan.plan_upscale_memory` plan for a (batch, 3, height, width) model input
-        (resampled to ``final_size`` (width, height) before stage 2, when given: its float32 frame is reserved out of
-        the budget; SesquiLSR to the ``latent_fraction`` (height, width) latent after the passes, when given) under
+        (resampled to ``final_size`` (width, height) before stage 2, its float32 frame reserved; SesquiLSR to the
+        ``latent_fraction`` (height, width) latent after the passes; ``latents_only``: no decode, no stage 2) under
         ``max_memory`` (None without a budget); a budget too small is a FlowliftError."""
         if self.max_memory is None:
             return None
@@ -228,7 +229,7 @@ class FlowUpscalerPipeline:
             batch=batch,
             base_channels=int(getattr(self.upscaler, "config", {}).get("base_channels", 384)),
             unet_dtype=self.dtype,
-            vae_kind=vae_kind(self.vae),
+            vae_kind=None if latents_only else vae_kind(self.vae),
             vae_dtype=vae_dtype(self.vae, self.dtype),
             weight_bytes=sum(model_bytes(m) for m in (self.upscaler, self.vae, self.sesqui)),
             spatial_factor=self.spatial_factor,
@@ -296,10 +297,10 @@ class FlowUpscalerPipeline:
         check_latents(latents, "Flow Upscaler")
         transplant_strength = TRANSPLANT_STRENGTH.check(transplant_strength)
         seed = check_seed(seed)
-        factor = self.spatial_factor
-        passes = self.plan_passes(latents.shape[-2] * factor, latents.shape[-1] * factor, num_passes)
+        height, width = (side * self.spatial_factor for side in latents.shape[-2:])
+        passes = self.plan_passes(height, width, num_passes)
         seeds = image_seeds(seed, latents.shape[0])
-        plan = self.plan_memory(latents.shape[-2] * factor, latents.shape[-1] * factor, passes, latents.shape[0])
+        plan = self.plan_memory(height, width, passes, latents.shape[0], latents_only=True)  # its own decode: none
         cond = latents.to(device=self.device, dtype=torch.float32)
         with self._cancel_points():
             return self._passes(cond, passes, seeds, plan, transplant_strength, color_fix, callback)
