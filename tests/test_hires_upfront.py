@@ -106,3 +106,23 @@ def test_sesquilsrs_part_of_the_check(unet, vae, sesqui):
     tight.check_memory((32, 32), 1, None)  # the pass alone holds
     with pytest.raises(FlowliftError, match=r"SesquiLSR from 64x64 to 96x96 latents"):
         tight.check_memory((32, 32), 1, (96, 96))
+
+
+def test_a_doors_cancel_reaches_sesquilsrs_layers(unet, vae, sesqui):
+    # ComfyUI's interrupt (the pipeline's check_interrupt) before every SesquiLSR layer, whole frame or banded
+    from flowlift.upscale.pipeline import FlowUpscalerPipeline
+
+    checks = []
+
+    def check():
+        checks.append(1)
+        if len(checks) == 5:
+            raise KeyboardInterrupt("cancelled")
+
+    pipeline = FlowUpscalerPipeline(unet, vae, device="cpu", dtype=torch.float32, check_interrupt=check)
+    upscaler = FractionalUpscaler.loading(pipeline, vae, sesqui)
+    with pytest.raises(KeyboardInterrupt, match="cancelled"):
+        upscaler.to_size(torch.randn(1, 32, 8, 8), (12, 12))
+    assert len(checks) == 5
+    hooked = [m for m in upscaler.sesqui.modules() if m._forward_pre_hooks]
+    assert hooked == []  # the hooks are gone once it stopped

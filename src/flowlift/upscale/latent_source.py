@@ -101,6 +101,7 @@ class FractionalUpscaler:
         (:func:`flowlift.upscale.memory_plan.latent_upscaler_rows`)."""
         from flowlift.errors import FlowliftError
         from flowlift.models.sesqui_bands import sesqui_to_size
+        from flowlift.upscale.interrupts import checked_modules
         from flowlift.upscale.memory_plan import latent_upscaler_rows
 
         if self.sesqui is None:
@@ -108,4 +109,5 @@ class FractionalUpscaler:
         bn_mean, bn_std = getattr(self.vae, "bn_mean", None), getattr(self.vae, "bn_std", None)
         passed, batch = tuple(latents.shape[-2:]), latents.shape[0]
         rows = latent_upscaler_rows(self.pipeline, self.sesqui, passed, tuple(size), batch)
-        return sesqui_to_size(self.sesqui, latents, size, bn_mean, bn_std, rows)
+        with checked_modules(self.pipeline.check_interrupt, [self.sesqui]):  # a door's cancel, before every layer
+            return sesqui_to_size(self.sesqui, latents, size, bn_mean, bn_std, rows)

@@ -306,8 +306,8 @@ class FlowUpscalerPipeline:
             return self._passes(cond, passes, seeds, plan, transplant_strength, color_fix, callback)
 
     def _cancel_points(self):
-        """``check_interrupt`` before every leaf module of the upscaler and the VAE (upscale/interrupts.py)."""
-        return checked_modules(self.check_interrupt, [self.upscaler, getattr(self.vae, "model", None)])
+        """``check_interrupt`` before every leaf module of the upscaler, the VAE and SesquiLSR (interrupts.py)."""
+        return checked_modules(self.check_interrupt, [self.upscaler, getattr(self.vae, "model", None), self.sesqui])
 
     def _passes(self, cond, passes, seeds, plan, transplant_strength, color_fix, callback) -> torch.Tensor:
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
