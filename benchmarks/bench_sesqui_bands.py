@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 
@@ -49,11 +50,12 @@ def main() -> None:
         print("| run | CPU-s per repeat | / whole (median) | tracked peak | estimate | max diff |")
         print("|---|---|---|---|---|---|")
         seconds = {name: [] for name in runs}
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
             for name, run in runs.items():
                 start = time.process_time()
                 run()
                 seconds[name].append(time.process_time() - start)
+            print(f"repeat {repeat + 1}/{args.repeats} done", file=sys.stderr, flush=True)  # how far, on stderr
         for name, run in runs.items():
             tracker = _PeakTensorMemory()
             with tracker:
