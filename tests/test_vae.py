@@ -10,8 +10,8 @@ from safetensors.torch import save_file
 from builders import fake_hub_cache
 from door_helpers import assert_refuses_misshapen_inputs
 from flowlift.errors import FlowliftError
-from flowlift.models.flux2_vae_convert import convert_original_flux2_vae, infer_flux2_config
-from flowlift.models.vae import TAEF2VAE, Flux2VAE, flux2_from_state_dict
+from flowlift.models.flux2_vae_convert import convert_original_flux2_vae, flux2_from_state_dict, infer_flux2_config
+from flowlift.models.vae import TAEF2VAE, Flux2VAE
 from flowlift.models.vae_loading import load_vae
 
 

@@ -56,6 +56,8 @@ class ComfyFlux2VAE:
     spatial_factor = 8
     approximate_decode = False
     dtype = torch.float32
+    # ComfyUI's VAE.encode computes its 2x - 1 in the images' dtype, then rounds to its own: hand it float32
+    rounds_inputs_itself = True
 
     def __init__(
         self, vae: comfy.sd.VAE, device: torch.device, tile_above_pixels: int | None = TILED_DECODE_PIXELS

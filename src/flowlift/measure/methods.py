@@ -222,10 +222,13 @@ def latent_bicubic(vae, lowres: np.ndarray, scale: float, device, dtype) -> np.n
     from flowlift.files.images import tensor_to_uint8, to_tensor
     from flowlift.flux2.latents import denormalize, normalize
     from flowlift.models.weights import check_finite_result
+    from flowlift.upscale.image_steps import vae_input_dtype
 
     mean, std = getattr(vae, "bn_mean", None), getattr(vae, "bn_std", None)
     with torch.no_grad():
-        z = check_finite_result(vae.encode(to_tensor(lowres, device=device, dtype=dtype)), "the VAE's encoder")
+        z = check_finite_result(
+            vae.encode(to_tensor(lowres, device=device, dtype=vae_input_dtype(vae, dtype))), "the VAE's encoder"
+        )
         if mean is not None and std is not None:
             z = denormalize(z, mean, std)
         width, height = output_size(lowres, scale)
@@ -243,11 +246,12 @@ def sesqui_upscale(model, vae, lowres: np.ndarray, scale: float, device, dtype) 
 
     from flowlift.files.images import tensor_to_uint8, to_tensor
     from flowlift.models.sesqui_lsr import sesqui_upscale_latents
+    from flowlift.upscale.image_steps import vae_input_dtype
 
     width, height = output_size(lowres, scale)
     target = (height // vae.spatial_factor, width // vae.spatial_factor)
     with torch.no_grad():
-        z = vae.encode(to_tensor(lowres, device=device, dtype=dtype))
+        z = vae.encode(to_tensor(lowres, device=device, dtype=vae_input_dtype(vae, dtype)))
         z = sesqui_upscale_latents(model, z, target, vae.bn_mean, vae.bn_std)
         return tensor_to_uint8(vae.decode(z).float())[0]
 
@@ -258,9 +262,12 @@ def vae_roundtrip(vae, image: np.ndarray, device, dtype) -> np.ndarray:
 
     from flowlift.files.images import tensor_to_uint8, to_tensor
     from flowlift.models.weights import check_finite_result
+    from flowlift.upscale.image_steps import vae_input_dtype
 
     with torch.no_grad():
-        z = check_finite_result(vae.encode(to_tensor(image, device=device, dtype=dtype)), "the VAE's encoder")
+        z = check_finite_result(
+            vae.encode(to_tensor(image, device=device, dtype=vae_input_dtype(vae, dtype))), "the VAE's encoder"
+        )
         return tensor_to_uint8(check_finite_result(vae.decode(z), "the VAE's decoder").float())[0]
 
 

@@ -1,4 +1,5 @@
-"""FLUX.2 VAE single-file checkpoints (original BFL / ComfyUI key names) -> diffusers layout.
+"""FLUX.2 VAE state dicts -> :class:`~flowlift.models.vae.Flux2VAE` (:func:`flux2_from_state_dict`), single-file
+checkpoints (original BFL / ComfyUI key names) converted to the diffusers layout first.
 
 diffusers 0.42's ``AutoencoderKLFlux2.from_single_file`` does not handle this class, yet ComfyUI users
 hold ``flux2-vae.safetensors`` with the original (LDM-style) names. The renaming, as documented by
@@ -35,6 +36,8 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.models.vae import Flux2VAE
+from flowlift.models.weights import load_strict
 
 #: Prefixes some single-file checkpoints put in front of the VAE keys.
 KNOWN_PREFIXES = ("first_stage_model.", "vae.", "model.")
@@ -179,3 +182,34 @@ def infer_flux2_config(
         raise FlowliftError(f"FLUX.2 VAE: bn has {patch_channels} channels, not a square patch of {latent}")
     config["patch_size"] = (side, side)
     return config
+
+
+def flux2_from_state_dict(
+    state: Mapping[str, torch.Tensor],
+    *,
+    config: Mapping[str, Any] | None = None,
+    origin: str = "",
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    norm_num_groups: int = 32,
+) -> Flux2VAE:
+    """Build a :class:`Flux2VAE` from a diffusers-layout or original single-file state dict.
+
+    Original (BFL / ComfyUI) keys are converted (:func:`convert_original_flux2_vae`); without a
+    ``config`` the architecture is inferred from the tensor shapes (``norm_num_groups`` cannot be).
+    """
+    from diffusers import AutoencoderKLFlux2  # only now: importing diffusers takes seconds
+
+    if is_original_flux2_vae(state):
+        state = convert_original_flux2_vae(state, origin=origin)
+    state = dict(state)
+    if "bn.running_mean" in state and "bn.num_batches_tracked" not in state:
+        state["bn.num_batches_tracked"] = torch.tensor(0, dtype=torch.long)
+    if config is None:
+        config = infer_flux2_config(state, norm_num_groups=norm_num_groups)
+    try:
+        model = AutoencoderKLFlux2.from_config(dict(config))
+    except Exception as error:  # noqa: BLE001 - a bad config file is a user error
+        raise FlowliftError(f"FLUX.2 VAE config{' ' + origin if origin else ''} is invalid: {error}") from None
+    load_strict(model, state, what="FLUX.2 VAE weights", origin=origin)
+    return Flux2VAE(model.to(device=device, dtype=dtype))

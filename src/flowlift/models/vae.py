@@ -86,9 +86,22 @@ def diffusers_decode_tiles(
 
 
 class _ModuleVAE:
-    """What every adapter shares: the wrapped ``model`` and its device and dtype."""
+    """What every adapter shares: the wrapped ``model`` and its device and dtype.
+
+    Inputs in any float dtype: each adapter does its own arithmetic on them (``2x - 1``, the latents' BatchNorm) in
+    float32 and rounds the result to the model's dtype once, so a caller hands them float32 rather than rounding
+    them first (:attr:`rounds_inputs_itself`; rounding before ``2x - 1`` in bfloat16 rounds dark pixels twice).
+    """
 
     model: torch.nn.Module
+    #: The pipeline passes such a VAE float32 images and latents (``image_steps.vae_input_dtype``).
+    rounds_inputs_itself = True
+
+    def _signed_images(self, images: torch.Tensor) -> torch.Tensor:
+        """``2x - 1`` on the model's device, computed in float32 (or the images' wider float) and rounded to the
+        model's dtype once."""
+        wide = images.to(self.device, torch.promote_types(images.dtype, torch.float32))
+        return (wide * 2 - 1).to(self.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -225,7 +238,7 @@ class Flux2VAE(_ModuleVAE):
     def encode_raw(self, images: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
         """Images [0, 1] (B, 3, H, W), sides multiples of 16 -> raw latents (B, 32, H/8, W/8)."""
         _check_images(images, 2 * self.spatial_factor)
-        x = images.to(self.device, self.dtype) * 2 - 1
+        x = self._signed_images(images)
         with self._tiling(tiled, max(images.shape[-2:])):
             z = self.model.encode(x).latent_dist.mode()
         return z.to(_out_dtype(images))
@@ -289,43 +302,6 @@ class Flux2VAE(_ModuleVAE):
 
     def __repr__(self) -> str:
         return f"Flux2VAE(device={self.device}, dtype={self.dtype})"
-
-
-def flux2_from_state_dict(
-    state: Mapping[str, torch.Tensor],
-    *,
-    config: Mapping[str, Any] | None = None,
-    origin: str = "",
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    norm_num_groups: int = 32,
-) -> Flux2VAE:
-    """Build a :class:`Flux2VAE` from a diffusers-layout or original single-file state dict.
-
-    Original (BFL / ComfyUI) keys are converted by :mod:`flowlift.models.flux2_vae_convert`; without a
-    ``config`` the architecture is inferred from the tensor shapes (``norm_num_groups`` cannot be).
-    """
-    from diffusers import AutoencoderKLFlux2
-
-    from flowlift.models.flux2_vae_convert import (
-        convert_original_flux2_vae,
-        infer_flux2_config,
-        is_original_flux2_vae,
-    )
-
-    if is_original_flux2_vae(state):
-        state = convert_original_flux2_vae(state, origin=origin)
-    state = dict(state)
-    if "bn.running_mean" in state and "bn.num_batches_tracked" not in state:
-        state["bn.num_batches_tracked"] = torch.tensor(0, dtype=torch.long)
-    if config is None:
-        config = infer_flux2_config(state, norm_num_groups=norm_num_groups)
-    try:
-        model = AutoencoderKLFlux2.from_config(dict(config))
-    except Exception as error:  # noqa: BLE001 - a bad config file is a user error
-        raise FlowliftError(f"FLUX.2 VAE config{' ' + origin if origin else ''} is invalid: {error}") from None
-    load_strict(model, state, what="FLUX.2 VAE weights", origin=origin)
-    return Flux2VAE(model.to(device=device, dtype=dtype))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -408,7 +384,7 @@ class MageVAE(_ModuleVAE):
                 "encoding needs the full released file, or another VAE (--vae taef2)"
             )
         _check_images(images, self.image_multiple)
-        x = (images.to(self.device, self.dtype) * 2 - 1).contiguous(memory_format=torch.channels_last)
+        x = self._signed_images(images).contiguous(memory_format=torch.channels_last)
         if self.tiled_encoder is not None and self._use_tiles(tiled, images.shape[-2] * images.shape[-1]):
             z = self.tiled_encoder(self.model.encoder, x)
         else:

@@ -19,8 +19,9 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.files.json_input import parse_json
+from flowlift.models.flux2_vae_convert import flux2_from_state_dict, is_diffusers_flux2_vae, is_original_flux2_vae
 from flowlift.models.mage_vae_files import is_mage_vae, mage_from_state_dict
-from flowlift.models.vae import TAEF2VAE, Flux2VAE, MageVAE, flux2_from_state_dict, taef2_from_state_dicts
+from flowlift.models.vae import TAEF2VAE, Flux2VAE, MageVAE, taef2_from_state_dicts
 from flowlift.models.vae_names import (
     HUB_VAE_PATTERNS,
     NAMED_FLUX2,
@@ -108,7 +109,6 @@ def _from_module(module: torch.nn.Module, device: torch.device | str, dtype: tor
 
 
 def _from_file(path: Path, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:
-    from flowlift.models.flux2_vae_convert import is_diffusers_flux2_vae, is_original_flux2_vae
     from flowlift.models.taef2 import detect_layout
 
     state = read_state_dict(path, what="VAE weights")

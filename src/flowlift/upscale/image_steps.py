@@ -1,9 +1,10 @@
 """The pixel side of :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline`: the VAE's calls and the decoded frame.
 
-:func:`vae_dtype` is the dtype the VAE's inputs are cast to; :func:`vae_call` runs its ``encode`` / ``decode`` with
-tile progress and cancel checks; :func:`finish_decoded` crops the decoded frame to ``2**passes`` times the input,
-resamples it to an asked size and runs stage 2 (:func:`flowlift.upscale.colorfix.lab_lowband_transplant`);
-:func:`as_output` hands the result over as the caller asked.
+:func:`vae_input_dtype` is the dtype the VAE's inputs are cast to (:func:`vae_dtype`, its weights'); :func:`vae_call`
+runs its ``encode`` / ``decode`` with tile progress and cancel checks; :func:`finish_decoded` crops the decoded frame
+to ``2**passes`` times the input, resamples it to an asked size and runs stage 2
+(:func:`flowlift.upscale.colorfix.lab_lowband_transplant`); :func:`as_output` hands the result over as the caller
+asked.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ def vae_dtype(vae: Any, fallback: torch.dtype) -> torch.dtype:
         return param.dtype
     dtype = getattr(vae, "dtype", None)
     return dtype if isinstance(dtype, torch.dtype) else fallback
+
+
+def vae_input_dtype(vae: Any, fallback: torch.dtype) -> torch.dtype:
+    """The dtype to hand ``vae.encode`` / ``vae.decode`` their images and latents in: float32 for a VAE that says it
+    rounds them itself (``rounds_inputs_itself``: flowlift's adapters, ComfyUI's VAEs), after its own float32
+    arithmetic, so that they are rounded once; :func:`vae_dtype` for any other object, which may expect its own."""
+    return torch.float32 if getattr(vae, "rounds_inputs_itself", False) else vae_dtype(vae, fallback)
 
 
 def vae_call(

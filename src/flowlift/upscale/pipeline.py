@@ -33,7 +33,7 @@ from flowlift.models.sesqui_bands import sesqui_to_size
 from flowlift.models.sesqui_lsr import load_sesqui_lsr, require_bn_statistics
 from flowlift.models.upscaler_unet import ONE_STEP_TIMESTEP
 from flowlift.upscale.colorfix import LOWFREQ_FACTOR, latent_lowband_transplant
-from flowlift.upscale.image_steps import as_output, finish_decoded, vae_call, vae_dtype
+from flowlift.upscale.image_steps import as_output, finish_decoded, vae_call, vae_dtype, vae_input_dtype
 from flowlift.upscale.inputs import check_finite
 from flowlift.upscale.interrupts import checked_modules, with_check
 from flowlift.upscale.latent_fraction import find_sesqui, fraction_plan
@@ -270,7 +270,7 @@ class FlowUpscalerPipeline:
         cropped from a padded result.
         """
         original, prepared = self.prepare_image(image, resize_mode)
-        latents = self._vae_call("encode", prepared.to(vae_dtype(self.vae, self.dtype))).to(torch.float32)
+        latents = self._vae_call("encode", prepared.to(vae_input_dtype(self.vae, self.dtype))).to(torch.float32)
         if return_size:
             return latents, tuple(original.shape[-2:])
         return latents
@@ -397,7 +397,7 @@ class FlowUpscalerPipeline:
         size = stages.output_size
         plan = self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0], size, target)
         self.last_plan = plan
-        latents = self._vae_call("encode", prepared.to(vae_dtype(self.vae, self.dtype))).to(torch.float32)
+        latents = self._vae_call("encode", prepared.to(vae_input_dtype(self.vae, self.dtype))).to(torch.float32)
         check_finite(latents, "the VAE encoder produced")
         if callback is not None:
             callback("encode")
@@ -409,7 +409,7 @@ class FlowUpscalerPipeline:
             latents = sesqui_to_size(self.sesqui, latents, target, self.vae.bn_mean, self.vae.bn_std, rows)
         tiled = self.vae_tiled if self.vae_tiled is not None or plan is None else plan.vae_tiled
         decoded = self._vae_call(
-            "decode", latents.to(vae_dtype(self.vae, self.dtype)), tiled=tiled, on_tile=on_decode_tile
+            "decode", latents.to(vae_input_dtype(self.vae, self.dtype)), tiled=tiled, on_tile=on_decode_tile
         )
         del latents
         if plan is not None and plan.colour_on_host:  # stage 2 on the host: the device keeps no float32 frame
