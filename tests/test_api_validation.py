@@ -149,6 +149,10 @@ def test_every_refine_field_is_checked_at_construction(make, field):
         ({"output": ""}, "output", ""),
         ({"chunked": "no"}, "chunked", ""),
         ({"output_format": "bmp2"}, "output_format", ""),
+        ({"long_side": 20000}, "long_side", "16384"),
+        ({"long_side": 1.5}, "long_side", "integer"),
+        ({"size": "3840 by 2160"}, "size", "WIDTHxHEIGHT"),
+        ({"size": (3840, 0)}, "size", "(width, height)"),
     ],
 )
 def test_every_upscale_request_field_is_checked_at_construction(fields, field, words):
@@ -243,3 +247,7 @@ def test_the_python_api_says_keywords_and_the_command_line_says_its_options(tmp_
     code = main(["img2img", str(image), "--model", "m", "--prompt", "x", "--max-memory", "lots"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("flowlift img2img: error: --max-memory must be a size like 6GB"), err
+    code = main(["upscale", str(image), "--long-side", "20000", "-o", str(tmp_path / "big.png")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("flowlift upscale: error: --long-side must be an integer in [1, 16384]"), err
+    assert not (tmp_path / "big.png").exists()

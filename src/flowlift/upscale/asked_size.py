@@ -28,7 +28,7 @@ def parse_size(text: str) -> tuple[int, int]:
     """``"3840x2560"`` -> ``(3840, 2560)`` (width, height), else one line."""
     match = _SIZE.fullmatch(str(text))
     if match is None or min(int(match[1]), int(match[2])) < 1:
-        raise FlowliftError(f"size must be WIDTHxHEIGHT in pixels, e.g. 3840x2560, got {text!r}")
+        raise FlowliftError(f"size must be WIDTHxHEIGHT in pixels, e.g. 3840x2560, got {text!r}", field="size")
     return int(match[1]), int(match[2])
 
 
@@ -49,12 +49,14 @@ class AskedSize:
         if self.long_side is not None:
             side = exact_int(self.long_side)
             if side is None or not 1 <= side <= MAX_OUTPUT_SIDE:
-                raise FlowliftError(f"long_side must be an integer in [1, {MAX_OUTPUT_SIDE}], got {self.long_side!r}")
+                raise FlowliftError(
+                    f"long_side must be an integer in [1, {MAX_OUTPUT_SIDE}], got {self.long_side!r}", field="long_side"
+                )
             object.__setattr__(self, "long_side", side)
         if self.size is not None:
             size = parse_size(self.size) if isinstance(self.size, str) else tuple(map(exact_int, self.size))
             if len(size) != 2 or None in size or min(size) < 1:
-                raise FlowliftError(f"size must be (width, height) in pixels, got {self.size!r}")
+                raise FlowliftError(f"size must be (width, height) in pixels, got {self.size!r}", field="size")
             object.__setattr__(self, "size", size)
 
     @classmethod
