@@ -73,11 +73,12 @@ def test_mage_vae_encodes_two_x_minus_one_rounded_once():
     assert torch.equal(seen, (images * 2 - 1).to(BF16).contiguous(memory_format=torch.channels_last))
 
 
-def test_float32_inputs_are_unchanged_in_float32():
+def test_float32_inputs_are_unchanged_in_float32_and_the_callers_images_untouched():
     vae = Flux2VAE(tiny_vae())
     images = dark_images()
     seen = captured_input(vae.model.encoder, lambda: vae.encode(images))
     assert seen.dtype == torch.float32 and torch.equal(seen, images * 2 - 1)
+    assert torch.equal(images, dark_images())  # 2x - 1 is computed in place, on a copy
 
 
 class _CallersVAE:
