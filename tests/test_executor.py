@@ -12,6 +12,7 @@ from flowlift.errors import FlowliftError
 from flowlift.models import upscaler_unet as U
 from flowlift.upscale.chunked import budget as B
 from flowlift.upscale.chunked import executor as E
+from flowlift.upscale.chunked import strip_kernels as K
 
 
 def small_model(seed: int = 0, base: int = 16) -> U.FlowUpscalerUNet:
@@ -156,6 +157,47 @@ def test_channel_stats_merge_is_exact_and_stable():
     assert stats.count == 13 * 6
     assert torch.allclose(stats.mean, mean, rtol=1e-7)
     assert torch.allclose(stats.m2 / stats.count, var, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(1, 24, 5, 7), (2, 24, 5, 7), (2, 1, 3, 4), (1, 24, 1, 9)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_as_nchw_is_contiguous_with_the_same_values_and_stats_do_not_depend_on_the_layout(shape, dtype):
+    x = torch.randn(shape).to(dtype)
+    for layout in (torch.channels_last, torch.contiguous_format):
+        y = x.contiguous(memory_format=layout)
+        out = K.as_nchw(y)
+        assert out.is_contiguous() and out.dtype == dtype and torch.equal(out, x)
+    sliced = torch.randn(2, 8, 9, 7)[:, :, 1:6]  # neither layout
+    assert torch.equal(K.as_nchw(sliced), sliced.contiguous())
+    a, b = (
+        E.ChannelStats.of(x.contiguous(memory_format=f), torch.float64)
+        for f in (torch.channels_last, torch.contiguous_format)
+    )
+    assert torch.equal(a.mean, b.mean) and torch.equal(a.m2, b.m2)  # the same kernel on the same values
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_affine_silu_rounds_as_the_plain_forward_in_bf16_and_once_in_float32(batch):
+    """bf16: the affine map rounded to bf16, then SiLU rounded (GroupNorm's and SiLU's two roundings in the plain
+    forward); float32: ``silu(x * scale + shift)`` as before."""
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(batch, 16, 6, 5, generator=gen) * 3).contiguous(memory_format=torch.channels_last)
+    scale, shift = torch.rand(batch, 16, generator=gen) + 0.5, torch.randn(batch, 16, generator=gen)
+    affine = x * scale[:, :, None, None] + shift[:, :, None, None]
+    assert torch.equal(
+        E.affine_silu(x, scale, shift), F.silu(torch.addcmul(shift[..., None, None], x, scale[..., None, None]))
+    )
+    half = x.to(torch.bfloat16)
+    out = E.affine_silu(half, scale, shift)
+    assert out.dtype == torch.bfloat16 and out.is_contiguous(memory_format=torch.channels_last)
+    rounded = (half.float() * scale[:, :, None, None] + shift[:, :, None, None]).to(torch.bfloat16)
+    expected = F.silu(rounded.float()).to(torch.bfloat16)
+    assert (out.float() - expected.float()).abs().max() <= 2**-7 * expected.float().abs().max()  # one bf16 step
+    exact_affine = half.double() * scale.double()[:, :, None, None] + shift.double()[:, :, None, None]
+    truth = F.silu(exact_affine)
+    # two roundings of 2**-9: the affine value's (SiLU's slope is under 1.1) and the output's
+    assert ((out.double() - truth).abs() <= 2**-8 * (exact_affine.abs() + truth.abs()) + 1e-6).all()
+    assert not torch.equal(affine, affine.to(torch.bfloat16).float())  # the test's values do round
 
 
 def test_group_norm_affine_equals_group_norm():
