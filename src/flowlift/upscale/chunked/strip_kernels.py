@@ -132,12 +132,13 @@ def group_norm_affine(stats: ChannelStats, norm: nn.GroupNorm) -> tuple[torch.Te
 def affine_silu(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """``silu(x * scale + shift)`` with (B, C) ``scale``/``shift``, returned in x's dtype.
 
-    Float32 ``x``: computed in the statistics' precision, rounded once. A half-precision ``x`` on the CPU or a
-    GPU: the affine map is an inference batch norm of each sample (``(x - 0) / sqrt(1 + 0) * scale + shift``,
-    computed in float32 inside, its result rounded to x's dtype) and SiLU runs in x's dtype: the two roundings
-    the plain forward's GroupNorm and SiLU make, in ~1/5 of the float32 round trip's CPU time (docs/cpu.md).
+    Computed in the statistics' precision and rounded once; except a half-precision ``x`` on the CPU, where the
+    affine map is an inference batch norm of each sample (``(x - 0) / sqrt(1 + 0) * scale + shift``, float32
+    inside, its result rounded to x's dtype) and SiLU runs in x's dtype: the two roundings the plain forward's
+    GroupNorm and SiLU make, in ~1/5 of the float32 round trip's CPU time (docs/cpu.md). A GPU keeps the round
+    trip (element-wise work is not what its chunked passes wait on, and no GPU measured the other here).
     """
-    if x.dtype in (torch.bfloat16, torch.float16) and x.device.type in ("cpu", "cuda"):
+    if x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu":
         zeros, ones = torch.zeros_like(scale[0]), torch.ones_like(scale[0])
         samples = [
             F.batch_norm(x[i : i + 1], zeros, ones, scale[i], shift[i], False, 0.0, 0.0) for i in range(x.shape[0])
