@@ -80,15 +80,14 @@ def main() -> None:
     size = tuple(int(v) for v in args.size.lower().split("x"))
     if args.worker:
         return worker(size, args.dtype, args.chunk, args.passes)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_first_run import cpu_name, exported_source
+
     trees = {"this tree": SRC}
     if args.baseline:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from bench_first_run import exported_source
-
         trees[args.baseline] = exported_source(args.baseline, Path(args.work))
-    cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
     print(
-        f"bench_chunked_cpu: {os.cpu_count()} CPUs ({cpu}), {args.dtype}, sample {args.size}, "
+        f"bench_chunked_cpu: {os.cpu_count()} CPUs ({cpu_name()}), {args.dtype}, sample {args.size}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         flush=True,
     )

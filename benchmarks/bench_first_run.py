@@ -162,6 +162,17 @@ def model_arguments(vae: str, args) -> tuple[list[str], dict[str, str]]:
     return ["--vae", str(spec), "--upscaler", str(random_checkpoint(work))], {}
 
 
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo (every CPU figure names its CPU), else ``unknown CPU``."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            return next(
+                (line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), "unknown CPU"
+            )
+    except OSError:
+        return "unknown CPU"
+
+
 def exported_source(revision: str, work: Path) -> Path:
     """``src/`` of ``revision`` (``git archive``), extracted once under ``work``."""
     commit = subprocess.run(
@@ -343,10 +354,7 @@ def main() -> None:
         variants[f"this tree --vae {args.baseline_vae}"] = (SRC, [], {"FLOWLIFT_BENCH_VAE": args.baseline_vae})
     if args.baseline:
         variants[f"revision {args.baseline}"] = (exported_source(args.baseline, work), [], {})
-    cpu_model = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-        "unknown CPU",
-    )
+    cpu_model = cpu_name()
     print(
         f"first command, kodim23 768x512 -> 3072x2048, random full-size UNet, --vae {args.vae}, {args.device}, "
         f"{os.cpu_count()} CPUs ({cpu_model}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"

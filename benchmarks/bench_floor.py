@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_first_run import ROOT, SRC, add_weights_argument, model_arguments  # noqa: E402
+from bench_first_run import ROOT, SRC, add_weights_argument, cpu_name, model_arguments  # noqa: E402
 
 # -- counters (in the child) ------------------------------------------------------------------------------
 
@@ -462,7 +462,7 @@ def main() -> None:
             )
     if not args.no_peer:
         variants["peer: RRDBNet x4, 768x512 (bf16)"] = (["--peer", str(full)], base_env)
-    cpu_model = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
+    cpu_model = cpu_name()
     print(
         f"bench_floor: {os.cpu_count()} CPUs ({cpu_model}), torch threads default, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
