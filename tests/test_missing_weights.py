@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from builders import command_line, fake_hub_cache, forbid_call
+from builders import command_line, fake_hub_cache, forbid_call, save_tiny_unet
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 from flowlift.models.hub import download_command
@@ -74,17 +74,17 @@ def test_unreachable_hub_fails_within_seconds_naming_every_fix(tmp_path, offline
 
 def test_cached_weights_work_at_once_when_the_hub_is_unreachable(tmp_path):
     """The cache alone serves a command when the hub does not answer, without the retries' wait."""
-    cache = tmp_path / "cache"
-    fake_hub_cache(cache, "TensorForger/FlowUpscaler", {"flow_upscaler.safetensors": b"weights"})
+    cache, unet = tmp_path / "cache", save_tiny_unet(tmp_path / "flow_upscaler.safetensors")  # its header is read
+    fake_hub_cache(cache, "TensorForger/FlowUpscaler", {"flow_upscaler.safetensors": unet})
     fake_hub_cache(cache, "madebyollin/taef2", {"taef2_encoder.pth": b"e", "taef2_decoder.pth": b"d"})
     code = (
         "from flowlift.upscale.loading import check_upscale_weights, resolve_upscaler_file;"
         "check_upscale_weights('TensorForger/FlowUpscaler', ['taef2']);"
-        "print(resolve_upscaler_file('TensorForger/FlowUpscaler').read_bytes())"
+        "print(resolve_upscaler_file('TensorForger/FlowUpscaler').read_bytes().hex())"
     )
     run, seconds = _timed([sys.executable, "-c", code], _unreachable_env(cache, "0"), tmp_path)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "b'weights'"
+    assert run.stdout.strip() == unet.read_bytes().hex()
     assert seconds < FAST_S, f"cached weights took {seconds:.1f} s with the hub unreachable"
 
 
@@ -115,7 +115,7 @@ def test_every_missing_weight_is_named_in_one_message(empty_cache):
     with pytest.raises(FlowliftError) as caught:
         check_upscale_weights("TensorForger/FlowUpscaler", ["flux2", "taef2", "flux2"])
     message = str(caught.value)
-    assert message.startswith("3 weights are missing: (1) Flow Upscaler") and "\n" not in message
+    assert message.startswith("3 weights are missing or unusable: (1) Flow Upscaler") and "\n" not in message
     assert UPSCALER_FIX in message and FLUX2_VAE_FIX in message and download_command("madebyollin/taef2") in message
     checks = upscale_weight_checks("TensorForger/FlowUpscaler", []) + refiner_weight_checks(
         "someone/flux2-not-cached", text_encoder=True
@@ -144,8 +144,7 @@ def test_hires_names_the_transformer_vae_and_upscaler_before_loading(empty_cache
 
 def test_app_checks_every_offered_vae_and_the_refiner_at_start_up(empty_cache, capsys, monkeypatch):
     forbid_call(monkeypatch, "flowlift.app.page.build_app", "the page was built although weights are missing")
-    weights = empty_cache / "flow_upscaler.safetensors"
-    weights.write_bytes(b"found, not read at start-up")
+    weights = save_tiny_unet(empty_cache / "flow_upscaler.safetensors")  # found, its header checked
     vaes = ["--vae", "taef2", "--vae", empty_cache / "missing.safetensors"]
     argv = command_line("app", *vaes, upscaler=weights, model="someone/flux2-not-cached")
     assert main(argv) == 2

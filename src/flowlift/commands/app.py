@@ -88,11 +88,8 @@ def check_weights(args: argparse.Namespace) -> None:
     from flowlift.refine.source_checks import refiner_weight_checks
     from flowlift.upscale.loading import DEFAULT_UPSCALER, upscale_weight_checks
 
-    checks = upscale_weight_checks(args.upscaler or DEFAULT_UPSCALER, list(dict.fromkeys(args.vae or [DEFAULT_VAE])))
-    if args.latent_upscaler:
-        from flowlift.upscale.latent_fraction import find_sesqui
-
-        checks.append(lambda: find_sesqui(args.latent_upscaler))
+    vaes = list(dict.fromkeys(args.vae or [DEFAULT_VAE]))
+    checks = upscale_weight_checks(args.upscaler or DEFAULT_UPSCALER, vaes, args.latent_upscaler or None)
     if args.model:
         checks += refiner_weight_checks(args.model, vae=args.model_vae)
     require_all(checks)

@@ -298,6 +298,33 @@ def check_target_size(shape: tuple[int, ...], target_size: tuple[int, int]) -> t
     return th, tw
 
 
+def _fitting_meta_model(state: dict[str, torch.Tensor], path: Path) -> SesquiLSR:
+    """SesquiLSR on the meta device when ``state`` (meta tensors too) fits it, else one FlowliftError line."""
+    from flowlift.models.weights import dtype_mismatch, state_dict_mismatch
+
+    with torch.device("meta"):
+        model = SesquiLSR()
+    problem = state_dict_mismatch(model, state) or dtype_mismatch(model, state)
+    if problem:
+        raise FlowliftError(f"{WHAT} from {path} do not match the FLUX.2 SesquiLSR network: {problem}")
+    return model
+
+
+def check_sesqui_file(path: str | os.PathLike) -> Path:
+    """``path`` as a SesquiLSR checkpoint, checked without reading its tensors: a file, safetensors, and its
+    header's tensors those of the network (:func:`load_sesqui_lsr`'s lines, before anything loads)."""
+    from flowlift.models.weights import header_state
+
+    path = Path(os.fspath(path)).expanduser()
+    if not path.is_file():
+        raise FlowliftError(f"{WHAT}: {path}: no such file; {WHERE_TO_GET}")
+    if path.suffix.lower() != ".safetensors":
+        raise FlowliftError(f"{WHAT}: {path} is not a .safetensors file (the released weights are {WEIGHTS_NAME})")
+    state, _ = header_state(path, what=f"{WHAT} {path}")
+    _fitting_meta_model(state, path)
+    return path
+
+
 def load_sesqui_lsr(
     path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> SesquiLSR:
@@ -307,20 +334,11 @@ def load_sesqui_lsr(
     missing, extra or mis-shaped tensor, a non-float tensor or a NaN/Inf is one FlowliftError line naming it.
     A missing file is one line saying where the released weights are.
     """
-    from flowlift.models.weights import dtype_mismatch, load_strict, read_state_dict, state_dict_mismatch
+    from flowlift.models.weights import load_strict, read_state_dict
 
-    path = Path(os.fspath(path)).expanduser()
-    if not path.is_file():
-        raise FlowliftError(f"{WHAT}: {path}: no such file; {WHERE_TO_GET}")
-    if path.suffix.lower() != ".safetensors":
-        raise FlowliftError(f"{WHAT}: {path} is not a .safetensors file (the released weights are {WEIGHTS_NAME})")
+    path = check_sesqui_file(path)
     state = read_state_dict(path, what=WHAT)
-    with torch.device("meta"):
-        model = SesquiLSR()
-    problem = state_dict_mismatch(model, state) or dtype_mismatch(model, state)
-    if problem:
-        raise FlowliftError(f"{WHAT} from {path} do not match the FLUX.2 SesquiLSR network: {problem}")
-    model = model.to_empty(device="cpu")
+    model = _fitting_meta_model(state, path).to_empty(device="cpu")
     load_strict(model, state, what=WHAT, origin=str(path))
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 

@@ -88,6 +88,34 @@ def _placed(tensor: torch.Tensor, device: str | torch.device, dtype: torch.dtype
     return placed
 
 
+def _fitting_meta_model(state: Mapping[str, torch.Tensor], metadata: Mapping[str, str], path: Path) -> FlowUpscalerUNet:
+    """The UNet ``state`` describes, built on the meta device, or one FlowliftError line naming the missing,
+    unexpected, mis-shaped and non-float tensors (``state`` may hold meta tensors: nothing is allocated)."""
+    from flowlift.models.weights import dtype_mismatch, state_dict_mismatch
+
+    config = infer_config(state, metadata)
+    check_config(config, origin=str(path))
+    with torch.device("meta"):
+        model = FlowUpscalerUNet(**config)
+    problem = state_dict_mismatch(model, state) or dtype_mismatch(model, state)
+    if problem:
+        raise FlowliftError(f"{WHAT} from {path} does not match the architecture: {problem}")
+    return model
+
+
+def check_upscaler_file(path: str | os.PathLike) -> Path:
+    """``path``, a Flow Upscaler weights file, checked against the architecture from its header alone: the
+    loader's key, shape and dtype checks (the same line) before anything loads, e.g. before a hires fix loads its
+    FLUX.2 model. A pickle-based file is checked when it loads (only reading it tells its tensors); so are values."""
+    from flowlift.models.weights import header_state
+
+    path = Path(path)
+    found = header_state(path, what=f"{WHAT} {path}")
+    if found is not None:
+        _fitting_meta_model(*found, path)
+    return path
+
+
 def load_upscaler(
     source: str | os.PathLike = HUB_REPO_ID,
     device: str | torch.device = "cpu",
@@ -100,24 +128,11 @@ def load_upscaler(
     model is returned in ``dtype`` on ``device``. A file that does not fit raises one FlowliftError
     line naming the missing, unexpected and mis-shaped tensors.
     """
-    from flowlift.models.weights import (
-        dtype_mismatch,
-        load_strict,
-        read_state_dict,
-        resolve_file,
-        state_dict_mismatch,
-    )
+    from flowlift.models.weights import load_strict, read_state_dict, resolve_file
 
     path = resolve_file(source, [WEIGHTS_NAME], what=WHAT)
     state = read_state_dict(path, what=WHAT)
-    config = infer_config(state, _safetensors_metadata(path))
-    check_config(config, origin=str(path))
-    with torch.device("meta"):
-        model = FlowUpscalerUNet(**config)
-    # Shapes, dtypes and values are checked on the meta model, before any memory is allocated.
-    problem = state_dict_mismatch(model, state) or dtype_mismatch(model, state)
-    if problem:
-        raise FlowliftError(f"{WHAT} from {path} does not match the architecture: {problem}")
+    model = _fitting_meta_model(state, _safetensors_metadata(path), path)
     # One cast per tensor, straight into the model (no empty model filled by copy, then converted).
     state = {k: _placed(v, device, dtype) for k, v in state.items()}
     load_strict(model, state, what=WHAT, origin=str(path), assign=True)

@@ -117,7 +117,7 @@ def require_all(checks: Sequence[Callable[[], Any]]) -> list[Any]:
 
     When any fail, raise one :class:`FlowliftError` naming all of them, not only the first, so that a
     user without the weights learns everything to fetch from one message instead of one per run:
-    ``2 weights are missing: (1) Flow Upscaler weights: ...; (2) VAE 'flux2': ...`` (each part names
+    ``2 weights are missing or unusable: (1) Flow Upscaler weights: ...; (2) VAE 'flux2': ...`` (each part names
     its own fix). A single failure keeps its own message.
     """
     results: list[Any] = []
@@ -133,7 +133,7 @@ def require_all(checks: Sequence[Callable[[], Any]]) -> list[Any]:
     if problems:
         parts = "; ".join(f"({i}) {error.template}" for i, error in enumerate(problems.values(), 1))
         fields = tuple(name for error in problems.values() for name in error.fields)
-        raise FlowliftError(f"{len(problems)} weights are missing: {parts}", field=fields)
+        raise FlowliftError(f"{len(problems)} weights are missing or unusable: {parts}", field=fields)
     return results
 
 
@@ -147,7 +147,7 @@ def read_state_dict(path: str | os.PathLike, *, what: str = "weights") -> dict[s
     if not path.is_file():
         raise FlowliftError(f"{what}: file not found: {path}")
     try:
-        if path.suffix == ".safetensors":
+        if path.suffix.lower() == ".safetensors":
             from safetensors.torch import load_file
 
             state = load_file(str(path), device="cpu")
@@ -173,6 +173,24 @@ def read_state_dict(path: str | os.PathLike, *, what: str = "weights") -> dict[s
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise FlowliftError(f"{what}: {path} does not hold a flat dict of tensors")
     return dict(state)
+
+
+def header_state(path: str | os.PathLike, *, what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+    """A safetensors file's tensors as meta tensors of their shapes and dtypes, and its ``__metadata__``, from its
+    checked header alone (:func:`flowlift.models.safetensors_headers.read_header`: no tensor is read, nothing is
+    allocated), for the loaders' key, shape and dtype checks before any model loads; None for a pickle-based file
+    (only reading it tells its tensors). ``what`` starts an unreadable header's error line."""
+    from flowlift.models.safetensors_headers import read_header
+
+    path = Path(path)
+    if path.suffix.lower() != ".safetensors":
+        return None
+    header = read_header(path, what=what)
+    state = {
+        name: torch.empty(shape, dtype=getattr(torch, header.dtypes[name]), device="meta")
+        for name, shape in header.shapes.items()
+    }
+    return state, header.metadata
 
 
 def _short_list(names: Sequence[str], limit: int = 6) -> str:

@@ -137,10 +137,9 @@ def sesqui_path(spec: str) -> Path:
 
 
 def find_sesqui(spec: str) -> Path:
-    """``"sesqui:PATH"``'s file, or its one line: no such file, and where the released weights are."""
-    path = sesqui_path(spec)
-    if not path.is_file():
-        from flowlift.models.sesqui_lsr import load_sesqui_lsr
+    """``"sesqui:PATH"``'s file, its header checked against SesquiLSR's tensors before anything loads, or the
+    loader's one line (no such file and where the released weights are; not safetensors; tensors that do not
+    fit: :func:`flowlift.models.sesqui_lsr.check_sesqui_file`)."""
+    from flowlift.models.sesqui_lsr import check_sesqui_file
 
-        load_sesqui_lsr(path)  # raises the loader's line for a missing file
-    return path
+    return check_sesqui_file(sesqui_path(spec))

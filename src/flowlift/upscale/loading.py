@@ -52,11 +52,14 @@ def first_parameter(obj: Any) -> torch.Tensor | None:
 
 
 def resolve_upscaler_file(source: str | os.PathLike) -> Path:
-    """Resolve the UNet weights (file, folder, hub id) or raise one line saying how to provide them."""
+    """Resolve the UNet weights (file, folder, hub id) or raise one line saying how to provide them; a
+    safetensors file's header is checked against the architecture here, before any model loads
+    (:func:`flowlift.models.upscaler_weights.check_upscaler_file`)."""
+    from flowlift.models.upscaler_weights import check_upscaler_file
     from flowlift.models.weights import resolve_file
 
     try:
-        return resolve_file(source, [UPSCALER_WEIGHTS_NAME], what="Flow Upscaler weights")
+        path = resolve_file(source, [UPSCALER_WEIGHTS_NAME], what="Flow Upscaler weights")
     except FlowliftError as error:
         if UPSCALER_WEIGHTS_NAME in str(error):
             raise FlowliftError(f"{error} (or give {FIELD_MARK} PATH)", field="upscaler") from None
@@ -65,32 +68,41 @@ def resolve_upscaler_file(source: str | os.PathLike) -> Path:
             f"or a local file/folder: give {FIELD_MARK} PATH)",
             field="upscaler",
         ) from None
+    return check_upscaler_file(path)
 
 
-def upscale_weight_checks(upscaler: Any, vaes: Sequence[Any]) -> list[Callable[[], object]]:
-    """The lookups an upscale with ``upscaler`` and ``vaes`` needs: the UNet's file (when ``upscaler`` is a
-    path or hub id, not a model) and every VAE spec (objects need none), for
-    :func:`flowlift.models.weights.require_all`."""
+def upscale_weight_checks(
+    upscaler: Any, vaes: Sequence[Any], latent_upscaler: str | None = None
+) -> list[Callable[[], object]]:
+    """The lookups an upscale with ``upscaler``, ``vaes`` and ``latent_upscaler`` needs: the UNet's file (when
+    ``upscaler`` is a path or hub id, not a model), every VAE spec (objects need none) and SesquiLSR's file
+    (``"sesqui:PATH"``; None: none), for :func:`flowlift.models.weights.require_all`."""
     from flowlift.models.vae_loading import check_vae_spec
+    from flowlift.upscale.latent_fraction import find_sesqui
 
     checks: list[Callable[[], object]] = []
     if isinstance(upscaler, (str, os.PathLike)):
         checks.append(lambda: resolve_upscaler_file(upscaler))
     for vae in vaes:
         checks.append(lambda vae=vae: check_vae_spec(vae))
+    if latent_upscaler is not None:
+        checks.append(lambda: find_sesqui(latent_upscaler))
     return checks
 
 
-def check_upscale_weights(upscaler: Any = DEFAULT_UPSCALER, vaes: Sequence[Any] = (DEFAULT_VAE,)) -> None:
-    """Find the UNet and every VAE before any model loads; one :class:`FlowliftError` names all that are
-    missing, each with its fix (``hf download ...`` or the ``upscaler``/``vae`` PATH to use).
+def check_upscale_weights(
+    upscaler: Any = DEFAULT_UPSCALER, vaes: Sequence[Any] = (DEFAULT_VAE,), latent_upscaler: str | None = None
+) -> None:
+    """Find the UNet, every VAE and SesquiLSR (``latent_upscaler``) before any model loads, their headers
+    checked; one :class:`FlowliftError` names all that are missing, each with its fix (``hf download ...`` or the
+    ``upscaler``/``vae``/``latent_upscaler`` PATH to use).
 
     Hub ids are looked up in the cache at once when ``HF_HUB_OFFLINE`` is set or the hub does not answer
     (:func:`flowlift.models.hub.hub_offline_reason`); otherwise they are downloaded once, as the loaders would.
     """
     from flowlift.models.weights import require_all
 
-    checks = upscale_weight_checks(upscaler, vaes)
+    checks = upscale_weight_checks(upscaler, vaes, latent_upscaler)
     require_all(checks)
 
 

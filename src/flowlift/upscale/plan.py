@@ -187,7 +187,8 @@ class UpscaleStep:
         from flowlift.upscale.stages import loading_description
 
         upscaler = request.settings.upscaler or DEFAULT_UPSCALER
-        check_upscale_weights(upscaler, [request.settings.vae])  # every missing piece in one line, before any line
+        settings = request.settings  # every missing piece in one line, before any line:
+        check_upscale_weights(upscaler, [settings.vae], settings.latent_upscaler)
         device = rank_device(str(request.device), env) if env.distributed else request.device  # cuda:LOCAL_RANK
         report_loading(loading_description(upscaler, request.settings.vae, request.settings.latent_upscaler))
         pipeline = FlowUpscalerPipeline(

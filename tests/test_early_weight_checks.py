@@ -1,0 +1,142 @@
+"""A Flow Upscaler or SesquiLSR file that cannot load is refused before any model loads: its safetensors header
+(names, shapes, dtypes) is checked against the network where the command finds its weights, with the loader's
+own line. Before, ``flowlift hires`` loaded the FLUX.2 model (minutes for a real one) and then refused a wrong
+``--upscaler`` or ``--latent-upscaler`` file; ``flowlift upscale`` showed its loading line before refusing a
+missing SesquiLSR file.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from builders import forbid_call, refine_inputs, save_tiny_unet
+from flowlift.commands.cli import main
+from flowlift.errors import FlowliftError
+from flowlift.models.sesqui_lsr import check_sesqui_file, load_sesqui_lsr
+from flowlift.models.upscaler_weights import check_upscaler_file, load_upscaler
+from flowlift.models.weights import header_state
+from sesqui_reference import save_random_sesqui
+from tiny_flux2 import write_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_model_dir(tmp_path_factory.mktemp("flux2-tiny"))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = refine_inputs(tmp_path_factory.mktemp("early"), "square.png", (64, 64), seed=4)
+    unet = save_tiny_unet(folder / "flow_upscaler.safetensors")
+    sesqui = save_random_sesqui(folder)
+    save_file({"foo": torch.zeros(3)}, str(folder / "other.safetensors"))
+    (folder / "garbage.safetensors").write_bytes(b"not a safetensors file")
+    state = load_file(str(unet))
+    state["in_conv.weight"] = state["in_conv.weight"].to(torch.int16)  # a quantized or corrupt file
+    save_file(state, str(folder / "int_unet.safetensors"))
+    state = load_file(str(sesqui))
+    state.pop(sorted(state)[0])
+    save_file(state, str(folder / "short_sesqui.safetensors"))
+    return folder
+
+
+def _refusal(load, path) -> str:
+    with pytest.raises(FlowliftError) as caught:
+        load(path)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["other.safetensors", "int_unet.safetensors"])
+def test_the_upscalers_header_check_is_the_loaders_line(files, name, monkeypatch):
+    expected = _refusal(load_upscaler, files / name)
+    forbid_call(monkeypatch, "safetensors.torch.load_file", "the header check read the tensors")
+    assert _refusal(check_upscaler_file, files / name) == expected
+    assert check_upscaler_file(files / "flow_upscaler.safetensors") == files / "flow_upscaler.safetensors"
+
+
+@pytest.mark.parametrize("name", ["other.safetensors", "short_sesqui.safetensors"])
+def test_sesquilsrs_header_check_is_the_loaders_line(files, name, monkeypatch):
+    expected = _refusal(load_sesqui_lsr, files / name)
+    forbid_call(monkeypatch, "safetensors.torch.load_file", "the header check read the tensors")
+    assert _refusal(check_sesqui_file, files / name) == expected
+    assert check_sesqui_file(files / "upscaler_Flux2.safetensors") == files / "upscaler_Flux2.safetensors"
+
+
+def test_the_header_state_is_meta_tensors_of_the_files_shapes_and_dtypes(files):
+    state, metadata = header_state(files / "int_unet.safetensors", what="test")
+    real = load_file(str(files / "int_unet.safetensors"))
+    assert set(state) == set(real) and all(t.device.type == "meta" for t in state.values())
+    assert all(state[k].shape == real[k].shape and state[k].dtype == real[k].dtype for k in real)
+    assert header_state(files / "weights.pth", what="test") is None  # a pickle tells its tensors only when read
+    with pytest.raises(FlowliftError, match="^test: not a readable safetensors file"):
+        header_state(files / "garbage.safetensors", what="test")
+
+
+def _hires(model_dir, files, *extra):
+    return [
+        "hires",
+        "--image",
+        str(files / "square.png"),
+        "--model",
+        str(model_dir),
+        "--prompt-embeds",
+        str(files / "prompt.safetensors"),
+        "--steps",
+        "2",
+        "--no-progress",
+        "-o",
+        str(files / "never.png"),
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (["--upscaler", "other.safetensors"], "Flow Upscaler weights from .* does not match the architecture"),
+        (["--upscaler", "garbage.safetensors"], "Flow Upscaler weights .*: not a readable safetensors file"),
+        (
+            [
+                "--upscaler",
+                "flow_upscaler.safetensors",
+                "--scale",
+                "1.5",
+                "--latent-upscaler",
+                "sesqui:other.safetensors",
+            ],
+            "SesquiLSR weights from .* do not match the FLUX.2 SesquiLSR network",
+        ),
+    ],
+)
+def test_the_hires_fix_refuses_an_unusable_upscaler_before_the_flux2_model_loads(
+    model_dir, files, options, said, monkeypatch, capsys
+):
+    monkeypatch.chdir(files)
+    forbid_call(monkeypatch, "flowlift.refine.jobs.load_for_job", "the FLUX.2 model loaded before the refusal")
+    assert main(_hires(model_dir, files, *options)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.search(f"^flowlift hires: error: {said}", err), err
+    assert not (files / "never.png").exists()
+
+
+def test_the_upscale_command_refuses_a_missing_sesquilsr_before_its_loading_line(files, shared, monkeypatch, capsys):
+    monkeypatch.chdir(files)
+    taef2 = str(shared / "models" / "taef2")
+    argv = ["upscale", "square.png", "--upscaler", "flow_upscaler.safetensors", "--vae", taef2, "--scale", "1.5"]
+    assert main([*argv, "--latent-upscaler", "sesqui:missing.safetensors", "-o", "never.png"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "SesquiLSR weights: missing.safetensors: no such file" in err, err
+    assert "loading" not in err and not (files / "never.png").exists()
+
+
+def test_the_app_refuses_an_unusable_upscaler_at_start_up(files, shared, monkeypatch, capsys):
+    forbid_call(monkeypatch, "flowlift.app.page.build_app", "the page was built with an unusable upscaler")
+    taef2 = str(shared / "models" / "taef2")
+    assert main(["app", "--upscaler", str(files / "other.safetensors"), "--vae", taef2]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "does not match the architecture" in err, err
