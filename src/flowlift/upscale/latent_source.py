@@ -40,11 +40,11 @@ class FlowUpscalerSource:
 
     def find(self) -> Path:
         """The weights file (one line saying how to get it when it is missing)."""
-        from flowlift.upscale.loading import resolve_upscaler_file
+        from flowlift.upscale.loading import find_upscaler_file
 
         if self.latent_upscaler is not None:
             find_sesqui(self.latent_upscaler)
-        return resolve_upscaler_file(self.name)
+        return find_upscaler_file(self.name)
 
     def load(self, vae: Any, *, device: Any, dtype: Any, budget_bytes: int | None = None) -> Any:
         """A latent-only pipeline on ``vae`` (the refiner's), ``budget_bytes`` its memory budget (None: by size)."""

@@ -1,12 +1,12 @@
 """The Flow Upscaler pipeline's models: resolving and loading the UNet and the VAE, provenance lists.
 
 :func:`resolve_upscaler_file` turns a file, folder or hub id into the UNet's safetensors file (or one
-error line saying how to get it); :func:`check_upscale_weights` finds the UNet and every VAE an upscale
-will use before any model loads and names every missing one in one message (the command line, the
-web app at start-up and the pipeline all call it); :func:`load_pipeline_models` turns what
-a user passed (a module, an object, a spec) into the two models on the pipeline's device, finding every weight
-first;
-:func:`pipeline_model_files` lists the weight files behind both so outputs can record their hashes.
+error line saying how to get it), :func:`find_upscaler_file` checks its header too; :func:`check_upscale_weights`
+finds the UNet, every VAE and SesquiLSR an upscale will use before any model loads and names every missing one
+in one message (the command line, the web app at start-up and the pipeline all call it);
+:func:`load_pipeline_models` turns what a user passed (a module, an object, a spec) into the two models on the
+pipeline's device, finding every weight first; :func:`pipeline_model_files` lists the weight files behind both
+so outputs can record their hashes.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ __all__ = [
     "check_upscale_weights",
     "first_parameter",
     "load_pipeline_models",
+    "find_upscaler_file",
     "pipeline_model_files",
     "resolve_upscaler_file",
     "upscale_weight_checks",
@@ -52,14 +53,11 @@ def first_parameter(obj: Any) -> torch.Tensor | None:
 
 
 def resolve_upscaler_file(source: str | os.PathLike) -> Path:
-    """Resolve the UNet weights (file, folder, hub id) or raise one line saying how to provide them; a
-    safetensors file's header is checked against the architecture here, before any model loads
-    (:func:`flowlift.models.upscaler_weights.check_upscaler_file`)."""
-    from flowlift.models.upscaler_weights import check_upscaler_file
+    """Resolve the UNet weights (file, folder, hub id) or raise one line saying how to provide them."""
     from flowlift.models.weights import resolve_file
 
     try:
-        path = resolve_file(source, [UPSCALER_WEIGHTS_NAME], what="Flow Upscaler weights")
+        return resolve_file(source, [UPSCALER_WEIGHTS_NAME], what="Flow Upscaler weights")
     except FlowliftError as error:
         if UPSCALER_WEIGHTS_NAME in str(error):
             raise FlowliftError(f"{error} (or give {FIELD_MARK} PATH)", field="upscaler") from None
@@ -68,7 +66,15 @@ def resolve_upscaler_file(source: str | os.PathLike) -> Path:
             f"or a local file/folder: give {FIELD_MARK} PATH)",
             field="upscaler",
         ) from None
-    return check_upscaler_file(path)
+
+
+def find_upscaler_file(source: str | os.PathLike) -> Path:
+    """The UNet's weights file (:func:`resolve_upscaler_file`), a safetensors file's header checked against the
+    architecture (:func:`flowlift.models.upscaler_weights.check_upscaler_file`): what a command finds before any
+    model loads."""
+    from flowlift.models.upscaler_weights import check_upscaler_file
+
+    return check_upscaler_file(resolve_upscaler_file(source))
 
 
 def upscale_weight_checks(
@@ -82,7 +88,7 @@ def upscale_weight_checks(
 
     checks: list[Callable[[], object]] = []
     if isinstance(upscaler, (str, os.PathLike)):
-        checks.append(lambda: resolve_upscaler_file(upscaler))
+        checks.append(lambda: find_upscaler_file(upscaler))
     for vae in vaes:
         checks.append(lambda vae=vae: check_vae_spec(vae))
     if latent_upscaler is not None:
