@@ -19,6 +19,7 @@ import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -328,18 +329,27 @@ def save_image_atomic(
     *,
     source: SourceProfile | str | os.PathLike | None = None,
     quality: int | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Save ``image`` to ``path`` via a temporary file in the same folder and an atomic rename.
 
     The format follows the suffix. ``metadata`` goes into PNG text chunks (non-strings as JSON), and into
     the EXIF UserComment (one JSON object) of JPEG and WebP files. ``source`` (an input path or its
     :class:`SourceProfile`) gives the ICC profile and EXIF to carry over (PNG, JPEG, WebP, TIFF).
-    ``quality`` (1-100, default :data:`DEFAULT_QUALITY`) applies to JPEG and WebP; WebP at 100 is lossless.
+    ``quality`` (an int in 1-100, default :data:`DEFAULT_QUALITY`) applies to JPEG and WebP; WebP at 100 is
+    lossless. A file already at ``path`` is replaced only when it is empty, flowlift wrote it (its metadata), or
+    ``overwrite`` is ``True`` (a bool: ``"no"`` is refused); else one FlowliftError line and nothing is written.
     """
     path = Path(path)
     check_output_format(path)
-    if quality is not None and not 1 <= int(quality) <= 100:
-        raise FlowliftError(f"quality must be in 1..100, got {quality}")
+    if quality is not None and (
+        isinstance(quality, bool) or not isinstance(quality, Integral) or not 1 <= quality <= 100
+    ):
+        raise FlowliftError(f"quality must be an integer in 1..100, got {quality!r}")
+    if not check_overwrite(overwrite) and path.is_file():
+        found = inspect_existing(path)
+        if not found.empty and not found.by_flowlift:
+            raise FlowliftError(f"{path} exists and was not written by flowlift; pass overwrite=True to replace it")
     profile = source if isinstance(source, SourceProfile) else read_source_profile(source)
     path.parent.mkdir(parents=True, exist_ok=True)
     suffix = path.suffix.lower()

@@ -316,7 +316,8 @@ def evaluate_methods(
                 for folder, array in (("inputs", low), ("ground-truth", gt)):
                     target = Path(save_outputs) / folder / f"{name}.png"
                     if not flowlift_image(target):  # missing, empty, or a foreign one --overwrite let through
-                        save_image_atomic(Image.fromarray(array), target, {"flowlift": {"eval": folder, "image": name}})
+                        meta = {"flowlift": {"eval": folder, "image": name}}
+                        save_image_atomic(Image.fromarray(array), target, meta, overwrite=True)  # run_eval checked
             for spec in methods:
                 metrics, crop_img, cached = _method_result(
                     spec, name, low, gt, crop, base, scale, box, identities, cache, method_fns, save_outputs
@@ -412,7 +413,8 @@ def _method_result(
         raise FlowliftError(f"method {spec.label} returned {output.shape} {output.dtype}, expected {gt.shape} uint8")
     metrics = measure(output, low, gt, box)
     if saved is not None:
-        save_image_atomic(Image.fromarray(output), saved, {"flowlift": {**fields, "image": name}})
+        meta = {"flowlift": {**fields, "image": name}}
+        save_image_atomic(Image.fromarray(output), saved, meta, overwrite=True)  # run_eval checked the names
     crop_img = np.ascontiguousarray(M.crop_box(output, crop))
     cache.store(spec.label, name, key, metrics, crop_img)
     return metrics, crop_img, False

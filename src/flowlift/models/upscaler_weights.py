@@ -139,17 +139,26 @@ def load_upscaler(
     return model.eval()
 
 
-def save_upscaler(model: FlowUpscalerUNet, path: str | os.PathLike) -> Path:
+def save_upscaler(model: FlowUpscalerUNet, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write ``model`` as safetensors in the released tensor layout, constructor args in the metadata.
 
-    The file is written next to ``path`` and renamed into place, so a failure leaves no partial file.
+    The file is written next to ``path`` and renamed into place, so a failure leaves no partial file. A file
+    already at ``path`` is replaced only with ``overwrite=True`` (a bool: ``"no"`` is refused); a model with a
+    NaN or Inf weight is refused (:func:`load_upscaler` would refuse the file): one FlowliftError line each.
     """
     from safetensors.torch import save_file
+
+    from flowlift.knobs import check_overwrite
+    from flowlift.models.weights import first_non_finite
 
     path = Path(path)
     if path.suffix != ".safetensors":
         raise FlowliftError(f"save_upscaler: {path} must end in .safetensors")
+    if not check_overwrite(overwrite) and os.path.lexists(path):
+        raise FlowliftError(f"save_upscaler: {path} exists; pass overwrite=True to replace it")
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    if problem := first_non_finite(state):
+        raise FlowliftError(f"save_upscaler: the model has {problem}; nothing written to {path}")
     metadata = {k: str(v) for k, v in model.config.items()} | {"format": "pt"}
     with atomic_output(path) as tmp:
         save_file(state, str(tmp), metadata=metadata)

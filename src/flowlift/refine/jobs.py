@@ -304,7 +304,7 @@ def write_job(job: RefineJob, result: Any, shown: Callable[[Any], Any] = os.fspa
     image = attach_alpha(tensor_to_pil(result.images[0]), alpha)
     source = os.fspath(job.request.image) if job.request.image is not None else None
     record = metadata_record(str(metadata.get("command", job.request.mode)), metadata)  # schema 1 (docs/metadata.md)
-    save_image_atomic(image, job.output, record, source=source)
+    save_image_atomic(image, job.output, record, source=source, overwrite=job.request.overwrite)
     return image
 
 

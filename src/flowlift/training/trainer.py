@@ -409,7 +409,8 @@ class Trainer:
             if final_step >= self.config.steps:
                 from flowlift.models.upscaler_weights import save_upscaler
 
-                summary["weights"] = str(save_upscaler(run.ema.module, self.output / EMA_NAME))
+                final = save_upscaler(run.ema.module, self.output / EMA_NAME, overwrite=True)  # the run's own folder
+                summary["weights"] = str(final)
             if run.validator is not None:
                 run.validator.plot(self.output / CURVES_NAME)
             else:

@@ -129,7 +129,7 @@ def fix_file(request: ColorFixRequest, path: Path, reference: Path, out: Path) -
     if alpha is not None:
         image.putalpha(alpha)
     result = color_fix_image(image, source, request.strength, device=request.device)
-    save_image_atomic(result, out, metadata, source=path, quality=request.quality)  # path's ICC profile, EXIF
+    save_image_atomic(result, out, metadata, source=path, quality=request.quality, overwrite=request.overwrite)
 
 
 def run_colorfix(request: ColorFixRequest) -> int:

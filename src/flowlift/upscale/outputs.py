@@ -243,5 +243,6 @@ def save_result(
         metadata,
         source=source,  # the input's ICC profile and EXIF
         quality=settings.quality,
+        overwrite=True,  # the job's own rule ran before any work (--overwrite, flowlift's own or empty files)
     )
     return picture
