@@ -346,7 +346,7 @@ def save_image_atomic(
         isinstance(quality, bool) or not isinstance(quality, Integral) or not 1 <= quality <= 100
     ):
         raise FlowliftError(f"quality must be an integer in 1..100, got {quality!r}")
-    if not check_overwrite(overwrite) and path.is_file():
+    if not check_overwrite(overwrite) and path.is_file() and not path.is_symlink():  # others: atomic_output's
         found = inspect_existing(path)
         if not found.empty and not found.by_flowlift:
             raise FlowliftError(f"{path} exists and was not written by flowlift; pass overwrite=True to replace it")

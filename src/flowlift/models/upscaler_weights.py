@@ -154,7 +154,7 @@ def save_upscaler(model: FlowUpscalerUNet, path: str | os.PathLike, *, overwrite
     path = Path(path)
     if path.suffix != ".safetensors":
         raise FlowliftError(f"save_upscaler: {path} must end in .safetensors")
-    if not check_overwrite(overwrite) and os.path.lexists(path):
+    if not check_overwrite(overwrite) and path.is_file() and not path.is_symlink():  # others: atomic_output's line
         raise FlowliftError(f"save_upscaler: {path} exists; pass overwrite=True to replace it")
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     if problem := first_non_finite(state):

@@ -219,13 +219,11 @@ def load_refiner(
     from flowlift.refine.loras import apply_loras
     from flowlift.refine.offload import OFFLOAD_MODES, Placement
 
-    tiling = tiles if tiles is not None else TileRequest()
-    memory = memory if memory is not None else RefineMemory()
+    device, tiling, memory = _checked_arguments(vae, loras, memory, device, dtype, text_encoder, progress, tiles)
     mu, schedule = MU.check(mu), SCHEDULE.check(schedule)
     offload = memory.offload
     if offload != "auto" and offload not in OFFLOAD_MODES:
         raise FlowliftError(f"offload must be auto or one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
-    device = torch.device(device)
     option = "source.transformer" if transformer is not None else "source.model"
     module = load_transformer(transformer if transformer is not None else model, dtype=dtype, option=option)
     # the FLUX.2 VAE overflows in float16; bfloat16 and float32 are fine
@@ -268,6 +266,46 @@ def load_refiner(
     )
     refiner.default_steps = steps
     return refiner
+
+
+def _checked_arguments(
+    vae: Any,
+    loras: Any,
+    memory: Any,
+    device: Any,
+    dtype: Any,
+    text_encoder: Any,
+    progress: Any,
+    tiles: Any,
+) -> tuple[torch.device, TileRequest, RefineMemory]:
+    """:func:`load_refiner`'s arguments checked before any weights load, each refusal one line naming its keyword:
+    ``vae`` None or a non-empty name, ``loras`` ``(path, scale)`` pairs of existing files and finite scales, the
+    settings objects of their kinds, a device that exists here, a floating ``dtype``, ``text_encoder`` a bool and
+    ``progress`` a bool or None. Returns the device, the tiling and the memory settings (defaults for None)."""
+    import math
+
+    from flowlift.devices import resolve_device
+    from flowlift.knobs import check_kind
+
+    if vae is not None and not str(os.fspath(vae) if isinstance(vae, (str, os.PathLike)) else "").strip():
+        raise FlowliftError(f"vae must be a VAE name or path (None: the model's own), got {vae!r}", field="vae")
+    if isinstance(loras, (str, os.PathLike)) or not isinstance(loras, Sequence):
+        raise FlowliftError(f"loras must be a list of (path, scale) pairs, got {loras!r}", field="loras")
+    for pair in loras:
+        path, scale = pair if isinstance(pair, (tuple, list)) and len(pair) == 2 else (None, None)
+        number = isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)
+        if not isinstance(path, (str, os.PathLike)) or not number:
+            raise FlowliftError(f"loras: each must be a (path, finite scale) pair, got {pair!r}", field="loras")
+        if not Path(os.fspath(path)).expanduser().is_file():
+            raise FlowliftError(f"LoRA {os.fspath(path)}: no such file", field="loras")
+    memory = check_kind("memory", memory, RefineMemory, "a RefineMemory", optional=True) or RefineMemory()
+    tiling = check_kind("tiles", tiles, TileRequest, "a TileRequest", optional=True) or TileRequest()
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise FlowliftError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}", field="dtype")
+    check_kind("text_encoder", text_encoder, bool, "True or False")
+    if progress is not None:
+        check_kind("progress", progress, bool, "True, False or None")
+    return resolve_device(device), tiling, memory
 
 
 def _plan(module, vae_adapter, memory: RefineMemory, dtype, vae_dtype, tiling: TileRequest):

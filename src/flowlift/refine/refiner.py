@@ -15,6 +15,7 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
+from flowlift.knobs import check_kind
 from flowlift.limits import LATENT_CHANNELS
 from flowlift.progress import report_stage
 from flowlift.refine.canvas import checked_images, latent_mask, outpaint_canvas, pad_to_multiple
@@ -79,7 +80,9 @@ class Flux2Refiner(HiresFix):
     ) -> None:
         mu, schedule = MU.check(mu), SCHEDULE.check(schedule)
         placement = placement if placement is not None else Placement()
-        self.tiling = tiles if tiles is not None else TileRequest()
+        self.tiling = check_kind("tiles", tiles, TileRequest, "a TileRequest", optional=True) or TileRequest()
+        if progress is not None:
+            check_kind("progress", progress, bool, "True, False or None")
         self.mu, self.schedule = mu, schedule
         self.device, self.dtype = torch.device(device), dtype
         self.placement = placement

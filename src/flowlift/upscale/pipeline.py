@@ -27,7 +27,7 @@ import torch
 from flowlift.devices import auto_dtype, default_channels_last
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import check_latents
-from flowlift.knobs import check_count, check_seed
+from flowlift.knobs import COLOR_FIX, check_count, check_kind, check_seed
 from flowlift.limits import model_bytes, parse_memory, vae_kind
 from flowlift.models.sesqui_bands import sesqui_to_size
 from flowlift.models.sesqui_lsr import load_sesqui_lsr, require_bn_statistics
@@ -269,6 +269,7 @@ class FlowUpscalerPipeline:
         ``(latents, (height, width))`` of the original image, so that ``2**n`` times that size can be
         cropped from a padded result.
         """
+        return_size = check_kind("return_size", return_size, bool, "True or False")
         original, prepared = self.prepare_image(image, resize_mode)
         latents = self._vae_call("encode", prepared.to(vae_input_dtype(self.vae, self.dtype))).to(torch.float32)
         if return_size:
@@ -295,7 +296,7 @@ class FlowUpscalerPipeline:
         dropped with a warning.
         """
         check_latents(latents, "Flow Upscaler")
-        transplant_strength = TRANSPLANT_STRENGTH.check(transplant_strength)
+        transplant_strength, color_fix = TRANSPLANT_STRENGTH.check(transplant_strength), COLOR_FIX.check(color_fix)
         seed = check_seed(seed)
         height, width = (side * self.spatial_factor for side in latents.shape[-2:])
         passes = self.plan_passes(height, width, num_passes)
@@ -365,15 +366,14 @@ class FlowUpscalerPipeline:
         color_fix_strength = COLOR_FIX_STRENGTH.check(color_fix_strength)
         TRANSPLANT_STRENGTH.check(transplant_strength)  # before the encoder runs
         seed = check_seed(seed)
-        original, prepared = self.prepare_image(image, resize_mode)
-        if output_size is not None and (output_size[0] < original.shape[-1] or output_size[1] < original.shape[-2]):
-            raise FlowliftError(
-                f"output_size {output_size[0]}x{output_size[1]} is below the "
-                f"{original.shape[-1]}x{original.shape[-2]} input"
-            )
         stages = ImageStages(
             num_passes, seed, color_fix, transplant_strength, color_fix_strength, resize_mode, output_size
         )
+        original, prepared, size = *self.prepare_image(image, resize_mode), stages.output_size
+        if size is not None and (size[0] < original.shape[-1] or size[1] < original.shape[-2]):
+            raise FlowliftError(
+                f"output_size {size[0]}x{size[1]} is below the {original.shape[-1]}x{original.shape[-2]} input"
+            )
         with self._cancel_points():
             result = self._image_stages(original, prepared, stages, callback, on_decode_tile)
         return as_output(result, image, output_type)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from flowlift.errors import FlowliftError
-from flowlift.knobs import SCALE, SEED, TRANSPLANT_STRENGTH, Knob, table
+from flowlift.knobs import COLOR_FIX, SCALE, SEED, TRANSPLANT_STRENGTH, Knob, exact_int, table
+from flowlift.limits import MAX_OUTPUT_SIDE
 
 COLOR_FIX_STRENGTH = Knob(
     "color_fix_strength",
@@ -84,7 +85,8 @@ class MemoryPolicy:
 @dataclass(frozen=True)
 class ImageStages:
     """What :meth:`flowlift.upscale.pipeline.FlowUpscalerPipeline.upscale_image` hands its stages as one: its
-    parameters, checked."""
+    parameters, checked before the encoder runs (``color_fix`` a bool; ``output_size`` None or (width, height),
+    two integers in 1..``MAX_OUTPUT_SIDE``; the numbers by the pipeline's knobs)."""
 
     num_passes: int
     seed: int | Sequence[int]
@@ -93,3 +95,20 @@ class ImageStages:
     color_fix_strength: float
     resize_mode: str
     output_size: tuple[int, int] | None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "color_fix", COLOR_FIX.check(self.color_fix))
+        object.__setattr__(self, "output_size", checked_output_size(self.output_size))
+
+
+def checked_output_size(size: Any) -> tuple[int, int] | None:
+    """``size`` as ``(width, height)``, two exact integers in 1..``MAX_OUTPUT_SIDE`` (None: none), else one line."""
+    if size is None:
+        return None
+    sides = tuple(exact_int(v) for v in size) if isinstance(size, (tuple, list)) else ()
+    if len(sides) != 2 or not all(side is not None and 1 <= side <= MAX_OUTPUT_SIDE for side in sides):
+        raise FlowliftError(
+            f"output_size must be (width, height), two integers in 1..{MAX_OUTPUT_SIDE}, got {size!r}",
+            field="output_size",
+        )
+    return sides  # type: ignore[return-value]

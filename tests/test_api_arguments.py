@@ -1,0 +1,81 @@
+"""The Python API's functions check their own arguments as the request objects do (a hostile sweep's findings):
+a flag is a bool (``color_fix="no"`` was read as True: the output equal to ``color_fix=True``), ``output_size`` is
+two integers within the 16384 px cap (a 16385-wide image came back), and ``load_refiner``'s arguments are refused
+before any weights load (a missing LoRA, ``dtype="bf16"``, ``device="meta"`` and ``vae=""`` only failed, or were
+used, after the transformer loaded). Each refusal is one FlowliftError line naming the keyword.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from builders import forbid_call
+from flowlift import FlowliftError, FlowUpscalerPipeline, load_refiner
+
+
+@pytest.fixture(scope="module")
+def pipe(unet, vae):
+    return FlowUpscalerPipeline(unet, vae, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture
+def image():
+    return torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+
+def _refused(call, *words):
+    with pytest.raises(FlowliftError) as caught:
+        call()
+    message = str(caught.value)
+    assert "\n" not in message and all(word in message for word in words), message
+    return message
+
+
+@pytest.mark.parametrize("flag", ["no", "false", 1, 0.0, None])
+def test_color_fix_is_a_bool(pipe, image, flag, monkeypatch):
+    forbid_call(monkeypatch, "flowlift.upscale.pipeline.FlowUpscalerPipeline._vae_call", "the VAE ran first")
+    _refused(lambda: pipe.upscale_image(image, color_fix=flag, output_type="pt"), "color_fix")
+    latents = torch.zeros(1, 32, 4, 4)
+    _refused(lambda: pipe.upscale_latents(latents, color_fix=flag), "color_fix")
+    _refused(lambda: pipe.encode_image(image, return_size=flag), "return_size")
+
+
+@pytest.mark.parametrize(
+    "size",
+    [(16385, 128), (128, 16385), (0, 64), (64.5, 64), ("64", 64), (True, 64), (200,), (200, 200, 3), "200x200", 200],
+)
+def test_output_size_is_two_integers_within_the_cap_before_the_encoder_runs(pipe, image, size, monkeypatch):
+    forbid_call(monkeypatch, "flowlift.upscale.pipeline.FlowUpscalerPipeline._vae_call", "the VAE ran first")
+    _refused(lambda: pipe.upscale_image(image, output_size=size, output_type="pt"), "output_size", "16384")
+
+
+def test_a_checked_output_size_still_runs(pipe):
+    image = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    out = pipe.upscale_image(image, output_size=[96, 80], output_type="pt")
+    assert tuple(out.shape) == (1, 3, 80, 96)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "words"),
+    [
+        ({"vae": ""}, ("vae",)),
+        ({"vae": "  "}, ("vae",)),
+        ({"loras": "style.safetensors"}, ("loras", "pairs")),
+        ({"loras": [("missing.safetensors", 1.0)]}, ("LoRA missing.safetensors: no such file",)),
+        ({"loras": [("style.safetensors", float("nan"))]}, ("loras",)),
+        ({"dtype": "bf16"}, ("dtype",)),
+        ({"dtype": torch.int8}, ("dtype",)),
+        ({"device": "bogus"}, ("bogus",)),
+        ({"device": "meta"}, ("meta",)),
+        ({"memory": "auto"}, ("memory", "RefineMemory")),
+        ({"tiles": "auto"}, ("tiles", "TileRequest")),
+        ({"text_encoder": "no"}, ("text_encoder",)),
+        ({"progress": "no"}, ("progress",)),
+    ],
+)
+def test_load_refiner_refuses_its_arguments_before_any_weights_load(tmp_path, keywords, words, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "style.safetensors").write_bytes(b"")  # exists: only the pair's scale is wrong there
+    forbid_call(monkeypatch, "flowlift.refine.loading.load_transformer", "the transformer loaded first")
+    _refused(lambda: load_refiner("no/such-model", **keywords), *words)
