@@ -79,3 +79,35 @@ def test_load_refiner_refuses_its_arguments_before_any_weights_load(tmp_path, ke
     (tmp_path / "style.safetensors").write_bytes(b"")  # exists: only the pair's scale is wrong there
     forbid_call(monkeypatch, "flowlift.refine.loading.load_transformer", "the transformer loaded first")
     _refused(lambda: load_refiner("no/such-model", **keywords), *words)
+
+
+# ------------------------------------------------------------------------------- never a NaN result
+
+
+def test_refine_latents_refuses_a_non_finite_result():
+    from flowlift import refine_latents
+    from flowlift.refine.settings import SamplingSettings
+
+    init = torch.randn(1, 32, 8, 8, generator=torch.Generator().manual_seed(0))
+    sampling = SamplingSettings(steps=2)
+
+    def nan_velocity(z, sigma):
+        return torch.full_like(z, float("nan"))
+
+    _refused(lambda: refine_latents(nan_velocity, init_latents=init, denoising_start=0.5, sampling=sampling), "NaN")
+    raw = torch.randn(1, 32, 8, 8)
+    zero_std = {"bn_mean": torch.zeros(128), "bn_std": torch.zeros(128)}
+    _refused(lambda: refine_latents(torch.zeros_like, init_latents=raw, denoising_start=1.0, **zero_std), "bn_std")
+    _refused(lambda: refine_latents(lambda z, s: z * 0, init_latents=raw, denoising_start=0.5, **zero_std), "NaN")
+
+
+def test_the_refiners_vae_results_are_finite():
+    from flowlift.models.vae_loading import load_vae
+    from flowlift.refine.refiner import Flux2Refiner
+    from tiny_flux2 import tiny_transformer, tiny_vae
+
+    refiner = Flux2Refiner(tiny_transformer(), load_vae(tiny_vae(), device="cpu", dtype=torch.float32))
+    latents = torch.zeros(1, 32, 2, 2)
+    latents[0, 0, 0, 0] = float("inf")
+    _refused(lambda: refiner.decode(latents), "the VAE's decode gave")
+    assert refiner.decode(torch.zeros(1, 32, 2, 2)).isfinite().all()

@@ -19,7 +19,6 @@ import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ from PIL import Image, PngImagePlugin
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_output
 from flowlift.files.json_input import parse_json
-from flowlift.knobs import check_overwrite
+from flowlift.knobs import check_overwrite, exact_int
 
 #: Formats outputs are written in (by the output name's suffix).
 OUTPUT_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -331,20 +330,15 @@ def save_image_atomic(
     quality: int | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Save ``image`` to ``path`` via a temporary file in the same folder and an atomic rename.
+    """Save ``image`` to ``path`` (its suffix says the format) via a temporary file beside it and an atomic rename.
 
-    The format follows the suffix. ``metadata`` goes into PNG text chunks (non-strings as JSON), and into
-    the EXIF UserComment (one JSON object) of JPEG and WebP files. ``source`` (an input path or its
-    :class:`SourceProfile`) gives the ICC profile and EXIF to carry over (PNG, JPEG, WebP, TIFF).
-    ``quality`` (an int in 1-100, default :data:`DEFAULT_QUALITY`) applies to JPEG and WebP; WebP at 100 is
-    lossless. A file already at ``path`` is replaced only when it is empty, flowlift wrote it (its metadata), or
-    ``overwrite`` is ``True`` (a bool: ``"no"`` is refused); else one FlowliftError line and nothing is written.
-    """
+    ``metadata`` goes into PNG text chunks (non-strings as JSON) and the EXIF UserComment (one JSON object) of JPEG
+    and WebP; ``source`` (an input path or its :class:`SourceProfile`) gives the ICC profile and EXIF to carry over.
+    ``quality`` (an int in 1-100, default :data:`DEFAULT_QUALITY`): JPEG and WebP (lossless at 100). A file at
+    ``path`` is replaced only when it is empty, flowlift wrote it, or ``overwrite`` is ``True`` (a bool)."""
     path = Path(path)
     check_output_format(path)
-    if quality is not None and (
-        isinstance(quality, bool) or not isinstance(quality, Integral) or not 1 <= quality <= 100
-    ):
+    if quality is not None and not 1 <= (exact_int(quality) or 0) <= 100:  # not True, 95.7 or "95"
         raise FlowliftError(f"quality must be an integer in 1..100, got {quality!r}")
     if not check_overwrite(overwrite) and path.is_file() and not path.is_symlink():  # others: atomic_output's
         found = inspect_existing(path)

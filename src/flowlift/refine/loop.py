@@ -128,6 +128,7 @@ def refine_latents(
     from flowlift.flux2.img2img import InpaintMerger, denoise, prepare_start_latents
     from flowlift.flux2.latents import check_latents
     from flowlift.knobs import check_unit_interval
+    from flowlift.models.weights import check_finite_result
 
     sampling = sampling if sampling is not None else SamplingSettings()
     steps = sampling.steps if sampling.steps is not None else STEPS.default
@@ -154,6 +155,7 @@ def refine_latents(
     if init_latents is not None:
         init_norm = normalize(init_latents, bn_mean, bn_std) if bn_mean is not None else init_latents
     if denoising_start >= denoising_end:  # strength 0 (or an empty window): nothing to denoise
+        init_norm = check_finite_result(init_norm, "refine_latents: normalizing the init latents (bn_std 0?)")
         return RefineResult(latents=init_norm, sigmas=[], t0=1.0 - denoising_start, tiling=record)
 
     noise = latent_noise(shape, seed, device=device)
@@ -185,6 +187,7 @@ def refine_latents(
 
     with torch.inference_mode():
         out = denoise(counted, x, sigmas, inpaint=merger, callback=callback, sampler=sampler)
+    check_finite_result(out, "refine_latents: the velocity model or the init latents")  # never NaN latents
     mu_rule = "empirical" if isinstance(mu, str) else "fixed"
     return RefineResult(out, sigma_list, t0, calls, mu=mu_value, mu_rule=mu_rule, schedule=schedule, tiling=record)
 
