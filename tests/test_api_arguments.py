@@ -7,8 +7,10 @@ used, after the transformer loaded). Each refusal is one FlowliftError line nami
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from builders import forbid_call
 from flowlift import FlowliftError, FlowUpscalerPipeline, load_refiner
@@ -111,3 +113,31 @@ def test_the_refiners_vae_results_are_finite():
     latents[0, 0, 0, 0] = float("inf")
     _refused(lambda: refiner.decode(latents), "the VAE's decode gave")
     assert refiner.decode(torch.zeros(1, 32, 2, 2)).isfinite().all()
+
+
+# ------------------------------------------------------------------------------- images of every mode
+
+
+@pytest.mark.parametrize(
+    ("make", "level"),
+    [
+        (lambda size: Image.fromarray(np.full(size, 30000, np.uint16)), round(30000 / 65535 * 255)),
+        (lambda size: Image.fromarray(np.full(size, 0.5, np.float32), "F"), 128),
+    ],
+)
+def test_color_fix_image_scales_16_bit_and_float_grey_as_load_image_does(make, level):
+    from flowlift import color_fix_image
+
+    fixed = np.asarray(color_fix_image(make((32, 32)), make((16, 16))))
+    assert abs(int(fixed.mean()) - level) <= 1, fixed.mean()  # was 255 (16-bit clipped) and 0 ("F" truncated)
+
+
+def test_the_metrics_refuse_a_float_image_outside_the_unit_range():
+    from flowlift.measure import metrics
+
+    picture = np.random.default_rng(0).integers(0, 256, (16, 16, 3)).astype(np.float32)
+    with pytest.raises(FlowliftError, match=r"must lie in \[0, 1\]"):
+        metrics.psnr(picture, picture * 0.5)
+    assert metrics.psnr(picture / 255, picture / 255 * 0.5) > 0
+    sixteen = Image.fromarray(np.full((8, 8), 65535, np.uint16))
+    assert metrics.as_float_rgb(sixteen).min() == 1.0

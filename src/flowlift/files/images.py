@@ -90,7 +90,7 @@ def output_target(output: str | None, count: int, image_suffixes: Sequence[str])
     return None, target
 
 
-def _to_rgb_and_alpha(image: Image.Image) -> tuple[Image.Image, Image.Image | None]:
+def rgb_and_alpha(image: Image.Image) -> tuple[Image.Image, Image.Image | None]:
     """Convert any Pillow mode to 8-bit RGB, splitting off alpha (palette transparency included)."""
     if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
         # 16/32-bit grey: Pillow's convert("RGB") clips instead of scaling, so scale by hand.
@@ -165,7 +165,7 @@ def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None
                 _check_pixels(path, *opened.size)
                 opened.load()
                 image = ImageOps.exif_transpose(opened)
-                rgb, alpha = _to_rgb_and_alpha(image)
+                rgb, alpha = rgb_and_alpha(image)
     except FlowliftError as error:
         text = str(error)
         raise FlowliftError(text if text.startswith(str(path)) else f"{path}: {text}") from None
@@ -264,7 +264,7 @@ def to_tensor(
     integers, bool, complex) raises :class:`FlowliftError`.
     """
     if isinstance(image, Image.Image):
-        image = _to_rgb_and_alpha(image)[0]
+        image = rgb_and_alpha(image)[0]
         array = np.asarray(image)
         tensor = torch.from_numpy(array.copy()).permute(2, 0, 1)[None].float() / 255.0
     elif isinstance(image, np.ndarray):

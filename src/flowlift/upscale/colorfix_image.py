@@ -47,12 +47,13 @@ def integer_scale(upscaled_size: tuple[int, int], reference_size: tuple[int, int
 
 
 def _rgb_and_alpha(image: Any) -> tuple[np.ndarray, Image.Image | None]:
-    """uint8 HWC RGB array and the alpha channel (Pillow ``"L"``) or None."""
+    """uint8 HWC RGB array and the alpha channel (Pillow ``"L"``) or None; a Pillow image of any mode as
+    :func:`flowlift.files.images.load_image` converts it (16-bit and float grey scaled by their range, not clipped)."""
     if isinstance(image, Image.Image):
-        if image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (image.mode == "P" and "transparency" in image.info):
-            rgba = image.convert("RGBA")
-            return np.asarray(rgba.convert("RGB")), rgba.getchannel("A")
-        return np.asarray(image.convert("RGB")), None
+        from flowlift.files.images import rgb_and_alpha
+
+        rgb, alpha = rgb_and_alpha(image)
+        return np.asarray(rgb), alpha
     array = np.asarray(image)
     if array.ndim != 3 or array.shape[-1] not in (3, 4) or array.dtype != np.uint8:
         raise FlowliftError(f"expected a Pillow image or a uint8 HWC RGB array, got {array.dtype} {array.shape}")
