@@ -141,3 +141,84 @@ def test_the_metrics_refuse_a_float_image_outside_the_unit_range():
     assert metrics.psnr(picture / 255, picture / 255 * 0.5) > 0
     sixteen = Image.fromarray(np.full((8, 8), 65535, np.uint16))
     assert metrics.as_float_rgb(sixteen).min() == 1.0
+
+
+# ------------------------------------------------------------------------------- the refiner's geometry and schedule
+
+
+@pytest.fixture(scope="module")
+def refiner():
+    from flowlift.models.vae_loading import load_vae
+    from flowlift.refine.refiner import Flux2Refiner
+    from tiny_flux2 import tiny_transformer, tiny_vae
+
+    return Flux2Refiner(tiny_transformer(), load_vae(tiny_vae(), device="cpu", dtype=torch.float32))
+
+
+@pytest.mark.parametrize(
+    ("mask", "words"),
+    [
+        (torch.full((1, 1, 32, 32), 255.0), ("[0, 1]",)),
+        (torch.full((1, 1, 32, 32), -1.0), ("[0, 1]",)),
+        (torch.ones(3, 1, 32, 32), ("batch of 3 for 1",)),
+        (torch.ones(1, 3, 32, 32), ("1-channel",)),
+        (torch.ones(1, 1, 16, 32), ("differs from the image",)),
+        (torch.ones(0, 1, 32, 32), ("none of them 0",)),
+    ],
+)
+def test_an_inpaint_mask_is_one_per_image_or_one_in_the_unit_range(refiner, mask, words, monkeypatch):
+    forbid_call(monkeypatch, "flowlift.refine.refiner.Flux2Refiner._encode_init", "the VAE ran first")
+    image = torch.rand(1, 3, 32, 32)
+    _refused(lambda: refiner.img2img(image, strength=0.5, mask=mask, prompt_embeds=torch.zeros(1, 4, 8)), *words)
+
+
+def test_a_uint8_mask_is_scaled_by_its_range():
+    from flowlift.refine.canvas import checked_mask
+
+    images = torch.rand(2, 3, 8, 8)
+    assert checked_mask(torch.full((1, 1, 8, 8), 255, dtype=torch.uint8), images).eq(1.0).all()
+    assert checked_mask(torch.zeros(2, 1, 8, 8, dtype=torch.bool), images).eq(0.0).all()
+
+
+@pytest.mark.parametrize("border", [-16, True, 1.5, "16", None])
+def test_outpaint_borders_are_whole_non_negative_numbers(refiner, border, monkeypatch):
+    forbid_call(monkeypatch, "flowlift.refine.refiner.Flux2Refiner._encode_init", "the VAE ran first")
+    image = torch.rand(1, 3, 32, 32)
+    _refused(lambda: refiner.outpaint(image, left=border, right=16, prompt_embeds=torch.zeros(1, 4, 8)), "left")
+
+
+def test_an_empty_image_batch_is_one_line(refiner):
+    _refused(lambda: refiner.img2img(torch.rand(0, 3, 32, 32), strength=0.5), "images", "none of them 0")
+
+
+@pytest.mark.parametrize(
+    ("args", "keywords", "word"),
+    [
+        ((4, -5), {"mu": "empirical"}, "image_seq_len"),
+        ((4, 0), {}, "image_seq_len"),
+        ((4, 1.5), {}, "image_seq_len"),
+        ((True, 256), {}, "num_steps"),
+        ((2.5, 256), {}, "num_steps"),
+        ((4, 256), {"mu": True}, "mu"),
+        ((4, 256), {"denoising_end": True}, "denoising_end"),
+        ((4, 256), {"denoising_start": "0.5"}, "denoising_start"),
+    ],
+)
+def test_flux2_sigmas_refuses_what_is_not_a_schedule(args, keywords, word):
+    from flowlift import flux2_sigmas
+
+    with pytest.raises(ValueError, match=word):
+        flux2_sigmas(*args, **keywords)
+
+
+def test_flux2_sigmas_takes_numpy_numbers():
+    from flowlift import flux2_sigmas
+
+    assert torch.equal(flux2_sigmas(4, np.int64(256), np.float32(0.5)), flux2_sigmas(4, 256, 0.5))
+
+
+def test_refine_latents_never_ignores_a_shape():
+    from flowlift import refine_latents
+
+    init = torch.zeros(1, 32, 8, 8)
+    _refused(lambda: refine_latents(lambda z, s: z * 0, init_latents=init, shape=(2, 32, 16, 16)), "shape")

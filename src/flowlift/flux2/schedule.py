@@ -14,10 +14,12 @@ only at shifted sigmas (running img2img on the unshifted linear schedule leaves 
 from __future__ import annotations
 
 import math
+from numbers import Real
 
 import torch
 
 from flowlift.flux2.settings import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SCHEDULES  # noqa: F401
+from flowlift.knobs import exact_int
 
 _A1, _B1 = 8.73809524e-05, 1.89833333  # the 10-step line
 _A2, _B2 = 0.00016927, 0.45666666  # the 200-step line
@@ -128,8 +130,13 @@ def flux2_sigmas(
     is also the noise level ``t0`` of img2img start latents. A schedule whose float32 sigmas would repeat
     (a shift too strong for the step count) is refused rather than run with zero-length steps.
     """
-    if num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    for name, value in (("num_steps", num_steps), ("image_seq_len", image_seq_len)):
+        if (exact_int(value) or 0) < 1:  # not True, 2.5, NaN or "4"
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    for name, value in (("denoising_start", denoising_start), ("denoising_end", denoising_end), ("mu", mu)):
+        if isinstance(value, bool) or not isinstance(value, (Real, str) if name == "mu" else Real):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+    denoising_start, denoising_end = float(denoising_start), float(denoising_end)  # numpy's float32 too
     if not 0.0 <= denoising_start < denoising_end <= 1.0:
         raise ValueError(f"need 0 <= denoising_start < denoising_end <= 1, got {denoising_start} and {denoising_end}")
     if schedule not in SCHEDULES:

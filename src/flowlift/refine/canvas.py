@@ -17,15 +17,16 @@ from flowlift.flux2.latents import VAE_SCALE_FACTOR
 from flowlift.limits import PIXEL_MULTIPLE
 
 
-def checked_images(images: Any, name: str = "images") -> torch.Tensor:
-    """``images`` (B, 3, H, W) as float32 in [0, 1], else one line naming ``name``: floats must be finite and lie in
-    [0, 1] (a [0, 255] float image is refused, not read as 255 times too bright); ``uint8`` is scaled by its range,
-    ``x / 255``; other dtypes are refused."""
-    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
+def checked_images(images: Any, name: str = "images", channels: int = 3) -> torch.Tensor:
+    """``images`` (B, ``channels``, H, W), none of B, H, W zero, as float32 in [0, 1], else one line naming ``name``:
+    floats must be finite and lie in [0, 1] (a [0, 255] float image is refused, not read as 255 times too bright);
+    ``uint8`` is scaled by its range, ``x / 255``, and ``bool`` read as 0 and 1; other dtypes are refused."""
+    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != channels or not images.numel():
         got = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
-        raise FlowliftError(f"{name} must be a (B, 3, H, W) RGB tensor, got {got}", field=name)
-    if images.dtype == torch.uint8:
-        return images.float() / 255.0
+        kind = "an RGB tensor" if channels == 3 else f"a {channels}-channel tensor"
+        raise FlowliftError(f"{name} must be {kind} (B, {channels}, H, W), none of them 0, got {got}", field=name)
+    if images.dtype in (torch.uint8, torch.bool):
+        return images.float() / (255.0 if images.dtype == torch.uint8 else 1.0)
     if not images.is_floating_point():
         raise FlowliftError(f"{name} must be float in [0, 1] or uint8, got {images.dtype}", field=name)
     images = images.float()
@@ -37,6 +38,18 @@ def checked_images(images: Any, name: str = "images") -> torch.Tensor:
             f"{name} must lie in [0, 1] (uint8 is scaled by 255), got values in [{low:g}, {high:g}]", field=name
         )
     return images
+
+
+def checked_mask(mask: Any, images: torch.Tensor) -> torch.Tensor:
+    """An inpaint mask for ``images`` (B, 3, H, W): (1 or B, 1, H, W) in [0, 1] (1 = regenerate) as float32, by
+    :func:`checked_images`' rules (uint8 / 255, bool 0 and 1), else one line naming ``mask``."""
+    mask = checked_images(mask, "mask", channels=1)
+    (b, _, h, w), (mb, _, mh, mw) = images.shape, mask.shape
+    if (mh, mw) != (h, w):
+        raise FlowliftError(f"mask size {mw}x{mh} differs from the image {w}x{h}", field="mask")
+    if mb not in (1, b):
+        raise FlowliftError(f"mask has a batch of {mb} for {b} image(s): give one mask or one per image", field="mask")
+    return mask
 
 
 def pad_to_multiple(images: torch.Tensor, multiple: int = PIXEL_MULTIPLE) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -65,9 +78,14 @@ def outpaint_pads(height: int, width: int, left: int, top: int, right: int, bott
     :data:`flowlift.limits.MAX_OUTPUT_SIDE` per side (the package's output cap), else one
     FlowliftError line: ``outpaint=(0, 0, 1000000, 0)`` would otherwise try to allocate the canvas.
     """
+    from flowlift.knobs import exact_int
     from flowlift.limits import MAX_OUTPUT_SIDE
 
-    pads = tuple(-(-max(0, int(p)) // PIXEL_MULTIPLE) * PIXEL_MULTIPLE for p in (left, top, right, bottom))
+    given = {"left": left, "top": top, "right": right, "bottom": bottom}
+    for side, value in given.items():
+        if (exact_int(value) if value is not None else None) is None or value < 0:
+            raise FlowliftError(f"outpaint's {side} border must be a whole number of pixels >= 0, got {value!r}")
+    pads = tuple(-(-int(p) // PIXEL_MULTIPLE) * PIXEL_MULTIPLE for p in given.values())
     if not any(pads):
         raise FlowliftError("outpaint needs a border: give at least one of left/top/right/bottom > 0")
     canvas_h, canvas_w = height + pads[1] + pads[3], width + pads[0] + pads[2]

@@ -143,6 +143,8 @@ def refine_latents(
         shape = _txt2img_shape(shape, denoising_start, mask)
     else:
         check_latents(init_latents, "refine_latents", even=True)
+        if shape is not None and tuple(shape) != tuple(init_latents.shape):  # never silently one of the two
+            raise FlowliftError(f"refine_latents: shape {tuple(shape)} differs from init_latents' (leave it out)")
         init_latents = init_latents.to(device=device, dtype=torch.float32)
         shape = tuple(init_latents.shape)
 
@@ -213,9 +215,13 @@ def _checked_mask(mask: Any, shape: tuple[int, ...], device: torch.device | str)
     if not isinstance(mask, torch.Tensor) or mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2:] != shape[2:]:
         got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise FlowliftError(f"refine_latents: the latent mask must be (B, 1, {shape[2]}, {shape[3]}), got {got}")
+    if mask.shape[0] not in (1, shape[0]):
+        raise FlowliftError(f"refine_latents: a latent mask batch of {mask.shape[0]} for {shape[0]} latents")
     mask = mask.to(device=device, dtype=torch.float32)
     if not bool(torch.isfinite(mask).all()):
         raise FlowliftError("refine_latents: the latent mask contains non-finite values (NaN/Inf)")
+    if float(mask.min()) < 0.0 or float(mask.max()) > 1.0:
+        raise FlowliftError("refine_latents: the latent mask must lie in [0, 1] (1 = regenerate)")
     return mask
 
 

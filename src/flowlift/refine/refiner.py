@@ -19,7 +19,7 @@ from flowlift.knobs import check_kind
 from flowlift.limits import LATENT_CHANNELS
 from flowlift.models.weights import check_finite_result
 from flowlift.progress import report_stage
-from flowlift.refine.canvas import checked_images, latent_mask, outpaint_canvas, pad_to_multiple
+from flowlift.refine.canvas import checked_images, checked_mask, latent_mask, outpaint_canvas, pad_to_multiple
 from flowlift.refine.hires_fix import HiresFix
 from flowlift.refine.loop import RefineResult, VelocityFn, _Progress, denoising_start_for, refine_latents
 from flowlift.refine.offload import Placement, place_transformer, with_transformer_on_device
@@ -270,9 +270,7 @@ class Flux2Refiner(HiresFix):
         padded, _ = pad_to_multiple(images.to(self.device, torch.float32))
         lmask = None
         if mask is not None:
-            if mask.shape[-2:] != (h, w):
-                raise FlowliftError(f"mask size {mask.shape[-1]}x{mask.shape[-2]} differs from the image {w}x{h}")
-            lmask = latent_mask(pad_to_multiple(mask.to(self.device, torch.float32))[0])
+            lmask = latent_mask(pad_to_multiple(checked_mask(mask, images).to(self.device))[0])
         den = self.denoiser(**conditioning) if start < 1.0 else None
         mode = "inpaint" if mask is not None else "img2img"
         result = self._run(
