@@ -222,3 +222,15 @@ def test_refine_latents_never_ignores_a_shape():
 
     init = torch.zeros(1, 32, 8, 8)
     _refused(lambda: refine_latents(lambda z, s: z * 0, init_latents=init, shape=(2, 32, 16, 16)), "shape")
+
+
+@pytest.mark.parametrize("device", ["bogus", "meta", "cpu:3"])
+def test_a_device_that_is_not_here_is_one_line_at_every_entry(unet, vae, device):
+    from flowlift import Flux2Refiner, load_upscaler, load_vae, refine_latents
+    from tiny_flux2 import tiny_transformer
+
+    _refused(lambda: FlowUpscalerPipeline(unet, vae, device=device), device)
+    _refused(lambda: Flux2Refiner(tiny_transformer(), vae, device=device), device)
+    _refused(lambda: load_upscaler("no/such-upscaler", device=device), device)
+    _refused(lambda: load_vae("taef2", device=device), device)
+    _refused(lambda: refine_latents(lambda z, s: z, shape=(1, 32, 4, 4), device=device), device)

@@ -128,8 +128,10 @@ def load_upscaler(
     model is returned in ``dtype`` on ``device``. A file that does not fit raises one FlowliftError
     line naming the missing, unexpected and mis-shaped tensors.
     """
+    from flowlift.devices import resolve_device
     from flowlift.models.weights import load_strict, read_state_dict, resolve_file
 
+    device = resolve_device(device)  # one line for a device that does not exist here, before the file is read
     path = resolve_file(source, [WEIGHTS_NAME], what=WHAT)
     state = read_state_dict(path, what=WHAT)
     model = _fitting_meta_model(state, _safetensors_metadata(path), path)

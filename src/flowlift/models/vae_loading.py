@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from flowlift.devices import resolve_device
 from flowlift.errors import FlowliftError
 from flowlift.files.json_input import parse_json
 from flowlift.models.flux2_vae_convert import flux2_from_state_dict, is_diffusers_flux2_vae, is_original_flux2_vae
@@ -58,6 +59,7 @@ AnyVAE = TAEF2VAE | Flux2VAE | MageVAE
 
 def load_vae(spec: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AnyVAE:
     """Load a VAE from ``spec`` (see the module docstring) onto ``device`` in ``dtype``."""
+    device = resolve_device(device)  # one line for a device that does not exist here ('bogus', 'meta')
     if isinstance(spec, (TAEF2VAE, Flux2VAE, MageVAE)):
         spec.model.to(device=device, dtype=dtype)
         return spec

@@ -125,11 +125,13 @@ def refine_latents(
     * ``sampler``: ``euler`` or ``heun`` on those sigmas, in every mode.
     * the window ends at sigma 0; ``denoising_start`` 1 (strength 0) runs no step and returns the normalized init.
     """
+    from flowlift.devices import resolve_device
     from flowlift.flux2.img2img import InpaintMerger, denoise, prepare_start_latents
     from flowlift.flux2.latents import check_latents
     from flowlift.knobs import check_unit_interval
     from flowlift.models.weights import check_finite_result
 
+    device = resolve_device(device)  # one line for a device that is not here ('bogus', 'meta')
     sampling = sampling if sampling is not None else SamplingSettings()
     steps = sampling.steps if sampling.steps is not None else STEPS.default
     seed, sampler = sampling.seed, sampling.sampler

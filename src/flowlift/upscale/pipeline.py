@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from flowlift.devices import auto_dtype, default_channels_last
+from flowlift.devices import auto_dtype, default_channels_last, resolve_device
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import check_latents
 from flowlift.knobs import COLOR_FIX, check_count, check_kind, check_seed
@@ -129,7 +129,7 @@ class FlowUpscalerPipeline:
         param = first_parameter(upscaler) if not isinstance(upscaler, (str, os.PathLike)) else None
         if device is None:
             device = param.device if param is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(device)
+        self.device = resolve_device(device)  # one line for a device that does not exist here ('bogus', 'meta')
         if dtype is None:
             if param is not None and param.is_floating_point():
                 dtype = param.dtype
