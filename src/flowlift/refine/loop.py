@@ -127,7 +127,6 @@ def refine_latents(
     """
     from flowlift.devices import resolve_device
     from flowlift.flux2.img2img import InpaintMerger, denoise, prepare_start_latents
-    from flowlift.flux2.latents import check_latents
     from flowlift.knobs import check_unit_interval
     from flowlift.models.weights import check_finite_result
 
@@ -141,14 +140,7 @@ def refine_latents(
     denoising_end = 1.0  # every refine runs to the clean image
     if (bn_mean is None) != (bn_std is None):
         raise FlowliftError("refine_latents: give both bn_mean and bn_std, or neither")
-    if init_latents is None:
-        shape = _txt2img_shape(shape, denoising_start, mask)
-    else:
-        check_latents(init_latents, "refine_latents", even=True)
-        if shape is not None and tuple(shape) != tuple(init_latents.shape):  # never silently one of the two
-            raise FlowliftError(f"refine_latents: shape {tuple(shape)} differs from init_latents' (leave it out)")
-        init_latents = init_latents.to(device=device, dtype=torch.float32)
-        shape = tuple(init_latents.shape)
+    init_latents, shape = _start(init_latents, shape, denoising_start, mask, device)
 
     record: dict[str, Any] = {}
     if tiles is not None and velocity_fn is not None:  # a batch of several images runs one tile of all per call
@@ -210,6 +202,22 @@ def _txt2img_shape(shape: Sequence[int] | None, denoising_start: float, mask: An
     if shape[1] != LATENT_CHANNELS or shape[2] % 2 or shape[3] % 2:
         raise FlowliftError(f"refine_latents: shape must be (B, 32, even h, even w), got {shape}")
     return shape
+
+
+def _start(
+    init_latents: torch.Tensor | None, shape: Any, denoising_start: float, mask: Any, device: torch.device
+) -> tuple[torch.Tensor | None, tuple[int, ...]]:
+    """The init latents (checked, float32 on ``device``) and the shape to sample: txt2img's ``shape``, else the init
+    latents' (a different ``shape`` beside them is refused: never silently one of the two)."""
+    from flowlift.flux2.latents import check_latents
+
+    if init_latents is None:
+        return None, _txt2img_shape(shape, denoising_start, mask)
+    check_latents(init_latents, "refine_latents", even=True)
+    if shape is not None and tuple(shape) != tuple(init_latents.shape):
+        raise FlowliftError(f"refine_latents: shape {tuple(shape)} differs from init_latents' (leave it out)")
+    init_latents = init_latents.to(device=device, dtype=torch.float32)
+    return init_latents, tuple(init_latents.shape)
 
 
 def _checked_mask(mask: Any, shape: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
