@@ -108,11 +108,17 @@ def test_the_refiners_vae_results_are_finite():
     from flowlift.refine.refiner import Flux2Refiner
     from tiny_flux2 import tiny_transformer, tiny_vae
 
-    refiner = Flux2Refiner(tiny_transformer(), load_vae(tiny_vae(), device="cpu", dtype=torch.float32))
-    latents = torch.zeros(1, 32, 2, 2)
-    latents[0, 0, 0, 0] = float("inf")
-    _refused(lambda: refiner.decode(latents), "the VAE's decode gave")
-    assert refiner.decode(torch.zeros(1, 32, 2, 2)).isfinite().all()
+    class Overflowing:  # a caller's VAE whose finite weights overflow: finite latents in, NaN pixels out
+        def __init__(self, vae):
+            self.vae = vae
+
+        def decode(self, latents, **_):
+            return self.vae.decode(latents) * float("nan")
+
+    vae = load_vae(tiny_vae(), device="cpu", dtype=torch.float32)
+    refiner = Flux2Refiner(tiny_transformer(), Overflowing(vae))
+    _refused(lambda: refiner.decode(torch.zeros(1, 32, 2, 2)), "the VAE's decode gave NaN")
+    assert Flux2Refiner(tiny_transformer(), vae).decode(torch.zeros(1, 32, 2, 2)).isfinite().all()
 
 
 # ------------------------------------------------------------------------------- images of every mode
@@ -234,3 +240,13 @@ def test_a_device_that_is_not_here_is_one_line_at_every_entry(unet, vae, device)
     _refused(lambda: load_upscaler("no/such-upscaler", device=device), device)
     _refused(lambda: load_vae("taef2", device=device), device)
     _refused(lambda: refine_latents(lambda z, s: z, shape=(1, 32, 4, 4), device=device), device)
+
+
+def test_a_vae_refuses_images_and_latents_that_are_not_its_own(vae):
+    images = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    _refused(lambda: vae.encode(images * 255), "[0, 1]")
+    _refused(lambda: vae.encode(images * 2 - 1), "[0, 1]")
+    _refused(lambda: vae.encode(images.clone().fill_(float("nan"))), "NaN")
+    latents = vae.encode(images)
+    latents[0, 0, 0, 0] = float("inf")
+    _refused(lambda: vae.decode(latents), "NaN or Inf")

@@ -22,6 +22,7 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, pack, patchify, unpack, unpatchify
+from flowlift.knobs import check_positive
 
 #: FLUX.2 dev's default embedded guidance (``Flux2Pipeline(guidance_scale=4.0)``).
 DEFAULT_DEV_GUIDANCE = 4.0
@@ -59,8 +60,12 @@ def cfg_combine(v_pos: torch.Tensor, v_neg: torch.Tensor, cfg_scale: float) -> t
 
 
 def _check_embeds(name: str, embeds: torch.Tensor, joint_dim: int | None) -> None:
+    if not isinstance(embeds, torch.Tensor) or not embeds.is_floating_point():
+        raise FlowliftError(f"{name} must be a float tensor (batch, tokens, dim), got {type(embeds).__name__}")
     if embeds.ndim != 3:
         raise FlowliftError(f"{name} must have shape (batch, tokens, dim), got {tuple(embeds.shape)}")
+    if not bool(torch.isfinite(embeds).all()):  # a NaN here is a NaN image at the end
+        raise FlowliftError(f"{name} contain NaN or Inf")
     if joint_dim is not None and embeds.shape[-1] != joint_dim:
         raise FlowliftError(
             f"{name} have dim {embeds.shape[-1]} but the transformer expects {joint_dim} "
@@ -98,6 +103,8 @@ class Flux2Denoiser:
         _check_embeds("prompt embeddings", prompt_embeds, joint_dim)
         if negative_prompt_embeds is not None:
             _check_embeds("negative prompt embeddings", negative_prompt_embeds, joint_dim)
+        cfg_scale = check_positive("cfg_scale", cfg_scale)  # finite, above 0: not NaN, not "2"
+        guidance = check_positive("guidance", guidance, optional=True)
         if cfg_scale != 1.0 and negative_prompt_embeds is None:
             raise FlowliftError(f"cfg scale {cfg_scale} needs a negative prompt (use '' for the empty prompt)")
         if self.guidance_embeds:

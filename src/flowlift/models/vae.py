@@ -44,6 +44,12 @@ def _check_images(images: torch.Tensor, multiple: int) -> None:
         raise FlowliftError(f"VAE encode expects images of shape (B, 3, H, W), got {shape}")
     if not images.is_floating_point():
         raise FlowliftError(f"VAE encode expects float images in [0, 1], got dtype {images.dtype}")
+    if images.numel() and not bool(torch.isfinite(images).all()):
+        raise FlowliftError("VAE encode: the images hold NaN or Inf")
+    if images.numel() and not -0.5 <= float(images.min()) <= float(images.max()) <= 1.5:  # 0..255 or -1..1 given
+        raise FlowliftError(
+            f"VAE encode expects images in [0, 1], got values in [{float(images.min()):g}, {float(images.max()):g}]"
+        )
     h, w = images.shape[-2:]
     if h % multiple or w % multiple or h == 0 or w == 0:
         raise FlowliftError(f"VAE encode needs image sides that are multiples of {multiple}, got {h}x{w}; resize first")
@@ -55,6 +61,8 @@ def _check_latents(latents: torch.Tensor, multiple: int) -> None:
         raise FlowliftError(f"VAE decode expects latents of shape (B, {LATENT_CHANNELS}, h, w), got {shape}")
     if not latents.is_floating_point():
         raise FlowliftError(f"VAE decode expects float latents, got dtype {latents.dtype}")
+    if latents.numel() and not bool(torch.isfinite(latents).all()):
+        raise FlowliftError("VAE decode: the latents hold NaN or Inf")
     h, w = latents.shape[-2:]
     if h % multiple or w % multiple or h == 0 or w == 0:
         raise FlowliftError(f"VAE decode needs latent sides that are multiples of {multiple}, got {h}x{w}")

@@ -141,7 +141,7 @@ class Flux2Refiner(HiresFix):
             neg = self._embeds(
                 "" if negative_prompt is None else negative_prompt, negative_prompt_embeds, "negative prompt"
             )
-        refs = [self.encode(img) for img in reference_images]  # clean normalized latents, no noise
+        refs = [self.encode(checked_images(img, "reference_images")) for img in reference_images]  # clean, no noise
         return Flux2Denoiser(
             self.transformer,
             pos,
