@@ -250,3 +250,72 @@ def test_a_vae_refuses_images_and_latents_that_are_not_its_own(vae):
     latents = vae.encode(images)
     latents[0, 0, 0, 0] = float("inf")
     _refused(lambda: vae.decode(latents), "NaN or Inf")
+
+
+# ------------------------------------------------------------------------------- settings objects in their places
+
+
+@pytest.mark.parametrize(("keyword", "value"), [("sampling", {"steps": 2}), ("tiles", "auto")])
+def test_the_refiners_settings_are_their_objects(refiner, keyword, value, monkeypatch):
+    from flowlift import refine_latents
+
+    forbid_call(monkeypatch, "flowlift.refine.refiner.Flux2Refiner._encode_init", "the VAE ran first")
+    word = "SamplingSettings" if keyword == "sampling" else "TileRequest"
+    image = torch.rand(1, 3, 32, 32)
+    _refused(lambda: refiner.img2img(image, strength=0.5, **{keyword: value}), keyword, word)
+    _refused(lambda: refine_latents(lambda z, s: z, shape=(1, 32, 4, 4), **{keyword: value}), keyword, word)
+    _refused(lambda: refiner.txt2img(height=32, width=32, **{keyword: value}), keyword, word)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "words"),
+    [
+        ({"memory": "auto"}, ("memory", "MemoryPolicy")),
+        ({"compile": "no"}, ("compile mode",)),
+        ({"compile": 1}, ("compile",)),
+        ({"dtype": "bf16"}, ("dtype",)),
+        ({"dtype": torch.int8}, ("dtype",)),
+    ],
+)
+def test_the_pipelines_settings_are_checked_when_it_is_made(unet, vae, keywords, words):
+    _refused(lambda: FlowUpscalerPipeline(unet, vae, device="cpu", **keywords), *words)
+
+
+@pytest.mark.parametrize("image", [torch.rand(0, 3, 32, 32), torch.zeros(0, 3, 32, 32, dtype=torch.uint8)])
+def test_an_empty_image_is_refused_before_the_encoder(pipe, image, monkeypatch):
+    forbid_call(monkeypatch, "flowlift.upscale.pipeline.FlowUpscalerPipeline._vae_call", "the VAE ran first")
+    _refused(lambda: pipe.upscale_image(image, output_type="pt"), "empty")
+
+
+@pytest.mark.parametrize(
+    ("keywords", "word"),
+    [
+        ({"base_channels": 0}, "base_channels"),
+        ({"base_channels": -32}, "base_channels"),
+        ({"sample_channels": 0}, "sample_channels"),
+        ({"time_dim": 0}, "time_dim"),
+        ({"time_dim": 33}, "even"),
+        ({"dropout": float("nan")}, "dropout"),
+        ({"dropout": 1.0}, "dropout"),
+    ],
+)
+def test_the_unets_constructor_refuses_what_is_no_network(keywords, word):
+    from flowlift import FlowUpscalerUNet
+
+    _refused(lambda: FlowUpscalerUNet(**{"base_channels": 16, "time_dim": 32, "cond_dim": 32, **keywords}), word)
+
+
+@pytest.mark.parametrize(
+    ("image", "metadata", "word"),
+    [
+        (Image.new("RGB", (0, 0)), None, "1x1"),
+        (torch.zeros(3, 8, 8), None, "Pillow image"),
+        (Image.new("RGB", (8, 8)), torch.zeros(2), "metadata"),
+        (Image.new("RGB", (8, 8)), ["a", "b"], "metadata"),
+    ],
+)
+def test_save_image_atomic_takes_an_image_and_a_mapping(tmp_path, image, metadata, word):
+    from flowlift import save_image_atomic
+
+    _refused(lambda: save_image_atomic(image, tmp_path / "out.png", metadata), word)
+    assert list(tmp_path.iterdir()) == []

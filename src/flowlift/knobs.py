@@ -347,7 +347,8 @@ def check_kind(name: str, value: Any, kind: type | tuple[type, ...], spelled: st
     kinds = kind if isinstance(kind, tuple) else (kind,)
     if isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool)):
         return value
-    raise FlowliftError(f"{name} must be {spelled}{' or None' if optional else ''}, got {value!r}", field=name)
+    shown = repr(value) if len(repr(value)) <= 80 and "\n" not in repr(value) else f"a {type(value).__name__}"
+    raise FlowliftError(f"{name} must be {spelled}{' or None' if optional else ''}, got {shown}", field=name)
 
 
 def check_positive(name: str, value: Any, *, integer: bool = False, optional: bool = False) -> Any:

@@ -27,20 +27,12 @@ from PIL import Image, PngImagePlugin
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_output
 from flowlift.files.json_input import parse_json
-from flowlift.knobs import check_overwrite, exact_int
+from flowlift.knobs import check_kind, check_overwrite, exact_int
 
 #: Formats outputs are written in (by the output name's suffix).
 OUTPUT_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
-#: Suffix -> the format name ``--format`` uses.
-OUTPUT_FORMAT_OF_SUFFIX = {
-    ".png": "png",
-    ".jpg": "jpg",
-    ".jpeg": "jpg",
-    ".webp": "webp",
-    ".bmp": "bmp",
-    ".tif": "tif",
-    ".tiff": "tif",
-}
+#: Suffix -> the format name ``--format`` uses (``.jpeg`` is ``jpg``, ``.tiff`` is ``tif``).
+OUTPUT_FORMAT_OF_SUFFIX = {s: s[1:].replace("jpeg", "jpg").replace("tiff", "tif") for s in OUTPUT_SUFFIXES}
 #: JPEG/WebP quality when none is given (WebP at 100 is written lossless).
 DEFAULT_QUALITY = 95
 #: zlib level of PNG outputs. Pillow's default (6) spends 3x the time of level 3 on a 6 MP output for files
@@ -338,6 +330,10 @@ def save_image_atomic(
     ``path`` is replaced only when it is empty, flowlift wrote it, or ``overwrite`` is ``True`` (a bool)."""
     path = Path(path)
     check_output_format(path)
+    if not isinstance(image, Image.Image) or 0 in image.size:
+        got = f"{image.width}x{image.height}" if isinstance(image, Image.Image) else f"a {type(image).__name__}"
+        raise FlowliftError(f"save_image_atomic needs a Pillow image of at least 1x1 pixels, got {got}")
+    check_kind("metadata", metadata, Mapping, "a mapping (name -> text or JSON-able value)", optional=True)
     if quality is not None and not 1 <= (exact_int(quality) or 0) <= 100:  # not True, 95.7 or "95"
         raise FlowliftError(f"quality must be an integer in 1..100, got {quality!r}")
     if not check_overwrite(overwrite) and path.is_file() and not path.is_symlink():  # others: atomic_output's

@@ -299,6 +299,8 @@ def to_tensor(
             raise FlowliftError(f"image tensors must be uint8, uint16 or float in [0, 1], got {tensor.dtype}")
     else:
         raise FlowliftError(f"unsupported image type {type(image).__name__}")
+    if not tensor.numel():  # a batch of 0 or a side of 0: nothing to encode
+        raise FlowliftError(f"the image is empty: shape {tuple(tensor.shape)} (B, 3, H, W)")
     return tensor.to(device=device, dtype=dtype)
 
 

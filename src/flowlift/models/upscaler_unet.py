@@ -24,7 +24,7 @@ One-step sampling (diffusers' ``FlowMatchEulerDiscreteScheduler().set_timesteps(
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -298,6 +298,25 @@ class TimeConditioning(nn.Module):
         return self.time_proj(emb.to(self.time_proj[0].weight.dtype))
 
 
+#: Largest accepted value per constructor argument (the released model: 32 / 384 / 512 / 1024).
+CONFIG_LIMITS = {"sample_channels": 1024, "base_channels": 8192, "time_dim": 8192, "cond_dim": 16384}
+
+
+def check_unet_config(config: Mapping[str, Any], prefix: str = "FlowUpscalerUNet: ") -> None:
+    """One FlowliftError line (``prefix`` first) unless every size of ``config`` is an integer in
+    1..:data:`CONFIG_LIMITS` and ``time_dim`` is even (the sinusoidal embedding's halves), and its ``dropout``
+    (when given) a probability in [0, 1)."""
+    for key, limit in CONFIG_LIMITS.items():
+        value = config.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+            raise FlowliftError(f"{prefix}{key}={value!r} is not a valid size (1..{limit})")
+    if config["time_dim"] % 2:
+        raise FlowliftError(f"{prefix}time_dim={config['time_dim']} must be even")
+    dropout = config.get("dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise FlowliftError(f"{prefix}dropout={dropout!r} must be a probability in [0, 1)")
+
+
 class FlowUpscalerUNet(nn.Module):
     """The Flow Upscaler UNet; ``forward(sample, timestep, latents_small) -> velocity``."""
 
@@ -316,6 +335,7 @@ class FlowUpscalerUNet(nn.Module):
             "time_dim": time_dim,
             "cond_dim": cond_dim,
         }
+        check_unet_config({**self.config, "dropout": dropout})  # before anything is allocated
         base = base_channels
         self.conditioning = TimeConditioning(time_dim, cond_dim)
         self.in_conv = nn.Conv2d(sample_channels, base, 1)

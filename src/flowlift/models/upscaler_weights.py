@@ -15,7 +15,7 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_output
-from flowlift.models.upscaler_unet import FlowUpscalerUNet
+from flowlift.models.upscaler_unet import FlowUpscalerUNet, check_unet_config
 
 HUB_REPO_ID = "TensorForger/FlowUpscaler"
 WEIGHTS_NAME = "flow_upscaler.safetensors"
@@ -44,24 +44,14 @@ def infer_config(state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] 
     return config
 
 
-#: Largest accepted value per constructor argument (the released model: 32 / 384 / 512 / 1024).
-CONFIG_LIMITS = {"sample_channels": 1024, "base_channels": 8192, "time_dim": 8192, "cond_dim": 16384}
-
-
 def check_config(config: Mapping[str, int], *, origin: str = "") -> None:
     """Refuse constructor arguments that cannot describe a real checkpoint (0, negative, absurdly large).
 
     They come from file metadata and tensor shapes, i.e. from the user's file: ``base_channels=0``
-    would divide by zero and a huge value would allocate gigabytes before the strict key check.
-    ``time_dim`` must be even (sinusoidal embedding).
+    would divide by zero and a huge value would allocate gigabytes before the strict key check
+    (:func:`flowlift.models.upscaler_unet.check_unet_config`, the constructor's own check).
     """
-    source = f"{origin}: " if origin else ""
-    for key, limit in CONFIG_LIMITS.items():
-        value = config.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
-            raise FlowliftError(f"{WHAT}: {source}{key}={value!r} is not a valid size (1..{limit})")
-    if config["time_dim"] % 2:
-        raise FlowliftError(f"{WHAT}: {source}time_dim={config['time_dim']} must be even")
+    check_unet_config(config, f"{WHAT}: {origin}: " if origin else f"{WHAT}: ")
 
 
 def _safetensors_metadata(path: Path) -> dict[str, str]:

@@ -64,7 +64,7 @@ class HiresFix:
             fraction = None if whole_passes(settings.scale) else hires_latent_size(*base_latent, settings.scale)
             check_memory(base_latent, settings.passes, fraction, 1 if images is None else images.shape[0])
         sampling = self._with_steps(sampling)
-        tiles = tiles if tiles is not None else self.tiling
+        tiles = self._tiles(tiles)
         start = denoising_start_for(settings.refine_strength, strength_map)
         den = self.denoiser(**conditioning)
         params: dict[str, Any] = {}

@@ -127,11 +127,13 @@ def refine_latents(
     """
     from flowlift.devices import resolve_device
     from flowlift.flux2.img2img import InpaintMerger, denoise, prepare_start_latents
-    from flowlift.knobs import check_unit_interval
+    from flowlift.knobs import check_kind, check_unit_interval
     from flowlift.models.weights import check_finite_result
 
     device = resolve_device(device)  # one line for a device that is not here ('bogus', 'meta')
+    sampling = check_kind("sampling", sampling, SamplingSettings, "a SamplingSettings", optional=True)
     sampling = sampling if sampling is not None else SamplingSettings()
+    check_kind("tiles", tiles, TileRequest, "a TileRequest", optional=True)
     steps = sampling.steps if sampling.steps is not None else STEPS.default
     seed, sampler = sampling.seed, sampling.sampler
     mu = MU.default if sampling.mu is None else sampling.mu

@@ -103,8 +103,13 @@ class Flux2Refiner(HiresFix):
 
     def _with_steps(self, sampling: SamplingSettings | None) -> SamplingSettings:
         """``sampling`` (None: the knobs' defaults) with ``steps`` None as the model's (:attr:`default_steps`)."""
+        sampling = check_kind("sampling", sampling, SamplingSettings, "a SamplingSettings", optional=True)
         sampling = sampling if sampling is not None else SamplingSettings()
         return sampling if sampling.steps is not None else replace(sampling, steps=self.default_steps)
+
+    def _tiles(self, tiles: TileRequest | None) -> TileRequest:
+        """A mode's ``tiles`` (a TileRequest; None: the refiner's own :attr:`tiling`)."""
+        return check_kind("tiles", tiles, TileRequest, "a TileRequest", optional=True) or self.tiling
 
     # -- conditioning
 
@@ -229,7 +234,7 @@ class Flux2Refiner(HiresFix):
     ) -> RefineOutput:
         """Generate from pure noise (``denoising_start = 0``) at ``height x width`` (multiples of 16)."""
         sampling = self._with_steps(sampling)
-        tiles = tiles if tiles is not None else self.tiling
+        tiles = self._tiles(tiles)
         check_txt2img_size(width, height)
         den = self.denoiser(**conditioning)
         shape = (batch, LATENT_CHANNELS, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
@@ -264,7 +269,7 @@ class Flux2Refiner(HiresFix):
         ``strength`` 0 returns the VAE round trip of the input; 1 ignores the input (txt2img noise).
         """
         sampling = self._with_steps(sampling)
-        tiles = tiles if tiles is not None else self.tiling
+        tiles = self._tiles(tiles)
         images = checked_images(images)
         start = denoising_start_for(strength, strength_map)
         h, w = images.shape[-2:]
@@ -324,7 +329,7 @@ class Flux2Refiner(HiresFix):
         encoding of the original image alone and are kept exactly (mask 0) through every step.
         """
         sampling = self._with_steps(sampling)
-        tiles = tiles if tiles is not None else self.tiling
+        tiles = self._tiles(tiles)
         images = checked_images(images).to(self.device)
         canvas, mask, pads = outpaint_canvas(images, left, top, right, bottom)
         start = denoising_start_for(strength, strength_map)

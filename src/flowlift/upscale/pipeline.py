@@ -125,17 +125,15 @@ class FlowUpscalerPipeline:
         check_interrupt: Callable[[], None] | None = None,
         latent_upscaler: str | None = None,
     ) -> None:
-        memory = memory if memory is not None else MemoryPolicy()
+        memory = check_kind("memory", memory, MemoryPolicy, "a MemoryPolicy", optional=True) or MemoryPolicy()
         param = first_parameter(upscaler) if not isinstance(upscaler, (str, os.PathLike)) else None
         if device is None:
             device = param.device if param is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = resolve_device(device)  # one line for a device that does not exist here ('bogus', 'meta')
-        if dtype is None:
-            if param is not None and param.is_floating_point():
-                dtype = param.dtype
-            else:
-                dtype = auto_dtype(self.device, cpu_bf16=True)
-        self.dtype = dtype
+        floating = param is not None and param.is_floating_point()  # None: the UNet's, else by device
+        self.dtype = dtype or (param.dtype if floating else auto_dtype(self.device, cpu_bf16=True))
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise FlowliftError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}")
         self.memory = memory
         self.chunked = memory.chunked
         self.vae_tiled = memory.vae_tiled
@@ -163,7 +161,7 @@ class FlowUpscalerPipeline:
         if self.channels_last and isinstance(self.upscaler, torch.nn.Module):
             self.upscaler.to(memory_format=torch.channels_last)
         self.compiled_upscaler: CompiledUNet | None = None
-        if compile:
+        if check_kind("compile", compile, (bool, str), "True, False or a torch.compile mode"):
             if not isinstance(self.upscaler, torch.nn.Module):
                 raise FlowliftError(f"compile needs the UNet as a torch module, got {type(self.upscaler).__name__}")
             mode = compile if isinstance(compile, str) else None

@@ -31,6 +31,10 @@ __all__ = ["CompiledUNet", "default_compile_mode", "velocity_model"]
 MAX_COMPILED_SHAPES = 64
 
 
+#: ``torch.compile``'s modes (a pipeline's ``compile="max-autotune"``; ``True``: :func:`default_compile_mode`).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 def default_compile_mode(device: torch.device) -> str | None:
     """``"reduce-overhead"`` (compiled graph replayed as a CUDA graph) on CUDA, inductor's default elsewhere."""
     return "reduce-overhead" if device.type == "cuda" else None
@@ -56,6 +60,8 @@ class CompiledUNet:
         channels_last: bool = False,
         report: Callable[[str], None] | None = None,
     ) -> None:
+        if mode is not None and mode not in COMPILE_MODES:
+            raise FlowliftError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
         self.model = model
         param = next(model.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
