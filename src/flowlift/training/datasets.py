@@ -359,6 +359,7 @@ def build_images_dataset(
     """
     shard_size, storage_dtype, device, progress, part = _writing(writing)
     from flowlift.files.images import load_image, to_tensor
+    from flowlift.models.weights import check_finite_result
 
     degradation = degradation or Degradation()
     align = VAE_SCALE_FACTOR * 4
@@ -408,6 +409,8 @@ def build_images_dataset(
                 pixels = torch.stack(crops).to(device)
                 with torch.no_grad():
                     target = vae.encode(pixels).float()
+                # named by its shard before the degradation decodes it (the VAE refuses NaN latents in one line)
+                check_finite_result(target, f"{shard_name(shard)}: the VAE's encode")
                 generator = item_generator(seed + 1, chunk[0]["index"])
                 cond = conditioning_latents(vae, target, degradation, generator).float()
                 targets.append(target.cpu())
