@@ -11,6 +11,7 @@ from flowlift.commands._options import (
     positive_int,
 )
 from flowlift.commands._refine_options import add_model_arguments, request_fields
+from flowlift.errors import FlowliftError
 from flowlift.knobs import LATENT_UPSCALER
 from flowlift.refine.request import DEFAULT_SIZE
 from flowlift.refine.settings import HIRES_SCALE, REFINE_STRENGTH, STEPS, TRANSPLANT_STRENGTH
@@ -34,10 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     base.add_argument("--image", help="start from this image instead of a txt2img generation")
     width, height = DEFAULT_SIZE
     base.add_argument(
-        "--width", type=positive_int, default=width, help=f"txt2img width (multiple of 16; default {width})"
+        "--width", type=positive_int, default=None, help=f"txt2img width (multiple of 16; default {width})"
     )
     base.add_argument(
-        "--height", type=positive_int, default=height, help=f"txt2img height (multiple of 16; default {height})"
+        "--height", type=positive_int, default=None, help=f"txt2img height (multiple of 16; default {height})"
     )
     add_knob(
         base,
@@ -72,6 +73,11 @@ def run(args: argparse.Namespace) -> int:
     from flowlift.refine.request import HiresSettings, RefineRequest
     from flowlift.upscale.latent_source import FlowUpscalerSource
 
+    base_options = {"--width": args.width, "--height": args.height, "--base-steps": args.base_steps}
+    if args.image is not None and (given := [name for name, value in base_options.items() if value is not None]):
+        drop = "it" if len(given) == 1 else "them"
+        raise FlowliftError(f"{', '.join(given)}: for a txt2img base, which --image replaces; drop {drop}")
+    width, height = DEFAULT_SIZE
     request = RefineRequest(
         mode="hires",
         **request_fields(args),
@@ -80,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             scale=args.scale,
             refine_strength=args.refine_strength,
             base_steps=args.base_steps,
-            base_size=(args.width, args.height),
+            base_size=(args.width or width, args.height or height),
             transplant_strength=args.transplant_strength,
             color_fix=not args.no_color_fix,
         ),

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from flowlift.refine.jobs import run_refine
     from flowlift.refine.request import RefineRequest
 
-    pads = parse_outpaint(args.outpaint) if args.outpaint else None
+    pads = parse_outpaint(args.outpaint) if args.outpaint is not None else None  # "" is refused, not img2img
     request = RefineRequest(
         mode="outpaint" if pads else "inpaint" if args.mask else "img2img",
         **request_fields(args),

@@ -116,3 +116,22 @@ def check_not_an_input(output: str | os.PathLike, inputs: InputPaths) -> None:
     """:func:`same_file_problem` as one FlowliftError line."""
     if problem := same_file_problem(output, inputs):
         raise FlowliftError(problem)
+
+
+def check_report_folder(folder: str | os.PathLike, inputs: Mapping[str, Iterable[str | os.PathLike]]) -> None:
+    """One FlowliftError line when ``folder`` (a report's ``--output``) is a folder the run reads its images from:
+    one given as an input (a role -> the items as given: files, folders, glob patterns) or a glob's folder. The
+    report's own images (``bands.png``, ``crops.png``) would be measured as photos by the next run on that folder.
+    Compared by identity (a link or ``..`` to the folder is the folder)."""
+    if not os.path.isdir(folder):
+        return
+    target = os.stat(folder)
+    for role, items in inputs.items():
+        for item in items:
+            text = os.fspath(item)
+            read = text if os.path.isdir(text) else os.path.dirname(text) or "." if "*" in text or "?" in text else None
+            if read is not None and os.path.isdir(read) and os.path.samestat(os.stat(read), target):
+                raise FlowliftError(
+                    f"--output {os.fspath(folder)} is the {role} folder {text}: the report's images would be read "
+                    "back as inputs next time; write the report to another folder"
+                )

@@ -21,6 +21,9 @@ __all__ = ["BandsRequest", "BandsResult", "report_recognisers", "run_bands_repor
 
 COMMAND = "bands"
 
+#: The smallest square image whose latent (1/8) grid has an FFT bin in every band of the table.
+MIN_SIDE = 144
+
 
 @dataclass(frozen=True)
 class BandsRequest:
@@ -62,6 +65,24 @@ def report_recognisers(out_dir: Path) -> dict:
     }
 
 
+def _check_every_band_holds_a_bin(path: Path, size: tuple[int, int], max_side: int | None) -> None:
+    """One line when an image (``size`` (h, w) as measured) is too small for a latent band to hold any FFT bin
+    on its latent grid (1/8 of the pixels, every flowlift VAE's): its row could not be measured."""
+    from flowlift.flux2.latents import VAE_SCALE_FACTOR
+    from flowlift.measure import bands as B
+
+    grid = B.latent_size(*size, VAE_SCALE_FACTOR)
+    counts = B.latent_bin_counts(*grid)
+    if min(counts) == 0:
+        empty = counts.index(0)
+        lo, hi = B.BAND_EDGES[empty], B.BAND_EDGES[empty + 1]
+        fix = f"; raise --max-side ({max_side})" if max_side is not None else ""
+        raise FlowliftError(
+            f"{path}: {size[1]}x{size[0]} px is too small: the latent band {lo:g}-{hi:g} holds no frequency on its "
+            f"{grid[1]}x{grid[0]} latent grid (give images of at least {MIN_SIDE} px a side{fix})"
+        )
+
+
 def run_bands_report(request: BandsRequest) -> BandsResult:
     """Check the request and the report's names (the replace rule, before any image or model loads), measure
     every image's band response (:func:`flowlift.measure.bands.run_bands`), write ``bands.json``, ``bands.md``
@@ -79,16 +100,18 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
 
     if not request.amplitude > 0:
         raise FlowliftError(f"--amplitude must be > 0, got {request.amplitude}")
-    if request.max_side is not None and request.max_side < 64:
-        raise FlowliftError(f"--max-side must be >= 64, got {request.max_side}")
+    if request.max_side is not None and request.max_side < MIN_SIDE:  # below it a latent band holds no bin
+        raise FlowliftError(f"--max-side must be >= {MIN_SIDE}, got {request.max_side}")
     if request.limit is not None and request.limit < 1:
         raise FlowliftError("--limit must be >= 1")
     device, dtype = resolve_device_dtype(request.device, request.dtype)  # before anything is read
     out_dir = Path(request.output)
     if out_dir.exists() and not out_dir.is_dir():
         raise FlowliftError(f"--output {out_dir} exists and is not a folder")
+    from flowlift.files.output_paths import check_report_folder
     from flowlift.files.own_files import check_replaceable, markdown_stamp, stamp
 
+    check_report_folder(out_dir, {"IMAGES": request.images})  # its bands.png would be measured next time
     check_replaceable(report_recognisers(out_dir), request.overwrite, COMMAND)  # before any image or model loads
     paths = list_images(request.images)[: request.limit]
     if not paths:
@@ -101,6 +124,7 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
             s = request.max_side / max(h, w)
             a = np.rint(M.area_resize(a, (round(w * s), round(h * s))) * 255).astype(np.uint8)
         images.append(to_tensor(a))
+        _check_every_band_holds_a_bin(p, a.shape[:2], request.max_side)  # before the VAE loads
     vae = load_vae(request.vae, device=device, dtype=dtype)
     mean, per_image = B.run_bands(
         vae,

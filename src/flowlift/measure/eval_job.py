@@ -114,11 +114,13 @@ def run_eval(request: EvalRequest) -> tuple[EvalReport, dict[str, Path]] | None:
 def _check_reports_are_no_input(request: EvalRequest, out_dir: Path) -> None:
     """No report file is one of the images measured (issue 36.2: by identity, e.g. ``eval OUT ... -o OUT``)."""
     from flowlift.files.images import list_images
-    from flowlift.files.output_paths import check_not_an_input
+    from flowlift.files.output_paths import check_not_an_input, check_report_folder
     from flowlift.measure.report import report_paths
 
     inputs: dict[str, list[Path]] = {}
     roles = (("OUTPUTS", request.outputs), ("--reference", request.reference), ("--dataset", request.dataset))
+    given_items = {role: [given] if isinstance(given, str) else list(given) for role, given in roles if given}
+    check_report_folder(out_dir, given_items)  # its figures would be measured as photos next time
     for role, given in roles:
         if given:
             try:

@@ -1,0 +1,79 @@
+"""A hostile sweep of the command line's other commands (not ``upscale``) found runs that ended with exit 0 and a result
+that was not what was asked, or failed only after a model loaded; each is refused in one line, before the work:
+
+* ``bands DIR -o DIR`` / ``eval --dataset DIR -o DIR`` wrote their report into the folder they read, and the next run
+  measured the report's own images as photos;
+* ``hires --image ... --width 128`` (or ``--height``, ``--base-steps``) silently ignored the option;
+* ``img2img --outpaint ""`` ran a plain img2img;
+* ``bands`` on 128 px images failed after its VAE loaded ("holds no frequency"), and ``--max-side 64`` passed its check.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from builders import forbid_call, refine_inputs
+from flowlift.commands.cli import main
+from tiny_flux2 import write_model_dir
+
+
+def _photos(folder, side=160, count=2):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        pixels = np.random.default_rng(i).integers(0, 256, (side, side, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"p{i}.png")
+    return folder
+
+
+def _one_line(capsys, command):
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and err.startswith(f"flowlift {command}: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("spelled", ["{d}", "{d}/../{name}", "{d}/."])
+def test_a_report_is_never_written_into_the_folder_it_reads(tmp_path, shared, spelled, monkeypatch, capsys):
+    photos = _photos(tmp_path / "ds")
+    out = spelled.format(d=photos, name="ds")
+    forbid_call(monkeypatch, "flowlift.models.vae_loading.load_vae", "the VAE loaded first")
+    assert main(["bands", str(photos), "--vae", str(shared / "models" / "taef2"), "-o", out, "--no-progress"]) == 2
+    assert "is the IMAGES folder" in _one_line(capsys, "bands")
+    assert main(["eval", "--run", "lanczos", "--dataset", str(photos), "-o", out, "--no-progress"]) == 2
+    assert "is the --dataset folder" in _one_line(capsys, "eval")
+    assert sorted(p.name for p in photos.iterdir()) == ["p0.png", "p1.png"]
+
+
+@pytest.mark.parametrize(("side", "max_side"), [(128, None), (512, 128)])
+def test_bands_refuses_images_too_small_for_a_band_before_its_vae_loads(tmp_path, shared, side, max_side, capsys):
+    photos = _photos(tmp_path / "ds", side=side, count=1)
+    argv = ["bands", str(photos), "--vae", str(shared / "models" / "taef2"), "-o", str(tmp_path / "r"), "--no-progress"]
+    assert main(argv + (["--max-side", str(max_side)] if max_side else [])) == 2
+    err = _one_line(capsys, "bands")
+    assert ("--max-side must be >= 144" in err) if max_side else ("too small" in err and "144 px" in err), err
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture(scope="module")
+def refine_dir(tmp_path_factory):
+    folder = refine_inputs(tmp_path_factory.mktemp("sweep"), "square.png", (64, 64), seed=4)
+    write_model_dir(folder / "model")
+    return folder
+
+
+@pytest.mark.parametrize("given", [["--width", "128"], ["--height", "64"], ["--base-steps", "5"]])
+def test_hires_from_an_image_refuses_the_txt2img_base_options(refine_dir, given, monkeypatch, capsys):
+    monkeypatch.chdir(refine_dir)
+    forbid_call(monkeypatch, "flowlift.refine.jobs.load_for_job", "the FLUX.2 model loaded first")
+    argv = ["hires", "--image", "square.png", "--model", "model", "--prompt-embeds", "prompt.safetensors"]
+    assert main([*argv, *given, "-o", "never.png"]) == 2
+    assert given[0] in _one_line(capsys, "hires") and not (refine_dir / "never.png").exists()
+
+
+def test_an_empty_outpaint_is_refused_not_run_as_img2img(refine_dir, monkeypatch, capsys):
+    monkeypatch.chdir(refine_dir)
+    forbid_call(monkeypatch, "flowlift.refine.jobs.load_for_job", "the FLUX.2 model loaded first")
+    argv = ["img2img", "square.png", "--model", "model", "--prompt-embeds", "prompt.safetensors", "--outpaint", ""]
+    assert main([*argv, "-o", "never.png"]) == 2
+    assert "--outpaint" in _one_line(capsys, "img2img") and not (refine_dir / "never.png").exists()
