@@ -77,3 +77,23 @@ def test_an_empty_outpaint_is_refused_not_run_as_img2img(refine_dir, monkeypatch
     argv = ["img2img", "square.png", "--model", "model", "--prompt-embeds", "prompt.safetensors", "--outpaint", ""]
     assert main([*argv, "-o", "never.png"]) == 2
     assert "--outpaint" in _one_line(capsys, "img2img") and not (refine_dir / "never.png").exists()
+
+
+def test_absurd_numbers_are_refused_where_a_plausible_result_came_back():
+    import torch
+
+    from flowlift.errors import FlowliftError
+    from flowlift.measure.bands_job import BandsRequest, run_bands_report
+    from flowlift.models.prompt_embeds import check_prompt_embeds
+    from flowlift.refine.settings import TILE_SIZE
+    from flowlift.training.degrade import Degradation
+
+    with pytest.raises(FlowliftError, match=r"noise std must be in \[0, 1\]"):
+        Degradation(noise_std=1e30)
+    with pytest.raises(FlowliftError, match=r"--amplitude must be in \(0, 10\]"):
+        run_bands_report(BandsRequest(images=["none"], vae="taef2", output="out", amplitude=1e30))
+    with pytest.raises(FlowliftError, match="at least one token"):
+        check_prompt_embeds({"prompt_embeds": torch.zeros(1, 0, 32)}, origin="e.safetensors")
+    with pytest.raises(FlowliftError, match="tile_size"):
+        TILE_SIZE.check(100000)
+    assert TILE_SIZE.check(1024) == 1024 and Degradation(noise_std=0.05).noise_std == 0.05

@@ -62,8 +62,8 @@ def cfg_combine(v_pos: torch.Tensor, v_neg: torch.Tensor, cfg_scale: float) -> t
 def _check_embeds(name: str, embeds: torch.Tensor, joint_dim: int | None) -> None:
     if not isinstance(embeds, torch.Tensor) or not embeds.is_floating_point():
         raise FlowliftError(f"{name} must be a float tensor (batch, tokens, dim), got {type(embeds).__name__}")
-    if embeds.ndim != 3:
-        raise FlowliftError(f"{name} must have shape (batch, tokens, dim), got {tuple(embeds.shape)}")
+    if embeds.ndim != 3 or 0 in embeds.shape:
+        raise FlowliftError(f"{name} must have shape (batch, tokens, dim), none 0, got {tuple(embeds.shape)}")
     if not bool(torch.isfinite(embeds).all()):  # a NaN here is a NaN image at the end
         raise FlowliftError(f"{name} contain NaN or Inf")
     if joint_dim is not None and embeds.shape[-1] != joint_dim:

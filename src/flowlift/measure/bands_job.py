@@ -23,6 +23,8 @@ COMMAND = "bands"
 
 #: The smallest square image whose latent (1/8) grid has an FFT bin in every band of the table.
 MIN_SIDE = 144
+#: The largest perturbation RMS, in latent sigma (the default 0.1).
+MAX_AMPLITUDE = 10.0
 
 
 @dataclass(frozen=True)
@@ -98,8 +100,8 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
     from flowlift.measure.cache import model_identity
     from flowlift.models.vae_loading import load_vae
 
-    if not request.amplitude > 0:
-        raise FlowliftError(f"--amplitude must be > 0, got {request.amplitude}")
+    if not 0 < request.amplitude <= MAX_AMPLITUDE:  # a latent is ~N(0, 1): past a few sigma the decode saturates
+        raise FlowliftError(f"--amplitude must be in (0, {MAX_AMPLITUDE:g}] latent sigma, got {request.amplitude}")
     if request.max_side is not None and request.max_side < MIN_SIDE:  # below it a latent band holds no bin
         raise FlowliftError(f"--max-side must be >= {MIN_SIDE}, got {request.max_side}")
     if request.limit is not None and request.limit < 1:

@@ -25,6 +25,11 @@ def check_prompt_embeds(state: dict[str, torch.Tensor], *, origin: str) -> None:
         if tensor is not None and not tensor.is_floating_point():
             dtype = str(tensor.dtype).removeprefix("torch.")
             raise FlowliftError(f"prompt embeddings ({origin}): `{name}` has dtype {dtype}, expected floating point")
+        if tensor is not None and (tensor.ndim not in (2, 3) or 0 in tensor.shape):  # (tokens, dim) or (1, ...)
+            raise FlowliftError(
+                f"prompt embeddings ({origin}): `{name}` has shape {tuple(tensor.shape)}, expected ([batch,] tokens, "
+                "dim) with at least one token"
+            )
     check_finite_state(state, what="prompt embeddings", origin=origin)
 
 

@@ -154,6 +154,7 @@ TILE_SIZE = Knob(
     f"{DEFAULT_TILE_SIZE} px when the frame exceeds FLUX.2's 4 MP (or the memory budget needs it), off runs one "
     "transformer call per step",
     low=MIN_TILE_SIZE,
+    high=MAX_OUTPUT_SIDE,  # a tile past the 16K cap is the whole frame at most: never 100000
     words=TILE_SIZE_WORDS,
     unit="px",
     step=PIXEL_MULTIPLE,
