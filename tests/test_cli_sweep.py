@@ -97,3 +97,12 @@ def test_absurd_numbers_are_refused_where_a_plausible_result_came_back():
     with pytest.raises(FlowliftError, match="tile_size"):
         TILE_SIZE.check(100000)
     assert TILE_SIZE.check(1024) == 1024 and Degradation(noise_std=0.05).noise_std == 0.05
+
+
+@pytest.mark.parametrize("limit", [1e30, float("nan"), 0])
+def test_the_apps_upload_limit_is_refused_before_it_serves(tmp_path, limit):
+    from flowlift.app.service import AppConfig
+    from flowlift.errors import FlowliftError
+
+    with pytest.raises(FlowliftError, match="--max-upload-mb must be in"):
+        AppConfig(upscaler="unused", vaes=["taef2"], max_upload_mb=limit, work_dir=tmp_path / "w")

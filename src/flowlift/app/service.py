@@ -40,6 +40,8 @@ from flowlift.upscale.loading import DEFAULT_VAE
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH, SCALE, TRANSPLANT_STRENGTH
 
 DEFAULT_MAX_UPLOAD_MB = 50.0
+#: The largest upload limit: 1 TiB (an image past it is no upload; gradio keeps the byte count in 64 bits).
+MAX_UPLOAD_MB = 1 << 20
 #: Result folders older than this are removed when a new request starts (Gradio keeps its own copy).
 RESULT_MAX_AGE_S = 3600.0
 #: The file that marks a result folder as this app's (only those are ever pruned).
@@ -69,8 +71,8 @@ class AppConfig:
 
     def __post_init__(self) -> None:
         self.vaes = list(dict.fromkeys(self.vaes)) or [DEFAULT_VAE]
-        if self.max_upload_mb <= 0:
-            raise FlowliftError(f"--max-upload-mb must be > 0, got {self.max_upload_mb}")
+        if not 0 < self.max_upload_mb <= MAX_UPLOAD_MB:  # gradio takes the byte count as a 64-bit integer
+            raise FlowliftError(f"--max-upload-mb must be in (0, {MAX_UPLOAD_MB}], got {self.max_upload_mb}")
         self.latent_upscaler = LATENT_UPSCALER.check(self.latent_upscaler)
 
 
