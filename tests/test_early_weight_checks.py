@@ -140,3 +140,22 @@ def test_the_app_refuses_an_unusable_upscaler_at_start_up(files, shared, monkeyp
     assert main(["app", "--upscaler", str(files / "other.safetensors"), "--vae", taef2]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "does not match the architecture" in err, err
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (["--lora", "garbage.safetensors"], "--lora garbage.safetensors: not a readable safetensors file"),
+        (["--vae", "other.safetensors"], "neither a TAEF2, a FLUX.2 VAE nor a Mage-VAE"),
+        (["--vae", "garbage.safetensors"], "VAE weights .*: not a readable safetensors file"),
+    ],
+)
+def test_refine_refuses_an_unusable_lora_or_vae_file_before_the_transformer_loads(
+    model_dir, files, options, said, monkeypatch, capsys
+):
+    monkeypatch.chdir(files)
+    forbid_call(monkeypatch, "flowlift.refine.jobs.load_for_job", "the FLUX.2 model loaded before the refusal")
+    argv = ["img2img", "square.png", "--model", str(model_dir), "--prompt-embeds", "prompt.safetensors"]
+    assert main([*argv, *options, "-o", "never.png"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(said, err), err

@@ -243,12 +243,33 @@ def check_vae_spec(spec: Any) -> None:
     if named is not None:
         named_vae_folder(named)
         return
-    if Path(text).expanduser().exists():
+    path = Path(text).expanduser()
+    if path.exists():
+        if path.is_file():
+            _check_file_header(path)
         return
     if looks_like_repo_id(text):
         _snapshot(text, _VAE_PATTERNS)
         return
     raise FlowliftError(unknown_vae_message(text))
+
+
+def _check_file_header(path: Path) -> None:
+    """A safetensors VAE file's header, read (no tensor): unreadable, truncated, or no layout flowlift reads is
+    :func:`_from_file`'s line before any model loads (a pickle is checked when it loads)."""
+    from flowlift.models.taef2 import detect_layout
+    from flowlift.models.weights import header_state
+
+    found = header_state(path, what=f"VAE weights {path}")
+    if found is None:
+        return
+    state = found[0]
+    known = is_original_flux2_vae(state) or is_diffusers_flux2_vae(state) or is_mage_vae(state)
+    if detect_layout(state) == "unknown" and not known:
+        raise FlowliftError(
+            f"VAE: {path} is neither a TAEF2, a FLUX.2 VAE nor a Mage-VAE checkpoint (unrecognised keys); "
+            f"flowlift reads {READABLE_LAYOUTS}"
+        )
 
 
 def _from_hub(repo_id: str, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:

@@ -127,6 +127,7 @@ def check_refiner_source(
     import importlib.util
 
     from flowlift.models.hub import looks_like_path
+    from flowlift.models.safetensors_headers import read_header
     from flowlift.models.weights import require_all
     from flowlift.refine.loras import parse_lora_spec
 
@@ -150,6 +151,7 @@ def check_refiner_source(
             raise FlowliftError(f"source.loras {lora}: no such file")
         if Path(lora).suffix.lower() != ".safetensors":
             raise FlowliftError(f"source.loras {lora}: LoRAs are read from .safetensors only")
+        read_header(Path(lora), what=f"source.loras {lora}")  # garbage or cut short: said before any model loads
     if loras and (importlib.util.find_spec("peft") is None or importlib.util.find_spec("transformers") is None):
         raise FlowliftError(
             "source.loras need peft (pip install 'flowlift[lora]', from a checkout pip install -e '.[lora]')"
