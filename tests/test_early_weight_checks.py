@@ -159,3 +159,15 @@ def test_refine_refuses_an_unusable_lora_or_vae_file_before_the_transformer_load
     assert main([*argv, *options, "-o", "never.png"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and re.search(said, err), err
+
+
+def test_prompt_embeddings_of_another_width_are_refused_before_the_transformer_loads(
+    model_dir, files, monkeypatch, capsys
+):
+    save_file({"prompt_embeds": torch.zeros(1, 4, 7)}, str(files / "narrow.safetensors"))
+    monkeypatch.chdir(files)
+    forbid_call(monkeypatch, "flowlift.refine.loading.load_refiner", "the transformer loaded before the refusal")
+    argv = ["img2img", "square.png", "--model", str(model_dir), "--prompt-embeds", "narrow.safetensors"]
+    assert main([*argv, "-o", "never.png"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("flowlift img2img: error: --prompt-embeds: prompt embeddings have dim 7") and "32" in err

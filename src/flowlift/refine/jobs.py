@@ -217,12 +217,25 @@ def job_conditioning(job: RefineJob, embed: Callable[[Sequence[str]], list[Any]]
     }
 
 
+def _check_embeds_width(conditioning: dict[str, Any], width: int | None) -> None:
+    """Prompt embeddings as wide as the transformer's text input (``width``; None: unknown yet), before it loads."""
+    for key, what in (("prompt_embeds", "prompt embeddings"), ("negative_prompt_embeds", "negative prompt embeddings")):
+        embeds = conditioning.get(key)
+        if width is not None and embeds is not None and embeds.shape[-1] != width:
+            raise FlowliftError(
+                f"{FIELD_MARK}: {what} have dim {embeds.shape[-1]} but the transformer expects {width} (embeddings "
+                "from another model's text encoder?)",
+                field="prompt.embeds",
+            )
+
+
 def load_for_job(job: RefineJob, loras: Sequence[Any] = ()) -> tuple[Any, dict[str, Any]]:
     """The refiner for ``job`` and its conditioning: prompts given as text embedded first, by a text encoder
     that is freed before the transformer loads; the memory plan made for the job's frame."""
     from flowlift.refine.loading import load_refiner
     from flowlift.refine.memory_plan import RefineMemory
     from flowlift.refine.prompts import embed_prompts
+    from flowlift.refine.source_checks import transformer_text_width
 
     source = job.request.source
 
@@ -230,6 +243,7 @@ def load_for_job(job: RefineJob, loras: Sequence[Any] = ()) -> tuple[Any, dict[s
         return embed_prompts(source.model, texts, device=job.device, dtype=job.dtype)
 
     conditioning = job_conditioning(job, embed)
+    _check_embeds_width(conditioning, transformer_text_width(source.model, source.transformer))
     tokens = conditioning["prompt_embeds"].shape[1]
     memory = RefineMemory(source.offload, source.max_memory, job.frame, tokens)
     refiner = load_refiner(

@@ -160,3 +160,29 @@ def check_refiner_source(
         raise FlowliftError("source.offload group needs accelerate (pip install 'flowlift[offload]')")
     require_all([*lookups, *also])
     return loras
+
+
+def transformer_text_width(model: str, transformer: str | None = None) -> int | None:
+    """The transformer's ``joint_attention_dim`` (the width its prompt embeddings must have), read before it loads:
+    a single file's headers, a folder's (or a cached hub id's) ``transformer/config.json``; None when not found
+    there (the transformer itself then says it, once loaded)."""
+    from flowlift.files.json_input import parse_json
+    from flowlift.models.flux2_transformer_folders import cached_transformer_folder
+
+    source = Path(transformer if transformer is not None else model).expanduser()
+    if source.is_file():
+        from flowlift.models.flux2_transformer_files import inspect_transformer_file
+
+        return inspect_transformer_file(source, option="source.transformer").config.get("joint_attention_dim")
+    folders = [source / "transformer", source] if source.is_dir() else []
+    text = transformer if transformer is not None else model
+    if not folders and looks_like_repo_id(text) and (cached := cached_transformer_folder(text)) is not None:
+        folders = [cached]
+    for folder in folders:
+        if (folder / "config.json").is_file():
+            try:
+                width = parse_json((folder / "config.json").read_text()).get("joint_attention_dim")
+            except (OSError, ValueError, AttributeError):
+                return None  # an unreadable config is the loader's to refuse, in its words
+            return width if isinstance(width, int) and not isinstance(width, bool) else None
+    return None
