@@ -171,3 +171,15 @@ def test_prompt_embeddings_of_another_width_are_refused_before_the_transformer_l
     assert main([*argv, "-o", "never.png"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("flowlift img2img: error: --prompt-embeds: prompt embeddings have dim 7") and "32" in err
+
+
+def test_cfg_without_a_negative_to_embed_is_refused_before_any_load(model_dir, files, monkeypatch, capsys):
+    """The embeddings file has no negative_prompt_embeds and the model no text encoder: before, diffusers' raw
+    'expected [...] text_encoder' line came after 8 s; now one line names the two fixes."""
+    monkeypatch.chdir(files)
+    forbid_call(monkeypatch, "flowlift.refine.jobs.load_for_job", "a model loaded before the refusal")
+    argv = ["img2img", "square.png", "--model", str(model_dir), "--prompt-embeds", "prompt.safetensors"]
+    assert main([*argv, "--cfg-scale", "3", "-o", "never.png"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "--cfg-scale 3 embeds a negative prompt" in err, err
+    assert "negative_prompt_embeds in the --prompt-embeds file" in err

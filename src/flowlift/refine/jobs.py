@@ -182,12 +182,32 @@ def find_weights(job: RefineJob) -> list[Any]:
     (:func:`~flowlift.refine.source_checks.check_refiner_source`): what the
     :class:`~flowlift.refine.request.RefinerSource` names, the transformer, the VAE, the text encoder when a prompt
     is embedded here, and (hires) the upscaler. Returns the LoRAs as ``(path, scale)`` pairs."""
-    from flowlift.refine.source_checks import check_refiner_source
+    from flowlift.refine.source_checks import check_model_part, check_refiner_source
 
     request = job.request
     upscaler = request.hires.upscaler if request.mode == "hires" else None
     also = [upscaler.find] if upscaler is not None else []
-    return check_refiner_source(request.source, text_encoder=request.prompt.embeds is None, also=also)
+    prompt, text_encoder = request.prompt, _embeds_a_text(request.prompt)
+    if prompt.embeds is not None and text_encoder:  # only the negative prompt is left to embed: say so
+        try:
+            check_model_part(request.source.model, "text_encoder")
+        except FlowliftError:
+            raise FlowliftError(
+                f"{FIELD_MARK} {prompt.cfg_scale:g} embeds a negative prompt with the model's text encoder, which the "
+                f"model lacks: save negative_prompt_embeds in the {FIELD_MARK} file, or use a cfg scale of 1",
+                field=("prompt.cfg_scale", "prompt.embeds"),
+            ) from None
+    return check_refiner_source(request.source, text_encoder=text_encoder, also=also)
+
+
+def _embeds_a_text(prompt: Any) -> bool:
+    """Whether :func:`job_conditioning` will embed a text here: no embeddings file, or classifier-free guidance
+    (``cfg_scale != 1``) whose negative is text or missing from the file (then the empty prompt is embedded)."""
+    from flowlift.models.prompt_embeds import load_prompt_embeds
+
+    if prompt.embeds is None:
+        return True
+    return prompt.cfg_scale != 1.0 and (prompt.negative is not None or load_prompt_embeds(prompt.embeds)[1] is None)
 
 
 def job_conditioning(job: RefineJob, embed: Callable[[Sequence[str]], list[Any]] | None = None) -> dict[str, Any]:
