@@ -183,3 +183,12 @@ def test_cfg_without_a_negative_to_embed_is_refused_before_any_load(model_dir, f
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "--cfg-scale 3 embeds a negative prompt" in err, err
     assert "negative_prompt_embeds in the --prompt-embeds file" in err
+
+
+def test_the_app_refuses_a_model_file_that_is_no_transformer_at_start_up(files, shared, monkeypatch, capsys):
+    forbid_call(monkeypatch, "flowlift.app.page.build_app", "the page was built with an unusable model")
+    taef2 = str(shared / "models" / "taef2")
+    argv = ["app", "--model", str(files / "garbage.safetensors"), "--upscaler", str(files / "flow_upscaler.safetensors")]
+    assert main([*argv, "--vae", taef2]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "--model " in err and "not a readable safetensors file" in err, err

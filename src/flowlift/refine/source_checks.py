@@ -109,6 +109,11 @@ def refiner_weight_checks(
     parts += [(model, "vae", "source.model")] if vae is None else []
     parts += [(model, "text_encoder", "source.model")] if text_encoder else []
     checks: list[Callable[[], object]] = [functools.partial(check_model_part, *part) for part in parts]
+    single = Path(transformer if transformer is not None else model).expanduser()
+    if single.is_file():  # a single transformer file: what it is, from its headers (a garbage file: one line now)
+        from flowlift.models.flux2_transformer_files import inspect_transformer_file
+
+        checks.insert(1, names_source_fields(functools.partial(inspect_transformer_file, single, option=parts[0][2])))
     if vae is not None:
         checks.insert(1, lambda: check_vae_spec(vae))
     return checks
