@@ -188,7 +188,7 @@ def test_cfg_without_a_negative_to_embed_is_refused_before_any_load(model_dir, f
 def test_the_app_refuses_a_model_file_that_is_no_transformer_at_start_up(files, shared, monkeypatch, capsys):
     forbid_call(monkeypatch, "flowlift.app.page.build_app", "the page was built with an unusable model")
     taef2 = str(shared / "models" / "taef2")
-    argv = ["app", "--model", str(files / "garbage.safetensors"), "--upscaler", str(files / "flow_upscaler.safetensors")]
-    assert main([*argv, "--vae", taef2]) == 2
+    garbage, unet = str(files / "garbage.safetensors"), str(files / "flow_upscaler.safetensors")
+    assert main(["app", "--model", garbage, "--upscaler", unet, "--vae", taef2]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "--model " in err and "not a readable safetensors file" in err, err
