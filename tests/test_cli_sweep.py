@@ -106,3 +106,14 @@ def test_the_apps_upload_limit_is_refused_before_it_serves(tmp_path, limit):
 
     with pytest.raises(FlowliftError, match="--max-upload-mb must be in"):
         AppConfig(upscaler="unused", vaes=["taef2"], max_upload_mb=limit, work_dir=tmp_path / "w")
+
+
+def test_a_refine_output_refusal_names_its_option(refine_dir, monkeypatch, capsys):
+    monkeypatch.chdir(refine_dir)
+    (refine_dir / "outdir").mkdir(exist_ok=True)
+    Image.new("RGB", (8, 8)).save(refine_dir / "theirs.png")
+    argv = ["img2img", "square.png", "--model", "model", "--prompt-embeds", "prompt.safetensors"]
+    for output, said in (("outdir", "unsupported image format"), ("theirs.png", "was not written by flowlift")):
+        assert main([*argv, "-o", output]) == 2
+        err = _one_line(capsys, "img2img")
+        assert err.startswith(f"flowlift img2img: error: --output {output}") and said in err, err

@@ -24,7 +24,7 @@ from typing import Any
 
 from PIL import Image, PngImagePlugin
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.atomic import atomic_output
 from flowlift.files.json_input import parse_json
 from flowlift.knobs import check_kind, check_overwrite, exact_int
@@ -431,8 +431,9 @@ def check_single_output(
     from flowlift.files.output_paths import check_not_an_input, output_file_problem
 
     overwrite = check_overwrite(overwrite)
+    named = {"field": "output"} if option == FIELD_MARK else {}  # a door words the mark: "-o"/"--output", "output"
     if path.suffix.lower() not in IMAGE_SUFFIXES:
-        raise FlowliftError(f"{option} {path}: unsupported image format {path.suffix or '(none)'}")
+        raise FlowliftError(f"{option} {path}: unsupported image format {path.suffix or '(none)'}", **named)
     check_not_an_input(path, inputs or {})
     if problem := output_file_problem(path):  # first: a name too long cannot even be looked at
         raise FlowliftError(problem)
@@ -441,5 +442,5 @@ def check_single_output(
         found = inspect_existing(path)
         if not found.empty and not found.by_flowlift:  # the user's: an image, or any other file
             raise FlowliftError(
-                f"{option} {path} exists and was not written by flowlift; use --overwrite to replace it"
+                f"{option} {path} exists and was not written by flowlift; use --overwrite to replace it", **named
             )
