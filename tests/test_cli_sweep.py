@@ -117,3 +117,11 @@ def test_a_refine_output_refusal_names_its_option(refine_dir, monkeypatch, capsy
         assert main([*argv, "-o", output]) == 2
         err = _one_line(capsys, "img2img")
         assert err.startswith(f"flowlift img2img: error: --output {output}") and said in err, err
+
+
+def test_a_learning_rate_past_one_is_refused_before_training():
+    from flowlift.errors import FlowliftError
+    from flowlift.training.config import build_config
+
+    with pytest.raises(FlowliftError, match=r"lr must be in \(0, 1\]"):
+        build_config(None, {"lr": "1e30", "data": "unused"})

@@ -132,7 +132,7 @@ TRAIN_KNOBS: dict[str, Knob] = table(
     _knob("steps", int, "total optimizer steps", low=1),
     _knob("batch_size", int, "samples per process per micro-batch", low=1),
     _knob("grad_accum", int, "micro-batches per optimizer step", low=1),
-    _knob("lr", float, "peak learning rate", low=0.0, low_open=True),
+    _knob("lr", float, "peak learning rate (AdamW: past 1 every step overshoots)", low=0.0, low_open=True, high=1.0),
     _knob("min_lr_ratio", float, "cosine decays to lr * min_lr_ratio", low=0.0, high=1.0),
     _knob("warmup_steps", int, "linear warm-up steps", low=0),
     _knob("weight_decay", float, "AdamW weight decay", low=0.0),
