@@ -321,7 +321,9 @@ def check_path(name: str, value: Any, *, optional: bool = False) -> Any:
     if value is None and optional:
         return None
     text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
-    if not isinstance(text, str) or not text.strip():
+    if isinstance(text, str) and not text.strip():  # the door's words: "--mask: an empty name names nothing"
+        raise FlowliftError(f"{name}: an empty name names nothing, got {value!r}", field=name)
+    if not isinstance(text, str):
         what = "a path" + (" or None" if optional else "")
         raise FlowliftError(f"{name} must be {what}, got {value!r}", field=name)
     return value
