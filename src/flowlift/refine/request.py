@@ -88,7 +88,9 @@ class PromptRequest:
         check_path("prompt.embeds", self.embeds, optional=True)
         check_kind("prompt.negative", self.negative, str, "text", optional=True)
         if self.text is None and self.embeds is None:
-            raise FlowliftError("prompt.text: give a prompt or its embeddings (prompt.embeds)", field="prompt.text")
+            raise FlowliftError(
+                f"{FIELD_MARK}: give a prompt or its embeddings ({FIELD_MARK})", field=("prompt.text", "prompt.embeds")
+            )
         object.__setattr__(self, "cfg_scale", check_positive("prompt.cfg_scale", self.cfg_scale))
         if self.guidance is not None:
             object.__setattr__(self, "guidance", check_positive("prompt.guidance", self.guidance))
