@@ -79,7 +79,7 @@ def test_max_memory_and_compile_options(tmp_path, shared, weights, capsys, monke
         ["upscale", str(tmp_path / "p.png"), "-o", str(tmp_path / "x"), "--max-memory", "lots"]
         + _common(shared, weights)
     )
-    assert rc == 2 and "max_memory must be a size" in capsys.readouterr().err
+    assert rc == 2 and "--max-memory must be a size" in capsys.readouterr().err
 
     # --compile: a failing compiler falls back to eager with one warning line, same image
     import torch._dynamo

@@ -125,3 +125,16 @@ def test_a_learning_rate_past_one_is_refused_before_training():
 
     with pytest.raises(FlowliftError, match=r"lr must be in \(0, 1\]"):
         build_config(None, {"lr": "1e30", "data": "unused"})
+
+
+def test_a_negative_value_gets_the_equals_form_and_a_bad_budget_its_option(tmp_path, capsys):
+    Image.new("RGB", (16, 16)).save(tmp_path / "p.png")
+    with pytest.raises(SystemExit) as exited:
+        main(["upscale", str(tmp_path / "p.png"), "--max-memory", "-1G"])
+    err = _one_line(capsys, "upscale")
+    assert exited.value.code == 2 and "(a value that starts with '-' is given as --max-memory=VALUE)" in err, err
+    assert main(["upscale", str(tmp_path / "p.png"), "--max-memory=-1G"]) == 2
+    assert _one_line(capsys, "upscale").startswith("flowlift upscale: error: --max-memory must be a size like 6GB")
+    with pytest.raises(SystemExit):
+        main(["upscale", str(tmp_path / "p.png"), "-o"])
+    assert "starts with '-'" not in _one_line(capsys, "upscale")  # no value at all: no such hint

@@ -126,17 +126,19 @@ def parse_memory(value: str | int | float) -> int:
     :class:`FlowliftError` line.
     """
     if isinstance(value, bool):
-        raise FlowliftError(f"max_memory must be a size like 6GB, got {value!r}")
+        raise FlowliftError(f"max_memory must be a size like 6GB, got {value!r}", field="max_memory")
     if isinstance(value, (int, float)):
         number, unit = float(value), ""
     else:
         match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         if match is None or match.group(2).lower() not in _UNITS:
-            raise FlowliftError(f"max_memory must be a size like 6GB, 512MiB or a number of bytes, got {value!r}")
+            raise FlowliftError(
+                f"max_memory must be a size like 6GB, 512MiB or a number of bytes, got {value!r}", field="max_memory"
+            )
         number, unit = float(match.group(1)), match.group(2).lower()
     size = int(number * _UNITS[unit])
     if size < 10**6:
-        raise FlowliftError(f"max_memory {value!r} is below 1 MB; give a unit, e.g. 6GB")
+        raise FlowliftError(f"max_memory {value!r} is below 1 MB; give a unit, e.g. 6GB", field="max_memory")
     return size
 
 

@@ -113,8 +113,18 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]  (argparse's returns NoReturn too)
         text = " ".join(str(message).split())  # argparse's messages are one line; keep it so
+        if text.startswith("argument ") and text.endswith("expected one argument"):  # "--outpaint -16,0,0,0"
+            names = text.split()[1].rstrip(":").split("/")
+            given = getattr(self, "given", [])
+            after = [given[i + 1] for i, arg in enumerate(given[:-1]) if arg in names]
+            if any(value.startswith("-") for value in after):
+                text += f" (a value that starts with '-' is given as {names[-1]}=VALUE)"
         print(f"{self.prog}: error: {text} ({self.prog} -h lists the options)", file=sys.stderr)
         self.exit(2)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        self.given = list(sys.argv[1:] if args is None else args)  # what error() looks at
+        return super().parse_known_args(args, namespace)
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
         parsed, extras = self.parse_known_args(args, namespace)
