@@ -46,7 +46,7 @@ def test_any_other_users_file_is_kept_too(tmp_path, picture):
     assert notes.read_text() == "not an image, but somebody's"
 
 
-def test_flowliftss_own_image_and_an_empty_file_are_replaced(tmp_path, picture):
+def test_flowlifts_own_image_and_an_empty_file_are_replaced(tmp_path, picture):
     own = save_image_atomic(Image.new("RGB", (8, 8), (9, 9, 9)), tmp_path / "own.png", {"flowlift": {"a": 1}})
     save_image_atomic(picture, own, {"flowlift": {"a": 2}})
     assert _pixel(own) == (200, 40, 10)
