@@ -163,7 +163,12 @@ def test_the_patched_model_equals_refine_cores_tiled_velocity_on_the_same_inputs
     ("tile_size", "tile_overlap", "tile_batch", "expected"),
     [
         ("1000", 32, "auto", "tile size must be a multiple of 16 px, got '1000'"),
-        ("big", 32, "auto", "tile size must be an integer in [32, 16384] and a multiple of 16 or auto or off, got 'big'"),
+        (
+            "big",
+            32,
+            "auto",
+            "tile size must be an integer in [32, 16384] and a multiple of 16 or auto or off, got 'big'",
+        ),
         ("64", 64, "auto", "tile overlap 64 px must be smaller than the tile (64 px); give a smaller tile overlap"),
         ("64", 32, "0", "tile batch must be an integer in [1, inf] or auto, got '0'"),
     ],

@@ -369,7 +369,7 @@ def test_upscaler_loads_once_per_file_content_and_is_freed_with_the_cache(server
     assert count_loads(server, path.name) == 1, "the second run must reuse the cached upscaler"
 
     # a file replaced in place is a new model: loaded again, and its result is the new weights'
-    save_upscaler(random_upscaler(16, seed=9), path)
+    save_upscaler(random_upscaler(16, seed=9), path, overwrite=True)
     replaced = server.run(graph(node, []))
     assert count_loads(server, path.name) == 2
     pipeline = FlowUpscalerPipeline(load_upscaler(path), load_vae(shared / "models" / "taef2"))

@@ -162,7 +162,10 @@ def test_eval_reports_never_replace_a_measured_image(tmp_path, capsys, how):
     before = measured.read_bytes()
     assert main(["eval", str(outputs), "--reference", str(references), "-o", str(out)]) == 2
     lines = _error_lines(capsys, "eval")
-    assert len(lines) == 1 and "is the input OUTPUTS" in lines[0], lines
+    # a report's file that is a measured image (by identity); a report folder that is the measured one, also by
+    # identity, is refused as a whole first (its figures would be measured next time)
+    wanted = "is the input OUTPUTS" if how == "hard link" else "is the OUTPUTS folder"
+    assert len(lines) == 1 and wanted in lines[0], lines
     assert measured.read_bytes() == before
 
 
