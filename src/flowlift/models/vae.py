@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from contextlib import contextmanager
 from functools import partial
@@ -38,18 +39,29 @@ FLUX2_AUTO_TILE_SIDE = 2048
 # --------------------------------------------------------------------------------------------------
 
 
+def _value_range(x: torch.Tensor) -> tuple[float, float]:
+    """``(min, max)`` of a float tensor in one read (``aminmax``: a NaN comes out in both, an Inf in one); (0, 0)
+    for an empty one."""
+    if not x.numel():
+        return 0.0, 0.0
+    try:
+        low, high = torch.aminmax(x.detach())
+    except (NotImplementedError, RuntimeError):  # a dtype without the kernel (float8)
+        low, high = torch.aminmax(x.detach().float())
+    return float(low), float(high)
+
+
 def _check_images(images: torch.Tensor, multiple: int) -> None:
     if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
         shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
         raise FlowliftError(f"VAE encode expects images of shape (B, 3, H, W), got {shape}")
     if not images.is_floating_point():
         raise FlowliftError(f"VAE encode expects float images in [0, 1], got dtype {images.dtype}")
-    if images.numel() and not bool(torch.isfinite(images).all()):
+    low, high = _value_range(images)
+    if not (math.isfinite(low) and math.isfinite(high)):
         raise FlowliftError("VAE encode: the images hold NaN or Inf")
-    if images.numel() and not -0.5 <= float(images.min()) <= float(images.max()) <= 1.5:  # 0..255 or -1..1 given
-        raise FlowliftError(
-            f"VAE encode expects images in [0, 1], got values in [{float(images.min()):g}, {float(images.max()):g}]"
-        )
+    if not -0.5 <= low <= high <= 1.5:  # 0..255 or -1..1 given
+        raise FlowliftError(f"VAE encode expects images in [0, 1], got values in [{low:g}, {high:g}]")
     h, w = images.shape[-2:]
     if h % multiple or w % multiple or h == 0 or w == 0:
         raise FlowliftError(f"VAE encode needs image sides that are multiples of {multiple}, got {h}x{w}; resize first")
@@ -61,7 +73,7 @@ def _check_latents(latents: torch.Tensor, multiple: int) -> None:
         raise FlowliftError(f"VAE decode expects latents of shape (B, {LATENT_CHANNELS}, h, w), got {shape}")
     if not latents.is_floating_point():
         raise FlowliftError(f"VAE decode expects float latents, got dtype {latents.dtype}")
-    if latents.numel() and not bool(torch.isfinite(latents).all()):
+    if not all(math.isfinite(end) for end in _value_range(latents)):
         raise FlowliftError("VAE decode: the latents hold NaN or Inf")
     h, w = latents.shape[-2:]
     if h % multiple or w % multiple or h == 0 or w == 0:
