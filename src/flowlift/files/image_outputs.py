@@ -286,6 +286,14 @@ def _inspect(path: Path, expected_size: tuple[int, int] | None) -> ExistingFile:
     return ExistingFile(image=True, complete=complete, size=size, by_flowlift=by_flowlift)
 
 
+def is_users_file(path: Path) -> bool:
+    """A regular file at ``path`` (no link), neither empty nor flowlift's: only an overwrite replaces it."""
+    if not path.is_file() or path.is_symlink():
+        return False
+    found = inspect_existing(path)
+    return not found.empty and not found.by_flowlift
+
+
 def check_output_format(path: str | os.PathLike) -> str:
     """The format name of an output path's suffix (``png``, ``jpg``, ...) or one FlowliftError line."""
     suffix = Path(path).suffix.lower()
@@ -336,10 +344,8 @@ def save_image_atomic(
     check_kind("metadata", metadata, Mapping, "a mapping (name -> text or JSON-able value)", optional=True)
     if quality is not None and not 1 <= (exact_int(quality) or 0) <= 100:  # not True, 95.7 or "95"
         raise FlowliftError(f"quality must be an integer in 1..100, got {quality!r}")
-    if not check_overwrite(overwrite) and path.is_file() and not path.is_symlink():  # others: atomic_output's
-        found = inspect_existing(path)
-        if not found.empty and not found.by_flowlift:
-            raise FlowliftError(f"{path} exists and was not written by flowlift; pass overwrite=True to replace it")
+    if not check_overwrite(overwrite) and is_users_file(path):  # a link, folder or FIFO: atomic_output's line
+        raise FlowliftError(f"{path} exists and was not written by flowlift; pass overwrite=True to replace it")
     profile = source if isinstance(source, SourceProfile) else read_source_profile(source)
     path.parent.mkdir(parents=True, exist_ok=True)
     suffix = path.suffix.lower()
@@ -438,9 +444,7 @@ def check_single_output(
     if problem := output_file_problem(path):  # first: a name too long cannot even be looked at
         raise FlowliftError(problem)
     remove_stale_temporaries(path.parent)
-    if path.is_file() and not overwrite:
-        found = inspect_existing(path)
-        if not found.empty and not found.by_flowlift:  # the user's: an image, or any other file
-            raise FlowliftError(
-                f"{option} {path} exists and was not written by flowlift; use --overwrite to replace it", **named
-            )
+    if not overwrite and is_users_file(path):
+        raise FlowliftError(
+            f"{option} {path} exists and was not written by flowlift; use --overwrite to replace it", **named
+        )
