@@ -178,6 +178,14 @@ def test_an_inpaint_mask_is_one_per_image_or_one_in_the_unit_range(refiner, mask
     _refused(lambda: refiner.img2img(image, strength=0.5, mask=mask, prompt_embeds=torch.zeros(1, 4, 8)), *words)
 
 
+@pytest.mark.parametrize("negative", [{"negative_prompt": "blur"}, {"negative_prompt_embeds": torch.zeros(1, 4, 8)}])
+def test_a_negative_prompt_at_cfg_one_is_refused_not_ignored(refiner, negative, monkeypatch):
+    forbid_call(monkeypatch, "flowlift.refine.refiner.Flux2Refiner._encode_init", "the VAE ran first")
+    image = torch.rand(1, 3, 32, 32)
+    _refused(lambda: refiner.img2img(image, strength=0.5, prompt_embeds=torch.zeros(1, 4, 8), **negative), "true CFG")
+    _refused(lambda: refiner.denoiser(prompt_embeds=torch.zeros(1, 4, 8), cfg_scale=1e30), "at most 100")
+
+
 def test_a_uint8_mask_is_scaled_by_its_range():
     from flowlift.refine.canvas import checked_mask
 

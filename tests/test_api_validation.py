@@ -112,6 +112,8 @@ def test_one_lora_string_is_one_path_and_paths_are_never_empty():
     [
         (lambda: PromptRequest(text="a", cfg_scale=math.nan), "prompt.cfg_scale"),
         (lambda: PromptRequest(text="a", cfg_scale=0), "prompt.cfg_scale"),
+        (lambda: PromptRequest(text="a", cfg_scale=101), "prompt.cfg_scale"),
+        (lambda: PromptRequest(text="a", negative="blur"), "prompt.negative"),
         (lambda: PromptRequest(text="a", guidance=math.inf), "prompt.guidance"),
         (lambda: PromptRequest(text=5), "prompt.text"),
         (lambda: PromptRequest(), "prompt.text"),

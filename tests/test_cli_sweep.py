@@ -5,6 +5,8 @@ that was not what was asked, or failed only after a model loaded; each is refuse
   measured the report's own images as photos;
 * ``hires --image ... --width 128`` (or ``--height``, ``--base-steps``) silently ignored the option;
 * ``img2img --outpaint ""`` ran a plain img2img;
+* ``--negative-prompt`` at the default ``--cfg-scale 1`` was ignored without a word, and ``--cfg-scale 1e30`` ran to
+  an image of overflow;
 * ``bands`` on 128 px images failed after its VAE loaded ("holds no frequency"), and ``--max-side 64`` passed its check.
 """
 
@@ -77,6 +79,59 @@ def test_an_empty_outpaint_is_refused_not_run_as_img2img(refine_dir, monkeypatch
     argv = ["img2img", "square.png", "--model", "model", "--prompt-embeds", "prompt.safetensors", "--outpaint", ""]
     assert main([*argv, "-o", "never.png"]) == 2
     assert "--outpaint" in _one_line(capsys, "img2img") and not (refine_dir / "never.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        (["--negative-prompt", "blur"], ("--negative-prompt", "--cfg-scale")),
+        (["--negative-prompt", "blur", "--cfg-scale", "1"], ("--negative-prompt", "--cfg-scale")),
+        (["--cfg-scale", "1e30", "--negative-prompt", "blur"], ("--cfg-scale", "at most 100")),
+    ],
+)
+def test_a_negative_prompt_without_true_cfg_and_an_absurd_cfg_are_refused(
+    refine_dir, given, named, monkeypatch, capsys
+):
+    monkeypatch.chdir(refine_dir)
+    forbid_call(monkeypatch, "flowlift.refine.jobs.load_for_job", "the FLUX.2 model loaded first")
+    argv = ["img2img", "square.png", "--model", "model", "--prompt-embeds", "prompt.safetensors", *given]
+    assert main([*argv, "-o", "never.png"]) == 2
+    line = _one_line(capsys, "img2img")
+    assert all(word in line for word in named), line
+    assert not (refine_dir / "never.png").exists()
+
+
+@pytest.mark.parametrize(
+    ("cfg", "negative", "file_has_negative", "used"),
+    [
+        (3.0, "blur", True, "E(blur)"),  # the text given wins over the file's negative (was: the file's, silently)
+        (3.0, None, True, "file"),
+        (3.0, None, False, "E()"),  # true CFG without a negative: the empty prompt
+        (1.0, None, True, None),  # no true CFG: no negative at all
+    ],
+)
+def test_the_negative_a_job_uses_is_the_one_given(tmp_path, cfg, negative, file_has_negative, used):
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import save_file
+
+    from flowlift.refine.jobs import job_conditioning
+    from flowlift.refine.request import PromptRequest
+
+    tensors = {"prompt_embeds": torch.zeros(1, 2, 4)}
+    if file_has_negative:
+        tensors["negative_prompt_embeds"] = torch.ones(1, 2, 4)
+    save_file(tensors, str(tmp_path / "p.safetensors"))
+    prompt = PromptRequest(embeds=tmp_path / "p.safetensors", negative=negative, cfg_scale=cfg)
+    got = job_conditioning(
+        SimpleNamespace(request=SimpleNamespace(prompt=prompt)), embed=lambda t: [f"E({x})" for x in t]
+    )
+    negative_used = got["negative_prompt_embeds"]
+    if used == "file":
+        assert torch.equal(negative_used, torch.ones(1, 2, 4))
+    else:
+        assert negative_used == used
 
 
 def test_absurd_numbers_are_refused_where_a_plausible_result_came_back():

@@ -186,6 +186,16 @@ def test_cfg_without_a_negative_to_embed_is_refused_before_any_load(model_dir, f
     assert "negative_prompt_embeds in the --prompt-embeds file" in err
 
 
+def test_a_negative_text_without_a_text_encoder_names_the_option(model_dir, files, monkeypatch, capsys):
+    monkeypatch.chdir(files)
+    forbid_call(monkeypatch, "flowlift.refine.jobs.load_for_job", "a model loaded before the refusal")
+    argv = ["img2img", "square.png", "--model", str(model_dir), "--prompt-embeds", "prompt.safetensors"]
+    assert main([*argv, "--cfg-scale", "3", "--negative-prompt", "blur", "-o", "never.png"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and err.startswith("flowlift img2img: error: --negative-prompt needs"), err
+    assert "negative_prompt_embeds in the --prompt-embeds file" in err
+
+
 def test_the_app_refuses_a_model_file_that_is_no_transformer_at_start_up(files, shared, monkeypatch, capsys):
     forbid_call(monkeypatch, "flowlift.app.page.build_app", "the page was built with an unusable model")
     taef2 = str(shared / "models" / "taef2")

@@ -369,6 +369,21 @@ def check_positive(name: str, value: Any, *, integer: bool = False, optional: bo
     return number
 
 
+#: The largest true classifier-free guidance scale a refine takes (ComfyUI's CFG widget stops there too): FLUX.2
+#: Klein base models use ~4; far past it the two velocities' difference is amplified into an image of overflow.
+MAX_CFG_SCALE = 100.0
+
+
+def check_cfg_scale(name: str, value: Any) -> float:
+    """``value`` if it is a finite number in (0, :data:`MAX_CFG_SCALE`], else one line naming ``name``."""
+    number = check_positive(name, value)
+    if number > MAX_CFG_SCALE:
+        raise FlowliftError(
+            f"{name} must be at most {MAX_CFG_SCALE:g} (Klein base models use ~4), got {value!r}", field=name
+        )
+    return float(number)
+
+
 def wrap_seed(value: int) -> int:
     """A seed derived by arithmetic (``seed + k``) brought back into [0, 2^64 - 1]: ``value mod 2^64``."""
     return int(value) % (SEED_MAX + 1)

@@ -22,7 +22,7 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, pack, patchify, unpack, unpatchify
-from flowlift.knobs import check_positive
+from flowlift.knobs import check_cfg_scale, check_positive
 
 #: FLUX.2 dev's default embedded guidance (``Flux2Pipeline(guidance_scale=4.0)``).
 DEFAULT_DEV_GUIDANCE = 4.0
@@ -103,7 +103,7 @@ class Flux2Denoiser:
         _check_embeds("prompt embeddings", prompt_embeds, joint_dim)
         if negative_prompt_embeds is not None:
             _check_embeds("negative prompt embeddings", negative_prompt_embeds, joint_dim)
-        cfg_scale = check_positive("cfg_scale", cfg_scale)  # finite, above 0: not NaN, not "2"
+        cfg_scale = check_cfg_scale("cfg_scale", cfg_scale)  # finite, in (0, 100]: not NaN, not "2"
         guidance = check_positive("guidance", guidance, optional=True)
         if cfg_scale != 1.0 and negative_prompt_embeds is None:
             raise FlowliftError(f"cfg scale {cfg_scale} needs a negative prompt (use '' for the empty prompt)")

@@ -192,6 +192,12 @@ def find_weights(job: RefineJob) -> list[Any]:
         try:
             check_model_part(request.source.model, "text_encoder")
         except FlowliftError:
+            if prompt.negative is not None:  # a negative text given: it is what needs the encoder
+                raise FlowliftError(
+                    f"{FIELD_MARK} needs the model's text encoder to embed it, which the model lacks: save it as "
+                    f"negative_prompt_embeds in the {FIELD_MARK} file instead",
+                    field=("prompt.negative", "prompt.embeds"),
+                ) from None
             raise FlowliftError(
                 f"{FIELD_MARK} {prompt.cfg_scale:g} embeds a negative prompt with the model's text encoder, which the "
                 f"model lacks: save negative_prompt_embeds in the {FIELD_MARK} file, or use a cfg scale of 1",
@@ -220,8 +226,11 @@ def job_conditioning(job: RefineJob, embed: Callable[[Sequence[str]], list[Any]]
     embeds = negative = None
     if prompt.embeds is not None:
         embeds, negative = load_prompt_embeds(prompt.embeds)
-    need_negative = prompt.cfg_scale != 1.0 and negative is None
-    negative_text = "" if prompt.negative is None and need_negative else prompt.negative
+    true_cfg = prompt.cfg_scale != 1.0
+    # a negative text given is embedded and used (over the file's); without true CFG no negative is used at all
+    need_negative = true_cfg and (prompt.negative is not None or negative is None)
+    negative = None if need_negative or not true_cfg else negative
+    negative_text = (prompt.negative or "") if need_negative else None
     if embed is not None and (embeds is None or need_negative):
         texts = ([prompt.text] if embeds is None else []) + ([negative_text] if need_negative else [])
         encoded = embed(texts)

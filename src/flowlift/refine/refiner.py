@@ -16,7 +16,7 @@ import torch
 from flowlift.devices import resolve_device
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
-from flowlift.knobs import check_kind
+from flowlift.knobs import check_cfg_scale, check_kind
 from flowlift.limits import LATENT_CHANNELS
 from flowlift.models.weights import check_finite_result
 from flowlift.progress import report_stage
@@ -141,7 +141,13 @@ class Flux2Refiner(HiresFix):
         pos = self._embeds(prompt, prompt_embeds, "prompt")
         if pos is None:
             raise FlowliftError("give a prompt or prompt embeddings")
+        cfg_scale = check_cfg_scale("cfg_scale", cfg_scale)  # before a negative prompt is embedded for it
         neg = None
+        if cfg_scale == 1.0 and (negative_prompt is not None or negative_prompt_embeds is not None):
+            raise FlowliftError(
+                "a negative prompt is used only by true CFG: give cfg_scale other than 1 (Klein base models use ~4), "
+                "or drop the negative prompt"
+            )
         if cfg_scale != 1.0:
             neg = self._embeds(
                 "" if negative_prompt is None else negative_prompt, negative_prompt_embeds, "negative prompt"

@@ -22,7 +22,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flowlift.errors import FIELD_MARK, FlowliftError
-from flowlift.knobs import COLOR_FIX, OVERWRITE, check_kind, check_path, check_paths, check_positive
+from flowlift.knobs import (
+    COLOR_FIX,
+    OVERWRITE,
+    check_cfg_scale,
+    check_kind,
+    check_path,
+    check_paths,
+    check_positive,
+)
 from flowlift.limits import whole_passes
 from flowlift.refine.settings import (
     HIRES_SCALE,
@@ -91,7 +99,13 @@ class PromptRequest:
             raise FlowliftError(
                 f"{FIELD_MARK}: give a prompt or its embeddings ({FIELD_MARK})", field=("prompt.text", "prompt.embeds")
             )
-        object.__setattr__(self, "cfg_scale", check_positive("prompt.cfg_scale", self.cfg_scale))
+        object.__setattr__(self, "cfg_scale", check_cfg_scale("prompt.cfg_scale", self.cfg_scale))
+        if self.negative is not None and self.cfg_scale == 1.0:  # true CFG off: the negative would go unused
+            raise FlowliftError(
+                f"{FIELD_MARK} is used only by true CFG: give {FIELD_MARK} other than 1 (Klein base models use ~4), "
+                "or drop the negative prompt",
+                field=("prompt.negative", "prompt.cfg_scale"),
+            )
         if self.guidance is not None:
             object.__setattr__(self, "guidance", check_positive("prompt.guidance", self.guidance))
 
