@@ -327,3 +327,24 @@ def test_save_image_atomic_takes_an_image_and_a_mapping(tmp_path, image, metadat
 
     _refused(lambda: save_image_atomic(image, tmp_path / "out.png", metadata), word)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "float32"])
+def test_an_rgba_array_keeps_its_alpha(pipe, dtype, monkeypatch):
+    rng = np.random.default_rng(0)
+    full = {"uint8": 255, "uint16": 65535, "float32": 1.0}[dtype]
+    rgba = (rng.random((64, 64, 4)) * full).astype(dtype)
+    rgba[..., 3] = 0
+    rgba[:32, :, 3] = full
+    out = pipe.upscale_image(rgba, num_passes=1, color_fix=False)
+    assert out.mode == "RGBA" and out.size == (128, 128)
+    alpha = np.asarray(out.getchannel("A"))
+    assert alpha[:56].min() == 255 and alpha[72:].max() == 0  # Lanczos-resized, rows of the edge left out
+
+
+def test_rgba_arrays_refused_before_any_work_when_their_alpha_cannot_be_kept(pipe, monkeypatch):
+    forbid_call(monkeypatch, "flowlift.upscale.pipeline.FlowUpscalerPipeline._vae_call", "the VAE ran first")
+    _refused(lambda: pipe.upscale_image(np.zeros((2, 32, 32, 4), np.uint8)), "batch of 2 RGBA arrays")
+    bad_alpha = np.zeros((32, 32, 4), np.float32)
+    bad_alpha[..., 3] = np.nan
+    _refused(lambda: pipe.upscale_image(bad_alpha), "alpha", "NaN")

@@ -85,7 +85,7 @@ def test_set_outside_the_domain_is_refused_even_by_print_config(capsys, name, va
     captured = capsys.readouterr()
     assert rc == 2 and captured.out == ""
     err = captured.err.strip()
-    assert err.splitlines() == [err] and err.startswith(f"flowlift train: error: {name} must be")
+    assert err.splitlines() == [err] and err.startswith(f"flowlift train: error: --set {name}={value}: {name} must be")
 
 
 @pytest.mark.parametrize(
@@ -175,3 +175,28 @@ def test_a_config_built_in_python_is_checked_by_validate():
         TrainConfig(data="d", output="o", adam_eps=0.0).validate()
     with pytest.raises(FlowliftError, match="t_low must be at most t_high"):
         TrainConfig(data="d", output="o", t_low=0.8, t_high=0.2).validate()
+
+
+def test_an_unknown_set_key_names_set_and_the_nearest_setting(capsys):
+    assert main(["train", "--set", "val_evry=3", "--print-config"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == "flowlift train: error: --set val_evry=3: unknown training setting(s): val_evry (did you mean val_every?)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--data", "d"], "no output folder: set --output"),
+        (["--output", "o"], "no training data: set --data (a folder built by `flowlift dataset`)"),
+        (
+            ["--data", "d", "--output", "o", "--val-every", "5"],
+            "validation (--val-every > 0) needs --val-images and --vae",
+        ),
+    ],
+)
+def test_a_missing_setting_is_named_as_its_option(argv, line, capsys):
+    assert main(["train", *argv]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"flowlift train: error: {line}"

@@ -69,8 +69,10 @@ def _box(text: str) -> tuple[int, int, int, int]:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"box must be x,y,w,h integers, got {text!r}") from None
-    if len(values) != 4 or values[2] <= 0 or values[3] <= 0 or min(values[:2]) < 0:
-        raise argparse.ArgumentTypeError(f"box must be x,y,w,h with w,h > 0, got {text!r}")
+    if len(values) != 4:
+        raise argparse.ArgumentTypeError(f"box must be four numbers x,y,w,h, got {len(values)} in {text!r}")
+    if values[2] <= 0 or values[3] <= 0 or min(values[:2]) < 0:
+        raise argparse.ArgumentTypeError(f"box must be x,y,w,h with x,y >= 0 and w,h > 0, got {text!r}")
     return values  # type: ignore[return-value]
 
 

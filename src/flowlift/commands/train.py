@@ -149,8 +149,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = _settings(args, overrides)
     except FlowliftError as error:
-        if set(error.fields) & set(assigned):  # named as the user wrote it (--set crop=...), not as its flag
-            raise FlowliftError(str(error)) from None
+        given = [key for key in error.fields if key in assigned]
+        if given:  # named as the user wrote it (--set crop=...), not as its flag
+            raise FlowliftError(f"--set {given[0]}={assigned[given[0]]}: {error}") from None
         raise
     if args.print_config:
         print(json.dumps(config.to_dict(), indent=2))

@@ -339,6 +339,25 @@ def tensor_to_pil(image: torch.Tensor) -> Image.Image:
     return Image.fromarray(tensor_to_uint8(image)[0], "RGB")
 
 
+def array_alpha(array: np.ndarray) -> Image.Image | None:
+    """The alpha of an RGBA (H, W, 4) or (1, H, W, 4) array as an 8-bit Pillow ``"L"`` image (uint8 as is, uint16
+    and float in [0, 1] by their range, as :func:`to_tensor` reads the colour); None for any other shape. A batch of
+    RGBA arrays is refused: one output image per alpha is the upscale's rule (upscale them one by one)."""
+    if array.ndim not in (3, 4) or array.shape[-1] != 4:
+        return None
+    if array.ndim == 4 and array.shape[0] != 1:
+        raise FlowliftError(
+            f"a batch of {array.shape[0]} RGBA arrays would lose its alpha: pass them one by one, or RGB (..., 3)"
+        )
+    alpha = array.reshape(array.shape[-3], array.shape[-2], 4)[..., 3]
+    full_scale = _integer_scale(alpha.dtype.name)
+    if full_scale is None and alpha.dtype.kind != "f":
+        return None  # to_tensor refuses the dtype with the colour
+    values = torch.from_numpy(np.ascontiguousarray(alpha, dtype=np.float32))
+    values = values / full_scale if full_scale is not None else _check_float_range(values, "the image array's alpha")
+    return Image.fromarray(values.mul(255.0).round_().to(torch.uint8).numpy(), "L")
+
+
 def attach_alpha(rgb: Image.Image, alpha: Image.Image | None) -> Image.Image:
     """Put ``alpha`` (resized with Lanczos to the RGB size if needed) back onto ``rgb``."""
     if alpha is None:

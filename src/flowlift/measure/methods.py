@@ -88,7 +88,10 @@ def parse_methods(text: str | Sequence[str]) -> list[MethodSpec]:
             name, *opts = part.split(":")
             name = name.strip().lower()
             if name not in METHODS:
-                raise FlowliftError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+                raise FlowliftError(
+                    f"unknown method {name!r}; choose from {', '.join(METHODS)}, "
+                    f"{SPANDREL}:MODEL_FILE[:label][{COLORFIX_SUFFIX}] or {SESQUI}:WEIGHTS.safetensors[:label]"
+                )
             options: dict[str, Any] = {}
             for opt in opts:
                 key, sep, value = opt.partition("=")

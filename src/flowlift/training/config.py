@@ -6,12 +6,13 @@ Precedence: dataclass defaults < config file < ``--set key=value`` / dedicated C
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.json_input import MAX_JSON_DEPTH, nesting_depth, parse_json
 from flowlift.knobs import SEED, Knob, table
 
@@ -81,15 +82,20 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise one FlowliftError line for an impossible setting."""
         if not self.data:
-            raise FlowliftError("no training data: set data (a folder built by `flowlift dataset`)")
+            raise FlowliftError(
+                f"no training data: set {FIELD_MARK} (a folder built by `flowlift dataset`)", field="data"
+            )
         if not self.output:
-            raise FlowliftError("no output folder: set output")
+            raise FlowliftError(f"no output folder: set {FIELD_MARK}", field="output")
         for name, knob in TRAIN_KNOBS.items():  # an object built in Python skips apply_overrides
             knob.check(getattr(self, name), label=name)
         if self.t_low > self.t_high:  # TimeSampling draws from [t_low, t_high] in any mode
             raise FlowliftError(f"t_low must be at most t_high, got {self.t_low} > {self.t_high}")
         if self.val_every and (not self.val_images or not self.vae):
-            raise FlowliftError("validation (val_every > 0) needs val_images and vae")
+            raise FlowliftError(
+                f"validation ({FIELD_MARK} > 0) needs {FIELD_MARK} and {FIELD_MARK}",
+                field=("val_every", "val_images", "vae"),
+            )
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -195,7 +201,9 @@ def apply_overrides(config: TrainConfig, overrides: dict[str, Any]) -> TrainConf
     """A copy of ``config`` with ``overrides`` applied; unknown keys raise one FlowliftError line."""
     unknown = sorted(set(overrides) - set(_FIELDS))
     if unknown:
-        raise FlowliftError(f"unknown training setting(s): {', '.join(unknown)}")
+        near = difflib.get_close_matches(unknown[0], _FIELDS, n=1)
+        hint = f" (did you mean {near[0]}?)" if near else " (--print-config lists them)"
+        raise FlowliftError(f"unknown training setting(s): {', '.join(unknown)}{hint}", field=tuple(unknown))
     values = config.to_dict()
     for key, value in overrides.items():
         values[key] = _coerce(key, value)

@@ -17,7 +17,6 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.upscale.colorfix import lab_lowband_transplant
-from flowlift.upscale.inputs import image_alpha
 from flowlift.upscale.interrupts import with_check
 from flowlift.upscale.loading import first_parameter
 from flowlift.upscale.sizes import output_scale, resample_to_size
@@ -105,13 +104,12 @@ def finish_decoded(
     return decoded.clamp(0.0, 1.0)
 
 
-def as_output(result: torch.Tensor, image: Any, output_type: str) -> Any:
+def as_output(result: torch.Tensor, alpha: Any, output_type: str) -> Any:
     """``"pt"``: ``result`` itself; ``"pil"``: a Pillow image per batch item (the one image for a batch of one),
-    with ``image``'s alpha (if it had one) attached."""
+    with the input's ``alpha`` (:func:`~flowlift.upscale.inputs.image_alpha`, taken before the work) attached."""
     if output_type == "pt":
         return result
     from flowlift.files.images import attach_alpha, tensor_to_pil
 
-    alpha = image_alpha(image)
     pictures = [attach_alpha(tensor_to_pil(result[i : i + 1]), alpha) for i in range(result.shape[0])]
     return pictures[0] if len(pictures) == 1 else pictures

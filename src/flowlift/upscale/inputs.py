@@ -1,5 +1,5 @@
 """What :class:`~flowlift.upscale.pipeline.FlowUpscalerPipeline` checks of its inputs beyond the knobs: finite
-values at every stage, and a Pillow input's alpha split off to be re-attached after the upscale.
+values at every stage, and a Pillow or RGBA array input's alpha split off to be re-attached after the upscale.
 
 Seeds, counts and strengths are the knob checks (:func:`flowlift.knobs.check_seed`, :func:`~flowlift.knobs.check_count`,
 :func:`~flowlift.knobs.check_unit_interval`), latents :func:`flowlift.flux2.latents.check_latents`. Each refusal is one
@@ -25,9 +25,15 @@ def check_finite(tensor: torch.Tensor, stage: str, what: str = "latents") -> Non
 
 
 def image_alpha(image: Any) -> Any:
-    """The alpha channel of a Pillow image (palette transparency included), else None."""
+    """The alpha channel of a Pillow image (palette transparency included) or of an RGBA array
+    (:func:`flowlift.files.images.array_alpha`) as a Pillow ``"L"`` image, else None."""
+    import numpy as np
     from PIL import Image
 
+    if isinstance(image, np.ndarray):
+        from flowlift.files.images import array_alpha
+
+        return array_alpha(image)
     if not isinstance(image, Image.Image):
         return None
     if image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (image.mode == "P" and "transparency" in image.info):

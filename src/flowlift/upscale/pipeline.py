@@ -34,7 +34,7 @@ from flowlift.models.sesqui_lsr import load_sesqui_lsr, require_bn_statistics
 from flowlift.models.upscaler_unet import ONE_STEP_TIMESTEP
 from flowlift.upscale.colorfix import LOWFREQ_FACTOR, latent_lowband_transplant
 from flowlift.upscale.image_steps import as_output, finish_decoded, vae_call, vae_dtype, vae_input_dtype
-from flowlift.upscale.inputs import check_finite
+from flowlift.upscale.inputs import check_finite, image_alpha
 from flowlift.upscale.interrupts import checked_modules, with_check
 from flowlift.upscale.latent_fraction import find_sesqui, fraction_plan
 from flowlift.upscale.loading import (
@@ -345,8 +345,8 @@ class FlowUpscalerPipeline:
     ) -> Any:
         """Encode -> passes -> decode -> stage 2 -> image ``2**passes`` times the input's size.
 
-        ``output_type="pil"`` returns a Pillow image (a list for a batch; RGBA when a Pillow input had
-        alpha: the colour is upscaled, the alpha Lanczos-resized), ``"pt"`` a float (B, 3, H, W)
+        ``output_type="pil"`` returns a Pillow image (a list for a batch; RGBA when a Pillow or (H, W, 4) array
+        input had alpha: the colour is upscaled, the alpha Lanczos-resized), ``"pt"`` a float (B, 3, H, W)
         tensor in [0, 1]. With ``resize_mode="pad"`` the output is exactly ``2**passes`` times the
         original size; with ``"resample"`` it is that factor times the size resampled to multiples of
         16. ``color_fix=False`` switches both stages off; ``color_fix_strength`` scales stage 2.
@@ -364,6 +364,7 @@ class FlowUpscalerPipeline:
         color_fix_strength = COLOR_FIX_STRENGTH.check(color_fix_strength)
         TRANSPLANT_STRENGTH.check(transplant_strength)  # before the encoder runs
         seed = check_seed(seed)
+        alpha = image_alpha(image) if output_type == "pil" else None  # before the work: a batch of RGBA refused
         stages = ImageStages(
             num_passes, seed, color_fix, transplant_strength, color_fix_strength, resize_mode, output_size
         )
@@ -374,7 +375,7 @@ class FlowUpscalerPipeline:
             )
         with self._cancel_points():
             result = self._image_stages(original, prepared, stages, callback, on_decode_tile)
-        return as_output(result, image, output_type)
+        return as_output(result, alpha, output_type)
 
     def _image_stages(
         self,
