@@ -144,3 +144,69 @@ def test_a_taken_port_is_one_error_line(capsys, tmp_path, monkeypatch, shared):
     assert outcome == [2], "flowlift app did not stop with an error on a taken port"
     err = capsys.readouterr().err
     assert f"flowlift app: error: cannot serve on 127.0.0.1:{port}: " in err and "Traceback" not in err
+
+
+def _sse_outcome(url: str, endpoint: str, data: list) -> tuple[str, str]:
+    """POST ``data`` to ``/gradio_api/call/ENDPOINT`` as any HTTP client can, then read the event stream's end."""
+    import urllib.request
+
+    post = urllib.request.Request(
+        f"{url}gradio_api/call/{endpoint}", json.dumps({"data": data}).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(post, timeout=60) as response:
+        event_id = json.loads(response.read())["event_id"]
+    with urllib.request.urlopen(f"{url}gradio_api/call/{endpoint}/{event_id}", timeout=120) as stream:
+        lines = stream.read().decode().splitlines()
+    kinds = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    payloads = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    return kinds[-1], payloads[-1]
+
+
+def test_a_path_that_is_no_upload_of_the_page_is_refused(server, shared):
+    # with preprocess=False Gradio checks no image payload's path: any image on the server was upscaled for the caller
+    demo, url, service = server
+    photo = str(shared / "images" / "kodak" / "kodim03.png")
+    for path in (photo, "/etc/passwd", f"{os.environ['GRADIO_TEMP_DIR']}/../{os.path.basename(photo)}"):
+        kind, payload = _sse_outcome(
+            url, "upscale", [{"path": path}, 2, 0, 1.0, 1.0, next(iter(service.vae_labels)), False]
+        )
+        assert kind == "error" and "not a file uploaded to this page; upload it again" in payload, payload
+    assert not list((service.work_dir).rglob("*.png"))
+
+
+def test_a_stopped_request_stops_and_the_next_waits_for_it(server, shared, tmp_path, monkeypatch):
+    """Gradio freed a cancelled request's queue slot while its thread ran on to the end, and the next request ran
+    beside it; now the stopped one ends at its next layer and the next starts after it."""
+    import threading
+
+    demo, url, service = server
+    source = tmp_path / "kodim03.png"
+    with Image.open(shared / "images" / "kodak" / "kodim03.png") as image:
+        image.convert("RGB").resize((64, 48), Image.Resampling.BOX).save(source)
+    events, entered, release = [], threading.Event(), threading.Event()
+    real = service.upscale_into
+
+    def held_upscale_into(*args, **kwargs):
+        events.append(("start", len([e for e in events if e[0] == "start"])))
+        first = len(events) == 1
+        if first:
+            entered.set()
+            release.wait(60)  # the test stops the request here, inside the run
+        try:
+            result = real(*args, **kwargs)
+        except BaseException as error:
+            events.append(("end", type(error).__name__))
+            raise
+        events.append(("end", "ok"))
+        return result
+
+    monkeypatch.setattr(service, "upscale_into", held_upscale_into)
+    client = Client(url, verbose=False)
+    first = client.submit(handle_file(str(source)), 2, 0, 1.0, 1.0, api_name="/upscale")
+    assert entered.wait(60)
+    assert first.cancel()
+    second = client.submit(handle_file(str(source)), 2, 1, 1.0, 1.0, api_name="/upscale")
+    release.set()
+    _, download, _ = second.result(timeout=120)
+    assert os.path.basename(download) == "kodim03_x2.png"
+    assert events == [("start", 0), ("end", "RequestStopped"), ("start", 1), ("end", "ok")], events

@@ -12,6 +12,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -371,3 +372,17 @@ def test_freed_memory_goes_back_to_the_system():
     before, after, released = _release_probe("release")
     assert released
     assert before - after > 100 * 2**20
+
+
+def test_passes_the_16k_cap_drops_are_said_on_the_page(service, tmp_path):
+    # a 4100 px wide image at 8x: the plan runs one 2x pass (two would pass 16384 px); the command line warned, the
+    # app said nothing and showed a 2x result under the 8x request
+    wide = tmp_path / "wide.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (8, 4100, 3), dtype=np.uint8)).save(wide)
+    result = service.upscale(wide, 8, 0)
+    assert result.output_size == (8200, 16)
+    assert len(result.warnings) == 1 and "pass" in result.warnings[0] and "16384" in result.warnings[0]
+    assert "**Warning:**" in result.summary()
+    batch = service.batch([wide], 8, 0)
+    assert len(batch.warnings) == 1 and batch.warnings[0].startswith("wide.png: ") and "16384" in batch.warnings[0]
+    assert "- **warning:** wide.png: " in batch.summary()

@@ -100,3 +100,37 @@ def test_the_app_exits_on_sigint_after_a_request_loaded_its_models(tmp_path, sha
     assert code == 130, f"exit {code} ({STOP_S} s after SIGINT):\n{log}"
     assert "flowlift app: interrupted" in log and "ok" in log
     print(f"flowlift app exited {time.monotonic() - began:.1f} s after SIGINT")  # the figure, never asserted
+
+
+def test_the_app_stops_a_running_request_on_sigint_and_exits_130(tmp_path, shared):
+    """Ctrl-C while a request ran: the process exited with the handler's thread inside torch, and the C++ runtime
+    aborted it ("terminate called without an active exception", exit 134); now the request stops at its next layer
+    (the server's stop check) and the app exits 130."""
+    from gradio_client import Client, handle_file
+    from PIL import Image
+
+    weights = tiny_upscaler(tmp_path / "flow_upscaler.safetensors")
+    with Image.open(shared / "images" / "kodak" / "kodim03.png") as image:
+        image.convert("RGB").save(tmp_path / "in.png")
+    server, url = start_server(weights, shared / "models" / "taef2", tmp_path)
+    try:
+        job = Client(url, verbose=False).submit(
+            handle_file(str(tmp_path / "in.png")), 8, 0, 1.0, 1.0, api_name="/upscale"
+        )
+        deadline = time.monotonic() + 120
+        while not (job.status().progress_data or job.done()) and time.monotonic() < deadline:
+            time.sleep(0.2)  # until the request reports its first stage: it is running
+        assert not job.done(), "the request ended before the test could stop it"
+        server.send_signal(signal.SIGINT)
+        code = server.wait(timeout=STOP_S)
+    except subprocess.TimeoutExpired:
+        code = None
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        server.log_file.seek(0)
+        log = server.log_file.read()
+        server.log_file.close()
+    assert code == 130, f"exit {code}:\n{log}"
+    assert "the server is stopping" in log and "terminate called" not in log, log

@@ -43,19 +43,23 @@ def batch_uploads(service: Any, paths: Sequence[str | Path] | None, values: tupl
         pipeline = service.pipeline(vae, latent)
         written: list[Path] = []
         errors: list[str] = []
+        warnings: list[str] = []
         for job in planned.jobs:
             out = service.named_by_vae(job.output, vae)
             if out is None:
                 errors.append(f"{job.source.name}: {strip_folders(job.note, [*(s.parent for s in sources), out_dir])}")
                 continue
             try:
-                service.upscale_into(job.source, out, settings, planned.sizes, pipeline, (vae, latent))
+                done = service.upscale_into(job.source, out, settings, planned.sizes, pipeline, (vae, latent))
                 written.append(out)
+                warnings += [
+                    f"{job.source.name}: {note}" for note in ([job.warning] if job.warning else []) + done.warnings
+                ]
             except ITEM_ERRORS as error:
                 errors.append(public_message(error, job.source))
         zip_path = _zip(folder / f"flowlift_x{scale:g}.zip", written) if written else None
         progress(1.0, "done")
-        result = BatchResult(zip_path, [p.name for p in written], errors, time.perf_counter() - started)
+        result = BatchResult(zip_path, [p.name for p in written], errors, time.perf_counter() - started, warnings)
         if result.errors:
             entry.outcome = f"{len(result.written)} ok, {len(result.errors)} failed"
     return result

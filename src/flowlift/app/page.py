@@ -22,13 +22,14 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from flowlift.app.controls import image_input, knob_number, knob_slider, result_column, seed_number
 from flowlift.app.detail import INPUT_FILTERS, ZOOMS, detail_html, detail_view, overview_to_output
+from flowlift.app.gradio_requests import event_stop_check, progress_adapter, upload_path
+from flowlift.app.progress import RequestStopped
 from flowlift.app.results import PREVIEW_MAX_SIDE, first_line
 from flowlift.app.service import AppService
 from flowlift.errors import FlowliftError
@@ -53,18 +54,9 @@ def import_gradio() -> Any:
     return gradio
 
 
-def upload_path(payload: Any) -> str | None:
-    """The server-side path of a raw upload payload (a FileData dict, or a path string)."""
-    if payload is None:
-        return None
-    if isinstance(payload, dict):
-        return payload.get("path")
-    return os.fspath(payload)
-
-
 def _user_text(error: BaseException) -> str:
     """The first line of an error for the page (unescaped); the server logs unexpected errors in full."""
-    if not isinstance(error, FlowliftError):
+    if not isinstance(error, (FlowliftError, RequestStopped)):
         traceback.print_exception(error, file=sys.stderr)
     return first_line(error)
 
@@ -72,13 +64,6 @@ def _user_text(error: BaseException) -> str:
 def _as_user_error(gr: Any, error: BaseException) -> Exception:
     """A ``gr.Error`` (escaped, shown until closed) for any failure; the server logs unexpected ones."""
     return gr.Error(html.escape(_user_text(error)), duration=None, print_exception=False)
-
-
-def _progress_adapter(progress: Any) -> Callable[[float, str], None]:
-    def report(fraction: float, description: str) -> None:
-        progress(min(max(fraction, 0.0), 1.0), desc=description)
-
-    return report
 
 
 #: Styles of the page's status lines (plain text marks: the page needs no emoji font).
@@ -139,7 +124,7 @@ def build_app(service: AppService) -> Any:
         if config.model:
             from flowlift.app.refine_tab import refine_tab
 
-            refine_tab(gr, service, queue, _as_user_error, upload_path)
+            refine_tab(gr, service, queue, _as_user_error)
     return demo
 
 
@@ -157,18 +142,19 @@ def _handlers(gr: Any, service: AppService) -> SimpleNamespace:
         latent_upscaler=False,
         progress=stage_progress,
     ):
-        source = upload_path(image)
         try:
-            result = service.upscale(
-                source,
-                scale,
-                seed,
-                transplant_strength,
-                color_fix_strength,
-                vae,
-                latent_upscaler,
-                progress=_progress_adapter(progress),
-            )
+            source, stop = upload_path(image), event_stop_check()
+            with service.one_run(stop):
+                result = service.upscale(
+                    source,
+                    scale,
+                    seed,
+                    transplant_strength,
+                    color_fix_strength,
+                    vae,
+                    latent_upscaler,
+                    progress=progress_adapter(progress, stop),
+                )
         except Exception as error:  # noqa: BLE001 - every failure becomes a visible message, the server stays up
             raise _as_user_error(gr, error) from None
         for warning in result.warnings:
@@ -212,17 +198,18 @@ def _handlers(gr: Any, service: AppService) -> SimpleNamespace:
         progress=stage_progress,
     ):
         try:
-            paths = [upload_path(f) for f in (files or [])]
-            result = service.batch(
-                paths,
-                scale,
-                seed,
-                transplant_strength,
-                color_fix_strength,
-                vae,
-                latent_upscaler,
-                progress=_progress_adapter(progress),
-            )
+            paths, stop = [upload_path(f) for f in (files or [])], event_stop_check()
+            with service.one_run(stop):
+                result = service.batch(
+                    paths,
+                    scale,
+                    seed,
+                    transplant_strength,
+                    color_fix_strength,
+                    vae,
+                    latent_upscaler,
+                    progress=progress_adapter(progress, stop),
+                )
         except Exception as error:  # noqa: BLE001
             raise _as_user_error(gr, error) from None
         return (str(result.zip_path) if result.zip_path else None), result.summary()
@@ -238,6 +225,7 @@ def _upscale_tab(gr: Any, service: AppService, on: SimpleNamespace, queue: dict,
             upload_status = gr.Markdown(elem_id="upscale-upload-status")
             controls = _upscale_controls(gr, service, "upscale")
             run = gr.Button("Upscale", variant="primary", elem_id="upscale-button")
+            stop = gr.Button("Stop", variant="stop", elem_id="upscale-stop")
         with gr.Column():
             slider, download, info = result_column(
                 gr, "upscale", f"Before (input, Lanczos-resized) / after; preview up to {PREVIEW_MAX_SIDE} px"
@@ -270,7 +258,7 @@ def _upscale_tab(gr: Any, service: AppService, on: SimpleNamespace, queue: dict,
         detail = gr.HTML(js_on_load=FIT_DEVICE_PIXELS, elem_id="detail-view")
     image.upload(on.check, inputs=[image], outputs=[upload_status, run], preprocess=False, **views)
     image.clear(lambda: ("", gr.update(interactive=True)), outputs=[upload_status, run], **views)
-    run.click(
+    started = run.click(
         on.upscale,
         inputs=[image, *controls],
         outputs=[slider, download, info, shown],
@@ -278,7 +266,11 @@ def _upscale_tab(gr: Any, service: AppService, on: SimpleNamespace, queue: dict,
         preprocess=False,
         show_progress_on=[slider],
         **queue,
-    ).success(on.show_detail, inputs=[shown, zoom, input_filter], outputs=[overview_image, detail, shown], **views)
+    )
+    started.success(
+        on.show_detail, inputs=[shown, zoom, input_filter], outputs=[overview_image, detail, shown], **views
+    )
+    stop.click(None, cancels=[started], api_visibility="private")  # the handler stops within seconds (event_stop_check)
     for choice in (zoom, input_filter):
         choice.change(
             on.show_detail, inputs=[shown, zoom, input_filter], outputs=[overview_image, detail, shown], **views
@@ -295,10 +287,11 @@ def _batch_tab(gr: Any, service: AppService, on: SimpleNamespace, queue: dict) -
             files = gr.File(label="Images", file_count="multiple", elem_id="batch-input")
             batch_controls = _upscale_controls(gr, service, "batch")
             run_batch = gr.Button("Upscale all", variant="primary", elem_id="batch-button")
+            stop_batch = gr.Button("Stop", variant="stop", elem_id="batch-stop")
         with gr.Column():
             archive = gr.File(label="Zip of the outputs (names as flowlift upscale writes them)", elem_id="batch-zip")
             report = gr.Markdown(elem_id="batch-report")
-    run_batch.click(
+    started = run_batch.click(
         on.batch,
         inputs=[files, *batch_controls],
         outputs=[archive, report],
@@ -307,6 +300,7 @@ def _batch_tab(gr: Any, service: AppService, on: SimpleNamespace, queue: dict) -
         show_progress_on=[archive],
         **queue,
     )
+    stop_batch.click(None, cancels=[started], api_visibility="private")
 
 
 def _upscale_controls(gr: Any, service: AppService, prefix: str) -> list[Any]:
@@ -380,6 +374,10 @@ def check_bind_address(host: str, port: int | None = None) -> None:
     raise FlowliftError(f"cannot serve on {where}: {_reason(problem)}")
 
 
+#: How long a stopping server waits for a running request to end at its next stop point.
+STOP_WAIT_S = 20.0
+
+
 def _reason(error: BaseException | None) -> str:
     return (getattr(error, "strerror", None) or str(error) or type(error).__name__).splitlines()[0]
 
@@ -422,5 +420,6 @@ def launch(
             while True:
                 time.sleep(0.2)
         finally:
+            service.one_run.close(timeout=STOP_WAIT_S)  # a running request ends at its next layer or report
             demo.close()
     return launched

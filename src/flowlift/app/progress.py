@@ -10,13 +10,22 @@ Gradio: :mod:`flowlift.app.page` hands the reports to ``gr.Progress``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from flowlift.console import format_seconds
 from flowlift.progress import ProgressState, RunProgress
 
 #: Progress reporter: ``progress(fraction_done, description)``.
 ProgressFn = Callable[[float, str], None]
+#: A request's stop check: returns while the request may go on, raises :class:`RequestStopped` once it was stopped.
+StopCheck = Callable[[], None]
+
+
+class RequestStopped(Exception):
+    """A request stopped by its user (the page's Stop, a client's cancel) while its handler still ran: not an error
+    of the image, so never one of :data:`flowlift.errors.ITEM_ERRORS` (a batch does not go on past it)."""
 
 
 def describe(state: ProgressState) -> str:
@@ -30,3 +39,43 @@ def request_progress(report: ProgressFn) -> RunProgress:
     run = RunProgress()
     run.subscribe(lambda state: report(state.fraction, describe(state)))
     return run
+
+
+class OneRun:
+    """The page's model requests one at a time, each stoppable: ``with one_run(stop):`` waits for the request before
+    it to end (Gradio frees a cancelled request's queue slot while its handler's thread still runs, and the next
+    must not run beside it: two runs on one GPU), then makes ``stop`` (raises :class:`RequestStopped` once the
+    request was stopped) the one :meth:`check` answers: the upscale pipelines' ``check_interrupt``, asked before
+    every layer. The handler also asks it at every progress report."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stop: StopCheck | None = None
+        self._closing = False
+
+    @contextmanager
+    def __call__(self, stop: StopCheck | None = None) -> Iterator[None]:
+        with self._lock:
+            self._stop = stop
+            try:
+                self.check()  # stopped while it waited: nothing runs
+                yield
+            finally:
+                self._stop = None
+
+    def check(self) -> None:
+        """The running request's stop check; nothing when none runs."""
+        if self._closing:
+            raise RequestStopped("the server is stopping")
+        if self._stop is not None:
+            self._stop()
+
+    def close(self, timeout: float) -> bool:
+        """Stop the running request (the server's Ctrl-C/SIGTERM) and wait up to ``timeout`` seconds for it to end;
+        True when none runs any more. The process must not exit while a handler's thread is inside torch (the C++
+        runtime aborts it: exit 134 instead of 130)."""
+        self._closing = True
+        if self._lock.acquire(timeout=timeout):
+            self._lock.release()
+            return True
+        return False

@@ -14,6 +14,7 @@ import html
 from typing import Any
 
 from flowlift.app.controls import image_input, knob_number, knob_slider, result_column, seed_number
+from flowlift.app.gradio_requests import event_stop_check, progress_adapter, upload_path
 from flowlift.app.refine import MODES, mode_strength_default
 from flowlift.app.results import UpscaleResult, model_name
 from flowlift.app.service import AppService
@@ -53,7 +54,7 @@ def _tile_controls(gr: Any) -> tuple[Any, Any]:
     return tile_size, tile_overlap
 
 
-def _handler(gr: Any, service: AppService, as_user_error: Any, upload_path: Any) -> Any:
+def _handler(gr: Any, service: AppService, as_user_error: Any) -> Any:
     """The ``refine`` endpoint's function: uploads to paths, the stage bar, any failure one visible message."""
     stage_progress = gr.Progress()
 
@@ -72,21 +73,23 @@ def _handler(gr: Any, service: AppService, as_user_error: Any, upload_path: Any)
         progress=stage_progress,
     ):
         try:
-            result = refine(
-                service,
-                upload_path(image),
-                prompt,
-                upload_path(embeds),
-                mode,
-                strength,
-                strength_map,
-                steps,
-                seed,
-                sampler,
-                tile_size,
-                tile_overlap,
-                progress=lambda fraction, text: progress(fraction, desc=text),
-            )
+            source, embeds_path, stop = upload_path(image), upload_path(embeds), event_stop_check()
+            with service.one_run(stop):
+                result = refine(
+                    service,
+                    source,
+                    prompt,
+                    embeds_path,
+                    mode,
+                    strength,
+                    strength_map,
+                    steps,
+                    seed,
+                    sampler,
+                    tile_size,
+                    tile_overlap,
+                    progress=progress_adapter(progress, stop),
+                )
         except Exception as error:  # noqa: BLE001 - every failure becomes a visible message
             raise as_user_error(gr, error) from None
         return (result.before, result.after), str(result.output), result.summary()
@@ -122,9 +125,9 @@ def _redraw_controls(gr: Any, service: AppService) -> tuple[Any, Any, Any]:
     return strength, strength_map, steps
 
 
-def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_error: Any, upload_path: Any) -> None:
+def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_error: Any) -> None:
     """The Refine tab and its ``refine`` endpoint (built inside the page's ``gr.Blocks``)."""
-    run = _handler(gr, service, as_user_error, upload_path)
+    run = _handler(gr, service, as_user_error)
     with gr.Tab("Refine", id="refine"):
         gr.Markdown(f"FLUX.2 model: `{html.escape(model_name(str(service.config.model)))}`")
         with gr.Row():
@@ -138,6 +141,7 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
                 sampler = gr.Radio(list(SAMPLER.choices), value=SAMPLER.default, label="Sampler")
                 tile_size, tile_overlap = _tile_controls(gr)
                 button = gr.Button("Refine", variant="primary", elem_id="refine-button")
+                stop = gr.Button("Stop", variant="stop", elem_id="refine-stop")
             with gr.Column():
                 slider, download, info = result_column(gr, "refine", "Before / after")
         mode.change(
@@ -146,7 +150,7 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
             outputs=[strength],
             api_name=False,
         )
-        button.click(
+        started = button.click(
             run,
             inputs=[image, prompt, embeds, mode, strength, strength_map, steps, seed, sampler, tile_size, tile_overlap],
             outputs=[slider, download, info],
@@ -155,3 +159,4 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
             show_progress_on=[slider],
             **queue,
         )
+        stop.click(None, cancels=[started], api_visibility="private")  # the handler stops at its next step or tile

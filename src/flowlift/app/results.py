@@ -121,11 +121,13 @@ class BatchResult:
     written: list[str]
     errors: list[str]
     seconds: float
+    warnings: list[str] = field(default_factory=list)  # "name: what", e.g. passes the 16K cap dropped
 
     def summary(self) -> str:
         total = len(self.written) + len(self.errors)
         lines = [f"{len(self.written)} of {total} file(s) upscaled in {self.seconds:.1f} s"]
         lines += [f"- done: {name}" for name in self.written]
+        lines += [f"- **warning:** {warning}" for warning in self.warnings]
         lines += [f"- **failed:** {error}" for error in self.errors]
         return "\n".join(lines)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flowlift.app.progress import ProgressFn, request_progress
+from flowlift.app.progress import OneRun, ProgressFn, request_progress
 from flowlift.app.results import (
     BatchResult,
     UpscaleResult,
@@ -87,6 +87,8 @@ class AppService:
     def __init__(self, config: AppConfig) -> None:
         self.config = config
         self._lock = threading.Lock()
+        #: The page's requests one at a time, each stoppable (:class:`~flowlift.app.progress.OneRun`).
+        self.one_run = OneRun()
         self._pipelines: dict[tuple[str, bool], Any] = {}
         self._hashes: dict[tuple[str, bool], dict[str, dict[str, str]]] = {}
         #: Weight files hashed so far (pipelines share the UNet and a VAE's files): each is read once per server.
@@ -153,6 +155,7 @@ class AppService:
                     dtype=self._torch_dtype(),
                     device=self.config.device,
                     latent_upscaler=latent_upscaler,
+                    check_interrupt=self.one_run.check,
                 )
             else:  # share the UNet (and the VAE) already in memory
                 pipe = FlowUpscalerPipeline(
@@ -161,6 +164,7 @@ class AppService:
                     dtype=first.dtype,
                     device=first.device,
                     latent_upscaler=latent_upscaler,
+                    check_interrupt=self.one_run.check,
                 )
                 pipe.upscaler_path = first.upscaler_path
                 pipe.vae_spec = vae  # the files behind it, for the metadata's hashes
@@ -314,11 +318,19 @@ class AppService:
         return latent
 
     def upscale_into(
-        self, source: Path, out: Path, settings: Any, sizes: Any, pipeline: Any, key: tuple[str, bool]
+        self,
+        source: Path,
+        out: Path,
+        settings: Any,
+        sizes: Any,
+        pipeline: Any,
+        key: tuple[str, bool],
+        warning: str = "",
     ) -> UpscaleResult:
         """``flowlift upscale``'s per-image step (:func:`~flowlift.upscale.outputs.upscale_file`) on one upload, as
         ``sizes`` (the plan's :class:`~flowlift.upscale.output_sizes.OutputSizes`) planned it, its stages reported to
-        the request's run (:class:`~flowlift.upscale.stages.UpscaleStages`)."""
+        the request's run (:class:`~flowlift.upscale.stages.UpscaleStages`); ``warning`` is the plan's word on the
+        job (:attr:`flowlift.jobs.batch.Job.warning`, e.g. passes the 16K cap drops), shown first among its notes."""
         from flowlift.files.images import image_size
         from flowlift.progress import RunProgress, active
         from flowlift.upscale.outputs import upscale_file
@@ -347,6 +359,7 @@ class AppService:
         except ITEM_ERRORS as error:
             raise FlowliftError(public_message(error, source)) from None
         before, after = preview_pair(image, result)
+        notes = [warning, *notes] if warning else notes
         return UpscaleResult(out, before, after, image.size, result.size, time.perf_counter() - started, notes)
 
     def check_image(self, path: str | Path | None) -> str:
@@ -404,9 +417,10 @@ class AppService:
             (job,) = plan.jobs
             out = self.named_by_vae(job.output, vae)
             if out is None:
-                raise FlowliftError(f"{source.name}: {strip_folders(job.note, [source.parent, folder])}")
+                note = strip_folders(job.note, [source.parent, folder])
+                raise FlowliftError(note if note.startswith(source.name) else f"{source.name}: {note}")
             pipeline = self.pipeline(vae, latent)
-            result = self.upscale_into(source, out, settings, plan.sizes, pipeline, (vae, latent))
+            result = self.upscale_into(source, out, settings, plan.sizes, pipeline, (vae, latent), job.warning)
             result.seconds = run.state().elapsed  # the request's wall time, loading the models included
             entry.request = result.log_request()
         return result
