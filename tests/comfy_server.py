@@ -223,6 +223,7 @@ def write_models_and_inputs(root: Path, shared: Path) -> None:
     Image.fromarray(drifted).save(inputs / "upscaled.png")
     example.resize((IMAGE_W - 3, IMAGE_H)).save(inputs / "odd_size.png")
     source.resize((BIG_W, BIG_H), Image.LANCZOS).save(inputs / "big.png")
+    source.resize((2064, 32), Image.LANCZOS).save(inputs / "wide.png")  # 8x would pass 16384 px; 4x fits
     gen = torch.Generator().manual_seed(5)
     shapes = (("big_flux2.latent", (1, 128, 48, 48)), ("sd15.latent", (1, 4, 8, 8)), ("refine.latent", REFINE_LATENT))
     for name, shape in shapes:

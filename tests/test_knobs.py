@@ -345,10 +345,10 @@ SEED_VARIANTS = [
 
 def _comfyui_door(value):
     """ComfyUI's POST /prompt handler on one FlowliftUpscaleLatent node, then ComfyUI's own ``int()``."""
-    from flowlift.comfyui.layouts import check_prompt_integers
+    from flowlift.comfyui.layouts import check_prompt_numbers
 
     request = {"prompt": {"5": {"class_type": "FlowliftUpscaleLatent", "inputs": {"seed": value, "scale": 2.0}}}}
-    seen = check_prompt_integers(request)["prompt"]["5"]["inputs"]["seed"]
+    seen = check_prompt_numbers(request)["prompt"]["5"]["inputs"]["seed"]
     if type(seen) is not int:
         assert isinstance(seen, str) and seen.startswith("FlowliftUpscaleLatent: seed must be"), seen
         with pytest.raises(ValueError):
@@ -358,14 +358,14 @@ def _comfyui_door(value):
 
 
 def check_prompt_leaves_links_alone(link) -> bool:
-    from flowlift.comfyui.layouts import check_prompt_integers
+    from flowlift.comfyui.layouts import check_prompt_numbers
 
     request = {"prompt": {"5": {"class_type": "FlowliftUpscaleLatent", "inputs": {"seed": link}}}}
-    return check_prompt_integers(request)["prompt"]["5"]["inputs"]["seed"] is link
+    return check_prompt_numbers(request)["prompt"]["5"]["inputs"]["seed"] is link
 
 
 def test_the_comfyui_prompt_check_unwraps_values_and_ignores_other_nodes_and_bodies():
-    from flowlift.comfyui.layouts import check_prompt_integers
+    from flowlift.comfyui.layouts import check_prompt_numbers
 
     request = {
         "prompt": {
@@ -376,11 +376,35 @@ def test_the_comfyui_prompt_check_unwraps_values_and_ignores_other_nodes_and_bod
             "5": "not a node",
         }
     }
-    out = check_prompt_integers(request)["prompt"]
+    out = check_prompt_numbers(request)["prompt"]
     assert out["1"]["inputs"]["seed"] == 9 and out["2"]["inputs"]["seed"].startswith("FlowliftUpscaleImage: seed")
     assert out["3"]["inputs"]["seed"] == 5.5 and out["4"]["inputs"]["strength"] == 0.5 and out["5"] == "not a node"
     for body in ({}, {"prompt": None}, {"prompt": []}, [], None, "x"):
-        assert check_prompt_integers(body) == body
+        assert check_prompt_numbers(body) == body
+
+
+@pytest.mark.parametrize(
+    ("class_type", "name", "value", "words"),
+    [
+        ("FlowliftColorFix", "strength", False, "FlowliftColorFix: strength must be"),  # ran as strength 0
+        ("FlowliftUpscaleImage", "scale", True, "FlowliftUpscaleImage: scale must be"),  # ran at 1x
+        ("FlowliftUpscaleImage", "color_fix_strength", False, "color_fix_strength must be"),
+        ("FlowliftTiledFlux2Refine", "tile_overlap", False, "tile_overlap must be"),  # overlap 0: seams
+        ("FlowliftTiledFlux2Refine", "tile_overlap", 5.5, "got 5.5"),  # was "got 5" (ComfyUI's int() first)
+    ],
+)
+def test_the_comfyui_prompt_check_refuses_bools_in_number_inputs(class_type, name, value, words):
+    from flowlift.comfyui.layouts import check_prompt_numbers
+
+    request = {"prompt": {"7": {"class_type": class_type, "inputs": {name: value}}}}
+    seen = check_prompt_numbers(request)["prompt"]["7"]["inputs"][name]
+    assert isinstance(seen, str) and words in seen, seen
+    with pytest.raises(ValueError):
+        float(seen)  # what ComfyUI then does with it: HTTP 400 carrying the line
+    kept = {"prompt": {"7": {"class_type": "FlowliftColorFix", "inputs": {"strength": 0.25}}}}
+    assert check_prompt_numbers(kept)["prompt"]["7"]["inputs"]["strength"] == 0.25  # the node checks the rest
+    overlap = {"prompt": {"7": {"class_type": "FlowliftTiledFlux2Refine", "inputs": {"tile_overlap": "32"}}}}
+    assert check_prompt_numbers(overlap)["prompt"]["7"]["inputs"]["tile_overlap"] == 32
 
 
 @pytest.mark.parametrize(("value", "expected"), SEED_VARIANTS)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import PATCHIFIED_CHANNELS, from_comfyui_latent, patchify
 from flowlift.knobs import SEED_MAX, Knob  # noqa: F401  (SEED_MAX: the seed widgets' maximum)
+from flowlift.refine.settings import TILE_OVERLAP
 from flowlift.upscale.colorfix_image import integer_scale
 from flowlift.upscale.settings import COLOR_FIX_KNOBS, UPSCALE_KNOBS
 
@@ -28,6 +29,9 @@ NODE_KNOBS: dict[str, dict[str, Knob]] = {
     },
     "FlowliftColorFix": dict(COLOR_FIX_KNOBS),
 }
+#: The inputs :func:`check_prompt_numbers` holds to their knobs: the nodes' numeric widgets, and the tiled refine's
+#: ``tile_overlap`` (a number widget; its tile size and batch are text the node parses).
+PROMPT_KNOBS: dict[str, dict[str, Knob]] = {**NODE_KNOBS, "FlowliftTiledFlux2Refine": {"tile_overlap": TILE_OVERLAP}}
 #: Every numeric widget of every node, with its (lowest, highest) value and whether it is an integer, from
 #: the knob tables: the nodes check theirs with :func:`check_numbers` before any work (ComfyUI's own min/max
 #: check lets NaN through, and a node called from Python gets no check at all). A test keeps this equal to
@@ -59,17 +63,19 @@ def check_numbers(node: str, **values: Any) -> dict[str, float | int]:
     return checked
 
 
-def check_prompt_integers(request: Any) -> Any:
-    """ComfyUI's ``POST /prompt`` body with every INT input of flowlift's nodes held to its knob's rule
-    (registered as an on-prompt handler by :mod:`flowlift.comfyui.nodes`).
+def check_prompt_numbers(request: Any) -> Any:
+    """ComfyUI's ``POST /prompt`` body with every INT input of flowlift's nodes held to its knob's rule, and no
+    bool in a FLOAT input (registered as an on-prompt handler by :mod:`flowlift.comfyui.nodes`).
 
-    ComfyUI converts an INT widget's value with ``int()`` before any node code runs (5.5 becomes 5, ``true``
-    becomes 1), so the nodes never see what was sent. Here each value is checked as the other JSON doors (the
-    web app's API, InvokeAI) check it: :meth:`~flowlift.knobs.Knob.check` with ``loose`` (an integer, a string
-    of digits, a whole float up to 2^53). A value it takes is put back as that ``int``; one it refuses is
-    replaced by its error line, which ComfyUI's ``int()`` then refuses, so the prompt is answered HTTP 400
-    with that line. (An on-prompt handler cannot refuse a prompt itself: ComfyUI logs what it raises and goes
-    on.) Linked inputs (``[node, output]``) and anything that is not a prompt are left as they are."""
+    ComfyUI converts an INT widget's value with ``int()`` and a FLOAT's with ``float()`` before any node code runs
+    (5.5 becomes 5, ``true`` becomes 1 or 1.0, ``false`` a colour fix of strength 0), so the nodes never see what
+    was sent. Here each INT value is checked as the other JSON doors (the web app's API, InvokeAI) check it:
+    :meth:`~flowlift.knobs.Knob.check` with ``loose`` (an integer, a string of digits, a whole float up to 2^53).
+    A value it takes is put back as that ``int``; one it refuses (and any bool) is replaced by its error line,
+    which ComfyUI's ``int()`` / ``float()`` then refuses, so the prompt is answered HTTP 400 with that line. (An
+    on-prompt handler cannot refuse a prompt itself: ComfyUI logs what it raises and goes on.) Other FLOAT values
+    reach the node, whose :func:`check_numbers` says what is wrong with them; linked inputs (``[node, output]``)
+    and anything that is not a prompt are left as they are."""
     prompt = request.get("prompt") if isinstance(request, dict) else None
     if not isinstance(prompt, dict):
         return request
@@ -77,12 +83,14 @@ def check_prompt_integers(request: Any) -> Any:
         if not isinstance(node, dict) or not isinstance(node.get("inputs"), dict):
             continue
         class_type, inputs = node.get("class_type"), node["inputs"]
-        for name, knob in NODE_KNOBS.get(class_type, {}).items() if isinstance(class_type, str) else ():
+        for name, knob in PROMPT_KNOBS.get(class_type, {}).items() if isinstance(class_type, str) else ():
             value = inputs.get(name)
-            if knob.kind is not int or name not in inputs or isinstance(value, list):
+            if name not in inputs or isinstance(value, list):
                 continue
             if isinstance(value, dict) and "__value__" in value:  # ComfyUI's wrapped widget value
                 value = value["__value__"]
+            if knob.kind is not int and not isinstance(value, bool):
+                continue
             try:
                 inputs[name] = knob.check(value, label=f"{class_type}: {name}", loose=True)
             except FlowliftError as error:

@@ -25,14 +25,14 @@ ensure_model_folders()
 
 def register_prompt_check() -> None:
     """Hold the INT inputs of flowlift's nodes to their knobs' rule where a prompt arrives
-    (:func:`flowlift.comfyui.layouts.check_prompt_integers`), once per server."""
+    (:func:`flowlift.comfyui.layouts.check_prompt_numbers`), once per server."""
     from server import PromptServer
 
-    from flowlift.comfyui.layouts import check_prompt_integers
+    from flowlift.comfyui.layouts import check_prompt_numbers
 
     server = getattr(PromptServer, "instance", None)
-    if server is not None and check_prompt_integers not in server.on_prompt_handlers:
-        server.add_on_prompt_handler(check_prompt_integers)
+    if server is not None and check_prompt_numbers not in server.on_prompt_handlers:
+        server.add_on_prompt_handler(check_prompt_numbers)
 
 
 register_prompt_check()

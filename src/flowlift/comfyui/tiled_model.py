@@ -107,6 +107,10 @@ class TiledModelFunction:
             raise FlowliftError(
                 f"{self.where}: needs FLUX.2 latents (batch, {PATCHIFIED_CHANNELS}, h, w), got {tuple(x.shape)}"
             )
+        if not bool(torch.isfinite(x).all()):  # one NaN spreads to every tile: an all-NaN LATENT, status success
+            raise FlowliftError(
+                f"{self.where}: the sampler's latents hold NaN/Inf; check the node that made the LATENT it samples"
+            )
         frame = (2 * x.shape[2], 2 * x.shape[3])  # flowlift's latent pixels (1/8 of the image)
         batch = x.shape[0]
 
@@ -123,7 +127,10 @@ class TiledModelFunction:
         if frame not in self.logged:
             self.logged.add(frame)
             log.info("flowlift: %s", tiling_line(frame, record))
-        return patchify(tiled(unpatchify(x), timestep))
+        blended = patchify(tiled(unpatchify(x), timestep))
+        if not bool(torch.isfinite(blended).all()):
+            raise FlowliftError(f"{self.where}: the model's output holds NaN/Inf (weights that overflow in its dtype?)")
+        return blended
 
     def call_shape(self, latent_shape: Sequence[int]) -> list[int]:
         """The largest input one model call gets for a ComfyUI latent of ``latent_shape`` (B, 128, h, w): a tile

@@ -29,6 +29,7 @@ from flowlift.flux2.latents import bn_std as batch_norm_std
 from flowlift.limits import vae_kind
 from flowlift.models.vae_names import NAMED_VAES
 from flowlift.models.weights import check_finite_result
+from flowlift.upscale.interrupts import checked_modules
 
 #: ComfyUI FLUX.2 decodes above this many output pixels go through ComfyUI's tiled decode.
 TILED_DECODE_PIXELS = 2048 * 2048
@@ -124,10 +125,19 @@ class FlowliftLatentModel(torch.nn.Module):
         self.adapter = adapter
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        return patchify(check_finite_result(self.adapter.encode(images), f"VAE Encode: {self._name()}'s encoder"))
+        with self._interruptible():
+            encoded = self.adapter.encode(images)
+        return patchify(check_finite_result(encoded, f"VAE Encode: {self._name()}'s encoder"))
 
     def decode(self, samples: torch.Tensor) -> torch.Tensor:
-        return check_finite_result(self.adapter.decode(unpatchify(samples)), f"VAE Decode: {self._name()}'s decoder")
+        with self._interruptible():
+            decoded = self.adapter.decode(unpatchify(samples))
+        return check_finite_result(decoded, f"VAE Decode: {self._name()}'s decoder")
+
+    def _interruptible(self) -> Any:
+        """ComfyUI's interrupt asked before every layer (one call of a 16K Mage-VAE decode runs for minutes: the
+        stop came only at the next node), as the upscale nodes ask it (:mod:`flowlift.upscale.interrupts`)."""
+        return checked_modules(mm.throw_exception_if_processing_interrupted, [self.adapter.model])
 
     def _name(self) -> str:
         return NAMED_VAES[vae_kind(self.adapter)].title

@@ -22,6 +22,7 @@ __all__ = [
     "MAX_OUTPUT_SIDE",
     "RESIZE_MODES",
     "allowed_passes",
+    "PassesDropped",
     "capped_passes",
     "dropped_passes_message",
     "image_seeds",
@@ -138,6 +139,16 @@ def dropped_passes_message(
     )
 
 
+class PassesDropped(UserWarning):
+    """The warning of :func:`capped_passes` (:func:`dropped_passes_message`); ``refusal`` is the same news as one
+    error line naming the largest scale that fits, for a door that refuses instead of running fewer passes (the
+    ComfyUI nodes, whose users never see a warning: ``warnings.simplefilter("error", PassesDropped)``)."""
+
+    def __init__(self, message: str, refusal: str) -> None:
+        super().__init__(message)
+        self.refusal = refusal
+
+
 def capped_passes(
     height: int, width: int, num_passes: int, resize_mode: str, max_side: int, stacklevel: int = 2
 ) -> int:
@@ -155,7 +166,11 @@ def capped_passes(
                 f"exceed MAX_OUTPUT_SIDE={max_side} px"
             )
         message = dropped_passes_message(width, height, num_passes, passes, resize_mode, max_side)
-        warnings.warn(message, UserWarning, stacklevel=stacklevel)
+        refusal = (
+            f"Flow Upscaler: scale {2**num_passes} on a {width}x{height} image would exceed {max_side} px a side; "
+            f"choose a scale of at most {2**passes}"
+        )
+        warnings.warn(PassesDropped(message, refusal), stacklevel=stacklevel)
     return passes
 
 
