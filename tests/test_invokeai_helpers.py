@@ -294,3 +294,49 @@ def test_the_seed_fields_take_the_seed_rule_before_pydantic(sent, expected):
     else:
         got = node.model_validate_json('{"seed": ' + sent + "}").seed
         assert got == expected and type(got) is int
+
+
+@pytest.mark.parametrize(
+    ("kind", "sent", "expected"),
+    [
+        ("Number", "2", 2.0),
+        ("Number", "true", None),
+        ("Number", "false", None),
+        ("Count", "3", 3),
+        ("Count", "true", None),
+        ("Number", '"2"', 2.0),
+    ],
+)
+def test_the_number_fields_refuse_bools_before_pydantic(kind, sent, expected):
+    """``"scale": true`` ran at 1x, a tiled denoise ``"strength": true`` redrew the whole image: pydantic's float and
+    int take a bool as 1 or 0."""
+    from pydantic import Field, ValidationError, create_model
+
+    node = create_model("Node", value=(getattr(latents, kind), Field(default=1, ge=0, le=8)))
+    if expected is None:
+        with pytest.raises(ValidationError, match="a number is needed, got " + sent):
+            node.model_validate_json('{"value": ' + sent + "}")
+    else:
+        got = node.model_validate_json('{"value": ' + sent + "}").value
+        assert got == expected and type(got) is type(expected)
+
+
+def test_a_latent_upscaler_file_is_checked_at_once_and_every_failure_reads_the_same(tmp_path):
+    """The SesquiLSR field told a caller a server file's size, that it existed, and another network's tensor names,
+    and a missing file passed unnoticed at 2x (where SesquiLSR does not run)."""
+    from sesqui_reference import save_random_sesqui
+
+    (tmp_path / "good").mkdir()
+    good = save_random_sesqui(tmp_path / "good")
+    sparse = tmp_path / "big.safetensors"
+    with open(sparse, "wb") as handle:
+        handle.truncate(1 << 40)
+    (tmp_path / "profile").write_text("export X=1\n")
+    flow = save_tiny_unet(tmp_path / "flow_upscaler.safetensors")
+    for path in (tmp_path / "none.safetensors", sparse, tmp_path / "profile", flow, tmp_path):
+        with pytest.raises(FlowliftError) as refused:
+            files.checked_sesqui_spec(f"sesqui:{path}", shown=f"sesqui:{path}")
+        assert str(refused.value) == f"SesquiLSR: cannot use sesqui:{path}: {files.SESQUI_FILE.expected}"
+    with pytest.raises(FlowliftError, match="SesquiLSR: cannot use spandrel:x"):
+        files.checked_sesqui_spec("spandrel:x", shown="spandrel:x")
+    assert files.checked_sesqui_spec(f"sesqui:{good}", shown="mine") == f"sesqui:{os.path.realpath(good)}"

@@ -71,6 +71,14 @@ MAGE_SAFETENSORS = WeightKind(
     f"expected Mage-VAE's weights: one .safetensors file as released (student.dconv_encoder.* and pipeline.* "
     f"tensors), {_LIMITS.format(mib=2 << 10)}, 'mage' or a Hugging Face repo id",
 )
+#: SesquiLSR: one small .safetensors file (~3M float32 parameters, 12.5 MB; 256 MiB leaves room).
+SESQUI_FILE = WeightKind(
+    "SesquiLSR",
+    (".safetensors",),
+    256 << 20,
+    f"expected SesquiLSR's weights: sesqui:PATH to its .safetensors file (upscaler_Flux2.safetensors as released), "
+    f"{_LIMITS.format(mib=256)}, or an installed SesquiLSR model",
+)
 #: What a flowlift-run VAE source can be, by the declaration's name (flowlift.models.vae_names).
 NATIVE_VAE_FILES = {"taef2": (TAEF2_PTH, TAEF2_SAFETENSORS), "mage": (MAGE_SAFETENSORS, MAGE_SAFETENSORS)}
 
@@ -176,6 +184,20 @@ def check_weight_file(path: str | os.PathLike, kind: WeightKind, shown: str | No
     if not os.access(real, os.R_OK) or not _header_fits(real, suffix, info.st_size):
         raise refusal(kind, shown)
     return Path(real)
+
+
+def checked_sesqui_spec(spec: str, shown: str) -> str:
+    """``sesqui:PATH`` with PATH's file checked as a :data:`SESQUI_FILE` (:func:`check_weight_file`) and its tensors
+    SesquiLSR's (:func:`flowlift.upscale.latent_fraction.find_sesqui`), as ``sesqui:REAL_PATH``; every failure is
+    the one :func:`refusal` line naming ``shown`` (never the file's size, its tensors or whether it exists)."""
+    from flowlift.upscale.latent_fraction import find_sesqui, sesqui_path
+
+    try:
+        path = check_weight_file(sesqui_path(spec), SESQUI_FILE, shown=shown)
+        find_sesqui(f"sesqui:{path}")
+    except (FlowliftError, OSError, ValueError):
+        raise refusal(SESQUI_FILE, shown) from None
+    return f"sesqui:{path}"
 
 
 def file_digest(path: str | os.PathLike, should_stop: Callable[[], None] | None = None) -> str:

@@ -90,3 +90,17 @@ def seed_field_value(value: Any) -> int:
 
 #: The nodes' seed fields' type: an ``int`` that :func:`seed_field_value` checks before pydantic's coercion.
 Seed = Annotated[int, BeforeValidator(seed_field_value)]
+
+
+def not_a_bool(value: Any) -> Any:
+    """A number field's value, unless it is ``true``/``false``: pydantic's ``float`` and ``int`` take a bool as 1 or
+    0 (``"scale": true`` ran at 1x, ``"strength": true`` redrew the whole image); the ValueError is InvokeAI's HTTP
+    422 naming the field."""
+    if isinstance(value, bool):
+        raise ValueError(f"a number is needed, got {str(value).lower()}")
+    return value
+
+
+#: The nodes' number fields' types (their range and grid from the knob, :func:`flowlift.invokeai.nodes.knob_field`).
+Number = Annotated[float, BeforeValidator(not_a_bool)]
+Count = Annotated[int, BeforeValidator(not_a_bool)]

@@ -35,7 +35,10 @@ from invokeai.invocation_api import (
 
 from flowlift.devices import resolve_device
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
+from flowlift.invokeai.files import checked_sesqui_spec
 from flowlift.invokeai.latents import (
+    Count,
+    Number,
     Seed,
     check_output_cap,
     check_raw_latents,
@@ -143,10 +146,14 @@ LATENT_UPSCALER_DESCRIPTION = (
 
 def latent_upscaler_spec(context: InvocationContext, field: ModelIdentifierField | None, text: str) -> str | None:
     """The pipeline's ``latent_upscaler``: the installed SesquiLSR (``sesqui:`` its file) when ``field`` names one,
-    else the text field's ``sesqui:PATH`` (checked by the knob when the pipeline is made), None when empty."""
-    if field is not None:
-        return f"sesqui:{installed_model_path(context, field, '')}"
-    return text.strip() or None
+    else the text field's ``sesqui:PATH``, None when empty. Whatever the scale (2x does not run it), the file is
+    checked at once as the other weight fields are (:func:`~flowlift.invokeai.files.check_weight_file`, then its
+    tensors): every failure is the same line, which says nothing of a server file it is not (its size, its
+    tensors' names, that it exists)."""
+    spec = f"sesqui:{installed_model_path(context, field, '')}" if field is not None else text.strip() or None
+    if spec is None:
+        return None
+    return checked_sesqui_spec(spec, shown=field.name if field is not None else text.strip())
 
 
 @invocation(
@@ -173,9 +180,9 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
     )
     upscaler_model: ModelIdentifierField | None = installed_model_field("Flow Upscaler", "Flow Upscaler")
     upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
-    scale: float = knob_field(SCALE, SCALE_DESCRIPTION)
+    scale: Number = knob_field(SCALE, SCALE_DESCRIPTION)
     seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
-    transplant_strength: float = knob_field(TRANSPLANT_STRENGTH, TRANSPLANT_DESCRIPTION)
+    transplant_strength: Number = knob_field(TRANSPLANT_STRENGTH, TRANSPLANT_DESCRIPTION)
     chunked: Chunking = knob_field(CHUNKED, CHUNKED_DESCRIPTION)
     latent_upscaler_model: ModelIdentifierField | None = installed_model_field("SesquiLSR", "Latent upscaler")
     latent_upscaler: str = InputField(default="", title="Latent upscaler", description=LATENT_UPSCALER_DESCRIPTION)
@@ -205,6 +212,7 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
                 memory=MemoryPolicy(chunked=chunked_flag(self.chunked)),
                 channels_last=False,
                 on_strip=progress.strip,
+                check_interrupt=progress.check_cancel,  # before every layer: a cancel mid-pass stops within seconds
             )
             latents = raw_to_normalized(raw, vae.bn_mean, vae.bn_std)
             if passes:
@@ -255,10 +263,10 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
     )
     upscaler_model: ModelIdentifierField | None = installed_model_field("Flow Upscaler", "Flow Upscaler")
     upscaler: str = InputField(default=DEFAULT_UPSCALER, title="Flow Upscaler", description=UPSCALER_DESCRIPTION)
-    scale: float = knob_field(SCALE, SCALE_DESCRIPTION)
+    scale: Number = knob_field(SCALE, SCALE_DESCRIPTION)
     seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
-    transplant_strength: float = knob_field(TRANSPLANT_STRENGTH, TRANSPLANT_DESCRIPTION)
-    color_fix_strength: float = knob_field(
+    transplant_strength: Number = knob_field(TRANSPLANT_STRENGTH, TRANSPLANT_DESCRIPTION)
+    color_fix_strength: Number = knob_field(
         COLOR_FIX_STRENGTH,
         "Stage 2 colour fix: how much of the input's colour and tone (L*a*b* low band) to restore",
     )
@@ -298,6 +306,7 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
                 memory=MemoryPolicy(chunked=chunked_flag(self.chunked)),
                 channels_last=False,
                 on_strip=progress.strip,
+                check_interrupt=progress.check_cancel,  # before every layer, strip and tile: encode and decode too
                 latent_upscaler=spec,
             )
             progress.begin("encode")
@@ -328,7 +337,7 @@ class ColourFixInvocation(BaseInvocation, WithMetadata, WithBoard):
 
     image: ImageField = InputField(description="The upscaled image")
     reference: ImageField = InputField(description="The original it was upscaled from")
-    strength: float = knob_field(
+    strength: Number = knob_field(
         COLOR_FIX_KNOBS["strength"], "Share of the colour/tone difference removed (1 = all of it)"
     )
 
@@ -376,11 +385,11 @@ class TiledFlux2DenoiseInvocation(BaseInvocation):
         description="The FLUX.2 VAE the latents belong to (for its BatchNorm statistics)",
         input=Input.Connection,
     )
-    strength: float = knob_field(REFINE_STRENGTH, "How much the refine changes the latents (img2img strength)")
-    num_steps: int = knob_field(STEPS, "Steps of the full schedule (distilled Klein: 4)")
+    strength: Number = knob_field(REFINE_STRENGTH, "How much the refine changes the latents (img2img strength)")
+    num_steps: Count = knob_field(STEPS, "Steps of the full schedule (distilled Klein: 4)")
     seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
     tile_size: str = _text_knob_field(TILE_SIZE, TILE_SIZE.help[:1].upper() + TILE_SIZE.help[1:])
-    tile_overlap: int = knob_field(TILE_OVERLAP)
+    tile_overlap: Count = knob_field(TILE_OVERLAP)
     tile_batch: str = _text_knob_field(TILE_BATCH, TILE_BATCH.help[:1].upper() + TILE_BATCH.help[1:])
 
     @torch.no_grad()
