@@ -203,3 +203,47 @@ def test_the_app_refuses_a_model_file_that_is_no_transformer_at_start_up(files, 
     assert main(["app", "--model", garbage, "--upscaler", unet, "--vae", taef2]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "--model " in err and "not a readable safetensors file" in err, err
+
+
+def test_the_two_upscalers_files_swapped_say_which_is_which(files):
+    """A ComfyUI user picks from one folder holding both: the line listed 166 missing and 80 unexpected tensors."""
+    for load in (load_upscaler, check_upscaler_file):
+        line = _refusal(load, files / "upscaler_Flux2.safetensors")
+        assert line.endswith(
+            "this file is SesquiLSR (a latent upscaler for factors in [1, 2]), not the Flow Upscaler: "
+            "give it as the latent upscaler (sesqui:PATH)"
+        ), line
+    for load in (load_sesqui_lsr, check_sesqui_file):
+        line = _refusal(load, files / "flow_upscaler.safetensors")
+        assert line.endswith(
+            "this file is the Flow Upscaler (the 2x-pass UNet), not SesquiLSR: give it as the upscaler"
+        )
+
+
+def test_a_truncated_or_foreign_checkpoint_says_so_in_words_a_user_can_act_on(files, shared, tmp_path):
+    from flowlift.models.weights import read_state_dict
+
+    truncated = tmp_path / "taef2_decoder.pth"
+    truncated.write_bytes((shared / "models" / "taef2" / "taef2_decoder.pth").read_bytes()[:100_000])
+    text = tmp_path / "notes.pth"
+    text.write_text("101 not a checkpoint\n")
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes((files / "flow_upscaler.safetensors").read_bytes()[:5000])
+    for path, kind in (
+        (truncated, "PyTorch tensor checkpoint"),
+        (text, "PyTorch tensor checkpoint"),
+        (cut, "safetensors file"),
+    ):
+        line = _refusal(lambda p: read_state_dict(p, what="TAEF2"), path)
+        assert line == f"TAEF2: cannot read {path}: not a complete {kind} (truncated, corrupt, or another format)"
+
+
+def test_a_prompt_with_a_model_folder_without_a_text_encoder_names_both_fixes(model_dir):
+    from flowlift.refine.prompts import PromptEncoder
+
+    with pytest.raises(FlowliftError) as caught:
+        PromptEncoder(str(model_dir), device="cpu", dtype=torch.float32)
+    assert str(caught.value) == (
+        f"source.model {model_dir} has no text_encoder/ folder to embed the prompt with; "
+        "give prompt embeddings (prompt.embeds) instead"
+    )

@@ -305,6 +305,11 @@ def _fitting_meta_model(state: dict[str, torch.Tensor], path: Path) -> SesquiLSR
     with torch.device("meta"):
         model = SesquiLSR()
     problem = state_dict_mismatch(model, state) or dtype_mismatch(model, state)
+    if problem and "in_conv.weight" in state and "head_conv.0.weight" not in state:  # the other upscaler's file
+        raise FlowliftError(
+            f"{WHAT} from {path}: this file is the Flow Upscaler (the 2x-pass UNet), not SesquiLSR: give it as the "
+            "upscaler"
+        )
     if problem:
         raise FlowliftError(f"{WHAT} from {path} do not match the FLUX.2 SesquiLSR network: {problem}")
     return model

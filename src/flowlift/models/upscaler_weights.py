@@ -88,6 +88,11 @@ def _fitting_meta_model(state: Mapping[str, torch.Tensor], metadata: Mapping[str
     with torch.device("meta"):
         model = FlowUpscalerUNet(**config)
     problem = state_dict_mismatch(model, state) or dtype_mismatch(model, state)
+    if problem and "head_conv.0.weight" in state and "in_conv.weight" not in state:  # the other upscaler's file
+        raise FlowliftError(
+            f"{WHAT} from {path}: this file is SesquiLSR (a latent upscaler for factors in [1, 2]), not the Flow "
+            "Upscaler: give it as the latent upscaler (sesqui:PATH)"
+        )
     if problem:
         raise FlowliftError(f"{WHAT} from {path} does not match the architecture: {problem}")
     return model

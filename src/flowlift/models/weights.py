@@ -158,16 +158,25 @@ def read_state_dict(path: str | os.PathLike, *, what: str = "weights") -> dict[s
                 state = torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         if "global" not in str(error).lower():  # no code object refused: a corrupt or non-pickle file
-            detail = [line for line in str(error).splitlines() if line.strip()][-2:-1] or ["unpickling failed"]
-            raise FlowliftError(f"{what}: cannot read {path}: not a tensor checkpoint ({detail[0][:120]})") from None
+            raise FlowliftError(
+                f"{what}: cannot read {path}: not a complete PyTorch tensor checkpoint (truncated, corrupt, or "
+                "another format)"
+            ) from None
         # torch's own message advises weights_only=False, i.e. running the file's code: never.
         raise FlowliftError(
             f"{what}: {path} is a pickle that holds more than tensors; flowlift reads only safetensors or plain "
             "tensor state dicts (torch.load(weights_only=True)), because unpickling anything else can run "
             "arbitrary code. Convert it to safetensors from a trusted source."
         ) from None
-    except Exception as error:  # noqa: BLE001 - any reader failure is a bad file to the user
-        raise FlowliftError(f"{what}: cannot read {path}: {str(error).splitlines()[0][:200]}") from None
+    except OSError as error:  # the file itself: permissions, a vanished file, an I/O error
+        raise FlowliftError(f"{what}: cannot read {path}: {error.strerror or error}") from None
+    except Exception:  # noqa: BLE001 - any reader failure is a bad file to the user
+        # the readers' own words (a KeyError('101'), "incomplete metadata, file not fully covered", torch's advice
+        # cut mid-sentence) name nothing a user can act on
+        kind = "safetensors file" if path.suffix.lower() == ".safetensors" else "PyTorch tensor checkpoint"
+        raise FlowliftError(
+            f"{what}: cannot read {path}: not a complete {kind} (truncated, corrupt, or another format)"
+        ) from None
     if isinstance(state, Mapping) and "state_dict" in state and isinstance(state["state_dict"], Mapping):
         state = state["state_dict"]
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):

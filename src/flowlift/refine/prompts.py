@@ -63,6 +63,12 @@ class PromptEncoder:
 
         from flowlift.models.hub import hub_offline_reason
 
+        if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "text_encoder", "config.json")):
+            raise FlowliftError(  # diffusers' own line lists the pipeline class's expected parts
+                f"{FIELD_MARK} {model} has no text_encoder/ folder to embed the prompt with; give prompt embeddings "
+                f"({FIELD_MARK}) instead",
+                field=("source.model", "prompt.embeds"),
+            )
         cache_only = not os.path.exists(model) and hub_offline_reason() is not None  # no retries when unreachable
         bar = diffusers_logging.is_progress_bar_enabled()
         diffusers_logging.disable_progress_bar()  # its "Loading pipeline components" bar would break one-line errors
