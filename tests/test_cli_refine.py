@@ -301,7 +301,7 @@ def test_tile_options_in_every_mode_and_the_metadata(capsys, tmp_path, model_dir
     for extra, message in [
         (["--tile-size", "40"], "argument --tile-size: tile size must be a multiple of 16"),
         (["--tile-overlap", "8"], "argument --tile-overlap: tile overlap must be a multiple of 16"),
-        (["--tile-batch", "0"], "argument --tile-batch: tile batch must be an integer in [1, inf] or auto"),
+        (["--tile-batch", "0"], "argument --tile-batch: tile batch must be an integer >= 1 or auto"),
     ]:
         with pytest.raises(SystemExit) as exit_info:  # argparse: one error line, exit 2
             main([str(a) for a in [*never, *extra, "-o", tmp_path / "x.png"]])

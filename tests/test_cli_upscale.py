@@ -191,8 +191,9 @@ def test_image_too_wide_for_any_pass_is_refused_in_one_line(tmp_path, shared, we
     rc = main(["upscale", str(tmp_path / "wide.png"), "-o", str(tmp_path / "out"), *_common(shared, weights)])
     err = capsys.readouterr().err
     assert rc == 1 and "Traceback" not in err
-    refused = [line for line in _error_lines(err) if "MAX_OUTPUT_SIDE=16384" in line]
+    refused = [line for line in _error_lines(err) if "16384 px cap a side" in line]
     assert len(refused) == 1 and "8200x8 image cannot be upscaled" in refused[0]
+    assert "every scale runs a first 2x pass" in refused[0] and "inputs up to 8192 px a side" in refused[0]
     assert not (tmp_path / "out" / "wide_x2.png").exists()
 
 

@@ -138,8 +138,12 @@ def test_every_numeric_input_refuses_non_finite_out_of_range_and_non_numbers(nod
 def test_nan_pixels_and_latents_are_one_clear_error():
     image = torch.rand(1, 8, 8, 3)
     image[0, 3, 4, 1] = math.nan
-    with pytest.raises(FlowliftError, match=r"^FlowliftColorFix image contains non-finite values \(NaN/Inf\)$"):
-        L.image_to_nchw(image, "FlowliftColorFix image")
+    with pytest.raises(
+        FlowliftError,
+        match=r"^FlowliftColorFix: the image input contains non-finite values \(NaN/Inf\); check the node that "
+        r"produced it$",
+    ):
+        L.image_to_nchw(image, "FlowliftColorFix: the image input")
     samples = torch.zeros(1, 128, 4, 4)
     samples[0, 5, 1, 1] = math.inf
     with pytest.raises(FlowliftError, match="FlowliftUpscaleLatent: the LATENT contains non-finite values"):

@@ -170,7 +170,7 @@ def test_the_patched_model_equals_refine_cores_tiled_velocity_on_the_same_inputs
             "tile size must be an integer in [32, 16384] and a multiple of 16 or auto or off, got 'big'",
         ),
         ("64", 64, "auto", "tile overlap 64 px must be smaller than the tile (64 px); give a smaller tile overlap"),
-        ("64", 32, "0", "tile batch must be an integer in [1, inf] or auto, got '0'"),
+        ("64", 32, "0", "tile batch must be an integer >= 1 or auto, got '0'"),
     ],
 )
 def test_a_bad_tile_knob_fails_that_prompt_with_one_line_and_the_next_prompt_runs(

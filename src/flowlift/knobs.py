@@ -142,6 +142,8 @@ class Knob:
         opening, closing = "(" if self.low_open else "[", ")" if self.high_open else "]"
         multiple = f" and a multiple of {self.multiple}" if self.multiple else ""
         kind = "an integer " if self.kind is int else ""
+        if self.high is None and self.low is not None:  # "in [1, inf]" reads as if inf were a value
+            return f"{kind or 'a number '}{'>' if self.low_open else '>='} {low}{multiple}{words}{none}"
         return f"{kind}in {opening}{low}, {high}{closing}{multiple}{words}{none}"
 
     def _error(self, label: str, value: Any) -> FlowliftError:

@@ -101,7 +101,7 @@ def check_prompt_numbers(request: Any) -> Any:
 def check_finite_tensor(tensor: torch.Tensor, what: str) -> None:
     """One error line unless every value of an input tensor is finite (NaN/Inf would come out as black)."""
     if not bool(torch.isfinite(tensor).all()):
-        raise FlowliftError(f"{what} contains non-finite values (NaN/Inf)")
+        raise FlowliftError(f"{what} contains non-finite values (NaN/Inf); check the node that produced it")
 
 
 def image_to_nchw(image: torch.Tensor, what: str = "image") -> torch.Tensor:

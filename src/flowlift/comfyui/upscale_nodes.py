@@ -299,7 +299,7 @@ class FlowliftUpscaleImage(io.ComfyNode):
             transplant_strength=transplant_strength,
             color_fix_strength=color_fix_strength,
         )
-        images = layouts.image_to_nchw(image, "FlowliftUpscaleImage")
+        images = layouts.image_to_nchw(image, "FlowliftUpscaleImage: the image input")
         spec = latent_upscaler_spec(latent_upscaler)
         passes, size = image_plan(
             checked.pop("scale"), images.shape[-1], images.shape[-2], fraction_last=spec is not None
@@ -346,8 +346,10 @@ class FlowliftColorFix(io.ComfyNode):
     def execute(cls, image: torch.Tensor, reference: torch.Tensor, strength: float) -> io.NodeOutput:
         strength = layouts.check_numbers("FlowliftColorFix", strength=strength)["strength"]
         device = mm.get_torch_device()
-        images = layouts.image_to_nchw(image, "FlowliftColorFix image").to(device)
-        ref = layouts.matched_reference(images, layouts.image_to_nchw(reference, "FlowliftColorFix reference"))
+        images = layouts.image_to_nchw(image, "FlowliftColorFix: the image input").to(device)
+        ref = layouts.matched_reference(
+            images, layouts.image_to_nchw(reference, "FlowliftColorFix: the reference input")
+        )
         mm.throw_exception_if_processing_interrupted()
         result = lab_lowband_transplant(
             images, ref.to(device), strength, on_strip=mm.throw_exception_if_processing_interrupted

@@ -71,8 +71,8 @@ class ComfyFlux2VAE:
             ratio, tile_above_pixels = 2 * self.spatial_factor, None
         if channels != PATCHIFIED_CHANNELS or ratio != 2 * self.spatial_factor:
             raise FlowliftError(
-                f"the Flow Upscaler needs a FLUX.2 VAE (128-channel latents at 1/16 size) or TAEF2, got a VAE with "
-                f"{channels} latent channels at 1/{ratio} size"
+                "the Flow Upscaler needs a FLUX.2-latent VAE (128-channel latents at 1/16 size: the FLUX.2 VAE, "
+                f"TAEF2 or Mage-VAE), got a VAE with {channels} latent channels at 1/{ratio} size"
             )
         self.vae = vae
         self.device = torch.device(device)

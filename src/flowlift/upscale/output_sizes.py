@@ -64,7 +64,13 @@ class OutputSizes:
 
     def _sized(self, path: Path, width: int, height: int) -> tuple[int, tuple[int, int], str | None, Any]:
         from flowlift.upscale.latent_fraction import fraction_passes
-        from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, dropped_passes_message, planned_passes, upscaled_size
+        from flowlift.upscale.sizes import (
+            MAX_OUTPUT_SIDE,
+            dropped_passes_message,
+            no_pass_fits,
+            planned_passes,
+            upscaled_size,
+        )
 
         try:
             target = None if self.asked.power_of_two else self.asked.target(width, height)
@@ -79,10 +85,7 @@ class OutputSizes:
             asked = self.asked.passes if target is None else self.asked.passes_for(width, height)
         run = planned_passes(height, width, asked, self.resize_mode, MAX_OUTPUT_SIDE)
         if run == 0 and not fraction:
-            raise FlowliftError(
-                f"{path}: a {width}x{height} image cannot be upscaled: one 2x pass would exceed "
-                f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px"
-            )
+            raise FlowliftError(f"{path}: {no_pass_fits(width, height)}")
         note = None
         if run < asked:
             note = dropped_passes_message(width, height, asked, run, self.resize_mode)

@@ -24,6 +24,7 @@ __all__ = [
     "allowed_passes",
     "PassesDropped",
     "capped_passes",
+    "no_pass_fits",
     "dropped_passes_message",
     "image_seeds",
     "output_scale",
@@ -139,6 +140,14 @@ def dropped_passes_message(
     )
 
 
+def no_pass_fits(width: int, height: int, max_side: int = MAX_OUTPUT_SIDE) -> str:
+    """Why an image cannot be upscaled at all, any scale (1.5 too: every scale runs one 2x pass first)."""
+    return (
+        f"a {width}x{height} image cannot be upscaled: every scale runs a first 2x pass, which would pass the "
+        f"{max_side} px cap a side (MAX_OUTPUT_SIDE); inputs up to {max_side // 2} px a side can be"
+    )
+
+
 class PassesDropped(UserWarning):
     """The warning of :func:`capped_passes` (:func:`dropped_passes_message`); ``refusal`` is the same news as one
     error line naming the largest scale that fits, for a door that refuses instead of running fewer passes (the
@@ -161,10 +170,7 @@ def capped_passes(
     passes = planned_passes(height, width, num_passes, resize_mode, max_side)
     if passes < num_passes:
         if passes == 0:
-            raise FlowliftError(
-                f"Flow Upscaler: a {width}x{height} image cannot be upscaled: one 2x pass would "
-                f"exceed MAX_OUTPUT_SIDE={max_side} px"
-            )
+            raise FlowliftError(f"Flow Upscaler: {no_pass_fits(width, height, max_side)}")
         message = dropped_passes_message(width, height, num_passes, passes, resize_mode, max_side)
         refusal = (
             f"Flow Upscaler: scale {2**num_passes} on a {width}x{height} image would exceed {max_side} px a side; "
