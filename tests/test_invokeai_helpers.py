@@ -340,3 +340,31 @@ def test_a_latent_upscaler_file_is_checked_at_once_and_every_failure_reads_the_s
     with pytest.raises(FlowliftError, match="SesquiLSR: cannot use spandrel:x"):
         files.checked_sesqui_spec("spandrel:x", shown="spandrel:x")
     assert files.checked_sesqui_spec(f"sesqui:{good}", shown="mine") == f"sesqui:{os.path.realpath(good)}"
+
+
+@pytest.mark.parametrize(
+    ("knob", "sent", "ok"),
+    [
+        ("TILE_SIZE", "auto", True),
+        ("TILE_SIZE", "512", True),
+        ("TILE_SIZE", "no", False),
+        ("TILE_SIZE", "0", False),
+        ("TILE_SIZE", "", False),
+        ("TILE_BATCH", "auto", True),
+        ("TILE_BATCH", "4", True),
+        ("TILE_BATCH", "0", False),
+        ("TILE_BATCH", "off", False),
+    ],
+)
+def test_the_tiled_denoise_text_fields_are_checked_as_the_graph_arrives(knob, sent, ok):
+    """``"tile_size": "no"`` passed InvokeAI's 422 check and failed only when the node ran, after its upstream nodes."""
+    from pydantic import ValidationError, create_model
+
+    from flowlift.refine import settings
+
+    node = create_model("Node", value=(latents.knob_text(getattr(settings, knob)), "auto"))
+    if ok:
+        assert node.model_validate({"value": sent}).value == sent
+    else:
+        with pytest.raises(ValidationError, match=getattr(settings, knob).name + " must be"):
+            node.model_validate({"value": sent})

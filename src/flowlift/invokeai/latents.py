@@ -16,6 +16,7 @@ from pydantic import BeforeValidator
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR, denormalize, normalize
+from flowlift.knobs import Knob
 from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, planned_passes, upscaled_size
 
 
@@ -104,3 +105,18 @@ def not_a_bool(value: Any) -> Any:
 #: The nodes' number fields' types (their range and grid from the knob, :func:`flowlift.invokeai.nodes.knob_field`).
 Number = Annotated[float, BeforeValidator(not_a_bool)]
 Count = Annotated[int, BeforeValidator(not_a_bool)]
+
+
+def knob_text(knob: Knob) -> Any:
+    """A text field's type for a number knob that also takes words (``tile_size``: px, auto or off): the text
+    checked by the knob (``loose``) as the graph arrives, so ``"no"`` or ``"0"`` is InvokeAI's HTTP 422 naming the
+    field, not a failure after the upstream nodes ran; the node parses the text it gets as before."""
+
+    def checked(value: Any) -> Any:
+        try:
+            knob.check(value, loose=True)
+        except FlowliftError as error:
+            raise ValueError(str(error)) from None
+        return value
+
+    return Annotated[str, BeforeValidator(checked)]

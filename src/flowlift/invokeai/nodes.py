@@ -42,6 +42,7 @@ from flowlift.invokeai.latents import (
     Seed,
     check_output_cap,
     check_raw_latents,
+    knob_text,
     normalized_to_raw,
     raw_to_normalized,
 )
@@ -353,9 +354,14 @@ class ColourFixInvocation(BaseInvocation, WithMetadata, WithBoard):
         return ImageOutput.build(context.images.save(image=fixed))
 
 
+#: The tiled denoise's text fields' types: checked by their knobs as the graph arrives.
+TileSizeText = knob_text(TILE_SIZE)
+TileBatchText = knob_text(TILE_BATCH)
+
+
 def _text_knob_field(knob: Knob, description: str) -> Any:
     """A text field for a number knob that also takes words (``tile_size``: px, auto or off): its default and
-    its domain in words; the value is checked by the tiling parse when the node runs."""
+    its domain in words; its type (:func:`~flowlift.invokeai.latents.knob_text`) checks the value as it arrives."""
     return InputField(default=str(knob.default), description=f"{description} ({knob.describe()})")
 
 
@@ -388,9 +394,9 @@ class TiledFlux2DenoiseInvocation(BaseInvocation):
     strength: Number = knob_field(REFINE_STRENGTH, "How much the refine changes the latents (img2img strength)")
     num_steps: Count = knob_field(STEPS, "Steps of the full schedule (distilled Klein: 4)")
     seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
-    tile_size: str = _text_knob_field(TILE_SIZE, TILE_SIZE.help[:1].upper() + TILE_SIZE.help[1:])
+    tile_size: TileSizeText = _text_knob_field(TILE_SIZE, TILE_SIZE.help[:1].upper() + TILE_SIZE.help[1:])
     tile_overlap: Count = knob_field(TILE_OVERLAP)
-    tile_batch: str = _text_knob_field(TILE_BATCH, TILE_BATCH.help[:1].upper() + TILE_BATCH.help[1:])
+    tile_batch: TileBatchText = _text_knob_field(TILE_BATCH, TILE_BATCH.help[:1].upper() + TILE_BATCH.help[1:])
 
     @torch.no_grad()
     def invoke(self, context: InvocationContext) -> LatentsOutput:
