@@ -75,6 +75,22 @@ def test_a_command_that_owns_its_process_runs_with_the_collector_on_and_the_impo
     assert gc.isenabled()
 
 
+def _interrupt_and_read(server: subprocess.Popen) -> tuple[int | None, str]:
+    """SIGINT to the app (unless it already ended), its exit code within STOP_S (None: killed after) and its log."""
+    code = None
+    try:
+        if server.poll() is None:
+            server.send_signal(signal.SIGINT)
+        code = server.wait(timeout=STOP_S)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+    server.log_file.seek(0)
+    log = server.log_file.read()
+    server.log_file.close()
+    return code, log
+
+
 def test_the_app_exits_on_sigint_after_a_request_loaded_its_models(tmp_path, shared):
     from gradio_client import Client, handle_file
     from PIL import Image
@@ -86,17 +102,8 @@ def test_the_app_exits_on_sigint_after_a_request_loaded_its_models(tmp_path, sha
     try:
         Client(url, verbose=False).predict(handle_file(str(tmp_path / "in.png")), 2, 0, 1.0, 1.0, api_name="/upscale")
         began = time.monotonic()
-        server.send_signal(signal.SIGINT)
-        code = server.wait(timeout=STOP_S)
-    except subprocess.TimeoutExpired:
-        code = None
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
-        server.log_file.seek(0)
-        log = server.log_file.read()
-        server.log_file.close()
+        code, log = _interrupt_and_read(server)
     assert code == 130, f"exit {code} ({STOP_S} s after SIGINT):\n{log}"
     assert "flowlift app: interrupted" in log and "ok" in log
     print(f"flowlift app exited {time.monotonic() - began:.1f} s after SIGINT")  # the figure, never asserted
@@ -121,16 +128,7 @@ def test_the_app_stops_a_running_request_on_sigint_and_exits_130(tmp_path, share
         while not (job.status().progress_data or job.done()) and time.monotonic() < deadline:
             time.sleep(0.2)  # until the request reports its first stage: it is running
         assert not job.done(), "the request ended before the test could stop it"
-        server.send_signal(signal.SIGINT)
-        code = server.wait(timeout=STOP_S)
-    except subprocess.TimeoutExpired:
-        code = None
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
-        server.log_file.seek(0)
-        log = server.log_file.read()
-        server.log_file.close()
+        code, log = _interrupt_and_read(server)
     assert code == 130, f"exit {code}:\n{log}"
     assert "the server is stopping" in log and "terminate called" not in log, log

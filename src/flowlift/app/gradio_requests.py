@@ -55,3 +55,12 @@ def progress_adapter(progress: Any, stop: StopCheck) -> Callable[[float, str], N
         progress(min(max(fraction, 0.0), 1.0), desc=description)
 
     return report
+
+
+def run_stoppable(service: Any, call: Callable[..., Any], arguments: tuple, progress: Any) -> Any:
+    """``call(*arguments, progress=...)`` (a service handler) as one of the page's requests: it waits for the
+    request before it and stops when this one is stopped (:meth:`AppService.one_run`, :func:`event_stop_check`), its
+    reports on Gradio's bar ``progress``."""
+    stop = event_stop_check()
+    with service.one_run(stop):
+        return call(*arguments, progress=progress_adapter(progress, stop))

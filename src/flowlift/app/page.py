@@ -28,7 +28,7 @@ from typing import Any
 
 from flowlift.app.controls import image_input, knob_number, knob_slider, result_column, seed_number
 from flowlift.app.detail import INPUT_FILTERS, ZOOMS, detail_html, detail_view, overview_to_output
-from flowlift.app.gradio_requests import event_stop_check, progress_adapter, upload_path
+from flowlift.app.gradio_requests import run_stoppable, upload_path
 from flowlift.app.progress import RequestStopped
 from flowlift.app.results import PREVIEW_MAX_SIDE, first_line
 from flowlift.app.service import AppService
@@ -143,18 +143,9 @@ def _handlers(gr: Any, service: AppService) -> SimpleNamespace:
         progress=stage_progress,
     ):
         try:
-            source, stop = upload_path(image), event_stop_check()
-            with service.one_run(stop):
-                result = service.upscale(
-                    source,
-                    scale,
-                    seed,
-                    transplant_strength,
-                    color_fix_strength,
-                    vae,
-                    latent_upscaler,
-                    progress=progress_adapter(progress, stop),
-                )
+            source = upload_path(image)
+            values = (source, scale, seed, transplant_strength, color_fix_strength, vae, latent_upscaler)
+            result = run_stoppable(service, service.upscale, values, progress)
         except Exception as error:  # noqa: BLE001 - every failure becomes a visible message, the server stays up
             raise _as_user_error(gr, error) from None
         for warning in result.warnings:
@@ -198,18 +189,9 @@ def _handlers(gr: Any, service: AppService) -> SimpleNamespace:
         progress=stage_progress,
     ):
         try:
-            paths, stop = [upload_path(f) for f in (files or [])], event_stop_check()
-            with service.one_run(stop):
-                result = service.batch(
-                    paths,
-                    scale,
-                    seed,
-                    transplant_strength,
-                    color_fix_strength,
-                    vae,
-                    latent_upscaler,
-                    progress=progress_adapter(progress, stop),
-                )
+            paths = [upload_path(f) for f in (files or [])]
+            values = (paths, scale, seed, transplant_strength, color_fix_strength, vae, latent_upscaler)
+            result = run_stoppable(service, service.batch, values, progress)
         except Exception as error:  # noqa: BLE001
             raise _as_user_error(gr, error) from None
         return (str(result.zip_path) if result.zip_path else None), result.summary()

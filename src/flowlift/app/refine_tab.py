@@ -14,7 +14,7 @@ import html
 from typing import Any
 
 from flowlift.app.controls import image_input, knob_number, knob_slider, result_column, seed_number
-from flowlift.app.gradio_requests import event_stop_check, progress_adapter, upload_path
+from flowlift.app.gradio_requests import run_stoppable, upload_path
 from flowlift.app.refine import MODES, mode_strength_default
 from flowlift.app.results import UpscaleResult, model_name
 from flowlift.app.service import AppService
@@ -73,23 +73,9 @@ def _handler(gr: Any, service: AppService, as_user_error: Any) -> Any:
         progress=stage_progress,
     ):
         try:
-            source, embeds_path, stop = upload_path(image), upload_path(embeds), event_stop_check()
-            with service.one_run(stop):
-                result = refine(
-                    service,
-                    source,
-                    prompt,
-                    embeds_path,
-                    mode,
-                    strength,
-                    strength_map,
-                    steps,
-                    seed,
-                    sampler,
-                    tile_size,
-                    tile_overlap,
-                    progress=progress_adapter(progress, stop),
-                )
+            form = (mode, strength, strength_map, steps, seed, sampler, tile_size, tile_overlap)
+            values = (service, upload_path(image), prompt, upload_path(embeds), *form)
+            result = run_stoppable(service, refine, values, progress)
         except Exception as error:  # noqa: BLE001 - every failure becomes a visible message
             raise as_user_error(gr, error) from None
         return (result.before, result.after), str(result.output), result.summary()
