@@ -193,3 +193,13 @@ def test_a_negative_value_gets_the_equals_form_and_a_bad_budget_its_option(tmp_p
     with pytest.raises(SystemExit):
         main(["upscale", str(tmp_path / "p.png"), "-o"])
     assert "starts with '-'" not in _one_line(capsys, "upscale")  # no value at all: no such hint
+
+
+def test_a_size_off_the_16_px_grid_names_the_nearest_on_it():
+    from flowlift.errors import FlowliftError
+    from flowlift.refine.settings import check_txt2img_size
+
+    with pytest.raises(FlowliftError, match=r"got 4097x3; crop or resize the image to 4096x16$"):
+        check_txt2img_size(4097, 3, "image")
+    with pytest.raises(FlowliftError, match=r"got 1000x1000; e.g. 992x992$"):
+        check_txt2img_size(1000, 1000)

@@ -99,8 +99,12 @@ def check_txt2img_size(width: int, height: int, field: str = "size") -> None:
     if not all(isinstance(side, int) and not isinstance(side, bool) for side in sides):
         raise FlowliftError(f"{field} must be two integers (width, height) in px, got {sides!r}", field=field)
     if min(sides) < PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height % PIXEL_MULTIPLE:
+        near = [max(PIXEL_MULTIPLE, round(side / PIXEL_MULTIPLE) * PIXEL_MULTIPLE) for side in sides]
+        fix = "crop or resize the image to" if field == "image" else "e.g."
         raise FlowliftError(
-            f"{field} sides must be positive multiples of {PIXEL_MULTIPLE} px, got {width}x{height}", field=field
+            f"{field} sides must be positive multiples of {PIXEL_MULTIPLE} px, got {width}x{height}; "
+            f"{fix} {near[0]}x{near[1]}",
+            field=field,
         )
     if max(sides) > MAX_OUTPUT_SIDE:
         raise FlowliftError(
