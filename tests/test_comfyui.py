@@ -478,6 +478,17 @@ def test_a_scale_past_the_output_cap_fails_the_node_naming_the_largest_that_fits
     assert text == "Flow Upscaler: scale 8 on a 2064x32 image would exceed 16384 px a side; choose a scale of at most 4"
 
 
+def test_each_upscale_nodes_scale_tooltip_says_its_own_rule(server):
+    """The latent node's tooltip said any factor runs the fewest passes and resamples: latents refuse that."""
+    from flowlift.upscale.settings import SCALE
+
+    def tooltip(node):
+        return server.object_info[node]["input"]["required"]["scale"][1]["tooltip"]
+
+    assert tooltip("FlowliftUpscaleImage") == SCALE.help
+    assert tooltip("FlowliftUpscaleLatent").startswith("output size / input size: 2, 4 or 8 run whole 2x passes")
+
+
 def test_interrupt_stops_a_flowlift_vae_decode_within_seconds(server):
     """ComfyUI's VAEDecode with a VAE from flowlift's TAEF2 loader ran a 3072 px decode to its end (67 s) after an
     interrupt, which took effect only at the next node; the adapter now asks ComfyUI before every layer."""

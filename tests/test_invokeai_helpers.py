@@ -368,3 +368,8 @@ def test_the_tiled_denoise_text_fields_are_checked_as_the_graph_arrives(knob, se
     else:
         with pytest.raises(ValidationError, match=getattr(settings, knob).name + " must be"):
             node.model_validate({"value": sent})
+
+
+def test_a_latent_scale_a_hair_off_two_is_shown_as_it_came():
+    with pytest.raises(FlowliftError, match=r"got 2\.0000000000000004; choose a latent upscaler"):
+        choices.latent_plan(2.0000000000000004, 8, 8)

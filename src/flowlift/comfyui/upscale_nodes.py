@@ -134,22 +134,31 @@ def run_logging_warnings(fn: Callable[[], Any]) -> Any:
     return result
 
 
-def knob_input(name: str, knob: Knob, **extra: Any) -> io.Input:
+def knob_input(name: str, knob: Knob, tooltip: str | None = None, **extra: Any) -> io.Input:
     """A ComfyUI V3 widget from a knob of the tables: INT/FLOAT with its default, min, max and step, or a combo
-    of its choices (labelled as the node packs show them), with the knob's help as tooltip."""
+    of its choices (labelled as the node packs show them), with the knob's help as tooltip (``tooltip``: a node's
+    own words where its rule is narrower than the knob's)."""
+    tooltip = knob.help if tooltip is None else tooltip
     if knob.choices:
         options = [knob.label(choice) for choice in knob.choices]
-        return io.Combo.Input(name, options=options, default=knob.label(knob.default), tooltip=knob.help, **extra)
+        return io.Combo.Input(name, options=options, default=knob.label(knob.default), tooltip=tooltip, **extra)
     widget = io.Int if knob.kind is int else io.Float
     return widget.Input(
-        name, default=knob.default, min=knob.low, max=knob.high, step=knob.step, tooltip=knob.help, **extra
+        name, default=knob.default, min=knob.low, max=knob.high, step=knob.step, tooltip=tooltip, **extra
     )
 
 
-def upscaler_inputs() -> list[io.Input]:
-    """Widgets shared by both upscale nodes, in their saved order."""
+#: The latent node's scale: the knob's help says what the image doors do with any factor, which latents cannot.
+LATENT_SCALE_HELP = (
+    "output size / input size: 2, 4 or 8 run whole 2x passes; any other factor in [1, 8] needs a latent upscaler "
+    "(SesquiLSR): the passes below it, then SesquiLSR to the size flowlift's hires fix refines at"
+)
+
+
+def upscaler_inputs(scale_help: str | None = None) -> list[io.Input]:
+    """Widgets shared by both upscale nodes, in their saved order (``scale_help``: the scale's own tooltip)."""
     return [
-        knob_input("scale", SCALE),
+        knob_input("scale", SCALE, scale_help),
         # the pack's frontend extension (web/) starts "control after generate" at "fixed"
         knob_input("seed", SEED, control_after_generate=True),
         knob_input("transplant_strength", TRANSPLANT_STRENGTH),
@@ -197,7 +206,7 @@ class FlowliftUpscaleLatent(io.ComfyNode):
             inputs=[
                 UPSCALER.Input("upscaler"),
                 io.Latent.Input("samples"),
-                *upscaler_inputs(),
+                *upscaler_inputs(LATENT_SCALE_HELP),
                 knob_input("chunked", CHUNKED),
                 latent_upscaler_input("only 2, 4 and 8"),
                 io.Vae.Input(

@@ -47,8 +47,11 @@ def latent_plan(
     if asked.power_of_two:
         return asked.passes, None
     if not fraction_last:
+        shown = (
+            f"{asked.scale:g}" if float(f"{asked.scale:g}") == asked.scale else repr(asked.scale)
+        )  # 2.0000000000000004
         raise FlowliftError(
-            f"a latent upscale runs whole 2x passes (scale 2, 4 or 8), got {asked.scale:g}; choose a latent upscaler "
+            f"a latent upscale runs whole 2x passes (scale 2, 4 or 8), got {shown}; choose a latent upscaler "
             "(SesquiLSR) for any other factor, or upscale the image",
             field="latent_upscaler",
         )
