@@ -132,11 +132,12 @@ class TestEvalCache:
 
 def stub_comfy(monkeypatch) -> None:
     """Just enough of ComfyUI's module names for :mod:`flowlift.comfyui.vae_adapters` to import; the class under
-    test (what ComfyUI's VAEEncode / VAEDecode call on a flowlift VAE) uses none of them."""
+    test (what ComfyUI's VAEEncode / VAEDecode call on a flowlift VAE) uses only the interrupt check (never set)."""
     comfy = types.ModuleType("comfy")
     names = ("model_management", "model_patcher", "sd", "taesd", "taesd.taesd")
     parts = {name: types.ModuleType(f"comfy.{name}") for name in names}
     parts["sd"].VAE = type("VAE", (), {})
+    parts["model_management"].throw_exception_if_processing_interrupted = lambda: None
     parts["taesd.taesd"].TAESD = type("TAESD", (), {})
     monkeypatch.setitem(sys.modules, "comfy", comfy)
     for name, module in parts.items():
