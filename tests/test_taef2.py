@@ -238,3 +238,10 @@ def test_module_spec_and_unknown_module(pth_states):
     assert isinstance(vae, TAEF2VAE) and vae.model is model
     with pytest.raises(FlowliftError, match="TAEF2 or MageVAEModel or a diffusers AutoencoderKLFlux2"):
         load_vae(torch.nn.Linear(2, 2))
+
+
+def test_a_missing_half_names_its_file():
+    from flowlift.models.taef2 import TAEF2
+
+    with pytest.raises(FlowliftError, match=r"this TAEF2 has no decoder: .* put taef2_decoder\.pth beside it"):
+        TAEF2._need(None, "decoder")

@@ -208,7 +208,11 @@ def plan_targets(targets: Sequence[Target]) -> list[Job]:
         elif key == path.resolve() or same_file(out, path):  # by identity too: a hard link, a linked folder
             jobs.append(Job.refusal(path, f"output {out} would overwrite the input; choose another -o"))
         elif key in taken:
-            jobs.append(Job.refusal(path, f"output {out} is also the output of {taken[key]}; use separate folders"))
+            jobs.append(
+                Job.refusal(
+                    path, f"output {out} is also the output of {taken[key]}; rename one, or use separate folders"
+                )
+            )
         else:
             if out.parent not in writable:
                 writable[out.parent] = folder_problem(out.parent)

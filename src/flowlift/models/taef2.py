@@ -336,7 +336,10 @@ class TAEF2(nn.Module):
         if part is None:
             from flowlift.errors import FlowliftError
 
-            raise FlowliftError(f"this TAEF2 has no {name} (only the other half was loaded)")
+            raise FlowliftError(
+                f"this TAEF2 has no {name}: only the other half was loaded; put taef2_{name}.pth beside it "
+                "(TAEF2 is two files, taef2_encoder.pth and taef2_decoder.pth, in one folder)"
+            )
         return part
 
 
