@@ -57,3 +57,21 @@ def test_events_name_the_stage_and_the_time_left(node_progress):
     context.canceled = True
     with pytest.raises(CanceledException):
         progress.stage("decode")
+
+
+def test_decode_tiles_move_the_bar_and_are_cancel_points(node_progress):
+    """The image node reported nothing inside its decode: a 107 s decode showed 'about 5.1 s left' and a cancel
+    waited for its end."""
+    context = Context()
+    progress = node_progress(context, "Flow Upscale Image (FLUX.2)", 3, [1.0, 4.0, 4.0])
+    progress.stage("encode")
+    progress.stage("pass 1/1")
+    progress.tile(1, 4)
+    progress.tile(2, 4)
+    texts = [text for text, _ in context.events]
+    assert any("tile 1/4" in text for text in texts) and any("tile 2/4" in text for text in texts)
+    shares = [share for _, share in context.events]
+    assert shares == sorted(shares) and shares[-1] == pytest.approx(5 / 9 + 4 / 9 * 2 / 4)
+    context.canceled = True
+    with pytest.raises(CanceledException):
+        progress.tile(3, 4)

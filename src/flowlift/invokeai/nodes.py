@@ -319,6 +319,7 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
                 color_fix_strength=self.color_fix_strength,
                 output_type="pil",
                 callback=progress.stage,
+                on_decode_tile=progress.tile,
                 output_size=size,
             )
         return ImageOutput.build(context.images.save(image=result))
