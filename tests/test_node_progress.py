@@ -69,7 +69,7 @@ def test_decode_tiles_move_the_bar_and_are_cancel_points(node_progress):
     progress.tile(1, 4)
     progress.tile(2, 4)
     texts = [text for text, _ in context.events]
-    assert any("tile 1/4" in text for text in texts) and any("tile 2/4" in text for text in texts)
+    assert any("decode, tile 1/4" in text for text in texts) and any("decode, tile 2/4" in text for text in texts)
     shares = [share for _, share in context.events]
     assert shares == sorted(shares) and shares[-1] == pytest.approx(5 / 9 + 4 / 9 * 2 / 4)
     context.canceled = True

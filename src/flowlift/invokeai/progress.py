@@ -57,17 +57,17 @@ class NodeProgress:
 
     def strip(self, done: int, total: int) -> None:
         """After each row strip of a chunked pass (the executor's ``on_strip``)."""
-        self._step("strip", done, total)
+        self.check_cancel()
+        self.parts.strip(done, total)
+        self._signal(f"{self.parts.name(self.parts.done)}, strip {done}/{total}")
 
     def tile(self, done: int, total: int) -> None:
         """After each tile of the VAE's decode (the pipeline's ``on_decode_tile``): a long decode moves the bar and
-        its time left, where the estimate was the passes' rate."""
-        self._step("tile", done, total)
-
-    def _step(self, unit: str, done: int, total: int) -> None:
+        its time left, where the estimate was the passes' rate. The last tile is said by the stage's "decode done"."""
         self.check_cancel()
         self.parts.strip(done, total)
-        self._signal(f"{self.parts.name(self.parts.done)}, {unit} {done}/{total}")
+        if done < total:
+            self._signal(f"decode, tile {done}/{total}")
 
     def stage(self, finished: str = "") -> None:
         """After each stage (the pipeline's ``callback``)."""
