@@ -163,6 +163,32 @@ class TestComfyUIVAE:
         with pytest.raises(FlowliftError, match=r"^VAE Decode: Mage-VAE's decoder gave (NaN|Inf)"):
             hot.decode(samples)  # a finite LATENT from elsewhere: the decode itself overflows
 
+    def test_an_interrupt_is_asked_before_every_layer_of_an_encode_and_a_decode(self, vae_files, monkeypatch):
+        """A 3072 px decode through flowlift's VAE loaders ran to its end after ComfyUI's interrupt; the adapter now
+        asks ComfyUI's check before each layer, so the run ends at the layer where the interrupt is seen."""
+        stub_comfy(monkeypatch)
+        import comfy.model_management as mm
+
+        from flowlift.comfyui.vae_adapters import FlowliftLatentModel
+
+        model = FlowliftLatentModel(load_vae(vae_files[0]))
+        images = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+        samples = model.encode(images)
+        for call in (lambda: model.encode(images), lambda: model.decode(samples)):
+            asked: list[int] = []
+
+            def interrupted_at_the_fifth(asked=asked):
+                asked.append(1)
+                if len(asked) == 5:
+                    raise InterruptedError
+
+            monkeypatch.setattr(mm, "throw_exception_if_processing_interrupted", interrupted_at_the_fifth)
+            with pytest.raises(InterruptedError):
+                call()
+            assert len(asked) == 5  # raised from inside the model's layers, and it stopped there
+            monkeypatch.setattr(mm, "throw_exception_if_processing_interrupted", lambda: None)
+            call()  # the hooks are gone after an interrupted run: the next one runs to its end
+
 
 class TestInvokeAILatents:
     def test_a_non_finite_latent_input_is_one_line(self):
