@@ -7,7 +7,8 @@ that was not what was asked, or failed only after a model loaded; each is refuse
 * ``img2img --outpaint ""`` ran a plain img2img;
 * ``--negative-prompt`` at the default ``--cfg-scale 1`` was ignored without a word, and ``--cfg-scale 1e30`` ran to
   an image of overflow;
-* ``bands`` on 128 px images failed after its VAE loaded ("holds no frequency"), and ``--max-side 64`` passed its check.
+* ``bands`` on 128 px images failed after its VAE loaded ("holds no frequency"), and ``--max-side 64`` passed its check;
+  under 16 px a side it ended in a ZeroDivisionError traceback.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def test_a_report_is_never_written_into_the_folder_it_reads(tmp_path, shared, sp
     assert sorted(p.name for p in photos.iterdir()) == ["p0.png", "p1.png"]
 
 
-@pytest.mark.parametrize(("side", "max_side"), [(128, None), (512, 128)])
+@pytest.mark.parametrize(("side", "max_side"), [(128, None), (15, None), (8, None), (512, 128)])
 def test_bands_refuses_images_too_small_for_a_band_before_its_vae_loads(tmp_path, shared, side, max_side, capsys):
     photos = _photos(tmp_path / "ds", side=side, count=1)
     argv = ["bands", str(photos), "--vae", str(shared / "models" / "taef2"), "-o", str(tmp_path / "r"), "--no-progress"]

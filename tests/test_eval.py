@@ -1,5 +1,6 @@
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -9,12 +10,13 @@ from PIL import Image
 
 from builders import kodak_crops, save_tiny_unet
 from flowlift.commands.cli import main
-from flowlift.errors import FlowliftError
+from flowlift.errors import FlowliftError, FlowliftWarning
 from flowlift.measure import cache as C
 from flowlift.measure import evaluate as E
 from flowlift.measure import inputs as IN
 from flowlift.measure import methods as MT
 from flowlift.measure import metrics as M
+from flowlift.measure import pairs as P
 from flowlift.measure import report as R
 
 
@@ -55,7 +57,7 @@ def test_parse_methods():
         ("lanczos:seed=1", "bad option"),
         ("flow:strength=1", "bad option"),
         ("flow:transplant=2", r"\[0, 1\]"),
-        ("flow:seed=x", "number"),
+        ("flow:seed=x", "seed must be an integer in"),
         ("bicubic,bicubic", "twice"),
         (",", "no methods"),
     ]:
@@ -109,6 +111,14 @@ def test_summarize_worst_rules():
     mean, worst = E.summarize(per_image)
     assert mean == {"cast_r": -0.5, "psnr_input": 35.0, "sharpness": 4.0, "l1": 0.2}
     assert worst == {"cast_r": -2.0, "psnr_input": 30.0, "sharpness": 3.0, "l1": 0.3}
+
+
+def test_summarize_takes_every_images_metrics():
+    # a 2x pair first, a same-size pair second: l1 was left out of the summary (keys from the first image)
+    per_image = {"a": {"psnr_input": 40.0}, "b": {"psnr_input": 30.0, "l1": 0.25, "identical_pct": 10.0}}
+    mean, worst = E.summarize(per_image)
+    assert mean == {"psnr_input": 35.0, "l1": 0.25, "identical_pct": 10.0}
+    assert worst == {"psnr_input": 30.0, "l1": 0.25, "identical_pct": 10.0}
 
 
 def test_run_methods_table_json_figures_and_cache(photos, tmp_path):
@@ -182,7 +192,8 @@ def test_pairs_mode_identical_and_shifted(photos, tmp_path):
         shifted = np.clip(a + (3 if p.stem != "kodim07" else 0), 0, 255).astype(np.uint8)
         Image.fromarray(shifted).save(outs / f"{p.stem}.png")
     (outs / "unpaired.png").write_bytes((outs / "kodim03.png").read_bytes())
-    report = E.evaluate_pairs([outs], photos, box=(0, 0, 32, 32))
+    with pytest.warns(FlowliftWarning, match=r"1 output\(s\) left out, each without a reference .*: unpaired.png"):
+        report = P.evaluate_pairs([outs], photos, box=(0, 0, 32, 32))
     res = report.results["outputs"]
     assert set(res) == {"kodim03", "kodim07", "kodim23"} and report.config["unpaired_outputs"] == ["unpaired"]
     same = res["kodim07"]
@@ -195,7 +206,7 @@ def test_pairs_mode_identical_and_shifted(photos, tmp_path):
     other.mkdir()
     (other / "zzz.png").write_bytes((outs / "kodim03.png").read_bytes())
     with pytest.raises(FlowliftError, match="no output file"):
-        E.evaluate_pairs([outs], other)
+        P.evaluate_pairs([outs], other)
 
 
 def test_cli_pairs_and_errors(photos, tmp_path, capsys):
@@ -219,6 +230,12 @@ def test_cli_pairs_and_errors(photos, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| outputs | mean |" in printed and "SSIM gt" in printed
     assert sorted(p.name for p in out.iterdir()) == ["crops.png", "metrics.png", "results.json", "table.md"]
+    # strict JSON: the identical images' infinite PSNRs as "inf" (a bare Infinity is refused by other parsers)
+    data = json.loads((out / "results.json").read_text(), parse_constant=lambda word: pytest.fail(word))
+    assert (
+        data["summary"]["outputs"]["mean"]["psnr_gt"] == "inf"
+        and float(data["images"]["outputs"]["kodim03"]["psnr_y"]) == math.inf
+    )
 
     bad = tmp_path / "bad"
     for argv, msg in [
@@ -229,6 +246,15 @@ def test_cli_pairs_and_errors(photos, tmp_path, capsys):
         (["eval", str(photos), "-o", str(bad)], "--reference"),
         (["eval", "--run", "lanczos", "--dataset", str(tmp_path / "none"), "-o", str(bad)], "no such"),
         (["eval", "--run", "lanczos", "--dataset", str(photos), "--box", "0,0,999,999", "-o", str(bad)], "not inside"),
+        # options of --run given with OUTPUTS --reference were ignored without a word
+        (["eval", str(photos), "--reference", str(photos), "--limit", "1", "-o", str(bad)], "--limit goes with --run"),
+        (["eval", str(photos), "--reference", str(photos), "--scale", "3", "-o", str(bad)], "--scale goes with --run"),
+        (
+            ["eval", str(photos), "--reference", str(photos), "--dataset", str(photos), "--no-cache", "-o", str(bad)],
+            "--dataset, --no-cache go with --run",
+        ),
+        (["eval", str(photos), "--reference", str(photos), "--vae", "taef2", "-o", str(bad)], "--vae goes with"),
+        (["eval", str(photos), "--reference", str(photos), "--save-outputs", "-o", str(bad)], "--save-outputs goes"),
     ]:
         assert main(argv + ["--no-progress"]) == 2
         err = capsys.readouterr().err.strip()
@@ -257,6 +283,46 @@ def test_pairs_that_are_not_an_integer_upscale_are_refused(tmp_path, capsys, out
     assert not report.exists()
 
 
+@pytest.mark.parametrize(
+    ("truth_size", "message"),
+    [((63, 48), "but its ground truth .* is 63x48"), ((64, 48), None)],
+)
+def test_pairs_ground_truth_sizes_checked_before_measuring(tmp_path, capsys, monkeypatch, truth_size, message):
+    """A ground truth of another size, or an output too small for SSIM-Y at its shave, is one line naming the
+    file before any image is measured (both were found mid-run, without a path)."""
+    rng = np.random.default_rng(0)
+    small_b = message is None  # a.png is fine: b.png (16 px wide at 4x: 4 px off each border) too small for SSIM-Y
+    sizes = {  # (w, h) of a.png and b.png in each folder, every output 4x its reference
+        "outs": [(64, 48), (16, 64) if small_b else (64, 64)],
+        "refs": [(16, 12), (4, 16) if small_b else (16, 16)],
+        "gts": [truth_size, (16, 64) if small_b else (64, 64)],
+    }
+    for folder, pair in sizes.items():
+        (tmp_path / folder).mkdir()
+        for name, (w, h) in zip(("a.png", "b.png"), pair, strict=True):
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(tmp_path / folder / name)
+    if small_b:
+        message = r"b.png: 16x64 is too small for SSIM-Y: 19 px a side at least .* without --ground-truth"
+    monkeypatch.setattr(E, "measure", lambda *a, **k: pytest.fail("measured before the sizes were checked"))
+    monkeypatch.setattr(P, "measure", lambda *a, **k: pytest.fail("measured before the sizes were checked"))
+    argv = ["eval", str(tmp_path / "outs"), "--reference", str(tmp_path / "refs")]
+    assert main(argv + ["--ground-truth", str(tmp_path / "gts"), "-o", str(tmp_path / "r"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err and re.search(message, err), err
+    assert not (tmp_path / "r").exists()
+
+
+def test_pairs_with_transparent_pixels_say_so(tmp_path):
+    rng = np.random.default_rng(0)
+    for folder in ("outs", "refs"):
+        (tmp_path / folder).mkdir()
+    rgba = rng.integers(0, 256, (48, 64, 4), dtype=np.uint8)
+    Image.fromarray(rgba[..., :3]).save(tmp_path / "refs" / "a.png")
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "outs" / "a.png")
+    with pytest.warns(FlowliftWarning, match="a.png: has transparent pixels"):
+        P.evaluate_pairs([tmp_path / "outs"], tmp_path / "refs", figure_images=0)
+
+
 def test_pairs_at_an_integer_scale_including_1x_are_measured(tmp_path):
     rng = np.random.default_rng(0)
     for folder in ("outs", "refs"):
@@ -265,7 +331,7 @@ def test_pairs_at_an_integer_scale_including_1x_are_measured(tmp_path):
     Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(tmp_path / "refs" / "b.png")
     Image.fromarray(rng.integers(0, 256, (144, 192, 3), dtype=np.uint8)).save(tmp_path / "outs" / "a_x3.png")
     Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(tmp_path / "outs" / "b.png")
-    report = E.evaluate_pairs([tmp_path / "outs"], tmp_path / "refs", figure_images=0)
+    report = P.evaluate_pairs([tmp_path / "outs"], tmp_path / "refs", figure_images=0)
     assert sorted(report.results["outputs"]) == ["a", "b"] and "l1" in report.results["outputs"]["b"]
 
 

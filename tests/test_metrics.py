@@ -80,6 +80,11 @@ def test_drift_area_downsamples_the_output():
     up = np.repeat(np.repeat(ref, 4, axis=0), 4, axis=1)
     d = M.drift_at_input_scale(up, ref)
     assert d["psnr_input"] > 100 and abs(d["cast_r"]) < 1e-4
+    # exactly: the blocks are the reference's pixels, so inf (a float32 downsample measured 159 dB)
+    u8 = (ref * 255).round().astype(np.uint8)
+    for factor in (2, 4, 8):
+        blocks = np.repeat(np.repeat(u8, factor, axis=0), factor, axis=1)
+        assert M.drift_at_input_scale(blocks, u8)["psnr_input"] == math.inf
     # a checkerboard of +-0.1 on the 4x output averages out at input scale
     checker = (np.indices(up.shape[:2]).sum(axis=0) % 2 * 2 - 1)[..., None] * 0.04
     d2 = M.drift_at_input_scale(up + checker, ref)

@@ -159,7 +159,7 @@ def test_eval_of_pairs_applies_the_rule_to_its_reports(tmp_path, replace_case, p
     out = tmp_path / "report"
     outputs = eval_reference / "outputs"
     argv = command_line("eval", outputs / "lanczos", reference=outputs / "inputs", no_progress=True, output=out)
-    refuse = _fail("flowlift.measure.evaluate.evaluate_pairs")
+    refuse = _fail("flowlift.measure.pairs.evaluate_pairs")
     replace_case("eval", argv, out, name, kind, False, own=eval_reference, no_work=refuse)
 
 

@@ -1,7 +1,8 @@
 """Image files in, the package's one place for reading pixels with Pillow.
 
 * :func:`load_image` opens a file as an 8-bit RGB image plus its alpha channel (if any): EXIF
-  orientation applied, palette/grayscale/CMYK/16-bit modes converted, and every failure (missing,
+  orientation applied, palette/grayscale/CMYK/16-bit modes converted (16-bit colour rounded to 8 bits:
+  :mod:`flowlift.files.deep_images`), and every failure (missing,
   not an image, truncated, decompression bomb) raised as one :class:`FlowliftError` line.
 * :data:`IMAGE_SUFFIXES` lists every format the loader reads; multi-frame files (GIF, APNG, TIFF pages)
   use their first frame, with one warning. :func:`list_images` expands files, folders and patterns.
@@ -25,6 +26,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from flowlift.errors import FlowliftError, FlowliftWarning
 from flowlift.files.atomic import is_temporary
+from flowlift.files.deep_images import DEEP_FALLBACK, is_deep_colour, read_deep_colour
 
 #: Formats the loader reads, by suffix: everything common that Pillow opens as a still or first frame
 #: (AVIF and JPEG 2000 only where this Pillow was built with them). Folders are listed by these.
@@ -163,9 +165,14 @@ def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None
                 if frames > 1 and opened.format != "MPO":  # MPO: a JPEG with a preview/depth frame attached
                     warnings.warn(f"{path}: has {frames} frames, only the first is used", UserWarning, stacklevel=2)
                 _check_pixels(path, *opened.size)
-                opened.load()
-                image = ImageOps.exif_transpose(opened)
-                rgb, alpha = rgb_and_alpha(image)
+                deep = read_deep_colour(path, opened) if is_deep_colour(opened) else None
+                if deep is not None:  # 16 bits a channel: rounded, where Pillow would truncate
+                    rgb, alpha = deep
+                else:
+                    if is_deep_colour(opened):
+                        warnings.warn(f"{path}: {DEEP_FALLBACK}", FlowliftWarning, stacklevel=2)
+                    opened.load()
+                    rgb, alpha = rgb_and_alpha(ImageOps.exif_transpose(opened))
     except FlowliftError as error:
         text = str(error)
         raise FlowliftError(text if text.startswith(str(path)) else f"{path}: {text}") from None

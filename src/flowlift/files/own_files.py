@@ -12,6 +12,8 @@ metadata, a safetensors file's metadata. Every command checks all its names with
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -66,6 +68,27 @@ def json_object(path: Path, limit: int = _HEAD_BYTES) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
+
+
+#: How a JSON report spells the floats JSON has no number for (an identical image's PSNR is ``inf``).
+NON_FINITE_TEXT = {math.inf: "inf", -math.inf: "-inf"}
+
+
+def report_json(value: Any) -> bytes:
+    """``value`` as strict JSON (RFC 8259, which has no Infinity or NaN: Python's ``json.dumps`` would write
+    them as bare words other parsers refuse), indented one space: a non-finite float becomes the string
+    ``"inf"``, ``"-inf"`` or ``"nan"`` (``float()`` reads each back)."""
+
+    def strict(item: Any) -> Any:
+        if isinstance(item, float) and not math.isfinite(item):
+            return NON_FINITE_TEXT.get(item, "nan")
+        if isinstance(item, dict):
+            return {key: strict(child) for key, child in item.items()}
+        if isinstance(item, (list, tuple)):
+            return [strict(child) for child in item]
+        return item
+
+    return json.dumps(strict(value), indent=1, allow_nan=False).encode()
 
 
 def json_report(command: str, keys: set[str]) -> Recogniser:

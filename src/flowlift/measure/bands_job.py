@@ -74,11 +74,16 @@ def _check_every_band_holds_a_bin(path: Path, size: tuple[int, int], max_side: i
     from flowlift.measure import bands as B
 
     grid = B.latent_size(*size, VAE_SCALE_FACTOR)
+    fix = f"; raise --max-side ({max_side})" if max_side is not None else ""
+    if min(grid) < 1:  # cropped to a multiple of 2 latent pixels, nothing is left: no grid to count bins on
+        raise FlowliftError(
+            f"{path}: {size[1]}x{size[0]} px is too small: it has no latent grid "
+            f"(give images of at least {MIN_SIDE} px a side{fix})"
+        )
     counts = B.latent_bin_counts(*grid)
     if min(counts) == 0:
         empty = counts.index(0)
         lo, hi = B.BAND_EDGES[empty], B.BAND_EDGES[empty + 1]
-        fix = f"; raise --max-side ({max_side})" if max_side is not None else ""
         raise FlowliftError(
             f"{path}: {size[1]}x{size[0]} px is too small: the latent band {lo:g}-{hi:g} holds no frequency on its "
             f"{grid[1]}x{grid[0]} latent grid (give images of at least {MIN_SIDE} px a side{fix})"
@@ -89,8 +94,6 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
     """Check the request and the report's names (the replace rule, before any image or model loads), measure
     every image's band response (:func:`flowlift.measure.bands.run_bands`), write ``bands.json``, ``bands.md``
     and ``bands.png`` into ``request.output``; the table to print and the paths written."""
-    import json
-
     import numpy as np
 
     from flowlift.files.atomic import atomic_write_bytes
@@ -111,7 +114,7 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
     if out_dir.exists() and not out_dir.is_dir():
         raise FlowliftError(f"--output {out_dir} exists and is not a folder")
     from flowlift.files.output_paths import check_report_folder
-    from flowlift.files.own_files import check_replaceable, markdown_stamp, stamp
+    from flowlift.files.own_files import check_replaceable, markdown_stamp, report_json, stamp
 
     check_report_folder(out_dir, {"IMAGES": request.images})  # its bands.png would be measured next time
     check_replaceable(report_recognisers(out_dir), request.overwrite, COMMAND)  # before any image or model loads
@@ -174,5 +177,5 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
     B.heatmap_figure(mean, str(out_dir / "bands.png"), title)
     markdown = f"{markdown_stamp(COMMAND)}{title}\n\n{table}\n\nFull rows (% per pixel band):\n\n{full_table}\n"
     atomic_write_bytes(out_dir / "bands.md", markdown.encode())
-    atomic_write_bytes(out_dir / "bands.json", json.dumps(payload, indent=1).encode())
+    atomic_write_bytes(out_dir / "bands.json", report_json(payload))
     return BandsResult(table, [out_dir / "bands.json", out_dir / "bands.md", out_dir / "bands.png"])

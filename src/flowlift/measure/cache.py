@@ -19,8 +19,9 @@ import numpy as np
 from flowlift.files.atomic import atomic_write_bytes
 from flowlift.files.own_files import flowlift_image, folder_refusal, json_object, replace_problem, software, stamp
 
-#: Bumped when the metrics change (2: psnr_y / ssim_y), so older entries are recomputed, not reported short.
-CACHE_VERSION = 2
+#: Bumped when the metrics change (2: psnr_y / ssim_y; 3: the drift's downsample in float64), so older entries
+#: are recomputed, not reported short or from other arithmetic.
+CACHE_VERSION = 3
 
 
 def array_digest(*arrays: np.ndarray | None) -> str:

@@ -3,7 +3,7 @@
 The command line turns its options into one :class:`EvalRequest` and calls :func:`run_eval`, which checks
 everything it will write before any model loads or metric runs (the replace rule of
 :mod:`flowlift.files.own_files` at the reports, the saved outputs and the cache's entries; no report is one of
-the images measured), then measures (:func:`flowlift.measure.evaluate.evaluate_pairs` or
+the images measured), then measures (:func:`flowlift.measure.pairs.evaluate_pairs` or
 :func:`~flowlift.measure.evaluate.evaluate_methods`; under ``torchrun`` each rank its pixel-balanced share,
 merged through the cache) and writes the report (:func:`flowlift.measure.report.write_report`).
 """
@@ -69,7 +69,7 @@ def run_eval(request: EvalRequest) -> tuple[EvalReport, dict[str, Path]] | None:
     the report into ``request.output``; the report and the paths written, or None on a rank other than 0 of a
     sharded run (its share is in the cache)."""
     from flowlift.files.output_paths import folder_problem
-    from flowlift.measure.evaluate import evaluate_pairs
+    from flowlift.measure.pairs import evaluate_pairs
     from flowlift.measure.report import write_report
 
     spandrel_tiling(request.tile, request.tile_overlap)  # with or without a spandrel method: a bad value is refused
@@ -95,8 +95,12 @@ def run_eval(request: EvalRequest) -> tuple[EvalReport, dict[str, Path]] | None:
         if report is None:  # a rank other than 0 of a sharded run: its share is in the cache
             return None
     else:
-        if request.save_outputs:
-            raise FlowliftError("--save-outputs goes with --run (OUTPUTS --reference are files already)")
+        if given := _run_only_options(request):
+            raise FlowliftError(
+                f"{', '.join(given)} {'go' if len(given) > 1 else 'goes'} with --run METHODS --dataset; OUTPUTS "
+                "--reference measures images already made (their sizes give the scale): drop "
+                f"{'them' if len(given) > 1 else 'it'}"
+            )
         if not request.outputs or not request.reference:
             raise FlowliftError("give OUTPUTS and --reference INPUTS (or --run METHODS --dataset DIR)")
         _check_replace_rule(request, out_dir)
@@ -109,6 +113,30 @@ def run_eval(request: EvalRequest) -> tuple[EvalReport, dict[str, Path]] | None:
             progress=request.progress,
         )
     return report, write_report(report, out_dir)
+
+
+#: The request's fields only ``--run`` uses, by their command-line names: given with OUTPUTS --reference, each
+#: would be ignored without a word.
+RUN_ONLY_OPTIONS = {
+    "dataset": "--dataset",
+    "scale": "--scale",
+    "limit": "--limit",
+    "vae": "--vae",
+    "upscaler": "--upscaler",
+    "device": "--device",
+    "dtype": "--dtype",
+    "tile": "--tile",
+    "tile_overlap": "--tile-overlap",
+    "cache": "--cache",
+    "no_cache": "--no-cache",
+    "save_outputs": "--save-outputs",
+}
+
+
+def _run_only_options(request: EvalRequest) -> list[str]:
+    """The :data:`RUN_ONLY_OPTIONS` ``request`` sets to other than their defaults."""
+    defaults = EvalRequest(output=request.output)
+    return [flag for name, flag in RUN_ONLY_OPTIONS.items() if getattr(request, name) != getattr(defaults, name)]
 
 
 def _check_reports_are_no_input(request: EvalRequest, out_dir: Path) -> None:

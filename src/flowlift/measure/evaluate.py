@@ -2,9 +2,9 @@
 
 Two entry points, both returning an :class:`EvalReport` that :func:`flowlift.measure.report.write_report` saves:
 
-* :func:`evaluate_pairs` -- existing outputs against their inputs (paired by file stem), with an
-  optional ground truth: protocol A (:func:`flowlift.measure.metrics.drift_at_input_scale`), B (detail of
-  the output; L1 / identical pixels when output and input have the same size) and C (fidelity).
+* :func:`flowlift.measure.pairs.evaluate_pairs` -- existing outputs against their inputs (paired by file stem),
+  with an optional ground truth: protocol A (:func:`flowlift.measure.metrics.drift_at_input_scale`), B (detail
+  of the output; L1 / identical pixels when output and input have the same size) and C (fidelity).
 * :func:`evaluate_methods` -- builds low-res inputs from a folder of photos (centre crop to a
   multiple of ``16 * scale``, then ``INTER_AREA`` downscale by ``scale``), runs each method and
   measures A against the low-res input, B on the output and C against the photo.
@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from flowlift.errors import FlowliftError
-from flowlift.files.naming import index_by_stem
 from flowlift.measure import metrics as M
 from flowlift.measure.cache import CACHE_VERSION, ResultCache, array_digest, cache_key
 from flowlift.measure.inputs import (
@@ -96,8 +95,9 @@ WORST_RULE = {
 
 
 def summarize(per_image: dict[str, dict[str, float]]) -> tuple[dict[str, float], dict[str, float]]:
-    """``(mean, worst)`` over images for every metric (worst per :data:`WORST_RULE`)."""
-    keys = list(next(iter(per_image.values())).keys()) if per_image else []
+    """``(mean, worst)`` over images for every metric any image has (worst per :data:`WORST_RULE`), each over the
+    images that have it (``l1`` / ``identical_pct``: the same-size pairs only)."""
+    keys = list(dict.fromkeys(k for metrics in per_image.values() for k in metrics))
     mean: dict[str, float] = {}
     worst: dict[str, float] = {}
     for k in keys:
@@ -140,97 +140,6 @@ class EvalReport:
             "cache": {"reused": self.cached, "computed": self.computed},
             "figure": {"crop_columns": {c: sorted(self.crops.get(c, {})) for c in self.crop_columns}},
         }
-
-
-def evaluate_pairs(
-    outputs: Sequence[str | Path],
-    reference: str | Path,
-    ground_truth: str | Path | None = None,
-    *,
-    box: Box | None = None,
-    label: str = "outputs",
-    figure_images: int = 3,
-    progress: bool | None = False,
-) -> EvalReport:
-    """Measure existing ``outputs`` (files/folders) against their files in ``reference`` (and
-    ``ground_truth``): the same stem, or ``<stem>_x<N>`` / ``<stem>_x<N>_colorfix`` (``flowlift upscale``'s
-    and ``flowlift colorfix``'s names) with ``<stem>`` (:func:`flowlift.files.naming.pair_by_stem`); one
-    output file given with one reference file is a pair whatever their names. Images without a
-    counterpart are skipped; none paired is an error, and so is a pair that is not an upscale by one
-    integer factor on both axes (:func:`check_pair_sizes`)."""
-    from flowlift.console import progress_bar
-    from flowlift.files.images import list_images
-    from flowlift.files.naming import explicit_pair, pair_by_stem
-
-    out_paths = list_images([str(o) for o in outputs])
-    index_by_stem(out_paths, "outputs")
-    named = explicit_pair([str(o) for o in outputs], [str(reference)])
-    if named is not None:
-        pairs, unpaired = [named], []
-    else:
-        pairs, unpaired = pair_by_stem(out_paths, list_images([str(reference)]))
-    check_pair_sizes(pairs)
-    gts = index_by_stem(list_images([str(ground_truth)]), "ground truth") if ground_truth is not None else None
-    # keyed by the reference's stem: kodim01_x2.png (an upscale output) is the image "kodim01"
-    outs = {ref.stem: out for out, ref in pairs if gts is None or ref.stem in gts}
-    refs = {ref.stem: ref for _, ref in pairs}
-    names = sorted(outs)
-    if not names:
-        raise FlowliftError(
-            "no output file pairs with a reference (same stem, or <stem>_x<N> for <stem>)"
-            + (" that has a ground truth file" if gts is not None else "")
-        )
-    report = EvalReport(
-        config={
-            "mode": "pairs",
-            "outputs": [str(o) for o in outputs],
-            "reference": str(reference),
-            "ground_truth": None if ground_truth is None else str(ground_truth),
-            "box": box,
-            "images": names,
-            "unpaired_outputs": sorted(
-                [p.stem for p in unpaired] + [out.stem for out, ref in pairs if ref.stem not in outs]
-            ),
-        }
-    )
-    report.crop_columns = ["input", label] + (["ground truth"] if gts is not None else [])
-    for c in report.crop_columns:
-        report.crops[c] = {}
-    report.results[label] = {}
-    with progress_bar(names, desc="eval", unit="img", enabled=progress) as bar:
-        for i, name in enumerate(bar):
-            out = load_rgb(outs[name])
-            ref = load_rgb(refs[name])
-            gt = load_rgb(gts[name]) if gts is not None else None
-            report.results[label][name] = measure(out, ref, gt, box)
-            report.computed += 1
-            if i < figure_images:
-                crop = default_crop((out.shape[1], out.shape[0]), box)
-                report.crops["input"][name] = input_crop(ref, (out.shape[1], out.shape[0]), crop)
-                report.crops[label][name] = M.crop_box(out, crop)
-                if gt is not None:
-                    report.crops["ground truth"][name] = M.crop_box(gt, crop)
-    return report
-
-
-def check_pair_sizes(pairs: Sequence[tuple[Path, Path]]) -> None:
-    """Refuse (one :class:`FlowliftError` line, before anything is measured) any (output, reference)
-    pair whose sizes are not ``s`` times one another for one integer ``s >= 1`` on both axes
-    (:func:`flowlift.upscale.colorfix_image.integer_scale`, the rule ``flowlift colorfix`` applies):
-    the drift metrics compare ``s x s`` block means of the output with the reference's pixels, which
-    means nothing for a downscale or a stretched image. Sizes come from the headers."""
-    from flowlift.files.images import image_size
-    from flowlift.upscale.colorfix_image import integer_scale
-
-    bad = []
-    for output, ref in pairs:
-        try:
-            integer_scale(image_size(output), image_size(ref), minimum=1)
-        except FlowliftError as error:
-            bad.append(f"{output} against its reference {ref}: {error}")
-    if bad:
-        more = f" (and {len(bad) - 1} more such pair(s))" if len(bad) > 1 else ""
-        raise FlowliftError(bad[0] + more)
 
 
 def evaluate_methods(

@@ -138,9 +138,20 @@ def input_crop(reference: np.ndarray, output_size: tuple[int, int], crop: Box) -
 
 
 def load_rgb(path: Path) -> np.ndarray:
+    """``path``'s 8-bit RGB pixels (HWC uint8); one warning when it has transparent pixels, whose colour is
+    measured as if they were opaque (the metrics are of RGB)."""
+    import warnings
+
+    from flowlift.errors import FlowliftWarning
     from flowlift.files.images import load_image
 
-    return np.asarray(load_image(path)[0])
+    rgb, alpha = load_image(path)
+    if alpha is not None and alpha.getextrema()[0] < 255:
+        warnings.warn(
+            FlowliftWarning(f"{path}: has transparent pixels; the metrics measure their colour as if opaque"),
+            stacklevel=2,
+        )
+    return np.asarray(rgb)
 
 
 def dataset_paths(dataset: Sequence[str | Path], limit: int | None = None) -> list[Path]:

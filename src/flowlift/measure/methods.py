@@ -200,7 +200,7 @@ def _parse_flow_option(key: str, value: str) -> Any:
     except FlowliftError:
         if knob.choices:
             raise FlowliftError(f"method flow: {key} must be {' or '.join(knob.choices)}, got {value!r}") from None
-        raise FlowliftError(f"method flow: {key} must be a number: {knob.describe()}, got {value!r}") from None
+        raise FlowliftError(f"method flow: {key} must be {knob.describe()}, got {value!r}") from None
 
 
 def pixel_upscale(lowres: np.ndarray, scale: float, method: str) -> np.ndarray:

@@ -4,7 +4,6 @@ metrics and crops figures, and :func:`write_report`, which writes them with ``re
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from flowlift.files.own_files import (
     json_report,
     markdown_report,
     markdown_stamp,
+    report_json,
     software,
 )
 from flowlift.measure.evaluate import EvalReport
@@ -185,7 +185,7 @@ def write_report(report: EvalReport, out_dir: Path) -> dict[str, Path]:
     atomically (rendered in memory, then a temporary file and a rename), each marked as flowlift's
     (:mod:`flowlift.files.own_files`). Returns the paths."""
     table = markdown_stamp("eval") + markdown_table(report)
-    payload = json.dumps(report.to_json(), indent=1, sort_keys=False).encode()
+    payload = report_json(report.to_json())
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = report_paths(out_dir)
     metrics_figure(report, paths["metrics"])
