@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from flowlift.files.image_outputs import file_sha256
 from flowlift.files.images import tensor_to_uint8, to_tensor
 from flowlift.measure.metrics import drift_at_input_scale
 from flowlift.upscale.colorfix import lab_lowband_transplant
@@ -55,6 +56,15 @@ def test_colorfix_command_pairs_x4_names_and_matches_stage2(drifted_pair, tmp_pa
         [str(tmp_path / "up"), "--reference", str(tmp_path / "src"), "-o", str(tmp_path / "out")], capsys
     )
     assert code == 0 and len(lines) == 1 and "skipped" in lines[0] and out_path.stat().st_mtime_ns == before
+    # the same output name for another input (a second folder of the same stems) is redone, not skipped as done
+    (tmp_path / "up2").mkdir()
+    Image.fromarray(np.ascontiguousarray(drifted[::-1])).save(tmp_path / "up2" / "wine_x4.png")
+    code, lines = _colorfix(
+        [str(tmp_path / "up2"), "--reference", str(tmp_path / "src"), "-o", str(tmp_path / "out")], capsys
+    )
+    assert code == 0 and len(lines) == 1 and "made from another input than wine_x4.png" in lines[0], lines
+    with Image.open(out_path) as written:
+        assert json.loads(written.info["flowlift"])["input_sha256"] == file_sha256(tmp_path / "up2" / "wine_x4.png")
 
 
 def test_colorfix_command_refuses_a_non_integer_ratio_in_one_line(tmp_path, capsys):

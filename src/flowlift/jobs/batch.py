@@ -11,10 +11,11 @@ list of input files into one output file each, and promise the same things:
 * **Resume** (:func:`run_jobs`): an existing output is skipped unless ``overwrite``, so rerunning an
   interrupted command continues where it stopped — but only when it is a whole image of the
   expected size (:func:`existing_output`). An empty file is redone with a note, and so is one that
-  flowlift wrote (its metadata says so) that is truncated or at another size (another run's
-  settings). **Anything else is the user's** — their image, a file that is no image, a truncated
-  picture without flowlift's metadata, a FIFO or a link: it is never replaced without ``overwrite``
-  (not a regular file: never), and that input costs one line.
+  flowlift wrote (its metadata says so) that is truncated, at another size (another run's
+  settings) or made from another input (its recorded ``input_sha256``). **Anything else is the user's**
+  — their image, a file that is no image, a truncated picture without flowlift's metadata, a FIFO or
+  a link: it is never replaced without ``overwrite`` (not a regular file: never), and that input costs
+  one line.
 * **Debris**: when a run starts, the temporary files of runs killed mid-write in its output folders are
   removed (:func:`remove_debris`; only flowlift's own, never one a live run still writes). Planning writes
   and removes nothing.
@@ -276,6 +277,8 @@ def existing_output(job: Job, overwrite: bool = False) -> ExistingOutput:
     if not found.complete:
         return ExistingOutput("redo", f"the existing file is a truncated flowlift output, not {due}")
     if expected is None or found.size == tuple(expected):
+        if found.by_flowlift and (other := made_from_another_input(path, job.source)):
+            return ExistingOutput("redo", other)
         return ExistingOutput("done")
     what = f"a {found.size[0]}x{found.size[1]} image" if found.size else "an image too large to open"
     if found.by_flowlift:
@@ -285,6 +288,22 @@ def existing_output(job: Job, overwrite: bool = False) -> ExistingOutput:
         f"{path} exists and was not written by flowlift ({what} where this run writes "
         f"{expected[0]}x{expected[1]}); use --overwrite to replace it",
     )
+
+
+def made_from_another_input(path: Path, source: Path) -> str | None:
+    """Why flowlift's output at ``path`` is not ``source``'s result: its metadata's ``input_sha256`` is another
+    file's (the same output name reused for another input, e.g. a second folder of the same stems); None when it
+    names ``source``, names nothing, or cannot be read (unreadable metadata claims nothing)."""
+    from flowlift.files.image_outputs import file_sha256, read_metadata
+
+    try:
+        record = read_metadata(path).get("flowlift")
+        recorded = record.get("input_sha256") if isinstance(record, dict) else None
+        if not isinstance(recorded, str) or recorded == file_sha256(source):
+            return None
+    except Exception:  # noqa: BLE001 - a damaged file or a missing source: nothing to compare
+        return None
+    return f"the existing file was made from another input than {source.name} (its recorded SHA-256 differs)"
 
 
 def pending(jobs: Iterable[Job], overwrite: bool = False) -> list[Job]:
