@@ -348,3 +348,18 @@ def test_rgba_arrays_refused_before_any_work_when_their_alpha_cannot_be_kept(pip
     bad_alpha = np.zeros((32, 32, 4), np.float32)
     bad_alpha[..., 3] = np.nan
     _refused(lambda: pipe.upscale_image(bad_alpha), "alpha", "NaN")
+
+
+def test_inpaint_runs_at_one_default_strength_at_every_door():
+    """The API's ``Flux2Refiner.inpaint`` defaulted to outpaint's 1.0 while the command's (and the app's) inpaint ran
+    at ``--strength``'s 0.5: the same operation, another result by door."""
+    import inspect
+    from types import SimpleNamespace
+
+    from flowlift.refine.refiner import Flux2Refiner
+    from flowlift.refine.request import RefineRequest
+    from flowlift.refine.settings import STRENGTH
+
+    default = inspect.signature(Flux2Refiner.inpaint).parameters["strength"].default
+    commands = RefineRequest.mode_strength.fget(SimpleNamespace(mode="inpaint", strength=None))  # no --strength
+    assert default == commands == STRENGTH.default

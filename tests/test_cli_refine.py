@@ -143,10 +143,21 @@ def test_inpaint_and_outpaint(capsys, tmp_path, tiny_model, photo):
         (["{photo}", "--guidance", "3.5"], "no guidance embedding"),
         (["{photo}", "--prompt-embeds", "nowhere.safetensors"], "file not found"),
         (["{photo}", "-o", "{tmp}/out.xyz"], "unsupported image format"),
+        (["{photo}", "--outpaint", "0,0,16,0", "--strength", "0"], "paints nothing into the new border"),
+        (["{photo}", "--mask", "{tmp}/alpha_mask.png"], "mask has transparent pixels"),
+        (["{photo}", "--mask", "{tmp}/red_mask.png"], "mask is coloured"),
+        (["{photo}", "--mask", "{tmp}/small_mask.png"], "give a mask of the image's size"),
     ],
 )
 def test_bad_inputs_one_line_no_output(capsys, tmp_path, model_dir, embeds_file, photo, argv, message):
     argv = [a.format(photo=photo, tmp=tmp_path) for a in argv]
+    region = Image.new("L", (W, H), 0)
+    region.paste(255, (8, 8, 32, 32))
+    alpha_mask = Image.new("RGBA", (W, H), (255, 255, 255, 0))  # white everywhere, the region in alpha only
+    alpha_mask.putalpha(region)
+    alpha_mask.save(tmp_path / "alpha_mask.png")  # would have regenerated the whole image
+    Image.merge("RGB", (region, Image.new("L", (W, H)), Image.new("L", (W, H)))).save(tmp_path / "red_mask.png")
+    region.resize((W + 1, H)).save(tmp_path / "small_mask.png")
     if "--prompt-embeds" not in argv:
         argv += ["--prompt-embeds", str(embeds_file)]
     before = set(tmp_path.iterdir())
@@ -279,11 +290,13 @@ def test_alpha_channel_is_kept(capsys, tmp_path, tiny_model, photo):
 def test_tile_options_in_every_mode_and_the_metadata(capsys, tmp_path, model_dir, embeds_file, photo):
     base = ["img2img", photo, "--model", model_dir, "--prompt-embeds", embeds_file, "--steps", "2", "--no-progress"]
     tiles = ["--tile-size", "32", "--tile-overlap", "16"]
+    grey = tmp_path / "grey_mask.png"
+    Image.open(photo).convert("L").save(grey)  # a soft mask of every grey level (a coloured one is refused)
     runs = {
         "default": [],
         "img2img": [*tiles, "--tile-batch", "2"],
         "outpaint": [*tiles, "--outpaint", "0,0,16,0"],
-        "inpaint": [*tiles, "--mask", photo],
+        "inpaint": [*tiles, "--mask", grey],
     }
     meta = {}
     for name, extra in runs.items():

@@ -71,3 +71,27 @@ def test_hires_passes_and_sizes_follow_the_one_rule():
     assert hires_latent_size(128, 64, 4) == (512, 256)
     with pytest.raises(FlowliftError, match="latent_upscaler must be sesqui:PATH"):
         FlowUpscalerSource(latent_upscaler="bicubic")
+
+
+def test_hires_says_when_the_grid_changes_its_size_and_refuses_no_enlargement(
+    capsys,
+    tmp_path,
+    tiny_model,  # noqa: F811
+    upscaler,  # noqa: F811
+    sesqui,
+):
+    """1.5x of 64x48 came out 96x80 (not 96x72) and 1.1x came out 64x48 named _hires1.1x, both without a word."""
+    photo = tmp_path / "wide.png"
+    g = torch.Generator().manual_seed(1)
+    Image.fromarray((torch.rand(48, 64, 3, generator=g) * 255).to(torch.uint8).numpy(), "RGB").save(photo)
+    hires = {"image": photo, "upscaler": upscaler, "latent_upscaler": f"sesqui:{sesqui}"}
+    code, _, err = _run(capsys, "hires", **hires, scale="1.1", **tiny_model, steps="2", o=tmp_path / "no.png")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "hires at 1.1x of a 64x48 base is 64x48 on the 16 px grid" in err and "at least 1.167" in err
+    assert not (tmp_path / "no.png").exists()
+    out = tmp_path / "grid.png"
+    code, _, err = _run(capsys, "hires", **hires, scale="1.5", **tiny_model, steps="2", o=out)
+    assert code == 0, err
+    assert "hires at 1.5x of 64x48 is 96x72, off the 16 px grid the refine needs: the image is 96x80" in err
+    with Image.open(out) as image:
+        assert image.size == (96, 80)

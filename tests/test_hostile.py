@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 import signal
@@ -690,6 +691,78 @@ def test_dangling_latest_is_an_error_not_a_silent_restart(train_data, tmp_path, 
     with pytest.raises(FlowliftError, match="--resume"):
         Trainer(_train_config(train_data, run, steps=4)).run()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "foreign", "negative step"])
+def test_a_damaged_training_state_is_one_line_naming_it(train_data, tmp_path, damage):
+    """A truncated, empty or foreign train_state.pt was a traceback (PytorchStreamReader, EOFError, KeyError); a
+    crafted step -5 trained "steps -5->5"."""
+    import torch
+
+    from flowlift.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    Trainer(_train_config(train_data, run, steps=2)).run()
+    state = run / "checkpoints" / "step-00000002" / "train_state.pt"
+    if damage == "truncated":
+        state.write_bytes(state.read_bytes()[:200])
+    elif damage == "empty":
+        state.write_bytes(b"")
+    elif damage == "foreign":
+        torch.save({"foo": 1}, state)
+    else:
+        saved = torch.load(state, weights_only=True)
+        torch.save({**saved, "step": -5}, state)
+    with pytest.raises(FlowliftError, match=r"train_state.pt: not a (complete|flowlift) training state.*--resume"):
+        Trainer(_train_config(train_data, run, steps=4)).run()
+
+
+def test_a_resume_keeps_the_runs_settings_and_says_when_there_is_nothing_left(train_data, tmp_path):
+    """A changed lr (or weight decay, seed, ...) on resume was overridden by the saved optimizer while config.json
+    recorded it; a run already at its last step trained nothing and said "last loss nan"."""
+    import json
+
+    from flowlift.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    Trainer(_train_config(train_data, run, steps=4, stop_after=2)).run()
+    assert "stop_after" not in json.loads((run / "config.json").read_text())  # the documented resume goes on
+    for changed, words in (({"lr": 5e-3}, "lr 0.001 -> 0.005"), ({"seed": 7}, "seed 0 -> 7")):
+        with pytest.raises(FlowliftError, match=f"other settings \\({words}\\).*--init"):
+            Trainer(_train_config(train_data, run, steps=4, **changed)).run()
+    assert json.loads((run / "config.json").read_text())["lr"] == 1e-3
+    with pytest.raises(FlowliftError, match="already at step 2 .*stop_after=2"):
+        Trainer(_train_config(train_data, run, steps=4, stop_after=2)).run()
+    assert Trainer(_train_config(train_data, run, steps=4)).run()["step"] == 4
+    with pytest.raises(FlowliftError, match="already at step 4 .* of --steps 4: nothing to train"):
+        Trainer(_train_config(train_data, run, steps=4)).run()
+
+
+def test_a_fifo_at_a_shard_name_is_refused_not_waited_on(tmp_path):
+    """safetensors' open blocked on a FIFO inside Rust, where neither SIGINT nor SIGTERM reached Python."""
+    import os
+
+    from flowlift.training.shards import ShardReader
+
+    root = _tiny_dataset(tmp_path / "data")
+    shard = sorted(root.glob("shard-*.safetensors"))[-1]
+    shard.unlink()
+    os.mkfifo(shard)
+    with pytest.raises(FlowliftError, match="not a regular file"):
+        ShardReader(root)
+
+
+def test_logit_normal_time_sampling_takes_any_finite_mean():
+    import torch
+
+    from flowlift.training.shards import TimeSampling, logistic
+
+    assert logistic(-710.0) == 0.0 or 0.0 < logistic(-710.0) < 1e-300
+    assert logistic(800.0) == 1.0 and logistic(0.0) == 0.5
+    for z in (-30.0, -1.5, 2.0):  # the first form's bits wherever it is finite
+        assert logistic(z) == 1.0 / (1.0 + math.exp(-z))
+    sampling = TimeSampling("logit_normal", 1.0, 0.0, 1.0, -710.0, 800.0)
+    assert all(0.0 <= sampling.sample(torch.Generator().manual_seed(i)) <= 1.0 for i in range(20))
 
 
 def test_pruning_touches_only_this_runs_checkpoints(train_data, tmp_path):

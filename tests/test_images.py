@@ -59,7 +59,7 @@ def test_sixteen_bit_colour_is_rounded_not_truncated(tmp_path, suffix, channels)
 
     rng = np.random.default_rng(0)
     values = rng.integers(0, 65536, (12, 20, channels), dtype=np.uint16)
-    values[0, :3] = [[0] * channels, [65535] * channels, [1928] * channels]  # the ends, and 7.502 levels (its high byte: 7)
+    values[0, :3] = [[0] * channels, [65535] * channels, [1928] * channels]  # the ends; 7.502 levels (high byte 7)
     path = tmp_path / f"deep{suffix}"
     assert cv2.imwrite(str(path), values)  # OpenCV's channel order: BGR(A)
     rgb, alpha = load_image(path)

@@ -58,6 +58,7 @@ class HiresFix:
         width, height = (images.shape[-1], images.shape[-2]) if images is not None else settings.base_size
         field = "images" if images is not None else "hires.base_size"
         check_hires_size(int(width), int(height), settings.scale, field)  # the whole pass plan, before the base runs
+        warn_grid_size(int(width), int(height), settings.scale)
         base_latent = (int(height) // VAE_SCALE_FACTOR, int(width) // VAE_SCALE_FACTOR)
         check_memory = getattr(upscaler, "check_memory", None)  # and the upscaler's memory plan, where it has one
         if check_memory is not None:
@@ -124,3 +125,23 @@ class HiresFix:
             latent_upscaler=getattr(settings.upscaler, "latent_upscaler", None),  # the fraction's, if any
         )
         return RefineOutput(self.decode(result.latents), result.latents, params)
+
+
+def warn_grid_size(width: int, height: int, scale: float) -> None:
+    """One warning when the hires fix's size, ``scale`` times ``width x height`` on the 16 px grid its refine needs
+    (:func:`~flowlift.limits.hires_latent_size`), is not ``round(scale * side)`` on each side: the image written is
+    the grid's size (1.5x of 48x32 is 80x48, where 72x48 keeps the aspect)."""
+    import warnings
+
+    from flowlift.errors import FlowliftWarning
+
+    out_h, out_w = (VAE_SCALE_FACTOR * n for n in hires_latent_size(height // 8, width // 8, scale))
+    exact = (round(width * scale), round(height * scale))
+    if (out_w, out_h) != exact:
+        warnings.warn(
+            FlowliftWarning(
+                f"hires at {scale:g}x of {width}x{height} is {exact[0]}x{exact[1]}, off the 16 px grid the refine "
+                f"needs: the image is {out_w}x{out_h} (aspect {width / height:.3f} -> {out_w / out_h:.3f})"
+            ),
+            stacklevel=3,
+        )

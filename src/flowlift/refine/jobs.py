@@ -82,6 +82,31 @@ def _check_mu(request: RefineRequest, height: int, width: int) -> None:
         raise FlowliftError(f"mu: {error} ({width}x{height} px)", field="mu") from None
 
 
+#: How far apart a grey mask's R, G and B may be (a JPEG's chroma noise); past it the mask is coloured.
+MASK_CHROMA_LEVELS = 8
+
+
+def grey_mask(rgb: Any, alpha: Any) -> Any:
+    """A mask image's grey levels (Pillow ``L``: white regenerates, black keeps, grey blends), or one line for a
+    mask whose meaning they would not carry: one with transparent pixels (an editor's export that marks the region in
+    alpha would regenerate everything) or a coloured one (a red stroke would be a uniform 30% soft mask)."""
+    import numpy as np
+
+    if alpha is not None and alpha.getextrema()[0] < 255:
+        raise FlowliftError(
+            "mask has transparent pixels: flowlift reads a mask's grey levels (white = regenerate, black = keep), "
+            "not its alpha; export it as a greyscale image",
+            field="mask",
+        )
+    pixels = np.asarray(rgb, dtype=np.int16)
+    if int((pixels.max(axis=2) - pixels.min(axis=2)).max()) > MASK_CHROMA_LEVELS:
+        raise FlowliftError(
+            "mask is coloured: give a greyscale mask (white = regenerate, black = keep, grey = a soft edge)",
+            field="mask",
+        )
+    return rgb.convert("L")
+
+
 def _read_inputs(job: RefineJob) -> None:
     """The input image, the mask and the references, read and checked against each other."""
     from flowlift.files.images import load_image, to_tensor
@@ -90,13 +115,15 @@ def _read_inputs(job: RefineJob) -> None:
     job.rgb, job.alpha = load_image(request.image)
     job.images = to_tensor(job.rgb)
     if request.mask is not None:
-        mask_rgb, _ = load_image(request.mask)
+        mask_rgb, mask_alpha = load_image(request.mask)
+        width, height = job.rgb.size
         if mask_rgb.size != job.rgb.size:
             raise FlowliftError(
-                f"mask is {mask_rgb.size[0]}x{mask_rgb.size[1]}, the image {job.rgb.size[0]}x{job.rgb.size[1]}",
+                f"mask is {mask_rgb.size[0]}x{mask_rgb.size[1]}, the image {width}x{height}: give a mask of the "
+                "image's size",
                 field="mask",
             )
-        job.mask = to_tensor(mask_rgb.convert("L").convert("RGB"))[:, :1]
+        job.mask = to_tensor(grey_mask(mask_rgb, mask_alpha).convert("RGB"))[:, :1]
     job.references = [to_tensor(load_image(path)[0]) for path in request.references]
     for path, ref in zip(request.references, job.references, strict=True):
         if ref.shape[-1] % PIXEL_MULTIPLE or ref.shape[-2] % PIXEL_MULTIPLE:

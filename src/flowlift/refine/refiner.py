@@ -30,8 +30,10 @@ from flowlift.refine.settings import (
     OUTPAINT_STRENGTH,
     SCHEDULE,
     STEPS,
+    STRENGTH,
     STRENGTH_MAP,
     SamplingSettings,
+    check_outpaint_strength,
     check_txt2img_size,
 )
 from flowlift.refine.tiling import TileRequest
@@ -310,9 +312,10 @@ class Flux2Refiner(HiresFix):
         return RefineOutput(out, result.latents, params)
 
     def inpaint(
-        self, images: torch.Tensor, mask: torch.Tensor, *, strength: float = OUTPAINT_STRENGTH, **kwargs: Any
+        self, images: torch.Tensor, mask: torch.Tensor, *, strength: float = STRENGTH.default, **kwargs: Any
     ) -> RefineOutput:
-        """Regenerate where ``mask`` is 1 (soft masks blend); the rest is kept (re-noised with the same noise)."""
+        """Regenerate where ``mask`` is 1 (soft masks blend); the rest is kept (re-noised with the same noise). The
+        default strength is ``--strength``'s (0.5), as every door's inpaint."""
         return self.img2img(images, strength=strength, mask=mask, **kwargs)
 
     def outpaint(
@@ -334,11 +337,12 @@ class Flux2Refiner(HiresFix):
         The border starts from an edge-replicated canvas; the original region's latents are the
         encoding of the original image alone and are kept exactly (mask 0) through every step.
         """
+        start = denoising_start_for(strength, strength_map)
+        check_outpaint_strength(strength)
         sampling = self._with_steps(sampling)
         tiles = self._tiles(tiles)
         images = checked_images(images).to(self.device)
         canvas, mask, pads = outpaint_canvas(images, left, top, right, bottom)
-        start = denoising_start_for(strength, strength_map)
         lmask = latent_mask(mask)
         init, bn_mean, bn_std = self._encode_init(canvas)
         original, _, _ = self._encode_init(images)

@@ -42,6 +42,7 @@ from flowlift.refine.settings import (
     TRANSPLANT_STRENGTH,
     SamplingSettings,
     check_hires_size,
+    check_outpaint_strength,
     check_txt2img_size,
 )
 from flowlift.refine.tiling import TileRequest
@@ -279,6 +280,8 @@ class RefineRequest:
         if (self.outpaint is not None) != (self.mode == "outpaint"):
             what = "outpaint needs its borders (L, T, R, B px)" if self.outpaint is None else f"{self.mode} has none"
             raise FlowliftError(f"outpaint: {what}", field="outpaint")
+        if self.mode == "outpaint" and self.strength is not None:
+            check_outpaint_strength(self.strength)
         if self.mode == "txt2img":
             if not isinstance(self.size, (tuple, list)) or len(self.size) != 2:
                 raise FlowliftError(f"size must be (width, height) in px, got {self.size!r}", field="size")

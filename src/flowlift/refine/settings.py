@@ -11,6 +11,7 @@ smaller than the tile) on top of :meth:`~flowlift.knobs.Knob.check`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from flowlift.errors import FlowliftError
@@ -40,8 +41,22 @@ REFINE_STRENGTH = Knob(
     high=1.0,
     step=0.01,
 )
-#: Outpaint's (and a bare inpaint's) strength when none is given: the new border starts from noise.
+#: Outpaint's strength when none is given: the new border starts from noise (inpaint takes ``STRENGTH``'s default,
+#: at every door).
 OUTPAINT_STRENGTH = 1.0
+
+
+def check_outpaint_strength(strength: float) -> None:
+    """One line for an outpaint at strength 0: nothing is sampled, so its new border would be the input's edge
+    pixels smeared out (at any ``strength_map``: both map only 0 to ``denoising_start`` 1)."""
+    if strength == 0:
+        raise FlowliftError(
+            "outpaint at strength 0 paints nothing into the new border (it would be the edge pixels smeared out): "
+            "give a strength above 0 (its default is 1)",
+            field="strength",
+        )
+
+
 STRENGTH_MAP = Knob(
     "strength_map",
     str,
@@ -120,13 +135,21 @@ def check_hires_size(width: int, height: int, scale: float, field: str = "hires.
     run: the base
     (:func:`check_txt2img_size`: positive multiples of ``PIXEL_MULTIPLE``, within ``MAX_OUTPUT_SIDE``) and the
     result both within 16384 px, where :func:`flowlift.upscale.sizes.planned_passes` would drop a pass and leave the
-    refine a smaller size than it was planned for. The one size rule of the hires fix: the job checks it before any
-    model loads, :meth:`~flowlift.refine.refiner.Flux2Refiner.hires` for a direct caller.
+    refine a smaller size than it was planned for; and a scale the grid rounds to no enlargement on a side is refused.
+    The one size rule of the hires fix: the job checks it before any model loads,
+    :meth:`~flowlift.refine.refiner.Flux2Refiner.hires` for a direct caller.
     """
     scale = HIRES_SCALE.check(scale)
     check_txt2img_size(width, height, field)
     side = max(width, height)
     out_h, out_w = (8 * n for n in hires_latent_size(height // 8, width // 8, scale))
+    if out_w <= width or out_h <= height:  # 1.1x of 64x48 stayed 64x48 and was named _hires1.1x
+        least = math.ceil((1 + PIXEL_MULTIPLE / 2 / min(width, height)) * 1000) / 1000  # half a grid step up
+        raise FlowliftError(
+            f"{field}: hires at {scale:g}x of a {width}x{height} base is {out_w}x{out_h} on the {PIXEL_MULTIPLE} px "
+            f"grid the refine needs, no larger on one side; use a scale of at least {least:g}",
+            field=field,
+        )
     if max(out_h, out_w) > MAX_OUTPUT_SIDE:
         presets = HIRES_SCALE.extra["presets"]
         fits = [choice for choice in presets if side * choice <= MAX_OUTPUT_SIDE]

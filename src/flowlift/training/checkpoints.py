@@ -175,22 +175,102 @@ def _remove_own_partials(root: Path, run_id: str) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, model, ema, optimizer, scheduler, global_batch: int, run_id: str) -> tuple[int, str]:
-    """Restore checkpoint ``path`` into the run's objects; its step and run id (its own, else ``run_id``)."""
+#: The settings a resumed run keeps: they shape its trajectory (the samples, the model, the optimizer and schedule the
+#: checkpoint's state belongs to). The saved optimizer and scheduler would override a new ``lr`` or
+#: ``weight_decay`` while ``config.json`` recorded it; the others would make the run retrace another.
+RESUME_KEPT = (
+    "crop", "use_stored_noise", "base_channels", "time_dim", "cond_dim", "dropout", "t_sampling", "t_value",
+    "t_low", "t_high", "t_mean", "t_std", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "adam_beta1",
+    "adam_beta2", "adam_eps", "grad_clip", "ema_decay", "ema_warmup", "seed",
+)  # fmt: skip
+_STATE_KEYS = {"global_batch": int, "step": int, "optimizer": dict, "scheduler": dict, "ema_num_averaged": int}
+
+
+def read_train_state(path: Path) -> dict:
+    """``path``'s training state (``train_state.pt``, ``weights_only``), or one line naming it: a truncated,
+    empty or foreign file, or one missing what a resume restores."""
+    file = path / STATE_NAME
+    fix = "resume from an earlier checkpoint (--resume FOLDER) or train into a new --output"
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - truncated, empty, a pickle weights_only refuses, another format
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise FlowliftError(f"{file}: not a complete training state ({text[:120]}); {fix}") from None
+    problems = [
+        key for key, kind in _STATE_KEYS.items() if not isinstance(state, dict) or not _is(state.get(key), kind)
+    ]
+    rng = state.get("rng", {}).get("torch") if isinstance(state, dict) and isinstance(state.get("rng"), dict) else None
+    if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8:
+        problems.append("rng")
+    if not problems and (state["step"] < 0 or state["global_batch"] < 1):
+        problems.append("step" if state["step"] < 0 else "global_batch")
+    if problems:
+        raise FlowliftError(f"{file}: not a flowlift training state (bad or missing {', '.join(problems)}); {fix}")
+    return state
+
+
+def _is(value: object, kind: type) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool)
+
+
+def check_kept_settings(path: Path, saved: object, config) -> None:
+    """One line when this run's :data:`RESUME_KEPT` settings differ from those checkpoint ``path`` was trained with
+    (``saved``: its config as a dict; a checkpoint without one is not compared)."""
+    if not isinstance(saved, dict):
+        return
+    now = config.to_dict()
+    changed = [
+        f"{key} {saved[key]!r} -> {now.get(key)!r}"
+        for key in RESUME_KEPT
+        if key in saved and saved[key] != now.get(key)
+    ]
+    if changed:
+        raise FlowliftError(
+            f"checkpoint {path} was trained with other settings ({'; '.join(changed)}): a resumed run keeps them "
+            "(flowlift train --config OUT/config.json --output OUT); to start from its weights with new settings, "
+            f"train into a new --output with --init {path}"
+        )
+
+
+def load_checkpoint(
+    path: Path, model, ema, optimizer, scheduler, global_batch: int, run_id: str, config=None
+) -> tuple[int, str]:
+    """Restore checkpoint ``path`` into the run's objects; its step and run id (its own, else ``run_id``). With the
+    run's ``config``, its :data:`RESUME_KEPT` settings must be the checkpoint's (:func:`check_kept_settings`)."""
     from flowlift.models.weights import load_strict, read_state_dict
 
-    state = torch.load(path / STATE_NAME, map_location="cpu", weights_only=True)
+    state = read_train_state(path)
     if state["global_batch"] != global_batch:
         raise FlowliftError(
             f"checkpoint {path} was trained with a global batch of {state['global_batch']} samples, "
             f"this run has {global_batch} (world size x batch size x grad accumulation); "
             "keep the global batch to continue the same run"
         )
+    if config is not None:
+        check_kept_settings(path, state.get("config"), config)
     load_strict(_unwrap(model), read_state_dict(path / RAW_NAME), what="checkpoint weights", origin=str(path))
     load_strict(ema.module, read_state_dict(path / EMA_NAME), what="checkpoint EMA weights", origin=str(path))
     ema.n_averaged.fill_(int(state["ema_num_averaged"]))
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+    except (KeyError, ValueError, TypeError, RuntimeError) as error:
+        raise FlowliftError(f"{path / STATE_NAME}: its optimizer state does not fit this model ({error})") from None
     torch.set_rng_state(state["rng"]["torch"])
     run_id = str(state.get("run_id") or checkpoint_run_id(path) or run_id)
     return int(state["step"]), run_id
+
+
+def check_steps_left(path: Path, step: int, config) -> None:
+    """One line when the run resumed from checkpoint ``path`` (at ``step``) has no step left to train: ``steps`` or
+    ``stop_after`` at or below it (it trained nothing, wrote its final weights again and said "last loss nan")."""
+    if step >= config.steps:
+        raise FlowliftError(
+            f"{config.output} is already at step {step} (checkpoint {path}) of --steps {config.steps}: nothing to "
+            "train; raise --steps to train on"
+        )
+    if config.stop_after is not None and step >= config.stop_after:
+        raise FlowliftError(
+            f"{config.output} is already at step {step} (checkpoint {path}): --set stop_after={config.stop_after} "
+            "ends this run before its first step; raise it or leave it out"
+        )

@@ -251,3 +251,13 @@ def build_config(path: str | os.PathLike | None = None, overrides: dict[str, Any
         config = apply_overrides(config, overrides)
     config.validate()
     return config
+
+
+#: Settings of one invocation, not of the run: left out of the run's ``config.json``, so that the documented resume
+#: (``--config OUT/config.json --output OUT``) neither stops where the last invocation stopped nor starts over.
+INVOCATION_ONLY = ("stop_after", "time_limit_s", "resume", "overwrite", "progress")
+
+
+def saved_settings(config: TrainConfig) -> dict[str, Any]:
+    """What the run's ``config.json`` holds: ``config`` without :data:`INVOCATION_ONLY`."""
+    return {key: value for key, value in config.to_dict().items() if key not in INVOCATION_ONLY}

@@ -237,8 +237,11 @@ class ShardReader:
         """Open ``path`` once and check its header against the manifest; returns its item count.
 
         Truncated, empty or garbage files, a missing or absurd ``count``, missing tensors, wrong shapes
-        and non-float dtypes each raise one FlowliftError line naming the file.
+        and non-float dtypes each raise one FlowliftError line naming the file; so does anything but a regular
+        file (a FIFO would block safetensors' open, in Rust, where no signal reaches Python).
         """
+        if path.exists() and not path.is_file():
+            raise FlowliftError(f"{path}: not a regular file (a shard is a .safetensors file the dataset wrote)")
         try:
             with self._safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
@@ -340,7 +343,17 @@ class TimeSampling:
             u = torch.rand((), generator=generator).item()
             return float(self.low + (self.high - self.low) * u)
         n = torch.randn((), generator=generator).item()
-        return float(1.0 / (1.0 + math.exp(-(self.mean + self.std * n))))
+        return logistic(self.mean + self.std * n)
+
+
+def logistic(z: float) -> float:
+    """``1 / (1 + exp(-z))``, for any finite ``z``: as ``exp(z) / (1 + exp(z))`` far below 0, where ``exp(-z)``
+    would overflow (``t_mean = -710`` raised OverflowError); the first form wherever it is finite, so the samples
+    of every run that worked are the same bits."""
+    if z > -700.0:
+        return 1.0 / (1.0 + math.exp(-z))
+    e = math.exp(z)
+    return e / (1.0 + e)
 
 
 def item_generator(seed: int, position: int) -> torch.Generator:

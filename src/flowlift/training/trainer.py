@@ -48,13 +48,14 @@ from flowlift.files.atomic import append_text, atomic_write_text
 from flowlift.models.upscaler_unet import set_dropout_seeds
 from flowlift.training.checkpoints import (
     EMA_NAME,
+    check_steps_left,
     checkpoint_dir,
     init_contradictions,
     load_checkpoint,
     resume_point,
     save_checkpoint,
 )
-from flowlift.training.config import TrainConfig
+from flowlift.training.config import TrainConfig, saved_settings
 from flowlift.training.distributed import DistContext, init_distributed, pick_device
 from flowlift.training.loop_support import StopRequest, prefetched_batches
 from flowlift.training.objective import flow_matching_loss, make_ema, sample_seed, step_seed, warmup_cosine
@@ -229,8 +230,9 @@ class Trainer:
         start_step = 0
         if resume_from is not None:
             start_step, self.run_id = load_checkpoint(
-                resume_from, model, ema, optimizer, scheduler, stream.global_batch, self.run_id
+                resume_from, model, ema, optimizer, scheduler, stream.global_batch, self.run_id, c
             )
+            check_steps_left(resume_from, start_step, c)
 
         if dist.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -250,7 +252,7 @@ class Trainer:
                 # --resume none --overwrite: the earlier runs' checkpoints go (only flowlift's, issue 36.1),
                 # so that nothing can resume into a mix of both; every check has passed by now
                 remove_flowlift_checkpoints(self.output)
-            atomic_write_text(self.output / CONFIG_NAME, json.dumps(c.to_dict(), indent=2))
+            atomic_write_text(self.output / CONFIG_NAME, json.dumps(saved_settings(c), indent=2))
             self._open_log(start_step)
         dist.barrier()
         run = _Run(dist, device, stream, model, ddp, ema, optimizer, scheduler, validator, channels_last)
