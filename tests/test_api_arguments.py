@@ -59,6 +59,33 @@ def test_a_checked_output_size_still_runs(pipe):
 
 
 @pytest.mark.parametrize(
+    ("passes", "size", "words"),
+    [
+        (1, (1000, 1000), ("over the 8x",)),  # was a 31x bicubic enlargement of the 2x frame, without a word
+        (0, (256, 256), ("past the 1x num_passes=0 make", "give num_passes=3")),  # an "8x upscale" with no pass
+        (1, (96, 96), ("past the 2x num_passes=1 make", "give num_passes=2")),
+        (None, (24, 32), ("below the 32x32 input",)),
+    ],
+)
+def test_output_size_within_what_the_passes_make(pipe, image, passes, size, words, monkeypatch):
+    forbid_call(monkeypatch, "flowlift.upscale.pipeline.FlowUpscalerPipeline._vae_call", "the VAE ran first")
+    _refused(lambda: pipe.upscale_image(image, num_passes=passes, output_size=size, output_type="pt"), *words)
+
+
+def test_output_size_alone_plans_the_passes_as_the_command_does(pipe, monkeypatch):
+    ran = []
+    original = FlowUpscalerPipeline.upscale_latents
+    monkeypatch.setattr(
+        FlowUpscalerPipeline,
+        "upscale_latents",
+        lambda self, latents, n, *a: ran.append(n) or original(self, latents, n, *a),
+    )
+    image = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    out = pipe.upscale_image(image, output_size=(192, 176), output_type="pt")  # 3x: two passes, then down
+    assert tuple(out.shape) == (1, 3, 176, 192) and ran == [2]
+
+
+@pytest.mark.parametrize(
     ("keywords", "words"),
     [
         ({"vae": ""}, ("vae",)),

@@ -107,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--size",
         type=size_value,
         metavar="WxH",
-        help="output size in px, e.g. 3840x2560, resampled likewise (default: --scale 2)",
+        help="output size in px, e.g. 3840x2560, resampled likewise, stretched where its aspect is not the "
+        "input's (default: --scale 2)",
     )
     add_knob(parser, SEED, metavar="SEED")
     parser.add_argument("--no-color-fix", action="store_true", help="switch both colour-drift stages off")

@@ -17,6 +17,7 @@ weights file, a folder or a hub id; ``vae`` is any object with flowlift's VAE in
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -64,6 +65,7 @@ from flowlift.upscale.sizes import (
     image_seeds,
     pad_to_multiple,
     pass_noise,
+    passes_for_output_size,
     resample_to_multiple,
 )
 from flowlift.upscale.unet_runner import CompiledUNet, velocity_model
@@ -331,7 +333,7 @@ class FlowUpscalerPipeline:
     def upscale_image(
         self,
         image: Any,
-        num_passes: int = 1,
+        num_passes: int | None = None,
         seed: int | Sequence[int] = 0,
         color_fix: bool = True,
         transplant_strength: float = 1.0,
@@ -343,13 +345,13 @@ class FlowUpscalerPipeline:
         on_decode_tile: Callable[[int, int], None] | None = None,
         output_size: tuple[int, int] | None = None,
     ) -> Any:
-        """Encode -> passes -> decode -> stage 2 -> image ``2**passes`` times the input's size.
+        """Encode -> passes -> decode -> stage 2 -> image ``2**passes`` times the input's size (``num_passes``; None:
+        1, or the passes ``output_size`` takes, :func:`flowlift.upscale.sizes.passes_for_output_size`).
 
         ``output_type="pil"`` returns a Pillow image (a list for a batch; RGBA when a Pillow or (H, W, 4) array
-        input had alpha: the colour is upscaled, the alpha Lanczos-resized), ``"pt"`` a float (B, 3, H, W)
-        tensor in [0, 1]. With ``resize_mode="pad"`` the output is exactly ``2**passes`` times the
-        original size; with ``"resample"`` it is that factor times the size resampled to multiples of
-        16. ``color_fix=False`` switches both stages off; ``color_fix_strength`` scales stage 2.
+        input had alpha: the colour is upscaled, the alpha Lanczos-resized), ``"pt"`` a float (B, 3, H, W) tensor
+        in [0, 1]. ``resize_mode="pad"``: exactly ``2**passes`` times the original size; ``"resample"``: that factor
+        times the size resampled to multiples of 16. ``color_fix=False`` switches both stages off.
         ``callback(stage)`` is called after each stage (``"encode"``, ``"pass i/n"``, ``"decode"``,
         ``"color fix"``) and ``on_decode_tile(done, total)`` after each tile of the VAE decode (one for
         an untiled decode); both only report progress (an exception they raise stops the run).
@@ -368,11 +370,10 @@ class FlowUpscalerPipeline:
         stages = ImageStages(
             num_passes, seed, color_fix, transplant_strength, color_fix_strength, resize_mode, output_size
         )
-        original, prepared, size = *self.prepare_image(image, resize_mode), stages.output_size
-        if size is not None and (size[0] < original.shape[-1] or size[1] < original.shape[-2]):
-            raise FlowliftError(
-                f"output_size {size[0]}x{size[1]} is below the {original.shape[-1]}x{original.shape[-2]} input"
-            )
+        original, prepared = self.prepare_image(image, resize_mode)
+        size, sesqui = (original.shape[-1], original.shape[-2]), self.sesqui is not None
+        passes = passes_for_output_size(size, stages.output_size, num_passes, fraction_last=sesqui)
+        stages = dataclasses.replace(stages, num_passes=passes)
         with self._cancel_points():
             result = self._image_stages(original, prepared, stages, callback, on_decode_tile)
         return as_output(result, alpha, output_type)

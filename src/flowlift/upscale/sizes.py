@@ -222,3 +222,44 @@ def pass_noise(seeds: Sequence[int], pass_index: int, shape: tuple[int, ...]) ->
 def output_scale(num_passes: int) -> int:
     """Scale factor of ``num_passes`` 2x passes."""
     return 2**num_passes
+
+
+def passes_for_output_size(
+    input_size: tuple[int, int],
+    output_size: tuple[int, int] | None,
+    num_passes: int | None,
+    *,
+    fraction_last: bool = False,
+) -> int:
+    """The 2x passes of an upscale of an ``input_size`` (width, height) image to ``output_size`` (width, height; None:
+    the passes' own size): ``num_passes`` when given, else the one scale -> passes rule
+    (:func:`flowlift.limits.passes_for_scale` of the larger side's factor; 1 without a size). One line for a size
+    below the input, or past what ``num_passes`` make (``2**n`` times the input): the rest would be a pixel resample
+    passed off as the upscale (``num_passes=1`` to 20x, ``num_passes=0`` to 8x). ``fraction_last``: the pipeline
+    has a latent upscaler for the fraction (its own plan checks the passes against the size)."""
+    from flowlift.knobs import SCALE
+    from flowlift.limits import passes_for_scale
+
+    if output_size is None:
+        return 1 if num_passes is None else num_passes
+    (width, height), (out_w, out_h) = input_size, output_size
+    if out_w < width or out_h < height:
+        raise FlowliftError(f"output_size {out_w}x{out_h} is below the {width}x{height} input", field="output_size")
+    scale = max(out_w / width, out_h / height)
+    if scale > SCALE.high:  # the doors' own bound (the command line's --size / --scale)
+        raise FlowliftError(
+            f"output_size {out_w}x{out_h} is {scale:.4g}x the {width}x{height} input, over the {SCALE.high:g}x an "
+            "upscale makes",
+            field="output_size",
+        )
+    needed = passes_for_scale(scale, fraction_last=fraction_last)
+    if num_passes is None:
+        return needed
+    if not fraction_last and isinstance(num_passes, int) and 0 <= num_passes < needed:
+        raise FlowliftError(
+            f"output_size {out_w}x{out_h} is {scale:.4g}x the {width}x{height} input, past the {2**num_passes}x "
+            f"num_passes={num_passes} make (the rest would be a pixel resample): give num_passes={needed}, or leave "
+            "it out to plan it from the size",
+            field="num_passes",
+        )
+    return num_passes
