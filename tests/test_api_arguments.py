@@ -390,3 +390,12 @@ def test_inpaint_runs_at_one_default_strength_at_every_door():
     default = inspect.signature(Flux2Refiner.inpaint).parameters["strength"].default
     commands = RefineRequest.mode_strength.fget(SimpleNamespace(mode="inpaint", strength=None))  # no --strength
     assert default == commands == STRENGTH.default
+
+
+def test_words_name_what_was_given(tmp_path):
+    """passes=4 was refused as "scale must be in [1, 8], got 16.0"; a SesquiLSR folder as "no such file"."""
+    from flowlift.models.sesqui_lsr import check_sesqui_file
+    from flowlift.upscale.plan import UpscaleRequest
+
+    _refused(lambda: UpscaleRequest(inputs=["a.png"], passes=4), "passes must be 1, 2 or 3", "got 4")
+    _refused(lambda: check_sesqui_file(tmp_path), "is a folder; give the weights file itself")

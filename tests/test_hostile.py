@@ -296,6 +296,18 @@ def test_float_tiff_with_nan_is_one_line_without_numpy_warning(tmp_path):
             load_image(tmp_path / "nan.tif")
 
 
+def test_a_float_image_outside_0_to_1_is_refused_not_clipped_white(tmp_path):
+    from flowlift.files.images import load_image
+
+    Image.fromarray(np.full((8, 8), 0.25, np.float32), "F").save(tmp_path / "unit.tif")
+    assert np.asarray(load_image(tmp_path / "unit.tif")[0])[0, 0].tolist() == [64, 64, 64]
+    Image.fromarray(np.full((8, 8), 128.0, np.float32), "F").save(tmp_path / "levels.tif")  # 0..255: was all white
+    with pytest.raises(
+        FlowliftError, match=r"levels\.tif: .*values in \[128, 128\]; flowlift reads float pixels as 0..1"
+    ):
+        load_image(tmp_path / "levels.tif")
+
+
 def test_decompression_bomb_in_dataset_folder_is_one_line(tmp_path, shared, monkeypatch, capsys):
     import flowlift.files.images as images
 
@@ -736,6 +748,31 @@ def test_a_resume_keeps_the_runs_settings_and_says_when_there_is_nothing_left(tr
     assert Trainer(_train_config(train_data, run, steps=4)).run()["step"] == 4
     with pytest.raises(FlowliftError, match="already at step 4 .* of --steps 4: nothing to train"):
         Trainer(_train_config(train_data, run, steps=4)).run()
+
+
+def test_weight_decay_that_flips_the_weights_is_refused_and_a_failed_checkpoint_leaves_nothing(train_data, tmp_path):
+    """weight_decay 1e30 trained to weights of 1e25 and saved them (a model that gives NaN); at 1e308 the save
+    failed naming a hidden .partial folder, left behind for good."""
+    import torch
+
+    from flowlift.training import checkpoints
+    from flowlift.training.trainer import Trainer
+
+    with pytest.raises(FlowliftError, match=r"lr x weight_decay must be below 1 .* got 0.001 x 1e\+30"):
+        Trainer(_train_config(train_data, tmp_path / "decay", weight_decay=1e30)).run()
+    run = tmp_path / "run"
+    Trainer(_train_config(train_data, run, steps=1)).run()
+    from flowlift.models.upscaler_unet import FlowUpscalerUNet
+
+    unet = FlowUpscalerUNet(**{k: v for k, v in TINY_UNET.items() if k != "dropout"})
+    with torch.no_grad():
+        next(unet.parameters()).view(-1)[0] = float("inf")
+    with pytest.raises(FlowliftError, match=r"checkpoint .*step-00000005 not written: .*Inf.*lower --lr"):
+        checkpoints.save_checkpoint(
+            run, 5, unet, torch.optim.swa_utils.AveragedModel(unet), None, None, 1, 1,
+            config=_train_config(train_data, run), run_id="r",
+        )  # fmt: skip
+    assert not list((run / "checkpoints").glob(".*partial"))
 
 
 def test_a_fifo_at_a_shard_name_is_refused_not_waited_on(tmp_path):

@@ -105,6 +105,11 @@ def rgb_and_alpha(image: Image.Image) -> tuple[Image.Image, Image.Image | None]:
         if not np.isfinite(values).all():
             # NaN would become 0 (black) through the uint8 cast, with numpy's RuntimeWarning on stderr
             raise FlowliftError("floating-point image holds NaN or Inf pixel values")
+        if values.size and (values.min() < -0.5 / 255 or values.max() > 1 + 0.5 / 255):  # 0..255 would be clipped white
+            raise FlowliftError(
+                f"floating-point image holds values in [{values.min():g}, {values.max():g}]; flowlift reads float "
+                "pixels as 0..1 (scale it, or save it as 8 or 16 bits)"
+            )
         grey = np.clip(np.round(values * 255.0), 0, 255).astype(np.uint8)
         return Image.fromarray(grey, "L").convert("RGB"), None
     has_alpha = image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (image.mode == "P" and "transparency" in image.info)

@@ -321,6 +321,8 @@ def check_sesqui_file(path: str | os.PathLike) -> Path:
     from flowlift.models.weights import header_state
 
     path = Path(os.fspath(path)).expanduser()
+    if path.is_dir():
+        raise FlowliftError(f"{WHAT}: {path} is a folder; give the weights file itself ({WEIGHTS_NAME})")
     if not path.is_file():
         raise FlowliftError(f"{WHAT}: {path}: no such file; {WHERE_TO_GET}")
     if path.suffix.lower() != ".safetensors":

@@ -134,8 +134,15 @@ def save_checkpoint(
     # killed write's folder carries the proof of whose it is (issue 32.E: only that is ever removed)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
     (tmp / RUN_ID_NAME).write_text(run_id)
-    save_upscaler(ema.module, tmp / EMA_NAME)
-    save_upscaler(_unwrap(model), tmp / RAW_NAME)
+    try:
+        save_upscaler(ema.module, tmp / EMA_NAME)
+        save_upscaler(_unwrap(model), tmp / RAW_NAME)
+    except FlowliftError as error:  # non-finite weights: nothing of this checkpoint is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        problem = str(error).split("; nothing written")[0].removeprefix("save_upscaler: ")
+        raise FlowliftError(
+            f"checkpoint {final} not written: {problem} (the training diverged: lower --lr or weight_decay)"
+        ) from None
     state = {
         "step": step,
         "optimizer": optimizer.state_dict(),

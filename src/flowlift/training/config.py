@@ -91,6 +91,12 @@ class TrainConfig:
             knob.check(getattr(self, name), label=name)
         if self.t_low > self.t_high:  # TimeSampling draws from [t_low, t_high] in any mode
             raise FlowliftError(f"t_low must be at most t_high, got {self.t_low} > {self.t_high}")
+        if self.lr * self.weight_decay >= 1:  # AdamW scales every weight by 1 - lr * weight_decay each step
+            raise FlowliftError(
+                f"lr x weight_decay must be below 1 (AdamW multiplies the weights by 1 - lr x weight_decay each "
+                f"step), got {self.lr:g} x {self.weight_decay:g}; lower {FIELD_MARK}",
+                field="weight_decay",
+            )
         if self.val_every and (not self.val_images or not self.vae):
             raise FlowliftError(
                 f"validation ({FIELD_MARK} > 0) needs {FIELD_MARK} and {FIELD_MARK}",

@@ -23,7 +23,7 @@ from typing import Any
 from flowlift.errors import FlowliftError
 from flowlift.jobs.batch import Job, plan_targets, report
 from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S, DistEnv
-from flowlift.knobs import OVERWRITE, check_kind, check_path, check_paths, check_positive
+from flowlift.knobs import OVERWRITE, SCALE, check_kind, check_path, check_paths, check_positive
 from flowlift.upscale.asked_size import AskedSize
 from flowlift.upscale.loading import DEFAULT_UPSCALER
 from flowlift.upscale.output_sizes import OutputSizes
@@ -106,7 +106,10 @@ class UpscaleRequest:
         if self.passes is not None:
             if any(value is not None for value in (self.scale, self.long_side, self.size)):
                 raise FlowliftError("give passes or a scale, long_side or size, not both")
-            return AskedSize.of_passes(max(1, check_count("passes", self.passes)))
+            passes = max(1, check_count("passes", self.passes))
+            if 2**passes > SCALE.high:  # as passes, not as the scale they make (was "scale must be in [1, 8]")
+                raise FlowliftError(f"passes must be 1, 2 or 3 (2x each, at most {SCALE.high:g}x), got {passes}")
+            return AskedSize.of_passes(passes)
         if self.long_side is None and self.size is None:
             return AskedSize(scale=2.0 if self.scale is None else self.scale)
         return AskedSize(scale=self.scale, long_side=self.long_side, size=self.size)
