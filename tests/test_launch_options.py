@@ -473,3 +473,59 @@ def test_the_agent_kills_ranks_that_ignore_a_stop_within_its_grace_not_torchs_30
     agent._shutdown(signals.SIGTERM, 2)
     assert closed == [(signals.SIGTERM, STOP_GRACE_S), (signals.SIGKILL, STOP_GRACE_S), (signals.SIGTERM, 2)]
     assert STOP_GRACE_S <= 10
+
+
+ONE_RANK_REFUSES = """
+import os
+import sys
+from pathlib import Path
+
+from flowlift.jobs.launch import launch
+
+
+def worker(argv):
+    # rank 0 meets a user error only it can see and returns 2 with its group still open (torch's worker wrapper
+    # then keeps its process, and so its connections, alive); rank 1 goes on to its next collective, where it
+    # would wait for rank 0 for the barrier's whole timeout
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    rank = dist.get_rank()
+    Path(argv[0], f"rank{rank}").write_text(str(os.getpid()))
+    if rank == 0:
+        print("flowlift train: error: only rank 0 met this", file=sys.stderr)
+        return 2
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(launch(worker, [sys.argv[1]], sys.argv[2:], command="flowlift launch"))
+"""
+
+
+def test_ranks_left_waiting_for_a_rank_that_stopped_the_job_are_ended():
+    """Under flowlift launch a rank returning a user error alone left the others in their barrier for gloo's 30
+    minutes (its process waits in torch's worker wrapper, so their collective never fails): they are ended
+    LEFT_BEHIND_GRACE_S later, and the launcher exits with the error's status."""
+    import tempfile
+
+    from flowlift.jobs.launch import LEFT_BEHIND_GRACE_S
+
+    with tempfile.TemporaryDirectory() as folder:
+        tmp_path = Path(folder)
+        script = tmp_path / "refuses.py"
+        script.write_text(ONE_RANK_REFUSES)
+        process = _start_script_on_two_ranks(script, tmp_path, tmp_path)
+        try:
+            _, err = process.communicate(timeout=LEFT_BEHIND_GRACE_S + 110)
+        finally:
+            if process.poll() is None:
+                process.kill()
+        pids = [int((tmp_path / f"rank{rank}").read_text()) for rank in (0, 1) if (tmp_path / f"rank{rank}").exists()]
+    assert process.returncode == 2, err
+    assert "only rank 0 met this" in err and "flowlift launch: rank 1 ended" in err and "exit status 2" in err, err
+    assert "Traceback" not in err and "crashed" not in err, err
+    assert _gone(pids) == [], err

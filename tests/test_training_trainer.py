@@ -435,3 +435,22 @@ def test_a_stopped_run_says_where_and_how_it_resumes(dataset, tmp_path, monkeypa
         f"same command resumes from it (--resume auto, the default, takes the latest in {out}; or "
         f"--resume {where})"
     )
+
+
+def test_a_failure_of_rank_0_alone_stops_every_rank_with_its_line(dataset, tmp_path, shared):
+    """Rank 0 prepares the run folder, saves the checkpoints and validates alone; its error (here a truncated
+    validation image) left the other rank in the barrier after it, for gloo's 30 minutes under flowlift launch.
+    Now every rank fails at that point with rank 0's line."""
+    bad = tmp_path / "bad.png"
+    bad.write_bytes((shared / "images" / "kodak" / "kodim03.png").read_bytes()[:100])
+    settings = {**TINY, "crop": 0, "warmup_steps": 1, "progress": "false", "val_every": 2, "val_images": str(bad)}
+    command = [sys.executable, "-m", "flowlift", "launch", "--nproc-per-node", "2", "--", "train", "--data"]
+    command += [str(dataset), "-o", str(tmp_path / "run"), "--steps", "2", "--batch-size", "2"]
+    command += ["--vae", str(shared / "models" / "taef2")]
+    command += [x for key, value in settings.items() for x in ("--set", f"{key}={value}")]
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("flowlift")]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert any(line.startswith("flowlift train: error: rank 0 stopped the run: ") for line in lines), lines
+    assert "Traceback" not in result.stderr and "crashed" not in result.stderr, result.stderr[-3000:]

@@ -32,6 +32,7 @@ import os
 import re
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -52,6 +53,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGHUP, si
 #: a rank ends within a second of SIGTERM unless it is blocked inside a C++ collective, which takes the signal
 #: only when the call returns; its outputs are written atomically, so a kill leaves nothing partial behind.
 STOP_GRACE_S = 5
+#: Seconds a rank may run on after another returned a failing outcome (2, 130) before the agent ends it: ranks stop
+#: together, so one still running waits in a collective for the rank that left (gloo's timeout: 30 minutes).
+LEFT_BEHIND_GRACE_S = 10
 
 
 def stop_signal_name(exitcode: int | None) -> str | None:
@@ -229,10 +233,20 @@ def launch(
     config = launch_config(options)
     check_rendezvous_host(config.rdzv_endpoint)
     suspended: dict[int, int] = {}  # global rank -> pid of a suspended rank the agent ended
+    left_behind: dict[int, int] = {}  # global rank -> the failing outcome it was ended after
     try:
-        with _no_restart_after_a_stop(suspended):
+        with _no_restart_after_a_stop(suspended, left_behind):
             values = elastic_launch(config, _quiet_start(worker))(list(argv))
     except ChildFailedError as error:
+        if left_behind and set(error.failures) <= set(left_behind):
+            ranks = ", ".join(f"rank {rank}" for rank in sorted(error.failures))
+            outcome = max(left_behind[rank] for rank in error.failures)
+            print(
+                f"{command}: {ranks} ended {LEFT_BEHIND_GRACE_S} s after another rank stopped the job (exit status "
+                f"{outcome}, its line above): it was waiting for that rank",
+                file=sys.stderr,
+            )
+            return outcome
         if suspended and set(error.failures) <= set(suspended):
             ranks = ", ".join(f"rank {rank}" for rank in sorted(error.failures))
             print(
@@ -267,7 +281,7 @@ def launch(
 
 
 @contextmanager
-def _no_restart_after_a_stop(suspended: dict[int, int]) -> Iterator[None]:
+def _no_restart_after_a_stop(suspended: dict[int, int], left_behind: dict[int, int]) -> Iterator[None]:
     """While torch's ``launch_agent`` runs, the agent it builds is :func:`_stop_aware_agent`'s: a rank that
     ended by a stop signal ends the run instead of restarting the group (``--max-restarts`` is for crashes).
 
@@ -278,18 +292,23 @@ def _no_restart_after_a_stop(suspended: dict[int, int]) -> Iterator[None]:
     import torch.distributed.launcher.api as launcher_api
 
     original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = _stop_aware_agent(original, suspended)
+    launcher_api.LocalElasticAgent = _stop_aware_agent(original, suspended, left_behind)
     try:
         yield
     finally:
         launcher_api.LocalElasticAgent = original
 
 
-def _stop_aware_agent(base: type, suspended: dict[int, int]) -> type:
+def _stop_aware_agent(base: type, suspended: dict[int, int], left_behind: dict[int, int] | None = None) -> type:
+    left_behind = {} if left_behind is None else left_behind
+
     class StopAwareAgent(base):  # type: ignore[misc, valid-type]
-        """torch's local agent, which gives up its remaining restarts when a rank was stopped by a signal
-        (as torch's own agent does for a worker stuck in uninterruptible sleep), and ends a rank that is
-        suspended (SIGSTOP) once every other local rank has returned its outcome (recorded in ``suspended``)."""
+        """torch's local agent, which gives up its remaining restarts when a rank was stopped by a signal (as
+        torch's own agent does for a worker stuck in uninterruptible sleep), ends a rank suspended (SIGSTOP) once
+        every other local rank has returned (``suspended``), and the ranks still running
+        :data:`LEFT_BEHIND_GRACE_S` after a rank returned a failing outcome (``left_behind``)."""
+
+        _failed_since: float | None = None
 
         def _start_workers(self, worker_group: Any) -> Any:
             # A rank spends seconds in Python's start-up and torch's import before any code of flowlift's
@@ -315,7 +334,23 @@ def _stop_aware_agent(base: type, suspended: dict[int, int]) -> type:
                 self._remaining_restarts = 0  # a restart would undo the stop the user (or the system) asked for
             elif result.state.name == "HEALTHY":
                 self._end_suspended_ranks(worker_group)
+                self._end_ranks_left_behind(worker_group)
             return result
+
+        def _end_ranks_left_behind(self, worker_group: Any) -> None:  # after a user error only one rank met
+            returned = getattr(self._pcontext, "_return_values", None)
+            failing = [v for v in (returned or {}).values() if isinstance(v, int) and not isinstance(v, bool) and v > 1]
+            if not failing:
+                return
+            if self._failed_since is None:
+                self._failed_since = time.monotonic()
+            if time.monotonic() - self._failed_since < LEFT_BEHIND_GRACE_S:
+                return
+            for rank, w in enumerate(worker_group.workers):
+                if rank not in returned and w.id is not None and w.global_rank not in left_behind:
+                    left_behind[w.global_rank] = max(failing)
+                    os.kill(w.id, signal.SIGKILL)  # blocked in a C++ collective, it would not take SIGTERM
+            self._remaining_restarts = 0
 
         def _end_suspended_ranks(self, worker_group: Any) -> None:
             # The ranks that returned gave up on the suspended one (their barrier or plan exchange timed out):

@@ -27,6 +27,16 @@ class DistContext:
         if self.world_size > 1:
             torch.distributed.barrier()
 
+    def main_outcome(self, problem: str | None) -> str | None:
+        """Rank 0's ``problem`` (None: none) on every rank, the ranks meeting as at a barrier: what rank 0 alone did
+        (a checkpoint, the validation) fails every rank together, where a rank erring alone left the others in
+        their next collective until its timeout."""
+        if self.world_size == 1:
+            return problem
+        box = [problem]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
     def mean(self, value: float, device: torch.device) -> float:
         if self.world_size == 1:
             return value

@@ -36,6 +36,7 @@ import math
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,7 +243,9 @@ class Trainer:
             ddp = model
 
         validator = None
-        if dist.is_main:
+
+        def prepare_output() -> None:  # rank 0's, every rank failing with it (_on_main)
+            nonlocal validator
             self.output.mkdir(parents=True, exist_ok=True)
             if c.val_every:  # the VAE and the images load (or fail) before anything is removed
                 from flowlift.training.validation import Validator
@@ -254,7 +257,8 @@ class Trainer:
                 remove_flowlift_checkpoints(self.output)
             atomic_write_text(self.output / CONFIG_NAME, json.dumps(saved_settings(c), indent=2))
             self._open_log(start_step)
-        dist.barrier()
+
+        _on_main(dist, prepare_output)
         run = _Run(dist, device, stream, model, ddp, ema, optimizer, scheduler, validator, channels_last)
         final_step, losses, stopped = self._loop(run, start_step)
         if stopped:
@@ -378,24 +382,10 @@ class Trainer:
         """The checkpoint and the validation that fall on step ``done`` (every rank meets their barriers)."""
         c, dist = self.config, run.dist
         if done % c.checkpoint_every == 0 or last:
-            if dist.is_main:
-                save_checkpoint(
-                    self.output,
-                    done,
-                    run.model,
-                    run.ema,
-                    run.optimizer,
-                    run.scheduler,
-                    run.stream.global_batch,
-                    dist.world_size,
-                    config=c,
-                    run_id=self.run_id,
-                )
-            dist.barrier()
+            state = (run.model, run.ema, run.optimizer, run.scheduler, run.stream.global_batch, dist.world_size)
+            _on_main(dist, lambda: save_checkpoint(self.output, done, *state, config=c, run_id=self.run_id))
         if c.val_every and (done % c.val_every == 0 or done == c.steps or last) and not stopping:
-            if run.validator is not None:
-                run.validator.evaluate(done, run.ema.module)
-            dist.barrier()
+            _on_main(dist, lambda: run.validator.evaluate(done, run.ema.module) if run.validator is not None else None)
 
     def _summary(self, run: _Run, start_step: int, final_step: int, losses: list[tuple[int, float]]) -> dict[str, Any]:
         """The run's result; on rank 0 the EMA weights once the last step is done, and the loss curves."""
@@ -420,3 +410,19 @@ class Trainer:
 
                 plot_curves(self.output / LOG_NAME, None, self.output / CURVES_NAME)
         return summary
+
+
+def _on_main(dist: DistContext, work: Callable[[], Any]) -> None:
+    """``work()`` on rank 0 (a checkpoint, the validation), then every rank meets: a FlowliftError or OSError of rank
+    0's is raised on every rank (:meth:`DistContext.main_outcome`), its own line on rank 0."""
+    problem = None
+    if dist.is_main:
+        try:
+            work()
+        except (FlowliftError, OSError) as error:
+            problem = str(error) or type(error).__name__
+            if dist.world_size == 1:
+                raise
+    problem = dist.main_outcome(problem)
+    if problem is not None:
+        raise FlowliftError(problem if dist.is_main else f"rank 0 stopped the run: {problem}")
