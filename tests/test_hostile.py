@@ -775,6 +775,24 @@ def test_weight_decay_that_flips_the_weights_is_refused_and_a_failed_checkpoint_
     assert not list((run / "checkpoints").glob(".*partial"))
 
 
+def test_a_second_run_into_a_folder_in_use_is_refused_before_it_writes(train_data, tmp_path):
+    """Two runs into one folder interleaved their train_log.csv and left config.json naming the second's seed."""
+    from flowlift.training.run_files import LOCK_NAME, hold_run_folder, release_run_folder
+    from flowlift.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    run.mkdir()
+    held = hold_run_folder(run)  # the first run, as it holds the folder while it trains
+    try:
+        with pytest.raises(FlowliftError, match="is in use by another flowlift train run .* another --output"):
+            Trainer(_train_config(train_data, run, steps=1)).run()
+        assert sorted(p.name for p in run.iterdir()) == [LOCK_NAME]  # nothing of the second run's
+    finally:
+        release_run_folder(run, held)
+    assert Trainer(_train_config(train_data, run, steps=1)).run()["step"] == 1
+    assert LOCK_NAME not in {p.name for p in run.iterdir()}
+
+
 def test_a_fifo_at_a_shard_name_is_refused_not_waited_on(tmp_path):
     """safetensors' open blocked on a FIFO inside Rust, where neither SIGINT nor SIGTERM reached Python."""
     import os

@@ -44,6 +44,8 @@ CURVES_NAME = "curves.png"
 CHECKPOINTS_NAME = "checkpoints"
 LATEST_NAME = "latest"
 LOG_FIELDS = ["step", "loss", "lr", "grad_norm", "samples_per_s", "elapsed_s"]
+#: The run folder's lock: held by the run training into it (:func:`hold_run_folder`).
+LOCK_NAME = ".flowlift-train.lock"
 _CHECKPOINT_FILES = {RUN_ID_NAME, STATE_NAME, EMA_NAME, RAW_NAME}
 _STEP_NAME = re.compile(r"^step-\d{8}$")
 _PARTIAL_NAME = re.compile(r"^\.step-\d{8}\..+\.partial$")
@@ -238,3 +240,33 @@ def remove_flowlift_checkpoints(output: Path) -> list[Path]:
     except OSError:
         pass  # not empty: the user's files stay, and so does their folder
     return mine
+
+
+def hold_run_folder(output: Path) -> int | None:
+    """Hold ``output`` for this run: an exclusive advisory lock (``flock``) on its :data:`LOCK_NAME`, which the
+    system releases when the returned descriptor is closed or the process ends, however it ends. One line when
+    another run holds it: two runs into one folder interleaved their logs and left its ``config.json`` naming
+    the other's seed. None where the system has no ``flock``."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        return None
+    descriptor = os.open(output / LOCK_NAME, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(descriptor)
+        raise FlowliftError(
+            f"{output} is in use by another flowlift train run (it holds {LOCK_NAME}); wait for that run to end, "
+            "or train into another --output"
+        ) from None
+    return descriptor
+
+
+def release_run_folder(output: Path, descriptor: int) -> None:
+    """Give up :func:`hold_run_folder`'s lock and remove its file (the folder is left as the run's files make it)."""
+    try:
+        (output / LOCK_NAME).unlink(missing_ok=True)
+    except OSError:
+        pass  # a folder made read-only meanwhile: the lock is released all the same
+    os.close(descriptor)

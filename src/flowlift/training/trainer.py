@@ -66,7 +66,9 @@ from flowlift.training.run_files import (
     LOG_FIELDS,
     LOG_NAME,
     check_run_folder,
+    hold_run_folder,
     is_train_log,
+    release_run_folder,
     remove_flowlift_checkpoints,
     run_inputs,
 )
@@ -115,6 +117,7 @@ class Trainer:
         self.output = Path(config.output)
         self._custom_model = model
         self.config_file = config_file  # an input (``--config``): no output may be it
+        self._lock: int | None = None  # the run folder's lock descriptor while rank 0 trains into it
         self.run_id = uuid.uuid4().hex  # replaced by the checkpoint's own when resuming
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -204,6 +207,9 @@ class Trainer:
             return self._train(dist, device, reader, resume_from)
         finally:
             reader.close()
+            if self._lock is not None:  # the run folder, held by rank 0 from its first write
+                release_run_folder(self.output, self._lock)
+                self._lock = None
 
     def _train(self, dist: DistContext, device: torch.device, reader: ShardReader, resume_from: Any) -> dict[str, Any]:
         c = self.config
@@ -247,6 +253,7 @@ class Trainer:
         def prepare_output() -> None:  # rank 0's, every rank failing with it (_on_main)
             nonlocal validator
             self.output.mkdir(parents=True, exist_ok=True)
+            self._lock = hold_run_folder(self.output)  # before anything is written into it
             if c.val_every:  # the VAE and the images load (or fail) before anything is removed
                 from flowlift.training.validation import Validator
 
