@@ -703,3 +703,24 @@ def test_every_knob_has_one_name_on_every_command():
     twice = {dest: {flags: progs for flags, progs in seen.items()} for dest, seen in spellings.items() if len(seen) > 1}
     twice.pop("help", None)
     assert not twice, f"one setting spelled two ways: {twice}"
+
+
+def test_non_finite_and_unbounded_numbers_read_as_words():
+    """ "t_std must be a finite number a number > 0" and "t_mean must be a finite number in [-inf, inf]"."""
+    from flowlift.errors import FlowliftError
+    from flowlift.knobs import Knob
+
+    positive = Knob("t_std", float, 1.0, "spread", low=0.0, low_open=True)
+    anything = Knob("t_mean", float, 0.0, "centre")
+    assert anything.describe() == "a number"
+    for knob, value, line in (
+        (positive, float("nan"), "t_std must be a finite number > 0, got nan"),
+        (anything, float("inf"), "t_mean must be a finite number, got inf"),
+        (positive, -1.0, "t_std must be a number > 0, got -1.0"),
+    ):
+        try:
+            knob.check(value)
+        except FlowliftError as error:
+            assert str(error) == line
+        else:
+            raise AssertionError(f"{knob.name}={value} passed")

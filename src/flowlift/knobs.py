@@ -142,7 +142,9 @@ class Knob:
         opening, closing = "(" if self.low_open else "[", ")" if self.high_open else "]"
         multiple = f" and a multiple of {self.multiple}" if self.multiple else ""
         kind = "an integer " if self.kind is int else ""
-        if self.high is None and self.low is not None:  # "in [1, inf]" reads as if inf were a value
+        if self.high is None and self.low is None:  # "in [-inf, inf]": any number
+            return f"{kind.strip() or 'a number'}{multiple}{words}{none}"
+        if self.high is None:  # "in [1, inf]" reads as if inf were a value
             return f"{kind or 'a number '}{'>' if self.low_open else '>='} {low}{multiple}{words}{none}"
         return f"{kind}in {opening}{low}, {high}{closing}{multiple}{words}{none}"
 
@@ -153,7 +155,8 @@ class Knob:
                 at_most += " (2^64 - 1)"
             return FlowliftError(f"{label} must be a non-negative integer{at_most}, got {value!r}", field=label)
         if self.kind is float and _non_finite(value):  # say what is wrong with nan / inf, not only the range
-            return FlowliftError(f"{label} must be a finite number {self.describe()}, got {value!r}", field=label)
+            finite = f"a finite number {self.describe().removeprefix('a number')}".strip()  # never "... a number > 0"
+            return FlowliftError(f"{label} must be {' '.join(finite.split())}, got {value!r}", field=label)
         return FlowliftError(f"{label} must be {self.describe()}, got {value!r}", field=label)
 
     def check(self, value: Any, label: str | None = None, *, loose: bool = False) -> Any:
