@@ -793,6 +793,19 @@ def test_a_second_run_into_a_folder_in_use_is_refused_before_it_writes(train_dat
     assert LOCK_NAME not in {p.name for p in run.iterdir()}
 
 
+def test_a_crop_past_the_datasets_latents_names_its_option_and_the_largest(tmp_path, train_data, capsys):
+    from flowlift.training.shards import ShardReader, ShardStream
+
+    reader = ShardReader(train_data)
+    _, height, width = reader.target_shape
+    try:
+        with pytest.raises(FlowliftError, match=r"crop .* larger than the dataset.s latents .*: give at most") as err:
+            ShardStream(reader, micro_batch=1, crop=(min(height, width) // 4 + 1) * 4)
+    finally:
+        reader.close()
+    assert err.value.field == "crop"  # said as --crop-latent by the command, as --set crop where given so
+
+
 def test_a_fifo_at_a_shard_name_is_refused_not_waited_on(tmp_path):
     """safetensors' open blocked on a FIFO inside Rust, where neither SIGINT nor SIGTERM reached Python."""
     import os

@@ -393,7 +393,12 @@ class ShardStream:
             if crop % CROP_ALIGN:
                 raise FlowliftError(f"crop must be a multiple of {CROP_ALIGN} latent pixels, got {crop}")
             if crop > min(height, width):
-                raise FlowliftError(f"crop {crop} is larger than the dataset's latents ({height}x{width})")
+                most = min(height, width) // CROP_ALIGN * CROP_ALIGN
+                raise FlowliftError(
+                    f"crop {crop} is larger than the dataset's latents ({height}x{width}): give at most {most} "
+                    "(0: whole items)",
+                    field="crop",
+                )
         self.reader = reader
         self.micro_batch = micro_batch
         self.crop = crop if crop else None

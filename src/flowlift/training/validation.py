@@ -58,8 +58,15 @@ def load_validation_images(paths: Sequence[str | os.PathLike], count: int, size:
 
     files = list_images([str(p) for p in paths])[:count]
     if not files:
-        raise FlowliftError("no validation images found")
-    return [centre_crop(to_tensor(load_image(f)[0]), size) for f in files]
+        raise FlowliftError(f"no validation images in {', '.join(map(str, paths))}", field="val_images")
+    images = []
+    for file in files:
+        try:
+            images.append(centre_crop(to_tensor(load_image(file)[0]), size))
+        except FlowliftError as error:
+            text = str(error)
+            raise FlowliftError(text if text.startswith(str(file)) else f"{file}: {text}") from None
+    return images
 
 
 def image_metrics(output: torch.Tensor, hr: torch.Tensor, lr: torch.Tensor) -> dict[str, float]:
