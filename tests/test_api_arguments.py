@@ -72,6 +72,15 @@ def test_output_size_within_what_the_passes_make(pipe, image, passes, size, word
     _refused(lambda: pipe.upscale_image(image, num_passes=passes, output_size=size, output_type="pt"), *words)
 
 
+def test_fewer_passes_than_a_size_takes_are_taken_where_the_cap_drops_them():
+    from flowlift.upscale.sizes import passes_for_output_size
+
+    # 5x of 2100x16: three passes would pass 16384 px, so two run and the rest is resampled (the doors warn)
+    assert passes_for_output_size((2100, 16), (10500, 80), 2) == 2
+    assert passes_for_output_size((2100, 16), (10500, 80), None) == 3  # planned; the cap is the pipeline's
+    _refused(lambda: passes_for_output_size((2100, 16), (10500, 80), 1), "give num_passes=3")
+
+
 def test_output_size_alone_plans_the_passes_as_the_command_does(pipe, monkeypatch):
     ran = []
     original = FlowUpscalerPipeline.upscale_latents

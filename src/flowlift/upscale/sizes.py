@@ -234,8 +234,9 @@ def passes_for_output_size(
     """The 2x passes of an upscale of an ``input_size`` (width, height) image to ``output_size`` (width, height; None:
     the passes' own size): ``num_passes`` when given, else the one scale -> passes rule
     (:func:`flowlift.limits.passes_for_scale` of the larger side's factor; 1 without a size). One line for a size
-    below the input, or past what ``num_passes`` make (``2**n`` times the input): the rest would be a pixel resample
-    passed off as the upscale (``num_passes=1`` to 20x, ``num_passes=0`` to 8x). ``fraction_last``: the pipeline
+    below the input, or past what ``num_passes`` make (``2**n`` times the input) where the 16K cap would let more
+    run (:func:`planned_passes`): the rest would be a pixel resample passed off as the upscale (``num_passes=1`` to
+    20x, ``num_passes=0`` to 8x). ``fraction_last``: the pipeline
     has a latent upscaler for the fraction (its own plan checks the passes against the size)."""
     from flowlift.knobs import SCALE
     from flowlift.limits import passes_for_scale
@@ -255,7 +256,8 @@ def passes_for_output_size(
     needed = passes_for_scale(scale, fraction_last=fraction_last)
     if num_passes is None:
         return needed
-    if not fraction_last and isinstance(num_passes, int) and 0 <= num_passes < needed:
+    fit = planned_passes(height, width, needed)  # fewer where the 16K cap drops passes (the doors say so)
+    if not fraction_last and isinstance(num_passes, int) and 0 <= num_passes < fit:
         raise FlowliftError(
             f"output_size {out_w}x{out_h} is {scale:.4g}x the {width}x{height} input, past the {2**num_passes}x "
             f"num_passes={num_passes} make (the rest would be a pixel resample): give num_passes={needed}, or leave "
