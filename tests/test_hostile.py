@@ -806,6 +806,15 @@ def test_a_crop_past_the_datasets_latents_names_its_option_and_the_largest(tmp_p
     assert err.value.field == "crop"  # said as --crop-latent by the command, as --set crop where given so
 
 
+def test_the_data_folder_is_no_run_folder(train_data):
+    from flowlift.training.trainer import Trainer
+
+    before = sorted(p.name for p in train_data.iterdir())
+    with pytest.raises(FlowliftError, match="is the --data folder; give the run a folder of its own"):
+        Trainer(_train_config(train_data, train_data / ".", steps=1)).run()
+    assert sorted(p.name for p in train_data.iterdir()) == before
+
+
 def test_a_fifo_at_a_shard_name_is_refused_not_waited_on(tmp_path):
     """safetensors' open blocked on a FIFO inside Rust, where neither SIGINT nor SIGTERM reached Python."""
     import os

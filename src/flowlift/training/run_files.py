@@ -208,6 +208,8 @@ def check_run_folder(config: TrainConfig, inputs: dict[str, Any] | None = None) 
         raise FlowliftError(f"--output {output} exists and is not a folder")
     if problem := folder_problem(output):
         raise FlowliftError(problem)
+    if config.data and os.path.isdir(output) and os.path.isdir(config.data) and os.path.samefile(output, config.data):
+        raise FlowliftError(f"--output {output} is the --data folder; give the run a folder of its own")
     if problem := _checkpoints_problem(config, output):
         raise FlowliftError(problem)
     wanted = inputs if inputs is not None else run_inputs(config)
