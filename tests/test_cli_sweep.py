@@ -144,7 +144,7 @@ def test_absurd_numbers_are_refused_where_a_plausible_result_came_back():
     from flowlift.refine.settings import TILE_SIZE
     from flowlift.training.degrade import Degradation
 
-    with pytest.raises(FlowliftError, match=r"noise std must be in \[0, 1\]"):
+    with pytest.raises(FlowliftError, match=r"noise_std must be in \[0, 1\]"):
         Degradation(noise_std=1e30)
     with pytest.raises(FlowliftError, match=r"--amplitude must be in \(0, 10\]"):
         run_bands_report(BandsRequest(images=["none"], vae="taef2", output="out", amplitude=1e30))
@@ -204,3 +204,13 @@ def test_a_size_off_the_16_px_grid_names_the_nearest_on_it():
         check_txt2img_size(4097, 3, "image")
     with pytest.raises(FlowliftError, match=r"got 1000x1000; e.g. 992x992$"):
         check_txt2img_size(1000, 1000)
+
+
+@pytest.mark.parametrize(("option", "value"), [("--noise-std", "2"), ("--part", "3/2")])
+def test_dataset_options_are_named_as_given(tmp_path, shared, capsys, option, value):
+    """ "noise std must be in [0, 1]" and "part must be I/N" named no option the command has."""
+    argv = ["dataset", "images", str(shared / "images" / "kodak" / "kodim03.png"), "--vae", "taef2"]
+    assert main([*argv, "-o", str(tmp_path / "data"), option, value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"{option} must be" in err, err
+    assert not (tmp_path / "data").exists()

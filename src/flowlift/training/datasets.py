@@ -48,7 +48,7 @@ def check_part(part: tuple[int, int]) -> tuple[int, int]:
     """Validate a ``(index, count)`` work split: this process builds shards ``k`` with ``k % count == index``."""
     index, count = part
     if count < 1 or not 0 <= index < count:
-        raise FlowliftError(f"part must be I/N with 0 <= I < N, got {index}/{count}")
+        raise FlowliftError(f"part must be I/N with 0 <= I < N, got {index}/{count}", field="part")
     return index, count
 
 

@@ -56,9 +56,9 @@ class Degradation:
         if int(self.factor) != self.factor or self.factor < 1:
             raise FlowliftError(f"degradation factor must be a positive integer, got {self.factor}")
         if self.jpeg_quality is not None and not 1 <= int(self.jpeg_quality) <= 100:
-            raise FlowliftError(f"jpeg quality must be in 1..100, got {self.jpeg_quality}")
+            raise FlowliftError(f"jpeg_quality must be in 1..100, got {self.jpeg_quality}", field="jpeg_quality")
         if not 0 <= self.noise_std <= 1:  # in [0, 1] image units: past 1 the conditioning is only noise
-            raise FlowliftError(f"noise std must be in [0, 1] (image units), got {self.noise_std}")
+            raise FlowliftError(f"noise_std must be in [0, 1] (image units), got {self.noise_std}", field="noise_std")
 
     @property
     def is_deterministic(self) -> bool:
