@@ -832,7 +832,8 @@ def test_a_fifo_at_a_shard_name_is_refused_not_waited_on(tmp_path):
 def test_logit_normal_time_sampling_takes_any_finite_mean():
     import torch
 
-    from flowlift.training.shards import TimeSampling, logistic
+    from flowlift.training.objective import logistic
+    from flowlift.training.shards import TimeSampling
 
     assert logistic(-710.0) == 0.0 or 0.0 < logistic(-710.0) < 1e-300
     assert logistic(800.0) == 1.0 and logistic(0.0) == 0.5

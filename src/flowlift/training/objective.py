@@ -71,3 +71,13 @@ def step_seed(seed: int, step: int, micro: int, rank: int) -> int:
 def sample_seed(seed: int, position: int) -> int:
     """Dropout seed of the sample at global stream ``position`` (the same on any rank or micro-batch)."""
     return (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 7) % (2**62)
+
+
+def logistic(z: float) -> float:
+    """``1 / (1 + exp(-z))``, for any finite ``z``: as ``exp(z) / (1 + exp(z))`` far below 0, where ``exp(-z)``
+    would overflow (``t_mean = -710`` raised OverflowError); the first form wherever it is finite, so the samples
+    of every run that worked are the same bits."""
+    if z > -700.0:
+        return 1.0 / (1.0 + math.exp(-z))
+    e = math.exp(z)
+    return e / (1.0 + e)

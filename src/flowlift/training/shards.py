@@ -28,7 +28,6 @@ patchified channel, i.e. per 2x2 phase).
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -49,6 +48,7 @@ from flowlift.training.dataset_files import (  # noqa: F401 - the format's names
     is_dataset_manifest,
     shard_count,
 )
+from flowlift.training.objective import logistic
 
 VERSION = 1
 CROP_ALIGN = 4
@@ -344,16 +344,6 @@ class TimeSampling:
             return float(self.low + (self.high - self.low) * u)
         n = torch.randn((), generator=generator).item()
         return logistic(self.mean + self.std * n)
-
-
-def logistic(z: float) -> float:
-    """``1 / (1 + exp(-z))``, for any finite ``z``: as ``exp(z) / (1 + exp(z))`` far below 0, where ``exp(-z)``
-    would overflow (``t_mean = -710`` raised OverflowError); the first form wherever it is finite, so the samples
-    of every run that worked are the same bits."""
-    if z > -700.0:
-        return 1.0 / (1.0 + math.exp(-z))
-    e = math.exp(z)
-    return e / (1.0 + e)
 
 
 def item_generator(seed: int, position: int) -> torch.Generator:
