@@ -65,6 +65,8 @@ def test_a_checked_output_size_still_runs(pipe):
         (0, (256, 256), ("past the 1x num_passes=0 make", "give num_passes=3")),  # an "8x upscale" with no pass
         (1, (96, 96), ("past the 2x num_passes=1 make", "give num_passes=2")),
         (None, (24, 32), ("below the 32x32 input",)),
+        (True, (128, 128), ("num_passes must be a non-negative integer, got True",)),  # a bool is no count
+        ("2", (128, 128), ("num_passes must be a non-negative integer, got '2'",)),
     ],
 )
 def test_output_size_within_what_the_passes_make(pipe, image, passes, size, words, monkeypatch):

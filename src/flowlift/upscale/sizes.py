@@ -238,9 +238,11 @@ def passes_for_output_size(
     run (:func:`planned_passes`): the rest would be a pixel resample passed off as the upscale (``num_passes=1`` to
     20x, ``num_passes=0`` to 8x). ``fraction_last``: the pipeline
     has a latent upscaler for the fraction (its own plan checks the passes against the size)."""
-    from flowlift.knobs import SCALE
+    from flowlift.knobs import SCALE, check_count
     from flowlift.limits import passes_for_scale
 
+    if num_passes is not None:  # a bool or "2" is refused by name before any size arithmetic
+        num_passes = check_count("num_passes", num_passes)
     if output_size is None:
         return 1 if num_passes is None else num_passes
     (width, height), (out_w, out_h) = input_size, output_size
@@ -257,7 +259,7 @@ def passes_for_output_size(
     if num_passes is None:
         return needed
     fit = planned_passes(height, width, needed)  # fewer where the 16K cap drops passes (the doors say so)
-    if not fraction_last and isinstance(num_passes, int) and 0 <= num_passes < fit:
+    if not fraction_last and num_passes < fit:
         raise FlowliftError(
             f"output_size {out_w}x{out_h} is {scale:.4g}x the {width}x{height} input, past the {2**num_passes}x "
             f"num_passes={num_passes} make (the rest would be a pixel resample): give num_passes={needed}, or leave "
