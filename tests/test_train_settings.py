@@ -79,6 +79,29 @@ def test_a_config_file_value_outside_the_domain_is_one_line(tmp_path, name, valu
     assert name in str(caught.value) and "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize("print_config", [False, True])
+def test_a_config_file_value_is_named_as_the_file_spells_it_not_as_a_flag(tmp_path, capsys, print_config):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"lr": -1}))
+    args = ["--print-config"] if print_config else ["--data", str(tmp_path / "d"), "--output", str(tmp_path / "o")]
+    rc = main(["train", "--config", str(path), *args])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err == f"flowlift train: error: {path}: lr must be in (0, 1], got -1"
+    path.write_text(json.dumps({"lrr": 1}))
+    rc = main(["train", "--config", str(path), *args])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith(f"flowlift train: error: {path}: unknown training setting(s): lrr")
+
+
+def test_a_yaml_file_or_a_folder_as_config_says_what_it_is(tmp_path, capsys):
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("lr: 0.1\n")
+    assert main(["train", "--config", str(yaml), "--print-config"]) == 2
+    assert "reads JSON (.json) or TOML (.toml) settings, not YAML" in capsys.readouterr().err
+    assert main(["train", "--config", str(tmp_path), "--print-config"]) == 2
+    assert f"config {tmp_path} is a folder" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("name", "value"), TEXT_CASES, ids=[f"{n}={v!r}" for n, v in TEXT_CASES])
 def test_set_outside_the_domain_is_refused_even_by_print_config(capsys, name, value):
     rc = main(["train", "--set", f"{name}={value}", "--print-config"])

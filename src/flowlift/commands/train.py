@@ -122,13 +122,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace, overrides: dict) -> Any:
     """The run's :class:`TrainConfig`: ``--print-config`` shows it as the files and overrides give it; a run
     gets it whole and checked (:func:`~flowlift.training.config.build_config`)."""
-    from flowlift.training.config import TrainConfig, apply_overrides, build_config, load_config_file
+    from flowlift.training.config import TrainConfig, apply_file, apply_overrides, build_config
 
     if not args.print_config:
         return build_config(args.config, overrides)
     config = TrainConfig()
     if args.config:
-        config = apply_overrides(config, load_config_file(args.config))
+        config = apply_file(config, args.config)
     return apply_overrides(config, overrides)
 
 

@@ -216,6 +216,16 @@ def apply_overrides(config: TrainConfig, overrides: dict[str, Any]) -> TrainConf
     return TrainConfig(**values)
 
 
+def apply_file(config: TrainConfig, path: str | os.PathLike) -> TrainConfig:
+    """``config`` with the settings file at ``path`` applied (:func:`load_config_file`); a refused value or an
+    unknown key is one line that starts with the file's name and names the key as written there."""
+    values = load_config_file(path)
+    try:
+        return apply_overrides(config, values)
+    except FlowliftError as error:
+        raise FlowliftError(f"{path}: {error}") from None  # str(): the file's own key, no door's option
+
+
 def parse_assignments(items: list[str]) -> dict[str, str]:
     """``["lr=1e-4", "steps=100"]`` -> ``{"lr": "1e-4", "steps": "100"}``."""
     out = {}
@@ -230,8 +240,12 @@ def parse_assignments(items: list[str]) -> dict[str, str]:
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """Read a ``.json`` or ``.toml`` config file into a dict (keys are TrainConfig fields)."""
     path = Path(path)
+    if path.is_dir():
+        raise FlowliftError(f"config {path} is a folder: give the settings file (.json or .toml) in it")
     if not path.is_file():
         raise FlowliftError(f"config file not found: {path}")
+    if path.suffix.lower() in (".yaml", ".yml"):
+        raise FlowliftError(f"config {path}: flowlift reads JSON (.json) or TOML (.toml) settings, not YAML")
     try:
         if path.suffix == ".toml":
             import tomllib
@@ -249,10 +263,11 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def build_config(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
-    """Defaults, then the file at ``path`` (if any), then ``overrides``; validated."""
+    """Defaults, then the file at ``path`` (if any), then ``overrides``; validated. A value the file holds that
+    its setting refuses is one line naming the file and the setting as the file spells it."""
     config = TrainConfig()
     if path:
-        config = apply_overrides(config, load_config_file(path))
+        config = apply_file(config, path)
     if overrides:
         config = apply_overrides(config, overrides)
     config.validate()
