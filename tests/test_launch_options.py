@@ -61,6 +61,30 @@ def test_options_torchrun_cannot_run_are_one_line(capsys, options, message):
     assert len(err) == 1 and err[0].startswith("flowlift launch: error: launcher options: ") and message in err[0], err
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (["--set", "lr=5"], "--set lr=5: lr must be in (0, 1], got '5'"),
+        (["--set", "weight_decay=100", "--lr", "0.5"], "lr x weight_decay must be below 1"),
+        (["--config", "{file}"], "{file}: lr must be in (0, 1], got -1"),
+    ],
+)
+def test_a_refused_training_setting_is_one_line_before_any_rank_starts(
+    tmp_path, capsys, monkeypatch, settings, message
+):
+    import flowlift.jobs.launch
+
+    config = tmp_path / "run.json"
+    config.write_text('{"lr": -1}')
+    monkeypatch.setattr(flowlift.jobs.launch, "launch", lambda *a, **k: pytest.fail("a rank was started"))
+    settings = [item.format(file=config) for item in settings]
+    command = ["train", "--data", str(tmp_path / "d"), "--output", str(tmp_path / "o"), *settings]
+    assert main(["launch", "--nproc-per-node", "2", "--", *command]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("flowlift launch: error: ") and message.format(file=config) in err[0]
+    assert not (tmp_path / "o").exists()
+
+
 def _launch_that_nobody_joins(join_timeout: int, *options: str) -> list[str]:
     """``flowlift launch`` of ``upscale a.png`` as one of 2 nodes at a rendezvous on a free loopback port, with
     ``join_timeout`` and ``options``: the other node never comes."""

@@ -67,7 +67,11 @@ def build_parser() -> OneLineParser:
         module.add_arguments(sub)
         if not getattr(module, "NESTED_COMMANDS", False):  # nested ones add them to each of their own
             add_console_options(sub, progress=getattr(module, "SHOWS_PROGRESS", True))
-        sub.set_defaults(_run=module.run, _long_running=getattr(module, "LONG_RUNNING", False))
+        sub.set_defaults(
+            _run=module.run,
+            _check=getattr(module, "check", None),  # settings a launcher checks before its ranks start
+            _long_running=getattr(module, "LONG_RUNNING", False),
+        )
     return parser
 
 

@@ -91,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
         )
     if command[0] in NOT_LAUNCHED:
         raise FlowliftError(f"`flowlift {command[0]}` does not run under a launcher")
-    build_parser().parse_args(command)  # a mistyped option: one error line and exit 2 here, before any rank starts
+    parsed = build_parser().parse_args(command)  # a mistyped option: one error line and exit 2 here, before any rank
+    if parsed._check is not None:  # a refused setting too (flowlift train's)
+        parsed._check(parsed)
     return launch(run_worker, command, _forwarded(args), command=f"flowlift {NAME}", quiet=not args.verbose)
 
 

@@ -132,7 +132,16 @@ def _settings(args: argparse.Namespace, overrides: dict) -> Any:
     return apply_overrides(config, overrides)
 
 
-def run(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> None:
+    """The settings checked as a run checks them, before ``flowlift launch`` starts any rank (a refused value is
+    then one line, not one per rank)."""
+    if not args.print_config:
+        settings(args)
+
+
+def settings(args: argparse.Namespace) -> Any:
+    """The run's :class:`~flowlift.training.config.TrainConfig` from the command line: the flags, ``--set`` and
+    the ``--config`` file (a refused value named as the user wrote it)."""
     from flowlift.training.config import parse_assignments
 
     overrides: dict = {}
@@ -147,12 +156,16 @@ def run(args: argparse.Namespace) -> int:
     if show_progress(args) is False:  # progress true (the default): a bar on a terminal, lines elsewhere
         overrides.setdefault("progress", False)
     try:
-        config = _settings(args, overrides)
+        return _settings(args, overrides)
     except FlowliftError as error:
         given = [key for key in error.fields if key in assigned]
         if given:  # named as the user wrote it (--set crop=...), not as its flag
             raise FlowliftError(f"--set {given[0]}={assigned[given[0]]}: {error}") from None
         raise
+
+
+def run(args: argparse.Namespace) -> int:
+    config = settings(args)
     if args.print_config:
         print(json.dumps(config.to_dict(), indent=2))
         return 0
