@@ -118,7 +118,7 @@ def test_other_latents_are_refused():
         call(TiledModelFunction(TileRequest.parse(64, 32)), FakeModel(), torch.zeros(1, 16, 8, 12))
 
 
-@pytest.mark.parametrize("size", [64, "off"])
+@pytest.mark.parametrize("size", [64, "off", "auto", 256])  # tiled, and untiled (auto below 4 MP, a whole tile)
 def test_nan_latents_and_a_nan_model_output_are_one_line_not_an_all_nan_latent(size):
     x = latent()
     x[0, 5, 3, 4] = float("nan")
@@ -130,7 +130,7 @@ def test_nan_latents_and_a_nan_model_output_are_one_line_not_an_all_nan_latent(s
             return torch.full_like(x, float("inf"))
 
     with pytest.raises(FlowliftError, match="the model's output holds NaN/Inf"):
-        call(TiledModelFunction(TileRequest.parse(64, 32)), Overflowing(), latent())
+        call(TiledModelFunction(TileRequest.parse(size, 32)), Overflowing(), latent())
 
 
 def test_interrupt_is_checked_before_every_tile_and_stops_between_tiles():

@@ -116,6 +116,13 @@ def test_ksampler_through_the_patch_one_tile_is_bit_exact_small_tiles_run_and_di
         "52": save(["51", 0], "small_cfg"),
         "53": ksampler(["1", 0], ["2", 0], cfg=2.0),
         "54": save(["53", 0], "cfg"),
+        # a second patch replaces the first: 64 px tiles then "off" is the plain model, then one tile the same
+        "60": tiled(["40", 0], "off"),
+        "61": ksampler(["60", 0], ["2", 0]),
+        "62": save(["61", 0], "small_then_off"),
+        "70": tiled(["40", 0], "256"),
+        "71": ksampler(["70", 0], ["2", 0]),
+        "72": save(["71", 0], "small_then_one_tile"),
     }
     entry = server.run(graph)
     plain = saved(server, entry, "11")
@@ -125,6 +132,8 @@ def test_ksampler_through_the_patch_one_tile_is_bit_exact_small_tiles_run_and_di
     assert torch.equal(saved(server, entry, "32"), plain)
     small = saved(server, entry, "42")
     assert torch.isfinite(small).all() and (small - plain).abs().max() > 1e-2  # the tiles really ran
+    for node in ("62", "72"):  # the earlier patch's tiles no longer run (they ran inside the new one's)
+        assert torch.equal(saved(server, entry, node), plain), node
     cfg, small_cfg = saved(server, entry, "54"), saved(server, entry, "52")
     assert (small_cfg - cfg).abs().max() > 1e-2 and not torch.equal(small_cfg, small)
     height, width = FRAME_PX

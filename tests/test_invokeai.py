@@ -265,7 +265,7 @@ def test_the_fields_have_the_knob_tables_domain_and_default(server):
 
     schemas = server.request("GET", "/openapi.json")["components"]["schemas"]
     checked = 0
-    from flowlift.refine.settings import REFINE_KNOBS
+    from flowlift.refine.settings import DISTILLED_STEPS, REFINE_KNOBS
 
     tiled = schemas[NODE_TYPES["flowlift_tiled_flux2_denoise"][0]]["properties"]
     for name, knob_name in TILED_DENOISE_KNOBS.items():
@@ -273,8 +273,9 @@ def test_the_fields_have_the_knob_tables_domain_and_default(server):
         if knob.words:  # a number that also takes words: a text field with the knob's default
             assert (field["type"], field["default"]) == ("string", str(knob.default)), name
             assert knob.describe() in field["description"], name
-        else:
-            assert (field.get("minimum"), field.get("maximum"), field["default"]) == (knob.low, knob.high, knob.default)
+        else:  # the steps' default is InvokeAI's FLUX2 Denoise's, a step-distilled Klein's (the CLI asks the model)
+            default = DISTILLED_STEPS if name == "num_steps" else knob.default
+            assert (field.get("minimum"), field.get("maximum"), field["default"]) == (knob.low, knob.high, default)
     for node_type, (schema_name, _title) in NODE_TYPES.items():
         if node_type == "flowlift_tiled_flux2_denoise":
             continue
@@ -834,6 +835,22 @@ def test_workflows_load_in_the_web_page(server, headless_browser):
             assert (nodes, edges) == (len(workflow["nodes"]), len(workflow["edges"])), path.name
     finally:
         driver.quit()
+
+
+def test_the_tiled_denoise_node_inside_invokeais_python(shared):
+    """The Tiled FLUX.2 Denoise node on InvokeAI's own classes (tests/invokeai_denoise_node_checks.py, in the
+    InvokeAI venv): the transformer's LoRAs patched by InvokeAI's LayerPatcher equal them merged by hand and come
+    off again, a cancel stops before the transformer's next call, a regional mask or a FLUX.1 transformer is one
+    line."""
+    env = invokeai_env(
+        PYTHONPATH=os.pathsep.join([str(shared / "comfyui-cpu-shim"), str(REPO_ROOT / "src")]),
+        FLOWLIFT_SHARED=str(shared),
+    )
+    checks = "tests/invokeai_denoise_node_checks.py"
+    command = [str(invokeai_python()), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", checks]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "3 passed" in result.stdout, result.stdout[-2000:]
 
 
 def test_the_core_passes_under_invokeais_pins(shared):

@@ -62,6 +62,26 @@ def test_scales_chunking_and_the_cap():
         latents.check_output_cap(16, 2049, 3, "node")
 
 
+@pytest.mark.parametrize("scale", [1.0, 1.05])
+def test_a_latent_fraction_that_makes_nothing_larger_is_refused_in_the_hires_fixs_words(scale):
+    # SesquiLSR ran at 1.0 and 1.05 on 64x64 px and rewrote the latents at their own size; `flowlift hires` refuses
+    with pytest.raises(FlowliftError) as caught:
+        choices.latent_plan(scale, 8, 8, fraction_last=True)
+    assert str(caught.value) == (
+        f"scale: hires at {scale:g}x of a 64x64 base is 64x64 on the 16 px grid the refine needs, no larger on one "
+        "side; use a scale of at least 1.125"
+    )
+    assert caught.value.field == "scale"
+    assert choices.latent_plan(1.125, 8, 8, fraction_last=True) == (0, (10, 10))
+
+
+def test_a_latent_fraction_over_the_16k_cap_is_refused_before_any_work():
+    # ComfyUI's latent node wrote 17440x128 px from 2208x16 at 7.9x: the cap held only for whole passes
+    with pytest.raises(FlowliftError, match=r"^scale: 7.9x of 2208x16 px would make 17440x128 px, over the 16384"):
+        choices.latent_plan(7.9, 2, 276, fraction_last=True)
+    assert choices.latent_plan(7.4, 2, 276, fraction_last=True) == (2, (14, 2042))  # 16336 px: within
+
+
 def test_the_latents_node_plans_a_fraction_as_the_hires_fix_does():
     # issue 46.3: with a latent upscaler the passes below the factor, then the hires fix's even latent size
     plan = [choices.latent_plan(s, 64, 96, fraction_last=True) for s in (1.5, 3, 6, 4)]

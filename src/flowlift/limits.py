@@ -28,6 +28,7 @@ __all__ = [
     "decoded_image_dtype",
     "dtype_bytes",
     "format_bytes",
+    "hires_size_or_refuse",
     "model_bytes",
     "parse_memory",
     "passes_for_scale",
@@ -116,6 +117,22 @@ def hires_latent_size(height: int, width: int, scale: float) -> tuple[int, int]:
     if whole_passes(scale):
         return height * int(scale), width * int(scale)
     return (max(2, math.floor(height * scale / 2 + 0.5) * 2), max(2, math.floor(width * scale / 2 + 0.5) * 2))
+
+
+def hires_size_or_refuse(width: int, height: int, scale: float, field: str) -> tuple[int, int]:
+    """The (width, height) px a hires fix of a ``width x height`` image makes at ``scale`` (:func:`hires_latent_size`
+    on the 16 px grid), or one FlowliftError line naming ``field`` when the grid rounds it to no enlargement on a
+    side (1.1x of 64x48 is 64x48: the least scale that enlarges is named). Every door's rule: the hires fix's
+    (``flowlift.refine.settings.check_hires_size``) and the latent nodes' (``flowlift.upscale.node_choices``)."""
+    out_h, out_w = (8 * n for n in hires_latent_size(height // 8, width // 8, scale))
+    if out_w <= width or out_h <= height:
+        least = math.ceil((1 + PIXEL_MULTIPLE / 2 / min(width, height)) * 1000) / 1000  # half a grid step up
+        raise FlowliftError(
+            f"{field}: hires at {scale:g}x of a {width}x{height} base is {out_w}x{out_h} on the {PIXEL_MULTIPLE} px "
+            f"grid the refine needs, no larger on one side; use a scale of at least {least:g}",
+            field=field,
+        )
+    return out_w, out_h
 
 
 def parse_memory(value: str | int | float) -> int:

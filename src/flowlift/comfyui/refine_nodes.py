@@ -72,9 +72,15 @@ class FlowliftTiledFlux2Refine(io.ComfyNode):
         if not isinstance(base, comfy.model_base.Flux2):
             raise FlowliftError(f"{TITLE}: needs a FLUX.2 model, got {type(base).__name__}")
         patched = model.clone()
-        if request.size == "off":
-            return io.NodeOutput(patched)
         previous = patched.model_options.get("model_function_wrapper")
+        if isinstance(previous, TiledModelFunction):  # an earlier Tiled FLUX.2 Refine: this one replaces it
+            previous = previous.previous
+            patched.model_options.pop("model_function_wrapper")
+            patched.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING, NODE_ID)
+            if previous is not None:
+                patched.set_model_unet_function_wrapper(previous)
+        if request.size == "off":  # the model as it was before any tiled refine
+            return io.NodeOutput(patched)
         wrapper = TiledModelFunction(request, mm.throw_exception_if_processing_interrupted, previous, TITLE)
         patched.set_model_unet_function_wrapper(wrapper)
         patched.add_wrapper_with_key(

@@ -121,16 +121,19 @@ class TiledModelFunction:
             return unpatchify(self._run(apply_model, patchify(crops), repeat_rows(timestep, batch, times), tile_args))
 
         tiled, record = tiled_for_frame(tile_call, frame, self.request, images=batch)
-        if not isinstance(tiled, TiledVelocity):
-            return self._run(apply_model, x, timestep, args)  # untiled: the model function itself, bit for bit
+        if not isinstance(tiled, TiledVelocity):  # untiled ("auto" up to 4 MP): the model function itself, bit for bit
+            return self._finite(self._run(apply_model, x, timestep, args))
         check_conditioning(conditioning, self.where)
         if frame not in self.logged:
             self.logged.add(frame)
             log.info("flowlift: %s", tiling_line(frame, record))
-        blended = patchify(tiled(unpatchify(x), timestep))
-        if not bool(torch.isfinite(blended).all()):
+        return self._finite(patchify(tiled(unpatchify(x), timestep)))
+
+    def _finite(self, output: torch.Tensor) -> torch.Tensor:
+        """``output``, or one line when it holds NaN/Inf (which would end as a black image with status success)."""
+        if not bool(torch.isfinite(output).all()):
             raise FlowliftError(f"{self.where}: the model's output holds NaN/Inf (weights that overflow in its dtype?)")
-        return blended
+        return output
 
     def call_shape(self, latent_shape: Sequence[int]) -> list[int]:
         """The largest input one model call gets for a ComfyUI latent of ``latent_shape`` (B, 128, h, w): a tile

@@ -1,4 +1,4 @@
-"""The three InvokeAI invocations (ids ``flowlift_*``, category ``flowlift``), thin over flowlift's pipeline.
+"""The InvokeAI invocations (ids ``flowlift_*``, category ``flowlift``), thin over flowlift's pipeline.
 
 Invocation ids, field names and their meaning are part of every saved workflow: never rename them;
 a change of behaviour bumps the invocation's version. Each node does InvokeAI's part (images,
@@ -11,12 +11,11 @@ No ``from __future__ import annotations`` here: InvokeAI reads each ``invoke``'s
 and each field's type at class creation.
 """
 
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from invokeai.invocation_api import (
     BaseInvocation,
-    FluxConditioningField,
     ImageField,
     ImageOutput,
     Input,
@@ -26,7 +25,6 @@ from invokeai.invocation_api import (
     LatentsOutput,
     ModelIdentifierField,
     ModelType,
-    TransformerField,
     VAEField,
     WithBoard,
     WithMetadata,
@@ -35,14 +33,14 @@ from invokeai.invocation_api import (
 
 from flowlift.devices import resolve_device
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
+from flowlift.invokeai.denoise_node import TiledFlux2DenoiseInvocation  # noqa: F401  (registers it with the others)
+from flowlift.invokeai.fields import CATEGORY, SEED_DESCRIPTION, knob_field
 from flowlift.invokeai.files import checked_sesqui_spec
 from flowlift.invokeai.latents import (
-    Count,
     Number,
     Seed,
     check_output_cap,
     check_raw_latents,
-    knob_text,
     normalized_to_raw,
     raw_to_normalized,
 )
@@ -56,13 +54,10 @@ from flowlift.invokeai.models import (
     on_device,
 )
 from flowlift.invokeai.progress import NodeProgress
-from flowlift.knobs import LATENT_UPSCALER, SEED, Knob
+from flowlift.knobs import LATENT_UPSCALER, SEED
 from flowlift.models.vae_loading import TAEF2_REPO
 from flowlift.models.vae_names import NATIVE_VAES
 from flowlift.models.weights import check_finite_result
-from flowlift.refine.loop import tiled_refine_raw_latents, tiling_line
-from flowlift.refine.settings import REFINE_STRENGTH, STEPS, TILE_BATCH, TILE_OVERLAP, TILE_SIZE, SamplingSettings
-from flowlift.refine.tiling import TileRequest
 from flowlift.upscale.colorfix_image import color_fix_image
 from flowlift.upscale.latent_fraction import find_sesqui
 from flowlift.upscale.latent_source import FractionalUpscaler
@@ -85,22 +80,10 @@ from flowlift.upscale.settings import (
     MemoryPolicy,
 )
 
-CATEGORY = "flowlift"
 #: The flowlift-run VAEs' names, for the image node's field (from the one declaration, flowlift.models.vae_names).
 NATIVE_NAMES = ", ".join(f"{vae.name} ({vae.title}: {vae.summary})" for vae in NATIVE_VAES)
 # InvokeAI reads each field's type at class creation: the choices become Literal types, from the knob table
 Chunking = Literal[CHUNKING]  # type: ignore[valid-type]
-
-
-def knob_field(knob: Knob, description: str | None = None, **extra: Any) -> Any:
-    """An InvokeAI ``InputField`` from a knob of the tables: its default (a choice as the node packs label it),
-    its range (``ge``/``le``), its grid (``multiple_of``) and its help as the description."""
-    kwargs: dict[str, Any] = {"default": knob.label(knob.default) if knob.choices else knob.default}
-    if not knob.choices:
-        kwargs.update(ge=knob.low, le=knob.high)
-    if knob.multiple:
-        kwargs["multiple_of"] = knob.multiple
-    return InputField(description=description or knob.help[:1].upper() + knob.help[1:], **kwargs, **extra)
 
 
 UPSCALER_DESCRIPTION = (
@@ -128,7 +111,6 @@ SCALE_DESCRIPTION = (
     "Any factor in [1, 8]: 2 = 1 pass, 4 = 2, 8 = 3; the image node resamples any other factor from the fewest "
     "passes that reach it (outputs are capped at 16384 px a side)"
 )
-SEED_DESCRIPTION = "Noise seed (each pass draws its own stream on the CPU, so a seed means the same result anywhere)"
 TRANSPLANT_DESCRIPTION = (
     "Stage 1 colour fix: how much of each pass's latent low band comes from its input (1 = exactly, 0 = off)"
 )
@@ -353,85 +335,3 @@ class ColourFixInvocation(BaseInvocation, WithMetadata, WithBoard):
         fixed = color_fix_image(upscaled, reference, self.strength, device=device)
         progress.stage("colour fix")
         return ImageOutput.build(context.images.save(image=fixed))
-
-
-#: The tiled denoise's text fields' types: checked by their knobs as the graph arrives.
-TileSizeText = knob_text(TILE_SIZE)
-TileBatchText = knob_text(TILE_BATCH)
-
-
-def _text_knob_field(knob: Knob, description: str) -> Any:
-    """A text field for a number knob that also takes words (``tile_size``: px, auto or off): its default and
-    its domain in words; its type (:func:`~flowlift.invokeai.latents.knob_text`) checks the value as it arrives."""
-    return InputField(default=str(knob.default), description=f"{description} ({knob.describe()})")
-
-
-@invocation(
-    "flowlift_tiled_flux2_denoise",
-    title="Tiled FLUX.2 Denoise (flowlift)",
-    tags=["flowlift", "flux2", "klein", "denoise", "tiled", "hires", "refine"],
-    category=CATEGORY,
-    version="1.0.0",
-)
-class TiledFlux2DenoiseInvocation(BaseInvocation):
-    """FLUX.2 img2img refine of latents in overlapping tiles (flowlift's refine loop, the one ``flowlift hires``
-    runs), so a Klein hires fix reaches 4x: every tile sees the transformer at a size it was trained on, and the
-    tiles' velocities are blended at every step (no seams to fix). Connect the latents of Flow Upscale Latents."""
-
-    latents: LatentsField = InputField(description="Raw FLUX.2 latents to refine (e.g. Flow Upscale Latents)")
-    transformer: TransformerField = InputField(
-        title="Transformer", description="The FLUX.2 (Klein) transformer", input=Input.Connection
-    )
-    positive_text_conditioning: FluxConditioningField = InputField(
-        title="Positive Text Conditioning",
-        description="The prompt, from a FLUX.2 text encoder node",
-        input=Input.Connection,
-    )
-    vae: VAEField = InputField(
-        title="FLUX.2 VAE",
-        description="The FLUX.2 VAE the latents belong to (for its BatchNorm statistics)",
-        input=Input.Connection,
-    )
-    strength: Number = knob_field(REFINE_STRENGTH, "How much the refine changes the latents (img2img strength)")
-    num_steps: Count = knob_field(STEPS, "Steps of the full schedule (distilled Klein: 4)")
-    seed: Seed = knob_field(SEED, SEED_DESCRIPTION)
-    tile_size: TileSizeText = _text_knob_field(TILE_SIZE, TILE_SIZE.help[:1].upper() + TILE_SIZE.help[1:])
-    tile_overlap: Count = knob_field(TILE_OVERLAP)
-    tile_batch: TileBatchText = _text_knob_field(TILE_BATCH, TILE_BATCH.help[:1].upper() + TILE_BATCH.help[1:])
-
-    @torch.no_grad()
-    def invoke(self, context: InvocationContext) -> LatentsOutput:
-        what = "Tiled FLUX.2 Denoise (flowlift)"
-        raw = check_raw_latents(context.tensors.load(self.latents.latents_name), what)
-        tiles = TileRequest.parse(self.tile_size, self.tile_overlap, self.tile_batch)
-        sampling = SamplingSettings(steps=self.num_steps, seed=self.seed)
-        check_flux2_vae_field(context, self.vae, what)
-        with context.models.load(self.vae.vae).model_in_ram() as vae_module:
-            vae = flux2_vae_adapter(vae_module, what)
-        conditioning = context.conditioning.load(self.positive_text_conditioning.conditioning_name).conditionings[0]
-        progress = NodeProgress(context, what, self.num_steps)
-        progress.begin("refine")
-        with context.models.load(self.transformer.transformer).model_on_device() as (_, transformer):
-            device = next(transformer.parameters()).device
-            embeds = conditioning.t5_embeds.to(device=device, dtype=transformer.dtype)
-
-            def on_step(*_: Any) -> None:
-                progress.stage("refine step")
-
-            refined, record = tiled_refine_raw_latents(
-                transformer,
-                raw,
-                vae.bn_mean,
-                vae.bn_std,
-                embeds,
-                strength=self.strength,
-                sampling=sampling,
-                tiles=tiles,
-                device=device,
-                on_step=on_step,
-            )
-        frame = (raw.shape[2] * VAE_SCALE_FACTOR, raw.shape[3] * VAE_SCALE_FACTOR)
-        context.logger.info(f"flowlift: {what}: {tiling_line(frame, record)}")
-        refined = check_finite_result(refined.to("cpu"), f"{what}: the transformer")
-        name = context.tensors.save(tensor=refined)
-        return LatentsOutput.build(latents_name=name, latents=refined, seed=self.seed)

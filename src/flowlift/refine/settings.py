@@ -11,13 +11,12 @@ smaller than the tile) on top of :meth:`~flowlift.knobs.Knob.check`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.settings import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SAMPLERS, SCHEDULES
 from flowlift.knobs import SCALE, SEED, TRANSPLANT_STRENGTH, Knob, table  # noqa: F401  (TRANSPLANT_STRENGTH: the hires fix's)
-from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE, hires_latent_size
+from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE, hires_size_or_refuse
 
 #: The most steps a refine takes: far past where a flow model stops gaining (28-50), and a bound on what one
 #: request to the web app can ask for.
@@ -142,14 +141,7 @@ def check_hires_size(width: int, height: int, scale: float, field: str = "hires.
     scale = HIRES_SCALE.check(scale)
     check_txt2img_size(width, height, field)
     side = max(width, height)
-    out_h, out_w = (8 * n for n in hires_latent_size(height // 8, width // 8, scale))
-    if out_w <= width or out_h <= height:  # 1.1x of 64x48 stayed 64x48 and was named _hires1.1x
-        least = math.ceil((1 + PIXEL_MULTIPLE / 2 / min(width, height)) * 1000) / 1000  # half a grid step up
-        raise FlowliftError(
-            f"{field}: hires at {scale:g}x of a {width}x{height} base is {out_w}x{out_h} on the {PIXEL_MULTIPLE} px "
-            f"grid the refine needs, no larger on one side; use a scale of at least {least:g}",
-            field=field,
-        )
+    out_w, out_h = hires_size_or_refuse(width, height, scale, field)  # 1.1x of 64x48 stayed 64x48, named _hires1.1x
     if max(out_h, out_w) > MAX_OUTPUT_SIDE:
         presets = HIRES_SCALE.extra["presets"]
         fits = [choice for choice in presets if side * choice <= MAX_OUTPUT_SIDE]

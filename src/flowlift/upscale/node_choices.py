@@ -8,7 +8,7 @@ pipeline's arguments here, so the two packs cannot drift apart.
 from __future__ import annotations
 
 from flowlift.errors import FlowliftError
-from flowlift.limits import hires_latent_size, passes_for_scale
+from flowlift.limits import MAX_OUTPUT_SIDE, hires_size_or_refuse, passes_for_scale
 from flowlift.upscale.asked_size import AskedSize
 from flowlift.upscale.settings import CHUNKED
 
@@ -42,7 +42,8 @@ def latent_plan(
     with a latent upscaler (``fraction_last``) any other factor in [1, 8] -> the passes below it and the latent
     (height, width) SesquiLSR resizes to, the hires fix's rule (:func:`~flowlift.limits.passes_for_scale` with
     ``fraction_last``, :func:`~flowlift.limits.hires_latent_size`: even sides, so 1.5x of 64x96 is 96x144);
-    without one, any other factor is one line naming the latent upscaler."""
+    without one, any other factor is one line naming the latent upscaler. A size the 16 px grid rounds to no
+    enlargement on a side, or one over the 16K cap, is one line naming ``scale``, as the hires fix says it."""
     asked = AskedSize(scale=scale)
     if asked.power_of_two:
         return asked.passes, None
@@ -55,7 +56,14 @@ def latent_plan(
             "(SesquiLSR) for any other factor, or upscale the image",
             field="latent_upscaler",
         )
-    return passes_for_scale(asked.scale, fraction_last=True), hires_latent_size(height, width, asked.scale)
+    width_px, height_px = hires_size_or_refuse(8 * width, 8 * height, asked.scale, "scale")  # 1.05x: no larger
+    if max(width_px, height_px) > MAX_OUTPUT_SIDE:
+        raise FlowliftError(
+            f"scale: {asked.scale:g}x of {8 * width}x{8 * height} px would make {width_px}x{height_px} px, over the "
+            f"{MAX_OUTPUT_SIDE} px cap per side (MAX_OUTPUT_SIDE); choose a smaller scale",
+            field="scale",
+        )
+    return passes_for_scale(asked.scale, fraction_last=True), (height_px // 8, width_px // 8)
 
 
 def image_stage_work(
