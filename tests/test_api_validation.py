@@ -62,6 +62,32 @@ def test_outpaint_needs_its_borders_and_borders_need_outpaint():
     assert _refine(mode="outpaint", outpaint=[0, 0, 64, 0]).outpaint == (0, 0, 64, 0)
 
 
+def test_a_field_the_mode_does_not_use_is_refused_not_dropped():
+    """hires ran at its refine_strength 0.3 whatever ``strength`` said, dropped ``references`` and a base size
+    beside an image; txt2img dropped an image, img2img a size: each is one line naming the field now."""
+    from flowlift.upscale.latent_source import FlowUpscalerSource
+
+    hires = HiresSettings(upscaler=FlowUpscalerSource())
+    base = HiresSettings(upscaler=FlowUpscalerSource(), base_size=(512, 512))
+
+    def hires_request(**fields):
+        return RefineRequest(**{"mode": "hires", "prompt": PROMPT, "source": SOURCE, "hires": hires, **fields})
+
+    def txt2img(**fields):
+        return RefineRequest(mode="txt2img", prompt=PROMPT, source=SOURCE, **fields)
+
+    _refused(lambda: hires_request(image="in.png", strength=0.9), "strength", "hires.refine_strength")
+    _refused(lambda: hires_request(image="in.png", references=("ref.png",)), "references", "hires takes no reference")
+    _refused(lambda: hires_request(image="in.png", hires=base), "hires.base_size", "which image replaces")
+    _refused(lambda: txt2img(image="in.png"), "image", "use img2img")
+    _refused(lambda: txt2img(strength=0.5), "strength", "starts from noise")
+    _refused(lambda: txt2img(references=("ref.png",)), "references")
+    _refused(lambda: _refine(size=(512, 512)), "size", "only txt2img draws at a size")
+    _refused(lambda: _refine(hires=hires), "hires", "only the hires mode uses it")
+    assert hires_request(hires=base).hires.base_size == (512, 512)  # a txt2img base: its size is used
+    assert hires_request(image="in.png").mode == "hires" and _refine(strength=0.4).strength == 0.4
+
+
 def test_the_default_hires_request_names_its_missing_upscaler_before_anything_loads():
     """``RefineRequest(mode='hires')`` used to load the transformer, then fail with ``'NoneType' object has no
     attribute 'load'``; the request itself now says what is missing."""

@@ -40,7 +40,9 @@ def _flowlift_text(path):
 
 
 def test_img2img_matches_the_cli(service, model_dir, inputs, monkeypatch, tmp_path):
-    result = refine(service, inputs / "photo.png", None, inputs / "prompt.safetensors", "img2img", 0.6, "linear", 6, 3)
+    result = refine(
+        service, inputs / "photo.png", None, inputs / "prompt.safetensors", "img2img", 0.6, None, "linear", 6, 3
+    )
     assert result.output.name == "photo_img2img.png" and result.output_size == (64, 48)
     size, app_meta = _flowlift_text(result.output)
     monkeypatch.chdir(inputs)  # the CLI records the paths as given: give bare names, as the app does
@@ -57,11 +59,14 @@ def test_img2img_matches_the_cli(service, model_dir, inputs, monkeypatch, tmp_pa
 def test_hires_fix_and_errors(service, inputs, tmp_path):
     square = tmp_path / "square.png"
     Image.open(inputs / "photo.png").resize((64, 64)).save(square)
-    result = refine(service, square, "", inputs / "prompt.safetensors", "hires fix 2x", 0.4, "linear", 4, 0)
+    result = refine(service, square, "", inputs / "prompt.safetensors", "hires fix 2x", None, 0.4, "linear", 4, 0)
     assert result.output.name == "square_hires2x.png" and result.output_size == (128, 128)
     _, meta = _flowlift_text(result.output)
     assert meta["command"] == "hires" and meta["scale"] == 2 and meta["refine_strength"] == 0.4
-    assert service.refiner() is service.refiner()  # loaded once
+    assert service.refine_models.refiner() is service.refine_models.refiner()  # loaded once
+    # Stop reaches the hires fix's upscale passes before every layer, as the Upscale tab's (it waited for the pass)
+    hires = service.refine_models.hires_upscaler(service.refine_models.refiner())
+    assert hires.pipeline.check_interrupt == service.one_run.check
     Image.open(inputs / "photo.png").resize((40, 24)).save(tmp_path / "odd.png")
     with pytest.raises(FlowliftError, match="multiples of 16"):
         refine(service, tmp_path / "odd.png", None, inputs / "prompt.safetensors", "hires fix 4x")
@@ -77,6 +82,64 @@ def test_hires_fix_and_errors(service, inputs, tmp_path):
         refine(no_model, square, None, inputs / "prompt.safetensors")
 
 
+def test_a_hires_fix_without_its_strength_runs_at_the_hires_default_at_every_door(service, inputs, tmp_path):
+    """An API call leaving the strength out got the img2img slider's 0.5 in hires mode (the CLI's 0.3): the two
+    strengths are two controls, each starting at its own knob's default, as --strength and --refine-strength."""
+    from flowlift.app.page import build_app
+    from flowlift.refine.settings import REFINE_STRENGTH, STRENGTH
+
+    square = tmp_path / "square.png"
+    Image.open(inputs / "photo.png").resize((64, 64)).save(square)
+    result = refine(service, square, None, inputs / "prompt.safetensors", "hires fix 2x", steps=2)
+    assert _flowlift_text(result.output)[1]["refine_strength"] == REFINE_STRENGTH.default == 0.3
+    page = build_app(service)
+    (endpoint,) = [fn for fn in page.fns.values() if fn.api_name == "refine"]
+    sliders = {block.label: block.value for block in endpoint.inputs if type(block).__name__ == "Slider"}
+    assert sliders == {"How much to redraw the image": STRENGTH.default, "How much to redraw after the upscale": 0.3}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"mode": "hires fix 2x", "refine_strength": 2}, "refine strength must be a number in [0, 1], got 2"),
+        ({"mode": "img2img", "strength": 2}, "strength must be a number in [0, 1], got 2"),
+        ({"prompt": 5}, "prompt must be text, got int 5"),
+        ({"mode": ["img2img"]}, "mode must be one of img2img, hires fix 2x"),
+    ],
+)
+def test_a_bad_form_value_is_one_line_in_the_pages_words(service, inputs, fields, message):
+    # hires said its Python name (refine_strength); JSON can send anything:
+    # a prompt of 5 was "'int' object has no attribute 'strip'", a list mode "unhashable"
+    arguments = {"path": inputs / "photo.png", "prompt_embeds": inputs / "prompt.safetensors", **fields}
+    with pytest.raises(FlowliftError) as caught:
+        service.refine(**arguments)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_prompt_given_with_embeddings_is_recorded_as_the_cli_records_it(service, inputs):
+    result = refine(service, inputs / "photo.png", "a red door", inputs / "prompt.safetensors", "img2img", steps=1)
+    assert _flowlift_text(result.output)[1]["prompt"] == "a red door"
+
+
+def test_a_text_prompt_on_a_model_without_a_text_encoder_is_refused_before_it_loads(
+    model_dir, inputs, tmp_path, monkeypatch
+):
+    import flowlift.refine.loading
+
+    monkeypatch.setattr(flowlift.refine.loading, "load_refiner", lambda *a, **k: pytest.fail("the model loaded"))
+    bare = AppService(AppConfig(vaes=["taef2"], device="cpu", model=str(model_dir), work_dir=tmp_path / "w"))
+    try:
+        with pytest.raises(FlowliftError) as caught:
+            refine(bare, inputs / "photo.png", "a red door", None, "img2img", steps=1)
+    finally:
+        bare.close()
+    assert str(caught.value) == (
+        f"the model {model_dir.name} has no text encoder to embed a prompt with; upload prompt embeddings "
+        "(.safetensors with 'prompt_embeds') instead"
+    )
+    assert str(model_dir.parent) not in str(caught.value)  # no server folder on the page
+
+
 def test_refine_tab_only_with_a_model(service, tmp_path):
     from flowlift.app.page import build_app
 
@@ -88,7 +151,7 @@ def test_refine_tab_only_with_a_model(service, tmp_path):
 
 def test_tiled_img2img_matches_the_cli(service, model_dir, inputs, monkeypatch, tmp_path):
     # the Refine tab's tile size and overlap reach the refiner: the tiles really run and the metadata names them
-    args = (service, inputs / "photo.png", None, inputs / "prompt.safetensors", "img2img", 0.6, "linear", 3, 5)
+    args = (service, inputs / "photo.png", None, inputs / "prompt.safetensors", "img2img", 0.6, None, "linear", 3, 5)
     tiled = refine(*args, tile_size="32", tile_overlap=16)
     untiled = refine(*args, tile_size="off", tile_overlap=16)
     _, meta = _flowlift_text(tiled.output)
@@ -147,8 +210,8 @@ def test_every_tab_after_every_other_on_one_service(
     tabs = {
         "upscale": lambda: service.upscale(square, 2, 0).output,
         "batch": lambda: service.batch([square], 2, 0).zip_path,
-        "img2img": lambda: refine(service, square, None, embeds, "img2img", 0.5, "linear", 2, 0).output,
-        "hires": lambda: refine(service, square, None, embeds, "hires fix 2x", 0.4, "linear", 2, 0).output,
+        "img2img": lambda: refine(service, square, None, embeds, "img2img", 0.5, None, "linear", 2, 0).output,
+        "hires": lambda: refine(service, square, None, embeds, "hires fix 2x", None, 0.4, "linear", 2, 0).output,
     }
     order = _every_ordered_pair(list(tabs))
     pairs = set(zip(order, order[1:], strict=False))

@@ -140,6 +140,7 @@ def test_app_components_have_the_knobs_domain_and_default(tmp_path):
                 "embeds",
                 "mode",
                 "strength",
+                "refine_strength",
                 "strength_map",
                 "steps",
                 "seed",
@@ -609,7 +610,7 @@ def test_the_apps_handlers_and_forms_default_to_the_knobs():
     import dataclasses
     import inspect
 
-    from flowlift.app.refine import MODES, RefineForm, mode_strength_default
+    from flowlift.app.refine import RefineForm
     from flowlift.app.service import AppService
 
     tables = {**UPSCALE_KNOBS, **REFINE_KNOBS}
@@ -624,10 +625,6 @@ def test_the_apps_handlers_and_forms_default_to_the_knobs():
             assert spec.default == tables[spec.name].default, spec.name
             checked += 1
     assert checked >= 16
-    assert mode_strength_default("img2img") == REFINE_KNOBS["strength"].default
-    for mode, factor in MODES.items():
-        if factor:  # the hires fix's refine strength, as the CLI and the InvokeAI node start it
-            assert mode_strength_default(mode) == REFINE_KNOBS["refine_strength"].default == 0.3
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ one :class:`~flowlift.refine.request.RefineRequest`, planned by :func:`flowlift.
 run by :func:`flowlift.refine.jobs.refine_job` on the service's loaded refiner (the hires fix through
 :meth:`~flowlift.refine.refiner.Flux2Refiner.hires`, as the command line runs it) and written by
 :func:`flowlift.refine.jobs.write_job` with the CLI's metadata (the upload's name where the CLI records a path).
-The service is reached through its public methods only (:meth:`~flowlift.app.service.AppService.refiner`,
-``hires_upscaler``, ``new_result_dir``).
+The service is reached through its public parts only (its ``refine_models``,
+:class:`~flowlift.app.refine_models.RefineModels`, and ``new_result_dir``).
 """
 
 from __future__ import annotations
@@ -36,18 +36,16 @@ from flowlift.refine.settings import (
 MODES = {"img2img": 0, **{f"hires fix {factor}x": factor for factor in HIRES_SCALE.extra["presets"]}}
 
 
-def mode_strength_default(mode: str) -> float:
-    """The strength a mode starts at: img2img's ``strength``, the hires fix's ``refine_strength`` (knob defaults)."""
-    return REFINE_STRENGTH.default if MODES.get(mode) else STRENGTH.default
-
-
 @dataclass(frozen=True)
 class RefineForm:
-    """The Refine tab's controls as sent (form and JSON values, checked by :func:`refine_upload`); ``strength`` None
-    is the mode's default (:func:`mode_strength_default`), ``steps`` None the loaded model's."""
+    """The Refine tab's controls as sent (form and JSON values, checked by :func:`refine_upload`): ``strength`` is
+    img2img's and ``refine_strength`` the hires fix's, two controls as ``--strength`` and ``--refine-strength`` are,
+    so that a request leaving one out gets that mode's own default (None: the knob's); ``steps`` None is the loaded
+    model's."""
 
     mode: str = "img2img"
     strength: Any = None
+    refine_strength: Any = None
     strength_map: str = STRENGTH_MAP.default
     steps: Any = None  # the model's (4 for a step-distilled Klein, else 28), as the command line's
     seed: Any = SEED.default
@@ -57,7 +55,8 @@ class RefineForm:
 
 
 def _checked(knob: Knob, value: Any) -> Any:
-    """A request's value checked against its knob (JSON and form values parsed exactly), in this tab's words."""
+    """A request's value checked against its knob (JSON and form values parsed exactly), named by its field (the
+    page says it with its label)."""
     try:
         return knob.check(value, loose=True)
     except FlowliftError:
@@ -65,7 +64,14 @@ def _checked(knob: Knob, value: Any) -> Any:
             domain = f"an integer in [{knob.low}, {knob.high}]"
         else:
             domain = f"a number in [{knob.low:g}, {knob.high:g}]"
-        raise FlowliftError(f"{knob.name} must be {domain}, got {value}") from None
+        raise FlowliftError(f"{knob.name} must be {domain}, got {value}", field=knob.name) from None
+
+
+def _text(value: Any, field: str) -> str | None:
+    """A text field of the request as sent (JSON may send anything): text or None, else one line naming it."""
+    if value is None or isinstance(value, str):
+        return value
+    raise FlowliftError(f"{field} must be text, got {type(value).__name__} {value!r}"[:200], field=field)
 
 
 def _request(service: Any, source: Path, prompt: str | None, embeds: Path | None, form: RefineForm) -> Any:
@@ -77,13 +83,11 @@ def _request(service: Any, source: Path, prompt: str | None, embeds: Path | None
     from flowlift.refine.tiling import TileRequest
     from flowlift.upscale.latent_source import FlowUpscalerSource
 
-    if form.mode not in MODES:
-        raise FlowliftError(f"mode must be one of {', '.join(MODES)}, got {form.mode!r}")
+    if not isinstance(form.mode, str) or form.mode not in MODES:
+        raise FlowliftError(f"mode must be one of {', '.join(MODES)}, got {form.mode!r}"[:300])
     scale = MODES[form.mode]
-    strength = _checked(
-        REFINE_STRENGTH if scale else STRENGTH,
-        mode_strength_default(form.mode) if form.strength is None else form.strength,
-    )
+    knob, given = (REFINE_STRENGTH, form.refine_strength) if scale else (STRENGTH, form.strength)
+    strength = _checked(knob, knob.default if given is None else given)
     steps = None if form.steps is None else _checked(STEPS, form.steps)  # None: the model's, as the CLI's
     sampling = SamplingSettings(steps=steps, seed=_checked(SEED, form.seed), sampler=SAMPLER.check(form.sampler))
     hires = None
@@ -94,7 +98,7 @@ def _request(service: Any, source: Path, prompt: str | None, embeds: Path | None
     config = service.config
     request = RefineRequest(
         mode="hires" if scale else "img2img",
-        prompt=PromptRequest(text=None if embeds is not None else prompt, embeds=embeds),
+        prompt=PromptRequest(text=prompt if (prompt or "").strip() else None, embeds=embeds),  # with embeds: recorded
         source=RefinerSource(config.model, config.model_vae, device=config.device or "auto", dtype=config.dtype),
         image=source,
         overwrite=True,  # a fresh folder of the app's own
@@ -146,6 +150,7 @@ def _refine(
     from flowlift.refine.jobs import job_conditioning, plan_refine_job, refine_job, write_job
     from flowlift.refine.stages import plan_job_stages
 
+    prompt = _text(prompt, "prompt")
     if not path:
         raise FlowliftError("no image uploaded")
     if not service.config.model:
@@ -168,11 +173,11 @@ def _refine(
             public_message(error, embeds if embeds is not None and embeds.name in str(error) else source)
         ) from None
     started = time.perf_counter()
-    refiner = service.refiner(text_encoder=request.prompt.embeds is None)
+    refiner = service.refine_models.refiner(text_encoder=request.prompt.embeds is None)
     refiner.progress = False
     plan_job_stages(run, job, request.sampling.steps or refiner.default_steps)
     try:
-        upscaler = service.hires_upscaler(refiner) if request.mode == "hires" else None
+        upscaler = service.refine_models.hires_upscaler(refiner) if request.mode == "hires" else None
         result = refine_job(job, refiner, conditioning, upscaler)
         run.begin("writing")
         image = write_job(job, result, shown=lambda p: Path(p).name)

@@ -2,10 +2,11 @@
 
 The Gradio controls over :meth:`flowlift.app.service.AppService.refine` (:mod:`flowlift.app.refine`: one
 :class:`~flowlift.refine.request.RefineRequest`, refine's own plan and hires composition), with the output names
-and PNG metadata of ``flowlift img2img`` / ``flowlift hires``. Every control's range and default is its knob's;
-the strength slider starts at the chosen mode's default and the steps at the loaded model's (4 for a step-distilled
-Klein, else 28: :func:`flowlift.refine.loading.model_default_steps`, as ``flowlift img2img``/``hires`` choose them).
-The bar names each stage and step with the time left (the request's :class:`~flowlift.progress.RunProgress`).
+and PNG metadata of ``flowlift img2img`` / ``flowlift hires``. Every control's range and default is its knob's:
+img2img's strength and the hires fix's refine strength are two sliders (one shown per mode), and the steps start at
+the loaded model's (4 for a step-distilled Klein, else 28: :func:`flowlift.refine.loading.model_default_steps`, as
+``flowlift img2img``/``hires`` choose them). The bar names each stage and step with the time left (the request's
+:class:`~flowlift.progress.RunProgress`).
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from typing import Any
 
 from flowlift.app.controls import image_input, knob_number, knob_slider, result_column, seed_number
 from flowlift.app.gradio_requests import run_stoppable, upload_path
-from flowlift.app.refine import MODES, mode_strength_default
+from flowlift.app.refine import MODES
 from flowlift.app.results import UpscaleResult, model_name
 from flowlift.app.service import AppService
 from flowlift.limits import PIXEL_MULTIPLE
 from flowlift.refine.loading import model_default_steps
-from flowlift.refine.settings import SAMPLER, STEPS, STRENGTH, STRENGTH_MAP, TILE_OVERLAP, TILE_SIZE
+from flowlift.refine.settings import REFINE_STRENGTH, SAMPLER, STEPS, STRENGTH, STRENGTH_MAP, TILE_OVERLAP, TILE_SIZE
 
 MAX_STEPS = STEPS.high
 #: The tile size menu: the knob's words, then sides FLUX.2 is used at (any multiple of 16 may be typed in).
@@ -64,6 +65,7 @@ def _handler(gr: Any, service: AppService, as_user_error: Any) -> Any:
         embeds,
         mode,
         strength,
+        refine_strength,
         strength_map,
         steps,
         seed,
@@ -73,7 +75,7 @@ def _handler(gr: Any, service: AppService, as_user_error: Any) -> Any:
         progress=stage_progress,
     ):
         try:
-            form = (mode, strength, strength_map, steps, seed, sampler, tile_size, tile_overlap)
+            form = (mode, strength, refine_strength, strength_map, steps, seed, sampler, tile_size, tile_overlap)
             values = (service, upload_path(image), prompt, upload_path(embeds), *form)
             result = run_stoppable(service, refine, values, progress)
         except Exception as error:  # noqa: BLE001 - every failure becomes a visible message
@@ -83,14 +85,22 @@ def _handler(gr: Any, service: AppService, as_user_error: Any) -> Any:
     return run
 
 
-def _redraw_controls(gr: Any, service: AppService) -> tuple[Any, Any, Any]:
-    """Strength, how strength is counted, and the steps (the loaded model's default), from the knobs."""
+def _redraw_controls(gr: Any, service: AppService) -> tuple[Any, Any, Any, Any]:
+    """The two strengths (img2img's, the hires fix's: one shown per mode, each with its knob's default, so that an
+    API call leaving one out gets its mode's), how strength is counted, and the steps (the loaded model's default)."""
+    formula = "Sampling starts at denoising_start = 1 - strength (linear) or 1 - strength**0.2 (canvas)."
     strength = knob_slider(
         gr,
         STRENGTH,
         label="How much to redraw the image",
-        info="0 keeps it, 1 draws it anew from noise (hires fix: the redraw after the upscale). "
-        "Sampling starts at denoising_start = 1 - strength (linear) or 1 - strength**0.2 (canvas).",
+        info=f"0 keeps it, 1 draws it anew from noise. {formula}",
+    )
+    refine_strength = knob_slider(
+        gr,
+        REFINE_STRENGTH,
+        label="How much to redraw after the upscale",
+        info=f"hires fix: 0 keeps the upscaled image, 1 draws it anew from noise. {formula}",
+        visible=False,
     )
     strength_map = gr.Radio(
         list(STRENGTH_MAP.choices),
@@ -108,7 +118,7 @@ def _redraw_controls(gr: Any, service: AppService) -> tuple[Any, Any, Any]:
         label="Steps of the full schedule",
         info=f"the model's default: {model_steps} ({why}), as flowlift img2img and hires choose it",
     )
-    return strength, strength_map, steps
+    return strength, refine_strength, strength_map, steps
 
 
 def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_error: Any) -> None:
@@ -122,7 +132,7 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
                 prompt = gr.Textbox(label="Prompt (needs flowlift[text]; or give prompt embeddings below)", lines=2)
                 embeds = gr.File(label="Prompt embeddings (.safetensors with 'prompt_embeds')", elem_id="refine-embeds")
                 mode = gr.Radio(list(MODES), value="img2img", label="Mode")
-                strength, strength_map, steps = _redraw_controls(gr, service)
+                strength, refine_strength, strength_map, steps = _redraw_controls(gr, service)
                 seed = seed_number(gr)
                 sampler = gr.Radio(list(SAMPLER.choices), value=SAMPLER.default, label="Sampler")
                 tile_size, tile_overlap = _tile_controls(gr)
@@ -131,14 +141,15 @@ def refine_tab(gr: Any, service: AppService, queue: dict[str, Any], as_user_erro
             with gr.Column():
                 slider, download, info = result_column(gr, "refine", "Before / after")
         mode.change(
-            lambda chosen: gr.update(value=mode_strength_default(chosen)),
+            lambda chosen: (gr.update(visible=not MODES[chosen]), gr.update(visible=bool(MODES[chosen]))),
             inputs=[mode],
-            outputs=[strength],
+            outputs=[strength, refine_strength],
             api_name=False,
         )
+        form = [mode, strength, refine_strength, strength_map, steps, seed, sampler, tile_size, tile_overlap]
         started = button.click(
             run,
-            inputs=[image, prompt, embeds, mode, strength, strength_map, steps, seed, sampler, tile_size, tile_overlap],
+            inputs=[image, prompt, embeds, *form],
             outputs=[slider, download, info],
             api_name="refine",
             preprocess=False,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from flowlift.app.progress import OneRun, ProgressFn, request_progress
+from flowlift.app.refine_models import RefineModels
 from flowlift.app.results import (
     BatchResult,
     UpscaleResult,
@@ -93,8 +94,8 @@ class AppService:
         self._hashes: dict[tuple[str, bool], dict[str, dict[str, str]]] = {}
         #: Weight files hashed so far (pipelines share the UNet and a VAE's files): each is read once per server.
         self._file_digests: dict[Path, str] = {}
-        self._refiner: Any = None
-        self._hires_pipeline: Any = None
+        #: The Refine tab's refiner and hires upscaler (:class:`~flowlift.app.refine_models.RefineModels`).
+        self.refine_models = RefineModels(config, self._lock, self.one_run.check, self._pipelines)
         self._own_work_dir = config.work_dir is None
         self.work_dir = Path(config.work_dir or tempfile.mkdtemp(prefix="flowlift-app-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -181,29 +182,6 @@ class AppService:
             self._file_digests[path] = weight_file_sha256(path)
         return self._file_digests[path]
 
-    def refiner(self, text_encoder: bool = False) -> Any:
-        """The FLUX.2 refiner of ``--model`` (loaded on first use; the text encoder only once a prompt needs it); what
-        loads is reported to the request's run (:mod:`flowlift.progress`)."""
-        if not self.config.model:
-            raise FlowliftError("no FLUX.2 model configured; start the app with --model to refine")
-        with self._lock:
-            from flowlift.devices import resolve_device_dtype
-            from flowlift.progress import report_loading
-
-            device, dtype = resolve_device_dtype(self.config.device or "auto", self.config.dtype)
-            if self._refiner is None:
-                from flowlift.refine.loading import load_refiner
-
-                report_loading(f"the FLUX.2 model {Path(self.config.model).name} (once per server)")
-                self._refiner = load_refiner(self.config.model, vae=self.config.model_vae, device=device, dtype=dtype)
-            if text_encoder and self._refiner.prompt_encoder is None:
-                from flowlift.refine.prompts import PromptEncoder
-
-                report_loading(f"the FLUX.2 text encoder of {Path(self.config.model).name} (once per server)")
-                self._refiner.prompt_encoder = PromptEncoder(self.config.model, device=device, dtype=dtype)
-            report_loading(None)
-            return self._refiner
-
     # -- the command line's settings and names ------------------------------------------------------
 
     def settings(self, seed: int, transplant: float, color_fix: float, vae: str, latent: bool = False) -> Any:
@@ -253,18 +231,6 @@ class AppService:
         (folder / RESULT_MARKER).write_text("made by flowlift app; removed when old\n")
         return folder
 
-    def hires_upscaler(self, refiner: Any) -> Any:
-        """The hires fix's Flow Upscaler on the refiner's VAE, device and dtype (made once; the UNet an upscale
-        request already loaded is reused, :class:`~flowlift.upscale.latent_source.FlowUpscalerSource`)."""
-        from flowlift.upscale.latent_source import FlowUpscalerSource
-
-        with self._lock:
-            if self._hires_pipeline is None:
-                loaded = next(iter(self._pipelines.values()), None)
-                source = FlowUpscalerSource(self.config.upscaler, loaded.upscaler if loaded is not None else None)
-                self._hires_pipeline = source.load(refiner.vae, device=refiner.device, dtype=refiner.dtype)
-            return self._hires_pipeline
-
     def refine(
         self,
         path: str | Path | None,
@@ -272,6 +238,7 @@ class AppService:
         prompt_embeds: str | Path | None = None,
         mode: str = "img2img",
         strength: Any = None,
+        refine_strength: Any = None,
         strength_map: str = STRENGTH_MAP.default,
         steps: Any = None,
         seed: Any = SEED.default,
@@ -281,12 +248,12 @@ class AppService:
         progress: ProgressFn = _no_progress,
     ) -> UpscaleResult:
         """Refine one upload (the Refine tab, :mod:`flowlift.app.refine`): img2img or ``hires fix <N>x``, written as
-        ``flowlift img2img`` / ``flowlift hires`` name it, with their metadata. ``strength`` None is the mode's
-        knob default (img2img ``strength``, the hires fix's ``refine_strength``), ``steps`` None the model's (4 for a
+        ``flowlift img2img`` / ``flowlift hires`` name it, with their metadata. ``strength`` is img2img's and
+        ``refine_strength`` the hires fix's (None: each knob's default), ``steps`` None the model's (4 for a
         step-distilled Klein, else 28), as ``flowlift img2img``/``hires`` choose them."""
         from flowlift.app.refine import RefineForm, refine_upload
 
-        form = RefineForm(mode, strength, strength_map, steps, seed, sampler, tile_size, tile_overlap)
+        form = RefineForm(mode, strength, refine_strength, strength_map, steps, seed, sampler, tile_size, tile_overlap)
         return refine_upload(self, path, prompt, prompt_embeds, form, progress)
 
     # -- handlers ------------------------------------------------------------------------------------

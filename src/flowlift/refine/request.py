@@ -267,6 +267,7 @@ class RefineRequest:
         if self.outpaint is not None:
             object.__setattr__(self, "outpaint", _borders(self.outpaint))
         self._check_mode()
+        self._check_unused()
 
     def _check_mode(self) -> None:
         """What the mode needs: an image (img2img, inpaint, outpaint), a mask (inpaint), borders (outpaint), a size
@@ -298,6 +299,28 @@ class RefineRequest:
                 )
             if self.image is None:
                 check_hires_size(*hires.base_size, hires.scale)
+
+    def _check_unused(self) -> None:
+        """A field the mode does not use is one line naming it and what to do, never dropped without a word (the
+        command line's options cannot combine so; a Python caller's fields can)."""
+        unused: list[tuple[str, str]] = []
+        if self.mode == "txt2img" and self.image is not None:
+            unused.append(("image", "txt2img draws from the prompt alone; use img2img to start from an image"))
+        if self.mode in ("txt2img", "hires") and self.references:
+            unused.append(("references", f"{self.mode} takes no reference images; use img2img with them"))
+        if self.mode in ("txt2img", "hires") and self.strength is not None:
+            where = "hires.refine_strength" if self.mode == "hires" else "none: it starts from noise"
+            unused.append(("strength", f"{self.mode} does not use it ({where})"))
+        if self.mode != "txt2img" and tuple(self.size) != DEFAULT_SIZE:
+            unused.append(("size", f"{self.mode} does not use it (only txt2img draws at a size; hires: base_size)"))
+        if self.mode != "hires" and self.hires is not None:
+            unused.append(("hires", f"only the hires mode uses it, not {self.mode}"))
+        base = self.hires if self.mode == "hires" and self.image is not None else None
+        if base is not None and (base.base_steps is not None or tuple(base.base_size) != DEFAULT_SIZE):
+            unused.append(("hires.base_size", "base_size and base_steps are for a txt2img base, which image replaces"))
+        if unused:
+            field, why = unused[0]
+            raise FlowliftError(f"{field}: {why}; drop it", field=field)
 
     @property
     def mode_strength(self) -> float:

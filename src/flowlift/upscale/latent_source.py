@@ -9,6 +9,7 @@ hands it down in :class:`~flowlift.refine.request.HiresSettings`; refine/ never 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,14 +47,25 @@ class FlowUpscalerSource:
             find_sesqui(self.latent_upscaler)
         return find_upscaler_file(self.name)
 
-    def load(self, vae: Any, *, device: Any, dtype: Any, budget_bytes: int | None = None) -> Any:
-        """A latent-only pipeline on ``vae`` (the refiner's), ``budget_bytes`` its memory budget (None: by size)."""
+    def load(
+        self,
+        vae: Any,
+        *,
+        device: Any,
+        dtype: Any,
+        budget_bytes: int | None = None,
+        check_interrupt: Callable[[], None] | None = None,
+    ) -> Any:
+        """A latent-only pipeline on ``vae`` (the refiner's), ``budget_bytes`` its memory budget (None: by size),
+        ``check_interrupt`` asked before every layer of its passes (the web app's Stop; the pipeline's own)."""
         from flowlift.upscale.pipeline import FlowUpscalerPipeline
         from flowlift.upscale.settings import MemoryPolicy
 
         weights = self.unet if self.unet is not None else self.find()
         memory = MemoryPolicy(max_memory=budget_bytes)
-        pipeline = FlowUpscalerPipeline(weights, vae, device=device, dtype=dtype, memory=memory)
+        pipeline = FlowUpscalerPipeline(
+            weights, vae, device=device, dtype=dtype, memory=memory, check_interrupt=check_interrupt
+        )
         if self.latent_upscaler is None:
             return FractionalUpscaler(pipeline, None, vae, None)
         return FractionalUpscaler.loading(pipeline, vae, self.latent_upscaler)
