@@ -184,6 +184,54 @@ def test_status_of_a_plain_run_comes_from_its_files(tmp_path, shared, weights, p
     assert "3 done, 0 partial, 0 broken, 0 missing" in text and "complete" in text.splitlines()[-1]
 
 
+def test_status_from_the_files_tells_changed_inputs_unreadable_inputs_and_output_like_names(
+    tmp_path, shared, weights, photo, capsys
+):
+    """A folder whose input changed since its output was made said "complete" (the rerun redid it); a user's own
+    beach_x2.png was never missing (the rerun upscaled it); a user's truncated c.png was a "broken output" the
+    rerun would redo (it fails every run)."""
+    for name in ("a", "b"):
+        photo.save(tmp_path / f"{name}.png")
+    assert main(["upscale", str(tmp_path), *_common(shared, weights)]) == 0
+    photo.rotate(180).save(tmp_path / "a.png")  # another picture under the same name
+    photo.save(tmp_path / "beach_x2.png")  # a user's image at an output-like name, no output of its own
+    whole = (tmp_path / "b.png").read_bytes()
+    (tmp_path / "c.png").write_bytes(whole[: len(whole) // 2])  # a user's truncated image
+    capsys.readouterr()
+    assert main(["status", str(tmp_path)]) == 1
+    text = capsys.readouterr().out
+    assert "1 done, 0 partial, 0 broken, 1 missing, 1 changed, 1 unreadable input(s)" in text, text
+    assert "changed: a_x2.png (its input here changed since" in text and "missing: beach_x2.png" in text
+    assert "unreadable input: c.png (truncated; every run fails on it" in text and "broken:" not in text
+    assert main(["status", str(tmp_path / "a.png")]) == 2
+    assert f"{tmp_path / 'a.png'} is a file: give the output folder" in capsys.readouterr().err
+
+
+def test_manifest_status_after_a_failed_input_is_removed_and_after_the_folder_moves(
+    tmp_path, shared, weights, photo, capsys
+):
+    """A failed input removed since kept the job "not complete" forever; a moved output folder (or one mounted
+    elsewhere) listed every output as missing: the manifest's records are read against the folder as it is."""
+    inputs, out = tmp_path / "in", tmp_path / "out"
+    inputs.mkdir()
+    out.mkdir()
+    (out / "flowlift-manifest.jsonl").write_text("")  # a job manifest: the records of the scale-out path
+    for name in ("a", "b"):
+        photo.save(inputs / f"{name}.png")
+    (inputs / "bad.png").write_bytes(b"not an image")
+    assert main(["upscale", str(inputs), "-o", str(out), *_common(shared, weights)]) == 1
+    (inputs / "bad.png").unlink()
+    assert main(["upscale", str(inputs), "-o", str(out), *_common(shared, weights)]) == 0
+    capsys.readouterr()
+    assert main(["status", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "failed, its input since removed (nothing to redo):" in text and text.splitlines()[-1] == "complete"
+    moved = tmp_path / "moved"
+    out.rename(moved)
+    assert main(["status", str(moved)]) == 0
+    assert "0 recorded but missing on disk" in capsys.readouterr().out
+
+
 def test_image_too_wide_for_any_pass_is_refused_in_one_line(tmp_path, shared, weights, capsys):
     # 8200 px wide: one pass would give 16400 > MAX_OUTPUT_SIDE; no pass can run, so nothing is
     # written (an unscaled image named _x2 would be a lie that resume then skips forever)

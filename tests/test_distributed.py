@@ -202,7 +202,7 @@ def test_job_status_counts_latest_records(tmp_path):
         out = tmp_path / f"{name}_x2.png"
         manifest.write_record(
             image_record(
-                input_path=f"{name}.png",
+                input_path=tmp_path / f"{name}.png",
                 input_sha256=None,
                 output=out,
                 status=status,
@@ -215,6 +215,7 @@ def test_job_status_counts_latest_records(tmp_path):
 
     manifest.write_record({"event": "job", "run": "r1", "inputs": 4, "todo": 4, "skipped": 0, "world_size": 2})
     image("a", "done", "r1")
+    (tmp_path / "c.png").write_bytes(b"x")  # the failed input is still there: a rerun must redo it
     image("c", "failed", "r1", "c.png: truncated")
     image("d", "done", "r1")  # d's output is gone since
     (tmp_path / "e_x2.png").write_bytes(b"x")  # finished before any record: rank 0 records it while planning
@@ -234,7 +235,7 @@ def test_job_status_counts_latest_records(tmp_path):
     assert status.run_counts["skipped"] == 0 and status.latest["skipped"] == 1  # plan records are not progress
     assert not status.complete and not status.finished
     text = format_status(status)
-    assert "1 not recorded yet" in text and "failed: c.png: c.png: truncated" in text
+    assert "1 not recorded yet" in text and f"failed: {tmp_path / 'c.png'}: c.png: truncated" in text
     assert "missing: " in text and "d_x2.png" in text
 
     manifest.write_record({"event": "job", "run": "r2", "inputs": 4, "todo": 3, "skipped": 1, "world_size": 1})

@@ -11,10 +11,15 @@ resume rule applies (:func:`flowlift.files.image_outputs.inspect_existing`). So 
 
 * **done** — whole images with flowlift's metadata;
 * **partial** — flowlift's temporary folders: being written now (locked) or left by a killed run;
-* **broken** — empty, unreadable or truncated images at output names (the next run redoes them);
+* **broken** — empty, unreadable or truncated images at output names (``<stem>_x2.png``...: the next run
+  redoes them); one at any other name is an input the run cannot read (**unreadable input**: it fails
+  every run until it is replaced or removed);
+* **changed** — flowlift's outputs whose input, in this folder, is no longer the file they were made
+  from (its SHA-256 differs from the recorded one: the next run redoes them);
 * **missing** — images in the folder that flowlift did not write (sources, when outputs are written
-  next to their inputs) and that no output here was made from. Inputs kept in another folder cannot
-  be seen from here: rerunning the command is what finishes those (finished outputs are skipped).
+  next to their inputs, whatever their names) and that no output here was made from. Inputs kept in
+  another folder cannot be seen from here: rerunning the command is what finishes those (finished
+  outputs are skipped).
 
 Writing a manifest in plain runs too was the other way; it would add a file to every output folder
 and send every later run through the torchrun code path, to record what the outputs already say.
@@ -38,12 +43,15 @@ class FolderStatus:
     writing: list[Path] = field(default_factory=list)  # temporary files a live process holds
     stale: list[Path] = field(default_factory=list)  # temporary files of killed runs
     broken: list[tuple[Path, str]] = field(default_factory=list)
+    bad_inputs: list[tuple[Path, str]] = field(default_factory=list)  # incomplete images at no output's name
+    changed: list[Path] = field(default_factory=list)  # outputs whose input here is another file now
     missing: list[Path] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
-        """Outputs are there and nothing is partial, broken or missing."""
-        return bool(self.done) and not (self.writing or self.stale or self.broken or self.missing)
+        """Outputs are there and nothing is partial, broken, unreadable, changed or missing."""
+        pending = self.writing or self.stale or self.broken or self.bad_inputs or self.changed or self.missing
+        return bool(self.done) and not pending
 
 
 def _source_name(metadata: dict) -> str | None:
@@ -64,7 +72,9 @@ def folder_status(folder: str | os.PathLike) -> FolderStatus:
     try:
         with os.scandir(folder) as listing:
             names = sorted(entry.name for entry in listing)
-    except (FileNotFoundError, NotADirectoryError):
+    except NotADirectoryError:
+        raise FlowliftError(f"{folder} is a file: give the output folder it is in") from None
+    except FileNotFoundError:
         raise FlowliftError(f"{folder}: no such folder") from None
     except OSError as error:  # permission denied: one line, not a traceback
         raise FlowliftError(f"cannot read the folder {folder}: {error.strerror or type(error).__name__}") from None
@@ -78,7 +88,7 @@ def folder_status(folder: str | os.PathLike) -> FolderStatus:
         except OSError as error:  # a file this user may not read
             status.broken.append((entry, f"unreadable: {error.strerror or type(error).__name__}"))
             made_from.add(source_stem(entry.stem) or entry.stem)
-    status.missing = [p for p in others if p.stem not in made_from and source_stem(p.stem) is None]
+    status.missing = [p for p in others if p.stem not in made_from]
     return status
 
 
@@ -88,6 +98,7 @@ def _sort_entry(entry: Path, status: FolderStatus, others: list[Path], made_from
     from flowlift.files.image_outputs import inspect_existing, is_flowlift_metadata, read_metadata
     from flowlift.files.images import IMAGE_SUFFIXES
     from flowlift.files.naming import source_stem
+    from flowlift.jobs.batch import made_from_another_input
 
     if temporary_in_use(entry):
         status.writing.append(entry)
@@ -102,6 +113,10 @@ def _sort_entry(entry: Path, status: FolderStatus, others: list[Path], made_from
     found = inspect_existing(entry)
     if not (found.image and found.complete):
         reason = "empty" if found.empty else "truncated" if found.image else "unreadable"
+        if source_stem(entry.stem) is None:  # no output's name: a user's image the run cannot read
+            status.bad_inputs.append((entry, reason))
+            made_from.add(entry.stem)  # not "missing" as well
+            return
         status.broken.append((entry, reason))
         made_from.add(source_stem(entry.stem) or entry.stem)  # its source is not missing: it is broken
         return
@@ -112,8 +127,12 @@ def _sort_entry(entry: Path, status: FolderStatus, others: list[Path], made_from
     if not is_flowlift_metadata(metadata):
         others.append(entry)
         return
-    status.done.append(entry)
     name = _source_name(metadata)
+    source = entry.parent / name if name else None
+    if source is not None and source.is_file() and made_from_another_input(entry, source):
+        status.changed.append(entry)  # the input beside it changed since: the next run redoes it
+    else:
+        status.done.append(entry)
     made_from.add(Path(name).stem if name else (source_stem(entry.stem) or entry.stem))
 
 
@@ -123,10 +142,17 @@ def format_folder_status(status: FolderStatus) -> str:
         f"{status.folder}: no job manifest (a run without torchrun keeps none); from the files: "
         f"{len(status.done)} done, {len(status.writing) + len(status.stale)} partial, "
         f"{len(status.broken)} broken, {len(status.missing)} missing"
+        + (f", {len(status.changed)} changed" if status.changed else "")
+        + (f", {len(status.bad_inputs)} unreadable input(s)" if status.bad_inputs else "")
     ]
     lines += [f"  being written now: {p.name}" for p in status.writing]
     lines += [f"  partial: {p.name} (a killed run's; the next run removes it)" for p in status.stale]
     lines += [f"  broken: {p.name} ({reason}; the next run redoes it)" for p, reason in status.broken]
+    lines += [f"  changed: {p.name} (its input here changed since; the next run redoes it)" for p in status.changed]
+    lines += [
+        f"  unreadable input: {p.name} ({reason}; every run fails on it: replace or remove it)"
+        for p, reason in status.bad_inputs
+    ]
     lines += [f"  missing: {p.name} has no output here" for p in status.missing]
     if status.complete:
         lines.append("complete (outputs of inputs kept in other folders are not listed: rerun to be sure)")
@@ -135,7 +161,7 @@ def format_folder_status(status: FolderStatus) -> str:
     else:
         lines.append(
             "not complete: rerun the same command to finish"
-            if status.done or status.missing
+            if status.done or status.missing or status.changed
             else "no flowlift outputs here"
         )
     return "\n".join(lines)

@@ -262,6 +262,7 @@ class JobStatus:
     latest: Counter = field(default_factory=Counter)  # latest record per output, by status
     missing_outputs: list[str] = field(default_factory=list)  # latest says done/skipped, file absent
     failures: list[tuple[str, str]] = field(default_factory=list)  # (input, error) of latest failures
+    gone_inputs: list[str] = field(default_factory=list)  # failed inputs since removed: nothing left to redo
     seconds: float = 0.0  # this run's image seconds, summed over ranks
     bad_lines: int = 0  # lines that are no record (torn, corrupt, over-long): skipped
 
@@ -269,9 +270,7 @@ class JobStatus:
     def complete(self) -> bool:
         """Every planned image of the latest run is recorded, none failed, every output present."""
         recorded = self.run_counts["done"] + self.run_counts["failed"]
-        return (
-            self.todo is not None and recorded >= self.todo and not self.latest["failed"] and not self.missing_outputs
-        )
+        return self.todo is not None and recorded >= self.todo and not self.failures and not self.missing_outputs
 
 
 def job_status(folder: str | os.PathLike) -> JobStatus:
@@ -288,10 +287,13 @@ def job_status(folder: str | os.PathLike) -> JobStatus:
     latest_job: Mapping[str, Any] | None = None
     per_run: dict[Any, tuple[Counter, list[float], list[bool]]] = {}
     latest: dict[str, Mapping[str, Any]] = {}
+    folders: dict[Any, str] = {}  # run -> the output folder it wrote in (its job record's)
     for record in stream.records:
         event = record.get("event")
         if event == "job":
             latest_job = record
+            if isinstance(record.get("folder"), str):
+                folders[_hashable(record.get("run"))] = record["folder"]
         counts, seconds, finished = per_run.setdefault(_hashable(record.get("run")), (Counter(), [0.0], [False]))
         if event == "image":
             latest[str(record.get("output") or record.get("input"))] = record
@@ -310,11 +312,27 @@ def job_status(folder: str | os.PathLike) -> JobStatus:
     for key, record in latest.items():
         state = _hashable(record.get("status"))
         status.latest[state] += 1
-        if state == "failed":
+        if state == "failed" and _exists(record.get("input")):
             status.failures.append((str(record.get("input")), str(record.get("error"))))
-        elif record.get("output") and not _exists(record["output"]):
+        elif state == "failed":  # its input was removed since: no rerun can redo it, nor needs to
+            status.gone_inputs.append(str(record.get("input")))
+        elif record.get("output") and not _found(record["output"], folders.get(_hashable(record.get("run"))), folder):
             status.missing_outputs.append(key)
     return status
+
+
+def _found(output: Any, written_in: str | None, folder: str | os.PathLike) -> bool:
+    """Whether a recorded output is on disk: at its recorded path, or, when the output folder has moved (or is
+    mounted elsewhere: ``flowlift status`` from another machine), at the same place under ``folder``."""
+    if _exists(output):
+        return True
+    if written_in is None:
+        return False
+    try:
+        relative = os.path.relpath(str(output), written_in)
+    except ValueError:  # another drive
+        return False
+    return not relative.startswith(os.pardir) and _exists(os.path.join(folder, relative))
 
 
 def _hashable(value: Any) -> Any:
@@ -359,6 +377,8 @@ def format_status(status: JobStatus) -> str:
         lines.append(f"  failed: {source}: {error}")
     for output in status.missing_outputs:
         lines.append(f"  missing: {output}")
+    for source in status.gone_inputs:
+        lines.append(f"  failed, its input since removed (nothing to redo): {source}")
     if status.bad_lines:
         lines.append(
             f"  {status.bad_lines} line(s) of the manifest are no record (torn, corrupt or over-long): skipped"

@@ -306,6 +306,7 @@ def _record_plan(manifest: Manifest, jobs: list[Job], todo: list[int], run: str,
         {
             "event": "job",
             "run": run,
+            "folder": _absolute(manifest.path.parent),  # where the outputs were: status finds them if it moves
             "time": now_iso(),
             "world_size": env.world_size,
             "inputs": len(jobs),
