@@ -121,6 +121,33 @@ def test_a_prompt_given_with_embeddings_is_recorded_as_the_cli_records_it(servic
     assert _flowlift_text(result.output)[1]["prompt"] == "a red door"
 
 
+def test_stop_reaches_the_refiners_vae_within_its_decode(service, inputs):
+    """Stop landed only between the refiner's stages: a VAE decode (minutes at 4K on a CPU) ran to its end. The
+    page's stop check now runs before every layer of the refiner's VAE and transformer during a request."""
+    from flowlift.app.progress import RequestStopped
+
+    decoder = service.refine_models.refiner().vae.model.decoder
+    layers_run: list[int] = []
+    stop_after = 3  # the third layer of the decoder: the request is stopped there
+
+    def count(*_):
+        layers_run.append(1)
+
+    def stop():
+        if len(layers_run) >= stop_after:
+            raise RequestStopped("stopped")
+
+    hooks = [leaf.register_forward_pre_hook(count) for leaf in decoder.modules() if not list(leaf.children())]
+    try:
+        with service.one_run(stop), pytest.raises(RequestStopped):
+            refine(service, inputs / "photo.png", None, inputs / "prompt.safetensors", "img2img", steps=1)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(layers_run) == stop_after  # no decoder layer ran after the stop
+    assert not any(hasattr(leaf, "_flowlift_interrupt_hook") for leaf in decoder.modules())  # hooks gone
+
+
 def test_a_text_prompt_on_a_model_without_a_text_encoder_is_refused_before_it_loads(
     model_dir, inputs, tmp_path, monkeypatch
 ):

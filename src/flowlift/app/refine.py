@@ -149,6 +149,7 @@ def _refine(
 ) -> UpscaleResult:
     from flowlift.refine.jobs import job_conditioning, plan_refine_job, refine_job, write_job
     from flowlift.refine.stages import plan_job_stages
+    from flowlift.upscale.interrupts import checked_modules
 
     prompt = _text(prompt, "prompt")
     if not path:
@@ -176,9 +177,11 @@ def _refine(
     refiner = service.refine_models.refiner(text_encoder=request.prompt.embeds is None)
     refiner.progress = False
     plan_job_stages(run, job, request.sampling.steps or refiner.default_steps)
+    stoppable = [getattr(refiner.vae, "model", None), refiner.transformer]  # Stop before every layer of each
     try:
         upscaler = service.refine_models.hires_upscaler(refiner) if request.mode == "hires" else None
-        result = refine_job(job, refiner, conditioning, upscaler)
+        with checked_modules(service.one_run.check, stoppable):  # (a VAE's encode or decode is one long stage)
+            result = refine_job(job, refiner, conditioning, upscaler)
         run.begin("writing")
         image = write_job(job, result, shown=lambda p: Path(p).name)
         run.finished("writing")
