@@ -112,7 +112,7 @@ def test_a_bad_form_value_is_one_line_in_the_pages_words(service, inputs, fields
     # a prompt of 5 was "'int' object has no attribute 'strip'", a list mode "unhashable"
     arguments = {"path": inputs / "photo.png", "prompt_embeds": inputs / "prompt.safetensors", **fields}
     with pytest.raises(FlowliftError) as caught:
-        service.refine(**arguments)
+        refine(service, **arguments)
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
@@ -243,14 +243,31 @@ def test_every_tab_after_every_other_on_one_service(
     order = _every_ordered_pair(list(tabs))
     pairs = set(zip(order, order[1:], strict=False))
     assert len(order) == 17 and pairs == {(a, b) for a in tabs for b in tabs}
+    hires_pixels = set()
     try:
         for name in order:
-            assert tabs[name]() is not None, name
+            written = tabs[name]()
+            assert written is not None, name
+            if name == "hires":
+                with Image.open(written) as image:
+                    hires_pixels.add(image.tobytes())
             pipe = service.pipeline(taef2)
             assert pipe.dtype == torch.bfloat16
             assert {p.dtype for p in pipe.upscaler.parameters()} == {torch.bfloat16}, f"after {name}"
     finally:
         service.close()
+    # the hires fix after an Upscale request ran on the Upscale tab's bf16 UNet made float32 (the file's weights
+    # rounded to bf16: 2/255 apart, with the same metadata); whatever ran before, it is the file's own weights, as
+    # on a service whose first request is the hires fix
+    fresh = AppService(
+        AppConfig(upscaler=str(weights), vaes=[taef2], device="cpu", model=str(model_dir), work_dir=tmp_path / "w2")
+    )
+    try:
+        written = refine(fresh, square, None, embeds, "hires fix 2x", None, 0.4, "linear", 2, 0).output
+        with Image.open(written) as image:
+            assert hires_pixels == {image.tobytes()}
+    finally:
+        fresh.close()
 
 
 def test_a_pipeline_never_converts_the_module_it_is_given(shared):
@@ -271,7 +288,8 @@ def test_the_refine_bar_names_each_stage_and_step(service, inputs):
     """Issue 48: the Refine tab showed only Gradio's generic counter; its bar now names the stage and the step, with
     the request's own time left, from the click on."""
     reports: list[tuple[float, str]] = []
-    service.refine(
+    refine(
+        service,
         inputs / "photo.png",
         None,
         inputs / "prompt.safetensors",

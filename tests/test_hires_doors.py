@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from builders import refine_inputs, save_tiny_unet
+from flowlift.app.refine_tab import refine
 from flowlift.app.service import AppConfig, AppService
 from flowlift.commands.cli import main
 from tiny_flux2 import prompt_embeds, write_model_dir
@@ -51,8 +52,8 @@ def test_the_apps_hires_fix_equals_the_command_lines(model_dir, inputs, tmp_path
     monkeypatch.chdir(inputs)  # both record the upscaler and the inputs by the names given: give the same
     service = AppService(config)
     try:
-        app = service.refine(
-            inputs / "square.png", None, inputs / "prompt.safetensors", "hires fix 2x", steps=int(STEPS)
+        app = refine(
+            service, inputs / "square.png", None, inputs / "prompt.safetensors", "hires fix 2x", steps=int(STEPS)
         )
     finally:
         service.close()
@@ -172,7 +173,7 @@ def test_the_app_and_the_command_line_take_the_models_default_steps(
     monkeypatch.chdir(inputs)
     service = AppService(config)
     try:
-        app = service.refine(inputs / "square.png", None, inputs / "prompt.safetensors", mode)  # steps: the model's
+        app = refine(service, inputs / "square.png", None, inputs / "prompt.safetensors", mode)  # steps: the model's
     finally:
         service.close()
     out = tmp_path / "cli.png"

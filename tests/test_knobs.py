@@ -624,7 +624,7 @@ def test_the_apps_handlers_and_forms_default_to_the_knobs():
         if spec.name in tables and spec.default is not None:
             assert spec.default == tables[spec.name].default, spec.name
             checked += 1
-    assert checked >= 16
+    assert checked >= 13  # the Refine tab's form is RefineForm's fields (AppService.refine takes one)
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ import torch
 from PIL import Image, PngImagePlugin
 
 from builders import save_tiny_unet as tiny_upscaler
+from flowlift.app.refine_tab import refine as refine_handler
 from flowlift.app.service import AppConfig, AppService
 from flowlift.commands.cli import main
 from flowlift.files.image_outputs import read_metadata
@@ -93,7 +94,7 @@ def test_every_writer_writes_one_layout(folder, tmp_path, monkeypatch, shared, s
     try:
         app_up = _check(service.upscale(folder / "p.png", 2, 0).output, "upscale")
         app_refine = _check(
-            service.refine(folder / "p.png", None, folder / "prompt.safetensors", steps=2).output, "img2img"
+            refine_handler(service, folder / "p.png", None, folder / "prompt.safetensors", steps=2).output, "img2img"
         )
     finally:
         service.close()

@@ -112,6 +112,19 @@ def test_powers_of_two_are_the_plain_pipelines_pixels(tmp_path, shared, weights,
         assert json.loads(result.text["flowlift"])["scale"] == int(scale)
 
 
+@pytest.mark.parametrize("scale", [2, 4])
+def test_a_size_the_passes_make_exactly_is_the_scales_pixels(tmp_path, shared, weights, photo, scale):
+    """``--size`` of exactly 2x / 4x the input ran stage 2's resampled path (6 iterations against the input): 1/255
+    from ``--scale``; it is the plain path now, pixel for pixel (the name and metadata still say the size)."""
+    photo.save(tmp_path / "a.png")
+    assert main(["upscale", str(tmp_path / "a.png"), "--scale", str(scale), *_common(shared, weights)]) == 0
+    size = f"{48 * scale}x{32 * scale}"
+    out = tmp_path / "sized.png"
+    assert main(["upscale", str(tmp_path / "a.png"), "--size", size, "-o", str(out), *_common(shared, weights)]) == 0
+    with Image.open(tmp_path / f"a_x{scale}.png") as by_scale, Image.open(out) as by_size:
+        assert by_size.size == by_scale.size and by_size.tobytes() == by_scale.tobytes()
+
+
 @pytest.mark.parametrize(
     ("option", "line"),
     [

@@ -70,14 +70,19 @@ class RefineModels:
 
     def hires_upscaler(self, refiner: Any) -> Any:
         """The hires fix's Flow Upscaler on the refiner's VAE, device and dtype (made once; the UNet an upscale
-        request already loaded is reused, :class:`~flowlift.upscale.latent_source.FlowUpscalerSource`), its passes
-        stopped by the page's Stop before every layer."""
+        request already loaded is reused where it is in the refiner's dtype, :class:`~flowlift.upscale.latent_source.
+        FlowUpscalerSource`: one in another dtype is loaded from its file again, since a bf16 UNet converted to
+        float32 would be the file's weights rounded to bf16), its passes stopped by the page's Stop before every
+        layer."""
         from flowlift.upscale.latent_source import FlowUpscalerSource
 
         with self.lock:
             if self._hires is None:
                 loaded = next(iter(self.upscale_pipelines.values()), None)
-                source = FlowUpscalerSource(self.config.upscaler, loaded.upscaler if loaded is not None else None)
+                unet = loaded.upscaler if loaded is not None else None
+                if unet is not None and next(unet.parameters()).dtype != refiner.dtype:
+                    unet = None  # the Upscale tab's bf16 UNet under a float32 refiner: the file's own weights
+                source = FlowUpscalerSource(self.config.upscaler, unet)
                 self._hires = source.load(
                     refiner.vae, device=refiner.device, dtype=refiner.dtype, check_interrupt=self.check_interrupt
                 )

@@ -16,7 +16,7 @@ from typing import Any
 
 from flowlift.app.controls import image_input, knob_number, knob_slider, result_column, seed_number
 from flowlift.app.gradio_requests import run_stoppable, upload_path
-from flowlift.app.refine import MODES
+from flowlift.app.refine import MODES, RefineForm
 from flowlift.app.results import UpscaleResult, model_name
 from flowlift.app.service import AppService
 from flowlift.limits import PIXEL_MULTIPLE
@@ -28,9 +28,20 @@ MAX_STEPS = STEPS.high
 TILE_SIZE_CHOICES = (*TILE_SIZE.words, "512", "768", "1024", "1536", "2048")
 
 
-def refine(service: AppService, *args: Any, **kwargs: Any) -> UpscaleResult:
-    """The tab's handler: :meth:`flowlift.app.service.AppService.refine` (its parameters, in its order)."""
-    return service.refine(*args, **kwargs)
+def refine(
+    service: AppService,
+    path: Any,
+    prompt: str | None = None,
+    prompt_embeds: Any = None,
+    *form: Any,
+    progress: Any = None,
+    **named: Any,
+) -> UpscaleResult:
+    """The tab's handler: :meth:`flowlift.app.service.AppService.refine` with the form's controls in the page's order
+    (:class:`~flowlift.app.refine.RefineForm`'s fields: mode, strength, refine strength, strength map, steps, seed,
+    sampler, tile size, tile overlap), positional or by name."""
+    extra = {} if progress is None else {"progress": progress}
+    return service.refine(path, prompt, prompt_embeds, RefineForm(*form, **named), **extra)
 
 
 def _tile_controls(gr: Any) -> tuple[Any, Any]:

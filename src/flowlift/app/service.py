@@ -36,7 +36,6 @@ from flowlift.app.results import (
 )
 from flowlift.errors import ITEM_ERRORS, FlowliftError
 from flowlift.knobs import LATENT_UPSCALER, SEED
-from flowlift.refine.settings import SAMPLER, STRENGTH_MAP, TILE_OVERLAP, TILE_SIZE
 from flowlift.upscale.loading import DEFAULT_VAE
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH, SCALE, TRANSPLANT_STRENGTH
 
@@ -236,25 +235,17 @@ class AppService:
         path: str | Path | None,
         prompt: str | None = None,
         prompt_embeds: str | Path | None = None,
-        mode: str = "img2img",
-        strength: Any = None,
-        refine_strength: Any = None,
-        strength_map: str = STRENGTH_MAP.default,
-        steps: Any = None,
-        seed: Any = SEED.default,
-        sampler: str = SAMPLER.default,
-        tile_size: Any = TILE_SIZE.default,
-        tile_overlap: Any = TILE_OVERLAP.default,
+        form: Any = None,
         progress: ProgressFn = _no_progress,
     ) -> UpscaleResult:
-        """Refine one upload (the Refine tab, :mod:`flowlift.app.refine`): img2img or ``hires fix <N>x``, written as
-        ``flowlift img2img`` / ``flowlift hires`` name it, with their metadata. ``strength`` is img2img's and
-        ``refine_strength`` the hires fix's (None: each knob's default), ``steps`` None the model's (4 for a
-        step-distilled Klein, else 28), as ``flowlift img2img``/``hires`` choose them."""
+        """Refine one upload (the Refine tab, :mod:`flowlift.app.refine`): img2img or ``hires fix <N>x`` as ``form``
+        (a :class:`~flowlift.app.refine.RefineForm`; None: its defaults) says, written as ``flowlift img2img`` /
+        ``flowlift hires`` name it, with their metadata. The form's ``strength`` is img2img's and ``refine_strength``
+        the hires fix's (None: each knob's default), ``steps`` None the model's (4 for a step-distilled Klein, else
+        28), as ``flowlift img2img``/``hires`` choose them."""
         from flowlift.app.refine import RefineForm, refine_upload
 
-        form = RefineForm(mode, strength, refine_strength, strength_map, steps, seed, sampler, tile_size, tile_overlap)
-        return refine_upload(self, path, prompt, prompt_embeds, form, progress)
+        return refine_upload(self, path, prompt, prompt_embeds, form or RefineForm(), progress)
 
     # -- handlers ------------------------------------------------------------------------------------
 
