@@ -279,3 +279,24 @@ def test_the_python_api_says_keywords_and_the_command_line_says_its_options(tmp_
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("flowlift upscale: error: --long-side must be an integer in [1, 16384]"), err
     assert not (tmp_path / "big.png").exists()
+
+
+def test_a_stopped_refine_closes_its_step_bar(refiner, monkeypatch):
+    """img2img/hires stopped mid-steps printed a progress line after "interrupted": the steps' bar was closed at the
+    last step only, and its ticker thread went on writing. It is closed however the sampling ends."""
+    from flowlift import console
+    from flowlift.refine import refiner as refiner_module
+    from tiny_flux2 import prompt_embeds
+
+    def stopped_after_one_step(*_args, on_step, **_kwargs):
+        on_step(0, 4, 0.9)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(refiner_module, "refine_latents", stopped_after_one_step)
+    monkeypatch.setattr(refiner, "progress", None)  # a bar of lines, as the command line draws one off a terminal
+    before = list(console._open_lines)
+    with pytest.raises(KeyboardInterrupt):
+        refiner.img2img(
+            torch.rand(1, 3, 32, 32), strength=0.5, sampling=SamplingSettings(steps=4), prompt_embeds=prompt_embeds()
+        )
+    assert console._open_lines == before  # the bar is closed, its ticker gone

@@ -793,6 +793,21 @@ def test_a_second_run_into_a_folder_in_use_is_refused_before_it_writes(train_dat
     assert LOCK_NAME not in {p.name for p in run.iterdir()}
 
 
+def test_a_dead_runs_partial_checkpoint_is_removed_by_the_next_run_that_holds_the_folder(train_data, tmp_path):
+    """A run stopped during its first checkpoint left ``.step-*.partial`` under a run id no later run has: the
+    writer's own clean-up (this run's partials only) kept it forever. A run holding the folder removes flowlift's
+    partials (a user's look-alike at such a name is refused before anything, as before)."""
+    from flowlift.training.checkpoints import RUN_ID_NAME
+    from flowlift.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    dead = run / "checkpoints" / ".step-00000047.abc123.partial"
+    dead.mkdir(parents=True)
+    (dead / RUN_ID_NAME).write_text("a-run-that-died")
+    assert Trainer(_train_config(train_data, run, steps=1)).run()["step"] == 1
+    assert not dead.exists()
+
+
 def test_a_crop_past_the_datasets_latents_names_its_option_and_the_largest(tmp_path, train_data, capsys):
     from flowlift.training.shards import ShardReader, ShardStream
 
@@ -959,6 +974,33 @@ def _killed_mid_write(target: Path, source_image: Path) -> list[Path]:
     return debris
 
 
+def test_dataset_and_eval_reruns_remove_a_killed_runs_temporaries(shared, tmp_path, capsys):
+    """A dataset or eval rerun skips its finished work, so nothing it wrote swept the temporary folders a killed
+    run left (a shard's, a saved output's, a cache entry's): the runs sweep their folders when they start."""
+    from door_helpers import one_crop_dataset_args
+    from flowlift.commands.cli import main
+
+    images = tmp_path / "images"
+    images.mkdir()
+    source = shared / "images" / "kodak" / "kodim03.png"
+    Image.open(source).crop((0, 0, 128, 96)).save(images / "a.png")
+    data = tmp_path / "data"
+    argv = [str(a) for a in one_crop_dataset_args(images, shared / "models" / "taef2")] + ["-o", str(data)]
+    assert main(argv) == 0
+    debris = _killed_mid_write(data / "shard-00001.safetensors", source)
+    assert main(argv) == 0
+    assert not any(path.exists() for path in debris)
+
+    report = tmp_path / "report"
+    argv = ["eval", "--run", "lanczos", "--dataset", str(images), "--scale", "2", "-o", str(report), "--save-outputs"]
+    assert main(argv) == 0
+    saved = report / "outputs" / "lanczos"
+    debris = _killed_mid_write(saved / "b_x2.png", source) + _killed_mid_write(report / "cache" / "x.json", source)
+    assert main(argv) == 0
+    assert not any(path.exists() for path in debris)
+    capsys.readouterr()
+
+
 def test_temporary_names_are_not_image_names_and_fit_the_name_limit(tmp_path):
     from flowlift.files.atomic import TEMP_SUFFIX, atomic_output, is_temporary
     from flowlift.files.images import IMAGE_SUFFIXES
@@ -1008,6 +1050,56 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
                 signal.raise_signal(signal.SIGTERM)
     assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_second_signal_during_the_clean_up_is_held_and_the_clean_up_finishes(tmp_path, monkeypatch):
+    """A second Ctrl-C or SIGTERM a few ms after the first landed in the clean-up and left the temporary folder
+    (7 of 9 runs under a burst), or a traceback from a finalizer: signals after the first are held for
+    SIGNAL_HOLD_S, and the handlers are put back without a window for one to outlive the command."""
+    from flowlift.commands import cli
+    from flowlift.files import atomic
+
+    real_remove = atomic._remove_folder
+
+    def remove_under_fire(*args, **kwargs):
+        signal.raise_signal(signal.SIGTERM)  # the scheduler's second SIGTERM, then the user's Ctrl-C
+        signal.raise_signal(signal.SIGINT)
+        return real_remove(*args, **kwargs)
+
+    monkeypatch.setattr(atomic, "_remove_folder", remove_under_fire)
+    with pytest.raises(KeyboardInterrupt):
+        with cli._signals_interrupt():
+            with atomic.atomic_output(tmp_path / "out.png") as tmp:
+                tmp.write_bytes(b"partial")
+                signal.raise_signal(signal.SIGINT)
+    assert list(tmp_path.iterdir()) == []  # the clean-up finished
+    assert not cli.stopped_by_sigterm()  # the signal that stopped the run was SIGINT
+    monkeypatch.setattr(cli, "SIGNAL_HOLD_S", 0.0)  # past the hold, a signal stops the clean-up too
+    with pytest.raises(KeyboardInterrupt):
+        with cli._signals_interrupt():
+            with atomic.atomic_output(tmp_path / "again.png") as tmp:
+                tmp.write_bytes(b"partial")
+                signal.raise_signal(signal.SIGTERM)
+    assert cli.stopped_by_sigterm()
+
+
+@pytest.mark.parametrize(
+    ("environment", "has_news", "says"),
+    [
+        ({}, False, True),
+        ({"FLOWLIFT_LAUNCH_WORKER": "1", "RANK": "0"}, False, False),  # the launcher's own line names the signal
+        ({"FLOWLIFT_LAUNCH_WORKER": "1", "RANK": "0"}, True, True),  # where a training stop left the run
+        ({"FLOWLIFT_LAUNCH_WORKER": "1", "RANK": "1"}, True, False),
+    ],
+)
+def test_the_ranks_of_a_launch_leave_the_interrupted_line_to_the_launcher(monkeypatch, environment, has_news, says):
+    from flowlift.commands import cli
+
+    monkeypatch.delenv("FLOWLIFT_LAUNCH_WORKER", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    assert cli._says_interrupted(has_news) is says
 
 
 @pytest.mark.parametrize("layout", ["next to inputs", "separate folder"])

@@ -402,6 +402,18 @@ def launch(
             while True:
                 time.sleep(0.2)
         finally:
-            service.one_run.close(timeout=STOP_WAIT_S)  # a running request ends at its next layer or report
-            demo.close()
+            _close(demo, service)
     return launched
+
+
+def _close(demo: Any, service: AppService) -> None:
+    """Stop the running request (it ends at its next layer or report) and the server. A signal past the command
+    line's hold (``SIGNAL_HOLD_S``: the user insists) ends the process at once: a normal exit while a request's
+    thread is still inside torch aborts in its C++ runtime (``terminate called without an active exception``)."""
+    try:
+        service.one_run.close(timeout=STOP_WAIT_S)
+        demo.close()
+    except KeyboardInterrupt:
+        print("flowlift app: interrupted again: stopped at once", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)

@@ -19,6 +19,7 @@ import pkgutil
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -80,6 +81,11 @@ BROKEN_PIPE_STATUS = 141
 
 #: Whether SIGTERM interrupted the last command run in this process (else a KeyboardInterrupt is SIGINT).
 _stopped_by_sigterm = False
+#: After the signal that stops a command, further SIGINT/SIGTERM are held this long, so that its clean-ups (temporary
+#: files removed, a checkpoint saved, a server's request waited for) are not cut short by a second Ctrl-C or a
+#: scheduler's repeated SIGTERM; one after it stops the clean-up too (the user insists).
+SIGNAL_HOLD_S = 5.0
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def stopped_by_sigterm() -> bool:
@@ -98,23 +104,28 @@ def _signals_interrupt():
     job runner that ignores SIGINT would otherwise never see Ctrl-C or ``kill -INT`` and run to the end.
     SIGTERM (``kill``, a scheduler's stop) gets the same treatment, so every ``finally`` clean-up runs
     (temporary files removed, training checkpoint saved) and the exit status is 130 instead of an
-    abrupt death leaving debris.
+    abrupt death leaving debris. Signals after the first are held for :data:`SIGNAL_HOLD_S` (a second one
+    landing in a clean-up left a temporary folder behind, or a traceback); the handlers are put back with both
+    signals blocked, so that none lands between the two and outlives the command.
     """
     global _stopped_by_sigterm
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     _stopped_by_sigterm = False
+    first: list[float] = []  # when the signal that stopped the command came
 
     def interrupt(signum, frame):
         global _stopped_by_sigterm
-        _stopped_by_sigterm = True
+        now = time.monotonic()
+        if first and now - first[0] < SIGNAL_HOLD_S:
+            return  # the command is stopping already: its clean-ups finish
+        if not first:
+            _stopped_by_sigterm = signum == signal.SIGTERM
+        first[:] = [now]
         raise KeyboardInterrupt
 
-    previous = {
-        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
-        signal.SIGTERM: signal.signal(signal.SIGTERM, interrupt),
-    }
+    previous = {signum: signal.signal(signum, interrupt) for signum in _SIGNALS}
     try:
         held = [getattr(handler, "held", None) for handler in previous.values()]  # flowlift/__init__.py's
         if any(held):  # a signal since flowlift's first line, before this: the run ends before it begins
@@ -125,8 +136,12 @@ def _signals_interrupt():
             raise KeyboardInterrupt
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)  # delivered after, to the restored handlers
+        try:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _one_line_warnings(command: str):
@@ -216,12 +231,24 @@ def _main(argv: Sequence[str] | None) -> int:
         return error.exit_status
     except KeyboardInterrupt as stop:  # a command that stopped cleanly says where it stopped (train: how it resumes)
         said = f": {stop}" if str(stop) else ""
-        print(f"flowlift {command}: interrupted{said}" if command else "flowlift: interrupted", file=sys.stderr)
+        if _says_interrupted(bool(said)):
+            print(f"flowlift {command}: interrupted{said}" if command else "flowlift: interrupted", file=sys.stderr)
         return 130
     finally:
         if owns_process:
             _skip_final_collection()
             gc.enable()  # also where the run ended before torch's import (--help, a parse error)
+
+
+def _says_interrupted(has_news: bool) -> bool:
+    """Whether this process prints its ``interrupted`` line: always, but for a rank of ``flowlift launch``, whose
+    launcher prints the one line naming the signal; there rank 0 alone says where a stop left the run (a training
+    checkpoint), and the others nothing."""
+    from flowlift.jobs.distributed import LAUNCH_WORKER_ENV
+
+    if os.environ.get(LAUNCH_WORKER_ENV) != "1":
+        return True
+    return has_news and os.environ.get("RANK", "0") == "0"
 
 
 def _import_torch_frozen() -> None:

@@ -238,6 +238,7 @@ def _run_methods(request: EvalRequest, env: DistEnv) -> EvalReport | None:
         for s in specs
     }
     cache_dir = None if request.no_cache else Path(request.cache) if request.cache else Path(request.output) / "cache"
+    _remove_stale_temporaries(Path(request.output), cache_dir)
 
     def evaluate(indices=None):
         return evaluate_methods(
@@ -258,6 +259,17 @@ def _run_methods(request: EvalRequest, env: DistEnv) -> EvalReport | None:
     if not env.distributed:
         return evaluate()
     return _run_sharded(request, env, evaluate, cache_dir)
+
+
+def _remove_stale_temporaries(output: Path, cache_dir: Path | None) -> None:
+    """A killed run's temporary folders in the report folder, its saved outputs' folders and the cache: a rerun
+    takes finished results from the cache and writes nothing there, so no write would sweep them."""
+    from flowlift.files.atomic import remove_stale_temporaries
+
+    saved = output / "outputs"
+    folders = [output, *(sorted(p for p in saved.iterdir() if p.is_dir()) if saved.is_dir() else [])]
+    for folder in [*folders, *([cache_dir] if cache_dir is not None else [])]:
+        remove_stale_temporaries(folder)
 
 
 def _run_sharded(request: EvalRequest, env: DistEnv, evaluate, cache_dir) -> EvalReport | None:

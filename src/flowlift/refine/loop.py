@@ -311,5 +311,10 @@ class _Progress:
         self.bar.update(1)
         self.bar.set_postfix(sigma=f"{sigma:.3f}")
         if i + 1 == total:
+            self.close()
+
+    def close(self) -> None:
+        """Close the bar (at the last step, and after a run that ended before it: stopped or failed)."""
+        if self.bar is not None:
             self.bar.close()
             self.bar = None

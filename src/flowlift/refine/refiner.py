@@ -210,20 +210,24 @@ class Flux2Refiner(HiresFix):
         latents, bn_mean, bn_std = init if init is not None else (None, None, None)
         mu = self.mu if sampling.mu is None else sampling.mu
         schedule = self.schedule if sampling.schedule is None else sampling.schedule
-        return refine_latents(
-            velocity_fn,
-            init_latents=latents,
-            shape=shape,
-            bn_mean=bn_mean,
-            bn_std=bn_std,
-            denoising_start=denoising_start,
-            sampling=replace(sampling, mu=mu, schedule=schedule),
-            mask=mask,
-            on_step=_Progress(self.progress, mode),
-            device=self.device,
-            tiles=tiles,
-            memory_plan=self.memory_plan,
-        )
+        progress = _Progress(self.progress, mode)
+        try:
+            return refine_latents(
+                velocity_fn,
+                init_latents=latents,
+                shape=shape,
+                bn_mean=bn_mean,
+                bn_std=bn_std,
+                denoising_start=denoising_start,
+                sampling=replace(sampling, mu=mu, schedule=schedule),
+                mask=mask,
+                on_step=progress,
+                device=self.device,
+                tiles=tiles,
+                memory_plan=self.memory_plan,
+            )
+        finally:
+            progress.close()  # a stopped or failed run's bar too: its ticker wrote a line after "interrupted"
 
     def _parameters(self, mode: str, result: RefineResult, sampling: SamplingSettings, **kwargs: Any) -> dict[str, Any]:
         where = {"model": self.model_name, "dtype": self.dtype, "device": self.device, "provenance": self.provenance}

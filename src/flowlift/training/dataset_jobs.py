@@ -111,7 +111,10 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
 
     if problem := folder_problem(out):  # before the teacher or the VAE loads
         raise FlowliftError(problem)
+    from flowlift.files.atomic import remove_stale_temporaries
     from flowlift.training.shards import check_dataset_folder
+
+    remove_stale_temporaries(out)  # a killed run's shard or manifest temporaries (a resume skips finished shards)
 
     if request.teacher is not None:
         source = request.teacher

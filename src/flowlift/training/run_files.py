@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import stat as stat_module
 from collections.abc import Callable
 from pathlib import Path
@@ -248,7 +249,11 @@ def hold_run_folder(output: Path) -> int | None:
     """Hold ``output`` for this run: an exclusive advisory lock (``flock``) on its :data:`LOCK_NAME`, which the
     system releases when the returned descriptor is closed or the process ends, however it ends. One line when
     another run holds it: two runs into one folder interleaved their logs and left its ``config.json`` naming
-    the other's seed. None where the system has no ``flock``."""
+    the other's seed. None where the system has no ``flock``.
+
+    Held, the folder's partial checkpoints (``.step-*.partial``, flowlift's own files only) are a dead run's: they
+    are removed (a run stopped during its first checkpoint left one under a run id no later run has, which the
+    checkpoint writer's own clean-up never matched)."""
     try:
         import fcntl
     except ImportError:  # not a POSIX system
@@ -262,6 +267,9 @@ def hold_run_folder(output: Path) -> int | None:
             f"{output} is in use by another flowlift train run (it holds {LOCK_NAME}); wait for that run to end, "
             "or train into another --output"
         ) from None
+    for entry in (output / CHECKPOINTS_NAME).glob(".step-*.partial"):
+        if _PARTIAL_NAME.match(entry.name) and _checkpoint_folder_is_flowlifts(entry):
+            shutil.rmtree(entry, ignore_errors=True)
     return descriptor
 
 
