@@ -94,7 +94,8 @@ def finish_decoded(
         raise FlowliftError(f"VAE decoded {decoded.shape[-1]}x{decoded.shape[-2]}, expected at least {width}x{height}")
     decoded = decoded[..., :height, :width]
     iterations = 2
-    if output_size is not None and (tuple(output_size) != (width, height) or reference is not original):
+    natural = content is None and reference is original and tuple(output_size or ()) == (width, height)
+    if output_size is not None and not natural:
         # the asked size: stage 2 against the input itself, at that size (one the passes make exactly, against
         # the input already: the plain path, so --size 2x the input equals --scale 2 bit for bit)
         decoded = resample_to_size(decoded, output_size[1], output_size[0])
