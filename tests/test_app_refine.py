@@ -116,6 +116,11 @@ def test_a_bad_form_value_is_one_line_in_the_pages_words(service, inputs, fields
     assert message in str(caught.value) and "\n" not in str(caught.value)
 
 
+def test_the_form_place_takes_only_a_refine_form(service, inputs):
+    with pytest.raises(FlowliftError, match="^form must be a RefineForm"):
+        service.refine(inputs / "photo.png", None, inputs / "prompt.safetensors", {"mode": "img2img"})
+
+
 def test_a_prompt_given_with_embeddings_is_recorded_as_the_cli_records_it(service, inputs):
     result = refine(service, inputs / "photo.png", "a red door", inputs / "prompt.safetensors", "img2img", steps=1)
     assert _flowlift_text(result.output)[1]["prompt"] == "a red door"

@@ -244,8 +244,10 @@ class AppService:
         the hires fix's (None: each knob's default), ``steps`` None the model's (4 for a step-distilled Klein, else
         28), as ``flowlift img2img``/``hires`` choose them."""
         from flowlift.app.refine import RefineForm, refine_upload
+        from flowlift.knobs import check_kind
 
-        return refine_upload(self, path, prompt, prompt_embeds, form or RefineForm(), progress)
+        form = RefineForm() if form is None else check_kind("form", form, RefineForm, "a RefineForm")
+        return refine_upload(self, path, prompt, prompt_embeds, form, progress)
 
     # -- handlers ------------------------------------------------------------------------------------
 
