@@ -14,7 +14,8 @@ with timers and FLOP counters wrapped around its stages from outside (the comman
   command's is the child's ``getrusage`` (interpreter start-up included).
 - **The peak**: a calibration kernel in the same run, alternating with the commands: the UNet's main convolution
   (384 -> 384 channels, 3x3, on a 64x96 map, channels-last) in bfloat16 and in float32, timed the same way.
-  The floor is the counted FLOPs at that peak, in CPU-seconds; a stage's "% of peak" is its GFLOP per
+  The floor is the counted FLOPs at the peak of the dtype the command runs in (``--dtype auto``: bfloat16 on a CPU
+  with native bf16, else float32), in CPU-seconds; a stage's "% of peak" is its GFLOP per
   CPU-second over the peak's. Where the machine's speed drifts between commands (a shared host), each run's
   own ratio is also given: its CPU time over the floor at the mean of the two calibrations either side of it;
   and Mage-VAE's CPU time over TAEF2's repeat by repeat, the two commands running next to each other.
@@ -24,11 +25,11 @@ Mage-VAE in the released layout), on the whole kodim23 768x512 at 4x (the README
 crop of it at 2x (256² -> 512²), with a random full-size Flow Upscaler UNet (seed 0); the command names the VAE
 and takes the default upscaler, all three from a private hub cache laid out as huggingface_hub leaves a download
 (``bench_first_run.hub_cache``; ``--weights paths`` gives the same files as local paths instead).
-A peer row: Real-ESRGAN's RRDBNet x4 (23 RRDB blocks,
-64 features, growth 32: 16.7M parameters, the released x4plus size, random weights), written here from its
-published description, on the same 768x512 image (bfloat16 channels-last, whole frame), its FLOPs counted the
-same way. Every child runs with torch's threads waiting passively, as the command line sets it
-(:func:`flowlift.devices.passive_thread_wait`); ``--env OMP_WAIT_POLICY=ACTIVE`` adds libgomp's spinning.
+A peer row: Real-ESRGAN's RRDBNet x4 (23 RRDB blocks, 64 features, growth 32: 16.7M parameters, the released x4plus
+size, random weights), written here from its published description, on the same 768x512 image (channels-last, whole
+frame, in the commands' dtype), its FLOPs counted the same way. Every child runs with torch's threads waiting
+passively, as the command line sets it (:func:`flowlift.devices.passive_thread_wait`); ``--env
+OMP_WAIT_POLICY=ACTIVE`` adds libgomp's spinning.
 
     PYTHONPATH=src python benchmarks/bench_floor.py --repeats 1
     PYTHONPATH=src python benchmarks/bench_floor.py --vaes taef2 --sizes 768x512 --no-peer --repeats 2
@@ -182,12 +183,15 @@ def command_child(argv: list[str]) -> None:
     import flowlift.files.images as images
     import flowlift.models.upscaler_unet as unet
     import flowlift.models.vae as vae
+    import flowlift.upscale.chunked.executor as executor
     import flowlift.upscale.image_steps as image_steps
     import flowlift.upscale.outputs as outputs
     import flowlift.upscale.pipeline as pipeline
 
     install_flop_counters()
     unet.FlowUpscalerUNet.forward = staged("UNet pass", unet.FlowUpscalerUNet.forward, numbered=True)
+    # A pass too large for one forward (float32's second pass) runs strip by strip, never calling ``forward``.
+    executor.ChunkedExecutor.__call__ = staged("UNet pass", executor.ChunkedExecutor.__call__, numbered=True)
     for cls in (vae.TAEF2VAE, vae.MageVAE):
         cls.encode = staged("encode", cls.encode)
         cls.decode = staged("decode", cls.decode)
@@ -281,8 +285,8 @@ def rrdbnet_x4():
     return RRDBNet()
 
 
-def peer_child(image: str) -> None:
-    """RRDBNet x4 on ``image`` (bfloat16, channels-last, whole frame), FLOPs counted; print JSON."""
+def peer_child(image: str, dtype_name: str) -> None:
+    """RRDBNet x4 on ``image`` (``dtype_name``, channels-last, whole frame), FLOPs counted; print JSON."""
     import numpy as np
     import torch
     from PIL import Image
@@ -290,10 +294,11 @@ def peer_child(image: str) -> None:
     install_flop_counters()
     _switch("peer: building the model")
     torch.manual_seed(0)
-    model = rrdbnet_x4().eval().to(torch.bfloat16, memory_format=torch.channels_last)
+    dtype = getattr(torch, dtype_name)
+    model = rrdbnet_x4().eval().to(dtype, memory_format=torch.channels_last)
     _switch("peer: RRDBNet x4 forward")
     pixels = torch.from_numpy(np.asarray(Image.open(image).convert("RGB"))).permute(2, 0, 1)[None]
-    x = (pixels.float() / 255).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    x = (pixels.float() / 255).to(dtype).contiguous(memory_format=torch.channels_last)
     with torch.no_grad():
         y = model(x).float().clamp(0, 1)
     _switch("peer: other")
@@ -332,7 +337,7 @@ def crop_256(source: Path, work: Path) -> Path:
     return path
 
 
-def summarize(runs: list[dict], peak: float, peaks: list[dict]) -> dict:
+def summarize(runs: list[dict], peaks: list[dict], dtype: str) -> dict:
     """Median CPU time per stage, the FLOPs (the same every run), the whole process's CPU time and the floor; and
     each run's own ratio to the floor at the mean of the two calibrations around it (``run["between"]``: their
     indices in ``peaks``), which follows the machine's drift from one command to the next."""
@@ -343,10 +348,10 @@ def summarize(runs: list[dict], peak: float, peaks: list[dict]) -> dict:
     flop = runs[0]["result"]["flop"]
     total_cpu = statistics.median(r["cpu"] for r in runs)
     total_flop = sum(flop.values())
-    floor = total_flop / peak / 1e9
+    floor = total_flop / statistics.median(p[dtype] for p in peaks) / 1e9
     ratios = []
     for run in runs:
-        local_peak = statistics.mean(peaks[i]["bfloat16"] for i in run["between"])
+        local_peak = statistics.mean(peaks[i][dtype] for i in run["between"])
         ratios.append(run["cpu"] / (total_flop / local_peak / 1e9))
     return {
         "cpu": cpu,
@@ -375,9 +380,14 @@ def paired_ratios(results: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
-def print_tables(summaries: dict[str, dict], peak: float, fp32_peak: float) -> None:
+def print_tables(summaries: dict[str, dict], peaks: list[dict], dtype: str) -> None:
     names = list(summaries)
-    print(f"\npeak (calibration, median): bfloat16 {peak:.0f}, float32 {fp32_peak:.0f} GFLOP per CPU-second\n")
+    medians = {name: statistics.median(p[name] for p in peaks) for name in ("bfloat16", "float32")}
+    peak = medians[dtype]
+    print(
+        f"\npeak (calibration, median): bfloat16 {medians['bfloat16']:.0f}, float32 {medians['float32']:.0f} "
+        f"GFLOP per CPU-second; the commands run in {dtype}, their floor is at its peak\n"
+    )
     print("| variant | TFLOP | CPU-s (process) | floor CPU-s | CPU / floor | CPU - floor | each run / its own floor |")
     print("|---|---|---|---|---|---|---|")
     for name, s in summaries.items():
@@ -389,7 +399,7 @@ def print_tables(summaries: dict[str, dict], peak: float, fp32_peak: float) -> N
     rows: list[str] = []
     for s in summaries.values():
         rows += [r for r in s["cpu"] if r not in rows]
-    print("\nstage: CPU-s (GFLOP per CPU-s, % of the bf16 peak)\n")
+    print(f"\nstage: CPU-s (GFLOP per CPU-s, % of the {dtype} peak)\n")
     print("| stage | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for row in rows:
@@ -407,7 +417,7 @@ def print_tables(summaries: dict[str, dict], peak: float, fp32_peak: float) -> N
 
 
 def main() -> None:
-    from flowlift.devices import passive_thread_wait
+    from flowlift.devices import cpu_has_native_bf16, passive_thread_wait
 
     passive_thread_wait()  # every child (the calibration and the peer too) runs as the command does
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
@@ -415,7 +425,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--calibrate":
         return calibration_child(float(sys.argv[2]))
     if len(sys.argv) > 1 and sys.argv[1] == "--peer":
-        return peer_child(sys.argv[2])
+        return peer_child(sys.argv[2], sys.argv[3])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shared", default=os.environ.get("FLOWLIFT_SHARED", str(ROOT.parent / "shared")))
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / f"flowlift-first-run-{os.getuid()}"))
@@ -433,6 +443,9 @@ def main() -> None:
     full = Path(args.shared) / "images" / "kodak" / "kodim23.png"
     images = {"768x512": (full, "4"), "256x256": (crop_256(full, work), "2")}  # the first command; 256² -> 512²
     base_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    # The dtype ``--dtype auto`` gives the command on this CPU (float32 without native bf16): its floor is at that
+    # dtype's peak, and the peer runs in it as a user of this CPU would run it.
+    dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
     variants: dict[str, tuple[list[str], dict]] = {}
     for size in args.sizes.split(","):
         for vae in args.vaes.split(","):
@@ -461,7 +474,7 @@ def main() -> None:
                 {**env, var: value},
             )
     if not args.no_peer:
-        variants["peer: RRDBNet x4, 768x512 (bf16)"] = (["--peer", str(full)], base_env)
+        variants[f"peer: RRDBNet x4, 768x512 ({dtype})"] = (["--peer", str(full), dtype], base_env)
     cpu_model = cpu_name()
     print(
         f"bench_floor: {os.cpu_count()} CPUs ({cpu_model}), torch threads default, "
@@ -480,11 +493,9 @@ def main() -> None:
             loads += list(run["load"])
             results[name].append(run)
     peaks.append(run_child(["--calibrate", str(args.calibrate_seconds)], base_env, "calibration")["result"])
-    peak = statistics.median(p["bfloat16"] for p in peaks)
-    fp32_peak = statistics.median(p["float32"] for p in peaks)
-    rates = ", ".join(f"{p['bfloat16']:.0f}" for p in peaks)
-    print(f"calibrations (bf16 GFLOP per CPU-s): {rates}; load average {min(loads):.1f}-{max(loads):.1f}")
-    print_tables({name: summarize(runs, peak, peaks) for name, runs in results.items()}, peak, fp32_peak)
+    rates = ", ".join(f"{p[dtype]:.0f}" for p in peaks)
+    print(f"calibrations ({dtype} GFLOP per CPU-s): {rates}; load average {min(loads):.1f}-{max(loads):.1f}")
+    print_tables({name: summarize(runs, peaks, dtype) for name, runs in results.items()}, peaks, dtype)
     print("\n" + "\n".join(paired_ratios(results)))
 
 
