@@ -9,8 +9,8 @@ ComfyUI needs torchvision (and spandrel), which must never enter the main enviro
 - ``comfy_env(**extra)`` is the environment for a process run with that interpreter: the CPU shim and
   this checkout's ``src`` first on ``PYTHONPATH`` (flowlift itself is not installed into the venv, so
   the checkout under test is what gets imported), ``HF_HUB_OFFLINE=1``.
-- ``python tests/comfy_venv.py`` builds it from the command line (CI does so before pytest, so the
-  build shows as its own step).
+- ``python tests/comfy_venv.py`` builds it from the command line, ahead of the tests (which otherwise build it
+  when they first need it).
 
 The build is the install a user of ComfyUI-Manager gets: ComfyUI's own requirements (torch pinned to the CPU
 build), then this pack's ``requirements.txt`` into the same environment, exactly as ComfyUI-Manager installs a

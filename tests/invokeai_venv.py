@@ -18,7 +18,8 @@ flowlift itself is not installed: the server imports the checkout through the pa
 - ``invokeai_python()`` builds it if needed (a file lock keeps parallel processes from building it
   twice; a marker written last means a half-built venv is rebuilt) and returns its interpreter.
 - ``invokeai_env(**extra)``: os.environ with the CPU shim on ``PYTHONPATH`` and ``HF_HUB_OFFLINE=1``.
-- ``python tests/invokeai_venv.py`` builds it from the command line (CI's own step).
+- ``python tests/invokeai_venv.py`` builds it from the command line, ahead of the tests (which otherwise build it
+  when they first need it).
 
 Location: ``$FLOWLIFT_INVOKEAI_VENV`` if set, else ``~/.cache/flowlift/invokeai-venv-<hash>``, the hash
 taken over the pins, flowlift's runtime dependencies and this builder's recipe version.

@@ -224,6 +224,19 @@ def test_a_negative_prompt_at_cfg_one_is_refused_not_ignored(refiner, negative, 
     _refused(lambda: refiner.denoiser(prompt_embeds=torch.zeros(1, 4, 8), cfg_scale=1e30), "at most 100")
 
 
+def test_an_unknown_conditioning_keyword_is_one_line_naming_it(refiner, monkeypatch):
+    forbid_call(monkeypatch, "flowlift.refine.refiner.Flux2Refiner._encode_init", "the VAE ran first")
+    forbid_call(monkeypatch, "flowlift.refine.refiner.Flux2Refiner.encode", "the VAE ran first")
+    image, emb = torch.rand(1, 3, 32, 32), torch.zeros(1, 4, 8)
+    for strength in (0.5, 1.0):  # 1.0 builds no denoiser: the keyword is still refused
+        _refused(lambda s=strength: refiner.img2img(image, strength=s, strenght=0.6, prompt_embeds=emb), "'strenght'")
+    _refused(lambda: refiner.outpaint(image, left=16, strenght=0.6, prompt_embeds=emb), "outpaint", "'strenght'")
+    _refused(lambda: refiner.txt2img(height=32, width=32, seed=1, prompt_embeds=emb), "txt2img", "'seed'")
+    _refused(lambda: refiner.denoiser(prompt_embeds=emb, promt="x"), "'promt'", "reference_images")
+    message = _refused(lambda: refiner.hires(object(), images=image, scale=2, prompt_embeds=emb), "'scale'")
+    assert "HiresSettings" in message, message
+
+
 def test_a_uint8_mask_is_scaled_by_its_range():
     from flowlift.refine.canvas import checked_mask
 

@@ -162,9 +162,9 @@ SKIP: dict[str, str] = {
     "--scale 1.5 --vae flux2 -o report/": NEEDS_WEIGHTS,
     "flowlift eval OUTPUTS --reference INPUTS [--ground-truth GT] [--box x,y,w,h] -o report/": SYNOPSIS,
     "flowlift eval OUT_DIR --reference IN_DIR [--ground-truth GT_DIR] [--box x,y,w,h] -o report/": SYNOPSIS,
-    "flowlift eval OUT/outputs/lanczos --reference OUT/outputs/inputs --ground-truth OUT/outputs/ground-truth":
-        SYNOPSIS,
-    "flowlift eval OUT --reference IN": SYNOPSIS,
+    "flowlift eval OUT/outputs/lanczos --reference OUT/outputs/inputs --ground-truth OUT/outputs/ground-truth "
+    "-o report/": SYNOPSIS,
+    "flowlift eval OUT --reference IN -o report/": SYNOPSIS,
     "flowlift status OUT": SYNOPSIS,
     "flowlift upscale --batch-size N": SYNOPSIS,
     "flowlift bands ../shared/images/kodak ../shared/images/photos --vae ../shared/models/taef2 -o bands/ [--full]":

@@ -20,7 +20,7 @@ from flowlift.limits import hires_latent_size, whole_passes
 from flowlift.progress import report_stage
 from flowlift.refine.canvas import checked_images
 from flowlift.refine.loop import denoising_start_for
-from flowlift.refine.parameters import RefineOutput, conditioning_parameters
+from flowlift.refine.parameters import RefineOutput, check_conditioning, conditioning_parameters
 from flowlift.refine.request import HiresSettings, LatentUpscaler
 from flowlift.refine.settings import STRENGTH_MAP, SamplingSettings, check_hires_size
 from flowlift.refine.tiling import TileRequest
@@ -53,6 +53,7 @@ class HiresFix:
         ``base_steps``. The output's parameters are the refiner's plus the upscale's (``upscaler`` as the settings'
         source names it, ``transplant_strength``, ``color_fix``), the same whichever front-end asked.
         """
+        check_conditioning(conditioning, "hires")  # before any work: scale=2 here is a HiresSettings field
         settings = check_kind("settings", settings, HiresSettings, "a HiresSettings", optional=True) or HiresSettings()
         images = checked_images(images) if images is not None else None
         width, height = (images.shape[-1], images.shape[-2]) if images is not None else settings.base_size

@@ -7,12 +7,25 @@ ran (dtype, device, the exact sigmas, the schedule's mu and window) and where th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from flowlift.errors import FlowliftError
 from flowlift.refine.loop import RefineResult
+from flowlift.refine.request import HiresSettings
+
+#: The conditioning keywords every mode of :class:`~flowlift.refine.refiner.Flux2Refiner` passes to its ``denoiser``.
+CONDITIONING_KEYWORDS = (
+    "prompt",
+    "prompt_embeds",
+    "negative_prompt",
+    "negative_prompt_embeds",
+    "cfg_scale",
+    "guidance",
+    "reference_images",
+)
 
 
 @dataclass
@@ -51,6 +64,25 @@ def output_parameters(
         if mode != "txt2img":  # a full window is the same under both
             params["schedule"] = result.schedule
     return params
+
+
+def check_conditioning(conditioning: dict[str, Any], mode: str) -> None:
+    """One line naming any keyword of ``conditioning`` (a mode's ``**conditioning``) that is not a conditioning
+    keyword (:data:`CONDITIONING_KEYWORDS`), before the mode does any work."""
+    unknown = [name for name in conditioning if name not in CONDITIONING_KEYWORDS]
+    if not unknown:
+        return
+    hint = ""
+    if mode == "hires":
+        settings = [name for name in unknown if name in {f.name for f in fields(HiresSettings)}]
+        if settings:
+            field = "a HiresSettings field" if len(settings) == 1 else "HiresSettings fields"
+            hint = f"; {', '.join(settings)} {'is' if len(settings) == 1 else 'are'} {field} (hires' second argument)"
+    names = ", ".join(repr(name) for name in unknown)
+    raise FlowliftError(
+        f"{mode} got unknown keyword{'s' if len(unknown) > 1 else ''} {names}: the conditioning keywords are "
+        f"{', '.join(CONDITIONING_KEYWORDS)}{hint}"
+    )
 
 
 def conditioning_parameters(conditioning: dict[str, Any], den: Any) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from flowlift.refine.canvas import checked_images, checked_mask, latent_mask, ou
 from flowlift.refine.hires_fix import HiresFix
 from flowlift.refine.loop import RefineResult, VelocityFn, _Progress, denoising_start_for, refine_latents
 from flowlift.refine.offload import Placement, place_transformer, with_transformer_on_device
-from flowlift.refine.parameters import RefineOutput, conditioning_parameters, output_parameters
+from flowlift.refine.parameters import RefineOutput, check_conditioning, conditioning_parameters, output_parameters
 from flowlift.refine.settings import (
     MU,
     OUTPAINT_STRENGTH,
@@ -136,9 +136,13 @@ class Flux2Refiner(HiresFix):
         cfg_scale: float = 1.0,
         guidance: float | None = None,
         reference_images: Sequence[torch.Tensor] = (),
+        **unknown: Any,
     ):
-        """The :class:`~flowlift.flux2.denoiser.Flux2Denoiser` for a prompt (and references)."""
+        """The :class:`~flowlift.flux2.denoiser.Flux2Denoiser` for a prompt (and references); any other keyword is
+        one :class:`~flowlift.errors.FlowliftError` naming it."""
         from flowlift.flux2.denoiser import Flux2Denoiser
+
+        check_conditioning(unknown, "denoiser")
 
         pos = self._embeds(prompt, prompt_embeds, "prompt")
         if pos is None:
@@ -245,6 +249,7 @@ class Flux2Refiner(HiresFix):
         **conditioning: Any,
     ) -> RefineOutput:
         """Generate from pure noise (``denoising_start = 0``) at ``height x width`` (multiples of 16)."""
+        check_conditioning(conditioning, "txt2img")
         sampling = self._with_steps(sampling)
         tiles = self._tiles(tiles)
         check_txt2img_size(width, height)
@@ -280,6 +285,7 @@ class Flux2Refiner(HiresFix):
         Sides that are not multiples of 16 are edge-padded for the model and cropped back.
         ``strength`` 0 returns the VAE round trip of the input; 1 ignores the input (txt2img noise).
         """
+        check_conditioning(conditioning, "inpaint" if mask is not None else "img2img")
         sampling = self._with_steps(sampling)
         tiles = self._tiles(tiles)
         images = checked_images(images)
@@ -341,6 +347,7 @@ class Flux2Refiner(HiresFix):
         The border starts from an edge-replicated canvas; the original region's latents are the
         encoding of the original image alone and are kept exactly (mask 0) through every step.
         """
+        check_conditioning(conditioning, "outpaint")
         start = denoising_start_for(strength, strength_map)
         check_outpaint_strength(strength)
         sampling = self._with_steps(sampling)
