@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpu_features import FUSED_BF16, needs_fused_bf16
 from flowlift.models import fused_conv
 from flowlift.models.fused_conv import conv_act, conv_add_act, fusable
 
@@ -30,7 +31,7 @@ def _float32(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     return F.conv2d(x.float(), conv.weight.float(), conv.bias.float(), 1, k // 2, 1, conv.groups)
 
 
-@pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+@needs_fused_bf16
 @pytest.mark.parametrize(
     ("cin", "cout", "k", "groups"), [(64, 64, 3, 1), (384, 1536, 1, 1), (48, 48, 3, 48), (64, 3, 3, 1)]
 )
@@ -40,7 +41,7 @@ def test_bf16_relu_is_the_unfused_pair_bit_for_bit(cin, cout, k, groups):
     assert torch.equal(conv_act(x, conv, "relu"), torch.relu(conv(x)))
 
 
-@pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+@needs_fused_bf16
 @pytest.mark.parametrize(("cin", "cout", "k", "groups"), [(384, 1536, 1, 1), (48, 48, 3, 48)])
 def test_bf16_gelu_rounds_once_so_it_is_nearer_float32_than_the_unfused_pair(cin, cout, k, groups):
     conv, x = _conv(cin, cout, k, groups), _input(cin)
@@ -51,7 +52,7 @@ def test_bf16_gelu_rounds_once_so_it_is_nearer_float32_than_the_unfused_pair(cin
     assert (fused.float() - exact).abs().mean() < (unfused.float() - exact).abs().mean()
 
 
-@pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+@needs_fused_bf16
 @pytest.mark.parametrize("activation", [None, "relu"])
 def test_bf16_residual_add_is_the_float32_sum_rounded_once(activation):
     conv, x = _conv(64, 64, 3), _input(64)
@@ -160,7 +161,7 @@ def subnormals_at_full_speed(monkeypatch):
     monkeypatch.setattr(fused_conv, "_RELU_WORKS", {})
 
 
-@pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+@needs_fused_bf16
 @pytest.mark.usefixtures("subnormals_at_full_speed")
 def test_the_bf16_relu_runs_in_the_convolutions_pass(monkeypatch):
     """The ReLU is fused (oneDNN's leaky ReLU): torch's separate ReLU pass is not called, and the result is
@@ -214,3 +215,10 @@ def test_without_a_nan_keeping_fused_relu_bf16_runs_torchs_relu(monkeypatch):
     with torch.no_grad():
         out = conv_act(x, conv, "relu")
     assert torch.equal(out.isnan(), torch.relu(conv(x)).isnan()) and out.isnan().any()
+
+
+def test_the_probe_fuses_exactly_where_the_cpu_runs_the_fused_bf16_op():
+    """flowlift's one-time probe says fused where oneDNN's fused bf16 convolution runs (AVX512, AMX) and unfused
+    where it raises (an AVX2-only CPU): a broken probe would silently drop the fused path, or crash the decode."""
+    fused_conv._WORKS.pop(BF16, None)
+    assert fused_conv._fused_op_works(BF16) == FUSED_BF16

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import flowlift.models.mage_vae as mage_vae
+from cpu_features import needs_fused_bf16
 from flowlift.models.fused_conv import conv_act, fusable
 from flowlift.models.mage_passes import GroupSums, channel_mean_var, channel_moments, channel_sums
 from flowlift.models.mage_vae import NORM_EPS, DiCoBlock, centering_weight, layer_norm_2d, layer_norm_rows
@@ -20,7 +21,6 @@ pytestmark = pytest.mark.usefixtures("single_thread_torch")
 
 BF16 = torch.bfloat16
 CL = torch.channels_last
-HAS_FUSED_OP = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -55,7 +55,7 @@ def test_a_float32_dico_block_is_the_unfused_layers_bit_for_bit():
         assert torch.equal(block(x), _unfused(block, x))
 
 
-@pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+@needs_fused_bf16
 def test_a_bf16_dico_block_runs_both_gelus_fused_and_stays_near_float32(monkeypatch):
     block, x = _block(BF16), _frame(64, BF16)
     assert fusable(x, block.conv2) and fusable(x, block.conv4)
@@ -95,7 +95,7 @@ def test_the_centering_weight_is_exact_in_bf16_for_the_released_width():
     assert torch.equal(w, torch.eye(32, dtype=torch.float64) - 1 / 32)
 
 
-@pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+@needs_fused_bf16
 def test_the_fused_swish_is_silu_rounded_once():
     torch.manual_seed(3)
     conv = torch.nn.Conv2d(32, 32, 1).to(BF16).to(memory_format=CL).requires_grad_(False)

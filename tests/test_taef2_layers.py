@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpu_features import needs_fused_bf16
 from flowlift.models.fused_conv import conv_add_act, fusable
 from flowlift.models.taef2 import TAEF2, Block, local_op
 from flowlift.models.taef2_layers import (
@@ -27,7 +28,6 @@ from flowlift.models.taef2_tiling import LocalOp, run_two_level
 
 BF16 = torch.bfloat16
 CL = torch.channels_last
-HAS_FUSED_OP = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
 
 
 def _released_block(block: Block, x: torch.Tensor) -> torch.Tensor:
@@ -60,7 +60,7 @@ def test_float32_block_is_the_released_block_bit_for_bit(use_gn):
         assert torch.equal(block(x), _released_block(block, x))
 
 
-@pytest.mark.skipif(not HAS_FUSED_OP, reason="this torch has no oneDNN fused convolution")
+@needs_fused_bf16
 def test_bf16_block_fuses_the_residual_add_so_it_is_nearer_float32_than_the_released_block():
     block = _block(False, BF16)
     exact_block = _block(False, torch.float32)

@@ -370,7 +370,7 @@ class MageVAE(_ModuleVAE):
         self.auto_tile_pixels = auto_tile_pixels
         self.tiled_encoder: Any = None
         self.tiled_decoder: Any = None
-        self.tiling = MageTiling()
+        self.tiling = MageTiling.for_dtype(self.dtype)
 
     @property
     def tiling(self) -> Any:
