@@ -167,7 +167,10 @@ def test_the_pipeline_under_a_budget_that_forces_bands_gives_the_unbudgeted_imag
     assert len(plan.passes) == 1 and "pass 2" not in plan.stage_peaks  # the fraction is no UNet pass
     assert f"SesquiLSR {plan.latent_upscaler_rows}-row bands" in plan.describe()
     assert result.shape == expected.shape == (1, 3, 192, 288)
-    assert (result - expected).abs().max() <= 1e-4, (result - expected).abs().max()
+    # float32 rounding of the bands (2e-6 in the latents, above) grown by the decode and stage 2's Lab conversion (its
+    # cube root is steep near black): measured 1.6e-4 on an AVX2 AMD EPYC, under 1e-4 on AVX512 CPUs; 5e-4 is an
+    # eighth of one 8-bit step
+    assert (result - expected).abs().max() <= 5e-4, (result - expected).abs().max()
     # a budget under SesquiLSR's two stored frames (the pipeline keeps the resampled float32 frame off it): one line
     with pytest.raises(FlowliftError, match=r"too small for SesquiLSR from 24x16 to 36x24 latents"):
         run(weights + 3 * 288 * 192 * 4 + 2**20)
