@@ -417,7 +417,7 @@ def print_tables(summaries: dict[str, dict], peaks: list[dict], dtype: str) -> N
 
 
 def main() -> None:
-    from flowlift.devices import cpu_has_native_bf16, passive_thread_wait
+    from flowlift.devices import passive_thread_wait
 
     passive_thread_wait()  # every child (the calibration and the peer too) runs as the command does
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
@@ -426,6 +426,10 @@ def main() -> None:
         return calibration_child(float(sys.argv[2]))
     if len(sys.argv) > 1 and sys.argv[1] == "--peer":
         return peer_child(sys.argv[2], sys.argv[3])
+    import torch
+
+    from flowlift.devices import auto_dtype
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shared", default=os.environ.get("FLOWLIFT_SHARED", str(ROOT.parent / "shared")))
     parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / f"flowlift-first-run-{os.getuid()}"))
@@ -445,7 +449,7 @@ def main() -> None:
     base_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     # The dtype ``--dtype auto`` gives the command on this CPU (float32 without native bf16): its floor is at that
     # dtype's peak, and the peer runs in it as a user of this CPU would run it.
-    dtype = "bfloat16" if cpu_has_native_bf16() else "float32"
+    dtype = str(auto_dtype(torch.device("cpu"), cpu_bf16=True)).removeprefix("torch.")
     variants: dict[str, tuple[list[str], dict]] = {}
     for size in args.sizes.split(","):
         for vae in args.vaes.split(","):
