@@ -170,7 +170,7 @@ TILE_SIZE = Knob(
     int,
     "auto",
     f"refine in overlapping tiles of this many pixels per side (a multiple of {PIXEL_MULTIPLE}): auto tiles at "
-    f"{DEFAULT_TILE_SIZE} px when the frame exceeds FLUX.2's 4 MP (or the memory budget needs it), off runs one "
+    f"{DEFAULT_TILE_SIZE} px when the frame exceeds FLUX.2's 4 MP (or a given memory budget needs it), off runs one "
     "transformer call per step",
     low=MIN_TILE_SIZE,
     high=MAX_OUTPUT_SIDE,  # a tile past the 16K cap is the whole frame at most: never 100000
