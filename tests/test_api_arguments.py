@@ -423,3 +423,16 @@ def test_words_name_what_was_given(tmp_path):
 
     _refused(lambda: UpscaleRequest(inputs=["a.png"], passes=4), "passes must be 1, 2 or 3", "got 4")
     _refused(lambda: check_sesqui_file(tmp_path), "is a folder; give the weights file itself")
+
+
+def test_the_conditioning_keywords_are_the_denoisers_own():
+    """The list a mode checks its keywords against is the denoiser's keyword-only parameters, no more, no less: a
+    keyword added to one and not the other would be refused though valid, or pass unchecked."""
+    import inspect
+
+    from flowlift.refine.parameters import CONDITIONING_KEYWORDS
+    from flowlift.refine.refiner import Flux2Refiner
+
+    parameters = inspect.signature(Flux2Refiner.denoiser).parameters.values()
+    named = [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert named == list(CONDITIONING_KEYWORDS)
