@@ -249,9 +249,12 @@ def test_a_nan_reaching_a_block_stays_nan_in_bf16():
 
 def test_an_amx_cpu_decodes_bf16_in_tiles_near_its_l2_and_equal_bits(monkeypatch):
     """AMX computes TAEF2's 64-channel convolutions faster than memory feeds them: bf16 on such a CPU decodes in
-    16-latent-pixel tiles (64-pixel bands); float32 and other CPUs keep the defaults. Same values either way."""
+    16-latent-pixel tiles (64-pixel bands); float32 and other CPUs keep the defaults. Each CPU's own tiling gives
+    the whole frame's bits; the AMX tiling forced on another CPU stays within one bf16 rounding (oneDNN's kernels
+    for its narrow tiles may sum in another order there: on a Zen 4 with avx512_bf16, one step on 0.4% of values)."""
     from flowlift.models import taef2
 
+    real_amx = taef2.cpu_has_feature("amx_bf16")
     bf16 = torch.zeros(1, 32, 4, 4, dtype=BF16)
     monkeypatch.setattr(taef2, "cpu_has_feature", lambda name: name == "amx_bf16")
     assert taef2.decode_tiling(bf16) == (taef2.AMX_DECODE_BAND, taef2.AMX_DECODE_TILE) == (64, 16)
@@ -270,5 +273,10 @@ def test_an_amx_cpu_decodes_bf16_in_tiles_near_its_l2_and_equal_bits(monkeypatch
         on_amx = model.decode_tiled(latents)
         monkeypatch.setattr(taef2, "cpu_has_feature", lambda name: False)
         elsewhere = model.decode_tiled(latents)
+        whole = model.decode_full(latents)
     assert seen == [(64, 16), (128, 64)]
-    assert torch.equal(on_amx, elsewhere)
+    assert torch.equal(elsewhere, whole)
+    if real_amx:
+        assert torch.equal(on_amx, whole)
+    else:
+        torch.testing.assert_close(on_amx, whole, rtol=2**-8, atol=2**-12)
