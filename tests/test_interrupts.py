@@ -66,8 +66,9 @@ def _ignore_sigint() -> None:  # what a non-interactive shell does for a backgro
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_capped_job_stops_within_seconds_with_130_and_nothing_partial(shared, tiny_weights, tmp_path, signum):
-    # 3 passes of 2100 px would pass the 16384 px cap: 2 run (8400x6400), a job long enough to stop mid-way
-    Image.new("RGB", (2100, 1600), (120, 90, 60)).save(tmp_path / "small.png")
+    # 3 passes of 2100 px would pass the 16384 px cap: 2 run (8400x960), a job long enough to stop mid-way (its
+    # decode alone takes ~20 CPU-s on one thread); a strip, so that the encode before the signal is short
+    Image.new("RGB", (2100, 240), (120, 90, 60)).save(tmp_path / "small.png")
     out = tmp_path / "out"
     env = dict(
         os.environ,
@@ -114,7 +115,7 @@ def test_a_capped_job_stops_within_seconds_with_130_and_nothing_partial(shared, 
     assert code == 130, text[-2000:]
     assert stopped < STOP_S, f"{stopped:.1f} s from {signal.Signals(signum).name} to exit"
     assert text.rstrip().endswith("flowlift upscale: interrupted") and "Traceback" not in text
-    warning = text.index("warning: Flow Upscaler: 3 pass(es) on a 2100x1600 image would exceed")
+    warning = text.index("warning: Flow Upscaler: 3 pass(es) on a 2100x240 image would exceed")
     work = re.search(r"small\.png: +\d+%", text)  # the image's first progress bar
     assert work and warning < work.start(), "the cap warning must come before the work"
     assert not out.exists() or list(out.iterdir()) == []  # nothing partial, no temporary file left
