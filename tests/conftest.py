@@ -61,6 +61,70 @@ def single_thread_torch():
     torch.set_num_threads(before)
 
 
+#: The helper each builder module gives the tests that run in its venv, and that module: a collected test module
+#: holding one of these needs that venv.
+VENV_USERS = {"session_server": "comfy_venv", "comfy_python": "comfy_venv", "invokeai_python": "invokeai_venv"}
+_background_build: list = []  # the Popen of the builds started below, for pytest_sessionfinish
+
+
+def pytest_collection_finish(session) -> None:
+    """Build the ComfyUI and InvokeAI venvs the collected tests will need (minutes each on a fresh machine) in the
+    background from the start, at the lowest CPU and I/O priority, so that they take the CPU the earlier tests
+    leave idle. A test that needs a venv before it is ready waits on the builder's file lock (tests/comfy_venv.py's
+    ``built_venv``), and builds it itself if the background build failed, which then reports the error."""
+    import importlib
+    import shutil
+    import subprocess
+    import sys
+
+    if session.config.option.collectonly:
+        return
+    needed = []
+    for module in {getattr(item, "module", None) for item in session.items} - {None}:
+        needed += [builder for helper, builder in VENV_USERS.items() if helper in vars(module)]
+    missing = []
+    for name in dict.fromkeys(sorted(needed)):  # comfy_venv before invokeai_venv: ComfyUI's tests come first
+        builder = importlib.import_module(name)
+        if not (builder.venv_dir() / builder.MARKER_NAME).is_file():
+            missing.append(str(Path(builder.__file__)))
+    if not missing:
+        return
+    script = (  # each builder as `python tests/<builder>.py` runs it (its folder first on sys.path)
+        "import os, runpy, sys\nfor path in sys.argv[1:]:\n"
+        "    sys.path.insert(0, os.path.dirname(path))\n    runpy.run_path(path, run_name='__main__')\n"
+    )
+    command = [sys.executable, "-c", script, *missing]
+    if shutil.which("ionice"):
+        command = ["ionice", "-c", "3", *command]
+    log = Path.home() / ".cache" / "flowlift" / "background-venv-build.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as output:
+        _background_build.append(
+            subprocess.Popen(
+                command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=lambda: os.nice(19)
+            )
+        )
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"building {len(missing)} test venv(s) in the background (log: {log})")
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The background build never outlives the session: stopped with its whole process group (a venv left
+    without its completion marker is built again from scratch next time)."""
+    import signal
+    import subprocess
+
+    for process in _background_build:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """tests/test_doc_commands.py's table of the documented commands it does not run, each with why."""
     import sys
