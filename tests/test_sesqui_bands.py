@@ -24,7 +24,7 @@ from flowlift.models.sesqui_bands import (
 )
 from flowlift.models.sesqui_lsr import SesquiLSR, sample_statistics
 from flowlift.upscale import memory_plan
-from flowlift.upscale.memory_plan import plan_latent_upscaler, plan_upscale_memory
+from flowlift.upscale.memory_plan import StageChoices, plan_latent_upscaler, plan_upscale_memory
 from sesqui_reference import save_random_sesqui
 
 
@@ -116,7 +116,7 @@ def test_the_plan_runs_sesquilsr_whole_in_bands_or_refuses():
 def test_the_decode_is_planned_at_sesquilsrs_size_not_one_more_pass():
     # 512x512 px, one pass to 128x128 latents, SesquiLSR to 192x192: the decode makes 1536x1536 px, not 2048x2048
     sizes = {"num_passes": 1, "budget_bytes": 10**12, "vae_kind": "flux2"}
-    with_fraction = plan_upscale_memory(512, 512, latent_fraction=(192, 192), **sizes)
+    with_fraction = plan_upscale_memory(512, 512, choices=StageChoices(latent_fraction=(192, 192)), **sizes)
     one_more_pass = plan_upscale_memory(512, 512, **{**sizes, "num_passes": 2})
     assert len(with_fraction.passes) == 1 and with_fraction.latent_upscaler == "whole frame"
     assert with_fraction.stage_peaks["decode"] < one_more_pass.stage_peaks["decode"]
@@ -155,9 +155,10 @@ def test_the_pipeline_under_a_budget_that_forces_bands_gives_the_unbudgeted_imag
         return pipeline, pipeline.upscale_image(image, num_passes=1, output_type="pt", output_size=(288, 192))
 
     plain, expected = run(None)
-    # the decode's estimates are the real FLUX.2 VAE's (a tiled decode holds ~2 GB whatever the frame): for the tiny
-    # one, 16 float32 values per pixel, so that a budget around SesquiLSR's plan fits the other stages
+    # the encode's and decode's estimates are the real FLUX.2 VAE's (tiled ones hold ~2 GB whatever the frame): for the
+    # tiny one, 16 float32 values per pixel, so that a budget around SesquiLSR's plan fits the other stages
     monkeypatch.setattr(memory_plan, "decode_peak_bytes", lambda kind, h, w, *, batch=1, dtype=None, tiled: 64 * h * w)
+    monkeypatch.setattr(memory_plan, "encode_peak_bytes", lambda kind, h, w, *, batch=1, dtype=None, tiled: 64 * h * w)
     # 3x: one pass to 16x24 latents, SesquiLSR to 24x36; a budget under its whole-frame plan
     weights = sum(model_bytes(m) for m in (plain.upscaler, plain.vae, plain.sesqui))
     whole = plan_latent_upscaler((16, 24), (24, 36), 10**12, 1, weights)[1]

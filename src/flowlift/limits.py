@@ -3,7 +3,7 @@
 The output cap (:data:`MAX_OUTPUT_SIDE`), the FLUX.2 latent geometry both work on (:data:`LATENT_CHANNELS`,
 the 16-px grid :data:`PIXEL_MULTIPLE`), the one scale -> passes rule (:func:`passes_for_scale`), the
 ``--max-memory`` size parser and the estimates both memory plans count with (a dtype's bytes, a model's bytes, a
-VAE decode's peak). Here rather than in
+VAE encode's and decode's peaks). Here rather than in
 :mod:`flowlift.upscale` so that :mod:`flowlift.refine` and :mod:`flowlift.upscale` are siblings: neither
 imports the other. Nothing here imports torch at import time (the commands' ``--help`` reads this module).
 
@@ -21,12 +21,15 @@ from flowlift.errors import FlowliftError
 __all__ = [
     "DECODE_PLAIN_CHANNELS",
     "DECODE_TILE_BYTES",
+    "ENCODE_PLAIN_CHANNELS",
+    "ENCODE_TILE_VALUES",
     "LATENT_CHANNELS",
     "MAX_OUTPUT_SIDE",
     "PIXEL_MULTIPLE",
     "decode_peak_bytes",
     "decoded_image_dtype",
     "dtype_bytes",
+    "encode_peak_bytes",
     "format_bytes",
     "hires_size_or_refuse",
     "model_bytes",
@@ -63,6 +66,22 @@ DECODE_TILE_BYTES = {"taef2": 600 << 20, "flux2": 2 << 30, "mage": MAGE_TILE_BYT
 #: ``3 * 384 / 256`` values per output pixel (:mod:`flowlift.models.mage_tiling`), and the patchified
 #: copy of the latent (another ``32 / 64`` per pixel).
 MAGE_STORE_CHANNELS = 3 * 384 / 256
+
+#: Encoder peak per input pixel, in values of the VAE's dtype beside a float32 copy of the image (3 values at 4
+#: bytes), whole frame. Measured on the CPU with flowlift's tensor tracker (benchmarks/measure_encode_memory.py): TAEF2
+#: holds three 64-channel full-resolution activations and its input (792 B/px in float32, 390 in bfloat16), the
+#: FLUX.2 VAE five 128-channel ones (2572 B/px in float32), Mage-VAE its 16x16-pixel patches through 768 channels and
+#: the 384-wide blocks at 1/16 (156 B/px in float32).
+ENCODE_PLAIN_CHANNELS = {"taef2": 3 * 64 + 3, "flux2": 5 * 128, "mage": 36}
+#: Tiled encode: values per input pixel that stay whole-frame (the latent-resolution parts, the latent) beside the
+#: image's float32 copy, and one tile's working set in values of the VAE's dtype. TAEF2 (64-latent-px stem tiles,
+#: 128-px bands): 300.6 / 328.5 / 402.1 / 1024 MiB measured at 1 / 2 / 4 / 16 Mpx in float32 (144 / 152 / 177 MiB
+#: at 1 / 2 / 4 Mpx in bfloat16). The FLUX.2 VAE (diffusers' tiles of ``tile_sample_min_size``, 1024 px): one
+#: tile's whole-frame encode, 2587 MiB at 1536x1536 in float32. Mage-VAE: a frame of up to two 128-position tiles'
+#: area (8 Mpx) runs its blocks whole (176 B/px measured at 1 and 4 Mpx in float32), larger ones in tiles (1089.5 MiB
+#: at 4096x4096).
+ENCODE_TILED_CHANNELS = {"taef2": 10, "flux2": 1, "mage": 8}
+ENCODE_TILE_VALUES = {"taef2": 64 << 20, "flux2": 1024 * 1024 * 5 * 128, "mage": 272 << 20}
 
 _UNITS = {
     "": 1,
@@ -201,6 +220,21 @@ def decode_peak_bytes(vae_kind: str, height: int, width: int, *, batch: int = 1,
             tiled_bytes += pixels * itemsize * LATENT_CHANNELS / 64 + height * width * itemsize * MAGE_STORE_CHANNELS
         return int(tiled_bytes)
     return int(image + pixels * itemsize * DECODE_PLAIN_CHANNELS[kind])
+
+
+def encode_peak_bytes(vae_kind: str, height: int, width: int, *, batch: int = 1, dtype: Any = None, tiled: bool) -> int:
+    """Device peak of encoding a (batch, 3, height, width) image to its (batch, 32, height/8, width/8) latent, the
+    encoder's input copies and its output included (the caller's own image frames are not).
+
+    Whole frame: ``b * h * w * (3 * 4 + itemsize * ENCODE_PLAIN_CHANNELS)``. Tiled: ``b * h * w * (3 * 4 + itemsize *
+    ENCODE_TILED_CHANNELS) + itemsize * ENCODE_TILE_VALUES`` (one tile's working set, as :func:`decode_peak_bytes`
+    costs the decode's). Unknown VAEs are costed like the FLUX.2 VAE (the larger one); ``dtype`` None is float32.
+    """
+    kind = vae_kind if vae_kind in ENCODE_PLAIN_CHANNELS else "flux2"
+    pixels, itemsize = batch * height * width, 4 if dtype is None else dtype_bytes(dtype)
+    if tiled:
+        return int(pixels * (3 * 4 + itemsize * ENCODE_TILED_CHANNELS[kind]) + itemsize * ENCODE_TILE_VALUES[kind])
+    return int(pixels * (3 * 4 + itemsize * ENCODE_PLAIN_CHANNELS[kind]))
 
 
 def model_bytes(model: object) -> int:

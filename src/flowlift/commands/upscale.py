@@ -141,8 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-memory",
         metavar="SIZE",
-        help="device memory budget for the whole upscale, e.g. 6GB or 5.5GiB: UNet, SesquiLSR, VAE decode and "
-        "colour fix run plain, chunked, banded, tiled or offloaded to fit (default: by size and free memory)",
+        help="device memory budget for the whole upscale, e.g. 6GB or 5.5GiB: VAE encode, UNet, SesquiLSR, VAE "
+        "decode and colour fix run plain, chunked, banded, tiled or offloaded to fit; --chunked and --vae-tiling "
+        "given explicitly are checked against it (default: by size and free memory)",
     )
     parser.add_argument(
         "--compile", action="store_true", help="torch.compile the UNet (one compile per image size; CUDA graphs)"

@@ -1,19 +1,23 @@
 """One device-memory budget for a whole upscale: parse it, estimate each stage's peak, plan how each runs.
 
 ``max_memory`` (``6GB``) bounds the device peak of every stage of
-:class:`flowlift.upscale.pipeline.FlowUpscalerPipeline`: the UNet passes, the VAE decode and both colour stages.
-:func:`plan_upscale_memory` is a pure function of sizes, dtypes and the budget; it returns an
+:class:`flowlift.upscale.pipeline.FlowUpscalerPipeline`: the VAE encode, the UNet passes, SesquiLSR, the VAE decode
+and both colour stages. :func:`plan_upscale_memory` is a pure function of sizes, dtypes and the budget; it returns an
 :class:`UpscaleMemoryPlan` saying, per stage, how it runs:
 
+* the VAE encode of the model input: whole frame when it fits (:func:`flowlift.limits.encode_peak_bytes`), else tiled;
 * each UNet pass: ``plain`` (whole-frame forward) when its estimated peak fits; else ``chunked``
   (:class:`flowlift.upscale.chunked.executor.ChunkedExecutor`, full-frame stores on the device, strips as tall as the
   rest of the budget allows); else ``offload`` (stores in pinned host memory, strips from the budget);
 * SesquiLSR (a fraction of the asked size in latent space, after the passes): whole frame when it fits, else in
   bands of rows (:func:`flowlift.models.sesqui_bands.sesqui_banded`, two stored frames);
 * the VAE decode (of the passes' frame, or SesquiLSR's): whole frame when it fits, else tiled;
-* stage 2 (the pixel colour fix): on the device when the float32 image fits next to the decoder's
-  output, else on the host (the decoded image is copied out in strips and the device copy freed).
+* stage 2 (the pixel colour fix): on the device when the float32 image (and a resampled final frame, for an asked
+  size) fits next to the decoder's output, else on the host (the decoded image is copied out in strips and the device
+  copy freed).
 
+Modes a caller fixes (:class:`StageChoices`: ``chunked``, ``vae_tiled``, MemoryPolicy's explicit ones) are not
+replanned but checked: one that does not fit is one FlowliftError line naming it.
 A budget too small for even the smallest of these raises one :class:`~flowlift.errors.FlowliftError`
 line saying what the smallest plan needs. All peaks are *estimates* from the formulas below and the UNet's
 in :mod:`flowlift.upscale.chunked.budget` (frame counts calibrated on the CPU, see ``docs/performance.md``);
@@ -30,12 +34,13 @@ from typing import Any
 
 import torch
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.limits import (
     LATENT_CHANNELS,
     decode_peak_bytes,
     decoded_image_dtype,
     dtype_bytes,
+    encode_peak_bytes,
     format_bytes,
     model_bytes,
 )
@@ -51,15 +56,18 @@ from flowlift.upscale.chunked.budget import (
 )
 
 __all__ = [
+    "StageChoices",
     "UNetPassPlan",
     "UpscaleMemoryPlan",
     "colour_stage_bytes",
     "pass_io_bytes",
     "latent_upscaler_rows",
     "latent_upscaler_rows_by_size",
+    "plan_encode",
     "plan_latent_upscaler",
     "plan_unet_pass",
     "plan_upscale_memory",
+    "plan_vae_stage",
     "to_host_float32",
 ]
 
@@ -95,6 +103,19 @@ def colour_stage_bytes(height: int, width: int, *, batch: int = 1, vae_dtype: to
 
 
 @dataclass(frozen=True)
+class StageChoices:
+    """What the caller fixed for the stages rather than the plan: ``latent_fraction`` (SesquiLSR's (height, width)
+    latent after the passes), ``final_size`` ((width, height) the decoded frame is resampled to before stage 2, its
+    float32 frame held by the colour stage), and MemoryPolicy's explicit ``chunked`` / ``vae_tiled`` (None: the plan
+    decides; True/False: held, and checked against the budget)."""
+
+    latent_fraction: tuple[int, int] | None = None
+    final_size: tuple[int, int] | None = None
+    chunked: bool | None = None
+    vae_tiled: bool | None = None
+
+
+@dataclass(frozen=True)
 class UNetPassPlan:
     """How one UNet pass runs: ``mode`` (plain / chunked / offload), rows per strip, estimated peak."""
 
@@ -119,6 +140,8 @@ class UpscaleMemoryPlan:
     #: rows (:func:`flowlift.models.sesqui_bands.sesqui_banded`); ``""`` where it does not run.
     latent_upscaler: str = ""
     latent_upscaler_rows: int | None = None
+    #: The VAE encode's tiling (``vae_tiled`` is the decode's); only meaningful where ``"encode"`` is a stage.
+    encode_tiled: bool = False
 
     def describe(self) -> str:
         """One line: the choices and the estimated peak against the budget."""
@@ -130,8 +153,11 @@ class UpscaleMemoryPlan:
             f"VAE decode {'tiled' if self.vae_tiled else 'whole frame'}; "
             f"colour fix on the {'host' if self.colour_on_host else 'device'}; "
         )
+        encode = f"VAE encode {'tiled' if self.encode_tiled else 'whole frame'}; "
         return (
-            f"max_memory {format_bytes(self.budget_bytes)}: UNet {unet or 'no passes'}; "
+            f"max_memory {format_bytes(self.budget_bytes)}: "
+            + (encode if "encode" in self.stage_peaks else "")
+            + f"UNet {unet or 'no passes'}; "
             + (f"SesquiLSR {sesqui}; " if sesqui else "")
             + (image if "decode" in self.stage_peaks else "")
             + f"estimated peak {format_bytes(self.peak_bytes)}"
@@ -147,19 +173,28 @@ def plan_unet_pass(
     base_channels: int = 384,
     dtype: torch.dtype = torch.float32,
     fixed_bytes: int = 0,
+    chunked: bool | None = None,
 ) -> UNetPassPlan:
     """The fastest way to run one pass (output latent ``height x width``) within ``budget_bytes``.
 
     ``fixed_bytes`` (weights, the pass's latent tensors) is taken off the budget first. Plain when
     :func:`plain_peak_bytes` fits; else chunked when the stores fit and leave at least
     ``MIN_DEVICE_STRIP_ROWS`` rows of strip; else offload with strips from the whole remainder; a
-    remainder below one row is a FlowliftError.
+    remainder below one row is a FlowliftError. ``chunked`` (MemoryPolicy's explicit mode): False holds the pass
+    plain (one line naming it when that does not fit), True never plain.
     """
     sizes = {"batch": batch, "base_channels": base_channels, "dtype": dtype}
     free = budget_bytes - fixed_bytes
     plain = plain_peak_bytes(height, width, **sizes)
-    if plain <= free:
+    if plain <= free and not chunked:
         return UNetPassPlan("plain", height, width, None, fixed_bytes + plain)
+    if chunked is False:
+        raise FlowliftError(
+            f"max_memory {format_bytes(budget_bytes)} is too small for the whole-frame UNet pass to a "
+            f"{width}x{height} latent (batch {batch}) that {FIELD_MARK} forces (about "
+            f"{format_bytes(fixed_bytes + plain)}): drop {FIELD_MARK} to let the plan run it in strips",
+            field=("chunked=False", "chunked=False"),
+        )
     per_row = strip_bytes_per_row(width, **sizes)
     stores = chunked_store_bytes(height, width, **sizes)
     rows = strip_rows_for_budget(free, height, width, offloaded=False, **sizes)
@@ -175,6 +210,57 @@ def plan_unet_pass(
     return UNetPassPlan("offload", height, width, rows, fixed_bytes + (rows + 2) * per_row)
 
 
+def plan_vae_stage(
+    stage: str, peaks: tuple[int, int], budget_bytes: int, what: str, tiled: bool | None = None
+) -> tuple[bool, int]:
+    """``(tiled, peak)`` of the VAE's ``stage`` (``"encode"`` / ``"decode"``) of ``what`` (``"a 1024x1024 image
+    (batch 1)"``), whose whole-frame and tiled peaks are ``peaks``: the whole frame when it fits (it is the faster),
+    else tiles. ``tiled`` True/False (MemoryPolicy's explicit ``vae_tiled``) holds that mode. One FlowliftError line
+    when the mode taken does not fit: naming the forced mode, else what the smaller of the two needs."""
+    whole, tiles = peaks
+    if tiled is not None:
+        peak = tiles if tiled else whole
+        if peak > budget_bytes:
+            forced = f"vae_tiled={tiled}"
+            raise FlowliftError(
+                f"max_memory {format_bytes(budget_bytes)} is too small for the {'tiled' if tiled else 'whole-frame'} "
+                f"VAE {stage} of {what} that {FIELD_MARK} forces (about {format_bytes(peak)}): drop {FIELD_MARK} "
+                "to let the plan choose",
+                field=(forced, forced),
+            )
+        return tiled, peak
+    if whole <= budget_bytes:
+        return False, whole
+    if tiles <= budget_bytes:
+        return True, tiles
+    least = "tiled" if tiles < whole else "whole-frame"
+    raise FlowliftError(
+        f"max_memory {format_bytes(budget_bytes)} is too small to {stage} {what}: even the {least} {stage} needs "
+        f"about {format_bytes(min(whole, tiles))}"
+    )
+
+
+def plan_encode(
+    vae_kind: str,
+    height: int,
+    width: int,
+    budget_bytes: int,
+    *,
+    batch: int = 1,
+    dtype: torch.dtype = torch.float32,
+    weight_bytes: int = 0,
+    tiled: bool | None = None,
+) -> tuple[bool, int]:
+    """``(tiled, peak)`` of the VAE encode of a (batch, 3, height, width) model input within ``budget_bytes``
+    (:func:`plan_vae_stage`): the weights, the image and the model input in float32 (two frames) and
+    :func:`~flowlift.limits.encode_peak_bytes`; ``tiled`` True/False holds that mode."""
+    fixed = weight_bytes + 2 * frame_bytes(batch, 3, height, width, torch.float32)
+    peaks = (
+        fixed + encode_peak_bytes(vae_kind, height, width, batch=batch, dtype=dtype, tiled=t) for t in (False, True)
+    )
+    return plan_vae_stage("encode", tuple(peaks), budget_bytes, f"a {width}x{height} image (batch {batch})", tiled)
+
+
 def plan_upscale_memory(
     height: int,
     width: int,
@@ -188,63 +274,68 @@ def plan_upscale_memory(
     vae_kind: str | None = "flux2",
     vae_dtype: torch.dtype = torch.float32,
     spatial_factor: int = 8,
-    latent_fraction: tuple[int, int] | None = None,
+    choices: StageChoices = StageChoices(),
 ) -> UpscaleMemoryPlan:
     """Plan an upscale of a (batch, 3, height, width) model input by ``2**num_passes`` within a budget.
 
     Every model's weights (``weight_bytes``: the UNet's, the VAE's, SesquiLSR's) stay on the device throughout and
-    count against every stage. ``vae_kind`` None plans latents only (no decode, no stage 2: the latent doors' and
-    the hires fix's upscale, which decodes with its own plan). Pass ``p``'s
-    sample is the input latent times ``2**(p+1)``. With ``latent_fraction`` (a (height, width) latent within 2x
-    of the passes' output), SesquiLSR resizes the passes' latents to it (:func:`plan_latent_upscaler`) and the
-    decode makes its frame. The decode is whole-frame when :func:`decode_peak_bytes` fits, else tiled; stage 2
-    runs on the device when the decode's output and its float32 copy fit (:func:`colour_stage_bytes`), else on
-    the host. Raises a FlowliftError line when some stage cannot fit at all.
+    count against every stage. ``vae_kind`` None plans latents only (no encode, no decode, no stage 2: the latent
+    doors' and the hires fix's upscale, which decodes with its own plan). The encode holds the input's two float32
+    frames (the image and the model input) beside :func:`encode_peak_bytes`. Pass ``p``'s sample is the input latent
+    times ``2**(p+1)``. With ``choices.latent_fraction`` (a (height, width) latent within 2x of the passes' output),
+    SesquiLSR resizes the passes' latents to it (:func:`plan_latent_upscaler`) and the decode makes its frame. The
+    encode and the decode each run whole-frame when that fits, else tiled (:func:`plan_vae_stage`); stage 2 runs on
+    the device when the decode's output, its float32 copy and a resampled ``choices.final_size`` frame fit
+    (:func:`colour_stage_bytes`), else on the host. Raises a FlowliftError line when some stage cannot fit at all,
+    or a mode ``choices`` fixes does not.
     """
     if budget_bytes <= weight_bytes:
         raise FlowliftError(
             f"max_memory {format_bytes(budget_bytes)} does not even hold the model weights "
             f"({format_bytes(weight_bytes)})"
         )
+    peaks: dict[str, int] = {}
+    encode_tiled = False
+    if vae_kind is not None:
+        coding = {"batch": batch, "dtype": vae_dtype, "weight_bytes": weight_bytes, "tiled": choices.vae_tiled}
+        encode_tiled, peaks["encode"] = plan_encode(vae_kind, height, width, budget_bytes, **coding)
     latent_h, latent_w = height // spatial_factor, width // spatial_factor
     passes = []
     for index in range(num_passes):
         h, w = latent_h * 2 ** (index + 1), latent_w * 2 ** (index + 1)
         fixed = weight_bytes + pass_io_bytes(h, w, batch=batch, dtype=unet_dtype)
-        passes.append(
-            plan_unet_pass(
-                h, w, budget_bytes, batch=batch, base_channels=base_channels, dtype=unet_dtype, fixed_bytes=fixed
-            )
-        )
+        unet = {"batch": batch, "base_channels": base_channels, "dtype": unet_dtype, "chunked": choices.chunked}
+        passes.append(plan_unet_pass(h, w, budget_bytes, fixed_bytes=fixed, **unet))
     out_h, out_w = height * 2**num_passes, width * 2**num_passes
     sesqui, sesqui_rows, sesqui_peak = "", None, 0
-    if latent_fraction is not None:
+    if choices.latent_fraction is not None:
         passed = (out_h // spatial_factor, out_w // spatial_factor)
-        sesqui_rows, sesqui_peak = plan_latent_upscaler(passed, latent_fraction, budget_bytes, batch, weight_bytes)
+        sesqui_rows, sesqui_peak = plan_latent_upscaler(
+            passed, choices.latent_fraction, budget_bytes, batch, weight_bytes
+        )
         sesqui = "whole frame" if sesqui_rows is None else "bands"
-        out_h, out_w = latent_fraction[0] * spatial_factor, latent_fraction[1] * spatial_factor
-    peaks = {f"pass {i + 1}": p.peak_bytes for i, p in enumerate(passes)}
+        out_h, out_w = choices.latent_fraction[0] * spatial_factor, choices.latent_fraction[1] * spatial_factor
+    peaks.update({f"pass {i + 1}": p.peak_bytes for i, p in enumerate(passes)})
     if sesqui:
         peaks["latent upscaler"] = sesqui_peak
     if vae_kind is None:
         peak = max(peaks.values(), default=weight_bytes)
         return UpscaleMemoryPlan(budget_bytes, tuple(passes), False, False, peak, peaks, sesqui, sesqui_rows)
     latent_bytes = frame_bytes(batch, LATENT_CHANNELS, out_h // spatial_factor, out_w // spatial_factor, torch.float32)
-    decode_fixed = weight_bytes + latent_bytes
     sizes = {"batch": batch, "dtype": vae_dtype}
-    whole = decode_fixed + decode_peak_bytes(vae_kind, out_h, out_w, tiled=False, **sizes)
-    tiled = whole > budget_bytes
-    decode = whole if not tiled else decode_fixed + decode_peak_bytes(vae_kind, out_h, out_w, tiled=True, **sizes)
-    if decode > budget_bytes:
-        raise FlowliftError(
-            f"max_memory {format_bytes(budget_bytes)} is too small to decode a {out_w}x{out_h} image "
-            f"(batch {batch}): the tiled decode needs about {format_bytes(decode)}"
-        )
+    decoded = (
+        weight_bytes + latent_bytes + decode_peak_bytes(vae_kind, out_h, out_w, tiled=tiled, **sizes)
+        for tiled in (False, True)
+    )
+    what = f"a {out_w}x{out_h} image (batch {batch})"
+    tiled, peaks["decode"] = plan_vae_stage("decode", tuple(decoded), budget_bytes, what, choices.vae_tiled)
     image_dtype = decoded_image_dtype(vae_kind, vae_dtype)
-    colour = weight_bytes + colour_stage_bytes(out_h, out_w, batch=batch, vae_dtype=image_dtype)
+    final_w, final_h = choices.final_size or (0, 0)  # the resampled frame, in float32 beside the decoded one
+    final = frame_bytes(batch, 3, final_h, final_w, torch.float32)
+    colour = weight_bytes + colour_stage_bytes(out_h, out_w, batch=batch, vae_dtype=image_dtype) + final
     colour_on_host = colour > budget_bytes
-    peaks["decode"] = decode
-    # On the host path the device holds the decoder's output until it is copied out strip by strip.
+    # On the host path the device holds the decoder's output until it is copied out strip by strip; the resample to
+    # the final size then runs on the host.
     peaks["colour"] = weight_bytes + frame_bytes(batch, 3, out_h, out_w, image_dtype) if colour_on_host else colour
     return UpscaleMemoryPlan(
         budget_bytes=budget_bytes,
@@ -255,6 +346,7 @@ def plan_upscale_memory(
         stage_peaks=peaks,
         latent_upscaler=sesqui,
         latent_upscaler_rows=sesqui_rows,
+        encode_tiled=encode_tiled,
     )
 
 

@@ -29,12 +29,12 @@ from flowlift.devices import auto_dtype, default_channels_last, resolve_device
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import check_latents
 from flowlift.knobs import COLOR_FIX, check_count, check_kind, check_seed
-from flowlift.limits import model_bytes, parse_memory, vae_kind
+from flowlift.limits import parse_memory
 from flowlift.models.sesqui_bands import sesqui_to_size
 from flowlift.models.sesqui_lsr import load_sesqui_lsr, require_bn_statistics
 from flowlift.models.upscaler_unet import ONE_STEP_TIMESTEP
 from flowlift.upscale.colorfix import LOWFREQ_FACTOR, latent_lowband_transplant
-from flowlift.upscale.image_steps import as_output, finish_decoded, vae_call, vae_dtype, vae_input_dtype
+from flowlift.upscale.image_steps import as_output, finish_decoded, vae_call, vae_input_dtype
 from flowlift.upscale.inputs import check_finite, image_alpha
 from flowlift.upscale.interrupts import checked_modules, with_check
 from flowlift.upscale.latent_fraction import find_sesqui, fraction_plan
@@ -46,12 +46,13 @@ from flowlift.upscale.loading import (
     pipeline_model_files,
 )
 from flowlift.upscale.memory_plan import (
+    StageChoices,
     UNetPassPlan,
     UpscaleMemoryPlan,
     latent_upscaler_rows,
-    plan_upscale_memory,
     to_host_float32,
 )
+from flowlift.upscale.pipeline_plans import encode_tiling, pipeline_plan
 from flowlift.upscale.settings import (
     COLOR_FIX_STRENGTH,
     RESIZE_MODE,
@@ -188,6 +189,10 @@ class FlowUpscalerPipeline:
         tiled = self.vae_tiled if tiled is None else tiled
         return vae_call(self.vae, method, x, tiled=tiled, on_tile=on_tile, check_interrupt=self.check_interrupt)
 
+    def _encode(self, prepared: torch.Tensor, tiled: bool | None) -> torch.Tensor:
+        """The VAE's float32 latents of the model input, tiled as ``tiled`` says (None: as the VAE decides)."""
+        return self._vae_call("encode", prepared.to(vae_input_dtype(self.vae, self.dtype)), tiled).to(torch.float32)
+
     def _velocity_model(self, sample_shape: tuple[int, ...], pass_plan: UNetPassPlan | None = None) -> Callable:
         """The UNet (compiled when asked), or a ChunkedExecutor around it, for this pass."""
         return velocity_model(
@@ -215,25 +220,14 @@ class FlowUpscalerPipeline:
         latents_only: bool = False,
     ) -> UpscaleMemoryPlan | None:
         """The :func:`flowlift.upscale.memory_plan.plan_upscale_memory` plan for a (batch, 3, height, width) model input
-        (resampled to ``final_size`` (width, height) before stage 2, its float32 frame reserved; SesquiLSR to the
-        ``latent_fraction`` (height, width) latent after the passes; ``latents_only``: no decode, no stage 2) under
-        ``max_memory`` (None without a budget); a budget too small is a FlowliftError."""
+        (resampled to ``final_size`` (width, height) before stage 2, its float32 frame counted there; SesquiLSR to the
+        ``latent_fraction`` (height, width) latent after the passes; ``latents_only``: no encode, decode or stage 2)
+        under ``max_memory`` (None without a budget), the memory policy's explicit ``chunked``/``vae_tiled`` held and
+        checked; a budget too small is a FlowliftError."""
         if self.max_memory is None:
             return None
-        final = 0 if final_size is None else batch * 3 * final_size[0] * final_size[1] * 4  # the resampled frame
-        return plan_upscale_memory(
-            height,
-            width,
-            num_passes,
-            self.max_memory - final,
-            batch=batch,
-            base_channels=int(getattr(self.upscaler, "config", {}).get("base_channels", 384)),
-            unet_dtype=self.dtype,
-            vae_kind=None if latents_only else vae_kind(self.vae),
-            vae_dtype=vae_dtype(self.vae, self.dtype),
-            weight_bytes=sum(model_bytes(m) for m in (self.upscaler, self.vae, self.sesqui)),
-            spatial_factor=self.spatial_factor,
-            latent_fraction=latent_fraction,
+        return pipeline_plan(
+            self, (height, width, num_passes, batch), StageChoices(latent_fraction, final_size), latents_only
         )
 
     def plan_passes(self, image_height: int, image_width: int, num_passes: int, resize_mode: str = "pad") -> int:
@@ -271,7 +265,7 @@ class FlowUpscalerPipeline:
         """
         return_size = check_kind("return_size", return_size, bool, "True or False")
         original, prepared = self.prepare_image(image, resize_mode)
-        latents = self._vae_call("encode", prepared.to(vae_input_dtype(self.vae, self.dtype))).to(torch.float32)
+        latents = self._encode(prepared, encode_tiling(self, tuple(prepared.shape)))
         if return_size:
             return latents, tuple(original.shape[-2:])
         return latents
@@ -397,7 +391,9 @@ class FlowUpscalerPipeline:
         size = stages.output_size
         plan = self.plan_memory(prepared.shape[-2], prepared.shape[-1], passes, prepared.shape[0], size, target)
         self.last_plan = plan
-        latents = self._vae_call("encode", prepared.to(vae_input_dtype(self.vae, self.dtype))).to(torch.float32)
+        latents = self._encode(
+            prepared, self.vae_tiled if self.vae_tiled is not None or plan is None else plan.encode_tiled
+        )
         check_finite(latents, "the VAE encoder produced")
         if callback is not None:
             callback("encode")

@@ -143,9 +143,9 @@ def velocity_model(
     """The UNet (``plain``: its compiled wrapper, if any), or a ChunkedExecutor around it for this sample.
 
     ``chunked``: ``False`` never chunks, ``True`` always (a custom model that is not a
-    ``FlowUpscalerUNet`` then raises), ``None`` follows ``pass_plan`` (a
-    :class:`flowlift.upscale.memory_plan.UNetPassPlan`: plain / chunked / offload with its strip rows) when
-    given, else the size (above ``budget_bytes`` of estimated plain-forward memory; default:
+    ``FlowUpscalerUNet`` then raises); ``pass_plan`` (a :class:`flowlift.upscale.memory_plan.UNetPassPlan`: plain /
+    chunked / offload with its strip rows, planned with ``chunked`` held) is followed when given, else the size
+    (above ``budget_bytes`` of estimated plain-forward memory; default:
     :func:`flowlift.upscale.chunked.budget.should_chunk`'s). Explicit ``chunk_rows`` and ``offload_device`` win over
     the plan's. ``on_strip`` goes to the executor (progress and cancel per strip).
     """
@@ -162,7 +162,7 @@ def velocity_model(
         if chunked:
             raise FlowliftError("chunked execution needs a FlowUpscalerUNet, not a custom model")
         return plain
-    if chunked is None and pass_plan is not None:
+    if pass_plan is not None:  # the plan held chunked=True: its strips within the budget, never plain
         if pass_plan.mode == "plain":
             return plain
         if offload_device is None and pass_plan.mode == "offload":

@@ -1,0 +1,126 @@
+"""``--max-memory`` is the budget of the whole upscale (the memory-plan sweep).
+
+The VAE encode is a stage of the plan (it ran by the VAE's own size rule, 792 MiB of tensors for a 1024² TAEF2
+encode under a 677 MiB budget); a resampled final frame counts only in the colour stage, on the device, and every
+message quotes the caller's own budget; a refusal says what the smaller VAE mode really needs; explicit modes
+(``chunked``, ``vae_tiled``) are held and checked against the budget.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from builders import save_tiny_unet
+from flowlift.errors import FlowliftError
+from flowlift.limits import format_bytes
+from flowlift.upscale import memory_plan as M
+from flowlift.upscale.pipeline import FlowUpscalerPipeline
+from flowlift.upscale.settings import MemoryPolicy
+
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def unet_file(tmp_path_factory):
+    return str(save_tiny_unet(tmp_path_factory.mktemp("unet") / "flow_upscaler.safetensors"))
+
+
+def _pipeline(unet_file, shared, budget, **memory):
+    return FlowUpscalerPipeline(
+        unet_file,
+        str(shared / "models" / "taef2"),
+        device="cpu",
+        dtype=torch.float32,
+        memory=MemoryPolicy(max_memory=budget, **memory),
+    )
+
+
+def test_the_encode_is_planned_and_runs_tiled_within_the_budget(unet_file, shared, single_thread_torch):
+    from flowlift.measure.tiled_inference import _PeakTensorMemory
+
+    budget = int(676.9 * MIB)  # accepted before with an "estimated peak 676.5 MiB", the encode not counted
+    pipeline = _pipeline(unet_file, shared, budget)
+    plan = pipeline.plan_memory(1024, 1024, 1)
+    assert "encode" in plan.stage_peaks and plan.encode_tiled and "VAE encode tiled" in plan.describe()
+    assert plan.peak_bytes <= budget
+    tiled: list[object] = []
+    encode = pipeline.vae.encode
+    pipeline.vae.encode = lambda x, **kwargs: tiled.append(kwargs.get("tiled")) or encode(x, **kwargs)
+    image = torch.rand(1, 3, 1024, 1024)
+    tracker = _PeakTensorMemory()
+    with tracker:
+        pipeline.encode_image(image)
+    assert tiled == [True]  # the VAE's own rule encodes 1024² whole (792 MiB of tensors)
+    weights = M.model_bytes(pipeline.upscaler) + M.model_bytes(pipeline.vae)
+    assert tracker.peak <= plan.stage_peaks["encode"] - weights, (tracker.peak, plan.stage_peaks["encode"])
+
+
+def test_an_encode_no_mode_fits_is_refused_before_it_runs():
+    with pytest.raises(
+        FlowliftError, match=r"too small to encode a 2048x2048 image \(batch 1\): even the tiled encode"
+    ):
+        M.plan_upscale_memory(2048, 2048, 1, 200 * MIB, vae_kind="taef2")
+
+
+def test_the_final_frame_counts_only_in_the_colour_stage_and_messages_quote_the_callers_budget():
+    # 48x64 -> x4 (192x256), then resampled to 3x (144x192): the same budget holds as for the plain x4
+    budget = 51509004
+    plain = M.plan_upscale_memory(48, 64, 2, budget, vae_kind="taef2", weight_bytes=0)
+    three = M.plan_upscale_memory(48, 64, 2, budget, vae_kind="taef2", choices=M.StageChoices(final_size=(192, 144)))
+    assert three.budget_bytes == budget and three.describe().startswith(f"max_memory {format_bytes(budget)}:")
+    for stage in ("encode", "pass 1", "pass 2", "decode"):
+        assert three.stage_peaks[stage] == plain.stage_peaks[stage]
+    roomy = {"vae_kind": "taef2", "choices": M.StageChoices(final_size=(192, 144))}  # stage 2 on the device
+    on_device = M.plan_upscale_memory(48, 64, 2, 10**10, **roomy)
+    assert (
+        on_device.stage_peaks["colour"]
+        == M.plan_upscale_memory(48, 64, 2, 10**10, vae_kind="taef2").stage_peaks["colour"] + 3 * 144 * 192 * 4
+    )
+    # a final frame too big for the device moves stage 2 (and the resample) to the host, not the other stages
+    big = M.plan_upscale_memory(48, 64, 2, budget, vae_kind="taef2", choices=M.StageChoices(final_size=(4096, 4096)))
+    assert big.colour_on_host and big.stage_peaks["decode"] == plain.stage_peaks["decode"]
+    with pytest.raises(FlowliftError) as refused:  # the caller's own figure, never one with the frame taken off
+        M.plan_upscale_memory(2400, 2400, 2, 10**9, vae_kind="taef2", choices=M.StageChoices(final_size=(9000, 9000)))
+    assert str(refused.value).startswith(f"max_memory {format_bytes(10**9)} ")
+
+
+def test_a_refusal_names_what_the_smaller_vae_mode_needs():
+    # 16x16 -> 32x32: the whole-frame decode (~0.8 MB) is far below the tiled one's fixed tile (600 MiB)
+    with pytest.raises(FlowliftError) as refused:
+        M.plan_upscale_memory(16, 16, 1, 400_000, base_channels=8, vae_kind="taef2")
+    line = str(refused.value)
+    assert "too small to decode a 32x32 image" in line and "even the whole-frame decode needs about 0.8 MiB" in line
+    assert M.plan_vae_stage("decode", (5, 9), 10, "x") == (False, 5)
+    assert M.plan_vae_stage("decode", (12, 9), 10, "x") == (True, 9)
+
+
+def test_forced_modes_are_held_and_checked_against_the_budget(unet_file, shared):
+    whole_only = M.StageChoices(vae_tiled=False)
+    with pytest.raises(FlowliftError) as refused:  # tiling would fit: the forced whole-frame encode does not
+        M.plan_upscale_memory(1024, 1024, 1, int(676.9 * MIB), vae_kind="taef2", choices=whole_only)
+    assert refused.value.field == "vae_tiled=False"
+    assert "whole-frame VAE encode of a 1024x1024 image (batch 1) that vae_tiled=False forces" in str(refused.value)
+    assert "drop vae_tiled=False" in str(refused.value)
+    plain = M.plan_upscale_memory(64, 64, 1, 10**12, vae_kind="taef2", choices=M.StageChoices(vae_tiled=True))
+    assert plain.encode_tiled and plain.vae_tiled  # held even where the whole frame fits
+    with pytest.raises(FlowliftError, match=r"whole-frame UNet pass .* that chunked=False forces"):
+        M.plan_upscale_memory(2048, 2048, 1, 10**9, vae_kind="taef2", choices=M.StageChoices(chunked=False))
+    chunked = M.plan_upscale_memory(64, 64, 1, 10**12, vae_kind="taef2", choices=M.StageChoices(chunked=True))
+    assert chunked.passes[0].mode == "chunked"
+    # the pipeline hands its policy's explicit modes to the plan
+    pipeline = _pipeline(unet_file, shared, int(676.9 * MIB), vae_tiled=False)
+    with pytest.raises(FlowliftError, match="vae_tiled=False forces"):
+        pipeline.plan_memory(1024, 1024, 1)
+
+
+def test_a_forced_chunked_pass_follows_the_plans_strips():
+    from builders import tiny_unet
+    from flowlift.upscale.chunked.executor import ChunkedExecutor
+    from flowlift.upscale.unet_runner import velocity_model
+
+    unet = tiny_unet()
+    plan = M.UNetPassPlan("offload", 32, 32, 5, 0)
+    model = velocity_model(unet, (1, 32, 32, 32), device=torch.device("cpu"), dtype=torch.float32, chunked=True,
+                           pass_plan=plan)  # fmt: skip
+    assert isinstance(model, ChunkedExecutor) and model.chunk == 5 and str(model.offload_device) == "cpu"
