@@ -300,3 +300,17 @@ def test_a_stopped_refine_closes_its_step_bar(refiner, monkeypatch):
             torch.rand(1, 3, 32, 32), strength=0.5, sampling=SamplingSettings(steps=4), prompt_embeds=prompt_embeds()
         )
     assert console._open_lines == before  # the bar is closed, its ticker gone
+
+
+@pytest.mark.parametrize("size", [math.inf, -math.inf, math.nan])
+def test_a_non_finite_max_memory_is_one_line_at_construction(size):
+    from flowlift.limits import parse_memory
+    from flowlift.upscale.settings import MemoryPolicy
+
+    for make, field in (
+        (lambda: parse_memory(size), "max_memory"),
+        (lambda: MemoryPolicy(max_memory=size), "max_memory"),  # was OverflowError / ValueError at the pipeline
+        (lambda: RefinerSource(model="m", max_memory=size), "source.max_memory"),
+        (lambda: UpscaleRequest(inputs=["a.png"], max_memory=size), "max_memory"),
+    ):
+        _refused(make, field, "finite")

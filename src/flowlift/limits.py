@@ -158,12 +158,14 @@ def parse_memory(value: str | int | float) -> int:
     """Bytes from ``6GB``, ``6.5 GiB``, ``512MB``, ``3g`` or a plain number of bytes.
 
     Decimal units (k, M, G, T, with or without ``B``) are powers of 1000, binary ones (KiB, MiB, GiB,
-    TiB) powers of 1024, so ``6GB`` = 6e9 bytes (5.59 GiB). Anything else, or a value below 1 MB, is one
-    :class:`FlowliftError` line.
+    TiB) powers of 1024, so ``6GB`` = 6e9 bytes (5.59 GiB). Anything else (an infinite or NaN float too), or a
+    value below 1 MB, is one :class:`FlowliftError` line.
     """
     if isinstance(value, bool):
         raise FlowliftError(f"max_memory must be a size like 6GB, got {value!r}", field="max_memory")
     if isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):  # int() of it: OverflowError, ValueError
+            raise FlowliftError(f"max_memory must be a finite size like 6GB, got {value!r}", field="max_memory")
         number, unit = float(value), ""
     else:
         match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", str(value))

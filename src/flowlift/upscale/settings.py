@@ -16,7 +16,7 @@ from typing import Any
 
 from flowlift.errors import FlowliftError
 from flowlift.knobs import COLOR_FIX, SCALE, SEED, TRANSPLANT_STRENGTH, Knob, exact_int, table
-from flowlift.limits import MAX_OUTPUT_SIDE
+from flowlift.limits import MAX_OUTPUT_SIDE, parse_memory
 
 COLOR_FIX_STRENGTH = Knob(
     "color_fix_strength",
@@ -81,6 +81,8 @@ class MemoryPolicy:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise FlowliftError(f"MemoryPolicy {name} must be a positive integer or None, got {value!r}")
+        if self.max_memory is not None:
+            parse_memory(self.max_memory)  # a malformed or non-finite size: one line here, not at the pipeline
 
 
 @dataclass(frozen=True)
