@@ -197,6 +197,62 @@ def test_bands_records_bin_counts_and_warns_when_small(monkeypatch, shared, tmp_
         assert main(["bands", str(kodak / "kodim01.png"), *options]) == 0
         err = capsys.readouterr().err
         assert ("warning:" in err and "latent FFT bins" in err) == warned, err
+        # --max-side only shrinks: the advice says it shrank them, never to raise the images' size with it
+        assert ("--max-side 256 shrinks them below it" in err) == warned and "px (--max-side)" not in err, err
         data = json.loads((out / "bands.json").read_text())
         counts = data["latent_bins_per_band"]["kodim01"]
         assert len(counts) == 5 and (min(counts) < data["min_bins_per_band"]) == warned
+
+
+def test_a_perturbation_lost_in_the_rounding_is_one_line_and_nothing_is_written(shared, tmp_path, capsys):
+    from PIL import Image
+
+    from flowlift.commands.cli import main
+
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    Image.open(shared / "images" / "kodak" / "kodim01.png").convert("RGB").crop((0, 0, 160, 160)).save(photos / "p.png")
+    out = tmp_path / "out"
+    argv = ["bands", str(photos), "--vae", str(shared / "models" / "taef2"), "-o", str(out), "--device", "cpu"]
+    assert main([*argv, "--amplitude", "1e-12", "--no-progress"]) == 2  # wrote an all-zero table, exit 0
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and err.startswith("flowlift bands: error: latent band 0-1/16"), err
+    assert "--amplitude 1e-12 is zero; raise --amplitude" in err, err
+    assert not out.exists()
+
+
+def test_a_response_within_the_decodes_rounding_names_the_dtype_below_float32():
+    from flowlift.errors import FlowliftError
+
+    base = np.full((8, 8), 0.5)
+    B.check_response(base * 1e-3, base, torch.float32, "0-1/16", 0.1)  # a real response passes
+    with pytest.raises(FlowliftError) as lost:
+        B.check_response(base * 1e-3, base, torch.bfloat16, "0-1/16", 1e-4)  # under 4 bf16 steps of 0.5
+    assert lost.value.fields == ("amplitude", "amplitude", "dtype")
+    assert str(lost.value).endswith("raise amplitude or decode in float32 (dtype float32)"), str(lost.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("amplitude", "0.1"),
+        ("amplitude", True),
+        ("amplitude", 11.0),
+        ("limit", 1.5),
+        ("max_side", 100),
+        ("output", None),
+        ("seed", -1),
+        ("seed", "a"),
+        ("images", []),
+        ("full", "yes"),
+    ],
+)
+def test_a_bands_request_checks_every_field_when_it_is_made(field, value):
+    from flowlift.errors import FlowliftError
+    from flowlift.measure.bands_job import BandsRequest
+
+    fields = {"images": ["photos"], "vae": "taef2", "output": "out", field: value}
+    with pytest.raises(FlowliftError) as refused:
+        BandsRequest(**fields)
+    assert refused.value.field == field and "--" not in str(refused.value), str(refused.value)
+    assert BandsRequest(images="a folder", vae="taef2", output="out").images == ("a folder",)  # one path, not letters

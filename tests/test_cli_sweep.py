@@ -146,7 +146,7 @@ def test_absurd_numbers_are_refused_where_a_plausible_result_came_back():
 
     with pytest.raises(FlowliftError, match=r"noise_std must be in \[0, 1\]"):
         Degradation(noise_std=1e30)
-    with pytest.raises(FlowliftError, match=r"--amplitude must be in \(0, 10\]"):
+    with pytest.raises(FlowliftError, match=r"^amplitude must be in \(0, 10\]"):  # the Python API's words
         run_bands_report(BandsRequest(images=["none"], vae="taef2", output="out", amplitude=1e30))
     with pytest.raises(FlowliftError, match="at least one token"):
         check_prompt_embeds({"prompt_embeds": torch.zeros(1, 0, 32)}, origin="e.safetensors")

@@ -133,6 +133,34 @@ def _luma(images: torch.Tensor) -> np.ndarray:
     return (images.detach().cpu().double() * weights).sum(dim=1)[0].numpy()
 
 
+#: A response whose RMS is within this many rounding steps of the decoded luma (its dtype's epsilon times the luma's
+#: RMS) is the decode's rounding, not the band's response: its table would be noise (or, at zero, all zeros).
+ROUNDING_STEPS = 4.0
+
+
+def check_response(diff: np.ndarray, base: np.ndarray, dtype: torch.dtype, band: str, amplitude: float) -> None:
+    """One FlowliftError line (naming ``amplitude``, and ``dtype`` below float32) when the luma response ``diff`` to
+    a band perturbation is zero or within :data:`ROUNDING_STEPS` rounding steps of the decoded luma ``base`` in
+    ``dtype``: the perturbation was lost in the latent's or the decode's rounding."""
+    from flowlift.errors import FIELD_MARK
+
+    rms = float(np.sqrt(np.mean(np.square(diff))))
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 1.0
+    floor = ROUNDING_STEPS * eps * float(np.sqrt(np.mean(np.square(base))))
+    if rms > floor:
+        return
+    what = "zero" if rms == 0 else f"{rms:.2g} RMS, within the decode's rounding ({floor:.2g})"
+    fields: tuple[str, ...] = ("amplitude", "amplitude")
+    wider = ""
+    if eps > torch.finfo(torch.float32).eps:
+        fields, wider = (*fields, "dtype"), f" or decode in float32 ({FIELD_MARK} float32)"
+    raise FlowliftError(
+        f"latent band {band}: the decoded response to a perturbation of {FIELD_MARK} {amplitude:g} is {what}; "
+        f"raise {FIELD_MARK}{wider}",
+        field=fields,
+    )
+
+
 @torch.no_grad()
 def band_response(
     decode: Decoder,
@@ -163,6 +191,7 @@ def band_response(
         perturbed = _luma(decode(latents + delta.to(device=latents.device, dtype=latents.dtype)))
         if perturbed.shape != base.shape:
             raise ValueError("decoder output size changed between calls")
+        check_response(perturbed - base, base, latents.dtype, band_labels(edges)[k], amplitude)
         rows.append(pixel_band_fractions(perturbed - base, factor, edges))
     return np.stack(rows)
 

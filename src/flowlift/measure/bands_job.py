@@ -47,6 +47,36 @@ class BandsRequest:
     dtype: str = "auto"
     progress: bool | None = False  # flowlift.console.progress_bar's enabled
 
+    def __post_init__(self) -> None:
+        """Every field checked when the request is made (one line naming it, before anything is read or loaded)."""
+        from flowlift.errors import FIELD_MARK
+        from flowlift.knobs import OVERWRITE, SEED, check_kind, check_path, check_paths, check_positive
+
+        images = check_paths("images", self.images)
+        if not images:
+            raise FlowliftError("images: give image files or folders", field="images")
+        object.__setattr__(self, "images", tuple(str(item) for item in images))
+        check_path("vae", self.vae)
+        check_path("output", self.output)
+        amplitude = check_positive("amplitude", self.amplitude)
+        if amplitude > MAX_AMPLITUDE:  # a latent is ~N(0, 1): past a few sigma the decode saturates
+            raise FlowliftError(
+                f"{FIELD_MARK} must be in (0, {MAX_AMPLITUDE:g}] latent sigma, got {self.amplitude!r}",
+                field="amplitude",
+            )
+        object.__setattr__(self, "amplitude", float(amplitude))
+        object.__setattr__(self, "seed", SEED.check(self.seed))
+        max_side = check_positive("max_side", self.max_side, integer=True, optional=True)
+        if max_side is not None and max_side < MIN_SIDE:  # below it a latent band holds no bin
+            raise FlowliftError(f"{FIELD_MARK} must be >= {MIN_SIDE}, got {self.max_side!r}", field="max_side")
+        object.__setattr__(self, "max_side", max_side)
+        object.__setattr__(self, "limit", check_positive("limit", self.limit, integer=True, optional=True))
+        check_kind("full", self.full, bool, "True or False")
+        object.__setattr__(self, "overwrite", OVERWRITE.check(self.overwrite))
+        check_kind("device", self.device, str, "a device name such as auto, cpu or cuda")
+        check_kind("dtype", self.dtype, str, "a dtype name such as auto, float32 or bfloat16")
+        check_kind("progress", self.progress, bool, "True, False", optional=True)
+
 
 @dataclass(frozen=True)
 class BandsResult:
@@ -103,12 +133,6 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
     from flowlift.measure.cache import model_identity
     from flowlift.models.vae_loading import load_vae
 
-    if not 0 < request.amplitude <= MAX_AMPLITUDE:  # a latent is ~N(0, 1): past a few sigma the decode saturates
-        raise FlowliftError(f"--amplitude must be in (0, {MAX_AMPLITUDE:g}] latent sigma, got {request.amplitude}")
-    if request.max_side is not None and request.max_side < MIN_SIDE:  # below it a latent band holds no bin
-        raise FlowliftError(f"--max-side must be >= {MIN_SIDE}, got {request.max_side}")
-    if request.limit is not None and request.limit < 1:
-        raise FlowliftError("--limit must be >= 1")
     device, dtype = resolve_device_dtype(request.device, request.dtype)  # before anything is read
     out_dir = Path(request.output)
     if out_dir.exists() and not out_dir.is_dir():
@@ -147,10 +171,12 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
     sparse = {stem: counts for stem, counts in bins.items() if min(counts) < B.MIN_BINS_PER_BAND}
     if sparse:
         stem, counts = min(sparse.items(), key=lambda item: min(item[1]))
+        small = request.max_side is not None and request.max_side < 64 * factor
+        shrunk = f" (--max-side {request.max_side} shrinks them below it)" if small else ""
         print(
             f"flowlift bands: warning: {len(sparse)} image(s) too small for every band to hold "
             f">= {B.MIN_BINS_PER_BAND} latent FFT bins (e.g. {stem}: {counts} per band, lowest first); "
-            f"their low-band rows are noise — use images of at least {64 * factor} px (--max-side)",
+            f"their low-band rows are noise — use images of at least {64 * factor} px a side{shrunk}",
             file=sys.stderr,
         )
     title = f"{Path(str(request.vae)).name}: latent->pixel band response, {len(images)} image(s)"
