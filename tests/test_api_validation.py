@@ -314,3 +314,30 @@ def test_a_non_finite_max_memory_is_one_line_at_construction(size):
         (lambda: UpscaleRequest(inputs=["a.png"], max_memory=size), "max_memory"),
     ):
         _refused(make, field, "finite")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("strength", 1.5),
+        ("strength", "0.5"),
+        ("quality", 0),
+        ("quality", True),
+        ("device", "bogus"),
+        ("inputs", []),
+        ("references", [""]),
+    ],
+)
+def test_a_colour_fix_request_checks_its_fields_up_front(field, value):
+    """Each was accepted and failed every image in turn (or listed the letters of a path) before."""
+    from flowlift.upscale.colorfix_job import ColorFixRequest
+
+    _refused(lambda: ColorFixRequest(**{"inputs": ["a.png"], "references": ["b.png"], field: value}), field)
+
+
+def test_a_colour_fix_request_takes_one_path_string_as_one_path():
+    from flowlift.upscale.colorfix_job import ColorFixRequest
+
+    request = ColorFixRequest(inputs="a.png", references="photos", quality=90, device="cpu")
+    assert request.inputs == ("a.png",) and request.references == ("photos",)
+    assert request.quality == 90 and request.device == torch.device("cpu")

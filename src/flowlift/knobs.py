@@ -346,6 +346,16 @@ def check_paths(name: str, value: Any) -> tuple[Any, ...]:
     return tuple(check_path(name, item) for item in value)
 
 
+def check_quality(quality: object) -> int | None:
+    """``quality`` (JPEG/WebP) as an int in 1..100, or None (the default), else one line: not True, 95.7 or "95"."""
+    if quality is None:
+        return None
+    number = exact_int(quality)
+    if number is None or not 1 <= number <= 100:
+        raise FlowliftError(f"quality must be an integer in 1..100 or None, got {quality!r}", field="quality")
+    return number
+
+
 def check_kind(name: str, value: Any, kind: type | tuple[type, ...], spelled: str, *, optional: bool = False) -> Any:
     """``value`` if it is a ``kind`` (None too when ``optional``), else one line naming ``name`` and what it takes
     (``spelled``: "a SamplingSettings"): a settings object's place never takes None, a string or a dict."""

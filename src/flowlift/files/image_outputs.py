@@ -27,7 +27,7 @@ from PIL import Image, PngImagePlugin
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.atomic import atomic_output
 from flowlift.files.json_input import parse_json
-from flowlift.knobs import check_kind, check_overwrite, exact_int
+from flowlift.knobs import check_kind, check_overwrite, check_quality
 
 #: Formats outputs are written in (by the output name's suffix).
 OUTPUT_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -342,8 +342,7 @@ def save_image_atomic(
         got = f"{image.width}x{image.height}" if isinstance(image, Image.Image) else f"a {type(image).__name__}"
         raise FlowliftError(f"save_image_atomic needs a Pillow image of at least 1x1 pixels, got {got}")
     check_kind("metadata", metadata, Mapping, "a mapping (name -> text or JSON-able value)", optional=True)
-    if quality is not None and not 1 <= (exact_int(quality) or 0) <= 100:  # not True, 95.7 or "95"
-        raise FlowliftError(f"quality must be an integer in 1..100, got {quality!r}")
+    check_quality(quality)
     if not check_overwrite(overwrite) and is_users_file(path):  # a link, folder or FIFO: atomic_output's line
         raise FlowliftError(f"{path} exists and was not written by flowlift; pass overwrite=True to replace it")
     profile = source if isinstance(source, SourceProfile) else read_source_profile(source)

@@ -4,8 +4,9 @@ The command line turns its options into one :class:`ColorFixRequest` and calls :
 :func:`plan_colorfix` pairs each upscaled image with the source it was made from by name (the same stem, or
 ``<stem>_x<N>`` for ``<stem>``, as ``flowlift eval`` pairs them; one folder may hold both sides, and one file
 given with one reference file is a pair whatever their names) and plans one job per pair through
-:mod:`flowlift.jobs.batch` (atomic writes, existing outputs skipped unless ``overwrite``, one line per failed
-image). Each job (:func:`flowlift.upscale.colorfix_image.color_fix_image`, or on 16-bit samples
+:mod:`flowlift.jobs.batch` (atomic writes; a previous run's whole output is skipped and a user's file at an output's
+name fails that image in one line, unless ``overwrite``; one line per failed image). Each job
+(:func:`flowlift.upscale.colorfix_image.color_fix_image`, or on 16-bit samples
 :func:`~flowlift.upscale.colorfix_image.color_fix_array`) writes ``<stem>_colorfix.<format>`` with its metadata and
 the upscaled image's ICC profile and EXIF.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from flowlift.errors import FlowliftError
-from flowlift.knobs import OVERWRITE
+from flowlift.knobs import OVERWRITE, check_path, check_paths, check_quality
 from flowlift.upscale.settings import COLOR_FIX_KNOBS
 
 COMMAND = "colorfix"
@@ -40,7 +41,22 @@ class ColorFixRequest:
     device: Any = "cpu"
 
     def __post_init__(self) -> None:
+        """Every field checked when the request is made (one line naming it, before any image is read)."""
+        from flowlift.devices import resolve_device
+
+        for name in ("inputs", "references"):
+            paths = check_paths(name, getattr(self, name))  # one path string is one path, never its characters
+            if not paths:
+                raise FlowliftError(f"{name}: give image files, folders or glob patterns", field=name)
+            object.__setattr__(self, name, tuple(str(item) for item in paths))
+        check_path("output", self.output, optional=True)
+        object.__setattr__(self, "strength", COLOR_FIX_KNOBS["strength"].check(self.strength))
+        object.__setattr__(self, "quality", check_quality(self.quality))
         object.__setattr__(self, "overwrite", OVERWRITE.check(self.overwrite))
+        try:
+            object.__setattr__(self, "device", resolve_device(self.device))
+        except FlowliftError as error:
+            raise FlowliftError(f"device: {error}", field="device") from None
 
 
 def plan_colorfix(request: ColorFixRequest) -> tuple[list[Any], dict[Path, Path]]:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flowlift.errors import FlowliftError
 from flowlift.upscale.loading import DEFAULT_UPSCALER, DEFAULT_VAE
 
 
@@ -37,7 +36,7 @@ class UpscaleSettings:
 
     def __post_init__(self) -> None:
         """Every field checked by its knob when the settings are made (one line naming it)."""
-        from flowlift.knobs import COLOR_FIX, LATENT_UPSCALER, check_path, check_seed, exact_int
+        from flowlift.knobs import COLOR_FIX, LATENT_UPSCALER, check_path, check_quality, check_seed
         from flowlift.upscale.settings import COLOR_FIX_STRENGTH, RESIZE_MODE, TRANSPLANT_STRENGTH
 
         object.__setattr__(self, "seed", check_seed(self.seed))
@@ -48,11 +47,7 @@ class UpscaleSettings:
         check_path("vae", self.vae)
         check_path("upscaler", self.upscaler, optional=True)
         object.__setattr__(self, "latent_upscaler", LATENT_UPSCALER.check(self.latent_upscaler))
-        quality = exact_int(self.quality) if self.quality is not None else None
-        if self.quality is not None and (quality is None or not 1 <= quality <= 100):
-            raise FlowliftError(
-                f"quality must be an integer in [1, 100] or None, got {self.quality!r}", field="quality"
-            )
+        object.__setattr__(self, "quality", check_quality(self.quality))
 
     def pipeline_options(self) -> dict[str, Any]:
         """The :meth:`FlowUpscalerPipeline.upscale_image` keyword arguments these settings set."""
