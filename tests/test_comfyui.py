@@ -341,6 +341,18 @@ def test_a_latent_upscaler_without_the_flux2_vae_is_one_line(server):
     assert text.splitlines() == [text] and "latent_upscaler" in text and "set vae to the FLUX.2 VAE" in text, text
 
 
+def test_a_latent_upscaler_left_selected_does_not_stop_taef2_at_4x(server):
+    """2, 4 and 8 do not run SesquiLSR (the tooltip says so): with TAEF2 and a SesquiLSR file selected, 4x is the
+    image without one, byte for byte. The pipeline loaded SesquiLSR at any scale and refused TAEF2 for its
+    statistics."""
+    taef2 = {"class_type": "VAELoader", "inputs": {"vae_name": "taef2"}}
+    plain = sesqui_workflow(taef2, 4.0, "test/taef2_4x_plain", latent_upscaler="none")
+    plain["5"]["inputs"]["images"] = ["40", 0]
+    entry = server.run(sesqui_workflow(taef2, 4.0, "test/taef2_4x_sesqui") | {"40": plain["4"], "50": plain["5"]})
+    selected, without = (Image.open(server.output_file(entry, node)) for node in ("5", "50"))
+    assert selected.size == (4 * IMAGE_W, 4 * IMAGE_H) and selected.tobytes() == without.tobytes()
+
+
 def test_the_latent_node_runs_sesquilsr_to_the_hires_fixs_size(server):
     """issue 46.3: FlowliftUpscaleLatent with a latent upscaler and ComfyUI's FLUX.2 VAE on its ``vae`` input takes
     any factor: 3x of big_flux2.latent (96x96 latents) is one pass, then SesquiLSR to 288x288, the size

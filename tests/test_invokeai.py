@@ -509,6 +509,12 @@ def test_the_image_node_runs_sesquilsr_for_the_fraction_on_the_flux2_vae(server)
     taef2 = graph({"up": upscale_image_node(server, "example.png", scale=3.0, latent_upscaler=sesqui)}, [])
     text = error_line(server.wait(server.enqueue(taef2)))
     assert "latent_upscaler" in text and "set vae to the FLUX.2 VAE" in text, text
+    # 2, 4 and 8 do not run it: TAEF2 at 4x with the file chosen is the image without it (the pipeline loaded
+    # SesquiLSR whatever the scale and refused TAEF2 for its statistics)
+    both = {"chosen": upscale_image_node(server, "example.png", latent_upscaler=sesqui)}
+    item = server.run(graph(both | {"none": upscale_image_node(server, "example.png")}, []))
+    chosen, without = (server.image_tensor(server.output(item, n)["image"]["image_name"]) for n in ("chosen", "none"))
+    assert chosen.shape == (1, 3, 4 * IMAGE_H, 4 * IMAGE_W) and torch.equal(chosen, without)
 
 
 def test_the_latents_node_runs_sesquilsr_to_the_hires_fixs_size(server):

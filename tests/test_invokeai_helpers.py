@@ -95,6 +95,17 @@ def test_the_latents_node_plans_a_fraction_as_the_hires_fix_does():
         latents.check_output_cap(16, 11000, 0, "node", (3, 2064))
 
 
+def test_the_image_nodes_hand_the_pipeline_a_latent_upscaler_only_for_a_fraction():
+    # a SesquiLSR file left selected loaded SesquiLSR at 2, 4 and 8 too, and refused TAEF2 and Mage-VAE for its
+    # statistics (docs: 2, 4 and 8 do not run it)
+    spec = "sesqui:/models/upscaler_Flux2.safetensors"
+    for scale in (2, 4, 8):
+        passes, size = choices.image_plan(scale, 48, 32, fraction_last=True)
+        assert choices.image_latent_upscaler(spec, size) is None
+    assert choices.image_latent_upscaler(spec, choices.image_plan(3, 48, 32, fraction_last=True)[1]) == spec
+    assert choices.image_latent_upscaler(None, (144, 96)) is None
+
+
 def test_a_weight_file_is_hashed_once_per_version_on_disk(tmp_path, monkeypatch):
     path = tmp_path / "weights.safetensors"
     path.write_bytes(b"first version")

@@ -33,6 +33,7 @@ from flowlift.upscale.colorfix import lab_lowband_transplant
 from flowlift.upscale.latent_source import FractionalUpscaler
 from flowlift.upscale.node_choices import (
     chunked_flag,
+    image_latent_upscaler,
     image_plan,
     image_stage_work,
     latent_plan,
@@ -320,7 +321,8 @@ class FlowliftUpscaleImage(io.ComfyNode):
             flowlift_vae, also = vae.adapter, [vae.patcher]  # flowlift's own adapter (TAEF2: exact tiling by size)
         else:  # ComfyUI's VAE loads itself when it encodes and decodes
             flowlift_vae, also = ComfyFlux2VAE(vae, mm.get_torch_device()), []
-        pipeline = make_pipeline(upscaler, flowlift_vae, chunked, progress, also, latent_upscaler=spec)
+        latent = image_latent_upscaler(spec, size)  # 2, 4, 8: no SesquiLSR, whatever is selected
+        pipeline = make_pipeline(upscaler, flowlift_vae, chunked, progress, also, latent_upscaler=latent)
         if isinstance(flowlift_vae, ComfyFlux2VAE):
             flowlift_vae.device = pipeline.device  # decoded images meet the reference on the upscaler's device
         result = run_logging_warnings(

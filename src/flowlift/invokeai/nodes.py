@@ -65,6 +65,7 @@ from flowlift.upscale.loading import DEFAULT_UPSCALER
 from flowlift.upscale.node_choices import (
     CHUNKING,
     chunked_flag,
+    image_latent_upscaler,
     image_plan,
     image_stage_work,
     latent_plan,
@@ -290,7 +291,7 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
                 channels_last=False,
                 on_strip=progress.strip,
                 check_interrupt=progress.check_cancel,  # before every layer, strip and tile: encode and decode too
-                latent_upscaler=spec,
+                latent_upscaler=image_latent_upscaler(spec, size),  # 2, 4, 8: checked above, never loaded
             )
             progress.begin("encode")
             result = pipeline.upscale_image(

@@ -35,6 +35,13 @@ def image_plan(
     return asked.passes_for(width, height), size
 
 
+def image_latent_upscaler(spec: str | None, size: tuple[int, int] | None) -> str | None:
+    """The latent upscaler an image node hands its pipeline: ``spec`` (``sesqui:PATH``) only where :func:`image_plan`
+    gave a size to reach (a fraction); at 2, 4 and 8 (``size`` None) None, so SesquiLSR is neither loaded nor needs
+    the FLUX.2 VAE's statistics: a file left selected does not stop TAEF2 or Mage-VAE at those scales."""
+    return spec if size is not None else None
+
+
 def latent_plan(
     scale: float, height: int, width: int, *, fraction_last: bool = False
 ) -> tuple[int, tuple[int, int] | None]:
