@@ -472,22 +472,27 @@ def test_interrupt_stops_a_long_chunked_run_within_seconds(server):
     assert took <= 5.0, f"interrupt took {took:.1f} s"
 
 
-def test_a_scale_past_the_output_cap_fails_the_node_naming_the_largest_that_fits(server):
-    """8x on a 2064 px wide image came out 4x with status success (the dropped pass only in the server's log)."""
+@pytest.mark.parametrize("scale", [8.0, 5.0])
+def test_a_scale_past_the_output_cap_fails_the_node_naming_the_largest_that_fits(server, scale):
+    """8x on a 2064 px wide image came out 4x with status success (the dropped pass only in the server's log); 5x
+    (10320 px, within the cap, but three passes on a 16512 px canvas) was refused as "scale 8"."""
     workflow = {
         "1": {"class_type": "LoadImage", "inputs": {"image": "wide.png"}},
         "2": {"class_type": "FlowliftTAEF2Loader", "inputs": {"taef2_name": "taef2_encoder.pth"}},
         "3": {"class_type": "FlowliftUpscalerLoader", "inputs": {"upscaler_name": "flow_upscaler.safetensors"}},
         "4": {
             "class_type": "FlowliftUpscaleImage",
-            "inputs": {"image": ["1", 0], "upscaler": ["3", 0], "vae": ["2", 0], **IMAGE_KNOBS, "scale": 8.0},
+            "inputs": {"image": ["1", 0], "upscaler": ["3", 0], "vae": ["2", 0], **IMAGE_KNOBS, "scale": scale},
         },
         "5": {"class_type": "SaveImage", "inputs": {"images": ["4", 0], "filename_prefix": "test/capped"}},
     }
     error = message(server.wait(server.queue(workflow)), "execution_error")
     text = error["exception_message"].strip()
     assert error["node_type"] == "FlowliftUpscaleImage" and "\n" not in text, text
-    assert text == "Flow Upscaler: scale 8 on a 2064x32 image would exceed 16384 px a side; choose a scale of at most 4"
+    assert text == (
+        f"Flow Upscaler: scale {scale:g} on a 2064x32 image runs 3 2x pass(es) on a 16512x256 px canvas, over the "
+        "16384 px cap a side (MAX_OUTPUT_SIDE); choose a scale of at most 4"
+    )
 
 
 def test_each_upscale_nodes_scale_tooltip_says_its_own_rule(server):

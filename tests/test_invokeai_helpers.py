@@ -57,9 +57,11 @@ def test_scales_chunking_and_the_cap():
     for bad in (lambda: choices.latent_plan(1.5, 4, 6), lambda: choices.chunked_flag("sometimes")):
         with pytest.raises(FlowliftError):
             bad()
-    latents.check_output_cap(2048, 2048, 3, "node")  # 16384 px exactly: allowed
-    with pytest.raises(FlowliftError, match=r"node: 8x on 2049x16 px would make 16392x128 px, over the 16384 px"):
-        latents.check_output_cap(16, 2049, 3, "node")
+    latents.check_output_cap(2048, 2048, 3, "node", 8.0)  # 16384 px exactly: allowed
+    with pytest.raises(
+        FlowliftError, match=r"node: scale 8 on 2049x16 px: 3 2x pass\(es\) would make 16392x128 px, over the 16384 px"
+    ):
+        latents.check_output_cap(16, 2049, 3, "node", 8.0)
 
 
 @pytest.mark.parametrize("scale", [1.0, 1.05])
@@ -88,11 +90,31 @@ def test_the_latents_node_plans_a_fraction_as_the_hires_fix_does():
     assert plan == [(0, (96, 144)), (1, (192, 288)), (2, (384, 576)), (2, None)]
     with pytest.raises(FlowliftError, match=r"got 3; choose a latent upscaler \(SesquiLSR\)"):
         choices.latent_plan(3, 64, 96)
-    latents.check_output_cap(1024, 1024, 3, "node", (2048, 2048))  # 16384 px exactly: allowed
+    latents.check_output_cap(1024, 1024, 3, "node", 16.0, (2048, 2048))  # 16384 px exactly: allowed
     with pytest.raises(
-        FlowliftError, match=r"node: the scale on 11000x16 px would make 16512x24 px, over the 16384 px"
+        FlowliftError, match=r"node: scale 1.5 on 11000x16 px: SesquiLSR would make 16512x24 px, over the 16384 px"
     ):
-        latents.check_output_cap(16, 11000, 0, "node", (3, 2064))
+        latents.check_output_cap(16, 11000, 0, "node", 1.5, (3, 2064))
+
+
+@pytest.mark.parametrize(
+    ("scale", "width", "passes", "canvas", "fit"),
+    [(3.0, 5000, 2, "20032x64", 2), (5.0, 2064, 3, "16512x128", 4), (8.0, 2064, 3, "16512x128", 4)],
+)
+def test_an_image_nodes_scale_over_the_cap_names_that_scale_and_its_passes_canvas(scale, width, passes, canvas, fit):
+    # scale 3 on a 5000 px image: 2 passes on a 20032 px canvas (5008 padded); the line said "scale 4 ... at most
+    # 2" (and InvokeAI's "4x ... would make 20000") though the 15000 px asked fits the cap: both packs use image_plan
+    for fraction_last in (False, True) if scale == 8 else (False,):
+        with pytest.raises(FlowliftError) as caught:
+            choices.image_plan(scale, width, 16, fraction_last=fraction_last)
+        assert str(caught.value) == (
+            f"Flow Upscaler: scale {scale:g} on a {width}x16 image runs {passes} 2x pass(es) on a {canvas} px canvas, "
+            f"over the 16384 px cap a side (MAX_OUTPUT_SIDE); choose a scale of at most {fit}"
+        )
+        assert caught.value.field == "scale"
+    assert choices.image_plan(fit, width, 16) == (fit.bit_length() - 1, None)  # the scale it names runs
+    with pytest.raises(FlowliftError, match=r"^Flow Upscaler: a 9000x16 image cannot be upscaled: every scale"):
+        choices.image_plan(1.5, 9000, 16)
 
 
 def test_the_image_nodes_hand_the_pipeline_a_latent_upscaler_only_for_a_fraction():

@@ -21,22 +21,24 @@ from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, planned_passes, upscaled_siz
 
 
 def check_output_cap(
-    height: int, width: int, passes: int, what: str, latent_size: tuple[int, int] | None = None
+    height: int, width: int, passes: int, what: str, scale: float, latent_size: tuple[int, int] | None = None
 ) -> None:
-    """One error line when ``passes`` 2x passes on a ``width x height`` image, or the latent (height, width)
-    ``latent_size`` a latent upscaler then makes, would pass the 16K cap.
+    """One error line, naming the ``scale`` asked, when the latents node's ``passes`` 2x passes on latents of a
+    ``width x height`` image, or the latent (height, width) ``latent_size`` a latent upscaler then makes, would pass
+    the 16K cap (the image node's passes: :func:`flowlift.upscale.node_choices.image_plan`).
 
     flowlift's command line drops the passes beyond the cap with a warning; in a node graph the nodes
     after this one are sized for the scale asked for, so a smaller result would be wrong: refuse instead.
     """
     out_h, out_w = upscaled_size(height, width, passes, "pad")
+    made = f"{passes} 2x pass(es) would make {out_w}x{out_h} px"
     if latent_size is not None:
         out_h, out_w = (VAE_SCALE_FACTOR * side for side in latent_size)
+        made = f"SesquiLSR would make {out_w}x{out_h} px"
     if planned_passes(height, width, passes, "pad", MAX_OUTPUT_SIDE) < passes or max(out_h, out_w) > MAX_OUTPUT_SIDE:
-        factor = f"{2**passes}x" if latent_size is None else "the scale"
         raise FlowliftError(
-            f"{what}: {factor} on {width}x{height} px would make {out_w}x{out_h} px, over the "
-            f"{MAX_OUTPUT_SIDE} px cap per side (MAX_OUTPUT_SIDE); choose a smaller scale"
+            f"{what}: scale {scale:g} on {width}x{height} px: {made}, over the {MAX_OUTPUT_SIDE} px cap per side "
+            "(MAX_OUTPUT_SIDE); choose a smaller scale"
         )
 
 

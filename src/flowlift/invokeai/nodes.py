@@ -177,7 +177,8 @@ class FlowUpscaleLatentsInvocation(BaseInvocation):
         raw = check_raw_latents(context.tensors.load(self.latents.latents_name), what)
         spec = latent_upscaler_spec(context, self.latent_upscaler_model, self.latent_upscaler)
         passes, size = latent_plan(self.scale, raw.shape[-2], raw.shape[-1], fraction_last=spec is not None)
-        check_output_cap(raw.shape[-2] * VAE_SCALE_FACTOR, raw.shape[-1] * VAE_SCALE_FACTOR, passes, what, size)
+        pixels = (raw.shape[-2] * VAE_SCALE_FACTOR, raw.shape[-1] * VAE_SCALE_FACTOR)
+        check_output_cap(*pixels, passes, what, self.scale, size)
         if size is not None:
             find_sesqui(spec)  # a wrong spec or a missing file: one line before anything loads
         check_flux2_vae_field(context, self.vae, what)
@@ -263,8 +264,8 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
         what = "Flow Upscale Image (FLUX.2)"
         image = context.images.get_pil(self.image.image_name)
         spec = latent_upscaler_spec(context, self.latent_upscaler_model, self.latent_upscaler)
+        # passes over the 16K cap: one line naming the scale and their canvas, before any work
         passes, size = image_plan(self.scale, image.width, image.height, fraction_last=spec is not None)
-        check_output_cap(image.height, image.width, passes, what)
         if self.vae is not None:
             check_flux2_vae_field(context, self.vae, what)
         # encode, passes, decode, colour fix, weighed as every door weighs them

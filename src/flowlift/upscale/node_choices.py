@@ -23,16 +23,29 @@ def image_plan(
     passes' own output; any other factor in [1, 8] -> the fewest passes that reach it and the exact (width, height)
     to resample to (:class:`~flowlift.upscale.asked_size.AskedSize`, its refusals in one line). ``fraction_last``
     (a latent upscaler chosen): the passes below the factor instead, SesquiLSR doing the rest in latent space
-    (:func:`~flowlift.upscale.latent_fraction.fraction_passes`, the rule ``flowlift upscale`` plans with)."""
+    (:func:`~flowlift.upscale.latent_fraction.fraction_passes`, the rule ``flowlift upscale`` plans with).
+
+    Passes whose canvas would pass the 16K cap are one line before any work, naming the scale asked and that
+    canvas (:func:`~flowlift.upscale.sizes.over_cap_refusal`): a node's result is sized for the scale asked, where
+    ``flowlift upscale`` runs the passes that fit and says so."""
     asked = AskedSize(scale=scale)
     if asked.power_of_two:
-        return asked.passes, None
-    size = asked.target(width, height)
-    if fraction_last:
-        from flowlift.upscale.latent_fraction import fraction_passes
+        passes, size = asked.passes, None
+    else:
+        size = asked.target(width, height)
+        if fraction_last:
+            from flowlift.upscale.latent_fraction import fraction_passes
 
-        return fraction_passes(height, width, "pad", size), size
-    return asked.passes_for(width, height), size
+            passes = fraction_passes(height, width, "pad", size)
+        else:
+            passes = asked.passes_for(width, height)
+    from flowlift.upscale.sizes import no_pass_fits, over_cap_refusal, planned_passes
+
+    fit = planned_passes(height, width, passes)
+    if fit < passes:
+        refusal = over_cap_refusal(f"scale {asked.scale:g}", width, height, passes, fit)
+        raise FlowliftError(refusal if fit else f"Flow Upscaler: {no_pass_fits(width, height)}", field="scale")
+    return passes, size
 
 
 def image_latent_upscaler(spec: str | None, size: tuple[int, int] | None) -> str | None:

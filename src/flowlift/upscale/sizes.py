@@ -148,6 +148,25 @@ def no_pass_fits(width: int, height: int, max_side: int = MAX_OUTPUT_SIDE) -> st
     )
 
 
+def over_cap_refusal(
+    asked: str,
+    width: int,
+    height: int,
+    passes: int,
+    fit: int,
+    resize_mode: str = "pad",
+    max_side: int = MAX_OUTPUT_SIDE,
+) -> str:
+    """The one line of a door that refuses, rather than drops, passes over the cap: ``asked`` as the user gave it
+    (``scale 3``), the ``passes`` it needs and the canvas they compute on (what the cap is on), and the largest
+    power of two the ``fit`` passes that do fit make (a scale above it needs one more pass)."""
+    canvas_h, canvas_w = (side * 2**passes for side in prepared_size(height, width, resize_mode))
+    return (
+        f"Flow Upscaler: {asked} on a {width}x{height} image runs {passes} 2x pass(es) on a {canvas_w}x{canvas_h} px "
+        f"canvas, over the {max_side} px cap a side (MAX_OUTPUT_SIDE); choose a scale of at most {2**fit}"
+    )
+
+
 class PassesDropped(UserWarning):
     """The warning of :func:`capped_passes` (:func:`dropped_passes_message`); ``refusal`` is the same news as one
     error line naming the largest scale that fits, for a door that refuses instead of running fewer passes (the
@@ -172,10 +191,7 @@ def capped_passes(
         if passes == 0:
             raise FlowliftError(f"Flow Upscaler: {no_pass_fits(width, height, max_side)}")
         message = dropped_passes_message(width, height, num_passes, passes, resize_mode, max_side)
-        refusal = (
-            f"Flow Upscaler: scale {2**num_passes} on a {width}x{height} image would exceed {max_side} px a side; "
-            f"choose a scale of at most {2**passes}"
-        )
+        refusal = over_cap_refusal(f"scale {2**num_passes}", width, height, num_passes, passes, resize_mode, max_side)
         warnings.warn(PassesDropped(message, refusal), stacklevel=stacklevel)
     return passes
 
