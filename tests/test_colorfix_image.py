@@ -63,6 +63,27 @@ def test_color_fix_image_keeps_the_upscaled_alpha(drifted_pair):
     assert np.array_equal(np.asarray(out)[..., :3], color_fix_array(drifted, reference))
 
 
+def test_a_cancel_raised_from_the_strip_callback_stops_the_fix(drifted_pair):
+    # InvokeAI's Colour Fix checked its cancel only before the fix: color_fix_image took no strip callback
+    reference, drifted = drifted_pair
+    calls = []
+
+    class Cancelled(Exception):
+        pass
+
+    def cancel_on_the_second() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise Cancelled
+
+    counted = []
+    fixed = color_fix_image(Image.fromarray(drifted), Image.fromarray(reference), on_strip=lambda: counted.append(1))
+    assert len(counted) >= 3 and np.array_equal(np.asarray(fixed), color_fix_array(drifted, reference))
+    with pytest.raises(Cancelled):  # mid-fix: a strip of the transplant's iterations is still to come
+        color_fix_image(Image.fromarray(drifted), Image.fromarray(reference), on_strip=cancel_on_the_second)
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize(
     "size,ref,message",
     [

@@ -334,6 +334,7 @@ class ColourFixInvocation(BaseInvocation, WithMetadata, WithBoard):
         reference = context.images.get_pil(self.reference.image_name)
         progress.begin("colour fix")
         device = resolve_device(context.config.get().device)
-        fixed = color_fix_image(upscaled, reference, self.strength, device=device)
+        # a cancel stops the fix between row strips, as it stops the upscale nodes' stages
+        fixed = color_fix_image(upscaled, reference, self.strength, device=device, on_strip=progress.check_cancel)
         progress.stage("colour fix")
         return ImageOutput.build(context.images.save(image=fixed))

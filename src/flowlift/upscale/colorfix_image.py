@@ -8,6 +8,7 @@ made from. The upscale factor is inferred from the two sizes and must be one int
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -68,9 +69,11 @@ def color_fix_array(
     strength: float = 1.0,
     *,
     device: torch.device | str = "cpu",
+    on_strip: Callable[[], None] | None = None,
 ) -> np.ndarray:
     """:func:`color_fix_image` on uint8 or uint16 HWC RGB arrays (each scaled by its own range);
-    returns an HWC RGB array of ``upscaled``'s dtype, so 16-bit images stay 16-bit.
+    returns an HWC RGB array of ``upscaled``'s dtype, so 16-bit images stay 16-bit. ``on_strip()`` runs before every
+    row strip of the transplant: an exception it raises (a host's cancel) stops the fix there.
 
     ``Lab(area_down(result))`` equals ``Lab(reference)`` at strength 1 (to L*a*b*'s nonlinearity and
     clipping, which stage 2's iterations remove); detail above the reference's Nyquist stays the
@@ -100,7 +103,7 @@ def color_fix_array(
     out = to_tensor(upscaled, device=device, dtype=torch.float32)
     ref = to_tensor(reference, device=device, dtype=torch.float32)
     with torch.no_grad():
-        fixed = lab_lowband_transplant(out, ref, strength, inplace=True)
+        fixed = lab_lowband_transplant(out, ref, strength, inplace=True, on_strip=on_strip)
     return tensor_to_uint16(fixed) if upscaled.dtype == np.uint16 else tensor_to_uint8(fixed)[0]
 
 
@@ -110,6 +113,7 @@ def color_fix_image(
     strength: float = 1.0,
     *,
     device: torch.device | str = "cpu",
+    on_strip: Callable[[], None] | None = None,
 ) -> Image.Image:
     """Stage 2 on any upscaled image: pin its colour and tone below the reference's Nyquist.
 
@@ -121,11 +125,12 @@ def color_fix_image(
 
     exactly as the pipeline's stage 2 (:func:`flowlift.upscale.colorfix.lab_lowband_transplant`, the same
     function). Pillow images or uint8 HWC arrays in; a Pillow image out, RGBA when ``upscaled`` had
-    alpha (its alpha is kept unchanged; the reference's alpha is ignored).
+    alpha (its alpha is kept unchanged; the reference's alpha is ignored). ``on_strip()``: as in
+    :func:`color_fix_array`, before every row strip (a cancel point).
     """
     rgb, alpha = _rgb_and_alpha(upscaled)
     ref_rgb, _ = _rgb_and_alpha(reference)
-    result = Image.fromarray(color_fix_array(rgb, ref_rgb, strength, device=device), "RGB")
+    result = Image.fromarray(color_fix_array(rgb, ref_rgb, strength, device=device, on_strip=on_strip), "RGB")
     if alpha is not None:
         result.putalpha(alpha)
     return result
