@@ -606,6 +606,35 @@ def test_no_front_end_writes_a_knobs_default_as_a_literal():
     assert not literals, "front-end defaults retyped as literals: " + ", ".join(literals)
 
 
+def test_no_front_end_writes_the_output_cap_as_a_literal():
+    """The 16K cap is ``flowlift.limits.MAX_OUTPUT_SIDE``: a front-end's text or number names it from there (the
+    InvokeAI scale field's description once said "16384" itself). Docstrings may speak of it."""
+    import ast
+    from pathlib import Path
+
+    import flowlift
+    from flowlift.limits import MAX_OUTPUT_SIDE
+
+    root = Path(flowlift.__file__).parent
+    found = []
+    for package in FRONT_END_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            docstrings = {
+                id(node.body[0].value)
+                for node in ast.walk(tree)
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.body
+                and isinstance(node.body[0], ast.Expr)
+                and isinstance(node.body[0].value, ast.Constant)
+            }
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Constant) and id(node) not in docstrings:
+                    if node.value == MAX_OUTPUT_SIDE or str(MAX_OUTPUT_SIDE) in str(node.value):
+                        found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, "the output cap typed again: " + ", ".join(found)
+
+
 def test_the_apps_handlers_and_forms_default_to_the_knobs():
     import dataclasses
     import inspect

@@ -15,7 +15,12 @@ SEED_DESCRIPTION = "Noise seed (each pass draws its own stream on the CPU, so a 
 
 def knob_field(knob: Knob, description: str | None = None, **extra: Any) -> Any:
     """An InvokeAI ``InputField`` from a knob of the tables: its default (a choice as the node packs label it),
-    its range (``ge``/``le``), its grid (``multiple_of``) and its help as the description."""
+    its range (``ge``/``le``), its grid (``multiple_of``) and its help as the description.
+
+    A knob's ``step`` (the sliders' increment at the other doors) has no place here: InvokeAI 6's field API takes
+    no step, and its node editor steps a number field by the schema's ``multipleOf``, which pydantic and the editor
+    also enforce as a rule, so ``scale``'s 0.05 would refuse 1.37 (and, in the editor's float modulo, 0.15). The
+    fields step by InvokeAI's own default instead; ``multiple_of`` is only a knob's ``multiple``, a real rule."""
     kwargs: dict[str, Any] = {"default": knob.label(knob.default) if knob.choices else knob.default}
     if not knob.choices:
         kwargs.update(ge=knob.low, le=knob.high)

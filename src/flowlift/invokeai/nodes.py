@@ -55,6 +55,7 @@ from flowlift.invokeai.models import (
 )
 from flowlift.invokeai.progress import NodeProgress
 from flowlift.knobs import LATENT_UPSCALER, SEED
+from flowlift.limits import MAX_OUTPUT_SIDE
 from flowlift.models.vae_loading import TAEF2_REPO
 from flowlift.models.vae_names import NATIVE_VAES
 from flowlift.models.weights import check_finite_result
@@ -109,8 +110,8 @@ def installed_model_field(what: str, field: str) -> ModelIdentifierField | None:
 
 
 SCALE_DESCRIPTION = (
-    "Any factor in [1, 8]: 2 = 1 pass, 4 = 2, 8 = 3; the image node resamples any other factor from the fewest "
-    "passes that reach it (outputs are capped at 16384 px a side)"
+    f"Any factor in [{SCALE.low:g}, {SCALE.high:g}]: 2 = 1 pass, 4 = 2, 8 = 3; the image node resamples any other "
+    f"factor from the fewest passes that reach it (outputs are capped at {MAX_OUTPUT_SIDE} px a side)"
 )
 TRANSPLANT_DESCRIPTION = (
     "Stage 1 colour fix: how much of each pass's latent low band comes from its input (1 = exactly, 0 = off)"
