@@ -495,6 +495,12 @@ def test_a_scale_past_the_output_cap_fails_the_node_naming_the_largest_that_fits
     )
 
 
+def test_the_image_nodes_description_says_the_cap_fails_it(server):
+    """The description said passes over the cap "are dropped with a warning"; the node fails before any work."""
+    description = server.object_info["FlowliftUpscaleImage"]["description"]
+    assert "fails the node before any work" in description and "dropped" not in description
+
+
 def test_each_upscale_nodes_scale_tooltip_says_its_own_rule(server):
     """The latent node's tooltip said any factor runs the fewest passes and resamples: latents refuse that."""
     from flowlift.upscale.settings import SCALE

@@ -274,9 +274,10 @@ class FlowliftUpscaleImage(io.ComfyNode):
             display_name="Flow Upscale Image (flowlift)",
             category=CATEGORY,
             description=f"Upscales an image with the Flow Upscaler through a FLUX.2 VAE, {NATIVE_TITLES}, with both "
-            f"colour-drift corrections; outputs are capped at {MAX_OUTPUT_SIDE} px a side (passes beyond are "
-            "dropped with a warning). A scale off 2, 4, 8 is resampled in pixels, or with a latent upscaler "
-            "(SesquiLSR, the FLUX.2 VAE only) resized in latent space before the decode.",
+            f"colour-drift corrections; outputs are capped at {MAX_OUTPUT_SIDE} px a side (a scale whose passes "
+            "would pass the cap fails the node before any work, naming the largest scale that fits). A scale off "
+            "2, 4, 8 is resampled in pixels, or with a latent upscaler (SesquiLSR, the FLUX.2 VAE only) resized in "
+            "latent space before the decode.",
             inputs=[
                 io.Image.Input("image"),
                 UPSCALER.Input("upscaler"),
