@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -351,6 +352,59 @@ def test_a_latent_upscaler_left_selected_does_not_stop_taef2_at_4x(server):
     entry = server.run(sesqui_workflow(taef2, 4.0, "test/taef2_4x_sesqui") | {"40": plain["4"], "50": plain["5"]})
     selected, without = (Image.open(server.output_file(entry, node)) for node in ("5", "50"))
     assert selected.size == (4 * IMAGE_W, 4 * IMAGE_H) and selected.tobytes() == without.tobytes()
+
+
+def rgba_nodes(image: str, mask: str, channel: str) -> dict:
+    """Nodes "60"-"62": ``image`` loaded, its ``channel`` inverted as its alpha (core JoinImageWithAlpha takes a
+    mask, 1 - alpha) in an RGBA IMAGE (node "62"); ``mask``: the node the mask is read from ("60" or another)."""
+    return {
+        "60": {"class_type": "LoadImage", "inputs": {"image": image}},
+        "61": {"class_type": "ImageToMask", "inputs": {"image": [mask, 0], "channel": channel}},
+        "62": {"class_type": "JoinImageWithAlpha", "inputs": {"image": ["60", 0], "alpha": ["61", 0]}},
+    }
+
+
+def save(images: list, prefix: str) -> dict:
+    return {"class_type": "SaveImage", "inputs": {"images": images, "filename_prefix": prefix}}
+
+
+def test_an_rgba_image_keeps_its_alpha_through_both_image_nodes(server):
+    """An RGBA IMAGE (core JoinImageWithAlpha) came back RGB from FlowliftUpscaleImage and FlowliftColorFix. Now the
+    colour is the RGB run's, byte for byte, and the alpha is the input's: Lanczos-resized to the upscale (as
+    ``flowlift upscale`` resizes it), unchanged by the colour fix."""
+    from flowlift.files.images import resize_alpha
+
+    workflow = load_api_workflow("image_upscale_4x_taef2.json")
+    workflow["4"]["inputs"].update(scale=2.0, seed=1)
+    workflow["5"]["inputs"]["filename_prefix"] = "test/rgb_2x"
+    workflow |= rgba_nodes("example.png", "60", "red")
+    workflow["41"] = json.loads(json.dumps(workflow["4"]))
+    workflow["41"]["inputs"]["image"] = ["62", 0]
+    workflow["42"] = save(["41", 0], "test/rgba_2x")
+    fix = load_api_workflow("color_fix.json")
+    workflow |= {f"7{key}": node for key, node in fix.items()}
+    workflow["72"]["inputs"]["image"] = "example.png"
+    workflow["73"]["inputs"].update(image=["71", 0], reference=["72", 0])
+    workflow["74"] = save(["73", 0], "test/rgb_fix")
+    workflow |= {"90": {"class_type": "ImageToMask", "inputs": {"image": ["71", 0], "channel": "green"}}}
+    workflow["91"] = {"class_type": "JoinImageWithAlpha", "inputs": {"image": ["71", 0], "alpha": ["90", 0]}}
+    workflow["92"] = {"class_type": "FlowliftColorFix", "inputs": {"image": ["91", 0], "reference": ["72", 0]}}
+    workflow["92"]["inputs"]["strength"] = 1.0
+    workflow["93"] = save(["92", 0], "test/rgba_fix")
+    entry = server.run(workflow)
+
+    def pixels(node: str) -> np.ndarray:
+        return np.asarray(Image.open(server.output_file(entry, node)))
+
+    upscaled, fixed = pixels("42"), pixels("93")
+    assert upscaled.shape == (2 * IMAGE_H, 2 * IMAGE_W, 4) and np.array_equal(upscaled[..., :3], pixels("5"))
+    source_alpha = 1 - png_tensor(server.root / "input" / "example.png")[0, 0]
+    expected = resize_alpha(source_alpha, (2 * IMAGE_W, 2 * IMAGE_H)).mul(255).round().numpy()
+    assert np.abs(upscaled[..., 3] - expected).max() <= 1  # SaveImage truncates where the expected rounds
+    assert fixed.shape == (2 * IMAGE_H, 2 * IMAGE_W, 4) and np.array_equal(fixed[..., :3], pixels("74"))
+    drifted_green = np.asarray(Image.open(server.root / "input" / "upscaled.png").convert("RGB"))[..., 1]
+    # SaveImage truncates 255 * (1 - green / 255): 255 - green, or one less
+    assert np.abs(fixed[..., 3].astype(int) - (255 - drifted_green.astype(int))).max() <= 1
 
 
 def test_the_latent_node_runs_sesquilsr_to_the_hires_fixs_size(server):

@@ -1,8 +1,9 @@
 """ComfyUI's tensor layouts <-> flowlift's, and the checks the nodes make on their inputs.
 
-ComfyUI ``IMAGE``: float (B, H, W, C) in [0, 1]. ComfyUI FLUX.2 ``LATENT``: ``{"samples": (B, 128, h, w)}``,
-normalized and patchified (:func:`flowlift.flux2.latents.to_comfyui_latent`), optionally with ``noise_mask``
-and ``batch_index``. No ComfyUI import here: these are plain tensor functions.
+ComfyUI ``IMAGE``: float (B, H, W, C) in [0, 1], C = 3 or 4 (RGBA: core JoinImageWithAlpha's). ComfyUI FLUX.2
+``LATENT``: ``{"samples": (B, 128, h, w)}``, normalized and patchified
+(:func:`flowlift.flux2.latents.to_comfyui_latent`), optionally with ``noise_mask`` and ``batch_index``. No ComfyUI
+import here: these are plain tensor functions.
 """
 
 from __future__ import annotations
@@ -104,19 +105,43 @@ def check_finite_tensor(tensor: torch.Tensor, what: str) -> None:
         raise FlowliftError(f"{what} contains non-finite values (NaN/Inf); check the node that produced it")
 
 
-def image_to_nchw(image: torch.Tensor, what: str = "image") -> torch.Tensor:
-    """ComfyUI IMAGE (B, H, W, C>=3) -> float32 (B, 3, H, W); an alpha channel is dropped; NaN/Inf refused."""
-    if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[-1] < 3:
+def _checked_image(image: Any, what: str) -> torch.Tensor:
+    if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[-1] not in (3, 4):
         shape = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
-        raise FlowliftError(f"{what}: expected a ComfyUI IMAGE of shape (batch, height, width, 3), got {shape}")
-    images = image[..., :3].movedim(-1, 1).to(torch.float32)
+        raise FlowliftError(f"{what}: expected a ComfyUI IMAGE of shape (batch, height, width, 3 or 4), got {shape}")
+    return image
+
+
+def image_to_nchw(image: torch.Tensor, what: str = "image") -> torch.Tensor:
+    """ComfyUI IMAGE (B, H, W, 3 or 4) -> float32 (B, 3, H, W); NaN/Inf refused; the alpha of an RGBA IMAGE is
+    :func:`image_alpha`'s."""
+    images = _checked_image(image, what)[..., :3].movedim(-1, 1).to(torch.float32)
     check_finite_tensor(images, what)
     return images
 
 
-def nchw_to_image(images: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """float (B, 3, H, W) -> ComfyUI IMAGE (B, H, W, 3) float32 on ``device``, clamped to [0, 1]."""
-    return images.clamp(0.0, 1.0).movedim(1, -1).to(device=device, dtype=torch.float32).contiguous()
+def image_alpha(image: torch.Tensor, what: str = "image") -> torch.Tensor | None:
+    """The alpha of an RGBA ComfyUI IMAGE (core JoinImageWithAlpha's fourth channel) as float32 (B, H, W), NaN/Inf
+    refused, None for RGB: the nodes put it back on their output (:func:`nchw_to_image`)."""
+    if _checked_image(image, what).shape[-1] != 4:
+        return None
+    alpha = image[..., 3].to(torch.float32)
+    check_finite_tensor(alpha, f"{what}'s alpha")
+    return alpha
+
+
+def nchw_to_image(images: torch.Tensor, device: torch.device | str, alpha: torch.Tensor | None = None) -> torch.Tensor:
+    """float (B, 3, H, W) -> ComfyUI IMAGE (B, H, W, 3) float32 on ``device``, clamped to [0, 1]; with ``alpha``
+    (B, h, w) an RGBA IMAGE, the alpha resized to (H, W) as every door resizes it
+    (:func:`flowlift.files.images.resize_alpha`)."""
+    out = images.clamp(0.0, 1.0).movedim(1, -1).to(device=device, dtype=torch.float32)
+    if alpha is not None:
+        from flowlift.files.images import resize_alpha
+
+        size = (images.shape[-1], images.shape[-2])
+        resized = torch.stack([resize_alpha(plane, size) for plane in alpha]).to(out)
+        out = torch.cat([out, resized[..., None]], dim=-1)
+    return out.contiguous()
 
 
 def flux2_latents(latent: Any, what: str) -> torch.Tensor:

@@ -277,7 +277,7 @@ class FlowliftUpscaleImage(io.ComfyNode):
             f"colour-drift corrections; outputs are capped at {MAX_OUTPUT_SIDE} px a side (a scale whose passes "
             "would pass the cap fails the node before any work, naming the largest scale that fits). A scale off "
             "2, 4, 8 is resampled in pixels, or with a latent upscaler (SesquiLSR, the FLUX.2 VAE only) resized in "
-            "latent space before the decode.",
+            "latent space before the decode. An alpha channel (RGBA IMAGE) is Lanczos-resized beside the colour.",
             inputs=[
                 io.Image.Input("image"),
                 UPSCALER.Input("upscaler"),
@@ -310,7 +310,8 @@ class FlowliftUpscaleImage(io.ComfyNode):
             transplant_strength=transplant_strength,
             color_fix_strength=color_fix_strength,
         )
-        images = layouts.image_to_nchw(image, "FlowliftUpscaleImage: the image input")
+        what = "FlowliftUpscaleImage: the image input"
+        images, alpha = layouts.image_to_nchw(image, what), layouts.image_alpha(image, what)
         spec = latent_upscaler_spec(latent_upscaler)
         passes, size = image_plan(
             checked.pop("scale"), images.shape[-1], images.shape[-2], fraction_last=spec is not None
@@ -331,7 +332,7 @@ class FlowliftUpscaleImage(io.ComfyNode):
                 images, passes, **checked, output_type="pt", callback=progress.stage, output_size=size
             )
         )
-        return io.NodeOutput(layouts.nchw_to_image(result, mm.intermediate_device()))
+        return io.NodeOutput(layouts.nchw_to_image(result, mm.intermediate_device(), alpha))
 
 
 class FlowliftColorFix(io.ComfyNode):
@@ -345,7 +346,7 @@ class FlowliftColorFix(io.ComfyNode):
             category=CATEGORY,
             description="Restores the source's colour and tone below its Nyquist (exact L*a*b* low-band "
             "transplant) in an image upscaled by any method; the image must be an integer multiple of the "
-            "reference's size.",
+            "reference's size. The image's alpha channel (RGBA IMAGE) is kept as it is.",
             inputs=[
                 io.Image.Input("image", tooltip="the upscaled image"),
                 io.Image.Input("reference", tooltip="the image it was upscaled from"),
@@ -358,7 +359,8 @@ class FlowliftColorFix(io.ComfyNode):
     def execute(cls, image: torch.Tensor, reference: torch.Tensor, strength: float) -> io.NodeOutput:
         strength = layouts.check_numbers("FlowliftColorFix", strength=strength)["strength"]
         device = mm.get_torch_device()
-        images = layouts.image_to_nchw(image, "FlowliftColorFix: the image input").to(device)
+        what = "FlowliftColorFix: the image input"
+        images, alpha = layouts.image_to_nchw(image, what).to(device), layouts.image_alpha(image, what)
         ref = layouts.matched_reference(
             images, layouts.image_to_nchw(reference, "FlowliftColorFix: the reference input")
         )
@@ -366,4 +368,4 @@ class FlowliftColorFix(io.ComfyNode):
         result = lab_lowband_transplant(
             images, ref.to(device), strength, on_strip=mm.throw_exception_if_processing_interrupted
         )
-        return io.NodeOutput(layouts.nchw_to_image(result, mm.intermediate_device()))
+        return io.NodeOutput(layouts.nchw_to_image(result, mm.intermediate_device(), alpha))  # the image's alpha

@@ -28,7 +28,7 @@ from PIL import Image
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_output
 from flowlift.files.image_outputs import SourceProfile, metadata_json, metadata_text, read_source_profile
-from flowlift.files.images import DECODE_ERRORS
+from flowlift.files.images import ALPHA_RESAMPLING, DECODE_ERRORS
 from flowlift.files.png_encoder import encode_png
 
 #: Output suffixes written with 16 bits per sample when the source had them.
@@ -138,7 +138,7 @@ def resize_alpha16(alpha: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """A uint16 alpha channel Lanczos-resized to ``size`` (width, height), in float so no bit is lost."""
     if (alpha.shape[1], alpha.shape[0]) == tuple(size):
         return alpha
-    resized = Image.fromarray(alpha.astype(np.float32), "F").resize(size, Image.Resampling.LANCZOS)
+    resized = Image.fromarray(alpha.astype(np.float32), "F").resize(size, ALPHA_RESAMPLING)
     return np.clip(np.round(np.asarray(resized)), 0, 65535).astype(np.uint16)
 
 
