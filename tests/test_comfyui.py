@@ -407,6 +407,54 @@ def test_an_rgba_image_keeps_its_alpha_through_both_image_nodes(server):
     assert np.abs(fixed[..., 3].astype(int) - (255 - drifted_green.astype(int))).max() <= 1
 
 
+def bicubic_of_thresholded(load: str, first: int) -> dict:
+    """Nodes ``first``..``first + 3``: the red channel of LoadImage ``load`` thresholded at 0.5 (hard black and white
+    edges), as an IMAGE, then ImageScaleBy "bicubic" 1.5x (node ``first + 3``), whose overshoot stays unclamped."""
+    ids = [str(first + i) for i in range(4)]
+    return {
+        ids[0]: {"class_type": "ImageToMask", "inputs": {"image": [load, 0], "channel": "red"}},
+        ids[1]: {"class_type": "ThresholdMask", "inputs": {"mask": [ids[0], 0], "value": 0.5}},
+        ids[2]: {"class_type": "MaskToImage", "inputs": {"mask": [ids[1], 0]}},
+        ids[3]: {
+            "class_type": "ImageScaleBy",
+            "inputs": {"image": [ids[2], 0], "upscale_method": "bicubic", "scale_by": 1.5},
+        },
+    }
+
+
+def test_comfyuis_bicubic_resize_feeds_both_image_nodes_alike(server, shared):
+    """ImageScaleBy "bicubic" leaves its overshoot unclamped: FlowliftUpscaleImage refused the image ("pass uint8 ...
+    or divide by 255") while FlowliftColorFix took it. Both now take it clamped to [0, 1]: the upscale equals the
+    Python API on the clamped pixels, the colour fix stage 2 on them."""
+    import torch.nn.functional as F
+
+    workflow = load_api_workflow("image_upscale_4x_taef2.json")
+    workflow["4"]["inputs"].update(image=["33", 0], scale=2.0, seed=2)
+    workflow["5"]["inputs"]["filename_prefix"] = "test/bicubic_2x"
+    fix = load_api_workflow("color_fix.json")
+    workflow |= {f"7{key}": node for key, node in fix.items()}
+    workflow |= bicubic_of_thresholded("1", 30) | bicubic_of_thresholded("71", 50)
+    workflow["73"]["inputs"].update(image=["53", 0], reference=["72", 0])
+    workflow["74"] = save(["73", 0], "test/bicubic_fix")
+    entry = server.run(workflow)
+
+    def resized(name: str) -> torch.Tensor:
+        binary = (png_tensor(server.root / "input" / name)[:, :1] > 0.5).float().expand(-1, 3, -1, -1)
+        size = (round(binary.shape[-2] * 1.5), round(binary.shape[-1] * 1.5))  # ImageScaleBy's rounding
+        return F.interpolate(binary, size=size, mode="bicubic")  # comfy.utils.common_upscale's "bicubic"
+
+    small, big = resized("example.png"), resized("upscaled.png")
+    for pixels in small, big:  # past the old 0.5/255 at both ends
+        assert pixels.min() < -0.05 and pixels.max() > 1.05, (pixels.min(), pixels.max())
+    upscaler = load_upscaler(server.root / "models" / "latent_upscale_models" / "flow_upscaler.safetensors")
+    pipeline = FlowUpscalerPipeline(upscaler, load_vae(shared / "models" / "taef2"))
+    expected = pipeline.upscale_image(small.clamp(0, 1), 1, seed=2, output_type="pt")
+    assert (png_tensor(server.output_file(entry, "5")) - expected).abs().max().item() <= 1 / 255 + 1e-6
+    reference = png_tensor(server.root / "input" / "example.png")
+    stage2 = lab_lowband_transplant(big.clamp(0, 1), reference, 1.0)
+    assert (png_tensor(server.output_file(entry, "74")) - stage2).abs().max().item() <= 1 / 255 + 1e-6
+
+
 def test_the_latent_node_runs_sesquilsr_to_the_hires_fixs_size(server):
     """issue 46.3: FlowliftUpscaleLatent with a latent upscaler and ComfyUI's FLUX.2 VAE on its ``vae`` input takes
     any factor: 3x of big_flux2.latent (96x96 latents) is one pass, then SesquiLSR to 288x288, the size

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tomllib
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from comfy_frontend import overlaps
@@ -162,6 +163,36 @@ def test_an_rgba_image_keeps_its_alpha_resized_as_every_door_resizes_it():
     assert out[1, ..., 3].min() == 0.0 and out[1, ..., 3].max() == 1.0  # the rings past the ends: clamped
     with pytest.raises(FlowliftError, match=r"^the image: expected a ComfyUI IMAGE of shape .*3 or 4\), got"):
         L.image_alpha(torch.rand(1, 8, 8, 5), "the image")
+
+
+def test_comfyuis_bicubic_overshoot_is_clamped_and_a_0_255_image_is_one_line():
+    # ImageScale / ImageScaleBy "bicubic" is torch's bicubic, unclamped: FlowliftUpscaleImage refused such an image
+    # ("pass uint8 ... or divide by 255") while FlowliftColorFix took it as it was
+    gen = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for _ in range(20):  # the kernel's worst case, (1.1875^2 + 0.1875^2) - 1, on random binary patterns
+        binary = (torch.rand(1, 3, 32, 32, generator=gen) > 0.5).float()
+        for size in ((48, 48), (45, 45), (17, 17)):
+            resized = F.interpolate(binary, size=size, mode="bicubic")
+            worst = max(worst, float(resized.max()) - 1, -float(resized.min()))
+    assert 0.25 < worst <= L.IMAGE_OVERSHOOT  # 0.25 would refuse ComfyUI's own resize of a [0, 1] image
+    photo = torch.rand(1, 3, 16, 24, generator=gen)
+    image = F.interpolate(photo, size=(40, 60), mode="bicubic").movedim(1, -1)
+    image[0, 0, 0, :] = torch.tensor([1.3, -0.2, 0.5])
+    kept = image.clone()
+    nchw = L.image_to_nchw(image, "FlowliftColorFix: the image input")
+    assert torch.equal(nchw, image.clamp(0, 1).movedim(-1, 1)) and torch.equal(image, kept)  # the input untouched
+    rgba = torch.cat([image.clamp(0, 1), torch.full((1, 40, 60, 1), 1.2)], -1)
+    assert torch.equal(L.image_alpha(rgba, "x"), torch.ones(1, 40, 60))
+    with pytest.raises(FlowliftError) as caught:
+        L.image_to_nchw(image * 255, "FlowliftUpscaleImage: the image input")
+    text = str(caught.value)
+    assert text.startswith("FlowliftUpscaleImage: the image input has values in [") and "\n" not in text
+    assert "a ComfyUI IMAGE is 0..1" in text and "0..255 pixels" in text and "divide" not in text
+    with pytest.raises(FlowliftError, match=r"^x's alpha has values in \[255, 255\]"):
+        L.image_alpha(torch.cat([image.clamp(0, 1), torch.full((1, 40, 60, 1), 255.0)], -1), "x")
+    with pytest.raises(FlowliftError, match="is empty"):
+        L.image_to_nchw(torch.rand(1, 0, 8, 3), "x")
 
 
 def test_nan_pixels_and_latents_are_one_clear_error():

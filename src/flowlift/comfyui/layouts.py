@@ -105,6 +105,30 @@ def check_finite_tensor(tensor: torch.Tensor, what: str) -> None:
         raise FlowliftError(f"{what} contains non-finite values (NaN/Inf); check the node that produced it")
 
 
+#: How far past either end of [0, 1] a ComfyUI IMAGE's values may lie and be taken, clamped. ComfyUI's own resizes
+#: leave overshoot unclamped: "bicubic" (ImageScale, ImageScaleBy, ...) is torch's Keys kernel (a = -0.75), whose
+#: negative lobes add up to 0.1875 a side, so one resize of a [0, 1] image reaches (1.1875^2 + 0.1875^2) - 1 = 0.445
+#: past an end (a fine pattern; measured in tests/test_comfyui_layouts.py). 0.5 takes any such image; pixels on a
+#: 0..255 scale pass 1.5 as soon as one is brighter than 1.5/255, and are refused.
+IMAGE_OVERSHOOT = 0.5
+
+
+def checked_pixels(values: torch.Tensor, what: str) -> torch.Tensor:
+    """An IMAGE's colour or alpha values in [0, 1]: NaN/Inf and values past :data:`IMAGE_OVERSHOOT` are one line, the
+    overshoot of a resize is clamped (a new tensor: the input is another node's too)."""
+    if not values.numel():
+        raise FlowliftError(f"{what} is empty: shape {tuple(values.shape)}")
+    check_finite_tensor(values, what)
+    low, high = (float(v) for v in torch.aminmax(values))
+    if low < -IMAGE_OVERSHOOT or high > 1.0 + IMAGE_OVERSHOOT:
+        raise FlowliftError(
+            f"{what} has values in [{low:.4g}, {high:.4g}]: a ComfyUI IMAGE is 0..1 (a resize's overshoot up to "
+            f"{IMAGE_OVERSHOOT:g} past an end is clamped), so these look like 0..255 pixels; check the node that "
+            "made them"
+        )
+    return values.clamp(0.0, 1.0) if low < 0.0 or high > 1.0 else values
+
+
 def _checked_image(image: Any, what: str) -> torch.Tensor:
     if not isinstance(image, torch.Tensor) or image.ndim != 4 or image.shape[-1] not in (3, 4):
         shape = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
@@ -113,21 +137,17 @@ def _checked_image(image: Any, what: str) -> torch.Tensor:
 
 
 def image_to_nchw(image: torch.Tensor, what: str = "image") -> torch.Tensor:
-    """ComfyUI IMAGE (B, H, W, 3 or 4) -> float32 (B, 3, H, W); NaN/Inf refused; the alpha of an RGBA IMAGE is
-    :func:`image_alpha`'s."""
-    images = _checked_image(image, what)[..., :3].movedim(-1, 1).to(torch.float32)
-    check_finite_tensor(images, what)
-    return images
+    """ComfyUI IMAGE (B, H, W, 3 or 4) -> float32 (B, 3, H, W) in [0, 1] (:func:`checked_pixels`); the alpha of an
+    RGBA IMAGE is :func:`image_alpha`'s."""
+    return checked_pixels(_checked_image(image, what)[..., :3].movedim(-1, 1).to(torch.float32), what)
 
 
 def image_alpha(image: torch.Tensor, what: str = "image") -> torch.Tensor | None:
-    """The alpha of an RGBA ComfyUI IMAGE (core JoinImageWithAlpha's fourth channel) as float32 (B, H, W), NaN/Inf
-    refused, None for RGB: the nodes put it back on their output (:func:`nchw_to_image`)."""
+    """The alpha of an RGBA ComfyUI IMAGE (core JoinImageWithAlpha's fourth channel) as float32 (B, H, W) in [0, 1]
+    (:func:`checked_pixels`), None for RGB: the nodes put it back on their output (:func:`nchw_to_image`)."""
     if _checked_image(image, what).shape[-1] != 4:
         return None
-    alpha = image[..., 3].to(torch.float32)
-    check_finite_tensor(alpha, f"{what}'s alpha")
-    return alpha
+    return checked_pixels(image[..., 3].to(torch.float32), f"{what}'s alpha")
 
 
 def nchw_to_image(images: torch.Tensor, device: torch.device | str, alpha: torch.Tensor | None = None) -> torch.Tensor:
