@@ -1,6 +1,6 @@
 """Tracked tensor peak of a VAE encode, whole frame and tiled, against ``flowlift.limits.encode_peak_bytes``.
 
-Calibrates the encode's cost model (``ENCODE_PLAIN_CHANNELS``, ``ENCODE_TILED_CHANNELS``, ``ENCODE_TILE_BYTES``),
+Calibrates the encode's cost model (``ENCODE_PLAIN_CHANNELS``, ``ENCODE_TILED_CHANNELS``, ``ENCODE_TILE_VALUES``),
 which ``--max-memory`` plans the upscaler's encode with. The peak is the bytes of live tensor storages the encode
 creates (``flowlift.measure.tiled_inference``'s tracker, any device), the image itself not counted. ``--vae``
 ``taef2`` takes a weights folder (``--weights``); ``flux2`` and ``mage`` are built with random weights (the
