@@ -99,7 +99,7 @@ def test_forced_modes_are_held_and_checked_against_the_budget(unet_file, shared)
     whole_only = M.StageChoices(vae_tiled=False)
     with pytest.raises(FlowliftError) as refused:  # tiling would fit: the forced whole-frame encode does not
         M.plan_upscale_memory(1024, 1024, 1, int(676.9 * MIB), vae_kind="taef2", choices=whole_only)
-    assert refused.value.field == "vae_tiled=False"
+    assert refused.value.fields == ("max_memory", "vae_tiled=False", "vae_tiled=False")
     assert "whole-frame VAE encode of a 1024x1024 image (batch 1) that vae_tiled=False forces" in str(refused.value)
     assert "drop vae_tiled=False" in str(refused.value)
     plain = M.plan_upscale_memory(64, 64, 1, 10**12, vae_kind="taef2", choices=M.StageChoices(vae_tiled=True))
@@ -124,3 +124,36 @@ def test_a_forced_chunked_pass_follows_the_plans_strips():
     model = velocity_model(unet, (1, 32, 32, 32), device=torch.device("cpu"), dtype=torch.float32, chunked=True,
                            pass_plan=plan)  # fmt: skip
     assert isinstance(model, ChunkedExecutor) and model.chunk == 5 and str(model.offload_device) == "cpu"
+
+
+def test_a_batchs_refusals_name_the_command_lines_options(unet_file, shared, tmp_path, capsys):
+    """A refusal the plan makes for one input of a batch printed ``max_memory ... that vae_tiled=False forces ...:
+    drop vae_tiled=False``, the Python API's words, where the user typed ``--max-memory`` and ``--no-vae-tiling``."""
+    from PIL import Image
+
+    from flowlift.commands.cli import main
+    from flowlift.errors import said
+
+    for name in ("a", "b"):
+        Image.new("RGB", (512, 512), (90, 120, 30)).save(tmp_path / f"{name}.png")
+    common = [str(tmp_path / "a.png"), str(tmp_path / "b.png"), "-o", str(tmp_path / "out")]
+    common += ["--upscaler", unet_file, "--vae", str(shared / "models" / "taef2"), "--device", "cpu"]
+    assert main(["upscale", *common, "--max-memory", "300MB", "--no-vae-tiling", "--dtype", "float32"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    refusals = [line for line in lines if "is too small" in line]
+    assert len(refusals) == 2, lines
+    for line in refusals:
+        assert "--max-memory 286.1 MiB is too small for the whole-frame VAE" in line, line
+        assert "that --no-vae-tiling forces" in line and line.endswith("drop --no-vae-tiling to let the plan choose")
+        assert "max_memory" not in line and "vae_tiled" not in line
+    assert main(["upscale", *common, "--max-memory", "20MB", "--dtype", "float32"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("--max-memory 19.1 MiB is too small to encode a 512x512 image") == 2, err
+    # the door's words last as long as its run: the Python API speaks its own again
+    whole_only = M.StageChoices(vae_tiled=False)
+    with pytest.raises(FlowliftError) as refused:
+        M.plan_upscale_memory(1024, 1024, 1, int(676.9 * MIB), vae_kind="taef2", choices=whole_only)
+    line = said(refused.value)
+    assert line.startswith("max_memory 676.9 MiB is too small") and line.endswith(
+        "drop vae_tiled=False to let the plan choose"
+    )

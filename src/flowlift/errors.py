@@ -6,6 +6,12 @@ non-zero without a traceback; programming errors keep their tracebacks. :class:`
 what flowlift warns about a user's input or output (shown as one line by the command line).
 """
 
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
+
 #: Where a message names its field: a character no path or argument can hold, put in the field's place by
 #: :class:`FlowliftError` (the Python words) or :meth:`FlowliftError.worded` (a door's).
 FIELD_MARK = "\0"
@@ -38,6 +44,30 @@ class FlowliftError(Exception):
         for name in self.fields:
             text = text.replace(FIELD_MARK, words.get(name, name), 1)
         return text.replace(FIELD_MARK, "")
+
+
+#: The words of the door running now (:func:`door_words`): what :func:`said` names each field as.
+_DOOR_WORDS: ContextVar[Mapping[str, str] | None] = ContextVar("flowlift_door_words", default=None)
+
+
+@contextlib.contextmanager
+def door_words(words: Mapping[str, str]) -> Iterator[None]:
+    """Within this block, :func:`said` names a FlowliftError's fields as ``words`` maps them: a door (the command
+    line) sets its words once around its run, and the lines its batch prints per input (``flowlift.jobs.batch``),
+    far from the door, speak them too. Restored on leaving (nested doors and in-process callers keep theirs)."""
+    token = _DOOR_WORDS.set(dict(words))
+    try:
+        yield
+    finally:
+        _DOOR_WORDS.reset(token)
+
+
+def said(error: BaseException) -> str:
+    """``error``'s message as the running door says it: a FlowliftError with its fields in :func:`door_words`'
+    words (the Python API's where no door set any), any other exception as ``str``."""
+    if isinstance(error, FlowliftError):
+        return error.worded(_DOOR_WORDS.get() or {})
+    return str(error)
 
 
 class FlowliftWarning(UserWarning):

@@ -65,7 +65,8 @@ FIELD_DESTS = {
 def option_words(parser: argparse.ArgumentParser) -> dict[str, str]:
     """How ``parser``'s command names each knob and request field in its errors: its option (``--tile-size``), a
     positional by its metavar or name (``INPUT``, ``image``): what :meth:`flowlift.errors.FlowliftError.worded` puts
-    in a field's place."""
+    in a field's place. A field with its value, ``vae_tiled=False`` (a mode the caller forced), is said as the flag
+    that sets it (``--no-vae-tiling``; ``=True``: ``--vae-tiling``)."""
     words: dict[str, str] = {}
     for action in parser._actions:
         longs = [flag for flag in action.option_strings if flag.startswith("--")]
@@ -73,7 +74,11 @@ def option_words(parser: argparse.ArgumentParser) -> dict[str, str]:
             words.setdefault(action.dest, longs[0])
         elif not action.option_strings and action.dest != argparse.SUPPRESS:
             words.setdefault(action.dest, str(action.metavar or action.dest))
-    words.update({field: words[dest] for field, dest in FIELD_DESTS.items() if dest in words})
+        if isinstance(action, argparse.BooleanOptionalAction) and longs:
+            words.setdefault(f"{action.dest}=True", longs[0])
+            words.setdefault(f"{action.dest}=False", next(f for f in action.option_strings if f.startswith("--no-")))
+    for field, dest in FIELD_DESTS.items():
+        words.update({field + said: words[dest + said] for said in ("", "=True", "=False") if dest + said in words})
     if "width" in words and "height" in words:
         words["hires.base_size"] = words["base_size"] = f"{words['width']}/{words['height']}"
     return words

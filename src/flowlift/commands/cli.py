@@ -12,6 +12,7 @@ a one-shot command without ``--max-memory`` keeps freed memory for reuse
 
 from __future__ import annotations
 
+import argparse
 import gc
 import importlib
 import os
@@ -24,7 +25,7 @@ import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
 
-from flowlift.commands._options import HelpFormatter, OneLineParser
+from flowlift.commands._options import HelpFormatter, OneLineParser, option_words
 from flowlift.console import (
     add_console_options,
     format_warnings,
@@ -34,7 +35,7 @@ from flowlift.console import (
     stdout_failure,
 )
 from flowlift.devices import end_process, passive_thread_wait, reuse_freed_memory
-from flowlift.errors import FlowliftError
+from flowlift.errors import FlowliftError, door_words
 from flowlift.version import __version__
 
 
@@ -220,13 +221,13 @@ def _main(argv: Sequence[str] | None) -> int:
             quiet_libraries(bool(getattr(args, "verbose", False)))
             format_warnings(args.command)
             set_command(args.command)  # progress lines off a terminal start `flowlift COMMAND:`
-            with warnings.catch_warnings():  # restored when an in-process caller returns
+            # both restored when an in-process caller returns; the words also name the fields of the errors a
+            # batch reports input by input (flowlift.jobs.batch.error_line), not only the one that ends the run
+            with warnings.catch_warnings(), door_words(_command_words(parser, args)):
                 warnings.showwarning = _one_line_warnings(args.command)
                 return int(args._run(args) or 0)
     except FlowliftError as error:  # a knob or field the capability named as Python does, said as this command does
-        from flowlift.commands._options import option_words
-
-        words = option_words(parser._chosen_command(args)) if error.fields and args is not None else {}
+        words = _command_words(parser, args) if error.fields and args is not None else {}
         print(f"flowlift {command}: error: {error.worded(words)}", file=sys.stderr)
         return error.exit_status
     except KeyboardInterrupt as stop:  # a command that stopped cleanly says where it stopped (train: how it resumes)
@@ -238,6 +239,11 @@ def _main(argv: Sequence[str] | None) -> int:
         if owns_process:
             _skip_final_collection()
             gc.enable()  # also where the run ended before torch's import (--help, a parse error)
+
+
+def _command_words(parser: OneLineParser, args: argparse.Namespace) -> dict[str, str]:
+    """How the chosen command names each field in its errors (its options: ``--max-memory``, ``--no-vae-tiling``)."""
+    return option_words(parser._chosen_command(args))
 
 
 def _says_interrupted(has_news: bool) -> bool:

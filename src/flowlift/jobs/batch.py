@@ -46,6 +46,7 @@ from pathlib import Path
 
 from flowlift.console import format_seconds
 from flowlift.errors import ITEM_ERRORS as _ITEM_ERRORS
+from flowlift.errors import said
 from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
 from flowlift.files.output_paths import folder_problem, same_file
 from flowlift.knobs import check_overwrite
@@ -312,8 +313,9 @@ def pending(jobs: Iterable[Job], overwrite: bool = False) -> list[Job]:
 
 
 def error_line(error: BaseException) -> str:
-    """The first line of an exception's message (its type's name when it has none)."""
-    text = str(error)
+    """The first line of an exception's message (its type's name when it has none), a FlowliftError's fields named
+    as the running door says them (:func:`flowlift.errors.door_words`: the command line's options)."""
+    text = said(error)
     return text.splitlines()[0] if text else type(error).__name__
 
 

@@ -224,5 +224,6 @@ def plan_refine(
     raise FlowliftError(
         f"max_memory {format_bytes(budget_bytes)} is too small to refine a {width}x{height} image: even {what} "
         f"needs about {format_bytes(leanest or 0)} (transformer {format_bytes(sizes.total_bytes)}, one forward's "
-        f"activations {format_bytes(activations(tiles[-1], 1))})"
+        f"activations {format_bytes(activations(tiles[-1], 1))})",
+        field="max_memory",
     )

@@ -190,10 +190,10 @@ def plan_unet_pass(
         return UNetPassPlan("plain", height, width, None, fixed_bytes + plain)
     if chunked is False:
         raise FlowliftError(
-            f"max_memory {format_bytes(budget_bytes)} is too small for the whole-frame UNet pass to a "
+            f"{FIELD_MARK} {format_bytes(budget_bytes)} is too small for the whole-frame UNet pass to a "
             f"{width}x{height} latent (batch {batch}) that {FIELD_MARK} forces (about "
             f"{format_bytes(fixed_bytes + plain)}): drop {FIELD_MARK} to let the plan run it in strips",
-            field=("chunked=False", "chunked=False"),
+            field=("max_memory", "chunked=False", "chunked=False"),
         )
     per_row = strip_bytes_per_row(width, **sizes)
     stores = chunked_store_bytes(height, width, **sizes)
@@ -204,7 +204,8 @@ def plan_unet_pass(
         need = fixed_bytes + 3 * per_row
         raise FlowliftError(
             f"max_memory {format_bytes(budget_bytes)} is too small for a {width}x{height}-latent UNet pass "
-            f"(batch {batch}): even offloaded with one-row strips it needs about {format_bytes(need)}"
+            f"(batch {batch}): even offloaded with one-row strips it needs about {format_bytes(need)}",
+            field="max_memory",
         )
     rows = strip_rows_for_budget(free, height, width, offloaded=True, **sizes)
     return UNetPassPlan("offload", height, width, rows, fixed_bytes + (rows + 2) * per_row)
@@ -223,10 +224,10 @@ def plan_vae_stage(
         if peak > budget_bytes:
             forced = f"vae_tiled={tiled}"
             raise FlowliftError(
-                f"max_memory {format_bytes(budget_bytes)} is too small for the {'tiled' if tiled else 'whole-frame'} "
+                f"{FIELD_MARK} {format_bytes(budget_bytes)} is too small for the {'tiled' if tiled else 'whole-frame'} "
                 f"VAE {stage} of {what} that {FIELD_MARK} forces (about {format_bytes(peak)}): drop {FIELD_MARK} "
                 "to let the plan choose",
-                field=(forced, forced),
+                field=("max_memory", forced, forced),
             )
         return tiled, peak
     if whole <= budget_bytes:
@@ -236,7 +237,8 @@ def plan_vae_stage(
     least = "tiled" if tiles < whole else "whole-frame"
     raise FlowliftError(
         f"max_memory {format_bytes(budget_bytes)} is too small to {stage} {what}: even the {least} {stage} needs "
-        f"about {format_bytes(min(whole, tiles))}"
+        f"about {format_bytes(min(whole, tiles))}",
+        field="max_memory",
     )
 
 
@@ -292,7 +294,8 @@ def plan_upscale_memory(
     if budget_bytes <= weight_bytes:
         raise FlowliftError(
             f"max_memory {format_bytes(budget_bytes)} does not even hold the model weights "
-            f"({format_bytes(weight_bytes)})"
+            f"({format_bytes(weight_bytes)})",
+            field="max_memory",
         )
     peaks: dict[str, int] = {}
     encode_tiled = False
@@ -372,7 +375,8 @@ def plan_latent_upscaler(
         need = fixed + banded_peak_bytes(batch, h, w, target, 1)
         raise FlowliftError(
             f"max_memory {format_bytes(budget_bytes)} is too small for SesquiLSR from {w}x{h} to {tw}x{th} latents "
-            f"(batch {batch}): even in one-row bands it needs about {format_bytes(need)}"
+            f"(batch {batch}): even in one-row bands it needs about {format_bytes(need)}",
+            field="max_memory",
         )
     return rows, fixed + banded_peak_bytes(batch, h, w, target, rows)
 
