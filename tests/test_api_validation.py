@@ -62,6 +62,17 @@ def test_outpaint_needs_its_borders_and_borders_need_outpaint():
     assert _refine(mode="outpaint", outpaint=[0, 0, 64, 0]).outpaint == (0, 0, 64, 0)
 
 
+def test_a_mask_with_outpaint_names_both_fields_and_the_fix():
+    """It said ``--mask: outpaint takes no mask (mask and outpaint are exclusive)``: one field for two, no fix."""
+    message = _refused(lambda: _refine(mode="outpaint", outpaint=(0, 0, 64, 0), mask="m.png"), "mask")
+    assert message == "mask and outpaint are exclusive (inpaint or outpaint); drop one"
+    with pytest.raises(FlowliftError) as caught:
+        _refine(mode="outpaint", outpaint=(0, 0, 64, 0), mask="m.png")
+    assert caught.value.fields == ("mask", "outpaint")
+    said = caught.value.worded({"mask": "--mask", "outpaint": "--outpaint"})
+    assert said == "--mask and --outpaint are exclusive (inpaint or outpaint); drop one"
+
+
 def test_a_field_the_mode_does_not_use_is_refused_not_dropped():
     """hires ran at its refine_strength 0.3 whatever ``strength`` said, dropped ``references`` and a base size
     beside an image; txt2img dropped an image, img2img a size: each is one line naming the field now."""
@@ -98,7 +109,8 @@ def test_the_default_hires_request_names_its_missing_upscaler_before_anything_lo
     assert RefineRequest(mode="hires", prompt=PROMPT, source=SOURCE, hires=hires).hires.passes == 1
     _refused(lambda: HiresSettings(upscaler="flow_upscaler.safetensors"), "upscaler")
     big = HiresSettings(upscaler=FlowUpscalerSource(), scale=8, base_size=(4096, 4096))
-    _refused(lambda: RefineRequest(mode="hires", prompt=PROMPT, source=SOURCE, hires=big), "hires.base_size", "16384")
+    too_big = lambda: RefineRequest(mode="hires", prompt=PROMPT, source=SOURCE, hires=big)  # noqa: E731
+    _refused(too_big, "hires.scale", "16384", "use hires.scale 4")  # the scale is blamed: a smaller one fits
 
 
 # ------------------------------------------------------------------------- wrong types deep inside (43.5)

@@ -428,7 +428,7 @@ def test_non_finite_numeric_options_are_refused(tmp_path, capsys, value):
 def test_outpaint_canvas_is_capped_before_loading_anything(tmp_path, capsys):
     from flowlift.refine.canvas import outpaint_pads
 
-    with pytest.raises(FlowliftError, match="MAX_OUTPUT_SIDE"):
+    with pytest.raises(FlowliftError, match=r"^outpaint borders make a 1000000064x64 canvas, over the 16384 px cap"):
         outpaint_pads(64, 64, 0, 0, 10**9, 0)
     assert outpaint_pads(64, 64, 1, 0, 0, 17) == (16, 0, 0, 32)
     image = tmp_path / "a.png"
@@ -449,7 +449,9 @@ def test_outpaint_canvas_is_capped_before_loading_anything(tmp_path, capsys):
         ]
     )
     assert rc == 2
-    assert "MAX_OUTPUT_SIDE" in _one_error_line(capsys.readouterr().err, "img2img")
+    line = _one_error_line(capsys.readouterr().err, "img2img")
+    assert "--outpaint borders make a 20064x64 canvas, over the 16384 px cap a side; use smaller borders" in line
+    assert "MAX_OUTPUT_SIDE" not in line
 
 
 def test_cli_turns_warnings_into_one_flowlift_line_and_drops_third_party_ones(capsys):

@@ -38,20 +38,29 @@ def _one_line(capsys, argv) -> str:
 def test_hires_txt2img_past_the_cap_is_refused_before_loading(capsys, tmp_path, width, height, scale):
     never = {"prompt": "p", "model": tmp_path / "never-loaded", "o": tmp_path / "x.png"}
     err = _one_line(capsys, command_line("hires", width=width, height=height, scale=scale, **never))
-    assert "MAX_OUTPUT_SIDE=16384" in err and "never-loaded" not in err, err
+    assert "the 16384 px cap a side" in err and "MAX_OUTPUT_SIDE" not in err and "never-loaded" not in err, err
+    if (width, height, scale) == (2064, 16, 8):  # a smaller scale fits: the scale is blamed, as the option
+        assert err.endswith(
+            "--scale 8 on a 2064x16 base would be 16512x128, over the 16384 px cap a side (a pass would be dropped); "
+            "use --scale 4"
+        ), err
     assert not (tmp_path / "x.png").exists()
 
 
 @pytest.mark.parametrize(
     ("size", "scale", "hint"),
-    [((2064, 16), 8, "at most 4"), ((16, 8208), 2, "at most 8192"), ((4112, 16), 4, "at most 2")],
+    [((2064, 16), 8, "; use --scale 4"), ((16, 8208), 2, "base of at most 8192"), ((4112, 16), 4, "; use --scale 2")],
 )
 def test_hires_image_past_the_cap_is_refused_before_loading(capsys, tmp_path, size, scale, hint):
     image = tmp_path / "strip.png"
     Image.new("RGB", size, (90, 40, 20)).save(image)
     never = {"prompt": "p", "model": tmp_path / "never-loaded", "o": tmp_path / "x.png"}
     err = _one_line(capsys, command_line("hires", image=image, scale=scale, **never))
-    assert f"{size[0]}x{size[1]} base" in err and hint in err, err
+    assert f"{size[0]}x{size[1]} image" in err and hint in err and "MAX_OUTPUT_SIDE" not in err, err
+    if scale > 2:  # a smaller scale fits: the scale is blamed, as the option
+        assert err.endswith(hint) and f"--scale {scale} on" in err, err
+    else:
+        assert err.endswith(f"{hint} px a side") and "--image: hires at" in err, err
 
 
 @pytest.mark.parametrize(("width", "height", "scale"), [(8192, 16, 2), (16, 4096, 4), (2048, 2048, 8), (16, 16, 8)])
@@ -84,7 +93,8 @@ def test_the_python_api_checks_the_plan_before_the_base_runs():
     def never(latents):
         raise AssertionError("the upscaler ran")
 
-    with pytest.raises(FlowliftError, match="over MAX_OUTPUT_SIDE"):
+    # a direct caller's words: the scale is its HiresSettings' (settings=), the cap said as its value
+    with pytest.raises(FlowliftError, match=r"^settings.scale 8 on a 2064x16 base .*16384 px cap.*settings.scale 4$"):
         NoModels().hires(AsUpscaler(never), HiresSettings(base_size=(2064, 16), scale=8))
 
 

@@ -130,12 +130,12 @@ def test_a_size_the_passes_make_exactly_is_the_scales_pixels(tmp_path, shared, w
     [
         (["--scale", "9"], "argument --scale: must be in [1, 8], got '9'"),
         (["--scale", "0.5"], "argument --scale: must be in [1, 8], got '0.5'"),
-        (["--size", "40x20"], "size (40x20) is below the 48x32 input"),
+        (["--size", "40x20"], "--size 40x20 is below the 48x32 input"),
         (["--long-side", "20000"], "--long-side must be an integer in [1, 16384], got 20000"),
-        (["--long-side", "40"], "long side 40 (40x27) is below the 48x32 input"),
+        (["--long-side", "40"], "--long-side 40 (40x27) is below the 48x32 input"),
         (["--scale", "1.5", "--size", "90x60"], "not allowed with argument"),
-        (["--size", "400x100"], "size (400x100) is over 8x the 48x32 input"),
-        (["--size", "16400x300"], "size (16400x300) is over MAX_OUTPUT_SIDE=16384 px a side"),
+        (["--size", "400x100"], "--size 400x100 is over 8x the 48x32 input"),
+        (["--size", "16400x300"], "--size 16400x300 is over the 16384 px cap a side; ask for at most 16384 px a side"),
     ],
 )
 def test_every_refusal_is_one_line_before_any_work(tmp_path, shared, photo, capsys, option, line):
@@ -151,6 +151,28 @@ def test_every_refusal_is_one_line_before_any_work(tmp_path, shared, photo, caps
     assert len([text for text in lines if line in text]) == 1  # one line per input, as every batch refusal
     assert all(line in text or text.endswith("1 of 1 image(s) failed") for text in lines)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.png"]
+
+
+@pytest.mark.parametrize(
+    ("asked", "python", "cli"),
+    [
+        ({"size": (100000, 100)}, "size 100000x100 is over the 16384 px cap", "--size 100000x100 is over the 16384"),
+        ({"long_side": 10}, "long_side 10 (10x10) is below the 64x64 input", "--long-side 10 (10x10) is below"),
+        ({"scale": 3}, "scale 3 (30000x192) is over the 16384 px cap a side", "--scale 3 (30000x192) is over"),
+    ],
+)
+def test_a_size_refusal_names_the_field_the_caller_set_never_the_constant(asked, python, cli):
+    """The cap was said as ``MAX_OUTPUT_SIDE=16384`` and the request in prose (``long side 10``): the field, in
+    the Python words and the command line's (``--long-side 10``), and the cap as its value."""
+    from flowlift.errors import FlowliftError
+    from flowlift.upscale.asked_size import AskedSize
+
+    width, height = (10000, 64) if "scale" in asked else (64, 64)
+    with pytest.raises(FlowliftError) as caught:
+        AskedSize(**asked).target(width, height)
+    words = {"size": "--size", "long_side": "--long-side", "scale": "--scale"}
+    assert python in str(caught.value) and cli in caught.value.worded(words)
+    assert "MAX_OUTPUT_SIDE" not in str(caught.value) and caught.value.field == next(iter(asked))
 
 
 def test_the_python_api_takes_one_size_and_refuses_two():

@@ -91,8 +91,9 @@ def outpaint_pads(height: int, width: int, left: int, top: int, right: int, bott
     canvas_h, canvas_w = height + pads[1] + pads[3], width + pads[0] + pads[2]
     if max(canvas_h, canvas_w) > MAX_OUTPUT_SIDE:
         raise FlowliftError(
-            f"outpaint canvas {canvas_w}x{canvas_h} exceeds MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px per side; "
-            "use smaller borders"
+            f"outpaint borders make a {canvas_w}x{canvas_h} canvas, over the {MAX_OUTPUT_SIDE} px cap a side; "
+            "use smaller borders",
+            field="outpaint",
         )
     return pads  # type: ignore[return-value]
 

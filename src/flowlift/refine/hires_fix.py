@@ -58,7 +58,8 @@ class HiresFix:
         images = checked_images(images) if images is not None else None
         width, height = (images.shape[-1], images.shape[-2]) if images is not None else settings.base_size
         field = "images" if images is not None else "hires.base_size"
-        check_hires_size(int(width), int(height), settings.scale, field)  # the whole pass plan, before the base runs
+        # the whole pass plan, before the base runs
+        check_hires_size(int(width), int(height), settings.scale, field, "settings.scale")
         warn_grid_size(int(width), int(height), settings.scale)
         base_latent = (int(height) // VAE_SCALE_FACTOR, int(width) // VAE_SCALE_FACTOR)
         check_memory = getattr(upscaler, "check_memory", None)  # and the upscaler's memory plan, where it has one

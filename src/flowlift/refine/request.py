@@ -277,7 +277,12 @@ class RefineRequest:
         if self.mode == "inpaint" and self.mask is None:
             raise FlowliftError("mask: inpaint needs a mask", field="mask")
         if self.mask is not None and self.mode not in ("inpaint", "img2img"):
-            raise FlowliftError(f"mask: {self.mode} takes no mask (mask and {self.mode} are exclusive)", field="mask")
+            if self.mode == "outpaint":  # both given: either is the one to drop
+                raise FlowliftError(
+                    f"{FIELD_MARK} and {FIELD_MARK} are exclusive (inpaint or outpaint); drop one",
+                    field=("mask", "outpaint"),
+                )
+            raise FlowliftError(f"mask: {self.mode} takes no mask; drop it", field="mask")
         if (self.outpaint is not None) != (self.mode == "outpaint"):
             what = "outpaint needs its borders (L, T, R, B px)" if self.outpaint is None else f"{self.mode} has none"
             raise FlowliftError(f"outpaint: {what}", field="outpaint")

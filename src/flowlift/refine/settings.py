@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.flux2.settings import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SAMPLERS, SCHEDULES
 from flowlift.knobs import SCALE, SEED, TRANSPLANT_STRENGTH, Knob, table  # noqa: F401  (TRANSPLANT_STRENGTH: the hires fix's)
 from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE, hires_size_or_refuse
@@ -122,13 +122,17 @@ def check_txt2img_size(width: int, height: int, field: str = "size") -> None:
         )
     if max(sides) > MAX_OUTPUT_SIDE:
         raise FlowliftError(
-            f"{field} {width}x{height} is over MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side", field=field
+            f"{field} {width}x{height} is over the {MAX_OUTPUT_SIDE} px cap a side; "
+            f"{'resize the image to' if field == 'image' else 'use'} at most {MAX_OUTPUT_SIDE} px a side",
+            field=field,
         )
 
 
-def check_hires_size(width: int, height: int, scale: float, field: str = "hires.base_size") -> None:
-    """One FlowliftError line (naming ``field``: the base size, or ``image``) unless a hires fix of a
-    ``width x height`` base can run at exactly ``scale``.
+def check_hires_size(
+    width: int, height: int, scale: float, field: str = "hires.base_size", scale_field: str = "hires.scale"
+) -> None:
+    """One FlowliftError line (naming ``field``: the base size, or ``image``; a result over the cap that a smaller
+    scale fixes names ``scale_field``) unless a hires fix of a ``width x height`` base can run at exactly ``scale``.
 
     The hires fix refines at ``scale`` times the base (:func:`hires_latent_size`), so every Flow Upscaler pass must
     run: the base
@@ -146,11 +150,14 @@ def check_hires_size(width: int, height: int, scale: float, field: str = "hires.
         presets = HIRES_SCALE.extra["presets"]
         fits = [choice for choice in presets if side * choice <= MAX_OUTPUT_SIDE]
         most = MAX_OUTPUT_SIDE // min(presets)
-        hint = f"use a scale of at most {max(fits)}" if fits else f"use a base of at most {most} px a side"
+        base = f"a {width}x{height} {'image' if field in ('image', 'images') else 'base'}"
+        over = f"would be {out_w}x{out_h}, over the {MAX_OUTPUT_SIDE} px cap a side (a pass would be dropped)"
+        if fits:
+            raise FlowliftError(
+                f"{FIELD_MARK} {scale:g} on {base} {over}; use {FIELD_MARK} {max(fits)}", field=(scale_field,) * 2
+            )
         raise FlowliftError(
-            f"{field}: hires at {scale:g}x of a {width}x{height} base would be {out_w}x{out_h}, over "
-            f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side (a pass would be dropped); {hint}",
-            field=field,
+            f"{field}: hires at {scale:g}x of {base} {over}; use a base of at most {most} px a side", field=field
         )
 
 

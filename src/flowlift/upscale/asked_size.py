@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.knobs import SCALE, exact_int
 from flowlift.limits import MAX_OUTPUT_SIDE, passes_for_scale
 
@@ -87,25 +87,29 @@ class AskedSize:
             )
         else:
             out = self.size
-        spelled = self.spelled(width, height, out)
+        spelled, field = self.spelled(width, height, out)
         if out[0] < width or out[1] < height:
-            raise FlowliftError(f"{spelled} is below the {width}x{height} input; flowlift upscale only enlarges")
+            raise FlowliftError(
+                f"{spelled} is below the {width}x{height} input; flowlift upscale only enlarges", field=field
+            )
         if max(out) > MAX_OUTPUT_SIDE:
-            raise FlowliftError(f"{spelled} is over MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px a side")
+            raise FlowliftError(
+                f"{spelled} is over the {MAX_OUTPUT_SIDE} px cap a side; ask for at most {MAX_OUTPUT_SIDE} px a side",
+                field=field,
+            )
         if max(out[0] / width, out[1] / height) > SCALE.high:
-            raise FlowliftError(f"{spelled} is over {SCALE.high:g}x the {width}x{height} input")
+            raise FlowliftError(f"{spelled} is over {SCALE.high:g}x the {width}x{height} input", field=field)
         return out
 
-    def spelled(self, width: int, height: int, out: tuple[int, int]) -> str:
-        """``scale 3 (3072x2048)``: the request as the user gave it and the size it means."""
-        given = (
-            f"scale {self.scale:g}"
-            if self.scale is not None
-            else f"long side {self.long_side}"
-            if self.long_side is not None
-            else "size"
-        )
-        return f"{given} ({out[0]}x{out[1]})"
+    def spelled(self, width: int, height: int, out: tuple[int, int]) -> tuple[str, str]:
+        """The request as the user gave it, its field marked (:data:`~flowlift.errors.FIELD_MARK`), and the size it
+        means, with that field: ``(scale 3 (3072x2048), "scale")``, ``long_side 3840 (3840x2560)``, ``size
+        3840x2560`` (the door says each field its way: ``--scale 3``, ``--long-side 3840``, ``--size 3840x2560``)."""
+        if self.scale is not None:
+            return f"{FIELD_MARK} {self.scale:g} ({out[0]}x{out[1]})", "scale"
+        if self.long_side is not None:
+            return f"{FIELD_MARK} {self.long_side} ({out[0]}x{out[1]})", "long_side"
+        return f"{FIELD_MARK} {out[0]}x{out[1]}", "size"
 
     def passes_for(self, width: int, height: int) -> int:
         """The fewest 2x passes that reach :meth:`target` (:func:`~flowlift.limits.passes_for_scale`)."""

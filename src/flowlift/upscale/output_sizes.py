@@ -74,8 +74,8 @@ class OutputSizes:
 
         try:
             target = None if self.asked.power_of_two else self.asked.target(width, height)
-        except FlowliftError as error:
-            raise FlowliftError(f"{path}: {error}") from None
+        except FlowliftError as error:  # its field kept, for the door to say (``--size``)
+            raise FlowliftError(f"{path}: {error.template}", field=error.fields) from None
         fraction = self.fraction_last and target is not None
         try:  # SesquiLSR for the fraction: its passes, each side left 1-2x (else one line, before any work)
             asked = fraction_passes(height, width, self.resize_mode, target) if fraction else None
