@@ -593,7 +593,7 @@ def test_a_scale_past_the_output_cap_fails_the_node_naming_the_largest_that_fits
     assert error["node_type"] == "FlowliftUpscaleImage" and "\n" not in text, text
     assert text == (
         f"Flow Upscaler: scale {scale:g} on a 2064x32 image runs 3 2x pass(es) on a 16512x256 px canvas, over the "
-        "16384 px cap a side (MAX_OUTPUT_SIDE); choose a scale of at most 4"
+        "16384 px cap a side; choose a scale of at most 4"
     )
 
 

@@ -109,7 +109,7 @@ def test_an_image_nodes_scale_over_the_cap_names_that_scale_and_its_passes_canva
             choices.image_plan(scale, width, 16, fraction_last=fraction_last)
         assert str(caught.value) == (
             f"Flow Upscaler: scale {scale:g} on a {width}x16 image runs {passes} 2x pass(es) on a {canvas} px canvas, "
-            f"over the 16384 px cap a side (MAX_OUTPUT_SIDE); choose a scale of at most {fit}"
+            f"over the 16384 px cap a side; choose a scale of at most {fit}"
         )
         assert caught.value.field == "scale"
     assert choices.image_plan(fit, width, 16) == (fit.bit_length() - 1, None)  # the scale it names runs

@@ -149,10 +149,24 @@ def test_alpha_is_resized_and_kept(pipe, photo):
     assert out_alpha[:, 0].mean() < 10 and out_alpha[:, -1].mean() > 245
 
 
+def test_the_cap_is_said_as_its_value_never_as_the_constant_name():
+    """The sizes' lines said ``MAX_OUTPUT_SIDE=16384`` / ``(MAX_OUTPUT_SIDE)``, a Python name: now the cap a side."""
+    from flowlift.upscale.latent_fraction import fraction_passes
+    from flowlift.upscale.sizes import dropped_passes_message, no_pass_fits, over_cap_refusal
+
+    lines = [dropped_passes_message(8192, 16, 3, 1), no_pass_fits(16384, 16)]
+    lines.append(over_cap_refusal("scale 8", 4096, 16, 3, 1))
+    with pytest.raises(FlowliftError) as caught:
+        fraction_passes(16, 12000, "pad", (36000, 48))
+    lines.append(str(caught.value))
+    for line in lines:
+        assert "the 16384 px cap a side" in line and "MAX_OUTPUT_SIDE" not in line, line
+
+
 def test_max_output_side_drops_passes_with_a_warning():
     pipe = FlowUpscalerPipeline(ZeroVelocity(), UnusedVAE(), device="cpu", dtype=torch.float32)
     latents = torch.zeros(1, 32, 4, 1024)  # an 8192 px wide image: only one pass fits under 16384
-    with pytest.warns(UserWarning, match="MAX_OUTPUT_SIDE=16384.*running 1 pass"):
+    with pytest.warns(UserWarning, match="the 16384 px cap a side; running 1 pass"):
         out = pipe.upscale_latents(latents, num_passes=3)
     assert tuple(out.shape) == (1, 32, 8, 2048)
     with pytest.raises(FlowliftError, match="16384x32 image cannot be upscaled"):  # no pass fits: refused

@@ -37,8 +37,8 @@ def check_output_cap(
         made = f"SesquiLSR would make {out_w}x{out_h} px"
     if planned_passes(height, width, passes, "pad", MAX_OUTPUT_SIDE) < passes or max(out_h, out_w) > MAX_OUTPUT_SIDE:
         raise FlowliftError(
-            f"{what}: scale {scale:g} on {width}x{height} px: {made}, over the {MAX_OUTPUT_SIDE} px cap per side "
-            "(MAX_OUTPUT_SIDE); choose a smaller scale"
+            f"{what}: scale {scale:g} on {width}x{height} px: {made}, over the {MAX_OUTPUT_SIDE} px cap a side; "
+            "choose a smaller scale"
         )
 
 

@@ -120,7 +120,7 @@ def fraction_passes(height: int, width: int, resize_mode: str, out: tuple[int, i
     if planned_passes(height, width, passes, resize_mode) < passes:  # the 16K cap on the canvas: no fewer passes
         raise FlowliftError(
             f"latent_upscaler: {out[0]}x{out[1]} needs {passes} 2x passes before SesquiLSR, and their canvas is over "
-            f"MAX_OUTPUT_SIDE={MAX_OUTPUT_SIDE} px; drop the latent upscaler to resample in pixels",
+            f"the {MAX_OUTPUT_SIDE} px cap a side; drop the latent upscaler to resample in pixels",
             field=FIELD,
         )
     fraction_plan(prepared, reference, passes, out)

@@ -80,7 +80,7 @@ def latent_plan(
     if max(width_px, height_px) > MAX_OUTPUT_SIDE:
         raise FlowliftError(
             f"scale: {asked.scale:g}x of {8 * width}x{8 * height} px would make {width_px}x{height_px} px, over the "
-            f"{MAX_OUTPUT_SIDE} px cap per side (MAX_OUTPUT_SIDE); choose a smaller scale",
+            f"{MAX_OUTPUT_SIDE} px cap a side; choose a smaller scale",
             field="scale",
         )
     return passes_for_scale(asked.scale, fraction_last=True), (height_px // 8, width_px // 8)
