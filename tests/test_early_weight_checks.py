@@ -211,13 +211,41 @@ def test_the_two_upscalers_files_swapped_say_which_is_which(files):
         line = _refusal(load, files / "upscaler_Flux2.safetensors")
         assert line.endswith(
             "this file is SesquiLSR (a latent upscaler for factors in [1, 2]), not the Flow Upscaler: "
-            "give it as the latent upscaler (sesqui:PATH)"
+            "give it as latent_upscaler sesqui:PATH"
         ), line
+        with pytest.raises(FlowliftError) as caught:
+            load(files / "upscaler_Flux2.safetensors")
+        said = caught.value.worded({"latent_upscaler": "--latent-upscaler"})
+        assert said.endswith("give it as --latent-upscaler sesqui:PATH"), said
     for load in (load_sesqui_lsr, check_sesqui_file):
         line = _refusal(load, files / "flow_upscaler.safetensors")
-        assert line.endswith(
-            "this file is the Flow Upscaler (the 2x-pass UNet), not SesquiLSR: give it as the upscaler"
-        )
+        assert line.endswith("the Flow Upscaler (the 2x-pass UNet), not SesquiLSR: give it as upscaler PATH"), line
+        with pytest.raises(FlowliftError) as caught:
+            load(files / "flow_upscaler.safetensors")
+        assert caught.value.worded({"upscaler": "--upscaler"}).endswith("give it as --upscaler PATH")
+
+
+def test_a_vae_given_as_the_upscaler_is_named_a_vae_in_one_short_line(files, shared, tmp_path):
+    """A Mage-VAE file given as the upscaler printed ~600 characters of key names; a VAE is said to be one, and any
+    other file's key differences are a count and the first few names."""
+    mage = tmp_path / "mage_vae.safetensors"
+    save_file({"student.dconv_encoder.conv_in.weight": torch.zeros(2, 2, 1, 1)}, str(mage))
+    flux2 = tmp_path / "flux2_vae.safetensors"
+    save_file({"encoder.down.0.block.0.conv1.weight": torch.zeros(2, 2, 3, 3)}, str(flux2))
+    taef2 = shared / "models" / "taef2" / "taef2_decoder.pth"
+    for path, kind in ((mage, "Mage-VAE"), (flux2, "FLUX.2 VAE"), (taef2, "TAEF2")):
+        loads = (load_upscaler, check_upscaler_file) if path.suffix == ".safetensors" else (load_upscaler,)
+        for load in loads:
+            with pytest.raises(FlowliftError) as caught:
+                load(path)
+            line = caught.value.worded({"vae": "--vae"})
+            assert (
+                line == f"Flow Upscaler weights from {path}: this file is a VAE ({kind}), not the Flow Upscaler: "
+                "give it as --vae PATH"
+            ), line
+            assert caught.value.field == "vae"
+    line = _refusal(load_upscaler, files / "other.safetensors")
+    assert "missing 166: " in line and "(+163 more)" in line and "unexpected 1: foo" in line and len(line) < 300, line
 
 
 def test_a_truncated_or_foreign_checkpoint_says_so_in_words_a_user_can_act_on(files, shared, tmp_path):

@@ -307,8 +307,9 @@ def _fitting_meta_model(state: dict[str, torch.Tensor], path: Path) -> SesquiLSR
     problem = state_dict_mismatch(model, state) or dtype_mismatch(model, state)
     if problem and "in_conv.weight" in state and "head_conv.0.weight" not in state:  # the other upscaler's file
         raise FlowliftError(
-            f"{WHAT} from {path}: this file is the Flow Upscaler (the 2x-pass UNet), not SesquiLSR: give it as the "
-            "upscaler"
+            f"{WHAT} from {path}: this file is the Flow Upscaler (the 2x-pass UNet), not SesquiLSR: give it as "
+            f"{FIELD_MARK} PATH",
+            field="upscaler",
         )
     if problem:
         raise FlowliftError(f"{WHAT} from {path} do not match the FLUX.2 SesquiLSR network: {problem}")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.atomic import atomic_output
 from flowlift.models.upscaler_unet import FlowUpscalerUNet, check_unet_config
 
@@ -87,15 +87,37 @@ def _fitting_meta_model(state: Mapping[str, torch.Tensor], metadata: Mapping[str
     check_config(config, origin=str(path))
     with torch.device("meta"):
         model = FlowUpscalerUNet(**config)
-    problem = state_dict_mismatch(model, state) or dtype_mismatch(model, state)
+    problem = state_dict_mismatch(model, state, limit=3) or dtype_mismatch(model, state)
     if problem and "head_conv.0.weight" in state and "in_conv.weight" not in state:  # the other upscaler's file
         raise FlowliftError(
             f"{WHAT} from {path}: this file is SesquiLSR (a latent upscaler for factors in [1, 2]), not the Flow "
-            "Upscaler: give it as the latent upscaler (sesqui:PATH)"
+            f"Upscaler: give it as {FIELD_MARK} sesqui:PATH",
+            field="latent_upscaler",
+        )
+    if problem and (vae := vae_kind(state)):
+        raise FlowliftError(
+            f"{WHAT} from {path}: this file is a VAE ({vae}), not the Flow Upscaler: give it as {FIELD_MARK} PATH",
+            field="vae",
         )
     if problem:
         raise FlowliftError(f"{WHAT} from {path} does not match the architecture: {problem}")
     return model
+
+
+def vae_kind(state: Mapping[str, torch.Tensor]) -> str | None:
+    """Which VAE ``state``'s keys are (``Mage-VAE``, ``TAEF2``, ``FLUX.2 VAE``), or None for no VAE flowlift
+    knows: a VAE file given as the upscaler is named so, in one short line, not by its key differences."""
+    from flowlift.models.flux2_vae_convert import is_diffusers_flux2_vae, is_original_flux2_vae
+    from flowlift.models.mage_vae_files import is_mage_vae
+    from flowlift.models.taef2 import detect_layout
+
+    if is_mage_vae(state):
+        return "Mage-VAE"
+    if is_original_flux2_vae(state) or is_diffusers_flux2_vae(state):
+        return "FLUX.2 VAE"
+    if detect_layout(state) != "unknown":
+        return "TAEF2"
+    return None
 
 
 def check_upscaler_file(path: str | os.PathLike) -> Path:

@@ -207,8 +207,9 @@ def _short_list(names: Sequence[str], limit: int = 6) -> str:
     return shown + (f", ... (+{len(names) - limit} more)" if len(names) > limit else "")
 
 
-def state_dict_mismatch(module: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> str | None:
-    """Describe how ``state`` differs from ``module``'s parameters and buffers, or None if it fits."""
+def state_dict_mismatch(module: torch.nn.Module, state: Mapping[str, torch.Tensor], limit: int = 6) -> str | None:
+    """Describe how ``state`` differs from ``module``'s parameters and buffers (each kind: its count and the first
+    ``limit`` names), or None if it fits."""
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -219,11 +220,11 @@ def state_dict_mismatch(module: torch.nn.Module, state: Mapping[str, torch.Tenso
     )
     problems = []
     if missing:
-        problems.append(f"missing {len(missing)}: {_short_list(missing)}")
+        problems.append(f"missing {len(missing)}: {_short_list(missing, limit)}")
     if unexpected:
-        problems.append(f"unexpected {len(unexpected)}: {_short_list(unexpected)}")
+        problems.append(f"unexpected {len(unexpected)}: {_short_list(unexpected, limit)}")
     if misshaped:
-        problems.append(f"mis-shaped {len(misshaped)}: {_short_list(misshaped)}")
+        problems.append(f"mis-shaped {len(misshaped)}: {_short_list(misshaped, limit)}")
     return "; ".join(problems) or None
 
 
