@@ -83,3 +83,28 @@ def test_dataset_names_each_skipped_image_and_the_differing_setting(tmp_path):
     with pytest.raises(FlowliftError, match=r"other settings \(source.crop: 256 now, 512 there\)") as error:
         prepare_dataset_dir(root, {"kind": "images", "source": {"crop": 256, "vae": "taef2"}, "num_items": 8})
     assert "vae" not in str(error.value)
+
+
+def test_a_crop_refusal_names_the_crop_field_and_its_fix(tmp_path, shared, capsys):
+    """``crop must be a positive multiple of 32 pixels, got 100`` and ``no image is at least 512x512 pixels``: the
+    field (``crop_px`` in PhotoCrops, ``--crop-px`` on the command line) and what to do."""
+    from flowlift.commands.cli import main
+    from flowlift.training.dataset_jobs import PhotoCrops
+
+    with pytest.raises(FlowliftError, match=r"^crop_px must be a positive multiple of 32 px, got 100; e.g. 96 or 128$"):
+        PhotoCrops(["photos"], crop_px=100)
+    (tmp_path / "photos").mkdir()
+    Image.new("RGB", (200, 200)).save(tmp_path / "photos" / "a.png")
+    common = ["--vae", str(shared / "models" / "taef2"), "--device", "cpu"]
+    for crop, line in (
+        ("100", "error: --crop-px must be a positive multiple of 32 px, got 100; e.g. 96 or 128"),
+        (
+            "512",
+            "error: no image is at least 512x512 px, the --crop-px 512 crop (1 skipped); lower --crop-px or add "
+            "larger images",
+        ),
+    ):
+        out = tmp_path / f"data{crop}"
+        assert main(["dataset", "images", str(tmp_path / "photos"), "--crop-px", crop, *common, "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.strip().splitlines()[-1].endswith(line), err

@@ -59,6 +59,7 @@ FIELD_DESTS = {
     "settings.vae": "vae",
     "vae_tiled": "vae_tiling",
     "hires_scale": "scale",
+    "crop": "crop_px",
 }
 
 

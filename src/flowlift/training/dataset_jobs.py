@@ -25,6 +25,7 @@ from flowlift.training.datasets import (
     TransformerTeacher,
     build_distill_dataset,
     build_images_dataset,
+    check_crop,
     check_part,
 )
 from flowlift.training.degrade import Degradation
@@ -63,6 +64,9 @@ class PhotoCrops:
     crop_px: int = 512
     crops_per_image: int = 4
     flip: bool = True
+
+    def __post_init__(self) -> None:
+        check_crop(self.crop_px, "crop_px")  # when the request is made, before any VAE loads
 
 
 @dataclass(frozen=True)

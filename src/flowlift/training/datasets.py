@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR, image_seq_len, normalize, patchify
 from flowlift.training.degrade import Degradation, LatentCodec, conditioning_latents
 from flowlift.training.shards import (
@@ -336,6 +336,17 @@ def plan_image_crops(
     return items, skipped
 
 
+def check_crop(crop: int, field: str = "crop") -> int:
+    """``crop``, an images dataset's crop side in pixels: a positive multiple of 32 (``8 * 4``: the target latent
+    side a multiple of 4), else one line naming ``field`` (``PhotoCrops``' is ``crop_px``) and the nearest sides."""
+    align = VAE_SCALE_FACTOR * 4
+    if isinstance(crop, bool) or not isinstance(crop, int) or crop <= 0 or crop % align:
+        near = max(align, int(crop) // align * align) if isinstance(crop, (int, float)) else 512
+        fix = f"e.g. {near} or {near + align}" if near != crop else f"e.g. {near}"
+        raise FlowliftError(f"{field} must be a positive multiple of {align} px, got {crop!r}; {fix}", field=field)
+    return crop
+
+
 def build_images_dataset(
     root: str | os.PathLike,
     image_paths: Sequence[str | os.PathLike],
@@ -362,9 +373,7 @@ def build_images_dataset(
     from flowlift.models.weights import check_finite_result
 
     degradation = degradation or Degradation()
-    align = VAE_SCALE_FACTOR * 4
-    if crop <= 0 or crop % align:
-        raise FlowliftError(f"crop must be a positive multiple of {align} pixels, got {crop}")
+    check_crop(crop)
     if crops_per_image < 1 or shard_size < 1 or batch_size < 1:
         raise FlowliftError("crops per image, shard size and batch size must be >= 1")
     paths = [Path(p) for p in image_paths]
@@ -374,7 +383,11 @@ def build_images_dataset(
     for name in skipped:  # one line per image, naming it (the CLI shows each as a flowlift warning line)
         warnings.warn(f"{name}: smaller than the {crop}x{crop} crop, skipped", UserWarning, stacklevel=2)
     if not items:
-        raise FlowliftError(f"no image is at least {crop}x{crop} pixels")
+        raise FlowliftError(
+            f"no image is at least {crop}x{crop} px, the {FIELD_MARK} {crop} crop ({len(skipped)} skipped); lower "
+            f"{FIELD_MARK} or add larger images",
+            field=("crop", "crop"),
+        )
     side = crop // VAE_SCALE_FACTOR
     root = Path(root)
     source = {
