@@ -79,6 +79,37 @@ def test_prepare_pair_crops_and_area_downsamples():
         IN.prepare_pair(photo[:50], 4)
 
 
+def test_eval_refusals_name_the_photo_the_option_once_and_the_method(tmp_path, capsys):
+    """``photo 64x64 is smaller than 528x528 (16 x the scale's numerator)`` named no file and no fix; ``argument
+    --scale: --scale must be ...`` said the option twice; ``model file not found: PATH`` named no method."""
+    with pytest.raises(FlowliftError) as caught:
+        IN.prepare_pair(np.zeros((64, 64, 3), np.uint8), 8, name="p/a.png")
+    assert str(caught.value) == (
+        "p/a.png (64x64) is too small for scale 8: it needs at least 128x128 px; use a smaller scale or larger photos"
+    )
+    (tmp_path / "photos").mkdir()
+    Image.new("RGB", (64, 64)).save(tmp_path / "photos" / "a.png")
+    photos = str(tmp_path / "photos")
+    for argv, line in (
+        (["--run", "lanczos", "--scale", "33"], "error: argument --scale: must be above 1 and at most 16, got 33"),
+        (
+            ["--run", "lanczos", "--scale", "8"],
+            "(64x64) is too small for --scale 8: it needs at least 128x128 px; use a smaller --scale or larger photos",
+        ),
+        (
+            ["--run", "spandrel:/no/such.pth"],
+            "error: --run spandrel:/no/such.pth: no such model file; give a "
+            "spandrel model's file (.safetensors, .pth, .pt, .ckpt, .bin)",
+        ),
+    ):
+        try:
+            code = main(["eval", "--dataset", photos, *argv, "-o", str(tmp_path / "out"), "--no-cache"])
+        except SystemExit as stop:  # the parser's own refusal
+            code = stop.code
+        err = capsys.readouterr().err
+        assert code == 2 and line in err and "--scale must" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_area_downscale_rounds_exact_halves_to_even_without_bias():
     """Every 2x2 block whose mean is exactly k + 0.5 (a quarter of them in photos), all k: half to even."""
     levels = np.arange(255)

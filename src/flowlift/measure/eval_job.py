@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowlift.devices import resolve_device_dtype
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S
 from flowlift.knobs import SCALE
 from flowlift.measure.methods import SPANDREL_TILE, spandrel_tiling
@@ -303,7 +303,7 @@ def _load_pixel_models(request: EvalRequest, specs, device, dtype, identities: d
     given = device if given is None else given
     from flowlift.measure.cache import model_identity
     from flowlift.measure.methods import SPANDREL
-    from flowlift.measure.pixel_upscaler import load_pixel_upscaler
+    from flowlift.measure.pixel_upscaler import MODEL_SUFFIXES, load_pixel_upscaler
 
     paths: dict[str, list[str]] = {}
     for s in specs:
@@ -315,6 +315,12 @@ def _load_pixel_models(request: EvalRequest, specs, device, dtype, identities: d
     models = {}
     info = identities.setdefault("spandrel", {})
     for path, labels in paths.items():
+        if not Path(path).expanduser().is_file():  # the method as the caller wrote it: --run spandrel:PATH
+            raise FlowliftError(
+                f"{FIELD_MARK} spandrel:{path}: no such model file; give a spandrel model's file "
+                f"({', '.join(MODEL_SUFFIXES)})",
+                field="run",
+            )
         model = load_pixel_upscaler(path, device, dtype, tile=tile, overlap=overlap)
         models[path] = model
         info[path] = {

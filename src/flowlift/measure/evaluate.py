@@ -212,7 +212,7 @@ def evaluate_methods(
     try:
         for i, path in enumerate(paths):
             name = path.stem
-            gt, low = prepare_pair(load_rgb(path), scale)
+            gt, low = prepare_pair(load_rgb(path), scale, name=str(path))
             size = (gt.shape[1], gt.shape[0])
             crop = default_crop(size, box)
             M.crop_box(gt, crop)  # validates the box against the output size

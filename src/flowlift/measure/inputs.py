@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.naming import index_by_stem
 from flowlift.measure import metrics as M
 
@@ -33,26 +33,31 @@ def check_scale(scale: float | str, *, allow_one: bool = False) -> int | float:
     try:
         value = float(scale)
     except (TypeError, ValueError):
-        raise FlowliftError(f"--scale must be a number, got {scale!r}") from None
+        raise FlowliftError(f"scale must be a number, got {scale!r}", field="scale") from None
     if not (1 <= value if allow_one else 1 < value) or not value <= MAX_SCALE:  # NaN fails this too
-        raise FlowliftError(f"--scale must be above 1 and at most {MAX_SCALE}, got {scale}")
+        raise FlowliftError(f"scale must be above 1 and at most {MAX_SCALE}, got {scale}", field="scale")
     fraction = Fraction(value).limit_denominator(MAX_SCALE_DENOMINATOR)
     if abs(float(fraction) - value) > 1e-9:
-        raise FlowliftError(f"--scale {scale} is not a fraction p/q with q <= {MAX_SCALE_DENOMINATOR} (e.g. 1.5, 1.25)")
+        raise FlowliftError(
+            f"scale {scale} is not a fraction p/q with q <= {MAX_SCALE_DENOMINATOR} (e.g. 1.5, 1.25)", field="scale"
+        )
     return int(fraction) if fraction.denominator == 1 else float(fraction)
 
 
 def scale_argument(text: str) -> int | float:
-    """:func:`check_scale` as an argparse ``type`` (its line becomes argparse's message)."""
+    """:func:`check_scale` as an argparse ``type``: its line, less the field argparse already names (``argument
+    --scale: must be above 1 ...``), becomes argparse's message."""
     import argparse
 
     try:
         return check_scale(text)
     except FlowliftError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        raise argparse.ArgumentTypeError(error.worded({"scale": ""}).strip()) from None
 
 
-def prepare_pair(photo: np.ndarray, scale: float, multiple: int = INPUT_MULTIPLE) -> tuple[np.ndarray, np.ndarray]:
+def prepare_pair(
+    photo: np.ndarray, scale: float, multiple: int = INPUT_MULTIPLE, *, name: str = "photo"
+) -> tuple[np.ndarray, np.ndarray]:
     """``(ground_truth, lowres)`` from a uint8 photo.
 
     Integer ``scale``: the photo is centre-cropped to a multiple of ``multiple * scale`` (so the low-res
@@ -62,7 +67,8 @@ def prepare_pair(photo: np.ndarray, scale: float, multiple: int = INPUT_MULTIPLE
     Fractional ``scale = p / q`` (:func:`check_scale`): the crop is a multiple of ``multiple * p`` and the
     low-res input ``q / p`` of it (a multiple of ``multiple * q``), downsampled with Pillow's antialiased
     ``LANCZOS`` -- the full-pipeline protocol of latent upscaler benchmarks (HR, Lanczos down, encode,
-    upscale, decode, compare with HR); both sides stay multiples of ``multiple``.
+    upscale, decode, compare with HR); both sides stay multiples of ``multiple``. A photo too small for one crop
+    is one line naming it (``name``) and the fix.
     """
     from fractions import Fraction
 
@@ -72,7 +78,11 @@ def prepare_pair(photo: np.ndarray, scale: float, multiple: int = INPUT_MULTIPLE
     step = multiple * fraction.numerator
     nh, nw = h - h % step, w - w % step
     if nh == 0 or nw == 0:
-        raise FlowliftError(f"photo {w}x{h} is smaller than {step}x{step} ({multiple} x the scale's numerator)")
+        raise FlowliftError(
+            f"{name} ({w}x{h}) is too small for {FIELD_MARK} {scale:g}: it needs at least {step}x{step} px; use a "
+            f"smaller {FIELD_MARK} or larger photos",
+            field=("scale", "scale"),
+        )
     top, left = (h - nh) // 2, (w - nw) // 2
     gt = np.ascontiguousarray(photo[top : top + nh, left : left + nw])
     if fraction.denominator == 1:
