@@ -311,6 +311,15 @@ def test_tile_options_in_every_mode_and_the_metadata(capsys, tmp_path, model_dir
     never = ["img2img", photo, "--model", tmp_path / "never-loaded", "--prompt-embeds", embeds_file]
     code, _, err = _run(capsys, *never, "--tile-size", "64", "--tile-overlap", "64", "-o", tmp_path / "x.png")
     assert code == 2 and "must be smaller than the tile (64 px)" in err and len(err.strip().splitlines()) == 1
+    code, _, err = _run(capsys, *never, "--tile-size", "32", "-o", tmp_path / "x.png")  # only the tile given
+    assert (
+        code == 2
+        and len(err.strip().splitlines()) == 1
+        and err.strip().endswith(
+            "--tile-size 32 px must be larger than the tile overlap (--tile-overlap, 128 px by default); give a "
+            "--tile-size above 128 or a smaller --tile-overlap"
+        )
+    ), err
     for extra, message in [
         (["--tile-size", "40"], "argument --tile-size: tile size must be a multiple of 16"),
         (["--tile-overlap", "8"], "argument --tile-overlap: tile overlap must be a multiple of 16"),

@@ -212,6 +212,23 @@ def test_non_finite_prompt_embeddings_are_refused_at_load(tmp_path, kind):
         load_prompt_embeds(tmp_path / "i.safetensors")
 
 
+def test_an_embeddings_file_without_prompt_embeds_names_the_field(tmp_path):
+    """It said ``prompt embeddings: PATH has no 'prompt_embeds' tensor (keys: ...)``: now the field, which the
+    command line says as ``--prompt-embeds``, a short list of keys and what the file must hold."""
+    from flowlift.commands._options import FIELD_DESTS
+    from flowlift.models.prompt_embeds import load_prompt_embeds
+
+    path = tmp_path / "e.safetensors"
+    save_file({f"t{index}": torch.zeros(1, 4, 8) for index in range(6)}, str(path))
+    with pytest.raises(FlowliftError) as caught:
+        load_prompt_embeds(path)
+    assert caught.value.field == "prompt.embeds" and FIELD_DESTS["prompt.embeds"] == "prompt_embeds"
+    assert caught.value.worded({"prompt.embeds": "--prompt-embeds"}) == (
+        f"--prompt-embeds {path} has no 'prompt_embeds' tensor (keys: t0, t1, t2, t3, ... (+2 more)); give a file "
+        "that holds prompt_embeds (and optionally negative_prompt_embeds)"
+    )
+
+
 def test_cli_upscale_with_poisoned_weights_writes_nothing(shared, tiny_weights, tmp_path, capsys):
     def poison(state):
         name = sorted(state)[5]

@@ -114,6 +114,13 @@ def test_knobs_domains_are_one_line_errors():
         assert "\n" not in str(caught.value)
     with pytest.raises(FlowliftError, match="smaller than the tile"):
         TileRequest.parse(256, 256)
+    with pytest.raises(FlowliftError) as caught:  # only the tile set: the tile is blamed, the overlap the default
+        TileRequest.parse(32)
+    assert str(caught.value) == (
+        "tile_size 32 px must be larger than the tile overlap (tile_overlap, 128 px by default); give a tile_size "
+        "above 128 or a smaller tile_overlap"
+    )
+    assert caught.value.fields[:2] == ("tile_size", "tile_overlap")
     with pytest.raises(FlowliftError, match="smaller than the tile"):
         TileRequest.parse("auto", DEFAULT_TILE_SIZE)  # auto's tile is 1024 px
     assert TileRequest.parse("off", 4096).size == "off"

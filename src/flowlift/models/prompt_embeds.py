@@ -37,7 +37,13 @@ def load_prompt_embeds(path: str | os.PathLike) -> tuple[torch.Tensor, torch.Ten
     """Read ``prompt_embeds`` (and optional ``negative_prompt_embeds``) from a safetensors/.pt file."""
     state = read_state_dict(path, what="prompt embeddings")
     if "prompt_embeds" not in state:
-        raise FlowliftError(f"prompt embeddings: {path} has no 'prompt_embeds' tensor (keys: {', '.join(state)})")
+        keys = sorted(state)
+        shown = ", ".join(keys[:4]) + (f", ... (+{len(keys) - 4} more)" if len(keys) > 4 else "")
+        raise FlowliftError(
+            f"prompt.embeds {path} has no 'prompt_embeds' tensor (keys: {shown or 'none'}); give a file that holds "
+            "prompt_embeds (and optionally negative_prompt_embeds)",
+            field="prompt.embeds",
+        )
     check_prompt_embeds(state, origin=str(path))
     embeds = state["prompt_embeds"].float()
     if embeds.ndim == 2:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.limits import PIXEL_MULTIPLE
 from flowlift.refine.settings import (
     DEFAULT_TILE_SIZE,
@@ -50,7 +50,14 @@ def parse_tile_batch(value: int | str) -> int | str:
 
 
 def check_overlap(tile: int, overlap: int) -> None:
-    """Neighbours must advance: ``overlap < tile`` (one line otherwise, naming ``tile_overlap``)."""
+    """Neighbours must advance: ``overlap < tile`` (one line otherwise, naming ``tile_overlap``; at the default
+    overlap, the tile size the caller set is blamed, and the overlap said to be the default)."""
+    if overlap >= tile and overlap == TILE_OVERLAP.default:
+        raise FlowliftError(
+            f"{FIELD_MARK} {tile} px must be larger than the tile overlap ({FIELD_MARK}, {overlap} px by default); "
+            f"give a {FIELD_MARK} above {overlap} or a smaller {FIELD_MARK}",
+            field=("tile_size", "tile_overlap", "tile_size", "tile_overlap"),
+        )
     if overlap >= tile:
         raise FlowliftError(
             f"tile_overlap {overlap} px must be smaller than the tile ({tile} px); give a smaller tile overlap",
