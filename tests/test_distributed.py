@@ -563,7 +563,7 @@ def test_launcher_refuses_a_missing_or_unlaunchable_command_in_one_line(capsys):
     assert main(["launch", "--max-restarts", "-1", "--", "upscale", "a.png"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 3 and all(line.startswith("flowlift launch: error: ") for line in err), err
-    assert "after --" in err[0] and "app" in err[1] and "max_restarts" in err[2]
+    assert "after --" in err[0] and "app" in err[1] and "--max-restarts must be 0 (no restart) or more" in err[2]
 
 
 def test_manifest_that_cannot_be_written_is_one_line(tmp_path):

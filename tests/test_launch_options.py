@@ -301,6 +301,42 @@ def test_other_launcher_values_torch_would_fail_on_late_are_one_line(capsys, opt
     assert len(err) == 1 and message in err[0], err
 
 
+ENDPOINT_NEEDED = "runs on several machines: give --rdzv-endpoint HOST:PORT"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ("--nnodes abc", "--nnodes must be a number of machines N or a range MIN:MAX (e.g. 2 or 1:4), got 'abc'"),
+        ("--nnodes 1:2:3", "--nnodes must be a number of machines N or a range MIN:MAX"),
+        ("--nnodes -1", "--nnodes must be a number of machines N or a range MIN:MAX"),
+        ("--nnodes 0", "--nnodes must be at least 1 machine, got 0"),  # not a --node-rank range of 0 to -1
+        ("--nnodes 0:2", "--nnodes must be at least 1 machine, got 0:2"),
+        ("--nnodes 2:1", "--nnodes MIN:MAX must have MIN at most MAX, got 2:1 (e.g. 1:2)"),
+        ("--max-restarts -1", "--max-restarts must be 0 (no restart) or more, got -1"),
+        # several machines and no address to meet at: torchrun's default is this machine's own, and it waits
+        ("--nnodes 2", f"--nnodes 2 {ENDPOINT_NEEDED}"),
+        ("--nnodes 1:2 --rdzv-backend c10d", f"--nnodes 1:2 {ENDPOINT_NEEDED}"),
+        ("--rdzv-backend bogus --nnodes 2", f"--nnodes 2 {ENDPOINT_NEEDED}"),  # not "the rendezvous host  does not"
+        ("--nnodes 2 --master-port 29511", f"--nnodes 2 {ENDPOINT_NEEDED}"),
+    ],
+)
+def test_launcher_counts_and_a_missing_endpoint_are_checked_by_flowlift(capsys, options, message):
+    """issue: torch's words came through (int()'s ValueError, min_nodes/max_restarts), and a run on several
+    machines without --rdzv-endpoint waited for them (or named an empty host)."""
+    assert main(["launch", *options.split(), "--", "upscale", "a.png"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("flowlift launch: error: launcher options: ") and message in err[0], err
+    assert not any(word in err[0] for word in ("int()", "min_nodes", "max_restarts", "host  ")), err
+
+
+def test_several_machines_may_meet_at_the_static_master_address():
+    from flowlift.jobs.launch import launch_config
+
+    config = launch_config(["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "29511"])
+    assert (config.min_nodes, config.max_nodes, config.rdzv_backend) == (2, 2, "static")
+
+
 def test_good_rdzv_conf_values_are_normalised_and_kept():
     from flowlift.jobs.launch import launch_config
 
