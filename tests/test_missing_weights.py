@@ -66,7 +66,7 @@ def test_unreachable_hub_fails_within_seconds_naming_every_fix(tmp_path, offline
     assert len(lines) == 1 and lines[0].startswith("flowlift upscale: error: 2 weights are missing"), run.stderr
     message = lines[0]
     assert UPSCALER_FIX in message and "--upscaler PATH" in message  # the exact fix for each weight
-    assert FLUX2_VAE_FIX in message and "--vae PATH" in message and "--vae taef2" in message
+    assert FLUX2_VAE_FIX in message and "set --vae to a local path (or to taef2, the fast approximate VAE)" in message
     assert ("HF_HUB_OFFLINE=1" if offline == "1" else "cannot be reached") in message
     assert "LocalEntryNotFoundError" not in message and "Traceback" not in run.stderr
     assert not (tmp_path / "photo_x2.png").exists()

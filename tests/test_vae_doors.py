@@ -129,6 +129,7 @@ def test_a_name_loads_through_load_vae_and_is_found_before_loading(named_hub, na
 def test_a_name_missing_from_the_cache_is_one_line_with_its_download_command(tmp_path, monkeypatch, name):
     from huggingface_hub import constants
 
+    from flowlift.app.results import first_line
     from flowlift.errors import FlowliftError
     from flowlift.models.hub import download_command
     from flowlift.models.vae_loading import check_vae_spec, load_vae
@@ -139,8 +140,12 @@ def test_a_name_missing_from_the_cache_is_one_line_with_its_download_command(tmp
         with pytest.raises(FlowliftError) as error:
             call(name)
         message = str(error.value)
-        assert "\n" not in message and "HF_HUB_OFFLINE=1" in message and "--vae PATH" in message
+        assert "\n" not in message and "HF_HUB_OFFLINE=1" in message and "set vae to a local path" in message
         assert download_command(named.repos[0], include=named.include) in message
+        # the core speaks the Python name; each door says its own (it printed "(CLI: --vae PATH)" to every door)
+        assert "CLI" not in message and "--vae" not in message and error.value.fields[0] == "vae"
+        assert "set --vae to a local path" in error.value.worded({"vae": "--vae"})
+        assert "set VAE to a local path" in first_line(error.value)  # the web app's label
 
 
 @pytest.mark.parametrize("name", VAE_NAMES)

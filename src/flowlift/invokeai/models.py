@@ -135,7 +135,10 @@ def _native_vae_files(spec: str, kind: str) -> list[Path]:
         if kind == "taef2":
             return local_taef2_files(spec)
         return [check_weight_file(Path(spec).expanduser(), MAGE_SAFETENSORS, shown=spec)]
-    check_vae_spec(spec)  # an uncached repo id offline: one line, before anything loads
+    try:
+        check_vae_spec(spec)  # an uncached repo id offline: one line, before anything loads
+    except FlowliftError as error:
+        raise FlowliftError(error.worded({"vae": "the TAEF2 field"})) from None
     files = [
         check_weight_file(p, file_kind if p.suffix == ".safetensors" else folder_kind, shown=spec)
         for p in vae_spec_files(spec)

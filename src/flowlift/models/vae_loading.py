@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from flowlift.devices import resolve_device
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.json_input import parse_json
 from flowlift.models.flux2_vae_convert import flux2_from_state_dict, is_diffusers_flux2_vae, is_original_flux2_vae
 from flowlift.models.mage_vae_files import is_mage_vae, mage_from_state_dict
@@ -220,7 +220,8 @@ def _snapshot(repo_id: str, patterns: list[str]) -> Path:
             hint = type(error).__name__
     if found is None:
         raise FlowliftError(
-            f"VAE: cannot get {repo_id} ({hint}); {download_hint(repo_id)} or pass a local path (CLI: --vae PATH)"
+            f"VAE: cannot get {repo_id} ({hint}); {download_hint(repo_id)} or set {FIELD_MARK} to a local path",
+            field="vae",
         )
     return Path(found)
 
@@ -303,9 +304,10 @@ def named_vae_folder(named: NamedVAE) -> Path:
                 return folder
     offline = hub_offline_reason()
     where = f"none of {', '.join(named.repos)} has" if len(named.repos) > 1 else f"{named.repos[0]} has no"
-    other = "" if named is NAMED_TAEF2 else ", or --vae taef2 for the fast approximate VAE"
+    other = "" if named is NAMED_TAEF2 else " (or to taef2, the fast approximate VAE)"
     raise FlowliftError(
         f"VAE '{named.name}': {where} its VAE files in the Hugging Face cache"
         f"{f' and {offline}' if offline else ''}; {download_hint(named.repos[0], include=named.include)} "
-        f"or pass a local path (CLI: --vae PATH{other})"
+        f"or set {FIELD_MARK} to a local path{other}",
+        field="vae",
     )
