@@ -331,3 +331,14 @@ def test_a_run_resumes_from_its_own_saved_config(tmp_path, capsys, data, spellin
 
     assert json.loads((out / "config.json").read_text())["steps"] == 3
     assert (out / "checkpoints" / "step-00000003").is_dir()
+
+
+def test_an_unreadable_validation_image_names_val_images(tmp_path, capsys, data, shared):
+    """It said ``bad.png: not an image file Pillow can read`` without the option that gave the file."""
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image")
+    taef2 = str(shared / "models" / "taef2")
+    given = ["--val-every", "1", "--vae", taef2, "--val-images", str(bad)]
+    assert main(_train(data, tmp_path / "run", *given, steps=1)) == 2
+    line = _one_line(capsys)
+    assert line == f"flowlift train: error: --val-images {bad}: not an image file Pillow can read", line

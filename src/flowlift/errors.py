@@ -70,6 +70,20 @@ def said(error: BaseException) -> str:
     return str(error)
 
 
+@contextlib.contextmanager
+def from_field(field: str) -> Iterator[None]:
+    """Within this block, a :class:`FlowliftError` is re-raised with ``field`` named first: a shared reader
+    (:func:`flowlift.files.images.load_image`) names only the path, and its caller knows which field gave it
+    (``bad.png: not an image file ...`` becomes ``--reference bad.png: ...`` on the command line). An error that
+    names the field already, or a subclass of its own, passes unchanged."""
+    try:
+        yield
+    except FlowliftError as error:
+        if type(error) is not FlowliftError or field in error.fields:
+            raise
+        raise FlowliftError(f"{FIELD_MARK} {error.template}", field=(field, *error.fields)) from None
+
+
 class FlowliftWarning(UserWarning):
     """A warning flowlift raises about a user's data (an image read with a caveat, alpha dropped, a tile
     layout below FLUX.2's trained size): one line, shown once per message."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.atomic import append_text, atomic_output, atomic_write_text
 from flowlift.training.degrade import LatentCodec, downscale, pil_lanczos_resize
 
@@ -65,7 +65,8 @@ def load_validation_images(paths: Sequence[str | os.PathLike], count: int, size:
             images.append(centre_crop(to_tensor(load_image(file)[0]), size))
         except FlowliftError as error:
             text = str(error)
-            raise FlowliftError(text if text.startswith(str(file)) else f"{file}: {text}") from None
+            text = text if text.startswith(str(file)) else f"{file}: {text}"
+            raise FlowliftError(f"{FIELD_MARK} {text}", field="val_images") from None
     return images
 
 
