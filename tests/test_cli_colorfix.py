@@ -185,3 +185,29 @@ def test_colorfix_then_eval_chain_and_explicit_pairs_of_any_names(drifted_pair, 
     # a folder is not an explicit pair: names still decide there
     code, lines = _colorfix([str(tmp_path / "up"), "--reference", str(tmp_path / "small.png")], capsys)
     assert code == 1 and any("no reference named wine_x4" in line for line in lines), lines
+
+
+def test_colorfix_lines_name_the_reference_option_the_real_stems_and_the_empty_folder(tmp_path, capsys):
+    """It said ``bad.png: not an image file Pillow can read`` without --reference, printed its template
+    (``no reference named a_x2 or (for <stem>_x<N>) <stem>``) and ``no input images found`` without the folder."""
+    Image.new("RGB", (16, 16), (90, 60, 30)).save(tmp_path / "a_x2.png")
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    code, lines = _colorfix([str(tmp_path / "a_x2.png"), "--reference", str(tmp_path / "bad.png")], capsys)
+    assert code == 1 and f"{tmp_path / 'a_x2.png'}: --reference {tmp_path / 'bad.png'}: not an image file" in lines[0]
+    (tmp_path / "up").mkdir()
+    (tmp_path / "refs").mkdir()
+    Image.new("RGB", (16, 16), (90, 60, 30)).save(tmp_path / "up" / "a_x2.png")
+    Image.new("RGB", (16, 16), (90, 60, 30)).save(tmp_path / "up" / "b.png")
+    Image.new("RGB", (8, 8), (90, 60, 30)).save(tmp_path / "refs" / "other.png")
+    code, lines = _colorfix([str(tmp_path / "up"), "--reference", str(tmp_path / "refs")], capsys)
+    assert code == 1 and "<stem>" not in "".join(lines), lines
+    assert lines[:2] == [
+        f"flowlift colorfix: {tmp_path / 'up' / 'a_x2.png'}: no reference named a_x2 or a among the references",
+        f"flowlift colorfix: {tmp_path / 'up' / 'b.png'}: no reference named b among the references",
+    ], lines
+    (tmp_path / "empty").mkdir()
+    code, lines = _colorfix([str(tmp_path / "empty"), "--reference", str(tmp_path / "refs")], capsys)
+    assert code == 2 and lines == [
+        f"flowlift colorfix: error: no input images in {tmp_path / 'empty'}: give image files, or folders holding "
+        "them (not searched below)"
+    ], lines

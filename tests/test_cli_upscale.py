@@ -254,3 +254,14 @@ def test_status_is_its_own_command(tmp_path, capsys):
     assert main(["status", str(tmp_path / "absent")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("flowlift status: error: ") and "no such folder" in err and "\n" not in err
+
+
+def test_an_input_folder_without_images_is_named(tmp_path, capsys):
+    """It said ``no input images found`` without the folder given."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("not an image")
+    assert main(["upscale", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err.strip()
+    expected = f"no input images in {tmp_path / 'empty'}: give image files, or folders holding them "
+    expected += "(not searched below)"
+    assert err == f"flowlift upscale: error: {expected}", err

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from flowlift.console import format_seconds
 from flowlift.errors import ITEM_ERRORS as _ITEM_ERRORS
-from flowlift.errors import said
+from flowlift.errors import FlowliftError, said
 from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
 from flowlift.files.output_paths import folder_problem, same_file
 from flowlift.knobs import check_overwrite
@@ -420,3 +420,10 @@ def summary_line(command: str, result: BatchResult) -> str:
     if result.done:
         line += f", {format_seconds(result.image_seconds / result.done)} per image"
     return line
+
+
+def no_images_in(inputs: Sequence[str | os.PathLike[str]]) -> FlowliftError:
+    """The one line for inputs that list no image (an empty folder, a folder of other files): it names them."""
+    shown = [str(item) for item in inputs]
+    given = ", ".join(shown[:3]) + (f" and {len(shown) - 3} more" if len(shown) > 3 else "")
+    return FlowliftError(f"no input images in {given}: give image files, or folders holding them (not searched below)")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FlowliftError, from_field
 from flowlift.knobs import OVERWRITE, check_path, check_paths, check_quality
 from flowlift.upscale.settings import COLOR_FIX_KNOBS
 
@@ -68,15 +68,15 @@ def plan_colorfix(request: ColorFixRequest) -> tuple[list[Any], dict[Path, Path]
     upscales), else refused in one line. Nothing is written.
     """
     from flowlift.files.images import IMAGE_SUFFIXES, image_size, list_images
-    from flowlift.files.naming import colorfix_name, explicit_pair, index_by_stem, reference_of
+    from flowlift.files.naming import colorfix_name, explicit_pair, index_by_stem, reference_of, source_stem
     from flowlift.files.output_paths import check_not_an_input
-    from flowlift.jobs.batch import Job, plan_jobs
+    from flowlift.jobs.batch import Job, no_images_in, plan_jobs
 
     inputs, refs = list(request.inputs), list(request.references)
     pair = explicit_pair(inputs, refs)
     found = list_images(inputs)
     if not found:
-        raise FlowliftError("no input images found")
+        raise no_images_in(inputs)
     if pair is not None:
         paired = {found[0]: pair[1]}
         reference_files: set[Path] = set()
@@ -91,7 +91,8 @@ def plan_colorfix(request: ColorFixRequest) -> tuple[list[Any], dict[Path, Path]
         if p.resolve() in reference_files:
             jobs.append(Job.skip(p, "skipped, it is a reference"))
         else:
-            jobs.append(Job.refusal(p, f"no reference named {p.stem} or (for <stem>_x<N>) <stem> among the references"))
+            stems = " or ".join(dict.fromkeys(s for s in (p.stem, source_stem(p.stem)) if s))
+            jobs.append(Job.refusal(p, f"no reference named {stems} among the references"))
     upscaled = [p for p in found if p in paired]
     fmt = request.output_format
     jobs += plan_jobs(
@@ -132,7 +133,8 @@ def fix_file(request: ColorFixRequest, path: Path, reference: Path, out: Path) -
     from flowlift.upscale.colorfix_image import color_fix_array, color_fix_image, integer_scale
 
     image, alpha = load_image(path)
-    source, _ = load_image(reference)
+    with from_field("references"):  # the reference's own problem, not the input's: says --reference
+        source, _ = load_image(reference)
     scale = integer_scale(image.size, source.size)
     metadata = _metadata(request.strength, path, reference, scale)
     deep = sixteen_bit_source(path, out)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from flowlift.errors import FlowliftError
-from flowlift.jobs.batch import Job, plan_targets, report
+from flowlift.jobs.batch import Job, no_images_in, plan_targets, report
 from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S, DistEnv
 from flowlift.knobs import OVERWRITE, SCALE, check_kind, check_path, check_paths, check_positive
 from flowlift.upscale.asked_size import AskedSize
@@ -152,7 +152,7 @@ def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
     problems: list[tuple[str, str]] = []
     inputs = list_images(list(request.inputs), problems)
     if not inputs and not problems:
-        raise FlowliftError("no input images found")
+        raise no_images_in(request.inputs)
     if not inputs and len(request.inputs) == 1 and not glob.has_magic(request.inputs[0]):
         item, message = problems[0]  # the one file asked for is not there: a user error (exit 2), not a batch
         raise FlowliftError(f"{item}: {message}")
