@@ -342,3 +342,13 @@ def test_an_unreadable_validation_image_names_val_images(tmp_path, capsys, data,
     assert main(_train(data, tmp_path / "run", *given, steps=1)) == 2
     line = _one_line(capsys)
     assert line == f"flowlift train: error: --val-images {bad}: not an image file Pillow can read", line
+
+
+def test_a_missing_device_is_named_by_its_option_as_every_command_names_it(tmp_path, capsys, data):
+    """train said ``device 'mps' requested, but ...`` where upscale, hires, ... say ``--device mps: device ...``."""
+    if torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    assert main(_train(data, tmp_path / "run", "--device", "mps", steps=1)) == 2
+    line = _one_line(capsys)
+    expected = "--device mps: device 'mps' requested, but MPS is not available on this machine"
+    assert line == f"flowlift train: error: {expected}", line

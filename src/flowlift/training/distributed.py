@@ -71,8 +71,12 @@ def init_distributed(device_kind: str) -> DistContext:
 
 def pick_device(setting: str, dist: DistContext) -> torch.device:
     from flowlift.devices import resolve_device
+    from flowlift.errors import FIELD_MARK, FlowliftError
 
-    device = resolve_device(setting)
+    try:
+        device = resolve_device(setting)
+    except FlowliftError as error:  # said as every command says it: --device cuda: ...
+        raise FlowliftError(f"{FIELD_MARK} {setting}: {error}", field="device") from None
     if device.type == "cuda":
         if dist.world_size > 1 or device.index is None:
             device = torch.device("cuda", dist.local_rank if dist.world_size > 1 else (device.index or 0))
