@@ -147,10 +147,15 @@ def test_inpaint_and_outpaint(capsys, tmp_path, tiny_model, photo):
         (["{photo}", "--mask", "{tmp}/alpha_mask.png"], "mask has transparent pixels"),
         (["{photo}", "--mask", "{tmp}/red_mask.png"], "mask is coloured"),
         (["{photo}", "--mask", "{tmp}/small_mask.png"], "give a mask of the image's size"),
+        # a file that is no image is named by the option that gave it (the reader knows only the path)
+        (["{photo}", "--mask", "{tmp}/junk.png"], "error: --mask {tmp}/junk.png: not an image file"),
+        (["{photo}", "--reference", "{tmp}/junk.png"], "error: --reference {tmp}/junk.png: not an image file"),
     ],
 )
 def test_bad_inputs_one_line_no_output(capsys, tmp_path, model_dir, embeds_file, photo, argv, message):
     argv = [a.format(photo=photo, tmp=tmp_path) for a in argv]
+    message = message.format(tmp=tmp_path)
+    (tmp_path / "junk.png").write_bytes(b"junk")
     region = Image.new("L", (W, H), 0)
     region.paste(255, (8, 8, 32, 32))
     alpha_mask = Image.new("RGBA", (W, H), (255, 255, 255, 0))  # white everywhere, the region in alpha only

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flowlift.errors import FIELD_MARK, FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError, from_field
 from flowlift.limits import PIXEL_MULTIPLE, hires_latent_size
 from flowlift.refine.request import LatentUpscaler, RefineRequest
 from flowlift.refine.settings import check_hires_size
@@ -115,7 +115,8 @@ def _read_inputs(job: RefineJob) -> None:
     job.rgb, job.alpha = load_image(request.image)
     job.images = to_tensor(job.rgb)
     if request.mask is not None:
-        mask_rgb, mask_alpha = load_image(request.mask)
+        with from_field("mask"):
+            mask_rgb, mask_alpha = load_image(request.mask)
         width, height = job.rgb.size
         if mask_rgb.size != job.rgb.size:
             raise FlowliftError(
@@ -124,7 +125,8 @@ def _read_inputs(job: RefineJob) -> None:
                 field="mask",
             )
         job.mask = to_tensor(grey_mask(mask_rgb, mask_alpha).convert("RGB"))[:, :1]
-    job.references = [to_tensor(load_image(path)[0]) for path in request.references]
+    with from_field("references"):
+        job.references = [to_tensor(load_image(path)[0]) for path in request.references]
     for path, ref in zip(request.references, job.references, strict=True):
         if ref.shape[-1] % PIXEL_MULTIPLE or ref.shape[-2] % PIXEL_MULTIPLE:
             got = f"{ref.shape[-1]}x{ref.shape[-2]}"
