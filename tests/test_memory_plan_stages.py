@@ -149,6 +149,14 @@ def test_a_batchs_refusals_name_the_command_lines_options(unet_file, shared, tmp
     assert main(["upscale", *common, "--max-memory", "20MB", "--dtype", "float32"]) == 1
     err = capsys.readouterr().err
     assert err.count("--max-memory 19.1 MiB is too small to encode a 512x512 image") == 2, err
+    # a budget below the models' weights fails the run once, before any input is read (it printed one line per input)
+    assert main(["upscale", *common, "--max-memory", "1MB", "--dtype", "float32"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if "loading" not in line]
+    assert len(lines) == 1 and lines[0].startswith(
+        "flowlift upscale: error: --max-memory 1.0 MiB does not even hold"
+    ), lines
+    with pytest.raises(FlowliftError, match=r"^max_memory 1.0 MiB does not even hold the model weights"):
+        _pipeline(unet_file, shared, 10**6)
     # the door's words last as long as its run: the Python API speaks its own again
     whole_only = M.StageChoices(vae_tiled=False)
     with pytest.raises(FlowliftError) as refused:

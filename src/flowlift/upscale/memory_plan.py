@@ -59,6 +59,7 @@ __all__ = [
     "StageChoices",
     "UNetPassPlan",
     "UpscaleMemoryPlan",
+    "check_weights_fit",
     "colour_stage_bytes",
     "pass_io_bytes",
     "latent_upscaler_rows",
@@ -263,6 +264,17 @@ def plan_encode(
     return plan_vae_stage("encode", tuple(peaks), budget_bytes, f"a {width}x{height} image (batch {batch})", tiled)
 
 
+def check_weights_fit(budget_bytes: int, weight_bytes: int) -> None:
+    """One FlowliftError line when ``budget_bytes`` cannot hold the models' ``weight_bytes``, whatever the image:
+    every stage keeps them on the device (a pipeline checks it when made, before any input is read)."""
+    if budget_bytes <= weight_bytes:
+        raise FlowliftError(
+            f"max_memory {format_bytes(budget_bytes)} does not even hold the model weights "
+            f"({format_bytes(weight_bytes)}); give at least {format_bytes(weight_bytes)} plus room for the image",
+            field="max_memory",
+        )
+
+
 def plan_upscale_memory(
     height: int,
     width: int,
@@ -291,12 +303,7 @@ def plan_upscale_memory(
     (:func:`colour_stage_bytes`), else on the host. Raises a FlowliftError line when some stage cannot fit at all,
     or a mode ``choices`` fixes does not.
     """
-    if budget_bytes <= weight_bytes:
-        raise FlowliftError(
-            f"max_memory {format_bytes(budget_bytes)} does not even hold the model weights "
-            f"({format_bytes(weight_bytes)})",
-            field="max_memory",
-        )
+    check_weights_fit(budget_bytes, weight_bytes)
     peaks: dict[str, int] = {}
     encode_tiled = False
     if vae_kind is not None:

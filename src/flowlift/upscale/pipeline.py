@@ -49,10 +49,11 @@ from flowlift.upscale.memory_plan import (
     StageChoices,
     UNetPassPlan,
     UpscaleMemoryPlan,
+    check_weights_fit,
     latent_upscaler_rows,
     to_host_float32,
 )
-from flowlift.upscale.pipeline_plans import encode_tiling, pipeline_plan
+from flowlift.upscale.pipeline_plans import encode_tiling, pipeline_plan, pipeline_weight_bytes
 from flowlift.upscale.settings import (
     COLOR_FIX_STRENGTH,
     RESIZE_MODE,
@@ -160,6 +161,8 @@ class FlowUpscalerPipeline:
         if sesqui_file is not None:  # SesquiLSR for the fraction, in float32, on the pipeline's device
             require_bn_statistics(self.vae)  # TAEF2/Mage-VAE: one line, before its weights load
             self.sesqui = load_sesqui_lsr(sesqui_file, device=self.device, dtype=torch.float32)
+        if self.max_memory is not None:  # one line for the whole run, not one per input of a batch
+            check_weights_fit(self.max_memory, pipeline_weight_bytes(self))
         self.channels_last = bool(channels_last)
         if self.channels_last and isinstance(self.upscaler, torch.nn.Module):
             self.upscaler.to(memory_format=torch.channels_last)
