@@ -9,7 +9,6 @@ every command does (a one-shot command's exit walked torch's objects for 0.3-0.4
 
 from __future__ import annotations
 
-import argparse
 import gc
 import signal
 import subprocess
@@ -21,6 +20,7 @@ import pytest
 
 from builders import save_tiny_unet as tiny_upscaler
 from flowlift.commands import cli
+from flowlift.commands._options import OneLineParser
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from soak_app import STOP_S, start_server  # noqa: E402
@@ -30,7 +30,7 @@ def _fake_parser(long_running: bool):
     def interrupted(_args):
         raise KeyboardInterrupt
 
-    parser = argparse.ArgumentParser(prog="flowlift")
+    parser = OneLineParser(prog="flowlift")  # as build_parser makes it
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("app").set_defaults(_run=interrupted, _long_running=long_running)
     return parser
@@ -56,7 +56,7 @@ def test_a_command_that_owns_its_process_runs_with_the_collector_on_and_the_impo
     def record(_args):
         seen.append((gc.isenabled(), gc.get_freeze_count()))
 
-    parser = argparse.ArgumentParser(prog="flowlift")
+    parser = OneLineParser(prog="flowlift")  # as build_parser makes it
     parser.add_subparsers(dest="command").add_parser("status").set_defaults(_run=record, _long_running=False)
     monkeypatch.setattr(cli, "build_parser", lambda: parser)
     monkeypatch.setattr(cli, "reuse_freed_memory", lambda: None)
