@@ -17,6 +17,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -138,16 +139,18 @@ def test_the_join_timeout_bounds_the_wait(tmp_path):
     assert waited < 4 + 90, (waited, baseline)
 
 
-def _start_script_on_two_ranks(script: Path, folder: Path, tmp_path: Path, *options: str) -> subprocess.Popen:
+def _start_script_on_two_ranks(
+    script: Path, folder: Path, tmp_path: Path, *options: str, stderr: Any = subprocess.PIPE
+) -> subprocess.Popen:
     """``python SCRIPT FOLDER`` (a launcher) started in ``tmp_path`` on one node of 2 ranks meeting at a c10d
-    rendezvous on a free loopback port under a fresh id, then ``options``; its stderr piped."""
+    rendezvous on a free loopback port under a fresh id, then ``options``; its stderr piped (or to ``stderr``)."""
     rendezvous = ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d"]
     rendezvous += ["--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", uuid.uuid4().hex]
     return subprocess.Popen(
         [sys.executable, str(script), str(folder), *rendezvous, *options],
         env=_env(),
         cwd=tmp_path,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
     )
 
@@ -589,3 +592,69 @@ def test_ranks_left_waiting_for_a_rank_that_stopped_the_job_are_ended():
     assert "only rank 0 met this" in err and "flowlift launch: rank 1 ended" in err and "exit status 2" in err, err
     assert "Traceback" not in err and "crashed" not in err, err
     assert _gone(pids) == [], err
+
+
+DEAF = """
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from flowlift.jobs.launch import launch
+
+
+def worker(argv):
+    # a rank deaf to SIGTERM and SIGINT, as one blocked inside a C++ collective is: only the agent's SIGKILL
+    # after its grace ends it; each start leaves RANK.RESTART (its pid)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    Path(argv[0], f"{os.environ['RANK']}.{os.environ['TORCHELASTIC_RESTART_COUNT']}").write_text(str(os.getpid()))
+    time.sleep(300)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(launch(worker, [sys.argv[1]], sys.argv[2:], command="flowlift launch"))
+"""
+
+
+def test_a_burst_of_stop_signals_to_the_launcher_is_one_line_130_and_no_rank_left(tmp_path):
+    """SIGINT, then SIGTERM every 20 ms until the launcher has exited (a user's Ctrl-C, then a scheduler insisting).
+    torch's handler raised SignalException again for each: out of the agent's shutdown (no SIGKILL after the grace,
+    both ranks left running), from an exit callback (a traceback, and SIGTERM's 143), with the line naming the last
+    signal. The first is the run's: one line naming it, 130, ranks that ignore SIGTERM killed after the grace."""
+    script = tmp_path / "deaf.py"
+    script.write_text(DEAF)
+    starts = tmp_path / "starts"
+    starts.mkdir()
+    log = tmp_path / "stderr.txt"  # not a pipe: a rank left running would hold it open
+    with log.open("w") as stderr:
+        process = _start_script_on_two_ranks(script, starts, tmp_path, "--max-restarts", "2", stderr=stderr)
+    first = [starts / "0.0", starts / "1.0"]
+    try:
+        deadline = time.monotonic() + 120
+        while not all(path.is_file() and path.read_text() for path in first):
+            assert process.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        ranks = [int(path.read_text()) for path in first]
+        os.kill(process.pid, signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while process.poll() is None and time.monotonic() < deadline:
+            os.kill(process.pid, signal.SIGTERM)
+            time.sleep(0.02)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    err = log.read_text()
+    leftover = _gone(ranks, grace_s=5)
+    for pid in leftover:
+        os.kill(pid, signal.SIGKILL)
+    assert process.returncode == 130, err
+    assert [text for text in err.splitlines() if text.startswith("flowlift launch")] == [
+        "flowlift launch: interrupted by SIGINT"
+    ], err
+    assert "Traceback" not in err and "SignalException" not in err and "crashed" not in err, err
+    assert leftover == [], err
+    assert sorted(path.name for path in starts.iterdir()) == ["0.0", "1.0"], err  # no restart, nothing partial

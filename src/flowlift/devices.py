@@ -295,6 +295,8 @@ def end_before_native_teardown() -> None:
     rank (SIGABRT, "terminate called without an active exception") after its work is done, so that
     ``torchrun`` reports a finished training run as failed. The command has written and closed its files by
     then; :func:`end_process` runs the ``atexit`` handlers, flushes the streams and leaves with ``os._exit``.
+    ``flowlift launch`` stopped by a signal ends so too: the interpreter's teardown would give SIGTERM back its
+    default action, and a late one of a burst would kill it with 143 (:class:`flowlift.jobs.launch._FirstStop`).
     """
     global _native_teardown_unsafe
     _native_teardown_unsafe = True

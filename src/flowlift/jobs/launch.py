@@ -32,6 +32,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -63,6 +64,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGHUP, si
 #: a rank ends within a second of SIGTERM unless it is blocked inside a C++ collective, which takes the signal
 #: only when the call returns; its outputs are written atomically, so a kill leaves nothing partial behind.
 STOP_GRACE_S = 5
+#: The signals torch's agent stops its ranks for (``TORCHELASTIC_SIGNALS_TO_HANDLE``'s default): the launcher takes the
+#: first of them and ignores the rest (:class:`_FirstStop`).
+AGENT_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 #: Seconds a rank may run on after another returned a failing outcome (2, 130) before the agent ends it: ranks stop
 #: together, so one still running waits in a collective for the rank that left (gloo's timeout: 30 minutes).
 LEFT_BEHIND_GRACE_S = 10
@@ -152,8 +156,9 @@ def launch(
     check_rendezvous_host(config.rdzv_endpoint)
     suspended: dict[int, int] = {}  # global rank -> pid of a suspended rank the agent ended
     left_behind: dict[int, int] = {}  # global rank -> the failing outcome it was ended after
+    stops = _FirstStop(SignalException)
     try:
-        with _no_restart_after_a_stop(suspended, left_behind):
+        with _no_restart_after_a_stop(suspended, left_behind, stops), stops:
             values = elastic_launch(config, _quiet_start(worker))(list(argv))
     except ChildFailedError as error:
         if left_behind and set(error.failures) <= set(left_behind):
@@ -189,7 +194,7 @@ def launch(
             )
         return CRASHED
     except SignalException as stop:  # the launcher itself was stopped: the agent has stopped the ranks
-        print(f"{command}: interrupted by {signal.Signals(stop.sigval).name}", file=sys.stderr)
+        print(f"{command}: interrupted by {signal.Signals(stops.signum or stop.sigval).name}", file=sys.stderr)
         return INTERRUPTED
     except (RendezvousError, DistError) as error:  # the static rendezvous' store times out as a DistStoreError
         wait = config.rdzv_configs.get("join_timeout", config.rdzv_configs.get("timeout"))
@@ -198,8 +203,60 @@ def launch(
     return job_status(values)
 
 
+class _FirstStop:
+    """The launcher's handler of :data:`AGENT_STOP_SIGNALS`, in place of torch's: each raises torch's
+    ``SignalException`` until the agent ends its ranks (``stopping``, set by :func:`_stop_aware_agent`'s
+    ``_shutdown``), then they are ignored; the line names the first (``signum``). torch's raised again for each
+    signal of a burst: out of the agent's shutdown (no SIGKILL after the grace: ranks left running), out of the
+    launcher's clean-up or an exit callback (a traceback, 143). When the run is over (:meth:`__exit__`), without a
+    stop the caller's handlers come back; after one the signals stay ignored to the process's end
+    (:func:`flowlift.devices.end_before_native_teardown`: the interpreter's teardown would restore SIG_DFL)."""
+
+    def __init__(self, raises: type[BaseException]) -> None:
+        self.raises = raises  # torch's SignalException: the agent and torch's launcher handle it
+        self.signum: int | None = None  # the first stop signal taken
+        self.stopping = self.over = False
+        self.previous: dict[int, Any] = {}
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.stopping or self.over:
+            return  # the agent is ending the ranks already (SIGKILL after STOP_GRACE_S), or the run is over
+        self.signum = signum if self.signum is None else self.signum
+        raise self.raises(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+    def install(self) -> None:
+        """Take the stop signals (again, after torch's ``PContext.start`` registered its handler for them)."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # torch registers none off the main thread either
+        for signum in AGENT_STOP_SIGNALS:
+            self.previous.setdefault(signum, signal.signal(signum, self))
+
+    def __enter__(self) -> None:
+        self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self.over = True
+        if self.signum is not None:
+            from flowlift.devices import end_before_native_teardown
+
+            for signum in AGENT_STOP_SIGNALS:  # not in __call__: a signal pending then was "ignored due to race"
+                signal.signal(signum, signal.SIG_IGN)
+            end_before_native_teardown()
+            return
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, AGENT_STOP_SIGNALS)  # one now waits for the caller's
+        try:
+            for signum, handler in self.previous.items():
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 @contextmanager
-def _no_restart_after_a_stop(suspended: dict[int, int], left_behind: dict[int, int]) -> Iterator[None]:
+def _no_restart_after_a_stop(
+    suspended: dict[int, int], left_behind: dict[int, int], stops: _FirstStop | None = None
+) -> Iterator[None]:
     """While torch's ``launch_agent`` runs, the agent it builds is :func:`_stop_aware_agent`'s: a rank that
     ended by a stop signal ends the run instead of restarting the group (``--max-restarts`` is for crashes).
 
@@ -210,14 +267,16 @@ def _no_restart_after_a_stop(suspended: dict[int, int], left_behind: dict[int, i
     import torch.distributed.launcher.api as launcher_api
 
     original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = _stop_aware_agent(original, suspended, left_behind)
+    launcher_api.LocalElasticAgent = _stop_aware_agent(original, suspended, left_behind, stops)
     try:
         yield
     finally:
         launcher_api.LocalElasticAgent = original
 
 
-def _stop_aware_agent(base: type, suspended: dict[int, int], left_behind: dict[int, int] | None = None) -> type:
+def _stop_aware_agent(
+    base: type, suspended: dict[int, int], left_behind: dict[int, int] | None = None, stops: _FirstStop | None = None
+) -> type:
     left_behind = {} if left_behind is None else left_behind
 
     class StopAwareAgent(base):  # type: ignore[misc, valid-type]
@@ -227,24 +286,45 @@ def _stop_aware_agent(base: type, suspended: dict[int, int], left_behind: dict[i
         :data:`LEFT_BEHIND_GRACE_S` after a rank returned a failing outcome (``left_behind``)."""
 
         _failed_since: float | None = None
+        _restarting = False
 
         def _start_workers(self, worker_group: Any) -> Any:
             # A rank spends seconds in Python's start-up and torch's import before any code of flowlift's
             # runs, and SIGINT there printed a KeyboardInterrupt traceback (from inside `site`, a "Fatal
             # Python error": a crash to the agent). The ranks are started with SIGINT blocked (a spawned
             # process inherits the mask) and take it in _rank_entry. The resource tracker runs first:
-            # starting it unblocks SIGINT in this process.
+            # starting it unblocks SIGINT in this process. torch's PContext.start registers its own handler of
+            # the stop signals meanwhile: they stay blocked until the launcher's is back (_FirstStop).
             from multiprocessing import resource_tracker
 
             resource_tracker.ensure_running()
-            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, AGENT_STOP_SIGNALS)
             try:
                 return super()._start_workers(worker_group)
             finally:
+                if stops is not None:
+                    stops.install()
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
         def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30, **rest: Any) -> None:
-            super()._shutdown(death_sig, min(timeout, STOP_GRACE_S), **rest)  # a stop within seconds, not 30 s
+            from torch.distributed.elastic.multiprocessing import SignalException
+
+            if stops is not None:  # the run ends, unless a crash restarts the group: a stop then still stops it
+                stops.stopping = not self._restarting
+            try:
+                super()._shutdown(death_sig, min(timeout, STOP_GRACE_S), **rest)  # a stop within seconds, not 30 s
+            except SignalException as stop:  # the ranks are ended all the same, then the run
+                if stops is not None:
+                    stops.stopping = True
+                super()._shutdown(stop.sigval, STOP_GRACE_S, **rest)
+                raise
+
+        def _stop_workers(self, worker_group: Any) -> None:  # before a restart (torch's calls _shutdown)
+            self._restarting = True
+            try:
+                super()._stop_workers(worker_group)
+            finally:
+                self._restarting = False
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
@@ -297,12 +377,12 @@ def is_suspended(pid: int | None) -> bool:
 
 
 def _rank_entry(worker: Callable[..., Any], *args: Any) -> Any:
-    """Each rank's entry point: SIGINT, blocked while the rank started (:func:`_stop_aware_agent`), is
-    taken from here on, and ends the rank quietly with the shell's 130 until the command installs its own
+    """Each rank's entry point: the stop signals, blocked while the rank started (:func:`_stop_aware_agent`), are
+    taken from here on; SIGINT ends the rank quietly with the shell's 130 until the command installs its own
     handler (and after it puts this one back); once the worker has returned or raised, SIGINT is ignored, so one
     arriving while the rank exits cannot raise inside an exit callback (a traceback on a finished rank)."""
     signal.signal(signal.SIGINT, _end_quietly)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a SIGINT sent while starting arrives now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, AGENT_STOP_SIGNALS)  # a stop signal sent while starting arrives now
     try:
         return worker(*args)
     finally:  # the rank's outcome is decided: a SIGINT during the interpreter's exit changes nothing, says nothing
