@@ -139,6 +139,15 @@ def test_the_join_timeout_bounds_the_wait(tmp_path):
     assert waited < 4 + 90, (waited, baseline)
 
 
+def _started_ranks(process: subprocess.Popen, first: list[Path]) -> list[int]:
+    """The pids the two ranks wrote to ``first`` once both started (the launcher still running meanwhile)."""
+    deadline = time.monotonic() + 120
+    while not all(path.is_file() and path.read_text() for path in first):
+        assert process.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.2)
+    return [int(path.read_text()) for path in first]
+
+
 def _start_script_on_two_ranks(
     script: Path, folder: Path, tmp_path: Path, *options: str, stderr: Any = subprocess.PIPE
 ) -> subprocess.Popen:
@@ -251,11 +260,7 @@ def test_a_signal_stops_the_whole_run_and_is_never_restarted(tmp_path, target, s
     process = _start_script_on_two_ranks(script, starts, tmp_path, "--max-restarts", "2")
     first = [starts / "0.0", starts / "1.0"]
     try:
-        deadline = time.monotonic() + 120
-        while not all(path.is_file() and path.read_text() for path in first):
-            assert process.poll() is None and time.monotonic() < deadline, "the ranks did not start"
-            time.sleep(0.2)
-        ranks = [int(path.read_text()) for path in first]
+        ranks = _started_ranks(process, first)
         victim = process.pid if target == "launcher" else ranks[int(target.split()[1])]
         os.kill(victim, signum)
         _, err = process.communicate(timeout=60)
@@ -633,11 +638,7 @@ def test_a_burst_of_stop_signals_to_the_launcher_is_one_line_130_and_no_rank_lef
         process = _start_script_on_two_ranks(script, starts, tmp_path, "--max-restarts", "2", stderr=stderr)
     first = [starts / "0.0", starts / "1.0"]
     try:
-        deadline = time.monotonic() + 120
-        while not all(path.is_file() and path.read_text() for path in first):
-            assert process.poll() is None and time.monotonic() < deadline, "the ranks did not start"
-            time.sleep(0.2)
-        ranks = [int(path.read_text()) for path in first]
+        ranks = _started_ranks(process, first)
         os.kill(process.pid, signal.SIGINT)
         deadline = time.monotonic() + 60
         while process.poll() is None and time.monotonic() < deadline:
