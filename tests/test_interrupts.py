@@ -64,10 +64,10 @@ def _ignore_sigint() -> None:  # what a non-interactive shell does for a backgro
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_capped_job_stops_within_seconds_with_130_and_nothing_partial(shared, tiny_weights, tmp_path, signum):
-    # 3 passes of 2100 px would pass the 16384 px cap: 2 run (8400x960), a job long enough to stop mid-way (its
-    # decode alone takes ~20 CPU-s on one thread); a strip, so that the encode before the signal is short
+def _start_capped_job(shared: Path, weights: Path, tmp_path: Path) -> tuple[subprocess.Popen, _Collected]:
+    """A real capped upscale in a subprocess that inherits an ignored SIGINT, returned once its encode and a pass
+    are done. 3 passes of 2100 px would pass the 16384 px cap: 2 run (8400x960), a job long enough to stop mid-way
+    (its decode alone takes ~20 CPU-s on one thread); a strip, so that the encode before the signal is short."""
     Image.new("RGB", (2100, 240), (120, 90, 60)).save(tmp_path / "small.png")
     out = tmp_path / "out"
     env = dict(
@@ -86,7 +86,7 @@ def test_a_capped_job_stops_within_seconds_with_130_and_nothing_partial(shared, 
         "3",
         "-o",
         str(out),
-        *cpu_upscale_options(shared, tiny_weights),
+        *cpu_upscale_options(shared, weights),
         "--progress",
     ]
     process = subprocess.Popen(
@@ -100,6 +100,18 @@ def test_a_capped_job_stops_within_seconds_with_130_and_nothing_partial(shared, 
             assert process.poll() is None, f"ended early ({process.returncode}):\n{err.text()}"
             assert time.monotonic() < deadline, f"no progress within 180 s:\n{err.text()}"
             time.sleep(0.05)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    return process, err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_capped_job_stops_within_seconds_with_130_and_nothing_partial(shared, tiny_weights, tmp_path, signum):
+    process, err = _start_capped_job(shared, tiny_weights, tmp_path)
+    out = tmp_path / "out"
+    try:
         process.send_signal(signum)
         sent = time.monotonic()
         try:
@@ -119,6 +131,29 @@ def test_a_capped_job_stops_within_seconds_with_130_and_nothing_partial(shared, 
     work = re.search(r"small\.png: +\d+%", text)  # the image's first progress bar
     assert work and warning < work.start(), "the cap warning must come before the work"
     assert not out.exists() or list(out.iterdir()) == []  # nothing partial, no temporary file left
+
+
+def test_ctrl_c_then_a_stream_of_sigterm_ends_with_130_and_one_line(shared, tiny_weights, tmp_path):
+    """Ctrl-C, then a scheduler's SIGTERM again and again: the command printed "interrupted" and was then killed by
+    a SIGTERM during the interpreter's teardown (which gives SIGTERM its default action back): 143, not 130."""
+    process, err = _start_capped_job(shared, tiny_weights, tmp_path)
+    try:
+        process.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while process.poll() is None and time.monotonic() < deadline:
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.02)
+        code = process.wait(timeout=5)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    text = err.text()
+    assert code == 130, (code, text[-2000:])
+    assert text.rstrip().endswith("flowlift upscale: interrupted") and text.count("interrupted") == 1, text[-2000:]
+    assert "Traceback" not in text
+    out = tmp_path / "out"
+    assert not out.exists() or list(out.iterdir()) == []
 
 
 def test_the_command_line_installs_sigint_even_when_it_was_inherited_ignored():

@@ -34,7 +34,7 @@ from flowlift.console import (
     set_command,
     stdout_failure,
 )
-from flowlift.devices import end_process, passive_thread_wait, reuse_freed_memory
+from flowlift.devices import end_before_native_teardown, end_process, passive_thread_wait, reuse_freed_memory
 from flowlift.errors import FlowliftError, door_words
 from flowlift.version import __version__
 
@@ -79,6 +79,8 @@ def build_parser() -> OneLineParser:
 
 #: The exit status after stdout's reader went away (``| head -1``): 128 + SIGPIPE, as a shell reports it.
 BROKEN_PIPE_STATUS = 141
+#: The exit status of a command stopped by SIGINT or SIGTERM (128 + SIGINT, as shells report Ctrl-C).
+INTERRUPTED = 130
 
 #: Whether SIGTERM interrupted the last command run in this process (else a KeyboardInterrupt is SIGINT).
 _stopped_by_sigterm = False
@@ -185,6 +187,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main(argv)
     guard_standard_streams()
     status = _main(None)
+    if status == INTERRUPTED:
+        # Stopped: the process ends now, skipping the interpreter's teardown, which gives SIGTERM its default
+        # action back; a later signal of a burst (Ctrl-C, then a scheduler's SIGTERM) killed the process there
+        # after its "interrupted" line, with 143 in place of 130. Until the end it is held (flowlift/__init__.py).
+        end_before_native_teardown()
     failure = stdout_failure()
     if failure is None or status:
         return end_process(status)
@@ -234,7 +241,7 @@ def _main(argv: Sequence[str] | None) -> int:
         said = f": {stop}" if str(stop) else ""
         if _says_interrupted(bool(said)):
             print(f"flowlift {command}: interrupted{said}" if command else "flowlift: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     finally:
         if owns_process:
             _skip_final_collection()
