@@ -19,6 +19,7 @@ from typing import Any
 from flowlift.errors import FlowliftError
 
 __all__ = [
+    "cap_words",
     "DECODE_PLAIN_CHANNELS",
     "DECODE_TILE_BYTES",
     "ENCODE_PLAIN_CHANNELS",
@@ -41,6 +42,13 @@ __all__ = [
 
 #: The largest output side flowlift writes (16K): upscale passes stop before it, an outpaint canvas stays in it.
 MAX_OUTPUT_SIDE = 16384
+
+
+def cap_words(max_side: int = MAX_OUTPUT_SIDE) -> str:
+    """The cap as every message says it, by its value (never the constant's name): ``the 16384 px cap a side``."""
+    return f"the {max_side} px cap a side"
+
+
 #: Channels of a FLUX.2 latent (normalized, unpatchified, at 1/8 of the image's size): what every VAE here encodes
 #: to, the Flow Upscaler's samples, the transformer's latents before its 2x2 patches.
 LATENT_CHANNELS = 32

@@ -17,6 +17,7 @@ from pydantic import BeforeValidator
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR, denormalize, normalize
 from flowlift.knobs import Knob
+from flowlift.limits import cap_words
 from flowlift.upscale.sizes import MAX_OUTPUT_SIDE, planned_passes, upscaled_size
 
 
@@ -37,8 +38,7 @@ def check_output_cap(
         made = f"SesquiLSR would make {out_w}x{out_h} px"
     if planned_passes(height, width, passes, "pad", MAX_OUTPUT_SIDE) < passes or max(out_h, out_w) > MAX_OUTPUT_SIDE:
         raise FlowliftError(
-            f"{what}: scale {scale:g} on {width}x{height} px: {made}, over the {MAX_OUTPUT_SIDE} px cap a side; "
-            "choose a smaller scale"
+            f"{what}: scale {scale:g} on {width}x{height} px: {made}, over {cap_words()}; choose a smaller scale"
         )
 
 

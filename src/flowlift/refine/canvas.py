@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
-from flowlift.limits import PIXEL_MULTIPLE
+from flowlift.limits import PIXEL_MULTIPLE, cap_words
 
 
 def checked_images(images: Any, name: str = "images", channels: int = 3) -> torch.Tensor:
@@ -91,8 +91,7 @@ def outpaint_pads(height: int, width: int, left: int, top: int, right: int, bott
     canvas_h, canvas_w = height + pads[1] + pads[3], width + pads[0] + pads[2]
     if max(canvas_h, canvas_w) > MAX_OUTPUT_SIDE:
         raise FlowliftError(
-            f"outpaint borders make a {canvas_w}x{canvas_h} canvas, over the {MAX_OUTPUT_SIDE} px cap a side; "
-            "use smaller borders",
+            f"outpaint borders make a {canvas_w}x{canvas_h} canvas, over {cap_words()}; use smaller borders",
             field="outpaint",
         )
     return pads  # type: ignore[return-value]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.flux2.settings import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SAMPLERS, SCHEDULES
 from flowlift.knobs import SCALE, SEED, TRANSPLANT_STRENGTH, Knob, table  # noqa: F401  (TRANSPLANT_STRENGTH: the hires fix's)
-from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE, hires_size_or_refuse
+from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE, cap_words, hires_size_or_refuse
 
 #: The most steps a refine takes: far past where a flow model stops gaining (28-50), and a bound on what one
 #: request to the web app can ask for.
@@ -122,7 +122,7 @@ def check_txt2img_size(width: int, height: int, field: str = "size") -> None:
         )
     if max(sides) > MAX_OUTPUT_SIDE:
         raise FlowliftError(
-            f"{field} {width}x{height} is over the {MAX_OUTPUT_SIDE} px cap a side; "
+            f"{field} {width}x{height} is over {cap_words()}; "
             f"{'resize the image to' if field == 'image' else 'use'} at most {MAX_OUTPUT_SIDE} px a side",
             field=field,
         )
@@ -151,7 +151,7 @@ def check_hires_size(
         fits = [choice for choice in presets if side * choice <= MAX_OUTPUT_SIDE]
         most = MAX_OUTPUT_SIDE // min(presets)
         base = f"a {width}x{height} {'image' if field in ('image', 'images') else 'base'}"
-        over = f"would be {out_w}x{out_h}, over the {MAX_OUTPUT_SIDE} px cap a side (a pass would be dropped)"
+        over = f"would be {out_w}x{out_h}, over {cap_words()} (a pass would be dropped)"
         if fits:
             raise FlowliftError(
                 f"{FIELD_MARK} {scale:g} on {base} {over}; use {FIELD_MARK} {max(fits)}", field=(scale_field,) * 2

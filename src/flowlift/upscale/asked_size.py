@@ -17,7 +17,7 @@ from typing import Any
 
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.knobs import SCALE, exact_int
-from flowlift.limits import MAX_OUTPUT_SIDE, passes_for_scale
+from flowlift.limits import MAX_OUTPUT_SIDE, cap_words, passes_for_scale
 
 __all__ = ["AskedSize", "parse_size"]
 
@@ -94,7 +94,7 @@ class AskedSize:
             )
         if max(out) > MAX_OUTPUT_SIDE:
             raise FlowliftError(
-                f"{spelled} is over the {MAX_OUTPUT_SIDE} px cap a side; ask for at most {MAX_OUTPUT_SIDE} px a side",
+                f"{spelled} is over {cap_words()}; ask for at most {MAX_OUTPUT_SIDE} px a side",
                 field=field,
             )
         if max(out[0] / width, out[1] / height) > SCALE.high:

@@ -110,7 +110,7 @@ def fraction_passes(height: int, width: int, resize_mode: str, out: tuple[int, i
     factor of the content (the input for ``"pad"``, the resampled canvas for ``"resample"``), so each side is left
     1-2x (:func:`~flowlift.limits.passes_for_scale` with ``fraction_last``: 3 -> 1, 1.5 -> 0; 31x1 at 1.5 is 46x2,
     1.48x by 2x: no pass)."""
-    from flowlift.limits import MAX_OUTPUT_SIDE, passes_for_scale
+    from flowlift.limits import cap_words, passes_for_scale
     from flowlift.upscale.sizes import planned_passes, prepared_size
 
     prepared = prepared_size(height, width, resize_mode)
@@ -120,7 +120,7 @@ def fraction_passes(height: int, width: int, resize_mode: str, out: tuple[int, i
     if planned_passes(height, width, passes, resize_mode) < passes:  # the 16K cap on the canvas: no fewer passes
         raise FlowliftError(
             f"latent_upscaler: {out[0]}x{out[1]} needs {passes} 2x passes before SesquiLSR, and their canvas is over "
-            f"the {MAX_OUTPUT_SIDE} px cap a side; drop the latent upscaler to resample in pixels",
+            f"{cap_words()}; drop the latent upscaler to resample in pixels",
             field=FIELD,
         )
     fraction_plan(prepared, reference, passes, out)

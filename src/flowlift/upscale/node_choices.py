@@ -8,7 +8,7 @@ pipeline's arguments here, so the two packs cannot drift apart.
 from __future__ import annotations
 
 from flowlift.errors import FlowliftError
-from flowlift.limits import MAX_OUTPUT_SIDE, hires_size_or_refuse, passes_for_scale
+from flowlift.limits import MAX_OUTPUT_SIDE, cap_words, hires_size_or_refuse, passes_for_scale
 from flowlift.upscale.asked_size import AskedSize
 from flowlift.upscale.settings import CHUNKED
 
@@ -79,8 +79,8 @@ def latent_plan(
     width_px, height_px = hires_size_or_refuse(8 * width, 8 * height, asked.scale, "scale")  # 1.05x: no larger
     if max(width_px, height_px) > MAX_OUTPUT_SIDE:
         raise FlowliftError(
-            f"scale: {asked.scale:g}x of {8 * width}x{8 * height} px would make {width_px}x{height_px} px, over the "
-            f"{MAX_OUTPUT_SIDE} px cap a side; choose a smaller scale",
+            f"scale: {asked.scale:g}x of {8 * width}x{8 * height} px would make {width_px}x{height_px} px, over "
+            f"{cap_words()}; choose a smaller scale",
             field="scale",
         )
     return passes_for_scale(asked.scale, fraction_last=True), (height_px // 8, width_px // 8)

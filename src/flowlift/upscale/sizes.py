@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from flowlift.errors import FlowliftError
-from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE
+from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE, cap_words
 
 RESIZE_MODES = ("pad", "resample")
 
@@ -135,7 +135,7 @@ def dropped_passes_message(
     out_h, out_w = upscaled_size(height, width, passes, resize_mode)
     return (
         f"Flow Upscaler: {asked} pass(es) on a {width}x{height} image would exceed "
-        f"the {max_side} px cap a side; running {passes} pass(es) "
+        f"{cap_words(max_side)}; running {passes} pass(es) "
         f"({asked - passes} dropped, output {out_w}x{out_h}, scale {2**passes})"
     )
 
@@ -143,8 +143,8 @@ def dropped_passes_message(
 def no_pass_fits(width: int, height: int, max_side: int = MAX_OUTPUT_SIDE) -> str:
     """Why an image cannot be upscaled at all, any scale (1.5 too: every scale runs one 2x pass first)."""
     return (
-        f"a {width}x{height} image cannot be upscaled: every scale runs a first 2x pass, which would pass the "
-        f"{max_side} px cap a side; inputs up to {max_side // 2} px a side can be"
+        f"a {width}x{height} image cannot be upscaled: every scale runs a first 2x pass, which would pass "
+        f"{cap_words(max_side)}; inputs up to {max_side // 2} px a side can be"
     )
 
 
@@ -163,7 +163,7 @@ def over_cap_refusal(
     canvas_h, canvas_w = (side * 2**passes for side in prepared_size(height, width, resize_mode))
     return (
         f"Flow Upscaler: {asked} on a {width}x{height} image runs {passes} 2x pass(es) on a {canvas_w}x{canvas_h} px "
-        f"canvas, over the {max_side} px cap a side; choose a scale of at most {2**fit}"
+        f"canvas, over {cap_words(max_side)}; choose a scale of at most {2**fit}"
     )
 
 
