@@ -114,6 +114,41 @@ def test_forced_modes_are_held_and_checked_against_the_budget(unet_file, shared)
         pipeline.plan_memory(1024, 1024, 1)
 
 
+def test_an_explicit_chunk_rows_is_held_and_checked_against_the_budget(unet_file, shared):
+    """``MemoryPolicy(max_memory=..., chunk_rows=N)`` ran strips of N rows whatever the budget said: a strip height
+    the budget cannot hold ran past it, silently. The plan now holds N (on the device where the stores fit beside
+    the strips, else offloaded) and refuses a height over the budget in one line naming ``chunk_rows``."""
+    budget = 10**9  # a 2048² input's pass: the plan's own strips are offloaded 87 rows here
+    planned = M.plan_upscale_memory(2048, 2048, 1, budget, vae_kind="taef2").passes[0]
+    assert (planned.mode, planned.strip_rows) == ("offload", 87)
+    held = M.plan_upscale_memory(2048, 2048, 1, budget, vae_kind="taef2", choices=M.StageChoices(chunk_rows=8))
+    assert (held.passes[0].mode, held.passes[0].strip_rows) == (
+        "offload",
+        8,
+    ) and "UNet offload(8 rows)" in held.describe()
+    assert held.passes[0].peak_bytes < planned.peak_bytes <= budget
+    roomy = M.plan_upscale_memory(
+        2048, 2048, 1, 10**12, vae_kind="taef2", choices=M.StageChoices(chunked=True, chunk_rows=8)
+    )
+    assert (roomy.passes[0].mode, roomy.passes[0].strip_rows) == ("chunked", 8)  # stores on the device where they fit
+    with pytest.raises(FlowliftError) as refused:
+        M.plan_upscale_memory(2048, 2048, 1, budget, vae_kind="taef2", choices=M.StageChoices(chunk_rows=400))
+    assert refused.value.fields == ("max_memory", "chunk_rows", "chunk_rows")
+    line = str(refused.value)
+    assert line.startswith(f"max_memory {format_bytes(budget)} is too small for the UNet pass to a 512x512 latent")
+    assert "in strips of chunk_rows=400 rows" in line and line.endswith("lower chunk_rows to at most 87")
+    # a height past the frame's rows is the whole frame's strip, not more (a 16x16-latent pass here)
+    forced = {"vae_kind": "taef2", "choices": M.StageChoices(chunked=True, chunk_rows=10**6)}
+    whole = {"vae_kind": "taef2", "choices": M.StageChoices(chunked=True, chunk_rows=16)}
+    tall, exact = (M.plan_upscale_memory(64, 64, 1, 10**12, **kw).passes[0] for kw in (forced, whole))
+    assert tall.peak_bytes == exact.peak_bytes and tall.strip_rows == 10**6
+    # the pipeline hands its policy's chunk_rows to the plan
+    assert (
+        _pipeline(unet_file, shared, 10**12, chunked=True, chunk_rows=5).plan_memory(64, 64, 1).passes[0].strip_rows
+        == 5
+    )
+
+
 def test_a_forced_chunked_pass_follows_the_plans_strips():
     from builders import tiny_unet
     from flowlift.upscale.chunked.executor import ChunkedExecutor

@@ -116,3 +116,17 @@ def as_output(result: torch.Tensor, alpha: Any, output_type: str) -> Any:
 
     pictures = [attach_alpha(tensor_to_pil(result[i : i + 1]), alpha) for i in range(result.shape[0])]
     return pictures[0] if len(pictures) == 1 else pictures
+
+
+def to_host_float32(images: torch.Tensor, strip_rows: int = 256) -> torch.Tensor:
+    """``images`` (B, C, H, W) as float32 on the host, converted strip by strip.
+
+    The device never holds a float32 copy of the frame, only one strip of it; the values are exactly
+    ``images.to("cpu", torch.float32)``.
+    """
+    if images.device.type == "cpu":
+        return images.to(torch.float32)
+    out = torch.empty(images.shape, dtype=torch.float32, device="cpu")
+    for r0 in range(0, images.shape[-2], strip_rows):
+        out[..., r0 : r0 + strip_rows].copy_(images[..., r0 : r0 + strip_rows].to(torch.float32))
+    return out

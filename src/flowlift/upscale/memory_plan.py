@@ -29,7 +29,7 @@ a pass's *output* (the noise sample), image sizes are pixels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -69,7 +69,6 @@ __all__ = [
     "plan_unet_pass",
     "plan_upscale_memory",
     "plan_vae_stage",
-    "to_host_float32",
 ]
 
 #: The shortest SesquiLSR bands :func:`latent_upscaler_rows_by_size` picks (16 rows cost 1.03x the whole frame's CPU
@@ -108,12 +107,14 @@ class StageChoices:
     """What the caller fixed for the stages rather than the plan: ``latent_fraction`` (SesquiLSR's (height, width)
     latent after the passes), ``final_size`` ((width, height) the decoded frame is resampled to before stage 2, its
     float32 frame held by the colour stage), and MemoryPolicy's explicit ``chunked`` / ``vae_tiled`` (None: the plan
-    decides; True/False: held, and checked against the budget)."""
+    decides; True/False: held, and checked against the budget) and ``chunk_rows`` (a pass in strips takes that many
+    rows, checked against the budget)."""
 
     latent_fraction: tuple[int, int] | None = None
     final_size: tuple[int, int] | None = None
     chunked: bool | None = None
     vae_tiled: bool | None = None
+    chunk_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -175,6 +176,7 @@ def plan_unet_pass(
     dtype: torch.dtype = torch.float32,
     fixed_bytes: int = 0,
     chunked: bool | None = None,
+    chunk_rows: int | None = None,
 ) -> UNetPassPlan:
     """The fastest way to run one pass (output latent ``height x width``) within ``budget_bytes``.
 
@@ -182,7 +184,8 @@ def plan_unet_pass(
     :func:`plain_peak_bytes` fits; else chunked when the stores fit and leave at least
     ``MIN_DEVICE_STRIP_ROWS`` rows of strip; else offload with strips from the whole remainder; a
     remainder below one row is a FlowliftError. ``chunked`` (MemoryPolicy's explicit mode): False holds the pass
-    plain (one line naming it when that does not fit), True never plain.
+    plain (one line naming it when that does not fit), True never plain. ``chunk_rows`` (MemoryPolicy's explicit
+    strip height): a pass in strips takes that many rows (:func:`_held_strips`).
     """
     sizes = {"batch": batch, "base_channels": base_channels, "dtype": dtype}
     free = budget_bytes - fixed_bytes
@@ -198,6 +201,10 @@ def plan_unet_pass(
         )
     per_row = strip_bytes_per_row(width, **sizes)
     stores = chunked_store_bytes(height, width, **sizes)
+    if chunk_rows is not None:
+        return _held_strips(
+            UNetPassPlan("chunked", height, width, chunk_rows, fixed_bytes), stores, per_row, free, batch
+        )
     rows = strip_rows_for_budget(free, height, width, offloaded=False, **sizes)
     if free - stores >= (MIN_DEVICE_STRIP_ROWS + 2) * per_row:
         return UNetPassPlan("chunked", height, width, rows, fixed_bytes + stores + (rows + 2) * per_row)
@@ -210,6 +217,23 @@ def plan_unet_pass(
         )
     rows = strip_rows_for_budget(free, height, width, offloaded=True, **sizes)
     return UNetPassPlan("offload", height, width, rows, fixed_bytes + (rows + 2) * per_row)
+
+
+def _held_strips(held: UNetPassPlan, stores: int, per_row: int, free: int, batch: int) -> UNetPassPlan:
+    """``held`` (its ``peak_bytes`` the fixed bytes) in the caller's ``strip_rows``: chunked where the stores and the
+    strips fit in ``free``, else offloaded, else one line naming ``chunk_rows`` and the most rows that fit."""
+    asked, fixed = held.strip_rows or 1, held.peak_bytes
+    strip = (min(asked, held.height) + 2) * per_row  # the executor's strips are at most the frame's rows
+    for mode, on_device in (("chunked", stores), ("offload", 0)):
+        if on_device + strip <= free:
+            return replace(held, mode=mode, peak_bytes=fixed + on_device + strip)
+    fits, budget = free // per_row - 2, format_bytes(free + fixed)
+    raise FlowliftError(
+        f"{FIELD_MARK} {budget} is too small for the UNet pass to a {held.width}x{held.height} latent (batch {batch}) "
+        f"in strips of {FIELD_MARK}={asked} rows (about {format_bytes(fixed + strip)} even offloaded): "
+        + (f"lower {FIELD_MARK} to at most {fits}" if fits >= 1 else f"drop {FIELD_MARK} and raise the budget"),
+        field=("max_memory", "chunk_rows", "chunk_rows"),
+    )
 
 
 def plan_vae_stage(
@@ -315,6 +339,7 @@ def plan_upscale_memory(
         h, w = latent_h * 2 ** (index + 1), latent_w * 2 ** (index + 1)
         fixed = weight_bytes + pass_io_bytes(h, w, batch=batch, dtype=unet_dtype)
         unet = {"batch": batch, "base_channels": base_channels, "dtype": unet_dtype, "chunked": choices.chunked}
+        unet["chunk_rows"] = choices.chunk_rows
         passes.append(plan_unet_pass(h, w, budget_bytes, fixed_bytes=fixed, **unet))
     out_h, out_w = height * 2**num_passes, width * 2**num_passes
     sesqui, sesqui_rows, sesqui_peak = "", None, 0
@@ -423,17 +448,3 @@ def latent_upscaler_rows(
         return plan.latent_upscaler_rows
     weights = sum(model_bytes(m) for m in (pipeline.upscaler, pipeline.vae, sesqui))
     return plan_latent_upscaler(passed, target, pipeline.max_memory, batch, weights)[0]
-
-
-def to_host_float32(images: torch.Tensor, strip_rows: int = 256) -> torch.Tensor:
-    """``images`` (B, C, H, W) as float32 on the host, converted strip by strip.
-
-    The device never holds a float32 copy of the frame, only one strip of it; the values are exactly
-    ``images.to("cpu", torch.float32)``.
-    """
-    if images.device.type == "cpu":
-        return images.to(torch.float32)
-    out = torch.empty(images.shape, dtype=torch.float32, device="cpu")
-    for r0 in range(0, images.shape[-2], strip_rows):
-        out[..., r0 : r0 + strip_rows].copy_(images[..., r0 : r0 + strip_rows].to(torch.float32))
-    return out

@@ -34,7 +34,7 @@ from flowlift.models.sesqui_bands import sesqui_to_size
 from flowlift.models.sesqui_lsr import load_sesqui_lsr, require_bn_statistics
 from flowlift.models.upscaler_unet import ONE_STEP_TIMESTEP
 from flowlift.upscale.colorfix import LOWFREQ_FACTOR, latent_lowband_transplant
-from flowlift.upscale.image_steps import as_output, finish_decoded, vae_call, vae_input_dtype
+from flowlift.upscale.image_steps import as_output, finish_decoded, to_host_float32, vae_call, vae_input_dtype
 from flowlift.upscale.inputs import check_finite, image_alpha
 from flowlift.upscale.interrupts import checked_modules, with_check
 from flowlift.upscale.latent_fraction import find_sesqui, fraction_plan
@@ -51,7 +51,6 @@ from flowlift.upscale.memory_plan import (
     UpscaleMemoryPlan,
     check_weights_fit,
     latent_upscaler_rows,
-    to_host_float32,
 )
 from flowlift.upscale.pipeline_plans import encode_tiling, pipeline_plan, pipeline_weight_bytes
 from flowlift.upscale.settings import (

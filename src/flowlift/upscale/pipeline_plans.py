@@ -26,8 +26,8 @@ def pipeline_plan(
 ) -> UpscaleMemoryPlan:
     """:func:`~flowlift.upscale.memory_plan.plan_upscale_memory` for a pipeline's models, dtypes and
     ``max_memory``: ``sizes`` (height, width, passes, batch) of its model input; its memory policy's explicit
-    ``chunked``/``vae_tiled`` go into ``choices`` (held and checked); ``latents_only``: no encode, decode or
-    stage 2."""
+    ``chunked``/``vae_tiled``/``chunk_rows`` go into ``choices`` (held and checked); ``latents_only``: no encode,
+    decode or stage 2."""
     height, width, num_passes, batch = sizes
     return plan_upscale_memory(
         height,
@@ -41,7 +41,9 @@ def pipeline_plan(
         vae_dtype=vae_dtype(pipeline.vae, pipeline.dtype),
         weight_bytes=pipeline_weight_bytes(pipeline),
         spatial_factor=pipeline.spatial_factor,
-        choices=replace(choices, chunked=pipeline.chunked, vae_tiled=pipeline.vae_tiled),
+        choices=replace(
+            choices, chunked=pipeline.chunked, vae_tiled=pipeline.vae_tiled, chunk_rows=pipeline.chunk_rows
+        ),
     )
 
 

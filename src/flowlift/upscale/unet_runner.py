@@ -147,7 +147,8 @@ def velocity_model(
     chunked / offload with its strip rows, planned with ``chunked`` held) is followed when given, else the size
     (above ``budget_bytes`` of estimated plain-forward memory; default:
     :func:`flowlift.upscale.chunked.budget.should_chunk`'s). Explicit ``chunk_rows`` and ``offload_device`` win over
-    the plan's. ``on_strip`` goes to the executor (progress and cancel per strip).
+    the plan's (a plan holds ``chunk_rows`` already, checked against its budget). ``on_strip`` goes to the executor
+    (progress and cancel per strip).
     """
     plain = plain if plain is not None else upscaler
     if chunked is False:
