@@ -707,6 +707,11 @@ def test_bad_inputs_fail_only_their_item_with_one_line(server):
         "NaN latents": (latent_graph(nan, flux2_vae), ["non-finite", "NaN"]),
         "SD-1 VAE": (latent_graph(flux2, vae_loader(server.sd15_vae)), ["needs a FLUX.2 VAE", "sd-1"]),
         "16K cap": (wide, ["16384 px cap", "2049x16"]),
+        # the VAE's fetch hint in this door's words: its field, never the command line's --vae
+        "uncached TAEF2 repo": (
+            graph({"up": upscale_image_node(server, "example.png", taef2="nobody/no-taef2")}, []),
+            ["cannot get nobody/no-taef2", "or set the TAEF2 field to a local path"],
+        ),
     }
     item_ids = {name: server.enqueue(g) for name, (g, _) in cases.items()}
     after = server.enqueue(latent_graph(flux2, flux2_vae))  # queued behind the failures: must still run
@@ -715,6 +720,7 @@ def test_bad_inputs_fail_only_their_item_with_one_line(server):
         text = error_line(server.wait(item_ids[name]))
         assert all(part in text for part in expected), (name, text)
         assert "secret" not in text and "TOKEN" not in text and "operand" not in text, (name, text)
+        assert "--vae" not in text and "CLI" not in text, (name, text)
         if name.endswith(" upscaler"):
             refusals.add(text.split(": expected ", 1)[1])
     assert len(refusals) == 1, refusals  # corrupt, huge, a dotfile or missing: one and the same line
