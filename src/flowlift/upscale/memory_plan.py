@@ -29,7 +29,7 @@ a pass's *output* (the noise sample), image sizes are pixels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -202,9 +202,7 @@ def plan_unet_pass(
     per_row = strip_bytes_per_row(width, **sizes)
     stores = chunked_store_bytes(height, width, **sizes)
     if chunk_rows is not None:
-        return _held_strips(
-            UNetPassPlan("chunked", height, width, chunk_rows, fixed_bytes), stores, per_row, free, batch
-        )
+        return _held_strips((height, width, batch), chunk_rows, fixed_bytes, (stores, per_row), budget_bytes)
     rows = strip_rows_for_budget(free, height, width, offloaded=False, **sizes)
     if free - stores >= (MIN_DEVICE_STRIP_ROWS + 2) * per_row:
         return UNetPassPlan("chunked", height, width, rows, fixed_bytes + stores + (rows + 2) * per_row)
@@ -219,19 +217,22 @@ def plan_unet_pass(
     return UNetPassPlan("offload", height, width, rows, fixed_bytes + (rows + 2) * per_row)
 
 
-def _held_strips(held: UNetPassPlan, stores: int, per_row: int, free: int, batch: int) -> UNetPassPlan:
-    """``held`` (its ``peak_bytes`` the fixed bytes) in the caller's ``strip_rows``: chunked where the stores and the
-    strips fit in ``free``, else offloaded, else one line naming ``chunk_rows`` and the most rows that fit."""
-    asked, fixed = held.strip_rows or 1, held.peak_bytes
-    strip = (min(asked, held.height) + 2) * per_row  # the executor's strips are at most the frame's rows
+def _held_strips(
+    frame: tuple[int, int, int], rows: int, fixed_bytes: int, sizes: tuple[int, int], budget_bytes: int
+) -> UNetPassPlan:
+    """A pass (``frame``: latent height, width, batch) in the caller's strips of ``rows``: chunked where its stores and
+    strips (``sizes``: their bytes, a row's) fit, else offloaded, else one line giving the most rows that fit."""
+    (height, width, batch), (stores, per_row) = frame, sizes
+    strip = (min(rows, height) + 2) * per_row  # the executor's strips are at most the frame's rows
     for mode, on_device in (("chunked", stores), ("offload", 0)):
-        if on_device + strip <= free:
-            return replace(held, mode=mode, peak_bytes=fixed + on_device + strip)
-    fits, budget = free // per_row - 2, format_bytes(free + fixed)
+        if fixed_bytes + on_device + strip <= budget_bytes:
+            return UNetPassPlan(mode, height, width, rows, fixed_bytes + on_device + strip)
+    fits = (budget_bytes - fixed_bytes) // per_row - 2
+    fix = f"lower {FIELD_MARK} to at most {fits}" if fits >= 1 else f"drop {FIELD_MARK} and raise the budget"
     raise FlowliftError(
-        f"{FIELD_MARK} {budget} is too small for the UNet pass to a {held.width}x{held.height} latent (batch {batch}) "
-        f"in strips of {FIELD_MARK}={asked} rows (about {format_bytes(fixed + strip)} even offloaded): "
-        + (f"lower {FIELD_MARK} to at most {fits}" if fits >= 1 else f"drop {FIELD_MARK} and raise the budget"),
+        f"{FIELD_MARK} {format_bytes(budget_bytes)} is too small for the UNet pass to a {width}x{height} latent "
+        f"(batch {batch}) in strips of {FIELD_MARK}={rows} rows (about {format_bytes(fixed_bytes + strip)} even "
+        f"offloaded): {fix}",
         field=("max_memory", "chunk_rows", "chunk_rows"),
     )
 
@@ -339,8 +340,7 @@ def plan_upscale_memory(
         h, w = latent_h * 2 ** (index + 1), latent_w * 2 ** (index + 1)
         fixed = weight_bytes + pass_io_bytes(h, w, batch=batch, dtype=unet_dtype)
         unet = {"batch": batch, "base_channels": base_channels, "dtype": unet_dtype, "chunked": choices.chunked}
-        unet["chunk_rows"] = choices.chunk_rows
-        passes.append(plan_unet_pass(h, w, budget_bytes, fixed_bytes=fixed, **unet))
+        passes.append(plan_unet_pass(h, w, budget_bytes, fixed_bytes=fixed, chunk_rows=choices.chunk_rows, **unet))
     out_h, out_w = height * 2**num_passes, width * 2**num_passes
     sesqui, sesqui_rows, sesqui_peak = "", None, 0
     if choices.latent_fraction is not None:
