@@ -49,8 +49,7 @@ def released_file(tmp_path_factory, state) -> Path:
 
 
 def test_full_size_parameter_counts_before_and_after_the_fold():
-    with torch.device("meta"):
-        model = MageVAEModel()
+    model = MageVAEModel(device="meta")
 
     def count(module: torch.nn.Module) -> int:
         return sum(p.numel() for p in module.parameters())
@@ -68,6 +67,16 @@ def test_full_size_parameter_counts_before_and_after_the_fold():
     assert count(model.encoder) == 48_547_456
     assert count(model.decoder) == 51_761_059 + 2 * 2 * (384 * 384 + 384)
     assert model.encoder.t_embedder is None and all(b.adaLN_modulation is None for b in model.decoder.blocks)
+
+
+def test_device_builds_every_layer_there_with_the_layout_of_a_cpu_build():
+    """The loader builds its skeleton with ``device="meta"`` (no data, no initialisation): a layer left out of the
+    ``device`` plumbing would be made on the CPU with random weights, or missing from the state dict."""
+    meta, cpu = MageVAEModel(NARROW, device="meta"), MageVAEModel(NARROW)
+    meta_state, cpu_state = meta.state_dict(), cpu.state_dict()
+    assert {k: v.shape for k, v in meta_state.items()} == {k: v.shape for k, v in cpu_state.items()}
+    assert {v.device.type for v in meta_state.values()} == {"meta"}
+    assert {v.device.type for v in cpu_state.values()} == {"cpu"}
 
 
 def test_full_size_shapes_on_meta():

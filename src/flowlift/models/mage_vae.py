@@ -276,10 +276,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class TimestepEmbedder(nn.Module):
     """``mlp(timestep_features(t))``: Linear(256 -> C), SiLU, Linear(C -> C). Used only to fold t = 0."""
 
-    def __init__(self, hidden: int, features: int = 256) -> None:
+    def __init__(self, hidden: int, features: int = 256, *, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.features = features
-        self.mlp = nn.Sequential(nn.Linear(features, hidden), nn.SiLU(), nn.Linear(hidden, hidden))
+        self.mlp = nn.Sequential(
+            nn.Linear(features, hidden, device=device), nn.SiLU(), nn.Linear(hidden, hidden, device=device)
+        )
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
         return self.mlp(timestep_features(t, self.features).to(self.mlp[0].weight.dtype))
@@ -299,19 +301,23 @@ class DiCoBlock(nn.Module):
     :meth:`fold_modulation`.
     """
 
-    def __init__(self, channels: int, mlp_ratio: float, *, modulated: bool) -> None:
+    def __init__(
+        self, channels: int, mlp_ratio: float, *, modulated: bool, device: torch.device | str | None = None
+    ) -> None:
         super().__init__()
         ffn = int(mlp_ratio * channels)
-        self.conv1 = nn.Conv2d(channels, channels, 1)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
-        self.conv3 = nn.Conv2d(channels, channels, 1)
+        self.conv1 = nn.Conv2d(channels, channels, 1, device=device)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, groups=channels, device=device)
+        self.conv3 = nn.Conv2d(channels, channels, 1, device=device)
         # Index 1 of the released Sequential (pool, conv, sigmoid); the pool and sigmoid are channel_gate.
-        self.ca = nn.Sequential(nn.Identity(), nn.Conv2d(channels, channels, 1))
-        self.conv4 = nn.Conv2d(channels, ffn, 1)
-        self.conv5 = nn.Conv2d(ffn, channels, 1)
-        self.norm1 = nn.LayerNorm(channels, eps=NORM_EPS, elementwise_affine=not modulated)
-        self.norm2 = nn.LayerNorm(channels, eps=NORM_EPS, elementwise_affine=not modulated)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(channels, 6 * channels)) if modulated else None
+        self.ca = nn.Sequential(nn.Identity(), nn.Conv2d(channels, channels, 1, device=device))
+        self.conv4 = nn.Conv2d(channels, ffn, 1, device=device)
+        self.conv5 = nn.Conv2d(ffn, channels, 1, device=device)
+        self.norm1 = nn.LayerNorm(channels, eps=NORM_EPS, elementwise_affine=not modulated, device=device)
+        self.norm2 = nn.LayerNorm(channels, eps=NORM_EPS, elementwise_affine=not modulated, device=device)
+        self.adaLN_modulation = (
+            nn.Sequential(nn.SiLU(), nn.Linear(channels, 6 * channels, device=device)) if modulated else None
+        )
 
     @torch.no_grad()
     def fold_modulation(self, c: torch.Tensor, dtype: torch.dtype | None = None) -> None:
@@ -389,12 +395,12 @@ def _replace(conv: nn.Conv2d, weight: torch.Tensor, bias: torch.Tensor) -> None:
 class ResnetBlock(nn.Module):
     """``x + conv2(silu(GN(conv1(silu(GN(x))))))`` with 3x3 convolutions and 32-group GroupNorms."""
 
-    def __init__(self, channels: int) -> None:
+    def __init__(self, channels: int, *, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.norm1 = nn.GroupNorm(GROUPS, channels, eps=NORM_EPS)
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
-        self.norm2 = nn.GroupNorm(GROUPS, channels, eps=NORM_EPS)
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm1 = nn.GroupNorm(GROUPS, channels, eps=NORM_EPS, device=device)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, device=device)
+        self.norm2 = nn.GroupNorm(GROUPS, channels, eps=NORM_EPS, device=device)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.conv1(F.silu(group_norm(x, self.norm1), inplace=True))
@@ -413,14 +419,14 @@ class WindowAttentionBlock(nn.Module):
     normalized input to the output. Float32 (and wider) keeps the released four.
     """
 
-    def __init__(self, channels: int, window: int) -> None:
+    def __init__(self, channels: int, window: int, *, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.window = window
-        self.norm = nn.GroupNorm(GROUPS, channels, eps=NORM_EPS)
-        self.q = nn.Conv2d(channels, channels, 1)
-        self.k = nn.Conv2d(channels, channels, 1)
-        self.v = nn.Conv2d(channels, channels, 1)
-        self.proj_out = nn.Conv2d(channels, channels, 1)
+        self.norm = nn.GroupNorm(GROUPS, channels, eps=NORM_EPS, device=device)
+        self.q = nn.Conv2d(channels, channels, 1, device=device)
+        self.k = nn.Conv2d(channels, channels, 1, device=device)
+        self.v = nn.Conv2d(channels, channels, 1, device=device)
+        self.proj_out = nn.Conv2d(channels, channels, 1, device=device)
         self.qk: nn.Conv2d | None = None
         self.vo: nn.Conv2d | None = None
 
@@ -448,19 +454,19 @@ class WindowAttentionBlock(nn.Module):
 class CoDDecoder(nn.Module):
     """Latent (B, 128, h, w) -> conditioning features (B, C, h, w): conv, R A R A R, GN, SiLU, conv."""
 
-    def __init__(self, channels: int, window: int) -> None:
+    def __init__(self, channels: int, window: int, *, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.window = window
-        self.conv_in = nn.Conv2d(MAGE_LATENT_CHANNELS, channels, 3, padding=1)
+        self.conv_in = nn.Conv2d(MAGE_LATENT_CHANNELS, channels, 3, padding=1, device=device)
         self.block = nn.Sequential(
-            ResnetBlock(channels),
-            WindowAttentionBlock(channels, window),
-            ResnetBlock(channels),
-            WindowAttentionBlock(channels, window),
-            ResnetBlock(channels),
+            ResnetBlock(channels, device=device),
+            WindowAttentionBlock(channels, window, device=device),
+            ResnetBlock(channels, device=device),
+            WindowAttentionBlock(channels, window, device=device),
+            ResnetBlock(channels, device=device),
         )
-        self.norm_out = nn.GroupNorm(GROUPS, channels, eps=NORM_EPS)
-        self.conv_out = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm_out = nn.GroupNorm(GROUPS, channels, eps=NORM_EPS, device=device)
+        self.conv_out = nn.Conv2d(channels, channels, 3, padding=1, device=device)
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         h = self.block(self.conv_in(z))
@@ -479,22 +485,22 @@ class _Holder(nn.Module):
 class MageEncoder(nn.Module):
     """``student.dconv_encoder``: image [-1, 1] (B, 3, H, W), sides multiples of 16 -> mean (B, 128, H/16, W/16)."""
 
-    def __init__(self, config: MageVAEConfig) -> None:
+    def __init__(self, config: MageVAEConfig, *, device: torch.device | str | None = None) -> None:
         super().__init__()
         c, head = config.hidden, config.encoder_head
-        self.patch_cond_embed = nn.Conv2d(3, head, MAGE_PATCH, stride=MAGE_PATCH)
+        self.patch_cond_embed = nn.Conv2d(3, head, MAGE_PATCH, stride=MAGE_PATCH, device=device)
         self.head_blocks = nn.ModuleList(
-            DiCoBlock(head, config.mlp_ratio, modulated=False) for _ in range(config.encoder_head_blocks)
+            DiCoBlock(head, config.mlp_ratio, modulated=False, device=device) for _ in range(config.encoder_head_blocks)
         )
-        self.proj_down = nn.Conv2d(head, c, 1)
-        self.z_proj = nn.Conv2d(MAGE_LATENT_CHANNELS, c, 1)
-        self.fuse_proj = nn.Conv2d(2 * c, c, 1)
-        self.t_embedder: TimestepEmbedder | None = TimestepEmbedder(c, config.timestep_features)
+        self.proj_down = nn.Conv2d(head, c, 1, device=device)
+        self.z_proj = nn.Conv2d(MAGE_LATENT_CHANNELS, c, 1, device=device)
+        self.fuse_proj = nn.Conv2d(2 * c, c, 1, device=device)
+        self.t_embedder: TimestepEmbedder | None = TimestepEmbedder(c, config.timestep_features, device=device)
         self.blocks = nn.ModuleList(
-            DiCoBlock(c, config.mlp_ratio, modulated=True) for _ in range(config.encoder_blocks)
+            DiCoBlock(c, config.mlp_ratio, modulated=True, device=device) for _ in range(config.encoder_blocks)
         )
-        self.norm_out = nn.LayerNorm(c, eps=NORM_EPS)
-        self.proj_out = nn.Conv2d(c, 2 * MAGE_LATENT_CHANNELS, 1)
+        self.norm_out = nn.LayerNorm(c, eps=NORM_EPS, device=device)
+        self.proj_out = nn.Conv2d(c, 2 * MAGE_LATENT_CHANNELS, 1, device=device)
 
     def stem(self, x: torch.Tensor) -> torch.Tensor:
         """Patch embedding, head blocks, projection and the fuse with z_t = 0: (B, 3, H, W) -> (B, C, H/16, W/16).
@@ -540,13 +546,15 @@ class PixelResBlock(nn.Module):
     None here, and ``mlp``'s layers are 1x1 convolutions (``lin1``, ``lin2``) on channels-last rows.
     """
 
-    def __init__(self, channels: int) -> None:
+    def __init__(self, channels: int, *, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.in_ln = nn.LayerNorm(channels, eps=NORM_EPS)
+        self.in_ln = nn.LayerNorm(channels, eps=NORM_EPS, device=device)
         self.mlp: nn.Sequential | None = nn.Sequential(
-            nn.Linear(channels, channels), nn.SiLU(), nn.Linear(channels, channels)
+            nn.Linear(channels, channels, device=device), nn.SiLU(), nn.Linear(channels, channels, device=device)
         )
-        self.adaLN_modulation: nn.Sequential | None = nn.Sequential(nn.SiLU(), nn.Linear(channels, 3 * channels))
+        self.adaLN_modulation: nn.Sequential | None = nn.Sequential(
+            nn.SiLU(), nn.Linear(channels, 3 * channels, device=device)
+        )
         self.lin1: nn.Conv2d | None = None
         self.lin2: nn.Conv2d | None = None
 
@@ -637,16 +645,14 @@ def rms_norm_linear(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
 
 def _linear_from(weight: torch.Tensor, bias: torch.Tensor) -> nn.Linear:
     """An ``nn.Linear`` holding these tensors (made on meta: no random init)."""
-    with torch.device("meta"):
-        layer = nn.Linear(weight.shape[1], weight.shape[0])
+    layer = nn.Linear(weight.shape[1], weight.shape[0], device="meta")
     layer.weight, layer.bias = nn.Parameter(weight, weight.requires_grad), nn.Parameter(bias, bias.requires_grad)
     return layer
 
 
 def _conv_from(linear: nn.Linear) -> nn.Conv2d:
     """A 1x1 ``nn.Conv2d`` holding ``linear``'s weight (as (out, in, 1, 1)) and bias (made on meta: no random init)."""
-    with torch.device("meta"):
-        conv = nn.Conv2d(linear.in_features, linear.out_features, 1)
+    conv = nn.Conv2d(linear.in_features, linear.out_features, 1, device="meta")
     conv.weight = nn.Parameter(linear.weight[:, :, None, None], linear.weight.requires_grad)
     conv.bias = nn.Parameter(linear.bias, linear.bias.requires_grad)
     return conv
@@ -660,12 +666,12 @@ class PixelMLP(nn.Module):
     the released sums bit for bit; bfloat16 and float16 the folded form (:meth:`forward`).
     """
 
-    def __init__(self, config: MageVAEConfig) -> None:
+    def __init__(self, config: MageVAEConfig, *, device: torch.device | str | None = None) -> None:
         super().__init__()
         px = config.pixel_width
-        self.cond_embed = nn.Linear(config.hidden, MAGE_PATCH * MAGE_PATCH * px)
-        self.input_proj: nn.Linear | None = nn.Linear(px, px)
-        self.res_blocks = nn.ModuleList(PixelResBlock(px) for _ in range(config.pixel_blocks))
+        self.cond_embed = nn.Linear(config.hidden, MAGE_PATCH * MAGE_PATCH * px, device=device)
+        self.input_proj: nn.Linear | None = nn.Linear(px, px, device=device)
+        self.res_blocks = nn.ModuleList(PixelResBlock(px, device=device) for _ in range(config.pixel_blocks))
         self.modulation: nn.Conv2d | None = None
         self.modulation_ln: nn.Conv2d | None = None
         self.cond_conv: nn.Conv2d | None = None
@@ -762,28 +768,30 @@ class MageDecoder(nn.Module):
     ``x_embedder`` and ``input_proj`` are dropped. The final RMSNorm's weight folds into ``final_layer.linear``.
     """
 
-    def __init__(self, config: MageVAEConfig) -> None:
+    def __init__(self, config: MageVAEConfig, *, device: torch.device | str | None = None) -> None:
         super().__init__()
         c, px, p2 = config.hidden, config.pixel_width, MAGE_PATCH * MAGE_PATCH
         self.dct_freqs = config.dct_freqs
-        self.t_embedder: TimestepEmbedder | None = TimestepEmbedder(c, config.timestep_features)
-        self.y_embedder_x: nn.Conv2d | None = nn.Conv2d(c, px * p2, 1)
+        self.t_embedder: TimestepEmbedder | None = TimestepEmbedder(c, config.timestep_features, device=device)
+        self.y_embedder_x: nn.Conv2d | None = nn.Conv2d(c, px * p2, 1, device=device)
         self.x_embedder: _Holder | None = _Holder()
-        self.x_embedder.embedder = nn.Sequential(nn.Linear(3 + px + config.dct_freqs**2, px))
+        self.x_embedder.embedder = nn.Sequential(nn.Linear(3 + px + config.dct_freqs**2, px, device=device))
         self.pixel_embed: nn.Conv2d | None = None
         self.s_embedder = _Holder()
-        self.s_embedder.proj1 = nn.Conv2d(3, MAGE_LATENT_CHANNELS, MAGE_PATCH, stride=MAGE_PATCH, bias=False)
-        self.s_embedder.proj2 = nn.Conv2d(MAGE_LATENT_CHANNELS + c, c, 1)
-        self.blocks = nn.ModuleList(
-            DiCoBlock(c, config.mlp_ratio, modulated=True) for _ in range(config.decoder_blocks)
+        self.s_embedder.proj1 = nn.Conv2d(
+            3, MAGE_LATENT_CHANNELS, MAGE_PATCH, stride=MAGE_PATCH, bias=False, device=device
         )
-        self.dec_net = PixelMLP(config)
+        self.s_embedder.proj2 = nn.Conv2d(MAGE_LATENT_CHANNELS + c, c, 1, device=device)
+        self.blocks = nn.ModuleList(
+            DiCoBlock(c, config.mlp_ratio, modulated=True, device=device) for _ in range(config.decoder_blocks)
+        )
+        self.dec_net = PixelMLP(config, device=device)
         self.final_layer = _Holder()
         self.final_layer.norm = _Holder()
-        self.final_layer.norm.weight = nn.Parameter(torch.ones(px))
-        self.final_layer.linear = nn.Linear(px, 3)
+        self.final_layer.norm.weight = nn.Parameter(torch.ones(px, device=device))
+        self.final_layer.linear = nn.Linear(px, 3, device=device)
         self.y_embedder = _Holder()
-        self.y_embedder.decoder = CoDDecoder(c, config.attention_window)
+        self.y_embedder.decoder = CoDDecoder(c, config.attention_window, device=device)
 
     @torch.no_grad()
     def fold_pixels(self) -> None:
@@ -808,8 +816,7 @@ class MageDecoder(nn.Module):
         for p0 in range(0, p2, PIXEL_FOLD_POSITIONS):
             part = w_y[:, p0 : p0 + PIXEL_FOLD_POSITIONS].to(f64).transpose(0, 1)
             weight[p0 : p0 + PIXEL_FOLD_POSITIONS] = torch.matmul(a, part)
-        with torch.device("meta"):  # no random init of 3M parameters
-            self.pixel_embed = nn.Conv2d(c, p2 * px, 1)
+        self.pixel_embed = nn.Conv2d(c, p2 * px, 1, device="meta")  # no random init of 3M parameters
         weight = weight.reshape(p2 * px, c, 1, 1)
         self.pixel_embed.weight = nn.Parameter(weight, y.weight.requires_grad)
         self.pixel_embed.bias = nn.Parameter(bias.to(dtype), y.bias.requires_grad)
@@ -877,11 +884,18 @@ def image_dtype(z: torch.Tensor, unit_range: bool) -> torch.dtype:
 class MageVAEModel(nn.Module):
     """Encoder and/or decoder of Mage-VAE. Load the released weights, then :meth:`fold_t0` once."""
 
-    def __init__(self, config: MageVAEConfig | None = None, *, encoder: bool = True, decoder: bool = True) -> None:
+    def __init__(
+        self,
+        config: MageVAEConfig | None = None,
+        *,
+        encoder: bool = True,
+        decoder: bool = True,
+        device: torch.device | str | None = None,
+    ) -> None:
         super().__init__()
         self.config = config or MageVAEConfig()
-        self.encoder = MageEncoder(self.config) if encoder else None
-        self.decoder = MageDecoder(self.config) if decoder else None
+        self.encoder = MageEncoder(self.config, device=device) if encoder else None
+        self.decoder = MageDecoder(self.config, device=device) if decoder else None
         self.folded = False
 
     @torch.no_grad()
