@@ -334,10 +334,64 @@ def test_the_refiners_settings_are_their_objects(refiner, keyword, value, monkey
         ({"compile": 1}, ("compile",)),
         ({"dtype": "bf16"}, ("dtype",)),
         ({"dtype": torch.int8}, ("dtype",)),
+        ({"channels_last": "no"}, ("channels_last", "True, False or None", "'no'")),  # was read as True
+        ({"on_strip": "x"}, ("on_strip", "a function")),  # was a TypeError at the first strip of a pass
+        ({"check_interrupt": 5}, ("check_interrupt", "a function")),
     ],
 )
 def test_the_pipelines_settings_are_checked_when_it_is_made(unet, vae, keywords, words):
     _refused(lambda: FlowUpscalerPipeline(unet, vae, device="cpu", **keywords), *words)
+
+
+def test_callbacks_and_flags_are_refused_by_name_before_any_work(pipe, image, monkeypatch):
+    """A callback that is not a function failed as a TypeError where it was first called (``on_decode_tile`` after
+    the passes, minutes into a real run); ``latents_only="no"`` planned as True."""
+    from flowlift import color_fix_image, refine_latents
+
+    forbid_call(monkeypatch, "flowlift.upscale.pipeline.FlowUpscalerPipeline._vae_call", "the VAE ran first")
+    forbid_call(monkeypatch, "flowlift.upscale.pipeline.FlowUpscalerPipeline._passes", "the passes ran first")
+    _refused(lambda: pipe.upscale_image(image, num_passes=1, callback="x"), "callback must be a function", "'x'")
+    _refused(lambda: pipe.upscale_image(image, num_passes=1, on_decode_tile=3), "on_decode_tile must be a function")
+    _refused(lambda: pipe.upscale_latents(torch.zeros(1, 32, 4, 4), callback="x"), "callback must be a function")
+    _refused(lambda: pipe.plan_memory(32, 32, 1, latents_only="no"), "latents_only must be True or False")
+    picture = Image.new("RGB", (32, 32))
+    _refused(lambda: color_fix_image(picture.resize((64, 64)), picture, on_strip="x"), "on_strip must be a function")
+    _refused(lambda: refine_latents("x", shape=(1, 32, 4, 4)), "velocity_fn must be a function, got 'x'")
+    _refused(lambda: refine_latents(lambda z, s: z, shape=(1, 32, 4, 4), on_step="x"), "on_step must be a function")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", torch.int8, None])
+def test_a_dtype_that_is_not_a_floating_torch_dtype_is_one_line_at_every_loader(shared, tmp_path, vae, dtype):
+    """``dtype="bf16"`` was a TypeError from torch's ``.to()``; ``torch.int8`` to ``load_upscaler`` blamed the file
+    ("`...bias` has dtype int8")."""
+    from builders import save_tiny_unet
+    from flowlift import Flux2Refiner, load_upscaler, load_vae
+    from tiny_flux2 import tiny_transformer
+
+    weights = save_tiny_unet(tmp_path / "unet.safetensors")
+    words = ("dtype must be a floating torch.dtype", repr(dtype))
+    _refused(lambda: load_upscaler(weights, dtype=dtype), *words)
+    _refused(lambda: load_vae(shared / "models" / "taef2", dtype=dtype), *words)
+    _refused(lambda: Flux2Refiner(tiny_transformer(), vae, dtype=dtype), *words)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "words"),
+    [
+        ({"transformer": "x"}, ("transformer must be a torch module",)),
+        ({"vae": "taef2"}, ("vae must have decode() (and encode() for images), got str",)),
+        ({"prompt_encoder": "x"}, ("prompt_encoder must be a function",)),
+        ({"model_name": 5}, ("model_name must be a string",)),
+        ({"placement": "gpu"}, ("placement must be a Placement",)),
+        ({"provenance": "x"}, ("provenance must be a dict",)),
+    ],
+)
+def test_the_refiners_own_arguments_are_checked_when_it_is_made(vae, keywords, words):
+    from flowlift import Flux2Refiner
+    from tiny_flux2 import tiny_transformer
+
+    arguments = {"transformer": tiny_transformer(), "vae": vae, **keywords}
+    _refused(lambda: Flux2Refiner(**arguments), *words)
 
 
 @pytest.mark.parametrize("image", [torch.rand(0, 3, 32, 32), torch.zeros(0, 3, 32, 32, dtype=torch.uint8)])

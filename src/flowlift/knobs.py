@@ -368,6 +368,25 @@ def check_kind(name: str, value: Any, kind: type | tuple[type, ...], spelled: st
     raise FlowliftError(f"{name} must be {spelled}{' or None' if optional else ''}, got {shown}", field=name)
 
 
+def check_callable(name: str, value: Any, *, optional: bool = True) -> Any:
+    """``value`` if it can be called (None too when ``optional``), else one line naming ``name``: a callback that is
+    not one (``on_strip="x"``) would otherwise fail as a TypeError where it is first called, minutes into a run."""
+    if callable(value) or (value is None and optional):
+        return value
+    shown = repr(value) if len(repr(value)) <= 80 and "\n" not in repr(value) else f"a {type(value).__name__}"
+    raise FlowliftError(f"{name} must be a function{' or None' if optional else ''}, got {shown}", field=name)
+
+
+def check_dtype(value: Any, name: str = "dtype") -> Any:
+    """``value`` if it is a floating ``torch.dtype``, else one line naming ``name``: ``"bf16"`` fails inside torch's
+    ``.to()``, and an integer dtype would be blamed on the weights file it was cast to."""
+    import torch
+
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise FlowliftError(f"{name} must be a floating torch.dtype (torch.bfloat16, ...), got {value!r}", field=name)
+    return value
+
+
 def check_positive(name: str, value: Any, *, integer: bool = False, optional: bool = False) -> Any:
     """``value`` if it is a finite number above 0 (an exact integer >= 1 with ``integer``; None when ``optional``),
     else one line naming ``name``: not bool, not text, not NaN."""

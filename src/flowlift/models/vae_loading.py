@@ -20,6 +20,7 @@ import torch
 from flowlift.devices import resolve_device
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.json_input import parse_json
+from flowlift.knobs import check_dtype
 from flowlift.models.flux2_vae_convert import flux2_from_state_dict, is_diffusers_flux2_vae, is_original_flux2_vae
 from flowlift.models.mage_vae_files import is_mage_vae, mage_from_state_dict
 from flowlift.models.vae import TAEF2VAE, Flux2VAE, MageVAE, taef2_from_state_dicts
@@ -60,6 +61,7 @@ AnyVAE = TAEF2VAE | Flux2VAE | MageVAE
 def load_vae(spec: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AnyVAE:
     """Load a VAE from ``spec`` (see the module docstring) onto ``device`` in ``dtype``."""
     device = resolve_device(device)  # one line for a device that does not exist here ('bogus', 'meta')
+    dtype = check_dtype(dtype)  # before a file is read: "bf16" is one line, not a TypeError from torch's .to()
     if isinstance(spec, (TAEF2VAE, Flux2VAE, MageVAE)):
         spec.model.to(device=device, dtype=dtype)
         return spec

@@ -285,7 +285,7 @@ def _checked_arguments(
     import math
 
     from flowlift.devices import resolve_device
-    from flowlift.knobs import check_kind
+    from flowlift.knobs import check_dtype, check_kind
 
     if vae is not None and not str(os.fspath(vae) if isinstance(vae, (str, os.PathLike)) else "").strip():
         raise FlowliftError(f"vae must be a VAE name or path (None: the model's own), got {vae!r}", field="vae")
@@ -300,8 +300,7 @@ def _checked_arguments(
             raise FlowliftError(f"LoRA {os.fspath(path)}: no such file", field="loras")
     memory = check_kind("memory", memory, RefineMemory, "a RefineMemory", optional=True) or RefineMemory()
     tiling = check_kind("tiles", tiles, TileRequest, "a TileRequest", optional=True) or TileRequest()
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise FlowliftError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}", field="dtype")
+    check_dtype(dtype)
     check_kind("text_encoder", text_encoder, bool, "True or False")
     if progress is not None:
         check_kind("progress", progress, bool, "True, False or None")

@@ -127,9 +127,11 @@ def refine_latents(
     """
     from flowlift.devices import resolve_device
     from flowlift.flux2.img2img import InpaintMerger, denoise, prepare_start_latents
-    from flowlift.knobs import check_kind, check_unit_interval
+    from flowlift.knobs import check_callable, check_kind, check_unit_interval
     from flowlift.models.weights import check_finite_result
 
+    velocity_fn = check_callable("velocity_fn", velocity_fn, optional=False)
+    on_step = check_callable("on_step", on_step)
     device = resolve_device(device)  # one line for a device that is not here ('bogus', 'meta')
     sampling = check_kind("sampling", sampling, SamplingSettings, "a SamplingSettings", optional=True)
     sampling = sampling if sampling is not None else SamplingSettings()
@@ -145,7 +147,7 @@ def refine_latents(
     init_latents, shape = _start(init_latents, shape, denoising_start, mask, device)
 
     record: dict[str, Any] = {}
-    if tiles is not None and velocity_fn is not None:  # a batch of several images runs one tile of all per call
+    if tiles is not None:  # a batch of several images runs one tile of all per call
         from flowlift.refine.tiled_velocity import tiled_for_frame
 
         velocity_fn, record = tiled_for_frame(velocity_fn, shape[2:], tiles, memory_plan, images=shape[0])

@@ -16,7 +16,7 @@ import torch
 from flowlift.devices import resolve_device
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
-from flowlift.knobs import check_cfg_scale, check_kind
+from flowlift.knobs import check_callable, check_cfg_scale, check_dtype, check_kind
 from flowlift.limits import LATENT_CHANNELS
 from flowlift.models.weights import check_finite_result
 from flowlift.progress import report_stage
@@ -83,7 +83,15 @@ class Flux2Refiner(HiresFix):
         tiles: TileRequest | None = None,
     ) -> None:
         mu, schedule = MU.check(mu), SCHEDULE.check(schedule)
-        placement = placement if placement is not None else Placement()
+        check_kind("transformer", transformer, torch.nn.Module, "a torch module (the FLUX.2 transformer)")
+        if not callable(getattr(vae, "decode", None)):  # encode() only for image inputs: txt2img decodes only
+            raise FlowliftError(
+                f"vae must have decode() (and encode() for images), got {type(vae).__name__}", field="vae"
+            )
+        dtype, prompt_encoder = check_dtype(dtype), check_callable("prompt_encoder", prompt_encoder)
+        model_name = check_kind("model_name", model_name, str, "a string")
+        placement = check_kind("placement", placement, Placement, "a Placement", optional=True) or Placement()
+        provenance = check_kind("provenance", provenance, dict, "a dict", optional=True)
         self.tiling = check_kind("tiles", tiles, TileRequest, "a TileRequest", optional=True) or TileRequest()
         if progress is not None:
             check_kind("progress", progress, bool, "True, False or None")

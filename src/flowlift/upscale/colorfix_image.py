@@ -82,9 +82,10 @@ def color_fix_array(
     from flowlift.devices import resolve_device
     from flowlift.files.images import tensor_to_uint8, to_tensor
     from flowlift.files.sixteen_bit import tensor_to_uint16
-    from flowlift.knobs import check_unit_interval
+    from flowlift.knobs import check_callable, check_unit_interval
 
     strength = check_unit_interval("colour fix strength", strength)
+    on_strip = check_callable("on_strip", on_strip)
     for name, array in (("upscaled", upscaled), ("reference", reference)):
         if (
             not isinstance(array, np.ndarray)

@@ -28,7 +28,7 @@ import torch
 from flowlift.devices import auto_dtype, default_channels_last, resolve_device
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import check_latents
-from flowlift.knobs import COLOR_FIX, check_count, check_kind, check_seed
+from flowlift.knobs import COLOR_FIX, check_callable, check_count, check_dtype, check_kind, check_seed
 from flowlift.limits import parse_memory
 from flowlift.models.sesqui_bands import sesqui_to_size
 from flowlift.models.sesqui_lsr import load_sesqui_lsr, require_bn_statistics
@@ -134,18 +134,17 @@ class FlowUpscalerPipeline:
             device = param.device if param is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         self.device = resolve_device(device)  # one line for a device that does not exist here ('bogus', 'meta')
         floating = param is not None and param.is_floating_point()  # None: the UNet's, else by device
-        self.dtype = dtype or (param.dtype if floating else auto_dtype(self.device, cpu_bf16=True))
-        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise FlowliftError(f"dtype must be a floating torch.dtype (torch.bfloat16, ...), got {dtype!r}")
+        default_dtype = param.dtype if floating else auto_dtype(self.device, cpu_bf16=True)
+        self.dtype = default_dtype if dtype is None else check_dtype(dtype)
         self.memory = memory
         self.chunked = memory.chunked
         self.vae_tiled = memory.vae_tiled
         self.chunk_rows = memory.chunk_rows
         self.offload_device = memory.offload_device
         self.chunk_budget_bytes = memory.chunk_budget_bytes
-        self.on_strip = on_strip
-        self.check_interrupt = check_interrupt
-        if channels_last is None:
+        self.on_strip = check_callable("on_strip", on_strip)
+        self.check_interrupt = check_callable("check_interrupt", check_interrupt)
+        if check_kind("channels_last", channels_last, bool, "True, False", optional=True) is None:
             channels_last = default_channels_last(self.device, self.dtype)
         self.max_memory = None if memory.max_memory is None else parse_memory(memory.max_memory)
         # a malformed spec or a missing SesquiLSR file: one line before anything loads
@@ -226,6 +225,7 @@ class FlowUpscalerPipeline:
         ``latent_fraction`` (height, width) latent after the passes; ``latents_only``: no encode, decode or stage 2)
         under ``max_memory`` (None without a budget), the memory policy's explicit ``chunked``/``vae_tiled`` held and
         checked; a budget too small is a FlowliftError."""
+        latents_only = check_kind("latents_only", latents_only, bool, "True or False")
         if self.max_memory is None:
             return None
         return pipeline_plan(
@@ -293,7 +293,7 @@ class FlowUpscalerPipeline:
         """
         check_latents(latents, "Flow Upscaler")
         transplant_strength, color_fix = TRANSPLANT_STRENGTH.check(transplant_strength), COLOR_FIX.check(color_fix)
-        seed = check_seed(seed)
+        seed, callback = check_seed(seed), check_callable("callback", callback)
         height, width = (side * self.spatial_factor for side in latents.shape[-2:])
         passes = self.plan_passes(height, width, num_passes)
         seeds = image_seeds(seed, latents.shape[0])
@@ -361,7 +361,8 @@ class FlowUpscalerPipeline:
             raise FlowliftError(f"output_type must be 'pil' or 'pt', got {output_type!r}")
         color_fix_strength = COLOR_FIX_STRENGTH.check(color_fix_strength)
         TRANSPLANT_STRENGTH.check(transplant_strength)  # before the encoder runs
-        seed = check_seed(seed)
+        seed, callback = check_seed(seed), check_callable("callback", callback)
+        on_decode_tile = check_callable("on_decode_tile", on_decode_tile)
         alpha = image_alpha(image) if output_type == "pil" else None  # before the work: a batch of RGBA refused
         stages = ImageStages(
             num_passes, seed, color_fix, transplant_strength, color_fix_strength, resize_mode, output_size
