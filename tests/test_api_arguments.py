@@ -394,6 +394,29 @@ def test_the_refiners_own_arguments_are_checked_when_it_is_made(vae, keywords, w
     _refused(lambda: Flux2Refiner(**arguments), *words)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("offload", "yes", ("offload must be one of none, model, group",)),
+        ("vae_tiled", "no", ("vae_tiled must be True, False or None", "'no'")),  # was read as True: a tiled decode
+        ("plan", 5, ("plan must be a RefinePlan",)),  # was an AttributeError where the tiles are sized
+    ],
+)
+def test_a_placement_checks_its_fields_when_it_is_made(field, value, words):
+    from flowlift.refine.offload import Placement
+
+    _refused(lambda: Placement(**{field: value}), *words)
+
+
+@pytest.mark.parametrize("device", ["bogus", "cpu:3", 5])
+def test_a_memory_policys_offload_device_is_a_device_that_is_here(device):
+    """It was used only at a chunked pass's first strip: a RuntimeError after the encode and any plain passes."""
+    from flowlift.upscale.settings import MemoryPolicy
+
+    _refused(lambda: MemoryPolicy(offload_device=device), f"{device}'", "device")
+    assert MemoryPolicy(offload_device="cpu").offload_device == "cpu"
+
+
 @pytest.mark.parametrize("image", [torch.rand(0, 3, 32, 32), torch.zeros(0, 3, 32, 32, dtype=torch.uint8)])
 def test_an_empty_image_is_refused_before_the_encoder(pipe, image, monkeypatch):
     forbid_call(monkeypatch, "flowlift.upscale.pipeline.FlowUpscalerPipeline._vae_call", "the VAE ran first")

@@ -39,6 +39,16 @@ class Placement:
     vae_tiled: bool | None = None
     plan: Any = None
 
+    def __post_init__(self) -> None:
+        """Each field checked when the placement is made: ``vae_tiled="no"`` would read as True, ``plan=5`` fail
+        where the tiles are sized."""
+        from flowlift.knobs import check_kind
+        from flowlift.refine.memory_plan import RefinePlan
+
+        check_offload(self.offload)
+        check_kind("vae_tiled", self.vae_tiled, bool, "True, False", optional=True)
+        check_kind("plan", self.plan, RefinePlan, "a RefinePlan (Placement.planned)", optional=True)
+
     @classmethod
     def planned(cls, plan: Any) -> Placement:
         """The placement a memory plan decided (its offload mode and VAE tiling)."""
@@ -54,8 +64,8 @@ def storage_is_managed(transformer: torch.nn.Module) -> bool:
 
 
 def check_offload(offload: str) -> str:
-    if offload not in OFFLOAD_MODES:
-        raise FlowliftError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}")
+    if not isinstance(offload, str) or offload not in OFFLOAD_MODES:
+        raise FlowliftError(f"offload must be one of {', '.join(OFFLOAD_MODES)}, got {offload!r}", field="offload")
     return offload
 
 

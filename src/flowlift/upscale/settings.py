@@ -84,6 +84,10 @@ class MemoryPolicy:
                 raise FlowliftError(f"MemoryPolicy {name} must be a positive integer or None, got {value!r}")
         if self.max_memory is not None:
             parse_memory(self.max_memory)  # a malformed or non-finite size: one line here, not at the pipeline
+        if self.offload_device is not None:  # 'bogus' or an absent GPU: one line here, not at a pass's first strip
+            from flowlift.devices import resolve_device
+
+            resolve_device(self.offload_device)
 
 
 @dataclass(frozen=True)
