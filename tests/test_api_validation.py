@@ -293,6 +293,47 @@ def test_the_python_api_says_keywords_and_the_command_line_says_its_options(tmp_
     assert not (tmp_path / "big.png").exists()
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("no_cache", "no", ("True or False",)),  # was read as True: the cache dropped
+        ("save_outputs", "no", ("True or False",)),
+        ("progress", "no", ("True, False or None",)),
+        ("overwrite", "no", ("true or false",)),
+        ("limit", "5", ("an integer >= 1",)),
+        ("box", "x", ("x,y,w,h",)),  # was a ValueError from int()
+        ("box", (0, 0, 0, 8), ("w,h > 0",)),
+        ("figure_images", -1, ("an integer >= 1",)),  # was accepted
+        ("barrier_timeout", "x", ("a finite number above 0",)),  # was accepted
+        ("device", 5, ("a string",)),
+        ("scale", 0.5, ("above 1",)),
+    ],
+)
+def test_every_eval_request_field_is_checked_at_construction(tmp_path, field, value, words):
+    from flowlift.measure.eval_job import EvalRequest
+
+    _refused(lambda: EvalRequest(output=tmp_path / "report", **{field: value}), field, *words)
+
+
+def test_an_eval_request_takes_one_string_as_one_path_and_speaks_keywords(tmp_path):
+    """``outputs="a.png"`` was measured as the images ``a``, ``.``, ``p``...; a field only ``run`` uses, given with
+    ``outputs``, was named by its command-line option (``--limit goes with --run METHODS --dataset``)."""
+    from PIL import Image
+
+    from flowlift.measure.eval_job import EvalRequest, run_eval
+
+    request = EvalRequest(output=tmp_path / "report", outputs="a.png", dataset="photos", run="lanczos,bicubic")
+    assert (request.outputs, request.dataset, request.run) == (("a.png",), ("photos",), ("lanczos,bicubic",))
+    image = tmp_path / "in.png"
+    Image.new("RGB", (32, 32)).save(image)
+    pairs = {"output": tmp_path / "report", "outputs": [str(image)], "reference": str(image)}
+    message = _refused(lambda: run_eval(EvalRequest(**pairs, limit=1)), "limit")
+    assert message.startswith("limit goes with run; outputs with reference"), message
+    message = _refused(lambda: run_eval(EvalRequest(output=tmp_path / "report", run="lanczos")), "run")
+    assert message == "run needs dataset (a folder of photos)", message
+    assert not (tmp_path / "report").exists()
+
+
 def test_a_stopped_refine_closes_its_step_bar(refiner, monkeypatch):
     """img2img/hires stopped mid-steps printed a progress line after "interrupted": the steps' bar was closed at the
     last step only, and its ticker thread went on writing. It is closed however the sampling ends."""

@@ -65,20 +65,21 @@ EXAMPLES = examples(
 
 
 def _box(text: str) -> tuple[int, int, int, int]:
+    """``--box x,y,w,h``: the request's own rule (:func:`flowlift.measure.inputs.check_box`) on the text."""
+    from flowlift.errors import FlowliftError
+    from flowlift.measure.inputs import check_box
+
     try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"box must be x,y,w,h integers, got {text!r}") from None
-    if len(values) != 4:
-        raise argparse.ArgumentTypeError(f"box must be four numbers x,y,w,h, got {len(values)} in {text!r}")
-    if values[2] <= 0 or values[3] <= 0 or min(values[:2]) < 0:
-        raise argparse.ArgumentTypeError(f"box must be x,y,w,h with x,y >= 0 and w,h > 0, got {text!r}")
-    return values  # type: ignore[return-value]
+        return check_box(text, loose=True)  # type: ignore[return-value]
+    except FlowliftError as error:  # argparse names the option
+        raise argparse.ArgumentTypeError(error.worded({"box": ""}).strip()) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG.rstrip() + "\n\n" + EXAMPLES
-    parser.add_argument("outputs", nargs="*", help="output images or folders (paired with --reference by name)")
+    parser.add_argument(
+        "outputs", nargs="*", metavar="OUTPUTS", help="output images or folders (paired with --reference by name)"
+    )
     parser.add_argument("--reference", type=name_or_path, help="folder of the inputs the outputs were made from")
     parser.add_argument(
         "--ground-truth", type=name_or_path, help="folder of same-named ground-truth images (adds PSNR/SSIM)"

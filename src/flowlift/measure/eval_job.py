@@ -63,6 +63,33 @@ class EvalRequest:
     barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT_S
     progress: bool | None = False  # flowlift.console.progress_bar's enabled
 
+    def __post_init__(self) -> None:
+        """Every field checked when the request is made, one line naming it as Python spells it: a string of
+        ``outputs`` is one path (not its characters), flags are bools (``no_cache="no"`` dropped the cache),
+        numbers are numbers; the modes' rules and the files are checked by :func:`run_eval`."""
+        from flowlift.knobs import OVERWRITE, check_kind, check_path, check_paths, check_positive
+        from flowlift.measure.inputs import check_box, check_scale
+
+        check_path("output", self.output)
+        object.__setattr__(self, "outputs", tuple(map(str, check_paths("outputs", self.outputs))))
+        for name in ("dataset", "run"):  # a string is one folder / one comma-separated list of methods
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(map(str, check_paths(name, getattr(self, name)))))
+        for name in ("reference", "ground_truth", "upscaler", "cache"):
+            check_path(name, getattr(self, name), optional=True)
+        check_path("vae", self.vae)
+        for name in ("device", "dtype"):
+            check_kind(name, getattr(self, name), str, "a string (auto, cpu, cuda, ...)")
+        object.__setattr__(self, "scale", check_scale(self.scale))
+        object.__setattr__(self, "box", check_box(self.box))
+        object.__setattr__(self, "limit", check_positive("limit", self.limit, integer=True, optional=True))
+        object.__setattr__(self, "figure_images", check_positive("figure_images", self.figure_images, integer=True))
+        check_positive("barrier_timeout", self.barrier_timeout)
+        OVERWRITE.check(self.overwrite)
+        for name in ("no_cache", "save_outputs"):
+            check_kind(name, getattr(self, name), bool, "True or False")
+        check_kind("progress", self.progress, bool, "True, False", optional=True)
+
 
 def run_eval(request: EvalRequest) -> tuple[EvalReport, dict[str, Path]] | None:
     """Check the request (the replace rule at every name, before any model loads or metric runs), measure, write
@@ -75,17 +102,15 @@ def run_eval(request: EvalRequest) -> tuple[EvalReport, dict[str, Path]] | None:
     spandrel_tiling(request.tile, request.tile_overlap)  # with or without a spandrel method: a bad value is refused
     out_dir = Path(request.output)
     if out_dir.exists() and not out_dir.is_dir():
-        raise FlowliftError(f"--output {out_dir} exists and is not a folder")
+        raise FlowliftError(f"{FIELD_MARK} {out_dir} exists and is not a folder", field="output")
     if problem := folder_problem(out_dir):  # before any model loads or metric runs
         raise FlowliftError(problem)
     _check_reports_are_no_input(request, out_dir)
     if request.run:
         if request.outputs or request.reference:
-            raise FlowliftError("give either OUTPUTS --reference, or --run with --dataset, not both")
+            raise FlowliftError(f"give either {MODES}, not both", field=MODE_FIELDS)
         if not request.dataset:
-            raise FlowliftError("--run needs --dataset (a folder of photos)")
-        if request.limit is not None and request.limit < 1:
-            raise FlowliftError("--limit must be >= 1")
+            raise FlowliftError(f"{FIELD_MARK} needs {FIELD_MARK} (a folder of photos)", field=("run", "dataset"))
         _check_replace_rule(request, out_dir)
         from flowlift.jobs.distributed import DistEnv, process_group
 
@@ -95,14 +120,15 @@ def run_eval(request: EvalRequest) -> tuple[EvalReport, dict[str, Path]] | None:
         if report is None:  # a rank other than 0 of a sharded run: its share is in the cache
             return None
     else:
-        if given := _run_only_options(request):
+        if given := _run_only_fields(request):
             raise FlowliftError(
-                f"{', '.join(given)} {'go' if len(given) > 1 else 'goes'} with --run METHODS --dataset; OUTPUTS "
-                "--reference measures images already made (their sizes give the scale): drop "
-                f"{'them' if len(given) > 1 else 'it'}"
+                f"{', '.join(FIELD_MARK for _ in given)} {'go' if len(given) > 1 else 'goes'} with {FIELD_MARK}; "
+                f"{FIELD_MARK} with {FIELD_MARK} measures images already made (their sizes give the scale): drop "
+                f"{'them' if len(given) > 1 else 'it'}",
+                field=(*given, "run", "outputs", "reference"),
             )
         if not request.outputs or not request.reference:
-            raise FlowliftError("give OUTPUTS and --reference INPUTS (or --run METHODS --dataset DIR)")
+            raise FlowliftError(f"give {MODES}", field=MODE_FIELDS)
         _check_replace_rule(request, out_dir)
         report = evaluate_pairs(
             request.outputs,
@@ -115,28 +141,31 @@ def run_eval(request: EvalRequest) -> tuple[EvalReport, dict[str, Path]] | None:
     return report, write_report(report, out_dir)
 
 
-#: The request's fields only ``--run`` uses, by their command-line names: given with OUTPUTS --reference, each
-#: would be ignored without a word.
-RUN_ONLY_OPTIONS = {
-    "dataset": "--dataset",
-    "scale": "--scale",
-    "limit": "--limit",
-    "vae": "--vae",
-    "upscaler": "--upscaler",
-    "device": "--device",
-    "dtype": "--dtype",
-    "tile": "--tile",
-    "tile_overlap": "--tile-overlap",
-    "cache": "--cache",
-    "no_cache": "--no-cache",
-    "save_outputs": "--save-outputs",
-}
+#: The request's fields only ``run`` uses: given with ``outputs`` and ``reference``, each would be ignored without a
+#: word.
+RUN_ONLY_FIELDS = (
+    "dataset",
+    "scale",
+    "limit",
+    "vae",
+    "upscaler",
+    "device",
+    "dtype",
+    "tile",
+    "tile_overlap",
+    "cache",
+    "no_cache",
+    "save_outputs",
+)
+#: The two modes, as a line names them (each field a mark: the command line says ``OUTPUTS``, ``--reference``).
+MODES = f"{FIELD_MARK} with {FIELD_MARK} (images already made), or {FIELD_MARK} with {FIELD_MARK}"
+MODE_FIELDS = ("outputs", "reference", "run", "dataset")
 
 
-def _run_only_options(request: EvalRequest) -> list[str]:
-    """The :data:`RUN_ONLY_OPTIONS` ``request`` sets to other than their defaults."""
+def _run_only_fields(request: EvalRequest) -> list[str]:
+    """The :data:`RUN_ONLY_FIELDS` ``request`` sets to other than their defaults."""
     defaults = EvalRequest(output=request.output)
-    return [flag for name, flag in RUN_ONLY_OPTIONS.items() if getattr(request, name) != getattr(defaults, name)]
+    return [name for name in RUN_ONLY_FIELDS if getattr(request, name) != getattr(defaults, name)]
 
 
 def _check_reports_are_no_input(request: EvalRequest, out_dir: Path) -> None:
