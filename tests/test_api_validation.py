@@ -334,6 +334,68 @@ def test_an_eval_request_takes_one_string_as_one_path_and_speaks_keywords(tmp_pa
     assert not (tmp_path / "report").exists()
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("overwrite", "no", ("true or false",)),
+        ("progress", "no", ("True, False or None",)),
+        ("seed", "1", ("non-negative integer",)),
+        ("shard_size", 0, ("an integer >= 1",)),
+        ("batch_size", "4", ("an integer >= 1",)),
+        ("storage_dtype", "fp16", ("float16, bfloat16, float32",)),
+        ("filter", "nearest", ("area, bicubic",)),
+        ("jpeg_quality", 101, ("1..100",)),
+        ("noise_std", "x", ("[0, 1]",)),  # was a TypeError from a comparison
+        ("part", "0/4", ("(index, count)",)),
+        ("part", (4, 4), ("0 <= I < N",)),
+    ],
+)
+def test_every_dataset_request_field_is_checked_at_construction(tmp_path, field, value, words):
+    """A ``DatasetRequest`` checked only that it had one source: ``overwrite="no"``, ``progress="no"`` and the
+    numbers were taken as given (some failed at the first shard, some never)."""
+    from flowlift.training.dataset_jobs import DatasetRequest, PhotoCrops
+
+    crops = PhotoCrops(["photos"])
+    _refused(lambda: DatasetRequest(tmp_path / "data", "taef2", crops=crops, **{field: value}), field, *words)
+
+
+@pytest.mark.parametrize(
+    ("make", "field", "words"),
+    [
+        (lambda: _crops(flip="no"), "flip", ("True or False",)),  # was read as True
+        (lambda: _crops(crops_per_image=0), "crops_per_image", ("an integer >= 1",)),
+        (lambda: _teacher(num=0), "num", ("an integer >= 1",)),
+        (lambda: _teacher(width=1000), "width", ("multiples of 32", "1000x1024")),  # was checked by run_dataset
+        (lambda: _teacher(steps="4"), "steps", ("an integer >= 1",)),
+        (lambda: _teacher(guidance=float("nan")), "guidance", ("finite",)),
+        (lambda: _teacher(teacher_dtype="fp8"), "teacher_dtype", ("float16, bfloat16, float32",)),
+    ],
+)
+def test_a_datasets_sources_check_their_fields_at_construction(make, field, words):
+    message = _refused(make, field, *words)
+    assert "--" not in message
+
+
+def test_a_dataset_sources_one_string_is_one_input_and_its_device_is_here(tmp_path):
+    from flowlift.training.dataset_jobs import DatasetRequest
+
+    assert _crops(inputs="photos").inputs == ("photos",)
+    with pytest.raises(FlowliftError, match="'bogus' is not a torch device"):  # was a RuntimeError at the VAE's load
+        DatasetRequest(tmp_path / "data", "taef2", crops=_crops(), device="bogus")
+
+
+def _crops(**fields):
+    from flowlift.training.dataset_jobs import PhotoCrops
+
+    return PhotoCrops(**{"inputs": ["photos"], **fields})
+
+
+def _teacher(**fields):
+    from flowlift.training.dataset_jobs import TeacherSource
+
+    return TeacherSource(**{"teacher": "some/teacher", "num": 4, **fields})
+
+
 def test_a_stopped_refine_closes_its_step_bar(refiner, monkeypatch):
     """img2img/hires stopped mid-steps printed a progress line after "interrupted": the steps' bar was closed at the
     last step only, and its ticker thread went on writing. It is closed however the sampling ends."""

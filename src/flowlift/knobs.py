@@ -314,7 +314,7 @@ def check_unit_interval(name: str, value: Any) -> float:
     import numbers
 
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
-        raise FlowliftError(f"{name} must be in [0, 1], got {value!r}")
+        raise FlowliftError(f"{name} must be in [0, 1], got {value!r}", field=name)
     return float(value)
 
 
@@ -346,13 +346,13 @@ def check_paths(name: str, value: Any) -> tuple[Any, ...]:
     return tuple(check_path(name, item) for item in value)
 
 
-def check_quality(quality: object) -> int | None:
+def check_quality(quality: object, name: str = "quality") -> int | None:
     """``quality`` (JPEG/WebP) as an int in 1..100, or None (the default), else one line: not True, 95.7 or "95"."""
     if quality is None:
         return None
     number = exact_int(quality)
     if number is None or not 1 <= number <= 100:
-        raise FlowliftError(f"quality must be an integer in 1..100 or None, got {quality!r}", field="quality")
+        raise FlowliftError(f"{name} must be an integer in 1..100 or None, got {quality!r}", field=name)
     return number
 
 

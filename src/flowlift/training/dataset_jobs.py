@@ -9,6 +9,7 @@ noise, target, conditioning; :func:`flowlift.training.datasets.build_distill_dat
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,7 +18,8 @@ from typing import Any
 
 import torch
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
+from flowlift.knobs import exact_int
 from flowlift.training.datasets import (
     PipelineTeacher,
     ShardWriting,
@@ -34,6 +36,8 @@ __all__ = ["STORAGE_DTYPES", "DatasetRequest", "PhotoCrops", "TeacherSource", "l
 
 #: The shards' tensor dtypes, by name.
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+#: A teacher's weights' dtypes, by name (None: bfloat16 on CUDA, float32 on the CPU).
+TEACHER_DTYPES = STORAGE_DTYPES
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,31 @@ class TeacherSource:
     guidance: float | None = None
     teacher_dtype: str | None = None
 
+    def __post_init__(self) -> None:
+        """Every field checked when the source is made, one line naming it (before any teacher loads)."""
+        from flowlift.knobs import check_path, check_positive
+
+        check_path("teacher", self.teacher)
+        for name in ("prompts", "prompt_embeds"):
+            check_path(name, getattr(self, name), optional=True)
+        for name in ("num", "steps", "width", "height"):
+            check_positive(name, getattr(self, name), integer=True)
+        if self.width % 32 or self.height % 32:
+            raise FlowliftError(
+                f"{FIELD_MARK}/{FIELD_MARK} must be positive multiples of 32, got {self.width}x{self.height}",
+                field=("width", "height"),
+            )
+        guidance = self.guidance
+        if guidance is not None and (isinstance(guidance, bool) or not isinstance(guidance, (int, float))):
+            raise FlowliftError(f"guidance must be a number or None, got {guidance!r}", field="guidance")
+        if guidance is not None and not math.isfinite(guidance):
+            raise FlowliftError(f"guidance must be a finite number or None, got {guidance!r}", field="guidance")
+        if self.teacher_dtype is not None and self.teacher_dtype not in TEACHER_DTYPES:
+            names = ", ".join(TEACHER_DTYPES)
+            raise FlowliftError(
+                f"teacher_dtype must be one of {names} or None, got {self.teacher_dtype!r}", field="teacher_dtype"
+            )
+
 
 @dataclass(frozen=True)
 class PhotoCrops:
@@ -66,7 +95,13 @@ class PhotoCrops:
     flip: bool = True
 
     def __post_init__(self) -> None:
+        """Every field checked when the source is made (one string of ``inputs`` is one input, not its characters)."""
+        from flowlift.knobs import check_kind, check_paths, check_positive
+
+        object.__setattr__(self, "inputs", tuple(map(str, check_paths("inputs", self.inputs))))
         check_crop(self.crop_px, "crop_px")  # when the request is made, before any VAE loads
+        check_positive("crops_per_image", self.crops_per_image, integer=True)
+        check_kind("flip", self.flip, bool, "True or False")
 
 
 @dataclass(frozen=True)
@@ -93,8 +128,32 @@ class DatasetRequest:
     progress: bool | None = False  # flowlift.console.progress_bar's enabled
 
     def __post_init__(self) -> None:
+        """Every field checked when the request is made, one line naming it as Python spells it (the command line
+        says its option): before any folder is touched or any model loads."""
+        from flowlift.devices import resolve_device
+        from flowlift.knobs import OVERWRITE, SEED, check_kind, check_path, check_positive
+
         if (self.teacher is None) == (self.crops is None):
             raise FlowliftError("a dataset request takes exactly one of teacher= and crops=")
+        check_kind("teacher", self.teacher, TeacherSource, "a TeacherSource", optional=True)
+        check_kind("crops", self.crops, PhotoCrops, "a PhotoCrops", optional=True)
+        check_path("output", self.output)
+        check_path("vae", self.vae)
+        OVERWRITE.check(self.overwrite)
+        SEED.check(self.seed)
+        for name in ("shard_size", "batch_size"):
+            check_positive(name, getattr(self, name), integer=True)
+        if self.storage_dtype not in STORAGE_DTYPES:
+            names = ", ".join(STORAGE_DTYPES)
+            raise FlowliftError(
+                f"storage_dtype must be one of {names}, got {self.storage_dtype!r}", field="storage_dtype"
+            )
+        object.__setattr__(self, "device", resolve_device(self.device))
+        Degradation(filter=self.filter, jpeg_quality=self.jpeg_quality, noise_std=self.noise_std)
+        if not isinstance(self.part, (tuple, list)) or len(self.part) != 2 or None in map(exact_int, self.part):
+            raise FlowliftError(f"part must be (index, count), two integers, got {self.part!r}", field="part")
+        object.__setattr__(self, "part", check_part(tuple(self.part)))
+        check_kind("progress", self.progress, bool, "True, False", optional=True)
 
 
 def run_dataset(request: DatasetRequest) -> dict[str, Any]:
@@ -110,7 +169,7 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
     storage = STORAGE_DTYPES[request.storage_dtype]
     out = Path(request.output)
     if out.exists() and not out.is_dir():
-        raise FlowliftError(f"--output {out} exists and is not a folder")
+        raise FlowliftError(f"{FIELD_MARK} {out} exists and is not a folder", field="output")
     from flowlift.files.output_paths import folder_problem
 
     if problem := folder_problem(out):  # before the teacher or the VAE loads
@@ -122,10 +181,6 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
 
     if request.teacher is not None:
         source = request.teacher
-        if source.width % 32 or source.height % 32 or source.width <= 0 or source.height <= 0:
-            raise FlowliftError(
-                f"--width/--height must be positive multiples of 32, got {source.width}x{source.height}"
-            )
         check_dataset_folder(out, request.overwrite)  # the replace rule at every name, before any model loads
         from flowlift.training.distill_checks import check_distill_inputs
 
@@ -239,13 +294,12 @@ def load_teacher(source: TeacherSource, device: torch.device) -> tuple[Teacher, 
 
 
 def _dtype(name: str | None, device):
-    import torch
 
     if name is None:
         from flowlift.devices import auto_dtype
 
         return auto_dtype(device)
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+    return TEACHER_DTYPES[name]
 
 
 def _check_outputs_are_no_input(out: Path, inputs: list[Path]) -> None:

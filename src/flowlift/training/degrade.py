@@ -51,14 +51,14 @@ class Degradation:
     noise_std: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.filter not in FILTERS:
-            raise FlowliftError(f"degradation filter must be one of {', '.join(FILTERS)}, got {self.filter!r}")
-        if int(self.factor) != self.factor or self.factor < 1:
-            raise FlowliftError(f"degradation factor must be a positive integer, got {self.factor}")
-        if self.jpeg_quality is not None and not 1 <= int(self.jpeg_quality) <= 100:
-            raise FlowliftError(f"jpeg_quality must be in 1..100, got {self.jpeg_quality}", field="jpeg_quality")
-        if not 0 <= self.noise_std <= 1:  # in [0, 1] image units: past 1 the conditioning is only noise
-            raise FlowliftError(f"noise_std must be in [0, 1] (image units), got {self.noise_std}", field="noise_std")
+        from flowlift.knobs import check_positive, check_quality, check_unit_interval
+
+        if not isinstance(self.filter, str) or self.filter not in FILTERS:
+            raise FlowliftError(f"filter must be one of {', '.join(FILTERS)}, got {self.filter!r}", field="filter")
+        check_positive("factor", self.factor, integer=True)
+        check_quality(self.jpeg_quality, "jpeg_quality")
+        # in [0, 1] image units: past 1 the conditioning is only noise
+        check_unit_interval("noise_std", self.noise_std)
 
     @property
     def is_deterministic(self) -> bool:
