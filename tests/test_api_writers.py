@@ -96,3 +96,28 @@ def test_save_upscaler_refuses_a_non_finite_model(tmp_path, value):
     with pytest.raises(FlowliftError, match=r"the model has (NaN|Inf) in `in_conv.weight`; nothing written"):
         save_upscaler(model, tmp_path / "broken.safetensors")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda picture, tmp: save_image_atomic(picture, 5), "path must be a path, got 5"),  # was a TypeError
+        (lambda picture, tmp: save_image_atomic(picture, ""), "path: an empty name names nothing"),  # was "." ...
+        (lambda picture, tmp: save_image_atomic(picture, tmp / "a.png", source=5), "source must be a path or None"),
+        (lambda picture, tmp: save_upscaler("unet", tmp / "u.safetensors"), "model must be a FlowUpscalerUNet"),
+        (lambda picture, tmp: save_upscaler(FlowUpscalerUNet(**TINY), 5), "path must be a path, got 5"),
+    ],
+)
+def test_the_writers_refuse_what_is_no_path_or_model_by_name(tmp_path, picture, call, words):
+    with pytest.raises(FlowliftError, match=words.replace("(", r"\(")) as caught:
+        call(picture, tmp_path)
+    assert "\n" not in str(caught.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("path", "words"), [(5, "path must be a path, got 5"), ("", "an empty name names nothing")])
+def test_load_image_refuses_what_is_no_path_by_name(path, words):
+    from flowlift import load_image
+
+    with pytest.raises(FlowliftError, match=words):  # 5: a TypeError; "": the working folder, ".: no such file"
+        load_image(path)

@@ -27,7 +27,7 @@ from PIL import Image, PngImagePlugin
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.atomic import atomic_output
 from flowlift.files.json_input import parse_json
-from flowlift.knobs import check_kind, check_overwrite, check_quality
+from flowlift.knobs import check_kind, check_overwrite, check_path, check_quality
 
 #: Formats outputs are written in (by the output name's suffix).
 OUTPUT_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
@@ -336,7 +336,7 @@ def save_image_atomic(
     and WebP; ``source`` (an input path or its :class:`SourceProfile`) gives the ICC profile and EXIF to carry over.
     ``quality`` (an int in 1-100, default :data:`DEFAULT_QUALITY`): JPEG and WebP (lossless at 100). A file at
     ``path`` is replaced only when it is empty, flowlift wrote it, or ``overwrite`` is ``True`` (a bool)."""
-    path = Path(path)
+    path = Path(check_path("path", path))
     check_output_format(path)
     if not isinstance(image, Image.Image) or 0 in image.size:
         got = f"{image.width}x{image.height}" if isinstance(image, Image.Image) else f"a {type(image).__name__}"
@@ -345,7 +345,11 @@ def save_image_atomic(
     check_quality(quality)
     if not check_overwrite(overwrite) and is_users_file(path):  # a link, folder or FIFO: atomic_output's line
         raise FlowliftError(f"{path} exists and was not written by flowlift; pass overwrite=True to replace it")
-    profile = source if isinstance(source, SourceProfile) else read_source_profile(source)
+    profile = (
+        source
+        if isinstance(source, SourceProfile)
+        else read_source_profile(check_path("source", source, optional=True))
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     suffix = path.suffix.lower()
     kwargs: dict = {}

@@ -158,7 +158,9 @@ def _frame_count(opened: Image.Image) -> int:
 
 def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None]:
     """Open ``path`` as (8-bit RGB image, alpha ``"L"`` image or None), EXIF orientation applied."""
-    path = Path(path)
+    from flowlift.knobs import check_path
+
+    path = Path(check_path("path", path))  # "" would be the working folder, 5 a TypeError from pathlib
     if not path.is_file():
         raise FlowliftError(f"{path}: no such file")
     try:

@@ -169,10 +169,11 @@ def save_upscaler(model: FlowUpscalerUNet, path: str | os.PathLike, *, overwrite
     """
     from safetensors.torch import save_file
 
-    from flowlift.knobs import check_overwrite
+    from flowlift.knobs import check_kind, check_overwrite, check_path
     from flowlift.models.weights import first_non_finite
 
-    path = Path(path)
+    check_kind("model", model, FlowUpscalerUNet, "a FlowUpscalerUNet")
+    path = Path(check_path("path", path))
     if path.suffix != ".safetensors":
         raise FlowliftError(f"save_upscaler: {path} must end in .safetensors")
     if not check_overwrite(overwrite) and path.is_file() and not path.is_symlink():  # others: atomic_output's line
