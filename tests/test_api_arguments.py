@@ -200,6 +200,28 @@ def refiner():
 
 
 @pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda r, e: r.txt2img(height=32, width=32, batch=True, prompt_embeds=e), "batch must be an integer >= 1"),
+        (lambda r, e: r.txt2img(height=32, width=32, batch=0, prompt_embeds=e), "batch must be an integer >= 1"),
+        (lambda r, e: r.img2img(torch.rand(1, 3, 32, 32), strength=0.5, prompt_embeds="x"), "prompt_embeds must be a"),
+        (lambda r, e: r.img2img(torch.rand(1, 3, 32, 32), strength=0.5, prompt=5), "prompt must be a string"),
+        (
+            lambda r, e: r.txt2img(height=32, width=32, prompt_embeds=e, negative_prompt_embeds="x", cfg_scale=2.0),
+            "negative_prompt_embeds must be a tensor",
+        ),
+        (lambda r, e: r.hires("flow", images=torch.rand(1, 3, 32, 32), prompt_embeds=e), "upscaler must have"),
+        (lambda r, e: r.encode("x"), "images must be an RGB tensor"),
+    ],
+)
+def test_the_refiners_modes_name_a_wrong_argument_before_any_work(refiner, call, words, monkeypatch):
+    """Each was an AttributeError from inside (``'str' object has no attribute 'to'``), or named the wrong thing
+    (``batch=0``: "refine_latents: shape must be four positive integers")."""
+    forbid_call(monkeypatch, "flowlift.refine.refiner.Flux2Refiner._run", "the sampler ran first")
+    _refused(lambda: call(refiner, torch.zeros(1, 4, 32)), words)
+
+
+@pytest.mark.parametrize(
     ("mask", "words"),
     [
         (torch.full((1, 1, 32, 32), 255.0), ("[0, 1]",)),
@@ -356,7 +378,8 @@ def test_callbacks_and_flags_are_refused_by_name_before_any_work(pipe, image, mo
     _refused(lambda: pipe.plan_memory(32, 32, 1, latents_only="no"), "latents_only must be True or False")
     picture = Image.new("RGB", (32, 32))
     _refused(lambda: color_fix_image(picture.resize((64, 64)), picture, on_strip="x"), "on_strip must be a function")
-    _refused(lambda: refine_latents("x", shape=(1, 32, 4, 4)), "velocity_fn must be a function, got 'x'")
+    _refused(lambda: refine_latents("x", shape=(1, 32, 4, 4)), "velocity_fn must be a function", "'x'")
+    _refused(lambda: refine_latents(None, shape=(1, 32, 4, 4)), "velocity_fn must be a function", "denoising_start 1")
     _refused(lambda: refine_latents(lambda z, s: z, shape=(1, 32, 4, 4), on_step="x"), "on_step must be a function")
 
 

@@ -54,6 +54,11 @@ class HiresFix:
         source names it, ``transplant_strength``, ``color_fix``), the same whichever front-end asked.
         """
         check_conditioning(conditioning, "hires")  # before any work: scale=2 here is a HiresSettings field
+        if not callable(getattr(upscaler, "upscale_latents", None)):
+            kind = type(upscaler).__name__
+            raise FlowliftError(
+                f"upscaler must have upscale_latents() (a FlowUpscalerPipeline), got {kind}", field="upscaler"
+            )
         settings = check_kind("settings", settings, HiresSettings, "a HiresSettings", optional=True) or HiresSettings()
         images = checked_images(images) if images is not None else None
         width, height = (images.shape[-1], images.shape[-2]) if images is not None else settings.base_size

@@ -130,7 +130,7 @@ def refine_latents(
     from flowlift.knobs import check_callable, check_kind, check_unit_interval
     from flowlift.models.weights import check_finite_result
 
-    velocity_fn = check_callable("velocity_fn", velocity_fn, optional=False)
+    velocity_fn = check_callable("velocity_fn", velocity_fn)  # None: nothing to denoise (denoising_start 1)
     on_step = check_callable("on_step", on_step)
     device = resolve_device(device)  # one line for a device that is not here ('bogus', 'meta')
     sampling = check_kind("sampling", sampling, SamplingSettings, "a SamplingSettings", optional=True)
@@ -141,13 +141,15 @@ def refine_latents(
     mu = MU.default if sampling.mu is None else sampling.mu
     schedule = SCHEDULE.default if sampling.schedule is None else sampling.schedule
     denoising_start = check_unit_interval("denoising_start", denoising_start)
+    if velocity_fn is None and denoising_start < 1.0:
+        raise FlowliftError("velocity_fn must be a function (None only with denoising_start 1), got None")
     denoising_end = 1.0  # every refine runs to the clean image
     if (bn_mean is None) != (bn_std is None):
         raise FlowliftError("refine_latents: give both bn_mean and bn_std, or neither")
     init_latents, shape = _start(init_latents, shape, denoising_start, mask, device)
 
     record: dict[str, Any] = {}
-    if tiles is not None:  # a batch of several images runs one tile of all per call
+    if tiles is not None and velocity_fn is not None:  # a batch of several images runs one tile of all per call
         from flowlift.refine.tiled_velocity import tiled_for_frame
 
         velocity_fn, record = tiled_for_frame(velocity_fn, shape[2:], tiles, memory_plan, images=shape[0])

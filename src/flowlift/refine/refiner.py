@@ -16,7 +16,7 @@ import torch
 from flowlift.devices import resolve_device
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
-from flowlift.knobs import check_callable, check_cfg_scale, check_dtype, check_kind
+from flowlift.knobs import check_callable, check_cfg_scale, check_dtype, check_kind, check_positive
 from flowlift.limits import LATENT_CHANNELS
 from flowlift.models.weights import check_finite_result
 from flowlift.progress import report_stage
@@ -124,10 +124,12 @@ class Flux2Refiner(HiresFix):
     # -- conditioning
 
     def _embeds(self, prompt: str | None, embeds: torch.Tensor | None, what: str) -> torch.Tensor | None:
+        key = what.replace(" ", "_")  # the keywords: prompt / prompt_embeds, negative_prompt / negative_prompt_embeds
         if embeds is not None:
-            return embeds.to(self.device, torch.float32)
+            return check_kind(f"{key}_embeds", embeds, torch.Tensor, "a tensor").to(self.device, torch.float32)
         if prompt is None:
             return None
+        check_kind(key, prompt, str, "a string")
         if self.prompt_encoder is None:
             raise FlowliftError(
                 f"no text encoder loaded to embed the {what}; pass precomputed embeddings (prompt_embeds)"
@@ -180,6 +182,7 @@ class Flux2Refiner(HiresFix):
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         """Images [0, 1] (sides multiples of 16) -> normalized latents."""
+        check_kind("images", images, torch.Tensor, "an RGB tensor (B, 3, H, W)")
         report_stage("encode")  # the run's stage, for every door's progress (flowlift.progress)
         latents = self.vae.encode(images.to(self.device), **self._tiling()).float()
         return check_finite_result(latents, "the VAE's encode")
@@ -258,6 +261,7 @@ class Flux2Refiner(HiresFix):
     ) -> RefineOutput:
         """Generate from pure noise (``denoising_start = 0``) at ``height x width`` (multiples of 16)."""
         check_conditioning(conditioning, "txt2img")
+        batch = check_positive("batch", batch, integer=True)
         sampling = self._with_steps(sampling)
         tiles = self._tiles(tiles)
         check_txt2img_size(width, height)
