@@ -73,7 +73,7 @@ def read_source_profile(path: str | os.PathLike | None) -> SourceProfile:
 
     A file that cannot be read gives an empty profile: the loader reports unreadable inputs itself.
     """
-    if path is None:
+    if check_path("source", path, optional=True) is None:  # save_image_atomic's keyword: 5 is no path
         return SourceProfile()
     try:
         with Image.open(path) as opened:
@@ -345,11 +345,7 @@ def save_image_atomic(
     check_quality(quality)
     if not check_overwrite(overwrite) and is_users_file(path):  # a link, folder or FIFO: atomic_output's line
         raise FlowliftError(f"{path} exists and was not written by flowlift; pass overwrite=True to replace it")
-    profile = (
-        source
-        if isinstance(source, SourceProfile)
-        else read_source_profile(check_path("source", source, optional=True))
-    )
+    profile = source if isinstance(source, SourceProfile) else read_source_profile(source)
     path.parent.mkdir(parents=True, exist_ok=True)
     suffix = path.suffix.lower()
     kwargs: dict = {}

@@ -54,11 +54,7 @@ class HiresFix:
         source names it, ``transplant_strength``, ``color_fix``), the same whichever front-end asked.
         """
         check_conditioning(conditioning, "hires")  # before any work: scale=2 here is a HiresSettings field
-        if not callable(getattr(upscaler, "upscale_latents", None)):
-            kind = type(upscaler).__name__
-            raise FlowliftError(
-                f"upscaler must have upscale_latents() (a FlowUpscalerPipeline), got {kind}", field="upscaler"
-            )
+        _check_upscaler(upscaler)
         settings = check_kind("settings", settings, HiresSettings, "a HiresSettings", optional=True) or HiresSettings()
         images = checked_images(images) if images is not None else None
         width, height = (images.shape[-1], images.shape[-2]) if images is not None else settings.base_size
@@ -151,4 +147,13 @@ def warn_grid_size(width: int, height: int, scale: float) -> None:
                 f"needs: the image is {out_w}x{out_h} (aspect {width / height:.3f} -> {out_w / out_h:.3f})"
             ),
             stacklevel=3,
+        )
+
+
+def _check_upscaler(upscaler: object) -> None:
+    """One line naming ``upscaler`` when it cannot upscale latents (``hires("flow")`` was an AttributeError)."""
+    if not callable(getattr(upscaler, "upscale_latents", None)):
+        kind = type(upscaler).__name__
+        raise FlowliftError(
+            f"upscaler must have upscale_latents() (a FlowUpscalerPipeline), got {kind}", field="upscaler"
         )

@@ -130,8 +130,7 @@ def refine_latents(
     from flowlift.knobs import check_callable, check_kind, check_unit_interval
     from flowlift.models.weights import check_finite_result
 
-    velocity_fn = check_callable("velocity_fn", velocity_fn)  # None: nothing to denoise (denoising_start 1)
-    on_step = check_callable("on_step", on_step)
+    velocity_fn, on_step = check_callable("velocity_fn", velocity_fn), check_callable("on_step", on_step)
     device = resolve_device(device)  # one line for a device that is not here ('bogus', 'meta')
     sampling = check_kind("sampling", sampling, SamplingSettings, "a SamplingSettings", optional=True)
     sampling = sampling if sampling is not None else SamplingSettings()
