@@ -435,8 +435,9 @@ def test_flow_method_passes_its_knobs_to_the_pipeline():
     ]
     with pytest.raises(FlowliftError, match="not 4x"):
         fn(low, np.zeros((60, 128, 3), dtype=np.uint8))
-    with pytest.raises(FlowliftError, match="--upscaler"):
+    with pytest.raises(FlowliftError, match=r"Flow Upscaler weights \(upscaler\)") as caught:  # the CLI: --upscaler
         MT.make_method_fn(spec, 4, vae=object(), pipeline=None)
+    assert caught.value.field == "upscaler"
 
 
 def test_latent_bicubic_interpolates_raw_latents_when_the_vae_has_statistics():

@@ -844,8 +844,9 @@ def test_the_data_folder_is_no_run_folder(train_data):
     from flowlift.training.trainer import Trainer
 
     before = sorted(p.name for p in train_data.iterdir())
-    with pytest.raises(FlowliftError, match="is the --data folder; give the run a folder of its own"):
+    with pytest.raises(FlowliftError, match="is the data folder; give the run a folder of its own") as caught:
         Trainer(_train_config(train_data, train_data / ".", steps=1)).run()
+    assert caught.value.fields == ("output", "data")  # the command line says --output and --data
     assert sorted(p.name for p in train_data.iterdir()) == before
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 
 if TYPE_CHECKING:
     import torch
@@ -138,12 +138,13 @@ def resolve_device(setting: str | torch.device | None) -> torch.device:
     return device
 
 
-def resolve_device_option(device: str | None, option: str = "--device") -> torch.device:
-    """:func:`resolve_device` for a command-line option: a bad value is one FlowliftError line naming it."""
+def resolve_device_option(device: str | None, field: str = "device") -> torch.device:
+    """:func:`resolve_device` for a request's field: a bad value is one FlowliftError line naming ``field`` (each
+    door says it in its words: the command line ``--device``)."""
     try:
         return resolve_device(device)  # unknown names, missing backends, indices past the device count
     except FlowliftError as error:
-        raise FlowliftError(f"{option} {device}: {error}") from None
+        raise FlowliftError(f"{FIELD_MARK} {device}: {error}", field=field) from None
 
 
 def resolve_device_dtype(
@@ -164,7 +165,7 @@ def resolve_device_dtype(
     elif dtype in DTYPES:
         dt = getattr(torch, dtype)
     else:
-        raise FlowliftError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+        raise FlowliftError(f"{FIELD_MARK} {dtype}: choose one of {', '.join(DTYPES)}", field="dtype")
     if dev.type == "cpu" and dt == torch.float16:
         warnings.warn(
             "--dtype float16 on the CPU runs many times slower than float32 (no fast CPU float16 kernels) "

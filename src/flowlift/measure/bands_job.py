@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flowlift.devices import resolve_device_dtype
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 
 __all__ = ["BandsRequest", "BandsResult", "report_recognisers", "run_bands_report"]
 
@@ -136,7 +136,7 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
     device, dtype = resolve_device_dtype(request.device, request.dtype)  # before anything is read
     out_dir = Path(request.output)
     if out_dir.exists() and not out_dir.is_dir():
-        raise FlowliftError(f"--output {out_dir} exists and is not a folder")
+        raise FlowliftError(f"{FIELD_MARK} {out_dir} exists and is not a folder", field="output")
     from flowlift.files.output_paths import check_report_folder
     from flowlift.files.own_files import check_replaceable, markdown_stamp, report_json, stamp
 

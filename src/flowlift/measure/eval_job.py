@@ -309,7 +309,10 @@ def _run_sharded(request: EvalRequest, env: DistEnv, evaluate, cache_dir) -> Eva
     from flowlift.measure.inputs import dataset_paths
 
     if cache_dir is None:
-        raise FlowliftError("a sharded eval --run merges the ranks' results through the cache; drop --no-cache")
+        raise FlowliftError(
+            f"a sharded eval {FIELD_MARK} merges the ranks' results through the cache; drop {FIELD_MARK}",
+            field=("run", "no_cache"),
+        )
     paths = dataset_paths(request.dataset, request.limit)
     pixels = probe_and_gather(env, paths, image_pixels)
     share = evaluate(shard_by_pixels(pixels, env.world_size)[env.rank])

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.knobs import SEED, TRANSPLANT_STRENGTH, Knob
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH
 
@@ -278,7 +278,9 @@ def flow_kwargs(spec: MethodSpec, scale: int) -> dict[str, Any]:
     """``upscale_image`` keyword arguments of a ``flow`` spec: ``num_passes = log2(scale)``."""
     passes = int(round(math.log2(scale)))
     if 2**passes != scale:
-        raise FlowliftError(f"method flow upscales 2x per pass; --scale must be a power of 2, got {scale}")
+        raise FlowliftError(
+            f"method flow upscales 2x per pass; {FIELD_MARK} must be a power of 2, got {scale}", field="scale"
+        )
     opts = dict(spec.options)
     return {
         "num_passes": passes,
@@ -318,7 +320,7 @@ def make_method_fn(
     if spec.name in PIXEL_METHODS:
         return lambda low, gt: pixel_upscale(low, scale, spec.name)
     if vae is None:
-        raise FlowliftError(f"method {spec.name} needs a VAE (--vae)")
+        raise FlowliftError(f"method {spec.name} needs a VAE ({FIELD_MARK})", field="vae")
     if spec.name == "latent-bicubic":
         return lambda low, gt: latent_bicubic(vae, low, scale, device, dtype)
     if spec.name == "vae-roundtrip":
@@ -326,7 +328,7 @@ def make_method_fn(
     if spec.name == SESQUI:
         return _sesqui_method_fn(spec, scale, vae, device, dtype)
     if pipeline is None:
-        raise FlowliftError("method flow needs the Flow Upscaler weights (--upscaler)")
+        raise FlowliftError(f"method flow needs the Flow Upscaler weights ({FIELD_MARK})", field="upscaler")
     kwargs = flow_kwargs(spec, scale)
 
     def run_flow(low: np.ndarray, gt: np.ndarray) -> np.ndarray:
@@ -386,9 +388,11 @@ def spandrel_tiling(tile: Any = "auto", overlap: Any = None) -> tuple[int | str 
     overlap = (
         SPANDREL_TILE_OVERLAP.default
         if overlap is None
-        else SPANDREL_TILE_OVERLAP.check(overlap, "--tile-overlap", loose=True)
+        else SPANDREL_TILE_OVERLAP.check(overlap, "tile_overlap", loose=True)
     )
-    tile = SPANDREL_TILE.check(tile, "--tile", loose=True)
+    tile = SPANDREL_TILE.check(tile, "tile", loose=True)
     if isinstance(tile, int) and tile - 2 * overlap < 1:
-        raise FlowliftError(f"--tile {tile} must exceed twice the --tile-overlap ({overlap})")
+        raise FlowliftError(
+            f"{FIELD_MARK} {tile} must exceed twice the {FIELD_MARK} ({overlap})", field=("tile", "tile_overlap")
+        )
     return (None if tile == "none" else tile), overlap

@@ -238,7 +238,10 @@ def load_teacher(source: TeacherSource, device: torch.device) -> tuple[Teacher, 
     is_transformer = path.is_dir() and (path / "config.json").is_file() and not is_pipeline
     if is_transformer:
         if not source.prompt_embeds:
-            raise FlowliftError("a transformer teacher needs --prompt-embeds (a safetensors file with 'prompt_embeds')")
+            raise FlowliftError(
+                f"a transformer teacher needs {FIELD_MARK} (a safetensors file with 'prompt_embeds')",
+                field="prompt_embeds",
+            )
         from diffusers import Flux2Transformer2DModel
 
         from flowlift.models.weights import read_state_dict
@@ -267,7 +270,9 @@ def load_teacher(source: TeacherSource, device: torch.device) -> tuple[Teacher, 
         ), {"teacher": str(path), "type": "transformer", "steps": source.steps, "guidance": source.guidance}
     if is_pipeline:
         if not source.prompts:
-            raise FlowliftError("a pipeline teacher needs --prompts (a text file, one prompt per line)")
+            raise FlowliftError(
+                f"a pipeline teacher needs {FIELD_MARK} (a text file, one prompt per line)", field="prompts"
+            )
         prompts_path = Path(source.prompts)
         if not prompts_path.is_file():
             raise FlowliftError(f"prompts file not found: {prompts_path}")

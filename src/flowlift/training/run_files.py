@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
 from flowlift.files.json_input import parse_json
 from flowlift.files.output_paths import folder_problem, same_file, same_file_problem
@@ -206,11 +206,14 @@ def check_run_folder(config: TrainConfig, inputs: dict[str, Any] | None = None) 
     """
     output = Path(config.output)
     if os.path.lexists(output) and not output.is_dir():
-        raise FlowliftError(f"--output {output} exists and is not a folder")
+        raise FlowliftError(f"{FIELD_MARK} {output} exists and is not a folder", field="output")
     if problem := folder_problem(output):
         raise FlowliftError(problem)
     if config.data and os.path.isdir(output) and os.path.isdir(config.data) and os.path.samefile(output, config.data):
-        raise FlowliftError(f"--output {output} is the --data folder; give the run a folder of its own")
+        raise FlowliftError(
+            f"{FIELD_MARK} {output} is the {FIELD_MARK} folder; give the run a folder of its own",
+            field=("output", "data"),
+        )
     if problem := _checkpoints_problem(config, output):
         raise FlowliftError(problem)
     wanted = inputs if inputs is not None else run_inputs(config)
