@@ -18,8 +18,9 @@ import torch
 from PIL import Image
 
 from flowlift.commands.cli import main
+from flowlift.errors import FlowliftError
 from flowlift.files.image_outputs import save_image_atomic
-from flowlift.files.output_paths import check_not_an_input, same_file, same_file_problem
+from flowlift.files.output_paths import check_not_an_input, same_file, same_file_error
 
 
 def _earlier_output(path: Path, size: tuple[int, int] = (32, 32)) -> Path:
@@ -49,14 +50,15 @@ def test_same_file_is_identity_not_spelling(tmp_path):
     image = _earlier_output(tmp_path / "dir" / "r.png")
     for name, spelling in _spellings(tmp_path, image).items():
         assert same_file(spelling, image), name
-        problem = same_file_problem(spelling, {"--image": image})
-        assert problem is not None and "is the input --image" in problem, name
-        with pytest.raises(Exception, match="choose another output"):
-            check_not_an_input(spelling, {"--mask": None, "--lora": [tmp_path / "x.safetensors", image]})
+        error = same_file_error(spelling, {"image": image})
+        assert error is not None and "is the input image" in str(error) and error.fields == ("image",), name
+        assert "is the input --image" in error.worded({"image": "--image"})  # a door names the field its own way
+        with pytest.raises(FlowliftError, match="is the input source.loras.*choose another output"):
+            check_not_an_input(spelling, {"mask": None, "source.loras": [tmp_path / "x.safetensors", image]})
     other = _earlier_output(tmp_path / "dir" / "other.png")
-    assert not same_file(other, image) and same_file_problem(other, {"--image": image}) is None
-    assert same_file_problem(tmp_path / "dir" / "new.png", {"--image": image}) is None  # not there yet
-    assert same_file_problem(image, {"--image": tmp_path / "missing.png"}) is None
+    assert not same_file(other, image) and same_file_error(other, {"image": image}) is None
+    assert same_file_error(tmp_path / "dir" / "new.png", {"image": image}) is None  # not there yet
+    assert same_file_error(image, {"image": tmp_path / "missing.png"}) is None
 
 
 def _error_lines(capsys, command: str) -> list[str]:
@@ -141,7 +143,7 @@ def test_colorfix_never_replaces_its_reference_or_input(tmp_path, capsys, spelli
     code = main(["colorfix", str(upscaled), "--reference", str(reference), "-o", str(output), "--overwrite"])
     assert code != 0
     lines = _error_lines(capsys, "colorfix")
-    wanted = "is the input reference" if victim_name == "reference" else "would overwrite the input"
+    wanted = "is the input --reference" if victim_name == "reference" else "would overwrite the input"
     assert any(wanted in line for line in lines), lines
     assert victim.read_bytes() == before
 
@@ -180,3 +182,43 @@ def test_dataset_never_replaces_an_input_image(tmp_path, capsys):
     lines = _error_lines(capsys, "dataset")
     assert len(lines) == 1 and "is the input INPUT" in lines[0] and "no-such-vae" not in lines[0], lines
     assert photo.read_bytes() == before
+
+
+def test_the_python_api_names_the_input_by_its_field(tmp_path, shared):
+    """An output that is an input, or a report folder that is an input folder, is named by the request's field
+    (the keyword a caller wrote), never by a command-line option: each door says it in its own words."""
+    from flowlift.measure.bands_job import BandsRequest, run_bands_report
+    from flowlift.measure.eval_job import EvalRequest, run_eval
+    from flowlift.training.config import TrainConfig
+    from flowlift.training.dataset_jobs import DatasetRequest, PhotoCrops, run_dataset
+    from flowlift.training.run_files import check_run_folder, run_inputs
+    from flowlift.upscale.colorfix_job import ColorFixRequest, plan_colorfix
+
+    photos = tmp_path / "photos"
+    photo = _earlier_output(photos / "a.png", (64, 64))
+    vae = str(shared / "models" / "taef2")
+    with pytest.raises(FlowliftError, match=r"^output .* is the images folder") as caught:
+        run_bands_report(BandsRequest(images=[str(photos)], vae=vae, output=photos))
+    assert caught.value.fields == ("output", "images")
+    with pytest.raises(FlowliftError, match=r"^output .* is the dataset folder") as caught:
+        run_eval(EvalRequest(run="lanczos", dataset=str(photos), output=photos))
+    assert caught.value.fields == ("output", "dataset")
+    report = tmp_path / "report"
+    report.mkdir()
+    os.link(photo, report / "metrics.png")
+    with pytest.raises(FlowliftError, match="is the input outputs"):
+        run_eval(EvalRequest(outputs=[str(photos)], reference=str(photos), output=report))
+    shards = tmp_path / "ds"
+    shards.mkdir()
+    os.link(photo, shards / "shard-00000.safetensors")
+    with pytest.raises(FlowliftError, match="is the input crops.inputs"):
+        run_dataset(DatasetRequest(output=shards, vae=vae, crops=PhotoCrops(inputs=[str(photo)], crop_px=32)))
+    upscaled = _earlier_output(tmp_path / "up" / "a_x2.png", (128, 128))
+    jobs, _ = plan_colorfix(ColorFixRequest(inputs=[str(upscaled)], references=[str(photo)], output=str(photo)))
+    assert [job.refused and "is the input references" in job.note for job in jobs] == [True], jobs
+    run = tmp_path / "run"
+    run.mkdir()
+    os.link(photo, run / "curves.png")
+    config = TrainConfig(data=str(tmp_path / "data"), output=str(run), val_images=[str(photo)], overwrite=True)
+    with pytest.raises(FlowliftError, match="is the input val_images"):
+        check_run_folder(config, run_inputs(config))

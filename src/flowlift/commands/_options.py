@@ -60,6 +60,8 @@ FIELD_DESTS = {
     "vae_tiled": "vae_tiling",
     "hires_scale": "scale",
     "crop": "crop_px",
+    "crops.inputs": "inputs",
+    "config_file": "config",
 }
 
 

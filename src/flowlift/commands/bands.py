@@ -33,7 +33,7 @@ EXAMPLES = examples(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("images", nargs="+", help="image files or folders (non-recursive)")
+    parser.add_argument("images", nargs="+", metavar="IMAGES", help="image files or folders (non-recursive)")
     add_vae_option(parser, required=True)
     add_output_option(parser, "folder for bands.json, bands.md, bands.png", required=True)
     parser.add_argument("--amplitude", type=finite_float, default=0.1, help="perturbation RMS in latent sigma (0.1)")

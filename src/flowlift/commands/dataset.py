@@ -116,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         epilog=examples("flowlift dataset images photos/ --crop-px 512 --crops-per-image 8 --vae taef2 -o data/photos"),
     )
     _common(images)
-    images.add_argument("inputs", nargs="+", help="image files, folders or glob patterns")
+    images.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or glob patterns")
     images.add_argument(
         "--crop-px", type=positive_int, default=512, help="crop side in image pixels (multiple of 32; default 512)"
     )

@@ -425,7 +425,7 @@ def check_single_output(
 
     Writable in a format flowlift writes (name length, folder, what is there:
     :func:`flowlift.files.output_paths.output_file_problem`); none of ``inputs`` (a role -> a path or paths, by
-    identity: :func:`flowlift.files.output_paths.same_file_problem`, ``overwrite`` or not, issue 36.2); only a
+    identity: :func:`flowlift.files.output_paths.same_file_error`, ``overwrite`` or not, issue 36.2); only a
     regular file may be replaced, and one without
     flowlift's metadata needs ``overwrite`` (an empty file, and flowlift's own earlier results, are replaced). A
     killed run's debris beside it is removed (never a live writer's). Checked before any model loads; ``option``

@@ -6,7 +6,7 @@ which ``mkdir`` will create the folder in: a plain file there, ``/proc``, a read
 permission all fail), and is whatever is already there a regular file (never a FIFO, socket, device,
 link or folder: :func:`flowlift.files.atomic.replace_refusal`). The answer is a probe, not the
 permission bits, which say nothing reliable for root or on NFS. And no output is ever one of the run's
-inputs (:func:`same_file_problem`): asked by identity (device and inode), never by spelling, so a
+inputs (:func:`same_file_error`): asked by identity (device and inode), never by spelling, so a
 symlinked folder, ``..``, a link or a hard link to the input are all the input. A full disk passes the probe (an
 empty file needs no space); the write that then fails is one line too
 (:class:`flowlift.files.atomic.OutputWriteError`) and leaves nothing under the output name.
@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.atomic import name_limit, replace_refusal
 
 
@@ -92,12 +92,13 @@ def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
 InputPaths = Mapping[str, "str | os.PathLike | Iterable[str | os.PathLike] | None"]
 
 
-def same_file_problem(output: str | os.PathLike, inputs: InputPaths) -> str | None:
-    """Why ``output`` must not be written: it is one of ``inputs`` (:func:`same_file`), or None.
+def same_file_error(output: str | os.PathLike, inputs: InputPaths) -> FlowliftError | None:
+    """The one-line error when ``output`` is one of ``inputs`` (:func:`same_file`), else None.
 
-    ``inputs`` maps a role (``"--image"``, ``"the reference"``) to a path, several paths or None.
-    Writing an output replaces the file under its name, so an output that is an input would destroy
-    the input (issue 36.2): refused, ``--overwrite`` or not, whatever the input's own origin.
+    ``inputs`` maps the field that gave an input (``"image"``, ``"references"``: the Python API's word, which
+    each door says in its own, ``--reference``) to a path, several paths or None. Writing an output replaces
+    the file under its name, so an output that is an input would destroy the input (issue 36.2): refused,
+    ``--overwrite`` or not, whatever the input's own origin.
     """
     if not os.path.lexists(output):
         return None
@@ -108,19 +109,23 @@ def same_file_problem(output: str | os.PathLike, inputs: InputPaths) -> str | No
         for path in paths:
             if path is not None and same_file(output, path):
                 same = "" if os.fspath(path) == os.fspath(output) else f" ({path})"
-                return f"{output} is the input {role}{same}; an output never replaces an input: choose another output"
+                return FlowliftError(
+                    f"{output} is the input {FIELD_MARK}{same}; an output never replaces an input: "
+                    "choose another output",
+                    field=role,
+                )
     return None
 
 
 def check_not_an_input(output: str | os.PathLike, inputs: InputPaths) -> None:
-    """:func:`same_file_problem` as one FlowliftError line."""
-    if problem := same_file_problem(output, inputs):
-        raise FlowliftError(problem)
+    """Raise :func:`same_file_error`'s error, if any."""
+    if error := same_file_error(output, inputs):
+        raise error
 
 
 def check_report_folder(folder: str | os.PathLike, inputs: Mapping[str, Iterable[str | os.PathLike]]) -> None:
-    """One FlowliftError line when ``folder`` (a report's ``--output``) is a folder the run reads its images from:
-    one given as an input (a role -> the items as given: files, folders, glob patterns) or a glob's folder. The
+    """One FlowliftError line when ``folder`` (a report's ``output``) is a folder the run reads its images from:
+    one given as an input (its field -> the items as given: files, folders, glob patterns) or a glob's folder. The
     report's own images (``bands.png``, ``crops.png``) would be measured as photos by the next run on that folder.
     Compared by identity (a link or ``..`` to the folder is the folder)."""
     if not os.path.isdir(folder):
@@ -132,6 +137,7 @@ def check_report_folder(folder: str | os.PathLike, inputs: Mapping[str, Iterable
             read = text if os.path.isdir(text) else os.path.dirname(text) or "." if "*" in text or "?" in text else None
             if read is not None and os.path.isdir(read) and os.path.samestat(os.stat(read), target):
                 raise FlowliftError(
-                    f"--output {os.fspath(folder)} is the {role} folder {text}: the report's images would be read "
-                    "back as inputs next time; write the report to another folder"
+                    f"{FIELD_MARK} {os.fspath(folder)} is the {FIELD_MARK} folder {text}: the report's images would "
+                    "be read back as inputs next time; write the report to another folder",
+                    field=("output", role),
                 )

@@ -140,7 +140,7 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
     from flowlift.files.output_paths import check_report_folder
     from flowlift.files.own_files import check_replaceable, markdown_stamp, report_json, stamp
 
-    check_report_folder(out_dir, {"IMAGES": request.images})  # its bands.png would be measured next time
+    check_report_folder(out_dir, {"images": request.images})  # its bands.png would be measured next time
     check_replaceable(report_recognisers(out_dir), request.overwrite, COMMAND)  # before any image or model loads
     paths = list_images(request.images)[: request.limit]
     if not paths:

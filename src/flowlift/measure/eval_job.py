@@ -175,7 +175,7 @@ def _check_reports_are_no_input(request: EvalRequest, out_dir: Path) -> None:
     from flowlift.measure.report import report_paths
 
     inputs: dict[str, list[Path]] = {}
-    roles = (("OUTPUTS", request.outputs), ("--reference", request.reference), ("--dataset", request.dataset))
+    roles = (("outputs", request.outputs), ("reference", request.reference), ("dataset", request.dataset))
     given_items = {role: [given] if isinstance(given, str) else list(given) for role, given in roles if given}
     check_report_folder(out_dir, given_items)  # its figures would be measured as photos next time
     for role, given in roles:

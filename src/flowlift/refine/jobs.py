@@ -162,7 +162,7 @@ def _output(request: RefineRequest) -> Path:
     file flowlift did not write needs ``overwrite``."""
     from flowlift.files.image_outputs import check_single_output
     from flowlift.files.naming import refined_output
-    from flowlift.files.output_paths import same_file_problem
+    from flowlift.files.output_paths import same_file_error
     from flowlift.refine.loras import parse_lora_spec
 
     image = os.fspath(request.image) if request.image is not None else None
@@ -182,8 +182,8 @@ def _output(request: RefineRequest) -> Path:
         "source.loras": [parse_lora_spec(text)[0] for text in source.loras] or None,
     }
     for name, paths in files.items():
-        if paths is not None and (problem := same_file_problem(output, {FIELD_MARK: paths})):
-            raise FlowliftError(problem, field=name)
+        if paths is not None and (error := same_file_error(output, {name: paths})):
+            raise error
     try:
         check_single_output(output, request.overwrite, option=FIELD_MARK)
     except FlowliftError as error:

@@ -315,4 +315,4 @@ def _check_outputs_are_no_input(out: Path, inputs: list[Path]) -> None:
     if not out.is_dir():
         return
     for path in [out / "dataset.json", *sorted(out.glob("shard-*.safetensors"))]:
-        check_not_an_input(path, {"INPUT": inputs})
+        check_not_an_input(path, {"crops.inputs": inputs})

@@ -12,7 +12,7 @@ rule (issue 36.1), checked by :func:`check_run_folder` before any model or data 
   content: :data:`RECOGNISERS`) is replaced; anything else is the user's;
 * no output is one of the run's input files (``--init``, ``--config``, validation images), by identity,
   except the run's own ``config.json`` given back as ``--config`` to resume from its saved settings
-  (:func:`flowlift.files.output_paths.same_file_problem`);
+  (:func:`flowlift.files.output_paths.same_file_error`);
 * ``--resume none --overwrite`` removes only what runs of flowlift made under ``checkpoints/``
   (:func:`flowlift_checkpoint_entries`: the pointer, and folders holding nothing but a checkpoint's
   own files), never a user's notes or another tool's checkpoints; and only after every check
@@ -32,7 +32,7 @@ from typing import Any
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.atomic import remove_stale_temporaries, replace_refusal
 from flowlift.files.json_input import parse_json
-from flowlift.files.output_paths import folder_problem, same_file, same_file_problem
+from flowlift.files.output_paths import folder_problem, same_file, same_file_error
 from flowlift.files.own_files import replace_problem, safetensors_metadata
 from flowlift.training.checkpoints import EMA_NAME, RAW_NAME, RUN_ID_NAME, STATE_NAME
 from flowlift.training.config import TrainConfig
@@ -171,14 +171,14 @@ def _checkpoints_problem(config: TrainConfig, output: Path) -> str | None:
 
 
 def run_inputs(config: TrainConfig, config_file: str | os.PathLike | None = None) -> dict[str, Any]:
-    """The run's input files by role (``--init``, ``--config``, the validation images): no output is one."""
+    """The run's input files by field (``init``, ``config_file``, ``val_images``): no output is one."""
     from flowlift.files.images import list_images
 
     try:
         val_images = list_images(config.val_images) if config.val_images else []
     except FlowliftError:  # a missing one is named by the validation set's own loading, later
         val_images = [p for p in config.val_images if os.path.isfile(p)]
-    return {"--init": config.init or None, "--config": config_file, "--val-images": val_images}
+    return {"init": config.init or None, "config_file": config_file, "val_images": val_images}
 
 
 def _inputs_it_may_replace(config_path: Path, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -189,14 +189,14 @@ def _inputs_it_may_replace(config_path: Path, inputs: dict[str, Any]) -> dict[st
     written atomically. Any other identity (a user's own settings file at that name, an ``--init``
     or validation image that is an output) stays an input no output may replace.
     """
-    given = inputs.get("--config")
+    given = inputs.get("config_file")
     if given is None or not same_file(config_path, given):
         return inputs
     try:
         own = stat_module.S_ISREG(os.lstat(config_path).st_mode) and is_run_config(config_path)
     except OSError:
         own = False
-    return {role: paths for role, paths in inputs.items() if role != "--config"} if own else inputs
+    return {role: paths for role, paths in inputs.items() if role != "config_file"} if own else inputs
 
 
 def check_run_folder(config: TrainConfig, inputs: dict[str, Any] | None = None) -> None:
@@ -220,8 +220,9 @@ def check_run_folder(config: TrainConfig, inputs: dict[str, Any] | None = None) 
     for name, recognise in RECOGNISERS.items():
         path = output / name
         roles = _inputs_it_may_replace(path, wanted) if name == CONFIG_NAME else wanted
-        problem = same_file_problem(path, roles) or run_file_problem(path, recognise, config.overwrite)
-        if problem:
+        if error := same_file_error(path, roles):
+            raise error
+        if problem := run_file_problem(path, recognise, config.overwrite):
             raise FlowliftError(problem)
 
 

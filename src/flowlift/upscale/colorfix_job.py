@@ -101,7 +101,7 @@ def plan_colorfix(request: ColorFixRequest) -> tuple[list[Any], dict[Path, Path]
         lambda path: colorfix_name(path.stem, fmt),
         IMAGE_SUFFIXES,
         expected_size=image_size,
-        check_output=lambda path, out: check_not_an_input(out, {"reference": paired[path]}),
+        check_output=lambda path, out: check_not_an_input(out, {"references": paired[path]}),
     )
     return jobs, paired
 
