@@ -316,11 +316,17 @@ def test_a_device_that_is_not_here_is_one_line_at_every_entry(unet, vae, device)
     from flowlift import Flux2Refiner, load_upscaler, load_vae, refine_latents
     from tiny_flux2 import tiny_transformer
 
-    _refused(lambda: FlowUpscalerPipeline(unet, vae, device=device), device)
-    _refused(lambda: Flux2Refiner(tiny_transformer(), vae, device=device), device)
-    _refused(lambda: load_upscaler("no/such-upscaler", device=device), device)
-    _refused(lambda: load_vae("taef2", device=device), device)
-    _refused(lambda: refine_latents(lambda z, s: z, shape=(1, 32, 4, 4), device=device), device)
+    for call in (
+        lambda: FlowUpscalerPipeline(unet, vae, device=device),
+        lambda: Flux2Refiner(tiny_transformer(), vae, device=device),
+        lambda: load_upscaler("no/such-upscaler", device=device),
+        lambda: load_vae("taef2", device=device),
+        lambda: refine_latents(lambda z, s: z, shape=(1, 32, 4, 4), device=device),
+    ):
+        with pytest.raises(FlowliftError) as caught:
+            call()
+        assert caught.value.fields == ("device",), caught.value  # each door names it its way (--device)
+        assert "\n" not in str(caught.value) and str(caught.value).startswith(f"device {device}: "), caught.value
 
 
 def test_a_vae_refuses_images_and_latents_that_are_not_its_own(vae):
@@ -436,7 +442,8 @@ def test_a_memory_policys_offload_device_is_a_device_that_is_here(device):
     """It was used only at a chunked pass's first strip: a RuntimeError after the encode and any plain passes."""
     from flowlift.upscale.settings import MemoryPolicy
 
-    _refused(lambda: MemoryPolicy(offload_device=device), f"{device}'", "device")
+    message = _refused(lambda: MemoryPolicy(offload_device=device), f"{device}'", "device")
+    assert message.startswith(f"offload_device {device}: "), message
     assert MemoryPolicy(offload_device="cpu").offload_device == "cpu"
 
 

@@ -380,7 +380,7 @@ def test_a_dataset_sources_one_string_is_one_input_and_its_device_is_here(tmp_pa
     from flowlift.training.dataset_jobs import DatasetRequest
 
     assert _crops(inputs="photos").inputs == ("photos",)
-    with pytest.raises(FlowliftError, match="'bogus' is not a torch device"):  # was a RuntimeError at the VAE's load
+    with pytest.raises(FlowliftError, match="^device bogus: 'bogus' is not a torch device"):  # was a RuntimeError
         DatasetRequest(tmp_path / "data", "taef2", crops=_crops(), device="bogus")
 
 

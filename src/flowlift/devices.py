@@ -138,7 +138,7 @@ def resolve_device(setting: str | torch.device | None) -> torch.device:
     return device
 
 
-def resolve_device_option(device: str | None, field: str = "device") -> torch.device:
+def resolve_device_option(device: str | torch.device | None, field: str = "device") -> torch.device:
     """:func:`resolve_device` for a request's field: a bad value is one FlowliftError line naming ``field`` (each
     door says it in its words: the command line ``--device``)."""
     try:

@@ -145,11 +145,11 @@ def load_upscaler(
     model is returned in ``dtype`` on ``device``. A file that does not fit raises one FlowliftError
     line naming the missing, unexpected and mis-shaped tensors.
     """
-    from flowlift.devices import resolve_device
+    from flowlift.devices import resolve_device_option
     from flowlift.knobs import check_dtype
     from flowlift.models.weights import load_strict, read_state_dict, resolve_file
 
-    device = resolve_device(device)  # one line for a device that does not exist here, before the file is read
+    device = resolve_device_option(device)  # one line for a device that does not exist here, before the file is read
     dtype = check_dtype(dtype)  # an integer dtype is the caller's, not "the file's tensors have dtype int8"
     path = resolve_file(source, [WEIGHTS_NAME], what=WHAT)
     state = read_state_dict(path, what=WHAT)

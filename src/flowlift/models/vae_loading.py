@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from flowlift.devices import resolve_device
+from flowlift.devices import resolve_device_option
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.json_input import parse_json
 from flowlift.knobs import check_dtype
@@ -60,7 +60,7 @@ AnyVAE = TAEF2VAE | Flux2VAE | MageVAE
 
 def load_vae(spec: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AnyVAE:
     """Load a VAE from ``spec`` (see the module docstring) onto ``device`` in ``dtype``."""
-    device = resolve_device(device)  # one line for a device that does not exist here ('bogus', 'meta')
+    device = resolve_device_option(device)  # one line for a device that does not exist here ('bogus', 'meta')
     dtype = check_dtype(dtype)  # before a file is read: "bf16" is one line, not a TypeError from torch's .to()
     if isinstance(spec, (TAEF2VAE, Flux2VAE, MageVAE)):
         spec.model.to(device=device, dtype=dtype)

@@ -284,7 +284,7 @@ def _checked_arguments(
     ``progress`` a bool or None. Returns the device, the tiling and the memory settings (defaults for None)."""
     import math
 
-    from flowlift.devices import resolve_device
+    from flowlift.devices import resolve_device_option
     from flowlift.knobs import check_dtype, check_kind
 
     if vae is not None and not str(os.fspath(vae) if isinstance(vae, (str, os.PathLike)) else "").strip():
@@ -304,7 +304,7 @@ def _checked_arguments(
     check_kind("text_encoder", text_encoder, bool, "True or False")
     if progress is not None:
         check_kind("progress", progress, bool, "True, False or None")
-    return resolve_device(device), tiling, memory
+    return resolve_device_option(device), tiling, memory
 
 
 def _plan(module, vae_adapter, memory: RefineMemory, dtype, vae_dtype, tiling: TileRequest):

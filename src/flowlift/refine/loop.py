@@ -125,13 +125,13 @@ def refine_latents(
     * ``sampler``: ``euler`` or ``heun`` on those sigmas, in every mode.
     * the window ends at sigma 0; ``denoising_start`` 1 (strength 0) runs no step and returns the normalized init.
     """
-    from flowlift.devices import resolve_device
+    from flowlift.devices import resolve_device_option
     from flowlift.flux2.img2img import InpaintMerger, denoise, prepare_start_latents
     from flowlift.knobs import check_callable, check_kind, check_unit_interval
     from flowlift.models.weights import check_finite_result
 
     velocity_fn, on_step = check_callable("velocity_fn", velocity_fn), check_callable("on_step", on_step)
-    device = resolve_device(device)  # one line for a device that is not here ('bogus', 'meta')
+    device = resolve_device_option(device)  # one line for a device that is not here ('bogus', 'meta')
     sampling = check_kind("sampling", sampling, SamplingSettings, "a SamplingSettings", optional=True)
     sampling = sampling if sampling is not None else SamplingSettings()
     check_kind("tiles", tiles, TileRequest, "a TileRequest", optional=True)

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from flowlift.devices import resolve_device
+from flowlift.devices import resolve_device_option
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
 from flowlift.knobs import check_callable, check_cfg_scale, check_dtype, check_kind, check_positive
@@ -96,7 +96,7 @@ class Flux2Refiner(HiresFix):
         if progress is not None:
             check_kind("progress", progress, bool, "True, False or None")
         self.mu, self.schedule = mu, schedule
-        self.device, self.dtype = resolve_device(device), dtype  # one line for a device that is not here
+        self.device, self.dtype = resolve_device_option(device), dtype  # one line for a device that is not here
         self.placement = placement
         self.offload, self.vae_tiled, self.memory_plan = placement.offload, placement.vae_tiled, placement.plan
         self.provenance = dict(provenance or {})

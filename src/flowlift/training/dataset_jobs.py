@@ -130,7 +130,7 @@ class DatasetRequest:
     def __post_init__(self) -> None:
         """Every field checked when the request is made, one line naming it as Python spells it (the command line
         says its option): before any folder is touched or any model loads."""
-        from flowlift.devices import resolve_device
+        from flowlift.devices import resolve_device_option
         from flowlift.knobs import OVERWRITE, SEED, check_kind, check_path, check_positive
 
         if (self.teacher is None) == (self.crops is None):
@@ -148,7 +148,7 @@ class DatasetRequest:
             raise FlowliftError(
                 f"storage_dtype must be one of {names}, got {self.storage_dtype!r}", field="storage_dtype"
             )
-        object.__setattr__(self, "device", resolve_device(self.device))
+        object.__setattr__(self, "device", resolve_device_option(self.device))
         Degradation(filter=self.filter, jpeg_quality=self.jpeg_quality, noise_std=self.noise_std)
         if not isinstance(self.part, (tuple, list)) or len(self.part) != 2 or None in map(exact_int, self.part):
             raise FlowliftError(f"part must be (index, count), two integers, got {self.part!r}", field="part")

@@ -79,7 +79,7 @@ def color_fix_array(
     clipping, which stage 2's iterations remove); detail above the reference's Nyquist stays the
     upscaled image's own.
     """
-    from flowlift.devices import resolve_device
+    from flowlift.devices import resolve_device_option
     from flowlift.files.images import tensor_to_uint8, to_tensor
     from flowlift.files.sixteen_bit import tensor_to_uint16
     from flowlift.knobs import check_callable, check_unit_interval
@@ -100,7 +100,7 @@ def color_fix_array(
             got = f"{array.dtype} {array.shape}" if isinstance(array, np.ndarray) else type(array).__name__
             raise FlowliftError(f"colour fix: {name} must be a uint8 or uint16 HWC RGB array, got {got}")
     integer_scale((upscaled.shape[1], upscaled.shape[0]), (reference.shape[1], reference.shape[0]))
-    device = resolve_device(device)  # 'cuda' without CUDA, 'bogus': one line, before any work
+    device = resolve_device_option(device)  # 'cuda' without CUDA, 'bogus': one line, before any work
     out = to_tensor(upscaled, device=device, dtype=torch.float32)
     ref = to_tensor(reference, device=device, dtype=torch.float32)
     with torch.no_grad():

@@ -42,7 +42,7 @@ class ColorFixRequest:
 
     def __post_init__(self) -> None:
         """Every field checked when the request is made (one line naming it, before any image is read)."""
-        from flowlift.devices import resolve_device
+        from flowlift.devices import resolve_device_option
 
         for name in ("inputs", "references"):
             paths = check_paths(name, getattr(self, name))  # one path string is one path, never its characters
@@ -54,7 +54,7 @@ class ColorFixRequest:
         object.__setattr__(self, "quality", check_quality(self.quality))
         object.__setattr__(self, "overwrite", OVERWRITE.check(self.overwrite))
         try:
-            object.__setattr__(self, "device", resolve_device(self.device))
+            object.__setattr__(self, "device", resolve_device_option(self.device))
         except FlowliftError as error:
             raise FlowliftError(f"device: {error}", field="device") from None
 

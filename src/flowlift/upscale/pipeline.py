@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flowlift.devices import auto_dtype, default_channels_last, resolve_device
+from flowlift.devices import auto_dtype, default_channels_last, resolve_device_option
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import check_latents
 from flowlift.knobs import COLOR_FIX, check_callable, check_count, check_dtype, check_kind, check_seed
@@ -132,7 +132,7 @@ class FlowUpscalerPipeline:
         param = first_parameter(upscaler) if not isinstance(upscaler, (str, os.PathLike)) else None
         if device is None:
             device = param.device if param is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-        self.device = resolve_device(device)  # one line for a device that does not exist here ('bogus', 'meta')
+        self.device = resolve_device_option(device)  # one line for a device that does not exist here ('bogus', 'meta')
         floating = param is not None and param.is_floating_point()  # None: the UNet's, else by device
         default_dtype = param.dtype if floating else auto_dtype(self.device, cpu_bf16=True)
         self.dtype = default_dtype if dtype is None else check_dtype(dtype)

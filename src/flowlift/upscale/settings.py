@@ -85,9 +85,9 @@ class MemoryPolicy:
         if self.max_memory is not None:
             parse_memory(self.max_memory)  # a malformed or non-finite size: one line here, not at the pipeline
         if self.offload_device is not None:  # 'bogus' or an absent GPU: one line here, not at a pass's first strip
-            from flowlift.devices import resolve_device
+            from flowlift.devices import resolve_device_option
 
-            resolve_device(self.offload_device)
+            resolve_device_option(self.offload_device, field="offload_device")
 
 
 @dataclass(frozen=True)
