@@ -204,6 +204,10 @@ def refiner():
     [
         (lambda r, e: r.txt2img(height=32, width=32, batch=True, prompt_embeds=e), "batch must be an integer >= 1"),
         (lambda r, e: r.txt2img(height=32, width=32, batch=0, prompt_embeds=e), "batch must be an integer >= 1"),
+        (lambda r, e: r.txt2img(height="32", width=32, prompt_embeds=e), "height must be an integer (px), got '32'"),
+        (lambda r, e: r.txt2img(height=32, width=True, prompt_embeds=e), "width must be an integer (px), got True"),
+        (lambda r, e: r.txt2img(height=32, width=40, prompt_embeds=e), "width must be a multiple of 16 px"),
+        (lambda r, e: r.txt2img(height=20000, width=32, prompt_embeds=e), "height must be a multiple of 16 px in"),
         (lambda r, e: r.img2img(torch.rand(1, 3, 32, 32), strength=0.5, prompt_embeds="x"), "prompt_embeds must be a"),
         (lambda r, e: r.img2img(torch.rand(1, 3, 32, 32), strength=0.5, prompt=5), "prompt must be a string"),
         (

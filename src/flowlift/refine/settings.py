@@ -105,10 +105,15 @@ HIRES_SCALE = replace(
 )
 
 
-def check_txt2img_size(width: int, height: int, field: str = "size") -> None:
+def check_txt2img_size(width: int, height: int, field: str | tuple[str, str] = "size") -> None:
     """One FlowliftError line naming ``field`` unless ``width x height`` is a txt2img size flowlift can write: both
     sides positive integers, multiples of ``PIXEL_MULTIPLE`` (16: the VAE's 8x and the 2x2 patches), at most
-    ``MAX_OUTPUT_SIDE`` (16384 px). Checked where the request is made, before any model loads."""
+    ``MAX_OUTPUT_SIDE`` (16384 px). Checked where the request is made, before any model loads. ``field`` a pair
+    (``("width", "height")``, keywords of their own): the line names the side that breaks the rule."""
+    if not isinstance(field, str):
+        for name, side in zip(field, (width, height), strict=True):
+            _check_side(name, side)
+        return
     sides = (width, height)
     if not all(isinstance(side, int) and not isinstance(side, bool) for side in sides):
         raise FlowliftError(f"{field} must be two integers (width, height) in px, got {sides!r}", field=field)
@@ -125,6 +130,19 @@ def check_txt2img_size(width: int, height: int, field: str = "size") -> None:
             f"{field} {width}x{height} is over {cap_words()}; "
             f"{'resize the image to' if field == 'image' else 'use'} at most {MAX_OUTPUT_SIDE} px a side",
             field=field,
+        )
+
+
+def _check_side(name: str, side: object) -> None:
+    """:func:`check_txt2img_size`'s rule for one side given as a keyword of its own, ``name``."""
+    if not isinstance(side, int) or isinstance(side, bool):
+        raise FlowliftError(f"{name} must be an integer (px), got {side!r}", field=name)
+    if side < PIXEL_MULTIPLE or side % PIXEL_MULTIPLE or side > MAX_OUTPUT_SIDE:
+        near = min(MAX_OUTPUT_SIDE, max(PIXEL_MULTIPLE, round(side / PIXEL_MULTIPLE) * PIXEL_MULTIPLE))
+        raise FlowliftError(
+            f"{name} must be a multiple of {PIXEL_MULTIPLE} px in {PIXEL_MULTIPLE}..{MAX_OUTPUT_SIDE}, got {side}; "
+            f"e.g. {near}",
+            field=name,
         )
 
 
