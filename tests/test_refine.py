@@ -414,7 +414,7 @@ def test_bad_inputs(refiner, image):
         refiner.img2img(image, strength=0.5, mask=torch.ones(1, 1, 8, 8), prompt_embeds=EMB)
     with pytest.raises(FlowliftError, match="prompt"):
         refiner.img2img(image, strength=0.5)
-    with pytest.raises(FlowliftError, match="multiples of 16"):
+    with pytest.raises(FlowliftError, match="^height must be a multiple of 16 px"):
         refiner.txt2img(height=40, width=64, prompt_embeds=EMB)
     with pytest.raises(FlowliftError, match="steps"):
         refiner.img2img(image, strength=0.5, sampling=SamplingSettings(steps=0), prompt_embeds=EMB)
