@@ -183,3 +183,27 @@ def test_bad_inputs_raise_one_line_errors():
         M.as_float_rgb(np.full((4, 4, 3), np.nan))
     with pytest.raises(FlowliftError, match="batch"):
         M.as_float_rgb(torch.zeros(2, 3, 4, 4))
+
+
+@pytest.mark.parametrize("shave", [2.5, "2", True, -1, None])
+def test_a_shave_that_is_no_whole_number_of_pixels_is_refused_by_name(shave):
+    """``shave=2.5`` was cut to 2, ``"2"`` and ``True`` read as 2 and 1: a PSNR-Y over another border than asked."""
+    img = np.random.default_rng(0).random((32, 32, 3))
+    for metric in (M.psnr_y, M.ssim_y):
+        with pytest.raises(FlowliftError, match=r"^shave must be an integer >= 0 \(px\)") as caught:
+            metric(img, img, shave)
+        assert caught.value.fields == ("shave",)
+    with pytest.raises(FlowliftError, match="^shave must be"):
+        M.fidelity(img, img, shave=shave)
+    assert M.psnr_y(img, img, np.int64(2)) == M.psnr_y(img, img, 2)  # numpy's integers are integers
+
+
+@pytest.mark.parametrize("box", ["x", "0,0,8,8", (0, 0, 8), (0, 0, 8.5, 8), (0, -1, 8, 8)])
+def test_a_box_that_is_no_box_is_refused_by_name(box):
+    """``box="x"`` was a ValueError from ``int()``, ``(0, 0, 8.5, 8)`` a crop of 8 px: the request's rule
+    (:func:`flowlift.measure.metrics.check_box`) holds at every metric that takes a box."""
+    img = np.random.default_rng(0).random((32, 32, 3))
+    for metric in (M.sharpness, M.hf_energy, M.grey_levels, M.detail):
+        with pytest.raises(FlowliftError, match="^box must be x,y,w,h") as caught:
+            metric(img, box=box)
+        assert caught.value.fields == ("box",)

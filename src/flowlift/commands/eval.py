@@ -65,9 +65,9 @@ EXAMPLES = examples(
 
 
 def _box(text: str) -> tuple[int, int, int, int]:
-    """``--box x,y,w,h``: the request's own rule (:func:`flowlift.measure.inputs.check_box`) on the text."""
+    """``--box x,y,w,h``: the request's own rule (:func:`flowlift.measure.metrics.check_box`) on the text."""
     from flowlift.errors import FlowliftError
-    from flowlift.measure.inputs import check_box
+    from flowlift.measure.metrics import check_box
 
     try:
         return check_box(text, loose=True)  # type: ignore[return-value]

@@ -68,7 +68,8 @@ class EvalRequest:
         ``outputs`` is one path (not its characters), flags are bools (``no_cache="no"`` dropped the cache),
         numbers are numbers; the modes' rules and the files are checked by :func:`run_eval`."""
         from flowlift.knobs import OVERWRITE, check_kind, check_path, check_paths, check_positive
-        from flowlift.measure.inputs import check_box, check_scale
+        from flowlift.measure.inputs import check_scale
+        from flowlift.measure.metrics import check_box
 
         check_path("output", self.output)
         object.__setattr__(self, "outputs", tuple(map(str, check_paths("outputs", self.outputs))))

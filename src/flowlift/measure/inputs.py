@@ -44,21 +44,6 @@ def check_scale(scale: float | str, *, allow_one: bool = False) -> int | float:
     return int(fraction) if fraction.denominator == 1 else float(fraction)
 
 
-def check_box(box: object, *, loose: bool = False) -> Box | None:
-    """``box`` (x, y, w, h) in output pixels as four ints, x and y >= 0 and w and h > 0, or None; else one line
-    (``loose``: the command line's text ``"x,y,w,h"`` too). Whether it lies inside an image is checked against each
-    image (:func:`flowlift.measure.metrics.crop_box`)."""
-    from flowlift.knobs import exact_int
-
-    if box is None:
-        return None
-    items = box.split(",") if loose and isinstance(box, str) else box
-    values = tuple(exact_int(v, loose=loose) for v in items) if isinstance(items, (tuple, list)) else ()
-    if len(values) != 4 or None in values or min(values[:2]) < 0 or min(values[2:]) <= 0:
-        raise FlowliftError(f"box must be x,y,w,h: four integers, x,y >= 0 and w,h > 0, got {box!r}", field="box")
-    return values  # type: ignore[return-value]
-
-
 def scale_argument(text: str) -> int | float:
     """:func:`check_scale` as an argparse ``type``: its line, less the field argparse already names (``argument
     --scale: must be above 1 ...``), becomes argparse's message."""

@@ -158,14 +158,29 @@ def luma(image: Any) -> np.ndarray:
     return 255.0 * (f @ np.asarray(LUMA_WEIGHTS))
 
 
-def crop_box(image: np.ndarray, box: Box | None) -> np.ndarray:
-    """Crop ``image[y:y+h, x:x+w]`` for ``box = (x, y, w, h)``; ``None`` returns the image.
+def check_box(box: object, *, loose: bool = False) -> Box | None:
+    """``box`` (x, y, w, h) in output pixels as four ints, x and y >= 0 and w and h > 0, or None; else one line
+    (``loose``: the command line's text ``"x,y,w,h"`` too). Whether it lies inside an image is checked against each
+    image (:func:`crop_box`)."""
+    from flowlift.knobs import exact_int
 
-    Raises :class:`FlowliftError` when the box is empty or not inside the image.
+    if box is None:
+        return None
+    items = box.split(",") if loose and isinstance(box, str) else box
+    values = tuple(exact_int(v, loose=loose) for v in items) if isinstance(items, (tuple, list)) else ()
+    if len(values) != 4 or None in values or min(values[:2]) < 0 or min(values[2:]) <= 0:
+        raise FlowliftError(f"box must be x,y,w,h: four integers, x,y >= 0 and w,h > 0, got {box!r}", field="box")
+    return values  # type: ignore[return-value]
+
+
+def crop_box(image: np.ndarray, box: Box | None) -> np.ndarray:
+    """Crop ``image[y:y+h, x:x+w]`` for ``box = (x, y, w, h)`` (:func:`check_box`); ``None`` returns the image.
+
+    Raises :class:`FlowliftError` when the box is no box, or not inside the image.
     """
     if box is None:
         return image
-    x, y, w, h = (int(v) for v in box)
+    x, y, w, h = check_box(box)
     height, width = image.shape[:2]
     if w <= 0 or h <= 0 or x < 0 or y < 0 or x + w > width or y + h > height:
         raise FlowliftError(f"box x,y,w,h = {x},{y},{w},{h} is not inside the {width}x{height} image")
@@ -360,9 +375,14 @@ def ycbcr_y(image: Any) -> np.ndarray:
 
 def shave_border(image: np.ndarray, shave: int) -> np.ndarray:
     """``image[shave:-shave, shave:-shave]``: ``shave`` px off every border (0 keeps the image); one
-    FlowliftError line when nothing would be left."""
-    shave = int(shave)
-    if shave < 0 or 2 * shave >= min(image.shape[:2]):
+    FlowliftError line when ``shave`` is no integer >= 0 (``2.5``, ``"2"``, ``True``) or nothing would be left."""
+    from flowlift.knobs import exact_int
+
+    number = exact_int(shave)
+    if number is None or number < 0:
+        raise FlowliftError(f"shave must be an integer >= 0 (px), got {shave!r}", field="shave")
+    shave = number
+    if 2 * shave >= min(image.shape[:2]):
         raise FlowliftError(f"cannot shave {shave} px off each border of a {image.shape[1]}x{image.shape[0]} image")
     return image[shave : image.shape[0] - shave, shave : image.shape[1] - shave]
 
