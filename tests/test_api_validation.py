@@ -193,6 +193,12 @@ def test_every_refine_field_is_checked_at_construction(make, field):
         ({"long_side": 1.5}, "long_side", "integer"),
         ({"size": "3840 by 2160"}, "size", "WIDTHxHEIGHT"),
         ({"size": (3840, 0)}, "size", "(width, height)"),
+        ({"size": True}, "size", "(width, height)"),  # a number was a TypeError ("not iterable")
+        ({"size": 2.5}, "size", "(width, height)"),
+        ({"device": "bogus"}, "device", "not a torch device"),  # was a line only after the inputs were listed
+        ({"device": 5}, "device", "not a torch device"),
+        ({"dtype": "bf16"}, "dtype", "floating torch.dtype"),
+        ({"dtype": torch.int8}, "dtype", "floating torch.dtype"),
     ],
 )
 def test_every_upscale_request_field_is_checked_at_construction(fields, field, words):

@@ -54,7 +54,8 @@ class AskedSize:
                 )
             object.__setattr__(self, "long_side", side)
         if self.size is not None:
-            size = parse_size(self.size) if isinstance(self.size, str) else tuple(map(exact_int, self.size))
+            given = self.size if isinstance(self.size, (tuple, list)) else ()  # a number is no size (was a TypeError)
+            size = parse_size(self.size) if isinstance(self.size, str) else tuple(map(exact_int, given))
             if len(size) != 2 or None in size or min(size) < 1:
                 raise FlowliftError(f"size must be (width, height) in pixels, got {self.size!r}", field="size")
             object.__setattr__(self, "size", size)

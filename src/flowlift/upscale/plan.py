@@ -23,7 +23,7 @@ from typing import Any
 from flowlift.errors import FlowliftError
 from flowlift.jobs.batch import Job, no_images_in, plan_targets, report
 from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S, DistEnv
-from flowlift.knobs import OVERWRITE, SCALE, check_kind, check_path, check_paths, check_positive
+from flowlift.knobs import OVERWRITE, SCALE, check_dtype, check_kind, check_path, check_paths, check_positive
 from flowlift.upscale.asked_size import AskedSize
 from flowlift.upscale.loading import DEFAULT_UPSCALER
 from flowlift.upscale.output_sizes import OutputSizes
@@ -46,7 +46,8 @@ COMMAND = "upscale"
 class UpscaleRequest:
     """Everything one ``flowlift upscale`` run asks for: the inputs (files, folders, glob patterns) and
     where their outputs go, the per-image :class:`UpscaleSettings`, the models and how they run, and the
-    batch's own options (``device``/``dtype`` already resolved; ``upscaler=None`` is the released weights).
+    batch's own options (``device`` is resolved when the request is made, ``dtype`` a floating ``torch.dtype`` or None
+    for the device's default; ``upscaler=None`` is the released weights).
 
     The size, one of: ``passes`` (N 2x passes), ``scale`` (any factor in [1, 8]; 2, 4, 8 are the passes' own
     output), ``long_side`` (pixels) or ``size`` ((width, height) or ``"WxH"``); none of them is ``scale=2``. Two
@@ -73,6 +74,7 @@ class UpscaleRequest:
 
     def __post_init__(self) -> None:
         """Every field checked when the request is made (one line naming it; nothing is listed or loaded yet)."""
+        from flowlift.devices import resolve_device_option
         from flowlift.files.images import IMAGE_SUFFIXES
         from flowlift.limits import parse_memory
 
@@ -94,6 +96,10 @@ class UpscaleRequest:
         if self.max_memory is not None:
             parse_memory(self.max_memory)
         check_kind("compile", self.compile, (bool, str), "True, False or a torch.compile mode")
+        if self.device is not None:  # a device that is not here: one line now, not after the inputs are listed
+            object.__setattr__(self, "device", resolve_device_option(self.device))
+        if self.dtype is not None:
+            check_dtype(self.dtype)
         object.__setattr__(self, "barrier_timeout", check_positive("barrier_timeout", self.barrier_timeout))
         check_kind("progress", self.progress, bool, "True, False", optional=True)
         self.asked  # noqa: B018  (a bad or doubled size is one line at construction)
