@@ -94,6 +94,7 @@ def test_a_field_the_mode_does_not_use_is_refused_not_dropped():
     _refused(lambda: txt2img(strength=0.5), "strength", "starts from noise")
     _refused(lambda: txt2img(references=("ref.png",)), "references")
     _refused(lambda: _refine(size=(512, 512)), "size", "only txt2img draws at a size")
+    _refused(lambda: _refine(size=True), "size", "only txt2img draws at a size")  # a number was a TypeError
     _refused(lambda: _refine(hires=hires), "hires", "only the hires mode uses it")
     assert hires_request(hires=base).hires.base_size == (512, 512)  # a txt2img base: its size is used
     assert hires_request(image="in.png").mode == "hires" and _refine(strength=0.4).strength == 0.4
@@ -141,6 +142,8 @@ def test_one_lora_string_is_one_path_and_paths_are_never_empty():
     _refused(lambda: RefinerSource(model="m", vae=""), "source.vae")
     _refused(lambda: RefinerSource(model="m", max_memory="lots"), "source.max_memory")
     _refused(lambda: RefinerSource(model="m", offload="gpu"), "source.offload")
+    _refused(lambda: RefinerSource(model="m", device="bogus"), "source.device", "not a torch device")  # was at the job
+    _refused(lambda: RefinerSource(model="m", dtype="bf16"), "source.dtype", "choose one of")
     _refused(lambda: _refine(output=""), "output")
     _refused(lambda: _refine(image=3), "image")
 
@@ -312,6 +315,8 @@ def test_the_python_api_says_keywords_and_the_command_line_says_its_options(tmp_
         ("figure_images", -1, ("an integer >= 1",)),  # was accepted
         ("barrier_timeout", "x", ("a finite number above 0",)),  # was accepted
         ("device", 5, ("a string",)),
+        ("device", "bogus", ("not a torch device",)),  # was refused only when the run began
+        ("dtype", "fp8", ("choose one of auto, float32, bfloat16, float16",)),
         ("scale", 0.5, ("above 1",)),
     ],
 )
@@ -447,13 +452,16 @@ def test_a_non_finite_max_memory_is_one_line_at_construction(size):
         ("device", "bogus"),
         ("inputs", []),
         ("references", [""]),
+        ("output_format", 5),  # any value was taken: a failed save per image
+        ("output_format", "bmp2"),
     ],
 )
 def test_a_colour_fix_request_checks_its_fields_up_front(field, value):
     """Each was accepted and failed every image in turn (or listed the letters of a path) before."""
     from flowlift.upscale.colorfix_job import ColorFixRequest
 
-    _refused(lambda: ColorFixRequest(**{"inputs": ["a.png"], "references": ["b.png"], field: value}), field)
+    message = _refused(lambda: ColorFixRequest(**{"inputs": ["a.png"], "references": ["b.png"], field: value}), field)
+    assert f"{field}: {field}" not in message, message  # the field once ("device: device bogus: ..." said it twice)
 
 
 def test_a_colour_fix_request_takes_one_path_string_as_one_path():

@@ -245,6 +245,8 @@ def test_a_response_within_the_decodes_rounding_names_the_dtype_below_float32():
         ("seed", "a"),
         ("images", []),
         ("full", "yes"),
+        ("device", "bogus"),  # was refused when the run began
+        ("dtype", "fp8"),
     ],
 )
 def test_a_bands_request_checks_every_field_when_it_is_made(field, value):

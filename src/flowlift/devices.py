@@ -147,6 +147,20 @@ def resolve_device_option(device: str | torch.device | None, field: str = "devic
         raise FlowliftError(f"{FIELD_MARK} {device}: {error}", field=field) from None
 
 
+def check_dtype_name(dtype: object, field: str = "dtype") -> None:
+    """One FlowliftError line naming ``field`` unless ``dtype`` is None or one of :data:`DTYPES` (the option names)."""
+    if dtype is not None and (not isinstance(dtype, str) or dtype not in DTYPES):
+        raise FlowliftError(f"{FIELD_MARK} {dtype}: choose one of {', '.join(DTYPES)}", field=field)
+
+
+def check_device_and_dtype(device: object, dtype: object, fields: tuple[str, str] = ("device", "dtype")) -> None:
+    """:func:`resolve_device_dtype`'s rule where a request is made: a device that is here (or None / ``auto``) and a
+    dtype name, each refused by its field; the request keeps them as given (its run resolves them, under torchrun
+    on each rank's own device)."""
+    resolve_device_option(device, field=fields[0])  # type: ignore[arg-type]
+    check_dtype_name(dtype, field=fields[1])
+
+
 def resolve_device_dtype(
     device: str | None, dtype: str | None, *, cpu_bf16: bool = False
 ) -> tuple[torch.device, torch.dtype]:
@@ -160,12 +174,8 @@ def resolve_device_dtype(
     import torch
 
     dev = resolve_device_option(device)
-    if dtype in (None, "auto"):
-        dt = auto_dtype(dev, cpu_bf16=cpu_bf16)
-    elif dtype in DTYPES:
-        dt = getattr(torch, dtype)
-    else:
-        raise FlowliftError(f"{FIELD_MARK} {dtype}: choose one of {', '.join(DTYPES)}", field="dtype")
+    check_dtype_name(dtype)
+    dt = auto_dtype(dev, cpu_bf16=cpu_bf16) if dtype in (None, "auto") else getattr(torch, dtype)
     if dev.type == "cpu" and dt == torch.float16:
         warnings.warn(
             "--dtype float16 on the CPU runs many times slower than float32 (no fast CPU float16 kernels) "

@@ -141,3 +141,11 @@ def check_report_folder(folder: str | os.PathLike, inputs: Mapping[str, Iterable
                     "be read back as inputs next time; write the report to another folder",
                     field=("output", role),
                 )
+
+
+def check_output_format(value: object, field: str = "output_format") -> None:
+    """One FlowliftError line naming ``field`` unless ``value`` names an image format flowlift reads (``png``)."""
+    from flowlift.files.images import IMAGE_SUFFIXES
+
+    if not isinstance(value, str) or f".{value.lower()}" not in IMAGE_SUFFIXES:
+        raise FlowliftError(f"{field} must be an image format such as png, got {value!r}", field=field)

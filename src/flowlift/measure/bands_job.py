@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from flowlift.devices import resolve_device_dtype
+from flowlift.devices import check_device_and_dtype, resolve_device_dtype
 from flowlift.errors import FIELD_MARK, FlowliftError
 
 __all__ = ["BandsRequest", "BandsResult", "report_recognisers", "run_bands_report"]
@@ -74,7 +74,7 @@ class BandsRequest:
         check_kind("full", self.full, bool, "True or False")
         object.__setattr__(self, "overwrite", OVERWRITE.check(self.overwrite))
         check_kind("device", self.device, str, "a device name such as auto, cpu or cuda")
-        check_kind("dtype", self.dtype, str, "a dtype name such as auto, float32 or bfloat16")
+        check_device_and_dtype(self.device, self.dtype)
         check_kind("progress", self.progress, bool, "True, False", optional=True)
 
 

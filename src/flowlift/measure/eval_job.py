@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flowlift.devices import resolve_device_dtype
+from flowlift.devices import check_device_and_dtype, resolve_device_dtype
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S
 from flowlift.knobs import SCALE
@@ -81,6 +81,7 @@ class EvalRequest:
         check_path("vae", self.vae)
         for name in ("device", "dtype"):
             check_kind(name, getattr(self, name), str, "a string (auto, cpu, cuda, ...)")
+        check_device_and_dtype(self.device, self.dtype)
         object.__setattr__(self, "scale", check_scale(self.scale))
         object.__setattr__(self, "box", check_box(self.box))
         object.__setattr__(self, "limit", check_positive("limit", self.limit, integer=True, optional=True))

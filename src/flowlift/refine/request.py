@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from flowlift.devices import check_device_and_dtype
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.knobs import (
     COLOR_FIX,
@@ -142,7 +143,7 @@ class RefinerSource:
         loras = check_paths("source.loras", self.loras)
         object.__setattr__(self, "loras", tuple(str(lora) for lora in loras))
         check_kind("source.device", self.device, str, "a device name such as auto, cpu or cuda:0", optional=True)
-        check_kind("source.dtype", self.dtype, str, "a dtype name such as auto or bfloat16", optional=True)
+        check_device_and_dtype(self.device, self.dtype, ("source.device", "source.dtype"))
         if self.offload not in OFFLOADS:
             raise FlowliftError(
                 f"source.offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}", field="source.offload"
@@ -316,7 +317,8 @@ class RefineRequest:
         if self.mode in ("txt2img", "hires") and self.strength is not None:
             where = "hires.refine_strength" if self.mode == "hires" else "none: it starts from noise"
             unused.append(("strength", f"{self.mode} does not use it ({where})"))
-        if self.mode != "txt2img" and tuple(self.size) != DEFAULT_SIZE:
+        size = tuple(self.size) if isinstance(self.size, (tuple, list)) else self.size  # True: not the default either
+        if self.mode != "txt2img" and size != DEFAULT_SIZE:
             unused.append(("size", f"{self.mode} does not use it (only txt2img draws at a size; hires: base_size)"))
         if self.mode != "hires" and self.hires is not None:
             unused.append(("hires", f"only the hires mode uses it, not {self.mode}"))

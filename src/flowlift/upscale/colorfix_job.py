@@ -43,6 +43,7 @@ class ColorFixRequest:
     def __post_init__(self) -> None:
         """Every field checked when the request is made (one line naming it, before any image is read)."""
         from flowlift.devices import resolve_device_option
+        from flowlift.files.output_paths import check_output_format
 
         for name in ("inputs", "references"):
             paths = check_paths(name, getattr(self, name))  # one path string is one path, never its characters
@@ -53,10 +54,8 @@ class ColorFixRequest:
         object.__setattr__(self, "strength", COLOR_FIX_KNOBS["strength"].check(self.strength))
         object.__setattr__(self, "quality", check_quality(self.quality))
         object.__setattr__(self, "overwrite", OVERWRITE.check(self.overwrite))
-        try:
-            object.__setattr__(self, "device", resolve_device_option(self.device))
-        except FlowliftError as error:
-            raise FlowliftError(f"device: {error}", field="device") from None
+        object.__setattr__(self, "device", resolve_device_option(self.device))
+        check_output_format(self.output_format)
 
 
 def plan_colorfix(request: ColorFixRequest) -> tuple[list[Any], dict[Path, Path]]:

@@ -75,7 +75,7 @@ class UpscaleRequest:
     def __post_init__(self) -> None:
         """Every field checked when the request is made (one line naming it; nothing is listed or loaded yet)."""
         from flowlift.devices import resolve_device_option
-        from flowlift.files.images import IMAGE_SUFFIXES
+        from flowlift.files.output_paths import check_output_format
         from flowlift.limits import parse_memory
 
         inputs = check_paths("inputs", self.inputs)
@@ -84,10 +84,7 @@ class UpscaleRequest:
         object.__setattr__(self, "inputs", tuple(str(item) for item in inputs))
         check_path("output", self.output, optional=True)
         object.__setattr__(self, "passes", check_positive("passes", self.passes, integer=True, optional=True))
-        if not isinstance(self.output_format, str) or f".{self.output_format.lower()}" not in IMAGE_SUFFIXES:
-            raise FlowliftError(
-                f"output_format must be an image format such as png, got {self.output_format!r}", field="output_format"
-            )
+        check_output_format(self.output_format)
         check_kind("settings", self.settings, UpscaleSettings, "an UpscaleSettings")
         object.__setattr__(self, "overwrite", OVERWRITE.check(self.overwrite))
         object.__setattr__(self, "batch_size", check_positive("batch_size", self.batch_size, integer=True))
