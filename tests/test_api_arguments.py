@@ -298,8 +298,9 @@ def test_an_empty_image_batch_is_one_line(refiner):
 def test_flux2_sigmas_refuses_what_is_not_a_schedule(args, keywords, word):
     from flowlift import flux2_sigmas
 
-    with pytest.raises(ValueError, match=word):
+    with pytest.raises(FlowliftError, match=word) as caught:  # a ValueError before: the API's errors are one kind
         flux2_sigmas(*args, **keywords)
+    assert caught.value.fields == (word,)
 
 
 def test_flux2_sigmas_takes_numpy_numbers():

@@ -6,6 +6,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from flowlift.errors import FlowliftError
 from flowlift.flux2.schedule import (
     DEFAULT_MU,
     MU_RANGE,
@@ -101,9 +102,9 @@ def test_img2img_uses_the_full_schedules_mu_not_the_clipped_one():
 def test_schedule_floor_and_bad_windows():
     sigmas = flux2_sigmas(9, 4096)
     assert sigmas[-1] == 0 and sigmas[-2] > 0.4  # a distilled model is never run near sigma 0
-    with pytest.raises(ValueError):
+    with pytest.raises(FlowliftError):
         flux2_sigmas(9, 4096, denoising_start=0.5, denoising_end=0.5)
-    with pytest.raises(ValueError):
+    with pytest.raises(FlowliftError):
         flux2_sigmas(0, 4096)
 
 
@@ -111,7 +112,7 @@ def test_strength_maps():
     assert linear_denoising_start(0.3) == pytest.approx(0.7)
     assert canvas_denoising_start(0.5) == pytest.approx(1 - 0.5**0.2)
     assert canvas_denoising_start(1.0) == 0.0 and canvas_denoising_start(0.0) == 1.0
-    with pytest.raises(ValueError):
+    with pytest.raises(FlowliftError):
         canvas_denoising_start(1.5)
 
 
@@ -152,21 +153,21 @@ def test_mu_choices_and_their_checks():
         (-0.1, "outside"),
         (MU_RANGE[1] + 0.01, "outside"),
     ]:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(FlowliftError, match=message):
             resolve_mu(bad, 4096, 9)
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(FlowliftError, match=message):
             flux2_sigmas(9, 4096, mu=bad)
-    with pytest.raises(ValueError, match="empirical.*44.8"):  # 8192 x 8192: diffusers' formula runs away
+    with pytest.raises(FlowliftError, match="empirical.*44.8"):  # 8192 x 8192: diffusers' formula runs away
         flux2_sigmas(28, 512 * 512, mu="empirical")
-    with pytest.raises(ValueError, match="empirical"):  # below 4300 tokens it extrapolates below 0 past ~260 steps
+    with pytest.raises(FlowliftError, match="empirical"):  # below 4300 tokens it extrapolates below 0 past ~260 steps
         flux2_sigmas(300, 256, mu="empirical")
 
 
 def test_a_shift_float32_cannot_resolve_is_refused():
     flux2_sigmas(4, 4096, mu=MU_RANGE[1])  # a few steps at the top of the range still work
-    with pytest.raises(ValueError, match="repeats sigma"):
+    with pytest.raises(FlowliftError, match="repeats sigma"):
         flux2_sigmas(50, 4096, mu=MU_RANGE[1])
-    with pytest.raises(ValueError, match="schedule"):
+    with pytest.raises(FlowliftError, match="schedule"):
         flux2_sigmas(9, 4096, schedule="linear")
 
 

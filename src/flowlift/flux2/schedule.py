@@ -18,6 +18,7 @@ from numbers import Real
 
 import torch
 
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.flux2.settings import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SCHEDULES  # noqa: F401
 from flowlift.knobs import exact_int
 
@@ -68,22 +69,22 @@ def resolve_mu(mu: float | str, image_seq_len: int, num_steps: int) -> float:
     """The number a schedule shifts with: ``mu`` itself, or for ``"empirical"``
     ``compute_empirical_mu(image_seq_len, num_steps)`` (the full sequence length and step count).
 
-    Refused (ValueError): another string, a non-finite number, or a value outside :data:`MU_RANGE`
-    (the empirical formula leaves it above about 4700 px square: 44.8 at 8192 px).
+    Refused (:class:`FlowliftError`, naming ``mu``): another string, a non-finite number, or a value outside
+    :data:`MU_RANGE` (the empirical formula leaves it above about 4700 px square: 44.8 at 8192 px).
     """
     if isinstance(mu, str):
         if mu != EMPIRICAL_MU:
-            raise ValueError(f"mu must be a number or {EMPIRICAL_MU!r}, got {mu!r}")
+            raise FlowliftError(f"mu must be a number or {EMPIRICAL_MU!r}, got {mu!r}", field="mu")
         value = compute_empirical_mu(image_seq_len, num_steps)
         origin = f"mu='empirical' gives {value:.4g} at {image_seq_len} tokens, which is "
     else:
         value = float(mu)
         origin = f"mu {value:g} is "
         if not math.isfinite(value):
-            raise ValueError(f"mu must be a finite number, got {mu}")
+            raise FlowliftError(f"mu must be a finite number, got {mu}", field="mu")
     low, high = MU_RANGE
     if not low <= value <= high:
-        raise ValueError(f"{origin}outside [{low:g}, {high:g}]; give a fixed mu such as {DEFAULT_MU}")
+        raise FlowliftError(f"{origin}outside [{low:g}, {high:g}]; give a fixed mu such as {DEFAULT_MU}", field="mu")
     return value
 
 
@@ -132,15 +133,18 @@ def flux2_sigmas(
     """
     for name, value in (("num_steps", num_steps), ("image_seq_len", image_seq_len)):
         if (exact_int(value) or 0) < 1:  # not True, 2.5, NaN or "4"
-            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+            raise FlowliftError(f"{name} must be a whole number >= 1, got {value!r}", field=name)
     for name, value in (("denoising_start", denoising_start), ("denoising_end", denoising_end), ("mu", mu)):
         if isinstance(value, bool) or not isinstance(value, (Real, str) if name == "mu" else Real):
-            raise ValueError(f"{name} must be a number, got {value!r}")
+            raise FlowliftError(f"{name} must be a number, got {value!r}", field=name)
     denoising_start, denoising_end = float(denoising_start), float(denoising_end)  # numpy's float32 too
     if not 0.0 <= denoising_start < denoising_end <= 1.0:
-        raise ValueError(f"need 0 <= denoising_start < denoising_end <= 1, got {denoising_start} and {denoising_end}")
+        raise FlowliftError(
+            f"need 0 <= {FIELD_MARK} < {FIELD_MARK} <= 1, got {denoising_start} and {denoising_end}",
+            field=("denoising_start", "denoising_end"),
+        )
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        raise FlowliftError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}", field="schedule")
     mu = resolve_mu(mu, image_seq_len, num_steps)
     linear = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64)
     shifted = torch.cat([time_shift_flux2(mu, linear), torch.zeros(1, dtype=torch.float64)]).to(torch.float32)
@@ -155,7 +159,7 @@ def flux2_sigmas(
     repeated = sigmas[1:] >= sigmas[:-1]
     if bool(repeated.any()):
         at = float(sigmas[int(repeated.nonzero()[0])])
-        raise ValueError(
+        raise FlowliftError(
             f"mu {mu:.4g} with {num_steps} steps repeats sigma {at:.9g} in float32 (steps of zero length); "
             "use fewer steps or a smaller mu"
         )
@@ -176,4 +180,4 @@ def canvas_denoising_start(strength: float) -> float:
 
 def _check_strength(strength: float) -> None:
     if not 0.0 <= strength <= 1.0:
-        raise ValueError(f"strength must be in [0, 1], got {strength}")
+        raise FlowliftError(f"strength must be in [0, 1], got {strength}", field="strength")

@@ -78,7 +78,7 @@ def _check_mu(request: RefineRequest, height: int, width: int) -> None:
     tokens = -(-height // PIXEL_MULTIPLE) * -(-width // PIXEL_MULTIPLE)
     try:
         resolve_mu("empirical", tokens, steps)
-    except ValueError as error:
+    except FlowliftError as error:
         raise FlowliftError(f"mu: {error} ({width}x{height} px)", field="mu") from None
 
 

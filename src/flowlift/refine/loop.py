@@ -53,12 +53,9 @@ def denoising_start_for(strength: float, strength_map: str = STRENGTH_MAP.defaul
 def _window_sigmas(
     steps: int, seq_len: int, start: float, end: float, mu: float | str, schedule: str
 ) -> tuple[torch.Tensor, float]:
-    """``flux2_sigmas`` of the window and the mu it shifted with; a schedule it refuses is one FlowliftError."""
-    try:
-        value = resolve_mu(mu, seq_len, steps)
-        return flux2_sigmas(steps, seq_len, start, end, mu=value, schedule=schedule), value
-    except ValueError as error:
-        raise FlowliftError(str(error)) from None
+    """``flux2_sigmas`` of the window and the mu it shifted with (a schedule it refuses is its FlowliftError)."""
+    value = resolve_mu(mu, seq_len, steps)
+    return flux2_sigmas(steps, seq_len, start, end, mu=value, schedule=schedule), value
 
 
 def latent_noise(shape: Sequence[int], seed: int, *, device: torch.device | str = "cpu") -> torch.Tensor:
