@@ -363,7 +363,8 @@ def test_the_refiners_settings_are_their_objects(refiner, keyword, value, monkey
     ("keywords", "words"),
     [
         ({"memory": "auto"}, ("memory", "MemoryPolicy")),
-        ({"compile": "no"}, ("compile mode",)),
+        ({"compile": "no"}, ("compile must be True, False or a torch.compile mode",)),
+        ({"compile": ""}, ("compile",)),  # was no compile, quietly
         ({"compile": 1}, ("compile",)),
         ({"dtype": "bf16"}, ("dtype",)),
         ({"dtype": torch.int8}, ("dtype",)),

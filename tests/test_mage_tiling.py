@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from flowlift.errors import FlowliftError
 from flowlift.models.mage_tiling import (
     RELEASED_SUMS_PIXEL_TILE,
     MageTiling,
@@ -153,8 +154,27 @@ def test_tiles_really_run(vae):
 
 
 def test_tiles_must_follow_the_attention_grid(vae):
-    with pytest.raises(ValueError, match="multiple of the window"):
+    with pytest.raises(FlowliftError, match="tile must be a multiple of the window"):
         decode_tiled(vae.model.decoder, torch.zeros(1, 128, 40, 40), tiling=MageTiling(tile=48))
+
+
+@pytest.mark.parametrize(
+    ("keywords", "field"),
+    [
+        ({"tile": "128"}, "tile"),  # was a TypeError in check()
+        ({"tile": 128.0}, "tile"),
+        ({"tile": 0}, "tile"),
+        ({"pixel_tile": 2.5}, "pixel_tile"),  # was held, a float tile grid
+        ({"pixel_tile": True}, "pixel_tile"),
+        ({"whole_tiles": -1}, "whole_tiles"),
+        ({"whole_tiles": 2.5}, "whole_tiles"),
+    ],
+)
+def test_a_tiling_checks_its_sides_when_it_is_made(keywords, field):
+    with pytest.raises(FlowliftError) as caught:
+        MageTiling(**keywords)
+    assert str(caught.value).startswith(field), caught.value
+    assert MageTiling(tile=64, pixel_tile=8, whole_tiles=0) == MageTiling(64, 8, 0)
 
 
 class Allocations(TorchDispatchMode):

@@ -356,10 +356,10 @@ def test_cli_frees_the_text_encoder_before_the_transformer_loads(capsys, tmp_pat
 
 
 def test_offload_choices_mirror_the_api():
-    from flowlift.commands._refine_weights import OFFLOAD_CHOICES
     from flowlift.refine.offload import OFFLOAD_MODES
+    from flowlift.refine.settings import OFFLOADS
 
-    assert OFFLOAD_CHOICES == ("auto", *OFFLOAD_MODES)
+    assert OFFLOADS == ("auto", *OFFLOAD_MODES)
 
 
 def test_offload_modes_compose_with_fp8_gguf_and_a_lora(tmp_path, image):

@@ -179,7 +179,7 @@ def test_the_tile_knobs_match_the_tiling_code():
 
     assert SPANDREL_TILE_OVERLAP.default == DEFAULT_OVERLAP
     assert spandrel_tiling("none", None) == (None, DEFAULT_OVERLAP)
-    assert spandrel_tiling("AUTO", "0") == ("auto", 0) and spandrel_tiling(65, 32) == (65, 32)
+    assert spandrel_tiling("AUTO", 0) == ("auto", 0) and spandrel_tiling(65, 32) == (65, 32)
 
 
 # ------------------------------------------------------------------------------------------ flowlift app

@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 
 from flowlift.commands._options import name_or_path
-
-#: Mirrors flowlift.refine.offload.OFFLOAD_MODES plus "auto" (kept literal so --help does not import torch).
-OFFLOAD_CHOICES = ("auto", "none", "model", "group")
+from flowlift.refine.settings import OFFLOADS
 
 
 def add_weights_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +35,7 @@ def add_weights_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--offload",
-        choices=OFFLOAD_CHOICES,
+        choices=OFFLOADS,
         default="auto",
         help="where the transformer waits: none (on the device), model (in host memory outside the sampling "
         "loops), group (streamed block by block); auto: planned from --max-memory, else none (default auto)",

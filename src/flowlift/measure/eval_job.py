@@ -83,6 +83,7 @@ class EvalRequest:
             check_kind(name, getattr(self, name), str, "a string (auto, cpu, cuda, ...)")
         check_device_and_dtype(self.device, self.dtype)
         object.__setattr__(self, "scale", check_scale(self.scale))
+        spandrel_tiling(self.tile, self.tile_overlap)  # with or without a spandrel method: a bad value is refused
         object.__setattr__(self, "box", check_box(self.box))
         object.__setattr__(self, "limit", check_positive("limit", self.limit, integer=True, optional=True))
         object.__setattr__(self, "figure_images", check_positive("figure_images", self.figure_images, integer=True))
@@ -101,7 +102,6 @@ def run_eval(request: EvalRequest) -> tuple[EvalReport, dict[str, Path]] | None:
     from flowlift.measure.pairs import evaluate_pairs
     from flowlift.measure.report import write_report
 
-    spandrel_tiling(request.tile, request.tile_overlap)  # with or without a spandrel method: a bad value is refused
     out_dir = Path(request.output)
     if out_dir.exists() and not out_dir.is_dir():
         raise FlowliftError(f"{FIELD_MARK} {out_dir} exists and is not a folder", field="output")

@@ -25,12 +25,15 @@ MAX_SCALE = 16
 MAX_SCALE_DENOMINATOR = 16
 
 
-def check_scale(scale: float | str, *, allow_one: bool = False) -> int | float:
+def check_scale(scale: float | str, *, allow_one: bool = False, loose: bool = False) -> int | float:
     """An eval scale: a number in (1, 16] (``allow_one``: [1, 16]) that is ``p / q`` with ``q <= 16`` (2, 3, 1.5,
-    1.25, 3.75); an int when whole. Anything else is one FlowliftError line."""
+    1.25, 3.75); an int when whole. Text (``"3"``) only with ``loose`` (the command line's); a bool never. Anything
+    else is one FlowliftError line."""
     from fractions import Fraction
 
     try:
+        if isinstance(scale, bool) or isinstance(scale, str) and not loose:
+            raise TypeError(scale)
         value = float(scale)
     except (TypeError, ValueError):
         raise FlowliftError(f"scale must be a number, got {scale!r}", field="scale") from None
@@ -50,7 +53,7 @@ def scale_argument(text: str) -> int | float:
     import argparse
 
     try:
-        return check_scale(text)
+        return check_scale(text, loose=True)
     except FlowliftError as error:
         raise argparse.ArgumentTypeError(error.worded({"scale": ""}).strip()) from None
 

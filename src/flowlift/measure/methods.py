@@ -384,13 +384,10 @@ SPANDREL_TILE_OVERLAP = Knob(
 
 def spandrel_tiling(tile: Any = "auto", overlap: Any = None) -> tuple[int | str | None, int]:
     """``(tile, overlap)`` for :func:`flowlift.measure.pixel_upscaler.load_pixel_upscaler`, checked: each in its
-    knob's domain (``"none"`` becomes ``None``), and a tile larger than twice its overlap. One FlowliftError line."""
-    overlap = (
-        SPANDREL_TILE_OVERLAP.default
-        if overlap is None
-        else SPANDREL_TILE_OVERLAP.check(overlap, "tile_overlap", loose=True)
-    )
-    tile = SPANDREL_TILE.check(tile, "tile", loose=True)
+    knob's domain (``"none"`` becomes ``None``; numbers are numbers, not text), and a tile larger than twice its
+    overlap. One FlowliftError line."""
+    overlap = SPANDREL_TILE_OVERLAP.default if overlap is None else SPANDREL_TILE_OVERLAP.check(overlap)
+    tile = SPANDREL_TILE.check(tile)
     if isinstance(tile, int) and tile - 2 * overlap < 1:
         raise FlowliftError(
             f"{FIELD_MARK} {tile} must exceed twice the {FIELD_MARK} ({overlap})", field=("tile", "tile_overlap")

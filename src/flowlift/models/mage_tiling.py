@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from flowlift.errors import FlowliftError
 from flowlift.models.mage_passes import (
     GroupSums,
     Progress,
@@ -95,6 +96,13 @@ class MageTiling:
     pixel_tile: int = 32
     whole_tiles: int = 2
 
+    def __post_init__(self) -> None:
+        from flowlift.knobs import check_count, check_positive
+
+        for name in ("tile", "pixel_tile"):  # 2.5 or True would size a tile grid of floats or of one position
+            object.__setattr__(self, name, check_positive(name, getattr(self, name), integer=True))
+        object.__setattr__(self, "whole_tiles", check_count("whole_tiles", self.whole_tiles))
+
     @classmethod
     def for_dtype(cls, dtype: torch.dtype) -> MageTiling:
         """The default tiling for a codec in ``dtype``: float32 (and wider) on :data:`RELEASED_SUMS_PIXEL_TILE`
@@ -114,10 +122,9 @@ class MageTiling:
         return self.tile if self.dico_band(height, width) is None else max(height, width, 1)
 
     def check(self, window: int = 1) -> None:
-        if self.tile <= 0 or self.tile % window:
-            raise ValueError(f"Mage tiling: tile {self.tile} must be a positive multiple of the window {window}")
-        if self.pixel_tile <= 0:
-            raise ValueError(f"Mage tiling: pixel_tile must be positive, got {self.pixel_tile}")
+        """One line when :attr:`tile` is no multiple of the attention ``window`` (tiles must hold whole windows)."""
+        if self.tile % window:
+            raise FlowliftError(f"tile must be a multiple of the window {window}, got {self.tile}", field="tile")
 
 
 def decode_tile_numel(config: MageVAEConfig, tiling: MageTiling) -> int:

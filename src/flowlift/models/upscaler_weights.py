@@ -146,9 +146,10 @@ def load_upscaler(
     line naming the missing, unexpected and mis-shaped tensors.
     """
     from flowlift.devices import resolve_device_option
-    from flowlift.knobs import check_dtype
+    from flowlift.knobs import check_dtype, check_path
     from flowlift.models.weights import load_strict, read_state_dict, resolve_file
 
+    check_path("source", source)  # 5 was a TypeError inside the file lookup, "" one line naming no field
     device = resolve_device_option(device)  # one line for a device that does not exist here, before the file is read
     dtype = check_dtype(dtype)  # an integer dtype is the caller's, not "the file's tensors have dtype int8"
     path = resolve_file(source, [WEIGHTS_NAME], what=WHAT)

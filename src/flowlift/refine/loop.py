@@ -23,6 +23,7 @@ from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import PATCHIFIED_CHANNELS, image_seq_len, normalize, seeded_noise, unpatchify
 from flowlift.flux2.schedule import flux2_sigmas, resolve_mu
 from flowlift.limits import LATENT_CHANNELS
+from flowlift.refine.memory_plan import RefinePlan
 from flowlift.refine.settings import MU, SCHEDULE, STEPS, STRENGTH, STRENGTH_MAP, SamplingSettings
 from flowlift.refine.tiling import TileRequest
 
@@ -132,6 +133,7 @@ def refine_latents(
     sampling = check_kind("sampling", sampling, SamplingSettings, "a SamplingSettings", optional=True)
     sampling = sampling if sampling is not None else SamplingSettings()
     check_kind("tiles", tiles, TileRequest, "a TileRequest", optional=True)
+    check_kind("memory_plan", memory_plan, RefinePlan, "a RefinePlan", optional=True)
     steps = sampling.steps if sampling.steps is not None else STEPS.default
     seed, sampler = sampling.seed, sampling.sampler
     mu = MU.default if sampling.mu is None else sampling.mu
@@ -140,8 +142,7 @@ def refine_latents(
     if velocity_fn is None and denoising_start < 1.0:
         raise FlowliftError("velocity_fn must be a function (None only with denoising_start 1), got None")
     denoising_end = 1.0  # every refine runs to the clean image
-    if (bn_mean is None) != (bn_std is None):
-        raise FlowliftError("refine_latents: give both bn_mean and bn_std, or neither")
+    _check_statistics(bn_mean, bn_std)
     init_latents, shape = _start(init_latents, shape, denoising_start, mask, device)
 
     record: dict[str, Any] = {}
@@ -204,6 +205,22 @@ def _txt2img_shape(shape: Sequence[int] | None, denoising_start: float, mask: An
     if shape[1] != LATENT_CHANNELS or shape[2] % 2 or shape[3] % 2:
         raise FlowliftError(f"refine_latents: shape must be (B, 32, even h, even w), got {shape}")
     return shape
+
+
+def _check_statistics(bn_mean: Any, bn_std: Any) -> None:
+    """Both VAE BatchNorm statistics or neither, each a floating tensor of the 128 patchified channels, else one
+    line naming it (a string was an AttributeError, a 5-element tensor a RuntimeError mid-normalization)."""
+    if (bn_mean is None) != (bn_std is None):
+        raise FlowliftError("refine_latents: give both bn_mean and bn_std, or neither")
+    for name, value in (("bn_mean", bn_mean), ("bn_std", bn_std)):
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != PATCHIFIED_CHANNELS:
+            shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            raise FlowliftError(
+                f"{name} must be a floating tensor of the VAE's {PATCHIFIED_CHANNELS} statistics, got {shown}",
+                field=name,
+            )
 
 
 def _start(

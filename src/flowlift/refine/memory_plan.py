@@ -32,8 +32,9 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
+from flowlift.knobs import check_positive, exact_int
 from flowlift.limits import LATENT_CHANNELS, PIXEL_MULTIPLE, decode_peak_bytes, dtype_bytes, format_bytes
-from flowlift.refine.settings import DEFAULT_TILE_SIZE, MAX_AUTO_TILE_BATCH
+from flowlift.refine.settings import DEFAULT_TILE_SIZE, MAX_AUTO_TILE_BATCH, check_offload_and_budget
 from flowlift.refine.tiling import TileRequest, exceeds_untiled_limit, resolve_tile_size, tile_count
 
 #: One forward's activation peak in (tokens, width) frames of the compute dtype. Measured on the CPU (peak RSS,
@@ -127,12 +128,26 @@ def refine_tokens(height: int, width: int, *, text_tokens: int = DEFAULT_TEXT_TO
 class RefineMemory:
     """How a refiner is fitted in device memory, as asked: ``offload`` (``auto``: planned from ``max_memory``,
     else ``none``; or none/model/group), ``max_memory`` (``12GB``, bytes; None: no plan), and what the plan is made
-    for: ``image_size`` (height, width px, the largest image decoded) and ``text_tokens`` (None: 512)."""
+    for: ``image_size`` (height, width px, the largest image decoded) and ``text_tokens`` (None: 512). Every field is
+    checked when it is made (``memory.max_memory`` ...: the words of ``load_refiner(memory=...)``)."""
 
     offload: str = "auto"
     max_memory: str | int | None = None
     image_size: tuple[int, int] = (1024, 1024)
     text_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        # Checked here, not where the plan is made: that is after the weights have loaded.
+        check_offload_and_budget(self.offload, self.max_memory, "memory.")
+        size = self.image_size if isinstance(self.image_size, (tuple, list)) else ()
+        sides = tuple(exact_int(side) for side in size)
+        if len(sides) != 2 or any(side is None or side < 1 for side in sides):
+            raise FlowliftError(
+                f"memory.image_size must be two integers >= 1 (height, width px), got {self.image_size!r}",
+                field="memory.image_size",
+            )
+        object.__setattr__(self, "image_size", sides)
+        check_positive("memory.text_tokens", self.text_tokens, integer=True, optional=True)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from flowlift.refine.settings import (
     TRANSPLANT_STRENGTH,
     SamplingSettings,
     check_hires_size,
+    check_offload_and_budget,
     check_outpaint_strength,
     check_txt2img_size,
 )
@@ -52,8 +53,6 @@ from flowlift.refine.tiling import TileRequest
 MODES = ("txt2img", "img2img", "inpaint", "outpaint", "hires")
 #: The txt2img (and hires base) size when none is given: FLUX.2's trained 1 MP.
 DEFAULT_SIZE = (1024, 1024)
-#: Where the transformer waits (``auto``: planned from ``max_memory``, else ``none``; :mod:`flowlift.refine.offload`).
-OFFLOADS = ("auto", "none", "model", "group")
 
 
 class LatentUpscaler(Protocol):
@@ -135,8 +134,6 @@ class RefinerSource:
     max_memory: str | None = None
 
     def __post_init__(self) -> None:
-        from flowlift.limits import parse_memory
-
         check_path("source.model", self.model)
         check_path("source.vae", self.vae, optional=True)
         check_path("source.transformer", self.transformer, optional=True)
@@ -144,15 +141,7 @@ class RefinerSource:
         object.__setattr__(self, "loras", tuple(str(lora) for lora in loras))
         check_kind("source.device", self.device, str, "a device name such as auto, cpu or cuda:0", optional=True)
         check_device_and_dtype(self.device, self.dtype, ("source.device", "source.dtype"))
-        if self.offload not in OFFLOADS:
-            raise FlowliftError(
-                f"source.offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}", field="source.offload"
-            )
-        if self.max_memory is not None:
-            try:
-                parse_memory(self.max_memory)
-            except FlowliftError as error:
-                raise FlowliftError(f"source.{error}", field="source.max_memory") from None
+        check_offload_and_budget(self.offload, self.max_memory, "source.")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.flux2.settings import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SAMPLERS, SCHEDULES
 from flowlift.knobs import SCALE, SEED, TRANSPLANT_STRENGTH, Knob, table  # noqa: F401  (TRANSPLANT_STRENGTH: the hires fix's)
-from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE, cap_words, hires_size_or_refuse
+from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE, cap_words, hires_size_or_refuse, parse_memory
 
 #: The most steps a refine takes: far past where a flow model stops gaining (28-50), and a bound on what one
 #: request to the web app can ask for.
@@ -43,6 +43,23 @@ REFINE_STRENGTH = Knob(
 #: Outpaint's strength when none is given: the new border starts from noise (inpaint takes ``STRENGTH``'s default,
 #: at every door).
 OUTPAINT_STRENGTH = 1.0
+
+#: Where the transformer waits (``auto``: planned from ``max_memory``, else ``none``; :mod:`flowlift.refine.offload`).
+OFFLOADS = ("auto", "none", "model", "group")
+
+
+def check_offload_and_budget(offload: object, max_memory: object, prefix: str) -> None:
+    """``offload`` one of :data:`OFFLOADS` and ``max_memory`` a size (:func:`~flowlift.limits.parse_memory`) or None,
+    else one line naming the field as ``prefix`` spells it (``source.offload``, ``memory.max_memory``)."""
+    if not isinstance(offload, str) or offload not in OFFLOADS:
+        raise FlowliftError(
+            f"{prefix}offload must be one of {', '.join(OFFLOADS)}, got {offload!r}", field=f"{prefix}offload"
+        )
+    if max_memory is not None:
+        try:
+            parse_memory(max_memory)
+        except FlowliftError as error:
+            raise FlowliftError(f"{prefix}{error}", field=f"{prefix}max_memory") from None
 
 
 def check_outpaint_strength(strength: float) -> None:

@@ -47,9 +47,10 @@ def integer_scale(upscaled_size: tuple[int, int], reference_size: tuple[int, int
     return int(ratio_w)
 
 
-def _rgb_and_alpha(image: Any) -> tuple[np.ndarray, Image.Image | None]:
+def _rgb_and_alpha(image: Any, name: str) -> tuple[np.ndarray, Image.Image | None]:
     """uint8 HWC RGB array and the alpha channel (Pillow ``"L"``) or None; a Pillow image of any mode as
-    :func:`flowlift.files.images.load_image` converts it (16-bit and float grey scaled by their range, not clipped)."""
+    :func:`flowlift.files.images.load_image` converts it (16-bit and float grey scaled by their range, not clipped).
+    Anything else is one line naming the argument (``name``)."""
     if isinstance(image, Image.Image):
         from flowlift.files.images import rgb_and_alpha
 
@@ -57,7 +58,9 @@ def _rgb_and_alpha(image: Any) -> tuple[np.ndarray, Image.Image | None]:
         return np.asarray(rgb), alpha
     array = np.asarray(image)
     if array.ndim != 3 or array.shape[-1] not in (3, 4) or array.dtype != np.uint8:
-        raise FlowliftError(f"expected a Pillow image or a uint8 HWC RGB array, got {array.dtype} {array.shape}")
+        raise FlowliftError(
+            f"{name} must be a Pillow image or a uint8 HWC RGB array, got {array.dtype} {array.shape}", field=name
+        )
     if array.shape[-1] == 4:
         return np.ascontiguousarray(array[..., :3]), Image.fromarray(np.ascontiguousarray(array[..., 3]), "L")
     return array, None
@@ -84,7 +87,7 @@ def color_fix_array(
     from flowlift.files.sixteen_bit import tensor_to_uint16
     from flowlift.knobs import check_callable, check_unit_interval
 
-    strength = check_unit_interval("colour fix strength", strength)
+    strength = check_unit_interval("strength", strength)
     on_strip = check_callable("on_strip", on_strip)
     for name, array in (("upscaled", upscaled), ("reference", reference)):
         if (
@@ -98,7 +101,7 @@ def color_fix_array(
             )
         ):
             got = f"{array.dtype} {array.shape}" if isinstance(array, np.ndarray) else type(array).__name__
-            raise FlowliftError(f"colour fix: {name} must be a uint8 or uint16 HWC RGB array, got {got}")
+            raise FlowliftError(f"{name} must be a uint8 or uint16 HWC RGB array, got {got}", field=name)
     integer_scale((upscaled.shape[1], upscaled.shape[0]), (reference.shape[1], reference.shape[0]))
     device = resolve_device_option(device)  # 'cuda' without CUDA, 'bogus': one line, before any work
     out = to_tensor(upscaled, device=device, dtype=torch.float32)
@@ -129,8 +132,8 @@ def color_fix_image(
     alpha (its alpha is kept unchanged; the reference's alpha is ignored). ``on_strip()``: as in
     :func:`color_fix_array`, before every row strip (a cancel point).
     """
-    rgb, alpha = _rgb_and_alpha(upscaled)
-    ref_rgb, _ = _rgb_and_alpha(reference)
+    rgb, alpha = _rgb_and_alpha(upscaled, "upscaled")
+    ref_rgb, _ = _rgb_and_alpha(reference, "reference")
     result = Image.fromarray(color_fix_array(rgb, ref_rgb, strength, device=device, on_strip=on_strip), "RGB")
     if alpha is not None:
         result.putalpha(alpha)

@@ -31,6 +31,10 @@ class FlowUpscalerSource:
     latent_upscaler: str | None = None  # "sesqui:PATH": SesquiLSR for a fractional scale's last step
 
     def __post_init__(self) -> None:
+        from flowlift.knobs import check_kind, check_path
+
+        check_path("weights", self.weights, optional=True)  # "" named the released weights, 5 failed in find()
+        check_kind("unet", self.unet, torch.nn.Module, "a Flow Upscaler UNet (a torch module)", optional=True)
         if self.latent_upscaler is not None:
             sesqui_path(self.latent_upscaler)  # a malformed spec is one line at construction
 

@@ -59,6 +59,7 @@ from flowlift.upscale.settings import (
     TRANSPLANT_STRENGTH,
     ImageStages,
     MemoryPolicy,
+    check_compile,
 )
 from flowlift.upscale.sizes import (
     MAX_OUTPUT_SIDE,
@@ -165,7 +166,7 @@ class FlowUpscalerPipeline:
         if self.channels_last and isinstance(self.upscaler, torch.nn.Module):
             self.upscaler.to(memory_format=torch.channels_last)
         self.compiled_upscaler: CompiledUNet | None = None
-        if check_kind("compile", compile, (bool, str), "True, False or a torch.compile mode"):
+        if check_compile(compile):
             if not isinstance(self.upscaler, torch.nn.Module):
                 raise FlowliftError(f"compile needs the UNet as a torch module, got {type(self.upscaler).__name__}")
             mode = compile if isinstance(compile, str) else None

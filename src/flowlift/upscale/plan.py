@@ -28,7 +28,7 @@ from flowlift.upscale.asked_size import AskedSize
 from flowlift.upscale.loading import DEFAULT_UPSCALER
 from flowlift.upscale.output_sizes import OutputSizes
 from flowlift.upscale.outputs import UpscaleSettings
-from flowlift.upscale.settings import RESIZE_MODE
+from flowlift.upscale.settings import RESIZE_MODE, check_compile
 
 __all__ = [
     "UpscalePlan",
@@ -92,7 +92,7 @@ class UpscaleRequest:
         check_kind("vae_tiled", self.vae_tiled, bool, "True, False", optional=True)
         if self.max_memory is not None:
             parse_memory(self.max_memory)
-        check_kind("compile", self.compile, (bool, str), "True, False or a torch.compile mode")
+        check_compile(self.compile)
         if self.device is not None:  # a device that is not here: one line now, not after the inputs are listed
             object.__setattr__(self, "device", resolve_device_option(self.device))
         if self.dtype is not None:

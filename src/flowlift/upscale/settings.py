@@ -47,6 +47,20 @@ UPSCALE_KNOBS = table(SCALE, SEED, TRANSPLANT_STRENGTH, COLOR_FIX_STRENGTH, RESI
 #: Stage 2 alone (``flowlift colorfix``, FlowliftColorFix, flowlift_color_fix): its one strength.
 COLOR_FIX_KNOBS = table(replace(COLOR_FIX_STRENGTH, name="strength"))
 
+#: ``torch.compile``'s modes (a pipeline's ``compile="max-autotune"``; ``True``: the device's default mode).
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def check_compile(value: Any) -> bool | str:
+    """``compile`` as asked: True, False or one of :data:`COMPILE_MODES`, else one line naming it (``"no"`` would be
+    a mode refused only after the models loaded, ``""`` quietly no compile)."""
+    if isinstance(value, bool) or isinstance(value, str) and value in COMPILE_MODES:
+        return value
+    raise FlowliftError(
+        f"compile must be True, False or a torch.compile mode ({', '.join(COMPILE_MODES)}), got {value!r}",
+        field="compile",
+    )
+
 
 @dataclass(frozen=True)
 class MemoryPolicy:

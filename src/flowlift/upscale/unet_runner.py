@@ -23,16 +23,13 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.upscale.settings import COMPILE_MODES
 
 __all__ = ["CompiledUNet", "default_compile_mode", "velocity_model"]
 
 #: Distinct input shapes that get their own compiled graph (dynamo's recompile limit, raised for calls
 #: through :class:`CompiledUNet`); beyond it dynamo runs the extra shapes eagerly.
 MAX_COMPILED_SHAPES = 64
-
-
-#: ``torch.compile``'s modes (a pipeline's ``compile="max-autotune"``; ``True``: :func:`default_compile_mode`).
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 def default_compile_mode(device: torch.device) -> str | None:
@@ -61,7 +58,7 @@ class CompiledUNet:
         report: Callable[[str], None] | None = None,
     ) -> None:
         if mode is not None and mode not in COMPILE_MODES:
-            raise FlowliftError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+            raise FlowliftError(f"mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}", field="mode")
         self.model = model
         param = next(model.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")

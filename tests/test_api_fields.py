@@ -1,0 +1,135 @@
+"""The Python API's request objects check every field when they are made (a fourth hostile sweep's findings): a
+wrong type or value is one FlowliftError line naming the field, never a TypeError or AttributeError later, and
+never a value quietly read as another (``scale="3"`` held as 3, ``compile="no"`` as a compile mode, ``""`` as the
+default weights).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowlift import FlowliftError
+
+
+def _refused(call, field, *words):
+    with pytest.raises(FlowliftError) as caught:
+        call()
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(field) and caught.value.field == field, message
+    assert all(word in message for word in words), message
+    return message
+
+
+@pytest.mark.parametrize(
+    ("keywords", "field"),
+    [
+        ({"offload": "foo"}, "memory.offload"),
+        ({"offload": ["auto"]}, "memory.offload"),
+        ({"max_memory": "bogus"}, "memory.max_memory"),
+        ({"max_memory": True}, "memory.max_memory"),
+        ({"image_size": "1024"}, "memory.image_size"),
+        ({"image_size": (0, -5)}, "memory.image_size"),
+        ({"image_size": (1024.5, 1024)}, "memory.image_size"),
+        ({"text_tokens": 0}, "memory.text_tokens"),  # was read as the default 512
+        ({"text_tokens": -1}, "memory.text_tokens"),
+        ({"text_tokens": "512"}, "memory.text_tokens"),
+    ],
+)
+def test_a_refine_memory_checks_its_fields_when_it_is_made(keywords, field):
+    """They were read only when ``load_refiner`` made its plan, after the transformer and the VAE had loaded."""
+    from flowlift.refine.memory_plan import RefineMemory
+
+    _refused(lambda: RefineMemory(**keywords), field)
+    assert RefineMemory(image_size=[512, 768], text_tokens=77).image_size == (512, 768)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "field"),
+    [
+        ({"scale": "3"}, "scale"),  # was held as 3
+        ({"scale": True}, "scale"),
+        ({"tile": "512"}, "tile"),  # held as given, then read as 512 by the run
+        ({"tile": 512.0}, "tile"),
+        ({"tile": 2.5}, "tile"),
+        ({"tile": True}, "tile"),
+        ({"tile": -5}, "tile"),
+        ({"tile": None}, "tile"),
+        ({"tile_overlap": "32"}, "tile_overlap"),
+        ({"tile_overlap": -1}, "tile_overlap"),
+        ({"tile": 64, "tile_overlap": 32}, "tile"),  # a tile no larger than twice its overlap
+    ],
+)
+def test_an_eval_request_checks_its_numbers_when_it_is_made(tmp_path, keywords, field):
+    from flowlift.measure.eval_job import EvalRequest
+
+    _refused(lambda: EvalRequest(output=tmp_path / "report", outputs=["a.png"], reference="b", **keywords), field)
+    made = EvalRequest(output=tmp_path / "report", outputs=["a.png"], reference="b", scale=3, tile="none")
+    assert made.scale == 3 and made.tile == "none"
+
+
+def test_the_eval_command_still_reads_its_numbers_from_text():
+    from flowlift.measure.inputs import scale_argument
+
+    assert scale_argument("1.5") == 1.5 and scale_argument("3") == 3
+
+
+@pytest.mark.parametrize("value", ["no", "false", "", "bogus-mode", 1, None])
+def test_an_upscale_request_takes_a_compile_mode_it_knows(value):
+    """``"no"`` was held, then refused by the pipeline after both models loaded; ``""`` meant no compile."""
+    from flowlift.upscale.plan import UpscaleRequest
+
+    _refused(lambda: UpscaleRequest(inputs=["a.png"], compile=value), "compile", "max-autotune")
+    assert UpscaleRequest(inputs=["a.png"], compile="max-autotune").compile == "max-autotune"
+
+
+@pytest.mark.parametrize(
+    ("keywords", "field"),
+    [({"weights": ""}, "weights"), ({"weights": 5}, "weights"), ({"unet": "x"}, "unet"), ({"unet": 5}, "unet")],
+)
+def test_a_flow_upscaler_source_names_its_weights(keywords, field):
+    """``weights=""`` was the released weights, ``5`` a TypeError when the hires fix looked its file up."""
+    from flowlift.upscale.latent_source import FlowUpscalerSource
+
+    _refused(lambda: FlowUpscalerSource(**keywords), field)
+
+
+@pytest.mark.parametrize("source", ["", "  ", 5, None])
+def test_load_upscaler_names_its_source(source):
+    import flowlift
+
+    _refused(lambda: flowlift.load_upscaler(source), "source")
+
+
+@pytest.mark.parametrize(
+    ("keywords", "field"),
+    [
+        ({"bn_mean": "x", "bn_std": "y"}, "bn_mean"),  # was an AttributeError
+        ({"bn_mean": torch.zeros(5), "bn_std": torch.ones(5)}, "bn_mean"),  # was a RuntimeError mid-normalization
+        ({"bn_mean": torch.zeros(128), "bn_std": torch.ones(5)}, "bn_std"),
+        ({"bn_mean": torch.zeros(128, dtype=torch.int64), "bn_std": torch.ones(128)}, "bn_mean"),
+        ({"memory_plan": "x"}, "memory_plan"),  # was an AttributeError where the tiles are sized
+    ],
+)
+def test_refine_latents_names_its_statistics_and_plan(keywords, field):
+    from flowlift.refine.loop import refine_latents
+    from flowlift.refine.tiling import TileRequest
+
+    init = torch.zeros(1, 32, 4, 4)
+    _refused(lambda: refine_latents(torch.zeros_like, init_latents=init, tiles=TileRequest(), **keywords), field)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "field"),
+    [((5, "image"), "upscaled"), (("image", "x"), "reference"), (("image", "image", 1.5), "strength")],
+)
+def test_color_fix_image_names_its_arguments(arguments, field):
+    """It said ``expected a Pillow image ...`` for either image and ``colour fix strength`` for the strength."""
+    import numpy as np
+    from PIL import Image
+
+    import flowlift
+
+    image = Image.fromarray(np.zeros((32, 32, 3), np.uint8))
+    made = [image if value == "image" else value for value in arguments]
+    _refused(lambda: flowlift.color_fix_image(*made), field)
