@@ -386,3 +386,100 @@ def test_passes_the_16k_cap_drops_are_said_on_the_page(service, tmp_path):
     batch = service.batch([wide], 8, 0)
     assert len(batch.warnings) == 1 and batch.warnings[0].startswith("wide.png: ") and "16384" in batch.warnings[0]
     assert "- **warning:** wide.png: " in batch.summary()
+
+
+# ----------------------------------------------------------- AppConfig: every field checked when it is made
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        ("upscaler", 5, "must be a path"),
+        ("upscaler", "", "an empty name names nothing"),
+        ("vaes", [5], "must be a path"),
+        ("vaes", [], "at least one VAE"),
+        ("vaes", 5, "a path or a sequence of paths"),
+        ("vaes", None, "a path or a sequence of paths"),
+        ("device", "bogus", "is not a torch device"),
+        ("device", 5, "a device name"),
+        ("dtype", "bf16x", "choose one of auto"),
+        ("dtype", 5, "one of auto"),
+        ("dtype", None, "one of auto"),
+        ("max_upload_mb", True, "in (0, 1048576]"),
+        ("max_upload_mb", "50", "in (0, 1048576]"),
+        ("max_upload_mb", 0, "in (0, 1048576]"),
+        ("max_upload_mb", float("nan"), "a finite number"),
+        ("max_upload_mb", 2**30, "in (0, 1048576]"),
+        ("model", 5, "must be a path"),
+        ("model", "", "an empty name names nothing"),
+        ("model_vae", 5, "must be a path"),
+        ("model_vae", " ", "an empty name names nothing"),
+        ("latent_upscaler", "x", "sesqui:PATH"),
+        ("work_dir", 5, "must be a path"),
+        ("work_dir", "", "an empty name names nothing"),
+        ("log", "x", "must be a function"),
+        ("log", None, "must be a function"),
+    ],
+)
+def test_app_config_refuses_a_wrong_field_by_its_name(field, value, said):
+    # before, only max_upload_mb (said as the command line's --max-upload-mb) and latent_upscaler were checked: a
+    # Python caller's device="bogus" or dtype="bf16x" failed on the first request, max_upload_mb=True was 1 MB
+    with pytest.raises(FlowliftError) as caught:
+        AppConfig(**{field: value})
+    assert caught.value.fields == (field,)
+    assert str(caught.value).startswith(field) and said in str(caught.value), str(caught.value)
+
+
+def test_app_config_keeps_one_vae_name_as_one_vae(tmp_path):
+    # vaes="taef2" was five VAEs, one per character ({'t': 't', 'a': 'a', ...} on the page)
+    service = AppService(AppConfig(vaes="taef2", work_dir=str(tmp_path / "w")))
+    try:
+        assert service.config.vaes == ["taef2"] and service.vae_labels == {"taef2": "taef2"}
+        assert service.config.work_dir == tmp_path / "w"
+    finally:
+        service.close()
+    config = AppConfig(upscaler=tmp_path / "u.safetensors", vaes=("taef2", "taef2", "flux2"), device="auto")
+    assert config.upscaler == str(tmp_path / "u.safetensors") and config.vaes == ["taef2", "flux2"]
+    assert config.device is None and AppConfig(device=" cpu:0 ").device == "cpu"  # as torch names it
+    assert AppConfig(max_upload_mb=1).max_upload_mb == 1.0
+
+
+def _app_parser():
+    from flowlift.commands.cli import build_parser
+
+    parser = build_parser()
+    return parser._chosen_command(parser.parse_args(["app"]))
+
+
+def test_the_app_command_names_its_own_options(monkeypatch, capsys):
+    """The values the config refuses are said in the command line's words (``--device``, ``--model-vae``), one line,
+    before any page is built; every field with an option is said as it."""
+    import importlib.util
+
+    from builders import forbid_call
+    from flowlift.commands._options import option_words
+
+    real_find_spec = importlib.util.find_spec  # the refusals come before Gradio is used: no need to have it here
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "gradio" else real_find_spec(name, *a)
+    )
+    for target in ("build_app", "launch", "check_bind_address"):
+        forbid_call(monkeypatch, f"flowlift.app.page.{target}", "the app went on past a refused option")
+    for options, said in (
+        (["--device", "bogus"], "--device bogus: 'bogus' is not a torch device"),
+        (["--model-vae="], "--model-vae: an empty name names nothing"),
+    ):
+        assert main(["app", *options]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"flowlift app: error: {said}") and "\n" not in err, err
+    with pytest.raises(SystemExit) as caught:  # argparse's own line: the option's type is the config's knob
+        main(["app", "--max-upload-mb", "0"])
+    err = capsys.readouterr().err.strip()
+    assert caught.value.code == 2 and err.startswith(
+        "flowlift app: error: argument --max-upload-mb: must be in (0, 1048576]"
+    )
+    words = option_words(_app_parser())
+    fields = [name for name in AppConfig.__dataclass_fields__ if name not in ("work_dir", "log")]  # no option
+    assert {field: words.get(field) for field in fields} == {
+        field: "--" + {"vaes": "vae"}.get(field, field).replace("_", "-") for field in fields
+    }

@@ -160,7 +160,7 @@ def test_the_apps_upload_limit_is_refused_before_it_serves(tmp_path, limit):
     from flowlift.app.service import AppConfig
     from flowlift.errors import FlowliftError
 
-    with pytest.raises(FlowliftError, match="--max-upload-mb must be in"):
+    with pytest.raises(FlowliftError, match=r"^max_upload_mb must be"):  # Python's words: the field, not the option
         AppConfig(upscaler="unused", vaes=["taef2"], max_upload_mb=limit, work_dir=tmp_path / "w")
 
 

@@ -136,8 +136,9 @@ class Knob:
             return spelled + none
         if self.kind is list:
             return "a list of text (comma-separated on the command line)" + none
-        low = "-inf" if self.low is None else f"{self.low:g}" if self.kind is float else str(self.low)
-        high = "inf" if self.high is None else f"{self.high:g}" if self.kind is float else str(self.high)
+        # 15 significant digits, not :g's 6: a bound of 1048576 is said as it is, never rounded to 1.04858e+06
+        low = "-inf" if self.low is None else f"{self.low:.15g}" if self.kind is float else str(self.low)
+        high = "inf" if self.high is None else f"{self.high:.15g}" if self.kind is float else str(self.high)
         words = "".join(f" or {word}" for word in self.words)
         opening, closing = "(" if self.low_open else "[", ")" if self.high_open else "]"
         multiple = f" and a multiple of {self.multiple}" if self.multiple else ""

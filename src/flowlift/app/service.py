@@ -11,6 +11,7 @@ temporary path. :mod:`flowlift.app.page` is the Gradio page over this.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -34,14 +35,12 @@ from flowlift.app.results import (
     strip_folders,
     vae_labels,
 )
+from flowlift.app.settings import MAX_UPLOAD
 from flowlift.errors import ITEM_ERRORS, FlowliftError
-from flowlift.knobs import LATENT_UPSCALER, SEED
+from flowlift.knobs import LATENT_UPSCALER, SEED, check_callable, check_kind, check_path, check_paths
 from flowlift.upscale.loading import DEFAULT_VAE
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH, SCALE, TRANSPLANT_STRENGTH
 
-DEFAULT_MAX_UPLOAD_MB = 50.0
-#: The largest upload limit: 1 TiB (an image past it is no upload; gradio keeps the byte count in 64 bits).
-MAX_UPLOAD_MB = 1 << 20
 #: Result folders older than this are removed when a new request starts (Gradio keeps its own copy).
 RESULT_MAX_AGE_S = 3600.0
 #: The file that marks a result folder as this app's (only those are ever pruned).
@@ -54,13 +53,22 @@ def _no_progress(_fraction: float, _description: str) -> None:
 
 @dataclass
 class AppConfig:
-    """The models and limits of one app process (the ``flowlift app`` options)."""
+    """The models and limits of one app process (the ``flowlift app`` options), each field checked when the config is
+    made (one :class:`~flowlift.errors.FlowliftError` naming it; the command line says its option).
+
+    ``upscaler``, ``model`` (the Refine tab's FLUX.2 weights) and ``model_vae``: a file, a folder or a hub id (or a
+    VAE name), None for the default; kept as text. ``vaes``: the VAEs the page offers, the first the default (one
+    ``str`` is one VAE, never its characters; duplicates dropped). ``device``: None or ``auto`` (CUDA if available),
+    else a device that is here (kept as torch names it: ``cpu:0`` is ``cpu``); ``dtype``: one of
+    :data:`flowlift.devices.DTYPES`. ``work_dir``: the result folders' parent (None: a temporary one, removed on
+    close), kept as a Path.
+    """
 
     upscaler: str | None = None
     vaes: Sequence[str] = (DEFAULT_VAE,)
     device: str | None = None
     dtype: str = "auto"
-    max_upload_mb: float = DEFAULT_MAX_UPLOAD_MB
+    max_upload_mb: float = MAX_UPLOAD.default
     model: str | None = None
     model_vae: str | None = None
     #: ``sesqui:PATH`` (``--latent-upscaler``): SesquiLSR for the fraction of a scale, where a request asks for it.
@@ -70,10 +78,26 @@ class AppConfig:
     log: Callable[[str], None] = log_to_stderr
 
     def __post_init__(self) -> None:
-        self.vaes = list(dict.fromkeys(self.vaes)) or [DEFAULT_VAE]
-        if not 0 < self.max_upload_mb <= MAX_UPLOAD_MB:  # gradio takes the byte count as a 64-bit integer
-            raise FlowliftError(f"--max-upload-mb must be in (0, {MAX_UPLOAD_MB}], got {self.max_upload_mb}")
+        from flowlift.devices import DTYPES, resolve_device_dtype
+
+        for name in ("upscaler", "model", "model_vae"):  # "" would quietly mean the default weights
+            value = check_path(name, getattr(self, name), optional=True)
+            setattr(self, name, None if value is None else os.fspath(value))
+        vaes = [os.fspath(vae) for vae in check_paths("vaes", self.vaes)]
+        if not vaes:  # a page with no VAE to offer could upscale nothing
+            raise FlowliftError("vaes must name at least one VAE, got an empty sequence", field="vaes")
+        self.vaes = list(dict.fromkeys(vaes))
+        check_kind("device", self.device, str, "a device name such as auto, cpu or cuda:0", optional=True)
+        check_kind("dtype", self.dtype, str, f"one of {', '.join(DTYPES)}")
+        # the backend and index checked here, not on the first request; float16 on the CPU warned about now
+        device, _ = resolve_device_dtype(self.device, self.dtype, cpu_bf16=True)
+        auto = self.device is None or self.device.strip().lower() == "auto"
+        self.device = None if auto else str(device)  # None: each model picks CUDA if available
+        self.max_upload_mb = MAX_UPLOAD.check(self.max_upload_mb)  # gradio takes the byte count as a 64-bit integer
         self.latent_upscaler = LATENT_UPSCALER.check(self.latent_upscaler)
+        work_dir = check_path("work_dir", self.work_dir, optional=True)
+        self.work_dir = None if work_dir is None else Path(work_dir)
+        self.log = check_callable("log", self.log, optional=False)
 
 
 class AppService:

@@ -62,6 +62,7 @@ FIELD_DESTS = {
     "crop": "crop_px",
     "crops.inputs": "inputs",
     "config_file": "config",
+    "vaes": "vae",  # flowlift app's repeatable --vae is AppConfig.vaes
 }
 
 

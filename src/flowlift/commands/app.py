@@ -8,7 +8,9 @@ load on the first request and stay loaded for the life of the process.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
+from flowlift.app.settings import MAX_UPLOAD
 from flowlift.commands._options import (
     DEFAULT_VAE,
     add_device_options,
@@ -19,6 +21,9 @@ from flowlift.commands._options import (
     number,
 )
 from flowlift.knobs import LATENT_UPSCALER
+
+if TYPE_CHECKING:  # the service is imported when the app starts, not when any command's parser is built
+    from flowlift.app.service import AppConfig
 
 NAME = "app"
 #: A server: its allocator keeps glibc's policy (and gives freed memory back after each request).
@@ -34,13 +39,6 @@ def _port(text: str) -> int:
     value = number(text, int, f"must be a port number in 1..65535, got {text!r}")
     if not 0 < value < 65536:
         raise argparse.ArgumentTypeError(f"must be in 1..65535, got {text}")
-    return value
-
-
-def _megabytes(text: str) -> float:
-    value = number(text, float, f"must be a number of megabytes > 0, got {text!r}")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -63,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"{LATENT_UPSCALER.help}: the Upscale and Batch tabs offer it for a scale off 2, 4, 8 (default: none)",
     )
     add_device_options(parser, cpu_bf16=True)
-    parser.add_argument("--max-upload-mb", type=_megabytes, default=50.0, metavar="MB", help="largest accepted upload")
+    add_knob(parser, MAX_UPLOAD, metavar="MB")
     parser.add_argument(
         "--model",
         type=name_or_path,
@@ -80,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_weights(args: argparse.Namespace) -> None:
+def check_weights(config: AppConfig) -> None:
     """Every weight the page will load, found at start-up (the same lookups as ``flowlift upscale`` and
     ``flowlift img2img``): the upscaler, each offered VAE and, with ``--model``, the refiner's transformer
     and VAE. All missing ones are one error line (exit 2) instead of a page whose first click fails."""
@@ -88,10 +86,9 @@ def check_weights(args: argparse.Namespace) -> None:
     from flowlift.refine.source_checks import refiner_weight_checks
     from flowlift.upscale.loading import DEFAULT_UPSCALER, upscale_weight_checks
 
-    vaes = list(dict.fromkeys(args.vae or [DEFAULT_VAE]))
-    checks = upscale_weight_checks(args.upscaler or DEFAULT_UPSCALER, vaes, args.latent_upscaler or None)
-    if args.model:
-        checks += refiner_weight_checks(args.model, vae=args.model_vae)
+    checks = upscale_weight_checks(config.upscaler or DEFAULT_UPSCALER, config.vaes, config.latent_upscaler)
+    if config.model:
+        checks += refiner_weight_checks(config.model, vae=config.model_vae)
     require_all(checks)
 
 
@@ -106,22 +103,21 @@ def run(args: argparse.Namespace) -> int:
         raise FlowliftError(f"the app needs Gradio 6: {install_command('app')}")
     from flowlift.app.page import build_app, check_bind_address, launch
     from flowlift.app.service import AppConfig, AppService
-    from flowlift.devices import resolve_device_dtype
 
-    device, _ = resolve_device_dtype(args.device, args.dtype, cpu_bf16=True)  # cuda/mps missing: one line, now
-    check_bind_address(args.host, args.port)  # a host that does not resolve: one line, not a server retrying
-    check_weights(args)
-
+    # every value checked by the config, as for a Python caller (a missing cuda/mps: one line, now); the errors
+    # name its fields, which the command line says as its options (--device, --max-upload-mb, --vae)
     config = AppConfig(
         upscaler=args.upscaler,
         vaes=args.vae or [DEFAULT_VAE],
-        device=None if args.device == "auto" else str(device),  # AppConfig: None picks CUDA if available
+        device=args.device,
         dtype=args.dtype,
         max_upload_mb=args.max_upload_mb,
         model=args.model,
         model_vae=args.model_vae,
         latent_upscaler=args.latent_upscaler,
     )
+    check_bind_address(args.host, args.port)  # a host that does not resolve: one line, not a server retrying
+    check_weights(config)
     service = AppService(config)
     try:
         demo = build_app(service)
