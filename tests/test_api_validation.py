@@ -354,6 +354,8 @@ def test_an_eval_request_takes_one_string_as_one_path_and_speaks_keywords(tmp_pa
         ("shard_size", 0, ("an integer >= 1",)),
         ("batch_size", "4", ("an integer >= 1",)),
         ("storage_dtype", "fp16", ("float16, bfloat16, float32",)),
+        ("storage_dtype", ["float16"], ("float16, bfloat16, float32",)),  # was a TypeError: unhashable type
+        ("storage_dtype", {}, ("float16, bfloat16, float32",)),
         ("filter", "nearest", ("area, bicubic",)),
         ("jpeg_quality", 101, ("1..100",)),
         ("noise_std", "x", ("[0, 1]",)),  # was a TypeError from a comparison
@@ -380,11 +382,30 @@ def test_every_dataset_request_field_is_checked_at_construction(tmp_path, field,
         (lambda: _teacher(steps="4"), "steps", ("an integer >= 1",)),
         (lambda: _teacher(guidance=float("nan")), "guidance", ("finite",)),
         (lambda: _teacher(teacher_dtype="fp8"), "teacher_dtype", ("float16, bfloat16, float32",)),
+        (lambda: _teacher(teacher_dtype=["float16"]), "teacher_dtype", ("float16",)),  # was a TypeError: unhashable
+        (lambda: _teacher(teacher_dtype={}), "teacher_dtype", ("float16",)),
+        (lambda: _teacher(guidance=-1.0), "guidance", ("above 0",)),  # was taken: PromptRequest.guidance's rule
+        (lambda: _teacher(guidance=0), "guidance", ("above 0",)),
+        (lambda: _teacher(guidance="4"), "guidance", ("above 0",)),
+        (lambda: _crops(crop_px=math.nan), "crop_px", ("multiple of 32", "e.g. 512")),  # was a ValueError
+        (lambda: _crops(crop_px=math.inf), "crop_px", ("multiple of 32", "e.g. 512")),  # was an OverflowError
+        (lambda: _crops(crop_px=-math.inf), "crop_px", ("multiple of 32",)),
+        (lambda: _crops(crop_px=64.0), "crop_px", ("multiple of 32", "e.g. 64")),
     ],
 )
 def test_a_datasets_sources_check_their_fields_at_construction(make, field, words):
     message = _refused(make, field, *words)
     assert "--" not in message
+
+
+def test_a_teachers_guidance_is_a_positive_number_as_a_refines_is():
+    """``guidance=-1`` and ``0`` were taken for the teacher; ``PromptRequest.guidance``, the same scale, refused."""
+    from flowlift.refine.request import PromptRequest
+
+    assert _teacher(guidance=4).guidance == PromptRequest(text="x", guidance=4).guidance == 4.0
+    assert _teacher().guidance is None and _teacher(teacher_dtype="bfloat16").teacher_dtype == "bfloat16"
+    for value in (-1.0, 0):
+        _refused(lambda value=value: PromptRequest(text="x", guidance=value), "prompt.guidance", "above 0")
 
 
 def test_a_dataset_sources_one_string_is_one_input_and_its_device_is_here(tmp_path):

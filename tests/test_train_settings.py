@@ -28,7 +28,9 @@ def _outside(knob: Knob) -> list:
         return [5, [1, "a"], {"a": 1}]
     if knob.kind is str:
         bad: list = [5, ["a"], True]
-        if knob.pattern != ".*":
+        if knob.pattern == ".+":  # a name (init, resume): any text but an empty one, which names nothing
+            bad += ["", "  "]
+        elif knob.pattern != ".*":
             bad += ["bogus", "cpu:3", "cuda:-1", "cuda:x"]
         return bad
     step = 1 if knob.kind is int else 0.5
@@ -223,3 +225,33 @@ def test_an_unknown_set_key_names_set_and_the_nearest_setting(capsys):
 def test_a_missing_setting_is_named_as_its_option(argv, line, capsys):
     assert main(["train", *argv]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"flowlift train: error: {line}"
+
+
+@pytest.mark.parametrize("name", ["init", "resume"])
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_init_or_resume_names_nothing_at_every_door(tmp_path, capsys, name, value):
+    """``init=""`` trained from scratch and ``resume=""`` started a fresh run: an empty name was read as none. None
+    (``none`` on the text doors) says that; an empty name is refused by the Python API, the flag and a file."""
+    with pytest.raises(FlowliftError, match=f"^{name} must be .*an empty name names nothing") as caught:
+        TrainConfig(data="d", output="o", **{name: value}).validate()
+    assert caught.value.field == name
+    assert getattr(apply_overrides(TrainConfig(), {name: "none"}), name) is None
+    try:
+        rc = main(["train", "--data", "d", "--output", "o", f"--{name}={value}", "--print-config"])
+    except SystemExit as exited:  # argparse refuses --init's value itself (its type: a name or path)
+        rc = exited.code
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert rc == 2 and captured.out == "" and err.splitlines() == [err] and f"--{name}" in err and "an empty" in err
+    path = tmp_path / "run.toml"
+    path.write_text(f'{name} = "{value}"\n')
+    with pytest.raises(FlowliftError, match=f"^{path}: {name} must be"):
+        build_config(path, {"data": "d", "output": "o"})
+
+
+def test_a_settings_key_that_is_no_text_is_an_unknown_setting():
+    """``{("a",): 1}`` was a TypeError from joining the unknown keys; ``{1: 2, "b": 3}`` one from sorting them."""
+    for overrides, named in (({("a",): 1}, "('a',)"), ({1: 2, "b": 3}, "1, b")):
+        with pytest.raises(FlowliftError, match=r"^unknown training setting\(s\): ") as caught:
+            apply_overrides(TrainConfig(data="d", output="o"), overrides)
+        assert named in str(caught.value)

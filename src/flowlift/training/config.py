@@ -107,6 +107,9 @@ class TrainConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _DEFAULTS = TrainConfig()
 _TEXT = ".*"
+#: A name that names something: ``init`` and ``resume`` mean "none" by None, so an empty name (which the
+#: checkpoint code would read as none: scratch, a fresh run) is refused rather than quietly taken as unset.
+_NAME = ".+"
 #: What ``device`` may name; whether that device exists is checked when the run starts (devices.py).
 _DEVICE = r"auto|cpu(:0)?|cuda(:\d+)?|mps"
 
@@ -128,8 +131,9 @@ TRAIN_KNOBS: dict[str, Knob] = table(
         "init",
         str,
         "released checkpoint to fine-tune (file, folder or hub id); none = scratch",
-        pattern=_TEXT,
+        pattern=_NAME,
         optional=True,
+        extra={"spelled": "a checkpoint (a file, folder or hub id; an empty name names nothing)"},
     ),
     _knob("base_channels", int, "UNet width", low=1),
     _knob("time_dim", int, "sinusoidal time embedding width (sin and cos halves)", low=2, multiple=2),
@@ -167,7 +171,14 @@ TRAIN_KNOBS: dict[str, Knob] = table(
     _knob("log_every", int, "log the loss every K steps", low=1),
     _knob("checkpoint_every", int, "checkpoint every K steps", low=1),
     _knob("keep_checkpoints", int, "checkpoints kept", low=1),
-    _knob("resume", str, "auto (latest in output, if any), a checkpoint folder, or none", pattern=_TEXT, optional=True),
+    _knob(
+        "resume",
+        str,
+        "auto (latest in output, if any), a checkpoint folder, or none",
+        pattern=_NAME,
+        optional=True,
+        extra={"spelled": "auto or a checkpoint folder (an empty name names nothing)"},
+    ),
     _knob("overwrite", bool, "with resume none: replace the output folder's checkpoints"),
     _knob("stop_after", int, "end this invocation after this global step (none = at steps)", low=1, optional=True),
     _knob(
@@ -205,7 +216,8 @@ _FALSE = ("0", "false", "no", "off")
 
 def apply_overrides(config: TrainConfig, overrides: dict[str, Any]) -> TrainConfig:
     """A copy of ``config`` with ``overrides`` applied; unknown keys raise one FlowliftError line."""
-    unknown = sorted(set(overrides) - set(_FIELDS))
+    # a key that is no string (a tuple, a number) is unknown too, named by its repr: never joined or compared as text
+    unknown = sorted(key if isinstance(key, str) else repr(key) for key in overrides if key not in _FIELDS)
     if unknown:
         near = difflib.get_close_matches(unknown[0], _FIELDS, n=1)
         hint = f" (did you mean {near[0]}?)" if near else " (--print-config lists them)"

@@ -9,7 +9,6 @@ noise, target, conditioning; :func:`flowlift.training.datasets.build_distill_dat
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from typing import Any
 import torch
 
 from flowlift.errors import FIELD_MARK, FlowliftError
-from flowlift.knobs import exact_int
+from flowlift.knobs import Knob, exact_int
 from flowlift.training.datasets import (
     PipelineTeacher,
     ShardWriting,
@@ -38,6 +37,16 @@ __all__ = ["STORAGE_DTYPES", "DatasetRequest", "PhotoCrops", "TeacherSource", "l
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 #: A teacher's weights' dtypes, by name (None: bfloat16 on CUDA, float32 on the CPU).
 TEACHER_DTYPES = STORAGE_DTYPES
+#: The shards' dtype and the teacher's, by name: a choice compared, never hashed (a list is no name).
+STORAGE_DTYPE = Knob("storage_dtype", str, "float16", "tensor dtype in shards", choices=tuple(STORAGE_DTYPES))
+TEACHER_DTYPE = Knob(
+    "teacher_dtype",
+    str,
+    None,
+    "teacher weights dtype (None: bfloat16 on CUDA, float32 on the CPU)",
+    choices=tuple(TEACHER_DTYPES),
+    optional=True,
+)
 
 
 @dataclass(frozen=True)
@@ -72,16 +81,9 @@ class TeacherSource:
                 f"{FIELD_MARK}/{FIELD_MARK} must be positive multiples of 32, got {self.width}x{self.height}",
                 field=("width", "height"),
             )
-        guidance = self.guidance
-        if guidance is not None and (isinstance(guidance, bool) or not isinstance(guidance, (int, float))):
-            raise FlowliftError(f"guidance must be a number or None, got {guidance!r}", field="guidance")
-        if guidance is not None and not math.isfinite(guidance):
-            raise FlowliftError(f"guidance must be a finite number or None, got {guidance!r}", field="guidance")
-        if self.teacher_dtype is not None and self.teacher_dtype not in TEACHER_DTYPES:
-            names = ", ".join(TEACHER_DTYPES)
-            raise FlowliftError(
-                f"teacher_dtype must be one of {names} or None, got {self.teacher_dtype!r}", field="teacher_dtype"
-            )
+        # the teacher's guidance scale, the same quantity as a refine's (PromptRequest.guidance): above 0
+        object.__setattr__(self, "guidance", check_positive("guidance", self.guidance, optional=True))
+        TEACHER_DTYPE.check(self.teacher_dtype)
 
 
 @dataclass(frozen=True)
@@ -143,11 +145,7 @@ class DatasetRequest:
         SEED.check(self.seed)
         for name in ("shard_size", "batch_size"):
             check_positive(name, getattr(self, name), integer=True)
-        if self.storage_dtype not in STORAGE_DTYPES:
-            names = ", ".join(STORAGE_DTYPES)
-            raise FlowliftError(
-                f"storage_dtype must be one of {names}, got {self.storage_dtype!r}", field="storage_dtype"
-            )
+        STORAGE_DTYPE.check(self.storage_dtype)
         object.__setattr__(self, "device", resolve_device_option(self.device))
         Degradation(filter=self.filter, jpeg_quality=self.jpeg_quality, noise_std=self.noise_std)
         if not isinstance(self.part, (tuple, list)) or len(self.part) != 2 or None in map(exact_int, self.part):

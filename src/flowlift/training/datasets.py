@@ -15,6 +15,7 @@ a resumed build writes the same bytes as an uninterrupted one.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ import torch
 
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR, image_seq_len, normalize, patchify
+from flowlift.knobs import exact_int
 from flowlift.training.degrade import Degradation, LatentCodec, conditioning_latents
 from flowlift.training.shards import (
     completed_shards,
@@ -340,11 +342,14 @@ def check_crop(crop: int, field: str = "crop") -> int:
     """``crop``, an images dataset's crop side in pixels: a positive multiple of 32 (``8 * 4``: the target latent
     side a multiple of 4), else one line naming ``field`` (``PhotoCrops``' is ``crop_px``) and the nearest sides."""
     align = VAE_SCALE_FACTOR * 4
-    if isinstance(crop, bool) or not isinstance(crop, int) or crop <= 0 or crop % align:
-        near = max(align, int(crop) // align * align) if isinstance(crop, (int, float)) else 512
+    number = exact_int(crop)
+    if number is None or number <= 0 or number % align:
+        # the nearest sides of a finite number; NaN and inf have none (int() of them raises)
+        real = isinstance(crop, (int, float)) and not isinstance(crop, bool) and math.isfinite(crop)
+        near = max(align, int(crop) // align * align) if real else 512
         fix = f"e.g. {near} or {near + align}" if near != crop else f"e.g. {near}"
         raise FlowliftError(f"{field} must be a positive multiple of {align} px, got {crop!r}; {fix}", field=field)
-    return crop
+    return number
 
 
 def build_images_dataset(
