@@ -133,3 +133,11 @@ def test_color_fix_image_names_its_arguments(arguments, field):
     image = Image.fromarray(np.zeros((32, 32, 3), np.uint8))
     made = [image if value == "image" else value for value in arguments]
     _refused(lambda: flowlift.color_fix_image(*made), field)
+
+
+@pytest.mark.parametrize("value", [-1, 2.5, True, "3"])
+def test_a_count_names_its_field_for_every_door(value):
+    """``check_count`` named the field in its text only: a door could not say it in its own words."""
+    from flowlift.knobs import check_count
+
+    _refused(lambda: check_count("num_passes", value), "num_passes")

@@ -306,7 +306,7 @@ def check_count(name: str, value: Any) -> int:
     import numbers
 
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise FlowliftError(f"{name} must be a non-negative integer, got {value!r}")
+        raise FlowliftError(f"{name} must be a non-negative integer, got {value!r}", field=name)
     return int(value)
 
 
