@@ -138,7 +138,9 @@ def test_refine_latents_refuses_a_non_finite_result():
     raw = torch.randn(1, 32, 8, 8)
     zero_std = {"bn_mean": torch.zeros(128), "bn_std": torch.zeros(128)}
     _refused(lambda: refine_latents(torch.zeros_like, init_latents=raw, denoising_start=1.0, **zero_std), "bn_std")
-    _refused(lambda: refine_latents(lambda z, s: z * 0, init_latents=raw, denoising_start=0.5, **zero_std), "NaN")
+    # refused before the sampler runs (it ran, then its result was NaN)
+    message = _refused(lambda: refine_latents(lambda z, s: z * 0, init_latents=raw, denoising_start=0.5, **zero_std))
+    assert message.startswith("bn_std must be finite and above 0"), message
 
 
 def test_the_refiners_vae_results_are_finite():
@@ -216,6 +218,11 @@ def refiner():
         ),
         (lambda r, e: r.hires("flow", images=torch.rand(1, 3, 32, 32), prompt_embeds=e), "upscaler must have"),
         (lambda r, e: r.encode("x"), "images must be an RGB tensor"),
+        (lambda r, e: r.inpaint(torch.rand(1, 3, 32, 32), None, prompt_embeds=e), "mask must be"),  # was img2img
+        (
+            lambda r, e: r.txt2img(height=32, width=32, prompt_embeds=e, reference_images=5),
+            "reference_images must be a list",  # was a TypeError: 'int' object is not iterable
+        ),
     ],
 )
 def test_the_refiners_modes_name_a_wrong_argument_before_any_work(refiner, call, words, monkeypatch):

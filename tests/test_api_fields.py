@@ -141,3 +141,80 @@ def test_a_count_names_its_field_for_every_door(value):
     from flowlift.knobs import check_count
 
     _refused(lambda: check_count("num_passes", value), "num_passes")
+
+
+@pytest.mark.parametrize("tiled", ["no", "false", 1, [], "auto"])
+def test_a_vaes_tiled_is_true_false_or_none(vae, tiled):
+    """``tiled="no"`` ran the tiled path (read as truthy) at every adapter."""
+    from flowlift.models.vae_loading import load_vae
+    from tiny_flux2 import tiny_vae
+
+    images, latents = torch.rand(1, 3, 32, 32), torch.zeros(1, 32, 4, 4)
+    flux2 = load_vae(tiny_vae(), device="cpu", dtype=torch.float32)
+    for adapter in (vae, flux2):
+        _refused(lambda adapter=adapter: adapter.encode(images, tiled=tiled), "tiled")
+        _refused(lambda adapter=adapter: adapter.decode(latents, tiled=tiled), "tiled")
+
+
+def test_a_vae_never_returns_a_non_finite_image():
+    """Finite latents that overflow inside the FLUX.2 VAE gave an image of NaN, returned as is."""
+    from flowlift.models.vae_loading import load_vae
+    from tiny_flux2 import tiny_vae
+
+    flux2 = load_vae(tiny_vae(), device="cpu", dtype=torch.float32)
+    with pytest.raises(FlowliftError, match="the FLUX.2 VAE's decode gave (NaN|Inf)"):
+        flux2.decode(torch.full((1, 32, 4, 4), 1e30))
+
+
+@pytest.mark.parametrize(
+    ("bn_std", "field"),
+    [(-torch.ones(128), "bn_std"), (torch.full((128,), float("nan")), "bn_std"), (torch.zeros(128), "bn_std")],
+)
+def test_refine_latents_takes_a_vaes_statistics_only(bn_std, field):
+    """A negative std was taken (latents mirrored), a NaN one ran the whole sampler first."""
+    from flowlift.refine.loop import refine_latents
+
+    init, bn_mean = torch.zeros(1, 32, 4, 4), torch.zeros(128)
+    _refused(lambda: refine_latents(torch.zeros_like, init_latents=init, bn_mean=bn_mean, bn_std=bn_std), field)
+
+
+def test_a_plan_of_passes_names_its_sides_and_says_any_count(unet, vae):
+    """``plan_passes("32", ...)`` was a TypeError and 32.5 was taken; 20,000 passes were a ValueError (2**20000 has
+    too many digits to print)."""
+    import warnings
+
+    from flowlift import FlowUpscalerPipeline
+    from flowlift.upscale.sizes import PassesDropped
+
+    pipe = FlowUpscalerPipeline(unet, vae, device="cpu", dtype=torch.float32)
+    for sides, field in ((("32", 32), "image_height"), ((32, 32.5), "image_width"), ((32, -32), "image_width")):
+        _refused(lambda sides=sides: pipe.plan_passes(*sides, 1), field)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert pipe.plan_passes(32, 32, 20000) == 9
+    dropped = [w.message for w in caught if isinstance(w.message, PassesDropped)]
+    assert dropped and "scale 2^20000" in dropped[0].refusal and "2^20000 x 32x32 px" in dropped[0].refusal
+
+
+@pytest.mark.parametrize(
+    ("keywords", "field"),
+    [
+        ({"target_size": (12.9, 12)}, "target_size"),  # was cut to 12
+        ({"target_size": ("12", 12)}, "target_size"),
+        ({"target_size": 12}, "target_size"),
+        ({"latents": torch.zeros(1, 32, 8, 8, dtype=torch.int64)}, "latents"),  # came back as int64
+        ({"rows": 0}, "rows"),
+        ({"rows": 2.7}, "rows"),
+        ({"rows": "3"}, "rows"),
+        ({"rows": float("nan")}, "rows"),  # was a ValueError
+    ],
+)
+def test_sesqui_names_its_size_latents_and_bands(tmp_path, keywords, field):
+    from flowlift.models.sesqui_bands import sesqui_to_size
+    from flowlift.models.sesqui_lsr import load_sesqui_lsr
+    from sesqui_reference import save_random_sesqui
+
+    model = load_sesqui_lsr(save_random_sesqui(tmp_path), device="cpu", dtype=torch.float32)
+    arguments = {"latents": torch.zeros(1, 32, 8, 8), "target_size": (12, 12), "rows": None, **keywords}
+    stats = {"bn_mean": torch.zeros(128), "bn_std": torch.ones(128)}
+    _refused(lambda: sesqui_to_size(model, **arguments, **stats), field)

@@ -173,6 +173,9 @@ def sesqui_to_size(
     rows: int | None = None,
 ) -> torch.Tensor:
     """:func:`~flowlift.models.sesqui_lsr.sesqui_upscale_latents` (normalized latents in and out) whole-frame, or
-    with ``rows`` in bands of that many rows (:func:`sesqui_banded`, a memory plan's choice)."""
+    with ``rows`` in bands of that many rows (:func:`sesqui_banded`, a memory plan's choice): an integer >= 1."""
+    from flowlift.knobs import check_positive
+
+    rows = check_positive("rows", rows, integer=True, optional=True)  # 0, "3", 2.7 were taken, nan a ValueError
     forward = None if rows is None else partial(sesqui_banded, rows=rows)
     return sesqui_upscale_latents(model, latents, target_size, bn_mean, bn_std, forward=forward)

@@ -286,10 +286,14 @@ def check_target_size(shape: tuple[int, ...], target_size: tuple[int, int]) -> t
     h, w = shape[2], shape[3]
     if min(h, w) < MIN_SIDE:
         raise FlowliftError(f"SesquiLSR: latents of {h}x{w} are too small (each side at least {MIN_SIDE})")
-    try:
-        th, tw = (int(v) for v in target_size)
-    except (TypeError, ValueError):
-        raise FlowliftError(f"SesquiLSR: target_size must be (height, width) integers, got {target_size!r}") from None
+    from flowlift.knobs import exact_int
+
+    sides = tuple(exact_int(v) for v in target_size) if isinstance(target_size, (tuple, list)) else ()
+    if len(sides) != 2 or None in sides:  # (12.9, 12) was cut to 12, ("12", 12) read as 12
+        raise FlowliftError(
+            f"target_size must be (height, width), two integers (latent px), got {target_size!r}", field="target_size"
+        )
+    th, tw = sides
     if not (h <= th <= 2 * h and w <= tw <= 2 * w):
         raise FlowliftError(
             f"SesquiLSR: target {th}x{tw} from {h}x{w} latents is a factor of {th / h:g}x{tw / w:g}; "
@@ -400,6 +404,9 @@ def sesqui_upscale_latents(
             "SesquiLSR works on raw FLUX.2 VAE latents and needs the FLUX.2 VAE's BN statistics; this VAE "
             "(TAEF2 or Mage-VAE) encodes straight into the normalized space and has none: use --vae flux2"
         )
+    if not isinstance(latents, torch.Tensor) or not latents.is_floating_point():
+        got = latents.dtype if isinstance(latents, torch.Tensor) else type(latents).__name__
+        raise FlowliftError(f"latents must be a floating tensor (normalized latents), got {got}", field="latents")
     th, tw = check_target_size(tuple(latents.shape), target_size)
     if th % 2 or tw % 2:
         raise FlowliftError(f"SesquiLSR: target {th}x{tw} latents must have even sides (FLUX.2's 2x2 patches)")

@@ -26,7 +26,7 @@ import torch
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import DEFAULT_BATCH_NORM_EPS, LATENT_CHANNELS, bn_std, denormalize, normalize
 from flowlift.models.taef2_tiling import TileCallback
-from flowlift.models.weights import load_strict
+from flowlift.models.weights import check_finite_result, load_strict
 
 #: TAEF2 tiles automatically when the image has more pixels than this (one 1024x1024 frame).
 TAEF2_AUTO_TILE_PIXELS = 1024 * 1024
@@ -65,6 +65,13 @@ def _check_images(images: torch.Tensor, multiple: int) -> None:
     h, w = images.shape[-2:]
     if h % multiple or w % multiple or h == 0 or w == 0:
         raise FlowliftError(f"VAE encode needs image sides that are multiples of {multiple}, got {h}x{w}; resize first")
+
+
+def _tiles_asked(tiled: Any, by_size: bool) -> bool:
+    """``tiled`` as asked (None: ``by_size``); a bool or None and nothing else (``"no"`` would tile)."""
+    if tiled is not None and not isinstance(tiled, bool):
+        raise FlowliftError(f"tiled must be True, False or None (by size), got {tiled!r}", field="tiled")
+    return by_size if tiled is None else tiled
 
 
 def _check_latents(latents: torch.Tensor, multiple: int) -> None:
@@ -150,7 +157,7 @@ class TAEF2VAE(_ModuleVAE):
         self.auto_tile_pixels = auto_tile_pixels
 
     def _use_tiles(self, tiled: bool | None, pixels: int) -> bool:
-        return pixels > self.auto_tile_pixels if tiled is None else bool(tiled)
+        return _tiles_asked(tiled, pixels > self.auto_tile_pixels)
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
@@ -161,7 +168,7 @@ class TAEF2VAE(_ModuleVAE):
             z = self.model.encode_tiled(x)
         else:
             z = self.model.encode_full(x)
-        return z.to(_out_dtype(images)).contiguous()
+        return check_finite_result(z, "TAEF2's encode").to(_out_dtype(images)).contiguous()
 
     @torch.no_grad()
     def decode(
@@ -179,7 +186,7 @@ class TAEF2VAE(_ModuleVAE):
             x = self.model.decode_full(z)
             if on_tile is not None:
                 on_tile(1, 1)
-        return x.to(_out_dtype(latents)).contiguous()
+        return check_finite_result(x, "TAEF2's decode").to(_out_dtype(latents)).contiguous()
 
     def __repr__(self) -> str:
         parts = [p for p in ("encoder", "decoder") if getattr(self.model, p) is not None]
@@ -246,7 +253,7 @@ class Flux2VAE(_ModuleVAE):
 
     @contextmanager
     def _tiling(self, tiled: bool | None, side: int):
-        use = side > self.auto_tile_side if tiled is None else bool(tiled)
+        use = _tiles_asked(tiled, side > self.auto_tile_side)
         before = self.model.use_tiling
         self.model.use_tiling = use
         try:
@@ -261,7 +268,7 @@ class Flux2VAE(_ModuleVAE):
         x = self._signed_images(images)
         with self._tiling(tiled, max(images.shape[-2:])):
             z = self.model.encode(x).latent_dist.mode()
-        return z.to(_out_dtype(images))
+        return check_finite_result(z, "the FLUX.2 VAE's encode").to(_out_dtype(images))
 
     @torch.no_grad()
     def decode_raw(
@@ -275,7 +282,7 @@ class Flux2VAE(_ModuleVAE):
         _check_latents(raw_latents, 2)
         z = raw_latents.to(self.device, self.dtype)
         with self._tiling(tiled, max(raw_latents.shape[-2:]) * self.spatial_factor), self._tile_hook(z, on_tile):
-            x = self.model.decode(z).sample
+            x = check_finite_result(self.model.decode(z).sample, "the FLUX.2 VAE's decode")
         return ((x.float() + 1) / 2).to(_out_dtype(raw_latents))
 
     @contextmanager
@@ -390,7 +397,7 @@ class MageVAE(_ModuleVAE):
         return self.model.encoder is not None
 
     def _use_tiles(self, tiled: bool | None, pixels: int) -> bool:
-        return pixels > self.auto_tile_pixels if tiled is None else bool(tiled)
+        return _tiles_asked(tiled, pixels > self.auto_tile_pixels)
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
@@ -409,7 +416,7 @@ class MageVAE(_ModuleVAE):
             z = self.tiled_encoder(self.model.encoder, x)
         else:
             z = self.model.encoder(x)
-        return unpatchify(z).to(_out_dtype(images)).contiguous()
+        return unpatchify(check_finite_result(z, "Mage-VAE's encode")).to(_out_dtype(images)).contiguous()
 
     @torch.no_grad()
     def decode(
@@ -431,11 +438,12 @@ class MageVAE(_ModuleVAE):
         # The decoder writes (x + 1) / 2 in float32 tile by tile: no copy of the frame in another dtype.
         if self.tiled_decoder is not None and self._use_tiles(tiled, pixels):
             progress = {} if on_tile is None else {"on_tile": on_tile}
-            return self.tiled_decoder(self.model.decoder, z, unit_range=True, **progress)
-        x = self.model.decoder(z, unit_range=True)
-        if on_tile is not None:
-            on_tile(1, 1)
-        return x
+            x = self.tiled_decoder(self.model.decoder, z, unit_range=True, **progress)
+        else:
+            x = self.model.decoder(z, unit_range=True)
+            if on_tile is not None:
+                on_tile(1, 1)
+        return check_finite_result(x, "Mage-VAE's decode")
 
     def __repr__(self) -> str:
         parts = [p for p in ("encoder", "decoder") if getattr(self.model, p) is not None]

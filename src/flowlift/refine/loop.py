@@ -221,6 +221,16 @@ def _check_statistics(bn_mean: Any, bn_std: Any) -> None:
                 f"{name} must be a floating tensor of the VAE's {PATCHIFIED_CHANNELS} statistics, got {shown}",
                 field=name,
             )
+    if bn_mean is None:
+        return
+    # a NaN ran the whole sampler before the loop's own check; a std of 0 or below is no VAE's (a negative one
+    # mirrors the latents silently)
+    if not bool(torch.isfinite(bn_mean).all()):
+        raise FlowliftError("bn_mean must be finite (the VAE's BatchNorm means), got NaN or Inf", field="bn_mean")
+    if not bool((bn_std > 0).all() and torch.isfinite(bn_std).all()):
+        raise FlowliftError(
+            "bn_std must be finite and above 0 (the VAE's BatchNorm standard deviations)", field="bn_std"
+        )
 
 
 def _start(

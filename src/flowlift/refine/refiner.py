@@ -168,7 +168,13 @@ class Flux2Refiner(HiresFix):
             neg = self._embeds(
                 "" if negative_prompt is None else negative_prompt, negative_prompt_embeds, "negative prompt"
             )
-        refs = [self.encode(checked_images(img, "reference_images")) for img in reference_images]  # clean, no noise
+        if reference_images is not None and not isinstance(reference_images, (list, tuple)):
+            raise FlowliftError(
+                f"reference_images must be a list of image tensors (or None), got {type(reference_images).__name__}",
+                field="reference_images",
+            )
+        # clean, no noise
+        refs = [self.encode(checked_images(img, "reference_images")) for img in reference_images or ()]
         return Flux2Denoiser(
             self.transformer,
             pos,
@@ -337,7 +343,10 @@ class Flux2Refiner(HiresFix):
         self, images: torch.Tensor, mask: torch.Tensor, *, strength: float = STRENGTH.default, **kwargs: Any
     ) -> RefineOutput:
         """Regenerate where ``mask`` is 1 (soft masks blend); the rest is kept (re-noised with the same noise). The
-        default strength is ``--strength``'s (0.5), as every door's inpaint."""
+        default strength is ``--strength``'s (0.5), as every door's inpaint. A mask of None is refused (it would be
+        img2img over the whole image)."""
+        if mask is None:
+            raise FlowliftError("mask must be an image or tensor in [0, 1] (1 = regenerate), got None", field="mask")
         return self.img2img(images, strength=strength, mask=mask, **kwargs)
 
     def outpaint(

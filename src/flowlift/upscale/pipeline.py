@@ -28,7 +28,7 @@ import torch
 from flowlift.devices import auto_dtype, default_channels_last, resolve_device_option
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import check_latents
-from flowlift.knobs import COLOR_FIX, check_callable, check_count, check_dtype, check_kind, check_seed
+from flowlift.knobs import COLOR_FIX, check_callable, check_count, check_dtype, check_kind, check_positive, check_seed
 from flowlift.limits import parse_memory
 from flowlift.models.sesqui_bands import sesqui_to_size
 from flowlift.models.sesqui_lsr import load_sesqui_lsr, require_bn_statistics
@@ -238,6 +238,8 @@ class FlowUpscalerPipeline:
         (:func:`flowlift.upscale.sizes.capped_passes`: a warning when the cap drops some, one FlowliftError line
         when none fits although some were asked for)."""
         num_passes = check_count("num_passes", num_passes)
+        sides = {"image_height": image_height, "image_width": image_width}  # "32" was a TypeError, 32.5 taken
+        image_height, image_width = (check_positive(name, side, integer=True) for name, side in sides.items())
         return capped_passes(image_height, image_width, num_passes, resize_mode, self.MAX_OUTPUT_SIDE, stacklevel=4)
 
     # -- the three steps ----------------------------------------------------------------------------

@@ -160,9 +160,11 @@ def over_cap_refusal(
     """The one line of a door that refuses, rather than drops, passes over the cap: ``asked`` as the user gave it
     (``scale 3``), the ``passes`` it needs and the canvas they compute on (what the cap is on), and the largest
     power of two the ``fit`` passes that do fit make (a scale above it needs one more pass)."""
-    canvas_h, canvas_w = (side * 2**passes for side in prepared_size(height, width, resize_mode))
+    base_h, base_w = prepared_size(height, width, resize_mode)
+    # 2**20000 has 6,000 digits, past what Python writes as text: a canvas that large is said as a power
+    canvas = f"{base_w * 2**passes}x{base_h * 2**passes}" if passes <= 64 else f"2^{passes} x {base_w}x{base_h}"
     return (
-        f"Flow Upscaler: {asked} on a {width}x{height} image runs {passes} 2x pass(es) on a {canvas_w}x{canvas_h} px "
+        f"Flow Upscaler: {asked} on a {width}x{height} image runs {passes} 2x pass(es) on a {canvas} px "
         f"canvas, over {cap_words(max_side)}; choose a scale of at most {2**fit}"
     )
 
@@ -191,7 +193,8 @@ def capped_passes(
         if passes == 0:
             raise FlowliftError(f"Flow Upscaler: {no_pass_fits(width, height, max_side)}")
         message = dropped_passes_message(width, height, num_passes, passes, resize_mode, max_side)
-        refusal = over_cap_refusal(f"scale {2**num_passes}", width, height, num_passes, passes, resize_mode, max_side)
+        scale = f"scale {2**num_passes}" if num_passes <= 64 else f"scale 2^{num_passes}"  # as over_cap_refusal
+        refusal = over_cap_refusal(scale, width, height, num_passes, passes, resize_mode, max_side)
         warnings.warn(PassesDropped(message, refusal), stacklevel=stacklevel)
     return passes
 
