@@ -64,7 +64,7 @@ def test_the_python_api_refuses_an_empty_vae_or_model(spec, tmp_path, monkeypatc
     cases = {
         "load_vae": (lambda: load_vae(spec), "VAE: an empty name or path names no VAE"),
         "check_vae_spec": (lambda: check_vae_spec(spec), "VAE: an empty name or path names no VAE"),
-        "load_upscaler": (lambda: load_upscaler(spec), "Flow Upscaler weights: an empty name or path names nothing"),
+        "load_upscaler": (lambda: load_upscaler(spec), "source: an empty name names nothing"),
         "load_refiner": (lambda: load_refiner(spec), "an empty name or path names no model"),
         "prepare_dataset_dir": (lambda: prepare_dataset_dir(spec, {"kind": "images"}), "an empty name"),
     }
