@@ -75,7 +75,7 @@ def test_dataset_names_each_skipped_image_and_the_differing_setting(tmp_path):
         Image.new("RGB", (64, 64)).save(path)
         small.append(path)
     with pytest.warns(UserWarning) as caught, pytest.raises(FlowliftError, match="no image is at least"):
-        build_images_dataset(tmp_path / "data", small, vae=None, crop=128)
+        build_images_dataset(tmp_path / "data", small, vae=_ConstantVAE(), crop=128)
     assert [str(w.message) for w in caught] == [f"{p}: smaller than the 128x128 crop, skipped" for p in small]
 
     root = tmp_path / "ds"
@@ -108,3 +108,121 @@ def test_a_crop_refusal_names_the_crop_field_and_its_fix(tmp_path, shared, capsy
         assert main(["dataset", "images", str(tmp_path / "photos"), "--crop-px", crop, *common, "-o", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.strip().splitlines()[-1].endswith(line), err
+
+
+class _ConstantVAE:
+    """A VAE stand-in (8x): zero latents, grey pixels; enough for a builder's shapes, in microseconds."""
+
+    def encode(self, images):
+        import torch
+
+        return torch.zeros(images.shape[0], 32, images.shape[-2] // 8, images.shape[-1] // 8)
+
+    def decode(self, latents):
+        import torch
+
+        return torch.full((latents.shape[0], 3, latents.shape[-2] * 8, latents.shape[-1] * 8), 0.5)
+
+
+def _build(kind, root, photo, **arguments):
+    """One small build of ``kind`` (``images``: one 64x64 photo, 32 px crops; ``distill``: one 4x4 item) into
+    ``root``; ``arguments`` over the defaults (a ``writing`` given as a function is made here)."""
+    from flowlift.training.datasets import ShardWriting, build_distill_dataset, build_images_dataset
+
+    if callable(arguments.get("writing")) and not isinstance(arguments["writing"], ShardWriting):
+        arguments["writing"] = arguments["writing"]()
+    arguments = {"writing": ShardWriting(progress=False), **arguments}
+    if kind == "images":
+        given = {"image_paths": [photo], "vae": _ConstantVAE(), "crop": 32, "crops_per_image": 1, **arguments}
+        return build_images_dataset(root, given.pop("image_paths"), given.pop("vae"), **given)
+    given = {"teacher": lambda noise: noise, "vae": _ConstantVAE(), "num_items": 1, "latent_size": (4, 4), **arguments}
+    return build_distill_dataset(root, given.pop("teacher"), given.pop("vae"), **given)
+
+
+def _writing(**fields):
+    from flowlift.training.datasets import ShardWriting
+
+    return lambda: ShardWriting(**{"progress": False, **fields})
+
+
+@pytest.fixture
+def photo(tmp_path):
+    path = tmp_path / "photo.png"
+    Image.new("RGB", (64, 64), (100, 50, 20)).save(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("kind", "arguments", "field"),
+    [
+        ("images", {"flip": "no"}, "flip"),  # was read as on
+        ("images", {"flip": None}, "flip"),
+        ("images", {"seed": -1}, "seed"),  # was taken
+        ("images", {"seed": 1.5}, "seed"),
+        ("images", {"seed": True}, "seed"),
+        ("images", {"seed": "0"}, "seed"),  # was a TypeError after dataset.json
+        ("images", {"batch_size": True}, "batch_size"),
+        ("images", {"batch_size": 2.5}, "batch_size"),  # was a TypeError after dataset.json
+        ("images", {"crops_per_image": True}, "crops_per_image"),
+        ("images", {"crops_per_image": "2"}, "crops_per_image"),  # was a TypeError
+        ("images", {"vae_name": 5}, "vae_name"),  # was recorded in dataset.json
+        ("images", {"degradation": "area"}, "degradation"),  # was an AttributeError
+        ("images", {"writing": "x"}, "writing"),
+        ("images", {"vae": None}, "vae"),  # was an AttributeError after dataset.json
+        ("images", {"image_paths": []}, "image_paths"),
+        ("distill", {"num_items": True}, "num_items"),
+        ("distill", {"num_items": 1.5}, "num_items"),  # was a TypeError after dataset.json
+        ("distill", {"latent_size": (4.0, 4.0)}, "latent_size"),  # was a TypeError after dataset.json
+        ("distill", {"latent_size": 4}, "latent_size"),
+        ("distill", {"latent_size": (4,)}, "latent_size"),
+        ("distill", {"seed": "0"}, "seed"),
+        ("distill", {"batch_size": True}, "batch_size"),
+        ("distill", {"source": "x"}, "source"),  # was recorded in dataset.json
+        ("distill", {"source": {"size": (4, 4)}}, "source"),  # a tuple comes back a list: no resume would match
+        ("distill", {"teacher": None}, "teacher"),  # was a TypeError after dataset.json
+    ],
+)
+def test_a_builders_wrong_argument_is_one_line_and_nothing_is_written(tmp_path, photo, kind, arguments, field):
+    root = tmp_path / "data"
+    with pytest.raises(FlowliftError) as caught:
+        _build(kind, root, photo, **arguments)
+    message = str(caught.value)
+    assert caught.value.field == field and message.startswith(field) and "\n" not in message, message
+    assert not root.exists()  # no dataset.json, no folder: nothing at all under the output root
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "words"),
+    [
+        ({"shard_size": 2.5}, "shard_size", "an integer >= 1"),  # was a TypeError after dataset.json
+        ({"shard_size": True}, "shard_size", "an integer >= 1"),  # was taken as 1
+        ({"storage_dtype": "fp16"}, "storage_dtype", "torch.float16"),  # was a TypeError at the first shard
+        ({"storage_dtype": "float16"}, "storage_dtype", "torch.float16"),  # a name is not a dtype
+        ({"device": "bogus"}, "device", "not a torch device"),  # was a RuntimeError after dataset.json
+        ({"progress": "no"}, "progress", "True, False or None"),  # was read as on
+        ({"part": (1, 1)}, "part", "0 <= I < N"),  # was refused only after dataset.json
+        ({"part": "0/2"}, "part", "two integers"),
+    ],
+)
+def test_shard_writing_checks_its_fields_when_made(tmp_path, photo, fields, field, words):
+    with pytest.raises(FlowliftError) as caught:
+        _build("images", tmp_path / "data", photo, writing=_writing(**fields))
+    assert caught.value.field == field and str(caught.value).startswith(field) and words in str(caught.value)
+    assert not (tmp_path / "data").exists()
+
+
+def test_the_builders_take_right_arguments_as_given(tmp_path, photo):
+    """One ``str`` is one photo (it was read as its characters), a list is a latent size, a JSON ``source`` and
+    the ``vae_name`` are recorded; ``ShardWriting`` keeps its device resolved and its part a tuple."""
+    import json
+
+    import torch
+
+    writing = _writing(part=[0, 1], device="cpu")()
+    assert writing.part == (0, 1) and writing.device == torch.device("cpu")
+    manifest = _build("images", tmp_path / "images", photo, image_paths=str(photo), vae_name="taef2", flip=False)
+    assert manifest["source"]["images"] == [str(photo)] and manifest["source"]["vae"] == "taef2"
+    source = {"teacher": "tiny", "steps": [4], "guidance": None}
+    manifest = _build("distill", tmp_path / "distill", photo, latent_size=[4, 8], source=source)
+    assert manifest["target_shape"] == [32, 4, 8] and manifest["source"] == source
+    assert json.loads((tmp_path / "distill" / "dataset.json").read_text())["source"] == source

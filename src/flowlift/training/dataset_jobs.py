@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from flowlift.errors import FIELD_MARK, FlowliftError
-from flowlift.knobs import Knob, exact_int
+from flowlift.knobs import Knob
+from flowlift.training.builder_checks import check_photo_crops
 from flowlift.training.datasets import (
     PipelineTeacher,
     ShardWriting,
@@ -26,15 +27,12 @@ from flowlift.training.datasets import (
     TransformerTeacher,
     build_distill_dataset,
     build_images_dataset,
-    check_crop,
-    check_part,
 )
 from flowlift.training.degrade import Degradation
+from flowlift.training.shards import STORAGE_DTYPES
 
 __all__ = ["STORAGE_DTYPES", "DatasetRequest", "PhotoCrops", "TeacherSource", "load_teacher", "run_dataset"]
 
-#: The shards' tensor dtypes, by name.
-STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 #: A teacher's weights' dtypes, by name (None: bfloat16 on CUDA, float32 on the CPU).
 TEACHER_DTYPES = STORAGE_DTYPES
 #: The shards' dtype and the teacher's, by name: a choice compared, never hashed (a list is no name).
@@ -98,12 +96,11 @@ class PhotoCrops:
 
     def __post_init__(self) -> None:
         """Every field checked when the source is made (one string of ``inputs`` is one input, not its characters)."""
-        from flowlift.knobs import check_kind, check_paths, check_positive
+        from flowlift.knobs import check_paths
 
         object.__setattr__(self, "inputs", tuple(map(str, check_paths("inputs", self.inputs))))
-        check_crop(self.crop_px, "crop_px")  # when the request is made, before any VAE loads
-        check_positive("crops_per_image", self.crops_per_image, integer=True)
-        check_kind("flip", self.flip, bool, "True or False")
+        # the builder's rules for the same quantities, when the request is made (before any VAE loads)
+        check_photo_crops(self.crop_px, self.crops_per_image, self.flip, crop_field="crop_px")
 
 
 @dataclass(frozen=True)
@@ -132,7 +129,6 @@ class DatasetRequest:
     def __post_init__(self) -> None:
         """Every field checked when the request is made, one line naming it as Python spells it (the command line
         says its option): before any folder is touched or any model loads."""
-        from flowlift.devices import resolve_device_option
         from flowlift.knobs import OVERWRITE, SEED, check_kind, check_path, check_positive
 
         if (self.teacher is None) == (self.crops is None):
@@ -143,15 +139,18 @@ class DatasetRequest:
         check_path("vae", self.vae)
         OVERWRITE.check(self.overwrite)
         SEED.check(self.seed)
-        for name in ("shard_size", "batch_size"):
-            check_positive(name, getattr(self, name), integer=True)
+        check_positive("batch_size", self.batch_size, integer=True)
         STORAGE_DTYPE.check(self.storage_dtype)
-        object.__setattr__(self, "device", resolve_device_option(self.device))
         Degradation(filter=self.filter, jpeg_quality=self.jpeg_quality, noise_std=self.noise_std)
-        if not isinstance(self.part, (tuple, list)) or len(self.part) != 2 or None in map(exact_int, self.part):
-            raise FlowliftError(f"part must be (index, count), two integers, got {self.part!r}", field="part")
-        object.__setattr__(self, "part", check_part(tuple(self.part)))
-        check_kind("progress", self.progress, bool, "True, False", optional=True)
+        writing = self.writing  # ShardWriting's rules: shard_size, device (resolved), progress, part
+        object.__setattr__(self, "device", writing.device)
+        object.__setattr__(self, "part", writing.part)
+
+    @property
+    def writing(self) -> ShardWriting:
+        """How the shards are written: :class:`~flowlift.training.datasets.ShardWriting` of the request's fields."""
+        storage = STORAGE_DTYPES[self.storage_dtype]
+        return ShardWriting(self.shard_size, storage, self.device, self.progress, self.part)
 
 
 def run_dataset(request: DatasetRequest) -> dict[str, Any]:
@@ -161,10 +160,8 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
     Returns the manifest."""
     from flowlift.models.vae_loading import load_vae
 
-    device, part = request.device, request.part
-    check_part(part)
+    device = request.device
     degradation = Degradation(filter=request.filter, jpeg_quality=request.jpeg_quality, noise_std=request.noise_std)
-    storage = STORAGE_DTYPES[request.storage_dtype]
     out = Path(request.output)
     if out.exists() and not out.is_dir():
         raise FlowliftError(f"{FIELD_MARK} {out} exists and is not a folder", field="output")
@@ -186,7 +183,6 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
         teacher, described = load_teacher(source, device)
         vae = load_vae(request.vae, device=device, dtype=torch.float32)
         described["vae"] = request.vae
-        writing = ShardWriting(request.shard_size, storage, device, request.progress, part)
         manifest = build_distill_dataset(
             out,
             teacher,
@@ -197,7 +193,7 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
             batch_size=request.batch_size,
             degradation=degradation,
             source=described,
-            writing=writing,
+            writing=request.writing,
             overwrite=request.overwrite,
         )
     else:
@@ -219,7 +215,7 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
             flip=crops.flip,
             degradation=degradation,
             vae_name=request.vae,
-            writing=ShardWriting(request.shard_size, storage, device, request.progress, part),
+            writing=request.writing,
             overwrite=request.overwrite,
         )
     return manifest

@@ -15,7 +15,6 @@ a resumed build writes the same bytes as an uninterrupted one.
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -27,7 +26,15 @@ import torch
 
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, VAE_SCALE_FACTOR, image_seq_len, normalize, patchify
-from flowlift.knobs import exact_int
+from flowlift.knobs import check_callable, check_kind, check_positive
+from flowlift.training.builder_checks import (
+    check_build,
+    check_image_paths,
+    check_latent_size,
+    check_photo_crops,
+    check_source,
+    check_writing,
+)
 from flowlift.training.degrade import Degradation, LatentCodec, conditioning_latents
 from flowlift.training.shards import (
     completed_shards,
@@ -46,17 +53,9 @@ def item_seed(seed: int, index: int) -> int:
     return int(item_generator(seed, index).initial_seed())
 
 
-def check_part(part: tuple[int, int]) -> tuple[int, int]:
-    """Validate a ``(index, count)`` work split: this process builds shards ``k`` with ``k % count == index``."""
-    index, count = part
-    if count < 1 or not 0 <= index < count:
-        raise FlowliftError(f"part must be I/N with 0 <= I < N, got {index}/{count}", field="part")
-    return index, count
-
-
 def _shard_plan(root: Path, num_items: int, shard_size: int, part: tuple[int, int]) -> tuple[list[int], int, int]:
     """(pending shards of this part, items of this part, items of this part already done)."""
-    index_of_part, parts = check_part(part)
+    index_of_part, parts = part
     mine = [k for k in range((num_items + shard_size - 1) // shard_size) if k % parts == index_of_part]
     pending = [k for k in _pending_shards(root, num_items, shard_size) if k in set(mine)]
 
@@ -192,7 +191,8 @@ class PipelineTeacher:
 class ShardWriting:
     """How a dataset's shards are written, whichever kind: ``shard_size`` items per shard, ``storage_dtype`` of the
     latents on disk, the ``device`` the VAE and teacher run on, ``progress`` bars, and ``part = (i, n)``: only
-    shards ``k % n == i`` (n processes or machines on one folder)."""
+    shards ``k % n == i`` (n processes or machines on one folder). Every field is checked when it is made
+    (:func:`~flowlift.training.builder_checks.check_writing`); ``device`` is kept resolved, ``part`` as a tuple."""
 
     shard_size: int = 256
     storage_dtype: Any = torch.float16
@@ -200,10 +200,15 @@ class ShardWriting:
     progress: bool | None = True  # flowlift.console.progress_bar's enabled
     part: tuple[int, int] = (0, 1)
 
+    def __post_init__(self) -> None:
+        checked = check_writing(self.shard_size, self.storage_dtype, self.device, self.progress, self.part)
+        for name, value in zip(("shard_size", "device", "part"), checked, strict=True):
+            object.__setattr__(self, name, value)
+
 
 def _writing(writing: ShardWriting | None) -> tuple:
-    """``writing``'s fields (:class:`ShardWriting`'s defaults when None)."""
-    chosen = writing if writing is not None else ShardWriting()
+    """``writing``'s fields (:class:`ShardWriting`'s defaults when None; anything else is one line)."""
+    chosen = check_kind("writing", writing, ShardWriting, "a ShardWriting", optional=True) or ShardWriting()
     return chosen.shard_size, chosen.storage_dtype, chosen.device, chosen.progress, chosen.part
 
 
@@ -253,7 +258,9 @@ def build_distill_dataset(
     """Build (or resume) a distillation dataset of ``num_items`` items at ``latent_size`` (target).
 
     Item ``i``: ``noise = seeded_noise((32, H, W), item_seed(seed, i))``, ``target = teacher(noise)``,
-    ``cond = encode(degrade(decode(target)))``. ``source`` describes the teacher in the manifest.
+    ``cond = encode(degrade(decode(target)))``. ``source`` describes the teacher in the manifest (a dict of JSON
+    values; None: the teacher's type name). Every argument is checked before anything is written
+    (:mod:`flowlift.training.builder_checks`): a wrong one is one line naming it.
     ``part = (i, n)`` builds only shards ``k % n == i`` (run n processes/machines on one folder).
     ``writing`` (:class:`ShardWriting`: shard size, storage dtype, device, progress, part); ``overwrite`` lets
     files at its names that flowlift did not write be replaced. Returns the manifest.
@@ -261,14 +268,11 @@ def build_distill_dataset(
     from flowlift.flux2.latents import seeded_noise
 
     shard_size, storage_dtype, device, progress, part = _writing(writing)
-    degradation = degradation or Degradation()
-    height, width = latent_size
-    if height % 4 or width % 4 or height <= 0 or width <= 0:
-        raise FlowliftError(f"latent size must be positive multiples of 4, got {height}x{width}")
-    if num_items < 1 or shard_size < 1 or batch_size < 1:
-        raise FlowliftError("number of items, shard size and batch size must be >= 1")
-    root = Path(root)
-    source = source or {"teacher": type(teacher).__name__}
+    root, seed, batch_size, degradation = check_build(root, vae, seed, batch_size, degradation, overwrite)
+    check_callable("teacher", teacher, optional=False)
+    num_items = check_positive("num_items", num_items, integer=True)
+    height, width = latent_size = check_latent_size(latent_size)
+    source = {"teacher": type(teacher).__name__} if source is None else check_source(source)
     manifest = _manifest("distill", latent_size, num_items, True, degradation, seed, shard_size, storage_dtype, source)
     prepare_dataset_dir(root, manifest, overwrite)
     pending, part_items, done_items = _shard_plan(root, num_items, shard_size, part)
@@ -338,20 +342,6 @@ def plan_image_crops(
     return items, skipped
 
 
-def check_crop(crop: int, field: str = "crop") -> int:
-    """``crop``, an images dataset's crop side in pixels: a positive multiple of 32 (``8 * 4``: the target latent
-    side a multiple of 4), else one line naming ``field`` (``PhotoCrops``' is ``crop_px``) and the nearest sides."""
-    align = VAE_SCALE_FACTOR * 4
-    number = exact_int(crop)
-    if number is None or number <= 0 or number % align:
-        # the nearest sides of a finite number; NaN and inf have none (int() of them raises)
-        real = isinstance(crop, (int, float)) and not isinstance(crop, bool) and math.isfinite(crop)
-        near = max(align, int(crop) // align * align) if real else 512
-        fix = f"e.g. {near} or {near + align}" if near != crop else f"e.g. {near}"
-        raise FlowliftError(f"{field} must be a positive multiple of {align} px, got {crop!r}; {fix}", field=field)
-    return number
-
-
 def build_images_dataset(
     root: str | os.PathLike,
     image_paths: Sequence[str | os.PathLike],
@@ -373,17 +363,13 @@ def build_images_dataset(
     ``part = (i, n)`` builds only shards ``k % n == i``; ``writing`` and ``overwrite`` as
     :func:`build_distill_dataset` takes them. Returns the manifest.
     """
-    shard_size, storage_dtype, device, progress, part = _writing(writing)
     from flowlift.files.images import load_image, to_tensor
     from flowlift.models.weights import check_finite_result
 
-    degradation = degradation or Degradation()
-    check_crop(crop)
-    if crops_per_image < 1 or shard_size < 1 or batch_size < 1:
-        raise FlowliftError("crops per image, shard size and batch size must be >= 1")
-    paths = [Path(p) for p in image_paths]
-    if not paths:
-        raise FlowliftError("no input images")
+    shard_size, storage_dtype, device, progress, part = _writing(writing)
+    root, seed, batch_size, degradation = check_build(root, vae, seed, batch_size, degradation, overwrite)
+    crop, crops_per_image, flip = check_photo_crops(crop, crops_per_image, flip)
+    paths = check_image_paths(image_paths, vae_name)
     items, skipped = plan_image_crops(paths, crop, crops_per_image, seed, flip)
     for name in skipped:  # one line per image, naming it (the CLI shows each as a flowlift warning line)
         warnings.warn(f"{name}: smaller than the {crop}x{crop} crop, skipped", UserWarning, stacklevel=2)
@@ -394,7 +380,6 @@ def build_images_dataset(
             field=("crop", "crop"),
         )
     side = crop // VAE_SCALE_FACTOR
-    root = Path(root)
     source = {
         "images": [str(p) for p in paths],
         "crop": crop,
