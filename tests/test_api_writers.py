@@ -121,3 +121,55 @@ def test_load_image_refuses_what_is_no_path_by_name(path, words):
 
     with pytest.raises(FlowliftError, match=words):  # 5: a TypeError; "": the working folder, ".: no such file"
         load_image(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "image", "metadata", "words"),
+    [
+        ("a.png", None, {"a\0b": "x"}, r"^metadata key 'a\\x00b': a PNG keyword is printable Latin-1"),  # key "a"
+        ("a.png", None, {"": "x"}, "^metadata key '': a PNG keyword is 1 to 79 characters, got 0"),  # was lost
+        ("a.png", None, {"k" * 100: "x"}, "^metadata key 'k+': a PNG keyword is 1 to 79 characters, got 100"),
+        (
+            "a.png",
+            None,
+            {"ключ": "x"},
+            "^metadata key 'ключ': a PNG keyword is printable Latin-1",
+        ),  # UnicodeEncodeError
+        ("a.png", None, {" lead": "x"}, "^metadata key ' lead': a PNG keyword has no leading, trailing or consec"),
+        ("a.png", None, {"a": "b\0c"}, r"^metadata\['a'\]: a PNG text value is Unicode text without NUL"),
+        ("a.png", None, {"a": "\ud800"}, r"^metadata\['a'\]: a PNG text value is Unicode text"),  # UnicodeEncodeError
+        ("a.png", None, {1: "x", "1": "y"}, "^metadata: keys 1 and '1' are one entry"),  # one was lost
+        ("a.png", None, {"a": {(1, 2): 3}}, "^metadata: a value cannot be written as JSON"),  # TypeError
+        ("a.jpg", None, {"a": "x" * 70000}, "^metadata is too long for a JPEG: .* at most 65533"),  # ValueError
+        ("a.jpg", None, {"Software": "flöwlift"}, r"^metadata\['Software'\] must be ASCII text"),  # written fl?wlift
+        ("a.tif", None, {"Software": "flöwlift"}, r"^metadata\['Software'\] must be ASCII text"),
+        ("a.jpg", Image.new("F", (8, 8)), None, "^image has mode F, which a .jpg cannot hold"),  # no field
+        ("a.png", Image.new("F", (8, 8)), None, "^image has mode F, which a .png cannot hold"),
+        ("a.webp", Image.new("RGB", (16384, 1)), None, "^image is 16384x1 pixels; a .webp holds at most 16383"),
+        ("a.png", "not an image", None, "^image must be a Pillow image of at least 1x1 pixels, got a str"),
+        ("a.gif", None, None, "^path .*a.gif: unsupported output format .gif"),
+    ],
+)
+def test_what_an_output_cannot_hold_is_refused_by_name_before_any_folder(
+    tmp_path, picture, name, image, metadata, words
+):
+    """Each was written altered (key ``a\\0b`` as ``a``, ``""`` dropped, a 100-byte keyword, ``Software`` as
+    ``fl?wlift``), escaped as another exception, or failed only after the output's folders were made."""
+    field = "path" if name.endswith(".gif") else "image" if image is not None else "metadata"
+    with pytest.raises(FlowliftError, match=words) as caught:
+        save_image_atomic(picture if image is None else image, tmp_path / "new" / "deeper" / name, metadata)
+    assert caught.value.fields == (field,)
+    assert "\n" not in str(caught.value)
+    assert list(tmp_path.iterdir()) == []  # no folder made, nothing written
+
+
+@pytest.mark.parametrize("name", ["out.png", "out.jpg", "out.webp", "out.tif"])
+def test_a_non_ascii_value_and_a_latin1_key_round_trip(tmp_path, picture, name):
+    from flowlift.files.image_outputs import read_metadata
+
+    metadata = {"prompt": "ключ ✓ 日本 café", "café": {"seed": 1}, "Software": "flowlift 0 test"}
+    path = save_image_atomic(picture, tmp_path / "made" / name, metadata)
+    assert read_metadata(path) == metadata
+    if name.endswith(".png"):
+        with Image.open(path) as opened:
+            assert opened.text["prompt"] == "ключ ✓ 日本 café" and opened.text["café"] == '{"seed": 1}'

@@ -207,3 +207,21 @@ def test_a_box_that_is_no_box_is_refused_by_name(box):
         with pytest.raises(FlowliftError, match="^box must be x,y,w,h") as caught:
             metric(img, box=box)
         assert caught.value.fields == ("box",)
+
+
+@pytest.mark.parametrize("size", [(16.7, 16), ("16", 16), (True, 16), (0, 0), (-16, 16), (16,), 16, (16, 16, 3), None])
+def test_a_size_that_is_no_width_and_height_is_refused_by_name(size):
+    """``(16.7, 16)`` was cut to 16 px, ``("16", 16)`` and ``(16, 16, 3)`` taken; ``(0, 0)``, ``(-16, 16)``,
+    ``(16,)`` and ``16`` escaped as ZeroDivisionError, cv2.error, IndexError and TypeError."""
+    img = np.random.default_rng(0).random((32, 32, 3))
+    with pytest.raises(FlowliftError, match=r"^size must be \(width, height\): two integers in \[1, 16384\]") as hit:
+        M.area_resize(img, size)
+    assert hit.value.fields == ("size",)
+
+
+def test_area_resize_takes_width_then_height_and_numpy_integers():
+    img = np.random.default_rng(0).random((32, 48, 3))
+    assert M.area_resize(img, (np.int64(24), 16)).shape == (16, 24, 3)
+    assert M.area_resize(img, [12, 8]).shape == (8, 12, 3)
+    with pytest.raises(FlowliftError, match="^size must be"):
+        M.area_resize(img, (10**9, 10**9))  # was cv2.error: insufficient memory

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, PngImagePlugin
+from PIL import Image
 
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.atomic import atomic_output
 from flowlift.files.json_input import parse_json
+from flowlift.files.output_checks import check_encodable, check_output_metadata, metadata_json, metadata_text, png_info
 from flowlift.knobs import check_kind, check_overwrite, check_path, check_quality
 
 #: Formats outputs are written in (by the output name's suffix).
@@ -88,23 +89,6 @@ def read_source_profile(path: str | os.PathLike | None) -> SourceProfile:
         for tag in _STALE_EXIF_IFD_TAGS:
             sub.pop(tag, None)
     return SourceProfile(icc_profile=icc, exif=exif if len(exif) or exif.get_ifd(_EXIF_IFD) else None)
-
-
-def metadata_text(value: object) -> str:
-    """One metadata value as text: strings as they are, anything else as JSON."""
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
-
-
-def metadata_json(metadata: Mapping[str, object]) -> str:
-    """All of ``metadata`` as one JSON object (EXIF UserComment, TIFF ImageDescription)."""
-    return json.dumps({str(k): v for k, v in metadata.items()}, sort_keys=True, default=str)
-
-
-def _png_info(metadata: Mapping[str, object]) -> PngImagePlugin.PngInfo:
-    info = PngImagePlugin.PngInfo()
-    for key, value in metadata.items():
-        info.add_text(str(key), metadata_text(value))
-    return info
 
 
 def _exif_with_metadata(exif: Image.Exif | None, metadata: Mapping[str, object] | None) -> Image.Exif | None:
@@ -294,12 +278,15 @@ def is_users_file(path: Path) -> bool:
     return not found.empty and not found.by_flowlift
 
 
-def check_output_format(path: str | os.PathLike) -> str:
-    """The format name of an output path's suffix (``png``, ``jpg``, ...) or one FlowliftError line."""
+def check_output_format(path: str | os.PathLike, field: str | None = None) -> str:
+    """The format name of an output path's suffix (``png``, ``jpg``, ...) or one FlowliftError line (naming
+    ``field`` first when given)."""
     suffix = Path(path).suffix.lower()
     if suffix not in OUTPUT_SUFFIXES:
         raise FlowliftError(
-            f"{path}: unsupported output format {suffix or '(none)'} (writes {', '.join(OUTPUT_SUFFIXES)})"
+            f"{field + ' ' if field else ''}{path}: unsupported output format {suffix or '(none)'} "
+            f"(writes {', '.join(OUTPUT_SUFFIXES)})",
+            field=field,
         )
     return OUTPUT_FORMAT_OF_SUFFIX[suffix]
 
@@ -337,24 +324,43 @@ def save_image_atomic(
     ``quality`` (an int in 1-100, default :data:`DEFAULT_QUALITY`): JPEG and WebP (lossless at 100). A file at
     ``path`` is replaced only when it is empty, flowlift wrote it, or ``overwrite`` is ``True`` (a bool)."""
     path = Path(check_path("path", path))
-    check_output_format(path)
+    check_output_format(path, "path")
     if not isinstance(image, Image.Image) or 0 in image.size:
         got = f"{image.width}x{image.height}" if isinstance(image, Image.Image) else f"a {type(image).__name__}"
-        raise FlowliftError(f"save_image_atomic needs a Pillow image of at least 1x1 pixels, got {got}")
+        raise FlowliftError(f"image must be a Pillow image of at least 1x1 pixels, got {got}", field="image")
+    suffix = path.suffix.lower()
     check_kind("metadata", metadata, Mapping, "a mapping (name -> text or JSON-able value)", optional=True)
+    check_output_metadata(metadata, suffix)
     check_quality(quality)
     if not check_overwrite(overwrite) and is_users_file(path):  # a link, folder or FIFO: atomic_output's line
         raise FlowliftError(f"{path} exists and was not written by flowlift; pass overwrite=True to replace it")
     profile = source if isinstance(source, SourceProfile) else read_source_profile(source)
+    kwargs = _save_options(image, suffix, metadata, profile, quality)  # every check done: now convert and write
+    if image.mode in ("RGBA", "LA", "PA") and suffix not in ALPHA_SUFFIXES:
+        warn_alpha_dropped(path)
+        image = image.convert("RGB")
     path.parent.mkdir(parents=True, exist_ok=True)
-    suffix = path.suffix.lower()
+    if suffix == ".png" and (data := _opencv_png(image, kwargs, metadata)) is not None:
+        with atomic_output(path) as temporary:
+            temporary.write_bytes(data)
+        return path
+    with atomic_output(path) as temporary:
+        image.save(temporary, format=Image.registered_extensions()[suffix], **kwargs)
+    return path
+
+
+def _save_options(
+    image: Image.Image, suffix: str, metadata: Mapping[str, object] | None, profile: SourceProfile, quality: int | None
+) -> dict:
+    """Pillow's save options for a ``suffix`` file, or one line naming ``image``, ``metadata`` or ``source`` where
+    the format cannot hold them (:func:`flowlift.files.output_checks.check_encodable`; nothing written yet)."""
     kwargs: dict = {}
     exif = profile.exif
     if suffix == ".png":
         kwargs["compress_level"] = PNG_COMPRESS_LEVEL
         kwargs["compress_type"] = PNG_ZLIB_STRATEGY
         if metadata:
-            kwargs["pnginfo"] = _png_info(metadata)
+            kwargs["pnginfo"] = png_info(metadata)
     elif suffix in (".jpg", ".jpeg", ".webp"):
         exif = _exif_with_metadata(exif, metadata)
         kwargs["quality"] = int(quality if quality is not None else DEFAULT_QUALITY)
@@ -364,21 +370,14 @@ def save_image_atomic(
         kwargs["description"] = metadata_json(metadata)
         if isinstance(metadata.get("Software"), str):
             kwargs["software"] = metadata["Software"]
-    if image.mode in ("RGBA", "LA", "PA") and suffix not in ALPHA_SUFFIXES:
-        warn_alpha_dropped(path)
-        image = image.convert("RGB")
     if suffix in (".png", ".jpg", ".jpeg", ".webp", ".tif", ".tiff"):
         if profile.icc_profile:
             kwargs["icc_profile"] = profile.icc_profile
         if exif is not None:
             kwargs["exif"] = exif.tobytes()
-    if suffix == ".png" and (data := _opencv_png(image, kwargs, metadata)) is not None:
-        with atomic_output(path) as temporary:
-            temporary.write_bytes(data)
-        return path
-    with atomic_output(path) as temporary:
-        image.save(temporary, format=Image.registered_extensions()[suffix], **kwargs)
-    return path
+    dropped = image.mode in ("RGBA", "LA", "PA") and suffix not in ALPHA_SUFFIXES  # written as RGB
+    check_encodable("RGB" if dropped else image.mode, image.size, suffix, kwargs.get("exif"), metadata)
+    return kwargs
 
 
 def _opencv_png(image: Image.Image, kwargs: dict, metadata: Mapping[str, object] | None) -> bytes | None:

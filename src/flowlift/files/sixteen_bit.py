@@ -27,8 +27,9 @@ from PIL import Image
 
 from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_output
-from flowlift.files.image_outputs import SourceProfile, metadata_json, metadata_text, read_source_profile
+from flowlift.files.image_outputs import SourceProfile, read_source_profile
 from flowlift.files.images import ALPHA_RESAMPLING, DECODE_ERRORS
+from flowlift.files.output_checks import check_output_metadata, metadata_json, metadata_text
 from flowlift.files.png_encoder import encode_png
 
 #: Output suffixes written with 16 bits per sample when the source had them.
@@ -164,6 +165,7 @@ def save_image16_atomic(
         raise FlowliftError(f"expected uint16 (H, W, 3) RGB, got {rgb.dtype} {rgb.shape}")
     profile = source if isinstance(source, SourceProfile) else read_source_profile(source)
     array = rgb if alpha is None else np.concatenate([rgb, alpha[..., None].astype(np.uint16)], axis=-1)
+    check_output_metadata(metadata, suffix)
     metadata = dict(metadata or {})
     path.parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".png":
