@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 #: The tiny Flow Upscaler most tests run: a few MB, a few ms a step on a CPU.
 TINY_UNET = {"base_channels": 32, "time_dim": 32, "cond_dim": 64}
@@ -210,3 +211,21 @@ def forbid_call(monkeypatch, target: str, message: str) -> None:
         raise AssertionError(message)
 
     monkeypatch.setattr(target, forbidden)
+
+
+class Allocations(TorchDispatchMode):
+    """Records the bytes of every tensor an op allocates (outputs whose storage is not an input's: a view of an
+    input is no allocation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves
+        inputs = {t.untyped_storage().data_ptr() for t in leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.sizes.append(t.untyped_storage().nbytes())
+        return out

@@ -177,27 +177,9 @@ def test_a_tiling_checks_its_sides_when_it_is_made(keywords, field):
     assert MageTiling(tile=64, pixel_tile=8, whole_tiles=0) == MageTiling(64, 8, 0)
 
 
-class Allocations(TorchDispatchMode):
-    """Records the bytes of every tensor an op allocates (outputs whose storage is not an input's)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sizes: list[int] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in torch.utils._pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)
-        }
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                self.sizes.append(t.untyped_storage().nbytes())
-        return out
-
-
 def _allocations(fn) -> list[int]:
+    from builders import Allocations
+
     with torch.no_grad(), Allocations() as record:
         fn()
     return record.sizes
