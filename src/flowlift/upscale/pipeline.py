@@ -29,7 +29,7 @@ from flowlift.devices import auto_dtype, default_channels_last, resolve_device_o
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import check_latents
 from flowlift.knobs import COLOR_FIX, check_callable, check_count, check_dtype, check_kind, check_positive, check_seed
-from flowlift.limits import parse_memory
+from flowlift.limits import MAX_OUTPUT_SIDE, parse_memory
 from flowlift.models.sesqui_bands import sesqui_to_size
 from flowlift.models.sesqui_lsr import load_sesqui_lsr, require_bn_statistics
 from flowlift.models.upscaler_unet import ONE_STEP_TIMESTEP
@@ -62,7 +62,6 @@ from flowlift.upscale.settings import (
     check_compile,
 )
 from flowlift.upscale.sizes import (
-    MAX_OUTPUT_SIDE,
     capped_passes,
     image_seeds,
     pad_to_multiple,
@@ -234,9 +233,8 @@ class FlowUpscalerPipeline:
         )
 
     def plan_passes(self, image_height: int, image_width: int, num_passes: int, resize_mode: str = "pad") -> int:
-        """Passes that run for an input of this (real, unpadded) size under ``MAX_OUTPUT_SIDE``
-        (:func:`flowlift.upscale.sizes.capped_passes`: a warning when the cap drops some, one FlowliftError line
-        when none fits although some were asked for)."""
+        """Passes that run for an input of this unpadded size under ``MAX_OUTPUT_SIDE`` (:func:`capped_passes`: a
+        warning when the cap drops some, one FlowliftError line when none fits although some were asked for)."""
         num_passes = check_count("num_passes", num_passes)
         sides = {"image_height": image_height, "image_width": image_width}  # "32" was a TypeError, 32.5 taken
         image_height, image_width = (check_positive(name, side, integer=True) for name, side in sides.items())
