@@ -156,16 +156,6 @@ def test_a_vaes_tiled_is_true_false_or_none(vae, tiled):
         _refused(lambda adapter=adapter: adapter.decode(latents, tiled=tiled), "tiled")
 
 
-def test_a_vae_never_returns_a_non_finite_image():
-    """Finite latents that overflow inside the FLUX.2 VAE gave an image of NaN, returned as is."""
-    from flowlift.models.vae_loading import load_vae
-    from tiny_flux2 import tiny_vae
-
-    flux2 = load_vae(tiny_vae(), device="cpu", dtype=torch.float32)
-    with pytest.raises(FlowliftError, match="the FLUX.2 VAE's decode gave (NaN|Inf)"):
-        flux2.decode(torch.full((1, 32, 4, 4), 1e30))
-
-
 @pytest.mark.parametrize(
     ("bn_std", "field"),
     [(-torch.ones(128), "bn_std"), (torch.full((128,), float("nan")), "bn_std"), (torch.zeros(128), "bn_std")],

@@ -127,10 +127,13 @@ def test_fractional_scale_inputs_are_lanczos_downsampled_multiples_of_16():
     assert np.array_equal(low, expected)
     gt4, low4 = IN.prepare_pair(photo, 4)  # whole scales keep the exact box mean
     assert low4.shape == (32, 48, 3) and np.array_equal(low4, IN.box_downscale_uint8(gt4, 4))
-    assert IN.check_scale("2.0") == 2 and isinstance(IN.check_scale("2.0"), int) and IN.check_scale(1.25) == 1.25
+    text = IN.check_scale("2.0", loose=True)  # the command line's text
+    assert text == 2 and isinstance(text, int) and IN.check_scale(1.25) == 1.25
     for bad in ("1", "0.5", "17", "nan", "1.333", "x"):
         with pytest.raises(FlowliftError):
-            IN.check_scale(bad)
+            IN.check_scale(bad, loose=True)
+    with pytest.raises(FlowliftError, match="scale must be a number"):
+        IN.check_scale("2.0")  # the Python API's scale is a number
 
 
 def test_unreachable_methods_are_skipped_with_their_reason():

@@ -26,7 +26,7 @@ import torch
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import DEFAULT_BATCH_NORM_EPS, LATENT_CHANNELS, bn_std, denormalize, normalize
 from flowlift.models.taef2_tiling import TileCallback
-from flowlift.models.weights import check_finite_result, load_strict
+from flowlift.models.weights import load_strict
 
 #: TAEF2 tiles automatically when the image has more pixels than this (one 1024x1024 frame).
 TAEF2_AUTO_TILE_PIXELS = 1024 * 1024
@@ -168,7 +168,7 @@ class TAEF2VAE(_ModuleVAE):
             z = self.model.encode_tiled(x)
         else:
             z = self.model.encode_full(x)
-        return check_finite_result(z, "TAEF2's encode").to(_out_dtype(images)).contiguous()
+        return z.to(_out_dtype(images)).contiguous()
 
     @torch.no_grad()
     def decode(
@@ -186,7 +186,7 @@ class TAEF2VAE(_ModuleVAE):
             x = self.model.decode_full(z)
             if on_tile is not None:
                 on_tile(1, 1)
-        return check_finite_result(x, "TAEF2's decode").to(_out_dtype(latents)).contiguous()
+        return x.to(_out_dtype(latents)).contiguous()
 
     def __repr__(self) -> str:
         parts = [p for p in ("encoder", "decoder") if getattr(self.model, p) is not None]
@@ -268,7 +268,7 @@ class Flux2VAE(_ModuleVAE):
         x = self._signed_images(images)
         with self._tiling(tiled, max(images.shape[-2:])):
             z = self.model.encode(x).latent_dist.mode()
-        return check_finite_result(z, "the FLUX.2 VAE's encode").to(_out_dtype(images))
+        return z.to(_out_dtype(images))
 
     @torch.no_grad()
     def decode_raw(
@@ -282,7 +282,7 @@ class Flux2VAE(_ModuleVAE):
         _check_latents(raw_latents, 2)
         z = raw_latents.to(self.device, self.dtype)
         with self._tiling(tiled, max(raw_latents.shape[-2:]) * self.spatial_factor), self._tile_hook(z, on_tile):
-            x = check_finite_result(self.model.decode(z).sample, "the FLUX.2 VAE's decode")
+            x = self.model.decode(z).sample
         return ((x.float() + 1) / 2).to(_out_dtype(raw_latents))
 
     @contextmanager
@@ -416,7 +416,7 @@ class MageVAE(_ModuleVAE):
             z = self.tiled_encoder(self.model.encoder, x)
         else:
             z = self.model.encoder(x)
-        return unpatchify(check_finite_result(z, "Mage-VAE's encode")).to(_out_dtype(images)).contiguous()
+        return unpatchify(z).to(_out_dtype(images)).contiguous()
 
     @torch.no_grad()
     def decode(
@@ -438,12 +438,11 @@ class MageVAE(_ModuleVAE):
         # The decoder writes (x + 1) / 2 in float32 tile by tile: no copy of the frame in another dtype.
         if self.tiled_decoder is not None and self._use_tiles(tiled, pixels):
             progress = {} if on_tile is None else {"on_tile": on_tile}
-            x = self.tiled_decoder(self.model.decoder, z, unit_range=True, **progress)
-        else:
-            x = self.model.decoder(z, unit_range=True)
-            if on_tile is not None:
-                on_tile(1, 1)
-        return check_finite_result(x, "Mage-VAE's decode")
+            return self.tiled_decoder(self.model.decoder, z, unit_range=True, **progress)
+        x = self.model.decoder(z, unit_range=True)
+        if on_tile is not None:
+            on_tile(1, 1)
+        return x
 
     def __repr__(self) -> str:
         parts = [p for p in ("encoder", "decoder") if getattr(self.model, p) is not None]
