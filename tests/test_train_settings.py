@@ -255,3 +255,11 @@ def test_a_settings_key_that_is_no_text_is_an_unknown_setting():
         with pytest.raises(FlowliftError, match=r"^unknown training setting\(s\): ") as caught:
             apply_overrides(TrainConfig(data="d", output="o"), overrides)
         assert named in str(caught.value)
+
+
+def test_the_dataset_dtype_names_are_the_shards_dtypes():
+    """The command's choices and the requests' knobs (torch-free) name exactly the dtypes a shard stores."""
+    from flowlift.training.dataset_settings import DTYPE_NAMES, STORAGE_DTYPE, TEACHER_DTYPE
+    from flowlift.training.shards import STORAGE_DTYPES
+
+    assert tuple(STORAGE_DTYPES) == DTYPE_NAMES == STORAGE_DTYPE.choices == TEACHER_DTYPE.choices

@@ -26,6 +26,7 @@ from flowlift.commands._options import (
     seed_value,
 )
 from flowlift.console import add_console_options, show_progress
+from flowlift.training.dataset_settings import STORAGE_DTYPE, TEACHER_DTYPE
 
 NAME = "dataset"
 NESTED_COMMANDS = True
@@ -35,8 +36,6 @@ EXAMPLES = examples(
     "flowlift dataset distill --teacher black-forest-labs/FLUX.2-klein-4B --prompts prompts.txt --num 20000 "
     "--vae flux2 -o data/distill",
 )
-
-STORAGE = ("float16", "bfloat16", "float32")
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +50,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=seed_value, default=0, help="seed of crops, flips and stored noise")
     parser.add_argument("--shard-size", type=positive_int, default=256, help="items per shard file (default 256)")
     parser.add_argument("--batch-size", type=positive_int, default=4, help="items processed together (default 4)")
-    parser.add_argument("--storage-dtype", choices=STORAGE, default="float16", help="tensor dtype in shards")
+    parser.add_argument(
+        "--storage-dtype", choices=STORAGE_DTYPE.choices, default=STORAGE_DTYPE.default, help=STORAGE_DTYPE.help
+    )
     parser.add_argument("--device", default="auto", help="auto (default: CUDA if available, else cpu), cpu, cuda, ...")
     parser.add_argument(
         "--filter",
@@ -104,9 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     distill.add_argument("--guidance", type=finite_float, help="teacher guidance scale")
     distill.add_argument(
         "--teacher-dtype",
-        choices=STORAGE,
-        default=None,
-        help="teacher weights dtype (default bfloat16 on CUDA, float32 on CPU)",
+        choices=TEACHER_DTYPE.choices,
+        default=TEACHER_DTYPE.default,
+        help=TEACHER_DTYPE.help,
     )
     images = sub.add_parser(
         "images",

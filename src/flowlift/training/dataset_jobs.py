@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from flowlift.errors import FIELD_MARK, FlowliftError
-from flowlift.knobs import Knob
 from flowlift.training.builder_checks import check_photo_crops
+from flowlift.training.dataset_settings import STORAGE_DTYPE, TEACHER_DTYPE
 from flowlift.training.datasets import (
     PipelineTeacher,
     ShardWriting,
@@ -35,16 +35,6 @@ __all__ = ["STORAGE_DTYPES", "DatasetRequest", "PhotoCrops", "TeacherSource", "l
 
 #: A teacher's weights' dtypes, by name (None: bfloat16 on CUDA, float32 on the CPU).
 TEACHER_DTYPES = STORAGE_DTYPES
-#: The shards' dtype and the teacher's, by name: a choice compared, never hashed (a list is no name).
-STORAGE_DTYPE = Knob("storage_dtype", str, "float16", "tensor dtype in shards", choices=tuple(STORAGE_DTYPES))
-TEACHER_DTYPE = Knob(
-    "teacher_dtype",
-    str,
-    None,
-    "teacher weights dtype (None: bfloat16 on CUDA, float32 on the CPU)",
-    choices=tuple(TEACHER_DTYPES),
-    optional=True,
-)
 
 
 @dataclass(frozen=True)
