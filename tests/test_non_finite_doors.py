@@ -8,6 +8,7 @@ The same doors take the same file unscaled (the refusal is about the values, not
 
 from __future__ import annotations
 
+import math
 import sys
 import types
 
@@ -211,3 +212,60 @@ class TestInvokeAILatents:
         pipeline = FlowUpscalerPipeline(unet, load_vae(vae_files[1]), device="cpu", dtype=torch.float32)
         with pytest.raises(FlowliftError, match=r"non-finite latents \(NaN/Inf\); nothing was written"):
             pipeline.upscale_image(Image.new("RGB", (64, 64), (90, 120, 30)), 1, output_type="pil")
+
+
+class TestPythonAdapters:
+    """The Python door: ``load_vae(...).encode`` / ``.decode`` of a VAE whose finite weights overflow was an image
+    (or latents) of NaN handed to a direct caller; every adapter now refuses its own result in one line, tiled or
+    whole, and a door that knows its stage re-words it (:func:`flowlift.models.weights.finite_result`)."""
+
+    IMAGES = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+
+    @staticmethod
+    def overflowing(module: torch.nn.Module) -> torch.nn.Module:
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.mul_(SCALE)
+        return module
+
+    def assert_refused(self, call, who: str) -> None:
+        from flowlift.models.weights import NonFiniteResult
+
+        with pytest.raises(NonFiniteResult, match=rf"^{who} gave (NaN|Inf) \(weights that overflow in float32\?\)"):
+            call()
+
+    @pytest.mark.parametrize("tiled", [False, True])
+    def test_mage_vae(self, vae_files, tiled):
+        latents = load_vae(vae_files[0]).encode(self.IMAGES)
+        hot = load_vae(vae_files[1])
+        self.assert_refused(lambda: hot.encode(self.IMAGES, tiled=tiled), "Mage-VAE's encode")
+        self.assert_refused(lambda: hot.decode(latents, tiled=tiled), "Mage-VAE's decode")
+
+    @pytest.mark.parametrize("tiled", [False, True])
+    def test_taef2(self, shared, tiled):
+        good = load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
+        latents = good.encode(self.IMAGES)
+        hot = load_vae(str(shared / "models" / "taef2"), device="cpu", dtype=torch.float32)
+        self.overflowing(hot.model)
+        self.assert_refused(lambda: hot.encode(self.IMAGES, tiled=tiled), "TAEF2's encode")
+        self.assert_refused(lambda: hot.decode(latents, tiled=tiled), "TAEF2's decode")
+
+    def test_the_flux2_vae(self):
+        from flowlift.models.vae import Flux2VAE
+        from tiny_flux2 import tiny_vae
+
+        latents = Flux2VAE(tiny_vae()).encode(self.IMAGES)
+        hot = Flux2VAE(self.overflowing(tiny_vae()))
+        self.assert_refused(lambda: hot.encode(self.IMAGES), "the FLUX.2 VAE's encode")
+        self.assert_refused(lambda: hot.encode_raw(self.IMAGES), "the FLUX.2 VAE's encode")
+        self.assert_refused(lambda: hot.decode(latents), "the FLUX.2 VAE's decode")
+
+    def test_a_door_names_its_own_stage(self, vae_files):
+        from flowlift.models.weights import NonFiniteResult, finite_result
+
+        hot = load_vae(vae_files[1])
+        with pytest.raises(NonFiniteResult, match=r"^image 3: the VAE's encoder gave NaN .*; nothing was written$"):
+            finite_result("image 3: the VAE's encoder", hot.encode, self.IMAGES)
+        with pytest.raises(NonFiniteResult, match=r"^a model gave Inf "):  # checked there for an object that does not
+            finite_result("a model", lambda: torch.full((2,), math.inf))
+        assert finite_result("a model", torch.ones, 2).tolist() == [1.0, 1.0]

@@ -28,7 +28,7 @@ from flowlift.flux2.latents import PATCHIFIED_CHANNELS, patchify, unpatchify
 from flowlift.flux2.latents import bn_std as batch_norm_std
 from flowlift.limits import vae_kind
 from flowlift.models.vae_names import NAMED_VAES
-from flowlift.models.weights import check_finite_result
+from flowlift.models.weights import finite_result
 from flowlift.upscale.interrupts import checked_modules
 
 #: ComfyUI FLUX.2 decodes above this many output pixels go through ComfyUI's tiled decode.
@@ -126,13 +126,11 @@ class FlowliftLatentModel(torch.nn.Module):
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         with self._interruptible():
-            encoded = self.adapter.encode(images)
-        return patchify(check_finite_result(encoded, f"VAE Encode: {self._name()}'s encoder"))
+            return patchify(finite_result(f"VAE Encode: {self._name()}'s encoder", self.adapter.encode, images))
 
     def decode(self, samples: torch.Tensor) -> torch.Tensor:
         with self._interruptible():
-            decoded = self.adapter.decode(unpatchify(samples))
-        return check_finite_result(decoded, f"VAE Decode: {self._name()}'s decoder")
+            return finite_result(f"VAE Decode: {self._name()}'s decoder", self.adapter.decode, unpatchify(samples))
 
     def _interruptible(self) -> Any:
         """ComfyUI's interrupt asked before every layer (one call of a 16K Mage-VAE decode runs for minutes: the

@@ -323,7 +323,7 @@ def run_bands(
     where sizes agree).
     """
     from flowlift.console import progress_bar
-    from flowlift.models.weights import check_finite_result
+    from flowlift.models.weights import finite_result
 
     factor = int(vae.spatial_factor)
     per_image = []
@@ -331,10 +331,10 @@ def run_bands(
         for number, image in enumerate(bar, 1):
             x = crop_to_multiple(image, 2 * factor).to(device=device, dtype=dtype)
             with torch.no_grad():
-                z = check_finite_result(vae.encode(x), f"image {number}: the VAE's encoder")
+                z = finite_result(f"image {number}: the VAE's encoder", vae.encode, x)
 
             def decode(latents: torch.Tensor, number: int = number) -> torch.Tensor:
-                return check_finite_result(vae.decode(latents), f"image {number}: the VAE's decoder")
+                return finite_result(f"image {number}: the VAE's decoder", vae.decode, latents)
 
             per_image.append(band_response(decode, z, factor, amplitude=amplitude, seed=seed, edges=edges))
     return mean_rows(per_image), per_image

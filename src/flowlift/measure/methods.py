@@ -224,13 +224,13 @@ def latent_bicubic(vae, lowres: np.ndarray, scale: float, device, dtype) -> np.n
 
     from flowlift.files.images import tensor_to_uint8, to_tensor
     from flowlift.flux2.latents import denormalize, normalize
-    from flowlift.models.weights import check_finite_result
+    from flowlift.models.weights import finite_result
     from flowlift.upscale.image_steps import vae_input_dtype
 
     mean, std = getattr(vae, "bn_mean", None), getattr(vae, "bn_std", None)
     with torch.no_grad():
-        z = check_finite_result(
-            vae.encode(to_tensor(lowres, device=device, dtype=vae_input_dtype(vae, dtype))), "the VAE's encoder"
+        z = finite_result(
+            "the VAE's encoder", vae.encode, to_tensor(lowres, device=device, dtype=vae_input_dtype(vae, dtype))
         )
         if mean is not None and std is not None:
             z = denormalize(z, mean, std)
@@ -239,7 +239,7 @@ def latent_bicubic(vae, lowres: np.ndarray, scale: float, device, dtype) -> np.n
         z = torch.nn.functional.interpolate(z, size=size, mode="bicubic", align_corners=False)
         if mean is not None and std is not None:
             z = normalize(z, mean, std)
-        return tensor_to_uint8(check_finite_result(vae.decode(z), "the VAE's decoder").float())[0]
+        return tensor_to_uint8(finite_result("the VAE's decoder", vae.decode, z).float())[0]
 
 
 def sesqui_upscale(model, vae, lowres: np.ndarray, scale: float, device, dtype) -> np.ndarray:
@@ -249,14 +249,17 @@ def sesqui_upscale(model, vae, lowres: np.ndarray, scale: float, device, dtype) 
 
     from flowlift.files.images import tensor_to_uint8, to_tensor
     from flowlift.models.sesqui_lsr import sesqui_upscale_latents
+    from flowlift.models.weights import finite_result
     from flowlift.upscale.image_steps import vae_input_dtype
 
     width, height = output_size(lowres, scale)
     target = (height // vae.spatial_factor, width // vae.spatial_factor)
     with torch.no_grad():
-        z = vae.encode(to_tensor(lowres, device=device, dtype=vae_input_dtype(vae, dtype)))
-        z = sesqui_upscale_latents(model, z, target, vae.bn_mean, vae.bn_std)
-        return tensor_to_uint8(vae.decode(z).float())[0]
+        z = finite_result(
+            "the VAE's encoder", vae.encode, to_tensor(lowres, device=device, dtype=vae_input_dtype(vae, dtype))
+        )
+        z = finite_result("SesquiLSR", sesqui_upscale_latents, model, z, target, vae.bn_mean, vae.bn_std)
+        return tensor_to_uint8(finite_result("the VAE's decoder", vae.decode, z).float())[0]
 
 
 def vae_roundtrip(vae, image: np.ndarray, device, dtype) -> np.ndarray:
@@ -264,14 +267,14 @@ def vae_roundtrip(vae, image: np.ndarray, device, dtype) -> np.ndarray:
     import torch
 
     from flowlift.files.images import tensor_to_uint8, to_tensor
-    from flowlift.models.weights import check_finite_result
+    from flowlift.models.weights import finite_result
     from flowlift.upscale.image_steps import vae_input_dtype
 
     with torch.no_grad():
-        z = check_finite_result(
-            vae.encode(to_tensor(image, device=device, dtype=vae_input_dtype(vae, dtype))), "the VAE's encoder"
+        z = finite_result(
+            "the VAE's encoder", vae.encode, to_tensor(image, device=device, dtype=vae_input_dtype(vae, dtype))
         )
-        return tensor_to_uint8(check_finite_result(vae.decode(z), "the VAE's decoder").float())[0]
+        return tensor_to_uint8(finite_result("the VAE's decoder", vae.decode, z).float())[0]
 
 
 def flow_kwargs(spec: MethodSpec, scale: int) -> dict[str, Any]:

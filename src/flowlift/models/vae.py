@@ -5,7 +5,8 @@
 * ``encode(images, tiled=None) -> latents`` and ``decode(latents, tiled=None) -> images``: images are
   float [0, 1] NCHW RGB; latents are normalized, unpatchified, 32 channels at 1/8 size (the package
   convention, :mod:`flowlift.flux2.latents`). Decoded images are *not* clamped. Inputs are moved to the
-  VAE's device and dtype; outputs stay on the VAE's device in the input's floating dtype.
+  VAE's device and dtype; outputs stay on the VAE's device in the input's floating dtype. A result with
+  NaN or Inf (finite weights that overflow) is a ``weights.NonFiniteResult`` line, never an image.
 * ``tiled``: ``None`` switches tiling on by size, ``True`` forces it, ``False`` forbids it.
 * ``spatial_factor`` (8), ``approximate_decode`` (True for TAEF2 and Mage-VAE), ``device``, ``dtype``,
   ``bn_mean`` / ``bn_std`` ([128] float32 normalization statistics; None for TAEF2 and Mage-VAE,
@@ -15,7 +16,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from contextlib import contextmanager
 from functools import partial
@@ -26,69 +26,13 @@ import torch
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import DEFAULT_BATCH_NORM_EPS, LATENT_CHANNELS, bn_std, denormalize, normalize
 from flowlift.models.taef2_tiling import TileCallback
-from flowlift.models.weights import load_strict
+from flowlift.models.vae_checks import check_images, check_latents, out_dtype, tiles_asked
+from flowlift.models.weights import check_finite_result, load_strict
 
 #: TAEF2 tiles automatically when the image has more pixels than this (one 1024x1024 frame).
 TAEF2_AUTO_TILE_PIXELS = 1024 * 1024
 #: The FLUX.2 VAE switches on diffusers' tiling above this many pixels on a side.
 FLUX2_AUTO_TILE_SIDE = 2048
-
-
-# --------------------------------------------------------------------------------------------------
-# Input checks
-# --------------------------------------------------------------------------------------------------
-
-
-def _value_range(x: torch.Tensor) -> tuple[float, float]:
-    """``(min, max)`` of a float tensor in one read (``aminmax``: a NaN comes out in both, an Inf in one); (0, 0)
-    for an empty one."""
-    if not x.numel():
-        return 0.0, 0.0
-    try:
-        low, high = torch.aminmax(x.detach())
-    except (NotImplementedError, RuntimeError):  # a dtype without the kernel (float8)
-        low, high = torch.aminmax(x.detach().float())
-    return float(low), float(high)
-
-
-def _check_images(images: torch.Tensor, multiple: int) -> None:
-    if not isinstance(images, torch.Tensor) or images.ndim != 4 or images.shape[1] != 3:
-        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
-        raise FlowliftError(f"VAE encode expects images of shape (B, 3, H, W), got {shape}")
-    if not images.is_floating_point():
-        raise FlowliftError(f"VAE encode expects float images in [0, 1], got dtype {images.dtype}")
-    low, high = _value_range(images)
-    if not (math.isfinite(low) and math.isfinite(high)):
-        raise FlowliftError("VAE encode: the images hold NaN or Inf")
-    if not -0.5 <= low <= high <= 1.5:  # 0..255 or -1..1 given
-        raise FlowliftError(f"VAE encode expects images in [0, 1], got values in [{low:g}, {high:g}]")
-    h, w = images.shape[-2:]
-    if h % multiple or w % multiple or h == 0 or w == 0:
-        raise FlowliftError(f"VAE encode needs image sides that are multiples of {multiple}, got {h}x{w}; resize first")
-
-
-def _tiles_asked(tiled: Any, by_size: bool) -> bool:
-    """``tiled`` as asked (None: ``by_size``); a bool or None and nothing else (``"no"`` would tile)."""
-    if tiled is not None and not isinstance(tiled, bool):
-        raise FlowliftError(f"tiled must be True, False or None (by size), got {tiled!r}", field="tiled")
-    return by_size if tiled is None else tiled
-
-
-def _check_latents(latents: torch.Tensor, multiple: int) -> None:
-    if not isinstance(latents, torch.Tensor) or latents.ndim != 4 or latents.shape[1] != LATENT_CHANNELS:
-        shape = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
-        raise FlowliftError(f"VAE decode expects latents of shape (B, {LATENT_CHANNELS}, h, w), got {shape}")
-    if not latents.is_floating_point():
-        raise FlowliftError(f"VAE decode expects float latents, got dtype {latents.dtype}")
-    if not all(math.isfinite(end) for end in _value_range(latents)):
-        raise FlowliftError("VAE decode: the latents hold NaN or Inf")
-    h, w = latents.shape[-2:]
-    if h % multiple or w % multiple or h == 0 or w == 0:
-        raise FlowliftError(f"VAE decode needs latent sides that are multiples of {multiple}, got {h}x{w}")
-
-
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    return x.dtype if x.is_floating_point() else torch.float32
 
 
 def diffusers_decode_tiles(
@@ -157,18 +101,18 @@ class TAEF2VAE(_ModuleVAE):
         self.auto_tile_pixels = auto_tile_pixels
 
     def _use_tiles(self, tiled: bool | None, pixels: int) -> bool:
-        return _tiles_asked(tiled, pixels > self.auto_tile_pixels)
+        return tiles_asked(tiled, pixels > self.auto_tile_pixels)
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
         """Images [0, 1] (B, 3, H, W) -> normalized latents (B, 32, H/8, W/8)."""
-        _check_images(images, self.spatial_factor)
+        check_images(images, self.spatial_factor)
         x = images.to(self.device, self.dtype).contiguous(memory_format=torch.channels_last)
         if self._use_tiles(tiled, images.shape[-2] * images.shape[-1]):
             z = self.model.encode_tiled(x)
         else:
             z = self.model.encode_full(x)
-        return z.to(_out_dtype(images)).contiguous()
+        return check_finite_result(z.to(out_dtype(images)).contiguous(), "TAEF2's encode")
 
     @torch.no_grad()
     def decode(
@@ -178,7 +122,7 @@ class TAEF2VAE(_ModuleVAE):
 
         ``on_tile(done, total)`` after every decoded tile (a whole-frame decode is one tile).
         """
-        _check_latents(latents, 1)
+        check_latents(latents, 1)
         z = latents.to(self.device, self.dtype).contiguous(memory_format=torch.channels_last)
         if self._use_tiles(tiled, latents.shape[-2] * latents.shape[-1] * self.spatial_factor**2):
             x = self.model.decode_tiled(z, **({} if on_tile is None else {"on_tile": on_tile}))
@@ -186,7 +130,7 @@ class TAEF2VAE(_ModuleVAE):
             x = self.model.decode_full(z)
             if on_tile is not None:
                 on_tile(1, 1)
-        return x.to(_out_dtype(latents)).contiguous()
+        return check_finite_result(x.to(out_dtype(latents)).contiguous(), "TAEF2's decode")
 
     def __repr__(self) -> str:
         parts = [p for p in ("encoder", "decoder") if getattr(self.model, p) is not None]
@@ -253,7 +197,7 @@ class Flux2VAE(_ModuleVAE):
 
     @contextmanager
     def _tiling(self, tiled: bool | None, side: int):
-        use = _tiles_asked(tiled, side > self.auto_tile_side)
+        use = tiles_asked(tiled, side > self.auto_tile_side)
         before = self.model.use_tiling
         self.model.use_tiling = use
         try:
@@ -264,11 +208,11 @@ class Flux2VAE(_ModuleVAE):
     @torch.no_grad()
     def encode_raw(self, images: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
         """Images [0, 1] (B, 3, H, W), sides multiples of 16 -> raw latents (B, 32, H/8, W/8)."""
-        _check_images(images, 2 * self.spatial_factor)
+        check_images(images, 2 * self.spatial_factor)
         x = self._signed_images(images)
         with self._tiling(tiled, max(images.shape[-2:])):
             z = self.model.encode(x).latent_dist.mode()
-        return z.to(_out_dtype(images))
+        return check_finite_result(z.to(out_dtype(images)), "the FLUX.2 VAE's encode")
 
     @torch.no_grad()
     def decode_raw(
@@ -279,11 +223,11 @@ class Flux2VAE(_ModuleVAE):
         ``on_tile(done, total)`` after every tile diffusers decodes (a forward hook on its decoder,
         which runs once per tile and per batch slice; the decode itself is diffusers' own).
         """
-        _check_latents(raw_latents, 2)
+        check_latents(raw_latents, 2)
         z = raw_latents.to(self.device, self.dtype)
         with self._tiling(tiled, max(raw_latents.shape[-2:]) * self.spatial_factor), self._tile_hook(z, on_tile):
             x = self.model.decode(z).sample
-        return ((x.float() + 1) / 2).to(_out_dtype(raw_latents))
+        return check_finite_result(((x.float() + 1) / 2).to(out_dtype(raw_latents)), "the FLUX.2 VAE's decode")
 
     @contextmanager
     def _tile_hook(self, z: torch.Tensor, on_tile: TileCallback | None):
@@ -323,9 +267,9 @@ class Flux2VAE(_ModuleVAE):
         self, latents: torch.Tensor, *, tiled: bool | None = None, on_tile: TileCallback | None = None
     ) -> torch.Tensor:
         """Normalized latents (B, 32, h, w) -> images (B, 3, 8h, 8w), about [0, 1], unclamped."""
-        _check_latents(latents, 2)
+        check_latents(latents, 2)
         raw = denormalize(latents.float(), self.bn_mean, self.bn_std)
-        return self.decode_raw(raw, tiled=tiled, on_tile=on_tile).to(_out_dtype(latents))
+        return self.decode_raw(raw, tiled=tiled, on_tile=on_tile).to(out_dtype(latents))
 
     def __repr__(self) -> str:
         return f"Flux2VAE(device={self.device}, dtype={self.dtype})"
@@ -397,7 +341,7 @@ class MageVAE(_ModuleVAE):
         return self.model.encoder is not None
 
     def _use_tiles(self, tiled: bool | None, pixels: int) -> bool:
-        return _tiles_asked(tiled, pixels > self.auto_tile_pixels)
+        return tiles_asked(tiled, pixels > self.auto_tile_pixels)
 
     @torch.no_grad()
     def encode(self, images: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
@@ -410,13 +354,13 @@ class MageVAE(_ModuleVAE):
                 f"Mage-VAE{where} is decode-only (the file has no student.dconv_encoder.* tensors); "
                 "encoding needs the full released file, or another VAE (--vae taef2)"
             )
-        _check_images(images, self.image_multiple)
+        check_images(images, self.image_multiple)
         x = self._signed_images(images).contiguous(memory_format=torch.channels_last)
         if self.tiled_encoder is not None and self._use_tiles(tiled, images.shape[-2] * images.shape[-1]):
             z = self.tiled_encoder(self.model.encoder, x)
         else:
             z = self.model.encoder(x)
-        return unpatchify(z).to(_out_dtype(images)).contiguous()
+        return check_finite_result(unpatchify(z).to(out_dtype(images)).contiguous(), "Mage-VAE's encode")
 
     @torch.no_grad()
     def decode(
@@ -432,17 +376,18 @@ class MageVAE(_ModuleVAE):
 
         if self.model.decoder is None:
             raise FlowliftError("Mage-VAE: this VAE has no decoder")
-        _check_latents(latents, 2)
+        check_latents(latents, 2)
         z = patchify(latents.to(self.device, self.dtype)).contiguous(memory_format=torch.channels_last)
         pixels = latents.shape[-2] * latents.shape[-1] * self.spatial_factor**2
         # The decoder writes (x + 1) / 2 in float32 tile by tile: no copy of the frame in another dtype.
         if self.tiled_decoder is not None and self._use_tiles(tiled, pixels):
             progress = {} if on_tile is None else {"on_tile": on_tile}
-            return self.tiled_decoder(self.model.decoder, z, unit_range=True, **progress)
-        x = self.model.decoder(z, unit_range=True)
-        if on_tile is not None:
-            on_tile(1, 1)
-        return x
+            x = self.tiled_decoder(self.model.decoder, z, unit_range=True, **progress)
+        else:
+            x = self.model.decoder(z, unit_range=True)
+            if on_tile is not None:
+                on_tile(1, 1)
+        return check_finite_result(x, "Mage-VAE's decode")
 
     def __repr__(self) -> str:
         parts = [p for p in ("encoder", "decoder") if getattr(self.model, p) is not None]

@@ -17,11 +17,12 @@ one line instead of silently loading part of a model.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -270,14 +271,36 @@ def first_non_finite(state: Mapping[str, torch.Tensor]) -> str | None:
     return None
 
 
-def check_finite_result(tensor: torch.Tensor, what: str) -> torch.Tensor:
-    """``tensor`` itself, or one FlowliftError line ``"<what> gave NaN ..."`` when it holds NaN or Inf.
+class NonFiniteResult(FlowliftError):
+    """A model's result holds NaN or Inf (finite weights can overflow: a file scaled by 1e30, float16 past 65504).
 
-    For a model's result before anything stores it: finite weights can still overflow (a file scaled by
-    1e30, float16 past 65504), and a writer would turn NaN into a black image, an all-NaN shard or a table
-    of NaN that is not even valid JSON. One reduction over the tensor, ``aminmax`` (a NaN comes out in both ends, an
-    Inf in one): no tensor-sized temporary, where ``isfinite(t).all()`` makes one (0.8 GB for a 16K image, past a
-    memory plan's budget).
+    ``kind`` is ``"NaN"`` or ``"Inf"``, ``dtype`` the result's; the line names ``what`` gave it. A model adapter
+    names itself (``TAEF2's decode``); a door that knows the stage better re-words it (:func:`results_named`).
+    """
+
+    def __init__(self, what: str, kind: str, dtype: torch.dtype) -> None:
+        self.kind, self.dtype = kind, dtype
+        name = str(dtype).removeprefix("torch.")
+        super().__init__(f"{what} gave {kind} (weights that overflow in {name}?); nothing was written")
+
+
+@contextlib.contextmanager
+def results_named(what: str) -> Iterator[None]:
+    """Within this block a :class:`NonFiniteResult` names ``what`` (a door's words: the shard, the node, the
+    stage) in place of the model adapter that raised it; every other error passes unchanged."""
+    try:
+        yield
+    except NonFiniteResult as error:
+        raise NonFiniteResult(what, error.kind, error.dtype) from None
+
+
+def check_finite_result(tensor: torch.Tensor, what: str) -> torch.Tensor:
+    """``tensor`` itself, or a :class:`NonFiniteResult` line ``"<what> gave NaN ..."`` when it holds NaN or Inf.
+
+    For a model's result before anything stores it: a writer would turn NaN into a black image, an all-NaN shard
+    or a table of NaN that is not even valid JSON. One reduction over the tensor, ``aminmax`` (a NaN comes out in
+    both ends, an Inf in one): no tensor-sized temporary, where ``isfinite(t).all()`` makes one (0.8 GB for a 16K
+    image, past a memory plan's budget).
     """
     if not tensor.is_floating_point() or not tensor.numel():
         return tensor
@@ -286,10 +309,15 @@ def check_finite_result(tensor: torch.Tensor, what: str) -> torch.Tensor:
     except (NotImplementedError, RuntimeError):  # a dtype without the kernel (float8): the plain test
         ends = [0.0 if bool(torch.isfinite(tensor).all()) else math.nan]
     if not all(math.isfinite(end) for end in ends):
-        kind = "Inf" if not any(math.isnan(end) for end in ends) else "NaN"
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        raise FlowliftError(f"{what} gave {kind} (weights that overflow in {dtype}?); nothing was written")
+        raise NonFiniteResult(what, "Inf" if not any(math.isnan(end) for end in ends) else "NaN", tensor.dtype)
     return tensor
+
+
+def finite_result(what: str, fn: Callable[..., torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``fn(*args, **kwargs)``, or one :class:`NonFiniteResult` line naming ``what`` when its result holds NaN or Inf
+    (checked here) or ``fn`` refused one (a model adapter checks its own): a door's words for a model's result."""
+    with results_named(what):
+        return check_finite_result(fn(*args, **kwargs), what)
 
 
 def check_finite_state(state: Mapping[str, torch.Tensor], *, what: str, origin: str = "") -> None:

@@ -18,7 +18,7 @@ from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
 from flowlift.knobs import check_callable, check_cfg_scale, check_dtype, check_kind, check_positive
 from flowlift.limits import LATENT_CHANNELS
-from flowlift.models.weights import check_finite_result
+from flowlift.models.weights import finite_result
 from flowlift.progress import report_stage
 from flowlift.refine.canvas import checked_images, checked_mask, latent_mask, outpaint_canvas, pad_to_multiple
 from flowlift.refine.hires_fix import HiresFix
@@ -190,21 +190,20 @@ class Flux2Refiner(HiresFix):
         """Images [0, 1] (sides multiples of 16) -> normalized latents."""
         check_kind("images", images, torch.Tensor, "an RGB tensor (B, 3, H, W)")
         report_stage("encode")  # the run's stage, for every door's progress (flowlift.progress)
-        latents = self.vae.encode(images.to(self.device), **self._tiling()).float()
-        return check_finite_result(latents, "the VAE's encode")
+        return finite_result("the VAE's encode", self.vae.encode, images.to(self.device), **self._tiling()).float()
 
     def _encode_init(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Init latents for img2img: raw + BN stats when the VAE exposes them, else normalized."""
         if hasattr(self.vae, "encode_raw") and getattr(self.vae, "bn_mean", None) is not None:
             report_stage("encode")
-            raw = check_finite_result(self.vae.encode_raw(images.to(self.device), **self._tiling()).float(), "the VAE")
+            raw = finite_result("the VAE", self.vae.encode_raw, images.to(self.device), **self._tiling()).float()
             return raw, self.vae.bn_mean.to(self.device), self.vae.bn_std.to(self.device)
         return self.encode(images), None, None
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalized latents -> images clamped to [0, 1]."""
         report_stage("decode")
-        images = check_finite_result(self.vae.decode(latents, **self._tiling()).float(), "the VAE's decode")
+        images = finite_result("the VAE's decode", self.vae.decode, latents, **self._tiling()).float()
         return images.clamp_(0.0, 1.0)
 
     def _tiling(self) -> dict[str, bool]:

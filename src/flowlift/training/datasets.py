@@ -364,7 +364,7 @@ def build_images_dataset(
     :func:`build_distill_dataset` takes them. Returns the manifest.
     """
     from flowlift.files.images import load_image, to_tensor
-    from flowlift.models.weights import check_finite_result
+    from flowlift.models.weights import finite_result
 
     shard_size, storage_dtype, device, progress, part = _writing(writing)
     root, seed, batch_size, degradation = check_build(root, vae, seed, batch_size, degradation, overwrite)
@@ -410,10 +410,9 @@ def build_images_dataset(
                     window = image[:, item["top"] : item["top"] + crop, item["left"] : item["left"] + crop]
                     crops.append(window.flip(-1) if item["flip"] else window)
                 pixels = torch.stack(crops).to(device)
-                with torch.no_grad():
-                    target = vae.encode(pixels).float()
                 # named by its shard before the degradation decodes it (the VAE refuses NaN latents in one line)
-                check_finite_result(target, f"{shard_name(shard)}: the VAE's encode")
+                with torch.no_grad():
+                    target = finite_result(f"{shard_name(shard)}: the VAE's encode", vae.encode, pixels).float()
                 generator = item_generator(seed + 1, chunk[0]["index"])
                 cond = conditioning_latents(vae, target, degradation, generator).float()
                 targets.append(target.cpu())

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
+from flowlift.models.weights import NonFiniteResult
 from flowlift.upscale.colorfix import lab_lowband_transplant
+from flowlift.upscale.inputs import non_finite_refusal
 from flowlift.upscale.interrupts import with_check
 from flowlift.upscale.loading import first_parameter
 from flowlift.upscale.sizes import output_scale, resample_to_size
@@ -52,17 +54,22 @@ def vae_call(
     check_interrupt: Callable[[], None] | None,
 ) -> torch.Tensor:
     """``vae.<method>(x)`` (``tiled`` passed on unless None); ``on_tile(done, total)`` after each tile (with
-    ``check_interrupt`` before it), once as ``(1, 1)`` for a VAE without tile progress. No VAE: a FlowliftError."""
+    ``check_interrupt`` before it), once as ``(1, 1)`` for a VAE without tile progress. No VAE: a FlowliftError; a
+    result with NaN or Inf that the VAE refuses itself (flowlift's adapters): the pipeline's line for the stage."""
     if vae is None:
         raise FlowliftError("this pipeline was made without a VAE (vae=None): it upscales latents only")
     fn = getattr(vae, method)
     kwargs: dict[str, Any] = {} if tiled is None else {"tiled": tiled}
     on_tile = with_check(check_interrupt, on_tile)
-    if on_tile is None:
-        return fn(x, **kwargs)
-    if "on_tile" in inspect.signature(fn).parameters:
-        return fn(x, on_tile=on_tile, **kwargs)
-    result = fn(x, **kwargs)  # a VAE without tile progress: its decode counts as one tile
+    try:
+        if on_tile is None:
+            return fn(x, **kwargs)
+        if "on_tile" in inspect.signature(fn).parameters:
+            return fn(x, on_tile=on_tile, **kwargs)
+        result = fn(x, **kwargs)  # a VAE without tile progress: its decode counts as one tile
+    except NonFiniteResult:
+        stage = f"the VAE {method.removesuffix('_raw')}r produced"
+        raise non_finite_refusal(stage, "latents" if method.startswith("encode") else "pixels") from None
     on_tile(1, 1)
     return result
 

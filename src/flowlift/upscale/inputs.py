@@ -15,13 +15,18 @@ import torch
 from flowlift.errors import FlowliftError
 
 
+def non_finite_refusal(stage: str, what: str = "latents") -> FlowliftError:
+    """The pipeline's line for a stage whose result holds NaN or Inf: ``"<stage> non-finite <what> (NaN/Inf)"``."""
+    return FlowliftError(f"Flow Upscaler: {stage} non-finite {what} (NaN/Inf); nothing was written")
+
+
 def check_finite(tensor: torch.Tensor, stage: str, what: str = "latents") -> None:
-    """Raise ``"<stage> non-finite <what> (NaN/Inf)"`` unless every value is finite (one read,
+    """Raise :func:`non_finite_refusal` unless every value is finite (one read,
     :func:`flowlift.devices.non_finite_kind`)."""
     from flowlift.devices import non_finite_kind
 
     if non_finite_kind(tensor) is not None:
-        raise FlowliftError(f"Flow Upscaler: {stage} non-finite {what} (NaN/Inf); nothing was written")
+        raise non_finite_refusal(stage, what)
 
 
 def image_alpha(image: Any) -> Any:
