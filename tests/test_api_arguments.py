@@ -316,6 +316,34 @@ def test_flux2_sigmas_takes_numpy_numbers():
     assert torch.equal(flux2_sigmas(4, np.int64(256), np.float32(0.5)), flux2_sigmas(4, 256, 0.5))
 
 
+def test_txt2img_takes_numpy_sides_as_it_takes_a_numpy_batch(refiner):
+    """``txt2img(height=np.int64(32))`` was refused while ``batch=np.int64(2)`` was taken; the sides come back as
+    ints (no numpy number reaches a request's JSON), and the requests hold ints too."""
+    from flowlift.refine.request import HiresSettings, PromptRequest, RefineRequest, RefinerSource
+    from flowlift.refine.settings import SamplingSettings, check_txt2img_size
+    from flowlift.upscale.latent_source import FlowUpscalerSource
+    from tiny_flux2 import prompt_embeds
+
+    sides = check_txt2img_size(np.int64(32), np.int32(48), ("width", "height"))
+    assert sides == (32, 48) and all(type(side) is int for side in sides)
+    assert all(type(side) is int for side in check_txt2img_size(np.uint16(32), 48))
+    sampling = SamplingSettings(steps=1, seed=0)
+    out = refiner.txt2img(
+        height=np.int64(32), width=np.int64(48), batch=np.int64(2), sampling=sampling, prompt_embeds=prompt_embeds()
+    )
+    assert out.images.shape == (2, 3, 32, 48)
+    prompt, source = PromptRequest(text="a cat"), RefinerSource(model="no/such-model")
+    request = RefineRequest(mode="txt2img", prompt=prompt, source=source, size=(np.int64(64), np.int64(32)))
+    hires = HiresSettings(upscaler=FlowUpscalerSource(), base_size=(np.int64(512), 256))
+    request_hires = RefineRequest(mode="hires", prompt=prompt, source=source, hires=hires)
+    for size in (request.size, request_hires.hires.base_size):
+        assert size in ((64, 32), (512, 256)) and all(type(side) is int for side in size)
+    for bad in (32.0, True, "32"):
+        with pytest.raises(FlowliftError, match="^width must be an integer") as caught:
+            check_txt2img_size(bad, 48, ("width", "height"))
+        assert caught.value.field == "width"
+
+
 def test_refine_latents_never_ignores_a_shape():
     from flowlift import refine_latents
 

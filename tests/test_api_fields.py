@@ -226,3 +226,25 @@ def test_the_finiteness_check_makes_no_copy_of_what_it_checks(bad):
             with pytest.raises(FlowliftError, match="the decode gave " + ("NaN" if bad != bad else "Inf")):
                 check_finite_result(image, "the decode")
     assert made.sizes and max(made.sizes) <= 8, made.sizes  # two scalars, never a tensor of the image's size
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda z: z[..., :-2],  # a RuntimeError in the sampler's arithmetic
+        lambda z: z.mean(dim=1, keepdim=True),  # broadcast: a silently wrong result
+        lambda z: z[0],  # broadcast too
+        lambda z: z.tolist(),  # a TypeError
+        lambda z: None,
+    ],
+)
+@pytest.mark.parametrize("tiled", [False, True])
+def test_refine_latents_names_a_velocity_of_another_shape(answer, tiled):
+    from flowlift.refine.loop import refine_latents
+    from flowlift.refine.tiling import TileRequest
+
+    init = torch.zeros(1, 32, 12, 12)
+    tiles = TileRequest(size=64, overlap=16) if tiled else None
+    _refused(lambda: refine_latents(lambda z, sigma: answer(z), init_latents=init, tiles=tiles), "velocity_fn")
+    out = refine_latents(lambda z, sigma: torch.zeros_like(z), init_latents=init, tiles=tiles).latents
+    assert out.shape == init.shape  # the right shape runs, tiled or not

@@ -178,19 +178,19 @@ def test_a_batchs_refusals_name_the_command_lines_options(unet_file, shared, tmp
     refusals = [line for line in lines if "is too small" in line]
     assert len(refusals) == 2, lines
     for line in refusals:
-        assert "--max-memory 286.1 MiB is too small for the whole-frame VAE" in line, line
+        assert "--max-memory 300 MB (286.1 MiB) is too small for the whole-frame VAE" in line, line
         assert "that --no-vae-tiling forces" in line and line.endswith("drop --no-vae-tiling to let the plan choose")
         assert "max_memory" not in line and "vae_tiled" not in line
     assert main(["upscale", *common, "--max-memory", "20MB", "--dtype", "float32"]) == 1
     err = capsys.readouterr().err
-    assert err.count("--max-memory 19.1 MiB is too small to encode a 512x512 image") == 2, err
+    assert err.count("--max-memory 20 MB (19.1 MiB) is too small to encode a 512x512 image") == 2, err
     # a budget below the models' weights fails the run once, before any input is read (it printed one line per input)
     assert main(["upscale", *common, "--max-memory", "1MB", "--dtype", "float32"]) == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if "loading" not in line]
     assert len(lines) == 1 and lines[0].startswith(
-        "flowlift upscale: error: --max-memory 1.0 MiB does not even hold"
+        "flowlift upscale: error: --max-memory 1 MB (1.0 MiB) does not even hold"
     ), lines
-    with pytest.raises(FlowliftError, match=r"^max_memory 1.0 MiB does not even hold the model weights"):
+    with pytest.raises(FlowliftError, match=r"^max_memory 1 MB \(1.0 MiB\) does not even hold the model weights"):
         _pipeline(unet_file, shared, 10**6)
     # the door's words last as long as its run: the Python API speaks its own again
     whole_only = M.StageChoices(vae_tiled=False)
@@ -200,3 +200,13 @@ def test_a_batchs_refusals_name_the_command_lines_options(unet_file, shared, tmp
     assert line.startswith("max_memory 676.9 MiB is too small") and line.endswith(
         "drop vae_tiled=False to let the plan choose"
     )
+
+
+def test_a_budget_is_said_as_it_was_given():
+    """``--max-memory 300MB`` came back as ``286.1 MiB`` alone: a figure the user never typed."""
+    from flowlift.limits import format_bytes, parse_memory
+
+    assert format_bytes(parse_memory("300MB")) == "300 MB (286.1 MiB)"
+    assert format_bytes(parse_memory("6GB")) == "6 GB (5.59 GiB)"
+    assert format_bytes(parse_memory("512MiB")) == "512.0 MiB" and format_bytes(parse_memory("6GiB")) == "6.00 GiB"
+    assert format_bytes(12_345_678) == "11.8 MiB"  # a computed size: binary units only

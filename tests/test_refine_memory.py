@@ -218,7 +218,7 @@ def test_load_refiner_plans_from_max_memory(model_dir, image):
     refiner = load_refiner(str(model_dir), memory=RefineMemory(max_memory="64MB", image_size=(H, W)))
     assert refiner.memory_plan is not None and refiner.offload == "none" and refiner.vae_tiled is False
     out = _img2img(refiner, image)
-    assert "max_memory 61.0 MiB" in out.parameters["memory_plan"]
+    assert "max_memory 64 MB (61.0 MiB)" in out.parameters["memory_plan"]
     with pytest.raises(FlowliftError, match="too small to refine"):
         load_refiner(str(model_dir), memory=RefineMemory(max_memory="5MB", image_size=(H, W)))
 

@@ -6,6 +6,7 @@ import csv
 import warnings
 
 import pytest
+import torch
 from PIL import Image
 
 from builders import save_tiny_unet
@@ -91,13 +92,15 @@ def test_a_crop_refusal_names_the_crop_field_and_its_fix(tmp_path, shared, capsy
     from flowlift.commands.cli import main
     from flowlift.training.dataset_jobs import PhotoCrops
 
-    with pytest.raises(FlowliftError, match=r"^crop_px must be a positive multiple of 32 px, got 100; e.g. 96 or 128$"):
+    with pytest.raises(
+        FlowliftError, match=r"^crop_px must be a positive multiple of 32 px up to 16384, got 100; e.g. 96 or 128$"
+    ):
         PhotoCrops(["photos"], crop_px=100)
     (tmp_path / "photos").mkdir()
     Image.new("RGB", (200, 200)).save(tmp_path / "photos" / "a.png")
     common = ["--vae", str(shared / "models" / "taef2"), "--device", "cpu"]
     for crop, line in (
-        ("100", "error: --crop-px must be a positive multiple of 32 px, got 100; e.g. 96 or 128"),
+        ("100", "error: --crop-px must be a positive multiple of 32 px up to 16384, got 100; e.g. 96 or 128"),
         (
             "512",
             "error: no image is at least 512x512 px, the --crop-px 512 crop (1 skipped); lower --crop-px or add "
@@ -226,3 +229,41 @@ def test_the_builders_take_right_arguments_as_given(tmp_path, photo):
     manifest = _build("distill", tmp_path / "distill", photo, latent_size=[4, 8], source=source)
     assert manifest["target_shape"] == [32, 4, 8] and manifest["source"] == source
     assert json.loads((tmp_path / "distill" / "dataset.json").read_text())["source"] == source
+
+
+def test_the_builders_sizes_hold_the_degradation_and_the_cap(tmp_path, vae):
+    """A degradation by 3 met a 32 px target (decoded, then 32 / 3 px) mid-run, after ``dataset.json`` was written;
+    ``latent_size`` had no upper bound (``(100000, 100000)`` went on to allocate its noise), a 100,000 px crop or
+    teacher image neither."""
+    from flowlift.training.builder_checks import check_crop, check_latent_size, latent_align
+    from flowlift.training.dataset_jobs import PhotoCrops, TeacherSource
+    from flowlift.training.datasets import build_distill_dataset, build_images_dataset
+    from flowlift.training.degrade import Degradation
+
+    assert [latent_align(factor) for factor in (1, 2, 3, 4)] == [4, 4, 12, 8]
+    by_three = Degradation(factor=3)
+    for call, field in (
+        (
+            lambda: build_distill_dataset(
+                tmp_path / "d", torch.zeros_like, vae, num_items=1, latent_size=(4, 4), degradation=by_three
+            ),
+            "latent_size",
+        ),
+        (
+            lambda: build_distill_dataset(tmp_path / "d", torch.zeros_like, vae, num_items=1, latent_size=(4096, 4)),
+            "latent_size",
+        ),
+        (lambda: build_images_dataset(tmp_path / "d", ["a.png"], vae, crop=32, degradation=by_three), "crop"),
+        (lambda: build_images_dataset(tmp_path / "d", ["a.png"], vae, crop=32768), "crop"),
+        (lambda: PhotoCrops(["photos"], crop_px=16416), "crop_px"),
+        (lambda: TeacherSource(teacher="t", num=1, width=1024, height=100000), "width"),
+    ):
+        with pytest.raises(FlowliftError) as caught:
+            call()
+        assert caught.value.field == field and "\n" not in str(caught.value), str(caught.value)
+        assert not (tmp_path / "d").exists()  # refused before anything is written
+    assert check_latent_size((12, 24), 3) == (12, 24) and check_latent_size((2048, 4)) == (2048, 4)
+    assert check_crop(96, factor=3) == 96 and check_crop(16384) == 16384
+    assert str(pytest.raises(FlowliftError, check_crop, 16400).value) == (
+        "crop must be a positive multiple of 32 px up to 16384, got 16400; e.g. 16384"
+    )

@@ -190,8 +190,13 @@ def parse_memory(value: str | int | float) -> int:
 
 
 def format_bytes(size: int | float) -> str:
-    """``size`` in GiB/MiB with two decimals (``6.00 GiB``), for messages."""
-    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    """``size`` in GiB/MiB (``6.00 GiB``, ``286.1 MiB``), for messages; a whole number of decimal megabytes that is
+    no whole number of MiB (a budget given as ``300MB``) is said as it was given first: ``300 MB (286.1 MiB)``."""
+    binary = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    if size > 0 and size % 10**6 == 0 and size % 2**20:
+        decimal = f"{int(size) // 10**9} GB" if size % 10**9 == 0 else f"{int(size) // 10**6} MB"
+        return f"{decimal} ({binary})"
+    return binary
 
 
 def dtype_bytes(dtype: Any) -> int:

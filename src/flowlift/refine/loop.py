@@ -21,6 +21,7 @@ import torch
 
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import PATCHIFIED_CHANNELS, image_seq_len, normalize, seeded_noise, unpatchify
+from flowlift.flux2.sampling import VelocityFn
 from flowlift.flux2.schedule import flux2_sigmas, resolve_mu
 from flowlift.limits import LATENT_CHANNELS
 from flowlift.refine.memory_plan import RefinePlan
@@ -29,7 +30,6 @@ from flowlift.refine.tiling import TileRequest
 
 STRENGTH_MAPS = STRENGTH_MAP.choices
 
-VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
 StepCallback = Callable[[int, int, float], None]
 
 
@@ -128,7 +128,8 @@ def refine_latents(
     from flowlift.knobs import check_callable, check_kind, check_unit_interval
     from flowlift.models.weights import check_finite_result
 
-    velocity_fn, on_step = check_callable("velocity_fn", velocity_fn), check_callable("on_step", on_step)
+    velocity_fn = _shape_checked(check_callable("velocity_fn", velocity_fn))
+    on_step = check_callable("on_step", on_step)
     device = resolve_device_option(device)  # one line for a device that is not here ('bogus', 'meta')
     sampling = check_kind("sampling", sampling, SamplingSettings, "a SamplingSettings", optional=True)
     sampling = sampling if sampling is not None else SamplingSettings()
@@ -178,17 +179,35 @@ def refine_latents(
         calls += 1
         return velocity_fn(z, sigma)
 
-    n_steps = len(sigma_list) - 1
-
     def callback(i: int, *_: Any) -> None:
         if on_step is not None:
-            on_step(i, n_steps, sigma_list[i + 1])
+            on_step(i, len(sigma_list) - 1, sigma_list[i + 1])
 
     with torch.inference_mode():
         out = denoise(counted, x, sigmas, inpaint=merger, callback=callback, sampler=sampler)
     check_finite_result(out, "refine_latents: the velocity model or the init latents")  # never NaN latents
     mu_rule = "empirical" if isinstance(mu, str) else "fixed"
     return RefineResult(out, sigma_list, t0, calls, mu=mu_value, mu_rule=mu_rule, schedule=schedule, tiling=record)
+
+
+def _shape_checked(velocity_fn: VelocityFn | None) -> VelocityFn | None:
+    """``velocity_fn`` whose every answer (a tile's too) is checked: a tensor of its input's shape, else one line
+    naming it (a wrong shape was a RuntimeError from the sampler's arithmetic, a broadcastable one a silently wrong
+    result). None stays None."""
+    if velocity_fn is None:
+        return None
+
+    def checked(z: torch.Tensor, sigma: float) -> torch.Tensor:
+        v = velocity_fn(z, sigma)
+        if not isinstance(v, torch.Tensor) or v.shape != z.shape:
+            got = f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+            raise FlowliftError(
+                f"velocity_fn must return a tensor of its input's shape {tuple(z.shape)}, got {got}",
+                field="velocity_fn",
+            )
+        return v
+
+    return checked
 
 
 def _txt2img_shape(shape: Sequence[int] | None, denoising_start: float, mask: Any) -> tuple[int, ...]:

@@ -269,7 +269,7 @@ class Flux2Refiner(HiresFix):
         batch = check_positive("batch", batch, integer=True)
         sampling = self._with_steps(sampling)
         tiles = self._tiles(tiles)
-        check_txt2img_size(width, height, ("width", "height"))
+        width, height = check_txt2img_size(width, height, ("width", "height"))
         den = self.denoiser(**conditioning)
         shape = (batch, LATENT_CHANNELS, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
         result = self._run(

@@ -178,8 +178,7 @@ class HiresSettings:
             object.__setattr__(self, "base_steps", STEPS.check(self.base_steps, "base_steps"))
         if not isinstance(self.base_size, (tuple, list)) or len(self.base_size) != 2:
             raise FlowliftError(f"base_size must be (width, height) in px, got {self.base_size!r}", field="base_size")
-        object.__setattr__(self, "base_size", tuple(self.base_size))
-        check_txt2img_size(*self.base_size, "base_size")
+        object.__setattr__(self, "base_size", check_txt2img_size(*self.base_size, "base_size"))
         transplant = TRANSPLANT_STRENGTH.check(self.transplant_strength, "transplant_strength")
         object.__setattr__(self, "transplant_strength", transplant)
         object.__setattr__(self, "color_fix", COLOR_FIX.check(self.color_fix, "color_fix"))
@@ -281,8 +280,7 @@ class RefineRequest:
         if self.mode == "txt2img":
             if not isinstance(self.size, (tuple, list)) or len(self.size) != 2:
                 raise FlowliftError(f"size must be (width, height) in px, got {self.size!r}", field="size")
-            object.__setattr__(self, "size", tuple(self.size))
-            check_txt2img_size(*self.size)
+            object.__setattr__(self, "size", check_txt2img_size(*self.size))
         if self.mode == "hires":
             hires = self.hires if self.hires is not None else HiresSettings()
             object.__setattr__(self, "hires", hires)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.flux2.settings import DEFAULT_MU, EMPIRICAL_MU, MU_RANGE, SAMPLERS, SCHEDULES
-from flowlift.knobs import SCALE, SEED, TRANSPLANT_STRENGTH, Knob, table  # noqa: F401  (TRANSPLANT_STRENGTH: the hires fix's)
+from flowlift.knobs import SCALE, SEED, TRANSPLANT_STRENGTH, Knob, exact_int, table  # noqa: F401  (TRANSPLANT_STRENGTH: the hires fix's)
 from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE, cap_words, hires_size_or_refuse, parse_memory
 
 #: The most steps a refine takes: far past where a flow model stops gaining (28-50), and a bound on what one
@@ -122,18 +122,18 @@ HIRES_SCALE = replace(
 )
 
 
-def check_txt2img_size(width: int, height: int, field: str | tuple[str, str] = "size") -> None:
-    """One FlowliftError line naming ``field`` unless ``width x height`` is a txt2img size flowlift can write: both
-    sides positive integers, multiples of ``PIXEL_MULTIPLE`` (16: the VAE's 8x and the 2x2 patches), at most
-    ``MAX_OUTPUT_SIDE`` (16384 px). Checked where the request is made, before any model loads. ``field`` a pair
-    (``("width", "height")``, keywords of their own): the line names the side that breaks the rule."""
+def check_txt2img_size(width: int, height: int, field: str | tuple[str, str] = "size") -> tuple[int, int]:
+    """``(width, height)`` as ints, or one FlowliftError line naming ``field`` unless ``width x height`` is a txt2img
+    size flowlift can write: both sides positive integers (numpy's too), multiples of ``PIXEL_MULTIPLE`` (16: the
+    VAE's 8x and the 2x2 patches), at most ``MAX_OUTPUT_SIDE`` (16384 px). Checked where the request is made, before
+    any model loads. ``field`` a pair (``("width", "height")``, keywords of their own): the line names the side that
+    breaks the rule."""
     if not isinstance(field, str):
-        for name, side in zip(field, (width, height), strict=True):
-            _check_side(name, side)
-        return
-    sides = (width, height)
-    if not all(isinstance(side, int) and not isinstance(side, bool) for side in sides):
-        raise FlowliftError(f"{field} must be two integers (width, height) in px, got {sides!r}", field=field)
+        return _check_side(field[0], width), _check_side(field[1], height)
+    sides = (exact_int(width), exact_int(height))
+    if None in sides:
+        raise FlowliftError(f"{field} must be two integers (width, height) in px, got {(width, height)!r}", field=field)
+    width, height = sides
     if min(sides) < PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height % PIXEL_MULTIPLE:
         near = [max(PIXEL_MULTIPLE, round(side / PIXEL_MULTIPLE) * PIXEL_MULTIPLE) for side in sides]
         fix = "crop or resize the image to" if field == "image" else "e.g."
@@ -148,12 +148,14 @@ def check_txt2img_size(width: int, height: int, field: str | tuple[str, str] = "
             f"{'resize the image to' if field == 'image' else 'use'} at most {MAX_OUTPUT_SIDE} px a side",
             field=field,
         )
+    return width, height
 
 
-def _check_side(name: str, side: object) -> None:
-    """:func:`check_txt2img_size`'s rule for one side given as a keyword of its own, ``name``."""
-    if not isinstance(side, int) or isinstance(side, bool):
-        raise FlowliftError(f"{name} must be an integer (px), got {side!r}", field=name)
+def _check_side(name: str, value: object) -> int:
+    """:func:`check_txt2img_size`'s rule for one side given as a keyword of its own, ``name``; the side as an int."""
+    side = exact_int(value)
+    if side is None:
+        raise FlowliftError(f"{name} must be an integer (px), got {value!r}", field=name)
     if side < PIXEL_MULTIPLE or side % PIXEL_MULTIPLE or side > MAX_OUTPUT_SIDE:
         near = min(MAX_OUTPUT_SIDE, max(PIXEL_MULTIPLE, round(side / PIXEL_MULTIPLE) * PIXEL_MULTIPLE))
         raise FlowliftError(
@@ -161,6 +163,7 @@ def _check_side(name: str, side: object) -> None:
             f"e.g. {near}",
             field=name,
         )
+    return side
 
 
 def check_hires_size(
@@ -178,7 +181,7 @@ def check_hires_size(
     :meth:`~flowlift.refine.refiner.Flux2Refiner.hires` for a direct caller.
     """
     scale = HIRES_SCALE.check(scale)
-    check_txt2img_size(width, height, field)
+    width, height = check_txt2img_size(width, height, field)
     side = max(width, height)
     out_w, out_h = hires_size_or_refuse(width, height, scale, field)  # 1.1x of 64x48 stayed 64x48, named _hires1.1x
     if max(out_h, out_w) > MAX_OUTPUT_SIDE:

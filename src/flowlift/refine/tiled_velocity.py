@@ -20,15 +20,14 @@ covering the frame is the inner function called once: bit for bit the untiled re
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
+from flowlift.flux2.sampling import VelocityFn
 from flowlift.refine.tiling import TileLayout, TileRequest, exceeds_untiled_limit, resolve_tile_size, tile_layout
-
-VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
 
 
 def smoothstep(t: torch.Tensor) -> torch.Tensor:

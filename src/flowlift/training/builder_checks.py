@@ -19,6 +19,7 @@ import torch
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
 from flowlift.knobs import OVERWRITE, SEED, check_kind, check_paths, check_positive, exact_int
+from flowlift.limits import MAX_OUTPUT_SIDE
 from flowlift.training.degrade import Degradation
 from flowlift.training.shards import CROP_ALIGN, STORAGE_DTYPES
 
@@ -57,25 +58,39 @@ def check_writing(shard_size: Any, storage_dtype: Any, device: Any, progress: An
     return shard_size, device, check_part(part)
 
 
-def check_crop(crop: Any, field: str = "crop") -> int:
-    """``crop``, an images dataset's crop side in pixels: a positive multiple of 32 (``8 * 4``: the target latent
-    side a multiple of 4), else one line naming ``field`` (``PhotoCrops``' is ``crop_px``) and the nearest sides."""
-    align = VAE_SCALE_FACTOR * CROP_ALIGN
+def latent_align(factor: int = 2) -> int:
+    """The multiple a target latent side must be of, for a degradation by ``factor``: ``lcm(4, 2 factor)``. Four for
+    the stream's crop grid (:data:`~flowlift.training.shards.CROP_ALIGN`); ``2 factor`` so that the degraded image,
+    ``8 side / factor`` px, is a whole multiple of 16 px, which every VAE encodes (the FLUX.2 VAE's and Mage-VAE's
+    patches): 4 for the released factor 2, 12 for 3."""
+    return math.lcm(CROP_ALIGN, 2 * factor)
+
+
+def check_crop(crop: Any, field: str = "crop", factor: int = 2) -> int:
+    """``crop``, an images dataset's crop side in pixels: a positive multiple of ``8 latent_align(factor)`` (32 for
+    the released factor 2) up to ``MAX_OUTPUT_SIDE``, else one line naming ``field`` (``PhotoCrops``' is
+    ``crop_px``) and the nearest sides."""
+    align = VAE_SCALE_FACTOR * latent_align(factor)
+    largest = MAX_OUTPUT_SIDE // align * align
     number = exact_int(crop)
-    if number is None or number <= 0 or number % align:
+    if number is None or number <= 0 or number % align or number > largest:
         # the nearest sides of a finite number; NaN and inf have none (int() of them raises)
         real = isinstance(crop, (int, float)) and not isinstance(crop, bool) and math.isfinite(crop)
-        near = max(align, int(crop) // align * align) if real else 512
-        fix = f"e.g. {near} or {near + align}" if near != crop else f"e.g. {near}"
-        raise FlowliftError(f"{field} must be a positive multiple of {align} px, got {crop!r}; {fix}", field=field)
+        near = min(largest, max(align, int(crop) // align * align)) if real else 512 // align * align or align
+        fix = f"e.g. {near} or {near + align}" if near not in (crop, largest) else f"e.g. {near}"
+        raise FlowliftError(
+            f"{field} must be a positive multiple of {align} px up to {largest}, got {crop!r}; {fix}", field=field
+        )
     return number
 
 
-def check_photo_crops(crop: Any, crops_per_image: Any, flip: Any, crop_field: str = "crop") -> tuple[int, int, bool]:
-    """``(crop, crops_per_image, flip)`` of an images dataset: :func:`check_crop`, an integer >= 1, a bool (never
-    a truthy ``"no"``), else one line naming the field."""
+def check_photo_crops(
+    crop: Any, crops_per_image: Any, flip: Any, crop_field: str = "crop", factor: int = 2
+) -> tuple[int, int, bool]:
+    """``(crop, crops_per_image, flip)`` of an images dataset: :func:`check_crop` (for a degradation by ``factor``),
+    an integer >= 1, a bool (never a truthy ``"no"``), else one line naming the field."""
     crops_per_image = check_positive("crops_per_image", crops_per_image, integer=True)
-    return check_crop(crop, crop_field), crops_per_image, check_kind("flip", flip, bool, "True or False")
+    return check_crop(crop, crop_field, factor), crops_per_image, check_kind("flip", flip, bool, "True or False")
 
 
 def check_build(
@@ -95,14 +110,17 @@ def check_build(
     return Path(root), SEED.check(seed), batch_size, degradation or Degradation()
 
 
-def check_latent_size(size: Any) -> tuple[int, int]:
-    """``size``, a distillation dataset's target latent ``(height, width)``: two positive multiples of 4 (the
-    stream's crop grid, :data:`~flowlift.training.shards.CROP_ALIGN`), else one line naming ``latent_size``."""
+def check_latent_size(size: Any, factor: int = 2) -> tuple[int, int]:
+    """``size``, a distillation dataset's target latent ``(height, width)``: two positive multiples of
+    :func:`latent_align` (4 for the released factor 2) whose images are within ``MAX_OUTPUT_SIDE``, else one line
+    naming ``latent_size``."""
+    align, largest = latent_align(factor), MAX_OUTPUT_SIDE // VAE_SCALE_FACTOR
     pair = tuple(size) if isinstance(size, (tuple, list)) and len(size) == 2 else ()
     sides = [exact_int(side) for side in pair]
-    if len(sides) != 2 or any(side is None or side <= 0 or side % CROP_ALIGN for side in sides):
+    if len(sides) != 2 or any(side is None or side <= 0 or side % align or side > largest for side in sides):
         raise FlowliftError(
-            f"latent_size must be (height, width), two positive multiples of {CROP_ALIGN}, got {size!r}",
+            f"latent_size must be (height, width), two positive multiples of {align} up to {largest} "
+            f"(a degradation by {factor}; images of at most {MAX_OUTPUT_SIDE} px), got {size!r}",
             field="latent_size",
         )
     return sides[0], sides[1]

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from flowlift.errors import FIELD_MARK, FlowliftError
+from flowlift.limits import MAX_OUTPUT_SIDE
 from flowlift.training.builder_checks import check_photo_crops
 from flowlift.training.dataset_settings import STORAGE_DTYPE, TEACHER_DTYPE
 from flowlift.training.datasets import (
@@ -64,9 +65,10 @@ class TeacherSource:
             check_path(name, getattr(self, name), optional=True)
         for name in ("num", "steps", "width", "height"):
             check_positive(name, getattr(self, name), integer=True)
-        if self.width % 32 or self.height % 32:
+        if self.width % 32 or self.height % 32 or max(self.width, self.height) > MAX_OUTPUT_SIDE:
             raise FlowliftError(
-                f"{FIELD_MARK}/{FIELD_MARK} must be positive multiples of 32, got {self.width}x{self.height}",
+                f"{FIELD_MARK}/{FIELD_MARK} must be positive multiples of 32 up to {MAX_OUTPUT_SIDE}, "
+                f"got {self.width}x{self.height}",
                 field=("width", "height"),
             )
         # the teacher's guidance scale, the same quantity as a refine's (PromptRequest.guidance): above 0

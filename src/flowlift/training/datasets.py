@@ -271,7 +271,7 @@ def build_distill_dataset(
     root, seed, batch_size, degradation = check_build(root, vae, seed, batch_size, degradation, overwrite)
     check_callable("teacher", teacher, optional=False)
     num_items = check_positive("num_items", num_items, integer=True)
-    height, width = latent_size = check_latent_size(latent_size)
+    height, width = latent_size = check_latent_size(latent_size, degradation.factor)
     source = {"teacher": type(teacher).__name__} if source is None else check_source(source)
     manifest = _manifest("distill", latent_size, num_items, True, degradation, seed, shard_size, storage_dtype, source)
     prepare_dataset_dir(root, manifest, overwrite)
@@ -359,7 +359,8 @@ def build_images_dataset(
 ) -> dict[str, Any]:
     """Build (or resume) an images dataset: ``target = encode(crop)``, ``cond = encode(degrade(decode(target)))``.
 
-    ``crop`` (pixels) must be a multiple of ``8 * 4`` so the target latent side is a multiple of 4.
+    ``crop`` (pixels) must be a multiple of 32 (the target latent side a multiple of 4; for another degradation
+    factor, :func:`~flowlift.training.builder_checks.latent_align`), at most 16384.
     ``part = (i, n)`` builds only shards ``k % n == i``; ``writing`` and ``overwrite`` as
     :func:`build_distill_dataset` takes them. Returns the manifest.
     """
@@ -368,7 +369,7 @@ def build_images_dataset(
 
     shard_size, storage_dtype, device, progress, part = _writing(writing)
     root, seed, batch_size, degradation = check_build(root, vae, seed, batch_size, degradation, overwrite)
-    crop, crops_per_image, flip = check_photo_crops(crop, crops_per_image, flip)
+    crop, crops_per_image, flip = check_photo_crops(crop, crops_per_image, flip, factor=degradation.factor)
     paths = check_image_paths(image_paths, vae_name)
     items, skipped = plan_image_crops(paths, crop, crops_per_image, seed, flip)
     for name in skipped:  # one line per image, naming it (the CLI shows each as a flowlift warning line)
