@@ -74,6 +74,17 @@ def test_output_size_within_what_the_passes_make(pipe, image, passes, size, word
     _refused(lambda: pipe.upscale_image(image, num_passes=passes, output_size=size, output_type="pt"), *words)
 
 
+def test_passes_that_make_the_size_are_taken():
+    """``output_size`` of the input's own size with ``num_passes=0`` (a VAE round trip) was refused as "1x the input,
+    past the 1x num_passes=0 make": the passes make that size."""
+    from flowlift.upscale.sizes import passes_for_output_size
+
+    assert passes_for_output_size((48, 32), (48, 32), 0) == 0
+    assert passes_for_output_size((48, 32), (96, 64), 1) == 1 and passes_for_output_size((48, 32), (90, 60), 1) == 1
+    with pytest.raises(FlowliftError, match="49x32 is 1.021x the 48x32 input, past the 1x num_passes=0 make"):
+        passes_for_output_size((48, 32), (49, 32), 0)
+
+
 def test_fewer_passes_than_a_size_takes_are_taken_where_the_cap_drops_them():
     from flowlift.upscale.sizes import passes_for_output_size
 

@@ -210,6 +210,44 @@ def test_sesqui_names_its_size_latents_and_bands(tmp_path, keywords, field):
     _refused(lambda: sesqui_to_size(model, **arguments, **stats), field)
 
 
+@pytest.mark.parametrize(
+    ("arguments", "keywords", "field"),
+    [
+        ((5,), {}, "path"),  # a TypeError
+        ((None,), {}, "path"),
+        (("FILE",), {"dtype": torch.int32}, "dtype"),  # a TypeError from torch
+        (("FILE",), {"dtype": "bf16"}, "dtype"),
+        (("FILE",), {"device": "bogus"}, "device"),  # a RuntimeError
+    ],
+)
+def test_load_sesqui_lsr_names_its_arguments(tmp_path, arguments, keywords, field):
+    from flowlift.models.sesqui_lsr import load_sesqui_lsr
+    from sesqui_reference import save_random_sesqui
+
+    path = save_random_sesqui(tmp_path)
+    _refused(lambda: load_sesqui_lsr(*(path if a == "FILE" else a for a in arguments), **keywords), field)
+
+
+def test_sesqui_refuses_its_inputs_before_the_network_runs(tmp_path):
+    """Odd latents were a ValueError from patchify, 64 BN statistics a RuntimeError, and NaN latents were said as
+    "SesquiLSR produced non-finite latents" (the network's fault)."""
+    from flowlift.models.sesqui_bands import sesqui_to_size
+    from flowlift.models.sesqui_lsr import load_sesqui_lsr
+    from sesqui_reference import save_random_sesqui
+
+    model = load_sesqui_lsr(save_random_sesqui(tmp_path), device="cpu", dtype=torch.float32)
+    stats = {"bn_mean": torch.zeros(128), "bn_std": torch.ones(128)}
+    odd = torch.zeros(1, 32, 7, 7)
+    with pytest.raises(FlowliftError, match=r"^SesquiLSR: latents need an even height and width"):
+        sesqui_to_size(model, odd, (12, 12), rows=None, **stats)
+    bad_stats = {"bn_mean": torch.zeros(64), "bn_std": torch.ones(64)}
+    _refused(lambda: sesqui_to_size(model, torch.zeros(1, 32, 8, 8), (12, 12), **bad_stats), "bn_mean")
+    nan = torch.zeros(1, 32, 8, 8)
+    nan[0, 3, 2, 2] = float("nan")
+    with pytest.raises(FlowliftError, match=r"^SesquiLSR: the input latents contain non-finite values"):
+        sesqui_to_size(model, nan, (12, 12), rows=None, **stats)
+
+
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
 def test_the_finiteness_check_makes_no_copy_of_what_it_checks(bad):
     """``isfinite(t).all()`` made a bool tensor of t's size: 0.8 GB beside a 16K image, outside any memory plan."""

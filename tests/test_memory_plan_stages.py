@@ -210,3 +210,24 @@ def test_a_budget_is_said_as_it_was_given():
     assert format_bytes(parse_memory("6GB")) == "6 GB (5.59 GiB)"
     assert format_bytes(parse_memory("512MiB")) == "512.0 MiB" and format_bytes(parse_memory("6GiB")) == "6.00 GiB"
     assert format_bytes(12_345_678) == "11.8 MiB"  # a computed size: binary units only
+
+
+class _ElsewhereTensor(torch.Tensor):
+    """A CPU tensor that says it is on another device: the host copy's device path, run on a CPU."""
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("meta")
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 300, 700), (2, 3, 700, 300), (1, 3, 256, 256), (1, 3, 5, 1000)])
+def test_the_host_copy_of_a_decoded_frame_is_exact_at_any_aspect(shape):
+    """Stage 2 on the host copies the device's decoded frame in strips of rows; the strips sliced the width, so a
+    frame wider than its rows' count (4096x2048 from a GPU under --max-memory) kept columns of uninitialized memory."""
+    from flowlift.upscale.image_steps import float32_by_rows, to_host_float32
+
+    images = torch.rand(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for rows in (256, 64, 7):
+        assert torch.equal(float32_by_rows(images, rows), images.float()), rows
+    elsewhere = to_host_float32(images.as_subclass(_ElsewhereTensor), 64).as_subclass(torch.Tensor)
+    assert torch.equal(elsewhere, images.float())

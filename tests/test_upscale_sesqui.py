@@ -219,6 +219,34 @@ def test_a_size_that_needs_sesquilsr_outside_1_to_2_is_one_line_before_any_work(
     assert not (tmp_path / "x.png").exists()
 
 
+def test_an_input_too_small_for_sesquilsr_is_one_line_before_any_work(capsys, tmp_path, sesqui):
+    """A 16x16 input at 1.5x starts SesquiLSR from 2x2 latents, under its 3 a side: refused by the network only after
+    the three models had loaded and the VAE had encoded; now at planning, the models never looked up."""
+    small = tmp_path / "small.png"
+    Image.new("RGB", (16, 16), (90, 120, 30)).save(small)
+    never = ["--upscaler", str(tmp_path / "never.safetensors"), "--vae", str(tmp_path / "never-vae")]
+    code, err = _upscale(
+        capsys, small, tmp_path / "x.png", "--scale", "1.5", *never, "--latent-upscaler", f"sesqui:{sesqui}"
+    )
+    line = one_error_line(err, "upscale")
+    assert code == 2 and "--latent-upscaler" in line and "2x2 latents, under its 3 a side" in line, err
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("scale", ["1", "1.0001"])
+def test_the_inputs_own_size_with_the_latent_upscaler_is_one_line_before_any_work(
+    capsys, tmp_path, photo, sesqui, scale
+):
+    """No Flow pass and SesquiLSR at 1x: only the VAE's round trip, written as ``a_x1.0001.png`` with exit 0."""
+    never = ["--upscaler", str(tmp_path / "never.safetensors"), "--vae", str(tmp_path / "never-vae")]
+    code, err = _upscale(
+        capsys, photo, tmp_path / "x.png", "--scale", scale, *never, "--latent-upscaler", f"sesqui:{sesqui}"
+    )
+    line = one_error_line(err, "upscale")
+    assert code == 2 and "--latent-upscaler: 48x32 is the input's own size" in line, err
+    assert not (tmp_path / "x.png").exists()
+
+
 def test_one_knob_for_both_commands_and_the_settings():
     from flowlift.knobs import LATENT_UPSCALER
     from flowlift.upscale.outputs import UpscaleSettings
@@ -238,7 +266,9 @@ def test_one_knob_for_both_commands_and_the_settings():
 @pytest.mark.parametrize("mode", ["pad", "resample"])
 def test_the_fraction_left_to_sesquilsr_is_within_1_to_2_by_construction(scale, mode):
     """Any scale, any input size, either resize mode: the planned passes leave each side 1-2x to SesquiLSR
-    (fraction_passes raises its one line otherwise), on an even latent grid whose decoded frame covers the size."""
+    (fraction_passes raises its one line otherwise), on an even latent grid whose decoded frame covers the size.
+    A size that leaves SesquiLSR nothing after no pass (the input's own: 1x, or 1.01 of 1x1) is refused, and so are
+    latents under SesquiLSR's 3 a side, before any work."""
     from flowlift.upscale.asked_size import AskedSize
     from flowlift.upscale.latent_fraction import fraction_passes, fraction_plan
     from flowlift.upscale.sizes import prepared_size
@@ -252,7 +282,14 @@ def test_the_fraction_left_to_sesquilsr_is_within_1_to_2_by_construction(scale, 
             except FlowliftError as error:
                 assert error.field == "latent_upscaler"
             continue
-        passes = fraction_passes(height, width, mode, out)
+        try:
+            passes = fraction_passes(height, width, mode, out)
+        except FlowliftError as error:  # the passes' latents under SesquiLSR's 3 a side (a canvas under 24 px), or
+            # no model at all: the input's own size
+            own = out == (width, height) and "is the input's own size" in str(error)
+            small = "a side; give a larger image" in str(error) and min(width, height) < 24
+            assert own or small, str(error)
+            continue
         assert 2**passes <= scale * 1.5 and 2 ** (passes + 1) >= scale / 1.5  # the passes that reach it, less one
         prepared = prepared_size(height, width, mode)
         plan = fraction_plan(prepared, (height, width) if mode == "pad" else prepared, passes, out)

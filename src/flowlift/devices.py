@@ -270,9 +270,8 @@ def non_finite_kind(tensor: torch.Tensor) -> str | None:
     """``"NaN"`` or ``"Inf"`` when ``tensor`` holds one, else None (integer and empty tensors: None).
 
     One read and no temporaries where ``isfinite(t).all()`` reads twice and writes a bool copy: ``aminmax`` (a NaN
-    propagates into both ends, an Inf is one of them), in one CPU thread (a memory-bound reduction; docs/cpu.md,
-    issue 47). Only a failing tensor is read again, to name the kind. Dtypes without ``aminmax`` (float8) are
-    checked in float32.
+    propagates into both ends, an Inf is one of them, so the ends name the kind too), in one CPU thread (a
+    memory-bound reduction; docs/cpu.md, issue 47). Dtypes without ``aminmax`` (float8) are checked in float32.
     """
     import math
 
@@ -287,9 +286,9 @@ def non_finite_kind(tensor: torch.Tensor) -> str | None:
         except (NotImplementedError, RuntimeError):
             tensor = tensor.float()
             low, high = (float(v) for v in torch.aminmax(tensor))
-        if math.isfinite(low) and math.isfinite(high):
-            return None
-        return "NaN" if bool(torch.isnan(tensor).any()) else "Inf"
+    if math.isfinite(low) and math.isfinite(high):
+        return None
+    return "NaN" if math.isnan(low) or math.isnan(high) else "Inf"
 
 
 #: Set by :func:`end_before_native_teardown`; read once the command has returned (``flowlift.commands.cli.main``).

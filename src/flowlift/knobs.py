@@ -124,9 +124,11 @@ class Knob:
         multiple = ("multiple", self.multiple) if self.multiple else ()
         return ("range", self.low, self.high, *opened, *multiple, *self.words, *none)
 
-    def describe(self) -> str:
-        """The domain in words: ``"one of a, b"``, ``"in [0, 1]"``, ``"an integer in [1, 200]"``, ``"in (0, 1)"``."""
-        none = " or none" if self.optional else ""
+    def describe(self, *, loose: bool = True) -> str:
+        """The domain in words: ``"one of a, b"``, ``"in [0, 1]"``, ``"an integer in [1, 200]"``, ``"in (0, 1)"``; an
+        optional knob's absence as the text doors spell it (``or none``), or with ``loose=False`` as Python does
+        (``or None``: the string ``"none"`` is no Python value of it)."""
+        none = (" or none" if loose else " or None") if self.optional else ""
         if self.choices:
             return "one of " + ", ".join(map(str, self.choices)) + none
         if self.kind is bool:
@@ -149,16 +151,17 @@ class Knob:
             return f"{kind or 'a number '}{'>' if self.low_open else '>='} {low}{multiple}{words}{none}"
         return f"{kind}in {opening}{low}, {high}{closing}{multiple}{words}{none}"
 
-    def _error(self, label: str, value: Any) -> FlowliftError:
+    def _error(self, label: str, value: Any, loose: bool) -> FlowliftError:
         if self.kind is int and self.low == 0 and not self.multiple and not self.optional:
             at_most = "" if self.high is None else f" at most {self.high}"
             if self.high == SEED_MAX:
                 at_most += " (2^64 - 1)"
             return FlowliftError(f"{label} must be a non-negative integer{at_most}, got {value!r}", field=label)
         if self.kind is float and _non_finite(value):  # say what is wrong with nan / inf, not only the range
-            finite = f"a finite number {self.describe().removeprefix('a number')}".strip()  # never "... a number > 0"
+            # never "... a number > 0"
+            finite = f"a finite number {self.describe(loose=loose).removeprefix('a number')}".strip()
             return FlowliftError(f"{label} must be {' '.join(finite.split())}, got {value!r}", field=label)
-        return FlowliftError(f"{label} must be {self.describe()}, got {value!r}", field=label)
+        return FlowliftError(f"{label} must be {self.describe(loose=loose)}, got {value!r}", field=label)
 
     def check(self, value: Any, label: str | None = None, *, loose: bool = False) -> Any:
         """``value`` converted to this knob's type if it lies in the domain, else one FlowliftError line.
@@ -183,11 +186,11 @@ class Knob:
             return value
         if self.kind is str:
             if not isinstance(value, str) or not re.fullmatch(self.pattern, value.strip(), re.DOTALL):
-                raise FlowliftError(f"{label} must be {self.describe()}, got {value!r}", field=label)
+                raise FlowliftError(f"{label} must be {self.describe(loose=loose)}, got {value!r}", field=label)
             return value.strip()
         if self.kind is list:
             if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
-                raise FlowliftError(f"{label} must be {self.describe()}, got {value!r}", field=label)
+                raise FlowliftError(f"{label} must be {self.describe(loose=loose)}, got {value!r}", field=label)
             return list(value)
         if isinstance(value, str) and value.strip().lower() in self.words:
             return value.strip().lower()
@@ -195,11 +198,11 @@ class Knob:
         if isinstance(value, str) and self.kind is float and not loose:
             number = None  # the Python API takes numbers; text is for the loose doors
         if number is None:
-            raise self._error(label, value)
+            raise self._error(label, value, loose)
         below = self.low is not None and (number <= self.low if self.low_open else number < self.low)
         above = self.high is not None and (number >= self.high if self.high_open else number > self.high)
         if below or above:
-            raise self._error(label, value)
+            raise self._error(label, value, loose)
         if self.multiple and number % self.multiple:
             unit = f" {self.unit}" if self.unit else ""
             raise FlowliftError(f"{label} must be a multiple of {self.multiple}{unit}, got {value!r}", field=label)

@@ -28,6 +28,7 @@ __all__ = [
     "LATENT_CHANNELS",
     "MAX_OUTPUT_SIDE",
     "PIXEL_MULTIPLE",
+    "SESQUI_MIN_SIDE",
     "decode_peak_bytes",
     "decoded_image_dtype",
     "dtype_bytes",
@@ -42,6 +43,11 @@ __all__ = [
 
 #: The largest output side flowlift writes (16K): upscale passes stop before it, an outpaint canvas stays in it.
 MAX_OUTPUT_SIDE = 16384
+
+
+#: SesquiLSR's smallest latent side (its 3x3 and 5x5 reflection pads need a side longer than the pad): here, torch-free,
+#: so that the upscale plan refuses a small input before any model loads.
+SESQUI_MIN_SIDE = 3
 
 
 def cap_words(max_side: int = MAX_OUTPUT_SIDE) -> str:

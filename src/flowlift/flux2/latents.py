@@ -147,6 +147,32 @@ def from_comfyui_latent(latent: dict[str, torch.Tensor]) -> torch.Tensor:
     return unpatchify(samples)
 
 
+def check_bn_statistics(bn_mean: Any, bn_std: Any, where: str) -> None:
+    """Both FLUX.2 VAE BatchNorm statistics or neither, each a floating tensor of the 128 patchified channels,
+    ``bn_mean`` finite and ``bn_std`` finite and above 0; else one line naming the field (``where``, the entry point,
+    for a missing half). A string was an AttributeError, a 5-element tensor a RuntimeError mid-normalization, a
+    NaN ran a whole sampler first, and a negative std mirrors the latents silently."""
+    if (bn_mean is None) != (bn_std is None):
+        raise FlowliftError(f"{where}: give both bn_mean and bn_std, or neither")
+    for name, value in (("bn_mean", bn_mean), ("bn_std", bn_std)):
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != PATCHIFIED_CHANNELS:
+            shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+            raise FlowliftError(
+                f"{name} must be a floating tensor of the VAE's {PATCHIFIED_CHANNELS} statistics, got {shown}",
+                field=name,
+            )
+    if bn_mean is None:
+        return
+    if not bool(torch.isfinite(bn_mean).all()):
+        raise FlowliftError("bn_mean must be finite (the VAE's BatchNorm means), got NaN or Inf", field="bn_mean")
+    if not bool((bn_std > 0).all() and torch.isfinite(bn_std).all()):
+        raise FlowliftError(
+            "bn_std must be finite and above 0 (the VAE's BatchNorm standard deviations)", field="bn_std"
+        )
+
+
 def check_latents(latents: Any, where: str, *, even: bool = False) -> torch.Tensor:
     """``latents`` if they are package-convention latents: a floating (B, 32, h, w) tensor, every size >= 1
     (``even``: h and w even, as FLUX.2's 2x2 patches need), all values finite; else one line starting with
@@ -168,6 +194,8 @@ def check_latents(latents: Any, where: str, *, even: bool = False) -> torch.Tens
         raise FlowliftError(f"{where}: latents need an even height and width (FLUX.2's 2x2 patches), got {shape}")
     if not latents.is_floating_point():
         raise FlowliftError(f"{where}: latents must be floating point, got {str(latents.dtype).removeprefix('torch.')}")
-    if not bool(torch.isfinite(latents).all()):
+    from flowlift.devices import non_finite_kind
+
+    if non_finite_kind(latents) is not None:
         raise FlowliftError(f"{where}: the input latents contain non-finite values (NaN/Inf)")
     return latents

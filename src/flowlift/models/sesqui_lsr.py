@@ -37,14 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from flowlift.errors import FIELD_MARK, FlowliftError
+from flowlift.limits import SESQUI_MIN_SIDE
 
 WHAT = "SesquiLSR weights"
 WEIGHTS_NAME = "upscaler_Flux2.safetensors"
 WHERE_TO_GET = f"get {WEIGHTS_NAME} from the models/ folder of https://github.com/LoganBooker/SesquiLSR"
 LATENT_CHANNELS = 32
 WIDTH = 128
-#: The smallest input side: the 3x3 and 5x5 reflection pads need a side longer than the pad.
-MIN_SIDE = 3
 MIN_FACTOR, MAX_FACTOR = 1.0, 2.0
 #: ``IRLayerNorm``'s variance floor and the taps' relative offsets around ``floor(position)``.
 NORM_EPS = 1e-6
@@ -253,7 +252,7 @@ class SesquiLSR(nn.Module):
     """The FLUX.2 SesquiLSR network: ``forward(raw_latents, target_size)`` -> raw latents at ``target_size``.
 
     ``raw_latents`` are (B, 32, h, w) raw FLUX.2 VAE latents (before patchify and BN normalization), each
-    side at least :data:`MIN_SIDE`; ``target_size`` is ``(H, W)`` with ``H / h`` and ``W / w`` in [1, 2]
+    side at least :data:`SESQUI_MIN_SIDE`; ``target_size`` is ``(H, W)`` with ``H / h`` and ``W / w`` in [1, 2]
     (the axes may differ). Anything else is one FlowliftError line.
     """
 
@@ -284,8 +283,8 @@ def check_target_size(shape: tuple[int, ...], target_size: tuple[int, int]) -> t
     if len(shape) != 4 or shape[1] != LATENT_CHANNELS:
         raise FlowliftError(f"SesquiLSR: raw latents must have shape (B, {LATENT_CHANNELS}, h, w), got {shape}")
     h, w = shape[2], shape[3]
-    if min(h, w) < MIN_SIDE:
-        raise FlowliftError(f"SesquiLSR: latents of {h}x{w} are too small (each side at least {MIN_SIDE})")
+    if min(h, w) < SESQUI_MIN_SIDE:
+        raise FlowliftError(f"SesquiLSR: latents of {h}x{w} are too small (each side at least {SESQUI_MIN_SIDE})")
     from flowlift.knobs import exact_int
 
     sides = tuple(exact_int(v) for v in target_size) if isinstance(target_size, (tuple, list)) else ()
@@ -344,11 +343,15 @@ def load_sesqui_lsr(
 
     Every tensor is checked before any memory is allocated (the network is built on the meta device): a
     missing, extra or mis-shaped tensor, a non-float tensor or a NaN/Inf is one FlowliftError line naming it.
-    A missing file is one line saying where the released weights are.
+    A missing file is one line saying where the released weights are; a ``path`` that is no file name, a
+    ``device`` that is not here or a ``dtype`` that is no floating torch dtype one line naming it.
     """
+    from flowlift.devices import resolve_device_option
+    from flowlift.knobs import check_dtype, check_path
     from flowlift.models.weights import load_strict, read_state_dict
 
-    path = check_sesqui_file(path)
+    device, dtype = resolve_device_option(device), check_dtype(dtype)
+    path = check_sesqui_file(check_path("path", path))
     state = read_state_dict(path, what=WHAT)
     model = _fitting_meta_model(state, path).to_empty(device="cpu")
     load_strict(model, state, what=WHAT, origin=str(path))
@@ -399,14 +402,20 @@ def sesqui_upscale_latents(
     raw, target_size)`` runs the network (default: whole-frame; :func:`flowlift.models.sesqui_bands.sesqui_banded`
     in bands, for a memory budget).
     """
+    from flowlift.flux2.latents import check_bn_statistics, check_latents
+    from flowlift.models.weights import check_finite_result
+
     if bn_mean is None or bn_std is None:
         raise FlowliftError(
             "SesquiLSR works on raw FLUX.2 VAE latents and needs the FLUX.2 VAE's BN statistics; this VAE "
             "(TAEF2 or Mage-VAE) encodes straight into the normalized space and has none: use --vae flux2"
         )
+    check_bn_statistics(bn_mean, bn_std, "SesquiLSR")
     if not isinstance(latents, torch.Tensor) or not latents.is_floating_point():
         got = latents.dtype if isinstance(latents, torch.Tensor) else type(latents).__name__
         raise FlowliftError(f"latents must be a floating tensor (normalized latents), got {got}", field="latents")
+    # the input's own refusals (odd sides, NaN) before the network's: NaN in was said as "SesquiLSR produced NaN"
+    check_latents(latents, "SesquiLSR", even=True)
     th, tw = check_target_size(tuple(latents.shape), target_size)
     if th % 2 or tw % 2:
         raise FlowliftError(f"SesquiLSR: target {th}x{tw} latents must have even sides (FLUX.2's 2x2 patches)")
@@ -416,6 +425,4 @@ def sesqui_upscale_latents(
         raw = raw.to(param.device, param.dtype)
         out = (model(raw, (th, tw)) if forward is None else forward(model, raw, (th, tw))).float()
         result = latents_from_raw(out, bn_mean.to(out.device), bn_std.to(out.device))
-    if not bool(torch.isfinite(result).all()):
-        raise FlowliftError("SesquiLSR produced non-finite latents (NaN/Inf)")
-    return result.to(latents.dtype)
+    return check_finite_result(result, "SesquiLSR").to(latents.dtype)

@@ -298,18 +298,15 @@ def check_finite_result(tensor: torch.Tensor, what: str) -> torch.Tensor:
     """``tensor`` itself, or a :class:`NonFiniteResult` line ``"<what> gave NaN ..."`` when it holds NaN or Inf.
 
     For a model's result before anything stores it: a writer would turn NaN into a black image, an all-NaN shard
-    or a table of NaN that is not even valid JSON. One reduction over the tensor, ``aminmax`` (a NaN comes out in
-    both ends, an Inf in one): no tensor-sized temporary, where ``isfinite(t).all()`` makes one (0.8 GB for a 16K
-    image, past a memory plan's budget).
+    or a table of NaN that is not even valid JSON. One reduction over the tensor
+    (:func:`flowlift.devices.non_finite_kind`): no tensor-sized temporary, where ``isfinite(t).all()`` makes one
+    (0.8 GB for a 16K image, past a memory plan's budget).
     """
-    if not tensor.is_floating_point() or not tensor.numel():
-        return tensor
-    try:
-        ends = [float(end) for end in torch.aminmax(tensor.detach())]
-    except (NotImplementedError, RuntimeError):  # a dtype without the kernel (float8): the plain test
-        ends = [0.0 if bool(torch.isfinite(tensor).all()) else math.nan]
-    if not all(math.isfinite(end) for end in ends):
-        raise NonFiniteResult(what, "Inf" if not any(math.isnan(end) for end in ends) else "NaN", tensor.dtype)
+    from flowlift.devices import non_finite_kind
+
+    kind = non_finite_kind(tensor)
+    if kind is not None:
+        raise NonFiniteResult(what, kind, tensor.dtype)
     return tensor
 
 

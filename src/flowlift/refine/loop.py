@@ -20,7 +20,14 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.flux2.latents import PATCHIFIED_CHANNELS, image_seq_len, normalize, seeded_noise, unpatchify
+from flowlift.flux2.latents import (
+    PATCHIFIED_CHANNELS,
+    check_bn_statistics,
+    image_seq_len,
+    normalize,
+    seeded_noise,
+    unpatchify,
+)
 from flowlift.flux2.sampling import VelocityFn
 from flowlift.flux2.schedule import flux2_sigmas, resolve_mu
 from flowlift.limits import LATENT_CHANNELS
@@ -143,7 +150,7 @@ def refine_latents(
     if velocity_fn is None and denoising_start < 1.0:
         raise FlowliftError("velocity_fn must be a function (None only with denoising_start 1), got None")
     denoising_end = 1.0  # every refine runs to the clean image
-    _check_statistics(bn_mean, bn_std)
+    check_bn_statistics(bn_mean, bn_std, "refine_latents")
     init_latents, shape = _start(init_latents, shape, denoising_start, mask, device)
 
     record: dict[str, Any] = {}
@@ -224,32 +231,6 @@ def _txt2img_shape(shape: Sequence[int] | None, denoising_start: float, mask: An
     if shape[1] != LATENT_CHANNELS or shape[2] % 2 or shape[3] % 2:
         raise FlowliftError(f"refine_latents: shape must be (B, 32, even h, even w), got {shape}")
     return shape
-
-
-def _check_statistics(bn_mean: Any, bn_std: Any) -> None:
-    """Both VAE BatchNorm statistics or neither, each a floating tensor of the 128 patchified channels, else one
-    line naming it (a string was an AttributeError, a 5-element tensor a RuntimeError mid-normalization)."""
-    if (bn_mean is None) != (bn_std is None):
-        raise FlowliftError("refine_latents: give both bn_mean and bn_std, or neither")
-    for name, value in (("bn_mean", bn_mean), ("bn_std", bn_std)):
-        if value is None:
-            continue
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != PATCHIFIED_CHANNELS:
-            shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
-            raise FlowliftError(
-                f"{name} must be a floating tensor of the VAE's {PATCHIFIED_CHANNELS} statistics, got {shown}",
-                field=name,
-            )
-    if bn_mean is None:
-        return
-    # a NaN ran the whole sampler before the loop's own check; a std of 0 or below is no VAE's (a negative one
-    # mirrors the latents silently)
-    if not bool(torch.isfinite(bn_mean).all()):
-        raise FlowliftError("bn_mean must be finite (the VAE's BatchNorm means), got NaN or Inf", field="bn_mean")
-    if not bool((bn_std > 0).all() and torch.isfinite(bn_std).all()):
-        raise FlowliftError(
-            "bn_std must be finite and above 0 (the VAE's BatchNorm standard deviations)", field="bn_std"
-        )
 
 
 def _start(

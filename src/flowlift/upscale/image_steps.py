@@ -133,7 +133,14 @@ def to_host_float32(images: torch.Tensor, strip_rows: int = 256) -> torch.Tensor
     """
     if images.device.type == "cpu":
         return images.to(torch.float32)
+    return float32_by_rows(images, strip_rows)
+
+
+def float32_by_rows(images: torch.Tensor, strip_rows: int) -> torch.Tensor:
+    """``images`` (B, C, H, W) as float32 on the host, ``strip_rows`` rows at a time (every column of each: the
+    strips once sliced the last axis, the width, so a frame wider than its height kept columns past the rows'
+    count unwritten)."""
     out = torch.empty(images.shape, dtype=torch.float32, device="cpu")
     for r0 in range(0, images.shape[-2], strip_rows):
-        out[..., r0 : r0 + strip_rows].copy_(images[..., r0 : r0 + strip_rows].to(torch.float32))
+        out[:, :, r0 : r0 + strip_rows].copy_(images[:, :, r0 : r0 + strip_rows].to(torch.float32))
     return out

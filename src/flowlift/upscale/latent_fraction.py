@@ -28,6 +28,7 @@ from pathlib import Path
 
 from flowlift.errors import FlowliftError
 from flowlift.knobs import LATENT_UPSCALER
+from flowlift.limits import SESQUI_MIN_SIDE
 
 #: The field a refusal of the latent upscaler names (each door words it: ``--latent-upscaler``, the app's label).
 FIELD = "latent_upscaler"
@@ -90,6 +91,13 @@ def fraction_plan(
     if target == latent and content == (out[1], out[0]):
         return None
     check_fraction(latent, wanted, content, out, f"{out[0]}x{out[1]} after {passes} pass(es)")
+    if min(latent) < SESQUI_MIN_SIDE:  # refused by the network itself only after every model loaded and encoded
+        raise FlowliftError(
+            f"latent_upscaler: {out[0]}x{out[1]} after {passes} pass(es) starts SesquiLSR from {latent[1]}x{latent[0]} "
+            f"latents, under its {SESQUI_MIN_SIDE} a side; give a larger image, or drop the latent upscaler to "
+            "resample in pixels",
+            field=FIELD,
+        )
     return target, content
 
 
@@ -123,7 +131,12 @@ def fraction_passes(height: int, width: int, resize_mode: str, out: tuple[int, i
             f"{cap_words()}; drop the latent upscaler to resample in pixels",
             field=FIELD,
         )
-    fraction_plan(prepared, reference, passes, out)
+    if fraction_plan(prepared, reference, passes, out) is None and passes == 0:  # was written as _x1.0001, exit 0
+        raise FlowliftError(
+            f"latent_upscaler: {out[0]}x{out[1]} is the input's own size: no Flow pass and nothing for SesquiLSR, only "
+            "the VAE's round trip; ask for a larger size, or drop the latent upscaler (one pass, resampled to it)",
+            field=FIELD,
+        )
     return passes
 
 

@@ -278,7 +278,7 @@ def passes_for_output_size(
     if num_passes is None:
         return needed
     fit = planned_passes(height, width, needed)  # fewer where the 16K cap drops passes (the doors say so)
-    if not fraction_last and num_passes < fit:
+    if not fraction_last and num_passes < fit and 2**num_passes < scale:  # passes that make the size: theirs
         raise FlowliftError(
             f"output_size {out_w}x{out_h} is {scale:.4g}x the {width}x{height} input, past the {2**num_passes}x "
             f"num_passes={num_passes} make (the rest would be a pixel resample): give num_passes={needed}, or leave "
