@@ -127,7 +127,8 @@ def _temp_prefix(path: Path) -> str:
     return f".{stem}."
 
 
-def _fsync_directory(folder: Path) -> None:
+def fsync_directory(folder: Path) -> None:
+    """Flush ``folder``'s entries (a rename in it) to disk; nothing where the system cannot (Windows)."""
     try:
         descriptor = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
@@ -170,16 +171,10 @@ def _claim_origin(folder: Path) -> int:
     return descriptor
 
 
-@contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it replaces ``path``, on error it is removed.
-
-    The temporary name does not end with ``path``'s suffix: writers must be told the format
-    (``image.save(tmp, format=...)``, ``fig.savefig(tmp, format=...)``); safetensors and torch.save
-    ignore the name. The temporary folder stays locked until the rename or the removal, so no other
-    run takes it for debris while it is written.
-    """
-    path = Path(path)
+def open_temporary(path: Path) -> tuple[Path, int]:
+    """A new temporary folder beside ``path`` with its ``origin`` claimed (the module docstring): ``(folder, the
+    descriptor holding its lock, -1 without flock)``. A link, FIFO or folder at ``path`` is refused first; a failure
+    of the system is one :class:`OutputWriteError` line, and no folder is left."""
     if refusal := replace_refusal(path):
         raise FlowliftError(refusal)
     try:
@@ -187,27 +182,70 @@ def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
         folder = Path(tempfile.mkdtemp(prefix=_temp_prefix(path), suffix=TEMP_SUFFIX, dir=path.parent))
     except OSError as error:
         raise OutputWriteError(f"cannot write {path}: {_write_failure(error)}") from error
-    descriptor = -1
+    try:
+        return folder, _claim_origin(folder)
+    except BaseException as error:
+        _remove_folder(folder)
+        if isinstance(error, OSError):
+            raise OutputWriteError(f"cannot write {path}: {_write_failure(error)}") from error
+        raise
+
+
+def seal_temporary(temporary: Path) -> None:
+    """A written temporary file given the mode ``open`` would have given it and flushed to disk, before its rename
+    (so a power cut cannot leave a renamed but empty file)."""
+    os.chmod(temporary, _default_file_mode())
+    with open(temporary, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def close_temporary(folder: Path, descriptor: int) -> None:
+    """Remove a temporary folder (emptied by its rename, or with its data) and let its lock go, in that order."""
+    try:
+        _remove_folder(folder)
+    finally:
+        if descriptor >= 0:
+            os.close(descriptor)  # the lock goes with it, after the rename or the removal
+
+
+def write_error(path: Path, error: Exception) -> Exception:
+    """What a failed write of ``path`` raises: ``error`` itself when it is a FlowliftError or no I/O failure,
+    else one :class:`OutputWriteError` line naming ``path`` and the reason (``No space left on device``)."""
+    reason = None if isinstance(error, FlowliftError) else _write_failure(error)
+    if reason is None:
+        return error
+    failure = OutputWriteError(f"cannot write {path}: {reason}")
+    failure.__cause__ = error
+    return failure
+
+
+@contextmanager
+def atomic_output(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it replaces ``path``, on error it is removed.
+
+    The temporary name does not end with ``path``'s suffix: writers must be told the format
+    (``image.save(tmp, format=...)``, ``fig.savefig(tmp, format=...)``); safetensors and torch.save
+    ignore the name. The temporary folder stays locked until the rename or the removal, so no other
+    run takes it for debris while it is written. Files that belong together are replaced as one by
+    :func:`flowlift.files.atomic_set.atomic_write_set`.
+    """
+    path = Path(path)
+    folder, descriptor = open_temporary(path)
     temporary = folder / DATA_NAME
     try:
-        descriptor = _claim_origin(folder)
         yield temporary
-        os.chmod(temporary, _default_file_mode())
-        with open(temporary, "rb") as handle:
-            os.fsync(handle.fileno())
+        seal_temporary(temporary)
         if refusal := replace_refusal(path):  # something took the name while the data was written
             raise FlowliftError(refusal)
         os.replace(temporary, path)
-        _fsync_directory(path.parent)
+        fsync_directory(path.parent)
     except Exception as error:
-        reason = None if isinstance(error, FlowliftError) else _write_failure(error)
-        if reason is None:
+        failure = write_error(path, error)
+        if failure is error:
             raise
-        raise OutputWriteError(f"cannot write {path}: {reason}") from error
+        raise failure from error
     finally:
-        _remove_folder(folder)
-        if descriptor >= 0:
-            os.close(descriptor)  # the lock goes with it, after the rename or the removal
+        close_temporary(folder, descriptor)
 
 
 def _remove_folder(folder: Path) -> None:

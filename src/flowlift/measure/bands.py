@@ -230,17 +230,13 @@ def format_table(
     return "\n".join(lines)
 
 
-def heatmap_figure(matrix: np.ndarray, path: str, title: str, edges: Sequence[float] = BAND_EDGES) -> None:
-    """Save the band-response matrix as a heat map PNG (rows latent bands, columns pixel bands).
-
-    Written to a temporary file next to ``path`` and renamed (atomic).
-    """
+def heatmap_png(matrix: np.ndarray, title: str, edges: Sequence[float] = BAND_EDGES) -> bytes:
+    """The band-response matrix as a heat map (rows latent bands, columns pixel bands): PNG bytes marked as
+    flowlift's (its ``Software`` text, which a later run looks for)."""
     import io
-    from pathlib import Path
 
     import matplotlib
 
-    from flowlift.files.atomic import atomic_write_bytes
     from flowlift.files.own_files import software
 
     matplotlib.use("Agg", force=False)
@@ -261,9 +257,18 @@ def heatmap_figure(matrix: np.ndarray, path: str, title: str, edges: Sequence[fl
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", metadata={"Software": software("bands")})  # flowlift's own, to a later run
+    fig.savefig(buffer, format="png", metadata={"Software": software("bands")})
     plt.close(fig)
-    atomic_write_bytes(Path(path), buffer.getvalue())
+    return buffer.getvalue()
+
+
+def heatmap_figure(matrix: np.ndarray, path: str, title: str, edges: Sequence[float] = BAND_EDGES) -> None:
+    """Save :func:`heatmap_png` to ``path`` alone, atomically (``flowlift bands`` writes it with its report)."""
+    from pathlib import Path
+
+    from flowlift.files.atomic import atomic_write_bytes
+
+    atomic_write_bytes(Path(path), heatmap_png(matrix, title, edges))
 
 
 #: Fewest latent FFT bins a band should hold for its row to mean something. A 256 px image (a 32x32

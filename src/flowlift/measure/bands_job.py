@@ -126,7 +126,7 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
     and ``bands.png`` into ``request.output``; the table to print and the paths written."""
     import numpy as np
 
-    from flowlift.files.atomic import atomic_write_bytes
+    from flowlift.files.atomic_set import atomic_write_set
     from flowlift.files.images import list_images, load_image, to_tensor
     from flowlift.measure import bands as B
     from flowlift.measure import metrics as M
@@ -199,9 +199,11 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
         "images": {p.stem: m.tolist() for p, m in zip(paths, per_image, strict=True)},
         "reference_mage_same_finer": [list(r) for r in B.MAGE_REFERENCE],
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    B.heatmap_figure(mean, str(out_dir / "bands.png"), title)
     markdown = f"{markdown_stamp(COMMAND)}{title}\n\n{table}\n\nFull rows (% per pixel band):\n\n{full_table}\n"
-    atomic_write_bytes(out_dir / "bands.md", markdown.encode())
-    atomic_write_bytes(out_dir / "bands.json", report_json(payload))
-    return BandsResult(table, [out_dir / "bands.json", out_dir / "bands.md", out_dir / "bands.png"])
+    rendered = {  # every file in memory first, then put in place as one set: a stop leaves the old report or the new
+        out_dir / "bands.json": report_json(payload),
+        out_dir / "bands.md": markdown.encode(),
+        out_dir / "bands.png": B.heatmap_png(mean, title),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return BandsResult(table, atomic_write_set(rendered))

@@ -1,5 +1,5 @@
 """Rendering an :class:`flowlift.measure.evaluate.EvalReport`: the Markdown table (mean and worst rows), the
-metrics and crops figures, and :func:`write_report`, which writes them with ``results.json``, each atomically.
+metrics and crops figures, and :func:`write_report`, which puts them in place with ``results.json`` as one set.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flowlift.files.atomic import atomic_write_bytes
+from flowlift.files.atomic_set import atomic_write_set
 from flowlift.files.own_files import (
     Recogniser,
     flowlift_image,
@@ -89,16 +89,17 @@ FIGURE_METRICS = (
 )
 
 
-def _save_figure(fig, path: Path) -> None:
+def _png_bytes(fig) -> bytes:
+    """A matplotlib figure as PNG bytes marked as flowlift's (its ``Software`` text, which a later run looks for)."""
     import io
 
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", metadata={"Software": software("eval")})  # flowlift's own, to a later run
-    atomic_write_bytes(path, buffer.getvalue())
+    fig.savefig(buffer, format="png", metadata={"Software": software("eval")})
+    return buffer.getvalue()
 
 
-def metrics_figure(report: EvalReport, path: Path) -> None:
-    """Per-metric bars (mean per method) with every image's value as dots; written atomically."""
+def metrics_png(report: EvalReport) -> bytes:
+    """``metrics.png``: per-metric bars (mean per method) with every image's value as dots."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -124,12 +125,14 @@ def metrics_figure(report: EvalReport, path: Path) -> None:
         ax.set_title(title, fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
-    _save_figure(fig, path)
+    data = _png_bytes(fig)
     plt.close(fig)
+    return data
 
 
-def crops_figure(report: EvalReport, path: Path) -> None:
-    """Crop grid: one row per image, columns input (nearest-upscaled) / outputs / ground truth."""
+def crops_png(report: EvalReport) -> bytes | None:
+    """``crops.png``: one row per image, columns input (nearest-upscaled) / outputs / ground truth; None when no
+    image has a crop."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -138,7 +141,7 @@ def crops_figure(report: EvalReport, path: Path) -> None:
     columns = [c for c in report.crop_columns if report.crops.get(c)]
     names = list(report.crops[columns[0]]) if columns else []
     if not names:
-        return
+        return None
     fig, axes = plt.subplots(
         len(names), len(columns), figsize=(2.2 * len(columns), 2.3 * len(names)), dpi=120, squeeze=False
     )
@@ -155,8 +158,9 @@ def crops_figure(report: EvalReport, path: Path) -> None:
             -0.05, 0.5, name, transform=axes[r][0].transAxes, rotation=90, ha="right", va="center", fontsize=7
         )
     fig.tight_layout()
-    _save_figure(fig, path)
+    data = _png_bytes(fig)
     plt.close(fig)
+    return data
 
 
 def report_paths(out_dir: Path) -> dict[str, Path]:
@@ -181,15 +185,17 @@ def report_recognisers(out_dir: Path) -> dict[Path, Recogniser]:
 
 
 def write_report(report: EvalReport, out_dir: Path) -> dict[str, Path]:
-    """Write ``results.json``, ``table.md``, ``metrics.png`` and ``crops.png`` into ``out_dir``, each
-    atomically (rendered in memory, then a temporary file and a rename), each marked as flowlift's
-    (:mod:`flowlift.files.own_files`). Returns the paths."""
-    table = markdown_stamp("eval") + markdown_table(report)
-    payload = report_json(report.to_json())
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Write ``results.json``, ``table.md``, ``metrics.png`` and ``crops.png`` into ``out_dir`` as one set, each marked
+    as flowlift's (:mod:`flowlift.files.own_files`): every file is rendered in memory and written to its temporary
+    first, then all are put in place together (:func:`flowlift.files.atomic_set.atomic_write_set`), so an error or
+    Ctrl-C leaves the previous report or the new one, never a mix. Returns the paths written, by role."""
     paths = report_paths(out_dir)
-    metrics_figure(report, paths["metrics"])
-    crops_figure(report, paths["crops"])
-    atomic_write_bytes(paths["table"], table.encode())
-    atomic_write_bytes(paths["json"], payload)
-    return paths
+    rendered = {
+        "metrics": metrics_png(report),
+        "crops": crops_png(report),  # None: no crop to show, and an earlier run's crops.png goes with its report
+        "table": (markdown_stamp("eval") + markdown_table(report)).encode(),
+        "json": report_json(report.to_json()),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_set({paths[role]: data for role, data in rendered.items()})
+    return {role: path for role, path in paths.items() if rendered[role] is not None}
