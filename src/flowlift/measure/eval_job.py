@@ -26,6 +26,7 @@ from flowlift.upscale.loading import DEFAULT_VAE
 if TYPE_CHECKING:
     from flowlift.jobs.distributed import DistEnv
     from flowlift.measure.evaluate import EvalReport
+    from flowlift.measure.methods import MethodSpec
 
 __all__ = ["EvalRequest", "run_eval"]
 
@@ -113,7 +114,12 @@ def run_eval(request: EvalRequest) -> tuple[EvalReport, dict[str, Path]] | None:
             raise FlowliftError(f"give either {MODES}, not both", field=MODE_FIELDS)
         if not request.dataset:
             raise FlowliftError(f"{FIELD_MARK} needs {FIELD_MARK} (a folder of photos)", field=("run", "dataset"))
+        from flowlift.measure.methods import check_something_measured, parse_methods
+
+        specs = parse_methods(request.run)
+        check_something_measured(specs, request.scale)  # before any name is checked or model loads
         _check_replace_rule(request, out_dir)
+        _check_before_loading(request, specs)
         from flowlift.jobs.distributed import DistEnv, process_group
 
         env = DistEnv.from_environ()
@@ -232,16 +238,10 @@ def _run_methods(request: EvalRequest, env: DistEnv) -> EvalReport | None:
     given, dtype = resolve_device_dtype(request.device, request.dtype)
     # under torchrun each rank computes on its own cuda:LOCAL_RANK; cache keys and reports name the device given
     device = torch.device(rank_device(str(given), env)) if env.distributed else given
-    needs_vae = any(s.needs_vae and not unreachable(s, request.scale) for s in specs)
-    needs_flow = any(s.name == "flow" and not unreachable(s, request.scale) for s in specs)  # else skipped
-    upscaler = request.upscaler
-    if needs_vae:  # every weight found (or every missing one named, in one line) before any loads
-        from flowlift.models.weights import require_all
-        from flowlift.upscale.loading import DEFAULT_UPSCALER, upscale_weight_checks
-
-        if needs_flow:
-            upscaler = upscaler or DEFAULT_UPSCALER
-        require_all(upscale_weight_checks(upscaler if needs_flow else None, [request.vae]))
+    reachable = [s for s in specs if not unreachable(s, request.scale)]  # the others are skipped
+    needs_vae = any(s.needs_vae for s in reachable)
+    upscaler = _flow_upscaler(request, reachable)  # found by _check_before_loading, with every other weight
+    needs_flow = upscaler is not None
     vae = pipeline = None
     identities: dict = {}
     if needs_vae:
@@ -292,6 +292,50 @@ def _run_methods(request: EvalRequest, env: DistEnv) -> EvalReport | None:
     return _run_sharded(request, env, evaluate, cache_dir)
 
 
+def _check_before_loading(request: EvalRequest, specs: Sequence[MethodSpec]) -> None:
+    """What a run refuses before any model loads: every photo's size for the scale and the box (from the headers,
+    :func:`flowlift.measure.inputs.check_dataset_sizes`), then every weight file the methods that run need (the VAE,
+    the Flow Upscaler's, SesquiLSR's and spandrel models' files), all the missing ones named in one line."""
+    from flowlift.measure.inputs import check_dataset_sizes, dataset_paths
+    from flowlift.measure.methods import SESQUI, SPANDREL, unreachable
+    from flowlift.models.sesqui_lsr import check_sesqui_file
+    from flowlift.models.weights import require_all
+    from flowlift.upscale.loading import upscale_weight_checks
+
+    check_dataset_sizes(dataset_paths(request.dataset, request.limit), request.scale, request.box)
+    reachable = [s for s in specs if not unreachable(s, request.scale)]
+    checks = []
+    if any(s.needs_vae for s in reachable):
+        checks += upscale_weight_checks(_flow_upscaler(request, reachable), [request.vae])
+    for spec in reachable:
+        path = dict(spec.options).get("path")
+        if spec.name == SESQUI:
+            checks.append(lambda path=path: check_sesqui_file(path))
+        elif spec.name == SPANDREL:
+            checks.append(lambda path=path: check_spandrel_file(path))
+    require_all(checks)
+
+
+def _flow_upscaler(request: EvalRequest, reachable: Sequence[MethodSpec]) -> str | None:
+    """The Flow Upscaler weights the run loads: ``request.upscaler`` or the released ones when a ``flow`` method
+    runs at this scale, else None."""
+    from flowlift.upscale.loading import DEFAULT_UPSCALER
+
+    return (request.upscaler or DEFAULT_UPSCALER) if any(s.name == "flow" for s in reachable) else None
+
+
+def check_spandrel_file(path: str) -> None:
+    """One line unless ``spandrel:PATH``'s model file exists (its reading is the loader's)."""
+    from flowlift.measure.pixel_upscaler import MODEL_SUFFIXES
+
+    if not Path(path).expanduser().is_file():  # the method as the caller wrote it: --run spandrel:PATH
+        raise FlowliftError(
+            f"{FIELD_MARK} spandrel:{path}: no such model file; give a spandrel model's file "
+            f"({', '.join(MODEL_SUFFIXES)})",
+            field="run",
+        )
+
+
 def _remove_stale_temporaries(output: Path, cache_dir: Path | None) -> None:
     """A killed run's temporary folders in the report folder, its saved outputs' folders and the cache: a rerun
     takes finished results from the cache and writes nothing there, so no write would sweep them."""
@@ -337,7 +381,7 @@ def _load_pixel_models(request: EvalRequest, specs, device, dtype, identities: d
     given = device if given is None else given
     from flowlift.measure.cache import model_identity
     from flowlift.measure.methods import SPANDREL
-    from flowlift.measure.pixel_upscaler import MODEL_SUFFIXES, load_pixel_upscaler
+    from flowlift.measure.pixel_upscaler import load_pixel_upscaler
 
     paths: dict[str, list[str]] = {}
     for s in specs:
@@ -349,12 +393,7 @@ def _load_pixel_models(request: EvalRequest, specs, device, dtype, identities: d
     models = {}
     info = identities.setdefault("spandrel", {})
     for path, labels in paths.items():
-        if not Path(path).expanduser().is_file():  # the method as the caller wrote it: --run spandrel:PATH
-            raise FlowliftError(
-                f"{FIELD_MARK} spandrel:{path}: no such model file; give a spandrel model's file "
-                f"({', '.join(MODEL_SUFFIXES)})",
-                field="run",
-            )
+        check_spandrel_file(path)
         model = load_pixel_upscaler(path, device, dtype, tile=tile, overlap=overlap)
         models[path] = model
         info[path] = {

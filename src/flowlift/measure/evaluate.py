@@ -27,6 +27,7 @@ from flowlift.measure import metrics as M
 from flowlift.measure.cache import CACHE_VERSION, ResultCache, array_digest, cache_key
 from flowlift.measure.inputs import (
     Box,
+    check_dataset_sizes,
     check_scale,
     dataset_paths,
     default_crop,
@@ -34,7 +35,16 @@ from flowlift.measure.inputs import (
     load_rgb,
     prepare_pair,
 )
-from flowlift.measure.methods import SESQUI, SPANDREL, MethodFn, MethodSpec, make_method_fn, method_folder, unreachable
+from flowlift.measure.methods import (
+    SESQUI,
+    SPANDREL,
+    MethodFn,
+    MethodSpec,
+    check_something_measured,
+    make_method_fn,
+    method_folder,
+    unreachable,
+)
 
 
 def measure(
@@ -173,7 +183,7 @@ def evaluate_methods(
 
     ``scale`` may be fractional (1.5; :func:`flowlift.measure.inputs.check_scale`). A method that cannot
     reach it (:func:`flowlift.measure.methods.unreachable`) is not run: ``config["skipped"]`` holds its
-    reason and the table prints it.
+    reason and the table prints it; when none reaches it, one FlowliftError line names each reason and nothing runs.
     """
     from PIL import Image
 
@@ -182,9 +192,11 @@ def evaluate_methods(
     from flowlift.files.own_files import flowlift_image
 
     scale = check_scale(scale)
+    check_something_measured(methods, scale)
     skipped = {m.label: reason for m in methods if (reason := unreachable(m, scale))}
     methods = [m for m in methods if m.label not in skipped]
     paths = dataset_paths(dataset, limit)
+    check_dataset_sizes(paths, scale, box)  # from the headers, before any method runs
     if indices is not None:
         paths = [paths[i] for i in sorted(set(indices))]
     method_fns = dict(method_fns or {})

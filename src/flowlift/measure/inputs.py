@@ -78,14 +78,7 @@ def prepare_pair(
     scale = check_scale(scale, allow_one=True)
     fraction = Fraction(scale).limit_denominator(MAX_SCALE_DENOMINATOR)
     h, w = photo.shape[:2]
-    step = multiple * fraction.numerator
-    nh, nw = h - h % step, w - w % step
-    if nh == 0 or nw == 0:
-        raise FlowliftError(
-            f"{name} ({w}x{h}) is too small for {FIELD_MARK} {scale:g}: it needs at least {step}x{step} px; use a "
-            f"smaller {FIELD_MARK} or larger photos",
-            field=("scale", "scale"),
-        )
+    nw, nh = ground_truth_size((w, h), scale, multiple, name=name)
     top, left = (h - nh) // 2, (w - nw) // 2
     gt = np.ascontiguousarray(photo[top : top + nh, left : left + nw])
     if fraction.denominator == 1:
@@ -94,6 +87,38 @@ def prepare_pair(
 
     size = (nw // fraction.numerator * fraction.denominator, nh // fraction.numerator * fraction.denominator)
     return gt, np.asarray(Image.fromarray(gt).resize(size, Image.Resampling.LANCZOS))
+
+
+def ground_truth_size(
+    size: tuple[int, int], scale: float, multiple: int = INPUT_MULTIPLE, *, name: str = "photo"
+) -> tuple[int, int]:
+    """(width, height) of the ground truth :func:`prepare_pair` crops from a photo of ``size`` (width, height): each
+    side down to a multiple of ``multiple * p`` for ``scale = p / q``. A photo too small for one crop is one line naming
+    it (``name``) and the fix."""
+    from fractions import Fraction
+
+    scale = check_scale(scale, allow_one=True)
+    step = multiple * Fraction(scale).limit_denominator(MAX_SCALE_DENOMINATOR).numerator
+    w, h = size
+    if w < step or h < step:
+        raise FlowliftError(
+            f"{name} ({w}x{h}) is too small for {FIELD_MARK} {scale:g}: it needs at least {step}x{step} px; use a "
+            f"smaller {FIELD_MARK} or larger photos",
+            field=("scale", "scale"),
+        )
+    return w - w % step, h - h % step
+
+
+def check_dataset_sizes(paths: Sequence[Path], scale: float, box: Box | None) -> None:
+    """From the headers, before anything is read or any model loads: every photo is large enough for ``scale``
+    (:func:`ground_truth_size`) and ``box`` lies inside each one's ground truth (the output's size). One line naming the
+    first photo that fails."""
+    from flowlift.files.images import image_size
+
+    for path in paths:
+        size = ground_truth_size(image_size(path), scale, name=str(path))
+        if box is not None:
+            M.check_box_inside(box, size, f"ground truth cropped from {path}")
 
 
 def box_downscale_uint8(image: np.ndarray, factor: int) -> np.ndarray:

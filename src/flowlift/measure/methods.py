@@ -170,6 +170,19 @@ def unreachable(spec: MethodSpec, scale: float) -> str | None:
     return None
 
 
+def check_something_measured(specs: Sequence[MethodSpec], scale: float) -> None:
+    """One line, before anything is read or loaded, when no method of ``specs`` can reach ``scale``
+    (:func:`unreachable`): a report of the ground truth alone is no measurement. It names each method's reason."""
+    reasons = {spec.label: unreachable(spec, scale) for spec in specs}
+    if specs and all(reasons.values()):
+        why = "; ".join(f"{label}: {reason}" for label, reason in reasons.items())
+        raise FlowliftError(
+            f"no method of {FIELD_MARK} reaches {FIELD_MARK} {scale:g}, so nothing would be measured ({why}); add one "
+            f"that does (lanczos, bicubic, latent-bicubic, vae-roundtrip, spandrel:) or choose another {FIELD_MARK}",
+            field=("run", "scale", "scale"),
+        )
+
+
 def output_size(lowres: np.ndarray, scale: float) -> tuple[int, int]:
     """``(width, height)`` of a ``scale`` x output of the HWC ``lowres``: each side times ``scale``, rounded."""
     h, w = lowres.shape[:2]

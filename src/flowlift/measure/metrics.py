@@ -39,6 +39,7 @@ __all__ = [
     "area_resize",
     "as_float_rgb",
     "as_uint8_rgb",
+    "check_box_inside",
     "chroma",
     "crop_box",
     "detail",
@@ -192,11 +193,18 @@ def crop_box(image: np.ndarray, box: Box | None) -> np.ndarray:
     """
     if box is None:
         return image
-    x, y, w, h = check_box(box)
-    height, width = image.shape[:2]
-    if w <= 0 or h <= 0 or x < 0 or y < 0 or x + w > width or y + h > height:
-        raise FlowliftError(f"box x,y,w,h = {x},{y},{w},{h} is not inside the {width}x{height} image")
+    x, y, w, h = check_box_inside(box, (image.shape[1], image.shape[0]))
     return image[y : y + h, x : x + w]
+
+
+def check_box_inside(box: object, size: tuple[int, int], image: str = "image") -> Box:
+    """``box`` (:func:`check_box`) if it lies inside an image of ``size`` (width, height), else one line naming the
+    box and the ``image`` it misses (a caller that checks from the files' headers, before any work, names the file)."""
+    x, y, w, h = check_box(box)
+    width, height = size
+    if x + w > width or y + h > height:
+        raise FlowliftError(f"box x,y,w,h = {x},{y},{w},{h} is not inside the {width}x{height} {image}", field="box")
+    return x, y, w, h
 
 
 # --------------------------------------------------------------------------------------------------

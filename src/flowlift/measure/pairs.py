@@ -35,7 +35,7 @@ def evaluate_pairs(
     counterpart are skipped; none paired is an error, and so is a pair that is not an upscale by one
     integer factor on both axes (:func:`check_pair_sizes`)."""
     from flowlift.console import progress_bar
-    from flowlift.files.images import list_images
+    from flowlift.files.images import image_size, list_images
     from flowlift.files.naming import explicit_pair, pair_by_stem
 
     out_paths = list_images([str(o) for o in outputs])
@@ -61,6 +61,9 @@ def evaluate_pairs(
         warn_left_out(left_out, len(names), gts is not None)
     if gts is not None:
         check_ground_truth_sizes([(outs[name], refs[name], gts[name]) for name in names])
+    if box is not None:  # before anything is measured, from the headers
+        for name in names:
+            M.check_box_inside(box, image_size(outs[name]), f"output {outs[name]}")
     report = EvalReport(
         config={
             "mode": "pairs",
