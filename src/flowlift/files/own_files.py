@@ -91,6 +91,18 @@ def report_json(value: Any) -> bytes:
     return json.dumps(strict(value), indent=1, allow_nan=False).encode()
 
 
+def report_float(value: Any) -> float | None:
+    """A number as :func:`report_json` wrote it back as a float: a JSON number, or the string ``"inf"``, ``"-inf"``
+    or ``"nan"``; None for anything else (a bool, another string, a list...)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if value in (*NON_FINITE_TEXT.values(), "nan"):
+        return float(value)
+    return None
+
+
 def json_report(command: str, keys: set[str]) -> Recogniser:
     """A JSON object with every one of ``keys`` and ``command``'s :func:`stamp` field."""
 

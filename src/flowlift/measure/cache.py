@@ -17,7 +17,16 @@ from typing import Any
 import numpy as np
 
 from flowlift.files.atomic import atomic_write_bytes
-from flowlift.files.own_files import flowlift_image, folder_refusal, json_object, replace_problem, software, stamp
+from flowlift.files.own_files import (
+    flowlift_image,
+    folder_refusal,
+    json_object,
+    replace_problem,
+    report_float,
+    report_json,
+    software,
+    stamp,
+)
 
 #: Bumped when the metrics change (2: psnr_y / ssim_y; 3: the drift's downsample in float64), so older entries
 #: are recomputed, not reported short or from other arithmetic.
@@ -83,7 +92,8 @@ class ResultCache:
         base = self._base(label, name, key)
         try:
             entry = json_object(Path(f"{base}.json"))  # never through a link, never blocking on a FIFO
-            if entry is None or entry.get("key") != key:
+            metrics = entry_metrics(entry) if entry is not None and entry.get("key") == key else None
+            if metrics is None:
                 return None
             from PIL import Image
 
@@ -91,7 +101,7 @@ class ResultCache:
                 crop = np.asarray(im.convert("RGB"))
         except (OSError, ValueError):
             return None
-        return entry["metrics"], crop
+        return metrics, crop
 
     def store(self, label: str, name: str, key: str, metrics: dict[str, float], crop: np.ndarray) -> None:
         if self.root is None:
@@ -107,7 +117,7 @@ class ResultCache:
         Image.fromarray(crop).save(buffer, format="PNG", pnginfo=info)
         atomic_write_bytes(Path(f"{base}.png"), buffer.getvalue())  # crop first: json marks done
         entry = {"flowlift": stamp("eval cache"), "key": key, "metrics": metrics}
-        atomic_write_bytes(Path(f"{base}.json"), json.dumps(entry).encode())
+        atomic_write_bytes(Path(f"{base}.json"), report_json(entry))  # strict: an identical image's PSNR is "inf"
 
     def folder(self, label: str) -> Path:
         """The folder of ``label``'s entries."""
@@ -139,6 +149,17 @@ class ResultCache:
                     if problem := replace_problem(folder / name, recognise, overwrite, "eval", "--cache"):
                         return problem
         return None
+
+
+def entry_metrics(entry: dict[str, Any]) -> dict[str, float] | None:
+    """A cache entry's metrics as floats, read back as :meth:`ResultCache.store` wrote them (strict JSON: ``"inf"``
+    for an identical image's PSNR; entries of older releases hold a bare ``Infinity``, which reads as well); None,
+    a miss, when any value is no number."""
+    metrics = entry.get("metrics")
+    if not isinstance(metrics, dict):
+        return None
+    values = {name: report_float(value) for name, value in metrics.items()}
+    return None if None in values.values() else values  # type: ignore[return-value]
 
 
 _ENTRY_NAME = re.compile(r"^.+\.([0-9a-f]{16})\.(json|png)$")
