@@ -5,6 +5,8 @@ metrics and crops figures, and :func:`write_report`, which puts them in place wi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +53,12 @@ def _cell(values: dict[str, float], key: str, fmt: str) -> str:
         return "/".join(f"{values[f'cast_{c}']:+.2f}" for c in "rgb")
     if key not in values:
         return ""
-    return fmt.format(values[key]) if math.isfinite(values[key]) else str(values[key])
+    return number_text(values[key], fmt)
+
+
+def number_text(value: float, fmt: str) -> str:
+    """How the table writes a number: ``fmt`` when finite, else Python's word for it (``inf``, ``-inf``, ``nan``)."""
+    return fmt.format(value) if math.isfinite(value) else str(value)
 
 
 def markdown_table(report: EvalReport) -> str:
@@ -98,31 +105,92 @@ def _png_bytes(fig) -> bytes:
     return buffer.getvalue()
 
 
+@dataclass(frozen=True)
+class FigureBar:
+    """One method's bar in a ``metrics.png`` panel: at ``position``, ``height`` the table's mean (drawn at the panel's
+    cap when it is no finite number), ``text`` the table's word for such a mean (``inf``) written over the bar (None
+    for a finite one), and every image's value as a dot (``dots``, a non-finite one at the cap too)."""
+
+    label: str
+    position: int
+    height: float
+    text: str | None
+    dots: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class FigurePanel:
+    """One metric's panel of ``metrics.png``: its title, every method's name (the x axis), their bars and the ``cap``
+    at which a value no bar can reach stands, above every finite bar."""
+
+    key: str
+    title: str
+    labels: tuple[str, ...]
+    cap: float
+    bars: tuple[FigureBar, ...]
+
+
+def bar_cap(values: Sequence[float]) -> float:
+    """Where a panel draws an infinite value: 15 % past the largest finite magnitude among ``values`` (1 when there is
+    none), so a method whose mean PSNR is ``inf`` stands above every measured bar, not as one of them."""
+    finite = [abs(v) for v in values if math.isfinite(v)]
+    return 1.15 * max(finite) if finite and max(finite) > 0 else 1.0
+
+
+def drawn_at(value: float, cap: float) -> float:
+    """The height ``value`` is drawn at: itself when finite, ``cap`` for ``inf``, ``-cap`` for ``-inf``, 0 for NaN."""
+    if math.isfinite(value):
+        return value
+    return 0.0 if math.isnan(value) else math.copysign(cap, value)
+
+
+def figure_panels(report: EvalReport) -> list[FigurePanel]:
+    """What ``metrics.png`` shows, panel by panel, from the numbers the table prints: each bar is the table's mean
+    (:meth:`~flowlift.measure.evaluate.EvalReport.summary`), so a mean of ``inf`` is a bar at the cap marked ``inf``,
+    never the mean of the finite images alone."""
+    summary = report.summary()
+    labels = tuple(k for k in report.results if k != "(ground truth)")
+    panels = []
+    for key, title in FIGURE_METRICS:
+        values = {label: [m[key] for m in report.results[label].values() if key in m] for label in labels}
+        if not any(key in m for r in report.results.values() for m in r.values()):
+            continue
+        cap = bar_cap([v for vs in values.values() for v in vs])
+        bars = []
+        for position, label in enumerate(labels):
+            if not values[label]:
+                continue
+            mean = summary[label]["mean"][key]
+            text = None if math.isfinite(mean) else number_text(mean, "")
+            dots = tuple(drawn_at(v, cap) for v in values[label])
+            bars.append(FigureBar(label, position, drawn_at(mean, cap), text, dots))
+        panels.append(FigurePanel(key, title, labels, cap, tuple(bars)))
+    return panels
+
+
 def metrics_png(report: EvalReport) -> bytes:
-    """``metrics.png``: per-metric bars (mean per method) with every image's value as dots."""
+    """``metrics.png``: per-metric bars (the table's mean per method) with every image's value as dots; a mean no bar
+    can reach (``inf``) hatched at the panel's cap and labelled as the table writes it (:func:`figure_panels`)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    labels = [k for k in report.results if k != "(ground truth)"]
-    keys = [(k, t) for k, t in FIGURE_METRICS if any(k in m for r in report.results.values() for m in r.values())]
-    ncols = min(4, len(keys))
-    nrows = math.ceil(len(keys) / ncols)
-    width = max(2.0, 0.45 * len(labels) + 1.2)
+    panels = figure_panels(report)
+    ncols = max(1, min(4, len(panels)))
+    nrows = max(1, math.ceil(len(panels) / ncols))
+    width = max(2.0, 0.45 * len(panels[0].labels if panels else ()) + 1.2)
     fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, 3.4 * nrows), dpi=110, squeeze=False)
-    for ax in axes.flat[len(keys) :]:
+    for ax in axes.flat[len(panels) :]:
         ax.axis("off")
-    for ax, (key, title) in zip(axes.flat, keys, strict=False):
-        for j, label in enumerate(labels):
-            values = np.array([m[key] for m in report.results[label].values() if key in m], dtype=float)
-            values = values[np.isfinite(values)]
-            if values.size == 0:
-                continue
-            ax.bar(j, values.mean(), color=f"C{j}", alpha=0.7)
-            ax.plot(np.full(values.size, j), values, "k.", markersize=3)
-        ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=7)
-        ax.set_title(title, fontsize=8)
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        for bar in panel.bars:
+            ax.bar(bar.position, bar.height, color=f"C{bar.position}", alpha=0.7, hatch="//" if bar.text else None)
+            ax.plot(np.full(len(bar.dots), bar.position), bar.dots, "k.", markersize=3)
+            if bar.text:
+                ax.text(bar.position, bar.height, bar.text, ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(panel.labels)), panel.labels, rotation=45, ha="right", fontsize=7)
+        ax.set_title(panel.title, fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     data = _png_bytes(fig)
