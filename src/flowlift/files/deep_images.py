@@ -5,7 +5,8 @@ Pillow has no 16-bit colour mode: it hands a 16-bit RGB, RGBA or grey-and-alpha 
 half a level low on average (a -0.19/255 colour cast on a photo, more than the pixel resamplers' whole drift).
 :func:`read_deep_colour` decodes such a file with OpenCV at 16 bits and rounds each value to the nearest 8-bit
 level, ``round(v / 257)`` (``v / 257 = v * 255 / 65535`` maps 65535 to 255 exactly and never lands on a half).
-16-bit grey (``I;16``) is Pillow's own and scaled by :func:`flowlift.files.images.rgb_and_alpha`.
+16-bit grey (``I;16``, and ``I`` read from 16-bit samples) is Pillow's own: :func:`integer_white` says from the file
+what is white in it, which :func:`flowlift.files.images.rgb_and_alpha` scales by.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps
+
+from flowlift.errors import FlowliftError
 
 _EXIF_ORIENTATION = 0x0112
 #: Said when OpenCV cannot decode a 16-bit colour file Pillow reads (its values then lose their low byte).
@@ -72,3 +75,32 @@ def oriented_like(opened: Image.Image, image: Image.Image) -> Image.Image:
     turned = ImageOps.exif_transpose(image)
     turned.info.pop("exif", None)
     return turned
+
+
+#: Pillow's integer grey modes: 16-bit samples (``I;16*``) and 32-bit integers (``I``).
+INTEGER_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+
+
+def integer_white(image: Image.Image) -> float:
+    """The value that is white in an integer grey image (:data:`INTEGER_MODES`), from what the file says, never
+    from its values (a 16-bit image whose values all lie below 256 is a dark image, not an 8-bit one):
+
+    * ``I;16*``: 16-bit samples, 65535;
+    * ``I`` read from 16-bit samples (the raw mode of a PNG or PGM, before the pixels load: ``I;16B``), from a PNG
+      (16 bits at most) or from a PGM/PPM (Pillow scales its ``maxval`` to 65535): 65535.
+
+    Any other ``I`` image (a TIFF's signed or 32-bit samples, one made in memory) has no known white: one line.
+    """
+    if image.mode.startswith("I;16"):
+        return 65535.0
+    tile, file_format = getattr(image, "tile", None), getattr(image, "format", None)  # a file's (ImageFile) only
+    args = tile[0][3] if tile else None
+    raw = args if isinstance(args, str) else (args[0] if isinstance(args, tuple) and args else "")
+    unsigned_16 = isinstance(raw, str) and raw.startswith("I;16") and "S" not in raw
+    if image.mode == "I" and (unsigned_16 or file_format in ("PNG", "PPM")):
+        return 65535.0
+    origin = f"a {file_format} file" if file_format else "made in memory"
+    raise FlowliftError(
+        f"a 32-bit integer image (mode {image.mode}, {origin}) has no known white level, so its brightness cannot be "
+        "read: save it with 8 or 16 bits a sample (in memory: 16-bit data as mode I;16)"
+    )

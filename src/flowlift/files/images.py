@@ -26,7 +26,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from flowlift.errors import FlowliftError, FlowliftWarning
 from flowlift.files.atomic import is_temporary
-from flowlift.files.deep_images import DEEP_FALLBACK, is_deep_colour, read_deep_colour
+from flowlift.files.deep_images import DEEP_FALLBACK, INTEGER_MODES, integer_white, is_deep_colour, read_deep_colour
 
 #: Formats the loader reads, by suffix: everything common that Pillow opens as a still or first frame
 #: (AVIF and JPEG 2000 only where this Pillow was built with them). Folders are listed by these.
@@ -92,12 +92,13 @@ def output_target(output: str | None, count: int, image_suffixes: Sequence[str])
     return None, target
 
 
-def rgb_and_alpha(image: Image.Image) -> tuple[Image.Image, Image.Image | None]:
-    """Convert any Pillow mode to 8-bit RGB, splitting off alpha (palette transparency included)."""
-    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
-        # 16/32-bit grey: Pillow's convert("RGB") clips instead of scaling, so scale by hand.
+def rgb_and_alpha(image: Image.Image, *, white: float | None = None) -> tuple[Image.Image, Image.Image | None]:
+    """Convert any Pillow mode to 8-bit RGB, splitting off alpha (palette transparency included); integer grey by
+    ``white`` (default :func:`~flowlift.files.deep_images.integer_white`, asked before the pixels load)."""
+    if image.mode in INTEGER_MODES:
+        # Pillow's convert("RGB") clips instead of scaling, so scale by hand, by the white the file says.
+        top = integer_white(image) if white is None else white
         array = np.asarray(image, dtype=np.float64)
-        top = 65535.0 if image.mode.startswith("I;16") or array.max() > 255 else 255.0
         grey = np.clip(np.round(array / top * 255.0), 0, 255).astype(np.uint8)
         return Image.fromarray(grey, "L").convert("RGB"), None
     if image.mode == "F":
@@ -178,8 +179,9 @@ def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None
                 else:
                     if is_deep_colour(opened):
                         warnings.warn(f"{path}: {DEEP_FALLBACK}", FlowliftWarning, stacklevel=2)
+                    white = integer_white(opened) if opened.mode in INTEGER_MODES else None  # before load
                     opened.load()
-                    rgb, alpha = rgb_and_alpha(ImageOps.exif_transpose(opened))
+                    rgb, alpha = rgb_and_alpha(ImageOps.exif_transpose(opened), white=white)
     except FlowliftError as error:
         text = str(error)
         raise FlowliftError(text if text.startswith(str(path)) else f"{path}: {text}") from None
