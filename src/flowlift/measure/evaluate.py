@@ -185,11 +185,7 @@ def evaluate_methods(
     reach it (:func:`flowlift.measure.methods.unreachable`) is not run: ``config["skipped"]`` holds its
     reason and the table prints it; when none reaches it, one FlowliftError line names each reason and nothing runs.
     """
-    from PIL import Image
-
     from flowlift.console import progress_bar
-    from flowlift.files.image_outputs import save_image_atomic
-    from flowlift.files.own_files import flowlift_image
 
     scale = check_scale(scale)
     check_something_measured(methods, scale)
@@ -231,14 +227,10 @@ def evaluate_methods(
             report.results["(ground truth)"][name] = M.detail(gt, box)
             if i < figure_images:
                 report.crops["input"][name] = input_crop(low, size, crop)
-                report.crops["ground truth"][name] = M.crop_box(gt, crop)
+                report.crops["ground truth"][name] = M.as_uint8_rgb(M.crop_box(gt, crop))  # a figure's: 8 bits
             base = {"v": CACHE_VERSION, "scale": scale, "box": box, "crop": crop, "input": array_digest(low, gt)}
             if save_outputs is not None:
-                for folder, array in (("inputs", low), ("ground-truth", gt)):
-                    target = Path(save_outputs) / folder / f"{name}.png"
-                    if not flowlift_image(target):  # missing, empty, or a foreign one --overwrite let through
-                        meta = {"flowlift": {"eval": folder, "image": name}}
-                        save_image_atomic(Image.fromarray(array), target, meta, overwrite=True)  # run_eval checked
+                _save_pair(Path(save_outputs), name, low, gt)
             for spec in methods:
                 metrics, crop_img, cached = _method_result(
                     spec, name, low, gt, crop, base, scale, box, identities, cache, method_fns, save_outputs
@@ -252,6 +244,27 @@ def evaluate_methods(
     finally:
         bar.close()
     return report
+
+
+def _save_pair(save_outputs: Path, name: str, low: np.ndarray, gt: np.ndarray) -> None:
+    """The low-res input and the ground truth as ``inputs/<name>.png`` and ``ground-truth/<name>.png``, each at its
+    precision (a 16-bit ground truth as a 16-bit PNG, so the pairs mode measures what this run measured), unless
+    flowlift's are there already (run_eval checked the names)."""
+    from PIL import Image
+
+    from flowlift.files.image_outputs import save_image_atomic
+    from flowlift.files.own_files import flowlift_image
+    from flowlift.files.sixteen_bit import save_image16_atomic
+
+    for folder, array in (("inputs", low), ("ground-truth", gt)):
+        target = save_outputs / folder / f"{name}.png"
+        if flowlift_image(target):
+            continue  # missing, empty, or a foreign one --overwrite let through: written
+        meta = {"flowlift": {"eval": folder, "image": name}}
+        if array.dtype == np.uint16:
+            save_image16_atomic(array, None, target, meta)
+        else:
+            save_image_atomic(Image.fromarray(array), target, meta, overwrite=True)
 
 
 def saved_output_paths(save_outputs: Path, labels: Sequence[str], stems: Sequence[str], scale: float) -> list[Path]:

@@ -13,6 +13,7 @@ import numpy as np
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.naming import index_by_stem
 from flowlift.measure import metrics as M
+from flowlift.measure.image_arrays import LEVEL_16
 
 #: Size multiple of the low-res inputs (FLUX.2 latents are patchified 2x2 at 1/8 scale).
 INPUT_MULTIPLE = 16
@@ -61,7 +62,8 @@ def scale_argument(text: str) -> int | float:
 def prepare_pair(
     photo: np.ndarray, scale: float, multiple: int = INPUT_MULTIPLE, *, name: str = "photo"
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(ground_truth, lowres)`` from a uint8 photo.
+    """``(ground_truth, lowres)`` from a uint8 (or uint16: a 16-bit file's) photo; the ground truth keeps the photo's
+    precision, the low-res input every method takes is 8-bit.
 
     Integer ``scale``: the photo is centre-cropped to a multiple of ``multiple * scale`` (so the low-res
     input is a multiple of ``multiple``), then area-downsampled by :func:`box_downscale_uint8` (the exact
@@ -86,7 +88,7 @@ def prepare_pair(
     from PIL import Image
 
     size = (nw // fraction.numerator * fraction.denominator, nh // fraction.numerator * fraction.denominator)
-    return gt, np.asarray(Image.fromarray(gt).resize(size, Image.Resampling.LANCZOS))
+    return gt, np.asarray(Image.fromarray(M.as_uint8_rgb(gt)).resize(size, Image.Resampling.LANCZOS))
 
 
 def ground_truth_size(
@@ -122,21 +124,22 @@ def check_dataset_sizes(paths: Sequence[Path], scale: float, box: Box | None) ->
 
 
 def box_downscale_uint8(image: np.ndarray, factor: int) -> np.ndarray:
-    """Exact area downscale of a uint8 HWC image by an integer ``factor`` (sides divisible by it).
+    """Exact area downscale of a uint8 (or uint16) HWC image by an integer ``factor`` (sides divisible by it), to uint8.
 
-    ``out = round_half_even(S / n)`` with ``S`` the integer sum of each ``factor x factor`` block and
-    ``n = factor**2``: ``q, r = divmod(S, n)``, ``out = q + (2r > n) + (2r == n and q odd)``. For 2x2
-    blocks a quarter of the means land exactly on .5; rounding them after float32 arithmetic (where
-    ``x.5`` comes out as ``x.5 +- ulp``) biased inputs by up to +0.09/255.
+    ``out = round_half_even(S / d)`` with ``S`` the integer sum of each ``factor x factor`` block and ``d = factor**2``
+    (16-bit samples: ``257 factor**2``, their mean in 8-bit levels): ``q, r = divmod(S, d)``,
+    ``out = q + (2r > d) + (2r == d and q odd)``. For 2x2 blocks of 8-bit values a quarter of the means land exactly on
+    .5; rounding them after float32 arithmetic (where ``x.5`` comes out as ``x.5 +- ulp``) biased inputs by up to
+    +0.09/255.
     """
     height, width, channels = image.shape
     if height % factor or width % factor:
         raise FlowliftError(f"box_downscale_uint8: {width}x{height} is not divisible by {factor}")
     blocks = image.astype(np.int64).reshape(height // factor, factor, width // factor, factor, channels)
     sums = blocks.sum(axis=(1, 3))
-    n = factor * factor
-    quotient, remainder = np.divmod(sums, n)
-    rounded = quotient + (2 * remainder > n) + ((2 * remainder == n) & (quotient % 2 == 1))
+    divisor = factor * factor * (LEVEL_16 if image.dtype == np.uint16 else 1)
+    quotient, remainder = np.divmod(sums, divisor)
+    rounded = quotient + (2 * remainder > divisor) + ((2 * remainder == divisor) & (quotient % 2 == 1))
     return rounded.astype(np.uint8)
 
 
@@ -171,25 +174,35 @@ def input_crop(reference: np.ndarray, output_size: tuple[int, int], crop: Box) -
     """The crop region of the reference, nearest-upscaled to the crop's output size."""
     w_out, h_out = output_size
     fx, fy = reference.shape[1] / w_out, reference.shape[0] / h_out
-    small = M.crop_box(reference, _scaled_box(crop, fx, fy))
+    small = M.as_uint8_rgb(M.crop_box(reference, _scaled_box(crop, fx, fy)))  # a figure's crop: 8 bits
     return _nearest_up(small, (crop[2], crop[3]))
 
 
 def load_rgb(path: Path) -> np.ndarray:
-    """``path``'s 8-bit RGB pixels (HWC uint8); one warning when it has transparent pixels, whose colour is
-    measured as if they were opaque (the metrics are of RGB)."""
+    """``path``'s RGB pixels (HWC) at the file's own precision: uint16 for a PNG or TIFF of 16-bit samples (colour or
+    grey, :func:`flowlift.files.sixteen_bit.load_image_16bit`), else uint8, so a 16-bit ground truth is measured at
+    16 bits, not after rounding to 8. One warning when it has transparent pixels, whose colour is measured as if they
+    were opaque (the metrics are of RGB), and one when 16-bit samples could only be read at 8 bits."""
     import warnings
 
     from flowlift.errors import FlowliftWarning
     from flowlift.files.images import load_image
+    from flowlift.files.sixteen_bit import has_16bit_samples, load_image_16bit
 
-    rgb, alpha = load_image(path)
+    rgb, alpha = load_image(path)  # every check (a bomb, a truncated file), the orientation, the reader's warnings
     if alpha is not None and alpha.getextrema()[0] < 255:
         warnings.warn(
             FlowliftWarning(f"{path}: has transparent pixels; the metrics measure their colour as if opaque"),
             stacklevel=2,
         )
-    return np.asarray(rgb)
+    eight = np.asarray(rgb)
+    if not has_16bit_samples(path):
+        return eight
+    deep = load_image_16bit(path)
+    if deep is None or deep[0].shape != eight.shape:
+        warnings.warn(FlowliftWarning(f"{path}: its 16-bit samples could not be read; measured at 8"), stacklevel=2)
+        return eight
+    return deep[0]
 
 
 def dataset_paths(dataset: Sequence[str | Path], limit: int | None = None) -> list[Path]:

@@ -1,8 +1,9 @@
 """Image metrics behind the model card's tables: drift (A), detail (B) and fidelity (C).
 
-Every function takes images as **HWC RGB** arrays, either ``uint8`` (0..255) or floating point in
-[0, 1]; PIL images and torch tensors (``CHW`` or ``1CHW``, float [0, 1]) are accepted too and
-converted with :func:`as_float_rgb`. Float inputs are used as given (no clipping). Units:
+Every function takes images as **HWC RGB** arrays, ``uint8`` (0..255), ``uint16`` (0..65535: a 16-bit file's
+samples, measured at 16 bits) or floating point in [0, 1]; PIL images and torch tensors (``CHW`` or ``1CHW``, float
+[0, 1]) are accepted too and converted (:mod:`flowlift.measure.image_arrays`: an alpha channel is dropped with a warning
+when any pixel is transparent). Float inputs are used as given (no clipping). Units:
 
 * RGB quantities are reported **in /255** (a cast of ``5.0`` means 5/255).
 * Lab uses CIE L*a*b* (D65, sRGB transfer) from :func:`skimage.color.rgb2lab`: ``L`` in 0..100,
@@ -29,6 +30,15 @@ import numpy as np
 
 from flowlift.errors import FlowliftError
 from flowlift.limits import MAX_OUTPUT_SIDE
+from flowlift.measure.image_arrays import (
+    FULL_SCALE,
+    LEVEL_16,
+    as_float_rgb,
+    as_uint8_rgb,
+    as_uint16_rgb,
+    rgb_array,
+    same_precision,
+)
 
 LUMA_WEIGHTS = (0.299, 0.587, 0.114)
 
@@ -39,6 +49,7 @@ __all__ = [
     "area_resize",
     "as_float_rgb",
     "as_uint8_rgb",
+    "as_uint16_rgb",
     "check_box_inside",
     "chroma",
     "crop_box",
@@ -50,6 +61,7 @@ __all__ = [
     "lab",
     "laplacian",
     "luma",
+    "luma_pair",
     "pixel_agreement",
     "psnr",
     "psnr_y",
@@ -65,81 +77,28 @@ __all__ = [
 # conversions
 
 
-def _to_array(image: Any) -> np.ndarray:
-    """PIL image, torch tensor (CHW / 1CHW) or array -> HWC numpy array (dtype kept)."""
-    if hasattr(image, "detach") and hasattr(image, "cpu"):  # torch tensor, without importing torch
-        t = image.detach().cpu()
-        if t.ndim == 4:
-            if t.shape[0] != 1:
-                raise FlowliftError(f"expected one image, got a batch of {t.shape[0]}")
-            t = t[0]
-        if t.ndim != 3:
-            raise FlowliftError(f"expected a CHW image tensor, got shape {tuple(t.shape)}")
-        return t.float().permute(1, 2, 0).numpy()
-    if hasattr(image, "mode") and hasattr(image, "size") and not isinstance(image, np.ndarray):
-        from flowlift.files.images import rgb_and_alpha
-
-        return np.asarray(rgb_and_alpha(image)[0])  # 16-bit and float grey scaled by their range, not clipped
-    return np.asarray(image)
-
-
-def as_float_rgb(image: Any) -> np.ndarray:
-    """Return ``image`` as a float64 HWC RGB array in [0, 1] (uint8 is divided by 255).
-
-    Raises :class:`FlowliftError` for anything that is not an ``H x W x 3`` RGB image with finite
-    values in [0, 1] (half an 8-bit level of rounding either side is clamped): a float image in 0..255 would
-    give meaningless figures (PSNR -37 dB for the same picture at half brightness).
-    """
-    a = _to_array(image)
-    if a.ndim != 3 or a.shape[2] != 3:
-        raise FlowliftError(f"expected an HxWx3 RGB image, got shape {a.shape}")
-    if a.shape[0] == 0 or a.shape[1] == 0:
-        raise FlowliftError(f"empty image of shape {a.shape}")
-    if a.dtype == np.uint8:
-        return a.astype(np.float64) / 255.0
-    if not np.issubdtype(a.dtype, np.floating):
-        raise FlowliftError(f"expected uint8 or float image data, got {a.dtype}")
-    a = a.astype(np.float64)
-    if not np.isfinite(a).all():
-        raise FlowliftError("image contains NaN or infinite values")
-    low, high = float(a.min()), float(a.max())
-    if low < -0.5 / 255 or high > 1 + 0.5 / 255:
-        raise FlowliftError(f"a float image must lie in [0, 1], got values in [{low:g}, {high:g}] (0..255? divide)")
-    return np.clip(a, 0.0, 1.0, out=a)
-
-
-def as_uint8_rgb(image: Any) -> np.ndarray:
-    """Return ``image`` as uint8 HWC RGB: uint8 unchanged, floats ``round(clip(x, 0, 1) * 255)``."""
-    a = _to_array(image)
-    if a.dtype == np.uint8 and a.ndim == 3 and a.shape[2] == 3:
-        return a
-    f = as_float_rgb(a)
-    return np.rint(np.clip(f, 0.0, 1.0) * 255.0).astype(np.uint8)
-
-
-def area_resize(image: Any, size: tuple[int, int]) -> np.ndarray:
+def area_resize(image: Any, size: tuple[int, int], what: str = "the image") -> np.ndarray:
     """Resize a float RGB image to ``size = (width, height)`` with OpenCV ``INTER_AREA``.
 
     ``INTER_AREA`` averages the source pixels covering each destination pixel (an exact box filter
     for integer factors), so a downsample keeps every colour statistic below the new Nyquist. In float64,
-    and an 8-bit image at one integer factor ``k`` by its integer block sums, ``sum / k^2 / 255``: a block of
-    one 8-bit value ``v`` gives exactly ``v / 255``, so an output whose blocks are its input measures ``inf``
+    and an 8- or 16-bit image at one integer factor ``k`` by its integer block sums, ``sum / k^2 / white``: a block
+    of one value ``v`` gives exactly ``v / white``, so an output whose blocks are its input measures ``inf``
     (the float32 resize measured 159 dB there, OpenCV's float64 one 167-317 dB).
     Returns float64; a same-size call returns the image unchanged. ``size`` is two integers (numpy's too), each in
     [1, 16384] (:data:`flowlift.limits.MAX_OUTPUT_SIDE`, or up to the image's own larger side), else one line.
     """
     import cv2
 
-    array = _to_array(image)
+    array = rgb_array(image, what)
     width, height = _check_size(size, max(MAX_OUTPUT_SIDE, *array.shape[:2]))
     if (array.shape[1], array.shape[0]) == (width, height):
-        return as_float_rgb(array)
+        return as_float_rgb(array, what)
     factor = array.shape[0] // height
-    if array.dtype == np.uint8 and array.shape[:2] == (height * factor, width * factor) and array.ndim == 3:
-        as_float_rgb(array[:1, :1])  # the same shape checks as any other input
-        blocks = array.reshape(height, factor, width, factor, array.shape[2]).sum(axis=(1, 3), dtype=np.int64)
-        return blocks / float(factor * factor) / 255.0
-    f = as_float_rgb(array)
+    if array.dtype in FULL_SCALE and array.shape[:2] == (height * factor, width * factor):
+        blocks = array.reshape(height, factor, width, factor, 3).sum(axis=(1, 3), dtype=np.int64)
+        return blocks / float(factor * factor) / FULL_SCALE[array.dtype]
+    f = as_float_rgb(array, what)
     return cv2.resize(f, (width, height), interpolation=cv2.INTER_AREA)
 
 
@@ -229,8 +188,8 @@ def drift_at_input_scale(output: Any, reference: Any) -> dict[str, float]:
       highlights);
     * ``psnr_input`` = :func:`psnr` of ``o`` against ``r`` in dB (``inf`` when identical).
     """
-    ref = as_float_rgb(reference)
-    out = area_resize(output, (ref.shape[1], ref.shape[0]))
+    ref = as_float_rgb(reference, "the reference")
+    out = area_resize(output, (ref.shape[1], ref.shape[0]), "the output")
     cast = 255.0 * (out.reshape(-1, 3).mean(axis=0) - ref.reshape(-1, 3).mean(axis=0))
     lab_o, lab_r = lab(out), lab(ref)
     c_o, c_r = chroma(lab_o), chroma(lab_r)
@@ -296,18 +255,20 @@ def grey_levels(image: Any, box: Box | None = None) -> tuple[int, float]:
 
 
 def pixel_agreement(a: Any, b: Any) -> dict[str, float]:
-    """L1 distance and identical-pixel share of two same-size images, both taken as 8-bit.
+    """L1 distance and identical-pixel share of two same-size images, at the finer of their precisions (8 bits, or 16
+    when either holds 16-bit samples: :func:`flowlift.measure.image_arrays.same_precision`).
 
     * ``l1`` = ``mean |a - b|`` over all pixels and channels, in /255;
     * ``identical_pct`` = ``100 * (#pixels whose three channels are all equal) / #pixels``.
 
     This is the img2img endpoint test: strength 0 must give ``l1 = 0`` and 100 % identical.
     """
-    ua, ub = as_uint8_rgb(a), as_uint8_rgb(b)
-    _check_same_size(ua, ub)
-    diff = np.abs(ua.astype(np.int16) - ub.astype(np.int16))
+    ia, ib = same_precision(a, b)
+    _check_same_size(ia, ib)
+    diff = np.abs(ia.astype(np.int32) - ib.astype(np.int32))
+    per_level = LEVEL_16 if ia.dtype == np.uint16 else 1
     return {
-        "l1": float(diff.mean()),
+        "l1": float(diff.mean()) / per_level,
         "identical_pct": float(100.0 * (diff.max(axis=2) == 0).mean()),
     }
 
@@ -338,7 +299,7 @@ def psnr(a: Any, b: Any) -> float:
 
     Over all pixels and channels; ``inf`` for identical images. Sizes must match.
     """
-    fa, fb = as_float_rgb(a), as_float_rgb(b)
+    fa, fb = as_float_rgb(a, "image a"), as_float_rgb(b, "image b")
     _check_same_size(fa, fb)
     mse = float(np.mean((fa - fb) ** 2))
     return math.inf if mse == 0.0 else 10.0 * math.log10(1.0 / mse)
@@ -349,7 +310,7 @@ def ssim(a: Any, b: Any) -> float:
     window, per RGB channel then averaged, ``data_range = 1``). Sizes must match."""
     from skimage.metrics import structural_similarity
 
-    fa, fb = as_float_rgb(a), as_float_rgb(b)
+    fa, fb = as_float_rgb(a, "image a"), as_float_rgb(b, "image b")
     _check_same_size(fa, fb)
     if min(fa.shape[:2]) < 7:
         raise FlowliftError(f"SSIM needs images of at least 7x7 pixels, got {fa.shape[1]}x{fa.shape[0]}")
@@ -377,20 +338,33 @@ YCBCR_Y_OFFSET = 16.0
 SSIM_WINDOW, SSIM_SIGMA, SSIM_K1, SSIM_K2 = 11, 1.5, 0.01, 0.03
 
 
-def ycbcr_y(image: Any) -> np.ndarray:
-    """BT.601 luma of the 8-bit image as MATLAB's ``rgb2ycbcr`` returns it for ``uint8`` input; HW float64.
+def ycbcr_y(image: Any, what: str = "the image") -> np.ndarray:
+    """BT.601 luma as MATLAB's ``rgb2ycbcr`` returns it for ``uint8`` (or ``uint16``) input, on the 0..255 scale; HW
+    float64.
 
     ``Y = round(16 + 65.481 R + 128.553 G + 24.966 B)`` with ``R, G, B = u8 / 255`` in [0, 1] (so white is
     235, black 16), rounded to an integer as MATLAB rounds its ``uint8`` result. The rounding is exact, in
     integers: with ``N = 65481 r + 128553 g + 24966 b`` on the 8-bit values, ``Y = 16 + floor((N + 127500) /
-    255000)`` (halves up; float arithmetic would decide the exact halves by rounding error). Float images
-    are first taken to 8 bits (:func:`as_uint8_rgb`). (BasicSR's ``bgr2ycbcr`` keeps ``Y`` unrounded: its PSNR-Y is
-    0.01 dB higher on a bicubic 4x, up to 0.35 dB near 45 dB, where the rounding's noise weighs more; docs/measure.md.)
+    255000)`` (halves up; float arithmetic would decide the exact halves by rounding error). A 16-bit image keeps its
+    precision as MATLAB's ``uint16`` rule does, ``Y16 = round(257 Y)``: the same integer formula on the 16-bit values,
+    ``Y16 = 4112 + floor((N + 127500) / 255000)``, returned as ``Y16 / 257``. Float images are first taken to 8 bits
+    (:func:`as_uint8_rgb`). (BasicSR's ``bgr2ycbcr`` keeps ``Y`` unrounded: its PSNR-Y is 0.01 dB higher on a bicubic
+    4x, up to 0.35 dB near 45 dB, where the rounding's noise weighs more; docs/measure.md.)
     """
-    u8 = as_uint8_rgb(image).astype(np.int64)
+    a = rgb_array(image, what)
+    levels = LEVEL_16 if a.dtype == np.uint16 else 1
+    values = (a if levels > 1 else as_uint8_rgb(a, what)).astype(np.int64)
     weights = np.asarray([round(1000 * w) for w in YCBCR_Y_WEIGHTS], dtype=np.int64)
-    n = u8 @ weights
-    return (int(YCBCR_Y_OFFSET) + (n + 127_500) // 255_000).astype(np.float64)
+    n = values @ weights
+    return (levels * int(YCBCR_Y_OFFSET) + (n + 127_500) // 255_000) / float(levels)
+
+
+def luma_pair(a: Any, b: Any) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`ycbcr_y` of two images at the finer of their precisions (16 bits when either holds 16-bit samples:
+    an 8-bit image and its exact 16-bit copy have one luma), checked for one size."""
+    ya, yb = (ycbcr_y(image, what) for image, what in zip(same_precision(a, b), ("image a", "image b"), strict=True))
+    _check_same_size(ya[..., None], yb[..., None])
+    return ya, yb
 
 
 def shave_border(image: np.ndarray, shave: int) -> np.ndarray:
@@ -408,10 +382,10 @@ def shave_border(image: np.ndarray, shave: int) -> np.ndarray:
 
 
 def psnr_y(a: Any, b: Any, shave: int = 0) -> float:
-    """PSNR-Y in dB: ``10 log10(255^2 / mean((Y_a - Y_b)^2))`` over :func:`ycbcr_y` of both images with
-    ``shave`` px (the upscale factor, by the field's convention) cut off each border; ``inf`` when equal."""
-    ya, yb = ycbcr_y(a), ycbcr_y(b)
-    _check_same_size(ya[..., None], yb[..., None])
+    """PSNR-Y in dB: ``10 log10(255^2 / mean((Y_a - Y_b)^2))`` over :func:`ycbcr_y` of both images (:func:`luma_pair`:
+    at 16 bits when either is 16-bit) with ``shave`` px (the upscale factor, by the field's convention) cut off each
+    border; ``inf`` when equal."""
+    ya, yb = luma_pair(a, b)
     mse = float(np.mean((shave_border(ya, shave) - shave_border(yb, shave)) ** 2))
     return math.inf if mse == 0.0 else 10.0 * math.log10(255.0**2 / mse)
 
@@ -427,8 +401,7 @@ def ssim_y(a: Any, b: Any, shave: int = 0) -> float:
     """
     import cv2
 
-    ya, yb = ycbcr_y(a), ycbcr_y(b)
-    _check_same_size(ya[..., None], yb[..., None])
+    ya, yb = luma_pair(a, b)
     ya, yb = shave_border(ya, shave), shave_border(yb, shave)
     if min(ya.shape) < SSIM_WINDOW:
         raise FlowliftError(

@@ -94,9 +94,9 @@ def evaluate_pairs(
             if i < figure_images:
                 crop = default_crop((out.shape[1], out.shape[0]), box)
                 report.crops["input"][name] = input_crop(ref, (out.shape[1], out.shape[0]), crop)
-                report.crops[label][name] = M.crop_box(out, crop)
+                report.crops[label][name] = M.as_uint8_rgb(M.crop_box(out, crop))  # a figure's crops: 8 bits
                 if gt is not None:
-                    report.crops["ground truth"][name] = M.crop_box(gt, crop)
+                    report.crops["ground truth"][name] = M.as_uint8_rgb(M.crop_box(gt, crop))
     return report
 
 
