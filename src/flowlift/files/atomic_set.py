@@ -95,7 +95,10 @@ def _put_in_place(staged: dict[Path, tuple[Path, int]], removed: list[Path]) -> 
         try:
             os.replace(folder / DATA_NAME, path)
         except OSError as error:
-            raise write_error(path, error) from error
+            failure = write_error(path, error)  # one line naming the file and the reason
+            if failure is error:
+                raise
+            raise failure from error
     for path in removed:
         path.unlink(missing_ok=True)
     for parent in dict.fromkeys(path.parent for path in [*staged, *removed]):

@@ -9,6 +9,8 @@ measure its colour as if opaque. An empty image is one line that says so.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import Any
 
@@ -65,8 +67,18 @@ def warn_transparent(alpha: np.ndarray, what: str) -> None:
     if alpha.size and float(alpha.min()) < FULL_SCALE.get(alpha.dtype, 1.0):
         warnings.warn(
             FlowliftWarning(f"{what} has transparent pixels; the metrics measure their colour as if opaque"),
-            stacklevel=4,
+            stacklevel=_caller_level(),
         )
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside flowlift, seen from the caller's ``warnings.warn``: a warning
+    points at the line that called the metric, however deep inside the package it was raised."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/flowlift
+    frame, level = sys._getframe(1), 1  # the frame that calls warnings.warn is stacklevel 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def as_float_rgb(image: Any, what: str = "the image") -> np.ndarray:
