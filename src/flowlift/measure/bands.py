@@ -262,15 +262,6 @@ def heatmap_png(matrix: np.ndarray, title: str, edges: Sequence[float] = BAND_ED
     return buffer.getvalue()
 
 
-def heatmap_figure(matrix: np.ndarray, path: str, title: str, edges: Sequence[float] = BAND_EDGES) -> None:
-    """Save :func:`heatmap_png` to ``path`` alone, atomically (``flowlift bands`` writes it with its report)."""
-    from pathlib import Path
-
-    from flowlift.files.atomic import atomic_write_bytes
-
-    atomic_write_bytes(Path(path), heatmap_png(matrix, title, edges))
-
-
 #: Fewest latent FFT bins a band should hold for its row to mean something. A 256 px image (a 32x32
 #: latent) has only the DC bin in 0-1/16; from 512 px (64x64 latent) every band has at least 9.
 MIN_BINS_PER_BAND = 8
