@@ -28,18 +28,15 @@ def photos(tmp_path) -> Path:
 @pytest.fixture
 def no_loading(monkeypatch):
     """Every model loader eval may call fails the test if it is called."""
-    import flowlift.measure.pixel_upscaler as pixel_upscaler
-    import flowlift.models.sesqui_lsr as sesqui_lsr
-    import flowlift.models.vae_loading as vae_loading
-    import flowlift.upscale.pipeline as pipeline
+    from builders import forbid_call
 
-    def loaded(*args, **kwargs):
-        raise AssertionError("a model was loaded before the user error was refused")
-
-    monkeypatch.setattr(vae_loading, "load_vae", loaded)
-    monkeypatch.setattr(sesqui_lsr, "load_sesqui_lsr", loaded)
-    monkeypatch.setattr(pixel_upscaler, "load_pixel_upscaler", loaded)
-    monkeypatch.setattr(pipeline, "FlowUpscalerPipeline", loaded)
+    for loader in (
+        "flowlift.models.vae_loading.load_vae",
+        "flowlift.models.sesqui_lsr.load_sesqui_lsr",
+        "flowlift.measure.pixel_upscaler.load_pixel_upscaler",
+        "flowlift.upscale.pipeline.FlowUpscalerPipeline",
+    ):
+        forbid_call(monkeypatch, loader, "a model was loaded before the user error was refused")
 
 
 def _refused(argv: list[str], capsys) -> str:

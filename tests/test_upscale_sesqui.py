@@ -206,17 +206,21 @@ def test_a_missing_sesqui_file_is_one_line_pointing_at_the_models_folder(capsys,
     assert not (tmp_path / "x.png").exists()
 
 
-def test_a_size_that_needs_sesquilsr_outside_1_to_2_is_one_line_before_any_work(
-    capsys, tmp_path, photo, upscaler, sesqui
-):
-    # 48x32 -> 144x32: 3x wide, 1x high; after one pass the height would need SesquiLSR at 0.5x
+def _refused_before_any_work(capsys, tmp_path, image, sesqui, *options) -> str:
+    """The one error line of an upscale with the latent upscaler whose models do not exist: refused at planning (exit
+    2, no output), before any weight is looked up."""
     never = ["--upscaler", str(tmp_path / "never.safetensors"), "--vae", str(tmp_path / "never-vae")]
-    code, err = _upscale(
-        capsys, photo, tmp_path / "x.png", "--size", "144x32", *never, "--latent-upscaler", f"sesqui:{sesqui}"
-    )
+    code, err = _upscale(capsys, image, tmp_path / "x.png", *options, *never, "--latent-upscaler", f"sesqui:{sesqui}")
     line = one_error_line(err, "upscale")
-    assert code == 2 and "--latent-upscaler" in line and "outside its [1, 2]" in line, err
+    assert code == 2 and "--latent-upscaler" in line and "never" not in line, err
     assert not (tmp_path / "x.png").exists()
+    return line
+
+
+def test_a_size_that_needs_sesquilsr_outside_1_to_2_is_one_line_before_any_work(capsys, tmp_path, photo, sesqui):
+    # 48x32 -> 144x32: 3x wide, 1x high; after one pass the height would need SesquiLSR at 0.5x
+    line = _refused_before_any_work(capsys, tmp_path, photo, sesqui, "--size", "144x32")
+    assert "outside its [1, 2]" in line
 
 
 def test_an_input_too_small_for_sesquilsr_is_one_line_before_any_work(capsys, tmp_path, sesqui):
@@ -224,13 +228,8 @@ def test_an_input_too_small_for_sesquilsr_is_one_line_before_any_work(capsys, tm
     the three models had loaded and the VAE had encoded; now at planning, the models never looked up."""
     small = tmp_path / "small.png"
     Image.new("RGB", (16, 16), (90, 120, 30)).save(small)
-    never = ["--upscaler", str(tmp_path / "never.safetensors"), "--vae", str(tmp_path / "never-vae")]
-    code, err = _upscale(
-        capsys, small, tmp_path / "x.png", "--scale", "1.5", *never, "--latent-upscaler", f"sesqui:{sesqui}"
-    )
-    line = one_error_line(err, "upscale")
-    assert code == 2 and "--latent-upscaler" in line and "2x2 latents, under its 3 a side" in line, err
-    assert not (tmp_path / "x.png").exists()
+    line = _refused_before_any_work(capsys, tmp_path, small, sesqui, "--scale", "1.5")
+    assert "2x2 latents, under its 3 a side" in line
 
 
 @pytest.mark.parametrize("scale", ["1", "1.0001"])
@@ -238,13 +237,8 @@ def test_the_inputs_own_size_with_the_latent_upscaler_is_one_line_before_any_wor
     capsys, tmp_path, photo, sesqui, scale
 ):
     """No Flow pass and SesquiLSR at 1x: only the VAE's round trip, written as ``a_x1.0001.png`` with exit 0."""
-    never = ["--upscaler", str(tmp_path / "never.safetensors"), "--vae", str(tmp_path / "never-vae")]
-    code, err = _upscale(
-        capsys, photo, tmp_path / "x.png", "--scale", scale, *never, "--latent-upscaler", f"sesqui:{sesqui}"
-    )
-    line = one_error_line(err, "upscale")
-    assert code == 2 and "--latent-upscaler: 48x32 is the input's own size" in line, err
-    assert not (tmp_path / "x.png").exists()
+    line = _refused_before_any_work(capsys, tmp_path, photo, sesqui, "--scale", scale)
+    assert "--latent-upscaler: 48x32 is the input's own size" in line
 
 
 def test_one_knob_for_both_commands_and_the_settings():
