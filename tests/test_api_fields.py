@@ -107,6 +107,7 @@ def test_load_upscaler_names_its_source(source):
         ({"bn_mean": "x", "bn_std": "y"}, "bn_mean"),  # was an AttributeError
         ({"bn_mean": torch.zeros(5), "bn_std": torch.ones(5)}, "bn_mean"),  # was a RuntimeError mid-normalization
         ({"bn_mean": torch.zeros(128), "bn_std": torch.ones(5)}, "bn_std"),
+        ({"bn_mean": torch.zeros(2, 64), "bn_std": torch.ones(128)}, "bn_mean"),  # 128 values, not the 128 channels
         ({"bn_mean": torch.zeros(128, dtype=torch.int64), "bn_std": torch.ones(128)}, "bn_mean"),
         ({"memory_plan": "x"}, "memory_plan"),  # was an AttributeError where the tiles are sized
     ],
@@ -274,6 +275,7 @@ def test_the_finiteness_check_makes_no_copy_of_what_it_checks(bad):
         lambda z: z[0],  # broadcast too
         lambda z: z.tolist(),  # a TypeError
         lambda z: None,
+        lambda z: z.long(),  # an integer velocity was taken
     ],
 )
 @pytest.mark.parametrize("tiled", [False, True])
@@ -286,3 +288,18 @@ def test_refine_latents_names_a_velocity_of_another_shape(answer, tiled):
     _refused(lambda: refine_latents(lambda z, sigma: answer(z), init_latents=init, tiles=tiles), "velocity_fn")
     out = refine_latents(lambda z, sigma: torch.zeros_like(z), init_latents=init, tiles=tiles).latents
     assert out.shape == init.shape  # the right shape runs, tiled or not
+
+
+def test_the_metadata_holds_the_sigmas_that_ran():
+    """Rounded to 6 decimals, the sigmas of a strength of 1e-9 were recorded as [0.0, 0.0] and t0 as 0.0."""
+    from flowlift.refine.loop import refine_latents
+    from flowlift.refine.parameters import output_parameters
+
+    result = refine_latents(
+        lambda z, sigma: torch.zeros_like(z), init_latents=torch.zeros(1, 32, 4, 4), denoising_start=1 - 1e-9
+    )
+    params = output_parameters(
+        "img2img", result, model="m", dtype=torch.float32, device=torch.device("cpu"), provenance={}
+    )
+    assert params["sigmas"] == [float(s) for s in result.sigmas] and params["sigmas"][0] > 0
+    assert params["t0"] == result.t0 > 0 and params["mu"] == result.mu

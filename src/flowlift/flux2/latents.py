@@ -148,7 +148,7 @@ def from_comfyui_latent(latent: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def check_bn_statistics(bn_mean: Any, bn_std: Any, where: str) -> None:
-    """Both FLUX.2 VAE BatchNorm statistics or neither, each a floating tensor of the 128 patchified channels,
+    """Both FLUX.2 VAE BatchNorm statistics or neither, each a floating (128,) tensor of the patchified channels,
     ``bn_mean`` finite and ``bn_std`` finite and above 0; else one line naming the field (``where``, the entry point,
     for a missing half). A string was an AttributeError, a 5-element tensor a RuntimeError mid-normalization, a
     NaN ran a whole sampler first, and a negative std mirrors the latents silently."""
@@ -157,7 +157,8 @@ def check_bn_statistics(bn_mean: Any, bn_std: Any, where: str) -> None:
     for name, value in (("bn_mean", bn_mean), ("bn_std", bn_std)):
         if value is None:
             continue
-        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.numel() != PATCHIFIED_CHANNELS:
+        statistics = isinstance(value, torch.Tensor) and value.is_floating_point()
+        if not statistics or value.shape != (PATCHIFIED_CHANNELS,):
             shown = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
             raise FlowliftError(
                 f"{name} must be a floating tensor of the VAE's {PATCHIFIED_CHANNELS} statistics, got {shown}",

@@ -206,10 +206,10 @@ def _shape_checked(velocity_fn: VelocityFn | None) -> VelocityFn | None:
 
     def checked(z: torch.Tensor, sigma: float) -> torch.Tensor:
         v = velocity_fn(z, sigma)
-        if not isinstance(v, torch.Tensor) or v.shape != z.shape:
-            got = f"shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+        if not isinstance(v, torch.Tensor) or v.shape != z.shape or not v.is_floating_point():
+            got = f"{str(v.dtype).removeprefix('torch.')} {tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v)
             raise FlowliftError(
-                f"velocity_fn must return a tensor of its input's shape {tuple(z.shape)}, got {got}",
+                f"velocity_fn must return a floating tensor of its input's shape {tuple(z.shape)}, got {got}",
                 field="velocity_fn",
             )
         return v

@@ -55,12 +55,13 @@ def output_parameters(
     params.update(dtype=str(dtype).removeprefix("torch."), device=str(device))
     params.update({k: v for k, v in kwargs.items() if v is not None})
     params.update(provenance)
-    params["sigmas"] = [round(s, 6) for s in result.sigmas]
-    params["t0"] = round(result.t0, 6)
+    # exact, as the sampler ran them: rounded to 6 decimals, a strength of 1e-9 read as sigmas [0.0, 0.0] and t0 0.0
+    params["sigmas"] = [float(s) for s in result.sigmas]
+    params["t0"] = float(result.t0)
     params["model_calls"] = result.model_calls
     params.update(result.tiling)  # tile_size as asked; tiles (size, overlap, grid, batch) when tiles ran
     if result.mu is not None:  # the schedule that made the sigmas (none ran at strength 0)
-        params.update(mu=round(result.mu, 6), mu_rule=result.mu_rule)
+        params.update(mu=float(result.mu), mu_rule=result.mu_rule)
         if mode != "txt2img":  # a full window is the same under both
             params["schedule"] = result.schedule
     return params
