@@ -55,8 +55,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     prompt.add_argument(
         "--prompt-embeds",
         metavar="FILE",
-        help="precomputed embeddings: a .safetensors with 'prompt_embeds' (B|1, L, D) and optionally "
-        "'negative_prompt_embeds'; no text encoder is loaded",
+        help="precomputed embeddings: a .safetensors with 'prompt_embeds' (1, L, D) and optionally "
+        "'negative_prompt_embeds' (a batch of 1: one prompt for the one image); no text encoder is loaded",
     )
     prompt.add_argument("--negative-prompt", help="negative prompt for true CFG (default '' when --cfg-scale > 1)")
     prompt.add_argument(

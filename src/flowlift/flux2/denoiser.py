@@ -16,11 +16,12 @@ that call into exactly the transformer call diffusers' ``Flux2Pipeline`` / ``Flu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, pack, patchify, unpack, unpatchify
 from flowlift.knobs import check_cfg_scale, check_positive
 
@@ -73,6 +74,43 @@ def _check_embeds(name: str, embeds: torch.Tensor, joint_dim: int | None) -> Non
         )
 
 
+def check_guidance(
+    guidance: float | None, guidance_embeds: bool, fields: tuple[str, str] = ("guidance", "cfg_scale")
+) -> float | None:
+    """The embedded guidance a transformer runs with: ``guidance`` (None: dev's :data:`DEFAULT_DEV_GUIDANCE`) when
+    its config has a guidance embedding (``guidance_embeds``, FLUX.2 dev), None when it has none (Klein), where a
+    guidance given is one line naming ``fields`` (the guidance, then true CFG's scale, what such a model takes
+    instead). The one rule: :class:`Flux2Denoiser` applies it, and a refine job from the transformer's config before
+    the model loads."""
+    guidance = check_positive(fields[0], guidance, optional=True)
+    if guidance_embeds:
+        return DEFAULT_DEV_GUIDANCE if guidance is None else float(guidance)
+    if guidance is not None:
+        raise FlowliftError(
+            f"{FIELD_MARK} {guidance:g}: this transformer has no guidance embedding (a FLUX.2 Klein config): drop it; "
+            f"for classifier-free guidance give {FIELD_MARK} with a negative prompt",
+            field=fields,
+        )
+    return None
+
+
+def check_embeds_batch(conditioning: Mapping[str, Any], images: int, field: str | None = None) -> None:
+    """One line unless the ``prompt_embeds`` and ``negative_prompt_embeds`` of ``conditioning`` (tensors or None) have
+    a batch of 1 (one prompt for every image) or of ``images`` (one per image), naming ``field`` (None: each key).
+    The one rule of the embeddings' batch, checked where the image count is known before any step (the refiner's
+    modes; a refine job, one image, from its embeddings file before any model loads): :class:`Flux2Denoiser` takes
+    any batch its call's latents have, and a tiled refine stacks one image's tiles on that axis, so embeddings of
+    batch 2 for one image would condition its tiles on different prompts."""
+    for key, what in (("prompt_embeds", "prompt embeddings"), ("negative_prompt_embeds", "negative prompt embeddings")):
+        embeds = conditioning.get(key)  # (batch, tokens, dim): the denoiser's or the file reader's
+        if embeds is not None and embeds.shape[0] not in (1, images):
+            raise FlowliftError(
+                f"{FIELD_MARK}: {what} have a batch of {embeds.shape[0]} for {images} image"
+                f"{'s' if images != 1 else ''}: give a batch of 1 (one prompt for every image) or one per image",
+                field=field or key,
+            )
+
+
 class Flux2Denoiser:
     """``velocity_fn(x, sigma)`` over a FLUX.2 transformer; ``x`` is normalized 32-channel latents.
 
@@ -104,16 +142,9 @@ class Flux2Denoiser:
         if negative_prompt_embeds is not None:
             _check_embeds("negative prompt embeddings", negative_prompt_embeds, joint_dim)
         cfg_scale = check_cfg_scale("cfg_scale", cfg_scale)  # finite, in (0, 100]: not NaN, not "2"
-        guidance = check_positive("guidance", guidance, optional=True)
         if cfg_scale != 1.0 and negative_prompt_embeds is None:
             raise FlowliftError(f"cfg scale {cfg_scale} needs a negative prompt (use '' for the empty prompt)")
-        if self.guidance_embeds:
-            guidance = DEFAULT_DEV_GUIDANCE if guidance is None else float(guidance)
-        elif guidance is not None:
-            raise FlowliftError(
-                "this transformer has no guidance embedding (a FLUX.2 Klein config): drop --guidance; "
-                "use --cfg-scale with a negative prompt for classifier-free guidance"
-            )
+        guidance = check_guidance(guidance, self.guidance_embeds)
         self.transformer = transformer
         self.prompt_embeds = prompt_embeds
         self.negative_prompt_embeds = negative_prompt_embeds

@@ -2,8 +2,9 @@
 a low-strength refine -> decode.
 
 :class:`HiresFix` holds the one hires composition; :class:`~flowlift.refine.refiner.Flux2Refiner` takes it as a base
-class and gives it what the other modes use: ``denoiser``, ``encode``, ``decode``, ``txt2img``, ``_run``,
-``_parameters``, ``_with_steps`` and the ``device``, ``tiling`` and ``default_steps`` attributes.
+class and gives it what the other modes use: ``_conditioned`` (the denoiser, its embeddings' batch checked),
+``encode``, ``decode``, ``txt2img``, ``_run``, ``_parameters``, ``_with_steps`` and the ``device``, ``tiling`` and
+``default_steps`` attributes.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ class HiresFix:
         sampling = self._with_steps(sampling)
         tiles = self._tiles(tiles)
         start = denoising_start_for(settings.refine_strength, strength_map)
-        den = self.denoiser(**conditioning)
+        den = self._conditioned(1 if images is None else images.shape[0], conditioning)
         params: dict[str, Any] = {}
         if images is not None:
             base = self.encode(images.to(self.device, torch.float32))

@@ -1,15 +1,17 @@
 """A :class:`~flowlift.refine.request.RefineRequest` planned once, then run: refine's job, whichever door asked.
 
 :func:`plan_refine_job` decides everything that needs no weights, before any load: the device, the prompt's
-files and extras, the output (name, format, what is there), the input images read and checked (mask size,
-outpaint canvas under the 16K cap, references and hires inputs on the 16-px grid), the strength and the frame
-the memory plan is made for, and ``mu empirical`` at that size. The plan (:class:`RefineJob`) is data.
+files and extras, the output (name, format, what is there), the input images read and checked (mask size, a mask
+not all 0, outpaint's image on the 16-px grid and its canvas under the 16K cap, img2img's input under it,
+references and hires inputs on the 16-px grid), the prompt embeddings' batch (one image: one prompt), the strength
+and the frame the memory plan is made for, and ``mu empirical`` at that size. The plan (:class:`RefineJob`) is data.
 
-:func:`run_refine` is the whole command: the plan, every weight found in one message
-(:func:`find_weights`), the prompts embedded before the transformer loads (:func:`load_for_job`), the mode run
-(:func:`refine_job`; hires through :meth:`~flowlift.refine.refiner.Flux2Refiner.hires`), the result written with its
-metadata (:func:`write_job`). The web app runs the same plan and the same :func:`refine_job` on the refiner it
-keeps loaded. Nothing here prints: a front-end shows the result.
+:func:`run_refine` is the whole command: the plan, every weight found in one message (:func:`find_weights`), what
+the transformer's config says of the conditioning checked before anything loads
+(:func:`check_transformer_conditioning`), the prompts embedded before the transformer loads (:func:`load_for_job`),
+the mode run (:func:`refine_job`; hires through :meth:`~flowlift.refine.refiner.Flux2Refiner.hires`), the result
+written with its metadata (:func:`write_job`). The web app runs the same plan and the same :func:`refine_job` on the
+refiner it keeps loaded. Nothing here prints: a front-end shows the result.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 from flowlift.errors import FIELD_MARK, FlowliftError, from_field
 from flowlift.limits import PIXEL_MULTIPLE, hires_latent_size
 from flowlift.refine.request import LatentUpscaler, RefineRequest
-from flowlift.refine.settings import check_hires_size
+from flowlift.refine.settings import check_hires_size, check_within_cap
 
 
 @dataclass
@@ -124,7 +126,9 @@ def _read_inputs(job: RefineJob) -> None:
                 "image's size",
                 field="mask",
             )
-        job.mask = to_tensor(grey_mask(mask_rgb, mask_alpha).convert("RGB"))[:, :1]
+        from flowlift.refine.canvas import checked_mask  # the API's rule: a mask of 0 everywhere paints nothing
+
+        job.mask = checked_mask(to_tensor(grey_mask(mask_rgb, mask_alpha).convert("RGB"))[:, :1], job.images)
     with from_field("references"):
         job.references = [to_tensor(load_image(path)[0]) for path in request.references]
     for path, ref in zip(request.references, job.references, strict=True):
@@ -153,6 +157,7 @@ def _frame(job: RefineJob) -> tuple[int, int]:
     if job.pads is not None:
         left, top, right, bottom = outpaint_pads(job.rgb.height, job.rgb.width, *job.pads)  # the cap, before loading
         return job.rgb.height + top + bottom, job.rgb.width + left + right
+    check_within_cap(job.rgb.width, job.rgb.height, "image")  # img2img and inpaint write the input's size
     return -(-job.rgb.height // PIXEL_MULTIPLE) * PIXEL_MULTIPLE, -(-job.rgb.width // PIXEL_MULTIPLE) * PIXEL_MULTIPLE
 
 
@@ -195,9 +200,11 @@ def plan_refine_job(request: RefineRequest) -> RefineJob:
     """Everything of ``request`` that needs no weights, checked in the order a user meets it (see the module
     docstring); nothing is loaded or written."""
     from flowlift.devices import resolve_device_dtype
+    from flowlift.flux2.denoiser import check_embeds_batch
 
     _check_prompt(request)
     job = RefineJob(request, None, None, _output(request), (0, 0), request.mode_strength, pads=request.outpaint)
+    check_embeds_batch(job_conditioning(job), 1, "prompt.embeds")  # the file's, as used: one image, one prompt
     if request.image is not None:
         _read_inputs(job)
     job.frame = _frame(job)
@@ -275,8 +282,9 @@ def job_conditioning(job: RefineJob, embed: Callable[[Sequence[str]], list[Any]]
     }
 
 
-def _check_embeds_width(conditioning: dict[str, Any], width: int | None) -> None:
-    """Prompt embeddings as wide as the transformer's text input (``width``; None: unknown yet), before it loads."""
+def _check_embeds_width(conditioning: dict[str, Any], config: dict[str, Any]) -> None:
+    """Prompt embeddings as wide as the transformer's text input (``config``'s; none there: unknown yet)."""
+    width = config.get("joint_attention_dim")
     for key, what in (("prompt_embeds", "prompt embeddings"), ("negative_prompt_embeds", "negative prompt embeddings")):
         embeds = conditioning.get(key)
         if width is not None and embeds is not None and embeds.shape[-1] != width:
@@ -287,13 +295,31 @@ def _check_embeds_width(conditioning: dict[str, Any], width: int | None) -> None
             )
 
 
-def load_for_job(job: RefineJob, loras: Sequence[Any] = ()) -> tuple[Any, dict[str, Any]]:
-    """The refiner for ``job`` and its conditioning: prompts given as text embedded first, by a text encoder
-    that is freed before the transformer loads; the memory plan made for the job's frame."""
+def check_transformer_conditioning(job: RefineJob) -> dict[str, Any]:
+    """What the transformer's config (:func:`~flowlift.refine.source_checks.transformer_config`: a file's headers or
+    its ``config.json``, read once the weights are found, before anything loads or a loading line is shown) says of
+    the job's conditioning: ``guidance`` only for a model with a guidance embedding (dev, not Klein), and the
+    embeddings file as wide as its text input. Returns the config, for embeddings a text encoder makes later."""
+    from flowlift.refine.source_checks import transformer_config
+
+    source, prompt = job.request.source, job.request.prompt
+    config = transformer_config(source.model, source.transformer)
+    if "guidance_embeds" in config:
+        from flowlift.flux2.denoiser import check_guidance
+
+        check_guidance(prompt.guidance, config["guidance_embeds"], ("prompt.guidance", "prompt.cfg_scale"))
+    if prompt.embeds is not None:
+        _check_embeds_width(job_conditioning(job), config)
+    return config
+
+
+def load_for_job(job: RefineJob, loras: Sequence[Any], config: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The refiner for ``job`` and its conditioning: prompts given as text embedded first, by a text encoder that is
+    freed before the transformer loads, and held to the transformer's ``config``
+    (:func:`check_transformer_conditioning`); the memory plan made for the job's frame."""
     from flowlift.refine.loading import load_refiner
     from flowlift.refine.memory_plan import RefineMemory
     from flowlift.refine.prompts import embed_prompts
-    from flowlift.refine.source_checks import transformer_text_width
 
     source = job.request.source
 
@@ -301,7 +327,7 @@ def load_for_job(job: RefineJob, loras: Sequence[Any] = ()) -> tuple[Any, dict[s
         return embed_prompts(source.model, texts, device=job.device, dtype=job.dtype)
 
     conditioning = job_conditioning(job, embed)
-    _check_embeds_width(conditioning, transformer_text_width(source.model, source.transformer))
+    _check_embeds_width(conditioning, config)
     tokens = conditioning["prompt_embeds"].shape[1]
     memory = RefineMemory(source.offload, source.max_memory, job.frame, tokens)
     refiner = load_refiner(
@@ -399,8 +425,9 @@ def _run_job(job: RefineJob, run: Any) -> Path:
 
     request = job.request
     loras = find_weights(job)
+    config = check_transformer_conditioning(job)
     run.loading(f"the FLUX.2 model {Path(request.source.model).name}")
-    refiner, conditioning = load_for_job(job, loras)
+    refiner, conditioning = load_for_job(job, loras, config)
     upscaler = None
     if request.mode == "hires":
         plan = refiner.memory_plan  # the upscaler gets what the transformer leaves of max_memory

@@ -20,11 +20,23 @@ from flowlift.knobs import check_callable, check_cfg_scale, check_dtype, check_k
 from flowlift.limits import LATENT_CHANNELS
 from flowlift.models.weights import finite_result
 from flowlift.progress import report_stage
-from flowlift.refine.canvas import checked_images, checked_mask, latent_mask, outpaint_canvas, pad_to_multiple
+from flowlift.refine.canvas import (
+    check_outpaint_strength,
+    checked_images,
+    checked_mask,
+    latent_mask,
+    outpaint_canvas,
+    pad_to_multiple,
+)
 from flowlift.refine.hires_fix import HiresFix
 from flowlift.refine.loop import RefineResult, VelocityFn, _Progress, denoising_start_for, refine_latents
 from flowlift.refine.offload import Placement, place_transformer, with_transformer_on_device
-from flowlift.refine.parameters import RefineOutput, check_conditioning, conditioning_parameters, output_parameters
+from flowlift.refine.parameters import (
+    RefineOutput,
+    check_conditioning,
+    conditioning_parameters,
+    output_parameters,
+)
 from flowlift.refine.settings import (
     MU,
     OUTPAINT_STRENGTH,
@@ -33,8 +45,8 @@ from flowlift.refine.settings import (
     STRENGTH,
     STRENGTH_MAP,
     SamplingSettings,
-    check_outpaint_strength,
     check_txt2img_size,
+    check_within_cap,
 )
 from flowlift.refine.tiling import TileRequest
 
@@ -184,6 +196,17 @@ class Flux2Refiner(HiresFix):
             reference_latents=refs,
         )
 
+    def _conditioned(self, images: int, conditioning: dict[str, Any]):
+        """:meth:`denoiser` for a mode's ``conditioning``, its embeddings' batch checked against the ``images`` the
+        mode refines (:func:`~flowlift.flux2.denoiser.check_embeds_batch`), before any step: every strength checks
+        the same conditioning, though strength 0 runs no step."""
+        from flowlift.flux2.denoiser import check_embeds_batch
+
+        den = self.denoiser(**conditioning)
+        embeds = {"prompt_embeds": den.prompt_embeds, "negative_prompt_embeds": den.negative_prompt_embeds}
+        check_embeds_batch(embeds, images)
+        return den
+
     # -- VAE
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
@@ -270,7 +293,7 @@ class Flux2Refiner(HiresFix):
         sampling = self._with_steps(sampling)
         tiles = self._tiles(tiles)
         width, height = check_txt2img_size(width, height, ("width", "height"))
-        den = self.denoiser(**conditioning)
+        den = self._conditioned(batch, conditioning)
         shape = (batch, LATENT_CHANNELS, height // VAE_SCALE_FACTOR, width // VAE_SCALE_FACTOR)
         result = self._run(
             "txt2img",
@@ -300,23 +323,25 @@ class Flux2Refiner(HiresFix):
         """Refine ``images`` (B, 3, H, W) in [0, 1] at ``strength``; with ``mask`` (B|1, 1, H, W) inpaint.
 
         Sides that are not multiples of 16 are edge-padded for the model and cropped back.
-        ``strength`` 0 returns the VAE round trip of the input; 1 ignores the input (txt2img noise).
+        ``strength`` 0 returns the VAE round trip of the input (no model call; the conditioning is checked as at any
+        strength); 1 ignores the input (txt2img noise). The input is the output's size: within the 16384 px cap.
         """
         check_conditioning(conditioning, "inpaint" if mask is not None else "img2img")
         sampling = self._with_steps(sampling)
         tiles = self._tiles(tiles)
         images = checked_images(images)
-        start = denoising_start_for(strength, strength_map)
         h, w = images.shape[-2:]
+        check_within_cap(w, h, "images")  # the output is the input's size
+        start = denoising_start_for(strength, strength_map)
         padded, _ = pad_to_multiple(images.to(self.device, torch.float32))
         lmask = None
         if mask is not None:
             lmask = latent_mask(pad_to_multiple(checked_mask(mask, images).to(self.device))[0])
-        den = self.denoiser(**conditioning) if start < 1.0 else None
+        den = self._conditioned(images.shape[0], conditioning)  # checked at strength 0 too
         mode = "inpaint" if mask is not None else "img2img"
         result = self._run(
             mode,
-            den,
+            den if start < 1.0 else None,  # strength 0: no step, so no transformer (nor tiles) to run
             init=self._encode_init(padded),
             shape=None,
             denoising_start=start,
@@ -334,7 +359,7 @@ class Flux2Refiner(HiresFix):
             denoising_start=round(start, 6),
             width=w,
             height=h,
-            **(conditioning_parameters(conditioning, den) if den is not None else {}),
+            **(conditioning_parameters(conditioning, den) if start < 1.0 else {}),  # what a step used
         )
         return RefineOutput(out, result.latents, params)
 
@@ -368,8 +393,7 @@ class Flux2Refiner(HiresFix):
         encoding of the original image alone and are kept exactly (mask 0) through every step.
         """
         check_conditioning(conditioning, "outpaint")
-        start = denoising_start_for(strength, strength_map)
-        check_outpaint_strength(strength)
+        start = check_outpaint_strength(strength, strength_map)  # a strength that runs no step paints nothing
         sampling = self._with_steps(sampling)
         tiles = self._tiles(tiles)
         images = checked_images(images).to(self.device)
@@ -380,7 +404,7 @@ class Flux2Refiner(HiresFix):
         l8, t8 = pads[0] // VAE_SCALE_FACTOR, pads[1] // VAE_SCALE_FACTOR
         init = init.clone()
         init[:, :, t8 : t8 + original.shape[2], l8 : l8 + original.shape[3]] = original
-        den = self.denoiser(**conditioning) if start < 1.0 else None
+        den = self._conditioned(images.shape[0], conditioning)
         result = self._run(
             "outpaint",
             den,
@@ -402,6 +426,6 @@ class Flux2Refiner(HiresFix):
             strength=strength,
             strength_map=strength_map,
             denoising_start=round(start, 6),
-            **(conditioning_parameters(conditioning, den) if den is not None else {}),
+            **conditioning_parameters(conditioning, den),
         )
         return RefineOutput(self.decode(result.latents), result.latents, params)

@@ -44,7 +44,6 @@ from flowlift.refine.settings import (
     SamplingSettings,
     check_hires_size,
     check_offload_and_budget,
-    check_outpaint_strength,
     check_txt2img_size,
 )
 from flowlift.refine.tiling import TileRequest
@@ -276,7 +275,9 @@ class RefineRequest:
             what = "outpaint needs its borders (L, T, R, B px)" if self.outpaint is None else f"{self.mode} has none"
             raise FlowliftError(f"outpaint: {what}", field="outpaint")
         if self.mode == "outpaint" and self.strength is not None:
-            check_outpaint_strength(self.strength)
+            from flowlift.refine.canvas import check_outpaint_strength  # the loop's strength map: torch, when needed
+
+            check_outpaint_strength(self.strength, self.strength_map)
         if self.mode == "txt2img":
             if not isinstance(self.size, (tuple, list)) or len(self.size) != 2:
                 raise FlowliftError(f"size must be (width, height) in px, got {self.size!r}", field="size")

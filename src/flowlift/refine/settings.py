@@ -62,17 +62,6 @@ def check_offload_and_budget(offload: object, max_memory: object, prefix: str) -
             raise FlowliftError(f"{prefix}{error}", field=f"{prefix}max_memory") from None
 
 
-def check_outpaint_strength(strength: float) -> None:
-    """One line for an outpaint at strength 0: nothing is sampled, so its new border would be the input's edge
-    pixels smeared out (at any ``strength_map``: both map only 0 to ``denoising_start`` 1)."""
-    if strength == 0:
-        raise FlowliftError(
-            "outpaint at strength 0 paints nothing into the new border (it would be the edge pixels smeared out): "
-            "give a strength above 0 (its default is 1)",
-            field="strength",
-        )
-
-
 STRENGTH_MAP = Knob(
     "strength_map",
     str,
@@ -142,13 +131,21 @@ def check_txt2img_size(width: int, height: int, field: str | tuple[str, str] = "
             f"{fix} {near[0]}x{near[1]}",
             field=field,
         )
-    if max(sides) > MAX_OUTPUT_SIDE:
+    check_within_cap(width, height, field)
+    return width, height
+
+
+def check_within_cap(width: int, height: int, field: str) -> None:
+    """One FlowliftError line naming ``field`` when a ``width x height`` image is over ``MAX_OUTPUT_SIDE`` (16384 px)
+    a side: the cap every refine's output keeps, said once for txt2img's size and for img2img's and inpaint's input
+    (they write the input's size), before any model loads."""
+    if max(width, height) > MAX_OUTPUT_SIDE:
+        image = field in ("image", "images")
         raise FlowliftError(
             f"{field} {width}x{height} is over {cap_words()}; "
-            f"{'resize the image to' if field == 'image' else 'use'} at most {MAX_OUTPUT_SIDE} px a side",
+            f"{'resize the image to' if image else 'use'} at most {MAX_OUTPUT_SIDE} px a side",
             field=field,
         )
-    return width, height
 
 
 def _check_side(name: str, value: object) -> int:

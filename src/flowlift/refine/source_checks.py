@@ -167,10 +167,11 @@ def check_refiner_source(
     return loras
 
 
-def transformer_text_width(model: str, transformer: str | None = None) -> int | None:
-    """The transformer's ``joint_attention_dim`` (the width its prompt embeddings must have), read before it loads:
-    a single file's headers, a folder's (or a cached hub id's) ``transformer/config.json``; None when not found
-    there (the transformer itself then says it, once loaded)."""
+def transformer_config(model: str, transformer: str | None = None) -> dict[str, Any]:
+    """What the transformer's config says of its conditioning, read before it loads: ``joint_attention_dim`` (the
+    width its prompt embeddings must have) and ``guidance_embeds`` (whether it takes an embedded guidance: dev, not
+    Klein), from a single file's headers or a folder's (or a cached hub id's) ``transformer/config.json``. Only the
+    keys found there with their type are given (none: the transformer itself says it, once loaded)."""
     from flowlift.files.json_input import parse_json
     from flowlift.models.flux2_transformer_folders import cached_transformer_folder
 
@@ -178,7 +179,7 @@ def transformer_text_width(model: str, transformer: str | None = None) -> int | 
     if source.is_file():
         from flowlift.models.flux2_transformer_files import inspect_transformer_file
 
-        return inspect_transformer_file(source, option="source.transformer").config.get("joint_attention_dim")
+        return _typed_config(inspect_transformer_file(source, option="source.transformer").config)
     folders = [source / "transformer", source] if source.is_dir() else []
     text = transformer if transformer is not None else model
     if not folders and looks_like_repo_id(text) and (cached := cached_transformer_folder(text)) is not None:
@@ -186,8 +187,17 @@ def transformer_text_width(model: str, transformer: str | None = None) -> int | 
     for folder in folders:
         if (folder / "config.json").is_file():
             try:
-                width = parse_json((folder / "config.json").read_text()).get("joint_attention_dim")
-            except (OSError, ValueError, AttributeError):
-                return None  # an unreadable config is the loader's to refuse, in its words
-            return width if isinstance(width, int) and not isinstance(width, bool) else None
-    return None
+                return _typed_config(parse_json((folder / "config.json").read_text()))
+            except (OSError, ValueError):
+                return {}  # an unreadable config is the loader's to refuse, in its words
+    return {}
+
+
+def _typed_config(config: Any) -> dict[str, Any]:
+    """:func:`transformer_config`'s keys of ``config`` that hold their type (an int width, a bool), the rest left
+    to the loader."""
+    if not isinstance(config, dict):
+        return {}
+    width, guidance = config.get("joint_attention_dim"), config.get("guidance_embeds")
+    typed = {"joint_attention_dim": width} if isinstance(width, int) and not isinstance(width, bool) else {}
+    return typed | ({"guidance_embeds": guidance} if isinstance(guidance, bool) else {})
