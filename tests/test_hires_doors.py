@@ -19,6 +19,7 @@ from builders import refine_inputs, save_tiny_unet
 from flowlift.app.refine_tab import refine
 from flowlift.app.service import AppConfig, AppService
 from flowlift.commands.cli import main
+from flowlift.errors import FlowliftError
 from tiny_flux2 import prompt_embeds, write_model_dir
 
 STEPS = "4"  # every other knob at its default
@@ -131,6 +132,19 @@ def test_the_invokeai_node_chain_equals_the_hires_fix(model_dir, inputs, single_
     node = raw_to_normalized(refined_raw, vae.bn_mean, vae.bn_std)
     assert node.shape == cli.shape == (1, 32, 16, 16)
     torch.testing.assert_close(node, cli, atol=1e-4, rtol=0)
+    # two prompts for one image: its tiles, stacked on the batch axis, would each take one (the refiner's rule)
+    with pytest.raises(FlowliftError, match="prompt embeddings have a batch of 2 for 1 image"):
+        tiled_refine_raw_latents(
+            refiner.transformer,
+            upscaled,
+            vae.bn_mean,
+            vae.bn_std,
+            torch.cat([embeds, embeds]),
+            strength=REFINE_STRENGTH.default,
+            sampling=sampling,
+            tiles=TileRequest(size=64, overlap=16, batch=2),
+            device="cpu",
+        )
 
 
 def test_the_app_and_the_command_line_name_a_capped_8x_the_same(tmp_path):

@@ -284,9 +284,10 @@ def tiled_refine_raw_latents(
     strength`` (linear); the schedule is flowlift's (``mu`` 2.02, respaced, unless ``sampling`` says otherwise).
     The record is the CLI's: ``tile_size`` as asked and ``tiles`` (size, overlap, grid, batch) when tiles ran.
     """
-    from flowlift.flux2.denoiser import Flux2Denoiser
+    from flowlift.flux2.denoiser import Flux2Denoiser, check_embeds_batch
     from flowlift.flux2.latents import denormalize
 
+    check_embeds_batch({"prompt_embeds": prompt_embeds}, raw_latents.shape[0])  # one image's tiles, one prompt
     denoiser = Flux2Denoiser(transformer, prompt_embeds.to(device))
     bn_mean, bn_std = bn_mean.to(device), bn_std.to(device)
     result = refine_latents(
