@@ -37,6 +37,38 @@ def test_plan_next_to_inputs_skips_previous_results_and_refuses_collisions(tmp_p
         plan_jobs([a, b1], str(tmp_path / "one.png"), lambda p: "x.png", SUFFIXES)
 
 
+def test_an_output_that_appears_during_the_run_is_judged_again(tmp_path, capsys):
+    """A user's picture saved at an output name while earlier images ran was replaced without --overwrite (the rule
+    ran once, before the loop); a finished image there now is skipped, a user's other file refused and kept."""
+    from PIL import Image
+
+    sources = [_touch(tmp_path / f"{name}.png") for name in ("a", "b", "c")]
+    out = tmp_path / "out"
+    out.mkdir()
+    jobs = [
+        Job(job.source, job.output, expected_size=(4, 4))
+        for job in plan_jobs(sources, str(out), lambda p: f"{p.stem}_x2.png", SUFFIXES)
+    ]
+    users = out / "b_x2.png"
+
+    def process(source: Path, output: Path) -> None:
+        if source.stem == "a":  # meanwhile, the user saves a picture of another size at b's name, c's is made whole
+            Image.new("RGB", (3, 3), (200, 0, 0)).save(users)
+            Image.new("RGB", (4, 4)).save(out / "c_x2.png")
+        output.write_bytes(b"result")
+
+    mine = users.read_bytes() if users.exists() else None
+    result = run_jobs(jobs, process, command="test", progress=False)
+    err = capsys.readouterr().err
+    assert mine is None and (result.done, result.skipped, result.failed) == (1, 1, 1), err
+    assert users.read_bytes()[:4] == b"\x89PNG" and "b_x2.png exists and was not written by flowlift" in err
+    assert "appeared during the run" in err and (out / "c_x2.png").read_bytes()[:4] == b"\x89PNG"
+    # --overwrite: the user asked for every output to be replaced
+    assert (
+        run_jobs(jobs, lambda s, o: o.write_bytes(b"result"), command="test", overwrite=True, progress=False).done == 3
+    )
+
+
 def test_run_jobs_counts_resume_and_keeps_going(tmp_path, capsys):
     sources = [_touch(tmp_path / f"{name}.png") for name in ("ok", "bad", "done")]
     out = tmp_path / "out"

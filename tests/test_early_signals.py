@@ -61,6 +61,7 @@ DISPOSITIONS = {
     "SIGINT-inherited-ignored": (signal.SIGINT, True),
     "SIGINT": (signal.SIGINT, False),
     "SIGTERM": (signal.SIGTERM, False),
+    "SIGHUP": (signal.SIGHUP, False),  # a closed terminal: it ended the run with no line, its temporary left
 }
 
 
@@ -120,6 +121,28 @@ def test_a_signal_from_the_first_line_on_ends_the_run_with_130(job, tmp_path, fo
     assert result.returncode == 130, f"exit {result.returncode}:\n{err[-3000:]}"
     assert "Traceback" not in err and err.rstrip().splitlines()[-1].endswith("interrupted"), err[-3000:]
     assert outputs == [], outputs  # fewer outputs than the 2 inputs; no temporary file either
+
+
+def test_a_sighup_under_nohup_is_ignored_from_the_first_line_on(job, tmp_path):
+    """``nohup``'s SIGHUP, inherited as ignored, stays ignored at every point: the run writes every output."""
+    root, inputs, options = job
+    out = tmp_path / "out"
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        FLOWLIFT_TEST_SIGNAL=str(int(signal.SIGHUP)),
+        FLOWLIFT_TEST_SIGNAL_AT=POINTS["model-loading"],
+        PYTHONPATH=os.pathsep.join([str(root / "hook"), str(SRC), os.environ.get("PYTHONPATH", "")]),
+    )
+    argv = [sys.executable, "-m", "flowlift", "upscale", str(inputs), "-o", str(out), *options]
+
+    def nohup() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, preexec_fn=nohup)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["in0_x2.png", "in1_x2.png"]
 
 
 def test_without_a_signal_the_same_run_writes_every_output(job, tmp_path):

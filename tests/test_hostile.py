@@ -1059,17 +1059,33 @@ def test_atomic_output_fsyncs_file_then_folder(tmp_path, monkeypatch):
         assert synced == [False, True]  # the file, then its folder
 
 
-def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
-    from flowlift.commands.cli import _signals_interrupt
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_clean_up_like_ctrl_c(tmp_path, signum):
+    """SIGHUP (a closed terminal, a dropped ssh session) ended the process with no line and left its temporary."""
+    from flowlift.commands import cli
     from flowlift.files.atomic import atomic_output
 
     with pytest.raises(KeyboardInterrupt):
-        with _signals_interrupt():
+        with cli._signals_interrupt():
             with atomic_output(tmp_path / "out.png") as tmp:
                 tmp.write_bytes(b"partial")
-                signal.raise_signal(signal.SIGTERM)
-    assert list(tmp_path.iterdir()) == []
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+                signal.raise_signal(signum)
+    assert list(tmp_path.iterdir()) == [] and cli.stop_signal() == signum
+    assert signal.getsignal(signum) is signal.SIG_DFL
+
+
+def test_a_sighup_under_nohup_stays_ignored(tmp_path):
+    """``nohup flowlift ...`` inherits SIGHUP ignored: the run goes on when the terminal closes."""
+    from flowlift.commands import cli
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with cli._signals_interrupt():
+            signal.raise_signal(signal.SIGHUP)  # no KeyboardInterrupt
+            (tmp_path / "done").write_text("ran on")
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and (tmp_path / "done").exists()
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_a_second_signal_during_the_clean_up_is_held_and_the_clean_up_finishes(tmp_path, monkeypatch):
@@ -1093,14 +1109,14 @@ def test_a_second_signal_during_the_clean_up_is_held_and_the_clean_up_finishes(t
                 tmp.write_bytes(b"partial")
                 signal.raise_signal(signal.SIGINT)
     assert list(tmp_path.iterdir()) == []  # the clean-up finished
-    assert not cli.stopped_by_sigterm()  # the signal that stopped the run was SIGINT
+    assert cli.stop_signal() == signal.SIGINT  # the signal that stopped the run
     monkeypatch.setattr(cli, "SIGNAL_HOLD_S", 0.0)  # past the hold, a signal stops the clean-up too
     with pytest.raises(KeyboardInterrupt):
         with cli._signals_interrupt():
             with atomic.atomic_output(tmp_path / "again.png") as tmp:
                 tmp.write_bytes(b"partial")
                 signal.raise_signal(signal.SIGTERM)
-    assert cli.stopped_by_sigterm()
+    assert cli.stop_signal() == signal.SIGTERM
 
 
 @pytest.mark.parametrize(

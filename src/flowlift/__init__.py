@@ -38,7 +38,7 @@ def _is_the_program() -> bool:
 
 
 def _hold(signum: int, frame: object) -> None:
-    """SIGINT/SIGTERM before ``main()`` takes them over: remembered (``_hold.held``), and ``main()`` ends the
+    """SIGINT/SIGTERM/SIGHUP before ``main()`` takes them over: remembered (``_hold.held``), and ``main()`` ends the
     run with status 130 as its first act. Raising here instead would print a traceback from the middle of an
     import, and an inherited SIG_IGN would lose the signal."""
     _hold.held = signum  # type: ignore[attr-defined]
@@ -47,6 +47,8 @@ def _hold(signum: int, frame: object) -> None:
 if _is_the_program():  # flowlift's first line: signals are the run's from here on (see commands/cli.py)
     _signal.signal(_signal.SIGINT, _hold)
     _signal.signal(_signal.SIGTERM, _hold)
+    if hasattr(_signal, "SIGHUP") and _signal.getsignal(_signal.SIGHUP) is not _signal.SIG_IGN:  # nohup's stays
+        _signal.signal(_signal.SIGHUP, _hold)
 
 import importlib  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402

@@ -79,22 +79,24 @@ def build_parser() -> OneLineParser:
 
 #: The exit status after stdout's reader went away (``| head -1``): 128 + SIGPIPE, as a shell reports it.
 BROKEN_PIPE_STATUS = 141
-#: The exit status of a command stopped by SIGINT or SIGTERM (128 + SIGINT, as shells report Ctrl-C).
+#: The exit status of a command stopped by SIGINT, SIGTERM or SIGHUP (128 + SIGINT, as shells report Ctrl-C).
 INTERRUPTED = 130
 
-#: Whether SIGTERM interrupted the last command run in this process (else a KeyboardInterrupt is SIGINT).
-_stopped_by_sigterm = False
+#: The signal that interrupted the last command run in this process (None: a KeyboardInterrupt of its own, SIGINT).
+_stop_signal: int | None = None
 #: After the signal that stops a command, further SIGINT/SIGTERM are held this long, so that its clean-ups (temporary
 #: files removed, a checkpoint saved, a server's request waited for) are not cut short by a second Ctrl-C or a
 #: scheduler's repeated SIGTERM; one after it stops the clean-up too (the user insists).
 SIGNAL_HOLD_S = 5.0
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: What stops a command: Ctrl-C, a scheduler's stop, and a closed terminal or dropped ssh session (SIGHUP ended the
+#: process with no line and left its temporary behind). A SIGHUP inherited as ignored (``nohup``) stays ignored.
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
 
 
-def stopped_by_sigterm() -> bool:
-    """SIGTERM, not SIGINT (Ctrl-C), interrupted the last command run in this process. A rank of
-    ``flowlift launch`` exits with 128 + the signal, so that the launcher can name the signal that stopped it."""
-    return _stopped_by_sigterm
+def stop_signal() -> int:
+    """The signal that interrupted the last command run in this process (SIGINT for Ctrl-C and when none did). A rank
+    of ``flowlift launch`` exits with 128 + the signal, so that the launcher can name the signal that stopped it."""
+    return signal.SIGINT if _stop_signal is None else _stop_signal
 
 
 @contextmanager
@@ -111,31 +113,32 @@ def _signals_interrupt():
     landing in a clean-up left a temporary folder behind, or a traceback); the handlers are put back with both
     signals blocked, so that none lands between the two and outlives the command.
     """
-    global _stopped_by_sigterm
+    global _stop_signal
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _stopped_by_sigterm = False
+    _stop_signal = None
     first: list[float] = []  # when the signal that stopped the command came
 
     def interrupt(signum, frame):
-        global _stopped_by_sigterm
+        global _stop_signal
         now = time.monotonic()
         if first and now - first[0] < SIGNAL_HOLD_S:
             return  # the command is stopping already: its clean-ups finish
         if not first:
-            _stopped_by_sigterm = signum == signal.SIGTERM
+            _stop_signal = signum
         first[:] = [now]
         raise KeyboardInterrupt
 
-    previous = {signum: signal.signal(signum, interrupt) for signum in _SIGNALS}
+    taken = [s for s in _SIGNALS if s != getattr(signal, "SIGHUP", None) or signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {signum: signal.signal(signum, interrupt) for signum in taken}
     try:
         held = [getattr(handler, "held", None) for handler in previous.values()]  # flowlift/__init__.py's
         if any(held):  # a signal since flowlift's first line, before this: the run ends before it begins
             for handler in previous.values():
                 if hasattr(handler, "held"):
                     del handler.held
-            _stopped_by_sigterm = signal.SIGTERM in held
+            _stop_signal = next(signum for signum in held if signum)
             raise KeyboardInterrupt
         yield
     finally:

@@ -107,7 +107,6 @@ def run_worker(argv: list[str]) -> int:
     (:func:`flowlift.jobs.launch.stop_signal_name`).
     """
     import os
-    import signal
 
     from flowlift.commands import cli
     from flowlift.jobs.distributed import LAUNCH_WORKER_ENV
@@ -121,5 +120,5 @@ def run_worker(argv: list[str]) -> int:
         # a returned value waits until the agent reads it, which an agent shutting down for Ctrl-C never
         # does (it kills the worker after its 30 s grace): end the process now, as the signal meant, with
         # the shell's 128 + signal so that the launcher can name it and knows not to restart the group
-        raise SystemExit(128 + (signal.SIGTERM if cli.stopped_by_sigterm() else signal.SIGINT))
+        raise SystemExit(128 + cli.stop_signal())
     return code

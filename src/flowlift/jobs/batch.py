@@ -363,6 +363,7 @@ def run_jobs(
     remove_debris(jobs, before=debris_before)  # debris of killed runs, before this run writes anything
     result = BatchResult(total=len(jobs))
     todo: list[Job] = []
+    absent: set[Path] = set()  # outputs no file held when the run was planned
     for job in jobs:
         if job.output is None:
             report(command, job.source, job.note)
@@ -381,6 +382,8 @@ def run_jobs(
             else:
                 if state.action == "redo":
                     report(command, job.source, f"redoing {job.output}: {state.note}")
+                if not os.path.lexists(job.output):
+                    absent.add(job.output)
                 todo.append(job)
     expect = getattr(process, "expect", None)
     if callable(expect):  # the step plans its progress stages for exactly the images that will run
@@ -389,6 +392,11 @@ def run_jobs(
     try:
         for job in bar:
             bar.set_postfix_str(job.source.name)
+            if job.output in absent and (state := _appeared(job, overwrite)) is not None:
+                result.skipped += state.action == "done"
+                result.failed += state.action == "refuse"
+                report(command, job.source, state.note, write=lambda line: tqdm.write(line, file=sys.stderr))
+                continue
             begun = time.perf_counter()
             try:
                 process(job.source, job.output)
@@ -408,6 +416,19 @@ def run_jobs(
     if summary:
         print(summary_line(command, result), file=sys.stdout)
     return result
+
+
+def _appeared(job: Job, overwrite: bool) -> ExistingOutput | None:
+    """The resume rule again for an output absent at planning and there now (a user's file, a concurrent run's), else
+    None: a user's file saved there meanwhile was replaced without ``--overwrite``."""
+    if job.output is None or not os.path.lexists(job.output):
+        return None
+    state = existing_output(job, overwrite)
+    if state.action == "done":
+        return ExistingOutput("done", f"skipped, {job.output} appeared during the run (--overwrite to replace)")
+    if state.action == "refuse":
+        return ExistingOutput("refuse", f"{state.note} (it appeared during the run)")
+    return None
 
 
 def summary_line(command: str, result: BatchResult) -> str:
