@@ -209,6 +209,24 @@ def test_an_image_that_cannot_be_read_is_listed_not_a_traceback(tmp_path, capsys
     assert "broken: b_x2.png (unreadable: Permission denied" in captured.out
 
 
+def test_a_users_broken_file_at_an_output_name_is_said_as_the_run_treats_it(tmp_path, capsys):
+    """The status said "the next run redoes it" of a user's truncated picture at an output name, which the run refuses
+    (it never destroys a file flowlift did not write); an empty file the run does redo."""
+    import io
+
+    Image.new("RGB", (8, 8)).save(tmp_path / "b.png")
+    Image.new("RGB", (8, 8)).save(tmp_path / "c.png")
+    picture = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 10, 10)).save(picture, format="PNG")
+    (tmp_path / "b_x2.png").write_bytes(picture.getvalue()[: len(picture.getvalue()) // 2])
+    (tmp_path / "c_x2.png").write_bytes(b"")
+    assert main(["status", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    users = "broken: b_x2.png (truncated; not written by flowlift: the next run refuses it, --overwrite replaces it)"
+    assert users in out, out
+    assert "broken: c_x2.png (empty; the next run redoes it)" in out
+
+
 def test_a_fifo_at_the_manifest_name_never_blocks(tmp_path, capsys):
     os.mkfifo(tmp_path / MANIFEST_NAME)
     assert not Manifest(tmp_path).exists()

@@ -86,7 +86,8 @@ def folder_status(folder: str | os.PathLike) -> FolderStatus:
         try:
             _sort_entry(entry, status, others, made_from)
         except OSError as error:  # a file this user may not read
-            status.broken.append((entry, f"unreadable: {error.strerror or type(error).__name__}"))
+            why = error.strerror or type(error).__name__
+            status.broken.append((entry, f"unreadable: {why}; the next run cannot read it either and refuses it"))
             made_from.add(source_stem(entry.stem) or entry.stem)
     status.missing = [p for p in others if p.stem not in made_from]
     return status
@@ -117,6 +118,11 @@ def _sort_entry(entry: Path, status: FolderStatus, others: list[Path], made_from
             status.bad_inputs.append((entry, reason))
             made_from.add(entry.stem)  # not "missing" as well
             return
+        # the run redoes an empty file or flowlift's own, and refuses a user's truncated one (jobs.batch's rule)
+        if found.empty or found.by_flowlift:
+            reason += "; the next run redoes it"
+        else:
+            reason += "; not written by flowlift: the next run refuses it, --overwrite replaces it"
         status.broken.append((entry, reason))
         made_from.add(source_stem(entry.stem) or entry.stem)  # its source is not missing: it is broken
         return
@@ -147,7 +153,7 @@ def format_folder_status(status: FolderStatus) -> str:
     ]
     lines += [f"  being written now: {p.name}" for p in status.writing]
     lines += [f"  partial: {p.name} (a killed run's; the next run removes it)" for p in status.stale]
-    lines += [f"  broken: {p.name} ({reason}; the next run redoes it)" for p, reason in status.broken]
+    lines += [f"  broken: {p.name} ({reason})" for p, reason in status.broken]
     lines += [f"  changed: {p.name} (its input here changed since; the next run redoes it)" for p in status.changed]
     lines += [
         f"  unreadable input: {p.name} ({reason}; every run fails on it: replace or remove it)"
