@@ -251,6 +251,38 @@ def test_job_status_counts_latest_records(tmp_path):
     assert format_status(status).endswith("complete")
 
 
+def test_a_plans_refusal_is_superseded_once_its_input_is_done(tmp_path):
+    """A duplicate stem (a.png beside a.jpg) is refused at planning with no output; after a.jpg went and a rerun
+    upscaled a.png, the status still said "failed: a.png ..." and "not complete", whatever was rerun."""
+    manifest = Manifest(tmp_path)
+    env = DistEnv()
+    (tmp_path / "a.png").write_bytes(b"x")
+
+    def record(output, status, run, error=None):
+        return image_record(
+            input_path=tmp_path / "a.png",
+            input_sha256=None,
+            output=output,
+            status=status,
+            seconds=0.0,
+            error=error,
+            env=env,
+            run=run,
+        )
+
+    manifest.write_record({"event": "job", "run": "r1", "inputs": 1, "todo": 0, "skipped": 0, "world_size": 2})
+    manifest.write_record({**record(None, "failed", "r1", "a_x2.png is also the output of a.jpg"), "plan": True})
+    manifest.write_record({"event": "summary", "run": "r1", "done": 0, "skipped": 0, "failed": 1})
+    assert not job_status(tmp_path).complete
+    manifest.write_record({"event": "job", "run": "r2", "inputs": 1, "todo": 1, "skipped": 0, "world_size": 2})
+    (tmp_path / "a_x2.png").write_bytes(b"x")
+    manifest.write_record(record(tmp_path / "a_x2.png", "done", "r2"))
+    manifest.write_record({"event": "summary", "run": "r2", "done": 1, "skipped": 0, "failed": 0})
+    status = job_status(tmp_path)
+    assert status.complete and not status.failures and status.latest["done"] == 1, format_status(status)
+    assert list(latest_by_output(Manifest(tmp_path).read().records)) == [str(tmp_path / "a_x2.png")]
+
+
 def test_scaleout_refusals_are_one_line_errors(tmp_path, capsys):
     from flowlift.commands.cli import main
     from flowlift.files.images import IMAGE_SUFFIXES, output_target

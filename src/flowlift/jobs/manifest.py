@@ -243,8 +243,17 @@ def latest_by_output(records: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[
     latest: dict[str, Mapping[str, Any]] = {}
     for record in records:
         if record.get("event") == "image":
-            latest[str(record.get("output") or record.get("input"))] = record
+            remember_latest(latest, record)
     return latest
+
+
+def remember_latest(latest: dict[str, Mapping[str, Any]], record: Mapping[str, Any]) -> None:
+    """``record`` as the latest of its output (of its input when it has none). A record of an input with an output
+    supersedes that input's output-less one: a plan's refusal (a duplicate stem) stayed "failed" in the status after
+    the input was upscaled."""
+    if record.get("output"):
+        latest.pop(str(record.get("input")), None)
+    latest[str(record.get("output") or record.get("input"))] = record
 
 
 @dataclass
@@ -296,7 +305,7 @@ def job_status(folder: str | os.PathLike) -> JobStatus:
                 folders[_hashable(record.get("run"))] = record["folder"]
         counts, seconds, finished = per_run.setdefault(_hashable(record.get("run")), (Counter(), [0.0], [False]))
         if event == "image":
-            latest[str(record.get("output") or record.get("input"))] = record
+            remember_latest(latest, record)
             if not record.get("plan"):
                 counts[_hashable(record.get("status"))] += 1
                 seconds[0] += _seconds(record.get("seconds"))
