@@ -229,3 +229,15 @@ class Allocations(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
                 self.sizes.append(t.untyped_storage().nbytes())
         return out
+
+
+def prompt_embeds_file(folder: Path, name: str = "e.safetensors") -> Path:
+    """A prompt embeddings file of a batch of 1 in ``folder`` (the refine commands' plan reads it, before any model
+    loads: a placeholder of a few bytes is refused there)."""
+    from safetensors.torch import save_file
+
+    from tiny_flux2 import prompt_embeds
+
+    path = Path(folder) / name
+    save_file({"prompt_embeds": prompt_embeds()}, str(path))
+    return path

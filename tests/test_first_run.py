@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from builders import command_line
+from builders import command_line, prompt_embeds_file
 from flowlift.commands.cli import build_parser, main
 from flowlift.errors import FlowliftError
 
@@ -134,21 +134,10 @@ def no_model_loads(monkeypatch):
     monkeypatch.setattr(loading, "load_transformer", must_not_load)
 
 
-def _embeds_file(folder):
-    """A prompt embeddings file (the plan reads it: a batch of 1 for the one image) in ``folder``."""
-    from safetensors.torch import save_file
-
-    from tiny_flux2 import prompt_embeds
-
-    path = folder / "e.safetensors"
-    save_file({"prompt_embeds": prompt_embeds()}, str(path))
-    return path
-
-
 def test_img2img_checks_every_input_before_loading(tmp_path, photo, capsys, monkeypatch, no_model_loads):
     import importlib.util
 
-    embeds = _embeds_file(tmp_path)
+    embeds = prompt_embeds_file(tmp_path)
     model = tmp_path / "model"
     (model / "transformer").mkdir(parents=True)
     base = ["img2img", str(photo), "--model", str(model), "-o", str(tmp_path / "o.png")]
@@ -173,7 +162,7 @@ def test_img2img_checks_every_input_before_loading(tmp_path, photo, capsys, monk
 
 
 def test_hires_checks_the_upscaler_before_loading(tmp_path, capsys, no_model_loads):
-    embeds = _embeds_file(tmp_path)
+    embeds = prompt_embeds_file(tmp_path)
     argv = command_line(
         "hires", model=tmp_path, prompt_embeds=embeds, upscaler="models/fu.safetensors", o=tmp_path / "o.png"
     )

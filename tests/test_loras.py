@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from builders import command_line, save_tiny_unet, transformer_forward
+from builders import command_line, prompt_embeds_file, save_tiny_unet, transformer_forward
 from flowlift.commands.cli import main  # noqa: E402
 from flowlift.errors import FlowliftError  # noqa: E402
 from flowlift.flux2.latents import denormalize  # noqa: E402
@@ -204,8 +204,7 @@ def test_bad_loras_are_one_line_and_leave_the_model_untouched(tmp_path, peft_lor
 
 
 def test_cli_refuses_a_missing_or_pickled_lora_before_loading(capsys, tmp_path, model_dir):
-    embeds = tmp_path / "emb.safetensors"
-    embeds.write_bytes(b"x")
+    embeds = prompt_embeds_file(tmp_path, "emb.safetensors")
     photo = tmp_path / "p.png"
     photo.write_bytes(b"x")
     for lora, message in ((tmp_path / "nope.safetensors", "no such file"), (embeds.with_suffix(".ckpt"), "")):

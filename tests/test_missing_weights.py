@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from builders import command_line, fake_hub_cache, forbid_call, save_tiny_unet
+from builders import command_line, fake_hub_cache, forbid_call, prompt_embeds_file, save_tiny_unet
 from flowlift.commands.cli import main
 from flowlift.errors import FlowliftError
 from flowlift.models.hub import download_command
@@ -133,8 +133,7 @@ def test_every_missing_weight_is_named_in_one_message(empty_cache):
 
 def test_hires_names_the_transformer_vae_and_upscaler_before_loading(empty_cache, capsys, monkeypatch):
     forbid_call(monkeypatch, "flowlift.refine.loading.load_refiner", "a model was loaded before every weight was found")
-    embeds = empty_cache / "e.safetensors"
-    embeds.write_bytes(b"x")
+    embeds = prompt_embeds_file(empty_cache)
     argv = command_line("hires", model="someone/flux2-not-cached", prompt_embeds=embeds, o=empty_cache / "o.png")
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
