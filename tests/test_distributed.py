@@ -569,7 +569,8 @@ def test_launcher_restarts_a_crashed_group_then_reports_each_crash_in_one_line(t
 
 
 def test_launcher_options_and_exit_status(monkeypatch):
-    from flowlift.jobs.launch import CRASHED, job_status, launch_config
+    from flowlift.jobs.launch import CRASHED, job_status
+    from flowlift.jobs.launch_options import launch_config
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's configuration sets it when unset
     config = launch_config(["--nproc_per_node", "3", "--max-restarts", "2"])

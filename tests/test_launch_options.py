@@ -339,14 +339,14 @@ def test_launcher_counts_and_a_missing_endpoint_are_checked_by_flowlift(capsys, 
 
 
 def test_several_machines_may_meet_at_the_static_master_address():
-    from flowlift.jobs.launch import launch_config
+    from flowlift.jobs.launch_options import launch_config
 
     config = launch_config(["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", "29511"])
     assert (config.min_nodes, config.max_nodes, config.rdzv_backend) == (2, 2, "static")
 
 
 def test_good_rdzv_conf_values_are_normalised_and_kept():
-    from flowlift.jobs.launch import launch_config
+    from flowlift.jobs.launch_options import launch_config
 
     config = launch_config(
         [
@@ -659,3 +659,88 @@ def test_a_burst_of_stop_signals_to_the_launcher_is_one_line_130_and_no_rank_lef
     assert "Traceback" not in err and "SignalException" not in err and "crashed" not in err, err
     assert leftover == [], err
     assert sorted(path.name for path in starts.iterdir()) == ["0.0", "1.0"], err  # no restart, nothing partial
+
+
+BLOCKED_JOINING = """
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+import flowlift.jobs.group_start
+from flowlift.errors import FlowliftError
+from flowlift.jobs.launch import launch
+
+JOIN = dist.init_process_group
+
+
+def blocked_in_gloo(*args, **kwargs):
+    # gloo's connectFullMesh after a restart: a wait in C++ that neither its timeout nor SIGTERM/SIGINT ends
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    time.sleep(300)
+
+
+def worker(argv):
+    from flowlift.jobs.distributed import DistEnv, process_group
+
+    env = DistEnv.from_environ()
+    Path(argv[0], f"{env.rank}.{os.environ['TORCHELASTIC_RESTART_COUNT']}").write_text(str(os.getpid()))
+    dist.init_process_group = blocked_in_gloo if env.rank == 1 else JOIN
+    try:
+        with process_group(env, 3):
+            return 0
+    except FlowliftError as error:  # rank 0: its own timeout ends its wait for rank 1 (what the commands print)
+        print(f"flowlift upscale: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    flowlift.jobs.group_start.JOIN_GRACE_S = 1.0
+    sys.exit(launch(worker, [sys.argv[1]], sys.argv[2:], command="flowlift launch"))
+"""
+
+
+def test_a_rank_blocked_joining_its_group_past_the_barrier_timeout_is_ended_not_waited_for(tmp_path):
+    """A restarted group's rank can block in gloo's connection set-up for good (pytorch#167288): the agent ends it
+    JOIN_GRACE_S after its --barrier-timeout, the launcher exits 1 with one line and restarts nothing."""
+    script = tmp_path / "blocked.py"
+    script.write_text(BLOCKED_JOINING)
+    starts = tmp_path / "starts"
+    starts.mkdir()
+    process = _start_script_on_two_ranks(script, starts, tmp_path, "--max-restarts", "2")
+    try:
+        _, err = process.communicate(timeout=90)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    ranks = [int(path.read_text()) for path in starts.iterdir()]
+    assert process.returncode == 1, err
+    assert sorted(path.name for path in starts.iterdir()) == ["0.0", "1.0"], err  # no restart
+    ours = [line for line in err.splitlines() if line.startswith("flowlift")]
+    assert ours[0].startswith("flowlift upscale: error: no summary: not every rank reached the start"), err
+    assert ours[-1].startswith(
+        "flowlift launch: rank 1 could not join the process group within its --barrier-timeout (3 s) and was ended"
+    ), err
+    assert "Traceback" not in err and "crashed" not in err and "interrupted" not in err, err
+    assert _gone(ranks) == [], err
+
+
+def test_a_joining_rank_leaves_its_deadline_for_the_agent_only_under_flowlift_launch(tmp_path, monkeypatch):
+    from flowlift.jobs.group_start import GROUP_START_DIR_ENV, JOIN_GRACE_S, joining, overdue_joins, watched_starts
+
+    monkeypatch.delenv(GROUP_START_DIR_ENV, raising=False)
+    with joining(5):  # plain torchrun: no directory named, nothing written
+        pass
+    with watched_starts() as directory:
+        assert os.environ[GROUP_START_DIR_ENV] == directory
+        before = time.monotonic()
+        with joining(5):
+            assert os.listdir(directory) == [f"{os.getpid()}.joining"]
+            late = before + 5 + JOIN_GRACE_S + 1
+            assert overdue_joins(directory, [os.getpid(), 1], now=late) == {os.getpid(): 5.0}
+            assert overdue_joins(directory, [os.getpid()], now=before + 5) == {}
+        assert os.listdir(directory) == [] and overdue_joins(directory, [os.getpid()], now=late) == {}
+    assert GROUP_START_DIR_ENV not in os.environ and not Path(directory).exists()

@@ -34,23 +34,13 @@ import signal
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from flowlift.errors import FlowliftError
-from flowlift.jobs.launch_options import (
-    check_endpoint_port,
-    check_max_restarts,
-    check_nnodes,
-    check_node_rank,
-    check_port,
-    check_processes,
-    check_rendezvous_host,
-    check_rendezvous_settings,
-    check_several_machines_meet,
-)
+from flowlift.jobs.group_start import end_overdue_joins, watched_starts
+from flowlift.jobs.launch_options import check_rendezvous_host, first_line, launch_config
 
 #: Exit status of ``flowlift launch`` when a rank crashed and the restarts (if any) did not cure it.
 CRASHED = 3
@@ -84,49 +74,6 @@ def stop_signal_name(exitcode: int | None) -> str | None:
     return next((s.name for s in STOP_SIGNALS if s == number), None)
 
 
-def launch_config(options: Sequence[str]) -> Any:
-    """The ``LaunchConfig`` that ``torchrun OPTIONS`` would run with, built by torchrun's own parser and
-    ``config_from_args``, including its rule that a single node without a rendezvous endpoint gets a
-    local c10d rendezvous on a free port (``--standalone``). Bad options: one :class:`FlowliftError` line."""
-    import torch.distributed.run as torchrun
-
-    parser = torchrun.get_args_parser()
-    parser.prog = "flowlift launch"
-
-    def refuse(message: str) -> None:
-        raise FlowliftError(f"launcher options: {message}")
-
-    parser.error = refuse  # type: ignore[method-assign]  # one line, not argparse's usage and exit
-    args = parser.parse_args([*options, "flowlift"])  # the script argument is unused: workers run a function
-    try:
-        _, max_nodes = check_nnodes(args.nnodes)
-        check_max_restarts(args.max_restarts)
-        check_several_machines_meet(args, options, max_nodes)
-        local = args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
-        if args.standalone or (local and max_nodes == 1):
-            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-        if args.master_port is None:
-            args.master_port = 29500
-        check_node_rank(args.node_rank, max_nodes, args.nnodes)
-        config, _command, _arguments = torchrun.config_from_args(args)
-        check_rendezvous_settings(config.rdzv_configs)
-        check_processes(config.nproc_per_node)
-        if args.rdzv_backend == "static":
-            check_port(args.master_port, "--master-port")
-        check_endpoint_port(config.rdzv_endpoint, args.rdzv_backend)
-    except (AssertionError, ValueError, RuntimeError) as error:
-        raise FlowliftError(f"launcher options: {_first_line(error)}") from None
-    wait = config.rdzv_configs.get("join_timeout")
-    given = {item.split("=", 1)[0].strip() for item in (args.rdzv_conf or "").split(",")}
-    if wait is not None and "timeout" not in given:
-        # torchrun's static rendezvous knows no join_timeout and waits its own 900 s for the other nodes; c10d
-        # connects to its store for read_timeout (60 s): the wait the user set bounds both
-        config.rdzv_configs["timeout"] = int(wait)
-        if args.rdzv_backend == "c10d":
-            config.rdzv_configs["read_timeout"] = min(int(wait), int(config.rdzv_configs.get("read_timeout", 60)))
-    return config
-
-
 def launch(
     worker: Callable[[list[str]], int],
     argv: Sequence[str],
@@ -156,11 +103,21 @@ def launch(
     check_rendezvous_host(config.rdzv_endpoint)
     suspended: dict[int, int] = {}  # global rank -> pid of a suspended rank the agent ended
     left_behind: dict[int, int] = {}  # global rank -> the failing outcome it was ended after
+    unjoined: dict[int, float] = {}  # global rank -> the timeout of the group's start it was ended past
     stops = _FirstStop(SignalException)
     try:
-        with _no_restart_after_a_stop(suspended, left_behind, stops), stops:
+        with _no_restart_after_a_stop(suspended, left_behind, stops, unjoined), stops, watched_starts():
             values = elastic_launch(config, _quiet_start(worker))(list(argv))
     except ChildFailedError as error:
+        if unjoined and set(error.failures) <= set(unjoined):
+            ranks = ", ".join(f"rank {rank}" for rank in sorted(error.failures))
+            print(
+                f"{command}: {ranks} could not join the process group within its --barrier-timeout "
+                f"({max(unjoined[rank] for rank in error.failures):.0f} s) and was ended; the job did not start "
+                "(gloo's connection set-up can block after a restart: run the command again)",
+                file=sys.stderr,
+            )
+            return 1
         if left_behind and set(error.failures) <= set(left_behind):
             ranks = ", ".join(f"rank {rank}" for rank in sorted(error.failures))
             outcome = max(left_behind[rank] for rank in error.failures)
@@ -198,7 +155,7 @@ def launch(
         return INTERRUPTED
     except (RendezvousError, DistError) as error:  # the static rendezvous' store times out as a DistStoreError
         wait = config.rdzv_configs.get("join_timeout", config.rdzv_configs.get("timeout"))
-        detail = _first_line(error) if str(error).strip() else f"not all nodes joined within {wait} s"
+        detail = first_line(error) if str(error).strip() else f"not all nodes joined within {wait} s"
         raise FlowliftError(f"the ranks could not meet: {detail}") from None
     return job_status(values)
 
@@ -255,7 +212,10 @@ class _FirstStop:
 
 @contextmanager
 def _no_restart_after_a_stop(
-    suspended: dict[int, int], left_behind: dict[int, int], stops: _FirstStop | None = None
+    suspended: dict[int, int],
+    left_behind: dict[int, int],
+    stops: _FirstStop | None = None,
+    unjoined: dict[int, float] | None = None,
 ) -> Iterator[None]:
     """While torch's ``launch_agent`` runs, the agent it builds is :func:`_stop_aware_agent`'s: a rank that
     ended by a stop signal ends the run instead of restarting the group (``--max-restarts`` is for crashes).
@@ -267,7 +227,7 @@ def _no_restart_after_a_stop(
     import torch.distributed.launcher.api as launcher_api
 
     original = launcher_api.LocalElasticAgent
-    launcher_api.LocalElasticAgent = _stop_aware_agent(original, suspended, left_behind, stops)
+    launcher_api.LocalElasticAgent = _stop_aware_agent(original, suspended, left_behind, stops, unjoined)
     try:
         yield
     finally:
@@ -275,15 +235,20 @@ def _no_restart_after_a_stop(
 
 
 def _stop_aware_agent(
-    base: type, suspended: dict[int, int], left_behind: dict[int, int] | None = None, stops: _FirstStop | None = None
+    base: type,
+    suspended: dict[int, int],
+    left_behind: dict[int, int] | None = None,
+    stops: _FirstStop | None = None,
+    unjoined: dict[int, float] | None = None,
 ) -> type:
     left_behind = {} if left_behind is None else left_behind
 
     class StopAwareAgent(base):  # type: ignore[misc, valid-type]
         """torch's local agent, which gives up its remaining restarts when a rank was stopped by a signal (as
         torch's own agent does for a worker stuck in uninterruptible sleep), ends a rank suspended (SIGSTOP) once
-        every other local rank has returned (``suspended``), and the ranks still running
-        :data:`LEFT_BEHIND_GRACE_S` after a rank returned a failing outcome (``left_behind``)."""
+        every other local rank has returned (``suspended``), the ranks still running
+        :data:`LEFT_BEHIND_GRACE_S` after a rank returned a failing outcome (``left_behind``), and the ranks
+        still joining their group past its timeout (``unjoined``, :mod:`flowlift.jobs.group_start`)."""
 
         _failed_since: float | None = None
         _restarting = False
@@ -333,6 +298,8 @@ def _stop_aware_agent(
             elif result.state.name == "HEALTHY":
                 self._end_suspended_ranks(worker_group)
                 self._end_ranks_left_behind(worker_group)
+                if unjoined is not None and end_overdue_joins(worker_group.workers, unjoined):
+                    self._remaining_restarts = 0  # ended blocked in gloo's set-up: a restart could block again
             return result
 
         def _end_ranks_left_behind(self, worker_group: Any) -> None:  # after a user error only one rank met
@@ -439,10 +406,5 @@ def _cause(failure: Any) -> str:
         message = message.get("message", "")
     if failure.exitcode < 0:
         return f"signal {failure.signal_name()}"
-    text = _first_line(message) if message and "pytorch.org/docs" not in str(message) else ""
+    text = first_line(message) if message and "pytorch.org/docs" not in str(message) else ""
     return f"exit code {failure.exitcode}" + (f": {text}" if text else "")
-
-
-def _first_line(error: object) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0][:300] if lines else type(error).__name__

@@ -1,5 +1,5 @@
 """The checks of ``flowlift launch``'s torchrun options that flowlift makes itself, before torch sees them
-(:func:`flowlift.jobs.launch.launch_config`): torch refuses a few of them late or in its own words
+(:func:`launch_config`): torch refuses a few of them late or in its own words
 (``int()``'s ValueError for ``--nnodes abc``, ``min_nodes``/``max_restarts`` in its Python names), and
 accepts others that then fail deep in the agent or wait forever (a rendezvous on several machines with no
 address). Each refusal here is a ValueError whose one line names the option and the fix; the launcher puts
@@ -9,6 +9,7 @@ it behind ``launcher options:``.
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -148,3 +149,52 @@ def check_rendezvous_host(endpoint: str) -> None:
         raise FlowliftError(
             f"launcher options: the rendezvous host {host} does not resolve ({error.strerror or error})"
         ) from None
+
+
+def launch_config(options: Sequence[str]) -> Any:
+    """The ``LaunchConfig`` that ``torchrun OPTIONS`` would run with, built by torchrun's own parser and
+    ``config_from_args``, including its rule that a single node without a rendezvous endpoint gets a
+    local c10d rendezvous on a free port (``--standalone``). Bad options: one :class:`FlowliftError` line."""
+    import torch.distributed.run as torchrun
+
+    parser = torchrun.get_args_parser()
+    parser.prog = "flowlift launch"
+
+    def refuse(message: str) -> None:
+        raise FlowliftError(f"launcher options: {message}")
+
+    parser.error = refuse  # type: ignore[method-assign]  # one line, not argparse's usage and exit
+    args = parser.parse_args([*options, "flowlift"])  # the script argument is unused: workers run a function
+    try:
+        _, max_nodes = check_nnodes(args.nnodes)
+        check_max_restarts(args.max_restarts)
+        check_several_machines_meet(args, options, max_nodes)
+        local = args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
+        if args.standalone or (local and max_nodes == 1):
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+        if args.master_port is None:
+            args.master_port = 29500
+        check_node_rank(args.node_rank, max_nodes, args.nnodes)
+        config, _command, _arguments = torchrun.config_from_args(args)
+        check_rendezvous_settings(config.rdzv_configs)
+        check_processes(config.nproc_per_node)
+        if args.rdzv_backend == "static":
+            check_port(args.master_port, "--master-port")
+        check_endpoint_port(config.rdzv_endpoint, args.rdzv_backend)
+    except (AssertionError, ValueError, RuntimeError) as error:
+        raise FlowliftError(f"launcher options: {first_line(error)}") from None
+    wait = config.rdzv_configs.get("join_timeout")
+    given = {item.split("=", 1)[0].strip() for item in (args.rdzv_conf or "").split(",")}
+    if wait is not None and "timeout" not in given:
+        # torchrun's static rendezvous knows no join_timeout and waits its own 900 s for the other nodes; c10d
+        # connects to its store for read_timeout (60 s): the wait the user set bounds both
+        config.rdzv_configs["timeout"] = int(wait)
+        if args.rdzv_backend == "c10d":
+            config.rdzv_configs["read_timeout"] = min(int(wait), int(config.rdzv_configs.get("read_timeout", 60)))
+    return config
+
+
+def first_line(error: object) -> str:
+    """The first non-blank line of ``error``'s text (300 characters at most), else its type's name."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(error).__name__
