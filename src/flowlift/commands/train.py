@@ -176,8 +176,11 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     if int(os.environ.get("RANK", "0")) == 0:
-        last = summary["losses"][-1][1] if summary["losses"] else float("nan")
         weights = summary.get("weights", "(not finished: resume to continue)")
+        if not summary["losses"]:  # resumed at its last step, stopped before its final weights: they are written
+            print(f"step {summary['step']} was the last: nothing left to train; EMA weights: {weights}")
+            return 0
+        last = summary["losses"][-1][1]
         print(
             f"trained steps {summary['start_step']}->{summary['step']} "
             f"(world {summary['world_size']}, global batch {summary['global_batch']}), "

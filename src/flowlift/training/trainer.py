@@ -239,7 +239,10 @@ class Trainer:
             start_step, self.run_id = load_checkpoint(
                 resume_from, model, ema, optimizer, scheduler, stream.global_batch, self.run_id, c
             )
-            check_steps_left(resume_from, start_step, c)
+            # a checkpoint at the last step whose final weights were never written (a stop after that step's
+            # checkpoint): the run finishes by writing them; with them there, nothing is left to do
+            if not (start_step >= c.steps and not (self.output / EMA_NAME).exists()):
+                check_steps_left(resume_from, start_step, c)
 
         if dist.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -347,7 +350,8 @@ class Trainer:
         finally:
             bar.close()
             batches.close()
-        return final_step, losses, stop.requested
+        # a stop that came during the last step (or after it) stops nothing: the run is done and ends as one
+        return final_step, losses, stop.requested and final_step < end_step
 
     def _step(self, run: _Run, batches: Any, step: int) -> tuple[float, float, float]:
         """One optimizer step over ``grad_accum`` micro-batches: (this rank's loss, gradient norm, lr)."""

@@ -1,0 +1,71 @@
+"""How a training run ends: a stop during its last step, a resume at its last step, SIGHUP, a non-finite step's
+message under DDP, validation images checked before anything loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from builders import TINY_UNET
+from flowlift.commands.cli import main
+from test_hostile import _tiny_dataset
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+TINY_SETS = [
+    x
+    for k, v in {**TINY_UNET, "dropout": 0.0, "crop": 0, "warmup_steps": 0, "log_every": 1}.items()
+    for x in ("--set", f"{k}={v}")
+]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return _tiny_dataset(tmp_path_factory.mktemp("ends") / "data", items=4, shard_size=2)
+
+
+def _train(data: Path, output: Path, steps: int, *extra: str) -> list[str]:
+    return ["train", "--data", str(data), "--output", str(output), "--steps", str(steps), "--batch-size", "2"] + [
+        *TINY_SETS,
+        "--no-progress",
+        *extra,
+    ]
+
+
+def test_a_stop_during_the_last_step_finishes_the_run(data, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the last step raised "stopped after step 1 of 1" before the final weights were written, and the
+    same command then said "already at step 1 ... nothing to train"."""
+    from flowlift.training import trainer
+
+    entered = trainer.StopRequest.__enter__
+
+    def stop_at_once(self):  # as if SIGINT came during the (first and) last step
+        entered(self)
+        self.requested = True
+        return self
+
+    monkeypatch.setattr(trainer.StopRequest, "__enter__", stop_at_once)
+    out = tmp_path / "run"
+    assert main(_train(data, out, 1)) == 0, capsys.readouterr().err
+    assert (out / "flow_upscaler.safetensors").is_file()
+    assert "EMA weights: " + str(out / "flow_upscaler.safetensors") in capsys.readouterr().out
+
+
+def test_a_resume_at_the_last_step_without_final_weights_writes_them(data, tmp_path, capsys):
+    """A run stopped after its last checkpoint but before its final weights (a kill, an older flowlift) could never
+    get them: the same command said "nothing to train; raise --steps". With them there, that refusal stands."""
+    out = tmp_path / "run"
+    assert main(_train(data, out, 2)) == 0
+    final = out / "flow_upscaler.safetensors"
+    written = load_file(final)
+    final.unlink()
+    capsys.readouterr()
+    assert main(_train(data, out, 2)) == 0, capsys.readouterr().err
+    again = load_file(final)  # the EMA weights of the checkpoint at step 2: those of the finished run
+    assert again.keys() == written.keys() and all(torch.equal(again[k], written[k]) for k in written)
+    said = capsys.readouterr().out.strip().splitlines()[-1]
+    assert said == f"step 2 was the last: nothing left to train; EMA weights: {final}", said
+    assert main(_train(data, out, 2)) == 2
+    assert "already at step 2" in capsys.readouterr().err
