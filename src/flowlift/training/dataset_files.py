@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 
 from flowlift.errors import FlowliftError
@@ -26,6 +27,26 @@ def is_dataset_manifest(path: Path) -> bool:
     """A JSON object of format :data:`FORMAT`: a ``dataset.json`` flowlift wrote (of any version)."""
     manifest = json_object(path)
     return manifest is not None and manifest.get("format") == FORMAT
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+def shards_of_items(root: Path, num_items: int, shard_size: int, present: Collection[int]) -> int:
+    """How many shards ``num_items`` items take, every one of them among ``present`` (else one line naming the first
+    missing: a build not finished, a ``--part`` not run); shards past them are no concern of the reader's."""
+    needed = -(-num_items // shard_size)
+    if not present:
+        raise FlowliftError(f"{root}: dataset has no shards yet")
+    missing = next((k for k in range(needed) if k not in present), None)
+    if missing is not None:
+        have = len([k for k in present if k < needed])
+        raise FlowliftError(
+            f"{root / shard_name(missing)} is missing: dataset.json's {num_items} items take {needed} shards, "
+            f"{have} are there; finish the build (the same `flowlift dataset` command, every --part)"
+        )
+    return needed
 
 
 def shard_count(path: Path) -> int | None:

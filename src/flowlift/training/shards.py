@@ -14,6 +14,8 @@ A dataset is a directory::
 
 Shard ``k`` holds items ``k*S .. k*S+n-1`` (every shard is full but the last), written to a
 temporary name and renamed, so a file that exists is complete: builders resume by skipping them.
+The reader takes exactly ``num_items`` items: a shard of them missing (a build not finished, a ``--part`` not run)
+or holding another count is one line; a shard past them (left by a larger earlier build) is never opened.
 
 The loader (:class:`ShardStream`) reads single items through safetensors' memory-mapped slices
 (bounded memory), draws a global per-epoch permutation, and gives each (step, micro-batch, rank) a
@@ -47,16 +49,14 @@ from flowlift.training.dataset_files import (  # noqa: F401 - the format's names
     check_dataset_folder,
     is_dataset_manifest,
     shard_count,
+    shard_name,
+    shards_of_items,
 )
 from flowlift.training.objective import logistic
 
 VERSION = 1
 CROP_ALIGN = 4
 STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def shard_name(index: int) -> str:
-    return f"shard-{index:05d}.safetensors"
 
 
 def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
@@ -88,6 +88,8 @@ def check_manifest(path: Path, manifest: dict[str, Any]) -> None:
         if not (isinstance(shape, list) and len(shape) == 3 and all(_positive_int(v) for v in shape)):
             raise FlowliftError(f"{path}: {key} must be [channels, height, width] of positive integers, got {shape!r}")
         shapes[key] = shape
+    if not _positive_int(manifest.get("num_items")):
+        raise FlowliftError(f"{path}: num_items must be a positive integer, got {manifest.get('num_items')!r}")
     target, cond = shapes["target_shape"], shapes["cond_shape"]
     if target[0] != cond[0] or target[1] != 2 * cond[1] or target[2] != 2 * cond[2]:
         raise FlowliftError(f"{path}: cond_shape {cond} must be target_shape {target} at half the size")
@@ -214,24 +216,24 @@ class ShardReader:
         self.shard_size = int(self.manifest["shard_size"])
         self.max_open = max_open
         self._open: OrderedDict[int, Any] = OrderedDict()
-        shards = completed_shards(self.root)
-        if not shards:
-            raise FlowliftError(f"{self.root}: dataset has no shards yet")
         self.counts: dict[int, int] = {}
         self.has_noise = bool(self.manifest.get("has_noise", False))
         self.target_shape = tuple(self.manifest["target_shape"])
         self.cond_shape = tuple(self.manifest["cond_shape"])
-        for index in shards:
-            self.counts[index] = self._check_shard(self.root / shard_name(index))
-        # Items are addressed contiguously; a missing middle shard (interrupted build) ends the range.
-        total = 0
-        for expected, index in enumerate(shards):
-            if index != expected:
-                break
-            total += self.counts[index]
-            if self.counts[index] < self.shard_size:
-                break
-        self.num_items = total
+        self.num_items = int(self.manifest["num_items"])
+        # the items are dataset.json's num_items, every shard that holds them there and whole (a --part build not
+        # finished trained on part of them); a shard past them (a rebuild with fewer items) is never opened
+        needed = shards_of_items(self.root, self.num_items, self.shard_size, completed_shards(self.root))
+        for index in range(needed):
+            path = self.root / shard_name(index)
+            count = self._check_shard(path)
+            expected = min(self.shard_size, self.num_items - index * self.shard_size)
+            if count != expected:
+                raise FlowliftError(
+                    f"{path}: holds {count} items where dataset.json's {self.num_items} items put {expected}; "
+                    "rerun the `flowlift dataset` command that made it"
+                )
+            self.counts[index] = count
 
     def _check_shard(self, path: Path) -> int:
         """Open ``path`` once and check its header against the manifest; returns its item count.

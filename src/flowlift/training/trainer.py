@@ -213,8 +213,6 @@ class Trainer:
 
     def _train(self, dist: DistContext, device: torch.device, reader: ShardReader, resume_from: Any) -> dict[str, Any]:
         c = self.config
-        if len(reader) == 0:
-            raise FlowliftError(f"{c.data}: dataset has no complete items")
         stream = ShardStream(
             reader,
             micro_batch=c.batch_size,

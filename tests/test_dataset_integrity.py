@@ -1,0 +1,73 @@
+"""A dataset is what its dataset.json says: the reader takes exactly its items (no shard missing, none past them),
+its randomness depends on (seed, item) alone, and a build's refusals come before a model loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flowlift.errors import FlowliftError
+from flowlift.training.shards import ShardReader
+from test_hostile import _tiny_dataset
+
+
+def _set_num_items(root: Path, num: int) -> None:
+    manifest = json.loads((root / "dataset.json").read_text())
+    (root / "dataset.json").write_text(json.dumps({**manifest, "num_items": num}))
+
+
+def test_a_missing_shard_is_named_not_trained_around(tmp_path):
+    """A `--part 0/2` build alone (shards 0, 2, ...) was read as its first shard: 4 of 12 items, silently."""
+    root = _tiny_dataset(tmp_path / "data", items=6, shard_size=2)
+    (root / "shard-00001.safetensors").unlink()
+    with pytest.raises(FlowliftError) as caught:
+        ShardReader(root)
+    text = str(caught.value)
+    assert "\n" not in text and text.startswith(f"{root / 'shard-00001.safetensors'} is missing"), text
+    assert "6 items take 3 shards, 2 are there" in text, text
+
+
+def test_a_shard_short_of_its_items_is_refused(tmp_path):
+    """A last shard of 1 item where dataset.json's num_items put 2 (the reader stopped there, quietly)."""
+    root = _tiny_dataset(tmp_path / "data", items=5, shard_size=2)
+    _set_num_items(root, 6)
+    with pytest.raises(FlowliftError, match=r"shard-00002.safetensors: holds 1 items where .* 6 items put 2"):
+        ShardReader(root)
+
+
+def test_shards_past_num_items_are_never_read(tmp_path):
+    """A rebuild with fewer items left the earlier build's later shards: the reader took them all (8 for 4)."""
+    root = _tiny_dataset(tmp_path / "data", items=8, shard_size=2)
+    _set_num_items(root, 4)
+    (root / "shard-00003.safetensors").write_bytes(b"not a shard")  # never opened
+    reader = ShardReader(root)
+    try:
+        assert len(reader) == 4 and sorted(reader.counts) == [0, 1]
+        with pytest.raises(IndexError):
+            reader.item(4)
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("value", [0, -3, "4", None, 1.5])
+def test_a_manifest_without_a_positive_num_items_is_one_line(tmp_path, value):
+    root = _tiny_dataset(tmp_path / "data", items=4, shard_size=2)
+    _set_num_items(root, value)
+    with pytest.raises(FlowliftError, match=r"dataset.json: num_items must be a positive integer"):
+        ShardReader(root)
+
+
+def test_training_on_a_partial_dataset_is_one_line_before_any_output(tmp_path, capsys):
+    from builders import TINY_UNET
+    from flowlift.commands.cli import main
+
+    root = _tiny_dataset(tmp_path / "data", items=6, shard_size=2)
+    (root / "shard-00002.safetensors").unlink()
+    sets = [x for k, v in TINY_UNET.items() for x in ("--set", f"{k}={v}")]
+    argv = ["train", "--data", str(root), "--output", str(tmp_path / "run"), "--steps", "1", "--batch-size", "2"]
+    assert main([*argv, "--crop-latent", "0", *sets, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"{root / 'shard-00002.safetensors'} is missing" in err, err
+    assert not (tmp_path / "run").exists()
