@@ -293,8 +293,8 @@ def build_distill_dataset(
                     raise FlowliftError(
                         f"teacher returned a latent of shape {tuple(target.shape)} for noise {tuple(noise.shape)}"
                     )
-                generator = item_generator(seed + 1, indices[0])
-                cond = conditioning_latents(vae, target, degradation, generator).float()
+                generators = [item_generator(seed + 1, i) for i in indices]  # item i's noise: (seed, i) alone
+                cond = conditioning_latents(vae, target, degradation, generators).float()
                 noises.append(noise.cpu())
                 targets.append(target.cpu())
                 conds.append(cond.cpu())
@@ -414,8 +414,8 @@ def build_images_dataset(
                 # named by its shard before the degradation decodes it (the VAE refuses NaN latents in one line)
                 with torch.no_grad():
                     target = finite_result(f"{shard_name(shard)}: the VAE's encode", vae.encode, pixels).float()
-                generator = item_generator(seed + 1, chunk[0]["index"])
-                cond = conditioning_latents(vae, target, degradation, generator).float()
+                generators = [item_generator(seed + 1, item["index"]) for item in chunk]  # (seed, i) alone
+                cond = conditioning_latents(vae, target, degradation, generators).float()
                 targets.append(target.cpu())
                 conds.append(cond.cpu())
                 bar.update(len(chunk))

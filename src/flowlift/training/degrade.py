@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -129,18 +130,31 @@ def jpeg_roundtrip(images: torch.Tensor, quality: int) -> torch.Tensor:
     return torch.stack(out).to(images.device, images.dtype)
 
 
-def degrade_images(
-    images: torch.Tensor, degradation: Degradation, generator: torch.Generator | None = None
-) -> torch.Tensor:
+#: One generator for a whole batch, or one per image (a sequence as long as the batch).
+Generators = torch.Generator | Sequence[torch.Generator] | None
+
+
+def _pixel_noise(shape: torch.Size, generator: Generators) -> torch.Tensor:
+    """Standard normal noise of ``shape`` (B, C, H, W) on the CPU: image ``b``'s from ``generator[b]`` when given one
+    per image (so an image's noise does not depend on the batch it is in), else the batch's from one generator."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.randn(shape, generator=generator, dtype=torch.float32, device="cpu")
+    if len(generator) != shape[0]:
+        raise FlowliftError(f"{len(generator)} generators for a batch of {shape[0]} images; give one per image")
+    return torch.stack([torch.randn(shape[1:], generator=g, dtype=torch.float32, device="cpu") for g in generator])
+
+
+def degrade_images(images: torch.Tensor, degradation: Degradation, generator: Generators = None) -> torch.Tensor:
     """Apply ``degradation`` to images in [0, 1]: clamp, downscale, optional JPEG, optional noise.
 
-    Noise is drawn on the CPU from ``generator`` (float32), so a seed gives the same result anywhere.
+    Noise is drawn on the CPU (float32) from ``generator``, one for the batch or one per image, so a seed gives the
+    same result anywhere (and, one per image, whatever the batch).
     """
     x = downscale(images.clamp(0, 1), degradation.factor, degradation.filter)
     if degradation.jpeg_quality is not None:
         x = jpeg_roundtrip(x, degradation.jpeg_quality)
     if degradation.noise_std > 0:
-        noise = torch.randn(x.shape, generator=generator, dtype=torch.float32, device="cpu")
+        noise = _pixel_noise(x.shape, generator)
         x = (x + degradation.noise_std * noise.to(x.device, x.dtype)).clamp(0, 1)
     return x
 
@@ -150,7 +164,7 @@ def conditioning_from_images(
     vae: LatentCodec,
     images: torch.Tensor,
     degradation: Degradation | None = None,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
 ) -> torch.Tensor:
     """``encode(degrade(images))``: the conditioning latent of a high-resolution image batch."""
     degradation = degradation or Degradation()
@@ -162,7 +176,7 @@ def conditioning_latents(
     vae: LatentCodec,
     target_latents: torch.Tensor,
     degradation: Degradation | None = None,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
 ) -> torch.Tensor:
     """Conditioning of a target latent: ``encode(degrade(decode(target)))`` — decode, pixel-space
     antialiased downscale (area by default), re-encode. Shape (B, 32, H/f, W/f) for target (B, 32, H, W).
