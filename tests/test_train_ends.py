@@ -69,3 +69,48 @@ def test_a_resume_at_the_last_step_without_final_weights_writes_them(data, tmp_p
     assert said == f"step 2 was the last: nothing left to train; EMA weights: {final}", said
     assert main(_train(data, out, 2)) == 2
     assert "already at step 2" in capsys.readouterr().err
+
+
+def test_sighup_during_a_step_stops_after_it_with_a_checkpoint(data, tmp_path, monkeypatch, capsys):
+    """A closed terminal (SIGHUP) raised in the middle of a step: no checkpoint, where SIGTERM finishes the step and
+    saves one. It is a stop as theirs now."""
+    import os
+    import signal
+
+    from flowlift.training import trainer
+
+    stepped = trainer.Trainer._step
+
+    def hang_up_in_the_first(self, run, batches, step):
+        if step == 0:
+            os.kill(os.getpid(), signal.SIGHUP)  # delivered to the main thread inside this step
+        return stepped(self, run, batches, step)
+
+    monkeypatch.setattr(trainer.Trainer, "_step", hang_up_in_the_first)
+    out = tmp_path / "run"
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a terminal's child has it, not nohup's
+    try:
+        assert main(_train(data, out, 3)) == 130
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("flowlift train: interrupted: training stopped after step 1 of 3; checkpoint"), line
+    assert (out / "checkpoints" / "step-00000001").is_dir()
+
+
+def test_a_stop_request_leaves_an_ignored_sighup_ignored():
+    """nohup's SIG_IGN is the user's choice: the run outlives the terminal."""
+    import signal
+
+    from flowlift.training.loop_support import StopRequest
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with StopRequest():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        with StopRequest() as stop:
+            assert signal.getsignal(signal.SIGHUP) == stop._handle
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, previous)

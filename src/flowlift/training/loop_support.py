@@ -1,8 +1,8 @@
 """What the training loop runs beside its steps: batches read ahead on a thread, and the stop a signal asks for.
 
 :func:`prefetched_batches` yields exactly what reading :class:`~flowlift.training.shards.ShardStream` in the loop
-would (the stream is a pure function of its arguments); :class:`StopRequest` turns the first SIGINT/SIGTERM into a
-stop after the current step (with a checkpoint) and a second one into an interrupt at once.
+would (the stream is a pure function of its arguments); :class:`StopRequest` turns the first SIGINT, SIGTERM or
+SIGHUP into a stop after the current step (with a checkpoint) and a second one into an interrupt at once.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ def prefetched_batches(stream: ShardStream, start_step: int, end_step: int, micr
 
 
 class StopRequest:
-    """SIGINT/SIGTERM during training: the first one asks the loop to stop after the current step
-    (with a checkpoint); a second one interrupts at once. Handlers are restored on exit."""
+    """SIGINT/SIGTERM/SIGHUP (a closed terminal) during training: the first one asks the loop to stop after the
+    current step (with a checkpoint); a second one interrupts at once. A SIGHUP inherited as ignored (``nohup``) stays
+    ignored. Handlers are restored on exit."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -50,7 +51,10 @@ class StopRequest:
         import threading
 
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            hangup = getattr(signal, "SIGHUP", None)
+            for signum in (signal.SIGINT, signal.SIGTERM, *((hangup,) if hangup is not None else ())):
+                if signum == hangup and signal.getsignal(signum) is signal.SIG_IGN:
+                    continue  # inherited as ignored (nohup): the run outlives its terminal, as asked
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
