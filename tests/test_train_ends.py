@@ -114,3 +114,44 @@ def test_a_stop_request_leaves_an_ignored_sighup_ignored():
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_a_non_finite_step_names_another_ranks_data_on_every_rank(tmp_path, grad_accum):
+    """Under DDP the gradient is every rank's: rank 0 said "the data of this step is finite; lower the learning
+    rate" when the NaN was in rank 1's items, beside rank 1's line naming the shard."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from door_helpers import quiet_train_config
+    from flowlift.training.shards import ShardReader, ShardStream, shard_name
+    from flowlift.training.trainer import Trainer
+
+    root = _tiny_dataset(tmp_path / "data", items=8, shard_size=2)
+    config = quiet_train_config(root, tmp_path / "run", batch_size=1, grad_accum=grad_accum, crop=0, **TINY_UNET)
+    clean = ShardReader(root)
+    ranks = [ShardStream(clean, micro_batch=1, rank=r, world_size=2, grad_accum=grad_accum) for r in (0, 1)]
+    bad = ranks[1].item_at(ranks[1].positions(0, grad_accum - 1)[0])  # rank 1's last item of step 1
+    clean.close()
+    shard, offset = divmod(bad, 2)
+    path = root / shard_name(shard)
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(path)
+    tensors["cond"][offset, 0, 0, 0] = float("nan")  # write_shard refuses it: a file damaged after its build
+    save_file(tensors, str(path), metadata=metadata)
+    reader = ShardReader(root)
+    try:
+        lines = {
+            Trainer(config)._non_finite_message(
+                ShardStream(reader, micro_batch=1, rank=rank, world_size=2, grad_accum=grad_accum), 0
+            )
+            for rank in (0, 1)
+        }
+    finally:
+        reader.close()
+    expected = (
+        f"non-finite gradient at step 1: the training data is non-finite ({root / shard_name(shard)}, item {bad}, "
+        "tensor 'cond' holds NaN/Inf); rebuild that shard"
+    )
+    assert lines == {expected}, lines

@@ -170,18 +170,19 @@ class Trainer:
         append_text(self.output / LOG_NAME, text.getvalue())  # never through a link, never blocking on a FIFO
 
     def _non_finite_message(self, stream: ShardStream, step: int) -> str:
-        """Why step ``step``'s gradient is non-finite: corrupt data (named) or, if the data is fine, training."""
+        """Why step ``step``'s gradient is non-finite: corrupt data (named) or, if the data is fine, training. The
+        step's data is every rank's (DDP averages the gradients: one rank's NaN is every rank's), so every rank
+        looks at all of it (the positions are a pure function of the step) and says the same."""
         reader = stream.reader
-        for micro in range(self.config.grad_accum):
-            for position in stream.positions(step, micro):
-                index = stream.item_at(position)
-                for name, tensor in reader.item(index).items():
-                    if not bool(torch.isfinite(tensor).all()):
-                        shard = reader.root / shard_name(index // reader.shard_size)
-                        return (
-                            f"non-finite gradient at step {step + 1}: the training data is non-finite "
-                            f"({shard}, item {index}, tensor '{name}' holds NaN/Inf); rebuild that shard"
-                        )
+        for position in range(step * stream.global_batch, (step + 1) * stream.global_batch):
+            index = stream.item_at(position)
+            for name, tensor in reader.item(index).items():
+                if not bool(torch.isfinite(tensor).all()):
+                    shard = reader.root / shard_name(index // reader.shard_size)
+                    return (
+                        f"non-finite gradient at step {step + 1}: the training data is non-finite "
+                        f"({shard}, item {index}, tensor '{name}' holds NaN/Inf); rebuild that shard"
+                    )
         return f"non-finite gradient at step {step + 1} (the data of this step is finite); lower the learning rate"
 
     # -- the loop --------------------------------------------------------------------------------
