@@ -123,3 +123,37 @@ def test_conditioning_noise_does_not_depend_on_the_build_batch_size(tmp_path, ta
     four = _build(kind, tmp_path / "bs4", taef2, 4, shared)
     assert (one["target"] - four["target"]).abs().max() < 1e-4
     assert (one["cond"] - four["cond"]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("case", ["empty", "unreadable", "small"])
+def test_dataset_images_refuses_its_images_before_the_vae_loads(tmp_path, monkeypatch, capsys, case):
+    """An empty folder, an unreadable image or images all smaller than the crop were refused only after the VAE
+    loaded (the headers alone decide), and the empty folder's line named the Python parameter ``image_paths``."""
+    from PIL import Image
+
+    from flowlift.commands.cli import main
+    from flowlift.models import vae_loading
+
+    def no_vae(*args, **kwargs):
+        raise AssertionError("the VAE loaded before the refusal")
+
+    monkeypatch.setattr(vae_loading, "load_vae", no_vae)
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    if case == "unreadable":
+        (photos / "a.png").write_bytes(b"not an image")
+    elif case == "small":
+        Image.new("RGB", (40, 40)).save(photos / "a.png")
+    out = tmp_path / "data"
+    assert main(["dataset", "images", str(photos), "--vae", "taef2", "-o", str(out), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and not out.exists(), err
+    line = err.strip().splitlines()[-1]
+    expected = {
+        "empty": f"no input images in {photos}: give image files, or folders holding them (not searched below)",
+        "unreadable": f"{photos / 'a.png'}: not an image file Pillow can read",
+        "small": "no image is at least 512x512 px, the --crop-px 512 crop (1 skipped); lower --crop-px or add larger",
+    }[case]
+    assert line.startswith(f"flowlift dataset: error: {expected}"), line
+    if case == "small":
+        assert f"warning: {photos / 'a.png'}: smaller than the 512x512 crop, skipped" in err

@@ -28,6 +28,7 @@ from flowlift.training.datasets import (
     TransformerTeacher,
     build_distill_dataset,
     build_images_dataset,
+    plan_images_dataset,
 )
 from flowlift.training.degrade import Degradation
 from flowlift.training.shards import STORAGE_DTYPES
@@ -193,8 +194,14 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
 
         crops = request.crops
         paths = list_images(crops.inputs)
+        if not paths:  # named as the command takes them, before the VAE loads
+            from flowlift.jobs.batch import no_images_in
+
+            raise no_images_in(crops.inputs)
         _check_outputs_are_no_input(out, paths)  # first: an input is refused, --overwrite or not
         check_dataset_folder(out, request.overwrite)
+        # the images' headers before the VAE loads: an unreadable one, none as large as the crop (one line)
+        plan_images_dataset(paths, crops.crop_px, crops.crops_per_image, request.seed, crops.flip, request.vae, False)
         vae = load_vae(request.vae, device=device, dtype=torch.float32)
         manifest = build_images_dataset(
             out,

@@ -342,6 +342,25 @@ def plan_image_crops(
     return items, skipped
 
 
+def plan_images_dataset(
+    image_paths: Any, crop: int, crops_per_image: int, seed: int, flip: bool, vae_name: Any, warn: bool = True
+) -> tuple[list[Path], list[dict[str, Any]], list[str]]:
+    """The photos, items and skipped photos of an images dataset (:func:`plan_image_crops`), from the images' headers
+    alone, so that a refusal comes before a model loads: no photo, an unreadable one, none as large as ``crop``.
+    Each photo smaller than the crop is a warning naming it (``warn`` False: only when none is left)."""
+    paths = check_image_paths(image_paths, vae_name)
+    items, skipped = plan_image_crops(paths, crop, crops_per_image, seed, flip)
+    for name in skipped if warn or not items else ():  # one line per image (the CLI shows each as a warning line)
+        warnings.warn(f"{name}: smaller than the {crop}x{crop} crop, skipped", UserWarning, stacklevel=3)
+    if not items:
+        raise FlowliftError(
+            f"no image is at least {crop}x{crop} px, the {FIELD_MARK} {crop} crop ({len(skipped)} skipped); lower "
+            f"{FIELD_MARK} or add larger images",
+            field=("crop", "crop"),
+        )
+    return paths, items, skipped
+
+
 def build_images_dataset(
     root: str | os.PathLike,
     image_paths: Sequence[str | os.PathLike],
@@ -370,16 +389,7 @@ def build_images_dataset(
     shard_size, storage_dtype, device, progress, part = _writing(writing)
     root, seed, batch_size, degradation = check_build(root, vae, seed, batch_size, degradation, overwrite)
     crop, crops_per_image, flip = check_photo_crops(crop, crops_per_image, flip, factor=degradation.factor)
-    paths = check_image_paths(image_paths, vae_name)
-    items, skipped = plan_image_crops(paths, crop, crops_per_image, seed, flip)
-    for name in skipped:  # one line per image, naming it (the CLI shows each as a flowlift warning line)
-        warnings.warn(f"{name}: smaller than the {crop}x{crop} crop, skipped", UserWarning, stacklevel=2)
-    if not items:
-        raise FlowliftError(
-            f"no image is at least {crop}x{crop} px, the {FIELD_MARK} {crop} crop ({len(skipped)} skipped); lower "
-            f"{FIELD_MARK} or add larger images",
-            field=("crop", "crop"),
-        )
+    paths, items, skipped = plan_images_dataset(image_paths, crop, crops_per_image, seed, flip, vae_name)
     side = crop // VAE_SCALE_FACTOR
     source = {
         "images": [str(p) for p in paths],
