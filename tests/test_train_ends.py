@@ -155,3 +155,26 @@ def test_a_non_finite_step_names_another_ranks_data_on_every_rank(tmp_path, grad
         "tensor 'cond' holds NaN/Inf); rebuild that shard"
     )
     assert lines == {expected}, lines
+
+
+@pytest.mark.parametrize("given", ["nope.png", "bad.png", "tiny.png"])
+def test_validation_images_are_refused_before_the_data_opens_or_the_run_folder_is_made(data, tmp_path, capsys, given):
+    """``--val-images nope.png`` was refused after the data, the model and the VAE loaded, leaving an empty run
+    folder; the images' headers decide, so they are read first."""
+    from PIL import Image
+
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    Image.new("RGB", (8, 40)).save(tmp_path / "tiny.png")
+    image = tmp_path / given
+    out = tmp_path / "run"
+    validation = ["--val-every", "1", "--vae", "no-such-vae", "--val-images", str(image)]
+    for folder in (data, tmp_path / "no-data"):  # the data's own refusal would come first if it were opened
+        assert main(_train(folder, out, 1, *validation)) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and not out.exists(), err
+        why = {
+            "nope.png": "no such file, folder or matching pattern",
+            "bad.png": "not an image file Pillow can read",
+            "tiny.png": "validation image of 8x40 pixels is smaller than 16x16",
+        }[given]
+        assert err.strip().splitlines()[-1] == f"flowlift train: error: --val-images {image}: {why}", err

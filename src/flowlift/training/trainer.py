@@ -203,6 +203,10 @@ class Trainer:
         # the replace rule for every file the run writes, before anything loads (issue 36.1)
         check_run_folder(c, run_inputs(c, self.config_file))
         resume_from = resume_point(c, self.output)
+        if c.val_every:  # listed and read from their headers before the data opens or the run folder is made
+            from flowlift.training.validation import validation_files
+
+            validation_files(c.val_images, c.val_count)
         reader = ShardReader(c.data)
         try:  # the shards' files are closed however the run ends (an error, a stop, the last step)
             return self._train(dist, device, reader, resume_from)

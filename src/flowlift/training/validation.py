@@ -52,21 +52,44 @@ def centre_crop(image: torch.Tensor, size: int, multiple: int = 16) -> torch.Ten
     return image[..., top : top + side_h, left : left + side_w]
 
 
-def load_validation_images(paths: Sequence[str | os.PathLike], count: int, size: int) -> list[torch.Tensor]:
-    """The first ``count`` images of ``paths`` (files, folders, globs), centre-cropped to ``size``."""
-    from flowlift.files.images import list_images, load_image, to_tensor
+def _named(file: Any, error: FlowliftError) -> FlowliftError:
+    text = str(error)
+    text = text if text.startswith(str(file)) else f"{file}: {text}"
+    return FlowliftError(f"{FIELD_MARK} {text}", field="val_images")
 
-    files = list_images([str(p) for p in paths])[:count]
+
+def validation_files(paths: Sequence[str | os.PathLike], count: int) -> list[Path]:
+    """The first ``count`` images of ``paths`` (files, folders, globs), each read from its header only: a path that
+    matches nothing, no image, an unreadable or too small one is one line naming ``val_images``, before a run loads
+    its data or a model, or makes its folder."""
+    from flowlift.files.images import image_size, list_images
+
+    try:
+        files = list_images([str(p) for p in paths])[:count]
+    except FlowliftError as error:
+        raise FlowliftError(f"{FIELD_MARK} {error}", field="val_images") from None
     if not files:
         raise FlowliftError(f"no validation images in {', '.join(map(str, paths))}", field="val_images")
-    images = []
     for file in files:
+        try:
+            width, height = image_size(file)
+        except FlowliftError as error:
+            raise _named(file, error) from None
+        if min(width, height) < 16:  # centre_crop's smallest side
+            raise _named(file, FlowliftError(f"validation image of {width}x{height} pixels is smaller than 16x16"))
+    return files
+
+
+def load_validation_images(paths: Sequence[str | os.PathLike], count: int, size: int) -> list[torch.Tensor]:
+    """The first ``count`` images of ``paths`` (files, folders, globs), centre-cropped to ``size``."""
+    from flowlift.files.images import load_image, to_tensor
+
+    images = []
+    for file in validation_files(paths, count):
         try:
             images.append(centre_crop(to_tensor(load_image(file)[0]), size))
         except FlowliftError as error:
-            text = str(error)
-            text = text if text.startswith(str(file)) else f"{file}: {text}"
-            raise FlowliftError(f"{FIELD_MARK} {text}", field="val_images") from None
+            raise _named(file, error) from None
     return images
 
 
