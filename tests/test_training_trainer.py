@@ -8,6 +8,7 @@ torchrun match one process with the whole batch; validation writes its CSV and p
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from door_helpers import quiet_train_config
 from flowlift.commands.cli import main as cli_main
@@ -441,8 +443,12 @@ def test_a_failure_of_rank_0_alone_stops_every_rank_with_its_line(dataset, tmp_p
     """Rank 0 prepares the run folder, saves the checkpoints and validates alone; its error (here a truncated
     validation image) left the other rank in the barrier after it, for gloo's 30 minutes under flowlift launch.
     Now every rank fails at that point with rank 0's line."""
-    bad = tmp_path / "bad.png"
-    bad.write_bytes((shared / "images" / "kodak" / "kodim03.png").read_bytes()[:100])
+    # a JPEG cut in half: its header is whole (every rank's check of --val-images before the run passes it), its
+    # pixels are not, which only rank 0's validation reads
+    photo = io.BytesIO()
+    Image.open(shared / "images" / "kodak" / "kodim03.png").convert("RGB").save(photo, "JPEG")
+    bad = tmp_path / "bad.jpg"
+    bad.write_bytes(photo.getvalue()[: len(photo.getvalue()) // 2])
     settings = {**TINY, "crop": 0, "warmup_steps": 1, "progress": "false", "val_every": 2, "val_images": str(bad)}
     command = [sys.executable, "-m", "flowlift", "launch", "--nproc-per-node", "2", "--", "train", "--data"]
     command += [str(dataset), "-o", str(tmp_path / "run"), "--steps", "2", "--batch-size", "2"]
