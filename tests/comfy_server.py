@@ -92,16 +92,17 @@ def write_random_flux2_vae(path: Path) -> None:
     save_file({k: v.to(torch.float16).contiguous() for k, v in state.items()}, str(path))
 
 
-def write_random_mage_vae(path: Path, full_size: bool = False) -> None:
+def write_random_mage_vae(path: Path, full_size: bool = False, decode_only: bool = False) -> None:
     """A random Mage-VAE in the released single-file layout (tests/mage_files.py): narrow, or ``full_size`` (the
-    released architecture, the only one ComfyUI's own VAELoader builds), stored as float16."""
+    released architecture, the only one ComfyUI's own VAELoader builds), stored as float16; ``decode_only``: no
+    encoder tensors (a narrow decoder file)."""
     from flowlift.models.mage_vae import MageVAEConfig
     from mage_files import released_state, save_released
 
     if full_size:
         save_released(path, released_state(MageVAEConfig(), seed=4), dtype=torch.float16)
     else:
-        save_released(path, released_state())
+        save_released(path, released_state(encoder=not decode_only))
 
 
 def write_tiny_klein(path: Path, seed: int = 0) -> None:
@@ -212,6 +213,7 @@ def write_models_and_inputs(root: Path, shared: Path) -> None:
     for name in ("taef2_encoder.pth", "taef2_decoder.pth"):
         shutil.copy(shared / "models" / "taef2" / name, models / "vae_approx" / name)
     write_random_mage_vae(models / "vae" / "mage_vae.safetensors", full_size=True)
+    write_random_mage_vae(models / "vae" / "mage_decoder.safetensors", decode_only=True)
     write_tiny_klein(models / "diffusion_models" / KLEIN_UNET)
     (models / "text_encoders" / KLEIN_TEXT_ENCODER).write_bytes(b"")  # listed, never loaded
     source = Image.open(shared / "images" / "kodak" / "kodim23.png").convert("RGB")

@@ -140,7 +140,8 @@ def test_the_nodes_load_with_stable_ids_and_widget_order(server):
     taef2_names = combo_options(info["FlowliftTAEF2Loader"]["input"]["required"]["taef2_name"])
     assert taef2_names == ["taef2_decoder.pth", "taef2_encoder.pth"]
     mage_names = combo_options(info["FlowliftMageVAELoader"]["input"]["required"]["mage_name"])
-    assert mage_names == ["flux2-vae.safetensors", "mage_vae.safetensors"]  # models/vae's .safetensors files
+    # models/vae's .safetensors files
+    assert mage_names == ["flux2-vae.safetensors", "mage_decoder.safetensors", "mage_vae.safetensors"]
     failed = [ln for ln in server.log.read_text(errors="replace").splitlines() if "IMPORT FAILED" in ln]
     assert not any("flowlift" in ln for ln in failed), failed
 
@@ -339,7 +340,8 @@ def test_a_latent_upscaler_without_the_flux2_vae_is_one_line(server):
     )
     assert entry["status"]["status_str"] == "error"
     text = message(entry, "execution_error")["exception_message"].strip()
-    assert text.splitlines() == [text] and "latent_upscaler" in text and "set vae to the FLUX.2 VAE" in text, text
+    assert text.splitlines() == [text] and "latent_upscaler" in text, text
+    assert "set the vae input to the FLUX.2 VAE" in text and "--vae" not in text, text
 
 
 def test_a_latent_upscaler_left_selected_does_not_stop_taef2_at_4x(server):
@@ -521,6 +523,27 @@ def test_a_native_vae_loader_refuses_another_vae_in_one_line(server):
     assert entry["status"]["status_str"] == "error"
     text = message(entry, "execution_error")["exception_message"].strip()
     assert text.splitlines() == [text] and "flux2-vae.safetensors is not a Mage-VAE checkpoint" in text
+
+
+def test_a_decode_only_mage_vae_asked_to_encode_names_the_vae_input_not_the_command_line(server):
+    """A decode-only Mage-VAE file from FlowliftMageVAELoader, in ComfyUI's VAEEncode and in FlowliftUpscaleImage:
+    one line naming the node's vae input (the core's words were the command line's ``--vae taef2``)."""
+    loader = {"class_type": "FlowliftMageVAELoader", "inputs": {"mage_name": "mage_decoder.safetensors"}}
+    encode = {
+        "1": {"class_type": "LoadImage", "inputs": {"image": "example.png"}},
+        "2": loader,
+        "3": {"class_type": "VAEEncode", "inputs": {"pixels": ["1", 0], "vae": ["2", 0]}},
+        "4": {"class_type": "SaveLatent", "inputs": {"samples": ["3", 0], "filename_prefix": "never/l"}},
+    }
+    upscale = load_api_workflow("image_upscale_4x_taef2.json")
+    upscale["2"] = loader
+    for workflow, node in ((encode, "VAEEncode"), (upscale, "FlowliftUpscaleImage")):
+        entry = server.wait(server.queue(workflow))
+        error = message(entry, "execution_error")
+        text = error["exception_message"].strip()
+        assert entry["status"]["status_str"] == "error" and error["node_type"] == node, entry["status"]
+        assert text.splitlines() == [text] and "decode-only" in text, text
+        assert "set the vae input to taef2" in text and "--vae" not in text, text
 
 
 def test_color_fix_equals_stage_2(server):

@@ -145,3 +145,25 @@ def test_pairs_refuse_a_box_past_an_output_before_measuring(tmp_path, monkeypatc
     with pytest.raises(FlowliftError, match=r"box x,y,w,h = 0,0,40,40 is not inside the 32x32 output .*b\.png"):
         P.evaluate_pairs([str(tmp_path / "outs")], tmp_path / "refs", box=(0, 0, 40, 40))
     assert measured == []
+
+
+def test_a_sesqui_method_without_the_flux2_vae_names_the_vae_field_in_each_doors_words(
+    shared, photos, tmp_path, capsys
+):
+    """TAEF2 has no BN statistics for SesquiLSR's raw latents: the command line says ``--vae``, the Python API its
+    ``vae`` keyword (it said ``--vae flux2`` to both)."""
+    from types import SimpleNamespace
+
+    from flowlift.measure.methods import make_method_fn, parse_methods
+    from sesqui_reference import save_random_sesqui
+
+    sesqui = save_random_sesqui(tmp_path)
+    (spec,) = parse_methods(f"sesqui:{sesqui}")
+    with pytest.raises(FlowliftError) as info:
+        make_method_fn(spec, 1.5, vae=SimpleNamespace(bn_mean=None))
+    assert info.value.fields == ("vae",) and "(set vae to flux2 or its file)" in str(info.value)
+    assert "--vae" not in str(info.value)
+    vae = str(shared / "models" / "taef2")
+    argv = ["--run", f"sesqui:{sesqui}", "--dataset", str(photos), "--scale", "1.5", "--vae", vae]
+    err = _refused([*argv, "-o", str(tmp_path / "report")], capsys)
+    assert "(set --vae to flux2 or its file)" in err, err

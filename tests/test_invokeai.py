@@ -121,6 +121,7 @@ def write_models(folder: Path) -> None:
     (folder / ".profile").write_text("# a dotfile of the server user's\nexport TOKEN=secret\n")
     write_random_flux2_vae(folder / "flux2-vae.safetensors")
     write_random_mage_vae(folder / "mage_vae.safetensors")  # issue 37: a narrow Mage-VAE, released layout
+    write_random_mage_vae(folder / "mage_decoder.safetensors", decode_only=True)  # decodes, cannot encode
     write_invokeai_klein_pipeline(folder / "klein-tiny", qwen3_tokenizer_files())
     # A Klein transformer as one BFL-named file (how Klein 4B/9B ship): InvokeAI's checkpoint loader rebuilds it
     # with 128-wide heads and diffusers' other defaults (rope axes 32x4, 256 timestep channels), so it has those.
@@ -711,6 +712,18 @@ def test_bad_inputs_fail_only_their_item_with_one_line(server):
         "uncached TAEF2 repo": (
             graph({"up": upscale_image_node(server, "example.png", taef2="nobody/no-taef2")}, []),
             ["cannot get nobody/no-taef2", "or set the TAEF2 field to a local path"],
+        ),
+        # a decode-only Mage-VAE file asked to encode: the same field named, not the command line's --vae taef2
+        "decode-only Mage-VAE": (
+            graph(
+                {
+                    "up": upscale_image_node(
+                        server, "example.png", taef2=str(server.models / "mage_decoder.safetensors")
+                    )
+                },
+                [],
+            ),
+            ["Mage-VAE", "is decode-only", "set the TAEF2 field to taef2"],
         ),
     }
     item_ids = {name: server.enqueue(g) for name, (g, _) in cases.items()}

@@ -250,6 +250,27 @@ def test_a_decode_only_file_gives_a_decode_only_vae(tmp_path, state, vae):
     assert "\n" not in str(info.value) and str(path) in str(info.value)
 
 
+def test_the_vae_refusals_name_the_vae_field_in_the_python_apis_words(tmp_path, state):
+    """A decode-only file asked to encode and the diffusers port name the ``vae`` field, which each door words (the
+    command line ``--vae``, ComfyUI its input, InvokeAI its TAEF2 field): the Python API never reads ``--vae``."""
+    from flowlift.errors import FIELD_MARK
+    from flowlift.models.vae_loading import MAGE_DIFFUSERS_PORT_CLASS
+
+    decoder_only = {k: v for k, v in state.items() if not k.startswith("student.")}
+    with pytest.raises(FlowliftError) as info:
+        load_vae(save_released(tmp_path / "mage_decoder.safetensors", decoder_only)).encode(torch.rand(1, 3, 32, 32))
+    assert info.value.fields == ("vae",) and FIELD_MARK in info.value.template
+    assert "set vae to taef2" in str(info.value) and "--vae" not in str(info.value)
+    assert "set the TAEF2 field to taef2" in info.value.worded({"vae": "the TAEF2 field"})
+    port = tmp_path / "port"
+    port.mkdir()
+    (port / "config.json").write_text(f'{{"_class_name": "{MAGE_DIFFUSERS_PORT_CLASS}"}}')
+    with pytest.raises(FlowliftError) as info:
+        load_vae(port)
+    assert info.value.fields == ("vae",) and "set vae to mage for the released one" in str(info.value)
+    assert "--vae" not in str(info.value)
+
+
 def test_a_file_without_the_decoder_is_one_line(tmp_path, state):
     encoder_only = {k: v for k, v in state.items() if k.startswith("student.")}
     assert "no decoder" in _error(tmp_path, encoder_only)
@@ -473,3 +494,9 @@ def test_cli_upscale_with_a_mage_vae_file(tmp_path, released_file, capsys):
     lines = [line for line in err.splitlines() if "Mage-VAE" in line]
     assert len(lines) == 1 and "pipeline.blocks.0.conv1.weight" in lines[0]
     assert not (tmp_path / "out2").exists() or not any((tmp_path / "out2").iterdir())
+    # a decode-only file cannot encode the photo: the one line names the command line's option
+    decoder_only = {k: v for k, v in released_state().items() if not k.startswith("student.")}
+    decoder = save_released(tmp_path / "decoder.safetensors", decoder_only)
+    rc = main(["upscale", photo, "-o", str(tmp_path / "out3"), "--vae", str(decoder), *common])
+    lines = [line for line in capsys.readouterr().err.splitlines() if "decode-only" in line]
+    assert rc != 0 and len(lines) == 1 and "set --vae to taef2" in lines[0], lines

@@ -149,7 +149,8 @@ def test_normalized_conversion_round_trips_and_needs_statistics(checkpoint):
     assert (out - expected).norm() / expected.norm() <= 1e-5
     with pytest.raises(FlowliftError) as e:
         sesqui_upscale_latents(model, z, (12, 12), None, None)
-    assert "BN statistics" in _one_line(e)
+    assert "BN statistics" in _one_line(e) and "set vae to flux2" in _one_line(e) and "--vae" not in _one_line(e)
+    assert e.value.fields == ("vae",) and "set --vae to flux2" in e.value.worded({"vae": "--vae"})
     with pytest.raises(FlowliftError) as e:
         sesqui_upscale_latents(model, z, (12, 11), mean, std)
     assert "even" in _one_line(e)

@@ -8,8 +8,10 @@ import here: these are plain tensor functions.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,6 +23,24 @@ from flowlift.knobs import SEED_MAX, Knob  # noqa: F401  (SEED_MAX: the seed wid
 from flowlift.refine.settings import TILE_OVERLAP
 from flowlift.upscale.colorfix_image import integer_scale
 from flowlift.upscale.settings import COLOR_FIX_KNOBS, UPSCALE_KNOBS
+
+#: How the node pack names the fields a core error names (``vae``: the VAE a node is given), where its words
+#: differ from the Python API's; every other field is the input of the same name.
+COMFY_WORDS = {"vae": "the vae input"}
+
+
+@contextlib.contextmanager
+def comfy_words(where: str = "") -> Iterator[None]:
+    """Within this block, a :class:`FlowliftError` that names fields is re-raised with them in the node pack's words
+    (:data:`COMFY_WORDS`), after ``where`` (``VAE Encode``: a ComfyUI node that runs a flowlift VAE); no core error
+    spells the command line's ``--vae`` to a ComfyUI user."""
+    try:
+        yield
+    except FlowliftError as error:
+        if not error.fields:
+            raise
+        raise FlowliftError(f"{where}: " * bool(where) + error.worded(COMFY_WORDS)) from None
+
 
 #: The knobs behind each node's numeric widgets (input name -> knob of the capability's table).
 NODE_KNOBS: dict[str, dict[str, Knob]] = {

@@ -107,16 +107,17 @@ def make_pipeline(
     param = next(unet.parameters())
     device = param.device
     budget = int(mm.get_free_memory(device) * CUDA_BUDGET_FRACTION)
-    return FlowUpscalerPipeline(
-        unet,
-        vae,
-        device=device,
-        dtype=param.dtype,
-        memory=MemoryPolicy(chunked=chunked_flag(chunked), chunk_budget_bytes=budget),
-        on_strip=progress.strip,
-        check_interrupt=mm.throw_exception_if_processing_interrupted,  # before every layer, strip and tile
-        latent_upscaler=latent_upscaler,
-    )
+    with layouts.comfy_words():  # a latent upscaler with TAEF2 or Mage-VAE: one line in the pack's words
+        return FlowUpscalerPipeline(
+            unet,
+            vae,
+            device=device,
+            dtype=param.dtype,
+            memory=MemoryPolicy(chunked=chunked_flag(chunked), chunk_budget_bytes=budget),
+            on_strip=progress.strip,
+            check_interrupt=mm.throw_exception_if_processing_interrupted,  # before every layer, strip and tile
+            latent_upscaler=latent_upscaler,
+        )
 
 
 def run_logging_warnings(fn: Callable[[], Any]) -> Any:
@@ -127,7 +128,8 @@ def run_logging_warnings(fn: Callable[[], Any]) -> Any:
         warnings.simplefilter("always")
         warnings.simplefilter("error", PassesDropped)
         try:
-            result = fn()
+            with layouts.comfy_words():
+                result = fn()
         except PassesDropped as dropped:
             raise FlowliftError(dropped.refusal) from None
     for item in caught:
@@ -259,7 +261,8 @@ def latent_statistics(vae: Any) -> ComfyFlux2VAE:
             field="latent_upscaler",
         )
     statistics = ComfyFlux2VAE(vae, mm.get_torch_device())
-    require_bn_statistics(statistics)
+    with layouts.comfy_words():
+        require_bn_statistics(statistics)
     return statistics
 
 

@@ -23,6 +23,7 @@ import comfy.sd
 import comfy.taesd.taesd
 import torch
 
+from flowlift.comfyui.layouts import comfy_words
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import PATCHIFIED_CHANNELS, patchify, unpatchify
 from flowlift.flux2.latents import bn_std as batch_norm_std
@@ -125,11 +126,11 @@ class FlowliftLatentModel(torch.nn.Module):
         self.adapter = adapter
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        with self._interruptible():
+        with self._interruptible(), comfy_words("VAE Encode"):
             return patchify(finite_result(f"VAE Encode: {self._name()}'s encoder", self.adapter.encode, images))
 
     def decode(self, samples: torch.Tensor) -> torch.Tensor:
-        with self._interruptible():
+        with self._interruptible(), comfy_words("VAE Decode"):
             return finite_result(f"VAE Decode: {self._name()}'s decoder", self.adapter.decode, unpatchify(samples))
 
     def _interruptible(self) -> Any:

@@ -135,10 +135,8 @@ def _native_vae_files(spec: str, kind: str) -> list[Path]:
         if kind == "taef2":
             return local_taef2_files(spec)
         return [check_weight_file(Path(spec).expanduser(), MAGE_SAFETENSORS, shown=spec)]
-    try:
+    with native_vae_words():
         check_vae_spec(spec)  # an uncached repo id offline: one line, before anything loads
-    except FlowliftError as error:
-        raise FlowliftError(error.worded({"vae": "the TAEF2 field"})) from None
     files = [
         check_weight_file(p, file_kind if p.suffix == ".safetensors" else folder_kind, shown=spec)
         for p in vae_spec_files(spec)
@@ -146,6 +144,22 @@ def _native_vae_files(spec: str, kind: str) -> list[Path]:
     if not files:
         raise refusal(folder_kind, spec)
     return files
+
+
+#: How the upscale node names the VAE flowlift runs itself (a core error's ``vae`` field): its TAEF2 field.
+NATIVE_VAE_WORDS = {"vae": "the TAEF2 field"}
+
+
+@contextmanager
+def native_vae_words() -> Iterator[None]:
+    """Within this block, a :class:`FlowliftError` about the VAE flowlift runs (a decode-only Mage-VAE file asked
+    to encode) names it as the node does (:data:`NATIVE_VAE_WORDS`), never as the command line's ``--vae``."""
+    try:
+        yield
+    except FlowliftError as error:
+        if not error.fields:
+            raise
+        raise FlowliftError(error.worded(NATIVE_VAE_WORDS)) from None
 
 
 def load_native_vae_cached(context: InvocationContext, source: str, should_stop: Callable[[], None]) -> Any:

@@ -11,6 +11,7 @@ No ``from __future__ import annotations`` here: InvokeAI reads each ``invoke``'s
 and each field's type at class creation.
 """
 
+from contextlib import nullcontext
 from typing import Literal
 
 import torch
@@ -51,6 +52,7 @@ from flowlift.invokeai.models import (
     load_native_vae_cached,
     load_upscaler_cached,
     native_vae_adapter,
+    native_vae_words,
     on_device,
 )
 from flowlift.invokeai.progress import NodeProgress
@@ -296,17 +298,19 @@ class FlowUpscaleImageInvocation(BaseInvocation, WithMetadata, WithBoard):
                 latent_upscaler=image_latent_upscaler(spec, size),  # 2, 4, 8: checked above, never loaded
             )
             progress.begin("encode")
-            result = pipeline.upscale_image(
-                image,
-                passes,
-                seed=self.seed,
-                transplant_strength=self.transplant_strength,
-                color_fix_strength=self.color_fix_strength,
-                output_type="pil",
-                callback=progress.stage,
-                on_decode_tile=progress.tile,
-                output_size=size,
-            )
+            # a decode-only Mage-VAE file asked to encode: one line naming the TAEF2 field that gave it
+            with native_vae_words() if self.vae is None else nullcontext():
+                result = pipeline.upscale_image(
+                    image,
+                    passes,
+                    seed=self.seed,
+                    transplant_strength=self.transplant_strength,
+                    color_fix_strength=self.color_fix_strength,
+                    output_type="pil",
+                    callback=progress.stage,
+                    on_decode_tile=progress.tile,
+                    output_size=size,
+                )
         return ImageOutput.build(context.images.save(image=result))
 
 

@@ -370,8 +370,9 @@ def _sesqui_method_fn(spec: MethodSpec, scale: float, vae, device: Any, dtype: A
 
     if getattr(vae, "bn_mean", None) is None:
         raise FlowliftError(
-            f"method {spec.label} works on raw FLUX.2 VAE latents and needs the FLUX.2 VAE (--vae flux2 or its "
-            "file): TAEF2 and Mage-VAE latents are already normalized and carry no BN statistics"
+            f"method {spec.label} works on raw FLUX.2 VAE latents and needs the FLUX.2 VAE (set {FIELD_MARK} to "
+            "flux2 or its file): TAEF2 and Mage-VAE latents are already normalized and carry no BN statistics",
+            field="vae",
         )
     model = load_sesqui_lsr(dict(spec.options)["path"], device, dtype or torch.float32)
     return lambda low, gt: sesqui_upscale(model, vae, low, scale, device, dtype)

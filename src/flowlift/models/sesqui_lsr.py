@@ -408,7 +408,8 @@ def sesqui_upscale_latents(
     if bn_mean is None or bn_std is None:
         raise FlowliftError(
             "SesquiLSR works on raw FLUX.2 VAE latents and needs the FLUX.2 VAE's BN statistics; this VAE "
-            "(TAEF2 or Mage-VAE) encodes straight into the normalized space and has none: use --vae flux2"
+            f"(TAEF2 or Mage-VAE) encodes straight into the normalized space and has none: set {FIELD_MARK} to flux2",
+            field="vae",
         )
     check_bn_statistics(bn_mean, bn_std, "SesquiLSR")
     if not isinstance(latents, torch.Tensor) or not latents.is_floating_point():

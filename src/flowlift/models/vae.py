@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.flux2.latents import DEFAULT_BATCH_NORM_EPS, LATENT_CHANNELS, bn_std, denormalize, normalize
 from flowlift.models.taef2_tiling import TileCallback
 from flowlift.models.vae_checks import check_images, check_latents, out_dtype, tiles_asked
@@ -352,7 +352,8 @@ class MageVAE(_ModuleVAE):
             where = f" ({self.origin})" if self.origin else ""
             raise FlowliftError(
                 f"Mage-VAE{where} is decode-only (the file has no student.dconv_encoder.* tensors); "
-                "encoding needs the full released file, or another VAE (--vae taef2)"
+                f"encoding needs the full released file, or another VAE: set {FIELD_MARK} to taef2",
+                field="vae",
             )
         check_images(images, self.image_multiple)
         x = self._signed_images(images).contiguous(memory_format=torch.channels_last)

@@ -185,7 +185,8 @@ def _from_dir(path: Path, device: torch.device | str, dtype: torch.dtype) -> Any
             raise FlowliftError(
                 f"VAE: {folder} is the diffusers port of Mage-VAE ({MAGE_DIFFUSERS_PORT_CLASS}, t = 0-folded weights "
                 f"in a layout its model card does not publish), which flowlift cannot load; flowlift reads "
-                f"{READABLE_LAYOUTS} (--vae mage fetches the released one)"
+                f"{READABLE_LAYOUTS} (set {FIELD_MARK} to mage for the released one)",
+                field="vae",
             )
         if config.get("_class_name") == "AutoencoderKLFlux2":
             return flux2_from_state_dict(
