@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from comfy_server import IMAGE_H, IMAGE_W, load_api_workflow, message, png_tensor, session_server
+from comfy_server import IMAGE_H, IMAGE_W, PACK_NAME, load_api_workflow, message, png_tensor, session_server
 from comfy_venv import COMFYUI_VERSION
 from door_helpers import COMFY_OPTIONAL_INPUTS, COMFY_WIDGET_ORDER
 from flowlift.comfyui.layouts import NUMERIC_INPUTS
@@ -184,6 +184,28 @@ def test_the_inputs_have_the_knob_tables_domain_and_default(server):
         entry = server.wait(server.queue(workflow))
         assert entry["status"]["status_str"] == "success", entry["status"]
         assert entry["prompt"][2][key]["inputs"]["seed"] == 5, entry["prompt"][2][key]
+
+
+def test_every_number_input_of_the_pack_declares_its_knobs_min_and_max(server):
+    """Every INT and FLOAT input of every flowlift node states ``min`` and ``max``, its knob's range: ComfyUI 0.33's
+    frontend caps a widget without ``max`` at 2048, and the tiled refine's ``tile_overlap`` (any multiple of 16 below
+    the tile, tiles up to the 16K cap) had none."""
+    from flowlift.comfyui.layouts import PROMPT_KNOBS
+    from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE
+
+    numbers = {}
+    for node, info in server.object_info.items():
+        if info.get("python_module") == f"custom_nodes.{PACK_NAME}":  # the pack's nodes, not the test-only ones
+            for group in ("required", "optional"):
+                for name, spec in info["input"].get(group, {}).items():
+                    if spec[0] in ("INT", "FLOAT"):
+                        numbers[node, name] = spec[1]
+    assert ("FlowliftTiledFlux2Refine", "tile_overlap") in numbers and ("FlowliftUpscaleImage", "seed") in numbers
+    for (node, name), options in numbers.items():
+        knob = PROMPT_KNOBS[node][name]  # every number input is held to a knob
+        assert (options.get("min"), options.get("max")) == (knob.low, knob.high), (node, name, options)
+        assert options["default"] == knob.default and options.get("step") == knob.step, (node, name, options)
+    assert numbers["FlowliftTiledFlux2Refine", "tile_overlap"]["max"] == MAX_OUTPUT_SIDE - PIXEL_MULTIPLE > 2048
 
 
 def test_flux2_latent_workflow_equals_the_python_api(server):

@@ -214,6 +214,26 @@ def test_comfyui_numeric_checks_are_the_knobs():
                     layouts.check_numbers(node, **{name: value})
 
 
+def test_the_tile_overlap_knob_is_bounded_by_the_largest_tile_and_every_comfyui_widget_has_a_max():
+    """``tile_overlap`` had no ``high``: ComfyUI's widget then had no ``max`` and its frontend capped it at 2048.
+    Its high is the widest overlap any tile allows (the 16K cap's tile less one 16-px step), and a ComfyUI number
+    widget is never built without both ends (:func:`flowlift.comfyui.layouts.widget_range`)."""
+    from flowlift.comfyui.layouts import PROMPT_KNOBS, widget_range
+    from flowlift.limits import MAX_OUTPUT_SIDE, PIXEL_MULTIPLE
+    from flowlift.refine.settings import TILE_OVERLAP, TILE_SIZE
+    from flowlift.refine.tiling import TileRequest
+
+    assert TILE_OVERLAP.high == TILE_SIZE.high - PIXEL_MULTIPLE == MAX_OUTPUT_SIDE - PIXEL_MULTIPLE
+    assert TileRequest(size=TILE_SIZE.high, overlap=TILE_OVERLAP.high).overlap == TILE_OVERLAP.high
+    with pytest.raises(FlowliftError, match="tile_overlap"):
+        TILE_OVERLAP.check(TILE_OVERLAP.high + PIXEL_MULTIPLE)
+    for node, knobs in PROMPT_KNOBS.items():
+        for name, knob in knobs.items():
+            assert widget_range(knob) == {"min": knob.low, "max": knob.high}, (node, name)
+    with pytest.raises(ValueError, match="closed range"):
+        widget_range(Knob("unbounded", int, 0, "a count", low=0))
+
+
 def test_node_pack_choices_are_the_knobs():
     from flowlift.upscale import node_choices
 

@@ -63,6 +63,15 @@ NUMERIC_INPUTS: dict[str, dict[str, tuple[float, float, bool]]] = {
 }
 
 
+def widget_range(knob: Knob) -> dict[str, float | int]:
+    """A number widget's ``min`` and ``max``: the knob's closed range, both always given. ComfyUI's frontend caps a
+    widget without ``max`` at 2048 (a ``tile_overlap`` of 4096 could not be typed), so a knob unbounded on a side,
+    or open at an end (no widget can say it), is a programming error here, not a widget that quietly narrows."""
+    if knob.low is None or knob.high is None or knob.low_open or knob.high_open:
+        raise ValueError(f"a ComfyUI number widget needs a closed range; the knob {knob.name} is {knob.describe()}")
+    return {"min": knob.low, "max": knob.high}
+
+
 def check_numbers(node: str, **values: Any) -> dict[str, float | int]:
     """``values`` (input name -> value) of ``node``'s numeric inputs checked against
     :data:`NUMERIC_INPUTS`: each must be a finite number (an integer where the input is an INT) within

@@ -5,7 +5,7 @@ model call of every ComfyUI sampler, scheduler and guider downstream runs in flo
 predictions blended at every step (flowlift's refine core, :mod:`flowlift.refine.tiled_velocity`). The three
 inputs are the refine knob table's (:data:`flowlift.refine.settings.TILE_KNOBS`): ``tile_size`` and
 ``tile_batch`` take numbers and words (``auto``), so they are text widgets checked by the tiling parse when the
-node runs; ``tile_overlap`` is a number widget with the knob's default, minimum and step.
+node runs; ``tile_overlap`` is a number widget with the knob's default, minimum, maximum and step.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import comfy.model_patcher
 import comfy.patcher_extension
 from comfy_api.latest import io
 
+from flowlift.comfyui.layouts import widget_range
 from flowlift.comfyui.loaders import CATEGORY
 from flowlift.comfyui.tiled_model import TiledModelFunction
 from flowlift.errors import FlowliftError
@@ -34,8 +35,9 @@ def text_knob_input(name: str, knob: Knob) -> io.String.Input:
 
 
 def number_knob_input(name: str, knob: Knob) -> io.Int.Input:
-    """An INT widget with the knob's default, minimum, maximum and step, and its help as tooltip."""
-    return io.Int.Input(name, default=knob.default, min=knob.low, max=knob.high, step=knob.step, tooltip=knob.help)
+    """An INT widget with the knob's default, minimum, maximum (always given: :func:`~flowlift.comfyui.layouts.
+    widget_range`) and step, and its help as tooltip."""
+    return io.Int.Input(name, default=knob.default, step=knob.step, tooltip=knob.help, **widget_range(knob))
 
 
 class FlowliftTiledFlux2Refine(io.ComfyNode):

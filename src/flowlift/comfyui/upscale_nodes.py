@@ -147,7 +147,7 @@ def knob_input(name: str, knob: Knob, tooltip: str | None = None, **extra: Any) 
         return io.Combo.Input(name, options=options, default=knob.label(knob.default), tooltip=tooltip, **extra)
     widget = io.Int if knob.kind is int else io.Float
     return widget.Input(
-        name, default=knob.default, min=knob.low, max=knob.high, step=knob.step, tooltip=tooltip, **extra
+        name, default=knob.default, step=knob.step, tooltip=tooltip, **layouts.widget_range(knob), **extra
     )
 
 

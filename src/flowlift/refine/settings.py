@@ -228,6 +228,7 @@ TILE_OVERLAP = Knob(
     f"how far neighbouring tiles overlap (a multiple of {PIXEL_MULTIPLE}, less than the tile); their velocities "
     "crossfade across it",
     low=0,
+    high=MAX_OUTPUT_SIDE - PIXEL_MULTIPLE,  # less than the largest tile: the widest overlap any tile allows
     unit="px",
     step=PIXEL_MULTIPLE,
     multiple=PIXEL_MULTIPLE,
