@@ -164,6 +164,19 @@ def _start_script_on_two_ranks(
     )
 
 
+def _run_script_on_two_ranks(
+    script: Path, folder: Path, tmp_path: Path, *options: str, timeout: float
+) -> tuple[int, str]:
+    """:func:`_start_script_on_two_ranks` run to its end (killed past ``timeout``): its exit status and stderr."""
+    process = _start_script_on_two_ranks(script, folder, tmp_path, *options)
+    try:
+        _, err = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return process.returncode, err
+
+
 def test_sigterm_to_one_rank_is_an_interrupted_job_not_a_crash(tmp_path):
     script = tmp_path / "stoppable.py"
     script.write_text(STOPPABLE)
@@ -586,14 +599,9 @@ def test_ranks_left_waiting_for_a_rank_that_stopped_the_job_are_ended():
         tmp_path = Path(folder)
         script = tmp_path / "refuses.py"
         script.write_text(ONE_RANK_REFUSES)
-        process = _start_script_on_two_ranks(script, tmp_path, tmp_path)
-        try:
-            _, err = process.communicate(timeout=LEFT_BEHIND_GRACE_S + 110)
-        finally:
-            if process.poll() is None:
-                process.kill()
+        code, err = _run_script_on_two_ranks(script, tmp_path, tmp_path, timeout=LEFT_BEHIND_GRACE_S + 110)
         pids = [int((tmp_path / f"rank{rank}").read_text()) for rank in (0, 1) if (tmp_path / f"rank{rank}").exists()]
-    assert process.returncode == 2, err
+    assert code == 2, err
     assert "only rank 0 met this" in err and "flowlift launch: rank 1 ended" in err and "exit status 2" in err, err
     assert "Traceback" not in err and "crashed" not in err, err
     assert _gone(pids) == [], err
@@ -710,14 +718,9 @@ def test_a_rank_blocked_joining_its_group_past_the_barrier_timeout_is_ended_not_
     script.write_text(BLOCKED_JOINING)
     starts = tmp_path / "starts"
     starts.mkdir()
-    process = _start_script_on_two_ranks(script, starts, tmp_path, "--max-restarts", "2")
-    try:
-        _, err = process.communicate(timeout=90)
-    finally:
-        if process.poll() is None:
-            process.kill()
+    code, err = _run_script_on_two_ranks(script, starts, tmp_path, "--max-restarts", "2", timeout=90)
     ranks = [int(path.read_text()) for path in starts.iterdir()]
-    assert process.returncode == 1, err
+    assert code == 1, err
     assert sorted(path.name for path in starts.iterdir()) == ["0.0", "1.0"], err  # no restart
     ours = [line for line in err.splitlines() if line.startswith("flowlift")]
     assert ours[0].startswith("flowlift upscale: error: no summary: not every rank reached the start"), err
@@ -791,13 +794,8 @@ def test_a_restarted_group_meets_on_its_own_start_not_the_crashed_ones_addresses
     start's keys are its own (flowlift.jobs.group_start.join_group), so the restart after the crash meets."""
     script = tmp_path / "late.py"
     script.write_text(RESTARTED_LATE)
-    process = _start_script_on_two_ranks(script, tmp_path, tmp_path, "--max-restarts", "1")
-    try:
-        _, err = process.communicate(timeout=150)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 0, err
+    code, err = _run_script_on_two_ranks(script, tmp_path, tmp_path, "--max-restarts", "1", timeout=150)
+    assert code == 0, err
     assert "not every rank reached the start" not in err and "could not join" not in err, err
 
 
