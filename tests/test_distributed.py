@@ -6,6 +6,7 @@ The torchrun runs start ``python -m torch.distributed.run`` with this checkout's
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -17,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 from PIL import Image
 
 from builders import save_tiny_unet
@@ -190,12 +192,16 @@ def test_manifest_concurrent_appends_stay_whole_lines(tmp_path):
         )
 
 
+def whole_image(path: Path) -> None:
+    Image.new("RGB", (4, 4), (10, 20, 30)).save(path)
+
+
 def test_job_status_counts_latest_records(tmp_path):
     with pytest.raises(FlowliftError, match="no job manifest"):
         job_status(tmp_path)
     manifest = Manifest(tmp_path)
-    (tmp_path / "a_x2.png").write_bytes(b"x")
-    (tmp_path / "b_x2.png").write_bytes(b"x")
+    whole_image(tmp_path / "a_x2.png")
+    whole_image(tmp_path / "b_x2.png")
     env = DistEnv()
 
     def image(name, status, run, error=None):
@@ -218,7 +224,7 @@ def test_job_status_counts_latest_records(tmp_path):
     (tmp_path / "c.png").write_bytes(b"x")  # the failed input is still there: a rerun must redo it
     image("c", "failed", "r1", "c.png: truncated")
     image("d", "done", "r1")  # d's output is gone since
-    (tmp_path / "e_x2.png").write_bytes(b"x")  # finished before any record: rank 0 records it while planning
+    whole_image(tmp_path / "e_x2.png")  # finished before any record: rank 0 records it while planning
     planned = image_record(
         input_path="e.png",
         input_sha256=None,
@@ -241,14 +247,55 @@ def test_job_status_counts_latest_records(tmp_path):
     manifest.write_record({"event": "job", "run": "r2", "inputs": 4, "todo": 3, "skipped": 1, "world_size": 1})
     image("b", "done", "r2")
     image("c", "done", "r2")
-    (tmp_path / "c_x2.png").write_bytes(b"x")
+    whole_image(tmp_path / "c_x2.png")
     image("d", "done", "r2")
-    (tmp_path / "d_x2.png").write_bytes(b"x")
+    whole_image(tmp_path / "d_x2.png")
     manifest.write_record({"event": "summary", "run": "r2", "done": 3, "skipped": 1, "failed": 0})
     status = job_status(tmp_path)
     assert status.finished and status.complete
     assert status.latest["done"] == 4 and status.latest["skipped"] == 1 and not status.missing_outputs
     assert format_status(status).endswith("complete")
+
+
+def test_job_status_says_which_recorded_outputs_are_broken_and_what_the_next_run_does(tmp_path):
+    """A recorded output cut short (a disk that filled, a copy interrupted) or replaced by a user's broken file was
+    "done" to flowlift status, which checked only that it existed: it is "broken", the job not complete."""
+    from flowlift.files.image_outputs import save_image_atomic
+
+    manifest, env = Manifest(tmp_path), DistEnv()
+    manifest.write_record({"event": "job", "run": "r1", "inputs": 3, "todo": 3, "skipped": 0, "world_size": 1})
+    noise = (torch.rand(64, 64, 3, generator=torch.Generator().manual_seed(0)) * 255).to(torch.uint8).numpy()
+    picture = Image.fromarray(noise)
+    for name in ("ours", "users", "whole"):
+        out = tmp_path / f"{name}_x2.png"
+        save_image_atomic(picture, out, {"flowlift": {"input": f"{name}.png"}})
+        record = image_record(
+            input_path=f"{name}.png",
+            input_sha256=None,
+            output=out,
+            status="done",
+            seconds=1.0,
+            error=None,
+            env=env,
+            run="r1",
+        )
+        manifest.write_record(record)
+    manifest.write_record({"event": "summary", "run": "r1", "done": 3, "skipped": 0, "failed": 0})
+    assert job_status(tmp_path).complete
+    ours, users = tmp_path / "ours_x2.png", tmp_path / "users_x2.png"
+    ours.write_bytes(ours.read_bytes()[: ours.stat().st_size // 2])
+    buffer = io.BytesIO()
+    picture.save(buffer, "PNG")  # a user's picture at the output's name, cut short too
+    users.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    status = job_status(tmp_path)
+    assert not status.complete and not status.missing_outputs
+    assert dict(status.broken_outputs) == {
+        str(ours): "truncated; the next run redoes it",
+        str(users): "truncated; not written by flowlift: the next run refuses it, --overwrite replaces it",
+    }
+    text = format_status(status)
+    assert "0 recorded but missing on disk, 2 broken" in text and f"  broken: {ours} (truncated;" in text, text
+    assert text.endswith("not complete: rerun the same command to finish")
 
 
 def test_a_plans_refusal_is_superseded_once_its_input_is_done(tmp_path):
@@ -275,7 +322,7 @@ def test_a_plans_refusal_is_superseded_once_its_input_is_done(tmp_path):
     manifest.write_record({"event": "summary", "run": "r1", "done": 0, "skipped": 0, "failed": 1})
     assert not job_status(tmp_path).complete
     manifest.write_record({"event": "job", "run": "r2", "inputs": 1, "todo": 1, "skipped": 0, "world_size": 2})
-    (tmp_path / "a_x2.png").write_bytes(b"x")
+    whole_image(tmp_path / "a_x2.png")
     manifest.write_record(record(tmp_path / "a_x2.png", "done", "r2"))
     manifest.write_record({"event": "summary", "run": "r2", "done": 1, "skipped": 0, "failed": 0})
     status = job_status(tmp_path)

@@ -39,7 +39,7 @@ def _image(name: str, folder: Path, status: str = "done") -> dict:
 
 def _write_manifest(folder: Path, pieces: list[bytes]) -> Path:
     for name in ("a", "b"):
-        (folder / f"{name}_x2.png").write_bytes(b"x")
+        Image.new("RGB", (8, 8)).save(folder / f"{name}_x2.png")
     path = folder / MANIFEST_NAME
     path.write_bytes(b"".join(pieces))
     return path

@@ -100,6 +100,7 @@ def _sort_entry(entry: Path, status: FolderStatus, others: list[Path], made_from
     from flowlift.files.images import IMAGE_SUFFIXES
     from flowlift.files.naming import source_stem
     from flowlift.jobs.batch import made_from_another_input
+    from flowlift.jobs.manifest import broken_output_reason
 
     if temporary_in_use(entry):
         status.writing.append(entry)
@@ -113,17 +114,11 @@ def _sort_entry(entry: Path, status: FolderStatus, others: list[Path], made_from
         return
     found = inspect_existing(entry)
     if not (found.image and found.complete):
-        reason = "empty" if found.empty else "truncated" if found.image else "unreadable"
         if source_stem(entry.stem) is None:  # no output's name: a user's image the run cannot read
-            status.bad_inputs.append((entry, reason))
+            status.bad_inputs.append((entry, "empty" if found.empty else "truncated" if found.image else "unreadable"))
             made_from.add(entry.stem)  # not "missing" as well
             return
-        # the run redoes an empty file or flowlift's own, and refuses a user's truncated one (jobs.batch's rule)
-        if found.empty or found.by_flowlift:
-            reason += "; the next run redoes it"
-        else:
-            reason += "; not written by flowlift: the next run refuses it, --overwrite replaces it"
-        status.broken.append((entry, reason))
+        status.broken.append((entry, broken_output_reason(entry) or "changed while read"))
         made_from.add(source_stem(entry.stem) or entry.stem)  # its source is not missing: it is broken
         return
     try:

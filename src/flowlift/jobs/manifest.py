@@ -270,6 +270,7 @@ class JobStatus:
     finished: bool = False
     latest: Counter = field(default_factory=Counter)  # latest record per output, by status
     missing_outputs: list[str] = field(default_factory=list)  # latest says done/skipped, file absent
+    broken_outputs: list[tuple[str, str]] = field(default_factory=list)  # (output, why) there but not a whole image
     failures: list[tuple[str, str]] = field(default_factory=list)  # (input, error) of latest failures
     gone_inputs: list[str] = field(default_factory=list)  # failed inputs since removed: nothing left to redo
     seconds: float = 0.0  # this run's image seconds, summed over ranks
@@ -279,7 +280,8 @@ class JobStatus:
     def complete(self) -> bool:
         """Every planned image of the latest run is recorded, none failed, every output present."""
         recorded = self.run_counts["done"] + self.run_counts["failed"]
-        return self.todo is not None and recorded >= self.todo and not self.failures and not self.missing_outputs
+        whole = not self.missing_outputs and not self.broken_outputs
+        return self.todo is not None and recorded >= self.todo and not self.failures and whole
 
 
 def job_status(folder: str | os.PathLike) -> JobStatus:
@@ -325,23 +327,47 @@ def job_status(folder: str | os.PathLike) -> JobStatus:
             status.failures.append((str(record.get("input")), str(record.get("error"))))
         elif state == "failed":  # its input was removed since: no rerun can redo it, nor needs to
             status.gone_inputs.append(str(record.get("input")))
-        elif record.get("output") and not _found(record["output"], folders.get(_hashable(record.get("run"))), folder):
-            status.missing_outputs.append(key)
+        elif record.get("output"):
+            found = _found(record["output"], folders.get(_hashable(record.get("run"))), folder)
+            why = None if found is None else broken_output_reason(found)
+            if found is None:
+                status.missing_outputs.append(key)
+            elif why is not None:
+                status.broken_outputs.append((key, why))
     return status
 
 
-def _found(output: Any, written_in: str | None, folder: str | os.PathLike) -> bool:
-    """Whether a recorded output is on disk: at its recorded path, or, when the output folder has moved (or is
-    mounted elsewhere: ``flowlift status`` from another machine), at the same place under ``folder``."""
+def broken_output_reason(path: str | os.PathLike) -> str | None:
+    """Why the file at an output name is not a whole image, and what the next run does with it (the rule of
+    :mod:`flowlift.jobs.batch`: it redoes an empty file or flowlift's own, refuses a user's); None when whole."""
+    from flowlift.files.image_outputs import inspect_existing
+
+    try:
+        found = inspect_existing(path)
+    except OSError as error:  # a file this user may not read
+        return f"unreadable: {error.strerror or type(error).__name__}; the next run cannot read it either"
+    if found.image and found.complete:
+        return None
+    reason = "empty" if found.empty else "truncated" if found.image else "unreadable"
+    if found.empty or found.by_flowlift:
+        return f"{reason}; the next run redoes it"
+    return f"{reason}; not written by flowlift: the next run refuses it, --overwrite replaces it"
+
+
+def _found(output: Any, written_in: str | None, folder: str | os.PathLike) -> str | None:
+    """Where a recorded output is on disk: at its recorded path, or, when the output folder has moved (or is
+    mounted elsewhere: ``flowlift status`` from another machine), at the same place under ``folder``; None when
+    it is in neither."""
     if _exists(output):
-        return True
+        return str(output)
     if written_in is None:
-        return False
+        return None
     try:
         relative = os.path.relpath(str(output), written_in)
     except ValueError:  # another drive
-        return False
-    return not relative.startswith(os.pardir) and _exists(os.path.join(folder, relative))
+        return None
+    moved = os.path.join(folder, relative)
+    return moved if not relative.startswith(os.pardir) and _exists(moved) else None
 
 
 def _hashable(value: Any) -> Any:
@@ -381,11 +407,14 @@ def format_status(status: JobStatus) -> str:
     lines.append(
         f"all outputs (latest record each): {latest['done']} done, {latest['skipped']} skipped, "
         f"{latest['failed']} failed, {len(status.missing_outputs)} recorded but missing on disk"
+        + (f", {len(status.broken_outputs)} broken" if status.broken_outputs else "")
     )
     for source, error in status.failures:
         lines.append(f"  failed: {source}: {error}")
     for output in status.missing_outputs:
         lines.append(f"  missing: {output}")
+    for output, why in status.broken_outputs:
+        lines.append(f"  broken: {output} ({why})")
     for source in status.gone_inputs:
         lines.append(f"  failed, its input since removed (nothing to redo): {source}")
     if status.bad_lines:
