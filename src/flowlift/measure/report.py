@@ -61,6 +61,10 @@ def number_text(value: float, fmt: str) -> str:
     return fmt.format(value) if math.isfinite(value) else str(value)
 
 
+#: The SR field's metrics as the table computes them (docs/measure.md): a pair with a 16-bit image at 16 bits.
+SR_METRICS_NOTE = "; PSNR-Y / SSIM-Y: BT.601 Y at the images' bit depth (8 or 16), the scale in px off each border"
+
+
 def markdown_table(report: EvalReport) -> str:
     """Markdown table: a mean and a worst row per method (worst per :data:`WORST_RULE`)."""
     summary = report.summary()
@@ -79,7 +83,7 @@ def markdown_table(report: EvalReport) -> str:
     return (
         "\n".join(lines)
         + f"\n\n{n} image(s); drift and PSNR in at input scale (INTER_AREA), Lab units"
-        + ("; PSNR-Y / SSIM-Y: BT.601 Y of 8-bit RGB, the scale in px off each border" if "psnr_y" in present else "")
+        + (SR_METRICS_NOTE if "psnr_y" in present else "")
         + ".\n"
         + "".join(f"{note}\n" for note in notes)
     )
