@@ -83,6 +83,8 @@ def option_words(parser: argparse.ArgumentParser) -> dict[str, str]:
             words.setdefault(f"{action.dest}=False", next(f for f in action.option_strings if f.startswith("--no-")))
     for field, dest in FIELD_DESTS.items():
         words.update({field + said: words[dest + said] for said in ("", "=True", "=False") if dest + said in words})
+    if "model_vae" in words:  # flowlift app: --vae is the Upscale tab's, --model-vae the refiner's (source.vae)
+        words["source.vae"] = words["model_vae"]
     if "width" in words and "height" in words:
         words["hires.base_size"] = words["base_size"] = f"{words['width']}/{words['height']}"
     return words

@@ -443,6 +443,7 @@ def check_single_output(
         raise FlowliftError(problem)
     remove_stale_temporaries(path.parent)
     if not overwrite and is_users_file(path):
+        use, fields = (FIELD_MARK, {"field": ("output", "overwrite")}) if named else ("--overwrite", {})
         raise FlowliftError(
-            f"{option} {path} exists and was not written by flowlift; use --overwrite to replace it", **named
+            f"{option} {path} exists and was not written by flowlift; use {use} to replace it", **fields
         )

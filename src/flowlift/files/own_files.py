@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.atomic import replace_refusal
 from flowlift.files.json_input import parse_json
 from flowlift.knobs import check_overwrite
@@ -156,7 +156,9 @@ def replace_problem(
 ) -> str | None:
     """Why ``command`` must not replace ``path`` (see the module docstring), or None when it may.
 
-    ``overwrite`` must be a bool (:func:`flowlift.knobs.check_overwrite`): ``"no"`` is refused, never read as yes."""
+    ``overwrite`` must be a bool (:func:`flowlift.knobs.check_overwrite`): ``"no"`` is refused, never read as yes.
+    ``option`` :data:`~flowlift.errors.FIELD_MARK`: the line marks the overwrite flag and the output, for a door to
+    word (:func:`replace_error`); else it spells the command line's ``--overwrite`` and ``option``."""
     overwrite = check_overwrite(overwrite)
     path = Path(path)
     if refusal := replace_refusal(path):
@@ -168,9 +170,14 @@ def replace_problem(
             return None
     except OSError as error:
         return f"cannot read the existing {path}: {error.strerror or type(error).__name__}"
-    return (
-        f"{path} exists and was not written by flowlift {command}; use --overwrite to replace it, or another {option}"
-    )
+    flag = FIELD_MARK if option == FIELD_MARK else "--overwrite"
+    return f"{path} exists and was not written by flowlift {command}; use {flag} to replace it, or another {option}"
+
+
+def replace_error(problem: str, field: str = "output") -> FlowliftError:
+    """:func:`replace_problem`'s (or another refusal's) line as the error: a marked one names ``overwrite`` and
+    ``field`` (the output, ``cache``) for each door to word (``--overwrite``, ``overwrite``)."""
+    return FlowliftError(problem, field=("overwrite", field) if FIELD_MARK in problem else ())
 
 
 def folder_refusal(folder: str | os.PathLike) -> str | None:
@@ -184,8 +191,9 @@ def folder_refusal(folder: str | os.PathLike) -> str | None:
 def check_replaceable(
     names: Mapping[Path, Recogniser], overwrite: bool, command: str, option: str = "-o/--output"
 ) -> None:
-    """:func:`replace_problem` for every path of ``names`` (path -> recogniser): the first as one line."""
+    """:func:`replace_problem` for every path of ``names`` (path -> recogniser): the first as one line (``option``
+    :data:`~flowlift.errors.FIELD_MARK`: naming the ``overwrite`` and ``output`` fields, :func:`replace_error`)."""
     overwrite = check_overwrite(overwrite)
     for path, recognise in names.items():
         if problem := replace_problem(path, recognise, overwrite, command, option):
-            raise FlowliftError(problem)
+            raise replace_error(problem)

@@ -141,7 +141,8 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
     from flowlift.files.own_files import check_replaceable, markdown_stamp, report_json, stamp
 
     check_report_folder(out_dir, {"images": request.images})  # its bands.png would be measured next time
-    check_replaceable(report_recognisers(out_dir), request.overwrite, COMMAND)  # before any image or model loads
+    # before any image or model loads
+    check_replaceable(report_recognisers(out_dir), request.overwrite, COMMAND, FIELD_MARK)
     paths = list_images(request.images)[: request.limit]
     if not paths:
         raise FlowliftError("no images given")

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from flowlift.errors import FIELD_MARK
 from flowlift.files.atomic import atomic_write_bytes
 from flowlift.files.own_files import (
     flowlift_image,
@@ -146,7 +147,7 @@ class ResultCache:
             for name in names:
                 if match := _ENTRY_NAME.match(name):
                     recognise = _own_entry_json if match.group(2) == "json" else _own_entry_png
-                    if problem := replace_problem(folder / name, recognise, overwrite, "eval", "--cache"):
+                    if problem := replace_problem(folder / name, recognise, overwrite, "eval", FIELD_MARK):
                         return problem
         return None
 

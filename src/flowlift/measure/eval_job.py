@@ -199,14 +199,14 @@ def _check_reports_are_no_input(request: EvalRequest, out_dir: Path) -> None:
 def _check_replace_rule(request: EvalRequest, out_dir: Path) -> None:
     """The replace rule (:mod:`flowlift.files.own_files`) at every name the run writes, before any work:
     the reports, with ``--save-outputs`` every output, input and ground-truth file, and the cache's entries."""
-    from flowlift.files.own_files import check_replaceable, flowlift_image, folder_refusal
+    from flowlift.files.own_files import check_replaceable, flowlift_image, folder_refusal, replace_error
     from flowlift.measure.cache import ResultCache
     from flowlift.measure.evaluate import saved_output_paths
     from flowlift.measure.inputs import dataset_paths
     from flowlift.measure.methods import method_folder, parse_methods
     from flowlift.measure.report import report_recognisers
 
-    check_replaceable(report_recognisers(out_dir), request.overwrite, COMMAND)
+    check_replaceable(report_recognisers(out_dir), request.overwrite, COMMAND, FIELD_MARK)
     if not request.run:
         return
     labels = [spec.label for spec in parse_methods(request.run)]
@@ -217,13 +217,13 @@ def _check_replace_rule(request: EvalRequest, out_dir: Path) -> None:
                 raise FlowliftError(refusal)
         stems = [path.stem for path in dataset_paths(request.dataset, request.limit)]
         names = saved_output_paths(saved, labels, stems, request.scale)
-        check_replaceable(dict.fromkeys(names, flowlift_image), request.overwrite, COMMAND)
+        check_replaceable(dict.fromkeys(names, flowlift_image), request.overwrite, COMMAND, FIELD_MARK)
     if not request.no_cache:
         root = Path(request.cache) if request.cache else out_dir / "cache"
         if request.cache and os.path.isdir(root):
             root = Path(os.path.realpath(root))  # a --cache given as a link to a folder is the user's choice
         if problem := ResultCache(root).problems(labels, request.overwrite):
-            raise FlowliftError(problem)
+            raise replace_error(problem, "cache")
 
 
 def _run_methods(request: EvalRequest, env: DistEnv) -> EvalReport | None:

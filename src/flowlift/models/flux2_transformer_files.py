@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.json_input import parse_json
 from flowlift.flux2.latents import PATCHIFIED_CHANNELS
 
@@ -136,21 +136,31 @@ def _strip_prefix(names: list[str]) -> str:
     return ""
 
 
+#: The field a file of another kind belongs in (:func:`what_it_is`'s mark), as the Python API names it.
+HINT_FIELDS = {"a LoRA": "source.loras", "a VAE": "source.vae"}
+
+
 def what_it_is(names: list[str]) -> str:
-    """A few words on what a tensor file that is not a FLUX.2 transformer holds, judged by its names."""
+    """A few words on what a tensor file that is not a FLUX.2 transformer holds, judged by its names; a LoRA's or a
+    VAE's names the field it belongs in with :data:`~flowlift.errors.FIELD_MARK` (:func:`hint_fields`)."""
     joined = "\n".join(names)
     if re.search(r"lora_(A|B|up|down)\b|\.lora\.|lokr_|\.alpha$", joined, re.M):
-        return "a LoRA (low-rank tensors; pass it with --lora)"
+        return f"a LoRA (low-rank tensors; pass it with {FIELD_MARK})"
     if re.search(r"(^|\.)double_blocks\.\d+\.img_mod\.", joined, re.M):
         return "a FLUX.1 transformer (per-block img_mod modulation), not FLUX.2"
     if re.search(r"(^|\.)(decoder|encoder)\.(conv_in|up|down|mid)", joined, re.M) or "post_quant_conv" in joined:
-        return "a VAE (encoder/decoder convolutions; pass it with --vae)"
+        return f"a VAE (encoder/decoder convolutions; pass it with {FIELD_MARK})"
     if re.search(r"(^|\.)layers\.\d+\.(self_attn|mlp)\.|embed_tokens", joined, re.M):
         return "a text encoder (language-model layers)"
     if re.search(r"(^|\.)(down_blocks|up_blocks|input_blocks|output_blocks)\.\d+\.", joined, re.M):
         return "a UNet (input/down blocks), not a FLUX.2 transformer checkpoint"
     sample = ", ".join(names[:3]) or "none"
     return f"not a FLUX.2 transformer checkpoint ({len(names)} tensors, e.g. {sample})"
+
+
+def hint_fields(said: str) -> tuple[str, ...]:
+    """The field :func:`what_it_is`'s words ``said`` name with their mark (none for other kinds)."""
+    return tuple(name for kind, name in HINT_FIELDS.items() if FIELD_MARK in said and said.startswith(kind))
 
 
 def _expected() -> str:
@@ -240,7 +250,8 @@ def inspect_transformer_file(path: str | Path, *, option: str = "--transformer")
     kinds = {name[len(prefix) :]: kind for name, kind in kinds.items() if name.startswith(prefix)}
     layout = next((lay for lay, marker in _MARKERS.items() if marker in shapes), None)
     if layout is None:
-        raise FlowliftError(f"{option} {path}: {what_it_is(names)}; {_expected()}")
+        said = what_it_is(names)  # a LoRA or a VAE: the field it belongs in, for each door to word
+        raise FlowliftError(f"{option} {path}: {said}; {_expected()}", field=hint_fields(said))
     formats = _layer_formats(metadata)
     kinds = {name: "float8_e4m3fn" if _in_fp8_container(name, kind, formats) else kind for name, kind in kinds.items()}
     _check_storage(path, option, container, kinds, formats)

@@ -191,8 +191,9 @@ def _output(request: RefineRequest) -> Path:
             raise error
     try:
         check_single_output(output, request.overwrite, option=FIELD_MARK)
-    except FlowliftError as error:
-        raise FlowliftError(error.args[0], field="output") from None
+    except FlowliftError as error:  # its fields kept, each with its mark (a user's file: output, overwrite)
+        fields = error.fields or ("output",)
+        raise FlowliftError(error.template if error.fields else error.args[0], field=fields) from None
     return output
 
 

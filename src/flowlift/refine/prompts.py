@@ -26,17 +26,21 @@ def _first_line(error: BaseException) -> str:
     return line or type(error).__name__
 
 
-def missing_part_line(model: str, part: str, option: str) -> str:
-    """The one line for a local diffusers folder without ``part/``, naming the fix (issue 48: before any load)."""
+def missing_part_error(model: str, part: str, option: str) -> FlowliftError:
+    """The one line for a local diffusers folder without ``part/``, naming the fix (issue 48: before any load); the
+    text encoder's names the prompt fields (``prompt.text``, ``prompt.embeds``) for each door to word."""
     fix = (
         f"copy the model's {part}/ folder into it"
         if part != "text_encoder"
         else "copy the model's text_encoder/ "
         f'and tokenizer/ folders into it (e.g. hf download REPO --include "text_encoder/*" "tokenizer/*" '
-        f"--local-dir {model}), or pass precomputed --prompt-embeds"
+        f"--local-dir {model}), or pass precomputed {FIELD_MARK}"
     )
-    what = "--prompt needs the model's text encoder, and " if part == "text_encoder" else ""
-    return f"{option} {model}: {what}this folder has no {part}/ (with its config.json); {fix}"
+    what = f"{FIELD_MARK} needs the model's text encoder, and " if part == "text_encoder" else ""
+    fields = ("prompt.text", "prompt.embeds") if part == "text_encoder" else ()
+    return FlowliftError(
+        f"{option} {model}: {what}this folder has no {part}/ (with its config.json); {fix}", field=fields
+    )
 
 
 class PromptEncoder:

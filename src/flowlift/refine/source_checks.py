@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.models.weights import looks_like_repo_id
 from flowlift.refine.loras import LoraSpec
 from flowlift.refine.prompts import _first_line
@@ -39,10 +39,10 @@ def names_source_fields(function: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return function(*args, **kwargs)
         except FlowliftError as error:
-            name = next((name for name in SOURCE_FIELDS if str(error).startswith(name)), None)
-            if error.fields or name is None or type(error) is not FlowliftError:
-                raise
-            raise FlowliftError(str(error), field=name) from None
+            name = next((name for name in SOURCE_FIELDS if error.template.startswith(name)), None)
+            if name is None or name in error.fields or type(error) is not FlowliftError:
+                raise  # its other fields (a LoRA given as the transformer: source.loras) kept, each with its mark
+            raise FlowliftError(FIELD_MARK + error.template[len(name) :], field=(name, *error.fields)) from None
 
     return run
 
@@ -61,9 +61,9 @@ def check_model_part(model: str, part: str, option: str = "source.model") -> Non
 
     path = Path(model).expanduser()
     if path.is_dir() and _is_diffusers_folder(path) and not (path / part / "config.json").is_file():
-        from flowlift.refine.prompts import missing_part_line
+        from flowlift.refine.prompts import missing_part_error
 
-        raise FlowliftError(missing_part_line(model, part, option))  # before any weights load, with the fix
+        raise missing_part_error(model, part, option)  # before any weights load, with the fix
     if path.exists():
         return
     if looks_like_path(model) or not looks_like_repo_id(model):
