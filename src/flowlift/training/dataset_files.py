@@ -15,7 +15,7 @@ import re
 from collections.abc import Collection
 from pathlib import Path
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.own_files import Recogniser, check_replaceable, json_object, safetensors_metadata
 
 FORMAT = "flowlift-latent-dataset"
@@ -29,8 +29,27 @@ def is_dataset_manifest(path: Path) -> bool:
     return manifest is not None and manifest.get("format") == FORMAT
 
 
+#: How many shards a dataset may have: their names hold five digits (``shard-00000`` ... ``shard-99999``).
+MAX_SHARDS = 100_000
+
+
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
+
+
+def check_shard_total(num_items: int, shard_size: int, field: str = "num_items") -> int:
+    """How many shards ``num_items`` items of ``shard_size`` take, or one line naming ``field`` (the command line's
+    ``--num``) where they are more than the shard names can number (:data:`MAX_SHARDS`): refused before a manifest
+    is written or any model loads, never a dataset.json promising items no shard can hold."""
+    shards = -(-num_items // shard_size)
+    if shards > MAX_SHARDS:
+        raise FlowliftError(
+            f"{FIELD_MARK} {num_items} would take {shards} shards of {shard_size} items; the shard names hold at "
+            f"most {MAX_SHARDS} (shard-{MAX_SHARDS - 1:05d}): at most {MAX_SHARDS * shard_size} items at this shard "
+            "size",
+            field=field,
+        )
+    return shards
 
 
 def shards_of_items(root: Path, num_items: int, shard_size: int, present: Collection[int]) -> int:

@@ -136,6 +136,10 @@ class DatasetRequest:
         STORAGE_DTYPE.check(self.storage_dtype)
         Degradation(filter=self.filter, jpeg_quality=self.jpeg_quality, noise_std=self.noise_std)
         writing = self.writing  # ShardWriting's rules: shard_size, device (resolved), progress, part
+        if self.teacher is not None:  # more shards than their names can number: before any folder or model
+            from flowlift.training.dataset_files import check_shard_total
+
+            check_shard_total(self.teacher.num, writing.shard_size, "num")
         object.__setattr__(self, "device", writing.device)
         object.__setattr__(self, "part", writing.part)
 

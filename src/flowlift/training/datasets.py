@@ -35,6 +35,7 @@ from flowlift.training.builder_checks import (
     check_source,
     check_writing,
 )
+from flowlift.training.dataset_files import check_shard_total
 from flowlift.training.degrade import Degradation, LatentCodec, conditioning_latents
 from flowlift.training.shards import (
     completed_shards,
@@ -54,10 +55,11 @@ def item_seed(seed: int, index: int) -> int:
 
 
 def _shard_plan(root: Path, num_items: int, shard_size: int, part: tuple[int, int]) -> tuple[list[int], int, int]:
-    """(pending shards of this part, items of this part, items of this part already done)."""
+    """(pending shards of this part, items of this part, items of this part already done): only this part's shards
+    are looked at (``range(i, shards, n)``), never a list of every shard of the dataset."""
     index_of_part, parts = part
-    mine = [k for k in range((num_items + shard_size - 1) // shard_size) if k % parts == index_of_part]
-    pending = [k for k in _pending_shards(root, num_items, shard_size) if k in set(mine)]
+    mine = range(index_of_part, check_shard_total(num_items, shard_size), parts)
+    pending = _pending_shards(root, num_items, shard_size, mine)
 
     def count(k: int) -> int:
         return min(shard_size, num_items - k * shard_size)
@@ -66,11 +68,10 @@ def _shard_plan(root: Path, num_items: int, shard_size: int, part: tuple[int, in
     return pending, total, total - sum(count(k) for k in pending)
 
 
-def _pending_shards(root: Path, num_items: int, shard_size: int) -> list[int]:
+def _pending_shards(root: Path, num_items: int, shard_size: int, indices: range) -> list[int]:
     done = set(completed_shards(root))
-    total = (num_items + shard_size - 1) // shard_size
     pending = []
-    for index in range(total):
+    for index in indices:
         count = min(shard_size, num_items - index * shard_size)
         if index in done and shard_count(root / shard_name(index)) == count:
             continue  # a short last shard from a smaller earlier build is rebuilt with the new count
@@ -271,6 +272,7 @@ def build_distill_dataset(
     root, seed, batch_size, degradation = check_build(root, vae, seed, batch_size, degradation, overwrite)
     check_callable("teacher", teacher, optional=False)
     num_items = check_positive("num_items", num_items, integer=True)
+    check_shard_total(num_items, shard_size)  # before the manifest: its shard names cannot number more
     height, width = latent_size = check_latent_size(latent_size, degradation.factor)
     source = {"teacher": type(teacher).__name__} if source is None else check_source(source)
     manifest = _manifest("distill", latent_size, num_items, True, degradation, seed, shard_size, storage_dtype, source)
