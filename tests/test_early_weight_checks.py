@@ -248,6 +248,24 @@ def test_a_vae_given_as_the_upscaler_is_named_a_vae_in_one_short_line(files, sha
     assert "missing 166: " in line and "(+163 more)" in line and "unexpected 1: foo" in line and len(line) < 300, line
 
 
+def test_a_vae_given_as_sesqui_lsr_is_named_a_vae_in_one_short_line(tmp_path):
+    """A VAE file given as SesquiLSR listed the ~80 missing and the VAE's unexpected tensors."""
+    mage = tmp_path / "mage_vae.safetensors"
+    save_file({"student.dconv_encoder.conv_in.weight": torch.zeros(2, 2, 1, 1)}, str(mage))
+    flux2 = tmp_path / "flux2_vae.safetensors"
+    save_file({"encoder.down.0.block.0.conv1.weight": torch.zeros(2, 2, 3, 3)}, str(flux2))
+    for path, kind in ((mage, "Mage-VAE"), (flux2, "FLUX.2 VAE")):
+        for load in (load_sesqui_lsr, check_sesqui_file):
+            with pytest.raises(FlowliftError) as caught:
+                load(path)
+            line = caught.value.worded({"vae": "--vae"})
+            assert (
+                line
+                == f"SesquiLSR weights from {path}: this file is a VAE ({kind}), not SesquiLSR: give it as --vae PATH"
+            )
+            assert caught.value.field == "vae"
+
+
 def test_a_truncated_or_foreign_checkpoint_says_so_in_words_a_user_can_act_on(files, shared, tmp_path):
     from flowlift.models.weights import read_state_dict
 

@@ -303,6 +303,7 @@ def check_target_size(shape: tuple[int, ...], target_size: tuple[int, int]) -> t
 
 def _fitting_meta_model(state: dict[str, torch.Tensor], path: Path) -> SesquiLSR:
     """SesquiLSR on the meta device when ``state`` (meta tensors too) fits it, else one FlowliftError line."""
+    from flowlift.models.upscaler_weights import vae_kind
     from flowlift.models.weights import dtype_mismatch, state_dict_mismatch
 
     with torch.device("meta"):
@@ -313,6 +314,10 @@ def _fitting_meta_model(state: dict[str, torch.Tensor], path: Path) -> SesquiLSR
             f"{WHAT} from {path}: this file is the Flow Upscaler (the 2x-pass UNet), not SesquiLSR: give it as "
             f"{FIELD_MARK} PATH",
             field="upscaler",
+        )
+    if problem and (vae := vae_kind(state)):
+        raise FlowliftError(
+            f"{WHAT} from {path}: this file is a VAE ({vae}), not SesquiLSR: give it as {FIELD_MARK} PATH", field="vae"
         )
     if problem:
         raise FlowliftError(f"{WHAT} from {path} do not match the FLUX.2 SesquiLSR network: {problem}")
