@@ -4,6 +4,8 @@
   (``hf download`` from 0.34 on, ``huggingface-cli download`` before), with plain file names.
 * :func:`download_hint` is the one sentence every "not in the cache" error ends with: that command and
   where the file goes (the hub cache folder), so a user can act on it without reading docs.
+* :func:`access_hint` is what a gated repository (or a token without access) gets instead: accept the licence on
+  the model's page, log in, run again (``hf download`` would be refused the same way).
 * :func:`looks_like_path` tells a mistyped local path (``models/fu.safetensors``) from a hub id
   (``owner/name``), so a missing file is reported as "no such file" instead of a hub lookup.
 * :func:`hub_offline_reason` says whether hub lookups must stay in the local cache: ``HF_HUB_OFFLINE``,
@@ -74,6 +76,43 @@ def cache_folder() -> str:
 def download_hint(repo_id: str, filenames: Sequence[str] = (), *, include: str | None = None) -> str:
     """``download it once with `CMD` (it goes to CACHE)``: the tail of every missing-weights error."""
     return f"download it once with `{download_command(repo_id, filenames, include=include)}` (into {cache_folder()})"
+
+
+def login_command() -> str:
+    """The shell command that logs in to the hub for the installed huggingface_hub."""
+    return "hf auth login" if _hub_version() >= HF_CLI_VERSION else "huggingface-cli login"
+
+
+def _refused_access(error: BaseException) -> bool:
+    """True for huggingface_hub's answer to a gated repository (``GatedRepoError``, logged in or not) or to a
+    token without access (``HfHubHTTPError`` with status 403, or 401 unless it is a plain ``RepositoryNotFoundError``:
+    the hub answers 401 for a repository that does not exist too)."""
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    if isinstance(error, GatedRepoError):
+        return True
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if not isinstance(error, HfHubHTTPError) or status not in (401, 403):
+        return False
+    return status == 403 or not isinstance(error, RepositoryNotFoundError)
+
+
+def access_hint(repo_id: str, error: BaseException | None) -> str | None:
+    """The fix when the hub refused ``repo_id`` (a gated model such as FLUX.2-dev or Klein-9B, a token without
+    access), else None: ``error`` or any error it was raised from or while handling (diffusers re-raises the hub's
+    as ``OSError``). Downloading it with ``hf download`` would be refused the same way, so the advice is the
+    licence and a login: ``REPO is gated or needs a login: accept its licence at URL, then `hf auth login` (or set
+    HF_TOKEN), then run again``."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if _refused_access(error):
+            return (
+                f"the hub refused access to {repo_id} (a gated model, or a login it needs): accept its licence at "
+                f"{_endpoint()}/{repo_id} with your account, then `{login_command()}` (or set HF_TOKEN), then run again"
+            )
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def looks_like_path(source: str) -> bool:

@@ -208,7 +208,7 @@ def _from_dir(path: Path, device: torch.device | str, dtype: torch.dtype) -> Any
 
 
 def _snapshot(repo_id: str, patterns: list[str]) -> Path:
-    from flowlift.models.hub import cached_snapshot, download_hint, hub_offline_reason
+    from flowlift.models.hub import access_hint, cached_snapshot, download_hint, hub_offline_reason
 
     offline = hub_offline_reason()  # offline or unreachable: the cache only, at once, instead of ~25 s of retries
     found, hint = None, f"it is not in the Hugging Face cache and {offline}"
@@ -221,6 +221,10 @@ def _snapshot(repo_id: str, patterns: list[str]) -> Path:
             found = snapshot_download(repo_id, allow_patterns=patterns)
         except Exception as error:  # noqa: BLE001 - any hub failure is "not available" to the user
             hint = type(error).__name__
+            if refused := access_hint(repo_id, error):
+                raise FlowliftError(
+                    f"VAE: cannot get {repo_id}: {refused}, or set {FIELD_MARK} to a local path", field="vae"
+                ) from None
     if found is None:
         raise FlowliftError(
             f"VAE: cannot get {repo_id} ({hint}); {download_hint(repo_id)} or set {FIELD_MARK} to a local path",

@@ -81,7 +81,7 @@ def resolve_file(
 def _hub_download(
     repo_id: str, filenames: Sequence[str], *, what: str, subfolder: str | None, revision: str | None
 ) -> Path:
-    from flowlift.models.hub import cached_file, download_hint, hub_offline_reason
+    from flowlift.models.hub import access_hint, cached_file, download_hint, hub_offline_reason
 
     offline = hub_offline_reason()  # offline or unreachable: the cache only, at once, instead of ~25 s of retries
     prefix = f"{subfolder}/" if subfolder else ""
@@ -100,8 +100,11 @@ def _hub_download(
                 return Path(hf_hub_download(repo_id, name, subfolder=subfolder, revision=revision))
             except (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError, OSError) as error:
                 last_error = error
-                continue
+                if access_hint(repo_id, error):
+                    break  # gated: every other file is refused the same way
     where = f"{prefix}{filenames[0]} of {repo_id}" if len(filenames) == 1 else f"{repo_id} ({', '.join(filenames)})"
+    if refused := access_hint(repo_id, last_error):
+        raise FlowliftError(f"{what}: cannot get {where}: {refused}, or pass a local path")
     if offline is not None:
         raise FlowliftError(
             f"{what}: {where} is not in the Hugging Face cache and {offline}; "

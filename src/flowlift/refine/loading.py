@@ -36,8 +36,10 @@ TRANSFORMER_FILE_SUFFIXES = (".safetensors", ".gguf")
 
 def _hub_model_error(model: str, error: BaseException, option: str) -> FlowliftError:
     """One actionable line for a hub id that could not be loaded (offline cache miss, gated, missing)."""
-    from flowlift.models.hub import download_hint, hub_offline_reason
+    from flowlift.models.hub import access_hint, download_hint, hub_offline_reason
 
+    if refused := access_hint(model, error):  # `hf download` would be refused the same way
+        return FlowliftError(f"{option} {model}: cannot get it from the hub: {refused}")
     offline = hub_offline_reason()
     if offline:
         return FlowliftError(

@@ -57,7 +57,7 @@ def check_model_part(model: str, part: str, option: str = "source.model") -> Non
     ``model`` can be had: in the cache when offline or the hub is unreachable, else on the hub (its small
     ``config.json`` is fetched, which proves the repository, the part and the access). A local diffusers folder
     needs ``part/config.json``; other local paths pass: their layout is checked when they load."""
-    from flowlift.models.hub import download_hint, hub_offline_reason, looks_like_path
+    from flowlift.models.hub import access_hint, download_hint, hub_offline_reason, looks_like_path
 
     path = Path(model).expanduser()
     if path.is_dir() and _is_diffusers_folder(path) and not (path / part / "config.json").is_file():
@@ -76,6 +76,8 @@ def check_model_part(model: str, part: str, option: str = "source.model") -> Non
         try:
             hf_hub_download(model, f"{part}/config.json")
         except Exception as error:  # noqa: BLE001 - missing, gated, misnamed: all "cannot get it"
+            if refused := access_hint(model, error):
+                raise FlowliftError(f"{option} {model}: cannot get its {part}/ folder: {refused}") from None
             raise FlowliftError(
                 f"{option} {model}: cannot get its {part}/ folder from the hub ({_first_line(error)}); {hint} "
                 "or pass a local folder"
