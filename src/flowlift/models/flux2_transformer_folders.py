@@ -43,7 +43,7 @@ def _weight_files(folder: Path, what: str) -> list[Path]:
     if not (folder / INDEX_NAME).is_file():
         others = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
         found = f"; it holds {', '.join(others[:3])}, which flowlift never unpickles (pickles can run code)"
-        found = found if others else ""
+        found = found if others else _half_download(folder)
         raise FlowliftError(f"{what}: no {WEIGHTS_NAME} (or {INDEX_NAME}) beside its config.json{found}")
     try:
         index = parse_json((folder / INDEX_NAME).read_text())
@@ -53,9 +53,22 @@ def _weight_files(folder: Path, what: str) -> list[Path]:
     files = []
     for shard in shards:
         if not isinstance(shard, str) or Path(shard).name != shard or not (folder / shard).is_file():
-            raise FlowliftError(f"{what}: {INDEX_NAME} names the shard {shard!r}, which is not in the folder")
+            missing = f"{what}: {INDEX_NAME} names the shard {shard!r}, which is not in the folder"
+            raise FlowliftError(missing + (_half_download(folder) if isinstance(shard, str) else ""))
         files.append(folder / shard)
     return files
+
+
+def _half_download(folder: Path) -> str:
+    """For a folder of the Hugging Face cache whose weights are missing (a download cut short): ``; an interrupted
+    download? download it once with `hf download OWNER/NAME --include 'transformer/*'` (...)``, else ``""``."""
+    from flowlift.models.hub import cached_repo_path, download_hint
+
+    cached = cached_repo_path(folder)
+    if cached is None:
+        return ""
+    repo, inside = cached
+    return f"; an interrupted download? {download_hint(repo, include=f'{inside}/*' if inside else None)}"
 
 
 def _read_config(folder: Path, what: str) -> dict[str, Any]:

@@ -115,6 +115,17 @@ def access_hint(repo_id: str, error: BaseException | None) -> str | None:
     return None
 
 
+def cached_repo_path(path: str | os.PathLike) -> tuple[str, str] | None:
+    """``(repo_id, path inside the repository)`` for a file or folder of a model snapshot in the Hugging Face cache
+    (``.../models--OWNER--NAME/snapshots/REV/INSIDE``; ``INSIDE`` empty for the snapshot itself), else None. The path
+    as given, not resolved: a cached file is a link from ``snapshots/`` into ``blobs/``."""
+    parts = os.path.abspath(os.fspath(path)).split(os.sep)
+    for index, part in enumerate(parts[:-2]):
+        if part.startswith("models--") and parts[index + 1] == "snapshots":
+            return part.removeprefix("models--").replace("--", "/", 1), "/".join(parts[index + 3 :])
+    return None
+
+
 def looks_like_path(source: str) -> bool:
     """True when ``source`` reads as a local path rather than a hub id ``owner/name``.
 

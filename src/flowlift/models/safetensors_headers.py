@@ -53,14 +53,11 @@ class Header:
 def refetch_hint(path: Path) -> str:
     """The command that downloads ``path`` again: exact for a file in the Hugging Face cache
     (``.../models--OWNER--NAME/snapshots/REV/FILE``), a template otherwise."""
-    from flowlift.models.hub import download_command
+    from flowlift.models.hub import cached_repo_path, download_command
 
-    parts = path.absolute().parts  # not resolved: a cached file is a link from snapshots/ into blobs/
-    for index, part in enumerate(parts[:-2]):
-        if part.startswith("models--") and parts[index + 1] == "snapshots" and len(parts) > index + 3:
-            repo = part.removeprefix("models--").replace("--", "/", 1)
-            inside = "/".join(parts[index + 3 :])
-            return f"fetch it again with `{download_command(repo, [inside])} --force-download`"
+    cached = cached_repo_path(path)
+    if cached is not None and cached[1]:
+        return f"fetch it again with `{download_command(cached[0], [cached[1]])} --force-download`"
     return f"fetch it again, e.g. `{download_command('OWNER/REPO', [path.name])} --local-dir {path.parent}`"
 
 
