@@ -39,7 +39,8 @@ GATED = {"logged-out": (401, "GatedRepo"), "not-accepted": (403, "GatedRepo"), "
 def refused(request, monkeypatch):
     """Online mode, and every hub download refused as the hub refuses a gated repository."""
     import huggingface_hub
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError
+    from diffusers import Flux2Transformer2DModel  # noqa: F401 - imported before the patch: its modules bind
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError  # huggingface_hub's functions at import
 
     import flowlift.models.hub as hub
 
