@@ -1499,7 +1499,7 @@ def test_output_targets_are_checked_before_any_compute(shared, tiny_weights, tmp
     assert rc == 2 and "unsupported output format .gif" in _one_error_line(capsys.readouterr().err, "upscale")
     rc = main(_upscale(shared, tiny_weights, str(tmp_path / "a.png"), "-o", str(tmp_path / "blocker" / "out")))
     err = capsys.readouterr().err
-    assert rc == 1 and "cannot write outputs into" in err
+    assert rc == 2 and "blocker is not a folder; give a folder" in _one_error_line(err, "upscale")
     rc = main(_upscale(shared, tiny_weights, str(tmp_path / "wide.png"), "-o", str(tmp_path / "w"), "--format", "webp"))
     err = capsys.readouterr().err
     assert rc == 1 and "16383 px limit" in err and "16384x32" in err

@@ -232,3 +232,27 @@ def test_check_bind_address_takes_what_this_machine_has():
     check_bind_address("0.0.0.0")
     with pytest.raises(FlowliftError, match="does not resolve"):
         check_bind_address("bogus.invalid")
+
+
+# ------------------------------------------------------------------------------------------ -o: not a folder
+
+
+@pytest.mark.parametrize("command", ["colorfix", "upscale"])
+def test_an_output_that_is_a_plain_file_is_refused_for_the_whole_run(capsys, tmp_path, monkeypatch, command):
+    """``-o notes.txt`` (an existing file without an image suffix) is a bad setting for the whole run: one line,
+    exit 2, before any image, naming the fix (not "N of N image(s) failed")."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a.png", "c.png", "a_x2.png", "c_x2.png"):
+        Image.new("RGB", (32, 32)).save(tmp_path / name)
+    (tmp_path / "notes.txt").write_text("notes")
+    refs = (
+        ["--reference", "a.png", "--reference", "c.png"] if command == "colorfix" else ["--upscaler", tmp_path / "no"]
+    )
+    err = _one_line(capsys, [command, "a_x2.png", "c_x2.png", *refs, "-o", "notes.txt"])
+    assert err.endswith(
+        "--output notes.txt exists and is not a folder: give a folder, or an image file name "
+        "(.png/.jpg/.webp...) for one input"
+    ), err
+    err = _one_line(capsys, [command, "a_x2.png", *refs[:2], "-o", "notes.txt/sub"])
+    assert "notes.txt is not a folder; give a folder" in err, err
+    assert (tmp_path / "notes.txt").read_text() == "notes" and not list(tmp_path.glob("*_x2_*"))

@@ -77,11 +77,9 @@ def names_image_file(output: str | os.PathLike | None, suffixes: Sequence[str] =
 
 
 def output_target(output: str | None, count: int, image_suffixes: Sequence[str]) -> tuple[Path | None, Path | None]:
-    """Interpret ``-o``: ``(single output file, None)``, ``(None, output folder)`` or ``(None, None)``.
-
-    A path with an image suffix that is not an existing folder names one output file
-    (:func:`names_image_file`), which is only valid for a single input.
-    """
+    """Interpret ``-o``: ``(single output file, None)``, ``(None, output folder)`` or ``(None, None)``. A path with
+    an image suffix that is not an existing folder names one output file (:func:`names_image_file`), which is only
+    valid for a single input; any other path must be a folder, or not exist yet."""
     if not output:
         return None, None
     target = Path(output).expanduser()
@@ -89,6 +87,9 @@ def output_target(output: str | None, count: int, image_suffixes: Sequence[str])
         if count != 1:
             raise FlowliftError(f"-o {target} names one file but {count} inputs were given; pass a folder")
         return target, None
+    from flowlift.files.output_paths import check_output_folder
+
+    check_output_folder(target)
     return None, target
 
 
