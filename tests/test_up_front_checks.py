@@ -256,3 +256,19 @@ def test_an_output_that_is_a_plain_file_is_refused_for_the_whole_run(capsys, tmp
     err = _one_line(capsys, [command, "a_x2.png", *refs[:2], "-o", "notes.txt/sub"])
     assert "notes.txt is not a folder; give a folder" in err, err
     assert (tmp_path / "notes.txt").read_text() == "notes" and not list(tmp_path.glob("*_x2_*"))
+
+
+def test_hires_size_refusals_suggest_sizes_that_pass():
+    """The fix a size refusal suggests is one the same check takes: a side rounded to the grid stays within the
+    16384 px cap, and the largest base is the one at the scale asked for (not at the smallest preset, 2)."""
+    from flowlift.refine.settings import check_hires_size, check_txt2img_size
+
+    with pytest.raises(FlowliftError) as refused:
+        check_txt2img_size(16410, 1024)
+    assert str(refused.value).endswith("e.g. 16384x1024"), refused.value
+    check_txt2img_size(16384, 1024)
+    for scale, most in ((8, 2048), (2.5, 5456), (2, 8192)):
+        with pytest.raises(FlowliftError) as refused:
+            check_hires_size(8208, 16, scale)
+        assert str(refused.value).endswith(f"use a base of at most {most} px a side"), refused.value
+        check_hires_size(most, 16, scale)

@@ -11,6 +11,7 @@ smaller than the tile) on top of :meth:`~flowlift.knobs.Knob.check`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from flowlift.errors import FIELD_MARK, FlowliftError
@@ -124,7 +125,7 @@ def check_txt2img_size(width: int, height: int, field: str | tuple[str, str] = "
         raise FlowliftError(f"{field} must be two integers (width, height) in px, got {(width, height)!r}", field=field)
     width, height = sides
     if min(sides) < PIXEL_MULTIPLE or width % PIXEL_MULTIPLE or height % PIXEL_MULTIPLE:
-        near = [max(PIXEL_MULTIPLE, round(side / PIXEL_MULTIPLE) * PIXEL_MULTIPLE) for side in sides]
+        near = [min(MAX_OUTPUT_SIDE, max(PIXEL_MULTIPLE, round(s / PIXEL_MULTIPLE) * PIXEL_MULTIPLE)) for s in sides]
         fix = "crop or resize the image to" if field == "image" else "e.g."
         raise FlowliftError(
             f"{field} sides must be positive multiples of {PIXEL_MULTIPLE} px, got {width}x{height}; "
@@ -184,7 +185,7 @@ def check_hires_size(
     if max(out_h, out_w) > MAX_OUTPUT_SIDE:
         presets = HIRES_SCALE.extra["presets"]
         fits = [choice for choice in presets if side * choice <= MAX_OUTPUT_SIDE]
-        most = MAX_OUTPUT_SIDE // min(presets)
+        most = MAX_OUTPUT_SIDE // math.ceil(scale) // PIXEL_MULTIPLE * PIXEL_MULTIPLE  # what this scale keeps in cap
         base = f"a {width}x{height} {'image' if field in ('image', 'images') else 'base'}"
         over = f"would be {out_w}x{out_h}, over {cap_words()} (a pass would be dropped)"
         if fits:
