@@ -150,6 +150,12 @@ def test_inpaint_and_outpaint(capsys, tmp_path, tiny_model, photo):
         # a file that is no image is named by the option that gave it (the reader knows only the path)
         (["{photo}", "--mask", "{tmp}/junk.png"], "error: --mask {tmp}/junk.png: not an image file"),
         (["{photo}", "--reference", "{tmp}/junk.png"], "error: --reference {tmp}/junk.png: not an image file"),
+        # a folder where a file is expected is said so, with what to give (it was "no such file")
+        (["{tmp}"], "error: {tmp} is a folder: give an image file"),
+        (["{photo}", "--mask", "{tmp}"], "error: --mask {tmp} is a folder: give an image file"),
+        (["{photo}", "--reference", "{tmp}"], "error: --reference {tmp} is a folder: give an image file"),
+        (["{photo}", "--lora", "{tmp}"], "error: --lora {tmp} is a folder: give a LoRA .safetensors file"),
+        (["{photo}", "--prompt-embeds", "{tmp}"], "error: --prompt-embeds: {tmp} is a folder: give a .safetensors"),
     ],
 )
 def test_bad_inputs_one_line_no_output(capsys, tmp_path, model_dir, embeds_file, photo, argv, message):

@@ -117,6 +117,15 @@ def test_bad_files_raise_one_line_errors(tmp_path):
         load_image(tmp_path / "missing.png")
 
 
+def test_a_folder_given_as_an_image_is_named_a_folder(tmp_path):
+    """It was "no such file" for a folder that is there (``flowlift hires --image imgs``)."""
+    from flowlift.files.images import image_size
+
+    for read in (load_image, image_size):
+        with pytest.raises(FlowliftError, match=f"^{tmp_path} is a folder: give an image file$"):
+            read(tmp_path)
+
+
 def test_decompression_bomb_refused(tmp_path, monkeypatch):
     import flowlift.files.images as images
 

@@ -164,7 +164,7 @@ def load_image(path: str | os.PathLike) -> tuple[Image.Image, Image.Image | None
 
     path = Path(check_path("path", path))  # "" would be the working folder, 5 a TypeError from pathlib
     if not path.is_file():
-        raise FlowliftError(f"{path}: no such file")
+        raise FlowliftError(f"{path} is a folder: give an image file" if path.is_dir() else f"{path}: no such file")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -221,7 +221,7 @@ def image_size(path: str | os.PathLike) -> tuple[int, int]:
     """
     path = Path(path)
     if not path.is_file():
-        raise FlowliftError(f"{path}: no such file")
+        raise FlowliftError(f"{path} is a folder: give an image file" if path.is_dir() else f"{path}: no such file")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -79,7 +79,9 @@ def read_lora(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict | 
 
     path = Path(path)
     if not path.is_file():
-        raise FlowliftError(f"LoRA {path}: no such file")
+        raise FlowliftError(
+            f"LoRA {path} is a folder: give a LoRA .safetensors file" if path.is_dir() else f"LoRA {path}: no such file"
+        )
     if path.suffix.lower() != ".safetensors":
         raise FlowliftError(
             f"LoRA {path}: a {path.suffix or 'suffix-less'} file; LoRAs are read from .safetensors only"

@@ -154,6 +154,8 @@ def check_refiner_source(
         elif not path.exists() and looks_like_path(source.transformer):
             raise FlowliftError(f"source.transformer {source.transformer}: no such file or folder")
     for lora, _ in loras:
+        if Path(lora).is_dir():
+            raise FlowliftError(f"source.loras {lora} is a folder: give a LoRA .safetensors file")
         if not Path(lora).is_file():
             raise FlowliftError(f"source.loras {lora}: no such file")
         if Path(lora).suffix.lower() != ".safetensors":
