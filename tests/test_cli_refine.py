@@ -143,6 +143,9 @@ def test_inpaint_and_outpaint(capsys, tmp_path, tiny_model, photo):
         (["{photo}", "--guidance", "3.5"], "no guidance embedding"),
         (["{photo}", "--prompt-embeds", "nowhere.safetensors"], "file not found"),
         (["{photo}", "-o", "{tmp}/out.xyz"], "unsupported image format"),
+        (["{photo}", "-o", "{tmp}/notes.txt"], "unsupported image format .txt: give a file name ending .png, .jpg"),
+        (["{photo}", "-o", "{tmp}/x.gif"], "unsupported image format .gif: give a file name ending .png"),  # read only
+        (["{photo}", "-o", "{tmp}"], "--output {tmp} is a folder: give a file name ending .png, .jpg, .jpeg, .webp"),
         (["{photo}", "--outpaint", "0,0,16,0", "--strength", "0"], "paints nothing into the new border"),
         (["{photo}", "--mask", "{tmp}/alpha_mask.png"], "mask has transparent pixels"),
         (["{photo}", "--mask", "{tmp}/red_mask.png"], "mask is coloured"),

@@ -169,7 +169,10 @@ def test_a_refine_output_refusal_names_its_option(refine_dir, monkeypatch, capsy
     (refine_dir / "outdir").mkdir(exist_ok=True)
     Image.new("RGB", (8, 8)).save(refine_dir / "theirs.png")
     argv = ["img2img", "square.png", "--model", "model", "--prompt-embeds", "prompt.safetensors"]
-    for output, said in (("outdir", "unsupported image format"), ("theirs.png", "was not written by flowlift")):
+    for output, said in (
+        ("outdir", "outdir is a folder: give a file name ending .png"),
+        ("theirs.png", "was not written by flowlift"),
+    ):
         assert main([*argv, "-o", output]) == 2
         err = _one_line(capsys, "img2img")
         assert err.startswith(f"flowlift img2img: error: --output {output}") and said in err, err

@@ -431,13 +431,13 @@ def check_single_output(
     names the output in the one error line.
     """
     from flowlift.files.atomic import remove_stale_temporaries
-    from flowlift.files.images import IMAGE_SUFFIXES
     from flowlift.files.output_paths import check_not_an_input, output_file_problem
 
     overwrite = check_overwrite(overwrite)
     named = {"field": "output"} if option == FIELD_MARK else {}  # a door words the mark: "-o"/"--output", "output"
-    if path.suffix.lower() not in IMAGE_SUFFIXES:
-        raise FlowliftError(f"{option} {path}: unsupported image format {path.suffix or '(none)'}", **named)
+    if os.path.isdir(path) or path.suffix.lower() not in OUTPUT_SUFFIXES:  # os: a name too long is no folder
+        said = " is a folder" if os.path.isdir(path) else f": unsupported image format {path.suffix or '(none)'}"
+        raise FlowliftError(f"{option} {path}{said}: give a file name ending {', '.join(OUTPUT_SUFFIXES)}", **named)
     check_not_an_input(path, inputs or {})
     if problem := output_file_problem(path):  # first: a name too long cannot even be looked at
         raise FlowliftError(problem)
