@@ -110,7 +110,7 @@ def test_the_app_exits_on_sigint_after_a_request_loaded_its_models(tmp_path, sha
     finally:
         code, log = _interrupt_and_read(server)
     assert code == 130, f"exit {code} ({STOP_S} s after SIGINT):\n{log}"
-    assert "flowlift app: interrupted" in log and "ok" in log
+    assert "flowlift app: interrupted" in log and "ok" in log and "Closing server" not in log, log
     print(f"flowlift app exited {time.monotonic() - began:.1f} s after SIGINT")  # the figure, never asserted
 
 
@@ -139,3 +139,16 @@ def test_the_app_stops_a_running_request_on_sigint_and_exits_130(tmp_path, share
         code, log = _interrupt_and_read(server, again_after_s)
     assert code == 130, f"exit {code}:\n{log}"
     assert "the server is stopping" in log and "terminate called" not in log, log
+
+
+def test_closing_the_app_says_nothing_of_its_own():
+    """The stop is flowlift's one line: Gradio's "Closing server running on port: ..." was printed before it."""
+    from types import SimpleNamespace
+
+    from flowlift.app.page import _close
+
+    calls = []
+    demo = SimpleNamespace(close=lambda **kwargs: calls.append(kwargs))
+    one_run = SimpleNamespace(close=lambda timeout: calls.append("run"))
+    _close(demo, SimpleNamespace(one_run=one_run))
+    assert calls == ["run", {"verbose": False}]

@@ -412,7 +412,7 @@ def _close(demo: Any, service: AppService) -> None:
     thread is still inside torch aborts in its C++ runtime (``terminate called without an active exception``)."""
     try:
         service.one_run.close(timeout=STOP_WAIT_S)
-        demo.close()
+        demo.close(verbose=False)  # the stop is one line, flowlift's: not Gradio's "Closing server running on port"
     except KeyboardInterrupt:
         print("flowlift app: interrupted again: stopped at once", file=sys.stderr, flush=True)
         sys.stdout.flush()
