@@ -770,3 +770,23 @@ def test_non_finite_and_unbounded_numbers_read_as_words():
             assert str(error) == line
         else:
             raise AssertionError(f"{knob.name}={value} passed")
+
+
+def test_the_knob_tables_of_docs_architecture_say_each_knobs_type_and_range():
+    """docs/architecture.md's rows for the upscale and refine knobs name each knob's type and, for a number, open with
+    its range: ``scale`` and ``hires_scale`` were listed as "int | 2 / 4 / 8" long after they took any factor."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    knobs = {**UPSCALE_KNOBS, **REFINE_KNOBS}
+    seen = set()
+    for line in doc.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) < 4 or not cells[0].startswith("`") or cells[0].strip("`") not in knobs:
+            continue
+        knob = knobs[cells[0].strip("`")]
+        seen.add(knob.name)
+        assert cells[1] == knob.kind.__name__, (knob.name, cells[1], knob.kind)
+        if knob.kind in (int, float) and knob.low is not None and knob.high is not None and knob.high < 1e6:
+            assert cells[2].startswith(f"[{knob.low:g}, {knob.high:g}]"), (knob.name, cells[2])
+    assert {"scale", "hires_scale", "strength", "tile_size"} <= seen, seen
