@@ -25,7 +25,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from flowlift.errors import FlowliftError, FlowliftWarning
-from flowlift.files.atomic import is_temporary
+from flowlift.files.atomic import check_output_folder, is_temporary
 from flowlift.files.deep_images import DEEP_FALLBACK, INTEGER_MODES, integer_white, is_deep_colour, read_deep_colour
 
 #: Formats the loader reads, by suffix: everything common that Pillow opens as a still or first frame
@@ -87,8 +87,6 @@ def output_target(output: str | None, count: int, image_suffixes: Sequence[str])
         if count != 1:
             raise FlowliftError(f"-o {target} names one file but {count} inputs were given; pass a folder")
         return target, None
-    from flowlift.files.output_paths import check_output_folder
-
     check_output_folder(target)
     return None, target
 

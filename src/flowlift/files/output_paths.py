@@ -51,19 +51,6 @@ def folder_problem(folder: str | os.PathLike) -> str | None:
     return None
 
 
-def check_output_folder(folder: str | os.PathLike) -> None:
-    """Refuse ``-o FOLDER`` for the whole run when it, or the nearest part of it that exists, is not a folder (a file
-    named without an image suffix): one line before any input, not one failure per input."""
-    folder = Path(folder)
-    existing = _nearest_existing(folder)
-    if existing.is_dir():
-        return
-    hint = "give a folder, or an image file name (.png/.jpg/.webp...) for one input"
-    if existing == folder:
-        raise FlowliftError(f"{FIELD_MARK} {folder} exists and is not a folder: {hint}", field="output")
-    raise FlowliftError(f"{FIELD_MARK} {folder}: {existing} is not a folder; {hint}", field="output")
-
-
 def name_problem(path: str | os.PathLike) -> str | None:
     """Why ``path``'s file name is too long for its file system, or None."""
     path = Path(path)

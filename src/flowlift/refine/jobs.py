@@ -53,11 +53,8 @@ def _check_prompt(request: RefineRequest) -> None:
     """The prompt's file is there; text to embed here needs the text encoder's extra."""
     prompt = request.prompt
     if prompt.embeds is not None and not Path(prompt.embeds).is_file():
-        folder = Path(prompt.embeds).is_dir()
-        problem = (
-            f"{prompt.embeds} is a folder: give a .safetensors file" if folder else f"file not found: {prompt.embeds}"
-        )
-        raise FlowliftError(f"prompt.embeds: {problem}", field="prompt.embeds")
+        said = "{} is a folder: give a .safetensors file" if Path(prompt.embeds).is_dir() else "file not found: {}"
+        raise FlowliftError("prompt.embeds: " + said.format(prompt.embeds), field="prompt.embeds")
     if prompt.needs_text_encoder:
         import importlib.util
 
