@@ -13,6 +13,8 @@ that was not what was asked, or failed only after a model loaded; each is refuse
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from PIL import Image
@@ -52,10 +54,25 @@ def test_a_report_is_never_written_into_the_folder_it_reads(tmp_path, shared, sp
 def test_bands_refuses_images_too_small_for_a_band_before_its_vae_loads(tmp_path, shared, side, max_side, capsys):
     photos = _photos(tmp_path / "ds", side=side, count=1)
     argv = ["bands", str(photos), "--vae", str(shared / "models" / "taef2"), "-o", str(tmp_path / "r"), "--no-progress"]
-    assert main(argv + (["--max-side", str(max_side)] if max_side else [])) == 2
+    with pytest.raises(SystemExit) if max_side else contextlib.nullcontext():  # argparse's type refuses it
+        assert main(argv + (["--max-side", str(max_side)] if max_side else [])) == 2
     err = _one_line(capsys, "bands")
-    assert ("--max-side must be >= 144" in err) if max_side else ("too small" in err and "144 px" in err), err
+    assert ("--max-side: must be an integer >= 144" in err) if max_side else ("too small" in err and "144 px" in err)
     assert not (tmp_path / "r").exists()
+
+
+def test_bands_help_says_the_domains_its_options_are_refused_outside(capsys):
+    """``--max-side`` refused below 144 and ``--amplitude`` outside (0, 10] without the help saying so (it read
+    "(0.1) (default: 0.1)"): both are knobs now, their help and their check one declaration."""
+    from flowlift.commands.cli import build_parser
+
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices["bands"].format_help().split())
+    assert "in (0, 10] (default: 0.1)" in text and "(0.1) (default" not in text, text
+    assert "an integer >= 144 or none (default: none)" in text, text
+    for option, value in (("--amplitude", "0"), ("--amplitude", "10.5"), ("--max-side", "143")):
+        with pytest.raises(SystemExit, match="2"):
+            main(["bands", "x.png", "--vae", "taef2", "-o", "r", option, value])
+        assert option in _one_line(capsys, "bands")
 
 
 @pytest.fixture(scope="module")

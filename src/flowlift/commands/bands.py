@@ -14,15 +14,16 @@ import argparse
 
 from flowlift.commands._options import (
     add_device_options,
+    add_knob,
     add_output_option,
     add_report_overwrite_option,
     add_vae_option,
     examples,
-    finite_float,
     positive_int,
     seed_value,
 )
 from flowlift.console import show_progress
+from flowlift.measure.bands_job import AMPLITUDE, MAX_SIDE
 
 NAME = "bands"
 HELP = "measure a VAE decoder's latent->pixel band response (the model card's band table)"
@@ -36,14 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("images", nargs="+", metavar="IMAGES", help="image files or folders (non-recursive)")
     add_vae_option(parser, required=True)
     add_output_option(parser, "folder for bands.json, bands.md, bands.png", required=True)
-    parser.add_argument("--amplitude", type=finite_float, default=0.1, help="perturbation RMS in latent sigma (0.1)")
+    add_knob(parser, AMPLITUDE)
     parser.add_argument("--seed", type=seed_value, default=0, help="noise seed (band k uses seed + k)")
-    parser.add_argument(
-        "--max-side",
-        type=positive_int,
-        default=None,
-        help="downscale images (INTER_AREA) so the long side is at most this",
-    )
+    add_knob(parser, MAX_SIDE)
     parser.add_argument("--limit", type=positive_int, default=None, help="use only the first N images")
     parser.add_argument("--full", action="store_true", help="print every pixel band, not only the two summaries")
     add_report_overwrite_option(parser)

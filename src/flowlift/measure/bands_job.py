@@ -16,6 +16,7 @@ from pathlib import Path
 
 from flowlift.devices import check_device_and_dtype, resolve_device_dtype
 from flowlift.errors import FIELD_MARK, FlowliftError
+from flowlift.knobs import Knob
 
 __all__ = ["BandsRequest", "BandsResult", "report_recognisers", "run_bands_report"]
 
@@ -25,6 +26,25 @@ COMMAND = "bands"
 MIN_SIDE = 144
 #: The largest perturbation RMS, in latent sigma (the default 0.1).
 MAX_AMPLITUDE = 10.0
+#: The perturbation: its help and its domain, one declaration for the command line's help and the request's check.
+AMPLITUDE = Knob(
+    "amplitude",
+    float,
+    0.1,
+    "perturbation RMS in latent sigma (a latent is ~N(0, 1): past a few sigma the decode saturates)",
+    low=0.0,
+    high=MAX_AMPLITUDE,
+    low_open=True,
+)
+#: The images' longest side; below MIN_SIDE a latent band holds no FFT bin.
+MAX_SIDE = Knob(
+    "max_side",
+    int,
+    None,
+    f"downscale images (INTER_AREA) so the long side is at most this (below {MIN_SIDE} a latent band holds no FFT bin)",
+    low=MIN_SIDE,
+    optional=True,
+)
 
 
 @dataclass(frozen=True)
@@ -49,7 +69,6 @@ class BandsRequest:
 
     def __post_init__(self) -> None:
         """Every field checked when the request is made (one line naming it, before anything is read or loaded)."""
-        from flowlift.errors import FIELD_MARK
         from flowlift.knobs import OVERWRITE, SEED, check_kind, check_path, check_paths, check_positive
 
         images = check_paths("images", self.images)
@@ -58,18 +77,9 @@ class BandsRequest:
         object.__setattr__(self, "images", tuple(str(item) for item in images))
         check_path("vae", self.vae)
         check_path("output", self.output)
-        amplitude = check_positive("amplitude", self.amplitude)
-        if amplitude > MAX_AMPLITUDE:  # a latent is ~N(0, 1): past a few sigma the decode saturates
-            raise FlowliftError(
-                f"{FIELD_MARK} must be in (0, {MAX_AMPLITUDE:g}] latent sigma, got {self.amplitude!r}",
-                field="amplitude",
-            )
-        object.__setattr__(self, "amplitude", float(amplitude))
+        object.__setattr__(self, "amplitude", float(AMPLITUDE.check(self.amplitude)))
         object.__setattr__(self, "seed", SEED.check(self.seed))
-        max_side = check_positive("max_side", self.max_side, integer=True, optional=True)
-        if max_side is not None and max_side < MIN_SIDE:  # below it a latent band holds no bin
-            raise FlowliftError(f"{FIELD_MARK} must be >= {MIN_SIDE}, got {self.max_side!r}", field="max_side")
-        object.__setattr__(self, "max_side", max_side)
+        object.__setattr__(self, "max_side", MAX_SIDE.check(self.max_side))
         object.__setattr__(self, "limit", check_positive("limit", self.limit, integer=True, optional=True))
         check_kind("full", self.full, bool, "True or False")
         object.__setattr__(self, "overwrite", OVERWRITE.check(self.overwrite))
