@@ -399,3 +399,20 @@ def test_an_unknown_command_is_one_error_line(capsys):
     err = capsys.readouterr().err
     assert caught.value.code == 2 and len(err.splitlines()) == 1
     assert err.startswith("flowlift: error: argument COMMAND: invalid choice: 'upscal'"), err
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["upscal", "a.png"], "; did you mean upscale?"),
+        (["upscale", "a.png", "--sclae", "4"], "; did you mean --scale?"),
+    ],
+)
+def test_a_misspelled_command_or_option_gets_a_did_you_mean(capsys, argv, hint):
+    """Python 3.11's argparse names no near spelling; the hint stays on the one error line."""
+    from flowlift.commands.cli import main as cli_main
+
+    with pytest.raises(SystemExit, match="2"):
+        cli_main(argv)
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and hint in err, err

@@ -130,8 +130,25 @@ class OneLineParser(argparse.ArgumentParser):
             after = [given[i + 1] for i, arg in enumerate(given[:-1]) if arg in names]
             if any(value.startswith("-") for value in after):
                 text += f" (a value that starts with '-' is given as {names[-1]}=VALUE)"
+        text += self._did_you_mean(text)
         print(f"{self.prog}: error: {text} ({self.prog} -h lists the options)", file=sys.stderr)
         self.exit(2)
+
+    def _did_you_mean(self, text: str) -> str:
+        """``; did you mean --steps?`` for a misspelled option or command (Python 3.11's argparse has no such hint),
+        else nothing."""
+        import difflib
+        import re
+
+        if choice := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", text):  # a command: "upscal"
+            known, asked = re.findall(r"'([^']*)'", choice.group(2)), [choice.group(1)]
+        elif text.startswith("unrecognized arguments: "):
+            known = [flag for action in self._actions for flag in action.option_strings]
+            asked = [word.split("=")[0] for word in text.split()[2:] if word.startswith("--")]
+        else:
+            return ""
+        near = [match for word in asked for match in difflib.get_close_matches(word, known, n=1)]
+        return f"; did you mean {' '.join(dict.fromkeys(near))}?" if near else ""
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         self.given = list(sys.argv[1:] if args is None else args)  # what error() looks at
