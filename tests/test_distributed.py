@@ -192,6 +192,20 @@ def test_manifest_concurrent_appends_stay_whole_lines(tmp_path):
         )
 
 
+def record_of(input_path, output, status, run, error=None, seconds=1.0) -> dict:
+    """One ``image`` record of a single-process run (the keyword fields the status tests leave alone fixed)."""
+    return image_record(
+        input_path=input_path,
+        input_sha256=None,
+        output=output,
+        status=status,
+        seconds=seconds,
+        error=error,
+        env=DistEnv(),
+        run=run,
+    )
+
+
 def whole_image(path: Path) -> None:
     Image.new("RGB", (4, 4), (10, 20, 30)).save(path)
 
@@ -202,22 +216,9 @@ def test_job_status_counts_latest_records(tmp_path):
     manifest = Manifest(tmp_path)
     whole_image(tmp_path / "a_x2.png")
     whole_image(tmp_path / "b_x2.png")
-    env = DistEnv()
 
     def image(name, status, run, error=None):
-        out = tmp_path / f"{name}_x2.png"
-        manifest.write_record(
-            image_record(
-                input_path=tmp_path / f"{name}.png",
-                input_sha256=None,
-                output=out,
-                status=status,
-                seconds=1.0,
-                error=error,
-                env=env,
-                run=run,
-            )
-        )
+        manifest.write_record(record_of(tmp_path / f"{name}.png", tmp_path / f"{name}_x2.png", status, run, error))
 
     manifest.write_record({"event": "job", "run": "r1", "inputs": 4, "todo": 4, "skipped": 0, "world_size": 2})
     image("a", "done", "r1")
@@ -225,16 +226,7 @@ def test_job_status_counts_latest_records(tmp_path):
     image("c", "failed", "r1", "c.png: truncated")
     image("d", "done", "r1")  # d's output is gone since
     whole_image(tmp_path / "e_x2.png")  # finished before any record: rank 0 records it while planning
-    planned = image_record(
-        input_path="e.png",
-        input_sha256=None,
-        output=tmp_path / "e_x2.png",
-        status="skipped",
-        seconds=0,
-        error=None,
-        env=env,
-        run="r1",
-    )
+    planned = record_of("e.png", tmp_path / "e_x2.png", "skipped", "r1", seconds=0)
     manifest.write_record({**planned, "plan": True})
     status = job_status(tmp_path)
     assert status.run == "r1" and status.run_counts["done"] == 2 and status.run_counts["failed"] == 1
@@ -262,24 +254,14 @@ def test_job_status_says_which_recorded_outputs_are_broken_and_what_the_next_run
     "done" to flowlift status, which checked only that it existed: it is "broken", the job not complete."""
     from flowlift.files.image_outputs import save_image_atomic
 
-    manifest, env = Manifest(tmp_path), DistEnv()
+    manifest = Manifest(tmp_path)
     manifest.write_record({"event": "job", "run": "r1", "inputs": 3, "todo": 3, "skipped": 0, "world_size": 1})
     noise = (torch.rand(64, 64, 3, generator=torch.Generator().manual_seed(0)) * 255).to(torch.uint8).numpy()
     picture = Image.fromarray(noise)
     for name in ("ours", "users", "whole"):
         out = tmp_path / f"{name}_x2.png"
         save_image_atomic(picture, out, {"flowlift": {"input": f"{name}.png"}})
-        record = image_record(
-            input_path=f"{name}.png",
-            input_sha256=None,
-            output=out,
-            status="done",
-            seconds=1.0,
-            error=None,
-            env=env,
-            run="r1",
-        )
-        manifest.write_record(record)
+        manifest.write_record(record_of(f"{name}.png", out, "done", "r1"))
     manifest.write_record({"event": "summary", "run": "r1", "done": 3, "skipped": 0, "failed": 0})
     assert job_status(tmp_path).complete
     ours, users = tmp_path / "ours_x2.png", tmp_path / "users_x2.png"
@@ -302,20 +284,10 @@ def test_a_plans_refusal_is_superseded_once_its_input_is_done(tmp_path):
     """A duplicate stem (a.png beside a.jpg) is refused at planning with no output; after a.jpg went and a rerun
     upscaled a.png, the status still said "failed: a.png ..." and "not complete", whatever was rerun."""
     manifest = Manifest(tmp_path)
-    env = DistEnv()
     (tmp_path / "a.png").write_bytes(b"x")
 
     def record(output, status, run, error=None):
-        return image_record(
-            input_path=tmp_path / "a.png",
-            input_sha256=None,
-            output=output,
-            status=status,
-            seconds=0.0,
-            error=error,
-            env=env,
-            run=run,
-        )
+        return record_of(tmp_path / "a.png", output, status, run, error, seconds=0.0)
 
     manifest.write_record({"event": "job", "run": "r1", "inputs": 1, "todo": 0, "skipped": 0, "world_size": 2})
     manifest.write_record({**record(None, "failed", "r1", "a_x2.png is also the output of a.jpg"), "plan": True})
