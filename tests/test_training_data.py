@@ -91,6 +91,24 @@ def test_optional_jpeg_and_noise_degradations():
         Degradation(jpeg_quality=0)
 
 
+def test_a_degradation_keeps_the_values_its_checks_passed(tmp_path):
+    """numpy's int64 / float32 passed the checks but stayed in the Degradation: its JSON, the manifest
+    ``dataset.json``, then failed with a TypeError traceback after the VAE had loaded. ``DatasetRequest`` makes its
+    one Degradation (it made one to check the fields and ``run_dataset`` another from the same fields)."""
+    import numpy as np
+
+    from flowlift.training.dataset_jobs import DatasetRequest, PhotoCrops
+
+    made = Degradation(factor=np.int64(2), jpeg_quality=np.int64(90), noise_std=np.float32(0.25))
+    assert (type(made.factor), type(made.jpeg_quality), type(made.noise_std)) == (int, int, float)
+    assert json.loads(made.to_json()) == {"factor": 2, "filter": "area", "jpeg_quality": 90, "noise_std": 0.25}
+    request = DatasetRequest(
+        tmp_path / "d", "taef2", crops=PhotoCrops(["p.png"]), jpeg_quality=np.int64(80), noise_std=np.float32(0.5)
+    )
+    assert request.degradation == Degradation(jpeg_quality=80, noise_std=0.5)
+    assert type(request.degradation.jpeg_quality) is int
+
+
 def test_conditioning_is_made_in_pixel_space_not_by_latent_interpolation(taef2, kodak_crops):
     with torch.no_grad():
         target = taef2.encode(kodak_crops)  # (2, 32, 16, 16)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +118,8 @@ class DatasetRequest:
     noise_std: float = 0.0
     part: tuple[int, int] = (0, 1)
     progress: bool | None = False  # flowlift.console.progress_bar's enabled
+    #: the conditioning's degradation, made (and so checked) once from ``filter``, ``jpeg_quality``, ``noise_std``
+    degradation: Degradation = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         """Every field checked when the request is made, one line naming it as Python spells it (the command line
@@ -134,7 +136,8 @@ class DatasetRequest:
         SEED.check(self.seed)
         check_positive("batch_size", self.batch_size, integer=True)
         STORAGE_DTYPE.check(self.storage_dtype)
-        Degradation(filter=self.filter, jpeg_quality=self.jpeg_quality, noise_std=self.noise_std)
+        degradation = Degradation(filter=self.filter, jpeg_quality=self.jpeg_quality, noise_std=self.noise_std)
+        object.__setattr__(self, "degradation", degradation)
         writing = self.writing  # ShardWriting's rules: shard_size, device (resolved), progress, part
         if self.teacher is not None:  # more shards than their names can number: before any folder or model
             from flowlift.training.dataset_files import check_shard_total
@@ -158,7 +161,7 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
     from flowlift.models.vae_loading import load_vae
 
     device = request.device
-    degradation = Degradation(filter=request.filter, jpeg_quality=request.jpeg_quality, noise_std=request.noise_std)
+    degradation = request.degradation
     out = Path(request.output)
     if out.exists() and not out.is_dir():
         raise FlowliftError(f"{FIELD_MARK} {out} exists and is not a folder", field="output")

@@ -56,10 +56,11 @@ class Degradation:
 
         if not isinstance(self.filter, str) or self.filter not in FILTERS:
             raise FlowliftError(f"filter must be one of {', '.join(FILTERS)}, got {self.filter!r}", field="filter")
-        check_positive("factor", self.factor, integer=True)
-        check_quality(self.jpeg_quality, "jpeg_quality")
+        # the checked values are the ones kept: numpy's int64 / float32 pass the checks but are no JSON (the manifest)
+        object.__setattr__(self, "factor", check_positive("factor", self.factor, integer=True))
+        object.__setattr__(self, "jpeg_quality", check_quality(self.jpeg_quality, "jpeg_quality"))
         # in [0, 1] image units: past 1 the conditioning is only noise
-        check_unit_interval("noise_std", self.noise_std)
+        object.__setattr__(self, "noise_std", check_unit_interval("noise_std", self.noise_std))
 
     @property
     def is_deterministic(self) -> bool:
