@@ -4,20 +4,25 @@ A checkpoint ``output/checkpoints/step-NNNNNNNN`` holds the EMA and raw weights 
 layout, the optimizer/scheduler/RNG state and the id of the run that wrote it; ``latest`` names the
 newest. Writes go through a fresh hidden ``.step-NNNNNNNN.XXXX.partial`` folder that holds the run id
 from its first moment, so the next write of the same run removes a killed write's folder and nothing
-else; only the writing run's own checkpoints are pruned or replaced.
+else; only the writing run's own checkpoints are pruned or replaced. A checkpoint written again (a
+resume from an earlier one) is swapped in without a moment where no complete copy of it is on disk:
+the old folder is first renamed aside to a hidden ``.step-NNNNNNNN.XXXX.replaced.partial`` name.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
+import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FlowliftError, FlowliftWarning
 from flowlift.files.atomic import atomic_write_text
 from flowlift.training.config import TrainConfig
 
@@ -25,6 +30,11 @@ STATE_NAME = "train_state.pt"
 EMA_NAME = "flow_upscaler.safetensors"
 RAW_NAME = "model.safetensors"
 RUN_ID_NAME = "run_id"
+#: The files every complete checkpoint folder holds (``run_id`` is absent from older layouts).
+COMPLETE_FILES = (STATE_NAME, EMA_NAME, RAW_NAME)
+#: How a checkpoint set aside while its step is written again ends (see :func:`_swap_in`).
+ASIDE_SUFFIX = ".replaced.partial"
+_STEP_NAME = re.compile(r"step-\d{8}")
 
 #: Architecture settings an ``--init`` checkpoint fixes (its own config wins; a contradiction is an error).
 ARCHITECTURE_FIELDS = ("base_channels", "time_dim", "cond_dim")
@@ -54,11 +64,17 @@ def checkpoint_folders(output: Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".partial"))
 
 
+def is_complete(path: Path) -> bool:
+    """``path`` is a folder holding every file of a checkpoint (:data:`COMPLETE_FILES`)."""
+    return path.is_dir() and all((path / name).is_file() for name in COMPLETE_FILES)
+
+
 def latest_checkpoint(output: Path) -> Path | None:
     """The checkpoint ``output/checkpoints/latest`` names, or None when the folder holds no checkpoints.
 
-    A pointer to a missing or incomplete checkpoint, or checkpoints without a pointer, raise one
-    FlowliftError line: silently starting from step 0 would then overwrite and prune that run's files.
+    Checkpoints without a pointer, or a pointer to an incomplete checkpoint, raise one FlowliftError line:
+    silently starting from step 0 would then overwrite and prune that run's files. A pointer to a missing
+    checkpoint falls back to the newest complete one (:func:`_newest_complete`).
     """
     root = output / "checkpoints"
     pointer = root / "latest"
@@ -72,12 +88,46 @@ def latest_checkpoint(output: Path) -> Path | None:
         return None
     name = pointer.read_text().strip()
     path = root / name
-    if not name or not (path / STATE_NAME).is_file():
-        raise FlowliftError(
-            f"{pointer} names {name or '(nothing)'}, which is missing or incomplete; pass --resume with a complete "
-            "checkpoint folder, or --resume none --overwrite to start over"
+    if name and (path / STATE_NAME).is_file():
+        return path
+    if _STEP_NAME.fullmatch(name) and not os.path.lexists(path):
+        return _newest_complete(root, name)
+    raise FlowliftError(
+        f"{pointer} names {name or '(nothing)'}, which is missing or incomplete; pass --resume with a complete "
+        "checkpoint folder, or --resume none --overwrite to start over"
+    )
+
+
+def _newest_complete(root: Path, name: str) -> Path:
+    """What ``--resume auto`` continues from when ``root/latest`` names ``name``, a checkpoint that is not there (a
+    rewrite of it killed between its two renames, or a folder the user removed): the newest complete checkpoint,
+    with a warning, when all of them are one run's. The run retraces the steps since (a resumed run is the
+    uninterrupted one), so only time is lost; refusing would only make the user name that same folder."""
+    pointer = root / "latest"
+    complete = [p for p in checkpoint_folders(root.parent) if is_complete(p)]
+    runs = {checkpoint_run_id(p) for p in complete}
+    if len(runs) == 1:
+        warnings.warn(
+            f"{pointer} names {name}, which is missing; resuming from {complete[-1]}, the newest complete checkpoint",
+            FlowliftWarning,
+            stacklevel=3,
         )
-    return path
+        return complete[-1]
+    if complete:  # several runs' checkpoints: which run the pointer's belonged to cannot be told
+        raise FlowliftError(
+            f"{pointer} names {name}, which is missing, and {root} holds checkpoints of {len(runs)} runs; pass "
+            f"--resume with the one to continue from (the newest is {complete[-1]})"
+        )
+    aside = [p for p in sorted(root.glob(f".{name}.*{ASIDE_SUFFIX}")) if is_complete(p)]
+    if aside:  # the only complete copy is the one a killed rewrite set aside: put it back, then resume
+        raise FlowliftError(
+            f"{pointer} names {name}, which is missing: a rewrite of it was stopped and left the complete checkpoint "
+            f"{aside[-1].name}; put it back (mv {aside[-1]} {root / name}) and run again"
+        )
+    raise FlowliftError(
+        f"{pointer} names {name}, which is missing, and {root} holds no complete checkpoint; pass --resume with a "
+        "checkpoint folder, or --resume none --overwrite to start over"
+    )
 
 
 def checkpoint_run_id(path: Path) -> str | None:
@@ -162,16 +212,57 @@ def save_checkpoint(
         if checkpoint_run_id(final) != run_id:  # another run's checkpoint (resume_point refuses those first)
             shutil.rmtree(tmp, ignore_errors=True)
             raise FlowliftError(f"{final} is another run's checkpoint; it is not replaced")
-        shutil.rmtree(final, ignore_errors=True)  # this run's own, written again after a resume
-    os.replace(tmp, final)
+        _swap_in(tmp, final)  # this run's own, written again after a resume
+    else:
+        os.replace(tmp, final)
     pointer = output / "checkpoints" / "latest"
     atomic_write_text(pointer, final.name)
     # Only this run's checkpoints are pruned: another run in the same folder (higher steps, or an
     # older layout without run ids) is never touched.
     mine = [p for p in checkpoint_folders(output) if checkpoint_run_id(p) == run_id]
     for old in mine[: -config.keep_checkpoints]:
-        shutil.rmtree(old, ignore_errors=True)
+        _discard(old)
     return final
+
+
+def _aside_name(final: Path) -> Path:
+    return final.parent / f".{final.name}.{uuid.uuid4().hex[:12]}{ASIDE_SUFFIX}"
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Replace this run's checkpoint folder ``final`` by the complete one at ``tmp``, at no moment without a
+    complete copy on disk (a folder cannot be renamed over a full one): the old one is renamed aside to a
+    hidden partial name (it holds this run's id, so the run's next write, or the next run that holds the
+    folder, removes it), the new one renamed in, and only then the old one deleted. Killed between the
+    two renames, ``latest`` may name a missing folder: :func:`latest_checkpoint` handles that."""
+    aside = _aside_name(final)
+    try:
+        os.replace(final, aside)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the old one is untouched: nothing of the new one stays
+        raise
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.replace(aside, final)  # the old one back where it was
+        except OSError:
+            pass  # it stays aside, complete, where latest_checkpoint looks for it
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _discard(folder: Path) -> None:
+    """Delete checkpoint ``folder`` as one rename: a deletion stopped midway leaves a hidden partial (removed by
+    the run's next write), never a ``step-*`` folder that looks complete but lacks a file."""
+    aside = _aside_name(folder)
+    try:
+        os.replace(folder, aside)
+    except OSError:
+        return  # gone already, or not ours to move: left as it is
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _remove_own_partials(root: Path, run_id: str) -> None:

@@ -1,0 +1,132 @@
+"""What a resume continues from: a checkpoint written again (a resume from an earlier one) is swapped in without a
+moment where no complete copy of it is on disk, and a ``latest`` naming a missing checkpoint falls back to the newest
+complete one."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from builders import TINY_UNET, one_error_line
+from door_helpers import quiet_train_config
+from flowlift.commands.cli import main
+from flowlift.training.checkpoints import (
+    EMA_NAME,
+    RAW_NAME,
+    STATE_NAME,
+    checkpoint_dir,
+    read_train_state,
+    resume_point,
+)
+from test_hostile import _tiny_dataset
+
+pytestmark = pytest.mark.usefixtures("single_thread_torch")
+REPO = Path(__file__).resolve().parents[1]
+TINY = {**TINY_UNET, "dropout": 0.0, "crop": 0, "warmup_steps": 0, "log_every": 1}
+TINY_SETS = [x for k, v in TINY.items() for x in ("--set", f"{k}={v}")]
+
+
+def is_complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in (STATE_NAME, EMA_NAME, RAW_NAME))
+
+
+class Killed(BaseException):
+    """The process killed at that point: no handler of flowlift's runs after it (as SIGKILL, a power cut)."""
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    return _tiny_dataset(tmp_path_factory.mktemp("resume") / "data", items=4, shard_size=2)
+
+
+def _config(data: Path, output: Path, steps: int, **values):
+    return quiet_train_config(data, output, steps=steps, batch_size=2, checkpoint_every=1, **{**TINY, **values})
+
+
+def _train(data: Path, output: Path, steps: int, batch: int = 2) -> list[str]:
+    command = ["train", "--data", str(data), "--output", str(output), "--steps", str(steps), "--batch-size", str(batch)]
+    return [*command, *TINY_SETS, "--set", "checkpoint_every=1", "--no-progress"]
+
+
+def _fail_moves_into(monkeypatch, folder: Path, error: BaseException, times: int | None = None) -> None:
+    """``os.replace`` onto ``folder`` raises ``error`` (``times`` times, else always); every other rename runs."""
+    real = os.replace
+    left = [times]
+
+    def replace(src, dst, *args, **kwargs):
+        if Path(dst) == folder and (left[0] is None or left[0] > 0):
+            left[0] = None if left[0] is None else left[0] - 1
+            raise error
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def _rewrite_step_2_killed(data: Path, run: Path, resume_from: Path, monkeypatch) -> None:
+    """Resume ``run`` from ``resume_from`` (step 1) to step 2, killed as its step-2 checkpoint is moved in."""
+    from flowlift.training.trainer import Trainer
+
+    with monkeypatch.context() as patch:
+        _fail_moves_into(patch, checkpoint_dir(run, 2), Killed())
+        with pytest.raises(Killed):
+            Trainer(_config(data, run, 2, resume=str(resume_from))).run()
+    (run / ".flowlift-train.lock").unlink(missing_ok=True)  # the lock a killed process's system would have dropped
+
+
+def test_a_rewrite_killed_between_its_renames_resumes_from_the_newest_complete_checkpoint(data, tmp_path, monkeypatch):
+    """The rewrite was rmtree(old) then os.replace(new): killed between the two, `latest` named a missing folder and
+    `--resume auto` refused the run; now the old one was set aside first and auto continues from the newest
+    complete checkpoint (the run retraces the steps since)."""
+    run = tmp_path / "run"
+    assert main(_train(data, run, 2)) == 0
+    _rewrite_step_2_killed(data, run, checkpoint_dir(run, 1), monkeypatch)
+    assert not checkpoint_dir(run, 2).exists() and (run / "checkpoints" / "latest").read_text() == "step-00000002"
+    with pytest.warns(UserWarning, match=r"names step-00000002, which is missing; resuming from .*step-00000001"):
+        assert resume_point(_config(data, run, 3), run) == checkpoint_dir(run, 1)
+    assert main(_train(data, run, 3)) == 0
+    assert is_complete(checkpoint_dir(run, 2)) and is_complete(checkpoint_dir(run, 3))
+    assert not list((run / "checkpoints").glob(".*partial"))  # the set-aside folder went with the lock
+
+
+def test_a_killed_rewrite_of_the_only_checkpoint_keeps_it_and_says_how_to_restore_it(
+    data, tmp_path, monkeypatch, capsys
+):
+    """With no other complete checkpoint in the folder, the killed rewrite's old copy is the one left: complete, under
+    the hidden name it was set aside to, and the refusal says the one command that puts it back."""
+    run = tmp_path / "run"
+    assert main(_train(data, run, 2)) == 0
+    elsewhere = tmp_path / "kept" / "step-00000001"
+    elsewhere.parent.mkdir()
+    shutil.move(checkpoint_dir(run, 1), elsewhere)  # the user moved it away: step 2 is the run folder's only one
+    _rewrite_step_2_killed(data, run, elsewhere, monkeypatch)
+    capsys.readouterr()
+    assert main(_train(data, run, 3)) == 2
+    line = one_error_line(capsys.readouterr().err, "train")
+    move = re.search(r"put it back \(mv (\S+) (\S+)\)", line)
+    assert move and Path(move[2]) == checkpoint_dir(run, 2), line
+    aside = Path(move[1])
+    assert is_complete(aside) and read_train_state(aside)["step"] == 2
+    os.replace(aside, move[2])
+    assert main(_train(data, run, 3)) == 0, capsys.readouterr().err
+    assert "trained steps 2->3" in capsys.readouterr().out
+
+
+def test_a_rewrite_that_fails_to_move_in_puts_the_old_checkpoint_back(data, tmp_path, monkeypatch):
+    """A rename that fails (not a kill) left the step's folder deleted; now the old one is back, nothing partial."""
+    from flowlift.training.trainer import Trainer
+
+    run = tmp_path / "run"
+    assert main(_train(data, run, 2)) == 0
+    final = checkpoint_dir(run, 2)
+    before = (final / STATE_NAME).read_bytes()
+    with monkeypatch.context() as patch:
+        _fail_moves_into(patch, final, OSError(28, "No space left on device"), times=1)
+        with pytest.raises(OSError, match="No space left"):
+            Trainer(_config(data, run, 2, resume=str(checkpoint_dir(run, 1)))).run()
+    assert (final / STATE_NAME).read_bytes() == before
+    assert not list((run / "checkpoints").glob(".*partial"))
+    assert resume_point(_config(data, run, 3), run) == final
