@@ -1,19 +1,24 @@
 """What a resume continues from: a checkpoint written again (a resume from an earlier one) is swapped in without a
-moment where no complete copy of it is on disk, and a ``latest`` naming a missing checkpoint falls back to the newest
-complete one."""
+moment where no complete copy of it is on disk, a ``latest`` naming a missing checkpoint falls back to the newest
+complete one, and a resume on other data than the checkpoint's (another ``--data``, a dataset grown since) is one
+line."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from builders import TINY_UNET, one_error_line
 from door_helpers import quiet_train_config
 from flowlift.commands.cli import main
+from flowlift.errors import FlowliftError
 from flowlift.training.checkpoints import (
     EMA_NAME,
     RAW_NAME,
@@ -130,3 +135,84 @@ def test_a_rewrite_that_fails_to_move_in_puts_the_old_checkpoint_back(data, tmp_
     assert (final / STATE_NAME).read_bytes() == before
     assert not list((run / "checkpoints").glob(".*partial"))
     assert resume_point(_config(data, run, 3), run) == final
+
+
+def _grown(source: Path, folder: Path, items: int) -> Path:
+    """A copy of dataset ``source`` at ``folder``, rebuilt there with ``items`` items (as a larger ``--num`` does)."""
+    shutil.copytree(source, folder)
+    return _tiny_dataset(folder, items=items, shard_size=2)
+
+
+def test_a_resume_on_a_dataset_grown_since_is_refused(data, tmp_path, capsys):
+    run, first = tmp_path / "run", _grown(data, tmp_path / "first", 6)
+    assert main(_train(first, run, 1)) == 0  # trained on 6 items
+    moved = _grown(data, tmp_path / "moved", 6)  # the same data elsewhere: the same run goes on
+    assert main(_train(moved, run, 2)) == 0, capsys.readouterr().err
+    _tiny_dataset(moved, items=8, shard_size=2)  # the dataset grows where it is
+    capsys.readouterr()
+    assert main(_train(moved, run, 3)) == 2
+    line = one_error_line(capsys.readouterr().err, "train")
+    step = checkpoint_dir(run, 2)
+    assert line.endswith(
+        f"checkpoint {step} was trained on {moved} (6 items), this run's --data is {moved} (8 items): a resumed "
+        f"run keeps its data; to continue on new data, train into a new --output with --init {step}"
+    ), line
+    assert not checkpoint_dir(run, 3).exists()
+
+
+def test_a_resume_on_other_data_of_the_same_size_is_refused(data, tmp_path, capsys):
+    run, other = tmp_path / "run", _tiny_dataset(tmp_path / "other", items=4, shard_size=2, noise=False)
+    assert main(_train(data, run, 1)) == 0
+    capsys.readouterr()
+    assert main(_train(other, run, 2)) == 2
+    line = one_error_line(capsys.readouterr().err, "train")
+    assert f"this run's --data is {other} (4 items, its dataset.json built with other settings)" in line, line
+
+
+def test_a_checkpoint_without_a_data_record_is_not_compared(data, tmp_path, capsys):
+    """A checkpoint written before the record existed resumes on whatever --data is given, as it did."""
+    run = tmp_path / "run"
+    assert main(_train(data, run, 1)) == 0
+    state_file = checkpoint_dir(run, 1) / STATE_NAME
+    state = torch.load(state_file, weights_only=True)
+    state.pop("data", None)
+    torch.save(state, state_file)
+    assert main(_train(_grown(data, tmp_path / "more", 6), run, 2)) == 0, capsys.readouterr().err
+
+
+class _Gathered:
+    """A rank of a DDP group whose ranks' values were ``values`` (what ``DistContext.gather`` returns)."""
+
+    def __init__(self, values: list) -> None:
+        self.values = values
+
+    def gather(self, value: object) -> list:
+        return self.values
+
+
+def test_ranks_reading_different_data_fail_alike_on_every_rank():
+    from flowlift.training.data_identity import agreed_identity, dataset_identity
+
+    manifest = {"kind": "test", "num_items": 4, "shard_size": 2}
+    ours, theirs = dataset_identity(manifest, "a"), dataset_identity({**manifest, "num_items": 6}, "b")
+    assert agreed_identity(_Gathered([ours, dict(ours, path="copy")]), ours) == ours  # a copy of the same data
+    lines = set()
+    for mine in (ours, theirs):  # rank 0 and rank 1: each sees every rank's identity, so both say the same
+        with pytest.raises(FlowliftError) as error:
+            agreed_identity(_Gathered([ours, theirs]), mine)
+        lines.add(str(error.value))
+    assert lines == {"rank 1 reads b (6 items), rank 0 reads a (4 items): give every rank the same dataset"}
+
+
+def test_a_ddp_resume_on_grown_data_is_refused_by_every_rank(data, tmp_path, capsys):
+    """Every rank compares the same identity with the same checkpoint: each refuses with the line, none waits."""
+    run, more = tmp_path / "run", _grown(data, tmp_path / "more", 4)
+    assert main(_train(more, run, 1, 4)) == 0  # one process, global batch 4
+    _tiny_dataset(more, items=6, shard_size=2)
+    command = [sys.executable, "-m", "flowlift", "launch", "--nproc-per-node", "2", "--", *_train(more, run, 2, 2)]
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("flowlift train: error:")]
+    assert lines and all("was trained on" in line and "(4 items)" in line for line in lines), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "rank 0 stopped the run" not in result.stderr

@@ -7,6 +7,8 @@ from its first moment, so the next write of the same run removes a killed write'
 else; only the writing run's own checkpoints are pruned or replaced. A checkpoint written again (a
 resume from an earlier one) is swapped in without a moment where no complete copy of it is on disk:
 the old folder is first renamed aside to a hidden ``.step-NNNNNNNN.XXXX.replaced.partial`` name.
+The training state records the identity of the data it was trained on
+(:func:`flowlift.training.data_identity.dataset_identity`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from flowlift.errors import FlowliftError, FlowliftWarning
 from flowlift.files.atomic import atomic_write_text
 from flowlift.training.config import TrainConfig
+from flowlift.training.data_identity import check_same_data
 
 STATE_NAME = "train_state.pt"
 EMA_NAME = "flow_upscaler.safetensors"
@@ -172,9 +175,11 @@ def save_checkpoint(
     *,
     config: TrainConfig,
     run_id: str,
+    data: dict[str, Any] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` of run ``run_id`` under ``output`` (atomically), point ``latest`` at it and
-    prune this run's older ones down to ``config.keep_checkpoints``."""
+    prune this run's older ones down to ``config.keep_checkpoints``. ``data``: the identity of the run's dataset
+    (:func:`~flowlift.training.data_identity.dataset_identity`), which a resume compares."""
     from flowlift.models.upscaler_weights import save_upscaler
 
     final = checkpoint_dir(output, step)
@@ -203,6 +208,7 @@ def save_checkpoint(
         "config": config.to_dict(),
         "rng": {"torch": torch.get_rng_state()},
         "run_id": run_id,
+        "data": data,
     }
     torch.save(state, tmp / STATE_NAME)
     if os.path.lexists(final) and (final.is_symlink() or not final.is_dir()):
@@ -331,10 +337,19 @@ def check_kept_settings(path: Path, saved: object, config) -> None:
 
 
 def load_checkpoint(
-    path: Path, model, ema, optimizer, scheduler, global_batch: int, run_id: str, config=None
+    path: Path,
+    model,
+    ema,
+    optimizer,
+    scheduler,
+    global_batch: int,
+    run_id: str,
+    config=None,
+    data: dict[str, Any] | None = None,
 ) -> tuple[int, str]:
     """Restore checkpoint ``path`` into the run's objects; its step and run id (its own, else ``run_id``). With the
-    run's ``config``, its :data:`RESUME_KEPT` settings must be the checkpoint's (:func:`check_kept_settings`)."""
+    run's ``config``, its :data:`RESUME_KEPT` settings must be the checkpoint's (:func:`check_kept_settings`); with
+    the run's ``data`` identity, so must its dataset (:func:`~flowlift.training.data_identity.check_same_data`)."""
     from flowlift.models.weights import load_strict, read_state_dict
 
     state = read_train_state(path)
@@ -346,6 +361,7 @@ def load_checkpoint(
         )
     if config is not None:
         check_kept_settings(path, state.get("config"), config)
+    check_same_data(path, state.get("data"), data)
     load_strict(_unwrap(model), read_state_dict(path / RAW_NAME), what="checkpoint weights", origin=str(path))
     load_strict(ema.module, read_state_dict(path / EMA_NAME), what="checkpoint EMA weights", origin=str(path))
     ema.n_averaged.fill_(int(state["ema_num_averaged"]))

@@ -37,6 +37,15 @@ class DistContext:
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(self, value: object) -> list:
+        """Every rank's ``value``, by rank, on every rank (the ranks meeting as at a barrier): a verdict computed from
+        the list is the same on every rank, so no rank errs alone and leaves the others waiting."""
+        if self.world_size == 1:
+            return [value]
+        values: list = [None] * self.world_size
+        torch.distributed.all_gather_object(values, value)
+        return values
+
     def mean(self, value: float, device: torch.device) -> float:
         if self.world_size == 1:
             return value

@@ -57,6 +57,7 @@ from flowlift.training.checkpoints import (
     save_checkpoint,
 )
 from flowlift.training.config import TrainConfig, saved_settings
+from flowlift.training.data_identity import agreed_identity, dataset_identity
 from flowlift.training.distributed import DistContext, init_distributed, pick_device
 from flowlift.training.loop_support import StopRequest, prefetched_batches
 from flowlift.training.objective import flow_matching_loss, make_ema, sample_seed, step_seed, warmup_cosine
@@ -119,6 +120,7 @@ class Trainer:
         self.config_file = config_file  # an input (``--config``): no output may be it
         self._lock: int | None = None  # the run folder's lock descriptor while rank 0 trains into it
         self.run_id = uuid.uuid4().hex  # replaced by the checkpoint's own when resuming
+        self.data: dict[str, Any] | None = None  # the dataset's identity (data_identity.dataset_identity), once open
 
     # -- set-up ----------------------------------------------------------------------------------
     def _build_model(self) -> torch.nn.Module:
@@ -237,10 +239,11 @@ class Trainer:
         ema = make_ema(model, c.ema_decay, c.ema_warmup)
         optimizer, scheduler = self._optimizer(model)
 
+        self.data = agreed_identity(dist, dataset_identity(reader.manifest, c.data))
         start_step = 0
         if resume_from is not None:
             start_step, self.run_id = load_checkpoint(
-                resume_from, model, ema, optimizer, scheduler, stream.global_batch, self.run_id, c
+                resume_from, model, ema, optimizer, scheduler, stream.global_batch, self.run_id, c, self.data
             )
             # a checkpoint at the last step whose final weights were never written (a stop after that step's
             # checkpoint): the run finishes by writing them; with them there, nothing is left to do
@@ -397,7 +400,9 @@ class Trainer:
         c, dist = self.config, run.dist
         if done % c.checkpoint_every == 0 or last:
             state = (run.model, run.ema, run.optimizer, run.scheduler, run.stream.global_batch, dist.world_size)
-            _on_main(dist, lambda: save_checkpoint(self.output, done, *state, config=c, run_id=self.run_id))
+            _on_main(
+                dist, lambda: save_checkpoint(self.output, done, *state, config=c, run_id=self.run_id, data=self.data)
+            )
         if c.val_every and (done % c.val_every == 0 or done == c.steps or last) and not stopping:
             _on_main(dist, lambda: run.validator.evaluate(done, run.ema.module) if run.validator is not None else None)
 
