@@ -1,7 +1,6 @@
 """What a resume continues from: a checkpoint written again (a resume from an earlier one) is swapped in without a
-moment where no complete copy of it is on disk, a ``latest`` naming a missing checkpoint falls back to the newest
-complete one, and a resume on other data than the checkpoint's (another ``--data``, a dataset grown since) is one
-line."""
+moment where no complete copy of it is on disk, a ``latest`` naming a missing checkpoint says how to go on, and a
+resume on other data than the checkpoint's (another ``--data``, a dataset grown since) is one line."""
 
 from __future__ import annotations
 
@@ -82,19 +81,41 @@ def _rewrite_step_2_killed(data: Path, run: Path, resume_from: Path, monkeypatch
     (run / ".flowlift-train.lock").unlink(missing_ok=True)  # the lock a killed process's system would have dropped
 
 
-def test_a_rewrite_killed_between_its_renames_resumes_from_the_newest_complete_checkpoint(data, tmp_path, monkeypatch):
+def test_a_rewrite_killed_between_its_renames_says_how_to_put_its_checkpoint_back(data, tmp_path, monkeypatch, capsys):
     """The rewrite was rmtree(old) then os.replace(new): killed between the two, `latest` named a missing folder and
-    `--resume auto` refused the run; now the old one was set aside first and auto continues from the newest
-    complete checkpoint (the run retraces the steps since)."""
+    the step was lost. Now the old one was set aside first, complete, and `--resume auto` says how to put it back
+    rather than falling back to an older checkpoint (whose start would delete it and retrace the steps since)."""
     run = tmp_path / "run"
     assert main(_train(data, run, 2)) == 0
     _rewrite_step_2_killed(data, run, checkpoint_dir(run, 1), monkeypatch)
     assert not checkpoint_dir(run, 2).exists() and (run / "checkpoints" / "latest").read_text() == "step-00000002"
-    with pytest.warns(UserWarning, match=r"names step-00000002, which is missing; resuming from .*step-00000001"):
-        assert resume_point(_config(data, run, 3), run) == checkpoint_dir(run, 1)
-    assert main(_train(data, run, 3)) == 0
+    capsys.readouterr()
+    assert main(_train(data, run, 3)) == 2
+    line = one_error_line(capsys.readouterr().err, "train")
+    move = re.search(r"put it back \(mv (\S+) (\S+)\)", line)
+    assert move and Path(move[2]) == checkpoint_dir(run, 2), line
+    os.replace(move[1], move[2])
+    assert main(_train(data, run, 3)) == 0, capsys.readouterr().err
+    assert "trained steps 2->3" in capsys.readouterr().out
     assert is_complete(checkpoint_dir(run, 2)) and is_complete(checkpoint_dir(run, 3))
-    assert not list((run / "checkpoints").glob(".*partial"))  # the set-aside folder went with the lock
+    assert not list((run / "checkpoints").glob(".*partial"))
+
+
+def test_latest_naming_a_removed_checkpoint_names_the_newest_complete_one(data, tmp_path, capsys):
+    """A `latest` naming a folder that is gone (no copy set aside: removed by hand, perhaps on purpose) is one line
+    naming the newest complete checkpoint to resume from; passing it continues the run."""
+    run = tmp_path / "run"
+    assert main(_train(data, run, 2)) == 0
+    shutil.rmtree(checkpoint_dir(run, 2))
+    capsys.readouterr()
+    assert main(_train(data, run, 3)) == 2
+    line = one_error_line(capsys.readouterr().err, "train")
+    wanted = (
+        f"which is missing; to continue from the newest complete checkpoint pass --resume {checkpoint_dir(run, 1)},"
+    )
+    assert "names step-00000002, " + wanted in line, line
+    assert main([*_train(data, run, 3), "--resume", str(checkpoint_dir(run, 1))]) == 0, capsys.readouterr().err
+    assert is_complete(checkpoint_dir(run, 2)) and is_complete(checkpoint_dir(run, 3))
 
 
 def test_a_killed_rewrite_of_the_only_checkpoint_keeps_it_and_says_how_to_restore_it(

@@ -50,8 +50,8 @@ def deferred_stop_signals() -> Iterator[None]:
     noted: list[int] = []
 
     def note(signum, frame) -> None:
-        if signum not in noted:
-            noted.append(signum)
+        if len(noted) < 2:  # a second one is kept too: a handler that stops gracefully on the first (training's)
+            noted.append(signum)  # takes the second as the user insisting
 
     previous = {}
     try:

@@ -18,13 +18,13 @@ import re
 import shutil
 import tempfile
 import uuid
-import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from flowlift.errors import FlowliftError, FlowliftWarning
+from flowlift.errors import FlowliftError
 from flowlift.files.atomic import atomic_write_text
 from flowlift.training.config import TrainConfig
 from flowlift.training.data_identity import check_same_data
@@ -77,7 +77,7 @@ def latest_checkpoint(output: Path) -> Path | None:
 
     Checkpoints without a pointer, or a pointer to an incomplete checkpoint, raise one FlowliftError line:
     silently starting from step 0 would then overwrite and prune that run's files. A pointer to a missing
-    checkpoint falls back to the newest complete one (:func:`_newest_complete`).
+    checkpoint names what to do (:func:`_missing_pointer_refusal`).
     """
     root = output / "checkpoints"
     pointer = root / "latest"
@@ -94,40 +94,32 @@ def latest_checkpoint(output: Path) -> Path | None:
     if name and (path / STATE_NAME).is_file():
         return path
     if _STEP_NAME.fullmatch(name) and not os.path.lexists(path):
-        return _newest_complete(root, name)
+        raise _missing_pointer_refusal(root, name)
     raise FlowliftError(
         f"{pointer} names {name or '(nothing)'}, which is missing or incomplete; pass --resume with a complete "
         "checkpoint folder, or --resume none --overwrite to start over"
     )
 
 
-def _newest_complete(root: Path, name: str) -> Path:
-    """What ``--resume auto`` continues from when ``root/latest`` names ``name``, a checkpoint that is not there (a
-    rewrite of it killed between its two renames, or a folder the user removed): the newest complete checkpoint,
-    with a warning, when all of them are one run's. The run retraces the steps since (a resumed run is the
-    uninterrupted one), so only time is lost; refusing would only make the user name that same folder."""
+def _missing_pointer_refusal(root: Path, name: str) -> FlowliftError:
+    """The one line for a ``root/latest`` naming ``name``, a checkpoint that is not there. When a stopped rewrite set
+    its complete copy aside (:data:`ASIDE_SUFFIX`; the next run's hold of the folder would delete it), the line says
+    how to put it back; otherwise it names the newest complete checkpoint to pass to ``--resume``. Never a silent
+    pick: the missing one may have been removed on purpose, or by a failing disk."""
     pointer = root / "latest"
-    complete = [p for p in checkpoint_folders(root.parent) if is_complete(p)]
-    runs = {checkpoint_run_id(p) for p in complete}
-    if len(runs) == 1:
-        warnings.warn(
-            f"{pointer} names {name}, which is missing; resuming from {complete[-1]}, the newest complete checkpoint",
-            FlowliftWarning,
-            stacklevel=3,
-        )
-        return complete[-1]
-    if complete:  # several runs' checkpoints: which run the pointer's belonged to cannot be told
-        raise FlowliftError(
-            f"{pointer} names {name}, which is missing, and {root} holds checkpoints of {len(runs)} runs; pass "
-            f"--resume with the one to continue from (the newest is {complete[-1]})"
-        )
     aside = [p for p in sorted(root.glob(f".{name}.*{ASIDE_SUFFIX}")) if is_complete(p)]
-    if aside:  # the only complete copy is the one a killed rewrite set aside: put it back, then resume
-        raise FlowliftError(
+    if aside:
+        return FlowliftError(
             f"{pointer} names {name}, which is missing: a rewrite of it was stopped and left the complete checkpoint "
             f"{aside[-1].name}; put it back (mv {aside[-1]} {root / name}) and run again"
         )
-    raise FlowliftError(
+    complete = [p for p in checkpoint_folders(root.parent) if is_complete(p)]
+    if complete:
+        return FlowliftError(
+            f"{pointer} names {name}, which is missing; to continue from the newest complete checkpoint pass "
+            f"--resume {complete[-1]}, or --resume none --overwrite to start over"
+        )
+    return FlowliftError(
         f"{pointer} names {name}, which is missing, and {root} holds no complete checkpoint; pass --resume with a "
         "checkpoint folder, or --resume none --overwrite to start over"
     )
@@ -180,25 +172,34 @@ def save_checkpoint(
     """Write checkpoint ``step`` of run ``run_id`` under ``output`` (atomically), point ``latest`` at it and
     prune this run's older ones down to ``config.keep_checkpoints``. ``data``: the identity of the run's dataset
     (:func:`~flowlift.training.data_identity.dataset_identity`), which a resume compares."""
-    from flowlift.models.upscaler_weights import save_upscaler
+    from flowlift.files.atomic_set import deferred_stop_signals
 
-    final = checkpoint_dir(output, step)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_own_partials(final.parent, run_id)
-    # a fresh hidden folder, never one that is there already; the run id goes in first, so that a
-    # killed write's folder carries the proof of whose it is (issue 32.E: only that is ever removed)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
-    (tmp / RUN_ID_NAME).write_text(run_id)
-    try:
-        save_upscaler(ema.module, tmp / EMA_NAME)
-        save_upscaler(_unwrap(model), tmp / RAW_NAME)
-    except FlowliftError as error:  # non-finite weights: nothing of this checkpoint is left behind
-        shutil.rmtree(tmp, ignore_errors=True)
-        problem = str(error).split("; nothing written")[0].removeprefix("save_upscaler: ")
-        raise FlowliftError(
-            f"checkpoint {final} not written: {problem} (the training diverged: lower --lr or weight_decay)"
-        ) from None
-    state = {
+    # A stop signal (a second Ctrl-C, a scheduler's repeated SIGTERM) waits until the checkpoint is whole: cut
+    # short, the stop's own checkpoint was lost and its partial folder left behind (seconds of writing).
+    with deferred_stop_signals():
+        final = checkpoint_dir(output, step)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _remove_own_partials(final.parent, run_id)
+        tmp = _write_partial(
+            final,
+            run_id,
+            model,
+            ema,
+            lambda: _train_state(step, optimizer, scheduler, ema, global_batch, world, config, run_id, data),
+        )
+        _put_in_place(tmp, final, run_id)
+        atomic_write_text(output / "checkpoints" / "latest", final.name)
+        # Only this run's checkpoints are pruned: another run in the same folder (higher steps, or an
+        # older layout without run ids) is never touched.
+        mine = [p for p in checkpoint_folders(output) if checkpoint_run_id(p) == run_id]
+        for old in mine[: -config.keep_checkpoints]:
+            _discard(old)
+    return final
+
+
+def _train_state(step, optimizer, scheduler, ema, global_batch, world, config, run_id, data) -> dict[str, Any]:
+    """What ``train_state.pt`` holds (:func:`read_train_state` reads it back)."""
+    return {
         "step": step,
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
@@ -210,7 +211,37 @@ def save_checkpoint(
         "run_id": run_id,
         "data": data,
     }
-    torch.save(state, tmp / STATE_NAME)
+
+
+def _write_partial(final: Path, run_id: str, model, ema, state: Callable[[], dict[str, Any]]) -> Path:
+    """Checkpoint ``final``'s files written into a fresh hidden partial folder beside it (the weights first, checked
+    finite, then the training ``state()``); returns the folder. However the write ends early (non-finite weights, a
+    full disk, an exception), nothing of it stays."""
+    from flowlift.models.upscaler_weights import save_upscaler
+
+    # a fresh hidden folder, never one that is there already; the run id goes in first, so that a
+    # killed write's folder carries the proof of whose it is (issue 32.E: only that is ever removed)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+    try:
+        (tmp / RUN_ID_NAME).write_text(run_id)
+        try:
+            save_upscaler(ema.module, tmp / EMA_NAME)
+            save_upscaler(_unwrap(model), tmp / RAW_NAME)
+        except FlowliftError as error:  # non-finite weights
+            problem = str(error).split("; nothing written")[0].removeprefix("save_upscaler: ")
+            raise FlowliftError(
+                f"checkpoint {final} not written: {problem} (the training diverged: lower --lr or weight_decay)"
+            ) from None
+        torch.save(state(), tmp / STATE_NAME)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
+def _put_in_place(tmp: Path, final: Path, run_id: str) -> None:
+    """The complete partial folder ``tmp`` renamed to ``final``; this run's own checkpoint there is replaced
+    (:func:`_swap_in`), anything else there is refused (and ``tmp`` removed)."""
     if os.path.lexists(final) and (final.is_symlink() or not final.is_dir()):
         shutil.rmtree(tmp, ignore_errors=True)  # a link, FIFO or file at the name: never replaced or followed
         raise FlowliftError(f"{final} exists and is not a checkpoint folder of this run; it is not replaced")
@@ -219,16 +250,12 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             raise FlowliftError(f"{final} is another run's checkpoint; it is not replaced")
         _swap_in(tmp, final)  # this run's own, written again after a resume
-    else:
+        return
+    try:
         os.replace(tmp, final)
-    pointer = output / "checkpoints" / "latest"
-    atomic_write_text(pointer, final.name)
-    # Only this run's checkpoints are pruned: another run in the same folder (higher steps, or an
-    # older layout without run ids) is never touched.
-    mine = [p for p in checkpoint_folders(output) if checkpoint_run_id(p) == run_id]
-    for old in mine[: -config.keep_checkpoints]:
-        _discard(old)
-    return final
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _aside_name(final: Path) -> Path:

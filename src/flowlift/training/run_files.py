@@ -257,7 +257,8 @@ def hold_run_folder(output: Path) -> int | None:
 
     Held, the folder's partial checkpoints (``.step-*.partial``, flowlift's own files only) are a dead run's: they
     are removed (a run stopped during its first checkpoint left one under a run id no later run has, which the
-    checkpoint writer's own clean-up never matched)."""
+    checkpoint writer's own clean-up never matched), and so is a killed ``latest`` pointer write's temporary
+    folder (only a resume with ``--resume none --overwrite`` swept it)."""
     try:
         import fcntl
     except ImportError:  # not a POSIX system
@@ -274,6 +275,7 @@ def hold_run_folder(output: Path) -> int | None:
     for entry in (output / CHECKPOINTS_NAME).glob(".step-*.partial"):
         if _PARTIAL_NAME.match(entry.name) and _checkpoint_folder_is_flowlifts(entry):
             shutil.rmtree(entry, ignore_errors=True)
+    remove_stale_temporaries(output / CHECKPOINTS_NAME)  # a killed ``latest`` write's (flowlift's own only)
     return descriptor
 
 
