@@ -64,13 +64,18 @@ def read_model_state(path: str | os.PathLike) -> dict[str, Any]:
 
             return dict(load_file(str(path), device="cpu"))
         state = torch.load(str(path), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        if "weights_only" in str(error) or "Weights only" in str(error):
+    except pickle.UnpicklingError:  # torch words a cut pickle and one holding code alike: the file tells them apart
+        from flowlift.models.pickle_checks import unsafe_globals
+
+        unsafe = unsafe_globals(path)
+        if unsafe:
             raise FlowliftError(
                 f"{path}: refused: this pickle needs more than torch.load(weights_only=True) allows "
-                "(pickled code or classes); use a .safetensors export of the model"
+                f"(pickled code or classes: {', '.join(unsafe[:3])}); use a .safetensors export of the model"
             ) from None
-        raise FlowliftError(f"{path}: cannot read: {str(error).splitlines()[0][:200]}") from None
+        raise FlowliftError(
+            f"{path}: cannot read: not a complete PyTorch checkpoint (truncated, corrupt, or another format)"
+        ) from None
     except Exception as error:  # noqa: BLE001 - any reader failure is a bad file to the user
         first = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
         raise FlowliftError(f"{path}: cannot read: {first}") from None

@@ -160,18 +160,10 @@ def read_state_dict(path: str | os.PathLike, *, what: str = "weights") -> dict[s
                 # torch's notes on pickle protocols / storage formats say nothing the user can act on
                 warnings.simplefilter("ignore")
                 state = torch.load(str(path), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        if "global" not in str(error).lower():  # no code object refused: a corrupt or non-pickle file
-            raise FlowliftError(
-                f"{what}: cannot read {path}: not a complete PyTorch tensor checkpoint (truncated, corrupt, or "
-                "another format)"
-            ) from None
-        # torch's own message advises weights_only=False, i.e. running the file's code: never.
-        raise FlowliftError(
-            f"{what}: {path} is a pickle that holds more than tensors; flowlift reads only safetensors or plain "
-            "tensor state dicts (torch.load(weights_only=True)), because unpickling anything else can run "
-            "arbitrary code. Convert it to safetensors from a trusted source."
-        ) from None
+    except pickle.UnpicklingError as error:  # code in the pickle, or a pickle cut short: their fixes differ
+        from flowlift.models.pickle_checks import pickle_refusal
+
+        raise pickle_refusal(path, error, what=what) from None
     except OSError as error:  # the file itself: permissions, a vanished file, an I/O error
         raise FlowliftError(f"{what}: cannot read {path}: {error.strerror or error}") from None
     except Exception:  # noqa: BLE001 - any reader failure is a bad file to the user
