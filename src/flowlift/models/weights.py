@@ -247,13 +247,22 @@ def first_non_finite(state: Mapping[str, torch.Tensor]) -> str | None:
     in one CPU thread (a memory-bound reduction), so that a poisoned file fails here instead of producing black
     images later at a few ms per 100 MB. float8 (no ``aminmax``): its bytes, one tensor-sized uint8 temporary at a
     time (:func:`_fp8_non_finite`; converting to float32 took ~11 s per GB); other dtypes without ``aminmax`` are
-    checked in float32.
+    checked in float32. A GGUF tensor (diffusers' ``GGUFParameter``, uint8 blocks) by its blocks' float16 scales
+    (:func:`flowlift.models.gguf_checks.quantized_non_finite`).
     """
     from flowlift.devices import one_thread
 
     with one_thread("cpu"):
         for name in sorted(state):
             tensor = state[name]
+            quant_type = getattr(tensor, "quant_type", None)  # a GGUF tensor's blocks: its scales, read in place
+            if quant_type is not None and not tensor.is_floating_point():
+                from flowlift.models.gguf_checks import quantized_non_finite
+
+                kind = quantized_non_finite(tensor, quant_type)
+                if kind:
+                    return f"{kind} in `{name}`"
+                continue
             if not tensor.is_floating_point() or not tensor.numel():
                 continue
             if tensor.dtype in _FP8_TOP_FINITE:
