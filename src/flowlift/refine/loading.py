@@ -108,8 +108,9 @@ def _refuse_non_finite(state: dict[str, torch.Tensor], file: Path, what: str) ->
     so only after all of them, naming no file.
 
     :func:`~flowlift.models.weights.first_non_finite` reads each tensor once as it is (bf16, fp16, fp32; an fp8
-    tensor's bytes, a GGUF tensor's block scales): no copy of the model. Measured on a 2-core CPU, one thread: about 0.1 s per GB of bf16
-    weights and 0.2 s per GB of fp8 (a 9B Klein in bf16 ~2 s, small beside reading it from disk).
+    tensor's bytes, a GGUF tensor's block scales): no copy of the model. Measured on a 2-core CPU, one thread:
+    about 0.1 s per GB of bf16 weights, 0.2 s per GB of fp8 and 0.15-0.45 s per GB of GGUF blocks (a 9B Klein in
+    bf16 ~2 s, small beside reading it from disk).
     """
     from flowlift.models.safetensors_headers import refetch_hint
     from flowlift.models.weights import first_non_finite
