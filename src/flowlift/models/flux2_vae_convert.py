@@ -184,10 +184,54 @@ def infer_flux2_config(
     return config
 
 
+#: config.json keys the weights' shapes determine (:func:`infer_flux2_config`), compared before anything is built.
+_FROM_SHAPES = (
+    "in_channels",
+    "out_channels",
+    "block_out_channels",
+    "decoder_block_out_channels",
+    "layers_per_block",
+    "latent_channels",
+    "use_quant_conv",
+    "use_post_quant_conv",
+    "mid_block_add_attention",
+    "patch_size",
+)
+
+
+def _as_plain(value: Any) -> Any:
+    """JSON lists and Python tuples compare alike."""
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def config_problem(config: Mapping[str, Any], state: Mapping[str, torch.Tensor]) -> str | None:
+    """The first value of ``config`` (a diffusers-layout VAE's config.json) that its weights ``state``
+    contradict, said as ``block_out_channels is [100000, ...], the weights hold [128, ...]``; None when they agree
+    or the shapes imply no config (the strict check on the meta model then names the tensors)."""
+    try:
+        implied = infer_flux2_config(state)
+    except FlowliftError:
+        return None
+    implied["decoder_block_out_channels"] = implied["decoder_block_out_channels"] or implied["block_out_channels"]
+    given = dict(config)
+    if given.get("decoder_block_out_channels") is None:  # None: the decoder takes the encoder's widths
+        given.pop("decoder_block_out_channels", None)
+        if "block_out_channels" in given:
+            given["decoder_block_out_channels"] = given["block_out_channels"]
+    for key in ("down_block_types", "up_block_types"):
+        if isinstance(given.get(key), (list, tuple)) and len(given[key]) != len(implied[key]):
+            return f"{key} lists {len(given[key])} blocks, the weights hold {len(implied[key])}"
+    for key in _FROM_SHAPES:
+        if key in given and _as_plain(given[key]) != _as_plain(implied[key]):
+            return f"{key} is {_as_plain(given[key])!r}, the weights hold {_as_plain(implied[key])!r}"
+    return None
+
+
 def flux2_from_state_dict(
     state: Mapping[str, torch.Tensor],
     *,
     config: Mapping[str, Any] | None = None,
+    config_file: str | None = None,
     origin: str = "",
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -197,6 +241,10 @@ def flux2_from_state_dict(
 
     Original (BFL / ComfyUI) keys are converted (:func:`convert_original_flux2_vae`); without a
     ``config`` the architecture is inferred from the tensor shapes (``norm_num_groups`` cannot be).
+    A ``config`` (from ``config_file``, named when it does not fit) is checked against the shapes first
+    (:func:`config_problem`), then the model is built on the meta device and checked strictly, so that a
+    hand-edited config.json (``block_out_channels: [100000, ...]``) is one line and allocates nothing; the
+    weights then become the model's own tensors (no random initialisation).
     """
     from diffusers import AutoencoderKLFlux2  # only now: importing diffusers takes seconds
 
@@ -205,11 +253,21 @@ def flux2_from_state_dict(
     state = dict(state)
     if "bn.running_mean" in state and "bn.num_batches_tracked" not in state:
         state["bn.num_batches_tracked"] = torch.tensor(0, dtype=torch.long)
+    named = f" {config_file}" if config_file else (f" {origin}" if origin else "")
+    problem = config_problem(config, state) if config is not None else None
+    if problem:
+        raise FlowliftError(
+            f"FLUX.2 VAE config{named} does not match its weights: {problem}; put back the config.json that came "
+            "with these weights (fetch the folder again)"
+        )
     if config is None:
         config = infer_flux2_config(state, norm_num_groups=norm_num_groups)
     try:
-        model = AutoencoderKLFlux2.from_config(dict(config))
+        with torch.device("meta"):
+            model = AutoencoderKLFlux2.from_config(dict(config))
     except Exception as error:  # noqa: BLE001 - a bad config file is a user error
-        raise FlowliftError(f"FLUX.2 VAE config{' ' + origin if origin else ''} is invalid: {error}") from None
-    load_strict(model, state, what="FLUX.2 VAE weights", origin=origin)
+        raise FlowliftError(f"FLUX.2 VAE config{named} is invalid: {error}") from None
+    # load_strict names any tensor the meta model still lacks or mis-shapes before the float32 copies become it
+    state = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}
+    load_strict(model, state, what="FLUX.2 VAE weights", origin=origin, assign=True)
     return Flux2VAE(model.to(device=device, dtype=dtype))

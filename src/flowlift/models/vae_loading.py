@@ -127,11 +127,17 @@ def _from_file(path: Path, device: torch.device | str, dtype: torch.dtype) -> An
     if layout != "unknown":
         return taef2_from_state_dicts([(state, str(path))], device=device, dtype=dtype)
     if is_original_flux2_vae(state) or is_diffusers_flux2_vae(state):
-        config = None
-        config_path = path.with_name("config.json")
+        config, config_path = None, path.with_name("config.json")
         if is_diffusers_flux2_vae(state) and config_path.is_file():
             config = _read_config(config_path)
-        return flux2_from_state_dict(state, config=config, origin=str(path), device=device, dtype=dtype)
+        return flux2_from_state_dict(
+            state,
+            config=config,
+            config_file=str(config_path) if config is not None else None,
+            origin=str(path),
+            device=device,
+            dtype=dtype,
+        )
     if is_mage_vae(state):
         if path.suffix != ".safetensors":
             raise FlowliftError(
@@ -190,7 +196,12 @@ def _from_dir(path: Path, device: torch.device | str, dtype: torch.dtype) -> Any
             )
         if config.get("_class_name") == "AutoencoderKLFlux2":
             return flux2_from_state_dict(
-                _diffusers_weights(folder), config=config, origin=str(folder), device=device, dtype=dtype
+                _diffusers_weights(folder),
+                config=config,
+                config_file=str(config_path),
+                origin=str(folder),
+                device=device,
+                dtype=dtype,
             )
         weights = [folder / n for n in ("diffusion_pytorch_model.safetensors", "taef2.safetensors")]
         for file in weights:
