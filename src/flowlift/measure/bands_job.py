@@ -141,7 +141,7 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
     from flowlift.measure import bands as B
     from flowlift.measure import metrics as M
     from flowlift.measure.cache import model_identity
-    from flowlift.models.vae_loading import load_vae
+    from flowlift.models.vae_loading import ENCODE_DECODE, load_vae
 
     device, dtype = resolve_device_dtype(request.device, request.dtype)  # before anything is read
     out_dir = Path(request.output)
@@ -165,7 +165,7 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
             a = np.rint(M.area_resize(a, (round(w * s), round(h * s))) * 255).astype(np.uint8)
         images.append(to_tensor(a))
         _check_every_band_holds_a_bin(p, a.shape[:2], request.max_side)  # before the VAE loads
-    vae = load_vae(request.vae, device=device, dtype=dtype)
+    vae = load_vae(request.vae, device=device, dtype=dtype, needs=ENCODE_DECODE)
     mean, per_image = B.run_bands(
         vae,
         images,

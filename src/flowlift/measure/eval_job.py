@@ -245,9 +245,9 @@ def _run_methods(request: EvalRequest, env: DistEnv) -> EvalReport | None:
     vae = pipeline = None
     identities: dict = {}
     if needs_vae:
-        from flowlift.models.vae_loading import load_vae
+        from flowlift.models.vae_loading import ENCODE_DECODE, load_vae
 
-        vae = load_vae(request.vae, device=device, dtype=dtype)
+        vae = load_vae(request.vae, device=device, dtype=dtype, needs=ENCODE_DECODE)  # every VAE method round-trips
         identities.update(
             vae=model_identity(request.vae),
             device=str(given),

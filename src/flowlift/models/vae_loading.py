@@ -58,8 +58,59 @@ READABLE_LAYOUTS = (
 AnyVAE = TAEF2VAE | Flux2VAE | MageVAE
 
 
-def load_vae(spec: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AnyVAE:
-    """Load a VAE from ``spec`` (see the module docstring) onto ``device`` in ``dtype``."""
+#: What a VAE does with each half: a command needs one or both (:func:`require_vae_parts`).
+VAE_PARTS = {"encode": "encoder", "decode": "decoder"}
+#: What a whole-image round trip needs (upscale, img2img, eval, bands, training's validation).
+ENCODE_DECODE = ("encode", "decode")
+
+
+def load_vae(
+    spec: Any,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    needs: tuple[str, ...] = (),
+) -> AnyVAE:
+    """Load a VAE from ``spec`` (see the module docstring) onto ``device`` in ``dtype``.
+
+    ``needs``: the halves the caller will run (``"encode"``, ``"decode"``, :data:`ENCODE_DECODE`); a VAE that
+    lacks one (a TAEF2 folder or file holding one half, a decode-only Mage-VAE) is refused here in one line
+    (:func:`require_vae_parts`) instead of on every image. Empty: whatever the files hold (a decode-only node).
+    """
+    vae = _load_vae(spec, device, dtype)
+    require_vae_parts(vae, needs, spec=spec)
+    return vae
+
+
+def require_vae_parts(vae: Any, needs: tuple[str, ...], *, spec: Any = None) -> None:
+    """One line (field ``vae``) naming the missing half when ``vae`` cannot do all of ``needs``, with the fix:
+    the other TAEF2 file beside this one, or the full Mage-VAE file. Objects without ``encoder`` / ``decoder``
+    modules (a caller's own VAE) pass."""
+    from flowlift.models.taef2 import TAEF2
+
+    model = getattr(vae, "model", None)
+    missing = [p for p in needs if model is not None and getattr(model, VAE_PARTS[p], True) is None]
+    if not missing:
+        return
+    half = VAE_PARTS[missing[0]]
+    other = "encoder" if half == "decoder" else "decoder"
+    named = f" {os.fspath(spec)}" if isinstance(spec, (str, os.PathLike)) else ""
+    asked = " and ".join("encodes" if p == "encode" else "decodes" for p in needs)
+    if isinstance(model, TAEF2):
+        raise FlowliftError(
+            f"VAE{named}: this TAEF2 has no {half} (its weights hold only the {other}); this run {asked}: put "
+            f"taef2_{half}.pth beside taef2_{other}.pth in one folder (TAEF2 is released as those two files), or "
+            "give a file holding both halves",
+            field="vae",
+        )
+    raise FlowliftError(
+        f"VAE{named}: this VAE has no {half} (a decode-only Mage-VAE file); this run {asked}: give the full "
+        f"released file, or set {FIELD_MARK} to taef2",
+        field="vae",
+    )
+
+
+def _load_vae(spec: Any, device: torch.device | str, dtype: torch.dtype) -> AnyVAE:
     device = resolve_device_option(device)  # one line for a device that does not exist here ('bogus', 'meta')
     dtype = check_dtype(dtype)  # before a file is read: "bf16" is one line, not a TypeError from torch's .to()
     if isinstance(spec, (TAEF2VAE, Flux2VAE, MageVAE)):

@@ -158,7 +158,7 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
     loads), then build (or resume) it: :func:`~flowlift.training.datasets.build_distill_dataset` with
     ``request.teacher``, else :func:`~flowlift.training.datasets.build_images_dataset` with ``request.crops``.
     Returns the manifest."""
-    from flowlift.models.vae_loading import load_vae
+    from flowlift.models.vae_loading import ENCODE_DECODE, load_vae
 
     device = request.device
     degradation = request.degradation
@@ -181,7 +181,7 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
 
         check_distill_inputs(source.teacher, source.prompts, source.prompt_embeds, request.vae)  # all missing at once
         teacher, described = load_teacher(source, device)
-        vae = load_vae(request.vae, device=device, dtype=torch.float32)
+        vae = load_vae(request.vae, device=device, dtype=torch.float32, needs=ENCODE_DECODE)
         described["vae"] = request.vae
         manifest = build_distill_dataset(
             out,
@@ -209,7 +209,7 @@ def run_dataset(request: DatasetRequest) -> dict[str, Any]:
         check_dataset_folder(out, request.overwrite)
         # the images' headers before the VAE loads: an unreadable one, none as large as the crop (one line)
         plan_images_dataset(paths, crops.crop_px, crops.crops_per_image, request.seed, crops.flip, request.vae, False)
-        vae = load_vae(request.vae, device=device, dtype=torch.float32)
+        vae = load_vae(request.vae, device=device, dtype=torch.float32, needs=ENCODE_DECODE)
         manifest = build_images_dataset(
             out,
             paths,

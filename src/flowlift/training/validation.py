@@ -200,9 +200,9 @@ class Validator:
 
     @classmethod
     def from_config(cls, config: Any, *, device: torch.device, output: Path, start_step: int = 0) -> Validator:
-        from flowlift.models.vae_loading import load_vae
+        from flowlift.models.vae_loading import ENCODE_DECODE, load_vae
 
-        vae = load_vae(config.vae, device=device, dtype=torch.float32)
+        vae = load_vae(config.vae, device=device, dtype=torch.float32, needs=ENCODE_DECODE)
         images = load_validation_images(config.val_images, config.val_count, config.val_size)
         return cls(
             vae,

@@ -186,6 +186,7 @@ class UpscaleStep:
         (:attr:`flowlift.jobs.scaleout.BatchShare.todo`), grouped by size with ``batch_size`` N."""
         from flowlift.jobs.distributed import rank_device
         from flowlift.jobs.same_size import SameSizeBatches
+        from flowlift.models.vae_loading import ENCODE_DECODE, require_vae_parts
         from flowlift.progress import report_loading
         from flowlift.upscale.loading import check_upscale_weights
         from flowlift.upscale.pipeline import FlowUpscalerPipeline
@@ -206,6 +207,7 @@ class UpscaleStep:
             compile=request.compile,
             latent_upscaler=request.settings.latent_upscaler,
         )  # the loading line stays until the first image's first stage begins
+        require_vae_parts(pipeline.vae, ENCODE_DECODE, spec=request.settings.vae)  # once, not once per image
         step = cls(request, plan, pipeline)
         if request.batch_size > 1 and env.distributed:
             print(
