@@ -104,7 +104,8 @@ def _fake_vae_module(monkeypatch, vae_cls):
     import types
 
     module = types.ModuleType("flowlift.models.vae_loading")
-    module.load_vae = lambda spec, device="cpu", dtype=torch.float32: vae_cls()
+    module.ENCODE_DECODE = ("encode", "decode")  # what the job asks of the VAE it loads
+    module.load_vae = lambda spec, device="cpu", dtype=torch.float32, needs=(): vae_cls()
     monkeypatch.setitem(sys.modules, "flowlift.models.vae_loading", module)
 
 

@@ -383,7 +383,8 @@ def test_cli_run_with_vae_methods_and_cache(monkeypatch, photos, tmp_path, capsy
     import types
 
     module = types.ModuleType("flowlift.models.vae_loading")
-    module.load_vae = lambda spec, device="cpu", dtype=torch.float32: BlockVAE()
+    module.ENCODE_DECODE = ("encode", "decode")  # what the job asks of the VAE it loads
+    module.load_vae = lambda spec, device="cpu", dtype=torch.float32, needs=(): BlockVAE()
     module.check_vae_spec = lambda spec: None  # the up-front weight check (a local file here)
     monkeypatch.setitem(sys.modules, "flowlift.models.vae_loading", module)
     weights = tmp_path / "vae.safetensors"
