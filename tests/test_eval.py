@@ -59,7 +59,7 @@ def test_parse_methods():
         ("flow:transplant=2", r"\[0, 1\]"),
         ("flow:seed=x", "seed must be an integer in"),
         ("bicubic,bicubic", "twice"),
-        (",", "no methods"),
+        (",", "empty item"),
     ]:
         with pytest.raises(FlowliftError, match=msg):
             MT.parse_methods(bad)

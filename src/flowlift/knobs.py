@@ -350,6 +350,29 @@ def check_paths(name: str, value: Any) -> tuple[Any, ...]:
     return tuple(check_path(name, item) for item in value)
 
 
+def comma_items(text: str | Iterable[str], name: str) -> list[str]:
+    """The items of a comma-separated list (``--run lanczos,bicubic``; a repeated option's texts are one list), each
+    stripped, in order. One line naming ``name`` for an empty item (``lanczos,,bicubic``, a trailing comma: a typo
+    that would drop what was meant between the commas without a word) and for an item given twice."""
+    from flowlift.errors import FIELD_MARK
+
+    texts = [text] if isinstance(text, str) else list(text)
+    items: list[str] = []
+    for part in texts:
+        pieces = [piece.strip() for piece in str(part).split(",")]
+        if "" in pieces:
+            raise FlowliftError(
+                f"{FIELD_MARK} {part!r} has an empty item (two commas together, or one at an end): remove the "
+                "extra comma or put the missing item there",
+                field=name,
+            )
+        for piece in pieces:
+            if piece in items:
+                raise FlowliftError(f"{FIELD_MARK}: {piece!r} given twice: give each item once", field=name)
+            items.append(piece)
+    return items
+
+
 def check_quality(quality: object, name: str = "quality") -> int | None:
     """``quality`` (JPEG/WebP) as an int in 1..100, or None (the default), else one line: not True, 95.7 or "95"."""
     if quality is None:

@@ -70,43 +70,44 @@ class MethodSpec:
 def parse_methods(text: str | Sequence[str]) -> list[MethodSpec]:
     """Parse ``"lanczos,bicubic,flow:transplant=0.5"`` (or a list of such strings) into specs.
 
-    Methods are separated by commas, a method's options by colons. Unknown methods/options, bad
-    values and duplicates raise :class:`FlowliftError`.
+    Methods are separated by commas (:func:`flowlift.knobs.comma_items`: an empty item, ``lanczos,,bicubic``, is
+    refused, not skipped), a method's options by colons. Unknown methods/options, bad values and duplicates (also
+    spelled two ways: ``flow:seed=1:color=on`` and ``flow:color=on:seed=1``) raise :class:`FlowliftError`.
     """
-    items = [text] if isinstance(text, str) else list(text)
+    from flowlift.knobs import comma_items
+
     specs: list[MethodSpec] = []
-    for item in items:
-        for part in (p.strip() for p in item.split(",")):
-            if not part:
-                continue
-            if part.lower().startswith((SPANDREL + ":", SESQUI + ":")):
-                spec = parse_spandrel_method(part) if part.lower().startswith(SPANDREL) else parse_sesqui_method(part)
-                if spec.label in (s.label for s in specs):
-                    raise FlowliftError(f"method {spec.label} given twice (give models distinct labels)")
-                specs.append(spec)
-                continue
-            name, *opts = part.split(":")
-            name = name.strip().lower()
-            if name not in METHODS:
-                raise FlowliftError(
-                    f"unknown method {name!r}; choose from {', '.join(METHODS)}, "
-                    f"{SPANDREL}:MODEL_FILE[:label][{COLORFIX_SUFFIX}] or {SESQUI}:WEIGHTS.safetensors[:label]"
-                )
-            options: dict[str, Any] = {}
-            for opt in opts:
-                key, sep, value = opt.partition("=")
-                key = key.strip()
-                if name != "flow" or not sep or key not in FLOW_OPTIONS:
-                    allowed = ", ".join(f"{k}=" for k in FLOW_OPTIONS) if name == "flow" else "none"
-                    raise FlowliftError(f"method {name}: bad option {opt!r} (options: {allowed})")
-                options[key] = _parse_flow_option(key, value.strip())
-            spec = MethodSpec(name, tuple(sorted(options.items())))
-            if spec in specs:
-                raise FlowliftError(f"method {spec.label} given twice")
-            specs.append(spec)
+    for part in comma_items(text, "run"):
+        spec = _parse_method(part)
+        if spec.label in (s.label for s in specs):
+            models = " (give models distinct labels)" if spec.name in (SPANDREL, SESQUI) else ""
+            raise FlowliftError(f"{FIELD_MARK}: method {spec.label} given twice{models}", field="run")
+        specs.append(spec)
     if not specs:
-        raise FlowliftError("no methods given")
+        raise FlowliftError(f"{FIELD_MARK}: no methods given", field="run")
     return specs
+
+
+def _parse_method(part: str) -> MethodSpec:
+    """One item of ``--run`` (:func:`parse_methods`) as its spec."""
+    if part.lower().startswith((SPANDREL + ":", SESQUI + ":")):
+        return parse_spandrel_method(part) if part.lower().startswith(SPANDREL) else parse_sesqui_method(part)
+    name, *opts = part.split(":")
+    name = name.strip().lower()
+    if name not in METHODS:
+        raise FlowliftError(
+            f"unknown method {name!r}; choose from {', '.join(METHODS)}, "
+            f"{SPANDREL}:MODEL_FILE[:label][{COLORFIX_SUFFIX}] or {SESQUI}:WEIGHTS.safetensors[:label]"
+        )
+    options: dict[str, Any] = {}
+    for opt in opts:
+        key, sep, value = opt.partition("=")
+        key = key.strip()
+        if name != "flow" or not sep or key not in FLOW_OPTIONS:
+            allowed = ", ".join(f"{k}=" for k in FLOW_OPTIONS) if name == "flow" else "none"
+            raise FlowliftError(f"method {name}: bad option {opt!r} (options: {allowed})")
+        options[key] = _parse_flow_option(key, value.strip())
+    return MethodSpec(name, tuple(sorted(options.items())))
 
 
 def parse_spandrel_method(text: str) -> MethodSpec:

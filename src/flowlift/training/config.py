@@ -14,7 +14,7 @@ from typing import Any
 
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.json_input import MAX_JSON_DEPTH, nesting_depth, parse_json
-from flowlift.knobs import SEED, Knob, table
+from flowlift.knobs import SEED, Knob, comma_items, table
 
 
 @dataclass
@@ -206,7 +206,7 @@ def _coerce(name: str, value: Any) -> Any:
         text = value.strip().lower()
         value = True if text in _TRUE else False if text in _FALSE else value
     elif isinstance(value, str) and knob.kind is list:
-        value = [item for item in (part.strip() for part in value.split(",")) if item]
+        value = comma_items(value, name) if value.strip() else []  # an empty text is the empty list
     return knob.check(value, label=name, loose=True)
 
 
