@@ -1,6 +1,6 @@
-"""``metrics.png`` says what ``table.md`` says: its bars are the table's means, so a method whose mean PSNR is ``inf``
-(one image identical to its ground truth) is a bar above every measured one, marked ``inf``, not the mean of its
-finite images (tested on the panels the figure is drawn from)."""
+"""``metrics.png`` says what ``table.md`` says: its bars are the table's means and its dots every image as the table
+counts it, so an image identical to its ground truth (PSNR ``inf``) is a dot at the table's 100 dB ceiling and its
+method's bar the table's finite mean (tested on the panels the figure is drawn from)."""
 
 from __future__ import annotations
 
@@ -21,17 +21,24 @@ def _report() -> EvalReport:
     return report
 
 
-def test_an_infinite_mean_psnr_is_a_marked_bar_above_every_finite_one_as_in_the_table():
+def test_an_identical_images_psnr_is_a_dot_at_the_ceiling_and_the_bar_the_tables_mean():
     report = _report()
     table = R.markdown_table(report)
-    assert "| copy | mean |" in table and "| inf |" in table.split("| copy | mean |")[1].splitlines()[0]
+    assert "| 65.50 |" in table.split("| copy | mean |")[1].splitlines()[0]
     (panel,) = [p for p in R.figure_panels(report) if p.key == "psnr_gt"]
     bars = {bar.label: bar for bar in panel.bars}
-    assert bars["copy"].text == "inf"  # the table's word, over the bar
-    assert bars["copy"].height == panel.cap > 31.0  # not 31.0, the mean of its one finite image
-    assert sorted(bars["copy"].dots) == [31.0, panel.cap]  # the identical image's dot at the cap
-    assert bars["blur"].text is None and bars["blur"].height == 27.0 < panel.cap
+    assert bars["copy"].text is None and bars["copy"].height == 65.5  # (100 + 31) / 2, as the table
+    assert sorted(bars["copy"].dots) == [31.0, 100.0]  # the identical image's dot at the ceiling
+    assert bars["blur"].text is None and bars["blur"].height == 27.0
     assert panel.labels == ("copy", "blur")
+
+
+def test_a_non_finite_mean_is_still_a_marked_bar():
+    report = _report()
+    report.results["copy"]["a"]["sharpness"] = math.nan  # no metric measures NaN; the figure still says it
+    (panel,) = [p for p in R.figure_panels(report) if p.key == "sharpness"]
+    bars = {bar.label: bar for bar in panel.bars}
+    assert bars["copy"].text == "nan" and bars["blur"].text is None
 
 
 def test_every_finite_bar_is_the_tables_mean():

@@ -104,14 +104,38 @@ WORST_RULE = {
 }
 
 
+#: The PSNRs a report's mean and worst rows hold to :data:`PSNR_CEILING_DB`.
+PSNR_KEYS = ("psnr_input", "psnr_gt", "psnr_y")
+#: The most a PSNR counts for in a report's mean and worst rows, in dB: an image identical to its reference measures
+#: ``inf``, and one such image made the mean ``inf``, hiding every other image. 100 dB, as the SR scripts that return
+#: 100 for a zero MSE (BasicSR's and pyiqa's PyTorch PSNRs add 1e-8 to the MSE: 80 dB); above any difference worth
+#: telling apart (an 8-bit pair one level apart in one sample of a 256x256 image measures 101 dB). Each image's own
+#: PSNR (``results.json``'s ``images``) stays as measured.
+PSNR_CEILING_DB = 100.0
+
+
+def summary_values(key: str, values: Sequence[float]) -> np.ndarray:
+    """``values`` of metric ``key`` as a report's rows count them: a PSNR (:data:`PSNR_KEYS`) at most
+    :data:`PSNR_CEILING_DB`, anything else as measured."""
+    array = np.array(values, dtype=np.float64)
+    return np.minimum(array, PSNR_CEILING_DB) if key in PSNR_KEYS else array
+
+
+def capped_counts(per_image: dict[str, dict[str, float]]) -> dict[str, int]:
+    """How many images' PSNR each row holds to :data:`PSNR_CEILING_DB` (only keys with at least one)."""
+    counts = {k: sum(k in m and m[k] > PSNR_CEILING_DB for m in per_image.values()) for k in PSNR_KEYS}
+    return {k: n for k, n in counts.items() if n}
+
+
 def summarize(per_image: dict[str, dict[str, float]]) -> tuple[dict[str, float], dict[str, float]]:
     """``(mean, worst)`` over images for every metric any image has (worst per :data:`WORST_RULE`), each over the
-    images that have it (``l1`` / ``identical_pct``: the same-size pairs only)."""
+    images that have it (``l1`` / ``identical_pct``: the same-size pairs only); a PSNR counts for at most
+    :data:`PSNR_CEILING_DB` (:func:`summary_values`)."""
     keys = list(dict.fromkeys(k for metrics in per_image.values() for k in metrics))
     mean: dict[str, float] = {}
     worst: dict[str, float] = {}
     for k in keys:
-        values = np.array([m[k] for m in per_image.values() if k in m], dtype=np.float64)
+        values = summary_values(k, [m[k] for m in per_image.values() if k in m])
         mean[k] = float(values.mean())
         rule = WORST_RULE.get(k, "abs")
         if rule == "abs":
@@ -132,11 +156,15 @@ class EvalReport:
     cached: int = 0
     computed: int = 0
 
-    def summary(self) -> dict[str, dict[str, dict[str, float]]]:
-        out = {}
+    def summary(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """Per method: its ``mean`` and ``worst`` rows (:func:`summarize`) and, when it held any image's PSNR to
+        :data:`PSNR_CEILING_DB`, ``capped``: how many, per PSNR."""
+        out: dict[str, dict[str, dict[str, Any]]] = {}
         for label, per_image in self.results.items():
             mean, worst = summarize(per_image)
             out[label] = {"mean": mean, "worst": worst}
+            if capped := capped_counts(per_image):
+                out[label]["capped"] = capped
         return out
 
     def to_json(self) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from flowlift.files.own_files import (
     report_json,
     software,
 )
-from flowlift.measure.evaluate import EvalReport
+from flowlift.measure.evaluate import PSNR_CEILING_DB, PSNR_KEYS, EvalReport, summary_values
 
 #: (metric key, column header, format) in table order; a column appears when any row has it.
 COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -84,8 +84,24 @@ def markdown_table(report: EvalReport) -> str:
         "\n".join(lines)
         + f"\n\n{n} image(s); drift and PSNR in at input scale (INTER_AREA), Lab units"
         + (SR_METRICS_NOTE if "psnr_y" in present else "")
+        + ceiling_note(summary)
         + ".\n"
         + "".join(f"{note}\n" for note in notes)
+    )
+
+
+def ceiling_note(summary: dict) -> str:
+    """The table's rule for a PSNR past :data:`~flowlift.measure.evaluate.PSNR_CEILING_DB` (an identical pair's
+    ``inf``) and the rows it held, when a PSNR column is there: ``; mean and worst rows count each image's PSNR as at
+    most 100 dB (an identical pair's is inf; held there: copy PSNR gt 1 image(s))``."""
+    if not any(key in s["mean"] for s in summary.values() for key in PSNR_KEYS):
+        return ""
+    headers = {key: header.removesuffix(" (dB)") for key, header, _ in COLUMNS}
+    held = [f"{label} {headers[key]} {n}" for label, s in summary.items() for key, n in s.get("capped", {}).items()]
+    where = f"; held there: {', '.join(held)} image(s)" if held else ""
+    return (
+        f"; mean and worst rows count each image's PSNR as at most {PSNR_CEILING_DB:g} dB "
+        f"(an identical pair's is inf{where})"
     )
 
 
@@ -156,7 +172,10 @@ def figure_panels(report: EvalReport) -> list[FigurePanel]:
     labels = tuple(k for k in report.results if k != "(ground truth)")
     panels = []
     for key, title in FIGURE_METRICS:
-        values = {label: [m[key] for m in report.results[label].values() if key in m] for label in labels}
+        values = {  # as the table counts them: a PSNR at most the ceiling
+            label: [float(v) for v in summary_values(key, [m[key] for m in report.results[label].values() if key in m])]
+            for label in labels
+        }
         if not any(key in m for r in report.results.values() for m in r.values()):
             continue
         cap = bar_cap([v for vs in values.values() for v in vs])
