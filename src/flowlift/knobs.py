@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from flowlift.errors import FlowliftError
+from flowlift.errors import FIELD_MARK, FlowliftError
 
 #: The largest seed: what ComfyUI's seed widgets and ``torch.Generator.manual_seed`` accept (2^64 - 1).
 SEED_MAX = 2**64 - 1
@@ -306,8 +307,6 @@ def check_seed(seed: Any) -> int | list[int]:
 
 def check_count(name: str, value: Any) -> int:
     """``value`` as an int if it is a non-negative integer (numpy ints too; not bool, not 1.5), else one line."""
-    import numbers
-
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise FlowliftError(f"{name} must be a non-negative integer, got {value!r}", field=name)
     return int(value)
@@ -315,8 +314,6 @@ def check_count(name: str, value: Any) -> int:
 
 def check_unit_interval(name: str, value: Any) -> float:
     """``value`` as a float if it is a real number in [0, 1] (not bool, not a string, not NaN), else one line."""
-    import numbers
-
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
         raise FlowliftError(f"{name} must be in [0, 1], got {value!r}", field=name)
     return float(value)
@@ -325,8 +322,6 @@ def check_unit_interval(name: str, value: Any) -> float:
 def check_path(name: str, value: Any, *, optional: bool = False) -> Any:
     """``value`` if it names a file (a non-empty ``str`` or ``os.PathLike``; None too when ``optional``), else one line
     naming ``name``: an empty name would quietly mean the working folder or a default."""
-    import os
-
     if value is None and optional:
         return None
     text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
@@ -341,8 +336,6 @@ def check_path(name: str, value: Any, *, optional: bool = False) -> Any:
 def check_paths(name: str, value: Any) -> tuple[Any, ...]:
     """A sequence of paths as a tuple, each :func:`check_path`; one ``str`` (or path) is one path, never its
     characters."""
-    import os
-
     if isinstance(value, (str, os.PathLike)):
         value = (value,)
     if not isinstance(value, (list, tuple)):
@@ -351,24 +344,14 @@ def check_paths(name: str, value: Any) -> tuple[Any, ...]:
 
 
 def comma_items(text: str | Iterable[str], name: str) -> list[str]:
-    """The items of a comma-separated list (``--run lanczos,bicubic``; a repeated option's texts are one list), each
-    stripped, in order. One line naming ``name`` for an empty item (``lanczos,,bicubic``, a trailing comma: a typo
-    that would drop what was meant between the commas without a word) and for an item given twice."""
-    from flowlift.errors import FIELD_MARK
-
-    texts = [text] if isinstance(text, str) else list(text)
+    """The stripped items of a comma-separated list (``--run a,b``; a repeated option's texts are one list), else one
+    line naming ``name``: an empty item (``a,,b``, ``a,``: a typo that dropped an item without a word), a repeat."""
     items: list[str] = []
-    for part in texts:
-        pieces = [piece.strip() for piece in str(part).split(",")]
-        if "" in pieces:
-            raise FlowliftError(
-                f"{FIELD_MARK} {part!r} has an empty item (two commas together, or one at an end): remove the "
-                "extra comma or put the missing item there",
-                field=name,
-            )
-        for piece in pieces:
-            if piece in items:
-                raise FlowliftError(f"{FIELD_MARK}: {piece!r} given twice: give each item once", field=name)
+    for part in [text] if isinstance(text, str) else text:
+        for piece in (piece.strip() for piece in str(part).split(",")):
+            if not piece or piece in items:
+                why = f"gives {piece!r} twice" if piece else "has an empty item (two commas together, or one at an end)"
+                raise FlowliftError(f"{FIELD_MARK} {part!r} {why}: give each item once, none empty", field=name)
             items.append(piece)
     return items
 
