@@ -224,7 +224,7 @@ def test_pairs_mode_identical_and_shifted(photos, tmp_path):
         Image.fromarray(shifted).save(outs / f"{p.stem}.png")
     (outs / "unpaired.png").write_bytes((outs / "kodim03.png").read_bytes())
     with pytest.warns(FlowliftWarning, match=r"1 output\(s\) left out, each without a reference .*: unpaired.png"):
-        report = P.evaluate_pairs([outs], photos, box=(0, 0, 32, 32))
+        report = P.evaluate_pairs([outs], photos, measuring=E.MeasureSettings(box=(0, 0, 32, 32)))
     res = report.results["outputs"]
     assert set(res) == {"kodim03", "kodim07", "kodim23"} and report.config["unpaired_outputs"] == ["unpaired"]
     same = res["kodim07"]

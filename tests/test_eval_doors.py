@@ -133,6 +133,7 @@ def test_run_eval_refuses_a_box_past_the_photos_before_any_model_loads(shared, p
 
 def test_pairs_refuse_a_box_past_an_output_before_measuring(tmp_path, monkeypatch):
     from flowlift.measure import pairs as P
+    from flowlift.measure.evaluate import MeasureSettings
 
     for folder, size in (("outs", (64, 64)), ("refs", (32, 32))):
         (tmp_path / folder).mkdir()
@@ -143,7 +144,7 @@ def test_pairs_refuse_a_box_past_an_output_before_measuring(tmp_path, monkeypatc
     measured = []
     monkeypatch.setattr(P, "measure", lambda *args, **kwargs: measured.append(args) or {})
     with pytest.raises(FlowliftError, match=r"box x,y,w,h = 0,0,40,40 is not inside the 32x32 output .*b\.png"):
-        P.evaluate_pairs([str(tmp_path / "outs")], tmp_path / "refs", box=(0, 0, 40, 40))
+        P.evaluate_pairs([str(tmp_path / "outs")], tmp_path / "refs", measuring=MeasureSettings(box=(0, 0, 40, 40)))
     assert measured == []
 
 

@@ -25,7 +25,7 @@ from flowlift.upscale.loading import DEFAULT_VAE
 
 if TYPE_CHECKING:
     from flowlift.jobs.distributed import DistEnv
-    from flowlift.measure.evaluate import EvalReport
+    from flowlift.measure.evaluate import EvalReport, MeasureSettings
     from flowlift.measure.methods import MethodSpec
 
 __all__ = ["EvalRequest", "run_eval"]
@@ -94,6 +94,13 @@ class EvalRequest:
             check_kind(name, getattr(self, name), bool, "True or False")
         check_kind("progress", self.progress, bool, "True, False", optional=True)
 
+    @property
+    def measuring(self) -> MeasureSettings:
+        """How each output is measured (:class:`~flowlift.measure.evaluate.MeasureSettings`), from the fields."""
+        from flowlift.measure.evaluate import MeasureSettings
+
+        return MeasureSettings(box=self.box)
+
 
 def run_eval(request: EvalRequest) -> tuple[EvalReport, dict[str, Path]] | None:
     """Check the request (the replace rule at every name, before any model loads or metric runs), measure, write
@@ -142,7 +149,7 @@ def run_eval(request: EvalRequest) -> tuple[EvalReport, dict[str, Path]] | None:
             request.outputs,
             request.reference,
             request.ground_truth,
-            box=request.box,
+            measuring=request.measuring,
             figure_images=request.figure_images,
             progress=request.progress,
         )
@@ -279,7 +286,7 @@ def _run_methods(request: EvalRequest, env: DistEnv) -> EvalReport | None:
             method_fns=fns,
             identities=identities,
             cache_dir=cache_dir,
-            box=request.box,
+            measuring=request.measuring,
             limit=request.limit,
             figure_images=request.figure_images,
             progress=request.progress if env.is_main else False,  # a launched eval: rank 0's progress only

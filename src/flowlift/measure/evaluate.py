@@ -47,17 +47,36 @@ from flowlift.measure.methods import (
 )
 
 
+@dataclass(frozen=True)
+class MeasureSettings:
+    """How each output is measured, the same in both modes of ``flowlift eval`` (:func:`evaluate_methods`,
+    :func:`flowlift.measure.pairs.evaluate_pairs`): ``box`` (x, y, w, h in output pixels) is where grey levels are
+    counted and what the figure crops (None: levels not counted, a centred square shown). Checked when made."""
+
+    box: Box | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "box", M.check_box(self.box))
+
+
+#: The settings a caller who gives none measures with (frozen: one shared default).
+MEASURE_DEFAULTS = MeasureSettings()
+
+
 def measure(
     output: np.ndarray,
     reference: np.ndarray,
     ground_truth: np.ndarray | None = None,
-    box: Box | None = None,
+    settings: MeasureSettings = MEASURE_DEFAULTS,
 ) -> dict[str, float]:
     """All metrics of one output: A against ``reference`` (its input), B on the output (levels in
-    ``box``), L1 / identical pixels when output and reference have the same size, C against
+    ``settings.box``), L1 / identical pixels when output and reference have the same size, C against
     ``ground_truth`` when given (PSNR-Y / SSIM-Y with :func:`y_shave` px off each border)."""
+    from flowlift.knobs import check_kind
+
+    check_kind("settings", settings, MeasureSettings, "a MeasureSettings")
     result = M.drift_at_input_scale(output, reference)
-    result.update(M.detail(output, box))
+    result.update(M.detail(output, settings.box))
     if output.shape == reference.shape:
         result.update(M.pixel_agreement(output, reference))
     if ground_truth is not None:
@@ -188,7 +207,7 @@ def evaluate_methods(
     method_fns: dict[str, MethodFn] | None = None,
     identities: dict[str, Any] | None = None,
     cache_dir: Path | None = None,
-    box: Box | None = None,
+    measuring: MeasureSettings = MEASURE_DEFAULTS,
     limit: int | None = None,
     figure_images: int = 3,
     progress: bool | None = False,
@@ -207,14 +226,18 @@ def evaluate_methods(
     enters the cache key of VAE methods (``vae``, ``upscaler``, ``device``, ``dtype``). Rows also
     include ``(ground truth)`` with the photos' own detail metrics. ``indices`` (positions in
     :func:`dataset_paths`) restricts the work to those images: one rank's share of a sharded run,
-    whose results reach the merged report through the cache.
+    whose results reach the merged report through the cache. ``measuring``: how each output is measured
+    (:class:`MeasureSettings`: the box).
 
     ``scale`` may be fractional (1.5; :func:`flowlift.measure.inputs.check_scale`). A method that cannot
     reach it (:func:`flowlift.measure.methods.unreachable`) is not run: ``config["skipped"]`` holds its
     reason and the table prints it; when none reaches it, one FlowliftError line names each reason and nothing runs.
     """
     from flowlift.console import progress_bar
+    from flowlift.knobs import check_kind
 
+    check_kind("measuring", measuring, MeasureSettings, "a MeasureSettings")
+    box = measuring.box
     scale = check_scale(scale)
     check_something_measured(methods, scale)
     skipped = {m.label: reason for m in methods if (reason := unreachable(m, scale))}
@@ -261,7 +284,7 @@ def evaluate_methods(
                 _save_pair(Path(save_outputs), name, low, gt)
             for spec in methods:
                 metrics, crop_img, cached = _method_result(
-                    spec, name, low, gt, crop, base, scale, box, identities, cache, method_fns, save_outputs
+                    spec, name, low, gt, crop, base, scale, measuring, identities, cache, method_fns, save_outputs
                 )
                 report.cached += cached
                 report.computed += not cached
@@ -336,7 +359,7 @@ def _method_result(
     crop: Box,
     base: dict[str, Any],
     scale: float,
-    box: Box | None,
+    measuring: MeasureSettings,
     identities: dict[str, Any],
     cache: ResultCache,
     method_fns: dict[str, MethodFn],
@@ -373,7 +396,7 @@ def _method_result(
     output = fn(low, gt)
     if output.shape != gt.shape or output.dtype != np.uint8:
         raise FlowliftError(f"method {spec.label} returned {output.shape} {output.dtype}, expected {gt.shape} uint8")
-    metrics = measure(output, low, gt, box)
+    metrics = measure(output, low, gt, measuring)
     if saved is not None:
         meta = {"flowlift": {**fields, "image": name}}
         save_image_atomic(Image.fromarray(output), saved, meta, overwrite=True)  # run_eval checked the names

@@ -14,8 +14,8 @@ from pathlib import Path
 from flowlift.errors import FlowliftError
 from flowlift.files.naming import index_by_stem
 from flowlift.measure import metrics as M
-from flowlift.measure.evaluate import EvalReport, measure, y_shave
-from flowlift.measure.inputs import Box, default_crop, input_crop, load_rgb
+from flowlift.measure.evaluate import MEASURE_DEFAULTS, EvalReport, MeasureSettings, measure, y_shave
+from flowlift.measure.inputs import default_crop, input_crop, load_rgb
 
 
 def evaluate_pairs(
@@ -23,7 +23,7 @@ def evaluate_pairs(
     reference: str | Path,
     ground_truth: str | Path | None = None,
     *,
-    box: Box | None = None,
+    measuring: MeasureSettings = MEASURE_DEFAULTS,
     label: str = "outputs",
     figure_images: int = 3,
     progress: bool | None = False,
@@ -33,11 +33,15 @@ def evaluate_pairs(
     and ``flowlift colorfix``'s names) with ``<stem>`` (:func:`flowlift.files.naming.pair_by_stem`); one
     output file given with one reference file is a pair whatever their names. Images without a
     counterpart are skipped; none paired is an error, and so is a pair that is not an upscale by one
-    integer factor on both axes (:func:`check_pair_sizes`)."""
+    integer factor on both axes (:func:`check_pair_sizes`). ``measuring``: how each output is measured
+    (:class:`~flowlift.measure.evaluate.MeasureSettings`: the box)."""
     from flowlift.console import progress_bar
     from flowlift.files.images import image_size, list_images
     from flowlift.files.naming import explicit_pair, pair_by_stem
+    from flowlift.knobs import check_kind
 
+    check_kind("measuring", measuring, MeasureSettings, "a MeasureSettings")
+    box = measuring.box
     out_paths = list_images([str(o) for o in outputs])
     index_by_stem(out_paths, "outputs")
     named = explicit_pair([str(o) for o in outputs], [str(reference)])
@@ -87,7 +91,7 @@ def evaluate_pairs(
             ref = load_rgb(refs[name])
             gt = load_rgb(gts[name]) if gts is not None else None
             try:
-                report.results[label][name] = measure(out, ref, gt, box)
+                report.results[label][name] = measure(out, ref, gt, measuring)
             except FlowliftError as error:
                 raise FlowliftError(f"{outs[name]}: {error}") from None
             report.computed += 1
