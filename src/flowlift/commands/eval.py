@@ -32,6 +32,7 @@ from flowlift.commands._options import (
 from flowlift.console import show_progress
 from flowlift.measure.inputs import scale_argument
 from flowlift.measure.methods import SPANDREL_TILE, SPANDREL_TILE_OVERLAP
+from flowlift.measure.sr_metrics import Y_CHANNEL
 
 EPILOG = """\
 methods for --run:
@@ -125,6 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PX",
         help=f"{SPANDREL_TILE_OVERLAP.help} (default {SPANDREL_TILE_OVERLAP.default})",
     )
+    add_knob(parser, Y_CHANNEL)
     add_output_option(parser, "folder for results.json, table.md, metrics.png, crops.png", required=True)
     add_report_overwrite_option(parser)
     parser.add_argument("--cache", type=name_or_path, default=None, help="result cache folder (default OUT/cache)")
@@ -168,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         no_cache=args.no_cache,
         save_outputs=args.save_outputs,
         figure_images=args.figure_images,
+        y_channel=args.y_channel,
         barrier_timeout=args.barrier_timeout,
         progress=show_progress(args),
     )

@@ -21,6 +21,7 @@ from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.jobs.distributed import DEFAULT_BARRIER_TIMEOUT_S
 from flowlift.knobs import SCALE
 from flowlift.measure.methods import SPANDREL_TILE, spandrel_tiling
+from flowlift.measure.sr_metrics import Y_CHANNEL
 from flowlift.upscale.loading import DEFAULT_VAE
 
 if TYPE_CHECKING:
@@ -39,7 +40,8 @@ class EvalRequest:
     ``ground_truth``): images already made, measured against their inputs; or ``run`` (method specs, e.g.
     ``"lanczos,flow:seed=1"``) with ``dataset``: the methods run at ``scale`` on low-res inputs made from the
     photos. ``device``/``dtype`` as the command line spells them (``"auto"``); ``upscaler=None`` is the
-    released weights; ``cache=None`` is ``output/cache``; ``tile``/``tile_overlap`` are the spandrel tiling."""
+    released weights; ``cache=None`` is ``output/cache``; ``tile``/``tile_overlap`` are the spandrel tiling;
+    ``y_channel`` is PSNR-Y / SSIM-Y's luma (:data:`flowlift.measure.sr_metrics.Y_CHANNEL`)."""
 
     output: str | os.PathLike
     outputs: Sequence[str] = ()
@@ -61,6 +63,7 @@ class EvalRequest:
     no_cache: bool = False
     save_outputs: bool = False
     figure_images: int = 3
+    y_channel: str = Y_CHANNEL.default  # PSNR-Y / SSIM-Y's luma: matlab (rounded) or basicsr (unrounded)
     barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT_S
     progress: bool | None = False  # flowlift.console.progress_bar's enabled
 
@@ -86,6 +89,7 @@ class EvalRequest:
         object.__setattr__(self, "scale", check_scale(self.scale))
         spandrel_tiling(self.tile, self.tile_overlap)  # with or without a spandrel method: a bad value is refused
         object.__setattr__(self, "box", check_box(self.box))
+        object.__setattr__(self, "y_channel", Y_CHANNEL.check(self.y_channel))
         object.__setattr__(self, "limit", check_positive("limit", self.limit, integer=True, optional=True))
         object.__setattr__(self, "figure_images", check_positive("figure_images", self.figure_images, integer=True))
         check_positive("barrier_timeout", self.barrier_timeout)
@@ -99,7 +103,7 @@ class EvalRequest:
         """How each output is measured (:class:`~flowlift.measure.evaluate.MeasureSettings`), from the fields."""
         from flowlift.measure.evaluate import MeasureSettings
 
-        return MeasureSettings(box=self.box)
+        return MeasureSettings(box=self.box, y_channel=self.y_channel)
 
 
 def run_eval(request: EvalRequest) -> tuple[EvalReport, dict[str, Path]] | None:

@@ -51,12 +51,16 @@ from flowlift.measure.methods import (
 class MeasureSettings:
     """How each output is measured, the same in both modes of ``flowlift eval`` (:func:`evaluate_methods`,
     :func:`flowlift.measure.pairs.evaluate_pairs`): ``box`` (x, y, w, h in output pixels) is where grey levels are
-    counted and what the figure crops (None: levels not counted, a centred square shown). Checked when made."""
+    counted and what the figure crops (None: levels not counted, a centred square shown); ``y_channel`` the luma of
+    PSNR-Y / SSIM-Y (:data:`flowlift.measure.sr_metrics.Y_CHANNEL`: ``matlab`` rounded, ``basicsr`` unrounded).
+    Checked when made."""
 
     box: Box | None = None
+    y_channel: str = M.Y_CHANNEL.default
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "box", M.check_box(self.box))
+        object.__setattr__(self, "y_channel", M.Y_CHANNEL.check(self.y_channel))
 
 
 #: The settings a caller who gives none measures with (frozen: one shared default).
@@ -85,7 +89,8 @@ def measure(
                 f"ground truth {ground_truth.shape[1]}x{ground_truth.shape[0]} and output "
                 f"{output.shape[1]}x{output.shape[0]} differ in size"
             )
-        result.update(M.fidelity(output, ground_truth, y_shave(output.shape, reference.shape)))
+        shave = y_shave(output.shape, reference.shape)
+        result.update(M.fidelity(output, ground_truth, shave, settings.y_channel))
     return result
 
 
@@ -227,7 +232,7 @@ def evaluate_methods(
     include ``(ground truth)`` with the photos' own detail metrics. ``indices`` (positions in
     :func:`dataset_paths`) restricts the work to those images: one rank's share of a sharded run,
     whose results reach the merged report through the cache. ``measuring``: how each output is measured
-    (:class:`MeasureSettings`: the box).
+    (:class:`MeasureSettings`: the box, PSNR-Y's luma).
 
     ``scale`` may be fractional (1.5; :func:`flowlift.measure.inputs.check_scale`). A method that cannot
     reach it (:func:`flowlift.measure.methods.unreachable`) is not run: ``config["skipped"]`` holds its
@@ -257,6 +262,7 @@ def evaluate_methods(
             "methods": [m.label for m in methods],
             "skipped": skipped,
             "box": box,
+            "y_channel": measuring.y_channel,
             "images": [p.stem for p in paths],
             **{k: v for k, v in identities.items()},
         }
@@ -280,6 +286,7 @@ def evaluate_methods(
                 report.crops["input"][name] = input_crop(low, size, crop)
                 report.crops["ground truth"][name] = M.as_uint8_rgb(M.crop_box(gt, crop))  # a figure's: 8 bits
             base = {"v": CACHE_VERSION, "scale": scale, "box": box, "crop": crop, "input": array_digest(low, gt)}
+            base["y_channel"] = measuring.y_channel  # PSNR-Y / SSIM-Y's luma
             if save_outputs is not None:
                 _save_pair(Path(save_outputs), name, low, gt)
             for spec in methods:

@@ -132,3 +132,9 @@ def same_precision(a: Any, b: Any) -> tuple[np.ndarray, np.ndarray]:
     if np.uint16 in (ra.dtype, rb.dtype):
         return as_uint16_rgb(ra, "image a"), as_uint16_rgb(rb, "image b")
     return as_uint8_rgb(ra, "image a"), as_uint8_rgb(rb, "image b")
+
+
+def check_same_size(a: np.ndarray, b: np.ndarray) -> None:
+    """One line unless ``a`` and ``b`` (HW or HWC arrays) have one shape."""
+    if a.shape != b.shape:
+        raise FlowliftError(f"images differ in size: {a.shape[1]}x{a.shape[0]} vs {b.shape[1]}x{b.shape[0]}")

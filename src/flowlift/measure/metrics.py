@@ -18,7 +18,8 @@ Protocol B -- detail (:func:`sharpness`, :func:`hf_energy`, :func:`grey_levels`,
 :func:`pixel_agreement`, :func:`detail`).
 Protocol C -- fidelity to a ground truth of the output's size (:func:`psnr`, :func:`ssim`,
 :func:`fidelity`), and on the luma channel as super-resolution papers report it (:func:`psnr_y`,
-:func:`ssim_y`: MATLAB ``rgb2ycbcr``'s BT.601 Y from 8-bit RGB, ``scale`` px shaved off each border).
+:func:`ssim_y`: MATLAB ``rgb2ycbcr``'s BT.601 Y from 8-bit RGB, rounded as MATLAB's or unrounded as BasicSR's,
+``scale`` px shaved off each border; :mod:`flowlift.measure.sr_metrics`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,20 @@ from flowlift.measure.image_arrays import (
     as_float_rgb,
     as_uint8_rgb,
     as_uint16_rgb,
+    check_same_size,
     rgb_array,
     same_precision,
+)
+from flowlift.measure.sr_metrics import (
+    SSIM_WINDOW,
+    Y_CHANNEL,
+    YCBCR_Y_OFFSET,
+    YCBCR_Y_WEIGHTS,
+    luma_pair,
+    psnr_y,
+    shave_border,
+    ssim_y,
+    ycbcr_y,
 )
 
 LUMA_WEIGHTS = (0.299, 0.587, 0.114)
@@ -46,6 +59,10 @@ Box = tuple[int, int, int, int]
 
 __all__ = [
     "LUMA_WEIGHTS",
+    "SSIM_WINDOW",
+    "YCBCR_Y_OFFSET",
+    "YCBCR_Y_WEIGHTS",
+    "Y_CHANNEL",
     "area_resize",
     "as_float_rgb",
     "as_uint8_rgb",
@@ -264,7 +281,7 @@ def pixel_agreement(a: Any, b: Any) -> dict[str, float]:
     This is the img2img endpoint test: strength 0 must give ``l1 = 0`` and 100 % identical.
     """
     ia, ib = same_precision(a, b)
-    _check_same_size(ia, ib)
+    check_same_size(ia, ib)
     diff = np.abs(ia.astype(np.int32) - ib.astype(np.int32))
     per_level = LEVEL_16 if ia.dtype == np.uint16 else 1
     return {
@@ -289,18 +306,13 @@ def detail(image: Any, box: Box | None = None) -> dict[str, float]:
 # Protocol C: fidelity
 
 
-def _check_same_size(a: np.ndarray, b: np.ndarray) -> None:
-    if a.shape != b.shape:
-        raise FlowliftError(f"images differ in size: {a.shape[1]}x{a.shape[0]} vs {b.shape[1]}x{b.shape[0]}")
-
-
 def psnr(a: Any, b: Any) -> float:
     """Peak signal-to-noise ratio in dB on [0, 1] data: ``10 log10(1 / mean((a - b)^2))``.
 
     Over all pixels and channels; ``inf`` for identical images. Sizes must match.
     """
     fa, fb = as_float_rgb(a, "image a"), as_float_rgb(b, "image b")
-    _check_same_size(fa, fb)
+    check_same_size(fa, fb)
     mse = float(np.mean((fa - fb) ** 2))
     return math.inf if mse == 0.0 else 10.0 * math.log10(1.0 / mse)
 
@@ -311,113 +323,19 @@ def ssim(a: Any, b: Any) -> float:
     from skimage.metrics import structural_similarity
 
     fa, fb = as_float_rgb(a, "image a"), as_float_rgb(b, "image b")
-    _check_same_size(fa, fb)
+    check_same_size(fa, fb)
     if min(fa.shape[:2]) < 7:
         raise FlowliftError(f"SSIM needs images of at least 7x7 pixels, got {fa.shape[1]}x{fa.shape[0]}")
     return float(structural_similarity(fa, fb, data_range=1.0, channel_axis=2))
 
 
-def fidelity(output: Any, ground_truth: Any, shave: int = 0) -> dict[str, float]:
+def fidelity(output: Any, ground_truth: Any, shave: int = 0, y_channel: str = Y_CHANNEL.default) -> dict[str, float]:
     """Protocol C: ``psnr_gt`` (dB) and ``ssim_gt`` of ``output`` against a same-size ground truth, and the
-    super-resolution field's ``psnr_y`` / ``ssim_y`` (:func:`psnr_y`, :func:`ssim_y`, ``shave`` px off each border)."""
+    super-resolution field's ``psnr_y`` / ``ssim_y`` (:func:`psnr_y`, :func:`ssim_y`, ``shave`` px off each border,
+    on the luma ``y_channel`` names: :data:`~flowlift.measure.sr_metrics.Y_CHANNEL`)."""
     return {
         "psnr_gt": psnr(output, ground_truth),
         "ssim_gt": ssim(output, ground_truth),
-        "psnr_y": psnr_y(output, ground_truth, shave),
-        "ssim_y": ssim_y(output, ground_truth, shave),
+        "psnr_y": psnr_y(output, ground_truth, shave, y_channel),
+        "ssim_y": ssim_y(output, ground_truth, shave, y_channel),
     }
-
-
-# --------------------------------------------------------------------------------------------------
-# Protocol C on the luma channel, as super-resolution papers report it
-
-#: MATLAB ``rgb2ycbcr``'s Y row (ITU-R BT.601, studio swing) for R, G, B in [0, 1]: Y in [16, 235].
-YCBCR_Y_WEIGHTS = (65.481, 128.553, 24.966)
-YCBCR_Y_OFFSET = 16.0
-#: The SSIM of Wang et al. (2004) as the field computes it: 11x11 Gaussian window, sigma 1.5, L = 255.
-SSIM_WINDOW, SSIM_SIGMA, SSIM_K1, SSIM_K2 = 11, 1.5, 0.01, 0.03
-
-
-def ycbcr_y(image: Any, what: str = "the image") -> np.ndarray:
-    """BT.601 luma as MATLAB's ``rgb2ycbcr`` returns it for ``uint8`` (or ``uint16``) input, on the 0..255 scale; HW
-    float64.
-
-    ``Y = round(16 + 65.481 R + 128.553 G + 24.966 B)`` with ``R, G, B = u8 / 255`` in [0, 1] (so white is
-    235, black 16), rounded to an integer as MATLAB rounds its ``uint8`` result. The rounding is exact, in
-    integers: with ``N = 65481 r + 128553 g + 24966 b`` on the 8-bit values, ``Y = 16 + floor((N + 127500) /
-    255000)`` (halves up; float arithmetic would decide the exact halves by rounding error). A 16-bit image keeps its
-    precision as MATLAB's ``uint16`` rule does, ``Y16 = round(257 Y)``: the same integer formula on the 16-bit values,
-    ``Y16 = 4112 + floor((N + 127500) / 255000)``, returned as ``Y16 / 257``. Float images are first taken to 8 bits
-    (:func:`as_uint8_rgb`). (BasicSR's ``bgr2ycbcr`` keeps ``Y`` unrounded: its PSNR-Y is 0.01 dB higher on a bicubic
-    4x, up to 0.35 dB near 45 dB, where the rounding's noise weighs more; docs/measure.md.)
-    """
-    a = rgb_array(image, what)
-    levels = LEVEL_16 if a.dtype == np.uint16 else 1
-    values = (a if levels > 1 else as_uint8_rgb(a, what)).astype(np.int64)
-    weights = np.asarray([round(1000 * w) for w in YCBCR_Y_WEIGHTS], dtype=np.int64)
-    n = values @ weights
-    return (levels * int(YCBCR_Y_OFFSET) + (n + 127_500) // 255_000) / float(levels)
-
-
-def luma_pair(a: Any, b: Any) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`ycbcr_y` of two images at the finer of their precisions (16 bits when either holds 16-bit samples:
-    an 8-bit image and its exact 16-bit copy have one luma), checked for one size."""
-    ya, yb = (ycbcr_y(image, what) for image, what in zip(same_precision(a, b), ("image a", "image b"), strict=True))
-    _check_same_size(ya[..., None], yb[..., None])
-    return ya, yb
-
-
-def shave_border(image: np.ndarray, shave: int) -> np.ndarray:
-    """``image[shave:-shave, shave:-shave]``: ``shave`` px off every border (0 keeps the image); one
-    FlowliftError line when ``shave`` is no integer >= 0 (``2.5``, ``"2"``, ``True``) or nothing would be left."""
-    from flowlift.knobs import exact_int
-
-    number = exact_int(shave)
-    if number is None or number < 0:
-        raise FlowliftError(f"shave must be an integer >= 0 (px), got {shave!r}", field="shave")
-    shave = number
-    if 2 * shave >= min(image.shape[:2]):
-        raise FlowliftError(f"cannot shave {shave} px off each border of a {image.shape[1]}x{image.shape[0]} image")
-    return image[shave : image.shape[0] - shave, shave : image.shape[1] - shave]
-
-
-def psnr_y(a: Any, b: Any, shave: int = 0) -> float:
-    """PSNR-Y in dB: ``10 log10(255^2 / mean((Y_a - Y_b)^2))`` over :func:`ycbcr_y` of both images (:func:`luma_pair`:
-    at 16 bits when either is 16-bit) with ``shave`` px (the upscale factor, by the field's convention) cut off each
-    border; ``inf`` when equal."""
-    ya, yb = luma_pair(a, b)
-    mse = float(np.mean((shave_border(ya, shave) - shave_border(yb, shave)) ** 2))
-    return math.inf if mse == 0.0 else 10.0 * math.log10(255.0**2 / mse)
-
-
-def ssim_y(a: Any, b: Any, shave: int = 0) -> float:
-    """SSIM-Y: the mean SSIM of Wang et al. over :func:`ycbcr_y` (0..255) of both images, ``shave`` px cut off.
-
-    Local statistics use a normalized 11x11 Gaussian window ``w`` (sigma 1.5) over the *valid* region (no
-    padding, so the map is 10 px smaller per axis): ``mu_a = w * Y_a``, ``s_a^2 = w * Y_a^2 - mu_a^2``,
-    ``s_ab = w * (Y_a Y_b) - mu_a mu_b``, and
-    ``SSIM = ((2 mu_a mu_b + C1)(2 s_ab + C2)) / ((mu_a^2 + mu_b^2 + C1)(s_a^2 + s_b^2 + C2))`` with
-    ``C1 = (0.01 * 255)^2``, ``C2 = (0.03 * 255)^2``; the mean of that map.
-    """
-    import cv2
-
-    ya, yb = luma_pair(a, b)
-    ya, yb = shave_border(ya, shave), shave_border(yb, shave)
-    if min(ya.shape) < SSIM_WINDOW:
-        raise FlowliftError(
-            f"SSIM-Y needs at least {SSIM_WINDOW}x{SSIM_WINDOW} px after the {shave} px shave, "
-            f"got {ya.shape[1]}x{ya.shape[0]}"
-        )
-    g = cv2.getGaussianKernel(SSIM_WINDOW, SSIM_SIGMA)
-    window = g @ g.T
-    r = SSIM_WINDOW // 2
-
-    def local(x: np.ndarray) -> np.ndarray:
-        return cv2.filter2D(x, cv2.CV_64F, window, borderType=cv2.BORDER_REFLECT)[r:-r, r:-r]
-
-    c1, c2 = (SSIM_K1 * 255.0) ** 2, (SSIM_K2 * 255.0) ** 2
-    mu_a, mu_b = local(ya), local(yb)
-    var_a, var_b = local(ya * ya) - mu_a**2, local(yb * yb) - mu_b**2
-    cov = local(ya * yb) - mu_a * mu_b
-    ssim_map = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a**2 + mu_b**2 + c1) * (var_a + var_b + c2))
-    return float(ssim_map.mean())

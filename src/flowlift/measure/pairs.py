@@ -34,7 +34,7 @@ def evaluate_pairs(
     output file given with one reference file is a pair whatever their names. Images without a
     counterpart are skipped; none paired is an error, and so is a pair that is not an upscale by one
     integer factor on both axes (:func:`check_pair_sizes`). ``measuring``: how each output is measured
-    (:class:`~flowlift.measure.evaluate.MeasureSettings`: the box)."""
+    (:class:`~flowlift.measure.evaluate.MeasureSettings`: the box, PSNR-Y's luma)."""
     from flowlift.console import progress_bar
     from flowlift.files.images import image_size, list_images
     from flowlift.files.naming import explicit_pair, pair_by_stem
@@ -75,6 +75,7 @@ def evaluate_pairs(
             "reference": str(reference),
             "ground_truth": None if ground_truth is None else str(ground_truth),
             "box": box,
+            "y_channel": measuring.y_channel,
             "images": names,
             "unpaired_outputs": sorted(
                 [p.stem for p in unpaired] + [out.stem for out, ref in pairs if ref.stem not in outs]

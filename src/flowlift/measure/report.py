@@ -61,8 +61,12 @@ def number_text(value: float, fmt: str) -> str:
     return fmt.format(value) if math.isfinite(value) else str(value)
 
 
-#: The SR field's metrics as the table computes them (docs/measure.md): a pair with a 16-bit image at 16 bits.
-SR_METRICS_NOTE = "; PSNR-Y / SSIM-Y: BT.601 Y at the images' bit depth (8 or 16), the scale in px off each border"
+#: The SR field's metrics as the table computes them (docs/measure.md): a pair with a 16-bit image at 16 bits, Y
+#: rounded as MATLAB's rgb2ycbcr (``y_channel`` matlab) or not, as BasicSR's (basicsr).
+SR_METRICS_NOTE = (
+    "; PSNR-Y / SSIM-Y: BT.601 Y at the images' bit depth (8 or 16), {rounding}, the scale in px off each border"
+)
+Y_ROUNDING = {"matlab": "rounded as MATLAB's rgb2ycbcr", "basicsr": "unrounded as BasicSR's"}
 
 
 def markdown_table(report: EvalReport) -> str:
@@ -80,10 +84,11 @@ def markdown_table(report: EvalReport) -> str:
     n = len(next(iter(report.results.values()), {}))
     notes = [f"{info['labels']}: {info['note']}" for info in (report.config.get("spandrel") or {}).values()]
     notes += [f"{label}: skipped, {reason}" for label, reason in (report.config.get("skipped") or {}).items()]
+    rounding = Y_ROUNDING[report.config.get("y_channel", "matlab")]
     return (
         "\n".join(lines)
         + f"\n\n{n} image(s); drift and PSNR in at input scale (INTER_AREA), Lab units"
-        + (SR_METRICS_NOTE if "psnr_y" in present else "")
+        + (SR_METRICS_NOTE.format(rounding=rounding) if "psnr_y" in present else "")
         + ceiling_note(summary)
         + ".\n"
         + "".join(f"{note}\n" for note in notes)
