@@ -396,7 +396,7 @@ def test_an_rgba_image_keeps_its_alpha_through_both_image_nodes(server):
     """An RGBA IMAGE (core JoinImageWithAlpha) came back RGB from FlowliftUpscaleImage and FlowliftColorFix. Now the
     colour is the RGB run's, byte for byte, and the alpha is the input's: Lanczos-resized to the upscale (as
     ``flowlift upscale`` resizes it), unchanged by the colour fix."""
-    from flowlift.files.images import resize_alpha
+    from flowlift.files.alpha import resize_alpha
 
     workflow = load_api_workflow("image_upscale_4x_taef2.json")
     workflow["4"]["inputs"].update(scale=2.0, seed=1)

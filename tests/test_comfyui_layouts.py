@@ -138,7 +138,7 @@ def test_every_numeric_input_refuses_non_finite_out_of_range_and_non_numbers(nod
 
 def test_an_rgba_image_keeps_its_alpha_resized_as_every_door_resizes_it():
     # the nodes dropped the fourth channel of core JoinImageWithAlpha's IMAGE; the CLI and InvokeAI keep alpha
-    from flowlift.files.images import attach_alpha
+    from flowlift.files.alpha import attach_alpha
     from flowlift.files.sixteen_bit import resize_alpha16
 
     gen = torch.Generator().manual_seed(3)
@@ -156,10 +156,10 @@ def test_an_rgba_image_keeps_its_alpha_resized_as_every_door_resizes_it():
     for i in range(2):  # the CLI's Lanczos in float, as on a 16-bit alpha (resize_alpha16)
         sixteen = resize_alpha16(alpha[i].mul(65535).round().numpy().astype(np.uint16), (72, 48)) / 65535.0
         assert np.abs(out[i, ..., 3].numpy() - sixteen).max() <= 1 / 65535
-    # and on 8 bits (attach_alpha) where no edge rings: Pillow's 8-bit resize clips between its two passes
-    eight_bit = Image.fromarray(alpha[0].mul(255).round().to(torch.uint8).numpy(), "L")
-    expected = np.asarray(attach_alpha(Image.new("RGB", (72, 48)), eight_bit))[..., 3] / 255.0
-    assert np.abs(out[0, ..., 3].numpy() - expected).max() <= 1 / 255
+    for i in range(2):  # and on 8 bits (attach_alpha), the hard edge too: one rounding apart
+        eight_bit = Image.fromarray(alpha[i].mul(255).round().to(torch.uint8).numpy(), "L")
+        expected = np.asarray(attach_alpha(Image.new("RGB", (72, 48)), eight_bit))[..., 3] / 255.0
+        assert np.abs(out[i, ..., 3].numpy() - expected).max() <= 1 / 255
     assert out[1, ..., 3].min() == 0.0 and out[1, ..., 3].max() == 1.0  # the rings past the ends: clamped
     with pytest.raises(FlowliftError, match=r"^the image: expected a ComfyUI IMAGE of shape .*3 or 4\), got"):
         L.image_alpha(torch.rand(1, 8, 8, 5), "the image")

@@ -182,10 +182,10 @@ def image_alpha(image: torch.Tensor, what: str = "image") -> torch.Tensor | None
 def nchw_to_image(images: torch.Tensor, device: torch.device | str, alpha: torch.Tensor | None = None) -> torch.Tensor:
     """float (B, 3, H, W) -> ComfyUI IMAGE (B, H, W, 3) float32 on ``device``, clamped to [0, 1]; with ``alpha``
     (B, h, w) an RGBA IMAGE, the alpha resized to (H, W) as every door resizes it
-    (:func:`flowlift.files.images.resize_alpha`)."""
+    (:func:`flowlift.files.alpha.resize_alpha`)."""
     out = images.clamp(0.0, 1.0).movedim(1, -1).to(device=device, dtype=torch.float32)
     if alpha is not None:
-        from flowlift.files.images import resize_alpha
+        from flowlift.files.alpha import resize_alpha
 
         size = (images.shape[-1], images.shape[-2])
         resized = torch.stack([resize_alpha(plane, size) for plane in alpha]).to(out)

@@ -373,30 +373,6 @@ def array_alpha(array: np.ndarray) -> Image.Image | None:
     return Image.fromarray(values.mul(255.0).round_().to(torch.uint8).numpy(), "L")
 
 
-#: The filter an alpha channel is resized with to its upscaled colour's size, at every door.
-ALPHA_RESAMPLING = Image.Resampling.LANCZOS
-
-
-def attach_alpha(rgb: Image.Image, alpha: Image.Image | None) -> Image.Image:
-    """Put ``alpha`` (resized with :data:`ALPHA_RESAMPLING` to the RGB size if needed) back onto ``rgb``."""
-    if alpha is None:
-        return rgb
-    if alpha.size != rgb.size:
-        alpha = alpha.resize(rgb.size, ALPHA_RESAMPLING)
-    out = rgb.copy()
-    out.putalpha(alpha)
-    return out
-
-
-def resize_alpha(alpha: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """A float alpha (H, W) in [0, 1] resized to ``size`` (width, height) as :func:`attach_alpha` resizes one, in
-    float32 (no rounding to 8 bits) and clamped to [0, 1] (the filter rings past both ends)."""
-    if (alpha.shape[-1], alpha.shape[-2]) == tuple(size):
-        return alpha
-    picture = Image.fromarray(alpha.detach().to("cpu", torch.float32).numpy(), "F").resize(size, ALPHA_RESAMPLING)
-    return torch.from_numpy(np.array(picture, dtype=np.float32)).clamp_(0.0, 1.0).to(alpha.device)
-
-
 def list_images(inputs: list[str], problems: list[tuple[str, str]] | None = None) -> list[Path]:
     """Expand files, folders (non-recursive, image suffixes) and glob patterns, sorted, unique.
 

@@ -26,9 +26,10 @@ import torch
 from PIL import Image
 
 from flowlift.errors import FlowliftError
+from flowlift.files.alpha import lanczos_plane
 from flowlift.files.atomic import atomic_output
 from flowlift.files.image_outputs import SourceProfile, read_source_profile
-from flowlift.files.images import ALPHA_RESAMPLING, DECODE_ERRORS
+from flowlift.files.images import DECODE_ERRORS
 from flowlift.files.output_checks import check_output_metadata, metadata_json, metadata_text
 from flowlift.files.png_encoder import encode_png
 
@@ -139,8 +140,7 @@ def resize_alpha16(alpha: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """A uint16 alpha channel Lanczos-resized to ``size`` (width, height), in float so no bit is lost."""
     if (alpha.shape[1], alpha.shape[0]) == tuple(size):
         return alpha
-    resized = Image.fromarray(alpha.astype(np.float32), "F").resize(size, ALPHA_RESAMPLING)
-    return np.clip(np.round(np.asarray(resized)), 0, 65535).astype(np.uint16)
+    return np.clip(np.round(lanczos_plane(alpha, size)), 0, 65535).astype(np.uint16)
 
 
 def save_image16_atomic(

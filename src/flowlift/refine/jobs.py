@@ -395,8 +395,9 @@ def write_job(job: RefineJob, result: Any, shown: Callable[[Any], Any] = os.fspa
     """Write the result to the job's output with its :func:`job_metadata` (inputs named as ``shown`` names them;
     the input's alpha put back, resized with the image; outpaint has none; ICC profile and EXIF of the input kept);
     returns the written Pillow image."""
+    from flowlift.files.alpha import attach_alpha
     from flowlift.files.image_outputs import save_image_atomic
-    from flowlift.files.images import attach_alpha, tensor_to_pil
+    from flowlift.files.images import tensor_to_pil
     from flowlift.files.metadata import metadata_record
 
     metadata = job_metadata(job, result, shown)

@@ -119,7 +119,8 @@ def as_output(result: torch.Tensor, alpha: Any, output_type: str) -> Any:
     with the input's ``alpha`` (:func:`~flowlift.upscale.inputs.image_alpha`, taken before the work) attached."""
     if output_type == "pt":
         return result
-    from flowlift.files.images import attach_alpha, tensor_to_pil
+    from flowlift.files.alpha import attach_alpha
+    from flowlift.files.images import tensor_to_pil
 
     pictures = [attach_alpha(tensor_to_pil(result[i : i + 1]), alpha) for i in range(result.shape[0])]
     return pictures[0] if len(pictures) == 1 else pictures

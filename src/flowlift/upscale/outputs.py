@@ -212,8 +212,9 @@ def save_result(
     metadata, named in the metadata by the passes that actually ran (fewer when MAX_OUTPUT_SIDE
     dropped some; ``passes`` and ``asked`` given: resampled to an asked size); 16-bit when ``loaded`` is. Returns
     the result as an 8-bit Pillow image (previews)."""
+    from flowlift.files.alpha import attach_alpha
     from flowlift.files.image_outputs import save_image_atomic
-    from flowlift.files.images import attach_alpha, tensor_to_pil
+    from flowlift.files.images import tensor_to_pil
     from flowlift.files.sixteen_bit import resize_alpha16, save_image16_atomic, tensor_to_uint16
 
     picture = attach_alpha(tensor_to_pil(result), loaded.alpha)
