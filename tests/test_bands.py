@@ -264,3 +264,33 @@ def test_a_bfloat16_response_of_a_few_rounding_steps_is_measured_not_refused():
     (2.7 bf16 steps), and its row is within 0.7 points of float32's: a measurement, not rounding."""
     base = np.full((8, 8), 0.45)
     B.check_response(np.full((8, 8), 0.0095), base, torch.bfloat16, "1/4-1/2", 0.1)
+
+
+def test_a_mostly_black_or_white_image_is_warned_about_and_its_share_recorded(monkeypatch, shared, tmp_path, capsys):
+    """TAEF2's decode saturates at black and white: the top latent band of a white image came back 65 % in the
+    lowest pixel band (kodim01: 0.0 %), a row about saturation, not detail. The command says so (one warning line)
+    and ``bands.json`` keeps every image's share of such pixels."""
+    import json
+
+    from PIL import Image
+
+    from flowlift.commands.cli import main
+
+    pixels = np.full((8, 8, 3), 128, np.uint8)
+    pixels[:2] = 255
+    pixels[2, :4] = (0, 2, 3)
+    pixels[3, :4] = (0, 4, 0)  # 4 levels from black in one channel: not saturated
+    assert B.saturated_share(pixels) == (16 + 4) / 64
+    _fake_vae_module(monkeypatch, IdealVAE)
+    white = tmp_path / "white.png"
+    Image.new("RGB", (512, 512), (255, 255, 254)).save(white)
+    kodim01 = shared / "images" / "kodak" / "kodim01.png"
+    options = ["--vae", "fake", "--max-side", "512", "--no-progress", "-o"]
+    assert main(["bands", str(kodim01), str(white), *options, str(tmp_path / "both")]) == 0
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "warning: 1 image(s) with 25% or more of their pixels black or white" in err
+    assert "(e.g. white: 100%)" in err and "lowest pixel band" in err, err
+    shares = json.loads((tmp_path / "both" / "bands.json").read_text())["saturated_share"]
+    assert shares["white"] == 1.0 and shares["kodim01"] < B.MAX_SATURATED_SHARE
+    assert main(["bands", str(kodim01), *options, str(tmp_path / "kodak")]) == 0
+    assert "black or white" not in capsys.readouterr().err

@@ -267,6 +267,23 @@ def heatmap_png(matrix: np.ndarray, title: str, edges: Sequence[float] = BAND_ED
 MIN_BINS_PER_BAND = 8
 
 
+#: A pixel within this many 8-bit levels of black or white in all three channels is saturated: there the decoder's
+#: response to a perturbation is weak and lopsided, and what it rectifies lands in the lowest pixel band (TAEF2 at
+#: 512 px: a white image sends 65 % of the top latent band's response there, kodim01 0.0 %; docs/measure.md).
+SATURATION_LEVELS = 3
+#: The share of saturated pixels from which ``flowlift bands`` warns that an image's rows are not the decoder's
+#: response to detail (at half, kodim01's lowest band keeps 71 % in its own pixel band; 91 % with that half grey).
+MAX_SATURATED_SHARE = 0.25
+
+
+def saturated_share(rgb: np.ndarray) -> float:
+    """The share of an 8-bit HWC RGB image's pixels within :data:`SATURATION_LEVELS` of black or of white in every
+    channel."""
+    low = (rgb <= SATURATION_LEVELS).all(axis=-1)
+    high = (rgb >= 255 - SATURATION_LEVELS).all(axis=-1)
+    return float((low | high).mean())
+
+
 def latent_bin_counts(height: int, width: int, edges: Sequence[float] = BAND_EDGES) -> list[int]:
     """Number of FFT bins of an ``height x width`` latent in each band ``[lo, hi)`` (the last closed)."""
     last = len(edges) - 2

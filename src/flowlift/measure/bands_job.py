@@ -130,6 +130,23 @@ def _check_every_band_holds_a_bin(path: Path, size: tuple[int, int], max_side: i
         )
 
 
+def _warn_saturated(shares: dict[str, float]) -> None:
+    """One warning line when an image is mostly black or white (:func:`flowlift.measure.bands.saturated_share` past
+    :data:`~flowlift.measure.bands.MAX_SATURATED_SHARE`): its decode saturates, and its rows say so, not what the
+    decoder does with detail."""
+    from flowlift.measure import bands as B
+
+    over = {stem: share for stem, share in shares.items() if share >= B.MAX_SATURATED_SHARE}
+    if over:
+        stem, share = max(over.items(), key=lambda item: item[1])
+        print(
+            f"flowlift bands: warning: {len(over)} image(s) with {B.MAX_SATURATED_SHARE:.0%} or more of their pixels "
+            f"black or white (e.g. {stem}: {share:.0%}); the decoder saturates there and moves a perturbation's "
+            "power into the lowest pixel band: use images with detail in their mid-tones",
+            file=sys.stderr,
+        )
+
+
 def run_bands_report(request: BandsRequest) -> BandsResult:
     """Check the request and the report's names (the replace rule, before any image or model loads), measure
     every image's band response (:func:`flowlift.measure.bands.run_bands`), write ``bands.json``, ``bands.md``
@@ -156,7 +173,7 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
     paths = list_images(request.images)[: request.limit]
     if not paths:
         raise FlowliftError("no images given")
-    images = []
+    images, saturated = [], {}
     for p in paths:
         a = np.asarray(load_image(p)[0])
         h, w = a.shape[:2]
@@ -164,6 +181,7 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
             s = request.max_side / max(h, w)
             a = np.rint(M.area_resize(a, (round(w * s), round(h * s))) * 255).astype(np.uint8)
         images.append(to_tensor(a))
+        saturated[p.stem] = B.saturated_share(a)
         _check_every_band_holds_a_bin(p, a.shape[:2], request.max_side)  # before the VAE loads
     vae = load_vae(request.vae, device=device, dtype=dtype, needs=ENCODE_DECODE)
     mean, per_image = B.run_bands(
@@ -190,6 +208,7 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
             f"their low-band rows are noise — use images of at least {64 * factor} px a side{shrunk}",
             file=sys.stderr,
         )
+    _warn_saturated(saturated)
     title = f"{Path(str(request.vae)).name}: latent->pixel band response, {len(images)} image(s)"
     table = B.format_table(mean, full=request.full, reference=B.MAGE_REFERENCE)
     full_table = B.format_table(mean, full=True)
@@ -207,6 +226,7 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
         "mean_percent": mean.tolist(),
         "min_bins_per_band": B.MIN_BINS_PER_BAND,
         "latent_bins_per_band": bins,
+        "saturated_share": saturated,
         "images": {p.stem: m.tolist() for p, m in zip(paths, per_image, strict=True)},
         "reference_mage_same_finer": [list(r) for r in B.MAGE_REFERENCE],
     }
