@@ -157,7 +157,8 @@ class FigurePanel:
 
 def bar_cap(values: Sequence[float]) -> float:
     """Where a panel draws an infinite value: 15 % past the largest finite magnitude among ``values`` (1 when there is
-    none), so a method whose mean PSNR is ``inf`` stands above every measured bar, not as one of them."""
+    none), so a non-finite mean stands above every measured bar, not as one of them (a PSNR never gets there: the
+    table counts it at most :data:`~flowlift.measure.evaluate.PSNR_CEILING_DB`)."""
     finite = [abs(v) for v in values if math.isfinite(v)]
     return 1.15 * max(finite) if finite and max(finite) > 0 else 1.0
 
@@ -171,8 +172,8 @@ def drawn_at(value: float, cap: float) -> float:
 
 def figure_panels(report: EvalReport) -> list[FigurePanel]:
     """What ``metrics.png`` shows, panel by panel, from the numbers the table prints: each bar is the table's mean
-    (:meth:`~flowlift.measure.evaluate.EvalReport.summary`), so a mean of ``inf`` is a bar at the cap marked ``inf``,
-    never the mean of the finite images alone."""
+    (:meth:`~flowlift.measure.evaluate.EvalReport.summary`) and each dot an image as the table counts it (an identical
+    image's PSNR at the 100 dB ceiling); a non-finite mean is a bar at the cap marked as the table writes it."""
     summary = report.summary()
     labels = tuple(k for k in report.results if k != "(ground truth)")
     panels = []
@@ -198,7 +199,7 @@ def figure_panels(report: EvalReport) -> list[FigurePanel]:
 
 def metrics_png(report: EvalReport) -> bytes:
     """``metrics.png``: per-metric bars (the table's mean per method) with every image's value as dots; a mean no bar
-    can reach (``inf``) hatched at the panel's cap and labelled as the table writes it (:func:`figure_panels`)."""
+    can reach (not finite) hatched at the panel's cap and labelled as the table writes it (:func:`figure_panels`)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
