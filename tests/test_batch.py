@@ -9,8 +9,6 @@ import pytest
 from flowlift.errors import FlowliftError
 from flowlift.jobs.batch import Job, pending, plan_jobs, run_jobs
 
-SUFFIXES = (".png", ".jpg")
-
 
 def _touch(path: Path) -> Path:
     path.write_bytes(b"x")
@@ -19,7 +17,7 @@ def _touch(path: Path) -> Path:
 
 def test_plan_next_to_inputs_skips_previous_results_and_refuses_collisions(tmp_path):
     a, a_out = _touch(tmp_path / "a.png"), _touch(tmp_path / "a_x2.png")
-    jobs = plan_jobs([a, a_out], None, lambda p: f"{p.stem}_x2.png", SUFFIXES)
+    jobs = plan_jobs([a, a_out], None, lambda p: f"{p.stem}_x2.png")
     assert jobs[0] == Job(a, tmp_path / "a_x2.png")
     assert jobs[1].output is None and jobs[1].note.startswith("skipped, it is the output of")
     assert not jobs[1].refused
@@ -27,14 +25,14 @@ def test_plan_next_to_inputs_skips_previous_results_and_refuses_collisions(tmp_p
     other = tmp_path / "sub"
     other.mkdir()
     b1, b2 = _touch(tmp_path / "b.png"), _touch(other / "b.png")
-    jobs = plan_jobs([b1, b2], str(tmp_path / "out"), lambda p: f"{p.stem}_x2.png", SUFFIXES)
+    jobs = plan_jobs([b1, b2], str(tmp_path / "out"), lambda p: f"{p.stem}_x2.png")
     assert jobs[0].output == tmp_path / "out" / "b_x2.png"
     assert jobs[1].refused and "also the output of" in jobs[1].note
 
-    jobs = plan_jobs([a], str(a), lambda p: "unused.png", SUFFIXES)
+    jobs = plan_jobs([a], str(a), lambda p: "unused.png")
     assert jobs[0].refused and "would overwrite the input" in jobs[0].note
     with pytest.raises(FlowliftError, match="names one file but 2 inputs"):
-        plan_jobs([a, b1], str(tmp_path / "one.png"), lambda p: "x.png", SUFFIXES)
+        plan_jobs([a, b1], str(tmp_path / "one.png"), lambda p: "x.png")
 
 
 def test_an_output_that_appears_during_the_run_is_judged_again(tmp_path, capsys):
@@ -47,7 +45,7 @@ def test_an_output_that_appears_during_the_run_is_judged_again(tmp_path, capsys)
     out.mkdir()
     jobs = [
         Job(job.source, job.output, expected_size=(4, 4))
-        for job in plan_jobs(sources, str(out), lambda p: f"{p.stem}_x2.png", SUFFIXES)
+        for job in plan_jobs(sources, str(out), lambda p: f"{p.stem}_x2.png")
     ]
     users = out / "b_x2.png"
 
@@ -72,7 +70,7 @@ def test_an_output_that_appears_during_the_run_is_judged_again(tmp_path, capsys)
 def test_run_jobs_counts_resume_and_keeps_going(tmp_path, capsys):
     sources = [_touch(tmp_path / f"{name}.png") for name in ("ok", "bad", "done")]
     out = tmp_path / "out"
-    jobs = plan_jobs(sources, str(out), lambda p: f"{p.stem}_x2.png", SUFFIXES)
+    jobs = plan_jobs(sources, str(out), lambda p: f"{p.stem}_x2.png")
     out.mkdir()
     from PIL import Image
 
@@ -115,7 +113,7 @@ def test_planning_removes_nothing_and_the_run_clears_killed_runs_debris(tmp_path
     assert subprocess.run([sys.executable, "-c", killed, str(tmp_path / "a_x2.png")], env=env).returncode == -9
     (debris,) = [path for path in tmp_path.iterdir() if path.name.startswith(".a_x2.")]  # a killed run's own
     before = sorted(tmp_path.iterdir())
-    jobs = plan_jobs([source], None, lambda p: f"{p.stem}_x2.png", SUFFIXES)
+    jobs = plan_jobs([source], None, lambda p: f"{p.stem}_x2.png")
     jobs += plan_targets([Target(source, tmp_path / "a_x2.jpg")])
     assert sorted(tmp_path.iterdir()) == before and debris.exists()
     run_jobs(jobs[:1], lambda s, o: o.write_bytes(b"result"), command="test", progress=False)

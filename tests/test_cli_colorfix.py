@@ -211,3 +211,63 @@ def test_colorfix_lines_name_the_reference_option_the_real_stems_and_the_empty_f
         f"flowlift colorfix: error: no input images in {tmp_path / 'empty'}: give image files, or folders holding "
         "them (not searched below)"
     ], lines
+
+
+def _pairs(folder, names=("a", "b")) -> None:
+    """``folder/src/<name>.png`` (10x12) and ``folder/up/<name>_x2.png`` (20x24) for each name."""
+    rng = np.random.default_rng(3)
+    (folder / "src").mkdir()
+    (folder / "up").mkdir()
+    for name in names:
+        Image.fromarray(rng.integers(0, 256, (10, 12, 3), dtype=np.uint8)).save(folder / "src" / f"{name}.png")
+        Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(folder / "up" / f"{name}_x2.png")
+
+
+@pytest.mark.parametrize("name", ["new.txt", "x.xyz", "x.gif"])
+@pytest.mark.parametrize("count", [1, 2])
+def test_colorfix_o_with_a_suffix_it_does_not_write_is_one_line_and_no_folder(tmp_path, capsys, name, count):
+    """``-o new.txt`` with several inputs made a folder named new.txt (and with one, a folder too): a file-like name
+    in a format flowlift does not write is refused, as upscale's and refine's -o are, listing what it writes."""
+    _pairs(tmp_path)
+    inputs = [str(tmp_path / "up")] if count == 2 else [str(tmp_path / "up" / "a_x2.png")]
+    out = tmp_path / name
+    code, lines = _colorfix([*inputs, "--reference", str(tmp_path / "src"), "-o", str(out)], capsys)
+    assert code == 2 and len(lines) == 1, lines
+    suffix = out.suffix
+    assert lines[0] == (
+        f"flowlift colorfix: error: --output {out}: unsupported output format {suffix}; give a file name ending "
+        f".png, .jpg, .jpeg, .webp, .bmp, .tif, .tiff, or a folder ({out}/ names one)"
+    )
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("name", "fmt"), [("fixed.tiff", "TIFF"), ("fixed.tif", "TIFF"), ("fixed.bmp", "BMP")])
+def test_colorfix_o_writes_every_format_flowlift_writes_for_one_input(tmp_path, capsys, name, fmt):
+    """TIFF and BMP are written by upscale's and refine's -o FILE too: colorfix takes them alike, and says so."""
+    _pairs(tmp_path)
+    out = tmp_path / name
+    argv = [str(tmp_path / "up" / "a_x2.png"), "--reference", str(tmp_path / "src"), "-o", str(out)]
+    code, lines = _colorfix(argv, capsys)
+    assert code == 0 and lines == [], lines
+    with Image.open(out) as written:
+        assert written.format == fmt and written.size == (24, 20)
+
+
+def test_colorfix_o_file_for_several_inputs_or_a_folder_with_a_dot(tmp_path, capsys):
+    _pairs(tmp_path)
+    argv = [str(tmp_path / "up"), "--reference", str(tmp_path / "src")]
+    code, lines = _colorfix([*argv, "-o", str(tmp_path / "one.png")], capsys)
+    assert code == 2 and len(lines) == 1 and "one.png names one file but 2 inputs were given; pass a folder" in lines[0]
+    assert not (tmp_path / "one.png").exists()
+    code, lines = _colorfix([*argv, "-o", f"{tmp_path / 'fixed.v2'}/"], capsys)  # the separator: a folder
+    assert code == 0, lines
+    assert sorted(p.name for p in (tmp_path / "fixed.v2").iterdir()) == ["a_x2_colorfix.png", "b_x2_colorfix.png"]
+
+
+def test_colorfix_help_lists_the_suffixes_o_takes(capsys):
+    from flowlift.commands.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["colorfix", "-h"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "a file name ending .png, .jpg, .jpeg, .webp, .bmp, .tif or .tiff" in text, text

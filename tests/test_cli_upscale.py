@@ -266,3 +266,16 @@ def test_an_input_folder_without_images_is_named(tmp_path, capsys):
     expected = f"no input images in {tmp_path / 'empty'}: give image files, or folders holding them "
     expected += "(not searched below)"
     assert err == f"flowlift upscale: error: {expected}", err
+
+
+def test_upscale_o_with_a_suffix_it_does_not_write_is_one_line_and_no_folder(tmp_path, photo, capsys):
+    """``-o out.txt`` (or ``.xyz``) with several inputs made a folder out.txt; the rule colorfix shares refuses it."""
+    for name in ("a", "b"):
+        photo.save(tmp_path / f"{name}.png")
+    for name in ("out.txt", "out.xyz"):
+        out = tmp_path / name
+        assert main(["upscale", str(tmp_path / "a.png"), str(tmp_path / "b.png"), "-o", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"--output {out}: unsupported output format {out.suffix}; give a file" in err
+        assert ".tif, .tiff, or a folder" in err and not out.exists()
+

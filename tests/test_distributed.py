@@ -304,13 +304,13 @@ def test_a_plans_refusal_is_superseded_once_its_input_is_done(tmp_path):
 
 def test_scaleout_refusals_are_one_line_errors(tmp_path, capsys):
     from flowlift.commands.cli import main
-    from flowlift.files.images import IMAGE_SUFFIXES, output_target
+    from flowlift.files.output_paths import output_target
     from flowlift.jobs.batch import Job
     from flowlift.jobs.scaleout import run_batch
 
     jobs = [Job(tmp_path / "a.png", tmp_path / "a_x2.png")]
     for output in (None, str(tmp_path / "one.png")):  # no folder for the manifest
-        folder = output_target(output, 1, IMAGE_SUFFIXES)[1]
+        folder = output_target(output, 1)[1]
         with pytest.raises(FlowliftError, match="-o must name an output folder"):
             run_batch(jobs, lambda: None, command="upscale", folder=folder, env=DistEnv(0, 2, 0))
     assert main(["status", str(tmp_path / "absent")]) == 2  # no folder there (without a

@@ -1450,9 +1450,7 @@ def test_colorfix_and_a_continued_job_refuse_a_users_image_too(tmp_path, capsys)
     out.mkdir()
     (out / "a_x2.png").write_bytes(user)
     Manifest(out).write_record({"event": "job", "run": "earlier", "inputs": 1, "todo": 1, "world_size": 2})
-    jobs = plan_jobs(
-        [tmp_path / "a.png"], str(out), lambda p: f"{p.stem}_x2.png", (".png",), expected_size=lambda p: (20, 24)
-    )
+    jobs = plan_jobs([tmp_path / "a.png"], str(out), lambda p: f"{p.stem}_x2.png", expected_size=lambda p: (20, 24))
     assert run_batch(jobs, lambda: None, command="upscale", folder=out, env=DistEnv()) == 1
     assert "was not written by flowlift" in capsys.readouterr().err
     assert (out / "a_x2.png").read_bytes() == user

@@ -116,7 +116,7 @@ def test_output_of_guard_holds_for_any_output_folder(tmp_path):
     for name in ("a.png", "a_x2.png", "a_x4.jpg", "b_x2.png"):
         (src / name).write_bytes(b"")
     inputs = sorted(src.iterdir())
-    jobs = plan_jobs(inputs, str(tmp_path / "out"), lambda p: f"{p.stem}_x2.png", IMAGE_SUFFIXES)
+    jobs = plan_jobs(inputs, str(tmp_path / "out"), lambda p: f"{p.stem}_x2.png")
     by_name = {job.source.name: job for job in jobs}
     assert by_name["a.png"].output == tmp_path / "out" / "a_x2.png"
     for name in ("a_x2.png", "a_x4.jpg"):

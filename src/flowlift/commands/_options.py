@@ -202,13 +202,30 @@ def add_upscaler_option(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     )
 
 
+def add_image_output_option(parser: argparse.ArgumentParser, beside: str) -> None:
+    """``-o`` of the commands that write one image per input (upscale, colorfix): a folder, or for one input a file
+    whose suffix is a format flowlift writes (:func:`flowlift.files.output_paths.output_target`, the one rule)."""
+    from flowlift.files.output_checks import OUTPUT_SUFFIXES
+
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=name_or_path,
+        metavar="OUT",
+        help=f"output folder (default: next to {beside}); for one input, a file name ending "
+        f"{', '.join(OUTPUT_SUFFIXES[:-1])} or {OUTPUT_SUFFIXES[-1]}, its suffix the format (a name with another "
+        "suffix is refused; a folder with a dot in its name ends in /)",
+    )
+
+
 def add_image_format_options(parser: argparse.ArgumentParser) -> None:
     """``--format`` and ``--quality`` of the commands that write images (upscale, colorfix)."""
     parser.add_argument(
         "--format",
         choices=OUTPUT_FORMATS,
         default=None,
-        help="output format (default: the suffix of -o FILE, else png); ICC profile and EXIF are kept in all three",
+        help="output format (default: the suffix of -o FILE, else png); ICC profile and EXIF are kept in all three "
+        "(-o FILE may also end .tif/.tiff, which keeps them too, or .bmp, which keeps neither)",
     )
     parser.add_argument(
         "--quality",

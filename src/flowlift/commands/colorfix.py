@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-from flowlift.commands._options import add_image_format_options, add_knob, name_or_path
+from flowlift.commands._options import add_image_format_options, add_image_output_option, add_knob
 from flowlift.upscale.settings import COLOR_FIX_STRENGTH
 
 NAME = "colorfix"
@@ -42,13 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SOURCES",
         help="the images they were upscaled from (files or folders), paired by name: <stem> or <stem>_x<N> with <stem>",
     )
-    parser.add_argument(
-        "-o",
-        "--output",
-        type=name_or_path,
-        metavar="OUT",
-        help="output folder (default: next to each upscaled image); for one input, a file name",
-    )
+    add_image_output_option(parser, "each upscaled image")
     add_knob(parser, COLOR_FIX_STRENGTH, metavar="S")
     add_image_format_options(parser)
     parser.add_argument("--overwrite", action="store_true", help="replace existing outputs instead of skipping")

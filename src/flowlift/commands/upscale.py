@@ -12,19 +12,17 @@ input prints one line and the batch goes on; the exit status is 1 when any image
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from flowlift.commands._options import (
     DEFAULT_SCALE,
     DEFAULT_VAE,
-    OUTPUT_FORMATS,
     add_device_options,
     add_image_format_options,
+    add_image_output_option,
     add_knob,
     add_upscaler_option,
     add_vae_option,
     examples,
-    name_or_path,
     positive_int,
     resolve_device_dtype,
 )
@@ -84,13 +82,7 @@ def _passes(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="*", metavar="INPUT", help="image files, folders or glob patterns")
-    parser.add_argument(
-        "-o",
-        "--output",
-        type=name_or_path,
-        metavar="OUT",
-        help="output folder (default: next to each input); for a single input, a file name with an image suffix",
-    )
+    add_image_output_option(parser, "each input")
     scale = parser.add_mutually_exclusive_group()
     # --scale's default is applied in run(): a default here would hide "--scale 2 --passes 3" from the group
     add_knob(scale, SCALE, default=None, help=f"{SCALE.help} (default {DEFAULT_SCALE})")
@@ -160,23 +152,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_barrier_timeout_argument(parser)
 
 
-def _check_output_option(output: str | None) -> None:
-    """``-o x.gif``: a file name in a format flowlift does not write is a user error, before any work."""
-    if not output:
-        return
-    from PIL import Image
-
-    from flowlift.files.images import IMAGE_SUFFIXES
-
-    target = Path(output).expanduser()
-    suffix = target.suffix.lower()
-    if suffix and suffix not in IMAGE_SUFFIXES and suffix in Image.registered_extensions() and not target.is_dir():
-        raise FlowliftError(
-            f"-o {target}: unsupported output format {suffix}; use {', '.join('.' + f for f in OUTPUT_FORMATS)} "
-            "or a folder"
-        )
-
-
 def run(args: argparse.Namespace) -> int:
     """The options as one :class:`~flowlift.upscale.plan.UpscaleRequest`, planned and run by
     :func:`flowlift.upscale.plan.run_upscale`."""
@@ -186,7 +161,6 @@ def run(args: argparse.Namespace) -> int:
     if not args.inputs:
         raise FlowliftError("give INPUT images")
     device, dtype = resolve_device_dtype(args.device, args.dtype, cpu_bf16=True)  # bad --device: one line, first
-    _check_output_option(args.output)
     settings = settings_from_args(args)
     scale = None if args.passes is not None or args.long_side or args.size else args.scale or DEFAULT_SCALE
     request = UpscaleRequest(

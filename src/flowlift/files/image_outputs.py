@@ -27,13 +27,17 @@ from PIL import Image
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.atomic import atomic_output
 from flowlift.files.json_input import parse_json
-from flowlift.files.output_checks import check_encodable, check_output_metadata, metadata_json, metadata_text, png_info
+from flowlift.files.output_checks import (
+    OUTPUT_SUFFIXES,
+    check_encodable,
+    check_output_metadata,
+    check_output_suffix,
+    metadata_json,
+    metadata_text,
+    png_info,
+)
 from flowlift.knobs import check_kind, check_overwrite, check_path, check_quality
 
-#: Formats outputs are written in (by the output name's suffix).
-OUTPUT_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
-#: Suffix -> the format name ``--format`` uses (``.jpeg`` is ``jpg``, ``.tiff`` is ``tif``).
-OUTPUT_FORMAT_OF_SUFFIX = {s: s[1:].replace("jpeg", "jpg").replace("tiff", "tif") for s in OUTPUT_SUFFIXES}
 #: JPEG/WebP quality when none is given (WebP at 100 is written lossless).
 DEFAULT_QUALITY = 95
 #: zlib level of PNG outputs. Pillow's default (6) spends 3x the time of level 3 on a 6 MP output for files
@@ -278,27 +282,16 @@ def is_users_file(path: Path) -> bool:
     return not found.empty and not found.by_flowlift
 
 
-def check_output_format(path: str | os.PathLike, field: str | None = None) -> str:
-    """The format name of an output path's suffix (``png``, ``jpg``, ...) or one FlowliftError line (naming
-    ``field`` first when given)."""
-    suffix = Path(path).suffix.lower()
-    if suffix not in OUTPUT_SUFFIXES:
-        raise FlowliftError(
-            f"{field + ' ' if field else ''}{path}: unsupported output format {suffix or '(none)'} "
-            f"(writes {', '.join(OUTPUT_SUFFIXES)})",
-            field=field,
-        )
-    return OUTPUT_FORMAT_OF_SUFFIX[suffix]
-
-
 def output_format(output: str | os.PathLike | None, requested: str | None) -> str:
     """The format a command writes: ``--format`` (``requested``), or the suffix of ``-o FILE``
-    (:func:`flowlift.files.images.names_image_file`), else ``png``; both given and different is an error."""
-    from flowlift.files.images import names_image_file
+    (:func:`flowlift.files.output_paths.names_output_file`; a suffix flowlift does not write is
+    :func:`~flowlift.files.output_paths.output_file_format`'s one line), else ``png``; both given and different is
+    an error."""
+    from flowlift.files.output_paths import names_output_file, output_file_format
 
-    if not names_image_file(output):
+    if not names_output_file(output):
         return requested or "png"
-    named = check_output_format(output)
+    named = output_file_format(output)
     if requested is not None and requested != named:
         suffix = Path(output).suffix.lower()
         raise FlowliftError(
@@ -324,7 +317,7 @@ def save_image_atomic(
     ``quality`` (an int in 1-100, default :data:`DEFAULT_QUALITY`): JPEG and WebP (lossless at 100). A file at
     ``path`` is replaced only when it is empty, flowlift wrote it, or ``overwrite`` is ``True`` (a bool)."""
     path = Path(check_path("path", path))
-    check_output_format(path, "path")
+    check_output_suffix(path, "path")
     if not isinstance(image, Image.Image) or 0 in image.size:
         got = f"{image.width}x{image.height}" if isinstance(image, Image.Image) else f"a {type(image).__name__}"
         raise FlowliftError(f"image must be a Pillow image of at least 1x1 pixels, got {got}", field="image")

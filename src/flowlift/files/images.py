@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import struct
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from flowlift.errors import FlowliftError, FlowliftWarning
-from flowlift.files.atomic import check_output_folder, is_temporary
+from flowlift.files.atomic import is_temporary
 from flowlift.files.deep_images import DEEP_FALLBACK, INTEGER_MODES, integer_white, is_deep_colour, read_deep_colour
 
 #: Formats the loader reads, by suffix: everything common that Pillow opens as a still or first frame
@@ -65,30 +64,6 @@ IMAGE_SUFFIXES = _readable_suffixes()
 _UINT8_STRIP_PIXELS = 1 << 16
 #: Pillow's own limit (~89 Mpx) would be raised to a warning only; flowlift refuses anything larger.
 MAX_INPUT_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
-
-
-def names_image_file(output: str | os.PathLike | None, suffixes: Sequence[str] = IMAGE_SUFFIXES) -> bool:
-    """True when ``-o OUTPUT`` names one output file rather than a folder: it ends in an image suffix
-    (one of ``suffixes``) and is not a folder that exists."""
-    if not output:
-        return False
-    target = Path(output).expanduser()
-    return target.suffix.lower() in suffixes and not target.is_dir()
-
-
-def output_target(output: str | None, count: int, image_suffixes: Sequence[str]) -> tuple[Path | None, Path | None]:
-    """Interpret ``-o``: ``(single output file, None)``, ``(None, output folder)`` or ``(None, None)``. A path with
-    an image suffix that is not an existing folder names one output file (:func:`names_image_file`), which is only
-    valid for a single input; any other path must be a folder, or not exist yet."""
-    if not output:
-        return None, None
-    target = Path(output).expanduser()
-    if names_image_file(target, image_suffixes):
-        if count != 1:
-            raise FlowliftError(f"-o {target} names one file but {count} inputs were given; pass a folder")
-        return target, None
-    check_output_folder(target)
-    return None, target
 
 
 def rgb_and_alpha(image: Image.Image, *, white: float | None = None) -> tuple[Image.Image, Image.Image | None]:

@@ -1,5 +1,6 @@
-"""What an image output can hold, checked before anything is written: its metadata as each format stores it, and
-the image's mode and size as each format takes them.
+"""What an image output can hold, checked before anything is written: the formats flowlift writes
+(:data:`OUTPUT_SUFFIXES`), its metadata as each format stores it, and the image's mode and size as each format takes
+them.
 
 :func:`flowlift.files.image_outputs.save_image_atomic` (and the 16-bit writer) call these before they create a
 folder, so a refused argument is one :class:`~flowlift.errors.FlowliftError` line naming it and leaves nothing
@@ -12,13 +13,20 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from collections.abc import Mapping
 from functools import cache
+from pathlib import Path
 
 from PIL import Image, PngImagePlugin
 
 from flowlift.errors import FlowliftError
 
+#: The suffixes flowlift writes images as, whatever the door (``-o FILE`` of upscale, colorfix, img2img, hires; the
+#: Python API's paths); ``--format`` names png, jpg and webp of them.
+OUTPUT_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+#: Suffix -> the format name ``--format`` uses (``.jpeg`` is ``jpg``, ``.tiff`` is ``tif``).
+OUTPUT_FORMAT_OF_SUFFIX = {s: s[1:].replace("jpeg", "jpg").replace("tiff", "tif") for s in OUTPUT_SUFFIXES}
 #: The longest EXIF block a JPEG holds: one APP1 segment of 65535 bytes less its 2-byte length (Pillow's limit).
 JPEG_EXIF_BYTES = 65533
 #: The longest side each format takes (WebP: 14-bit sizes; JPEG: libjpeg's limit); the others take any.
@@ -35,6 +43,19 @@ def metadata_text(value: object) -> str:
 def metadata_json(metadata: Mapping[str, object]) -> str:
     """All of ``metadata`` as one JSON object (EXIF UserComment, TIFF ImageDescription)."""
     return json.dumps({str(k): v for k, v in metadata.items()}, sort_keys=True, default=str)
+
+
+def check_output_suffix(path: str | os.PathLike, field: str | None = None) -> str:
+    """The format name of an output path's suffix (``png``, ``jpg``, ...) or one FlowliftError line (naming
+    ``field`` first when given)."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in OUTPUT_SUFFIXES:
+        raise FlowliftError(
+            f"{field + ' ' if field else ''}{path}: unsupported output format {suffix or '(none)'} "
+            f"(writes {', '.join(OUTPUT_SUFFIXES)})",
+            field=field,
+        )
+    return OUTPUT_FORMAT_OF_SUFFIX[suffix]
 
 
 def png_keyword_problem(key: str) -> str | None:

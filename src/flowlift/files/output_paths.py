@@ -20,7 +20,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from flowlift.errors import FIELD_MARK, FlowliftError
-from flowlift.files.atomic import name_limit, replace_refusal
+from flowlift.files.atomic import check_output_folder, name_limit, replace_refusal
+from flowlift.files.output_checks import OUTPUT_FORMAT_OF_SUFFIX, OUTPUT_SUFFIXES
 
 
 def _nearest_existing(folder: Path) -> Path:
@@ -144,8 +145,57 @@ def check_report_folder(folder: str | os.PathLike, inputs: Mapping[str, Iterable
 
 
 def check_output_format(value: object, field: str = "output_format") -> None:
-    """One FlowliftError line naming ``field`` unless ``value`` names an image format flowlift reads (``png``)."""
-    from flowlift.files.images import IMAGE_SUFFIXES
+    """One FlowliftError line naming ``field`` unless ``value`` names a format flowlift writes (``png``, ``tif``:
+    :data:`~flowlift.files.output_checks.OUTPUT_SUFFIXES`); a format it only reads (``gif``) failed every image."""
+    if not isinstance(value, str) or f".{value.lower()}" not in OUTPUT_SUFFIXES:
+        written = ", ".join(suffix[1:] for suffix in OUTPUT_SUFFIXES)
+        raise FlowliftError(f"{field} must be a format flowlift writes ({written}), got {value!r}", field=field)
 
-    if not isinstance(value, str) or f".{value.lower()}" not in IMAGE_SUFFIXES:
-        raise FlowliftError(f"{field} must be an image format such as png, got {value!r}", field=field)
+
+def names_output_file(output: str | os.PathLike | None) -> bool:
+    """True when ``-o OUTPUT`` names one output file, not a folder: its last name has a suffix (``x.png``, and a new
+    ``notes.txt`` too, which :func:`output_file_format` then refuses), it is no existing folder, and it does not end
+    in a path separator (``out.v2/`` is a folder). An existing file in a format flowlift does not write is neither:
+    :func:`flowlift.files.atomic.check_output_folder` names it (a user's file, never replaced). The one rule of every
+    command whose ``-o`` takes either."""
+    if not output:
+        return False
+    text = os.fspath(output)
+    if text.endswith((os.sep, os.altsep or os.sep)):
+        return False
+    target = Path(text).expanduser()
+    if not target.suffix or target.is_dir():
+        return False
+    return target.suffix.lower() in OUTPUT_SUFFIXES or not os.path.lexists(target)
+
+
+def output_file_format(path: str | os.PathLike) -> str:
+    """The format name (``png``, ``jpg``, ``tif``...) of ``-o FILE``'s suffix, or one line naming ``output`` that
+    lists the suffixes flowlift writes: a file name flowlift cannot write is refused, never made a folder."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in OUTPUT_SUFFIXES:
+        raise FlowliftError(
+            f"{FIELD_MARK} {os.fspath(path)}: unsupported output format {suffix or '(none)'}; give a file name ending "
+            f"{', '.join(OUTPUT_SUFFIXES)}, or a folder ({os.fspath(path)}{os.sep} names one)",
+            field="output",
+        )
+    return OUTPUT_FORMAT_OF_SUFFIX[suffix]
+
+
+def output_target(output: str | os.PathLike | None, count: int) -> tuple[Path | None, Path | None]:
+    """Interpret ``-o`` for ``count`` inputs: ``(single output file, None)``, ``(None, output folder)`` or
+    ``(None, None)`` (no ``-o``). A file name (:func:`names_output_file`) must end in a suffix flowlift writes
+    (:func:`output_file_format`) and holds one output, so it takes one input; anything else is a folder that must
+    be one or be creatable (:func:`flowlift.files.atomic.check_output_folder`)."""
+    if not output:
+        return None, None
+    target = Path(output).expanduser()
+    if names_output_file(output):
+        output_file_format(target)
+        if count != 1:
+            raise FlowliftError(
+                f"{FIELD_MARK} {target} names one file but {count} inputs were given; pass a folder", field="output"
+            )
+        return target, None
+    check_output_folder(target)
+    return None, target

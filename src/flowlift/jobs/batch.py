@@ -145,7 +145,6 @@ def plan_jobs(
     inputs: Sequence[Path],
     output: str | None,
     output_name: Callable[[Path], str],
-    image_suffixes: Sequence[str],
     *,
     expected_size: Callable[[Path], tuple[int, int]] | None = None,
     check_output: Callable[[Path, Path], None] | None = None,
@@ -153,14 +152,15 @@ def plan_jobs(
     """One :class:`Job` per input; ``output_name(source)`` gives the output's file name.
 
     Outputs go to ``-o``'s folder, or next to each input without ``-o``; ``-o FILE`` names the single
-    output. ``expected_size(source)`` is the (width, height) of a complete output (for
+    output (:func:`flowlift.files.output_paths.output_target`: a file name in a format flowlift does not write is
+    refused for the whole run). ``expected_size(source)`` is the (width, height) of a complete output (for
     :func:`existing_output`); ``check_output(source, output)`` may refuse a target up front. An
     :data:`ITEM_ERRORS` exception from any of the three refuses that input alone, with its message as
     the note. The rules that follow are :func:`plan_targets`'.
     """
-    from flowlift.files.images import output_target
+    from flowlift.files.output_paths import output_target
 
-    single_file, out_dir = output_target(output, len(inputs), image_suffixes)
+    single_file, out_dir = output_target(output, len(inputs))
     targets = []
     for path in inputs:
         try:

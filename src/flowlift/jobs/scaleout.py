@@ -122,7 +122,7 @@ def batch_share(
     """This rank's share of ``jobs``, planned and agreed with the other ranks (steps 1 and 2 of the
     module docstring), inside the process group when there is one. ``folder``: the output folder that
     ``-o`` names (the manifest's home; ``None`` without ``-o`` or for ``-o FILE``,
-    :func:`flowlift.files.images.output_target`). The caller builds its models only when
+    :func:`flowlift.files.output_paths.output_target`). The caller builds its models only when
     :attr:`BatchShare.has_work`, then runs the share with :meth:`BatchShare.run`."""
     started = time.perf_counter()  # the summary's total time includes loading the models
     opened = time.time()  # before any rank of this run writes (they first agree on the plan): the debris cutoff

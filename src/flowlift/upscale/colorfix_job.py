@@ -66,7 +66,7 @@ def plan_colorfix(request: ColorFixRequest) -> tuple[list[Any], dict[Path, Path]
     that pairs with nothing is skipped when it is itself a reference (a source given with its
     upscales), else refused in one line. Nothing is written.
     """
-    from flowlift.files.images import IMAGE_SUFFIXES, image_size, list_images
+    from flowlift.files.images import image_size, list_images
     from flowlift.files.naming import colorfix_name, explicit_pair, index_by_stem, reference_of, source_stem
     from flowlift.files.output_paths import check_not_an_input
     from flowlift.jobs.batch import Job, no_images_in, plan_jobs
@@ -98,7 +98,6 @@ def plan_colorfix(request: ColorFixRequest) -> tuple[list[Any], dict[Path, Path]
         upscaled,
         request.output,
         lambda path: colorfix_name(path.stem, fmt),
-        IMAGE_SUFFIXES,
         expected_size=image_size,
         check_output=lambda path, out: check_not_an_input(out, {"references": paired[path]}),
     )

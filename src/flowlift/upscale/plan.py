@@ -148,7 +148,8 @@ def plan_files(
 
 def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
     """List the inputs and plan one job per input (see the module docstring); nothing is written."""
-    from flowlift.files.images import IMAGE_SUFFIXES, list_images, output_target
+    from flowlift.files.images import list_images
+    from flowlift.files.output_paths import output_target
 
     fraction_last = request.settings.latent_upscaler is not None  # SesquiLSR for the fraction
     sizes = OutputSizes(request.asked, request.settings.resize_mode, fraction_last)  # named by what the cap lets run
@@ -159,7 +160,7 @@ def plan_upscale(request: UpscaleRequest) -> UpscalePlan:
     if not inputs and len(request.inputs) == 1 and not glob.has_magic(request.inputs[0]):
         item, message = problems[0]  # the one file asked for is not there: a user error (exit 2), not a batch
         raise FlowliftError(f"{item}: {message}")
-    single_file, folder = output_target(request.output, len(inputs), IMAGE_SUFFIXES)
+    single_file, folder = output_target(request.output, len(inputs))
     targets = [sizes.target(path, single_file, folder, request.output_format) for path in inputs]
     refused = [Job.refusal(Path(item), message) for item, message in problems]
     return UpscalePlan(refused + plan_targets(targets), sizes, folder)
