@@ -2,8 +2,9 @@
 
 With a job manifest there (a ``torchrun`` job, :mod:`flowlift.jobs.manifest`) it is the manifest's
 account: the latest run and the latest record of every output; without one (a plain run) it is what
-the files show: done, partial, broken, missing (:mod:`flowlift.jobs.folder_status`). Exit status 0
-when the job is complete, 1 when it is not, 2 when OUT is not there.
+the files show: done, partial, broken, missing (:mod:`flowlift.jobs.folder_status`; colorfix's references
+are not missing inputs). Exit status 0 when the job is complete, 1 when it is not, 2 when OUT is not there or
+is a report folder (``flowlift bands``, ``flowlift eval``), which holds no job's outputs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ EXAMPLES = examples(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("folder", type=name_or_path, metavar="OUT", help="the job's output folder")
+    parser.add_argument(
+        "folder",
+        type=name_or_path,
+        metavar="OUT",
+        help="the output folder of an upscale or colorfix run (or a torchrun job); not a bands or eval report",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,7 +19,12 @@ resume rule applies (:func:`flowlift.files.image_outputs.inspect_existing`). So 
 * **missing** — images in the folder that flowlift did not write (sources, when outputs are written
   next to their inputs, whatever their names) and that no output here was made from. Inputs kept in
   another folder cannot be seen from here: rerunning the command is what finishes those (finished
-  outputs are skipped).
+  outputs are skipped). ``flowlift colorfix``'s references are no inputs: an image an output here
+  records as its reference, or (where colorfix outputs are) the ``<stem>`` another image here pairs
+  with as ``<stem>_x<N>``, is not missing.
+
+A report folder (``flowlift bands``, ``flowlift eval``: figures with flowlift's ``Software`` text and no
+per-image record) holds no job's outputs: :func:`print_job_status` says so in one line.
 
 Writing a manifest in plain runs too was the other way; it would add a file to every output folder
 and send every later run through the torchrun code path, to record what the outputs already say.
@@ -46,6 +51,7 @@ class FolderStatus:
     bad_inputs: list[tuple[Path, str]] = field(default_factory=list)  # incomplete images at no output's name
     changed: list[Path] = field(default_factory=list)  # outputs whose input here is another file now
     missing: list[Path] = field(default_factory=list)
+    reports: list[tuple[Path, str]] = field(default_factory=list)  # report figures and the command that drew them
 
     @property
     def complete(self) -> bool:
@@ -54,10 +60,21 @@ class FolderStatus:
         return bool(self.done) and not pending
 
 
-def _source_name(metadata: dict) -> str | None:
+def _recorded_name(metadata: dict, role: str) -> str | None:
+    """The file name an output records as its ``input`` or (colorfix) its ``reference``."""
     record = metadata.get("flowlift")  # read_metadata gives every layout as schema 1
-    name = record.get("input") if isinstance(record, dict) else None
+    name = record.get(role) if isinstance(record, dict) else None
     return Path(name).name if isinstance(name, str) else None
+
+
+def _report_command(metadata: dict) -> str | None:
+    """The command that drew a report figure: ``Software: flowlift <version> <command>`` without the per-image
+    ``flowlift`` record every output carries (``bands``, ``eval``), else None."""
+    software = metadata.get("Software")
+    words = software.split() if isinstance(software, str) else []
+    if isinstance(metadata.get("flowlift"), dict) or len(words) < 3 or words[0] != "flowlift":
+        return None
+    return " ".join(words[2:])
 
 
 def folder_status(folder: str | os.PathLike) -> FolderStatus:
@@ -81,20 +98,27 @@ def folder_status(folder: str | os.PathLike) -> FolderStatus:
     status = FolderStatus(folder)
     others: list[Path] = []  # whole images flowlift did not write
     made_from: set[str] = set()  # stems of the images the outputs here were made from
+    references: set[str] = set()  # stems of the images colorfix outputs here were fixed against
     for name in names:
         entry = folder / name
         try:
-            _sort_entry(entry, status, others, made_from)
+            _sort_entry(entry, status, others, made_from, references)
         except OSError as error:  # a file this user may not read
             why = error.strerror or type(error).__name__
             status.broken.append((entry, f"unreadable: {why}; the next run cannot read it either and refuses it"))
             made_from.add(source_stem(entry.stem) or entry.stem)
-    status.missing = [p for p in others if p.stem not in made_from]
+    if references:  # colorfix ran here: a <stem> beside a <stem>_x<N> is that one's reference, not an input
+        references |= {stem for p in others if (stem := source_stem(p.stem))}
+    status.missing = [p for p in others if p.stem not in made_from | references]
     return status
 
 
-def _sort_entry(entry: Path, status: FolderStatus, others: list[Path], made_from: set[str]) -> None:
-    """File one folder entry under ``status`` (or ``others``: a whole image flowlift did not write)."""
+def _sort_entry(
+    entry: Path, status: FolderStatus, others: list[Path], made_from: set[str], references: set[str]
+) -> None:
+    """File one folder entry under ``status`` (or ``others``: a whole image flowlift did not write; a report figure
+    under ``status.reports``), the stems its metadata names as input into ``made_from``, as reference into
+    ``references``."""
     from flowlift.files.atomic import is_stale_temporary, is_temporary, temporary_in_use
     from flowlift.files.image_outputs import inspect_existing, is_flowlift_metadata, read_metadata
     from flowlift.files.images import IMAGE_SUFFIXES
@@ -128,7 +152,12 @@ def _sort_entry(entry: Path, status: FolderStatus, others: list[Path], made_from
     if not is_flowlift_metadata(metadata):
         others.append(entry)
         return
-    name = _source_name(metadata)
+    if command := _report_command(metadata):  # a report's figure (bands.png, crops.png): no job's output
+        status.reports.append((entry, command))
+        return
+    if reference := _recorded_name(metadata, "reference"):
+        references.add(Path(reference).stem)
+    name = _recorded_name(metadata, "input")
     source = entry.parent / name if name else None
     if source is not None and source.is_file() and made_from_another_input(entry, source):
         status.changed.append(entry)  # the input beside it changed since: the next run redoes it
@@ -168,6 +197,19 @@ def format_folder_status(status: FolderStatus) -> str:
     return "\n".join(lines)
 
 
+def check_job_folder(status: FolderStatus) -> None:
+    """One FlowliftError line when the folder holds a report (``flowlift bands``, ``flowlift eval``) and no job's
+    outputs: its figures are no outputs of inputs, so "complete" or "missing" would say nothing true of it."""
+    if not status.reports or status.done or status.broken or status.changed or status.writing or status.stale:
+        return
+    commands = ", ".join(dict.fromkeys(command for _, command in status.reports))
+    figures = ", ".join(path.name for path, _ in status.reports)
+    raise FlowliftError(
+        f"{status.folder} is a flowlift {commands} report ({figures}), not a job's output folder: status reads the "
+        "folders upscale and colorfix (img2img, hires) write images into, and a torchrun job's manifest"
+    )
+
+
 def print_job_status(folder: str | os.PathLike) -> int:
     """Print the account of the job in ``folder`` (its manifest's, else its files'); 0 when the job is
     complete, else 1. A folder that is not there is one FlowliftError line."""
@@ -175,6 +217,7 @@ def print_job_status(folder: str | os.PathLike) -> int:
 
     if not Manifest(folder).exists():
         found = folder_status(folder)
+        check_job_folder(found)
         print(format_folder_status(found))
         return 0 if found.complete else 1
     status = job_status(folder)
