@@ -279,3 +279,51 @@ def test_upscale_o_with_a_suffix_it_does_not_write_is_one_line_and_no_folder(tmp
         assert err.count("\n") == 0 and f"--output {out}: unsupported output format {out.suffix}; give a file" in err
         assert ".tif, .tiff, or a folder" in err and not out.exists()
 
+
+@pytest.mark.parametrize(
+    ("option", "value", "said"),
+    [
+        ("--upscaler", "typo", "Flow Upscaler weights: typo: no such file or folder"),
+        ("--vae", "typo", "VAE: typo: no such file or folder"),
+        ("--latent-upscaler", "sesqui:typo", "SesquiLSR weights: typo: no such file"),
+    ],
+)
+def test_a_misspelled_model_is_refused_although_every_output_exists(
+    tmp_path, shared, weights, photo, capsys, option, value, said
+):
+    """Every output there, a misspelled --upscaler/--vae/--latent-upscaler exited 0 ("0 written, 2 skipped"): the
+    names are found before the run decides what to skip."""
+    for name in ("a", "b"):
+        photo.save(tmp_path / f"{name}.png")
+    argv = ["upscale", str(tmp_path / "a.png"), str(tmp_path / "b.png"), "-o", str(tmp_path / "out")]
+    assert main([*argv, *_common(shared, weights)]) == 0
+    capsys.readouterr()
+    common = _common(shared, weights)
+    if option in common:
+        common[common.index(option) + 1] = value
+    else:
+        common += [option, value]
+    assert main([*argv, *common]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.count("\n") == 0 and err.startswith("flowlift upscale: error: ") and said in err, err
+    assert "skipped" not in captured.out + captured.err
+
+
+def test_a_latent_upscaler_with_taef2_is_refused_before_any_model_loads(tmp_path, shared, weights, photo, capsys):
+    """TAEF2 has no BN statistics for SesquiLSR: its name or its folder says so before the pipeline is built (it
+    loaded both models first, and with every output there passed silently)."""
+    from builders import forbid_call
+    from sesqui_reference import save_random_sesqui
+
+    photo.save(tmp_path / "a.png")
+    sesqui = save_random_sesqui(tmp_path)
+    argv = ["upscale", str(tmp_path / "a.png"), "--scale", "1.5", "--latent-upscaler", f"sesqui:{sesqui}"]
+    with pytest.MonkeyPatch.context() as patch:
+        forbid_call(patch, "flowlift.upscale.pipeline.FlowUpscalerPipeline.__init__", "a model was loaded")
+        for vae in ("taef2", str(shared / "models" / "taef2")):
+            assert main([*argv, "--upscaler", str(weights), "--vae", vae, "--device", "cpu"]) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.count("\n") == 0 and "--latent-upscaler: SesquiLSR works on raw FLUX.2 VAE latents" in err
+            assert "set --vae to the FLUX.2 VAE" in err, err
+    assert not (tmp_path / "a_x1.5.png").exists()

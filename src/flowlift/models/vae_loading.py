@@ -29,12 +29,13 @@ from flowlift.models.vae_names import (
     NAMED_FLUX2,
     NAMED_MAGE,
     NAMED_TAEF2,
+    NAMED_VAES,
     VAE_NAMES,
     NamedVAE,
     named_vae,
     unknown_vae_message,
 )
-from flowlift.models.weights import WEIGHT_SUFFIXES, looks_like_repo_id, read_state_dict
+from flowlift.models.weights import WEIGHT_SUFFIXES, header_state, looks_like_repo_id, read_state_dict
 
 # Each name's repositories and files are declared once, in flowlift.models.vae_names.
 TAEF2_REPO = NAMED_TAEF2.repos[0]
@@ -380,3 +381,56 @@ def named_vae_folder(named: NamedVAE) -> Path:
         f"or set {FIELD_MARK} to a local path{other}",
         field="vae",
     )
+
+
+def vae_spec_kind(spec: Any) -> str | None:
+    """The kind of VAE ``spec`` names (``"taef2"``, ``"flux2"`` or ``"mage"``), told without reading a tensor: from
+    its name, a named VAE's hub repository, a folder's file names and ``config.json`` (in :func:`_from_dir`'s order)
+    or a safetensors file's header. None where only loading tells: a pickle file, another hub id, a module, a path
+    that is not there (:func:`check_vae_spec` says what is wrong with those). For refusals that depend on the kind
+    (SesquiLSR needs the FLUX.2 VAE) before anything loads."""
+    if not isinstance(spec, (str, os.PathLike)):
+        return None
+    text = os.fspath(spec)
+    named = named_vae(text) or next((vae for vae in NAMED_VAES.values() if text in vae.repos), None)
+    if named is not None:
+        return named.name
+    path = Path(text).expanduser()
+    try:
+        return _file_kind(path) if path.is_file() else _folder_kind(path) if path.is_dir() else None
+    except (FlowliftError, OSError):  # an unreadable header or config: the loader's line, not this question's
+        return None
+
+
+def _file_kind(path: Path) -> str | None:
+    if path.name in TAEF2_FILES:  # the released pickles: their names are all that tells, short of reading them
+        return NAMED_TAEF2.name
+    found = header_state(path, what=f"VAE weights {path}")
+    if found is None:
+        return None
+    from flowlift.models.taef2 import detect_layout
+
+    state = found[0]
+    if detect_layout(state) != "unknown":
+        return NAMED_TAEF2.name
+    if is_original_flux2_vae(state) or is_diffusers_flux2_vae(state):
+        return NAMED_FLUX2.name
+    return NAMED_MAGE.name if is_mage_vae(state) else None
+
+
+def _folder_kind(path: Path) -> str | None:
+    if any((path / name).is_file() for name in TAEF2_FILES):
+        return NAMED_TAEF2.name
+    for folder in (path / "vae", path):
+        if not (folder / "config.json").is_file():
+            continue
+        if _read_config(folder / "config.json").get("_class_name") == "AutoencoderKLFlux2":
+            return NAMED_FLUX2.name
+        for file in (folder / "diffusion_pytorch_model.safetensors", folder / "taef2.safetensors"):
+            if file.is_file():
+                return _file_kind(file)
+    for folder in (path, path / "vae"):
+        files = sorted(p for p in folder.iterdir() if p.suffix == ".safetensors") if folder.is_dir() else []
+        if len(files) == 1:
+            return _file_kind(files[0])
+    return None

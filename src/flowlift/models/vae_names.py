@@ -94,6 +94,9 @@ NAMED_MAGE = NamedVAE(
 NAMED_VAES: dict[str, NamedVAE] = {vae.name: vae for vae in (NAMED_FLUX2, NAMED_TAEF2, NAMED_MAGE)}
 #: The names ``--vae`` takes besides a path or hub id.
 VAE_NAMES: tuple[str, ...] = tuple(NAMED_VAES)
+#: The kinds of VAE that encode straight into the normalized latent space and carry no BN statistics, so SesquiLSR
+#: (which works on the FLUX.2 VAE's raw latents) cannot run with them.
+NO_BN_STATISTICS: tuple[str, ...] = (NAMED_TAEF2.name, NAMED_MAGE.name)
 #: The named VAEs flowlift itself runs inside the node packs.
 NATIVE_VAES: tuple[NamedVAE, ...] = tuple(vae for vae in NAMED_VAES.values() if vae.native)
 

@@ -38,6 +38,7 @@ __all__ = [
     "find_upscaler_file",
     "pipeline_model_files",
     "resolve_upscaler_file",
+    "upscale_name_checks",
     "upscale_weight_checks",
     "vae_spec_files",
 ]
@@ -94,6 +95,23 @@ def upscale_weight_checks(
     if latent_upscaler is not None:
         checks.append(lambda: find_sesqui(latent_upscaler))
     return checks
+
+
+def upscale_name_checks(
+    upscaler: Any, vaes: Sequence[Any], latent_upscaler: str | None = None
+) -> list[Callable[[], object]]:
+    """The checks of :func:`upscale_weight_checks` that need no hub: every local path (found, its header read),
+    SesquiLSR's file, and a name that is no path, no VAE name and no hub id (``--upscaler typo``). A VAE name and a
+    hub id (``owner/name``) are left to the lookup a run with work makes (it may download them). What a batch checks
+    before it decides what to skip, so that a misspelled option is refused when every output exists too."""
+    from flowlift.models.vae_names import named_vae
+    from flowlift.models.weights import looks_like_repo_id
+
+    def fetched(spec: Any) -> bool:
+        return isinstance(spec, (str, os.PathLike)) and looks_like_repo_id(os.fspath(spec))
+
+    local_vaes = [vae for vae in vaes if not fetched(vae) and named_vae(vae) is None]
+    return upscale_weight_checks(None if fetched(upscaler) else upscaler, local_vaes, latent_upscaler)
 
 
 def check_upscale_weights(

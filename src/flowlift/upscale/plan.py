@@ -34,6 +34,7 @@ __all__ = [
     "UpscalePlan",
     "UpscaleRequest",
     "UpscaleStep",
+    "check_names",
     "plan_files",
     "plan_upscale",
     "run_upscale",
@@ -308,6 +309,27 @@ def _bar_note(run: Any) -> str:
     return what + (f", about {format_seconds(state.left)} left" if state.left is not None else "")
 
 
+def check_names(request: UpscaleRequest) -> None:
+    """The models the request names, checked before the run decides what to skip (every problem in one line): each
+    local path found, its header read, and a name that is neither a path nor a hub id refused
+    (:func:`flowlift.upscale.loading.upscale_name_checks`; nothing loaded, nothing fetched: a hub id is looked up
+    when there is work), and :func:`flowlift.models.sesqui_lsr.require_bn_statistics`' line for a latent upscaler
+    given a VAE whose spec says it has no BN statistics (``taef2``, ``mage``). A misspelled option is never passed
+    over because every output exists."""
+    from flowlift.models.sesqui_lsr import require_bn_statistics
+    from flowlift.models.vae_loading import vae_spec_kind
+    from flowlift.models.vae_names import NO_BN_STATISTICS
+    from flowlift.models.weights import require_all
+    from flowlift.upscale.loading import upscale_name_checks
+
+    settings = request.settings
+    upscaler, vaes, checks = settings.upscaler or DEFAULT_UPSCALER, [settings.vae], []
+    if settings.latent_upscaler is not None and vae_spec_kind(settings.vae) in NO_BN_STATISTICS:
+        vaes = []  # that VAE is the one to change: not looked up
+        checks.append(lambda: require_bn_statistics(None))  # its line, naming latent_upscaler and vae
+    require_all(checks + upscale_name_checks(upscaler, vaes, settings.latent_upscaler))
+
+
 def run_upscale(request: UpscaleRequest) -> int:
     """Plan the request (from the inputs' headers alone), then run this rank's share of the jobs
     (:func:`flowlift.jobs.scaleout.batch_share`): say what the cap drops (once, before any work), load the
@@ -318,6 +340,8 @@ def run_upscale(request: UpscaleRequest) -> int:
 
     run = RunProgress(started=command_started())  # the command's whole time, loading the models included
     plan = plan_upscale(request)
+    if any(not job.refused for job in plan.jobs):  # before the skips (every input refused: those lines are the news)
+        check_names(request)  # a misspelled --upscaler is refused even when every output exists
     env = DistEnv.from_environ()
     with (
         running(run),
