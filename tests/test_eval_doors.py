@@ -168,3 +168,22 @@ def test_a_sesqui_method_without_the_flux2_vae_names_the_vae_field_in_each_doors
     argv = ["--run", f"sesqui:{sesqui}", "--dataset", str(photos), "--scale", "1.5", "--vae", vae]
     err = _refused([*argv, "-o", str(tmp_path / "report")], capsys)
     assert "(set --vae to flux2 or its file)" in err, err
+
+
+@pytest.mark.parametrize("vae", ["taef2", "folder", "file"])
+def test_a_sesqui_method_with_taef2_is_refused_before_anything_loads(shared, photos, tmp_path, capsys, no_loading, vae):
+    """``--vae taef2`` (the name, cached or not), the TAEF2 folder or one of its files: refused before the VAE loads
+    (it loaded the VAE first, or with the name not cached said to download TAEF2, which would not help)."""
+    from sesqui_reference import save_random_sesqui
+
+    sesqui = save_random_sesqui(tmp_path)
+    spec = {
+        "taef2": "taef2",
+        "folder": shared / "models" / "taef2",
+        "file": shared / "models" / "taef2" / "taef2_decoder.pth",
+    }
+    out = tmp_path / "report"
+    argv = ["--run", f"lanczos,sesqui:{sesqui}", "--dataset", str(photos), "--scale", "1.5", "--vae", str(spec[vae])]
+    err = _refused([*argv, "-o", str(out)], capsys)
+    assert "method sesqui:upscaler_Flux2 works on raw FLUX.2 VAE latents" in err, err
+    assert "(set --vae to flux2 or its file)" in err and not out.exists()

@@ -11,7 +11,7 @@ merged through the cache) and writes the report (:func:`flowlift.measure.report.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -306,17 +306,23 @@ def _run_methods(request: EvalRequest, env: DistEnv) -> EvalReport | None:
 def _check_before_loading(request: EvalRequest, specs: Sequence[MethodSpec]) -> None:
     """What a run refuses before any model loads: every photo's size for the scale and the box (from the headers,
     :func:`flowlift.measure.inputs.check_dataset_sizes`), then every weight file the methods that run need (the VAE,
-    the Flow Upscaler's, SesquiLSR's and spandrel models' files), all the missing ones named in one line."""
+    the Flow Upscaler's, SesquiLSR's and spandrel models' files), all the missing ones named in one line, and with
+    them a SesquiLSR method given a VAE whose spec says it has no BN statistics (``taef2``, ``mage``, a TAEF2
+    folder: :func:`flowlift.models.vae_loading.vae_spec_kind`; that VAE is then not looked up)."""
     from flowlift.measure.inputs import check_dataset_sizes, dataset_paths
-    from flowlift.measure.methods import SESQUI, SPANDREL, unreachable
+    from flowlift.measure.methods import SESQUI, SPANDREL, sesqui_vae_refusal, unreachable
     from flowlift.models.sesqui_lsr import check_sesqui_file
     from flowlift.models.weights import require_all
     from flowlift.upscale.loading import upscale_weight_checks
 
     check_dataset_sizes(dataset_paths(request.dataset, request.limit), request.scale, request.box)
     reachable = [s for s in specs if not unreachable(s, request.scale)]
-    checks = []
-    if any(s.needs_vae for s in reachable):
+    sesqui = [s for s in reachable if s.name == SESQUI]
+    checks: list[Callable[[], object]] = []
+    if sesqui and _no_bn_statistics(request.vae):  # that VAE is the one to change: not looked up
+        checks.append(lambda: _raise(sesqui_vae_refusal(sesqui[0].label)))
+        checks += upscale_weight_checks(_flow_upscaler(request, reachable), [])
+    elif any(s.needs_vae for s in reachable):
         checks += upscale_weight_checks(_flow_upscaler(request, reachable), [request.vae])
     for spec in reachable:
         path = dict(spec.options).get("path")
@@ -325,6 +331,18 @@ def _check_before_loading(request: EvalRequest, specs: Sequence[MethodSpec]) -> 
         elif spec.name == SPANDREL:
             checks.append(lambda path=path: check_spandrel_file(path))
     require_all(checks)
+
+
+def _raise(error: FlowliftError) -> None:
+    raise error
+
+
+def _no_bn_statistics(vae: Any) -> bool:
+    """Whether the VAE spec says, without loading it, that it has no BN statistics (TAEF2, Mage-VAE)."""
+    from flowlift.models.vae_loading import vae_spec_kind
+    from flowlift.models.vae_names import NO_BN_STATISTICS
+
+    return vae_spec_kind(vae) in NO_BN_STATISTICS
 
 
 def _flow_upscaler(request: EvalRequest, reachable: Sequence[MethodSpec]) -> str | None:

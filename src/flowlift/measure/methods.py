@@ -362,6 +362,16 @@ def make_method_fn(
     return run_flow
 
 
+def sesqui_vae_refusal(label: str) -> FlowliftError:
+    """The one line for a SesquiLSR method (``label``) run with a VAE that has no BN statistics (TAEF2, Mage-VAE):
+    raised before anything loads where the VAE's spec tells its kind, else once the VAE has loaded."""
+    return FlowliftError(
+        f"method {label} works on raw FLUX.2 VAE latents and needs the FLUX.2 VAE (set {FIELD_MARK} to "
+        "flux2 or its file): TAEF2 and Mage-VAE latents are already normalized and carry no BN statistics",
+        field="vae",
+    )
+
+
 def _sesqui_method_fn(spec: MethodSpec, scale: float, vae, device: Any, dtype: Any) -> MethodFn:
     """A SesquiLSR method's fn, its weights loaded (float32 unless ``dtype`` says otherwise); a VAE without the
     FLUX.2 BN statistics (TAEF2, Mage-VAE) is one line before any work."""
@@ -369,12 +379,8 @@ def _sesqui_method_fn(spec: MethodSpec, scale: float, vae, device: Any, dtype: A
 
     from flowlift.models.sesqui_lsr import load_sesqui_lsr
 
-    if getattr(vae, "bn_mean", None) is None:
-        raise FlowliftError(
-            f"method {spec.label} works on raw FLUX.2 VAE latents and needs the FLUX.2 VAE (set {FIELD_MARK} to "
-            "flux2 or its file): TAEF2 and Mage-VAE latents are already normalized and carry no BN statistics",
-            field="vae",
-        )
+    if getattr(vae, "bn_mean", None) is None:  # a VAE whose kind its spec did not tell (a module, a pickle)
+        raise sesqui_vae_refusal(spec.label)
     model = load_sesqui_lsr(dict(spec.options)["path"], device, dtype or torch.float32)
     return lambda low, gt: sesqui_upscale(model, vae, low, scale, device, dtype)
 
