@@ -258,13 +258,15 @@ def _gone(pids: list[int], grace_s: float = 15.0) -> list[int]:
     [
         ("rank 0", signal.SIGTERM, "flowlift launch: interrupted (rank 0 stopped by SIGTERM)"),
         ("rank 1", signal.SIGINT, "flowlift launch: interrupted (rank 1 stopped by SIGINT)"),
+        # a rank's command stops for SIGHUP too and exits 129: that was a crash to the launcher, restarted
+        ("rank 1", signal.SIGHUP, "flowlift launch: interrupted (rank 1 stopped by SIGHUP)"),
         ("rank 1", signal.SIGKILL, "flowlift launch: interrupted (rank 1 killed by SIGKILL)"),
         ("launcher", signal.SIGTERM, "flowlift launch: interrupted by SIGTERM"),
         ("launcher", signal.SIGINT, "flowlift launch: interrupted by SIGINT"),
     ],
 )
 def test_a_signal_stops_the_whole_run_and_is_never_restarted(tmp_path, target, signum, line):
-    """`--max-restarts` is for crashes: a rank stopped by SIGTERM/SIGINT/SIGKILL from outside, or the launcher
+    """`--max-restarts` is for crashes: a rank stopped by SIGTERM/SIGINT/SIGHUP/SIGKILL from outside, or the launcher
     stopped by a user, ends the run (exit 130, one line naming the signal), and every process exits."""
     script = tmp_path / "stoppable.py"
     script.write_text(STOPPABLE)

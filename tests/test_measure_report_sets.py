@@ -1,6 +1,6 @@
 """A report is one set: ``flowlift eval``'s four files and ``flowlift bands``' three are put in place together, so a
-Ctrl-C or SIGTERM while they are written leaves the previous report or the new one, never a new figure beside an
-old table, and no temporary behind (flowlift.files.atomic_set)."""
+stop signal (Ctrl-C, SIGTERM, SIGHUP) while they are written leaves the previous report or the new one, never a new
+figure beside an old table, and no temporary behind (flowlift.files.atomic_set)."""
 
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def _stop_at_second_write(monkeypatch) -> None:
     monkeypatch.setattr(Path, "write_bytes", write_bytes)
 
 
-def _stop_at_first_rename(monkeypatch) -> None:
-    """SIGINT sent to this process right after the first rename of a report file."""
+def _stop_at_first_rename(monkeypatch, signum: int = signal.SIGINT) -> None:
+    """``signum`` sent to this process right after the first rename of a report file."""
     real = os.replace
     renamed = []
 
@@ -63,7 +63,7 @@ def _stop_at_first_rename(monkeypatch) -> None:
         real(source, target, **kwargs)
         renamed.append(target)
         if len(renamed) == 1:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signum)
 
     monkeypatch.setattr(os, "replace", replace)
 
@@ -147,3 +147,77 @@ def test_a_stop_during_the_bands_renames_is_delivered_after_the_whole_set(tmp_pa
         run_bands_report(BandsRequest(images=images, vae="fake", output=out))
     assert sorted(_files(out)) == ["bands.json", "bands.md", "bands.png"]
     assert sorted(json.loads((out / "bands.json").read_text())["images"]) == ["a", "b"]
+
+
+@pytest.fixture
+def stop_handlers():
+    """Every stop signal raises KeyboardInterrupt, as the command line's handler does (SIGHUP too, unless nohup)."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_every_stop_signal_during_the_renames_waits_for_the_whole_new_report(
+    tmp_path, monkeypatch, stop_handlers, signum
+):
+    """SIGHUP (a closed terminal) stops a command as SIGINT and SIGTERM do, but was not held for the renames: the
+    new results.json stood beside the old table and figures."""
+    new = tmp_path / "new"
+    R.write_report(_report(40.0), new)
+    out = tmp_path / "report"
+    R.write_report(_report(30.0), out)
+    _stop_at_first_rename(monkeypatch, signum)
+    with pytest.raises(KeyboardInterrupt):
+        R.write_report(_report(40.0), out)
+    written = _files(out)
+    assert sorted(written) == sorted(_files(new))
+    for name in ("results.json", "table.md"):
+        assert written[name] == _files(new)[name], name
+
+
+def test_a_sighup_nohup_ignores_stays_ignored_through_the_renames(tmp_path, monkeypatch):
+    from flowlift.files.atomic_set import atomic_write_set
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        _stop_at_first_rename(monkeypatch, signal.SIGHUP)
+        atomic_write_set({tmp_path / "a.json": b"1", tmp_path / "b.png": b"2"})  # no stop: nohup asked for none
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert _files(tmp_path) == {"a.json": b"1", "b.png": b"2"}
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_flowlift_bands_stopped_during_its_renames_exits_130_with_the_whole_new_report(
+    tmp_path, monkeypatch, capsys, signum
+):
+    """The command line's own handlers (``flowlift bands -o DIR --overwrite`` over an earlier report): 130, and
+    the folder holds the new report's three files, none of the old one's."""
+    import json
+
+    from flowlift.commands.cli import INTERRUPTED, main
+    from test_bands import IdealVAE, _fake_vae_module
+
+    _fake_vae_module(monkeypatch, IdealVAE)
+    images, out = _bands_inputs(tmp_path), tmp_path / "bands"
+    assert main(["bands", images[0], "--vae", "fake", "-o", str(out), "--no-progress"]) == 0
+    before = _files(out)
+    _stop_at_first_rename(monkeypatch, signum)
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as a terminal's child has it (the runner may nohup)
+    try:
+        status = main(["bands", *images, "--vae", "fake", "-o", str(out), "--overwrite", "--no-progress"])
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert status == INTERRUPTED
+    assert capsys.readouterr().err.rstrip().splitlines()[-1] == "flowlift bands: interrupted"
+    after = _files(out)
+    assert sorted(after) == ["bands.json", "bands.md", "bands.png"]
+    assert sorted(json.loads(after["bands.json"])["images"]) == ["a", "b"]
+    assert all(after[name] != before[name] for name in after), "an old file beside the new ones"

@@ -38,17 +38,17 @@ def _is_the_program() -> bool:
 
 
 def _hold(signum: int, frame: object) -> None:
-    """SIGINT/SIGTERM/SIGHUP before ``main()`` takes them over: remembered (``_hold.held``), and ``main()`` ends the
-    run with status 130 as its first act. Raising here instead would print a traceback from the middle of an
-    import, and an inherited SIG_IGN would lose the signal."""
+    """A stop signal (:data:`flowlift.stop_signals.STOP_SIGNALS`) before ``main()`` takes them over: remembered
+    (``_hold.held``), and ``main()`` ends the run with status 130 as its first act. Raising here instead would
+    print a traceback from the middle of an import, and an inherited SIG_IGN would lose the signal."""
     _hold.held = signum  # type: ignore[attr-defined]
 
 
 if _is_the_program():  # flowlift's first line: signals are the run's from here on (see commands/cli.py)
-    _signal.signal(_signal.SIGINT, _hold)
-    _signal.signal(_signal.SIGTERM, _hold)
-    if hasattr(_signal, "SIGHUP") and _signal.getsignal(_signal.SIGHUP) is not _signal.SIG_IGN:  # nohup's stays
-        _signal.signal(_signal.SIGHUP, _hold)
+    from flowlift.stop_signals import taken_stop_signals as _taken_stop_signals  # no flowlift import before it
+
+    for _signum in _taken_stop_signals():  # a SIGHUP ignored by nohup stays ignored
+        _signal.signal(_signum, _hold)
 
 import importlib  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402

@@ -2,11 +2,11 @@
 
 Subcommands live beside this module in :mod:`flowlift.commands` (one module each) and are discovered
 at start-up.
-User errors (:class:`flowlift.errors.FlowliftError`) print one line and exit with status 2; SIGINT and
-SIGTERM stop any command with status 130, from flowlift's first line on: ``flowlift/__init__.py`` holds a
-signal that comes before :func:`main` (while the modules import), and :func:`main` takes both signals
-over before it builds the parser. Run as the process's own command line (``argv`` not given),
-a one-shot command without ``--max-memory`` keeps freed memory for reuse
+User errors (:class:`flowlift.errors.FlowliftError`) print one line and exit with status 2; the stop signals
+(:data:`flowlift.stop_signals.STOP_SIGNALS`: SIGINT, SIGTERM, SIGHUP) stop any command with status 130, from
+flowlift's first line on: ``flowlift/__init__.py`` holds a signal that comes before :func:`main` (while the
+modules import), and :func:`main` takes them over before it builds the parser. Run as the process's own command
+line (``argv`` not given), a one-shot command without ``--max-memory`` keeps freed memory for reuse
 (:func:`flowlift.devices.reuse_freed_memory`); an in-process caller's allocator is left alone.
 """
 
@@ -36,6 +36,7 @@ from flowlift.console import (
 )
 from flowlift.devices import end_before_native_teardown, end_process, passive_thread_wait, reuse_freed_memory
 from flowlift.errors import FlowliftError, door_words
+from flowlift.stop_signals import STOP_SIGNALS, taken_stop_signals
 from flowlift.version import __version__
 
 
@@ -84,13 +85,10 @@ INTERRUPTED = 130
 
 #: The signal that interrupted the last command run in this process (None: a KeyboardInterrupt of its own, SIGINT).
 _stop_signal: int | None = None
-#: After the signal that stops a command, further SIGINT/SIGTERM are held this long, so that its clean-ups (temporary
+#: After the signal that stops a command, further stop signals are held this long, so that its clean-ups (temporary
 #: files removed, a checkpoint saved, a server's request waited for) are not cut short by a second Ctrl-C or a
 #: scheduler's repeated SIGTERM; one after it stops the clean-up too (the user insists).
 SIGNAL_HOLD_S = 5.0
-#: What stops a command: Ctrl-C, a scheduler's stop, and a closed terminal or dropped ssh session (SIGHUP ended the
-#: process with no line and left its temporary behind). A SIGHUP inherited as ignored (``nohup``) stays ignored.
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, *((signal.SIGHUP,) if hasattr(signal, "SIGHUP") else ()))
 
 
 def stop_signal() -> int:
@@ -101,8 +99,9 @@ def stop_signal() -> int:
 
 @contextmanager
 def _signals_interrupt():
-    """SIGINT and SIGTERM raise KeyboardInterrupt in the main thread for the whole command, then the
-    previous handlers come back (an in-process caller such as a test keeps its own).
+    """The stop signals (:func:`flowlift.stop_signals.taken_stop_signals`: SIGINT, SIGTERM, and SIGHUP unless
+    ``nohup`` ignores it) raise KeyboardInterrupt in the main thread for the whole command, then the previous
+    handlers come back (an in-process caller such as a test keeps its own).
 
     SIGINT is installed explicitly because Python leaves an *inherited* ``SIG_IGN`` in place: a command
     started in the background by a non-interactive shell (``flowlift upscale ... &`` in a script) or by a
@@ -110,7 +109,7 @@ def _signals_interrupt():
     SIGTERM (``kill``, a scheduler's stop) gets the same treatment, so every ``finally`` clean-up runs
     (temporary files removed, training checkpoint saved) and the exit status is 130 instead of an
     abrupt death leaving debris. Signals after the first are held for :data:`SIGNAL_HOLD_S` (a second one
-    landing in a clean-up left a temporary folder behind, or a traceback); the handlers are put back with both
+    landing in a clean-up left a temporary folder behind, or a traceback); the handlers are put back with the
     signals blocked, so that none lands between the two and outlives the command.
     """
     global _stop_signal
@@ -130,8 +129,7 @@ def _signals_interrupt():
         first[:] = [now]
         raise KeyboardInterrupt
 
-    taken = [s for s in _SIGNALS if s != getattr(signal, "SIGHUP", None) or signal.getsignal(s) is not signal.SIG_IGN]
-    previous = {signum: signal.signal(signum, interrupt) for signum in taken}
+    previous = {signum: signal.signal(signum, interrupt) for signum in taken_stop_signals()}
     try:
         held = [getattr(handler, "held", None) for handler in previous.values()]  # flowlift/__init__.py's
         if any(held):  # a signal since flowlift's first line, before this: the run ends before it begins
@@ -142,7 +140,7 @@ def _signals_interrupt():
             raise KeyboardInterrupt
         yield
     finally:
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)  # delivered after, to the restored handlers
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # delivered after, to the restored handlers
         try:
             for signum, handler in previous.items():
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)

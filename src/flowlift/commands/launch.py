@@ -45,7 +45,7 @@ TORCHRUN_OPTIONS = (
     (("--master-addr",), "HOST", "rank 0's machine, static rendezvous (default: torchrun's)"),
     (("--master-port",), "PORT", "rank 0's port, static rendezvous (default: torchrun's)"),
 )
-#: Exit status of an interrupted command (SIGINT, SIGTERM).
+#: Exit status of an interrupted command (a stop signal: SIGINT, SIGTERM, SIGHUP).
 INTERRUPTED = 130
 #: Commands that are no distributed job (or would nest launchers).
 NOT_LAUNCHED = ("launch", "app")
@@ -103,7 +103,7 @@ def run_worker(argv: list[str]) -> int:
     The elastic agent then sees the process succeed whenever the command finished (done, images
     failed, a user error: each reported in its own lines) and restarts the group only for a crash --
     an exception that escapes the command line, a fatal signal such as SIGSEGV. A rank stopped by
-    SIGINT or SIGTERM ends with 128 + the signal (130, 143), and the launcher ends the run for it
+    SIGINT, SIGTERM or SIGHUP ends with 128 + the signal (130, 143, 129), and the launcher ends the run for it
     (:func:`flowlift.jobs.launch.stop_signal_name`).
     """
     import os

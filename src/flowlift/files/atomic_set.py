@@ -4,8 +4,9 @@
 between two of them (Ctrl-C, a scheduler's SIGTERM) left the first new file alone, or beside the previous run's
 others: a figure that disagrees with the table next to it. :func:`atomic_write_set` writes every file to its own
 temporary first (the same locked temporary folders, so a killed run's are swept the same way), then renames them
-all in one short section during which SIGINT and SIGTERM wait (:func:`deferred_stop_signals`) and are delivered
-the moment it ends: a stop leaves the previous set or the new one, never a mix, and no temporary behind.
+all in one short section during which the stop signals (:data:`flowlift.stop_signals.STOP_SIGNALS`) wait
+(:func:`deferred_stop_signals`) and are delivered the moment it ends: a stop leaves the previous set or the new one,
+never a mix, and no temporary behind.
 """
 
 from __future__ import annotations
@@ -27,21 +28,20 @@ from flowlift.files.atomic import (
     seal_temporary,
     write_error,
 )
+from flowlift.stop_signals import STOP_SIGNALS, taken_stop_signals
 
-__all__ = ["STOP_SIGNALS", "atomic_write_set", "deferred_stop_signals"]
-
-#: What stops a command (``commands/cli.py`` turns both into exit 130).
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+__all__ = ["atomic_write_set", "deferred_stop_signals"]
 
 
 @contextmanager
 def deferred_stop_signals() -> Iterator[None]:
-    """SIGINT and SIGTERM held while the block runs and delivered, to the handlers they would have met, right after.
+    """The stop signals (:func:`flowlift.stop_signals.taken_stop_signals`: SIGINT, SIGTERM, and SIGHUP unless
+    ``nohup`` ignores it) held while the block runs and delivered, to the handlers they would have met, right after.
 
     The main thread's handlers are swapped for one that only notes the signal: blocking the signals with
     ``pthread_sigmask`` alone would not hold them, since the kernel hands a process's signal to any thread that does
     not block it (torch's worker threads) and Python then runs the handler in the main thread all the same. Putting
-    the handlers back happens with both signals blocked in this thread (``commands/cli.py`` does the same), so none
+    the handlers back happens with the signals blocked in this thread (``commands/cli.py`` does the same), so none
     lands between the two. Off the main thread no Python handler runs where the block runs: it runs as it is.
     """
     if threading.current_thread() is not threading.main_thread():
@@ -55,7 +55,7 @@ def deferred_stop_signals() -> Iterator[None]:
 
     previous = {}
     try:
-        for signum in STOP_SIGNALS:
+        for signum in taken_stop_signals():
             previous[signum] = signal.signal(signum, note)
         yield
     finally:

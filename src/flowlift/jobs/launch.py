@@ -11,8 +11,8 @@ command, so that each worker hands its command's exit status back as a *value*:
 * a worker process succeeds whenever its command finished -- done, images failed, a user error;
   only a crash (an exception flowlift does not turn into one line, a fatal signal such as SIGSEGV)
   makes the agent restart the group, up to ``--max-restarts``;
-* a rank stopped from outside (SIGINT, SIGTERM, SIGKILL, SIGHUP, SIGQUIT: :data:`STOP_SIGNALS`), or the
-  launcher stopped by SIGINT/SIGTERM, ends the whole run without a restart: exit status 130 and one
+* a rank stopped from outside (SIGINT, SIGTERM, SIGHUP, SIGKILL, SIGQUIT: :data:`RANK_STOP_SIGNALS`), or the
+  launcher stopped by one of :data:`AGENT_STOP_SIGNALS`, ends the whole run without a restart: exit status 130 and one
   line naming the signal (torch's agent is run with that one change, :func:`_no_restart_after_a_stop`);
 * the launcher exits with the highest value of its node's workers: 0 done, 1 an image failed (or
   the ranks' summary could not be made), 2 a user error, 130 interrupted -- the workers print the
@@ -41,15 +41,17 @@ from typing import Any
 from flowlift.errors import FlowliftError
 from flowlift.jobs.group_start import end_overdue_joins, watched_starts
 from flowlift.jobs.launch_options import check_rendezvous_host, first_line, launch_config
+from flowlift.stop_signals import STOP_SIGNALS
 
 #: Exit status of ``flowlift launch`` when a rank crashed and the restarts (if any) did not cure it.
 CRASHED = 3
-#: Exit status of an interrupted command (SIGINT, SIGTERM), a worker's and the launcher's.
+#: Exit status of an interrupted command (a stop signal), a worker's and the launcher's.
 INTERRUPTED = 130
-#: Signals by which a user or a scheduler stops a run (Ctrl-C, kill, kill -9, a closed terminal, SIGQUIT): a
-#: rank that ended by one was stopped, not crashed, and the run ends without a restart. A fatal signal of the
-#: program's own (SIGSEGV, SIGABRT, SIGBUS, ...) is a crash, restarted up to ``--max-restarts``.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL, signal.SIGHUP, signal.SIGQUIT)
+#: Signals by which a user or a scheduler stops a run: a command's stop signals (Ctrl-C, kill, a closed terminal),
+#: and kill -9 and SIGQUIT, which no rank catches: a rank that ended by one was stopped, not crashed, and the run ends
+#: without a restart. A fatal signal of the program's own (SIGSEGV, SIGABRT, SIGBUS, ...) is a crash, restarted up
+#: to ``--max-restarts``.
+RANK_STOP_SIGNALS = (*STOP_SIGNALS, signal.SIGKILL, signal.SIGQUIT)
 #: Seconds the agent waits for its ranks after passing on a stop signal before it kills them (torch waits 30):
 #: a rank ends within a second of SIGTERM unless it is blocked inside a C++ collective, which takes the signal
 #: only when the call returns; its outputs are written atomically, so a kill leaves nothing partial behind.
@@ -66,12 +68,13 @@ def stop_signal_name(exitcode: int | None) -> str | None:
     """The stop signal a worker process ended by, from its exit code, or ``None`` when it did not.
 
     A negative exit code -N is the signal N that killed the process (multiprocessing's convention); a
-    flowlift rank that caught SIGINT or SIGTERM and ran its clean-up exits with the shell's 128 + N (130, 143,
-    :func:`flowlift.commands.launch.run_worker`)."""
+    flowlift rank that caught one of its stop signals (:data:`flowlift.stop_signals.STOP_SIGNALS`) and ran its
+    clean-up exits with the shell's 128 + N (130, 143, 129: :func:`flowlift.commands.launch.run_worker`)."""
     if exitcode is None:
         return None
-    number = -exitcode if exitcode < 0 else exitcode - 128 if exitcode in (130, 143) else None
-    return next((s.name for s in STOP_SIGNALS if s == number), None)
+    if exitcode < 0:
+        return next((s.name for s in RANK_STOP_SIGNALS if s == -exitcode), None)
+    return next((s.name for s in STOP_SIGNALS if s == exitcode - 128), None)
 
 
 def launch(

@@ -1,8 +1,9 @@
 """What the training loop runs beside its steps: batches read ahead on a thread, and the stop a signal asks for.
 
 :func:`prefetched_batches` yields exactly what reading :class:`~flowlift.training.shards.ShardStream` in the loop
-would (the stream is a pure function of its arguments); :class:`StopRequest` turns the first SIGINT, SIGTERM or
-SIGHUP into a stop after the current step (with a checkpoint) and a second one into an interrupt at once.
+would (the stream is a pure function of its arguments); :class:`StopRequest` turns the first stop signal (SIGINT,
+SIGTERM or SIGHUP: :data:`flowlift.stop_signals.STOP_SIGNALS`) into a stop after the current step (with a
+checkpoint) and a second one into an interrupt at once.
 """
 
 from __future__ import annotations
@@ -50,11 +51,10 @@ class StopRequest:
         import signal
         import threading
 
+        from flowlift.stop_signals import taken_stop_signals
+
         if threading.current_thread() is threading.main_thread():
-            hangup = getattr(signal, "SIGHUP", None)
-            for signum in (signal.SIGINT, signal.SIGTERM, *((hangup,) if hangup is not None else ())):
-                if signum == hangup and signal.getsignal(signum) is signal.SIG_IGN:
-                    continue  # inherited as ignored (nohup): the run outlives its terminal, as asked
+            for signum in taken_stop_signals():  # not a SIGHUP nohup ignores: the run outlives its terminal, as asked
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
