@@ -1,15 +1,17 @@
-"""Issue 43 class 3: SIGINT and SIGTERM stop ``flowlift`` from its first line, not only once ``main()`` has built
-its parser (every command module imported: a second or more on a loaded machine).
+"""Issue 43 class 3: SIGINT, SIGTERM and SIGHUP stop ``flowlift`` from its first line, not only once ``main()`` has
+built its parser (every command module imported: a second or more on a loaded machine).
 
 Deterministic, no timer: a ``sitecustomize`` on the child's path (the test's, not flowlift's) puts an import
 finder in front that sends the signal to its own process when a chosen module is first looked up:
 
 * ``flowlift.errors``: the first import of ``flowlift/__init__.py`` after its signal lines (flowlift's first line);
 * ``flowlift.commands.upscale``: while the parser imports the command modules;
+* ``datetime``: while numpy's C extension imports it (the parser imports numpy), which turns the KeyboardInterrupt
+  into ``ImportError: PyCapsule_Import could not import module "datetime"`` (a 74-line traceback and exit 1);
 * ``flowlift.models.taef2``: while the models load (the Flow Upscaler is loaded, the VAE is being built).
 
 Each under SIGINT inherited as ignored (a background job of a non-interactive shell, which Python leaves
-ignored), SIGINT with its default disposition, and SIGTERM; through ``python -m flowlift`` and through a
+ignored), SIGINT with its default disposition, SIGTERM and SIGHUP; through ``python -m flowlift`` and through a
 console script named ``flowlift`` (what pip writes). Every run must end with 130, ``interrupted`` as its last
 line, no traceback, and fewer outputs than inputs (none here, and no temporary file).
 """
@@ -36,7 +38,7 @@ _AT, _SIGNAL = os.environ["FLOWLIFT_TEST_SIGNAL_AT"], int(os.environ["FLOWLIFT_T
 
 class _SignalOnImport:
     def find_spec(self, name, path=None, target=None):
-        if name == _AT:
+        if name == _AT and "flowlift" in sys.modules:  # the run's own import, not one of Python's start
             sys.meta_path.remove(self)
             os.kill(os.getpid(), _SIGNAL)
         return None
@@ -55,6 +57,7 @@ if __name__ == "__main__":
 POINTS = {
     "first-line": "flowlift.errors",
     "imports": "flowlift.commands.upscale",
+    "numpy-datetime": "datetime",
     "model-loading": "flowlift.models.taef2",
 }
 DISPOSITIONS = {
@@ -158,3 +161,38 @@ def test_flowlift_is_the_program_only_as_its_command():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.stdout.strip() == "True", result.stderr
+
+
+def _failing_parser(signum: int | None):
+    """A ``build_parser`` that fails as numpy's import does: with ``signum``, after that signal's KeyboardInterrupt
+    (which the C code turns into an ImportError); without, on its own, before any signal."""
+
+    def build_parser():
+        if signum is None:
+            raise ImportError("a real failure, before any signal")
+        try:
+            signal.raise_signal(signum)
+        except KeyboardInterrupt as stop:
+            raise ImportError('PyCapsule_Import could not import module "datetime"') from stop
+        raise AssertionError("the signal raised no KeyboardInterrupt")
+
+    return build_parser
+
+
+def test_an_error_that_follows_a_stop_signal_is_the_stop(monkeypatch, capsys):
+    """Once a stop signal has come, what the command raises after it is reported as the stop: 130, one line."""
+    from flowlift.commands import cli
+
+    monkeypatch.setattr(cli, "build_parser", _failing_parser(signal.SIGTERM))
+    assert cli.main(["upscale", "x.png"]) == cli.INTERRUPTED
+    assert capsys.readouterr().err == "flowlift upscale: interrupted\n"
+    assert cli.stop_signal() == signal.SIGTERM
+
+
+def test_an_error_before_any_signal_is_not_taken_for_a_stop(monkeypatch):
+    """The same error without a signal is a real failure: it goes up as it is (its traceback), never 130."""
+    from flowlift.commands import cli
+
+    monkeypatch.setattr(cli, "build_parser", _failing_parser(None))
+    with pytest.raises(ImportError, match="a real failure"):
+        cli.main(["upscale", "x.png"])

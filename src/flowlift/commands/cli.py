@@ -101,7 +101,10 @@ def stop_signal() -> int:
 def _signals_interrupt():
     """The stop signals (:func:`flowlift.stop_signals.taken_stop_signals`: SIGINT, SIGTERM, and SIGHUP unless
     ``nohup`` ignores it) raise KeyboardInterrupt in the main thread for the whole command, then the previous
-    handlers come back (an in-process caller such as a test keeps its own).
+    handlers come back (an in-process caller such as a test keeps its own). Once one has come, whatever the command
+    raises after it is that stop too (KeyboardInterrupt): C code that imports or calls back into Python turns the
+    KeyboardInterrupt it met into an error of its own (numpy's ``ImportError: PyCapsule_Import could not import
+    module "datetime"``), which printed a traceback and exit status 1. An error before any signal is left as it is.
 
     SIGINT is installed explicitly because Python leaves an *inherited* ``SIG_IGN`` in place: a command
     started in the background by a non-interactive shell (``flowlift upscale ... &`` in a script) or by a
@@ -139,6 +142,10 @@ def _signals_interrupt():
             _stop_signal = next(signum for signum in held if signum)
             raise KeyboardInterrupt
         yield
+    except Exception as error:
+        if first:  # the stop's KeyboardInterrupt, turned into another error on its way up
+            raise KeyboardInterrupt from error
+        raise
     finally:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # delivered after, to the restored handlers
         try:
