@@ -258,6 +258,49 @@ def test_an_output_that_is_a_plain_file_is_refused_for_the_whole_run(capsys, tmp
     assert (tmp_path / "notes.txt").read_text() == "notes" and not list(tmp_path.glob("*_x2_*"))
 
 
+@pytest.fixture
+def read_only(tmp_path, monkeypatch):
+    """A folder no file can be created in, as a read-only mount is (chmod does not stop root): the write probe of
+    ``flowlift.files.output_paths.folder_problem`` fails there with EROFS, as it does on such a mount."""
+    import errno
+    import os
+    import tempfile
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    real = tempfile.mkstemp
+
+    def mkstemp(*args, dir=None, **kwargs):
+        if dir is not None and os.path.samefile(dir, folder):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(dir))
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    return folder
+
+
+@pytest.mark.parametrize("command", ["colorfix", "upscale", "bands"])
+@pytest.mark.parametrize("below", ["", "out"])
+def test_an_output_folder_that_takes_no_file_is_refused_up_front(
+    capsys, tmp_path, monkeypatch, read_only, command, below
+):
+    """``-o`` on a read-only file system (or its folder-to-be under one) is one line and exit 2 before any image is
+    read or model loads: upscale and colorfix printed one failure per image and a summary (exit 1), and bands
+    measured every image first (the VAE given here does not exist, so a later check would name it instead)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a.png", "c.png", "a_x2.png", "c_x2.png"):
+        Image.new("RGB", (160, 160)).save(tmp_path / name)
+    out = read_only / below if below else read_only
+    options = {
+        "colorfix": ["a_x2.png", "c_x2.png", "--reference", "a.png", "--reference", "c.png"],
+        "upscale": ["a.png", "c.png", "--upscaler", tmp_path / "no-upscaler", "--vae", tmp_path / "no-vae"],
+        "bands": ["a.png", "c.png", "--vae", tmp_path / "no-vae", "--no-progress"],
+    }[command]
+    err = _one_line(capsys, [command, *options, "-o", out])
+    assert err == f"flowlift {command}: error: cannot write outputs into {out}: Read-only file system", err
+    assert list(read_only.iterdir()) == []
+
+
 def test_hires_size_refusals_suggest_sizes_that_pass():
     """The fix a size refusal suggests is one the same check takes: a side rounded to the grid stays within the
     16384 px cap, and the largest base is the one at the scale asked for (not at the smallest preset, 2)."""

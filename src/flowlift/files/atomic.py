@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from flowlift.errors import FIELD_MARK, FlowliftError
+from flowlift.errors import FlowliftError
 
 try:
     import fcntl
@@ -421,17 +421,3 @@ def append_text(path: str | os.PathLike, text: str) -> None:
         raise OutputWriteError(f"cannot write {path}: {_write_failure(error)}") from error
     finally:
         os.close(descriptor)
-
-
-def check_output_folder(folder: str | os.PathLike) -> None:
-    """Refuse ``-o FOLDER`` for the whole run when it, or the nearest part of it that exists, is not a folder (a file
-    named without an image suffix): one line before any input, not one failure per input."""
-    folder = existing = Path(folder)
-    while not os.path.lexists(existing) and existing.parent != existing:
-        existing = existing.parent
-    if existing.is_dir():
-        return
-    hint = "give a folder, or an image file name (.png/.jpg/.webp...) for one input"
-    if existing == folder:
-        raise FlowliftError(f"{FIELD_MARK} {folder} exists and is not a folder: {hint}", field="output")
-    raise FlowliftError(f"{FIELD_MARK} {folder}: {existing} is not a folder; {hint}", field="output")

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from flowlift.errors import FIELD_MARK, FlowliftError
-from flowlift.files.atomic import check_output_folder, name_limit, replace_refusal
+from flowlift.files.atomic import name_limit, replace_refusal
 from flowlift.files.output_checks import OUTPUT_FORMAT_OF_SUFFIX, OUTPUT_SUFFIXES
 
 
@@ -50,6 +50,22 @@ def folder_problem(folder: str | os.PathLike) -> str | None:
         reason = error.strerror or type(error).__name__
         return f"cannot write outputs into {folder}: {reason}"
     return None
+
+
+def check_output_folder(folder: str | os.PathLike) -> None:
+    """Refuse ``-o FOLDER`` for the whole run, in one line before any input (not one failure per input), when it, or
+    the nearest part of it that exists, is not a folder (a file named without an image suffix), or when no file can
+    be created there (:func:`folder_problem`: a read-only mount, no permission)."""
+    folder = Path(folder)
+    existing = _nearest_existing(folder)
+    if existing.is_dir():
+        if problem := folder_problem(folder):
+            raise FlowliftError(problem, field="output")
+        return
+    hint = "give a folder, or an image file name (.png/.jpg/.webp...) for one input"
+    if existing == folder:
+        raise FlowliftError(f"{FIELD_MARK} {folder} exists and is not a folder: {hint}", field="output")
+    raise FlowliftError(f"{FIELD_MARK} {folder}: {existing} is not a folder; {hint}", field="output")
 
 
 def name_problem(path: str | os.PathLike) -> str | None:
@@ -156,7 +172,7 @@ def names_output_file(output: str | os.PathLike | None) -> bool:
     """True when ``-o OUTPUT`` names one output file, not a folder: its last name has a suffix (``x.png``, and a new
     ``notes.txt`` too, which :func:`output_file_format` then refuses), it is no existing folder, and it does not end
     in a path separator (``out.v2/`` is a folder). An existing file in a format flowlift does not write is neither:
-    :func:`flowlift.files.atomic.check_output_folder` names it (a user's file, never replaced). The one rule of every
+    :func:`check_output_folder` names it (a user's file, never replaced). The one rule of every
     command whose ``-o`` takes either."""
     if not output:
         return False
@@ -186,7 +202,7 @@ def output_target(output: str | os.PathLike | None, count: int) -> tuple[Path | 
     """Interpret ``-o`` for ``count`` inputs: ``(single output file, None)``, ``(None, output folder)`` or
     ``(None, None)`` (no ``-o``). A file name (:func:`names_output_file`) must end in a suffix flowlift writes
     (:func:`output_file_format`) and holds one output, so it takes one input; anything else is a folder that must
-    be one or be creatable (:func:`flowlift.files.atomic.check_output_folder`)."""
+    be one or be creatable (:func:`check_output_folder`)."""
     if not output:
         return None, None
     target = Path(output).expanduser()

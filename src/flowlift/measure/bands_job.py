@@ -164,9 +164,11 @@ def run_bands_report(request: BandsRequest) -> BandsResult:
     out_dir = Path(request.output)
     if out_dir.exists() and not out_dir.is_dir():
         raise FlowliftError(f"{FIELD_MARK} {out_dir} exists and is not a folder", field="output")
-    from flowlift.files.output_paths import check_report_folder
+    from flowlift.files.output_paths import check_report_folder, folder_problem
     from flowlift.files.own_files import check_replaceable, markdown_stamp, report_json, stamp
 
+    if problem := folder_problem(out_dir):  # before any image is read or model loads: the write came after it all
+        raise FlowliftError(problem, field="output")
     check_report_folder(out_dir, {"images": request.images})  # its bands.png would be measured next time
     # before any image or model loads
     check_replaceable(report_recognisers(out_dir), request.overwrite, COMMAND, FIELD_MARK)
