@@ -266,8 +266,19 @@ def one_thread(device: torch.device | str) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def non_finite_kind(tensor: torch.Tensor) -> str | None:
-    """``"NaN"`` or ``"Inf"`` when ``tensor`` holds one, else None (integer and empty tensors: None).
+def check_holds_values(tensor: torch.Tensor, name: str = "a tensor", *, field: str | None = None) -> None:
+    """Refuse a meta tensor (a shape without values) in one line naming ``name``: reading its values fails deep in
+    torch (``Tensor.item() cannot be called on meta tensors``), and nothing can be computed from it."""
+    if tensor.is_meta:
+        raise FlowliftError(
+            f"{name}: a meta tensor (a shape without values); give a tensor that holds the data (on cpu or a GPU)",
+            field=field,
+        )
+
+
+def non_finite_kind(tensor: torch.Tensor, name: str = "a tensor") -> str | None:
+    """``"NaN"`` or ``"Inf"`` when ``tensor`` holds one, else None (integer and empty tensors: None); a meta
+    tensor (no values to read) is one line naming ``name`` (:func:`check_holds_values`).
 
     One read and no temporaries where ``isfinite(t).all()`` reads twice and writes a bool copy: ``aminmax`` (a NaN
     propagates into both ends, an Inf is one of them, so the ends name the kind too), in one CPU thread (a
@@ -277,6 +288,7 @@ def non_finite_kind(tensor: torch.Tensor) -> str | None:
 
     import torch
 
+    check_holds_values(tensor, name)
     if not tensor.is_floating_point() or not tensor.numel():
         return None
     tensor = tensor.detach()

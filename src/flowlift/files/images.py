@@ -277,6 +277,9 @@ def to_tensor(
         else:
             raise FlowliftError(f"image arrays must be uint8, uint16 or float in [0, 1], got {array.dtype}")
     elif isinstance(image, torch.Tensor):
+        from flowlift.devices import check_holds_values
+
+        check_holds_values(image, "the image")  # before the uint8 scaling, which would keep it a meta tensor
         tensor = image if image.ndim == 4 else image[None]
         if tensor.ndim != 4 or tensor.shape[1] != 3:
             raise FlowliftError(f"expected an NCHW RGB tensor, got shape {tuple(image.shape)}")

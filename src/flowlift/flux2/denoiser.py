@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from flowlift.devices import check_holds_values
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS, pack, patchify, unpack, unpatchify
 from flowlift.knobs import check_cfg_scale, check_positive
@@ -65,6 +66,7 @@ def _check_embeds(name: str, embeds: torch.Tensor, joint_dim: int | None) -> Non
         raise FlowliftError(f"{name} must be a float tensor (batch, tokens, dim), got {type(embeds).__name__}")
     if embeds.ndim != 3 or 0 in embeds.shape:
         raise FlowliftError(f"{name} must have shape (batch, tokens, dim), none 0, got {tuple(embeds.shape)}")
+    check_holds_values(embeds, name)
     if not bool(torch.isfinite(embeds).all()):  # a NaN here is a NaN image at the end
         raise FlowliftError(f"{name} contain NaN or Inf")
     if joint_dim is not None and embeds.shape[-1] != joint_dim:

@@ -197,6 +197,6 @@ def check_latents(latents: Any, where: str, *, even: bool = False) -> torch.Tens
         raise FlowliftError(f"{where}: latents must be floating point, got {str(latents.dtype).removeprefix('torch.')}")
     from flowlift.devices import non_finite_kind
 
-    if non_finite_kind(latents) is not None:
+    if non_finite_kind(latents, f"{where}: the latents") is not None:
         raise FlowliftError(f"{where}: the input latents contain non-finite values (NaN/Inf)")
     return latents

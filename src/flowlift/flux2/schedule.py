@@ -103,6 +103,11 @@ def respaced_window(mu: float, high: float, low: float, num_steps: int) -> torch
     return sigmas
 
 
+#: The most steps a schedule is built with: 100x a refine's own limit (``refine.settings.MAX_STEPS``), room for a
+#: many-step reference solution, and a few megabytes at most.
+MAX_SCHEDULE_STEPS = 100_000
+
+
 def flux2_sigmas(
     num_steps: int,
     image_seq_len: int,
@@ -134,6 +139,8 @@ def flux2_sigmas(
     for name, value in (("num_steps", num_steps), ("image_seq_len", image_seq_len)):
         if (exact_int(value) or 0) < 1:  # not True, 2.5, NaN or "4"
             raise FlowliftError(f"{name} must be a whole number >= 1, got {value!r}", field=name)
+    if num_steps > MAX_SCHEDULE_STEPS:  # 10**9 steps: gigabytes of float64 sigmas, then the process killed
+        raise FlowliftError(f"num_steps must be at most {MAX_SCHEDULE_STEPS}, got {num_steps!r}", field="num_steps")
     for name, value in (("denoising_start", denoising_start), ("denoising_end", denoising_end), ("mu", mu)):
         if isinstance(value, bool) or not isinstance(value, (Real, str) if name == "mu" else Real):
             raise FlowliftError(f"{name} must be a number, got {value!r}", field=name)

@@ -170,6 +170,7 @@ def save_upscaler(model: FlowUpscalerUNet, path: str | os.PathLike, *, overwrite
     """
     from safetensors.torch import save_file
 
+    from flowlift.devices import check_holds_values
     from flowlift.knobs import check_kind, check_overwrite, check_path
     from flowlift.models.weights import first_non_finite
 
@@ -179,6 +180,8 @@ def save_upscaler(model: FlowUpscalerUNet, path: str | os.PathLike, *, overwrite
         raise FlowliftError(f"save_upscaler: {path} must end in .safetensors")
     if not check_overwrite(overwrite) and path.is_file() and not path.is_symlink():  # others: atomic_output's line
         raise FlowliftError(f"save_upscaler: {path} exists; pass overwrite=True to replace it")
+    for name, tensor in model.state_dict().items():  # a meta model's weights cannot be copied out
+        check_holds_values(tensor, f"save_upscaler: the model's {name}")
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     if problem := first_non_finite(state):
         raise FlowliftError(f"save_upscaler: the model has {problem}; nothing written to {path}")

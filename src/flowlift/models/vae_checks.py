@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from flowlift.devices import check_holds_values
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import LATENT_CHANNELS
 
@@ -35,6 +36,7 @@ def check_images(images: torch.Tensor, multiple: int) -> None:
         raise FlowliftError(f"VAE encode expects images of shape (B, 3, H, W), got {shape}")
     if not images.is_floating_point():
         raise FlowliftError(f"VAE encode expects float images in [0, 1], got dtype {images.dtype}")
+    check_holds_values(images, "VAE encode: the images")
     low, high = value_range(images)
     if not (math.isfinite(low) and math.isfinite(high)):
         raise FlowliftError("VAE encode: the images hold NaN or Inf")
@@ -59,6 +61,7 @@ def check_latents(latents: torch.Tensor, multiple: int) -> None:
         raise FlowliftError(f"VAE decode expects latents of shape (B, {LATENT_CHANNELS}, h, w), got {shape}")
     if not latents.is_floating_point():
         raise FlowliftError(f"VAE decode expects float latents, got dtype {latents.dtype}")
+    check_holds_values(latents, "VAE decode: the latents")
     if not all(math.isfinite(end) for end in value_range(latents)):
         raise FlowliftError("VAE decode: the latents hold NaN or Inf")
     h, w = latents.shape[-2:]

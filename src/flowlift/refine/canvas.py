@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flowlift.devices import check_holds_values
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
 from flowlift.limits import PIXEL_MULTIPLE, cap_words
@@ -27,13 +28,14 @@ def checked_images(images: Any, name: str = "images", channels: int = 3) -> torc
         got = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
         kind = "an RGB tensor" if channels == 3 else f"a {channels}-channel tensor"
         raise FlowliftError(f"{name} must be {kind} (B, {channels}, H, W), none of them 0, got {got}", field=name)
+    check_holds_values(images, name, field=name)
     if images.dtype in (torch.uint8, torch.bool):
         return images.float() / (255.0 if images.dtype == torch.uint8 else 1.0)
     if not images.is_floating_point():
         raise FlowliftError(f"{name} must be float in [0, 1] or uint8, got {images.dtype}", field=name)
-    images = images.float()
+    images = images.detach().float()  # a caller's requires_grad tensor: its min/max read without torch's warning
     if not bool(torch.isfinite(images).all()):
-        raise FlowliftError(f"{name} contain non-finite values (NaN/Inf)", field=name)
+        raise FlowliftError(f"{name}: non-finite values (NaN/Inf)", field=name)
     low, high = float(images.min()), float(images.max())
     if low < 0.0 or high > 1.0:
         raise FlowliftError(

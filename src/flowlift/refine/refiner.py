@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from flowlift.devices import resolve_device_option
+from flowlift.devices import check_holds_values, resolve_device_option
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
 from flowlift.knobs import check_callable, check_cfg_scale, check_dtype, check_kind, check_positive
@@ -138,7 +138,12 @@ class Flux2Refiner(HiresFix):
     def _embeds(self, prompt: str | None, embeds: torch.Tensor | None, what: str) -> torch.Tensor | None:
         key = what.replace(" ", "_")  # the keywords: prompt / prompt_embeds, negative_prompt / negative_prompt_embeds
         if embeds is not None:
-            return check_kind(f"{key}_embeds", embeds, torch.Tensor, "a tensor").to(self.device, torch.float32)
+            name = f"{key}_embeds"
+            check_holds_values(check_kind(name, embeds, torch.Tensor, "a tensor"), name, field=name)
+            if not embeds.is_floating_point():  # checked here: the float32 cast below would hide an integer tensor
+                message = f"{name} must be a float tensor (batch, tokens, dim), got {embeds.dtype}"
+                raise FlowliftError(message, field=name)
+            return embeds.to(self.device, torch.float32)
         if prompt is None:
             return None
         check_kind(key, prompt, str, "a string")
