@@ -97,3 +97,16 @@ def test_flux2_sigmas_caps_its_step_count(steps):
         flux2_sigmas(steps, 256)
     assert caught.value.field == "num_steps" and "at most 100000" in str(caught.value), caught.value
     assert len(flux2_sigmas(3000, 256)) == 3001  # a many-step reference schedule still builds
+
+
+def test_refine_latents_names_a_meta_mask_statistic_or_velocity():
+    """Each was a RuntimeError / NotImplementedError from torch, the velocity's after a whole step."""
+    zero = lambda x, t: torch.zeros_like(x)  # noqa: E731
+    init = torch.zeros(1, 32, 4, 4)
+    _refused(
+        lambda: refine_latents(zero, init_latents=init, denoising_start=0.5, mask=_meta(1, 1, 4, 4)), "mask", "meta"
+    )
+    _refused(lambda: refine_latents(zero, shape=(1, 32, 4, 4), bn_mean=torch.zeros(128), bn_std=_meta(128)), "bn_std")
+    with pytest.raises(FlowliftError) as caught:
+        refine_latents(lambda x, t: torch.empty(x.shape, device="meta"), shape=(1, 32, 4, 4))
+    assert caught.value.field == "velocity_fn" and "input's device (cpu)" in str(caught.value), caught.value

@@ -166,6 +166,10 @@ def check_bn_statistics(bn_mean: Any, bn_std: Any, where: str) -> None:
             )
     if bn_mean is None:
         return
+    from flowlift.devices import check_holds_values
+
+    check_holds_values(bn_mean, "bn_mean", field="bn_mean")
+    check_holds_values(bn_std, "bn_std", field="bn_std")
     if not bool(torch.isfinite(bn_mean).all()):
         raise FlowliftError("bn_mean must be finite (the VAE's BatchNorm means), got NaN or Inf", field="bn_mean")
     if not bool((bn_std > 0).all() and torch.isfinite(bn_std).all()):

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from flowlift.devices import check_holds_values
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import (
     PATCHIFIED_CHANNELS,
@@ -212,6 +213,11 @@ def _shape_checked(velocity_fn: VelocityFn | None) -> VelocityFn | None:
                 f"velocity_fn must return a floating tensor of its input's shape {tuple(z.shape)}, got {got}",
                 field="velocity_fn",
             )
+        if v.device != z.device:  # a meta or other-device answer: torch's "not on the expected device" in the step
+            raise FlowliftError(
+                f"velocity_fn must return a tensor on its input's device ({z.device}), got one on {v.device}",
+                field="velocity_fn",
+            )
         return v
 
     return checked
@@ -256,6 +262,7 @@ def _checked_mask(mask: Any, shape: tuple[int, ...], device: torch.device | str)
         raise FlowliftError(f"refine_latents: the latent mask must be (B, 1, {shape[2]}, {shape[3]}), got {got}")
     if mask.shape[0] not in (1, shape[0]):
         raise FlowliftError(f"refine_latents: a latent mask batch of {mask.shape[0]} for {shape[0]} latents")
+    check_holds_values(mask, "refine_latents: the latent mask")
     mask = mask.to(device=device, dtype=torch.float32)
     if not bool(torch.isfinite(mask).all()):
         raise FlowliftError("refine_latents: the latent mask contains non-finite values (NaN/Inf)")
