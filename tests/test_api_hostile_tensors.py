@@ -110,3 +110,36 @@ def test_refine_latents_names_a_meta_mask_statistic_or_velocity():
     with pytest.raises(FlowliftError) as caught:
         refine_latents(lambda x, t: torch.empty(x.shape, device="meta"), shape=(1, 32, 4, 4))
     assert caught.value.field == "velocity_fn" and "input's device (cpu)" in str(caught.value), caught.value
+
+
+class _Answers:
+    """A caller's own latent upscaler that answers ``make(latents, passes)``."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def upscale_latents(self, latents, passes, **_):
+        return self.make(latents, passes)
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda z, n: [1], "latents must be a torch.Tensor"),  # was AttributeError: 'list' object has no 'float'
+        (lambda z, n: torch.empty(1, 32, z.shape[2] << n, z.shape[3] << n, device="meta"), "meta tensor"),
+    ],
+)
+def test_the_hires_fix_checks_a_callers_upscalers_answer(refiner, make, words):
+    from flowlift.refine.request import HiresSettings
+    from flowlift.refine.settings import SamplingSettings
+    from tiny_flux2 import prompt_embeds
+
+    sampling = SamplingSettings(steps=2, seed=3)
+    call = lambda: refiner.hires(  # noqa: E731
+        _Answers(make),
+        HiresSettings(),
+        images=torch.rand(1, 3, 32, 32),
+        sampling=sampling,
+        prompt_embeds=prompt_embeds(),
+    )
+    _refused(call, "hires: the upscaler's upscale_latents", words)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from flowlift.errors import FlowliftError
-from flowlift.flux2.latents import VAE_SCALE_FACTOR
+from flowlift.flux2.latents import VAE_SCALE_FACTOR, check_latents
 from flowlift.knobs import check_kind
 from flowlift.limits import hires_latent_size, whole_passes
 from flowlift.progress import report_stage
@@ -86,19 +86,8 @@ class HiresFix:
             if "tiles" in base_out.parameters:
                 params["base_tiles"] = base_out.parameters["tiles"]
         report_stage("upscale")  # the run's stage, for every door's progress (flowlift.progress)
-        up = (
-            upscaler.upscale_latents(
-                base,
-                settings.passes,
-                seed=sampling.seed,
-                color_fix=settings.color_fix,
-                transplant_strength=settings.transplant_strength,
-            )
-            if settings.passes
-            else base
-        )
         expect = hires_latent_size(base.shape[2], base.shape[3], settings.scale)
-        up = (up if whole_passes(settings.scale) else upscaler.to_size(up, expect)).float().to(self.device)  # fraction
+        up = _upscaled(upscaler, base, settings, sampling.seed, expect).float().to(self.device)
         if tuple(up.shape[2:]) != expect:
             raise FlowliftError(f"the upscaler returned {tuple(up.shape[2:])} latents, expected {expect}")
         result = self._run(
@@ -158,3 +147,23 @@ def _check_upscaler(upscaler: object) -> None:
         raise FlowliftError(
             f"upscaler must have upscale_latents() (a FlowUpscalerPipeline), got {kind}", field="upscaler"
         )
+
+
+def _upscaled(
+    upscaler: LatentUpscaler, base: torch.Tensor, settings: HiresSettings, seed: Any, expect: tuple[int, int]
+) -> torch.Tensor:
+    """``base`` upscaled by ``settings.passes`` 2x passes, then to ``expect`` for a fraction; a caller's own upscaler
+    may answer anything, so each answer is checked as latents before any use."""
+    up = base
+    if settings.passes:
+        up = upscaler.upscale_latents(
+            base,
+            settings.passes,
+            seed=seed,
+            color_fix=settings.color_fix,
+            transplant_strength=settings.transplant_strength,
+        )
+        check_latents(up, "hires: the upscaler's upscale_latents")
+    if not whole_passes(settings.scale):  # the fraction
+        up = check_latents(upscaler.to_size(up, expect), "hires: the upscaler's to_size")
+    return up
