@@ -147,6 +147,20 @@ def test_plan_picks_the_fastest_fit_as_the_budget_shrinks():
     assert _plan(2048, 40).upscaler_budget_bytes == 40 * GB - KLEIN_4B.total_bytes
 
 
+def test_plan_counts_the_encode_of_an_image_the_size_it_decodes():
+    """An img2img encodes its image at the size it decodes, and the FLUX.2 VAE's whole-frame encode (5.5 GB at 2048²
+    in bf16, beside the image) is larger than its decode (4.3 GB): 13 GB took the whole-frame VAE by the decode alone,
+    and the encode ran 0.4 GB past the budget."""
+    plan = _plan(2048, 13)
+    assert (plan.offload, plan.vae_tiled) == ("none", True) and plan.peak_bytes <= 13 * GB
+    from flowlift.limits import encode_peak_bytes
+    from flowlift.refine.memory_plan import vae_peak_bytes
+
+    whole = vae_peak_bytes(VAESizes(bytes=VAE_BYTES), 2048, 2048, 1, False)
+    assert whole == 3 * 2048 * 2048 * 4 + encode_peak_bytes("flux2", 2048, 2048, dtype=torch.bfloat16, tiled=False)
+    assert KLEIN_4B.total_bytes + VAE_BYTES + whole > 13 * GB
+
+
 def test_plan_too_small_is_one_line():
     with pytest.raises(FlowliftError) as caught:
         _plan(2048, 1.5)
@@ -168,7 +182,7 @@ KLEIN_9B_BF16 = TransformerSizes(
 
 
 def test_plan_counts_a_tiles_tokens_so_12_gb_plans_a_4096_hires_fix():
-    from flowlift.limits import decode_peak_bytes
+    from flowlift.limits import decode_peak_bytes, encode_peak_bytes
     from flowlift.refine.memory_plan import LATENT_FRAME_BUFFERS
 
     def plan(budget_gb, **kwargs):
@@ -184,16 +198,17 @@ def test_plan_counts_a_tiles_tokens_so_12_gb_plans_a_4096_hires_fix():
     latents = LATENT_FRAME_BUFFERS * 32 * 512 * 512 * 4
     sampling = KLEIN_9B_Q4.total_bytes + VAE_BYTES + tiled.tile_batch * tile_activations + latents
     assert tiled.stage_peaks["sampling"] == sampling
-    coding = (
-        KLEIN_9B_Q4.total_bytes
-        + VAE_BYTES
-        + decode_peak_bytes("flux2", 4096, 4096, dtype=torch.bfloat16, tiled=tiled.vae_tiled)
-    )
+    vae_sizes = {"dtype": torch.bfloat16, "tiled": tiled.vae_tiled}
+    decode = decode_peak_bytes("flux2", 4096, 4096, **vae_sizes)
+    encode = 3 * 4096 * 4096 * 4 + encode_peak_bytes("flux2", 4096, 4096, **vae_sizes)  # beside the float32 image
+    coding = KLEIN_9B_Q4.total_bytes + VAE_BYTES + max(decode, encode)
     assert tiled.stage_peaks["vae"] == coding and tiled.peak_bytes == max(sampling, coding) <= 12 * GB
     # tile_batch auto: as many tiles per call as fit, at most 4; one more would not fit (or the cap is reached)
     assert tiled.tile_batch == min(4, (12 * GB - (sampling - tiled.tile_batch * tile_activations)) // tile_activations)
     assert f"1024 px tiles, {tiled.tile_batch} per call" in tiled.describe()
-    assert plan(8).tile_batch == 1 and plan(8).offload == "none"  # 5.5 + 0.17 + 1.2 + 0.27 GB
+    # sampling fits 8 GB beside the weights (5.5 + 0.17 + 1.2 + 0.27 GB), the tiled decode (its float32 image, 0.2 GB,
+    # and one tile's 2 GiB) does not: the weights leave the device for the VAE
+    assert plan(8).tile_batch == 1 and plan(8).offload == "model"
     assert plan(12, tiles=TileRequest.parse(batch=2)).tile_batch == 2
     assert plan(12, tiles=TileRequest.parse(512)).tile_size == 512
     # a frame within 4 MP stays whole while it fits, and tiles only when nothing untiled does

@@ -187,19 +187,25 @@ def test_single_file_mismatches_are_clear_errors(tmp_path):
 
 
 def test_tiling_switch(model, images, monkeypatch):
+    import flowlift.models.flux2_tiling as tiling
+
     vae = load_vae(model)
     seen = []
-    original = model._tiled_encode
-    monkeypatch.setattr(model, "_tiled_encode", lambda x: seen.append(x.shape) or original(x))
+    original = tiling.encode_tiled
+    monkeypatch.setattr(tiling, "encode_tiled", lambda m, x, **kw: seen.append(x.shape) or original(m, x, **kw))
+    monkeypatch.setattr(model, "_tiled_encode", lambda x: pytest.fail("diffusers' tiled encode ran"))
     vae.encode(images)  # 64 px < the 2048 px threshold: no tiling
     assert seen == [] and model.use_tiling is False
-    vae.encode(images, tiled=True)  # tiny config: 32 px tiles
-    assert len(seen) == 1 and model.use_tiling is False  # restored afterwards
+    vae.encode(images, tiled=True)  # tiny config: 32 px tiles, flowlift's bounded executor of them
+    assert len(seen) == 1 and model.use_tiling is False
     monkeypatch.setattr(vae, "auto_tile_side", 32)
     vae.encode(images)
     assert len(seen) == 2
     vae.encode(images, tiled=False)
     assert len(seen) == 2
+    model.use_tiling = True  # set on the module by a caller: a whole-frame encode stays whole, and it is restored
+    vae.encode(images, tiled=False)
+    assert len(seen) == 2 and model.use_tiling is True
 
 
 def test_tiled_decode_reports_diffusers_tiles(model, images, monkeypatch):

@@ -73,9 +73,11 @@ MAGE_TILE_BYTES = 768 << 20
 #: 32-feature tensors per pixel (measured 1.13 KB/px in float32 at 1024²).
 DECODE_PLAIN_CHANNELS = {"taef2": 3 * 64, "flux2": 4 * 128, "mage": MAGE_PLAIN_CHANNELS}
 #: Tiled decode's working set besides the latent and the output image: one tile's activations.
-#: TAEF2: bands of 128x128 latent px (64 ch at 2x/4x) and 64x64-latent tiles at 8x; FLUX.2 VAE (diffusers
-#: tiling): 512 px tiles through 128-512 channels; Mage-VAE: a 128x128-position tile through the DiCo
-#: MLP or a 32x32-position (512 px) tile of the per-pixel MLP (measured <= 581 MB at 2560²).
+#: TAEF2: bands of 128x128 latent px (64 ch at 2x/4x) and 64x64-latent tiles at 8x; FLUX.2 VAE (diffusers'
+#: tiles of ``tile_sample_min_size`` px through 128-512 channels, run by :mod:`flowlift.models.flux2_tiling`, which
+#: also keeps a strip of the blend's rows across the frame: ~34 MB at 16384 px wide in bfloat16); Mage-VAE: a
+#: 128x128-position tile through the DiCo MLP or a 32x32-position (512 px) tile of the per-pixel MLP (measured
+#: <= 581 MB at 2560²).
 DECODE_TILE_BYTES = {"taef2": 600 << 20, "flux2": 2 << 30, "mage": MAGE_TILE_BYTES}
 #: Mage-VAE's tiled decode also holds, for one sample at a time, three (384, h/16, w/16) stores:
 #: ``3 * 384 / 256`` values per output pixel (:mod:`flowlift.models.mage_tiling`), and the patchified
@@ -92,9 +94,10 @@ ENCODE_PLAIN_CHANNELS = {"taef2": 3 * 64 + 3, "flux2": 5 * 128, "mage": 36}
 #: image's float32 copy, and one tile's working set in values of the VAE's dtype. TAEF2 (64-latent-px stem tiles,
 #: 128-px bands): 300.6 / 328.5 / 402.1 / 1024 MiB measured at 1 / 2 / 4 / 16 Mpx in float32 (144 / 152 / 177 MiB
 #: at 1 / 2 / 4 Mpx in bfloat16). The FLUX.2 VAE (diffusers' tiles of ``tile_sample_min_size``, 1024 px): one
-#: tile's whole-frame encode, 2587 MiB at 1536x1536 in float32. Mage-VAE: a frame of up to two 128-position tiles'
-#: area (8 Mpx) runs its blocks whole (176 B/px measured at 1 and 4 Mpx in float32), larger ones in tiles (1089.5 MiB
-#: at 4096x4096).
+#: tile's whole-frame encode, 2587 MiB at 1536x1536 in float32; :mod:`flowlift.models.flux2_tiling` makes each tile
+#: ``2x - 1`` on its own, so its 3 * 4 bytes a pixel hold the raw float32 latent and its normalized copy. Mage-VAE:
+#: a frame of up to two 128-position tiles' area (8 Mpx) runs its blocks whole (176 B/px measured at 1 and 4 Mpx in
+#: float32), larger ones in tiles (1089.5 MiB at 4096x4096).
 ENCODE_TILED_CHANNELS = {"taef2": 10, "flux2": 1, "mage": 8}
 ENCODE_TILE_VALUES = {"taef2": 64 << 20, "flux2": 1024 * 1024 * 5 * 128, "mage": 272 << 20}
 
@@ -215,10 +218,12 @@ def dtype_bytes(dtype: Any) -> int:
 def decoded_image_dtype(vae_kind: str, dtype: Any = None) -> Any:
     """The dtype a VAE of ``vae_kind`` running in ``dtype`` (None: float32) hands its decoded image back in:
     float32 for Mage-VAE, whose last layer computes the pixels in float32 and keeps them
-    (:meth:`flowlift.models.vae.MageVAE.decode`), else ``dtype``."""
+    (:meth:`flowlift.models.vae.MageVAE.decode`), and for the FLUX.2 VAE, which makes ``(x + 1) / 2`` of its
+    float32 raw latents' decode in float32 (:meth:`flowlift.models.vae.Flux2VAE.decode_raw`; the pipelines hand it
+    float32 latents), else ``dtype``."""
     import torch
 
-    return torch.float32 if vae_kind == "mage" or dtype is None else dtype
+    return torch.float32 if vae_kind in ("mage", "flux2") or dtype is None else dtype
 
 
 def decode_peak_bytes(vae_kind: str, height: int, width: int, *, batch: int = 1, dtype: Any = None, tiled: bool) -> int:
@@ -226,11 +231,12 @@ def decode_peak_bytes(vae_kind: str, height: int, width: int, *, batch: int = 1,
 
     Whole frame: ``b * h * w * (itemsize * DECODE_PLAIN_CHANNELS + 3 * image_itemsize)``. Tiled: the output
     image and the latent plus one tile's working set, ``b * h * w * (3 * image_itemsize + itemsize * 32/64) +
-    DECODE_TILE_BYTES``; for Mage-VAE also the patchified latent (``b * h * w * itemsize * 32/64``) and one
-    sample's stores, ``h * w * itemsize * MAGE_STORE_CHANNELS``: its exact executor is bounded by the tile
+    DECODE_TILE_BYTES``; for the FLUX.2 VAE also its float32 raw latent (``b * h * w * 4 * 32/64``, the
+    normalization undone in float32); for Mage-VAE also the patchified latent (``b * h * w * itemsize * 32/64``) and
+    one sample's stores, ``h * w * itemsize * MAGE_STORE_CHANNELS``: its exact executor is bounded by the tile
     *plus* 4.5 values per pixel of one image (its global GroupNorm / channel means need the
-    1/16-resolution activations of the whole frame). The image in :func:`decoded_image_dtype` (Mage-VAE's
-    in float32). Unknown VAEs are costed like the FLUX.2 VAE (the larger one); ``dtype`` None is float32.
+    1/16-resolution activations of the whole frame). The image in :func:`decoded_image_dtype` (Mage-VAE's and the
+    FLUX.2 VAE's in float32). Unknown VAEs are costed like the FLUX.2 VAE (the larger one); ``dtype`` None is float32.
     """
     kind = vae_kind if vae_kind in DECODE_PLAIN_CHANNELS else "flux2"
     pixels = batch * height * width
@@ -238,6 +244,8 @@ def decode_peak_bytes(vae_kind: str, height: int, width: int, *, batch: int = 1,
     image = pixels * 3 * dtype_bytes(decoded_image_dtype(kind, dtype))
     if tiled:
         tiled_bytes = image + pixels * itemsize * LATENT_CHANNELS / 64 + DECODE_TILE_BYTES[kind]
+        if kind == "flux2":
+            tiled_bytes += pixels * 4 * LATENT_CHANNELS / 64
         if kind == "mage":
             tiled_bytes += pixels * itemsize * LATENT_CHANNELS / 64 + height * width * itemsize * MAGE_STORE_CHANNELS
         return int(tiled_bytes)

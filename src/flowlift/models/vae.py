@@ -31,7 +31,7 @@ from flowlift.models.weights import check_finite_result, load_strict
 
 #: TAEF2 tiles automatically when the image has more pixels than this (one 1024x1024 frame).
 TAEF2_AUTO_TILE_PIXELS = 1024 * 1024
-#: The FLUX.2 VAE switches on diffusers' tiling above this many pixels on a side.
+#: The FLUX.2 VAE tiles (diffusers' tiles, :mod:`flowlift.models.flux2_tiling`) above this many pixels on a side.
 FLUX2_AUTO_TILE_SIDE = 2048
 
 
@@ -196,10 +196,11 @@ class Flux2VAE(_ModuleVAE):
         self.bn_std = bn_std(model.bn.running_var.detach().to("cpu", torch.float32), eps)
 
     @contextmanager
-    def _tiling(self, tiled: bool | None, side: int):
-        use = tiles_asked(tiled, side > self.auto_tile_side)
+    def _whole_frame(self):
+        """diffusers' encode/decode on the whole frame: its own tiling (which keeps every tile of the frame at once,
+        :mod:`flowlift.models.flux2_tiling`) switched off for the call, whatever the model was set to."""
         before = self.model.use_tiling
-        self.model.use_tiling = use
+        self.model.use_tiling = False
         try:
             yield
         finally:
@@ -207,11 +208,22 @@ class Flux2VAE(_ModuleVAE):
 
     @torch.no_grad()
     def encode_raw(self, images: torch.Tensor, *, tiled: bool | None = None) -> torch.Tensor:
-        """Images [0, 1] (B, 3, H, W), sides multiples of 16 -> raw latents (B, 32, H/8, W/8)."""
+        """Images [0, 1] (B, 3, H, W), sides multiples of 16 -> raw latents (B, 32, H/8, W/8).
+
+        Tiled (``tiled``, or a side over ``auto_tile_side``) where a side exceeds one of diffusers' tiles: its tiles
+        and blend in bounded memory (:func:`flowlift.models.flux2_tiling.encode_tiled`, bit for bit diffusers')."""
+        from flowlift.models.flux2_tiling import encode_tiled, needs_tiles
+
         check_images(images, 2 * self.spatial_factor)
-        x = self._signed_images(images)
-        with self._tiling(tiled, max(images.shape[-2:])):
-            z = self.model.encode(x).latent_dist.mode()
+        height, width = images.shape[-2:]
+        if tiles_asked(tiled, max(height, width) > self.auto_tile_side) and needs_tiles(
+            self.model, height, width, latent=False
+        ):
+            z = encode_tiled(self.model, images, dtype=out_dtype(images))
+        else:
+            x = self._signed_images(images)
+            with self._whole_frame():
+                z = self.model.encode(x).latent_dist.mode()
         return check_finite_result(z.to(out_dtype(images)), "the FLUX.2 VAE's encode")
 
     @torch.no_grad()
@@ -220,18 +232,29 @@ class Flux2VAE(_ModuleVAE):
     ) -> torch.Tensor:
         """Raw latents (B, 32, h, w), even sides -> images (B, 3, 8h, 8w), about [0, 1], unclamped.
 
-        ``on_tile(done, total)`` after every tile diffusers decodes (a forward hook on its decoder,
-        which runs once per tile and per batch slice; the decode itself is diffusers' own).
+        Tiled (``tiled``, or a side over ``auto_tile_side`` px) where a side exceeds one of diffusers' tiles: its
+        tiles and blend in bounded memory (:func:`flowlift.models.flux2_tiling.decode_tiled`, bit for bit
+        diffusers'). ``on_tile(done, total)`` after every tile (:func:`diffusers_decode_tiles` of them; a
+        whole-frame decode is one per batch slice, counted by a hook on diffusers' decoder).
         """
+        from flowlift.models.flux2_tiling import decode_tiled, needs_tiles
+
         check_latents(raw_latents, 2)
         z = raw_latents.to(self.device, self.dtype)
-        with self._tiling(tiled, max(raw_latents.shape[-2:]) * self.spatial_factor), self._tile_hook(z, on_tile):
-            x = self.model.decode(z).sample
-        return check_finite_result(((x.float() + 1) / 2).to(out_dtype(raw_latents)), "the FLUX.2 VAE's decode")
+        height, width = z.shape[-2:]
+        dtype = out_dtype(raw_latents)
+        if tiles_asked(tiled, max(height, width) * self.spatial_factor > self.auto_tile_side) and needs_tiles(
+            self.model, height, width, latent=True
+        ):
+            x = decode_tiled(self.model, z, dtype=dtype, on_tile=on_tile)
+        else:
+            with self._whole_frame(), self._tile_hook(z, on_tile):
+                x = ((self.model.decode(z).sample.float() + 1) / 2).to(dtype)
+        return check_finite_result(x, "the FLUX.2 VAE's decode")
 
     @contextmanager
     def _tile_hook(self, z: torch.Tensor, on_tile: TileCallback | None):
-        """Report each run of diffusers' decoder as one tile of :func:`diffusers_decode_tiles`'s count."""
+        """Report each run of diffusers' decoder on the whole frame (one per batch slice) as one tile."""
         if on_tile is None:
             yield
             return
@@ -240,7 +263,7 @@ class Flux2VAE(_ModuleVAE):
             z.shape[-2],
             z.shape[-1],
             batch=z.shape[0],
-            tiling=bool(model.use_tiling),
+            tiling=False,
             slicing=bool(getattr(model, "use_slicing", False)),
             tile_latent=int(model.tile_latent_min_size),
             overlap=float(model.tile_overlap_factor),

@@ -14,7 +14,9 @@ it then puts as many tiles in one call as still fit (at most :data:`~flowlift.re
   ``TRANSFORMER_PEAK_FRAMES * tiles_per_call * tokens * width * itemsize`` (tokens: one tile's image tokens, or the
   frame's, + text + reference tokens: references go to every tile) + the frame's latent buffers,
   ``LATENT_FRAME_BUFFERS * 32 * (h/8) * (w/8) * 4`` bytes (the only term that grows with the frame when tiled);
-* VAE encode/decode at the output size (:func:`flowlift.limits.decode_peak_bytes`, whole or tiled)
+* VAE encode/decode at the output size, whole or tiled: the larger of the decode
+  (:func:`flowlift.limits.decode_peak_bytes`) and the encode of an image that size (an img2img's;
+  :func:`flowlift.limits.encode_peak_bytes` beside the image's float32 frame on the device)
   + the VAE's weights + the transformer's weights when ``none`` keeps them on the device;
 * hires: the Flow Upscaler gets what the transformer leaves (:attr:`RefinePlan.upscaler_budget_bytes`) and plans
   its own passes in it.
@@ -33,7 +35,14 @@ import torch
 from flowlift.errors import FlowliftError
 from flowlift.flux2.latents import VAE_SCALE_FACTOR
 from flowlift.knobs import check_positive, exact_int
-from flowlift.limits import LATENT_CHANNELS, PIXEL_MULTIPLE, decode_peak_bytes, dtype_bytes, format_bytes
+from flowlift.limits import (
+    LATENT_CHANNELS,
+    PIXEL_MULTIPLE,
+    decode_peak_bytes,
+    dtype_bytes,
+    encode_peak_bytes,
+    format_bytes,
+)
 from flowlift.refine.settings import DEFAULT_TILE_SIZE, MAX_AUTO_TILE_BATCH, check_offload_and_budget
 from flowlift.refine.tiling import TileRequest, exceeds_untiled_limit, resolve_tile_size, tile_count
 
@@ -160,6 +169,16 @@ class VAESizes:
     dtype: Any = torch.bfloat16
 
 
+def vae_peak_bytes(vae: VAESizes, height: int, width: int, batch: int, tiled: bool) -> int:
+    """The VAE's peak at a ``height x width`` frame, ``tiled`` or whole: the larger of its decode and the encode of
+    an image that size (an img2img encodes at the size it decodes; the whole-frame FLUX.2 encode is the larger), the
+    encode beside the image's float32 frame on the device. Weights not included."""
+    sizes = {"batch": batch, "dtype": vae.dtype, "tiled": tiled}
+    image = batch * 3 * height * width * 4
+    encode = image + encode_peak_bytes(vae.kind, height, width, **sizes)
+    return max(decode_peak_bytes(vae.kind, height, width, **sizes), encode)
+
+
 def plan_refine(
     height: int,
     width: int,
@@ -204,10 +223,7 @@ def plan_refine(
     first = request.batch if isinstance(request.batch, int) else 1
     candidates = [offload] if offload is not None else ["none", "model", "group"]
     tiles = tile_candidates(height, width, request)
-    decode = {  # the VAE's peak at the frame, whole and tiled
-        tiled: decode_peak_bytes(vae.kind, height, width, batch=batch, dtype=vae.dtype, tiled=tiled)
-        for tiled in (False, True)
-    }
+    decode = {tiled: vae_peak_bytes(vae, height, width, batch, tiled) for tiled in (False, True)}
     leanest = None
     for tile in tiles:
         per_call = first if tile is not None else 1
