@@ -15,6 +15,7 @@ from door_helpers import UnusedVAE
 from flowlift.errors import FlowliftError
 from flowlift.limits import parse_memory
 from flowlift.upscale import memory_plan as M
+from flowlift.upscale import pass_plan as P
 from flowlift.upscale.chunked import budget as B
 from flowlift.upscale.pipeline import FlowUpscalerPipeline
 from flowlift.upscale.settings import MemoryPolicy
@@ -81,18 +82,18 @@ def test_plan_refuses_budgets_that_cannot_fit_in_one_line():
     with pytest.raises(FlowliftError, match="weights"):
         full_size_plan("100MB")
     with pytest.raises(FlowliftError, match="UNet pass"):
-        M.plan_unet_pass(2048, 2048, 10**9, dtype=torch.bfloat16, fixed_bytes=10**9 - 1000)
+        P.plan_unet_pass(2048, 2048, 10**9, dtype=torch.bfloat16, fixed_bytes=10**9 - 1000)
 
 
 def test_plan_unet_pass_boundaries():
     sizes = {"batch": 1, "base_channels": 64, "dtype": torch.float32}
     plain = B.plain_peak_bytes(128, 128, **sizes)
-    assert M.plan_unet_pass(128, 128, plain, **sizes).mode == "plain"
-    chunked = M.plan_unet_pass(128, 128, plain - 1, **sizes)
+    assert P.plan_unet_pass(128, 128, plain, **sizes).mode == "plain"
+    chunked = P.plan_unet_pass(128, 128, plain - 1, **sizes)
     assert chunked.mode == "chunked" and chunked.peak_bytes <= plain - 1
     stores = B.chunked_store_bytes(128, 128, **sizes)
     per_row = B.strip_bytes_per_row(128, **sizes)
-    offload = M.plan_unet_pass(128, 128, stores + 5 * per_row, **sizes)
+    offload = P.plan_unet_pass(128, 128, stores + 5 * per_row, **sizes)
     # the stores do not fit with 8 rows of strip on the device; offloaded, the whole budget is strips
     assert offload.mode == "offload" and offload.strip_rows == (stores + 5 * per_row) // per_row - 2
 
@@ -123,12 +124,16 @@ def budget_for(pipe: FlowUpscalerPipeline, image_hw: tuple[int, int], passes: in
 def test_budgeted_pipeline_equals_plain(unet, vae, photos, monkeypatch):
     # tiny images: scale the UNet's frame counts up so that the UNet decides the budget
     from flowlift import limits
+    from flowlift.upscale import pipeline_plans
 
     monkeypatch.setattr(limits, "DECODE_TILE_BYTES", dict.fromkeys(limits.DECODE_TILE_BYTES, 0))  # what decode reads
     monkeypatch.setattr(M, "COLOUR_STRIP_BYTES", 0)
     monkeypatch.setattr(B, "PLAIN_PEAK_FRAMES", 1e5)
     monkeypatch.setattr(B, "CHUNKED_STORE_FRAMES", 2e3)
     monkeypatch.setattr(B, "STRIP_ROW_FRAMES", 200.0)
+    # a CPU run keeps its stores in the memory the budget bounds, so its plan never offloads them; the offload
+    # plan's strips run here as on a GPU (the executor's stores stay on the CPU either way)
+    monkeypatch.setattr(pipeline_plans, "stores_can_leave", lambda device, offload_device=None: True)
     plain = FlowUpscalerPipeline(unet, vae, device="cpu", dtype=torch.float32)
     reference = plain.upscale_image(photos[0], num_passes=2, seed=5, output_type="pt")
     for want in ("chunked", "offload"):

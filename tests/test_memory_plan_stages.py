@@ -152,10 +152,11 @@ def test_an_explicit_chunk_rows_is_held_and_checked_against_the_budget(unet_file
 def test_a_forced_chunked_pass_follows_the_plans_strips():
     from builders import tiny_unet
     from flowlift.upscale.chunked.executor import ChunkedExecutor
+    from flowlift.upscale.pass_plan import UNetPassPlan
     from flowlift.upscale.unet_runner import velocity_model
 
     unet = tiny_unet()
-    plan = M.UNetPassPlan("offload", 32, 32, 5, 0)
+    plan = UNetPassPlan("offload", 32, 32, 5, 0)
     model = velocity_model(unet, (1, 32, 32, 32), device=torch.device("cpu"), dtype=torch.float32, chunked=True,
                            pass_plan=plan)  # fmt: skip
     assert isinstance(model, ChunkedExecutor) and model.chunk == 5 and str(model.offload_device) == "cpu"

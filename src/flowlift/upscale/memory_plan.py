@@ -6,9 +6,10 @@ and both colour stages. :func:`plan_upscale_memory` is a pure function of sizes,
 :class:`UpscaleMemoryPlan` saying, per stage, how it runs:
 
 * the VAE encode of the model input: whole frame when it fits (:func:`flowlift.limits.encode_peak_bytes`), else tiled;
-* each UNet pass: ``plain`` (whole-frame forward) when its estimated peak fits; else ``chunked``
-  (:class:`flowlift.upscale.chunked.executor.ChunkedExecutor`, full-frame stores on the device, strips as tall as the
-  rest of the budget allows); else ``offload`` (stores in pinned host memory, strips from the budget);
+* each UNet pass (:mod:`flowlift.upscale.pass_plan`): ``plain`` (whole-frame forward) when its estimated peak fits;
+  else ``chunked`` (:class:`flowlift.upscale.chunked.executor.ChunkedExecutor`, full-frame stores on the device,
+  strips as tall as the rest of the budget allows); else ``offload`` (stores in pinned host memory, strips from the
+  budget), where the stores can leave the device (not on a CPU run, nor with ``offload_device`` the device itself);
 * SesquiLSR (a fraction of the asked size in latent space, after the passes): whole frame when it fits, else in
   bands of rows (:func:`flowlift.models.sesqui_bands.sesqui_banded`, two stored frames);
 * the VAE decode (of the passes' frame, or SesquiLSR's): whole frame when it fits, else tiled;
@@ -16,8 +17,9 @@ and both colour stages. :func:`plan_upscale_memory` is a pure function of sizes,
   size) fits next to the decoder's output, else on the host (the decoded image is copied out in strips and the device
   copy freed).
 
-Modes a caller fixes (:class:`StageChoices`: ``chunked``, ``vae_tiled``, MemoryPolicy's explicit ones) are not
-replanned but checked: one that does not fit is one FlowliftError line naming it.
+Modes a caller fixes (:class:`StageChoices`: ``chunked``, ``vae_tiled``, ``chunk_rows``, ``offload_device``,
+MemoryPolicy's explicit ones) are not replanned but checked: one that does not fit is one FlowliftError line naming
+it.
 A budget too small for even the smallest of these raises one :class:`~flowlift.errors.FlowliftError`
 line saying what the smallest plan needs. All peaks are *estimates* from the formulas below and the UNet's
 in :mod:`flowlift.upscale.chunked.budget` (frame counts calibrated on the CPU, see ``docs/performance.md``);
@@ -45,28 +47,18 @@ from flowlift.limits import (
     model_bytes,
 )
 from flowlift.models.sesqui_bands import banded_peak_bytes, rows_for_budget, whole_peak_bytes
-from flowlift.upscale.chunked.budget import (
-    MIN_DEVICE_STRIP_ROWS,
-    chunked_store_bytes,
-    default_budget_bytes,
-    frame_bytes,
-    plain_peak_bytes,
-    strip_bytes_per_row,
-    strip_rows_for_budget,
-)
+from flowlift.upscale.chunked.budget import default_budget_bytes, frame_bytes
+from flowlift.upscale.pass_plan import StoreSite, UNetPassPlan, pass_io_bytes, plan_unet_pass
 
 __all__ = [
     "StageChoices",
-    "UNetPassPlan",
     "UpscaleMemoryPlan",
     "check_weights_fit",
     "colour_stage_bytes",
-    "pass_io_bytes",
     "latent_upscaler_rows",
     "latent_upscaler_rows_by_size",
     "plan_encode",
     "plan_latent_upscaler",
-    "plan_unet_pass",
     "plan_upscale_memory",
     "plan_vae_stage",
 ]
@@ -77,18 +69,6 @@ __all__ = [
 MIN_LATENT_UPSCALER_ROWS = 16
 #: Stage 2's strips (a few float32 RGB/Lab strips of ~1M px) and coarse maps, plus the reference image.
 COLOUR_STRIP_BYTES = 64 << 20
-
-
-def pass_io_bytes(height: int, width: int, *, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
-    """A pass's latent tensors besides the UNet's activations, and stage 1 (the latent colour fix).
-
-    The noise and the velocity in the UNet's dtype, ``x0`` and stage 1's float32 result, the small
-    conditioning in float32 and the UNet's dtype (a quarter frame each):
-    ``b * 32 * h * w * (2 * itemsize + 2 * 4 + (4 + itemsize) / 4)``.
-    """
-    latent = batch * LATENT_CHANNELS * height * width
-    itemsize = dtype_bytes(dtype)
-    return int(latent * (2 * itemsize + 2 * 4 + (4 + itemsize) / 4))
 
 
 def colour_stage_bytes(height: int, width: int, *, batch: int = 1, vae_dtype: torch.dtype = torch.float32) -> int:
@@ -107,25 +87,16 @@ class StageChoices:
     """What the caller fixed for the stages rather than the plan: ``latent_fraction`` (SesquiLSR's (height, width)
     latent after the passes), ``final_size`` ((width, height) the decoded frame is resampled to before stage 2, its
     float32 frame held by the colour stage), and MemoryPolicy's explicit ``chunked`` / ``vae_tiled`` (None: the plan
-    decides; True/False: held, and checked against the budget) and ``chunk_rows`` (a pass in strips takes that many
-    rows, checked against the budget)."""
+    decides; True/False: held, and checked against the budget), ``chunk_rows`` (a pass in strips takes that many
+    rows, checked against the budget) and where a pass in strips may keep its stores (``stores``: off the device by
+    default; :func:`flowlift.upscale.pass_plan.stores_can_leave` for a run's device and ``offload_device``)."""
 
     latent_fraction: tuple[int, int] | None = None
     final_size: tuple[int, int] | None = None
     chunked: bool | None = None
     vae_tiled: bool | None = None
     chunk_rows: int | None = None
-
-
-@dataclass(frozen=True)
-class UNetPassPlan:
-    """How one UNet pass runs: ``mode`` (plain / chunked / offload), rows per strip, estimated peak."""
-
-    mode: str
-    height: int
-    width: int
-    strip_rows: int | None
-    peak_bytes: int
+    stores: StoreSite = StoreSite()
 
 
 @dataclass(frozen=True)
@@ -164,77 +135,6 @@ class UpscaleMemoryPlan:
             + (image if "decode" in self.stage_peaks else "")
             + f"estimated peak {format_bytes(self.peak_bytes)}"
         )
-
-
-def plan_unet_pass(
-    height: int,
-    width: int,
-    budget_bytes: int,
-    *,
-    batch: int = 1,
-    base_channels: int = 384,
-    dtype: torch.dtype = torch.float32,
-    fixed_bytes: int = 0,
-    chunked: bool | None = None,
-    chunk_rows: int | None = None,
-) -> UNetPassPlan:
-    """The fastest way to run one pass (output latent ``height x width``) within ``budget_bytes``.
-
-    ``fixed_bytes`` (weights, the pass's latent tensors) is taken off the budget first. Plain when
-    :func:`plain_peak_bytes` fits; else chunked when the stores fit and leave at least
-    ``MIN_DEVICE_STRIP_ROWS`` rows of strip; else offload with strips from the whole remainder; a
-    remainder below one row is a FlowliftError. ``chunked`` (MemoryPolicy's explicit mode): False holds the pass
-    plain (one line naming it when that does not fit), True never plain. ``chunk_rows`` (MemoryPolicy's explicit
-    strip height): a pass in strips takes that many rows (:func:`_held_strips`).
-    """
-    sizes = {"batch": batch, "base_channels": base_channels, "dtype": dtype}
-    free = budget_bytes - fixed_bytes
-    plain = plain_peak_bytes(height, width, **sizes)
-    if plain <= free and not chunked:
-        return UNetPassPlan("plain", height, width, None, fixed_bytes + plain)
-    if chunked is False:
-        raise FlowliftError(
-            f"{FIELD_MARK} {format_bytes(budget_bytes)} is too small for the whole-frame UNet pass to a "
-            f"{width}x{height} latent (batch {batch}) that {FIELD_MARK} forces (about "
-            f"{format_bytes(fixed_bytes + plain)}): drop {FIELD_MARK} to let the plan run it in strips",
-            field=("max_memory", "chunked=False", "chunked=False"),
-        )
-    per_row = strip_bytes_per_row(width, **sizes)
-    stores = chunked_store_bytes(height, width, **sizes)
-    if chunk_rows is not None:
-        return _held_strips((height, width, batch), chunk_rows, fixed_bytes, (stores, per_row), budget_bytes)
-    rows = strip_rows_for_budget(free, height, width, offloaded=False, **sizes)
-    if free - stores >= (MIN_DEVICE_STRIP_ROWS + 2) * per_row:
-        return UNetPassPlan("chunked", height, width, rows, fixed_bytes + stores + (rows + 2) * per_row)
-    if free < 3 * per_row:
-        need = fixed_bytes + 3 * per_row
-        raise FlowliftError(
-            f"max_memory {format_bytes(budget_bytes)} is too small for a {width}x{height}-latent UNet pass "
-            f"(batch {batch}): even offloaded with one-row strips it needs about {format_bytes(need)}",
-            field="max_memory",
-        )
-    rows = strip_rows_for_budget(free, height, width, offloaded=True, **sizes)
-    return UNetPassPlan("offload", height, width, rows, fixed_bytes + (rows + 2) * per_row)
-
-
-def _held_strips(
-    frame: tuple[int, int, int], rows: int, fixed_bytes: int, sizes: tuple[int, int], budget_bytes: int
-) -> UNetPassPlan:
-    """A pass (``frame``: latent height, width, batch) in the caller's strips of ``rows``: chunked where its stores and
-    strips (``sizes``: their bytes, a row's) fit, else offloaded, else one line giving the most rows that fit."""
-    (height, width, batch), (stores, per_row) = frame, sizes
-    strip = (min(rows, height) + 2) * per_row  # the executor's strips are at most the frame's rows
-    for mode, on_device in (("chunked", stores), ("offload", 0)):
-        if fixed_bytes + on_device + strip <= budget_bytes:
-            return UNetPassPlan(mode, height, width, rows, fixed_bytes + on_device + strip)
-    fits = (budget_bytes - fixed_bytes) // per_row - 2
-    fix = f"lower {FIELD_MARK} to at most {fits}" if fits >= 1 else f"drop {FIELD_MARK} and raise the budget"
-    raise FlowliftError(
-        f"{FIELD_MARK} {format_bytes(budget_bytes)} is too small for the UNet pass to a {width}x{height} latent "
-        f"(batch {batch}) in strips of {FIELD_MARK}={rows} rows (about {format_bytes(fixed_bytes + strip)} even "
-        f"offloaded): {fix}",
-        field=("max_memory", "chunk_rows", "chunk_rows"),
-    )
 
 
 def plan_vae_stage(
@@ -340,7 +240,8 @@ def plan_upscale_memory(
         h, w = latent_h * 2 ** (index + 1), latent_w * 2 ** (index + 1)
         fixed = weight_bytes + pass_io_bytes(h, w, batch=batch, dtype=unet_dtype)
         unet = {"batch": batch, "base_channels": base_channels, "dtype": unet_dtype, "chunked": choices.chunked}
-        passes.append(plan_unet_pass(h, w, budget_bytes, fixed_bytes=fixed, chunk_rows=choices.chunk_rows, **unet))
+        held = {"chunk_rows": choices.chunk_rows, "stores": choices.stores}
+        passes.append(plan_unet_pass(h, w, budget_bytes, fixed_bytes=fixed, **held, **unet))
     out_h, out_w = height * 2**num_passes, width * 2**num_passes
     sesqui, sesqui_rows, sesqui_peak = "", None, 0
     if choices.latent_fraction is not None:

@@ -45,13 +45,8 @@ from flowlift.upscale.loading import (
     load_pipeline_models,
     pipeline_model_files,
 )
-from flowlift.upscale.memory_plan import (
-    StageChoices,
-    UNetPassPlan,
-    UpscaleMemoryPlan,
-    check_weights_fit,
-    latent_upscaler_rows,
-)
+from flowlift.upscale.memory_plan import StageChoices, UpscaleMemoryPlan, check_weights_fit, latent_upscaler_rows
+from flowlift.upscale.pass_plan import UNetPassPlan
 from flowlift.upscale.pipeline_plans import encode_tiling, pipeline_plan, pipeline_weight_bytes
 from flowlift.upscale.settings import (
     COLOR_FIX_STRENGTH,

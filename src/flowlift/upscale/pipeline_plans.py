@@ -12,8 +12,9 @@ from typing import Any
 from flowlift.limits import model_bytes, vae_kind
 from flowlift.upscale.image_steps import vae_dtype
 from flowlift.upscale.memory_plan import StageChoices, UpscaleMemoryPlan, plan_encode, plan_upscale_memory
+from flowlift.upscale.pass_plan import StoreSite, stores_can_leave
 
-__all__ = ["encode_tiling", "pipeline_plan", "pipeline_weight_bytes"]
+__all__ = ["encode_tiling", "pipeline_plan", "pipeline_weight_bytes", "store_site"]
 
 
 def pipeline_weight_bytes(pipeline: Any) -> int:
@@ -26,8 +27,9 @@ def pipeline_plan(
 ) -> UpscaleMemoryPlan:
     """:func:`~flowlift.upscale.memory_plan.plan_upscale_memory` for a pipeline's models, dtypes and
     ``max_memory``: ``sizes`` (height, width, passes, batch) of its model input; its memory policy's explicit
-    ``chunked``/``vae_tiled``/``chunk_rows`` go into ``choices`` (held and checked); ``latents_only``: no encode,
-    decode or stage 2."""
+    ``chunked``/``vae_tiled``/``chunk_rows`` go into ``choices`` (held and checked), and where its passes' stores may
+    go (off its device unless that is the CPU or its ``offload_device``); ``latents_only``: no encode, decode or
+    stage 2."""
     height, width, num_passes, batch = sizes
     return plan_upscale_memory(
         height,
@@ -42,9 +44,20 @@ def pipeline_plan(
         weight_bytes=pipeline_weight_bytes(pipeline),
         spatial_factor=pipeline.spatial_factor,
         choices=replace(
-            choices, chunked=pipeline.chunked, vae_tiled=pipeline.vae_tiled, chunk_rows=pipeline.chunk_rows
+            choices,
+            chunked=pipeline.chunked,
+            vae_tiled=pipeline.vae_tiled,
+            chunk_rows=pipeline.chunk_rows,
+            stores=store_site(pipeline),
         ),
     )
+
+
+def store_site(pipeline: Any) -> StoreSite:
+    """Where a pipeline's passes in strips may keep their stores: off its device (on its ``offload_device``, else the
+    host) unless that is the device itself, the explicit ``offload_device`` named for a refusal."""
+    offload = pipeline.offload_device
+    return StoreSite(stores_can_leave(pipeline.device, offload), None if offload is None else str(offload))
 
 
 def encode_tiling(pipeline: Any, shape: tuple[int, ...]) -> bool | None:

@@ -73,8 +73,9 @@ class MemoryPolicy:
        VAE's encode/decode; ``chunk_rows`` fixes the strip height; ``offload_device`` is where strips wait).
     2. ``max_memory`` (bytes or ``"6GB"``): :func:`flowlift.upscale.memory_plan.plan_upscale_memory` decides what
        (1) left unset, for the whole upscale (VAE encode, UNet passes, SesquiLSR, VAE decode, both colour stages),
-       and checks an explicit ``chunked`` / ``vae_tiled`` / ``chunk_rows`` against the budget (one line when it
-       does not fit: a strip height over the budget is refused, where it ran past it).
+       and checks an explicit ``chunked`` / ``vae_tiled`` / ``chunk_rows`` / ``offload_device`` against the budget
+       (one line when it does not fit: a strip height over the budget is refused, where it ran past it; an
+       ``offload_device`` that is the compute device keeps the stores there, counted, named where they do not fit).
     3. ``chunk_budget_bytes`` (only without ``max_memory``): what the plain UNet forward may use before
        chunking switches on by itself (default: half the free CUDA memory, 1 GiB on the CPU).
     4. Nothing set: every decision by size.

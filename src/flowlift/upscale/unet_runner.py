@@ -140,11 +140,12 @@ def velocity_model(
     """The UNet (``plain``: its compiled wrapper, if any), or a ChunkedExecutor around it for this sample.
 
     ``chunked``: ``False`` never chunks, ``True`` always (a custom model that is not a
-    ``FlowUpscalerUNet`` then raises); ``pass_plan`` (a :class:`flowlift.upscale.memory_plan.UNetPassPlan`: plain /
+    ``FlowUpscalerUNet`` then raises); ``pass_plan`` (a :class:`flowlift.upscale.pass_plan.UNetPassPlan`: plain /
     chunked / offload with its strip rows, planned with ``chunked`` held) is followed when given, else the size
     (above ``budget_bytes`` of estimated plain-forward memory; default:
     :func:`flowlift.upscale.chunked.budget.should_chunk`'s). Explicit ``chunk_rows`` and ``offload_device`` win over
-    the plan's (a plan holds ``chunk_rows`` already, checked against its budget). ``on_strip`` goes to the executor
+    the plan's (a plan holds both already, checked against its budget: an ``offload_device`` that is the device
+    itself keeps the stores there, counted). ``on_strip`` goes to the executor
     (progress and cancel per strip).
     """
     plain = plain if plain is not None else upscaler
