@@ -5,9 +5,9 @@ diffusers' ``AutoencoderKLFlux2.tiled_decode`` (and ``_tiled_encode``) runs the 
 them all (overlapping tiles: ``(tile / stride)**2`` = 1.78 frames at its 25% overlap), then blends them, crops them
 into rows (one more frame) and concatenates the rows (one more): about 3.8 frames of the image in the VAE's dtype,
 plus flowlift's float32 ``(x + 1) / 2`` of the whole frame (two more float32 frames while it is computed). Measured
-on the CPU with a tiny random VAE (float32, peak RSS above the process's before, /tmp scratch script of the
-fix-memory branch): 988 MiB to decode 4096², 3662 MiB for 8192² (4.8 times the 768 MiB result), where the memory plan
-costed the tiled decode at the result, the latent and one tile's working set.
+on the CPU with a tiny random VAE (docs/vae.md, "Design notes"): 988 MiB to decode 4096², 3662 MiB for 8192² (4.8
+times the 768 MiB result), where the memory plan costed the tiled decode at the result, the latent and one tile's
+working set; these functions: 439 and 1106 MiB.
 
 :func:`decode_tiled` and :func:`encode_tiled` run the same tiles in the same order through the same modules and the
 same blend (diffusers' own ``blend_v`` / ``blend_h``), so the result is diffusers' tiled result bit for bit; what a
