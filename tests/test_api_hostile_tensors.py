@@ -14,18 +14,11 @@ import pytest
 import torch
 
 from flowlift import FlowliftError, FlowUpscalerPipeline, flux2_sigmas, refine_latents, save_upscaler
+from test_api_arguments import _refused
 
 
 def _meta(*shape):
     return torch.empty(*shape, device="meta")
-
-
-def _refused(call, *words):
-    with pytest.raises(FlowliftError) as caught:
-        call()
-    message = str(caught.value)
-    assert "\n" not in message and all(word in message for word in words), message
-    return message
 
 
 @pytest.fixture(scope="module")
