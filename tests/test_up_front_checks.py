@@ -301,6 +301,28 @@ def test_an_output_folder_that_takes_no_file_is_refused_up_front(
     assert list(read_only.iterdir()) == []
 
 
+@pytest.mark.parametrize("command", ["colorfix", "upscale", "img2img", "hires"])
+@pytest.mark.parametrize("below", ["", "out"])
+def test_an_output_file_whose_folder_takes_no_file_is_refused_up_front(
+    capsys, tmp_path, monkeypatch, read_only, command, below
+):
+    """``-o FILE`` in a folder no file can be created in is the same one line and exit 2 as ``-o FOLDER`` there:
+    upscale and colorfix (``output_target``) reported it as their one input failing, and a summary (exit 1)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("a.png", "a_x2.png"):
+        Image.new("RGB", (160, 160)).save(tmp_path / name)
+    folder = read_only / below if below else read_only
+    options = {
+        "colorfix": ["a_x2.png", "--reference", "a.png"],
+        "upscale": ["a.png", "--upscaler", tmp_path / "no-upscaler", "--vae", tmp_path / "no-vae"],
+        "img2img": ["a.png", "--model", tmp_path / "no-model", "--vae", tmp_path / "no-vae", "--prompt", "a cat"],
+        "hires": ["--image", "a.png", "--model", tmp_path / "no-model", "--vae", tmp_path / "no-vae", "--prompt", "a"],
+    }[command]
+    err = _one_line(capsys, [command, *options, "-o", folder / "r.png"])
+    assert err == f"flowlift {command}: error: cannot write outputs into {folder}: Read-only file system", err
+    assert list(read_only.iterdir()) == []
+
+
 def test_hires_size_refusals_suggest_sizes_that_pass():
     """The fix a size refusal suggests is one the same check takes: a side rounded to the grid stays within the
     16384 px cap, and the largest base is the one at the scale asked for (not at the smallest preset, 2)."""

@@ -201,7 +201,8 @@ def output_file_format(path: str | os.PathLike) -> str:
 def output_target(output: str | os.PathLike | None, count: int) -> tuple[Path | None, Path | None]:
     """Interpret ``-o`` for ``count`` inputs: ``(single output file, None)``, ``(None, output folder)`` or
     ``(None, None)`` (no ``-o``). A file name (:func:`names_output_file`) must end in a suffix flowlift writes
-    (:func:`output_file_format`) and holds one output, so it takes one input; anything else is a folder that must
+    (:func:`output_file_format`) and holds one output, so it takes one input, and its folder must take a file
+    (:func:`folder_problem`: refused for the run, not failed as its input); anything else is a folder that must
     be one or be creatable (:func:`check_output_folder`)."""
     if not output:
         return None, None
@@ -212,6 +213,8 @@ def output_target(output: str | os.PathLike | None, count: int) -> tuple[Path | 
             raise FlowliftError(
                 f"{FIELD_MARK} {target} names one file but {count} inputs were given; pass a folder", field="output"
             )
+        if problem := folder_problem(target.parent):
+            raise FlowliftError(problem, field="output")
         return target, None
     check_output_folder(target)
     return None, target
