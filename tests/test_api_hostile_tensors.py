@@ -120,6 +120,8 @@ class _Answers:
     [
         (lambda z, n: [1], "latents must be a torch.Tensor"),  # was AttributeError: 'list' object has no 'float'
         (lambda z, n: torch.empty(1, 32, z.shape[2] << n, z.shape[3] << n, device="meta"), "meta tensor"),
+        # the answer's NaN, named as the answer's: it said "the input latents", sending the user to their image
+        (lambda z, n: torch.full((1, 32, z.shape[2] << n, z.shape[3] << n), float("nan")), "it returned contain non-"),
     ],
 )
 def test_the_hires_fix_checks_a_callers_upscalers_answer(refiner, make, words):

@@ -178,10 +178,11 @@ def check_bn_statistics(bn_mean: Any, bn_std: Any, where: str) -> None:
         )
 
 
-def check_latents(latents: Any, where: str, *, even: bool = False) -> torch.Tensor:
+def check_latents(latents: Any, where: str, *, even: bool = False, what: str = "the input latents") -> torch.Tensor:
     """``latents`` if they are package-convention latents: a floating (B, 32, h, w) tensor, every size >= 1
     (``even``: h and w even, as FLUX.2's 2x2 patches need), all values finite; else one line starting with
-    ``where`` (the entry point's name)."""
+    ``where`` (the entry point's name). ``what`` names the latents in the non-finite line: a caller checking what
+    a model returned says so, since "the input latents" would send the user to look at the wrong tensor."""
     if not isinstance(latents, torch.Tensor):
         raise FlowliftError(
             f"{where}: latents must be a torch.Tensor of shape (B, {LATENT_CHANNELS}, h, w), "
@@ -202,5 +203,5 @@ def check_latents(latents: Any, where: str, *, even: bool = False) -> torch.Tens
     from flowlift.devices import non_finite_kind
 
     if non_finite_kind(latents, f"{where}: the latents") is not None:
-        raise FlowliftError(f"{where}: the input latents contain non-finite values (NaN/Inf)")
+        raise FlowliftError(f"{where}: {what} contain non-finite values (NaN/Inf)")
     return latents

@@ -26,6 +26,9 @@ from flowlift.refine.request import HiresSettings, LatentUpscaler
 from flowlift.refine.settings import STRENGTH_MAP, SamplingSettings, check_hires_size
 from flowlift.refine.tiling import TileRequest
 
+# A caller's upscaler answers latents of its own making: a NaN there is its fault, not the input's.
+RETURNED = "the latents it returned"
+
 
 class HiresFix:
     """The hires fix as a refiner mode (see the module's docstring for what the refiner gives it)."""
@@ -163,7 +166,7 @@ def _upscaled(
             color_fix=settings.color_fix,
             transplant_strength=settings.transplant_strength,
         )
-        check_latents(up, "hires: the upscaler's upscale_latents")
+        check_latents(up, "hires: the upscaler's upscale_latents", what=RETURNED)
     if not whole_passes(settings.scale):  # the fraction
-        up = check_latents(upscaler.to_size(up, expect), "hires: the upscaler's to_size")
+        up = check_latents(upscaler.to_size(up, expect), "hires: the upscaler's to_size", what=RETURNED)
     return up
