@@ -139,7 +139,11 @@ def test_load_image_refuses_what_is_no_path_by_name(path, words):
         ("a.png", None, {"a": "b\0c"}, r"^metadata\['a'\]: a PNG text value is Unicode text without NUL"),
         ("a.png", None, {"a": "\ud800"}, r"^metadata\['a'\]: a PNG text value is Unicode text"),  # UnicodeEncodeError
         ("a.png", None, {1: "x", "1": "y"}, "^metadata: keys 1 and '1' are one entry"),  # one was lost
-        ("a.png", None, {"a": {(1, 2): 3}}, "^metadata: a value cannot be written as JSON"),  # TypeError
+        ("a.png", None, {"a": {(1, 2): 3}}, r"^metadata\['a'\]: a key \(1, 2\) is not text"),  # TypeError
+        # each was written as its str(), though JSON was promised
+        ("a.png", None, {"a": {"b": [object()]}}, r"^metadata\['a'\]\['b'\]\[0\]: a value of type object cannot"),
+        ("a.jpg", None, {"a": {1, 2}}, r"^metadata\['a'\]: a value of type set cannot be written as JSON"),
+        ("a.tif", None, {"a": b"x"}, r"^metadata\['a'\]: a value of type bytes cannot be written as JSON"),
         ("a.jpg", None, {"a": "x" * 70000}, "^metadata is too long for a JPEG: .* at most 65533"),  # ValueError
         ("a.jpg", None, {"Software": "flöwlift"}, r"^metadata\['Software'\] must be ASCII text"),  # written fl?wlift
         ("a.tif", None, {"Software": "flöwlift"}, r"^metadata\['Software'\] must be ASCII text"),
@@ -173,3 +177,41 @@ def test_a_non_ascii_value_and_a_latin1_key_round_trip(tmp_path, picture, name):
     if name.endswith(".png"):
         with Image.open(path) as opened:
             assert opened.text["prompt"] == "ключ ✓ 日本 café" and opened.text["café"] == '{"seed": 1}'
+
+
+@pytest.mark.parametrize("name", ["a.png", "a.jpg", "a.webp", "a.tif", "deep.png", "deep.tif"])
+def test_metadata_is_strict_json_with_non_finite_numbers_as_text(tmp_path, picture, name):
+    """A NaN or Inf in the metadata was written as bare ``NaN``/``Infinity`` (no JSON: other tools' parsers refuse
+    the text chunk); now as the strings eval's reports use (``"nan"``, ``"inf"``, ``"-inf"``), and a path as its
+    text. Both writers (8-bit and 16-bit) hold to it."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    from flowlift.files.image_outputs import read_metadata
+    from flowlift.files.sixteen_bit import save_image16_atomic
+
+    metadata = {
+        "Software": "flowlift test",
+        "flowlift": {"psnr": float("inf"), "low": -float("inf"), "gain": float("nan"), "vae": Path("/w/vae")},
+        "psnr": float("inf"),
+    }
+    path = tmp_path / name
+    if name.startswith("deep"):
+        save_image16_atomic(np.full((8, 8, 3), 4000, np.uint16), None, path, metadata)
+    else:
+        save_image_atomic(picture, path, metadata)
+    data = path.read_bytes()
+    assert b"NaN" not in data and b"Infinity" not in data
+    if name.endswith(".png"):
+        with Image.open(path) as opened:
+            texts = dict(opened.text)
+
+        def refuse(word):
+            raise AssertionError(f"not strict JSON: {word}")
+
+        assert json.loads(texts["psnr"], parse_constant=refuse) == "inf"
+        json.loads(texts["flowlift"], parse_constant=refuse)
+    found = read_metadata(path)["flowlift"]
+    assert (found["psnr"], found["low"], found["gain"], found["vae"]) == ("inf", "-inf", "nan", "/w/vae"), found

@@ -13,7 +13,6 @@ warning line, never a silent loss.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 import warnings
@@ -102,7 +101,7 @@ def _exif_with_metadata(exif: Image.Exif | None, metadata: Mapping[str, object] 
     out = Image.Exif()
     if exif is not None:
         out.load(exif.tobytes())
-    payload = json.dumps({str(k): v for k, v in metadata.items()}, sort_keys=True, default=str, ensure_ascii=True)
+    payload = metadata_json(metadata)  # strict JSON, ASCII (escaped)
     out.get_ifd(_EXIF_IFD)[_USER_COMMENT] = _ASCII_PREFIX + payload.encode("ascii")
     software = metadata.get("Software")
     if isinstance(software, str):
@@ -378,7 +377,7 @@ def _opencv_png(image: Image.Image, kwargs: dict, metadata: Mapping[str, object]
     filter, 0.6x Pillow's CPU time at the same size), with the same chunks Pillow would write; else None."""
     from flowlift.files.png_encoder import encode_8bit_image
 
-    texts = {str(key): metadata_text(value) for key, value in (metadata or {}).items()}
+    texts = {str(key): metadata_text(value, key) for key, value in (metadata or {}).items()}
     icc, exif = kwargs.get("icc_profile"), kwargs.get("exif")
     return encode_8bit_image(image, icc, exif, texts, PNG_COMPRESS_LEVEL, PNG_ZLIB_STRATEGY)
 

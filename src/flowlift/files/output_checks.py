@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import numbers
 import os
 from collections.abc import Mapping
 from functools import cache
@@ -31,18 +33,51 @@ OUTPUT_FORMAT_OF_SUFFIX = {s: s[1:].replace("jpeg", "jpg").replace("tiff", "tif"
 JPEG_EXIF_BYTES = 65533
 #: The longest side each format takes (WebP: 14-bit sizes; JPEG: libjpeg's limit); the others take any.
 MAX_SIDE = {".webp": 16383, ".jpg": 65500, ".jpeg": 65500}
+#: How flowlift's JSON (reports, image metadata) spells the floats JSON has no number for (an identical image's PSNR
+#: is ``inf``; a NaN is ``"nan"``): strings ``float()`` reads back.
+NON_FINITE_TEXT = {math.inf: "inf", -math.inf: "-inf"}
 #: Suffixes whose metadata copies ``Software`` into an ASCII tag (EXIF's or TIFF's Software).
 _ASCII_SOFTWARE_SUFFIXES = (".jpg", ".jpeg", ".webp", ".tif", ".tiff")
 
 
-def metadata_text(value: object) -> str:
-    """One metadata value as text: strings as they are, anything else as JSON."""
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+def strict_json_value(value: object, where: str) -> object:
+    """``value`` as strict JSON (RFC 8259) takes it: a non-finite float as the string ``"inf"``, ``"-inf"`` or
+    ``"nan"`` (as eval's reports write an identical image's PSNR: bare ``NaN`` breaks other tools' parsers), a path
+    as its text, a number of another type (numpy's) as an int or float, a tuple as a list; anything else is one
+    FlowliftError line naming ``where`` (the metadata key), never its ``str()`` in disguise."""
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        return number if math.isfinite(number) else NON_FINITE_TEXT.get(number, "nan")
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, Mapping):
+        if bad := next((k for k in value if not isinstance(k, (str, int, float, bool)) and k is not None), None):
+            raise FlowliftError(f"{where}: a key {bad!r} is not text; JSON keys are text", field="metadata")
+        return {str(k): strict_json_value(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json_value(item, f"{where}[{index}]") for index, item in enumerate(value)]
+    raise FlowliftError(
+        f"{where}: a value of type {type(value).__name__} cannot be written as JSON; give text, a number, a bool, "
+        "None, a path, or a list or mapping of them",
+        field="metadata",
+    )
+
+
+def metadata_text(value: object, key: object = "value") -> str:
+    """One metadata value (under ``key``) as text: strings as they are, anything else as strict JSON."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(strict_json_value(value, f"metadata[{key!r}]"), sort_keys=True, allow_nan=False)
 
 
 def metadata_json(metadata: Mapping[str, object]) -> str:
-    """All of ``metadata`` as one JSON object (EXIF UserComment, TIFF ImageDescription)."""
-    return json.dumps({str(k): v for k, v in metadata.items()}, sort_keys=True, default=str)
+    """All of ``metadata`` as one strict JSON object (EXIF UserComment, TIFF ImageDescription)."""
+    strict = {str(k): strict_json_value(v, f"metadata[{k!r}]") for k, v in metadata.items()}
+    return json.dumps(strict, sort_keys=True, allow_nan=False)
 
 
 def check_output_suffix(path: str | os.PathLike, field: str | None = None) -> str:
@@ -77,9 +112,9 @@ def check_output_metadata(metadata: Mapping[str, object] | None, suffix: str) ->
     if not metadata:
         return
     try:
-        texts = {str(key): metadata_text(value) for key, value in metadata.items()}
+        texts = {str(key): metadata_text(value, key) for key, value in metadata.items()}
         metadata_json(metadata)
-    except (TypeError, ValueError, RecursionError) as error:
+    except (TypeError, ValueError, RecursionError) as error:  # a cycle; any other value is strict_json_value's line
         raise FlowliftError(f"metadata: a value cannot be written as JSON ({error})", field="metadata") from None
     if len(texts) != len(metadata):
         first = {}
@@ -106,7 +141,7 @@ def png_info(metadata: Mapping[str, object]) -> PngImagePlugin.PngInfo:
     """``metadata`` as Pillow's PNG text chunks (tEXt, iTXt for text beyond Latin-1; :func:`metadata_text`)."""
     info = PngImagePlugin.PngInfo()
     for key, value in metadata.items():
-        info.add_text(str(key), metadata_text(value))
+        info.add_text(str(key), metadata_text(value, key))
     return info
 
 

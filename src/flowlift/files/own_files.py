@@ -22,6 +22,7 @@ from typing import Any
 from flowlift.errors import FIELD_MARK, FlowliftError
 from flowlift.files.atomic import replace_refusal
 from flowlift.files.json_input import parse_json
+from flowlift.files.output_checks import NON_FINITE_TEXT
 from flowlift.knobs import check_overwrite
 from flowlift.version import __version__
 
@@ -68,10 +69,6 @@ def json_object(path: Path, limit: int = _HEAD_BYTES) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
-
-
-#: How a JSON report spells the floats JSON has no number for (an identical image's PSNR is ``inf``).
-NON_FINITE_TEXT = {math.inf: "inf", -math.inf: "-inf"}
 
 
 def report_json(value: Any) -> bytes:

@@ -170,7 +170,7 @@ def save_image16_atomic(
     path.parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".png":
         exif = profile.exif.tobytes() if profile.exif is not None else None
-        texts = {str(key): metadata_text(value) for key, value in metadata.items()}
+        texts = {str(key): metadata_text(value, key) for key, value in metadata.items()}
         data = encode_png(array, profile.icc_profile, exif, texts)
         with atomic_output(path) as temporary:
             temporary.write_bytes(data)
