@@ -148,7 +148,7 @@ def test_tiled_decode_bounds_every_activation(vae):
 def test_auto_tiling_switches_by_size(vae, monkeypatch):
     calls = []
     model = vae.model
-    monkeypatch.setattr(model, "decode_tiled", lambda z: calls.append("tiled") or model.decode_full(z))
+    monkeypatch.setattr(model, "decode_tiled", lambda z, **kw: calls.append("tiled") or model.decode_full(z))
     latents = torch.randn(1, 32, 4, 6)
     vae.decode(latents)
     assert calls == []  # 32x48 px is far below the threshold

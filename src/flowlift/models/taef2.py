@@ -294,6 +294,7 @@ class TAEF2(nn.Module):
         band: int | None = None,
         tile: int | None = None,
         on_tile: Callable[[int, int], None] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """:meth:`decode_full` with bounded memory, equal up to float summation order.
 
@@ -302,6 +303,10 @@ class TAEF2(nn.Module):
         stage (16..19) in tiles of ``tile x tile`` latent pixels inside each band (either left out:
         :func:`decode_tiling`'s). ``on_tile(done, total)`` is called after every 8x tile, counted over
         the whole batch (progress only).
+
+        The result is a contiguous frame in ``dtype`` (None: the latents'), allocated once and written band by band:
+        a bfloat16 decode handed back in float32 never holds the frame in both dtypes (the bands' values widen
+        exactly, so the pixels are those of the bfloat16 frame converted afterwards).
         """
         default_band, default_tile = decode_tiling(latents)
         band = default_band if band is None else band
@@ -309,27 +314,30 @@ class TAEF2(nn.Module):
         dec = self._need(self.decoder, "decoder")
         mid = fuse_decoder_layers(list(dec[DECODER_LOCAL_START:DECODER_LAST_STAGE_START]))
         last = fuse_decoder_layers(list(dec[DECODER_LAST_STAGE_START:]))
-        outs = []
-        count = latents.shape[0]
+        count, height, width = latents.shape[0], latents.shape[-2], latents.shape[-1]
+        shape = (count, 3, height * SPATIAL_FACTOR, width * SPATIAL_FACTOR)
+        out: torch.Tensor | None = None
         for index, latent in enumerate(latents.split(1)):
             h = run_layers(list(dec[:DECODER_LOCAL_START]), latent)
-            outs.append(
-                run_two_level(
-                    mid,
-                    [local_op(m) for m in mid],
-                    last,
-                    [local_op(m) for m in last],
-                    h,
-                    band=band,
-                    band_unit=SPATIAL_FACTOR,
-                    tile=tile,
-                    tile_unit=SPATIAL_FACTOR,
-                    tile_first=False,
-                    on_tile=None if on_tile is None else _batch_tiles(on_tile, index, count),
-                )
+            if out is None:  # after the first latent's GroupNorm stage, whose 256-channel working set it need not meet
+                out = torch.empty(shape, dtype=dtype or latents.dtype, device=latents.device)
+            run_two_level(
+                mid,
+                [local_op(m) for m in mid],
+                last,
+                [local_op(m) for m in last],
+                h,
+                band=band,
+                band_unit=SPATIAL_FACTOR,
+                tile=tile,
+                tile_unit=SPATIAL_FACTOR,
+                tile_first=False,
+                on_tile=None if on_tile is None else _batch_tiles(on_tile, index, count),
+                out=out[index : index + 1],
             )
             del h
-        return torch.cat(outs)
+        assert out is not None
+        return out
 
     @staticmethod
     def _need(part: nn.Module | None, name: str) -> nn.Module:

@@ -191,6 +191,7 @@ def run_two_level(
     tile_unit: int,
     tile_first: bool,
     on_tile: TileCallback | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the chain ``first`` then ``second`` over the whole of ``x`` in bands and tiles, exactly.
 
@@ -204,6 +205,9 @@ def run_two_level(
 
     ``on_tile(done, total)`` is called after every tile (progress; it sees nothing of the data, so the
     result is the same with or without it, and an exception it raises stops the run between tiles).
+
+    ``out``: a buffer of the result's shape to write each band into (in its own dtype: the caller's float32 frame,
+    so a half-precision frame never exists beside it); None allocates one in the bands' dtype and layout.
     """
     in_size = (x.shape[-2], x.shape[-1])
     mid_size = _chain_out_size(first_ops, in_size)
@@ -217,7 +221,6 @@ def run_two_level(
             bands.append((box, (rows[0], rows[1], cols[0], cols[1])))
     tiled_box = 1 if tile_first else 0  # the region _assemble splits into tiles: mid (encode) or band (decode)
     counter = _TileCounter(sum(_tile_count(b[tiled_box], tile, tile_unit) for b in bands), on_tile)
-    out: torch.Tensor | None = None
     for box, mid_box in bands:
         origin = (mid_box[0], mid_box[2])
         if tile_first:
