@@ -39,7 +39,7 @@ def _pipeline(unet_file, shared, budget, **memory):
 def test_the_encode_is_planned_and_runs_tiled_within_the_budget(unet_file, shared, single_thread_torch):
     from flowlift.measure.tiled_inference import _PeakTensorMemory
 
-    budget = int(676.9 * MIB)  # accepted before with an "estimated peak 676.5 MiB", the encode not counted
+    budget = int(693 * MIB)  # the 2048² tiled decode's 692.5 MiB fits, not the whole-frame encode
     pipeline = _pipeline(unet_file, shared, budget)
     plan = pipeline.plan_memory(1024, 1024, 1)
     assert "encode" in plan.stage_peaks and plan.encode_tiled and "VAE encode tiled" in plan.describe()

@@ -29,6 +29,7 @@ __all__ = [
     "MAX_OUTPUT_SIDE",
     "PIXEL_MULTIPLE",
     "SESQUI_MIN_SIDE",
+    "TAEF2_LATENT_STAGE_CHANNELS",
     "decode_peak_bytes",
     "decoded_image_dtype",
     "dtype_bytes",
@@ -79,6 +80,9 @@ DECODE_PLAIN_CHANNELS = {"taef2": 3 * 64, "flux2": 4 * 128, "mage": MAGE_PLAIN_C
 #: 128x128-position tile through the DiCo MLP or a 32x32-position (512 px) tile of the per-pixel MLP (measured
 #: <= 581 MB at 2560²).
 DECODE_TILE_BYTES = {"taef2": 600 << 20, "flux2": 2 << 30, "mage": MAGE_TILE_BYTES}
+#: TAEF2's tiled decode runs its latent-resolution stage (the GroupNorm blocks) on the whole frame first and holds
+#: that 64-channel output while the bands run (:meth:`flowlift.models.taef2.TAEF2.decode_tiled`).
+TAEF2_LATENT_STAGE_CHANNELS = 64
 #: Mage-VAE's tiled decode also holds, for one sample at a time, three (384, h/16, w/16) stores:
 #: ``3 * 384 / 256`` values per output pixel (:mod:`flowlift.models.mage_tiling`), and the patchified
 #: copy of the latent (another ``32 / 64`` per pixel).
@@ -220,10 +224,11 @@ def decoded_image_dtype(vae_kind: str, dtype: Any = None) -> Any:
     float32 for Mage-VAE, whose last layer computes the pixels in float32 and keeps them
     (:meth:`flowlift.models.vae.MageVAE.decode`), and for the FLUX.2 VAE, which makes ``(x + 1) / 2`` of its
     float32 raw latents' decode in float32 (:meth:`flowlift.models.vae.Flux2VAE.decode_raw`; the pipelines hand it
-    float32 latents), else ``dtype``."""
+    float32 latents), and for TAEF2, which answers in its latents' dtype (float32 from the pipelines) and writes its
+    tiles straight into that frame (:meth:`flowlift.models.taef2.TAEF2.decode_tiled`), else ``dtype``."""
     import torch
 
-    return torch.float32 if vae_kind in ("mage", "flux2") or dtype is None else dtype
+    return torch.float32 if vae_kind in ("mage", "flux2", "taef2") or dtype is None else dtype
 
 
 def decode_peak_bytes(vae_kind: str, height: int, width: int, *, batch: int = 1, dtype: Any = None, tiled: bool) -> int:
@@ -231,7 +236,8 @@ def decode_peak_bytes(vae_kind: str, height: int, width: int, *, batch: int = 1,
 
     Whole frame: ``b * h * w * (itemsize * DECODE_PLAIN_CHANNELS + 3 * image_itemsize)``. Tiled: the output
     image and the latent plus one tile's working set, ``b * h * w * (3 * image_itemsize + itemsize * 32/64) +
-    DECODE_TILE_BYTES``; for the FLUX.2 VAE also its float32 raw latent (``b * h * w * 4 * 32/64``, the
+    DECODE_TILE_BYTES``; for TAEF2 also its latent-resolution stage's output (``b * h * w * itemsize * 64/64``); for
+    the FLUX.2 VAE also its float32 raw latent (``b * h * w * 4 * 32/64``, the
     normalization undone in float32); for Mage-VAE also the patchified latent (``b * h * w * itemsize * 32/64``) and
     one sample's stores, ``h * w * itemsize * MAGE_STORE_CHANNELS``: its exact executor is bounded by the tile
     *plus* 4.5 values per pixel of one image (its global GroupNorm / channel means need the
@@ -246,6 +252,8 @@ def decode_peak_bytes(vae_kind: str, height: int, width: int, *, batch: int = 1,
         tiled_bytes = image + pixels * itemsize * LATENT_CHANNELS / 64 + DECODE_TILE_BYTES[kind]
         if kind == "flux2":
             tiled_bytes += pixels * 4 * LATENT_CHANNELS / 64
+        if kind == "taef2":  # the latent-resolution stage's 64-channel output, held while the bands run
+            tiled_bytes += pixels * itemsize * TAEF2_LATENT_STAGE_CHANNELS / 64
         if kind == "mage":
             tiled_bytes += pixels * itemsize * LATENT_CHANNELS / 64 + height * width * itemsize * MAGE_STORE_CHANNELS
         return int(tiled_bytes)
